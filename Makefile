@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-dev
+OUT    ?= build/demo
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py --out $(OUT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check mooncake tests benchmarks examples
+	$(BIN)/ruff format --check mooncake tests benchmarks examples
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/hashing.py
+	$(BIN)/python benchmarks/index.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache

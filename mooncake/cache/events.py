@@ -1,0 +1,72 @@
+"""Cache events: how a cache tells the global index what it holds.
+
+A source (one instance's cache) publishes `BlockStored`, `BlockRemoved` and
+`AllBlocksCleared`, each stamped with the source's `epoch` and a sequence number
+that rises by exactly one per event within the epoch, starting at 0. A source
+that restarts picks a new epoch. A consumer that sees a sequence number jump has
+lost events and must ask the source for a snapshot (`SequenceGap`); this is how
+vLLM's KV-event publishers and Dynamo-style routers stay consistent, too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from mooncake.errors import ConfigError
+from mooncake.types import BlockKey, InstanceId, Tier
+
+__all__ = ["AllBlocksCleared", "BlockStored", "BlockRemoved", "CacheEvent", "SequenceGap"]
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class BlockStored:
+    """`keys` are now held by `source` in `tier` (idempotent per key)."""
+
+    source: InstanceId
+    seq: int = attrs.field(validator=_non_negative)
+    keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    tier: Tier = attrs.field(converter=Tier)
+    epoch: int = attrs.field(default=0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class BlockRemoved:
+    """`keys` are no longer held by `source` in `tier` (keys it did not hold are ignored)."""
+
+    source: InstanceId
+    seq: int = attrs.field(validator=_non_negative)
+    keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    tier: Tier = attrs.field(converter=Tier)
+    epoch: int = attrs.field(default=0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class AllBlocksCleared:
+    """`source` dropped every block in every tier."""
+
+    source: InstanceId
+    seq: int = attrs.field(validator=_non_negative)
+    epoch: int = attrs.field(default=0, validator=_non_negative)
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@attrs.frozen(kw_only=True)
+class SequenceGap:
+    """A consumer missed events from `source`: it expected `expected_seq` of
+    `expected_epoch` and received `received_seq` of `received_epoch`.
+    The source should be asked for a snapshot of its holdings."""
+
+    source: InstanceId
+    expected_epoch: int
+    expected_seq: int
+    received_epoch: int
+    received_seq: int

@@ -1,0 +1,212 @@
+"""Prefix-chained block keys.
+
+A prompt is cut into blocks of `block_size_tokens` tokens; the last block may be
+partial and is keyed too. Each block's key hashes its parent's key with its own
+tokens, so a key stands for the whole prefix up to and including its block:
+
+    root    = H(namespace)                   namespace = (algorithm, model, block size, salt)
+    key_i   = H(le(key_{i-1}) || le32(tokens of block i))      key_{-1} = root
+
+with H = XXH3-64 (default) or XXH3-128 under an explicit `seed`, or SHA-256 for
+tenants that must not be able to craft collisions (the seed then joins the
+namespace). `le(key)` is the key as a little-endian integer of the algorithm's
+width (8, 16 or 32 bytes); keys are returned as Python ints (SHA-256 digests
+read big-endian, like their hex form).
+
+Invariants:
+- Two token sequences get equal keys for block i iff their first i+1 blocks are
+  equal (up to hash collisions): keys agree exactly up to the first differing block.
+- Keys depend only on the config and the tokens: no Python `hash()`, no
+  per-process randomness, so every process and machine computes the same keys.
+- Hashers whose namespaces differ (model, block size, salt, algorithm, seed)
+  never share a root, hence never share keys.
+
+The batch path (`hash_batch`) runs a numba-compiled loop around xxhash's own C
+routine for XXH3-64 and returns exactly the keys of the per-request path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from mooncake.cache import _xxh3_kernel
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.types import BlockKey, as_token_array
+
+__all__ = ["BlockHasher", "HashAlgorithm", "KeyBatch"]
+
+HashAlgorithm = Literal["xxh3_64", "xxh3_128", "sha256"]
+
+_KEY_BYTES: dict[str, int] = {"xxh3_64": 8, "xxh3_128": 16, "sha256": 32}
+_U64 = 2**64
+_NAMESPACE_TAG = "mooncake.block/1"
+
+
+@attrs.frozen
+class KeyBatch:
+    """Keys of many requests in one flat array: request r owns ``keys[offsets[r]:offsets[r+1]]``."""
+
+    keys: npt.NDArray[np.uint64]
+    offsets: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return int(self.offsets.size - 1)
+
+    def __getitem__(self, r: int) -> tuple[BlockKey, ...]:
+        return tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
+
+
+def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class BlockHasher:
+    """Computes chained block keys for one namespace.
+
+    Args:
+        model: the model the KV belongs to (part of the namespace).
+        block_size_tokens: tokens per block.
+        salt: extra namespace, e.g. a tenant or LoRA id; tenants with different
+            salts never share blocks.
+        seed: 0 <= seed < 2**64, the hash seed (XXH3) or an extra namespace part (SHA-256).
+        algorithm: "xxh3_64" (default), "xxh3_128" or "sha256".
+    """
+
+    model: str
+    block_size_tokens: int = attrs.field(validator=_positive_int)
+    salt: str = ""
+    seed: int = attrs.field(default=0)
+    algorithm: HashAlgorithm = attrs.field(default="xxh3_64")
+    root_key: BlockKey = attrs.field(init=False)
+
+    @seed.validator
+    def _check_seed(self, _attribute: object, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
+            raise ConfigError(f"seed must be an integer in [0, 2**64), got {value!r}")
+
+    @algorithm.validator
+    def _check_algorithm(self, _attribute: object, value: str) -> None:
+        if value not in _KEY_BYTES:
+            raise ConfigError(f"algorithm must be one of {sorted(_KEY_BYTES)}, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        namespace = json.dumps(
+            [_NAMESPACE_TAG, self.algorithm, self.model, self.block_size_tokens, self.salt],
+            ensure_ascii=True,
+            separators=(",", ":"),
+        ).encode()
+        if self.algorithm == "sha256":
+            root = self._digest(namespace + self.seed.to_bytes(8, "little"))
+        else:
+            root = self._digest(namespace)
+        object.__setattr__(self, "root_key", root)
+
+    @property
+    def key_bytes(self) -> int:
+        """Width of a key in bytes (8, 16 or 32)."""
+        return _KEY_BYTES[self.algorithm]
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """Blocks (the partial last one included) that `num_tokens` tokens make."""
+        return -(-num_tokens // self.block_size_tokens)
+
+    def block_keys(self, tokens: Any, *, parent: BlockKey | None = None) -> tuple[BlockKey, ...]:
+        """Keys of every block of `tokens`, chained from `parent` (default: the root).
+
+        Args:
+            tokens: token ids (int32-representable).
+            parent: key of the block before `tokens[0]`, to extend an existing chain.
+
+        Returns:
+            One key per block, ``ceil(len(tokens) / block_size_tokens)`` in all.
+        """
+        array = as_token_array(tokens)
+        start = self.root_key if parent is None else parent
+        kernels = self._kernels()
+        if kernels is None or array.size == 0:
+            return self._chain_python(array, start)
+        offsets = np.array([0, array.size], dtype=np.int64)
+        out = np.empty(self.num_blocks(array.size), dtype=np.uint64)
+        kernels.serial(
+            array,
+            offsets,
+            np.array([start], dtype=np.uint64),
+            self.block_size_tokens,
+            np.uint64(self.seed),
+            out,
+            np.array([0, out.size], dtype=np.int64),
+        )
+        return tuple(out.tolist())
+
+    def hash_batch(self, tokens: Any, offsets: Any) -> KeyBatch:
+        """Keys of many requests at once, hashed in parallel where compiled.
+
+        Args:
+            tokens: all requests' tokens concatenated (int32-representable).
+            offsets: ``num_requests + 1`` non-decreasing indices into `tokens`,
+                starting at 0 and ending at ``len(tokens)``.
+
+        Returns:
+            A `KeyBatch` whose request r equals ``block_keys(tokens[offsets[r]:offsets[r+1]])``.
+        """
+        array = as_token_array(tokens)
+        bounds = np.ascontiguousarray(offsets, dtype=np.int64)
+        if bounds.ndim != 1 or bounds.size < 1 or bounds[0] != 0 or bounds[-1] != array.size or np.any(np.diff(bounds) < 0):
+            raise InvalidRequestError(
+                f"offsets must rise from 0 to len(tokens)={array.size}, got {bounds[:4].tolist()}...{bounds[-2:].tolist()}"
+            )
+        lengths = np.diff(bounds)
+        key_offsets = np.zeros(bounds.size, dtype=np.int64)
+        np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])
+        kernels = self._kernels()
+        if kernels is None:
+            keys = [k for r in range(lengths.size) for k in self._chain_python(array[bounds[r] : bounds[r + 1]], self.root_key)]
+            return KeyBatch(np.array(keys, dtype=np.uint64) if keys else np.empty(0, np.uint64), key_offsets)
+        out = np.empty(int(key_offsets[-1]), dtype=np.uint64)
+        parents = np.full(lengths.size, self.root_key, dtype=np.uint64)
+        kernels.parallel(array, bounds, parents, self.block_size_tokens, np.uint64(self.seed), out, key_offsets)
+        return KeyBatch(out, key_offsets)
+
+    def block_keys_many(self, requests: Sequence[Any]) -> list[tuple[BlockKey, ...]]:
+        """`block_keys` of each token sequence in `requests`, through the batch path."""
+        arrays = [as_token_array(t) for t in requests]
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([a.size for a in arrays], out=offsets[1:])
+        flat = np.concatenate(arrays) if arrays else np.empty(0, np.int32)
+        batch = self.hash_batch(flat, offsets)
+        return [batch[r] for r in range(len(batch))]
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the numba batch path serves this hasher (XXH3-64 with xxhash's C symbol found)."""
+        return self._kernels() is not None
+
+    def _kernels(self) -> _xxh3_kernel.Kernels | None:
+        return _xxh3_kernel.load_kernels() if self.algorithm == "xxh3_64" else None
+
+    def _digest(self, data: bytes) -> BlockKey:
+        if self.algorithm == "xxh3_64":
+            return BlockKey(xxhash.xxh3_64_intdigest(data, seed=self.seed))
+        if self.algorithm == "xxh3_128":
+            return BlockKey(xxhash.xxh3_128_intdigest(data, seed=self.seed))
+        return BlockKey(int.from_bytes(hashlib.sha256(data).digest(), "big"))
+
+    def _chain_python(self, tokens: npt.NDArray[np.int32], parent: int) -> tuple[BlockKey, ...]:
+        data = tokens.astype("<i4", copy=False).tobytes()
+        step = 4 * self.block_size_tokens
+        width = self.key_bytes
+        keys: list[BlockKey] = []
+        for start in range(0, len(data), step):
+            parent = self._digest(parent.to_bytes(width, "little") + data[start : start + step])
+            keys.append(BlockKey(parent))
+        return tuple(keys)

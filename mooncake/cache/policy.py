@@ -1,0 +1,346 @@
+"""Eviction policies: which cached block to drop next.
+
+One protocol, four policies:
+- `LruPolicy`: least recently used first.
+- `LfuPolicy`: least frequently used first, ties least recently used.
+- `LengthAwarePolicy`: the paper's LengthAwareCache, LFU-like but, among blocks
+  used equally often, blocks that occur later in requests go first (early
+  blocks are shared by more prompts); ties least recently used.
+- `SievePolicy`: SIEVE (NSDI'24): a FIFO queue with a visited bit and a hand
+  that sweeps from oldest to newest, clearing visited bits and evicting the
+  first unvisited block.
+
+The caller owns capacity: it calls `access` for every use of a block (inserting
+it when new) and `evict` until what it holds fits. Time is logical (one tick per
+access), so a policy is a pure function of its call sequence.
+
+Prefix-aware mode (default) evicts leaf first: a block is not a candidate while
+a block recorded as its chain successor is still cached, since a successor
+without its prefix can never be matched (vLLM and SGLang evict this way).
+Without it, blocks are ranked alone, as in the paper's Table 1.
+
+Invariants:
+- `evict` never returns a pinned block, nor (prefix-aware) a block with a cached child.
+- `evict` returns None only when no cached block is a candidate.
+- Every candidate is reachable by `evict` (heap policies: it has a current entry).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Protocol
+
+from mooncake.errors import BlockPinnedError, UnknownBlockError
+from mooncake.types import BlockKey
+
+__all__ = ["EvictionPolicy", "LengthAwarePolicy", "LfuPolicy", "LruPolicy", "SievePolicy"]
+
+
+class EvictionPolicy(Protocol):
+    """Chooses victims among the blocks it has seen accessed and not yet dropped."""
+
+    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
+        """Record a use of `key` (inserting it if new); `parent` is its chain predecessor,
+        `position` its block index in the request."""
+
+    def remove(self, key: BlockKey) -> None:
+        """Forget `key`, dropped by the caller (raises if unknown or pinned)."""
+
+    def pin(self, key: BlockKey) -> None:
+        """Protect `key` from eviction (reference counted)."""
+
+    def unpin(self, key: BlockKey) -> None:
+        """Release one pin of `key`."""
+
+    def evict(self) -> BlockKey | None:
+        """Choose, forget and return a victim; None if every block is protected."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+class _PolicyBase:
+    """Pins and prefix-awareness, shared by every policy."""
+
+    def __init__(self, *, prefix_aware: bool = True) -> None:
+        self.prefix_aware = prefix_aware
+        self._pins: dict[BlockKey, int] = {}
+        self._parent: dict[BlockKey, BlockKey] = {}
+        # Cached children per key, kept even while the key itself is absent, so a
+        # re-inserted parent is protected by children that outlived it.
+        self._children: dict[BlockKey, int] = {}
+
+    # Subclass hooks -------------------------------------------------------
+    def __contains__(self, key: object) -> bool:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _insert(self, key: BlockKey, position: int) -> None:
+        raise NotImplementedError
+
+    def _touch(self, key: BlockKey) -> None:
+        raise NotImplementedError
+
+    def _delete(self, key: BlockKey) -> None:
+        raise NotImplementedError
+
+    def _choose(self) -> BlockKey | None:
+        raise NotImplementedError
+
+    def _became_candidate(self, key: BlockKey) -> None:
+        """`key` was unpinned or lost its last child."""
+
+    # Protocol ---------------------------------------------------------------
+    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
+        if key in self:
+            self._touch(key)
+            return
+        self._insert(key, position)
+        if self.prefix_aware and parent is not None and parent != key:
+            self._parent[key] = parent
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def remove(self, key: BlockKey) -> None:
+        if key not in self:
+            raise UnknownBlockError(f"block {key} is not cached")
+        if key in self._pins:
+            raise BlockPinnedError(f"block {key} is pinned {self._pins[key]} time(s); unpin before removing")
+        self._forget(key)
+
+    def pin(self, key: BlockKey) -> None:
+        if key not in self:
+            raise UnknownBlockError(f"cannot pin block {key}: not cached")
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: BlockKey) -> None:
+        count = self._pins.get(key)
+        if count is None:
+            raise UnknownBlockError(f"cannot unpin block {key}: not pinned")
+        if count > 1:
+            self._pins[key] = count - 1
+            return
+        del self._pins[key]
+        if self.is_candidate(key):
+            self._became_candidate(key)
+
+    def evict(self) -> BlockKey | None:
+        victim = self._choose()
+        if victim is not None:
+            self._forget(victim)
+        return victim
+
+    # Queries ----------------------------------------------------------------
+    def is_pinned(self, key: BlockKey) -> bool:
+        return key in self._pins
+
+    def is_candidate(self, key: BlockKey) -> bool:
+        """Whether `evict` may choose `key` now."""
+        return key in self and self._is_unprotected(key)
+
+    def _is_unprotected(self, key: BlockKey) -> bool:
+        return key not in self._pins and not (self.prefix_aware and key in self._children)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees with a recount."""
+        recount: dict[BlockKey, int] = {}
+        for key, parent in self._parent.items():
+            assert key in self, f"parent link kept for dropped block {key}"
+            recount[parent] = recount.get(parent, 0) + 1
+        assert recount == self._children, "child counts disagree with parent links"
+        assert all(key in self and n > 0 for key, n in self._pins.items()), "pins on dropped blocks"
+
+    def _forget(self, key: BlockKey) -> None:
+        self._delete(key)
+        parent = self._parent.pop(key, None)
+        if parent is None:
+            return
+        remaining = self._children[parent] - 1
+        if remaining:
+            self._children[parent] = remaining
+        else:
+            del self._children[parent]
+            if self.is_candidate(parent):
+                self._became_candidate(parent)
+
+
+class _HeapPolicy(_PolicyBase):
+    """Evicts the candidate of smallest priority, through a lazily cleaned heap.
+
+    Each candidate has an entry (priority, key) with its current priority; stale
+    entries (old priority, dropped or protected key) are discarded when popped.
+    """
+
+    def __init__(self, *, prefix_aware: bool = True) -> None:
+        super().__init__(prefix_aware=prefix_aware)
+        self._priority: dict[BlockKey, Any] = {}
+        self._heap: list[tuple[Any, BlockKey]] = []
+        self._tick = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._priority
+
+    def __len__(self) -> int:
+        return len(self._priority)
+
+    def _rank(self, key: BlockKey, position: int | None) -> Any:
+        """New priority of `key` at an access (`position` is None for a re-access)."""
+        raise NotImplementedError
+
+    def _set(self, key: BlockKey, priority: Any) -> None:
+        self._priority[key] = priority
+        if self._is_unprotected(key):
+            heapq.heappush(self._heap, (priority, key))
+            if len(self._heap) > 4 * len(self._priority) + 1024:
+                self._heap = [(p, k) for k, p in self._priority.items() if self.is_candidate(k)]
+                heapq.heapify(self._heap)
+
+    def _insert(self, key: BlockKey, position: int) -> None:
+        self._tick += 1
+        self._set(key, self._rank(key, position))
+
+    def _touch(self, key: BlockKey) -> None:
+        self._tick += 1
+        self._set(key, self._rank(key, None))
+
+    def _delete(self, key: BlockKey) -> None:
+        del self._priority[key]
+
+    def _became_candidate(self, key: BlockKey) -> None:
+        heapq.heappush(self._heap, (self._priority[key], key))
+
+    def _choose(self) -> BlockKey | None:
+        heap, current, pins, children = self._heap, self._priority, self._pins, self._children
+        prefix_aware = self.prefix_aware
+        while heap:
+            priority, key = heapq.heappop(heap)
+            # Inlined is_candidate: this loop is the policy's hot path.
+            if current.get(key) == priority and key not in pins and not (prefix_aware and key in children):
+                return key
+        return None
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        entries = set(self._heap)
+        for key, priority in self._priority.items():
+            if self.is_candidate(key):
+                assert (priority, key) in entries, f"candidate {key} has no current heap entry"
+
+
+class LruPolicy(_HeapPolicy):
+    """Least recently used first."""
+
+    def _rank(self, key: BlockKey, position: int | None) -> Any:
+        return self._tick
+
+
+class LfuPolicy(_HeapPolicy):
+    """Least frequently used first (counts since insertion); ties least recently used."""
+
+    def __init__(self, *, prefix_aware: bool = True) -> None:
+        super().__init__(prefix_aware=prefix_aware)
+        self._uses: dict[BlockKey, int] = {}
+
+    def _rank(self, key: BlockKey, position: int | None) -> Any:
+        uses = self._uses[key] = self._uses.get(key, 0) + 1
+        return (uses, self._tick)
+
+    def _delete(self, key: BlockKey) -> None:
+        super()._delete(key)
+        del self._uses[key]
+
+
+class LengthAwarePolicy(LfuPolicy):
+    """LFU whose ties go to the block later in its request first; then least recently used."""
+
+    def __init__(self, *, prefix_aware: bool = True) -> None:
+        super().__init__(prefix_aware=prefix_aware)
+        self._position: dict[BlockKey, int] = {}
+
+    def _rank(self, key: BlockKey, position: int | None) -> Any:
+        if position is not None:
+            self._position[key] = position
+        uses, tick = super()._rank(key, position)
+        return (uses, -self._position[key], tick)
+
+    def _delete(self, key: BlockKey) -> None:
+        super()._delete(key)
+        del self._position[key]
+
+
+class SievePolicy(_PolicyBase):
+    """SIEVE: FIFO order, a visited bit per block, and a hand sweeping oldest → newest.
+
+    On `evict` the hand clears visited bits until it meets an unvisited
+    candidate, evicts it and stays where it was; new blocks enter at the newest
+    end. Protected blocks are stepped over. Two sweeps bound the search.
+    """
+
+    def __init__(self, *, prefix_aware: bool = True) -> None:
+        super().__init__(prefix_aware=prefix_aware)
+        self._visited: dict[BlockKey, bool] = {}
+        self._newer: dict[BlockKey, BlockKey | None] = {}
+        self._older: dict[BlockKey, BlockKey | None] = {}
+        self._oldest: BlockKey | None = None
+        self._newest: BlockKey | None = None
+        self._hand: BlockKey | None = None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._visited
+
+    def __len__(self) -> int:
+        return len(self._visited)
+
+    def _insert(self, key: BlockKey, position: int) -> None:
+        self._visited[key] = False
+        self._older[key] = self._newest
+        self._newer[key] = None
+        if self._newest is None:
+            self._oldest = key
+        else:
+            self._newer[self._newest] = key
+        self._newest = key
+
+    def _touch(self, key: BlockKey) -> None:
+        self._visited[key] = True
+
+    def _delete(self, key: BlockKey) -> None:
+        older, newer = self._older.pop(key), self._newer.pop(key)
+        del self._visited[key]
+        if older is None:
+            self._oldest = newer
+        else:
+            self._newer[older] = newer
+        if newer is None:
+            self._newest = older
+        else:
+            self._older[newer] = older
+        if self._hand == key:
+            self._hand = newer
+
+    def _choose(self) -> BlockKey | None:
+        node = self._hand
+        for _ in range(2 * len(self._visited) + 1):
+            if node is None:
+                node = self._oldest
+                if node is None:
+                    return None
+            if self.is_candidate(node):
+                if not self._visited[node]:
+                    self._hand = node
+                    return node
+                self._visited[node] = False
+            node = self._newer[node]
+        self._hand = node
+        return None
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        order, node = [], self._oldest
+        while node is not None:
+            order.append(node)
+            node = self._newer[node]
+        assert len(order) == len(self._visited) and set(order) == set(self._visited), "FIFO list broken"
+        assert self._hand is None or self._hand in self._visited, "hand on a dropped block"

@@ -1,0 +1,166 @@
+"""The `mooncake` command line.
+
+    mooncake trace stats PATH [--json] [--block-size N]
+    mooncake trace generate --preset NAME --num-requests N --out PATH [--rate R] [--cv C] [--seed S]
+    mooncake trace capacity PATH --policy lru --capacity-blocks 1000,10000,50000 [--prefix-aware] [--json] [--plot out.png]
+
+Errors in the input (a malformed trace line, a bad option value) print one line
+naming the problem and exit with status 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve
+from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
+from mooncake.errors import MooncakeError
+from mooncake.workload import ArrivalProcess, PRESETS, generate_requests, iter_trace, load_trace, preset, trace_stats, write_trace
+
+__all__ = ["POLICIES", "main", "plot_capacity"]
+
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "lfu": LfuPolicy,
+    "length_aware": LengthAwarePolicy,
+    "sieve": SievePolicy,
+}
+"""Eviction policies by command-line name."""
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"capacities must be positive integers, got {text!r}")
+    return values
+
+
+def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, *, title: str = "") -> None:
+    """Write a hit-ratio-against-capacity plot, one line per curve (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise MooncakeError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for label, points in curves.items():
+        axes.plot([p.capacity_blocks for p in points], [p.hit_ratio for p in points], marker="o", label=label)
+    axes.set_xscale("log")
+    axes.set_xlabel("cache capacity (blocks)")
+    axes.set_ylabel("prefix hit ratio")
+    axes.set_ylim(0, 1)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    if title:
+        axes.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _stats(args: argparse.Namespace) -> None:
+    stats = trace_stats(iter_trace(args.path, block_size_tokens=args.block_size))
+    if args.json:
+        print(json.dumps(attrs.asdict(stats), indent=2))
+        return
+    print(f"trace                {args.path}")
+    print(f"requests             {stats.num_requests:,}")
+    print(f"mean input tokens    {stats.mean_input_length:,.1f}")
+    print(f"mean output tokens   {stats.mean_output_length:,.1f}")
+    print(f"max input tokens     {stats.max_input_length:,}")
+    print(f"blocks (unique)      {stats.num_blocks:,} ({stats.num_unique_blocks:,})")
+    print(f"prefix reuse ratio   {stats.prefix_reuse_ratio:.4f}")
+    print(f"duration             {stats.duration_s:,.1f} s ({stats.mean_rate_per_s:.2f} req/s)")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    spec = attrs.evolve(preset(args.preset), block_size_tokens=args.block_size)
+    requests = generate_requests(
+        spec, num_requests=args.num_requests, arrivals=ArrivalProcess(rate_per_s=args.rate, cv=args.cv), seed=args.seed
+    )
+    count = write_trace(args.out, requests, block_size_tokens=args.block_size)
+    print(f"wrote {count:,} requests ({args.preset}, seed {args.seed}) to {args.out}")
+
+
+def _capacity(args: argparse.Namespace) -> None:
+    keys = [request.block_keys for request in load_trace(args.path, block_size_tokens=args.block_size)]
+    make = POLICIES[args.policy]
+    points = hit_ratio_curve(keys, lambda: make(prefix_aware=args.prefix_aware), args.capacity_blocks)
+    if args.plot:
+        label = f"{args.policy}{' (prefix-aware)' if args.prefix_aware else ''}"
+        plot_capacity({label: points}, args.plot, title=Path(args.path).name)
+    if args.json:
+        result = {
+            "policy": args.policy,
+            "prefix_aware": args.prefix_aware,
+            "hit_ratio": {str(p.capacity_blocks): round(p.hit_ratio, 6) for p in points},
+        }
+        print(json.dumps(result))
+        return
+    print(f"policy {args.policy}{' prefix-aware' if args.prefix_aware else ''} on {args.path}")
+    print(f"{'capacity (blocks)':>18}  {'hit ratio':>9}")
+    for point in points:
+        print(f"{point.capacity_blocks:>18,}  {point.hit_ratio:>9.4f}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="group", required=True)
+    trace = commands.add_parser("trace", help="inspect, generate and analyse Mooncake-format traces")
+    sub = trace.add_subparsers(dest="command", required=True)
+
+    stats = sub.add_parser("stats", help="requests, mean lengths and prefix reuse of a trace")
+    stats.add_argument("path")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.set_defaults(run=_stats)
+
+    generate = sub.add_parser("generate", help="write a synthetic workload as a trace")
+    generate.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
+    generate.add_argument("--num-requests", type=int, default=4000)
+    generate.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    generate.add_argument("--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--out", required=True)
+    generate.set_defaults(run=_generate)
+
+    capacity = sub.add_parser("capacity", help="prefix hit ratio against cache capacity")
+    capacity.add_argument("path")
+    capacity.add_argument("--policy", choices=sorted(POLICIES), default="lru")
+    capacity.add_argument("--capacity-blocks", type=_capacities, default=[1000, 10000, 50000])
+    capacity.add_argument("--prefix-aware", action="store_true", help="evict leaf blocks first")
+    capacity.add_argument("--json", action="store_true", help="print JSON")
+    capacity.add_argument("--plot", help="write a PNG plot here")
+    capacity.set_defaults(run=_capacity)
+
+    for command in (stats, generate, capacity):
+        command.add_argument("--block-size", type=int, default=512, help="tokens per block / hash id (default 512)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        args.run(args)
+    except MooncakeError as error:
+        print(f"mooncake: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"mooncake: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

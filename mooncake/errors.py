@@ -1,0 +1,109 @@
+"""The error tree of `mooncake`.
+
+Every exception the library raises on purpose derives from `MooncakeError`, so a
+server can catch the library's failures in one place. Expected outcomes (a cache
+miss, a full pool on `try_*`, a detected event gap) are return values, not
+exceptions; exceptions mean a broken contract or failed I/O and carry the
+offending values in their message.
+
+    MooncakeError
+    ├── ConfigError(ValueError)           a config field has an invalid value
+    ├── InvalidRequestError(ValueError)   a request or its tokens break the contract
+    ├── TraceFormatError(ValueError)      a trace line is malformed (file, line)
+    ├── CapacityError                     a structure cannot hold what was asked
+    ├── BlockPinnedError                  an operation would drop a pinned block
+    ├── UnknownBlockError(KeyError)       a block key is not where it must be
+    ├── IntegrityError                    a checksum does not match
+    ├── TransferError                     moving bytes failed
+    │   ├── TransferTimeout
+    │   ├── PeerUnavailable
+    │   └── AuthenticationError
+    └── RejectedError                     admission control refused a request
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "AuthenticationError",
+    "BlockPinnedError",
+    "CapacityError",
+    "ConfigError",
+    "IntegrityError",
+    "InvalidRequestError",
+    "MooncakeError",
+    "PeerUnavailable",
+    "RejectedError",
+    "TraceFormatError",
+    "TransferError",
+    "TransferTimeout",
+    "UnknownBlockError",
+]
+
+
+class MooncakeError(Exception):
+    """Base of every error `mooncake` raises on purpose."""
+
+
+class ConfigError(MooncakeError, ValueError):
+    """A configuration field has an invalid value; the message names field and value."""
+
+
+class InvalidRequestError(MooncakeError, ValueError):
+    """A request, or the tokens given for one, breaks its contract."""
+
+
+class TraceFormatError(MooncakeError, ValueError):
+    """A line of a Mooncake-format trace is malformed.
+
+    Attributes:
+        path: the trace file.
+        line: 1-based line number of the offending line.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str | Path, line: int, reason: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{self.path}:{line}: {reason}")
+
+
+class CapacityError(MooncakeError):
+    """A structure cannot hold what was asked of it."""
+
+
+class BlockPinnedError(MooncakeError):
+    """An operation would drop or overwrite a pinned block; unpin it first."""
+
+
+class UnknownBlockError(MooncakeError, KeyError):
+    """A block key is not present where the caller's contract says it must be."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class IntegrityError(MooncakeError):
+    """Stored or received bytes do not match their checksum."""
+
+
+class TransferError(MooncakeError):
+    """Moving bytes between memories or peers failed."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not complete within its deadline."""
+
+
+class PeerUnavailable(TransferError):
+    """The remote peer is dead or unreachable."""
+
+
+class AuthenticationError(TransferError):
+    """A peer failed the shared-secret handshake."""
+
+
+class RejectedError(MooncakeError):
+    """Admission control refused a request (the HTTP layer maps it to 429)."""

@@ -1,0 +1,114 @@
+"""Identifiers and value objects shared by every layer.
+
+`BlockKey` is the chained hash of a block of tokens (see `mooncake.cache.hashing`)
+or, for Mooncake-format traces, a trace `hash_id`; either way equal keys mean
+equal token prefixes. `Request` is what a workload is made of; it is immutable
+and validated on construction, so every later layer may trust it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, NewType
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from mooncake.errors import InvalidRequestError
+
+__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Tier", "as_token_array"]
+
+_INT32 = np.iinfo(np.int32)
+
+BlockKey = NewType("BlockKey", int)
+"""Chained key of one block; equal keys imply equal token prefixes."""
+
+InstanceId = NewType("InstanceId", str)
+"""Identifies an engine instance (a holder of blocks, a prefill or decode node)."""
+
+RequestId = NewType("RequestId", str)
+"""Identifies a request for its whole life."""
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, ordered from fastest (smallest value) to slowest."""
+
+    VRAM = 0
+    DRAM = 1
+    SSD = 2
+
+
+def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
+    """Tokens as a contiguous int32 array (no copy when they already are one).
+
+    Raises:
+        InvalidRequestError: not a 1-D integer sequence, or a value outside int32.
+    """
+    array = np.asarray(tokens)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
+    if array.dtype != np.int32 and array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
+        raise InvalidRequestError(f"token ids must fit in int32, got range [{array.min()}, {array.max()}]")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
+    if value is None:
+        return None
+    tokens = np.array(as_token_array(value))  # a private copy, so freezing it cannot surprise the caller
+    if tokens.size and tokens.min() < 0:
+        raise InvalidRequestError(f"token ids must be >= 0, got {tokens.min()}")
+    tokens.flags.writeable = False
+    return tokens
+
+
+def _tokens_eq(a: npt.NDArray[np.int32] | None, b: npt.NDArray[np.int32] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
+
+
+def _positive(name: str) -> Any:
+    def check(_instance: object, _attribute: object, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class Request:
+    """One inference request of a workload.
+
+    Attributes:
+        request_id: unique within its workload.
+        arrival_s: arrival time in seconds from the start of the workload.
+        input_length: prompt length in tokens (> 0).
+        output_length: tokens to generate (> 0).
+        block_keys: chained keys of the prompt's blocks, the last (partial) block included.
+        tokens: the prompt's token ids when known (read-only int32 array of
+            `input_length` entries); traces carry only keys.
+    """
+
+    request_id: RequestId
+    arrival_s: float = attrs.field()
+    input_length: int = attrs.field(validator=_positive("input_length"))
+    output_length: int = attrs.field(validator=_positive("output_length"))
+    block_keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    tokens: npt.NDArray[np.int32] | None = attrs.field(
+        default=None, converter=_request_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False, repr=False
+    )
+
+    @arrival_s.validator
+    def _check_arrival(self, _attribute: object, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {value!r}")
+
+    @tokens.validator
+    def _check_tokens(self, _attribute: object, value: npt.NDArray[np.int32] | None) -> None:
+        if value is not None and value.size != self.input_length:
+            raise InvalidRequestError(
+                f"request {self.request_id}: {value.size} tokens given for input_length {self.input_length}"
+            )

@@ -1,0 +1,350 @@
+"""Synthetic workloads with the prefix structure of real LLM traffic.
+
+A prompt is a list of segments, each a run of tokens with an identity:
+- a system prompt, shared by every session that uses it (a few, Zipf-popular);
+- a long document, shared by the several users asking about it (Zipf-popular);
+- a tool/agent preamble (tool schemas, instructions), long and fixed;
+- user messages, model outputs and tool observations, unique to a session.
+
+Sessions are conversations (system prompt, then turns), document Q&A (system
+prompt + document, then turns) or agent runs (preamble + task, then steps that
+append the previous output and an observation). Each turn's prompt extends the
+previous turn's prompt with that turn's output and a new message, so turns share
+every block up to the previous turn's last full block.
+
+Block ids are chained like real keys: a block's id is determined by its parent's
+id and the segment pieces it covers, so equal ids mean equal prefixes, the last
+(partial) block included. Arrivals come from a Poisson or a bursty (gamma
+inter-arrival, coefficient of variation > 1) process; each arrival continues an
+open session or opens a new one. Everything is drawn from one seeded numpy
+Generator: the same spec, count and seed give the same workload.
+
+The presets reproduce the average input/output lengths published with the
+Mooncake traces (FAST'25): conversation 12,035 / 343, tool&agent 8,596 / 182,
+synthetic 15,325 / 149 (within a few percent at a few thousand requests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mooncake.errors import ConfigError
+from mooncake.types import BlockKey, Request, RequestId
+from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
+
+__all__ = [
+    "PRESETS",
+    "ArrivalProcess",
+    "LengthDistribution",
+    "WorkloadSpec",
+    "generate_requests",
+    "preset",
+]
+
+
+def _check(condition: bool, field: str, value: object, requirement: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field} must be {requirement}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class LengthDistribution:
+    """Log-normal token counts with a given mean, clipped to [min_tokens, max_tokens].
+
+    `sigma` is the log-space standard deviation (0 gives a constant). The clip
+    shifts the mean slightly; the presets are tuned with it in place.
+    """
+
+    mean_tokens: float
+    sigma: float = 0.8
+    min_tokens: int = 1
+    max_tokens: int = 1 << 20
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.mean_tokens > 0, "mean_tokens", self.mean_tokens, "> 0")
+        _check(self.sigma >= 0, "sigma", self.sigma, ">= 0")
+        _check(1 <= self.min_tokens <= self.max_tokens, "min_tokens", (self.min_tokens, self.max_tokens), "1 <= min <= max")
+
+    def sample(self, rng: np.random.Generator) -> int:
+        mu = math.log(self.mean_tokens) - self.sigma**2 / 2
+        value = rng.lognormal(mu, self.sigma) if self.sigma else self.mean_tokens
+        return int(min(max(round(value), self.min_tokens), self.max_tokens))
+
+
+@attrs.frozen(kw_only=True)
+class ArrivalProcess:
+    """Request arrivals at `rate_per_s` on average.
+
+    `cv` is the coefficient of variation of inter-arrival gaps: 1 is a Poisson
+    process, above 1 bursty (gamma gaps: clusters separated by lulls).
+    """
+
+    rate_per_s: float = 1.0
+    cv: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        _check(math.isfinite(self.rate_per_s) and self.rate_per_s > 0, "rate_per_s", self.rate_per_s, "a finite number > 0")
+        _check(math.isfinite(self.cv) and self.cv > 0, "cv", self.cv, "a finite number > 0")
+
+    def times_s(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """`count` non-decreasing arrival times starting at 0, rounded to milliseconds."""
+        shape = 1.0 / self.cv**2
+        gaps = rng.gamma(shape, 1.0 / (self.rate_per_s * shape), size=count)
+        gaps[:1] = 0.0
+        return np.round(np.cumsum(gaps) * 1000.0) / 1000.0
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadSpec:
+    """Shape of a synthetic workload; see the module docstring for the model.
+
+    Session kinds are mixed by weight. Shared segments (system prompts,
+    documents, agent preambles) are drawn from pools whose popularity is Zipf
+    with exponent `popularity_skew`. An arrival continues a random open session
+    with probability `continue_probability` (when one is open); a session ends
+    after its number of turns (1 + Poisson, mean `mean_turns`) or when its next
+    prompt would exceed `max_input_tokens`.
+    """
+
+    name: str = "custom"
+    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS
+    chat_weight: float = 1.0
+    document_weight: float = 0.0
+    agent_weight: float = 0.0
+    num_system_prompts: int = 8
+    system_prompt_tokens: LengthDistribution = LengthDistribution(mean_tokens=1500, sigma=0.5)
+    num_documents: int = 200
+    document_tokens: LengthDistribution = LengthDistribution(mean_tokens=20000, sigma=0.6)
+    num_agent_preambles: int = 6
+    agent_preamble_tokens: LengthDistribution = LengthDistribution(mean_tokens=6000, sigma=0.3)
+    popularity_skew: float = 1.0
+    user_message_tokens: LengthDistribution = LengthDistribution(mean_tokens=800, sigma=1.0)
+    observation_tokens: LengthDistribution = LengthDistribution(mean_tokens=600, sigma=1.0)
+    output_tokens: LengthDistribution = LengthDistribution(mean_tokens=300, sigma=1.0, max_tokens=8192)
+    mean_turns: float = 3.0
+    continue_probability: float = 0.6
+    max_input_tokens: int = 131072
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.block_size_tokens > 0, "block_size_tokens", self.block_size_tokens, "> 0")
+        weights = (self.chat_weight, self.document_weight, self.agent_weight)
+        _check(min(weights) >= 0 and sum(weights) > 0, "session weights", weights, "non-negative with a positive sum")
+        for field in ("num_system_prompts", "num_documents", "num_agent_preambles"):
+            _check(getattr(self, field) >= 1, field, getattr(self, field), ">= 1")
+        _check(self.popularity_skew >= 0, "popularity_skew", self.popularity_skew, ">= 0")
+        _check(self.mean_turns >= 1, "mean_turns", self.mean_turns, ">= 1")
+        _check(0 <= self.continue_probability < 1, "continue_probability", self.continue_probability, "in [0, 1)")
+        _check(self.max_input_tokens >= 1, "max_input_tokens", self.max_input_tokens, ">= 1")
+
+
+PRESETS: dict[str, WorkloadSpec] = {
+    "conversation": WorkloadSpec(
+        name="conversation",
+        chat_weight=0.75,
+        document_weight=0.25,
+        system_prompt_tokens=LengthDistribution(mean_tokens=2000, sigma=0.3),
+        document_tokens=LengthDistribution(mean_tokens=17500, sigma=0.4),
+        user_message_tokens=LengthDistribution(mean_tokens=2550, sigma=0.6),
+        output_tokens=LengthDistribution(mean_tokens=343, sigma=1.0, max_tokens=8192),
+        mean_turns=4.0,
+        continue_probability=0.7,
+    ),
+    "toolagent": WorkloadSpec(
+        name="toolagent",
+        chat_weight=0.15,
+        agent_weight=0.85,
+        system_prompt_tokens=LengthDistribution(mean_tokens=1500, sigma=0.3),
+        agent_preamble_tokens=LengthDistribution(mean_tokens=5900, sigma=0.3),
+        user_message_tokens=LengthDistribution(mean_tokens=1000, sigma=0.6),
+        observation_tokens=LengthDistribution(mean_tokens=1650, sigma=0.6),
+        output_tokens=LengthDistribution(mean_tokens=182, sigma=0.9, max_tokens=4096),
+        mean_turns=5.0,
+        continue_probability=0.7,
+    ),
+    "synthetic": WorkloadSpec(
+        name="synthetic",
+        chat_weight=0.3,
+        document_weight=0.45,
+        agent_weight=0.25,
+        system_prompt_tokens=LengthDistribution(mean_tokens=1500, sigma=0.3),
+        document_tokens=LengthDistribution(mean_tokens=22000, sigma=0.4),
+        agent_preamble_tokens=LengthDistribution(mean_tokens=6000, sigma=0.3),
+        user_message_tokens=LengthDistribution(mean_tokens=1600, sigma=0.6),
+        observation_tokens=LengthDistribution(mean_tokens=1000, sigma=0.6),
+        output_tokens=LengthDistribution(mean_tokens=149, sigma=0.9, max_tokens=4096),
+        mean_turns=3.0,
+        continue_probability=0.6,
+    ),
+}
+"""Presets named after the published Mooncake traces."""
+
+
+def preset(name: str) -> WorkloadSpec:
+    """The preset called `name` (see `PRESETS`)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown workload preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+Segment = tuple[int, int]  # (segment id, tokens)
+
+
+class _BlockIds:
+    """Chained ids for prompts made of segments: id = f(parent id, pieces of the block)."""
+
+    def __init__(self, block_size_tokens: int) -> None:
+        self._block_size = block_size_tokens
+        self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
+
+    def of(self, segments: list[Segment]) -> tuple[BlockKey, ...]:
+        keys: list[BlockKey] = []
+        parent = -1
+        pieces: list[tuple[int, int, int]] = []
+        room = self._block_size
+        for segment_id, length in segments:
+            offset = 0
+            while offset < length:
+                take = min(room, length - offset)
+                pieces.append((segment_id, offset, offset + take))
+                offset += take
+                room -= take
+                if room == 0:
+                    parent = self._id(parent, pieces)
+                    keys.append(BlockKey(parent))
+                    pieces, room = [], self._block_size
+        if pieces:
+            keys.append(BlockKey(self._id(parent, pieces)))
+        return tuple(keys)
+
+    def _id(self, parent: int, pieces: list[tuple[int, int, int]]) -> int:
+        return self._ids.setdefault((parent, tuple(pieces)), len(self._ids))
+
+
+@attrs.define
+class _Session:
+    prompt: list[Segment]
+    kind: str
+    turns_left: int
+    last_output: Segment | None = None
+
+
+class _Generator:
+    def __init__(self, spec: WorkloadSpec, rng: np.random.Generator) -> None:
+        self.spec = spec
+        self.rng = rng
+        self.next_segment = 0
+        self.ids = _BlockIds(spec.block_size_tokens)
+        # Shared pools are drawn up front and rescaled so that their popularity-
+        # weighted mean length is the distribution's mean: otherwise the one draw
+        # that the most popular member gets would swing the workload's mean.
+        self.pools: dict[str, tuple[list[Segment], np.ndarray[Any, Any]]] = {}
+        for kind, size, lengths in (
+            ("system", spec.num_system_prompts, spec.system_prompt_tokens),
+            ("document", spec.num_documents, spec.document_tokens),
+            ("preamble", spec.num_agent_preambles, spec.agent_preamble_tokens),
+        ):
+            weights = 1.0 / np.arange(1, size + 1) ** spec.popularity_skew
+            weights /= weights.sum()
+            drawn = np.array([lengths.sample(rng) for _ in range(size)], dtype=np.float64)
+            scaled = np.clip(np.round(drawn * lengths.mean_tokens / float(weights @ drawn)), lengths.min_tokens, lengths.max_tokens)
+            self.pools[kind] = ([self.segment(int(n)) for n in scaled], weights)
+        kinds = np.array([spec.chat_weight, spec.document_weight, spec.agent_weight])
+        self.kind_weights = kinds / kinds.sum()
+
+    def segment(self, length: int) -> Segment:
+        self.next_segment += 1
+        return (self.next_segment, length)
+
+    def shared(self, kind: str) -> Segment:
+        members, weights = self.pools[kind]
+        return members[int(self.rng.choice(len(members), p=weights))]
+
+    def new_session(self) -> _Session:
+        spec = self.spec
+        kind = ("chat", "document", "agent")[int(self.rng.choice(3, p=self.kind_weights))]
+        turns = 1 + int(self.rng.poisson(spec.mean_turns - 1.0))
+        if kind == "agent":
+            prompt = [self.shared("preamble"), self.segment(spec.user_message_tokens.sample(self.rng))]
+        else:
+            prompt = [self.shared("system")]
+            if kind == "document":
+                prompt.append(self.shared("document"))
+            prompt.append(self.segment(spec.user_message_tokens.sample(self.rng)))
+        return _Session(prompt=prompt, kind=kind, turns_left=turns)
+
+    def next_turn(self, session: _Session) -> bool:
+        """Extend `session` by its last output and a new message; False if it must end."""
+        assert session.last_output is not None
+        lengths = self.spec.observation_tokens if session.kind == "agent" else self.spec.user_message_tokens
+        message = self.segment(lengths.sample(self.rng))
+        extended = [*session.prompt, session.last_output, message]
+        if session.turns_left <= 0 or sum(length for _, length in extended) > self.spec.max_input_tokens:
+            return False
+        session.prompt = extended
+        return True
+
+    def clip(self, session: _Session) -> None:
+        """Cut a first prompt that exceeds the context limit (its tail goes)."""
+        total, kept = 0, []
+        for segment_id, length in session.prompt:
+            length = min(length, self.spec.max_input_tokens - total)
+            if length > 0:
+                kept.append((segment_id, length))
+                total += length
+        session.prompt = kept
+
+
+def generate_requests(
+    spec: WorkloadSpec,
+    *,
+    num_requests: int,
+    arrivals: ArrivalProcess = ArrivalProcess(),
+    seed: int = 0,
+) -> Iterator[Request]:
+    """Draw a workload: `num_requests` requests in arrival order.
+
+    Args:
+        spec: the workload shape (see `PRESETS`).
+        num_requests: how many requests.
+        arrivals: the arrival process.
+        seed: the seed of the only random generator used.
+
+    Yields:
+        Requests with ids "0", "1", ..., arrival times in whole milliseconds and
+        chained `block_keys` at `spec.block_size_tokens`.
+    """
+    _check(isinstance(num_requests, int) and num_requests >= 0, "num_requests", num_requests, "an integer >= 0")
+    rng = np.random.default_rng(seed)
+    times = arrivals.times_s(rng, num_requests)
+    generator = _Generator(spec, rng)
+    open_sessions: list[_Session] = []
+    for index in range(num_requests):
+        session = None
+        if open_sessions and rng.random() < spec.continue_probability:
+            position = int(rng.integers(len(open_sessions)))
+            candidate = open_sessions[position]
+            if generator.next_turn(candidate):
+                session = candidate
+            else:
+                open_sessions[position] = open_sessions[-1]
+                open_sessions.pop()
+        if session is None:
+            session = generator.new_session()
+            generator.clip(session)
+            open_sessions.append(session)
+        session.turns_left -= 1
+        output = spec.output_tokens.sample(rng)
+        session.last_output = generator.segment(output)
+        yield Request(
+            request_id=RequestId(str(index)),
+            arrival_s=float(times[index]),
+            input_length=sum(length for _, length in session.prompt),
+            output_length=output,
+            block_keys=generator.ids.of(session.prompt),
+        )
