@@ -21,7 +21,16 @@ import attrs
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import MooncakeError
-from mooncake.workload import ArrivalProcess, PRESETS, generate_requests, iter_trace, load_trace, preset, trace_stats, write_trace
+from mooncake.workload import (
+    ArrivalProcess,
+    PRESETS,
+    generate_requests,
+    iter_trace,
+    load_trace,
+    preset,
+    trace_stats,
+    write_trace,
+)
 
 __all__ = ["POLICIES", "main", "plot_capacity"]
 
@@ -129,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
     generate.add_argument("--num-requests", type=int, default=4000)
     generate.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
-    generate.add_argument("--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)")
+    generate.add_argument(
+        "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
+    )
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--out", required=True)
     generate.set_defaults(run=_generate)

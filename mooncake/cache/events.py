@@ -17,7 +17,13 @@ import attrs
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, InstanceId, Tier
 
-__all__ = ["AllBlocksCleared", "BlockStored", "BlockRemoved", "CacheEvent", "SequenceGap"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheEvent",
+    "SequenceGap",
+]
 
 
 def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:

@@ -52,9 +52,12 @@ _NAMESPACE_TAG = "mooncake.block/1"
 
 @attrs.frozen
 class KeyBatch:
-    """Keys of many requests in one flat array: request r owns ``keys[offsets[r]:offsets[r+1]]``."""
+    """Keys of many requests in one flat array: request r owns ``keys[offsets[r]:offsets[r+1]]``.
 
-    keys: npt.NDArray[np.uint64]
+    `keys` is uint64 for 64-bit keys and an object array of ints for wider ones.
+    """
+
+    keys: npt.NDArray[Any]
     offsets: npt.NDArray[np.int64]
 
     def __len__(self) -> int:
@@ -161,7 +164,13 @@ class BlockHasher:
         """
         array = as_token_array(tokens)
         bounds = np.ascontiguousarray(offsets, dtype=np.int64)
-        if bounds.ndim != 1 or bounds.size < 1 or bounds[0] != 0 or bounds[-1] != array.size or np.any(np.diff(bounds) < 0):
+        if (
+            bounds.ndim != 1
+            or bounds.size < 1
+            or bounds[0] != 0
+            or bounds[-1] != array.size
+            or np.any(np.diff(bounds) < 0)
+        ):
             raise InvalidRequestError(
                 f"offsets must rise from 0 to len(tokens)={array.size}, got {bounds[:4].tolist()}...{bounds[-2:].tolist()}"
             )
@@ -170,8 +179,14 @@ class BlockHasher:
         np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])
         kernels = self._kernels()
         if kernels is None:
-            keys = [k for r in range(lengths.size) for k in self._chain_python(array[bounds[r] : bounds[r + 1]], self.root_key)]
-            return KeyBatch(np.array(keys, dtype=np.uint64) if keys else np.empty(0, np.uint64), key_offsets)
+            keys = [
+                k
+                for r in range(lengths.size)
+                for k in self._chain_python(array[bounds[r] : bounds[r + 1]], self.root_key)
+            ]
+            # Keys wider than 64 bits live in an object array of Python ints.
+            dtype = np.uint64 if self.key_bytes == 8 else object
+            return KeyBatch(np.array(keys, dtype=dtype) if keys else np.empty(0, dtype), key_offsets)
         out = np.empty(int(key_offsets[-1]), dtype=np.uint64)
         parents = np.full(lengths.size, self.root_key, dtype=np.uint64)
         kernels.parallel(array, bounds, parents, self.block_size_tokens, np.uint64(self.seed), out, key_offsets)

@@ -5,17 +5,17 @@ block keys, how long a prefix does each instance hold, and who holds the
 longest (`match`). Caches keep it current by publishing events (`stored`,
 `removed`, `cleared`), each stamped with a per-source epoch and sequence number.
 
-Layout: each holding instance gets a small integer slot. Per key the index keeps
-one integer: bit `slot` says "this instance holds the key in some tier" (the
-presence bits, `width` of them), and bit ``width + slot * 3 + tier`` records the
-tier. Integers with equal value are interned, so keys held by the same holders
-share one object.
+Layout: each holding instance gets a small integer slot. Keys live in a
+numba-compiled open-addressing table (`_key_table`) of uint64 keys with, per
+key, a nibble per slot: which tiers hold it and a presence bit. Keys wider than
+64 bits (XXH3-128, SHA-256) are folded to 64 bits by XXH3-64 on the way in; the
+index is a routing hint, and the caches that serve blocks compare full keys.
 
-`match(keys)` walks the keys once, intersecting the presence bits of the
-instances still "alive" in the prefix; an instance whose bit drops out gets the
-current position as its prefix length. Each step is a few integer operations,
-and each instance drops out once, so a match costs O(len(keys) + holders), not
-O(len(keys) × holders).
+`match(keys)` walks the keys once in compiled code, intersecting the presence
+bits of the instances still "alive" in the prefix; an instance whose bit drops
+out gets the current position as its prefix length. Each step is one probe and
+a few word operations, and each instance drops out once, so a match costs
+O(len(keys) + holders), not O(len(keys) × holders).
 
 Events: a source's first event of an epoch must have seq 0, and each later one
 seq + 1. A new epoch means the source restarted: its old holdings are dropped.
@@ -38,15 +38,19 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import attrs
+import numpy as np
+import numpy.typing as npt
+import xxhash
 
+from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapshot"]
 
 _NUM_TIERS = len(Tier)
-_TIER_MASK = (1 << _NUM_TIERS) - 1
-_INTERN_LIMIT = 1 << 14  # distinct holder sets remembered; beyond it interning restarts
+_U64 = 2**64
 
 
 @attrs.frozen
@@ -104,6 +108,28 @@ class _SourceState:
     is_stale: bool
 
 
+def _fold(key: int) -> int:
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {key!r}")
+    if key < _U64:
+        return key
+    return xxhash.xxh3_64_intdigest(key.to_bytes((key.bit_length() + 7) // 8, "little"))
+
+
+def _key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
+    if isinstance(keys, np.ndarray):
+        if keys.dtype == np.uint64:
+            return keys
+        if np.issubdtype(keys.dtype, np.integer) and (keys.size == 0 or keys.min() >= 0):
+            return keys.astype(np.uint64)
+        keys = keys.tolist()
+    values = keys if isinstance(keys, list | tuple) else list(keys)
+    try:
+        return np.array(values, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        return np.array([_fold(k) for k in values], dtype=np.uint64)
+
+
 class BlockIndex:
     """Key → holders map fed by cache events, answering longest-prefix queries.
 
@@ -113,22 +139,19 @@ class BlockIndex:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[BlockKey, int] = {}
-        self._width = 8  # presence bits; doubles (with a rebuild) when slots run out
+        self._table = KeyTable()
         self._slot_of: dict[InstanceId, int] = {}
         self._instance_of: list[InstanceId | None] = []
         self._free_slots: list[int] = []
-        self._counts: list[int] = []
         self._sources: dict[InstanceId, _SourceState] = {}
-        self._intern: dict[int, int] = {}
 
     # ------------------------------------------------------------------ queries
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._table.size
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return isinstance(key, int) and not isinstance(key, bool) and key >= 0 and self._table.find(_fold(key)) >= 0
 
     @property
     def instances(self) -> tuple[InstanceId, ...]:
@@ -143,17 +166,23 @@ class BlockIndex:
     def num_blocks(self, instance_id: InstanceId) -> int:
         """Keys `instance_id` holds in at least one tier."""
         slot = self._slot_of.get(instance_id)
-        return 0 if slot is None else self._counts[slot]
+        return 0 if slot is None else int(self._table.counts[slot])
+
+    def nbytes(self) -> int:
+        """Bytes of the key table's arrays."""
+        return self._table.nbytes()
 
     def holders(self, key: BlockKey) -> tuple[Holder, ...]:
         """Who holds `key`, sorted by tier then instance id (empty if nobody)."""
-        value = self._entries.get(key, 0)
+        entry = self._table.find(_fold(key))
+        if entry < 0:
+            return ()
         found = [
             Holder(instance, Tier(tier))
             for slot, instance in enumerate(self._instance_of)
-            if instance is not None and value >> slot & 1
+            if instance is not None
             for tier in range(_NUM_TIERS)
-            if value >> (self._width + slot * _NUM_TIERS + tier) & 1
+            if self._table.nibble(entry, slot) >> tier & 1
         ]
         return tuple(sorted(found, key=lambda h: (h.tier, h.instance_id)))
 
@@ -161,40 +190,19 @@ class BlockIndex:
         """Each instance's contiguous prefix of `keys`, and the longest.
 
         Args:
-            keys: a request's chained block keys, in order.
+            keys: a request's chained block keys, in order (a sequence or a uint64 array).
 
         Returns:
             A `PrefixMatch`; an instance holding none of the leading keys is absent.
         """
-        get = self._entries.get
-        presence = (1 << self._width) - 1
-        iterator = iter(keys)
-        first = next(iterator, None)
-        alive = get(first, 0) & presence if first is not None else 0
-        found: dict[int, int] = {}
-        position = 1
-        for key in iterator:
-            if not alive:
-                break
-            still = get(key, 0) & alive
-            dropped = alive ^ still
-            while dropped:
-                low = dropped & -dropped
-                found[low.bit_length() - 1] = position
-                dropped ^= low
-            alive = still
-            position += 1
-        while alive:
-            low = alive & -alive
-            found[low.bit_length() - 1] = position
-            alive ^= low
+        per_slot = self._table.match(_key_array(keys))
         instance_of = self._instance_of
-        lengths = {instance_of[slot]: length for slot, length in found.items()}
+        lengths = {instance_of[slot]: int(per_slot[slot]) for slot in np.flatnonzero(per_slot).tolist()}
         best_instance = None
         best_length = 0
-        for instance, length in lengths.items():
-            if length > best_length or (length == best_length and best_instance is not None and instance < best_instance):
-                best_instance, best_length = instance, length
+        for instance, n in lengths.items():
+            if n > best_length or (n == best_length and best_instance is not None and instance < best_instance):
+                best_instance, best_length = instance, n
         return PrefixMatch(lengths=MappingProxyType(lengths), best_instance=best_instance, best_length=best_length)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ events
@@ -222,13 +230,11 @@ class BlockIndex:
             return None
         slot = self._slot_of[source]
         if isinstance(event, BlockStored):
-            for key in event.keys:
-                self._add(key, slot, event.tier)
+            self._table.add(_key_array(event.keys), slot, event.tier)
         elif isinstance(event, BlockRemoved):
-            for key in event.keys:
-                self._discard(key, slot, event.tier)
+            self._table.discard(_key_array(event.keys), slot, event.tier)
         elif isinstance(event, AllBlocksCleared):
-            self._clear_slot(slot)
+            self._table.clear_slot(slot)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"not a cache event: {event!r}")
         state.seq = event.seq
@@ -254,8 +260,7 @@ class BlockIndex:
         self._sources[source] = _SourceState(epoch=epoch, seq=seq, is_stale=False)
         slot = self._ensure_slot(source)
         for tier, keys in holdings.items():
-            for key in keys:
-                self._add(key, slot, Tier(tier))
+            self._table.add(_key_array(keys), slot, Tier(tier))
 
     def remove_instance(self, instance_id: InstanceId) -> None:
         """Forget `instance_id` entirely (it is gone); its next event must start an epoch or resync."""
@@ -269,30 +274,27 @@ class BlockIndex:
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> IndexSnapshot:
-        """Everything needed to rebuild this index."""
-        per_slot: dict[int, list[list[BlockKey]]] = {slot: [[] for _ in Tier] for slot in self._slot_of.values()}
-        width = self._width
-        for key, value in self._entries.items():
-            present = value & ((1 << width) - 1)
-            while present:
-                low = present & -present
-                slot = low.bit_length() - 1
-                tiers = value >> (width + slot * _NUM_TIERS) & _TIER_MASK
-                for tier in range(_NUM_TIERS):
-                    if tiers >> tier & 1:
-                        per_slot[slot][tier].append(key)
-                present ^= low
+        """Everything needed to rebuild this index (keys sorted, as stored: folded to 64 bits)."""
+        table = self._table
         sources = []
         for source in sorted(self._sources):
             state = self._sources[source]
-            by_tier = per_slot.get(self._slot_of.get(source, -1), [[] for _ in Tier])
+            slot = self._slot_of.get(source)
+            by_tier: list[tuple[Tier, tuple[BlockKey, ...]]] = []
+            if slot is not None and table.counts[slot]:
+                word, shift = divmod(slot, SLOTS_PER_WORD)
+                nibbles = table.words[:, word] >> np.uint64(4 * shift)
+                for tier in Tier:
+                    held = (nibbles >> np.uint64(tier)) & np.uint64(1) == 1
+                    if held.any():
+                        by_tier.append((tier, tuple(np.sort(table.keys[held]).tolist())))
             sources.append(
                 SourceSnapshot(
                     source=source,
                     epoch=state.epoch,
                     seq=state.seq,
                     is_stale=state.is_stale,
-                    keys_by_tier=tuple((Tier(t), tuple(keys)) for t, keys in enumerate(by_tier) if keys),
+                    keys_by_tier=tuple(by_tier),
                 )
             )
         return IndexSnapshot(tuple(sources))
@@ -310,20 +312,22 @@ class BlockIndex:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module docstring fails."""
-        width = self._width
-        counts = [0] * len(self._instance_of)
-        for key, value in self._entries.items():
-            assert value != 0, f"key {key} maps to no holder"
-            assert value >> (width + len(self._instance_of) * _NUM_TIERS) == 0, f"key {key} has bits past the last slot"
-            for slot, instance in enumerate(self._instance_of):
-                present = value >> slot & 1
-                tiers = value >> (width + slot * _NUM_TIERS) & _TIER_MASK
-                assert bool(present) == bool(tiers), f"key {key} slot {slot}: presence {present} tiers {tiers:b}"
-                if present:
-                    assert instance is not None, f"key {key} held by freed slot {slot}"
-                    counts[slot] += 1
-        assert counts == self._counts, f"per-instance counts {self._counts} != recount {counts}"
-        assert len(self._instance_of) <= width, "more slots than presence bits"
+        table = self._table
+        occupied = table.occupied()
+        assert int(occupied.sum()) == table.size, f"size {table.size} != occupied entries {int(occupied.sum())}"
+        for entry in np.flatnonzero(occupied).tolist():
+            assert table.find(int(table.keys[entry])) == entry, f"key at entry {entry} is not reachable by probing"
+        for slot in range(table.num_slots):
+            word, shift = divmod(slot, SLOTS_PER_WORD)
+            nibbles = (table.words[:, word] >> np.uint64(4 * shift)) & np.uint64(0xF)
+            present = (nibbles & np.uint64(8)) != 0
+            tiers = (nibbles & np.uint64(7)) != 0
+            assert np.array_equal(present, tiers), f"slot {slot}: presence bits disagree with tier bits"
+            assert int(present.sum()) == table.counts[slot], (
+                f"slot {slot}: count {table.counts[slot]} != {int(present.sum())}"
+            )
+            if slot >= len(self._instance_of) or self._instance_of[slot] is None:
+                assert not present.any(), f"free slot {slot} holds keys"
         live = {instance: slot for slot, instance in enumerate(self._instance_of) if instance is not None}
         assert live == self._slot_of, "slot table out of sync"
         assert set(self._slot_of) == set(self._sources), "sources without slots or slots without sources"
@@ -345,79 +349,22 @@ class BlockIndex:
             received_seq=event.seq,
         )
 
-    def _intern_value(self, value: int) -> int:
-        interned = self._intern.setdefault(value, value)
-        if len(self._intern) > _INTERN_LIMIT:
-            self._intern.clear()
-        return interned
-
     def _ensure_slot(self, instance_id: InstanceId) -> int:
         slot = self._slot_of.get(instance_id)
         if slot is not None:
             return slot
         if self._free_slots:
-            self._free_slots.sort()
-            slot = self._free_slots.pop(0)
+            slot = min(self._free_slots)
+            self._free_slots.remove(slot)
             self._instance_of[slot] = instance_id
         else:
             slot = len(self._instance_of)
-            if slot >= self._width:
-                self._grow(2 * self._width)
             self._instance_of.append(instance_id)
-            self._counts.append(0)
+            self._table.ensure_slots(slot + 1)
         self._slot_of[instance_id] = slot
         return slot
-
-    def _grow(self, width: int) -> None:
-        old = self._width
-        presence = (1 << old) - 1
-        self._intern.clear()
-        self._entries = {
-            key: self._intern_value((value & presence) | (value >> old << width)) for key, value in self._entries.items()
-        }
-        self._width = width
-
-    def _add(self, key: BlockKey, slot: int, tier: Tier) -> None:
-        value = self._entries.get(key, 0)
-        tier_bit = 1 << (self._width + slot * _NUM_TIERS + tier)
-        if value & tier_bit:
-            return
-        if not value >> slot & 1:
-            self._counts[slot] += 1
-        self._entries[key] = self._intern_value(value | tier_bit | 1 << slot)
-
-    def _discard(self, key: BlockKey, slot: int, tier: Tier) -> None:
-        value = self._entries.get(key, 0)
-        shift = self._width + slot * _NUM_TIERS
-        tier_bit = 1 << (shift + tier)
-        if not value & tier_bit:
-            return
-        value ^= tier_bit
-        if not value >> shift & _TIER_MASK:
-            value ^= 1 << slot
-            self._counts[slot] -= 1
-        if value:
-            self._entries[key] = self._intern_value(value)
-        else:
-            del self._entries[key]
-
-    def _clear_slot(self, slot: int) -> None:
-        if not self._counts[slot]:
-            return
-        keep = ~((1 << slot) | (_TIER_MASK << (self._width + slot * _NUM_TIERS)))
-        emptied = []
-        for key, value in self._entries.items():
-            if value >> slot & 1:
-                value &= keep
-                if value:
-                    self._entries[key] = self._intern_value(value)
-                else:
-                    emptied.append(key)
-        for key in emptied:
-            del self._entries[key]
-        self._counts[slot] = 0
 
     def _drop_holdings(self, instance_id: InstanceId) -> None:
         slot = self._slot_of.get(instance_id)
         if slot is not None:
-            self._clear_slot(slot)
+            self._table.clear_slot(slot)

@@ -78,10 +78,8 @@ class _PolicyBase:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def _insert(self, key: BlockKey, position: int) -> None:
-        raise NotImplementedError
-
-    def _touch(self, key: BlockKey) -> None:
+    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
+        """Record a use of `key`, inserting it (and linking `parent`) when new."""
         raise NotImplementedError
 
     def _delete(self, key: BlockKey) -> None:
@@ -94,11 +92,7 @@ class _PolicyBase:
         """`key` was unpinned or lost its last child."""
 
     # Protocol ---------------------------------------------------------------
-    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
-        if key in self:
-            self._touch(key)
-            return
-        self._insert(key, position)
+    def _link(self, key: BlockKey, parent: BlockKey | None) -> None:
         if self.prefix_aware and parent is not None and parent != key:
             self._parent[key] = parent
             self._children[parent] = self._children.get(parent, 0) + 1
@@ -189,21 +183,21 @@ class _HeapPolicy(_PolicyBase):
         """New priority of `key` at an access (`position` is None for a re-access)."""
         raise NotImplementedError
 
-    def _set(self, key: BlockKey, priority: Any) -> None:
+    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
+        # One flat method rather than the base's insert/touch hooks: the capacity
+        # analysis calls this once per block of a trace.
+        self._tick += 1
+        if key in self._priority:
+            priority = self._rank(key, None)
+        else:
+            priority = self._rank(key, position)
+            self._link(key, parent)
         self._priority[key] = priority
-        if self._is_unprotected(key):
+        if key not in self._pins and not (self.prefix_aware and key in self._children):
             heapq.heappush(self._heap, (priority, key))
             if len(self._heap) > 4 * len(self._priority) + 1024:
                 self._heap = [(p, k) for k, p in self._priority.items() if self.is_candidate(k)]
                 heapq.heapify(self._heap)
-
-    def _insert(self, key: BlockKey, position: int) -> None:
-        self._tick += 1
-        self._set(key, self._rank(key, position))
-
-    def _touch(self, key: BlockKey) -> None:
-        self._tick += 1
-        self._set(key, self._rank(key, None))
 
     def _delete(self, key: BlockKey) -> None:
         del self._priority[key]
@@ -293,7 +287,10 @@ class SievePolicy(_PolicyBase):
     def __len__(self) -> int:
         return len(self._visited)
 
-    def _insert(self, key: BlockKey, position: int) -> None:
+    def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
+        if key in self._visited:
+            self._visited[key] = True
+            return
         self._visited[key] = False
         self._older[key] = self._newest
         self._newer[key] = None
@@ -302,9 +299,7 @@ class SievePolicy(_PolicyBase):
         else:
             self._newer[self._newest] = key
         self._newest = key
-
-    def _touch(self, key: BlockKey) -> None:
-        self._visited[key] = True
+        self._link(key, parent)
 
     def _delete(self, key: BlockKey) -> None:
         older, newer = self._older.pop(key), self._newer.pop(key)

@@ -1,16 +1,23 @@
 """Workloads: requests, Mooncake-format traces, synthetic generators and statistics."""
 
 from mooncake.types import Request
-from mooncake.workload.generator import PRESETS, ArrivalProcess, LengthDistribution, WorkloadSpec, generate_requests, preset
+from mooncake.workload.generator import (
+    PRESETS,
+    ArrivalProcess,
+    LengthDistribution,
+    WorkloadSpec,
+    generate_requests,
+    preset,
+)
 from mooncake.workload.stats import TraceStats, trace_stats
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS, iter_trace, load_trace, write_trace
 
 __all__ = [
-    "PRESETS",
-    "TRACE_BLOCK_SIZE_TOKENS",
     "ArrivalProcess",
     "LengthDistribution",
+    "PRESETS",
     "Request",
+    "TRACE_BLOCK_SIZE_TOKENS",
     "TraceStats",
     "WorkloadSpec",
     "generate_requests",

@@ -38,9 +38,9 @@ from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = [
-    "PRESETS",
     "ArrivalProcess",
     "LengthDistribution",
+    "PRESETS",
     "WorkloadSpec",
     "generate_requests",
     "preset",
@@ -68,7 +68,9 @@ class LengthDistribution:
     def __attrs_post_init__(self) -> None:
         _check(self.mean_tokens > 0, "mean_tokens", self.mean_tokens, "> 0")
         _check(self.sigma >= 0, "sigma", self.sigma, ">= 0")
-        _check(1 <= self.min_tokens <= self.max_tokens, "min_tokens", (self.min_tokens, self.max_tokens), "1 <= min <= max")
+        _check(
+            1 <= self.min_tokens <= self.max_tokens, "min_tokens", (self.min_tokens, self.max_tokens), "1 <= min <= max"
+        )
 
     def sample(self, rng: np.random.Generator) -> int:
         mu = math.log(self.mean_tokens) - self.sigma**2 / 2
@@ -88,7 +90,9 @@ class ArrivalProcess:
     cv: float = 1.0
 
     def __attrs_post_init__(self) -> None:
-        _check(math.isfinite(self.rate_per_s) and self.rate_per_s > 0, "rate_per_s", self.rate_per_s, "a finite number > 0")
+        _check(
+            math.isfinite(self.rate_per_s) and self.rate_per_s > 0, "rate_per_s", self.rate_per_s, "a finite number > 0"
+        )
         _check(math.isfinite(self.cv) and self.cv > 0, "cv", self.cv, "a finite number > 0")
 
     def times_s(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -252,7 +256,9 @@ class _Generator:
             weights = 1.0 / np.arange(1, size + 1) ** spec.popularity_skew
             weights /= weights.sum()
             drawn = np.array([lengths.sample(rng) for _ in range(size)], dtype=np.float64)
-            scaled = np.clip(np.round(drawn * lengths.mean_tokens / float(weights @ drawn)), lengths.min_tokens, lengths.max_tokens)
+            scaled = np.clip(
+                np.round(drawn * lengths.mean_tokens / float(weights @ drawn)), lengths.min_tokens, lengths.max_tokens
+            )
             self.pools[kind] = ([self.segment(int(n)) for n in scaled], weights)
         kinds = np.array([spec.chat_weight, spec.document_weight, spec.agent_weight])
         self.kind_weights = kinds / kinds.sum()

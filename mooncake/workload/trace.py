@@ -116,7 +116,9 @@ def iter_trace(
             except ValueError as error:
                 raise TraceFormatError(path, number, str(error)) from error
             if timestamp < previous:
-                raise TraceFormatError(path, number, f"timestamp {timestamp} is earlier than the previous line's {previous}")
+                raise TraceFormatError(
+                    path, number, f"timestamp {timestamp} is earlier than the previous line's {previous}"
+                )
             previous = timestamp
             yield Request(
                 request_id=RequestId(str(index)),

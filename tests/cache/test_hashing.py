@@ -1,0 +1,222 @@
+"""Chained block keys: definition, prefix property, namespaces, determinism, batch path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.cache.hashing import BlockHasher
+from mooncake.errors import ConfigError, InvalidRequestError
+from tests.strategies import small_token_ids, token_arrays
+
+ALGORITHMS = ["xxh3_64", "xxh3_128", "sha256"]
+block_sizes = st.integers(min_value=1, max_value=9)
+
+
+def hasher(**overrides: object) -> BlockHasher:
+    options: dict[str, object] = {"model": "llama3-70b", "block_size_tokens": 4}
+    options.update(overrides)
+    return BlockHasher(**options)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- definition
+
+
+def test_keys_follow_the_documented_xxh3_chain() -> None:
+    """key_i = XXH3-64(le64(key_{i-1}) || le32 tokens, seed), root = XXH3-64(namespace JSON, seed)."""
+    h = hasher(seed=7)
+    namespace = json.dumps(["mooncake.block/1", "xxh3_64", "llama3-70b", 4, ""], separators=(",", ":")).encode()
+    root = xxhash.xxh3_64_intdigest(namespace, seed=7)
+    first = xxhash.xxh3_64_intdigest(root.to_bytes(8, "little") + np.arange(4, dtype="<i4").tobytes(), seed=7)
+    second = xxhash.xxh3_64_intdigest(first.to_bytes(8, "little") + np.array([4, 5], dtype="<i4").tobytes(), seed=7)
+    assert h.root_key == root
+    assert h.block_keys(list(range(6))) == (first, second)
+
+
+def test_sha256_keys_follow_the_documented_chain() -> None:
+    """sha256 mode: key_i = SHA-256(le256(key_{i-1}) || le32 tokens) read big-endian; seed joins the root."""
+    h = hasher(algorithm="sha256", seed=3)
+    namespace = json.dumps(["mooncake.block/1", "sha256", "llama3-70b", 4, ""], separators=(",", ":")).encode()
+    root = int.from_bytes(hashlib.sha256(namespace + (3).to_bytes(8, "little")).digest(), "big")
+    first = int.from_bytes(hashlib.sha256(root.to_bytes(32, "little") + np.arange(3, dtype="<i4").tobytes()).digest(), "big")
+    assert h.root_key == root
+    assert h.block_keys([0, 1, 2]) == (first,)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_key_widths(algorithm: str) -> None:
+    """Keys fit the algorithm's width and the last partial block is keyed."""
+    h = hasher(algorithm=algorithm)
+    keys = h.block_keys(np.arange(9))
+    assert len(keys) == 3 == h.num_blocks(9)
+    assert all(0 <= k < 2 ** (8 * h.key_bytes) for k in keys)
+    assert h.block_keys([]) == ()
+
+
+@given(tokens=token_arrays(max_size=40), split_blocks=st.integers(0, 10), block_size=block_sizes)
+def test_parent_continues_a_chain(tokens: np.ndarray, split_blocks: int, block_size: int) -> None:
+    """Hashing a prefix of whole blocks, then the rest from its last key, gives the whole chain."""
+    h = hasher(block_size_tokens=block_size)
+    cut = min(split_blocks * block_size, tokens.size)
+    cut -= cut % block_size
+    head = h.block_keys(tokens[:cut])
+    tail = h.block_keys(tokens[cut:], parent=head[-1] if head else None)
+    assert head + tail == h.block_keys(tokens)
+
+
+# --------------------------------------------------------------------------- prefix property
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(
+    a=token_arrays(max_size=30, elements=small_token_ids),
+    b=token_arrays(max_size=30, elements=small_token_ids),
+    block_size=block_sizes,
+)
+def test_equal_keys_iff_equal_prefixes(algorithm: str, a: np.ndarray, b: np.ndarray, block_size: int) -> None:
+    """Keys agree exactly for the blocks before the first differing block, and differ from there on."""
+    h = hasher(algorithm=algorithm, block_size_tokens=block_size)
+    keys_a, keys_b = h.block_keys(a), h.block_keys(b)
+    for i in range(min(len(keys_a), len(keys_b))):
+        same_prefix = np.array_equal(a[: (i + 1) * block_size], b[: (i + 1) * block_size])
+        assert (keys_a[i] == keys_b[i]) == same_prefix, f"block {i}"
+
+
+@given(tokens=token_arrays(max_size=40), block_size=block_sizes)
+def test_a_request_chain_has_distinct_keys(tokens: np.ndarray, block_size: int) -> None:
+    """Keys of one chain are pairwise distinct, repeated block contents included."""
+    h = hasher(block_size_tokens=block_size)
+    repeated = np.concatenate([tokens[:block_size]] * 4) if tokens.size >= block_size else tokens
+    keys = h.block_keys(repeated)
+    assert len(set(keys)) == len(keys)
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"model": "llama2-70b"},
+        {"salt": "tenant-b"},
+        {"seed": 1},
+        {"algorithm": "xxh3_128"},
+        {"algorithm": "sha256"},
+    ],
+)
+@given(tokens=token_arrays(max_size=24))
+def test_namespaces_separate_tenants(other: dict[str, object], tokens: np.ndarray) -> None:
+    """Hashers differing in model, salt, seed or algorithm share no key for the same tokens."""
+    base = hasher(salt="tenant-a")
+    different = hasher(**{"salt": "tenant-a", **other})
+    assert base.root_key != different.root_key
+    assert not set(base.block_keys(tokens)) & set(different.block_keys(tokens))
+
+
+def test_block_size_is_part_of_the_namespace() -> None:
+    """The same tokens under two block sizes share no key, not even where blocks coincide."""
+    tokens = np.arange(16)
+    four = hasher(block_size_tokens=4).block_keys(tokens)
+    eight = hasher(block_size_tokens=8).block_keys(tokens)
+    assert not set(four) & set(eight)
+
+
+def test_namespace_encoding_is_unambiguous() -> None:
+    """Moving characters between model and salt changes the root (length-safe encoding)."""
+    assert hasher(model="a\x00b", salt="c").root_key != hasher(model="a", salt="b\x00c").root_key
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_keys_are_identical_in_another_process() -> None:
+    """A fresh interpreter with another PYTHONHASHSEED computes the same keys, for every algorithm."""
+    script = (
+        "import json, numpy as np\n"
+        "from mooncake.cache.hashing import BlockHasher\n"
+        "out = {}\n"
+        "for a in ['xxh3_64', 'xxh3_128', 'sha256']:\n"
+        "    h = BlockHasher(model='m', block_size_tokens=16, salt='s', seed=11, algorithm=a)\n"
+        "    out[a] = [str(k) for k in h.block_keys(np.arange(1000) * 7919 % 50021)]\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True)
+    theirs = json.loads(child.stdout)
+    for algorithm in ALGORITHMS:
+        h = BlockHasher(model="m", block_size_tokens=16, salt="s", seed=11, algorithm=algorithm)  # type: ignore[arg-type]
+        assert theirs[algorithm] == [str(k) for k in h.block_keys(np.arange(1000) * 7919 % 50021)]
+
+
+def test_token_types_do_not_change_keys() -> None:
+    """Lists, int64 and int32 arrays of the same ids give the same keys."""
+    h = hasher()
+    ids = [5, 0, 2**31 - 1, 17, 3]
+    assert h.block_keys(ids) == h.block_keys(np.array(ids, dtype=np.int64)) == h.block_keys(np.array(ids, dtype=np.int32))
+
+
+# --------------------------------------------------------------------------- batch path
+
+
+def test_compiled_batch_path_is_available() -> None:
+    """The numba path over xxhash's C routine is active here, so the tests below exercise it."""
+    assert hasher().is_compiled
+    assert not hasher(algorithm="sha256").is_compiled
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(
+    requests=st.lists(token_arrays(max_size=70), max_size=6),
+    block_size=st.sampled_from([1, 2, 3, 7, 16, 61, 64]),
+)
+def test_batch_equals_per_request(algorithm: str, requests: list[np.ndarray], block_size: int) -> None:
+    """hash_batch / block_keys_many give exactly the per-request keys (and the pure-Python chain)."""
+    h = hasher(algorithm=algorithm, block_size_tokens=block_size)
+    expected = [h._chain_python(r, h.root_key) for r in requests]
+    assert [h.block_keys(r) for r in requests] == expected
+    assert h.block_keys_many(requests) == expected
+
+
+def test_batch_handles_long_blocks() -> None:
+    """Blocks past XXH3's 240-byte short path (512 tokens) agree between the paths."""
+    rng = np.random.default_rng(0)
+    h = hasher(block_size_tokens=512)
+    requests = [rng.integers(0, 128_000, size=n, dtype=np.int32) for n in (1, 511, 512, 513, 5000)]
+    assert h.block_keys_many(requests) == [h._chain_python(r, h.root_key) for r in requests]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("block_size_tokens", 0), ("block_size_tokens", True), ("seed", -1), ("seed", 2**64), ("algorithm", "md5")],
+)
+def test_invalid_config_names_the_field(field: str, value: object) -> None:
+    """Each invalid option raises ConfigError naming the field and value."""
+    with pytest.raises(ConfigError, match=field) as caught:
+        hasher(**{field: value})
+    assert repr(value) in str(caught.value)
+
+
+@pytest.mark.parametrize("tokens", [[[1, 2]], [2**31], [-(2**31) - 1], ["a"], [1.5]])
+def test_invalid_tokens_are_rejected(tokens: object) -> None:
+    """Tokens must be a 1-D integer sequence fitting int32."""
+    with pytest.raises(InvalidRequestError):
+        hasher().block_keys(tokens)
+
+
+@pytest.mark.parametrize("offsets", [[1, 4], [0, 3], [0, 3, 2, 4], []])
+def test_batch_rejects_bad_offsets(offsets: list[int]) -> None:
+    """Offsets must rise from 0 to len(tokens)."""
+    with pytest.raises(InvalidRequestError, match="offsets"):
+        hasher().hash_batch(np.arange(4), offsets)

@@ -1,0 +1,29 @@
+"""Hypothesis profiles and shared fixtures.
+
+Profiles: `dev` (default, quick) and `ci` (more examples, no deadline); pick one
+with HYPOTHESIS_PROFILE (`.ci/run` sets ci).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=60, deadline=None)
+settings.register_profile(
+    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="session")
+def synthetic_trace() -> Path:
+    """The public Mooncake FAST'25 synthetic trace, read from ../shared (never copied here)."""
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"the shared synthetic trace is not at {SHARED_TRACE}")
+    return SHARED_TRACE

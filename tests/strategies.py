@@ -1,0 +1,211 @@
+"""Hypothesis strategies shared by the test modules."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Tier
+from mooncake.workload.generator import LengthDistribution, WorkloadSpec
+
+token_ids = st.integers(min_value=0, max_value=2**31 - 1)
+small_token_ids = st.integers(min_value=0, max_value=7)  # collisions of content are likely: good for prefixes
+
+tiers = st.sampled_from(list(Tier))
+instance_ids = st.sampled_from([InstanceId(f"node-{i}") for i in range(5)])
+block_keys = st.integers(min_value=0, max_value=30).map(BlockKey)  # a small universe: keys recur
+
+
+def token_arrays(*, max_size: int = 200, elements: st.SearchStrategy[int] = token_ids) -> st.SearchStrategy[np.ndarray]:
+    return st.lists(elements, max_size=max_size).map(lambda xs: np.array(xs, dtype=np.int32))
+
+
+@st.composite
+def key_chains(draw: st.DrawFn, *, max_size: int = 8) -> tuple[BlockKey, ...]:
+    """Chains of distinct keys, as a request's block keys are."""
+    return tuple(draw(st.lists(block_keys, max_size=max_size, unique=True)))
+
+
+@st.composite
+def requests(draw: st.DrawFn, *, block_size_tokens: int = 4, max_input: int = 40) -> list[Request]:
+    """Valid requests in arrival order with whole-millisecond arrivals."""
+    count = draw(st.integers(min_value=0, max_value=8))
+    arrival_ms = sorted(draw(st.lists(st.integers(0, 10**9), min_size=count, max_size=count)))
+    out = []
+    for index, ms in enumerate(arrival_ms):
+        input_length = draw(st.integers(1, max_input))
+        num_blocks = -(-input_length // block_size_tokens)
+        keys = draw(st.lists(st.integers(0, 2**64 - 1), min_size=num_blocks, max_size=num_blocks))
+        out.append(
+            Request(
+                request_id=RequestId(str(index)),
+                arrival_s=ms / 1000,
+                input_length=input_length,
+                output_length=draw(st.integers(1, 5000)),
+                block_keys=tuple(BlockKey(k) for k in keys),
+            )
+        )
+    return out
+
+
+@st.composite
+def prefix_workloads(
+    draw: st.DrawFn, *, block_size_tokens: int = 4, max_requests: int = 12, max_blocks: int = 8
+) -> list[Request]:
+    """Requests in arrival order whose key chains often share prefixes with earlier ones.
+
+    Each request starts from a prefix of an earlier request's keys (or from nothing) and
+    appends keys that are fresh or drawn from a small universe, so keys also recur out
+    of chain and within one request: the cases a prefix-reuse count must get right.
+    """
+    count = draw(st.integers(min_value=0, max_value=max_requests))
+    arrival_ms = sorted(draw(st.lists(st.integers(0, 10**6), min_size=count, max_size=count)))
+    chains: list[tuple[BlockKey, ...]] = []
+    fresh = iter(range(1000, 10**6))
+    out = []
+    for index, ms in enumerate(arrival_ms):
+        base: tuple[BlockKey, ...] = ()
+        if chains and draw(st.booleans()):
+            parent = draw(st.sampled_from(chains))
+            base = parent[: draw(st.integers(0, len(parent)))]
+        num_new = draw(st.integers(min_value=0 if base else 1, max_value=max(max_blocks - len(base), 0 if base else 1)))
+        new = [BlockKey(next(fresh)) if draw(st.booleans()) else draw(block_keys) for _ in range(num_new)]
+        keys = base + tuple(new)
+        chains.append(keys)
+        input_length = draw(st.integers((len(keys) - 1) * block_size_tokens + 1, len(keys) * block_size_tokens))
+        out.append(
+            Request(
+                request_id=RequestId(str(index)),
+                arrival_s=ms / 1000,
+                input_length=input_length,
+                output_length=draw(st.integers(1, 5000)),
+                block_keys=keys,
+            )
+        )
+    return out
+
+
+@st.composite
+def workload_specs(draw: st.DrawFn) -> WorkloadSpec:
+    """Small synthetic-workload specs (short segments, small blocks) that generate quickly."""
+
+    def lengths(max_mean: int) -> LengthDistribution:
+        low = draw(st.integers(1, 20))
+        return LengthDistribution(
+            mean_tokens=draw(st.floats(1, max_mean)),
+            sigma=draw(st.sampled_from([0.0, 0.3, 1.0])),
+            min_tokens=low,
+            max_tokens=draw(st.integers(low, 4 * max_mean)),
+        )
+
+    weights = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=3, max_size=3).filter(lambda w: sum(w) > 0))
+    return WorkloadSpec(
+        block_size_tokens=draw(st.integers(1, 32)),
+        chat_weight=weights[0],
+        document_weight=weights[1],
+        agent_weight=weights[2],
+        num_system_prompts=draw(st.integers(1, 4)),
+        system_prompt_tokens=lengths(100),
+        num_documents=draw(st.integers(1, 6)),
+        document_tokens=lengths(300),
+        num_agent_preambles=draw(st.integers(1, 3)),
+        agent_preamble_tokens=lengths(150),
+        popularity_skew=draw(st.sampled_from([0.0, 1.0, 2.0])),
+        user_message_tokens=lengths(60),
+        observation_tokens=lengths(60),
+        output_tokens=lengths(40),
+        mean_turns=draw(st.floats(1, 6)),
+        continue_probability=draw(st.sampled_from([0.0, 0.5, 0.9])),
+        max_input_tokens=draw(st.integers(1, 1500)),
+    )
+
+
+@st.composite
+def cache_event_sequences(
+    draw: st.DrawFn,
+    *,
+    sources: st.SearchStrategy[InstanceId] = instance_ids,
+    max_events: int = 30,
+    max_keys: int = 6,
+) -> list[CacheEvent]:
+    """Correctly sequenced cache events from several sources, interleaved.
+
+    Each source starts at epoch 0, seq 0 and counts up by one; now and then it
+    restarts with the next epoch (seq back to 0). Stored keys are distinct chains,
+    removed keys any keys of `block_keys` (held or not), across every tier.
+    """
+    epoch: dict[InstanceId, int] = {}
+    next_seq: dict[InstanceId, int] = {}
+    events: list[CacheEvent] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=max_events))):
+        source = draw(sources)
+        if source in next_seq and draw(st.integers(min_value=0, max_value=7)) == 0:
+            epoch[source] += 1
+            next_seq[source] = 0
+        stamp = {"source": source, "seq": next_seq.get(source, 0), "epoch": epoch.setdefault(source, 0)}
+        kind = draw(st.sampled_from(["stored", "stored", "removed", "cleared"]))
+        if kind == "stored":
+            events.append(BlockStored(keys=draw(key_chains(max_size=max_keys)), tier=draw(tiers), **stamp))
+        elif kind == "removed":
+            keys = draw(st.lists(block_keys, max_size=max_keys))
+            events.append(BlockRemoved(keys=tuple(keys), tier=draw(tiers), **stamp))
+        else:
+            events.append(AllBlocksCleared(**stamp))
+        next_seq[source] = stamp["seq"] + 1
+    return events
+
+
+# Eviction policies and capacity -------------------------------------------------
+
+POLICY_KEY_UNIVERSE = tuple(BlockKey(k) for k in range(10))
+policy_keys = st.sampled_from(POLICY_KEY_UNIVERSE)  # ten keys: re-access, pins and removes hit cached keys often
+policy_parents = st.none() | policy_keys
+policy_positions = st.integers(min_value=0, max_value=5)
+
+
+_POLICY_OP_NAMES = ("access", "access", "access", "evict", "pin", "pin", "unpin", "remove")  # weights by repetition
+
+
+@st.composite
+def _policy_op(draw: st.DrawFn, keys: st.SearchStrategy[BlockKey]) -> tuple[object, ...]:
+    name = draw(st.sampled_from(_POLICY_OP_NAMES))
+    if name == "access":
+        return (name, draw(keys), draw(st.none() | keys), draw(policy_positions))
+    if name == "evict":
+        return (name,)
+    return (name, draw(keys))
+
+
+policy_ops = _policy_op(policy_keys)
+"""One eviction-policy call: ("access", key, parent, position), ("evict",), ("pin" | "unpin" | "remove", key)."""
+
+
+@st.composite
+def policy_op_lists(draw: st.DrawFn, *, max_size: int = 60) -> list[tuple[object, ...]]:
+    """Operation sequences over a universe of 2 to 10 keys drawn per example.
+
+    Small universes make crowded states likely: every cached key pinned, parent
+    cycles, the SIEVE hand on a protected key.
+    """
+    num_keys = draw(st.integers(min_value=2, max_value=len(POLICY_KEY_UNIVERSE)))
+    keys = st.sampled_from(POLICY_KEY_UNIVERSE[:num_keys])
+    size = draw(st.integers(min_value=0, max_value=max_size))  # lists() alone favours very short runs
+    return draw(st.lists(_policy_op(keys), min_size=size, max_size=size))
+
+
+@st.composite
+def chained_workloads(
+    draw: st.DrawFn, *, max_requests: int = 12, max_blocks: int = 6, alphabet: int = 3
+) -> list[tuple[BlockKey, ...]]:
+    """Requests' chained keys over a small trie: equal leading block contents give equal leading keys.
+
+    Each block's content is drawn from `alphabet` values; a key names the whole
+    content prefix up to its block, so keys are shared exactly as prefixes are.
+    """
+    ids: dict[tuple[int, ...], BlockKey] = {}
+    out = []
+    for _ in range(draw(st.integers(min_value=0, max_value=max_requests))):
+        contents = draw(st.lists(st.integers(min_value=0, max_value=alphabet - 1), max_size=max_blocks))
+        out.append(tuple(ids.setdefault(tuple(contents[: i + 1]), BlockKey(len(ids))) for i in range(len(contents))))
+    return out

@@ -1,0 +1,93 @@
+"""The package's shape: one-way imports, light `mooncake.cache`, typed public API."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mooncake
+
+ROOT = Path(mooncake.__file__).resolve().parent
+
+# Rank of each layer: a module may import only from layers of lower or equal rank
+# (STYLE.md: values -> cache -> transfer | sched -> engine -> examples).
+LAYERS = {
+    "mooncake.errors": 0,
+    "mooncake.types": 0,
+    "mooncake.workload": 0,
+    "mooncake.cache": 1,
+    "mooncake.transfer": 2,
+    "mooncake.sched": 2,
+    "mooncake.engine": 3,
+    "mooncake.cli": 4,
+}
+FORBIDDEN_PAIRS = {("mooncake.transfer", "mooncake.sched"), ("mooncake.sched", "mooncake.transfer")}
+
+
+def layer_of(module: str) -> str:
+    best = ""
+    for name in LAYERS:
+        if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+            best = name
+    assert best, f"{module} belongs to no layer: add it to LAYERS"
+    return best
+
+
+def module_names() -> list[str]:
+    return sorted(
+        info.name for info in pkgutil.walk_packages([str(ROOT)], prefix="mooncake.") if not info.name.endswith("__main__")
+    )
+
+
+def imports_of(module: str) -> set[str]:
+    path = ROOT.joinpath(*module.split(".")[1:])
+    source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+    tree = ast.parse(source.read_text(), filename=str(source))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name == "mooncake" or name.startswith("mooncake.")}
+
+
+@pytest.mark.parametrize("module", module_names())
+def test_imports_go_one_way(module: str) -> None:
+    """No module imports from a layer above its own, and transfer and sched never import each other."""
+    own = layer_of(module)
+    for imported in imports_of(module):
+        if imported == "mooncake":
+            continue
+        other = layer_of(imported)
+        assert LAYERS[other] <= LAYERS[own], f"{module} ({own}) imports {imported} ({other}), a higher layer"
+        assert (own, other) not in FORBIDDEN_PAIRS, f"{module} imports {imported}: transfer and sched are siblings"
+
+
+def test_cache_import_is_light() -> None:
+    """`import mooncake.cache` (and the workload layer) loads neither torch nor numba."""
+    script = "import sys, mooncake.cache, mooncake.workload; print(sorted({'torch', 'numba'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", [m for m in module_names() if not m.rsplit(".", 1)[-1].startswith("_")])
+def test_public_modules_declare_a_sorted_all(module: str) -> None:
+    """Every public module has a sorted `__all__` of names it defines."""
+    imported = importlib.import_module(module)
+    names = getattr(imported, "__all__", None)
+    assert names is not None, f"{module} has no __all__"
+    assert list(names) == sorted(names), f"{module}.__all__ is not sorted"
+    for name in names:
+        assert hasattr(imported, name), f"{module}.__all__ names missing {name}"
+
+
+def test_package_is_typed() -> None:
+    """The package ships its py.typed marker."""
+    assert (ROOT / "py.typed").exists()
