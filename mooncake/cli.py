@@ -22,8 +22,8 @@ from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import MooncakeError
 from mooncake.workload import (
-    ArrivalProcess,
     PRESETS,
+    ArrivalProcess,
     generate_requests,
     iter_trace,
     load_trace,

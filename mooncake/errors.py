@@ -23,7 +23,7 @@ offending values in their message.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 __all__ = [
     "AuthenticationError",
@@ -63,8 +63,8 @@ class TraceFormatError(MooncakeError, ValueError):
         reason: what is wrong with it.
     """
 
-    def __init__(self, path: str | Path, line: int, reason: str) -> None:
-        self.path = str(path)
+    def __init__(self, path: str | os.PathLike[str], line: int, reason: str) -> None:
+        self.path = os.fspath(path)
         self.line = line
         self.reason = reason
         super().__init__(f"{self.path}:{line}: {reason}")

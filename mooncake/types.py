@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, NewType
+import numbers
+from collections.abc import Iterable
+from typing import Any, NewType, cast
 
 import attrs
 import numpy as np
@@ -18,7 +20,7 @@ import numpy.typing as npt
 
 from mooncake.errors import InvalidRequestError
 
-__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Tier", "as_token_array"]
+__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Tier", "as_token_array", "key_tuple"]
 
 _INT32 = np.iinfo(np.int32)
 
@@ -47,11 +49,18 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
         InvalidRequestError: not a 1-D integer sequence, or a value outside int32.
     """
     array = np.asarray(tokens)
+    if array.dtype == object and array.ndim == 1 and all(isinstance(t, int) and not isinstance(t, bool) for t in array):
+        raise InvalidRequestError(f"token ids must fit in int32, got range [{min(array)}, {max(array)}]")
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
     if array.dtype != np.int32 and array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
         raise InvalidRequestError(f"token ids must fit in int32, got range [{array.min()}, {array.max()}]")
     return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
+    """`keys` as a tuple of block keys (the converter of key fields)."""
+    return cast("tuple[BlockKey, ...]", tuple(keys))
 
 
 def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
@@ -68,6 +77,13 @@ def _tokens_eq(a: npt.NDArray[np.int32] | None, b: npt.NDArray[np.int32] | None)
     if a is None or b is None:
         return a is b
     return bool(np.array_equal(a, b))
+
+
+def _plain_int(value: Any) -> Any:
+    # numpy integers are integers too; anything else is left for the validator to reject.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def _positive(name: str) -> Any:
@@ -94,9 +110,9 @@ class Request:
 
     request_id: RequestId
     arrival_s: float = attrs.field()
-    input_length: int = attrs.field(validator=_positive("input_length"))
-    output_length: int = attrs.field(validator=_positive("output_length"))
-    block_keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    input_length: int = attrs.field(converter=_plain_int, validator=_positive("input_length"))
+    output_length: int = attrs.field(converter=_plain_int, validator=_positive("output_length"))
+    block_keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tokens: npt.NDArray[np.int32] | None = attrs.field(
         default=None, converter=_request_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False, repr=False
     )

@@ -28,7 +28,7 @@ def bucket(key, mask):  # type: ignore[no-untyped-def]
 
 @jit
 def is_empty(words, i):  # type: ignore[no-untyped-def]
-    for w in range(words.shape[1]):
+    for w in range(words.shape[1]):  # noqa: SIM110 - an explicit loop compiles to a tight loop in numba
         if words[i, w] != 0:
             return False
     return True

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from mooncake.errors import ConfigError
-from mooncake.types import BlockKey, InstanceId, Tier
+from mooncake.types import BlockKey, InstanceId, Tier, key_tuple
 
 __all__ = [
     "AllBlocksCleared",
@@ -37,7 +37,7 @@ class BlockStored:
 
     source: InstanceId
     seq: int = attrs.field(validator=_non_negative)
-    keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tier: Tier = attrs.field(converter=Tier)
     epoch: int = attrs.field(default=0, validator=_non_negative)
 
@@ -48,7 +48,7 @@ class BlockRemoved:
 
     source: InstanceId
     seq: int = attrs.field(validator=_non_negative)
-    keys: tuple[BlockKey, ...] = attrs.field(converter=tuple)
+    keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tier: Tier = attrs.field(converter=Tier)
     epoch: int = attrs.field(default=0, validator=_non_negative)
 

@@ -39,7 +39,7 @@ import xxhash
 
 from mooncake.cache import _xxh3_kernel
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.types import BlockKey, as_token_array
+from mooncake.types import BlockKey, as_token_array, key_tuple
 
 __all__ = ["BlockHasher", "HashAlgorithm", "KeyBatch"]
 
@@ -64,7 +64,7 @@ class KeyBatch:
         return int(self.offsets.size - 1)
 
     def __getitem__(self, r: int) -> tuple[BlockKey, ...]:
-        return tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
+        return key_tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
 
 
 def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -149,7 +149,7 @@ class BlockHasher:
             out,
             np.array([0, out.size], dtype=np.int64),
         )
-        return tuple(out.tolist())
+        return key_tuple(out.tolist())
 
     def hash_batch(self, tokens: Any, offsets: Any) -> KeyBatch:
         """Keys of many requests at once, hashed in parallel where compiled.

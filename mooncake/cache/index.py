@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
+from typing import cast
 
 import attrs
 import numpy as np
@@ -196,14 +197,14 @@ class BlockIndex:
             A `PrefixMatch`; an instance holding none of the leading keys is absent.
         """
         per_slot = self._table.match(_key_array(keys))
-        instance_of = self._instance_of
+        instance_of = cast("list[InstanceId]", self._instance_of)  # matched slots are live
         lengths = {instance_of[slot]: int(per_slot[slot]) for slot in np.flatnonzero(per_slot).tolist()}
-        best_instance = None
+        best_instance: InstanceId | None = None
         best_length = 0
         for instance, n in lengths.items():
             if n > best_length or (n == best_length and best_instance is not None and instance < best_instance):
                 best_instance, best_length = instance, n
-        return PrefixMatch(lengths=MappingProxyType(lengths), best_instance=best_instance, best_length=best_length)  # type: ignore[arg-type]
+        return PrefixMatch(lengths=MappingProxyType(lengths), best_instance=best_instance, best_length=best_length)
 
     # ------------------------------------------------------------------ events
 

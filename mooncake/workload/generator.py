@@ -66,8 +66,10 @@ class LengthDistribution:
     max_tokens: int = 1 << 20
 
     def __attrs_post_init__(self) -> None:
-        _check(self.mean_tokens > 0, "mean_tokens", self.mean_tokens, "> 0")
-        _check(self.sigma >= 0, "sigma", self.sigma, ">= 0")
+        _check(
+            math.isfinite(self.mean_tokens) and self.mean_tokens > 0, "mean_tokens", self.mean_tokens, "finite and > 0"
+        )
+        _check(math.isfinite(self.sigma) and self.sigma >= 0, "sigma", self.sigma, "finite and >= 0")
         _check(
             1 <= self.min_tokens <= self.max_tokens, "min_tokens", (self.min_tokens, self.max_tokens), "1 <= min <= max"
         )
@@ -325,7 +327,16 @@ def generate_requests(
         Requests with ids "0", "1", ..., arrival times in whole milliseconds and
         chained `block_keys` at `spec.block_size_tokens`.
     """
-    _check(isinstance(num_requests, int) and num_requests >= 0, "num_requests", num_requests, "an integer >= 0")
+    _check(
+        isinstance(num_requests, int) and not isinstance(num_requests, bool) and num_requests >= 0,
+        "num_requests",
+        num_requests,
+        "an integer >= 0",
+    )
+    return _generate(spec, num_requests, arrivals, seed)  # checked here, not lazily at the first next()
+
+
+def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, seed: int) -> Iterator[Request]:
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
     generator = _Generator(spec, rng)

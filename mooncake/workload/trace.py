@@ -100,11 +100,21 @@ def iter_trace(
         TraceFormatError: at the first malformed line (blank lines are skipped).
         ConfigError: for invalid options.
     """
-    _check_options(block_size_tokens, speedup)
+    _check_options(block_size_tokens, speedup)  # here, not in the generator: bad options fail at the call
+    return _read(path, block_size_tokens, speedup)
+
+
+def _read(path: str | os.PathLike[str], block_size_tokens: int, speedup: float) -> Iterator[Request]:
     previous = -math.inf
     index = 0
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise TraceFormatError(
+                    path, number, f"not UTF-8: byte {raw[error.start]:#04x} at column {error.start + 1}"
+                ) from error
             if not line.strip():
                 continue
             try:
@@ -125,7 +135,7 @@ def iter_trace(
                 arrival_s=timestamp / 1000.0 / speedup,
                 input_length=input_length,
                 output_length=output_length,
-                block_keys=tuple(hash_ids),
+                block_keys=hash_ids,
             )
             index += 1
 

@@ -1,0 +1,209 @@
+"""Request value object and token arrays: validation, read-only tokens, equality and hashing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.errors import InvalidRequestError
+from mooncake.types import BlockKey, Request, RequestId, Tier, as_token_array
+from tests.strategies import key_chains, token_arrays, token_ids
+
+
+def make_request(**overrides: Any) -> Request:
+    options: dict[str, Any] = {
+        "request_id": RequestId("r1"),
+        "arrival_s": 1.5,
+        "input_length": 3,
+        "output_length": 7,
+        "block_keys": (BlockKey(10), BlockKey(11)),
+    }
+    options.update(overrides)
+    return Request(**options)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_valid_request_keeps_its_fields() -> None:
+    """A valid request stores its fields as given, block keys as a tuple and no tokens."""
+    request = make_request(block_keys=[BlockKey(1), BlockKey(2)])
+    assert request.request_id == "r1"
+    assert request.arrival_s == 1.5
+    assert (request.input_length, request.output_length) == (3, 7)
+    assert request.block_keys == (1, 2)
+    assert request.tokens is None
+
+
+@pytest.mark.parametrize("field", ["input_length", "output_length"])
+@pytest.mark.parametrize("value", [0, -1, -512, 2.0, 1.5, True, "3", None])
+def test_non_positive_or_non_integer_lengths_are_rejected(field: str, value: object) -> None:
+    """input_length and output_length must be positive ints (not bool, float or str); the error names both."""
+    with pytest.raises(InvalidRequestError, match=field) as caught:
+        make_request(**{field: value})
+    assert repr(value) in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [-1, -0.001, math.inf, -math.inf, math.nan, True, False, "0", None])
+def test_invalid_arrival_is_rejected(value: object) -> None:
+    """arrival_s must be a finite number >= 0 (bools, inf and NaN rejected); the error names the value."""
+    with pytest.raises(InvalidRequestError, match="arrival_s") as caught:
+        make_request(arrival_s=value)
+    assert repr(value) in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 3, 2.5, np.float64(7.25), 1e9])
+def test_finite_non_negative_arrivals_are_accepted(value: float) -> None:
+    """Any finite non-negative int or float arrival (numpy floats included) is accepted unchanged."""
+    assert make_request(arrival_s=value).arrival_s == value
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_token_count_must_equal_input_length(count: int) -> None:
+    """Giving a number of tokens other than input_length is rejected, naming both numbers."""
+    with pytest.raises(InvalidRequestError, match=rf"\b{count} tokens given for input_length 3\b"):
+        make_request(tokens=list(range(count)))
+
+
+@pytest.mark.parametrize("bad", [-1, -(2**31)])
+def test_negative_tokens_are_rejected(bad: int) -> None:
+    """Negative token ids are rejected, naming the value."""
+    with pytest.raises(InvalidRequestError, match=str(bad)):
+        make_request(tokens=[0, bad, 2])
+
+
+@pytest.mark.parametrize("bad", [2**31, 2**32 - 1, 2**63 - 1])
+def test_tokens_beyond_int32_are_rejected(bad: int) -> None:
+    """Token ids above int32's range are rejected, naming the value, whatever the input dtype."""
+    for tokens in ([0, bad, 2], np.array([0, bad, 2], dtype=np.int64)):
+        with pytest.raises(InvalidRequestError, match=str(bad)):
+            make_request(tokens=tokens)
+
+
+@pytest.mark.parametrize("tokens", [[[0, 1, 2]], [0.0, 1.0, 2.0], [True, False, True], ["a", "b", "c"], [0, 1, 2**64]])
+def test_tokens_that_are_not_a_flat_integer_sequence_are_rejected(tokens: object) -> None:
+    """2-D, float, bool, string and unrepresentable token sequences are rejected."""
+    with pytest.raises(InvalidRequestError, match="token"):
+        make_request(tokens=tokens)
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_tokens_become_a_read_only_int32_copy(dtype: type) -> None:
+    """Tokens are stored as a private read-only int32 array; later changes to the source do not leak in."""
+    source = np.array([5, 6, 7], dtype=dtype)
+    request = make_request(tokens=source)
+    assert request.tokens is not None
+    assert request.tokens.dtype == np.int32
+    assert not request.tokens.flags.writeable
+    assert not np.shares_memory(source, request.tokens)
+    source[0] = 99
+    assert request.tokens.tolist() == [5, 6, 7]
+    with pytest.raises(ValueError):
+        request.tokens[0] = 1
+
+
+def test_tokens_from_a_list_are_read_only() -> None:
+    """A plain list of token ids becomes a read-only int32 array too."""
+    request = make_request(tokens=[0, 1, 2**31 - 1])
+    assert request.tokens is not None
+    assert request.tokens.dtype == np.int32 and not request.tokens.flags.writeable
+    assert request.tokens.tolist() == [0, 1, 2**31 - 1]
+
+
+def test_request_is_frozen() -> None:
+    """Fields cannot be reassigned; attrs.evolve makes a validated copy."""
+    request = make_request()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        request.input_length = 4  # type: ignore[misc]
+    assert attrs.evolve(request, output_length=1).output_length == 1
+    with pytest.raises(InvalidRequestError):
+        attrs.evolve(request, output_length=0)
+
+
+def test_as_token_array_does_not_copy_int32() -> None:
+    """as_token_array returns a contiguous int32 array as it is, and converts other integer arrays."""
+    tokens = np.arange(4, dtype=np.int32)
+    assert np.shares_memory(as_token_array(tokens), tokens)
+    converted = as_token_array(np.arange(4, dtype=np.int64)[::2])
+    assert converted.dtype == np.int32 and converted.flags.c_contiguous
+    assert converted.tolist() == [0, 2]
+    assert as_token_array([]).dtype == np.int32
+
+
+@pytest.mark.parametrize("tokens", [[2**31], [-(2**31) - 1], np.zeros((2, 2), dtype=np.int32), [0.5], 7])
+def test_as_token_array_rejects_what_int32_cannot_hold(tokens: object) -> None:
+    """as_token_array rejects out-of-range ids, non-1-D inputs and non-integers."""
+    with pytest.raises(InvalidRequestError):
+        as_token_array(tokens)
+
+
+@given(tokens=st.lists(token_ids, max_size=50))
+def test_as_token_array_preserves_values(tokens: list[int]) -> None:
+    """Every int32-representable sequence converts to an int32 array with the same values."""
+    array = as_token_array(tokens)
+    assert array.dtype == np.int32 and array.ndim == 1
+    assert array.tolist() == tokens
+
+
+def test_tiers_are_ordered_fastest_first() -> None:
+    """VRAM < DRAM < SSD."""
+    assert Tier.VRAM < Tier.DRAM < Tier.SSD
+
+
+# --------------------------------------------------------------------------- equality and hashing
+
+
+def test_equality_and_hash_without_tokens() -> None:
+    """Requests with equal fields are equal and hash equal; any differing field makes them unequal."""
+    a, b = make_request(), make_request(block_keys=[BlockKey(10), BlockKey(11)])
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b}) == 1
+    assert a != make_request(request_id=RequestId("r2"))
+    assert a != make_request(block_keys=(BlockKey(10),))
+    assert a != make_request(arrival_s=1.0)
+
+
+def test_equality_and_hash_with_tokens() -> None:
+    """Tokens take part in equality by value (not identity); requests with tokens stay hashable."""
+    a = make_request(tokens=[1, 2, 3])
+    b = make_request(tokens=np.array([1, 2, 3], dtype=np.int64))
+    assert a == b and hash(a) == hash(b)
+    assert {a: "x"}[b] == "x"
+    assert a != make_request(tokens=[1, 2, 4])
+    assert a != make_request()  # tokens known vs unknown
+    assert make_request() != a
+
+
+@given(
+    keys=key_chains(),
+    tokens=token_arrays(max_size=20).filter(lambda t: t.size > 0),
+    arrival_ms=st.integers(0, 10**9),
+    output_length=st.integers(1, 10**6),
+)
+def test_equal_construction_gives_equal_hashable_requests(
+    keys: tuple[BlockKey, ...], tokens: np.ndarray, arrival_ms: int, output_length: int
+) -> None:
+    """Two requests built from the same values are equal, hash equal, and equal their evolve copies."""
+    fields: dict[str, Any] = {
+        "request_id": RequestId("q"),
+        "arrival_s": arrival_ms / 1000,
+        "input_length": int(tokens.size),
+        "output_length": output_length,
+        "block_keys": keys,
+    }
+    a = Request(**fields, tokens=tokens)
+    b = Request(**fields, tokens=tokens.tolist())
+    assert a == b and hash(a) == hash(b)
+    assert attrs.evolve(a) == a
+    assert Request(**fields) == Request(**fields)
+    assert hash(Request(**fields)) == hash(a)  # tokens do not enter the hash
+    assert Request(**fields) != a

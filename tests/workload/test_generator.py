@@ -1,0 +1,320 @@
+"""Synthetic workloads: determinism, arrivals, chained-key structure, multi-turn sessions, presets, specs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.errors import ConfigError
+from mooncake.types import BlockKey, Request
+from mooncake.workload import (
+    PRESETS,
+    TRACE_BLOCK_SIZE_TOKENS,
+    ArrivalProcess,
+    LengthDistribution,
+    WorkloadSpec,
+    generate_requests,
+    preset,
+)
+from tests.strategies import workload_specs
+
+PUBLISHED = {"conversation": (12035, 343), "toolagent": (8596, 182), "synthetic": (15325, 149)}
+"""Mean input / output tokens of the Mooncake traces (FAST'25)."""
+
+PRESET_SEEDS = range(4)
+PRESET_REQUESTS = 4000
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+preset_names = st.sampled_from(sorted(PRESETS))
+
+
+def generate(spec: WorkloadSpec, num_requests: int, seed: int = 0, **arrivals: float) -> list[Request]:
+    return list(generate_requests(spec, num_requests=num_requests, arrivals=ArrivalProcess(**arrivals), seed=seed))
+
+
+@pytest.fixture(scope="module")
+def preset_workloads() -> dict[str, list[list[Request]]]:
+    """Each preset at 4,000 requests for seeds 0..3 (about 4 s in all, shared by this module)."""
+    return {name: [generate(preset(name), PRESET_REQUESTS, seed) for seed in PRESET_SEEDS] for name in PUBLISHED}
+
+
+def assert_valid(workload: Sequence[Request], spec: WorkloadSpec) -> None:
+    """Ids 0..n-1, non-decreasing whole-ms arrivals from 0, ceil(input/block) keys, lengths within the spec."""
+    block = spec.block_size_tokens
+    assert [r.request_id for r in workload] == [str(i) for i in range(len(workload))]
+    if workload:
+        assert workload[0].arrival_s == 0.0
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(workload))
+    for r in workload:
+        assert round(r.arrival_s * 1000) / 1000 == r.arrival_s
+        assert len(r.block_keys) == math.ceil(r.input_length / block)
+        assert all(type(k) is int and k >= 0 for k in r.block_keys)
+        assert 1 <= r.input_length <= spec.max_input_tokens
+        assert spec.output_tokens.min_tokens <= r.output_length <= spec.output_tokens.max_tokens
+
+
+def assert_keys_are_chained(workload: Sequence[Request], block_size_tokens: int) -> None:
+    """Equal keys imply equal prefixes: key → (position, parent key, block length) is a function.
+
+    By induction over positions, two requests sharing key i then share keys 0..i and
+    every block's length, so no key repeats within a request either.
+    """
+    seen: dict[BlockKey, tuple[int, BlockKey | None, int]] = {}
+    for r in workload:
+        assert len(set(r.block_keys)) == len(r.block_keys), f"request {r.request_id} repeats a key"
+        parent: BlockKey | None = None
+        for position, key in enumerate(r.block_keys):
+            block_length = min(block_size_tokens, r.input_length - position * block_size_tokens)
+            shape = (position, parent, block_length)
+            assert seen.setdefault(key, shape) == shape, f"key {key} of request {r.request_id} has two prefixes"
+            parent = key
+
+
+def continuations(workload: Sequence[Request], block_size_tokens: int) -> int:
+    """Requests whose keys start with all full blocks of an earlier request, after its prompt and output."""
+    earlier: dict[BlockKey, list[tuple[tuple[BlockKey, ...], int]]] = {}
+    count = 0
+    for r in workload:
+        keys = r.block_keys
+        count += any(
+            keys[: i + 1] == prefix and r.input_length > min_input
+            for i, key in enumerate(keys)
+            for prefix, min_input in earlier.get(key, ())
+        )
+        num_full = r.input_length // block_size_tokens
+        if num_full:
+            earlier.setdefault(keys[num_full - 1], []).append((keys[:num_full], r.input_length + r.output_length))
+    return count
+
+
+def gap_cv(workload: Sequence[Request]) -> float:
+    gaps = np.diff([r.arrival_s for r in workload])
+    return float(gaps.std() / gaps.mean())
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@settings(max_examples=20)
+@given(name=preset_names, seed=seeds)
+def test_same_seed_gives_the_same_workload(name: str, seed: int) -> None:
+    """The same spec, count and seed give identical requests."""
+    assert generate(preset(name), 40, seed) == generate(preset(name), 40, seed)
+
+
+@settings(max_examples=20)
+@given(name=preset_names, seeds=st.lists(seeds, min_size=2, max_size=2, unique=True))
+def test_different_seeds_give_different_workloads(name: str, seeds: list[int]) -> None:
+    """Different seeds give different requests."""
+    assert generate(preset(name), 40, seeds[0]) != generate(preset(name), 40, seeds[1])
+
+
+def test_zero_requests_is_an_empty_workload() -> None:
+    """num_requests=0 yields nothing."""
+    assert generate(preset("synthetic"), 0) == []
+
+
+# --------------------------------------------------------------------------- validity and structure
+
+
+@given(spec=workload_specs(), num_requests=st.integers(0, 60), seed=seeds)
+def test_random_specs_generate_valid_chained_workloads(spec: WorkloadSpec, num_requests: int, seed: int) -> None:
+    """Any spec gives num_requests valid requests whose keys are chained at the spec's block size."""
+    workload = generate(spec, num_requests, seed)
+    assert len(workload) == num_requests
+    assert_valid(workload, spec)
+    assert_keys_are_chained(workload, spec.block_size_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_workloads_are_valid_and_chained(preset_workloads: dict[str, list[list[Request]]], name: str) -> None:
+    """Every preset request is valid with ceil(input/512) keys, and equal keys imply equal prefixes."""
+    assert preset(name).block_size_tokens == TRACE_BLOCK_SIZE_TOKENS
+    for workload in preset_workloads[name]:
+        assert_valid(workload, preset(name))
+        assert_keys_are_chained(workload, TRACE_BLOCK_SIZE_TOKENS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_multi_turn_sessions(preset_workloads: dict[str, list[list[Request]]], name: str) -> None:
+    """Many preset requests extend an earlier request's full blocks beyond its prompt and output."""
+    for workload in preset_workloads[name]:
+        assert continuations(workload, TRACE_BLOCK_SIZE_TOKENS) > len(workload) // 5
+
+
+def test_turns_extend_the_previous_prompt_only_when_sessions_continue() -> None:
+    """With unique first blocks, continuations exist iff continue_probability > 0."""
+    spec = WorkloadSpec(
+        system_prompt_tokens=LengthDistribution(mean_tokens=1, sigma=0),  # the first block is the user's message
+        user_message_tokens=LengthDistribution(mean_tokens=900, sigma=0.3, min_tokens=600),
+        output_tokens=LengthDistribution(mean_tokens=100, sigma=0.5),
+        mean_turns=4.0,
+        continue_probability=0.6,
+    )
+    assert continuations(generate(spec, 500), spec.block_size_tokens) > 100
+    single = attrs.evolve(spec, continue_probability=0.0)
+    assert continuations(generate(single, 500), spec.block_size_tokens) == 0
+
+
+def test_single_turn_sessions_never_continue() -> None:
+    """mean_turns=1 ends every session after one request, whatever continue_probability says."""
+    spec = WorkloadSpec(
+        system_prompt_tokens=LengthDistribution(mean_tokens=1, sigma=0),
+        user_message_tokens=LengthDistribution(mean_tokens=900, sigma=0.3, min_tokens=600),
+        mean_turns=1.0,
+        continue_probability=0.9,
+    )
+    assert continuations(generate(spec, 300), spec.block_size_tokens) == 0
+
+
+@given(seed=seeds, max_input=st.integers(1, 3000))
+@settings(max_examples=20)
+def test_inputs_never_exceed_max_input_tokens(seed: int, max_input: int) -> None:
+    """Prompts are clipped (first turn) or the session ends (later turns) at max_input_tokens."""
+    spec = attrs.evolve(preset("conversation"), max_input_tokens=max_input)
+    workload = generate(spec, 80, seed)
+    assert max(r.input_length for r in workload) <= max_input
+    assert_keys_are_chained(workload, spec.block_size_tokens)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_means_match_the_published_traces(preset_workloads: dict[str, list[list[Request]]], name: str) -> None:
+    """Mean input/output at 4,000 requests: within 3% of the published figures over seeds 0..3, 6% per seed."""
+    published_input, published_output = PUBLISHED[name]
+    inputs = [statistics.fmean(r.input_length for r in w) for w in preset_workloads[name]]
+    outputs = [statistics.fmean(r.output_length for r in w) for w in preset_workloads[name]]
+    assert statistics.fmean(inputs) == pytest.approx(published_input, rel=0.03)
+    assert statistics.fmean(outputs) == pytest.approx(published_output, rel=0.03)
+    for mean_input, mean_output in zip(inputs, outputs, strict=True):
+        assert mean_input == pytest.approx(published_input, rel=0.06)
+        assert mean_output == pytest.approx(published_output, rel=0.06)
+
+
+def test_preset_lookup() -> None:
+    """preset(name) returns the PRESETS entry, named after itself."""
+    assert sorted(PRESETS) == ["conversation", "synthetic", "toolagent"]
+    for name, spec in PRESETS.items():
+        assert preset(name) is spec and spec.name == name
+
+
+@pytest.mark.parametrize("name", ["", "Synthetic", "chat", "toolagent "])
+def test_unknown_preset_is_a_config_error(name: str) -> None:
+    """An unknown preset name raises ConfigError naming it and the choices."""
+    with pytest.raises(ConfigError, match="conversation") as caught:
+        preset(name)
+    assert repr(name) in str(caught.value)
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bursty_arrivals_vary_more_than_poisson(seed: int) -> None:
+    """At the same rate, cv=3 arrivals have a larger inter-arrival CV (about 3) than Poisson (about 1)."""
+    spec = preset("toolagent")
+    poisson = gap_cv(generate(spec, 2000, seed, rate_per_s=4.0, cv=1.0))
+    bursty = gap_cv(generate(spec, 2000, seed, rate_per_s=4.0, cv=3.0))
+    assert bursty > poisson
+    assert 0.85 < poisson < 1.15
+    assert 2.0 < bursty < 4.0
+
+
+@given(seed=seeds, rate=st.floats(0.01, 1000.0), cv=st.sampled_from([1.0, 2.0, 3.0]))
+def test_arrival_process_times(seed: int, rate: float, cv: float) -> None:
+    """times_s: starts at 0, non-decreasing, whole ms; Poisson's CV is below a bursty one's from the same seed."""
+    process = ArrivalProcess(rate_per_s=rate, cv=cv)
+    times = process.times_s(np.random.default_rng(seed), 2000)
+    assert times[0] == 0.0
+    assert np.all(np.diff(times) >= 0)
+    assert np.array_equal(np.round(times * 1000) / 1000, times)
+    poisson = np.diff(ArrivalProcess(rate_per_s=rate, cv=1.0).times_s(np.random.default_rng(seed), 2000))
+    bursty = np.diff(ArrivalProcess(rate_per_s=rate, cv=3.0).times_s(np.random.default_rng(seed), 2000))
+    assert bursty.std() / bursty.mean() > poisson.std() / poisson.mean()
+
+
+@given(seed=seeds, rate=st.floats(0.1, 100.0))
+@settings(max_examples=30)
+def test_poisson_arrivals_have_the_requested_rate(seed: int, rate: float) -> None:
+    """A Poisson process at rate r has a mean gap of 1/r (within 15% over 2,000 arrivals)."""
+    times = ArrivalProcess(rate_per_s=rate).times_s(np.random.default_rng(seed), 2001)
+    assert times[-1] / 2000 == pytest.approx(1 / rate, rel=0.15)
+
+
+# --------------------------------------------------------------------------- invalid specs
+
+INVALID: list[tuple[type, dict[str, Any], str]] = [
+    (LengthDistribution, {"mean_tokens": 0}, "mean_tokens"),
+    (LengthDistribution, {"mean_tokens": -5}, "mean_tokens"),
+    (LengthDistribution, {"mean_tokens": math.nan}, "mean_tokens"),
+    (LengthDistribution, {"mean_tokens": 10, "sigma": -0.1}, "sigma"),
+    (LengthDistribution, {"mean_tokens": 10, "min_tokens": 0}, "min_tokens"),
+    (LengthDistribution, {"mean_tokens": 10, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    (ArrivalProcess, {"rate_per_s": 0}, "rate_per_s"),
+    (ArrivalProcess, {"rate_per_s": -1}, "rate_per_s"),
+    (ArrivalProcess, {"rate_per_s": math.inf}, "rate_per_s"),
+    (ArrivalProcess, {"rate_per_s": math.nan}, "rate_per_s"),
+    (ArrivalProcess, {"cv": 0}, "cv"),
+    (ArrivalProcess, {"cv": math.inf}, "cv"),
+    (WorkloadSpec, {"block_size_tokens": 0}, "block_size_tokens"),
+    (WorkloadSpec, {"chat_weight": -1.0}, "weights"),
+    (WorkloadSpec, {"chat_weight": 0.0}, "weights"),
+    (WorkloadSpec, {"num_system_prompts": 0}, "num_system_prompts"),
+    (WorkloadSpec, {"num_documents": 0}, "num_documents"),
+    (WorkloadSpec, {"num_agent_preambles": 0}, "num_agent_preambles"),
+    (WorkloadSpec, {"popularity_skew": -0.5}, "popularity_skew"),
+    (WorkloadSpec, {"mean_turns": 0.5}, "mean_turns"),
+    (WorkloadSpec, {"continue_probability": 1.0}, "continue_probability"),
+    (WorkloadSpec, {"continue_probability": -0.1}, "continue_probability"),
+    (WorkloadSpec, {"max_input_tokens": 0}, "max_input_tokens"),
+]
+
+
+@pytest.mark.parametrize(("cls", "options", "field"), INVALID, ids=[f"{c.__name__}-{o}" for c, o, _ in INVALID])
+def test_invalid_specs_are_config_errors(cls: type, options: dict[str, Any], field: str) -> None:
+    """Each out-of-range option raises ConfigError naming the field and the value."""
+    with pytest.raises(ConfigError, match=field) as caught:
+        cls(**options)
+    assert isinstance(caught.value, ValueError)
+    assert repr(list(options.values())[-1]) in str(caught.value)  # the offending value
+
+
+def test_evolve_validates_too() -> None:
+    """attrs.evolve on a preset re-runs validation."""
+    with pytest.raises(ConfigError, match="block_size_tokens"):
+        attrs.evolve(preset("synthetic"), block_size_tokens=-512)
+
+
+@pytest.mark.parametrize("num_requests", [-1, 2.5, "10", None])
+def test_invalid_request_count_is_a_config_error(num_requests: object) -> None:
+    """num_requests must be an integer >= 0."""
+    with pytest.raises(ConfigError, match="num_requests"):
+        list(generate_requests(preset("synthetic"), num_requests=num_requests))  # type: ignore[arg-type]
+
+
+def test_bool_request_count_is_a_config_error() -> None:
+    """num_requests=True is rejected like other non-integers."""
+    with pytest.raises(ConfigError, match="num_requests"):
+        list(generate_requests(preset("synthetic"), num_requests=True))
+
+
+def test_invalid_request_count_is_rejected_when_called() -> None:
+    """generate_requests raises for a bad num_requests when called, not later when iterated."""
+    with pytest.raises(ConfigError, match="num_requests"):
+        generate_requests(preset("synthetic"), num_requests=-1)
+
+
+def test_infinite_mean_tokens_is_a_config_error() -> None:
+    """mean_tokens must be finite, as ArrivalProcess requires of its rate."""
+    with pytest.raises(ConfigError, match="mean_tokens"):
+        LengthDistribution(mean_tokens=math.inf)
