@@ -85,10 +85,14 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"{num_blocks:,} blocks of {args.block_size} int32 tokens, {os.cpu_count()} CPUs")
-    print(f"batch (numba + xxhash C)   {result['batch_blocks_per_s'] / 1e6:8.2f} M blocks/s  ({result['batch_gbytes_per_s']:.1f} GB/s)")
+    print(
+        f"batch (numba + xxhash C)   {result['batch_blocks_per_s'] / 1e6:8.2f} M blocks/s  ({result['batch_gbytes_per_s']:.1f} GB/s)"
+    )
     print(f"per request                {result['per_request_blocks_per_s'] / 1e6:8.2f} M blocks/s")
     print(f"sha256 chain (peer)        {result['sha256_chain_blocks_per_s'] / 1e6:8.2f} M blocks/s")
-    print(f"speedup vs sha256          {result['speedup_vs_sha256']:8.1f}x batch, {result['per_request_speedup_vs_sha256']:.1f}x per request")
+    print(
+        f"speedup vs sha256          {result['speedup_vs_sha256']:8.1f}x batch, {result['per_request_speedup_vs_sha256']:.1f}x per request"
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def build(index_chains: list[list[BlockKey]], plan: list[list[tuple[int, int, in
     seq = [0] * 1024
     for keys, holders in zip(index_chains, plan, strict=True):
         for owner, length, tier in holders:
-            index.apply(BlockStored(source=InstanceId(f"prefill-{owner}"), seq=seq[owner], keys=keys[:length], tier=Tier(tier)))
+            index.apply(
+                BlockStored(source=InstanceId(f"prefill-{owner}"), seq=seq[owner], keys=keys[:length], tier=Tier(tier))
+            )
             seq[owner] += 1
     return index
 
@@ -117,7 +119,9 @@ def main() -> None:
     queries = [indexed[i] for i in rng.integers(0, num_chains, size=args.queries)]
     # A quarter of the queries diverge halfway (a new user turn): realistic partial hits.
     for q in range(0, len(queries), 4):
-        queries[q] = queries[q][: length // 2] + [BlockKey(k) for k in rng.integers(0, 2**64 - 1, size=length - length // 2, dtype=np.uint64).tolist()]
+        queries[q] = queries[q][: length // 2] + [
+            BlockKey(k) for k in rng.integers(0, 2**64 - 1, size=length - length // 2, dtype=np.uint64).tolist()
+        ]
 
     for query in queries[:100]:
         assert dict(index.match(query).lengths) == naive.match(query)  # same answers
@@ -148,9 +152,15 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"{num_keys:,} keys, {args.instances} instances, {length}-block requests")
-    print(f"BlockIndex.match    {result['matches_per_s'] / 1e3:8.1f} k matches/s   {result['bytes_per_key']:6.1f} bytes/key")
-    print(f"naive (peer)        {result['naive_matches_per_s'] / 1e3:8.1f} k matches/s   {result['naive_bytes_per_key']:6.1f} bytes/key")
-    print(f"ratio               {result['speedup_vs_naive']:8.1f}x faster       {result['memory_ratio_vs_naive']:6.2f}x the memory")
+    print(
+        f"BlockIndex.match    {result['matches_per_s'] / 1e3:8.1f} k matches/s   {result['bytes_per_key']:6.1f} bytes/key"
+    )
+    print(
+        f"naive (peer)        {result['naive_matches_per_s'] / 1e3:8.1f} k matches/s   {result['naive_bytes_per_key']:6.1f} bytes/key"
+    )
+    print(
+        f"ratio               {result['speedup_vs_naive']:8.1f}x faster       {result['memory_ratio_vs_naive']:6.2f}x the memory"
+    )
 
 
 if __name__ == "__main__":

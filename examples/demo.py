@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mooncake.cache.capacity import hit_ratio_curve
 from mooncake.cli import POLICIES, plot_capacity
-from mooncake.workload import ArrivalProcess, PRESETS, generate_requests, load_trace, preset, trace_stats, write_trace
+from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset, trace_stats, write_trace
 
 CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
 
@@ -41,10 +41,14 @@ def main() -> None:
     workload = load_trace(trace)
     stats = trace_stats(workload)
     print(f"== workload: preset '{args.preset}', seed {args.seed} -> {trace}")
-    print(f"requests {stats.num_requests:,}   mean input {stats.mean_input_length:,.0f} tokens   "
-          f"mean output {stats.mean_output_length:,.0f} tokens   max input {stats.max_input_length:,}")
-    print(f"blocks {stats.num_blocks:,} ({stats.num_unique_blocks:,} unique)   "
-          f"prefix reuse ratio {stats.prefix_reuse_ratio:.4f}   {stats.mean_rate_per_s:.2f} req/s over {stats.duration_s:,.0f} s")
+    print(
+        f"requests {stats.num_requests:,}   mean input {stats.mean_input_length:,.0f} tokens   "
+        f"mean output {stats.mean_output_length:,.0f} tokens   max input {stats.max_input_length:,}"
+    )
+    print(
+        f"blocks {stats.num_blocks:,} ({stats.num_unique_blocks:,} unique)   "
+        f"prefix reuse ratio {stats.prefix_reuse_ratio:.4f}   {stats.mean_rate_per_s:.2f} req/s over {stats.duration_s:,.0f} s"
+    )
 
     print("\n== prefix hit ratio against cache capacity (prefix-aware eviction)")
     print(f"{'policy':<14}" + "".join(f"{c:>10,}" for c in CAPACITIES_BLOCKS) + "   seconds")
