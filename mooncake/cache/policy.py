@@ -61,7 +61,11 @@ class EvictionPolicy(Protocol):
 
 
 class _PolicyBase:
-    """Pins and prefix-awareness, shared by every policy."""
+    """Pins and prefix-awareness, shared by every policy.
+
+    Invariants (`check_invariants`): child counts equal a recount of the parent
+    links of cached keys; every pin is on a cached key with a positive count.
+    """
 
     def __init__(self, *, prefix_aware: bool = True) -> None:
         self.prefix_aware = prefix_aware
@@ -92,11 +96,6 @@ class _PolicyBase:
         """`key` was unpinned or lost its last child."""
 
     # Protocol ---------------------------------------------------------------
-    def _link(self, key: BlockKey, parent: BlockKey | None) -> None:
-        if self.prefix_aware and parent is not None and parent != key:
-            self._parent[key] = parent
-            self._children[parent] = self._children.get(parent, 0) + 1
-
     def remove(self, key: BlockKey) -> None:
         if key not in self:
             raise UnknownBlockError(f"block {key} is not cached")
@@ -145,6 +144,13 @@ class _PolicyBase:
             recount[parent] = recount.get(parent, 0) + 1
         assert recount == self._children, "child counts disagree with parent links"
         assert all(key in self and n > 0 for key, n in self._pins.items()), "pins on dropped blocks"
+
+    # Shared mechanics -------------------------------------------------------
+    def _link(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """Record `parent` as the chain predecessor of the newly inserted `key`."""
+        if self.prefix_aware and parent is not None and parent != key:
+            self._parent[key] = parent
+            self._children[parent] = self._children.get(parent, 0) + 1
 
     def _forget(self, key: BlockKey) -> None:
         self._delete(key)
@@ -328,8 +334,7 @@ class SievePolicy(_PolicyBase):
                     return node
                 self._visited[node] = False
             node = self._newer[node]
-        self._hand = node
-        return None
+        return None  # nothing evictable: the hand stays where it was
 
     def check_invariants(self) -> None:
         super().check_invariants()
