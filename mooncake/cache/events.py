@@ -3,7 +3,8 @@
 A source (one instance's cache) publishes `BlockStored`, `BlockRemoved` and
 `AllBlocksCleared`, each stamped with the source's `epoch` and a sequence number
 that rises by exactly one per event within the epoch, starting at 0. A source
-that restarts picks a new epoch. A consumer that sees a sequence number jump has
+that restarts picks a higher epoch (its start time in ns, say); events of a
+lower epoch than the one a consumer has seen are stragglers and are ignored. A consumer that sees a sequence number jump has
 lost events and must ask the source for a snapshot (`SequenceGap`); this is how
 vLLM's KV-event publishers and Dynamo-style routers stay consistent, too.
 """

@@ -18,7 +18,9 @@ a few word operations, and each instance drops out once, so a match costs
 O(len(keys) + holders), not O(len(keys) × holders).
 
 Events: a source's first event of an epoch must have seq 0, and each later one
-seq + 1. A new epoch means the source restarted: its old holdings are dropped.
+seq + 1. Epochs only rise: a higher epoch means the source restarted, and its
+old holdings are dropped; an event of a lower epoch is a late straggler and is
+ignored.
 A repeated or older seq is ignored (redelivery). A jump is a gap: the event is
 not applied, the source is marked stale, `apply` returns a `SequenceGap`, and
 the source's events are refused until `resync` installs its snapshot. Stale
@@ -218,6 +220,8 @@ class BlockIndex:
         """
         source = event.source
         state = self._sources.get(source)
+        if state is not None and event.epoch < state.epoch:
+            return None  # a late event of an earlier incarnation
         if state is None or state.epoch != event.epoch:
             if event.seq != 0:
                 return self._gap(source, event, expected_epoch=event.epoch, expected_seq=0)
