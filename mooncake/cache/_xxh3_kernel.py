@@ -54,17 +54,18 @@ def _find_xxh3_64() -> Any | None:
 
 
 class Kernels:
-    """The compiled chain kernels: `serial` for one request, `parallel` for many.
+    """The compiled chain kernels.
 
-    Both have the signature ``(tokens, token_offsets, parents, block_size, seed,
-    out, out_offsets) -> None``: request r hashes ``tokens[token_offsets[r]:
-    token_offsets[r+1]]`` in blocks of `block_size` (the last may be partial),
-    starting its chain from ``parents[r]``, and writes its keys to
-    ``out[out_offsets[r]:out_offsets[r+1]]``.
+    ``single(tokens, parent, block_size, seed, out)`` hashes one request's tokens
+    in blocks of `block_size` (the last may be partial), chaining from `parent`,
+    into `out`. ``parallel(tokens, token_offsets, parents, block_size, seed, out,
+    out_offsets)`` does the same for request r = ``tokens[token_offsets[r]:
+    token_offsets[r+1]]`` from ``parents[r]`` into ``out[out_offsets[r]:]``, with
+    requests spread over threads.
     """
 
-    def __init__(self, serial: Callable[..., None], parallel: Callable[..., None]) -> None:
-        self.serial = serial
+    def __init__(self, single: Callable[..., None], parallel: Callable[..., None]) -> None:
+        self.single = single
         self.parallel = parallel
 
 
@@ -79,17 +80,13 @@ def load_kernels() -> Kernels | None:
 
     memmove = ctypes.memmove  # a ctypes function pointer numba can call, like xxh3
 
-    def chain(tokens, token_offsets, parents, block_size, seed, out, out_offsets, r):  # type: ignore[no-untyped-def]
+    def chain(tokens, start, stop, parent, block_size, seed, out, k):  # type: ignore[no-untyped-def]
         # Scratch holds le64(parent) followed by one block of le32 tokens; numpy's
         # native order is little-endian on every platform numba targets here.
         scratch = np.empty(8 + 4 * block_size, np.uint8)
         parent_slot = scratch[:8].view(np.uint64)
         base = scratch.ctypes.data
         source = tokens.ctypes.data
-        parent = parents[r]
-        start = token_offsets[r]
-        stop = token_offsets[r + 1]
-        k = out_offsets[r]
         while start < stop:
             end = min(start + block_size, stop)
             parent_slot[0] = parent
@@ -102,13 +99,14 @@ def load_kernels() -> Kernels | None:
     chain_jit = numba.njit(nogil=True)(chain)
 
     @numba.njit(nogil=True)
-    def serial(tokens, token_offsets, parents, block_size, seed, out, out_offsets):  # type: ignore[no-untyped-def]
-        for r in range(token_offsets.size - 1):
-            chain_jit(tokens, token_offsets, parents, block_size, seed, out, out_offsets, r)
+    def single(tokens, parent, block_size, seed, out):  # type: ignore[no-untyped-def]
+        chain_jit(tokens, 0, tokens.size, parent, block_size, seed, out, 0)
 
     @numba.njit(nogil=True, parallel=True)
     def parallel(tokens, token_offsets, parents, block_size, seed, out, out_offsets):  # type: ignore[no-untyped-def]
         for r in numba.prange(token_offsets.size - 1):
-            chain_jit(tokens, token_offsets, parents, block_size, seed, out, out_offsets, r)
+            chain_jit(
+                tokens, token_offsets[r], token_offsets[r + 1], parents[r], block_size, seed, out, out_offsets[r]
+            )
 
-    return Kernels(serial=serial, parallel=parallel)
+    return Kernels(single=single, parallel=parallel)

@@ -138,17 +138,8 @@ class BlockHasher:
         kernels = self._kernels()
         if kernels is None or array.size == 0:
             return self._chain_python(array, start)
-        offsets = np.array([0, array.size], dtype=np.int64)
         out = np.empty(self.num_blocks(array.size), dtype=np.uint64)
-        kernels.serial(
-            array,
-            offsets,
-            np.array([start], dtype=np.uint64),
-            self.block_size_tokens,
-            np.uint64(self.seed),
-            out,
-            np.array([0, out.size], dtype=np.int64),
-        )
+        kernels.single(array, np.uint64(start), self.block_size_tokens, np.uint64(self.seed), out)
         return key_tuple(out.tolist())
 
     def hash_batch(self, tokens: Any, offsets: Any) -> KeyBatch:
