@@ -105,8 +105,6 @@ def load_kernels() -> Kernels | None:
     @numba.njit(nogil=True, parallel=True)
     def parallel(tokens, token_offsets, parents, block_size, seed, out, out_offsets):  # type: ignore[no-untyped-def]
         for r in numba.prange(token_offsets.size - 1):
-            chain_jit(
-                tokens, token_offsets[r], token_offsets[r + 1], parents[r], block_size, seed, out, out_offsets[r]
-            )
+            chain_jit(tokens, token_offsets[r], token_offsets[r + 1], parents[r], block_size, seed, out, out_offsets[r])
 
     return Kernels(single=single, parallel=parallel)

@@ -1,0 +1,292 @@
+"""Page pools: fixed-size pages of one storage tier.
+
+A pool hands out page numbers (`try_allocate` / `free`, both O(1)) and moves
+bytes in and out of pages (`write` / `read`). The tiered cache (`tiered`) maps
+block keys to pages across an ordered list of pools; the transfer engine
+registers a pool's whole `buffer` once and addresses pages by
+``page * page_bytes``.
+
+- `DramPagePool`: one preallocated, 4 KiB-aligned host buffer (numpy, or pinned
+  torch memory when asked and CUDA exists); `read` is a zero-copy view.
+- `VramPagePool`: one torch CUDA tensor; `read` is a zero-copy tensor slice.
+- `SsdPagePool` (module `ssd`): a preallocated file with checksummed pages.
+- `MetadataPagePool`: page accounting with no bytes at all, so simulators run
+  the same cache code at cluster scale.
+
+Invariants (`PageAllocator.check_invariants`): a page is either free or
+allocated, never both; allocated + free = all pages handed out so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeAlias
+
+import numpy as np
+
+from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
+from mooncake.types import BlockKey, Tier
+
+__all__ = ["Buffer", "DramPagePool", "MetadataPagePool", "PageAllocator", "PagePool", "VramPagePool", "check_geometry"]
+
+Buffer: TypeAlias = Any
+"""What pages are written from: bytes, bytearray, memoryview, a numpy array, any
+object with the buffer protocol (typed loosely: numpy arrays are not `Buffer`s
+to Python 3.11's type checker)."""
+
+ALIGNMENT_BYTES = 4096  # O_DIRECT and DMA engines want page-aligned buffers
+
+
+def check_geometry(page_bytes: int, num_pages: int) -> None:
+    """Raise ConfigError unless both are positive integers."""
+    for name, value in (("page_bytes", page_bytes), ("num_pages", num_pages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+class PagePool(Protocol):
+    """Fixed-size pages of one tier. Attributes `tier`, `page_bytes`, `num_pages`,
+    `num_free` and `holds_bytes` describe it."""
+
+    tier: Tier
+    page_bytes: int
+    num_pages: int
+    holds_bytes: bool
+
+    @property
+    def num_free(self) -> int: ...
+
+    def try_allocate(self) -> int | None:
+        """A free page, or None when every page is in use."""
+
+    def free(self, page: int) -> None:
+        """Return an allocated page."""
+
+    def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
+        """Store `data` (at most `page_bytes`) in `page`; `key` and `checksum`
+        label it where the medium keeps labels (SSD)."""
+
+    def read(self, page: int, length: int) -> Any:
+        """The first `length` bytes of `page`: a zero-copy view where the medium allows."""
+
+    def close(self) -> None:
+        """Release the pool's resources."""
+
+
+class PageAllocator:
+    """O(1) page allocation: a bump pointer over never-used pages plus a free stack.
+
+    Pages are handed out lazily, so a pool of a billion metadata pages costs one
+    byte per page only once it has been used.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._next_unused = 0
+        self._free: list[int] = []
+        self._allocated = bytearray()
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - self._next_unused + len(self._free)
+
+    def try_allocate(self) -> int | None:
+        if self._free:
+            page = self._free.pop()
+        elif self._next_unused < self.num_pages:
+            page = self._next_unused
+            self._next_unused += 1
+            self._allocated.append(0)
+        else:
+            return None
+        self._allocated[page] = 1
+        return page
+
+    def claim(self, page: int) -> None:
+        """Mark a specific free page allocated (used when reopening a persistent pool)."""
+        self._check_page(page)
+        while self._next_unused <= page:
+            self._free.append(self._next_unused)
+            self._allocated.append(0)
+            self._next_unused += 1
+        if self._allocated[page]:
+            raise InvalidRequestError(f"page {page} is already allocated")
+        self._free.remove(page)
+        self._allocated[page] = 1
+
+    def free(self, page: int) -> None:
+        self._check_page(page)
+        if page >= self._next_unused or not self._allocated[page]:
+            raise InvalidRequestError(f"page {page} is not allocated")
+        self._allocated[page] = 0
+        self._free.append(page)
+
+    def is_allocated(self, page: int) -> bool:
+        return 0 <= page < self._next_unused and bool(self._allocated[page])
+
+    def check_invariants(self) -> None:
+        assert len(self._allocated) == self._next_unused <= self.num_pages
+        assert len(set(self._free)) == len(self._free), "a page is free twice"
+        assert all(not self._allocated[p] for p in self._free), "a free page is marked allocated"
+        assert sum(self._allocated) + len(self._free) == self._next_unused, "pages lost"
+
+    def _check_page(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise InvalidRequestError(f"page must be an integer in [0, {self.num_pages}), got {page!r}")
+
+
+def as_bytes_view(data: Buffer, page_bytes: int) -> memoryview:
+    """`data` as a flat byte view, checked to fit one page (no copy)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise InvalidRequestError("page data must be a contiguous buffer")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes > page_bytes:
+        raise CapacityError(f"{view.nbytes} bytes do not fit a page of {page_bytes} bytes")
+    return view
+
+
+def aligned_buffer(num_bytes: int, *, prefault: bool = False) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A zeroed uint8 array whose first byte is `ALIGNMENT_BYTES`-aligned."""
+    raw = np.zeros(num_bytes + ALIGNMENT_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT_BYTES
+    buffer = raw[start : start + num_bytes]
+    if prefault:  # touch every OS page now rather than on first write
+        buffer[::4096] = 0
+        buffer.fill(0)
+    return buffer
+
+
+class _AllocatingPool:
+    """Allocation and geometry shared by the pools."""
+
+    tier: Tier
+    holds_bytes = True
+
+    def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
+        check_geometry(page_bytes, num_pages)
+        self.tier = Tier(tier)
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def try_allocate(self) -> int | None:
+        return self.allocator.try_allocate()
+
+    def free(self, page: int) -> None:
+        self.allocator.free(page)
+
+    def close(self) -> None:
+        """Nothing to release beyond memory."""
+
+    def _check_allocated(self, page: int) -> None:
+        if not self.allocator.is_allocated(page):
+            raise InvalidRequestError(f"{self.tier.name} page {page!r} is not allocated")
+
+
+class DramPagePool(_AllocatingPool):
+    """Pages in one preallocated, 4 KiB-aligned host buffer.
+
+    Args:
+        page_bytes, num_pages: the geometry.
+        pinned: back the buffer with page-locked torch memory (needs torch and CUDA).
+        prefault: touch every page at construction (steady performance, full RSS at once).
+    """
+
+    def __init__(
+        self, page_bytes: int, num_pages: int, *, pinned: bool = False, prefault: bool = False, tier: Tier = Tier.DRAM
+    ) -> None:
+        super().__init__(tier, page_bytes, num_pages)
+        if pinned:
+            self.buffer = _pinned_buffer(page_bytes * num_pages)
+        else:
+            self.buffer = aligned_buffer(page_bytes * num_pages, prefault=prefault)
+        self._view = self.buffer.data
+
+    def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
+        self._check_allocated(page)
+        if data is None:
+            raise InvalidRequestError("a DRAM pool stores bytes: data must not be None")
+        source = as_bytes_view(data, self.page_bytes)
+        start = page * self.page_bytes
+        self._view[start : start + source.nbytes] = source
+
+    def read(self, page: int, length: int) -> memoryview:
+        self._check_allocated(page)
+        if not 0 <= length <= self.page_bytes:
+            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
+        start = page * self.page_bytes
+        return self._view[start : start + length]
+
+
+def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    try:
+        import torch
+    except ImportError as error:
+        raise ConfigError("pinned=True needs torch: pip install 'mooncake[engine]'") from error
+    if not torch.cuda.is_available():
+        raise ConfigError("pinned=True needs CUDA: page-locked memory only helps transfers to a GPU")
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return]
+
+
+class VramPagePool(_AllocatingPool):
+    """Pages in one CUDA tensor; `read` returns a zero-copy tensor slice.
+
+    Args:
+        page_bytes, num_pages: the geometry.
+        device: a CUDA device ("cuda", "cuda:1", ...).
+    """
+
+    def __init__(self, page_bytes: int, num_pages: int, *, device: str = "cuda") -> None:
+        super().__init__(Tier.VRAM, page_bytes, num_pages)
+        try:
+            import torch
+        except ImportError as error:
+            raise ConfigError("a VRAM pool needs torch: pip install 'mooncake[engine]'") from error
+        if not torch.cuda.is_available():
+            raise ConfigError("a VRAM pool needs CUDA, and torch sees no CUDA device here")
+        self._torch = torch
+        self.buffer = torch.empty(page_bytes * num_pages, dtype=torch.uint8, device=device)
+
+    def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
+        self._check_allocated(page)
+        if data is None:
+            raise InvalidRequestError("a VRAM pool stores bytes: data must not be None")
+        start = page * self.page_bytes
+        if isinstance(data, self._torch.Tensor):
+            source = data.reshape(-1).view(self._torch.uint8)
+        else:
+            source = self._torch.frombuffer(as_bytes_view(data, self.page_bytes), dtype=self._torch.uint8)
+        if source.numel() > self.page_bytes:
+            raise CapacityError(f"{source.numel()} bytes do not fit a page of {self.page_bytes} bytes")
+        self.buffer[start : start + source.numel()].copy_(source)
+
+    def read(self, page: int, length: int) -> Any:
+        self._check_allocated(page)
+        start = page * self.page_bytes
+        return self.buffer[start : start + length]
+
+
+class MetadataPagePool(_AllocatingPool):
+    """Page accounting without bytes: `write` checks sizes only, `read` returns None."""
+
+    holds_bytes = False
+
+    def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
+        super().__init__(tier, page_bytes, num_pages)
+
+    def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
+        self._check_allocated(page)
+        if data is not None:
+            as_bytes_view(data, self.page_bytes)
+
+    def read(self, page: int, length: int) -> None:
+        self._check_allocated(page)
+        return None

@@ -1,0 +1,315 @@
+"""The SSD page pool: checksummed pages in one preallocated file, reopened after a crash.
+
+File layout (all integers little-endian):
+
+    offset 0            superblock, 4 KiB: magic "MCSSD\\0v1", page_bytes, num_pages, xxh3 of the fields
+    4096 + i * slot     slot i: a 4 KiB header, then the page (page_bytes rounded up to 4 KiB)
+
+    slot header: magic "MCPG", data length, xxh3-64 of the data, generation,
+                 key (32 bytes), xxh3-64 of the header fields
+
+A page is written as header + data in one `pwritev` (one aligned `pwrite` with
+O_DIRECT), so a write torn by a crash leaves a header whose checksum or whose
+data checksum fails. Freeing a page zeroes its header. Reopening reads every
+slot header and adopts the valid ones (for a key found twice, the newest
+generation wins); data is verified on every read, so a torn or corrupted page
+raises `IntegrityError` and is never returned. Stale pages that survive a crash
+are harmless: keys are content hashes, so a page valid for its key holds the
+right bytes.
+
+fsync policy: `fsync_every=N` calls fdatasync after every N page writes (0:
+leave it to the OS; a killed process loses nothing the kernel has, a power cut
+may lose recent pages, which then fail their checksum or vanish); `flush()`
+syncs now.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from typing import Any
+
+import attrs
+import numpy as np
+import xxhash
+
+from mooncake.cache.pool import ALIGNMENT_BYTES, Buffer, PageAllocator, aligned_buffer, as_bytes_view, check_geometry
+from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
+from mooncake.types import BlockKey, Tier
+
+__all__ = ["RecoveredPage", "SsdPagePool"]
+
+_SUPER = struct.Struct("<8sIQQ")
+_SUPER_MAGIC = b"MCSSD\0v1"
+_HEADER = struct.Struct("<4sIQQQ32s")
+_HEADER_MAGIC = b"MCPG"
+_CHECK = struct.Struct("<Q")
+_KEY_BYTES = 32
+HEADER_BYTES = ALIGNMENT_BYTES
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def checksum(data: Buffer) -> int:
+    """The page checksum: XXH3-64 of the bytes, seed 0."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@attrs.frozen(kw_only=True)
+class RecoveredPage:
+    """A valid page found when reopening a pool file."""
+
+    page: int
+    key: BlockKey
+    length: int
+    checksum: int
+    generation: int
+
+
+class SsdPagePool:
+    """Pages in a preallocated file, read and written with pread/pwrite.
+
+    Args:
+        path: the pool file; created if missing, reopened (and recovered) if it exists.
+        page_bytes, num_pages: the geometry; must match an existing file's.
+        o_direct: bypass the page cache (O_DIRECT; aligned bounce buffers are used).
+        fsync_every: fdatasync after this many page writes (0: never by itself).
+
+    Raises:
+        ConfigError: the file exists but is not a pool file, or has another geometry.
+        CapacityError: the file system cannot hold the file.
+    """
+
+    holds_bytes = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        page_bytes: int,
+        num_pages: int,
+        *,
+        o_direct: bool = False,
+        fsync_every: int = 0,
+        tier: Tier = Tier.SSD,
+    ) -> None:
+        check_geometry(page_bytes, num_pages)
+        if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
+            raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
+        self.path = os.fspath(path)
+        self.tier = Tier(tier)
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.slot_bytes = HEADER_BYTES + _round_up(page_bytes, ALIGNMENT_BYTES)
+        self.file_bytes = HEADER_BYTES + num_pages * self.slot_bytes
+        self.o_direct = o_direct
+        self.fsync_every = fsync_every
+        self.allocator = PageAllocator(num_pages)
+        self._writes_since_sync = 0
+        self._generation = 0
+        self._header = aligned_buffer(HEADER_BYTES)
+        self._bounce = aligned_buffer(self.slot_bytes) if o_direct else None
+        existed = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except OSError as error:
+            raise ConfigError(f"cannot open SSD pool file {self.path}: {error.strerror}") from error
+        try:
+            if existed:
+                self.recovered = self._recover()
+            else:
+                self._create()
+                self.recovered = ()
+        except BaseException:
+            os.close(self._fd)
+            if not existed:  # leave nothing half-made behind
+                os.unlink(self.path)
+            raise
+
+    # ------------------------------------------------------------------ pool protocol
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def try_allocate(self) -> int | None:
+        return self.allocator.try_allocate()
+
+    def free(self, page: int) -> None:
+        """Release `page` and invalidate its header on disk."""
+        self.allocator.free(page)
+        self._header[:] = 0
+        self._pwrite(self._header, self._slot(page))
+
+    def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
+        """Write `data` with its header in one call; `checksum` is computed when not given."""
+        self._check_allocated(page)
+        if data is None:
+            raise InvalidRequestError("an SSD pool stores bytes: data must not be None")
+        source = as_bytes_view(data, self.page_bytes)
+        digest = xxhash.xxh3_64_intdigest(source) if checksum is None else checksum
+        self._generation += 1
+        header = self._pack_header(source.nbytes, digest, self._generation, key)
+        offset = self._slot(page)
+        if self._bounce is not None:
+            length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
+            self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+            self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
+            self._bounce[HEADER_BYTES + source.nbytes : length] = 0
+            self._pwrite(self._bounce.data[:length], offset)
+        else:
+            written = os.pwritev(self._fd, [header, source], offset)
+            if written != len(header) + source.nbytes:
+                raise OSError(errno.EIO, f"short write to {self.path}: {written} bytes")
+        self._writes_since_sync += 1
+        if self.fsync_every and self._writes_since_sync >= self.fsync_every:
+            self.flush()
+
+    def read(self, page: int, length: int) -> memoryview:
+        """The page's bytes in a new buffer, verified against its header.
+
+        Raises:
+            IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
+        """
+        out = np.empty(_round_up(length, ALIGNMENT_BYTES) if self.o_direct else length, dtype=np.uint8)
+        if self.o_direct and out.ctypes.data % ALIGNMENT_BYTES:
+            out = aligned_buffer(out.size)
+        self.read_into(page, length, out)
+        return out.data[:length]
+
+    def read_into(self, page: int, length: int, out: Any) -> int:
+        """Read the page into `out` (a writable buffer of at least `length` bytes,
+        4 KiB-aligned and a multiple of 4 KiB long with O_DIRECT); returns the checksum.
+
+        Raises:
+            IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
+        """
+        self._check_allocated(page)
+        target = memoryview(out).cast("B")
+        if target.nbytes < length:
+            raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {length}")
+        offset = self._slot(page)
+        size = _round_up(length, ALIGNMENT_BYTES) if self.o_direct else length
+        got = os.preadv(self._fd, [self._header.data, target[:size]], offset)
+        if got < HEADER_BYTES + length:
+            raise IntegrityError(f"{self.path} page {page}: short read of {got} bytes")
+        stored_length, digest, _generation, _key = self._unpack_header(self._header, page)
+        if stored_length != length:
+            raise IntegrityError(f"{self.path} page {page}: holds {stored_length} bytes, expected {length}")
+        actual = xxhash.xxh3_64_intdigest(target[:length])
+        if actual != digest:
+            raise IntegrityError(f"{self.path} page {page}: checksum {actual:#018x} != stored {digest:#018x}")
+        return digest
+
+    def flush(self) -> None:
+        """Make every write so far durable (fdatasync)."""
+        os.fdatasync(self._fd)
+        self._writes_since_sync = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SsdPagePool:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ on-disk format
+
+    def _slot(self, page: int) -> int:
+        return HEADER_BYTES + page * self.slot_bytes
+
+    def _check_allocated(self, page: int) -> None:
+        if not self.allocator.is_allocated(page):
+            raise InvalidRequestError(f"SSD page {page!r} is not allocated")
+
+    def _pack_header(self, length: int, digest: int, generation: int, key: int) -> bytes:
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << (8 * _KEY_BYTES):
+            raise InvalidRequestError(f"an SSD page key must be an integer in [0, 2**256), got {key!r}")
+        fields = _HEADER.pack(_HEADER_MAGIC, 1, length, digest, generation, key.to_bytes(_KEY_BYTES, "little"))
+        return (fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))).ljust(HEADER_BYTES, b"\0")
+
+    def _unpack_header(self, header: Any, page: int) -> tuple[int, int, int, BlockKey]:
+        raw = bytes(header[: _HEADER.size + _CHECK.size])
+        magic, _version, length, digest, generation, key = _HEADER.unpack_from(raw)
+        (check,) = _CHECK.unpack_from(raw, _HEADER.size)
+        if magic != _HEADER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[: _HEADER.size]):
+            raise IntegrityError(f"{self.path} page {page}: invalid page header")
+        if length > self.page_bytes:
+            raise IntegrityError(
+                f"{self.path} page {page}: header claims {length} bytes in a {self.page_bytes}-byte page"
+            )
+        return length, digest, generation, BlockKey(int.from_bytes(key, "little"))
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data)
+        if os.pwrite(self._fd, view, offset) != view.nbytes:
+            raise OSError(errno.EIO, f"short write to {self.path}")
+
+    def _create(self) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, self.file_bytes)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise CapacityError(
+                    f"cannot preallocate {self.file_bytes:,} bytes for {self.path}: {error.strerror}"
+                ) from error
+            raise
+        fields = _SUPER.pack(_SUPER_MAGIC, 1, self.page_bytes, self.num_pages)
+        self._header[:] = 0
+        self._header[: _SUPER.size + _CHECK.size] = np.frombuffer(
+            fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields)), dtype=np.uint8
+        )
+        self._pwrite(self._header, 0)
+        os.fsync(self._fd)
+
+    def _recover(self) -> tuple[RecoveredPage, ...]:
+        if os.preadv(self._fd, [self._header.data], 0) < _SUPER.size + _CHECK.size:
+            raise ConfigError(f"{self.path} is not a mooncake SSD pool file (too short)")
+        raw = bytes(self._header[: _SUPER.size + _CHECK.size])
+        magic, _version, page_bytes, num_pages = _SUPER.unpack_from(raw)
+        (check,) = _CHECK.unpack_from(raw, _SUPER.size)
+        if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[: _SUPER.size]):
+            raise ConfigError(f"{self.path} is not a mooncake SSD pool file (bad superblock)")
+        if (page_bytes, num_pages) != (self.page_bytes, self.num_pages):
+            raise ConfigError(
+                f"{self.path} holds {num_pages} pages of {page_bytes} bytes; asked for "
+                f"{self.num_pages} pages of {self.page_bytes} bytes (page size or count mismatch)"
+            )
+        newest: dict[BlockKey, RecoveredPage] = {}
+        stale: list[int] = []
+        for page in range(self.num_pages):
+            if os.preadv(self._fd, [self._header.data], self._slot(page)) < HEADER_BYTES:
+                break
+            if not self._header[:4].any():
+                continue
+            try:
+                length, digest, generation, key = self._unpack_header(self._header, page)
+            except IntegrityError:
+                continue  # a torn or foreign header: the slot is free
+            found = RecoveredPage(page=page, key=key, length=length, checksum=digest, generation=generation)
+            previous = newest.get(key)
+            if previous is None or generation > previous.generation:
+                if previous is not None:
+                    stale.append(previous.page)
+                newest[key] = found
+            else:
+                stale.append(page)
+            self._generation = max(self._generation, generation)
+        for page in stale:  # an older copy of a key: invalidate it so it never comes back
+            self._header[:] = 0
+            self._pwrite(self._header, self._slot(page))
+        pages = tuple(sorted(newest.values(), key=lambda p: p.page))
+        for found in pages:
+            self.allocator.claim(found.page)
+        return pages

@@ -1,0 +1,496 @@
+"""The tiered cache: block keys → pages across an ordered list of page pools.
+
+Tiers are ordered fastest first (say DRAM, then SSD). A block lives in exactly
+one tier at a time:
+
+- `put(key, data)` writes into the first tier, making room by evicting that
+  tier's victim (chosen by its eviction policy) and demoting it to the next
+  tier, which may in turn demote its own victim; a victim that no lower tier can
+  take is dropped. `put` of a key already cached only records a use: keys are
+  content hashes, so the bytes are the same (and a pinned block is never
+  overwritten).
+- `get(key)` returns the bytes: a zero-copy view in DRAM/VRAM, a verified copy
+  from SSD. A block read from a lower tier is promoted to the first tier on its
+  `promote_after`-th read there (0: never).
+- `pin` / `unpin` (reference counted): a pinned block is never evicted,
+  demoted, promoted or overwritten, so a view of it stays valid. Engines pin
+  the blocks they read; `pinned(key)` does it as a context manager.
+- Every page written to SSD carries an XXH3-64 checksum, verified on every SSD
+  read; `put(..., checksum=...)` verifies blocks imported from a peer. A block
+  that fails verification is dropped and reported as a miss (counted in
+  `stats.corrupt_blocks`), never returned.
+- The cache publishes `BlockStored` / `BlockRemoved` events (with tier) for the
+  global index: `take_events()` drains them, numbered in one sequence per epoch.
+  A pool reopened with recovered pages (SSD after a crash) is announced first.
+
+Threads: one writer and any number of readers. Metadata changes happen under
+one lock; the writer's copy into a freshly reserved page, and SSD reads of a
+block that is not promoted, happen outside it.
+
+Invariants (`check_invariants`):
+- each cached key has one page, allocated in its tier's pool, and each
+  allocated page belongs to exactly one key (or a write in progress);
+- a tier's policy knows exactly the ready keys of that tier; pinned keys are
+  pinned in it;
+- used bytes never exceed a tier's capacity (pages are the unit of capacity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import xxhash
+
+from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
+from mooncake.cache.policy import EvictionPolicy, LruPolicy
+from mooncake.cache.pool import Buffer, PagePool, as_bytes_view
+from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
+from mooncake.types import BlockKey, InstanceId, Tier
+
+__all__ = ["CacheStats", "TieredCache"]
+
+_STORED, _REMOVED = 0, 1
+_LOCAL = InstanceId("local")
+
+
+@attrs.frozen(kw_only=True)
+class CacheStats:
+    """Counters since the cache was created."""
+
+    hits: int
+    misses: int
+    puts: int
+    demotions: int
+    promotions: int
+    drops: int
+    corrupt_blocks: int
+
+
+@attrs.define(eq=False)
+class _Entry:
+    level: int
+    page: int
+    length: int
+    checksum: int | None
+    parent: BlockKey | None
+    pins: int = 0
+    ready: bool = False
+    lower_reads: int = 0
+
+
+class TieredCache:
+    """Keys → pages across tiers, with eviction, demotion, promotion, pins and events.
+
+    Args:
+        pools: page pools, fastest first, with equal `page_bytes` and distinct tiers.
+        source: this cache's instance id in its events.
+        epoch: the events' epoch; pick a higher one each time the process restarts.
+        policy: makes one eviction policy per tier (default prefix-aware LRU).
+        promote_after: promote a block to the first tier on this many reads in a
+            lower tier (0: never).
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[PagePool],
+        *,
+        source: InstanceId = _LOCAL,
+        epoch: int = 0,
+        policy: Callable[[], EvictionPolicy] = LruPolicy,
+        promote_after: int = 1,
+    ) -> None:
+        if not pools:
+            raise ConfigError("pools must name at least one tier")
+        sizes = {pool.page_bytes for pool in pools}
+        if len(sizes) != 1:
+            raise ConfigError(f"every tier must use one page size, got {sorted(sizes)}")
+        tiers = [pool.tier for pool in pools]
+        if len(set(tiers)) != len(tiers):
+            raise ConfigError(f"tiers must be distinct, got {[t.name for t in tiers]}")
+        if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 0:
+            raise ConfigError(f"promote_after must be an integer >= 0, got {promote_after!r}")
+        self.pools = tuple(pools)
+        self.page_bytes = pools[0].page_bytes
+        self.source = source
+        self.epoch = epoch
+        self.promote_after = promote_after
+        self._policies = [policy() for _ in pools]
+        self._entries: dict[BlockKey, _Entry] = {}
+        self._lock = threading.RLock()
+        self._log: list[tuple[int, int, BlockKey]] = []
+        self._seq = 0
+        self._counts = dict.fromkeys(attrs.fields_dict(CacheStats), 0)
+        for level, pool in enumerate(self.pools):
+            for found in getattr(pool, "recovered", ()):
+                if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
+                    pool.free(found.page)
+                    continue
+                self._entries[found.key] = _Entry(level, found.page, found.length, found.checksum, None, ready=True)
+                self._policies[level].access(found.key)
+                self._log.append((_STORED, level, found.key))
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for entry in self._entries.values() if entry.ready)
+
+    def __contains__(self, key: object) -> bool:
+        entry = self._entries.get(key)  # type: ignore[call-overload]
+        return entry is not None and entry.ready
+
+    def tier_of(self, key: BlockKey) -> Tier | None:
+        """The tier holding `key`, or None."""
+        entry = self._entries.get(key)
+        return self.pools[entry.level].tier if entry is not None and entry.ready else None
+
+    def prefix_match(self, keys: Iterable[BlockKey]) -> int:
+        """How many leading `keys` the cache holds (in any tier)."""
+        count = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.ready:
+                    break
+                count += 1
+        return count
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(**self._counts)
+
+    def used_bytes(self, tier: Tier) -> int:
+        """Bytes of pages in use in `tier` (whole pages)."""
+        pool = self.pools[self._level_of(tier)]
+        return (pool.num_pages - pool.num_free) * pool.page_bytes
+
+    # ------------------------------------------------------------------ writes
+
+    def put(
+        self,
+        key: BlockKey,
+        data: Buffer | None = None,
+        *,
+        parent: BlockKey | None = None,
+        position: int = 0,
+        length: int | None = None,
+        checksum: int | None = None,
+    ) -> Tier:
+        """Cache `data` under `key` in the first tier (a use, if already cached).
+
+        Args:
+            key: the block's chained key.
+            data: its bytes (at most `page_bytes`); None with metadata-only pools.
+            parent: the key of the block before it in its chain (for prefix-aware eviction).
+            position: its block index in the request (for length-aware eviction).
+            length: the block's size when `data` is None (default: a whole page).
+            checksum: the sender's XXH3-64 of `data`, verified before storing (import from a peer).
+
+        Returns:
+            The tier now holding the block.
+
+        Raises:
+            IntegrityError: `data` does not match `checksum`.
+            CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
+        """
+        if data is not None:
+            view = as_bytes_view(data, self.page_bytes)
+            size = view.nbytes
+            if checksum is not None and xxhash.xxh3_64_intdigest(view) != checksum:
+                raise IntegrityError(f"block {key}: data does not match the sender's checksum {checksum:#018x}")
+        else:
+            if self.pools[0].holds_bytes:
+                raise ConfigError(f"the {self.pools[0].tier.name} tier stores bytes: put needs data")
+            view = None
+            size = self.page_bytes if length is None else length
+            if not 0 <= size <= self.page_bytes:
+                raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry.ready:
+                    self._policies[entry.level].access(key)
+                return self.pools[entry.level].tier
+            page = self._make_room(0, needed_for=key)
+            entry = self._entries[key] = _Entry(0, page, size, checksum, parent, pins=1)
+        try:
+            self.pools[0].write(page, view, key=key, checksum=checksum)
+        except BaseException:
+            with self._lock:
+                del self._entries[key]
+                self.pools[0].free(page)
+            raise
+        with self._lock:
+            entry.pins -= 1
+            entry.ready = True
+            self._policies[0].access(key, parent=parent, position=position)
+            self._log.append((_STORED, 0, key))
+            self._counts["puts"] += 1
+        return self.pools[0].tier
+
+    def remove(self, key: BlockKey) -> None:
+        """Drop `key` from the cache.
+
+        Raises:
+            UnknownBlockError: it is not cached. BlockPinnedError: it is pinned.
+        """
+        with self._lock:
+            entry = self._ready_entry(key)
+            if entry.pins:
+                raise BlockPinnedError(f"block {key} is pinned {entry.pins} time(s)")
+            self._policies[entry.level].remove(key)
+            self._drop(key, entry)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: BlockKey) -> Any:
+        """The bytes of `key`, or None on a miss.
+
+        A DRAM hit is a zero-copy view of the page, valid while the block is
+        pinned (or until the cache next changes); an SSD hit is a verified copy,
+        or a view of the first tier when the read promotes it. A block that fails
+        its checksum is dropped and reported as a miss.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.ready:
+                self._counts["misses"] += 1
+                return None
+            if not self.pools[entry.level].holds_bytes:
+                raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes: use touch()")
+            self._policies[entry.level].access(key)
+            self._counts["hits"] += 1
+            if entry.level == 0:
+                return self.pools[0].read(entry.page, entry.length)
+            entry.lower_reads += 1
+            if self._should_promote(entry):
+                return self._promote(key, entry)
+            entry.pins += 1  # hold the page while reading outside the lock
+            self._policies[entry.level].pin(key)
+        data = None
+        try:
+            data = self.pools[entry.level].read(entry.page, entry.length)
+        except IntegrityError:
+            pass
+        finally:
+            with self._lock:
+                self._unpin_entry(key, entry)
+                if data is None:  # corrupt: a miss, and the block goes once no reader holds it
+                    self._counts["hits"] -= 1
+                    self._counts["misses"] += 1
+                    if entry.pins == 0:
+                        self._policies[entry.level].remove(key)
+                        self._drop(key, entry)
+                        self._counts["corrupt_blocks"] += 1
+        return data
+
+    def touch(self, key: BlockKey) -> Tier | None:
+        """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.ready:
+                self._counts["misses"] += 1
+                return None
+            self._policies[entry.level].access(key)
+            self._counts["hits"] += 1
+            if entry.level:
+                entry.lower_reads += 1
+                if self._should_promote(entry):
+                    self._promote(key, entry)
+            return self.pools[entry.level].tier if key in self._entries else None
+
+    def checksum(self, key: BlockKey) -> int:
+        """XXH3-64 of the block's bytes (computed once, then remembered), for exporting it to a peer."""
+        with self._lock:
+            entry = self._ready_entry(key)
+            if entry.checksum is None:
+                entry.checksum = xxhash.xxh3_64_intdigest(self._read_host(entry))
+            return entry.checksum
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, key: BlockKey) -> None:
+        """Protect `key` from eviction, demotion, promotion and overwrite (reference counted)."""
+        with self._lock:
+            entry = self._ready_entry(key)
+            entry.pins += 1
+            self._policies[entry.level].pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        """Release one pin of `key`."""
+        with self._lock:
+            entry = self._ready_entry(key)
+            if entry.pins == 0:
+                raise UnknownBlockError(f"block {key} is not pinned")
+            self._unpin_entry(key, entry)
+
+    @contextlib.contextmanager
+    def pinned(self, key: BlockKey) -> Iterator[Any]:
+        """Pin `key` and yield its bytes (None on a miss) for the duration of the block."""
+        with self._lock:
+            if key not in self:
+                self._counts["misses"] += 1
+                yield None
+                return
+            self.pin(key)
+        try:
+            yield self.get(key)
+        finally:
+            with self._lock:
+                if key in self._entries:
+                    self.unpin(key)
+
+    # ------------------------------------------------------------------ events
+
+    def take_events(self) -> list[CacheEvent]:
+        """Events since the last call, consecutive ones of a kind and tier merged."""
+        with self._lock:
+            log, self._log = self._log, []
+        events: list[CacheEvent] = []
+        run: list[BlockKey] = []
+        for i, (kind, level, key) in enumerate(log):
+            run.append(key)
+            if i + 1 == len(log) or log[i + 1][:2] != (kind, level):
+                event = BlockStored if kind == _STORED else BlockRemoved
+                tier = self.pools[level].tier
+                events.append(event(source=self.source, seq=self._seq, keys=run, tier=tier, epoch=self.epoch))
+                self._seq += 1
+                run = []
+        return events
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close every pool."""
+        for pool in self.pools:
+            pool.close()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the module docstring fails."""
+        with self._lock:
+            for level, pool in enumerate(self.pools):
+                here = {k: e for k, e in self._entries.items() if e.level == level}
+                pages = [e.page for e in here.values()]
+                assert len(set(pages)) == len(pages), f"tier {pool.tier.name}: two keys share a page"
+                assert pool.num_pages - pool.num_free == len(pages), f"tier {pool.tier.name}: pages leaked"
+                ready = {k for k, e in here.items() if e.ready}
+                policy = self._policies[level]
+                assert len(policy) == len(ready) and all(k in policy for k in ready), "policy out of sync"
+                for key, entry in here.items():
+                    assert entry.pins >= 0, f"block {key}: negative pins"
+                    assert entry.length <= pool.page_bytes
+                    if entry.ready:
+                        is_pinned = getattr(policy, "is_pinned", None)
+                        if is_pinned is not None:
+                            assert is_pinned(key) == (entry.pins > 0), f"block {key}: pin state out of sync"
+
+    # ------------------------------------------------------------------ internals
+
+    def _level_of(self, tier: Tier) -> int:
+        for level, pool in enumerate(self.pools):
+            if pool.tier == tier:
+                return level
+        raise ConfigError(f"this cache has no {Tier(tier).name} tier")
+
+    def _ready_entry(self, key: BlockKey) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None or not entry.ready:
+            raise UnknownBlockError(f"block {key} is not cached")
+        return entry
+
+    def _unpin_entry(self, key: BlockKey, entry: _Entry) -> None:
+        entry.pins -= 1
+        self._policies[entry.level].unpin(key)
+
+    def _should_promote(self, entry: _Entry) -> bool:
+        return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
+
+    def _make_room(self, level: int, *, needed_for: BlockKey) -> int:
+        page = self._try_make_room(level)
+        if page is None:
+            raise CapacityError(
+                f"no room for block {needed_for} in {self.pools[level].tier.name}: all "
+                f"{self.pools[level].num_pages} pages hold pinned blocks"
+            )
+        return page
+
+    def _try_make_room(self, level: int) -> int | None:
+        """A free page of `level`, evicting (and demoting) as needed; None if all is protected."""
+        pool = self.pools[level]
+        page = pool.try_allocate()
+        while page is None:
+            victim = self._policies[level].evict()
+            if victim is None:
+                return None
+            self._demote(victim, self._entries[victim])
+            page = pool.try_allocate()
+        return page
+
+    def _demote(self, key: BlockKey, entry: _Entry) -> None:
+        """Move an evicted block one tier down, or drop it when none can take it."""
+        source_level = entry.level
+        target = source_level + 1
+        page = self._try_make_room(target) if target < len(self.pools) else None
+        if page is None:
+            self._drop(key, entry)
+            return
+        try:
+            data = self._read_host(entry) if self.pools[target].holds_bytes else None
+        except IntegrityError:
+            self.pools[target].free(page)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+            return
+        if data is not None and entry.checksum is None:
+            entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
+        self.pools[target].write(page, data, key=key, checksum=entry.checksum)
+        self.pools[source_level].free(entry.page)
+        entry.level, entry.page, entry.lower_reads = target, page, 0
+        self._policies[target].access(key, parent=entry.parent)
+        self._log.append((_REMOVED, source_level, key))
+        self._log.append((_STORED, target, key))
+        self._counts["demotions"] += 1
+
+    def _promote(self, key: BlockKey, entry: _Entry) -> Any:
+        """Move `key` (read from a lower tier) to the first tier; returns its bytes there."""
+        source_level = entry.level
+        self._policies[source_level].remove(key)
+        page = self._try_make_room(0)
+        if page is None:  # the first tier is all pinned: serve from where it is
+            self._policies[source_level].access(key, parent=entry.parent)
+            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
+        try:
+            data = self._read_host(entry) if self.pools[0].holds_bytes else None
+        except IntegrityError:
+            self.pools[0].free(page)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+            self._counts["hits"] -= 1
+            self._counts["misses"] += 1
+            return None
+        self.pools[0].write(page, data, key=key, checksum=entry.checksum)
+        self.pools[source_level].free(entry.page)
+        entry.level, entry.page, entry.lower_reads = 0, page, 0
+        self._policies[0].access(key, parent=entry.parent)
+        self._log.append((_REMOVED, source_level, key))
+        self._log.append((_STORED, 0, key))
+        self._counts["promotions"] += 1
+        return self.pools[0].read(page, entry.length)
+
+    def _read_host(self, entry: _Entry) -> Any:
+        """The block's bytes in host memory (verified when they come from SSD)."""
+        data = self.pools[entry.level].read(entry.page, entry.length)
+        if hasattr(data, "cpu"):  # a torch CUDA tensor slice
+            data = data.cpu().numpy()
+        return data
+
+    def _drop(self, key: BlockKey, entry: _Entry) -> None:
+        """Forget `key` everywhere (its policy entry is already gone)."""
+        self.pools[entry.level].free(entry.page)
+        del self._entries[key]
+        self._log.append((_REMOVED, entry.level, key))
+        self._counts["drops"] += 1

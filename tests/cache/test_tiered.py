@@ -1,0 +1,377 @@
+"""The tiered cache against a dict-with-losses reference, plus its edge contracts."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mooncake.cache.index import BlockIndex, Holder
+from mooncake.cache.policy import LfuPolicy, LruPolicy, SievePolicy
+from mooncake.cache.pool import DramPagePool, MetadataPagePool
+from mooncake.cache.ssd import SsdPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
+from mooncake.types import BlockKey, InstanceId, Tier
+
+PAGE = 64
+SOURCE = InstanceId("node-0")
+
+
+def block(key: int) -> bytes:
+    """The bytes of block `key`: a function of the key, as content-addressed blocks are."""
+    seed = xxhash.xxh3_64_digest(key.to_bytes(8, "little"))
+    return (seed * 8)[: 1 + key % PAGE]
+
+
+def make_cache(tmp: Path, *, dram_pages: int = 3, ssd_pages: int = 5, **options: object) -> TieredCache:
+    pools = [DramPagePool(PAGE, dram_pages), SsdPagePool(tmp / "ssd.pool", PAGE, ssd_pages)]
+    return TieredCache(pools, source=SOURCE, **options)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def test_put_get_round_trip_and_zero_copy(tmp_path: Path) -> None:
+    """A DRAM hit is a zero-copy view of the page holding exactly the bytes put."""
+    cache = make_cache(tmp_path)
+    assert cache.put(BlockKey(7), block(7)) == Tier.DRAM
+    view = cache.get(BlockKey(7))
+    assert bytes(view) == block(7)
+    pool = cache.pools[0]
+    assert isinstance(pool, DramPagePool)
+    assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), pool.buffer)
+    cache.close()
+
+
+def test_put_is_idempotent(tmp_path: Path) -> None:
+    """Putting a cached key again stores nothing new and keeps the first bytes."""
+    cache = make_cache(tmp_path)
+    cache.put(BlockKey(1), block(1))
+    cache.take_events()
+    cache.put(BlockKey(1), b"other bytes")
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert cache.take_events() == []
+    assert cache.stats.puts == 1
+    cache.close()
+
+
+def test_eviction_demotes_then_drops(tmp_path: Path) -> None:
+    """Blocks leave DRAM for SSD in LRU order and leave SSD for nowhere; every step is an event."""
+    cache = make_cache(tmp_path, dram_pages=2, ssd_pages=2)
+    for key in range(1, 6):
+        cache.put(BlockKey(key), block(key))
+    assert [cache.tier_of(BlockKey(k)) for k in range(1, 6)] == [None, Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+    assert cache.stats.demotions == 3 and cache.stats.drops == 1
+    assert cache.used_bytes(Tier.DRAM) == 2 * PAGE and cache.used_bytes(Tier.SSD) == 2 * PAGE
+    cache.check_invariants()
+    cache.close()
+
+
+def test_ssd_read_promotes_by_policy(tmp_path: Path) -> None:
+    """With promote_after=2 a block climbs back to DRAM on its second read there; 0 never promotes."""
+    cache = make_cache(tmp_path, dram_pages=1, ssd_pages=3, promote_after=2)
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert cache.tier_of(BlockKey(1)) == Tier.DRAM
+    assert cache.tier_of(BlockKey(2)) == Tier.SSD
+    assert cache.stats.promotions == 1
+    cache.close()
+    (tmp_path / "never").mkdir()
+    never = make_cache(tmp_path / "never", dram_pages=1, ssd_pages=3, promote_after=0)
+    never.put(BlockKey(1), block(1))
+    never.put(BlockKey(2), block(2))
+    for _ in range(3):
+        assert bytes(never.get(BlockKey(1))) == block(1)
+    assert never.tier_of(BlockKey(1)) == Tier.SSD
+    never.close()
+
+
+def test_pinned_blocks_are_never_moved_or_lost(tmp_path: Path) -> None:
+    """A pinned DRAM block survives any number of puts; with DRAM all pinned, a new put fails clearly."""
+    cache = make_cache(tmp_path, dram_pages=2, ssd_pages=2)
+    cache.put(BlockKey(1), block(1))
+    cache.pin(BlockKey(1))
+    for key in range(2, 10):
+        cache.put(BlockKey(key), block(key))
+    assert cache.tier_of(BlockKey(1)) == Tier.DRAM
+    cache.pin(BlockKey(9))
+    with pytest.raises(CapacityError, match="pinned"):
+        cache.put(BlockKey(20), block(20))
+    assert BlockKey(20) not in cache
+    with pytest.raises(BlockPinnedError):
+        cache.remove(BlockKey(1))
+    cache.unpin(BlockKey(1))
+    with pytest.raises(UnknownBlockError):
+        cache.unpin(BlockKey(1))
+    cache.put(BlockKey(20), block(20))
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+    cache.check_invariants()
+    cache.close()
+
+
+def test_pinned_context_manager(tmp_path: Path) -> None:
+    """`pinned` yields the bytes while holding a pin, and None on a miss."""
+    cache = make_cache(tmp_path)
+    cache.put(BlockKey(3), block(3))
+    with cache.pinned(BlockKey(3)) as view:
+        assert bytes(view) == block(3)
+        with pytest.raises(BlockPinnedError):
+            cache.remove(BlockKey(3))
+    cache.remove(BlockKey(3))
+    with cache.pinned(BlockKey(3)) as view:
+        assert view is None
+    cache.close()
+
+
+def test_import_checksum_and_export_checksum(tmp_path: Path) -> None:
+    """A peer's checksum is verified on put; `checksum` gives the value a peer will verify."""
+    cache = make_cache(tmp_path)
+    good = xxhash.xxh3_64_intdigest(block(5))
+    with pytest.raises(IntegrityError):
+        cache.put(BlockKey(5), block(5), checksum=good ^ 1)
+    assert BlockKey(5) not in cache
+    cache.put(BlockKey(5), block(5), checksum=good)
+    cache.put(BlockKey(6), block(6))
+    assert cache.checksum(BlockKey(5)) == good
+    assert cache.checksum(BlockKey(6)) == xxhash.xxh3_64_intdigest(block(6))
+    cache.close()
+
+
+def test_prefix_match_counts_leading_blocks_in_any_tier(tmp_path: Path) -> None:
+    """prefix_match stops at the first missing key; blocks in SSD count."""
+    cache = make_cache(tmp_path, dram_pages=1, ssd_pages=4)
+    for key in (1, 2, 3):
+        cache.put(BlockKey(key), block(key), parent=BlockKey(key - 1) if key > 1 else None)
+    assert cache.prefix_match([BlockKey(k) for k in (1, 2, 3, 4)]) == 3
+    assert cache.prefix_match([BlockKey(k) for k in (2, 1)]) == 2
+    assert cache.prefix_match([BlockKey(9), BlockKey(1)]) == 0
+    cache.close()
+
+
+def test_invalid_configurations(tmp_path: Path) -> None:
+    """No pools, mixed page sizes, repeated tiers and bad promote_after are ConfigErrors; oversize data a CapacityError."""
+    with pytest.raises(ConfigError):
+        TieredCache([])
+    with pytest.raises(ConfigError, match="page size"):
+        TieredCache([DramPagePool(64, 2), SsdPagePool(tmp_path / "x", 128, 2)])
+    with pytest.raises(ConfigError, match="distinct"):
+        TieredCache([DramPagePool(64, 2), DramPagePool(64, 2)])
+    with pytest.raises(ConfigError, match="promote_after"):
+        TieredCache([DramPagePool(64, 2)], promote_after=-1)
+    cache = TieredCache([DramPagePool(64, 2)])
+    with pytest.raises(CapacityError, match="65 bytes"):
+        cache.put(BlockKey(1), bytes(65))
+    with pytest.raises(ConfigError, match="needs data"):
+        cache.put(BlockKey(1))
+
+
+def test_metadata_only_cache_runs_the_same_code() -> None:
+    """Metadata pools account pages without bytes: put without data, touch, promotion, events."""
+    cache = TieredCache(
+        [MetadataPagePool(Tier.DRAM, 1 << 30, 2), MetadataPagePool(Tier.SSD, 1 << 30, 10**12)], source=SOURCE
+    )
+    for key in range(1, 6):
+        cache.put(BlockKey(key), length=1 << 20)
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+    assert cache.touch(BlockKey(1)) == Tier.DRAM
+    assert cache.touch(BlockKey(99)) is None
+    with pytest.raises(ConfigError, match="touch"):
+        cache.get(BlockKey(1))
+    index = BlockIndex()
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    assert {k for k in range(1, 6) if index.holders(BlockKey(k))} == set(range(1, 6))
+    cache.check_invariants()
+
+
+def test_recovered_blocks_are_announced_and_served(tmp_path: Path) -> None:
+    """After reopening, SSD blocks are served again and announced in one stored event of the new epoch."""
+    cache = make_cache(tmp_path, dram_pages=1, ssd_pages=4)
+    for key in (1, 2, 3):
+        cache.put(BlockKey(key), block(key))
+    cache.close()  # DRAM contents are lost with the process; SSD pages survive
+    again = make_cache(tmp_path, dram_pages=1, ssd_pages=4, epoch=1)
+    events = again.take_events()
+    assert len(events) == 1 and events[0].tier == Tier.SSD and events[0].epoch == 1
+    assert set(events[0].keys) == {1, 2}
+    assert bytes(again.get(BlockKey(2))) == block(2)
+    assert BlockKey(3) not in again
+    again.close()
+
+
+def test_concurrent_pinned_readers_see_only_right_bytes(tmp_path: Path) -> None:
+    """One writer churning the cache and three readers under `pinned`: no reader sees wrong bytes."""
+    cache = make_cache(tmp_path, dram_pages=4, ssd_pages=6)
+    wrong: list[int] = []
+    stop = threading.Event()
+
+    def reader(offset: int) -> None:
+        key = offset
+        while not stop.is_set():
+            key = (key * 7 + 3) % 40
+            with cache.pinned(BlockKey(key)) as view:
+                if view is not None and bytes(view) != block(key):
+                    wrong.append(key)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for i in range(3000):
+            cache.put(BlockKey(i % 40), block(i % 40))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []
+    cache.check_invariants()
+    cache.close()
+
+
+# --------------------------------------------------------------------------- state machine
+
+keys = st.integers(min_value=1, max_value=12).map(BlockKey)
+
+
+class TieredMachine(RuleBasedStateMachine):
+    """The cache against a dict with losses: what it returns was put, pins hold, events mirror it."""
+
+    policy_class: type = LruPolicy
+    with_parents = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="tiered-machine-"))
+        self.cache = TieredCache(
+            [DramPagePool(PAGE, 3), SsdPagePool(self.tmp / "ssd.pool", PAGE, 4)],
+            source=SOURCE,
+            policy=lambda: self.policy_class(prefix_aware=self.with_parents),
+            promote_after=2,
+        )
+        self.reference: dict[BlockKey, bytes] = {}  # everything ever put; the cache may lose any unpinned one
+        self.pins: dict[BlockKey, int] = {}
+        self.pinned_tier: dict[BlockKey, Tier | None] = {}
+        self.index = BlockIndex()
+
+    def teardown(self) -> None:
+        self.cache.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def dram_all_pinned(self) -> bool:
+        pinned_in_dram = sum(1 for k in self.pins if self.cache.tier_of(k) == Tier.DRAM)
+        return pinned_in_dram >= self.cache.pools[0].num_pages
+
+    @rule(key=keys)
+    def put(self, key: BlockKey) -> None:
+        parent = BlockKey(key - 1) if self.with_parents and key > 1 else None
+        if key not in self.cache and self.dram_all_pinned():
+            with pytest.raises(CapacityError):
+                self.cache.put(key, block(key), parent=parent)
+            return
+        self.cache.put(key, block(key), parent=parent)
+        self.reference[key] = block(key)
+        assert key in self.cache
+
+    @rule(key=keys)
+    def get(self, key: BlockKey) -> None:
+        view = self.cache.get(key)
+        if view is None:
+            assert key not in self.pins, "a pinned block was lost"
+        else:
+            assert bytes(view) == self.reference[key]
+
+    @rule(key=keys)
+    def touch(self, key: BlockKey) -> None:
+        tier = self.cache.touch(key)
+        assert (tier is None) == (key not in self.cache)
+
+    @precondition(lambda self: not self.with_parents)
+    @rule(key=keys)
+    def pin(self, key: BlockKey) -> None:
+        if key in self.cache:
+            self.cache.pin(key)
+            self.pins[key] = self.pins.get(key, 0) + 1
+            self.pinned_tier[key] = self.cache.tier_of(key)
+        else:
+            with pytest.raises(UnknownBlockError):
+                self.cache.pin(key)
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        self.cache.unpin(key)
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+
+    @rule(key=keys)
+    def remove(self, key: BlockKey) -> None:
+        if key in self.pins:
+            with pytest.raises(BlockPinnedError):
+                self.cache.remove(key)
+        elif key in self.cache:
+            self.cache.remove(key)
+            assert key not in self.cache
+        else:
+            with pytest.raises(UnknownBlockError):
+                self.cache.remove(key)
+
+    @invariant()
+    def only_what_was_put_is_served(self) -> None:
+        for key in range(1, 13):
+            tier = self.cache.tier_of(BlockKey(key))
+            if tier is not None:
+                assert BlockKey(key) in self.reference
+        self.cache.check_invariants()
+
+    @invariant()
+    def pinned_blocks_are_kept(self) -> None:
+        for key in self.pins:
+            assert key in self.cache, f"pinned block {key} was lost"
+            assert self.cache.tier_of(key) == self.pinned_tier[key], f"pinned block {key} moved"
+
+    @invariant()
+    def capacities_hold(self) -> None:
+        for pool in self.cache.pools:
+            assert self.cache.used_bytes(pool.tier) <= pool.page_bytes * pool.num_pages
+
+    @invariant()
+    def events_mirror_the_cache(self) -> None:
+        for event in self.cache.take_events():
+            assert self.index.apply(event) is None
+        for key in range(1, 13):
+            tier = self.cache.tier_of(BlockKey(key))
+            expected = () if tier is None else (Holder(SOURCE, tier),)
+            assert self.index.holders(BlockKey(key)) == expected, f"block {key}"
+
+
+TieredMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestTieredLru = TieredMachine.TestCase
+
+
+class TieredSieveMachine(TieredMachine):
+    policy_class = SievePolicy
+
+
+class TieredLfuPrefixMachine(TieredMachine):
+    policy_class = LfuPolicy
+    with_parents = True
+
+
+TestTieredSieve = TieredSieveMachine.TestCase
+TestTieredLfuPrefix = TieredLfuPrefixMachine.TestCase
