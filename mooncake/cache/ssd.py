@@ -192,7 +192,11 @@ class SsdPagePool:
             IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
         """
         self._check_allocated(page)
-        target = memoryview(out).cast("B")
+        target = (
+            out.data
+            if isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+            else memoryview(out).cast("B")
+        )
         if target.nbytes < length:
             raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {length}")
         offset = self._slot(page)
@@ -240,10 +244,9 @@ class SsdPagePool:
         return (fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))).ljust(HEADER_BYTES, b"\0")
 
     def _unpack_header(self, header: Any, page: int) -> tuple[int, int, int, BlockKey]:
-        raw = bytes(header[: _HEADER.size + _CHECK.size])
-        magic, _version, length, digest, generation, key = _HEADER.unpack_from(raw)
-        (check,) = _CHECK.unpack_from(raw, _HEADER.size)
-        if magic != _HEADER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[: _HEADER.size]):
+        magic, _version, length, digest, generation, key = _HEADER.unpack_from(header)
+        (check,) = _CHECK.unpack_from(header, _HEADER.size)
+        if magic != _HEADER_MAGIC or check != xxhash.xxh3_64_intdigest(header.data[: _HEADER.size]):
             raise IntegrityError(f"{self.path} page {page}: invalid page header")
         if length > self.page_bytes:
             raise IntegrityError(
