@@ -12,7 +12,7 @@ OUT    ?= build/demo
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -c "from mooncake.cache import _key_table; _key_table.warm_up()"  # compile numba kernels once
+	$(BIN)/python -m mooncake.cache.warm_up  # compile the numba kernels once; numba caches them on disk
 	@touch $@
 
 demo: $(STAMP)

@@ -34,7 +34,9 @@ def best_seconds(run, repeats: int) -> float:  # type: ignore[no-untyped-def]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--requests", type=int, default=256, help="a scheduling step's worth (33 MB of tokens at the defaults)")
+    parser.add_argument(
+        "--requests", type=int, default=256, help="a scheduling step's worth (33 MB of tokens at the defaults)"
+    )
     parser.add_argument("--blocks-per-request", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)

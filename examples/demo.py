@@ -56,7 +56,9 @@ def main() -> None:
     curves = {}
     for name, policy in POLICIES.items():
         start = time.perf_counter()
-        points = hit_ratio_curve(keys, lambda policy=policy: policy(prefix_aware=True), CAPACITIES_BLOCKS)
+        points = hit_ratio_curve(
+            keys, lambda policy=policy: policy(prefix_aware=True), capacities_blocks=CAPACITIES_BLOCKS
+        )
         curves[name] = points
         row = "".join(f"{p.hit_ratio:>10.4f}" for p in points)
         print(f"{name:<14}{row}   {time.perf_counter() - start:7.2f}")

@@ -20,7 +20,7 @@ import attrs
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.workload import (
     PRESETS,
     ArrivalProcess,
@@ -61,7 +61,7 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise MooncakeError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
+        raise ConfigError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for label, points in curves.items():
         axes.plot([p.capacity_blocks for p in points], [p.hit_ratio for p in points], marker="o", label=label)
@@ -105,7 +105,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _capacity(args: argparse.Namespace) -> None:
     keys = [request.block_keys for request in load_trace(args.path, block_size_tokens=args.block_size)]
     make = POLICIES[args.policy]
-    points = hit_ratio_curve(keys, lambda: make(prefix_aware=args.prefix_aware), args.capacity_blocks)
+    points = hit_ratio_curve(keys, lambda: make(prefix_aware=args.prefix_aware), capacities_blocks=args.capacity_blocks)
     if args.plot:
         label = f"{args.policy}{' (prefix-aware)' if args.prefix_aware else ''}"
         plot_capacity({label: points}, args.plot, title=Path(args.path).name)
@@ -164,10 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         args.run(args)
-    except MooncakeError as error:
-        print(f"mooncake: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
+    except (MooncakeError, OSError) as error:
         print(f"mooncake: error: {error}", file=sys.stderr)
         return 2
     return 0

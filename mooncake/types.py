@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
+import operator
 from collections.abc import Iterable
 from typing import Any, NewType, cast
 
@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from mooncake._checks import int_at_least, plain_int
 from mooncake.errors import InvalidRequestError
 
 __all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Tier", "as_token_array", "key_tuple"]
@@ -59,8 +60,18 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
 
 
 def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
-    """`keys` as a tuple of block keys (the converter of key fields)."""
-    return cast("tuple[BlockKey, ...]", tuple(keys))
+    """`keys` as a tuple of non-negative Python ints (the converter of key fields).
+
+    Raises:
+        InvalidRequestError: a key is not an integer (numpy integers are) or is negative.
+    """
+    try:
+        converted = tuple(map(operator.index, keys))
+    except TypeError as error:
+        raise InvalidRequestError(f"block keys must be integers: {error}") from error
+    if converted and min(converted) < 0:
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {min(converted)}")
+    return cast("tuple[BlockKey, ...]", converted)
 
 
 def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
@@ -79,21 +90,6 @@ def _tokens_eq(a: npt.NDArray[np.int32] | None, b: npt.NDArray[np.int32] | None)
     return bool(np.array_equal(a, b))
 
 
-def _plain_int(value: Any) -> Any:
-    # numpy integers are integers too; anything else is left for the validator to reject.
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return value
-
-
-def _positive(name: str) -> Any:
-    def check(_instance: object, _attribute: object, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
-
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class Request:
     """One inference request of a workload.
@@ -110,8 +106,8 @@ class Request:
 
     request_id: RequestId
     arrival_s: float = attrs.field()
-    input_length: int = attrs.field(converter=_plain_int, validator=_positive("input_length"))
-    output_length: int = attrs.field(converter=_plain_int, validator=_positive("output_length"))
+    input_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
+    output_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
     block_keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tokens: npt.NDArray[np.int32] | None = attrs.field(
         default=None, converter=_request_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False, repr=False

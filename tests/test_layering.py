@@ -18,6 +18,7 @@ ROOT = Path(mooncake.__file__).resolve().parent
 # Rank of each layer: a module may import only from layers of lower or equal rank
 # (STYLE.md: values -> cache -> transfer | sched -> engine -> examples).
 LAYERS = {
+    "mooncake._checks": 0,
     "mooncake.errors": 0,
     "mooncake.types": 0,
     "mooncake.workload": 0,
@@ -41,7 +42,9 @@ def layer_of(module: str) -> str:
 
 def module_names() -> list[str]:
     return sorted(
-        info.name for info in pkgutil.walk_packages([str(ROOT)], prefix="mooncake.") if not info.name.endswith("__main__")
+        info.name
+        for info in pkgutil.walk_packages([str(ROOT)], prefix="mooncake.")
+        if not info.name.endswith("__main__")
     )
 
 

@@ -207,3 +207,23 @@ def test_equal_construction_gives_equal_hashable_requests(
     assert Request(**fields) == Request(**fields)
     assert hash(Request(**fields)) == hash(a)  # tokens do not enter the hash
     assert Request(**fields) != a
+
+
+@pytest.mark.parametrize("keys", [(1, -1), (1.5,), ("a",), (None,)])
+def test_block_keys_must_be_non_negative_integers(keys: tuple[object, ...]) -> None:
+    """Negative, float, string and None keys are rejected when the request is made."""
+    with pytest.raises(InvalidRequestError, match="block keys"):
+        Request(request_id=RequestId("r"), arrival_s=0.0, input_length=1, output_length=1, block_keys=keys)
+
+
+def test_numpy_integer_keys_become_python_ints() -> None:
+    """Keys given as a numpy array are stored as plain ints (so traces can be written from them)."""
+    request = Request(
+        request_id=RequestId("r"),
+        arrival_s=0.0,
+        input_length=3,
+        output_length=1,
+        block_keys=np.arange(3, dtype=np.uint64),
+    )
+    assert request.block_keys == (0, 1, 2)
+    assert all(type(k) is int for k in request.block_keys)

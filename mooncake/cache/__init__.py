@@ -1,7 +1,8 @@
-"""Block keys, the global block index, eviction policies and capacity analysis.
+"""Block keys, the global block index, eviction policies, capacity analysis, page pools and the tiered cache.
 
 Importing this package stays light: numpy, attrs and xxhash only. numba is
-loaded on the first batch hash, torch only by the pools that need it.
+loaded on the first batch hash or index operation, torch only by the pools that
+need it (pinned DRAM, VRAM).
 """
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
@@ -9,6 +10,9 @@ from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, C
 from mooncake.cache.hashing import BlockHasher, HashAlgorithm, KeyBatch
 from mooncake.cache.index import BlockIndex, Holder, IndexSnapshot, PrefixMatch, SourceSnapshot
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
+from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
+from mooncake.cache.ssd import SsdPagePool
+from mooncake.cache.tiered import CacheStats, TieredCache
 
 __all__ = [
     "AllBlocksCleared",
@@ -17,7 +21,9 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheEvent",
+    "CacheStats",
     "CapacityPoint",
+    "DramPagePool",
     "EvictionPolicy",
     "HashAlgorithm",
     "Holder",
@@ -26,10 +32,15 @@ __all__ = [
     "LengthAwarePolicy",
     "LfuPolicy",
     "LruPolicy",
+    "MetadataPagePool",
+    "PagePool",
     "PrefixMatch",
     "SequenceGap",
     "SievePolicy",
     "SourceSnapshot",
+    "SsdPagePool",
+    "TieredCache",
+    "VramPagePool",
     "hit_ratio_curve",
     "simulate_prefix_hits",
 ]

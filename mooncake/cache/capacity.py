@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from mooncake._checks import require_int
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.policy import EvictionPolicy
-from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["CapacityPoint", "hit_ratio_curve", "simulate_prefix_hits"]
@@ -41,12 +41,14 @@ class CapacityPoint:
 
     @property
     def hit_ratio(self) -> float:
+        """hit_blocks / total_blocks (0 for an empty replay)."""
         return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 def simulate_prefix_hits(
     requests: Iterable[Sequence[BlockKey]],
     policy: EvictionPolicy,
+    *,
     capacity_blocks: int,
 ) -> CapacityPoint:
     """Replay `requests` (block key lists) through a `capacity_blocks` cache run by `policy`.
@@ -56,8 +58,7 @@ def simulate_prefix_hits(
         policy: a fresh policy; it decides what to evict (and is consumed).
         capacity_blocks: blocks the cache holds at most (>= 1).
     """
-    if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
-        raise ConfigError(f"capacity_blocks must be a positive integer, got {capacity_blocks!r}")
+    capacity_blocks = require_int("capacity_blocks", capacity_blocks, minimum=1)
     index = BlockIndex()
     seq = 0
     hits = total = 0
@@ -100,7 +101,10 @@ def simulate_prefix_hits(
 def hit_ratio_curve(
     requests: Sequence[Sequence[BlockKey]],
     make_policy: Callable[[], EvictionPolicy],
+    *,
     capacities_blocks: Iterable[int],
 ) -> tuple[CapacityPoint, ...]:
     """`simulate_prefix_hits` at each capacity, each with a fresh policy."""
-    return tuple(simulate_prefix_hits(requests, make_policy(), capacity) for capacity in capacities_blocks)
+    return tuple(
+        simulate_prefix_hits(requests, make_policy(), capacity_blocks=capacity) for capacity in capacities_blocks
+    )

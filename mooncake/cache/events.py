@@ -11,11 +11,9 @@ vLLM's KV-event publishers and Dynamo-style routers stay consistent, too.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from mooncake.errors import ConfigError
+from mooncake._checks import int_at_least
 from mooncake.types import BlockKey, InstanceId, Tier, key_tuple
 
 __all__ = [
@@ -27,20 +25,15 @@ __all__ = [
 ]
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class BlockStored:
     """`keys` are now held by `source` in `tier` (idempotent per key)."""
 
     source: InstanceId
-    seq: int = attrs.field(validator=_non_negative)
+    seq: int = attrs.field(validator=int_at_least(0))
     keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tier: Tier = attrs.field(converter=Tier)
-    epoch: int = attrs.field(default=0, validator=_non_negative)
+    epoch: int = attrs.field(default=0, validator=int_at_least(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -48,10 +41,10 @@ class BlockRemoved:
     """`keys` are no longer held by `source` in `tier` (keys it did not hold are ignored)."""
 
     source: InstanceId
-    seq: int = attrs.field(validator=_non_negative)
+    seq: int = attrs.field(validator=int_at_least(0))
     keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tier: Tier = attrs.field(converter=Tier)
-    epoch: int = attrs.field(default=0, validator=_non_negative)
+    epoch: int = attrs.field(default=0, validator=int_at_least(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -59,8 +52,8 @@ class AllBlocksCleared:
     """`source` dropped every block in every tier."""
 
     source: InstanceId
-    seq: int = attrs.field(validator=_non_negative)
-    epoch: int = attrs.field(default=0, validator=_non_negative)
+    seq: int = attrs.field(validator=int_at_least(0))
+    epoch: int = attrs.field(default=0, validator=int_at_least(0))
 
 
 CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -21,12 +21,14 @@ Invariants:
 - Hashers whose namespaces differ (model, block size, salt, algorithm, seed)
   never share a root, hence never share keys.
 
-The batch path (`hash_batch`) runs a numba-compiled loop around xxhash's own C
-routine for XXH3-64 and returns exactly the keys of the per-request path.
+For XXH3-64, `block_keys` and `hash_batch` run a numba-compiled loop around
+xxhash's own C routine (`_xxh3_kernel`, cached on disk by numba), which returns
+exactly the keys of the pure-Python chain; the other algorithms use the latter.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -37,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake.cache import _xxh3_kernel
+from mooncake._checks import ceil_div, int_at_least, is_int
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
 
@@ -50,7 +52,17 @@ _U64 = 2**64
 _NAMESPACE_TAG = "mooncake.block/1"
 
 
-@attrs.frozen
+@functools.cache
+def _compiled_kernels() -> Any:
+    """The numba kernels module (compiled, or loaded from numba's cache, once per process), or None."""
+    try:
+        from mooncake.cache import _xxh3_kernel
+    except ImportError:
+        return None
+    return _xxh3_kernel
+
+
+@attrs.frozen(eq=False)
 class KeyBatch:
     """Keys of many requests in one flat array: request r owns ``keys[offsets[r]:offsets[r+1]]``.
 
@@ -67,11 +79,6 @@ class KeyBatch:
         return key_tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
 
 
-def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class BlockHasher:
     """Computes chained block keys for one namespace.
@@ -86,11 +93,12 @@ class BlockHasher:
     """
 
     model: str
-    block_size_tokens: int = attrs.field(validator=_positive_int)
+    block_size_tokens: int = attrs.field(validator=int_at_least(1))
     salt: str = ""
     seed: int = attrs.field(default=0)
     algorithm: HashAlgorithm = attrs.field(default="xxh3_64")
     root_key: BlockKey = attrs.field(init=False)
+    _seed64: np.uint64 = attrs.field(init=False, repr=False, eq=False)
 
     @seed.validator
     def _check_seed(self, _attribute: object, value: int) -> None:
@@ -113,6 +121,7 @@ class BlockHasher:
         else:
             root = self._digest(namespace)
         object.__setattr__(self, "root_key", root)
+        object.__setattr__(self, "_seed64", np.uint64(self.seed))
 
     @property
     def key_bytes(self) -> int:
@@ -121,7 +130,7 @@ class BlockHasher:
 
     def num_blocks(self, num_tokens: int) -> int:
         """Blocks (the partial last one included) that `num_tokens` tokens make."""
-        return -(-num_tokens // self.block_size_tokens)
+        return ceil_div(num_tokens, self.block_size_tokens)
 
     def block_keys(self, tokens: Any, *, parent: BlockKey | None = None) -> tuple[BlockKey, ...]:
         """Keys of every block of `tokens`, chained from `parent` (default: the root).
@@ -134,12 +143,17 @@ class BlockHasher:
             One key per block, ``ceil(len(tokens) / block_size_tokens)`` in all.
         """
         array = as_token_array(tokens)
-        start = self.root_key if parent is None else parent
+        if parent is None:
+            start = self.root_key
+        elif not is_int(parent) or not 0 <= parent < 1 << (8 * self.key_bytes):
+            raise InvalidRequestError(f"parent must be a {8 * self.key_bytes}-bit key, got {parent!r}")
+        else:
+            start = BlockKey(int(parent))
         kernels = self._kernels()
         if kernels is None or array.size == 0:
             return self._chain_python(array, start)
         out = np.empty(self.num_blocks(array.size), dtype=np.uint64)
-        kernels.single(array, np.uint64(start), self.block_size_tokens, np.uint64(self.seed), out)
+        kernels.single(array, np.uint64(start), self.block_size_tokens, self._seed64, out)
         return key_tuple(out.tolist())
 
     def hash_batch(self, tokens: Any, offsets: Any) -> KeyBatch:
@@ -154,7 +168,10 @@ class BlockHasher:
             A `KeyBatch` whose request r equals ``block_keys(tokens[offsets[r]:offsets[r+1]])``.
         """
         array = as_token_array(tokens)
-        bounds = np.ascontiguousarray(offsets, dtype=np.int64)
+        given = np.asarray(offsets)
+        if given.size and given.dtype.kind not in "iu":
+            raise InvalidRequestError(f"offsets must be integers, got dtype {given.dtype}")
+        bounds = np.ascontiguousarray(given, dtype=np.int64)
         if (
             bounds.ndim != 1
             or bounds.size < 1
@@ -167,7 +184,7 @@ class BlockHasher:
             )
         lengths = np.diff(bounds)
         key_offsets = np.zeros(bounds.size, dtype=np.int64)
-        np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])
+        np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])  # ceil division, vectorised
         kernels = self._kernels()
         if kernels is None:
             keys = [
@@ -180,7 +197,7 @@ class BlockHasher:
             return KeyBatch(np.array(keys, dtype=dtype) if keys else np.empty(0, dtype), key_offsets)
         out = np.empty(int(key_offsets[-1]), dtype=np.uint64)
         parents = np.full(lengths.size, self.root_key, dtype=np.uint64)
-        kernels.parallel(array, bounds, parents, self.block_size_tokens, np.uint64(self.seed), out, key_offsets)
+        kernels.parallel(array, bounds, parents, self.block_size_tokens, self._seed64, out, key_offsets)
         return KeyBatch(out, key_offsets)
 
     def block_keys_many(self, requests: Sequence[Any]) -> list[tuple[BlockKey, ...]]:
@@ -194,11 +211,11 @@ class BlockHasher:
 
     @property
     def is_compiled(self) -> bool:
-        """Whether the numba batch path serves this hasher (XXH3-64 with xxhash's C symbol found)."""
+        """Whether the numba path serves this hasher (XXH3-64 with xxhash's C symbol found)."""
         return self._kernels() is not None
 
-    def _kernels(self) -> _xxh3_kernel.Kernels | None:
-        return _xxh3_kernel.load_kernels() if self.algorithm == "xxh3_64" else None
+    def _kernels(self) -> Any:
+        return _compiled_kernels() if self.algorithm == "xxh3_64" else None
 
     def _digest(self, data: bytes) -> BlockKey:
         if self.algorithm == "xxh3_64":

@@ -14,8 +14,9 @@ index is a routing hint, and the caches that serve blocks compare full keys.
 `match(keys)` walks the keys once in compiled code, intersecting the presence
 bits of the instances still "alive" in the prefix; an instance whose bit drops
 out gets the current position as its prefix length. Each step is one probe and
-a few word operations, and each instance drops out once, so a match costs
-O(len(keys) + holders), not O(len(keys) × holders).
+one operation per 64-bit word of holder bits (16 instances a word), and each
+instance drops out once, so a match costs O(len(keys) × ⌈holders / 16⌉ +
+holders): for up to 16 instances, one probe per key.
 
 Events: a source's first event of an epoch must have seq 0, and each later one
 seq + 1. Epochs only rise: a higher epoch means the source restarted, and its
@@ -36,9 +37,10 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import cast
+from typing import SupportsIndex, cast
 
 import attrs
 import numpy as np
@@ -46,7 +48,7 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake.cache.events import AllBlocksCleared, BlockStored, CacheEvent, SequenceGap
 from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, InstanceId, Tier
 
@@ -54,6 +56,7 @@ __all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapsh
 
 _NUM_TIERS = len(Tier)
 _U64 = 2**64
+_NO_KEYS = np.empty(0, dtype=np.uint64)
 
 
 @attrs.frozen
@@ -109,28 +112,36 @@ class _SourceState:
     epoch: int
     seq: int
     is_stale: bool
+    slot: int
 
 
-def _fold(key: int) -> int:
-    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+def _fold(key: object) -> int:
+    """A key as stored: itself below 2**64, else its XXH3-64."""
+    if isinstance(key, bool) or not isinstance(key, SupportsIndex) or operator.index(key) < 0:
         raise InvalidRequestError(f"block keys must be non-negative integers, got {key!r}")
-    if key < _U64:
-        return key
-    return xxhash.xxh3_64_intdigest(key.to_bytes((key.bit_length() + 7) // 8, "little"))
+    value = operator.index(key)
+    if value < _U64:
+        return value
+    return xxhash.xxh3_64_intdigest(value.to_bytes((value.bit_length() + 7) // 8, "little"))
 
 
 def _key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
+    """Keys as a uint64 array, validated: nothing is silently truncated or wrapped."""
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
             return keys
-        if np.issubdtype(keys.dtype, np.integer) and (keys.size == 0 or keys.min() >= 0):
+        if keys.dtype.kind in "iu" and (keys.size == 0 or keys.min() >= 0):
             return keys.astype(np.uint64)
         keys = keys.tolist()
-    values = keys if isinstance(keys, list | tuple) else list(keys)
+    values = list(keys)
     try:
-        return np.array(values, dtype=np.uint64)
-    except (OverflowError, TypeError, ValueError):
+        array = np.array(values, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers
         return np.array([_fold(k) for k in values], dtype=np.uint64)
+    if array.tolist() != values:  # numpy truncated a non-integer such as 1.5
+        bad = next(k for k, v in zip(values, array.tolist(), strict=True) if k != v)
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
+    return array
 
 
 class BlockIndex:
@@ -143,10 +154,8 @@ class BlockIndex:
 
     def __init__(self) -> None:
         self._table = KeyTable()
-        self._slot_of: dict[InstanceId, int] = {}
-        self._instance_of: list[InstanceId | None] = []
-        self._free_slots: list[int] = []
         self._sources: dict[InstanceId, _SourceState] = {}
+        self._instance_of: list[InstanceId | None] = []  # slot → instance; None marks a free slot
 
     # ------------------------------------------------------------------ queries
 
@@ -154,12 +163,16 @@ class BlockIndex:
         return self._table.size
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, int) and not isinstance(key, bool) and key >= 0 and self._table.find(_fold(key)) >= 0
+        try:
+            folded = _fold(key)
+        except InvalidRequestError:
+            return False
+        return self._table.find(folded) >= 0
 
     @property
     def instances(self) -> tuple[InstanceId, ...]:
         """Instances the index has a source state for, sorted."""
-        return tuple(sorted(self._slot_of))
+        return tuple(sorted(self._sources))
 
     @property
     def stale_sources(self) -> tuple[InstanceId, ...]:
@@ -168,8 +181,8 @@ class BlockIndex:
 
     def num_blocks(self, instance_id: InstanceId) -> int:
         """Keys `instance_id` holds in at least one tier."""
-        slot = self._slot_of.get(instance_id)
-        return 0 if slot is None else int(self._table.counts[slot])
+        state = self._sources.get(instance_id)
+        return 0 if state is None else int(self._table.counts[state.slot])
 
     def nbytes(self) -> int:
         """Bytes of the key table's arrays."""
@@ -219,29 +232,25 @@ class BlockIndex:
             stale until `resync`).
         """
         source = event.source
+        # Keys are converted (and validated) before any state changes.
+        keys = _NO_KEYS if isinstance(event, AllBlocksCleared) else _key_array(event.keys)
         state = self._sources.get(source)
         if state is not None and event.epoch < state.epoch:
             return None  # a late event of an earlier incarnation
         if state is None or state.epoch != event.epoch:
             if event.seq != 0:
                 return self._gap(source, event, expected_epoch=event.epoch, expected_seq=0)
-            # A new epoch: the source restarted empty.
-            self._drop_holdings(source)
-            state = self._sources[source] = _SourceState(epoch=event.epoch, seq=-1, is_stale=False)
-            self._ensure_slot(source)
+            state = self._reset_source(source, epoch=event.epoch, seq=-1)  # restarted empty
         elif state.is_stale or event.seq > state.seq + 1:
             return self._gap(source, event, expected_epoch=state.epoch, expected_seq=state.seq + 1)
         elif event.seq <= state.seq:
             return None
-        slot = self._slot_of[source]
         if isinstance(event, BlockStored):
-            self._table.add(_key_array(event.keys), slot, event.tier)
-        elif isinstance(event, BlockRemoved):
-            self._table.discard(_key_array(event.keys), slot, event.tier)
+            self._table.add(keys, state.slot, event.tier)
         elif isinstance(event, AllBlocksCleared):
-            self._table.clear_slot(slot)
-        else:  # pragma: no cover - the union is closed
-            raise TypeError(f"not a cache event: {event!r}")
+            self._table.clear_slot(state.slot)
+        else:
+            self._table.discard(keys, state.slot, event.tier)
         state.seq = event.seq
         return None
 
@@ -261,20 +270,17 @@ class BlockIndex:
             epoch, seq: the source's epoch and the last event seq the snapshot
                 reflects (-1 if none); the next event expected is ``seq + 1``.
         """
-        self._drop_holdings(source)
-        self._sources[source] = _SourceState(epoch=epoch, seq=seq, is_stale=False)
-        slot = self._ensure_slot(source)
-        for tier, keys in holdings.items():
-            self._table.add(_key_array(keys), slot, Tier(tier))
+        arrays = [(Tier(tier), _key_array(keys)) for tier, keys in holdings.items()]
+        state = self._reset_source(source, epoch=epoch, seq=seq)
+        for tier, keys in arrays:
+            self._table.add(keys, state.slot, tier)
 
     def remove_instance(self, instance_id: InstanceId) -> None:
         """Forget `instance_id` entirely (it is gone); its next event must start an epoch or resync."""
-        self._drop_holdings(instance_id)
-        self._sources.pop(instance_id, None)
-        slot = self._slot_of.pop(instance_id, None)
-        if slot is not None:
-            self._instance_of[slot] = None
-            self._free_slots.append(slot)
+        state = self._sources.pop(instance_id, None)
+        if state is not None:
+            self._table.clear_slot(state.slot)
+            self._instance_of[state.slot] = None
 
     # ------------------------------------------------------------------ snapshot
 
@@ -284,10 +290,9 @@ class BlockIndex:
         sources = []
         for source in sorted(self._sources):
             state = self._sources[source]
-            slot = self._slot_of.get(source)
             by_tier: list[tuple[Tier, tuple[BlockKey, ...]]] = []
-            if slot is not None and table.counts[slot]:
-                word, shift = divmod(slot, SLOTS_PER_WORD)
+            if table.counts[state.slot]:
+                word, shift = divmod(state.slot, SLOTS_PER_WORD)
                 nibbles = table.words[:, word] >> np.uint64(4 * shift)
                 for tier in Tier:
                     held = (nibbles >> np.uint64(tier)) & np.uint64(1) == 1
@@ -334,18 +339,15 @@ class BlockIndex:
             if slot >= len(self._instance_of) or self._instance_of[slot] is None:
                 assert not present.any(), f"free slot {slot} holds keys"
         live = {instance: slot for slot, instance in enumerate(self._instance_of) if instance is not None}
-        assert live == self._slot_of, "slot table out of sync"
-        assert set(self._slot_of) == set(self._sources), "sources without slots or slots without sources"
+        assert live == {source: state.slot for source, state in self._sources.items()}, "slot table out of sync"
 
     # ------------------------------------------------------------------ internals
 
     def _gap(self, source: InstanceId, event: CacheEvent, *, expected_epoch: int, expected_seq: int) -> SequenceGap:
         state = self._sources.get(source)
         if state is None:
-            self._sources[source] = _SourceState(epoch=event.epoch, seq=-1, is_stale=True)
-            self._ensure_slot(source)
-        else:
-            state.is_stale = True
+            state = self._reset_source(source, epoch=event.epoch, seq=-1)
+        state.is_stale = True
         return SequenceGap(
             source=source,
             expected_epoch=expected_epoch,
@@ -354,22 +356,18 @@ class BlockIndex:
             received_seq=event.seq,
         )
 
-    def _ensure_slot(self, instance_id: InstanceId) -> int:
-        slot = self._slot_of.get(instance_id)
-        if slot is not None:
-            return slot
-        if self._free_slots:
-            slot = min(self._free_slots)
-            self._free_slots.remove(slot)
-            self._instance_of[slot] = instance_id
+    def _reset_source(self, source: InstanceId, *, epoch: int, seq: int) -> _SourceState:
+        """A fresh, empty state for `source`, keeping its slot or taking the lowest free one."""
+        state = self._sources.get(source)
+        if state is not None:
+            self._table.clear_slot(state.slot)
+            slot = state.slot
+        elif None in self._instance_of:
+            slot = self._instance_of.index(None)
+            self._instance_of[slot] = source
         else:
             slot = len(self._instance_of)
-            self._instance_of.append(instance_id)
+            self._instance_of.append(source)
             self._table.ensure_slots(slot + 1)
-        self._slot_of[instance_id] = slot
-        return slot
-
-    def _drop_holdings(self, instance_id: InstanceId) -> None:
-        slot = self._slot_of.get(instance_id)
-        if slot is not None:
-            self._table.clear_slot(slot)
+        state = self._sources[source] = _SourceState(epoch=epoch, seq=seq, is_stale=False, slot=slot)
+        return state

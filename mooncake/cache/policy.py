@@ -8,7 +8,9 @@ One protocol, four policies:
   blocks are shared by more prompts); ties least recently used.
 - `SievePolicy`: SIEVE (NSDI'24): a FIFO queue with a visited bit and a hand
   that sweeps from oldest to newest, clearing visited bits and evicting the
-  first unvisited block.
+  first unvisited block. In prefix-aware mode the hand steps over every block
+  that still has a cached child, so an eviction costs O(chain length): SIEVE
+  is slower there than the heap policies (about 3x in `make demo`).
 
 The caller owns capacity: it calls `access` for every use of a block (inserting
 it when new) and `evict` until what it holds fits. Time is logical (one tick per
@@ -199,7 +201,7 @@ class _HeapPolicy(_PolicyBase):
             priority = self._rank(key, position)
             self._link(key, parent)
         self._priority[key] = priority
-        if key not in self._pins and not (self.prefix_aware and key in self._children):
+        if key not in self._pins and not (self.prefix_aware and key in self._children):  # _is_unprotected, inlined
             heapq.heappush(self._heap, (priority, key))
             if len(self._heap) > 4 * len(self._priority) + 1024:
                 self._heap = [(p, k) for k, p in self._priority.items() if self.is_candidate(k)]
@@ -239,35 +241,19 @@ class LruPolicy(_HeapPolicy):
 class LfuPolicy(_HeapPolicy):
     """Least frequently used first (counts since insertion); ties least recently used."""
 
-    def __init__(self, *, prefix_aware: bool = True) -> None:
-        super().__init__(prefix_aware=prefix_aware)
-        self._uses: dict[BlockKey, int] = {}
-
     def _rank(self, key: BlockKey, position: int | None) -> Any:
-        uses = self._uses[key] = self._uses.get(key, 0) + 1
+        uses = 1 if position is not None else self._priority[key][0] + 1
         return (uses, self._tick)
 
-    def _delete(self, key: BlockKey) -> None:
-        super()._delete(key)
-        del self._uses[key]
 
-
-class LengthAwarePolicy(LfuPolicy):
+class LengthAwarePolicy(_HeapPolicy):
     """LFU whose ties go to the block later in its request first; then least recently used."""
 
-    def __init__(self, *, prefix_aware: bool = True) -> None:
-        super().__init__(prefix_aware=prefix_aware)
-        self._position: dict[BlockKey, int] = {}
-
     def _rank(self, key: BlockKey, position: int | None) -> Any:
-        if position is not None:
-            self._position[key] = position
-        uses, tick = super()._rank(key, position)
-        return (uses, -self._position[key], tick)
-
-    def _delete(self, key: BlockKey) -> None:
-        super()._delete(key)
-        del self._position[key]
+        if position is None:  # a re-access: one more use, same position
+            uses, negated_position, _ = self._priority[key]
+            return (uses + 1, negated_position, self._tick)
+        return (1, -position, self._tick)
 
 
 class SievePolicy(_PolicyBase):

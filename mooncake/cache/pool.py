@@ -45,12 +45,13 @@ def check_geometry(page_bytes: int, num_pages: int) -> None:
 
 class PagePool(Protocol):
     """Fixed-size pages of one tier. Attributes `tier`, `page_bytes`, `num_pages`,
-    `num_free` and `holds_bytes` describe it."""
+    `num_free`, `holds_bytes` and `zero_copy` describe it."""
 
     tier: Tier
     page_bytes: int
     num_pages: int
     holds_bytes: bool
+    zero_copy: bool  # `read` returns a view of the page itself, not a copy
 
     @property
     def num_free(self) -> int: ...
@@ -136,10 +137,16 @@ class PageAllocator:
 
 def as_bytes_view(data: Buffer, page_bytes: int) -> memoryview:
     """`data` as a flat byte view, checked to fit one page (no copy)."""
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise InvalidRequestError("page data must be a contiguous buffer")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if isinstance(data, np.ndarray):  # any shape and dtype, zero-size included
+        if not data.flags.c_contiguous:
+            raise InvalidRequestError("page data must be a contiguous buffer")
+        view = data.reshape(-1).view(np.uint8).data
+    else:
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise InvalidRequestError("page data must be a contiguous buffer")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
     if view.nbytes > page_bytes:
         raise CapacityError(f"{view.nbytes} bytes do not fit a page of {page_bytes} bytes")
     return view
@@ -161,6 +168,7 @@ class _AllocatingPool:
 
     tier: Tier
     holds_bytes = True
+    zero_copy = True
 
     def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
         check_geometry(page_bytes, num_pages)
@@ -278,6 +286,7 @@ class MetadataPagePool(_AllocatingPool):
     """Page accounting without bytes: `write` checks sizes only, `read` returns None."""
 
     holds_bytes = False
+    zero_copy = False
 
     def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
         super().__init__(tier, page_bytes, num_pages)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 from typing import Any
 
 import attrs
@@ -84,6 +85,7 @@ class SsdPagePool:
     """
 
     holds_bytes = True
+    zero_copy = False
 
     def __init__(
         self,
@@ -109,7 +111,8 @@ class SsdPagePool:
         self.allocator = PageAllocator(num_pages)
         self._writes_since_sync = 0
         self._generation = 0
-        self._header = aligned_buffer(HEADER_BYTES)
+        self._scratch = threading.local()  # per-thread header buffers: readers run concurrently
+        self._zeros = aligned_buffer(HEADER_BYTES)  # written to free a slot; never modified
         self._bounce = aligned_buffer(self.slot_bytes) if o_direct else None
         existed = os.path.exists(self.path) and os.path.getsize(self.path) > 0
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
@@ -145,8 +148,7 @@ class SsdPagePool:
     def free(self, page: int) -> None:
         """Release `page` and invalidate its header on disk."""
         self.allocator.free(page)
-        self._header[:] = 0
-        self._pwrite(self._header, self._slot(page))
+        self._pwrite(self._zeros, self._slot(page))
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
         """Write `data` with its header in one call; `checksum` is computed when not given."""
@@ -201,10 +203,11 @@ class SsdPagePool:
             raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {length}")
         offset = self._slot(page)
         size = _round_up(length, ALIGNMENT_BYTES) if self.o_direct else length
-        got = os.preadv(self._fd, [self._header.data, target[:size]], offset)
+        header = self._header_buffer()
+        got = os.preadv(self._fd, [header.data, target[:size]], offset)
         if got < HEADER_BYTES + length:
             raise IntegrityError(f"{self.path} page {page}: short read of {got} bytes")
-        stored_length, digest, _generation, _key = self._unpack_header(self._header, page)
+        stored_length, digest, _generation, _key = self._unpack_header(header, page)
         if stored_length != length:
             raise IntegrityError(f"{self.path} page {page}: holds {stored_length} bytes, expected {length}")
         actual = xxhash.xxh3_64_intdigest(target[:length])
@@ -254,6 +257,12 @@ class SsdPagePool:
             )
         return length, digest, generation, BlockKey(int.from_bytes(key, "little"))
 
+    def _header_buffer(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        buffer = getattr(self._scratch, "header", None)
+        if buffer is None:
+            buffer = self._scratch.header = aligned_buffer(HEADER_BYTES)
+        return buffer
+
     def _pwrite(self, data: Any, offset: int) -> None:
         view = memoryview(data)
         if os.pwrite(self._fd, view, offset) != view.nbytes:
@@ -262,6 +271,8 @@ class SsdPagePool:
     def _create(self) -> None:
         try:
             os.posix_fallocate(self._fd, 0, self.file_bytes)
+        except OverflowError as error:  # beyond the largest file offset
+            raise CapacityError(f"cannot preallocate {self.file_bytes:,} bytes for {self.path}: too large") from error
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise CapacityError(
@@ -269,17 +280,18 @@ class SsdPagePool:
                 ) from error
             raise
         fields = _SUPER.pack(_SUPER_MAGIC, 1, self.page_bytes, self.num_pages)
-        self._header[:] = 0
-        self._header[: _SUPER.size + _CHECK.size] = np.frombuffer(
+        superblock = aligned_buffer(HEADER_BYTES)
+        superblock[: _SUPER.size + _CHECK.size] = np.frombuffer(
             fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields)), dtype=np.uint8
         )
-        self._pwrite(self._header, 0)
+        self._pwrite(superblock, 0)
         os.fsync(self._fd)
 
     def _recover(self) -> tuple[RecoveredPage, ...]:
-        if os.preadv(self._fd, [self._header.data], 0) < _SUPER.size + _CHECK.size:
+        header = self._header_buffer()
+        if os.preadv(self._fd, [header.data], 0) < _SUPER.size + _CHECK.size:
             raise ConfigError(f"{self.path} is not a mooncake SSD pool file (too short)")
-        raw = bytes(self._header[: _SUPER.size + _CHECK.size])
+        raw = bytes(header[: _SUPER.size + _CHECK.size])
         magic, _version, page_bytes, num_pages = _SUPER.unpack_from(raw)
         (check,) = _CHECK.unpack_from(raw, _SUPER.size)
         if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[: _SUPER.size]):
@@ -292,12 +304,12 @@ class SsdPagePool:
         newest: dict[BlockKey, RecoveredPage] = {}
         stale: list[int] = []
         for page in range(self.num_pages):
-            if os.preadv(self._fd, [self._header.data], self._slot(page)) < HEADER_BYTES:
+            if os.preadv(self._fd, [header.data], self._slot(page)) < HEADER_BYTES:
                 break
-            if not self._header[:4].any():
+            if not header[:4].any():
                 continue
             try:
-                length, digest, generation, key = self._unpack_header(self._header, page)
+                length, digest, generation, key = self._unpack_header(header, page)
             except IntegrityError:
                 continue  # a torn or foreign header: the slot is free
             found = RecoveredPage(page=page, key=key, length=length, checksum=digest, generation=generation)
@@ -310,8 +322,7 @@ class SsdPagePool:
                 stale.append(page)
             self._generation = max(self._generation, generation)
         for page in stale:  # an older copy of a key: invalidate it so it never comes back
-            self._header[:] = 0
-            self._pwrite(self._header, self._slot(page))
+            self._pwrite(self._zeros, self._slot(page))
         pages = tuple(sorted(newest.values(), key=lambda p: p.page))
         for found in pages:
             self.allocator.claim(found.page)

@@ -78,8 +78,13 @@ class _Entry:
     checksum: int | None
     parent: BlockKey | None
     pins: int = 0
-    ready: bool = False
+    ready: bool = False  # False while its first write is in progress
+    corrupt: bool = False  # failed verification; dropped when the last pin goes
     lower_reads: int = 0
+
+    @property
+    def is_live(self) -> bool:
+        return self.ready and not self.corrupt
 
 
 class TieredCache:
@@ -137,16 +142,16 @@ class TieredCache:
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(1 for entry in self._entries.values() if entry.ready)
+            return sum(1 for entry in self._entries.values() if entry.is_live)
 
     def __contains__(self, key: object) -> bool:
         entry = self._entries.get(key)  # type: ignore[call-overload]
-        return entry is not None and entry.ready
+        return entry is not None and entry.is_live
 
     def tier_of(self, key: BlockKey) -> Tier | None:
         """The tier holding `key`, or None."""
         entry = self._entries.get(key)
-        return self.pools[entry.level].tier if entry is not None and entry.ready else None
+        return self.pools[entry.level].tier if entry is not None and entry.is_live else None
 
     def prefix_match(self, keys: Iterable[BlockKey]) -> int:
         """How many leading `keys` the cache holds (in any tier)."""
@@ -154,7 +159,7 @@ class TieredCache:
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None or not entry.ready:
+                if entry is None or not entry.is_live:
                     break
                 count += 1
         return count
@@ -257,18 +262,19 @@ class TieredCache:
         """
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.ready:
+            if entry is None or not entry.is_live:
                 self._counts["misses"] += 1
                 return None
             if not self.pools[entry.level].holds_bytes:
                 raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes: use touch()")
             self._policies[entry.level].access(key)
             self._counts["hits"] += 1
-            if entry.level == 0:
+            if entry.level == 0 and self.pools[0].zero_copy:
                 return self.pools[0].read(entry.page, entry.length)
-            entry.lower_reads += 1
-            if self._should_promote(entry):
-                return self._promote(key, entry)
+            if entry.level:
+                entry.lower_reads += 1
+                if self._should_promote(entry):
+                    return self._promote(key, entry)
             entry.pins += 1  # hold the page while reading outside the lock
             self._policies[entry.level].pin(key)
         data = None
@@ -278,21 +284,16 @@ class TieredCache:
             pass
         finally:
             with self._lock:
+                if data is None:
+                    self._found_corrupt(entry)
                 self._unpin_entry(key, entry)
-                if data is None:  # corrupt: a miss, and the block goes once no reader holds it
-                    self._counts["hits"] -= 1
-                    self._counts["misses"] += 1
-                    if entry.pins == 0:
-                        self._policies[entry.level].remove(key)
-                        self._drop(key, entry)
-                        self._counts["corrupt_blocks"] += 1
         return data
 
     def touch(self, key: BlockKey) -> Tier | None:
         """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.ready:
+            if entry is None or not entry.is_live:
                 self._counts["misses"] += 1
                 return None
             self._policies[entry.level].access(key)
@@ -317,6 +318,8 @@ class TieredCache:
         """Protect `key` from eviction, demotion, promotion and overwrite (reference counted)."""
         with self._lock:
             entry = self._ready_entry(key)
+            if entry.corrupt:
+                raise UnknownBlockError(f"block {key} is not cached (it failed verification)")
             entry.pins += 1
             self._policies[entry.level].pin(key)
 
@@ -405,6 +408,17 @@ class TieredCache:
     def _unpin_entry(self, key: BlockKey, entry: _Entry) -> None:
         entry.pins -= 1
         self._policies[entry.level].unpin(key)
+        if entry.corrupt and entry.pins == 0:
+            self._policies[entry.level].remove(key)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+
+    def _found_corrupt(self, entry: _Entry) -> None:
+        """A read of `entry` failed verification (lock held): that read is a miss, and the
+        block is dropped now, or when its last pin goes."""
+        self._counts["hits"] -= 1
+        self._counts["misses"] += 1
+        entry.corrupt = True
 
     def _should_promote(self, entry: _Entry) -> bool:
         return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
@@ -462,15 +476,21 @@ class TieredCache:
         page = self._try_make_room(0)
         if page is None:  # the first tier is all pinned: serve from where it is
             self._policies[source_level].access(key, parent=entry.parent)
-            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
+            try:
+                return self._read_host(entry) if self.pools[source_level].holds_bytes else None
+            except IntegrityError:
+                self._found_corrupt(entry)
+                self._policies[source_level].remove(key)
+                self._drop(key, entry)
+                self._counts["corrupt_blocks"] += 1
+                return None
         try:
             data = self._read_host(entry) if self.pools[0].holds_bytes else None
         except IntegrityError:
             self.pools[0].free(page)
+            self._found_corrupt(entry)
             self._drop(key, entry)
             self._counts["corrupt_blocks"] += 1
-            self._counts["hits"] -= 1
-            self._counts["misses"] += 1
             return None
         self.pools[0].write(page, data, key=key, checksum=entry.checksum)
         self.pools[source_level].free(entry.page)

@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mooncake._checks import int_at_least, require_int, require_number
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
@@ -47,9 +48,11 @@ __all__ = [
 ]
 
 
-def _check(condition: bool, field: str, value: object, requirement: str) -> None:
-    if not condition:
-        raise ConfigError(f"{field} must be {requirement}, got {value!r}")
+def _number_at_least(minimum: float, *, strict: bool = False) -> Any:
+    def check(_instance: object, attribute: Any, value: Any) -> None:
+        require_number(attribute.name, value, minimum=minimum, strict=strict)
+
+    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -60,21 +63,17 @@ class LengthDistribution:
     shifts the mean slightly; the presets are tuned with it in place.
     """
 
-    mean_tokens: float
-    sigma: float = 0.8
-    min_tokens: int = 1
-    max_tokens: int = 1 << 20
+    mean_tokens: float = attrs.field(validator=_number_at_least(0, strict=True))
+    sigma: float = attrs.field(default=0.8, validator=_number_at_least(0))
+    min_tokens: int = attrs.field(default=1, validator=int_at_least(1))
+    max_tokens: int = attrs.field(default=1 << 20, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
-        _check(
-            math.isfinite(self.mean_tokens) and self.mean_tokens > 0, "mean_tokens", self.mean_tokens, "finite and > 0"
-        )
-        _check(math.isfinite(self.sigma) and self.sigma >= 0, "sigma", self.sigma, "finite and >= 0")
-        _check(
-            1 <= self.min_tokens <= self.max_tokens, "min_tokens", (self.min_tokens, self.max_tokens), "1 <= min <= max"
-        )
+        if self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
 
     def sample(self, rng: np.random.Generator) -> int:
+        """One token count drawn from `rng`."""
         mu = math.log(self.mean_tokens) - self.sigma**2 / 2
         value = rng.lognormal(mu, self.sigma) if self.sigma else self.mean_tokens
         return int(min(max(round(value), self.min_tokens), self.max_tokens))
@@ -88,17 +87,11 @@ class ArrivalProcess:
     process, above 1 bursty (gamma gaps: clusters separated by lulls).
     """
 
-    rate_per_s: float = 1.0
-    cv: float = 1.0
-
-    def __attrs_post_init__(self) -> None:
-        _check(
-            math.isfinite(self.rate_per_s) and self.rate_per_s > 0, "rate_per_s", self.rate_per_s, "a finite number > 0"
-        )
-        _check(math.isfinite(self.cv) and self.cv > 0, "cv", self.cv, "a finite number > 0")
+    rate_per_s: float = attrs.field(default=1.0, validator=_number_at_least(0, strict=True))
+    cv: float = attrs.field(default=1.0, validator=_number_at_least(0, strict=True))
 
     def times_s(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, np.dtype[np.float64]]:
-        """`count` non-decreasing arrival times starting at 0, rounded to milliseconds."""
+        """`count` non-decreasing arrival times in seconds, starting at 0, rounded to milliseconds."""
         shape = 1.0 / self.cv**2
         gaps = rng.gamma(shape, 1.0 / (self.rate_per_s * shape), size=count)
         gaps[:1] = 0.0
@@ -118,34 +111,30 @@ class WorkloadSpec:
     """
 
     name: str = "custom"
-    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS
-    chat_weight: float = 1.0
-    document_weight: float = 0.0
-    agent_weight: float = 0.0
-    num_system_prompts: int = 8
+    block_size_tokens: int = attrs.field(default=TRACE_BLOCK_SIZE_TOKENS, validator=int_at_least(1))
+    chat_weight: float = attrs.field(default=1.0, validator=_number_at_least(0))
+    document_weight: float = attrs.field(default=0.0, validator=_number_at_least(0))
+    agent_weight: float = attrs.field(default=0.0, validator=_number_at_least(0))
+    num_system_prompts: int = attrs.field(default=8, validator=int_at_least(1))
     system_prompt_tokens: LengthDistribution = LengthDistribution(mean_tokens=1500, sigma=0.5)
-    num_documents: int = 200
+    num_documents: int = attrs.field(default=200, validator=int_at_least(1))
     document_tokens: LengthDistribution = LengthDistribution(mean_tokens=20000, sigma=0.6)
-    num_agent_preambles: int = 6
+    num_agent_preambles: int = attrs.field(default=6, validator=int_at_least(1))
     agent_preamble_tokens: LengthDistribution = LengthDistribution(mean_tokens=6000, sigma=0.3)
-    popularity_skew: float = 1.0
+    popularity_skew: float = attrs.field(default=1.0, validator=_number_at_least(0))
     user_message_tokens: LengthDistribution = LengthDistribution(mean_tokens=800, sigma=1.0)
     observation_tokens: LengthDistribution = LengthDistribution(mean_tokens=600, sigma=1.0)
     output_tokens: LengthDistribution = LengthDistribution(mean_tokens=300, sigma=1.0, max_tokens=8192)
-    mean_turns: float = 3.0
-    continue_probability: float = 0.6
-    max_input_tokens: int = 131072
+    mean_turns: float = attrs.field(default=3.0, validator=_number_at_least(1))
+    continue_probability: float = attrs.field(default=0.6, validator=_number_at_least(0))
+    max_input_tokens: int = attrs.field(default=131072, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
-        _check(self.block_size_tokens > 0, "block_size_tokens", self.block_size_tokens, "> 0")
         weights = (self.chat_weight, self.document_weight, self.agent_weight)
-        _check(min(weights) >= 0 and sum(weights) > 0, "session weights", weights, "non-negative with a positive sum")
-        for field in ("num_system_prompts", "num_documents", "num_agent_preambles"):
-            _check(getattr(self, field) >= 1, field, getattr(self, field), ">= 1")
-        _check(self.popularity_skew >= 0, "popularity_skew", self.popularity_skew, ">= 0")
-        _check(self.mean_turns >= 1, "mean_turns", self.mean_turns, ">= 1")
-        _check(0 <= self.continue_probability < 1, "continue_probability", self.continue_probability, "in [0, 1)")
-        _check(self.max_input_tokens >= 1, "max_input_tokens", self.max_input_tokens, ">= 1")
+        if sum(weights) <= 0:
+            raise ConfigError(f"session weights (chat, document, agent) must have a positive sum, got {weights}")
+        if self.continue_probability >= 1:
+            raise ConfigError(f"continue_probability must be < 1, got {self.continue_probability!r}")
 
 
 PRESETS: dict[str, WorkloadSpec] = {
@@ -327,12 +316,7 @@ def generate_requests(
         Requests with ids "0", "1", ..., arrival times in whole milliseconds and
         chained `block_keys` at `spec.block_size_tokens`.
     """
-    _check(
-        isinstance(num_requests, int) and not isinstance(num_requests, bool) and num_requests >= 0,
-        "num_requests",
-        num_requests,
-        "an integer >= 0",
-    )
+    num_requests = require_int("num_requests", num_requests, minimum=0)
     return _generate(spec, num_requests, arrivals, seed)  # checked here, not lazily at the first next()
 
 

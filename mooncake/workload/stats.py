@@ -19,7 +19,17 @@ __all__ = ["TraceStats", "trace_stats"]
 
 @attrs.frozen(kw_only=True)
 class TraceStats:
-    """What a workload looks like (all zero for an empty one)."""
+    """What a workload looks like (all zero for an empty one).
+
+    Attributes:
+        num_requests: requests in the workload.
+        mean_input_length, mean_output_length: tokens per request.
+        max_input_length: the longest prompt, in tokens.
+        num_blocks, num_unique_blocks: block keys in all, and distinct ones.
+        prefix_reuse_ratio: see the module docstring.
+        duration_s: last arrival minus first.
+        mean_rate_per_s: arrivals per second over that span.
+    """
 
     num_requests: int
     mean_input_length: float

@@ -26,20 +26,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
-from mooncake.types import BlockKey, Request, RequestId
+from mooncake._checks import ceil_div, require_int, require_number
+from mooncake.errors import InvalidRequestError, TraceFormatError
+from mooncake.types import Request, RequestId
 
 __all__ = ["TRACE_BLOCK_SIZE_TOKENS", "iter_trace", "load_trace", "write_trace"]
 
 TRACE_BLOCK_SIZE_TOKENS = 512
 """Block size of the published Mooncake traces."""
-
-
-def _check_options(block_size_tokens: int, speedup: float) -> None:
-    if isinstance(block_size_tokens, bool) or not isinstance(block_size_tokens, int) or block_size_tokens <= 0:
-        raise ConfigError(f"block_size_tokens must be a positive integer, got {block_size_tokens!r}")
-    if isinstance(speedup, bool) or not isinstance(speedup, int | float) or not math.isfinite(speedup) or speedup <= 0:
-        raise ConfigError(f"speedup must be a finite number > 0, got {speedup!r}")
 
 
 def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
@@ -71,7 +65,7 @@ def _parse(record: Any, block_size_tokens: int) -> tuple[float, int, int, list[i
         raise ValueError("field 'hash_ids' must be a list of integers")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {min(hash_ids)}")
-    expected = -(-input_length // block_size_tokens)
+    expected = ceil_div(input_length, block_size_tokens)
     if len(hash_ids) != expected:
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
@@ -100,7 +94,9 @@ def iter_trace(
         TraceFormatError: at the first malformed line (blank lines are skipped).
         ConfigError: for invalid options.
     """
-    _check_options(block_size_tokens, speedup)  # here, not in the generator: bad options fail at the call
+    # Checked here, not in the generator, so that bad options fail at the call.
+    block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
+    speedup = require_number("speedup", speedup, minimum=0, strict=True)
     return _read(path, block_size_tokens, speedup)
 
 
@@ -151,19 +147,17 @@ def load_trace(
 
 
 def _record(request: Request, block_size_tokens: int) -> dict[str, Any]:
-    expected = -(-request.input_length // block_size_tokens)
+    expected = ceil_div(request.input_length, block_size_tokens)
     if len(request.block_keys) != expected:
         raise InvalidRequestError(
             f"request {request.request_id}: {len(request.block_keys)} block keys for input_length "
             f"{request.input_length}, expected {expected} at block size {block_size_tokens}"
         )
-    if any(type(k) is not int or k < 0 for k in request.block_keys):
-        raise InvalidRequestError(f"request {request.request_id}: block keys must be non-negative integers")
     return {
         "timestamp": round(request.arrival_s * 1000),
         "input_length": request.input_length,
         "output_length": request.output_length,
-        "hash_ids": [BlockKey(k) for k in request.block_keys],
+        "hash_ids": list(request.block_keys),
     }
 
 
@@ -184,7 +178,7 @@ def write_trace(
     Raises:
         InvalidRequestError: a request cannot be represented; the file is left untouched.
     """
-    _check_options(block_size_tokens, 1.0)
+    block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     target = Path(path)
     # A unique sibling opened with "x" (not mkstemp) so the final file gets the
     # usual umask permissions rather than 0600.

@@ -71,8 +71,8 @@ def test_flat_lru_evicts_a_shared_head_before_its_tail() -> None:
 
 def test_empty_workload_has_zero_hit_ratio() -> None:
     """No requests, or only empty ones, give zero hits, zero blocks and a hit ratio of 0.0."""
-    assert simulate_prefix_hits([], LruPolicy(), 4).hit_ratio == 0.0
-    point = simulate_prefix_hits([(), ()], LruPolicy(), 4)
+    assert simulate_prefix_hits([], LruPolicy(), capacity_blocks=4).hit_ratio == 0.0
+    point = simulate_prefix_hits([(), ()], LruPolicy(), capacity_blocks=4)
     assert (point.hit_blocks, point.total_blocks, point.hit_ratio) == (0, 0, 0.0)
 
 
@@ -80,20 +80,53 @@ def test_empty_workload_has_zero_hit_ratio() -> None:
 def test_invalid_capacity_raises_config_error(capacity: Any) -> None:
     """A capacity that is not a positive int (bools and floats included) raises ConfigError, a ValueError."""
     with pytest.raises(ConfigError):
-        simulate_prefix_hits([keys(1)], LruPolicy(), capacity)
+        simulate_prefix_hits([keys(1)], LruPolicy(), capacity_blocks=capacity)
     with pytest.raises(ValueError):
-        hit_ratio_curve([keys(1)], LruPolicy, [4, capacity])
+        hit_ratio_curve([keys(1)], LruPolicy, capacities_blocks=[4, capacity])
 
 
 def test_curve_runs_each_capacity_on_a_fresh_policy() -> None:
     """hit_ratio_curve gives, in order, what separate simulate_prefix_hits calls with fresh policies give."""
     requests = [keys(1, 2, 3), keys(1, 2, 4), keys(5), keys(1, 2, 3), keys(1, 6)]
-    curve = hit_ratio_curve(requests, SievePolicy, [3, 1, 5])
+    curve = hit_ratio_curve(requests, SievePolicy, capacities_blocks=[3, 1, 5])
     assert [p.capacity_blocks for p in curve] == [3, 1, 5]
-    assert curve == tuple(simulate_prefix_hits(requests, SievePolicy(), c) for c in (3, 1, 5))
+    assert curve == tuple(simulate_prefix_hits(requests, SievePolicy(), capacity_blocks=c) for c in (3, 1, 5))
 
 
 # Properties against the brute-force replay ------------------------------------
+
+
+class CapacityWatch:
+    """Wraps a policy and fails the moment it holds more than `capacity` blocks."""
+
+    def __init__(self, policy: Any, capacity: int) -> None:
+        self.policy, self.capacity, self.peak = policy, capacity, 0
+
+    def access(self, key: BlockKey, **options: Any) -> None:
+        self.policy.access(key, **options)
+        self.peak = max(self.peak, len(self.policy))
+        assert len(self.policy) <= self.capacity, f"{len(self.policy)} blocks in a {self.capacity}-block cache"
+
+    def evict(self) -> BlockKey | None:
+        return self.policy.evict()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.policy
+
+
+@pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
+@given(workload=chained_workloads(), capacity=st.integers(min_value=1, max_value=8))
+def test_simulation_never_exceeds_capacity(
+    kind: str, prefix_aware: bool, workload: list[tuple[BlockKey, ...]], capacity: int
+) -> None:
+    """The replay never holds more blocks than its capacity, at any step."""
+    watch = CapacityWatch(POLICIES[kind](prefix_aware=prefix_aware), capacity)
+    simulate_prefix_hits(workload, watch, capacity_blocks=capacity)  # type: ignore[arg-type]
+    distinct = len({key for keys in workload for key in keys})
+    assert watch.peak == min(capacity, distinct)  # it fills up, and no further
 
 
 @pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
@@ -102,7 +135,7 @@ def test_simulation_matches_reference_replay(
     kind: str, prefix_aware: bool, workload: list[tuple[BlockKey, ...]], capacity: int
 ) -> None:
     """Hits and totals equal a replay through the reference policy with a plain set for hits."""
-    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity)
+    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity_blocks=capacity)
     expected = reference_prefix_hits(workload, ReferencePolicy(kind, prefix_aware=prefix_aware), capacity)
     assert (point.hit_blocks, point.total_blocks) == expected
     assert point.capacity_blocks == capacity
@@ -115,7 +148,7 @@ def test_unbounded_capacity_equals_prefix_reuse_ratio(
 ) -> None:
     """With room for every distinct key the hit ratio is the trace's prefix_reuse_ratio (an infinite cache)."""
     capacity = max(1, len({k for block_keys in workload for k in block_keys})) + extra
-    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity)
+    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity_blocks=capacity)
     assert point.hit_ratio == trace_stats(as_requests(workload)).prefix_reuse_ratio
 
 
@@ -125,7 +158,7 @@ def test_finite_cache_hits_at_most_the_infinite_cache(
     kind: str, prefix_aware: bool, workload: list[tuple[BlockKey, ...]], capacity: int
 ) -> None:
     """A bounded cache never hits more blocks than an unbounded one."""
-    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity)
+    point = simulate_prefix_hits(workload, POLICIES[kind](prefix_aware=prefix_aware), capacity_blocks=capacity)
     unbounded = trace_stats(as_requests(workload))
     assert point.total_blocks == unbounded.num_blocks
     assert point.hit_blocks <= round(unbounded.prefix_reuse_ratio * unbounded.num_blocks)
@@ -150,5 +183,7 @@ def test_synthetic_trace_lru_curve(
     trace_keys: list[tuple[BlockKey, ...]], prefix_aware: bool, expected: tuple[float, ...]
 ) -> None:
     """LRU on the Mooncake synthetic trace gives the published-run hit ratios at 1k / 10k / 50k blocks."""
-    curve = hit_ratio_curve(trace_keys, lambda: LruPolicy(prefix_aware=prefix_aware), [1_000, 10_000, 50_000])
+    curve = hit_ratio_curve(
+        trace_keys, lambda: LruPolicy(prefix_aware=prefix_aware), capacities_blocks=[1_000, 10_000, 50_000]
+    )
     assert tuple(round(point.hit_ratio, 4) for point in curve) == expected

@@ -47,7 +47,9 @@ def test_sha256_keys_follow_the_documented_chain() -> None:
     h = hasher(algorithm="sha256", seed=3)
     namespace = json.dumps(["mooncake.block/1", "sha256", "llama3-70b", 4, ""], separators=(",", ":")).encode()
     root = int.from_bytes(hashlib.sha256(namespace + (3).to_bytes(8, "little")).digest(), "big")
-    first = int.from_bytes(hashlib.sha256(root.to_bytes(32, "little") + np.arange(3, dtype="<i4").tobytes()).digest(), "big")
+    first = int.from_bytes(
+        hashlib.sha256(root.to_bytes(32, "little") + np.arange(3, dtype="<i4").tobytes()).digest(), "big"
+    )
     assert h.root_key == root
     assert h.block_keys([0, 1, 2]) == (first,)
 
@@ -150,7 +152,9 @@ def test_keys_are_identical_in_another_process() -> None:
         "print(json.dumps(out))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     theirs = json.loads(child.stdout)
     for algorithm in ALGORITHMS:
         h = BlockHasher(model="m", block_size_tokens=16, salt="s", seed=11, algorithm=algorithm)  # type: ignore[arg-type]
@@ -161,7 +165,9 @@ def test_token_types_do_not_change_keys() -> None:
     """Lists, int64 and int32 arrays of the same ids give the same keys."""
     h = hasher()
     ids = [5, 0, 2**31 - 1, 17, 3]
-    assert h.block_keys(ids) == h.block_keys(np.array(ids, dtype=np.int64)) == h.block_keys(np.array(ids, dtype=np.int32))
+    assert (
+        h.block_keys(ids) == h.block_keys(np.array(ids, dtype=np.int64)) == h.block_keys(np.array(ids, dtype=np.int32))
+    )
 
 
 # --------------------------------------------------------------------------- batch path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -267,7 +268,7 @@ INVALID: list[tuple[type, dict[str, Any], str]] = [
     (ArrivalProcess, {"cv": 0}, "cv"),
     (ArrivalProcess, {"cv": math.inf}, "cv"),
     (WorkloadSpec, {"block_size_tokens": 0}, "block_size_tokens"),
-    (WorkloadSpec, {"chat_weight": -1.0}, "weights"),
+    (WorkloadSpec, {"chat_weight": -1.0}, "chat_weight"),
     (WorkloadSpec, {"chat_weight": 0.0}, "weights"),
     (WorkloadSpec, {"num_system_prompts": 0}, "num_system_prompts"),
     (WorkloadSpec, {"num_documents": 0}, "num_documents"),
@@ -318,3 +319,50 @@ def test_infinite_mean_tokens_is_a_config_error() -> None:
     """mean_tokens must be finite, as ArrivalProcess requires of its rate."""
     with pytest.raises(ConfigError, match="mean_tokens"):
         LengthDistribution(mean_tokens=math.inf)
+
+
+# --------------------------------------------------------------------------- sharing across sessions
+
+
+def first_keys(spec: WorkloadSpec, count: int = 600, seed: int = 0) -> Counter[int]:
+    return Counter(r.block_keys[0] for r in generate_requests(spec, num_requests=count, seed=seed))
+
+
+def test_one_system_prompt_is_shared_by_every_session() -> None:
+    """With a single system prompt longer than a block, every request starts with the same key."""
+    spec = WorkloadSpec(
+        num_system_prompts=1,
+        system_prompt_tokens=LengthDistribution(mean_tokens=2000, sigma=0.0),
+        continue_probability=0.0,  # every request opens a new session
+    )
+    assert len(first_keys(spec)) == 1
+
+
+def test_documents_are_shared_between_sessions() -> None:
+    """Document sessions over a small pool reuse each document's blocks across sessions."""
+    spec = WorkloadSpec(
+        chat_weight=0.0,
+        document_weight=1.0,
+        num_system_prompts=1,
+        system_prompt_tokens=LengthDistribution(mean_tokens=100, sigma=0.0),
+        num_documents=3,
+        document_tokens=LengthDistribution(mean_tokens=5000, sigma=0.0),
+        continue_probability=0.0,
+    )
+    counts = first_keys(spec, count=300)
+    assert len(counts) <= 3
+    assert all(n >= 2 for n in counts.values())
+
+
+def test_popularity_is_zipf_ordered_and_skew_zero_is_uniform() -> None:
+    """The first pool member is drawn most; with popularity_skew=0 the members are drawn about evenly."""
+    base = WorkloadSpec(
+        num_system_prompts=5,
+        system_prompt_tokens=LengthDistribution(mean_tokens=2000, sigma=0.0),
+        continue_probability=0.0,
+    )
+    skewed = first_keys(base, count=2000).most_common()
+    assert len(skewed) == 5
+    assert skewed[0][1] > 2 * skewed[-1][1]
+    uniform = first_keys(attrs.evolve(base, popularity_skew=0.0), count=2000).most_common()
+    assert uniform[0][1] < 1.3 * uniform[-1][1]

@@ -321,7 +321,6 @@ def bad_middle_requests() -> dict[str, list[Request]]:
         "decreasing arrival": [first, request(1, 2.0), request(2, 1.5), last],
         "too few keys": [first, request(1, 2.0, input_length=9), last],
         "too many keys": [first, request(1, 2.0, input_length=4), last],
-        "negative key": [first, request(1, 2.0, keys=(1, -1)), last],
     }
 
 

@@ -1,0 +1,55 @@
+"""Small validators shared by the value objects, so every message reads alike.
+
+An "integer" is any `numbers.Integral` but bool (numpy integers included).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from mooncake.errors import ConfigError
+
+__all__ = ["ceil_div", "int_at_least", "is_int", "plain_int", "require_int", "require_number"]
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def plain_int(value: Any) -> Any:
+    """An attrs converter: integers (numpy's too) become Python ints; anything else is left for the validator."""
+    return int(value) if is_int(value) else value
+
+
+def require_int(name: str, value: Any, *, minimum: int, error: type[Exception] = ConfigError) -> int:
+    """`value` as an int, or `error` naming `name` and the value."""
+    if not is_int(value) or value < minimum:
+        raise error(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def require_number(
+    name: str, value: Any, *, minimum: float, strict: bool = False, error: type[Exception] = ConfigError
+) -> float:
+    """`value` as a finite float above (`strict`) or at least `minimum`, or `error`."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        relation = ">" if strict else ">="
+        raise error(f"{name} must be a finite number {relation} {minimum}, got {value!r}")
+    return float(value)
+
+
+def int_at_least(minimum: int, *, error: type[Exception] = ConfigError) -> Any:
+    """An attrs validator: the field is an integer >= `minimum`."""
+
+    def check(_instance: object, attribute: Any, value: Any) -> None:
+        require_int(attribute.name, value, minimum=minimum, error=error)
+
+    return check
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """ceil(numerator / denominator) for non-negative ints, without floats."""
+    return -(-numerator // denominator)

@@ -1,0 +1,73 @@
+"""Benchmarks and the demo still run (tiny sizes; speed is never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_json(script: str, *args: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / script), "--json", *args], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "keys"),
+    [
+        (
+            "benchmarks/hashing.py",
+            ["--requests", "4", "--blocks-per-request", "2", "--repeats", "1"],
+            ["batch_blocks_per_s", "per_request_blocks_per_s", "sha256_chain_blocks_per_s", "speedup_vs_sha256"],
+        ),
+        (
+            "benchmarks/index.py",
+            ["--keys", "6400", "--queries", "200"],
+            ["matches_per_s", "bytes_per_key", "naive_matches_per_s", "speedup_vs_naive"],
+        ),
+        (
+            "benchmarks/tiered_cache.py",
+            ["--total-mib", "32", "--small-ops", "2000", "--repeats", "1"],
+            [
+                "dram_put_gbps",
+                "dram_get_gbps",
+                "memcpy_gbps",
+                "dram_vs_memcpy",
+                "ssd_write_gbps",
+                "ssd_read_gbps",
+                "raw_file_write_gbps",
+                "raw_file_read_gbps",
+                "ssd_vs_raw",
+                "small_ops_per_s",
+            ],
+        ),
+    ],
+)
+def test_benchmark_prints_its_figures(script: str, args: list[str], keys: list[str], tmp_path: Path) -> None:
+    """Each benchmark runs with --json and prints every figure its issue names, all positive."""
+    if script.endswith("tiered_cache.py"):
+        args = [*args, "--dir", str(tmp_path)]
+    result = run_json(script, *args)
+    for key in keys:
+        assert isinstance(result[key], float) and result[key] > 0, key
+
+
+def test_demo_runs(tmp_path: Path) -> None:
+    """The `make demo` job writes its workload and plot and prints the capacity table."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/demo.py"), "--out", str(tmp_path), "--num-requests", "300"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "prefix hit ratio" in done.stdout and "sieve" in done.stdout
+    assert (tmp_path / "synthetic.jsonl").stat().st_size > 0
+    assert (tmp_path / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
