@@ -209,3 +209,32 @@ def chained_workloads(
         contents = draw(st.lists(st.integers(min_value=0, max_value=alphabet - 1), max_size=max_blocks))
         out.append(tuple(ids.setdefault(tuple(contents[: i + 1]), BlockKey(len(ids))) for i in range(len(contents))))
     return out
+
+
+# Page pools ----------------------------------------------------------------------
+
+POOL_KEY_UNIVERSE = tuple(BlockKey(k) for k in range(6))
+pool_keys = st.sampled_from(POOL_KEY_UNIVERSE)  # six keys: the same key lands in several pages often
+page_sizes = st.sampled_from([1, 7, 64, 4095, 4096, 5000])  # around the 4 KiB alignment unit
+
+
+def page_payloads(page_bytes: int) -> st.SearchStrategy[bytes]:
+    """Data for one page: any length up to `page_bytes`, often exactly a full page."""
+    full = st.integers(min_value=0, max_value=255).map(lambda b: bytes([b]) * page_bytes)
+    return st.binary(max_size=page_bytes) | full
+
+
+@st.composite
+def page_pool_ops(draw: st.DrawFn, *, page_bytes: int, max_size: int = 40) -> list[tuple[object, ...]]:
+    """Operations on a byte-holding page pool, pages named by index into the live pages
+    (taken modulo their number when applied): ("allocate",), ("write", index, key, data),
+    ("free", index), ("reopen",) (persistent pools close and reopen; others ignore it)."""
+    indexes = st.integers(min_value=0, max_value=63)
+    op = st.one_of(
+        st.just(("allocate",)),
+        st.tuples(st.just("write"), indexes, pool_keys, page_payloads(page_bytes)),
+        st.tuples(st.just("free"), indexes),
+        st.just(("reopen",)),
+    )
+    size = draw(st.integers(min_value=0, max_value=max_size))  # lists() alone favours very short runs
+    return draw(st.lists(op, min_size=size, max_size=size))

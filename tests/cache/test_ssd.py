@@ -1,0 +1,646 @@
+"""Tests of mooncake.cache.ssd: checksummed pages in a preallocated file, recovered after a crash.
+
+Examples cover the edge contracts (geometry and format errors, out of space,
+O_DIRECT, the fsync policy) and the damage a crash or a bad disk leaves behind
+(flipped data or header bytes, torn and truncated pages). A property drives a
+pool through random writes, frees and reopens against a model of the live
+pages: after every reopen the recovered pages are exactly the newest live page
+of each key, each reading back its exact bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mooncake.cache.pool import ALIGNMENT_BYTES
+from mooncake.cache.ssd import HEADER_BYTES, RecoveredPage, SsdPagePool
+from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
+from mooncake.types import BlockKey, Tier
+from tests.strategies import page_pool_ops, page_sizes
+
+HEADER_FIELDS_BYTES = 72  # magic, version, length, checksum, generation, key (32) and the header's own checksum
+_example_ids = itertools.count()
+
+
+def header_offset(pool: SsdPagePool, page: int) -> int:
+    """Where `page`'s slot (its header) starts in the file: after the 4 KiB superblock."""
+    return HEADER_BYTES + page * pool.slot_bytes
+
+
+def data_offset(pool: SsdPagePool, page: int) -> int:
+    return header_offset(pool, page) + HEADER_BYTES
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert every bit of the byte at `offset`, as a bad sector or a stray write would."""
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        (byte,) = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte ^ 0xFF]))
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        file.write(data)
+
+
+def read_file(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(length)
+
+
+def write_new(pool: SsdPagePool, key: int, data: bytes) -> int:
+    page = pool.try_allocate()
+    assert page is not None
+    pool.write(page, data, key=BlockKey(key))
+    return page
+
+
+def recovered_by_key(pool: SsdPagePool) -> dict[BlockKey, RecoveredPage]:
+    found = {page.key: page for page in pool.recovered}
+    assert len(found) == len(pool.recovered), "a key recovered twice"
+    return found
+
+
+def block(key: int, length: int) -> bytes:
+    """Deterministic, key-dependent bytes."""
+    return (xxhash.xxh3_64_digest(key.to_bytes(8, "little")) * (length // 8 + 1))[:length]
+
+
+def open_direct(path: Path, page_bytes: int, num_pages: int) -> SsdPagePool:
+    """An O_DIRECT pool, or a skip where the file system refuses O_DIRECT (tmpfs, some overlays)."""
+    try:
+        return SsdPagePool(path, page_bytes, num_pages, o_direct=True)
+    except ConfigError as error:
+        cause = error.__cause__
+        if isinstance(cause, OSError) and cause.errno == errno.EINVAL:
+            pytest.skip(f"the file system under {path.parent} refuses O_DIRECT (EINVAL)")
+        raise
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("page_bytes", [1, 100, 4096, 5000, 3 * 4096])
+def test_round_trip(tmp_path: Path, page_bytes: int) -> None:
+    """Pages of every size up to a full page read back exactly, as copies verified against the header."""
+    with SsdPagePool(tmp_path / "pool", page_bytes, 4) as pool:
+        assert (pool.tier, pool.holds_bytes, pool.zero_copy, pool.num_free) == (Tier.SSD, True, False, 4)
+        assert pool.recovered == ()
+        assert pool.capacity_bytes == 4 * page_bytes
+        payloads = [block(1, page_bytes), block(2, page_bytes // 2), b""]
+        pages = [write_new(pool, key, data) for key, data in enumerate(payloads)]
+        for page, data in zip(pages, payloads, strict=True):
+            view = pool.read(page, len(data))
+            assert bytes(view) == data
+            out = bytearray(page_bytes)
+            assert pool.read_into(page, len(data), out) == xxhash.xxh3_64_intdigest(data)
+            assert bytes(out[: len(data)]) == data
+        assert os.path.getsize(pool.path) == pool.file_bytes == HEADER_BYTES + 4 * pool.slot_bytes
+        assert pool.slot_bytes % ALIGNMENT_BYTES == 0
+
+
+def test_round_trip_of_numpy_arrays(tmp_path: Path) -> None:
+    """An array is stored as its bytes, whatever its dtype and shape."""
+    with SsdPagePool(tmp_path / "pool", 4096, 2) as pool:
+        array = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+        page = write_new(pool, 1, array)  # type: ignore[arg-type]
+        back = np.frombuffer(pool.read(page, array.nbytes), dtype=np.float32).reshape(array.shape)
+        np.testing.assert_array_equal(back, array)
+
+
+def test_read_returns_a_copy(tmp_path: Path) -> None:
+    """What read returns does not change when the page is rewritten."""
+    with SsdPagePool(tmp_path / "pool", 64, 1) as pool:
+        page = write_new(pool, 1, b"a" * 64)
+        first = pool.read(page, 64)
+        pool.write(page, b"b" * 64, key=BlockKey(1))
+        assert bytes(first) == b"a" * 64
+        assert bytes(pool.read(page, 64)) == b"b" * 64
+
+
+def test_contract_errors(tmp_path: Path) -> None:
+    """Unallocated pages, None data, oversized data, bad keys and short buffers raise, naming the values."""
+    with SsdPagePool(tmp_path / "pool", 100, 2) as pool:
+        page = write_new(pool, 1, b"x" * 10)
+        for bad in (1, 2, -1):
+            with pytest.raises(InvalidRequestError, match="not allocated"):
+                pool.write(bad, b"x", key=BlockKey(1))
+            with pytest.raises(InvalidRequestError, match="not allocated"):
+                pool.read(bad, 1)
+        with pytest.raises(InvalidRequestError, match="must not be None"):
+            pool.write(page, None, key=BlockKey(1))
+        with pytest.raises(CapacityError, match="101 bytes do not fit a page of 100 bytes"):
+            pool.write(page, b"x" * 101, key=BlockKey(1))
+        for key in (-1, 1 << 256, True, "k"):
+            with pytest.raises(InvalidRequestError, match=r"\[0, 2\*\*256\)"):
+                pool.write(page, b"y", key=key)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="buffer of 5 bytes cannot take 10"):
+            pool.read_into(page, 10, bytearray(5))
+        assert bytes(pool.read(page, 10)) == b"x" * 10  # the failed writes changed nothing
+        pool.free(page)
+        with pytest.raises(InvalidRequestError):
+            pool.free(page)
+
+
+def test_read_with_the_wrong_length_raises_integrity_error(tmp_path: Path) -> None:
+    """Asking for another length than the page holds raises IntegrityError naming both."""
+    with SsdPagePool(tmp_path / "pool", 100, 1) as pool:
+        page = write_new(pool, 1, b"x" * 10)
+        with pytest.raises(IntegrityError, match="holds 10 bytes, expected 11"):
+            pool.read(page, 11)
+
+
+def test_reading_a_page_never_written_raises_integrity_error(tmp_path: Path) -> None:
+    """An allocated page with no data yet has no valid header: read raises IntegrityError."""
+    with SsdPagePool(tmp_path / "pool", 100, 1) as pool:
+        page = pool.try_allocate()
+        assert page is not None
+        with pytest.raises(IntegrityError, match="invalid page header"):
+            pool.read(page, 0)
+
+
+def test_a_wrong_caller_checksum_is_caught_on_read(tmp_path: Path) -> None:
+    """A checksum passed to write is stored as given; one that does not match the data fails on read."""
+    with SsdPagePool(tmp_path / "pool", 64, 2) as pool:
+        good = pool.try_allocate()
+        bad = pool.try_allocate()
+        assert good is not None and bad is not None
+        pool.write(good, b"data", key=BlockKey(1), checksum=xxhash.xxh3_64_intdigest(b"data"))
+        pool.write(bad, b"data", key=BlockKey(2), checksum=12345)
+        assert bytes(pool.read(good, 4)) == b"data"
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(bad, 4)
+
+
+# --------------------------------------------------------------------------- reopening
+
+
+def test_reopen_recovers_every_page_written(tmp_path: Path) -> None:
+    """Closing and reopening finds every written page with its key, length and checksum; freed pages stay gone."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 8) as pool:
+        pages = {key: write_new(pool, key, block(key, 500 * key)) for key in range(1, 7)}
+        pool.free(pages[3])
+        pool.free(pages[5])
+        del pages[3], pages[5]
+    with SsdPagePool(path, 4096, 8) as pool:
+        found = recovered_by_key(pool)
+        assert set(found) == set(pages)
+        for key, page in pages.items():
+            expected = block(key, 500 * key)
+            assert (found[key].page, found[key].length) == (page, len(expected))
+            assert found[key].checksum == xxhash.xxh3_64_intdigest(expected)
+            assert bytes(pool.read(page, len(expected))) == expected
+            assert pool.allocator.is_allocated(page)
+        assert pool.num_free == 8 - len(pages)
+        assert [p.page for p in pool.recovered] == sorted(pages.values())
+        pool.allocator.check_invariants()
+        new = write_new(pool, 99, b"after reopen")  # the freed pages are free again
+        assert new not in pages.values()
+
+
+def test_same_key_in_two_pages_comes_back_once_the_newest(tmp_path: Path) -> None:
+    """A key in two pages recovers once, the newer copy; the older never comes back, even once the newer is freed."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 64, 4) as pool:
+        old = write_new(pool, 7, b"old copy")
+        write_new(pool, 8, b"other")
+        new = write_new(pool, 7, b"new copy!")
+    for _ in range(2):
+        with SsdPagePool(path, 64, 4) as pool:
+            found = recovered_by_key(pool)
+            assert set(found) == {7, 8}
+            assert (found[BlockKey(7)].page, found[BlockKey(7)].length) == (new, 9)
+            assert bytes(pool.read(new, 9)) == b"new copy!"
+            assert not pool.allocator.is_allocated(old)
+            assert found[BlockKey(7)].generation > found[BlockKey(8)].generation
+    with SsdPagePool(path, 64, 4) as pool:
+        pool.free(new)  # the newest copy goes: the stale one must not come back in its place
+    with SsdPagePool(path, 64, 4) as pool:
+        assert set(recovered_by_key(pool)) == {8}
+
+
+def test_generations_keep_rising_across_reopens(tmp_path: Path) -> None:
+    """A key rewritten after a reopen beats its copy from before, however often that copy was rewritten."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 64, 4) as pool:
+        old = write_new(pool, 5, b"before")
+        for _ in range(4):
+            pool.write(old, b"before", key=BlockKey(5))  # generation 5 on disk
+    with SsdPagePool(path, 64, 4) as pool:
+        new = write_new(pool, 5, b"after!!")
+        assert new != old
+    with SsdPagePool(path, 64, 4) as pool:
+        assert [(p.page, p.key, p.length) for p in pool.recovered] == [(new, 5, 7)]
+        assert pool.recovered[0].generation == 6
+
+
+@given(page_bytes=page_sizes, num_pages=st.integers(1, 6), data=st.data())
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_reopen_recovers_exactly_the_live_pages(
+    tmp_path: Path, page_bytes: int, num_pages: int, data: st.DataObject
+) -> None:
+    """After random writes, frees and reopens, each reopen recovers exactly the newest live page of each key."""
+    path = tmp_path / f"pool-{next(_example_ids)}"
+    pool = SsdPagePool(path, page_bytes, num_pages)
+    allocated: set[int] = set()
+    written: dict[int, tuple[BlockKey, bytes, int]] = {}  # page -> (key, data, write number)
+    writes = itertools.count()
+    try:
+        for op in data.draw(page_pool_ops(page_bytes=page_bytes)):
+            if op[0] == "allocate":
+                page = pool.try_allocate()
+                assert (page is None) == (len(allocated) == num_pages)
+                if page is not None:
+                    allocated.add(page)
+            elif op[0] == "write" and allocated:
+                page = sorted(allocated)[op[1] % len(allocated)]  # type: ignore[operator]
+                key, payload = op[2], op[3]
+                pool.write(page, payload, key=key)  # type: ignore[arg-type]
+                written[page] = (key, payload, next(writes))  # type: ignore[assignment]
+            elif op[0] == "free" and allocated:
+                page = sorted(allocated)[op[1] % len(allocated)]  # type: ignore[operator]
+                pool.free(page)
+                allocated.remove(page)
+                written.pop(page, None)
+            elif op[0] == "reopen":
+                pool.close()
+                newest: dict[BlockKey, int] = {}
+                for page, (key, _, number) in written.items():
+                    if key not in newest or number > written[newest[key]][2]:
+                        newest[key] = page
+                pool = SsdPagePool(path, page_bytes, num_pages)
+                expected = {
+                    (page, key, len(written[page][1]), xxhash.xxh3_64_intdigest(written[page][1]))
+                    for key, page in newest.items()
+                }
+                assert {(p.page, p.key, p.length, p.checksum) for p in pool.recovered} == expected
+                written = {page: written[page] for page in newest.values()}
+                allocated = set(written)
+            for page, (_, payload, _) in written.items():
+                assert bytes(pool.read(page, len(payload))) == payload
+            assert pool.num_free == num_pages - len(allocated)
+            pool.allocator.check_invariants()
+    finally:
+        pool.close()
+        path.unlink()
+
+
+def test_page_size_mismatch_on_reopen_names_both_geometries(tmp_path: Path) -> None:
+    """Reopening with another geometry raises ConfigError naming both and leaves the file as it was."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 4) as pool:
+        write_new(pool, 1, b"keep me")
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match=r"holds 4 pages of 4096 bytes; asked for 4 pages of 8192 bytes"):
+        SsdPagePool(path, 8192, 4)
+    with pytest.raises(ConfigError, match=r"holds 4 pages of 4096 bytes; asked for 5 pages of 4096 bytes"):
+        SsdPagePool(path, 4096, 5)
+    assert path.read_bytes() == before
+    with SsdPagePool(path, 4096, 4) as pool:
+        assert [(p.key, p.length) for p in pool.recovered] == [(1, 7)]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not a pool", os.urandom(3 * 4096), b"\0" * 8192, b"MCSSD\0v1" + b"\xff" * 4088],
+    ids=["short", "random", "zeros", "bad-superblock-checksum"],
+)
+def test_a_file_that_is_not_a_pool_file_raises_config_error(tmp_path: Path, content: bytes) -> None:
+    """Opening a file that is not a pool file raises ConfigError naming it, and leaves it untouched."""
+    path = tmp_path / "foreign.bin"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"foreign\.bin is not a mooncake SSD pool file"):
+        SsdPagePool(path, 4096, 2)
+    assert path.read_bytes() == content
+
+
+def test_a_flipped_superblock_byte_makes_the_file_foreign(tmp_path: Path) -> None:
+    """A pool file whose superblock is damaged is refused with ConfigError, not misread."""
+    path = tmp_path / "pool"
+    SsdPagePool(path, 4096, 2).close()
+    flip_byte(path, 12)  # inside page_bytes
+    with pytest.raises(ConfigError, match="bad superblock"):
+        SsdPagePool(path, 4096, 2)
+
+
+def test_an_empty_existing_file_becomes_a_new_pool(tmp_path: Path) -> None:
+    """An existing empty file is taken as a new pool and preallocated."""
+    path = tmp_path / "pool"
+    path.touch()
+    with SsdPagePool(path, 4096, 3) as pool:
+        assert pool.recovered == ()
+        assert path.stat().st_size == pool.file_bytes
+
+
+@pytest.mark.parametrize("num_pages", [2**40, 2**42, 2**60], ids=["8-PiB", "32-PiB", "beyond-off_t"])
+def test_out_of_space_raises_capacity_error_and_leaves_no_file(tmp_path: Path, num_pages: int) -> None:
+    """A file larger than the file system allows raises CapacityError naming the size and leaves no file."""
+    path = tmp_path / "huge.pool"
+    with pytest.raises(CapacityError, match=r"cannot preallocate [\d,]+ bytes for .*huge\.pool"):
+        SsdPagePool(path, 4096, num_pages)
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT], ids=errno.errorcode.get)
+def test_a_full_file_system_raises_capacity_error_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error_number: int
+) -> None:
+    """Preallocation failing for lack of space (injected) raises CapacityError and removes the new file."""
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(error_number, os.strerror(error_number))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = tmp_path / "pool"
+    with pytest.raises(
+        CapacityError, match=rf"cannot preallocate 20,480 bytes for .*pool: {os.strerror(error_number)}"
+    ):
+        SsdPagePool(path, 4096, 2)
+    assert not path.exists()
+
+
+def test_another_preallocation_failure_propagates_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preallocation failure that is not about space (EIO) propagates as OSError; no file is left."""
+
+    def broken(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "posix_fallocate", broken)
+    path = tmp_path / "pool"
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        SsdPagePool(path, 4096, 2)
+    assert not path.exists()
+
+
+def test_invalid_options_raise_config_error(tmp_path: Path) -> None:
+    """Bad geometry or fsync_every raise ConfigError before any file is made."""
+    path = tmp_path / "pool"
+    for page_bytes, num_pages in [(0, 1), (4096, 0), (4096, True)]:
+        with pytest.raises(ConfigError, match="must be a positive integer"):
+            SsdPagePool(path, page_bytes, num_pages)
+    for fsync_every in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="fsync_every"):
+            SsdPagePool(path, 4096, 1, fsync_every=fsync_every)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cannot open SSD pool file"):
+        SsdPagePool(tmp_path / "missing-dir" / "pool", 4096, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- O_DIRECT and fsync
+
+
+@pytest.mark.parametrize("page_bytes", [100, 4096, 6000])
+def test_o_direct_round_trip_and_reopen(tmp_path: Path, page_bytes: int) -> None:
+    """With O_DIRECT, pages of any length round-trip, survive a reopen, and corruption is still caught."""
+    path = tmp_path / "pool"
+    payloads = {key: block(key, length) for key, length in [(1, page_bytes), (2, page_bytes // 3), (3, 1), (4, 0)]}
+    with open_direct(path, page_bytes, 6) as pool:
+        pages = {key: write_new(pool, key, data) for key, data in payloads.items()}
+        for key, data in payloads.items():
+            assert bytes(pool.read(pages[key], len(data))) == data
+        out = np.zeros(2 * 4096 + ALIGNMENT_BYTES, dtype=np.uint8)
+        aligned = out[-out.ctypes.data % ALIGNMENT_BYTES :][: 2 * 4096]
+        assert pool.read_into(pages[2], len(payloads[2]), aligned) == xxhash.xxh3_64_intdigest(payloads[2])
+        assert aligned[: len(payloads[2])].tobytes() == payloads[2]
+        pool.free(pages[3])
+    flip_byte(path, data_offset(pool, pages[1]))
+    with open_direct(path, page_bytes, 6) as pool:
+        assert {p.key for p in pool.recovered} == {1, 2, 4}
+        assert bytes(pool.read(pages[2], len(payloads[2]))) == payloads[2]
+        assert bytes(pool.read(pages[4], 0)) == b""
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(pages[1], page_bytes)
+
+
+@pytest.mark.parametrize(("fsync_every", "expected_syncs"), [(0, 0), (1, 7), (3, 2), (7, 1), (8, 0)])
+def test_fsync_every_is_honoured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync_every: int, expected_syncs: int
+) -> None:
+    """fdatasync runs once per fsync_every page writes (never with 0); flush syncs now and restarts the count."""
+    calls: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    with SsdPagePool(tmp_path / "pool", 64, 8, fsync_every=fsync_every) as pool:
+        for key in range(7):
+            write_new(pool, key, b"x" * key)
+        pool.free(0)  # frees are not page writes
+        assert len(calls) == expected_syncs
+        pool.flush()
+        assert len(calls) == expected_syncs + 1
+        if fsync_every:
+            for i in range(fsync_every - 1):
+                pool.write(1 + i % 6, b"again", key=BlockKey(i))
+            assert len(calls) == expected_syncs + 1, "flush did not restart the count"
+            pool.write(1, b"last", key=BlockKey(1))
+            assert len(calls) == expected_syncs + 2
+
+
+# --------------------------------------------------------------------------- damage
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_data_byte_makes_read_raise_integrity_error(tmp_path: Path, where: str) -> None:
+    """A byte flipped in a page's data makes read raise IntegrityError, live and after a reopen."""
+    path = tmp_path / "pool"
+    length = 5000
+    at = {"first": 0, "middle": length // 2, "last": length - 1}[where]
+    with SsdPagePool(path, 8192, 3) as pool:
+        pages = [write_new(pool, key, block(key, length)) for key in range(3)]
+        flip_byte(path, data_offset(pool, pages[1]) + at)
+        with pytest.raises(IntegrityError, match=f"page {pages[1]}: checksum"):
+            pool.read(pages[1], length)
+        with pytest.raises(IntegrityError):
+            pool.read_into(pages[1], length, bytearray(length))
+    with SsdPagePool(path, 8192, 3) as pool:
+        assert {p.key for p in pool.recovered} == {0, 1, 2}  # the header is intact: data is checked on read
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(pages[1], length)
+        for key in (0, 2):
+            assert bytes(pool.read(pages[key], length)) == block(key, length)
+
+
+def test_bytes_past_the_data_are_not_part_of_the_page(tmp_path: Path) -> None:
+    """Damage in a slot's padding (past the stored length) changes nothing a reader sees."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 1) as pool:
+        page = write_new(pool, 1, b"short")
+        flip_byte(path, data_offset(pool, page) + 100)
+        assert bytes(pool.read(page, 5)) == b"short"
+
+
+@given(offset=st.integers(0, HEADER_FIELDS_BYTES - 1), mask=st.integers(1, 255))
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_damaged_header_makes_the_page_vanish_on_reopen(tmp_path: Path, offset: int, mask: int) -> None:
+    """Any damage to a page's header fields makes that page (alone) vanish on reopen."""
+    path = tmp_path / f"pool-{next(_example_ids)}"
+    try:
+        with SsdPagePool(path, 64, 3) as pool:
+            pages = [write_new(pool, key, block(key, 10 + key)) for key in range(3)]
+            target = header_offset(pool, pages[1]) + offset
+        byte = read_file(path, target, 1)[0]
+        overwrite(path, target, bytes([byte ^ mask]))
+        with SsdPagePool(path, 64, 3) as pool:
+            assert sorted((p.page, p.key) for p in pool.recovered) == [(pages[0], 0), (pages[2], 2)]
+            assert not pool.allocator.is_allocated(pages[1])
+            for key in (0, 2):
+                assert bytes(pool.read(pages[key], 10 + key)) == block(key, 10 + key)
+            with pytest.raises(InvalidRequestError):
+                pool.read(pages[1], 11)
+    finally:
+        path.unlink()
+
+
+def test_a_torn_page_raises_integrity_error(tmp_path: Path) -> None:
+    """A write torn by a crash (part of the data region overwritten on disk) fails its checksum on read."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 3 * 4096, 2) as pool:
+        page = write_new(pool, 1, block(1, 3 * 4096))
+        overwrite(path, data_offset(pool, page) + 4096, b"\0" * 4096)  # the middle OS page never landed
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(page, 3 * 4096)
+    with SsdPagePool(path, 3 * 4096, 2) as pool:
+        assert [p.page for p in pool.recovered] == [page]
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(page, 3 * 4096)
+
+
+def test_a_new_header_over_old_data_raises_integrity_error(tmp_path: Path) -> None:
+    """A rewrite whose header landed but whose data did not (old bytes under a new header) is caught."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 1) as pool:
+        page = write_new(pool, 1, block(1, 4096))
+        old_data = read_file(path, data_offset(pool, page), 4096)
+        pool.write(page, block(2, 4096), key=BlockKey(2))
+        overwrite(path, data_offset(pool, page), old_data)
+    with SsdPagePool(path, 4096, 1) as pool:
+        assert [(p.page, p.key) for p in pool.recovered] == [(page, 2)]
+        with pytest.raises(IntegrityError, match="checksum"):
+            pool.read(page, 4096)
+
+
+def test_a_truncated_file_loses_only_the_cut_pages(tmp_path: Path) -> None:
+    """A file cut inside a page: that page fails its read, earlier pages read back, later ones are gone."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 4) as pool:
+        pages = [write_new(pool, key, block(key, 4096)) for key in range(4)]
+        cut = data_offset(pool, pages[1]) + 1000
+    os.truncate(path, cut)
+    with SsdPagePool(path, 4096, 4) as pool:
+        assert [(p.page, p.key) for p in pool.recovered] == [(pages[0], 0), (pages[1], 1)]
+        assert bytes(pool.read(pages[0], 4096)) == block(0, 4096)
+        with pytest.raises(IntegrityError, match="short read"):
+            pool.read(pages[1], 4096)
+        page = write_new(pool, 9, b"past the cut")
+        assert bytes(pool.read(page, 12)) == b"past the cut"
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_concurrent_reads_of_good_pages_never_raise(tmp_path: Path) -> None:
+    """Reader threads reading different good pages at once each get their bytes, never IntegrityError."""
+    with SsdPagePool(tmp_path / "pool", 4096, 8) as pool:
+        pages = [write_new(pool, key, block(key, 100 + 10 * key)) for key in range(8)]
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def reader(start: int) -> None:
+            for i in range(5_000):
+                if stop.is_set():
+                    return
+                key = (start + i) % 8
+                try:
+                    assert bytes(pool.read(pages[key], 100 + 10 * key)) == block(key, 100 + 10 * key)
+                except BaseException as error:
+                    errors.append(error)
+                    stop.set()
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert errors == [], f"{len(errors)} reads failed, first: {errors[0]!r}"
+
+
+def test_a_writer_freeing_pages_beside_readers_leaves_a_recoverable_file(tmp_path: Path) -> None:
+    """A writer thread writing and freeing pages while readers read: no read fails, and a reopen finds
+    exactly the readers' pages (a freed slot never takes another page's header)."""
+    path = tmp_path / "pool"
+    stable_keys = range(100, 108)
+    with SsdPagePool(path, 4096, 16) as pool:
+        churn = [pool.try_allocate() for _ in range(8)]  # the low pages: a stray header there would win on reopen
+        for page in churn:
+            pool.free(page)  # type: ignore[arg-type]
+        stable = {key: write_new(pool, key, block(key, 200)) for key in stable_keys}
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def writer() -> None:
+            try:
+                for i in range(2_000):
+                    page = write_new(pool, i, block(i, 300))
+                    pool.free(page)
+            except BaseException as error:
+                errors.append(error)
+            finally:
+                done.set()
+
+        def reader() -> None:
+            while not done.is_set():
+                for key, page in stable.items():
+                    try:
+                        assert bytes(pool.read(page, 200)) == block(key, 200)
+                    except BaseException as error:
+                        errors.append(error)
+                        return
+
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert errors == [], f"{len(errors)} failures, first: {errors[0]!r}"
+    with SsdPagePool(path, 4096, 16) as pool:
+        assert sorted((p.key, p.page) for p in pool.recovered) == sorted(stable.items())
+        for key, page in stable.items():
+            assert bytes(pool.read(page, 200)) == block(key, 200)
+
+
+def test_recovered_pages_are_records(tmp_path: Path) -> None:
+    """RecoveredPage is a frozen value: page, key, length, checksum, generation."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 64, 1) as pool:
+        write_new(pool, 3, b"abc")
+    with SsdPagePool(path, 64, 1) as pool:
+        (found,) = pool.recovered
+        assert found == RecoveredPage(
+            page=0, key=BlockKey(3), length=3, checksum=xxhash.xxh3_64_intdigest(b"abc"), generation=1
+        )
+        with pytest.raises(AttributeError):
+            found.page = 1  # type: ignore[misc]

@@ -1,0 +1,449 @@
+"""Fault tests of the tiered cache (issue 3's acceptance): crashes, corruption, bad inputs.
+
+- A writer process killed with SIGKILL in the middle of puts; the SSD tier
+  reopened in a new cache serves only blocks that verify, each exactly the
+  bytes put for its key.
+- Bytes flipped in the SSD file: the block is a miss (as `tiered` documents),
+  counted in `stats.corrupt_blocks`, removed with a `BlockRemoved` event, never
+  returned; the other blocks still serve.
+- Out-of-space and page-size mismatches raise clear errors through the cache's
+  construction and `put`.
+- A block imported from a peer with a wrong checksum raises IntegrityError and
+  stores nothing.
+
+Damaged bytes are found by searching the file for a block's (unique) bytes, so
+these tests depend on the file format only through `HEADER_BYTES`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.cache.events import BlockRemoved, BlockStored
+from mooncake.cache.pool import DramPagePool
+from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.errors import CapacityError, ConfigError, IntegrityError
+from mooncake.types import BlockKey, InstanceId, Tier
+from tests.strategies import page_payloads
+
+PAGE = 3 * 4096  # several OS pages, so a write can tear between them
+SOURCE = InstanceId("node-0")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WRITER_TIMEOUT_S = 30.0
+
+
+def block_bytes(key: int, page_bytes: int) -> bytes:
+    """Block `key`'s bytes: its XXH3 digest repeated, 64 to `page_bytes` long; a function of the key alone."""
+    seed = xxhash.xxh3_64_digest(key.to_bytes(8, "little"))
+    return (seed * (page_bytes // 8 + 1))[: 64 + (key * 7919) % (page_bytes - 63)]
+
+
+def block(key: int) -> bytes:
+    return block_bytes(key, PAGE)
+
+
+def write_ssd_file(path: Path, keys: list[int], *, num_pages: int = 8) -> None:
+    """A closed SSD pool file holding `block(key)` for each key, as a cache that died would leave it."""
+    with SsdPagePool(path, PAGE, num_pages) as pool:
+        for key in keys:
+            page = pool.try_allocate()
+            assert page is not None
+            pool.write(page, block(key), key=BlockKey(key))
+
+
+def reopen(path: Path, *, dram_pages: int = 2, ssd_pages: int = 8, **options: Any) -> TieredCache:
+    pools = [DramPagePool(PAGE, dram_pages), SsdPagePool(path, PAGE, ssd_pages)]
+    return TieredCache(pools, source=SOURCE, **options)
+
+
+def data_offset(path: Path, key: int) -> int:
+    """Where block `key`'s bytes start in the file (found by content: each block's bytes are unique)."""
+    content = path.read_bytes()
+    offset = content.find(block(key))
+    assert offset > 0 and content.find(block(key), offset + 1) == -1, f"block {key} is not in {path} exactly once"
+    return offset
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        (byte,) = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte ^ 0xFF]))
+
+
+# --------------------------------------------------------------------------- 1. SIGKILL mid-put
+
+WRITER_SCRIPT = """
+import sys, time
+from mooncake.cache.pool import DramPagePool
+from mooncake.cache.ssd import SsdPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.types import BlockKey
+import xxhash
+
+{block_bytes}
+
+path, page_bytes, dram_pages, ssd_pages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pools = [DramPagePool(page_bytes, dram_pages)] if dram_pages else []
+cache = TieredCache(pools + [SsdPagePool(path, page_bytes, ssd_pages)])
+deadline = time.monotonic() + {timeout_s}  # a writer its test failed to kill stops by itself
+key = 0
+while time.monotonic() < deadline:
+    cache.put(BlockKey(key), block_bytes(key, page_bytes))
+    key += 1
+    print(key, flush=True)
+"""
+
+
+def wait_for_puts(process: subprocess.Popen[bytes], count: int, timeout_s: float, stderr_path: Path) -> int:
+    """Read the writer's progress lines until it reports at least `count` puts; the count it reported."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    pending = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"the writer reported fewer than {count} puts in {timeout_s} s")
+        ready, _, _ = select.select([process.stdout], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(process.stdout.fileno(), 1 << 16)
+        if not chunk:
+            status = process.wait(timeout=5)
+            raise AssertionError(f"the writer exited early with {status}: {stderr_path.read_text()[-2000:]}")
+        pending += chunk
+        lines = pending.split(b"\n")
+        pending = lines[-1]
+        done = [int(line) for line in lines[:-1] if line]
+        if done and done[-1] >= count:
+            return done[-1]
+
+
+@pytest.mark.parametrize("kill_after", [1, 20, 120])
+@pytest.mark.parametrize(("dram_pages", "ssd_pages"), [(4, 48), (0, 48)], ids=["dram+ssd", "ssd-only"])
+def test_sigkill_mid_put_then_reopen_serves_only_verified_blocks(
+    tmp_path: Path, kill_after: int, dram_pages: int, ssd_pages: int
+) -> None:
+    """After a writer is SIGKILLed mid-put, the reopened SSD tier serves only exact, verified blocks."""
+    path = tmp_path / "ssd.pool"
+    script = WRITER_SCRIPT.format(block_bytes=inspect.getsource(block_bytes), timeout_s=WRITER_TIMEOUT_S)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    stderr_path = tmp_path / "writer.stderr"
+    with open(stderr_path, "wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(script), str(path), str(PAGE), str(dram_pages), str(ssd_pages)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=tmp_path,
+            env=environment,
+        )
+    try:
+        reported = wait_for_puts(process, kill_after, timeout_s=WRITER_TIMEOUT_S, stderr_path=stderr_path)
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=10) == -signal.SIGKILL, "the writer was not killed mid-run"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        assert process.stdout is not None
+        process.stdout.close()
+
+    cache = reopen(path, ssd_pages=ssd_pages)
+    try:
+        ssd = cache.pools[1]
+        assert isinstance(ssd, SsdPagePool)
+        recovered = [found.key for found in ssd.recovered]
+        assert len(set(recovered)) == len(recovered)
+        for found in ssd.recovered:  # a valid header names its block's true length
+            assert found.length == len(block(found.key)), f"block {found.key}: header length {found.length}"
+        events = cache.take_events()
+        if recovered:
+            assert events == [BlockStored(source=SOURCE, seq=0, keys=tuple(recovered), tier=Tier.SSD)]
+        served = []
+        for key in recovered:
+            data = cache.get(key)
+            if data is not None:
+                assert bytes(data) == block(key), f"block {key} served wrong bytes"
+                served.append(key)
+        corrupt = cache.stats.corrupt_blocks
+        assert len(served) + corrupt == len(recovered)
+        assert corrupt <= 1, "more than the page being written was damaged"
+        assert len(served) >= min(reported - dram_pages, ssd_pages) - 1, f"{reported} puts reported"
+        cache.check_invariants()
+        for key in served:  # still there, still right, wherever they moved
+            assert bytes(cache.get(key)) == block(key)
+    finally:
+        cache.close()
+
+
+# --------------------------------------------------------------------------- 2. flipped bytes
+
+
+@pytest.mark.parametrize("promote_after", [0, 1, 3], ids=["no-promotion", "promote-on-first-read", "promote-later"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_flipped_data_bytes_make_the_block_a_reported_miss(tmp_path: Path, promote_after: int, where: str) -> None:
+    """A block with flipped bytes is a counted miss, removed with an event, and never served again."""
+    path = tmp_path / "ssd.pool"
+    keys = [10, 11, 12, 13, 14]
+    write_ssd_file(path, keys)
+    bad = BlockKey(12)
+    flip_byte(path, data_offset(path, bad) + (0 if where == "first" else len(block(bad)) - 1))
+    cache = reopen(path, promote_after=promote_after, epoch=3)
+    assert [e.keys for e in cache.take_events()] == [tuple(keys)]
+    assert bad in cache and cache.tier_of(bad) == Tier.SSD
+
+    assert cache.get(bad) is None
+    stats = cache.stats
+    assert (stats.corrupt_blocks, stats.misses, stats.hits) == (1, 1, 0)
+    assert bad not in cache and cache.tier_of(bad) is None and cache.prefix_match([bad]) == 0
+    assert cache.take_events() == [BlockRemoved(source=SOURCE, seq=1, keys=(bad,), tier=Tier.SSD, epoch=3)]
+    assert cache.get(bad) is None
+    assert (cache.stats.corrupt_blocks, cache.stats.misses) == (1, 2), "a removed block was read again"
+    for key in keys:
+        if key != bad:
+            assert bytes(cache.get(BlockKey(key))) == block(key)
+    cache.check_invariants()
+    cache.close()
+
+    with SsdPagePool(path, PAGE, 8) as pool:
+        assert {found.key for found in pool.recovered} <= set(keys) - {bad}
+
+
+def test_flipped_bytes_in_a_live_cache_are_a_reported_miss(tmp_path: Path) -> None:
+    """A block demoted to SSD and then damaged on disk is a miss when read back, never its bad bytes."""
+    path = tmp_path / "ssd.pool"
+    cache = reopen(path, dram_pages=2)
+    for key in range(6):
+        cache.put(BlockKey(key), block(key))
+    on_ssd = [key for key in range(6) if cache.tier_of(BlockKey(key)) == Tier.SSD]
+    assert len(on_ssd) == 4
+    flip_byte(path, data_offset(path, on_ssd[0]) + 1)
+    cache.take_events()
+    assert cache.get(BlockKey(on_ssd[0])) is None
+    assert cache.stats.corrupt_blocks == 1
+    removed = [e for e in cache.take_events() if isinstance(e, BlockRemoved) and on_ssd[0] in e.keys]
+    assert [e.tier for e in removed] == [Tier.SSD]
+    for key in range(6):
+        if key != on_ssd[0]:
+            assert bytes(cache.get(BlockKey(key))) == block(key)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_flipped_header_byte_makes_the_block_vanish(tmp_path: Path) -> None:
+    """A block whose page header was damaged is not recovered: a plain miss, never served; the rest serve."""
+    path = tmp_path / "ssd.pool"
+    write_ssd_file(path, [1, 2, 3])
+    flip_byte(path, data_offset(path, 2) - HEADER_BYTES)  # the header's first byte
+    cache = reopen(path)
+    assert BlockKey(2) not in cache
+    assert [e.keys for e in cache.take_events()] == [(1, 3)]
+    assert cache.get(BlockKey(2)) is None
+    assert cache.stats.corrupt_blocks == 0
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert bytes(cache.get(BlockKey(3))) == block(3)
+    cache.close()
+
+
+def test_flipped_bytes_in_an_ssd_only_cache_are_a_miss(tmp_path: Path) -> None:
+    """With the SSD as the only (first) tier, a corrupt block is still a reported miss, not an exception."""
+    path = tmp_path / "ssd.pool"
+    write_ssd_file(path, [1, 2])
+    flip_byte(path, data_offset(path, 1))
+    cache = TieredCache([SsdPagePool(path, PAGE, 8)])
+    try:
+        assert cache.get(BlockKey(1)) is None
+        assert cache.stats.corrupt_blocks == 1 and BlockKey(1) not in cache
+    finally:
+        cache.close()
+
+
+def test_flipped_bytes_are_a_miss_while_the_first_tier_is_pinned(tmp_path: Path) -> None:
+    """A corrupt SSD block read while every first-tier page is pinned (no room to promote) is a miss."""
+    path = tmp_path / "ssd.pool"
+    write_ssd_file(path, [1])
+    flip_byte(path, data_offset(path, 1))
+    cache = reopen(path, dram_pages=1)
+    try:
+        cache.put(BlockKey(2), block(2))
+        cache.pin(BlockKey(2))
+        assert cache.get(BlockKey(1)) is None
+        assert cache.stats.corrupt_blocks == 1 and BlockKey(1) not in cache
+    finally:
+        cache.close()
+
+
+def test_a_corrupt_block_read_under_a_pin_goes_when_unpinned(tmp_path: Path) -> None:
+    """A corrupt block read inside `pinned()` is a miss, and is gone once the pin is released."""
+    path = tmp_path / "ssd.pool"
+    write_ssd_file(path, [1])
+    flip_byte(path, data_offset(path, 1))
+    cache = reopen(path)
+    try:
+        with cache.pinned(BlockKey(1)) as data:
+            assert data is None
+        assert BlockKey(1) not in cache, "still cached (and counted by prefix_match) after the last unpin"
+        assert cache.stats.corrupt_blocks == 1 and cache.prefix_match([BlockKey(1)]) == 0
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_concurrent_readers_never_see_good_blocks_as_corrupt(tmp_path: Path) -> None:
+    """Reader threads getting SSD blocks at once each get the right bytes; no good block is dropped."""
+    cache = reopen(tmp_path / "ssd.pool", dram_pages=1, promote_after=0)
+    keys = [BlockKey(key) for key in range(9)]
+    for key in keys:
+        cache.put(key, block(key))
+    on_ssd = [key for key in keys if cache.tier_of(key) == Tier.SSD]
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def reader(start: int) -> None:
+        for i in range(5_000):
+            if stop.is_set():
+                return
+            key = on_ssd[(start + i) % len(on_ssd)]
+            data = cache.get(key)
+            if data is None or bytes(data) != block(key):
+                failures.append(f"block {key}: {'a miss' if data is None else 'wrong bytes'}")
+                stop.set()
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert failures == [] and cache.stats.corrupt_blocks == 0, failures[:3]
+    finally:
+        stop.set()
+        cache.close()
+
+
+# --------------------------------------------------------------------------- 3. clear errors
+
+
+def test_tiers_with_different_page_sizes_raise_config_error(tmp_path: Path) -> None:
+    """Tiers whose page sizes differ raise ConfigError naming both sizes."""
+    ssd = SsdPagePool(tmp_path / "ssd.pool", 8192, 4)
+    try:
+        with pytest.raises(ConfigError, match=r"one page size, got \[4096, 8192\]"):
+            TieredCache([DramPagePool(4096, 4), ssd])
+    finally:
+        ssd.close()
+
+
+def test_reopening_the_ssd_tier_with_another_page_size_raises_config_error(tmp_path: Path) -> None:
+    """A cache over an SSD file of another geometry raises ConfigError naming both; the file is untouched."""
+    path = tmp_path / "ssd.pool"
+    write_ssd_file(path, [1, 2])
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match=rf"holds 8 pages of {PAGE} bytes; asked for 8 pages of 4096 bytes"):
+        TieredCache([DramPagePool(4096, 2), SsdPagePool(path, 4096, 8)])
+    assert path.read_bytes() == before
+    cache = reopen(path)
+    assert bytes(cache.get(BlockKey(2))) == block(2)
+    cache.close()
+
+
+def test_an_ssd_tier_too_big_for_the_disk_raises_capacity_error(tmp_path: Path) -> None:
+    """Building a cache whose SSD tier cannot be preallocated raises CapacityError and leaves no file."""
+    path = tmp_path / "ssd.pool"
+    with pytest.raises(CapacityError, match=r"cannot preallocate [\d,]+ bytes"):
+        TieredCache([DramPagePool(4096, 2), SsdPagePool(path, 4096, 2**42)])
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("with_ssd", [False, True], ids=["dram", "dram+ssd"])
+def test_data_larger_than_a_page_raises_capacity_error_and_stores_nothing(tmp_path: Path, with_ssd: bool) -> None:
+    """put of more than a page raises CapacityError naming both sizes; nothing is stored or announced."""
+    pools: list[Any] = [DramPagePool(4096, 2)]
+    if with_ssd:
+        pools.append(SsdPagePool(tmp_path / "ssd.pool", 4096, 2))
+    cache = TieredCache(pools)
+    with pytest.raises(CapacityError, match="4097 bytes do not fit a page of 4096 bytes"):
+        cache.put(BlockKey(1), b"x" * 4097)
+    assert BlockKey(1) not in cache and len(cache) == 0
+    assert cache.take_events() == [] and cache.stats.puts == 0
+    assert all(cache.used_bytes(pool.tier) == 0 for pool in pools)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_first_tier_full_of_pinned_blocks_raises_capacity_error(tmp_path: Path) -> None:
+    """put when every first-tier page holds a pinned block raises CapacityError naming the tier; nothing changes."""
+    cache = reopen(tmp_path / "ssd.pool", dram_pages=1)
+    cache.put(BlockKey(1), block(1))
+    cache.pin(BlockKey(1))
+    cache.take_events()
+    with pytest.raises(CapacityError, match=r"no room for block 2 in DRAM: all 1 pages hold pinned blocks"):
+        cache.put(BlockKey(2), block(2))
+    assert BlockKey(2) not in cache and cache.take_events() == []
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    cache.unpin(BlockKey(1))
+    assert cache.put(BlockKey(2), block(2)) == Tier.DRAM
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+    cache.check_invariants()
+    cache.close()
+
+
+# --------------------------------------------------------------------------- 4. import from a peer
+
+
+@pytest.mark.parametrize("first_tier", ["dram", "ssd"])
+def test_import_with_a_wrong_checksum_raises_and_stores_nothing(tmp_path: Path, first_tier: str) -> None:
+    """put(key, data, checksum=wrong) raises IntegrityError and stores nothing, in memory or on disk."""
+    path = tmp_path / "ssd.pool"
+    pools: list[Any] = [SsdPagePool(path, PAGE, 4)]
+    if first_tier == "dram":
+        pools.insert(0, DramPagePool(PAGE, 2))
+    cache = TieredCache(pools)
+    data = block(5)
+    right = xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(IntegrityError, match=f"{right ^ 1:#018x}"):
+        cache.put(BlockKey(5), data, checksum=right ^ 1)
+    assert BlockKey(5) not in cache and len(cache) == 0
+    assert cache.take_events() == [] and cache.stats.puts == 0
+    assert all(pool.num_free == pool.num_pages for pool in pools)
+    cache.check_invariants()
+
+    assert cache.put(BlockKey(5), data, checksum=right) == pools[0].tier
+    assert bytes(cache.get(BlockKey(5))) == data and cache.checksum(BlockKey(5)) == right
+    with pytest.raises(IntegrityError):  # a cached block does not excuse a bad import
+        cache.put(BlockKey(5), b"forged", checksum=right)
+    assert bytes(cache.get(BlockKey(5))) == data
+    cache.close()
+    with SsdPagePool(path, PAGE, 4) as ssd:
+        assert [found.key for found in ssd.recovered] == ([5] if first_tier == "ssd" else [])
+
+
+@given(data=page_payloads(256), wrong=st.integers(0, 2**64 - 1))
+def test_any_wrong_checksum_is_refused(data: bytes, wrong: int) -> None:
+    """Whatever the bytes, a checksum that is not their XXH3-64 is refused and the cache stays empty."""
+    right = xxhash.xxh3_64_intdigest(data)
+    cache = TieredCache([DramPagePool(256, 1)])
+    if wrong == right:
+        wrong ^= 1 << 63
+    with pytest.raises(IntegrityError):
+        cache.put(BlockKey(1), data, checksum=wrong)
+    assert len(cache) == 0 and cache.take_events() == []
+    cache.put(BlockKey(1), data, checksum=right)
+    assert bytes(cache.get(BlockKey(1))) == data
