@@ -29,6 +29,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/hashing.py
 	$(BIN)/python benchmarks/index.py
+	$(BIN)/python benchmarks/tiered_cache.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -173,6 +173,11 @@ class TieredCache:
         pool = self.pools[self._level_of(tier)]
         return (pool.num_pages - pool.num_free) * pool.page_bytes
 
+    def capacity_bytes(self, tier: Tier) -> int:
+        """Bytes `tier` can hold: its pages times the page size."""
+        pool = self.pools[self._level_of(tier)]
+        return pool.num_pages * pool.page_bytes
+
     # ------------------------------------------------------------------ writes
 
     def put(

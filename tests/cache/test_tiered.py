@@ -348,7 +348,8 @@ class TieredMachine(RuleBasedStateMachine):
     @invariant()
     def capacities_hold(self) -> None:
         for pool in self.cache.pools:
-            assert self.cache.used_bytes(pool.tier) <= pool.page_bytes * pool.num_pages
+            assert self.cache.used_bytes(pool.tier) <= self.cache.capacity_bytes(pool.tier)
+            assert self.cache.capacity_bytes(pool.tier) == pool.page_bytes * pool.num_pages
 
     @invariant()
     def events_mirror_the_cache(self) -> None:
