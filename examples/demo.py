@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
-from mooncake.cache.capacity import hit_ratio_curve
-from mooncake.cli import POLICIES, plot_capacity
+from mooncake.cli import POLICIES, capacity_sweep, plot_capacity
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset, trace_stats, write_trace
 
 CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
@@ -54,10 +54,10 @@ def main() -> None:
     print(f"{'policy':<14}" + "".join(f"{c:>10,}" for c in CAPACITIES_BLOCKS) + "   seconds")
     keys = [request.block_keys for request in workload]
     curves = {}
-    for name, policy in POLICIES.items():
+    for name in POLICIES:
         start = time.perf_counter()
-        points = hit_ratio_curve(
-            keys, lambda policy=policy: policy(prefix_aware=True), capacities_blocks=CAPACITIES_BLOCKS
+        points = capacity_sweep(
+            keys, name, prefix_aware=True, capacities_blocks=CAPACITIES_BLOCKS, jobs=os.cpu_count() or 1
         )
         curves[name] = points
         row = "".join(f"{p.hit_ratio:>10.4f}" for p in points)

@@ -11,16 +11,20 @@ naming the problem and exit with status 2; nothing is written.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 
-from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve
+from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.types import BlockKey
 from mooncake.workload import (
     PRESETS,
     ArrivalProcess,
@@ -32,7 +36,7 @@ from mooncake.workload import (
     write_trace,
 )
 
-__all__ = ["POLICIES", "main", "plot_capacity"]
+__all__ = ["POLICIES", "capacity_sweep", "main", "plot_capacity"]
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -102,10 +106,42 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"wrote {count:,} requests ({args.preset}, seed {args.seed}) to {args.out}")
 
 
+# The workload of a parallel capacity sweep: forked workers inherit it instead of unpickling it.
+_SWEEP: tuple[list[tuple[BlockKey, ...]], str, bool] | None = None
+
+
+def _sweep_point(capacity: int) -> CapacityPoint:
+    assert _SWEEP is not None
+    keys, policy, prefix_aware = _SWEEP
+    return simulate_prefix_hits(keys, POLICIES[policy](prefix_aware=prefix_aware), capacity_blocks=capacity)
+
+
+def capacity_sweep(
+    keys: list[tuple[BlockKey, ...]], policy: str, *, prefix_aware: bool, capacities_blocks: Sequence[int], jobs: int
+) -> tuple[CapacityPoint, ...]:
+    """`hit_ratio_curve` with one forked worker process per capacity, `jobs` at a time.
+
+    Capacities are independent replays, so a sweep parallelises perfectly;
+    with one job (or one capacity, or no fork) it runs in this process.
+    """
+    global _SWEEP
+    if jobs <= 1 or len(capacities_blocks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        make = POLICIES[policy]
+        return hit_ratio_curve(keys, lambda: make(prefix_aware=prefix_aware), capacities_blocks=capacities_blocks)
+    _SWEEP = (keys, policy, prefix_aware)
+    try:
+        context = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context) as pool:
+            return tuple(pool.map(_sweep_point, capacities_blocks))
+    finally:
+        _SWEEP = None
+
+
 def _capacity(args: argparse.Namespace) -> None:
     keys = [request.block_keys for request in load_trace(args.path, block_size_tokens=args.block_size)]
-    make = POLICIES[args.policy]
-    points = hit_ratio_curve(keys, lambda: make(prefix_aware=args.prefix_aware), capacities_blocks=args.capacity_blocks)
+    points = capacity_sweep(
+        keys, args.policy, prefix_aware=args.prefix_aware, capacities_blocks=args.capacity_blocks, jobs=args.jobs
+    )
     if args.plot:
         label = f"{args.policy}{' (prefix-aware)' if args.prefix_aware else ''}"
         plot_capacity({label: points}, args.plot, title=Path(args.path).name)
@@ -152,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("--prefix-aware", action="store_true", help="evict leaf blocks first")
     capacity.add_argument("--json", action="store_true", help="print JSON")
     capacity.add_argument("--plot", help="write a PNG plot here")
+    capacity.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
+    )
     capacity.set_defaults(run=_capacity)
 
     for command in (stats, generate, capacity):

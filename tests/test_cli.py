@@ -269,3 +269,17 @@ def test_incomplete_commands_are_argparse_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(argv)
     assert caught.value.code == 2
+
+
+def test_parallel_capacity_sweep_equals_the_sequential_one() -> None:
+    """Forked workers give exactly the points of the in-process sweep, in the given order."""
+    from mooncake.cli import capacity_sweep
+    from mooncake.workload import generate_requests, preset
+
+    keys = [r.block_keys for r in generate_requests(preset("toolagent"), num_requests=300, seed=2)]
+    capacities = [50, 400, 10, 2000]
+    for policy in ("lru", "sieve"):
+        sequential = capacity_sweep(keys, policy, prefix_aware=True, capacities_blocks=capacities, jobs=1)
+        parallel = capacity_sweep(keys, policy, prefix_aware=True, capacities_blocks=capacities, jobs=2)
+        assert parallel == sequential
+        assert [p.capacity_blocks for p in parallel] == capacities

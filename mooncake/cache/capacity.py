@@ -63,6 +63,7 @@ def simulate_prefix_hits(
     seq = 0
     hits = total = 0
     size = len(policy)  # tracked here: the policy changes size only when we insert or evict
+    access, evict = policy.access, policy.evict
     for keys in requests:
         hits += index.match(keys).length(_SOURCE)
         total += len(keys)
@@ -72,7 +73,7 @@ def simulate_prefix_hits(
         for position, key in enumerate(keys):
             if key not in policy:
                 while size >= capacity_blocks:
-                    victim = policy.evict()
+                    victim = evict()
                     if victim is None:
                         break
                     evicted.append(victim)
@@ -82,19 +83,17 @@ def simulate_prefix_hits(
                     continue  # nothing evictable: the block is not admitted
                 stored.append(key)
                 size += 1
-            policy.access(key, parent=parent, position=position)
+            access(key, parent=parent, position=position)
             parent = key
-        # One event of each kind per request, net of what happened inside it: only
-        # the final state matters, since the next match comes after the request.
-        removed = [key for key in evicted if key not in policy]
-        added = [key for key in stored if key in policy]
-        for event in (
-            BlockRemoved(source=_SOURCE, seq=seq, keys=removed, tier=Tier.DRAM),
-            BlockStored(source=_SOURCE, seq=seq + 1, keys=added, tier=Tier.DRAM),
-        ):
-            gap = index.apply(event)
-            assert gap is None, gap  # one in-process source cannot lose events
-        seq += 2
+        # At most one event of each kind per request, net of what happened inside
+        # it: only the final state matters, since the next match comes after it.
+        removed = [key for key in evicted if key not in policy] if evicted else None
+        added = [key for key in stored if key in policy] if stored else None
+        for event_type, changed in ((BlockRemoved, removed), (BlockStored, added)):
+            if changed:
+                gap = index.apply(event_type(source=_SOURCE, seq=seq, keys=changed, tier=Tier.DRAM))
+                assert gap is None, gap  # one in-process source cannot lose events
+                seq += 1
     return CapacityPoint(capacity_blocks=capacity_blocks, hit_blocks=hits, total_blocks=total)
 
 

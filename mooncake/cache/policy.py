@@ -235,7 +235,7 @@ class LruPolicy(_HeapPolicy):
     """Least recently used first."""
 
     def _rank(self, key: BlockKey, position: int | None) -> Any:
-        return self._tick
+        return self._tick  # the logical clock: one tick per access
 
 
 class LfuPolicy(_HeapPolicy):
