@@ -1,0 +1,111 @@
+"""Registered memory: the regions a transfer engine reads from and writes to.
+
+A region is a contiguous, writable byte buffer with an id. Regions allocated by
+the engine (`allocate_shared`) live in a POSIX shared-memory segment whose name
+is part of the region's descriptor, so a peer on the same host can map it and
+copy directly (the `shm` transport); any other buffer can be registered too and
+is then reachable over TCP or RDMA only.
+
+Every access goes through `Region.slice`, which checks the bounds: a request
+for bytes outside a region is refused before any byte is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mooncake.errors import TransferError
+
+__all__ = ["Region", "RegionDescriptor", "attach_shared", "bounds_error", "create_shared"]
+
+_CREATED_HERE: set[str] = set()
+
+
+@attrs.frozen(kw_only=True)
+class RegionDescriptor:
+    """What a peer needs to address a region: its id, size and how to reach it.
+
+    Attributes:
+        region_id: unique within its engine, never reused.
+        length: bytes.
+        shm_name: the POSIX shared-memory segment holding it, if any.
+        rdma_address, rdma_rkey: where RDMA reaches it, if registered with a device.
+    """
+
+    region_id: int
+    length: int
+    shm_name: str | None = None
+    rdma_address: int | None = None
+    rdma_rkey: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RegionDescriptor:
+        return cls(**data)
+
+
+def bounds_error(offset: int, length: int, size: int) -> str | None:
+    """Why [offset, offset + length) is not inside a region of `size` bytes, or None."""
+    if offset < 0 or length < 0 or offset + length > size:
+        return f"bytes [{offset}, {offset + length}) are outside the region of {size} bytes"
+    return None
+
+
+@attrs.define(eq=False)
+class Region:
+    """A registered local buffer."""
+
+    descriptor: RegionDescriptor
+    view: memoryview
+    keepalive: Any = None  # the object that owns the memory (array, shared segment)
+
+    def slice(self, offset: int, length: int) -> memoryview:
+        """The bytes [offset, offset + length), bounds-checked.
+
+        Raises:
+            TransferError: the range is not inside the region.
+        """
+        problem = bounds_error(offset, length, self.descriptor.length)
+        if problem is not None:
+            raise TransferError(f"region {self.descriptor.region_id}: {problem}")
+        return self.view[offset : offset + length]
+
+
+def as_writable_bytes(buffer: Any) -> memoryview:
+    """`buffer` as a flat, writable byte view (numpy arrays of any dtype included)."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous or not buffer.flags.writeable:
+            raise TransferError("a registered buffer must be contiguous and writable")
+        return buffer.reshape(-1).view(np.uint8).data
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        raise TransferError("a registered buffer must be contiguous and writable")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memory.SharedMemory, np.ndarray[Any, Any]]:
+    """A new shared-memory segment of `nbytes` and a uint8 array over it.
+
+    Names carry the creating pid, so leftovers of a crashed process can be found in /dev/shm.
+    """
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+    segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+    _CREATED_HERE.add(segment.name)
+    return segment, np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
+
+
+def attach_shared(name: str) -> shared_memory.SharedMemory:
+    """Map a segment another process created, without adopting it: Python 3.11's
+    resource tracker would otherwise unlink the peer's segment when we exit."""
+    segment = shared_memory.SharedMemory(name=name, create=False)
+    if segment.name not in _CREATED_HERE:  # our own segments stay tracked until their owner unlinks them
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment

@@ -1,0 +1,121 @@
+"""Transfer requests, their status, the slices transports move, and the engine's config."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+
+from mooncake._checks import int_at_least, require_number
+from mooncake.errors import ConfigError, TransferError
+
+__all__ = [
+    "EngineConfig",
+    "RequestState",
+    "RequestStatus",
+    "Slice",
+    "TransferOp",
+    "TransferRequest",
+    "Transport",
+]
+
+
+class TransferOp(enum.Enum):
+    READ = "read"  # remote → local
+    WRITE = "write"  # local → remote
+
+
+@attrs.frozen(kw_only=True)
+class TransferRequest:
+    """Move `length` bytes between a local region and a peer's region."""
+
+    op: TransferOp
+    local_region: int = attrs.field(validator=int_at_least(0))
+    local_offset: int = attrs.field(validator=int_at_least(0))
+    peer: str
+    remote_region: int = attrs.field(validator=int_at_least(0))
+    remote_offset: int = attrs.field(validator=int_at_least(0))
+    length: int = attrs.field(validator=int_at_least(0))
+
+
+class RequestState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class RequestStatus:
+    """Where one request of a batch stands; `error` is set when it failed."""
+
+    state: RequestState
+    error: TransferError | None = None
+    transport: str = ""
+
+
+@attrs.define(eq=False)
+class Slice:
+    """A contiguous piece of one request, moved by one transport in one go.
+
+    `local` is the local bytes (read into for READ, sent for WRITE); `on_done`
+    is called exactly once, with None on success or the error.
+    """
+
+    op: TransferOp
+    local: memoryview
+    remote_region: int
+    remote_offset: int
+    on_done: Callable[[TransferError | None], None]
+
+
+class Transport(Protocol):
+    """Moves slices to or from one peer."""
+
+    name: str
+
+    def submit(self, piece: Slice) -> None:
+        """Start moving `piece`; its `on_done` reports the outcome."""
+
+    def close(self) -> None:
+        """Stop; slices not yet moved fail."""
+
+
+def _positive_number(_instance: object, attribute: Any, value: Any) -> None:
+    require_number(attribute.name, value, minimum=0, strict=True)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """How a transfer engine listens, slices, retries and checks.
+
+    Attributes:
+        host, port: where it listens (port 0: any free port); 127.0.0.1 unless told otherwise.
+        streams_per_peer: TCP connections (and worker threads) per peer.
+        slice_bytes: large requests are cut into slices of this size, spread over the streams.
+        max_frame_bytes: the largest data frame accepted from a peer.
+        io_timeout_s: a socket operation that takes longer fails (and is retried).
+        connect_timeout_s: connecting and authenticating to a peer.
+        max_retries: retries of a slice on a fresh connection after a dropped one.
+        checksums: verify every slice end to end with XXH3-64.
+        transports: allowed transports in order of preference.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=0, validator=int_at_least(0))
+    streams_per_peer: int = attrs.field(default=4, validator=int_at_least(1))
+    slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
+    max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
+    connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)
+    max_retries: int = attrs.field(default=2, validator=int_at_least(0))
+    checksums: bool = False
+    transports: tuple[str, ...] = attrs.field(default=("shm", "rdma", "tcp"), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        unknown = set(self.transports) - {"shm", "rdma", "tcp"}
+        if unknown or not self.transports:
+            raise ConfigError(f"transports must be a non-empty subset of shm, rdma, tcp; got {self.transports}")
+        if self.slice_bytes > self.max_frame_bytes:
+            raise ConfigError(f"slice_bytes {self.slice_bytes} exceeds max_frame_bytes {self.max_frame_bytes}")

@@ -1,0 +1,297 @@
+"""The TCP transport: authenticated connections, several streams per peer, zero-copy I/O.
+
+Client side (`TcpTransport`): `streams` worker threads per peer, each owning one
+persistent connection and taking slices from a shared queue, so the slices of a
+large request travel over several connections at once. A WRITE sends the header
+and then the payload straight from the registered region (`sendall` of a
+memoryview); a READ receives straight into it (`recv_into`). A slice is done
+only when the peer has acknowledged it (WRITE) or every byte has arrived and,
+with checksums on, verified (READ). A connection that drops or times out is
+replaced and the slice retried, `max_retries` times; a peer that cannot be
+reached fails the slice with `PeerUnavailable`.
+
+Server side (`serve_connection`): one thread per accepted connection
+authenticates the peer, then serves frames, checking every region, offset and
+length against the registered bounds before touching memory.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import xxhash
+
+from mooncake.errors import AuthenticationError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake.transfer.region import Region
+from mooncake.transfer.request import EngineConfig, Slice, TransferOp
+from mooncake.transfer.wire import (
+    MAX_CONTROL_BYTES,
+    Frame,
+    Kind,
+    ProtocolError,
+    client_handshake,
+    recv_exact,
+    recv_frame,
+    send_frame,
+    server_handshake,
+)
+
+__all__ = ["ServerContext", "TcpTransport", "connect", "serve_connection"]
+
+_DRAIN_CHUNK = 1 << 20
+
+
+def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> socket.socket:
+    """An authenticated connection to a peer engine.
+
+    Raises:
+        PeerUnavailable: nothing accepts connections there (or it timed out).
+        AuthenticationError: the secrets differ.
+    """
+    try:
+        sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
+    except OSError as error:
+        raise PeerUnavailable(f"cannot connect to {host}:{port}: {error}") from error
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, secret)
+        sock.settimeout(config.io_timeout_s)
+    except (OSError, ConnectionError) as error:
+        sock.close()
+        raise PeerUnavailable(f"{host}:{port} dropped the connection during authentication: {error}") from error
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def call(sock: socket.socket, method: str, args: Any, *, max_frame_bytes: int) -> Any:
+    """One control call on an authenticated connection: JSON in, JSON out.
+
+    Raises:
+        TransferError: the peer reported an error.
+    """
+    payload = json.dumps({"method": method, "args": args}).encode()
+    if len(payload) > MAX_CONTROL_BYTES:
+        raise TransferError(f"control call {method} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+    send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
+    reply = recv_frame(sock, max_length=max_frame_bytes)
+    body = bytearray(reply.length)
+    recv_exact(sock, memoryview(body))
+    if reply.kind == Kind.ERROR:
+        raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
+    if reply.kind != Kind.REPLY:
+        raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name}")
+    return json.loads(body)
+
+
+class TcpTransport:
+    """Slices to and from one peer over `config.streams_per_peer` connections."""
+
+    name = "tcp"
+
+    def __init__(self, host: str, port: int, *, secret: bytes, config: EngineConfig) -> None:
+        self._host, self._port, self._secret, self._config = host, port, secret, config
+        self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._stream, name=f"tcp-{host}:{port}-{i}", daemon=True)
+            for i in range(config.streams_per_peer)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, piece: Slice) -> None:
+        if self._closed:
+            piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
+            return
+        self._queue.put(piece)
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=self._config.io_timeout_s)
+
+    # ------------------------------------------------------------------ one stream
+
+    def _stream(self) -> None:
+        sock: socket.socket | None = None
+        try:
+            while True:
+                piece = self._queue.get()
+                if piece is None:
+                    return
+                if self._closed:
+                    piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
+                    continue
+                sock, error = self._move(sock, piece)
+                piece.on_done(error)
+        finally:
+            if sock is not None:
+                sock.close()
+
+    def _move(self, sock: socket.socket | None, piece: Slice) -> tuple[socket.socket | None, TransferError | None]:
+        """Move one slice, reconnecting and retrying on a dropped connection."""
+        last: TransferError | None = None
+        for _attempt in range(self._config.max_retries + 1):
+            try:
+                if sock is None:
+                    sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+                self._exchange(sock, piece)
+                return sock, None
+            except (PeerUnavailable, AuthenticationError) as error:
+                return None, error  # a fresh connection failed: no point retrying at once
+            except ProtocolError as error:
+                last = error
+            except TimeoutError as error:
+                last = TransferTimeout(f"{self._host}:{self._port} timed out after {self._config.io_timeout_s}s")
+                last.__cause__ = error
+            except OSError as error:
+                last = PeerUnavailable(f"connection to {self._host}:{self._port} dropped: {error}")
+            except TransferError as error:  # the peer refused this slice (bounds, checksum): final
+                return sock, error
+            if sock is not None:
+                sock.close()
+                sock = None
+        return None, last
+
+    def _exchange(self, sock: socket.socket, piece: Slice) -> None:
+        length = piece.local.nbytes
+        checksum = (
+            xxhash.xxh3_64_intdigest(piece.local) if self._config.checksums and piece.op == TransferOp.WRITE else None
+        )
+        if piece.op == TransferOp.WRITE:
+            header = Frame(
+                Kind.WRITE, region=piece.remote_region, offset=piece.remote_offset, length=length, checksum=checksum
+            )
+            send_frame(sock, header, piece.local)
+        else:
+            wants_checksum = 0 if self._config.checksums else None
+            header = Frame(
+                Kind.READ,
+                region=piece.remote_region,
+                offset=piece.remote_offset,
+                length=length,
+                checksum=wants_checksum,
+            )
+            send_frame(sock, header)
+        reply = recv_frame(sock, max_length=self._config.max_frame_bytes)
+        if reply.kind == Kind.ERROR:
+            message = bytearray(reply.length)
+            recv_exact(sock, memoryview(message))
+            raise TransferError(f"{self._host}:{self._port} refused: {message.decode(errors='replace')}")
+        if reply.kind != Kind.OK:
+            raise ProtocolError(f"expected OK, got {reply.kind.name}")
+        if piece.op == TransferOp.READ:
+            if reply.length != length:
+                raise ProtocolError(f"asked for {length} bytes, the peer announced {reply.length}")
+            recv_exact(sock, piece.local)
+            if reply.checksum is not None and xxhash.xxh3_64_intdigest(piece.local) != reply.checksum:
+                raise ProtocolError("a READ slice failed its end-to-end checksum")
+
+
+class ServerContext(Protocol):
+    """What a serving connection needs from its engine."""
+
+    secret: bytes
+    config: EngineConfig
+
+    def region(self, region_id: int) -> Region | None:
+        """The registered region, or None."""
+
+    def handle_call(self, method: str, args: Any) -> Any:
+        """Run a control call (raise TransferError to refuse it)."""
+
+
+def serve_connection(sock: socket.socket, context: ServerContext, on_exit: Callable[[], None]) -> None:
+    """Authenticate, then serve frames until the peer leaves or breaks the protocol."""
+    config = context.config
+    try:
+        sock.settimeout(config.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        server_handshake(sock, context.secret)
+        sock.settimeout(None)  # an idle peer may stay connected; frames themselves are bounded
+        while True:
+            try:
+                frame = recv_frame(sock, max_length=config.max_frame_bytes)
+            except ConnectionError:
+                return
+            if frame.kind == Kind.WRITE:
+                _serve_write(sock, context, frame)
+            elif frame.kind == Kind.READ:
+                _serve_read(sock, context, frame)
+            elif frame.kind == Kind.CALL:
+                _serve_call(sock, context, frame)
+            else:
+                raise ProtocolError(f"a client may not send {frame.kind.name}")
+    except (OSError, ConnectionError, TransferError, AuthenticationError):
+        return  # the connection ends; the engine keeps serving others
+    finally:
+        sock.close()
+        on_exit()
+
+
+def _refuse(sock: socket.socket, frame: Frame, reason: str) -> None:
+    message = reason.encode()[:4096]
+    send_frame(sock, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
+
+
+def _target(context: ServerContext, frame: Frame) -> tuple[memoryview | None, str]:
+    region = context.region(frame.region)
+    if region is None:
+        return None, f"no region {frame.region}"
+    try:
+        return region.slice(frame.offset, frame.length), ""
+    except TransferError as error:
+        return None, str(error)
+
+
+def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+    target, reason = _target(context, frame)
+    if target is None:
+        # Consume the payload without storing it, so the stream stays in step.
+        scratch = memoryview(bytearray(min(frame.length, _DRAIN_CHUNK)))
+        left = frame.length
+        while left:
+            step = min(left, scratch.nbytes)
+            recv_exact(sock, scratch[:step])
+            left -= step
+        _refuse(sock, frame, reason)
+        return
+    recv_exact(sock, target)
+    if frame.checksum is not None and xxhash.xxh3_64_intdigest(target) != frame.checksum:
+        _refuse(sock, frame, "WRITE payload failed its end-to-end checksum")
+        return
+    send_frame(sock, Frame(Kind.OK, tag=frame.tag))
+
+
+def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+    source, reason = _target(context, frame)
+    if source is None:
+        _refuse(sock, frame, reason)
+        return
+    checksum = xxhash.xxh3_64_intdigest(source) if frame.checksum is not None else None
+    send_frame(sock, Frame(Kind.OK, tag=frame.tag, length=frame.length, checksum=checksum), source)
+
+
+def _serve_call(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+    body = bytearray(frame.length)
+    recv_exact(sock, memoryview(body))
+    try:
+        request = json.loads(body)
+        result = context.handle_call(str(request["method"]), request.get("args"))
+        payload = json.dumps(result).encode()
+    except (TransferError, ValueError, KeyError, TypeError) as error:
+        _refuse(sock, frame, f"{type(error).__name__}: {error}")
+        return
+    if len(payload) > MAX_CONTROL_BYTES:
+        _refuse(sock, frame, f"reply of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+        return
+    send_frame(sock, Frame(Kind.REPLY, tag=frame.tag, length=len(payload)), payload)

@@ -1,0 +1,89 @@
+"""Peer engines in real processes on 127.0.0.1, cleaned up whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.request import EngineConfig
+
+SECRET = bytes(range(32))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@attrs.define
+class PeerProcess:
+    process: subprocess.Popen[str]
+    address: str
+    shared: int
+    plain: int
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+def start_peer(size: int, *, secret: bytes = SECRET, timeout_s: float = 60.0) -> PeerProcess:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.transfer.peer_process", secret.hex(), str(size)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            process.kill()
+            process.wait()
+            raise TimeoutError("the peer process did not start")
+        line = process.stdout.readline()
+        if line:
+            info = json.loads(line)
+            return PeerProcess(process, info["address"], info["shared"], info["plain"])
+        if process.poll() is not None:
+            raise RuntimeError(f"the peer process exited with {process.returncode}")
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[..., PeerProcess]]:
+    """Start peer processes; every one is stopped (and reaped) at the end of the test."""
+    started: list[PeerProcess] = []
+
+    def start(size: int = 1 << 22, **options: object) -> PeerProcess:
+        peer = start_peer(size, **options)  # type: ignore[arg-type]
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        if peer.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+
+
+@pytest.fixture
+def engine() -> Iterator[TransferEngine]:
+    """A local engine with small slices, so requests split over streams."""
+    with TransferEngine(secret=SECRET, config=EngineConfig(slice_bytes=1 << 18, io_timeout_s=5.0)) as local:
+        yield local

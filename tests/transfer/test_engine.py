@@ -1,0 +1,400 @@
+"""The transfer engine with real peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake.transfer import tcp
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
+from mooncake.transfer.wire import Frame, Kind, recv_frame, send_frame
+from tests.transfer.conftest import SECRET, PeerProcess
+from tests.transfer.peer_process import pattern
+
+SIZE = 1 << 23
+
+
+def digest(data: np.ndarray | memoryview) -> str:
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def request(
+    op: TransferOp, local: int, peer: str, remote: int, length: int, *, local_offset: int = 0, remote_offset: int = 0
+) -> TransferRequest:
+    return TransferRequest(
+        op=op,
+        local_region=local,
+        local_offset=local_offset,
+        peer=peer,
+        remote_region=remote,
+        remote_offset=remote_offset,
+        length=length,
+    )
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_mixed_batch_arrives_byte_exact(
+    engine: TransferEngine, peers: Callable[..., PeerProcess], transport: str
+) -> None:
+    """Writes and reads of sizes from 1 byte to 3 MiB, over one transport, all byte-exact."""
+    remote = peers(SIZE)
+    local, buffer = engine.allocate_shared(SIZE)
+    buffer[:] = pattern(SIZE, 9)
+    name = engine.connect(remote.address, transport=transport)
+    assert engine.transport_names(name) == (transport,)
+    sizes = [1, 4095, 4096, 65537, 1 << 20, 3 << 20]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    writes = [
+        request(TransferOp.WRITE, local.region_id, name, remote.shared, n, local_offset=o, remote_offset=o)
+        for n, o in zip(sizes, offsets, strict=True)
+    ]
+    statuses = engine.wait(engine.submit(writes), timeout=30)
+    assert [s.state for s in statuses] == [RequestState.DONE] * len(sizes)
+    total = sum(sizes)
+    assert engine.call(name, "digest", {"region": remote.shared, "offset": 0, "length": total}) == digest(
+        buffer[:total]
+    )
+    # Read the peer's untouched tail back into a fresh part of our buffer.
+    reads = [
+        request(
+            TransferOp.READ,
+            local.region_id,
+            name,
+            remote.shared,
+            1000 + i,
+            local_offset=total + 8192 * i,
+            remote_offset=total + 8192 * i,
+        )
+        for i in range(8)
+    ]
+    statuses = engine.wait(engine.submit(reads), timeout=30)
+    assert all(s.state == RequestState.DONE for s in statuses)
+    expected = pattern(SIZE, 1)
+    for i in range(8):
+        start = total + 8192 * i
+        assert np.array_equal(buffer[start : start + 1000 + i], expected[start : start + 1000 + i])
+
+
+def test_transport_is_chosen_per_peer_and_region(engine: TransferEngine, peers: Callable[..., PeerProcess]) -> None:
+    """A same-host peer gets shm and tcp; its plain (non-shared) region is reached over tcp."""
+    remote = peers(SIZE)
+    local, buffer = engine.allocate_shared(SIZE)
+    name = engine.connect(remote.address)
+    assert engine.transport_names(name) == ("shm", "tcp")
+    statuses = engine.wait(
+        engine.submit(
+            [
+                request(TransferOp.READ, local.region_id, name, remote.shared, 4096),
+                request(TransferOp.READ, local.region_id, name, remote.plain, 4096, local_offset=4096),
+            ]
+        ),
+        timeout=30,
+    )
+    assert [s.transport for s in statuses] == ["shm", "tcp"]
+    assert np.array_equal(buffer[:4096], pattern(SIZE, 1)[:4096])
+    assert np.array_equal(buffer[4096:8192], pattern(SIZE, 2)[:4096])
+
+
+def test_a_peer_killed_mid_batch_fails_its_requests_only(
+    engine: TransferEngine, peers: Callable[..., PeerProcess]
+) -> None:
+    """Requests to a killed peer fail with PeerUnavailable, the other peer's complete, nothing hangs."""
+    doomed, healthy = peers(64 << 20), peers(SIZE)
+    local, _ = engine.allocate_shared(64 << 20)
+    doomed_name = engine.connect(doomed.address, transport="tcp")
+    healthy_name = engine.connect(healthy.address, transport="tcp")
+    batch = engine.submit(
+        [
+            request(
+                TransferOp.WRITE, local.region_id, doomed_name, doomed.shared, 32 << 20, remote_offset=i * (32 << 20)
+            )
+            for i in range(2)
+        ]
+        + [request(TransferOp.WRITE, local.region_id, healthy_name, healthy.shared, 1 << 20)]
+    )
+    doomed.kill()
+    start = time.monotonic()
+    statuses = engine.wait(batch, timeout=20)
+    assert time.monotonic() - start < 20
+    assert statuses[2].state == RequestState.DONE
+    failed = [s for s in statuses[:2] if s.state == RequestState.FAILED]
+    assert failed, "a request to a killed peer cannot have been delivered in full"
+    assert all(isinstance(s.error, PeerUnavailable | TransferTimeout) for s in failed)
+    later = engine.wait(
+        engine.submit([request(TransferOp.WRITE, local.region_id, doomed_name, doomed.shared, 100)]), timeout=20
+    )
+    assert later[0].state == RequestState.FAILED and isinstance(later[0].error, PeerUnavailable)
+
+
+def test_a_killed_shm_peer_fails_its_requests(engine: TransferEngine, peers: Callable[..., PeerProcess]) -> None:
+    """Over shm, a peer whose process is gone fails the request instead of copying into its orphaned segment."""
+    remote = peers(SIZE)
+    local, _ = engine.allocate_shared(SIZE)
+    name = engine.connect(remote.address, transport="shm")
+    remote.kill()
+    statuses = engine.wait(
+        engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.shared, 4096)]), timeout=10
+    )
+    assert statuses[0].state == RequestState.FAILED and isinstance(statuses[0].error, PeerUnavailable)
+
+
+class DroppingRelay:
+    """A TCP relay to a peer that cuts the first data connection after `cut_after` bytes from the client."""
+
+    def __init__(self, target: str, *, cut_after: int, flip_byte_at: int | None = None) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.cut_after = cut_after
+        self.flip_byte_at = flip_byte_at
+        self.connections = 0
+        self.cuts = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(self.target)
+            # The second connection is the first data stream (the first carries the handshake's describe).
+            doomed = self.connections == 2
+            for source, sink, forward in ((client, upstream, True), (upstream, client, False)):
+                thread = threading.Thread(
+                    target=self._pump, args=(source, sink, forward and doomed, forward), daemon=True
+                )
+                thread.start()
+                self.threads.append(thread)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, doomed: bool, forward: bool) -> None:
+        moved = 0
+        try:
+            while True:
+                data = bytearray(source.recv(65536))
+                if not data:
+                    break
+                if forward and self.flip_byte_at is not None and moved <= self.flip_byte_at < moved + len(data):
+                    data[self.flip_byte_at - moved] ^= 0xFF
+                    self.flip_byte_at = None
+                if doomed and moved + len(data) > self.cut_after:
+                    self.cuts += 1
+                    break
+                sink.sendall(data)
+                moved += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_dropped_connection_is_retried_and_completes(peers: Callable[..., PeerProcess]) -> None:
+    """A connection cut mid-write is replaced and the slice resent: the request completes byte-exact."""
+    remote = peers(SIZE)
+    relay = DroppingRelay(remote.address, cut_after=300_000)
+    config = EngineConfig(streams_per_peer=1, slice_bytes=1 << 20, io_timeout_s=5.0, max_retries=2)
+    try:
+        with TransferEngine(secret=SECRET, config=config) as local_engine:
+            local, buffer = local_engine.allocate_shared(SIZE)
+            buffer[:] = pattern(SIZE, 5)
+            name = local_engine.connect(relay.address, transport="tcp")
+            statuses = local_engine.wait(
+                local_engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.plain, 2 << 20)]),
+                timeout=30,
+            )
+            assert statuses[0].state == RequestState.DONE, statuses[0]
+            assert relay.cuts == 1
+            assert local_engine.call(
+                name, "digest", {"region": remote.plain, "offset": 0, "length": 2 << 20}
+            ) == digest(buffer[: 2 << 20])
+    finally:
+        relay.close()
+
+
+def test_a_corrupted_payload_is_never_reported_done(peers: Callable[..., PeerProcess]) -> None:
+    """With checksums on, a byte flipped on the wire fails the request instead of completing it."""
+    remote = peers(SIZE)
+    relay = DroppingRelay(remote.address, cut_after=1 << 40, flip_byte_at=200_000)
+    config = EngineConfig(streams_per_peer=1, slice_bytes=1 << 20, io_timeout_s=5.0, max_retries=0, checksums=True)
+    try:
+        with TransferEngine(secret=SECRET, config=config) as local_engine:
+            local, buffer = local_engine.allocate_shared(SIZE)
+            buffer[:] = pattern(SIZE, 6)
+            name = local_engine.connect(relay.address, transport="tcp")
+            statuses = local_engine.wait(
+                local_engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.plain, 1 << 20)]),
+                timeout=30,
+            )
+            assert statuses[0].state == RequestState.FAILED
+            assert "checksum" in str(statuses[0].error)
+    finally:
+        relay.close()
+
+
+def test_wrong_secret_is_refused(peers: Callable[..., PeerProcess]) -> None:
+    """An engine with another secret cannot connect, and an unauthenticated socket gets no data."""
+    remote = peers(SIZE)
+    with TransferEngine(secret=b"not the right secret!") as stranger, pytest.raises(AuthenticationError):
+        stranger.connect(remote.address)
+    host, port = remote.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.recv(64)  # the hello
+        raw.sendall(bytes(64))  # a made-up answer
+        assert raw.recv(2) == b"NO"
+        assert raw.recv(1) == b""  # and the peer hangs up
+
+
+def test_out_of_bounds_requests_touch_no_memory(engine: TransferEngine, peers: Callable[..., PeerProcess]) -> None:
+    """Crafted offsets, lengths and regions are refused by the peer, and its memory is unchanged."""
+    remote = peers(SIZE)
+    name = engine.connect(remote.address, transport="tcp")
+    before = engine.call(name, "digest", {"region": remote.shared, "offset": 0, "length": SIZE})
+    host, port = remote.address.rsplit(":", 1)
+    sock = tcp.connect(host, int(port), secret=SECRET, config=engine.config)
+    try:
+        for region, offset, length in [(remote.shared, SIZE - 10, 100), (remote.shared, 2**63, 16), (999, 0, 16)]:
+            send_frame(sock, Frame(Kind.WRITE, region=region, offset=offset, length=length), b"\xff" * length)
+            reply = recv_frame(sock, max_length=1 << 20)
+            assert reply.kind == Kind.ERROR
+            sock.recv(reply.length, socket.MSG_WAITALL)
+        send_frame(sock, Frame(Kind.READ, region=remote.shared, offset=SIZE, length=1))
+        assert recv_frame(sock, max_length=1 << 20).kind == Kind.ERROR
+    finally:
+        sock.close()
+    assert engine.call(name, "digest", {"region": remote.shared, "offset": 0, "length": SIZE}) == before
+    local, _ = engine.allocate_shared(4096)
+    with pytest.raises(TransferError, match="outside"):
+        engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.shared, 4097)])  # local bounds
+
+
+def test_oversized_frames_end_the_connection(engine: TransferEngine, peers: Callable[..., PeerProcess]) -> None:
+    """A header announcing more than the frame bound closes the connection before anything is read."""
+    remote = peers(SIZE)
+    host, port = remote.address.rsplit(":", 1)
+    sock = tcp.connect(host, int(port), secret=SECRET, config=engine.config)
+    try:
+        send_frame(sock, Frame(Kind.WRITE, region=remote.shared, offset=0, length=1 << 40))
+        assert sock.recv(1) == b""
+    finally:
+        sock.close()
+
+
+def test_a_stalled_peer_times_out(peers: Callable[..., PeerProcess]) -> None:
+    """A peer that stops answering makes `wait` raise TransferTimeout on time, then fails the request."""
+    remote = peers(SIZE)
+    config = EngineConfig(io_timeout_s=1.0, connect_timeout_s=1.0, max_retries=1)
+    with TransferEngine(secret=SECRET, config=config) as local_engine:
+        local, _ = local_engine.allocate_shared(SIZE)
+        name = local_engine.connect(remote.address, transport="tcp")
+        os.kill(remote.pid, signal.SIGSTOP)
+        try:
+            batch = local_engine.submit([request(TransferOp.READ, local.region_id, name, remote.shared, 1 << 20)])
+            start = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                local_engine.wait(batch, timeout=0.5)
+            assert time.monotonic() - start < 2
+            statuses = local_engine.wait(batch, timeout=30)
+            assert statuses[0].state == RequestState.FAILED
+        finally:
+            os.kill(remote.pid, signal.SIGCONT)
+
+
+def test_listeners_bind_loopback_and_config_is_validated() -> None:
+    """Engines listen on 127.0.0.1 unless told otherwise; bad configs and secrets are ConfigErrors."""
+    with TransferEngine(secret=SECRET) as local_engine:
+        assert local_engine.host == "127.0.0.1"
+    with pytest.raises(ConfigError):
+        TransferEngine(secret=b"short")
+    with pytest.raises(ConfigError):
+        EngineConfig(transports=("carrier-pigeon",))
+    with pytest.raises(ConfigError):
+        EngineConfig(slice_bytes=2 << 20, max_frame_bytes=1 << 20)
+
+
+# --------------------------------------------------------------------------- differential: shm and tcp in lockstep
+
+
+@pytest.fixture(scope="module")
+def lockstep() -> Iterator[tuple[TransferEngine, TransferEngine, TransferEngine]]:
+    config = EngineConfig(slice_bytes=1 << 14, streams_per_peer=2)
+    engines = [TransferEngine(secret=SECRET, config=config) for _ in range(3)]
+    yield engines[0], engines[1], engines[2]
+    for item in engines:
+        item.close()
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from([TransferOp.READ, TransferOp.WRITE]),
+        st.integers(0, 1 << 16),
+        st.integers(0, 1 << 16),
+        st.integers(0, 1 << 16),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=operations, seed=st.integers(0, 2**32 - 1))
+def test_shm_and_tcp_in_lockstep(
+    lockstep: tuple[TransferEngine, TransferEngine, TransferEngine],
+    ops: list[tuple[TransferOp, int, int, int]],
+    seed: int,
+) -> None:
+    """The same random requests through shm and through tcp leave identical bytes and identical outcomes.
+
+    Each request is its own batch, in order: a batch's requests run concurrently, so
+    overlapping ones within one batch have no defined order to compare.
+    """
+    via_shm, via_tcp, target = lockstep
+    size = 1 << 17
+    outcomes = []
+    finals = []
+    for initiator, transport in ((via_shm, "shm"), (via_tcp, "tcp")):
+        local, local_buffer = initiator.allocate_shared(size)
+        remote, remote_buffer = target.allocate_shared(size)
+        local_buffer[:] = pattern(size, seed % 1000)
+        remote_buffer[:] = pattern(size, seed % 1000 + 1)
+        name = initiator.connect(target.address, transport=transport)
+        seen = []
+        for op, length, local_offset, remote_offset in ops:
+            one = request(
+                op,
+                local.region_id,
+                name,
+                remote.region_id,
+                min(length, size - local_offset),
+                local_offset=local_offset,
+                remote_offset=remote_offset,
+            )
+            (status,) = initiator.wait(initiator.submit([one]), timeout=30)
+            seen.append((status.state, type(status.error).__name__ if status.error else None))
+        outcomes.append(seen)
+        finals.append((local_buffer.copy(), remote_buffer.copy()))
+        initiator.unregister_memory(local.region_id)
+        target.unregister_memory(remote.region_id)
+    assert outcomes[0] == outcomes[1]
+    assert np.array_equal(finals[0][0], finals[1][0]) and np.array_equal(finals[0][1], finals[1][1])
