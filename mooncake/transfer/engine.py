@@ -44,6 +44,7 @@ import attrs
 
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer import tcp
+from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs, buffer_address, open_device
 from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, create_shared
 from mooncake.transfer.request import (
     EngineConfig,
@@ -78,6 +79,7 @@ class PeerDescriptor:
     host_id: str
     pid: int
     regions: tuple[RegionDescriptor, ...]
+    rdma: bool = False
 
 
 @attrs.define(eq=False)
@@ -106,16 +108,33 @@ class TransferEngine:
         secret: shared by every engine of a deployment; peers prove they know it.
         config: listening address and transfer behaviour.
         name: how peers call this engine (default its "host:port").
+        rdma: the RDMA device to use; by default the first one pyverbs finds,
+            when "rdma" is among the configured transports (none: no RDMA).
     """
 
-    def __init__(self, *, secret: bytes, config: EngineConfig | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        config: EngineConfig | None = None,
+        name: str | None = None,
+        rdma: Verbs | None = None,
+    ) -> None:
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ConfigError("secret must be at least 16 bytes")
         self.secret = secret
         self.config = config = config or EngineConfig()
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
-        self._handlers: dict[str, Handler] = {"describe": lambda _args: self._describe_self()}
+        self._handlers: dict[str, Handler] = {
+            "describe": lambda _args: self._describe_self(),
+            "rdma_connect": self._accept_rdma,
+        }
+        if rdma is None and "rdma" in config.transports:
+            rdma = open_device()
+        self._rdma = rdma if "rdma" in config.transports else None
+        self._rdma_keys: list[tuple[int, int, int]] = []  # (start address, end address, lkey) per region
+        self._queue_pairs: list[QueuePair] = []  # accepted from peers, closed with the engine
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count(1)
@@ -168,9 +187,20 @@ class TransferEngine:
         return self._regions.get(region_id)
 
     def _add_region(self, view: memoryview, *, keepalive: Any, shm_name: str | None) -> RegionDescriptor:
+        rdma_address = rdma_rkey = None
+        if self._rdma is not None and view.nbytes:
+            rdma_address, lkey, rdma_rkey = self._rdma.register(view)
         with self._lock:
-            descriptor = RegionDescriptor(region_id=next(self._region_ids), length=view.nbytes, shm_name=shm_name)
+            descriptor = RegionDescriptor(
+                region_id=next(self._region_ids),
+                length=view.nbytes,
+                shm_name=shm_name,
+                rdma_address=rdma_address,
+                rdma_rkey=rdma_rkey,
+            )
             self._regions[descriptor.region_id] = Region(descriptor, view, keepalive)
+            if rdma_address is not None:
+                self._rdma_keys.append((rdma_address, rdma_address + view.nbytes, lkey))
         return descriptor
 
     # ------------------------------------------------------------------ peers
@@ -200,7 +230,7 @@ class TransferEngine:
         except BaseException:
             control.close()
             raise
-        transports = self._transports_for(host, port, descriptor, transport)
+        transports = self._transports_for(host, port, descriptor, transport, control)
         peer = _Peer(host, port, descriptor, transports, control)
         with self._lock:
             old = self._peers.pop(descriptor.name, None)
@@ -341,6 +371,10 @@ class TransferEngine:
         self._acceptor.join(timeout=5)
         for region in regions:
             _release(region)
+        for queue_pair in self._queue_pairs:
+            queue_pair.close()
+        if self._rdma is not None:
+            self._rdma.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -363,10 +397,28 @@ class TransferEngine:
             "host_id": self._host_id,
             "pid": os.getpid(),
             "regions": [region.to_json() for region in self.regions()],
+            "rdma": self._rdma is not None,
         }
 
+    def _accept_rdma(self, endpoint: Any) -> Any:
+        """The peer side of an RDMA connection: a queue pair connected to the caller's."""
+        if self._rdma is None:
+            raise TransferError("this engine has no RDMA device")
+        queue_pair = self._rdma.create_queue_pair()
+        queue_pair.connect(endpoint)
+        with self._lock:
+            self._queue_pairs.append(queue_pair)
+        return queue_pair.endpoint()
+
+    def _local_key(self, view: memoryview) -> tuple[int, int]:
+        address = buffer_address(view)
+        for start, end, lkey in self._rdma_keys:
+            if start <= address and address + view.nbytes <= end:
+                return address, lkey
+        raise TransferError("the local bytes are not in RDMA-registered memory")
+
     def _transports_for(
-        self, host: str, port: int, descriptor: PeerDescriptor, forced: str | None
+        self, host: str, port: int, descriptor: PeerDescriptor, forced: str | None, control: socket.socket
     ) -> dict[str, Transport]:
         allowed = (forced,) if forced else self.config.transports
         transports: dict[str, Transport] = {}
@@ -379,6 +431,15 @@ class TransferEngine:
             if name == "shm" and descriptor.host_id == self._host_id:
                 transports["shm"] = ShmTransport(
                     describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
+                )
+            elif name == "rdma" and self._rdma is not None and descriptor.rdma:
+                queue_pair = self._rdma.create_queue_pair()
+                remote = tcp.call(
+                    control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
+                )
+                queue_pair.connect(remote)
+                transports["rdma"] = RdmaTransport(
+                    queue_pair, local_key=self._local_key, describe=describe, config=self.config
                 )
             elif name == "tcp":
                 transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
@@ -404,6 +465,8 @@ class TransferEngine:
         for name, candidate in peer.transports.items():
             if name == "shm" and (remote is None or remote.shm_name is None):
                 continue  # shm reaches shared regions only
+            if name == "rdma" and (remote is None or remote.rdma_address is None):
+                continue  # and rdma registered ones
             transport = candidate
             break
         if transport is None:
@@ -468,6 +531,7 @@ def _peer_descriptor(data: Any) -> PeerDescriptor:
             host_id=str(data["host_id"]),
             pid=int(data["pid"]),
             regions=tuple(RegionDescriptor.from_json(r) for r in data["regions"]),
+            rdma=bool(data.get("rdma", False)),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise TransferError(f"malformed segment descriptor: {error}") from error
