@@ -22,6 +22,8 @@ elsewhere, saying so).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import sys
 import threading
@@ -78,18 +80,19 @@ class Verbs(Protocol):
 
 def open_device(name: str | None = None) -> Verbs | None:
     """The named (or first) RDMA device through pyverbs, or None where there is none."""
-    try:
-        import pyverbs.device
-    except ImportError:
-        if _DEBIAN_PACKAGES not in sys.path:  # Debian's python3-pyverbs, built for this Python ABI
-            sys.path.append(_DEBIAN_PACKAGES)
+    if importlib.util.find_spec("pyverbs") is None:
+        # Debian's python3-pyverbs, built for this Python ABI: import the package
+        # from there without leaving Debian's folder on the path for anything else.
+        sys.path.append(_DEBIAN_PACKAGES)
         try:
-            import pyverbs.device  # noqa: F401
+            importlib.import_module("pyverbs.device")
         except ImportError:
             return None
+        finally:
+            sys.path.remove(_DEBIAN_PACKAGES)
     try:
         return PyverbsDevice(name)
-    except Exception:
+    except Exception:  # no device, no permission, no driver: RDMA is simply not offered
         return None
 
 

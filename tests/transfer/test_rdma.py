@@ -102,7 +102,7 @@ def test_a_failed_completion_takes_the_queue_pair_down(pair: tuple[FakeFabric, T
 
 def test_unregistered_remote_memory_goes_over_tcp(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
     """A region registered before RDMA was available has no rkey: tcp carries it."""
-    fabric, a, b = pair
+    _fabric, a, _b = pair
     local = a.register_memory(pattern(4096, 7))
     plain = TransferEngine(secret=SECRET, config=EngineConfig(transports=("tcp",)))
     try:
