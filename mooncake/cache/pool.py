@@ -206,13 +206,28 @@ class DramPagePool(_AllocatingPool):
         page_bytes, num_pages: the geometry.
         pinned: back the buffer with page-locked torch memory (needs torch and CUDA).
         prefault: touch every page at construction (steady performance, full RSS at once).
+        buffer: use this uint8 array of exactly page_bytes * num_pages bytes instead of
+            allocating (e.g. a transfer engine's shared-memory region).
     """
 
     def __init__(
-        self, page_bytes: int, num_pages: int, *, pinned: bool = False, prefault: bool = False, tier: Tier = Tier.DRAM
+        self,
+        page_bytes: int,
+        num_pages: int,
+        *,
+        pinned: bool = False,
+        prefault: bool = False,
+        tier: Tier = Tier.DRAM,
+        buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> None:
         super().__init__(tier, page_bytes, num_pages)
-        if pinned:
+        if buffer is not None:
+            if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size != page_bytes * num_pages:
+                raise ConfigError(
+                    f"buffer must be a flat uint8 array of {page_bytes * num_pages} bytes, got {buffer.dtype} {buffer.shape}"
+                )
+            self.buffer = buffer
+        elif pinned:
             self.buffer = _pinned_buffer(page_bytes * num_pages)
         else:
             self.buffer = aligned_buffer(page_bytes * num_pages, prefault=prefault)

@@ -51,7 +51,7 @@ from mooncake.cache.pool import Buffer, PagePool, as_bytes_view
 from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
 
-__all__ = ["CacheStats", "TieredCache"]
+__all__ = ["BlockLocation", "CacheStats", "TieredCache"]
 
 _STORED, _REMOVED = 0, 1
 _LOCAL = InstanceId("local")
@@ -70,6 +70,16 @@ class CacheStats:
     corrupt_blocks: int
 
 
+@attrs.frozen
+class BlockLocation:
+    """A block's page: `ready` is False while it is reserved and being filled."""
+
+    tier: Tier
+    page: int
+    length: int
+    ready: bool
+
+
 @attrs.define(eq=False)
 class _Entry:
     level: int
@@ -78,6 +88,7 @@ class _Entry:
     checksum: int | None
     parent: BlockKey | None
     pins: int = 0
+    position: int = 0
     ready: bool = False  # False while its first write is in progress
     corrupt: bool = False  # failed verification; dropped when the last pin goes
     lower_reads: int = 0
@@ -225,22 +236,72 @@ class TieredCache:
                 if entry.ready:
                     self._policies[entry.level].access(key)
                 return self.pools[entry.level].tier
-            page = self._make_room(0, needed_for=key)
-            entry = self._entries[key] = _Entry(0, page, size, checksum, parent, pins=1)
+            entry = self._claim(key, size, parent, position)
         try:
-            self.pools[0].write(page, view, key=key, checksum=checksum)
+            self.pools[0].write(entry.page, view, key=key, checksum=checksum)
         except BaseException:
-            with self._lock:
-                del self._entries[key]
-                self.pools[0].free(page)
+            self.abort(key)
             raise
-        with self._lock:
-            entry.pins -= 1
-            entry.ready = True
-            self._policies[0].access(key, parent=parent, position=position)
-            self._log.append((_STORED, 0, key))
-            self._counts["puts"] += 1
+        self._publish(key, entry, checksum)
         return self.pools[0].tier
+
+    def reserve(self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0) -> Any:
+        """Claim a first-tier page for `key`, to be filled in place (zero copy), e.g. by a transfer.
+
+        The block is invisible until `commit(key)`; `abort(key)` gives the page back.
+
+        Returns:
+            A writable view of the page's first `length` bytes, or None when `key`
+            is already cached or being filled.
+
+        Raises:
+            ConfigError: the first tier cannot be written in place (SSD, metadata).
+            CapacityError: `length` exceeds a page, or the first tier is all pinned.
+        """
+        if not self.pools[0].zero_copy:
+            raise ConfigError(f"the {self.pools[0].tier.name} tier cannot be filled in place: use put")
+        if not 0 <= length <= self.page_bytes:
+            raise CapacityError(f"{length} bytes do not fit a page of {self.page_bytes} bytes")
+        with self._lock:
+            if key in self._entries:
+                return None
+            entry = self._claim(key, length, parent, position)
+            return self.pools[0].read(entry.page, length)
+
+    def commit(self, key: BlockKey, *, checksum: int | None = None) -> None:
+        """Publish a reserved block, first verifying it against `checksum` when given.
+
+        Raises:
+            UnknownBlockError: `key` is not reserved.
+            IntegrityError: the bytes do not match `checksum` (the reservation is dropped).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.ready:
+                raise UnknownBlockError(f"block {key} is not reserved")
+        if checksum is not None:
+            actual = xxhash.xxh3_64_intdigest(self._read_host(entry))
+            if actual != checksum:
+                self.abort(key)
+                raise IntegrityError(f"block {key}: bytes hash to {actual:#018x}, the sender said {checksum:#018x}")
+        self._publish(key, entry, checksum)
+
+    def abort(self, key: BlockKey) -> None:
+        """Give back the page of a reserved block (no effect if `key` is not reserved)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.ready:
+                del self._entries[key]
+                self.pools[entry.level].free(entry.page)
+
+    def location(self, key: BlockKey) -> BlockLocation | None:
+        """Where a cached or reserved block lives, or None; pin a cached block first if
+        the answer must stay true (a reserved one stays put until committed)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.corrupt:
+                return None
+            return BlockLocation(self.pools[entry.level].tier, entry.page, entry.length, entry.ready)
 
     def remove(self, key: BlockKey) -> None:
         """Drop `key` from the cache.
@@ -427,6 +488,22 @@ class TieredCache:
 
     def _should_promote(self, entry: _Entry) -> bool:
         return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
+
+    def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> _Entry:
+        """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""
+        page = self._make_room(0, needed_for=key)
+        entry = self._entries[key] = _Entry(0, page, length, None, parent, pins=1, position=position)
+        return entry
+
+    def _publish(self, key: BlockKey, entry: _Entry, checksum: int | None) -> None:
+        """Make a claimed block visible: it joins its tier's policy and the event log."""
+        with self._lock:
+            entry.checksum = checksum if checksum is not None else entry.checksum
+            entry.pins -= 1
+            entry.ready = True
+            self._policies[0].access(key, parent=entry.parent, position=entry.position)
+            self._log.append((_STORED, 0, key))
+            self._counts["puts"] += 1
 
     def _make_room(self, level: int, *, needed_for: BlockKey) -> int:
         page = self._try_make_room(level)

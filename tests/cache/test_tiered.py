@@ -286,6 +286,30 @@ class TieredMachine(RuleBasedStateMachine):
         self.reference[key] = block(key)
         assert key in self.cache
 
+    @rule(key=keys, good=st.booleans(), abort=st.booleans())
+    def reserve_fill_commit(self, key: BlockKey, good: bool, abort: bool) -> None:
+        data = block(key)
+        parent = BlockKey(key - 1) if self.with_parents and key > 1 else None
+        if key in self.cache:
+            assert self.cache.reserve(key, len(data), parent=parent) is None
+            return
+        if self.dram_all_pinned():
+            with pytest.raises(CapacityError):
+                self.cache.reserve(key, len(data), parent=parent)
+            return
+        view = self.cache.reserve(key, len(data), parent=parent)
+        assert key not in self.cache  # invisible until committed
+        view[:] = data
+        if abort:
+            self.cache.abort(key)
+        elif good:
+            self.cache.commit(key, checksum=xxhash.xxh3_64_intdigest(data))
+            self.reference[key] = data
+        else:
+            with pytest.raises(IntegrityError):
+                self.cache.commit(key, checksum=xxhash.xxh3_64_intdigest(data) ^ 1)
+        assert (key in self.cache) == (good and not abort)
+
     @rule(key=keys)
     def get(self, key: BlockKey) -> None:
         view = self.cache.get(key)

@@ -1,0 +1,202 @@
+"""The messenger: fetch and push of KV blocks between two nodes' caches, whole or part by part."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.cache.pool import DramPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.errors import ConfigError, UnknownBlockError
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.messenger import Messenger, part_range, shared_dram_pool
+from mooncake.transfer.request import EngineConfig
+from mooncake.types import BlockKey
+from tests.transfer.conftest import SECRET
+
+PAGE = 4096
+
+
+def block(key: int) -> bytes:
+    return (xxhash.xxh3_64_digest(key.to_bytes(8, "little")) * (PAGE // 8))[: 100 + key * 37 % (PAGE - 100)]
+
+
+@attrs.define
+class Node:
+    engine: TransferEngine
+    cache: TieredCache
+    messenger: Messenger
+    now: list[float]
+
+
+def make_node(pages: int, transport: str) -> Node:
+    engine = TransferEngine(secret=SECRET, config=EngineConfig(transports=(transport,), slice_bytes=1024))
+    pool, region = shared_dram_pool(engine, PAGE, pages)
+    cache = TieredCache([pool])
+    now = [0.0]
+    return Node(engine, cache, Messenger(engine, cache, region=region, lease_s=10.0, clock=lambda: now[0]), now)
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def nodes(request: pytest.FixtureRequest) -> Iterator[tuple[Node, Node, str]]:
+    """Two nodes over one transport; the first is connected to the second."""
+    a, b = make_node(16, request.param), make_node(16, request.param)
+    peer = a.engine.connect(b.engine.address)
+    yield a, b, peer
+    a.engine.close()
+    b.engine.close()
+
+
+def test_fetch_replicates_the_leading_blocks(nodes: tuple[Node, Node, str]) -> None:
+    """Fetch copies the held prefix of the keys, byte-exact, stops at the first missing key, releases pins."""
+    a, b, peer = nodes
+    for key in (1, 2, 3, 5):
+        b.cache.put(BlockKey(key), block(key))
+    fetch = a.messenger.fetch([BlockKey(k) for k in (1, 2, 3, 4, 5)], peer)
+    assert fetch.keys == (1, 2, 3)
+    assert fetch.finish(timeout=10) == (1, 2, 3)
+    for key in (1, 2, 3):
+        assert bytes(a.cache.get(BlockKey(key))) == block(key)
+    assert BlockKey(5) not in a.cache
+    for key in (1, 2, 3):
+        b.cache.remove(BlockKey(key))  # raises if a pin leaked
+
+
+def test_fetch_skips_blocks_already_held(nodes: tuple[Node, Node, str]) -> None:
+    """Blocks the fetcher holds are not moved again."""
+    a, b, peer = nodes
+    for key in (1, 2):
+        b.cache.put(BlockKey(key), block(key))
+    a.cache.put(BlockKey(1), block(1))
+    fetch = a.messenger.fetch([BlockKey(1), BlockKey(2)], peer)
+    assert fetch.keys == (2,)
+    assert fetch.finish(timeout=10) == (2,)
+
+
+def test_fetch_part_by_part(nodes: tuple[Node, Node, str]) -> None:
+    """With parts, each byte range can be waited for alone; the blocks commit once all arrived."""
+    a, b, peer = nodes
+    b.cache.put(BlockKey(7), block(7))
+    fetch = a.messenger.fetch([BlockKey(7)], peer, parts=4)
+    for part in range(4):
+        fetch.wait_part(part, timeout=10)
+        start, end = part_range(len(block(7)), 4, part)
+        location = a.cache.location(BlockKey(7))
+        assert location is not None and not location.ready  # still reserved: readable by the engine, not served
+        page = a.cache.pools[0].buffer[location.page * PAGE :]  # type: ignore[attr-defined]
+        assert bytes(page[start:end]) == block(7)[start:end]
+    assert fetch.finish(timeout=10) == (7,)
+
+
+def test_push_streams_blocks_layer_by_layer(nodes: tuple[Node, Node, str]) -> None:
+    """A block being filled can be pushed part by part as its bytes become final; the peer commits it verified."""
+    a, b, peer = nodes
+    data = block(11)
+    view = a.cache.reserve(BlockKey(11), len(data))
+    push = a.messenger.push([BlockKey(11)], peer, parts=2)
+    half = part_range(len(data), 2, 0)[1]
+    view[:half] = data[:half]
+    push.send_part(0)
+    view[half:] = data[half:]
+    assert push.finish(timeout=10) == (11,)
+    assert bytes(b.cache.get(BlockKey(11))) == data
+    a.cache.commit(BlockKey(11))
+
+
+def test_push_of_cached_blocks_and_unknown_ones(nodes: tuple[Node, Node, str]) -> None:
+    """Cached blocks are pinned while pushed and released after; a key not held raises before anything moves."""
+    a, b, peer = nodes
+    a.cache.put(BlockKey(3), block(3))
+    assert a.messenger.push([BlockKey(3)], peer).finish(timeout=10) == (3,)
+    assert bytes(b.cache.get(BlockKey(3))) == block(3)
+    a.cache.remove(BlockKey(3))  # no pin left behind
+    with pytest.raises(UnknownBlockError):
+        a.messenger.push([BlockKey(99)], peer)
+
+
+def test_a_corrupted_block_is_not_committed(nodes: tuple[Node, Node, str]) -> None:
+    """If the bytes change between lookup and transfer, the peer's checksum catches it and the block is dropped."""
+    a, b, peer = nodes
+    b.cache.put(BlockKey(4), block(4))
+    b.cache.put(BlockKey(5), block(5))
+    fetch = a.messenger.fetch([BlockKey(4), BlockKey(5)], peer)
+    fetch.wait_part(0, timeout=10)
+    location = a.cache.location(BlockKey(4))
+    assert location is not None
+    a.cache.pools[0].buffer[location.page * PAGE] ^= 0xFF  # type: ignore[attr-defined]
+    assert fetch.finish(timeout=10) == (5,)
+    assert BlockKey(4) not in a.cache
+
+
+def test_leases_release_pins_of_a_vanished_peer(nodes: tuple[Node, Node, str]) -> None:
+    """Pins taken for a peer that never releases them go when its lease expires."""
+    a, b, peer = nodes
+    b.cache.put(BlockKey(8), block(8))
+    a.messenger.fetch([BlockKey(8)], peer)  # and never finished
+    with pytest.raises(Exception, match="pinned"):
+        b.cache.remove(BlockKey(8))
+    b.now[0] += 11.0
+    b.engine.handle_call("blocks.lookup", {"lease": "someone-else", "keys": []})  # any call sweeps
+    b.cache.remove(BlockKey(8))
+
+
+def test_fetch_takes_only_what_fits() -> None:
+    """With every local page pinned but two, a fetch brings two blocks and stops."""
+    a, b = make_node(4, "tcp"), make_node(16, "tcp")
+    try:
+        peer = a.engine.connect(b.engine.address)
+        for key in range(1, 7):
+            b.cache.put(BlockKey(key), block(key))
+        for key in (100, 101):
+            a.cache.put(BlockKey(key), block(key))
+            a.cache.pin(BlockKey(key))
+        fetch = a.messenger.fetch([BlockKey(k) for k in range(1, 7)], peer)
+        assert fetch.keys == (1, 2)
+        assert fetch.finish(timeout=10) == (1, 2)
+    finally:
+        a.engine.close()
+        b.engine.close()
+
+
+def test_the_first_tier_must_be_dram() -> None:
+    """A cache whose first tier is not a DRAM pool cannot be served by a messenger."""
+    from mooncake.cache.pool import MetadataPagePool
+    from mooncake.types import Tier
+
+    with TransferEngine(secret=SECRET) as engine, pytest.raises(ConfigError):
+        Messenger(engine, TieredCache([MetadataPagePool(Tier.DRAM, PAGE, 4)]))
+    with TransferEngine(secret=SECRET) as engine:
+        messenger = Messenger(engine, TieredCache([DramPagePool(PAGE, 4)]))  # registers the pool itself
+        assert messenger.region.length == 4 * PAGE
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    held=st.sets(st.integers(1, 12), max_size=12),
+    wanted=st.lists(st.integers(1, 12), unique=True, max_size=12),
+    parts=st.integers(1, 4),
+)
+def test_fetch_matches_a_model(held: set[int], wanted: list[int], parts: int) -> None:
+    """A fetch caches exactly the leading run of wanted keys the peer holds, with the peer's bytes."""
+    a, b = make_node(16, "tcp"), make_node(16, "tcp")
+    try:
+        peer = a.engine.connect(b.engine.address)
+        for key in held:
+            b.cache.put(BlockKey(key), block(key))
+        expected = []
+        for key in wanted:
+            if key not in held:
+                break
+            expected.append(key)
+        got = a.messenger.fetch([BlockKey(k) for k in wanted], peer, parts=parts).finish(timeout=10)
+        assert list(got) == expected
+        for key in expected:
+            assert bytes(a.cache.get(BlockKey(key))) == block(key)
+    finally:
+        a.engine.close()
+        b.engine.close()
