@@ -302,9 +302,19 @@ class TransferEngine:
                 open_requests=sum(1 for _, pieces in plans if pieces),
             )
             self._batches[batch_id] = batch
+        # Small batches, and batches that are a single slice, move in this thread:
+        # handing them to a transport's threads would only add wake-up latency.
+        inline = (
+            sum(request.length for request in requests) <= self.config.inline_bytes
+            or sum(len(pieces) for _, pieces in plans) == 1
+        )
         for index, (transport, pieces) in enumerate(plans):
             for local, remote_offset in pieces:
                 request = requests[index]
+                if inline:  # small: no hand-off to the transport's threads
+                    piece = Slice(request.op, local, request.remote_region, remote_offset, lambda _error: None)
+                    self._slice_done_callback(batch_id, index)(transport.run_inline(piece))
+                    continue
                 transport.submit(
                     Slice(
                         op=request.op,

@@ -242,6 +242,20 @@ class RdmaTransport:
         except TransferError as error:
             piece.on_done(error)
 
+    def run_inline(self, piece: Slice) -> TransferError | None:
+        """Post `piece` and wait for its completion in the calling thread."""
+        outcome: list[TransferError | None] = []
+        done = threading.Event()
+
+        def finished(error: TransferError | None) -> None:
+            outcome.append(error)
+            done.set()
+
+        self.submit(Slice(piece.op, piece.local, piece.remote_region, piece.remote_offset, finished))
+        if not done.wait(self._config.io_timeout_s * 2):
+            return TransferTimeout("an RDMA work request did not complete")
+        return outcome[0]
+
     def close(self) -> None:
         self._closed.set()
         self._poller.join(timeout=5)

@@ -41,6 +41,7 @@ class ShmTransport:
         self._describe = describe
         self._peer_pid = peer_pid
         self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._arrays: dict[str, np.ndarray] = {}  # one view per mapped segment
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
         self._closed = False
@@ -56,6 +57,16 @@ class ShmTransport:
             return
         self._queue.put(piece)
 
+    def run_inline(self, piece: Slice) -> TransferError | None:
+        """Copy `piece` now, in the calling thread."""
+        if self._closed:
+            return PeerUnavailable("the shm transport is closed")
+        try:
+            self._copy(piece)
+        except TransferError as error:
+            return error
+        return None
+
     def close(self) -> None:
         self._closed = True
         for _ in self._threads:
@@ -63,8 +74,12 @@ class ShmTransport:
         for thread in self._threads:
             thread.join(timeout=10)
         with self._lock:
+            self._arrays.clear()
             for segment in self._segments.values():
-                segment.close()
+                try:
+                    segment.close()
+                except BufferError:
+                    pass  # a copy still holds a view; the mapping goes with the process
             self._segments.clear()
 
     def _work(self) -> None:
@@ -97,14 +112,17 @@ class ShmTransport:
             np.copyto(local, remote)
 
     def _map(self, name: str) -> np.ndarray:
+        array = self._arrays.get(name)
+        if array is not None:
+            return array
         with self._lock:
-            segment = self._segments.get(name)
-            if segment is None:
+            if name not in self._arrays:
                 try:
                     segment = self._segments[name] = attach_shared(name)
                 except FileNotFoundError as error:
                     raise PeerUnavailable(f"the peer's shared segment {name} is gone") from error
-            return np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
+                self._arrays[name] = np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
+            return self._arrays[name]
 
 
 def _alive(pid: int) -> bool:

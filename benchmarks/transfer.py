@@ -1,0 +1,252 @@
+"""Transfer throughput and latency on loopback, against a raw socket, memcpy and the upstream engine.
+
+    python benchmarks/transfer.py [--json] [--repeats 5] [--no-upstream]
+
+Measured in one run, each between two processes (this one initiates, a peer
+process owns the target memory):
+- ours over tcp and over shm: one WRITE of 1, 16 and 64 MiB (median of repeats
+  of the mean over enough writes to move 64 MiB, the same for every peer),
+  a batch of 32 × 1 MiB, and the median latency of a synchronous 4 KiB write;
+- a raw two-process socket stream: sendall of the same sizes into a receiver
+  that recv_into's a buffer and acknowledges (the bytes-over-loopback ceiling);
+- memcpy (np.copyto) of the same sizes (the shm ceiling);
+- the upstream Mooncake Transfer Engine over its tcp transport (PyPI
+  mooncake-transfer-engine-non-cuda, installed into build/upstream-te-venv on
+  first use; it needs Debian's libibverbs1), driven the same way by
+  benchmarks/upstream_te.py.
+Goals (issue #4): tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
+shm_vs_memcpy >= 0.7, tcp_4kib_median_us <= upstream_4kib_median_us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+SIZES = [MIB, 16 * MIB, 64 * MIB]
+SECRET = os.urandom(32)
+UPSTREAM_VENV = ROOT / "build" / "upstream-te-venv"
+
+
+def median_time(run: Callable[[], None], repeats: int, *, calls: int = 1) -> float:
+    """Median over `repeats` samples of the mean time of `calls` consecutive runs."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def calls_for(size: int) -> int:
+    """Runs per sample, so that each sample moves about 64 MiB whatever the size."""
+    return max(1, (64 * MIB) // size)
+
+
+def ours(repeats: int, samples: int) -> dict[str, dict[str, float]]:
+    space = max(SIZES)
+    peer = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "transfer_peer.py"), SECRET.hex(), str(space)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    results: dict[str, dict[str, float]] = {}
+    try:
+        info = json.loads(peer.stdout.readline())  # type: ignore[union-attr]
+        for transport in ("tcp", "shm"):
+            with TransferEngine(secret=SECRET, config=EngineConfig(transports=(transport,))) as engine:
+                local, buffer = engine.allocate_shared(space)
+                buffer[:] = 7
+                name = engine.connect(info["address"])
+
+                def write(length: int, count: int = 1, engine: TransferEngine = engine, name: str = name) -> None:
+                    requests = [
+                        TransferRequest(
+                            op=TransferOp.WRITE,
+                            local_region=local.region_id,
+                            local_offset=i * length,
+                            peer=name,
+                            remote_region=info["region"],
+                            remote_offset=i * length,
+                            length=length,
+                        )
+                        for i in range(count)
+                    ]
+                    statuses = engine.wait(engine.submit(requests), timeout=60)
+                    assert all(s.state == RequestState.DONE for s in statuses), statuses
+
+                figures = {
+                    f"{size // MIB}MiB_gbps": size / median_time(lambda size=size: write(size), repeats) / 1e9
+                    for size in SIZES
+                }
+                figures["batch_32x1mib_gbps"] = 32 * MIB / median_time(lambda: write(MIB, 32), repeats, calls=2) / 1e9
+                latencies = []
+                for _ in range(samples):
+                    start = time.perf_counter()
+                    write(4096)
+                    latencies.append(time.perf_counter() - start)
+                figures["4kib_median_us"] = statistics.median(latencies) * 1e6
+                results[transport] = figures
+    finally:
+        peer.stdin.close()  # type: ignore[union-attr]
+        peer.wait(timeout=30)
+    return results
+
+
+_RECEIVER = """
+import socket, sys
+size = int(sys.argv[1]); buffer = memoryview(bytearray(size))
+server = socket.create_server(("127.0.0.1", 0)); print(server.getsockname()[1], flush=True)
+connection, _ = server.accept()
+while True:
+    header = connection.recv(8, socket.MSG_WAITALL)
+    if len(header) < 8:
+        break
+    want, got = int.from_bytes(header, "little"), 0
+    while got < want:
+        got += connection.recv_into(buffer[got:want], want - got)
+    connection.sendall(b"k")
+"""
+
+
+def raw_socket(repeats: int) -> dict[str, float]:
+    receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(max(SIZES))], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(receiver.stdout.readline())  # type: ignore[union-attr]
+        payload = memoryview(np.full(max(SIZES), 7, dtype=np.uint8).data)
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def send(size: int) -> None:
+                connection.sendall(size.to_bytes(8, "little"))
+                connection.sendall(payload[:size])
+                connection.recv(1)
+
+            return {
+                f"{size // MIB}MiB_gbps": size / median_time(lambda size=size: send(size), repeats) / 1e9
+                for size in SIZES
+            }
+    finally:
+        receiver.wait(timeout=30)
+
+
+def memcpy(repeats: int) -> dict[str, float]:
+    source = np.full(max(SIZES), 7, dtype=np.uint8)
+    target = np.zeros_like(source)
+    return {
+        f"{size // MIB}MiB_gbps": size
+        / median_time(lambda size=size: np.copyto(target[:size], source[:size]), repeats)
+        / 1e9
+        for size in SIZES
+    }
+
+
+def upstream(repeats: int, samples: int) -> dict[str, object] | str:
+    """The upstream engine's figures, or why they could not be taken."""
+    if ctypes.util.find_library("ibverbs") is None:
+        return "needs Debian's libibverbs1 (apt-get install libibverbs1)"
+    python = UPSTREAM_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(UPSTREAM_VENV)], check=True)
+        install = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "mooncake-transfer-engine-non-cuda"],
+            capture_output=True,
+            text=True,
+        )
+        if install.returncode != 0:
+            return f"pip install mooncake-transfer-engine-non-cuda failed: {install.stderr.strip()[-300:]}"
+    run = subprocess.run(
+        [
+            str(python),
+            str(ROOT / "benchmarks" / "upstream_te.py"),
+            "--sizes",
+            ",".join(map(str, SIZES)),
+            "--repeats",
+            str(repeats),
+            "--latency-samples",
+            str(samples),
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",  # so that the upstream `mooncake` package, not ours, is imported
+        timeout=600,
+    )
+    if run.returncode != 0:
+        return f"upstream benchmark failed: {run.stderr.strip()[-300:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--latency-samples", type=int, default=500)
+    parser.add_argument("--no-upstream", action="store_true")
+    args = parser.parse_args()
+    measured = ours(args.repeats, args.latency_samples)
+    raw = raw_socket(args.repeats)
+    copy = memcpy(args.repeats)
+    theirs = "skipped (--no-upstream)" if args.no_upstream else upstream(args.repeats, args.latency_samples)
+    result: dict[str, object] = {
+        "tcp_gbps": {k: v for k, v in measured["tcp"].items() if k.endswith("MiB_gbps")},
+        "shm_gbps": {k: v for k, v in measured["shm"].items() if k.endswith("MiB_gbps")},
+        "raw_socket_gbps": raw,
+        "memcpy_gbps": copy,
+        "tcp_batch_32x1mib_gbps": measured["tcp"]["batch_32x1mib_gbps"],
+        "shm_batch_32x1mib_gbps": measured["shm"]["batch_32x1mib_gbps"],
+        "tcp_4kib_median_us": measured["tcp"]["4kib_median_us"],
+        "shm_4kib_median_us": measured["shm"]["4kib_median_us"],
+        "tcp_vs_raw_socket": min(measured["tcp"][k] / raw[k] for k in raw),
+        "shm_vs_memcpy": min(measured["shm"][k] / copy[k] for k in copy),
+    }
+    if isinstance(theirs, dict):
+        upstream_gbps = {f"{int(k) // MIB}MiB_gbps": v for k, v in theirs["gbps"].items()}  # type: ignore[union-attr]
+        result["upstream_te_gbps"] = upstream_gbps
+        result["upstream_batch_32x1mib_gbps"] = theirs["batch_32x1mib_gbps"]
+        result["upstream_4kib_median_us"] = theirs["4kib_median_us"]
+        result["tcp_vs_upstream"] = min(measured["tcp"][k] / upstream_gbps[k] for k in upstream_gbps)
+    else:
+        result["upstream_te"] = theirs
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'':28}" + "".join(f"{s // MIB:>8} MiB" for s in SIZES))
+    rows = [("ours tcp", result["tcp_gbps"]), ("ours shm", result["shm_gbps"]), ("raw socket", raw), ("memcpy", copy)]
+    if "upstream_te_gbps" in result:
+        rows.append(("upstream TE (tcp)", result["upstream_te_gbps"]))
+    for label, figures in rows:
+        print(f"{label + ' GB/s':28}" + "".join(f"{figures[f'{s // MIB}MiB_gbps']:12.2f}" for s in SIZES))  # type: ignore[index]
+    print(
+        f"batch 32 x 1 MiB GB/s       tcp {result['tcp_batch_32x1mib_gbps']:.2f}  shm {result['shm_batch_32x1mib_gbps']:.2f}  upstream {result.get('upstream_batch_32x1mib_gbps', float('nan')):.2f}"
+    )
+    print(
+        f"4 KiB median latency us     tcp {result['tcp_4kib_median_us']:.1f}  shm {result['shm_4kib_median_us']:.1f}  upstream {result.get('upstream_4kib_median_us', float('nan')):.1f}"
+    )
+    print(
+        f"ratios                      tcp/raw {result['tcp_vs_raw_socket']:.2f}  shm/memcpy {result['shm_vs_memcpy']:.2f}  tcp/upstream {result.get('tcp_vs_upstream', float('nan')):.2f}"
+    )
+    if "upstream_te" in result:
+        print(f"upstream: {result['upstream_te']}")
+
+
+if __name__ == "__main__":
+    main()
