@@ -14,7 +14,8 @@ process owns the target memory):
   mooncake-transfer-engine-non-cuda, installed into build/upstream-te-venv on
   first use; it needs Debian's libibverbs1), driven the same way by
   benchmarks/upstream_te.py.
-Goals (issue #4): tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
+Every figure is the median over `--rounds` whole rounds (each measures every
+peer once). Goals (issue #4): tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
 shm_vs_memcpy >= 0.7, tcp_4kib_median_us <= upstream_4kib_median_us.
 """
 
@@ -78,11 +79,19 @@ def ours(repeats: int, samples: int) -> dict[str, dict[str, float]]:
                 buffer[:] = 7
                 name = engine.connect(info["address"])
 
-                def write(length: int, count: int = 1, engine: TransferEngine = engine, name: str = name) -> None:
+                def write(
+                    length: int,
+                    count: int = 1,
+                    engine: TransferEngine = engine,
+                    name: str = name,
+                    region: int = local.region_id,
+                ) -> None:
+                    # One request: the synchronous path (as upstream's transfer_sync_write);
+                    # a batch: submit and wait (as upstream's batch_transfer_sync_write).
                     requests = [
                         TransferRequest(
                             op=TransferOp.WRITE,
-                            local_region=local.region_id,
+                            local_region=region,
                             local_offset=i * length,
                             peer=name,
                             remote_region=info["region"],
@@ -91,7 +100,12 @@ def ours(repeats: int, samples: int) -> dict[str, dict[str, float]]:
                         )
                         for i in range(count)
                     ]
-                    statuses = engine.wait(engine.submit(requests), timeout=60)
+                    if count == 1:
+                        statuses = engine.transfer_sync(requests, timeout=60)
+                    else:
+                        batch = engine.submit(requests)
+                        statuses = engine.wait(batch, timeout=60)
+                        engine.forget(batch)
                     assert all(s.state == RequestState.DONE for s in statuses), statuses
 
                 figures = {
@@ -195,17 +209,38 @@ def upstream(repeats: int, samples: int) -> dict[str, object] | str:
     return json.loads(run.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _median_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(d[key] for d in dicts) for key in dicts[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--latency-samples", type=int, default=500)
     parser.add_argument("--no-upstream", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="whole measurement rounds; medians are reported")
     args = parser.parse_args()
-    measured = ours(args.repeats, args.latency_samples)
-    raw = raw_socket(args.repeats)
-    copy = memcpy(args.repeats)
-    theirs = "skipped (--no-upstream)" if args.no_upstream else upstream(args.repeats, args.latency_samples)
+    # Whole rounds, each measuring every peer once, and medians over rounds: a
+    # shared machine's slow minutes then hit all of them alike.
+    rounds = []
+    for _ in range(args.rounds):
+        theirs_now = "skipped (--no-upstream)" if args.no_upstream else upstream(args.repeats, args.latency_samples)
+        rounds.append(
+            (ours(args.repeats, args.latency_samples), raw_socket(args.repeats), memcpy(args.repeats), theirs_now)
+        )
+    measured = {t: _median_dicts([r[0][t] for r in rounds]) for t in ("tcp", "shm")}
+    raw = _median_dicts([r[1] for r in rounds])
+    copy = _median_dicts([r[2] for r in rounds])
+    upstream_rounds = [r[3] for r in rounds if isinstance(r[3], dict)]
+    if upstream_rounds:
+        theirs: dict[str, object] | str = {
+            "gbps": _median_dicts([u["gbps"] for u in upstream_rounds]),  # type: ignore[misc]
+            "4kib_median_us": statistics.median(u["4kib_median_us"] for u in upstream_rounds),  # type: ignore[misc]
+            "batch_32x1mib_gbps": statistics.median(u["batch_32x1mib_gbps"] for u in upstream_rounds),  # type: ignore[misc]
+        }
+    else:
+        theirs = rounds[0][3]
     result: dict[str, object] = {
         "tcp_gbps": {k: v for k, v in measured["tcp"].items() if k.endswith("MiB_gbps")},
         "shm_gbps": {k: v for k, v in measured["shm"].items() if k.endswith("MiB_gbps")},

@@ -9,7 +9,7 @@ Usage (both sides run an engine with the same secret):
     remote = engine.peer_regions(peer)[0]
     batch = engine.submit([TransferRequest(op=TransferOp.WRITE, local_region=local.region_id,
         local_offset=0, peer=peer, remote_region=remote.region_id, remote_offset=0, length=1 << 20)])
-    statuses = engine.wait(batch, timeout=5.0)
+    statuses = engine.wait(batch, timeout=5.0)            # or engine.transfer_sync([...], timeout=5.0)
 
 Peers are discovered peer to peer: `connect` authenticates (mutual HMAC challenge,
 see `wire`) and fetches the peer's segment descriptor (its regions, host and
@@ -36,6 +36,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from multiprocessing import shared_memory
 from typing import Any
@@ -302,19 +303,9 @@ class TransferEngine:
                 open_requests=sum(1 for _, pieces in plans if pieces),
             )
             self._batches[batch_id] = batch
-        # Small batches, and batches that are a single slice, move in this thread:
-        # handing them to a transport's threads would only add wake-up latency.
-        inline = (
-            sum(request.length for request in requests) <= self.config.inline_bytes
-            or sum(len(pieces) for _, pieces in plans) == 1
-        )
         for index, (transport, pieces) in enumerate(plans):
             for local, remote_offset in pieces:
                 request = requests[index]
-                if inline:  # small: no hand-off to the transport's threads
-                    piece = Slice(request.op, local, request.remote_region, remote_offset, lambda _error: None)
-                    self._slice_done_callback(batch_id, index)(transport.run_inline(piece))
-                    continue
                 transport.submit(
                     Slice(
                         op=request.op,
@@ -325,6 +316,52 @@ class TransferEngine:
                     )
                 )
         return batch_id
+
+    def transfer_sync(self, requests: Iterable[TransferRequest], *, timeout: float) -> tuple[RequestStatus, ...]:
+        """Move `requests` in this thread, one slice after another, and return their statuses.
+
+        The latency path (like the upstream engine's `transfer_sync_*`): requests of
+        one slice each move in this thread, with no hand-off to a transport's
+        threads; those not started by `timeout` seconds fail with `TransferTimeout`
+        (one in flight is bounded by the connection's io timeout). Larger requests
+        go through `submit` and `wait`, so their slices use every stream; those
+        not done by `timeout` are reported FAILED with `TransferTimeout`.
+
+        Raises:
+            TransferError: as `submit`, before anything moves.
+        """
+        requests = tuple(requests)
+        plans = [self._plan(request) for request in requests]
+        if any(len(pieces) > 1 for _, pieces in plans):
+            # Requests of several slices gain more from the transports' parallel
+            # streams than they lose to the hand-off.
+            batch = self.submit(requests)
+            try:
+                return self.wait(batch, timeout)
+            except TransferTimeout as late:
+                # Not done in time: reported failed (they may still land; success never is claimed).
+                return tuple(
+                    RequestStatus(RequestState.FAILED, late, status.transport)
+                    if status.state == RequestState.PENDING
+                    else status
+                    for status in self.status(batch)
+                )
+            finally:
+                self.forget(batch)
+        deadline = time.monotonic() + timeout
+        statuses = []
+        for request, (transport, pieces) in zip(requests, plans, strict=True):
+            error: TransferError | None = None
+            for local, remote_offset in pieces:
+                if time.monotonic() > deadline:
+                    error = TransferTimeout(f"not started within {timeout}s")
+                    break
+                error = transport.run_inline(Slice(request.op, local, request.remote_region, remote_offset, _ignore))
+                if error is not None:
+                    break
+            state = RequestState.DONE if error is None else RequestState.FAILED
+            statuses.append(RequestStatus(state, error, transport.name))
+        return tuple(statuses)
 
     def status(self, batch_id: int) -> tuple[RequestStatus, ...]:
         """Where each request of the batch stands."""
@@ -524,6 +561,10 @@ class TransferEngine:
     def _forget_connection(self, connection: socket.socket) -> None:
         with self._lock:
             self._connections.discard(connection)
+
+
+def _ignore(_error: TransferError | None) -> None:
+    """The completion callback of a slice run inline: its caller takes the outcome directly."""
 
 
 def _status(batch: _Batch, index: int) -> RequestStatus:

@@ -97,9 +97,6 @@ class EngineConfig:
         host, port: where it listens (port 0: any free port); 127.0.0.1 unless told otherwise.
         streams_per_peer: TCP connections (and worker threads) per peer.
         slice_bytes: large requests are cut into slices of this size, spread over the streams.
-        inline_bytes: a batch of at most this many bytes (or of a single slice) moves in
-            the caller's thread during `submit`: no hand-off to stream threads, the
-            latency path.
         max_frame_bytes: the largest data frame accepted from a peer.
         io_timeout_s: a socket operation that takes longer fails (and is retried).
         connect_timeout_s: connecting and authenticating to a peer.
@@ -114,7 +111,6 @@ class EngineConfig:
     port: int = attrs.field(default=0, validator=int_at_least(0))
     streams_per_peer: int = attrs.field(default=4, validator=int_at_least(1))
     slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
-    inline_bytes: int = attrs.field(default=64 << 10, validator=int_at_least(0))
     max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
     connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)

@@ -398,3 +398,50 @@ def test_shm_and_tcp_in_lockstep(
         target.unregister_memory(remote.region_id)
     assert outcomes[0] == outcomes[1]
     assert np.array_equal(finals[0][0], finals[1][0]) and np.array_equal(finals[0][1], finals[1][1])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_transfer_sync_moves_bytes_in_the_calling_thread(
+    engine: TransferEngine, peers: Callable[..., PeerProcess], transport: str
+) -> None:
+    """The synchronous path returns final statuses, byte-exact, and refuses bad requests before moving anything."""
+    remote = peers(SIZE)
+    local, buffer = engine.allocate_shared(SIZE)
+    buffer[:] = pattern(SIZE, 12)
+    name = engine.connect(remote.address, transport=transport)
+    statuses = engine.transfer_sync(
+        [
+            request(TransferOp.WRITE, local.region_id, name, remote.shared, 3 << 20),
+            request(
+                TransferOp.READ, local.region_id, name, remote.shared, 4096, local_offset=4 << 20, remote_offset=5 << 20
+            ),
+        ],
+        timeout=30,
+    )
+    assert [s.state for s in statuses] == [RequestState.DONE, RequestState.DONE]
+    assert engine.call(name, "digest", {"region": remote.shared, "offset": 0, "length": 3 << 20}) == digest(
+        buffer[: 3 << 20]
+    )
+    assert np.array_equal(buffer[4 << 20 : (4 << 20) + 4096], pattern(SIZE, 1)[5 << 20 : (5 << 20) + 4096])
+    with pytest.raises(TransferError, match="outside"):
+        engine.transfer_sync([request(TransferOp.WRITE, local.region_id, name, remote.shared, SIZE + 1)], timeout=5)
+
+
+def test_transfer_sync_against_a_stalled_peer_is_bounded(peers: Callable[..., PeerProcess]) -> None:
+    """A synchronous transfer to a peer that stopped answering fails within its io timeouts; later slices are not started."""
+    remote = peers(SIZE)
+    config = EngineConfig(io_timeout_s=0.5, connect_timeout_s=0.5, max_retries=0, slice_bytes=1 << 20)
+    with TransferEngine(secret=SECRET, config=config) as local_engine:
+        local, _ = local_engine.allocate_shared(SIZE)
+        name = local_engine.connect(remote.address, transport="tcp")
+        os.kill(remote.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            statuses = local_engine.transfer_sync(
+                [request(TransferOp.WRITE, local.region_id, name, remote.shared, 4 << 20)], timeout=0.2
+            )
+            assert time.monotonic() - start < 3
+            assert statuses[0].state == RequestState.FAILED
+            assert isinstance(statuses[0].error, TransferTimeout | PeerUnavailable)
+        finally:
+            os.kill(remote.pid, signal.SIGCONT)
