@@ -59,6 +59,18 @@ def test_benchmark_prints_its_figures(script: str, args: list[str], keys: list[s
         assert isinstance(result[key], float) and result[key] > 0, key
 
 
+def test_transfer_benchmark_prints_its_figures() -> None:
+    """The transfer benchmark (without the upstream engine, which it would download) prints its figures."""
+    result = run_json(
+        "benchmarks/transfer.py", "--no-upstream", "--rounds", "1", "--repeats", "1", "--latency-samples", "20"
+    )
+    for key in ("tcp_gbps", "shm_gbps", "raw_socket_gbps", "memcpy_gbps"):
+        assert set(result[key]) == {"1MiB_gbps", "16MiB_gbps", "64MiB_gbps"}, key  # type: ignore[arg-type]
+    for key in ("tcp_vs_raw_socket", "shm_vs_memcpy", "tcp_4kib_median_us", "tcp_batch_32x1mib_gbps"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert "skipped" in str(result["upstream_te"])
+
+
 def test_demo_runs(tmp_path: Path) -> None:
     """The `make demo` job writes its workload and plot and prints the capacity table."""
     done = subprocess.run(
