@@ -21,7 +21,7 @@ from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
 from mooncake.transfer.wire import Frame, Kind, recv_frame, send_frame
-from tests.transfer.conftest import SECRET, PeerProcess
+from tests.transfer.conftest import SECRET, PeerProcess, start_peer
 from tests.transfer.peer_process import pattern
 
 SIZE = 1 << 23
@@ -337,12 +337,18 @@ def test_listeners_bind_loopback_and_config_is_validated() -> None:
 
 
 @pytest.fixture(scope="module")
-def lockstep() -> Iterator[tuple[TransferEngine, TransferEngine, TransferEngine]]:
+def lockstep() -> Iterator[tuple[TransferEngine, TransferEngine, PeerProcess]]:
+    """Two initiators, one forced to shm and one to tcp, and one peer process they both target."""
+    remote = start_peer(1 << 17)
     config = EngineConfig(slice_bytes=1 << 14, streams_per_peer=2)
-    engines = [TransferEngine(secret=SECRET, config=config) for _ in range(3)]
-    yield engines[0], engines[1], engines[2]
-    for item in engines:
-        item.close()
+    via_shm = TransferEngine(secret=SECRET, config=config)
+    via_tcp = TransferEngine(secret=SECRET, config=config)
+    via_shm.connect(remote.address, transport="shm")
+    via_tcp.connect(remote.address, transport="tcp")
+    yield via_shm, via_tcp, remote
+    via_shm.close()
+    via_tcp.close()
+    remote.kill()
 
 
 operations = st.lists(
@@ -360,32 +366,31 @@ operations = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(ops=operations, seed=st.integers(0, 2**32 - 1))
 def test_shm_and_tcp_in_lockstep(
-    lockstep: tuple[TransferEngine, TransferEngine, TransferEngine],
-    ops: list[tuple[TransferOp, int, int, int]],
-    seed: int,
+    lockstep: tuple[TransferEngine, TransferEngine, PeerProcess], ops: list[tuple[TransferOp, int, int, int]], seed: int
 ) -> None:
-    """The same random requests through shm and through tcp leave identical bytes and identical outcomes.
+    """The same random requests to a peer process through shm and through tcp leave identical bytes and outcomes.
 
-    Each request is its own batch, in order: a batch's requests run concurrently, so
-    overlapping ones within one batch have no defined order to compare.
+    The shm initiator works on the peer's shared region, the tcp one on its plain region; both
+    regions and both local buffers start from the same pattern. Each request is its own batch, in
+    order: a batch's requests run concurrently, so overlapping ones within one batch have no order.
     """
-    via_shm, via_tcp, target = lockstep
+    via_shm, via_tcp, remote = lockstep
     size = 1 << 17
-    outcomes = []
-    finals = []
-    for initiator, transport in ((via_shm, "shm"), (via_tcp, "tcp")):
+    outcomes, finals = [], []
+    for initiator, region in ((via_shm, remote.shared), (via_tcp, remote.plain)):
+        peer = remote.address  # an engine's peer name is its address
         local, local_buffer = initiator.allocate_shared(size)
-        remote, remote_buffer = target.allocate_shared(size)
-        local_buffer[:] = pattern(size, seed % 1000)
-        remote_buffer[:] = pattern(size, seed % 1000 + 1)
-        name = initiator.connect(target.address, transport=transport)
+        local_buffer[:] = pattern(size, seed % 1000 + 1)
         seen = []
+        # Start the remote region from the same bytes: write them through this initiator.
+        initiator.transfer_sync([request(TransferOp.WRITE, local.region_id, peer, region, size)], timeout=30)
+        local_buffer[:] = pattern(size, seed % 1000)
         for op, length, local_offset, remote_offset in ops:
             one = request(
                 op,
                 local.region_id,
-                name,
-                remote.region_id,
+                peer,
+                region,
                 min(length, size - local_offset),
                 local_offset=local_offset,
                 remote_offset=remote_offset,
@@ -393,11 +398,13 @@ def test_shm_and_tcp_in_lockstep(
             (status,) = initiator.wait(initiator.submit([one]), timeout=30)
             seen.append((status.state, type(status.error).__name__ if status.error else None))
         outcomes.append(seen)
-        finals.append((local_buffer.copy(), remote_buffer.copy()))
+        finals.append(
+            (local_buffer.copy(), initiator.call(peer, "digest", {"region": region, "offset": 0, "length": size}))
+        )
         initiator.unregister_memory(local.region_id)
-        target.unregister_memory(remote.region_id)
     assert outcomes[0] == outcomes[1]
-    assert np.array_equal(finals[0][0], finals[1][0]) and np.array_equal(finals[0][1], finals[1][1])
+    assert np.array_equal(finals[0][0], finals[1][0])
+    assert finals[0][1] == finals[1][1]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
