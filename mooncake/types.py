@@ -21,7 +21,7 @@ import numpy.typing as npt
 from mooncake._checks import int_at_least, plain_int
 from mooncake.errors import InvalidRequestError
 
-__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Tier", "as_token_array", "key_tuple"]
+__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Slo", "Tier", "as_token_array", "key_tuple"]
 
 _INT32 = np.iinfo(np.int32)
 
@@ -124,3 +124,21 @@ class Request:
             raise InvalidRequestError(
                 f"request {self.request_id}: {value.size} tokens given for input_length {self.input_length}"
             )
+
+
+def _positive_seconds(_instance: object, attribute: Any, value: Any) -> None:
+    from mooncake._checks import require_number
+
+    require_number(attribute.name, value, minimum=0, strict=True)
+
+
+@attrs.frozen(kw_only=True)
+class Slo:
+    """Service-level objectives: time to first token and time between tokens, in seconds.
+
+    The paper's experiments use TTFT 30 s and TBT 100, 200 or 300 ms; a request's
+    TBT is the mean of its longest 10 % token intervals.
+    """
+
+    ttft_s: float = attrs.field(default=30.0, validator=_positive_seconds)
+    tbt_s: float = attrs.field(default=0.1, validator=_positive_seconds)

@@ -1,0 +1,385 @@
+"""The Conductor: schedules each request onto a prefill and a decode instance, or rejects it.
+
+`schedule(request, now)`:
+1. match the request's block keys in the global index (each prefill instance's
+   prefix, the best holder);
+2. route it (`router`) among prefill instances that are up;
+3. evaluate the decode instances' load, now or as predicted for when the
+   request will arrive (now + estimated TTFT), as the admission policy asks,
+   and choose the decode instance (`choose_decode`);
+4. let the admission policy accept or reject; an accepted request joins the
+   prefill instance's queue and reserves its KV on the decode instance.
+
+It returns a frozen `ScheduleDecision`; the caller carries it out (moves KV per
+the transfer plan, runs prefill, ...) and reports progress with events, which
+keep the views and the index current (`handle`, `apply_cache_event`). The
+Conductor never routes to an instance marked down. It reads no clock and draws
+randomness only from its seeded generator, so a replay is reproducible.
+
+Invariants (`check_invariants`): every in-flight request is either queued on
+exactly one prefill instance (with a KV reservation on its decode instance) or
+decoding on exactly one decode instance; views satisfy their own invariants.
+Every request ends exactly once: `handle` reports each end, and events about a
+request that already ended are ignored.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from mooncake.cache.events import CacheEvent, SequenceGap
+from mooncake.cache.index import BlockIndex
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.sched.admission import AdmissionPolicy, Rejection
+from mooncake.sched.cost import DecodeCostModel
+from mooncake.sched.decode import choose_decode
+from mooncake.sched.predictor import DecodeLoad, LoadPredictor
+from mooncake.sched.router import KvCacheCentricRouter, RouteQuery, Router, TransferPlan
+from mooncake.sched.view import (
+    ActiveDecode,
+    DecodeFinished,
+    DecodeJoined,
+    DecodeView,
+    InstanceDown,
+    InstanceUp,
+    PrefillFinished,
+    PrefillStarted,
+    PrefillView,
+    QueuedPrefill,
+    RequestRejected,
+    SchedulerEvent,
+)
+from mooncake.types import InstanceId, Request, RequestId, Slo
+
+__all__ = ["Conductor", "RequestEnd", "ScheduleDecision"]
+
+
+@attrs.frozen(kw_only=True)
+class ScheduleDecision:
+    """What to do with one request.
+
+    Attributes:
+        accepted: False means reject (`reason` says why).
+        prefill_instance, decode_instance: where it goes (set when routing got that far).
+        prefix_tokens: cached prompt tokens the prefill will reuse.
+        transfer: KV to move to the prefill instance first (the copy is kept there).
+        ttft_s, tbt_s: the estimates the decision was taken on.
+    """
+
+    request_id: RequestId
+    accepted: bool
+    reason: Rejection | None = None
+    prefill_instance: InstanceId | None = None
+    decode_instance: InstanceId | None = None
+    prefix_tokens: int = 0
+    transfer: TransferPlan | None = None
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+@attrs.frozen
+class RequestEnd:
+    """A request left the system: "finished", or rejected with a reason."""
+
+    request_id: RequestId
+    outcome: str
+
+
+@attrs.define
+class _InFlight:
+    prefill_instance: InstanceId
+    decode_instance: InstanceId
+    scheduled_s: float
+    ttft_s: float
+    had_transfer: bool
+    decoding: bool = False
+
+
+class Conductor:
+    """Composes the index, views, router, decode selection, predictor and admission.
+
+    Args:
+        router: chooses prefill instances.
+        decode_cost: decode step and capacity model.
+        admission: accepts or rejects.
+        predictor: decode load forecast (used when the admission policy asks for it).
+        slo: the objectives.
+        block_size_tokens: tokens per block key.
+        index: the global block index (one is made if not given).
+        seed: of the generator random routing draws from.
+    """
+
+    def __init__(
+        self,
+        *,
+        router: Router,
+        decode_cost: DecodeCostModel,
+        admission: AdmissionPolicy,
+        predictor: LoadPredictor,
+        slo: Slo,
+        block_size_tokens: int,
+        index: BlockIndex | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.router = router
+        self.decode_cost = decode_cost
+        self.admission = admission
+        self.predictor = predictor
+        self.slo = slo
+        self.block_size_tokens = block_size_tokens
+        self.index = index if index is not None else BlockIndex()
+        self._rng = random.Random(seed)
+        self._prefill: dict[InstanceId, PrefillView] = {}
+        self._decode: dict[InstanceId, DecodeView] = {}
+        self._incoming: dict[InstanceId, dict[RequestId, QueuedPrefill]] = {}  # decode instance → routed prefills
+        self._in_flight: dict[RequestId, _InFlight] = {}
+
+    # ------------------------------------------------------------------ instances
+
+    def add_prefill_instance(self, instance_id: InstanceId) -> None:
+        self._check_new(instance_id)
+        self._prefill[instance_id] = PrefillView(instance_id)
+
+    def add_decode_instance(self, instance_id: InstanceId, *, capacity_tokens: int | None = None) -> None:
+        self._check_new(instance_id)
+        capacity = self.decode_cost.capacity_tokens() if capacity_tokens is None else capacity_tokens
+        self._decode[instance_id] = DecodeView(instance_id, capacity)
+        self._incoming[instance_id] = {}
+
+    @property
+    def prefill_views(self) -> tuple[PrefillView, ...]:
+        return tuple(self._prefill.values())
+
+    @property
+    def decode_views(self) -> tuple[DecodeView, ...]:
+        return tuple(self._decode.values())
+
+    @property
+    def in_flight(self) -> tuple[RequestId, ...]:
+        return tuple(self._in_flight)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self, request: Request, now: float) -> ScheduleDecision:
+        """Decide where `request` goes, or reject it; an accepted request is now in flight.
+
+        Raises:
+            InvalidRequestError: a request with this id is already in flight.
+        """
+        if request.request_id in self._in_flight:
+            raise InvalidRequestError(f"request {request.request_id} is already scheduled")
+        candidates = [view for view in self._prefill.values() if view.is_up]
+        match = self.index.match(request.block_keys)
+        lengths = {
+            instance: n
+            for instance, n in match.lengths.items()
+            if instance in self._prefill and self._prefill[instance].is_up
+        }
+        best = min(lengths, key=lambda i: (-lengths[i], i)) if lengths else None
+        query = RouteQuery(
+            input_tokens=request.input_length,
+            block_size_tokens=self.block_size_tokens,
+            prefix_blocks=lengths,
+            best_instance=best,
+            best_blocks=lengths[best] if best is not None else 0,
+        )
+        route = self.router.route(candidates, query, now, self._rng)
+        if route is None:
+            return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Rejection.NO_PREFILL_INSTANCE)
+        arrival_s = now + route.ttft_s
+        loads = {instance: self._load(view, now, arrival_s) for instance, view in self._decode.items() if view.is_up}
+        decode = choose_decode(
+            self.decode_views,
+            context_tokens=request.input_length,
+            output_tokens=request.output_length,
+            cost=self.decode_cost,
+            tbt_slo_s=self.slo.tbt_s,
+            loads=loads,
+        )
+        base = {
+            "request_id": request.request_id,
+            "prefill_instance": route.prefill_instance,
+            "prefix_tokens": route.prefix_tokens,
+            "transfer": route.transfer,
+            "ttft_s": route.ttft_s,
+        }
+        if decode is None:
+            return ScheduleDecision(accepted=False, reason=Rejection.NO_DECODE_INSTANCE, **base)  # type: ignore[arg-type]
+        verdict = self.admission.admit(route, decode, self.slo)
+        decision = ScheduleDecision(
+            accepted=verdict.accepted,
+            reason=verdict.reason,
+            decode_instance=decode.decode_instance,
+            tbt_s=decode.tbt_s,
+            **base,  # type: ignore[arg-type]
+        )
+        if verdict.accepted:
+            start = now + route.queue_s + route.transfer_s
+            queued = QueuedPrefill(
+                request_id=request.request_id,
+                start_s=start,
+                finish_s=start + route.prefill_s,
+                decode_instance=decode.decode_instance,
+                input_tokens=request.input_length,
+                output_tokens=request.output_length,
+                transfer_source=route.transfer.source if route.transfer else None,
+                transfer_finish_s=now + route.transfer_s,
+            )
+            self._prefill[route.prefill_instance].queue.append(queued)
+            self._decode[decode.decode_instance].reserve(
+                request.request_id, request.input_length + request.output_length
+            )
+            self._incoming[decode.decode_instance][request.request_id] = queued
+            self._in_flight[request.request_id] = _InFlight(
+                route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
+            )
+        return decision
+
+    def _load(self, view: DecodeView, now: float, arrival_s: float) -> DecodeLoad:
+        if self.admission.load_at == "arrival":
+            return self.predictor.predict(
+                tuple(view.active.values()), tuple(self._incoming[view.instance_id].values()), now, arrival_s
+            )
+        return DecodeLoad(view.batch_size, sum(a.context_tokens for a in view.active.values()))
+
+    # ------------------------------------------------------------------ events
+
+    def handle(self, event: SchedulerEvent) -> tuple[RequestEnd, ...]:
+        """Apply a progress event; returns the requests it ended."""
+        if isinstance(event, InstanceDown | InstanceUp):
+            return self._instance(event)
+        flight = self._in_flight.get(event.request_id)
+        if flight is None:
+            return ()  # already ended (or never accepted): nothing to do
+        if isinstance(event, PrefillStarted):
+            self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
+        elif isinstance(event, PrefillFinished):
+            self._remove_from_queue(flight, event.request_id, event.now)
+            if isinstance(self.router, KvCacheCentricRouter) and self.router.adaptive is not None:
+                self.router.adaptive.observe(
+                    had_transfer=flight.had_transfer,
+                    estimated_ttft_s=flight.ttft_s,
+                    observed_ttft_s=event.now - flight.scheduled_s,
+                )
+        elif isinstance(event, DecodeJoined):
+            if not flight.decoding:
+                self._remove_from_queue(flight, event.request_id, event.now)
+                self._incoming[flight.decode_instance].pop(event.request_id, None)
+                self._decode[flight.decode_instance].join(
+                    ActiveDecode(
+                        request_id=event.request_id,
+                        start_s=event.now,
+                        context_tokens=event.context_tokens,
+                        output_tokens=event.output_tokens,
+                    )
+                )
+                flight.decoding = True
+        elif isinstance(event, DecodeFinished):
+            observe = getattr(self.predictor, "observe", None)
+            if observe is not None and event.generated_tokens is not None:
+                observe(event.generated_tokens)
+            return (self._end(event.request_id, "finished", event.now),)
+        elif isinstance(event, RequestRejected):
+            return (
+                self._end(event.request_id, f"rejected:{event.reason or Rejection.DECODE_REJECTED.value}", event.now),
+            )
+        return ()
+
+    def apply_cache_event(self, event: CacheEvent) -> SequenceGap | None:
+        """Feed a cache event to the index."""
+        return self.index.apply(event)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the views and the in-flight table disagree."""
+        queued: dict[RequestId, InstanceId] = {}
+        for prefill in self._prefill.values():
+            prefill.check_invariants()
+            for entry in prefill.queue:
+                assert entry.request_id not in queued, f"{entry.request_id} queued twice"
+                queued[entry.request_id] = prefill.instance_id
+        decoding: dict[RequestId, InstanceId] = {}
+        for view in self._decode.values():
+            view.check_invariants()
+            for request_id in view.active:
+                assert request_id not in decoding, f"{request_id} decoding twice"
+                decoding[request_id] = view.instance_id
+            assert set(view.reserved) == set(self._incoming[view.instance_id]), (
+                f"{view.instance_id}: reservations != incoming"
+            )
+        for request_id, flight in self._in_flight.items():
+            if flight.decoding:
+                assert decoding.get(request_id) == flight.decode_instance, f"{request_id} lost from its decode batch"
+            else:
+                assert queued.get(request_id) == flight.prefill_instance, f"{request_id} lost from its prefill queue"
+                assert request_id in self._decode[flight.decode_instance].reserved, (
+                    f"{request_id} has no KV reservation"
+                )
+        assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_new(self, instance_id: InstanceId) -> None:
+        if instance_id in self._prefill or instance_id in self._decode:
+            raise ConfigError(f"instance {instance_id} is already known")
+
+    def _end(self, request_id: RequestId, outcome: str, now: float) -> RequestEnd:
+        flight = self._in_flight.pop(request_id)
+        if not flight.decoding:
+            self._remove_from_queue(flight, request_id, now)
+        decode = self._decode[flight.decode_instance]
+        decode.release(request_id)
+        decode.leave(request_id)
+        self._incoming[flight.decode_instance].pop(request_id, None)
+        return RequestEnd(request_id, outcome)
+
+    def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
+        view = self._prefill[flight.prefill_instance]
+        kept = [q for q in view.queue if q.request_id != request_id]
+        if len(kept) != len(view.queue):
+            view.queue = kept
+            self._retime(view, now=now)
+
+    def _retime(
+        self, view: PrefillView, *, now: float | None = None, started: tuple[RequestId, float] | None = None
+    ) -> None:
+        """Re-predict the queue's times after a start or an end: each entry keeps its
+        duration and starts no earlier than its predecessor ends."""
+        previous_finish = now if now is not None else float("-inf")
+        retimed = []
+        for entry in view.queue:
+            duration = entry.finish_s - entry.start_s
+            start = entry.start_s
+            if started is not None and entry.request_id == started[0]:
+                start = started[1]
+            elif now is not None:
+                start = max(start, previous_finish)
+            start = max(start, previous_finish)
+            retimed.append(attrs.evolve(entry, start_s=start, finish_s=start + duration))
+            previous_finish = start + duration
+        view.queue = retimed
+        for entry in retimed:  # the decode side's picture of incoming prefills follows
+            if entry.decode_instance is not None and entry.request_id in self._incoming.get(entry.decode_instance, {}):
+                self._incoming[entry.decode_instance][entry.request_id] = entry
+
+    def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
+        instance = event.instance_id
+        view: PrefillView | DecodeView | None = self._prefill.get(instance) or self._decode.get(instance)
+        if view is None:
+            raise ConfigError(f"unknown instance {instance}")
+        if isinstance(event, InstanceUp):
+            view.is_up = True
+            return ()
+        view.is_up = False
+        self.index.remove_instance(instance)  # its cache is gone; a restart announces a new epoch
+        doomed = [
+            request_id
+            for request_id, flight in self._in_flight.items()
+            if (flight.prefill_instance == instance and not flight.decoding) or flight.decode_instance == instance
+        ]
+        return tuple(
+            self._end(request_id, f"rejected:{Rejection.INSTANCE_DOWN.value}", event.now) for request_id in doomed
+        )

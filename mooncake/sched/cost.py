@@ -1,0 +1,320 @@
+"""Cost models: how long prefill, KV transfer and decode take, and how much KV fits.
+
+Prefill (the paper's FLOPs model): computing tokens p..n of an n-token prompt
+whose first p tokens are cached costs
+
+    FLOPs(n, p) = l · (a · (n² − p²) · d + b · (n − p) · d²),    a = 4, b = 22
+
+(the attention term counts every new token attending to the whole context),
+and takes FLOPs / (G · peak · MFU) on G GPUs. `FittedPrefillModel` replaces the
+analytic form with a least-squares fit of measured runs on the same features.
+
+Reuse criterion (the paper's Eq. 2): loading a cached p-token prefix beats
+recomputing it when the bandwidth exceeds KV(p) / T_prefill(p, 0) at peak;
+for LLaMA3-70B at p = 8,192 that is about 6 GB/s on 8×A800 and 19 GB/s on 8×H800.
+
+Transfer: bytes / (bandwidth / (1 + transfers already in flight from the same
+source)) + latency. Decode: one step reads the weights and the batch's KV from
+HBM, plus a fixed overhead; a request's TBT is its batch's step time.
+
+All functions are pure; units are in the names (seconds, bytes, tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mooncake._checks import int_at_least, require_number
+from mooncake.errors import ConfigError
+
+__all__ = [
+    "HARDWARE",
+    "MODELS",
+    "DecodeCostModel",
+    "FittedPrefillModel",
+    "Hardware",
+    "ModelShape",
+    "PrefillCostModel",
+    "PrefillSample",
+    "TransferCostModel",
+    "prefill_flops",
+    "reuse_bandwidth_bytes_per_s",
+]
+
+ATTENTION_COEFFICIENT = 4  # the paper's a
+LINEAR_COEFFICIENT = 22  # the paper's b
+
+
+def _positive(_instance: object, attribute: Any, value: Any) -> None:
+    require_number(attribute.name, value, minimum=0, strict=True)
+
+
+def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
+    require_number(attribute.name, value, minimum=0)
+
+
+@attrs.frozen(kw_only=True)
+class ModelShape:
+    """The shape that sets a model's compute and KV size.
+
+    Attributes:
+        num_layers: l. hidden_size: d. gqa: query heads per KV head.
+        bytes_per_element: 2 for bf16. num_params: for the weight reads of decode.
+    """
+
+    name: str
+    num_layers: int = attrs.field(validator=int_at_least(1))
+    hidden_size: int = attrs.field(validator=int_at_least(1))
+    gqa: int = attrs.field(validator=int_at_least(1))
+    bytes_per_element: int = attrs.field(default=2, validator=int_at_least(1))
+    num_params: float = attrs.field(validator=_positive)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """l · 2 · (d / gqa) · s: a key and a value per layer."""
+        return self.num_layers * 2 * (self.hidden_size // self.gqa) * self.bytes_per_element
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.bytes_per_element
+
+
+@attrs.frozen(kw_only=True)
+class Hardware:
+    """One prefill or decode instance's accelerators.
+
+    Attributes:
+        num_gpus: G. peak_flops_per_gpu: dense bf16. hbm_bytes_per_s / hbm_bytes: per GPU.
+        host_to_device_bytes_per_s: PCIe; nic_bytes_per_s: the instance's network.
+    """
+
+    name: str
+    num_gpus: int = attrs.field(validator=int_at_least(1))
+    peak_flops_per_gpu: float = attrs.field(validator=_positive)
+    hbm_bytes_per_s: float = attrs.field(validator=_positive)
+    hbm_bytes: float = attrs.field(validator=_positive)
+    host_to_device_bytes_per_s: float = attrs.field(validator=_positive)
+    nic_bytes_per_s: float = attrs.field(validator=_positive)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.num_gpus * self.peak_flops_per_gpu
+
+
+MODELS: dict[str, ModelShape] = {
+    "llama2-70b": ModelShape(name="llama2-70b", num_layers=80, hidden_size=8192, gqa=8, num_params=69.0e9),
+    "llama3-70b": ModelShape(name="llama3-70b", num_layers=80, hidden_size=8192, gqa=8, num_params=70.6e9),
+}
+"""Model shapes by name (LLaMA-2/3-70B: 80 layers, d = 8,192, GQA 8, bf16: 320 KiB of KV per token)."""
+
+_GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+HARDWARE: dict[str, Hardware] = {
+    "8xA800": Hardware(
+        name="8xA800",
+        num_gpus=8,
+        peak_flops_per_gpu=312e12,
+        hbm_bytes_per_s=2.039e12,
+        hbm_bytes=80e9,
+        host_to_device_bytes_per_s=128e9,
+        nic_bytes_per_s=800 * _GBPS,
+    ),
+    "8xA100": Hardware(
+        name="8xA100",
+        num_gpus=8,
+        peak_flops_per_gpu=312e12,
+        hbm_bytes_per_s=2.039e12,
+        hbm_bytes=80e9,
+        host_to_device_bytes_per_s=128e9,
+        nic_bytes_per_s=800 * _GBPS,
+    ),
+    "8xH800": Hardware(
+        name="8xH800",
+        num_gpus=8,
+        peak_flops_per_gpu=989e12,
+        hbm_bytes_per_s=3.35e12,
+        hbm_bytes=80e9,
+        host_to_device_bytes_per_s=128e9,
+        nic_bytes_per_s=3200 * _GBPS,
+    ),
+    "8xH100": Hardware(
+        name="8xH100",
+        num_gpus=8,
+        peak_flops_per_gpu=989e12,
+        hbm_bytes_per_s=3.35e12,
+        hbm_bytes=80e9,
+        host_to_device_bytes_per_s=128e9,
+        nic_bytes_per_s=3200 * _GBPS,
+    ),
+    "8xH200": Hardware(
+        name="8xH200",
+        num_gpus=8,
+        peak_flops_per_gpu=989e12,
+        hbm_bytes_per_s=4.8e12,
+        hbm_bytes=141e9,
+        host_to_device_bytes_per_s=128e9,
+        nic_bytes_per_s=3200 * _GBPS,
+    ),
+}
+"""Instances by name: dense bf16 peak per GPU, HBM bandwidth and size per GPU, PCIe and NIC."""
+
+
+def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:
+    """FLOPs to compute tokens [prefix_tokens, num_tokens) with the prefix's KV cached."""
+    n, p, d = num_tokens, min(prefix_tokens, num_tokens), model.hidden_size
+    return model.num_layers * (ATTENTION_COEFFICIENT * (n * n - p * p) * d + LINEAR_COEFFICIENT * (n - p) * d * d)
+
+
+def reuse_bandwidth_bytes_per_s(model: ModelShape, hardware: Hardware, prefix_tokens: int) -> float:
+    """The paper's Eq. 2: above this bandwidth, loading a cached prefix beats recomputing it (at peak)."""
+    compute_s = prefill_flops(model, prefix_tokens) / hardware.peak_flops
+    return prefix_tokens * model.kv_bytes_per_token / compute_s
+
+
+@attrs.frozen(kw_only=True)
+class PrefillCostModel:
+    """Analytic prefill time: FLOPs / (G · peak · MFU)."""
+
+    model: ModelShape
+    hardware: Hardware
+    mfu: float = attrs.field(default=0.5, validator=_positive)
+    overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached."""
+        if num_tokens <= prefix_tokens:
+            return 0.0
+        return self.overhead_s + prefill_flops(self.model, num_tokens, prefix_tokens) / (
+            self.hardware.peak_flops * self.mfu
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PrefillSample:
+    """One measured prefill: `num_tokens` with `prefix_tokens` cached took `seconds`."""
+
+    num_tokens: int
+    prefix_tokens: int
+    seconds: float
+
+
+def _features(num_tokens: np.ndarray, prefix_tokens: np.ndarray) -> np.ndarray:
+    n, p = num_tokens.astype(np.float64), np.minimum(prefix_tokens, num_tokens).astype(np.float64)
+    # The analytic model's terms (quadratic attention, linear projections) plus a fixed cost.
+    return np.stack([np.ones_like(n), n - p, n * n - p * p], axis=1)
+
+
+@attrs.frozen(kw_only=True)
+class FittedPrefillModel:
+    """Prefill time fitted to measured runs: c0 + c1·(n − p) + c2·(n² − p²) seconds.
+
+    Attributes:
+        coefficients: (c0, c1, c2).
+        mean_relative_error, max_relative_error: of the fit on its own samples.
+    """
+
+    coefficients: tuple[float, float, float]
+    mean_relative_error: float = 0.0
+    max_relative_error: float = 0.0
+
+    @classmethod
+    def fit(cls, samples: Sequence[PrefillSample]) -> FittedPrefillModel:
+        """Least squares, weighted so that relative (not absolute) error is minimised.
+
+        Raises:
+            ConfigError: fewer than three samples, or not enough distinct ones to fit.
+        """
+        if len(samples) < 3:
+            raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
+        n = np.array([s.num_tokens for s in samples])
+        p = np.array([s.prefix_tokens for s in samples])
+        y = np.array([s.seconds for s in samples], dtype=np.float64)
+        if np.any(y <= 0) or np.any(n <= p):
+            raise ConfigError("every sample needs seconds > 0 and num_tokens > prefix_tokens")
+        x = _features(n, p)
+        weights = 1.0 / y
+        solution, _, rank, _ = np.linalg.lstsq(x * weights[:, None], y * weights, rcond=None)
+        if rank < x.shape[1]:
+            raise ConfigError("the samples do not vary enough (in n - p and n² - p²) to fit the model")
+        predicted = x @ solution
+        relative = np.abs(predicted - y) / y
+        return cls(
+            coefficients=(float(solution[0]), float(solution[1]), float(solution[2])),
+            mean_relative_error=float(relative.mean()),
+            max_relative_error=float(relative.max()),
+        )
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        if num_tokens <= prefix_tokens:
+            return 0.0
+        c0, c1, c2 = self.coefficients
+        n, p = float(num_tokens), float(min(prefix_tokens, num_tokens))
+        return max(0.0, c0 + c1 * (n - p) + c2 * (n * n - p * p))
+
+    def to_json(self) -> str:
+        """The model as JSON (to save it; `sched` itself does no I/O)."""
+        return json.dumps(attrs.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> FittedPrefillModel:
+        """A model `to_json` wrote.
+
+        Raises:
+            ConfigError: the text is not such a model.
+        """
+        try:
+            data = json.loads(text)
+            c0, c1, c2 = (float(c) for c in data["coefficients"])
+            return cls(
+                coefficients=(c0, c1, c2),
+                mean_relative_error=float(data["mean_relative_error"]),
+                max_relative_error=float(data["max_relative_error"]),
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"not a fitted prefill model: {error}") from error
+
+
+@attrs.frozen(kw_only=True)
+class TransferCostModel:
+    """KV transfer time between instances, with congestion at the source."""
+
+    bandwidth_bytes_per_s: float = attrs.field(validator=_positive)
+    latency_s: float = attrs.field(default=1e-4, validator=_non_negative)
+
+    def transfer_s(self, num_bytes: float, *, in_flight_from_source: int = 0) -> float:
+        """Seconds to move `num_bytes` while `in_flight_from_source` other transfers share the source's link."""
+        if num_bytes <= 0:
+            return 0.0
+        return self.latency_s + num_bytes * (1 + in_flight_from_source) / self.bandwidth_bytes_per_s
+
+
+@attrs.frozen(kw_only=True)
+class DecodeCostModel:
+    """Decode step time and KV capacity of one decode instance.
+
+    A step reads every weight and the whole batch's KV from HBM once (decode is
+    memory-bound), across the instance's GPUs, plus `overhead_s`.
+    """
+
+    model: ModelShape
+    hardware: Hardware
+    overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
+    memory_efficiency: float = attrs.field(default=0.8, validator=_positive)
+    kv_memory_fraction: float = attrs.field(default=0.9, validator=_positive)
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all."""
+        if batch_size <= 0:
+            return 0.0
+        bandwidth = self.hardware.num_gpus * self.hardware.hbm_bytes_per_s * self.memory_efficiency
+        return self.overhead_s + (self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token) / bandwidth
+
+    def capacity_tokens(self) -> int:
+        """KV tokens that fit in the instance's HBM beside the weights."""
+        total = self.hardware.num_gpus * self.hardware.hbm_bytes * self.kv_memory_fraction
+        return max(0, math.floor((total - self.model.weight_bytes) / self.model.kv_bytes_per_token))

@@ -1,0 +1,59 @@
+"""Decode selection: the decode instance with the lowest predicted TBT relative to its SLO.
+
+A candidate must be up and have KV room for the request (its prompt plus its
+expected output). Its predicted TBT is the decode step time of its batch with
+the request added, the batch taken from `loads` (current, or predicted for the
+time the request will arrive); the lowest TBT / SLO wins, ties by instance id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from mooncake.sched.cost import DecodeCostModel
+from mooncake.sched.predictor import DecodeLoad
+from mooncake.sched.view import DecodeView
+from mooncake.types import InstanceId
+
+__all__ = ["DecodeChoice", "choose_decode"]
+
+
+@attrs.frozen(kw_only=True)
+class DecodeChoice:
+    """The chosen decode instance and the TBT predicted with the request in its batch."""
+
+    decode_instance: InstanceId
+    tbt_s: float
+
+
+def choose_decode(
+    views: Sequence[DecodeView],
+    *,
+    context_tokens: int,
+    output_tokens: int,
+    cost: DecodeCostModel,
+    tbt_slo_s: float,
+    loads: Mapping[InstanceId, DecodeLoad],
+) -> DecodeChoice | None:
+    """The best decode instance for a request, or None if none is up with room for it.
+
+    Args:
+        views: every decode instance.
+        context_tokens, output_tokens: the request's prompt and expected output.
+        cost: the decode step model.
+        tbt_slo_s: the TBT objective (the score is TBT / SLO).
+        loads: each instance's batch when the request would join it.
+    """
+    needed = context_tokens + output_tokens
+    best: DecodeChoice | None = None
+    for view in views:
+        if not view.is_up or view.free_tokens() < needed:
+            continue
+        load = loads[view.instance_id]
+        tbt = cost.step_s(round(load.batch_size) + 1, int(load.context_tokens) + context_tokens)
+        choice = DecodeChoice(decode_instance=view.instance_id, tbt_s=tbt)
+        if best is None or (tbt / tbt_slo_s, view.instance_id) < (best.tbt_s / tbt_slo_s, best.decode_instance):
+            best = choice
+    return best

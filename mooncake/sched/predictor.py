@@ -1,0 +1,161 @@
+"""Decode-load prediction: how busy a decode instance will be when a request reaches it.
+
+`UniformDecodePredictor` is the paper's system-level prediction: at time t the
+instance holds the requests decoding now that will not have decoded longer than
+a uniform t_d by then, plus the requests whose prefill (heading to it) finishes
+before t and has not been decoding for t_d by t.
+
+`OutputLengthPredictor` is ours: it keeps the observed output lengths and, for
+each request, the probability that it is still generating at t given how many
+tokens it has produced (its survival under the empirical distribution), with
+tokens produced at the decode step time; the load is the expectation.
+
+`score_predictor` replays recorded (state, future load) pairs and reports each
+predictor's mean absolute error, so predictors are compared on what happened.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from mooncake._checks import require_number
+from mooncake.sched.view import ActiveDecode, QueuedPrefill
+
+__all__ = [
+    "DecodeLoad",
+    "LoadPredictor",
+    "LoadSnapshot",
+    "OutputLengthPredictor",
+    "PredictorScore",
+    "UniformDecodePredictor",
+    "score_predictor",
+]
+
+
+@attrs.frozen
+class DecodeLoad:
+    """A decode batch: its size and the KV tokens it holds (expectations may be fractional)."""
+
+    batch_size: float
+    context_tokens: float
+
+
+class LoadPredictor(Protocol):
+    """Predicts a decode instance's load at a future time."""
+
+    def predict(
+        self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
+    ) -> DecodeLoad:
+        """Load at `at_s` of an instance decoding `active` now, with `incoming` prefills routed to it."""
+
+
+@attrs.frozen(kw_only=True)
+class UniformDecodePredictor:
+    """Every request decodes for `decode_s` seconds (the paper's t_d)."""
+
+    decode_s: float
+
+    def __attrs_post_init__(self) -> None:
+        require_number("decode_s", self.decode_s, minimum=0, strict=True)
+
+    def predict(
+        self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
+    ) -> DecodeLoad:
+        batch = 0
+        tokens = 0
+        for request in active:
+            if at_s - request.start_s < self.decode_s:
+                batch += 1
+                tokens += request.context_tokens
+        for queued in incoming:
+            if queued.finish_s <= at_s and at_s - queued.finish_s < self.decode_s:
+                batch += 1
+                tokens += queued.input_tokens
+        return DecodeLoad(batch, tokens)
+
+
+@attrs.define
+class OutputLengthPredictor:
+    """Survival of each request under the observed output-length distribution.
+
+    Args:
+        step_s: seconds per generated token (the decode step time).
+        lengths: output lengths seen so far (more can be `observe`d).
+    """
+
+    step_s: float
+    lengths: list[int] = attrs.field(factory=list, converter=sorted)
+
+    def __attrs_post_init__(self) -> None:
+        require_number("step_s", self.step_s, minimum=0, strict=True)
+
+    def observe(self, output_tokens: int) -> None:
+        """Record a finished request's output length."""
+        bisect.insort(self.lengths, output_tokens)
+
+    def survival(self, produced: float, horizon: float) -> float:
+        """P(output > produced + horizon | output > produced) under the observed lengths."""
+        if not self.lengths:
+            return 1.0
+        alive_now = len(self.lengths) - bisect.bisect_right(self.lengths, produced)
+        if alive_now == 0:
+            return 0.0
+        alive_then = len(self.lengths) - bisect.bisect_right(self.lengths, produced + horizon)
+        return alive_then / alive_now
+
+    def predict(
+        self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
+    ) -> DecodeLoad:
+        batch = 0.0
+        tokens = 0.0
+        for request in active:
+            produced = max(0.0, (now - request.start_s) / self.step_s)
+            horizon = max(0.0, (at_s - now) / self.step_s)
+            alive = self.survival(produced, horizon)
+            batch += alive
+            tokens += alive * (request.context_tokens + produced + horizon)
+        for queued in incoming:
+            if queued.finish_s > at_s:
+                continue
+            decoded = (at_s - queued.finish_s) / self.step_s
+            alive = self.survival(0.0, decoded)
+            batch += alive
+            tokens += alive * (queued.input_tokens + decoded)
+        return DecodeLoad(batch, tokens)
+
+
+@attrs.frozen(kw_only=True)
+class LoadSnapshot:
+    """A recorded moment: an instance's state at `now` and the load it really had at `at_s`."""
+
+    active: tuple[ActiveDecode, ...]
+    incoming: tuple[QueuedPrefill, ...]
+    now: float
+    at_s: float
+    actual: DecodeLoad
+
+
+@attrs.frozen(kw_only=True)
+class PredictorScore:
+    """Mean absolute errors of a predictor over a replay."""
+
+    batch_size_mae: float
+    context_tokens_mae: float
+    samples: int
+
+
+def score_predictor(predictor: LoadPredictor, snapshots: Sequence[LoadSnapshot]) -> PredictorScore:
+    """How far `predictor` was from what happened, over recorded snapshots."""
+    if not snapshots:
+        return PredictorScore(batch_size_mae=0.0, context_tokens_mae=0.0, samples=0)
+    batch_error = tokens_error = 0.0
+    for snapshot in snapshots:
+        predicted = predictor.predict(snapshot.active, snapshot.incoming, snapshot.now, snapshot.at_s)
+        batch_error += abs(predicted.batch_size - snapshot.actual.batch_size)
+        tokens_error += abs(predicted.context_tokens - snapshot.actual.context_tokens)
+    count = len(snapshots)
+    return PredictorScore(batch_size_mae=batch_error / count, context_tokens_mae=tokens_error / count, samples=count)

@@ -1,0 +1,265 @@
+"""Routers: which prefill instance serves a request (the paper's Algorithm 1 and its ablations).
+
+KV-cache-centric routing (FAST'25, Algorithm 1): let best_len be the longest
+prefix any instance holds (the best holder). For each prefill instance with its
+own prefix prefix_len:
+
+    if best_len / prefix_len > kvcache_balancing_threshold:     (prefix_len 0: ratio ∞)
+        plan a transfer of the missing blocks from the best holder; use best_len
+    else:
+        use prefix_len, no transfer
+    TTFT = T_transfer + T_queue + T_prefill(input, prefix)
+
+and pick the instance with the smallest TTFT (ties: shorter queue, then id).
+The chosen instance keeps the transferred blocks (hot-spot replication, §6.2).
+
+The ablations of the paper's Fig. 5 share the code: `local_cache_aware` is the
+same router with transfers forbidden (an infinite threshold), `load_balancing`
+picks the shortest queue, `random` a random instance; each reports its own TTFT
+estimate so that admission can use it.
+
+`AdaptiveThreshold` (ours, off by default) tunes the threshold online: it
+compares observed TTFT with the estimate, separately for decisions that moved
+KV and those that did not, and raises the threshold when transfers turn out
+worse than predicted relative to staying local (and lowers it otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from mooncake._checks import require_number
+from mooncake.sched.cost import FittedPrefillModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.view import PrefillView
+from mooncake.types import InstanceId
+
+__all__ = [
+    "AdaptiveThreshold",
+    "KvCacheCentricRouter",
+    "LoadBalancingRouter",
+    "RandomRouter",
+    "RouteDecision",
+    "RouteQuery",
+    "Router",
+    "TransferPlan",
+    "TtftEstimator",
+    "local_cache_aware_router",
+]
+
+
+@attrs.frozen(kw_only=True)
+class RouteQuery:
+    """What a router needs to know of one request.
+
+    Attributes:
+        input_tokens: prompt length.
+        block_size_tokens: tokens per block key.
+        prefix_blocks: instance → leading blocks of the prompt it holds (from the index).
+        best_instance, best_blocks: the longest holder and its prefix.
+    """
+
+    input_tokens: int
+    block_size_tokens: int
+    prefix_blocks: Mapping[InstanceId, int]
+    best_instance: InstanceId | None = None
+    best_blocks: int = 0
+
+    def prefix_tokens(self, blocks: int) -> int:
+        """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
+        return max(0, min(blocks * self.block_size_tokens, self.input_tokens - 1))
+
+
+@attrs.frozen(kw_only=True)
+class TransferPlan:
+    """Move `num_blocks` blocks (`num_bytes`) from `source` before prefill; keep the copy."""
+
+    source: InstanceId
+    num_blocks: int
+    num_bytes: int
+    transfer_s: float
+    keep_local_copy: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class RouteDecision:
+    """A router's choice with its own estimate of the time to first token."""
+
+    prefill_instance: InstanceId
+    prefix_tokens: int
+    transfer: TransferPlan | None
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+@attrs.frozen(kw_only=True)
+class TtftEstimator:
+    """Estimates each term of TTFT for one instance."""
+
+    prefill: PrefillCostModel | FittedPrefillModel
+    transfer: TransferCostModel
+    kv_bytes_per_token: int
+
+    def decide(
+        self,
+        view: PrefillView,
+        query: RouteQuery,
+        now: float,
+        *,
+        prefix_blocks: int,
+        transfer_from: InstanceId | None,
+        congestion: int = 0,
+    ) -> RouteDecision:
+        """The decision to prefill on `view` using `prefix_blocks` (moved from `transfer_from` if given)."""
+        prefix = query.prefix_tokens(prefix_blocks)
+        plan = None
+        transfer_s = 0.0
+        if transfer_from is not None:
+            own = query.prefix_blocks.get(view.instance_id, 0)
+            blocks = prefix_blocks - own
+            moved_tokens = prefix - query.prefix_tokens(own)
+            num_bytes = moved_tokens * self.kv_bytes_per_token
+            transfer_s = self.transfer.transfer_s(num_bytes, in_flight_from_source=congestion)
+            plan = TransferPlan(source=transfer_from, num_blocks=blocks, num_bytes=num_bytes, transfer_s=transfer_s)
+        return RouteDecision(
+            prefill_instance=view.instance_id,
+            prefix_tokens=prefix,
+            transfer=plan,
+            transfer_s=transfer_s,
+            queue_s=view.queue_s(now),
+            prefill_s=self.prefill.prefill_s(query.input_tokens, prefix),
+        )
+
+
+class Router(Protocol):
+    """Chooses the prefill instance for a request."""
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        """A decision among `candidates` (instances that are up), or None when there are none."""
+
+
+def _better(candidate: RouteDecision, incumbent: RouteDecision | None) -> bool:
+    if incumbent is None:
+        return True
+    return (candidate.ttft_s, candidate.queue_s, candidate.prefill_instance) < (
+        incumbent.ttft_s,
+        incumbent.queue_s,
+        incumbent.prefill_instance,
+    )
+
+
+@attrs.define
+class AdaptiveThreshold:
+    """Online tuning of `kvcache_balancing_threshold` from observed TTFT.
+
+    Keeps an exponentially weighted mean of observed / estimated TTFT for
+    decisions with a transfer and without; after each observation moves the
+    threshold by ``exp(rate · (transfer_ratio − local_ratio))``, clamped to
+    [minimum, maximum]. Transfers that run late push the threshold up (fewer
+    transfers); transfers that beat their estimate bring it down.
+    """
+
+    value: float = 1.5
+    rate: float = 0.5
+    smoothing: float = 0.1
+    minimum: float = 1.0
+    maximum: float = 64.0
+    transfer_ratio: float = 1.0
+    local_ratio: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("value", "rate", "smoothing", "minimum", "maximum"):
+            require_number(name, getattr(self, name), minimum=0, strict=True)
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """Learn from one request's outcome."""
+        if estimated_ttft_s <= 0:
+            return
+        ratio = observed_ttft_s / estimated_ttft_s
+        if had_transfer:
+            self.transfer_ratio += self.smoothing * (ratio - self.transfer_ratio)
+        else:
+            self.local_ratio += self.smoothing * (ratio - self.local_ratio)
+        factor = math.exp(self.rate * (self.transfer_ratio - self.local_ratio))
+        self.value = min(self.maximum, max(self.minimum, self.value * factor))
+
+
+@attrs.define
+class KvCacheCentricRouter:
+    """Algorithm 1 (see the module docstring). `threshold=math.inf` never transfers."""
+
+    estimator: TtftEstimator
+    threshold: float = 1.5
+    adaptive: AdaptiveThreshold | None = None
+
+    @property
+    def current_threshold(self) -> float:
+        return self.adaptive.value if self.adaptive is not None else self.threshold
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        threshold = self.current_threshold
+        best, best_blocks = query.best_instance, query.best_blocks
+        congestion = sum(view.transfers_from(best, now) for view in candidates) if best is not None else 0
+        chosen: RouteDecision | None = None
+        for view in candidates:
+            own = query.prefix_blocks.get(view.instance_id, 0)
+            moves = best is not None and best != view.instance_id and best_blocks > own
+            if moves and (own == 0 or best_blocks / own > threshold):
+                decision = self.estimator.decide(
+                    view, query, now, prefix_blocks=best_blocks, transfer_from=best, congestion=congestion
+                )
+            else:
+                decision = self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+            if _better(decision, chosen):
+                chosen = decision
+        return chosen
+
+
+def local_cache_aware_router(estimator: TtftEstimator) -> KvCacheCentricRouter:
+    """The ablation that uses only each instance's own cache: Algorithm 1 with transfers forbidden."""
+    return KvCacheCentricRouter(estimator=estimator, threshold=math.inf)
+
+
+@attrs.define
+class LoadBalancingRouter:
+    """The instance with the shortest queue (ties: id); it uses whatever prefix it holds."""
+
+    estimator: TtftEstimator
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        if not candidates:
+            return None
+        view = min(candidates, key=lambda v: (v.queue_s(now), v.instance_id))
+        own = query.prefix_blocks.get(view.instance_id, 0)
+        return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+
+
+@attrs.define
+class RandomRouter:
+    """A uniformly random instance (drawn from the caller's seeded generator)."""
+
+    estimator: TtftEstimator
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        if not candidates:
+            return None
+        view = candidates[rng.randrange(len(candidates))]
+        own = query.prefix_blocks.get(view.instance_id, 0)
+        return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)

@@ -1,0 +1,196 @@
+"""What the Conductor knows of each instance, kept current by events.
+
+A `PrefillView` holds the instance's queue: the requests routed to it, in order,
+each with a predicted start and finish (a new request starts when the last
+queued one finishes, or now). A `DecodeView` holds the requests decoding there
+(start time, context tokens, expected output) and the KV tokens they occupy.
+Both are updated only through the event types below, so a replay of events
+reproduces them exactly.
+
+Invariants (`check_invariants`): queue times are ordered and never negative;
+a request is in at most one queue and at most one decode batch; VRAM in use
+equals the sum of its requests' tokens and never exceeds capacity.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from mooncake.types import InstanceId, RequestId
+
+__all__ = [
+    "ActiveDecode",
+    "DecodeFinished",
+    "DecodeJoined",
+    "DecodeView",
+    "InstanceDown",
+    "InstanceUp",
+    "PrefillFinished",
+    "PrefillStarted",
+    "PrefillView",
+    "QueuedPrefill",
+    "RequestRejected",
+    "SchedulerEvent",
+]
+
+
+@attrs.frozen(kw_only=True)
+class QueuedPrefill:
+    """A request waiting for or running its prefill on an instance."""
+
+    request_id: RequestId
+    start_s: float
+    finish_s: float
+    decode_instance: InstanceId | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    transfer_source: InstanceId | None = None
+    transfer_finish_s: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class ActiveDecode:
+    """A request decoding on an instance."""
+
+    request_id: RequestId
+    start_s: float
+    context_tokens: int
+    output_tokens: int  # expected (the request's max tokens, or a prediction)
+
+
+@attrs.define
+class PrefillView:
+    """One prefill instance: its queue and whether it is up."""
+
+    instance_id: InstanceId
+    is_up: bool = True
+    queue: list[QueuedPrefill] = attrs.field(factory=list)
+
+    def busy_until_s(self, now: float) -> float:
+        """When the last queued request is predicted to finish (now, if idle)."""
+        return max(now, self.queue[-1].finish_s) if self.queue else now
+
+    def queue_s(self, now: float) -> float:
+        """Predicted wait before a new request could start."""
+        return self.busy_until_s(now) - now
+
+    def transfers_from(self, source: InstanceId, now: float) -> int:
+        """Transfers into this instance's queue, from `source`, still moving at `now`."""
+        return sum(1 for q in self.queue if q.transfer_source == source and q.transfer_finish_s > now)
+
+    def check_invariants(self) -> None:
+        previous = float("-inf")
+        for queued in self.queue:
+            assert queued.start_s <= queued.finish_s, f"{queued.request_id}: finishes before it starts"
+            assert queued.finish_s >= previous, f"{self.instance_id}: queue out of order"
+            previous = queued.finish_s
+
+
+@attrs.define
+class DecodeView:
+    """One decode instance: its batch, the KV it holds and has promised, capacity, and whether it is up.
+
+    `reserved` holds the KV tokens of requests routed here that are still in
+    prefill: they are counted against capacity from the moment they are accepted.
+    """
+
+    instance_id: InstanceId
+    capacity_tokens: int
+    is_up: bool = True
+    active: dict[RequestId, ActiveDecode] = attrs.field(factory=dict)
+    used_tokens: int = 0
+    reserved: dict[RequestId, int] = attrs.field(factory=dict)
+    reserved_tokens: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.used_tokens - self.reserved_tokens
+
+    def reserve(self, request_id: RequestId, tokens: int) -> None:
+        self.reserved[request_id] = tokens
+        self.reserved_tokens += tokens
+
+    def release(self, request_id: RequestId) -> None:
+        self.reserved_tokens -= self.reserved.pop(request_id, 0)
+
+    def join(self, request: ActiveDecode) -> None:
+        self.release(request.request_id)
+        self.active[request.request_id] = request
+        self.used_tokens += request.context_tokens + request.output_tokens
+
+    def leave(self, request_id: RequestId) -> None:
+        request = self.active.pop(request_id, None)
+        if request is not None:
+            self.used_tokens -= request.context_tokens + request.output_tokens
+
+    def check_invariants(self) -> None:
+        total = sum(a.context_tokens + a.output_tokens for a in self.active.values())
+        assert total == self.used_tokens, f"{self.instance_id}: used {self.used_tokens} != {total}"
+        assert sum(self.reserved.values()) == self.reserved_tokens, f"{self.instance_id}: reservations out of sync"
+        assert not set(self.reserved) & set(self.active), f"{self.instance_id}: a request both reserved and active"
+        assert 0 <= self.used_tokens + self.reserved_tokens <= self.capacity_tokens, (
+            f"{self.instance_id}: VRAM over capacity"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PrefillStarted:
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class PrefillFinished:
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class DecodeJoined:
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+    context_tokens: int
+    output_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class DecodeFinished:
+    """A request finished decoding; `generated_tokens` (if known) teaches output-length predictors."""
+
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+    generated_tokens: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RequestRejected:
+    """An instance refused a request it was routed to (e.g. the decode instance's own TBT check)."""
+
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class InstanceDown:
+    instance_id: InstanceId
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class InstanceUp:
+    instance_id: InstanceId
+    now: float
+
+
+SchedulerEvent = (
+    PrefillStarted | PrefillFinished | DecodeJoined | DecodeFinished | RequestRejected | InstanceDown | InstanceUp
+)
