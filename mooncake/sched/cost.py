@@ -34,11 +34,11 @@ from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
 
 __all__ = [
-    "HARDWARE",
-    "MODELS",
     "DecodeCostModel",
     "FittedPrefillModel",
+    "HARDWARE",
     "Hardware",
+    "MODELS",
     "ModelShape",
     "PrefillCostModel",
     "PrefillSample",
