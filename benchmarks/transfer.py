@@ -25,6 +25,7 @@ import argparse
 import ctypes.util
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -187,6 +188,7 @@ def upstream(repeats: int, samples: int) -> dict[str, object] | str:
             text=True,
         )
         if install.returncode != 0:
+            shutil.rmtree(UPSTREAM_VENV, ignore_errors=True)  # so that the next run installs again
             return f"pip install mooncake-transfer-engine-non-cuda failed: {install.stderr.strip()[-300:]}"
     run = subprocess.run(
         [

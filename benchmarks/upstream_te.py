@@ -75,7 +75,8 @@ def main() -> None:
         latencies = []
         for _ in range(args.latency_samples):
             start = time.perf_counter()
-            te.transfer_sync_write(session, source, remote, 4096)
+            if te.transfer_sync_write(session, source, remote, 4096) != 0:
+                raise SystemExit("an upstream 4 KiB transfer failed")
             latencies.append(time.perf_counter() - start)
         result["4kib_median_us"] = statistics.median(latencies) * 1e6
         mib = 1 << 20

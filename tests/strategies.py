@@ -6,6 +6,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
+from mooncake.sched.router import RouteQuery, TtftEstimator
+from mooncake.sched.view import PrefillView, QueuedPrefill
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Tier
 from mooncake.workload.generator import LengthDistribution, WorkloadSpec
 
@@ -238,3 +241,72 @@ def page_pool_ops(draw: st.DrawFn, *, page_bytes: int, max_size: int = 40) -> li
     )
     size = draw(st.integers(min_value=0, max_value=max_size))  # lists() alone favours very short runs
     return draw(st.lists(op, min_size=size, max_size=size))
+
+
+# Scheduling ----------------------------------------------------------------------
+
+SCHED_PREFILL_IDS = tuple(InstanceId(f"prefill-{i}") for i in range(8))
+SCHED_OUTSIDE_HOLDER = InstanceId("prefill-remote")  # holds blocks but is not a candidate (e.g. down)
+SCHED_NOW_S = 100.0
+_millis = st.integers(min_value=0, max_value=4000).map(lambda ms: ms / 1000)  # whole ms: ties are likely
+
+
+@st.composite
+def prefill_views(
+    draw: st.DrawFn, *, min_size: int = 2, max_size: int = 8, now: float = SCHED_NOW_S
+) -> list[PrefillView]:
+    """Prefill views with random queues around `now`: empty, already drained, or long (equal lengths are likely)."""
+    count = draw(st.integers(min_value=min_size, max_value=max_size))
+    views = []
+    for instance in SCHED_PREFILL_IDS[:count]:
+        clock = now - draw(_millis)  # the head may have started before now
+        queue = []
+        for position in range(draw(st.integers(min_value=0, max_value=4))):
+            duration = draw(_millis)
+            queue.append(
+                QueuedPrefill(request_id=RequestId(f"{instance}/{position}"), start_s=clock, finish_s=clock + duration)
+            )
+            clock += duration
+        views.append(PrefillView(instance, queue=queue))
+    return views
+
+
+@st.composite
+def route_queries(draw: st.DrawFn, views: list[PrefillView], *, allow_outside_holder: bool = True) -> RouteQuery:
+    """A request's view of the index over `views`: per-instance prefix blocks (zero often,
+    equal lengths sometimes), the best holder (possibly one outside the candidates) and
+    the transfers already leaving it."""
+    block_size = draw(st.sampled_from([16, 64, 256, 512]))
+    input_tokens = draw(st.integers(min_value=1, max_value=16384))
+    num_blocks = -(-input_tokens // block_size)
+    levels = st.sampled_from(sorted({0, 1, num_blocks // 4, num_blocks // 2, num_blocks}))
+    lengths: dict[InstanceId, int] = {}
+    for view in views:
+        blocks = draw(st.just(0) | levels | st.integers(min_value=0, max_value=num_blocks))
+        if blocks:
+            lengths[view.instance_id] = blocks
+    if allow_outside_holder and draw(st.integers(min_value=0, max_value=4)) == 0:
+        lengths[SCHED_OUTSIDE_HOLDER] = draw(st.integers(min_value=max([1, *lengths.values()]), max_value=num_blocks))
+    best = min(lengths, key=lambda i: (-lengths[i], i)) if lengths else None
+    return RouteQuery(
+        input_tokens=input_tokens,
+        block_size_tokens=block_size,
+        prefix_blocks=lengths,
+        best_instance=best,
+        best_blocks=lengths[best] if best is not None else 0,
+        best_transfers_in_flight=draw(st.integers(min_value=0, max_value=3)) if best is not None else 0,
+    )
+
+
+@st.composite
+def ttft_estimators(draw: st.DrawFn) -> TtftEstimator:
+    """LLaMA3-70B on a preset, with a network slow enough that transfers sometimes lose."""
+    model = MODELS["llama3-70b"]
+    return TtftEstimator(
+        prefill=PrefillCostModel(model=model, hardware=HARDWARE[draw(st.sampled_from(["8xA800", "8xH800"]))]),
+        transfer=TransferCostModel(bandwidth_bytes_per_s=draw(st.sampled_from([1e9, 6e9, 25e9, 100e9]))),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+    )
+
+
+finite_thresholds = st.sampled_from([1.0, 1.5, 2.0, 4.0, 16.0]) | st.floats(min_value=1.0, max_value=64.0)

@@ -105,13 +105,15 @@ class PageAllocator:
     def claim(self, page: int) -> None:
         """Mark a specific free page allocated (used when reopening a persistent pool)."""
         self._check_page(page)
-        while self._next_unused <= page:
-            self._free.append(self._next_unused)
-            self._allocated.append(0)
-            self._next_unused += 1
-        if self._allocated[page]:
+        if page >= self._next_unused:
+            # The pages skipped become free; the claimed one never enters the free list.
+            self._free.extend(range(self._next_unused, page))
+            self._allocated.extend(bytes(page + 1 - self._next_unused))
+            self._next_unused = page + 1
+        elif self._allocated[page]:
             raise InvalidRequestError(f"page {page} is already allocated")
-        self._free.remove(page)
+        else:
+            self._free.remove(page)  # O(free), but recovery claims pages in rising order: not reached
         self._allocated[page] = 1
 
     def free(self, page: int) -> None:
@@ -293,6 +295,8 @@ class VramPagePool(_AllocatingPool):
 
     def read(self, page: int, length: int) -> Any:
         self._check_allocated(page)
+        if not 0 <= length <= self.page_bytes:
+            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
         start = page * self.page_bytes
         return self.buffer[start : start + length]
 
@@ -302,9 +306,6 @@ class MetadataPagePool(_AllocatingPool):
 
     holds_bytes = False
     zero_copy = False
-
-    def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
-        super().__init__(tier, page_bytes, num_pages)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
         self._check_allocated(page)

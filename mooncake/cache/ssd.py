@@ -111,6 +111,7 @@ class SsdPagePool:
         self.allocator = PageAllocator(num_pages)
         self._writes_since_sync = 0
         self._generation = 0
+        self._write_lock = threading.Lock()
         self._scratch = threading.local()  # per-thread header buffers: readers run concurrently
         self._zeros = aligned_buffer(HEADER_BYTES)  # written to free a slot; never modified
         self._bounce = aligned_buffer(self.slot_bytes) if o_direct else None
@@ -157,21 +158,23 @@ class SsdPagePool:
             raise InvalidRequestError("an SSD pool stores bytes: data must not be None")
         source = as_bytes_view(data, self.page_bytes)
         digest = xxhash.xxh3_64_intdigest(source) if checksum is None else checksum
-        self._generation += 1
-        header = self._pack_header(source.nbytes, digest, self._generation, key)
         offset = self._slot(page)
-        if self._bounce is not None:
-            length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
-            self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-            self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
-            self._bounce[HEADER_BYTES + source.nbytes : length] = 0
-            self._pwrite(self._bounce.data[:length], offset)
-        else:
-            written = os.pwritev(self._fd, [header, source], offset)
-            if written != len(header) + source.nbytes:
-                raise OSError(errno.EIO, f"short write to {self.path}: {written} bytes")
-        self._writes_since_sync += 1
-        if self.fsync_every and self._writes_since_sync >= self.fsync_every:
+        with self._write_lock:  # the generation counter and the O_DIRECT bounce buffer are shared
+            self._generation += 1
+            header = self._pack_header(source.nbytes, digest, self._generation, key)
+            if self._bounce is not None:
+                length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
+                self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+                self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
+                self._bounce[HEADER_BYTES + source.nbytes : length] = 0
+                self._pwrite(self._bounce.data[:length], offset)
+            else:
+                written = os.pwritev(self._fd, [header, source], offset)
+                if written != len(header) + source.nbytes:
+                    raise OSError(errno.EIO, f"short write to {self.path}: {written} bytes")
+            self._writes_since_sync += 1
+            sync = self.fsync_every and self._writes_since_sync >= self.fsync_every
+        if sync:
             self.flush()
 
     def read(self, page: int, length: int) -> memoryview:

@@ -401,11 +401,14 @@ class TieredCache:
     def pinned(self, key: BlockKey) -> Iterator[Any]:
         """Pin `key` and yield its bytes (None on a miss) for the duration of the block."""
         with self._lock:
-            if key not in self:
+            hit = key in self
+            if hit:
+                self.pin(key)
+            else:
                 self._counts["misses"] += 1
-                yield None
-                return
-            self.pin(key)
+        if not hit:
+            yield None  # outside the lock: the caller's block may take its time
+            return
         try:
             yield self.get(key)
         finally:
@@ -419,6 +422,9 @@ class TieredCache:
         """Events since the last call, consecutive ones of a kind and tier merged."""
         with self._lock:
             log, self._log = self._log, []
+            first_seq = self._seq
+            self._seq += sum(1 for i in range(len(log)) if i + 1 == len(log) or log[i + 1][:2] != log[i][:2])
+        seq = first_seq
         events: list[CacheEvent] = []
         run: list[BlockKey] = []
         for i, (kind, level, key) in enumerate(log):
@@ -426,8 +432,8 @@ class TieredCache:
             if i + 1 == len(log) or log[i + 1][:2] != (kind, level):
                 event = BlockStored if kind == _STORED else BlockRemoved
                 tier = self.pools[level].tier
-                events.append(event(source=self.source, seq=self._seq, keys=run, tier=tier, epoch=self.epoch))
-                self._seq += 1
+                events.append(event(source=self.source, seq=seq, keys=run, tier=tier, epoch=self.epoch))
+                seq += 1
                 run = []
         return events
 
@@ -498,6 +504,8 @@ class TieredCache:
     def _publish(self, key: BlockKey, entry: _Entry, checksum: int | None) -> None:
         """Make a claimed block visible: it joins its tier's policy and the event log."""
         with self._lock:
+            if self._entries.get(key) is not entry or entry.ready:
+                raise UnknownBlockError(f"block {key} is no longer reserved (aborted or committed meanwhile)")
             entry.checksum = checksum if checksum is not None else entry.checksum
             entry.pins -= 1
             entry.ready = True
@@ -527,61 +535,67 @@ class TieredCache:
         return page
 
     def _demote(self, key: BlockKey, entry: _Entry) -> None:
-        """Move an evicted block one tier down, or drop it when none can take it."""
-        source_level = entry.level
-        target = source_level + 1
+        """Move an evicted block (already out of its policy) one tier down, or drop it."""
+        target = entry.level + 1
         page = self._try_make_room(target) if target < len(self.pools) else None
-        if page is None:
+        if page is None or not self._move(key, entry, target, page):
             self._drop(key, entry)
             return
-        try:
-            data = self._read_host(entry) if self.pools[target].holds_bytes else None
-        except IntegrityError:
-            self.pools[target].free(page)
-            self._drop(key, entry)
-            self._counts["corrupt_blocks"] += 1
-            return
-        if data is not None and entry.checksum is None:
-            entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
-        self.pools[target].write(page, data, key=key, checksum=entry.checksum)
-        self.pools[source_level].free(entry.page)
-        entry.level, entry.page, entry.lower_reads = target, page, 0
-        self._policies[target].access(key, parent=entry.parent)
-        self._log.append((_REMOVED, source_level, key))
-        self._log.append((_STORED, target, key))
         self._counts["demotions"] += 1
 
     def _promote(self, key: BlockKey, entry: _Entry) -> Any:
-        """Move `key` (read from a lower tier) to the first tier; returns its bytes there."""
+        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt)."""
         source_level = entry.level
         self._policies[source_level].remove(key)
-        page = self._try_make_room(0)
-        if page is None:  # the first tier is all pinned: serve from where it is
-            self._policies[source_level].access(key, parent=entry.parent)
-            try:
-                return self._read_host(entry) if self.pools[source_level].holds_bytes else None
-            except IntegrityError:
-                self._found_corrupt(entry)
-                self._policies[source_level].remove(key)
-                self._drop(key, entry)
-                self._counts["corrupt_blocks"] += 1
-                return None
         try:
-            data = self._read_host(entry) if self.pools[0].holds_bytes else None
+            page = self._try_make_room(0)
+        except BaseException:
+            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            raise
+        if page is not None:
+            if not self._move(key, entry, 0, page):
+                self._found_corrupt(entry)
+                self._drop(key, entry)
+                return None
+            self._counts["promotions"] += 1
+            return self.pools[0].read(page, entry.length)
+        # The first tier is all pinned: serve it from where it is.
+        self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+        try:
+            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
         except IntegrityError:
-            self.pools[0].free(page)
             self._found_corrupt(entry)
+            self._policies[source_level].remove(key)
             self._drop(key, entry)
             self._counts["corrupt_blocks"] += 1
             return None
-        self.pools[0].write(page, data, key=key, checksum=entry.checksum)
+
+    def _move(self, key: BlockKey, entry: _Entry, target: int, page: int) -> bool:
+        """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.
+
+        Returns False, with `page` given back and the block untouched, when its bytes
+        fail verification (the caller drops it); other errors restore its policy entry.
+        """
+        source_level = entry.level
+        try:
+            data = self._read_host(entry) if self.pools[target].holds_bytes else None
+            if data is not None and entry.checksum is None:
+                entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
+            self.pools[target].write(page, data, key=key, checksum=entry.checksum)
+        except IntegrityError:
+            self.pools[target].free(page)
+            self._counts["corrupt_blocks"] += 1
+            return False
+        except BaseException:
+            self.pools[target].free(page)
+            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            raise
         self.pools[source_level].free(entry.page)
-        entry.level, entry.page, entry.lower_reads = 0, page, 0
-        self._policies[0].access(key, parent=entry.parent)
+        entry.level, entry.page, entry.lower_reads = target, page, 0
+        self._policies[target].access(key, parent=entry.parent, position=entry.position)
         self._log.append((_REMOVED, source_level, key))
-        self._log.append((_STORED, 0, key))
-        self._counts["promotions"] += 1
-        return self.pools[0].read(page, entry.length)
+        self._log.append((_STORED, target, key))
+        return True
 
     def _read_host(self, entry: _Entry) -> Any:
         """The block's bytes in host memory (verified when they come from SSD)."""

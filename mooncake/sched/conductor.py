@@ -25,6 +25,7 @@ request that already ended are ignored.
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import attrs
@@ -135,6 +136,8 @@ class Conductor:
         self._decode: dict[InstanceId, DecodeView] = {}
         self._incoming: dict[InstanceId, dict[RequestId, QueuedPrefill]] = {}  # decode instance → routed prefills
         self._in_flight: dict[RequestId, _InFlight] = {}
+        # Per source instance, finish times of the KV transfers planned from it (a heap): congestion.
+        self._transfers: dict[InstanceId, list[float]] = {}
 
     # ------------------------------------------------------------------ instances
 
@@ -184,6 +187,7 @@ class Conductor:
             prefix_blocks=lengths,
             best_instance=best,
             best_blocks=lengths[best] if best is not None else 0,
+            best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
         )
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
@@ -228,6 +232,8 @@ class Conductor:
                 transfer_finish_s=now + route.transfer_s,
             )
             self._prefill[route.prefill_instance].queue.append(queued)
+            if route.transfer is not None:
+                heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
             self._decode[decode.decode_instance].reserve(
                 request.request_id, request.input_length + request.output_length
             )
@@ -237,12 +243,20 @@ class Conductor:
             )
         return decision
 
+    def _transfers_in_flight(self, source: InstanceId, now: float) -> int:
+        finishes = self._transfers.get(source)
+        if not finishes:
+            return 0
+        while finishes and finishes[0] <= now:
+            heapq.heappop(finishes)
+        return len(finishes)
+
     def _load(self, view: DecodeView, now: float, arrival_s: float) -> DecodeLoad:
         if self.admission.load_at == "arrival":
             return self.predictor.predict(
                 tuple(view.active.values()), tuple(self._incoming[view.instance_id].values()), now, arrival_s
             )
-        return DecodeLoad(view.batch_size, sum(a.context_tokens for a in view.active.values()))
+        return DecodeLoad(view.batch_size, view.context_tokens)
 
     # ------------------------------------------------------------------ events
 

@@ -61,6 +61,7 @@ class RouteQuery:
         block_size_tokens: tokens per block key.
         prefix_blocks: instance → leading blocks of the prompt it holds (from the index).
         best_instance, best_blocks: the longest holder and its prefix.
+        best_transfers_in_flight: transfers already leaving the best holder (congestion).
     """
 
     input_tokens: int
@@ -68,6 +69,7 @@ class RouteQuery:
     prefix_blocks: Mapping[InstanceId, int]
     best_instance: InstanceId | None = None
     best_blocks: int = 0
+    best_transfers_in_flight: int = 0
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
@@ -212,7 +214,7 @@ class KvCacheCentricRouter:
     ) -> RouteDecision | None:
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
-        congestion = sum(view.transfers_from(best, now) for view in candidates) if best is not None else 0
+        congestion = query.best_transfers_in_flight
         chosen: RouteDecision | None = None
         for view in candidates:
             own = query.prefix_blocks.get(view.instance_id, 0)

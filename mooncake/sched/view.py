@@ -74,10 +74,6 @@ class PrefillView:
         """Predicted wait before a new request could start."""
         return self.busy_until_s(now) - now
 
-    def transfers_from(self, source: InstanceId, now: float) -> int:
-        """Transfers into this instance's queue, from `source`, still moving at `now`."""
-        return sum(1 for q in self.queue if q.transfer_source == source and q.transfer_finish_s > now)
-
     def check_invariants(self) -> None:
         previous = float("-inf")
         for queued in self.queue:
@@ -99,6 +95,7 @@ class DecodeView:
     is_up: bool = True
     active: dict[RequestId, ActiveDecode] = attrs.field(factory=dict)
     used_tokens: int = 0
+    context_tokens: int = 0  # prompt tokens of the active requests: the KV a step reads now
     reserved: dict[RequestId, int] = attrs.field(factory=dict)
     reserved_tokens: int = 0
 
@@ -120,15 +117,18 @@ class DecodeView:
         self.release(request.request_id)
         self.active[request.request_id] = request
         self.used_tokens += request.context_tokens + request.output_tokens
+        self.context_tokens += request.context_tokens
 
     def leave(self, request_id: RequestId) -> None:
         request = self.active.pop(request_id, None)
         if request is not None:
             self.used_tokens -= request.context_tokens + request.output_tokens
+            self.context_tokens -= request.context_tokens
 
     def check_invariants(self) -> None:
         total = sum(a.context_tokens + a.output_tokens for a in self.active.values())
         assert total == self.used_tokens, f"{self.instance_id}: used {self.used_tokens} != {total}"
+        assert self.context_tokens == sum(a.context_tokens for a in self.active.values()), "context total out of sync"
         assert sum(self.reserved.values()) == self.reserved_tokens, f"{self.instance_id}: reservations out of sync"
         assert not set(self.reserved) & set(self.active), f"{self.instance_id}: a request both reserved and active"
         assert 0 <= self.used_tokens + self.reserved_tokens <= self.capacity_tokens, (

@@ -25,8 +25,9 @@ Invariants:
 - A request is reported DONE only after every byte of it was delivered (and
   acknowledged by the peer, or received and verified).
 - Each request ends exactly once (DONE or FAILED); `wait` never blocks past its timeout.
-- Every remote access is bounds-checked by the side that owns the memory; local
-  accesses are checked before submission.
+- Every access is bounds-checked before a byte moves: over TCP by the side that
+  owns the memory; over shm and RDMA by the initiator, against the peer's
+  descriptor (validated when received), and for RDMA by the NIC again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import socket
 import threading
 import time
@@ -56,6 +58,7 @@ from mooncake.transfer.request import (
     Transport,
 )
 from mooncake.transfer.shm import ShmTransport
+from mooncake.transfer.wire import ProtocolError
 
 __all__ = ["PeerDescriptor", "TransferEngine", "host_id"]
 
@@ -173,11 +176,18 @@ class TransferEngine:
         return descriptor, array
 
     def unregister_memory(self, region_id: int) -> None:
-        """Stop serving a region (requests already in flight against it may still complete)."""
+        """Stop serving a region, over every transport (RDMA included: its memory region is
+        deregistered); requests already in flight against it may still complete."""
         with self._lock:
             region = self._regions.pop(region_id, None)
-        if region is not None:
-            _release(region)
+            address = region.descriptor.rdma_address if region is not None else None
+            if address is not None:
+                self._rdma_keys = [entry for entry in self._rdma_keys if entry[0] != address]
+        if region is None:
+            return
+        if address is not None and self._rdma is not None:
+            self._rdma.deregister(address)
+        _release(region)
 
     def regions(self) -> tuple[RegionDescriptor, ...]:
         with self._lock:
@@ -214,7 +224,8 @@ class TransferEngine:
             transport: force one transport ("tcp", "shm", "rdma") instead of choosing.
 
         Returns:
-            The peer's name, used in `TransferRequest.peer`.
+            The peer's key for `TransferRequest.peer`: the address dialled (names a
+            peer gives itself are not trusted to be unique).
 
         Raises:
             PeerUnavailable: nobody answers there. AuthenticationError: the secrets differ.
@@ -223,22 +234,26 @@ class TransferEngine:
         if not host or not port_text.isdigit():
             raise ConfigError(f"a peer address is host:port, got {address!r}")
         port = int(port_text)
+        key = f"{host}:{port}"
         control = tcp.connect(host, port, secret=self.secret, config=self.config)
+        transports: dict[str, Transport] = {}
         try:
             descriptor = _peer_descriptor(
                 tcp.call(control, "describe", None, max_frame_bytes=self.config.max_frame_bytes)
             )
+            transports = self._transports_for(host, port, key, descriptor, transport, control)
         except BaseException:
+            for built in transports.values():
+                built.close()
             control.close()
             raise
-        transports = self._transports_for(host, port, descriptor, transport, control)
         peer = _Peer(host, port, descriptor, transports, control)
         with self._lock:
-            old = self._peers.pop(descriptor.name, None)
-            self._peers[descriptor.name] = peer
+            old = self._peers.pop(key, None)
+            self._peers[key] = peer
         if old is not None:
             _close_peer(old)
-        return descriptor.name
+        return key
 
     def peer_regions(self, peer: str) -> tuple[RegionDescriptor, ...]:
         """The regions `peer` had registered at the last handshake or refresh."""
@@ -270,16 +285,23 @@ class TransferEngine:
         state = self._peer(peer)
         with state.control_lock:
             for attempt in range(2):
+                if state.control is None:
+                    state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
                 try:
-                    if state.control is None:
-                        state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
                     return tcp.call(state.control, method, args, max_frame_bytes=self.config.max_frame_bytes)
-                except OSError as error:
-                    if state.control is not None:
-                        state.control.close()
-                        state.control = None
+                except tcp.CallNotSent as error:
+                    # Nothing reached the peer (a stale connection): safe to retry once, fresh.
+                    state.control.close()
+                    state.control = None
                     if attempt:
                         raise PeerUnavailable(f"{peer} dropped the control connection: {error}") from error
+                except (OSError, TransferError) as error:
+                    # The call may have run: never repeat it (it may not be idempotent).
+                    state.control.close()
+                    state.control = None
+                    if isinstance(error, TransferError) and not isinstance(error, ProtocolError):
+                        raise
+                    raise PeerUnavailable(f"{peer}: the control call {method} failed midway: {error}") from error
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------ batches
@@ -356,7 +378,9 @@ class TransferEngine:
                 if time.monotonic() > deadline:
                     error = TransferTimeout(f"not started within {timeout}s")
                     break
-                error = transport.run_inline(Slice(request.op, local, request.remote_region, remote_offset, _ignore))
+                error = transport.run_inline(
+                    Slice(request.op, local, request.remote_region, remote_offset, _ignore), deadline=deadline
+                )
                 if error is not None:
                     break
             state = RequestState.DONE if error is None else RequestState.FAILED
@@ -418,6 +442,14 @@ class TransferEngine:
         self._acceptor.join(timeout=5)
         for region in regions:
             _release(region)
+        with self._finished:  # nothing moves any more: no batch may stay pending
+            for batch in self._batches.values():
+                for index, remaining in enumerate(batch.remaining):
+                    if remaining:
+                        batch.remaining[index] = 0
+                        batch.errors[index] = batch.errors[index] or PeerUnavailable("the engine closed")
+                        batch.open_requests -= 1
+            self._finished.notify_all()
         for queue_pair in self._queue_pairs:
             queue_pair.close()
         if self._rdma is not None:
@@ -451,6 +483,9 @@ class TransferEngine:
         """The peer side of an RDMA connection: a queue pair connected to the caller's."""
         if self._rdma is None:
             raise TransferError("this engine has no RDMA device")
+        with self._lock:
+            if len(self._queue_pairs) >= self.config.max_connections:
+                raise TransferError("too many RDMA queue pairs")
         queue_pair = self._rdma.create_queue_pair()
         queue_pair.connect(endpoint)
         with self._lock:
@@ -465,33 +500,45 @@ class TransferEngine:
         raise TransferError("the local bytes are not in RDMA-registered memory")
 
     def _transports_for(
-        self, host: str, port: int, descriptor: PeerDescriptor, forced: str | None, control: socket.socket
+        self,
+        host: str,
+        port: int,
+        peer_name: str,
+        descriptor: PeerDescriptor,
+        forced: str | None,
+        control: socket.socket,
     ) -> dict[str, Transport]:
         allowed = (forced,) if forced else self.config.transports
         transports: dict[str, Transport] = {}
-        peer_name = descriptor.name
 
         def describe(region_id: int) -> RegionDescriptor | None:
             return self._remote_region(peer_name, region_id)
 
-        for name in allowed:
-            if name == "shm" and descriptor.host_id == self._host_id:
-                transports["shm"] = ShmTransport(
-                    describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
-                )
-            elif name == "rdma" and self._rdma is not None and descriptor.rdma:
-                queue_pair = self._rdma.create_queue_pair()
-                remote = tcp.call(
-                    control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
-                )
-                queue_pair.connect(remote)
-                transports["rdma"] = RdmaTransport(
-                    queue_pair, local_key=self._local_key, describe=describe, config=self.config
-                )
-            elif name == "tcp":
-                transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
+        try:
+            for name in allowed:
+                if name == "shm" and descriptor.host_id == self._host_id:
+                    transports["shm"] = ShmTransport(
+                        describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
+                    )
+                elif name == "rdma" and self._rdma is not None and descriptor.rdma:
+                    queue_pair = self._rdma.create_queue_pair()
+                    remote = tcp.call(
+                        control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
+                    )
+                    queue_pair.connect(remote)
+                    transports["rdma"] = RdmaTransport(
+                        queue_pair, local_key=self._local_key, describe=describe, config=self.config
+                    )
+                elif name == "tcp":
+                    transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
+        except BaseException:
+            for built in transports.values():
+                built.close()
+            raise
         if not transports or (forced and forced not in transports):
-            raise ConfigError(f"no usable transport to {descriptor.name} among {allowed}")
+            for built in transports.values():
+                built.close()
+            raise ConfigError(f"no usable transport to {peer_name} among {allowed}")
         return transports
 
     def _remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
@@ -550,6 +597,9 @@ class TransferEngine:
                 if self._closed:
                     connection.close()
                     return
+                if len(self._connections) >= self.config.max_connections:
+                    connection.close()  # refuse rather than let peers exhaust our threads
+                    continue
                 self._connections.add(connection)
             threading.Thread(
                 target=tcp.serve_connection,
@@ -575,13 +625,35 @@ def _status(batch: _Batch, index: int) -> RequestStatus:
     return RequestStatus(state, error, batch.transports[index])
 
 
+_SHM_NAME = re.compile(r"mooncake-(\d+)-[0-9a-f]+")
+
+
+def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:
+    """A peer's region descriptor, refused unless every field is plausible: the
+    initiator trusts it for shm and RDMA bounds. Shared segments must be mooncake
+    segments of the peer's own process (by name), so a peer cannot point our
+    copies at another program's shared memory. (Authenticated peers are trusted
+    with every region registered in the deployment: that is what the secret grants.)"""
+    descriptor = RegionDescriptor.from_json(data)
+    for name in ("region_id", "length", "rdma_address", "rdma_rkey"):
+        value = getattr(descriptor, name)
+        if value is not None and (type(value) is not int or not 0 <= value < 2**64):
+            raise TransferError(f"malformed segment descriptor: {name}={value!r}")
+    if descriptor.shm_name is not None:
+        match = _SHM_NAME.fullmatch(str(descriptor.shm_name))
+        if match is None or int(match.group(1)) != peer_pid:
+            raise TransferError(f"malformed segment descriptor: shm_name={descriptor.shm_name!r}")
+    return descriptor
+
+
 def _peer_descriptor(data: Any) -> PeerDescriptor:
     try:
+        pid = int(data["pid"])
         return PeerDescriptor(
             name=str(data["name"]),
             host_id=str(data["host_id"]),
-            pid=int(data["pid"]),
-            regions=tuple(RegionDescriptor.from_json(r) for r in data["regions"]),
+            pid=pid,
+            regions=tuple(_checked_region(r, pid) for r in data["regions"]),
             rdma=bool(data.get("rdma", False)),
         )
     except (KeyError, TypeError, ValueError) as error:

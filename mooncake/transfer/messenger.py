@@ -6,9 +6,9 @@ buffer is one registered region, and a block at page p sits at offset
 
 - `fetch(keys, peer)` copies the leading blocks of `keys` that `peer` holds into
   the local cache (this is how hot blocks replicate): the peer pins them and
-  returns their offsets and checksums ("blocks.lookup"), the messenger reserves
-  local pages, READs straight into them, then commits each page after checking
-  it against the peer's checksum; the peer's pins are released at the end.
+  returns their region, offsets and checksums ("blocks.lookup"); the messenger
+  reserves local pages, READs straight into them, then commits each page after
+  checking it against the peer's checksum; the peer's pins are released at the end.
 - `push(keys, peer)` streams local blocks into a peer's cache (prefill → decode):
   the peer reserves pages ("blocks.reserve"), the messenger WRITEs into them,
   and the peer commits each against the checksum sent with "blocks.commit".
@@ -16,9 +16,15 @@ buffer is one registered region, and a block at page p sits at offset
 Both move a block in `parts` equal byte ranges (a layer each, for a KV block
 laid out layer by layer) so an engine can overlap transfer with compute:
 `Fetch.wait_part(p)` returns as soon as range p of every block has arrived, and
-`Push.send_part(p)` ships range p as soon as it is written. Pins and
-reservations taken for a peer are leased: if the peer vanishes, they are
-released when the lease expires.
+`Push.send_part(p)` ships range p as soon as it is written.
+
+Leases: pins and reservations taken for a peer expire `lease_s` after its last
+call, released by a sweeper thread (and on every call), so a vanished peer
+holds nothing for long. A reserved page is never given back while a transfer
+that targets it may still write into it: a failed fetch first waits for its
+slices to end. `lease_s` must exceed how long a pusher's slice can take
+((max_retries + 1) · io_timeout_s with the default engine settings: 30 s > 30 s
+is the default margin; raise it with the timeouts).
 """
 
 from __future__ import annotations
@@ -35,7 +41,16 @@ import xxhash
 from mooncake._checks import ceil_div, require_int
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import CapacityError, ConfigError, IntegrityError, TransferError, UnknownBlockError
+from mooncake.errors import (
+    BlockPinnedError,
+    CapacityError,
+    ConfigError,
+    IntegrityError,
+    MooncakeError,
+    TransferError,
+    TransferTimeout,
+    UnknownBlockError,
+)
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import RegionDescriptor
 from mooncake.transfer.request import RequestState, TransferOp, TransferRequest
@@ -73,6 +88,8 @@ class Messenger:
         region: the engine's descriptor of that pool's buffer, if already registered
             (see `shared_dram_pool`); otherwise the buffer is registered here.
         lease_s: how long pins and reservations held for a peer survive without it.
+        sweep_interval_s: how often a background thread releases expired leases
+            (0: only on calls, and when `sweep()` is called).
         clock: monotonic seconds (tests pass their own).
     """
 
@@ -83,6 +100,7 @@ class Messenger:
         *,
         region: RegionDescriptor | None = None,
         lease_s: float = 30.0,
+        sweep_interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         pool = cache.pools[0]
@@ -98,21 +116,40 @@ class Messenger:
         engine.register_handler("blocks.release", self._serve_release)
         engine.register_handler("blocks.reserve", self._serve_reserve)
         engine.register_handler("blocks.commit", self._serve_commit)
+        interval = lease_s / 2 if sweep_interval_s is None else sweep_interval_s
+        self._stop = threading.Event()
+        if interval > 0:
+            threading.Thread(target=self._sweeper, args=(interval,), name="messenger-sweep", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the sweeper and release every lease (the engine is closed by its owner)."""
+        self._stop.set()
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            self._end(lease)
 
     # ------------------------------------------------------------------ moving blocks
 
     def fetch(self, keys: Sequence[BlockKey], from_peer: str, *, parts: int = 1) -> Fetch:
         """Start copying the leading `keys` that `from_peer` holds (and we do not) into the local cache."""
         parts = require_int("parts", parts, minimum=1)
+        self.sweep()
         lease = secrets.token_hex(8)
-        found = self.engine.call(from_peer, "blocks.lookup", {"lease": lease, "keys": [int(k) for k in keys]})["blocks"]
-        blocks: list[tuple[BlockKey, int, int, int, int]] = []  # key, remote offset, length, checksum, local offset
-        parent: BlockKey | None = None
+        wanted = [int(k) for k in keys]
+        reply = self.engine.call(from_peer, "blocks.lookup", {"lease": lease, "keys": wanted})
+        reserved: list[tuple[BlockKey, int, int, int, int]] = []  # key, remote offset, length, checksum, local offset
+        batches: list[int] = []
         try:
-            for key, remote_offset, length, checksum in found:
-                key = BlockKey(key)
+            remote_region, found = int(reply["region"]), reply["blocks"]
+            if [entry[0] for entry in found] != wanted[: len(found)]:
+                raise TransferError(f"{from_peer} answered a lookup with keys it was not asked for")
+            parent: BlockKey | None = None
+            for raw_key, remote_offset, length, checksum in found:
+                key = BlockKey(raw_key)
                 try:
-                    view = self.cache.reserve(key, length, parent=parent)
+                    view = self.cache.reserve(key, int(length), parent=parent)
                 except CapacityError:
                     break  # no room left here: fetch what fits
                 parent = key
@@ -120,30 +157,31 @@ class Messenger:
                     continue  # we hold it already
                 location = self.cache.location(key)
                 assert location is not None
-                blocks.append((key, remote_offset, length, checksum, location.page * self.page_bytes))
+                reserved.append((key, int(remote_offset), int(length), int(checksum), location.page * self.page_bytes))
+            for part in range(parts):
+                requests = []
+                for _key, remote_offset, length, _checksum, local_offset in reserved:
+                    start, end = part_range(length, parts, part)
+                    if end > start:
+                        requests.append(
+                            TransferRequest(
+                                op=TransferOp.READ,
+                                local_region=self.region.region_id,
+                                local_offset=local_offset + start,
+                                peer=from_peer,
+                                remote_region=remote_region,
+                                remote_offset=remote_offset + start,
+                                length=end - start,
+                            )
+                        )
+                batches.append(self.engine.submit(requests))
         except BaseException:
-            self._abort_local([b[0] for b in blocks])
+            self._settle(batches)
+            for entry in reserved:
+                self.cache.abort(entry[0])
             self._release_remote(from_peer, lease)
             raise
-        batches = []
-        for part in range(parts):
-            requests = []
-            for _key, remote_offset, length, _checksum, local_offset in blocks:
-                start, end = part_range(length, parts, part)
-                if end > start:
-                    requests.append(
-                        TransferRequest(
-                            op=TransferOp.READ,
-                            local_region=self.region.region_id,
-                            local_offset=local_offset + start,
-                            peer=from_peer,
-                            remote_region=_remote_region(self.engine, from_peer),
-                            remote_offset=remote_offset + start,
-                            length=end - start,
-                        )
-                    )
-            batches.append(self.engine.submit(requests))
-        return Fetch(self, from_peer, lease, tuple((b[0], b[3]) for b in blocks), tuple(batches))
+        return Fetch(self, from_peer, lease, tuple((b[0], b[3]) for b in reserved), tuple(batches))
 
     def push(self, keys: Sequence[BlockKey], to_peer: str, *, parts: int = 1) -> Push:
         """Start streaming local blocks (cached, or reserved and being filled) into `to_peer`'s cache.
@@ -152,48 +190,69 @@ class Messenger:
             UnknownBlockError: a key is neither cached in the first tier nor reserved here.
         """
         parts = require_int("parts", parts, minimum=1)
+        self.sweep()
         local: list[tuple[BlockKey, int, int, bool]] = []  # key, local offset, length, pinned here
         try:
             for key in keys:
                 location = self.cache.location(key)
-                if location is not None and location.ready:
-                    self.cache.pin(key)
+                pinned = location is not None and location.ready
+                if pinned:
+                    self.cache.pin(key)  # pin first, then read where it is: it cannot move any more
                     location = self.cache.location(key)
                 if location is None or location.tier != self.cache.pools[0].tier:
+                    if pinned:
+                        self.cache.unpin(key)
                     raise UnknownBlockError(f"block {key} is not in this node's first tier")
-                local.append((key, location.page * self.page_bytes, location.length, location.ready))
+                local.append((key, location.page * self.page_bytes, location.length, pinned))
+            lease = secrets.token_hex(8)
+            wanted = [
+                [int(key), length, int(local[i - 1][0]) if i else None] for i, (key, _o, length, _p) in enumerate(local)
+            ]
+            reply = self.engine.call(to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted})
+            remote_region, places = int(reply["region"]), reply["blocks"]
+            if [entry[0] for entry in places] != [int(key) for key, *_ in local]:
+                raise TransferError(f"{to_peer} answered a reservation for other keys")
         except BaseException:
             for key, _offset, _length, pinned in local:
                 if pinned:
                     self.cache.unpin(key)
             raise
-        lease = secrets.token_hex(8)
-        wanted = [
-            [int(key), length, int(local[i - 1][0]) if i else None] for i, (key, _o, length, _p) in enumerate(local)
-        ]
-        places = self.engine.call(to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted})["blocks"]
-        targets = [(entry, offset) for entry, (_key, offset) in zip(local, places, strict=True) if offset is not None]
-        return Push(self, to_peer, lease, tuple(targets), parts, tuple(e for e in local if e[3]))
+        targets = tuple(
+            (entry, int(offset)) for entry, (_key, offset) in zip(local, places, strict=True) if offset is not None
+        )
+        return Push(self, to_peer, lease, remote_region, targets, parts, tuple(e for e in local if e[3]))
+
+    def sweep(self) -> None:
+        """Release what peers that went quiet still hold (expired leases)."""
+        now = self._clock()
+        with self._lock:
+            expired = [lease_id for lease_id, lease in self._leases.items() if lease.deadline < now]
+            leases = [self._leases.pop(lease_id) for lease_id in expired]
+        for lease in leases:
+            self._end(lease)
 
     # ------------------------------------------------------------------ serving peers
 
     def _serve_lookup(self, args: Any) -> Any:
-        self._sweep()
+        self.sweep()
         lease = self._lease(str(args["lease"]))
         first_tier = self.cache.pools[0].tier
         blocks = []
         for raw in args["keys"]:
             key = BlockKey(int(raw))
-            location = self.cache.location(key)
-            if location is not None and location.ready and location.tier != first_tier:
-                self.cache.get(key)  # a read from a lower tier promotes it (by the cache's policy)
-                location = self.cache.location(key)
-            if location is None or not location.ready or location.tier != first_tier:
+            if self.cache.tier_of(key) not in (None, first_tier):
+                self.cache.touch(key)  # a read from a lower tier promotes it (by the cache's policy)
+            try:
+                self.cache.pin(key)  # pin first: a pinned block cannot move while we read where it is
+            except UnknownBlockError:
                 break  # chained keys: the blocks after a missing one are useless to the caller
-            self.cache.pin(key)
+            location = self.cache.location(key)
+            if location is None or location.tier != first_tier:
+                self.cache.unpin(key)
+                break
             lease.pinned.append(key)
             blocks.append([key, location.page * self.page_bytes, location.length, self.cache.checksum(key)])
-        return {"blocks": blocks}
+        return {"region": self.region.region_id, "blocks": blocks}
 
     def _serve_release(self, args: Any) -> Any:
         with self._lock:
@@ -203,7 +262,7 @@ class Messenger:
         return None
 
     def _serve_reserve(self, args: Any) -> Any:
-        self._sweep()
+        self.sweep()
         lease = self._lease(str(args["lease"]))
         places: list[list[Any]] = []
         for raw_key, length, parent in args["blocks"]:
@@ -219,7 +278,7 @@ class Messenger:
             location = self.cache.location(key)
             assert location is not None
             places.append([key, location.page * self.page_bytes])
-        return {"blocks": places}
+        return {"region": self.region.region_id, "blocks": places}
 
     def _serve_commit(self, args: Any) -> Any:
         with self._lock:
@@ -247,15 +306,6 @@ class Messenger:
             lease.deadline = self._clock() + self._lease_s
             return lease
 
-    def _sweep(self) -> None:
-        """Release what peers that went quiet still hold."""
-        now = self._clock()
-        with self._lock:
-            expired = [lease_id for lease_id, lease in self._leases.items() if lease.deadline < now]
-            leases = [self._leases.pop(lease_id) for lease_id in expired]
-        for lease in leases:
-            self._end(lease)
-
     def _end(self, lease: _Lease) -> None:
         for key in lease.pinned:
             try:
@@ -267,9 +317,27 @@ class Messenger:
         lease.pinned.clear()
         lease.reserved.clear()
 
-    def _abort_local(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            self.cache.abort(key)
+    def _sweeper(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.sweep()
+            except MooncakeError:
+                pass  # the next sweep tries again
+
+    def _settle(self, batches: Sequence[int]) -> bool:
+        """Wait until no slice of `batches` can still write; False if some may (pages must then stay)."""
+        config = self.engine.config
+        bound = (config.max_retries + 1) * (config.connect_timeout_s + config.io_timeout_s) + 1.0
+        settled = True
+        for batch in batches:
+            try:
+                self.engine.wait(batch, timeout=bound)
+            except TransferTimeout:
+                settled = False
+            except TransferError:
+                pass  # unknown batch: nothing in flight
+            self.engine.forget(batch)
+        return settled
 
     def _release_remote(self, peer: str, lease: str) -> None:
         try:
@@ -278,16 +346,8 @@ class Messenger:
             pass  # the peer's lease expires on its own
 
 
-def _remote_region(engine: TransferEngine, peer: str) -> int:
-    """The region the peer's messenger serves blocks from: its first registered region."""
-    regions = engine.peer_regions(peer)
-    if not regions:
-        raise TransferError(f"{peer} has no registered memory")
-    return regions[0].region_id
-
-
 class Fetch:
-    """Blocks on their way in; commit them with `finish`."""
+    """Blocks on their way in; commit them with `finish` (or leave them with `abort`)."""
 
     def __init__(
         self,
@@ -302,6 +362,7 @@ class Fetch:
         self._checksums = dict(blocks)
         self._batches = batches
         self._failed: set[int] = set()
+        self._done: tuple[BlockKey, ...] | None = None
 
     @property
     def parts(self) -> int:
@@ -311,21 +372,29 @@ class Fetch:
         """Return once byte range `part` of every block has arrived.
 
         Raises:
-            TransferError: a piece of it failed (`finish` then commits nothing).
+            TransferError: a piece of it failed, or it did not arrive in time
+                (`finish` then commits nothing).
         """
-        statuses = self._messenger.engine.wait(self._batches[part], timeout=timeout)
+        try:
+            statuses = self._messenger.engine.wait(self._batches[part], timeout=timeout)
+        except TransferTimeout:
+            self._failed.add(part)
+            raise
         failures = [s.error for s in statuses if s.state == RequestState.FAILED]
         if failures:
             self._failed.add(part)
             raise TransferError(f"part {part} of the fetch from {self._peer} failed: {failures[0]}")
 
     def finish(self, timeout: float) -> tuple[BlockKey, ...]:
-        """Wait for every part, commit the blocks that verify, release the peer's pins.
+        """Wait for every part, commit the blocks that verify, release the peer's pins (once).
 
         Returns:
             The keys now cached here (a block whose bytes fail the peer's checksum is dropped).
         """
-        cache = self._messenger.cache
+        if self._done is not None:
+            return self._done
+        messenger, cache = self._messenger, self._messenger.cache
+        done: list[BlockKey] = []
         try:
             for part in range(self.parts):
                 if part not in self._failed:
@@ -333,22 +402,24 @@ class Fetch:
                         self.wait_part(part, timeout)
                     except TransferError:
                         pass
-            if self._failed:
+            if not self._failed:
                 for key in self.keys:
-                    cache.abort(key)
-                return ()
-            done = []
-            for key in self.keys:
-                try:
-                    cache.commit(key, checksum=self._checksums[key])
-                    done.append(key)
-                except IntegrityError:
-                    pass
-            return tuple(done)
+                    try:
+                        cache.commit(key, checksum=self._checksums[key])
+                        done.append(key)
+                    except (IntegrityError, UnknownBlockError):
+                        pass
         finally:
-            self._messenger._release_remote(self._peer, self._lease)
-            for batch in self._batches:
-                self._messenger.engine.forget(batch)
+            leftover = [key for key in self.keys if key not in done]
+            if leftover and messenger._settle(self._batches):
+                for key in leftover:
+                    cache.abort(key)
+            elif not leftover:
+                for batch in self._batches:
+                    messenger.engine.forget(batch)
+            messenger._release_remote(self._peer, self._lease)
+            self._done = tuple(done)
+        return self._done
 
 
 class Push:
@@ -359,18 +430,20 @@ class Push:
         messenger: Messenger,
         peer: str,
         lease: str,
+        remote_region: int,
         targets: tuple[tuple[tuple[BlockKey, int, int, bool], int], ...],
         parts: int,
         pinned: tuple[tuple[BlockKey, int, int, bool], ...],
     ) -> None:
-        self._messenger, self._peer, self._lease = messenger, peer, lease
+        self._messenger, self._peer, self._lease, self._remote_region = messenger, peer, lease, remote_region
         self._targets, self._parts, self._pinned = targets, parts, pinned
         self._batches: dict[int, int] = {}
+        self._done: tuple[BlockKey, ...] | None = None
         self.keys = tuple(entry[0] for entry, _ in targets)
 
     def send_part(self, part: int) -> None:
         """Ship byte range `part` of every block (once its bytes are final locally)."""
-        if part in self._batches:
+        if part in self._batches or self._done is not None:
             return
         messenger = self._messenger
         requests = []
@@ -383,7 +456,7 @@ class Push:
                         local_region=messenger.region.region_id,
                         local_offset=local_offset + start,
                         peer=self._peer,
-                        remote_region=_remote_region(messenger.engine, self._peer),
+                        remote_region=self._remote_region,
                         remote_offset=remote_offset + start,
                         length=end - start,
                     )
@@ -391,25 +464,39 @@ class Push:
         self._batches[part] = messenger.engine.submit(requests)
 
     def finish(self, timeout: float) -> tuple[BlockKey, ...]:
-        """Ship what is left, then have the peer verify and commit; returns the keys it committed."""
+        """Ship what is left, then have the peer verify and commit; returns the keys it committed (once)."""
+        if self._done is not None:
+            return self._done
         messenger = self._messenger
+        committed: tuple[BlockKey, ...] = ()
         try:
             for part in range(self._parts):
                 self.send_part(part)
             ok = True
             for batch in self._batches.values():
-                statuses = messenger.engine.wait(batch, timeout=timeout)
-                ok = ok and all(s.state == RequestState.DONE for s in statuses)
-                messenger.engine.forget(batch)
+                try:
+                    statuses = messenger.engine.wait(batch, timeout=timeout)
+                    ok = ok and all(s.state == RequestState.DONE for s in statuses)
+                except TransferTimeout:
+                    ok = False
             checksums = []
             if ok:
                 buffer = messenger.cache.pools[0].buffer  # type: ignore[attr-defined]
                 for (key, local_offset, length, _pinned), _remote in self._targets:
+                    location = messenger.cache.location(key)
+                    if location is None or location.page * messenger.page_bytes != local_offset:
+                        continue  # the block left its page meanwhile: its bytes there are not its own
                     checksums.append(
                         [int(key), xxhash.xxh3_64_intdigest(buffer[local_offset : local_offset + length].data)]
                     )
             reply = messenger.engine.call(self._peer, "blocks.commit", {"lease": self._lease, "checksums": checksums})
-            return tuple(BlockKey(k) for k in reply["committed"])
+            committed = tuple(BlockKey(k) for k in reply["committed"])
         finally:
+            messenger._settle(list(self._batches.values()))
             for key, _offset, _length, _pinned in self._pinned:
-                messenger.cache.unpin(key)
+                try:
+                    messenger.cache.unpin(key)
+                except (UnknownBlockError, BlockPinnedError):
+                    pass
+            self._done = committed
+        return committed

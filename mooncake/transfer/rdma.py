@@ -73,6 +73,9 @@ class Verbs(Protocol):
     def register(self, view: memoryview) -> tuple[int, int, int]:
         """Register memory for local and remote access; returns (address, lkey, rkey)."""
 
+    def deregister(self, address: int) -> None:
+        """Revoke the registration made at `address`: its rkey stops working."""
+
     def create_queue_pair(self) -> QueuePair: ...
 
     def close(self) -> None: ...
@@ -97,7 +100,7 @@ def open_device(name: str | None = None) -> Verbs | None:
 
 
 class PyverbsDevice:
-    """`Verbs` over pyverbs: one context, protection domain and completion queue per QP."""
+    """`Verbs` over pyverbs: one context and protection domain per device; a completion queue per QP."""
 
     def __init__(self, name: str | None = None, *, port: int = 1, gid_index: int = 0) -> None:
         import pyverbs.device as device
@@ -115,7 +118,7 @@ class PyverbsDevice:
         self.pd = PD(self.context)
         self.port = port
         self.gid_index = gid_index
-        self._regions: list[Any] = []
+        self._regions: dict[int, tuple[Any, memoryview]] = {}
 
     def register(self, view: memoryview) -> tuple[int, int, int]:
         from pyverbs.mr import MR
@@ -124,14 +127,19 @@ class PyverbsDevice:
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         address = buffer_address(view)
         region = MR(self.pd, view.nbytes, access, address=address)
-        self._regions.append((region, view))  # the view keeps the memory alive while registered
+        self._regions[address] = (region, view)  # the view keeps the memory alive while registered
         return address, region.lkey, region.rkey
+
+    def deregister(self, address: int) -> None:
+        entry = self._regions.pop(address, None)
+        if entry is not None:
+            entry[0].close()
 
     def create_queue_pair(self) -> QueuePair:
         return _PyverbsQueuePair(self)
 
     def close(self) -> None:
-        for region, _view in self._regions:
+        for region, _view in self._regions.values():
             region.close()
         self.pd.close()
         self.context.close()
@@ -241,8 +249,10 @@ class RdmaTransport:
             self._post(piece)
         except TransferError as error:
             piece.on_done(error)
+        except Exception as unexpected:
+            piece.on_done(TransferError(f"RDMA post failed: {unexpected!r}"))
 
-    def run_inline(self, piece: Slice) -> TransferError | None:
+    def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Post `piece` and wait for its completion in the calling thread."""
         outcome: list[TransferError | None] = []
         done = threading.Event()
@@ -289,7 +299,12 @@ class RdmaTransport:
 
     def _poll(self) -> None:
         while not self._closed.is_set():
-            completions = self._qp.poll()
+            try:
+                completions = self._qp.poll()
+            except Exception as error:
+                self._broken = PeerUnavailable(f"polling the RDMA completion queue failed: {error}")
+                self._fail_all(self._broken)
+                return
             for wr_id, failure in completions:
                 with self._lock:
                     entry = self._pending.pop(wr_id, None)

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from mooncake._checks import int_at_least, require_number
+from mooncake._checks import int_at_least, require_int, require_number
 from mooncake.errors import ConfigError, TransferError
 
 __all__ = [
@@ -27,17 +27,31 @@ class TransferOp(enum.Enum):
     WRITE = "write"  # local → remote
 
 
+MAX_REGION_ID = 2**32 - 1  # the wire's region field
+MAX_OFFSET = 2**62  # far beyond any memory, and safe from overflow in offset + length
+
+
+def _region_id(_instance: object, attribute: Any, value: Any) -> None:
+    if require_int(attribute.name, value, minimum=0) > MAX_REGION_ID:
+        raise ConfigError(f"{attribute.name} must be at most {MAX_REGION_ID}, got {value!r}")
+
+
+def _offset(_instance: object, attribute: Any, value: Any) -> None:
+    if require_int(attribute.name, value, minimum=0) > MAX_OFFSET:
+        raise ConfigError(f"{attribute.name} must be at most 2**62, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class TransferRequest:
     """Move `length` bytes between a local region and a peer's region."""
 
     op: TransferOp
-    local_region: int = attrs.field(validator=int_at_least(0))
-    local_offset: int = attrs.field(validator=int_at_least(0))
+    local_region: int = attrs.field(validator=_region_id)
+    local_offset: int = attrs.field(validator=_offset)
     peer: str
-    remote_region: int = attrs.field(validator=int_at_least(0))
-    remote_offset: int = attrs.field(validator=int_at_least(0))
-    length: int = attrs.field(validator=int_at_least(0))
+    remote_region: int = attrs.field(validator=_region_id)
+    remote_offset: int = attrs.field(validator=_offset)
+    length: int = attrs.field(validator=_offset)
 
 
 class RequestState(enum.Enum):
@@ -78,8 +92,8 @@ class Transport(Protocol):
     def submit(self, piece: Slice) -> None:
         """Start moving `piece`; its `on_done` reports the outcome."""
 
-    def run_inline(self, piece: Slice) -> TransferError | None:
-        """Move `piece` in the calling thread; None on success."""
+    def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
+        """Move `piece` in the calling thread, giving up at `deadline` (time.monotonic); None on success."""
 
     def close(self) -> None:
         """Stop; slices not yet moved fail."""
@@ -99,6 +113,8 @@ class EngineConfig:
         slice_bytes: large requests are cut into slices of this size, spread over the streams.
         max_frame_bytes: the largest data frame accepted from a peer.
         io_timeout_s: a socket operation that takes longer fails (and is retried).
+        idle_timeout_s: a served connection with no frame for this long is closed.
+        max_connections: connections an engine serves at once (more are refused).
         connect_timeout_s: connecting and authenticating to a peer.
         max_retries: retries of a slice on a fresh connection after a dropped one.
         checksums: verify every slice end to end with XXH3-64.
@@ -113,6 +129,8 @@ class EngineConfig:
     slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
     max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
+    idle_timeout_s: float = attrs.field(default=600.0, validator=_positive_number)
+    max_connections: int = attrs.field(default=1024, validator=int_at_least(1))
     connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)
     max_retries: int = attrs.field(default=2, validator=int_at_least(0))
     checksums: bool = False

@@ -45,6 +45,7 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
         self._closed = False
+        self._state_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._work, name=f"shm-{peer_pid}-{i}", daemon=True) for i in range(workers)
         ]
@@ -52,12 +53,13 @@ class ShmTransport:
             thread.start()
 
     def submit(self, piece: Slice) -> None:
-        if self._closed:
-            piece.on_done(PeerUnavailable("the shm transport is closed"))
-            return
-        self._queue.put(piece)
+        with self._state_lock:  # so that no slice slips in after close drained the queue
+            if not self._closed:
+                self._queue.put(piece)
+                return
+        piece.on_done(PeerUnavailable("the shm transport is closed"))
 
-    def run_inline(self, piece: Slice) -> TransferError | None:
+    def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Copy `piece` now, in the calling thread."""
         if self._closed:
             return PeerUnavailable("the shm transport is closed")
@@ -65,14 +67,24 @@ class ShmTransport:
             self._copy(piece)
         except TransferError as error:
             return error
+        except Exception as unexpected:
+            return TransferError(f"shm copy failed: {unexpected!r}")
         return None
 
     def close(self) -> None:
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._state_lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        while True:
+            try:
+                piece = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if piece is not None:
+                piece.on_done(PeerUnavailable("the shm transport is closed"))
         with self._lock:
             self._arrays.clear()
             for segment in self._segments.values():
@@ -91,6 +103,8 @@ class ShmTransport:
                 self._copy(piece)
             except TransferError as error:
                 piece.on_done(error)
+            except Exception as unexpected:
+                piece.on_done(TransferError(f"shm copy failed: {unexpected!r}"))
             else:
                 piece.on_done(None)
 
@@ -104,7 +118,10 @@ class ShmTransport:
         problem = bounds_error(piece.remote_offset, length, descriptor.length)
         if problem is not None:
             raise TransferError(f"region {piece.remote_region}: {problem}")
-        remote = self._map(descriptor.shm_name)[piece.remote_offset : piece.remote_offset + length]
+        mapped = self._map(descriptor.shm_name)
+        if descriptor.length > mapped.size:
+            raise TransferError(f"the peer describes region {piece.remote_region} larger than its segment")
+        remote = mapped[piece.remote_offset : piece.remote_offset + length]
         local = np.frombuffer(piece.local, dtype=np.uint8)
         if piece.op == TransferOp.WRITE:
             np.copyto(remote, local)
@@ -122,7 +139,8 @@ class ShmTransport:
                 except FileNotFoundError as error:
                     raise PeerUnavailable(f"the peer's shared segment {name} is gone") from error
                 self._arrays[name] = np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
-            return self._arrays[name]
+        array = self._arrays[name]
+        return array
 
 
 def _alive(pid: int) -> bool:

@@ -43,7 +43,7 @@ from mooncake.transfer.wire import (
     server_handshake,
 )
 
-__all__ = ["ServerContext", "TcpTransport", "connect", "serve_connection"]
+__all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "serve_connection"]
 
 _DRAIN_CHUNK = 1 << 20
 
@@ -88,16 +88,25 @@ def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> soc
     return sock
 
 
+class CallNotSent(ConnectionError):
+    """A control call failed before its request was sent (safe to retry)."""
+
+
 def call(sock: socket.socket, method: str, args: Any, *, max_frame_bytes: int) -> Any:
     """One control call on an authenticated connection: JSON in, JSON out.
 
     Raises:
+        CallNotSent: the connection failed while sending (the peer did not get the call).
         TransferError: the peer reported an error.
+        OSError: the connection failed after the call was sent (it may have run).
     """
     payload = json.dumps({"method": method, "args": args}).encode()
     if len(payload) > MAX_CONTROL_BYTES:
         raise TransferError(f"control call {method} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
-    send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
+    try:
+        send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
+    except OSError as error:
+        raise CallNotSent(str(error)) from error
     reply = recv_frame(sock, max_length=max_frame_bytes)
     body = bytearray(reply.length)
     recv_exact(sock, memoryview(body))
@@ -117,9 +126,11 @@ class TcpTransport:
         self._host, self._port, self._secret, self._config = host, port, secret, config
         self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
         self._closed = False
+        self._state_lock = threading.Lock()
         # Small batches run in the caller's thread over a connection of their own.
         self._inline_lock = threading.Lock()
         self._inline_sock: socket.socket | None = None
+        self._tag = 0
         self._threads = [
             threading.Thread(target=self._stream, name=f"tcp-{host}:{port}-{i}", daemon=True)
             for i in range(config.streams_per_peer)
@@ -128,25 +139,42 @@ class TcpTransport:
             thread.start()
 
     def submit(self, piece: Slice) -> None:
-        if self._closed:
-            piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
-            return
-        self._queue.put(piece)
+        with self._state_lock:  # so that no slice slips in after close drained the queue
+            if not self._closed:
+                self._queue.put(piece)
+                return
+        piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
 
-    def run_inline(self, piece: Slice) -> TransferError | None:
-        """Move `piece` now, in the calling thread (no hand-off: the latency path)."""
+    def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
+        """Move `piece` now, in the calling thread (no hand-off: the latency path).
+
+        `deadline` (time.monotonic) stops retries once passed and caps each socket wait.
+        """
         with self._inline_lock:
             if self._closed:
                 return PeerUnavailable(f"transport to {self._host}:{self._port} is closed")
-            self._inline_sock, error = self._move(self._inline_sock, piece)
+            try:
+                self._inline_sock, error = self._move(self._inline_sock, piece, deadline=deadline)
+            except Exception as unexpected:
+                if self._inline_sock is not None:
+                    self._inline_sock.close()
+                self._inline_sock, error = None, TransferError(f"slice failed: {unexpected!r}")
             return error
 
     def close(self) -> None:
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._state_lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout=self._config.io_timeout_s)
+        while True:  # slices queued behind the stop markers are answered, not dropped
+            try:
+                piece = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if piece is not None:
+                piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
         with self._inline_lock:
             if self._inline_sock is not None:
                 self._inline_sock.close()
@@ -169,19 +197,32 @@ class TcpTransport:
                 if self._closed:
                     piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
                     continue
-                sock, error = self._move(sock, piece)
+                try:
+                    sock, error = self._move(sock, piece)
+                except Exception as unexpected:  # a worker must never die with a slice unanswered
+                    if sock is not None:
+                        sock.close()
+                    sock, error = None, TransferError(f"slice failed: {unexpected!r}")
                 piece.on_done(error)
         finally:
             if sock is not None:
                 sock.close()
 
-    def _move(self, sock: socket.socket | None, piece: Slice) -> tuple[socket.socket | None, TransferError | None]:
-        """Move one slice, reconnecting and retrying on a dropped connection."""
+    def _move(
+        self, sock: socket.socket | None, piece: Slice, *, deadline: float | None = None
+    ) -> tuple[socket.socket | None, TransferError | None]:
+        """Move one slice, reconnecting and retrying on a dropped connection (until `deadline`)."""
         last: TransferError | None = None
-        for _attempt in range(self._config.max_retries + 1):
+        for attempt in range(self._config.max_retries + 1):
+            if deadline is not None and attempt and time.monotonic() >= deadline:
+                break
             try:
                 if sock is None:
                     sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+                timeout = self._config.io_timeout_s
+                if deadline is not None:
+                    timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+                sock.settimeout(timeout)
                 self._exchange(sock, piece)
                 return sock, None
             except (PeerUnavailable, AuthenticationError) as error:
@@ -201,19 +242,27 @@ class TcpTransport:
         return None, last
 
     def _exchange(self, sock: socket.socket, piece: Slice) -> None:
+        self._tag = (self._tag + 1) & 0xFFFFFFFFFFFFFFFF
+        tag = self._tag
         length = piece.local.nbytes
         checksum = (
             xxhash.xxh3_64_intdigest(piece.local) if self._config.checksums and piece.op == TransferOp.WRITE else None
         )
         if piece.op == TransferOp.WRITE:
             header = Frame(
-                Kind.WRITE, region=piece.remote_region, offset=piece.remote_offset, length=length, checksum=checksum
+                Kind.WRITE,
+                tag=tag,
+                region=piece.remote_region,
+                offset=piece.remote_offset,
+                length=length,
+                checksum=checksum,
             )
             send_frame(sock, header, piece.local)
         else:
             wants_checksum = 0 if self._config.checksums else None
             header = Frame(
                 Kind.READ,
+                tag=tag,
                 region=piece.remote_region,
                 offset=piece.remote_offset,
                 length=length,
@@ -228,6 +277,8 @@ class TcpTransport:
             raise TransferError(f"{self._host}:{self._port} refused: {message.decode(errors='replace')}")
         if reply.kind != Kind.OK:
             raise ProtocolError(f"expected OK, got {reply.kind.name}")
+        if reply.tag != tag:
+            raise ProtocolError(f"a reply for slice {reply.tag} came while waiting for {tag}")
         if piece.op == TransferOp.READ:
             if reply.length != length:
                 raise ProtocolError(f"asked for {length} bytes, the peer announced {reply.length}")
@@ -253,16 +304,16 @@ def serve_connection(sock: socket.socket, context: ServerContext, on_exit: Calla
     """Authenticate, then serve frames until the peer leaves or breaks the protocol."""
     config = context.config
     try:
-        sock.settimeout(config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        server_handshake(sock, context.secret)
-        sock.settimeout(None)  # an idle peer may stay connected; frames themselves are bounded
+        server_handshake(sock, context.secret, deadline=time.monotonic() + config.connect_timeout_s)
         while True:
             spin_until_readable(sock, config.spin_us / 1e6)  # the next request often follows at once
+            sock.settimeout(config.idle_timeout_s)  # between frames: an idle peer may wait this long
             try:
                 frame = recv_frame(sock, max_length=config.max_frame_bytes)
             except ConnectionError:
                 return
+            sock.settimeout(config.io_timeout_s)  # within a frame: its body must keep coming
             if frame.kind == Kind.WRITE:
                 _serve_write(sock, context, frame)
             elif frame.kind == Kind.READ:
@@ -273,6 +324,8 @@ def serve_connection(sock: socket.socket, context: ServerContext, on_exit: Calla
                 raise ProtocolError(f"a client may not send {frame.kind.name}")
     except (OSError, ConnectionError, TransferError, AuthenticationError):
         return  # the connection ends; the engine keeps serving others
+    except Exception:
+        return
     finally:
         sock.close()
         on_exit()
@@ -328,7 +381,7 @@ def _serve_call(sock: socket.socket, context: ServerContext, frame: Frame) -> No
         request = json.loads(body)
         result = context.handle_call(str(request["method"]), request.get("args"))
         payload = json.dumps(result).encode()
-    except (TransferError, ValueError, KeyError, TypeError) as error:
+    except Exception as error:
         _refuse(sock, frame, f"{type(error).__name__}: {error}")
         return
     if len(payload) > MAX_CONTROL_BYTES:

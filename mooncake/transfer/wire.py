@@ -26,6 +26,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 import attrs
 
@@ -85,15 +86,21 @@ class Frame:
         )
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock` (recv_into, no copies).
+def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
+    """Fill `view` from `sock` (recv_into, no copies), by `deadline` (time.monotonic) if given.
 
     Raises:
         ConnectionError: the peer closed the connection first.
+        TimeoutError: the deadline (or the socket's timeout) passed.
     """
     got = 0
     total = view.nbytes
     while got < total:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer is too slow")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:], total - got)
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {total} bytes")
@@ -132,16 +139,18 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
-    """Authenticate the client connected on `sock` (mutually).
+def server_handshake(sock: socket.socket, secret: bytes, *, deadline: float) -> None:
+    """Authenticate the client connected on `sock` (mutually), all by `deadline`.
 
     Raises:
         AuthenticationError: the client does not know the secret (the caller closes the socket).
+        TimeoutError: the client took too long (a slow client cannot hold a thread).
     """
     server_nonce = os.urandom(_NONCE_BYTES)
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(_HELLO + bytes([VERSION]) + server_nonce)
     answer = bytearray(_NONCE_BYTES + _MAC_BYTES)
-    recv_exact(sock, memoryview(answer))
+    recv_exact(sock, memoryview(answer), deadline=deadline)
     client_nonce, client_mac = bytes(answer[:_NONCE_BYTES]), bytes(answer[_NONCE_BYTES:])
     if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce)):
         sock.sendall(b"NO")

@@ -40,6 +40,11 @@ class FakeVerbs:
         self.fabric.memory[rkey] = (address, view.nbytes, view)
         return address, lkey, rkey
 
+    def deregister(self, address: int) -> None:
+        for table in (self.fabric.local, self.fabric.memory):
+            for key in [k for k, v in table.items() if v[0] == address]:
+                del table[key]
+
     def create_queue_pair(self) -> FakeQueuePair:
         return FakeQueuePair(self.fabric)
 

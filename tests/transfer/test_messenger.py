@@ -39,7 +39,8 @@ def make_node(pages: int, transport: str) -> Node:
     pool, region = shared_dram_pool(engine, PAGE, pages)
     cache = TieredCache([pool])
     now = [0.0]
-    return Node(engine, cache, Messenger(engine, cache, region=region, lease_s=10.0, clock=lambda: now[0]), now)
+    messenger = Messenger(engine, cache, region=region, lease_s=10.0, sweep_interval_s=0, clock=lambda: now[0])
+    return Node(engine, cache, messenger, now)
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -140,8 +141,12 @@ def test_leases_release_pins_of_a_vanished_peer(nodes: tuple[Node, Node, str]) -
     a.messenger.fetch([BlockKey(8)], peer)  # and never finished
     with pytest.raises(Exception, match="pinned"):
         b.cache.remove(BlockKey(8))
-    b.now[0] += 11.0
-    b.engine.handle_call("blocks.lookup", {"lease": "someone-else", "keys": []})  # any call sweeps
+    b.now[0] += 9.0
+    b.messenger.sweep()
+    with pytest.raises(Exception, match="pinned"):
+        b.cache.remove(BlockKey(8))  # not yet expired
+    b.now[0] += 2.0
+    b.messenger.sweep()  # what the sweeper thread does, without any call arriving
     b.cache.remove(BlockKey(8))
 
 

@@ -1,0 +1,131 @@
+"""Conductor throughput: scheduling decisions per second with a large index.
+
+    python benchmarks/conductor.py [--json] [--keys 1000000] [--decisions 20000]
+
+For 16 prefill + 16 decode instances, and for 256 + 256 (512 instances), the
+index holds `--keys` block keys (chains of 64, each held by one to three
+prefill instances, as in benchmarks/index.py), and requests of 64 blocks (a
+quarter of them diverging halfway, as a new turn would) are scheduled with the
+KV-cache-centric router and early rejection. Only `schedule` is timed; between
+timed rounds the accepted requests are ended by events (untimed), so queues and
+VRAM stay in a steady state. The peer in the same run is the same Conductor
+without the index lookup (routing on empty prefixes), to show what the match
+costs. Goal (issue #5): >= 20 k decisions/s at 16 + 16 instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from mooncake.cache.events import BlockStored
+from mooncake.sched.admission import EarlyRejection
+from mooncake.sched.conductor import Conductor
+from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.predictor import UniformDecodePredictor
+from mooncake.sched.router import KvCacheCentricRouter, TtftEstimator
+from mooncake.sched.view import RequestRejected
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+
+BLOCKS = 64
+BLOCK_TOKENS = 512
+
+
+def build(num_prefill: int, num_decode: int, num_keys: int, *, use_index: bool) -> tuple[Conductor, list[list[int]]]:
+    model, hardware = MODELS["llama3-70b"], HARDWARE["8xA800"]
+    estimator = TtftEstimator(
+        prefill=PrefillCostModel(model=model, hardware=hardware),
+        transfer=TransferCostModel(bandwidth_bytes_per_s=hardware.nic_bytes_per_s),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+    )
+    conductor = Conductor(
+        router=KvCacheCentricRouter(estimator=estimator),
+        decode_cost=DecodeCostModel(model=model, hardware=hardware),
+        admission=EarlyRejection(),
+        predictor=UniformDecodePredictor(decode_s=20.0),
+        slo=Slo(ttft_s=30.0, tbt_s=0.2),
+        block_size_tokens=BLOCK_TOKENS,
+    )
+    for i in range(num_prefill):
+        conductor.add_prefill_instance(InstanceId(f"prefill-{i}"))
+    for i in range(num_decode):
+        conductor.add_decode_instance(InstanceId(f"decode-{i}"), capacity_tokens=10**9)
+    rng = np.random.default_rng(0)
+    num_chains = num_keys // BLOCKS
+    chains = rng.integers(0, 2**63, size=(num_chains, BLOCKS), dtype=np.uint64).tolist()
+    if use_index:
+        seq = [0] * num_prefill
+        for chain in chains:
+            for i, owner in enumerate(rng.choice(num_prefill, size=int(rng.integers(1, 4)), replace=False).tolist()):
+                length = BLOCKS if i == 0 else int(rng.integers(1, BLOCKS + 1))
+                conductor.apply_cache_event(
+                    BlockStored(
+                        source=InstanceId(f"prefill-{owner}"), seq=seq[owner], keys=chain[:length], tier=Tier.DRAM
+                    )
+                )
+                seq[owner] += 1
+    return conductor, chains
+
+
+def decisions_per_s(num_prefill: int, num_decode: int, num_keys: int, decisions: int, *, use_index: bool) -> float:
+    conductor, chains = build(num_prefill, num_decode, num_keys, use_index=use_index)
+    rng = np.random.default_rng(1)
+    requests = []
+    for n in range(decisions):
+        keys = chains[int(rng.integers(len(chains)))]
+        if n % 4 == 0:
+            keys = keys[: BLOCKS // 2] + rng.integers(0, 2**63, size=BLOCKS // 2, dtype=np.uint64).tolist()
+        requests.append(
+            Request(
+                request_id=RequestId(str(n)),
+                arrival_s=n * 0.001,
+                input_length=BLOCKS * BLOCK_TOKENS,
+                output_length=200,
+                block_keys=tuple(BlockKey(k) for k in keys),
+            )
+        )
+    timed = 0.0
+    round_size = 1000
+    for start in range(0, decisions, round_size):
+        batch = requests[start : start + round_size]
+        begin = time.perf_counter()
+        for request in batch:
+            conductor.schedule(request, request.arrival_s)
+        timed += time.perf_counter() - begin
+        for request_id in conductor.in_flight:  # untimed: end them, keeping a steady state
+            conductor.handle(
+                RequestRejected(request_id=request_id, instance_id=InstanceId("decode-0"), now=batch[-1].arrival_s)
+            )
+    return decisions / timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--decisions", type=int, default=20_000)
+    args = parser.parse_args()
+    result = {
+        "keys": args.keys,
+        "blocks_per_request": BLOCKS,
+        "decisions_per_s": decisions_per_s(16, 16, args.keys, args.decisions, use_index=True),
+        "decisions_per_s_without_index": decisions_per_s(16, 16, args.keys, args.decisions, use_index=False),
+        "decisions_per_s_512_instances": decisions_per_s(
+            256, 256, args.keys, max(2000, args.decisions // 10), use_index=True
+        ),
+    }
+    result["index_share"] = 1 - result["decisions_per_s"] / result["decisions_per_s_without_index"]
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{args.keys:,} keys indexed, {BLOCKS}-block requests, KV-cache-centric routing, early rejection")
+    print(f"16 prefill + 16 decode      {result['decisions_per_s'] / 1e3:8.1f} k decisions/s")
+    print(f"  same, without the index   {result['decisions_per_s_without_index'] / 1e3:8.1f} k decisions/s")
+    print(f"256 prefill + 256 decode    {result['decisions_per_s_512_instances'] / 1e3:8.1f} k decisions/s")
+
+
+if __name__ == "__main__":
+    main()

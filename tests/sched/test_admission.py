@@ -1,0 +1,274 @@
+"""Tests for `mooncake.sched.admission`.
+
+Example tests for each policy's rule and for the difference the decode load
+makes (current for early rejection, predicted for the predictive variant);
+properties: a policy accepts exactly when its SLO checks pass, a rejection
+always carries a reason, and every request the Conductor accepts under a
+policy has estimates within that policy's SLOs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from mooncake.cache.events import BlockStored
+from mooncake.sched.admission import (
+    AdmissionPolicy,
+    BaselineAdmission,
+    EarlyRejection,
+    Rejection,
+    predictive_early_rejection,
+)
+from mooncake.sched.conductor import Conductor, ScheduleDecision
+from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.decode import DecodeChoice
+from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
+from mooncake.sched.router import KvCacheCentricRouter, RouteDecision, TtftEstimator
+from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+
+LLAMA3 = MODELS["llama3-70b"]
+A800 = HARDWARE["8xA800"]
+DECODE_COST = DecodeCostModel(model=LLAMA3, hardware=A800)  # 15.8 ms a step, + 2.5 ms per 100k context tokens
+ESTIMATOR = TtftEstimator(
+    prefill=PrefillCostModel(model=LLAMA3, hardware=A800),  # 1.16 s for 10k tokens
+    transfer=TransferCostModel(bandwidth_bytes_per_s=25e9),
+    kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
+)
+BLOCK = 64
+TIGHT_TBT = Slo(ttft_s=30.0, tbt_s=0.017)  # room for about 47k tokens of decode context
+POLICIES: dict[str, AdmissionPolicy] = {
+    "baseline": BaselineAdmission(),
+    "early_rejection": EarlyRejection(),
+    "predictive_early_rejection": predictive_early_rejection(),
+}
+
+
+def route(ttft_s: float) -> RouteDecision:
+    return RouteDecision(
+        prefill_instance=InstanceId("p"), prefix_tokens=0, transfer=None, transfer_s=0.0, queue_s=0.0, prefill_s=ttft_s
+    )
+
+
+def decode(tbt_s: float) -> DecodeChoice:
+    return DecodeChoice(decode_instance=InstanceId("d"), tbt_s=tbt_s)
+
+
+def conductor(
+    policy: AdmissionPolicy, *, slo: Slo = TIGHT_TBT, prefill: int = 1, decode: int = 1, decode_s: float = 10.0
+) -> Conductor:
+    c = Conductor(
+        router=KvCacheCentricRouter(ESTIMATOR),
+        decode_cost=DECODE_COST,
+        admission=policy,
+        predictor=UniformDecodePredictor(decode_s=decode_s),
+        slo=slo,
+        block_size_tokens=BLOCK,
+    )
+    for i in range(prefill):
+        c.add_prefill_instance(InstanceId(f"prefill-{i}"))
+    for i in range(decode):
+        c.add_decode_instance(InstanceId(f"decode-{i}"))
+    return c
+
+
+def request(name: str, tokens: int, *, output: int = 200, first_key: int = 0, arrival_s: float = 0.0) -> Request:
+    blocks = -(-tokens // BLOCK)
+    return Request(
+        request_id=RequestId(name),
+        arrival_s=arrival_s,
+        input_length=tokens,
+        output_length=output,
+        block_keys=tuple(BlockKey(first_key + i) for i in range(blocks)),
+    )
+
+
+def run_to_decode(c: Conductor, r: Request, now: float) -> None:
+    """Schedule `r` (it must be accepted) and bring it to decoding at `now`."""
+    decision = c.schedule(r, now)
+    assert decision.accepted, decision
+    c.handle(PrefillFinished(request_id=r.request_id, instance_id=decision.prefill_instance, now=now))  # type: ignore[arg-type]
+    c.handle(
+        DecodeJoined(
+            request_id=r.request_id,
+            instance_id=decision.decode_instance,  # type: ignore[arg-type]
+            now=now,
+            context_tokens=r.input_length,
+            output_tokens=r.output_length,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------- the rules
+
+
+def test_policy_names_and_load_times() -> None:
+    """Each policy names itself and says which decode load it needs."""
+    assert [(p.name, p.load_at) for p in POLICIES.values()] == [
+        ("baseline", "now"),
+        ("early_rejection", "now"),
+        ("predictive_early_rejection", "arrival"),
+    ]
+
+
+def test_baseline_checks_only_ttft() -> None:
+    """Baseline accepts within the TTFT SLO whatever the TBT, and rejects beyond it with TTFT_SLO."""
+    slo = Slo(ttft_s=2.0, tbt_s=0.1)
+    policy = BaselineAdmission()
+    assert policy.admit(route(2.0), decode(5.0), slo).accepted
+    rejected = policy.admit(route(2.01), decode(0.01), slo)
+    assert (rejected.accepted, rejected.reason) == (False, Rejection.TTFT_SLO)
+
+
+@pytest.mark.parametrize("policy", [EarlyRejection(), predictive_early_rejection()], ids=lambda p: p.name)
+def test_early_rejection_checks_ttft_then_tbt(policy: EarlyRejection) -> None:
+    """Early rejection needs both estimates within SLO; TTFT is checked first."""
+    slo = Slo(ttft_s=2.0, tbt_s=0.1)
+    assert policy.admit(route(2.0), decode(0.1), slo).accepted
+    assert policy.admit(route(2.0), decode(0.11), slo).reason is Rejection.TBT_SLO
+    assert policy.admit(route(3.0), decode(0.01), slo).reason is Rejection.TTFT_SLO
+    assert policy.admit(route(3.0), decode(0.5), slo).reason is Rejection.TTFT_SLO
+
+
+slos = st.builds(Slo, ttft_s=st.floats(min_value=0.01, max_value=60), tbt_s=st.floats(min_value=0.001, max_value=1))
+seconds = st.floats(min_value=0.0, max_value=100.0)
+
+
+@given(st.sampled_from(sorted(POLICIES)), seconds, st.floats(min_value=0.0, max_value=2.0), slos)
+def test_accepts_exactly_within_its_slos(name: str, ttft_s: float, tbt_s: float, slo: Slo) -> None:
+    """A policy accepts iff TTFT (and, unless baseline, TBT) is within SLO; a rejection has a reason, an acceptance none."""
+    verdict = POLICIES[name].admit(route(ttft_s), decode(tbt_s), slo)
+    within = ttft_s <= slo.ttft_s and (name == "baseline" or tbt_s <= slo.tbt_s)
+    assert verdict.accepted == within
+    assert (verdict.reason is None) == verdict.accepted
+
+
+# ---------------------------------------------------------------------------- current vs predicted decode load
+
+
+def judged_by_each_policy(c: Conductor, probe: Request, now: float) -> dict[str, ScheduleDecision]:
+    """The probe's decision under each policy, from the same cluster state (policies do not change it)."""
+    decisions = {}
+    for name, policy in POLICIES.items():
+        c.admission = policy
+        decisions[name] = c.schedule(probe, now)
+        if decisions[name].accepted:  # undo, so the next policy sees the same state
+            c.handle(DecodeFinished(request_id=probe.request_id, instance_id=InstanceId("decode-0"), now=now))
+    return decisions
+
+
+def test_early_rejection_sees_load_that_baseline_ignores() -> None:
+    """A decode batch already over the TBT budget: baseline accepts, early rejection refuses before prefill."""
+    c = conductor(BaselineAdmission(), decode_s=10.0)
+    for i in range(10):  # 100k context tokens decoding since t = 0, 20 s apart
+        run_to_decode(c, request(f"filler-{i}", 10_000, first_key=1000 * (i + 1)), now=20.0 * i)
+    verdicts = judged_by_each_policy(c, request("probe", 1000), now=200.0)
+    assert verdicts["baseline"].accepted
+    assert verdicts["early_rejection"].reason is Rejection.TBT_SLO
+    assert verdicts["early_rejection"].tbt_s > TIGHT_TBT.tbt_s
+    # The fillers will have decoded longer than t_d by the time the probe arrives: predicted empty.
+    assert verdicts["predictive_early_rejection"].accepted
+
+
+def test_predictive_rejection_sees_load_about_to_arrive() -> None:
+    """Prefills heading to the decode instance: early rejection (current load) accepts, the predictive one refuses."""
+    c = conductor(EarlyRejection(), decode_s=10.0)
+    for i in range(10):  # 100k tokens of prompts queued at t = 0 on the one prefill instance
+        assert c.schedule(request(f"filler-{i}", 10_000, first_key=1000 * (i + 1)), now=0.0).accepted
+    verdicts = judged_by_each_policy(c, request("probe", 1000), now=0.0)
+    assert verdicts["baseline"].accepted
+    assert verdicts["early_rejection"].accepted
+    assert verdicts["predictive_early_rejection"].reason is Rejection.TBT_SLO
+
+
+def test_no_room_on_any_decode_instance_is_a_rejection_for_every_policy() -> None:
+    """A request whose KV fits nowhere is rejected with NO_DECODE_INSTANCE, whatever the policy."""
+    for name, policy in POLICIES.items():
+        c = Conductor(
+            router=KvCacheCentricRouter(ESTIMATOR),
+            decode_cost=DECODE_COST,
+            admission=policy,
+            predictor=UniformDecodePredictor(decode_s=10.0),
+            slo=Slo(),
+            block_size_tokens=BLOCK,
+        )
+        c.add_prefill_instance(InstanceId("prefill-0"))
+        c.add_decode_instance(InstanceId("decode-0"), capacity_tokens=1000)
+        decision = c.schedule(request("big", 900, output=101), 0.0)
+        assert (decision.accepted, decision.reason) == (False, Rejection.NO_DECODE_INSTANCE), name
+        assert c.in_flight == ()
+
+
+# ---------------------------------------------------------------------------- the Conductor keeps its promises
+
+arrival = st.tuples(
+    st.sampled_from([0.0, 0.05, 0.3, 2.0]),  # time since the previous arrival: bursts build queues
+    st.sampled_from([1, 600, 4000, 12_000]) | st.integers(min_value=1, max_value=12_000),  # prompt tokens
+    st.sampled_from([1, 2000]) | st.integers(min_value=1, max_value=2000),  # output tokens
+    st.integers(min_value=0, max_value=3),  # shared document (prefix) id
+    st.sampled_from(["queue", "prefilled", "decoding", "finished"]),  # how far it gets before the next arrival
+)
+arrivals = st.integers(min_value=5, max_value=30).flatmap(lambda n: st.lists(arrival, min_size=n, max_size=n))
+
+
+@given(
+    st.sampled_from(sorted(POLICIES)),
+    st.sampled_from([Slo(ttft_s=1.0, tbt_s=0.0162), Slo(ttft_s=2.0, tbt_s=0.0165), Slo(ttft_s=30.0, tbt_s=0.02)]),
+    st.sampled_from(["uniform", "output_length"]),
+    arrivals,
+)
+def test_accepted_requests_are_within_their_policys_slos(
+    name: str, slo: Slo, predictor_name: str, stream: list[tuple[float, int, int, int, str]]
+) -> None:
+    """Every accepted decision has ttft_s <= SLO and, for TBT-checking policies, tbt_s <= SLO; rejections carry a reason."""
+    predictor = (
+        UniformDecodePredictor(decode_s=5.0) if predictor_name == "uniform" else OutputLengthPredictor(step_s=0.02)
+    )
+    c = Conductor(
+        router=KvCacheCentricRouter(ESTIMATOR),
+        decode_cost=DECODE_COST,
+        admission=POLICIES[name],
+        predictor=predictor,
+        slo=slo,
+        block_size_tokens=BLOCK,
+    )
+    for i in range(3):
+        c.add_prefill_instance(InstanceId(f"prefill-{i}"))
+    for i in range(2):
+        c.add_decode_instance(InstanceId(f"decode-{i}"), capacity_tokens=30_000)
+    now = 0.0
+    seqs = {InstanceId(f"prefill-{i}"): 0 for i in range(3)}
+    for index, (gap_s, tokens, output, document, stage) in enumerate(stream):
+        now += gap_s
+        r = request(str(index), tokens, output=output, first_key=10**6 * document)
+        decision = c.schedule(r, now)
+        event(f"{name}: {decision.reason.value if decision.reason else 'accepted'}")
+        assert decision.ttft_s is None or decision.ttft_s >= 0
+        if not decision.accepted:
+            assert decision.reason is not None
+            continue
+        assert decision.reason is None
+        assert decision.ttft_s is not None and decision.tbt_s is not None
+        assert decision.ttft_s <= slo.ttft_s
+        if name != "baseline":
+            assert decision.tbt_s <= slo.tbt_s
+        prefill, target = decision.prefill_instance, decision.decode_instance
+        assert prefill is not None and target is not None
+        if stage == "queue":
+            continue
+        c.handle(PrefillFinished(request_id=r.request_id, instance_id=prefill, now=now))
+        c.apply_cache_event(BlockStored(source=prefill, seq=seqs[prefill], keys=r.block_keys, tier=Tier.VRAM))
+        seqs[prefill] += 1
+        if stage == "prefilled":
+            continue
+        c.handle(
+            DecodeJoined(
+                request_id=r.request_id, instance_id=target, now=now, context_tokens=tokens, output_tokens=output
+            )
+        )
+        if stage == "finished":
+            c.handle(DecodeFinished(request_id=r.request_id, instance_id=target, now=now, generated_tokens=output))
+    for view in (*c.prefill_views, *c.decode_views):
+        view.check_invariants()

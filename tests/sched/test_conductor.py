@@ -1,0 +1,881 @@
+"""Tests for `mooncake.sched.conductor.Conductor`.
+
+Three layers: example tests for the contracts (routing to the prefix holder,
+transfers from the best holder, down instances, the event flow, duplicate ids);
+a `RuleBasedStateMachine` that drives random arrivals and events (prefill
+started and finished, decode joined and finished, rejection by decode, instances
+down and up, cache evictions, time passing) against a simple model of what must
+be in flight where; and a property that replays one random program twice from
+the same seed and gets the same decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mooncake.cache.events import AllBlocksCleared, BlockStored
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, Rejection
+from mooncake.sched.conductor import Conductor, RequestEnd, ScheduleDecision
+from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
+from mooncake.sched.router import (
+    AdaptiveThreshold,
+    KvCacheCentricRouter,
+    LoadBalancingRouter,
+    RandomRouter,
+    Router,
+    TtftEstimator,
+    local_cache_aware_router,
+)
+from mooncake.sched.view import (
+    DecodeFinished,
+    DecodeJoined,
+    InstanceDown,
+    InstanceUp,
+    PrefillFinished,
+    PrefillStarted,
+    RequestRejected,
+)
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+from tests.reference.sched import HoldingsModel
+
+LLAMA3 = MODELS["llama3-70b"]
+A800 = HARDWARE["8xA800"]
+BLOCK = 256
+ESTIMATOR = TtftEstimator(
+    prefill=PrefillCostModel(model=LLAMA3, hardware=A800),  # 0.92 s for 8,192 tokens
+    transfer=TransferCostModel(bandwidth_bytes_per_s=100e9),  # 27 ms for 8,192 tokens of KV
+    kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
+)
+DECODE_COST = DecodeCostModel(model=LLAMA3, hardware=A800)
+P0, P1, P2 = (InstanceId(f"prefill-{i}") for i in range(3))
+D0, D1 = InstanceId("decode-0"), InstanceId("decode-1")
+PREFILL_IDS, DECODE_IDS = (P0, P1, P2), (D0, D1)
+ROUTERS = ("kvcache_centric", "adaptive", "local_cache_aware", "load_balancing", "random")
+ADMISSIONS = ("baseline", "early_rejection", "predictive_early_rejection")
+INSTANCE_DOWN = f"rejected:{Rejection.INSTANCE_DOWN.value}"
+MACHINE_BLOCK = 128  # the state machine's prompts: up to 18 blocks, 2,304 tokens (about 0.2 s of prefill)
+
+
+def make_router(name: str, *, threshold: float = 1.5) -> Router:
+    estimator = ESTIMATOR
+    if name == "kvcache_centric":
+        return KvCacheCentricRouter(estimator, threshold=threshold)
+    if name == "adaptive":
+        return KvCacheCentricRouter(estimator, adaptive=AdaptiveThreshold(value=threshold))
+    if name == "local_cache_aware":
+        return local_cache_aware_router(estimator)
+    if name == "load_balancing":
+        return LoadBalancingRouter(estimator)
+    assert name == "random"
+    return RandomRouter(estimator)
+
+
+def make_admission(name: str) -> AdmissionPolicy:
+    if name == "baseline":
+        return BaselineAdmission()
+    return EarlyRejection(predictive=name == "predictive_early_rejection")
+
+
+def make_conductor(
+    *,
+    router: str = "kvcache_centric",
+    threshold: float = 1.5,
+    admission: str = "baseline",
+    predictor: Any = None,
+    slo: Slo | None = None,
+    capacity_tokens: int | None = None,
+    block_size: int = BLOCK,
+    seed: int = 0,
+) -> Conductor:
+    conductor = Conductor(
+        router=make_router(router, threshold=threshold),
+        decode_cost=DECODE_COST,
+        admission=make_admission(admission),
+        predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),
+        slo=slo if slo is not None else Slo(),
+        block_size_tokens=block_size,
+        seed=seed,
+    )
+    for instance in PREFILL_IDS:
+        conductor.add_prefill_instance(instance)
+    for instance in DECODE_IDS:
+        conductor.add_decode_instance(instance, capacity_tokens=capacity_tokens)
+    return conductor
+
+
+def request(name: str, keys: Sequence[int], *, tokens: int | None = None, output: int = 100) -> Request:
+    """A request over `keys`, filling its last block unless `tokens` says otherwise."""
+    return Request(
+        request_id=RequestId(name),
+        arrival_s=0.0,
+        input_length=tokens if tokens is not None else max(1, len(keys) * BLOCK),
+        output_length=output,
+        block_keys=tuple(BlockKey(k) for k in keys),
+    )
+
+
+DOC = tuple(range(100, 132))  # a 32-block (8,192-token) shared prefix
+
+
+@attrs.define
+class Caches:
+    """The prefill instances' caches as the index hears of them: per-source epoch and seq, and a model of holdings."""
+
+    holdings: HoldingsModel = attrs.field(factory=HoldingsModel)
+    epoch: dict[InstanceId, int] = attrs.field(factory=lambda: collections.defaultdict(int))
+    seq: dict[InstanceId, int] = attrs.field(factory=lambda: collections.defaultdict(int))
+
+    def _stamp(self, instance: InstanceId) -> dict[str, Any]:
+        stamp = {"source": instance, "seq": self.seq[instance], "epoch": self.epoch[instance]}
+        self.seq[instance] += 1
+        return stamp
+
+    def store(self, conductor: Conductor, instance: InstanceId, keys: Sequence[int]) -> None:
+        event = BlockStored(keys=tuple(keys), tier=Tier.VRAM, **self._stamp(instance))
+        assert conductor.apply_cache_event(event) is None
+        self.holdings.store(instance, (BlockKey(k) for k in keys))
+
+    def clear(self, conductor: Conductor, instance: InstanceId) -> None:
+        assert conductor.apply_cache_event(AllBlocksCleared(**self._stamp(instance))) is None
+        self.holdings.clear(instance)
+
+    def restart(self, instance: InstanceId) -> None:
+        """The instance went down: the index forgot it, and its cache comes back empty in a new epoch."""
+        self.holdings.clear(instance)
+        self.epoch[instance] += 1
+        self.seq[instance] = 0
+
+
+def occupy(conductor: Conductor, instance: InstanceId, *, count: int, now: float = 0.0) -> list[ScheduleDecision]:
+    """Queue `count` uncached 8,192-token prompts on `instance`, taking the other prefill instances down meanwhile
+    (so call it before anything else is queued on them)."""
+    others = [p for p in PREFILL_IDS if p != instance]
+    for other in others:
+        conductor.handle(InstanceDown(instance_id=other, now=now))
+    decisions = [
+        conductor.schedule(request(f"filler-{instance}-{i}", range(10_000 * (i + 1), 10_000 * (i + 1) + 32)), now)
+        for i in range(count)
+    ]
+    for other in others:
+        conductor.handle(InstanceUp(instance_id=other, now=now))
+    assert all(d.accepted and d.prefill_instance == instance for d in decisions)
+    return decisions
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+def test_routes_to_the_instance_holding_the_prefix() -> None:
+    """All idle: the holder of the whole prompt wins, reusing all but its last token, moving nothing."""
+    conductor, caches = make_conductor(), Caches()
+    caches.store(conductor, P1, DOC)
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.accepted
+    assert (decision.prefill_instance, decision.prefix_tokens, decision.transfer) == (P1, 8191, None)
+    assert decision.ttft_s == pytest.approx(ESTIMATOR.prefill.prefill_s(8192, 8191))
+    conductor.check_invariants()
+
+
+def test_prefers_the_longest_prefix() -> None:
+    """Several holders: the longest prefix wins when queues are equal."""
+    conductor, caches = make_conductor(threshold=100.0), Caches()
+    caches.store(conductor, P0, DOC[:8])
+    caches.store(conductor, P2, DOC[:24])
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert (decision.prefill_instance, decision.prefix_tokens, decision.transfer) == (P2, 24 * BLOCK, None)
+
+
+def test_plans_a_transfer_from_the_best_holder_when_the_threshold_allows() -> None:
+    """Busy holder, idle peers: with threshold 1.5 the prefix moves to a peer, which keeps the copy."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    occupy(conductor, P0, count=3)  # P0 busy for ~2.7 s
+    caches.store(conductor, P0, DOC)
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.accepted and decision.prefill_instance == P1
+    plan = decision.transfer
+    assert plan is not None
+    assert (plan.source, plan.num_blocks, plan.keep_local_copy) == (P0, 32, True)
+    assert plan.num_bytes == 8191 * LLAMA3.kv_bytes_per_token
+    assert decision.prefix_tokens == 8191
+    assert decision.ttft_s == pytest.approx(plan.transfer_s + ESTIMATOR.prefill.prefill_s(8192, 8191))
+    conductor.check_invariants()
+
+
+def test_ratio_below_threshold_keeps_the_own_prefix() -> None:
+    """Peers holding half the prefix (ratio 2): threshold 4 keeps their own half; threshold 1.5 moves the other half."""
+    for threshold, expected_blocks in [(4.0, None), (1.5, 16)]:
+        conductor, caches = make_conductor(threshold=threshold), Caches()
+        occupy(conductor, P0, count=3)
+        caches.store(conductor, P0, DOC)
+        caches.store(conductor, P1, DOC[:16])
+        caches.store(conductor, P2, DOC[:16])
+        decision = conductor.schedule(request("r", DOC), 0.0)
+        assert decision.prefill_instance == P1
+        moved = decision.transfer.num_blocks if decision.transfer is not None else None
+        assert moved == expected_blocks
+        assert decision.prefix_tokens == (16 * BLOCK if expected_blocks is None else 8191)
+
+
+def test_transfers_from_one_source_congest() -> None:
+    """A second transfer from the same holder while the first is still moving takes twice the bytes' time."""
+    conductor, caches = make_conductor(), Caches()
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    first = conductor.schedule(request("r1", DOC), 0.0)
+    second = conductor.schedule(request("r2", DOC), 0.0)
+    assert first.transfer is not None and second.transfer is not None
+    assert {first.prefill_instance, second.prefill_instance} == {P1, P2}
+    one = first.transfer.num_bytes / 100e9
+    assert second.transfer.transfer_s == pytest.approx(first.transfer.transfer_s + one)
+    later = conductor.schedule(request("r3", DOC), 10.0)  # both transfers are done by now
+    assert later.transfer is None or later.transfer.transfer_s == pytest.approx(first.transfer.transfer_s)
+
+
+def test_queues_follow_each_other() -> None:
+    """On one instance, each queued request is predicted to start when the previous one finishes."""
+    conductor = make_conductor()
+    decisions = occupy(conductor, P2, count=3)
+    queue = next(v for v in conductor.prefill_views if v.instance_id == P2).queue
+    assert [q.request_id for q in queue] == [d.request_id for d in decisions]
+    assert queue[0].start_s == 0.0
+    for before, after in itertools.pairwise(queue):
+        assert after.start_s == pytest.approx(before.finish_s)
+    assert decisions[2].ttft_s == pytest.approx(queue[2].finish_s)
+
+
+def test_prefill_started_late_pushes_the_queue_back() -> None:
+    """A head that starts late delays everyone behind it by as much; after it ends the rest keep their durations."""
+    conductor = make_conductor()
+    occupy(conductor, P2, count=3)
+    view = next(v for v in conductor.prefill_views if v.instance_id == P2)
+    durations = [q.finish_s - q.start_s for q in view.queue]
+    head = view.queue[0].request_id
+    conductor.handle(PrefillStarted(request_id=head, instance_id=P2, now=1.0))
+    assert view.queue[0].start_s == 1.0
+    assert view.queue[2].finish_s == pytest.approx(1.0 + sum(durations))
+    conductor.handle(PrefillFinished(request_id=head, instance_id=P2, now=1.5))
+    assert [q.finish_s - q.start_s for q in view.queue] == pytest.approx(durations[1:])
+    assert view.queue[0].start_s >= 1.5
+    assert view.queue[1].start_s == pytest.approx(view.queue[0].finish_s)
+
+
+# ---------------------------------------------------------------------------- down instances
+
+
+def test_never_routes_to_a_down_instance() -> None:
+    """A down holder is neither chosen nor a transfer source; its cache is forgotten."""
+    conductor, caches = make_conductor(), Caches()
+    caches.store(conductor, P0, DOC)
+    conductor.handle(InstanceDown(instance_id=P0, now=0.0))
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.accepted and decision.prefill_instance in (P1, P2)
+    assert decision.transfer is None and decision.prefix_tokens == 0
+    conductor.handle(InstanceUp(instance_id=P0, now=1.0))
+    back = conductor.schedule(request("r2", DOC), 1.0)
+    assert back.prefix_tokens == 0  # it restarted empty
+
+
+def test_no_prefill_instance_up_is_a_rejection() -> None:
+    """With every prefill instance down the request is rejected with NO_PREFILL_INSTANCE."""
+    conductor = make_conductor()
+    for instance in PREFILL_IDS:
+        conductor.handle(InstanceDown(instance_id=instance, now=0.0))
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert (decision.accepted, decision.reason, decision.prefill_instance) == (
+        False,
+        Rejection.NO_PREFILL_INSTANCE,
+        None,
+    )
+    assert conductor.in_flight == ()
+
+
+def test_down_decode_instances_are_skipped() -> None:
+    """A down decode instance is never chosen; with both down the request is rejected with NO_DECODE_INSTANCE."""
+    conductor = make_conductor()
+    conductor.handle(InstanceDown(instance_id=D0, now=0.0))
+    assert conductor.schedule(request("r1", DOC), 0.0).decode_instance == D1
+    conductor.handle(InstanceDown(instance_id=D1, now=0.0))
+    decision = conductor.schedule(request("r2", DOC), 0.0)
+    assert (decision.accepted, decision.reason, decision.decode_instance) == (False, Rejection.NO_DECODE_INSTANCE, None)
+    assert decision.prefill_instance is not None  # routing got that far
+
+
+def test_instance_down_ends_its_requests_with_a_reason() -> None:
+    """A prefill instance going down ends the requests queued there; a decode one ends all headed or decoding there."""
+    conductor = make_conductor()
+    on_p0 = occupy(conductor, P0, count=2)
+    elsewhere = [conductor.schedule(request(f"r{i}", range(1000 * i, 1000 * i + 32)), 0.0) for i in (1, 2)]
+    assert {d.prefill_instance for d in elsewhere} == {P1, P2}
+    first = on_p0[0]
+    assert first.decode_instance is not None
+    conductor.handle(PrefillFinished(request_id=first.request_id, instance_id=P0, now=1.0))
+    joined = DecodeJoined(
+        request_id=first.request_id, instance_id=first.decode_instance, now=1.0, context_tokens=8192, output_tokens=100
+    )
+    conductor.handle(joined)
+    ends = conductor.handle(InstanceDown(instance_id=P0, now=2.0))
+    assert ends == (RequestEnd(on_p0[1].request_id, INSTANCE_DOWN),)  # the decoding one outlives its prefill node
+    doomed = {d.request_id for d in [first, *elsewhere] if d.decode_instance == first.decode_instance}
+    ends = conductor.handle(InstanceDown(instance_id=first.decode_instance, now=3.0))
+    assert {e.request_id for e in ends} == doomed and len(ends) == len(doomed)
+    assert {e.outcome for e in ends} == {INSTANCE_DOWN}
+    assert set(conductor.in_flight) == {d.request_id for d in elsewhere} - doomed
+    assert conductor.handle(InstanceDown(instance_id=P0, now=4.0)) == ()  # nothing left to end there
+    conductor.check_invariants()
+
+
+def test_events_about_unknown_instances_are_config_errors() -> None:
+    """Instance events must name a known instance, and ids are unique across prefill and decode."""
+    conductor = make_conductor()
+    with pytest.raises(ConfigError):
+        conductor.handle(InstanceDown(instance_id=InstanceId("nowhere"), now=0.0))
+    with pytest.raises(ConfigError):
+        conductor.add_prefill_instance(D0)
+    with pytest.raises(ConfigError):
+        conductor.add_decode_instance(P0)
+
+
+# ---------------------------------------------------------------------------- the event flow
+
+
+def test_request_flows_from_prefill_to_decode_and_ends_once() -> None:
+    """Scheduled → prefill started/finished → decode joined → finished: views follow; later events are ignored."""
+    conductor = make_conductor()
+    r = request("r", DOC, output=300)
+    decision = conductor.schedule(r, 0.0)
+    assert decision.accepted and decision.reason is None
+    prefill, decode = decision.prefill_instance, decision.decode_instance
+    assert prefill is not None and decode is not None
+    view = {v.instance_id: v for v in conductor.decode_views}[decode]
+    assert view.reserved == {r.request_id: 8192 + 300} and view.used_tokens == 0
+    assert conductor.handle(PrefillStarted(request_id=r.request_id, instance_id=prefill, now=0.5)) == ()
+    assert conductor.handle(PrefillFinished(request_id=r.request_id, instance_id=prefill, now=1.4)) == ()
+    assert all(not v.queue for v in conductor.prefill_views)
+    joined = DecodeJoined(request_id=r.request_id, instance_id=decode, now=1.5, context_tokens=8192, output_tokens=300)
+    assert conductor.handle(joined) == ()
+    assert (view.batch_size, view.used_tokens, view.reserved_tokens) == (1, 8492, 0)
+    conductor.check_invariants()
+    assert conductor.in_flight == (r.request_id,)
+    ends = conductor.handle(DecodeFinished(request_id=r.request_id, instance_id=decode, now=9.0, generated_tokens=280))
+    assert ends == (RequestEnd(r.request_id, "finished"),)
+    assert (view.batch_size, view.used_tokens, conductor.in_flight) == (0, 0, ())
+    for late in (
+        joined,
+        DecodeFinished(request_id=r.request_id, instance_id=decode, now=9.5),
+        RequestRejected(request_id=r.request_id, instance_id=decode, now=9.5),
+    ):
+        assert conductor.handle(late) == ()
+    conductor.check_invariants()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="bug: a request between PrefillFinished and DecodeJoined breaks check_invariants"
+)
+def test_invariants_hold_between_prefill_and_decode() -> None:
+    """Minimal repro: after PrefillFinished (KV on its way to decode) the Conductor's own invariants still hold."""
+    conductor = make_conductor()
+    decision = conductor.schedule(request("r", DOC[:4]), 0.0)
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=decision.prefill_instance, now=1.0))  # type: ignore[arg-type]
+    conductor.check_invariants()
+
+
+def test_decode_joined_without_prefill_finished_leaves_the_queue() -> None:
+    """Joining decode implies the prefill is over: the request leaves its queue and its reservation becomes use."""
+    conductor = make_conductor()
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    conductor.handle(
+        DecodeJoined(
+            request_id=RequestId("r"),
+            instance_id=decision.decode_instance,
+            now=1.0,
+            context_tokens=8192,
+            output_tokens=100,
+        )  # type: ignore[arg-type]
+    )
+    assert all(not v.queue for v in conductor.prefill_views)
+    conductor.check_invariants()
+
+
+def test_rejection_by_decode_ends_the_request_with_its_reason() -> None:
+    """The decode instance's own refusal ends the request: the reason given, or decode_rejected."""
+    conductor = make_conductor()
+    first, second = conductor.schedule(request("a", DOC), 0.0), conductor.schedule(request("b", DOC), 0.0)
+    plain = RequestRejected(request_id=RequestId("a"), instance_id=first.decode_instance, now=1.0)  # type: ignore[arg-type]
+    assert conductor.handle(plain) == (RequestEnd(RequestId("a"), "rejected:decode_rejected"),)
+    tbt = RequestRejected(request_id=RequestId("b"), instance_id=second.decode_instance, now=1.0, reason="tbt_slo")  # type: ignore[arg-type]
+    assert conductor.handle(tbt) == (RequestEnd(RequestId("b"), "rejected:tbt_slo"),)
+    assert conductor.in_flight == ()
+    assert all(v.reserved_tokens == 0 for v in conductor.decode_views)
+    conductor.check_invariants()
+
+
+def test_duplicate_request_id_is_an_invalid_request() -> None:
+    """Scheduling an id already in flight raises InvalidRequestError and changes nothing; once ended it may return."""
+    conductor = make_conductor()
+    first = conductor.schedule(request("r", DOC), 0.0)
+    queues = [list(v.queue) for v in conductor.prefill_views]
+    with pytest.raises(InvalidRequestError, match="r"):
+        conductor.schedule(request("r", DOC[:3]), 0.1)
+    assert [list(v.queue) for v in conductor.prefill_views] == queues
+    conductor.handle(DecodeFinished(request_id=RequestId("r"), instance_id=first.decode_instance, now=1.0))  # type: ignore[arg-type]
+    assert conductor.schedule(request("r", DOC), 2.0).accepted
+
+
+def test_prefill_finished_teaches_the_adaptive_threshold() -> None:
+    """A transfer decision whose prefill finishes far later than estimated raises the adaptive threshold."""
+    conductor, caches = make_conductor(router="adaptive"), Caches()
+    router = conductor.router
+    assert isinstance(router, KvCacheCentricRouter) and router.adaptive is not None
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.transfer is not None and decision.ttft_s is not None
+    before = router.adaptive.value
+    conductor.handle(
+        PrefillFinished(request_id=RequestId("r"), instance_id=decision.prefill_instance, now=3 * decision.ttft_s)
+    )  # type: ignore[arg-type]
+    assert router.adaptive.value > before
+
+
+def test_decode_finished_teaches_the_output_length_predictor() -> None:
+    """Generated token counts reported at the end feed an output-length predictor."""
+    predictor = OutputLengthPredictor(step_s=0.02)
+    conductor = make_conductor(admission="predictive_early_rejection", predictor=predictor)
+    for i, generated in enumerate([30, 10, 20]):
+        decision = conductor.schedule(request(f"r{i}", DOC), float(i))
+        conductor.handle(
+            DecodeFinished(
+                request_id=RequestId(f"r{i}"),
+                instance_id=decision.decode_instance,
+                now=i + 0.5,
+                generated_tokens=generated,
+            )  # type: ignore[arg-type]
+        )
+    assert predictor.lengths == [10, 20, 30]
+
+
+# ---------------------------------------------------------------------------- state machine
+
+
+@attrs.define
+class Tracked:
+    """What the model knows of one request in flight."""
+
+    request: Request
+    prefill: InstanceId
+    decode: InstanceId
+    scheduled_s: float
+    stage: str  # queued | started | prefilled | decoding
+
+    @property
+    def tokens(self) -> int:
+        return self.request.input_length + self.request.output_length
+
+
+class ConductorMachine(RuleBasedStateMachine):
+    """Random arrivals and events against a model of where each request is, and how each ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conductor: Conductor
+        self.tracked: dict[RequestId, Tracked] = {}
+        self.ends: collections.Counter[RequestId] = collections.Counter()
+        self.down: set[InstanceId] = set()
+        self.caches = Caches()
+        self.now = 0.0
+        self.next_id = 0
+        self.next_fresh_key = 10**6
+
+    @initialize(
+        router=st.sampled_from(ROUTERS),
+        admission=st.sampled_from(ADMISSIONS),
+        predictor=st.sampled_from(["uniform", "output_length"]),
+        slo=st.sampled_from([Slo(), Slo(ttft_s=1.0, tbt_s=0.0165), Slo(ttft_s=3.0, tbt_s=0.017)]),
+        capacity=st.sampled_from([20_000, 60_000, 400_000]),
+        threshold=st.sampled_from([1.0, 1.5, 4.0]),
+        seed=st.integers(min_value=0, max_value=2**32 - 1),
+        warm=st.lists(
+            st.tuples(st.integers(min_value=0, max_value=3), st.sampled_from(PREFILL_IDS), st.integers(1, 12)),
+            max_size=4,
+        ),
+    )
+    def setup(
+        self,
+        router: str,
+        admission: str,
+        predictor: str,
+        slo: Slo,
+        capacity: int,
+        threshold: float,
+        seed: int,
+        warm: list[tuple[int, InstanceId, int]],
+    ) -> None:
+        self.router_name, self.admission_name, self.slo = router, admission, slo
+        self.conductor = make_conductor(
+            router=router,
+            threshold=threshold,
+            admission=admission,
+            predictor=UniformDecodePredictor(decode_s=2.0)
+            if predictor == "uniform"
+            else OutputLengthPredictor(step_s=0.02),
+            slo=slo,
+            capacity_tokens=capacity,
+            block_size=MACHINE_BLOCK,
+            seed=seed,
+        )
+        for document, instance, blocks in warm:  # documents some caches already hold
+            self.caches.store(self.conductor, instance, [1000 * document + i for i in range(blocks)])
+
+    # ---------------------------------------------------------------- helpers
+
+    def _in_stage(self, *stages: str) -> list[RequestId]:
+        return sorted(rid for rid, t in self.tracked.items() if t.stage in stages)
+
+    def _end(self, request_id: RequestId, ends: tuple[RequestEnd, ...], outcome: str) -> None:
+        assert ends == (RequestEnd(request_id, outcome),)
+        del self.tracked[request_id]
+        self.ends[request_id] += 1
+
+    # ---------------------------------------------------------------- rules
+
+    @rule(
+        document=st.integers(min_value=0, max_value=3),
+        shared=st.integers(min_value=0, max_value=12),
+        fresh=st.integers(min_value=0, max_value=6),
+        last_block=st.integers(min_value=1, max_value=MACHINE_BLOCK),
+        output=st.sampled_from([1, 64, 1500]) | st.integers(min_value=1, max_value=2000),
+    )
+    def arrive(self, document: int, shared: int, fresh: int, last_block: int, output: int) -> None:
+        self._arrive(document, shared, fresh, last_block, output)
+
+    @rule(
+        document=st.integers(min_value=0, max_value=3),
+        shared=st.integers(min_value=1, max_value=12),
+        count=st.integers(min_value=2, max_value=6),
+    )
+    def burst(self, document: int, shared: int, count: int) -> None:
+        """Several requests on one document at once: its holder gets busy, so replication pays."""
+        for _ in range(count):
+            self._arrive(document, shared, 1, MACHINE_BLOCK, 100)
+
+    def _arrive(self, document: int, shared: int, fresh: int, last_block: int, output: int) -> None:
+        keys = [1000 * document + i for i in range(shared)]
+        keys += range(self.next_fresh_key, self.next_fresh_key + max(fresh, 0 if keys else 1))
+        self.next_fresh_key += len(keys)
+        r = Request(
+            request_id=RequestId(f"r{self.next_id}"),
+            arrival_s=self.now,
+            input_length=(len(keys) - 1) * MACHINE_BLOCK + last_block,
+            output_length=output,
+            block_keys=tuple(BlockKey(k) for k in keys),
+        )
+        self.next_id += 1
+        up_prefill = [p for p in PREFILL_IDS if p not in self.down]
+        best, best_blocks = self.caches.holdings.best(up_prefill, r.block_keys)
+        decision = self.conductor.schedule(r, self.now)
+        event(
+            f"{decision.reason.value if decision.reason else 'accepted'}{' with transfer' if decision.transfer else ''}"
+        )
+        assert decision.request_id == r.request_id
+        if not decision.accepted:
+            assert decision.reason is not None
+            if decision.reason is Rejection.NO_PREFILL_INSTANCE:
+                assert not up_prefill
+            if decision.reason is Rejection.NO_DECODE_INSTANCE:
+                assert all(
+                    v.free_tokens() < r.input_length + r.output_length for v in self.conductor.decode_views if v.is_up
+                )
+            self.ends[r.request_id] += 1
+            return
+        assert decision.reason is None
+        prefill, decode = decision.prefill_instance, decision.decode_instance
+        assert prefill in up_prefill and decode is not None and decode not in self.down
+        assert decision.ttft_s is not None and decision.tbt_s is not None
+        assert decision.ttft_s <= self.slo.ttft_s
+        if self.admission_name != "baseline":
+            assert decision.tbt_s <= self.slo.tbt_s
+        own = self.caches.holdings.prefix_blocks(prefill, r.block_keys)
+        if decision.transfer is None:
+            assert decision.prefix_tokens == min(own * MACHINE_BLOCK, r.input_length - 1)
+        else:
+            assert self.router_name in ("kvcache_centric", "adaptive", "local_cache_aware")
+            assert decision.transfer.source == best and best not in self.down and best != prefill
+            assert decision.transfer.num_blocks == best_blocks - own
+            assert decision.transfer.keep_local_copy
+            assert decision.prefix_tokens == min(best_blocks * MACHINE_BLOCK, r.input_length - 1)
+        self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued")
+
+    @precondition(lambda self: self.tracked)
+    @rule(data=st.data())
+    def schedule_duplicate(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.tracked)))
+        before = [list(v.queue) for v in self.conductor.prefill_views]
+        with pytest.raises(InvalidRequestError):
+            self.conductor.schedule(self.tracked[request_id].request, self.now)
+        assert [list(v.queue) for v in self.conductor.prefill_views] == before
+
+    @precondition(lambda self: self._in_stage("queued"))
+    @rule(data=st.data())
+    def prefill_started(self, data: st.DataObject) -> None:
+        t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued")))]
+        assert (
+            self.conductor.handle(PrefillStarted(request_id=t.request.request_id, instance_id=t.prefill, now=self.now))
+            == ()
+        )
+        t.stage = "started"
+
+    @precondition(lambda self: self._in_stage("queued", "started"))
+    @rule(data=st.data())
+    def prefill_finished(self, data: st.DataObject) -> None:
+        t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued", "started")))]
+        assert (
+            self.conductor.handle(PrefillFinished(request_id=t.request.request_id, instance_id=t.prefill, now=self.now))
+            == ()
+        )
+        t.stage = "prefilled"
+        self.caches.store(self.conductor, t.prefill, t.request.block_keys)  # the prefill instance now caches the prompt
+
+    @precondition(lambda self: self._in_stage("queued", "started", "prefilled"))
+    @rule(data=st.data())
+    def decode_joined(self, data: st.DataObject) -> None:
+        t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued", "started", "prefilled")))]
+        event = DecodeJoined(
+            request_id=t.request.request_id,
+            instance_id=t.decode,
+            now=self.now,
+            context_tokens=t.request.input_length,
+            output_tokens=t.request.output_length,
+        )
+        assert self.conductor.handle(event) == ()
+        t.stage = "decoding"
+
+    @precondition(lambda self: self.tracked)
+    @rule(data=st.data(), generated=st.integers(min_value=1, max_value=2000))
+    def decode_finished(self, data: st.DataObject, generated: int) -> None:
+        t = self.tracked[data.draw(st.sampled_from(sorted(self.tracked)))]
+        event = DecodeFinished(
+            request_id=t.request.request_id, instance_id=t.decode, now=self.now, generated_tokens=generated
+        )
+        self._end(t.request.request_id, self.conductor.handle(event), "finished")
+
+    @precondition(lambda self: self._in_stage("queued", "started", "prefilled"))
+    @rule(data=st.data(), reason=st.sampled_from(["", "tbt_slo"]))
+    def rejected_by_decode(self, data: st.DataObject, reason: str) -> None:
+        t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued", "started", "prefilled")))]
+        event = RequestRejected(request_id=t.request.request_id, instance_id=t.decode, now=self.now, reason=reason)
+        self._end(t.request.request_id, self.conductor.handle(event), f"rejected:{reason or 'decode_rejected'}")
+
+    @precondition(lambda self: self.ends)
+    @rule(data=st.data())
+    def event_after_the_end(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.ends)))
+        instance = data.draw(st.sampled_from(PREFILL_IDS + DECODE_IDS))
+        event = data.draw(
+            st.sampled_from(
+                [
+                    PrefillStarted(request_id=request_id, instance_id=instance, now=self.now),
+                    PrefillFinished(request_id=request_id, instance_id=instance, now=self.now),
+                    DecodeJoined(
+                        request_id=request_id, instance_id=instance, now=self.now, context_tokens=1, output_tokens=1
+                    ),
+                    DecodeFinished(request_id=request_id, instance_id=instance, now=self.now),
+                    RequestRejected(request_id=request_id, instance_id=instance, now=self.now),
+                ]
+            )
+        )
+        assert self.conductor.handle(event) == ()
+
+    @rule(instance=st.sampled_from(PREFILL_IDS + DECODE_IDS))
+    def instance_down(self, instance: InstanceId) -> None:
+        doomed = {
+            rid
+            for rid, t in self.tracked.items()
+            if (t.prefill == instance and t.stage != "decoding") or t.decode == instance
+        }
+        ends = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
+        assert len(ends) == len(doomed)
+        assert {e.request_id for e in ends} == doomed
+        assert {e.outcome for e in ends} <= {INSTANCE_DOWN}
+        for request_id in doomed:
+            del self.tracked[request_id]
+            self.ends[request_id] += 1
+        self.down.add(instance)
+        if instance in PREFILL_IDS:
+            self.caches.restart(instance)
+
+    @precondition(lambda self: self.down)
+    @rule(data=st.data())
+    def instance_up(self, data: st.DataObject) -> None:
+        instance = data.draw(st.sampled_from(sorted(self.down)))
+        assert self.conductor.handle(InstanceUp(instance_id=instance, now=self.now)) == ()
+        self.down.discard(instance)
+
+    @rule(
+        document=st.integers(min_value=0, max_value=3),
+        instance=st.sampled_from(PREFILL_IDS),
+        blocks=st.integers(min_value=1, max_value=12),
+    )
+    def cache_loads_document(self, document: int, instance: InstanceId, blocks: int) -> None:
+        """A cache announces a document's prefix (loaded from a slower tier, say)."""
+        if instance not in self.down:
+            self.caches.store(self.conductor, instance, [1000 * document + i for i in range(blocks)])
+
+    @rule(instance=st.sampled_from(PREFILL_IDS))
+    def evict_everything(self, instance: InstanceId) -> None:
+        if instance not in self.down:
+            self.caches.clear(self.conductor, instance)
+
+    @rule(seconds=st.sampled_from([0.0, 0.01, 0.3, 2.0, 10.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def views_are_consistent(self) -> None:
+        for view in (*self.conductor.prefill_views, *self.conductor.decode_views):
+            view.check_invariants()
+        # The Conductor's own check rejects the legitimate prefilled-not-yet-decoding stage
+        # (see test_invariants_hold_between_prefill_and_decode); run it whenever no request is there.
+        if not self._in_stage("prefilled"):
+            self.conductor.check_invariants()
+
+    @invariant()
+    def in_flight_matches_the_model(self) -> None:
+        assert set(self.conductor.in_flight) == set(self.tracked)
+
+    @invariant()
+    def every_request_ends_exactly_once(self) -> None:
+        assert all(count == 1 for count in self.ends.values()), self.ends.most_common(1)
+        assert not set(self.ends) & set(self.tracked)
+        assert len(self.ends) + len(self.tracked) == self.next_id
+
+    @invariant()
+    def queues_are_never_negative(self) -> None:
+        for view in self.conductor.prefill_views:
+            assert view.queue_s(self.now) >= 0
+            for entry in view.queue:
+                t = self.tracked[entry.request_id]
+                assert t.prefill == view.instance_id and t.stage in ("queued", "started")
+                assert t.scheduled_s <= entry.start_s <= entry.finish_s
+
+    @invariant()
+    def vram_is_never_over_capacity(self) -> None:
+        for view in self.conductor.decode_views:
+            assert 0 <= view.used_tokens + view.reserved_tokens <= view.capacity_tokens
+            mine = [t for t in self.tracked.values() if t.decode == view.instance_id]
+            assert view.used_tokens == sum(t.tokens for t in mine if t.stage == "decoding")
+            assert view.reserved_tokens == sum(t.tokens for t in mine if t.stage != "decoding")
+
+    @invariant()
+    def nothing_waits_on_a_down_instance(self) -> None:
+        for t in self.tracked.values():
+            assert t.decode not in self.down
+            assert t.stage == "decoding" or t.prefill not in self.down
+        for view in (*self.conductor.prefill_views, *self.conductor.decode_views):
+            assert view.is_up == (view.instance_id not in self.down)
+
+
+ConductorMachine.TestCase.settings = settings(stateful_step_count=40)
+TestConductorMachine = ConductorMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- determinism
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.integers(0, 3), st.integers(0, 10), st.integers(1, 2000)),
+        st.tuples(st.sampled_from(["start", "prefilled", "join", "finish", "reject"]), st.integers(0, 63)),
+        st.tuples(st.sampled_from(["down", "up"]), st.sampled_from(PREFILL_IDS + DECODE_IDS)),
+        st.tuples(st.just("wait"), st.sampled_from([0.0, 0.1, 1.0, 5.0])),
+    ),
+    max_size=40,
+)
+
+
+def replay(ops: list[tuple[Any, ...]], *, router: str, admission: str, seed: int) -> list[object]:
+    """Run `ops` on a fresh Conductor (prefill instances caching what they computed) and return all it said."""
+    conductor = make_conductor(
+        router=router, admission=admission, capacity_tokens=60_000, block_size=MACHINE_BLOCK, seed=seed
+    )
+    caches, down = Caches(), set()
+    trace: list[object] = []
+    now = 0.0
+    requests: dict[RequestId, Request] = {}
+    placed: dict[RequestId, ScheduleDecision] = {}
+    for op in ops:
+        kind = op[0]
+        if kind == "arrive":
+            _, document, blocks, output = op
+            keys = [1000 * document + i for i in range(blocks)] + [10**6 + len(requests)]
+            r = Request(
+                request_id=RequestId(f"r{len(requests)}"),
+                arrival_s=now,
+                input_length=len(keys) * MACHINE_BLOCK,
+                output_length=output,
+                block_keys=tuple(BlockKey(k) for k in keys),
+            )
+            requests[r.request_id] = r
+            decision = conductor.schedule(r, now)
+            trace.append(decision)
+            placed[r.request_id] = decision
+        elif kind in ("start", "prefilled", "join", "finish", "reject"):
+            live = sorted(conductor.in_flight)
+            if not live:
+                continue
+            d, r = placed[live[op[1] % len(live)]], requests[live[op[1] % len(live)]]
+            prefill, decode = d.prefill_instance, d.decode_instance
+            assert prefill is not None and decode is not None
+            if kind == "start":
+                event: Any = PrefillStarted(request_id=r.request_id, instance_id=prefill, now=now)
+            elif kind == "prefilled":
+                event = PrefillFinished(request_id=r.request_id, instance_id=prefill, now=now)
+                if prefill not in down:
+                    caches.store(conductor, prefill, r.block_keys)
+            elif kind == "join":
+                event = DecodeJoined(
+                    request_id=r.request_id,
+                    instance_id=decode,
+                    now=now,
+                    context_tokens=r.input_length,
+                    output_tokens=r.output_length,
+                )
+            elif kind == "finish":
+                event = DecodeFinished(request_id=r.request_id, instance_id=decode, now=now, generated_tokens=7)
+            else:
+                event = RequestRejected(request_id=r.request_id, instance_id=decode, now=now)
+            trace.append(conductor.handle(event))
+        elif kind == "down":
+            trace.append(conductor.handle(InstanceDown(instance_id=op[1], now=now)))
+            down.add(op[1])
+            if op[1] in PREFILL_IDS:
+                caches.restart(op[1])
+        elif kind == "up":
+            trace.append(conductor.handle(InstanceUp(instance_id=op[1], now=now)))
+            down.discard(op[1])
+        else:
+            now += op[1]
+        trace.append(tuple((v.instance_id, tuple(v.queue)) for v in conductor.prefill_views))
+        trace.append(tuple((v.instance_id, v.used_tokens, v.reserved_tokens) for v in conductor.decode_views))
+    return trace
+
+
+@given(operations, st.sampled_from(ROUTERS), st.sampled_from(ADMISSIONS), st.integers(min_value=0, max_value=2**32 - 1))
+def test_decisions_are_deterministic_for_a_seed(
+    ops: list[tuple[Any, ...]], router: str, admission: str, seed: int
+) -> None:
+    """The same operations from the same seed give the same decisions, ends and queues (random routing included)."""
+    assert replay(ops, router=router, admission=admission, seed=seed) == replay(
+        ops, router=router, admission=admission, seed=seed
+    )

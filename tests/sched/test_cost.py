@@ -1,0 +1,334 @@
+"""Tests for `mooncake.sched.cost`.
+
+Example tests pin the paper's figures (Eq. 2 on 8×A800 and 8×H800, 320 KiB of
+KV per token for LLaMA3-70B) and compare the analytic prefill time with the
+profile-based simulator Vidur; properties cover the FLOPs model, the fitted
+model (recovery of known coefficients, JSON round trip, rejected inputs),
+transfer congestion, decode step time and capacity.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.errors import ConfigError
+from mooncake.sched.cost import (
+    HARDWARE,
+    MODELS,
+    DecodeCostModel,
+    FittedPrefillModel,
+    Hardware,
+    ModelShape,
+    PrefillCostModel,
+    PrefillSample,
+    TransferCostModel,
+    prefill_flops,
+    reuse_bandwidth_bytes_per_s,
+)
+
+LLAMA3 = MODELS["llama3-70b"]
+VIDUR_PREFILL_8192_ON_8XA100_S = 0.99  # Vidur's profile-based prediction for a 70B model, 8,192 tokens, 8×A100
+TRUE_COEFFICIENTS = (0.012, 4.0e-5, 3.0e-9)  # c0 s, c1 s/token, c2 s/token² of the synthetic "measurements"
+
+models = st.sampled_from(sorted(MODELS.values(), key=lambda m: m.name))
+hardware = st.sampled_from(sorted(HARDWARE.values(), key=lambda h: h.name))
+token_counts = st.integers(min_value=0, max_value=200_000)
+
+
+def synthetic_samples(coefficients: tuple[float, float, float], *, noise: float, seed: int) -> list[PrefillSample]:
+    """Prefill "measurements" of the fitted model's form, with multiplicative noise."""
+    rng = random.Random(seed)
+    c0, c1, c2 = coefficients
+    samples = []
+    for n in (128, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+        for p in (0, n // 4, n // 2, n - 64):
+            exact = c0 + c1 * (n - p) + c2 * (n * n - p * p)
+            samples.append(
+                PrefillSample(num_tokens=n, prefix_tokens=p, seconds=exact * (1 + rng.uniform(-noise, noise)))
+            )
+    return samples
+
+
+# ---------------------------------------------------------------------------- paper figures
+
+
+def test_kv_bytes_per_token_of_llama3_70b_is_320_kib() -> None:
+    """LLaMA3-70B (80 layers, d 8,192, GQA 8, bf16) holds 320 KiB of KV per token."""
+    assert LLAMA3.kv_bytes_per_token == 320 * 1024
+
+
+@pytest.mark.parametrize(("preset", "expected_gb_per_s"), [("8xA800", 6.0), ("8xH800", 19.0)])
+def test_reuse_bandwidth_matches_the_paper(preset: str, expected_gb_per_s: float) -> None:
+    """Eq. 2 for LLaMA3-70B at prefix 8,192 is within 5 % of the paper's 6 GB/s (8×A800) and 19 GB/s (8×H800)."""
+    bandwidth = reuse_bandwidth_bytes_per_s(LLAMA3, HARDWARE[preset], 8192)
+    assert bandwidth / 1e9 == pytest.approx(expected_gb_per_s, rel=0.05)
+
+
+def test_analytic_prefill_is_close_to_vidur() -> None:
+    """Analytic prefill of 8,192 tokens of a 70B model on 8×A100 (default MFU) is within 15 % of Vidur's 0.99 s."""
+    cost = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA100"])
+    analytic_s = cost.prefill_s(8192)
+    gap = analytic_s / VIDUR_PREFILL_8192_ON_8XA100_S - 1
+    print(f"\nprefill 8192 tokens, 70B, 8xA100, MFU {cost.mfu}: analytic {analytic_s:.3f} s, Vidur 0.99 s ({gap:+.1%})")
+    assert analytic_s == pytest.approx(VIDUR_PREFILL_8192_ON_8XA100_S, rel=0.15)
+
+
+def test_reuse_bandwidth_is_kv_size_over_peak_compute_time() -> None:
+    """Eq. 2 is KV(p) / (FLOPs(p) / peak): it scales with peak FLOPs and is independent of MFU."""
+    a800, h800 = HARDWARE["8xA800"], HARDWARE["8xH800"]
+    ratio = reuse_bandwidth_bytes_per_s(LLAMA3, h800, 8192) / reuse_bandwidth_bytes_per_s(LLAMA3, a800, 8192)
+    assert ratio == pytest.approx(h800.peak_flops / a800.peak_flops)
+    compute_s = prefill_flops(LLAMA3, 8192) / a800.peak_flops
+    assert reuse_bandwidth_bytes_per_s(LLAMA3, a800, 8192) == pytest.approx(
+        8192 * LLAMA3.kv_bytes_per_token / compute_s
+    )
+
+
+# ---------------------------------------------------------------------------- FLOPs and analytic prefill
+
+
+def test_prefill_flops_hand_example() -> None:
+    """FLOPs(n, p) = l·(4·(n² − p²)·d + 22·(n − p)·d²) on a tiny shape."""
+    shape = ModelShape(name="tiny", num_layers=2, hidden_size=3, gqa=1, num_params=1.0)
+    assert prefill_flops(shape, 5, 2) == 2 * (4 * (25 - 4) * 3 + 22 * 3 * 9)
+    assert prefill_flops(shape, 5) == 2 * (4 * 25 * 3 + 22 * 5 * 9)
+
+
+@given(models, token_counts, token_counts)
+def test_prefill_flops_monotone_in_tokens(model: ModelShape, n: int, extra: int) -> None:
+    """More tokens (same prefix) never cost fewer FLOPs; strictly more once past the prefix."""
+    p = n // 2
+    assert prefill_flops(model, n + extra, p) >= prefill_flops(model, n, p)
+    if extra and n + extra > p:
+        assert prefill_flops(model, n + extra, p) > prefill_flops(model, n, p)
+
+
+@given(models, st.integers(min_value=1, max_value=200_000), st.data())
+def test_prefill_flops_decreasing_in_prefix(model: ModelShape, n: int, data: st.DataObject) -> None:
+    """A longer cached prefix strictly lowers the FLOPs while it is shorter than the prompt."""
+    p = data.draw(st.integers(min_value=0, max_value=n - 1))
+    q = data.draw(st.integers(min_value=p + 1, max_value=n))
+    assert prefill_flops(model, n, q) < prefill_flops(model, n, p)
+
+
+@given(models, token_counts, st.integers(min_value=0, max_value=10_000))
+def test_prefill_flops_zero_when_prefix_covers_prompt(model: ModelShape, n: int, extra: int) -> None:
+    """Nothing is computed when the prefix covers the prompt, and the analytic time is then zero."""
+    assert prefill_flops(model, n, n + extra) == 0
+    cost = PrefillCostModel(model=model, hardware=HARDWARE["8xA800"], overhead_s=0.01)
+    assert cost.prefill_s(n, n + extra) == 0.0
+
+
+@given(models, hardware, st.integers(min_value=1, max_value=100_000), st.floats(min_value=0.05, max_value=1.0))
+def test_analytic_prefill_is_flops_over_effective_compute(model: ModelShape, hw: Hardware, n: int, mfu: float) -> None:
+    """prefill_s = overhead + FLOPs / (G · peak · MFU); half the MFU doubles the compute time."""
+    cost = PrefillCostModel(model=model, hardware=hw, mfu=mfu, overhead_s=0.002)
+    expected = 0.002 + prefill_flops(model, n, n // 3) / (hw.num_gpus * hw.peak_flops_per_gpu * mfu)
+    assert cost.prefill_s(n, n // 3) == pytest.approx(expected)
+    half = PrefillCostModel(model=model, hardware=hw, mfu=mfu / 2)
+    assert half.prefill_s(n) == pytest.approx(2 * (cost.prefill_s(n) - 0.002))
+
+
+@pytest.mark.parametrize("field", ["mfu", "overhead_s"])
+def test_prefill_cost_model_rejects_bad_fields(field: str) -> None:
+    """A non-positive MFU or a negative overhead is a ConfigError."""
+    with pytest.raises(ConfigError):
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], **{field: -1.0})
+
+
+# ---------------------------------------------------------------------------- fitted model
+
+
+def test_fitted_model_recovers_exact_coefficients() -> None:
+    """Noise-free samples of the model's own form give back its coefficients and a near-zero error."""
+    fitted = FittedPrefillModel.fit(synthetic_samples(TRUE_COEFFICIENTS, noise=0.0, seed=0))
+    for got, want in zip(fitted.coefficients, TRUE_COEFFICIENTS, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert fitted.mean_relative_error < 1e-9
+    assert fitted.max_relative_error < 1e-9
+
+
+@given(st.integers(min_value=0, max_value=2**32 - 1))
+def test_fitted_model_with_noise_reports_small_error(seed: int) -> None:
+    """With ±2 % noise the fit's reported errors stay within the noise and it predicts unseen points closely."""
+    fitted = FittedPrefillModel.fit(synthetic_samples(TRUE_COEFFICIENTS, noise=0.02, seed=seed))
+    assert 0 < fitted.mean_relative_error <= fitted.max_relative_error < 0.05
+    c0, c1, c2 = TRUE_COEFFICIENTS
+    for n, p in [(3000, 0), (12000, 6000), (20000, 100)]:
+        truth = c0 + c1 * (n - p) + c2 * (n * n - p * p)
+        assert fitted.prefill_s(n, p) == pytest.approx(truth, rel=0.03)
+
+
+def test_fitted_model_matches_analytic_when_fed_analytic_samples() -> None:
+    """Fitted to the analytic model's own times, the fit reproduces them (both share their features)."""
+    analytic = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xH800"], overhead_s=0.003)
+    samples = [
+        PrefillSample(num_tokens=n, prefix_tokens=p, seconds=analytic.prefill_s(n, p))
+        for n in (256, 1024, 4096, 8192, 16384)
+        for p in (0, n // 2)
+    ]
+    fitted = FittedPrefillModel.fit(samples)
+    assert fitted.max_relative_error < 1e-6
+    assert fitted.prefill_s(6000, 1000) == pytest.approx(analytic.prefill_s(6000, 1000), rel=1e-6)
+    assert fitted.prefill_s(100, 100) == 0.0
+
+
+def test_fitted_model_round_trips_through_json() -> None:
+    """from_json(to_json(m)) == m, errors included."""
+    fitted = FittedPrefillModel.fit(synthetic_samples(TRUE_COEFFICIENTS, noise=0.05, seed=3))
+    assert FittedPrefillModel.from_json(fitted.to_json()) == fitted
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "not json", "null", "[]", "{}", '{"coefficients": [1, 2]}', '{"coefficients": ["a", 1, 2]}'],
+)
+def test_fitted_model_from_json_rejects_other_text(text: str) -> None:
+    """Text that is not a saved fitted model is a ConfigError."""
+    with pytest.raises(ConfigError):
+        FittedPrefillModel.from_json(text)
+
+
+def test_fitted_model_rejects_too_few_samples() -> None:
+    """Fewer than three samples cannot fit three coefficients."""
+    two = synthetic_samples(TRUE_COEFFICIENTS, noise=0.0, seed=0)[:2]
+    with pytest.raises(ConfigError, match="at least 3"):
+        FittedPrefillModel.fit(two)
+    with pytest.raises(ConfigError):
+        FittedPrefillModel.fit([])
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [PrefillSample(num_tokens=1000, prefix_tokens=0, seconds=0.1)] * 5,  # one point repeated
+        [PrefillSample(num_tokens=1000 + k, prefix_tokens=k, seconds=0.1) for k in (0, 0, 0, 0)],
+        [PrefillSample(num_tokens=n, prefix_tokens=0, seconds=0.1 * n) for n in (100, 200)] * 3,  # two points
+    ],
+    ids=["repeated", "same-point", "two-points"],
+)
+def test_fitted_model_rejects_degenerate_samples(samples: list[PrefillSample]) -> None:
+    """Samples that do not vary in both n − p and n² − p² are a ConfigError."""
+    with pytest.raises(ConfigError, match="vary"):
+        FittedPrefillModel.fit(samples)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        PrefillSample(num_tokens=100, prefix_tokens=100, seconds=0.1),
+        PrefillSample(num_tokens=100, prefix_tokens=0, seconds=0.0),
+        PrefillSample(num_tokens=100, prefix_tokens=0, seconds=-1.0),
+    ],
+    ids=["nothing-computed", "zero-time", "negative-time"],
+)
+def test_fitted_model_rejects_impossible_samples(bad: PrefillSample) -> None:
+    """A sample with nothing computed or a non-positive time is a ConfigError."""
+    with pytest.raises(ConfigError):
+        FittedPrefillModel.fit([*synthetic_samples(TRUE_COEFFICIENTS, noise=0.0, seed=0), bad])
+
+
+# ---------------------------------------------------------------------------- transfer
+
+
+@given(
+    st.floats(min_value=1.0, max_value=1e12),
+    st.floats(min_value=1e6, max_value=1e12),
+    st.floats(min_value=0.0, max_value=0.01),
+    st.integers(min_value=0, max_value=64),
+)
+def test_transfer_time_grows_linearly_with_congestion(
+    num_bytes: float, bandwidth: float, latency: float, in_flight: int
+) -> None:
+    """Each transfer already in flight from the source adds one more bytes / bandwidth."""
+    model = TransferCostModel(bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+    alone = model.transfer_s(num_bytes)
+    assert alone == pytest.approx(latency + num_bytes / bandwidth)
+    assert model.transfer_s(num_bytes, in_flight_from_source=in_flight) == pytest.approx(
+        latency + (1 + in_flight) * num_bytes / bandwidth
+    )
+    step = model.transfer_s(num_bytes, in_flight_from_source=in_flight + 1) - model.transfer_s(
+        num_bytes, in_flight_from_source=in_flight
+    )
+    assert step == pytest.approx(num_bytes / bandwidth)
+
+
+def test_transfer_of_nothing_is_free() -> None:
+    """Zero bytes take zero seconds, latency and congestion notwithstanding."""
+    assert TransferCostModel(bandwidth_bytes_per_s=1e9, latency_s=0.5).transfer_s(0, in_flight_from_source=9) == 0.0
+
+
+def test_transfer_model_rejects_zero_bandwidth() -> None:
+    """Bandwidth must be positive."""
+    with pytest.raises(ConfigError):
+        TransferCostModel(bandwidth_bytes_per_s=0)
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+@given(
+    models,
+    hardware,
+    st.integers(min_value=0, max_value=512),
+    st.integers(min_value=0, max_value=512),
+    st.integers(min_value=0, max_value=10**6),
+    st.integers(min_value=0, max_value=10**6),
+)
+def test_decode_step_monotone_in_batch_and_context(
+    model: ModelShape, hw: Hardware, batch: int, more_batch: int, context: int, more_context: int
+) -> None:
+    """A bigger batch or more context never makes a decode step faster; more context makes it slower."""
+    cost = DecodeCostModel(model=model, hardware=hw)
+    base = cost.step_s(batch, context)
+    assert cost.step_s(batch + more_batch, context) >= base
+    assert cost.step_s(batch, context + more_context) >= base
+    if batch and more_context:
+        assert cost.step_s(batch, context + more_context) > base
+
+
+def test_decode_step_reads_weights_and_kv_from_hbm() -> None:
+    """step = overhead + (weights + context · KV/token) / (G · HBM bandwidth · efficiency); empty batch: 0."""
+    hw = HARDWARE["8xH800"]
+    cost = DecodeCostModel(model=LLAMA3, hardware=hw)
+    bandwidth = hw.num_gpus * hw.hbm_bytes_per_s * cost.memory_efficiency
+    expected = cost.overhead_s + (LLAMA3.weight_bytes + 10_000 * LLAMA3.kv_bytes_per_token) / bandwidth
+    assert cost.step_s(4, 10_000) == pytest.approx(expected)
+    assert cost.step_s(0, 10_000) == 0.0
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("hardware_name", sorted(HARDWARE))
+def test_decode_capacity_positive_for_presets(model_name: str, hardware_name: str) -> None:
+    """Every preset pair leaves room for KV beside the weights (and no more than the HBM holds)."""
+    model, hw = MODELS[model_name], HARDWARE[hardware_name]
+    capacity = DecodeCostModel(model=model, hardware=hw).capacity_tokens()
+    assert capacity > 0
+    assert capacity * model.kv_bytes_per_token <= hw.num_gpus * hw.hbm_bytes - model.weight_bytes
+
+
+def test_decode_capacity_is_zero_when_weights_do_not_fit() -> None:
+    """A model bigger than the HBM leaves no KV room (not a negative one)."""
+    tiny = Hardware(
+        name="tiny",
+        num_gpus=1,
+        peak_flops_per_gpu=1e12,
+        hbm_bytes_per_s=1e11,
+        hbm_bytes=1e9,
+        host_to_device_bytes_per_s=1e9,
+        nic_bytes_per_s=1e9,
+    )
+    assert DecodeCostModel(model=LLAMA3, hardware=tiny).capacity_tokens() == 0
+
+
+def test_presets_have_the_paper_peaks() -> None:
+    """Dense bf16 peaks: 312 TFLOPS per A800/A100 GPU, 989 per H800/H100/H200 GPU; 8 GPUs an instance."""
+    for name, hw in HARDWARE.items():
+        assert hw.num_gpus == 8
+        assert hw.peak_flops_per_gpu == (312e12 if "A" in name else 989e12)
+    assert math.isclose(HARDWARE["8xA800"].peak_flops, 8 * 312e12)

@@ -1,0 +1,228 @@
+"""Tests for `mooncake.sched.predictor`.
+
+Example tests check the paper's uniform rule and the survival model on
+hand-made cases and `score_predictor` on a hand example; properties check that
+survival is a probability, monotone in the horizon; a replay of a small decode
+simulation, with output lengths that vary a lot, shows the output-length
+predictor beating the uniform one.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.errors import ConfigError
+from mooncake.sched.predictor import (
+    DecodeLoad,
+    LoadSnapshot,
+    OutputLengthPredictor,
+    PredictorScore,
+    UniformDecodePredictor,
+    score_predictor,
+)
+from mooncake.sched.view import ActiveDecode, QueuedPrefill
+from mooncake.types import RequestId
+
+STEP_S = 0.02  # seconds per generated token in the replay
+
+
+def active(name: str, start_s: float, context: int) -> ActiveDecode:
+    return ActiveDecode(request_id=RequestId(name), start_s=start_s, context_tokens=context, output_tokens=1000)
+
+
+def incoming(name: str, finish_s: float, tokens: int) -> QueuedPrefill:
+    return QueuedPrefill(request_id=RequestId(name), start_s=finish_s - 1.0, finish_s=finish_s, input_tokens=tokens)
+
+
+# ---------------------------------------------------------------------------- uniform (the paper's rule)
+
+
+def test_uniform_keeps_requests_younger_than_decode_time() -> None:
+    """At t, a decoding request counts iff it will have decoded for less than t_d by t."""
+    predictor = UniformDecodePredictor(decode_s=10.0)
+    batch = [active("young", 0.0, 100), active("old", -20.0, 200), active("exactly-td", -5.0, 400)]
+    assert predictor.predict(batch, [], now=1.0, at_s=5.0) == DecodeLoad(1, 100)
+
+
+def test_uniform_adds_prefills_that_finish_before_t() -> None:
+    """An incoming prefill counts iff it finishes by t and has not decoded for t_d by then."""
+    predictor = UniformDecodePredictor(decode_s=10.0)
+    queue = [incoming("done-by-t", 3.0, 50), incoming("at-t", 5.0, 60), incoming("after-t", 6.0, 70)]
+    queue.append(incoming("long-done", -8.0, 80))  # finished 13 s before t: decoded t_d already
+    assert predictor.predict([], queue, now=0.0, at_s=5.0) == DecodeLoad(2, 110)
+
+
+def test_uniform_now_is_the_current_batch_when_young() -> None:
+    """Predicting for now counts every request that started within t_d."""
+    predictor = UniformDecodePredictor(decode_s=4.0)
+    batch = [active(str(i), 10.0 - i, 10 * i) for i in range(8)]  # ages 0..7 s
+    assert predictor.predict(batch, [], now=10.0, at_s=10.0) == DecodeLoad(4, 0 + 10 + 20 + 30)
+
+
+def test_uniform_requires_positive_decode_time() -> None:
+    """t_d must be positive."""
+    with pytest.raises(ConfigError):
+        UniformDecodePredictor(decode_s=0.0)
+
+
+# ---------------------------------------------------------------------------- output-length survival
+
+
+def test_survival_hand_cases() -> None:
+    """P(L > produced + horizon | L > produced) under the observed lengths."""
+    predictor = OutputLengthPredictor(step_s=1.0, lengths=[40, 10, 30, 20])
+    assert predictor.lengths == [10, 20, 30, 40]
+    assert predictor.survival(0, 15) == 3 / 4
+    assert predictor.survival(15, 10) == 2 / 3
+    assert predictor.survival(10, 0) == 1.0
+    assert predictor.survival(40, 1) == 0.0  # no observed request was ever this long
+    assert OutputLengthPredictor(step_s=1.0).survival(5, 100) == 1.0  # nothing observed: assume alive
+
+
+def test_observe_keeps_lengths_sorted() -> None:
+    """Observed lengths are inserted in order and change the survival."""
+    predictor = OutputLengthPredictor(step_s=1.0, lengths=[10, 30])
+    predictor.observe(20)
+    assert predictor.lengths == [10, 20, 30]
+    assert predictor.survival(0, 15) == 2 / 3
+
+
+def test_output_length_predict_hand_case() -> None:
+    """Expected batch and KV: survival weights for active requests and for prefills finishing before t."""
+    predictor = OutputLengthPredictor(step_s=1.0, lengths=[10, 20])
+    load = predictor.predict([active("a", 0.0, 100)], [incoming("b", 10.0, 50), incoming("c", 16.0, 70)], 5.0, 15.0)
+    # a: produced 5, horizon 10 → P(L > 15 | L > 5) = 1/2, holding 100 + 15 tokens then.
+    # b: decoded 5 by t → P(L > 5) = 1, holding 50 + 5; c finishes after t.
+    assert load.batch_size == pytest.approx(0.5 + 1.0)
+    assert load.context_tokens == pytest.approx(0.5 * 115 + 55)
+
+
+def test_output_length_requires_positive_step() -> None:
+    """The decode step time must be positive."""
+    with pytest.raises(ConfigError):
+        OutputLengthPredictor(step_s=0.0)
+
+
+@given(
+    st.lists(st.integers(min_value=1, max_value=5000), max_size=50),
+    st.floats(min_value=0, max_value=6000),
+    st.floats(min_value=0, max_value=6000),
+    st.floats(min_value=0, max_value=6000),
+)
+def test_survival_is_a_probability_monotone_in_horizon(
+    lengths: list[int], produced: float, horizon: float, more: float
+) -> None:
+    """Survival lies in [0, 1], is 1 at horizon 0 for a possible state, and never rises with the horizon."""
+    predictor = OutputLengthPredictor(step_s=0.05, lengths=lengths)
+    near, far = predictor.survival(produced, horizon), predictor.survival(produced, horizon + more)
+    assert 0.0 <= far <= near <= 1.0
+    if not lengths or max(lengths) > produced:
+        assert predictor.survival(produced, 0.0) == 1.0
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+@attrs.frozen
+class FixedPredictor:
+    load: DecodeLoad
+
+    def predict(
+        self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
+    ) -> DecodeLoad:
+        return self.load
+
+
+def test_score_predictor_hand_example() -> None:
+    """Mean absolute errors over snapshots: |2 − 1| and |2 − 4| in batch, |100 − 50| and |100 − 300| in KV."""
+    snapshots = [
+        LoadSnapshot(active=(), incoming=(), now=0.0, at_s=1.0, actual=DecodeLoad(1, 50)),
+        LoadSnapshot(active=(), incoming=(), now=1.0, at_s=2.0, actual=DecodeLoad(4, 300)),
+    ]
+    score = score_predictor(FixedPredictor(DecodeLoad(2, 100)), snapshots)
+    assert score == PredictorScore(batch_size_mae=1.5, context_tokens_mae=125.0, samples=2)
+
+
+def test_score_predictor_feeds_each_snapshot() -> None:
+    """The predictor sees each snapshot's state and times (the uniform rule, scored by hand)."""
+    snapshot = LoadSnapshot(
+        active=(active("a", 0.0, 100), active("b", -50.0, 300)),
+        incoming=(incoming("c", 2.0, 40),),
+        now=1.0,
+        at_s=3.0,
+        actual=DecodeLoad(1, 100),
+    )
+    score = score_predictor(UniformDecodePredictor(decode_s=10.0), [snapshot])
+    assert score == PredictorScore(batch_size_mae=1.0, context_tokens_mae=40.0, samples=1)  # predicted (2, 140)
+
+
+def test_score_of_no_snapshots_is_zero() -> None:
+    """An empty replay scores zero error over zero samples."""
+    assert score_predictor(FixedPredictor(DecodeLoad(3, 3)), []) == PredictorScore(
+        batch_size_mae=0.0, context_tokens_mae=0.0, samples=0
+    )
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+def output_length(rng: random.Random) -> int:
+    """Bimodal: most answers are short, a fifth are very long."""
+    return rng.randint(4, 16) if rng.random() < 0.8 else rng.randint(400, 1600)
+
+
+def decode_replay(
+    seed: int, *, duration_s: float = 300.0, rate_per_s: float = 4.0, horizon_s: float = 2.0
+) -> list[LoadSnapshot]:
+    """Simulate one decode instance (Poisson arrivals, a prefill each, then STEP_S per token) and record,
+    every second, its state and the load it really had `horizon_s` later."""
+    rng = random.Random(seed)
+    requests = []  # (id, arrival, prefill finish = decode start, output length, prompt tokens)
+    clock = 0.0
+    while clock < duration_s:
+        clock += rng.expovariate(rate_per_s)
+        finish = clock + rng.uniform(0.2, 1.0)
+        requests.append((RequestId(str(len(requests))), clock, finish, output_length(rng), rng.randint(100, 2000)))
+    snapshots = []
+    for now in range(10, int(duration_s) - 5):
+        at_s = now + horizon_s
+        decoding = tuple(
+            ActiveDecode(request_id=rid, start_s=start, context_tokens=prompt, output_tokens=2000)
+            for rid, _, start, length, prompt in requests
+            if start <= now < start + length * STEP_S
+        )
+        prefilling = tuple(
+            QueuedPrefill(request_id=rid, start_s=arrival, finish_s=start, input_tokens=prompt)
+            for rid, arrival, start, _, prompt in requests
+            if arrival <= now < start
+        )
+        known = {r.request_id for r in decoding} | {q.request_id for q in prefilling}
+        alive = [
+            (at_s - start, prompt)
+            for rid, _, start, length, prompt in requests
+            if rid in known and start <= at_s < start + length * STEP_S
+        ]
+        actual = DecodeLoad(len(alive), sum(prompt + age / STEP_S for age, prompt in alive))
+        snapshots.append(LoadSnapshot(active=decoding, incoming=prefilling, now=now, at_s=at_s, actual=actual))
+    return snapshots
+
+
+def test_output_length_predictor_beats_uniform_on_a_replay() -> None:
+    """With widely varying output lengths, the survival predictor's MAEs are lower than the uniform rule's."""
+    history = random.Random(1)
+    observed = [output_length(history) for _ in range(2000)]
+    uniform = UniformDecodePredictor(decode_s=statistics.mean(observed) * STEP_S)  # t_d: the mean decode time
+    survival = OutputLengthPredictor(step_s=STEP_S, lengths=observed)
+    snapshots = decode_replay(seed=2)
+    uniform_score, survival_score = score_predictor(uniform, snapshots), score_predictor(survival, snapshots)
+    print(f"\nreplay of {len(snapshots)} snapshots: uniform {uniform_score}, output-length {survival_score}")
+    assert survival_score.samples == uniform_score.samples == len(snapshots) > 200
+    assert survival_score.batch_size_mae < uniform_score.batch_size_mae
+    assert survival_score.context_tokens_mae < uniform_score.context_tokens_mae

@@ -1,0 +1,400 @@
+"""Tests for `mooncake.sched.router`.
+
+Example tests for the edge contracts (no candidates, ties, congestion, the
+transfer plan, the adaptive threshold); properties over random instance sets
+(2–8 prefill views with random queues, random prefix lengths, a best holder)
+against the brute-force router of `tests/reference/sched.py`: the choice
+minimises the router's own TTFT estimate, the ratio rule holds, an infinite
+threshold never transfers, the ablations pick what they say they pick.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import attrs
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from mooncake.errors import ConfigError
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
+from mooncake.sched.router import (
+    AdaptiveThreshold,
+    KvCacheCentricRouter,
+    LoadBalancingRouter,
+    RandomRouter,
+    RouteDecision,
+    RouteQuery,
+    TtftEstimator,
+    local_cache_aware_router,
+)
+from mooncake.sched.view import PrefillView, QueuedPrefill
+from mooncake.types import InstanceId, RequestId
+from tests.reference.sched import reference_local_route, reference_route, should_transfer
+from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries, ttft_estimators
+
+NOW = SCHED_NOW_S
+A, B, C = InstanceId("prefill-a"), InstanceId("prefill-b"), InstanceId("prefill-c")
+LLAMA3 = MODELS["llama3-70b"]
+ESTIMATOR = TtftEstimator(
+    prefill=PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"]),
+    transfer=TransferCostModel(bandwidth_bytes_per_s=100e9),
+    kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
+)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[PrefillView], RouteQuery]:
+    views = draw(prefill_views())
+    return views, draw(route_queries(views))
+
+
+def busy(instance: InstanceId, until_s: float) -> PrefillView:
+    """A view whose queue drains at `until_s`."""
+    return PrefillView(instance, queue=[QueuedPrefill(request_id=RequestId("busy"), start_s=NOW, finish_s=until_s)])
+
+
+def query(prefix: dict[InstanceId, int], *, input_tokens: int = 8192, block_size: int = 256) -> RouteQuery:
+    best = min(prefix, key=lambda i: (-prefix[i], i)) if prefix else None
+    return RouteQuery(
+        input_tokens=input_tokens,
+        block_size_tokens=block_size,
+        prefix_blocks=prefix,
+        best_instance=best,
+        best_blocks=prefix[best] if best is not None else 0,
+    )
+
+
+# A minimal case of the infinite-threshold bug: the holder is busy, B holds nothing.
+EMPTY_INSTANCE_CASE = ([busy(A, NOW + 10), PrefillView(B)], query({A: 32}))
+
+
+# ---------------------------------------------------------------------------- estimator and query
+
+
+def test_prefix_tokens_always_leaves_one_token_to_compute() -> None:
+    """A prefix covering the whole prompt still leaves its last token to compute."""
+    q = RouteQuery(input_tokens=100, block_size_tokens=16, prefix_blocks={})
+    assert q.prefix_tokens(0) == 0
+    assert q.prefix_tokens(3) == 48
+    assert q.prefix_tokens(7) == 99  # 112 tokens of blocks, capped at input - 1
+    assert RouteQuery(input_tokens=1, block_size_tokens=16, prefix_blocks={}).prefix_tokens(1) == 0
+
+
+def test_estimate_is_transfer_plus_queue_plus_prefill() -> None:
+    """TTFT = T_transfer + T_queue + T_prefill; the plan moves the missing blocks' KV with congestion."""
+    view = busy(B, NOW + 2.5)
+    q = query({A: 20, B: 4})
+    decision = ESTIMATOR.decide(view, q, NOW, prefix_blocks=20, transfer_from=A, congestion=2)
+    moved_bytes = (20 - 4) * 256 * LLAMA3.kv_bytes_per_token
+    assert decision.transfer is not None
+    assert decision.transfer.num_blocks == 16
+    assert decision.transfer.num_bytes == moved_bytes
+    assert decision.transfer_s == pytest.approx(1e-4 + 3 * moved_bytes / 100e9)
+    assert decision.queue_s == pytest.approx(2.5)
+    assert decision.prefill_s == pytest.approx(ESTIMATOR.prefill.prefill_s(8192, 20 * 256))
+    assert decision.ttft_s == pytest.approx(decision.transfer_s + 2.5 + decision.prefill_s)
+
+
+# ---------------------------------------------------------------------------- KV-cache-centric routing
+
+
+def test_routes_to_the_holder_when_it_is_idle() -> None:
+    """With every queue empty the holder of the prefix wins and nothing moves."""
+    decision = KvCacheCentricRouter(ESTIMATOR).route(
+        [PrefillView(A), PrefillView(B)], query({B: 32}), NOW, random.Random(0)
+    )
+    assert decision is not None
+    assert (decision.prefill_instance, decision.transfer, decision.prefix_tokens) == (B, None, 8191)
+
+
+def test_busy_holder_makes_the_router_replicate_its_prefix() -> None:
+    """A busy holder: an idle instance with a small prefix gets the missing blocks moved, and keeps them."""
+    views = [busy(A, NOW + 10), PrefillView(B)]
+    decision = KvCacheCentricRouter(ESTIMATOR, threshold=1.5).route(views, query({A: 32, B: 2}), NOW, random.Random(0))
+    assert decision is not None
+    assert decision.prefill_instance == B
+    assert decision.transfer is not None
+    assert (decision.transfer.source, decision.transfer.num_blocks, decision.transfer.keep_local_copy) == (A, 30, True)
+    assert decision.prefix_tokens == 8191
+
+
+def test_ratio_at_or_below_threshold_keeps_own_prefix() -> None:
+    """best / own = 2 with threshold 2 does not transfer; with threshold 1.9 it does."""
+    views = [busy(A, NOW + 10), PrefillView(B)]
+    q = query({A: 32, B: 16})
+    kept = KvCacheCentricRouter(ESTIMATOR, threshold=2.0).route(views, q, NOW, random.Random(0))
+    moved = KvCacheCentricRouter(ESTIMATOR, threshold=1.9).route(views, q, NOW, random.Random(0))
+    assert kept is not None and moved is not None
+    assert (kept.prefill_instance, kept.transfer, kept.prefix_tokens) == (B, None, 16 * 256)
+    assert moved.prefill_instance == B and moved.transfer is not None and moved.transfer.num_blocks == 16
+
+
+def test_transfers_in_flight_from_the_holder_slow_a_new_one() -> None:
+    """Congestion: each transfer already leaving the best holder adds one more bytes / bandwidth."""
+    views = [busy(A, NOW + 10), PrefillView(B)]
+    router = KvCacheCentricRouter(ESTIMATOR)
+    quiet = query({A: 32})
+    congested = attrs.evolve(quiet, best_transfers_in_flight=2)
+    alone, shared = (
+        router.route(views, quiet, NOW, random.Random(0)),
+        router.route(views, congested, NOW, random.Random(0)),
+    )
+    assert alone is not None and shared is not None and alone.transfer is not None and shared.transfer is not None
+    one = alone.transfer.num_bytes / 100e9
+    assert shared.transfer_s == pytest.approx(alone.transfer_s + 2 * one)
+    assert shared.transfer.transfer_s == shared.transfer_s
+
+
+def test_ties_break_by_queue_then_id() -> None:
+    """Equal estimates: the shorter queue, then the smaller id."""
+    router = KvCacheCentricRouter(ESTIMATOR)
+    idle = router.route([PrefillView(C), PrefillView(B), PrefillView(A)], query({}), NOW, random.Random(0))
+    assert idle is not None and idle.prefill_instance == A
+
+
+@pytest.mark.parametrize(
+    "router",
+    [
+        KvCacheCentricRouter(ESTIMATOR),
+        local_cache_aware_router(ESTIMATOR),
+        LoadBalancingRouter(ESTIMATOR),
+        RandomRouter(ESTIMATOR),
+    ],
+    ids=["kvcache_centric", "local_cache_aware", "load_balancing", "random"],
+)
+def test_no_candidates_no_decision(router: object) -> None:
+    """Every router returns None when no instance is up."""
+    assert router.route([], query({A: 3}), NOW, random.Random(0)) is None  # type: ignore[attr-defined]
+
+
+@given(scenarios(), ttft_estimators(), finite_thresholds)
+def test_choice_minimises_its_own_estimate(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
+) -> None:
+    """The chosen instance has the smallest TTFT estimate of all candidates (brute force, same rule and estimator)."""
+    views, q = scenario
+    chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
+    expected, every = reference_route(estimator, views, q, NOW, threshold=threshold)
+    assert chosen == expected
+    assert chosen is not None
+    assert all(chosen.ttft_s <= other.ttft_s for other in every)
+
+
+@given(scenarios(), ttft_estimators(), finite_thresholds)
+def test_ratio_rule_holds_for_the_choice(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
+) -> None:
+    """The choice transfers iff best / own > threshold (own 0: infinite), from the best holder."""
+    views, q = scenario
+    chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
+    assert chosen is not None
+    own = q.prefix_blocks.get(chosen.prefill_instance, 0)
+    expected = should_transfer(
+        instance=chosen.prefill_instance,
+        own_blocks=own,
+        best_instance=q.best_instance,
+        best_blocks=q.best_blocks,
+        threshold=threshold,
+    )
+    assert (chosen.transfer is not None) == expected
+    assert chosen.prefix_tokens == q.prefix_tokens(q.best_blocks if expected else own)
+
+
+@given(scenarios(), ttft_estimators(), finite_thresholds)
+def test_transfer_plan_moves_missing_blocks_and_keeps_a_copy(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
+) -> None:
+    """A transfer moves best − own blocks (their KV bytes) from the best holder and keeps the local copy."""
+    views, q = scenario
+    chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
+    assert chosen is not None
+    plan = chosen.transfer
+    if plan is None:
+        assert chosen.transfer_s == 0.0
+        return
+    own = q.prefix_blocks.get(chosen.prefill_instance, 0)
+    assert plan.source == q.best_instance != chosen.prefill_instance
+    assert plan.keep_local_copy is True
+    assert plan.num_blocks == q.best_blocks - own > 0
+    assert plan.num_bytes == (q.prefix_tokens(q.best_blocks) - q.prefix_tokens(own)) * estimator.kv_bytes_per_token
+    assert plan.transfer_s == chosen.transfer_s
+
+
+@given(scenarios(), ttft_estimators())
+def test_infinite_threshold_is_local_cache_aware(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator
+) -> None:
+    """KvCacheCentricRouter with threshold ∞ and local_cache_aware_router decide alike, decision for decision."""
+    views, q = scenario
+    full = KvCacheCentricRouter(estimator, threshold=math.inf)
+    ablation = local_cache_aware_router(estimator)
+    assert ablation.current_threshold == math.inf
+    assert full.route(views, q, NOW, random.Random(0)) == ablation.route(views, q, NOW, random.Random(0))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: KvCacheCentricRouter transfers to an instance holding nothing (own == 0) even with threshold=inf",
+)
+@given(scenarios(), ttft_estimators())
+@example(scenario=EMPTY_INSTANCE_CASE, estimator=ESTIMATOR)
+def test_infinite_threshold_never_transfers(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator
+) -> None:
+    """With transfers forbidden (threshold ∞) no transfer is planned; each instance uses only its own prefix."""
+    views, q = scenario
+    decision = local_cache_aware_router(estimator).route(views, q, NOW, random.Random(0))
+    assert decision is not None
+    assert decision.transfer is None
+    assert decision == reference_local_route(estimator, views, q, NOW)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: local_cache_aware_router plans a transfer to an empty instance")
+def test_local_cache_aware_does_not_move_the_prefix_to_an_empty_instance() -> None:
+    """Minimal repro: A holds 32 blocks but is busy, B holds none; the no-transfer ablation must not move them."""
+    views, q = EMPTY_INSTANCE_CASE
+    decision = local_cache_aware_router(ESTIMATOR).route(views, q, NOW, random.Random(0))
+    assert decision is not None
+    assert decision.transfer is None
+
+
+@given(scenarios(), ttft_estimators(), finite_thresholds)
+def test_routing_is_deterministic(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
+) -> None:
+    """The KV-cache-centric router neither draws from its generator nor changes its answer on a repeat."""
+    views, q = scenario
+    router = KvCacheCentricRouter(estimator, threshold=threshold)
+    rng = random.Random(7)
+    first = router.route(views, q, NOW, rng)
+    assert rng.getstate() == random.Random(7).getstate()
+    assert router.route(list(views), q, NOW, random.Random(99)) == first
+
+
+# ---------------------------------------------------------------------------- ablations
+
+
+@given(scenarios(), ttft_estimators())
+def test_load_balancing_picks_the_least_queue(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator
+) -> None:
+    """The shortest queue wins (ties: id), with its own prefix and no transfer."""
+    views, q = scenario
+    decision = LoadBalancingRouter(estimator).route(views, q, NOW, random.Random(0))
+    assert decision is not None
+    shortest = min(views, key=lambda v: (v.queue_s(NOW), v.instance_id))
+    assert decision.prefill_instance == shortest.instance_id
+    assert decision.queue_s == min(v.queue_s(NOW) for v in views)
+    assert decision.transfer is None
+    assert decision.prefix_tokens == q.prefix_tokens(q.prefix_blocks.get(shortest.instance_id, 0))
+
+
+@given(scenarios(), ttft_estimators(), st.integers(min_value=0, max_value=2**32 - 1))
+def test_random_router_is_deterministic_for_a_seed(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, seed: int
+) -> None:
+    """Two runs from the same seed route a sequence of requests the same way; each pick is a candidate, no transfer."""
+    views, q = scenario
+    router = RandomRouter(estimator)
+
+    def run() -> list[RouteDecision | None]:
+        rng = random.Random(seed)
+        return [router.route(views, q, NOW, rng) for _ in range(20)]
+
+    first = run()
+    assert first == run()
+    ids = {v.instance_id for v in views}
+    for decision in first:
+        assert decision is not None and decision.prefill_instance in ids and decision.transfer is None
+
+
+def test_random_router_spreads_over_candidates() -> None:
+    """Over many draws every candidate is picked."""
+    views = [PrefillView(A), PrefillView(B), PrefillView(C)]
+    rng = random.Random(0)
+    picks = {RandomRouter(ESTIMATOR).route(views, query({}), NOW, rng).prefill_instance for _ in range(100)}  # type: ignore[union-attr]
+    assert picks == {A, B, C}
+
+
+# ---------------------------------------------------------------------------- adaptive threshold
+
+
+def test_adaptive_threshold_rises_when_transfers_run_late() -> None:
+    """Transfers slower than estimated push the threshold up (fewer transfers)."""
+    adaptive = AdaptiveThreshold()
+    before = adaptive.value
+    adaptive.observe(had_transfer=True, estimated_ttft_s=1.0, observed_ttft_s=3.0)
+    assert adaptive.value > before
+    again = adaptive.value
+    adaptive.observe(had_transfer=True, estimated_ttft_s=1.0, observed_ttft_s=3.0)
+    assert adaptive.value > again
+
+
+def test_adaptive_threshold_falls_when_transfers_beat_estimates() -> None:
+    """Transfers faster than estimated bring the threshold down (more transfers)."""
+    adaptive = AdaptiveThreshold(value=8.0)
+    adaptive.observe(had_transfer=True, estimated_ttft_s=2.0, observed_ttft_s=0.5)
+    assert adaptive.value < 8.0
+
+
+def test_adaptive_threshold_compares_with_local_decisions() -> None:
+    """Local decisions running late (transfers on time) also lower the threshold: transfers look better."""
+    adaptive = AdaptiveThreshold(value=8.0)
+    adaptive.observe(had_transfer=False, estimated_ttft_s=1.0, observed_ttft_s=4.0)
+    assert adaptive.value < 8.0
+
+
+def test_adaptive_threshold_ignores_non_positive_estimates() -> None:
+    """An estimate of zero teaches nothing."""
+    adaptive = AdaptiveThreshold()
+    adaptive.observe(had_transfer=True, estimated_ttft_s=0.0, observed_ttft_s=5.0)
+    assert (adaptive.value, adaptive.transfer_ratio, adaptive.local_ratio) == (1.5, 1.0, 1.0)
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.floats(min_value=0.01, max_value=100.0), st.floats(min_value=0.0, max_value=10.0)),
+        max_size=60,
+    ),
+    st.floats(min_value=1.0, max_value=4.0),
+    st.floats(min_value=4.0, max_value=64.0),
+)
+def test_adaptive_threshold_stays_within_bounds(
+    observations: list[tuple[bool, float, float]], minimum: float, maximum: float
+) -> None:
+    """Whatever it observes (observed / estimated up to 1,000), the threshold stays in [minimum, maximum]."""
+    adaptive = AdaptiveThreshold(value=4.0, minimum=minimum, maximum=maximum, rate=0.5, smoothing=0.5)
+    for had_transfer, estimated, observed in observations:
+        adaptive.observe(had_transfer=had_transfer, estimated_ttft_s=estimated, observed_ttft_s=observed)
+        assert minimum <= adaptive.value <= maximum
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError, reason="bug: observe overflows math.exp on a large TTFT ratio")
+def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
+    """A 0.1 ms estimate observed at 2 s (ratio 20,000) clamps the threshold at its maximum instead of raising."""
+    adaptive = AdaptiveThreshold()
+    adaptive.observe(had_transfer=True, estimated_ttft_s=1e-4, observed_ttft_s=2.0)
+    assert adaptive.value == adaptive.maximum
+
+
+def test_router_uses_the_adaptive_value() -> None:
+    """With an adaptive threshold the router decides on its current value, not the fixed one."""
+    adaptive = AdaptiveThreshold(value=1.5)
+    router = KvCacheCentricRouter(ESTIMATOR, threshold=100.0, adaptive=adaptive)
+    views, q = [busy(A, NOW + 10), PrefillView(B)], query({A: 32, B: 8})  # ratio 4
+    assert router.current_threshold == 1.5
+    moved = router.route(views, q, NOW, random.Random(0))
+    assert moved is not None and moved.transfer is not None
+    adaptive.value = 8.0
+    kept = router.route(views, q, NOW, random.Random(0))
+    assert kept is not None and kept.transfer is None
+
+
+@pytest.mark.parametrize("field", ["value", "rate", "smoothing", "minimum", "maximum"])
+def test_adaptive_threshold_rejects_non_positive_settings(field: str) -> None:
+    """Every setting must be a positive finite number."""
+    with pytest.raises(ConfigError):
+        AdaptiveThreshold(**{field: 0.0})
