@@ -400,3 +400,16 @@ class TieredLfuPrefixMachine(TieredMachine):
 
 TestTieredSieve = TieredSieveMachine.TestCase
 TestTieredLfuPrefix = TieredLfuPrefixMachine.TestCase
+
+
+def test_pinned_on_a_miss_does_not_hold_the_lock(tmp_path: Path) -> None:
+    """While a `pinned` block runs on a miss, other threads can still use the cache."""
+    cache = make_cache(tmp_path)
+    done = threading.Event()
+    with cache.pinned(BlockKey(99)) as view:
+        assert view is None
+        worker = threading.Thread(target=lambda: (cache.put(BlockKey(1), block(1)), done.set()))
+        worker.start()
+        assert done.wait(timeout=10), "put blocked behind a miss"
+        worker.join()
+    cache.close()

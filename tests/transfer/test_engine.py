@@ -356,7 +356,7 @@ operations = st.lists(
         st.sampled_from([TransferOp.READ, TransferOp.WRITE]),
         st.integers(0, 1 << 16),
         st.integers(0, 1 << 16),
-        st.integers(0, 1 << 16),
+        st.integers(0, (1 << 17) + 1000),  # past the remote region sometimes: both must refuse alike
     ),
     min_size=1,
     max_size=12,
@@ -452,3 +452,52 @@ def test_transfer_sync_against_a_stalled_peer_is_bounded(peers: Callable[..., Pe
             assert isinstance(statuses[0].error, TransferTimeout | PeerUnavailable)
         finally:
             os.kill(remote.pid, signal.SIGCONT)
+
+
+def test_request_fields_are_bounded() -> None:
+    """Offsets past 2**62 and region ids past 2**32 are refused when the request is made."""
+    with pytest.raises(ConfigError, match="remote_offset"):
+        request(TransferOp.WRITE, 1, "peer", 1, 8, remote_offset=2**64)
+    with pytest.raises(ConfigError, match="remote_region"):
+        TransferRequest(
+            op=TransferOp.WRITE,
+            local_region=1,
+            local_offset=0,
+            peer="p",
+            remote_region=2**32,
+            remote_offset=0,
+            length=1,
+        )
+
+
+def test_a_lying_peer_descriptor_is_refused(engine: TransferEngine) -> None:
+    """A peer describing a shared segment that is not its own mooncake segment cannot be connected to."""
+    with TransferEngine(secret=SECRET) as liar:
+        region, _ = liar.allocate_shared(4096)
+        honest = liar.handle_call("describe", None)
+        for bad in (
+            {"shm_name": "some-other-program"},
+            {"shm_name": f"mooncake-{os.getpid() + 1}-abcdef"},
+            {"length": -1},
+        ):
+            lie = {**honest, "regions": [{**honest["regions"][0], **bad}]}
+            liar.register_handler("describe", lambda _args, lie=lie: lie)
+            with pytest.raises(TransferError, match="malformed"):
+                engine.connect(liar.address)
+        assert region.region_id == honest["regions"][0]["region_id"]
+
+
+def test_closing_an_engine_ends_its_open_batches(peers: Callable[..., PeerProcess]) -> None:
+    """Requests still moving when their engine closes end FAILED, and `wait` does not hang."""
+    remote = peers(SIZE)
+    local_engine = TransferEngine(secret=SECRET, config=EngineConfig(slice_bytes=1 << 16, streams_per_peer=1))
+    local, _ = local_engine.allocate_shared(SIZE)
+    name = local_engine.connect(remote.address, transport="tcp")
+    os.kill(remote.pid, signal.SIGSTOP)
+    try:
+        batch = local_engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.shared, 4 << 20)])
+        local_engine.close()
+        statuses = local_engine.wait(batch, timeout=5)
+        assert statuses[0].state == RequestState.FAILED
+    finally:
+        os.kill(remote.pid, signal.SIGCONT)

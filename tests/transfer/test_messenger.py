@@ -205,3 +205,20 @@ def test_fetch_matches_a_model(held: set[int], wanted: list[int], parts: int) ->
     finally:
         a.engine.close()
         b.engine.close()
+
+
+def test_a_dead_peer_leaves_no_pins_behind() -> None:
+    """Pushing to a peer that is gone fails, and the local blocks it pinned are released."""
+    a, b = make_node(8, "tcp"), make_node(8, "tcp")
+    try:
+        peer = a.engine.connect(b.engine.address)
+        a.cache.put(BlockKey(1), block(1))
+        b.engine.close()
+        with pytest.raises(Exception):  # noqa: B017 - PeerUnavailable or TransferError, depending on timing
+            a.messenger.push([BlockKey(1)], peer)
+        a.cache.remove(BlockKey(1))  # raises if the push left it pinned
+        with pytest.raises(Exception):  # noqa: B017
+            a.messenger.fetch([BlockKey(2)], peer)
+        assert all(not a.cache.pools[0].allocator.is_allocated(p) for p in range(8))  # type: ignore[attr-defined]
+    finally:
+        a.engine.close()
