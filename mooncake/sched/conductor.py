@@ -36,7 +36,7 @@ from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy, Rejection
 from mooncake.sched.cost import DecodeCostModel
 from mooncake.sched.decode import choose_decode
-from mooncake.sched.predictor import DecodeLoad, LoadPredictor
+from mooncake.sched.predictor import LoadPredictor
 from mooncake.sched.router import KvCacheCentricRouter, RouteQuery, Router, TransferPlan
 from mooncake.sched.view import (
     ActiveDecode,
@@ -192,8 +192,16 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Rejection.NO_PREFILL_INSTANCE)
-        arrival_s = now + route.ttft_s
-        loads = {instance: self._load(view, now, arrival_s) for instance, view in self._decode.items() if view.is_up}
+        loads = None  # the decode instances' batches now
+        if self.admission.load_at == "arrival":
+            arrival_s = now + route.ttft_s
+            loads = {
+                instance: self.predictor.predict(
+                    tuple(view.active.values()), tuple(self._incoming[instance].values()), now, arrival_s
+                )
+                for instance, view in self._decode.items()
+                if view.is_up
+            }
         decode = choose_decode(
             self.decode_views,
             context_tokens=request.input_length,
@@ -250,13 +258,6 @@ class Conductor:
         while finishes and finishes[0] <= now:
             heapq.heappop(finishes)
         return len(finishes)
-
-    def _load(self, view: DecodeView, now: float, arrival_s: float) -> DecodeLoad:
-        if self.admission.load_at == "arrival":
-            return self.predictor.predict(
-                tuple(view.active.values()), tuple(self._incoming[view.instance_id].values()), now, arrival_s
-            )
-        return DecodeLoad(view.batch_size, view.context_tokens)
 
     # ------------------------------------------------------------------ events
 

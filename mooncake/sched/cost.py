@@ -307,12 +307,20 @@ class DecodeCostModel:
     memory_efficiency: float = attrs.field(default=0.8, validator=_positive)
     kv_memory_fraction: float = attrs.field(default=0.9, validator=_positive)
 
+    _weight_s: float = attrs.field(init=False, repr=False, eq=False)
+    _token_s: float = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        # step_s runs once per decode instance per scheduling decision: precompute its constants.
+        bandwidth = self.hardware.num_gpus * self.hardware.hbm_bytes_per_s * self.memory_efficiency
+        object.__setattr__(self, "_weight_s", self.model.weight_bytes / bandwidth)
+        object.__setattr__(self, "_token_s", self.model.kv_bytes_per_token / bandwidth)
+
     def step_s(self, batch_size: int, context_tokens: int) -> float:
         """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all."""
         if batch_size <= 0:
             return 0.0
-        bandwidth = self.hardware.num_gpus * self.hardware.hbm_bytes_per_s * self.memory_efficiency
-        return self.overhead_s + (self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token) / bandwidth
+        return self.overhead_s + self._weight_s + context_tokens * self._token_s
 
     def capacity_tokens(self) -> int:
         """KV tokens that fit in the instance's HBM beside the weights."""

@@ -35,7 +35,7 @@ def choose_decode(
     output_tokens: int,
     cost: DecodeCostModel,
     tbt_slo_s: float,
-    loads: Mapping[InstanceId, DecodeLoad],
+    loads: Mapping[InstanceId, DecodeLoad] | None = None,
 ) -> DecodeChoice | None:
     """The best decode instance for a request, or None if none is up with room for it.
 
@@ -44,16 +44,23 @@ def choose_decode(
         context_tokens, output_tokens: the request's prompt and expected output.
         cost: the decode step model.
         tbt_slo_s: the TBT objective (the score is TBT / SLO).
-        loads: each instance's batch when the request would join it.
+        loads: each instance's batch when the request would join it (default: its batch now).
     """
     needed = context_tokens + output_tokens
-    best: DecodeChoice | None = None
+    best_key: tuple[float, InstanceId] | None = None
+    best_tbt = 0.0
     for view in views:
         if not view.is_up or view.free_tokens() < needed:
             continue
-        load = loads[view.instance_id]
-        tbt = cost.step_s(round(load.batch_size) + 1, int(load.context_tokens) + context_tokens)
-        choice = DecodeChoice(decode_instance=view.instance_id, tbt_s=tbt)
-        if best is None or (tbt / tbt_slo_s, view.instance_id) < (best.tbt_s / tbt_slo_s, best.decode_instance):
-            best = choice
-    return best
+        if loads is None:
+            batch, tokens = view.batch_size, view.context_tokens
+        else:
+            load = loads[view.instance_id]
+            batch, tokens = round(load.batch_size), int(load.context_tokens)
+        tbt = cost.step_s(batch + 1, tokens + context_tokens)
+        key = (tbt / tbt_slo_s, view.instance_id)
+        if best_key is None or key < best_key:
+            best_key, best_tbt = key, tbt
+    if best_key is None:
+        return None
+    return DecodeChoice(decode_instance=best_key[1], tbt_s=best_tbt)

@@ -214,20 +214,47 @@ class KvCacheCentricRouter:
     ) -> RouteDecision | None:
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
-        congestion = query.best_transfers_in_flight
-        chosen: RouteDecision | None = None
+        estimator = self.estimator
+        # The terms that do not depend on the instance are computed once per request:
+        # the prefill time per prefix length used, and the transfer time per block count.
+        prefill_s: dict[int, float] = {}
+        transfer_s: dict[int, float] = {}
+        key: tuple[float, float, InstanceId] | None = None
+        chosen: tuple[PrefillView, int, bool] | None = None
         for view in candidates:
             own = query.prefix_blocks.get(view.instance_id, 0)
             moves = best is not None and best != view.instance_id and best_blocks > own
-            if moves and (own == 0 or best_blocks / own > threshold):
-                decision = self.estimator.decide(
-                    view, query, now, prefix_blocks=best_blocks, transfer_from=best, congestion=congestion
+            moves = moves and (own == 0 or best_blocks / own > threshold)
+            blocks = best_blocks if moves else own
+            prefill = prefill_s.get(blocks)
+            if prefill is None:
+                prefill = prefill_s[blocks] = estimator.prefill.prefill_s(
+                    query.input_tokens, query.prefix_tokens(blocks)
                 )
-            else:
-                decision = self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
-            if _better(decision, chosen):
-                chosen = decision
-        return chosen
+            moving = 0.0
+            if moves:
+                moving = transfer_s.get(own, -1.0)
+                if moving < 0:
+                    moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(own)
+                    moving = transfer_s[own] = estimator.transfer.transfer_s(
+                        moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
+                    )
+            queued = view.queue
+            queue = max(0.0, queued[-1].finish_s - now) if queued else 0.0  # view.queue_s, inlined
+            candidate_key = (moving + queue + prefill, queue, view.instance_id)
+            if key is None or candidate_key < key:
+                key, chosen = candidate_key, (view, blocks, moves)
+        if chosen is None:
+            return None
+        view, blocks, moves = chosen
+        return estimator.decide(
+            view,
+            query,
+            now,
+            prefix_blocks=blocks,
+            transfer_from=best if moves else None,
+            congestion=query.best_transfers_in_flight,
+        )
 
 
 def local_cache_aware_router(estimator: TtftEstimator) -> KvCacheCentricRouter:

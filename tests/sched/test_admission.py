@@ -89,11 +89,12 @@ def run_to_decode(c: Conductor, r: Request, now: float) -> None:
     """Schedule `r` (it must be accepted) and bring it to decoding at `now`."""
     decision = c.schedule(r, now)
     assert decision.accepted, decision
-    c.handle(PrefillFinished(request_id=r.request_id, instance_id=decision.prefill_instance, now=now))  # type: ignore[arg-type]
+    assert decision.prefill_instance is not None and decision.decode_instance is not None
+    c.handle(PrefillFinished(request_id=r.request_id, instance_id=decision.prefill_instance, now=now))
     c.handle(
         DecodeJoined(
             request_id=r.request_id,
-            instance_id=decision.decode_instance,  # type: ignore[arg-type]
+            instance_id=decision.decode_instance,
             now=now,
             context_tokens=r.input_length,
             output_tokens=r.output_length,

@@ -4,9 +4,10 @@ Three layers: example tests for the contracts (routing to the prefix holder,
 transfers from the best holder, down instances, the event flow, duplicate ids);
 a `RuleBasedStateMachine` that drives random arrivals and events (prefill
 started and finished, decode joined and finished, rejection by decode, instances
-down and up, cache evictions, time passing) against a simple model of what must
-be in flight where; and a property that replays one random program twice from
-the same seed and gets the same decisions.
+down and up, caches loading and dropping prefixes, time passing) against a
+simple model of what must be in flight where and how each request ended; and a
+property that replays one random program twice from the same seed and gets the
+same decisions.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ def request(name: str, keys: Sequence[int], *, tokens: int | None = None, output
 
 
 DOC = tuple(range(100, 132))  # a 32-block (8,192-token) shared prefix
+
+
+def placement(decision: ScheduleDecision) -> tuple[InstanceId, InstanceId]:
+    """The prefill and decode instances of an accepted decision."""
+    assert decision.accepted and decision.prefill_instance is not None and decision.decode_instance is not None
+    return decision.prefill_instance, decision.decode_instance
 
 
 @attrs.define
@@ -385,23 +392,17 @@ def test_request_flows_from_prefill_to_decode_and_ends_once() -> None:
 def test_invariants_hold_between_prefill_and_decode() -> None:
     """Minimal repro: after PrefillFinished (KV on its way to decode) the Conductor's own invariants still hold."""
     conductor = make_conductor()
-    decision = conductor.schedule(request("r", DOC[:4]), 0.0)
-    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=decision.prefill_instance, now=1.0))  # type: ignore[arg-type]
+    prefill, _ = placement(conductor.schedule(request("r", DOC[:4]), 0.0))
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=1.0))
     conductor.check_invariants()
 
 
 def test_decode_joined_without_prefill_finished_leaves_the_queue() -> None:
     """Joining decode implies the prefill is over: the request leaves its queue and its reservation becomes use."""
     conductor = make_conductor()
-    decision = conductor.schedule(request("r", DOC), 0.0)
+    _, decode = placement(conductor.schedule(request("r", DOC), 0.0))
     conductor.handle(
-        DecodeJoined(
-            request_id=RequestId("r"),
-            instance_id=decision.decode_instance,
-            now=1.0,
-            context_tokens=8192,
-            output_tokens=100,
-        )  # type: ignore[arg-type]
+        DecodeJoined(request_id=RequestId("r"), instance_id=decode, now=1.0, context_tokens=8192, output_tokens=100)
     )
     assert all(not v.queue for v in conductor.prefill_views)
     conductor.check_invariants()
@@ -410,10 +411,13 @@ def test_decode_joined_without_prefill_finished_leaves_the_queue() -> None:
 def test_rejection_by_decode_ends_the_request_with_its_reason() -> None:
     """The decode instance's own refusal ends the request: the reason given, or decode_rejected."""
     conductor = make_conductor()
-    first, second = conductor.schedule(request("a", DOC), 0.0), conductor.schedule(request("b", DOC), 0.0)
-    plain = RequestRejected(request_id=RequestId("a"), instance_id=first.decode_instance, now=1.0)  # type: ignore[arg-type]
+    (_, first), (_, second) = (
+        placement(conductor.schedule(request("a", DOC), 0.0)),
+        placement(conductor.schedule(request("b", DOC), 0.0)),
+    )
+    plain = RequestRejected(request_id=RequestId("a"), instance_id=first, now=1.0)
     assert conductor.handle(plain) == (RequestEnd(RequestId("a"), "rejected:decode_rejected"),)
-    tbt = RequestRejected(request_id=RequestId("b"), instance_id=second.decode_instance, now=1.0, reason="tbt_slo")  # type: ignore[arg-type]
+    tbt = RequestRejected(request_id=RequestId("b"), instance_id=second, now=1.0, reason="tbt_slo")
     assert conductor.handle(tbt) == (RequestEnd(RequestId("b"), "rejected:tbt_slo"),)
     assert conductor.in_flight == ()
     assert all(v.reserved_tokens == 0 for v in conductor.decode_views)
@@ -423,12 +427,12 @@ def test_rejection_by_decode_ends_the_request_with_its_reason() -> None:
 def test_duplicate_request_id_is_an_invalid_request() -> None:
     """Scheduling an id already in flight raises InvalidRequestError and changes nothing; once ended it may return."""
     conductor = make_conductor()
-    first = conductor.schedule(request("r", DOC), 0.0)
+    _, decode = placement(conductor.schedule(request("r", DOC), 0.0))
     queues = [list(v.queue) for v in conductor.prefill_views]
     with pytest.raises(InvalidRequestError, match="r"):
         conductor.schedule(request("r", DOC[:3]), 0.1)
     assert [list(v.queue) for v in conductor.prefill_views] == queues
-    conductor.handle(DecodeFinished(request_id=RequestId("r"), instance_id=first.decode_instance, now=1.0))  # type: ignore[arg-type]
+    conductor.handle(DecodeFinished(request_id=RequestId("r"), instance_id=decode, now=1.0))
     assert conductor.schedule(request("r", DOC), 2.0).accepted
 
 
@@ -440,11 +444,10 @@ def test_prefill_finished_teaches_the_adaptive_threshold() -> None:
     occupy(conductor, P0, count=3)
     caches.store(conductor, P0, DOC)
     decision = conductor.schedule(request("r", DOC), 0.0)
+    prefill, _ = placement(decision)
     assert decision.transfer is not None and decision.ttft_s is not None
     before = router.adaptive.value
-    conductor.handle(
-        PrefillFinished(request_id=RequestId("r"), instance_id=decision.prefill_instance, now=3 * decision.ttft_s)
-    )  # type: ignore[arg-type]
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=3 * decision.ttft_s))
     assert router.adaptive.value > before
 
 
@@ -453,15 +456,11 @@ def test_decode_finished_teaches_the_output_length_predictor() -> None:
     predictor = OutputLengthPredictor(step_s=0.02)
     conductor = make_conductor(admission="predictive_early_rejection", predictor=predictor)
     for i, generated in enumerate([30, 10, 20]):
-        decision = conductor.schedule(request(f"r{i}", DOC), float(i))
-        conductor.handle(
-            DecodeFinished(
-                request_id=RequestId(f"r{i}"),
-                instance_id=decision.decode_instance,
-                now=i + 0.5,
-                generated_tokens=generated,
-            )  # type: ignore[arg-type]
+        _, decode = placement(conductor.schedule(request(f"r{i}", DOC), float(i)))
+        finished = DecodeFinished(
+            request_id=RequestId(f"r{i}"), instance_id=decode, now=i + 0.5, generated_tokens=generated
         )
+        conductor.handle(finished)
     assert predictor.lengths == [10, 20, 30]
 
 

@@ -64,8 +64,12 @@ def test_instances_without_room_are_skipped() -> None:
     """Room counts what is used and what is reserved; prompt plus expected output must fit."""
     views = [view(D0, capacity=2000, used=500, reserved=401), view(D1, capacity=2000, used=900), view(D2)]
     loads = {D0: DecodeLoad(0, 0), D1: DecodeLoad(0, 0), D2: DecodeLoad(30, 90_000)}
-    assert choose(views, loads, context=1000, output=100).decode_instance == D1  # type: ignore[union-attr]  # 1100 fits exactly
-    assert choose(views, loads, context=1000, output=101).decode_instance == D2  # type: ignore[union-attr]
+    assert choose(views, loads, context=1000, output=100) == DecodeChoice(  # 1,100 fits D1 exactly
+        decode_instance=D1, tbt_s=COST.step_s(1, 1000)
+    )
+    assert choose(views, loads, context=1000, output=101) == DecodeChoice(
+        decode_instance=D2, tbt_s=COST.step_s(31, 91_000)
+    )
 
 
 def test_none_when_no_instance_has_room() -> None:
