@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/index.py
 	$(BIN)/python benchmarks/tiered_cache.py
 	$(BIN)/python benchmarks/transfer.py
+	$(BIN)/python benchmarks/conductor.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache
