@@ -58,8 +58,12 @@ LoadAt = Literal["now", "arrival"]
 class AdmissionPolicy(Protocol):
     """Decides on a routed request."""
 
-    name: str
-    load_at: LoadAt
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def load_at(self) -> LoadAt:
+        """Which decode load the TBT check needs: "now" or "arrival" (predicted)."""
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
         """Accept or reject, given the routes chosen and the SLOs."""

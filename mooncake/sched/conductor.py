@@ -95,6 +95,7 @@ class _InFlight:
     scheduled_s: float
     ttft_s: float
     had_transfer: bool
+    prefilled: bool = False  # left the prefill queue; its KV is on its way to decode
     decoding: bool = False
 
 
@@ -271,6 +272,9 @@ class Conductor:
         if isinstance(event, PrefillStarted):
             self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
         elif isinstance(event, PrefillFinished):
+            if flight.prefilled or flight.decoding:
+                return ()  # a repeated report: learn from each request once
+            flight.prefilled = True
             self._remove_from_queue(flight, event.request_id, event.now)
             if isinstance(self.router, KvCacheCentricRouter) and self.router.adaptive is not None:
                 self.router.adaptive.observe(
@@ -282,15 +286,19 @@ class Conductor:
             if not flight.decoding:
                 self._remove_from_queue(flight, event.request_id, event.now)
                 self._incoming[flight.decode_instance].pop(event.request_id, None)
-                self._decode[flight.decode_instance].join(
+                view = self._decode[flight.decode_instance]
+                # Account what was reserved, not what the event claims: VRAM was promised at acceptance.
+                reserved = view.reserved.get(event.request_id, event.context_tokens + event.output_tokens)
+                context = min(event.context_tokens, reserved)
+                view.join(
                     ActiveDecode(
                         request_id=event.request_id,
                         start_s=event.now,
-                        context_tokens=event.context_tokens,
-                        output_tokens=event.output_tokens,
+                        context_tokens=context,
+                        output_tokens=reserved - context,
                     )
                 )
-                flight.decoding = True
+                flight.prefilled = flight.decoding = True
         elif isinstance(event, DecodeFinished):
             observe = getattr(self.predictor, "observe", None)
             if observe is not None and event.generated_tokens is not None:
@@ -329,7 +337,12 @@ class Conductor:
             if flight.decoding:
                 assert decoding.get(request_id) == flight.decode_instance, f"{request_id} lost from its decode batch"
             else:
-                assert queued.get(request_id) == flight.prefill_instance, f"{request_id} lost from its prefill queue"
+                if flight.prefilled:
+                    assert request_id not in queued, f"{request_id} finished prefill but is still queued"
+                else:
+                    assert queued.get(request_id) == flight.prefill_instance, (
+                        f"{request_id} lost from its prefill queue"
+                    )
                 assert request_id in self._decode[flight.decode_instance].reserved, (
                     f"{request_id} has no KV reservation"
                 )
@@ -343,7 +356,7 @@ class Conductor:
 
     def _end(self, request_id: RequestId, outcome: str, now: float) -> RequestEnd:
         flight = self._in_flight.pop(request_id)
-        if not flight.decoding:
+        if not flight.prefilled:
             self._remove_from_queue(flight, request_id, now)
         decode = self._decode[flight.decode_instance]
         decode.release(request_id)
@@ -393,7 +406,7 @@ class Conductor:
         doomed = [
             request_id
             for request_id, flight in self._in_flight.items()
-            if (flight.prefill_instance == instance and not flight.decoding) or flight.decode_instance == instance
+            if (flight.prefill_instance == instance and not flight.prefilled) or flight.decode_instance == instance
         ]
         return tuple(
             self._end(request_id, f"rejected:{Rejection.INSTANCE_DOWN.value}", event.now) for request_id in doomed

@@ -188,12 +188,13 @@ class AdaptiveThreshold:
         """Learn from one request's outcome."""
         if estimated_ttft_s <= 0:
             return
-        ratio = observed_ttft_s / estimated_ttft_s
+        ratio = min(observed_ttft_s / estimated_ttft_s, 100.0)
         if had_transfer:
             self.transfer_ratio += self.smoothing * (ratio - self.transfer_ratio)
         else:
             self.local_ratio += self.smoothing * (ratio - self.local_ratio)
-        factor = math.exp(self.rate * (self.transfer_ratio - self.local_ratio))
+        # Clamped: one wildly late request must neither overflow nor swing the threshold to a bound.
+        factor = math.exp(max(-1.0, min(1.0, self.rate * (self.transfer_ratio - self.local_ratio))))
         self.value = min(self.maximum, max(self.minimum, self.value * factor))
 
 
@@ -224,7 +225,9 @@ class KvCacheCentricRouter:
         for view in candidates:
             own = query.prefix_blocks.get(view.instance_id, 0)
             moves = best is not None and best != view.instance_id and best_blocks > own
-            moves = moves and (own == 0 or best_blocks / own > threshold)
+            # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
+            # finite threshold stops and an infinite one does: then nothing ever moves).
+            moves = moves and (best_blocks / own if own else math.inf) > threshold
             blocks = best_blocks if moves else own
             prefill = prefill_s.get(blocks)
             if prefill is None:

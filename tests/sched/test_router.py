@@ -236,10 +236,6 @@ def test_infinite_threshold_is_local_cache_aware(
     assert full.route(views, q, NOW, random.Random(0)) == ablation.route(views, q, NOW, random.Random(0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: KvCacheCentricRouter transfers to an instance holding nothing (own == 0) even with threshold=inf",
-)
 @given(scenarios(), ttft_estimators())
 @example(scenario=EMPTY_INSTANCE_CASE, estimator=ESTIMATOR)
 def test_infinite_threshold_never_transfers(
@@ -253,7 +249,6 @@ def test_infinite_threshold_never_transfers(
     assert decision == reference_local_route(estimator, views, q, NOW)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: local_cache_aware_router plans a transfer to an empty instance")
 def test_local_cache_aware_does_not_move_the_prefix_to_an_empty_instance() -> None:
     """Minimal repro: A holds 32 blocks but is busy, B holds none; the no-transfer ablation must not move them."""
     views, q = EMPTY_INSTANCE_CASE
@@ -373,7 +368,6 @@ def test_adaptive_threshold_stays_within_bounds(
         assert minimum <= adaptive.value <= maximum
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="bug: observe overflows math.exp on a large TTFT ratio")
 def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
     """A 0.1 ms estimate observed at 2 s (ratio 20,000) clamps the threshold at its maximum instead of raising."""
     adaptive = AdaptiveThreshold()
