@@ -697,7 +697,8 @@ class ConductorMachine(RuleBasedStateMachine):
         doomed = {
             rid
             for rid, t in self.tracked.items()
-            if (t.prefill == instance and t.stage != "decoding") or t.decode == instance
+            # A prefill instance takes down what it has not finished; finished KV is on its way to decode.
+            if (t.prefill == instance and t.stage in ("queued", "started")) or t.decode == instance
         }
         ends = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
         assert len(ends) == len(doomed)
@@ -775,7 +776,7 @@ class ConductorMachine(RuleBasedStateMachine):
     def nothing_waits_on_a_down_instance(self) -> None:
         for t in self.tracked.values():
             assert t.decode not in self.down
-            assert t.stage == "decoding" or t.prefill not in self.down
+            assert t.stage in ("prefilled", "decoding") or t.prefill not in self.down
         for view in (*self.conductor.prefill_views, *self.conductor.decode_views):
             assert view.is_up == (view.instance_id not in self.down)
 

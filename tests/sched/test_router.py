@@ -369,9 +369,13 @@ def test_adaptive_threshold_stays_within_bounds(
 
 
 def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
-    """A 0.1 ms estimate observed at 2 s (ratio 20,000) clamps the threshold at its maximum instead of raising."""
+    """A 0.1 ms estimate observed at 2 s (ratio 20,000) raises the threshold by a bounded step instead of overflowing."""
     adaptive = AdaptiveThreshold()
+    before = adaptive.value
     adaptive.observe(had_transfer=True, estimated_ttft_s=1e-4, observed_ttft_s=2.0)
+    assert before < adaptive.value <= before * math.e  # at most one e-fold per observation
+    for _ in range(20):
+        adaptive.observe(had_transfer=True, estimated_ttft_s=1e-4, observed_ttft_s=2.0)
     assert adaptive.value == adaptive.maximum
 
 
