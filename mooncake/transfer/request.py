@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -99,6 +100,10 @@ class Transport(Protocol):
         """Stop; slices not yet moved fail."""
 
 
+def _default_streams() -> int:
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
 def _positive_number(_instance: object, attribute: Any, value: Any) -> None:
     require_number(attribute.name, value, minimum=0, strict=True)
 
@@ -109,7 +114,8 @@ class EngineConfig:
 
     Attributes:
         host, port: where it listens (port 0: any free port); 127.0.0.1 unless told otherwise.
-        streams_per_peer: TCP connections (and worker threads) per peer.
+        streams_per_peer: TCP connections (and worker threads) per peer; by default half the
+            CPUs, 2 to 8 (on loopback, more streams than cores only add contention).
         slice_bytes: large requests are cut into slices of this size, spread over the streams.
         max_frame_bytes: the largest data frame accepted from a peer.
         io_timeout_s: a socket operation that takes longer fails (and is retried).
@@ -118,6 +124,7 @@ class EngineConfig:
         connect_timeout_s: connecting and authenticating to a peer.
         max_retries: retries of a slice on a fresh connection after a dropped one.
         checksums: verify every slice end to end with XXH3-64.
+        socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF of every connection (0: the OS default).
         spin_us: how long a connection polls for an answer (or the next request)
             before it blocks; CPU spent for latency. 0 blocks at once.
         transports: allowed transports in order of preference.
@@ -125,7 +132,7 @@ class EngineConfig:
 
     host: str = "127.0.0.1"
     port: int = attrs.field(default=0, validator=int_at_least(0))
-    streams_per_peer: int = attrs.field(default=4, validator=int_at_least(1))
+    streams_per_peer: int = attrs.field(factory=lambda: _default_streams(), validator=int_at_least(1))
     slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
     max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
@@ -135,6 +142,7 @@ class EngineConfig:
     max_retries: int = attrs.field(default=2, validator=int_at_least(0))
     checksums: bool = False
     spin_us: int = attrs.field(default=200, validator=int_at_least(0))
+    socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0))
     transports: tuple[str, ...] = attrs.field(default=("shm", "rdma", "tcp"), converter=tuple)
 
     def __attrs_post_init__(self) -> None:

@@ -76,7 +76,7 @@ def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> soc
     except OSError as error:
         raise PeerUnavailable(f"cannot connect to {host}:{port}: {error}") from error
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(sock, config)
         client_handshake(sock, secret)
         sock.settimeout(config.io_timeout_s)
     except (OSError, ConnectionError) as error:
@@ -90,6 +90,14 @@ def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> soc
 
 class CallNotSent(ConnectionError):
     """A control call failed before its request was sent (safe to retry)."""
+
+
+def _tune(sock: socket.socket, config: EngineConfig) -> None:
+    """No Nagle delay (small frames answer at once), and buffers big enough for a slice in flight."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if config.socket_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
 
 
 def call(sock: socket.socket, method: str, args: Any, *, max_frame_bytes: int) -> Any:
@@ -304,7 +312,7 @@ def serve_connection(sock: socket.socket, context: ServerContext, on_exit: Calla
     """Authenticate, then serve frames until the peer leaves or breaks the protocol."""
     config = context.config
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(sock, config)
         server_handshake(sock, context.secret, deadline=time.monotonic() + config.connect_timeout_s)
         while True:
             spin_until_readable(sock, config.spin_us / 1e6)  # the next request often follows at once
