@@ -245,6 +245,39 @@ class TieredCache:
         self._publish(key, entry, checksum)
         return self.pools[0].tier
 
+    def put_chain(self, keys: Sequence[BlockKey], *, length: int | None = None) -> None:
+        """Record a request's chain of blocks without data (metadata-only first tier).
+
+        Equivalent to `put(key, parent=previous key, position=i, length=length)`
+        for each key in order (cached ones count as used), under one lock: the
+        simulator stores every prefill's chain this way.
+
+        Raises:
+            ConfigError: the first tier stores bytes.
+            CapacityError: `length` exceeds a page, or every block of the first tier is pinned.
+        """
+        pool = self.pools[0]
+        if pool.holds_bytes:
+            raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
+        size = self.page_bytes if length is None else length
+        if not 0 <= size <= self.page_bytes:
+            raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
+        entries, policies, log = self._entries, self._policies, self._log
+        parent = None
+        with self._lock:
+            for position, key in enumerate(keys):
+                entry = entries.get(key)
+                if entry is not None:
+                    if entry.ready:
+                        policies[entry.level].access(key)
+                else:
+                    page = self._make_room(0, needed_for=key)
+                    entries[key] = _Entry(0, page, size, None, parent, position=position, ready=True)
+                    policies[0].access(key, parent=parent, position=position)
+                    log.append((_STORED, 0, key))
+                    self._counts["puts"] += 1
+                parent = key
+
     def reserve(self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0) -> Any:
         """Claim a first-tier page for `key`, to be filled in place (zero copy), e.g. by a transfer.
 

@@ -386,12 +386,14 @@ class Conductor:
             elif now is not None:
                 start = max(start, previous_finish)
             start = max(start, previous_finish)
-            retimed.append(attrs.evolve(entry, start_s=start, finish_s=start + duration))
+            if start != entry.start_s:
+                entry = attrs.evolve(entry, start_s=start, finish_s=start + duration)
+                incoming = self._incoming.get(entry.decode_instance) if entry.decode_instance is not None else None
+                if incoming is not None and entry.request_id in incoming:  # the decode side's picture follows
+                    incoming[entry.request_id] = entry
+            retimed.append(entry)
             previous_finish = start + duration
         view.queue = retimed
-        for entry in retimed:  # the decode side's picture of incoming prefills follows
-            if entry.decode_instance is not None and entry.request_id in self._incoming.get(entry.decode_instance, {}):
-                self._incoming[entry.decode_instance][entry.request_id] = entry
 
     def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
         instance = event.instance_id

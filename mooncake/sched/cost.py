@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -34,6 +34,7 @@ from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
 
 __all__ = [
+    "ChunkedPipelineCost",
     "DecodeCostModel",
     "FittedPrefillModel",
     "HARDWARE",
@@ -41,6 +42,7 @@ __all__ = [
     "MODELS",
     "ModelShape",
     "PrefillCostModel",
+    "PrefillModel",
     "PrefillSample",
     "TransferCostModel",
     "prefill_flops",
@@ -192,6 +194,53 @@ class PrefillCostModel:
         return self.overhead_s + prefill_flops(self.model, num_tokens, prefix_tokens) / (
             self.hardware.peak_flops * self.mfu
         )
+
+
+class PrefillModel(Protocol):
+    """Anything that times a prefill (analytic, fitted, chunked-pipeline)."""
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float: ...
+
+
+@attrs.frozen(kw_only=True)
+class ChunkedPipelineCost:
+    """Prefill time on a chunked-pipeline-parallel (CPP) group of `group_size` instances.
+
+    The group splits the model's layers into `group_size` stages, one per
+    instance, and feeds the new tokens through them in chunks of `chunk_tokens`.
+    A chunk's time on one stage is its FLOPs (with everything before it as
+    context) on that stage's share of the layers. Every chunk takes the same
+    time on every stage and later chunks take no less (their attention spans
+    more context), so the pipeline's makespan is exact in closed form:
+    Σ chunk times + (stages − 1) · the longest chunk time. One chunk (a short
+    prompt) gains nothing; a long one approaches a `group_size`× speed-up.
+    Successive prompts pipeline too: the next may enter the first stage once the
+    previous one's chunks have all left it (`occupancy_s`).
+    """
+
+    base: PrefillModel
+    group_size: int = attrs.field(validator=int_at_least(1))
+    chunk_tokens: int = attrs.field(default=4096, validator=int_at_least(1))
+
+    def _stages(self, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
+        """(Σ chunk times on one stage, the longest chunk time)."""
+        total, longest, done = 0.0, 0.0, prefix_tokens
+        while done < num_tokens:
+            end = min(num_tokens, done + self.chunk_tokens)
+            stage = self.base.prefill_s(end, done) / self.group_size
+            total += stage
+            longest = max(longest, stage)
+            done = end
+        return total, longest
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        """The prefill's latency: until the last chunk leaves the last stage."""
+        total, longest = self._stages(num_tokens, prefix_tokens)
+        return total + (self.group_size - 1) * longest
+
+    def occupancy_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        """How long the prefill holds the first stage: the next one may start after that."""
+        return self._stages(num_tokens, prefix_tokens)[0]
 
 
 @attrs.frozen(kw_only=True)

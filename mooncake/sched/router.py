@@ -34,7 +34,7 @@ from typing import Protocol
 import attrs
 
 from mooncake._checks import require_number
-from mooncake.sched.cost import FittedPrefillModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillView
 from mooncake.types import InstanceId
 
@@ -107,7 +107,7 @@ class RouteDecision:
 class TtftEstimator:
     """Estimates each term of TTFT for one instance."""
 
-    prefill: PrefillCostModel | FittedPrefillModel
+    prefill: PrefillModel
     transfer: TransferCostModel
     kv_bytes_per_token: int
 

@@ -6,6 +6,7 @@ from mooncake.workload.generator import (
     ArrivalProcess,
     LengthDistribution,
     WorkloadSpec,
+    fixed_length_requests,
     generate_requests,
     preset,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "TRACE_BLOCK_SIZE_TOKENS",
     "TraceStats",
     "WorkloadSpec",
+    "fixed_length_requests",
     "generate_requests",
     "iter_trace",
     "load_trace",

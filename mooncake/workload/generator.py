@@ -43,6 +43,7 @@ __all__ = [
     "LengthDistribution",
     "PRESETS",
     "WorkloadSpec",
+    "fixed_length_requests",
     "generate_requests",
     "preset",
 ]
@@ -349,3 +350,53 @@ def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, s
             output_length=output,
             block_keys=generator.ids.of(session.prompt),
         )
+
+
+def fixed_length_requests(
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    num_requests: int,
+    cache_ratio: float = 0.5,
+    num_prefixes: int = 8,
+    arrivals: ArrivalProcess = ArrivalProcess(),
+    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
+    seed: int = 0,
+) -> list[Request]:
+    """Requests of one prompt and output length whose prompts share prefixes (the arXiv
+    paper's long-context workloads: 16 K to 128 K-token prompts, 512 outputs, 50 % cache ratio).
+
+    Each prompt starts with one of `num_prefixes` shared prefixes of
+    `cache_ratio · input_tokens` tokens (chosen uniformly), then a part of its
+    own; with a cache that holds the prefixes, the share of prompt tokens found
+    cached tends to `cache_ratio`.
+
+    Raises:
+        ConfigError: a length or count below 1, or `cache_ratio` outside [0, 1).
+    """
+    input_tokens = require_int("input_tokens", input_tokens, minimum=1)
+    output_tokens = require_int("output_tokens", output_tokens, minimum=1)
+    num_requests = require_int("num_requests", num_requests, minimum=0)
+    num_prefixes = require_int("num_prefixes", num_prefixes, minimum=1)
+    cache_ratio = require_number("cache_ratio", cache_ratio, minimum=0)
+    if cache_ratio >= 1:
+        raise ConfigError(f"cache_ratio must be in [0, 1), got {cache_ratio}")
+    rng = np.random.default_rng(seed)
+    times = arrivals.times_s(rng, num_requests)
+    ids = _BlockIds(block_size_tokens)
+    prefix_tokens = int(cache_ratio * input_tokens)
+    prefixes = [(-1 - i, prefix_tokens) for i in range(num_prefixes)]  # negative ids: never a unique part's
+    requests = []
+    for index in range(num_requests):
+        segments = [prefixes[int(rng.integers(num_prefixes))]] if prefix_tokens else []
+        segments.append((index, input_tokens - prefix_tokens))
+        requests.append(
+            Request(
+                request_id=RequestId(str(index)),
+                arrival_s=float(times[index]),
+                input_length=input_tokens,
+                output_length=output_tokens,
+                block_keys=ids.of(segments),
+            )
+        )
+    return requests

@@ -1,0 +1,514 @@
+"""A simulated disaggregated cluster on a virtual clock, driving the real Conductor.
+
+Prefill instances are FIFO servers. A request starts when its instance is free
+and the KV transfer the Conductor planned for it (if any) has arrived; its
+prefill time comes from the cost model given the prefix its own metadata-only
+`TieredCache` actually holds then (LRU, prefix-aware); afterwards its blocks are
+stored in that cache, whose events feed the Conductor's index. Transfers are
+timed by the transfer model, slowed by the transfers already in flight from
+the same source; the copy they bring is kept (hot-spot replication). With
+`cpp_group_size` X > 1, each X prefill nodes form one chunked-pipeline group:
+one instance to the Conductor, X nodes' cache, the CPP prefill time.
+
+The prefill's KV streams to the decode instance layer by layer while the
+prefill runs; what the prefill does not hide delays the arrival. There the
+instance's own check runs (its TBT with the request added within the SLO, its
+HBM not overflowing), else the request is rejected after prefill: wasted work.
+Accepted requests join the `ContinuousBatch` at the next step boundary; the
+batch advances a whole stretch between membership changes analytically
+(`analytic_decode=False` steps one by one instead, for checking).
+
+With `inline_prefill_tokens` n > 0, a request of at most n prompt tokens is
+prefilled inside its decode instance's batch (paper §5) when the step carrying
+it stays within the TBT SLO: the batch stalls for the prefill, and the request
+never visits a prefill instance.
+
+In local-cache mode (`global_pool=False`) nodes never fetch each other's
+blocks: the KV-cache-centric router becomes the local-cache-aware one.
+
+Everything is deterministic for a given workload, spec and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from mooncake.cache.policy import LruPolicy
+from mooncake.cache.pool import MetadataPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.engine.batch import ContinuousBatch, Member
+from mooncake.engine.clock import EventLoop
+from mooncake.engine.metrics import LoadTrace, Outcome, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.errors import ConfigError
+from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
+from mooncake.sched.conductor import Conductor, ScheduleDecision
+from mooncake.sched.cost import (
+    ChunkedPipelineCost,
+    DecodeCostModel,
+    Hardware,
+    ModelShape,
+    PrefillCostModel,
+    PrefillModel,
+    TransferCostModel,
+)
+from mooncake.sched.predictor import UniformDecodePredictor
+from mooncake.sched.router import (
+    KvCacheCentricRouter,
+    LoadBalancingRouter,
+    RandomRouter,
+    Router,
+    TtftEstimator,
+    local_cache_aware_router,
+)
+from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished, PrefillStarted, RequestRejected
+from mooncake.types import InstanceId, Request, Slo, Tier
+
+__all__ = [
+    "ADMISSIONS",
+    "ClusterSpec",
+    "ROUTERS",
+    "SimulatedCluster",
+    "build_conductor",
+    "replay",
+]
+
+ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")
+ADMISSIONS = ("baseline", "early_rejection", "predictive_early_rejection")
+
+
+def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
+    def check(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"ClusterSpec.{attribute.name} must be an integer >= {minimum}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class ClusterSpec:
+    """A simulated cluster.
+
+    Attributes:
+        num_prefill, num_decode: nodes of each kind.
+        model: the model served; prefill_hardware / decode_hardware: one node's GPUs.
+        block_size_tokens: tokens per block key (512 for the published traces).
+        cache_capacity_tokens: KV tokens each prefill node's cache (DRAM + SSD) holds.
+        global_pool: any node may fetch any block (Mooncake Store); False: each node only its own cache.
+        mfu: model FLOPs utilisation of prefill.
+        network_bytes_per_s: KV transfer bandwidth (default: the prefill hardware's NIC).
+        cpp_group_size: prefill nodes per chunked-pipeline group (1: no CPP); divides num_prefill.
+        cpp_chunk_tokens: the CPP chunk.
+        inline_prefill_tokens: prompts up to this long may be prefilled inside a decode batch (0: never).
+        analytic_decode: advance decode batches analytically (False: step by step).
+        sample_interval_s: how often load over time is sampled.
+    """
+
+    num_prefill: int = attrs.field(validator=_at_least(1))
+    num_decode: int = attrs.field(validator=_at_least(1))
+    model: ModelShape
+    prefill_hardware: Hardware
+    decode_hardware: Hardware
+    block_size_tokens: int = attrs.field(default=512, validator=_at_least(1))
+    cache_capacity_tokens: int = attrs.field(default=50_000 * 512, validator=_at_least(0))
+    global_pool: bool = True
+    mfu: float = 0.5
+    network_bytes_per_s: float | None = None
+    cpp_group_size: int = attrs.field(default=1, validator=_at_least(1))
+    cpp_chunk_tokens: int = attrs.field(default=4096, validator=_at_least(1))
+    inline_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    analytic_decode: bool = True
+    sample_interval_s: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_prefill % self.cpp_group_size:
+            raise ConfigError(
+                f"ClusterSpec.cpp_group_size={self.cpp_group_size} must divide num_prefill={self.num_prefill}"
+            )
+        if not self.mfu > 0 or not self.sample_interval_s > 0:
+            raise ConfigError(
+                f"ClusterSpec.mfu and sample_interval_s must be > 0, got {self.mfu}, {self.sample_interval_s}"
+            )
+
+    @property
+    def num_prefill_instances(self) -> int:
+        """Prefill instances the Conductor sees (CPP groups count once)."""
+        return self.num_prefill // self.cpp_group_size
+
+    @property
+    def prefill_cost(self) -> PrefillModel:
+        """One prefill instance's prefill time (a CPP group's when grouped)."""
+        base = PrefillCostModel(model=self.model, hardware=self.prefill_hardware, mfu=self.mfu)
+        if self.cpp_group_size == 1:
+            return base
+        return ChunkedPipelineCost(base=base, group_size=self.cpp_group_size, chunk_tokens=self.cpp_chunk_tokens)
+
+    @property
+    def decode_cost(self) -> DecodeCostModel:
+        return DecodeCostModel(model=self.model, hardware=self.decode_hardware)
+
+    @property
+    def transfer_cost(self) -> TransferCostModel:
+        bandwidth = self.network_bytes_per_s or self.prefill_hardware.nic_bytes_per_s
+        return TransferCostModel(bandwidth_bytes_per_s=bandwidth)
+
+
+def build_conductor(
+    spec: ClusterSpec,
+    *,
+    router: str = "kvcache_centric",
+    admission: str = "early_rejection",
+    threshold: float = 1.5,
+    slo: Slo | None = None,
+    decode_s: float = 10.0,
+    seed: int = 0,
+) -> Conductor:
+    """A Conductor with the spec's cost models (so its estimates are the simulator's truth).
+
+    Args:
+        router: one of `ROUTERS`; admission: one of `ADMISSIONS`.
+        threshold: kvcache_balancing_threshold of the KV-cache-centric router.
+        decode_s: the uniform decode duration of the paper's load predictor.
+    """
+    estimator = TtftEstimator(
+        prefill=spec.prefill_cost, transfer=spec.transfer_cost, kv_bytes_per_token=spec.model.kv_bytes_per_token
+    )
+    routers: dict[str, Callable[[], Router]] = {
+        "random": lambda: RandomRouter(estimator),
+        "load_balancing": lambda: LoadBalancingRouter(estimator),
+        "local_cache_aware": lambda: local_cache_aware_router(estimator),
+        "kvcache_centric": lambda: KvCacheCentricRouter(estimator=estimator, threshold=threshold),
+    }
+    admissions: dict[str, Callable[[], AdmissionPolicy]] = {
+        "baseline": BaselineAdmission,
+        "early_rejection": EarlyRejection,
+        "predictive_early_rejection": predictive_early_rejection,
+    }
+    if router not in routers:
+        raise ConfigError(f"router must be one of {ROUTERS}, got {router!r}")
+    if admission not in admissions:
+        raise ConfigError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+    if not spec.global_pool and router == "kvcache_centric":
+        router = "local_cache_aware"  # without a global pool there is nothing to transfer from
+    conductor = Conductor(
+        router=routers[router](),
+        decode_cost=spec.decode_cost,
+        admission=admissions[admission](),
+        predictor=UniformDecodePredictor(decode_s=decode_s),
+        slo=slo or Slo(),
+        block_size_tokens=spec.block_size_tokens,
+        seed=seed,
+    )
+    for i in range(spec.num_prefill_instances):
+        conductor.add_prefill_instance(InstanceId(f"prefill-{i}"))
+    for i in range(spec.num_decode):
+        conductor.add_decode_instance(InstanceId(f"decode-{i}"))
+    return conductor
+
+
+@attrs.define(eq=False)
+class _Queued:
+    request: Request
+    record: RequestRecord
+    decision: ScheduleDecision
+    ready_s: float  # when its planned transfer has arrived
+
+
+@attrs.define(eq=False)
+class _PrefillNode:
+    instance_id: InstanceId
+    cache: TieredCache
+    queue: deque[_Queued] = attrs.field(factory=deque)
+    busy: bool = False
+
+
+@attrs.define(eq=False)
+class _Joiner:
+    member: Member
+    inline_s: float = 0.0  # > 0: prefilled inside the batch, stalling it this long
+
+
+@attrs.define(eq=False)
+class _DecodeNode:
+    instance_id: InstanceId
+    batch: ContinuousBatch
+    capacity_tokens: int
+    joining: list[_Joiner] = attrs.field(factory=list)
+    version: int = 0  # invalidates planned boundaries when the plan changes
+    planned_steps: int = 0
+    joining_tokens: int = 0
+
+
+def replay(
+    spec: ClusterSpec,
+    requests: Iterable[Request],
+    *,
+    progress: Callable[[int], None] | None = None,
+    **conductor_options: object,
+) -> ReplayResult:
+    """Build a Conductor for `spec` (`build_conductor` options) and replay `requests` through it."""
+    conductor = build_conductor(spec, **conductor_options)  # type: ignore[arg-type]
+    return SimulatedCluster(spec, conductor).run(requests, progress=progress)
+
+
+class SimulatedCluster:
+    """Replays requests through a simulated cluster governed by `conductor`.
+
+    The conductor must know the prefill and decode instances the spec describes
+    (`build_conductor` makes such a one); one cluster replays one workload.
+    """
+
+    def __init__(self, spec: ClusterSpec, conductor: Conductor) -> None:
+        self.spec = spec
+        self.conductor = conductor
+        self.slo = conductor.slo
+        self.prefill_cost = spec.prefill_cost
+        self.transfer_cost = spec.transfer_cost
+        self.kv_bytes_per_token = spec.model.kv_bytes_per_token
+        self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
+        decode_cost = spec.decode_cost
+        self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
+        step_fixed = decode_cost.step_s(1, 0)
+        step_per_token = decode_cost.step_s(1, 1) - step_fixed
+        pages = max(1, spec.cache_capacity_tokens * spec.cpp_group_size // spec.block_size_tokens)
+        self._prefill = {
+            view.instance_id: _PrefillNode(
+                view.instance_id,
+                TieredCache(
+                    [MetadataPagePool(Tier.DRAM, self.page_bytes, pages)],
+                    source=view.instance_id,
+                    policy=lambda: LruPolicy(prefix_aware=True),
+                    promote_after=0,
+                ),
+            )
+            for view in conductor.prefill_views
+        }
+        self._decode = {
+            view.instance_id: _DecodeNode(
+                view.instance_id, ContinuousBatch(step_fixed, step_per_token), view.capacity_tokens
+            )
+            for view in conductor.decode_views
+        }
+        self.loop = EventLoop()
+        self._records: list[RequestRecord] = []
+        self._load = LoadTrace(spec.sample_interval_s, lambda: (self._prefill_count, self._decode_count))
+        self._prefill_count = 0
+        self._decode_count = 0
+        self._transfers: dict[InstanceId, list[float]] = {}
+        self._arrived = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, requests: Iterable[Request], *, progress: Callable[[int], None] | None = None) -> ReplayResult:
+        """Replay `requests` to the end and summarize; `progress(n)` is told each arrival's count."""
+        started = time.perf_counter()
+        for request in requests:
+            self.loop.at(request.arrival_s, self._arrive, request, progress)
+        self.loop.run(self._load)
+        wall = time.perf_counter() - started
+        return ReplayResult(
+            summary=summarize(self._records, self.slo, sim_wall_s=wall),
+            records=tuple(self._records),
+            load=tuple(self._load.samples),
+        )
+
+    # ------------------------------------------------------------------ prefill side
+
+    def _arrive(self, now: float, request: Request, progress: Callable[[int], None] | None) -> None:
+        self._arrived += 1
+        if progress is not None:
+            progress(self._arrived)
+        record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
+        self._records.append(record)
+        decision = self.conductor.schedule(request, now)
+        record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
+        if not decision.accepted:
+            record.outcome = Outcome.REJECTED_BEFORE_PREFILL
+            record.reason = decision.reason.value if decision.reason else ""
+            return
+        assert decision.prefill_instance is not None and decision.decode_instance is not None
+        if self._try_inline(now, request, record, decision):
+            return
+        node = self._prefill[decision.prefill_instance]
+        ready = now
+        plan = decision.transfer
+        if plan is not None and self.spec.global_pool:
+            # The blocks from the holder must arrive before the prefill may start.
+            ends = self._transfers.setdefault(plan.source, [])
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+            ready = now + self.transfer_cost.transfer_s(plan.num_bytes, in_flight_from_source=len(ends))
+            heapq.heappush(ends, ready)
+        node.queue.append(_Queued(request, record, decision, ready))
+        self._prefill_count += 1
+        self._start_next(now, node)
+
+    def _start_next(self, now: float, node: _PrefillNode) -> None:
+        if node.busy or not node.queue:
+            return
+        head = node.queue[0]
+        node.busy = True
+        if head.ready_s > now:  # FIFO: the head waits for its transfer, the others for the head
+            self.loop.at(head.ready_s, self._free, node)
+            return
+        node.queue.popleft()
+        request, record, decision = head.request, head.record, head.decision
+        if decision.transfer is not None and self.spec.global_pool:
+            holder = self._prefill.get(decision.transfer.source)
+            if holder is not None:
+                self._store(node, request, holder.cache.prefix_match(request.block_keys))
+        # The prefix counts as used when the prefill ends and stores the whole chain (`_store`).
+        cached = node.cache.prefix_match(request.block_keys)
+        record.prefix_tokens = max(0, min(cached * self.spec.block_size_tokens, request.input_length - 1))
+        record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
+        self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
+        cost = self.prefill_cost
+        if isinstance(cost, ChunkedPipelineCost):  # the group takes the next prompt before this one's KV is done
+            self.loop.at(now + record.prefill_s, self._prefill_done, node, head, False)
+            self.loop.at(now + cost.occupancy_s(request.input_length, record.prefix_tokens), self._free, node)
+        else:
+            self.loop.at(now + record.prefill_s, self._prefill_done, node, head, True)
+
+    def _free(self, now: float, node: _PrefillNode) -> None:
+        node.busy = False
+        self._start_next(now, node)
+
+    def _store(self, node: _PrefillNode, request: Request, upto: int) -> None:
+        """Put the request's first `upto` blocks into the node's cache (evicting by its policy)."""
+        cache = node.cache
+        cache.put_chain(request.block_keys[:upto], length=self.page_bytes)
+        for event in cache.take_events():
+            self.conductor.apply_cache_event(event)
+
+    def _prefill_done(self, now: float, node: _PrefillNode, queued: _Queued, frees_node: bool) -> None:
+        request, record = queued.request, queued.record
+        self._store(node, request, len(request.block_keys))
+        record.first_token_s = now
+        self._prefill_count -= 1
+        self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=node.instance_id, now=now))
+        if frees_node:
+            self._free(now, node)
+        if request.output_length <= 1:  # the first token was the last
+            self._finish(now, record)
+            return
+        # The KV streamed layer by layer during the prefill: only what the prefill did not hide remains.
+        kv_s = self.transfer_cost.transfer_s(request.input_length * self.kv_bytes_per_token)
+        arrival = now + max(self.transfer_cost.latency_s, kv_s - record.prefill_s)
+        assert record.decode_instance is not None
+        self.loop.at(arrival, self._decode_arrive, self._decode[record.decode_instance], record)
+
+    # ------------------------------------------------------------------ decode side
+
+    def _try_inline(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> bool:
+        """Prefill a short request inside its decode batch when the step carrying it keeps the TBT SLO."""
+        if request.input_length > self.spec.inline_prefill_tokens or request.output_length <= 1:
+            return False
+        assert decision.decode_instance is not None and decision.prefill_instance is not None
+        node = self._decode[decision.decode_instance]
+        inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
+        step = node.batch.step_s(node.joining_tokens + request.input_length)
+        if step + inline_s > self.slo.tbt_s or not self._fits(node, record):
+            return False
+        # It never reaches the prefill instance the Conductor queued it on: take it off that queue.
+        for event in (PrefillStarted, PrefillFinished):
+            self.conductor.handle(event(request_id=request.request_id, instance_id=decision.prefill_instance, now=now))
+        record.prefill_instance = None
+        record.inline_prefill = True
+        record.prefill_s = inline_s
+        self._enqueue(now, node, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
+        return True
+
+    def _fits(self, node: _DecodeNode, record: RequestRecord) -> bool:
+        needed = record.input_tokens + record.output_tokens
+        return node.batch.context + node.joining_tokens + needed <= node.capacity_tokens
+
+    def _decode_arrive(self, now: float, node: _DecodeNode, record: RequestRecord) -> None:
+        step = node.batch.step_s(node.joining_tokens + record.input_tokens)
+        if (len(node.batch) or node.joining) and (step > self.slo.tbt_s or not self._fits(node, record)):
+            # The instance's own check: this request would break the batch's TBT SLO or overflow HBM.
+            record.outcome = Outcome.REJECTED_AFTER_PREFILL
+            record.reason = "decode_local_check"
+            assert record.decode_instance is not None
+            self.conductor.handle(
+                RequestRejected(
+                    request_id=record.request_id, instance_id=record.decode_instance, now=now, reason="tbt_slo"
+                )
+            )
+            return
+        self._enqueue(now, node, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
+
+    def _enqueue(self, now: float, node: _DecodeNode, joiner: _Joiner) -> None:
+        """`joiner` joins at the batch's next step boundary (now, if the batch is idle)."""
+        node.joining.append(joiner)
+        node.joining_tokens += joiner.member.context
+        batch = node.batch
+        if not batch.members:
+            if len(node.joining) == 1:
+                node.version += 1
+                self.loop.at(now, self._boundary, node, node.version, 0)
+            return
+        steps = min(node.planned_steps, batch.steps_within(now - batch.start_s) + 1)
+        if steps < node.planned_steps:
+            self._plan(node, steps)
+
+    def _plan(self, node: _DecodeNode, steps: int) -> None:
+        node.version += 1
+        node.planned_steps = steps
+        batch = node.batch
+        self.loop.at(batch.start_s + batch.stretch_s(steps), self._boundary, node, node.version, steps)
+
+    def _boundary(self, now: float, node: _DecodeNode, version: int, steps: int) -> None:
+        if version != node.version:
+            return  # the plan changed since this boundary was planned
+        batch = node.batch
+        if batch.members:
+            batch.advance(steps)
+        else:
+            batch.start_s = now
+        for member in batch.take_finished():
+            self._decode_count -= 1
+            self._finish(now, member.record)
+        joiners, node.joining, node.joining_tokens = node.joining, [], 0
+        for joiner in joiners:
+            if joiner.inline_s:  # its prefill runs in the batch, before the next step
+                batch.stall(joiner.inline_s)
+                joiner.member.record.first_token_s = batch.start_s
+        for joiner in joiners:
+            member = joiner.member
+            record = member.record
+            assert record.first_token_s is not None
+            member.gap_s = batch.start_s - record.first_token_s
+            batch.join(member)
+            self._decode_count += 1
+            self.conductor.handle(
+                DecodeJoined(
+                    request_id=record.request_id,
+                    instance_id=node.instance_id,
+                    now=now,
+                    context_tokens=record.input_tokens,
+                    output_tokens=record.output_tokens,
+                )
+            )
+        if batch.members:
+            self._plan(node, batch.min_remaining() if self.spec.analytic_decode else 1)
+        else:
+            node.version += 1
+            node.planned_steps = 0
+
+    def _finish(self, now: float, record: RequestRecord) -> None:
+        record.outcome = Outcome.COMPLETED
+        record.finish_s = now
+        record.tbt_s = top_mean(record.intervals)
+        assert record.decode_instance is not None
+        self.conductor.handle(
+            DecodeFinished(
+                request_id=record.request_id,
+                instance_id=record.decode_instance,
+                now=now,
+                generated_tokens=record.output_tokens,
+            )
+        )
