@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py --out $(OUT)
+	$(BIN)/python examples/experiments.py scheduling --out $(OUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tiered_cache.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/conductor.py
+	$(BIN)/python benchmarks/replay_speed.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache

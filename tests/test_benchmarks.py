@@ -83,3 +83,21 @@ def test_demo_runs(tmp_path: Path) -> None:
     assert "prefix hit ratio" in done.stdout and "sieve" in done.stdout
     assert (tmp_path / "synthetic.jsonl").stat().st_size > 0
     assert (tmp_path / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_speed_benchmark_prints_its_figures(tmp_path: Path) -> None:
+    """The simulator benchmark prints the trace replay's and the large replay's figures."""
+    result = run_json(
+        "benchmarks/replay_speed.py",
+        "--trace",
+        str(tmp_path / "absent.jsonl"),  # a generated workload stands in
+        "--requests",
+        "150",
+        "--large-requests",
+        "300",
+        "--large-instances",
+        "8",
+    )
+    for key in ("sim_wall_s", "requests_per_s", "analytic_speedup", "large_sim_wall_s", "peak_rss_gb"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["num_requests"] == 150 and result["large_num_requests"] == 300

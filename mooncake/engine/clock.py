@@ -4,14 +4,20 @@ Events are (time, sequence, handler, arguments) in a heap; the sequence number
 breaks ties in the order events were scheduled, so a run is deterministic.
 Handlers schedule further events. The clock never goes backwards: scheduling
 an event in the past is a bug and raises.
+
+A stream of arrivals (`feed`) is merged in lazily, one item at a time, so a
+replay of a million requests never holds them all; an arrival is handled
+before any other event at the same time.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from mooncake.errors import InvalidRequestError
 
 __all__ = ["EventLoop"]
 
@@ -22,22 +28,49 @@ class EventLoop:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._sequence = itertools.count()
+        self._stream: Iterator[Any] | None = None
+        self._time_of: Callable[[Any], float] = float
+        self._on_item: Callable[..., None] | None = None
         self.now = 0.0
 
     def at(self, time_s: float, handler: Callable[..., None], *args: Any) -> None:
         """Call `handler(time_s, *args)` when the clock reaches `time_s`."""
-        if time_s < self.now:
+        if not time_s >= self.now:  # NaN too
             raise ValueError(f"event at {time_s} scheduled after the clock reached {self.now}")
         heapq.heappush(self._heap, (time_s, next(self._sequence), handler, args))
+
+    def feed(self, items: Iterable[Any], time_of: Callable[[Any], float], handler: Callable[..., None]) -> None:
+        """Call `handler(time_of(item), item)` for each item, in order; items must not go back in time."""
+        self._stream = iter(items)
+        self._time_of = time_of
+        self._on_item = handler
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def run(self, before_each: Callable[[float], None] | None = None) -> None:
-        """Handle events until none are left; `before_each(time)` runs before each one."""
+        """Handle events until none are left; `before_each(time)` runs before each one.
+
+        Raises:
+            InvalidRequestError: a fed item's time is earlier than the previous one's.
+        """
         heap = self._heap
         pop = heapq.heappop
-        while heap:
+        stream, time_of, on_item = self._stream, self._time_of, self._on_item
+        item = next(stream, None) if stream is not None else None
+        item_s = time_of(item) if item is not None else 0.0
+        while heap or item is not None:
+            if item is not None and (not heap or item_s <= heap[0][0]):
+                if item_s < self.now:
+                    raise InvalidRequestError(f"arrivals out of order: {item!r} at {item_s} after {self.now}")
+                self.now = now = item_s
+                if before_each is not None:
+                    before_each(now)
+                assert on_item is not None and stream is not None
+                on_item(now, item)
+                item = next(stream, None)
+                item_s = time_of(item) if item is not None else 0.0
+                continue
             now, _, handler, args = pop(heap)
             self.now = now
             if before_each is not None:

@@ -63,7 +63,7 @@ class CoupledSpec:
     block_size_tokens: int = 512
     cache_capacity_tokens: int | None = None
     chunked_prefill: bool = False
-    token_budget: int = 2048
+    token_budget: int = 512  # vLLM's max_num_batched_tokens with chunked prefill
     mfu: float = 0.5
     analytic_decode: bool = True
     sample_interval_s: float = 1.0
@@ -111,8 +111,14 @@ class _Instance:
     version: int = 0
 
     @property
+    def prefills(self) -> int:
+        """Requests waiting for or in prefill (the one the current iteration completes included)."""
+        completing = self.plan is not None and self.plan.completes is not None
+        return len(self.waiting) + (self.prefilling is not None) + completing
+
+    @property
     def outstanding(self) -> int:
-        return len(self.waiting) + (self.prefilling is not None) + len(self.batch)
+        return self.prefills + len(self.batch)
 
 
 class CoupledCluster:
@@ -148,12 +154,27 @@ class CoupledCluster:
         self._records: list[RequestRecord] = []
         self._load = LoadTrace(spec.sample_interval_s, self._counts)
         self._arrived = 0
+        self._progress: Callable[[int], None] | None = None
+        self._keep_intervals = True
 
-    def run(self, requests: Iterable[Request], *, progress: Callable[[int], None] | None = None) -> ReplayResult:
-        """Replay `requests` to the end and summarize; `progress(n)` is told each arrival's count."""
+    def run(
+        self,
+        requests: Iterable[Request],
+        *,
+        progress: Callable[[int], None] | None = None,
+        keep_intervals: bool = True,
+    ) -> ReplayResult:
+        """Replay `requests` (in arrival order; streamed) to the end and summarize.
+
+        Args:
+            progress: told the count of requests arrived so far, at each arrival.
+            keep_intervals: keep every record's token intervals (False frees them once
+                its TBT is known: large replays).
+        """
         started = time.perf_counter()
-        for request in requests:
-            self.loop.at(request.arrival_s, self._arrive, request, progress)
+        self._progress = progress
+        self._keep_intervals = keep_intervals
+        self.loop.feed(requests, _arrival_s, self._arrive)
         self.loop.run(self._load)
         return ReplayResult(
             summary=summarize(self._records, self.slo, sim_wall_s=time.perf_counter() - started),
@@ -162,13 +183,13 @@ class CoupledCluster:
         )
 
     def _counts(self) -> tuple[int, int]:
-        prefill = sum(len(i.waiting) + (i.prefilling is not None) for i in self._instances)
+        prefill = sum(i.prefills for i in self._instances)
         return prefill, sum(len(i.batch) for i in self._instances)
 
-    def _arrive(self, now: float, request: Request, progress: Callable[[int], None] | None) -> None:
+    def _arrive(self, now: float, request: Request) -> None:
         self._arrived += 1
-        if progress is not None:
-            progress(self._arrived)
+        if self._progress is not None:
+            self._progress(self._arrived)
         record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
         self._records.append(record)
         if request.input_length + request.output_length > self.capacity_tokens:
@@ -271,3 +292,9 @@ class CoupledCluster:
         record.outcome = Outcome.COMPLETED
         record.finish_s = now
         record.tbt_s = top_mean(record.intervals)
+        if not self._keep_intervals:
+            record.intervals.runs.clear()
+
+
+def _arrival_s(request: Request) -> float:
+    return request.arrival_s

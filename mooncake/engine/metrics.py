@@ -46,21 +46,28 @@ class IntervalRuns:
         return sum(run[2] for run in self.runs)
 
     def values(self) -> np.ndarray:
-        """Every interval (for tests and small requests)."""
+        """Every interval, in order."""
         if not self.runs:
             return np.empty(0)
-        return np.concatenate([first + step * np.arange(count) for first, step, count in self.runs])
+        firsts, steps, counts = (np.asarray(column) for column in zip(*self.runs, strict=True))
+        starts = np.cumsum(counts) - counts
+        offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        values: np.ndarray = np.repeat(firsts, counts) + np.repeat(steps, counts) * offsets
+        return values
 
 
 def _count_and_sum_at_least(runs: Sequence[tuple[float, float, int]], cut: float) -> tuple[int, float]:
     count, total = 0, 0.0
     for first, step, n in runs:
+        # A ratio too large for a float (a subnormal step) means: beyond the run.
         if step > 0:
-            start = 0 if first >= cut else min(n, math.ceil((cut - first) / step))
+            reach = (cut - first) / step
+            start = 0 if first >= cut else (n if reach >= n else math.ceil(reach))
         elif step < 0:
             start = 0 if first >= cut else n
             if first >= cut:
-                n = min(n, math.floor((first - cut) / -step) + 1)
+                reach = (first - cut) / -step
+                n = n if reach >= n else min(n, math.floor(reach) + 1)
         else:
             start = 0 if first >= cut else n
         k = n - start
@@ -77,8 +84,8 @@ def top_mean(runs: IntervalRuns, fraction: float = 0.1) -> float:
         return 0.0
     m = max(1, math.ceil(fraction * n))
     if n <= 4096:
-        values = np.sort(runs.values())
-        return float(values[-m:].mean())
+        values = runs.values()
+        return float(np.partition(values, n - m)[n - m :].mean())
     low = min(min(f, f + s * (c - 1)) for f, s, c in runs.runs)
     high = max(max(f, f + s * (c - 1)) for f, s, c in runs.runs)
     for _ in range(100):  # bisection on the cut value: count(values >= cut) >= m

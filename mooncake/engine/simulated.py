@@ -32,6 +32,7 @@ Everything is deterministic for a given workload, spec and seed.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -56,7 +57,7 @@ from mooncake.sched.cost import (
     PrefillModel,
     TransferCostModel,
 )
-from mooncake.sched.predictor import UniformDecodePredictor
+from mooncake.sched.predictor import DecodeLoad, UniformDecodePredictor
 from mooncake.sched.router import (
     KvCacheCentricRouter,
     LoadBalancingRouter,
@@ -129,10 +130,12 @@ class ClusterSpec:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} must divide num_prefill={self.num_prefill}"
             )
-        if not self.mfu > 0 or not self.sample_interval_s > 0:
-            raise ConfigError(
-                f"ClusterSpec.mfu and sample_interval_s must be > 0, got {self.mfu}, {self.sample_interval_s}"
-            )
+        for name in ("mfu", "sample_interval_s", "network_bytes_per_s"):
+            value = getattr(self, name)
+            if value is None and name == "network_bytes_per_s":
+                continue  # the prefill hardware's NIC
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ConfigError(f"ClusterSpec.{name} must be a finite number > 0, got {value!r}")
 
     @property
     def num_prefill_instances(self) -> int:
@@ -153,14 +156,16 @@ class ClusterSpec:
 
     @property
     def transfer_cost(self) -> TransferCostModel:
-        bandwidth = self.network_bytes_per_s or self.prefill_hardware.nic_bytes_per_s
+        bandwidth = (
+            self.network_bytes_per_s if self.network_bytes_per_s is not None else self.prefill_hardware.nic_bytes_per_s
+        )
         return TransferCostModel(bandwidth_bytes_per_s=bandwidth)
 
 
 def build_conductor(
     spec: ClusterSpec,
     *,
-    router: str = "kvcache_centric",
+    router: str | Callable[[TtftEstimator], Router] = "kvcache_centric",
     admission: str = "early_rejection",
     threshold: float = 1.5,
     slo: Slo | None = None,
@@ -170,7 +175,8 @@ def build_conductor(
     """A Conductor with the spec's cost models (so its estimates are the simulator's truth).
 
     Args:
-        router: one of `ROUTERS`; admission: one of `ADMISSIONS`.
+        router: one of `ROUTERS`, or a factory making your own `Router` from the spec's estimator.
+        admission: one of `ADMISSIONS`.
         threshold: kvcache_balancing_threshold of the KV-cache-centric router.
         decode_s: the uniform decode duration of the paper's load predictor.
     """
@@ -188,14 +194,14 @@ def build_conductor(
         "early_rejection": EarlyRejection,
         "predictive_early_rejection": predictive_early_rejection,
     }
-    if router not in routers:
-        raise ConfigError(f"router must be one of {ROUTERS}, got {router!r}")
+    if isinstance(router, str) and router not in routers:
+        raise ConfigError(f"router must be one of {ROUTERS} or a factory, got {router!r}")
     if admission not in admissions:
         raise ConfigError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
     if not spec.global_pool and router == "kvcache_centric":
         router = "local_cache_aware"  # without a global pool there is nothing to transfer from
     conductor = Conductor(
-        router=routers[router](),
+        router=routers[router]() if isinstance(router, str) else router(estimator),
         decode_cost=spec.decode_cost,
         admission=admissions[admission](),
         predictor=UniformDecodePredictor(decode_s=decode_s),
@@ -248,11 +254,12 @@ def replay(
     requests: Iterable[Request],
     *,
     progress: Callable[[int], None] | None = None,
+    keep_intervals: bool = True,
     **conductor_options: object,
 ) -> ReplayResult:
     """Build a Conductor for `spec` (`build_conductor` options) and replay `requests` through it."""
     conductor = build_conductor(spec, **conductor_options)  # type: ignore[arg-type]
-    return SimulatedCluster(spec, conductor).run(requests, progress=progress)
+    return SimulatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
 
 
 class SimulatedCluster:
@@ -300,14 +307,29 @@ class SimulatedCluster:
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
         self._arrived = 0
+        self._progress: Callable[[int], None] | None = None
+        self._keep_intervals = True
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, requests: Iterable[Request], *, progress: Callable[[int], None] | None = None) -> ReplayResult:
-        """Replay `requests` to the end and summarize; `progress(n)` is told each arrival's count."""
+    def run(
+        self,
+        requests: Iterable[Request],
+        *,
+        progress: Callable[[int], None] | None = None,
+        keep_intervals: bool = True,
+    ) -> ReplayResult:
+        """Replay `requests` (in arrival order; streamed) to the end and summarize.
+
+        Args:
+            progress: told the count of requests arrived so far, at each arrival.
+            keep_intervals: keep every record's token intervals (False frees them once
+                its TBT is known: large replays).
+        """
         started = time.perf_counter()
-        for request in requests:
-            self.loop.at(request.arrival_s, self._arrive, request, progress)
+        self._progress = progress
+        self._keep_intervals = keep_intervals
+        self.loop.feed(requests, _arrival_s, self._arrive)
         self.loop.run(self._load)
         wall = time.perf_counter() - started
         return ReplayResult(
@@ -316,12 +338,18 @@ class SimulatedCluster:
             load=tuple(self._load.samples),
         )
 
+    def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:
+        """What `decode_instance` really holds at `now` (within the current stretch): requests
+        decoding and their KV tokens (prompt and generated), for scoring load predictors."""
+        node = self._decode[decode_instance]
+        return DecodeLoad(len(node.batch), node.batch.context + self._grown(node, now))
+
     # ------------------------------------------------------------------ prefill side
 
-    def _arrive(self, now: float, request: Request, progress: Callable[[int], None] | None) -> None:
+    def _arrive(self, now: float, request: Request) -> None:
         self._arrived += 1
-        if progress is not None:
-            progress(self._arrived)
+        if self._progress is not None:
+            self._progress(self._arrived)
         record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
         self._records.append(record)
         decision = self.conductor.schedule(request, now)
@@ -410,8 +438,8 @@ class SimulatedCluster:
         assert decision.decode_instance is not None and decision.prefill_instance is not None
         node = self._decode[decision.decode_instance]
         inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
-        step = node.batch.step_s(node.joining_tokens + request.input_length)
-        if step + inline_s > self.slo.tbt_s or not self._fits(node, record):
+        step = node.batch.step_s(self._grown(node, now) + node.joining_tokens + request.input_length)
+        if step + inline_s > self.slo.tbt_s or not self._fits(node, record, now):
             return False
         # It never reaches the prefill instance the Conductor queued it on: take it off that queue.
         for event in (PrefillStarted, PrefillFinished):
@@ -422,13 +450,20 @@ class SimulatedCluster:
         self._enqueue(now, node, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
         return True
 
-    def _fits(self, node: _DecodeNode, record: RequestRecord) -> bool:
+    def _grown(self, node: _DecodeNode, now: float) -> int:
+        """Tokens the batch gained in the steps of its current stretch done by `now`."""
+        batch = node.batch
+        return batch.steps_within(now - batch.start_s) * len(batch) if len(batch) else 0
+
+    def _fits(self, node: _DecodeNode, record: RequestRecord, now: float) -> bool:
         needed = record.input_tokens + record.output_tokens
-        return node.batch.context + node.joining_tokens + needed <= node.capacity_tokens
+        held = node.batch.context + self._grown(node, now) + node.joining_tokens
+        return held + needed <= node.capacity_tokens
 
     def _decode_arrive(self, now: float, node: _DecodeNode, record: RequestRecord) -> None:
-        step = node.batch.step_s(node.joining_tokens + record.input_tokens)
-        if (len(node.batch) or node.joining) and (step > self.slo.tbt_s or not self._fits(node, record)):
+        # The batch as it stands now, mid-stretch (what stepping one by one would see).
+        step = node.batch.step_s(self._grown(node, now) + node.joining_tokens + record.input_tokens)
+        if (len(node.batch) or node.joining) and (step > self.slo.tbt_s or not self._fits(node, record, now)):
             # The instance's own check: this request would break the batch's TBT SLO or overflow HBM.
             record.outcome = Outcome.REJECTED_AFTER_PREFILL
             record.reason = "decode_local_check"
@@ -503,6 +538,8 @@ class SimulatedCluster:
         record.outcome = Outcome.COMPLETED
         record.finish_s = now
         record.tbt_s = top_mean(record.intervals)
+        if not self._keep_intervals:
+            record.intervals.runs.clear()
         assert record.decode_instance is not None
         self.conductor.handle(
             DecodeFinished(
@@ -512,3 +549,7 @@ class SimulatedCluster:
                 generated_tokens=record.output_tokens,
             )
         )
+
+
+def _arrival_s(request: Request) -> float:
+    return request.arrival_s

@@ -160,6 +160,10 @@ class Conductor:
     def decode_views(self) -> tuple[DecodeView, ...]:
         return tuple(self._decode.values())
 
+    def incoming(self, decode_instance: InstanceId) -> tuple[QueuedPrefill, ...]:
+        """The prefills routed to `decode_instance` that have not joined it yet (what predictors read)."""
+        return tuple(self._incoming[decode_instance].values())
+
     @property
     def in_flight(self) -> tuple[RequestId, ...]:
         return tuple(self._in_flight)
@@ -197,9 +201,7 @@ class Conductor:
         if self.admission.load_at == "arrival":
             arrival_s = now + route.ttft_s
             loads = {
-                instance: self.predictor.predict(
-                    tuple(view.active.values()), tuple(self._incoming[instance].values()), now, arrival_s
-                )
+                instance: self.predictor.predict(tuple(view.active.values()), self.incoming(instance), now, arrival_s)
                 for instance, view in self._decode.items()
                 if view.is_up
             }

@@ -360,7 +360,7 @@ class DecodeCostModel:
     _token_s: float = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        # step_s runs once per decode instance per scheduling decision: precompute its constants.
+        # step_s runs on every simulated decode stretch: precompute its constants.
         bandwidth = self.hardware.num_gpus * self.hardware.hbm_bytes_per_s * self.memory_efficiency
         object.__setattr__(self, "_weight_s", self.model.weight_bytes / bandwidth)
         object.__setattr__(self, "_token_s", self.model.kv_bytes_per_token / bandwidth)

@@ -43,24 +43,27 @@ def choose_decode(
         views: every decode instance.
         context_tokens, output_tokens: the request's prompt and expected output.
         cost: the decode step model.
-        tbt_slo_s: the TBT objective (the score is TBT / SLO).
+        tbt_slo_s: the TBT objective (the score is TBT / SLO, which ranks as TBT does).
         loads: each instance's batch when the request would join it (default: its batch now).
     """
     needed = context_tokens + output_tokens
-    best_key: tuple[float, InstanceId] | None = None
-    best_tbt = 0.0
+    # step_s(batch, tokens) = fixed + tokens · per_token for any batch > 0, so the
+    # lowest TBT is the fewest tokens: compare those (cheap, as this loop runs over
+    # every decode instance for every request), ties by instance id.
+    best_view: DecodeView | None = None
+    best_tokens = 0
     for view in views:
-        if not view.is_up or view.free_tokens() < needed:
+        if not view.is_up or view.capacity_tokens - view.used_tokens - view.reserved_tokens < needed:
             continue
-        if loads is None:
-            batch, tokens = view.batch_size, view.context_tokens
-        else:
-            load = loads[view.instance_id]
-            batch, tokens = round(load.batch_size), int(load.context_tokens)
-        tbt = cost.step_s(batch + 1, tokens + context_tokens)
-        key = (tbt / tbt_slo_s, view.instance_id)
-        if best_key is None or key < best_key:
-            best_key, best_tbt = key, tbt
-    if best_key is None:
+        tokens = view.context_tokens if loads is None else int(loads[view.instance_id].context_tokens)
+        if (
+            best_view is None
+            or tokens < best_tokens
+            or (tokens == best_tokens and view.instance_id < best_view.instance_id)
+        ):
+            best_view, best_tokens = view, tokens
+    if best_view is None:
         return None
-    return DecodeChoice(decode_instance=best_key[1], tbt_s=best_tbt)
+    batch = best_view.batch_size if loads is None else round(loads[best_view.instance_id].batch_size)
+    tbt = cost.step_s(batch + 1, best_tokens + context_tokens)
+    return DecodeChoice(decode_instance=best_view.instance_id, tbt_s=tbt)

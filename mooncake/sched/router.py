@@ -216,15 +216,15 @@ class KvCacheCentricRouter:
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
         estimator = self.estimator
+        holders = query.prefix_blocks
         # The terms that do not depend on the instance are computed once per request:
         # the prefill time per prefix length used, and the transfer time per block count.
         prefill_s: dict[int, float] = {}
         transfer_s: dict[int, float] = {}
-        key: tuple[float, float, InstanceId] | None = None
-        chosen: tuple[PrefillView, int, bool] | None = None
-        for view in candidates:
-            own = query.prefix_blocks.get(view.instance_id, 0)
-            moves = best is not None and best != view.instance_id and best_blocks > own
+
+        def plan(own: int, instance: InstanceId) -> tuple[float, int, bool]:
+            """(transfer + prefill seconds, blocks used, moves) for an instance holding `own` blocks."""
+            moves = best is not None and best != instance and best_blocks > own
             # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
             # finite threshold stops and an infinite one does: then nothing ever moves).
             moves = moves and (best_blocks / own if own else math.inf) > threshold
@@ -242,9 +242,25 @@ class KvCacheCentricRouter:
                     moving = transfer_s[own] = estimator.transfer.transfer_s(
                         moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                     )
+            return moving + prefill, blocks, moves
+
+        # Instances holding the same prefix length cost the same apart from their queue (the
+        # plan depends on the instance only through its length), so one cheap pass keeps the
+        # shortest queue (ties: id) per length, and only those few are planned and compared.
+        shortest: dict[int, tuple[float, InstanceId, PrefillView]] = {}
+        for view in candidates:
+            instance = view.instance_id
             queued = view.queue
             queue = max(0.0, queued[-1].finish_s - now) if queued else 0.0  # view.queue_s, inlined
-            candidate_key = (moving + queue + prefill, queue, view.instance_id)
+            own = holders.get(instance, 0) if holders else 0
+            incumbent = shortest.get(own)
+            if incumbent is None or queue < incumbent[0] or (queue == incumbent[0] and instance < incumbent[1]):
+                shortest[own] = (queue, instance, view)
+        key: tuple[float, float, InstanceId] | None = None
+        chosen: tuple[PrefillView, int, bool] | None = None
+        for own, (queue, instance, view) in shortest.items():
+            cost, blocks, moves = plan(own, instance)
+            candidate_key = (cost + queue, queue, instance)
             if key is None or candidate_key < key:
                 key, chosen = candidate_key, (view, blocks, moves)
         if chosen is None:

@@ -372,7 +372,8 @@ def fixed_length_requests(
     cached tends to `cache_ratio`.
 
     Raises:
-        ConfigError: a length or count below 1, or `cache_ratio` outside [0, 1).
+        ConfigError: a length or prefix count below 1, a negative request count, or `cache_ratio`
+            outside [0, 1).
     """
     input_tokens = require_int("input_tokens", input_tokens, minimum=1)
     output_tokens = require_int("output_tokens", output_tokens, minimum=1)

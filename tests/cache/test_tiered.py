@@ -5,22 +5,25 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.cache.index import BlockIndex, Holder
-from mooncake.cache.policy import LfuPolicy, LruPolicy, SievePolicy
+from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
+from tests.strategies import block_keys
 
 PAGE = 64
 SOURCE = InstanceId("node-0")
@@ -413,3 +416,115 @@ def test_pinned_on_a_miss_does_not_hold_the_lock(tmp_path: Path) -> None:
         assert done.wait(timeout=10), "put blocked behind a miss"
         worker.join()
     cache.close()
+
+
+# --------------------------------------------------------------------------- put_chain
+
+
+def metadata_cache(*, dram_pages: int, ssd_pages: int, policy: type, prefix_aware: bool) -> TieredCache:
+    pools = [MetadataPagePool(Tier.DRAM, PAGE, dram_pages)]
+    if ssd_pages:
+        pools.append(MetadataPagePool(Tier.SSD, PAGE, ssd_pages))
+    return TieredCache(pools, source=SOURCE, policy=lambda: policy(prefix_aware=prefix_aware), promote_after=1)
+
+
+def put_one_by_one(cache: TieredCache, keys: list[BlockKey], length: int | None) -> None:
+    """What put_chain stands for: put each key with the previous one as parent and its index as position."""
+    parent = None
+    for position, key in enumerate(keys):
+        cache.put(key, parent=parent, position=position, length=length)
+        parent = key
+
+
+chain_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("chain"), st.lists(block_keys, max_size=8), st.sampled_from([None, 0, 1, PAGE])),
+        st.tuples(st.just("pin"), block_keys),
+        st.tuples(st.just("unpin"), block_keys),
+        st.tuples(st.just("touch"), block_keys),
+        st.tuples(st.just("remove"), block_keys),
+    ),
+    max_size=25,
+)
+
+
+def outcome(call: Callable[..., object], *args: object, **kwargs: object) -> str:
+    """Run `call(*args, **kwargs)`; the name of the exception it raised, or "ok"."""
+    try:
+        call(*args, **kwargs)
+    except Exception as error:
+        return type(error).__name__
+    return "ok"
+
+
+@settings(max_examples=120)
+@given(
+    chain_ops,
+    st.integers(min_value=1, max_value=6),
+    st.sampled_from([0, 3]),
+    st.sampled_from([LruPolicy, LfuPolicy, SievePolicy, LengthAwarePolicy]),
+    st.booleans(),
+)
+def test_put_chain_equals_puts_one_by_one(
+    ops: list[tuple[Any, ...]], dram_pages: int, ssd_pages: int, policy: type, prefix_aware: bool
+) -> None:
+    """Against a second cache fed put(key, parent=previous, position=i, length=...) per key: the same
+    contents, tiers, pages, stats and events, evictions and demotions included, and the same errors
+    (every page pinned) with pins, touches and removals in between."""
+    chained = metadata_cache(dram_pages=dram_pages, ssd_pages=ssd_pages, policy=policy, prefix_aware=prefix_aware)
+    single = metadata_cache(dram_pages=dram_pages, ssd_pages=ssd_pages, policy=policy, prefix_aware=prefix_aware)
+    for op in ops:
+        if op[0] == "chain":
+            _, keys, length = op
+            results = [outcome(chained.put_chain, keys, length=length), outcome(put_one_by_one, single, keys, length)]
+        else:  # pins may pile up until every page is pinned: then both must refuse new blocks alike
+            name, key = op
+            results = [outcome(getattr(cache, name), key) for cache in (chained, single)]
+        assert results[0] == results[1]
+        assert chained.take_events() == single.take_events()
+        for candidate in range(31):
+            assert chained.location(BlockKey(candidate)) == single.location(BlockKey(candidate))
+        assert chained.stats == single.stats
+        chained.check_invariants()
+        single.check_invariants()
+
+
+def test_put_chain_publishes_one_stored_event_per_run() -> None:
+    """A chain into room is one BlockStored of its keys, in order; cached keys are uses, not new events."""
+    cache = metadata_cache(dram_pages=8, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
+    cache.put_chain([BlockKey(k) for k in (5, 6, 7)], length=10)
+    (stored,) = cache.take_events()
+    assert (stored.keys, stored.tier, stored.seq) == ((5, 6, 7), Tier.DRAM, 0)
+    cache.put_chain([BlockKey(k) for k in (5, 6, 8)])
+    (stored,) = cache.take_events()
+    assert (stored.keys, stored.seq) == ((8,), 1)
+    assert cache.location(BlockKey(5)).length == 10  # type: ignore[union-attr]
+    assert cache.location(BlockKey(8)).length == PAGE  # type: ignore[union-attr]
+    assert cache.stats.puts == 4
+    cache.put_chain([])
+    assert cache.take_events() == []
+
+
+def test_put_chain_evicts_leaves_before_their_prefixes() -> None:
+    """With prefix-aware LRU a full cache gives up a chain's tail before its head (as put does)."""
+    cache = metadata_cache(dram_pages=4, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
+    cache.put_chain([BlockKey(k) for k in (1, 2, 3, 4)])
+    cache.put_chain([BlockKey(k) for k in (10, 11)])
+    assert cache.prefix_match([BlockKey(k) for k in (1, 2, 3, 4)]) == 2
+    assert cache.prefix_match([BlockKey(10), BlockKey(11)]) == 2
+    cache.check_invariants()
+
+
+def test_put_chain_needs_a_metadata_first_tier(tmp_path: Path) -> None:
+    """A byte-holding first tier raises ConfigError and stores nothing; a length over a page, CapacityError."""
+    cache = make_cache(tmp_path)
+    with pytest.raises(ConfigError, match="metadata"):
+        cache.put_chain([BlockKey(1), BlockKey(2)])
+    assert len(cache) == 0 and cache.take_events() == []
+    cache.close()
+    metadata = metadata_cache(dram_pages=2, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
+    with pytest.raises(CapacityError, match=str(PAGE + 1)):
+        metadata.put_chain([BlockKey(1)], length=PAGE + 1)
+    with pytest.raises(CapacityError):
+        metadata.put_chain([BlockKey(1)], length=-1)
+    assert len(metadata) == 0

@@ -9,6 +9,7 @@ transfer congestion, decode step time and capacity.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -20,6 +21,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.cost import (
     HARDWARE,
     MODELS,
+    ChunkedPipelineCost,
     DecodeCostModel,
     FittedPrefillModel,
     Hardware,
@@ -332,3 +334,101 @@ def test_presets_have_the_paper_peaks() -> None:
         assert hw.num_gpus == 8
         assert hw.peak_flops_per_gpu == (312e12 if "A" in name else 989e12)
     assert math.isclose(HARDWARE["8xA800"].peak_flops, 8 * 312e12)
+
+
+# ---------------------------------------------------------------------------- chunked pipeline parallelism
+
+cpp_bases = st.sampled_from(
+    [
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"]),
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xH800"], mfu=0.4),
+        FittedPrefillModel(coefficients=TRUE_COEFFICIENTS),  # a fixed cost per chunk, unlike the FLOPs model
+    ]
+)
+cpp_chunks = st.sampled_from([512, 4096, 8192]) | st.integers(min_value=200, max_value=20_000)
+
+
+def flow_shop(chunk_stage_s: list[float], stages: int) -> tuple[float, float]:
+    """Brute force: chunks in order through `stages` stages, each taking its time on every stage, a stage
+    taking a chunk once it has left the stage before and the stage is free.
+
+    Returns:
+        (when the last chunk leaves the last stage, when it leaves the first).
+    """
+    free_at = [0.0] * stages
+    for seconds in chunk_stage_s:
+        ready = 0.0
+        for stage in range(stages):
+            free_at[stage] = max(free_at[stage], ready) + seconds
+            ready = free_at[stage]
+    return free_at[-1], free_at[0]
+
+
+def chunk_stage_s(base: PrefillCostModel | FittedPrefillModel, n: int, p: int, chunk: int, stages: int) -> list[float]:
+    """Each chunk's time on one stage: its prefill with everything before it cached, over the stages."""
+    return [base.prefill_s(min(n, start + chunk), start) / stages for start in range(p, n, chunk)]
+
+
+@given(cpp_bases, st.integers(min_value=0, max_value=200_000), st.data(), cpp_chunks)
+def test_cpp_group_of_one_is_the_base_model(
+    base: PrefillCostModel | FittedPrefillModel, n: int, data: st.DataObject, chunk: int
+) -> None:
+    """One stage pipelines nothing: latency and occupancy are the base model's time (FLOPs add up over chunks)."""
+    if isinstance(base, FittedPrefillModel):  # its fixed cost is paid per chunk: only a one-chunk prompt equals it
+        n = min(n, chunk)
+    p = data.draw(st.integers(min_value=0, max_value=n + 10))
+    cpp = ChunkedPipelineCost(base=base, group_size=1, chunk_tokens=chunk)
+    assert math.isclose(cpp.prefill_s(n, p), base.prefill_s(n, p), rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(cpp.occupancy_s(n, p), base.prefill_s(n, p), rel_tol=1e-9, abs_tol=1e-15)
+
+
+@given(
+    cpp_bases, st.integers(min_value=1, max_value=300_000), st.data(), st.integers(min_value=1, max_value=8), cpp_chunks
+)
+def test_cpp_latency_is_the_flow_shop_makespan(
+    base: PrefillCostModel | FittedPrefillModel, n: int, data: st.DataObject, stages: int, chunk: int
+) -> None:
+    """latency = Σ chunk times + (X − 1) · the longest, as simulating the pipeline stage by stage gives;
+    occupancy (the first stage's busy time) = Σ; occupancy <= latency <= the base model's time."""
+    p = data.draw(st.integers(min_value=0, max_value=n))
+    cpp = ChunkedPipelineCost(base=base, group_size=stages, chunk_tokens=chunk)
+    times = chunk_stage_s(base, n, p, chunk, stages)
+    makespan, first_stage = flow_shop(times, stages)
+    latency, occupancy = cpp.prefill_s(n, p), cpp.occupancy_s(n, p)
+    assert math.isclose(latency, makespan, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(occupancy, first_stage, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(latency, math.fsum(times) + (stages - 1) * max(times, default=0.0), rel_tol=1e-9)
+    assert occupancy <= latency * (1 + 1e-12)
+    if isinstance(base, PrefillCostModel):
+        assert latency <= base.prefill_s(n, p) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 8])
+def test_cpp_one_chunk_gains_nothing(stages: int) -> None:
+    """A prompt that fits one chunk goes through every stage in turn: the base model's time."""
+    base = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    cpp = ChunkedPipelineCost(base=base, group_size=stages, chunk_tokens=4096)
+    for n, p in ((1, 0), (4096, 0), (6000, 2000)):
+        assert math.isclose(cpp.prefill_s(n, p), base.prefill_s(n, p), rel_tol=1e-12)
+        assert math.isclose(cpp.occupancy_s(n, p), base.prefill_s(n, p) / stages, rel_tol=1e-12)
+    assert cpp.prefill_s(100, 100) == cpp.occupancy_s(100, 200) == 0.0
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_cpp_long_prompts_approach_a_group_size_speed_up(stages: int) -> None:
+    """The speed-up over one instance grows with the prompt and tends to X (0.9·X by a million tokens)."""
+    base = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    cpp = ChunkedPipelineCost(base=base, group_size=stages, chunk_tokens=4096)
+    lengths = [4096 * 2**k for k in range(9)]  # 4 K to 1 M tokens
+    speed_ups = [base.prefill_s(n) / cpp.prefill_s(n) for n in lengths]
+    assert speed_ups[0] == pytest.approx(1.0)
+    assert all(a < b for a, b in itertools.pairwise(speed_ups))
+    assert 0.9 * stages <= speed_ups[-1] < stages
+
+
+@pytest.mark.parametrize("options", [{"group_size": 0}, {"group_size": True}, {"chunk_tokens": 0}, {"group_size": 1.5}])
+def test_cpp_rejects_bad_fields(options: dict[str, object]) -> None:
+    """group_size and chunk_tokens are integers >= 1; the error names the field."""
+    base = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    with pytest.raises(ConfigError, match=next(iter(options))):
+        ChunkedPipelineCost(base=base, **{"group_size": 2, **options})  # type: ignore[arg-type]

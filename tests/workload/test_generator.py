@@ -23,6 +23,7 @@ from mooncake.workload import (
     ArrivalProcess,
     LengthDistribution,
     WorkloadSpec,
+    fixed_length_requests,
     generate_requests,
     preset,
 )
@@ -366,3 +367,108 @@ def test_popularity_is_zipf_ordered_and_skew_zero_is_uniform() -> None:
     assert skewed[0][1] > 2 * skewed[-1][1]
     uniform = first_keys(attrs.evolve(base, popularity_skew=0.0), count=2000).most_common()
     assert uniform[0][1] < 1.3 * uniform[-1][1]
+
+
+# --------------------------------------------------------------------------- fixed-length workloads
+
+
+def infinite_cache_hit_ratio(workload: Sequence[Request], block_size_tokens: int) -> float:
+    """Share of prompt tokens an infinite prefix cache holds when each request arrives (blocks of earlier ones)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for request in workload:
+        cached = 0
+        for key in request.block_keys:
+            if key not in seen:
+                break
+            cached += 1
+        hit += min(cached * block_size_tokens, request.input_length)
+        total += request.input_length
+        seen.update(request.block_keys)
+    return hit / total
+
+
+@settings(max_examples=40)
+@given(
+    st.integers(min_value=1, max_value=20_000),
+    st.integers(min_value=1, max_value=2000),
+    st.integers(min_value=0, max_value=30),
+    st.sampled_from([0.0, 0.25, 0.5, 0.9]) | st.floats(min_value=0.0, max_value=0.99),
+    st.integers(min_value=1, max_value=5),
+    st.sampled_from([16, 512]),
+    seeds,
+)
+def test_fixed_length_requests_shape(
+    input_tokens: int, output_tokens: int, count: int, ratio: float, num_prefixes: int, block: int, seed: int
+) -> None:
+    """Every request has the given lengths, ids 0..n-1, ceil(input / block) chained keys, non-decreasing
+    arrivals from 0; two prompts share exactly their prefix's whole blocks or nothing."""
+    workload = fixed_length_requests(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        num_requests=count,
+        cache_ratio=ratio,
+        num_prefixes=num_prefixes,
+        block_size_tokens=block,
+        seed=seed,
+    )
+    assert len(workload) == count
+    assert [r.request_id for r in workload] == [str(i) for i in range(count)]
+    assert all((r.input_length, r.output_length) == (input_tokens, output_tokens) for r in workload)
+    assert all(len(r.block_keys) == math.ceil(input_tokens / block) for r in workload)
+    if workload:
+        assert workload[0].arrival_s == 0.0
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(workload))
+    shared_blocks = int(ratio * input_tokens) // block
+    for a, b in itertools.combinations(workload, 2):
+        pairs = zip(a.block_keys, b.block_keys, strict=True)
+        common = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], pairs))
+        assert common in (0, shared_blocks)
+        assert not set(a.block_keys[common:]) & set(b.block_keys), "only the shared prefix is shared"
+    assert len({r.block_keys[:shared_blocks] for r in workload if shared_blocks}) <= num_prefixes
+
+
+@pytest.mark.parametrize(("input_tokens", "ratio"), [(8192, 0.5), (16_384, 0.25), (32_768, 0.75), (4096, 0.0)])
+def test_fixed_length_hit_ratio_tends_to_the_cache_ratio(input_tokens: int, ratio: float) -> None:
+    """With block-aligned prefixes, an infinite cache finds ratio · input of every prompt but each prefix's first."""
+    workload = fixed_length_requests(
+        input_tokens=input_tokens, output_tokens=512, num_requests=400, cache_ratio=ratio, num_prefixes=8, seed=3
+    )
+    hit = infinite_cache_hit_ratio(workload, TRACE_BLOCK_SIZE_TOKENS)
+    assert hit <= ratio
+    assert hit == pytest.approx(ratio, abs=0.03)
+    firsts = {r.block_keys[0] for r in workload}
+    assert len(firsts) == (8 if ratio else 400)  # every prefix is drawn; without one, no two prompts share
+
+
+def test_fixed_length_requests_are_seeded() -> None:
+    """The same seed gives the same workload; another seed other arrivals and prefix choices."""
+    options: dict[str, Any] = {"input_tokens": 4096, "output_tokens": 64, "num_requests": 50}
+    assert fixed_length_requests(**options, seed=1) == fixed_length_requests(**options, seed=1)
+    assert fixed_length_requests(**options, seed=1) != fixed_length_requests(**options, seed=2)
+    paced = fixed_length_requests(**options, arrivals=ArrivalProcess(rate_per_s=1000.0), seed=1)
+    assert paced[-1].arrival_s < 1.0
+    assert fixed_length_requests(input_tokens=10, output_tokens=1, num_requests=0) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"input_tokens": 0}, "input_tokens"),
+        ({"input_tokens": 2.5}, "input_tokens"),
+        ({"output_tokens": 0}, "output_tokens"),
+        ({"output_tokens": True}, "output_tokens"),
+        ({"num_requests": -1}, "num_requests"),
+        ({"num_requests": "3"}, "num_requests"),
+        ({"num_prefixes": 0}, "num_prefixes"),
+        ({"cache_ratio": 1.0}, "cache_ratio"),
+        ({"cache_ratio": -0.1}, "cache_ratio"),
+        ({"cache_ratio": math.nan}, "cache_ratio"),
+    ],
+    ids=repr,
+)
+def test_fixed_length_bad_arguments_are_config_errors(options: dict[str, Any], field: str) -> None:
+    """Each bad argument raises ConfigError naming it."""
+    arguments: dict[str, Any] = {"input_tokens": 1000, "output_tokens": 10, "num_requests": 5, **options}
+    with pytest.raises(ConfigError, match=field):
+        fixed_length_requests(**arguments)

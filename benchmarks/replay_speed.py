@@ -1,0 +1,134 @@
+"""Simulator speed: how fast a trace replays through the simulated cluster.
+
+    python benchmarks/replay_speed.py [--json] [--trace PATH] [--large-requests 1000000] [--large-instances 512]
+
+1. The trace (default: ../shared/traces/synthetic_trace.jsonl, or a generated
+   workload of the same size when it is absent) on 8 prefill + 8 decode
+   instances, KV-cache-centric routing and early rejection: `sim_wall_s` and
+   `requests_per_s`. Goal (issue #6): under 1 s. The peer in the same run is
+   the same replay stepping decode iteration by iteration (`analytic_decode=
+   False`): `analytic_speedup` is what advancing whole stretches buys.
+2. `--large-requests` generated requests (synthetic preset) on
+   `--large-instances` instances (half prefill, half decode), arriving at the
+   per-instance rate of (1), streamed into the replay as they are generated
+   (the generator's own time, measured on a tenth of them, is subtracted):
+   `large_sim_wall_s`, `large_requests_per_s` and the process's peak resident
+   memory `peak_rss_gb`. Goal: under 10 minutes
+   and 4 GB for 1 M requests on 512 instances. `--large-requests 0` skips it.
+
+Interpreter start-up, imports and the first (JIT-loading) replay are outside
+the timings: a small warm-up replay runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from mooncake.engine.simulated import ClusterSpec, replay
+from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.types import Request
+from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def spec(num_prefill: int, num_decode: int, **options: object) -> ClusterSpec:
+    return ClusterSpec(
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        model=MODELS["llama3-70b"],
+        prefill_hardware=HARDWARE["8xA800"],
+        decode_hardware=HARDWARE["8xA800"],
+        cache_capacity_tokens=10_000 * 512,
+        sample_interval_s=10.0,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def timed(cluster: ClusterSpec, requests: Iterable[Request], *, keep_intervals: bool = True) -> float:
+    started = time.perf_counter()
+    replay(cluster, requests, router="kvcache_centric", admission="early_rejection", keep_intervals=keep_intervals)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=3993, help="generated requests when the trace is absent")
+    parser.add_argument("--large-requests", type=int, default=1_000_000)
+    parser.add_argument("--large-instances", type=int, default=512)
+    args = parser.parse_args()
+
+    if args.trace.exists():
+        workload, source = load_trace(args.trace), str(args.trace)
+    else:
+        workload = list(
+            generate_requests(preset("synthetic"), num_requests=args.requests, arrivals=ArrivalProcess(rate_per_s=3.9))
+        )
+        source = f"generated synthetic preset ({args.requests} requests; {args.trace} absent)"
+    timed(spec(2, 2), workload[:200])  # warm-up: imports, numba kernels
+    wall = timed(spec(8, 8), workload)
+    stepped = timed(spec(8, 8, analytic_decode=False), workload)
+    result: dict[str, object] = {
+        "source": source,
+        "num_requests": len(workload),
+        "sim_wall_s": wall,
+        "requests_per_s": len(workload) / wall,
+        "stepwise_sim_wall_s": stepped,
+        "analytic_speedup": stepped / wall,
+    }
+    if args.large_requests > 0:
+        duration = max(workload[-1].arrival_s - workload[0].arrival_s, 1.0)
+        rate = len(workload) / duration / 16 * args.large_instances  # the same load per instance
+
+        # The requests are generated as the replay consumes them (a million never sit in memory at once);
+        # the generator's own time is measured on a separate pass over the first tenth and subtracted.
+        def large_workload(count: int) -> Iterable[Request]:
+            return generate_requests(
+                preset("synthetic"), num_requests=count, arrivals=ArrivalProcess(rate_per_s=rate), seed=1
+            )
+
+        started = time.perf_counter()
+        for _ in large_workload(args.large_requests // 10):
+            pass
+        generate_s = (time.perf_counter() - started) * 10
+        half = max(1, args.large_instances // 2)
+        large_wall = timed(spec(half, half), large_workload(args.large_requests), keep_intervals=False) - generate_s
+        result.update(
+            {
+                "large_num_requests": args.large_requests,
+                "large_instances": 2 * half,
+                "large_generate_s": generate_s,
+                "large_sim_wall_s": large_wall,
+                "large_requests_per_s": args.large_requests / large_wall,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            }
+        )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    print(f"{source}: {len(workload):,} requests on 8P+8D")
+    print(f"  analytic decode   {wall:7.3f} s  {len(workload) / wall:>10,.0f} requests/s   (goal: < 1 s)")
+    print(f"  step by step      {stepped:7.3f} s  {len(workload) / stepped:>10,.0f} requests/s")
+    print(f"  analytic_speedup  {stepped / wall:7.2f}x")
+    if "large_sim_wall_s" in result:
+        print(
+            f"{result['large_num_requests']:,} generated requests on {result['large_instances']} instances "
+            f"(their generation, about {result['large_generate_s']:.0f} s, excluded)"
+        )
+        print(
+            f"  simulated in {result['large_sim_wall_s']:.1f} s, {result['large_requests_per_s']:,.0f} requests/s, "
+            f"peak RSS {result['peak_rss_gb']:.2f} GB   (goal: < 600 s, < 4 GB)"
+        )
+
+
+if __name__ == "__main__":
+    main()

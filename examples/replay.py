@@ -1,0 +1,120 @@
+"""Replay a workload through a simulated cluster running the real Conductor.
+
+    python examples/replay.py --trace ../shared/traces/synthetic_trace.jsonl --prefill 8 --decode 8
+    python examples/replay.py --preset conversation --router load_balancing --json
+    python examples/replay.py --preset synthetic --engine coupled-chunked --decode 8 --out build/replay
+
+`--engine disaggregated` (default) is Mooncake: prefill and decode pools, the
+Conductor's router and admission policy, KV caches per prefill node.
+`--engine coupled` / `coupled-chunked` is the vLLM-style baseline on
+`--prefill + --decode` instances (chunked prefill with the second).
+
+Prints a summary table (or, with --json, the summary as JSON). With --out DIR it
+writes requests.csv (one row per request), summary.json, ttft_cdf.png,
+tbt_cdf.png and load.png (prefill and decode load over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import simulation
+
+from mooncake.engine.coupled import CoupledCluster, CoupledSpec
+from mooncake.engine.metrics import Outcome, ReplayResult
+from mooncake.engine.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
+from mooncake.engine.simulated import SimulatedCluster, build_conductor
+from mooncake.errors import MooncakeError
+from mooncake.sched.cost import HARDWARE, MODELS
+
+ENGINES = ("disaggregated", "coupled", "coupled-chunked")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    simulation.add_workload_options(p)
+    simulation.add_cluster_options(p)
+    simulation.add_policy_options(p)
+    p.add_argument("--engine", choices=ENGINES, default="disaggregated")
+    p.add_argument("--out", type=Path, help="write requests.csv, summary.json and plots here")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
+    requests = simulation.load_workload(args)
+    progress = ProgressBar(len(requests), label="replay")
+    if args.engine == "disaggregated":
+        spec = simulation.cluster_spec(requests, args)
+        conductor = build_conductor(
+            spec,
+            router=simulation.router_option(args.router),
+            admission=args.admission,
+            threshold=args.threshold,
+            slo=simulation.slo(args),
+            seed=args.seed,
+        )
+        result = SimulatedCluster(spec, conductor).run(requests, progress=progress)
+        return result, f"{simulation.describe(spec)}; router {args.router}, admission {args.admission}"
+    prefill, decode = simulation.paper_sized(requests, args)
+    coupled = CoupledSpec(
+        num_instances=prefill + decode,
+        model=MODELS[args.model],
+        hardware=HARDWARE[args.hardware],
+        chunked_prefill=args.engine == "coupled-chunked",
+    )
+    result = CoupledCluster(coupled, slo=simulation.slo(args)).run(requests, progress=progress)
+    return result, f"{coupled.num_instances} coupled {args.model} instances on {args.hardware} ({args.engine})"
+
+
+def print_table(result: ReplayResult, title: str) -> None:
+    s = result.summary
+    print(title)
+    print(
+        f"requests {s.num_requests:,}: completed {s.completed:,}, rejected before prefill "
+        f"{s.rejected_before_prefill:,}, after prefill {s.rejected_after_prefill:,} "
+        f"(wasted prefill {s.wasted_prefill_s:,.1f} s)"
+    )
+    print(f"{'':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name, values, scale, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
+        row = "".join(f"{values[k] * scale:>10.3f}" for k in ("mean", "p50", "p90", "p99"))
+        print(f"{name:<5}{unit:>3}{row}")
+    print(
+        f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
+        f"cache hit ratio {s.cache_hit_ratio:.3f}   mean prefill {s.mean_prefill_s:.3f} s   "
+        f"simulated in {s.sim_wall_s:.2f} s"
+    )
+
+
+def write_outputs(result: ReplayResult, out: Path, title: str) -> None:
+    write_records_csv(result.records, out / "requests.csv")
+    write_json(result.summary.to_json(), out / "summary.json")
+    completed = [r for r in result.records if r.outcome == Outcome.COMPLETED]
+    plot_cdfs({"TTFT": [r.ttft_s or 0.0 for r in completed]}, out / "ttft_cdf.png", xlabel="TTFT (s)", title=title)
+    plot_cdfs({"TBT": [r.tbt_s * 1000 for r in completed]}, out / "tbt_cdf.png", xlabel="TBT (ms)", title=title)
+    plot_load({title: result.load}, out / "load.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        result, title = run(args)
+        if args.out is not None:
+            write_outputs(result, args.out, title)
+    except (MooncakeError, OSError) as error:
+        print(f"replay: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.summary.to_json(), indent=2, sort_keys=True))
+    else:
+        print_table(result, title)
+        if args.out is not None:
+            print(f"results written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""What replay.py and experiments.py share: workload and cluster options, the paper-like sizing.
+
+A workload is a Mooncake-format trace (`--trace`) or a generated preset
+(`--preset`, so nothing needs a data file). A cluster is a `ClusterSpec` from
+the options; `--prefill/--decode 0` (the default) sizes it the paper's way:
+
+    prefill instances = max(1, round(0.8 · D)),  decode instances = the same,
+
+D being the trace's cache-less prefill demand (Σ prefill time with nothing
+cached / the trace's duration, in busy instances). A cache-blind router then
+runs the prefill pool near saturation and cache reuse is what relieves it, the
+regime of the paper's experiment (TTFTs of seconds). The rule is fixed
+independently of any router's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from mooncake.engine.simulated import ADMISSIONS, ROUTERS, ClusterSpec
+from mooncake.errors import ConfigError
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
+from mooncake.sched.router import Router, TtftEstimator
+from mooncake.types import Request, Slo
+from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
+
+DEFAULT_CACHE_BLOCKS = 10_000  # per prefill node: ~1.6 TB of LLaMA3-70B KV, a node's DRAM
+SIZING_LOAD = 0.8
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="generate this workload (default: synthetic)")
+    parser.add_argument("--num-requests", type=int, default=4000, help="generated requests (with --preset)")
+    parser.add_argument("--rate", type=float, default=4.0, help="generated arrivals per second (with --preset)")
+    parser.add_argument("--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload generator and the Conductor")
+
+
+def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> list[Request]:
+    """The requests the options describe, at `speedup` (default: `--speedup`)."""
+    speed = args.speedup if speedup is None else speedup
+    if not speed > 0:
+        raise ConfigError(f"--speedup must be > 0, got {speed}")
+    if args.trace is not None:
+        return load_trace(args.trace, speedup=speed)
+    spec = preset(args.preset or "synthetic")
+    requests = generate_requests(
+        spec, num_requests=args.num_requests, arrivals=ArrivalProcess(rate_per_s=args.rate), seed=args.seed
+    )
+    return [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
+
+
+def workload_name(args: argparse.Namespace) -> str:
+    return str(args.trace) if args.trace is not None else f"preset {args.preset or 'synthetic'} (seed {args.seed})"
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=0, help="prefill nodes (0: sized from the workload)")
+    parser.add_argument("--decode", type=int, default=0, help="decode nodes (0: as many as prefill)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="8xA800", help="one node's GPUs")
+    parser.add_argument(
+        "--cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS, help="KV cache per prefill node, in 512-token blocks"
+    )
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--global-pool", dest="global_pool", action="store_true", default=True, help="(default)")
+    pool.add_argument("--local-cache", dest="global_pool", action="store_false", help="no cross-node fetches")
+    parser.add_argument("--cpp", type=int, default=1, help="prefill nodes per chunked-pipeline group")
+    parser.add_argument("--inline-prefill", type=int, default=0, help="inline prompts up to this many tokens")
+    parser.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
+    parser.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
+
+
+def router_option(text: str) -> str | Callable[[TtftEstimator], Router]:
+    """A built-in router's name, or FILE.py:FACTORY / package.module:FACTORY naming your own:
+    a callable taking the cluster's `TtftEstimator` and returning a `Router`."""
+    if text in ROUTERS:
+        return text
+    where, colon, name = text.rpartition(":")
+    if not colon or not where or not name:
+        raise ConfigError(f"router must be one of {ROUTERS} or FILE.py:FACTORY, got {text!r}")
+    if where.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        if module_spec is None or module_spec.loader is None or not Path(where).is_file():
+            raise ConfigError(f"router file {where} not found")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"{where} has no callable {name!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def add_policy_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--router", default="kvcache_centric", help=f"one of {', '.join(ROUTERS)}, or FILE.py:FACTORY (your own)"
+    )
+    parser.add_argument("--admission", choices=ADMISSIONS, default="early_rejection")
+    parser.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
+
+
+def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float:
+    """Busy prefill instances the workload needs with nothing cached."""
+    if len(requests) < 2:
+        return 1.0
+    duration = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
+    return sum(cost.prefill_s(r.input_length) for r in requests) / duration
+
+
+def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) nodes: the options', or sized the paper's way (module docstring)."""
+    prefill = args.prefill
+    if prefill <= 0:
+        cost = PrefillCostModel(model=MODELS[args.model], hardware=HARDWARE[args.hardware])
+        prefill = max(1, round(SIZING_LOAD * prefill_demand(requests, cost)))
+        prefill = max(args.cpp, prefill - prefill % args.cpp)  # whole CPP groups
+    decode = args.decode if args.decode > 0 else prefill
+    return prefill, decode
+
+
+def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+    prefill, decode = paper_sized(requests, args)
+    options: dict[str, object] = {
+        "num_prefill": prefill,
+        "num_decode": decode,
+        "model": MODELS[args.model],
+        "prefill_hardware": HARDWARE[args.hardware],
+        "decode_hardware": HARDWARE[args.hardware],
+        "cache_capacity_tokens": args.cache_blocks * 512,
+        "global_pool": args.global_pool,
+        "cpp_group_size": args.cpp,
+        "inline_prefill_tokens": args.inline_prefill,
+    }
+    options.update(overrides)
+    return ClusterSpec(**options)  # type: ignore[arg-type]
+
+
+def slo(args: argparse.Namespace) -> Slo:
+    return Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
+
+
+def describe(spec: ClusterSpec) -> str:
+    groups = f", CPP groups of {spec.cpp_group_size}" if spec.cpp_group_size > 1 else ""
+    pool = "global pool" if spec.global_pool else "local caches"
+    blocks = spec.cache_capacity_tokens // spec.block_size_tokens
+    return (
+        f"{spec.num_prefill}P+{spec.num_decode}D {spec.model.name} on {spec.prefill_hardware.name}{groups}, "
+        f"{blocks:,} cache blocks per prefill node ({pool})"
+    )
+
+
+def check_positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive number, got {value}")

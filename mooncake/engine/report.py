@@ -1,0 +1,202 @@
+"""Writing a replay's results: per-request CSV, summary JSON, CDF and load plots, a progress bar.
+
+Files are written whole or not at all (to a temporary name, then renamed), so
+an interrupted run never leaves a half-written result. Plots need matplotlib
+(the `dev` extra); it is imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+import numpy as np
+
+from mooncake.engine.metrics import LoadSample, RequestRecord
+from mooncake.errors import ConfigError
+
+__all__ = ["ProgressBar", "plot_cdfs", "plot_lines", "plot_load", "write_json", "write_records_csv"]
+
+RECORD_COLUMNS = (
+    "request_id",
+    "arrival_s",
+    "input_tokens",
+    "output_tokens",
+    "outcome",
+    "reason",
+    "prefill_instance",
+    "decode_instance",
+    "prefix_tokens",
+    "prefill_s",
+    "inline_prefill",
+    "ttft_s",
+    "tbt_s",
+    "finish_s",
+)
+
+
+@contextmanager
+def _atomic(path: str | Path) -> Iterator[IO[str]]:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.tmp")
+    try:
+        with temporary.open("w", newline="") as stream:
+            yield stream
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> None:
+    """One row per request (`RECORD_COLUMNS`); times in seconds, empty where not reached."""
+    with _atomic(path) as stream:
+        writer = csv.writer(stream)
+        writer.writerow(RECORD_COLUMNS)
+        for r in records:
+            writer.writerow(
+                [
+                    r.request_id,
+                    f"{r.arrival_s:.6f}",
+                    r.input_tokens,
+                    r.output_tokens,
+                    r.outcome.value if r.outcome else "",
+                    r.reason,
+                    r.prefill_instance or "",
+                    r.decode_instance or "",
+                    r.prefix_tokens,
+                    f"{r.prefill_s:.6f}",
+                    int(r.inline_prefill),
+                    "" if r.ttft_s is None else f"{r.ttft_s:.6f}",
+                    f"{r.tbt_s:.6f}",
+                    "" if r.finish_s is None else f"{r.finish_s:.6f}",
+                ]
+            )
+
+
+def write_json(data: Any, path: str | Path) -> None:
+    with _atomic(path) as stream:
+        json.dump(data, stream, indent=2, sort_keys=True)
+        stream.write("\n")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:  # pragma: no cover - matplotlib is in the dev extra
+        raise ConfigError("plots need matplotlib: pip install 'mooncake[dev]'") from error
+    return plt
+
+
+def _save(figure: Any, path: str | Path) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.stem}.tmp{target.suffix}")
+    try:
+        figure.savefig(temporary, dpi=110)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, *, xlabel: str, title: str = "") -> None:
+    """Empirical CDFs, one line per series (empty series are skipped)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for name, values in series.items():
+        if len(values):
+            xs = np.sort(np.asarray(values, dtype=np.float64))
+            axes.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("fraction of requests")
+    axes.set_ylim(0, 1.01)
+    axes.grid(alpha=0.3)
+    if len(series) > 1:
+        axes.legend()
+    axes.set_title(title)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+
+
+def plot_lines(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+) -> None:
+    """One marked line per series of (xs, ys)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for name, (xs, ys) in series.items():
+        axes.plot(list(xs), list(ys), marker="o", label=name)
+    if logx:
+        axes.set_xscale("log", base=2)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if len(series) > 1:
+        axes.legend()
+    axes.set_title(title)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+
+
+def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, title: str = "") -> None:
+    """Prefill (queued or running) and decoding requests over time, a panel per run."""
+    plt = _pyplot()
+    rows = max(1, len(loads))
+    figure, axes = plt.subplots(rows, 1, figsize=(7.5, 2.4 * rows), sharex=True, squeeze=False)
+    for (name, samples), axis in zip(loads.items(), axes[:, 0], strict=False):
+        times = [s.time_s for s in samples]
+        axis.plot(times, [s.prefill_requests for s in samples], label="prefill (queued + running)", lw=0.9)
+        axis.plot(times, [s.decode_requests for s in samples], label="decoding", lw=0.9)
+        axis.set_ylabel("requests")
+        axis.set_title(name, fontsize=9)
+        axis.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal (silent elsewhere), at most ~10 redraws a second."""
+
+    def __init__(self, total: int, *, label: str = "", stream: TextIO | None = None) -> None:
+        self.total = max(1, total)
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < self.total and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 30
+        filled = int(width * done / self.total)
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done:,}/{self.total:,}")
+        if done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,256 @@
+"""Tests for `mooncake.engine.metrics`: interval runs, the top-10 % mean, summaries and load traces.
+
+`top_mean` is checked against a brute-force reference (materialise every
+interval, sort, average the ceil(0.1 n) largest), on runs small enough for its
+sorting path and large enough (n > 4,096) for its bisection path, with
+falling, flat and rising runs; `summarize` on hand-built records; `LoadTrace`
+driven by an `EventLoop`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.engine.clock import EventLoop
+from mooncake.engine.metrics import IntervalRuns, LoadSample, LoadTrace, Outcome, RequestRecord, summarize, top_mean
+from mooncake.types import RequestId, Slo
+
+BISECTION_ABOVE = 4096  # top_mean sorts up to this many intervals, bisects above
+
+
+def reference_top_mean(values: np.ndarray, fraction: float = 0.1) -> float:
+    """Brute force: the mean of the ceil(fraction · n) largest values (0 for none)."""
+    if values.size == 0:
+        return 0.0
+    m = max(1, math.ceil(fraction * values.size))
+    return float(np.sort(values)[-m:].mean())
+
+
+def assert_top_mean(runs: IntervalRuns, fraction: float = 0.1) -> None:
+    values = runs.values()
+    expected = reference_top_mean(values, fraction)
+    scale = float(np.abs(values).max()) if values.size else 1.0
+    assert math.isclose(top_mean(runs, fraction), expected, rel_tol=1e-9, abs_tol=1e-12 * max(scale, 1.0))
+
+
+run_firsts = st.sampled_from([0.0, 0.016, -0.5, 1.0]) | st.floats(min_value=-2.0, max_value=2.0)
+run_steps = st.sampled_from([0.0, 0.0, 2.5e-8, -2.5e-8, 1e-4, -1e-4]) | (
+    st.floats(min_value=-1e-3, max_value=1e-3).map(lambda step: step if abs(step) >= 1e-12 else 0.0)
+)  # subnormal steps overflow the bisection: see test_top_mean_subnormal_step
+
+
+@st.composite
+def interval_runs(draw: st.DrawFn, *, max_count: int) -> IntervalRuns:
+    runs = IntervalRuns()
+    for _ in range(draw(st.integers(min_value=0, max_value=6))):
+        runs.add(draw(run_firsts), draw(run_steps), draw(st.integers(min_value=0, max_value=max_count)))
+    return runs
+
+
+# --------------------------------------------------------------------------- IntervalRuns
+
+
+def test_runs_expand_to_arithmetic_progressions() -> None:
+    """values() lists each run's first, first + step, ...; empty runs are not stored; count sums counts."""
+    runs = IntervalRuns()
+    runs.add(1.0, 0.5, 3)
+    runs.add(9.0, 1.0, 0)
+    runs.add(-1.0, -1.0, 2)
+    assert runs.runs == [(1.0, 0.5, 3), (-1.0, -1.0, 2)]
+    assert runs.count == 5
+    np.testing.assert_array_equal(runs.values(), [1.0, 1.5, 2.0, -1.0, -2.0])
+    assert IntervalRuns().values().size == 0
+
+
+def test_top_mean_hand_examples() -> None:
+    """The mean of the longest 10 % (at least one) of the intervals; 0 with none."""
+    assert top_mean(IntervalRuns()) == 0.0
+    assert top_mean(IntervalRuns([(0.2, 0.0, 1)])) == 0.2
+    assert top_mean(IntervalRuns([(1.0, 1.0, 10)])) == 10.0  # 10 values: the largest one
+    assert top_mean(IntervalRuns([(1.0, 1.0, 11)])) == 10.5  # 11 values: ceil(1.1) = 2 largest
+    assert top_mean(IntervalRuns([(1.0, 1.0, 10)]), fraction=0.5) == 8.0
+
+
+@given(interval_runs(max_count=800))
+def test_top_mean_small_runs_match_brute_force(runs: IntervalRuns) -> None:
+    """Up to a few thousand intervals (the sorting path) the result is the brute-force one."""
+    assert_top_mean(runs)
+
+
+@settings(max_examples=40)
+@given(interval_runs(max_count=4000), st.integers(min_value=BISECTION_ABOVE + 1, max_value=20_000))
+def test_top_mean_large_runs_match_brute_force(runs: IntervalRuns, extra: int) -> None:
+    """Above 4,096 intervals (the bisection path) the result is still the brute-force one."""
+    runs.add(0.0158, 2.5e-8, extra)  # a long decode stretch ensures n > 4,096
+    assert runs.count > BISECTION_ABOVE
+    assert_top_mean(runs)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0.02, 0.0, 5000)],  # all equal
+        [(0.02, 0.0, 4000), (0.05, 0.0, 200), (0.01, 0.0, 900)],  # ties across the cut
+        [(1.0, -1e-4, 6000)],  # falling
+        [(-1.0, 1e-4, 6000), (0.0, 0.0, 100)],  # rising through zero
+        [(0.5, 0.0, 3000), (0.5, 1e-9, 3000), (0.5, -1e-9, 3000)],  # nearly tied runs
+        [(0.0158, 2.5e-8, 4097)],  # just past the threshold
+        [(0.1, 0.0, 1), (0.0158, 2.5e-8, 9000), (3.0, 0.0, 1)],  # a few long gaps (stalls) among steps
+    ],
+    ids=["equal", "ties", "falling", "through-zero", "near-ties", "threshold", "stalls"],
+)
+def test_top_mean_bisection_examples(runs: list[tuple[float, float, int]]) -> None:
+    """Edge shapes for the bisection: equal values, ties at the cut, falling runs, values around zero."""
+    interval_runs_ = IntervalRuns(list(runs))
+    assert interval_runs_.count > BISECTION_ABOVE
+    assert_top_mean(interval_runs_)
+
+
+def test_top_mean_subnormal_step() -> None:
+    """A run whose step is tiny but not zero (5e-324) must not break the bisection path."""
+    assert_top_mean(IntervalRuns([(0.0158, 2.5e-8, 5000), (0.0159, 5e-324, 3)]))
+
+
+@settings(max_examples=20)
+@given(interval_runs(max_count=3000), st.floats(min_value=0.01, max_value=1.0))
+def test_top_mean_other_fractions(runs: IntervalRuns, fraction: float) -> None:
+    """Any fraction in (0, 1], on both paths."""
+    runs.add(0.03, 1e-6, 4200)
+    assert_top_mean(runs, fraction)
+
+
+# --------------------------------------------------------------------------- summarize
+
+
+def record(
+    name: str,
+    outcome: Outcome | None,
+    *,
+    arrival_s: float,
+    first_token_s: float | None = None,
+    finish_s: float | None = None,
+    tbt_s: float = 0.0,
+    input_tokens: int = 1000,
+    prefix_tokens: int = 0,
+    prefill_s: float = 0.0,
+) -> RequestRecord:
+    return RequestRecord(
+        RequestId(name),
+        arrival_s,
+        input_tokens,
+        10,
+        outcome=outcome,
+        prefix_tokens=prefix_tokens,
+        prefill_s=prefill_s,
+        first_token_s=first_token_s,
+        finish_s=finish_s,
+        tbt_s=tbt_s,
+    )
+
+
+def test_summarize_hand_built_records() -> None:
+    """Counts, attainment over all requests, goodput over the span, hit ratio over prefilled prompts."""
+    slo = Slo(ttft_s=1.0, tbt_s=0.1)
+    records = [
+        # within both SLOs
+        record(
+            "ok",
+            Outcome.COMPLETED,
+            arrival_s=0.0,
+            first_token_s=0.5,
+            finish_s=2.0,
+            tbt_s=0.05,
+            prefix_tokens=500,
+            prefill_s=0.4,
+        ),
+        # TTFT exactly at the SLO counts as within
+        record("edge", Outcome.COMPLETED, arrival_s=1.0, first_token_s=2.0, finish_s=3.0, tbt_s=0.1, prefill_s=0.6),
+        # too slow a first token
+        record("late", Outcome.COMPLETED, arrival_s=2.0, first_token_s=3.5, finish_s=4.0, tbt_s=0.01, prefill_s=1.0),
+        # too slow between tokens; finishes last
+        record("slow", Outcome.COMPLETED, arrival_s=3.0, first_token_s=3.2, finish_s=9.0, tbt_s=0.2, prefill_s=0.2),
+        # prefilled, then rejected by its decode instance: wasted work, counted in the hit ratio
+        record(
+            "wasted", Outcome.REJECTED_AFTER_PREFILL, arrival_s=4.0, first_token_s=4.9, prefix_tokens=250, prefill_s=0.8
+        ),
+        # never prefilled
+        record("refused", Outcome.REJECTED_BEFORE_PREFILL, arrival_s=5.0),
+    ]
+    summary = summarize(records, slo, sim_wall_s=1.25)
+    assert summary.num_requests == 6
+    assert (summary.completed, summary.rejected_before_prefill, summary.rejected_after_prefill) == (4, 1, 1)
+    assert summary.wasted_prefill_s == pytest.approx(0.8)
+    assert summary.slo_attainment == pytest.approx(2 / 6)
+    assert summary.goodput_rps == pytest.approx(2 / (9.0 - 0.0))
+    assert summary.cache_hit_ratio == pytest.approx(750 / 5000)
+    assert summary.mean_prefill_s == pytest.approx((0.4 + 0.6 + 1.0 + 0.2 + 0.8) / 5)
+    ttfts = [0.5, 1.0, 1.5, 0.2]
+    assert summary.ttft_s["mean"] == pytest.approx(np.mean(ttfts))
+    assert summary.ttft_s["p50"] == pytest.approx(np.percentile(ttfts, 50))
+    assert summary.tbt_s["p90"] == pytest.approx(np.percentile([0.05, 0.1, 0.01, 0.2], 90))
+    assert summary.sim_wall_s == 1.25
+    assert summary.to_json()["completed"] == 4
+
+
+def test_summarize_nothing_and_nothing_completed() -> None:
+    """No records, or only rejections: zeros, never a division by zero."""
+    slo = Slo()
+    empty = summarize([], slo)
+    assert (empty.num_requests, empty.slo_attainment, empty.goodput_rps, empty.cache_hit_ratio) == (0, 0.0, 0.0, 0.0)
+    assert empty.ttft_s == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    rejected = summarize([record("r", Outcome.REJECTED_BEFORE_PREFILL, arrival_s=3.0)], slo)
+    assert (rejected.completed, rejected.slo_attainment, rejected.goodput_rps) == (0, 0.0, 0.0)
+    assert rejected.mean_prefill_s == 0.0
+
+
+# --------------------------------------------------------------------------- LoadTrace
+
+
+def test_load_trace_samples_the_state_held_at_each_sample_time() -> None:
+    """A sample at time t records the state after the last event before t (before the event at t, if any)."""
+    loop = EventLoop()
+    state = {"prefill": 0, "decode": 0}
+    trace = LoadTrace(1.0, lambda: (state["prefill"], state["decode"]))
+
+    def set_state(_now: float, prefill: int, decode: int) -> None:
+        state.update(prefill=prefill, decode=decode)
+
+    loop.at(0.0, set_state, 2, 0)
+    loop.at(0.5, set_state, 1, 1)
+    loop.at(2.0, set_state, 0, 3)  # the sample at 2.0 sees the state held since 0.5
+    loop.at(4.5, set_state, 0, 0)
+    loop.run(trace)
+    assert trace.samples == [
+        LoadSample(0.0, 0, 0),  # before the first event ran
+        LoadSample(1.0, 1, 1),
+        LoadSample(2.0, 1, 1),
+        LoadSample(3.0, 0, 3),
+        LoadSample(4.0, 0, 3),
+    ]
+
+
+@given(
+    st.sampled_from([0.25, 0.5, 1.0, 3.0]),
+    st.lists(st.integers(min_value=0, max_value=400), min_size=1, max_size=20),
+)
+def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(interval_s: float, event_ticks: list[int]) -> None:
+    """Samples at 0, i, 2i, ... up to the last event's time, each the count set by the latest earlier event."""
+    loop = EventLoop()
+    times = sorted(t / 10 for t in event_ticks)
+    current = [0]
+    trace = LoadTrace(interval_s, lambda: (current[0], -current[0]))
+    for number, time_s in enumerate(times, start=1):
+        loop.at(time_s, lambda _now, n: current.__setitem__(0, n), number)
+    loop.run(trace)
+    expected_count = math.floor(times[-1] / interval_s) + 1
+    assert len(trace.samples) == expected_count
+    for index, sample in enumerate(trace.samples):
+        assert sample.time_s == pytest.approx(index * interval_s)
+        before = [n for n, t in enumerate(times, start=1) if t < sample.time_s - 1e-9]
+        assert sample.prefill_requests == (before[-1] if before else 0)
+        assert sample.decode_requests == -sample.prefill_requests

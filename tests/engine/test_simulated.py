@@ -1,0 +1,504 @@
+"""Tests for `mooncake.engine.simulated`: the disaggregated cluster replayed on the real Conductor.
+
+Properties over small random workloads, cluster specs, routers, admission
+policies and SLOs: every request ends exactly once and the Conductor ends
+with nothing in flight; analytic decode gives the times stepping one by one
+gives; a replay is a function of its workload, spec and seed. Examples pin a
+lone request's TTFT to the cost model (with and without a cached prefix,
+chunked-pipeline groups, inline prefill) and the spec's validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from mooncake.engine.metrics import Outcome, ReplayResult, RequestRecord, top_mean
+from mooncake.engine.simulated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor, replay
+from mooncake.errors import ConfigError
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
+from mooncake.sched.router import KvCacheCentricRouter
+from mooncake.types import BlockKey, Request, RequestId, Slo
+from mooncake.workload import ArrivalProcess, fixed_length_requests
+
+LLAMA3 = MODELS["llama3-70b"]
+A800 = HARDWARE["8xA800"]
+H800 = HARDWARE["8xH800"]
+BLOCK = 512
+INFINITE_CACHE_TOKENS = 10**9
+REPLAY_SETTINGS = settings(deadline=None)  # examples from the profile: replays take milliseconds
+
+
+def make_spec(**options: Any) -> ClusterSpec:
+    defaults: dict[str, Any] = {
+        "num_prefill": 1,
+        "num_decode": 1,
+        "model": LLAMA3,
+        "prefill_hardware": A800,
+        "decode_hardware": A800,
+    }
+    return ClusterSpec(**{**defaults, **options})
+
+
+def make_request(name: str, arrival_s: float, input_tokens: int, output_tokens: int, keys: Sequence[int]) -> Request:
+    return Request(
+        request_id=RequestId(name),
+        arrival_s=arrival_s,
+        input_length=input_tokens,
+        output_length=output_tokens,
+        block_keys=tuple(BlockKey(k) for k in keys),
+    )
+
+
+def num_blocks(input_tokens: int) -> int:
+    return -(-input_tokens // BLOCK)
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def prefix_family_requests(
+    draw: st.DrawFn, *, max_requests: int = 8, max_input_tokens: int = 6000, max_output_tokens: int = 40
+) -> list[Request]:
+    """Requests in arrival order whose prompts start with a shared prefix of one of two families.
+
+    Block j of family f is key f·1000 + j; the rest of a prompt is its own, so
+    equal keys mean equal prefixes as with real chained keys.
+    """
+    count = draw(st.integers(min_value=1, max_value=max_requests))
+    gaps_ms = draw(st.lists(st.sampled_from([0, 5, 300, 2000]) | st.integers(0, 3000), min_size=count, max_size=count))
+    out = []
+    ms = 0
+    for index, gap_ms in enumerate(gaps_ms):
+        ms += gap_ms
+        input_tokens = draw(st.integers(1, max_input_tokens))
+        blocks = num_blocks(input_tokens)
+        family = draw(st.integers(0, 1))
+        shared = draw(st.sampled_from([0, blocks // 2, blocks]) | st.integers(0, blocks))
+        keys = [family * 1000 + j for j in range(shared)] + [10**6 + index * 1000 + j for j in range(shared, blocks)]
+        out.append(make_request(str(index), ms / 1000, input_tokens, draw(st.integers(1, max_output_tokens)), keys))
+    return out
+
+
+@st.composite
+def fixed_length_workloads(draw: st.DrawFn, *, max_requests: int = 8, max_output_tokens: int = 40) -> list[Request]:
+    """`fixed_length_requests` with small counts and random rates."""
+    return fixed_length_requests(
+        input_tokens=draw(st.integers(1, 9000)),
+        output_tokens=draw(st.integers(1, max_output_tokens)),
+        num_requests=draw(st.integers(1, max_requests)),
+        cache_ratio=draw(st.sampled_from([0.0, 0.5, 0.9])),
+        num_prefixes=draw(st.integers(1, 3)),
+        arrivals=ArrivalProcess(rate_per_s=draw(st.sampled_from([0.5, 5.0, 100.0]))),
+        seed=draw(st.integers(0, 1000)),
+    )
+
+
+def workloads(*, max_requests: int = 8, max_output_tokens: int = 40) -> st.SearchStrategy[list[Request]]:
+    """Small workloads with shared prefixes, built directly or by `fixed_length_requests`."""
+    return prefix_family_requests(max_requests=max_requests, max_output_tokens=max_output_tokens) | (
+        fixed_length_workloads(max_requests=max_requests, max_output_tokens=max_output_tokens)
+    )
+
+
+@st.composite
+def cluster_specs(draw: st.DrawFn, **fixed: Any) -> ClusterSpec:
+    """Clusters of 1 to 3 prefill nodes (maybe one CPP group) and 1 to 3 decode nodes, caches small to infinite."""
+    group = draw(st.sampled_from([1, 1, 2, 3]))
+    options: dict[str, Any] = {
+        "num_prefill": group * draw(st.integers(1, 3 // group)),
+        "num_decode": draw(st.integers(1, 3)),
+        "decode_hardware": draw(st.sampled_from([A800, H800])),
+        "cache_capacity_tokens": draw(st.sampled_from([0, 1024, 8192, INFINITE_CACHE_TOKENS])),
+        "global_pool": draw(st.booleans()),
+        "cpp_group_size": group,
+        "cpp_chunk_tokens": draw(st.sampled_from([512, 4096])),
+        "inline_prefill_tokens": draw(st.sampled_from([0, 256, 4096])),
+        "network_bytes_per_s": draw(st.sampled_from([None, 2e9])),
+        "sample_interval_s": draw(st.sampled_from([0.25, 1.0])),
+    }
+    options.update(fixed)
+    return make_spec(**options)
+
+
+tight_or_loose_slos = st.builds(
+    Slo,
+    ttft_s=st.sampled_from([0.2, 1.0, 30.0]),
+    tbt_s=st.sampled_from([0.0158, 0.016, 0.02, 0.1]),  # a decode step of LLaMA3-70B on 8×A800 takes ≥ 15.8 ms
+)
+conductor_options = st.fixed_dictionaries(
+    {
+        "router": st.sampled_from(ROUTERS),
+        "admission": st.sampled_from(ADMISSIONS),
+        "threshold": st.sampled_from([1.0, 1.5, 4.0]),
+        "decode_s": st.sampled_from([0.5, 10.0]),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) -> None:
+    """One record per request, each with one final outcome consistent with its times."""
+    records = result.records
+    assert Counter(r.request_id for r in records) == Counter(r.request_id for r in requests)
+    by_id = {r.request_id: r for r in requests}
+    for record in records:
+        request = by_id[record.request_id]
+        assert record.outcome is not None, f"request {record.request_id} never ended"
+        assert (record.input_tokens, record.output_tokens) == (request.input_length, request.output_length)
+        assert record.arrival_s == request.arrival_s
+        assert 0 <= record.prefix_tokens <= max(0, request.input_length - 1)
+        assert record.prefill_s >= 0
+        if record.outcome == Outcome.COMPLETED:
+            assert record.first_token_s is not None and record.finish_s is not None
+            ttft = record.ttft_s
+            assert ttft is not None and ttft >= 0
+            assert record.first_token_s <= record.finish_s
+            assert record.decode_instance is not None
+            assert (record.prefill_instance is None) == record.inline_prefill
+            assert record.intervals.count == request.output_length - 1
+            if request.output_length == 1:
+                assert record.finish_s == record.first_token_s
+            assert record.tbt_s == top_mean(record.intervals) >= 0
+            assert np.all(record.intervals.values() > 0)
+        elif record.outcome == Outcome.REJECTED_BEFORE_PREFILL:
+            assert record.first_token_s is None and record.finish_s is None
+            assert record.reason, "a rejection says why"
+            assert record.intervals.count == 0
+        else:
+            assert record.outcome == Outcome.REJECTED_AFTER_PREFILL
+            assert record.first_token_s is not None and record.finish_s is None
+            assert record.reason == "decode_local_check"
+            assert request.output_length > 1 and record.intervals.count == 0
+    summary = result.summary
+    assert summary.num_requests == len(requests)
+    assert summary.completed + summary.rejected_before_prefill + summary.rejected_after_prefill == len(requests)
+    assert all(s.prefill_requests >= 0 and s.decode_requests >= 0 for s in result.load)
+
+
+def assert_same_records(first: Sequence[RequestRecord], second: Sequence[RequestRecord]) -> None:
+    """The same outcomes, and every time equal to 1e-9 (absolute plus relative)."""
+
+    def close(a: float | None, b: float | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+    assert [r.request_id for r in first] == [r.request_id for r in second]
+    for x, y in zip(first, second, strict=True):
+        context = f"request {x.request_id}"
+        assert (x.outcome, x.reason) == (y.outcome, y.reason), context
+        assert (x.prefill_instance, x.decode_instance, x.inline_prefill) == (
+            y.prefill_instance,
+            y.decode_instance,
+            y.inline_prefill,
+        ), context
+        assert x.prefix_tokens == y.prefix_tokens, context
+        assert close(x.prefill_s, y.prefill_s), context
+        assert close(x.first_token_s, y.first_token_s), context
+        assert close(x.finish_s, y.finish_s), context
+        assert close(x.tbt_s, y.tbt_s), context
+        assert x.intervals.count == y.intervals.count, context
+        np.testing.assert_allclose(x.intervals.values(), y.intervals.values(), rtol=1e-9, atol=1e-9, err_msg=context)
+
+
+# --------------------------------------------------------------------------- every request ends once
+
+
+@REPLAY_SETTINGS
+@given(workloads(), cluster_specs(), conductor_options, tight_or_loose_slos)
+def test_every_request_ends_exactly_once(
+    requests: list[Request], spec: ClusterSpec, options: dict[str, Any], slo: Slo
+) -> None:
+    """Completed, or rejected before or after prefill, never left hanging; the Conductor ends empty."""
+    conductor = build_conductor(spec, slo=slo, **options)
+    result = SimulatedCluster(spec, conductor).run(requests)
+    assert_each_ended_once(requests, result)
+    for record in result.records:
+        event(f"outcome: {record.outcome.value if record.outcome else None}")
+        if record.inline_prefill:
+            event("inline prefill")
+        if record.prefix_tokens:
+            event("prefix reused")
+    assert conductor.in_flight == ()
+    conductor.check_invariants()
+    assert all(not view.queue for view in conductor.prefill_views)
+    assert all(not view.active and not view.reserved for view in conductor.decode_views)
+
+
+def test_burst_of_identical_requests_all_end() -> None:
+    """Twenty requests at the same instant on one prefill and one decode node: all end, none twice."""
+    requests = [make_request(str(i), 0.0, 3000, 30, range(num_blocks(3000))) for i in range(20)]
+    for admission in ADMISSIONS:
+        conductor = build_conductor(make_spec(), admission=admission, slo=Slo(ttft_s=2.0, tbt_s=0.02))
+        result = SimulatedCluster(make_spec(), conductor).run(requests)
+        assert_each_ended_once(requests, result)
+        assert conductor.in_flight == ()
+        assert result.summary.completed >= 1
+
+
+def test_progress_is_told_each_arrival() -> None:
+    """`progress(n)` sees 1, 2, ..., n in order."""
+    seen: list[int] = []
+    requests = [make_request(str(i), i * 0.1, 100, 2, [i]) for i in range(5)]
+    replay(make_spec(), requests, progress=seen.append)
+    assert seen == [1, 2, 3, 4, 5]
+
+
+# --------------------------------------------------------------------------- TTFT against the cost model
+
+
+@pytest.mark.parametrize("input_tokens", [1, 511, 512, 513, 4096, 8192, 20_000])
+@pytest.mark.parametrize("cpp_group_size", [1, 2, 4])
+def test_lone_request_ttft_is_the_cost_model_prefill(input_tokens: int, cpp_group_size: int) -> None:
+    """With nothing else running and an infinite cache, TTFT is exactly the prefill time the model predicts."""
+    spec = make_spec(
+        num_prefill=cpp_group_size, cpp_group_size=cpp_group_size, cache_capacity_tokens=INFINITE_CACHE_TOKENS
+    )
+    request = make_request("only", 1.5, input_tokens, 8, range(num_blocks(input_tokens)))
+    (record,) = replay(spec, [request]).records
+    assert record.outcome == Outcome.COMPLETED
+    expected = spec.prefill_cost.prefill_s(input_tokens, 0)
+    if cpp_group_size > 1:
+        assert isinstance(spec.prefill_cost, ChunkedPipelineCost)
+    assert record.prefix_tokens == 0
+    assert record.ttft_s is not None
+    assert math.isclose(record.ttft_s, expected, rel_tol=1e-9)
+    assert math.isclose(record.prefill_s, expected, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("global_pool", [True, False])
+@pytest.mark.parametrize("input_tokens", [512, 3000, 8192])
+def test_repeated_prompts_reuse_the_cached_prefix(global_pool: bool, input_tokens: int) -> None:
+    """Well-spaced requests: the first computes everything; a repeat finds every block cached (one token is
+    always computed); a half-shared prompt finds its shared blocks. TTFT follows the cost model each time."""
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS, global_pool=global_pool)
+    blocks = num_blocks(input_tokens)
+    shared = blocks // 2
+    requests = [
+        make_request("first", 0.0, input_tokens, 4, range(blocks)),
+        make_request("repeat", 100.0, input_tokens, 4, range(blocks)),
+        make_request("half", 200.0, input_tokens, 4, [*range(shared), *range(1000, 1000 + blocks - shared)]),
+    ]
+    result = replay(spec, requests)
+    cost = spec.prefill_cost
+    expected_prefix = [0, min(blocks * BLOCK, input_tokens - 1), min(shared * BLOCK, input_tokens - 1)]
+    for record, prefix in zip(result.records, expected_prefix, strict=True):
+        assert record.outcome == Outcome.COMPLETED
+        assert record.prefix_tokens == prefix
+        assert record.ttft_s is not None
+        assert math.isclose(record.ttft_s, cost.prefill_s(input_tokens, prefix), rel_tol=1e-9)
+
+
+def test_two_nodes_pick_the_one_holding_the_prefix() -> None:
+    """With two prefill nodes, a repeat goes where its prefix is (or moves it there): TTFT is the cached one."""
+    spec = make_spec(num_prefill=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    requests = [make_request(name, t, 8192, 4, range(16)) for name, t in (("a", 0.0), ("b", 50.0))]
+    first, repeat = replay(spec, requests).records
+    assert repeat.prefix_tokens == 8191
+    assert repeat.ttft_s is not None and first.ttft_s is not None
+    assert repeat.ttft_s < first.ttft_s / 100
+
+
+def test_inline_prefill_of_a_short_prompt() -> None:
+    """A prompt within `inline_prefill_tokens` is prefilled in its decode batch: no prefill node, the decode
+    hardware's prefill time, and TTFT equal to it."""
+    spec = make_spec(inline_prefill_tokens=512, decode_hardware=H800)
+    (record,) = replay(spec, [make_request("short", 2.0, 300, 5, [1])]).records
+    assert record.outcome == Outcome.COMPLETED
+    assert record.inline_prefill and record.prefill_instance is None
+    expected = PrefillCostModel(model=LLAMA3, hardware=H800).prefill_s(300)
+    assert record.ttft_s is not None
+    assert math.isclose(record.ttft_s, expected, rel_tol=1e-9)
+    assert record.intervals.count == 4
+    (long_record,) = replay(spec, [make_request("long", 2.0, 600, 5, [1, 2])]).records
+    assert not long_record.inline_prefill and long_record.prefill_instance is not None
+
+
+# --------------------------------------------------------------------------- analytic decode = stepping
+
+
+@REPLAY_SETTINGS
+@given(
+    workloads(max_output_tokens=80),
+    cluster_specs(inline_prefill_tokens=0) | cluster_specs(inline_prefill_tokens=256),
+    conductor_options,
+    tight_or_loose_slos,
+)
+def test_analytic_decode_matches_stepping(
+    requests: list[Request], spec: ClusterSpec, options: dict[str, Any], slo: Slo
+) -> None:
+    """Advancing decode batches a stretch at a time gives the per-request times of stepping one by one,
+    and the same admissions, with TBT SLOs tight enough for the decode side's own check to bind."""
+    analytic = replay(attrs.evolve(spec, analytic_decode=True), requests, slo=slo, **options)
+    stepped = replay(attrs.evolve(spec, analytic_decode=False), requests, slo=slo, **options)
+    assert_same_records(analytic.records, stepped.records)
+
+
+def test_decode_check_sees_the_current_context() -> None:
+    """The decode instance's own TBT check uses the batch's context now, whichever way the batch advances.
+
+    A decodes alone from t ≈ 0.1 s (context 1,000 growing by one token a step); B (1,000 tokens) reaches
+    the decode node at t ≈ 1.1 s, when A's context is about 1,063. With the TBT SLO at the step time for
+    2,030 tokens, B does not fit: stepping rejects it after prefill; analytic decode must too.
+    """
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    slo = Slo(tbt_s=spec.decode_cost.step_s(2, 2030))
+    requests = [make_request("a", 0.0, 1000, 2000, [1, 2]), make_request("b", 1.0, 1000, 10, [3, 4])]
+    stepped = replay(attrs.evolve(spec, analytic_decode=False), requests, slo=slo, admission="baseline")
+    analytic = replay(spec, requests, slo=slo, admission="baseline")
+    assert stepped.records[1].outcome == Outcome.REJECTED_AFTER_PREFILL  # the reference
+    assert_same_records(analytic.records, stepped.records)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@settings(max_examples=15, deadline=None)
+@given(workloads(), cluster_specs(), conductor_options, tight_or_loose_slos)
+def test_replays_are_deterministic(
+    requests: list[Request], spec: ClusterSpec, options: dict[str, Any], slo: Slo
+) -> None:
+    """Two replays of one workload, spec and seed give identical records and load samples."""
+    first = replay(spec, requests, slo=slo, **options)
+    second = replay(spec, requests, slo=slo, **options)
+    assert first.records == second.records
+    assert first.load == second.load
+    assert attrs.evolve(first.summary, sim_wall_s=0.0) == attrs.evolve(second.summary, sim_wall_s=0.0)
+
+
+def test_random_routing_depends_on_the_seed() -> None:
+    """The random router draws from the Conductor's seeded generator: same seed, same routes; seeds differ."""
+    spec = make_spec(num_prefill=3, num_decode=2)
+    requests = [make_request(str(i), i * 0.05, 2000, 5, range(4 * i, 4 * i + 4)) for i in range(24)]
+
+    def routes(seed: int) -> list[Any]:
+        return [r.prefill_instance for r in replay(spec, requests, router="random", seed=seed).records]
+
+    assert routes(7) == routes(7)
+    assert len({tuple(routes(seed)) for seed in range(4)}) > 1
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"num_prefill": 0}, "num_prefill"),
+        ({"num_prefill": True}, "num_prefill"),
+        ({"num_prefill": 1.0}, "num_prefill"),
+        ({"num_decode": 0}, "num_decode"),
+        ({"num_decode": -2}, "num_decode"),
+        ({"block_size_tokens": 0}, "block_size_tokens"),
+        ({"cache_capacity_tokens": -1}, "cache_capacity_tokens"),
+        ({"cpp_group_size": 0}, "cpp_group_size"),
+        ({"num_prefill": 3, "cpp_group_size": 2}, "cpp_group_size"),
+        ({"cpp_chunk_tokens": 0}, "cpp_chunk_tokens"),
+        ({"inline_prefill_tokens": -1}, "inline_prefill_tokens"),
+        ({"mfu": 0.0}, "mfu"),
+        ({"mfu": -0.5}, "mfu"),
+        ({"mfu": math.nan}, "mfu"),
+        ({"sample_interval_s": 0.0}, "sample_interval_s"),
+        ({"sample_interval_s": math.nan}, "sample_interval_s"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else None,
+)
+def test_bad_spec_values_are_config_errors(options: dict[str, Any], field: str) -> None:
+    """Each out-of-range value raises ConfigError (a ValueError) naming the field."""
+    with pytest.raises(ConfigError, match=field) as caught:
+        make_spec(**options)
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"network_bytes_per_s": 0.0}, "network_bytes_per_s"),
+        ({"network_bytes_per_s": -1e9}, "network_bytes_per_s"),
+        ({"network_bytes_per_s": math.nan}, "network_bytes_per_s"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else None,
+)
+def test_unvalidated_spec_values_are_config_errors(options: dict[str, Any], field: str) -> None:
+    """The KV transfer bandwidth, when given, must be a finite number > 0."""
+    with pytest.raises(ConfigError, match=field):
+        make_spec(**options)
+
+
+def test_cpp_groups_are_one_instance_each() -> None:
+    """Six prefill nodes in groups of three are two Conductor instances timed by the CPP model."""
+    spec = make_spec(num_prefill=6, cpp_group_size=3, num_decode=2)
+    assert spec.num_prefill_instances == 2
+    conductor = build_conductor(spec)
+    assert [v.instance_id for v in conductor.prefill_views] == ["prefill-0", "prefill-1"]
+    assert [v.instance_id for v in conductor.decode_views] == ["decode-0", "decode-1"]
+    assert isinstance(spec.prefill_cost, ChunkedPipelineCost) and spec.prefill_cost.group_size == 3
+    assert isinstance(make_spec().prefill_cost, PrefillCostModel)
+
+
+def test_network_bandwidth_defaults_to_the_nic() -> None:
+    """The transfer model uses `network_bytes_per_s`, else the prefill hardware's NIC."""
+    assert make_spec().transfer_cost.bandwidth_bytes_per_s == A800.nic_bytes_per_s
+    assert make_spec(network_bytes_per_s=5e9).transfer_cost.bandwidth_bytes_per_s == 5e9
+
+
+@pytest.mark.parametrize(("option", "value"), [("router", "round_robin"), ("admission", "none")])
+def test_unknown_router_or_admission_is_a_config_error(option: str, value: str) -> None:
+    """build_conductor names the choices it knows."""
+    with pytest.raises(ConfigError, match=option):
+        build_conductor(make_spec(), **{option: value})
+
+
+def test_without_a_global_pool_the_router_never_transfers() -> None:
+    """Local-cache mode turns the KV-cache-centric router into the local-cache-aware one (infinite threshold)."""
+    router = build_conductor(make_spec(global_pool=False), router="kvcache_centric").router
+    assert isinstance(router, KvCacheCentricRouter) and router.current_threshold == math.inf
+
+
+# --------------------------------------------------------------------------- rejections
+
+
+def busy_decode_scenario() -> tuple[ClusterSpec, Slo, list[Request]]:
+    """A decodes 8,000 tokens of context from t ≈ 0.9 s; B (1,000 tokens) arrives at 3 s. The TBT SLO
+    admits A's batch alone but not with B in it."""
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    slo = Slo(tbt_s=spec.decode_cost.step_s(1, 8500))
+    requests = [make_request("a", 0.0, 8000, 2000, range(16)), make_request("b", 3.0, 1000, 10, [100, 101])]
+    return spec, slo, requests
+
+
+def test_decode_side_rejection_wastes_the_prefill() -> None:
+    """Without early rejection, B is prefilled, then refused by its decode instance: wasted prefill."""
+    spec, slo, requests = busy_decode_scenario()
+    conductor = build_conductor(spec, admission="baseline", slo=slo)
+    result = SimulatedCluster(spec, conductor).run(requests)
+    a, b = result.records
+    assert a.outcome == Outcome.COMPLETED
+    assert b.outcome == Outcome.REJECTED_AFTER_PREFILL and b.reason == "decode_local_check"
+    assert b.first_token_s is not None and b.prefill_s > 0
+    assert result.summary.wasted_prefill_s == pytest.approx(b.prefill_s)
+    assert conductor.in_flight == ()
+    conductor.check_invariants()
+
+
+@pytest.mark.parametrize("admission", ["early_rejection", "predictive_early_rejection"])
+def test_early_rejection_refuses_before_prefill(admission: str) -> None:
+    """With early rejection the Conductor sees the same overload and refuses B before any prefill."""
+    spec, slo, requests = busy_decode_scenario()
+    a, b = replay(spec, requests, admission=admission, slo=slo).records
+    assert a.outcome == Outcome.COMPLETED
+    assert b.outcome == Outcome.REJECTED_BEFORE_PREFILL and b.reason == "tbt_slo"
+    assert b.first_token_s is None and b.prefill_s == 0.0

@@ -1,0 +1,113 @@
+"""The replay and experiment scripts run end to end on small generated workloads (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--preset", "synthetic", "--num-requests", "150", "--rate", "2"]
+
+
+def run(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+    )
+
+
+def test_replay_json_summary_and_outputs(tmp_path: Path) -> None:
+    """--json prints every summary field the issue names; --out writes the CSV, JSON and plots."""
+    done = run("replay.py", *SMALL, "--prefill", "2", "--decode", "2", "--out", str(tmp_path), "--json")
+    summary = json.loads(done.stdout)
+    for key in (
+        "num_requests",
+        "completed",
+        "rejected_before_prefill",
+        "rejected_after_prefill",
+        "wasted_prefill_s",
+        "ttft_s",
+        "tbt_s",
+        "slo_attainment",
+        "goodput_rps",
+        "cache_hit_ratio",
+        "mean_prefill_s",
+        "sim_wall_s",
+    ):
+        assert key in summary, key
+    assert set(summary["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+    assert summary["num_requests"] == 150
+    assert summary["completed"] + summary["rejected_before_prefill"] + summary["rejected_after_prefill"] == 150
+    rows = (tmp_path / "requests.csv").read_text().splitlines()
+    assert len(rows) == 151 and rows[0].startswith("request_id,")
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    for plot in ("ttft_cdf.png", "tbt_cdf.png", "load.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG", plot
+
+
+@pytest.mark.parametrize("engine", ["coupled", "coupled-chunked"])
+def test_replay_coupled_engines(engine: str) -> None:
+    done = run("replay.py", *SMALL, "--prefill", "1", "--decode", "1", "--engine", engine)
+    assert "coupled" in done.stdout and "TTFT" in done.stdout
+
+
+def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    done = run("replay.py", "--trace", str(trace), check=False)
+    assert done.returncode == 2
+    assert "bad.jsonl" in done.stderr and "2" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("experiment", "extra", "key"),
+    [
+        (
+            "scheduling",
+            ["--routers", "random,kvcache_centric,examples/policies/two_choices.py:TwoChoices"],
+            "mean_ttft_s",
+        ),
+        ("rejection", [], "rejected"),
+        ("cache", ["--capacities", "100,1000"], "hit_ratio"),
+        ("throughput", ["--lengths", "16384", "--throughput-requests", "20", "--tbt-thresholds", "0.1"], "max_rps"),
+        ("threshold", ["--thresholds", "1.5,inf"], "mean_ttft_s"),
+        ("overload", ["--speedups", "1.5,3"], "oscillation"),
+        ("predictors", ["--horizons", "1,5"], "mae"),
+    ],
+)
+def test_experiment_prints_json_and_writes_plots(experiment: str, extra: list[str], key: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "examples/experiments.py", experiment, *SMALL, *extra, "--out", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=ROOT,
+    )
+    report = json.loads(done.stdout)
+    assert key in report
+    assert json.loads((tmp_path / f"{experiment}.json").read_text())[key] == report[key]
+    assert list(tmp_path.glob("*.png")), "no plot written"
+
+
+def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
+    done = run("experiments.py", "scheduling", *SMALL, "--out", str(tmp_path), "--no-plots", "--json")
+    assert set(json.loads(done.stdout)["mean_ttft_s"]) == {
+        "random",
+        "load_balancing",
+        "local_cache_aware",
+        "kvcache_centric",
+    }
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_unknown_router_file_is_a_clear_error(tmp_path: Path) -> None:
+    done = run("replay.py", *SMALL, "--router", str(tmp_path / "missing.py:Router"), check=False)
+    assert done.returncode == 2 and "missing.py" in done.stderr
