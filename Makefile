@@ -11,7 +11,7 @@ OUT    ?= build/demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,engine]'  # engine: torch==2.13.0 (the CPU wheel here)
 	$(BIN)/python -m mooncake.cache.warm_up  # compile the numba kernels once; numba caches them on disk
 	@touch $@
 
@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/conductor.py
 	$(BIN)/python benchmarks/replay_speed.py
+	$(BIN)/python benchmarks/engine.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -14,6 +14,7 @@ offending values in their message.
     ├── BlockPinnedError                  an operation would drop a pinned block
     ├── UnknownBlockError(KeyError)       a block key is not where it must be
     ├── IntegrityError                    a checksum does not match
+    ├── EngineError                       an engine process failed or stopped answering
     ├── TransferError                     moving bytes failed
     │   ├── TransferTimeout
     │   ├── PeerUnavailable
@@ -30,6 +31,7 @@ __all__ = [
     "BlockPinnedError",
     "CapacityError",
     "ConfigError",
+    "EngineError",
     "IntegrityError",
     "InvalidRequestError",
     "MooncakeError",
@@ -72,6 +74,10 @@ class TraceFormatError(MooncakeError, ValueError):
 
 class CapacityError(MooncakeError):
     """A structure cannot hold what was asked of it."""
+
+
+class EngineError(MooncakeError):
+    """An engine process (a pipeline stage, a prefill or decode worker) failed or stopped answering."""
 
 
 class BlockPinnedError(MooncakeError):

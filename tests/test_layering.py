@@ -80,6 +80,35 @@ def test_cache_import_is_light() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def top_level_imports(module: str) -> set[str]:
+    path = ROOT.joinpath(*module.split(".")[1:])
+    source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+    found = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("module", module_names())
+def test_only_the_engine_imports_torch_at_module_level(module: str) -> None:
+    """torch is imported at module level only inside `mooncake.engine` (STYLE.md: the only torch users)."""
+    if not module.startswith("mooncake.engine"):
+        assert "torch" not in top_level_imports(module), f"{module} imports torch at module level"
+
+
+def test_simulator_import_is_light() -> None:
+    """The simulated engines and their reports run without torch: importing them does not load it."""
+    script = (
+        "import sys, mooncake.engine.simulated, mooncake.engine.coupled, mooncake.engine.report; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("module", [m for m in module_names() if not m.rsplit(".", 1)[-1].startswith("_")])
 def test_public_modules_declare_a_sorted_all(module: str) -> None:
     """Every public module has a sorted `__all__` of names it defines."""

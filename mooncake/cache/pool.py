@@ -258,7 +258,7 @@ def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         raise ConfigError("pinned=True needs torch: pip install 'mooncake[engine]'") from error
     if not torch.cuda.is_available():
         raise ConfigError("pinned=True needs CUDA: page-locked memory only helps transfers to a GPU")
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return]
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return,unused-ignore]
 
 
 class VramPagePool(_AllocatingPool):

@@ -1,0 +1,366 @@
+"""The decode engine: continuous batching over KV that prefill left in the local cache.
+
+A request joins when its prompt's KV pages are in the node's tiered cache (a
+prefill streamed them there): `try_join` runs the local checks, copies the KV
+into a free slot and emits the first token (the prefill's). Each `step()`
+decodes one token for every active request: embeds their last tokens, and per
+layer writes the new K and V at each request's own position and attends over
+each request's own context (`decode_attention` over the slots, ragged lengths);
+then samples, reports every token to the request's callback, and retires the
+requests that reached their `max_new_tokens`.
+
+KV lives in per-layer slot tensors `[max_batch_size, kv_heads, max_context_tokens,
+head_dim]`; active requests occupy slots 0 … B − 1 (a retired request's slot is
+filled by moving the last one in), so a step works on one contiguous prefix.
+
+Local checks on join (paper §5: the decode instance's own check, after which a
+rejection wastes the prefill): a free slot; prompt + max_new_tokens within a
+slot; the KV budget (sum over active requests of prompt + max_new_tokens);
+and, with a TBT SLO and a step model, the predicted step time with the request
+added within the SLO.
+
+Invariants: slots 0 … B − 1 hold exactly the active requests; each request's
+context length = prompt + tokens emitted − 1; reserved tokens = Σ (prompt +
+max_new_tokens) ≤ budget; every request ends exactly once (its last token has
+`finished=True`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from mooncake._checks import int_at_least, is_int, require_int
+from mooncake.cache.tiered import TieredCache
+from mooncake.engine.attention import decode_attention
+from mooncake.engine.kv import KvLayout
+from mooncake.engine.model import LlamaModel
+from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.types import BlockKey, RequestId
+
+__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "StepModel", "TokenEvent"]
+
+
+class StepModel(Protocol):
+    """Predicts a decode step's seconds (`sched.cost.DecodeCostModel` is one)."""
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float: ...
+
+
+@attrs.frozen(kw_only=True)
+class DecodeConfig:
+    """Options of a decode engine.
+
+    Attributes:
+        max_batch_size: slots.
+        max_context_tokens: prompt + output tokens a slot holds.
+        kv_budget_tokens: Σ (prompt + max_new_tokens) of active requests allowed
+            (default: every slot full).
+        tbt_slo_s: the TBT SLO of the local check (None: no check).
+        attention: the decode attention kernel (the benchmark swaps in SDPA).
+    """
+
+    max_batch_size: int = attrs.field(default=8, validator=int_at_least(1))
+    max_context_tokens: int = attrs.field(default=2048, validator=int_at_least(2))
+    kv_budget_tokens: int | None = None
+    tbt_slo_s: float | None = None
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = decode_attention
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.max_batch_size * self.max_context_tokens if self.kv_budget_tokens is None else self.kv_budget_tokens
+
+
+@attrs.frozen(kw_only=True)
+class TokenEvent:
+    """One generated token: the `index`-th output token of `request_id`."""
+
+    request_id: RequestId
+    token: int
+    index: int
+    finished: bool
+
+
+@attrs.frozen(kw_only=True)
+class JoinResult:
+    """Whether a request joined the batch; `reason` names the check that refused it."""
+
+    accepted: bool
+    reason: str | None = None
+    predicted_tbt_s: float | None = None
+
+
+@attrs.define(eq=False)
+class _Active:
+    request_id: RequestId
+    prompt_tokens: int
+    max_new_tokens: int
+    sampler: Sampler
+    on_token: Callable[[TokenEvent], None] | None
+    last_token: int
+    emitted: int = 1
+
+    @property
+    def context(self) -> int:  # KV positions filled; the next token is fed at this position
+        return self.prompt_tokens + self.emitted - 1
+
+
+class DecodeEngine:
+    """Continuous-batching decode of one model over one node's tiered cache.
+
+    Args:
+        model: the whole model.
+        cache: the node's tiered cache, where prefill puts the requests' KV pages.
+        block_tokens: tokens per KV page (the block hasher's block size).
+        config: options.
+        step_model: predicts step times for the TBT check (required when `config.tbt_slo_s` is set).
+
+    Not thread-safe: one thread calls `try_join` and `step`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: TieredCache,
+        *,
+        block_tokens: int,
+        config: DecodeConfig | None = None,
+        step_model: StepModel | None = None,
+    ) -> None:
+        if not (model.has_embedding and model.has_head):
+            raise ConfigError("the decode engine needs the whole model, not a pipeline stage")
+        self.model, self.cache = model, cache
+        self.config = config or DecodeConfig()
+        if self.config.tbt_slo_s is not None and step_model is None:
+            raise ConfigError("tbt_slo_s needs a step_model to predict step times")
+        self.step_model = step_model
+        dtype = str(model.dtype).removeprefix("torch.")
+        self.layout = KvLayout(config=model.config, block_tokens=block_tokens, dtype=dtype)
+        c, mc = self.config, model.config
+        shape = (c.max_batch_size, mc.num_kv_heads, c.max_context_tokens, mc.head_dim)
+        self._k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(mc.num_layers)]
+        self._v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(mc.num_layers)]
+        self._active: list[_Active] = []
+        self.last_step_s = 0.0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def active_ids(self) -> tuple[RequestId, ...]:
+        return tuple(a.request_id for a in self._active)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(a.prompt_tokens + a.max_new_tokens for a in self._active)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(a.context for a in self._active)
+
+    def check_invariants(self) -> None:
+        ids = [a.request_id for a in self._active]
+        assert len(ids) == len(set(ids)), "a request holds two slots"
+        assert len(ids) <= self.config.max_batch_size
+        assert self.reserved_tokens <= self.config.budget_tokens
+        for a in self._active:
+            assert 1 <= a.emitted < a.max_new_tokens, "a finished request is still active"
+            assert a.context < self.config.max_context_tokens
+
+    # ------------------------------------------------------------------ joining
+
+    @torch.inference_mode()
+    def try_join(
+        self,
+        request_id: RequestId,
+        keys: Sequence[BlockKey],
+        *,
+        prompt_tokens: int,
+        first_token: int,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> JoinResult:
+        """Admit a prefilled request into the batch, or say which local check refused it.
+
+        On acceptance its first token (the prefill's) is reported at once; a request
+        with `max_new_tokens == 1` is then already finished and takes no slot.
+
+        Raises:
+            InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, or keys
+                that do not cover the prompt.
+            UnknownBlockError: a KV block of the prompt is not in the local cache.
+        """
+        require_int("prompt_tokens", prompt_tokens, minimum=1, error=InvalidRequestError)
+        require_int("max_new_tokens", max_new_tokens, minimum=1, error=InvalidRequestError)
+        vocab = self.model.config.vocab_size
+        if not is_int(first_token) or not 0 <= first_token < vocab:  # checked here, or every later step fails
+            raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {first_token!r}")
+        if any(a.request_id == request_id for a in self._active):
+            raise InvalidRequestError(f"request {request_id} is already decoding")
+        block = self.layout.block_tokens
+        if len(keys) != -(-prompt_tokens // block):
+            raise InvalidRequestError(
+                f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
+            )
+        c = self.config
+        needed = prompt_tokens + max_new_tokens
+        if needed > c.max_context_tokens:
+            return JoinResult(accepted=False, reason="context_too_long")
+        if max_new_tokens > 1:
+            if len(self._active) >= c.max_batch_size:
+                return JoinResult(accepted=False, reason="batch_full")
+            if self.reserved_tokens + needed > c.budget_tokens:
+                return JoinResult(accepted=False, reason="kv_budget")
+        predicted = None
+        if self.step_model is not None:
+            predicted = self.step_model.step_s(len(self._active) + 1, self.context_tokens + prompt_tokens)
+            if c.tbt_slo_s is not None and self._active and predicted > c.tbt_slo_s:
+                return JoinResult(accepted=False, reason="tbt_slo", predicted_tbt_s=predicted)
+        active = _Active(
+            request_id, prompt_tokens, max_new_tokens, Sampler(sampling or SamplingParams()), on_token, first_token
+        )
+        if max_new_tokens > 1:
+            self._load(len(self._active), keys, prompt_tokens)
+            self._active.append(active)
+        self._emit(active, first_token, finished=max_new_tokens == 1)
+        return JoinResult(accepted=True, predicted_tbt_s=predicted)
+
+    def _load(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
+        block = self.layout.block_tokens
+        pinned: list[BlockKey] = []
+        try:
+            for key in keys:
+                self.cache.pin(key)  # UnknownBlockError when it is not here
+                pinned.append(key)
+            for b, key in enumerate(keys):
+                page = self.cache.get(key)
+                if page is None:
+                    raise UnknownBlockError(f"KV block {key} failed verification")
+                tokens = self.layout.tokens_in(memoryview(page).nbytes)
+                if tokens != min(block, prompt_tokens - b * block):
+                    raise InvalidRequestError(
+                        f"KV block {key} holds {tokens} tokens, the prompt needs {min(block, prompt_tokens - b * block)}"
+                    )
+                for layer in range(self.model.config.num_layers):
+                    k, v = self.layout.layer_kv(page, layer)
+                    rows = slice(b * block, b * block + tokens)
+                    self._k[layer][slot, :, rows] = k.transpose(0, 1).to(self.model.device)
+                    self._v[layer][slot, :, rows] = v.transpose(0, 1).to(self.model.device)
+        finally:
+            for key in pinned:
+                self.cache.unpin(key)
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """Decode one token for every active request; the tokens, in slot order."""
+        if not self._active:
+            return []
+        started = time.perf_counter()
+        model, active = self.model, self._active
+        b = len(active)
+        device = model.device
+        positions = torch.tensor([a.context for a in active], device=device)
+        lengths = positions + 1
+        width = int(lengths.max())
+        slots = torch.arange(b, device=device)
+        x = model.embed(torch.tensor([a.last_token for a in active], device=device))
+        cos, sin = model.rope(positions)
+        for index, layer in enumerate(model.layers):
+            k_cache, v_cache = self._k[index], self._v[index]
+
+            def attend(
+                q: torch.Tensor,
+                k: torch.Tensor,
+                v: torch.Tensor,
+                kc: torch.Tensor = k_cache,
+                vc: torch.Tensor = v_cache,
+            ) -> torch.Tensor:
+                kc[slots, :, positions] = k
+                vc[slots, :, positions] = v
+                return self.config.attention(q, kc[:b, :, :width], vc[:b, :, :width], lengths)
+
+            x = layer(x, cos, sin, attend)
+        logits = model.logits(x)
+        events = []
+        for a, row in zip(active, logits, strict=True):
+            token = a.sampler.next_token(row)
+            a.last_token = token
+            a.emitted += 1
+            events.append(self._emit(a, token, finished=a.emitted >= a.max_new_tokens))
+        self._retire()
+        self.last_step_s = time.perf_counter() - started
+        return events
+
+    def run(self, *, max_steps: int) -> list[TokenEvent]:
+        """Step until no request is active or `max_steps` steps ran; every token emitted."""
+        events: list[TokenEvent] = []
+        for _ in range(max_steps):
+            if not self._active:
+                break
+            events.extend(self.step())
+        return events
+
+    def _emit(self, active: _Active, token: int, *, finished: bool) -> TokenEvent:
+        event = TokenEvent(request_id=active.request_id, token=token, index=active.emitted - 1, finished=finished)
+        if active.on_token is not None:
+            active.on_token(event)
+        return event
+
+    def _retire(self) -> None:
+        slot = 0
+        while slot < len(self._active):
+            if self._active[slot].emitted < self._active[slot].max_new_tokens:
+                slot += 1
+                continue
+            last = len(self._active) - 1
+            if slot != last:  # fill the hole with the last slot, so active slots stay 0 … B − 1
+                width = self._active[last].context
+                for kc, vc in zip(self._k, self._v, strict=True):
+                    kc[slot, :, :width] = kc[last, :, :width]
+                    vc[slot, :, :width] = vc[last, :, :width]
+                self._active[slot] = self._active[last]
+            self._active.pop()
+
+
+@attrs.frozen(kw_only=True)
+class FittedStepModel:
+    """Decode step time fitted to measured steps: c0 + c1·batch_size + c2·context_tokens seconds.
+
+    A `StepModel` for the TBT check, fitted by `examples/profile_engine.py`.
+    """
+
+    coefficients: tuple[float, float, float]
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> FittedStepModel:
+        """Least squares over (batch_size, context_tokens, seconds) samples.
+
+        Raises:
+            ConfigError: fewer than three samples or too little variety to fit.
+        """
+        if len(samples) < 3:
+            raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
+        x = torch.tensor([[1.0, b, t] for b, t, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        if int(torch.linalg.matrix_rank(x)) < 3:
+            raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
+        solution = torch.linalg.lstsq(x, y).solution[:, 0]
+        c0, c1, c2 = (float(c) for c in solution)
+        return cls(coefficients=(c0, c1, c2))
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        c0, c1, c2 = self.coefficients
+        return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)

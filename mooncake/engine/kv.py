@@ -1,0 +1,80 @@
+"""KV pages: how one block's KV for every layer is laid out in a cache page.
+
+A page holds the K and V of `t` ≤ `block_tokens` consecutive tokens for every
+layer, layer-major: `[num_layers][2 (K, V)][t][num_kv_heads][head_dim]` in the
+model's dtype, so the bytes of layer `l` are one contiguous range, the same
+range for every full block. That is what lets the prefill engine store a
+layer's KV as soon as the layer is computed and stream it part by part (part
+`l` of a block cut into `num_layers` equal parts is exactly layer `l`).
+
+Invariants: `block_bytes(t) == num_layers * layer_bytes(t)`; a view returned by
+`layer_kv` shares the page's memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from mooncake._checks import int_at_least
+from mooncake.engine.model import ModelConfig, dtype_of
+from mooncake.errors import ConfigError
+
+__all__ = ["KvLayout"]
+
+
+@attrs.frozen(kw_only=True)
+class KvLayout:
+    """Page geometry of one model's KV at one block size and dtype."""
+
+    config: ModelConfig
+    block_tokens: int = attrs.field(validator=int_at_least(1))
+    dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.tensor([], dtype=self.torch_dtype).element_size()
+
+    def layer_bytes(self, tokens: int) -> int:
+        """Bytes of one layer's K and V for `tokens` tokens."""
+        return 2 * tokens * self.config.kv_width * self.element_bytes
+
+    def block_bytes(self, tokens: int) -> int:
+        """Bytes of a page holding `tokens` tokens (all layers)."""
+        return self.config.num_layers * self.layer_bytes(tokens)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a full block: the page size to give the cache's pools."""
+        return self.block_bytes(self.block_tokens)
+
+    def tokens_in(self, num_bytes: int) -> int:
+        """How many tokens a page of `num_bytes` bytes holds.
+
+        Raises:
+            ConfigError: `num_bytes` is not a whole number of tokens.
+        """
+        per_token = self.block_bytes(1)
+        if num_bytes % per_token or num_bytes > self.page_bytes:
+            raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
+        return num_bytes // per_token
+
+    def layer_kv(self, page: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` in `page` (a buffer of `block_bytes(t)` bytes) as [t, kv_heads, head_dim] views."""
+        view = memoryview(page).cast("B")
+        tokens = self.tokens_in(view.nbytes)
+        array = np.frombuffer(view, dtype=np.uint8)
+        if view.readonly:  # torch wants writable memory: an SSD read's copy is copied once more
+            array = array.copy()
+        size = self.layer_bytes(tokens)
+        start = layer * size
+        flat = torch.from_numpy(array[start : start + size]).view(self.torch_dtype)
+        kv = flat.view(2, tokens, self.config.num_kv_heads, self.config.head_dim)
+        return kv[0], kv[1]

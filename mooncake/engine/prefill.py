@@ -1,0 +1,376 @@
+"""The prefill engine: prefix reuse, layer-wise KV load and store, chunked prefill.
+
+One `prefill(tokens)`:
+
+1. Block keys of the prompt; the longest prefix of whole blocks the node's
+   tiered cache holds is reused (capped so that at least one token is computed:
+   its logits give the first token). Those blocks are pinned until the end.
+2. New blocks (the partial last one included) get a first-tier page each,
+   reserved in the cache and invisible until committed.
+3. The uncached tokens are computed in chunks of at most `chunk_tokens`; each
+   chunk runs through every layer, attending to the prefix and earlier chunks.
+4. Layer-wise (paper §5.2, Fig. 7): while layer l computes, a loader thread
+   brings layer l + 1 of the prefix KV out of the cache's pages, and as soon as
+   layer l's attention has produced its new K and V a store thread writes them
+   into the reserved pages; the engine waits for the stores only at the end,
+   then commits the pages. Without `layerwise`, the prefix is loaded before and
+   the KV stored after the forward pass (the serialized baseline).
+5. An optional `KvSink` hears of each layer once its bytes are final in every
+   page of the request, so the KV can stream to a decode node while later
+   layers still compute (`MessengerSink` pushes them through a #4 Messenger).
+
+Invariants: a prefill leaves no pin and no reservation behind, on success or
+error; a reserved page is committed only once all its layers are stored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from mooncake._checks import int_at_least
+from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.tiered import TieredCache
+from mooncake.engine.attention import prefill_attention_into
+from mooncake.engine.kv import KvLayout
+from mooncake.engine.model import LlamaModel
+from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.errors import ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
+from mooncake.types import BlockKey
+
+__all__ = ["KvSink", "MessengerSink", "PrefillConfig", "PrefillEngine", "PrefillResult"]
+
+
+class KvSink(Protocol):
+    """Where a prefill streams its KV as layers complete (e.g. a decode node)."""
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        """The request's blocks (cached or reserved in the local cache) are about to fill."""
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer `layer` of every block is final in the local pages."""
+
+    def end(self) -> None:
+        """Every layer is final and the local blocks are committed."""
+
+
+@attrs.frozen(kw_only=True)
+class PrefillConfig:
+    """Options of a prefill engine.
+
+    Attributes:
+        chunk_tokens: prompts with more uncached tokens are computed in chunks of this many.
+        layerwise: overlap prefix loads and KV stores with the layers' compute.
+        store: store the new KV in the cache (off: compute only).
+    """
+
+    chunk_tokens: int = attrs.field(default=4096, validator=int_at_least(1))
+    layerwise: bool = True
+    store: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class PrefillResult:
+    """What a prefill produced.
+
+    Attributes:
+        keys: the prompt's block keys (the partial last block included).
+        first_token: the token sampled from the last position's logits.
+        logits: float32 [vocab] at the last position.
+        prefix_tokens: tokens whose KV came from the cache.
+        computed_tokens: tokens computed (len(tokens) - prefix_tokens).
+        stored_keys: blocks this prefill wrote into the cache.
+        seconds: wall time of the prefill.
+        load_wait_s, store_wait_s: time the compute waited for prefix loads and for stores
+            (the exposed I/O; layer-wise overlap shrinks it).
+    """
+
+    keys: tuple[BlockKey, ...]
+    first_token: int
+    logits: torch.Tensor
+    prefix_tokens: int
+    computed_tokens: int
+    stored_keys: tuple[BlockKey, ...]
+    seconds: float
+    load_wait_s: float
+    store_wait_s: float
+
+
+class PrefillEngine:
+    """Prefills prompts with one model over one node's tiered cache.
+
+    Args:
+        model: the whole model (pipeline stages use `mooncake.engine.pipeline`).
+        cache: the node's tiered cache; its page size must be the layout's.
+        hasher: the block keys' namespace; its block size is the KV page's.
+        config: options.
+
+    One prefill runs at a time per engine (prefill is FIFO on a node); the cache
+    may be read and written by other threads meanwhile.
+    """
+
+    def __init__(
+        self, model: LlamaModel, cache: TieredCache, hasher: BlockHasher, config: PrefillConfig | None = None
+    ) -> None:
+        if not (model.has_embedding and model.has_head):
+            raise ConfigError("the prefill engine needs the whole model, not a pipeline stage")
+        self.model, self.cache, self.hasher = model, cache, hasher
+        self.config = config or PrefillConfig()
+        dtype = str(model.dtype).removeprefix("torch.")
+        self.layout = KvLayout(config=model.config, block_tokens=hasher.block_size_tokens, dtype=dtype)
+        if cache.page_bytes < self.layout.page_bytes:
+            raise ConfigError(
+                f"cache pages of {cache.page_bytes} bytes cannot hold a {self.layout.page_bytes}-byte KV block"
+            )
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
+
+    def close(self) -> None:
+        self._loader.shutdown()
+        self._storer.shutdown()
+
+    def __enter__(self) -> PrefillEngine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: Sequence[int], *, sampling: SamplingParams | None = None, sink: KvSink | None = None
+    ) -> PrefillResult:
+        """Prefill `tokens`, reusing cached prefix KV and storing the new KV.
+
+        Raises:
+            InvalidRequestError: no tokens, or ids outside the vocabulary.
+        """
+        started = time.perf_counter()
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequestError("a prompt needs at least one token")
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.model.config.vocab_size:
+            raise InvalidRequestError(f"token ids must lie in [0, {self.model.config.vocab_size})")
+        block = self.layout.block_tokens
+        keys = self.hasher.block_keys(ids.numpy())
+        prefix_blocks = self._pin_prefix(keys, max_blocks=(n - 1) // block)
+        prefix = prefix_blocks * block
+        pages: list[Any] = []
+        reserved: list[BlockKey] = []
+        try:
+            pages, reserved = self._reserve(keys, prefix_blocks, n)
+            if sink is not None:
+                sink.begin(keys)
+            logits, load_wait, store_wait = self._forward(ids, keys[:prefix_blocks], pages, prefix, sink)
+            for key in reserved:
+                self.cache.commit(key)
+            reserved = []
+            if sink is not None:
+                sink.end()
+        except BaseException:
+            self._drain()  # loads and stores of this prefill may still be queued: let none touch a page given back
+            raise
+        finally:
+            for key in reserved:
+                self.cache.abort(key)
+            for key in keys[:prefix_blocks]:
+                self._unpin(key)
+        first = Sampler(sampling or SamplingParams()).next_token(logits)
+        return PrefillResult(
+            keys=keys,
+            first_token=first,
+            logits=logits,
+            prefix_tokens=prefix,
+            computed_tokens=n - prefix,
+            stored_keys=tuple(k for k, page in zip(keys[prefix_blocks:], pages, strict=True) if page is not None),
+            seconds=time.perf_counter() - started,
+            load_wait_s=load_wait,
+            store_wait_s=store_wait,
+        )
+
+    def _pin_prefix(self, keys: tuple[BlockKey, ...], *, max_blocks: int) -> int:
+        """Pin the longest cached run of leading blocks (at most `max_blocks`); its length."""
+        count = 0
+        try:
+            for key in keys[:max_blocks]:
+                self.cache.touch(key)  # a read: promotes a lower-tier block to DRAM (so it can stream)
+                try:
+                    self.cache.pin(key)
+                except UnknownBlockError:
+                    break
+                count += 1
+        except BaseException:  # a failed read (SSD I/O): give back the pins taken so far
+            for key in keys[:count]:
+                self._unpin(key)
+            raise
+        return count
+
+    def _drain(self) -> None:
+        """Return once the loader and store threads ran everything submitted so far (FIFO, one worker each)."""
+        for executor in (self._loader, self._storer):
+            executor.submit(lambda: None).exception()
+
+    def _unpin(self, key: BlockKey) -> None:
+        try:
+            self.cache.unpin(key)
+        except UnknownBlockError:
+            pass
+
+    def _reserve(self, keys: tuple[BlockKey, ...], first: int, n: int) -> tuple[list[Any], list[BlockKey]]:
+        """A writable page (or None: not ours to fill) per block from `first` on, and the keys reserved."""
+        pages: list[Any] = []
+        reserved: list[BlockKey] = []
+        if not self.config.store:
+            return [None] * (len(keys) - first), reserved
+        block = self.layout.block_tokens
+        try:
+            for i in range(first, len(keys)):
+                tokens = min(block, n - i * block)
+                page = self.cache.reserve(
+                    keys[i], self.layout.block_bytes(tokens), parent=keys[i - 1] if i else None, position=i
+                )
+                pages.append(page)
+                if page is not None:
+                    reserved.append(keys[i])
+        except BaseException:  # e.g. CapacityError: the caller never sees these, so give them back here
+            for key in reserved:
+                self.cache.abort(key)
+            raise
+        return pages, reserved
+
+    # ------------------------------------------------------------------ the forward pass
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        prefix_keys: tuple[BlockKey, ...],
+        pages: list[Any],
+        prefix: int,
+        sink: KvSink | None,
+    ) -> tuple[torch.Tensor, float, float]:
+        model, config, layout = self.model, self.model.config, self.layout
+        n, device, num_layers = ids.shape[0], model.device, config.num_layers
+        shape = (n, config.num_kv_heads, config.head_dim)
+        k_all = [torch.empty(shape, dtype=model.dtype, device=device) for _ in range(num_layers)]
+        v_all = [torch.empty(shape, dtype=model.dtype, device=device) for _ in range(num_layers)]
+        waits = {"load": 0.0, "store": 0.0}
+
+        prefix_pages: list[Any] = []
+
+        @torch.inference_mode()  # the mode is per thread: these run on the loader and store threads
+        def load(layer: int) -> None:
+            # Gather layer `layer` of every prefix block into the contiguous buffers.
+            if not prefix_pages:  # pinned: DRAM pages are zero-copy views, lower tiers one verified read
+                prefix_pages.extend(self.cache.get(key) for key in prefix_keys)
+                if any(page is None for page in prefix_pages):
+                    raise IntegrityError("a pinned prefix block failed verification while loading")
+            for b, page in enumerate(prefix_pages):
+                k, v = layout.layer_kv(page, layer)
+                rows = slice(b * layout.block_tokens, (b + 1) * layout.block_tokens)
+                k_all[layer][rows].copy_(k, non_blocking=True)
+                v_all[layer][rows].copy_(v, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+        @torch.inference_mode()
+        def store(layer: int, start: int, end: int, computed: Any = None) -> None:
+            if side is not None:  # copy out on a side stream once the layer's compute is done, not after later layers
+                with torch.cuda.stream(side):
+                    side.wait_event(computed)
+                    k_host, v_host = k_all[layer][start:end].cpu(), v_all[layer][start:end].cpu()
+            else:
+                k_host, v_host = k_all[layer][start:end].cpu(), v_all[layer][start:end].cpu()
+            block = layout.block_tokens
+            for b in range(start // block, (end - 1) // block + 1):
+                page = pages[b - prefix // block]
+                if page is None:
+                    continue
+                k_page, v_page = layout.layer_kv(page, layer)
+                lo, hi = max(start, b * block), min(end, (b + 1) * block)
+                k_page[lo - b * block : hi - b * block].copy_(k_host[lo - start : hi - start])
+                v_page[lo - b * block : hi - b * block].copy_(v_host[lo - start : hi - start])
+
+        def wait(future: Future[None], kind: str) -> None:
+            waited = time.perf_counter()
+            future.result()
+            waits[kind] += time.perf_counter() - waited
+
+        layerwise = self.config.layerwise
+        loads: dict[int, Future[None]] = {}
+        if prefix and layerwise:
+            loads[0] = self._loader.submit(load, 0)
+        elif prefix:
+            waited = time.perf_counter()
+            for index in range(num_layers):
+                load(index)
+            waits["load"] += time.perf_counter() - waited
+        stores: list[Future[None]] = []
+        pending: list[tuple[int, int, int]] = []
+        chunks = list(range(prefix, n, self.config.chunk_tokens))
+        x = torch.empty(0)
+        for c, start in enumerate(chunks):
+            end = min(n, start + self.config.chunk_tokens)
+            last_chunk = c == len(chunks) - 1
+            x = model.embed(ids[start:end])
+            cos, sin = model.rope(torch.arange(start, end))
+            for layer_index, layer in enumerate(model.layers):
+                if layer_index in loads:
+                    if layer_index + 1 < num_layers:
+                        loads[layer_index + 1] = self._loader.submit(load, layer_index + 1)
+                    wait(loads.pop(layer_index), "load")
+                x = layer(x, cos, sin, prefill_attention_into(k_all[layer_index], v_all[layer_index], start, end))
+                if any(page is not None for page in pages) or sink is not None:
+                    if layerwise:
+                        computed = torch.cuda.Event() if side is not None else None  # type: ignore[no-untyped-call]
+                        if computed is not None:
+                            computed.record()
+                        stores.append(self._storer.submit(store, layer_index, start, end, computed))
+                        if last_chunk and sink is not None:  # told from the store thread, after the layer's stores
+                            stores.append(self._storer.submit(sink.layer_ready, layer_index))
+                    else:
+                        pending.append((layer_index, start, end))
+        waited = time.perf_counter()
+        for future in stores:
+            future.result()
+        for layer_index, start, end in pending:
+            store(layer_index, start, end)
+        if sink is not None and not layerwise:
+            for layer_index in range(num_layers):
+                sink.layer_ready(layer_index)
+        waits["store"] += time.perf_counter() - waited
+        logits = model.logits(x[-1:])[0]
+        return logits.cpu(), waits["load"], waits["store"]
+
+
+class MessengerSink:
+    """Streams a prefill's KV to a decode node through a #4 `Messenger`, one layer per part.
+
+    Args:
+        messenger: the prefill node's messenger (over the same cache as the engine).
+        peer: the decode node's peer name.
+        num_layers: the model's layers (the number of parts each block is cut into).
+        timeout_s: for the final commit at the peer.
+    """
+
+    def __init__(self, messenger: Any, peer: str, *, num_layers: int, timeout_s: float = 30.0) -> None:
+        self.messenger, self.peer, self.num_layers, self.timeout_s = messenger, peer, num_layers, timeout_s
+        self._push: Any = None
+        self.committed: tuple[BlockKey, ...] = ()
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        self._push = self.messenger.push(keys, self.peer, parts=self.num_layers)
+
+    def layer_ready(self, layer: int) -> None:
+        self._push.send_part(layer)
+
+    def end(self) -> None:
+        self.committed = self._push.finish(self.timeout_s)
