@@ -101,3 +101,28 @@ def test_replay_speed_benchmark_prints_its_figures(tmp_path: Path) -> None:
     for key in ("sim_wall_s", "requests_per_s", "analytic_speedup", "large_sim_wall_s", "peak_rss_gb"):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["num_requests"] == 150 and result["large_num_requests"] == 300
+
+
+def test_engine_benchmark_prints_its_figures() -> None:
+    """The real-engine benchmark prints prefill vs roofline, decode steps (ours and SDPA), layer-wise and CPP figures."""
+    pytest.importorskip("torch")
+    result = run_json(
+        "benchmarks/engine.py",
+        "--model",
+        "tiny",
+        "--prefill-tokens",
+        "64",
+        "--decode-context",
+        "40",
+        "--decode-batches",
+        "1,2",
+        "--layerwise-tokens",
+        "64",
+        "--cpp-tokens",
+        "64",
+    )
+    for key in ("prefill_tokens_per_s", "roofline_tokens_per_s", "prefill_vs_roofline", "cpp_speedup"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    for key in ("decode_step_ms", "decode_step_ms_sdpa", "layerwise_speedup"):
+        values = result[key]
+        assert isinstance(values, dict) and values and all(v > 0 for v in values.values()), key

@@ -111,3 +111,30 @@ def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
 def test_unknown_router_file_is_a_clear_error(tmp_path: Path) -> None:
     done = run("replay.py", *SMALL, "--router", str(tmp_path / "missing.py:Router"), check=False)
     assert done.returncode == 2 and "missing.py" in done.stderr
+
+
+def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
+    """profile_engine.py measures the tiny model and writes fits that the cost-model readers accept."""
+    pytest.importorskip("torch")
+    from mooncake.engine.decode import FittedStepModel
+    from mooncake.sched.cost import FittedPrefillModel
+
+    out = tmp_path / "tiny.json"
+    run(
+        "profile_engine.py",
+        "--lengths",
+        "32,64,96",
+        "--prefix-fractions",
+        "0,0.5",
+        "--batches",
+        "1,2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    data = json.loads(out.read_text())
+    prefill = FittedPrefillModel.from_json(json.dumps(data["prefill"]))
+    assert len(data["prefill_samples"]) == 6 and prefill.prefill_s(64) >= 0
+    step = FittedStepModel(coefficients=tuple(data["decode"]["coefficients"]))
+    assert len(data["decode_samples"]) == 6 and step.step_s(2, 100) >= 0

@@ -1,0 +1,109 @@
+"""GPU figures of the real engines (run through benchmarks/gpu.sh on a CUDA machine).
+
+    python benchmarks/gpu.py [--model llama3-8b] [--lengths 8192,16384,32768] [--peak-tflops 989]
+
+1. `prefill_mfu`: FLOPs of a prefill (the model's FLOPs per token at the mean
+   context n/2, times n) over its time, against `--peak-tflops` (H200 dense
+   bf16: 989). Goal ≥ 0.5. Backend: flash-attn when it imports, else SDPA.
+2. `layerwise_speedup`: the store time exposed to the compute with stores after
+   the forward pass ÷ with layer-wise stores on a side stream, into a host DRAM cache.
+3. `decode_step_ms` at batch 1 / 8 / 32 with 2 K tokens of context each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from mooncake.cache import DramPagePool, TieredCache
+from mooncake.cache.hashing import BlockHasher
+from mooncake.engine.attention import flash_attention_available
+from mooncake.engine.decode import DecodeConfig, DecodeEngine
+from mooncake.engine.kv import KvLayout
+from mooncake.engine.model import PRESETS, LlamaModel
+from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+from mooncake.types import BlockKey, RequestId
+
+BLOCK_TOKENS = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--lengths", default="8192,16384,32768")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--decode-context", type=int, default=2048)
+    parser.add_argument("--decode-batches", default="1,8,32")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs CUDA")
+    config = PRESETS[args.model]
+    model = LlamaModel(config, seed=0, dtype="bfloat16", device="cuda")
+    hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
+    layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS, dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "model": config.name,
+        "attention": "flash-attn" if flash_attention_available() else "sdpa",
+        "prefill_s": {},
+        "prefill_mfu": {},
+        "layerwise_exposed_store_s": {},
+        "layerwise_speedup": {},
+    }
+    lengths = [int(n) for n in args.lengths.split(",")]
+    for n in lengths:
+        tokens = rng.integers(0, config.vocab_size, size=n).tolist()
+        cache = TieredCache([DramPagePool(layout.page_bytes, n // BLOCK_TOKENS + 2)])
+        with PrefillEngine(model, cache, hasher, PrefillConfig(chunk_tokens=n, store=False)) as engine:
+            engine.prefill(tokens[:1024])
+            torch.cuda.synchronize()
+            seconds = engine.prefill(tokens).seconds
+        flops = n * config.flops_per_token(n // 2)
+        result["prefill_s"][n] = seconds
+        result["prefill_mfu"][n] = flops / seconds / (args.peak_tflops * 1e12)
+        waits = {}
+        for layerwise in (False, True):
+            cache = TieredCache([DramPagePool(layout.page_bytes, n // BLOCK_TOKENS + 2)])
+            with PrefillEngine(model, cache, hasher, PrefillConfig(chunk_tokens=n, layerwise=layerwise)) as engine:
+                waits["layerwise" if layerwise else "serialized"] = engine.prefill(tokens).store_wait_s
+        result["layerwise_exposed_store_s"][n] = waits
+        result["layerwise_speedup"][n] = waits["serialized"] / max(waits["layerwise"], 1e-6)
+        print(json.dumps({n: [result["prefill_mfu"][n], result["layerwise_speedup"][n]]}), flush=True)
+
+    context = args.decode_context
+    cache = TieredCache([DramPagePool(layout.page_bytes, context // BLOCK_TOKENS + 2)])
+    keys = [BlockKey(i + 1) for i in range(-(-context // BLOCK_TOKENS))]
+    for b, key in enumerate(keys):
+        size = layout.block_bytes(min(BLOCK_TOKENS, context - b * BLOCK_TOKENS))
+        cache.put(key, (rng.standard_normal(size // 2) * 0.5).astype(np.float16).view(np.uint8))
+    result["decode_step_ms"] = {}
+    for batch in (int(b) for b in args.decode_batches.split(",")):
+        engine = DecodeEngine(
+            model,
+            cache,
+            block_tokens=BLOCK_TOKENS,
+            config=DecodeConfig(max_batch_size=batch, max_context_tokens=context + 16),
+        )
+        for r in range(batch):
+            engine.try_join(RequestId(r), keys, prompt_tokens=context, first_token=r, max_new_tokens=12)
+        engine.step()
+        times = []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        result["decode_step_ms"][batch] = 1e3 * float(np.median(times))
+        del engine
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

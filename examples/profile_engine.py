@@ -1,0 +1,121 @@
+"""Profile the real engines and fit the cost models the cluster's Conductor uses.
+
+    python examples/profile_engine.py [--model tiny] [--out build/profile/tiny.json]
+        [--lengths 64,128,256,512] [--prefix-fractions 0,0.25,0.5,0.75] [--batches 1,2,4,8]
+
+1. Prefill: for every (input length, prefix length) of the grid, the prefix is
+   first stored in the node's cache by a prefill of its own, then the whole
+   prompt is prefilled and timed (the median of `--repeats` runs, each on a
+   fresh cache). `FittedPrefillModel` (c0 + c1·(n − p) + c2·(n² − p²)) is fitted.
+2. Decode: step times at each batch size and context length; `FittedStepModel`
+   (c0 + c1·batch + c2·tokens) is fitted for the decode engine's TBT check.
+
+The JSON written holds both fits and every sample; `FittedPrefillModel.from_json`
+reads its `prefill` entry back (`json.dumps(data["prefill"])`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from mooncake.cache import DramPagePool, TieredCache
+from mooncake.cache.hashing import BlockHasher
+from mooncake.engine.decode import DecodeConfig, DecodeEngine, FittedStepModel
+from mooncake.engine.kv import KvLayout
+from mooncake.engine.model import PRESETS, LlamaModel
+from mooncake.engine.prefill import PrefillEngine
+from mooncake.engine.report import write_json
+from mooncake.sched.cost import FittedPrefillModel, PrefillSample
+from mooncake.types import RequestId
+
+BLOCK_TOKENS = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=None, help="default build/profile/MODEL.json")
+    parser.add_argument("--lengths", default="64,128,256,512")
+    parser.add_argument("--prefix-fractions", default="0,0.25,0.5,0.75")
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = PRESETS[args.model]
+    model = LlamaModel(config, seed=0, dtype=args.dtype)
+    hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
+    layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS, dtype=args.dtype)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rng = np.random.default_rng(0)
+
+    def fresh_cache(tokens: int) -> TieredCache:
+        return TieredCache([DramPagePool(layout.page_bytes, 2 * (tokens // BLOCK_TOKENS + 2))])
+
+    samples: list[PrefillSample] = []
+    for n in lengths:
+        tokens = rng.integers(0, config.vocab_size, size=n).tolist()
+        for fraction in (float(f) for f in args.prefix_fractions.split(",")):
+            prefix = int(n * fraction) // BLOCK_TOKENS * BLOCK_TOKENS
+            times = []
+            for _ in range(args.repeats):
+                with PrefillEngine(model, fresh_cache(n), hasher) as engine:
+                    if prefix:
+                        engine.prefill([*tokens[:prefix], 0])  # stores the prefix's blocks
+                    result = engine.prefill(tokens)
+                times.append(result.seconds)
+            samples.append(
+                PrefillSample(num_tokens=n, prefix_tokens=result.prefix_tokens, seconds=statistics.median(times))
+            )
+            print(f"prefill n={n:>6} prefix={result.prefix_tokens:>6}  {samples[-1].seconds * 1e3:9.2f} ms")
+    prefill = FittedPrefillModel.fit(samples)
+    print(f"prefill fit: c = {prefill.coefficients}, mean relative error {prefill.mean_relative_error:.1%}")
+
+    steps: list[tuple[int, int, float]] = []
+    cache = fresh_cache(max(lengths))
+    with PrefillEngine(model, cache, hasher) as engine:
+        prompts = {n: engine.prefill(rng.integers(0, config.vocab_size, size=n).tolist()) for n in lengths}
+    for batch in (int(b) for b in args.batches.split(",")):
+        for n, done in prompts.items():
+            decoder = DecodeEngine(
+                model,
+                cache,
+                block_tokens=BLOCK_TOKENS,
+                config=DecodeConfig(max_batch_size=batch, max_context_tokens=n + 8),
+            )
+            for r in range(batch):
+                decoder.try_join(
+                    RequestId(r), done.keys, prompt_tokens=n, first_token=done.first_token, max_new_tokens=6
+                )
+            decoder.step()  # warm-up
+            times = []
+            for _ in range(3):
+                decoder.step()
+                times.append(decoder.last_step_s)
+            steps.append((batch, batch * (n + 2), statistics.median(times)))
+            print(f"decode batch={batch:>3} context={n:>6}  {steps[-1][2] * 1e3:9.3f} ms/step")
+    step_model = FittedStepModel.fit(steps)
+    print(f"decode fit: c = {step_model.coefficients}")
+
+    out = args.out or Path("build/profile") / f"{config.name}.json"
+    write_json(
+        {
+            "model": config.name,
+            "dtype": args.dtype,
+            "block_tokens": BLOCK_TOKENS,
+            "prefill": json.loads(prefill.to_json()),
+            "decode": {"coefficients": list(step_model.coefficients)},
+            "prefill_samples": [[s.num_tokens, s.prefix_tokens, s.seconds] for s in samples],
+            "decode_samples": [list(s) for s in steps],
+        },
+        out,
+    )
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
