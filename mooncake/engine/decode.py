@@ -27,6 +27,7 @@ max_new_tokens) ≤ budget; every request ends exactly once (its last token has
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -43,7 +44,7 @@ from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
 from mooncake.types import BlockKey, RequestId
 
-__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "StepModel", "TokenEvent"]
+__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "StepModel", "TokenEvent", "TokenStream"]
 
 
 class StepModel(Protocol):
@@ -364,3 +365,29 @@ class FittedStepModel:
             return 0.0
         c0, c1, c2 = self.coefficients
         return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
+
+
+class TokenStream:
+    """One request's tokens as an async iterator: pass `stream.put` as the request's `on_token`.
+
+    `put` may be called from any thread (the decode loop's); iteration happens on
+    `loop` and ends after the event with `finished=True`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._done = False
+
+    def put(self, event: TokenEvent) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self._done = event.finished
+        return event

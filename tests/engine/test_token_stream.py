@@ -1,0 +1,29 @@
+"""The decode engine's tokens reach an asyncio consumer through TokenStream, across threads, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+pytest.importorskip("torch")
+
+from mooncake.engine.decode import TokenEvent, TokenStream  # noqa: E402
+from mooncake.types import RequestId  # noqa: E402
+
+
+def test_stream_yields_events_put_from_another_thread_until_finished() -> None:
+    """Events put from a producer thread arrive in order, and iteration ends after the finished one."""
+
+    async def consume() -> list[int]:
+        stream = TokenStream(asyncio.get_running_loop())
+
+        def produce() -> None:
+            for i in range(5):
+                stream.put(TokenEvent(request_id=RequestId(1), token=10 + i, index=i, finished=i == 4))
+
+        threading.Thread(target=produce).start()
+        return [event.token async for event in stream]
+
+    assert asyncio.run(asyncio.wait_for(consume(), timeout=10)) == [10, 11, 12, 13, 14]
