@@ -241,7 +241,7 @@ class LlamaModel(nn.Module):
         if (
             not indices
             or indices != list(range(indices[0], indices[0] + len(indices)))
-            or indices[-1] >= config.num_layers
+            or not 0 <= indices[0] <= indices[-1] < config.num_layers
         ):
             raise ConfigError(f"layers must be a contiguous range within 0..{config.num_layers - 1}, got {indices}")
         self.first_layer = indices[0]

@@ -25,6 +25,7 @@ error; a reserved page is committed only once all its layers are stored.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,9 @@ class KvSink(Protocol):
 
     def end(self) -> None:
         """Every layer is final and the local blocks are committed."""
+
+    def abort(self) -> None:
+        """The prefill failed after `begin`: drop what was streamed (nothing may be committed)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -164,18 +168,24 @@ class PrefillEngine:
         prefix = prefix_blocks * block
         pages: list[Any] = []
         reserved: list[BlockKey] = []
+        streaming = False
         try:
             pages, reserved = self._reserve(keys, prefix_blocks, n)
             if sink is not None:
                 sink.begin(keys)
+                streaming = True
             logits, load_wait, store_wait = self._forward(ids, keys[:prefix_blocks], pages, prefix, sink)
             for key in reserved:
                 self.cache.commit(key)
             reserved = []
             if sink is not None:
+                streaming = False  # end() finishes or cleans up by itself
                 sink.end()
         except BaseException:
             self._drain()  # loads and stores of this prefill may still be queued: let none touch a page given back
+            if streaming:
+                with contextlib.suppress(Exception):  # the original error is the one to report
+                    sink.abort()  # type: ignore[union-attr]
             raise
         finally:
             for key in reserved:
@@ -374,3 +384,7 @@ class MessengerSink:
 
     def end(self) -> None:
         self.committed = self._push.finish(self.timeout_s)
+
+    def abort(self) -> None:
+        if self._push is not None:
+            self._push.abort()

@@ -423,7 +423,7 @@ class Fetch:
 
 
 class Push:
-    """Blocks on their way out; `send_part` ships a byte range, `finish` commits them at the peer."""
+    """Blocks on their way out; `send_part` ships a byte range, `finish` commits them at the peer, `abort` gives up."""
 
     def __init__(
         self,
@@ -500,3 +500,19 @@ class Push:
                     pass
             self._done = committed
         return committed
+
+    def abort(self) -> None:
+        """Give up: nothing is committed at the peer (its reservations are released), local pins are dropped."""
+        if self._done is not None:
+            return
+        messenger = self._messenger
+        try:
+            messenger._settle(list(self._batches.values()))
+            messenger._release_remote(self._peer, self._lease)
+        finally:
+            for key, _offset, _length, _pinned in self._pinned:
+                try:
+                    messenger.cache.unpin(key)
+                except (UnknownBlockError, BlockPinnedError):
+                    pass
+            self._done = ()

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from mooncake.engine.decode import TokenEvent, TokenStream  # noqa: E402
-from mooncake.types import RequestId  # noqa: E402
+from mooncake.engine.decode import TokenEvent, TokenStream
+from mooncake.types import RequestId
 
 
 def test_stream_yields_events_put_from_another_thread_until_finished() -> None:

@@ -1,0 +1,417 @@
+"""Tests for `mooncake.engine.prefill.PrefillEngine`: prefix reuse, chunking and layer-wise I/O change nothing.
+
+Properties over random prompts, block sizes and chunk sizes: a prefill from
+scratch gives the plain forward pass's last logits and greedy token; a
+prefill over a cached prefix (as long as the cache can give it: whole blocks,
+at least one token computed) gives those of a prefill from scratch; layer-wise
+load/store is bit-identical to the serialized baseline, pages included.
+Examples: chunked equals unchunked (chunks that do not divide the block too);
+the pages hold the model's K and V; a prefix comes back from the SSD tier; the
+sink hears every layer once, in order, after its bytes are final; and the
+error contracts — bad tokens, a full cache, a failing sink — leave no pin, no
+reservation and no running helper behind.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+import torch
+
+from mooncake.cache.tiered import TieredCache
+from mooncake.engine.model import LlamaModel
+from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine, PrefillResult
+from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
+from mooncake.types import BlockKey, Tier
+from tests.engine.support import (
+    TINY,
+    TOLERANCE,
+    assert_nothing_held,
+    block_sizes,
+    dram_cache,
+    hasher,
+    layout,
+    page_bytes,
+    prompts,
+    reference_logits,
+    tcp_nodes,
+    tiered_cache,
+    tiny_model,
+)
+
+PREFILL_SETTINGS = settings(max_examples=25, deadline=None)  # each example runs a few tiny prefills
+chunk_sizes = st.sampled_from([1, 2, 3, 5, 4096])
+PROMPT = [(7 * i + 3) % TINY.vocab_size for i in range(23)]  # 5 blocks of 4 and a partial one of 3
+
+
+def prefill(cache: TieredCache, tokens: list[int], *, block: int, **options: Any) -> PrefillResult:
+    with PrefillEngine(tiny_model(), cache, hasher(block), PrefillConfig(**options)) as engine:
+        return engine.prefill(tokens)
+
+
+def stored_pages(cache: TieredCache, keys: tuple[BlockKey, ...]) -> list[bytes]:
+    return [page_bytes(cache, key) for key in keys]
+
+
+def as_floats(pages: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(pages), dtype=np.float32)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def assert_like_the_model(result: PrefillResult, tokens: list[int]) -> None:
+    expected = reference_logits(tokens)[-1]
+    assert result.logits.shape == (TINY.vocab_size,) and result.logits.dtype == torch.float32
+    assert torch.allclose(result.logits, expected, **TOLERANCE)
+    assert result.first_token == int(torch.argmax(expected))
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@PREFILL_SETTINGS
+@given(prompts, block_sizes, chunk_sizes, st.booleans())
+def test_prefill_from_scratch_equals_the_model_forward(
+    tokens: list[int], block: int, chunk: int, layerwise: bool
+) -> None:
+    """An empty cache: the model's last logits and greedy token; every block, the partial last one included,
+    is stored in a page sized to its tokens."""
+    cache = dram_cache(block)
+    result = prefill(cache, tokens, block=block, chunk_tokens=chunk, layerwise=layerwise)
+    assert_like_the_model(result, tokens)
+    assert result.keys == hasher(block).block_keys(tokens) == result.stored_keys
+    assert (result.prefix_tokens, result.computed_tokens) == (0, len(tokens))
+    for i, key in enumerate(result.keys):
+        location = cache.location(key)
+        assert location is not None and location.ready and location.tier == Tier.DRAM
+        assert location.length == layout(block).block_bytes(min(block, len(tokens) - i * block))
+    assert_nothing_held(cache, result.keys)
+
+
+@PREFILL_SETTINGS
+@given(prompts, prompts, prompts, block_sizes, chunk_sizes, st.booleans())
+def test_a_cached_prefix_gives_the_logits_of_a_prefill_from_scratch(
+    shared: list[int], first_tail: list[int], second_tail: list[int], block: int, chunk: int, layerwise: bool
+) -> None:
+    """After prefilling A, prefilling B reuses the whole blocks they share (leaving at least one token to
+    compute) and gives B's logits and token from scratch; only B's other blocks are stored."""
+    first, second = shared + first_tail, shared[: len(shared) // 2] + second_tail
+    cache = dram_cache(block)
+    prefill(cache, first, block=block)
+    result = prefill(cache, second, block=block, chunk_tokens=chunk, layerwise=layerwise)
+    prefix_blocks = min(common_prefix(first, second) // block, (len(second) - 1) // block)
+    assert result.prefix_tokens == prefix_blocks * block
+    assert result.computed_tokens == len(second) - result.prefix_tokens
+    scratch = prefill(dram_cache(block), second, block=block)
+    assert torch.allclose(result.logits, scratch.logits, **TOLERANCE)
+    assert result.first_token == scratch.first_token
+    assert_like_the_model(result, second)
+    first_keys = set(hasher(block).block_keys(first))
+    assert result.stored_keys == tuple(key for key in result.keys if key not in first_keys)
+    assert_nothing_held(cache, result.keys + tuple(first_keys))
+
+
+@PREFILL_SETTINGS
+@given(prompts, prompts, block_sizes, chunk_sizes)
+def test_layerwise_is_bit_identical_to_serialized(first: list[int], tail: list[int], block: int, chunk: int) -> None:
+    """Overlapping loads and stores with compute changes neither the logits nor a byte of a page."""
+    second = first[: len(first) // 2 + 1] + tail
+    caches, results = [], []
+    for layerwise in (True, False):
+        cache = dram_cache(block)
+        prefill(cache, first, block=block, chunk_tokens=chunk, layerwise=layerwise)
+        results.append(prefill(cache, second, block=block, chunk_tokens=chunk, layerwise=layerwise))
+        caches.append(cache)
+    overlapped, serialized = results
+    assert torch.equal(overlapped.logits, serialized.logits)
+    assert overlapped.first_token == serialized.first_token
+    assert overlapped.prefix_tokens == serialized.prefix_tokens
+    keys = hasher(block).block_keys(first) + overlapped.keys
+    assert stored_pages(caches[0], keys) == stored_pages(caches[1], keys)
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("cached_tokens", [0, 9])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 6, 7, 16])
+def test_chunked_prefill_equals_unchunked(chunk: int, cached_tokens: int) -> None:
+    """Chunks of any size (dividing the 4-token block or not), over a cached prefix or none: same token,
+    logits and page contents as one chunk."""
+    results, pages = [], []
+    for chunk_tokens in (4096, chunk):
+        cache = dram_cache(4)
+        if cached_tokens:
+            prefill(cache, PROMPT[:cached_tokens], block=4)
+        results.append(prefill(cache, PROMPT, block=4, chunk_tokens=chunk_tokens))
+        pages.append(as_floats(stored_pages(cache, results[-1].keys)))
+    whole, chunked = results
+    assert chunked.prefix_tokens == whole.prefix_tokens == (8 if cached_tokens else 0)
+    assert chunked.first_token == whole.first_token
+    assert torch.allclose(chunked.logits, whole.logits, **TOLERANCE)
+    np.testing.assert_allclose(pages[1], pages[0], **TOLERANCE)
+
+
+def test_pages_hold_the_models_k_and_v() -> None:
+    """Layer l of block b holds the K and V (after RoPE) that the plain forward pass computes for its tokens."""
+    cache = dram_cache(4)
+    result = prefill(cache, PROMPT, block=4)
+    model, kv_layout = tiny_model(), layout(4)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append((k.clone(), v.clone()))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        ).transpose(0, 1)
+
+    with torch.inference_mode():
+        x = model.embed(torch.tensor(PROMPT))
+        cos, sin = model.rope(torch.arange(len(PROMPT)))
+        for layer in model.layers:
+            x = layer(x, cos, sin, recording)
+    for b, key in enumerate(result.keys):
+        rows = slice(4 * b, 4 * b + 4)
+        for index, (k, v) in enumerate(seen):
+            k_page, v_page = kv_layout.layer_kv(cache.get(key), index)
+            assert torch.allclose(k_page, k[rows], **TOLERANCE) and torch.allclose(v_page, v[rows], **TOLERANCE)
+
+
+def test_a_prompt_seen_twice_reuses_all_but_its_last_block() -> None:
+    """The same prompt again reuses every whole block except the last (its logits need one computed token);
+    nothing new is stored; a stored partial block is never reused as a prefix."""
+    cache = dram_cache(4)
+    first = prefill(cache, PROMPT[:20], block=4)  # five whole blocks
+    again = prefill(cache, PROMPT[:20], block=4)
+    assert (again.prefix_tokens, again.computed_tokens, again.stored_keys) == (16, 4, ())
+    assert torch.allclose(again.logits, first.logits, **TOLERANCE) and again.first_token == first.first_token
+    longer = prefill(cache, PROMPT, block=4)
+    assert longer.prefix_tokens == 20 and longer.stored_keys == longer.keys[5:]
+    assert_like_the_model(longer, PROMPT)
+
+
+@pytest.mark.parametrize("promote_after", [1, 0])
+def test_a_prefix_demoted_to_ssd_is_reused(tmp_path: Path, promote_after: int) -> None:
+    """Blocks pushed down to the SSD tier by later prompts still serve as a prefix, with the same result:
+    promoted back to DRAM on the read, or (promote_after=0) read as verified copies from SSD."""
+    cache = tiered_cache(4, tmp_path / "ssd.pool", dram_pages=6, ssd_pages=32, promote_after=promote_after)
+    first = prefill(cache, PROMPT[:16], block=4)
+    for other in range(3):
+        prefill(cache, [(other * 31 + i) % 256 for i in range(12)], block=4)
+    assert all(cache.tier_of(key) == Tier.SSD for key in first.keys)
+    result = prefill(cache, PROMPT, block=4)
+    assert result.prefix_tokens == 16
+    expected_tier = Tier.DRAM if promote_after else Tier.SSD
+    assert all(cache.tier_of(key) == expected_tier for key in first.keys)
+    assert torch.allclose(result.logits, prefill(dram_cache(4), PROMPT, block=4).logits, **TOLERANCE)
+    assert_like_the_model(result, PROMPT)
+    assert_nothing_held(cache, result.keys)
+    cache.close()
+
+
+def test_store_off_computes_without_touching_the_cache() -> None:
+    """With `store=False` the result is the same and the cache stays empty."""
+    cache = dram_cache(4)
+    result = prefill(cache, PROMPT, block=4, store=False)
+    assert result.stored_keys == () and len(cache) == 0
+    assert_like_the_model(result, PROMPT)
+
+
+def test_the_first_token_is_drawn_by_the_requests_sampler() -> None:
+    """With a temperature, the first token is the request's seeded draw from the last logits."""
+    params = SamplingParams(temperature=0.8, seed=5)
+    with PrefillEngine(tiny_model(), dram_cache(4), hasher(4)) as engine:
+        result = engine.prefill(PROMPT, sampling=params)
+    assert result.first_token == Sampler(params).next_token(result.logits)
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+class RecordingSink:
+    """Records the calls and, at each `layer_ready(l)`, copies layer l of every block from the DRAM pages."""
+
+    def __init__(self, cache: TieredCache, block: int, num_tokens: int) -> None:
+        self.cache, self.layout, self.num_tokens = cache, layout(block), num_tokens
+        self.calls: list[object] = []
+        self.keys: tuple[BlockKey, ...] = ()
+        self.snapshots: dict[int, list[bytes]] = {}
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        self.calls.append("begin")
+        self.keys = keys
+
+    def layer_ready(self, layer: int) -> None:
+        self.calls.append(layer)
+        self.snapshots[layer] = [self._layer_bytes(i, key, layer) for i, key in enumerate(self.keys)]
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+    def _layer_bytes(self, index: int, key: BlockKey, layer: int) -> bytes:
+        location = self.cache.location(key)
+        assert location is not None and location.tier == Tier.DRAM
+        size = self.layout.layer_bytes(
+            min(self.layout.block_tokens, self.num_tokens - index * self.layout.block_tokens)
+        )
+        start = location.page * self.cache.page_bytes + layer * size
+        return bytes(self.cache.pools[0].buffer[start : start + size])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize("chunk", [3, 4096])
+def test_the_sink_hears_each_layer_once_in_order_after_its_bytes_are_final(layerwise: bool, chunk: int) -> None:
+    """begin(keys), layer_ready(0 … L-1), end(); at layer_ready(l) layer l of every block (prefix included)
+    already holds its final bytes."""
+    cache = dram_cache(4)
+    prefill(cache, PROMPT[:9], block=4)
+    sink = RecordingSink(cache, 4, len(PROMPT))
+    with PrefillEngine(
+        tiny_model(), cache, hasher(4), PrefillConfig(chunk_tokens=chunk, layerwise=layerwise)
+    ) as engine:
+        result = engine.prefill(PROMPT, sink=sink)
+    assert sink.calls == ["begin", *range(TINY.num_layers), "end"]
+    assert sink.keys == result.keys and result.prefix_tokens == 8
+    for layer, snapshot in sink.snapshots.items():
+        assert snapshot == [sink._layer_bytes(i, key, layer) for i, key in enumerate(result.keys)]
+
+
+class FailingSink(RecordingSink):
+    def __init__(self, cache: TieredCache, fail_at: object) -> None:
+        super().__init__(cache, 4, len(PROMPT))
+        self.fail_at = fail_at
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        super().begin(keys)
+        self._maybe_fail("begin")
+
+    def layer_ready(self, layer: int) -> None:
+        self.calls.append(layer)
+        self._maybe_fail(layer)
+
+    def end(self) -> None:
+        super().end()
+        self._maybe_fail("end")
+
+    def _maybe_fail(self, call: object) -> None:
+        if call == self.fail_at:
+            raise ConnectionError(f"the decode node went away at {call}")
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize("fail_at", ["begin", 0, 1, "end"])
+def test_a_failing_sink_leaves_no_pin_no_reservation_and_no_helper_running(layerwise: bool, fail_at: object) -> None:
+    """The sink's error reaches the caller; the prefix is unpinned, reserved pages are given back (unless the
+    blocks were already committed, before end()), and nothing of the prefill runs after it returned."""
+    cache = dram_cache(4)
+    prefix = prefill(cache, PROMPT[:9], block=4)
+    sink = FailingSink(cache, fail_at)
+    engine = PrefillEngine(tiny_model(), cache, hasher(4), PrefillConfig(chunk_tokens=5, layerwise=layerwise))
+    with pytest.raises(ConnectionError):
+        engine.prefill(PROMPT, sink=sink)
+    calls_when_raised = list(sink.calls)
+    engine.close()  # waits for the helper threads
+    assert sink.calls == calls_when_raised
+    keys = hasher(4).block_keys(PROMPT)
+    committed = fail_at == "end"
+    assert all((key in cache) == committed for key in keys[2:])
+    assert all(key in cache for key in prefix.keys)
+    assert_nothing_held(cache, keys + prefix.keys)
+
+
+class DyingMessengerSink(MessengerSink):
+    """Streams its first layer, then the prefill fails (the sink stands in for any error after begin)."""
+
+    def layer_ready(self, layer: int) -> None:
+        super().layer_ready(layer)
+        raise ConnectionError("the prefill failed mid-stream")
+
+
+def test_a_prefill_failing_mid_stream_releases_the_pins_of_its_push() -> None:
+    """After a prefill that fails while streaming, the prefill node holds no pin for the stream and the
+    decode node neither commits nor keeps a reservation of any block of it."""
+    with tcp_nodes(4) as (prefill_node, decode_node, peer):
+        with PrefillEngine(tiny_model(), prefill_node.cache, hasher(4)) as engine:
+            prefix = engine.prefill(PROMPT[:9])
+            with pytest.raises(ConnectionError):
+                engine.prefill(
+                    PROMPT, sink=DyingMessengerSink(prefill_node.messenger, peer, num_layers=TINY.num_layers)
+                )
+        assert_nothing_held(prefill_node.cache, prefix.keys)
+        assert all(decode_node.cache.location(key) is None for key in hasher(4).block_keys(PROMPT))
+
+
+# --------------------------------------------------------------------------- error contracts
+
+
+@pytest.mark.parametrize("tokens", [[], [0, TINY.vocab_size], [-1, 3], [1, 2, 10**9]])
+def test_invalid_prompts_are_refused_before_anything_is_held(tokens: list[int]) -> None:
+    """No tokens, or ids outside the vocabulary: InvalidRequestError, and the cache is untouched."""
+    cache = dram_cache(4)
+    prefill(cache, PROMPT[:8], block=4)
+    with PrefillEngine(tiny_model(), cache, hasher(4)) as engine, pytest.raises(InvalidRequestError):
+        engine.prefill(tokens)
+    assert len(cache) == 2
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT[:8]))
+
+
+def test_a_cache_too_small_for_the_new_blocks_gives_back_what_was_reserved() -> None:
+    """CapacityError when DRAM cannot hold the new blocks while the prefix is pinned; the prefix pins and
+    the pages reserved before the failure are released, and the engine works afterwards."""
+    cache = dram_cache(4, pages=4)
+    prefix = prefill(cache, PROMPT[:8], block=4)
+    with PrefillEngine(tiny_model(), cache, hasher(4)) as engine:
+        with pytest.raises(CapacityError):
+            engine.prefill(PROMPT)  # 2 cached + 4 new blocks in 4 pages
+        assert len(cache) == 2 and cache.pools[0].num_free == 2
+        assert_like_the_model(engine.prefill(PROMPT[:12]), PROMPT[:12])
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
+
+
+def test_engine_configuration_is_checked() -> None:
+    """A pipeline stage, pages smaller than a KV block, and chunks of 0 tokens are ConfigErrors."""
+    with pytest.raises(ConfigError, match="whole model"):
+        PrefillEngine(LlamaModel(TINY, layers=[0]), dram_cache(4), hasher(4))
+    with pytest.raises(ConfigError, match="cannot hold"):
+        PrefillEngine(tiny_model(), dram_cache(2), hasher(4))
+    with pytest.raises(ConfigError):
+        PrefillConfig(chunk_tokens=0)
+
+
+def test_concurrent_readers_do_not_disturb_a_prefill() -> None:
+    """The cache may be read by other threads during a prefill (a messenger serving peers): same result."""
+    cache = dram_cache(4)
+    prefix = prefill(cache, PROMPT[:12], block=4)
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for key in prefix.keys:
+                with cache.pinned(key) as data:
+                    assert data is not None
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        results = [prefill(cache, PROMPT, block=4) for _ in range(3)]
+    finally:
+        stop.set()
+        thread.join()
+    for result in results:
+        assert_like_the_model(result, PROMPT)
+    assert_nothing_held(cache, results[0].keys)

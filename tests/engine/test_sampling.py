@@ -1,0 +1,97 @@
+"""Tests for `mooncake.engine.sampling`: greedy is argmax, sampling is a per-request seeded stream.
+
+Properties: greedy picks the argmax of any logits; a seed fixes the whole
+token sequence, whatever other samplers draw in between (a request's tokens do
+not depend on its batch); a token of zero probability is never drawn; a very
+low temperature is greedy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+import torch
+
+from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.errors import ConfigError
+
+seeds = st.integers(min_value=0, max_value=2**32)
+temperatures = st.sampled_from([0.5, 1.0, 2.0]) | st.floats(min_value=0.05, max_value=10.0)
+
+
+def logits_of(seed: int, vocab: int = 32) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6), min_size=1, max_size=64, unique=True))
+def test_greedy_is_argmax(values: list[float]) -> None:
+    """Temperature 0 (the default) returns the index of the largest logit, every time."""
+    sampler = Sampler(SamplingParams())
+    logits = torch.tensor(values, dtype=torch.float64)
+    assert sampler.next_token(logits) == sampler.next_token(logits) == values.index(max(values))
+
+
+@settings(max_examples=30)
+@given(seeds, temperatures, st.lists(seeds, min_size=1, max_size=8), seeds)
+def test_a_seed_fixes_the_tokens_whatever_else_draws(
+    seed: int, temperature: float, steps: list[int], other: int
+) -> None:
+    """Two samplers with one seed draw the same tokens, even when a third sampler draws between their draws."""
+    params = SamplingParams(temperature=temperature, seed=seed)
+    alone, batched, neighbour = Sampler(params), Sampler(params), Sampler(SamplingParams(temperature=1.0, seed=other))
+    for step in steps:
+        logits = logits_of(step)
+        neighbour.next_token(logits)
+        assert alone.next_token(logits) == batched.next_token(logits)
+
+
+@settings(max_examples=30)
+@given(seeds, temperatures, st.sets(st.integers(min_value=0, max_value=31), min_size=1, max_size=31))
+def test_a_token_of_zero_probability_is_never_drawn(seed: int, temperature: float, banned: set[int]) -> None:
+    """Tokens whose logit is -inf never come out."""
+    logits = logits_of(seed)
+    logits[sorted(banned)] = float("-inf")
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+    assert all(sampler.next_token(logits) not in banned for _ in range(20))
+
+
+@settings(max_examples=30)
+@given(seeds)
+def test_a_tiny_temperature_is_greedy(seed: int) -> None:
+    """With a clear winner, temperature 1e-4 puts all the mass on the argmax."""
+    logits = logits_of(seed)
+    logits[seed % 32] = logits.max() + 1.0
+    assert Sampler(SamplingParams(temperature=1e-4, seed=seed)).next_token(logits) == seed % 32
+
+
+def test_sampling_draws_from_the_distribution() -> None:
+    """Different seeds give different streams, and the draws follow softmax(logits / T) roughly."""
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    draws = [Sampler(SamplingParams(temperature=1.0, seed=seed)).next_token(logits) for seed in range(2000)]
+    assert draws.count(0) / 2000 == pytest.approx(0.7, abs=0.05)
+    assert draws.count(2) / 2000 == pytest.approx(0.1, abs=0.03)
+    stream = Sampler(SamplingParams(temperature=1.0, seed=1))
+    assert len({stream.next_token(logits_of(0)) for _ in range(50)}) > 1  # the stream advances
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": -0.1},
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"seed": -1},
+        {"seed": 1.5},
+        {"seed": True},
+    ],
+)
+def test_params_are_validated(fields: dict[str, object]) -> None:
+    """Negative or non-finite temperatures and non-integer or negative seeds are ConfigErrors."""
+    with pytest.raises(ConfigError):
+        SamplingParams(**fields)  # type: ignore[arg-type]
