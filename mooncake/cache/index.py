@@ -16,7 +16,9 @@ bits of the instances still "alive" in the prefix; an instance whose bit drops
 out gets the current position as its prefix length. Each step is one probe and
 one operation per 64-bit word of holder bits (16 instances a word), and each
 instance drops out once, so a match costs O(len(keys) × ⌈holders / 16⌉ +
-holders): for up to 16 instances, one probe per key.
+holders): for up to 16 instances, one probe per key. `prefix_lengths(keys,
+instances)` gives the same answer as an array in the caller's order of
+instances, with no per-holder Python work (the Conductor's path).
 
 Events: a source's first event of an epoch must have seq 0, and each later one
 seq + 1. Epochs only rise: a higher epoch means the source restarted, and its
@@ -38,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import SupportsIndex, cast
 
@@ -156,6 +158,9 @@ class BlockIndex:
         self._table = KeyTable()
         self._sources: dict[InstanceId, _SourceState] = {}
         self._instance_of: list[InstanceId | None] = []  # slot → instance; None marks a free slot
+        # prefix_lengths' last slot lookup: (instances, slot layout version, their slots, which have none)
+        self._layout = 0
+        self._gather: tuple[Sequence[InstanceId], int, npt.NDArray[np.intp], npt.NDArray[np.bool_]] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -221,6 +226,22 @@ class BlockIndex:
                 best_instance, best_length = instance, n
         return PrefixMatch(lengths=MappingProxyType(lengths), best_instance=best_instance, best_length=best_length)
 
+    def prefix_lengths(self, keys: Iterable[BlockKey], instances: Sequence[InstanceId]) -> npt.NDArray[np.int64]:
+        """Each of `instances`' contiguous prefix of `keys`, in their order (0 for one the index
+        does not know): `match` as an array, for a caller that asks about the same instances
+        every time (the slot lookup is kept while the sequence object and the slots stay the same).
+        """
+        per_slot = self._table.match(_key_array(keys))
+        gather = self._gather
+        if gather is None or gather[0] is not instances or gather[1] != self._layout:
+            slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
+            unknown = np.array([slot < 0 for slot in slots], dtype=bool)
+            gather = self._gather = (instances, self._layout, np.maximum(np.array(slots, dtype=np.intp), 0), unknown)
+        lengths: npt.NDArray[np.int64] = per_slot[gather[2]]
+        if gather[3].any():
+            lengths[gather[3]] = 0
+        return lengths
+
     # ------------------------------------------------------------------ events
 
     def apply(self, event: CacheEvent) -> SequenceGap | None:
@@ -281,6 +302,7 @@ class BlockIndex:
         if state is not None:
             self._table.clear_slot(state.slot)
             self._instance_of[state.slot] = None
+            self._layout += 1
 
     # ------------------------------------------------------------------ snapshot
 
@@ -370,4 +392,5 @@ class BlockIndex:
             self._instance_of.append(source)
             self._table.ensure_slots(slot + 1)
         state = self._sources[source] = _SourceState(epoch=epoch, seq=seq, is_stale=False, slot=slot)
+        self._layout += 1
         return state

@@ -14,11 +14,15 @@ It returns a frozen `ScheduleDecision`; the caller carries it out (moves KV per
 the transfer plan, runs prefill, ...) and reports progress with events, which
 keep the views and the index current (`handle`, `apply_cache_event`). The
 Conductor never routes to an instance marked down. It reads no clock and draws
-randomness only from its seeded generator, so a replay is reproducible.
+randomness only from its seeded generator, so a replay is reproducible. The
+views also sit on boards (`PrefillBoard`, `DecodeBoard`), refreshed at each
+change, so that routing and decode selection over hundreds of instances are
+array operations; the router is handed the prefill board as its candidates.
 
 Invariants (`check_invariants`): every in-flight request is either queued on
 exactly one prefill instance (with a KV reservation on its decode instance) or
-decoding on exactly one decode instance; views satisfy their own invariants.
+decoding on exactly one decode instance; views satisfy their own invariants,
+and the boards say what the views say.
 Every request ends exactly once: `handle` reports each end, and events about a
 request that already ended are ignored.
 """
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex
@@ -37,14 +43,16 @@ from mooncake.sched.admission import AdmissionPolicy, Rejection
 from mooncake.sched.cost import DecodeCostModel
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.predictor import LoadPredictor
-from mooncake.sched.router import KvCacheCentricRouter, RouteQuery, Router, TransferPlan
+from mooncake.sched.router import KvCacheCentricRouter, PrefixBlocks, RouteQuery, Router, TransferPlan
 from mooncake.sched.view import (
     ActiveDecode,
+    DecodeBoard,
     DecodeFinished,
     DecodeJoined,
     DecodeView,
     InstanceDown,
     InstanceUp,
+    PrefillBoard,
     PrefillFinished,
     PrefillStarted,
     PrefillView,
@@ -135,6 +143,9 @@ class Conductor:
         self._rng = random.Random(seed)
         self._prefill: dict[InstanceId, PrefillView] = {}
         self._decode: dict[InstanceId, DecodeView] = {}
+        # The same views side by side, for routing and decode selection; refreshed on every change.
+        self._prefill_board = PrefillBoard(())
+        self._decode_board = DecodeBoard(())
         self._incoming: dict[InstanceId, dict[RequestId, QueuedPrefill]] = {}  # decode instance → routed prefills
         self._in_flight: dict[RequestId, _InFlight] = {}
         # Per source instance, finish times of the KV transfers planned from it (a heap): congestion.
@@ -145,20 +156,22 @@ class Conductor:
     def add_prefill_instance(self, instance_id: InstanceId) -> None:
         self._check_new(instance_id)
         self._prefill[instance_id] = PrefillView(instance_id)
+        self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
 
     def add_decode_instance(self, instance_id: InstanceId, *, capacity_tokens: int | None = None) -> None:
         self._check_new(instance_id)
         capacity = self.decode_cost.capacity_tokens() if capacity_tokens is None else capacity_tokens
         self._decode[instance_id] = DecodeView(instance_id, capacity)
+        self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
 
     @property
     def prefill_views(self) -> tuple[PrefillView, ...]:
-        return tuple(self._prefill.values())
+        return self._prefill_board.views
 
     @property
     def decode_views(self) -> tuple[DecodeView, ...]:
-        return tuple(self._decode.values())
+        return self._decode_board.views
 
     def incoming(self, decode_instance: InstanceId) -> tuple[QueuedPrefill, ...]:
         """The prefills routed to `decode_instance` that have not joined it yet (what predictors read)."""
@@ -178,20 +191,23 @@ class Conductor:
         """
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
-        candidates = [view for view in self._prefill.values() if view.is_up]
-        match = self.index.match(request.block_keys)
-        lengths = {
-            instance: n
-            for instance, n in match.lengths.items()
-            if instance in self._prefill and self._prefill[instance].is_up
-        }
-        best = min(lengths, key=lambda i: (-lengths[i], i)) if lengths else None
+        board = self._prefill_board
+        candidates: Sequence[PrefillView] = board
+        lengths = self.index.prefix_lengths(request.block_keys, board.instance_ids)
+        if not board.all_up:
+            candidates = PrefillBoard([view for view in board if view.is_up])
+            lengths = np.where(board.is_up, lengths, 0)
+        best = None
+        best_blocks = int(lengths.max()) if lengths.size else 0
+        if best_blocks:
+            holders = np.flatnonzero(lengths == best_blocks)  # the longest prefix; ties: the smallest id
+            best = board.instance_ids[int(holders[board.id_rank[holders].argmin()])]
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
-            prefix_blocks=lengths,
+            prefix_blocks=PrefixBlocks(board.instance_ids, lengths),
             best_instance=best,
-            best_blocks=lengths[best] if best is not None else 0,
+            best_blocks=best_blocks,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
         )
         route = self.router.route(candidates, query, now, self._rng)
@@ -206,7 +222,7 @@ class Conductor:
                 if view.is_up
             }
         decode = choose_decode(
-            self.decode_views,
+            self._decode_board,
             context_tokens=request.input_length,
             output_tokens=request.output_length,
             cost=self.decode_cost,
@@ -243,11 +259,13 @@ class Conductor:
                 transfer_finish_s=now + route.transfer_s,
             )
             self._prefill[route.prefill_instance].queue.append(queued)
+            self._prefill_board.refresh(self._prefill_board.position[route.prefill_instance])
             if route.transfer is not None:
                 heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
             self._decode[decode.decode_instance].reserve(
                 request.request_id, request.input_length + request.output_length
             )
+            self._decode_board.refresh(self._decode_board.position[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
             self._in_flight[request.request_id] = _InFlight(
                 route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
@@ -300,6 +318,7 @@ class Conductor:
                         output_tokens=reserved - context,
                     )
                 )
+                self._decode_board.refresh(self._decode_board.position[flight.decode_instance])
                 flight.prefilled = flight.decoding = True
         elif isinstance(event, DecodeFinished):
             observe = getattr(self.predictor, "observe", None)
@@ -319,7 +338,9 @@ class Conductor:
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the views and the in-flight table disagree."""
+        """Raise AssertionError if the views, their boards and the in-flight table disagree."""
+        self._prefill_board.check_invariants()
+        self._decode_board.check_invariants()
         queued: dict[RequestId, InstanceId] = {}
         for prefill in self._prefill.values():
             prefill.check_invariants()
@@ -363,6 +384,7 @@ class Conductor:
         decode = self._decode[flight.decode_instance]
         decode.release(request_id)
         decode.leave(request_id)
+        self._decode_board.refresh(self._decode_board.position[flight.decode_instance])
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome)
 
@@ -396,16 +418,18 @@ class Conductor:
             retimed.append(entry)
             previous_finish = start + duration
         view.queue = retimed
+        self._prefill_board.refresh(self._prefill_board.position[view.instance_id])
 
     def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
         instance = event.instance_id
         view: PrefillView | DecodeView | None = self._prefill.get(instance) or self._decode.get(instance)
         if view is None:
             raise ConfigError(f"unknown instance {instance}")
-        if isinstance(event, InstanceUp):
-            view.is_up = True
+        board: PrefillBoard | DecodeBoard = self._prefill_board if instance in self._prefill else self._decode_board
+        view.is_up = isinstance(event, InstanceUp)
+        board.refresh(board.position[instance])
+        if view.is_up:
             return ()
-        view.is_up = False
         self.index.remove_instance(instance)  # its cache is gone; a restart announces a new epoch
         doomed = [
             request_id

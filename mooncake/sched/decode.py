@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import attrs
+import numpy as np
 
 from mooncake.sched.cost import DecodeCostModel
 from mooncake.sched.predictor import DecodeLoad
-from mooncake.sched.view import DecodeView
+from mooncake.sched.view import DecodeBoard, DecodeView
 from mooncake.types import InstanceId
 
 __all__ = ["DecodeChoice", "choose_decode"]
@@ -40,30 +41,33 @@ def choose_decode(
     """The best decode instance for a request, or None if none is up with room for it.
 
     Args:
-        views: every decode instance.
+        views: every decode instance (a `DecodeBoard` of them is read without a loop).
         context_tokens, output_tokens: the request's prompt and expected output.
         cost: the decode step model.
         tbt_slo_s: the TBT objective (the score is TBT / SLO, which ranks as TBT does).
         loads: each instance's batch when the request would join it (default: its batch now).
     """
-    needed = context_tokens + output_tokens
+    board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
     # step_s(batch, tokens) = fixed + tokens · per_token for any batch > 0, so the
-    # lowest TBT is the fewest tokens: compare those (cheap, as this loop runs over
-    # every decode instance for every request), ties by instance id.
-    best_view: DecodeView | None = None
-    best_tokens = 0
-    for view in views:
-        if not view.is_up or view.capacity_tokens - view.used_tokens - view.reserved_tokens < needed:
-            continue
-        tokens = view.context_tokens if loads is None else int(loads[view.instance_id].context_tokens)
-        if (
-            best_view is None
-            or tokens < best_tokens
-            or (tokens == best_tokens and view.instance_id < best_view.instance_id)
-        ):
-            best_view, best_tokens = view, tokens
-    if best_view is None:
+    # lowest TBT is the fewest tokens: compare those, ties by instance id.
+    fits = board.free_tokens >= context_tokens + output_tokens
+    if not board.all_up:
+        fits &= board.is_up
+    candidates = np.flatnonzero(fits)
+    if not candidates.size:
         return None
-    batch = best_view.batch_size if loads is None else round(loads[best_view.instance_id].batch_size)
+    if loads is None:
+        tokens = board.context_tokens[candidates]
+    else:
+        ids = board.instance_ids
+        tokens = np.array([int(loads[ids[i]].context_tokens) for i in candidates.tolist()], dtype=np.int64)
+    fewest = candidates[tokens == tokens.min()]
+    best = int(fewest[0] if fewest.size == 1 else fewest[board.id_rank[fewest].argmin()])
+    view = board[best]
+    if loads is None:
+        batch, best_tokens = view.batch_size, view.context_tokens
+    else:
+        load = loads[view.instance_id]
+        batch, best_tokens = round(load.batch_size), int(load.context_tokens)
     tbt = cost.step_s(batch + 1, best_tokens + context_tokens)
-    return DecodeChoice(decode_instance=best_view.instance_id, tbt_s=tbt)
+    return DecodeChoice(decode_instance=view.instance_id, tbt_s=tbt)

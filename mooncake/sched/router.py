@@ -28,20 +28,23 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from mooncake._checks import require_number
 from mooncake.sched.cost import PrefillModel, TransferCostModel
-from mooncake.sched.view import PrefillView
+from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import InstanceId
 
 __all__ = [
     "AdaptiveThreshold",
     "KvCacheCentricRouter",
     "LoadBalancingRouter",
+    "PrefixBlocks",
     "RandomRouter",
     "RouteDecision",
     "RouteQuery",
@@ -50,6 +53,44 @@ __all__ = [
     "TtftEstimator",
     "local_cache_aware_router",
 ]
+
+
+class PrefixBlocks(Mapping[InstanceId, int]):
+    """Instance → leading blocks of a prompt it holds, kept as an array over a board's
+    instances (`blocks[i]` for `instance_ids[i]`); instances holding none are absent."""
+
+    def __init__(self, instance_ids: tuple[InstanceId, ...], blocks: npt.NDArray[np.int64]) -> None:
+        self.instance_ids = instance_ids
+        self.blocks = blocks
+        self._position: dict[InstanceId, int] | None = None
+
+    def get(self, instance: InstanceId, default: int | None = None) -> int | None:  # type: ignore[override]
+        if self._position is None:
+            self._position = {i: n for n, i in enumerate(self.instance_ids)}
+        position = self._position.get(instance)
+        held = 0 if position is None else int(self.blocks[position])
+        return held if held else default
+
+    def __getitem__(self, instance: InstanceId) -> int:
+        held = self.get(instance)
+        if held is None:
+            raise KeyError(instance)
+        return held
+
+    def __iter__(self) -> Iterator[InstanceId]:
+        return iter([self.instance_ids[i] for i in np.flatnonzero(self.blocks).tolist()])
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.blocks))
+
+
+def _blocks_of(held: Mapping[InstanceId, int], board: PrefillBoard) -> npt.NDArray[np.int64]:
+    """The leading blocks each of `board`'s instances holds, in the board's order."""
+    if isinstance(held, PrefixBlocks) and held.instance_ids is board.instance_ids:
+        return held.blocks
+    if not held:
+        return np.zeros(len(board), dtype=np.int64)
+    return np.array([held.get(instance, 0) for instance in board.instance_ids], dtype=np.int64)
 
 
 @attrs.frozen(kw_only=True)
@@ -216,7 +257,6 @@ class KvCacheCentricRouter:
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
         estimator = self.estimator
-        holders = query.prefix_blocks
         # The terms that do not depend on the instance are computed once per request:
         # the prefill time per prefix length used, and the transfer time per block count.
         prefill_s: dict[int, float] = {}
@@ -245,24 +285,24 @@ class KvCacheCentricRouter:
             return moving + prefill, blocks, moves
 
         # Instances holding the same prefix length cost the same apart from their queue (the
-        # plan depends on the instance only through its length), so one cheap pass keeps the
-        # shortest queue (ties: id) per length, and only those few are planned and compared.
-        shortest: dict[int, tuple[float, InstanceId, PrefillView]] = {}
-        for view in candidates:
-            instance = view.instance_id
-            queued = view.queue
-            queue = max(0.0, queued[-1].finish_s - now) if queued else 0.0  # view.queue_s, inlined
-            own = holders.get(instance, 0) if holders else 0
-            incumbent = shortest.get(own)
-            if incumbent is None or queue < incumbent[0] or (queue == incumbent[0] and instance < incumbent[1]):
-                shortest[own] = (queue, instance, view)
+        # plan depends on the instance only through its length), so one sort finds the shortest
+        # queue (ties: id) per length, and only those few are planned and compared.
+        board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
+        if not len(board):
+            return None
+        own = _blocks_of(query.prefix_blocks, board)
+        queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
+        order = np.lexsort((board.id_rank, queue, own))
+        by_length = own[order]
+        shortest = order[np.flatnonzero(np.diff(by_length, prepend=-1))].tolist()
         key: tuple[float, float, InstanceId] | None = None
         chosen: tuple[PrefillView, int, bool] | None = None
-        for own, (queue, instance, view) in shortest.items():
-            cost, blocks, moves = plan(own, instance)
-            candidate_key = (cost + queue, queue, instance)
+        for i, length, waiting in zip(shortest, own[shortest].tolist(), queue[shortest].tolist(), strict=True):
+            instance = board.instance_ids[i]
+            cost, blocks, moves = plan(length, instance)
+            candidate_key = (cost + waiting, waiting, instance)
             if key is None or candidate_key < key:
-                key, chosen = candidate_key, (view, blocks, moves)
+                key, chosen = candidate_key, (board[i], blocks, moves)
         if chosen is None:
             return None
         view, blocks, moves = chosen

@@ -7,24 +7,39 @@ queued one finishes, or now). A `DecodeView` holds the requests decoding there
 Both are updated only through the event types below, so a replay of events
 reproduces them exactly.
 
+A `PrefillBoard` / `DecodeBoard` lays views of one kind side by side, with what
+routing and decode selection compare kept as arrays (busy-until times; free
+and context tokens), so that choosing among hundreds of instances is a few
+array operations rather than a loop. The owner of the views calls
+`refresh(position)` after changing one; a board built from views reads them.
+
 Invariants (`check_invariants`): queue times are ordered and never negative;
 a request is in at most one queue and at most one decode batch; VRAM in use
-equals the sum of its requests' tokens and never exceeds capacity.
+equals the sum of its requests' tokens and never exceeds capacity; a board's
+arrays equal what its views say.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Sequence
+from typing import TypeVar, overload
+
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from mooncake.types import InstanceId, RequestId
 
 __all__ = [
     "ActiveDecode",
+    "DecodeBoard",
     "DecodeFinished",
     "DecodeJoined",
     "DecodeView",
     "InstanceDown",
     "InstanceUp",
+    "PrefillBoard",
     "PrefillFinished",
     "PrefillStarted",
     "PrefillView",
@@ -134,6 +149,96 @@ class DecodeView:
         assert 0 <= self.used_tokens + self.reserved_tokens <= self.capacity_tokens, (
             f"{self.instance_id}: VRAM over capacity"
         )
+
+
+_V = TypeVar("_V", bound="PrefillView | DecodeView")
+
+
+def _id_ranks(instance_ids: Sequence[InstanceId]) -> npt.NDArray[np.int64]:
+    """Each id's rank in sorted order: ties between instances go to the lower rank (the smaller id)."""
+    ranks = np.empty(len(instance_ids), dtype=np.int64)
+    ranks[sorted(range(len(instance_ids)), key=instance_ids.__getitem__)] = np.arange(len(instance_ids))
+    return ranks
+
+
+class _Board(Sequence[_V]):
+    """Views side by side (a sequence, in the order given), their ids and the ids' ranks."""
+
+    def __init__(self, views: Sequence[_V]) -> None:
+        self.views: tuple[_V, ...] = tuple(views)
+        self.instance_ids = tuple(view.instance_id for view in self.views)
+        self.position = {instance: i for i, instance in enumerate(self.instance_ids)}
+        self.id_rank = _id_ranks(self.instance_ids)
+        self.is_up = np.ones(len(self.views), dtype=bool)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    @overload
+    def __getitem__(self, index: int) -> _V: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[_V, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> _V | tuple[_V, ...]:
+        return self.views[index]
+
+    def __iter__(self) -> Iterator[_V]:
+        return iter(self.views)
+
+    @property
+    def all_up(self) -> bool:
+        return bool(self.is_up.all())
+
+    def refresh_all(self) -> None:
+        for position in range(len(self.views)):
+            self.refresh(position)
+
+    def refresh(self, position: int) -> None:
+        raise NotImplementedError
+
+
+class PrefillBoard(_Board["PrefillView"]):
+    """Prefill views side by side: `busy_until_s[i]` is when view i's last queued request
+    is predicted to finish (−inf with nothing queued), `is_up[i]` whether it is up."""
+
+    def __init__(self, views: Sequence[PrefillView]) -> None:
+        super().__init__(views)
+        self.busy_until_s = np.full(len(self.views), -math.inf)
+        self.refresh_all()
+
+    def refresh(self, position: int) -> None:
+        """Read view `position` again (after its queue or state changed)."""
+        view = self.views[position]
+        self.busy_until_s[position] = view.queue[-1].finish_s if view.queue else -math.inf
+        self.is_up[position] = view.is_up
+
+    def check_invariants(self) -> None:
+        assert self.busy_until_s.tolist() == [v.queue[-1].finish_s if v.queue else -math.inf for v in self.views]
+        assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
+
+
+class DecodeBoard(_Board["DecodeView"]):
+    """Decode views side by side: `free_tokens[i]` (KV room left: capacity − used − reserved),
+    `context_tokens[i]` (prompt tokens decoding there) and `is_up[i]` of view i."""
+
+    def __init__(self, views: Sequence[DecodeView]) -> None:
+        super().__init__(views)
+        self.free_tokens = np.zeros(len(self.views), dtype=np.int64)
+        self.context_tokens = np.zeros(len(self.views), dtype=np.int64)
+        self.refresh_all()
+
+    def refresh(self, position: int) -> None:
+        """Read view `position` again (after a reservation, join, leave or state change)."""
+        view = self.views[position]
+        self.free_tokens[position] = view.capacity_tokens - view.used_tokens - view.reserved_tokens
+        self.context_tokens[position] = view.context_tokens
+        self.is_up[position] = view.is_up
+
+    def check_invariants(self) -> None:
+        assert self.free_tokens.tolist() == [v.free_tokens() for v in self.views], "free tokens out of sync"
+        assert self.context_tokens.tolist() == [v.context_tokens for v in self.views], "context out of sync"
+        assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
 
 
 @attrs.frozen(kw_only=True)

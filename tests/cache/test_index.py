@@ -27,6 +27,8 @@ A, B, C = InstanceId("node-a"), InstanceId("node-b"), InstanceId("node-c")
 K = [BlockKey(k) for k in range(100)]
 ALL_KEYS = [BlockKey(k) for k in range(31)]  # the universe of `tests.strategies.block_keys`
 MANY_INSTANCE_IDS = [InstanceId(f"node-{i:02d}") for i in range(40)]
+# One sequence object asked about every time, as the Conductor does: `prefix_lengths` keeps its slot lookup.
+PROBED = (*(InstanceId(f"node-{i}") for i in range(5)), A, B, C, InstanceId("never-seen"))
 
 
 def stored(source: InstanceId, seq: int, keys: Iterable[int], tier: Tier = Tier.VRAM, epoch: int = 0) -> BlockStored:
@@ -71,6 +73,7 @@ def assert_match_equal(index: BlockIndex, reference: ReferenceIndex, keys: Seque
     assert (got.best_instance, got.best_length) == (want.best_instance, want.best_length), keys
     for instance in reference.instances:
         assert got.length(instance) == want.lengths.get(instance, 0)
+    assert index.prefix_lengths(keys, PROBED).tolist() == [want.lengths.get(i, 0) for i in PROBED], keys
 
 
 def assert_same_state(index: BlockIndex, reference: ReferenceIndex, keys: Iterable[BlockKey] = ALL_KEYS) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.predictor import DecodeLoad
-from mooncake.sched.view import ActiveDecode, DecodeView
+from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView
 from mooncake.types import InstanceId, RequestId
 from tests.reference.sched import reference_decode
 
@@ -127,3 +127,16 @@ def test_choice_is_the_brute_force_minimum(
     if got is not None:
         chosen = next(v for v in views if v.instance_id == got.decode_instance)
         assert chosen.is_up and chosen.free_tokens() >= context + output
+
+
+@given(decode_cases(), st.sampled_from([0.02, 0.1, 0.3]))
+def test_without_loads_the_batches_now_count(
+    case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float
+) -> None:
+    """Without `loads`, each instance's batch now is its load; a `DecodeBoard` of the views chooses alike."""
+    views, _, context, output = case
+    now = {v.instance_id: DecodeLoad(v.batch_size, v.context_tokens) for v in views}
+    want = reference_decode(views, context_tokens=context, output_tokens=output, cost=COST, tbt_slo_s=slo, loads=now)
+    for given_views in (views, DecodeBoard(views)):
+        got = choose_decode(given_views, context_tokens=context, output_tokens=output, cost=COST, tbt_slo_s=slo)
+        assert got == want

@@ -14,6 +14,7 @@ import math
 import random
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from mooncake.sched.router import (
     AdaptiveThreshold,
     KvCacheCentricRouter,
     LoadBalancingRouter,
+    PrefixBlocks,
     RandomRouter,
     RouteDecision,
     RouteQuery,
@@ -31,7 +33,7 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
-from mooncake.sched.view import PrefillView, QueuedPrefill
+from mooncake.sched.view import PrefillBoard, PrefillView, QueuedPrefill
 from mooncake.types import InstanceId, RequestId
 from tests.reference.sched import reference_local_route, reference_route, should_transfer
 from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries, ttft_estimators
@@ -182,6 +184,29 @@ def test_choice_minimises_its_own_estimate(
     assert chosen == expected
     assert chosen is not None
     assert all(chosen.ttft_s <= other.ttft_s for other in every)
+
+
+def test_prefix_blocks_is_a_mapping_of_the_holders() -> None:
+    """An array over instances reads as instance → blocks, instances holding none absent."""
+    blocks = PrefixBlocks((A, B, C), np.array([3, 0, 5], dtype=np.int64))
+    assert dict(blocks) == {A: 3, C: 5} and len(blocks) == 2
+    assert blocks.get(B, 0) == 0 and blocks.get(InstanceId("elsewhere")) is None and blocks[C] == 5
+    with pytest.raises(KeyError):
+        blocks[B]
+
+
+@given(scenarios(), ttft_estimators(), st.sampled_from([1.0, 1.5, 4.0, math.inf]))
+def test_a_board_with_prefix_arrays_routes_as_plain_views(
+    scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
+) -> None:
+    """Candidates as a `PrefillBoard` and prefixes as `PrefixBlocks` over it (what the Conductor
+    passes) give the decision the plain views and a dict give."""
+    views, q = scenario
+    router = KvCacheCentricRouter(estimator, threshold=threshold)
+    board = PrefillBoard(views)
+    blocks = np.array([q.prefix_blocks.get(i, 0) for i in board.instance_ids], dtype=np.int64)
+    arrays = attrs.evolve(q, prefix_blocks=PrefixBlocks(board.instance_ids, blocks))
+    assert router.route(board, arrays, NOW, random.Random(0)) == router.route(views, q, NOW, random.Random(0))
 
 
 @given(scenarios(), ttft_estimators(), finite_thresholds)

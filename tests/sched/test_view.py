@@ -1,0 +1,63 @@
+"""Tests for `mooncake.sched.view`: the boards that lay views side by side.
+
+Examples for the contracts (a board is its views in the order given, ranks
+order ids, `refresh` follows a view's changes); a property that a board built
+from random views holds what each view says.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+
+from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView, PrefillBoard, PrefillView, QueuedPrefill
+from mooncake.types import InstanceId, RequestId
+from tests.strategies import prefill_views
+
+
+def queued(name: str, finish_s: float) -> QueuedPrefill:
+    return QueuedPrefill(request_id=RequestId(name), start_s=0.0, finish_s=finish_s)
+
+
+def test_a_board_is_its_views_in_order_with_ranked_ids() -> None:
+    """The sequence keeps the order given; `id_rank` orders the ids (so ties go to the smaller id)."""
+    ids = [InstanceId(name) for name in ("prefill-2", "prefill-10", "prefill-1")]
+    board = PrefillBoard([PrefillView(i) for i in ids])
+    assert [v.instance_id for v in board] == ids == list(board.instance_ids)
+    assert len(board) == 3 and board[1].instance_id == ids[1] and board.position[ids[2]] == 2
+    assert board.id_rank.tolist() == [2, 1, 0]  # "prefill-1" < "prefill-10" < "prefill-2"
+    assert board.busy_until_s.tolist() == [-math.inf] * 3 and board.all_up
+
+
+def test_prefill_board_follows_queues_and_state_on_refresh() -> None:
+    """After a view's queue or up state changes, `refresh` makes the board say so."""
+    view = PrefillView(InstanceId("prefill-0"))
+    board = PrefillBoard([view, PrefillView(InstanceId("prefill-1"))])
+    view.queue.append(queued("a", 3.0))
+    view.queue.append(queued("b", 5.0))
+    view.is_up = False
+    board.refresh(0)
+    assert board.busy_until_s.tolist() == [5.0, -math.inf]
+    assert board.is_up.tolist() == [False, True] and not board.all_up
+    board.check_invariants()
+
+
+def test_decode_board_follows_reservations_and_batches_on_refresh() -> None:
+    """Free tokens are capacity − used − reserved; context tokens those of the batch."""
+    view = DecodeView(InstanceId("decode-0"), 10_000)
+    board = DecodeBoard([view])
+    view.reserve(RequestId("a"), 700)
+    view.join(ActiveDecode(request_id=RequestId("b"), start_s=0.0, context_tokens=1000, output_tokens=200))
+    board.refresh(0)
+    assert board.free_tokens.tolist() == [10_000 - 1200 - 700]
+    assert board.context_tokens.tolist() == [1000]
+    board.check_invariants()
+
+
+@given(prefill_views())
+def test_prefill_board_holds_what_its_views_say(views: list[PrefillView]) -> None:
+    """Built from views, a board's arrays equal the views' last finish times and states."""
+    board = PrefillBoard(views)
+    board.check_invariants()
+    assert board.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in views]
