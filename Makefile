@@ -11,7 +11,7 @@ OUT    ?= build/demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev,engine]'  # engine: torch==2.13.0 (the CPU wheel here)
+	$(BIN)/python -m pip install --quiet -e '.[dev,engine,cluster]'  # engine: torch==2.13.0 (the CPU wheel here); cluster: aiohttp, ray
 	$(BIN)/python -m mooncake.cache.warm_up  # compile the numba kernels once; numba caches them on disk
 	@touch $@
 
