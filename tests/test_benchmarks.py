@@ -126,3 +126,13 @@ def test_engine_benchmark_prints_its_figures() -> None:
     for key in ("decode_step_ms", "decode_step_ms_sdpa", "layerwise_speedup"):
         values = result[key]
         assert isinstance(values, dict) and values and all(v > 0 for v in values.values()), key
+
+
+def test_gateway_benchmark_prints_its_figures() -> None:
+    """The gateway benchmark starts a tiny cluster and prints overhead, latency and sustained rate."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    result = run_json("benchmarks/gateway.py", "--requests", "5", "--seconds", "1", "--concurrency", "2")
+    for key in ("engine_ms", "request_ms_p50", "request_ms_p90", "sustained_rps"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["overhead_ms"] == pytest.approx(result["request_ms_p50"] - result["engine_ms"])

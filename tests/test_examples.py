@@ -138,3 +138,31 @@ def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     assert len(data["prefill_samples"]) == 6 and prefill.prefill_s(64) >= 0
     step = FittedStepModel(coefficients=tuple(data["decode"]["coefficients"]))
     assert len(data["decode_samples"]) == 6 and step.step_s(2, 100) >= 0
+
+
+def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
+    """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 40, "hash_ids": [1, 2, 3]},
+        {"timestamp": 100, "input_length": 1600, "output_length": 40, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 200, "input_length": 600, "output_length": 20, "hash_ids": [9, 10]},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run("load.py", "--trace", str(trace), "--speedup", "1", "--json", "--out", str(tmp_path / "out"))
+    summary = json.loads(done.stdout)
+    assert summary["num_requests"] == 3 and summary["completed"] + summary["failed"] <= 3
+    assert summary["completed"] == 3, summary
+    assert summary["cache_hit_ratio"] > 0  # the second request shares the first's three blocks
+    for key in (
+        "ttft_s",
+        "tbt_s",
+        "slo_attainment",
+        "goodput_rps",
+        "rejected_before_prefill",
+        "rejected_after_prefill",
+    ):
+        assert key in summary
+    assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary

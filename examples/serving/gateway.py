@@ -390,7 +390,9 @@ class Gateway:
         created = int(time.time())
         name = f"{'chatcmpl' if chat else 'cmpl'}-{live.request_id}"
         if stream:
-            return await self._stream(request, live, chat=chat, name=name, created=created)
+            options = body.get("stream_options") or {}
+            with_usage = isinstance(options, dict) and options.get("include_usage") is True
+            return await self._stream(request, live, chat=chat, name=name, created=created, with_usage=with_usage)
         try:
             generated = [token async for token in self._tokens(live)]
         except HttpError as error:
@@ -424,7 +426,7 @@ class Gateway:
         }
 
     async def _stream(
-        self, request: web.Request, live: _Live, *, chat: bool, name: str, created: int
+        self, request: web.Request, live: _Live, *, chat: bool, name: str, created: int, with_usage: bool = False
     ) -> web.StreamResponse:
         tokens = self._tokens(live)
         decoder = self.tokenizer.stream_decoder()
@@ -464,6 +466,16 @@ class Gateway:
                     count += 1
                     await response.write(chunk(decoder.decode(bytes([token]) if token < 256 else b""), None))
             await response.write(chunk(decoder.decode(b"", final=True) or None, "length"))
+            if with_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices and the usage
+                usage = {
+                    "id": name,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created,
+                    "model": self.config.model["preset"],
+                    "choices": [],
+                    "usage": self._usage(live, count),
+                }
+                await response.write(f"data: {json.dumps(usage)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             self.metrics.inc("mooncake_requests_total", outcome="200")
         except HttpError as error:

@@ -1,0 +1,207 @@
+"""Replay a Mooncake-format trace over HTTP against a real cluster; print the same summary as replay.py.
+
+    python examples/load.py --trace ../shared/traces/synthetic_trace.jsonl --max-requests 200 \\
+        [--url http://127.0.0.1:8000 | --config examples/configs/tiny.toml] \\
+        [--length-scale 0.03125] [--output-scale 0.0625] [--speedup 20] [--json] [--out DIR]
+
+Without `--url` it starts the cluster of `--config` itself (and stops it after).
+Without `--trace` it generates the `synthetic` preset, like replay.py.
+
+Scaling, so that a CPU model copes: every 512-token block of the trace becomes
+`512 × length_scale` bytes of text derived from its hash id, so requests that
+share hash ids share a prefix exactly as in the trace (prompts are capped at
+`--max-prompt-tokens`); outputs are `output_length × output_scale` tokens (at
+least 1); arrival times are divided by `--speedup`.
+
+Each request streams (with `stream_options.include_usage`) so that TTFT and
+every token interval are measured at the client; TBT is the paper's (mean of
+the longest 10 % intervals). A 429 is a rejection (after prefill when the
+decode engine refused it); other errors count as failed. The summary is
+`mooncake.engine.metrics.summarize`'s, as for a simulated replay, with
+`sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`
+are not visible to a client and stay 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import string
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp
+
+from mooncake.engine.metrics import Outcome, RequestRecord, summarize, top_mean
+from mooncake.engine.report import write_json
+from mooncake.types import Request, Slo
+from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
+
+TRACE_BLOCK_TOKENS = 512
+ALPHABET = string.ascii_letters + string.digits + "      "
+
+
+def block_text(hash_id: int, size: int) -> str:
+    """`size` characters determined by `hash_id` (equal ids, equal text)."""
+    return "".join(random.Random(hash_id).choices(ALPHABET, k=size))
+
+
+def prompt_of(request: Request, *, length_scale: float, max_tokens: int) -> str:
+    size = max(1, round(TRACE_BLOCK_TOKENS * length_scale))
+    text = "".join(block_text(int(h), size) for h in request.block_keys)
+    length = max(1, min(max_tokens, round(request.input_length * length_scale), len(text)))
+    return text[:length]
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    record: RequestRecord,
+    body: dict[str, Any],
+    started: float,
+    timeout_s: float,
+) -> None:
+    last: float | None = None
+    try:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as answer:
+            if answer.status == 429:
+                message = (await answer.json())["error"]["message"]
+                after = "decode engine refused" in message
+                record.outcome = Outcome.REJECTED_AFTER_PREFILL if after else Outcome.REJECTED_BEFORE_PREFILL
+                record.reason = message
+                return
+            if answer.status != 200:
+                record.reason = f"HTTP {answer.status}: {await answer.text()}"
+                return
+            async for raw in answer.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    record.reason = data["error"]["message"]
+                    return
+                now = time.perf_counter() - started
+                if data.get("usage"):
+                    record.prefix_tokens = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    continue
+                if data["choices"][0]["finish_reason"] is not None:
+                    continue
+                if last is None:
+                    record.first_token_s = now
+                else:
+                    record.intervals.add(now - last, 0.0, 1)
+                last = now
+            record.finish_s = time.perf_counter() - started
+            record.tbt_s = top_mean(record.intervals) if record.intervals.count else 0.0
+            record.outcome = Outcome.COMPLETED
+    except (aiohttp.ClientError, TimeoutError) as error:
+        record.reason = f"{type(error).__name__}: {error}"
+
+
+async def replay_http(url: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[RequestRecord], float]:
+    records: list[RequestRecord] = []
+    first_arrival = requests[0].arrival_s if requests else 0.0
+    started = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        tasks = []
+        for request in requests:
+            arrival = (request.arrival_s - first_arrival) / args.speedup
+            delay = arrival - (time.perf_counter() - started)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = prompt_of(request, length_scale=args.length_scale, max_tokens=args.max_prompt_tokens)
+            output = max(1, min(args.max_output_tokens, round(request.output_length * args.output_scale)))
+            record = RequestRecord(
+                request_id=request.request_id,
+                arrival_s=time.perf_counter() - started,
+                input_tokens=len(prompt.encode()),
+                output_tokens=output,
+            )
+            records.append(record)
+            body = {
+                "model": "mooncake",
+                "prompt": prompt,
+                "max_tokens": output,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "seed": int(request.request_id) % 2**31,
+            }
+            tasks.append(asyncio.create_task(one(session, url, record, body, started, args.timeout)))
+        await asyncio.gather(*tasks)
+    return records, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", type=Path, help="a Mooncake-format trace (default: the synthetic preset)")
+    parser.add_argument("--max-requests", type=int, default=100)
+    parser.add_argument("--url", help="a running cluster's gateway (default: start --config's)")
+    parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
+    parser.add_argument("--length-scale", type=float, default=1 / 32)
+    parser.add_argument("--output-scale", type=float, default=1 / 16)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--speedup", type=float, default=20.0, help="divide the trace's arrival times by this")
+    parser.add_argument("--ttft-slo", type=float, default=30.0)
+    parser.add_argument("--tbt-slo", type=float, default=0.5)
+    parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.trace:
+        requests = load_trace(args.trace)[: args.max_requests]
+    else:
+        requests = list(
+            generate_requests(
+                preset("synthetic"), num_requests=args.max_requests, arrivals=ArrivalProcess(rate_per_s=4.0), seed=0
+            )
+        )
+    cluster = None
+    url = args.url
+    if url is None:
+        from serving.config import load_config
+        from serving.launch import start_cluster
+
+        config = load_config(args.config).with_overrides("cluster", port=0)
+        config = config.with_overrides(
+            "limits", max_prompt_tokens=max(config.limits["max_prompt_tokens"], args.max_prompt_tokens)
+        )
+        cluster = start_cluster(config)
+        url = cluster.url
+    try:
+        records, wall = asyncio.run(replay_http(url, requests, args))
+    finally:
+        if cluster is not None:
+            cluster.close()
+    summary = summarize(records, Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), sim_wall_s=wall)
+    failed = sum(1 for r in records if r.outcome is None)
+    result = {**summary.to_json(), "failed": failed}
+    if args.out:
+        write_json(result, args.out / "summary.json")
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return
+    s = summary
+    print(
+        f"{url}: {s.num_requests} requests, completed {s.completed}, rejected before prefill "
+        f"{s.rejected_before_prefill}, after prefill {s.rejected_after_prefill}, failed {failed}"
+    )
+    for name, values, scale, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
+        print(f"{name:<5}{unit:>3}" + "".join(f"{k} {values[k] * scale:9.3f}  " for k in ("mean", "p50", "p90", "p99")))
+    print(
+        f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
+        f"cache hit ratio {s.cache_hit_ratio:.3f}   wall {s.sim_wall_s:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
