@@ -35,7 +35,7 @@ from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.batch import ContinuousBatch, Member
 from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import LoadTrace, Outcome, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.engine.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
 from mooncake.types import InstanceId, Request, Slo, Tier
@@ -151,11 +151,10 @@ class CoupledCluster:
             for i in range(spec.num_instances)
         ]
         self.loop = EventLoop()
-        self._records: list[RequestRecord] = []
+        self._records = RecordTable()
         self._load = LoadTrace(spec.sample_interval_s, self._counts)
         self._arrived = 0
         self._progress: Callable[[int], None] | None = None
-        self._keep_intervals = True
 
     def run(
         self,
@@ -173,12 +172,12 @@ class CoupledCluster:
         """
         started = time.perf_counter()
         self._progress = progress
-        self._keep_intervals = keep_intervals
+        self._records.keep_intervals = keep_intervals
         self.loop.feed(requests, _arrival_s, self._arrive)
         self.loop.run(self._load)
         return ReplayResult(
             summary=summarize(self._records, self.slo, sim_wall_s=time.perf_counter() - started),
-            records=tuple(self._records),
+            records=self._records,
             load=tuple(self._load.samples),
         )
 
@@ -191,10 +190,11 @@ class CoupledCluster:
         if self._progress is not None:
             self._progress(self._arrived)
         record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
-        self._records.append(record)
+        self._records.add(record)
         if request.input_length + request.output_length > self.capacity_tokens:
             record.outcome = Outcome.REJECTED_BEFORE_PREFILL
             record.reason = "exceeds_hbm"
+            self._records.seal(record)
             return
         instance = min(self._instances, key=lambda i: i.outstanding)
         record.prefill_instance = record.decode_instance = instance.instance_id
@@ -292,8 +292,7 @@ class CoupledCluster:
         record.outcome = Outcome.COMPLETED
         record.finish_s = now
         record.tbt_s = top_mean(record.intervals)
-        if not self._keep_intervals:
-            record.intervals.runs.clear()
+        self._records.seal(record)
 
 
 def _arrival_s(request: Request) -> float:

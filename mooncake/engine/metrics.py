@@ -5,13 +5,22 @@ intervals (at least one). Decode intervals come in runs of arithmetic
 progressions (a run per stretch of constant batch membership, each step a
 little longer as contexts grow), so a request keeps `IntervalRuns` instead of
 every interval, and the top-10 % mean is found by bisection on the cut value.
+
+A replay's records live in a `RecordTable`: a request's `RequestRecord` is a
+live object while the request is in flight, and once it has ended (`seal`) its
+fields move into one compact column per field (a million requests take about
+a hundred bytes each, and no objects for the garbage collector to walk). The
+table is a sequence of records in arrival order, rebuilt from the columns on
+access.
 """
 
 from __future__ import annotations
 
+import array
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, overload
 
 import attrs
 import numpy as np
@@ -24,6 +33,7 @@ __all__ = [
     "LoadTrace",
     "Outcome",
     "ReplayResult",
+    "RecordTable",
     "RequestRecord",
     "Summary",
     "summarize",
@@ -129,8 +139,181 @@ class RequestRecord:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
-    if not values:
+_OUTCOMES: tuple[Outcome | None, ...] = (None, *Outcome)
+_OUTCOME_CODE = {outcome: code for code, outcome in enumerate(_OUTCOMES)}
+
+
+class _Names:
+    """Strings (or None) as small codes: the few instance ids and reasons a replay uses."""
+
+    def __init__(self) -> None:
+        self.names: list[str | None] = [None]
+        self._codes: dict[str | None, int] = {None: 0}
+
+    def code(self, name: str | None) -> int:
+        code = self._codes.get(name)
+        if code is None:
+            code = self._codes[name] = len(self.names)
+            self.names.append(name)
+        return code
+
+
+class RecordTable(Sequence[RequestRecord]):
+    """Every request's record in arrival order: live objects in flight, columns once ended.
+
+    `add` a record when its request arrives and `seal` it when the request has
+    ended (completed or rejected): its fields are copied into the columns and the
+    table drops the object. Reading (`table[i]`, iteration) returns the live object,
+    or a `RequestRecord` rebuilt from the columns. With `keep_intervals=False` a
+    sealed record's intervals are not kept (its TBT is).
+
+    Invariants: every row is either live or sealed; columns have one entry per row.
+    """
+
+    def __init__(self, *, keep_intervals: bool = True) -> None:
+        self.keep_intervals = keep_intervals
+        self._live: dict[int, RequestRecord] = {}  # row → record, while its request is in flight
+        self._row_of: dict[int, int] = {}  # id(live record) → row
+        self._request_ids: list[RequestId] = []
+        self._floats = {name: array.array("d") for name in _FLOAT_FIELDS}
+        self._ints = {name: array.array("q") for name in _INT_FIELDS}
+        self._codes = {name: array.array("i") for name in _CODE_FIELDS}
+        self._columns: list[array.array[Any]] = [*self._floats.values(), *self._ints.values(), *self._codes.values()]
+        self._names = _Names()
+        self._intervals: list[IntervalRuns | None] = []
+
+    @classmethod
+    def of(cls, records: Iterable[RequestRecord], *, keep_intervals: bool = True) -> RecordTable:
+        """A table of `records`, each sealed as it stands."""
+        table = cls(keep_intervals=keep_intervals)
+        for record in records:
+            table.add(record)
+            table.seal(record)
+        return table
+
+    def add(self, record: RequestRecord) -> None:
+        """Append a live record (its request has just arrived)."""
+        row = len(self._request_ids)
+        self._request_ids.append(record.request_id)
+        for column in self._columns:
+            column.append(0)
+        if self.keep_intervals:
+            self._intervals.append(None)
+        self._live[row] = record
+        self._row_of[id(record)] = row
+
+    def seal(self, record: RequestRecord) -> None:
+        """`record`'s request has ended: keep it as columns only (the table lets go of the object)."""
+        row = self._row_of.pop(id(record))
+        del self._live[row]
+        floats, ints, codes, code = self._floats, self._ints, self._codes, self._names.code
+        floats["arrival_s"][row] = record.arrival_s
+        floats["prefill_s"][row] = record.prefill_s
+        floats["tbt_s"][row] = record.tbt_s
+        floats["first_token_s"][row] = math.nan if record.first_token_s is None else record.first_token_s
+        floats["finish_s"][row] = math.nan if record.finish_s is None else record.finish_s
+        ints["input_tokens"][row] = record.input_tokens
+        ints["output_tokens"][row] = record.output_tokens
+        ints["prefix_tokens"][row] = record.prefix_tokens
+        codes["outcome"][row] = _OUTCOME_CODE[record.outcome]
+        codes["reason"][row] = code(record.reason)
+        codes["prefill_instance"][row] = code(record.prefill_instance)
+        codes["decode_instance"][row] = code(record.decode_instance)
+        codes["inline_prefill"][row] = record.inline_prefill
+        if self.keep_intervals:
+            self._intervals[row] = record.intervals
+
+    def column(self, name: str) -> np.ndarray:
+        """A field of every record as an array (times: NaN for None; outcome, reason and
+        instances: codes, see `names` and `outcome_code`); live records are read too."""
+        if name in self._floats:
+            values: np.ndarray = np.frombuffer(self._floats[name], dtype=np.float64).copy()
+        elif name in self._ints:
+            values = np.frombuffer(self._ints[name], dtype=np.int64).copy()
+        else:
+            values = np.frombuffer(self._codes[name], dtype=np.int32).copy()
+        for row, record in self._live.items():
+            values[row] = _as_column_value(name, getattr(record, name), self)
+        return values
+
+    @staticmethod
+    def outcome_code(outcome: Outcome | None) -> int:
+        return _OUTCOME_CODE[outcome]
+
+    def code_of(self, name: str | None) -> int:
+        """The code `name` has (or would get) in the coded columns."""
+        return self._names.code(name)
+
+    def __len__(self) -> int:
+        return len(self._request_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> RequestRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[RequestRecord, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> RequestRecord | tuple[RequestRecord, ...]:
+        if isinstance(index, slice):
+            return tuple(self._record(row) for row in range(*index.indices(len(self))))
+        row = range(len(self))[index]  # IndexError, negative indices
+        return self._record(row)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return (self._record(row) for row in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def _record(self, row: int) -> RequestRecord:
+        live = self._live.get(row)
+        if live is not None:
+            return live
+        floats, ints, codes, names = self._floats, self._ints, self._codes, self._names.names
+        first, finish = floats["first_token_s"][row], floats["finish_s"][row]
+        intervals = self._intervals[row] if self.keep_intervals else None
+        return RequestRecord(
+            request_id=self._request_ids[row],
+            arrival_s=floats["arrival_s"][row],
+            input_tokens=ints["input_tokens"][row],
+            output_tokens=ints["output_tokens"][row],
+            outcome=_OUTCOMES[codes["outcome"][row]],
+            reason=names[codes["reason"][row]] or "",
+            prefill_instance=names[codes["prefill_instance"][row]],  # type: ignore[arg-type]
+            decode_instance=names[codes["decode_instance"][row]],  # type: ignore[arg-type]
+            prefix_tokens=ints["prefix_tokens"][row],
+            prefill_s=floats["prefill_s"][row],
+            inline_prefill=bool(codes["inline_prefill"][row]),
+            first_token_s=None if math.isnan(first) else first,
+            finish_s=None if math.isnan(finish) else finish,
+            tbt_s=floats["tbt_s"][row],
+            intervals=IntervalRuns(list(intervals.runs)) if intervals is not None else IntervalRuns(),
+        )
+
+
+_FLOAT_FIELDS = ("arrival_s", "prefill_s", "tbt_s", "first_token_s", "finish_s")
+_INT_FIELDS = ("input_tokens", "output_tokens", "prefix_tokens")
+_CODE_FIELDS = ("outcome", "reason", "prefill_instance", "decode_instance", "inline_prefill")
+
+
+def _as_column_value(name: str, value: object, table: RecordTable) -> float | int:
+    if name in _FLOAT_FIELDS:
+        return math.nan if value is None else value  # type: ignore[return-value]
+    if name in _INT_FIELDS:
+        return value  # type: ignore[return-value]
+    if name == "outcome":
+        return _OUTCOME_CODE[value]  # type: ignore[index]
+    if name == "inline_prefill":
+        return int(bool(value))
+    return table.code_of(value)  # type: ignore[arg-type]
+
+
+def _percentiles(values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    if not len(values):
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     array = np.asarray(values, dtype=np.float64)
     p50, p90, p99 = np.percentile(array, [50, 90, 99])
@@ -159,26 +342,34 @@ class Summary:
 
 
 def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float = 0.0) -> Summary:
-    """Summary of a replay's records."""
-    completed = [r for r in records if r.outcome == Outcome.COMPLETED]
-    prefilled = [r for r in records if r.first_token_s is not None]
-    within = [r for r in completed if (r.ttft_s or 0.0) <= slo.ttft_s and r.tbt_s <= slo.tbt_s]
-    arrivals = [r.arrival_s for r in records]
-    ends = [r.finish_s for r in completed if r.finish_s is not None]
-    span = (max(ends) if ends else 0.0) - (min(arrivals) if arrivals else 0.0)
-    input_tokens = sum(r.input_tokens for r in prefilled)
+    """Summary of a replay's records (read as columns: a `RecordTable` is summarized without a loop)."""
+    table = records if isinstance(records, RecordTable) else RecordTable.of(records, keep_intervals=False)
+    outcome = table.column("outcome")
+    completed = outcome == table.outcome_code(Outcome.COMPLETED)
+    after_prefill = outcome == table.outcome_code(Outcome.REJECTED_AFTER_PREFILL)
+    arrival, first_token = table.column("arrival_s"), table.column("first_token_s")
+    prefilled = ~np.isnan(first_token)
+    ttft = first_token - arrival  # NaN where there is no first token
+    tbt, prefill_s = table.column("tbt_s"), table.column("prefill_s")
+    within = completed & (np.where(prefilled, ttft, 0.0) <= slo.ttft_s) & (tbt <= slo.tbt_s)
+    num_within = int(within.sum())
+    ends = table.column("finish_s")[completed]
+    ends = ends[~np.isnan(ends)].tolist()
+    span = (max(ends) if ends else 0.0) - (min(arrival.tolist()) if len(table) else 0.0)
+    # Python sums over lists, in record order: the same floats and ints as summing record by record.
+    input_tokens = sum(table.column("input_tokens")[prefilled].tolist())
     return Summary(
-        num_requests=len(records),
-        completed=len(completed),
-        rejected_before_prefill=sum(1 for r in records if r.outcome == Outcome.REJECTED_BEFORE_PREFILL),
-        rejected_after_prefill=sum(1 for r in records if r.outcome == Outcome.REJECTED_AFTER_PREFILL),
-        wasted_prefill_s=sum(r.prefill_s for r in records if r.outcome == Outcome.REJECTED_AFTER_PREFILL),
-        ttft_s=_percentiles([r.ttft_s for r in completed if r.ttft_s is not None]),
-        tbt_s=_percentiles([r.tbt_s for r in completed]),
-        slo_attainment=len(within) / len(records) if records else 0.0,
-        goodput_rps=len(within) / span if span > 0 else 0.0,
-        cache_hit_ratio=sum(r.prefix_tokens for r in prefilled) / input_tokens if input_tokens else 0.0,
-        mean_prefill_s=float(np.mean([r.prefill_s for r in prefilled])) if prefilled else 0.0,
+        num_requests=len(table),
+        completed=int(completed.sum()),
+        rejected_before_prefill=int((outcome == table.outcome_code(Outcome.REJECTED_BEFORE_PREFILL)).sum()),
+        rejected_after_prefill=int(after_prefill.sum()),
+        wasted_prefill_s=sum(prefill_s[after_prefill].tolist()),
+        ttft_s=_percentiles(ttft[completed & prefilled]),
+        tbt_s=_percentiles(tbt[completed]),
+        slo_attainment=num_within / len(table) if len(table) else 0.0,
+        goodput_rps=num_within / span if span > 0 else 0.0,
+        cache_hit_ratio=sum(table.column("prefix_tokens")[prefilled].tolist()) / input_tokens if input_tokens else 0.0,
+        mean_prefill_s=float(np.mean(prefill_s[prefilled])) if prefilled.any() else 0.0,
         sim_wall_s=sim_wall_s,
     )
 
@@ -219,5 +410,5 @@ class ReplayResult:
     """A replay's summary, every request's record, and load over time."""
 
     summary: Summary
-    records: tuple[RequestRecord, ...]
+    records: Sequence[RequestRecord]
     load: tuple[LoadSample, ...]

@@ -44,7 +44,7 @@ from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.batch import ContinuousBatch, Member
 from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import LoadTrace, Outcome, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.engine.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -301,14 +301,13 @@ class SimulatedCluster:
             for view in conductor.decode_views
         }
         self.loop = EventLoop()
-        self._records: list[RequestRecord] = []
+        self._records = RecordTable()
         self._load = LoadTrace(spec.sample_interval_s, lambda: (self._prefill_count, self._decode_count))
         self._prefill_count = 0
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
         self._arrived = 0
         self._progress: Callable[[int], None] | None = None
-        self._keep_intervals = True
 
     # ------------------------------------------------------------------ the loop
 
@@ -328,13 +327,13 @@ class SimulatedCluster:
         """
         started = time.perf_counter()
         self._progress = progress
-        self._keep_intervals = keep_intervals
+        self._records.keep_intervals = keep_intervals
         self.loop.feed(requests, _arrival_s, self._arrive)
         self.loop.run(self._load)
         wall = time.perf_counter() - started
         return ReplayResult(
             summary=summarize(self._records, self.slo, sim_wall_s=wall),
-            records=tuple(self._records),
+            records=self._records,
             load=tuple(self._load.samples),
         )
 
@@ -351,12 +350,13 @@ class SimulatedCluster:
         if self._progress is not None:
             self._progress(self._arrived)
         record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
-        self._records.append(record)
+        self._records.add(record)
         decision = self.conductor.schedule(request, now)
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
         if not decision.accepted:
             record.outcome = Outcome.REJECTED_BEFORE_PREFILL
             record.reason = decision.reason.value if decision.reason else ""
+            self._records.seal(record)
             return
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         if self._try_inline(now, request, record, decision):
@@ -467,6 +467,7 @@ class SimulatedCluster:
             # The instance's own check: this request would break the batch's TBT SLO or overflow HBM.
             record.outcome = Outcome.REJECTED_AFTER_PREFILL
             record.reason = "decode_local_check"
+            self._records.seal(record)
             assert record.decode_instance is not None
             self.conductor.handle(
                 RequestRejected(
@@ -538,8 +539,7 @@ class SimulatedCluster:
         record.outcome = Outcome.COMPLETED
         record.finish_s = now
         record.tbt_s = top_mean(record.intervals)
-        if not self._keep_intervals:
-            record.intervals.runs.clear()
+        self._records.seal(record)
         assert record.decode_instance is not None
         self.conductor.handle(
             DecodeFinished(

@@ -4,7 +4,9 @@
 interval, sort, average the ceil(0.1 n) largest), on runs small enough for its
 sorting path and large enough (n > 4,096) for its bisection path, with
 falling, flat and rising runs; `summarize` on hand-built records; `LoadTrace`
-driven by an `EventLoop`.
+driven by an `EventLoop`; `RecordTable` (live records, sealed rows rebuilt
+equal) and the columnar `summarize` against the record-by-record reference of
+`tests/reference/metrics.py`, figure for figure.
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import IntervalRuns, LoadSample, LoadTrace, Outcome, RequestRecord, summarize, top_mean
-from mooncake.types import RequestId, Slo
+from mooncake.engine.metrics import (
+    IntervalRuns,
+    LoadSample,
+    LoadTrace,
+    Outcome,
+    RecordTable,
+    RequestRecord,
+    summarize,
+    top_mean,
+)
+from mooncake.types import InstanceId, RequestId, Slo
+from tests.reference.metrics import reference_summary
 
 BISECTION_ABOVE = 4096  # top_mean sorts up to this many intervals, bisects above
 
@@ -206,6 +218,84 @@ def test_summarize_nothing_and_nothing_completed() -> None:
     rejected = summarize([record("r", Outcome.REJECTED_BEFORE_PREFILL, arrival_s=3.0)], slo)
     assert (rejected.completed, rejected.slo_attainment, rejected.goodput_rps) == (0, 0.0, 0.0)
     assert rejected.mean_prefill_s == 0.0
+
+
+# --------------------------------------------------------------------------- RecordTable
+
+
+def test_record_table_returns_live_records_and_rebuilds_sealed_ones() -> None:
+    """In flight, a row is the very object added; sealed, an equal record rebuilt from the columns."""
+    table = RecordTable()
+    first = record("a", None, arrival_s=0.5)
+    second = record("b", None, arrival_s=1.5)
+    table.add(first)
+    table.add(second)
+    assert len(table) == 2 and table[0] is first and table[-1] is second
+    first.outcome, first.first_token_s, first.finish_s, first.tbt_s = Outcome.COMPLETED, 0.75, 2.0, 0.02
+    first.prefill_instance = first.decode_instance = InstanceId("node-1")
+    first.intervals.add(0.02, 0.001, 3)
+    table.seal(first)
+    rebuilt = table[0]
+    assert rebuilt is not first and rebuilt == first and table[0:1] == (first,)
+    assert list(table) == [first, second] and table == [first, second]
+    assert table.column("first_token_s")[1] != table.column("first_token_s")[1]  # None reads as NaN
+    with pytest.raises(IndexError):
+        table[2]
+
+
+def test_record_table_may_drop_intervals() -> None:
+    """With `keep_intervals=False` a sealed record keeps its TBT but not its intervals."""
+    table = RecordTable(keep_intervals=False)
+    done = record("a", Outcome.COMPLETED, arrival_s=0.0, first_token_s=1.0, finish_s=2.0, tbt_s=0.03)
+    done.intervals.add(0.03, 0.0, 10)
+    table.add(done)
+    table.seal(done)
+    assert table[0].intervals.runs == [] and table[0].tbt_s == 0.03
+
+
+_times = st.floats(min_value=0.0, max_value=100.0) | st.sampled_from([0.0, 1.0, 30.0])
+
+
+@st.composite
+def record_lists(draw: st.DrawFn) -> list[RequestRecord]:
+    records = []
+    for i in range(draw(st.integers(min_value=0, max_value=30))):
+        arrival = draw(_times)
+        outcome = draw(st.sampled_from([None, *Outcome]))
+        first = None if outcome == Outcome.REJECTED_BEFORE_PREFILL else arrival + draw(_times | st.just(0.0))
+        if outcome is None and draw(st.booleans()):
+            first = None
+        finish = first + draw(_times) if outcome == Outcome.COMPLETED and first is not None else None
+        records.append(
+            RequestRecord(
+                RequestId(f"r{i}"),
+                arrival,
+                draw(st.integers(min_value=1, max_value=10_000)),
+                draw(st.integers(min_value=1, max_value=500)),
+                outcome=outcome,
+                reason=draw(st.sampled_from(["", "tbt_slo", "decode_local_check"])),
+                prefill_instance=draw(st.sampled_from([None, InstanceId("p-0"), InstanceId("p-1")])),
+                decode_instance=draw(st.sampled_from([None, InstanceId("d-0")])),
+                prefix_tokens=draw(st.integers(min_value=0, max_value=5000)),
+                prefill_s=draw(_times),
+                inline_prefill=draw(st.booleans()),
+                first_token_s=first,
+                finish_s=finish,
+                tbt_s=draw(st.floats(min_value=0.0, max_value=0.3)),
+            )
+        )
+    return records
+
+
+@given(record_lists(), st.sampled_from([Slo(), Slo(ttft_s=1.0, tbt_s=0.05)]))
+def test_columnar_summary_equals_the_record_by_record_one(records: list[RequestRecord], slo: Slo) -> None:
+    """`summarize` over a table (or a list) gives exactly the figures summing record by record gives,
+    and the table's rows equal the records sealed into it."""
+    table = RecordTable.of(records)
+    assert list(table) == records
+    want = reference_summary(records, slo, sim_wall_s=0.5)
+    assert summarize(table, slo, sim_wall_s=0.5) == want
+    assert summarize(records, slo, sim_wall_s=0.5) == want
 
 
 # --------------------------------------------------------------------------- LoadTrace
