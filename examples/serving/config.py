@@ -77,7 +77,7 @@ class ClusterConfig:
     def with_overrides(self, section: str, **values: Any) -> ClusterConfig:
         """A copy with some keys of `section` replaced (checked like the file's)."""
         merged = {name: dict(keys) for name, keys in self.sections.items()}
-        merged[section].update(values)
+        merged.setdefault(section, {}).update(values)  # an unknown section is parse's ConfigError
         return parse(merged, self.source)
 
 
@@ -102,10 +102,12 @@ def parse(data: dict[str, Any], source: str) -> ClusterConfig:
         if section not in SCHEMA:
             raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(SCHEMA)})")
         if not isinstance(keys, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table")
-        for key in keys:
+            raise ConfigError(f"{source}: [{section}] = {keys!r}: must be a table")
+        for key, value in keys.items():
             if key not in SCHEMA[section]:
-                raise ConfigError(f"{source}: unknown key {key!r} in [{section}] (known: {', '.join(SCHEMA[section])})")
+                raise ConfigError(
+                    f"{source}: [{section}] {key} = {value!r}: unknown key (known: {', '.join(SCHEMA[section])})"
+                )
     for section, fields in SCHEMA.items():
         given = data.get(section, {})
         sections[section] = {
@@ -121,7 +123,8 @@ def parse(data: dict[str, Any], source: str) -> ClusterConfig:
     limits, decode = sections["limits"], sections["decode"]
     if limits["max_prompt_tokens"] + limits["default_max_tokens"] > decode["max_context_tokens"]:
         raise ConfigError(
-            f"{source}: [limits] max_prompt_tokens + default_max_tokens exceed [decode] max_context_tokens"
+            f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits['max_prompt_tokens']} + "
+            f"{limits['default_max_tokens']} exceed [decode] max_context_tokens = {decode['max_context_tokens']}"
         )
     return ClusterConfig(source, sections)
 

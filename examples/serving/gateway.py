@@ -289,9 +289,7 @@ class Gateway:
             self.metrics.set("mooncake_instance_up", 1.0 if up else 0.0, instance=instance)
         return web.Response(
             text=self.metrics.render(),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8", "X-Content-Type-Options": "nosniff"},
         )
 
     async def _health(self, _request: web.Request) -> web.Response:
@@ -443,7 +441,7 @@ class Gateway:
         def chunk(text: str | None, finish: str | None) -> bytes:
             if chat:
                 delta: dict[str, Any] = {"content": text} if text is not None else {}
-                if text is not None and live.generated <= 1:
+                if text is not None and count == 1:  # the first chunk: the decode thread may run ahead of the writes
                     delta["role"] = "assistant"
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:

@@ -18,6 +18,7 @@ import multiprocessing
 import secrets
 import threading
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -30,6 +31,7 @@ from serving.worker import WorkerSpec, run_worker
 __all__ = ["Backend", "LocalBackend", "RayBackend", "RunningCluster", "start_cluster"]
 
 START_TIMEOUT_S = 120.0
+SERVING_DIR = Path(__file__).resolve().parent  # shipped to Ray workers, which do not have examples/ on their path
 
 
 class Backend(Protocol):
@@ -107,7 +109,11 @@ class RayBackend:
         self._ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            options: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "runtime_env": {"py_modules": [str(SERVING_DIR)]},
+            }
             if address is None:
                 options.update(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus)
             else:

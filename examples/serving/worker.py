@@ -214,15 +214,23 @@ class Worker:
             request_id = job["request_id"]
             self._tell_gateway("prefill.started", {"request_id": request_id})
             try:
-                done = self._run_prefill(job)
+                done, join = self._run_prefill(job)
             except (MooncakeError, OSError, RuntimeError) as error:
                 events = [event_to_wire(e) for e in self.cache.take_events()]
                 self._tell_gateway("prefill.failed", {"request_id": request_id, "error": str(error), "events": events})
                 continue
             done["events"] = [event_to_wire(e) for e in self.cache.take_events()]
+            # Reported before the hand-off: the decode node's tokens (another connection) must not overtake it,
+            # or a short request ends before the gateway learns its prefix hit.
             self._tell_gateway("prefill.done", done)
+            try:
+                self.engine.call(self._peer(job["decode"]), "decode.join", join)
+            except (MooncakeError, OSError) as error:
+                failed = {"request_id": request_id, "error": f"hand-off to {job['decode']}: {error}", "events": []}
+                self._tell_gateway("prefill.failed", failed)
 
-    def _run_prefill(self, job: dict[str, Any]) -> dict[str, Any]:
+    def _run_prefill(self, job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Fetch the planned prefix, prefill streaming the KV to the decode node; returns (stats, its join call)."""
         assert self._prefill is not None
         tokens: list[int] = job["tokens"]
         fetched = 0
@@ -236,26 +244,23 @@ class Worker:
         sink = MessengerSink(self.messenger, self._peer(job["decode"]), num_layers=self.model.config.num_layers)
         sampling = SamplingParams(temperature=job["temperature"], seed=job["seed"])
         result = self._prefill.prefill(tokens, sampling=sampling, sink=sink)
-        self.engine.call(
-            self._peer(job["decode"]),
-            "decode.join",
-            {
-                "request_id": job["request_id"],
-                "keys": [int(k) for k in result.keys],
-                "prompt_tokens": len(tokens),
-                "first_token": result.first_token,
-                "max_tokens": job["max_tokens"],
-                "temperature": job["temperature"],
-                "seed": job["seed"],
-            },
-        )
-        return {
+        join = {
+            "request_id": job["request_id"],
+            "keys": [int(k) for k in result.keys],
+            "prompt_tokens": len(tokens),
+            "first_token": result.first_token,
+            "max_tokens": job["max_tokens"],
+            "temperature": job["temperature"],
+            "seed": job["seed"],
+        }
+        done = {
             "request_id": job["request_id"],
             "prefix_tokens": result.prefix_tokens,
             "computed_tokens": result.computed_tokens,
             "fetched_blocks": fetched,
             "streamed_blocks": len(sink.committed),
         }
+        return done, join
 
     # ------------------------------------------------------------------ decode
 

@@ -1,0 +1,563 @@
+"""The example cluster end to end: engine workers, the Conductor's gateway, the OpenAI API, failures, launchers.
+
+Every cluster runs the tiny model on 127.0.0.1 with `port = 0`. Starting one
+costs seconds, so the tests that only send requests share a module-scoped
+cluster (with an API key, which every client here sends); the tests that need
+another shape or kill engines start their own. Every wait is bounded: the
+OpenAI clients have `max_retries=0` and a timeout, threads and processes are
+joined with one, and every cluster is closed by a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from serving.config import ClusterConfig, load_config  # noqa: E402
+from serving.launch import RunningCluster, start_cluster  # noqa: E402
+from serving.metrics import Registry  # noqa: E402
+
+from mooncake.errors import ConfigError  # noqa: E402
+
+TINY = ROOT / "examples" / "configs" / "tiny.toml"
+API_KEY = "test-key"
+TIMEOUT_S = 60.0  # any one request; far above what the tiny model needs
+SAMPLE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$")
+
+
+def tiny(**sections: dict[str, Any]) -> ClusterConfig:
+    """tiny.toml on any free port, with some sections' keys replaced (in the order given)."""
+    config = load_config(TINY).with_overrides("cluster", port=0)
+    for section, values in sections.items():
+        config = config.with_overrides(section, **values)
+    return config
+
+
+def client(cluster: RunningCluster, *, api_key: str = API_KEY, timeout: float = TIMEOUT_S) -> Any:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def http(url: str, body: Any = None, *, headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+    """(status, headers, text) of a GET (no body) or a POST (bytes as given, anything else as JSON)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.status, response.headers, response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.headers, error.read().decode()
+
+
+def metrics(cluster: RunningCluster) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}; every sample line must be well formed."""
+    status, _headers, text = http(f"{cluster.url}/metrics")
+    assert status == 200
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            assert SAMPLE.match(line), line
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def completion_text(chunks: list[Any], *, chat: bool) -> str:
+    if chat:
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    """The tiny config's cluster (2 prefill + 1 decode) requiring API_KEY; for tests that only send requests."""
+    with start_cluster(tiny(cluster={"api_key": API_KEY})) as running:
+        yield running
+
+
+# ---------------------------------------------------------------------------------------------- the OpenAI API
+
+
+def test_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
+    """Greedy completions: the streamed text is the whole one; usage counts the prompt's bytes and max_tokens."""
+    api = client(cluster)
+    prompt = "The Mooncake paper splits prefill from decode."
+    whole = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.object == "text_completion" and whole.model == "tiny"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 24
+    assert whole.usage.prompt_tokens == len(prompt.encode())
+    assert whole.usage.total_tokens == len(prompt.encode()) + 24
+
+    stream = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert completion_text(chunks, chat=False) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
+    """Chat: the reply is the assistant's; streamed deltas (the first with the role) add up to the whole reply."""
+    api = client(cluster)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, seed=7)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 20
+    prompt = "<|system|>\nBe brief.\n<|user|>\nWhat is a KV cache?\n<|assistant|>\n"
+    assert whole.usage.prompt_tokens == len(prompt.encode())
+
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, seed=7, stream=True))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert completion_text(chunks, chat=True) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_shared_prefix_is_a_cache_hit(cluster: RunningCluster) -> None:
+    """The second of two prompts sharing a long prefix reuses its KV: counted as hits, not computed again.
+
+    One output token each, a few times over: the shortest request must still learn its prefix hit (the prefill's
+    report once raced the decode node's last token, and lost about one time in five).
+    """
+    api = client(cluster)
+    for _ in range(5):
+        prefix = f"{uuid.uuid4()} " + "Prefill computes the KV cache once; decode reuses it. " * 6  # unique per run
+        first = api.completions.create(model="tiny", prompt=prefix + "First.", max_tokens=1)
+        before = metrics(cluster)
+        second_prompt = prefix + "And a second question."
+        second = api.completions.create(model="tiny", prompt=second_prompt, max_tokens=1)
+        after = metrics(cluster)
+
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < len(second_prompt.encode())
+        hits = after["mooncake_prefix_hit_tokens_total"] - before["mooncake_prefix_hit_tokens_total"]
+        computed = after["mooncake_computed_tokens_total"] - before["mooncake_computed_tokens_total"]
+        assert hits == cached
+        assert computed == len(second_prompt.encode()) - cached
+        assert 0 < after["mooncake_prefix_hit_ratio"] <= 1
+
+
+BAD_BODIES = [
+    ("completions", {"prompt": 3}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"max_tokens": 4}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "hi", "seed": -1}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 1.5}, "seed"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"prompt": "hi"}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, "messages[1]"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), BAD_BODIES)
+def test_bad_body_is_a_400_naming_the_field(cluster: RunningCluster, path: str, body: Any, field: str) -> None:
+    status, _headers, text = http(f"{cluster.url}/v1/{path}", body, headers={"Authorization": f"Bearer {API_KEY}"})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["code"] == 400
+    assert error["param"] == field
+    assert field.split("[")[0] in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", b"[1, 2]", b'"prompt"'])
+def test_body_not_a_json_object_is_a_400(cluster: RunningCluster, body: bytes) -> None:
+    status, _headers, text = http(f"{cluster.url}/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400
+    assert "JSON" in json.loads(text)["error"]["message"]
+
+
+def test_prompt_over_the_limit_is_a_413(cluster: RunningCluster) -> None:
+    """One token over [limits] max_prompt_tokens is a 413 (the OpenAI client's APIStatusError), for both APIs."""
+    limit = cluster.config.limits["max_prompt_tokens"]
+    api = client(cluster)
+    with pytest.raises(openai.APIStatusError) as raised:
+        api.completions.create(model="tiny", prompt="x" * (limit + 1), max_tokens=1)
+    assert raised.value.status_code == 413 and str(limit) in raised.value.message
+    with pytest.raises(openai.APIStatusError) as raised:
+        api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * limit}], max_tokens=1)
+    assert raised.value.status_code == 413
+    assert api.completions.create(model="tiny", prompt="x" * limit, max_tokens=1).usage.prompt_tokens == limit
+
+
+def test_api_key_is_required(cluster: RunningCluster) -> None:
+    """With [cluster] api_key set, a wrong or missing key is a 401 on every API route; /health stays open."""
+    with pytest.raises(openai.AuthenticationError):
+        client(cluster, api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=1)
+    for path, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": []})):
+        status, _headers, text = http(f"{cluster.url}/v1/{path}", body)
+        assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+    status, _headers, _text = http(f"{cluster.url}/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert status == 401
+    assert [m.id for m in client(cluster).models.list()] == ["tiny"]
+    assert http(f"{cluster.url}/health")[0] == 200
+
+
+def test_health_and_metrics(cluster: RunningCluster) -> None:
+    """/health counts the engines up; /metrics is Prometheus text with every family the issue names."""
+    client(cluster).completions.create(model="tiny", prompt="Count me in the metrics.", max_tokens=4)
+    status, _headers, text = http(f"{cluster.url}/health")
+    health = json.loads(text)
+    assert status == 200
+    assert health == {"status": "ok", "prefill_up": 2, "decode_up": 1, "in_flight": 0}
+
+    status, headers, text = http(f"{cluster.url}/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for family, kind in (
+        ("mooncake_ttft_seconds", "histogram"),
+        ("mooncake_tbt_seconds", "histogram"),
+        ("mooncake_rejections_total", "counter"),
+        ("mooncake_prefix_hit_ratio", "gauge"),
+        ("mooncake_transfer_bytes_total", "counter"),
+        ("mooncake_queue_length", "gauge"),
+    ):
+        assert f"# TYPE {family} {kind}" in text
+    samples = metrics(cluster)
+    for histogram in ("mooncake_ttft_seconds", "mooncake_tbt_seconds"):
+        buckets = [v for k, v in samples.items() if k.startswith(f"{histogram}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == samples[f"{histogram}_count"] > 0
+        assert samples[f'{histogram}_bucket{{le="+Inf"}}'] == samples[f"{histogram}_count"]
+        assert samples[f"{histogram}_sum"] > 0
+    assert samples['mooncake_transfer_bytes_total{kind="stream"}'] > 0
+    assert 'mooncake_transfer_bytes_total{kind="fetch"}' in samples
+    for instance in ("prefill-0", "prefill-1", "decode-0"):
+        assert samples[f'mooncake_queue_length{{instance="{instance}"}}'] == 0
+        assert samples[f'mooncake_instance_up{{instance="{instance}"}}'] == 1
+    assert samples['mooncake_requests_total{outcome="200"}'] >= 1
+
+
+def test_registry_renders_prometheus_text() -> None:
+    """Cumulative buckets ending in +Inf = count; labels escaped; counters and gauges by label set."""
+    registry = Registry()
+    registry.histogram("latency_seconds", "Latency.", (0.1, 1.0))
+    registry.counter("events_total", "Events.")
+    for value in (0.05, 0.5, 0.5, 3.0):
+        registry.observe("latency_seconds", value, route="a")
+    registry.inc("events_total", 2, reason='say "hi"\n')
+    lines = registry.render().splitlines()
+    assert lines[:2] == ["# HELP latency_seconds Latency.", "# TYPE latency_seconds histogram"]
+    assert lines[2:7] == [
+        'latency_seconds_bucket{route="a",le="0.1"} 1',
+        'latency_seconds_bucket{route="a",le="1"} 3',
+        'latency_seconds_bucket{route="a",le="+Inf"} 4',
+        'latency_seconds_sum{route="a"} 4.05',
+        'latency_seconds_count{route="a"} 4',
+    ]
+    assert 'events_total{reason="say \\"hi\\"\\n"} 2' in lines
+    assert registry.value("events_total", reason='say "hi"\n') == 2 and registry.value("events_total") == 0
+
+
+# ---------------------------------------------------------------------------------------------- overload and failures
+
+
+def test_burst_beyond_capacity_gets_429s_and_nothing_hangs() -> None:
+    """Decode KV room for one request, eight at once: the rest are 429s with Retry-After, all answered in time."""
+    config = tiny(
+        limits={"max_prompt_tokens": 128, "default_max_tokens": 16},
+        decode={"max_batch_size": 1, "max_context_tokens": 256},  # the Conductor's room: 256 tokens
+    )
+    num_requests, max_tokens = 8, 100
+    prompt = "Overload: " + "x" * 90  # 100 + 100 tokens each: two never fit
+    with start_cluster(config) as cluster:
+        barrier = threading.Barrier(num_requests, timeout=TIMEOUT_S)
+        outcomes: list[Any] = []
+
+        def send() -> None:
+            api = client(cluster, timeout=30.0)
+            barrier.wait()
+            try:
+                outcomes.append(api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens))
+            except openai.APIError as error:  # a timeout too: it fails the test below, with the others' outcomes
+                outcomes.append(error)
+
+        threads = [threading.Thread(target=send, daemon=True) for _ in range(num_requests)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 45.0
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not any(thread.is_alive() for thread in threads), "a request was not answered in time"
+
+        assert len(outcomes) == num_requests
+        errors = [o for o in outcomes if isinstance(o, openai.APIError)]
+        served = [o for o in outcomes if not isinstance(o, openai.APIError)]
+        assert served and errors, outcomes
+        assert all(o.usage.completion_tokens == max_tokens for o in served)
+        for error in errors:
+            assert isinstance(error, openai.APIStatusError) and error.status_code == 429, error
+            assert int(error.response.headers["Retry-After"]) > 0
+            assert error.body["type"] == "rate_limit_error"
+        rejections = {k: v for k, v in metrics(cluster).items() if k.startswith("mooncake_rejections_total{reason=")}
+        assert sum(rejections.values()) == len(errors)
+        # The burst left nothing reserved: a lone request is served again.
+        assert (
+            client(cluster).completions.create(model="tiny", prompt=prompt, max_tokens=4).usage.completion_tokens == 4
+        )
+
+
+@pytest.fixture
+def two_by_two() -> Iterator[RunningCluster]:
+    """2 prefill + 2 decode engines, with room for requests long enough to be killed mid-stream."""
+    config = tiny(
+        cluster={"num_prefill": 2, "num_decode": 2},
+        limits={"max_prompt_tokens": 256, "default_max_tokens": 16},
+        decode={"max_context_tokens": 4096},
+    )
+    with start_cluster(config) as running:
+        yield running
+
+
+def the_live_request(cluster: RunningCluster) -> Any:
+    """The gateway's only request in flight."""
+    (live,) = list(cluster.gateway.live.values())
+    return live
+
+
+def test_decode_killed_mid_stream(two_by_two: RunningCluster) -> None:
+    """SIGKILL the decode engine serving a stream: that client gets an error; the survivor serves what follows."""
+    cluster, api = two_by_two, client(two_by_two, timeout=30.0)
+    max_tokens = 3000  # many seconds of decoding: the kill lands long before the end
+    started = time.monotonic()
+    with api.completions.create(model="tiny", prompt="A long story.", max_tokens=max_tokens, stream=True) as stream:
+        chunks = iter(stream)
+        next(chunks)
+        killed = the_live_request(cluster).decode
+        survivor = ({"decode-0", "decode-1"} - {killed}).pop()
+        cluster.backend.kill(killed)
+        received = 1
+        with pytest.raises(openai.APIError, match=killed):  # the error event the gateway sends in the stream
+            for _chunk in chunks:
+                received += 1
+    assert received < max_tokens
+    assert time.monotonic() - started < 30.0
+
+    status, _headers, text = http(f"{cluster.url}/health")
+    assert status == 200 and json.loads(text)["decode_up"] == 1
+    assert metrics(cluster)[f'mooncake_instance_up{{instance="{killed}"}}'] == 0
+    for i in range(3):
+        answer = api.completions.create(model="tiny", prompt=f"After the failure, #{i}.", max_tokens=8)
+        assert answer.usage.completion_tokens == 8
+    with api.completions.create(model="tiny", prompt="Who serves me?", max_tokens=64, stream=True) as stream:
+        chunks = iter(stream)
+        next(chunks)
+        assert the_live_request(cluster).decode == survivor
+        assert len(list(chunks)) == 64  # 63 tokens and the closing chunk
+
+
+def test_prefill_killed_requests_rerouted() -> None:
+    """SIGKILL prefill-0 unnoticed by the health loop: requests sent to it are scheduled again on prefill-1.
+
+    Both idle and no prefix cached, the Conductor picks prefill-0 (ties go by id), so the first request is sent to
+    the dead engine; its failed submit marks it down and reroutes the request.
+    """
+    config = tiny(limits={"health_interval_s": 600.0})  # only a failed submit can notice the dead engine
+    with start_cluster(config) as cluster:
+        api = client(cluster, timeout=30.0)
+        cluster.backend.kill("prefill-0")
+        for i in range(4):
+            answer = api.completions.create(model="tiny", prompt=f"Rerouted request {i}.", max_tokens=8)
+            assert answer.usage.completion_tokens == 8
+        status, _headers, text = http(f"{cluster.url}/health")
+        assert status == 200 and json.loads(text)["prefill_up"] == 1
+        assert metrics(cluster)['mooncake_instance_up{instance="prefill-0"}'] == 0
+
+
+def test_no_engine_up_is_a_503() -> None:
+    """With the only decode engine dead, requests are refused with 503 and Retry-After, and /health says so."""
+    with start_cluster(tiny(limits={"health_interval_s": 0.1})) as cluster:
+        cluster.backend.kill("decode-0")
+        deadline = time.monotonic() + 20.0
+        while http(f"{cluster.url}/health")[0] != 503:
+            assert time.monotonic() < deadline, "the dead decode engine was never noticed"
+            time.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client(cluster).completions.create(model="tiny", prompt="anyone?", max_tokens=4)
+        assert raised.value.status_code == 503
+        assert int(raised.value.response.headers["Retry-After"]) > 0
+
+
+# ---------------------------------------------------------------------------------------------- backends and the launcher
+
+
+@pytest.mark.slow
+def test_ray_backend_serves_a_request() -> None:
+    """The same cluster as Ray actors on a local Ray instance."""
+    pytest.importorskip("ray")
+    config = tiny(cluster={"num_prefill": 1, "num_decode": 1})
+    with start_cluster(config, backend="ray") as cluster:
+        answer = client(cluster).completions.create(model="tiny", prompt="Hello from Ray.", max_tokens=8)
+        assert answer.usage.completion_tokens == 8
+        assert json.loads(http(f"{cluster.url}/health")[2])["status"] == "ok"
+
+
+def children(pid: int) -> set[int]:
+    """Every live descendant of `pid`, read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an orphan's zombie may wait for an init that never reaps)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """The /dev/shm segments mooncake created in these processes (named mooncake-<pid>-<hex>)."""
+    prefixes = tuple(f"mooncake-{pid}-" for pid in pids)
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir() or not Path("/dev/shm").is_dir(), reason="needs /proc and /dev/shm")
+def test_launcher_serves_until_sigterm_and_leaves_nothing() -> None:
+    """examples/cluster.py prints its URL, serves /health; SIGTERM stops it, its workers and their shared memory."""
+    command = [sys.executable, str(ROOT / "examples" / "cluster.py"), "--config", str(TINY), "--port", "0"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert launcher.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # drains the pipe so that the launcher never blocks on it
+        for line in launcher.stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120.0
+        url = None
+        while url is None:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if found := re.search(r"mooncake cluster ready: (http://\S+)", line):
+                url = found.group(1)
+        assert url.startswith("http://127.0.0.1:")
+        status, _headers, text = http(f"{url}/health")
+        assert status == 200 and json.loads(text)["status"] == "ok"
+
+        spawned = children(launcher.pid)
+        ours = spawned | {launcher.pid}
+        assert len(spawned) >= 3  # two prefill and one decode worker (and multiprocessing's resource tracker)
+        assert len(segments_of(ours)) == 3  # one DRAM pool per worker
+
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10.0
+        while any(is_running(pid) for pid in spawned) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in spawned if is_running(pid)], "orphan processes"
+        assert not segments_of(ours), "leftover shared memory"
+        reader.join(timeout=10)
+        assert any(line.startswith("stopping") for line in list(lines.queue))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
+        reader.join(timeout=10)
+        launcher.stdout.close()
+
+
+def test_launcher_reports_a_bad_config(tmp_path: Path) -> None:
+    """A bad config stops the launcher before anything starts: exit status 1, the file and key on stderr."""
+    config = tmp_path / "bad.toml"
+    config.write_text("[decode]\nmax_batch_size = 0\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cluster.py"), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert str(config) in done.stderr and "[decode] max_batch_size = 0" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[bogus]\nx = 1\n", ["[bogus]"]),
+        ("[cluster]\nnum_prefil = 3\n", ["[cluster]", "num_prefil", "3"]),
+        ('[cluster]\nport = "8000"\n', ["[cluster]", "port", "'8000'", "int"]),
+        ("[model]\nseed = true\n", ["[model]", "seed", "True"]),
+        ("[decode]\nmax_batch_size = 0\n", ["[decode]", "max_batch_size", "0", ">= 1"]),
+        ("[slo]\nttft_s = -1.5\n", ["[slo]", "ttft_s", "-1.5"]),
+        ('[policy]\nrouter = "fastest"\n', ["[policy]", "router", "'fastest'", "kvcache_centric"]),
+        ('[model]\npreset = "huge"\n', ["[model]", "preset", "'huge'", "tiny"]),
+        ("cluster = 3\n", ["[cluster]", "3", "table"]),
+        (
+            "[limits]\nmax_prompt_tokens = 4000\n",
+            ["[limits] max_prompt_tokens", "4000", "[decode] max_context_tokens = 2048"],
+        ),
+        ("[cluster\nport = 1\n", ["not valid TOML", "line 1"]),
+    ],
+)
+def test_config_error_names_file_section_key_value(tmp_path: Path, text: str, named: list[str]) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: ")
+    for part in named:
+        assert part in message
+
+
+def test_config_defaults_and_overrides(tmp_path: Path) -> None:
+    """Missing keys take their defaults; with_overrides is checked like the file; a missing file is named."""
+    path = tmp_path / "small.toml"
+    path.write_text("[cluster]\nnum_decode = 2\n")
+    config = load_config(path)
+    assert config.cluster["num_decode"] == 2 and config.cluster["num_prefill"] == 2
+    assert config.slo["ttft_s"] == 30.0 and isinstance(config.policy["threshold"], float)
+    assert config.with_overrides("slo", ttft_s=2).slo["ttft_s"] == 2.0
+    assert config.cluster["port"] == 8000  # overrides make copies
+    with pytest.raises(ConfigError, match=r"\[cluster\] port = -1"):
+        config.with_overrides("cluster", port=-1)
+    with pytest.raises(ConfigError, match=r"\[nope\]"):
+        config.with_overrides("nope", x=1)
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
+        load_config(tmp_path / "missing.toml")
