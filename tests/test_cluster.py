@@ -226,6 +226,31 @@ def test_api_key_is_required(cluster: RunningCluster) -> None:
     assert http(f"{cluster.url}/health")[0] == 200
 
 
+def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> None:
+    """A client that hangs up mid-stream is cancelled on the decode engine: its batch empties long before
+    the request's max_tokens could have been generated."""
+    body = {"prompt": "bye " * 20, "max_tokens": 1000, "stream": True}
+    before = metrics(cluster).get("mooncake_generation_tokens_total", 0.0)
+    request = urllib.request.Request(
+        f"{cluster.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        assert response.readline().startswith(b"data: ")  # streaming has begun
+    gateway = cluster.gateway
+    decode = next(i for i, role in gateway.roles.items() if role == "decode")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if gateway.engine.call(gateway.peers[decode], "worker.health", {})["active"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the decode engine kept generating for a client that left")
+    assert not gateway.live  # the gateway forgot it too
+    assert metrics(cluster)["mooncake_generation_tokens_total"] - before < 1000  # cut short, not run to the end
+
+
 def test_health_and_metrics(cluster: RunningCluster) -> None:
     """/health counts the engines up; /metrics is Prometheus text with every family the issue names."""
     client(cluster).completions.create(model="tiny", prompt="Count me in the metrics.", max_tokens=4)

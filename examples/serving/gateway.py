@@ -257,6 +257,7 @@ class Gateway:
         m.counter("mooncake_prompt_tokens_total", "Prompt tokens of prefilled requests.")
         m.counter("mooncake_prefix_hit_tokens_total", "Prompt tokens whose KV came from a cache.")
         m.counter("mooncake_computed_tokens_total", "Prompt tokens prefill computed.")
+        m.counter("mooncake_generation_tokens_total", "Tokens the decode engines generated (for live requests or not).")
         m.gauge("mooncake_prefix_hit_ratio", "Prefix hit tokens / prompt tokens, since start.")
         m.counter("mooncake_transfer_bytes_total", "KV bytes moved between nodes, by kind (fetch, stream).")
         m.gauge("mooncake_queue_length", "Requests queued for prefill or decoding, per instance.")
@@ -566,6 +567,9 @@ class Gateway:
         if self.live.pop(live.request_id, None) is None:
             return
         now = self.now()
+        if outcome in ("rejected:client_gone", "rejected:timeout") and self.up.get(live.decode):
+            # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
+            self._calls.submit(self._cancel, live.decode, live.request_id)
         if outcome == "finished":
             self.conductor.handle(
                 DecodeFinished(
@@ -582,6 +586,12 @@ class Gateway:
                 )
             )
 
+    def _cancel(self, instance: InstanceId, request_id: RequestId) -> None:
+        try:
+            self.engine.call(self.peers[instance], "decode.cancel", {"request_id": int(request_id)})
+        except (MooncakeError, OSError):
+            pass  # a dead engine generates nothing
+
     # ------------------------------------------------------------------ worker callbacks
 
     def _callback(self, method: str) -> Callable[[Any], Any]:
@@ -595,6 +605,7 @@ class Gateway:
 
     def _dispatch(self, method: str, args: dict[str, Any]) -> None:
         if method == "decode.tokens":
+            self.metrics.inc("mooncake_generation_tokens_total", len(args["tokens"]))
             for request_id, token, index, finished in args["tokens"]:
                 self._on_token(RequestId(request_id), token, index, finished)
             return

@@ -8,6 +8,7 @@ work on its own thread, reporting back with calls to the gateway:
 
     gateway → worker   worker.connect {gateway, peers}   worker.health   worker.stop
     gateway → prefill  prefill.submit {request_id, tokens, decode, fetch, max_tokens, temperature, seed}
+    gateway → decode   decode.cancel {request_id}          (its client went away or timed out)
     prefill → decode   decode.join {request_id, keys, prompt_tokens, first_token, ...}
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, computed_tokens, events} / prefill.failed
     decode  → gateway  decode.joined / decode.rejected / decode.tokens [[request_id, token, index, finished]…]
@@ -134,6 +135,7 @@ class Worker:
             "worker.stop": self._on_stop,
             "prefill.submit": self._on_job,
             "decode.join": self._on_job,
+            "decode.cancel": self._on_cancel,
         }.items():
             self.engine.register_handler(method, handler)
         self._thread = threading.Thread(target=self._guarded, args=(loop,), name=f"{spec.role}-loop", daemon=True)
@@ -179,6 +181,10 @@ class Worker:
     def _on_stop(self, _args: Any) -> dict[str, Any]:
         self._stop.set()
         return {"ok": True}
+
+    def _on_cancel(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._jobs.put({"cancel": args["request_id"]})  # applied by the decode loop, the engine's only user
+        return {"queued": True}
 
     def _on_job(self, args: dict[str, Any]) -> dict[str, Any]:
         self._jobs.put(args)
@@ -277,7 +283,10 @@ class Worker:
                 pass
             tokens: list[TokenEvent] = []  # every token, the joins' first ones included, via on_token
             for job in joins:
-                self._join(job, tokens.append)
+                if "cancel" in job:
+                    decode.cancel(RequestId(job["cancel"]))
+                else:
+                    self._join(job, tokens.append)
             if decode.num_active:
                 for event in decode.step():
                     tokens.append(event)

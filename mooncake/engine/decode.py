@@ -318,20 +318,31 @@ class DecodeEngine:
             active.on_token(event)
         return event
 
+    def cancel(self, request_id: RequestId) -> bool:
+        """Drop an active request without another token (its client went away); False if it is not active."""
+        for slot, active in enumerate(self._active):
+            if active.request_id == request_id:
+                self._remove(slot)
+                return True
+        return False
+
     def _retire(self) -> None:
         slot = 0
         while slot < len(self._active):
             if self._active[slot].emitted < self._active[slot].max_new_tokens:
                 slot += 1
                 continue
-            last = len(self._active) - 1
-            if slot != last:  # fill the hole with the last slot, so active slots stay 0 … B − 1
-                width = self._active[last].context
-                for kc, vc in zip(self._k, self._v, strict=True):
-                    kc[slot, :, :width] = kc[last, :, :width]
-                    vc[slot, :, :width] = vc[last, :, :width]
-                self._active[slot] = self._active[last]
-            self._active.pop()
+            self._remove(slot)
+
+    def _remove(self, slot: int) -> None:
+        last = len(self._active) - 1
+        if slot != last:  # fill the hole with the last slot, so active slots stay 0 … B − 1
+            width = self._active[last].context
+            for kc, vc in zip(self._k, self._v, strict=True):
+                kc[slot, :, :width] = kc[last, :, :width]
+                vc[slot, :, :width] = vc[last, :, :width]
+            self._active[slot] = self._active[last]
+        self._active.pop()
 
 
 @attrs.frozen(kw_only=True)

@@ -646,3 +646,31 @@ class DecodeMachine(RuleBasedStateMachine):
 
 DecodeMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
 test_decode_machine = DecodeMachine.TestCase
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_decode_as_before(prefilled_cache: Any) -> None:
+    """cancel() drops a request mid-decode (its slot refilled, no more tokens); the rest are unchanged."""
+    cache, r = prefilled_cache
+    config = DecodeConfig(max_batch_size=4, max_context_tokens=32)
+    reference = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config)
+    engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config)
+    got: dict[str, list[int]] = {}
+    expected: dict[str, list[int]] = {}
+    for name in ("r3", "r5", "r8"):
+        join(
+            reference,
+            r[RequestId(name)],
+            name,
+            6,
+            on_token=lambda e: expected.setdefault(e.request_id, []).append(e.token),
+        )
+        join(engine, r[RequestId(name)], name, 6, on_token=lambda e: got.setdefault(e.request_id, []).append(e.token))
+    engine.step()
+    assert engine.cancel(RequestId("r3")) and not engine.cancel(RequestId("r3")) and not engine.cancel(RequestId("x"))
+    engine.check_invariants()
+    assert engine.active_ids == (RequestId("r8"), RequestId("r5"))  # the last slot moved into the hole
+    engine.run(max_steps=20)
+    reference.run(max_steps=20)
+    assert got[RequestId("r3")] == expected[RequestId("r3")][:2]  # the first token and one step, then nothing
+    assert got[RequestId("r5")] == expected[RequestId("r5")] and got[RequestId("r8")] == expected[RequestId("r8")]
+    assert engine.num_active == 0
