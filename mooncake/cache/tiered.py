@@ -20,7 +20,9 @@ one tier at a time:
   that fails verification is dropped and reported as a miss (counted in
   `stats.corrupt_blocks`), never returned.
 - The cache publishes `BlockStored` / `BlockRemoved` events (with tier) for the
-  global index: `take_events()` drains them, numbered in one sequence per epoch.
+  global index: `take_events()` drains them, numbered in one sequence per epoch,
+  the changes since the last call grouped by kind and tier (a full cache taking
+  a chain is one removal and one store, not one of each per block).
   A pool reopened with recovered pages (SSD after a crash) is announced first.
 
 Threads: one writer and any number of readers. Metadata changes happen under
@@ -452,23 +454,20 @@ class TieredCache:
     # ------------------------------------------------------------------ events
 
     def take_events(self) -> list[CacheEvent]:
-        """Events since the last call, consecutive ones of a kind and tier merged."""
+        """Events since the last call: the changes grouped into one event per kind and tier,
+        within stretches of the log where no key changes twice (changes to distinct keys commute,
+        so a consumer applying the events in order ends where applying each change would)."""
         with self._lock:
             log, self._log = self._log, []
+            groups = _group_changes(log)
             first_seq = self._seq
-            self._seq += sum(1 for i in range(len(log)) if i + 1 == len(log) or log[i + 1][:2] != log[i][:2])
-        seq = first_seq
-        events: list[CacheEvent] = []
-        run: list[BlockKey] = []
-        for i, (kind, level, key) in enumerate(log):
-            run.append(key)
-            if i + 1 == len(log) or log[i + 1][:2] != (kind, level):
-                event = BlockStored if kind == _STORED else BlockRemoved
-                tier = self.pools[level].tier
-                events.append(event(source=self.source, seq=seq, keys=run, tier=tier, epoch=self.epoch))
-                seq += 1
-                run = []
-        return events
+            self._seq += len(groups)
+        return [
+            (BlockStored if kind == _STORED else BlockRemoved)(
+                source=self.source, seq=first_seq + i, keys=keys, tier=self.pools[level].tier, epoch=self.epoch
+            )
+            for i, ((kind, level), keys) in enumerate(groups)
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -643,3 +642,22 @@ class TieredCache:
         del self._entries[key]
         self._log.append((_REMOVED, entry.level, key))
         self._counts["drops"] += 1
+
+
+def _group_changes(log: list[tuple[int, int, BlockKey]]) -> list[tuple[tuple[int, int], list[BlockKey]]]:
+    """The log's (kind, level) → keys groups, in order: a stretch without a repeated key is one
+    group per (kind, level), in the order they first appear; a repeated key starts a new stretch."""
+    groups: list[tuple[tuple[int, int], list[BlockKey]]] = []
+    stretch: dict[tuple[int, int], list[BlockKey]] = {}
+    touched: set[BlockKey] = set()
+    for kind, level, key in log:
+        if key in touched:
+            stretch.clear()
+            touched.clear()
+        keys = stretch.get((kind, level))
+        if keys is None:
+            keys = stretch[(kind, level)] = []
+            groups.append(((kind, level), keys))
+        keys.append(key)
+        touched.add(key)
+    return groups

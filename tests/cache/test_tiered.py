@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
@@ -503,6 +504,37 @@ def test_put_chain_publishes_one_stored_event_per_run() -> None:
     assert cache.stats.puts == 4
     cache.put_chain([])
     assert cache.take_events() == []
+
+
+def test_a_full_cache_taking_a_chain_publishes_one_removal_and_one_store() -> None:
+    """Evictions interleaved with stores are grouped by kind and tier: one event each, in order."""
+    cache = metadata_cache(dram_pages=3, ssd_pages=0, policy=LruPolicy, prefix_aware=False)
+    cache.put_chain([BlockKey(k) for k in (1, 2, 3)])
+    cache.take_events()
+    cache.put_chain([BlockKey(k) for k in (7, 8)])
+    removed, stored = cache.take_events()
+    assert (type(removed), removed.keys, removed.tier, removed.seq) == (BlockRemoved, (1, 2), Tier.DRAM, 1)
+    assert (type(stored), stored.keys, stored.tier, stored.seq) == (BlockStored, (7, 8), Tier.DRAM, 2)
+
+
+def test_a_key_changed_twice_keeps_its_changes_in_order() -> None:
+    """A key stored, evicted and stored again between two calls ends up held by whoever applies the events."""
+    cache = metadata_cache(dram_pages=1, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
+    cache.put_chain([BlockKey(1)])
+    cache.put_chain([BlockKey(2)])
+    cache.put_chain([BlockKey(1)])
+    events = cache.take_events()
+    assert [(type(e), e.keys) for e in events] == [
+        (BlockStored, (1,)),
+        (BlockRemoved, (1,)),
+        (BlockStored, (2,)),
+        (BlockRemoved, (2,)),
+        (BlockStored, (1,)),
+    ]
+    index = BlockIndex()
+    for event in events:
+        assert index.apply(event) is None
+    assert index.holders(BlockKey(1)) == (Holder(SOURCE, Tier.DRAM),) and BlockKey(2) not in index
 
 
 def test_put_chain_evicts_leaves_before_their_prefixes() -> None:
