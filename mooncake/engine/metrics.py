@@ -53,16 +53,17 @@ class IntervalRuns:
 
     @property
     def count(self) -> int:
-        return sum(run[2] for run in self.runs)
+        return sum([run[2] for run in self.runs])
 
     def values(self) -> np.ndarray:
-        """Every interval, in order."""
+        """Every interval, in order (float64)."""
         if not self.runs:
             return np.empty(0)
-        firsts, steps, counts = (np.asarray(column) for column in zip(*self.runs, strict=True))
+        table = np.array(self.runs, dtype=np.float64)  # counts are exact as floats (< 2**53)
+        counts = table[:, 2].astype(np.int64)
         starts = np.cumsum(counts) - counts
         offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-        values: np.ndarray = np.repeat(firsts, counts) + np.repeat(steps, counts) * offsets
+        values: np.ndarray = np.repeat(table[:, 0], counts) + np.repeat(table[:, 1], counts) * offsets
         return values
 
 

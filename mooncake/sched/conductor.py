@@ -205,7 +205,7 @@ class Conductor:
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
-            prefix_blocks=PrefixBlocks(board.instance_ids, lengths),
+            prefix_blocks=PrefixBlocks(board.instance_ids, lengths, board.position),
             best_instance=best,
             best_blocks=best_blocks,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,

@@ -57,16 +57,20 @@ __all__ = [
 
 class PrefixBlocks(Mapping[InstanceId, int]):
     """Instance → leading blocks of a prompt it holds, kept as an array over a board's
-    instances (`blocks[i]` for `instance_ids[i]`); instances holding none are absent."""
+    instances (`blocks[i]` for `instance_ids[i]`, `position` the inverse of `instance_ids`);
+    instances holding none are absent."""
 
-    def __init__(self, instance_ids: tuple[InstanceId, ...], blocks: npt.NDArray[np.int64]) -> None:
+    def __init__(
+        self,
+        instance_ids: tuple[InstanceId, ...],
+        blocks: npt.NDArray[np.int64],
+        position: Mapping[InstanceId, int] | None = None,
+    ) -> None:
         self.instance_ids = instance_ids
         self.blocks = blocks
-        self._position: dict[InstanceId, int] | None = None
+        self._position = position if position is not None else {i: n for n, i in enumerate(instance_ids)}
 
     def get(self, instance: InstanceId, default: int | None = None) -> int | None:  # type: ignore[override]
-        if self._position is None:
-            self._position = {i: n for n, i in enumerate(self.instance_ids)}
         position = self._position.get(instance)
         held = 0 if position is None else int(self.blocks[position])
         return held if held else default
@@ -294,7 +298,10 @@ class KvCacheCentricRouter:
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
         order = np.lexsort((board.id_rank, queue, own))
         by_length = own[order]
-        shortest = order[np.flatnonzero(np.diff(by_length, prepend=-1))].tolist()
+        first_of_length = np.empty(len(board), dtype=bool)
+        first_of_length[0] = True
+        np.not_equal(by_length[1:], by_length[:-1], out=first_of_length[1:])
+        shortest = order[first_of_length].tolist()
         key: tuple[float, float, InstanceId] | None = None
         chosen: tuple[PrefillView, int, bool] | None = None
         for i, length, waiting in zip(shortest, own[shortest].tolist(), queue[shortest].tolist(), strict=True):

@@ -170,6 +170,7 @@ class _Board(Sequence[_V]):
         self.position = {instance: i for i, instance in enumerate(self.instance_ids)}
         self.id_rank = _id_ranks(self.instance_ids)
         self.is_up = np.ones(len(self.views), dtype=bool)
+        self._num_down = 0
 
     def __len__(self) -> int:
         return len(self.views)
@@ -188,7 +189,12 @@ class _Board(Sequence[_V]):
 
     @property
     def all_up(self) -> bool:
-        return bool(self.is_up.all())
+        return self._num_down == 0
+
+    def _refresh_up(self, position: int, is_up: bool) -> None:
+        if is_up != self.is_up[position]:
+            self.is_up[position] = is_up
+            self._num_down += -1 if is_up else 1
 
     def refresh_all(self) -> None:
         for position in range(len(self.views)):
@@ -211,11 +217,12 @@ class PrefillBoard(_Board["PrefillView"]):
         """Read view `position` again (after its queue or state changed)."""
         view = self.views[position]
         self.busy_until_s[position] = view.queue[-1].finish_s if view.queue else -math.inf
-        self.is_up[position] = view.is_up
+        self._refresh_up(position, view.is_up)
 
     def check_invariants(self) -> None:
         assert self.busy_until_s.tolist() == [v.queue[-1].finish_s if v.queue else -math.inf for v in self.views]
         assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
+        assert self.all_up == all(v.is_up for v in self.views)
 
 
 class DecodeBoard(_Board["DecodeView"]):
@@ -233,12 +240,13 @@ class DecodeBoard(_Board["DecodeView"]):
         view = self.views[position]
         self.free_tokens[position] = view.capacity_tokens - view.used_tokens - view.reserved_tokens
         self.context_tokens[position] = view.context_tokens
-        self.is_up[position] = view.is_up
+        self._refresh_up(position, view.is_up)
 
     def check_invariants(self) -> None:
         assert self.free_tokens.tolist() == [v.free_tokens() for v in self.views], "free tokens out of sync"
         assert self.context_tokens.tolist() == [v.context_tokens for v in self.views], "context out of sync"
         assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
+        assert self.all_up == all(v.is_up for v in self.views)
 
 
 @attrs.frozen(kw_only=True)
