@@ -12,7 +12,9 @@ All in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh).
    of a plain matmul of the model's MLP shape measured in the same run
    (`roofline_tokens_per_s`); `prefill_vs_roofline` is their ratio (goal ≥ 0.6).
 2. `decode_step_ms` at each batch size with `--decode-context` tokens of context
-   per request, ours (grouped matmul) and torch SDPA (`decode_step_ms_sdpa`).
+   per request, ours (grouped matmul) and torch SDPA (`decode_step_ms_sdpa`); and
+   one layer's attention alone (`decode_attention_ms`, `decode_attention_ms_sdpa`)
+   over slot tensors shaped as the engine's.
 3. `layerwise_speedup`: the store time exposed to the compute (the prefill's
    wait for its KV stores) when storing after the forward pass ÷ the same with
    layer-wise stores, at each `--layerwise-tokens` length (goal ≥ 3 at the
@@ -37,7 +39,7 @@ import torch
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
-from mooncake.engine.attention import sdpa_decode_attention
+from mooncake.engine.attention import decode_attention, sdpa_decode_attention
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import PRESETS, LlamaModel, ModelConfig
@@ -111,11 +113,30 @@ def bench_decode(config: ModelConfig, context: int, batches: list[int], steps: i
                 times.append(engine.last_step_s)
             into[str(batch)] = 1e3 * float(np.median(times))
             del engine
+    kernel = {str(b): attention_ms(config, context, b) for b in batches}
     return {
         "decode_step_ms": ours,
         "decode_step_ms_sdpa": sdpa,
         "decode_sdpa_over_ours": {b: sdpa[b] / ours[b] for b in ours},
+        "decode_attention_ms": {b: k[0] for b, k in kernel.items()},
+        "decode_attention_ms_sdpa": {b: k[1] for b, k in kernel.items()},
     }
+
+
+def attention_ms(config: ModelConfig, context: int, batch: int, repeats: int = 20) -> tuple[float, float]:
+    """One layer's decode attention alone, ours and SDPA, over slots shaped as the decode engine's."""
+    q = torch.randn(batch, config.num_heads, config.head_dim)
+    k = torch.randn(batch, config.num_kv_heads, context + 64, config.head_dim)[:, :, :context]
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), context)
+    times = []
+    for kernel in (decode_attention, sdpa_decode_attention):
+        kernel(q, k, v, lengths)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            kernel(q, k, v, lengths)
+        times.append(1e3 * (time.perf_counter() - started) / repeats)
+    return times[0], times[1]
 
 
 def bench_layerwise(lengths: list[int]) -> dict[str, Any]:
@@ -188,7 +209,8 @@ def main() -> None:
     for batch, ms in result["decode_step_ms"].items():
         print(
             f"decode    batch {batch:>3}  ours {ms:8.2f} ms  sdpa {result['decode_step_ms_sdpa'][batch]:8.2f} ms  "
-            f"sdpa/ours {result['decode_sdpa_over_ours'][batch]:.2f}"
+            f"sdpa/ours {result['decode_sdpa_over_ours'][batch]:.2f}   attention alone (one layer): ours "
+            f"{result['decode_attention_ms'][batch]:.2f} ms, sdpa {result['decode_attention_ms_sdpa'][batch]:.2f} ms"
         )
     for n, ratio in result["layerwise_speedup"].items():
         waits = result["layerwise_exposed_store_s"][n]
