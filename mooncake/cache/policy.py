@@ -195,16 +195,19 @@ class _HeapPolicy(_PolicyBase):
         # One flat method rather than the base's insert/touch hooks: the capacity
         # analysis calls this once per block of a trace.
         self._tick += 1
-        if key in self._priority:
-            priority = self._rank(key, None)
+        current = self._priority
+        if key in current:
+            priority = current[key] = self._rank(key, None)
         else:
-            priority = self._rank(key, position)
-            self._link(key, parent)
-        self._priority[key] = priority
+            priority = current[key] = self._rank(key, position)
+            if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
+                self._parent[key] = parent
+                self._children[parent] = self._children.get(parent, 0) + 1
         if key not in self._pins and not (self.prefix_aware and key in self._children):  # _is_unprotected, inlined
-            heapq.heappush(self._heap, (priority, key))
-            if len(self._heap) > 4 * len(self._priority) + 1024:
-                self._heap = [(p, k) for k, p in self._priority.items() if self.is_candidate(k)]
+            heap = self._heap
+            heapq.heappush(heap, (priority, key))
+            if len(heap) > 4 * len(current) + 1024:
+                self._heap = [(p, k) for k, p in current.items() if self.is_candidate(k)]
                 heapq.heapify(self._heap)
 
     def _delete(self, key: BlockKey) -> None:

@@ -264,21 +264,29 @@ class TieredCache:
         size = self.page_bytes if length is None else length
         if not 0 <= size <= self.page_bytes:
             raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
-        entries, policies, log = self._entries, self._policies, self._log
+        entries, log = self._entries, self._log
+        accesses = [policy.access for policy in self._policies]
+        access, allocate = accesses[0], pool.try_allocate
         parent = None
+        puts = 0
         with self._lock:
-            for position, key in enumerate(keys):
-                entry = entries.get(key)
-                if entry is not None:
-                    if entry.ready:
-                        policies[entry.level].access(key)
-                else:
-                    page = self._make_room(0, needed_for=key)
-                    entries[key] = _Entry(0, page, size, None, parent, position=position, ready=True)
-                    policies[0].access(key, parent=parent, position=position)
-                    log.append((_STORED, 0, key))
-                    self._counts["puts"] += 1
-                parent = key
+            try:
+                for position, key in enumerate(keys):
+                    entry = entries.get(key)
+                    if entry is not None:
+                        if entry.ready:
+                            accesses[entry.level](key)
+                    else:
+                        page = allocate()
+                        if page is None:
+                            page = self._make_room(0, needed_for=key)
+                        entries[key] = _Entry(0, page, size, None, parent, position=position, ready=True)
+                        access(key, parent=parent, position=position)
+                        log.append((_STORED, 0, key))
+                        puts += 1
+                    parent = key
+            finally:
+                self._counts["puts"] += puts
 
     def reserve(self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0) -> Any:
         """Claim a first-tier page for `key`, to be filled in place (zero copy), e.g. by a transfer.

@@ -88,14 +88,15 @@ class ContinuousBatch:
         if steps > 0:
             first = self.a + self.b * self.context
             rise = self.b * len(self.members)
+            run = (first, rise, steps)  # IntervalRuns.add, inlined: steps > 0
             for member in self.members:
-                intervals = member.record.intervals
                 if member.gap_s:
+                    intervals = member.record.intervals
                     intervals.add(member.gap_s + first, 0.0, 1)
                     intervals.add(first + rise, rise, steps - 1)
                     member.gap_s = 0.0
                 else:
-                    intervals.add(first, rise, steps)
+                    member.record.intervals.runs.append(run)
                 member.remaining -= steps
                 member.context += steps
             self.context += steps * len(self.members)

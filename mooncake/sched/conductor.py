@@ -198,14 +198,15 @@ class Conductor:
             candidates = PrefillBoard([view for view in board if view.is_up])
             lengths = np.where(board.is_up, lengths, 0)
         best = None
-        best_blocks = int(lengths.max()) if lengths.size else 0
-        if best_blocks:
-            holders = np.flatnonzero(lengths == best_blocks)  # the longest prefix; ties: the smallest id
-            best = board.instance_ids[int(holders[board.id_rank[holders].argmin()])]
+        best_blocks = 0
+        if lengths.size:
+            slot = int(lengths.argmax())  # the longest prefix; slots go in id order, so ties go to the smallest id
+            best_blocks = int(lengths[slot])
+            best = board.instance_ids[slot] if best_blocks else None
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
-            prefix_blocks=PrefixBlocks(board.instance_ids, lengths, board.position),
+            prefix_blocks=PrefixBlocks(board.instance_ids, lengths, board.slot),
             best_instance=best,
             best_blocks=best_blocks,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
@@ -259,13 +260,13 @@ class Conductor:
                 transfer_finish_s=now + route.transfer_s,
             )
             self._prefill[route.prefill_instance].queue.append(queued)
-            self._prefill_board.refresh(self._prefill_board.position[route.prefill_instance])
+            self._prefill_board.refresh(self._prefill_board.slot[route.prefill_instance])
             if route.transfer is not None:
                 heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
             self._decode[decode.decode_instance].reserve(
                 request.request_id, request.input_length + request.output_length
             )
-            self._decode_board.refresh(self._decode_board.position[decode.decode_instance])
+            self._decode_board.refresh(self._decode_board.slot[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
             self._in_flight[request.request_id] = _InFlight(
                 route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
@@ -318,7 +319,7 @@ class Conductor:
                         output_tokens=reserved - context,
                     )
                 )
-                self._decode_board.refresh(self._decode_board.position[flight.decode_instance])
+                self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
                 flight.prefilled = flight.decoding = True
         elif isinstance(event, DecodeFinished):
             observe = getattr(self.predictor, "observe", None)
@@ -384,7 +385,7 @@ class Conductor:
         decode = self._decode[flight.decode_instance]
         decode.release(request_id)
         decode.leave(request_id)
-        self._decode_board.refresh(self._decode_board.position[flight.decode_instance])
+        self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome)
 
@@ -418,7 +419,7 @@ class Conductor:
             retimed.append(entry)
             previous_finish = start + duration
         view.queue = retimed
-        self._prefill_board.refresh(self._prefill_board.position[view.instance_id])
+        self._prefill_board.refresh(self._prefill_board.slot[view.instance_id])
 
     def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
         instance = event.instance_id
@@ -427,7 +428,7 @@ class Conductor:
             raise ConfigError(f"unknown instance {instance}")
         board: PrefillBoard | DecodeBoard = self._prefill_board if instance in self._prefill else self._decode_board
         view.is_up = isinstance(event, InstanceUp)
-        board.refresh(board.position[instance])
+        board.refresh(board.slot[instance])
         if view.is_up:
             return ()
         self.index.remove_instance(instance)  # its cache is gone; a restart announces a new epoch

@@ -48,26 +48,31 @@ def choose_decode(
         loads: each instance's batch when the request would join it (default: its batch now).
     """
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
+    if not len(board):
+        return None
     # step_s(batch, tokens) = fixed + tokens · per_token for any batch > 0, so the
-    # lowest TBT is the fewest tokens: compare those, ties by instance id.
+    # lowest TBT is the fewest tokens: compare those; slots go in id order, so the
+    # first of the fewest is the smallest id.
     fits = board.free_tokens >= context_tokens + output_tokens
     if not board.all_up:
         fits &= board.is_up
-    candidates = np.flatnonzero(fits)
-    if not candidates.size:
-        return None
     if loads is None:
-        tokens = board.context_tokens[candidates]
-    else:
-        ids = board.instance_ids
-        tokens = np.array([int(loads[ids[i]].context_tokens) for i in candidates.tolist()], dtype=np.int64)
-    fewest = candidates[tokens == tokens.min()]
-    best = int(fewest[0] if fewest.size == 1 else fewest[board.id_rank[fewest].argmin()])
-    view = board[best]
-    if loads is None:
+        best = int(np.where(fits, board.context_tokens, _NO_ROOM).argmin())
+        if not fits[best]:
+            return None
+        view = board.slot_views[best]
         batch, best_tokens = view.batch_size, view.context_tokens
     else:
-        load = loads[view.instance_id]
-        batch, best_tokens = round(load.batch_size), int(load.context_tokens)
+        candidates = np.flatnonzero(fits).tolist()
+        if not candidates:
+            return None
+        ids = board.instance_ids
+        tokens = [int(loads[ids[slot]].context_tokens) for slot in candidates]
+        best_tokens = min(tokens)
+        view = board.slot_views[candidates[tokens.index(best_tokens)]]
+        batch = round(loads[view.instance_id].batch_size)
     tbt = cost.step_s(batch + 1, best_tokens + context_tokens)
     return DecodeChoice(decode_instance=view.instance_id, tbt_s=tbt)
+
+
+_NO_ROOM = np.iinfo(np.int64).max  # in place of the tokens of an instance the request does not fit

@@ -296,20 +296,22 @@ class KvCacheCentricRouter:
             return None
         own = _blocks_of(query.prefix_blocks, board)
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
-        order = np.lexsort((board.id_rank, queue, own))
+        order = np.lexsort((queue, own))  # stable: equal (length, queue) stay in slot order, which is id order
         by_length = own[order]
         first_of_length = np.empty(len(board), dtype=bool)
         first_of_length[0] = True
         np.not_equal(by_length[1:], by_length[:-1], out=first_of_length[1:])
-        shortest = order[first_of_length].tolist()
+        shortest = order[first_of_length]
         key: tuple[float, float, InstanceId] | None = None
         chosen: tuple[PrefillView, int, bool] | None = None
-        for i, length, waiting in zip(shortest, own[shortest].tolist(), queue[shortest].tolist(), strict=True):
-            instance = board.instance_ids[i]
+        for slot, length, waiting in zip(
+            shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
+        ):
+            instance = board.instance_ids[slot]
             cost, blocks, moves = plan(length, instance)
             candidate_key = (cost + waiting, waiting, instance)
             if key is None or candidate_key < key:
-                key, chosen = candidate_key, (board[i], blocks, moves)
+                key, chosen = candidate_key, (board.slot_views[slot], blocks, moves)
         if chosen is None:
             return None
         view, blocks, moves = chosen

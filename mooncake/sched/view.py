@@ -10,8 +10,9 @@ reproduces them exactly.
 A `PrefillBoard` / `DecodeBoard` lays views of one kind side by side, with what
 routing and decode selection compare kept as arrays (busy-until times; free
 and context tokens), so that choosing among hundreds of instances is a few
-array operations rather than a loop. The owner of the views calls
-`refresh(position)` after changing one; a board built from views reads them.
+array operations rather than a loop. Array slots go in instance id order, so
+the first minimum is the one ties go to. The owner of the views calls
+`refresh(slot)` after changing one; a board built from views reads them.
 
 Invariants (`check_invariants`): queue times are ordered and never negative;
 a request is in at most one queue and at most one decode batch; VRAM in use
@@ -27,7 +28,6 @@ from typing import TypeVar, overload
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 
 from mooncake.types import InstanceId, RequestId
 
@@ -154,21 +154,15 @@ class DecodeView:
 _V = TypeVar("_V", bound="PrefillView | DecodeView")
 
 
-def _id_ranks(instance_ids: Sequence[InstanceId]) -> npt.NDArray[np.int64]:
-    """Each id's rank in sorted order: ties between instances go to the lower rank (the smaller id)."""
-    ranks = np.empty(len(instance_ids), dtype=np.int64)
-    ranks[sorted(range(len(instance_ids)), key=instance_ids.__getitem__)] = np.arange(len(instance_ids))
-    return ranks
-
-
 class _Board(Sequence[_V]):
-    """Views side by side (a sequence, in the order given), their ids and the ids' ranks."""
+    """Views side by side: a sequence of the views in the order given, and per view a slot
+    in the arrays; slots go in id order, so the first of equal values is the smallest id."""
 
     def __init__(self, views: Sequence[_V]) -> None:
         self.views: tuple[_V, ...] = tuple(views)
-        self.instance_ids = tuple(view.instance_id for view in self.views)
-        self.position = {instance: i for i, instance in enumerate(self.instance_ids)}
-        self.id_rank = _id_ranks(self.instance_ids)
+        self.slot_views: tuple[_V, ...] = tuple(sorted(self.views, key=lambda view: view.instance_id))
+        self.instance_ids = tuple(view.instance_id for view in self.slot_views)
+        self.slot = {instance: slot for slot, instance in enumerate(self.instance_ids)}
         self.is_up = np.ones(len(self.views), dtype=bool)
         self._num_down = 0
 
@@ -191,43 +185,44 @@ class _Board(Sequence[_V]):
     def all_up(self) -> bool:
         return self._num_down == 0
 
-    def _refresh_up(self, position: int, is_up: bool) -> None:
-        if is_up != self.is_up[position]:
-            self.is_up[position] = is_up
+    def _refresh_up(self, slot: int, is_up: bool) -> None:
+        if is_up != self.is_up[slot]:
+            self.is_up[slot] = is_up
             self._num_down += -1 if is_up else 1
 
     def refresh_all(self) -> None:
-        for position in range(len(self.views)):
-            self.refresh(position)
+        for slot in range(len(self.views)):
+            self.refresh(slot)
 
-    def refresh(self, position: int) -> None:
+    def refresh(self, slot: int) -> None:
         raise NotImplementedError
 
 
 class PrefillBoard(_Board["PrefillView"]):
-    """Prefill views side by side: `busy_until_s[i]` is when view i's last queued request
-    is predicted to finish (−inf with nothing queued), `is_up[i]` whether it is up."""
+    """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
+    view in slot s is predicted to finish (−inf with nothing queued), `is_up[s]` whether it is up."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
         super().__init__(views)
         self.busy_until_s = np.full(len(self.views), -math.inf)
         self.refresh_all()
 
-    def refresh(self, position: int) -> None:
-        """Read view `position` again (after its queue or state changed)."""
-        view = self.views[position]
-        self.busy_until_s[position] = view.queue[-1].finish_s if view.queue else -math.inf
-        self._refresh_up(position, view.is_up)
+    def refresh(self, slot: int) -> None:
+        """Read the view in `slot` again (after its queue or state changed)."""
+        view = self.slot_views[slot]
+        self.busy_until_s[slot] = view.queue[-1].finish_s if view.queue else -math.inf
+        self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
-        assert self.busy_until_s.tolist() == [v.queue[-1].finish_s if v.queue else -math.inf for v in self.views]
-        assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
-        assert self.all_up == all(v.is_up for v in self.views)
+        views = self.slot_views
+        assert self.busy_until_s.tolist() == [v.queue[-1].finish_s if v.queue else -math.inf for v in views]
+        assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
+        assert self.all_up == all(v.is_up for v in views)
 
 
 class DecodeBoard(_Board["DecodeView"]):
-    """Decode views side by side: `free_tokens[i]` (KV room left: capacity − used − reserved),
-    `context_tokens[i]` (prompt tokens decoding there) and `is_up[i]` of view i."""
+    """Decode views side by side: per slot, `free_tokens` (KV room left: capacity − used −
+    reserved), `context_tokens` (prompt tokens decoding there) and `is_up`."""
 
     def __init__(self, views: Sequence[DecodeView]) -> None:
         super().__init__(views)
@@ -235,18 +230,19 @@ class DecodeBoard(_Board["DecodeView"]):
         self.context_tokens = np.zeros(len(self.views), dtype=np.int64)
         self.refresh_all()
 
-    def refresh(self, position: int) -> None:
-        """Read view `position` again (after a reservation, join, leave or state change)."""
-        view = self.views[position]
-        self.free_tokens[position] = view.capacity_tokens - view.used_tokens - view.reserved_tokens
-        self.context_tokens[position] = view.context_tokens
-        self._refresh_up(position, view.is_up)
+    def refresh(self, slot: int) -> None:
+        """Read the view in `slot` again (after a reservation, join, leave or state change)."""
+        view = self.slot_views[slot]
+        self.free_tokens[slot] = view.capacity_tokens - view.used_tokens - view.reserved_tokens
+        self.context_tokens[slot] = view.context_tokens
+        self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
-        assert self.free_tokens.tolist() == [v.free_tokens() for v in self.views], "free tokens out of sync"
-        assert self.context_tokens.tolist() == [v.context_tokens for v in self.views], "context out of sync"
-        assert self.is_up.tolist() == [v.is_up for v in self.views], "up states out of sync"
-        assert self.all_up == all(v.is_up for v in self.views)
+        views = self.slot_views
+        assert self.free_tokens.tolist() == [v.free_tokens() for v in views], "free tokens out of sync"
+        assert self.context_tokens.tolist() == [v.context_tokens for v in views], "context out of sync"
+        assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
+        assert self.all_up == all(v.is_up for v in views)
 
 
 @attrs.frozen(kw_only=True)

@@ -205,7 +205,7 @@ def test_a_board_with_prefix_arrays_routes_as_plain_views(
     router = KvCacheCentricRouter(estimator, threshold=threshold)
     board = PrefillBoard(views)
     blocks = np.array([q.prefix_blocks.get(i, 0) for i in board.instance_ids], dtype=np.int64)
-    arrays = attrs.evolve(q, prefix_blocks=PrefixBlocks(board.instance_ids, blocks))
+    arrays = attrs.evolve(q, prefix_blocks=PrefixBlocks(board.instance_ids, blocks, board.slot))
     assert router.route(board, arrays, NOW, random.Random(0)) == router.route(views, q, NOW, random.Random(0))
 
 

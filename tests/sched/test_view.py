@@ -20,27 +20,31 @@ def queued(name: str, finish_s: float) -> QueuedPrefill:
     return QueuedPrefill(request_id=RequestId(name), start_s=0.0, finish_s=finish_s)
 
 
-def test_a_board_is_its_views_in_order_with_ranked_ids() -> None:
-    """The sequence keeps the order given; `id_rank` orders the ids (so ties go to the smaller id)."""
+def test_a_board_is_its_views_in_order_with_slots_in_id_order() -> None:
+    """The sequence keeps the order given; array slots go in id order (so ties go to the smaller id)."""
     ids = [InstanceId(name) for name in ("prefill-2", "prefill-10", "prefill-1")]
     board = PrefillBoard([PrefillView(i) for i in ids])
-    assert [v.instance_id for v in board] == ids == list(board.instance_ids)
-    assert len(board) == 3 and board[1].instance_id == ids[1] and board.position[ids[2]] == 2
-    assert board.id_rank.tolist() == [2, 1, 0]  # "prefill-1" < "prefill-10" < "prefill-2"
+    assert [v.instance_id for v in board] == ids and len(board) == 3 and board[1].instance_id == ids[1]
+    assert board.instance_ids == (ids[2], ids[1], ids[0])  # "prefill-1" < "prefill-10" < "prefill-2"
+    assert [v.instance_id for v in board.slot_views] == list(board.instance_ids)
+    assert board.slot == {ids[2]: 0, ids[1]: 1, ids[0]: 2}
     assert board.busy_until_s.tolist() == [-math.inf] * 3 and board.all_up
 
 
 def test_prefill_board_follows_queues_and_state_on_refresh() -> None:
     """After a view's queue or up state changes, `refresh` makes the board say so."""
-    view = PrefillView(InstanceId("prefill-0"))
-    board = PrefillBoard([view, PrefillView(InstanceId("prefill-1"))])
+    view = PrefillView(InstanceId("prefill-1"))
+    board = PrefillBoard([view, PrefillView(InstanceId("prefill-0"))])
     view.queue.append(queued("a", 3.0))
     view.queue.append(queued("b", 5.0))
     view.is_up = False
-    board.refresh(0)
-    assert board.busy_until_s.tolist() == [5.0, -math.inf]
-    assert board.is_up.tolist() == [False, True] and not board.all_up
+    board.refresh(board.slot[view.instance_id])
+    assert board.busy_until_s.tolist() == [-math.inf, 5.0]
+    assert board.is_up.tolist() == [True, False] and not board.all_up
     board.check_invariants()
+    view.is_up = True
+    board.refresh(1)
+    assert board.all_up
 
 
 def test_decode_board_follows_reservations_and_batches_on_refresh() -> None:
@@ -60,4 +64,5 @@ def test_prefill_board_holds_what_its_views_say(views: list[PrefillView]) -> Non
     """Built from views, a board's arrays equal the views' last finish times and states."""
     board = PrefillBoard(views)
     board.check_invariants()
-    assert board.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in views]
+    by_id = sorted(views, key=lambda v: v.instance_id)
+    assert board.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in by_id]
