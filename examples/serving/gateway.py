@@ -194,7 +194,9 @@ class Gateway:
                 self.conductor.add_decode_instance(InstanceId(worker["instance_id"]), capacity_tokens=capacity)
         self.up = dict.fromkeys(self.roles, True)
         self._is_alive = is_alive
-        self.engine = TransferEngine(secret=secret, config=EngineConfig(transports=("tcp",), io_timeout_s=5.0))
+        self.engine = TransferEngine(
+            secret=secret, config=EngineConfig(transports=("tcp",), io_timeout_s=5.0, spin_us=0)
+        )
         for method in (
             "prefill.started",
             "prefill.done",

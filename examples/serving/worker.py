@@ -92,7 +92,10 @@ class Worker:
         self.hasher = BlockHasher(model=config.model["preset"], block_size_tokens=block)
         self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model["dtype"])
         self.engine = TransferEngine(
-            secret=spec.secret, config=EngineConfig(transports=("tcp", "shm"), io_timeout_s=5.0)
+            # No polling for answers (spin_us=0): engines share the machine's cores, and polling threads
+            # starve each other of the GIL (a layer's batch of small slices took ~0.5 ms a slice).
+            secret=spec.secret,
+            config=EngineConfig(transports=("tcp", "shm"), io_timeout_s=5.0, spin_us=0),
         )
         pool, region = shared_dram_pool(self.engine, self.layout.page_bytes, config.cache["dram_blocks"])
         pools: list[PagePool] = [pool]
