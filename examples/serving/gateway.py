@@ -20,6 +20,7 @@ All Conductor calls happen on the event loop's thread: it is the Conductor's onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -242,6 +243,8 @@ class Gateway:
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         for live in list(self.live.values()):
             live.events.put_nowait(("error", HttpError(503, "the cluster is shutting down", kind="server_error")))
         self._calls.shutdown(wait=False, cancel_futures=True)
