@@ -173,12 +173,18 @@ class _HeapPolicy(_PolicyBase):
 
     Each candidate has an entry (priority, key) with its current priority; stale
     entries (old priority, dropped or protected key) are discarded when popped.
+    The entry of the block accessed last waits outside the heap (`_newest`) until
+    the next access, and goes in only if it is still current then: a block just
+    stored usually gets a child with the next block of its chain, which would
+    leave a stale entry for every block but a chain's last. `_choose` compares it
+    with the heap's top, so it counts exactly as if it were in the heap.
     """
 
     def __init__(self, *, prefix_aware: bool = True) -> None:
         super().__init__(prefix_aware=prefix_aware)
         self._priority: dict[BlockKey, Any] = {}
         self._heap: list[tuple[Any, BlockKey]] = []
+        self._newest: tuple[Any, BlockKey] | None = None
         self._tick = 0
 
     def __contains__(self, key: object) -> bool:
@@ -203,12 +209,19 @@ class _HeapPolicy(_PolicyBase):
             if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
                 self._parent[key] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
-        if key not in self._pins and not (self.prefix_aware and key in self._children):  # _is_unprotected, inlined
-            heap = self._heap
-            heapq.heappush(heap, (priority, key))
-            if len(heap) > 4 * len(current) + 1024:
-                self._heap = [(p, k) for k, p in current.items() if self.is_candidate(k)]
-                heapq.heapify(self._heap)
+        pins, children, prefix_aware = self._pins, self._children, self.prefix_aware
+        newest = self._newest
+        if newest is not None:
+            self._newest = None
+            old, waiting = newest
+            if current.get(waiting) == old and waiting not in pins and not (prefix_aware and waiting in children):
+                heap = self._heap
+                heapq.heappush(heap, newest)
+                if len(heap) > 4 * len(current) + 1024:
+                    self._heap = [(p, k) for k, p in current.items() if self.is_candidate(k)]
+                    heapq.heapify(self._heap)
+        if key not in pins and not (prefix_aware and key in children):  # _is_unprotected, inlined
+            self._newest = (priority, key)
 
     def _delete(self, key: BlockKey) -> None:
         del self._priority[key]
@@ -220,15 +233,24 @@ class _HeapPolicy(_PolicyBase):
         heap, current, pins, children = self._heap, self._priority, self._pins, self._children
         prefix_aware = self.prefix_aware
         while heap:
-            priority, key = heapq.heappop(heap)
+            priority, key = heap[0]
             # Inlined is_candidate: this loop is the policy's hot path.
             if current.get(key) == priority and key not in pins and not (prefix_aware and key in children):
+                break
+            heapq.heappop(heap)
+        newest = self._newest
+        if newest is not None:
+            priority, key = newest
+            if current.get(key) != priority or key in pins or (prefix_aware and key in children):
+                self._newest = None
+            elif not heap or newest < heap[0]:
+                self._newest = None
                 return key
-        return None
+        return heapq.heappop(heap)[1] if heap else None
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        entries = set(self._heap)
+        entries = set(self._heap) | ({self._newest} if self._newest is not None else set())
         for key, priority in self._priority.items():
             if self.is_candidate(key):
                 assert (priority, key) in entries, f"candidate {key} has no current heap entry"
