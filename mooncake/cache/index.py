@@ -158,9 +158,9 @@ class BlockIndex:
         self._table = KeyTable()
         self._sources: dict[InstanceId, _SourceState] = {}
         self._instance_of: list[InstanceId | None] = []  # slot → instance; None marks a free slot
-        # prefix_lengths' last slot lookup: (instances, slot layout version, their slots, which have none)
+        # prefix_lengths' last slot lookup: (instances, slot layout version, their slots, which have none, any)
         self._layout = 0
-        self._gather: tuple[Sequence[InstanceId], int, npt.NDArray[np.intp], npt.NDArray[np.bool_]] | None = None
+        self._gather: tuple[Sequence[InstanceId], int, npt.NDArray[np.intp], npt.NDArray[np.bool_], bool] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -236,9 +236,16 @@ class BlockIndex:
         if gather is None or gather[0] is not instances or gather[1] != self._layout:
             slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
             unknown = np.array([slot < 0 for slot in slots], dtype=bool)
-            gather = self._gather = (instances, self._layout, np.maximum(np.array(slots, dtype=np.intp), 0), unknown)
+            gather = (
+                instances,
+                self._layout,
+                np.maximum(np.array(slots, dtype=np.intp), 0),
+                unknown,
+                bool(unknown.any()),
+            )
+            self._gather = gather
         lengths: npt.NDArray[np.int64] = per_slot[gather[2]]
-        if gather[3].any():
+        if gather[4]:
             lengths[gather[3]] = 0
         return lengths
 

@@ -61,9 +61,9 @@ class IntervalRuns:
             return np.empty(0)
         table = np.array(self.runs, dtype=np.float64)  # counts are exact as floats (< 2**53)
         counts = table[:, 2].astype(np.int64)
-        ends = np.cumsum(counts)
-        offsets = np.arange(ends[-1]) - np.repeat(ends - counts, counts)
-        first_and_step = np.repeat(table[:, :2], counts, axis=0)
+        ends = counts.cumsum()
+        offsets = np.arange(ends[-1]) - (ends - counts).repeat(counts)
+        first_and_step = table[:, :2].repeat(counts, axis=0)
         values: np.ndarray = first_and_step[:, 0] + first_and_step[:, 1] * offsets
         return values
 
