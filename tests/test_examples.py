@@ -147,8 +147,9 @@ def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) 
     trace = tmp_path / "trace.jsonl"
     lines = [
         {"timestamp": 0, "input_length": 1500, "output_length": 40, "hash_ids": [1, 2, 3]},
-        {"timestamp": 100, "input_length": 1600, "output_length": 40, "hash_ids": [1, 2, 3, 4]},
-        {"timestamp": 200, "input_length": 600, "output_length": 20, "hash_ids": [9, 10]},
+        # Three seconds later: the first has long been prefilled and its blocks indexed, even on a busy machine.
+        {"timestamp": 3000, "input_length": 1600, "output_length": 40, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 3100, "input_length": 600, "output_length": 20, "hash_ids": [9, 10]},
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     done = run("load.py", "--trace", str(trace), "--speedup", "1", "--json", "--out", str(tmp_path / "out"))
