@@ -566,12 +566,17 @@ class TieredCache:
         """A free page of `level`, evicting (and demoting) as needed; None if all is protected."""
         pool = self.pools[level]
         page = pool.try_allocate()
-        while page is None:
-            victim = self._policies[level].evict()
-            if victim is None:
-                return None
-            self._demote(victim, self._entries[victim])
-            page = pool.try_allocate()
+        if page is None:
+            policy, last = self._policies[level], level + 1 == len(self.pools)
+            while page is None:
+                victim = policy.evict()
+                if victim is None:
+                    return None
+                if last:  # no tier to demote to: what _demote would do
+                    self._drop(victim, self._entries[victim])
+                else:
+                    self._demote(victim, self._entries[victim])
+                page = pool.try_allocate()
         return page
 
     def _demote(self, key: BlockKey, entry: _Entry) -> None:

@@ -285,7 +285,7 @@ class Conductor:
 
     def handle(self, event: SchedulerEvent) -> tuple[RequestEnd, ...]:
         """Apply a progress event; returns the requests it ended."""
-        if isinstance(event, InstanceDown | InstanceUp):
+        if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
         flight = self._in_flight.get(event.request_id)
         if flight is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
@@ -108,3 +109,24 @@ def test_order_is_time_then_insertion(schedule: list[tuple[int, list[int]]]) -> 
     assert sorted(ran) == sorted(expected_log)
     for (t1, n1), (t2, n2) in itertools.pairwise(ran):
         assert t1 < t2 or n1 < n2, "ties must run in scheduling order"
+
+
+def test_run_does_young_collections_only_and_restores_the_thresholds() -> None:
+    """Inside `run` the oldest generation is never collected automatically; after it (even when
+    a handler raises) the garbage collector's thresholds are what they were."""
+    before = gc.get_threshold()
+    seen: list[tuple[int, ...]] = []
+    loop = EventLoop()
+    loop.at(1.0, lambda _now: seen.append(gc.get_threshold()))
+    loop.run()
+    assert seen[0][:2] == before[:2] and seen[0][2] >= 1 << 30
+    assert gc.get_threshold() == before
+
+    def fail(_now: float) -> None:
+        raise RuntimeError("handler failed")
+
+    failing = EventLoop()
+    failing.at(1.0, fail)
+    with pytest.raises(RuntimeError):
+        failing.run()
+    assert gc.get_threshold() == before
