@@ -94,6 +94,18 @@ def test_top_mean_small_runs_match_brute_force(runs: IntervalRuns) -> None:
     assert_top_mean(runs)
 
 
+@given(interval_runs(max_count=800))
+def test_top_mean_is_numpys_mean_of_the_partitioned_values_bit_for_bit(runs: IntervalRuns) -> None:
+    """Up to 4,096 intervals the result is exactly numpy's mean of the top of `np.partition(values)`
+    (replays must not change by an ulp), however the values are listed or summed."""
+    values = runs.values()
+    assert values.tolist() == runs.listed()
+    if 0 < values.size <= BISECTION_ABOVE:
+        m = max(1, math.ceil(0.1 * values.size))
+        expected = float(np.partition(values, values.size - m)[values.size - m :].mean())
+        assert top_mean(runs) == expected and math.copysign(1.0, top_mean(runs)) == math.copysign(1.0, expected)
+
+
 @settings(max_examples=40)
 @given(interval_runs(max_count=4000), st.integers(min_value=BISECTION_ABOVE + 1, max_value=20_000))
 def test_top_mean_large_runs_match_brute_force(runs: IntervalRuns, extra: int) -> None:
