@@ -30,7 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from mooncake.errors import BlockPinnedError, UnknownBlockError
 from mooncake.types import BlockKey
@@ -180,6 +180,8 @@ class _HeapPolicy(_PolicyBase):
     with the heap's top, so it counts exactly as if it were in the heap.
     """
 
+    _ranked_by_tick: ClassVar[bool] = False  # the priority is the tick itself (LRU): `access` skips `_rank`
+
     def __init__(self, *, prefix_aware: bool = True) -> None:
         super().__init__(prefix_aware=prefix_aware)
         self._priority: dict[BlockKey, Any] = {}
@@ -200,12 +202,12 @@ class _HeapPolicy(_PolicyBase):
     def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
         # One flat method rather than the base's insert/touch hooks: the capacity
         # analysis calls this once per block of a trace.
-        self._tick += 1
+        tick = self._tick = self._tick + 1
         current = self._priority
         if key in current:
-            priority = current[key] = self._rank(key, None)
+            priority = current[key] = tick if self._ranked_by_tick else self._rank(key, None)
         else:
-            priority = current[key] = self._rank(key, position)
+            priority = current[key] = tick if self._ranked_by_tick else self._rank(key, position)
             if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
                 self._parent[key] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
@@ -258,6 +260,8 @@ class _HeapPolicy(_PolicyBase):
 
 class LruPolicy(_HeapPolicy):
     """Least recently used first."""
+
+    _ranked_by_tick = True
 
     def _rank(self, key: BlockKey, position: int | None) -> Any:
         return self._tick  # the logical clock: one tick per access

@@ -280,7 +280,7 @@ class TieredCache:
                         page = allocate()
                         if page is None:
                             page = self._make_room(0, needed_for=key)
-                        entries[key] = _Entry(0, page, size, None, parent, position=position, ready=True)
+                        entries[key] = _Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
                         access(key, parent=parent, position=position)
                         log.append((_STORED, 0, key))
                         puts += 1
