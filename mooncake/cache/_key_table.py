@@ -106,7 +106,8 @@ class KeyTable:
         """Per slot, the contiguous prefix of `query` it holds."""
         lengths = np.zeros(self.counts.size, dtype=np.int64)
         if query.size:
-            alive = np.full(self.words.shape[1], _PRESENCE, dtype=np.uint64)
+            alive = np.empty(self.words.shape[1], dtype=np.uint64)
+            alive.fill(_PRESENCE)
             self._k["match"](self.keys, self.words, query, lengths, alive)
         return lengths
 

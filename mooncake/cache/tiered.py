@@ -169,10 +169,11 @@ class TieredCache:
     def prefix_match(self, keys: Iterable[BlockKey]) -> int:
         """How many leading `keys` the cache holds (in any tier)."""
         count = 0
+        entries = self._entries
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or not entry.is_live:
+                entry = entries.get(key)
+                if entry is None or not entry.ready or entry.corrupt:  # not is_live
                     break
                 count += 1
         return count
@@ -660,6 +661,14 @@ class TieredCache:
 def _group_changes(log: list[tuple[int, int, BlockKey]]) -> list[tuple[tuple[int, int], list[BlockKey]]]:
     """The log's (kind, level) → keys groups, in order: a stretch without a repeated key is one
     group per (kind, level), in the order they first appear; a repeated key starts a new stretch."""
+    if len({key for _, _, key in log}) == len(log):  # no key changes twice: one stretch
+        by_kind: dict[tuple[int, int], list[BlockKey]] = {}
+        for kind, level, key in log:
+            keys = by_kind.get((kind, level))
+            if keys is None:
+                keys = by_kind[(kind, level)] = []
+            keys.append(key)
+        return list(by_kind.items())
     groups: list[tuple[tuple[int, int], list[BlockKey]]] = []
     stretch: dict[tuple[int, int], list[BlockKey]] = {}
     touched: set[BlockKey] = set()

@@ -164,7 +164,8 @@ class _Board(Sequence[_V]):
         self.instance_ids = tuple(view.instance_id for view in self.slot_views)
         self.slot = {instance: slot for slot, instance in enumerate(self.instance_ids)}
         self.is_up = np.ones(len(self.views), dtype=bool)
-        self._num_down = 0
+        self.all_up = True
+        self._down: set[int] = set()  # slots of views that are down
 
     def __len__(self) -> int:
         return len(self.views)
@@ -181,14 +182,14 @@ class _Board(Sequence[_V]):
     def __iter__(self) -> Iterator[_V]:
         return iter(self.views)
 
-    @property
-    def all_up(self) -> bool:
-        return self._num_down == 0
-
     def _refresh_up(self, slot: int, is_up: bool) -> None:
-        if is_up != self.is_up[slot]:
+        if is_up == (slot in self._down):  # changed
             self.is_up[slot] = is_up
-            self._num_down += -1 if is_up else 1
+            if is_up:
+                self._down.discard(slot)
+            else:
+                self._down.add(slot)
+            self.all_up = not self._down
 
     def refresh_all(self) -> None:
         for slot in range(len(self.views)):
