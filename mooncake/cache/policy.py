@@ -24,7 +24,8 @@ Without it, blocks are ranked alone, as in the paper's Table 1.
 Invariants:
 - `evict` never returns a pinned block, nor (prefix-aware) a block with a cached child.
 - `evict` returns None only when no cached block is a candidate.
-- Every candidate is reachable by `evict` (heap policies: it has a current entry).
+- Every candidate is reachable by `evict` (heap policies: it has a current entry,
+  in the heap or as the entry of the block accessed last).
 """
 
 from __future__ import annotations
