@@ -240,8 +240,8 @@ class RecordTable(Sequence[RequestRecord]):
             self._intervals[row] = record.intervals
 
     def column(self, name: str) -> np.ndarray:
-        """A field of every record as an array (times: NaN for None; outcome, reason and
-        instances: codes, see `names` and `outcome_code`); live records are read too."""
+        """A field of every record as an array, live records included (times: NaN for None;
+        outcome, reason, instances and inline_prefill: codes, see `outcome_code` and `code_of`)."""
         if name in self._floats:
             values: np.ndarray = np.frombuffer(self._floats[name], dtype=np.float64).copy()
         elif name in self._ints:
@@ -259,6 +259,18 @@ class RecordTable(Sequence[RequestRecord]):
     def code_of(self, name: str | None) -> int:
         """The code `name` has (or would get) in the coded columns."""
         return self._names.code(name)
+
+    @property
+    def num_live(self) -> int:
+        """Records whose request has not ended yet."""
+        return len(self._live)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a row is neither live nor sealed once, or a column is short."""
+        assert sorted(self._row_of.values()) == sorted(self._live), "live rows out of sync"
+        assert all(id(record) in self._row_of for record in self._live.values()), "a live record lost its row"
+        assert all(len(column) == len(self) for column in self._columns), "a column is short"
+        assert not self.keep_intervals or len(self._intervals) == len(self), "intervals out of sync"
 
     def __len__(self) -> int:
         return len(self._request_ids)

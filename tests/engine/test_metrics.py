@@ -243,10 +243,12 @@ def test_record_table_returns_live_records_and_rebuilds_sealed_ones() -> None:
     table.add(first)
     table.add(second)
     assert len(table) == 2 and table[0] is first and table[-1] is second
+    table.check_invariants()
     first.outcome, first.first_token_s, first.finish_s, first.tbt_s = Outcome.COMPLETED, 0.75, 2.0, 0.02
     first.prefill_instance = first.decode_instance = InstanceId("node-1")
     first.intervals.add(0.02, 0.001, 3)
     table.seal(first)
+    table.check_invariants()
     rebuilt = table[0]
     assert rebuilt is not first and rebuilt == first and table[0:1] == (first,)
     assert list(table) == [first, second] and table == [first, second]

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from mooncake.engine.metrics import Outcome, ReplayResult, RequestRecord, top_mean
+from mooncake.engine.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
 from mooncake.engine.simulated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor, replay
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
@@ -150,8 +150,12 @@ conductor_options = st.fixed_dictionaries(
 
 
 def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) -> None:
-    """One record per request, each with one final outcome consistent with its times."""
+    """One record per request, each with one final outcome consistent with its times (and sealed:
+    the table holds no live record once the replay is over)."""
     records = result.records
+    if isinstance(records, RecordTable):
+        records.check_invariants()
+        assert records.num_live == 0, "a record was never sealed"
     assert Counter(r.request_id for r in records) == Counter(r.request_id for r in requests)
     by_id = {r.request_id: r for r in requests}
     for record in records:
