@@ -24,9 +24,7 @@ two are compared on equal terms.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -34,8 +32,8 @@ from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.batch import ContinuousBatch, Member
-from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.engine.metrics import Outcome, RequestRecord, top_mean
+from mooncake.engine.replayer import Replayer
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
 from mooncake.types import InstanceId, Request, Slo, Tier
@@ -121,7 +119,7 @@ class _Instance:
         return self.prefills + len(self.batch)
 
 
-class CoupledCluster:
+class CoupledCluster(Replayer):
     """Replays requests through coupled instances (no Conductor: a load balancer spreads them)."""
 
     def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None) -> None:
@@ -150,47 +148,14 @@ class CoupledCluster:
             )
             for i in range(spec.num_instances)
         ]
-        self.loop = EventLoop()
-        self._records = RecordTable()
-        self._load = LoadTrace(spec.sample_interval_s, self._counts)
-        self._arrived = 0
-        self._progress: Callable[[int], None] | None = None
-
-    def run(
-        self,
-        requests: Iterable[Request],
-        *,
-        progress: Callable[[int], None] | None = None,
-        keep_intervals: bool = True,
-    ) -> ReplayResult:
-        """Replay `requests` (in arrival order; streamed) to the end and summarize.
-
-        Args:
-            progress: told the count of requests arrived so far, at each arrival.
-            keep_intervals: keep every record's token intervals (False frees them once
-                its TBT is known: large replays).
-        """
-        started = time.perf_counter()
-        self._progress = progress
-        self._records.keep_intervals = keep_intervals
-        self.loop.feed(requests, _arrival_s, self._arrive)
-        self.loop.run(self._load)
-        return ReplayResult(
-            summary=summarize(self._records, self.slo, sim_wall_s=time.perf_counter() - started),
-            records=self._records,
-            load=tuple(self._load.samples),
-        )
+        self._start_replay(spec.sample_interval_s, self._counts)
 
     def _counts(self) -> tuple[int, int]:
         prefill = sum(i.prefills for i in self._instances)
         return prefill, sum(len(i.batch) for i in self._instances)
 
     def _arrive(self, now: float, request: Request) -> None:
-        self._arrived += 1
-        if self._progress is not None:
-            self._progress(self._arrived)
-        record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
-        self._records.add(record)
+        record = self._record_arrival(now, request)
         if request.input_length + request.output_length > self.capacity_tokens:
             record.outcome = Outcome.REJECTED_BEFORE_PREFILL
             record.reason = "exceeds_hbm"
@@ -293,7 +258,3 @@ class CoupledCluster:
         record.finish_s = now
         record.tbt_s = top_mean(record.intervals)
         self._records.seal(record)
-
-
-def _arrival_s(request: Request) -> float:
-    return request.arrival_s

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -43,8 +42,8 @@ from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.batch import ContinuousBatch, Member
-from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.engine.metrics import Outcome, ReplayResult, RequestRecord, top_mean
+from mooncake.engine.replayer import Replayer
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -262,7 +261,7 @@ def replay(
     return SimulatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
 
 
-class SimulatedCluster:
+class SimulatedCluster(Replayer):
     """Replays requests through a simulated cluster governed by `conductor`.
 
     The conductor must know the prefill and decode instances the spec describes
@@ -300,42 +299,12 @@ class SimulatedCluster:
             )
             for view in conductor.decode_views
         }
-        self.loop = EventLoop()
-        self._records = RecordTable()
-        self._load = LoadTrace(spec.sample_interval_s, lambda: (self._prefill_count, self._decode_count))
+        self._start_replay(spec.sample_interval_s, lambda: (self._prefill_count, self._decode_count))
         self._prefill_count = 0
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
-        self._arrived = 0
-        self._progress: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ the loop
-
-    def run(
-        self,
-        requests: Iterable[Request],
-        *,
-        progress: Callable[[int], None] | None = None,
-        keep_intervals: bool = True,
-    ) -> ReplayResult:
-        """Replay `requests` (in arrival order; streamed) to the end and summarize.
-
-        Args:
-            progress: told the count of requests arrived so far, at each arrival.
-            keep_intervals: keep every record's token intervals (False frees them once
-                its TBT is known: large replays).
-        """
-        started = time.perf_counter()
-        self._progress = progress
-        self._records.keep_intervals = keep_intervals
-        self.loop.feed(requests, _arrival_s, self._arrive)
-        self.loop.run(self._load)
-        wall = time.perf_counter() - started
-        return ReplayResult(
-            summary=summarize(self._records, self.slo, sim_wall_s=wall),
-            records=self._records,
-            load=tuple(self._load.samples),
-        )
 
     def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:
         """What `decode_instance` really holds at `now` (within the current stretch): requests
@@ -346,11 +315,7 @@ class SimulatedCluster:
     # ------------------------------------------------------------------ prefill side
 
     def _arrive(self, now: float, request: Request) -> None:
-        self._arrived += 1
-        if self._progress is not None:
-            self._progress(self._arrived)
-        record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
-        self._records.add(record)
+        record = self._record_arrival(now, request)
         decision = self.conductor.schedule(request, now)
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
         if not decision.accepted:
@@ -549,7 +514,3 @@ class SimulatedCluster:
                 generated_tokens=record.output_tokens,
             )
         )
-
-
-def _arrival_s(request: Request) -> float:
-    return request.arrival_s
