@@ -40,9 +40,10 @@ import torch
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.attention import decode_attention, sdpa_decode_attention
+from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import PRESETS, LlamaModel, ModelConfig
+from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.types import BlockKey, RequestId

@@ -34,9 +34,10 @@ from serving.launch import start_cluster
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
+from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeEngine
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import PRESETS, LlamaModel
+from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import PrefillEngine
 from mooncake.types import RequestId
 

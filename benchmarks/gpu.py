@@ -23,9 +23,10 @@ import torch
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.attention import flash_attention_available
+from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import PRESETS, LlamaModel
+from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.types import BlockKey, RequestId
 

@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from mooncake.engine.simulated import ClusterSpec, replay
 from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sim.disaggregated import ClusterSpec, replay
 from mooncake.types import Request
 from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
 

@@ -27,10 +27,6 @@ import attrs
 import numpy as np
 import simulation
 
-from mooncake.engine.coupled import CoupledCluster, CoupledSpec
-from mooncake.engine.metrics import LoadSample, Outcome, ReplayResult
-from mooncake.engine.report import plot_cdfs, plot_lines, plot_load, write_json
-from mooncake.engine.simulated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel
 from mooncake.sched.predictor import (
@@ -42,6 +38,10 @@ from mooncake.sched.predictor import (
     score_predictor,
 )
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
+from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor
+from mooncake.sim.metrics import LoadSample, Outcome, ReplayResult
+from mooncake.sim.report import plot_cdfs, plot_lines, plot_load, write_json
 from mooncake.types import Request, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 

@@ -17,7 +17,7 @@ Each request streams (with `stream_options.include_usage`) so that TTFT and
 every token interval are measured at the client; TBT is the paper's (mean of
 the longest 10 % intervals). A 429 is a rejection (after prefill when the
 decode engine refused it); other errors count as failed. The summary is
-`mooncake.engine.metrics.summarize`'s, as for a simulated replay, with
+`mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
 `sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`
 are not visible to a client and stay 0.
 """
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 
-from mooncake.engine.metrics import Outcome, RequestRecord, summarize, top_mean
-from mooncake.engine.report import write_json
+from mooncake.sim.metrics import Outcome, RequestRecord, summarize, top_mean
+from mooncake.sim.report import write_json
 from mooncake.types import Request, Slo
 from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
 

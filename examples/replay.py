@@ -23,12 +23,12 @@ from pathlib import Path
 
 import simulation
 
-from mooncake.engine.coupled import CoupledCluster, CoupledSpec
-from mooncake.engine.metrics import Outcome, ReplayResult
-from mooncake.engine.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
-from mooncake.engine.simulated import SimulatedCluster, build_conductor
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.disaggregated import SimulatedCluster, build_conductor
+from mooncake.sim.metrics import Outcome, ReplayResult
+from mooncake.sim.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
 

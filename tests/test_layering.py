@@ -26,9 +26,16 @@ LAYERS = {
     "mooncake.transfer": 2,
     "mooncake.sched": 2,
     "mooncake.engine": 3,
+    "mooncake.sim": 3,
     "mooncake.cli": 4,
 }
-FORBIDDEN_PAIRS = {("mooncake.transfer", "mooncake.sched"), ("mooncake.sched", "mooncake.transfer")}
+# Siblings that never import each other: transfer and sched; the torch engines and the simulator.
+FORBIDDEN_PAIRS = {
+    ("mooncake.transfer", "mooncake.sched"),
+    ("mooncake.sched", "mooncake.transfer"),
+    ("mooncake.engine", "mooncake.sim"),
+    ("mooncake.sim", "mooncake.engine"),
+}
 
 
 def layer_of(module: str) -> str:
@@ -70,7 +77,7 @@ def test_imports_go_one_way(module: str) -> None:
             continue
         other = layer_of(imported)
         assert LAYERS[other] <= LAYERS[own], f"{module} ({own}) imports {imported} ({other}), a higher layer"
-        assert (own, other) not in FORBIDDEN_PAIRS, f"{module} imports {imported}: transfer and sched are siblings"
+        assert (own, other) not in FORBIDDEN_PAIRS, f"{module} imports {imported}: {own} and {other} are siblings"
 
 
 def test_cache_import_is_light() -> None:
@@ -99,10 +106,22 @@ def test_only_the_engine_imports_torch_at_module_level(module: str) -> None:
         assert "torch" not in top_level_imports(module), f"{module} imports torch at module level"
 
 
+@pytest.mark.parametrize("module", [m for m in module_names() if m.startswith("mooncake.sim")])
+def test_simulator_never_imports_torch(module: str) -> None:
+    """No module of `mooncake.sim` imports torch, at any level: the simulator runs where torch is absent."""
+    path = ROOT.joinpath(*module.split(".")[1:])
+    source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+    for node in ast.walk(ast.parse(source.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        assert not any(name == "torch" or name.startswith("torch.") for name in names), f"{module} imports torch"
+
+
 def test_simulator_import_is_light() -> None:
-    """The simulated engines and their reports run without torch: importing them does not load it."""
+    """The whole simulator and its reports load without torch: importing them does not load it."""
     script = (
-        "import sys, mooncake.engine.simulated, mooncake.engine.coupled, mooncake.engine.report; "
+        "import sys, mooncake.sim.disaggregated, mooncake.sim.coupled, mooncake.sim.report; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)

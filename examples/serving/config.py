@@ -114,7 +114,7 @@ def parse(data: dict[str, Any], source: str) -> ClusterConfig:
             key: _check(source, section, key, given[key]) if key in given else default
             for key, (_kind, default, _rule) in fields.items()
         }
-    from mooncake.engine.model import PRESETS
+    from mooncake.engine.config import PRESETS
 
     if sections["model"]["preset"] not in PRESETS:
         raise ConfigError(

@@ -34,7 +34,7 @@ import numpy as np
 from aiohttp import web
 
 from mooncake.cache.hashing import BlockHasher
-from mooncake.engine.model import PRESETS
+from mooncake.engine.config import PRESETS
 from mooncake.errors import MooncakeError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor, RequestEnd
@@ -86,15 +86,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def model_shape(config: ClusterConfig) -> ModelShape:
-    shape = PRESETS[config.model["preset"]]
-    return ModelShape(
-        name=shape.name,
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        gqa=shape.num_heads // shape.num_kv_heads,
-        bytes_per_element=4 if config.model["dtype"] == "float32" else 2,
-        num_params=float(shape.num_parameters),
-    )
+    return PRESETS[config.model["preset"]].shape(config.model["dtype"])
 
 
 def build_conductor(config: ClusterConfig) -> Conductor:

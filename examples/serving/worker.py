@@ -327,7 +327,7 @@ class Worker:
 
 
 def _preset(config: ClusterConfig) -> Any:
-    from mooncake.engine.model import PRESETS
+    from mooncake.engine.config import PRESETS
 
     return PRESETS[config.model["preset"]]
 

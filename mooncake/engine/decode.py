@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import attrs
 import torch
@@ -42,15 +41,10 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.sched.cost import StepModel
 from mooncake.types import BlockKey, RequestId
 
-__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "StepModel", "TokenEvent", "TokenStream"]
-
-
-class StepModel(Protocol):
-    """Predicts a decode step's seconds (`sched.cost.DecodeCostModel` is one)."""
-
-    def step_s(self, batch_size: int, context_tokens: int) -> float: ...
+__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "TokenEvent", "TokenStream"]
 
 
 @attrs.frozen(kw_only=True)

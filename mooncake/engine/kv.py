@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from mooncake._checks import int_at_least
-from mooncake.engine.model import ModelConfig, dtype_of
+from mooncake.engine.config import ModelConfig
+from mooncake.engine.model import dtype_of
 from mooncake.errors import ConfigError
 
 __all__ = ["KvLayout"]

@@ -29,7 +29,8 @@ import torch
 
 from mooncake._checks import require_int
 from mooncake.engine.attention import prefill_attention_into
-from mooncake.engine.model import LlamaModel, ModelConfig
+from mooncake.engine.config import ModelConfig
+from mooncake.engine.model import LlamaModel
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError
 
 __all__ = ["PipelineGroup", "stage_layers"]

@@ -44,6 +44,7 @@ __all__ = [
     "PrefillCostModel",
     "PrefillModel",
     "PrefillSample",
+    "StepModel",
     "TransferCostModel",
     "prefill_flops",
     "reuse_bandwidth_bytes_per_s",
@@ -340,6 +341,13 @@ class TransferCostModel:
         if num_bytes <= 0:
             return 0.0
         return self.latency_s + num_bytes * (1 + in_flight_from_source) / self.bandwidth_bytes_per_s
+
+
+class StepModel(Protocol):
+    """Predicts one decode step's seconds for a batch (`DecodeCostModel` is one; the real
+    engines' fitted `mooncake.engine.decode.FittedStepModel` another)."""
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float: ...
 
 
 @attrs.frozen(kw_only=True)

@@ -18,8 +18,9 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import DramPagePool, PagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import TieredCache
+from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import PRESETS, LlamaModel, ModelConfig
+from mooncake.engine.model import LlamaModel
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig

@@ -18,8 +18,8 @@ pytest.importorskip("torch")
 
 import torch
 
+from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import ModelConfig
 from mooncake.errors import ConfigError
 from mooncake.transfer.messenger import part_range
 from tests.engine.support import TINY, model_configs

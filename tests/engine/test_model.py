@@ -22,7 +22,8 @@ pytest.importorskip("torch")
 import torch
 
 from mooncake.engine.attention import prefill_attention
-from mooncake.engine.model import PRESETS, LlamaModel, ModelConfig, dtype_of, rms_norm, rope_tables
+from mooncake.engine.config import PRESETS, ModelConfig
+from mooncake.engine.model import LlamaModel, dtype_of, rms_norm, rope_tables
 from mooncake.errors import ConfigError
 from tests.engine.support import TINY, TOLERANCE, model_configs, prompts, reference_logits, tiny_model
 

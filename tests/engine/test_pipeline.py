@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mooncake.engine.model import PRESETS, LlamaModel  # noqa: E402
+from mooncake.engine.config import PRESETS  # noqa: E402
+from mooncake.engine.model import LlamaModel  # noqa: E402
 from mooncake.engine.pipeline import PipelineGroup, stage_layers  # noqa: E402
 from mooncake.errors import ConfigError, InvalidRequestError  # noqa: E402
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mooncake.engine.metrics import Outcome, RequestRecord, Summary
+from mooncake.sim.metrics import Outcome, RequestRecord, Summary
 from mooncake.types import Slo
 
 __all__ = ["reference_summary"]

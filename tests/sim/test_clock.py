@@ -1,4 +1,4 @@
-"""Tests for `mooncake.engine.clock.EventLoop`: time order, ties in scheduling order, no going back."""
+"""Tests for `mooncake.sim.clock.EventLoop`: time order, ties in scheduling order, no going back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.engine.clock import EventLoop
+from mooncake.sim.clock import EventLoop
 
 
 def test_events_run_in_time_order_and_see_their_time() -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize
+from mooncake.sim.clock import EventLoop
+from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize
 from mooncake.types import Request, Slo
 
 __all__ = ["Replayer"]

@@ -1,4 +1,4 @@
-"""Tests for `mooncake.engine.metrics`: interval runs, the top-10 % mean, summaries and load traces.
+"""Tests for `mooncake.sim.metrics`: interval runs, the top-10 % mean, summaries and load traces.
 
 `top_mean` is checked against a brute-force reference (materialise every
 interval, sort, average the ceil(0.1 n) largest), on runs small enough for its
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.engine.clock import EventLoop
-from mooncake.engine.metrics import (
+from mooncake.sim.clock import EventLoop
+from mooncake.sim.metrics import (
     IntervalRuns,
     LoadSample,
     LoadTrace,

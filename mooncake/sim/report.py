@@ -19,8 +19,8 @@ from typing import IO, Any, TextIO
 
 import numpy as np
 
-from mooncake.engine.metrics import LoadSample, RequestRecord
 from mooncake.errors import ConfigError
+from mooncake.sim.metrics import LoadSample, RequestRecord
 
 __all__ = ["ProgressBar", "plot_cdfs", "plot_lines", "plot_load", "write_json", "write_records_csv"]
 

@@ -26,7 +26,7 @@ import math
 
 import attrs
 
-from mooncake.engine.metrics import RequestRecord
+from mooncake.sim.metrics import RequestRecord
 
 __all__ = ["ContinuousBatch", "Member"]
 

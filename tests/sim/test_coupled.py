@@ -1,4 +1,4 @@
-"""Tests for `mooncake.engine.coupled`: the vLLM-style baseline, prefill and decode on the same GPUs.
+"""Tests for `mooncake.sim.coupled`: the vLLM-style baseline, prefill and decode on the same GPUs.
 
 Properties over small random workloads and specs (chunked prefill or not,
 small HBM that makes requests wait for room): every request ends, and
@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.engine.coupled import CoupledCluster, CoupledSpec
-from mooncake.engine.metrics import Outcome, ReplayResult, top_mean
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, Hardware
+from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.metrics import Outcome, ReplayResult, top_mean
 from mooncake.types import BlockKey, Request, RequestId, Slo
-from tests.engine.test_simulated import assert_same_records, workloads
+from tests.sim.test_disaggregated import assert_same_records, workloads
 
 LLAMA3 = MODELS["llama3-70b"]
 A800 = HARDWARE["8xA800"]

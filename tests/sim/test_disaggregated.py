@@ -1,4 +1,4 @@
-"""Tests for `mooncake.engine.simulated`: the disaggregated cluster replayed on the real Conductor.
+"""Tests for `mooncake.sim.disaggregated`: the disaggregated cluster replayed on the real Conductor.
 
 Properties over small random workloads, cluster specs, routers, admission
 policies and SLOs: every request ends exactly once and the Conductor ends
@@ -21,11 +21,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from mooncake.engine.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
-from mooncake.engine.simulated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor, replay
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
 from mooncake.sched.router import KvCacheCentricRouter
+from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor, replay
+from mooncake.sim.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
 from mooncake.types import BlockKey, Request, RequestId, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 

@@ -41,9 +41,6 @@ import attrs
 from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.engine.batch import ContinuousBatch, Member
-from mooncake.engine.metrics import Outcome, ReplayResult, RequestRecord, top_mean
-from mooncake.engine.replayer import Replayer
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -66,6 +63,9 @@ from mooncake.sched.router import (
     local_cache_aware_router,
 )
 from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished, PrefillStarted, RequestRejected
+from mooncake.sim.batch import ContinuousBatch, Member
+from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord, top_mean
+from mooncake.sim.replayer import Replayer
 from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = [

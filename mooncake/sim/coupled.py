@@ -31,11 +31,11 @@ import attrs
 from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.engine.batch import ContinuousBatch, Member
-from mooncake.engine.metrics import Outcome, RequestRecord, top_mean
-from mooncake.engine.replayer import Replayer
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
+from mooncake.sim.batch import ContinuousBatch, Member
+from mooncake.sim.metrics import Outcome, RequestRecord, top_mean
+from mooncake.sim.replayer import Replayer
 from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = ["CoupledCluster", "CoupledSpec"]

@@ -1,4 +1,4 @@
-"""Tests for `mooncake.engine.batch.ContinuousBatch`: the closed forms against stepping one by one.
+"""Tests for `mooncake.sim.batch.ContinuousBatch`: the closed forms against stepping one by one.
 
 Properties check `stretch_s` against summing `step_s` step by step, `steps_within`
 against the brute-force largest k with stretch_s(k) <= t, and the intervals
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mooncake.engine.batch import ContinuousBatch, Member
-from mooncake.engine.metrics import RequestRecord
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sim.batch import ContinuousBatch, Member
+from mooncake.sim.metrics import RequestRecord
 from mooncake.types import RequestId
 
 DECODE = DecodeCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])
