@@ -9,15 +9,17 @@ One `prefill(tokens)`:
    reserved in the cache and invisible until committed.
 3. The uncached tokens are computed in chunks of at most `chunk_tokens`; each
    chunk runs through every layer, attending to the prefix and earlier chunks.
-4. Layer-wise (paper §5.2, Fig. 7): while layer l computes, a loader thread
-   brings layer l + 1 of the prefix KV out of the cache's pages, and as soon as
-   layer l's attention has produced its new K and V a store thread writes them
-   into the reserved pages; the engine waits for the stores only at the end,
-   then commits the pages. Without `layerwise`, the prefix is loaded before and
-   the KV stored after the forward pass (the serialized baseline).
+4. Layer-wise (paper §5.2, Fig. 7; `mooncake.engine.layerwise`): while layer
+   l computes, a loader thread brings layer l + 1 of the prefix KV out of the
+   cache's pages, and as soon as layer l's attention has produced its new K and
+   V a store thread writes them into the reserved pages; the engine waits for
+   the stores only at the end, then commits the pages. Without `layerwise`, the
+   prefix is loaded before and the KV stored after the forward pass (the
+   serialized baseline).
 5. An optional `KvSink` hears of each layer once its bytes are final in every
    page of the request, so the KV can stream to a decode node while later
-   layers still compute (`MessengerSink` pushes them through a #4 Messenger).
+   layers still compute (`MessengerSink` pushes them through the node's
+   `Messenger`, one layer per part).
 
 Invariants: a prefill leaves no pin and no reservation behind, on success or
 error; a reserved page is committed only once all its layers are stored.
@@ -28,20 +30,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import attrs
 import torch
 
 from mooncake._checks import int_at_least
 from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.pool import Buffer
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.kv import KvLayout
+from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
-from mooncake.errors import ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
 
 __all__ = ["KvSink", "MessengerSink", "PrefillConfig", "PrefillEngine", "PrefillResult"]
@@ -166,7 +171,7 @@ class PrefillEngine:
         keys = self.hasher.block_keys(ids.numpy())
         prefix_blocks = self._pin_prefix(keys, max_blocks=(n - 1) // block)
         prefix = prefix_blocks * block
-        pages: list[Any] = []
+        pages: list[Buffer | None] = []
         reserved: list[BlockKey] = []
         streaming = False
         try:
@@ -174,7 +179,7 @@ class PrefillEngine:
             if sink is not None:
                 sink.begin(keys)
                 streaming = True
-            logits, load_wait, store_wait = self._forward(ids, keys[:prefix_blocks], pages, prefix, sink)
+            logits, load_wait, store_wait = self._forward(ids, keys[:prefix_blocks], pages, sink)
             for key in reserved:
                 self.cache.commit(key)
             reserved = []
@@ -182,7 +187,6 @@ class PrefillEngine:
                 streaming = False  # end() finishes or cleans up by itself
                 sink.end()
         except BaseException:
-            self._drain()  # loads and stores of this prefill may still be queued: let none touch a page given back
             if streaming:
                 with contextlib.suppress(Exception):  # the original error is the one to report
                     sink.abort()  # type: ignore[union-attr]
@@ -222,20 +226,15 @@ class PrefillEngine:
             raise
         return count
 
-    def _drain(self) -> None:
-        """Return once the loader and store threads ran everything submitted so far (FIFO, one worker each)."""
-        for executor in (self._loader, self._storer):
-            executor.submit(lambda: None).exception()
-
     def _unpin(self, key: BlockKey) -> None:
         try:
             self.cache.unpin(key)
         except UnknownBlockError:
             pass
 
-    def _reserve(self, keys: tuple[BlockKey, ...], first: int, n: int) -> tuple[list[Any], list[BlockKey]]:
+    def _reserve(self, keys: tuple[BlockKey, ...], first: int, n: int) -> tuple[list[Buffer | None], list[BlockKey]]:
         """A writable page (or None: not ours to fill) per block from `first` on, and the keys reserved."""
-        pages: list[Any] = []
+        pages: list[Buffer | None] = []
         reserved: list[BlockKey] = []
         if not self.config.store:
             return [None] * (len(keys) - first), reserved
@@ -261,108 +260,48 @@ class PrefillEngine:
         self,
         ids: torch.Tensor,
         prefix_keys: tuple[BlockKey, ...],
-        pages: list[Any],
-        prefix: int,
+        pages: list[Buffer | None],
         sink: KvSink | None,
     ) -> tuple[torch.Tensor, float, float]:
-        model, config, layout = self.model, self.model.config, self.layout
-        n, device, num_layers = ids.shape[0], model.device, config.num_layers
+        """The last position's logits and the load and store waits; the pages hold the new KV."""
+        model, config = self.model, self.model.config
+        n, chunk = ids.shape[0], self.config.chunk_tokens
         shape = (n, config.num_kv_heads, config.head_dim)
-        k_all = [torch.empty(shape, dtype=model.dtype, device=device) for _ in range(num_layers)]
-        v_all = [torch.empty(shape, dtype=model.dtype, device=device) for _ in range(num_layers)]
-        waits = {"load": 0.0, "store": 0.0}
-
-        prefix_pages: list[Any] = []
-
-        @torch.inference_mode()  # the mode is per thread: these run on the loader and store threads
-        def load(layer: int) -> None:
-            # Gather layer `layer` of every prefix block into the contiguous buffers.
-            if not prefix_pages:  # pinned: DRAM pages are zero-copy views, lower tiers one verified read
-                prefix_pages.extend(self.cache.get(key) for key in prefix_keys)
-                if any(page is None for page in prefix_pages):
-                    raise IntegrityError("a pinned prefix block failed verification while loading")
-            for b, page in enumerate(prefix_pages):
-                k, v = layout.layer_kv(page, layer)
-                rows = slice(b * layout.block_tokens, (b + 1) * layout.block_tokens)
-                k_all[layer][rows].copy_(k, non_blocking=True)
-                v_all[layer][rows].copy_(v, non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-
-        side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-
-        @torch.inference_mode()
-        def store(layer: int, start: int, end: int, computed: Any = None) -> None:
-            if side is not None:  # copy out on a side stream once the layer's compute is done, not after later layers
-                with torch.cuda.stream(side):
-                    side.wait_event(computed)
-                    k_host, v_host = k_all[layer][start:end].cpu(), v_all[layer][start:end].cpu()
-            else:
-                k_host, v_host = k_all[layer][start:end].cpu(), v_all[layer][start:end].cpu()
-            block = layout.block_tokens
-            for b in range(start // block, (end - 1) // block + 1):
-                page = pages[b - prefix // block]
-                if page is None:
-                    continue
-                k_page, v_page = layout.layer_kv(page, layer)
-                lo, hi = max(start, b * block), min(end, (b + 1) * block)
-                k_page[lo - b * block : hi - b * block].copy_(k_host[lo - start : hi - start])
-                v_page[lo - b * block : hi - b * block].copy_(v_host[lo - start : hi - start])
-
-        def wait(future: Future[None], kind: str) -> None:
-            waited = time.perf_counter()
-            future.result()
-            waits[kind] += time.perf_counter() - waited
-
-        layerwise = self.config.layerwise
-        loads: dict[int, Future[None]] = {}
-        if prefix and layerwise:
-            loads[0] = self._loader.submit(load, 0)
-        elif prefix:
-            waited = time.perf_counter()
-            for index in range(num_layers):
-                load(index)
-            waits["load"] += time.perf_counter() - waited
-        stores: list[Future[None]] = []
-        pending: list[tuple[int, int, int]] = []
-        chunks = list(range(prefix, n, self.config.chunk_tokens))
-        x = torch.empty(0)
-        for c, start in enumerate(chunks):
-            end = min(n, start + self.config.chunk_tokens)
-            last_chunk = c == len(chunks) - 1
-            x = model.embed(ids[start:end])
-            cos, sin = model.rope(torch.arange(start, end))
-            for layer_index, layer in enumerate(model.layers):
-                if layer_index in loads:
-                    if layer_index + 1 < num_layers:
-                        loads[layer_index + 1] = self._loader.submit(load, layer_index + 1)
-                    wait(loads.pop(layer_index), "load")
-                x = layer(x, cos, sin, prefill_attention_into(k_all[layer_index], v_all[layer_index], start, end))
-                if any(page is not None for page in pages) or sink is not None:
-                    if layerwise:
-                        computed = torch.cuda.Event() if side is not None else None  # type: ignore[no-untyped-call]
-                        if computed is not None:
-                            computed.record()
-                        stores.append(self._storer.submit(store, layer_index, start, end, computed))
-                        if last_chunk and sink is not None:  # told from the store thread, after the layer's stores
-                            stores.append(self._storer.submit(sink.layer_ready, layer_index))
-                    else:
-                        pending.append((layer_index, start, end))
-        waited = time.perf_counter()
-        for future in stores:
-            future.result()
-        for layer_index, start, end in pending:
-            store(layer_index, start, end)
-        if sink is not None and not layerwise:
-            for layer_index in range(num_layers):
-                sink.layer_ready(layer_index)
-        waits["store"] += time.perf_counter() - waited
+        k_all = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(config.num_layers)]
+        v_all = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(config.num_layers)]
+        io = LayerwiseKvIo(
+            cache=self.cache,
+            layout=self.layout,
+            k_buffers=k_all,
+            v_buffers=v_all,
+            prefix_keys=prefix_keys,
+            pages=pages,
+            on_layer_final=None if sink is None else sink.layer_ready,
+            layerwise=self.config.layerwise,
+            loader=self._loader,
+            storer=self._storer,
+        )
+        try:
+            io.start_loading()
+            x = torch.empty(0)
+            for start in range(io.prefix_tokens, n, chunk):
+                end = min(n, start + chunk)
+                x = model.embed(ids[start:end])
+                cos, sin = model.rope(torch.arange(start, end))
+                for index, layer in enumerate(model.layers):
+                    io.wait_for_prefix(index)
+                    x = layer(x, cos, sin, prefill_attention_into(k_all[index], v_all[index], start, end))
+                    io.store(index, start, end)
+            io.finish()
+        except BaseException:
+            io.abort()  # loads and stores may still be queued: let none touch a page the caller gives back
+            raise
         logits = model.logits(x[-1:])[0]
-        return logits.cpu(), waits["load"], waits["store"]
+        return logits.cpu(), io.load_wait_s, io.store_wait_s
 
 
 class MessengerSink:
-    """Streams a prefill's KV to a decode node through a #4 `Messenger`, one layer per part.
+    """Streams a prefill's KV to a decode node through a `Messenger` push, one layer per part.
 
     Args:
         messenger: the prefill node's messenger (over the same cache as the engine).
@@ -371,18 +310,20 @@ class MessengerSink:
         timeout_s: for the final commit at the peer.
     """
 
-    def __init__(self, messenger: Any, peer: str, *, num_layers: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, messenger: Messenger, peer: str, *, num_layers: int, timeout_s: float = 30.0) -> None:
         self.messenger, self.peer, self.num_layers, self.timeout_s = messenger, peer, num_layers, timeout_s
-        self._push: Any = None
+        self._push: Push | None = None
         self.committed: tuple[BlockKey, ...] = ()
 
     def begin(self, keys: tuple[BlockKey, ...]) -> None:
         self._push = self.messenger.push(keys, self.peer, parts=self.num_layers)
 
     def layer_ready(self, layer: int) -> None:
+        assert self._push is not None, "layer_ready before begin"
         self._push.send_part(layer)
 
     def end(self) -> None:
+        assert self._push is not None, "end before begin"
         self.committed = self._push.finish(self.timeout_s)
 
     def abort(self) -> None:
