@@ -36,6 +36,7 @@ import numpy as np
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.region import RegionDescriptor, bounds_error
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
+from mooncake.transfer.workers import attempt
 
 __all__ = ["PyverbsDevice", "QueuePair", "RdmaTransport", "Verbs", "buffer_address", "open_device"]
 
@@ -245,12 +246,9 @@ class RdmaTransport:
         self._poller.start()
 
     def submit(self, piece: Slice) -> None:
-        try:
-            self._post(piece)
-        except TransferError as error:
-            piece.on_done(error)
-        except Exception as unexpected:
-            piece.on_done(TransferError(f"RDMA post failed: {unexpected!r}"))
+        error = attempt(self._post, piece, action="RDMA post")
+        if error is not None:
+            piece.on_done(error)  # a posted slice ends when its completion is polled
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Post `piece` and wait for its completion in the calling thread."""

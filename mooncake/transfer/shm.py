@@ -12,7 +12,6 @@ one).
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -22,6 +21,7 @@ import numpy as np
 from mooncake.errors import PeerUnavailable, TransferError
 from mooncake.transfer.region import RegionDescriptor, attach_shared, bounds_error
 from mooncake.transfer.request import Slice, TransferOp
+from mooncake.transfer.workers import Workers, attempt
 
 __all__ = ["ShmTransport"]
 
@@ -43,48 +43,25 @@ class ShmTransport:
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._arrays: dict[str, np.ndarray] = {}  # one view per mapped segment
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
-        self._closed = False
-        self._state_lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"shm-{peer_pid}-{i}", daemon=True) for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._workers = Workers(
+            self._work,
+            count=workers,
+            name=f"shm-{peer_pid}",
+            closed_message="the shm transport is closed",
+            join_timeout_s=10,
+        )
 
     def submit(self, piece: Slice) -> None:
-        with self._state_lock:  # so that no slice slips in after close drained the queue
-            if not self._closed:
-                self._queue.put(piece)
-                return
-        piece.on_done(PeerUnavailable("the shm transport is closed"))
+        self._workers.submit(piece)
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Copy `piece` now, in the calling thread."""
-        if self._closed:
-            return PeerUnavailable("the shm transport is closed")
-        try:
-            self._copy(piece)
-        except TransferError as error:
-            return error
-        except Exception as unexpected:
-            return TransferError(f"shm copy failed: {unexpected!r}")
-        return None
+        if self._workers.is_closed:
+            return self._workers.closed_error()
+        return attempt(self._copy, piece, action="shm copy")
 
     def close(self) -> None:
-        with self._state_lock:
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10)
-        while True:
-            try:
-                piece = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if piece is not None:
-                piece.on_done(PeerUnavailable("the shm transport is closed"))
+        self._workers.close()
         with self._lock:
             self._arrays.clear()
             for segment in self._segments.values():
@@ -94,19 +71,9 @@ class ShmTransport:
                     pass  # a copy still holds a view; the mapping goes with the process
             self._segments.clear()
 
-    def _work(self) -> None:
-        while True:
-            piece = self._queue.get()
-            if piece is None:
-                return
-            try:
-                self._copy(piece)
-            except TransferError as error:
-                piece.on_done(error)
-            except Exception as unexpected:
-                piece.on_done(TransferError(f"shm copy failed: {unexpected!r}"))
-            else:
-                piece.on_done(None)
+    def _work(self, workers: Workers) -> None:
+        while (piece := workers.take()) is not None:
+            piece.on_done(attempt(self._copy, piece, action="shm copy"))
 
     def _copy(self, piece: Slice) -> None:
         if not _alive(self._peer_pid):

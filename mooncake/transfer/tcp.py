@@ -18,7 +18,6 @@ length against the registered bounds before touching memory.
 from __future__ import annotations
 
 import json
-import queue
 import select
 import socket
 import threading
@@ -42,6 +41,7 @@ from mooncake.transfer.wire import (
     send_frame,
     server_handshake,
 )
+from mooncake.transfer.workers import Workers
 
 __all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "serve_connection"]
 
@@ -132,26 +132,20 @@ class TcpTransport:
 
     def __init__(self, host: str, port: int, *, secret: bytes, config: EngineConfig) -> None:
         self._host, self._port, self._secret, self._config = host, port, secret, config
-        self._queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
-        self._closed = False
-        self._state_lock = threading.Lock()
         # Small batches run in the caller's thread over a connection of their own.
         self._inline_lock = threading.Lock()
         self._inline_sock: socket.socket | None = None
         self._tag = 0
-        self._threads = [
-            threading.Thread(target=self._stream, name=f"tcp-{host}:{port}-{i}", daemon=True)
-            for i in range(config.streams_per_peer)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._workers = Workers(
+            self._stream,
+            count=config.streams_per_peer,
+            name=f"tcp-{host}:{port}",
+            closed_message=f"transport to {host}:{port} is closed",
+            join_timeout_s=config.io_timeout_s,
+        )
 
     def submit(self, piece: Slice) -> None:
-        with self._state_lock:  # so that no slice slips in after close drained the queue
-            if not self._closed:
-                self._queue.put(piece)
-                return
-        piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
+        self._workers.submit(piece)
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Move `piece` now, in the calling thread (no hand-off: the latency path).
@@ -159,8 +153,8 @@ class TcpTransport:
         `deadline` (time.monotonic) stops retries once passed and caps each socket wait.
         """
         with self._inline_lock:
-            if self._closed:
-                return PeerUnavailable(f"transport to {self._host}:{self._port} is closed")
+            if self._workers.is_closed:
+                return self._workers.closed_error()
             try:
                 self._inline_sock, error = self._move(self._inline_sock, piece, deadline=deadline)
             except Exception as unexpected:
@@ -170,19 +164,7 @@ class TcpTransport:
             return error
 
     def close(self) -> None:
-        with self._state_lock:
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout=self._config.io_timeout_s)
-        while True:  # slices queued behind the stop markers are answered, not dropped
-            try:
-                piece = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if piece is not None:
-                piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
+        self._workers.close()
         with self._inline_lock:
             if self._inline_sock is not None:
                 self._inline_sock.close()
@@ -190,7 +172,7 @@ class TcpTransport:
 
     # ------------------------------------------------------------------ one stream
 
-    def _stream(self) -> None:
+    def _stream(self, workers: Workers) -> None:
         sock: socket.socket | None = None
         try:
             # Connect now, so that the first slices do not pay for the handshake.
@@ -198,12 +180,9 @@ class TcpTransport:
         except TransferError:
             sock = None  # retried when the first slice comes
         try:
-            while True:
-                piece = self._queue.get()
-                if piece is None:
-                    return
-                if self._closed:
-                    piece.on_done(PeerUnavailable(f"transport to {self._host}:{self._port} is closed"))
+            while (piece := workers.take()) is not None:
+                if workers.is_closed:
+                    piece.on_done(workers.closed_error())
                     continue
                 try:
                     sock, error = self._move(sock, piece)
