@@ -1,0 +1,311 @@
+"""Tests for `mooncake.engine.layerwise.LayerwiseKvIo`: the loads and stores of one prefill.
+
+The object is driven as the prefill engine drives it, with a stand-in for the
+compute that writes each chunk's K and V rows into the buffers. Property, the
+two modes in lockstep against a reference: layer-wise and serialized load the
+same prefix rows (layer l's rows are in place when `wait_for_prefix(l)`
+returns) and leave the same page bytes, the reference pages built through
+`KvLayout.layer_kv`; the listener hears every layer once, in order, after its
+bytes are final; the invariants hold after every call. Examples: a prefix block
+that fails to load, and a failing listener, raise to the caller, and after
+`abort()` no task submitted to the helper threads is left to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+import torch
+
+from mooncake.cache.tiered import TieredCache
+from mooncake.engine.kv import KvLayout
+from mooncake.engine.layerwise import LayerwiseKvIo
+from mooncake.errors import IntegrityError
+from mooncake.types import BlockKey
+from tests.engine.support import TINY, block_sizes, dram_cache, layout
+
+NUM_LAYERS, ROW_SHAPE = TINY.num_layers, (TINY.num_kv_heads, TINY.head_dim)
+
+
+class TrackingExecutor(ThreadPoolExecutor):
+    """One worker, like the engine's helpers, remembering every future it handed out."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.futures: list[Future[None]] = []
+
+    def submit(self, fn: Callable[..., None], /, *args: object, **kwargs: object) -> Future[None]:
+        future = super().submit(fn, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+
+@contextlib.contextmanager
+def helpers() -> Iterator[tuple[TrackingExecutor, TrackingExecutor]]:
+    loader, storer = TrackingExecutor(), TrackingExecutor()
+    try:
+        yield loader, storer
+    finally:
+        loader.shutdown()
+        storer.shutdown()
+
+
+@attrs.define
+class Case:
+    """A prefill's I/O: `prefix_blocks` cached blocks, then `new_tokens` tokens computed in `chunk`-token chunks."""
+
+    block: int
+    prefix_blocks: int
+    new_tokens: int
+    chunk: int
+    seed: int
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefix_blocks * self.block
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefix_tokens + self.new_tokens
+
+    @property
+    def layout(self) -> KvLayout:
+        return layout(self.block)
+
+    def rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K and V of every token per layer, as the compute would produce them (the prefix's too)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        shape = (self.num_tokens, *ROW_SHAPE)
+        ks = [torch.randn(shape, generator=generator) for _ in range(NUM_LAYERS)]
+        vs = [torch.randn(shape, generator=generator) for _ in range(NUM_LAYERS)]
+        return ks, vs
+
+    def tokens_of(self, block: int) -> int:
+        return min(self.block, self.num_tokens - block * self.block)
+
+    def reference_page(self, block: int) -> bytes:
+        """Block `block`'s page written directly through `KvLayout.layer_kv`."""
+        ks, vs = self.rows()
+        page = bytearray(self.layout.block_bytes(self.tokens_of(block)))
+        rows = slice(block * self.block, block * self.block + self.tokens_of(block))
+        for layer in range(NUM_LAYERS):
+            k_page, v_page = self.layout.layer_kv(page, layer)
+            k_page.copy_(ks[layer][rows])
+            v_page.copy_(vs[layer][rows])
+        return bytes(page)
+
+    def cache_with_prefix(self) -> tuple[TieredCache, tuple[BlockKey, ...]]:
+        cache = dram_cache(self.block)
+        keys = tuple(BlockKey(1000 + b) for b in range(self.prefix_blocks))
+        for b, key in enumerate(keys):
+            cache.put(key, self.reference_page(b))
+        return cache, keys
+
+    def new_pages(self) -> list[bytearray]:
+        first = self.prefix_blocks
+        last = -(-self.num_tokens // self.block)
+        return [bytearray(self.layout.block_bytes(self.tokens_of(b))) for b in range(first, last)]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    return Case(
+        block=draw(block_sizes),
+        prefix_blocks=draw(st.integers(min_value=0, max_value=3)),
+        new_tokens=draw(st.integers(min_value=1, max_value=10)),
+        chunk=draw(st.sampled_from([1, 2, 3, 5, 4096])),
+        seed=draw(st.integers(min_value=0, max_value=2**16)),
+    )
+
+
+@attrs.define
+class Outcome:
+    buffers: list[bytes]
+    pages: list[bytes]
+    heard: list[int]
+    loads: int
+    stores: int
+
+
+def drive(case: Case, *, layerwise: bool) -> Outcome:
+    """Run the prefill's loop with a stand-in compute; check what each step promises as it goes."""
+    ks, vs = case.rows()
+    cache, prefix_keys = case.cache_with_prefix()
+    pages = case.new_pages()
+    heard: list[int] = []
+    prefix_rows = slice(0, case.prefix_tokens)
+
+    def on_layer_final(layer: int) -> None:  # every page holds layer l's final bytes by now
+        for offset, page in enumerate(pages):
+            b = case.prefix_blocks + offset
+            rows = slice(b * case.block, b * case.block + case.tokens_of(b))
+            k_page, v_page = case.layout.layer_kv(page, layer)
+            assert torch.equal(k_page, ks[layer][rows]) and torch.equal(v_page, vs[layer][rows])
+        heard.append(layer)
+
+    with helpers() as (loader, storer), torch.inference_mode():
+        shape = (case.num_tokens, *ROW_SHAPE)
+        k_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
+        v_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
+        io = LayerwiseKvIo(
+            cache=cache,
+            layout=case.layout,
+            k_buffers=k_all,
+            v_buffers=v_all,
+            prefix_keys=prefix_keys,
+            pages=pages,
+            on_layer_final=on_layer_final,
+            layerwise=layerwise,
+            loader=loader,
+            storer=storer,
+        )
+        assert io.prefix_tokens == case.prefix_tokens
+        io.start_loading()
+        io.check_invariants()
+        for start in range(case.prefix_tokens, case.num_tokens, case.chunk):
+            end = min(case.num_tokens, start + case.chunk)
+            for layer in range(NUM_LAYERS):
+                io.wait_for_prefix(layer)
+                io.check_invariants()
+                assert torch.equal(k_all[layer][prefix_rows], ks[layer][prefix_rows])
+                assert torch.equal(v_all[layer][prefix_rows], vs[layer][prefix_rows])
+                k_all[layer][start:end] = ks[layer][start:end]  # the layer's attention writes its new rows
+                v_all[layer][start:end] = vs[layer][start:end]
+                io.store(layer, start, end)
+                io.check_invariants()
+        io.finish()
+        io.check_invariants()
+        assert all(future.done() for future in loader.futures + storer.futures)
+        assert io.load_wait_s >= 0 and io.store_wait_s >= 0
+        buffers = [bytes(t.numpy().tobytes()) for t in k_all + v_all]
+    cache.close()
+    return Outcome(buffers, [bytes(page) for page in pages], heard, len(loader.futures), len(storer.futures))
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_layerwise_and_serialized_load_and_store_the_same_bytes(case: Case) -> None:
+    """Both modes fill the buffers with the prefix and the computed rows and leave the reference pages; the
+    listener hears each layer once, in order; only layer-wise uses the helper threads: one load per layer,
+    one store per chunk and layer, one listener call per layer."""
+    overlapped, serialized = drive(case, layerwise=True), drive(case, layerwise=False)
+    ks, vs = case.rows()
+    assert overlapped.buffers == serialized.buffers == [t.numpy().tobytes() for t in ks + vs]
+    expected = [case.reference_page(b) for b in range(case.prefix_blocks, -(-case.num_tokens // case.block))]
+    assert overlapped.pages == serialized.pages == expected
+    assert overlapped.heard == serialized.heard == list(range(NUM_LAYERS))
+    assert (serialized.loads, serialized.stores) == (0, 0)
+    assert overlapped.loads == (NUM_LAYERS if case.prefix_blocks else 0)
+    num_chunks = len(range(case.prefix_tokens, case.num_tokens, case.chunk))
+    assert overlapped.stores == num_chunks * NUM_LAYERS + NUM_LAYERS
+
+
+@settings(max_examples=10, deadline=None)
+@given(cases())
+def test_without_pages_or_listener_nothing_is_stored(case: Case) -> None:
+    """No page to fill and nobody listening: no store is queued or deferred, and the prefix still loads."""
+    ks, _vs = case.rows()
+    cache, prefix_keys = case.cache_with_prefix()
+    with helpers() as (loader, storer), torch.inference_mode():
+        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
+        io = LayerwiseKvIo(
+            cache=cache,
+            layout=case.layout,
+            k_buffers=k_all,
+            v_buffers=[torch.zeros_like(k) for k in k_all],
+            prefix_keys=prefix_keys,
+            pages=[None] * len(case.new_pages()),
+            on_layer_final=None,
+            layerwise=True,
+            loader=loader,
+            storer=storer,
+        )
+        io.start_loading()
+        for layer in range(NUM_LAYERS):
+            io.wait_for_prefix(layer)
+            io.store(layer, case.prefix_tokens, case.num_tokens)
+        io.finish()
+        io.check_invariants()
+        assert storer.futures == []
+        assert all(torch.equal(k[: case.prefix_tokens], ks[i][: case.prefix_tokens]) for i, k in enumerate(k_all))
+    cache.close()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_prefix_block_that_fails_to_load_raises_and_abort_leaves_nothing_running() -> None:
+    """A prefix block missing from the cache is an IntegrityError at the wait for layer 0; after `abort()`
+    every task given to the helpers has finished."""
+    case = Case(block=4, prefix_blocks=2, new_tokens=3, chunk=4096, seed=1)
+    cache = dram_cache(4)
+    with helpers() as (loader, storer), torch.inference_mode():
+        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
+        io = LayerwiseKvIo(
+            cache=cache,
+            layout=case.layout,
+            k_buffers=k_all,
+            v_buffers=[torch.zeros_like(k) for k in k_all],
+            prefix_keys=(BlockKey(1), BlockKey(2)),
+            pages=case.new_pages(),
+            on_layer_final=None,
+            layerwise=True,
+            loader=loader,
+            storer=storer,
+        )
+        io.start_loading()
+        with pytest.raises(IntegrityError, match="prefix block"):
+            io.wait_for_prefix(0)
+        io.abort()
+        assert loader.futures and all(future.done() for future in loader.futures)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_failing_listener_raises_from_finish_and_abort_leaves_nothing_running(layerwise: bool) -> None:
+    """The listener's error reaches the caller at `finish()`; after `abort()` no store or call is left to run,
+    so the caller can give the pages back."""
+    case = Case(block=4, prefix_blocks=1, new_tokens=9, chunk=3, seed=2)
+    cache, prefix_keys = case.cache_with_prefix()
+    heard: list[int] = []
+
+    def on_layer_final(layer: int) -> None:
+        heard.append(layer)
+        raise ConnectionError(f"the decode node went away at layer {layer}")
+
+    with helpers() as (loader, storer), torch.inference_mode():
+        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
+        io = LayerwiseKvIo(
+            cache=cache,
+            layout=case.layout,
+            k_buffers=k_all,
+            v_buffers=[torch.zeros_like(k) for k in k_all],
+            prefix_keys=prefix_keys,
+            pages=case.new_pages(),
+            on_layer_final=on_layer_final,
+            layerwise=layerwise,
+            loader=loader,
+            storer=storer,
+        )
+        io.start_loading()
+        for start in range(case.prefix_tokens, case.num_tokens, case.chunk):
+            for layer in range(NUM_LAYERS):
+                io.wait_for_prefix(layer)
+                io.store(layer, start, min(case.num_tokens, start + case.chunk))
+        with pytest.raises(ConnectionError, match="layer 0"):
+            io.finish()
+        io.abort()
+        assert all(future.done() for future in loader.futures + storer.futures)
+        assert heard == ([0, 1] if layerwise else [0])  # queued calls still ran; the serialized loop stopped
+    cache.close()
