@@ -39,7 +39,7 @@ from mooncake.sched.predictor import (
 )
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
-from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor
+from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, DisaggregatedCluster, build_conductor
 from mooncake.sim.metrics import LoadSample, Outcome, ReplayResult
 from mooncake.sim.report import plot_cdfs, plot_lines, plot_load, write_json
 from mooncake.types import Request, Slo
@@ -56,7 +56,7 @@ def _replay(
     options.update(policy)
     options["router"] = simulation.router_option(options["router"])
     conductor = build_conductor(spec, slo=slo or simulation.slo(args), seed=args.seed, **options)
-    return SimulatedCluster(spec, conductor).run(requests)
+    return DisaggregatedCluster(spec, conductor).run(requests)
 
 
 def _header(args: argparse.Namespace, requests: Sequence[Request], spec: ClusterSpec) -> str:
@@ -214,7 +214,7 @@ def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespa
         cache_capacity_tokens=args.cache_blocks * 512,
     )
     conductor = build_conductor(cluster, router="kvcache_centric", admission="baseline", slo=slo, seed=args.seed)
-    return SimulatedCluster(cluster, conductor).run(requests)
+    return DisaggregatedCluster(cluster, conductor).run(requests)
 
 
 def _max_rate(meets: Callable[[float], bool], *, low: float = 1e-3, high: float = 64.0, steps: int = 12) -> float:
@@ -402,6 +402,9 @@ class CurrentLoad:
     ) -> DecodeLoad:
         return DecodeLoad(len(active), sum(a.context_tokens for a in active))
 
+    def observe(self, output_tokens: int) -> None:
+        """Nothing to learn."""
+
 
 def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     """Mean absolute error of each decode-load predictor against what the replay really did."""
@@ -415,7 +418,7 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
         slo=simulation.slo(args),
         seed=args.seed,
     )
-    cluster = SimulatedCluster(spec, conductor)
+    cluster = DisaggregatedCluster(spec, conductor)
     horizons = args.horizons or [1.0, 5.0, 10.0, 30.0]
     snapshots: dict[float, list[LoadSnapshot]] = {h: [] for h in horizons}
 

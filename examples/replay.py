@@ -26,7 +26,7 @@ import simulation
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
-from mooncake.sim.disaggregated import SimulatedCluster, build_conductor
+from mooncake.sim.disaggregated import DisaggregatedCluster, build_conductor
 from mooncake.sim.metrics import Outcome, ReplayResult
 from mooncake.sim.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
             slo=simulation.slo(args),
             seed=args.seed,
         )
-        result = SimulatedCluster(spec, conductor).run(requests, progress=progress)
+        result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)
         return result, f"{simulation.describe(spec)}; router {args.router}, admission {args.admission}"
     prefill, decode = simulation.paper_sized(requests, args)
     coupled = CoupledSpec(

@@ -34,3 +34,6 @@ class TwoChoices:
             for v in drawn
         ]
         return min(decisions, key=lambda d: (d.ttft_s, d.prefill_instance))
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """It does not learn."""

@@ -43,7 +43,7 @@ from mooncake.sched.admission import AdmissionPolicy, Rejection
 from mooncake.sched.cost import DecodeCostModel
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.predictor import LoadPredictor
-from mooncake.sched.router import KvCacheCentricRouter, PrefixBlocks, RouteQuery, Router, TransferPlan
+from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
 from mooncake.sched.view import (
     ActiveDecode,
     DecodeBoard,
@@ -53,6 +53,7 @@ from mooncake.sched.view import (
     InstanceDown,
     InstanceUp,
     PrefillBoard,
+    PrefilledInline,
     PrefillFinished,
     PrefillStarted,
     PrefillView,
@@ -297,12 +298,15 @@ class Conductor:
                 return ()  # a repeated report: learn from each request once
             flight.prefilled = True
             self._remove_from_queue(flight, event.request_id, event.now)
-            if isinstance(self.router, KvCacheCentricRouter) and self.router.adaptive is not None:
-                self.router.adaptive.observe(
-                    had_transfer=flight.had_transfer,
-                    estimated_ttft_s=flight.ttft_s,
-                    observed_ttft_s=event.now - flight.scheduled_s,
-                )
+            self.router.observe(
+                had_transfer=flight.had_transfer,
+                estimated_ttft_s=flight.ttft_s,
+                observed_ttft_s=event.now - flight.scheduled_s,
+            )
+        elif isinstance(event, PrefilledInline):
+            if not (flight.prefilled or flight.decoding):
+                flight.prefilled = True  # no prefill instance ran it: nothing for the router to learn
+                self._remove_from_queue(flight, event.request_id, event.now)
         elif isinstance(event, DecodeJoined):
             if not flight.decoding:
                 self._remove_from_queue(flight, event.request_id, event.now)
@@ -322,9 +326,8 @@ class Conductor:
                 self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
                 flight.prefilled = flight.decoding = True
         elif isinstance(event, DecodeFinished):
-            observe = getattr(self.predictor, "observe", None)
-            if observe is not None and event.generated_tokens is not None:
-                observe(event.generated_tokens)
+            if event.generated_tokens is not None:
+                self.predictor.observe(event.generated_tokens)
             return (self._end(event.request_id, "finished", event.now),)
         elif isinstance(event, RequestRejected):
             return (

@@ -39,6 +39,7 @@ __all__ = [
     "FittedPrefillModel",
     "HARDWARE",
     "Hardware",
+    "LinearStepModel",
     "MODELS",
     "ModelShape",
     "PrefillCostModel",
@@ -348,6 +349,39 @@ class StepModel(Protocol):
     engines' fitted `mooncake.engine.decode.FittedStepModel` another)."""
 
     def step_s(self, batch_size: int, context_tokens: int) -> float: ...
+
+
+@attrs.frozen
+class LinearStepModel:
+    """A decode step linear in the batch's context: `fixed_s + per_context_token_s · C` seconds.
+
+    What the simulator's analytic batch needs (its step times over a stretch
+    form an arithmetic progression); `of` reads one off any `StepModel` whose
+    step time depends on the batch's context only, as `DecodeCostModel`'s does.
+    """
+
+    fixed_s: float = attrs.field(validator=_non_negative)
+    per_context_token_s: float = attrs.field(validator=_non_negative)
+
+    @classmethod
+    def of(cls, model: StepModel) -> LinearStepModel:
+        """The linear form of `model`, read off at batch size 1 with 0 and 1 context tokens.
+
+        Raises:
+            ConfigError: `model`'s step time changes with the batch size alone.
+        """
+        fixed = model.step_s(1, 0)
+        if model.step_s(2, 0) != fixed:
+            raise ConfigError(
+                f"a linear step model needs a step time that depends on the batch's context only; "
+                f"{model!r} takes {fixed} s at batch size 1 and {model.step_s(2, 0)} s at 2 with no context"
+            )
+        return cls(fixed, model.step_s(1, 1) - fixed)
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        return self.fixed_s + self.per_context_token_s * context_tokens
 
 
 @attrs.frozen(kw_only=True)

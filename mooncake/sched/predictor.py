@@ -45,12 +45,15 @@ class DecodeLoad:
 
 
 class LoadPredictor(Protocol):
-    """Predicts a decode instance's load at a future time."""
+    """Predicts a decode instance's load at a future time, and may learn from finished requests."""
 
     def predict(
         self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
     ) -> DecodeLoad:
         """Load at `at_s` of an instance decoding `active` now, with `incoming` prefills routed to it."""
+
+    def observe(self, output_tokens: int) -> None:
+        """A request finished with `output_tokens` generated (a predictor that does not learn ignores it)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +79,9 @@ class UniformDecodePredictor:
                 batch += 1
                 tokens += queued.input_tokens
         return DecodeLoad(batch, tokens)
+
+    def observe(self, output_tokens: int) -> None:
+        """Nothing to learn: every request decodes for `decode_s`."""
 
 
 @attrs.define

@@ -188,12 +188,16 @@ class TtftEstimator:
 
 
 class Router(Protocol):
-    """Chooses the prefill instance for a request."""
+    """Chooses the prefill instance for a request, and may learn from how its choices turned out."""
 
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
         """A decision among `candidates` (instances that are up), or None when there are none."""
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """A request it routed finished its prefill: the TTFT it estimated and the one observed
+        (a router that does not learn ignores it)."""
 
 
 def _better(candidate: RouteDecision, incumbent: RouteDecision | None) -> bool:
@@ -254,6 +258,13 @@ class KvCacheCentricRouter:
     @property
     def current_threshold(self) -> float:
         return self.adaptive.value if self.adaptive is not None else self.threshold
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """Teach the adaptive threshold, if there is one."""
+        if self.adaptive is not None:
+            self.adaptive.observe(
+                had_transfer=had_transfer, estimated_ttft_s=estimated_ttft_s, observed_ttft_s=observed_ttft_s
+            )
 
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
@@ -345,6 +356,9 @@ class LoadBalancingRouter:
         own = query.prefix_blocks.get(view.instance_id, 0)
         return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
 
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """Nothing to learn."""
+
 
 @attrs.define
 class RandomRouter:
@@ -360,3 +374,6 @@ class RandomRouter:
         view = candidates[rng.randrange(len(candidates))]
         own = query.prefix_blocks.get(view.instance_id, 0)
         return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """Nothing to learn."""

@@ -43,6 +43,7 @@ __all__ = [
     "PrefillFinished",
     "PrefillStarted",
     "PrefillView",
+    "PrefilledInline",
     "QueuedPrefill",
     "RequestRejected",
     "SchedulerEvent",
@@ -261,6 +262,16 @@ class PrefillFinished:
 
 
 @attrs.frozen(kw_only=True)
+class PrefilledInline:
+    """A request was prefilled inside its decode instance's batch (`instance_id`): it leaves the
+    prefill queue it was routed to without running there, and its KV is already where it decodes."""
+
+    request_id: RequestId
+    instance_id: InstanceId
+    now: float
+
+
+@attrs.frozen(kw_only=True)
 class DecodeJoined:
     request_id: RequestId
     instance_id: InstanceId
@@ -302,5 +313,12 @@ class InstanceUp:
 
 
 SchedulerEvent = (
-    PrefillStarted | PrefillFinished | DecodeJoined | DecodeFinished | RequestRejected | InstanceDown | InstanceUp
+    PrefillStarted
+    | PrefillFinished
+    | PrefilledInline
+    | DecodeJoined
+    | DecodeFinished
+    | RequestRejected
+    | InstanceDown
+    | InstanceUp
 )

@@ -1,10 +1,13 @@
 """A continuous decode batch, advanced a stretch at a time instead of a step at a time.
 
 A decode step produces one token for every member and takes `a + b · C`
-seconds, C being the tokens the batch holds (the decode cost model: weights
-plus the batch's KV read from HBM). Each step adds one token per member, so
-while membership is constant the step times form an arithmetic progression:
-step i of a stretch (from 0) takes `a + b · (C + i · B)` for a batch of B. Hence
+seconds, C being the tokens the batch holds: the batch is built from a
+`LinearStepModel` (a = `fixed_s`, the weights' read and overheads; b =
+`per_context_token_s`, the KV read per token), which `LinearStepModel.of`
+reads off the same `StepModel` protocol the real decode engine checks its TBT
+with. Each step adds one token per member, so while membership is constant
+the step times form an arithmetic progression: step i of a stretch (from 0)
+takes `a + b · (C + i · B)` for a batch of B. Hence
 
     k steps take        S(k) = k · a + b · (k · C + B · k (k − 1) / 2),
     steps done by t     the largest k with S(k) <= t (a quadratic's root, then
@@ -26,6 +29,7 @@ import math
 
 import attrs
 
+from mooncake.sched.cost import LinearStepModel
 from mooncake.sim.metrics import RequestRecord
 
 __all__ = ["ContinuousBatch", "Member"]
@@ -44,9 +48,9 @@ class Member:
 class ContinuousBatch:
     """Members decoding together; `start_s` is when the current stretch starts."""
 
-    def __init__(self, step_fixed_s: float, step_per_token_s: float) -> None:
-        self.a = step_fixed_s
-        self.b = step_per_token_s
+    def __init__(self, step: LinearStepModel) -> None:
+        self.fixed_s = step.fixed_s  # a
+        self.per_token_s = step.per_context_token_s  # b
         self.members: list[Member] = []
         self.context = 0
         self.start_s = 0.0
@@ -56,18 +60,20 @@ class ContinuousBatch:
 
     def step_s(self, extra_context: int = 0) -> float:
         """The next step's time, with `extra_context` more tokens in the batch."""
-        return self.a + self.b * (self.context + extra_context)
+        return self.fixed_s + self.per_token_s * (self.context + extra_context)
 
     def stretch_s(self, steps: int) -> float:
         """Seconds for the next `steps` steps at constant membership."""
-        return steps * self.a + self.b * (steps * self.context + len(self.members) * steps * (steps - 1) / 2)
+        return steps * self.fixed_s + self.per_token_s * (
+            steps * self.context + len(self.members) * steps * (steps - 1) / 2
+        )
 
     def steps_within(self, elapsed_s: float) -> int:
         """Whole steps of the current stretch done within `elapsed_s` of its start."""
         if not self.members or elapsed_s <= 0:
             return 0
-        quad = self.b * len(self.members) / 2
-        lin = self.a + self.b * self.context - quad
+        quad = self.per_token_s * len(self.members) / 2
+        lin = self.fixed_s + self.per_token_s * self.context - quad
         if quad == 0:
             k = math.floor(elapsed_s / lin)
         else:
@@ -86,8 +92,8 @@ class ContinuousBatch:
         """Run `steps` steps: record every member's intervals; returns (and starts there) their end."""
         end = self.start_s + self.stretch_s(steps)
         if steps > 0:
-            first = self.a + self.b * self.context
-            rise = self.b * len(self.members)
+            first = self.fixed_s + self.per_token_s * self.context
+            rise = self.per_token_s * len(self.members)
             run = (first, rise, steps)  # IntervalRuns.add, inlined: steps > 0
             for member in self.members:
                 if member.gap_s:

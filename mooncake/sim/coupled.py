@@ -25,17 +25,17 @@ two are compared on equal terms.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 
 import attrs
 
-from mooncake.cache.policy import LruPolicy
-from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
-from mooncake.sim.batch import ContinuousBatch, Member
-from mooncake.sim.metrics import Outcome, RequestRecord, top_mean
-from mooncake.sim.replayer import Replayer
+from mooncake.sim.batch import Member
+from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
+from mooncake.sim.node import DecodeNode, metadata_cache
+from mooncake.sim.replayer import ReplayContext
 from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = ["CoupledCluster", "CoupledSpec"]
@@ -90,23 +90,24 @@ class _Waiting:
 
 @attrs.define(frozen=True)
 class _Plan:
-    """An iteration (or a stretch of decode steps) in progress."""
+    """An iteration (or a stretch of decode steps) in progress; its stall and steps are the node's plan."""
 
     steps: int  # decode steps it runs
-    stall_s: float  # prefill work it carries before the steps
     completes: _Waiting | None  # the request whose prefill it finishes
     interruptible: bool  # a pure decode stretch: an arrival cuts it at the next step boundary
 
 
 @attrs.define(eq=False)
 class _Instance:
-    instance_id: InstanceId
     cache: TieredCache
-    batch: ContinuousBatch
+    node: DecodeNode
     waiting: deque[_Waiting] = attrs.field(factory=deque)
     prefilling: _Waiting | None = None
     plan: _Plan | None = None
-    version: int = 0
+
+    @property
+    def instance_id(self) -> InstanceId:
+        return self.node.instance_id
 
     @property
     def prefills(self) -> int:
@@ -116,50 +117,54 @@ class _Instance:
 
     @property
     def outstanding(self) -> int:
-        return self.prefills + len(self.batch)
+        return self.prefills + len(self.node.batch)
 
 
-class CoupledCluster(Replayer):
-    """Replays requests through coupled instances (no Conductor: a load balancer spreads them)."""
+class CoupledCluster:
+    """Replays requests through coupled instances (no Conductor: a load balancer spreads them),
+    in `context` (by default its own)."""
 
-    def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None) -> None:
+    def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None, context: ReplayContext | None = None) -> None:
         self.spec = spec
         self.slo = slo or Slo()
+        self.replay = (
+            context if context is not None else ReplayContext(self.slo, sample_interval_s=spec.sample_interval_s)
+        )
+        self.loop = self.replay.loop
         self.prefill_cost = spec.prefill_cost
         decode_cost = spec.decode_cost
         self.capacity_tokens = decode_cost.capacity_tokens()
         if self.capacity_tokens <= 0:
             raise ConfigError(f"{spec.model.name} leaves no HBM for KV on {spec.hardware.name}")
-        step_fixed = decode_cost.step_s(1, 0)
-        step_per_token = decode_cost.step_s(1, 1) - step_fixed
         cache_tokens = self.capacity_tokens if spec.cache_capacity_tokens is None else spec.cache_capacity_tokens
         self.page_bytes = spec.block_size_tokens * spec.model.kv_bytes_per_token
         pages = max(1, cache_tokens // spec.block_size_tokens)
         self._instances = [
             _Instance(
-                InstanceId(f"coupled-{i}"),
-                TieredCache(
-                    [MetadataPagePool(Tier.VRAM, self.page_bytes, pages)],
-                    source=InstanceId(f"coupled-{i}"),
-                    policy=lambda: LruPolicy(prefix_aware=True),
-                    promote_after=0,
-                ),
-                ContinuousBatch(step_fixed, step_per_token),
+                metadata_cache(InstanceId(f"coupled-{i}"), Tier.VRAM, page_bytes=self.page_bytes, num_pages=pages),
+                DecodeNode.of(InstanceId(f"coupled-{i}"), decode_cost),
             )
             for i in range(spec.num_instances)
         ]
-        self._start_replay(spec.sample_interval_s, self._counts)
+
+    def run(
+        self,
+        requests: Iterable[Request],
+        *,
+        progress: Callable[[int], None] | None = None,
+        keep_intervals: bool = True,
+    ) -> ReplayResult:
+        """Replay `requests` (in arrival order; streamed) to the end and summarize (`ReplayContext.run`)."""
+        return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def _counts(self) -> tuple[int, int]:
         prefill = sum(i.prefills for i in self._instances)
-        return prefill, sum(len(i.batch) for i in self._instances)
+        return prefill, sum(len(i.node.batch) for i in self._instances)
 
     def _arrive(self, now: float, request: Request) -> None:
-        record = self._record_arrival(now, request)
+        record = self.replay.open(now, request)
         if request.input_length + request.output_length > self.capacity_tokens:
-            record.outcome = Outcome.REJECTED_BEFORE_PREFILL
-            record.reason = "exceeds_hbm"
-            self._records.seal(record)
+            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, "exceeds_hbm")
             return
         instance = min(self._instances, key=lambda i: i.outstanding)
         record.prefill_instance = record.decode_instance = instance.instance_id
@@ -168,13 +173,13 @@ class CoupledCluster(Replayer):
         if plan is None:
             self._decide(now, instance)
         elif plan.interruptible:  # take it at the next step boundary
-            batch = instance.batch
-            steps = batch.steps_within(now - batch.start_s) + 1
+            steps = instance.node.steps_to_next_boundary(now)
             if steps < plan.steps:
-                self._start(instance, _Plan(steps, 0.0, None, interruptible=False))
+                self._start(instance, _Plan(steps, None, interruptible=False))
 
     def _fits(self, instance: _Instance, request: Request) -> bool:
-        held = instance.batch.context + sum(m.remaining for m in instance.batch.members)
+        batch = instance.node.batch
+        held = batch.context + sum(m.remaining for m in batch.members)
         if instance.prefilling is not None:
             held += instance.prefilling.request.input_length + instance.prefilling.request.output_length
         return held + request.input_length + request.output_length <= self.capacity_tokens
@@ -192,7 +197,7 @@ class CoupledCluster(Replayer):
 
     def _decide(self, now: float, instance: _Instance) -> None:
         """Choose the next iteration at a step boundary (`now`)."""
-        batch = instance.batch
+        batch = instance.node.batch
         batch.start_s = now
         if self.spec.chunked_prefill:
             if instance.prefilling is None:
@@ -207,39 +212,36 @@ class CoupledCluster(Replayer):
                     completes = current if current.done_tokens >= current.request.input_length else None
                     if completes is not None:
                         instance.prefilling = None
-                    self._start(instance, _Plan(1 if len(batch) else 0, chunk_s, completes, interruptible=False))
+                    self._start(instance, _Plan(1 if len(batch) else 0, completes, interruptible=False), chunk_s)
                     return
-                self._start(instance, _Plan(1, 0.0, None, interruptible=False))  # the budget went to decodes
+                self._start(instance, _Plan(1, None, interruptible=False))  # the budget went to decodes
                 return
         else:
             head = self._take(instance)
             if head is not None:
                 head.record.prefill_s = self.prefill_cost.prefill_s(head.request.input_length, head.done_tokens)
-                self._start(instance, _Plan(0, head.record.prefill_s, head, interruptible=False))
+                self._start(instance, _Plan(0, head, interruptible=False), head.record.prefill_s)
                 return
         if len(batch):
             steps = batch.min_remaining() if self.spec.analytic_decode else 1
-            self._start(instance, _Plan(steps, 0.0, None, interruptible=not instance.waiting))
+            self._start(instance, _Plan(steps, None, interruptible=not instance.waiting))
         else:
             instance.plan = None
 
-    def _start(self, instance: _Instance, plan: _Plan) -> None:
+    def _start(self, instance: _Instance, plan: _Plan, stall_s: float = 0.0) -> None:
+        """Run `plan` after a `stall_s` prefill: its boundary replaces any planned before."""
         instance.plan = plan
-        instance.version += 1
-        batch = instance.batch
-        end = batch.start_s + plan.stall_s + (batch.stretch_s(plan.steps) if len(batch) else 0.0)
-        self.loop.at(end, self._boundary, instance, instance.version)
+        node = instance.node
+        self.loop.at(node.plan(plan.steps, stall_s), self._boundary, instance, node.version)
 
     def _boundary(self, now: float, instance: _Instance, version: int) -> None:
-        if version != instance.version:
+        node = instance.node
+        if not node.is_current(version):
             return  # replanned since
-        plan, batch = instance.plan, instance.batch
+        plan = instance.plan
         assert plan is not None
-        batch.stall(plan.stall_s)
-        if len(batch):
-            batch.advance(plan.steps)
-        for member in batch.take_finished():
-            self._finish(now, member.record)
+        for member in node.end_stretch(now):
+            self.replay.complete(now, member.record)
         done = plan.completes
         if done is not None:
             record = done.record
@@ -247,14 +249,9 @@ class CoupledCluster(Replayer):
             instance.cache.put_chain(done.request.block_keys, length=self.page_bytes)
             instance.cache.take_events()  # nobody indexes a coupled instance's HBM cache
             if record.output_tokens <= 1:
-                self._finish(now, record)
+                self.replay.complete(now, record)
             else:
+                batch = node.batch
                 batch.start_s = now
                 batch.join(Member(record, record.output_tokens - 1, record.input_tokens))
         self._decide(now, instance)
-
-    def _finish(self, now: float, record: RequestRecord) -> None:
-        record.outcome = Outcome.COMPLETED
-        record.finish_s = now
-        record.tbt_s = top_mean(record.intervals)
-        self._records.seal(record)

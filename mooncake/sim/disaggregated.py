@@ -38,8 +38,6 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from mooncake.cache.policy import LruPolicy
-from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
@@ -62,17 +60,25 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
-from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished, PrefillStarted, RequestRejected
-from mooncake.sim.batch import ContinuousBatch, Member
-from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord, top_mean
-from mooncake.sim.replayer import Replayer
+from mooncake.sched.view import (
+    DecodeFinished,
+    DecodeJoined,
+    PrefilledInline,
+    PrefillFinished,
+    PrefillStarted,
+    RequestRejected,
+)
+from mooncake.sim.batch import Member
+from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
+from mooncake.sim.node import DecodeNode, metadata_cache
+from mooncake.sim.replayer import ReplayContext
 from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = [
     "ADMISSIONS",
     "ClusterSpec",
+    "DisaggregatedCluster",
     "ROUTERS",
-    "SimulatedCluster",
     "build_conductor",
     "replay",
 ]
@@ -238,13 +244,12 @@ class _Joiner:
 
 
 @attrs.define(eq=False)
-class _DecodeNode:
-    instance_id: InstanceId
-    batch: ContinuousBatch
+class _DecodeSide:
+    """A decode instance: its node, its HBM, and the requests joining at the next boundary."""
+
+    node: DecodeNode
     capacity_tokens: int
     joining: list[_Joiner] = attrs.field(factory=list)
-    version: int = 0  # invalidates planned boundaries when the plan changes
-    planned_steps: int = 0
     joining_tokens: int = 0
 
 
@@ -258,70 +263,76 @@ def replay(
 ) -> ReplayResult:
     """Build a Conductor for `spec` (`build_conductor` options) and replay `requests` through it."""
     conductor = build_conductor(spec, **conductor_options)  # type: ignore[arg-type]
-    return SimulatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
+    return DisaggregatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
 
 
-class SimulatedCluster(Replayer):
-    """Replays requests through a simulated cluster governed by `conductor`.
+class DisaggregatedCluster:
+    """Replays requests through a simulated disaggregated cluster governed by `conductor`.
 
     The conductor must know the prefill and decode instances the spec describes
-    (`build_conductor` makes such a one); one cluster replays one workload.
+    (`build_conductor` makes such a one); one cluster replays one workload, in
+    `context` (by default its own, on the conductor's SLO).
     """
 
-    def __init__(self, spec: ClusterSpec, conductor: Conductor) -> None:
+    def __init__(self, spec: ClusterSpec, conductor: Conductor, *, context: ReplayContext | None = None) -> None:
         self.spec = spec
         self.conductor = conductor
         self.slo = conductor.slo
+        self.replay = (
+            context if context is not None else ReplayContext(self.slo, sample_interval_s=spec.sample_interval_s)
+        )
+        self.loop = self.replay.loop
         self.prefill_cost = spec.prefill_cost
         self.transfer_cost = spec.transfer_cost
         self.kv_bytes_per_token = spec.model.kv_bytes_per_token
         self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
         decode_cost = spec.decode_cost
         self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
-        step_fixed = decode_cost.step_s(1, 0)
-        step_per_token = decode_cost.step_s(1, 1) - step_fixed
         pages = max(1, spec.cache_capacity_tokens * spec.cpp_group_size // spec.block_size_tokens)
         self._prefill = {
             view.instance_id: _PrefillNode(
                 view.instance_id,
-                TieredCache(
-                    [MetadataPagePool(Tier.DRAM, self.page_bytes, pages)],
-                    source=view.instance_id,
-                    policy=lambda: LruPolicy(prefix_aware=True),
-                    promote_after=0,
-                ),
+                metadata_cache(view.instance_id, Tier.DRAM, page_bytes=self.page_bytes, num_pages=pages),
             )
             for view in conductor.prefill_views
         }
         self._decode = {
-            view.instance_id: _DecodeNode(
-                view.instance_id, ContinuousBatch(step_fixed, step_per_token), view.capacity_tokens
-            )
+            view.instance_id: _DecodeSide(DecodeNode.of(view.instance_id, decode_cost), view.capacity_tokens)
             for view in conductor.decode_views
         }
-        self._start_replay(spec.sample_interval_s, lambda: (self._prefill_count, self._decode_count))
         self._prefill_count = 0
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
 
-    # ------------------------------------------------------------------ the loop
+    def run(
+        self,
+        requests: Iterable[Request],
+        *,
+        progress: Callable[[int], None] | None = None,
+        keep_intervals: bool = True,
+    ) -> ReplayResult:
+        """Replay `requests` (in arrival order; streamed) to the end and summarize (`ReplayContext.run`)."""
+        return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:
         """What `decode_instance` really holds at `now` (within the current stretch): requests
         decoding and their KV tokens (prompt and generated), for scoring load predictors."""
-        node = self._decode[decode_instance]
-        return DecodeLoad(len(node.batch), node.batch.context + self._grown(node, now))
+        node = self._decode[decode_instance].node
+        return DecodeLoad(len(node.batch), node.batch.context + node.grown(now))
+
+    def _counts(self) -> tuple[int, int]:
+        return self._prefill_count, self._decode_count
 
     # ------------------------------------------------------------------ prefill side
 
     def _arrive(self, now: float, request: Request) -> None:
-        record = self._record_arrival(now, request)
+        record = self.replay.open(now, request)
         decision = self.conductor.schedule(request, now)
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
         if not decision.accepted:
-            record.outcome = Outcome.REJECTED_BEFORE_PREFILL
-            record.reason = decision.reason.value if decision.reason else ""
-            self._records.seal(record)
+            self.replay.reject(
+                record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason.value if decision.reason else ""
+            )
             return
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         if self._try_inline(now, request, record, decision):
@@ -401,38 +412,33 @@ class SimulatedCluster(Replayer):
         if request.input_length > self.spec.inline_prefill_tokens or request.output_length <= 1:
             return False
         assert decision.decode_instance is not None and decision.prefill_instance is not None
-        node = self._decode[decision.decode_instance]
+        side = self._decode[decision.decode_instance]
         inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
-        step = node.batch.step_s(self._grown(node, now) + node.joining_tokens + request.input_length)
-        if step + inline_s > self.slo.tbt_s or not self._fits(node, record, now):
+        step = side.node.batch.step_s(side.node.grown(now) + side.joining_tokens + request.input_length)
+        if step + inline_s > self.slo.tbt_s or not self._fits(side, record, now):
             return False
-        # It never reaches the prefill instance the Conductor queued it on: take it off that queue.
-        for event in (PrefillStarted, PrefillFinished):
-            self.conductor.handle(event(request_id=request.request_id, instance_id=decision.prefill_instance, now=now))
+        # It never reaches the prefill instance the Conductor queued it on.
+        self.conductor.handle(
+            PrefilledInline(request_id=request.request_id, instance_id=decision.decode_instance, now=now)
+        )
         record.prefill_instance = None
         record.inline_prefill = True
         record.prefill_s = inline_s
-        self._enqueue(now, node, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
+        self._enqueue(now, side, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
         return True
 
-    def _grown(self, node: _DecodeNode, now: float) -> int:
-        """Tokens the batch gained in the steps of its current stretch done by `now`."""
-        batch = node.batch
-        return batch.steps_within(now - batch.start_s) * len(batch) if len(batch) else 0
-
-    def _fits(self, node: _DecodeNode, record: RequestRecord, now: float) -> bool:
+    def _fits(self, side: _DecodeSide, record: RequestRecord, now: float) -> bool:
         needed = record.input_tokens + record.output_tokens
-        held = node.batch.context + self._grown(node, now) + node.joining_tokens
-        return held + needed <= node.capacity_tokens
+        held = side.node.batch.context + side.node.grown(now) + side.joining_tokens
+        return held + needed <= side.capacity_tokens
 
-    def _decode_arrive(self, now: float, node: _DecodeNode, record: RequestRecord) -> None:
+    def _decode_arrive(self, now: float, side: _DecodeSide, record: RequestRecord) -> None:
         # The batch as it stands now, mid-stretch (what stepping one by one would see).
-        step = node.batch.step_s(self._grown(node, now) + node.joining_tokens + record.input_tokens)
-        if (len(node.batch) or node.joining) and (step > self.slo.tbt_s or not self._fits(node, record, now)):
+        batch = side.node.batch
+        step = batch.step_s(side.node.grown(now) + side.joining_tokens + record.input_tokens)
+        if (len(batch) or side.joining) and (step > self.slo.tbt_s or not self._fits(side, record, now)):
             # The instance's own check: this request would break the batch's TBT SLO or overflow HBM.
-            record.outcome = Outcome.REJECTED_AFTER_PREFILL
-            record.reason = "decode_local_check"
-            self._records.seal(record)
+            self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, "decode_local_check")
             assert record.decode_instance is not None
             self.conductor.handle(
                 RequestRejected(
@@ -440,40 +446,31 @@ class SimulatedCluster(Replayer):
                 )
             )
             return
-        self._enqueue(now, node, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
+        self._enqueue(now, side, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
 
-    def _enqueue(self, now: float, node: _DecodeNode, joiner: _Joiner) -> None:
+    def _enqueue(self, now: float, side: _DecodeSide, joiner: _Joiner) -> None:
         """`joiner` joins at the batch's next step boundary (now, if the batch is idle)."""
-        node.joining.append(joiner)
-        node.joining_tokens += joiner.member.context
-        batch = node.batch
-        if not batch.members:
-            if len(node.joining) == 1:
-                node.version += 1
-                self.loop.at(now, self._boundary, node, node.version, 0)
+        side.joining.append(joiner)
+        side.joining_tokens += joiner.member.context
+        node = side.node
+        if not node.batch.members:
+            if len(side.joining) == 1:
+                node.void_plans()
+                self.loop.at(now, self._boundary, side, node.version)
             return
-        steps = min(node.planned_steps, batch.steps_within(now - batch.start_s) + 1)
+        steps = min(node.planned_steps, node.steps_to_next_boundary(now))
         if steps < node.planned_steps:
-            self._plan(node, steps)
+            self.loop.at(node.plan(steps), self._boundary, side, node.version)
 
-    def _plan(self, node: _DecodeNode, steps: int) -> None:
-        node.version += 1
-        node.planned_steps = steps
-        batch = node.batch
-        self.loop.at(batch.start_s + batch.stretch_s(steps), self._boundary, node, node.version, steps)
-
-    def _boundary(self, now: float, node: _DecodeNode, version: int, steps: int) -> None:
-        if version != node.version:
+    def _boundary(self, now: float, side: _DecodeSide, version: int) -> None:
+        node = side.node
+        if not node.is_current(version):
             return  # the plan changed since this boundary was planned
-        batch = node.batch
-        if batch.members:
-            batch.advance(steps)
-        else:
-            batch.start_s = now
-        for member in batch.take_finished():
+        for member in node.end_stretch(now):
             self._decode_count -= 1
             self._finish(now, member.record)
-        joiners, node.joining, node.joining_tokens = node.joining, [], 0
+        batch = node.batch
+        joiners, side.joining, side.joining_tokens = side.joining, [], 0
         for joiner in joiners:
             if joiner.inline_s:  # its prefill runs in the batch, before the next step
                 batch.stall(joiner.inline_s)
@@ -495,16 +492,13 @@ class SimulatedCluster(Replayer):
                 )
             )
         if batch.members:
-            self._plan(node, batch.min_remaining() if self.spec.analytic_decode else 1)
+            steps = batch.min_remaining() if self.spec.analytic_decode else 1
+            self.loop.at(node.plan(steps), self._boundary, side, node.version)
         else:
-            node.version += 1
-            node.planned_steps = 0
+            node.void_plans()
 
     def _finish(self, now: float, record: RequestRecord) -> None:
-        record.outcome = Outcome.COMPLETED
-        record.finish_s = now
-        record.tbt_s = top_mean(record.intervals)
-        self._records.seal(record)
+        self.replay.complete(now, record)
         assert record.decode_instance is not None
         self.conductor.handle(
             DecodeFinished(

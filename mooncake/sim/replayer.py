@@ -1,8 +1,15 @@
-"""What every simulated cluster shares: arrivals streamed into an event loop, records, load samples.
+"""What every simulated cluster runs in: an event loop, the requests' records, load samples.
 
-A cluster derives from `Replayer`, calls `_start_replay` in its constructor and
-implements `_arrive(now, request)`, which begins with `_record_arrival`; `run`
-replays a request stream to the end and summarizes it.
+A cluster holds a `ReplayContext` (made for it, or handed to it) and is
+driven by it: `run` streams the requests into the event loop, calling the
+cluster's `arrive(now, request)` at each arrival and sampling the cluster's
+`counts()` (requests in prefill, in decode) every `sample_interval_s`, until
+no event is left; then it summarizes. The cluster schedules its own events on
+`loop`, opens a record at each arrival (`open`) and ends each record exactly
+once: `complete` when its last token is out, `reject` when it is refused.
+
+Invariants: every record opened is in `records`; a record is sealed (ended)
+exactly once, by `complete` or `reject`.
 """
 
 from __future__ import annotations
@@ -11,31 +18,37 @@ import time
 from collections.abc import Callable, Iterable
 
 from mooncake.sim.clock import EventLoop
-from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize
+from mooncake.sim.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.types import Request, Slo
 
-__all__ = ["Replayer"]
+__all__ = ["ReplayContext"]
 
 
 def _arrival_s(request: Request) -> float:
     return request.arrival_s
 
 
-class Replayer:
-    """The replay driver of a simulated cluster (see the module docstring)."""
+class ReplayContext:
+    """The event loop, records and load samples of one replay (see the module docstring).
 
-    slo: Slo
+    Args:
+        slo: what the summary measures attainment against.
+        sample_interval_s: how often load over time is sampled.
+    """
 
-    def _start_replay(self, sample_interval_s: float, counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, slo: Slo, *, sample_interval_s: float) -> None:
+        self.slo = slo
+        self.sample_interval_s = sample_interval_s
         self.loop = EventLoop()
-        self._records = RecordTable()
-        self._load = LoadTrace(sample_interval_s, counts)
+        self.records = RecordTable()
         self._arrived = 0
         self._progress: Callable[[int], None] | None = None
 
     def run(
         self,
         requests: Iterable[Request],
+        arrive: Callable[[float, Request], None],
+        counts: Callable[[], tuple[int, int]],
         *,
         progress: Callable[[int], None] | None = None,
         keep_intervals: bool = True,
@@ -43,29 +56,42 @@ class Replayer:
         """Replay `requests` (in arrival order; streamed) to the end and summarize.
 
         Args:
+            arrive: the cluster's arrival handler, called at each request's arrival time.
+            counts: the cluster's requests in prefill and in decode, sampled for the load trace.
             progress: told the count of requests arrived so far, at each arrival.
             keep_intervals: keep every record's token intervals (False frees them once
                 its TBT is known: large replays).
         """
         started = time.perf_counter()
         self._progress = progress
-        self._records.keep_intervals = keep_intervals
-        self.loop.feed(requests, _arrival_s, self._arrive)
-        self.loop.run(self._load)
+        self.records.keep_intervals = keep_intervals
+        load = LoadTrace(self.sample_interval_s, counts)
+        self.loop.feed(requests, _arrival_s, arrive)
+        self.loop.run(load)
         return ReplayResult(
-            summary=summarize(self._records, self.slo, sim_wall_s=time.perf_counter() - started),
-            records=self._records,
-            load=tuple(self._load.samples),
+            summary=summarize(self.records, self.slo, sim_wall_s=time.perf_counter() - started),
+            records=self.records,
+            load=tuple(load.samples),
         )
 
-    def _arrive(self, now: float, request: Request) -> None:
-        raise NotImplementedError
-
-    def _record_arrival(self, now: float, request: Request) -> RequestRecord:
-        """Count the arrival, tell the progress callback, and open the request's record."""
+    def open(self, now: float, request: Request) -> RequestRecord:
+        """Count an arrival, tell the progress callback, and open the request's record."""
         self._arrived += 1
         if self._progress is not None:
             self._progress(self._arrived)
         record = RequestRecord(request.request_id, now, request.input_length, request.output_length)
-        self._records.add(record)
+        self.records.add(record)
         return record
+
+    def complete(self, now: float, record: RequestRecord) -> None:
+        """The request's last token came out at `now`: its TBT is known, its record ends."""
+        record.outcome = Outcome.COMPLETED
+        record.finish_s = now
+        record.tbt_s = top_mean(record.intervals)
+        self.records.seal(record)
+
+    def reject(self, record: RequestRecord, outcome: Outcome, reason: str) -> None:
+        """The request was refused (`outcome` says before or after its prefill): its record ends."""
+        record.outcome = outcome
+        record.reason = reason
+        self.records.seal(record)

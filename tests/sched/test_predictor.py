@@ -139,6 +139,9 @@ class FixedPredictor:
     ) -> DecodeLoad:
         return self.load
 
+    def observe(self, output_tokens: int) -> None:
+        pass
+
 
 def test_score_predictor_hand_example() -> None:
     """Mean absolute errors over snapshots: |2 − 1| and |2 − 4| in batch, |100 − 50| and |100 − 300| in KV."""

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, LinearStepModel
 from mooncake.sim.batch import ContinuousBatch, Member
 from mooncake.sim.metrics import RequestRecord
 from mooncake.types import RequestId
@@ -41,7 +41,7 @@ def make_member(name: str, *, remaining: int, context: int, gap_s: float = 0.0) 
 
 
 def make_batch(a: float, b: float, member_contexts: list[int], *, remaining: int = 10**6) -> ContinuousBatch:
-    batch = ContinuousBatch(a, b)
+    batch = ContinuousBatch(LinearStepModel(a, b))
     for i, context in enumerate(member_contexts):
         batch.join(make_member(str(i), remaining=remaining, context=context))
     return batch
@@ -96,7 +96,7 @@ def test_steps_within_is_exact_at_step_boundaries(a: float, b: float, member_con
 
 def test_an_empty_batch_does_no_steps() -> None:
     """Without members nothing advances: no steps within any time, no step time."""
-    batch = ContinuousBatch(A800_FIXED_S, A800_PER_TOKEN_S)
+    batch = ContinuousBatch(LinearStepModel(A800_FIXED_S, A800_PER_TOKEN_S))
     assert batch.steps_within(10.0) == 0
     assert len(batch) == 0 and batch.context == 0
 
@@ -177,7 +177,7 @@ def test_advance_zero_steps_records_nothing() -> None:
 
 def test_take_finished_removes_exactly_the_done_members() -> None:
     """Members with nothing left leave, taking their context with them; min_remaining follows."""
-    batch = ContinuousBatch(A800_FIXED_S, A800_PER_TOKEN_S)
+    batch = ContinuousBatch(LinearStepModel(A800_FIXED_S, A800_PER_TOKEN_S))
     for name, remaining, context in (("a", 2, 100), ("b", 5, 200), ("c", 2, 300)):
         batch.join(make_member(name, remaining=remaining, context=context))
     assert batch.min_remaining() == 2
@@ -214,7 +214,7 @@ class BatchMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.batch is None)
     @rule(a=step_fixed, b=step_per_token)
     def create(self, a: float, b: float) -> None:
-        self.batch = ContinuousBatch(a, b)
+        self.batch = ContinuousBatch(LinearStepModel(a, b))
         self.a, self.b = a, b
 
     @precondition(lambda self: self.batch is not None)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
 from mooncake.sched.router import KvCacheCentricRouter
-from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, SimulatedCluster, build_conductor, replay
+from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, DisaggregatedCluster, build_conductor, replay
 from mooncake.sim.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
 from mooncake.types import BlockKey, Request, RequestId, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
@@ -228,7 +228,7 @@ def test_every_request_ends_exactly_once(
 ) -> None:
     """Completed, or rejected before or after prefill, never left hanging; the Conductor ends empty."""
     conductor = build_conductor(spec, slo=slo, **options)
-    result = SimulatedCluster(spec, conductor).run(requests)
+    result = DisaggregatedCluster(spec, conductor).run(requests)
     assert_each_ended_once(requests, result)
     for record in result.records:
         event(f"outcome: {record.outcome.value if record.outcome else None}")
@@ -247,7 +247,7 @@ def test_burst_of_identical_requests_all_end() -> None:
     requests = [make_request(str(i), 0.0, 3000, 30, range(num_blocks(3000))) for i in range(20)]
     for admission in ADMISSIONS:
         conductor = build_conductor(make_spec(), admission=admission, slo=Slo(ttft_s=2.0, tbt_s=0.02))
-        result = SimulatedCluster(make_spec(), conductor).run(requests)
+        result = DisaggregatedCluster(make_spec(), conductor).run(requests)
         assert_each_ended_once(requests, result)
         assert conductor.in_flight == ()
         assert result.summary.completed >= 1
@@ -488,7 +488,7 @@ def test_decode_side_rejection_wastes_the_prefill() -> None:
     """Without early rejection, B is prefilled, then refused by its decode instance: wasted prefill."""
     spec, slo, requests = busy_decode_scenario()
     conductor = build_conductor(spec, admission="baseline", slo=slo)
-    result = SimulatedCluster(spec, conductor).run(requests)
+    result = DisaggregatedCluster(spec, conductor).run(requests)
     a, b = result.records
     assert a.outcome == Outcome.COMPLETED
     assert b.outcome == Outcome.REJECTED_AFTER_PREFILL and b.reason == "decode_local_check"
