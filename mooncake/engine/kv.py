@@ -13,13 +13,12 @@ Invariants: `block_bytes(t) == num_layers * layer_bytes(t)`; a view returned by
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import numpy as np
 import torch
 
 from mooncake._checks import int_at_least
+from mooncake.cache.pool import Buffer
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import dtype_of
 from mooncake.errors import ConfigError
@@ -67,7 +66,7 @@ class KvLayout:
             raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
         return num_bytes // per_token
 
-    def layer_kv(self, page: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_kv(self, page: Buffer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` in `page` (a buffer of `block_bytes(t)` bytes) as [t, kv_heads, head_dim] views."""
         view = memoryview(page).cast("B")
         tokens = self.tokens_in(view.nbytes)

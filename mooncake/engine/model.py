@@ -21,7 +21,6 @@ the weights of the whole model's same layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -68,14 +67,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _random(
-    shape: tuple[int, ...], std: float, generator: torch.Generator, dtype: torch.dtype, device: Any
+    shape: tuple[int, ...], std: float, generator: torch.Generator, dtype: torch.dtype, device: torch.device | str
 ) -> nn.Parameter:
     # Drawn in float32 on the generator's device so a dtype changes values only by rounding.
     values = torch.randn(shape, generator=generator, dtype=torch.float32, device=generator.device) * std
     return nn.Parameter(values.to(device=device, dtype=dtype), requires_grad=False)
 
 
-def _generator(seed: int, stream: int, device: Any) -> torch.Generator:
+def _generator(seed: int, stream: int, device: torch.device | str) -> torch.Generator:
     kind = torch.device(device).type
     generator = torch.Generator(device=kind if kind == "cuda" else "cpu")
     generator.manual_seed((seed * 1_000_003 + stream) % (1 << 63))
@@ -85,7 +84,9 @@ def _generator(seed: int, stream: int, device: Any) -> torch.Generator:
 class DecoderLayer(nn.Module):
     """One transformer block; its attention is the caller's `attend`."""
 
-    def __init__(self, config: ModelConfig, *, seed: int, index: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(
+        self, config: ModelConfig, *, seed: int, index: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         self.config, self.index = config, index
         g = _generator(seed, index + 1, device)
@@ -129,7 +130,7 @@ class LlamaModel(nn.Module):
         *,
         seed: int = 0,
         dtype: str = "float32",
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         layers: Iterable[int] | None = None,
     ) -> None:
         super().__init__()
