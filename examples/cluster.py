@@ -51,9 +51,9 @@ def main() -> None:
     except MooncakeError as error:
         sys.exit(f"error: {error}")
     try:
-        p, d = config.cluster["num_prefill"], config.cluster["num_decode"]
+        p, d = config.cluster.num_prefill, config.cluster.num_decode
         print(
-            f"mooncake cluster ready: {cluster.url}  ({p} prefill + {d} decode, {config.model['preset']} model, "
+            f"mooncake cluster ready: {cluster.url}  ({p} prefill + {d} decode, {config.model.preset} model, "
             f"{args.backend} backend; OpenAI API at {cluster.url}/v1)",
             flush=True,
         )

@@ -173,7 +173,7 @@ def main() -> None:
 
         config = load_config(args.config).with_overrides("cluster", port=0)
         config = config.with_overrides(
-            "limits", max_prompt_tokens=max(config.limits["max_prompt_tokens"], args.max_prompt_tokens)
+            "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
         )
         cluster = start_cluster(config)
         url = cluster.url

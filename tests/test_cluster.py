@@ -202,7 +202,7 @@ def test_body_not_a_json_object_is_a_400(cluster: RunningCluster, body: bytes) -
 
 def test_prompt_over_the_limit_is_a_413(cluster: RunningCluster) -> None:
     """One token over [limits] max_prompt_tokens is a 413 (the OpenAI client's APIStatusError), for both APIs."""
-    limit = cluster.config.limits["max_prompt_tokens"]
+    limit = cluster.config.limits.max_prompt_tokens
     api = client(cluster)
     with pytest.raises(openai.APIStatusError) as raised:
         api.completions.create(model="tiny", prompt="x" * (limit + 1), max_tokens=1)
@@ -576,10 +576,10 @@ def test_config_defaults_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "small.toml"
     path.write_text("[cluster]\nnum_decode = 2\n")
     config = load_config(path)
-    assert config.cluster["num_decode"] == 2 and config.cluster["num_prefill"] == 2
-    assert config.slo["ttft_s"] == 30.0 and isinstance(config.policy["threshold"], float)
-    assert config.with_overrides("slo", ttft_s=2).slo["ttft_s"] == 2.0
-    assert config.cluster["port"] == 8000  # overrides make copies
+    assert config.cluster.num_decode == 2 and config.cluster.num_prefill == 2
+    assert config.slo.ttft_s == 30.0 and isinstance(config.policy.threshold, float)
+    assert config.with_overrides("slo", ttft_s=2).slo.ttft_s == 2.0
+    assert config.cluster.port == 8000  # overrides make copies
     with pytest.raises(ConfigError, match=r"\[cluster\] port = -1"):
         config.with_overrides("cluster", port=-1)
     with pytest.raises(ConfigError, match=r"\[nope\]"):

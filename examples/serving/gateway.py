@@ -86,15 +86,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def model_shape(config: ClusterConfig) -> ModelShape:
-    return PRESETS[config.model["preset"]].shape(config.model["dtype"])
+    return PRESETS[config.model.preset].shape(config.model.dtype)
 
 
 def build_conductor(config: ClusterConfig) -> Conductor:
     """The Conductor of the config's policies, on the fitted profile when one is named."""
     shape = model_shape(config)
     prefill: Any = PrefillCostModel(model=shape, hardware=CPU)
-    if config.prefill["profile"]:
-        with open(config.prefill["profile"]) as stream:
+    if config.prefill.profile:
+        with open(config.prefill.profile) as stream:
             prefill = FittedPrefillModel.from_json(json.dumps(json.load(stream)["prefill"]))
     estimator = TtftEstimator(
         prefill=prefill,
@@ -106,7 +106,7 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         "random": lambda: RandomRouter(estimator),
         "load_balancing": lambda: LoadBalancingRouter(estimator),
         "local_cache_aware": lambda: local_cache_aware_router(estimator),
-        "kvcache_centric": lambda: KvCacheCentricRouter(estimator=estimator, threshold=policy["threshold"]),
+        "kvcache_centric": lambda: KvCacheCentricRouter(estimator=estimator, threshold=policy.threshold),
     }
     admissions: dict[str, Callable[[], Any]] = {
         "baseline": BaselineAdmission,
@@ -114,12 +114,12 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         "predictive_early_rejection": predictive_early_rejection,
     }
     return Conductor(
-        router=routers[policy["router"]](),
+        router=routers[policy.router](),
         decode_cost=DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0),
-        admission=admissions[policy["admission"]](),
+        admission=admissions[policy.admission](),
         predictor=UniformDecodePredictor(decode_s=1.0),
-        slo=Slo(ttft_s=config.slo["ttft_s"], tbt_s=config.slo["tbt_s"]),
-        block_size_tokens=config.model["block_tokens"],
+        slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
+        block_size_tokens=config.model.block_tokens,
     )
 
 
@@ -176,10 +176,10 @@ class Gateway:
     ) -> None:
         self.config = config
         self.tokenizer = ByteTokenizer()
-        self.hasher = BlockHasher(model=config.model["preset"], block_size_tokens=config.model["block_tokens"])
+        self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens)
         self.conductor = build_conductor(config)
         self.roles = {w["instance_id"]: w["role"] for w in workers}
-        capacity = config.decode["max_batch_size"] * config.decode["max_context_tokens"]
+        capacity = config.decode.max_batch_size * config.decode.max_context_tokens
         for worker in workers:
             if worker["role"] == "prefill":
                 self.conductor.add_prefill_instance(InstanceId(worker["instance_id"]))
@@ -212,7 +212,7 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.metrics = self._declare_metrics()
-        kv_per_block = model_shape(config).kv_bytes_per_token * config.model["block_tokens"]
+        kv_per_block = model_shape(config).kv_bytes_per_token * config.model.block_tokens
         self._block_bytes = kv_per_block
 
     # ------------------------------------------------------------------ set-up
@@ -275,7 +275,7 @@ class Gateway:
             self._authorize(request)
         except HttpError as error:
             return error.response()
-        model = {"id": self.config.model["preset"], "object": "model", "created": 0, "owned_by": "mooncake"}
+        model = {"id": self.config.model.preset, "object": "model", "created": 0, "owned_by": "mooncake"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
@@ -303,7 +303,7 @@ class Gateway:
         return web.json_response(body, status=200 if healthy else 503)
 
     def _authorize(self, request: web.Request) -> None:
-        key = self.config.cluster["api_key"]
+        key = self.config.cluster.api_key
         if key and request.headers.get("Authorization", "") != f"Bearer {key}":
             raise HttpError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
 
@@ -334,8 +334,8 @@ class Gateway:
                 raise HttpError(400, "prompt must be a string", param="prompt")
             text = prompt
         limits = self.config.limits
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limits["default_max_tokens"]))
-        ceiling = self.config.decode["max_context_tokens"] - limits["max_prompt_tokens"]
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limits.default_max_tokens))
+        ceiling = self.config.decode.max_context_tokens - limits.max_prompt_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= ceiling:
             raise HttpError(
                 400, f"max_tokens must be an integer in [1, {ceiling}], got {max_tokens!r}", param="max_tokens"
@@ -361,10 +361,10 @@ class Gateway:
         tokens = self.tokenizer.encode(text)
         if not tokens:
             raise HttpError(400, "the prompt is empty", param="messages" if chat else "prompt")
-        if len(tokens) > limits["max_prompt_tokens"]:
+        if len(tokens) > limits.max_prompt_tokens:
             raise HttpError(
                 413,
-                f"the prompt has {len(tokens)} tokens, over the limit of {limits['max_prompt_tokens']}",
+                f"the prompt has {len(tokens)} tokens, over the limit of {limits.max_prompt_tokens}",
                 param="messages" if chat else "prompt",
             )
         return tokens, max_tokens, float(temperature), seed, stream
@@ -407,7 +407,7 @@ class Gateway:
                 "id": name,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
-                "model": self.config.model["preset"],
+                "model": self.config.model.preset,
                 "choices": [choice],
                 "usage": usage,
             }
@@ -448,7 +448,7 @@ class Gateway:
                 "id": name,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created,
-                "model": self.config.model["preset"],
+                "model": self.config.model.preset,
                 "choices": [choice],
             }
             return f"data: {json.dumps(data)}\n\n".encode()
@@ -467,7 +467,7 @@ class Gateway:
                     "id": name,
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created,
-                    "model": self.config.model["preset"],
+                    "model": self.config.model.preset,
                     "choices": [],
                     "usage": self._usage(live, count),
                 }
@@ -485,7 +485,7 @@ class Gateway:
 
     async def _tokens(self, live: _Live) -> Any:
         """The request's tokens as they arrive; raises HttpError when it fails or times out."""
-        deadline = live.arrival + self.config.limits["request_timeout_s"]
+        deadline = live.arrival + self.config.limits.request_timeout_s
         while True:
             try:
                 kind, payload = await asyncio.wait_for(live.events.get(), timeout=max(0.0, deadline - self.now()))
@@ -678,7 +678,7 @@ class Gateway:
     async def _health_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.config.limits["health_interval_s"])
+            await asyncio.sleep(self.config.limits.health_interval_s)
             for instance, up in list(self.up.items()):
                 if not up:
                     continue

@@ -180,7 +180,7 @@ class RunningCluster:
         secret = secrets.token_bytes(32)
         specs = [
             WorkerSpec(role=role, instance_id=f"{role}-{i}", config=config, secret=secret)
-            for role, count in (("prefill", config.cluster["num_prefill"]), ("decode", config.cluster["num_decode"]))
+            for role, count in (("prefill", config.cluster.num_prefill), ("decode", config.cluster.num_decode))
             for i in range(count)
         ]
         self.infos = backend.start(specs)
@@ -213,10 +213,10 @@ class RunningCluster:
         self._stopping = asyncio.Event()
         runner = web.AppRunner(self.gateway.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.cluster["host"], self.config.cluster["port"])
+        site = web.TCPSite(runner, self.config.cluster.host, self.config.cluster.port)
         await site.start()
         port = runner.addresses[0][1]
-        self.url = f"http://{self.config.cluster['host']}:{port}"
+        self.url = f"http://{self.config.cluster.host}:{port}"
         self._ready.set()
         await self._stopping.wait()
         await runner.cleanup()

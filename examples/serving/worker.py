@@ -40,6 +40,7 @@ from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, C
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
+from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
@@ -87,26 +88,26 @@ class Worker:
         config = spec.config
         self.instance_id = InstanceId(spec.instance_id)
         torch.set_num_threads(1)  # many engines share this machine's cores
-        self.model = LlamaModel(_preset(config), seed=config.model["seed"], dtype=config.model["dtype"])
-        block = config.model["block_tokens"]
-        self.hasher = BlockHasher(model=config.model["preset"], block_size_tokens=block)
-        self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model["dtype"])
+        self.model = LlamaModel(PRESETS[config.model.preset], seed=config.model.seed, dtype=config.model.dtype)
+        block = config.model.block_tokens
+        self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=block)
+        self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model.dtype)
         self.engine = TransferEngine(
             # No polling for answers (spin_us=0): engines share the machine's cores, and polling threads
             # starve each other of the GIL (a layer's batch of small slices took ~0.5 ms a slice).
             secret=spec.secret,
             config=EngineConfig(transports=("tcp", "shm"), io_timeout_s=5.0, spin_us=0),
         )
-        pool, region = shared_dram_pool(self.engine, self.layout.page_bytes, config.cache["dram_blocks"])
+        pool, region = shared_dram_pool(self.engine, self.layout.page_bytes, config.cache.dram_blocks)
         pools: list[PagePool] = [pool]
         self._ssd_dir: tempfile.TemporaryDirectory[str] | None = None
-        if config.cache["ssd_blocks"]:
-            folder = config.cache["ssd_dir"]
+        if config.cache.ssd_blocks:
+            folder = config.cache.ssd_dir
             if not folder:
                 self._ssd_dir = tempfile.TemporaryDirectory(prefix="mooncake-ssd-")
                 folder = self._ssd_dir.name
             path = Path(folder) / f"{spec.instance_id}.pool"
-            pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache["ssd_blocks"]))
+            pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache.ssd_blocks))
         self.cache = TieredCache(pools, source=self.instance_id, epoch=time.time_ns())
         self.messenger = Messenger(self.engine, self.cache, region=region)
         self._jobs: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -118,7 +119,7 @@ class Worker:
         self._decode: DecodeEngine | None = None
         if spec.role == "prefill":
             self._prefill = PrefillEngine(
-                self.model, self.cache, self.hasher, PrefillConfig(chunk_tokens=config.prefill["chunk_tokens"])
+                self.model, self.cache, self.hasher, PrefillConfig(chunk_tokens=config.prefill.chunk_tokens)
             )
             loop = self._prefill_loop
         else:
@@ -127,8 +128,8 @@ class Worker:
                 self.cache,
                 block_tokens=block,
                 config=DecodeConfig(
-                    max_batch_size=config.decode["max_batch_size"],
-                    max_context_tokens=config.decode["max_context_tokens"],
+                    max_batch_size=config.decode.max_batch_size,
+                    max_context_tokens=config.decode.max_context_tokens,
                 ),
             )
             loop = self._decode_loop
@@ -324,12 +325,6 @@ class Worker:
         first_token(
             TokenEvent(request_id=request_id, token=job["first_token"], index=0, finished=job["max_tokens"] == 1)
         )
-
-
-def _preset(config: ClusterConfig) -> Any:
-    from mooncake.engine.config import PRESETS
-
-    return PRESETS[config.model["preset"]]
 
 
 def run_worker(spec: WorkerSpec, connection: Any) -> None:
