@@ -39,8 +39,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
 from serving.metrics import Registry  # noqa: E402
+from serving.wire import event_from_wire, event_to_wire  # noqa: E402
 
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from mooncake.errors import ConfigError  # noqa: E402
+from mooncake.types import BlockKey, InstanceId, Tier  # noqa: E402
 
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 API_KEY = "test-key"
@@ -303,6 +306,33 @@ def test_registry_renders_prometheus_text() -> None:
     ]
     assert 'events_total{reason="say \\"hi\\"\\n"} 2' in lines
     assert registry.value("events_total", reason='say "hi"\n') == 2 and registry.value("events_total") == 0
+
+
+def test_gateway_imports_no_torch() -> None:
+    """The gateway schedules and serves HTTP only: importing it (in a fresh interpreter) loads no torch."""
+    code = "import sys; import serving.gateway; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT / "examples",
+        env={**os.environ, "PYTHONPATH": str(ROOT / "examples")},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_cache_events_survive_the_wire() -> None:
+    """Every kind of cache event comes back equal from its JSON wire form."""
+    source = InstanceId("prefill-0")
+    events = [
+        BlockStored(source=source, seq=0, keys=(BlockKey(1), BlockKey(2**63)), tier=Tier.DRAM, epoch=7),
+        BlockRemoved(source=source, seq=1, keys=(BlockKey(5),), tier=Tier.SSD, epoch=7),
+        AllBlocksCleared(source=source, seq=2, epoch=7),
+    ]
+    for event in events:
+        assert event_from_wire(json.loads(json.dumps(event_to_wire(event)))) == event
 
 
 # ---------------------------------------------------------------------------------------------- overload and failures

@@ -68,7 +68,7 @@ from mooncake.types import InstanceId, Request, RequestId, Slo
 from serving.config import ClusterConfig
 from serving.metrics import Registry
 from serving.tokenizer import ByteTokenizer, chat_prompt
-from serving.worker import event_from_wire
+from serving.wire import event_from_wire
 
 __all__ = ["CPU", "Gateway", "build_conductor"]
 

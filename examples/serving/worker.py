@@ -36,7 +36,6 @@ import attrs
 import torch
 
 from mooncake.cache import TieredCache
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
@@ -52,32 +51,21 @@ from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import BlockKey, InstanceId, RequestId
 from serving.config import ClusterConfig
+from serving.wire import event_to_wire
 
-__all__ = ["Worker", "WorkerSpec", "event_from_wire", "event_to_wire", "run_worker"]
+__all__ = ["Worker", "WorkerSpec", "run_worker"]
 
 TIMEOUT_S = 30.0
 
 
 @attrs.frozen(kw_only=True)
 class WorkerSpec:
+    """What a worker process (or Ray actor) is started with; pickled to it, config and all."""
+
     role: str  # "prefill" or "decode"
     instance_id: str
     config: ClusterConfig
     secret: bytes
-
-
-def event_to_wire(event: CacheEvent) -> list[Any]:
-    if isinstance(event, AllBlocksCleared):
-        return ["cleared", event.source, event.seq, event.epoch]
-    kind = "stored" if isinstance(event, BlockStored) else "removed"
-    return [kind, event.source, event.seq, event.epoch, int(event.tier), [int(k) for k in event.keys]]
-
-
-def event_from_wire(data: list[Any]) -> CacheEvent:
-    if data[0] == "cleared":
-        return AllBlocksCleared(source=InstanceId(data[1]), seq=data[2], epoch=data[3])
-    kind = BlockStored if data[0] == "stored" else BlockRemoved
-    return kind(source=InstanceId(data[1]), seq=data[2], epoch=data[3], tier=data[4], keys=data[5])
 
 
 class Worker:
