@@ -1,32 +1,33 @@
-"""The transfer engine: registered memory, peers, and batches of reads and writes.
+"""The transfer engine: registered memory and batches of reads and writes to peers.
 
 Usage (both sides run an engine with the same secret):
 
     engine = TransferEngine(secret=b"...")
-    buffer = engine.allocate_shared(1 << 30)             # or register_memory(any buffer)
-    local = engine.regions()[0]
+    local, buffer = engine.allocate_shared(1 << 30)      # or register_memory(any buffer)
     peer = engine.connect("10.0.0.2:7000")               # handshake: auth + segment descriptors
     remote = engine.peer_regions(peer)[0]
     batch = engine.submit([TransferRequest(op=TransferOp.WRITE, local_region=local.region_id,
         local_offset=0, peer=peer, remote_region=remote.region_id, remote_offset=0, length=1 << 20)])
     statuses = engine.wait(batch, timeout=5.0)            # or engine.transfer_sync([...], timeout=5.0)
 
-Peers are discovered peer to peer: `connect` authenticates (mutual HMAC challenge,
-see `wire`) and fetches the peer's segment descriptor (its regions, host and
-process) with a control call; no metadata service is needed. Each peer gets the
-transports it can use, by preference: `shm` when it runs on this host and the
-remote region lives in shared memory, `rdma` where both ends have a device,
-`tcp` always. Requests are cut into slices of at most `slice_bytes`, spread
-over the transport's streams; a request is done when all its slices are, and
-fails with the first slice error. The requests of a batch move concurrently:
-requests that overlap (a write and a read of the same bytes) have no order.
+The engine owns the registered regions (each also registered with the RDMA
+device, when there is one) and the batches. Everything about peers (the
+handshake, their segment descriptors and transports, control calls, the
+accept loop that serves them) is `peers.Peers`, which the engine composes and
+whose public calls it passes through. A request goes to the first of its
+peer's transports that reaches the remote region (`Peers.transport_for`), cut
+into slices of at most `slice_bytes` spread over the transport's streams; a
+request is done when all its slices are, and fails with the first slice
+error. The requests of a batch move concurrently: requests that overlap (a
+write and a read of the same bytes) have no order.
 
 Invariants:
 - A request is reported DONE only after every byte of it was delivered (and
   acknowledged by the peer, or received and verified).
 - Each request ends exactly once (DONE or FAILED); `wait` never blocks past its timeout.
-- Every access is bounds-checked before a byte moves: over TCP by the side that
-  owns the memory; over shm and RDMA by the initiator, against the peer's
+- Every access is bounds-checked before a byte moves: the local range here,
+  before anything of its batch starts; the remote range over TCP by the side
+  that owns the memory, over shm and RDMA by the initiator against the peer's
   descriptor (validated when received), and for RDMA by the NIC again.
 """
 
@@ -34,9 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -44,10 +42,12 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
-from mooncake.transfer import tcp
-from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs, buffer_address, open_device
+from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
+from mooncake.transfer.rdma import Verbs, buffer_address, open_device
 from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, create_shared
 from mooncake.transfer.request import (
     EngineConfig,
@@ -57,43 +57,10 @@ from mooncake.transfer.request import (
     TransferRequest,
     Transport,
 )
-from mooncake.transfer.shm import ShmTransport
-from mooncake.transfer.wire import ProtocolError
+from mooncake.transfer.wire import Json
 
+# PeerDescriptor and host_id live in `peers`; they stay importable from here.
 __all__ = ["PeerDescriptor", "TransferEngine", "host_id"]
-
-Handler = Callable[[Any], Any]
-
-
-def host_id() -> str:
-    """Identifies this machine (hostname and boot id): equal ids mean shared memory is shared."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
-            boot_id = boot.read().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
-
-
-@attrs.frozen(kw_only=True)
-class PeerDescriptor:
-    """What the handshake tells about a peer."""
-
-    name: str
-    host_id: str
-    pid: int
-    regions: tuple[RegionDescriptor, ...]
-    rdma: bool = False
-
-
-@attrs.define(eq=False)
-class _Peer:
-    host: str
-    port: int
-    descriptor: PeerDescriptor
-    transports: dict[str, Transport]
-    control: socket.socket | None = None
-    control_lock: threading.Lock = attrs.field(factory=threading.Lock)
 
 
 @attrs.define(eq=False)
@@ -130,28 +97,26 @@ class TransferEngine:
         self.config = config = config or EngineConfig()
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
-        self._handlers: dict[str, Handler] = {
-            "describe": lambda _args: self._describe_self(),
-            "rdma_connect": self._accept_rdma,
-        }
         if rdma is None and "rdma" in config.transports:
             rdma = open_device()
         self._rdma = rdma if "rdma" in config.transports else None
         self._rdma_keys: list[tuple[int, int, int]] = []  # (start address, end address, lkey) per region
-        self._queue_pairs: list[QueuePair] = []  # accepted from peers, closed with the engine
-        self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count(1)
         self._lock = threading.RLock()
         self._finished = threading.Condition(self._lock)
-        self._connections: set[socket.socket] = set()
         self._closed = False
-        self._listener = socket.create_server((config.host, config.port), backlog=128)
-        self.host, self.port = self._listener.getsockname()[:2]
-        self.name = name or f"{self.host}:{self.port}"
-        self._host_id = host_id()
-        self._acceptor = threading.Thread(target=self._accept, name=f"engine-{self.port}-accept", daemon=True)
-        self._acceptor.start()
+        # Last: from here on peers may connect, and what they ask for must exist.
+        self._peers = Peers(
+            secret=secret,
+            config=config,
+            name=name,
+            rdma=self._rdma,
+            regions=self.regions,
+            region=self.region,
+            local_key=self._local_key,
+        )
+        self.host, self.port, self.name = self._peers.host, self._peers.port, self._peers.name
 
     @property
     def address(self) -> str:
@@ -164,7 +129,7 @@ class TransferEngine:
         view = as_writable_bytes(buffer)
         return self._add_region(view, keepalive=buffer, shm_name=None)
 
-    def allocate_shared(self, nbytes: int) -> tuple[RegionDescriptor, Any]:
+    def allocate_shared(self, nbytes: int) -> tuple[RegionDescriptor, npt.NDArray[np.uint8]]:
         """A new registered region in shared memory (same-host peers copy into it directly).
 
         Returns:
@@ -230,79 +195,38 @@ class TransferEngine:
         Raises:
             PeerUnavailable: nobody answers there. AuthenticationError: the secrets differ.
         """
-        host, _, port_text = address.rpartition(":")
-        if not host or not port_text.isdigit():
-            raise ConfigError(f"a peer address is host:port, got {address!r}")
-        port = int(port_text)
-        key = f"{host}:{port}"
-        control = tcp.connect(host, port, secret=self.secret, config=self.config)
-        transports: dict[str, Transport] = {}
-        try:
-            descriptor = _peer_descriptor(
-                tcp.call(control, "describe", None, max_frame_bytes=self.config.max_frame_bytes)
-            )
-            transports = self._transports_for(host, port, key, descriptor, transport, control)
-        except BaseException:
-            for built in transports.values():
-                built.close()
-            control.close()
-            raise
-        peer = _Peer(host, port, descriptor, transports, control)
-        with self._lock:
-            old = self._peers.pop(key, None)
-            self._peers[key] = peer
-        if old is not None:
-            _close_peer(old)
-        return key
+        return self._peers.connect(address, transport=transport)
 
     def peer_regions(self, peer: str) -> tuple[RegionDescriptor, ...]:
         """The regions `peer` had registered at the last handshake or refresh."""
-        return self._peer(peer).descriptor.regions
+        return self._peers.descriptor(peer).regions
 
     def refresh(self, peer: str) -> PeerDescriptor:
         """Fetch `peer`'s current segment descriptor (after it registers more memory)."""
-        state = self._peer(peer)
-        descriptor = _peer_descriptor(self.call(peer, "describe", None))
-        state.descriptor = descriptor
-        return descriptor
+        return self._peers.refresh(peer)
 
     def transport_names(self, peer: str) -> tuple[str, ...]:
         """The transports in use for `peer`, in preference order."""
-        return tuple(self._peer(peer).transports)
+        return self._peers.transport_names(peer)
 
     def register_handler(self, method: str, handler: Handler) -> None:
         """Serve control calls named `method` (JSON in, JSON out) to authenticated peers."""
-        self._handlers[method] = handler
+        self._peers.register_handler(method, handler)
 
-    def handle_call(self, method: str, args: Any) -> Any:
-        handler = self._handlers.get(method)
-        if handler is None:
-            raise TransferError(f"no handler for {method!r}")
-        return handler(args)
+    def handle_call(self, method: str, args: Any) -> Json:
+        """Run the handler registered for `method` on `args`, as a peer's control call would."""
+        return self._peers.handle_call(method, args)
 
-    def call(self, peer: str, method: str, args: Any) -> Any:
-        """Run `method` on `peer` (a control call over its control connection, reconnected once if dropped)."""
-        state = self._peer(peer)
-        with state.control_lock:
-            for attempt in range(2):
-                if state.control is None:
-                    state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
-                try:
-                    return tcp.call(state.control, method, args, max_frame_bytes=self.config.max_frame_bytes)
-                except tcp.CallNotSent as error:
-                    # Nothing reached the peer (a stale connection): safe to retry once, fresh.
-                    state.control.close()
-                    state.control = None
-                    if attempt:
-                        raise PeerUnavailable(f"{peer} dropped the control connection: {error}") from error
-                except (OSError, TransferError) as error:
-                    # The call may have run: never repeat it (it may not be idempotent).
-                    state.control.close()
-                    state.control = None
-                    if isinstance(error, TransferError) and not isinstance(error, ProtocolError):
-                        raise
-                    raise PeerUnavailable(f"{peer}: the control call {method} failed midway: {error}") from error
-        raise AssertionError("unreachable")  # pragma: no cover
+    def call(self, peer: str, method: str, args: object) -> Json:
+        """Run `method` on `peer` (a control call over its control connection, reconnected once if dropped).
+
+        Args:
+            args: any value `json.dumps` encodes.
+
+        Returns:
+            The peer's reply, decoded.
+        """
+        return self._peers.call(peer, method, args)
 
     # ------------------------------------------------------------------ batches
 
@@ -425,21 +349,9 @@ class TransferEngine:
             if self._closed:
                 return
             self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
-            connections = list(self._connections)
             regions = list(self._regions.values())
             self._regions.clear()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
-        self._listener.close()
-        for peer in peers:
-            _close_peer(peer)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-            connection.close()
-        self._acceptor.join(timeout=5)
+        self._peers.close()
         for region in regions:
             _release(region)
         with self._finished:  # nothing moves any more: no batch may stay pending
@@ -450,8 +362,7 @@ class TransferEngine:
                         batch.errors[index] = batch.errors[index] or PeerUnavailable("the engine closed")
                         batch.open_requests -= 1
             self._finished.notify_all()
-        for queue_pair in self._queue_pairs:
-            queue_pair.close()
+        self._peers.close_queue_pairs()
         if self._rdma is not None:
             self._rdma.close()
 
@@ -463,35 +374,6 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _peer(self, name: str) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(name)
-        if peer is None:
-            raise TransferError(f"unknown peer {name!r}: connect() to it first")
-        return peer
-
-    def _describe_self(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "host_id": self._host_id,
-            "pid": os.getpid(),
-            "regions": [region.to_json() for region in self.regions()],
-            "rdma": self._rdma is not None,
-        }
-
-    def _accept_rdma(self, endpoint: Any) -> Any:
-        """The peer side of an RDMA connection: a queue pair connected to the caller's."""
-        if self._rdma is None:
-            raise TransferError("this engine has no RDMA device")
-        with self._lock:
-            if len(self._queue_pairs) >= self.config.max_connections:
-                raise TransferError("too many RDMA queue pairs")
-        queue_pair = self._rdma.create_queue_pair()
-        queue_pair.connect(endpoint)
-        with self._lock:
-            self._queue_pairs.append(queue_pair)
-        return queue_pair.endpoint()
-
     def _local_key(self, view: memoryview) -> tuple[int, int]:
         address = buffer_address(view)
         for start, end, lkey in self._rdma_keys:
@@ -499,72 +381,12 @@ class TransferEngine:
                 return address, lkey
         raise TransferError("the local bytes are not in RDMA-registered memory")
 
-    def _transports_for(
-        self,
-        host: str,
-        port: int,
-        peer_name: str,
-        descriptor: PeerDescriptor,
-        forced: str | None,
-        control: socket.socket,
-    ) -> dict[str, Transport]:
-        allowed = (forced,) if forced else self.config.transports
-        transports: dict[str, Transport] = {}
-
-        def describe(region_id: int) -> RegionDescriptor | None:
-            return self._remote_region(peer_name, region_id)
-
-        try:
-            for name in allowed:
-                if name == "shm" and descriptor.host_id == self._host_id:
-                    transports["shm"] = ShmTransport(
-                        describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
-                    )
-                elif name == "rdma" and self._rdma is not None and descriptor.rdma:
-                    queue_pair = self._rdma.create_queue_pair()
-                    remote = tcp.call(
-                        control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
-                    )
-                    queue_pair.connect(remote)
-                    transports["rdma"] = RdmaTransport(
-                        queue_pair, local_key=self._local_key, describe=describe, config=self.config
-                    )
-                elif name == "tcp":
-                    transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
-        except BaseException:
-            for built in transports.values():
-                built.close()
-            raise
-        if not transports or (forced and forced not in transports):
-            for built in transports.values():
-                built.close()
-            raise ConfigError(f"no usable transport to {peer_name} among {allowed}")
-        return transports
-
-    def _remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
-        state = self._peer(peer)
-        for descriptor in state.descriptor.regions:
-            if descriptor.region_id == region_id:
-                return descriptor
-        return None
-
     def _plan(self, request: TransferRequest) -> tuple[Transport, list[tuple[memoryview, int]]]:
         local = self._regions.get(request.local_region)
         if local is None:
             raise TransferError(f"no local region {request.local_region}")
         view = local.slice(request.local_offset, request.length)
-        peer = self._peer(request.peer)
-        remote = self._remote_region(request.peer, request.remote_region)
-        transport = None
-        for name, candidate in peer.transports.items():
-            if name == "shm" and (remote is None or remote.shm_name is None):
-                continue  # shm reaches shared regions only
-            if name == "rdma" and (remote is None or remote.rdma_address is None):
-                continue  # and rdma registered ones
-            transport = candidate
-            break
-        if transport is None:
-            raise TransferError(f"no transport reaches region {request.remote_region} of {request.peer}")
+        transport = self._peers.transport_for(request.peer, request.remote_region)
         step = self.config.slice_bytes
         pieces = [
             (view[start : start + step], request.remote_offset + start) for start in range(0, request.length, step)
@@ -587,31 +409,6 @@ class TransferEngine:
 
         return done
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed
-            with self._lock:
-                if self._closed:
-                    connection.close()
-                    return
-                if len(self._connections) >= self.config.max_connections:
-                    connection.close()  # refuse rather than let peers exhaust our threads
-                    continue
-                self._connections.add(connection)
-            threading.Thread(
-                target=tcp.serve_connection,
-                args=(connection, self, lambda c=connection: self._forget_connection(c)),
-                name=f"engine-{self.port}-serve",
-                daemon=True,
-            ).start()
-
-    def _forget_connection(self, connection: socket.socket) -> None:
-        with self._lock:
-            self._connections.discard(connection)
-
 
 def _ignore(_error: TransferError | None) -> None:
     """The completion callback of a slice run inline: its caller takes the outcome directly."""
@@ -623,48 +420,6 @@ def _status(batch: _Batch, index: int) -> RequestStatus:
     error = batch.errors[index]
     state = RequestState.FAILED if error is not None else RequestState.DONE
     return RequestStatus(state, error, batch.transports[index])
-
-
-_SHM_NAME = re.compile(r"mooncake-(\d+)-[0-9a-f]+")
-
-
-def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:
-    """A peer's region descriptor, refused unless every field is plausible: the
-    initiator trusts it for shm and RDMA bounds. Shared segments must be mooncake
-    segments of the peer's own process (by name), so a peer cannot point our
-    copies at another program's shared memory. (Authenticated peers are trusted
-    with every region registered in the deployment: that is what the secret grants.)"""
-    descriptor = RegionDescriptor.from_json(data)
-    for name in ("region_id", "length", "rdma_address", "rdma_rkey"):
-        value = getattr(descriptor, name)
-        if value is not None and (type(value) is not int or not 0 <= value < 2**64):
-            raise TransferError(f"malformed segment descriptor: {name}={value!r}")
-    if descriptor.shm_name is not None:
-        match = _SHM_NAME.fullmatch(str(descriptor.shm_name))
-        if match is None or int(match.group(1)) != peer_pid:
-            raise TransferError(f"malformed segment descriptor: shm_name={descriptor.shm_name!r}")
-    return descriptor
-
-
-def _peer_descriptor(data: Any) -> PeerDescriptor:
-    try:
-        pid = int(data["pid"])
-        return PeerDescriptor(
-            name=str(data["name"]),
-            host_id=str(data["host_id"]),
-            pid=pid,
-            regions=tuple(_checked_region(r, pid) for r in data["regions"]),
-            rdma=bool(data.get("rdma", False)),
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise TransferError(f"malformed segment descriptor: {error}") from error
-
-
-def _close_peer(peer: _Peer) -> None:
-    for transport in peer.transports.values():
-        transport.close()
-    if peer.control is not None:
-        peer.control.close()
 
 
 def _release(region: Region) -> None:

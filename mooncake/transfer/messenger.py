@@ -54,6 +54,7 @@ from mooncake.errors import (
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import RegionDescriptor
 from mooncake.transfer.request import RequestState, TransferOp, TransferRequest
+from mooncake.transfer.wire import Json
 from mooncake.types import BlockKey
 
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
@@ -138,7 +139,8 @@ class Messenger:
         self.sweep()
         lease = secrets.token_hex(8)
         wanted = [int(k) for k in keys]
-        reply = self.engine.call(from_peer, "blocks.lookup", {"lease": lease, "keys": wanted})
+        # Replies are read by the block protocol; a malformed one raises as it is read.
+        reply: Any = self.engine.call(from_peer, "blocks.lookup", {"lease": lease, "keys": wanted})
         reserved: list[tuple[BlockKey, int, int, int, int]] = []  # key, remote offset, length, checksum, local offset
         batches: list[int] = []
         try:
@@ -208,7 +210,7 @@ class Messenger:
             wanted = [
                 [int(key), length, int(local[i - 1][0]) if i else None] for i, (key, _o, length, _p) in enumerate(local)
             ]
-            reply = self.engine.call(to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted})
+            reply: Any = self.engine.call(to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted})
             remote_region, places = int(reply["region"]), reply["blocks"]
             if [entry[0] for entry in places] != [int(key) for key, *_ in local]:
                 raise TransferError(f"{to_peer} answered a reservation for other keys")
@@ -233,11 +235,11 @@ class Messenger:
 
     # ------------------------------------------------------------------ serving peers
 
-    def _serve_lookup(self, args: Any) -> Any:
+    def _serve_lookup(self, args: Any) -> Json:
         self.sweep()
         lease = self._lease(str(args["lease"]))
         first_tier = self.cache.pools[0].tier
-        blocks = []
+        blocks: list[Json] = []
         for raw in args["keys"]:
             key = BlockKey(int(raw))
             if self.cache.tier_of(key) not in (None, first_tier):
@@ -254,17 +256,17 @@ class Messenger:
             blocks.append([key, location.page * self.page_bytes, location.length, self.cache.checksum(key)])
         return {"region": self.region.region_id, "blocks": blocks}
 
-    def _serve_release(self, args: Any) -> Any:
+    def _serve_release(self, args: Any) -> Json:
         with self._lock:
             lease = self._leases.pop(str(args["lease"]), None)
         if lease is not None:
             self._end(lease)
         return None
 
-    def _serve_reserve(self, args: Any) -> Any:
+    def _serve_reserve(self, args: Any) -> Json:
         self.sweep()
         lease = self._lease(str(args["lease"]))
-        places: list[list[Any]] = []
+        places: list[Json] = []
         for raw_key, length, parent in args["blocks"]:
             key = BlockKey(int(raw_key))
             try:
@@ -280,13 +282,14 @@ class Messenger:
             places.append([key, location.page * self.page_bytes])
         return {"region": self.region.region_id, "blocks": places}
 
-    def _serve_commit(self, args: Any) -> Any:
+    def _serve_commit(self, args: Any) -> Json:
         with self._lock:
             lease = self._leases.pop(str(args["lease"]), None)
         if lease is None:
             raise TransferError("unknown or expired lease")
         checksums = {BlockKey(int(k)): int(v) for k, v in args["checksums"]}
-        committed, failed = [], []
+        committed: list[Json] = []
+        failed: list[Json] = []
         for key in lease.reserved:
             if key not in checksums:
                 self.cache.abort(key)
@@ -489,7 +492,9 @@ class Push:
                     checksums.append(
                         [int(key), xxhash.xxh3_64_intdigest(buffer[local_offset : local_offset + length].data)]
                     )
-            reply = messenger.engine.call(self._peer, "blocks.commit", {"lease": self._lease, "checksums": checksums})
+            reply: Any = messenger.engine.call(
+                self._peer, "blocks.commit", {"lease": self._lease, "checksums": checksums}
+            )
             committed = tuple(BlockKey(k) for k in reply["committed"])
         finally:
             messenger._settle(list(self._batches.values()))

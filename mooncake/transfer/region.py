@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from mooncake.errors import TransferError
 
@@ -91,7 +92,7 @@ def as_writable_bytes(buffer: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memory.SharedMemory, np.ndarray[Any, Any]]:
+def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memory.SharedMemory, npt.NDArray[np.uint8]]:
     """A new shared-memory segment of `nbytes` and a uint8 array over it.
 
     Names carry the creating pid, so leftovers of a crashed process can be found in /dev/shm.

@@ -33,6 +33,7 @@ from mooncake.transfer.request import EngineConfig, Slice, TransferOp
 from mooncake.transfer.wire import (
     MAX_CONTROL_BYTES,
     Frame,
+    Json,
     Kind,
     ProtocolError,
     client_handshake,
@@ -100,8 +101,10 @@ def _tune(sock: socket.socket, config: EngineConfig) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
 
 
-def call(sock: socket.socket, method: str, args: Any, *, max_frame_bytes: int) -> Any:
+def call(sock: socket.socket, method: str, args: object, *, max_frame_bytes: int) -> Json:
     """One control call on an authenticated connection: JSON in, JSON out.
+
+    `args` is any value `json.dumps` encodes; the result is the decoded reply.
 
     Raises:
         CallNotSent: the connection failed while sending (the peer did not get the call).
@@ -122,7 +125,8 @@ def call(sock: socket.socket, method: str, args: Any, *, max_frame_bytes: int) -
         raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
     if reply.kind != Kind.REPLY:
         raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name}")
-    return json.loads(body)
+    decoded: Json = json.loads(body)
+    return decoded
 
 
 class TcpTransport:
@@ -283,7 +287,7 @@ class ServerContext(Protocol):
     def region(self, region_id: int) -> Region | None:
         """The registered region, or None."""
 
-    def handle_call(self, method: str, args: Any) -> Any:
+    def handle_call(self, method: str, args: Any) -> Json:
         """Run a control call (raise TransferError to refuse it)."""
 
 

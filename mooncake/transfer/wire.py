@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import time
+from typing import TypeAlias
 
 import attrs
 
@@ -35,6 +36,7 @@ from mooncake.errors import AuthenticationError, TransferError
 __all__ = [
     "Frame",
     "HEADER",
+    "Json",
     "Kind",
     "MAX_CONTROL_BYTES",
     "ProtocolError",
@@ -50,6 +52,9 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHIQQQQ")
 MAX_CONTROL_BYTES = 1 << 20
 FLAG_CHECKSUM = 1
+
+# A decoded JSON value: what CALL and REPLY payloads carry.
+Json: TypeAlias = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
 _HELLO = b"MCTE-HELLO"
 _NONCE_BYTES = 32
 _MAC_BYTES = 32

@@ -1,0 +1,410 @@
+"""Peers: discovery by authenticated handshake, segment descriptors, control calls, the accept loop.
+
+An engine finds its peers peer to peer, with no metadata service. `Peers.connect`
+opens an authenticated control connection (mutual HMAC challenge, see `wire`),
+fetches the peer's segment descriptor with a "describe" control call (its
+regions, host, process and whether it has RDMA), validates it, and builds the
+transports that reach the peer, by preference: `shm` when it runs on this host,
+`rdma` where both ends have a device (the queue pairs meet through an
+"rdma_connect" control call), `tcp` always. A peer is known by the address
+dialled. `transport_for` picks, per remote region, the first of a peer's
+transports that reaches it (shm only shared regions, rdma only registered ones).
+
+The other side is the accept loop: a thread accepts connections and serves
+each on a thread of its own (`tcp.serve_connection`), at most `max_connections`
+at once; control calls go to the handlers registered by method name ("describe"
+and "rdma_connect" are built in).
+
+Invariants:
+- A stored descriptor was validated when received: its integers are in range
+  and its shared segments are mooncake segments of the peer's own process
+  (the shm and RDMA transports trust it for bounds).
+- A control call is sent again only when it provably did not reach the peer.
+- After `close` no connection is accepted or served, and every peer's
+  transports and control connection are closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, cast
+
+import attrs
+
+from mooncake.errors import ConfigError, PeerUnavailable, TransferError
+from mooncake.transfer import tcp
+from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs
+from mooncake.transfer.region import Region, RegionDescriptor
+from mooncake.transfer.request import EngineConfig, Transport
+from mooncake.transfer.shm import ShmTransport
+from mooncake.transfer.wire import Json, ProtocolError
+
+__all__ = ["Handler", "PeerDescriptor", "Peers", "host_id"]
+
+# A control call's handler: the arguments a peer sent (read by the method's protocol;
+# a malformed one raises and the call is refused), and the JSON value to answer.
+Handler = Callable[[Any], Json]
+
+_SHM_NAME = re.compile(r"mooncake-(\d+)-[0-9a-f]+")
+
+
+def host_id() -> str:
+    """Identifies this machine (hostname and boot id): equal ids mean shared memory is shared."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+@attrs.frozen(kw_only=True)
+class PeerDescriptor:
+    """What the handshake tells about a peer: its segment descriptor."""
+
+    name: str
+    host_id: str
+    pid: int
+    regions: tuple[RegionDescriptor, ...]
+    rdma: bool = False
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "name": self.name,
+            "host_id": self.host_id,
+            "pid": self.pid,
+            "regions": [region.to_json() for region in self.regions],
+            "rdma": self.rdma,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> PeerDescriptor:
+        """A peer's descriptor as it sent it, every field checked.
+
+        Raises:
+            TransferError: a field is missing, of the wrong type or implausible.
+        """
+        try:
+            pid = int(data["pid"])
+            return cls(
+                name=str(data["name"]),
+                host_id=str(data["host_id"]),
+                pid=pid,
+                regions=tuple(_checked_region(r, pid) for r in data["regions"]),
+                rdma=bool(data.get("rdma", False)),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise TransferError(f"malformed segment descriptor: {error}") from error
+
+
+@attrs.define(eq=False)
+class _Peer:
+    host: str
+    port: int
+    descriptor: PeerDescriptor
+    transports: dict[str, Transport]
+    control: socket.socket | None = None
+    control_lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+
+class Peers:
+    """The peers of one engine, and the listener they reach it through.
+
+    Args:
+        secret: shared by every engine of a deployment; peers prove they know it.
+        config: listening address and transfer behaviour.
+        name: how peers call this engine (default its "host:port").
+        rdma: the engine's RDMA device, if it uses one.
+        regions: the engine's registered regions, for its own descriptor.
+        region: the registered region with an id, or None (for serving connections).
+        local_key: (address, lkey) of the RDMA-registered local memory holding a view.
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        config: EngineConfig,
+        name: str | None,
+        rdma: Verbs | None,
+        regions: Callable[[], tuple[RegionDescriptor, ...]],
+        region: Callable[[int], Region | None],
+        local_key: Callable[[memoryview], tuple[int, int]],
+    ) -> None:
+        self.secret, self.config = secret, config
+        self._rdma, self._regions, self._region, self._local_key = rdma, regions, region, local_key
+        self._handlers: dict[str, Handler] = {
+            "describe": lambda _args: self._describe_self(),
+            "rdma_connect": self._accept_rdma,
+        }
+        self._queue_pairs: list[QueuePair] = []  # accepted from peers, closed with the engine
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._closed = False
+        self._listener = socket.create_server((config.host, config.port), backlog=128)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self.name = name or f"{self.host}:{self.port}"
+        self.host_id = host_id()
+        self._acceptor = threading.Thread(target=self._accept, name=f"engine-{self.port}-accept", daemon=True)
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ the peers we dial
+
+    def connect(self, address: str, *, transport: str | None = None) -> str:
+        """Authenticate to the engine at "host:port", learn its regions, build its transports.
+
+        Returns:
+            The peer's key: the address dialled.
+        """
+        host, _, port_text = address.rpartition(":")
+        if not host or not port_text.isdigit():
+            raise ConfigError(f"a peer address is host:port, got {address!r}")
+        port = int(port_text)
+        key = f"{host}:{port}"
+        control = tcp.connect(host, port, secret=self.secret, config=self.config)
+        transports: dict[str, Transport] = {}
+        try:
+            descriptor = PeerDescriptor.from_json(
+                tcp.call(control, "describe", None, max_frame_bytes=self.config.max_frame_bytes)
+            )
+            transports = self._transports_for(host, port, key, descriptor, transport, control)
+        except BaseException:
+            for built in transports.values():
+                built.close()
+            control.close()
+            raise
+        peer = _Peer(host, port, descriptor, transports, control)
+        with self._lock:
+            old = self._peers.pop(key, None)
+            self._peers[key] = peer
+        if old is not None:
+            _close_peer(old)
+        return key
+
+    def descriptor(self, peer: str) -> PeerDescriptor:
+        """`peer`'s descriptor as of the last handshake or refresh."""
+        return self._peer(peer).descriptor
+
+    def refresh(self, peer: str) -> PeerDescriptor:
+        """Fetch and keep `peer`'s current descriptor."""
+        state = self._peer(peer)
+        descriptor = PeerDescriptor.from_json(self.call(peer, "describe", None))
+        state.descriptor = descriptor
+        return descriptor
+
+    def transport_names(self, peer: str) -> tuple[str, ...]:
+        return tuple(self._peer(peer).transports)
+
+    def transport_for(self, peer: str, region_id: int) -> Transport:
+        """The first of `peer`'s transports that reaches its region `region_id`.
+
+        Raises:
+            TransferError: `peer` is unknown, or none of its transports reaches the region.
+        """
+        state = self._peer(peer)
+        remote = self._remote_region(peer, region_id)
+        for name, candidate in state.transports.items():
+            if name == "shm" and (remote is None or remote.shm_name is None):
+                continue  # shm reaches shared regions only
+            if name == "rdma" and (remote is None or remote.rdma_address is None):
+                continue  # and rdma registered ones
+            return candidate
+        raise TransferError(f"no transport reaches region {region_id} of {peer}")
+
+    def call(self, peer: str, method: str, args: object) -> Json:
+        """Run `method` on `peer` over its control connection, reconnected once if it provably did not get the call."""
+        state = self._peer(peer)
+        with state.control_lock:
+            for attempt in range(2):
+                if state.control is None:
+                    state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
+                try:
+                    return tcp.call(state.control, method, args, max_frame_bytes=self.config.max_frame_bytes)
+                except tcp.CallNotSent as error:
+                    # Nothing reached the peer (a stale connection): safe to retry once, fresh.
+                    state.control.close()
+                    state.control = None
+                    if attempt:
+                        raise PeerUnavailable(f"{peer} dropped the control connection: {error}") from error
+                except (OSError, TransferError) as error:
+                    # The call may have run: never repeat it (it may not be idempotent).
+                    state.control.close()
+                    state.control = None
+                    if isinstance(error, TransferError) and not isinstance(error, ProtocolError):
+                        raise
+                    raise PeerUnavailable(f"{peer}: the control call {method} failed midway: {error}") from error
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ the peers that dial us
+
+    def register_handler(self, method: str, handler: Handler) -> None:
+        self._handlers[method] = handler
+
+    def handle_call(self, method: str, args: Any) -> Json:
+        handler = self._handlers.get(method)
+        if handler is None:
+            raise TransferError(f"no handler for {method!r}")
+        return handler(args)
+
+    def region(self, region_id: int) -> Region | None:
+        """The registered local region `region_id` (what a serving connection reads and writes)."""
+        return self._region(region_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop listening; close every peer's transports, every served connection, every accepted queue pair."""
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            connections = list(self._connections)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+        self._listener.close()
+        for peer in peers:
+            _close_peer(peer)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+        self._acceptor.join(timeout=5)
+
+    def close_queue_pairs(self) -> None:
+        """Close the queue pairs accepted from peers (before their device closes)."""
+        for queue_pair in self._queue_pairs:
+            queue_pair.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _peer(self, name: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            raise TransferError(f"unknown peer {name!r}: connect() to it first")
+        return peer
+
+    def _remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
+        state = self._peer(peer)
+        for descriptor in state.descriptor.regions:
+            if descriptor.region_id == region_id:
+                return descriptor
+        return None
+
+    def _describe_self(self) -> Json:
+        own = PeerDescriptor(
+            name=self.name, host_id=self.host_id, pid=os.getpid(), regions=self._regions(), rdma=self._rdma is not None
+        )
+        return own.to_json()
+
+    def _accept_rdma(self, endpoint: Any) -> Json:
+        """The peer side of an RDMA connection: a queue pair connected to the caller's."""
+        if self._rdma is None:
+            raise TransferError("this engine has no RDMA device")
+        with self._lock:
+            if len(self._queue_pairs) >= self.config.max_connections:
+                raise TransferError("too many RDMA queue pairs")
+        queue_pair = self._rdma.create_queue_pair()
+        queue_pair.connect(endpoint)
+        with self._lock:
+            self._queue_pairs.append(queue_pair)
+        return queue_pair.endpoint()
+
+    def _transports_for(
+        self,
+        host: str,
+        port: int,
+        peer_name: str,
+        descriptor: PeerDescriptor,
+        forced: str | None,
+        control: socket.socket,
+    ) -> dict[str, Transport]:
+        allowed = (forced,) if forced else self.config.transports
+        transports: dict[str, Transport] = {}
+
+        def describe(region_id: int) -> RegionDescriptor | None:
+            return self._remote_region(peer_name, region_id)
+
+        try:
+            for name in allowed:
+                if name == "shm" and descriptor.host_id == self.host_id:
+                    transports["shm"] = ShmTransport(
+                        describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
+                    )
+                elif name == "rdma" and self._rdma is not None and descriptor.rdma:
+                    queue_pair = self._rdma.create_queue_pair()
+                    remote = tcp.call(
+                        control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
+                    )
+                    # The peer's endpoint as it sent it: connect reads the fields it needs.
+                    queue_pair.connect(cast(dict[str, Any], remote))
+                    transports["rdma"] = RdmaTransport(
+                        queue_pair, local_key=self._local_key, describe=describe, config=self.config
+                    )
+                elif name == "tcp":
+                    transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
+        except BaseException:
+            for built in transports.values():
+                built.close()
+            raise
+        if not transports or (forced and forced not in transports):
+            for built in transports.values():
+                built.close()
+            raise ConfigError(f"no usable transport to {peer_name} among {allowed}")
+        return transports
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed
+            with self._lock:
+                if self._closed:
+                    connection.close()
+                    return
+                if len(self._connections) >= self.config.max_connections:
+                    connection.close()  # refuse rather than let peers exhaust our threads
+                    continue
+                self._connections.add(connection)
+            threading.Thread(
+                target=tcp.serve_connection,
+                args=(connection, self, lambda c=connection: self._forget_connection(c)),
+                name=f"engine-{self.port}-serve",
+                daemon=True,
+            ).start()
+
+    def _forget_connection(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+
+
+def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:
+    """A peer's region descriptor, refused unless every field is plausible: the
+    initiator trusts it for shm and RDMA bounds. Shared segments must be mooncake
+    segments of the peer's own process (by name), so a peer cannot point our
+    copies at another program's shared memory. (Authenticated peers are trusted
+    with every region registered in the deployment: that is what the secret grants.)"""
+    descriptor = RegionDescriptor.from_json(data)
+    for name in ("region_id", "length", "rdma_address", "rdma_rkey"):
+        value = getattr(descriptor, name)
+        if value is not None and (type(value) is not int or not 0 <= value < 2**64):
+            raise TransferError(f"malformed segment descriptor: {name}={value!r}")
+    if descriptor.shm_name is not None:
+        match = _SHM_NAME.fullmatch(str(descriptor.shm_name))
+        if match is None or int(match.group(1)) != peer_pid:
+            raise TransferError(f"malformed segment descriptor: shm_name={descriptor.shm_name!r}")
+    return descriptor
+
+
+def _close_peer(peer: _Peer) -> None:
+    for transport in peer.transports.values():
+        transport.close()
+    if peer.control is not None:
+        peer.control.close()
