@@ -13,6 +13,9 @@ registers a pool's whole `buffer` once and addresses pages by
 - `MetadataPagePool`: page accounting with no bytes at all, so simulators run
   the same cache code at cluster scale.
 
+Every pool, the SSD one included, is an `AllocatingPool`: its geometry and one
+`PageAllocator`, so all of them hand out the same page numbers in the same order.
+
 Invariants (`PageAllocator.check_invariants`): a page is either free or
 allocated, never both; allocated + free = all pages handed out so far.
 """
@@ -26,7 +29,16 @@ import numpy as np
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
-__all__ = ["Buffer", "DramPagePool", "MetadataPagePool", "PageAllocator", "PagePool", "VramPagePool", "check_geometry"]
+__all__ = [
+    "AllocatingPool",
+    "Buffer",
+    "DramPagePool",
+    "MetadataPagePool",
+    "PageAllocator",
+    "PagePool",
+    "VramPagePool",
+    "check_geometry",
+]
 
 Buffer: TypeAlias = Any
 """What pages are written from: bytes, bytearray, memoryview, a numpy array, any
@@ -165,8 +177,12 @@ def aligned_buffer(num_bytes: int, *, prefault: bool = False) -> np.ndarray[Any,
     return buffer
 
 
-class _AllocatingPool:
-    """Allocation and geometry shared by the pools."""
+class AllocatingPool:
+    """What every pool shares: its geometry, one `PageAllocator`, and the check that a page
+    is allocated. A pool adds `write` and `read` (and `close`, when it holds more than memory).
+
+    Invariants: those of `allocator` (free ⊎ allocated = all pages handed out so far).
+    """
 
     tier: Tier
     holds_bytes = True
@@ -200,8 +216,16 @@ class _AllocatingPool:
         if not self.allocator.is_allocated(page):
             raise InvalidRequestError(f"{self.tier.name} page {page!r} is not allocated")
 
+    def _span(self, page: int, length: int) -> slice:
+        """Where `page`'s first `length` bytes lie in a buffer of all pages (page and length checked)."""
+        self._check_allocated(page)
+        if not 0 <= length <= self.page_bytes:
+            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
+        start = page * self.page_bytes
+        return slice(start, start + length)
 
-class DramPagePool(_AllocatingPool):
+
+class DramPagePool(AllocatingPool):
     """Pages in one preallocated, 4 KiB-aligned host buffer.
 
     Args:
@@ -244,11 +268,7 @@ class DramPagePool(_AllocatingPool):
         self._view[start : start + source.nbytes] = source
 
     def read(self, page: int, length: int) -> memoryview:
-        self._check_allocated(page)
-        if not 0 <= length <= self.page_bytes:
-            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
-        start = page * self.page_bytes
-        return self._view[start : start + length]
+        return self._view[self._span(page, length)]
 
 
 def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -261,7 +281,7 @@ def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return,unused-ignore]
 
 
-class VramPagePool(_AllocatingPool):
+class VramPagePool(AllocatingPool):
     """Pages in one CUDA tensor; `read` returns a zero-copy tensor slice.
 
     Args:
@@ -294,14 +314,10 @@ class VramPagePool(_AllocatingPool):
         self.buffer[start : start + source.numel()].copy_(source)
 
     def read(self, page: int, length: int) -> Any:
-        self._check_allocated(page)
-        if not 0 <= length <= self.page_bytes:
-            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
-        start = page * self.page_bytes
-        return self.buffer[start : start + length]
+        return self.buffer[self._span(page, length)]
 
 
-class MetadataPagePool(_AllocatingPool):
+class MetadataPagePool(AllocatingPool):
     """Page accounting without bytes: `write` checks sizes only, `read` returns None."""
 
     holds_bytes = False

@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 import xxhash
 
-from mooncake.cache.pool import ALIGNMENT_BYTES, Buffer, PageAllocator, aligned_buffer, as_bytes_view, check_geometry
+from mooncake.cache.pool import ALIGNMENT_BYTES, AllocatingPool, Buffer, aligned_buffer, as_bytes_view
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
@@ -70,7 +70,7 @@ class RecoveredPage:
     generation: int
 
 
-class SsdPagePool:
+class SsdPagePool(AllocatingPool):
     """Pages in a preallocated file, read and written with pread/pwrite.
 
     Args:
@@ -84,7 +84,6 @@ class SsdPagePool:
         CapacityError: the file system cannot hold the file.
     """
 
-    holds_bytes = True
     zero_copy = False
 
     def __init__(
@@ -97,18 +96,14 @@ class SsdPagePool:
         fsync_every: int = 0,
         tier: Tier = Tier.SSD,
     ) -> None:
-        check_geometry(page_bytes, num_pages)
+        super().__init__(tier, page_bytes, num_pages)
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
             raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
         self.path = os.fspath(path)
-        self.tier = Tier(tier)
-        self.page_bytes = page_bytes
-        self.num_pages = num_pages
         self.slot_bytes = HEADER_BYTES + _round_up(page_bytes, ALIGNMENT_BYTES)
         self.file_bytes = HEADER_BYTES + num_pages * self.slot_bytes
         self.o_direct = o_direct
         self.fsync_every = fsync_every
-        self.allocator = PageAllocator(num_pages)
         self._writes_since_sync = 0
         self._generation = 0
         self._write_lock = threading.Lock()
@@ -135,20 +130,9 @@ class SsdPagePool:
 
     # ------------------------------------------------------------------ pool protocol
 
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.page_bytes * self.num_pages
-
-    def try_allocate(self) -> int | None:
-        return self.allocator.try_allocate()
-
     def free(self, page: int) -> None:
         """Release `page` and invalidate its header on disk."""
-        self.allocator.free(page)
+        super().free(page)
         self._pwrite(self._zeros, self._slot(page))
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
@@ -238,10 +222,6 @@ class SsdPagePool:
 
     def _slot(self, page: int) -> int:
         return HEADER_BYTES + page * self.slot_bytes
-
-    def _check_allocated(self, page: int) -> None:
-        if not self.allocator.is_allocated(page):
-            raise InvalidRequestError(f"SSD page {page!r} is not allocated")
 
     def _pack_header(self, length: int, digest: int, generation: int, key: int) -> bytes:
         if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << (8 * _KEY_BYTES):
