@@ -18,7 +18,7 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import DramPagePool, PagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.engine.config import PRESETS, ModelConfig
+from mooncake.engine.config import PRESETS
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.transfer.engine import TransferEngine
@@ -93,23 +93,6 @@ def assert_nothing_held(cache: TieredCache, keys: Iterable[BlockKey]) -> None:
             cache.remove(key)  # BlockPinnedError if a pin leaked
     used = sum(pool.num_pages - pool.num_free for pool in cache.pools)
     assert used == len(cache), "a page is held by no cached block"
-
-
-@st.composite
-def model_configs(draw: st.DrawFn) -> ModelConfig:
-    """Small valid shapes, grouped-query attention included."""
-    num_kv_heads = draw(st.integers(min_value=1, max_value=3))
-    num_heads = num_kv_heads * draw(st.integers(min_value=1, max_value=3))
-    head_dim = draw(st.sampled_from([2, 4, 8]))
-    return ModelConfig(
-        name="drawn",
-        vocab_size=draw(st.integers(min_value=1, max_value=40)),
-        hidden_size=num_heads * head_dim,
-        num_layers=draw(st.integers(min_value=1, max_value=4)),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=draw(st.integers(min_value=1, max_value=24)),
-    )
 
 
 # Nodes over real TCP ----------------------------------------------------------------

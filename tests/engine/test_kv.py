@@ -22,7 +22,8 @@ from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
 from mooncake.errors import ConfigError
 from mooncake.transfer.messenger import part_range
-from tests.engine.support import TINY, model_configs
+from tests.engine.strategies import model_configs
+from tests.engine.support import TINY
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

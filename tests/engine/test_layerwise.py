@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import pytest
@@ -34,6 +35,8 @@ from mooncake.types import BlockKey
 from tests.engine.support import TINY, block_sizes, dram_cache, layout
 
 NUM_LAYERS, ROW_SHAPE = TINY.num_layers, (TINY.num_kv_heads, TINY.head_dim)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class TrackingExecutor(ThreadPoolExecutor):
@@ -41,9 +44,9 @@ class TrackingExecutor(ThreadPoolExecutor):
 
     def __init__(self) -> None:
         super().__init__(1)
-        self.futures: list[Future[None]] = []
+        self.futures: list[Future[Any]] = []
 
-    def submit(self, fn: Callable[..., None], /, *args: object, **kwargs: object) -> Future[None]:
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         future = super().submit(fn, *args, **kwargs)
         self.futures.append(future)
         return future
