@@ -9,7 +9,7 @@ chains. The peer, measured in the same run, is the obvious design: a set of
 keys per instance and a per-instance prefix walk (O(keys × holders) per match).
 bytes_per_key is the traced allocation of the index (its key table, as
 measured by tracemalloc) divided by the number of keys; table_bytes_per_key
-counts the table's arrays alone. Goal (issue #2): >= 50 k matches/s.
+counts the table's arrays alone. Goal: >= 50 k matches/s.
 """
 
 from __future__ import annotations

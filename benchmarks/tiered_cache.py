@@ -13,7 +13,8 @@
   128 Ki pages (so most puts evict; every get hits a resident page), i.e. the
   per-operation overhead.
 
-Goals (issue #3): dram_vs_memcpy >= 0.7, ssd_vs_raw >= 0.7.
+Goals: dram_vs_memcpy >= 0.7, ssd_vs_raw >= 0.7 (the cache costs at most 30 % over
+the bare copy or file I/O it wraps).
 """
 
 from __future__ import annotations

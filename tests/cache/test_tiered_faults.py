@@ -1,4 +1,4 @@
-"""Fault tests of the tiered cache (issue 3's acceptance): crashes, corruption, bad inputs.
+"""Fault tests of the tiered cache: crashes, corruption, bad inputs.
 
 - A writer process killed with SIGKILL in the middle of puts; the SSD tier
   reopened in a new cache serves only blocks that verify, each exactly the
