@@ -14,7 +14,7 @@ that fails to load, and a failing listener, raise to the caller, and after
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
@@ -81,6 +81,10 @@ class Case:
         return self.prefix_tokens + self.new_tokens
 
     @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.block)
+
+    @property
     def layout(self) -> KvLayout:
         return layout(self.block)
 
@@ -114,9 +118,9 @@ class Case:
         return cache, keys
 
     def new_pages(self) -> list[bytearray]:
-        first = self.prefix_blocks
-        last = -(-self.num_tokens // self.block)
-        return [bytearray(self.layout.block_bytes(self.tokens_of(b))) for b in range(first, last)]
+        return [
+            bytearray(self.layout.block_bytes(self.tokens_of(b))) for b in range(self.prefix_blocks, self.num_blocks)
+        ]
 
 
 @st.composite
@@ -139,6 +143,35 @@ class Outcome:
     stores: int
 
 
+def new_io(
+    case: Case,
+    cache: TieredCache,
+    prefix_keys: tuple[BlockKey, ...],
+    threads: tuple[TrackingExecutor, TrackingExecutor],
+    *,
+    pages: Sequence[bytearray | None],
+    on_layer_final: Callable[[int], None] | None,
+    layerwise: bool,
+) -> tuple[LayerwiseKvIo, list[torch.Tensor], list[torch.Tensor]]:
+    """The I/O object over fresh NaN-filled buffers (a row nobody wrote shows); call it in inference mode."""
+    shape = (case.num_tokens, *ROW_SHAPE)
+    k_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
+    v_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
+    io = LayerwiseKvIo(
+        cache=cache,
+        layout=case.layout,
+        k_buffers=k_all,
+        v_buffers=v_all,
+        prefix_keys=prefix_keys,
+        pages=pages,
+        on_layer_final=on_layer_final,
+        layerwise=layerwise,
+        loader=threads[0],
+        storer=threads[1],
+    )
+    return io, k_all, v_all
+
+
 def drive(case: Case, *, layerwise: bool) -> Outcome:
     """Run the prefill's loop with a stand-in compute; check what each step promises as it goes."""
     ks, vs = case.rows()
@@ -156,20 +189,8 @@ def drive(case: Case, *, layerwise: bool) -> Outcome:
         heard.append(layer)
 
     with helpers() as (loader, storer), torch.inference_mode():
-        shape = (case.num_tokens, *ROW_SHAPE)
-        k_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
-        v_all = [torch.full(shape, float("nan")) for _ in range(NUM_LAYERS)]
-        io = LayerwiseKvIo(
-            cache=cache,
-            layout=case.layout,
-            k_buffers=k_all,
-            v_buffers=v_all,
-            prefix_keys=prefix_keys,
-            pages=pages,
-            on_layer_final=on_layer_final,
-            layerwise=layerwise,
-            loader=loader,
-            storer=storer,
+        io, k_all, v_all = new_io(
+            case, cache, prefix_keys, (loader, storer), pages=pages, on_layer_final=on_layer_final, layerwise=layerwise
         )
         assert io.prefix_tokens == case.prefix_tokens
         io.start_loading()
@@ -206,7 +227,7 @@ def test_layerwise_and_serialized_load_and_store_the_same_bytes(case: Case) -> N
     overlapped, serialized = drive(case, layerwise=True), drive(case, layerwise=False)
     ks, vs = case.rows()
     assert overlapped.buffers == serialized.buffers == [t.numpy().tobytes() for t in ks + vs]
-    expected = [case.reference_page(b) for b in range(case.prefix_blocks, -(-case.num_tokens // case.block))]
+    expected = [case.reference_page(b) for b in range(case.prefix_blocks, case.num_blocks)]
     assert overlapped.pages == serialized.pages == expected
     assert overlapped.heard == serialized.heard == list(range(NUM_LAYERS))
     assert (serialized.loads, serialized.stores) == (0, 0)
@@ -222,18 +243,9 @@ def test_without_pages_or_listener_nothing_is_stored(case: Case) -> None:
     ks, _vs = case.rows()
     cache, prefix_keys = case.cache_with_prefix()
     with helpers() as (loader, storer), torch.inference_mode():
-        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
-        io = LayerwiseKvIo(
-            cache=cache,
-            layout=case.layout,
-            k_buffers=k_all,
-            v_buffers=[torch.zeros_like(k) for k in k_all],
-            prefix_keys=prefix_keys,
-            pages=[None] * len(case.new_pages()),
-            on_layer_final=None,
-            layerwise=True,
-            loader=loader,
-            storer=storer,
+        pages = [None] * len(case.new_pages())
+        io, k_all, _v = new_io(
+            case, cache, prefix_keys, (loader, storer), pages=pages, on_layer_final=None, layerwise=True
         )
         io.start_loading()
         for layer in range(NUM_LAYERS):
@@ -255,24 +267,16 @@ def test_a_prefix_block_that_fails_to_load_raises_and_abort_leaves_nothing_runni
     case = Case(block=4, prefix_blocks=2, new_tokens=3, chunk=4096, seed=1)
     cache = dram_cache(4)
     with helpers() as (loader, storer), torch.inference_mode():
-        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
-        io = LayerwiseKvIo(
-            cache=cache,
-            layout=case.layout,
-            k_buffers=k_all,
-            v_buffers=[torch.zeros_like(k) for k in k_all],
-            prefix_keys=(BlockKey(1), BlockKey(2)),
-            pages=case.new_pages(),
-            on_layer_final=None,
-            layerwise=True,
-            loader=loader,
-            storer=storer,
+        missing = (BlockKey(1), BlockKey(2))
+        io, _k, _v = new_io(
+            case, cache, missing, (loader, storer), pages=case.new_pages(), on_layer_final=None, layerwise=True
         )
         io.start_loading()
         with pytest.raises(IntegrityError, match="prefix block"):
             io.wait_for_prefix(0)
         io.abort()
         assert loader.futures and all(future.done() for future in loader.futures)
+    cache.close()
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -288,18 +292,9 @@ def test_a_failing_listener_raises_from_finish_and_abort_leaves_nothing_running(
         raise ConnectionError(f"the decode node went away at layer {layer}")
 
     with helpers() as (loader, storer), torch.inference_mode():
-        k_all = [torch.zeros(case.num_tokens, *ROW_SHAPE) for _ in range(NUM_LAYERS)]
-        io = LayerwiseKvIo(
-            cache=cache,
-            layout=case.layout,
-            k_buffers=k_all,
-            v_buffers=[torch.zeros_like(k) for k in k_all],
-            prefix_keys=prefix_keys,
-            pages=case.new_pages(),
-            on_layer_final=on_layer_final,
-            layerwise=layerwise,
-            loader=loader,
-            storer=storer,
+        pages = case.new_pages()
+        io, _k, _v = new_io(
+            case, cache, prefix_keys, (loader, storer), pages=pages, on_layer_final=on_layer_final, layerwise=layerwise
         )
         io.start_loading()
         for start in range(case.prefix_tokens, case.num_tokens, case.chunk):
