@@ -89,9 +89,9 @@ class LayerwiseKvIo:
         self._has_output = any(page is not None for page in pages) or on_layer_final is not None
         self._prefix_pages: list[Buffer] = []
         self._loads: dict[int, Future[None]] = {}  # layer → its queued load (layer-wise)
-        self._stores: list[Future[None]] = []  # queued stores and sink calls (layer-wise)
+        self._stores: list[Future[None]] = []  # queued stores and listener calls (layer-wise)
         self._deferred: list[tuple[int, int, int]] = []  # (layer, start, end) stored at the end (serialized)
-        self._submitted: list[Future[None]] = []
+        self._submitted: list[Future[None]] = []  # every task given to the helpers, for abort()
         self.num_loaded_layers = 0
         self.load_wait_s = 0.0
         self.store_wait_s = 0.0
@@ -116,7 +116,11 @@ class LayerwiseKvIo:
         self.load_wait_s += time.perf_counter() - waited
 
     def wait_for_prefix(self, layer: int) -> None:
-        """Return once `layer`'s prefix KV is in the buffers, the next layer's load queued first."""
+        """Return once `layer`'s prefix KV is in the buffers, the next layer's load queued first.
+
+        Raises:
+            IntegrityError: a pinned prefix block failed verification when read (or what else the load raised).
+        """
         future = self._loads.pop(layer, None)
         if future is None:  # serialized, no prefix, or a later chunk: loaded already
             return
@@ -142,7 +146,11 @@ class LayerwiseKvIo:
             self._stores.append(self._submit(self._storer, self._on_layer_final, layer))
 
     def finish(self) -> None:
-        """Wait for the queued stores, then run the deferred ones and tell the listener (serialized)."""
+        """Wait for the queued stores, then run the deferred ones and tell the listener (serialized).
+
+        Raises:
+            Exception: the first error of a store or of `on_layer_final`; call `abort()` before giving pages back.
+        """
         waited = time.perf_counter()
         for future in self._stores:
             future.result()
