@@ -17,10 +17,25 @@ import attrs
 import pytest
 
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.request import EngineConfig
+from mooncake.transfer.request import EngineConfig, TransferOp, TransferRequest
 
 SECRET = bytes(range(32))
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def request(
+    op: TransferOp, local: int, peer: str, remote: int, length: int, *, local_offset: int = 0, remote_offset: int = 0
+) -> TransferRequest:
+    """A transfer request, positional where the tests vary it."""
+    return TransferRequest(
+        op=op,
+        local_region=local,
+        local_offset=local_offset,
+        peer=peer,
+        remote_region=remote,
+        remote_offset=remote_offset,
+        length=length,
+    )
 
 
 @attrs.define

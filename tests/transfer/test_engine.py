@@ -21,7 +21,7 @@ from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
 from mooncake.transfer.wire import Frame, Kind, recv_frame, send_frame
-from tests.transfer.conftest import SECRET, PeerProcess, start_peer
+from tests.transfer.conftest import SECRET, PeerProcess, request, start_peer
 from tests.transfer.peer_process import pattern
 
 SIZE = 1 << 23
@@ -29,20 +29,6 @@ SIZE = 1 << 23
 
 def digest(data: np.ndarray | memoryview) -> str:
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
-
-
-def request(
-    op: TransferOp, local: int, peer: str, remote: int, length: int, *, local_offset: int = 0, remote_offset: int = 0
-) -> TransferRequest:
-    return TransferRequest(
-        op=op,
-        local_region=local,
-        local_offset=local_offset,
-        peer=peer,
-        remote_region=remote,
-        remote_offset=remote_offset,
-        length=length,
-    )
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

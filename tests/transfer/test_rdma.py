@@ -12,8 +12,8 @@ import pytest
 from mooncake.errors import PeerUnavailable
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.rdma import open_device
-from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
-from tests.transfer.conftest import SECRET
+from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
+from tests.transfer.conftest import SECRET, request
 from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
 from tests.transfer.peer_process import pattern
 
@@ -31,27 +31,6 @@ def pair() -> Iterator[tuple[FakeFabric, TransferEngine, TransferEngine]]:
     b.close()
 
 
-def write(
-    local: int,
-    peer: str,
-    remote: int,
-    length: int,
-    *,
-    local_offset: int = 0,
-    remote_offset: int = 0,
-    op: TransferOp = TransferOp.WRITE,
-) -> TransferRequest:
-    return TransferRequest(
-        op=op,
-        local_region=local,
-        local_offset=local_offset,
-        peer=peer,
-        remote_region=remote,
-        remote_offset=remote_offset,
-        length=length,
-    )
-
-
 def test_rdma_is_preferred_and_moves_bytes(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
     """Two RDMA engines connect queue pairs in the handshake; writes and reads are byte-exact."""
     fabric, a, b = pair
@@ -62,14 +41,14 @@ def test_rdma_is_preferred_and_moves_bytes(pair: tuple[FakeFabric, TransferEngin
     assert local.rdma_rkey is not None and remote.rdma_address is not None
     peer = a.connect(b.address)
     assert a.transport_names(peer) == ("rdma", "tcp")
-    statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, SIZE)]), timeout=10)
+    statuses = a.wait(a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)]), timeout=10)
     assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
     assert np.array_equal(source, target)
     assert fabric.posted == SIZE // (1 << 16)  # one work request per slice
     back = np.zeros(4096, np.uint8)
     back_region = a.register_memory(back)
     statuses = a.wait(
-        a.submit([write(back_region.region_id, peer, remote.region_id, 4096, remote_offset=5000, op=TransferOp.READ)]),
+        a.submit([request(TransferOp.READ, back_region.region_id, peer, remote.region_id, 4096, remote_offset=5000)]),
         timeout=10,
     )
     assert statuses[0].state == RequestState.DONE
@@ -82,7 +61,9 @@ def test_remote_bounds_are_checked_before_posting(pair: tuple[FakeFabric, Transf
     local = a.register_memory(np.zeros(SIZE, np.uint8))
     remote = b.register_memory(np.zeros(100, np.uint8))
     peer = a.connect(b.address)
-    statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, 50, remote_offset=60)]), timeout=10)
+    statuses = a.wait(
+        a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 50, remote_offset=60)]), timeout=10
+    )
     assert statuses[0].state == RequestState.FAILED and "outside" in str(statuses[0].error)
     assert fabric.posted == 0
 
@@ -94,9 +75,11 @@ def test_a_failed_completion_takes_the_queue_pair_down(pair: tuple[FakeFabric, T
     remote = b.register_memory(np.zeros(SIZE, np.uint8))
     peer = a.connect(b.address)
     fabric.fail_next = 1
-    statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, 1 << 16)]), timeout=10)
+    statuses = a.wait(
+        a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 1 << 16)]), timeout=10
+    )
     assert statuses[0].state == RequestState.FAILED and isinstance(statuses[0].error, PeerUnavailable)
-    statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, 100)]), timeout=10)
+    statuses = a.wait(a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 100)]), timeout=10)
     assert statuses[0].state == RequestState.FAILED
 
 
@@ -110,7 +93,9 @@ def test_unregistered_remote_memory_goes_over_tcp(pair: tuple[FakeFabric, Transf
         remote = plain.register_memory(target)
         peer = a.connect(plain.address)
         assert a.transport_names(peer) == ("tcp",)
-        statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, 4096)]), timeout=10)
+        statuses = a.wait(
+            a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 4096)]), timeout=10
+        )
         assert statuses[0].transport == "tcp" and statuses[0].state == RequestState.DONE
         assert np.array_equal(target, pattern(4096, 7))
     finally:
@@ -138,6 +123,8 @@ def test_pyverbs_loopback_write() -> None:
         target = np.zeros(SIZE, np.uint8)
         remote = b.register_memory(target)
         peer = a.connect(b.address)
-        statuses = a.wait(a.submit([write(local.region_id, peer, remote.region_id, SIZE)]), timeout=30)
+        statuses = a.wait(
+            a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)]), timeout=30
+        )
         assert statuses[0].state == RequestState.DONE
         assert np.array_equal(source, target)

