@@ -49,14 +49,7 @@ from mooncake.errors import ConfigError, PeerUnavailable, TransferError, Transfe
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
 from mooncake.transfer.rdma import Verbs, buffer_address, open_device
 from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, create_shared
-from mooncake.transfer.request import (
-    EngineConfig,
-    RequestState,
-    RequestStatus,
-    Slice,
-    TransferRequest,
-    Transport,
-)
+from mooncake.transfer.request import EngineConfig, RequestState, RequestStatus, Slice, TransferRequest, Transport
 from mooncake.transfer.wire import Json
 
 # PeerDescriptor and host_id live in `peers`; they stay importable from here.

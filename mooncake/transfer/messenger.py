@@ -22,9 +22,16 @@ Leases: pins and reservations taken for a peer expire `lease_s` after its last
 call, released by a sweeper thread (and on every call), so a vanished peer
 holds nothing for long. A reserved page is never given back while a transfer
 that targets it may still write into it: a failed fetch first waits for its
-slices to end. `lease_s` must exceed how long a pusher's slice can take
-((max_retries + 1) · io_timeout_s with the default engine settings: 30 s > 30 s
-is the default margin; raise it with the timeouts).
+slices to end. `lease_s` must exceed how long a pusher's slice can take,
+(max_retries + 1) · (connect_timeout_s + io_timeout_s): 36 s with the default
+engine settings, past the default `lease_s` of 30 s, so raise `lease_s` along
+with the timeouts.
+
+The module is one piece, past the usual size, because it holds both ends of the
+block protocol: `fetch` against "blocks.lookup" and "blocks.release", `push`
+against "blocks.reserve" and "blocks.commit". Their messages must agree field
+by field and the leases bind the serving side to both, so each half is read
+with the other.
 """
 
 from __future__ import annotations
