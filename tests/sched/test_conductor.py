@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from mooncake.sched.router import (
     KvCacheCentricRouter,
     LoadBalancingRouter,
     RandomRouter,
+    RouteDecision,
+    RouteQuery,
     Router,
     TtftEstimator,
     local_cache_aware_router,
@@ -43,8 +46,10 @@ from mooncake.sched.view import (
     DecodeJoined,
     InstanceDown,
     InstanceUp,
+    PrefilledInline,
     PrefillFinished,
     PrefillStarted,
+    PrefillView,
     RequestRejected,
 )
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
@@ -90,7 +95,7 @@ def make_admission(name: str) -> AdmissionPolicy:
 
 def make_conductor(
     *,
-    router: str = "kvcache_centric",
+    router: str | Router = "kvcache_centric",
     threshold: float = 1.5,
     admission: str = "baseline",
     predictor: Any = None,
@@ -100,7 +105,7 @@ def make_conductor(
     seed: int = 0,
 ) -> Conductor:
     conductor = Conductor(
-        router=make_router(router, threshold=threshold),
+        router=make_router(router, threshold=threshold) if isinstance(router, str) else router,
         decode_cost=DECODE_COST,
         admission=make_admission(admission),
         predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),
@@ -448,6 +453,64 @@ def test_prefill_finished_teaches_the_adaptive_threshold() -> None:
     assert router.adaptive.value > before
 
 
+@attrs.define
+class RecordingRouter:
+    """Routes to the first candidate, and keeps what it is told through `observe`."""
+
+    estimator: TtftEstimator
+    observed: list[tuple[bool, float, float]] = attrs.field(factory=list)
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        if not candidates:
+            return None
+        view = candidates[0]
+        own = query.prefix_blocks.get(view.instance_id, 0)
+        return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        self.observed.append((had_transfer, estimated_ttft_s, observed_ttft_s))
+
+
+def test_routers_learn_through_observe_once_per_prefill() -> None:
+    """Any router is told each finished prefill once, through its protocol's `observe`: the TTFT it
+    estimated and the one observed since scheduling; a request prefilled inline teaches nothing."""
+    router = RecordingRouter(ESTIMATOR)
+    conductor = make_conductor(router=router)
+    decision = conductor.schedule(request("r", DOC), 1.0)
+    prefill, decode = placement(decision)
+    assert decision.ttft_s is not None
+    for now in (4.0, 5.0):  # the repeat is ignored
+        conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=now))
+    assert router.observed == [(False, decision.ttft_s, 3.0)]
+    placement(conductor.schedule(request("inline", DOC[:2]), 6.0))
+    conductor.handle(PrefilledInline(request_id=RequestId("inline"), instance_id=decode, now=6.0))
+    assert router.observed == [(False, decision.ttft_s, 3.0)]
+
+
+def test_prefilled_inline_leaves_the_queue_and_keeps_the_reservation() -> None:
+    """A request prefilled inside its decode batch leaves its prefill queue at once; its KV stays
+    reserved on the decode instance until it joins, and a later PrefillFinished about it is ignored."""
+    conductor = make_conductor(router="adaptive")
+    prefill, decode = placement(conductor.schedule(request("r", DOC), 0.0))
+    router = conductor.router
+    assert isinstance(router, KvCacheCentricRouter) and router.adaptive is not None
+    before = router.adaptive.value
+    assert conductor.handle(PrefilledInline(request_id=RequestId("r"), instance_id=decode, now=0.0)) == ()
+    assert all(not v.queue for v in conductor.prefill_views)
+    view = {v.instance_id: v for v in conductor.decode_views}[decode]
+    assert RequestId("r") in view.reserved
+    conductor.check_invariants()
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=50.0))
+    assert router.adaptive.value == before
+    conductor.handle(
+        DecodeJoined(request_id=RequestId("r"), instance_id=decode, now=0.1, context_tokens=8192, output_tokens=100)
+    )
+    assert view.batch_size == 1 and not view.reserved
+    conductor.check_invariants()
+
+
 def test_decode_finished_teaches_the_output_length_predictor() -> None:
     """Generated token counts reported at the end feed an output-length predictor."""
     predictor = OutputLengthPredictor(step_s=0.02)
@@ -642,6 +705,15 @@ class ConductorMachine(RuleBasedStateMachine):
         t.stage = "prefilled"
         self.caches.store(self.conductor, t.prefill, t.request.block_keys)  # the prefill instance now caches the prompt
 
+    @precondition(lambda self: self._in_stage("queued"))
+    @rule(data=st.data())
+    def prefilled_inline(self, data: st.DataObject) -> None:
+        """Its decode instance prefilled it: it leaves its prefill queue without running there."""
+        t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued")))]
+        event = PrefilledInline(request_id=t.request.request_id, instance_id=t.decode, now=self.now)
+        assert self.conductor.handle(event) == ()
+        t.stage = "prefilled"
+
     @precondition(lambda self: self._in_stage("queued", "started", "prefilled"))
     @rule(data=st.data())
     def decode_joined(self, data: st.DataObject) -> None:
@@ -682,6 +754,7 @@ class ConductorMachine(RuleBasedStateMachine):
                 [
                     PrefillStarted(request_id=request_id, instance_id=instance, now=self.now),
                     PrefillFinished(request_id=request_id, instance_id=instance, now=self.now),
+                    PrefilledInline(request_id=request_id, instance_id=instance, now=self.now),
                     DecodeJoined(
                         request_id=request_id, instance_id=instance, now=self.now, context_tokens=1, output_tokens=1
                     ),

@@ -16,7 +16,7 @@ import random
 import attrs
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
@@ -156,6 +156,75 @@ def test_ties_break_by_queue_then_id() -> None:
     router = KvCacheCentricRouter(ESTIMATOR)
     idle = router.route([PrefillView(C), PrefillView(B), PrefillView(A)], query({}), NOW, random.Random(0))
     assert idle is not None and idle.prefill_instance == A
+
+
+@attrs.frozen
+class PerTokenPrefill:
+    """A prefill of n tokens with p cached takes (n − p) / 1024 s: binary fractions, so sums are exact
+    and different instances often reach the very same TTFT."""
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        return (num_tokens - prefix_tokens) / 1024
+
+
+EXACT_KV_BYTES_PER_TOKEN = 8
+# Moving t tokens takes t · (1 + congestion) / 4096 s: a binary fraction too.
+EXACT_ESTIMATOR = TtftEstimator(
+    prefill=PerTokenPrefill(),
+    transfer=TransferCostModel(bandwidth_bytes_per_s=4096.0 * EXACT_KV_BYTES_PER_TOKEN, latency_s=0.0),
+    kv_bytes_per_token=EXACT_KV_BYTES_PER_TOKEN,
+)
+
+
+def test_equal_ttft_goes_to_the_shorter_queue_before_the_smaller_id() -> None:
+    """A holds a quarter of the prompt but waits 2 s; B holds nothing and is idle: both estimate
+    8 s, and the tie goes to B, whose queue is shorter, although A's id is smaller."""
+    views = [busy(A, NOW + 2.0), PrefillView(B)]
+    q = query({A: 8}, input_tokens=8192, block_size=256)
+    for router in (local_cache_aware_router(EXACT_ESTIMATOR), LoadBalancingRouter(EXACT_ESTIMATOR)):
+        chosen = router.route(views, q, NOW, random.Random(0))
+        assert chosen is not None and chosen.prefill_instance == B
+    local = local_cache_aware_router(EXACT_ESTIMATOR)
+    decisions = {
+        v.instance_id: EXACT_ESTIMATOR.decide(
+            v, q, NOW, prefix_blocks=q.prefix_blocks.get(v.instance_id, 0), transfer_from=None
+        )
+        for v in views
+    }
+    assert decisions[A].ttft_s == decisions[B].ttft_s == 8.0
+    assert local.route(PrefillBoard(views), q, NOW, random.Random(0)).prefill_instance == B  # type: ignore[union-attr]
+
+
+@st.composite
+def tied_scenarios(draw: st.DrawFn) -> tuple[list[PrefillView], RouteQuery]:
+    """Each instance waits q s holding b blocks of 256 tokens (1 s of prefill per 4 blocks), mostly
+    on the line q − b/4 = 0 where every staying-local estimate is equal: under the exact estimator,
+    equal TTFTs with different queues are the rule, with a few instances off the line."""
+    count = draw(st.integers(min_value=2, max_value=6))
+    ids = [InstanceId(f"prefill-{i}") for i in range(count)]
+    on_line, off_line = [(0.0, 0), (1.0, 4), (2.0, 8)], [(1.0, 0), (0.0, 8), (2.0, 4)]
+    views, prefix = [], {}
+    for instance in ids:
+        queue_s, blocks = draw(st.sampled_from(on_line) | st.sampled_from(off_line))
+        views.append(busy(instance, NOW + queue_s) if queue_s else PrefillView(instance))
+        if blocks:
+            prefix[instance] = blocks
+    q = query(prefix, input_tokens=draw(st.sampled_from([2048, 4096, 8192])), block_size=256)
+    return views, attrs.evolve(q, best_transfers_in_flight=draw(st.integers(0, 2)) if q.best_instance else 0)
+
+
+@given(tied_scenarios(), st.sampled_from([1.0, 1.5, 4.0, math.inf]))
+def test_ties_on_ttft_break_by_queue_then_id(scenario: tuple[list[PrefillView], RouteQuery], threshold: float) -> None:
+    """Among candidates of equal estimated TTFT, the router picks the shortest queue, then the
+    smallest id: the brute-force minimum by (TTFT, queue, id), with exact arithmetic."""
+    views, q = scenario
+    chosen = KvCacheCentricRouter(EXACT_ESTIMATOR, threshold=threshold).route(views, q, NOW, random.Random(0))
+    expected, every = reference_route(EXACT_ESTIMATOR, views, q, NOW, threshold=threshold)
+    assert chosen == expected
+    assert chosen is not None
+    tied = [d for d in every if d.ttft_s == chosen.ttft_s]
+    if len({d.queue_s for d in tied}) > 1:
+        event("TTFT tie between different queues")
 
 
 @pytest.mark.parametrize(

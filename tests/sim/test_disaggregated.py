@@ -22,7 +22,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, LinearStepModel, PrefillCostModel
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, DisaggregatedCluster, build_conductor, replay
 from mooncake.sim.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
@@ -192,6 +192,22 @@ def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) ->
     assert all(s.prefill_requests >= 0 and s.decode_requests >= 0 for s in result.load)
 
 
+def assert_intervals_fill_decoding(result: ReplayResult, step: LinearStepModel) -> None:
+    """For every completed request, the time from its first token to its last is the sum of its
+    token intervals, and each interval is at least one step of a batch holding its own context."""
+    for record in result.records:
+        if record.outcome != Outcome.COMPLETED:
+            continue
+        assert record.first_token_s is not None and record.finish_s is not None
+        intervals = record.intervals.values()
+        decoding_s = record.finish_s - record.first_token_s
+        assert math.isclose(float(intervals.sum()), decoding_s, rel_tol=1e-9, abs_tol=1e-9), record.request_id
+        own_context = record.input_tokens + np.arange(len(intervals))  # the context its k-th step reads, at least
+        assert np.all(intervals >= step.fixed_s + step.per_context_token_s * own_context * (1 - 1e-12)), (
+            record.request_id
+        )
+
+
 def assert_same_records(first: Sequence[RequestRecord], second: Sequence[RequestRecord]) -> None:
     """The same outcomes, and every time equal to 1e-9 (absolute plus relative)."""
 
@@ -230,6 +246,7 @@ def test_every_request_ends_exactly_once(
     conductor = build_conductor(spec, slo=slo, **options)
     result = DisaggregatedCluster(spec, conductor).run(requests)
     assert_each_ended_once(requests, result)
+    assert_intervals_fill_decoding(result, LinearStepModel.of(spec.decode_cost))
     for record in result.records:
         event(f"outcome: {record.outcome.value if record.outcome else None}")
         if record.inline_prefill:
@@ -331,6 +348,22 @@ def test_inline_prefill_of_a_short_prompt() -> None:
     assert not long_record.inline_prefill and long_record.prefill_instance is not None
 
 
+def test_inline_prefill_only_within_the_tbt_slo() -> None:
+    """A short prompt is inlined only when the step carrying it (the batch's step with the prompt
+    added, plus its prefill) stays within the TBT SLO: at the SLO it is inlined, one ulp below it
+    is refused and goes to a prefill node instead."""
+    spec = make_spec(inline_prefill_tokens=4096, decode_hardware=H800)
+    request = make_request("short", 2.0, 3000, 5, range(num_blocks(3000)))
+    step_s = LinearStepModel.of(spec.decode_cost).step_s(1, request.input_length)
+    inline_s = PrefillCostModel(model=LLAMA3, hardware=H800, mfu=spec.mfu).prefill_s(request.input_length)
+    carrying_s = step_s + inline_s
+    (at_slo,) = replay(spec, [request], slo=Slo(tbt_s=carrying_s)).records
+    assert at_slo.outcome == Outcome.COMPLETED and at_slo.inline_prefill
+    (over_slo,) = replay(spec, [request], slo=Slo(tbt_s=math.nextafter(carrying_s, 0.0))).records
+    assert over_slo.outcome == Outcome.COMPLETED
+    assert not over_slo.inline_prefill and over_slo.prefill_instance is not None
+
+
 # --------------------------------------------------------------------------- analytic decode = stepping
 
 
@@ -349,6 +382,7 @@ def test_analytic_decode_matches_stepping(
     analytic = replay(attrs.evolve(spec, analytic_decode=True), requests, slo=slo, **options)
     stepped = replay(attrs.evolve(spec, analytic_decode=False), requests, slo=slo, **options)
     assert_same_records(analytic.records, stepped.records)
+    assert_intervals_fill_decoding(analytic, LinearStepModel.of(spec.decode_cost))
 
 
 def test_decode_check_sees_the_current_context() -> None:
