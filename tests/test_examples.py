@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.types import Slo
+from mooncake.workload import ArrivalProcess, generate_requests, preset
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "synthetic", "--num-requests", "150", "--rate", "2"]
 
@@ -54,8 +59,25 @@ def test_replay_json_summary_and_outputs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("engine", ["coupled", "coupled-chunked"])
 def test_replay_coupled_engines(engine: str) -> None:
-    done = run("replay.py", *SMALL, "--prefill", "1", "--decode", "1", "--engine", engine)
-    assert "coupled" in done.stdout and "TTFT" in done.stdout
+    """The vLLM-style baseline runs on --prefill + --decode instances and serves every request that
+    fits (none is rejected after a prefill); its summary is the library's own replay of the same
+    workload, and the table names the cluster it ran."""
+    table = run("replay.py", *SMALL, "--prefill", "1", "--decode", "1", "--engine", engine)
+    assert f"2 coupled llama3-70b instances on 8xA800 ({engine})" in table.stdout
+    assert "TTFT" in table.stdout and "TBT" in table.stdout
+    summary = json.loads(
+        run("replay.py", *SMALL, "--prefill", "1", "--decode", "1", "--engine", engine, "--json").stdout
+    )
+    assert summary["num_requests"] == 150 and summary["rejected_after_prefill"] == 0
+    assert summary["completed"] + summary["rejected_before_prefill"] == 150 and summary["completed"] > 0
+    requests = generate_requests(preset("synthetic"), num_requests=150, arrivals=ArrivalProcess(rate_per_s=2), seed=0)
+    spec = CoupledSpec(
+        num_instances=2, model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"], chunked_prefill=engine != "coupled"
+    )
+    expected = CoupledCluster(spec, slo=Slo(ttft_s=30.0, tbt_s=0.1)).run(requests).summary.to_json()
+    for drop in (summary, expected):
+        drop.pop("sim_wall_s")
+    assert summary == json.loads(json.dumps(expected))
 
 
 def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
