@@ -22,12 +22,15 @@ allocated, never both; allocated + free = all pages handed out so far.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
+
+if TYPE_CHECKING:  # torch is loaded only by the pools that need it
+    import torch
 
 __all__ = [
     "AllocatingPool",
@@ -35,6 +38,7 @@ __all__ = [
     "DramPagePool",
     "MetadataPagePool",
     "PageAllocator",
+    "PageBytes",
     "PagePool",
     "VramPagePool",
     "check_geometry",
@@ -44,6 +48,11 @@ Buffer: TypeAlias = Any
 """What pages are written from: bytes, bytearray, memoryview, a numpy array, any
 object with the buffer protocol (typed loosely: numpy arrays are not `Buffer`s
 to Python 3.11's type checker)."""
+
+PageBytes: TypeAlias = "memoryview | torch.Tensor"
+"""What pages are read as: a flat byte memoryview of host memory (a DRAM page
+itself; a verified copy of an SSD page), or a flat uint8 torch tensor (a VRAM
+page itself)."""
 
 ALIGNMENT_BYTES = 4096  # O_DIRECT and DMA engines want page-aligned buffers
 
@@ -78,8 +87,9 @@ class PagePool(Protocol):
         """Store `data` (at most `page_bytes`) in `page`; `key` and `checksum`
         label it where the medium keeps labels (SSD)."""
 
-    def read(self, page: int, length: int) -> Any:
-        """The first `length` bytes of `page`: a zero-copy view where the medium allows."""
+    def read(self, page: int, length: int) -> PageBytes | None:
+        """The first `length` bytes of `page`: a zero-copy view where the medium allows
+        (None where the pool holds no bytes)."""
 
     def close(self) -> None:
         """Release the pool's resources."""
@@ -313,7 +323,7 @@ class VramPagePool(AllocatingPool):
             raise CapacityError(f"{source.numel()} bytes do not fit a page of {self.page_bytes} bytes")
         self.buffer[start : start + source.numel()].copy_(source)
 
-    def read(self, page: int, length: int) -> Any:
+    def read(self, page: int, length: int) -> torch.Tensor:
         return self.buffer[self._span(page, length)]
 
 

@@ -173,7 +173,7 @@ class SsdPagePool(AllocatingPool):
         self.read_into(page, length, out)
         return out.data[:length]
 
-    def read_into(self, page: int, length: int, out: Any) -> int:
+    def read_into(self, page: int, length: int, out: np.ndarray[Any, Any] | bytearray | memoryview) -> int:
         """Read the page into `out` (a writable buffer of at least `length` bytes,
         4 KiB-aligned and a multiple of 4 KiB long with O_DIRECT); returns the checksum.
 
@@ -181,11 +181,10 @@ class SsdPagePool(AllocatingPool):
             IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
         """
         self._check_allocated(page)
-        target = (
-            out.data
-            if isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
-            else memoryview(out).cast("B")
-        )
+        if isinstance(out, np.ndarray):  # any shape and dtype: its bytes
+            target = out.data if out.dtype == np.uint8 and out.ndim == 1 else out.data.cast("B")
+        else:
+            target = memoryview(out).cast("B")
         if target.nbytes < length:
             raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {length}")
         offset = self._slot(page)

@@ -42,14 +42,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 import attrs
 import xxhash
 
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
-from mooncake.cache.pool import Buffer, PagePool, as_bytes_view
+from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view
 from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
 
@@ -289,7 +288,9 @@ class TieredCache:
             finally:
                 self._counts["puts"] += puts
 
-    def reserve(self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0) -> Any:
+    def reserve(
+        self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0
+    ) -> PageBytes | None:
         """Claim a first-tier page for `key`, to be filled in place (zero copy), e.g. by a transfer.
 
         The block is invisible until `commit(key)`; `abort(key)` gives the page back.
@@ -324,7 +325,7 @@ class TieredCache:
             if entry is None or entry.ready:
                 raise UnknownBlockError(f"block {key} is not reserved")
         if checksum is not None:
-            actual = xxhash.xxh3_64_intdigest(self._read_host(entry))
+            actual = self._digest(entry)
             if actual != checksum:
                 self.abort(key)
                 raise IntegrityError(f"block {key}: bytes hash to {actual:#018x}, the sender said {checksum:#018x}")
@@ -362,7 +363,7 @@ class TieredCache:
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, key: BlockKey) -> Any:
+    def get(self, key: BlockKey) -> PageBytes | None:
         """The bytes of `key`, or None on a miss.
 
         A DRAM hit is a zero-copy view of the page, valid while the block is
@@ -415,11 +416,15 @@ class TieredCache:
             return self.pools[entry.level].tier if key in self._entries else None
 
     def checksum(self, key: BlockKey) -> int:
-        """XXH3-64 of the block's bytes (computed once, then remembered), for exporting it to a peer."""
+        """XXH3-64 of the block's bytes (computed once, then remembered), for exporting it to a peer.
+
+        Raises:
+            UnknownBlockError: `key` is not cached. ConfigError: its tier holds no bytes.
+        """
         with self._lock:
             entry = self._ready_entry(key)
             if entry.checksum is None:
-                entry.checksum = xxhash.xxh3_64_intdigest(self._read_host(entry))
+                entry.checksum = self._digest(entry)
             return entry.checksum
 
     # ------------------------------------------------------------------ pins
@@ -442,7 +447,7 @@ class TieredCache:
             self._unpin_entry(key, entry)
 
     @contextlib.contextmanager
-    def pinned(self, key: BlockKey) -> Iterator[Any]:
+    def pinned(self, key: BlockKey) -> Iterator[PageBytes | None]:
         """Pin `key` and yield its bytes (None on a miss) for the duration of the block."""
         with self._lock:
             hit = key in self
@@ -589,7 +594,7 @@ class TieredCache:
             return
         self._counts["demotions"] += 1
 
-    def _promote(self, key: BlockKey, entry: _Entry) -> Any:
+    def _promote(self, key: BlockKey, entry: _Entry) -> PageBytes | None:
         """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt)."""
         source_level = entry.level
         self._policies[source_level].remove(key)
@@ -643,12 +648,19 @@ class TieredCache:
         self._log.append((_STORED, target, key))
         return True
 
-    def _read_host(self, entry: _Entry) -> Any:
-        """The block's bytes in host memory (verified when they come from SSD)."""
+    def _read_host(self, entry: _Entry) -> memoryview | None:
+        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool)."""
         data = self.pools[entry.level].read(entry.page, entry.length)
-        if hasattr(data, "cpu"):  # a torch CUDA tensor slice
-            data = data.cpu().numpy()
-        return data
+        if data is None or isinstance(data, memoryview):
+            return data
+        return data.cpu().numpy().data  # a VRAM page, copied to the host
+
+    def _digest(self, entry: _Entry) -> int:
+        """XXH3-64 of the block's bytes; ConfigError where its tier holds none (metadata only)."""
+        data = self._read_host(entry)
+        if data is None:
+            raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes to hash")
+        return xxhash.xxh3_64_intdigest(data)
 
     def _drop(self, key: BlockKey, entry: _Entry) -> None:
         """Forget `key` everywhere (its policy entry is already gone)."""
