@@ -10,7 +10,7 @@ KV-cache-centric router and early rejection. Only `schedule` is timed; between
 timed rounds the accepted requests are ended by events (untimed), so queues and
 VRAM stay in a steady state. The peer in the same run is the same Conductor
 without the index lookup (routing on empty prefixes), to show what the match
-costs. Goal (issue #5): >= 20 k decisions/s at 16 + 16 instances.
+costs. Goal: >= 20 k decisions/s at 16 + 16 instances.
 """
 
 from __future__ import annotations

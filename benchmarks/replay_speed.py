@@ -5,7 +5,7 @@
 1. The trace (default: ../shared/traces/synthetic_trace.jsonl, or a generated
    workload of the same size when it is absent) on 8 prefill + 8 decode
    instances, KV-cache-centric routing and early rejection: `sim_wall_s` and
-   `requests_per_s`. Goal (issue #6): under 1 s. The peer in the same run is
+   `requests_per_s`. Goal: under 1 s. The peer in the same run is
    the same replay stepping decode iteration by iteration (`analytic_decode=
    False`): `analytic_speedup` is what advancing whole stretches buys.
 2. `--large-requests` generated requests (synthetic preset) on
