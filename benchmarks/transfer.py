@@ -15,7 +15,7 @@ process owns the target memory):
   first use; it needs Debian's libibverbs1), driven the same way by
   benchmarks/upstream_te.py.
 Every figure is the median over `--rounds` whole rounds (each measures every
-peer once). Goals (issue #4): tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
+peer once). Goals: tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
 shm_vs_memcpy >= 0.7, tcp_4kib_median_us <= upstream_4kib_median_us.
 """
 
