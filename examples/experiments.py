@@ -10,6 +10,10 @@ Every subcommand takes the workload and cluster options of replay.py, writes
 <out>/<name>.json and <name>*.png (default out: build/experiments) and prints
 its table; --json prints the JSON instead. Nothing is tuned toward the paper's
 numbers: clusters are sized by one rule (see simulation.py) before any run.
+
+It is one script of several short experiments rather than a package of them:
+each subcommand is a few dozen lines over the same replay, header and report
+helpers, and a reader compares them side by side.
 """
 
 from __future__ import annotations
