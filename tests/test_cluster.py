@@ -5,7 +5,8 @@ costs seconds, so the tests that only send requests share a module-scoped
 cluster (with an API key, which every client here sends); the tests that need
 another shape or kill engines start their own. Every wait is bounded: the
 OpenAI clients have `max_retries=0` and a timeout, threads and processes are
-joined with one, and every cluster is closed by a context manager.
+joined with one, a condition is awaited with `wait_for` (which fails naming
+it), and every cluster is closed by a context manager.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,17 @@ from mooncake.types import BlockKey, InstanceId, Tier  # noqa: E402
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 API_KEY = "test-key"
 TIMEOUT_S = 60.0  # any one request; far above what the tiny model needs
+POLL_S = 0.05  # wait_for's period
 SAMPLE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$")
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail the test naming `what` if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        time.sleep(POLL_S)
 
 
 def tiny(**sections: dict[str, Any]) -> ClusterConfig:
@@ -241,21 +252,19 @@ def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> N
     )
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         assert response.readline().startswith(b"data: ")  # streaming has begun
-    gateway = cluster.gateway
-    decode = next(i for i, role in gateway.roles.items() if role == "decode")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if gateway.engine.call(gateway.peers[decode], "worker.health", {})["active"] == 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the decode engine kept generating for a client that left")
-    assert not gateway.live  # the gateway forgot it too
+    dispatcher = cluster.gateway.dispatcher
+    decode = next(i for i, role in dispatcher.roles.items() if role == "decode")
+    wait_for(
+        lambda: dispatcher.engine.call(dispatcher.peers[decode], "worker.health", {})["active"] == 0,
+        timeout=20.0,
+        what="the decode engine to stop generating for a client that left",
+    )
+    assert not dispatcher.live  # the gateway forgot it too
     assert metrics(cluster)["mooncake_generation_tokens_total"] - before < 1000  # cut short, not run to the end
 
 
 def test_health_and_metrics(cluster: RunningCluster) -> None:
-    """/health counts the engines up; /metrics is Prometheus text with every family the issue names."""
+    """/health counts the engines up; /metrics is Prometheus text with the families docs/cluster.md lists."""
     client(cluster).completions.create(model="tiny", prompt="Count me in the metrics.", max_tokens=4)
     status, _headers, text = http(f"{cluster.url}/health")
     health = json.loads(text)
@@ -397,7 +406,7 @@ def two_by_two() -> Iterator[RunningCluster]:
 
 def the_live_request(cluster: RunningCluster) -> Any:
     """The gateway's only request in flight."""
-    (live,) = list(cluster.gateway.live.values())
+    (live,) = list(cluster.gateway.dispatcher.live.values())
     return live
 
 
@@ -454,10 +463,11 @@ def test_no_engine_up_is_a_503() -> None:
     """With the only decode engine dead, requests are refused with 503 and Retry-After, and /health says so."""
     with start_cluster(tiny(limits={"health_interval_s": 0.1})) as cluster:
         cluster.backend.kill("decode-0")
-        deadline = time.monotonic() + 20.0
-        while http(f"{cluster.url}/health")[0] != 503:
-            assert time.monotonic() < deadline, "the dead decode engine was never noticed"
-            time.sleep(0.05)
+        wait_for(
+            lambda: http(f"{cluster.url}/health")[0] == 503,
+            timeout=20.0,
+            what="/health to notice the dead decode engine",
+        )
         with pytest.raises(openai.APIStatusError) as raised:
             client(cluster).completions.create(model="tiny", prompt="anyone?", max_tokens=4)
         assert raised.value.status_code == 503
@@ -539,10 +549,11 @@ def test_launcher_serves_until_sigterm_and_leaves_nothing() -> None:
 
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10.0
-        while any(is_running(pid) for pid in spawned) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in spawned if is_running(pid)], "orphan processes"
+        wait_for(
+            lambda: not any(is_running(pid) for pid in spawned),
+            timeout=10.0,
+            what="the launcher's workers to exit (no orphan processes)",
+        )
         assert not segments_of(ours), "leftover shared memory"
         reader.join(timeout=10)
         assert any(line.startswith("stopping") for line in list(lines.queue))

@@ -61,7 +61,7 @@ T = TypeVar("T")
 class _Rule:
     """What a field accepts: its type, and a minimum or the allowed values."""
 
-    kind: type
+    kind: type[Any]
     minimum: float | None = None
     allowed: tuple[str, ...] = ()
 
@@ -89,7 +89,7 @@ class _Rule:
 def _setting(default: T, *, minimum: float | None = None, allowed: Sequence[str] = ()) -> T:
     """A checked field of the default's type."""
     rule = _Rule(type(default), minimum, tuple(allowed))
-    return attrs.field(default=default, converter=rule.convert, validator=rule.validate, metadata={"rule": rule})  # type: ignore[no-any-return]
+    return attrs.field(default=default, converter=rule.convert, validator=rule.validate, metadata={"rule": rule})
 
 
 @attrs.frozen(kw_only=True)
