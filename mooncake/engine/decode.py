@@ -240,7 +240,7 @@ class DecodeEngine:
                 page = self.cache.get(key)
                 if page is None:
                     raise UnknownBlockError(f"KV block {key} failed verification")
-                tokens = self.layout.tokens_in(memoryview(page).nbytes)
+                tokens = self.layout.page_tokens(page)
                 if tokens != min(block, prompt_tokens - b * block):
                     raise InvalidRequestError(
                         f"KV block {key} holds {tokens} tokens, the prompt needs {min(block, prompt_tokens - b * block)}"

@@ -66,6 +66,14 @@ class KvLayout:
             raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
         return num_bytes // per_token
 
+    def page_tokens(self, page: Buffer) -> int:
+        """How many tokens `page` (a buffer of `block_bytes(t)` bytes) holds.
+
+        Raises:
+            ConfigError: its size is not a whole number of tokens.
+        """
+        return self.tokens_in(memoryview(page).nbytes)
+
     def layer_kv(self, page: Buffer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` in `page` (a buffer of `block_bytes(t)` bytes) as [t, kv_heads, head_dim] views."""
         view = memoryview(page).cast("B")

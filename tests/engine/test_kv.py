@@ -1,10 +1,11 @@
 """Tests for `mooncake.engine.kv.KvLayout`: page geometry and the layer views.
 
 Properties over random shapes, block sizes and dtypes: sizes follow
-[layers][2][tokens][kv_heads][head_dim]; `tokens_in` inverts `block_bytes`;
-K and V written through `layer_kv` read back equal and land exactly where the
-layout says (the page is the layers' stacked K and V, byte for byte); layer l
-is part l of the page cut into num_layers parts, as the messenger cuts it.
+[layers][2][tokens][kv_heads][head_dim]; `tokens_in` and `page_tokens` invert
+`block_bytes`; K and V written through `layer_kv` read back equal and land
+exactly where the layout says (the page is the layers' stacked K and V, byte
+for byte); layer l is part l of the page cut into num_layers parts, as the
+messenger cuts it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def layouts_and_token_counts(draw: st.DrawFn) -> tuple[KvLayout, int]:
 
 @given(layouts_and_token_counts())
 def test_sizes_follow_the_page_shape(case: tuple[KvLayout, int]) -> None:
-    """layer = 2·t·kv_heads·head_dim elements; block = layers × layer; page = a full block; tokens_in inverts it."""
+    """layer = 2·t·kv_heads·head_dim elements; block = layers × layer; page = a full block; tokens_in (of the
+    size) and page_tokens (of a page that size) invert it."""
     layout, t = case
     c = layout.config
     assert layout.element_bytes == ELEMENT_BYTES[layout.dtype]
@@ -56,6 +58,7 @@ def test_sizes_follow_the_page_shape(case: tuple[KvLayout, int]) -> None:
     assert layout.block_bytes(t) == c.num_layers * layout.layer_bytes(t)
     assert layout.page_bytes == layout.block_bytes(layout.block_tokens)
     assert layout.tokens_in(layout.block_bytes(t)) == t
+    assert layout.page_tokens(bytearray(layout.block_bytes(t))) == t
 
 
 @given(layouts_and_token_counts())
