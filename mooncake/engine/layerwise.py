@@ -200,9 +200,11 @@ class LayerwiseKvIo:
     def _store(self, layer: int, start: int, end: int, computed: torch.cuda.Event | None = None) -> None:
         """Copy rows [start, end) of `layer` into the pages of the blocks they fall in."""
         k_rows, v_rows = self._k[layer][start:end], self._v[layer][start:end]
-        if self._side is not None:  # copy out once the layer's compute is done, not after later layers
+        if self._side is not None and computed is not None:
+            # Layer-wise: copy out once the layer's compute is done, not after later layers. Serialized
+            # stores (no event) run after the forward pass, on its own stream: nothing to wait for.
             with torch.cuda.stream(self._side):
-                self._side.wait_event(computed)  # type: ignore[arg-type]
+                self._side.wait_event(computed)
                 k_host, v_host = k_rows.cpu(), v_rows.cpu()
         else:
             k_host, v_host = k_rows.cpu(), v_rows.cpu()
