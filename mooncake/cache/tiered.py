@@ -29,23 +29,21 @@ Threads: one writer and any number of readers. Metadata changes happen under
 one lock; the writer's copy into a freshly reserved page, and SSD reads of a
 block that is not promoted, happen outside it.
 
-Invariants (`check_invariants`):
-- each cached key has one page, allocated in its tier's pool, and each
-  allocated page belongs to exactly one key (or a write in progress);
-- a tier's policy knows exactly the ready keys of that tier; pinned keys are
-  pinned in it;
-- used bytes never exceed a tier's capacity (pages are the unit of capacity).
+Where blocks live and how they move between tiers (eviction, demotion,
+promotion, verification failures) is `BlockPlacement` (module `_placement`),
+which this class extends with the calls above; its invariants are the cache's
+(`check_invariants`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import xxhash
 
+from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
 from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view
@@ -54,21 +52,7 @@ from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["BlockLocation", "CacheStats", "TieredCache"]
 
-_STORED, _REMOVED = 0, 1
 _LOCAL = InstanceId("local")
-
-
-@attrs.frozen(kw_only=True)
-class CacheStats:
-    """Counters since the cache was created."""
-
-    hits: int
-    misses: int
-    puts: int
-    demotions: int
-    promotions: int
-    drops: int
-    corrupt_blocks: int
 
 
 @attrs.frozen
@@ -81,25 +65,7 @@ class BlockLocation:
     ready: bool
 
 
-@attrs.define(eq=False)
-class _Entry:
-    level: int
-    page: int
-    length: int
-    checksum: int | None
-    parent: BlockKey | None
-    pins: int = 0
-    position: int = 0
-    ready: bool = False  # False while its first write is in progress
-    corrupt: bool = False  # failed verification; dropped when the last pin goes
-    lower_reads: int = 0
-
-    @property
-    def is_live(self) -> bool:
-        return self.ready and not self.corrupt
-
-
-class TieredCache:
+class TieredCache(BlockPlacement):
     """Keys → pages across tiers, with eviction, demotion, promotion, pins and events.
 
     Args:
@@ -120,35 +86,10 @@ class TieredCache:
         policy: Callable[[], EvictionPolicy] = LruPolicy,
         promote_after: int = 1,
     ) -> None:
-        if not pools:
-            raise ConfigError("pools must name at least one tier")
-        sizes = {pool.page_bytes for pool in pools}
-        if len(sizes) != 1:
-            raise ConfigError(f"every tier must use one page size, got {sorted(sizes)}")
-        tiers = [pool.tier for pool in pools]
-        if len(set(tiers)) != len(tiers):
-            raise ConfigError(f"tiers must be distinct, got {[t.name for t in tiers]}")
-        if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 0:
-            raise ConfigError(f"promote_after must be an integer >= 0, got {promote_after!r}")
-        self.pools = tuple(pools)
-        self.page_bytes = pools[0].page_bytes
+        super().__init__(pools, policy=policy, promote_after=promote_after)
         self.source = source
         self.epoch = epoch
-        self.promote_after = promote_after
-        self._policies = [policy() for _ in pools]
-        self._entries: dict[BlockKey, _Entry] = {}
-        self._lock = threading.RLock()
-        self._log: list[tuple[int, int, BlockKey]] = []
         self._seq = 0
-        self._counts = dict.fromkeys(attrs.fields_dict(CacheStats), 0)
-        for level, pool in enumerate(self.pools):
-            for found in getattr(pool, "recovered", ()):
-                if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
-                    pool.free(found.page)
-                    continue
-                self._entries[found.key] = _Entry(level, found.page, found.length, found.checksum, None, ready=True)
-                self._policies[level].access(found.key)
-                self._log.append((_STORED, level, found.key))
 
     # ------------------------------------------------------------------ queries
 
@@ -280,9 +221,9 @@ class TieredCache:
                         page = allocate()
                         if page is None:
                             page = self._make_room(0, needed_for=key)
-                        entries[key] = _Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
+                        entries[key] = Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
                         access(key, parent=parent, position=position)
-                        log.append((_STORED, 0, key))
+                        log.append((STORED, 0, key))
                         puts += 1
                     parent = key
             finally:
@@ -473,11 +414,11 @@ class TieredCache:
         so a consumer applying the events in order ends where applying each change would)."""
         with self._lock:
             log, self._log = self._log, []
-            groups = _group_changes(log)
+            groups = group_changes(log)
             first_seq = self._seq
             self._seq += len(groups)
         return [
-            (BlockStored if kind == _STORED else BlockRemoved)(
+            (BlockStored if kind == STORED else BlockRemoved)(
                 source=self.source, seq=first_seq + i, keys=keys, tier=self.pools[level].tier, epoch=self.epoch
             )
             for i, ((kind, level), keys) in enumerate(groups)
@@ -489,209 +430,3 @@ class TieredCache:
         """Close every pool."""
         for pool in self.pools:
             pool.close()
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if an invariant of the module docstring fails."""
-        with self._lock:
-            for level, pool in enumerate(self.pools):
-                here = {k: e for k, e in self._entries.items() if e.level == level}
-                pages = [e.page for e in here.values()]
-                assert len(set(pages)) == len(pages), f"tier {pool.tier.name}: two keys share a page"
-                assert pool.num_pages - pool.num_free == len(pages), f"tier {pool.tier.name}: pages leaked"
-                ready = {k for k, e in here.items() if e.ready}
-                policy = self._policies[level]
-                assert len(policy) == len(ready) and all(k in policy for k in ready), "policy out of sync"
-                for key, entry in here.items():
-                    assert entry.pins >= 0, f"block {key}: negative pins"
-                    assert entry.length <= pool.page_bytes
-                    if entry.ready:
-                        is_pinned = getattr(policy, "is_pinned", None)
-                        if is_pinned is not None:
-                            assert is_pinned(key) == (entry.pins > 0), f"block {key}: pin state out of sync"
-
-    # ------------------------------------------------------------------ internals
-
-    def _level_of(self, tier: Tier) -> int:
-        for level, pool in enumerate(self.pools):
-            if pool.tier == tier:
-                return level
-        raise ConfigError(f"this cache has no {Tier(tier).name} tier")
-
-    def _ready_entry(self, key: BlockKey) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None or not entry.ready:
-            raise UnknownBlockError(f"block {key} is not cached")
-        return entry
-
-    def _unpin_entry(self, key: BlockKey, entry: _Entry) -> None:
-        entry.pins -= 1
-        self._policies[entry.level].unpin(key)
-        if entry.corrupt and entry.pins == 0:
-            self._policies[entry.level].remove(key)
-            self._drop(key, entry)
-            self._counts["corrupt_blocks"] += 1
-
-    def _found_corrupt(self, entry: _Entry) -> None:
-        """A read of `entry` failed verification (lock held): that read is a miss, and the
-        block is dropped now, or when its last pin goes."""
-        self._counts["hits"] -= 1
-        self._counts["misses"] += 1
-        entry.corrupt = True
-
-    def _should_promote(self, entry: _Entry) -> bool:
-        return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
-
-    def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> _Entry:
-        """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""
-        page = self._make_room(0, needed_for=key)
-        entry = self._entries[key] = _Entry(0, page, length, None, parent, pins=1, position=position)
-        return entry
-
-    def _publish(self, key: BlockKey, entry: _Entry, checksum: int | None) -> None:
-        """Make a claimed block visible: it joins its tier's policy and the event log."""
-        with self._lock:
-            if self._entries.get(key) is not entry or entry.ready:
-                raise UnknownBlockError(f"block {key} is no longer reserved (aborted or committed meanwhile)")
-            entry.checksum = checksum if checksum is not None else entry.checksum
-            entry.pins -= 1
-            entry.ready = True
-            self._policies[0].access(key, parent=entry.parent, position=entry.position)
-            self._log.append((_STORED, 0, key))
-            self._counts["puts"] += 1
-
-    def _make_room(self, level: int, *, needed_for: BlockKey) -> int:
-        page = self._try_make_room(level)
-        if page is None:
-            raise CapacityError(
-                f"no room for block {needed_for} in {self.pools[level].tier.name}: all "
-                f"{self.pools[level].num_pages} pages hold pinned blocks"
-            )
-        return page
-
-    def _try_make_room(self, level: int) -> int | None:
-        """A free page of `level`, evicting (and demoting) as needed; None if all is protected."""
-        pool = self.pools[level]
-        page = pool.try_allocate()
-        if page is None:
-            policy, last = self._policies[level], level + 1 == len(self.pools)
-            while page is None:
-                victim = policy.evict()
-                if victim is None:
-                    return None
-                if last:  # no tier to demote to: what _demote would do
-                    self._drop(victim, self._entries[victim])
-                else:
-                    self._demote(victim, self._entries[victim])
-                page = pool.try_allocate()
-        return page
-
-    def _demote(self, key: BlockKey, entry: _Entry) -> None:
-        """Move an evicted block (already out of its policy) one tier down, or drop it."""
-        target = entry.level + 1
-        page = self._try_make_room(target) if target < len(self.pools) else None
-        if page is None or not self._move(key, entry, target, page):
-            self._drop(key, entry)
-            return
-        self._counts["demotions"] += 1
-
-    def _promote(self, key: BlockKey, entry: _Entry) -> PageBytes | None:
-        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt)."""
-        source_level = entry.level
-        self._policies[source_level].remove(key)
-        try:
-            page = self._try_make_room(0)
-        except BaseException:
-            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
-            raise
-        if page is not None:
-            if not self._move(key, entry, 0, page):
-                self._found_corrupt(entry)
-                self._drop(key, entry)
-                return None
-            self._counts["promotions"] += 1
-            return self.pools[0].read(page, entry.length)
-        # The first tier is all pinned: serve it from where it is.
-        self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
-        try:
-            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
-        except IntegrityError:
-            self._found_corrupt(entry)
-            self._policies[source_level].remove(key)
-            self._drop(key, entry)
-            self._counts["corrupt_blocks"] += 1
-            return None
-
-    def _move(self, key: BlockKey, entry: _Entry, target: int, page: int) -> bool:
-        """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.
-
-        Returns False, with `page` given back and the block untouched, when its bytes
-        fail verification (the caller drops it); other errors restore its policy entry.
-        """
-        source_level = entry.level
-        try:
-            data = self._read_host(entry) if self.pools[target].holds_bytes else None
-            if data is not None and entry.checksum is None:
-                entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
-            self.pools[target].write(page, data, key=key, checksum=entry.checksum)
-        except IntegrityError:
-            self.pools[target].free(page)
-            self._counts["corrupt_blocks"] += 1
-            return False
-        except BaseException:
-            self.pools[target].free(page)
-            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
-            raise
-        self.pools[source_level].free(entry.page)
-        entry.level, entry.page, entry.lower_reads = target, page, 0
-        self._policies[target].access(key, parent=entry.parent, position=entry.position)
-        self._log.append((_REMOVED, source_level, key))
-        self._log.append((_STORED, target, key))
-        return True
-
-    def _read_host(self, entry: _Entry) -> memoryview | None:
-        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool)."""
-        data = self.pools[entry.level].read(entry.page, entry.length)
-        if data is None or isinstance(data, memoryview):
-            return data
-        return data.cpu().numpy().data  # a VRAM page, copied to the host
-
-    def _digest(self, entry: _Entry) -> int:
-        """XXH3-64 of the block's bytes; ConfigError where its tier holds none (metadata only)."""
-        data = self._read_host(entry)
-        if data is None:
-            raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes to hash")
-        return xxhash.xxh3_64_intdigest(data)
-
-    def _drop(self, key: BlockKey, entry: _Entry) -> None:
-        """Forget `key` everywhere (its policy entry is already gone)."""
-        self.pools[entry.level].free(entry.page)
-        del self._entries[key]
-        self._log.append((_REMOVED, entry.level, key))
-        self._counts["drops"] += 1
-
-
-def _group_changes(log: list[tuple[int, int, BlockKey]]) -> list[tuple[tuple[int, int], list[BlockKey]]]:
-    """The log's (kind, level) → keys groups, in order: a stretch without a repeated key is one
-    group per (kind, level), in the order they first appear; a repeated key starts a new stretch."""
-    if len({key for _, _, key in log}) == len(log):  # no key changes twice: one stretch
-        by_kind: dict[tuple[int, int], list[BlockKey]] = {}
-        for kind, level, key in log:
-            keys = by_kind.get((kind, level))
-            if keys is None:
-                keys = by_kind[(kind, level)] = []
-            keys.append(key)
-        return list(by_kind.items())
-    groups: list[tuple[tuple[int, int], list[BlockKey]]] = []
-    stretch: dict[tuple[int, int], list[BlockKey]] = {}
-    touched: set[BlockKey] = set()
-    for kind, level, key in log:
-        if key in touched:
-            stretch.clear()
-            touched.clear()
-        keys = stretch.get((kind, level))
-        if keys is None:
-            keys = stretch[(kind, level)] = []
-            groups.append(((kind, level), keys))
-        keys.append(key)
-        touched.add(key)
-    return groups

@@ -1,0 +1,321 @@
+"""Block placement: the tier and page each block of a tiered cache occupies, and the moves between tiers.
+
+`BlockPlacement` is the mechanism under `TieredCache` (module `tiered`, which
+holds the public API and its locking contract). It keeps one `Entry` per block
+(tier level, page, length, checksum, chain parent, pins, state), one eviction
+policy per tier, the change log the cache's events are made from, and the
+counters of `CacheStats`. Every move runs with the lock held:
+
+- making room in a tier takes a free page, or else evicts the tier's policy
+  victim and demotes it one tier down, which makes room there the same way; a
+  victim that no lower tier can take is dropped;
+- promotion moves a block read from a lower tier into the first tier, making
+  room there; when every first-tier page is pinned, the block is read in place;
+- a move copies the bytes (verified when they come from SSD) and re-homes the
+  entry; bytes that fail verification make the block a miss and drop it.
+
+Each change is logged as (`STORED` or `REMOVED`, tier level, key), in order;
+`group_changes` folds a log into one group of keys per kind and tier wherever
+that keeps the order of changes to each key.
+
+Invariants (`check_invariants`):
+- each cached key has one page, allocated in its tier's pool, and each
+  allocated page belongs to exactly one key (or a write in progress);
+- a tier's policy knows exactly the ready keys of that tier; pinned keys are
+  pinned in it;
+- used bytes never exceed a tier's capacity (pages are the unit of capacity).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import attrs
+import xxhash
+
+from mooncake.cache.policy import EvictionPolicy
+from mooncake.cache.pool import PageBytes, PagePool
+from mooncake.errors import CapacityError, ConfigError, IntegrityError, UnknownBlockError
+from mooncake.types import BlockKey, Tier
+
+__all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_changes"]
+
+STORED, REMOVED = 0, 1  # the kinds of change in the log
+
+
+@attrs.frozen(kw_only=True)
+class CacheStats:
+    """Counters since the cache was created."""
+
+    hits: int
+    misses: int
+    puts: int
+    demotions: int
+    promotions: int
+    drops: int
+    corrupt_blocks: int
+
+
+@attrs.define(eq=False)
+class Entry:
+    """Where one block is and what state it is in."""
+
+    level: int
+    page: int
+    length: int
+    checksum: int | None
+    parent: BlockKey | None
+    pins: int = 0
+    position: int = 0
+    ready: bool = False  # False while its first write is in progress
+    corrupt: bool = False  # failed verification; dropped when the last pin goes
+    lower_reads: int = 0
+
+    @property
+    def is_live(self) -> bool:
+        return self.ready and not self.corrupt
+
+
+class BlockPlacement:
+    """Blocks → (tier, page) across `pools`, fastest first, with one eviction policy per tier.
+
+    Args:
+        pools: page pools, fastest first, with equal `page_bytes` and distinct tiers;
+            pages a pool recovered (an SSD pool reopened) are adopted as cached blocks.
+        policy: makes one eviction policy per tier.
+        promote_after: promote a block to the first tier on this many reads in a
+            lower tier (0: never).
+    """
+
+    def __init__(self, pools: Sequence[PagePool], *, policy: Callable[[], EvictionPolicy], promote_after: int) -> None:
+        if not pools:
+            raise ConfigError("pools must name at least one tier")
+        sizes = {pool.page_bytes for pool in pools}
+        if len(sizes) != 1:
+            raise ConfigError(f"every tier must use one page size, got {sorted(sizes)}")
+        tiers = [pool.tier for pool in pools]
+        if len(set(tiers)) != len(tiers):
+            raise ConfigError(f"tiers must be distinct, got {[t.name for t in tiers]}")
+        if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 0:
+            raise ConfigError(f"promote_after must be an integer >= 0, got {promote_after!r}")
+        self.pools = tuple(pools)
+        self.page_bytes = pools[0].page_bytes
+        self.promote_after = promote_after
+        self._policies = [policy() for _ in pools]
+        self._entries: dict[BlockKey, Entry] = {}
+        self._lock = threading.RLock()
+        self._log: list[tuple[int, int, BlockKey]] = []
+        self._counts = dict.fromkeys(attrs.fields_dict(CacheStats), 0)
+        for level, pool in enumerate(self.pools):
+            for found in getattr(pool, "recovered", ()):
+                if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
+                    pool.free(found.page)
+                    continue
+                self._entries[found.key] = Entry(level, found.page, found.length, found.checksum, None, ready=True)
+                self._policies[level].access(found.key)
+                self._log.append((STORED, level, found.key))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the module docstring fails."""
+        with self._lock:
+            for level, pool in enumerate(self.pools):
+                here = {k: e for k, e in self._entries.items() if e.level == level}
+                pages = [e.page for e in here.values()]
+                assert len(set(pages)) == len(pages), f"tier {pool.tier.name}: two keys share a page"
+                assert pool.num_pages - pool.num_free == len(pages), f"tier {pool.tier.name}: pages leaked"
+                ready = {k for k, e in here.items() if e.ready}
+                policy = self._policies[level]
+                assert len(policy) == len(ready) and all(k in policy for k in ready), "policy out of sync"
+                for key, entry in here.items():
+                    assert entry.pins >= 0, f"block {key}: negative pins"
+                    assert entry.length <= pool.page_bytes
+                    if entry.ready:
+                        is_pinned = getattr(policy, "is_pinned", None)
+                        if is_pinned is not None:
+                            assert is_pinned(key) == (entry.pins > 0), f"block {key}: pin state out of sync"
+
+    def _level_of(self, tier: Tier) -> int:
+        for level, pool in enumerate(self.pools):
+            if pool.tier == tier:
+                return level
+        raise ConfigError(f"this cache has no {Tier(tier).name} tier")
+
+    def _ready_entry(self, key: BlockKey) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None or not entry.ready:
+            raise UnknownBlockError(f"block {key} is not cached")
+        return entry
+
+    def _unpin_entry(self, key: BlockKey, entry: Entry) -> None:
+        entry.pins -= 1
+        self._policies[entry.level].unpin(key)
+        if entry.corrupt and entry.pins == 0:
+            self._policies[entry.level].remove(key)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+
+    def _found_corrupt(self, entry: Entry) -> None:
+        """A read of `entry` failed verification (lock held): that read is a miss, and the
+        block is dropped now, or when its last pin goes."""
+        self._counts["hits"] -= 1
+        self._counts["misses"] += 1
+        entry.corrupt = True
+
+    def _should_promote(self, entry: Entry) -> bool:
+        return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
+
+    def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> Entry:
+        """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""
+        page = self._make_room(0, needed_for=key)
+        entry = self._entries[key] = Entry(0, page, length, None, parent, pins=1, position=position)
+        return entry
+
+    def _publish(self, key: BlockKey, entry: Entry, checksum: int | None) -> None:
+        """Make a claimed block visible: it joins its tier's policy and the event log."""
+        with self._lock:
+            if self._entries.get(key) is not entry or entry.ready:
+                raise UnknownBlockError(f"block {key} is no longer reserved (aborted or committed meanwhile)")
+            entry.checksum = checksum if checksum is not None else entry.checksum
+            entry.pins -= 1
+            entry.ready = True
+            self._policies[0].access(key, parent=entry.parent, position=entry.position)
+            self._log.append((STORED, 0, key))
+            self._counts["puts"] += 1
+
+    def _make_room(self, level: int, *, needed_for: BlockKey) -> int:
+        page = self._try_make_room(level)
+        if page is None:
+            raise CapacityError(
+                f"no room for block {needed_for} in {self.pools[level].tier.name}: all "
+                f"{self.pools[level].num_pages} pages hold pinned blocks"
+            )
+        return page
+
+    def _try_make_room(self, level: int) -> int | None:
+        """A free page of `level`, evicting (and demoting) as needed; None if all is protected."""
+        pool = self.pools[level]
+        page = pool.try_allocate()
+        if page is None:
+            policy, last = self._policies[level], level + 1 == len(self.pools)
+            while page is None:
+                victim = policy.evict()
+                if victim is None:
+                    return None
+                if last:  # no tier to demote to: what _demote would do
+                    self._drop(victim, self._entries[victim])
+                else:
+                    self._demote(victim, self._entries[victim])
+                page = pool.try_allocate()
+        return page
+
+    def _demote(self, key: BlockKey, entry: Entry) -> None:
+        """Move an evicted block (already out of its policy) one tier down, or drop it."""
+        target = entry.level + 1
+        page = self._try_make_room(target) if target < len(self.pools) else None
+        if page is None or not self._move(key, entry, target, page):
+            self._drop(key, entry)
+            return
+        self._counts["demotions"] += 1
+
+    def _promote(self, key: BlockKey, entry: Entry) -> PageBytes | None:
+        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt)."""
+        source_level = entry.level
+        self._policies[source_level].remove(key)
+        try:
+            page = self._try_make_room(0)
+        except BaseException:
+            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            raise
+        if page is not None:
+            if not self._move(key, entry, 0, page):
+                self._found_corrupt(entry)
+                self._drop(key, entry)
+                return None
+            self._counts["promotions"] += 1
+            return self.pools[0].read(page, entry.length)
+        # The first tier is all pinned: serve it from where it is.
+        self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+        try:
+            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
+        except IntegrityError:
+            self._found_corrupt(entry)
+            self._policies[source_level].remove(key)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+            return None
+
+    def _move(self, key: BlockKey, entry: Entry, target: int, page: int) -> bool:
+        """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.
+
+        Returns False, with `page` given back and the block untouched, when its bytes
+        fail verification (the caller drops it); other errors restore its policy entry.
+        """
+        source_level = entry.level
+        try:
+            data = self._read_host(entry) if self.pools[target].holds_bytes else None
+            if data is not None and entry.checksum is None:
+                entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
+            self.pools[target].write(page, data, key=key, checksum=entry.checksum)
+        except IntegrityError:
+            self.pools[target].free(page)
+            self._counts["corrupt_blocks"] += 1
+            return False
+        except BaseException:
+            self.pools[target].free(page)
+            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            raise
+        self.pools[source_level].free(entry.page)
+        entry.level, entry.page, entry.lower_reads = target, page, 0
+        self._policies[target].access(key, parent=entry.parent, position=entry.position)
+        self._log.append((REMOVED, source_level, key))
+        self._log.append((STORED, target, key))
+        return True
+
+    def _read_host(self, entry: Entry) -> memoryview | None:
+        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool)."""
+        data = self.pools[entry.level].read(entry.page, entry.length)
+        if data is None or isinstance(data, memoryview):
+            return data
+        return data.cpu().numpy().data  # a VRAM page, copied to the host
+
+    def _digest(self, entry: Entry) -> int:
+        """XXH3-64 of the block's bytes; ConfigError where its tier holds none (metadata only)."""
+        data = self._read_host(entry)
+        if data is None:
+            raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes to hash")
+        return xxhash.xxh3_64_intdigest(data)
+
+    def _drop(self, key: BlockKey, entry: Entry) -> None:
+        """Forget `key` everywhere (its policy entry is already gone)."""
+        self.pools[entry.level].free(entry.page)
+        del self._entries[key]
+        self._log.append((REMOVED, entry.level, key))
+        self._counts["drops"] += 1
+
+
+def group_changes(log: list[tuple[int, int, BlockKey]]) -> list[tuple[tuple[int, int], list[BlockKey]]]:
+    """The log's (kind, level) → keys groups, in order: a stretch without a repeated key is one
+    group per (kind, level), in the order they first appear; a repeated key starts a new stretch."""
+    if len({key for _, _, key in log}) == len(log):  # no key changes twice: one stretch
+        by_kind: dict[tuple[int, int], list[BlockKey]] = {}
+        for kind, level, key in log:
+            keys = by_kind.get((kind, level))
+            if keys is None:
+                keys = by_kind[(kind, level)] = []
+            keys.append(key)
+        return list(by_kind.items())
+    groups: list[tuple[tuple[int, int], list[BlockKey]]] = []
+    stretch: dict[tuple[int, int], list[BlockKey]] = {}
+    touched: set[BlockKey] = set()
+    for kind, level, key in log:
+        if key in touched:
+            stretch.clear()
+            touched.clear()
+        keys = stretch.get((kind, level))
+        if keys is None:
+            keys = stretch[(kind, level)] = []
+            groups.append(((kind, level), keys))
+        keys.append(key)
+        touched.add(key)
+    return groups
