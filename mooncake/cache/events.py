@@ -26,8 +26,9 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class BlockStored:
-    """`keys` are now held by `source` in `tier` (idempotent per key)."""
+class _BlockChange:
+    """A change to `keys` held by `source` in `tier`; the subclass says which (an event
+    of one kind never equals one of the other)."""
 
     source: InstanceId
     seq: int = attrs.field(validator=int_at_least(0))
@@ -37,14 +38,13 @@ class BlockStored:
 
 
 @attrs.frozen(kw_only=True)
-class BlockRemoved:
-    """`keys` are no longer held by `source` in `tier` (keys it did not hold are ignored)."""
+class BlockStored(_BlockChange):
+    """`keys` are now held by `source` in `tier` (idempotent per key)."""
 
-    source: InstanceId
-    seq: int = attrs.field(validator=int_at_least(0))
-    keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
-    tier: Tier = attrs.field(converter=Tier)
-    epoch: int = attrs.field(default=0, validator=int_at_least(0))
+
+@attrs.frozen(kw_only=True)
+class BlockRemoved(_BlockChange):
+    """`keys` are no longer held by `source` in `tier` (keys it did not hold are ignored)."""
 
 
 @attrs.frozen(kw_only=True)
