@@ -31,7 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mooncake.sched.cost import HARDWARE, MODELS
-from mooncake.sim.disaggregated import ClusterSpec, replay
+from mooncake.sim.disaggregated import replay
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request
 from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
 

@@ -43,9 +43,10 @@ from mooncake.sched.predictor import (
 )
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
-from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, DisaggregatedCluster, build_conductor
+from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import LoadSample, Outcome, ReplayResult
 from mooncake.sim.report import plot_cdfs, plot_lines, plot_load, write_json
+from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 

@@ -26,9 +26,10 @@ import simulation
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
-from mooncake.sim.disaggregated import DisaggregatedCluster, build_conductor
+from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import Outcome, ReplayResult
 from mooncake.sim.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
+from mooncake.sim.spec import build_conductor
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
 

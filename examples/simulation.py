@@ -27,7 +27,7 @@ import attrs
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.router import Router, TtftEstimator
-from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec
+from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
 

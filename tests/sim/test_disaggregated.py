@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, LinearStepModel, PrefillCostModel
 from mooncake.sched.router import KvCacheCentricRouter
-from mooncake.sim.disaggregated import ADMISSIONS, ROUTERS, ClusterSpec, DisaggregatedCluster, build_conductor, replay
+from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
+from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec, build_conductor
 from mooncake.types import BlockKey, Request, RequestId, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 
