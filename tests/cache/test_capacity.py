@@ -10,24 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
-from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
+from mooncake.cache.policy import LruPolicy, SievePolicy
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload import load_trace, trace_stats
+from tests.cache.policies import ALL_POLICIES, POLICIES
 from tests.reference.policy import ReferencePolicy, reference_prefix_hits
 from tests.strategies import chained_workloads
-
-POLICIES: dict[str, Any] = {
-    "lru": LruPolicy,
-    "lfu": LfuPolicy,
-    "length_aware": LengthAwarePolicy,
-    "sieve": SievePolicy,
-}
-ALL_POLICIES = [
-    pytest.param(kind, prefix_aware, id=f"{kind}-{'prefix' if prefix_aware else 'flat'}")
-    for kind in POLICIES
-    for prefix_aware in (True, False)
-]
 
 
 def keys(*values: int) -> tuple[BlockKey, ...]:

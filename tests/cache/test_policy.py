@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import BlockPinnedError, MooncakeError, UnknownBlockError
 from mooncake.types import BlockKey
+from tests.cache.policies import ALL_POLICIES, POLICIES
 from tests.reference.policy import ReferencePolicy
 from tests.strategies import (
     POLICY_KEY_UNIVERSE,
@@ -22,17 +23,6 @@ from tests.strategies import (
     policy_positions,
 )
 
-POLICIES: dict[str, Any] = {
-    "lru": LruPolicy,
-    "lfu": LfuPolicy,
-    "length_aware": LengthAwarePolicy,
-    "sieve": SievePolicy,
-}
-ALL_POLICIES = [
-    pytest.param(kind, prefix_aware, id=f"{kind}-{'prefix' if prefix_aware else 'flat'}")
-    for kind in POLICIES
-    for prefix_aware in (True, False)
-]
 POLICY_CLASSES = pytest.mark.parametrize("policy_class", list(POLICIES.values()), ids=list(POLICIES))
 
 K = BlockKey

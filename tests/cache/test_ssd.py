@@ -26,6 +26,7 @@ from mooncake.cache.pool import ALIGNMENT_BYTES
 from mooncake.cache.ssd import HEADER_BYTES, RecoveredPage, SsdPagePool
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
+from tests.cache.damage import flip_byte, overwrite, read_file
 from tests.strategies import page_pool_ops, page_sizes
 
 HEADER_FIELDS_BYTES = 72  # magic, version, length, checksum, generation, key (32) and the header's own checksum
@@ -39,27 +40,6 @@ def header_offset(pool: SsdPagePool, page: int) -> int:
 
 def data_offset(pool: SsdPagePool, page: int) -> int:
     return header_offset(pool, page) + HEADER_BYTES
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    """Invert every bit of the byte at `offset`, as a bad sector or a stray write would."""
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        (byte,) = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte ^ 0xFF]))
-
-
-def overwrite(path: Path, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        file.write(data)
-
-
-def read_file(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as file:
-        file.seek(offset)
-        return file.read(length)
 
 
 def write_new(pool: SsdPagePool, key: int, data: bytes) -> int:

@@ -40,6 +40,7 @@ from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import CapacityError, ConfigError, IntegrityError
 from mooncake.types import BlockKey, InstanceId, Tier
+from tests.cache.damage import flip_byte
 from tests.strategies import page_payloads
 
 PAGE = 3 * 4096  # several OS pages, so a write can tear between them
@@ -78,14 +79,6 @@ def data_offset(path: Path, key: int) -> int:
     offset = content.find(block(key))
     assert offset > 0 and content.find(block(key), offset + 1) == -1, f"block {key} is not in {path} exactly once"
     return offset
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        (byte,) = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte ^ 0xFF]))
 
 
 # --------------------------------------------------------------------------- 1. SIGKILL mid-put
