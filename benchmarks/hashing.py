@@ -6,7 +6,7 @@ All three hash the same requests of random int32 tokens in blocks of 512 (by
 default), chaining each block on its parent's key. The SHA-256 chain (the
 peer, measured in this run) is what a safe-by-default server such as vLLM
 does per block: sha256(parent bytes || token bytes) in a Python loop.
-Goals (issue #2): batch >= 10 M blocks/s, per request >= 3 M blocks/s.
+Goals: batch >= 10 M blocks/s, per request >= 3 M blocks/s.
 """
 
 from __future__ import annotations

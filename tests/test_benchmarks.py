@@ -51,7 +51,7 @@ def run_json(script: str, *args: str) -> dict[str, object]:
     ],
 )
 def test_benchmark_prints_its_figures(script: str, args: list[str], keys: list[str], tmp_path: Path) -> None:
-    """Each benchmark runs with --json and prints every figure its issue names, all positive."""
+    """Each benchmark runs with --json and prints every figure its docstring names, all positive."""
     if script.endswith("tiered_cache.py"):
         args = [*args, "--dir", str(tmp_path)]
     result = run_json(script, *args)
