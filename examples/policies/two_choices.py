@@ -27,12 +27,7 @@ class TwoChoices:
         if not candidates:
             return None
         drawn = rng.sample(list(candidates), min(2, len(candidates)))
-        decisions = [
-            self.estimator.decide(
-                v, query, now, prefix_blocks=query.prefix_blocks.get(v.instance_id, 0), transfer_from=None
-            )
-            for v in drawn
-        ]
+        decisions = [self.estimator.decide_local(v, query, now) for v in drawn]
         return min(decisions, key=lambda d: (d.ttft_s, d.prefill_instance))
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:

@@ -156,6 +156,12 @@ class TtftEstimator:
     transfer: TransferCostModel
     kv_bytes_per_token: int
 
+    def decide_local(self, view: PrefillView, query: RouteQuery, now: float) -> RouteDecision:
+        """The decision to prefill on `view` with the prefix it holds itself (no transfer)."""
+        return self.decide(
+            view, query, now, prefix_blocks=query.prefix_blocks.get(view.instance_id, 0), transfer_from=None
+        )
+
     def decide(
         self,
         view: PrefillView,
@@ -353,8 +359,7 @@ class LoadBalancingRouter:
         if not candidates:
             return None
         view = min(candidates, key=lambda v: (v.queue_s(now), v.instance_id))
-        own = query.prefix_blocks.get(view.instance_id, 0)
-        return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+        return self.estimator.decide_local(view, query, now)
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """Nothing to learn."""
@@ -371,9 +376,7 @@ class RandomRouter:
     ) -> RouteDecision | None:
         if not candidates:
             return None
-        view = candidates[rng.randrange(len(candidates))]
-        own = query.prefix_blocks.get(view.instance_id, 0)
-        return self.estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
+        return self.estimator.decide_local(candidates[rng.randrange(len(candidates))], query, now)
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """Nothing to learn."""

@@ -25,7 +25,7 @@ two are compared on equal terms.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import attrs
 
@@ -35,7 +35,7 @@ from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCo
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
-from mooncake.sim.replayer import ReplayContext
+from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = ["CoupledCluster", "CoupledSpec"]
@@ -148,13 +148,9 @@ class CoupledCluster:
         ]
 
     def run(
-        self,
-        requests: Iterable[Request],
-        *,
-        progress: Callable[[int], None] | None = None,
-        keep_intervals: bool = True,
+        self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
     ) -> ReplayResult:
-        """Replay `requests` (in arrival order; streamed) to the end and summarize (`ReplayContext.run`)."""
+        """Replay `requests` (arrival order, streamed) through the instances to the end; summarize."""
         return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def _counts(self) -> tuple[int, int]:

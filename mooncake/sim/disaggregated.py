@@ -55,7 +55,7 @@ from mooncake.sched.view import (
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
-from mooncake.sim.replayer import ReplayContext
+from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import InstanceId, Request, Tier
 
@@ -146,13 +146,9 @@ class DisaggregatedCluster:
         self._transfers: dict[InstanceId, list[float]] = {}
 
     def run(
-        self,
-        requests: Iterable[Request],
-        *,
-        progress: Callable[[int], None] | None = None,
-        keep_intervals: bool = True,
+        self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
     ) -> ReplayResult:
-        """Replay `requests` (in arrival order; streamed) to the end and summarize (`ReplayContext.run`)."""
+        """Replay `requests` (in arrival order; streamed) through the cluster to the end, and summarize."""
         return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:

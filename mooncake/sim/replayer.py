@@ -21,7 +21,9 @@ from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.types import Request, Slo
 
-__all__ = ["ReplayContext"]
+__all__ = ["Progress", "ReplayContext"]
+
+Progress = Callable[[int], None]  # told the count of requests arrived so far
 
 
 def _arrival_s(request: Request) -> float:
@@ -42,7 +44,7 @@ class ReplayContext:
         self.loop = EventLoop()
         self.records = RecordTable()
         self._arrived = 0
-        self._progress: Callable[[int], None] | None = None
+        self._progress: Progress | None = None
 
     def run(
         self,
@@ -50,7 +52,7 @@ class ReplayContext:
         arrive: Callable[[float, Request], None],
         counts: Callable[[], tuple[int, int]],
         *,
-        progress: Callable[[int], None] | None = None,
+        progress: Progress | None = None,
         keep_intervals: bool = True,
     ) -> ReplayResult:
         """Replay `requests` (in arrival order; streamed) to the end and summarize.

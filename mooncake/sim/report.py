@@ -109,6 +109,21 @@ def _save(figure: Any, path: str | Path) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def _finish(
+    plt: Any, figure: Any, axes: Any, path: str | Path, *, xlabel: str, ylabel: str, title: str, legend: bool
+) -> None:
+    """Label, grid and title one panel, then write the figure whole and release it."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if legend:
+        axes.legend()
+    axes.set_title(title)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+
+
 def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, *, xlabel: str, title: str = "") -> None:
     """Empirical CDFs, one line per series (empty series are skipped)."""
     plt = _pyplot()
@@ -117,16 +132,8 @@ def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, *, xlabel
         if len(values):
             xs = np.sort(np.asarray(values, dtype=np.float64))
             axes.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel("fraction of requests")
     axes.set_ylim(0, 1.01)
-    axes.grid(alpha=0.3)
-    if len(series) > 1:
-        axes.legend()
-    axes.set_title(title)
-    figure.tight_layout()
-    _save(figure, path)
-    plt.close(figure)
+    _finish(plt, figure, axes, path, xlabel=xlabel, ylabel="fraction of requests", title=title, legend=len(series) > 1)
 
 
 def plot_lines(
@@ -145,15 +152,7 @@ def plot_lines(
         axes.plot(list(xs), list(ys), marker="o", label=name)
     if logx:
         axes.set_xscale("log", base=2)
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    axes.grid(alpha=0.3)
-    if len(series) > 1:
-        axes.legend()
-    axes.set_title(title)
-    figure.tight_layout()
-    _save(figure, path)
-    plt.close(figure)
+    _finish(plt, figure, axes, path, xlabel=xlabel, ylabel=ylabel, title=title, legend=len(series) > 1)
 
 
 def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, title: str = "") -> None:
