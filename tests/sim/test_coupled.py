@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, Hardware, LinearStepModel
+from mooncake.sched.cost import HARDWARE, MODELS, Hardware
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.metrics import Outcome, ReplayResult, top_mean
 from mooncake.types import BlockKey, Request, RequestId, Slo
@@ -111,7 +111,7 @@ def test_no_request_waits_forever(requests: list[Request], spec: CoupledSpec) ->
     result = cluster.run(requests)
     assert_all_served(requests, result, cluster.capacity_tokens)
     assert_kv_fits(result, cluster.capacity_tokens)
-    assert_intervals_fill_decoding(result, LinearStepModel.of(spec.decode_cost))
+    assert_intervals_fill_decoding(result, spec.decode_cost)
     assert result.summary.completed + result.summary.rejected_before_prefill == len(requests)
 
 

@@ -22,12 +22,13 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, LinearStepModel, PrefillCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel, StepModel
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import Outcome, RecordTable, ReplayResult, RequestRecord, top_mean
+from mooncake.sim.node import DecodeNode
 from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec, build_conductor
-from mooncake.types import BlockKey, Request, RequestId, Slo
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 
 LLAMA3 = MODELS["llama3-70b"]
@@ -193,7 +194,7 @@ def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) ->
     assert all(s.prefill_requests >= 0 and s.decode_requests >= 0 for s in result.load)
 
 
-def assert_intervals_fill_decoding(result: ReplayResult, step: LinearStepModel) -> None:
+def assert_intervals_fill_decoding(result: ReplayResult, step: StepModel) -> None:
     """For every completed request, the time from its first token to its last is the sum of its
     token intervals, and each interval is at least one step of a batch holding its own context."""
     for record in result.records:
@@ -203,10 +204,9 @@ def assert_intervals_fill_decoding(result: ReplayResult, step: LinearStepModel) 
         intervals = record.intervals.values()
         decoding_s = record.finish_s - record.first_token_s
         assert math.isclose(float(intervals.sum()), decoding_s, rel_tol=1e-9, abs_tol=1e-9), record.request_id
-        own_context = record.input_tokens + np.arange(len(intervals))  # the context its k-th step reads, at least
-        assert np.all(intervals >= step.fixed_s + step.per_context_token_s * own_context * (1 - 1e-12)), (
-            record.request_id
-        )
+        # The k-th step reads at least its own context, input + k tokens, in a batch of at least one.
+        lone_steps = np.array([step.step_s(1, record.input_tokens + k) for k in range(len(intervals))])
+        assert np.all(intervals >= lone_steps * (1 - 1e-9)), record.request_id
 
 
 def assert_same_records(first: Sequence[RequestRecord], second: Sequence[RequestRecord]) -> None:
@@ -247,7 +247,7 @@ def test_every_request_ends_exactly_once(
     conductor = build_conductor(spec, slo=slo, **options)
     result = DisaggregatedCluster(spec, conductor).run(requests)
     assert_each_ended_once(requests, result)
-    assert_intervals_fill_decoding(result, LinearStepModel.of(spec.decode_cost))
+    assert_intervals_fill_decoding(result, spec.decode_cost)
     for record in result.records:
         event(f"outcome: {record.outcome.value if record.outcome else None}")
         if record.inline_prefill:
@@ -355,7 +355,7 @@ def test_inline_prefill_only_within_the_tbt_slo() -> None:
     is refused and goes to a prefill node instead."""
     spec = make_spec(inline_prefill_tokens=4096, decode_hardware=H800)
     request = make_request("short", 2.0, 3000, 5, range(num_blocks(3000)))
-    step_s = LinearStepModel.of(spec.decode_cost).step_s(1, request.input_length)
+    step_s = DecodeNode.of(InstanceId("decode-0"), spec.decode_cost).batch.step_s(request.input_length)
     inline_s = PrefillCostModel(model=LLAMA3, hardware=H800, mfu=spec.mfu).prefill_s(request.input_length)
     carrying_s = step_s + inline_s
     (at_slo,) = replay(spec, [request], slo=Slo(tbt_s=carrying_s)).records
@@ -383,7 +383,7 @@ def test_analytic_decode_matches_stepping(
     analytic = replay(attrs.evolve(spec, analytic_decode=True), requests, slo=slo, **options)
     stepped = replay(attrs.evolve(spec, analytic_decode=False), requests, slo=slo, **options)
     assert_same_records(analytic.records, stepped.records)
-    assert_intervals_fill_decoding(analytic, LinearStepModel.of(spec.decode_cost))
+    assert_intervals_fill_decoding(analytic, spec.decode_cost)
 
 
 def test_decode_check_sees_the_current_context() -> None:
