@@ -41,7 +41,7 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
-from mooncake.sched.cost import StepModel
+from mooncake.sched.cost import RooflineStep, StepBranch, StepModel
 from mooncake.types import BlockKey, RequestId
 
 __all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "TokenEvent", "TokenStream"]
@@ -341,12 +341,22 @@ class DecodeEngine:
 
 @attrs.frozen(kw_only=True)
 class FittedStepModel:
-    """Decode step time fitted to measured steps: c0 + c1·batch_size + c2·context_tokens seconds.
+    """Decode step time fitted to measured steps: c0 + c1·batch_size + c2·context_tokens seconds,
+    never below 0 (and 0 for an empty batch).
 
-    A `StepModel` for the TBT check, fitted by `examples/profile_engine.py`.
+    A `StepModel` for the TBT check, fitted by `examples/profile_engine.py`, and
+    an `AnalyticStepModel`: its roofline has the fitted plane and the zero plane
+    as branches and no overhead, and gives the same step on every input.
     """
 
     coefficients: tuple[float, float, float]
+
+    _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        c0, c1, c2 = self.coefficients
+        roofline = RooflineStep((StepBranch(c0, c1, c2), StepBranch(0.0, 0.0, 0.0)))
+        object.__setattr__(self, "_roofline", roofline)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> FittedStepModel:
@@ -366,10 +376,11 @@ class FittedStepModel:
         return cls(coefficients=(c0, c1, c2))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
-        if batch_size <= 0:
-            return 0.0
-        c0, c1, c2 = self.coefficients
-        return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
+        return self._roofline.step_s(batch_size, context_tokens)
+
+    def roofline(self) -> RooflineStep:
+        """max(c0 + c1·B + c2·C, 0): the fitted plane, clamped by the zero plane."""
+        return self._roofline
 
 
 class TokenStream:

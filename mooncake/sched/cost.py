@@ -14,8 +14,23 @@ recomputing it when the bandwidth exceeds KV(p) / T_prefill(p, 0) at peak;
 for LLaMA3-70B at p = 8,192 that is about 6 GB/s on 8×A800 and 19 GB/s on 8×H800.
 
 Transfer: bytes / (bandwidth / (1 + transfers already in flight from the same
-source)) + latency. Decode: one step reads the weights and the batch's KV from
-HBM, plus a fixed overhead; a request's TBT is its batch's step time.
+source)) + latency.
+
+Decode (a roofline): one step of a batch of B requests holding C tokens of KV
+in all is bound by HBM bandwidth or by compute, whichever is slower,
+
+    step(B, C) = overhead + max((W + kv · C) / (G · HBM · memory_efficiency),
+                                (2 · N · B + 4 · l · d · C) / (G · peak · compute_efficiency))
+
+(W the weights' bytes, kv the KV bytes per token, N the parameters: a
+multiply-add per weight per sequence, and q·k and the weighted sum of v per
+context token and layer). Small batches are memory-bound (the weights' read
+dominates); the compute term grows with B, so large batches are compute-bound
+and raise TBT as on real GPUs. A request's TBT is its batch's step time.
+Every analytic step model (`AnalyticStepModel`: this one, `RooflineStep`,
+the engines' fitted model) gives its step as a `RooflineStep`: an overhead plus
+the max of a few affine branches in (B, C), which is what the simulator's
+analytic batch integrates in closed form.
 
 All functions are pure; units are in the names (seconds, bytes, tokens).
 """
@@ -24,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -34,17 +49,19 @@ from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
 
 __all__ = [
+    "AnalyticStepModel",
     "ChunkedPipelineCost",
     "DecodeCostModel",
     "FittedPrefillModel",
     "HARDWARE",
     "Hardware",
-    "LinearStepModel",
     "MODELS",
     "ModelShape",
     "PrefillCostModel",
     "PrefillModel",
     "PrefillSample",
+    "RooflineStep",
+    "StepBranch",
     "StepModel",
     "TransferCostModel",
     "prefill_flops",
@@ -94,8 +111,11 @@ class Hardware:
     """One prefill or decode instance's accelerators.
 
     Attributes:
-        num_gpus: G. peak_flops_per_gpu: dense bf16. hbm_bytes_per_s / hbm_bytes: per GPU.
-        host_to_device_bytes_per_s: PCIe; nic_bytes_per_s: the instance's network.
+        num_gpus: G.
+        peak_flops_per_gpu: dense bf16 tensor-core peak (the datasheets' figures "with sparsity" are twice this).
+        hbm_bytes_per_s, hbm_bytes: HBM bandwidth and size, per GPU.
+        host_to_device_bytes_per_s: PCIe, host to the instance's GPUs, in all (one direction).
+        nic_bytes_per_s: the instance's network, all its NICs together.
     """
 
     name: str
@@ -118,6 +138,16 @@ MODELS: dict[str, ModelShape] = {
 """Model shapes by name (LLaMA-2/3-70B: 80 layers, d = 8,192, GQA 8, bf16: 320 KiB of KV per token)."""
 
 _GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+# Sources, per GPU (SXM modules, NVIDIA's datasheets):
+#   A100 / A800 80GB: 312 TFLOPS dense bf16, 80 GB HBM2e at 2,039 GB/s, PCIe Gen4 x16 (32 GB/s each way);
+#     the A800 is the A100 with NVLink cut to 400 GB/s, which none of these models reads.
+#   H100 / H800: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s, PCIe Gen5 x16 (64 GB/s each way);
+#     the H800 differs in NVLink (400 GB/s) and FP64, neither of which these models reads.
+#   H200: 989 TFLOPS dense bf16 (the H100's compute), 141 GB HBM3e at 4.8 TB/s.
+# Per instance: host_to_device 128 GB/s is four PCIe Gen4 x16 host links (HGX A100 boards hang their
+# eight GPUs off four PCIe switches), kept for the Hopper presets as a conservative figure; nothing
+# reads it yet. NICs are the Mooncake paper's and its transfer engine's setups: 4 x 200 Gbit/s RDMA
+# on the Ampere nodes, 8 x 400 Gbit/s RoCE on the Hopper ones.
 HARDWARE: dict[str, Hardware] = {
     "8xA800": Hardware(
         name="8xA800",
@@ -165,7 +195,8 @@ HARDWARE: dict[str, Hardware] = {
         nic_bytes_per_s=3200 * _GBPS,
     ),
 }
-"""Instances by name: dense bf16 peak per GPU, HBM bandwidth and size per GPU, PCIe and NIC."""
+"""Instances by name (eight GPUs each): dense bf16 peak, HBM bandwidth and size per GPU, PCIe and NIC
+per instance; the sources are in the comment above."""
 
 
 def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:
@@ -351,67 +382,135 @@ class StepModel(Protocol):
     def step_s(self, batch_size: int, context_tokens: int) -> float: ...
 
 
-@attrs.frozen
-class LinearStepModel:
-    """A decode step linear in the batch's context: `fixed_s + per_context_token_s · C` seconds.
+def _finite(_instance: object, attribute: Any, value: Any) -> None:
+    require_number(attribute.name, value, minimum=-math.inf)
 
-    What the simulator's analytic batch needs (its step times over a stretch
-    form an arithmetic progression); `of` reads one off any `StepModel` whose
-    step time depends on the batch's context only, as `DecodeCostModel`'s does.
+
+@attrs.frozen
+class StepBranch:
+    """One resource's time for a decode step: `fixed_s + per_sequence_s · B + per_context_token_s · C`
+    seconds for B requests holding C tokens of KV (any finite coefficients: a fitted one may be negative)."""
+
+    fixed_s: float = attrs.field(validator=_finite)
+    per_sequence_s: float = attrs.field(validator=_finite)
+    per_context_token_s: float = attrs.field(validator=_finite)
+
+
+def _branch_tuple(branches: Iterable[StepBranch]) -> tuple[StepBranch, ...]:
+    return tuple(branches)
+
+
+def _some_branches(_instance: object, _attribute: Any, value: tuple[StepBranch, ...]) -> None:
+    if not value or not all(isinstance(branch, StepBranch) for branch in value):
+        raise ConfigError(f"a roofline step needs at least one StepBranch, got {value!r}")
+
+
+@attrs.frozen
+class RooflineStep:
+    """A decode step as a roofline: `overhead_s + max_j (fixed_j + per_sequence_j · B + per_context_token_j · C)`
+    seconds for a batch of B > 0 requests holding C tokens (0 for B <= 0), one branch per resource
+    (HBM reads, compute) or per fitted piece.
+
+    Over a stretch of steps at constant membership each branch grows linearly in
+    the step index (C grows by B per step), so the step time is a convex,
+    piecewise-linear envelope that the simulator's `ContinuousBatch` sums in
+    closed form. The step is computed the same way here, in `step_times` and in
+    every model whose `roofline()` this is, so that they agree to the bit.
     """
 
-    fixed_s: float = attrs.field(validator=_non_negative)
-    per_context_token_s: float = attrs.field(validator=_non_negative)
-
-    @classmethod
-    def of(cls, model: StepModel) -> LinearStepModel:
-        """The linear form of `model`, read off at batch size 1 with 0 and 1 context tokens.
-
-        Raises:
-            ConfigError: `model`'s step time changes with the batch size alone.
-        """
-        fixed = model.step_s(1, 0)
-        if model.step_s(2, 0) != fixed:
-            raise ConfigError(
-                f"a linear step model needs a step time that depends on the batch's context only; "
-                f"{model!r} takes {fixed} s at batch size 1 and {model.step_s(2, 0)} s at 2 with no context"
-            )
-        return cls(fixed, model.step_s(1, 1) - fixed)
+    branches: tuple[StepBranch, ...] = attrs.field(converter=_branch_tuple, validator=_some_branches)
+    overhead_s: float = attrs.field(default=0.0, kw_only=True, validator=_non_negative)
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
-        return self.fixed_s + self.per_context_token_s * context_tokens
+        return self.overhead_s + max(
+            [
+                branch.fixed_s + branch.per_sequence_s * batch_size + branch.per_context_token_s * context_tokens
+                for branch in self.branches
+            ]
+        )
+
+    def step_times(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        """`step_s` of each (batch size, context) pair of two equal-length arrays, element by element
+        (the same float64 operations in the same order, so each equals `step_s` exactly)."""
+        sizes = np.asarray(batch_sizes)
+        contexts = np.asarray(context_tokens)
+        slowest: np.ndarray | None = None
+        for branch in self.branches:
+            seconds = branch.fixed_s + branch.per_sequence_s * sizes + branch.per_context_token_s * contexts
+            slowest = seconds if slowest is None else np.maximum(slowest, seconds)
+        assert slowest is not None  # a roofline has at least one branch
+        times: np.ndarray = np.where(sizes > 0, self.overhead_s + slowest, 0.0)
+        return times
+
+    def roofline(self) -> RooflineStep:
+        return self
+
+
+class AnalyticStepModel(StepModel, Protocol):
+    """A `StepModel` whose step is a `RooflineStep` (`roofline().step_s` equals its own `step_s`):
+    what the simulator's analytic batch and the vectorised decode selection need."""
+
+    def roofline(self) -> RooflineStep: ...
+
+
+MULTIPLY_ADD_FLOPS = 2  # a weight's multiply-add per sequence in the decode GEMMs
+DECODE_ATTENTION_COEFFICIENT = 4  # FLOPs per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
 
 
 @attrs.frozen(kw_only=True)
 class DecodeCostModel:
-    """Decode step time and KV capacity of one decode instance.
+    """Decode step time and KV capacity of one decode instance: a two-branch roofline.
 
-    A step reads every weight and the whole batch's KV from HBM once (decode is
-    memory-bound), across the instance's GPUs, plus `overhead_s`.
+    A step reads every weight and the batch's KV from HBM once (the memory
+    branch, at `memory_efficiency` of the instance's HBM bandwidth) and does
+    2 · N FLOPs per request plus 4 · l · d per context token (the compute
+    branch, at `compute_efficiency` of its dense bf16 peak); it takes the slower
+    of the two plus `overhead_s`. Small batches are memory-bound; the compute
+    branch grows faster with the batch and, for LLaMA3-70B on 8×A800, overtakes
+    from 164 requests of 2,048 tokens each (96 with no context). An H800's
+    peak is 3.2× an A800's against 1.6× the bandwidth, so on 8×H800 that takes
+    about 1,150 such requests, more than its HBM holds.
+
+    `compute_efficiency` defaults to 0.5: a decode GEMM has only B rows, so it
+    reaches a fraction of peak, and tensor-parallel all-reduces and launch gaps
+    take more. It is `PrefillCostModel`'s default MFU too, so an instance's
+    compute is rated alike on both sides; it is a round figure, not a
+    measurement (fit a `FittedStepModel` to an engine where it matters).
+    `memory_efficiency` 0.8 is what streaming kernels reach of the datasheet
+    HBM bandwidth.
     """
 
     model: ModelShape
     hardware: Hardware
     overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
     memory_efficiency: float = attrs.field(default=0.8, validator=_positive)
+    compute_efficiency: float = attrs.field(default=0.5, validator=_positive)
     kv_memory_fraction: float = attrs.field(default=0.9, validator=_positive)
 
-    _weight_s: float = attrs.field(init=False, repr=False, eq=False)
-    _token_s: float = attrs.field(init=False, repr=False, eq=False)
+    _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        # step_s runs on every simulated decode stretch: precompute its constants.
-        bandwidth = self.hardware.num_gpus * self.hardware.hbm_bytes_per_s * self.memory_efficiency
-        object.__setattr__(self, "_weight_s", self.model.weight_bytes / bandwidth)
-        object.__setattr__(self, "_token_s", self.model.kv_bytes_per_token / bandwidth)
+        # step_s runs on every simulated decode stretch: build the roofline once.
+        hardware, model = self.hardware, self.model
+        bandwidth = hardware.num_gpus * hardware.hbm_bytes_per_s * self.memory_efficiency
+        flops = hardware.peak_flops * self.compute_efficiency
+        memory = StepBranch(model.weight_bytes / bandwidth, 0.0, model.kv_bytes_per_token / bandwidth)
+        compute = StepBranch(
+            0.0,
+            MULTIPLY_ADD_FLOPS * model.num_params / flops,
+            DECODE_ATTENTION_COEFFICIENT * model.num_layers * model.hidden_size / flops,
+        )
+        object.__setattr__(self, "_roofline", RooflineStep((memory, compute), overhead_s=self.overhead_s))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
         """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all."""
-        if batch_size <= 0:
-            return 0.0
-        return self.overhead_s + self._weight_s + context_tokens * self._token_s
+        return self._roofline.step_s(batch_size, context_tokens)
+
+    def roofline(self) -> RooflineStep:
+        """The step as its two branches: memory (index 0) and compute (index 1)."""
+        return self._roofline
 
     def capacity_tokens(self) -> int:
         """KV tokens that fit in the instance's HBM beside the weights."""

@@ -1,26 +1,38 @@
 """A continuous decode batch, advanced a stretch at a time instead of a step at a time.
 
-A decode step produces one token for every member and takes `a + b · C`
-seconds, C being the tokens the batch holds: the batch is built from a
-`LinearStepModel` (a = `fixed_s`, the weights' read and overheads; b =
-`per_context_token_s`, the KV read per token), which `LinearStepModel.of`
-reads off the same `StepModel` protocol the real decode engine checks its TBT
-with. Each step adds one token per member, so while membership is constant
-the step times form an arithmetic progression: step i of a stretch (from 0)
-takes `a + b · (C + i · B)` for a batch of B. Hence
+A decode step produces one token for every member. Its time is a roofline
+(`RooflineStep`, which every `AnalyticStepModel` gives): an overhead o plus
+the slowest of a few affine branches, `f_j + s_j · B + c_j · C` for a batch of
+B members holding C tokens (HBM reads, compute, ...). Each step adds one token
+per member, so while membership is constant, step i of a stretch (from 0)
+takes
 
-    k steps take        S(k) = k · a + b · (k · C + B · k (k − 1) / 2),
-    steps done by t     the largest k with S(k) <= t (a quadratic's root, then
-                        corrected by one step either way against rounding),
+    o + max_j (α_j + β_j · i),    α_j = f_j + s_j · B + c_j · C,  β_j = c_j · B:
 
-and every member's token intervals over the stretch are one arithmetic run,
-recorded as (first, step, count) without materialising them. Joining, leaving
-and stalls (a prefill sharing the GPU) happen only at step boundaries, which
-is where the owner of the batch changes membership.
+the upper envelope of one arithmetic progression per branch, convex and
+piecewise arithmetic with at most (branches − 1) breakpoints (`_envelope`).
+Over a piece of n steps from step i0, whose first step takes v and each next
+one r more,
+
+    the piece takes     n · v + r · n (n − 1) / 2,
+    k steps take        S(k), the sum over the pieces the first k steps cover,
+    steps done by t     the largest k with S(k) <= t (within the piece where t
+                        falls, a quadratic's root, then corrected by one step
+                        either way against rounding),
+
+and every member's token intervals over the stretch are one arithmetic run per
+piece, recorded as (first, step, count) without materialising them. A piece's
+first step is the roofline's own step at that context, to the bit. A batch
+whose roofline has one branch (or one that dominates the others) takes a fast
+path with one piece and no envelope; otherwise the envelope is kept while B
+and C stay the same. Joining, leaving and stalls (a prefill sharing the GPU)
+happen only at step boundaries, which is where the owner of the batch changes
+membership.
 
 Invariants: `context` is the sum of the members' contexts; `start_s` is a step
 boundary; a member's `gap_s` is the time since its last token that its next
-interval will include on top of the step itself.
+interval will include on top of the step itself; every step takes at least the
+roofline's step of one member with no context, which is positive.
 """
 
 from __future__ import annotations
@@ -29,10 +41,17 @@ import math
 
 import attrs
 
-from mooncake.sched.cost import LinearStepModel
+from mooncake.errors import ConfigError
+from mooncake.sched.cost import RooflineStep
 from mooncake.sim.metrics import RequestRecord
 
 __all__ = ["ContinuousBatch", "Member"]
+
+_Line = tuple[float, float, float]  # a branch: (fixed_s, per_sequence_s, per_context_token_s)
+_Piece = tuple[int, float, float]  # (first step index, that step's seconds, rise per step)
+
+# A crossover this many steps away is never reached (nor could its index be a float's ceiling).
+_NEVER = 2.0**62
 
 
 @attrs.define(eq=False)
@@ -45,39 +64,164 @@ class Member:
     gap_s: float = 0.0
 
 
-class ContinuousBatch:
-    """Members decoding together; `start_s` is when the current stretch starts."""
+def _live_lines(step: RooflineStep) -> tuple[_Line, ...]:
+    """The branches that can be the slowest for some batch (B >= 1, C >= 0), in their order.
 
-    def __init__(self, step: LinearStepModel) -> None:
-        self.fixed_s = step.fixed_s  # a
-        self.per_token_s = step.per_context_token_s  # b
+    Raises:
+        ConfigError: a branch that gets faster as the batch or its context grows, or a
+            first step (one member, no context) that takes no time: steps_within would have
+            no largest k.
+    """
+    lines = [(b.fixed_s, b.per_sequence_s, b.per_context_token_s) for b in step.branches]
+    if any(s < 0 or c < 0 for _, s, c in lines) or step.step_s(1, 0) <= 0:
+        raise ConfigError(
+            f"a simulated decode batch needs steps that take time and never get faster as the batch grows; "
+            f"{step!r} takes {step.step_s(1, 0)} s for one member with no context"
+        )
+    # Branch k never exceeds branch j for B >= 1, C >= 0 when j is no lower at B = 1, C = 0 and no flatter.
+    live: list[_Line] = []
+    for k, (fk, sk, ck) in enumerate(lines):
+        dominated = any(
+            (fj + sj >= fk + sk and sj >= sk and cj >= ck) and ((fj, sj, cj) != (fk, sk, ck) or j < k)
+            for j, (fj, sj, cj) in enumerate(lines)
+            if j != k
+        )
+        if not dominated:
+            live.append((fk, sk, ck))
+    return tuple(live)
+
+
+def _envelope(alphas: list[float], betas: list[float]) -> list[tuple[int, int]]:
+    """The upper envelope of the lines alpha_j + beta_j · i over the steps i = 0, 1, ...: its pieces
+    as (first step, line), in order.
+
+    From the highest line at step 0 (ties: the steeper), the next piece is the steeper line that
+    crosses the current one first (ties: the steepest); it starts at the first step at or past the
+    crossing.
+    """
+    current = max(range(len(alphas)), key=lambda j: (alphas[j], betas[j]))
+    pieces = [(0, current)]
+    while True:
+        best, best_x = -1, _NEVER
+        for j, beta in enumerate(betas):
+            rise = beta - betas[current]
+            if rise > 0:
+                x = (alphas[current] - alphas[j]) / rise
+                if x < best_x or (x == best_x and best >= 0 and beta > betas[best]):
+                    best, best_x = j, x
+        if best < 0:
+            return pieces
+        start = max(pieces[-1][0], math.ceil(best_x))
+        if start == pieces[-1][0]:  # it overtakes at once (a crossing rounded below the piece's start)
+            pieces[-1] = (start, best)
+        else:
+            pieces.append((start, best))
+        current = best
+
+
+class ContinuousBatch:
+    """Members decoding together; `start_s` is when the current stretch starts.
+
+    Args:
+        step: the roofline of a step (an `AnalyticStepModel`'s `roofline()`).
+
+    Raises:
+        ConfigError: a roofline whose steps could take no time or get faster with more work.
+    """
+
+    def __init__(self, step: RooflineStep) -> None:
+        self.roofline = step
+        self.overhead_s = step.overhead_s
+        self._all_lines: tuple[_Line, ...] = tuple(
+            (b.fixed_s, b.per_sequence_s, b.per_context_token_s) for b in step.branches
+        )
+        self._lines = _live_lines(step)
+        self._one_line = len(self._lines) == 1
+        # The single branch's coefficients, for the fast path.
+        self._fixed_s, self._per_sequence_s, self._per_token_s = self._lines[0]
         self.members: list[Member] = []
         self.context = 0
         self.start_s = 0.0
+        # The envelope of the current (B, C), kept until either changes.
+        self._pieces: list[_Piece] = []
+        self._pieces_for = (-1, -1)
 
     def __len__(self) -> int:
         return len(self.members)
 
-    def step_s(self, extra_context: int = 0) -> float:
-        """The next step's time, with `extra_context` more tokens in the batch."""
-        return self.fixed_s + self.per_token_s * (self.context + extra_context)
+    def step_s(self, extra_context: int = 0, *, extra_members: int = 0) -> float:
+        """The next step's time with `extra_members` more members and `extra_context` more tokens.
+
+        The roofline's formula as it stands (the same operations as `RooflineStep.step_s`, so a
+        batch of B members holding C tokens gives its step to the bit), evaluated even for no
+        members at all: the fixed costs of a step with nobody in it.
+        """
+        size = len(self.members) + extra_members
+        context = self.context + extra_context
+        lines = self._all_lines  # all of them: a branch that never binds for B >= 1 may for B = 0
+        if len(lines) == 1:
+            f, s, c = lines[0]
+            return self.overhead_s + (f + s * size + c * context)
+        return self.overhead_s + max([f + s * size + c * context for f, s, c in lines])
+
+    def _envelope_pieces(self) -> list[_Piece]:
+        """The current stretch's pieces: (first step, its seconds, rise per step), several branches."""
+        size, context = len(self.members), self.context
+        if self._pieces_for == (size, context):
+            return self._pieces
+        lines = self._lines
+        alphas = [f + s * size + c * context for f, s, c in lines]
+        betas = [c * size for _, _, c in lines]
+        overhead = self.overhead_s
+        pieces: list[_Piece] = []
+        for start, j in _envelope(alphas, betas):
+            f, s, c = lines[j]
+            # The roofline's own step at the piece's first step, not alpha + beta · start.
+            pieces.append((start, overhead + (f + s * size + c * (context + start * size)), betas[j]))
+        self._pieces, self._pieces_for = pieces, (size, context)
+        return pieces
+
+    def _one_piece(self) -> tuple[float, float] | None:
+        """(first step's seconds, rise per step) when the whole stretch is one arithmetic progression."""
+        if self._one_line:
+            size = len(self.members)
+            first = self.overhead_s + (self._fixed_s + self._per_sequence_s * size + self._per_token_s * self.context)
+            return first, self._per_token_s * size
+        pieces = self._envelope_pieces()
+        if len(pieces) == 1:
+            return pieces[0][1], pieces[0][2]
+        return None
 
     def stretch_s(self, steps: int) -> float:
         """Seconds for the next `steps` steps at constant membership."""
-        return steps * self.fixed_s + self.per_token_s * (
-            steps * self.context + len(self.members) * steps * (steps - 1) / 2
-        )
+        one = self._one_piece()
+        if one is not None:
+            first, rise = one
+            return steps * first + rise * (steps * (steps - 1) // 2)
+        total = 0.0
+        pieces = self._pieces
+        for p, (start, first, rise) in enumerate(pieces):
+            if start >= steps:
+                break
+            n = (min(pieces[p + 1][0], steps) if p + 1 < len(pieces) else steps) - start
+            total += n * first + rise * (n * (n - 1) // 2)
+        return total
 
     def steps_within(self, elapsed_s: float) -> int:
         """Whole steps of the current stretch done within `elapsed_s` of its start."""
         if not self.members or elapsed_s <= 0:
             return 0
-        quad = self.per_token_s * len(self.members) / 2
-        lin = self.fixed_s + self.per_token_s * self.context - quad
-        if quad == 0:
-            k = math.floor(elapsed_s / lin)
+        one = self._one_piece()
+        if one is not None:
+            k = _steps_in_piece(one[0], one[1], elapsed_s)
         else:
-            k = math.floor((-lin + math.sqrt(lin * lin + 4 * quad * elapsed_s)) / (2 * quad))
+            k, spent, pieces = 0, 0.0, self._pieces
+            for p, (start, first, rise) in enumerate(pieces):
+                k = start + _steps_in_piece(first, rise, elapsed_s - spent)
+                if p + 1 == len(pieces) or k < pieces[p + 1][0]:
+                    break
+                n = pieces[p + 1][0] - start
+                spent += n * first + rise * (n * (n - 1) // 2)
         k = max(0, k)
         while k > 0 and self.stretch_s(k) > elapsed_s:
             k -= 1
@@ -92,22 +236,47 @@ class ContinuousBatch:
         """Run `steps` steps: record every member's intervals; returns (and starts there) their end."""
         end = self.start_s + self.stretch_s(steps)
         if steps > 0:
-            first = self.fixed_s + self.per_token_s * self.context
-            rise = self.per_token_s * len(self.members)
-            run = (first, rise, steps)  # IntervalRuns.add, inlined: steps > 0
-            for member in self.members:
-                if member.gap_s:
-                    intervals = member.record.intervals
-                    intervals.add(member.gap_s + first, 0.0, 1)
-                    intervals.add(first + rise, rise, steps - 1)
-                    member.gap_s = 0.0
-                else:
-                    member.record.intervals.runs.append(run)
-                member.remaining -= steps
-                member.context += steps
+            one = self._one_piece()
+            if one is not None:
+                first, rise = one
+                run = (first, rise, steps)  # IntervalRuns.add, inlined: steps > 0
+                for member in self.members:
+                    if member.gap_s:
+                        intervals = member.record.intervals
+                        intervals.add(member.gap_s + first, 0.0, 1)
+                        intervals.add(first + rise, rise, steps - 1)
+                        member.gap_s = 0.0
+                    else:
+                        member.record.intervals.runs.append(run)
+                    member.remaining -= steps
+                    member.context += steps
+            else:
+                self._advance_pieces(steps)
             self.context += steps * len(self.members)
         self.start_s = end
         return end
+
+    def _advance_pieces(self, steps: int) -> None:
+        """advance's recording when the stretch crosses from one branch to another: a run per piece."""
+        pieces = self._pieces
+        runs = []
+        for p, (start, first, rise) in enumerate(pieces):
+            if start >= steps:
+                break
+            n = (min(pieces[p + 1][0], steps) if p + 1 < len(pieces) else steps) - start
+            runs.append((first, rise, n))
+        head_first, head_rise, head_count = runs[0]
+        for member in self.members:
+            intervals = member.record.intervals
+            if member.gap_s:
+                intervals.add(member.gap_s + head_first, 0.0, 1)
+                intervals.add(head_first + head_rise, head_rise, head_count - 1)
+                intervals.runs.extend(runs[1:])
+                member.gap_s = 0.0
+            else:
+                intervals.runs.extend(runs)
+            member.remaining -= steps
+            member.context += steps
 
     def stall(self, seconds: float) -> None:
         """The GPU does something else for `seconds` (a prefill): every member's next token waits."""
@@ -126,3 +295,15 @@ class ContinuousBatch:
             self.members = [member for member in self.members if member.remaining > 0]
             self.context -= sum(member.context for member in finished)
         return finished
+
+
+def _steps_in_piece(first: float, rise: float, elapsed_s: float) -> int:
+    """About the largest n with n · first + rise · n (n − 1) / 2 <= elapsed_s (first > 0, rise >= 0):
+    the quadratic's root, which the caller corrects against rounding."""
+    if elapsed_s <= 0:
+        return 0
+    quad = rise / 2
+    lin = first - quad
+    if quad == 0:
+        return math.floor(elapsed_s / lin)
+    return math.floor((-lin + math.sqrt(lin * lin + 4 * quad * elapsed_s)) / (2 * quad))

@@ -6,12 +6,12 @@ promoted on first access. The disaggregated cluster gives one to each prefill
 node (DRAM, fed to the Conductor's index), the coupled baseline one to each
 instance (its HBM prefix cache).
 
-A `DecodeNode` is a `ContinuousBatch` (built from the node's `StepModel`)
-and the plan of its next step boundary. Its owner plans a boundary after an
-optional stall (a prefill holding the GPU) and some steps at constant
-membership (`plan`, which returns when it falls), schedules its handler
-there, and at that time ends the stretch (`end_stretch`: the stall and steps
-happen, finished members leave). Planning again voids the earlier plan: a
+A `DecodeNode` is a `ContinuousBatch` (built from the roofline of the node's
+`AnalyticStepModel`) and the plan of its next step boundary. Its owner plans a
+boundary after an optional stall (a prefill holding the GPU) and some steps at
+constant membership (`plan`, which returns when it falls), schedules its
+handler there, and at that time ends the stretch (`end_stretch`: the stall and
+steps happen, finished members leave). Planning again voids the earlier plan: a
 boundary whose version is no longer current is ignored (`is_current`), which
 is how an arrival cuts a long stretch at the next step boundary
 (`steps_to_next_boundary`).
@@ -28,7 +28,7 @@ import attrs
 from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.sched.cost import LinearStepModel, StepModel
+from mooncake.sched.cost import AnalyticStepModel
 from mooncake.sim.batch import ContinuousBatch, Member
 from mooncake.types import InstanceId, Tier
 
@@ -57,9 +57,13 @@ class DecodeNode:
     planned_stall_s: float = 0.0
 
     @classmethod
-    def of(cls, instance_id: InstanceId, step_model: StepModel) -> DecodeNode:
-        """An idle node whose steps take what `step_model` says (linear in the batch's context)."""
-        return cls(instance_id, ContinuousBatch(LinearStepModel.of(step_model)))
+    def of(cls, instance_id: InstanceId, step_model: AnalyticStepModel) -> DecodeNode:
+        """An idle node whose steps take what `step_model` says (its roofline).
+
+        Raises:
+            ConfigError: a roofline the analytic batch cannot run (see `ContinuousBatch`).
+        """
+        return cls(instance_id, ContinuousBatch(step_model.roofline()))
 
     def grown(self, now: float) -> int:
         """Tokens the batch gained in the steps of its current stretch done by `now`."""

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -461,6 +462,33 @@ def test_a_fitted_step_model_recovers_its_coefficients_and_serves_the_tbt_check(
     engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config, step_model=fitted)
     assert join(engine, r["r13"], "x", 4).accepted
     assert join(engine, r["r8"], "y", 4).reason == "tbt_slo"
+
+
+coefficients = st.floats(min_value=-0.1, max_value=0.1) | st.sampled_from([0.0, -0.0, 1e-300])
+
+
+@given(
+    st.tuples(coefficients, coefficients.map(lambda c: c / 100), coefficients.map(lambda c: c / 10**5)),
+    st.integers(min_value=-2, max_value=10_000),
+    st.integers(min_value=0, max_value=10**7),
+)
+def test_a_fitted_step_model_is_its_roofline(
+    fitted_coefficients: tuple[float, float, float], batch_size: int, context_tokens: int
+) -> None:
+    """step_s is max(0, c0 + c1·B + c2·C) (0 for an empty batch), and its roofline (the fitted plane and the
+    zero plane, no overhead) gives the same float on every input, alone and in step_times."""
+    fitted = FittedStepModel(coefficients=fitted_coefficients)
+    c0, c1, c2 = fitted_coefficients
+    expected = max(0.0, c0 + c1 * batch_size + c2 * context_tokens) if batch_size > 0 else 0.0
+    roofline = fitted.roofline()
+    assert fitted.step_s(batch_size, context_tokens) == expected
+    assert roofline.step_s(batch_size, context_tokens) == expected
+    assert roofline.overhead_s == 0.0 and [attrs.astuple(b) for b in roofline.branches] == [
+        fitted_coefficients,
+        (0.0, 0.0, 0.0),
+    ]
+    sizes, contexts = np.array([batch_size]), np.array([context_tokens])
+    assert roofline.step_times(sizes, contexts).tolist() == [expected]
 
 
 # --------------------------------------------------------------------------- error contracts

@@ -4,7 +4,9 @@ Example tests pin the paper's figures (Eq. 2 on 8×A800 and 8×H800, 320 KiB of
 KV per token for LLaMA3-70B) and compare the analytic prefill time with the
 profile-based simulator Vidur; properties cover the FLOPs model, the fitted
 model (recovery of known coefficients, JSON round trip, rejected inputs),
-transfer congestion, decode step time and capacity.
+transfer congestion, decode step time (the roofline: memory-bound in small
+batches, compute-bound in large ones, equal to its `RooflineStep` to the bit)
+and capacity.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +24,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.cost import (
     HARDWARE,
     MODELS,
+    AnalyticStepModel,
     ChunkedPipelineCost,
     DecodeCostModel,
     FittedPrefillModel,
@@ -28,6 +32,8 @@ from mooncake.sched.cost import (
     ModelShape,
     PrefillCostModel,
     PrefillSample,
+    RooflineStep,
+    StepBranch,
     TransferCostModel,
     prefill_flops,
     reuse_bandwidth_bytes_per_s,
@@ -294,14 +300,134 @@ def test_decode_step_monotone_in_batch_and_context(
         assert cost.step_s(batch, context + more_context) > base
 
 
-def test_decode_step_reads_weights_and_kv_from_hbm() -> None:
-    """step = overhead + (weights + context · KV/token) / (G · HBM bandwidth · efficiency); empty batch: 0."""
+def test_decode_step_is_the_slower_of_hbm_reads_and_compute() -> None:
+    """step = overhead + max((weights + C · KV/token) / (G · HBM · memory_efficiency),
+    (2 · N · B + 4 · l · d · C) / (G · peak · compute_efficiency)); empty batch: 0."""
     hw = HARDWARE["8xH800"]
     cost = DecodeCostModel(model=LLAMA3, hardware=hw)
     bandwidth = hw.num_gpus * hw.hbm_bytes_per_s * cost.memory_efficiency
-    expected = cost.overhead_s + (LLAMA3.weight_bytes + 10_000 * LLAMA3.kv_bytes_per_token) / bandwidth
-    assert cost.step_s(4, 10_000) == pytest.approx(expected)
+    flops = hw.num_gpus * hw.peak_flops_per_gpu * cost.compute_efficiency
+    for batch, context in ((4, 10_000), (2000, 10_000), (300, 10**6)):
+        memory = (LLAMA3.weight_bytes + context * LLAMA3.kv_bytes_per_token) / bandwidth
+        compute = (2 * LLAMA3.num_params * batch + 4 * LLAMA3.num_layers * LLAMA3.hidden_size * context) / flops
+        assert cost.step_s(batch, context) == pytest.approx(cost.overhead_s + max(memory, compute))
     assert cost.step_s(0, 10_000) == 0.0
+
+
+A800_CROSSOVER_BATCH = 164  # LLaMA3-70B on 8×A800, 2,048 tokens a request
+
+
+def test_llama3_on_a800_is_memory_bound_in_small_batches_and_compute_bound_in_large_ones() -> None:
+    """LLaMA3-70B on 8×A800, 2,048 tokens of context a request: memory-bound up to 163 requests (the weights'
+    and KV's read: 15.9 ms at B = 1, 19.1 ms at B = 64), compute-bound from 164 on (35.1 ms at B = 256,
+    125 ms at B = 1,024), so a large batch's TBT grows with its size, not only with its KV."""
+    cost = DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    memory, compute = cost.roofline().branches
+
+    def bound(batch: int) -> str:
+        context = 2048 * batch
+        m = memory.fixed_s + memory.per_sequence_s * batch + memory.per_context_token_s * context
+        c = compute.fixed_s + compute.per_sequence_s * batch + compute.per_context_token_s * context
+        assert cost.step_s(batch, context) == cost.overhead_s + max(m, c)
+        return "memory" if m >= c else "compute"
+
+    assert [bound(b) for b in (1, 64, A800_CROSSOVER_BATCH - 1)] == ["memory"] * 3
+    assert [bound(b) for b in (A800_CROSSOVER_BATCH, 256, 1024)] == ["compute"] * 3
+    steps_ms = [1e3 * cost.step_s(b, 2048 * b) for b in (1, 64, 256, 1024)]
+    assert steps_ms == pytest.approx([15.87, 19.11, 35.07, 125.26], abs=0.01)
+    # Under a 100 ms TBT SLO, large batches of short requests now bind (the memory branch alone would not).
+    assert (
+        cost.step_s(1024, 2048 * 1024)
+        > 0.1
+        > cost.overhead_s + memory.fixed_s + memory.per_context_token_s * (cost.capacity_tokens())
+    )
+
+
+def test_llama3_on_h800_stays_memory_bound_for_requests_of_2k_tokens_that_fit() -> None:
+    """An H800's peak is 3.2× an A800's against 1.6× the bandwidth: with 2,048 tokens a request, the
+    compute branch would overtake only beyond 1,145 requests, more than the instance's HBM holds."""
+    cost = DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xH800"])
+    memory, compute = cost.roofline().branches
+    most = cost.capacity_tokens() // 2048
+    assert most < 1146
+    for batch in (1, 64, 256, most, 1145):
+        context = 2048 * batch
+        assert memory.fixed_s + memory.per_context_token_s * context > compute.per_sequence_s * batch + (
+            compute.per_context_token_s * context
+        )
+    assert compute.per_sequence_s * 1146 + compute.per_context_token_s * 2048 * 1146 > (
+        memory.fixed_s + memory.per_context_token_s * 2048 * 1146
+    )
+
+
+@given(
+    models,
+    hardware,
+    st.integers(min_value=-2, max_value=4096),
+    st.integers(min_value=0, max_value=4 * 10**6),
+    st.floats(min_value=0.05, max_value=1.0),
+)
+def test_decode_step_is_its_roofline_to_the_bit(
+    model: ModelShape, hw: Hardware, batch: int, context: int, compute_efficiency: float
+) -> None:
+    """DecodeCostModel.step_s(B, C) == roofline().step_s(B, C) exactly, and step_times gives the same
+    floats element by element; the roofline is two branches (memory, compute) and the overhead."""
+    cost = DecodeCostModel(model=model, hardware=hw, compute_efficiency=compute_efficiency)
+    roofline = cost.roofline()
+    assert cost.step_s(batch, context) == roofline.step_s(batch, context)
+    assert roofline.overhead_s == cost.overhead_s and len(roofline.branches) == 2
+    times = roofline.step_times(np.array([batch, batch + 1]), np.array([context, context]))
+    assert times.tolist() == [cost.step_s(batch, context), cost.step_s(batch + 1, context)]
+
+
+branches = st.builds(
+    StepBranch,
+    st.floats(min_value=-0.1, max_value=0.1),
+    st.floats(min_value=-1e-3, max_value=1e-3),
+    st.floats(min_value=-1e-6, max_value=1e-6),
+)
+
+
+@given(
+    st.lists(branches, min_size=1, max_size=4),
+    st.floats(min_value=0.0, max_value=0.01),
+    st.lists(st.tuples(st.integers(-2, 1000), st.integers(0, 10**6)), min_size=1, max_size=20),
+)
+def test_roofline_step_is_the_overhead_plus_the_slowest_branch(
+    drawn: list[StepBranch], overhead: float, shapes: list[tuple[int, int]]
+) -> None:
+    """step_s(B, C) = overhead + max_j (fixed_j + per_sequence_j · B + per_context_token_j · C) for B > 0, 0 otherwise;
+    step_times is step_s element by element, exactly; a roofline is its own roofline."""
+    roofline = RooflineStep(drawn, overhead_s=overhead)
+    for batch, context in shapes:
+        slowest = max(b.fixed_s + b.per_sequence_s * batch + b.per_context_token_s * context for b in drawn)
+        assert roofline.step_s(batch, context) == (overhead + slowest if batch > 0 else 0.0)
+    sizes, contexts = np.array([b for b, _ in shapes]), np.array([c for _, c in shapes])
+    assert roofline.step_times(sizes, contexts).tolist() == [roofline.step_s(b, c) for b, c in shapes]
+    assert roofline.roofline() is roofline
+
+
+def test_roofline_step_rejects_bad_branches() -> None:
+    """No branch, a branch that is not a StepBranch, a non-finite coefficient or a negative overhead: ConfigError."""
+    with pytest.raises(ConfigError, match="at least one"):
+        RooflineStep(())
+    with pytest.raises(ConfigError, match="at least one"):
+        RooflineStep([(0.1, 0.0, 0.0)])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="per_context_token_s"):
+        StepBranch(0.1, 0.0, math.inf)
+    with pytest.raises(ConfigError, match="overhead_s"):
+        RooflineStep([StepBranch(0.1, 0.0, 0.0)], overhead_s=-1.0)
+
+
+def analytic(model: AnalyticStepModel) -> RooflineStep:
+    return model.roofline()
+
+
+def test_the_analytic_step_models_give_their_roofline() -> None:
+    """DecodeCostModel and RooflineStep are AnalyticStepModels (the type checker holds them to it)."""
+    cost = DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    assert analytic(cost) is cost.roofline()
+    assert analytic(cost.roofline()) is cost.roofline()
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
