@@ -25,6 +25,7 @@ from mooncake.cache.events import BlockStored
 from mooncake.sched.admission import EarlyRejection
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, TtftEstimator
 from mooncake.sched.view import RequestRejected
@@ -43,7 +44,7 @@ def build(num_prefill: int, num_decode: int, num_keys: int, *, use_index: bool) 
     )
     conductor = Conductor(
         router=KvCacheCentricRouter(estimator=estimator),
-        decode_cost=DecodeCostModel(model=model, hardware=hardware),
+        step_model=DecodeCostModel(model=model, hardware=hardware),
         admission=EarlyRejection(),
         predictor=UniformDecodePredictor(decode_s=20.0),
         slo=Slo(ttft_s=30.0, tbt_s=0.2),
@@ -52,7 +53,7 @@ def build(num_prefill: int, num_decode: int, num_keys: int, *, use_index: bool) 
     for i in range(num_prefill):
         conductor.add_prefill_instance(InstanceId(f"prefill-{i}"))
     for i in range(num_decode):
-        conductor.add_decode_instance(InstanceId(f"decode-{i}"), capacity_tokens=10**9)
+        conductor.add_decode_instance(InstanceId(f"decode-{i}"), DecodeLimits(kv_capacity_tokens=10**9))
     rng = np.random.default_rng(0)
     num_chains = num_keys // BLOCKS
     chains = rng.integers(0, 2**63, size=(num_chains, BLOCKS), dtype=np.uint64).tolist()

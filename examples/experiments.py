@@ -33,8 +33,9 @@ import simulation
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel
+from mooncake.sched.join import DecodeLoad
+from mooncake.sched.outcome import Outcome
 from mooncake.sched.predictor import (
-    DecodeLoad,
     LoadPredictor,
     LoadSnapshot,
     OutputLengthPredictor,
@@ -44,7 +45,7 @@ from mooncake.sched.predictor import (
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
-from mooncake.sim.metrics import LoadSample, Outcome, ReplayResult
+from mooncake.sim.metrics import LoadSample, ReplayResult
 from mooncake.sim.report import plot_cdfs, plot_lines, plot_load, write_json
 from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
@@ -405,7 +406,11 @@ class CurrentLoad:
     def predict(
         self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
     ) -> DecodeLoad:
-        return DecodeLoad(len(active), sum(a.context_tokens for a in active))
+        return DecodeLoad(
+            len(active),
+            sum(a.context_tokens for a in active),
+            sum(a.context_tokens + a.output_tokens for a in active),
+        )
 
     def observe(self, output_tokens: int) -> None:
         """Nothing to learn."""

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 
-from mooncake.sim.metrics import Outcome, RequestRecord, summarize, top_mean
+from mooncake.sched.outcome import Outcome
+from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
 from mooncake.types import Request, Slo
 from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset

@@ -25,9 +25,10 @@ import simulation
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
-from mooncake.sim.metrics import Outcome, ReplayResult
+from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
 from mooncake.sim.spec import build_conductor
 

@@ -38,13 +38,16 @@ import numpy as np
 
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import MooncakeError
-from mooncake.sched.conductor import Conductor, RequestEnd
+from mooncake.sched.conductor import Conductor
+from mooncake.sched.join import DecodeLimits
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
     InstanceDown,
     PrefillFinished,
     PrefillStarted,
+    RequestAborted,
     RequestRejected,
 )
 from mooncake.transfer.engine import TransferEngine
@@ -107,12 +110,17 @@ class Dispatcher:
         self.conductor = conductor
         self.metrics = metrics
         self.roles = {w["instance_id"]: w["role"] for w in workers}
-        capacity = config.decode.max_batch_size * config.decode.max_context_tokens
+        # What each decode engine holds, as its own check counts it (`DecodeConfig`): the Conductor asks the same rule.
+        limits = DecodeLimits(
+            kv_capacity_tokens=config.decode.max_batch_size * config.decode.max_context_tokens,
+            max_batch_size=config.decode.max_batch_size,
+            max_context_tokens=config.decode.max_context_tokens,
+        )
         for worker in workers:
             if worker["role"] == "prefill":
                 self.conductor.add_prefill_instance(InstanceId(worker["instance_id"]))
             else:
-                self.conductor.add_decode_instance(InstanceId(worker["instance_id"]), capacity_tokens=capacity)
+                self.conductor.add_decode_instance(InstanceId(worker["instance_id"]), limits)
         self.up = dict.fromkeys(self.roles, True)
         self._is_alive = is_alive
         self.engine = TransferEngine(
@@ -188,7 +196,8 @@ class Dispatcher:
     def _schedule(self, live: LiveRequest) -> None:
         decision = self.conductor.schedule(live.request, self.now())
         if not decision.accepted:
-            reason = decision.reason.value if decision.reason is not None else "rejected"
+            assert decision.reason is not None
+            reason = decision.reason.value
             self.metrics.inc("mooncake_rejections_total", reason=reason)
             raise HttpError(
                 429,
@@ -229,7 +238,7 @@ class Dispatcher:
             try:
                 kind, payload = await asyncio.wait_for(live.events.get(), timeout=max(0.0, deadline - self.now()))
             except TimeoutError:
-                self.end(live, "rejected:timeout")
+                self.end(live, Outcome.ABORTED, Reason.TIMEOUT)
                 raise HttpError(504, "the request timed out", kind="timeout_error") from None
             if kind == "error":
                 raise payload
@@ -238,29 +247,25 @@ class Dispatcher:
             if finished:
                 return
 
-    def end(self, live: LiveRequest, outcome: str) -> None:
-        """Tell the Conductor the request ended: "finished" or "rejected:<reason>" (once; later calls do nothing)."""
+    def end(self, live: LiveRequest, outcome: Outcome, reason: Reason | None = None) -> tuple[RequestEnd, ...]:
+        """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports."""
         if self.live.pop(live.request_id, None) is None:
-            return
+            return ()
         now = self.now()
-        if outcome in ("rejected:client_gone", "rejected:timeout") and self.up.get(live.decode):
+        if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) and self.up.get(live.decode):
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
             self._calls.submit(self._cancel, live.decode, live.request_id)
-        if outcome == "finished":
-            self.conductor.handle(
-                DecodeFinished(
-                    request_id=live.request_id, instance_id=live.decode, now=now, generated_tokens=live.generated
-                )
+        if outcome is Outcome.COMPLETED:
+            event: DecodeFinished | RequestRejected | RequestAborted = DecodeFinished(
+                request_id=live.request_id, instance_id=live.decode, now=now, generated_tokens=live.generated
+            )
+        elif outcome is Outcome.REJECTED_AFTER_PREFILL:
+            event = RequestRejected(
+                request_id=live.request_id, instance_id=live.decode, now=now, reason=reason or Reason.DECODE_REJECTED
             )
         else:
-            self.conductor.handle(
-                RequestRejected(
-                    request_id=live.request_id,
-                    instance_id=live.decode,
-                    now=now,
-                    reason=outcome.removeprefix("rejected:"),
-                )
-            )
+            event = RequestAborted(request_id=live.request_id, now=now, reason=reason or Reason.FAILED)
+        return self.conductor.handle(event)
 
     def _cancel(self, instance: InstanceId, request_id: RequestId) -> None:
         try:
@@ -309,7 +314,12 @@ class Dispatcher:
                 "mooncake_prefix_hit_ratio", self.metrics.value("mooncake_prefix_hit_tokens_total") / total
             )
         elif method == "prefill.failed":
-            self._fail(live, HttpError(500, f"prefill failed: {args['error']}", kind="server_error"), "prefill_failed")
+            self._fail(
+                live,
+                HttpError(500, f"prefill failed: {args['error']}", kind="server_error"),
+                Outcome.ABORTED,
+                Reason.FAILED,
+            )
         elif method == "decode.joined":
             self.conductor.handle(
                 DecodeJoined(
@@ -321,7 +331,8 @@ class Dispatcher:
                 )
             )
         elif method == "decode.rejected":
-            self.metrics.inc("mooncake_rejections_total", reason=f"decode_{str(args['reason']).split(':')[0]}")
+            reason = _reason(str(args["reason"]))
+            self.metrics.inc("mooncake_rejections_total", reason=f"decode_{reason.value}")
             self._fail(
                 live,
                 HttpError(
@@ -330,7 +341,8 @@ class Dispatcher:
                     kind="rate_limit_error",
                     headers={"Retry-After": "1"},
                 ),
-                "decode_rejected",
+                Outcome.REJECTED_AFTER_PREFILL,
+                reason,
             )
 
     def _on_token(self, request_id: RequestId, token: int, index: int, finished: bool) -> None:
@@ -346,10 +358,10 @@ class Dispatcher:
         live.generated += 1
         live.events.put_nowait(("token", (token, finished)))
         if finished:
-            self.end(live, "finished")
+            self.end(live, Outcome.COMPLETED)
 
-    def _fail(self, live: LiveRequest, error: HttpError, outcome: str) -> None:
-        self.end(live, f"rejected:{outcome}")
+    def _fail(self, live: LiveRequest, error: HttpError, outcome: Outcome, reason: Reason) -> None:
+        self.end(live, outcome, reason)
         live.events.put_nowait(("error", error))
 
     # ------------------------------------------------------------------ health
@@ -399,3 +411,12 @@ class Dispatcher:
                 live.events.put_nowait(
                     ("error", HttpError(503, f"the {role} engine {instance} failed", kind="server_error"))
                 )
+
+
+def _reason(text: str) -> Reason:
+    """The decode engine's reason: the decode rule's, by its value; anything else (a missing KV block) is
+    DECODE_REJECTED."""
+    try:
+        return Reason(text.split(":")[0])
+    except ValueError:
+        return Reason.DECODE_REJECTED

@@ -37,6 +37,7 @@ from mooncake.sched.cost import (
     PrefillCostModel,
     TransferCostModel,
 )
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import (
     KvCacheCentricRouter,
@@ -97,7 +98,7 @@ def build_conductor(config: ClusterConfig) -> Conductor:
     }
     return Conductor(
         router=routers[policy.router](),
-        decode_cost=DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0),
+        step_model=DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0),
         admission=admissions[policy.admission](),
         predictor=UniformDecodePredictor(decode_s=1.0),
         slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
@@ -294,7 +295,7 @@ class Gateway:
             await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
             self.metrics.inc("mooncake_requests_total", outcome=f"{error.status}-mid-stream")
         except (ConnectionResetError, asyncio.CancelledError):
-            self.dispatcher.end(live, "rejected:client_gone")
+            self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
             raise
         await response.write_eof()
         return response

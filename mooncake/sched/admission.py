@@ -1,27 +1,30 @@
 """Admission: accept a scheduled request, or reject it (HTTP 429 upstream) with a reason.
 
-- `baseline`: the prefill side's check only: the estimated TTFT is within its SLO
-  and some decode instance has room for the request's KV. The decode instance's
-  own TBT check happens when the request reaches it, after its prefill; a
-  rejection there wastes that prefill.
-- `early_rejection`: also checks, before any prefill, that the chosen decode
-  instance's TBT with the request added to its *current* batch is within SLO.
-- `predictive_early_rejection`: the same check against the batch *predicted*
-  for when the request will reach decoding (now + estimated TTFT), so that
-  load which will have drained by then does not cause rejections, and load
-  that is about to arrive does.
+Every policy first needs a decode instance that can take the request (the
+decode rule's structural checks: context, batch slots, KV; otherwise the
+reason names the bound) and an estimated TTFT within its SLO.
+
+- `baseline`: nothing more. The decode instance's own TBT check happens when
+  the request reaches it, after its prefill; a rejection there wastes that
+  prefill.
+- `early_rejection`: also the decode rule's TBT check, before any prefill,
+  against the chosen instance's committed batch (decoding and reserved).
+- `predictive_early_rejection`: the decode rule, structural checks and TBT,
+  against the batch *predicted* for when the request will reach decoding
+  (now + estimated TTFT), so that load which will have drained by then does
+  not cause rejections, and load that is about to arrive does.
 
 Each policy says which decode load the Conductor must evaluate (`load_at`).
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Literal, Protocol
 
 import attrs
 
 from mooncake.sched.decode import DecodeChoice
+from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision
 from mooncake.types import Slo
 
@@ -30,26 +33,14 @@ __all__ = [
     "AdmissionPolicy",
     "BaselineAdmission",
     "EarlyRejection",
-    "Rejection",
     "predictive_early_rejection",
 ]
-
-
-class Rejection(enum.Enum):
-    """Why a request was refused."""
-
-    NO_PREFILL_INSTANCE = "no_prefill_instance"
-    NO_DECODE_INSTANCE = "no_decode_instance"
-    TTFT_SLO = "ttft_slo"
-    TBT_SLO = "tbt_slo"
-    INSTANCE_DOWN = "instance_down"
-    DECODE_REJECTED = "decode_rejected"
 
 
 @attrs.frozen
 class AdmissionDecision:
     accepted: bool
-    reason: Rejection | None = None
+    reason: Reason | None = None
 
 
 LoadAt = Literal["now", "arrival"]
@@ -69,9 +60,11 @@ class AdmissionPolicy(Protocol):
         """Accept or reject, given the routes chosen and the SLOs."""
 
 
-def _ttft_check(route: RouteDecision, slo: Slo) -> AdmissionDecision:
+def _room_and_ttft(route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
+    if decode.decode_instance is None:
+        return AdmissionDecision(False, decode.verdict.reason or Reason.NO_DECODE_INSTANCE)
     if route.ttft_s > slo.ttft_s:
-        return AdmissionDecision(False, Rejection.TTFT_SLO)
+        return AdmissionDecision(False, Reason.TTFT_SLO)
     return AdmissionDecision(True)
 
 
@@ -81,7 +74,7 @@ class BaselineAdmission:
     load_at: LoadAt = "now"
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
-        return _ttft_check(route, slo)
+        return _room_and_ttft(route, decode, slo)
 
 
 @attrs.frozen
@@ -99,9 +92,9 @@ class EarlyRejection:
         return "arrival" if self.predictive else "now"
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
-        decision = _ttft_check(route, slo)
-        if decision.accepted and decode.tbt_s > slo.tbt_s:
-            return AdmissionDecision(False, Rejection.TBT_SLO)
+        decision = _room_and_ttft(route, decode, slo)
+        if decision.accepted and not decode.verdict.accepted:
+            return AdmissionDecision(False, decode.verdict.reason)
         return decision
 
 

@@ -4,11 +4,13 @@
 1. match the request's block keys in the global index (each prefill instance's
    prefix, the best holder);
 2. route it (`router`) among prefill instances that are up;
-3. evaluate the decode instances' load, now or as predicted for when the
-   request will arrive (now + estimated TTFT), as the admission policy asks,
-   and choose the decode instance (`choose_decode`);
+3. evaluate the decode instances' load, committed now (decoding and reserved)
+   or as predicted for when the request will arrive (now + estimated TTFT), as
+   the admission policy asks, and choose the decode instance by the decode
+   rule (`choose_decode`, `sched.join`);
 4. let the admission policy accept or reject; an accepted request joins the
-   prefill instance's queue and reserves its KV on the decode instance.
+   prefill instance's queue and is reserved on the decode instance (it counts
+   toward that instance's batch and KV from then on).
 
 It returns a frozen `ScheduleDecision`; the caller carries it out (moves KV per
 the transfer plan, runs prefill, ...) and reports progress with events, which
@@ -20,15 +22,17 @@ change, so that routing and decode selection over hundreds of instances are
 array operations; the router is handed the prefill board as its candidates.
 
 Invariants (`check_invariants`): every in-flight request is either queued on
-exactly one prefill instance (with a KV reservation on its decode instance) or
-decoding on exactly one decode instance; views satisfy their own invariants,
-and the boards say what the views say.
-Every request ends exactly once: `handle` reports each end, and events about a
-request that already ended are ignored.
+exactly one prefill instance (with a reservation on its decode instance),
+prefilled and on its way (still reserved), or decoding on exactly one decode
+instance; views satisfy their own invariants, and the boards say what the
+views say. Every request ends exactly once (`RequestEnd`, in the vocabulary of
+`sched.outcome`): `handle` reports each end, and events about a request that
+already ended are ignored.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import random
 from collections.abc import Sequence
@@ -39,9 +43,11 @@ import numpy as np
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.sched.admission import AdmissionPolicy, Rejection
-from mooncake.sched.cost import DecodeCostModel
+from mooncake.sched.admission import AdmissionPolicy
+from mooncake.sched.cost import AnalyticStepModel
 from mooncake.sched.decode import choose_decode
+from mooncake.sched.join import DecodeLimits
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import LoadPredictor
 from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
 from mooncake.sched.view import (
@@ -58,12 +64,13 @@ from mooncake.sched.view import (
     PrefillStarted,
     PrefillView,
     QueuedPrefill,
+    RequestAborted,
     RequestRejected,
     SchedulerEvent,
 )
 from mooncake.types import InstanceId, Request, RequestId, Slo
 
-__all__ = ["Conductor", "RequestEnd", "ScheduleDecision"]
+__all__ = ["Conductor", "ScheduleDecision"]
 
 
 @attrs.frozen(kw_only=True)
@@ -80,7 +87,7 @@ class ScheduleDecision:
 
     request_id: RequestId
     accepted: bool
-    reason: Rejection | None = None
+    reason: Reason | None = None
     prefill_instance: InstanceId | None = None
     decode_instance: InstanceId | None = None
     prefix_tokens: int = 0
@@ -89,12 +96,10 @@ class ScheduleDecision:
     tbt_s: float | None = None
 
 
-@attrs.frozen
-class RequestEnd:
-    """A request left the system: "finished", or rejected with a reason."""
-
-    request_id: RequestId
-    outcome: str
+class _Stage(enum.Enum):
+    QUEUED = "queued"  # on its prefill instance's queue (waiting or running)
+    PREFILLED = "prefilled"  # off the queue; its KV is on its way to the decode instance
+    DECODING = "decoding"
 
 
 @attrs.define
@@ -104,8 +109,7 @@ class _InFlight:
     scheduled_s: float
     ttft_s: float
     had_transfer: bool
-    prefilled: bool = False  # left the prefill queue; its KV is on its way to decode
-    decoding: bool = False
+    stage: _Stage = _Stage.QUEUED
 
 
 class Conductor:
@@ -113,7 +117,7 @@ class Conductor:
 
     Args:
         router: chooses prefill instances.
-        decode_cost: decode step and capacity model.
+        step_model: the decode instances' step time (`DecodeCostModel`, or one fitted to an engine).
         admission: accepts or rejects.
         predictor: decode load forecast (used when the admission policy asks for it).
         slo: the objectives.
@@ -126,7 +130,7 @@ class Conductor:
         self,
         *,
         router: Router,
-        decode_cost: DecodeCostModel,
+        step_model: AnalyticStepModel,
         admission: AdmissionPolicy,
         predictor: LoadPredictor,
         slo: Slo,
@@ -135,7 +139,7 @@ class Conductor:
         seed: int = 0,
     ) -> None:
         self.router = router
-        self.decode_cost = decode_cost
+        self.step_model = step_model
         self.admission = admission
         self.predictor = predictor
         self.slo = slo
@@ -159,10 +163,10 @@ class Conductor:
         self._prefill[instance_id] = PrefillView(instance_id)
         self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
 
-    def add_decode_instance(self, instance_id: InstanceId, *, capacity_tokens: int | None = None) -> None:
+    def add_decode_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
+        """A decode instance that holds what `limits` say (its KV, batch slots, a request's context)."""
         self._check_new(instance_id)
-        capacity = self.decode_cost.capacity_tokens() if capacity_tokens is None else capacity_tokens
-        self._decode[instance_id] = DecodeView(instance_id, capacity)
+        self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
 
@@ -190,6 +194,7 @@ class Conductor:
         Raises:
             InvalidRequestError: a request with this id is already in flight.
         """
+        # The request's own checks (Request validates its fields) come before any state changes.
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
         board = self._prefill_board
@@ -214,7 +219,7 @@ class Conductor:
         )
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
-            return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Rejection.NO_PREFILL_INSTANCE)
+            return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
         loads = None  # the decode instances' batches now
         if self.admission.load_at == "arrival":
             arrival_s = now + route.ttft_s
@@ -225,9 +230,9 @@ class Conductor:
             }
         decode = choose_decode(
             self._decode_board,
-            context_tokens=request.input_length,
+            prompt_tokens=request.input_length,
             output_tokens=request.output_length,
-            cost=self.decode_cost,
+            step_model=self.step_model,
             tbt_slo_s=self.slo.tbt_s,
             loads=loads,
         )
@@ -238,8 +243,6 @@ class Conductor:
             "transfer": route.transfer,
             "ttft_s": route.ttft_s,
         }
-        if decode is None:
-            return ScheduleDecision(accepted=False, reason=Rejection.NO_DECODE_INSTANCE, **base)  # type: ignore[arg-type]
         verdict = self.admission.admit(route, decode, self.slo)
         decision = ScheduleDecision(
             accepted=verdict.accepted,
@@ -249,6 +252,7 @@ class Conductor:
             **base,  # type: ignore[arg-type]
         )
         if verdict.accepted:
+            assert decode.decode_instance is not None  # every policy needs an instance that can take it
             start = now + route.queue_s + route.transfer_s
             queued = QueuedPrefill(
                 request_id=request.request_id,
@@ -265,7 +269,7 @@ class Conductor:
             if route.transfer is not None:
                 heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
             self._decode[decode.decode_instance].reserve(
-                request.request_id, request.input_length + request.output_length
+                request.request_id, request.input_length, request.output_length
             )
             self._decode_board.refresh(self._decode_board.slot[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
@@ -294,9 +298,9 @@ class Conductor:
         if isinstance(event, PrefillStarted):
             self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
         elif isinstance(event, PrefillFinished):
-            if flight.prefilled or flight.decoding:
+            if flight.stage is not _Stage.QUEUED:
                 return ()  # a repeated report: learn from each request once
-            flight.prefilled = True
+            flight.stage = _Stage.PREFILLED
             self._remove_from_queue(flight, event.request_id, event.now)
             self.router.observe(
                 had_transfer=flight.had_transfer,
@@ -304,36 +308,37 @@ class Conductor:
                 observed_ttft_s=event.now - flight.scheduled_s,
             )
         elif isinstance(event, PrefilledInline):
-            if not (flight.prefilled or flight.decoding):
-                flight.prefilled = True  # no prefill instance ran it: nothing for the router to learn
+            if flight.stage is _Stage.QUEUED:
+                flight.stage = _Stage.PREFILLED  # no prefill instance ran it: nothing for the router to learn
                 self._remove_from_queue(flight, event.request_id, event.now)
         elif isinstance(event, DecodeJoined):
-            if not flight.decoding:
-                self._remove_from_queue(flight, event.request_id, event.now)
-                self._incoming[flight.decode_instance].pop(event.request_id, None)
-                view = self._decode[flight.decode_instance]
-                # Account what was reserved, not what the event claims: VRAM was promised at acceptance.
-                reserved = view.reserved.get(event.request_id, event.context_tokens + event.output_tokens)
-                context = min(event.context_tokens, reserved)
-                view.join(
-                    ActiveDecode(
-                        request_id=event.request_id,
-                        start_s=event.now,
-                        context_tokens=context,
-                        output_tokens=reserved - context,
-                    )
-                )
-                self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
-                flight.prefilled = flight.decoding = True
+            if flight.stage is not _Stage.DECODING:
+                self._join(flight, event)
         elif isinstance(event, DecodeFinished):
             if event.generated_tokens is not None:
                 self.predictor.observe(event.generated_tokens)
-            return (self._end(event.request_id, "finished", event.now),)
+            return (self._end(event.request_id, Outcome.COMPLETED, None, event.now),)
         elif isinstance(event, RequestRejected):
-            return (
-                self._end(event.request_id, f"rejected:{event.reason or Rejection.DECODE_REJECTED.value}", event.now),
-            )
+            return (self._end(event.request_id, Outcome.REJECTED_AFTER_PREFILL, event.reason, event.now),)
+        elif isinstance(event, RequestAborted):
+            return (self._end(event.request_id, Outcome.ABORTED, event.reason, event.now),)
         return ()
+
+    def _join(self, flight: _InFlight, event: DecodeJoined) -> None:
+        self._remove_from_queue(flight, event.request_id, event.now)
+        self._incoming[flight.decode_instance].pop(event.request_id, None)
+        view = self._decode[flight.decode_instance]
+        # Account what was reserved, not what the event claims: VRAM was promised at acceptance.
+        reservation = view.reserved.get(event.request_id)
+        total = reservation.tokens if reservation is not None else event.context_tokens + event.output_tokens
+        context = min(event.context_tokens, total)
+        view.join(
+            ActiveDecode(
+                request_id=event.request_id, start_s=event.now, context_tokens=context, output_tokens=total - context
+            )
+        )
+        self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
+        flight.stage = _Stage.DECODING
 
     def apply_cache_event(self, event: CacheEvent) -> SequenceGap | None:
         """Feed a cache event to the index."""
@@ -361,10 +366,10 @@ class Conductor:
                 f"{view.instance_id}: reservations != incoming"
             )
         for request_id, flight in self._in_flight.items():
-            if flight.decoding:
+            if flight.stage is _Stage.DECODING:
                 assert decoding.get(request_id) == flight.decode_instance, f"{request_id} lost from its decode batch"
             else:
-                if flight.prefilled:
+                if flight.stage is _Stage.PREFILLED:
                     assert request_id not in queued, f"{request_id} finished prefill but is still queued"
                 else:
                     assert queued.get(request_id) == flight.prefill_instance, (
@@ -381,16 +386,16 @@ class Conductor:
         if instance_id in self._prefill or instance_id in self._decode:
             raise ConfigError(f"instance {instance_id} is already known")
 
-    def _end(self, request_id: RequestId, outcome: str, now: float) -> RequestEnd:
+    def _end(self, request_id: RequestId, outcome: Outcome, reason: Reason | None, now: float) -> RequestEnd:
         flight = self._in_flight.pop(request_id)
-        if not flight.prefilled:
+        if flight.stage is _Stage.QUEUED:
             self._remove_from_queue(flight, request_id, now)
         decode = self._decode[flight.decode_instance]
         decode.release(request_id)
         decode.leave(request_id)
         self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
         self._incoming[flight.decode_instance].pop(request_id, None)
-        return RequestEnd(request_id, outcome)
+        return RequestEnd(request_id, outcome, reason)
 
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
         view = self._prefill[flight.prefill_instance]
@@ -438,8 +443,7 @@ class Conductor:
         doomed = [
             request_id
             for request_id, flight in self._in_flight.items()
-            if (flight.prefill_instance == instance and not flight.prefilled) or flight.decode_instance == instance
+            if (flight.prefill_instance == instance and flight.stage is _Stage.QUEUED)
+            or flight.decode_instance == instance
         ]
-        return tuple(
-            self._end(request_id, f"rejected:{Rejection.INSTANCE_DOWN.value}", event.now) for request_id in doomed
-        )
+        return tuple(self._end(request_id, Outcome.ABORTED, Reason.INSTANCE_DOWN, event.now) for request_id in doomed)

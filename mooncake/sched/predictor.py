@@ -2,8 +2,13 @@
 
 `UniformDecodePredictor` is the paper's system-level prediction: at time t the
 instance holds the requests decoding now that will not have decoded longer than
-a uniform t_d by then, plus the requests whose prefill (heading to it) finishes
-before t and has not been decoding for t_d by t.
+a uniform t_d by then, plus the requests heading to it (accepted, in prefill)
+that will not have decoded for t_d by t: those whose prefill ends before t, and
+those whose prefill ends later, which join while the new request decodes.
+Those make the predicted batch and the context its steps read. The predicted KV
+(`kv_tokens`) is what the instance will have promised: the whole reservation
+(prompt + output) of each request still decoding at t and of every request
+heading to it.
 
 `OutputLengthPredictor` is ours: it keeps the observed output lengths and, for
 each request, the probability that it is still generating at t given how many
@@ -23,10 +28,10 @@ from typing import Protocol
 import attrs
 
 from mooncake._checks import require_number
+from mooncake.sched.join import DecodeLoad
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 
 __all__ = [
-    "DecodeLoad",
     "LoadPredictor",
     "LoadSnapshot",
     "OutputLengthPredictor",
@@ -34,14 +39,6 @@ __all__ = [
     "UniformDecodePredictor",
     "score_predictor",
 ]
-
-
-@attrs.frozen
-class DecodeLoad:
-    """A decode batch: its size and the KV tokens it holds (expectations may be fractional)."""
-
-    batch_size: float
-    context_tokens: float
 
 
 class LoadPredictor(Protocol):
@@ -70,15 +67,18 @@ class UniformDecodePredictor:
     ) -> DecodeLoad:
         batch = 0
         tokens = 0
+        kv = 0
         for request in active:
             if at_s - request.start_s < self.decode_s:
                 batch += 1
                 tokens += request.context_tokens
+                kv += request.context_tokens + request.output_tokens
         for queued in incoming:
-            if queued.finish_s <= at_s and at_s - queued.finish_s < self.decode_s:
+            kv += queued.input_tokens + queued.output_tokens
+            if at_s - queued.finish_s < self.decode_s:  # not done decoding by t (or joining after it)
                 batch += 1
                 tokens += queued.input_tokens
-        return DecodeLoad(batch, tokens)
+        return DecodeLoad(batch, tokens, kv)
 
     def observe(self, output_tokens: int) -> None:
         """Nothing to learn: every request decodes for `decode_s`."""
@@ -118,20 +118,21 @@ class OutputLengthPredictor:
     ) -> DecodeLoad:
         batch = 0.0
         tokens = 0.0
+        kv = 0.0
         for request in active:
             produced = max(0.0, (now - request.start_s) / self.step_s)
             horizon = max(0.0, (at_s - now) / self.step_s)
             alive = self.survival(produced, horizon)
             batch += alive
             tokens += alive * (request.context_tokens + produced + horizon)
+            kv += alive * (request.context_tokens + request.output_tokens)
         for queued in incoming:
-            if queued.finish_s > at_s:
-                continue
-            decoded = (at_s - queued.finish_s) / self.step_s
+            kv += queued.input_tokens + queued.output_tokens
+            decoded = max(0.0, (at_s - queued.finish_s) / self.step_s)  # 0: it joins after t
             alive = self.survival(0.0, decoded)
             batch += alive
             tokens += alive * (queued.input_tokens + decoded)
-        return DecodeLoad(batch, tokens)
+        return DecodeLoad(batch, tokens, kv)
 
 
 @attrs.frozen(kw_only=True)
@@ -152,16 +153,23 @@ class PredictorScore:
     batch_size_mae: float
     context_tokens_mae: float
     samples: int
+    kv_tokens_mae: float = 0.0
 
 
 def score_predictor(predictor: LoadPredictor, snapshots: Sequence[LoadSnapshot]) -> PredictorScore:
     """How far `predictor` was from what happened, over recorded snapshots."""
     if not snapshots:
         return PredictorScore(batch_size_mae=0.0, context_tokens_mae=0.0, samples=0)
-    batch_error = tokens_error = 0.0
+    batch_error = tokens_error = kv_error = 0.0
     for snapshot in snapshots:
         predicted = predictor.predict(snapshot.active, snapshot.incoming, snapshot.now, snapshot.at_s)
         batch_error += abs(predicted.batch_size - snapshot.actual.batch_size)
         tokens_error += abs(predicted.context_tokens - snapshot.actual.context_tokens)
+        kv_error += abs(predicted.kv_tokens - snapshot.actual.kv_tokens)
     count = len(snapshots)
-    return PredictorScore(batch_size_mae=batch_error / count, context_tokens_mae=tokens_error / count, samples=count)
+    return PredictorScore(
+        batch_size_mae=batch_error / count,
+        context_tokens_mae=tokens_error / count,
+        samples=count,
+        kv_tokens_mae=kv_error / count,
+    )

@@ -3,21 +3,24 @@
 A `PrefillView` holds the instance's queue: the requests routed to it, in order,
 each with a predicted start and finish (a new request starts when the last
 queued one finishes, or now). A `DecodeView` holds the requests decoding there
-(start time, context tokens, expected output) and the KV tokens they occupy.
+(start time, context tokens, expected output), the KV tokens they occupy, the
+requests reserved there (accepted, still in prefill or transfer: they count
+toward its load from acceptance on) and its limits (`sched.join.DecodeLimits`).
 Both are updated only through the event types below, so a replay of events
 reproduces them exactly.
 
 A `PrefillBoard` / `DecodeBoard` lays views of one kind side by side, with what
-routing and decode selection compare kept as arrays (busy-until times; free
-and context tokens), so that choosing among hundreds of instances is a few
+routing and decode selection compare kept as arrays (busy-until times; each
+decode instance's load and limits), so that choosing among hundreds of instances is a few
 array operations rather than a loop. Array slots go in instance id order, so
 the first minimum is the one ties go to. The owner of the views calls
 `refresh(slot)` after changing one; a board built from views reads them.
 
 Invariants (`check_invariants`): queue times are ordered and never negative;
 a request is in at most one queue and at most one decode batch; VRAM in use
-equals the sum of its requests' tokens and never exceeds capacity; a board's
-arrays equal what its views say.
+equals the sum of its active requests' tokens (the decode instance's own check
+keeps it within capacity; promises made on a predicted load may exceed it); a
+board's arrays equal what its views say.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import TypeVar, overload
 import attrs
 import numpy as np
 
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
+from mooncake.sched.outcome import Reason
 from mooncake.types import InstanceId, RequestId
 
 __all__ = [
@@ -45,7 +50,9 @@ __all__ = [
     "PrefillView",
     "PrefilledInline",
     "QueuedPrefill",
+    "RequestAborted",
     "RequestRejected",
+    "Reservation",
     "SchedulerEvent",
 ]
 
@@ -98,22 +105,40 @@ class PrefillView:
             previous = queued.finish_s
 
 
+@attrs.frozen
+class Reservation:
+    """KV promised on a decode instance to a request still in prefill or transfer."""
+
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
 @attrs.define
 class DecodeView:
-    """One decode instance: its batch, the KV it holds and has promised, capacity, and whether it is up.
+    """One decode instance: its batch, the KV it holds and has promised, its limits, and whether it is up.
 
-    `reserved` holds the KV tokens of requests routed here that are still in
-    prefill: they are counted against capacity from the moment they are accepted.
+    `reserved` holds the requests routed here that are still in prefill or
+    transfer: from their acceptance on they count toward the instance's batch,
+    the KV a step reads and the KV it holds (`load`), as they will once they join.
     """
 
     instance_id: InstanceId
-    capacity_tokens: int
+    limits: DecodeLimits
     is_up: bool = True
     active: dict[RequestId, ActiveDecode] = attrs.field(factory=dict)
     used_tokens: int = 0
     context_tokens: int = 0  # prompt tokens of the active requests: the KV a step reads now
-    reserved: dict[RequestId, int] = attrs.field(factory=dict)
+    reserved: dict[RequestId, Reservation] = attrs.field(factory=dict)
     reserved_tokens: int = 0
+    reserved_context_tokens: int = 0  # prompt tokens of the reserved requests
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.limits.kv_capacity_tokens
 
     @property
     def batch_size(self) -> int:
@@ -122,12 +147,25 @@ class DecodeView:
     def free_tokens(self) -> int:
         return self.capacity_tokens - self.used_tokens - self.reserved_tokens
 
-    def reserve(self, request_id: RequestId, tokens: int) -> None:
-        self.reserved[request_id] = tokens
-        self.reserved_tokens += tokens
+    def load(self) -> DecodeLoad:
+        """The batch the instance is committed to: its active requests and those reserved."""
+        return DecodeLoad(
+            len(self.active) + len(self.reserved),
+            self.context_tokens + self.reserved_context_tokens,
+            self.used_tokens + self.reserved_tokens,
+        )
+
+    def reserve(self, request_id: RequestId, prompt_tokens: int, output_tokens: int) -> None:
+        reservation = Reservation(prompt_tokens, output_tokens)
+        self.reserved[request_id] = reservation
+        self.reserved_tokens += reservation.tokens
+        self.reserved_context_tokens += prompt_tokens
 
     def release(self, request_id: RequestId) -> None:
-        self.reserved_tokens -= self.reserved.pop(request_id, 0)
+        reservation = self.reserved.pop(request_id, None)
+        if reservation is not None:
+            self.reserved_tokens -= reservation.tokens
+            self.reserved_context_tokens -= reservation.prompt_tokens
 
     def join(self, request: ActiveDecode) -> None:
         self.release(request.request_id)
@@ -145,11 +183,13 @@ class DecodeView:
         total = sum(a.context_tokens + a.output_tokens for a in self.active.values())
         assert total == self.used_tokens, f"{self.instance_id}: used {self.used_tokens} != {total}"
         assert self.context_tokens == sum(a.context_tokens for a in self.active.values()), "context total out of sync"
-        assert sum(self.reserved.values()) == self.reserved_tokens, f"{self.instance_id}: reservations out of sync"
-        assert not set(self.reserved) & set(self.active), f"{self.instance_id}: a request both reserved and active"
-        assert 0 <= self.used_tokens + self.reserved_tokens <= self.capacity_tokens, (
-            f"{self.instance_id}: VRAM over capacity"
+        assert sum(r.tokens for r in self.reserved.values()) == self.reserved_tokens, (
+            f"{self.instance_id}: reservations out of sync"
         )
+        assert sum(r.prompt_tokens for r in self.reserved.values()) == self.reserved_context_tokens
+        assert not set(self.reserved) & set(self.active), f"{self.instance_id}: a request both reserved and active"
+        # Within capacity as the instance's own check keeps it; the Conductor only accounts what joined.
+        assert self.used_tokens >= 0 and self.reserved_tokens >= 0, f"{self.instance_id}: negative KV"
 
 
 _V = TypeVar("_V", bound="PrefillView | DecodeView")
@@ -223,26 +263,40 @@ class PrefillBoard(_Board["PrefillView"]):
 
 
 class DecodeBoard(_Board["DecodeView"]):
-    """Decode views side by side: per slot, `free_tokens` (KV room left: capacity − used −
-    reserved), `context_tokens` (prompt tokens decoding there) and `is_up`."""
+    """Decode views side by side: per slot, what each is committed to (`load()`: `batch_size`,
+    `context_tokens`, `kv_tokens`, reservations included), its limits (`max_batch_size`,
+    `kv_capacity_tokens`, `max_context_tokens`; `UNLIMITED` where none is set) and `is_up`."""
 
     def __init__(self, views: Sequence[DecodeView]) -> None:
         super().__init__(views)
-        self.free_tokens = np.zeros(len(self.views), dtype=np.int64)
-        self.context_tokens = np.zeros(len(self.views), dtype=np.int64)
+        count = len(self.views)
+        self.batch_size = np.zeros(count, dtype=np.int64)
+        self.context_tokens = np.zeros(count, dtype=np.int64)
+        self.kv_tokens = np.zeros(count, dtype=np.int64)
+        self.max_batch_size = np.zeros(count, dtype=np.int64)
+        self.kv_capacity_tokens = np.zeros(count, dtype=np.int64)
+        self.max_context_tokens = np.zeros(count, dtype=np.int64)
         self.refresh_all()
 
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after a reservation, join, leave or state change)."""
         view = self.slot_views[slot]
-        self.free_tokens[slot] = view.capacity_tokens - view.used_tokens - view.reserved_tokens
-        self.context_tokens[slot] = view.context_tokens
+        load, limits = view.load(), view.limits
+        self.batch_size[slot] = load.batch_size
+        self.context_tokens[slot] = load.context_tokens
+        self.kv_tokens[slot] = load.kv_tokens
+        self.max_batch_size[slot] = UNLIMITED if limits.max_batch_size is None else limits.max_batch_size
+        self.kv_capacity_tokens[slot] = limits.kv_capacity_tokens
+        self.max_context_tokens[slot] = UNLIMITED if limits.max_context_tokens is None else limits.max_context_tokens
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
         views = self.slot_views
-        assert self.free_tokens.tolist() == [v.free_tokens() for v in views], "free tokens out of sync"
-        assert self.context_tokens.tolist() == [v.context_tokens for v in views], "context out of sync"
+        loads = [v.load() for v in views]
+        assert self.batch_size.tolist() == [load.batch_size for load in loads], "batch sizes out of sync"
+        assert self.context_tokens.tolist() == [load.context_tokens for load in loads], "context out of sync"
+        assert self.kv_tokens.tolist() == [load.kv_tokens for load in loads], "KV out of sync"
+        assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
 
@@ -292,12 +346,22 @@ class DecodeFinished:
 
 @attrs.frozen(kw_only=True)
 class RequestRejected:
-    """An instance refused a request it was routed to (e.g. the decode instance's own TBT check)."""
+    """The decode instance refused a prefilled request it was routed to (its own check of the decode rule)."""
 
     request_id: RequestId
     instance_id: InstanceId
     now: float
-    reason: str = ""
+    reason: Reason = Reason.DECODE_REJECTED
+
+
+@attrs.frozen(kw_only=True)
+class RequestAborted:
+    """A request ended before completing for a reason no scheduling decision gave: its client left,
+    its deadline passed, an engine failed."""
+
+    request_id: RequestId
+    now: float
+    reason: Reason = Reason.FAILED
 
 
 @attrs.frozen(kw_only=True)
@@ -319,6 +383,7 @@ SchedulerEvent = (
     | DecodeJoined
     | DecodeFinished
     | RequestRejected
+    | RequestAborted
     | InstanceDown
     | InstanceUp
 )

@@ -5,12 +5,13 @@ prefix caching in its own HBM only (a metadata-only `TieredCache` of the KV
 tokens its HBM holds, LRU, prefix-aware), and requests are spread over the
 instances by least outstanding requests (ties: the lowest index), as a load
 balancer in front of vLLM replicas does. No request is rejected, except one
-whose KV could never fit an instance.
+that could never run on an idle instance (the decode rule, `sched.join`).
 
 An iteration, at a step boundary, is chosen as vLLM's scheduler does:
 
-- without chunked prefill, a waiting request whose KV fits is prefilled
-  alone, and the whole batch stalls for it (prefill first); otherwise the
+- without chunked prefill, a waiting request that the decode rule's
+  structural checks let in (batch slots, KV: reservations of prompt + output)
+  is prefilled alone, and the whole batch stalls for it (prefill first); otherwise the
   batch decodes, a stretch at a time between membership changes, until a new
   request arrives (it is taken at the next step boundary);
 - with chunked prefill (Sarathi style), every iteration carries one decode
@@ -32,8 +33,10 @@ import attrs
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.outcome import Outcome
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
+from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.types import InstanceId, Request, Slo, Tier
@@ -50,6 +53,7 @@ class CoupledSpec:
         block_size_tokens: tokens per block key.
         cache_capacity_tokens: each instance's HBM prefix cache (default: its KV capacity).
         chunked_prefill: Sarathi-style chunked prefill under `token_budget` tokens per iteration.
+        max_batch_size: requests an instance runs at once (None: as many as its HBM holds).
         mfu: model FLOPs utilisation of prefill.
         analytic_decode: advance decode stretches analytically (False: step by step).
         sample_interval_s: how often load over time is sampled.
@@ -62,6 +66,7 @@ class CoupledSpec:
     cache_capacity_tokens: int | None = None
     chunked_prefill: bool = False
     token_budget: int = 512  # vLLM's max_num_batched_tokens with chunked prefill
+    max_batch_size: int | None = None  # vLLM's max_num_seqs (None: as many as the HBM holds)
     mfu: float = 0.5
     analytic_decode: bool = True
     sample_interval_s: float = 1.0
@@ -104,6 +109,7 @@ class _Instance:
     waiting: deque[_Waiting] = attrs.field(factory=deque)
     prefilling: _Waiting | None = None
     plan: _Plan | None = None
+    kv_tokens: int = 0  # the decoding members' reservations (prompt + output each)
 
     @property
     def instance_id(self) -> InstanceId:
@@ -118,6 +124,18 @@ class _Instance:
     @property
     def outstanding(self) -> int:
         return self.prefills + len(self.node.batch)
+
+    def load(self) -> DecodeLoad:
+        """What the instance holds for the decode rule: its batch and the request it is prefilling."""
+        batch, prefilling = self.node.batch, self.prefilling
+        if prefilling is None:
+            return DecodeLoad(len(batch), batch.context, self.kv_tokens)
+        request = prefilling.request
+        return DecodeLoad(
+            len(batch) + 1,
+            batch.context + request.input_length,
+            self.kv_tokens + request.input_length + request.output_length,
+        )
 
 
 class CoupledCluster:
@@ -136,6 +154,7 @@ class CoupledCluster:
         self.capacity_tokens = decode_cost.capacity_tokens()
         if self.capacity_tokens <= 0:
             raise ConfigError(f"{spec.model.name} leaves no HBM for KV on {spec.hardware.name}")
+        self.limits = DecodeLimits(kv_capacity_tokens=self.capacity_tokens, max_batch_size=spec.max_batch_size)
         cache_tokens = self.capacity_tokens if spec.cache_capacity_tokens is None else spec.cache_capacity_tokens
         self.page_bytes = spec.block_size_tokens * spec.model.kv_bytes_per_token
         pages = max(1, cache_tokens // spec.block_size_tokens)
@@ -159,8 +178,10 @@ class CoupledCluster:
 
     def _arrive(self, now: float, request: Request) -> None:
         record = self.replay.open(now, request)
-        if request.input_length + request.output_length > self.capacity_tokens:
-            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, "exceeds_hbm")
+        alone = self._verdict(DecodeLoad(0, 0, 0), request)
+        if not alone.accepted:  # it could never run: it does not fit an idle instance
+            assert alone.reason is not None
+            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, alone.reason)
             return
         instance = min(self._instances, key=lambda i: i.outstanding)
         record.prefill_instance = record.decode_instance = instance.instance_id
@@ -173,16 +194,13 @@ class CoupledCluster:
             if steps < plan.steps:
                 self._start(instance, _Plan(steps, None, interruptible=False))
 
-    def _fits(self, instance: _Instance, request: Request) -> bool:
-        batch = instance.node.batch
-        held = batch.context + sum(m.remaining for m in batch.members)
-        if instance.prefilling is not None:
-            held += instance.prefilling.request.input_length + instance.prefilling.request.output_length
-        return held + request.input_length + request.output_length <= self.capacity_tokens
+    def _verdict(self, load: DecodeLoad, request: Request) -> JoinVerdict:
+        """The decode rule's structural checks (the coupled scheduler has no TBT check)."""
+        return check_join(self.limits, load, prompt_tokens=request.input_length, output_tokens=request.output_length)
 
     def _take(self, instance: _Instance) -> _Waiting | None:
-        """The head of the queue if its KV fits, with its cached prefix looked up."""
-        if not instance.waiting or not self._fits(instance, instance.waiting[0].request):
+        """The head of the queue if the decode rule lets it in, with its cached prefix looked up."""
+        if not instance.waiting or not self._verdict(instance.load(), instance.waiting[0].request).accepted:
             return None
         waiting = instance.waiting.popleft()
         request = waiting.request
@@ -237,6 +255,7 @@ class CoupledCluster:
         plan = instance.plan
         assert plan is not None
         for member in node.end_stretch(now):
+            instance.kv_tokens -= member.record.input_tokens + member.record.output_tokens
             self.replay.complete(now, member.record)
         done = plan.completes
         if done is not None:
@@ -250,4 +269,5 @@ class CoupledCluster:
                 batch = node.batch
                 batch.start_s = now
                 batch.join(Member(record, record.output_tokens - 1, record.input_tokens))
+                instance.kv_tokens += record.input_tokens + record.output_tokens
         self._decide(now, instance)

@@ -43,7 +43,8 @@ from mooncake.sched.cost import (
     ChunkedPipelineCost,
     PrefillCostModel,
 )
-from mooncake.sched.predictor import DecodeLoad
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.outcome import Outcome
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
@@ -53,7 +54,7 @@ from mooncake.sched.view import (
     RequestRejected,
 )
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import Outcome, ReplayResult, RequestRecord
+from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
@@ -86,12 +87,23 @@ class _Joiner:
 
 @attrs.define(eq=False)
 class _DecodeSide:
-    """A decode instance: its node, its HBM, and the requests joining at the next boundary."""
+    """A decode instance: its node, its limits, and the requests joining at the next boundary.
+
+    `kv_tokens` is every member's and joiner's reservation (prompt + output), as the decode rule counts it.
+    """
 
     node: DecodeNode
-    capacity_tokens: int
+    limits: DecodeLimits
     joining: list[_Joiner] = attrs.field(factory=list)
     joining_tokens: int = 0
+    kv_tokens: int = 0
+
+    def load(self, now: float) -> DecodeLoad:
+        """The batch as it stands at `now`, mid-stretch (what stepping one by one would see), with the joiners."""
+        batch = self.node.batch
+        return DecodeLoad(
+            len(batch) + len(self.joining), batch.context + self.node.grown(now) + self.joining_tokens, self.kv_tokens
+        )
 
 
 def replay(
@@ -127,7 +139,7 @@ class DisaggregatedCluster:
         self.transfer_cost = spec.transfer_cost
         self.kv_bytes_per_token = spec.model.kv_bytes_per_token
         self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
-        decode_cost = spec.decode_cost
+        self.step_model = spec.decode_cost
         self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
         pages = max(1, spec.cache_capacity_tokens * spec.cpp_group_size // spec.block_size_tokens)
         self._prefill = {
@@ -138,7 +150,7 @@ class DisaggregatedCluster:
             for view in conductor.prefill_views
         }
         self._decode = {
-            view.instance_id: _DecodeSide(DecodeNode.of(view.instance_id, decode_cost), view.capacity_tokens)
+            view.instance_id: _DecodeSide(DecodeNode.of(view.instance_id, self.step_model), view.limits)
             for view in conductor.decode_views
         }
         self._prefill_count = 0
@@ -152,10 +164,12 @@ class DisaggregatedCluster:
         return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:
-        """What `decode_instance` really holds at `now` (within the current stretch): requests
-        decoding and their KV tokens (prompt and generated), for scoring load predictors."""
-        node = self._decode[decode_instance].node
-        return DecodeLoad(len(node.batch), node.batch.context + node.grown(now))
+        """What `decode_instance` really holds at `now` (within the current stretch), for scoring load
+        predictors: requests decoding, the KV tokens a step reads (prompts and tokens generated),
+        and their reservations (prompt + output each)."""
+        batch = self._decode[decode_instance].node.batch
+        kv = sum(m.record.input_tokens + m.record.output_tokens for m in batch.members)
+        return DecodeLoad(len(batch), batch.context + self._decode[decode_instance].node.grown(now), kv)
 
     def _counts(self) -> tuple[int, int]:
         return self._prefill_count, self._decode_count
@@ -167,9 +181,8 @@ class DisaggregatedCluster:
         decision = self.conductor.schedule(request, now)
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
         if not decision.accepted:
-            self.replay.reject(
-                record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason.value if decision.reason else ""
-            )
+            assert decision.reason is not None
+            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason)
             return
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         if self._try_inline(now, request, record, decision):
@@ -245,14 +258,16 @@ class DisaggregatedCluster:
     # ------------------------------------------------------------------ decode side
 
     def _try_inline(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> bool:
-        """Prefill a short request inside its decode batch when the step carrying it keeps the TBT SLO."""
+        """Prefill a short request inside its decode batch when the decode rule takes it and the step
+        carrying its prefill stays within the TBT SLO."""
         if request.input_length > self.spec.inline_prefill_tokens or request.output_length <= 1:
             return False
         assert decision.decode_instance is not None and decision.prefill_instance is not None
         side = self._decode[decision.decode_instance]
         inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
-        step = side.node.batch.step_s(side.node.grown(now) + side.joining_tokens + request.input_length)
-        if step + inline_s > self.slo.tbt_s or not self._fits(side, record, now):
+        verdict = self._check(side, record, now, tbt_slo_s=None)
+        step_s = verdict.predicted_tbt_s
+        if not verdict.accepted or step_s is None or step_s + inline_s > self.slo.tbt_s:
             return False
         # It never reaches the prefill instance the Conductor queued it on.
         self.conductor.handle(
@@ -264,22 +279,25 @@ class DisaggregatedCluster:
         self._enqueue(now, side, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
         return True
 
-    def _fits(self, side: _DecodeSide, record: RequestRecord, now: float) -> bool:
-        needed = record.input_tokens + record.output_tokens
-        held = side.node.batch.context + side.node.grown(now) + side.joining_tokens
-        return held + needed <= side.capacity_tokens
+    def _check(self, side: _DecodeSide, record: RequestRecord, now: float, *, tbt_slo_s: float | None) -> JoinVerdict:
+        """The decode rule on the instance's batch as it stands at `now`."""
+        return check_join(
+            side.limits,
+            side.load(now),
+            prompt_tokens=record.input_tokens,
+            output_tokens=record.output_tokens,
+            step_model=self.step_model,
+            tbt_slo_s=tbt_slo_s,
+        )
 
     def _decode_arrive(self, now: float, side: _DecodeSide, record: RequestRecord) -> None:
-        # The batch as it stands now, mid-stretch (what stepping one by one would see).
-        batch = side.node.batch
-        step = batch.step_s(side.node.grown(now) + side.joining_tokens + record.input_tokens)
-        if (len(batch) or side.joining) and (step > self.slo.tbt_s or not self._fits(side, record, now)):
-            # The instance's own check: this request would break the batch's TBT SLO or overflow HBM.
-            self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, "decode_local_check")
-            assert record.decode_instance is not None
+        verdict = self._check(side, record, now, tbt_slo_s=self.slo.tbt_s)
+        if not verdict.accepted:  # the instance's own check: the prefill was wasted
+            assert verdict.reason is not None and record.decode_instance is not None
+            self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, verdict.reason)
             self.conductor.handle(
                 RequestRejected(
-                    request_id=record.request_id, instance_id=record.decode_instance, now=now, reason="tbt_slo"
+                    request_id=record.request_id, instance_id=record.decode_instance, now=now, reason=verdict.reason
                 )
             )
             return
@@ -289,6 +307,7 @@ class DisaggregatedCluster:
         """`joiner` joins at the batch's next step boundary (now, if the batch is idle)."""
         side.joining.append(joiner)
         side.joining_tokens += joiner.member.context
+        side.kv_tokens += joiner.member.record.input_tokens + joiner.member.record.output_tokens
         node = side.node
         if not node.batch.members:
             if len(side.joining) == 1:
@@ -305,6 +324,7 @@ class DisaggregatedCluster:
             return  # the plan changed since this boundary was planned
         for member in node.end_stretch(now):
             self._decode_count -= 1
+            side.kv_tokens -= member.record.input_tokens + member.record.output_tokens
             self._finish(now, member.record)
         batch = node.batch
         joiners, side.joining, side.joining_tokens = side.joining, [], 0

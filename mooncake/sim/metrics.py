@@ -17,7 +17,6 @@ access.
 from __future__ import annotations
 
 import array
-import enum
 import heapq
 import itertools
 import math
@@ -27,13 +26,13 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.types import InstanceId, RequestId, Slo
 
 __all__ = [
     "IntervalRuns",
     "LoadSample",
     "LoadTrace",
-    "Outcome",
     "RecordTable",
     "ReplayResult",
     "RequestRecord",
@@ -124,12 +123,6 @@ def top_mean(runs: IntervalRuns, fraction: float = 0.1) -> float:
     return (total + (m - count) * low) / m
 
 
-class Outcome(enum.Enum):
-    COMPLETED = "completed"
-    REJECTED_BEFORE_PREFILL = "rejected_before_prefill"
-    REJECTED_AFTER_PREFILL = "rejected_after_prefill"
-
-
 @attrs.define
 class RequestRecord:
     """What happened to one request in a replay (times in seconds of simulated time)."""
@@ -139,7 +132,7 @@ class RequestRecord:
     input_tokens: int
     output_tokens: int
     outcome: Outcome | None = None
-    reason: str = ""
+    reason: Reason | None = None
     prefill_instance: InstanceId | None = None
     decode_instance: InstanceId | None = None
     prefix_tokens: int = 0
@@ -157,10 +150,12 @@ class RequestRecord:
 
 _OUTCOMES: tuple[Outcome | None, ...] = (None, *Outcome)
 _OUTCOME_CODE = {outcome: code for code, outcome in enumerate(_OUTCOMES)}
+_REASONS: tuple[Reason | None, ...] = (None, *Reason)
+_REASON_CODE = {reason: code for code, reason in enumerate(_REASONS)}
 
 
 class _Names:
-    """Strings (or None) as small codes: the few instance ids and reasons a replay uses."""
+    """Strings (or None) as small codes: the few instance ids a replay uses."""
 
     def __init__(self) -> None:
         self.names: list[str | None] = [None]
@@ -232,7 +227,7 @@ class RecordTable(Sequence[RequestRecord]):
         ints["output_tokens"][row] = record.output_tokens
         ints["prefix_tokens"][row] = record.prefix_tokens
         codes["outcome"][row] = _OUTCOME_CODE[record.outcome]
-        codes["reason"][row] = code(record.reason)
+        codes["reason"][row] = _REASON_CODE[record.reason]
         codes["prefill_instance"][row] = code(record.prefill_instance)
         codes["decode_instance"][row] = code(record.decode_instance)
         codes["inline_prefill"][row] = record.inline_prefill
@@ -241,7 +236,8 @@ class RecordTable(Sequence[RequestRecord]):
 
     def column(self, name: str) -> np.ndarray:
         """A field of every record as an array, live records included (times: NaN for None;
-        outcome, reason, instances and inline_prefill: codes, see `outcome_code` and `code_of`)."""
+        outcome, reason, instances and inline_prefill: codes, see `outcome_code`, `reason_code` and
+        `code_of`)."""
         if name in self._floats:
             values: np.ndarray = np.frombuffer(self._floats[name], dtype=np.float64).copy()
         elif name in self._ints:
@@ -255,6 +251,10 @@ class RecordTable(Sequence[RequestRecord]):
     @staticmethod
     def outcome_code(outcome: Outcome | None) -> int:
         return _OUTCOME_CODE[outcome]
+
+    @staticmethod
+    def reason_code(reason: Reason | None) -> int:
+        return _REASON_CODE[reason]
 
     def code_of(self, name: str | None) -> int:
         """The code `name` has (or would get) in the coded columns."""
@@ -310,7 +310,7 @@ class RecordTable(Sequence[RequestRecord]):
             input_tokens=ints["input_tokens"][row],
             output_tokens=ints["output_tokens"][row],
             outcome=_OUTCOMES[codes["outcome"][row]],
-            reason=names[codes["reason"][row]] or "",
+            reason=_REASONS[codes["reason"][row]],
             prefill_instance=names[codes["prefill_instance"][row]],  # type: ignore[arg-type]
             decode_instance=names[codes["decode_instance"][row]],  # type: ignore[arg-type]
             prefix_tokens=ints["prefix_tokens"][row],
@@ -335,6 +335,8 @@ def _as_column_value(name: str, value: object, table: RecordTable) -> float | in
         return value  # type: ignore[return-value]
     if name == "outcome":
         return _OUTCOME_CODE[value]  # type: ignore[index]
+    if name == "reason":
+        return _REASON_CODE[value]  # type: ignore[index]
     if name == "inline_prefill":
         return int(bool(value))
     return table.code_of(value)  # type: ignore[arg-type]

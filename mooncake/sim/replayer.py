@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
-from mooncake.sim.metrics import LoadTrace, Outcome, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.types import Request, Slo
 
 __all__ = ["Progress", "ReplayContext"]
@@ -92,7 +93,7 @@ class ReplayContext:
         record.tbt_s = top_mean(record.intervals)
         self.records.seal(record)
 
-    def reject(self, record: RequestRecord, outcome: Outcome, reason: str) -> None:
+    def reject(self, record: RequestRecord, outcome: Outcome, reason: Reason) -> None:
         """The request was refused (`outcome` says before or after its prefill): its record ends."""
         record.outcome = outcome
         record.reason = reason

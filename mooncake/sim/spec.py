@@ -30,6 +30,7 @@ from mooncake.sched.cost import (
     PrefillModel,
     TransferCostModel,
 )
+from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import (
     KvCacheCentricRouter,
@@ -70,6 +71,7 @@ class ClusterSpec:
         cpp_group_size: prefill nodes per chunked-pipeline group (1: no CPP); divides num_prefill.
         cpp_chunk_tokens: the CPP chunk.
         inline_prefill_tokens: prompts up to this long may be prefilled inside a decode batch (0: never).
+        max_decode_batch_size: requests a decode node decodes at once (None: as many as its HBM holds).
         analytic_decode: advance decode batches analytically (False: step by step).
         sample_interval_s: how often load over time is sampled.
     """
@@ -87,6 +89,7 @@ class ClusterSpec:
     cpp_group_size: int = attrs.field(default=1, validator=_at_least(1))
     cpp_chunk_tokens: int = attrs.field(default=4096, validator=_at_least(1))
     inline_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    max_decode_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
     analytic_decode: bool = True
     sample_interval_s: float = 1.0
 
@@ -118,6 +121,13 @@ class ClusterSpec:
     @property
     def decode_cost(self) -> DecodeCostModel:
         return DecodeCostModel(model=self.model, hardware=self.decode_hardware)
+
+    @property
+    def decode_limits(self) -> DecodeLimits:
+        """What one decode node holds: its HBM's KV beside the weights, and its batch slots."""
+        return DecodeLimits(
+            kv_capacity_tokens=self.decode_cost.capacity_tokens(), max_batch_size=self.max_decode_batch_size
+        )
 
     @property
     def transfer_cost(self) -> TransferCostModel:
@@ -167,7 +177,7 @@ def build_conductor(
         router = "local_cache_aware"  # without a global pool there is nothing to transfer from
     conductor = Conductor(
         router=routers[router]() if isinstance(router, str) else router(estimator),
-        decode_cost=spec.decode_cost,
+        step_model=spec.decode_cost,
         admission=admissions[admission](),
         predictor=UniformDecodePredictor(decode_s=decode_s),
         slo=slo or Slo(),
@@ -177,5 +187,5 @@ def build_conductor(
     for i in range(spec.num_prefill_instances):
         conductor.add_prefill_instance(InstanceId(f"prefill-{i}"))
     for i in range(spec.num_decode):
-        conductor.add_decode_instance(InstanceId(f"decode-{i}"))
+        conductor.add_decode_instance(InstanceId(f"decode-{i}"), spec.decode_limits)
     return conductor

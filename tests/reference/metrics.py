@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mooncake.sim.metrics import Outcome, RequestRecord, Summary
+from mooncake.sched.outcome import Outcome
+from mooncake.sim.metrics import RequestRecord, Summary
 from mooncake.types import Slo
 
 __all__ = ["reference_summary"]

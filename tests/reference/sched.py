@@ -6,22 +6,25 @@
 - `reference_route`: every candidate's decision under that rule with the
   router's own estimator, and the minimum by (TTFT, queue, id).
 - `reference_local_route`: the local-cache-aware ablation (never a transfer).
-- `reference_decode`: the decode instance with the lowest TBT / SLO among
-  those up with room, ties by id.
+- `reference_decode`: the decode rule on each instance that is up, and the
+  lowest step time among those it lets in, ties by id.
+- `reference_verdict`: the decode rule itself, check by check.
 - `HoldingsModel`: which keys each instance's cache holds, and each one's
   contiguous prefix of a chain (what the index's match should say).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from mooncake.sched.cost import DecodeCostModel
+from mooncake.sched.cost import StepModel
 from mooncake.sched.decode import DecodeChoice
-from mooncake.sched.predictor import DecodeLoad
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision, RouteQuery, TtftEstimator
 from mooncake.sched.view import DecodeView, PrefillView
 from mooncake.types import BlockKey, InstanceId
@@ -31,6 +34,7 @@ __all__ = [
     "reference_decode",
     "reference_local_route",
     "reference_route",
+    "reference_verdict",
     "should_transfer",
 ]
 
@@ -96,27 +100,69 @@ def reference_local_route(
 def reference_decode(
     views: Sequence[DecodeView],
     *,
-    context_tokens: int,
+    prompt_tokens: int,
     output_tokens: int,
-    cost: DecodeCostModel,
+    step_model: StepModel,
     tbt_slo_s: float,
-    loads: Mapping[InstanceId, DecodeLoad],
-) -> DecodeChoice | None:
-    """Brute force over the decode instances that are up with room."""
+    loads: Mapping[InstanceId, DecodeLoad] | None = None,
+) -> DecodeChoice:
+    """Brute force: the decode rule on each instance that is up, one at a time; among those it lets
+    in (TBT aside), the lowest step time with the request added, ties by id; none: the reason most
+    instances up give (ties: the earlier check), or NO_DECODE_INSTANCE when none is up."""
     options = []
+    reasons: collections.Counter[Reason] = collections.Counter()
     for view in views:
-        if (
-            not view.is_up
-            or view.capacity_tokens - view.used_tokens - view.reserved_tokens < context_tokens + output_tokens
-        ):
+        if not view.is_up:
             continue
-        load = loads[view.instance_id]
-        tbt = cost.step_s(round(load.batch_size) + 1, int(load.context_tokens) + context_tokens)
-        options.append((tbt / tbt_slo_s, view.instance_id, tbt))
+        load = view.load() if loads is None else loads.get(view.instance_id, DecodeLoad(0, 0, 0))
+        load = DecodeLoad(round(load.batch_size), round(load.context_tokens), round(load.kv_tokens))
+        structural = check_join(view.limits, load, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        if not structural.accepted:
+            assert structural.reason is not None
+            reasons[structural.reason] += 1
+            continue
+        step = step_model.step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
+        options.append((step, view.instance_id, view.limits, load))
     if not options:
-        return None
-    _, instance, tbt = min(options)
-    return DecodeChoice(decode_instance=instance, tbt_s=tbt)
+        order = list(Reason)
+        reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
+        return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
+    _, instance, limits, load = min(options, key=lambda option: (option[0], option[1]))
+    verdict = check_join(
+        limits,
+        load,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        step_model=step_model,
+        tbt_slo_s=tbt_slo_s,
+    )
+    return DecodeChoice(decode_instance=instance, verdict=verdict)
+
+
+def reference_verdict(
+    limits: DecodeLimits,
+    load: DecodeLoad,
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    step_model: StepModel | None,
+    tbt_slo_s: float | None,
+) -> Reason | None:
+    """The decode rule as its docstring states it, check by check: the first failing check's reason."""
+    need = prompt_tokens + output_tokens
+    if limits.max_context_tokens is not None and need > limits.max_context_tokens:
+        return Reason.CONTEXT_TOO_LONG
+    if output_tokens == 1:
+        return None  # no slot taken, no KV kept
+    if limits.max_batch_size is not None and load.batch_size + 1 > limits.max_batch_size:
+        return Reason.BATCH_FULL
+    if load.kv_tokens + need > limits.kv_capacity_tokens:
+        return Reason.KV_BUDGET
+    if step_model is not None and tbt_slo_s is not None and load.batch_size > 0:
+        step = step_model.step_s(round(load.batch_size) + 1, round(load.context_tokens) + prompt_tokens)
+        if step > tbt_slo_s:
+            return Reason.TBT_SLO
+    return None
 
 
 @attrs.define

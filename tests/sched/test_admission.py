@@ -18,12 +18,13 @@ from mooncake.sched.admission import (
     AdmissionPolicy,
     BaselineAdmission,
     EarlyRejection,
-    Rejection,
     predictive_early_rejection,
 )
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
 from mooncake.sched.decode import DecodeChoice
+from mooncake.sched.join import DecodeLimits, JoinVerdict
+from mooncake.sched.outcome import Reason
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, RouteDecision, TtftEstimator
 from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished
@@ -52,8 +53,14 @@ def route(ttft_s: float) -> RouteDecision:
     )
 
 
-def decode(tbt_s: float) -> DecodeChoice:
-    return DecodeChoice(decode_instance=InstanceId("d"), tbt_s=tbt_s)
+def decode(tbt_s: float, slo: Slo) -> DecodeChoice:
+    """A decode choice whose verdict is the TBT check of `tbt_s` against `slo` (as `choose_decode` gives)."""
+    within = tbt_s <= slo.tbt_s
+    verdict = JoinVerdict(accepted=within, reason=None if within else Reason.TBT_SLO, predicted_tbt_s=tbt_s)
+    return DecodeChoice(decode_instance=InstanceId("d"), verdict=verdict)
+
+
+LIMITS = DecodeLimits(kv_capacity_tokens=DECODE_COST.capacity_tokens())
 
 
 def conductor(
@@ -61,7 +68,7 @@ def conductor(
 ) -> Conductor:
     c = Conductor(
         router=KvCacheCentricRouter(ESTIMATOR),
-        decode_cost=DECODE_COST,
+        step_model=DECODE_COST,
         admission=policy,
         predictor=UniformDecodePredictor(decode_s=decode_s),
         slo=slo,
@@ -70,7 +77,7 @@ def conductor(
     for i in range(prefill):
         c.add_prefill_instance(InstanceId(f"prefill-{i}"))
     for i in range(decode):
-        c.add_decode_instance(InstanceId(f"decode-{i}"))
+        c.add_decode_instance(InstanceId(f"decode-{i}"), LIMITS)
     return c
 
 
@@ -118,19 +125,26 @@ def test_baseline_checks_only_ttft() -> None:
     """Baseline accepts within the TTFT SLO whatever the TBT, and rejects beyond it with TTFT_SLO."""
     slo = Slo(ttft_s=2.0, tbt_s=0.1)
     policy = BaselineAdmission()
-    assert policy.admit(route(2.0), decode(5.0), slo).accepted
-    rejected = policy.admit(route(2.01), decode(0.01), slo)
-    assert (rejected.accepted, rejected.reason) == (False, Rejection.TTFT_SLO)
+    assert policy.admit(route(2.0), decode(5.0, slo), slo).accepted
+    rejected = policy.admit(route(2.01), decode(0.01, slo), slo)
+    assert (rejected.accepted, rejected.reason) == (False, Reason.TTFT_SLO)
 
 
 @pytest.mark.parametrize("policy", [EarlyRejection(), predictive_early_rejection()], ids=lambda p: p.name)
 def test_early_rejection_checks_ttft_then_tbt(policy: EarlyRejection) -> None:
     """Early rejection needs both estimates within SLO; TTFT is checked first."""
     slo = Slo(ttft_s=2.0, tbt_s=0.1)
-    assert policy.admit(route(2.0), decode(0.1), slo).accepted
-    assert policy.admit(route(2.0), decode(0.11), slo).reason is Rejection.TBT_SLO
-    assert policy.admit(route(3.0), decode(0.01), slo).reason is Rejection.TTFT_SLO
-    assert policy.admit(route(3.0), decode(0.5), slo).reason is Rejection.TTFT_SLO
+    assert policy.admit(route(2.0), decode(0.1, slo), slo).accepted
+    assert policy.admit(route(2.0), decode(0.11, slo), slo).reason is Reason.TBT_SLO
+    assert policy.admit(route(3.0), decode(0.01, slo), slo).reason is Reason.TTFT_SLO
+    assert policy.admit(route(3.0), decode(0.5, slo), slo).reason is Reason.TTFT_SLO
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=lambda p: p.name)
+def test_no_decode_instance_is_refused_with_its_bound(policy: AdmissionPolicy) -> None:
+    """When no decode instance can take the request, every policy refuses with the bound that stopped it."""
+    nobody = DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=Reason.BATCH_FULL))
+    assert policy.admit(route(0.1), nobody, Slo()).reason is Reason.BATCH_FULL
 
 
 slos = st.builds(Slo, ttft_s=st.floats(min_value=0.01, max_value=60), tbt_s=st.floats(min_value=0.001, max_value=1))
@@ -140,7 +154,7 @@ seconds = st.floats(min_value=0.0, max_value=100.0)
 @given(st.sampled_from(sorted(POLICIES)), seconds, st.floats(min_value=0.0, max_value=2.0), slos)
 def test_accepts_exactly_within_its_slos(name: str, ttft_s: float, tbt_s: float, slo: Slo) -> None:
     """A policy accepts iff TTFT (and, unless baseline, TBT) is within SLO; a rejection has a reason, an acceptance none."""
-    verdict = POLICIES[name].admit(route(ttft_s), decode(tbt_s), slo)
+    verdict = POLICIES[name].admit(route(ttft_s), decode(tbt_s, slo), slo)
     within = ttft_s <= slo.ttft_s and (name == "baseline" or tbt_s <= slo.tbt_s)
     assert verdict.accepted == within
     assert (verdict.reason is None) == verdict.accepted
@@ -167,39 +181,44 @@ def test_early_rejection_sees_load_that_baseline_ignores() -> None:
         run_to_decode(c, request(f"filler-{i}", 10_000, first_key=1000 * (i + 1)), now=20.0 * i)
     verdicts = judged_by_each_policy(c, request("probe", 1000), now=200.0)
     assert verdicts["baseline"].accepted
-    assert verdicts["early_rejection"].reason is Rejection.TBT_SLO
+    assert verdicts["early_rejection"].reason is Reason.TBT_SLO
     assert verdicts["early_rejection"].tbt_s > TIGHT_TBT.tbt_s
     # The fillers will have decoded longer than t_d by the time the probe arrives: predicted empty.
     assert verdicts["predictive_early_rejection"].accepted
 
 
-def test_predictive_rejection_sees_load_about_to_arrive() -> None:
-    """Prefills heading to the decode instance: early rejection (current load) accepts, the predictive one refuses."""
-    c = conductor(EarlyRejection(), decode_s=10.0)
+def test_requests_still_in_prefill_count_toward_the_decode_batch() -> None:
+    """Prefills heading to the decode instance are part of its load: early rejection counts them
+    now, the predictive one because they arrive before the probe does; baseline does not look."""
+    c = conductor(BaselineAdmission(), decode_s=10.0)
     for i in range(10):  # 100k tokens of prompts queued at t = 0 on the one prefill instance
         assert c.schedule(request(f"filler-{i}", 10_000, first_key=1000 * (i + 1)), now=0.0).accepted
     verdicts = judged_by_each_policy(c, request("probe", 1000), now=0.0)
     assert verdicts["baseline"].accepted
-    assert verdicts["early_rejection"].accepted
-    assert verdicts["predictive_early_rejection"].reason is Rejection.TBT_SLO
+    assert verdicts["early_rejection"].reason is Reason.TBT_SLO
+    assert verdicts["predictive_early_rejection"].reason is Reason.TBT_SLO
 
 
 def test_no_room_on_any_decode_instance_is_a_rejection_for_every_policy() -> None:
-    """A request whose KV fits nowhere is rejected with NO_DECODE_INSTANCE, whatever the policy."""
+    """A request whose KV fits nowhere is rejected with KV_BUDGET, whatever the policy; one whose
+    batch slots are all taken (decoding or reserved) with BATCH_FULL."""
     for name, policy in POLICIES.items():
         c = Conductor(
             router=KvCacheCentricRouter(ESTIMATOR),
-            decode_cost=DECODE_COST,
+            step_model=DECODE_COST,
             admission=policy,
             predictor=UniformDecodePredictor(decode_s=10.0),
             slo=Slo(),
             block_size_tokens=BLOCK,
         )
         c.add_prefill_instance(InstanceId("prefill-0"))
-        c.add_decode_instance(InstanceId("decode-0"), capacity_tokens=1000)
+        c.add_decode_instance(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=1000, max_batch_size=1))
         decision = c.schedule(request("big", 900, output=101), 0.0)
-        assert (decision.accepted, decision.reason) == (False, Rejection.NO_DECODE_INSTANCE), name
+        assert (decision.accepted, decision.reason) == (False, Reason.KV_BUDGET), name
         assert c.in_flight == ()
+        assert c.schedule(request("small", 100, output=100), 0.0).accepted
+        decision = c.schedule(request("second", 100, output=100, first_key=10**6), 0.0)
+        assert (decision.accepted, decision.reason) == (False, Reason.BATCH_FULL), name
 
 
 # ---------------------------------------------------------------------------- the Conductor keeps its promises
@@ -223,13 +242,14 @@ arrivals = st.integers(min_value=5, max_value=30).flatmap(lambda n: st.lists(arr
 def test_accepted_requests_are_within_their_policys_slos(
     name: str, slo: Slo, predictor_name: str, stream: list[tuple[float, int, int, int, str]]
 ) -> None:
-    """Every accepted decision has ttft_s <= SLO and, for TBT-checking policies, tbt_s <= SLO; rejections carry a reason."""
+    """Every accepted decision has ttft_s <= SLO and, for TBT-checking policies, tbt_s <= SLO (when it
+    decodes at all); rejections carry a reason."""
     predictor = (
         UniformDecodePredictor(decode_s=5.0) if predictor_name == "uniform" else OutputLengthPredictor(step_s=0.02)
     )
     c = Conductor(
         router=KvCacheCentricRouter(ESTIMATOR),
-        decode_cost=DECODE_COST,
+        step_model=DECODE_COST,
         admission=POLICIES[name],
         predictor=predictor,
         slo=slo,
@@ -238,7 +258,7 @@ def test_accepted_requests_are_within_their_policys_slos(
     for i in range(3):
         c.add_prefill_instance(InstanceId(f"prefill-{i}"))
     for i in range(2):
-        c.add_decode_instance(InstanceId(f"decode-{i}"), capacity_tokens=30_000)
+        c.add_decode_instance(InstanceId(f"decode-{i}"), DecodeLimits(kv_capacity_tokens=30_000, max_batch_size=4))
     now = 0.0
     seqs = {InstanceId(f"prefill-{i}"): 0 for i in range(3)}
     for index, (gap_s, tokens, output, document, stage) in enumerate(stream):
@@ -253,7 +273,7 @@ def test_accepted_requests_are_within_their_policys_slos(
         assert decision.reason is None
         assert decision.ttft_s is not None and decision.tbt_s is not None
         assert decision.ttft_s <= slo.ttft_s
-        if name != "baseline":
+        if name != "baseline" and output > 1:  # a request whose only token is its prefill's never decodes
             assert decision.tbt_s <= slo.tbt_s
         prefill, target = decision.prefill_instance, decision.decode_instance
         assert prefill is not None and target is not None

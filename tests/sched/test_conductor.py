@@ -26,9 +26,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mooncake.cache.events import AllBlocksCleared, BlockStored
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, Rejection
-from mooncake.sched.conductor import Conductor, RequestEnd, ScheduleDecision
+from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection
+from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.join import DecodeLimits, check_join
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
 from mooncake.sched.router import (
     AdaptiveThreshold,
@@ -50,7 +52,9 @@ from mooncake.sched.view import (
     PrefillFinished,
     PrefillStarted,
     PrefillView,
+    RequestAborted,
     RequestRejected,
+    Reservation,
 )
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 from tests.reference.sched import HoldingsModel
@@ -69,7 +73,7 @@ D0, D1 = InstanceId("decode-0"), InstanceId("decode-1")
 PREFILL_IDS, DECODE_IDS = (P0, P1, P2), (D0, D1)
 ROUTERS = ("kvcache_centric", "adaptive", "local_cache_aware", "load_balancing", "random")
 ADMISSIONS = ("baseline", "early_rejection", "predictive_early_rejection")
-INSTANCE_DOWN = f"rejected:{Rejection.INSTANCE_DOWN.value}"
+STRUCTURAL = (Reason.CONTEXT_TOO_LONG, Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.NO_DECODE_INSTANCE)
 MACHINE_BLOCK = 128  # the state machine's prompts: up to 18 blocks, 2,304 tokens (about 0.2 s of prefill)
 
 
@@ -101,12 +105,13 @@ def make_conductor(
     predictor: Any = None,
     slo: Slo | None = None,
     capacity_tokens: int | None = None,
+    max_batch_size: int | None = None,
     block_size: int = BLOCK,
     seed: int = 0,
 ) -> Conductor:
     conductor = Conductor(
         router=make_router(router, threshold=threshold) if isinstance(router, str) else router,
-        decode_cost=DECODE_COST,
+        step_model=DECODE_COST,
         admission=make_admission(admission),
         predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),
         slo=slo if slo is not None else Slo(),
@@ -116,7 +121,10 @@ def make_conductor(
     for instance in PREFILL_IDS:
         conductor.add_prefill_instance(instance)
     for instance in DECODE_IDS:
-        conductor.add_decode_instance(instance, capacity_tokens=capacity_tokens)
+        capacity = DECODE_COST.capacity_tokens() if capacity_tokens is None else capacity_tokens
+        conductor.add_decode_instance(
+            instance, DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=max_batch_size)
+        )
     return conductor
 
 
@@ -306,7 +314,7 @@ def test_no_prefill_instance_up_is_a_rejection() -> None:
     decision = conductor.schedule(request("r", DOC), 0.0)
     assert (decision.accepted, decision.reason, decision.prefill_instance) == (
         False,
-        Rejection.NO_PREFILL_INSTANCE,
+        Reason.NO_PREFILL_INSTANCE,
         None,
     )
     assert conductor.in_flight == ()
@@ -319,7 +327,7 @@ def test_down_decode_instances_are_skipped() -> None:
     assert conductor.schedule(request("r1", DOC), 0.0).decode_instance == D1
     conductor.handle(InstanceDown(instance_id=D1, now=0.0))
     decision = conductor.schedule(request("r2", DOC), 0.0)
-    assert (decision.accepted, decision.reason, decision.decode_instance) == (False, Rejection.NO_DECODE_INSTANCE, None)
+    assert (decision.accepted, decision.reason, decision.decode_instance) == (False, Reason.NO_DECODE_INSTANCE, None)
     assert decision.prefill_instance is not None  # routing got that far
 
 
@@ -337,11 +345,12 @@ def test_instance_down_ends_its_requests_with_a_reason() -> None:
     )
     conductor.handle(joined)
     ends = conductor.handle(InstanceDown(instance_id=P0, now=2.0))
-    assert ends == (RequestEnd(on_p0[1].request_id, INSTANCE_DOWN),)  # the decoding one outlives its prefill node
+    # The decoding one outlives its prefill node.
+    assert ends == (RequestEnd(on_p0[1].request_id, Outcome.ABORTED, Reason.INSTANCE_DOWN),)
     doomed = {d.request_id for d in [first, *elsewhere] if d.decode_instance == first.decode_instance}
     ends = conductor.handle(InstanceDown(instance_id=first.decode_instance, now=3.0))
     assert {e.request_id for e in ends} == doomed and len(ends) == len(doomed)
-    assert {e.outcome for e in ends} == {INSTANCE_DOWN}
+    assert {(e.outcome, e.reason) for e in ends} == {(Outcome.ABORTED, Reason.INSTANCE_DOWN)}
     assert set(conductor.in_flight) == {d.request_id for d in elsewhere} - doomed
     assert conductor.handle(InstanceDown(instance_id=P0, now=4.0)) == ()  # nothing left to end there
     conductor.check_invariants()
@@ -355,7 +364,7 @@ def test_events_about_unknown_instances_are_config_errors() -> None:
     with pytest.raises(ConfigError):
         conductor.add_prefill_instance(D0)
     with pytest.raises(ConfigError):
-        conductor.add_decode_instance(P0)
+        conductor.add_decode_instance(P0, DecodeLimits(kv_capacity_tokens=1000))
 
 
 # ---------------------------------------------------------------------------- the event flow
@@ -370,7 +379,7 @@ def test_request_flows_from_prefill_to_decode_and_ends_once() -> None:
     prefill, decode = decision.prefill_instance, decision.decode_instance
     assert prefill is not None and decode is not None
     view = {v.instance_id: v for v in conductor.decode_views}[decode]
-    assert view.reserved == {r.request_id: 8192 + 300} and view.used_tokens == 0
+    assert view.reserved == {r.request_id: Reservation(8192, 300)} and view.used_tokens == 0
     assert conductor.handle(PrefillStarted(request_id=r.request_id, instance_id=prefill, now=0.5)) == ()
     assert conductor.handle(PrefillFinished(request_id=r.request_id, instance_id=prefill, now=1.4)) == ()
     assert all(not v.queue for v in conductor.prefill_views)
@@ -380,7 +389,7 @@ def test_request_flows_from_prefill_to_decode_and_ends_once() -> None:
     conductor.check_invariants()
     assert conductor.in_flight == (r.request_id,)
     ends = conductor.handle(DecodeFinished(request_id=r.request_id, instance_id=decode, now=9.0, generated_tokens=280))
-    assert ends == (RequestEnd(r.request_id, "finished"),)
+    assert ends == (RequestEnd(r.request_id, Outcome.COMPLETED),)
     assert (view.batch_size, view.used_tokens, conductor.in_flight) == (0, 0, ())
     for late in (
         joined,
@@ -418,9 +427,10 @@ def test_rejection_by_decode_ends_the_request_with_its_reason() -> None:
         placement(conductor.schedule(request("b", DOC), 0.0)),
     )
     plain = RequestRejected(request_id=RequestId("a"), instance_id=first, now=1.0)
-    assert conductor.handle(plain) == (RequestEnd(RequestId("a"), "rejected:decode_rejected"),)
-    tbt = RequestRejected(request_id=RequestId("b"), instance_id=second, now=1.0, reason="tbt_slo")
-    assert conductor.handle(tbt) == (RequestEnd(RequestId("b"), "rejected:tbt_slo"),)
+    rejected = Outcome.REJECTED_AFTER_PREFILL
+    assert conductor.handle(plain) == (RequestEnd(RequestId("a"), rejected, Reason.DECODE_REJECTED),)
+    tbt = RequestRejected(request_id=RequestId("b"), instance_id=second, now=1.0, reason=Reason.TBT_SLO)
+    assert conductor.handle(tbt) == (RequestEnd(RequestId("b"), rejected, Reason.TBT_SLO),)
     assert conductor.in_flight == ()
     assert all(v.reserved_tokens == 0 for v in conductor.decode_views)
     conductor.check_invariants()
@@ -509,6 +519,53 @@ def test_prefilled_inline_leaves_the_queue_and_keeps_the_reservation() -> None:
     )
     assert view.batch_size == 1 and not view.reserved
     conductor.check_invariants()
+
+
+@settings(deadline=None)
+@given(
+    st.sampled_from(ROUTERS),
+    st.sampled_from(ADMISSIONS),
+    st.integers(min_value=2, max_value=5),
+    st.lists(st.tuples(st.integers(1, 12_000), st.integers(2, 2000)), min_size=1, max_size=25),
+)
+def test_no_request_piles_onto_a_node_while_another_is_idle(
+    router: str, admission: str, num_decode: int, requests: list[tuple[int, int]]
+) -> None:
+    """On a symmetric cluster, requests arriving together go to an idle decode instance while one is
+    left: those accepted but still in prefill count on the instance they were sent to. Equal
+    requests end up spread evenly (counts differ by at most one)."""
+    conductor = Conductor(
+        router=make_router(router),
+        step_model=DECODE_COST,
+        admission=make_admission(admission),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=Slo(ttft_s=1e9, tbt_s=1.0),
+        block_size_tokens=BLOCK,
+    )
+    for instance in PREFILL_IDS:
+        conductor.add_prefill_instance(instance)
+    decode_ids = [InstanceId(f"decode-{i}") for i in range(num_decode)]
+    for instance in decode_ids:
+        conductor.add_decode_instance(instance, DecodeLimits(kv_capacity_tokens=DECODE_COST.capacity_tokens()))
+    counts = dict.fromkeys(decode_ids, 0)
+    for i, (tokens, output) in enumerate(requests):
+        r = Request(
+            request_id=RequestId(f"r{i}"),
+            arrival_s=0.0,
+            input_length=tokens,
+            output_length=output,
+            block_keys=tuple(BlockKey(10_000 * i + b) for b in range(-(-tokens // BLOCK))),
+        )
+        idle_before = [d for d in decode_ids if counts[d] == 0]
+        decision = conductor.schedule(r, 0.0)
+        assert decision.accepted, decision
+        assert decision.decode_instance is not None
+        if idle_before:
+            assert decision.decode_instance in idle_before, (decision.decode_instance, counts)
+        counts[decision.decode_instance] += 1
+    equal = [(tokens, output) for tokens, output in requests[:1]] * len(requests)
+    if requests == equal:
+        assert max(counts.values()) - min(counts.values()) <= 1, counts
 
 
 def test_decode_finished_teaches_the_output_length_predictor() -> None:
@@ -601,8 +658,10 @@ class ConductorMachine(RuleBasedStateMachine):
     def _in_stage(self, *stages: str) -> list[RequestId]:
         return sorted(rid for rid, t in self.tracked.items() if t.stage in stages)
 
-    def _end(self, request_id: RequestId, ends: tuple[RequestEnd, ...], outcome: str) -> None:
-        assert ends == (RequestEnd(request_id, outcome),)
+    def _end(
+        self, request_id: RequestId, ends: tuple[RequestEnd, ...], outcome: Outcome, reason: Reason | None = None
+    ) -> None:
+        assert ends == (RequestEnd(request_id, outcome, reason),)
         del self.tracked[request_id]
         self.ends[request_id] += 1
 
@@ -649,11 +708,14 @@ class ConductorMachine(RuleBasedStateMachine):
         assert decision.request_id == r.request_id
         if not decision.accepted:
             assert decision.reason is not None
-            if decision.reason is Rejection.NO_PREFILL_INSTANCE:
+            if decision.reason is Reason.NO_PREFILL_INSTANCE:
                 assert not up_prefill
-            if decision.reason is Rejection.NO_DECODE_INSTANCE:
-                assert all(
-                    v.free_tokens() < r.input_length + r.output_length for v in self.conductor.decode_views if v.is_up
+            if decision.reason in STRUCTURAL and self.admission_name != "predictive_early_rejection":
+                # No instance up that the decode rule lets in, against what each is committed to.
+                assert not any(
+                    check_join(v.limits, v.load(), prompt_tokens=r.input_length, output_tokens=r.output_length).accepted
+                    for v in self.conductor.decode_views
+                    if v.is_up
                 )
             self.ends[r.request_id] += 1
             return
@@ -735,14 +797,21 @@ class ConductorMachine(RuleBasedStateMachine):
         event = DecodeFinished(
             request_id=t.request.request_id, instance_id=t.decode, now=self.now, generated_tokens=generated
         )
-        self._end(t.request.request_id, self.conductor.handle(event), "finished")
+        self._end(t.request.request_id, self.conductor.handle(event), Outcome.COMPLETED)
 
     @precondition(lambda self: self._in_stage("queued", "started", "prefilled"))
-    @rule(data=st.data(), reason=st.sampled_from(["", "tbt_slo"]))
-    def rejected_by_decode(self, data: st.DataObject, reason: str) -> None:
+    @rule(data=st.data(), reason=st.sampled_from([Reason.DECODE_REJECTED, Reason.TBT_SLO, Reason.KV_BUDGET]))
+    def rejected_by_decode(self, data: st.DataObject, reason: Reason) -> None:
         t = self.tracked[data.draw(st.sampled_from(self._in_stage("queued", "started", "prefilled")))]
         event = RequestRejected(request_id=t.request.request_id, instance_id=t.decode, now=self.now, reason=reason)
-        self._end(t.request.request_id, self.conductor.handle(event), f"rejected:{reason or 'decode_rejected'}")
+        self._end(t.request.request_id, self.conductor.handle(event), Outcome.REJECTED_AFTER_PREFILL, reason)
+
+    @precondition(lambda self: self.tracked)
+    @rule(data=st.data(), reason=st.sampled_from([Reason.CLIENT_GONE, Reason.TIMEOUT, Reason.FAILED]))
+    def aborted(self, data: st.DataObject, reason: Reason) -> None:
+        t = self.tracked[data.draw(st.sampled_from(sorted(self.tracked)))]
+        event = RequestAborted(request_id=t.request.request_id, now=self.now, reason=reason)
+        self._end(t.request.request_id, self.conductor.handle(event), Outcome.ABORTED, reason)
 
     @precondition(lambda self: self.ends)
     @rule(data=st.data())
@@ -760,6 +829,7 @@ class ConductorMachine(RuleBasedStateMachine):
                     ),
                     DecodeFinished(request_id=request_id, instance_id=instance, now=self.now),
                     RequestRejected(request_id=request_id, instance_id=instance, now=self.now),
+                    RequestAborted(request_id=request_id, now=self.now),
                 ]
             )
         )
@@ -776,7 +846,7 @@ class ConductorMachine(RuleBasedStateMachine):
         ends = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
         assert len(ends) == len(doomed)
         assert {e.request_id for e in ends} == doomed
-        assert {e.outcome for e in ends} <= {INSTANCE_DOWN}
+        assert {(e.outcome, e.reason) for e in ends} <= {(Outcome.ABORTED, Reason.INSTANCE_DOWN)}
         for request_id in doomed:
             del self.tracked[request_id]
             self.ends[request_id] += 1
@@ -840,7 +910,9 @@ class ConductorMachine(RuleBasedStateMachine):
     @invariant()
     def vram_is_never_over_capacity(self) -> None:
         for view in self.conductor.decode_views:
-            assert 0 <= view.used_tokens + view.reserved_tokens <= view.capacity_tokens
+            assert 0 <= view.used_tokens <= view.capacity_tokens
+            if self.admission_name != "predictive_early_rejection":  # a prediction may promise more
+                assert view.used_tokens + view.reserved_tokens <= view.capacity_tokens
             mine = [t for t in self.tracked.values() if t.decode == view.instance_id]
             assert view.used_tokens == sum(t.tokens for t in mine if t.stage == "decoding")
             assert view.reserved_tokens == sum(t.tokens for t in mine if t.stage != "decoding")

@@ -11,6 +11,7 @@ import math
 
 from hypothesis import given
 
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
 from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView, PrefillBoard, PrefillView, QueuedPrefill
 from mooncake.types import InstanceId, RequestId
 from tests.strategies import prefill_views
@@ -48,14 +49,24 @@ def test_prefill_board_follows_queues_and_state_on_refresh() -> None:
 
 
 def test_decode_board_follows_reservations_and_batches_on_refresh() -> None:
-    """Free tokens are capacity − used − reserved; context tokens those of the batch."""
-    view = DecodeView(InstanceId("decode-0"), 10_000)
+    """An instance's committed load counts what decodes and what is reserved: batch, context read
+    by a step (prompts), KV (prompt + output each); its limits sit beside it."""
+    view = DecodeView(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=8))
     board = DecodeBoard([view])
-    view.reserve(RequestId("a"), 700)
+    view.reserve(RequestId("a"), 600, 100)
     view.join(ActiveDecode(request_id=RequestId("b"), start_s=0.0, context_tokens=1000, output_tokens=200))
     board.refresh(0)
-    assert board.free_tokens.tolist() == [10_000 - 1200 - 700]
-    assert board.context_tokens.tolist() == [1000]
+    assert view.load() == DecodeLoad(2, 1600, 1900) and view.free_tokens() == 10_000 - 1900
+    assert (board.batch_size.tolist(), board.context_tokens.tolist(), board.kv_tokens.tolist()) == (
+        [2],
+        [1600],
+        [1900],
+    )
+    assert (board.max_batch_size.tolist(), board.kv_capacity_tokens.tolist()) == ([8], [10_000])
+    assert board.max_context_tokens.tolist() == [UNLIMITED]
+    view.release(RequestId("a"))
+    board.refresh(0)
+    assert view.load() == DecodeLoad(1, 1000, 1200)
     board.check_invariants()
 
 

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, Hardware
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
-from mooncake.sim.metrics import Outcome, ReplayResult, top_mean
+from mooncake.sim.metrics import ReplayResult, top_mean
 from mooncake.types import BlockKey, Request, RequestId, Slo
 from tests.sim.test_disaggregated import assert_intervals_fill_decoding, assert_same_records, workloads
 
@@ -65,13 +66,13 @@ def coupled_specs(draw: st.DrawFn) -> CoupledSpec:
 
 
 def assert_all_served(requests: list[Request], result: ReplayResult, capacity_tokens: int) -> None:
-    """Every request completed (or refused for exceeding HBM) with consistent times and intervals."""
+    """Every request completed (or refused for a KV reservation larger than HBM) with consistent times and intervals."""
     assert sorted(r.request_id for r in result.records) == sorted(r.request_id for r in requests)
     by_id = {r.request_id: r for r in requests}
     for record in result.records:
         request = by_id[record.request_id]
         if request.input_length + request.output_length > capacity_tokens:
-            assert record.outcome == Outcome.REJECTED_BEFORE_PREFILL and record.reason == "exceeds_hbm"
+            assert record.outcome == Outcome.REJECTED_BEFORE_PREFILL and record.reason is Reason.KV_BUDGET
             continue
         assert record.outcome == Outcome.COMPLETED, f"request {record.request_id} waited forever"
         assert record.first_token_s is not None and record.finish_s is not None
@@ -217,7 +218,7 @@ def test_request_larger_than_hbm_is_rejected_before_prefill() -> None:
         make_request("after", 0.2, 1000, 10, first_key=10_000),
     ]
     fits, too_big, after = cluster.run(requests).records
-    assert too_big.outcome == Outcome.REJECTED_BEFORE_PREFILL and too_big.reason == "exceeds_hbm"
+    assert too_big.outcome == Outcome.REJECTED_BEFORE_PREFILL and too_big.reason is Reason.KV_BUDGET
     assert too_big.first_token_s is None and too_big.prefill_instance is None
     assert fits.outcome == after.outcome == Outcome.COMPLETED
     assert after.first_token_s is not None and fits.finish_s is not None

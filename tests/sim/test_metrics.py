@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import (
     IntervalRuns,
     LoadSample,
     LoadTrace,
-    Outcome,
     RecordTable,
     RequestRecord,
     summarize,
@@ -287,7 +287,7 @@ def record_lists(draw: st.DrawFn) -> list[RequestRecord]:
                 draw(st.integers(min_value=1, max_value=10_000)),
                 draw(st.integers(min_value=1, max_value=500)),
                 outcome=outcome,
-                reason=draw(st.sampled_from(["", "tbt_slo", "decode_local_check"])),
+                reason=draw(st.sampled_from([None, *Reason])),
                 prefill_instance=draw(st.sampled_from([None, InstanceId("p-0"), InstanceId("p-1")])),
                 decode_instance=draw(st.sampled_from([None, InstanceId("d-0")])),
                 prefix_tokens=draw(st.integers(min_value=0, max_value=5000)),

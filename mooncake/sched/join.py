@@ -1,0 +1,170 @@
+"""The decode rule: can this decode instance take this request? One answer for every caller.
+
+The Conductor asks it of each decode instance when it chooses one and when it
+admits a request (against the load it knows now, or predicts for when the
+request will arrive); the simulated decode nodes and the real `DecodeEngine`
+ask it of their own batch when a prefilled request reaches them. The checks,
+in order (the first that fails is the reason):
+
+    CONTEXT_TOO_LONG  prompt + output > max_context_tokens (a request's own room)
+    BATCH_FULL        batch_size + 1 > max_batch_size
+    KV_BUDGET         kv_tokens + prompt + output > kv_capacity_tokens
+    TBT_SLO           step_s(batch_size + 1, context_tokens + prompt) > tbt_slo_s,
+                      checked only when the batch is not empty (a lone request
+                      decodes as fast as the instance can: refusing it would
+                      refuse it forever)
+
+`kv_tokens` counts every member's whole reservation (prompt + output: the KV it
+will hold at its end), `context_tokens` the KV a step reads now. A request whose
+only token is its prefill's (output 1) never takes a slot: only its context is
+checked. With a step model the verdict carries the predicted step time with the
+request added, whether or not it was checked. `blocked` applies the structural checks (all but TBT) to arrays of
+instances at once, with the same comparisons, so that a board of hundreds of
+instances is one pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mooncake._checks import int_at_least
+from mooncake.errors import InvalidRequestError
+from mooncake.sched.cost import StepModel
+from mooncake.sched.outcome import Reason
+
+__all__ = ["DecodeLimits", "DecodeLoad", "JoinVerdict", "UNLIMITED", "blocked", "check_join"]
+
+UNLIMITED = np.iinfo(np.int64).max // 4  # a limit nothing reaches (room for sums without overflow)
+
+
+def _limit(value: int | None) -> int:
+    return UNLIMITED if value is None else value
+
+
+@attrs.frozen(kw_only=True)
+class DecodeLimits:
+    """What one decode instance can hold.
+
+    Attributes:
+        kv_capacity_tokens: KV tokens its memory holds beside the weights.
+        max_batch_size: requests decoding at once (None: as many as fit).
+        max_context_tokens: prompt + output tokens one request may take (None: as many as fit).
+    """
+
+    kv_capacity_tokens: int = attrs.field(validator=int_at_least(0))
+    max_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+    max_context_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+
+
+@attrs.frozen
+class DecodeLoad:
+    """A decode batch, now or as predicted (predictions may be fractional).
+
+    Attributes:
+        batch_size: requests in it.
+        context_tokens: the KV tokens a step reads.
+        kv_tokens: the KV tokens its members hold or have been promised (prompt + output each).
+    """
+
+    batch_size: float
+    context_tokens: float
+    kv_tokens: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class JoinVerdict:
+    """Whether a request may join a decode batch; `reason` names the first check it failed.
+
+    `predicted_tbt_s` is the step time with the request added (when a step model was given).
+    """
+
+    accepted: bool
+    reason: Reason | None = None
+    predicted_tbt_s: float | None = None
+
+
+def _structural(
+    prompt_tokens: int, output_tokens: int, batch_size: Any, kv_tokens: Any, max_batch: Any, capacity: Any, context: Any
+) -> tuple[tuple[Reason, Any], ...]:
+    """Each structural check with whether it fails (bools for scalars, boolean arrays for arrays)."""
+    need = prompt_tokens + output_tokens
+    if output_tokens <= 1:  # it finishes at its first token: no slot, no KV kept
+        return ((Reason.CONTEXT_TOO_LONG, need > context),)
+    return (
+        (Reason.CONTEXT_TOO_LONG, need > context),
+        (Reason.BATCH_FULL, batch_size + 1 > max_batch),
+        (Reason.KV_BUDGET, kv_tokens + need > capacity),
+    )
+
+
+def _check_request(prompt_tokens: int, output_tokens: int) -> None:
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int | np.integer) or prompt_tokens < 1:
+        raise InvalidRequestError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
+    if isinstance(output_tokens, bool) or not isinstance(output_tokens, int | np.integer) or output_tokens < 1:
+        raise InvalidRequestError(f"output_tokens must be an integer >= 1, got {output_tokens!r}")
+
+
+def check_join(
+    limits: DecodeLimits,
+    load: DecodeLoad,
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    step_model: StepModel | None = None,
+    tbt_slo_s: float | None = None,
+) -> JoinVerdict:
+    """The decode rule for one request and one instance (see the module docstring).
+
+    Args:
+        limits: the instance's.
+        load: its batch as the caller sees it (now, or predicted for the request's arrival).
+        prompt_tokens, output_tokens: the request's (output includes the prefill's first token).
+        step_model, tbt_slo_s: the TBT check needs both; without them it is skipped.
+
+    Raises:
+        InvalidRequestError: a token count that is not an integer >= 1.
+    """
+    _check_request(prompt_tokens, output_tokens)
+    checks = _structural(
+        prompt_tokens,
+        output_tokens,
+        load.batch_size,
+        load.kv_tokens,
+        _limit(limits.max_batch_size),
+        limits.kv_capacity_tokens,
+        _limit(limits.max_context_tokens),
+    )
+    for reason, fails in checks:
+        if fails:
+            return JoinVerdict(accepted=False, reason=reason)
+    if step_model is None:
+        return JoinVerdict(accepted=True)
+    predicted = step_model.step_s(round(load.batch_size) + 1, round(load.context_tokens) + prompt_tokens)
+    if tbt_slo_s is not None and output_tokens > 1 and load.batch_size > 0 and predicted > tbt_slo_s:
+        return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted)
+    return JoinVerdict(accepted=True, predicted_tbt_s=predicted)
+
+
+def blocked(
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    batch_size: np.ndarray,
+    kv_tokens: np.ndarray,
+    max_batch_size: np.ndarray,
+    kv_capacity_tokens: np.ndarray,
+    max_context_tokens: np.ndarray,
+) -> np.ndarray:
+    """Per instance, whether a structural check of `check_join` refuses the request (arrays
+    side by side; a limit of `UNLIMITED` never binds). The TBT check is the caller's: it
+    ranks the instances this leaves by their step time."""
+    _check_request(prompt_tokens, output_tokens)
+    result = np.zeros(len(batch_size), dtype=bool)
+    for _reason, fails in _structural(
+        prompt_tokens, output_tokens, batch_size, kv_tokens, max_batch_size, kv_capacity_tokens, max_context_tokens
+    ):
+        result |= fails
+    return result

@@ -1,0 +1,68 @@
+"""How a request ends, and why: the one vocabulary of the Conductor, the engines, the simulator and the gateway.
+
+An `Outcome` says how a request left the system; a `Reason` says why one did
+not complete. Rejections come from three places, all named here: the
+Conductor before any prefill (no instance, the TTFT objective, or the decode
+rule applied to the load it knows or predicts), and the decode instance's own
+check when the prefilled request reaches it (the same rule, `sched.join`:
+context too long, batch full, KV budget, TBT objective), after which the
+prefill was wasted. A request can also be aborted by a failure or its client.
+
+`RequestEnd` is what the Conductor reports when a request ends; every request
+ends exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from mooncake.errors import InvalidRequestError
+from mooncake.types import RequestId
+
+__all__ = ["Outcome", "Reason", "RequestEnd"]
+
+
+class Outcome(enum.Enum):
+    """How a request left the system."""
+
+    COMPLETED = "completed"
+    REJECTED_BEFORE_PREFILL = "rejected_before_prefill"
+    REJECTED_AFTER_PREFILL = "rejected_after_prefill"  # its prefill ran for nothing
+    ABORTED = "aborted"  # a failure or its client ended it, not a scheduling decision
+
+
+class Reason(enum.Enum):
+    """Why a request did not complete."""
+
+    # The Conductor's, before any prefill.
+    NO_PREFILL_INSTANCE = "no_prefill_instance"
+    NO_DECODE_INSTANCE = "no_decode_instance"
+    TTFT_SLO = "ttft_slo"
+    # The decode rule's (`sched.join.check_join`): predicted before prefill, or checked by the decode instance.
+    CONTEXT_TOO_LONG = "context_too_long"
+    BATCH_FULL = "batch_full"
+    KV_BUDGET = "kv_budget"
+    TBT_SLO = "tbt_slo"
+    DECODE_REJECTED = "decode_rejected"  # a decode instance refused without saying why
+    # Aborts.
+    INSTANCE_DOWN = "instance_down"
+    CLIENT_GONE = "client_gone"
+    TIMEOUT = "timeout"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class RequestEnd:
+    """A request left the system: how, and why when it did not complete."""
+
+    request_id: RequestId
+    outcome: Outcome
+    reason: Reason | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.outcome is Outcome.COMPLETED) != (self.reason is None):
+            raise InvalidRequestError(
+                f"a {self.outcome.value} request has reason {self.reason}: every outcome but completed has one"
+            )

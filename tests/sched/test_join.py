@@ -1,0 +1,108 @@
+"""Tests for `mooncake.sched.join`: the decode rule every caller asks.
+
+Examples pin each check and their order; a property compares `check_join`
+with the rule written out check by check (`tests/reference/sched.py`), and
+`blocked` over arrays with `check_join` instance by instance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.errors import InvalidRequestError
+from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, JoinVerdict, blocked, check_join
+from mooncake.sched.outcome import Reason
+from tests.reference.sched import reference_verdict
+
+COST = DecodeCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])
+LIMITS = DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=4, max_context_tokens=4096)
+
+
+def verdict(load: DecodeLoad, prompt: int, output: int, *, slo: float | None = 0.1) -> JoinVerdict:
+    return check_join(LIMITS, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+
+
+def test_each_check_in_order() -> None:
+    """Context first, then batch slots, then KV, then TBT; the first failing check names the reason."""
+    assert verdict(DecodeLoad(4, 9000, 9990), 4000, 97).reason is Reason.CONTEXT_TOO_LONG
+    assert verdict(DecodeLoad(4, 9000, 9990), 100, 100).reason is Reason.BATCH_FULL
+    assert verdict(DecodeLoad(3, 100, 9990), 100, 100).reason is Reason.KV_BUDGET
+    tbt = verdict(DecodeLoad(3, 100, 0), 100, 100, slo=0.001)
+    assert tbt == JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=COST.step_s(4, 200))
+    assert verdict(DecodeLoad(3, 100, 9800), 100, 100) == JoinVerdict(
+        accepted=True, predicted_tbt_s=COST.step_s(4, 200)
+    )
+
+
+def test_a_lone_request_is_never_refused_for_tbt() -> None:
+    """An empty batch takes the request whatever its step time: it could never go faster."""
+    assert verdict(DecodeLoad(0, 0, 0), 4000, 96, slo=1e-9).accepted
+
+
+def test_a_single_token_request_takes_no_slot() -> None:
+    """Output 1: the prefill's token was the only one; only the context bound applies."""
+    assert verdict(DecodeLoad(4, 10**6, 10**6), 100, 1, slo=1e-9) == JoinVerdict(
+        accepted=True, predicted_tbt_s=COST.step_s(5, 10**6 + 100)
+    )
+    assert verdict(DecodeLoad(0, 0, 0), 4096, 1).reason is Reason.CONTEXT_TOO_LONG
+
+
+def test_no_step_model_no_tbt_check() -> None:
+    """Without a step model (or an SLO) the TBT check is skipped."""
+    got = check_join(LIMITS, DecodeLoad(3, 10**6, 0), prompt_tokens=10, output_tokens=10)
+    assert got == JoinVerdict(accepted=True)
+    unlimited = DecodeLimits(kv_capacity_tokens=100)
+    assert check_join(unlimited, DecodeLoad(10**6, 0, 0), prompt_tokens=10, output_tokens=10).accepted
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(0, 10), (10, 0), (-1, 5), (True, 5), (2.5, 5), (5, "6")])
+def test_bad_token_counts_are_invalid_requests(prompt: object, output: object) -> None:
+    """Counts that are not integers >= 1 are an InvalidRequestError naming the field and value."""
+    with pytest.raises(InvalidRequestError, match="tokens"):
+        check_join(LIMITS, DecodeLoad(0, 0, 0), prompt_tokens=prompt, output_tokens=output)  # type: ignore[arg-type]
+
+
+limits = st.builds(
+    DecodeLimits,
+    kv_capacity_tokens=st.integers(0, 20_000),
+    max_batch_size=st.none() | st.integers(1, 8),
+    max_context_tokens=st.none() | st.integers(1, 12_000),
+)
+loads = st.builds(DecodeLoad, st.integers(0, 10), st.integers(0, 100_000), st.integers(0, 25_000))
+requests = st.tuples(st.integers(1, 8000), st.integers(1, 4000) | st.just(1))
+
+
+@given(limits, loads, requests, st.none() | st.sampled_from([0.015, 0.03, 0.1]))
+def test_the_rule_as_written(
+    limit: DecodeLimits, load: DecodeLoad, request: tuple[int, int], slo: float | None
+) -> None:
+    """`check_join` refuses exactly when the rule written out check by check does, for the same reason."""
+    prompt, output = request
+    got = check_join(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+    want = reference_verdict(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+    assert got.reason is want and got.accepted == (want is None)
+
+
+@given(st.lists(st.tuples(limits, loads), min_size=1, max_size=8), requests)
+def test_blocked_is_the_structural_rule_per_instance(
+    cases: list[tuple[DecodeLimits, DecodeLoad]], request: tuple[int, int]
+) -> None:
+    """Over arrays of instances, `blocked` says what `check_join` without the TBT check says of each."""
+    prompt, output = request
+    got = blocked(
+        prompt_tokens=prompt,
+        output_tokens=output,
+        batch_size=np.array([int(load.batch_size) for _, load in cases]),
+        kv_tokens=np.array([int(load.kv_tokens) for _, load in cases]),
+        max_batch_size=np.array([UNLIMITED if lim.max_batch_size is None else lim.max_batch_size for lim, _ in cases]),
+        kv_capacity_tokens=np.array([lim.kv_capacity_tokens for lim, _ in cases]),
+        max_context_tokens=np.array(
+            [UNLIMITED if lim.max_context_tokens is None else lim.max_context_tokens for lim, _ in cases]
+        ),
+    )
+    want = [not check_join(lim, load, prompt_tokens=prompt, output_tokens=output).accepted for lim, load in cases]
+    assert got.tolist() == want
