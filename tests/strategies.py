@@ -274,8 +274,8 @@ def prefill_views(
 @st.composite
 def route_queries(draw: st.DrawFn, views: list[PrefillView], *, allow_outside_holder: bool = True) -> RouteQuery:
     """A request's view of the index over `views`: per-instance prefix blocks (zero often,
-    equal lengths sometimes), the best holder (possibly one outside the candidates) and
-    the transfers already leaving it."""
+    equal lengths sometimes), the best holder (possibly one outside the candidates), how
+    many hold its prefix, and the transfers already leaving it."""
     block_size = draw(st.sampled_from([16, 64, 256, 512]))
     input_tokens = draw(st.integers(min_value=1, max_value=16384))
     num_blocks = -(-input_tokens // block_size)
@@ -294,6 +294,7 @@ def route_queries(draw: st.DrawFn, views: list[PrefillView], *, allow_outside_ho
         prefix_blocks=lengths,
         best_instance=best,
         best_blocks=lengths[best] if best is not None else 0,
+        best_holders=sum(1 for blocks in lengths.values() if best is not None and blocks >= lengths[best]),
         best_transfers_in_flight=draw(st.integers(min_value=0, max_value=3)) if best is not None else 0,
     )
 

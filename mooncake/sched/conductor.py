@@ -215,6 +215,7 @@ class Conductor:
             prefix_blocks=PrefixBlocks(board.instance_ids, lengths, board.slot),
             best_instance=best,
             best_blocks=best_blocks,
+            best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
         )
         route = self.router.route(candidates, query, now, self._rng)
@@ -253,7 +254,7 @@ class Conductor:
         )
         if verdict.accepted:
             assert decode.decode_instance is not None  # every policy needs an instance that can take it
-            start = now + route.queue_s + route.transfer_s
+            start = now + route.wait_s
             queued = QueuedPrefill(
                 request_id=request.request_id,
                 start_s=start,
@@ -330,7 +331,11 @@ class Conductor:
         view = self._decode[flight.decode_instance]
         # Account what was reserved, not what the event claims: VRAM was promised at acceptance.
         reservation = view.reserved.get(event.request_id)
-        total = reservation.tokens if reservation is not None else event.context_tokens + event.output_tokens
+        total = (
+            reservation.prompt_tokens + reservation.output_tokens
+            if reservation is not None
+            else event.context_tokens + event.output_tokens
+        )
         context = min(event.context_tokens, total)
         view.join(
             ActiveDecode(

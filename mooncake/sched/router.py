@@ -8,10 +8,18 @@ own prefix prefix_len:
         plan a transfer of the missing blocks from the best holder; use best_len
     else:
         use prefix_len, no transfer
-    TTFT = T_transfer + T_queue + T_prefill(input, prefix)
+    TTFT = max(T_transfer, T_queue) + T_prefill(input, prefix)
 
 and pick the instance with the smallest TTFT (ties: shorter queue, then id).
-The chosen instance keeps the transferred blocks (hot-spot replication, §6.2).
+The transfer runs while the request waits in the instance's queue, so the two
+overlap (the simulated and real prefill nodes start when both are over).
+
+Hot-spot replication (§6.2): a transfer is chosen only when the holders of the
+prefix are busier than the receiver, so the prefix is in demand; the receiver
+keeps the copy while fewer than `max_replicas(n) = max(2, ⌈replica_fraction ·
+n⌉)` of the n instances hold it (`keep_local_copy`), so that a hot prefix
+spreads over several instances without filling every cache; past that it uses
+the blocks for this prefill and drops them.
 
 The ablations of the paper's Fig. 5 share the code: `local_cache_aware` is the
 same router with transfers forbidden (an infinite threshold), `load_balancing`
@@ -106,6 +114,7 @@ class RouteQuery:
         block_size_tokens: tokens per block key.
         prefix_blocks: instance → leading blocks of the prompt it holds (from the index).
         best_instance, best_blocks: the longest holder and its prefix.
+        best_holders: instances (up) holding that prefix, the best holder included.
         best_transfers_in_flight: transfers already leaving the best holder (congestion).
     """
 
@@ -114,6 +123,7 @@ class RouteQuery:
     prefix_blocks: Mapping[InstanceId, int]
     best_instance: InstanceId | None = None
     best_blocks: int = 0
+    best_holders: int = 0
     best_transfers_in_flight: int = 0
 
     def prefix_tokens(self, blocks: int) -> int:
@@ -123,7 +133,8 @@ class RouteQuery:
 
 @attrs.frozen(kw_only=True)
 class TransferPlan:
-    """Move `num_blocks` blocks (`num_bytes`) from `source` before prefill; keep the copy."""
+    """Move `num_blocks` blocks (`num_bytes`) from `source` before prefill; keep the copy there
+    afterwards (hot-spot replication) or drop it once used."""
 
     source: InstanceId
     num_blocks: int
@@ -144,8 +155,13 @@ class RouteDecision:
     prefill_s: float
 
     @property
+    def wait_s(self) -> float:
+        """Until the prefill can start: the transfer runs while the request waits in the queue."""
+        return max(self.transfer_s, self.queue_s)
+
+    @property
     def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
+        return self.wait_s + self.prefill_s
 
 
 @attrs.frozen(kw_only=True)
@@ -171,8 +187,10 @@ class TtftEstimator:
         prefix_blocks: int,
         transfer_from: InstanceId | None,
         congestion: int = 0,
+        keep_copy: bool = True,
     ) -> RouteDecision:
-        """The decision to prefill on `view` using `prefix_blocks` (moved from `transfer_from` if given)."""
+        """The decision to prefill on `view` using `prefix_blocks` (moved from `transfer_from` if given,
+        the copy kept there afterwards if `keep_copy`)."""
         prefix = query.prefix_tokens(prefix_blocks)
         plan = None
         transfer_s = 0.0
@@ -182,7 +200,13 @@ class TtftEstimator:
             moved_tokens = prefix - query.prefix_tokens(own)
             num_bytes = moved_tokens * self.kv_bytes_per_token
             transfer_s = self.transfer.transfer_s(num_bytes, in_flight_from_source=congestion)
-            plan = TransferPlan(source=transfer_from, num_blocks=blocks, num_bytes=num_bytes, transfer_s=transfer_s)
+            plan = TransferPlan(
+                source=transfer_from,
+                num_blocks=blocks,
+                num_bytes=num_bytes,
+                transfer_s=transfer_s,
+                keep_local_copy=keep_copy,
+            )
         return RouteDecision(
             prefill_instance=view.instance_id,
             prefix_tokens=prefix,
@@ -260,6 +284,15 @@ class KvCacheCentricRouter:
     estimator: TtftEstimator
     threshold: float = 1.5
     adaptive: AdaptiveThreshold | None = None
+    replica_fraction: float = attrs.field(default=0.5)
+
+    @replica_fraction.validator
+    def _check_fraction(self, _attribute: object, value: float) -> None:
+        require_number("replica_fraction", value, minimum=0, strict=True)
+
+    def max_replicas(self, num_instances: int) -> int:
+        """How many instances may hold a hot prefix before a receiver stops keeping its copy."""
+        return max(2, math.ceil(self.replica_fraction * num_instances))
 
     @property
     def current_threshold(self) -> float:
@@ -283,8 +316,8 @@ class KvCacheCentricRouter:
         prefill_s: dict[int, float] = {}
         transfer_s: dict[int, float] = {}
 
-        def plan(own: int, instance: InstanceId) -> tuple[float, int, bool]:
-            """(transfer + prefill seconds, blocks used, moves) for an instance holding `own` blocks."""
+        def plan(own: int, instance: InstanceId) -> tuple[float, float, int, bool]:
+            """(transfer seconds, prefill seconds, blocks used, moves) for an instance holding `own` blocks."""
             moves = best is not None and best != instance and best_blocks > own
             # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
             # finite threshold stops and an infinite one does: then nothing ever moves).
@@ -303,11 +336,12 @@ class KvCacheCentricRouter:
                     moving = transfer_s[own] = estimator.transfer.transfer_s(
                         moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                     )
-            return moving + prefill, blocks, moves
+            return moving, prefill, blocks, moves
 
         # Instances holding the same prefix length cost the same apart from their queue (the
-        # plan depends on the instance only through its length), so one sort finds the shortest
-        # queue (ties: id) per length, and only those few are planned and compared.
+        # plan depends on the instance only through its length, and TTFT never falls as the
+        # queue grows), so one sort finds the shortest queue (ties: id) per length, and only
+        # those few are planned and compared.
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
@@ -325,8 +359,8 @@ class KvCacheCentricRouter:
             shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
         ):
             instance = board.instance_ids[slot]
-            cost, blocks, moves = plan(length, instance)
-            candidate_key = (cost + waiting, waiting, instance)
+            moving, prefill, blocks, moves = plan(length, instance)
+            candidate_key = (max(moving, waiting) + prefill, waiting, instance)
             if key is None or candidate_key < key:
                 key, chosen = candidate_key, (board.slot_views[slot], blocks, moves)
         if chosen is None:
@@ -339,6 +373,7 @@ class KvCacheCentricRouter:
             prefix_blocks=blocks,
             transfer_from=best if moves else None,
             congestion=query.best_transfers_in_flight,
+            keep_copy=query.best_holders < self.max_replicas(len(board)),
         )
 
 

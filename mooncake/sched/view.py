@@ -107,14 +107,28 @@ class PrefillView:
 
 @attrs.frozen
 class Reservation:
-    """KV promised on a decode instance to a request still in prefill or transfer."""
+    """A batch slot and KV promised on a decode instance to a request still in prefill or transfer.
+
+    A request whose only token is its prefill's (output 1) never takes a slot: it is tracked, but
+    promised nothing (the decode rule does not ask for room for it).
+    """
 
     prompt_tokens: int
     output_tokens: int
 
     @property
+    def takes_slot(self) -> bool:
+        return self.output_tokens > 1
+
+    @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+        """KV promised: prompt + output, or nothing."""
+        return self.prompt_tokens + self.output_tokens if self.takes_slot else 0
+
+    @property
+    def context_tokens(self) -> int:
+        """What it adds to the KV a step reads once it joins."""
+        return self.prompt_tokens if self.takes_slot else 0
 
 
 @attrs.define
@@ -135,6 +149,7 @@ class DecodeView:
     reserved: dict[RequestId, Reservation] = attrs.field(factory=dict)
     reserved_tokens: int = 0
     reserved_context_tokens: int = 0  # prompt tokens of the reserved requests
+    reserved_slots: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -150,7 +165,7 @@ class DecodeView:
     def load(self) -> DecodeLoad:
         """The batch the instance is committed to: its active requests and those reserved."""
         return DecodeLoad(
-            len(self.active) + len(self.reserved),
+            len(self.active) + self.reserved_slots,
             self.context_tokens + self.reserved_context_tokens,
             self.used_tokens + self.reserved_tokens,
         )
@@ -159,13 +174,15 @@ class DecodeView:
         reservation = Reservation(prompt_tokens, output_tokens)
         self.reserved[request_id] = reservation
         self.reserved_tokens += reservation.tokens
-        self.reserved_context_tokens += prompt_tokens
+        self.reserved_context_tokens += reservation.context_tokens
+        self.reserved_slots += reservation.takes_slot
 
     def release(self, request_id: RequestId) -> None:
         reservation = self.reserved.pop(request_id, None)
         if reservation is not None:
             self.reserved_tokens -= reservation.tokens
-            self.reserved_context_tokens -= reservation.prompt_tokens
+            self.reserved_context_tokens -= reservation.context_tokens
+            self.reserved_slots -= reservation.takes_slot
 
     def join(self, request: ActiveDecode) -> None:
         self.release(request.request_id)
@@ -186,7 +203,8 @@ class DecodeView:
         assert sum(r.tokens for r in self.reserved.values()) == self.reserved_tokens, (
             f"{self.instance_id}: reservations out of sync"
         )
-        assert sum(r.prompt_tokens for r in self.reserved.values()) == self.reserved_context_tokens
+        assert sum(r.context_tokens for r in self.reserved.values()) == self.reserved_context_tokens
+        assert sum(r.takes_slot for r in self.reserved.values()) == self.reserved_slots
         assert not set(self.reserved) & set(self.active), f"{self.instance_id}: a request both reserved and active"
         # Within capacity as the instance's own check keeps it; the Conductor only accounts what joined.
         assert self.used_tokens >= 0 and self.reserved_tokens >= 0, f"{self.instance_id}: negative KV"

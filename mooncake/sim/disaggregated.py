@@ -6,7 +6,10 @@ prefill time comes from the cost model given the prefix its own metadata-only
 `TieredCache` actually holds then (LRU, prefix-aware); afterwards its blocks are
 stored in that cache, whose events feed the Conductor's index. Transfers are
 timed by the transfer model, slowed by the transfers already in flight from
-the same source; the copy they bring is kept (hot-spot replication). With
+the same source; the copy they bring is kept (hot-spot replication) when the
+plan says so (`TransferPlan.keep_local_copy`), else dropped after the prefill,
+with the blocks computed after it. The transfer overlaps the request's wait in
+the queue: the prefill starts when both are over, as the router's estimate assumes. With
 `cpp_group_size` X > 1, each X prefill nodes form one chunked-pipeline group:
 one instance to the Conductor, X nodes' cache, the CPP prefill time.
 
@@ -211,12 +214,15 @@ class DisaggregatedCluster:
             return
         node.queue.popleft()
         request, record, decision = head.request, head.record, head.decision
+        moved = 0  # blocks the transfer brought (the holder's prefix when it arrived)
         if decision.transfer is not None and self.spec.global_pool:
             holder = self._prefill.get(decision.transfer.source)
             if holder is not None:
-                self._store(node, request, holder.cache.prefix_match(request.block_keys))
+                moved = holder.cache.prefix_match(request.block_keys)
+                if decision.transfer.keep_local_copy:  # hot-spot replication
+                    self._store(node, request, moved)
         # The prefix counts as used when the prefill ends and stores the whole chain (`_store`).
-        cached = node.cache.prefix_match(request.block_keys)
+        cached = max(node.cache.prefix_match(request.block_keys), moved)
         record.prefix_tokens = max(0, min(cached * self.spec.block_size_tokens, request.input_length - 1))
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
@@ -240,7 +246,10 @@ class DisaggregatedCluster:
 
     def _prefill_done(self, now: float, node: _PrefillNode, queued: _Queued, frees_node: bool) -> None:
         request, record = queued.request, queued.record
-        self._store(node, request, len(request.block_keys))
+        plan = queued.decision.transfer
+        if plan is None or plan.keep_local_copy or not self.spec.global_pool:
+            self._store(node, request, len(request.block_keys))
+        # else: the moved prefix was dropped after use, and the blocks computed after it are no use alone
         record.first_token_s = now
         self._prefill_count -= 1
         self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=node.instance_id, now=now))

@@ -60,6 +60,7 @@ def reference_route(
     now: float,
     *,
     threshold: float,
+    replica_fraction: float = 0.5,
 ) -> tuple[RouteDecision | None, list[RouteDecision]]:
     """The chosen decision and every candidate's decision, computed one by one."""
     best = query.best_instance
@@ -74,8 +75,15 @@ def reference_route(
             best_blocks=query.best_blocks,
             threshold=threshold,
         ):
+            keep = query.best_holders < max(2, math.ceil(replica_fraction * len(candidates)))
             decision = estimator.decide(
-                view, query, now, prefix_blocks=query.best_blocks, transfer_from=best, congestion=congestion
+                view,
+                query,
+                now,
+                prefix_blocks=query.best_blocks,
+                transfer_from=best,
+                congestion=congestion,
+                keep_copy=keep,
             )
         else:
             decision = estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)

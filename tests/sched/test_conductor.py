@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -733,7 +734,8 @@ class ConductorMachine(RuleBasedStateMachine):
             assert self.router_name in ("kvcache_centric", "adaptive", "local_cache_aware")
             assert decision.transfer.source == best and best not in self.down and best != prefill
             assert decision.transfer.num_blocks == best_blocks - own
-            assert decision.transfer.keep_local_copy
+            holders = sum(self.caches.holdings.prefix_blocks(p, r.block_keys) >= best_blocks for p in up_prefill)
+            assert decision.transfer.keep_local_copy == (holders < max(2, math.ceil(len(up_prefill) / 2)))
             assert decision.prefix_tokens == min(best_blocks * MACHINE_BLOCK, r.input_length - 1)
         self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued")
 
@@ -915,7 +917,10 @@ class ConductorMachine(RuleBasedStateMachine):
                 assert view.used_tokens + view.reserved_tokens <= view.capacity_tokens
             mine = [t for t in self.tracked.values() if t.decode == view.instance_id]
             assert view.used_tokens == sum(t.tokens for t in mine if t.stage == "decoding")
-            assert view.reserved_tokens == sum(t.tokens for t in mine if t.stage != "decoding")
+            # A request whose only token is its prefill's is promised nothing.
+            assert view.reserved_tokens == sum(
+                t.tokens for t in mine if t.stage != "decoding" and t.request.output_length > 1
+            )
 
     @invariant()
     def nothing_waits_on_a_down_instance(self) -> None:
