@@ -22,17 +22,22 @@ one r more,
 
 and every member's token intervals over the stretch are one arithmetic run per
 piece, recorded as (first, step, count) without materialising them. A piece's
-first step is the roofline's own step at that context, to the bit. A batch
-whose roofline has one branch (or one that dominates the others) takes a fast
-path with one piece and no envelope; otherwise the envelope is kept while B
-and C stay the same. Joining, leaving and stalls (a prefill sharing the GPU)
-happen only at step boundaries, which is where the owner of the batch changes
-membership.
+first step is the roofline's own step at that context, to the bit.
+
+The batch works the stretch's shape out whenever B or C changes (a join, a
+departure, an advance), so the queries in between read it. Usually it needs no
+envelope: when the steepest branch is already the slowest at the first step,
+it stays the slowest, and the stretch is one progression, as it always is with
+one branch (branches that never bind for B >= 1 are dropped up front, as the
+zero branch of a fitted model). Joining, leaving and stalls (a prefill sharing
+the GPU) happen only at step boundaries, which is where the owner of the batch
+changes membership.
 
 Invariants: `context` is the sum of the members' contexts; `start_s` is a step
 boundary; a member's `gap_s` is the time since its last token that its next
-interval will include on top of the step itself; every step takes at least the
-roofline's step of one member with no context, which is positive.
+interval will include on top of the step itself; the stretch's shape is that of
+the current members and contexts; every step takes at least the roofline's step
+of one member with no context, which is positive.
 """
 
 from __future__ import annotations
@@ -122,6 +127,11 @@ def _envelope(alphas: list[float], betas: list[float]) -> list[tuple[int, int]]:
 class ContinuousBatch:
     """Members decoding together; `start_s` is when the current stretch starts.
 
+    Members join (`join`) and leave (`take_finished`) and their contexts grow
+    (`advance`) only through the batch, which recomputes the current stretch's
+    shape then (`_reshape`): one progression (`_first`, `_rise`), or the pieces
+    of an envelope that changes branch (`_pieces`).
+
     Args:
         step: the roofline of a step (an `AnalyticStepModel`'s `roofline()`).
 
@@ -136,18 +146,55 @@ class ContinuousBatch:
             (b.fixed_s, b.per_sequence_s, b.per_context_token_s) for b in step.branches
         )
         self._lines = _live_lines(step)
-        self._one_line = len(self._lines) == 1
-        # The single branch's coefficients, for the fast path.
-        self._fixed_s, self._per_sequence_s, self._per_token_s = self._lines[0]
+        steepest = max(range(len(self._lines)), key=lambda j: self._lines[j][2])
+        self._steepest = self._lines[steepest]
+        self._flatter = self._lines[:steepest] + self._lines[steepest + 1 :]
         self.members: list[Member] = []
         self.context = 0
         self.start_s = 0.0
-        # The envelope of the current (B, C), kept until either changes.
-        self._pieces: list[_Piece] = []
-        self._pieces_for = (-1, -1)
+        self._first = self._rise = 0.0
+        self._pieces: list[_Piece] | None = None  # None: the stretch is one progression
+        self._reshape()
 
     def __len__(self) -> int:
         return len(self.members)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the context or the stretch's shape is out of sync with the members."""
+        assert self.context == sum(member.context for member in self.members), "context out of sync"
+        shape = (self._first, self._rise, self._pieces)
+        self._reshape()
+        assert (self._first, self._rise, self._pieces) == shape, "stale stretch shape"
+
+    def _reshape(self) -> None:
+        """The current stretch's shape, for the members and contexts as they are now."""
+        size, context = len(self.members), self.context
+        f, s, c = self._steepest
+        top = f + s * size + c * context
+        # When the steepest branch is the slowest at the first step, it stays the slowest: one
+        # regime for the whole stretch (always, with one branch; usually, with several).
+        for other_f, other_s, other_c in self._flatter:
+            if other_f + other_s * size + other_c * context > top:
+                pieces = self._envelope_pieces(size, context)
+                if len(pieces) > 1:
+                    self._pieces = pieces
+                    return
+                _, self._first, self._rise = pieces[0]
+                self._pieces = None
+                return
+        self._first, self._rise, self._pieces = self.overhead_s + top, c * size, None
+
+    def _envelope_pieces(self, size: int, context: int) -> list[_Piece]:
+        """The stretch's pieces: (first step, its seconds, rise per step)."""
+        lines = self._lines
+        alphas = [f + s * size + c * context for f, s, c in lines]
+        betas = [c * size for _, _, c in lines]
+        pieces: list[_Piece] = []
+        for start, j in _envelope(alphas, betas):
+            f, s, c = lines[j]
+            # The roofline's own step at the piece's first step, not alpha + beta · start.
+            pieces.append((start, self.overhead_s + (f + s * size + c * (context + start * size)), betas[j]))
+        return pieces
 
     def step_s(self, extra_context: int = 0, *, extra_members: int = 0) -> float:
         """The next step's time with `extra_members` more members and `extra_context` more tokens.
@@ -158,48 +205,21 @@ class ContinuousBatch:
         """
         size = len(self.members) + extra_members
         context = self.context + extra_context
-        lines = self._all_lines  # all of them: a branch that never binds for B >= 1 may for B = 0
-        if len(lines) == 1:
-            f, s, c = lines[0]
-            return self.overhead_s + (f + s * size + c * context)
-        return self.overhead_s + max([f + s * size + c * context for f, s, c in lines])
-
-    def _envelope_pieces(self) -> list[_Piece]:
-        """The current stretch's pieces: (first step, its seconds, rise per step), several branches."""
-        size, context = len(self.members), self.context
-        if self._pieces_for == (size, context):
-            return self._pieces
-        lines = self._lines
-        alphas = [f + s * size + c * context for f, s, c in lines]
-        betas = [c * size for _, _, c in lines]
-        overhead = self.overhead_s
-        pieces: list[_Piece] = []
-        for start, j in _envelope(alphas, betas):
-            f, s, c = lines[j]
-            # The roofline's own step at the piece's first step, not alpha + beta · start.
-            pieces.append((start, overhead + (f + s * size + c * (context + start * size)), betas[j]))
-        self._pieces, self._pieces_for = pieces, (size, context)
-        return pieces
-
-    def _one_piece(self) -> tuple[float, float] | None:
-        """(first step's seconds, rise per step) when the whole stretch is one arithmetic progression."""
-        if self._one_line:
-            size = len(self.members)
-            first = self.overhead_s + (self._fixed_s + self._per_sequence_s * size + self._per_token_s * self.context)
-            return first, self._per_token_s * size
-        pieces = self._envelope_pieces()
-        if len(pieces) == 1:
-            return pieces[0][1], pieces[0][2]
-        return None
+        # All the branches, in order (a branch that never binds for B >= 1 may for B = 0), and the
+        # first of the slowest, as max() takes it.
+        slowest = -math.inf
+        for f, s, c in self._all_lines:
+            seconds = f + s * size + c * context
+            if seconds > slowest:
+                slowest = seconds
+        return self.overhead_s + slowest
 
     def stretch_s(self, steps: int) -> float:
         """Seconds for the next `steps` steps at constant membership."""
-        one = self._one_piece()
-        if one is not None:
-            first, rise = one
-            return steps * first + rise * (steps * (steps - 1) // 2)
-        total = 0.0
         pieces = self._pieces
+        if pieces is None:
+            return steps * self._first + self._rise * (steps * (steps - 1) // 2)
+        total = 0.0
         for p, (start, first, rise) in enumerate(pieces):
             if start >= steps:
                 break
@@ -211,18 +231,24 @@ class ContinuousBatch:
         """Whole steps of the current stretch done within `elapsed_s` of its start."""
         if not self.members or elapsed_s <= 0:
             return 0
-        one = self._one_piece()
-        if one is not None:
-            k = _steps_in_piece(one[0], one[1], elapsed_s)
+        pieces = self._pieces
+        if pieces is None:  # _steps_in_piece, inlined: the hot path
+            quad = self._rise / 2
+            lin = self._first - quad
+            if quad == 0:
+                k = math.floor(elapsed_s / lin)
+            else:
+                k = math.floor((-lin + math.sqrt(lin * lin + 4 * quad * elapsed_s)) / (2 * quad))
         else:
-            k, spent, pieces = 0, 0.0, self._pieces
+            k, spent = 0, 0.0
             for p, (start, first, rise) in enumerate(pieces):
                 k = start + _steps_in_piece(first, rise, elapsed_s - spent)
                 if p + 1 == len(pieces) or k < pieces[p + 1][0]:
                     break
                 n = pieces[p + 1][0] - start
                 spent += n * first + rise * (n * (n - 1) // 2)
-        k = max(0, k)
+        if k < 0:
+            k = 0
         while k > 0 and self.stretch_s(k) > elapsed_s:
             k -= 1
         while self.stretch_s(k + 1) <= elapsed_s:
@@ -236,9 +262,8 @@ class ContinuousBatch:
         """Run `steps` steps: record every member's intervals; returns (and starts there) their end."""
         end = self.start_s + self.stretch_s(steps)
         if steps > 0:
-            one = self._one_piece()
-            if one is not None:
-                first, rise = one
+            if self._pieces is None:
+                first, rise = self._first, self._rise
                 run = (first, rise, steps)  # IntervalRuns.add, inlined: steps > 0
                 for member in self.members:
                     if member.gap_s:
@@ -251,14 +276,14 @@ class ContinuousBatch:
                     member.remaining -= steps
                     member.context += steps
             else:
-                self._advance_pieces(steps)
+                self._advance_pieces(self._pieces, steps)
             self.context += steps * len(self.members)
+            self._reshape()
         self.start_s = end
         return end
 
-    def _advance_pieces(self, steps: int) -> None:
-        """advance's recording when the stretch crosses from one branch to another: a run per piece."""
-        pieces = self._pieces
+    def _advance_pieces(self, pieces: list[_Piece], steps: int) -> None:
+        """advance's recording when the stretch changes branch: a run per piece it covers."""
         runs = []
         for p, (start, first, rise) in enumerate(pieces):
             if start >= steps:
@@ -287,6 +312,7 @@ class ContinuousBatch:
     def join(self, member: Member) -> None:
         self.members.append(member)
         self.context += member.context
+        self._reshape()
 
     def take_finished(self) -> list[Member]:
         """Remove and return the members with nothing left to generate."""
@@ -294,6 +320,7 @@ class ContinuousBatch:
         if finished:
             self.members = [member for member in self.members if member.remaining > 0]
             self.context -= sum(member.context for member in finished)
+            self._reshape()
         return finished
 
 

@@ -422,7 +422,7 @@ class BatchMachine(RuleBasedStateMachine):
         if self.batch is None:
             return
         batch = self.batch
-        assert batch.context == sum(m.context for m in batch.members)
+        batch.check_invariants()
         assert close(batch.start_s, self.time_s)
         assert {m.record.request_id for m in batch.members} == set(self.reference)
         assert batch.step_s(extra_members=1) == self.model.step_s(len(batch) + 1, batch.context)
