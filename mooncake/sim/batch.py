@@ -220,10 +220,7 @@ class ContinuousBatch:
         if pieces is None:
             return steps * self._first + self._rise * (steps * (steps - 1) // 2)
         total = 0.0
-        for p, (start, first, rise) in enumerate(pieces):
-            if start >= steps:
-                break
-            n = (min(pieces[p + 1][0], steps) if p + 1 < len(pieces) else steps) - start
+        for first, rise, n in _runs(pieces, steps):
             total += n * first + rise * (n * (n - 1) // 2)
         return total
 
@@ -284,12 +281,7 @@ class ContinuousBatch:
 
     def _advance_pieces(self, pieces: list[_Piece], steps: int) -> None:
         """advance's recording when the stretch changes branch: a run per piece it covers."""
-        runs = []
-        for p, (start, first, rise) in enumerate(pieces):
-            if start >= steps:
-                break
-            n = (min(pieces[p + 1][0], steps) if p + 1 < len(pieces) else steps) - start
-            runs.append((first, rise, n))
+        runs = _runs(pieces, steps)
         head_first, head_rise, head_count = runs[0]
         for member in self.members:
             intervals = member.record.intervals
@@ -322,6 +314,17 @@ class ContinuousBatch:
             self.context -= sum(member.context for member in finished)
             self._reshape()
         return finished
+
+
+def _runs(pieces: list[_Piece], steps: int) -> list[tuple[float, float, int]]:
+    """The first `steps` steps as (first, rise, count) runs, one per piece they reach."""
+    runs = []
+    for p, (start, first, rise) in enumerate(pieces):
+        if start >= steps:
+            break
+        end = min(pieces[p + 1][0], steps) if p + 1 < len(pieces) else steps
+        runs.append((first, rise, end - start))
+    return runs
 
 
 def _steps_in_piece(first: float, rise: float, elapsed_s: float) -> int:
