@@ -24,10 +24,11 @@ import numpy as np
 from mooncake.cache.events import BlockStored
 from mooncake.sched.admission import EarlyRejection
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, TtftEstimator
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import RequestRejected
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 

@@ -32,7 +32,7 @@ import numpy as np
 import simulation
 
 from mooncake.errors import MooncakeError
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.predictor import (
@@ -42,6 +42,7 @@ from mooncake.sched.predictor import (
     UniformDecodePredictor,
     score_predictor,
 )
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster

@@ -26,11 +26,12 @@ import numpy as np
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.config import PRESETS
-from mooncake.engine.decode import DecodeConfig, DecodeEngine, FittedStepModel
+from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import PrefillEngine
 from mooncake.sched.cost import FittedPrefillModel, PrefillSample
+from mooncake.sched.step import FittedStepModel
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId
 

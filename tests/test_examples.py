@@ -138,8 +138,8 @@ def test_unknown_router_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     """profile_engine.py measures the tiny model and writes fits that the cost-model readers accept."""
     pytest.importorskip("torch")
-    from mooncake.engine.decode import FittedStepModel
     from mooncake.sched.cost import FittedPrefillModel
+    from mooncake.sched.step import FittedStepModel
 
     out = tmp_path / "tiny.json"
     run(

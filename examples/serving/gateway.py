@@ -29,14 +29,7 @@ from aiohttp import web
 from mooncake.engine.config import PRESETS
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import (
-    DecodeCostModel,
-    FittedPrefillModel,
-    Hardware,
-    ModelShape,
-    PrefillCostModel,
-    TransferCostModel,
-)
+from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, TransferCostModel
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import (
@@ -46,6 +39,7 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
+from mooncake.sched.step import DecodeCostModel
 from mooncake.types import Slo
 from serving.api import HttpError, Reply, parse_request, usage
 from serving.config import ClusterConfig

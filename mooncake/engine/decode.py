@@ -41,10 +41,10 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
-from mooncake.sched.cost import RooflineStep, StepBranch, StepModel
+from mooncake.sched.step import StepModel
 from mooncake.types import BlockKey, RequestId
 
-__all__ = ["DecodeConfig", "DecodeEngine", "FittedStepModel", "JoinResult", "TokenEvent", "TokenStream"]
+__all__ = ["DecodeConfig", "DecodeEngine", "JoinResult", "TokenEvent", "TokenStream"]
 
 
 @attrs.frozen(kw_only=True)
@@ -337,50 +337,6 @@ class DecodeEngine:
                 vc[slot, :, :width] = vc[last, :, :width]
             self._active[slot] = self._active[last]
         self._active.pop()
-
-
-@attrs.frozen(kw_only=True)
-class FittedStepModel:
-    """Decode step time fitted to measured steps: c0 + c1·batch_size + c2·context_tokens seconds,
-    never below 0 (and 0 for an empty batch).
-
-    A `StepModel` for the TBT check, fitted by `examples/profile_engine.py`, and
-    an `AnalyticStepModel`: its roofline has the fitted plane and the zero plane
-    as branches and no overhead, and gives the same step on every input.
-    """
-
-    coefficients: tuple[float, float, float]
-
-    _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
-
-    def __attrs_post_init__(self) -> None:
-        c0, c1, c2 = self.coefficients
-        roofline = RooflineStep((StepBranch(c0, c1, c2), StepBranch(0.0, 0.0, 0.0)))
-        object.__setattr__(self, "_roofline", roofline)
-
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> FittedStepModel:
-        """Least squares over (batch_size, context_tokens, seconds) samples.
-
-        Raises:
-            ConfigError: fewer than three samples or too little variety to fit.
-        """
-        if len(samples) < 3:
-            raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
-        x = torch.tensor([[1.0, b, t] for b, t, _ in samples], dtype=torch.float64)
-        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
-        if int(torch.linalg.matrix_rank(x)) < 3:
-            raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
-        solution = torch.linalg.lstsq(x, y).solution[:, 0]
-        c0, c1, c2 = (float(c) for c in solution)
-        return cls(coefficients=(c0, c1, c2))
-
-    def step_s(self, batch_size: int, context_tokens: int) -> float:
-        return self._roofline.step_s(batch_size, context_tokens)
-
-    def roofline(self) -> RooflineStep:
-        """max(c0 + c1·B + c2·C, 0): the fitted plane, clamped by the zero plane."""
-        return self._roofline
 
 
 class TokenStream:

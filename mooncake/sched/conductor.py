@@ -44,12 +44,12 @@ from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy
-from mooncake.sched.cost import AnalyticStepModel
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import LoadPredictor
 from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
+from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import (
     ActiveDecode,
     DecodeBoard,

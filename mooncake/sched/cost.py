@@ -1,4 +1,4 @@
-"""Cost models: how long prefill, KV transfer and decode take, and how much KV fits.
+"""Cost models: model and hardware shapes, how long prefill and KV transfer take.
 
 Prefill (the paper's FLOPs model): computing tokens p..n of an n-token prompt
 whose first p tokens are cached costs
@@ -16,21 +16,7 @@ for LLaMA3-70B at p = 8,192 that is about 6 GB/s on 8×A800 and 19 GB/s on 8×H8
 Transfer: bytes / (bandwidth / (1 + transfers already in flight from the same
 source)) + latency.
 
-Decode (a roofline): one step of a batch of B requests holding C tokens of KV
-in all is bound by HBM bandwidth or by compute, whichever is slower,
-
-    step(B, C) = overhead + max((W + kv · C) / (G · HBM · memory_efficiency),
-                                (2 · N · B + 4 · l · d · C) / (G · peak · compute_efficiency))
-
-(W the weights' bytes, kv the KV bytes per token, N the parameters: a
-multiply-add per weight per sequence, and q·k and the weighted sum of v per
-context token and layer). Small batches are memory-bound (the weights' read
-dominates); the compute term grows with B, so large batches are compute-bound
-and raise TBT as on real GPUs. A request's TBT is its batch's step time.
-Every analytic step model (`AnalyticStepModel`: this one, `RooflineStep`,
-the engines' fitted model) gives its step as a `RooflineStep`: an overhead plus
-the max of a few affine branches in (B, C), which is what the simulator's
-analytic batch integrates in closed form.
+Decode: `mooncake.sched.step` (the step models).
 
 All functions are pure; units are in the names (seconds, bytes, tokens).
 """
@@ -38,8 +24,7 @@ All functions are pure; units are in the names (seconds, bytes, tokens).
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -49,9 +34,7 @@ from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
 
 __all__ = [
-    "AnalyticStepModel",
     "ChunkedPipelineCost",
-    "DecodeCostModel",
     "FittedPrefillModel",
     "HARDWARE",
     "Hardware",
@@ -60,9 +43,6 @@ __all__ = [
     "PrefillCostModel",
     "PrefillModel",
     "PrefillSample",
-    "RooflineStep",
-    "StepBranch",
-    "StepModel",
     "TransferCostModel",
     "prefill_flops",
     "reuse_bandwidth_bytes_per_s",
@@ -373,146 +353,3 @@ class TransferCostModel:
         if num_bytes <= 0:
             return 0.0
         return self.latency_s + num_bytes * (1 + in_flight_from_source) / self.bandwidth_bytes_per_s
-
-
-class StepModel(Protocol):
-    """Predicts one decode step's seconds for a batch (`DecodeCostModel` is one; the real
-    engines' fitted `mooncake.engine.decode.FittedStepModel` another)."""
-
-    def step_s(self, batch_size: int, context_tokens: int) -> float: ...
-
-
-def _finite(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=-math.inf)
-
-
-@attrs.frozen
-class StepBranch:
-    """One resource's time for a decode step: `fixed_s + per_sequence_s · B + per_context_token_s · C`
-    seconds for B requests holding C tokens of KV (any finite coefficients: a fitted one may be negative)."""
-
-    fixed_s: float = attrs.field(validator=_finite)
-    per_sequence_s: float = attrs.field(validator=_finite)
-    per_context_token_s: float = attrs.field(validator=_finite)
-
-
-def _branch_tuple(branches: Iterable[StepBranch]) -> tuple[StepBranch, ...]:
-    return tuple(branches)
-
-
-def _some_branches(_instance: object, _attribute: Any, value: tuple[StepBranch, ...]) -> None:
-    if not value or not all(isinstance(branch, StepBranch) for branch in value):
-        raise ConfigError(f"a roofline step needs at least one StepBranch, got {value!r}")
-
-
-@attrs.frozen
-class RooflineStep:
-    """A decode step as a roofline: `overhead_s + max_j (fixed_j + per_sequence_j · B + per_context_token_j · C)`
-    seconds for a batch of B > 0 requests holding C tokens (0 for B <= 0), one branch per resource
-    (HBM reads, compute) or per fitted piece.
-
-    Over a stretch of steps at constant membership each branch grows linearly in
-    the step index (C grows by B per step), so the step time is a convex,
-    piecewise-linear envelope that the simulator's `ContinuousBatch` sums in
-    closed form. The step is computed the same way here, in `step_times` and in
-    every model whose `roofline()` this is, so that they agree to the bit.
-    """
-
-    branches: tuple[StepBranch, ...] = attrs.field(converter=_branch_tuple, validator=_some_branches)
-    overhead_s: float = attrs.field(default=0.0, kw_only=True, validator=_non_negative)
-
-    def step_s(self, batch_size: int, context_tokens: int) -> float:
-        if batch_size <= 0:
-            return 0.0
-        return self.overhead_s + max(
-            [
-                branch.fixed_s + branch.per_sequence_s * batch_size + branch.per_context_token_s * context_tokens
-                for branch in self.branches
-            ]
-        )
-
-    def step_times(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
-        """`step_s` of each (batch size, context) pair of two equal-length arrays, element by element
-        (the same float64 operations in the same order, so each equals `step_s` exactly)."""
-        sizes = np.asarray(batch_sizes)
-        contexts = np.asarray(context_tokens)
-        slowest: np.ndarray | None = None
-        for branch in self.branches:
-            seconds = branch.fixed_s + branch.per_sequence_s * sizes + branch.per_context_token_s * contexts
-            slowest = seconds if slowest is None else np.maximum(slowest, seconds)
-        assert slowest is not None  # a roofline has at least one branch
-        times: np.ndarray = np.where(sizes > 0, self.overhead_s + slowest, 0.0)
-        return times
-
-    def roofline(self) -> RooflineStep:
-        return self
-
-
-class AnalyticStepModel(StepModel, Protocol):
-    """A `StepModel` whose step is a `RooflineStep` (`roofline().step_s` equals its own `step_s`):
-    what the simulator's analytic batch and the vectorised decode selection need."""
-
-    def roofline(self) -> RooflineStep: ...
-
-
-MULTIPLY_ADD_FLOPS = 2  # a weight's multiply-add per sequence in the decode GEMMs
-DECODE_ATTENTION_COEFFICIENT = 4  # FLOPs per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
-
-
-@attrs.frozen(kw_only=True)
-class DecodeCostModel:
-    """Decode step time and KV capacity of one decode instance: a two-branch roofline.
-
-    A step reads every weight and the batch's KV from HBM once (the memory
-    branch, at `memory_efficiency` of the instance's HBM bandwidth) and does
-    2 · N FLOPs per request plus 4 · l · d per context token (the compute
-    branch, at `compute_efficiency` of its dense bf16 peak); it takes the slower
-    of the two plus `overhead_s`. Small batches are memory-bound; the compute
-    branch grows faster with the batch and, for LLaMA3-70B on 8×A800, overtakes
-    from 164 requests of 2,048 tokens each (96 with no context). An H800's
-    peak is 3.2× an A800's against 1.6× the bandwidth, so on 8×H800 that takes
-    about 1,150 such requests, more than its HBM holds.
-
-    `compute_efficiency` defaults to 0.5: a decode GEMM has only B rows, so it
-    reaches a fraction of peak, and tensor-parallel all-reduces and launch gaps
-    take more. It is `PrefillCostModel`'s default MFU too, so an instance's
-    compute is rated alike on both sides; it is a round figure, not a
-    measurement (fit a `FittedStepModel` to an engine where it matters).
-    `memory_efficiency` 0.8 is what streaming kernels reach of the datasheet
-    HBM bandwidth.
-    """
-
-    model: ModelShape
-    hardware: Hardware
-    overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
-    memory_efficiency: float = attrs.field(default=0.8, validator=_positive)
-    compute_efficiency: float = attrs.field(default=0.5, validator=_positive)
-    kv_memory_fraction: float = attrs.field(default=0.9, validator=_positive)
-
-    _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
-
-    def __attrs_post_init__(self) -> None:
-        # step_s runs on every simulated decode stretch: build the roofline once.
-        hardware, model = self.hardware, self.model
-        bandwidth = hardware.num_gpus * hardware.hbm_bytes_per_s * self.memory_efficiency
-        flops = hardware.peak_flops * self.compute_efficiency
-        memory = StepBranch(model.weight_bytes / bandwidth, 0.0, model.kv_bytes_per_token / bandwidth)
-        compute = StepBranch(
-            0.0,
-            MULTIPLY_ADD_FLOPS * model.num_params / flops,
-            DECODE_ATTENTION_COEFFICIENT * model.num_layers * model.hidden_size / flops,
-        )
-        object.__setattr__(self, "_roofline", RooflineStep((memory, compute), overhead_s=self.overhead_s))
-
-    def step_s(self, batch_size: int, context_tokens: int) -> float:
-        """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all."""
-        return self._roofline.step_s(batch_size, context_tokens)
-
-    def roofline(self) -> RooflineStep:
-        """The step as its two branches: memory (index 0) and compute (index 1)."""
-        return self._roofline
-
-    def capacity_tokens(self) -> int:
-        """KV tokens that fit in the instance's HBM beside the weights."""
-        total = self.hardware.num_gpus * self.hardware.hbm_bytes * self.kv_memory_fraction
-        return max(0, math.floor((total - self.model.weight_bytes) / self.model.kv_bytes_per_token))

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 import attrs
 import numpy as np
 
-from mooncake.sched.cost import AnalyticStepModel
 from mooncake.sched.join import DecodeLoad, JoinVerdict, blocked, check_join
 from mooncake.sched.outcome import Reason
+from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import DecodeBoard, DecodeView
 from mooncake.types import InstanceId
 

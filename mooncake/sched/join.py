@@ -32,8 +32,8 @@ import numpy as np
 
 from mooncake._checks import int_at_least
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.cost import StepModel
 from mooncake.sched.outcome import Reason
+from mooncake.sched.step import StepModel
 
 __all__ = ["DecodeLimits", "DecodeLoad", "JoinVerdict", "UNLIMITED", "blocked", "check_join"]
 

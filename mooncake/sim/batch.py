@@ -47,7 +47,7 @@ import math
 import attrs
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import RooflineStep
+from mooncake.sched.step import RooflineStep
 from mooncake.sim.metrics import RequestRecord
 
 __all__ = ["ContinuousBatch", "Member"]

@@ -32,9 +32,10 @@ import attrs
 
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import DecodeCostModel, Hardware, ModelShape, PrefillCostModel
+from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache

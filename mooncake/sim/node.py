@@ -28,7 +28,7 @@ import attrs
 from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.sched.cost import AnalyticStepModel
+from mooncake.sched.step import AnalyticStepModel
 from mooncake.sim.batch import ContinuousBatch, Member
 from mooncake.types import InstanceId, Tier
 

@@ -23,7 +23,6 @@ from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRe
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
     ChunkedPipelineCost,
-    DecodeCostModel,
     Hardware,
     ModelShape,
     PrefillCostModel,
@@ -40,6 +39,7 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
+from mooncake.sched.step import DecodeCostModel
 from mooncake.types import InstanceId, Slo
 
 __all__ = ["ADMISSIONS", "ClusterSpec", "ROUTERS", "build_conductor"]

@@ -33,12 +33,13 @@ import torch
 
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention, sdpa_decode_attention
-from mooncake.engine.decode import DecodeConfig, DecodeEngine, FittedStepModel, JoinResult, TokenEvent
+from mooncake.engine.decode import DecodeConfig, DecodeEngine, JoinResult, TokenEvent
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.step import DecodeCostModel, FittedStepModel
 from mooncake.types import BlockKey, RequestId, Tier
 from tests.engine.support import (
     TINY,

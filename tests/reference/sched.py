@@ -21,11 +21,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from mooncake.sched.cost import StepModel
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision, RouteQuery, TtftEstimator
+from mooncake.sched.step import StepModel
 from mooncake.sched.view import DecodeView, PrefillView
 from mooncake.types import BlockKey, InstanceId
 

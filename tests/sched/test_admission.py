@@ -21,12 +21,13 @@ from mooncake.sched.admission import (
     predictive_early_rejection,
 )
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.join import DecodeLimits, JoinVerdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, RouteDecision, TtftEstimator
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 

@@ -29,7 +29,7 @@ from mooncake.cache.events import AllBlocksCleared, BlockStored
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits, check_join
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
@@ -44,6 +44,7 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,

@@ -24,20 +24,17 @@ from mooncake.errors import ConfigError
 from mooncake.sched.cost import (
     HARDWARE,
     MODELS,
-    AnalyticStepModel,
     ChunkedPipelineCost,
-    DecodeCostModel,
     FittedPrefillModel,
     Hardware,
     ModelShape,
     PrefillCostModel,
     PrefillSample,
-    RooflineStep,
-    StepBranch,
     TransferCostModel,
     prefill_flops,
     reuse_bandwidth_bytes_per_s,
 )
+from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, RooflineStep, StepBranch
 
 LLAMA3 = MODELS["llama3-70b"]
 VIDUR_PREFILL_8192_ON_8XA100_S = 0.99  # Vidur's profile-based prediction for a 70B model, 8,192 tokens, 8×A100

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
 from mooncake.sched.outcome import Reason
+from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView
 from mooncake.types import InstanceId, RequestId
 from tests.reference.sched import reference_decode

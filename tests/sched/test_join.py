@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel
+from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, JoinVerdict, blocked, check_join
 from mooncake.sched.outcome import Reason
+from mooncake.sched.step import DecodeCostModel
 from tests.reference.sched import reference_verdict
 
 COST = DecodeCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, DecodeCostModel, RooflineStep, StepBranch
+from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.step import DecodeCostModel, RooflineStep, StepBranch
 from mooncake.sim.batch import ContinuousBatch, Member
 from mooncake.sim.metrics import RequestRecord
 from mooncake.types import RequestId

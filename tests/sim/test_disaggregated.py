@@ -22,9 +22,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel, StepModel
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.router import KvCacheCentricRouter
+from mooncake.sched.step import StepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import RecordTable, ReplayResult, RequestRecord, top_mean
 from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec, build_conductor
