@@ -1,7 +1,7 @@
 """The decode engine: continuous batching over KV that prefill left in the local cache.
 
 A request joins when its prompt's KV pages are in the node's tiered cache (a
-prefill streamed them there): `try_join` runs the local checks, copies the KV
+prefill streamed them there): `try_join` asks the decode rule, copies the KV
 into a free slot and emits the first token (the prefill's). Each `step()`
 decodes one token for every active request: embeds their last tokens, and per
 layer writes the new K and V at each request's own position and attends over
@@ -13,11 +13,15 @@ KV lives in per-layer slot tensors `[max_batch_size, kv_heads, max_context_token
 head_dim]`; active requests occupy slots 0 … B − 1 (a retired request's slot is
 filled by moving the last one in), so a step works on one contiguous prefix.
 
-Local checks on join (paper §5: the decode instance's own check, after which a
-rejection wastes the prefill): a free slot; prompt + max_new_tokens within a
-slot; the KV budget (sum over active requests of prompt + max_new_tokens);
-and, with a TBT SLO and a step model, the predicted step time with the request
-added within the SLO.
+The check on join (paper §5: the decode instance's own check, after which a
+rejection wastes the prefill) is the decode rule every scheduler and simulator
+asks, `sched.join.check_join`, on the engine's `limits` (a slot's
+`max_context_tokens`, `max_batch_size` slots, the KV budget) and its `load()`
+(active requests, the KV a step reads, Σ prompt + max_new_tokens reserved):
+context too long, batch full, KV budget, and with a TBT SLO and a step model
+the predicted step time with the request added. A request whose only token is
+its prefill's (`max_new_tokens == 1`) is finished at join and takes no slot,
+so only its context is checked.
 
 Invariants: slots 0 … B − 1 hold exactly the active requests; each request's
 context length = prompt + tokens emitted − 1; reserved tokens = Σ (prompt +
@@ -41,10 +45,11 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.step import StepModel
 from mooncake.types import BlockKey, RequestId
 
-__all__ = ["DecodeConfig", "DecodeEngine", "JoinResult", "TokenEvent", "TokenStream"]
+__all__ = ["DecodeConfig", "DecodeEngine", "TokenEvent", "TokenStream"]
 
 
 @attrs.frozen(kw_only=True)
@@ -55,14 +60,14 @@ class DecodeConfig:
         max_batch_size: slots.
         max_context_tokens: prompt + output tokens a slot holds.
         kv_budget_tokens: Σ (prompt + max_new_tokens) of active requests allowed
-            (default: every slot full).
-        tbt_slo_s: the TBT SLO of the local check (None: no check).
+            (default: every slot full); the decode rule's KV capacity.
+        tbt_slo_s: the TBT SLO of the decode rule's check (None: no check).
         attention: the decode attention kernel (the benchmark swaps in SDPA).
     """
 
     max_batch_size: int = attrs.field(default=8, validator=int_at_least(1))
     max_context_tokens: int = attrs.field(default=2048, validator=int_at_least(2))
-    kv_budget_tokens: int | None = None
+    kv_budget_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(0)))
     tbt_slo_s: float | None = None
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = decode_attention
 
@@ -79,15 +84,6 @@ class TokenEvent:
     token: int
     index: int
     finished: bool
-
-
-@attrs.frozen(kw_only=True)
-class JoinResult:
-    """Whether a request joined the batch; `reason` names the check that refused it."""
-
-    accepted: bool
-    reason: str | None = None
-    predicted_tbt_s: float | None = None
 
 
 @attrs.define(eq=False)
@@ -115,6 +111,9 @@ class DecodeEngine:
         config: options.
         step_model: predicts step times for the TBT check (required when `config.tbt_slo_s` is set).
 
+    `limits` is what the engine holds, as the decode rule (`sched.join`) reads it:
+    the KV budget, its slots and a slot's context.
+
     Not thread-safe: one thread calls `try_join` and `step`.
     """
 
@@ -134,6 +133,11 @@ class DecodeEngine:
         if self.config.tbt_slo_s is not None and step_model is None:
             raise ConfigError("tbt_slo_s needs a step_model to predict step times")
         self.step_model = step_model
+        self.limits = DecodeLimits(
+            kv_capacity_tokens=self.config.budget_tokens,
+            max_batch_size=self.config.max_batch_size,
+            max_context_tokens=self.config.max_context_tokens,
+        )
         dtype = str(model.dtype).removeprefix("torch.")
         self.layout = KvLayout(config=model.config, block_tokens=block_tokens, dtype=dtype)
         c, mc = self.config, model.config
@@ -161,6 +165,10 @@ class DecodeEngine:
     def context_tokens(self) -> int:
         return sum(a.context for a in self._active)
 
+    def load(self) -> DecodeLoad:
+        """The batch as the decode rule counts it: active requests, the KV a step reads, the KV reserved."""
+        return DecodeLoad(self.num_active, self.context_tokens, self.reserved_tokens)
+
     def check_invariants(self) -> None:
         ids = [a.request_id for a in self._active]
         assert len(ids) == len(set(ids)), "a request holds two slots"
@@ -183,11 +191,13 @@ class DecodeEngine:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
-    ) -> JoinResult:
-        """Admit a prefilled request into the batch, or say which local check refused it.
+    ) -> JoinVerdict:
+        """Admit a prefilled request into the batch, or say which check of the decode rule refused it.
 
-        On acceptance its first token (the prefill's) is reported at once; a request
-        with `max_new_tokens == 1` is then already finished and takes no slot.
+        The verdict is `check_join(self.limits, self.load(), ...)` with the engine's step
+        model and `config.tbt_slo_s` (its `predicted_tbt_s` is set when there is a step
+        model). On acceptance the request's first token (the prefill's) is reported at
+        once; a request with `max_new_tokens == 1` is then already finished and takes no slot.
 
         Raises:
             InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, or keys
@@ -206,30 +216,26 @@ class DecodeEngine:
             raise InvalidRequestError(
                 f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
-        c = self.config
-        needed = prompt_tokens + max_new_tokens
-        if needed > c.max_context_tokens:
-            return JoinResult(accepted=False, reason="context_too_long")
-        if max_new_tokens > 1:
-            if len(self._active) >= c.max_batch_size:
-                return JoinResult(accepted=False, reason="batch_full")
-            if self.reserved_tokens + needed > c.budget_tokens:
-                return JoinResult(accepted=False, reason="kv_budget")
-        predicted = None
-        if self.step_model is not None:
-            predicted = self.step_model.step_s(len(self._active) + 1, self.context_tokens + prompt_tokens)
-            if c.tbt_slo_s is not None and self._active and predicted > c.tbt_slo_s:
-                return JoinResult(accepted=False, reason="tbt_slo", predicted_tbt_s=predicted)
+        verdict = check_join(
+            self.limits,
+            self.load(),
+            prompt_tokens=prompt_tokens,
+            output_tokens=max_new_tokens,
+            step_model=self.step_model,
+            tbt_slo_s=self.config.tbt_slo_s,
+        )
+        if not verdict.accepted:
+            return verdict
         active = _Active(
             request_id, prompt_tokens, max_new_tokens, Sampler(sampling or SamplingParams()), on_token, first_token
         )
         if max_new_tokens > 1:
-            self._load(len(self._active), keys, prompt_tokens)
+            self._copy_kv(len(self._active), keys, prompt_tokens)
             self._active.append(active)
         self._emit(active, first_token, finished=max_new_tokens == 1)
-        return JoinResult(accepted=True, predicted_tbt_s=predicted)
+        return verdict
 
-    def _load(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
+    def _copy_kv(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
         block = self.layout.block_tokens
         pinned: list[BlockKey] = []
         try:

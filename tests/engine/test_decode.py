@@ -33,12 +33,14 @@ import torch
 
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention, sdpa_decode_attention
-from mooncake.engine.decode import DecodeConfig, DecodeEngine, JoinResult, TokenEvent
+from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
 from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
+from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel, FittedStepModel
 from mooncake.types import BlockKey, RequestId, Tier
 from tests.engine.support import (
@@ -344,7 +346,7 @@ def prefilled_cache() -> Iterator[tuple[TieredCache, dict[RequestId, PrefillResu
 
 def join(
     engine: DecodeEngine, result: PrefillResult, request_id: str, max_new_tokens: int, **options: Any
-) -> JoinResult:
+) -> JoinVerdict:
     return engine.try_join(
         RequestId(request_id),
         result.keys,
@@ -363,7 +365,9 @@ def test_batch_full_refuses_a_decoding_request_but_not_a_finished_one(prefilled_
     )
     assert join(engine, r["r3"], "x", 4).accepted and join(engine, r["r5"], "y", 4).accepted
     events: list[TokenEvent] = []
-    assert join(engine, r["r8"], "z", 4, on_token=events.append) == JoinResult(accepted=False, reason="batch_full")
+    assert join(engine, r["r8"], "z", 4, on_token=events.append) == JoinVerdict(
+        accepted=False, reason=Reason.BATCH_FULL
+    )
     assert events == [] and engine.active_ids == ("x", "y")
     assert join(engine, r["r8"], "z", 1, on_token=events.append).accepted
     assert events == [TokenEvent(request_id=RequestId("z"), token=r["r8"].first_token, index=0, finished=True)]
@@ -377,18 +381,34 @@ def test_kv_budget_counts_prompt_and_max_new_tokens(prefilled_cache: Any) -> Non
     config = DecodeConfig(max_batch_size=4, max_context_tokens=32, kv_budget_tokens=20)
     engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config)
     assert join(engine, r["r8"], "x", 3).accepted  # 11 reserved
-    assert join(engine, r["r5"], "y", 5) == JoinResult(accepted=False, reason="kv_budget")  # 11 + 10 > 20
+    assert join(engine, r["r5"], "y", 5) == JoinVerdict(accepted=False, reason=Reason.KV_BUDGET)  # 11 + 10 > 20
     assert join(engine, r["r5"], "y", 4).accepted and engine.reserved_tokens == 20
     engine.run(max_steps=2)  # x retires after its third token
     assert engine.active_ids == ("y",) and engine.reserved_tokens == 9
     assert join(engine, r["r8"], "z", 3).accepted
 
 
+def test_the_join_check_is_the_decode_rule_on_the_engines_limits_and_load(prefilled_cache: Any) -> None:
+    """`limits` are the config's (KV budget, slots, a slot's context) and `load()` counts the active
+    requests, the KV a step reads and the reservations, as `sched.join.check_join` reads them."""
+    cache, r = prefilled_cache
+    config = DecodeConfig(max_batch_size=3, max_context_tokens=24, kv_budget_tokens=40)
+    engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config)
+    assert engine.limits == DecodeLimits(kv_capacity_tokens=40, max_batch_size=3, max_context_tokens=24)
+    assert engine.load() == DecodeLoad(0, 0, 0)
+    assert join(engine, r["r8"], "x", 4).accepted and join(engine, r["r5"], "y", 3).accepted
+    assert engine.load() == DecodeLoad(2, 8 + 5, 8 + 4 + 5 + 3)
+    engine.step()
+    assert engine.load() == DecodeLoad(2, 9 + 6, 20)
+    default = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(max_batch_size=2))
+    assert default.limits == DecodeLimits(kv_capacity_tokens=2 * 2048, max_batch_size=2, max_context_tokens=2048)
+
+
 def test_context_too_long_is_checked_per_slot(prefilled_cache: Any) -> None:
     """prompt + max_new_tokens beyond a slot's context is refused, even for a request that would take no slot."""
     cache, r = prefilled_cache
     engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(max_context_tokens=16))
-    assert join(engine, r["r13"], "x", 4) == JoinResult(accepted=False, reason="context_too_long")
+    assert join(engine, r["r13"], "x", 4) == JoinVerdict(accepted=False, reason=Reason.CONTEXT_TOO_LONG)
     assert join(engine, r["r13"], "x", 3).accepted  # exactly 16: the last position written is 14
     events = engine.run(max_steps=10)
     assert [e.index for e in events] == [1, 2] and events[-1].finished
@@ -416,8 +436,13 @@ def test_tbt_slo_with_a_step_model(prefilled_cache: Any) -> None:
     second = join(engine, r["r8"], "y", 4)  # 2 requests, 13 + 8 context tokens: 22.1 ms
     assert second.accepted and second.predicted_tbt_s == pytest.approx(0.0221) and step_model.asked[-1] == (2, 21)
     too_slow = join(engine, r["r13"], "z", 4)  # 3 requests: 30 ms + context
-    assert too_slow == JoinResult(accepted=False, reason="tbt_slo", predicted_tbt_s=pytest.approx(0.0334))
+    assert too_slow == JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=pytest.approx(0.0334))
     assert engine.active_ids == ("x", "y")
+    # Its only token is the prefill's: it takes no slot and slows no step, so the TBT check does not apply.
+    events: list[TokenEvent] = []
+    single = join(engine, r["r13"], "z", 1, on_token=events.append)
+    assert single == JoinVerdict(accepted=True, predicted_tbt_s=pytest.approx(0.0334))
+    assert [e.finished for e in events] == [True] and engine.active_ids == ("x", "y")
 
 
 def test_tbt_slo_with_the_decode_cost_model(prefilled_cache: Any) -> None:
@@ -433,7 +458,7 @@ def test_tbt_slo_with_the_decode_cost_model(prefilled_cache: Any) -> None:
         step_model=cost,
     )
     assert join(engine, r["r13"], "x", 4).accepted
-    assert join(engine, r["r8"], "y", 4) == JoinResult(accepted=False, reason="tbt_slo", predicted_tbt_s=two)
+    assert join(engine, r["r8"], "y", 4) == JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=two)
     at_slo = DecodeEngine(
         tiny_model(),
         cache,
@@ -462,7 +487,7 @@ def test_a_fitted_step_model_recovers_its_coefficients_and_serves_the_tbt_check(
     config = DecodeConfig(max_context_tokens=32, tbt_slo_s=fitted.step_s(2, 13 + 8) * 0.999)
     engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=config, step_model=fitted)
     assert join(engine, r["r13"], "x", 4).accepted
-    assert join(engine, r["r8"], "y", 4).reason == "tbt_slo"
+    assert join(engine, r["r8"], "y", 4).reason is Reason.TBT_SLO
 
 
 coefficients = st.floats(min_value=-0.1, max_value=0.1) | st.sampled_from([0.0, -0.0, 1e-300])
@@ -554,13 +579,14 @@ def test_a_request_id_decodes_once_at_a_time(prefilled_cache: Any) -> None:
 
 
 def test_engine_configuration_is_checked() -> None:
-    """A pipeline stage, a TBT SLO without a step model, and impossible sizes are ConfigErrors."""
+    """A pipeline stage, a TBT SLO without a step model, and impossible sizes (a negative KV budget
+    included) are ConfigErrors."""
     cache = dram_cache(BLOCK)
     with pytest.raises(ConfigError, match="whole model"):
         DecodeEngine(LlamaModel(TINY, layers=[1]), cache, block_tokens=BLOCK)
     with pytest.raises(ConfigError, match="step_model"):
         DecodeEngine(tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(tbt_slo_s=0.1))
-    for fields in ({"max_batch_size": 0}, {"max_context_tokens": 1}):
+    for fields in ({"max_batch_size": 0}, {"max_context_tokens": 1}, {"kv_budget_tokens": -1}):
         with pytest.raises(ConfigError):
             DecodeConfig(**fields)  # type: ignore[arg-type]
     assert DecodeConfig(max_batch_size=3, max_context_tokens=10).budget_tokens == 30
@@ -621,13 +647,13 @@ class DecodeMachine(RuleBasedStateMachine):
             on_token=self.events[request_id].append,
         )
         reserved = sum(len(e.prompt) + e.max_new_tokens for e in self.active.values())
-        expected_reason = None
+        expected_reason: Reason | None = None
         if length + max_new_tokens > MACHINE_CONTEXT:
-            expected_reason = "context_too_long"
+            expected_reason = Reason.CONTEXT_TOO_LONG
         elif max_new_tokens > 1 and len(self.active) >= MACHINE_BATCH:
-            expected_reason = "batch_full"
+            expected_reason = Reason.BATCH_FULL
         elif max_new_tokens > 1 and reserved + length + max_new_tokens > MACHINE_BUDGET:
-            expected_reason = "kv_budget"
+            expected_reason = Reason.KV_BUDGET
         assert verdict.reason == expected_reason and verdict.accepted == (expected_reason is None)
         if not verdict.accepted:
             assert self.events.pop(request_id) == []
