@@ -6,8 +6,17 @@ whose first p tokens are cached costs
     FLOPs(n, p) = l · (a · (n² − p²) · d + b · (n − p) · d²),    a = 4, b = 22
 
 (the attention term counts every new token attending to the whole context),
-and takes FLOPs / (G · peak · MFU) on G GPUs. `FittedPrefillModel` replaces the
-analytic form with a least-squares fit of measured runs on the same features.
+and takes C = FLOPs / (G · peak · MFU) on G GPUs. The cached prefix's KV is
+loaded from host DRAM into HBM layer by layer while earlier layers compute, as
+the engines do: with L = KV(p) / host-to-device bandwidth, each of the l
+layers loads in L/l and computes in C/l, so the prefill takes
+
+    T(n, p) = max(L/l + C, L + C/l)
+
+(the load of the first layer, then whichever of compute and load is the
+bottleneck; T = C with nothing cached, or with the prefix already in HBM). `FittedPrefillModel` replaces the
+analytic form with a least-squares fit of measured runs on the same features
+(the real engines' loads included).
 
 Reuse criterion (the paper's Eq. 2): loading a cached p-token prefix beats
 recomputing it when the bandwidth exceeds KV(p) / T_prefill(p, 0) at peak;
@@ -32,6 +41,7 @@ import numpy as np
 
 from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
+from mooncake.types import Tier
 
 __all__ = [
     "ChunkedPipelineCost",
@@ -125,8 +135,8 @@ _GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 #     the H800 differs in NVLink (400 GB/s) and FP64, neither of which these models reads.
 #   H200: 989 TFLOPS dense bf16 (the H100's compute), 141 GB HBM3e at 4.8 TB/s.
 # Per instance: host_to_device 128 GB/s is four PCIe Gen4 x16 host links (HGX A100 boards hang their
-# eight GPUs off four PCIe switches), kept for the Hopper presets as a conservative figure; nothing
-# reads it yet. NICs are the Mooncake paper's and its transfer engine's setups: 4 x 200 Gbit/s RDMA
+# eight GPUs off four PCIe switches), kept for the Hopper presets as a conservative figure; the
+# prefill model loads cached prefixes from DRAM at that rate. NICs are the Mooncake paper's and its transfer engine's setups: 4 x 200 Gbit/s RDMA
 # on the Ampere nodes, 8 x 400 Gbit/s RoCE on the Hopper ones.
 HARDWARE: dict[str, Hardware] = {
     "8xA800": Hardware(
@@ -193,20 +203,25 @@ def reuse_bandwidth_bytes_per_s(model: ModelShape, hardware: Hardware, prefix_to
 
 @attrs.frozen(kw_only=True)
 class PrefillCostModel:
-    """Analytic prefill time: FLOPs / (G · peak · MFU)."""
+    """Analytic prefill time: FLOPs / (G · peak · MFU), with the cached prefix's KV loaded from DRAM
+    layer by layer under the compute (see the module docstring)."""
 
     model: ModelShape
     hardware: Hardware
     mfu: float = attrs.field(default=0.5, validator=_positive)
     overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
         """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached."""
         if num_tokens <= prefix_tokens:
             return 0.0
-        return self.overhead_s + prefill_flops(self.model, num_tokens, prefix_tokens) / (
-            self.hardware.peak_flops * self.mfu
-        )
+        compute = prefill_flops(self.model, num_tokens, prefix_tokens) / (self.hardware.peak_flops * self.mfu)
+        if prefix_tokens <= 0 or self.prefix_tier is Tier.VRAM:
+            return self.overhead_s + compute
+        load = prefix_tokens * self.model.kv_bytes_per_token / self.hardware.host_to_device_bytes_per_s
+        layers = self.model.num_layers
+        return self.overhead_s + max(load / layers + compute, load + compute / layers)
 
 
 class PrefillModel(Protocol):
@@ -221,11 +236,13 @@ class ChunkedPipelineCost:
 
     The group splits the model's layers into `group_size` stages, one per
     instance, and feeds the new tokens through them in chunks of `chunk_tokens`.
-    A chunk's time on one stage is its FLOPs (with everything before it as
-    context) on that stage's share of the layers. Every chunk takes the same
-    time on every stage and later chunks take no less (their attention spans
-    more context), so the pipeline's makespan is exact in closed form:
-    Σ chunk times + (stages − 1) · the longest chunk time. One chunk (a short
+    A chunk's time is what the base model adds for it, T(end, p) − T(start, p)
+    (its FLOPs with everything before it as context; the cached prefix's load and
+    any fixed cost counted once, in the first chunk), and on one stage that
+    stage's share of the layers. Every chunk takes the same time on every stage,
+    so the pipeline's makespan is exact in closed form (a proportionate flow
+    shop): Σ chunk times + (stages − 1) · the longest chunk time; the chunks add
+    up to the base model's time. One chunk (a short
     prompt) gains nothing; a long one approaches a `group_size`× speed-up.
     Successive prompts pipeline too: the next may enter the first stage once the
     previous one's chunks have all left it (`occupancy_s`).
@@ -237,13 +254,14 @@ class ChunkedPipelineCost:
 
     def _stages(self, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
         """(Σ chunk times on one stage, the longest chunk time)."""
-        total, longest, done = 0.0, 0.0, prefix_tokens
+        total, longest, done, before = 0.0, 0.0, prefix_tokens, 0.0
         while done < num_tokens:
             end = min(num_tokens, done + self.chunk_tokens)
-            stage = self.base.prefill_s(end, done) / self.group_size
+            upto = self.base.prefill_s(end, prefix_tokens)
+            stage = (upto - before) / self.group_size
             total += stage
             longest = max(longest, stage)
-            done = end
+            done, before = end, upto
         return total, longest
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:

@@ -80,7 +80,8 @@ class CoupledSpec:
 
     @property
     def prefill_cost(self) -> PrefillCostModel:
-        return PrefillCostModel(model=self.model, hardware=self.hardware, mfu=self.mfu)
+        # The prefix cache is the instance's HBM: a cached prefix is read in place, not loaded.
+        return PrefillCostModel(model=self.model, hardware=self.hardware, mfu=self.mfu, prefix_tier=Tier.VRAM)
 
     @property
     def decode_cost(self) -> DecodeCostModel:

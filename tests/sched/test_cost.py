@@ -15,6 +15,7 @@ import itertools
 import math
 import random
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -131,12 +132,31 @@ def test_prefill_flops_zero_when_prefix_covers_prompt(model: ModelShape, n: int,
 
 @given(models, hardware, st.integers(min_value=1, max_value=100_000), st.floats(min_value=0.05, max_value=1.0))
 def test_analytic_prefill_is_flops_over_effective_compute(model: ModelShape, hw: Hardware, n: int, mfu: float) -> None:
-    """prefill_s = overhead + FLOPs / (G · peak · MFU); half the MFU doubles the compute time."""
+    """prefill_s = overhead + FLOPs / (G · peak · MFU), the cached prefix's load from DRAM overlapping
+    the compute layer by layer; half the MFU doubles the compute time."""
     cost = PrefillCostModel(model=model, hardware=hw, mfu=mfu, overhead_s=0.002)
-    expected = 0.002 + prefill_flops(model, n, n // 3) / (hw.num_gpus * hw.peak_flops_per_gpu * mfu)
+    compute = prefill_flops(model, n, n // 3) / (hw.num_gpus * hw.peak_flops_per_gpu * mfu)
+    load = (n // 3) * model.kv_bytes_per_token / hw.host_to_device_bytes_per_s
+    layers = model.num_layers
+    expected = 0.002 + (max(load / layers + compute, load + compute / layers) if n // 3 else compute)
     assert cost.prefill_s(n, n // 3) == pytest.approx(expected)
     half = PrefillCostModel(model=model, hardware=hw, mfu=mfu / 2)
     assert half.prefill_s(n) == pytest.approx(2 * (cost.prefill_s(n) - 0.002))
+
+
+def test_cached_prefix_load_hides_under_compute_layer_by_layer() -> None:
+    """A prefix loaded from DRAM costs only its first layer's load while compute is the bottleneck;
+    over a slow host link the load is the bottleneck and the compute hides under it instead."""
+    fast = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
+    compute = prefill_flops(LLAMA3, 9000, 8192) / (HARDWARE["8xA800"].peak_flops * 0.5)
+    load = 8192 * LLAMA3.kv_bytes_per_token / 128e9  # 21 ms
+    assert compute > load
+    assert fast.prefill_s(9000, 8192) == pytest.approx(load / 80 + compute)
+    slow_link = attrs.evolve(HARDWARE["8xA800"], host_to_device_bytes_per_s=1e9)
+    slow = PrefillCostModel(model=LLAMA3, hardware=slow_link)
+    slow_load = 8192 * LLAMA3.kv_bytes_per_token / 1e9  # 2.7 s
+    assert slow.prefill_s(9000, 8192) == pytest.approx(slow_load + compute / 80)
+    assert slow.prefill_s(9000) == fast.prefill_s(9000)  # nothing cached: nothing loaded
 
 
 @pytest.mark.parametrize("field", ["mfu", "overhead_s"])
@@ -170,8 +190,10 @@ def test_fitted_model_with_noise_reports_small_error(seed: int) -> None:
 
 
 def test_fitted_model_matches_analytic_when_fed_analytic_samples() -> None:
-    """Fitted to the analytic model's own times, the fit reproduces them (both share their features)."""
-    analytic = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xH800"], overhead_s=0.003)
+    """Fitted to the analytic model's own times, the fit reproduces them (both share their features once
+    loading the cached prefix costs nothing: an infinitely fast host link)."""
+    instant_load = attrs.evolve(HARDWARE["8xH800"], host_to_device_bytes_per_s=1e30)
+    analytic = PrefillCostModel(model=LLAMA3, hardware=instant_load, overhead_s=0.003)
     samples = [
         PrefillSample(num_tokens=n, prefix_tokens=p, seconds=analytic.prefill_s(n, p))
         for n in (256, 1024, 4096, 8192, 16384)
@@ -488,17 +510,18 @@ def flow_shop(chunk_stage_s: list[float], stages: int) -> tuple[float, float]:
 
 
 def chunk_stage_s(base: PrefillCostModel | FittedPrefillModel, n: int, p: int, chunk: int, stages: int) -> list[float]:
-    """Each chunk's time on one stage: its prefill with everything before it cached, over the stages."""
-    return [base.prefill_s(min(n, start + chunk), start) / stages for start in range(p, n, chunk)]
+    """Each chunk's time on one stage: what the base model adds for it (T(end, p) − T(start, p)), over
+    the stages."""
+    ends = [min(n, start + chunk) for start in range(p, n, chunk)]
+    totals = [base.prefill_s(end, p) for end in ends]
+    return [(total - previous) / stages for total, previous in zip(totals, [0.0, *totals][:-1], strict=True)]
 
 
 @given(cpp_bases, st.integers(min_value=0, max_value=200_000), st.data(), cpp_chunks)
 def test_cpp_group_of_one_is_the_base_model(
     base: PrefillCostModel | FittedPrefillModel, n: int, data: st.DataObject, chunk: int
 ) -> None:
-    """One stage pipelines nothing: latency and occupancy are the base model's time (FLOPs add up over chunks)."""
-    if isinstance(base, FittedPrefillModel):  # its fixed cost is paid per chunk: only a one-chunk prompt equals it
-        n = min(n, chunk)
+    """One stage pipelines nothing: latency and occupancy are the base model's time (chunks add up to it)."""
     p = data.draw(st.integers(min_value=0, max_value=n + 10))
     cpp = ChunkedPipelineCost(base=base, group_size=1, chunk_tokens=chunk)
     assert math.isclose(cpp.prefill_s(n, p), base.prefill_s(n, p), rel_tol=1e-9, abs_tol=1e-15)

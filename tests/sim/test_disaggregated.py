@@ -327,13 +327,15 @@ def test_repeated_prompts_reuse_the_cached_prefix(global_pool: bool, input_token
 
 
 def test_two_nodes_pick_the_one_holding_the_prefix() -> None:
-    """With two prefill nodes, a repeat goes where its prefix is (or moves it there): TTFT is the cached one."""
+    """With two prefill nodes, a repeat goes where its prefix is (or moves it there): its TTFT is the
+    cached one, the prefix's load from DRAM into HBM (21 ms at 128 GB/s) with one token computed."""
     spec = make_spec(num_prefill=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
     requests = [make_request(name, t, 8192, 4, range(16)) for name, t in (("a", 0.0), ("b", 50.0))]
     first, repeat = replay(spec, requests).records
     assert repeat.prefix_tokens == 8191
     assert repeat.ttft_s is not None and first.ttft_s is not None
-    assert repeat.ttft_s < first.ttft_s / 100
+    load_s = 8191 * LLAMA3.kv_bytes_per_token / A800.host_to_device_bytes_per_s
+    assert load_s <= repeat.ttft_s < first.ttft_s / 20
 
 
 def test_inline_prefill_of_a_short_prompt() -> None:
