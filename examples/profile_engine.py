@@ -8,10 +8,12 @@
    prompt is prefilled and timed (the median of `--repeats` runs, each on a
    fresh cache). `FittedPrefillModel` (c0 + c1·(n − p) + c2·(n² − p²)) is fitted.
 2. Decode: step times at each batch size and context length; `FittedStepModel`
-   (c0 + c1·batch + c2·tokens) is fitted for the decode engine's TBT check.
+   (c0 + c1·batch + c2·tokens) is fitted for the decode rule's TBT check.
 
-The JSON written holds both fits and every sample; `FittedPrefillModel.from_json`
-reads its `prefill` entry back (`json.dumps(data["prefill"])`).
+The JSON written holds both fits, each as its `to_json` writes it, and every
+sample: `FittedPrefillModel.from_json` reads its "prefill" entry back and
+`FittedStepModel.from_json` its "decode" entry (`json.dumps(data["decode"])`);
+the example cluster's gateway reads both (`[prefill] profile`).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def main() -> None:
             "dtype": args.dtype,
             "block_tokens": BLOCK_TOKENS,
             "prefill": json.loads(prefill.to_json()),
-            "decode": {"coefficients": list(step_model.coefficients)},
+            "decode": json.loads(step_model.to_json()),
             "prefill_samples": [[s.num_tokens, s.prefix_tokens, s.seconds] for s in samples],
             "decode_samples": [list(s) for s in steps],
         },

@@ -37,14 +37,21 @@ openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from serving.api import HttpError  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
+from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
+from serving.gateway import build_conductor, declare_metrics  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
 from serving.metrics import Registry  # noqa: E402
 from serving.wire import event_from_wire, event_to_wire  # noqa: E402
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from mooncake.errors import ConfigError  # noqa: E402
-from mooncake.types import BlockKey, InstanceId, Tier  # noqa: E402
+from mooncake.sched.cost import FittedPrefillModel  # noqa: E402
+from mooncake.sched.join import DecodeLimits  # noqa: E402
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd  # noqa: E402
+from mooncake.sched.step import DecodeCostModel, FittedStepModel  # noqa: E402
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Tier  # noqa: E402
 
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 API_KEY = "test-key"
@@ -342,6 +349,97 @@ def test_cache_events_survive_the_wire() -> None:
     ]
     for event in events:
         assert event_from_wire(json.loads(json.dumps(event_to_wire(event)))) == event
+
+
+# ---------------------------------------------------------------------------------------------- the gateway's models and ends
+
+
+def test_a_profile_gives_the_conductor_its_fitted_prefill_and_decode_models(tmp_path: Path) -> None:
+    """With `[prefill] profile` (the JSON examples/profile_engine.py writes: each model's `to_json`), the
+    router estimates prefill with the fitted prefill model and the Conductor's step model, which its decode
+    rule's TBT check and decode selection read, is the fitted decode model; without a profile both are the
+    analytic CPU models; a profile lacking its decode section is a ConfigError naming the file."""
+    prefill = FittedPrefillModel(coefficients=(0.01, 2e-4, 1e-8))
+    decode = FittedStepModel(coefficients=(0.002, 3e-4, 1e-6))
+    path = tmp_path / "tiny.json"
+    profile = {"model": "tiny", "prefill": json.loads(prefill.to_json()), "decode": json.loads(decode.to_json())}
+    path.write_text(json.dumps(profile))
+    conductor = build_conductor(tiny(prefill={"profile": str(path)}))
+    assert conductor.step_model == decode
+    assert conductor.router.estimator.prefill == prefill  # type: ignore[attr-defined]
+    assert isinstance(build_conductor(tiny()).step_model, DecodeCostModel)
+    del profile["decode"]
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ConfigError, match="no 'decode' section") as raised:
+        build_conductor(tiny(prefill={"profile": str(path)}))
+    assert str(path) in str(raised.value)
+
+
+def test_decode_reports_end_requests_in_the_outcome_vocabulary() -> None:
+    """A decode engine's refusal names the decode rule's reason by its value: the request is rejected after
+    prefill with that `Reason` (a 429, counted as decode_<reason>; a value the gateway does not know is
+    DECODE_REJECTED); a join that failed (its KV missing) is aborted as FAILED (a 500), no rejection.
+    The reports are fed to the dispatcher as the transfer engine's handler would, without workers."""
+    config = tiny()
+    conductor = build_conductor(config)
+    conductor.add_prefill_instance(InstanceId("prefill-0"))
+    conductor.add_decode_instance(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=4096, max_batch_size=8))
+    ends: list[RequestEnd] = []
+    handle = conductor.handle
+
+    def spy(event: Any) -> tuple[RequestEnd, ...]:
+        ended = handle(event)
+        ends.extend(ended)
+        return ended
+
+    conductor.handle = spy  # type: ignore[method-assign]
+    registry = declare_metrics()
+    dispatcher = Dispatcher(
+        config, conductor, secret=bytes(32), workers=[], is_alive=lambda _: True, metrics=registry, block_bytes=1
+    )
+    try:
+
+        def live(number: int) -> LiveRequest:
+            request = Request(
+                request_id=RequestId(number),
+                arrival_s=0.0,
+                input_length=20,
+                output_length=8,
+                block_keys=(BlockKey(number),),
+            )
+            decision = conductor.schedule(request, dispatcher.now())
+            assert decision.accepted and decision.prefill_instance and decision.decode_instance
+            entry = LiveRequest(
+                request.request_id, [0] * 20, request, {}, decision.prefill_instance, decision.decode_instance, 0.0
+            )
+            dispatcher.live[request.request_id] = entry
+            return entry
+
+        cases = [
+            ("decode.rejected", {"reason": "kv_budget"}, Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET, 429),
+            (
+                "decode.rejected",
+                {"reason": "no_such_reason"},
+                Outcome.REJECTED_AFTER_PREFILL,
+                Reason.DECODE_REJECTED,
+                429,
+            ),
+            ("decode.failed", {"error": "KV block 7 is not cached"}, Outcome.ABORTED, Reason.FAILED, 500),
+        ]
+        for number, (method, report, outcome, reason, status) in enumerate(cases, start=1):
+            entry = live(number)
+            dispatcher._dispatch(method, {"request_id": number, **report})
+            assert ends[-1] == RequestEnd(RequestId(number), outcome, reason)
+            kind, error = entry.events.get_nowait()
+            assert kind == "error" and isinstance(error, HttpError) and error.status == status
+            assert RequestId(number) not in dispatcher.live
+        assert registry.value("mooncake_rejections_total", reason="decode_kv_budget") == 1
+        assert registry.value("mooncake_rejections_total", reason="decode_decode_rejected") == 1
+        assert registry.value("mooncake_rejections_total", reason="decode_failed") == 0
+        assert conductor.in_flight == ()
+        conductor.check_invariants()
+    finally:
+        dispatcher.close()
 
 
 # ---------------------------------------------------------------------------------------------- overload and failures

@@ -4,11 +4,15 @@ The `Dispatcher` holds the Conductor, a control connection to every worker and
 the table of live requests. `admit` keys a request's blocks and lets the
 Conductor decide (a rejection is a 429, no engine up a 503); `submit` sends an
 accepted request to its prefill worker with the decision's transfer plan. The
-workers report progress (prefill started/done/failed, decode joined/rejected,
-tokens) with calls that arrive on the transfer engine's threads and are handed
+workers report progress (prefill started/done/failed, decode joined/rejected/
+failed, tokens) with calls that arrive on the transfer engine's threads and are handed
 to the event loop, where they become Conductor events, index updates (the
 prefill node's cache events), metrics, and the request's queue of tokens that
 `tokens` reads until the last one, an error or the request's deadline.
+
+Ends, in `sched.outcome`'s vocabulary: a decode engine's refusal is the decode
+rule's reason (`REJECTED_AFTER_PREFILL`, a 429); a prefill or a join that fails
+(the KV missing on the decode node, say) is `ABORTED` / `FAILED` (a 500).
 
 Failures: a health loop checks every worker; a dead one is marked down in the
 Conductor. Requests waiting for a dead prefill engine are scheduled again on
@@ -60,7 +64,15 @@ from serving.wire import event_from_wire
 
 __all__ = ["Dispatcher", "LiveRequest"]
 
-REPORTS = ("prefill.started", "prefill.done", "prefill.failed", "decode.joined", "decode.rejected", "decode.tokens")
+REPORTS = (
+    "prefill.started",
+    "prefill.done",
+    "prefill.failed",
+    "decode.joined",
+    "decode.rejected",
+    "decode.failed",
+    "decode.tokens",
+)
 
 
 @attrs.define(eq=False)
@@ -337,12 +349,19 @@ class Dispatcher:
                 live,
                 HttpError(
                     429,
-                    f"the decode engine refused the request ({args['reason']}); retry later",
+                    f"the decode engine refused the request ({reason.value}); retry later",
                     kind="rate_limit_error",
                     headers={"Retry-After": "1"},
                 ),
                 Outcome.REJECTED_AFTER_PREFILL,
                 reason,
+            )
+        elif method == "decode.failed":
+            self._fail(
+                live,
+                HttpError(500, f"decode failed: {args['error']}", kind="server_error"),
+                Outcome.ABORTED,
+                Reason.FAILED,
             )
 
     def _on_token(self, request_id: RequestId, token: int, index: int, finished: bool) -> None:
@@ -413,10 +432,10 @@ class Dispatcher:
                 )
 
 
-def _reason(text: str) -> Reason:
-    """The decode engine's reason: the decode rule's, by its value; anything else (a missing KV block) is
-    DECODE_REJECTED."""
+def _reason(value: str) -> Reason:
+    """The `Reason` a decode engine's refusal names by its value (the decode rule's); a value this
+    gateway does not know (a worker of another version) is DECODE_REJECTED."""
     try:
-        return Reason(text.split(":")[0])
+        return Reason(value)
     except ValueError:
         return Reason.DECODE_REJECTED

@@ -12,7 +12,11 @@ that hangs up is cancelled on its decode engine. `/metrics` serves the
 registry, `/health` the engines up.
 
 `build_conductor` assembles the Conductor of the config's policies, on the
-analytic CPU cost model or a fitted profile.
+analytic CPU cost models or, with `[prefill] profile`, on the models
+`examples/profile_engine.py` fitted to the engines: its "prefill" section
+(`FittedPrefillModel`) for the router's TTFT estimates and its "decode"
+section (`FittedStepModel`) as the Conductor's step model, which its decode
+rule's TBT check and decode selection read.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from mooncake.engine.config import PRESETS
+from mooncake.errors import ConfigError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, TransferCostModel
@@ -39,7 +44,7 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
-from mooncake.sched.step import DecodeCostModel
+from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
 from mooncake.types import Slo
 from serving.api import HttpError, Reply, parse_request, usage
 from serving.config import ClusterConfig
@@ -47,7 +52,7 @@ from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import Registry
 from serving.tokenizer import ByteTokenizer
 
-__all__ = ["CPU", "Gateway", "build_conductor"]
+__all__ = ["CPU", "Gateway", "build_conductor", "read_profile"]
 
 # The analytic cost model's idea of one CPU engine (used without a fitted profile).
 CPU = Hardware(
@@ -66,13 +71,40 @@ def model_shape(config: ClusterConfig) -> ModelShape:
     return PRESETS[config.model.preset].shape(config.model.dtype)
 
 
+def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
+    """The prefill and decode models of a profile `examples/profile_engine.py` wrote.
+
+    Raises:
+        ConfigError: the file is not JSON, or lacks a valid "prefill" or "decode" section.
+    """
+    try:
+        with open(path) as stream:
+            profile = json.load(stream)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
+    sections = {}
+    for name in ("prefill", "decode"):
+        if not isinstance(profile, dict) or name not in profile:
+            raise ConfigError(f"[prefill] profile = {path!r} has no {name!r} section")
+        sections[name] = json.dumps(profile[name])
+    try:
+        return FittedPrefillModel.from_json(sections["prefill"]), FittedStepModel.from_json(sections["decode"])
+    except ConfigError as error:
+        raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
+
+
 def build_conductor(config: ClusterConfig) -> Conductor:
-    """The Conductor of the config's policies, on the fitted profile when one is named."""
+    """The Conductor of the config's policies, on the fitted profile when one is named (its prefill
+    model for the router, its decode step model for the decode rule), else on the analytic CPU models.
+
+    Raises:
+        ConfigError: a profile that cannot be read (see `read_profile`).
+    """
     shape = model_shape(config)
     prefill: Any = PrefillCostModel(model=shape, hardware=CPU)
+    step_model: AnalyticStepModel = DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0)
     if config.prefill.profile:
-        with open(config.prefill.profile) as stream:
-            prefill = FittedPrefillModel.from_json(json.dumps(json.load(stream)["prefill"]))
+        prefill, step_model = read_profile(config.prefill.profile)
     estimator = TtftEstimator(
         prefill=prefill,
         transfer=TransferCostModel(bandwidth_bytes_per_s=CPU.nic_bytes_per_s),
@@ -92,7 +124,7 @@ def build_conductor(config: ClusterConfig) -> Conductor:
     }
     return Conductor(
         router=routers[policy.router](),
-        step_model=DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0),
+        step_model=step_model,
         admission=admissions[policy.admission](),
         predictor=UniformDecodePredictor(decode_s=1.0),
         slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),

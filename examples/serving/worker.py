@@ -11,13 +11,19 @@ work on its own thread, reporting back with calls to the gateway:
     gateway → decode   decode.cancel {request_id}          (its client went away or timed out)
     prefill → decode   decode.join {request_id, keys, prompt_tokens, first_token, ...}
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, computed_tokens, events} / prefill.failed
-    decode  → gateway  decode.joined / decode.rejected / decode.tokens [[request_id, token, index, finished]…]
+    decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
+                       / decode.tokens [[request_id, token, index, finished]…]
 
 A prefill fetches the blocks the Conductor's transfer plan names from their
 holder (keeping the copy), prefills layer-wise while streaming each layer's KV
 to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
 node's cache exactly.
+
+A decode node joins a request by the decode rule (`DecodeEngine.try_join`, the
+same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
+`decode.rejected` with the rule's reason (a `sched.outcome.Reason` value); a
+request whose KV is missing or does not match its prompt is `decode.failed`.
 """
 
 from __future__ import annotations
@@ -299,11 +305,14 @@ class Worker:
                 sampling=SamplingParams(temperature=job["temperature"], seed=job["seed"]),
                 on_token=None,
             )
-        except MooncakeError as error:  # its KV is not here (evicted, or the stream failed)
-            self._tell_gateway("decode.rejected", {"request_id": request_id, "reason": f"kv_missing: {error}"})
+        except MooncakeError as error:
+            # Its KV is not here (evicted, or the stream failed) or does not match the prompt: a failure,
+            # not the decode rule's decision.
+            self._tell_gateway("decode.failed", {"request_id": request_id, "error": str(error)})
             return
         if not joined.accepted:
-            self._tell_gateway("decode.rejected", {"request_id": request_id, "reason": joined.reason})
+            assert joined.reason is not None
+            self._tell_gateway("decode.rejected", {"request_id": request_id, "reason": joined.reason.value})
             return
         self._tell_gateway(
             "decode.joined",
