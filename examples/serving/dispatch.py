@@ -325,10 +325,11 @@ class Dispatcher:
             self.metrics.set(
                 "mooncake_prefix_hit_ratio", self.metrics.value("mooncake_prefix_hit_tokens_total") / total
             )
-        elif method == "prefill.failed":
+        elif method in ("prefill.failed", "decode.failed"):  # a failure, not a scheduling decision
+            stage = method.split(".")[0]
             self._fail(
                 live,
-                HttpError(500, f"prefill failed: {args['error']}", kind="server_error"),
+                HttpError(500, f"{stage} failed: {args['error']}", kind="server_error"),
                 Outcome.ABORTED,
                 Reason.FAILED,
             )
@@ -356,10 +357,11 @@ class Dispatcher:
                 Outcome.REJECTED_AFTER_PREFILL,
                 reason,
             )
-        elif method == "decode.failed":
+        elif method in ("prefill.failed", "decode.failed"):  # a failure, not a scheduling decision
+            stage = method.split(".")[0]
             self._fail(
                 live,
-                HttpError(500, f"decode failed: {args['error']}", kind="server_error"),
+                HttpError(500, f"{stage} failed: {args['error']}", kind="server_error"),
                 Outcome.ABORTED,
                 Reason.FAILED,
             )
