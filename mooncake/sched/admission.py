@@ -1,20 +1,21 @@
 """Admission: accept a scheduled request, or reject it (HTTP 429 upstream) with a reason.
 
-Every policy first needs a decode instance that can take the request (the
-decode rule's structural checks: context, batch slots, KV; otherwise the
-reason names the bound) and an estimated TTFT within its SLO.
+Every policy needs an estimated TTFT within its SLO and a decode instance the
+decode rule (`sched.join`) lets the request into, against the load the policy
+asks about (`load_at`); the refusal names the bound (context, batch slots, KV,
+TBT).
 
-- `baseline`: nothing more. The decode instance's own TBT check happens when
-  the request reaches it, after its prefill; a rejection there wastes that
-  prefill.
-- `early_rejection`: also the decode rule's TBT check, before any prefill,
-  against the chosen instance's committed batch (decoding and reserved).
-- `predictive_early_rejection`: the decode rule, structural checks and TBT,
-  against the batch *predicted* for when the request will reach decoding
-  (now + estimated TTFT), so that load which will have drained by then does
-  not cause rejections, and load that is about to arrive does.
-
-Each policy says which decode load the Conductor must evaluate (`load_at`).
+- `baseline`: asks about no decode load: only a request that could never fit
+  an instance is refused. The decode instance checks for itself when the
+  prefilled request reaches it; a refusal there wastes the prefill.
+- `early_rejection`: the decode rule, TBT included, before any prefill,
+  against what the chosen instance is committed to *now*: its decoding batch
+  and the requests already accepted for it and still in prefill, as if they
+  all decoded together (no departure is foreseen).
+- `predictive_early_rejection`: the same against the batch *predicted* for
+  when the request will reach decoding (now + estimated TTFT): requests that
+  will have finished by then no longer count, those whose prefill ends before
+  then do.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class AdmissionDecision:
     reason: Reason | None = None
 
 
-LoadAt = Literal["now", "arrival"]
+LoadAt = Literal["none", "now", "arrival"]
 
 
 class AdmissionPolicy(Protocol):
@@ -54,7 +55,7 @@ class AdmissionPolicy(Protocol):
 
     @property
     def load_at(self) -> LoadAt:
-        """Which decode load the TBT check needs: "now" or "arrival" (predicted)."""
+        """Which decode load the decode rule is checked on: "none", "now" or "arrival" (predicted)."""
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
         """Accept or reject, given the routes chosen and the SLOs."""
@@ -71,7 +72,7 @@ def _room_and_ttft(route: RouteDecision, decode: DecodeChoice, slo: Slo) -> Admi
 @attrs.frozen
 class BaselineAdmission:
     name: str = "baseline"
-    load_at: LoadAt = "now"
+    load_at: LoadAt = "none"
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
         return _room_and_ttft(route, decode, slo)

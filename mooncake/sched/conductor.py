@@ -4,10 +4,11 @@
 1. match the request's block keys in the global index (each prefill instance's
    prefix, the best holder);
 2. route it (`router`) among prefill instances that are up;
-3. evaluate the decode instances' load, committed now (decoding and reserved)
-   or as predicted for when the request will arrive (now + estimated TTFT), as
-   the admission policy asks, and choose the decode instance by the decode
-   rule (`choose_decode`, `sched.join`);
+3. choose the decode instance (`choose_decode`): ranked by what each is
+   committed to (decoding and reserved), checked by the decode rule
+   (`sched.join`) against the load the admission policy asks about: none (the
+   instance checks for itself), what it is committed to now, or the batch
+   predicted for when the request will arrive (now + estimated TTFT);
 4. let the admission policy accept or reject; an accepted request joins the
    prefill instance's queue and is reserved on the decode instance (it counts
    toward that instance's batch and KV from then on).
@@ -52,6 +53,7 @@ from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import (
     ActiveDecode,
+    BoardLoads,
     DecodeBoard,
     DecodeFinished,
     DecodeJoined,
@@ -221,21 +223,13 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
-        loads = None  # the decode instances' batches now
-        if self.admission.load_at == "arrival":
-            arrival_s = now + route.ttft_s
-            loads = {
-                instance: self.predictor.predict(tuple(view.active.values()), self.incoming(instance), now, arrival_s)
-                for instance, view in self._decode.items()
-                if view.is_up
-            }
         decode = choose_decode(
             self._decode_board,
             prompt_tokens=request.input_length,
             output_tokens=request.output_length,
             step_model=self.step_model,
             tbt_slo_s=self.slo.tbt_s,
-            loads=loads,
+            loads=self._decode_loads(now, now + route.ttft_s),
         )
         base = {
             "request_id": request.request_id,
@@ -278,6 +272,24 @@ class Conductor:
                 route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
             )
         return decision
+
+    def _decode_loads(self, now: float, arrival_s: float) -> BoardLoads:
+        """The decode load the admission policy asks about, slot by slot: none (the instance checks for
+        itself), what each is committed to now (decoding and reserved), or the batches predicted for
+        the request's arrival at `arrival_s`."""
+        board = self._decode_board
+        if self.admission.load_at == "now":
+            return board.committed
+        if self.admission.load_at == "arrival":
+            predict = self.predictor.predict
+            return BoardLoads.of(
+                [
+                    predict(tuple(view.active.values()), self.incoming(view.instance_id), now, arrival_s)
+                    for view in board.slot_views
+                ]
+            )
+        empty = np.zeros(len(board), dtype=np.int64)
+        return BoardLoads(empty, empty, empty)
 
     def _transfers_in_flight(self, source: InstanceId, now: float) -> int:
         finishes = self._transfers.get(source)

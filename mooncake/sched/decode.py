@@ -1,14 +1,19 @@
-"""Decode selection: the decode instance with the lowest predicted TBT among those that can take the request.
+"""Decode selection: the decode instance with the lowest step time among those that can take the request.
 
-A candidate is up and passes the decode rule's structural checks
-(`sched.join`: context, batch slots, KV) against the load it is committed to:
-its decoding requests and those reserved there (accepted, still in prefill),
-or the load predicted for when the request will arrive (`loads`). Among the
-candidates the lowest step time with the request added wins, ties by instance
-id; the choice carries the rule's verdict for it, TBT included, which the
-admission policy may act on. When no instance can take the request, the
-choice names no instance and its verdict says which bound stopped it (the
-reason most instances that are up give; no instance up: NO_DECODE_INSTANCE).
+Two loads of each instance are in play. What it is committed to (its decoding
+requests and those reserved there: accepted, still in prefill or transfer)
+ranks the instances: among the candidates, the lowest step time with the
+request added to that batch wins, ties by instance id, so requests on their
+way count and arrivals spread over equally good instances instead of piling
+onto one. The load the admission policy asks about (`loads`: none at all for
+a policy that leaves the decode side's check to the instance, the committed
+one, or the batch predicted for the request's arrival; by default the
+committed one) decides: a candidate is an instance that is up and that the
+decode rule (`sched.join`: context, batch slots, KV) lets the request into
+against that load, and the choice carries the rule's verdict there, its TBT
+check included, for the policy to act on. When no instance can take the
+request, the choice names no instance and its verdict says which bound stopped
+it (the reason most instances that are up give; none up: NO_DECODE_INSTANCE).
 
 The step model is an `AnalyticStepModel`: its roofline gives the step times
 of all candidates as one array expression.
@@ -17,15 +22,15 @@ of all candidates as one array expression.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from mooncake.sched.join import DecodeLoad, JoinVerdict, blocked, check_join
+from mooncake.sched.join import JoinVerdict, blocked, check_join
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import AnalyticStepModel
-from mooncake.sched.view import DecodeBoard, DecodeView
+from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
 from mooncake.types import InstanceId
 
 __all__ = ["DecodeChoice", "choose_decode"]
@@ -51,7 +56,7 @@ def choose_decode(
     output_tokens: int,
     step_model: AnalyticStepModel,
     tbt_slo_s: float,
-    loads: Mapping[InstanceId, DecodeLoad] | None = None,
+    loads: BoardLoads | None = None,
 ) -> DecodeChoice:
     """The best decode instance for a request (see the module docstring).
 
@@ -59,25 +64,18 @@ def choose_decode(
         views: every decode instance (a `DecodeBoard` of them is read without a loop).
         prompt_tokens, output_tokens: the request's prompt and expected output.
         step_model: the decode step model; tbt_slo_s: the TBT objective of the verdict.
-        loads: each instance's load when the request would join it (default: what it is committed to now).
+        loads: the load the decode rule checks, slot by slot in the board's order (default: the committed one).
 
     Raises:
         InvalidRequestError: a token count that is not an integer >= 1.
     """
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
-    if loads is None:
-        batch, context, kv = board.batch_size, board.context_tokens, board.kv_tokens
-    else:
-        ids = board.instance_ids
-        predicted = [loads.get(instance, DecodeLoad(0, 0, 0)) for instance in ids]
-        batch = np.array([round(p.batch_size) for p in predicted], dtype=np.int64)
-        context = np.array([round(p.context_tokens) for p in predicted], dtype=np.int64)
-        kv = np.array([round(p.kv_tokens) for p in predicted], dtype=np.int64)
+    checked = board.committed if loads is None else loads
     refused = blocked(
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
-        batch_size=batch,
-        kv_tokens=kv,
+        batch_size=checked.batch_size,
+        kv_tokens=checked.kv_tokens,
         max_batch_size=board.max_batch_size,
         kv_capacity_tokens=board.kv_capacity_tokens,
         max_context_tokens=board.max_context_tokens,
@@ -85,13 +83,15 @@ def choose_decode(
     up = board.is_up if not board.all_up else np.ones(len(board), dtype=bool)
     candidates = np.flatnonzero(up & ~refused)
     if not candidates.size:
-        return _nobody(board, up, batch, context, kv, prompt_tokens, output_tokens)
-    steps = step_model.roofline().step_times(batch[candidates] + 1, context[candidates] + prompt_tokens)
+        return _nobody(board, up, checked, prompt_tokens, output_tokens)
+    committed = board.committed
+    steps = step_model.roofline().step_times(
+        committed.batch_size[candidates] + 1, committed.context_tokens[candidates] + prompt_tokens
+    )
     slot = int(candidates[int(np.argmin(steps))])  # slots go in id order: the first minimum is the smallest id
-    load = DecodeLoad(int(batch[slot]), int(context[slot]), int(kv[slot]))
     verdict = check_join(
         board.slot_views[slot].limits,
-        load,
+        checked.at(slot),
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         step_model=step_model,
@@ -101,20 +101,13 @@ def choose_decode(
 
 
 def _nobody(
-    board: DecodeBoard,
-    up: np.ndarray,
-    batch: np.ndarray,
-    context: np.ndarray,
-    kv: np.ndarray,
-    prompt_tokens: int,
-    output_tokens: int,
+    board: DecodeBoard, up: np.ndarray, checked: BoardLoads, prompt_tokens: int, output_tokens: int
 ) -> DecodeChoice:
     """No instance can take the request: the reason most of those up give (ties: the earlier check)."""
     reasons: collections.Counter[Reason] = collections.Counter()
     for slot in np.flatnonzero(up).tolist():
-        load = DecodeLoad(int(batch[slot]), int(context[slot]), int(kv[slot]))
         verdict = check_join(
-            board.slot_views[slot].limits, load, prompt_tokens=prompt_tokens, output_tokens=output_tokens
+            board.slot_views[slot].limits, checked.at(slot), prompt_tokens=prompt_tokens, output_tokens=output_tokens
         )
         assert verdict.reason is not None  # the structural checks refused it: so must the rule
         reasons[verdict.reason] += 1

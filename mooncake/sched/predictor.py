@@ -3,12 +3,9 @@
 `UniformDecodePredictor` is the paper's system-level prediction: at time t the
 instance holds the requests decoding now that will not have decoded longer than
 a uniform t_d by then, plus the requests heading to it (accepted, in prefill)
-that will not have decoded for t_d by t: those whose prefill ends before t, and
-those whose prefill ends later, which join while the new request decodes.
-Those make the predicted batch and the context its steps read. The predicted KV
-(`kv_tokens`) is what the instance will have promised: the whole reservation
-(prompt + output) of each request still decoding at t and of every request
-heading to it.
+whose prefill ends before t and that have not been decoding for t_d by t.
+Those make the predicted batch and the context its steps read; their whole
+reservations (prompt + output each) make the predicted KV (`kv_tokens`).
 
 `OutputLengthPredictor` is ours: it keeps the observed output lengths and, for
 each request, the probability that it is still generating at t given how many
@@ -74,10 +71,10 @@ class UniformDecodePredictor:
                 tokens += request.context_tokens
                 kv += request.context_tokens + request.output_tokens
         for queued in incoming:
-            kv += queued.input_tokens + queued.output_tokens
-            if at_s - queued.finish_s < self.decode_s:  # not done decoding by t (or joining after it)
+            if queued.finish_s <= at_s and at_s - queued.finish_s < self.decode_s:
                 batch += 1
                 tokens += queued.input_tokens
+                kv += queued.input_tokens + queued.output_tokens
         return DecodeLoad(batch, tokens, kv)
 
     def observe(self, output_tokens: int) -> None:
@@ -127,11 +124,13 @@ class OutputLengthPredictor:
             tokens += alive * (request.context_tokens + produced + horizon)
             kv += alive * (request.context_tokens + request.output_tokens)
         for queued in incoming:
-            kv += queued.input_tokens + queued.output_tokens
-            decoded = max(0.0, (at_s - queued.finish_s) / self.step_s)  # 0: it joins after t
+            if queued.finish_s > at_s:
+                continue  # it joins after t
+            decoded = (at_s - queued.finish_s) / self.step_s
             alive = self.survival(0.0, decoded)
             batch += alive
             tokens += alive * (queued.input_tokens + decoded)
+            kv += alive * (queued.input_tokens + queued.output_tokens)
         return DecodeLoad(batch, tokens, kv)
 
 

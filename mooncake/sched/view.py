@@ -38,6 +38,7 @@ from mooncake.types import InstanceId, RequestId
 
 __all__ = [
     "ActiveDecode",
+    "BoardLoads",
     "DecodeBoard",
     "DecodeFinished",
     "DecodeJoined",
@@ -280,17 +281,37 @@ class PrefillBoard(_Board["PrefillView"]):
         assert self.all_up == all(v.is_up for v in views)
 
 
+@attrs.frozen
+class BoardLoads:
+    """Loads of a board's instances, slot by slot (what the decode rule checks): batch sizes, the
+    KV tokens a step reads, the KV tokens held or promised."""
+
+    batch_size: np.ndarray
+    context_tokens: np.ndarray
+    kv_tokens: np.ndarray
+
+    def at(self, slot: int) -> DecodeLoad:
+        return DecodeLoad(int(self.batch_size[slot]), int(self.context_tokens[slot]), int(self.kv_tokens[slot]))
+
+    @classmethod
+    def of(cls, loads: Sequence[DecodeLoad]) -> BoardLoads:
+        """From one load per slot (fractional predictions rounded)."""
+        return cls(
+            np.array([round(load.batch_size) for load in loads], dtype=np.int64),
+            np.array([round(load.context_tokens) for load in loads], dtype=np.int64),
+            np.array([round(load.kv_tokens) for load in loads], dtype=np.int64),
+        )
+
+
 class DecodeBoard(_Board["DecodeView"]):
-    """Decode views side by side: per slot, what each is committed to (`load()`: `batch_size`,
-    `context_tokens`, `kv_tokens`, reservations included), its limits (`max_batch_size`,
-    `kv_capacity_tokens`, `max_context_tokens`; `UNLIMITED` where none is set) and `is_up`."""
+    """Decode views side by side: per slot, what each is committed to (`committed`: its `load()`,
+    reservations included), its limits (`max_batch_size`, `kv_capacity_tokens`,
+    `max_context_tokens`; `UNLIMITED` where none is set) and `is_up`."""
 
     def __init__(self, views: Sequence[DecodeView]) -> None:
         super().__init__(views)
         count = len(self.views)
-        self.batch_size = np.zeros(count, dtype=np.int64)
-        self.context_tokens = np.zeros(count, dtype=np.int64)
-        self.kv_tokens = np.zeros(count, dtype=np.int64)
+        self.committed = BoardLoads(*(np.zeros(count, dtype=np.int64) for _ in range(3)))
         self.max_batch_size = np.zeros(count, dtype=np.int64)
         self.kv_capacity_tokens = np.zeros(count, dtype=np.int64)
         self.max_context_tokens = np.zeros(count, dtype=np.int64)
@@ -300,9 +321,10 @@ class DecodeBoard(_Board["DecodeView"]):
         """Read the view in `slot` again (after a reservation, join, leave or state change)."""
         view = self.slot_views[slot]
         load, limits = view.load(), view.limits
-        self.batch_size[slot] = load.batch_size
-        self.context_tokens[slot] = load.context_tokens
-        self.kv_tokens[slot] = load.kv_tokens
+        committed = self.committed
+        committed.batch_size[slot] = load.batch_size
+        committed.context_tokens[slot] = load.context_tokens
+        committed.kv_tokens[slot] = load.kv_tokens
         self.max_batch_size[slot] = UNLIMITED if limits.max_batch_size is None else limits.max_batch_size
         self.kv_capacity_tokens[slot] = limits.kv_capacity_tokens
         self.max_context_tokens[slot] = UNLIMITED if limits.max_context_tokens is None else limits.max_context_tokens
@@ -310,10 +332,9 @@ class DecodeBoard(_Board["DecodeView"]):
 
     def check_invariants(self) -> None:
         views = self.slot_views
-        loads = [v.load() for v in views]
-        assert self.batch_size.tolist() == [load.batch_size for load in loads], "batch sizes out of sync"
-        assert self.context_tokens.tolist() == [load.context_tokens for load in loads], "context out of sync"
-        assert self.kv_tokens.tolist() == [load.kv_tokens for load in loads], "KV out of sync"
+        committed = BoardLoads.of([v.load() for v in views])
+        for name in ("batch_size", "context_tokens", "kv_tokens"):
+            assert getattr(self.committed, name).tolist() == getattr(committed, name).tolist(), f"committed {name}"
         assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)

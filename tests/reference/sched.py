@@ -6,8 +6,9 @@
 - `reference_route`: every candidate's decision under that rule with the
   router's own estimator, and the minimum by (TTFT, queue, id).
 - `reference_local_route`: the local-cache-aware ablation (never a transfer).
-- `reference_decode`: the decode rule on each instance that is up, and the
-  lowest step time among those it lets in, ties by id.
+- `reference_decode`: the decode rule on each instance that is up, against
+  the load asked about, and the lowest committed step time among those it
+  lets in, ties by id.
 - `reference_verdict`: the decode rule itself, check by check.
 - `HoldingsModel`: which keys each instance's cache holds, and each one's
   contiguous prefix of a chain (what the index's match should say).
@@ -114,31 +115,34 @@ def reference_decode(
     tbt_slo_s: float,
     loads: Mapping[InstanceId, DecodeLoad] | None = None,
 ) -> DecodeChoice:
-    """Brute force: the decode rule on each instance that is up, one at a time; among those it lets
-    in (TBT aside), the lowest step time with the request added, ties by id; none: the reason most
-    instances up give (ties: the earlier check), or NO_DECODE_INSTANCE when none is up."""
+    """Brute force: the decode rule on each instance that is up, one at a time, against the load asked
+    about (`loads`, rounded; default: what it is committed to); among those it lets in (TBT aside), the
+    lowest step time on the committed load with the request added, ties by id, with the rule's verdict
+    on the asked load; none: the reason most instances up give (ties: the earlier check), or
+    NO_DECODE_INSTANCE when none is up."""
     options = []
     reasons: collections.Counter[Reason] = collections.Counter()
     for view in views:
         if not view.is_up:
             continue
-        load = view.load() if loads is None else loads.get(view.instance_id, DecodeLoad(0, 0, 0))
-        load = DecodeLoad(round(load.batch_size), round(load.context_tokens), round(load.kv_tokens))
-        structural = check_join(view.limits, load, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        asked = view.load() if loads is None else loads[view.instance_id]
+        asked = DecodeLoad(round(asked.batch_size), round(asked.context_tokens), round(asked.kv_tokens))
+        structural = check_join(view.limits, asked, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         if not structural.accepted:
             assert structural.reason is not None
             reasons[structural.reason] += 1
             continue
-        step = step_model.step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
-        options.append((step, view.instance_id, view.limits, load))
+        committed = view.load()
+        step = step_model.step_s(int(committed.batch_size) + 1, int(committed.context_tokens) + prompt_tokens)
+        options.append((step, view.instance_id, view.limits, asked))
     if not options:
         order = list(Reason)
         reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
         return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
-    _, instance, limits, load = min(options, key=lambda option: (option[0], option[1]))
+    _, instance, limits, asked = min(options, key=lambda option: (option[0], option[1]))
     verdict = check_join(
         limits,
-        load,
+        asked,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         step_model=step_model,

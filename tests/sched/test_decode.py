@@ -19,7 +19,7 @@ from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
-from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView
+from mooncake.sched.view import ActiveDecode, BoardLoads, DecodeBoard, DecodeView
 from mooncake.types import InstanceId, RequestId
 from tests.reference.sched import reference_decode
 
@@ -38,13 +38,13 @@ def view(
     max_batch: int | None = None,
     max_context: int | None = None,
 ) -> DecodeView:
-    """A decode view with `used` tokens held by one active request and `reserved` by one incoming."""
+    """A decode view with `used` tokens held by one active request and `reserved` (>= 3) by one on its way."""
     limits = DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=max_batch, max_context_tokens=max_context)
     decode = DecodeView(instance, limits, is_up=up)
     if used:
         decode.join(ActiveDecode(request_id=RequestId("active"), start_s=0.0, context_tokens=used, output_tokens=0))
-    if reserved:
-        decode.reserve(RequestId("incoming"), reserved, 0)
+    if reserved >= 3:  # a request on its way: `reserved` tokens, two of them output
+        decode.reserve(RequestId("incoming"), reserved - 2, 2)
     return decode
 
 
@@ -56,7 +56,16 @@ def choose(
     output: int = 100,
     slo: float = 0.1,
 ) -> DecodeChoice:
-    return choose_decode(views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, loads=loads)
+    """`choose_decode` on a board of `views`, the rule checked on `loads` (by instance) when given."""
+    board = DecodeBoard(views)
+    return choose_decode(
+        board,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        step_model=COST,
+        tbt_slo_s=slo,
+        loads=None if loads is None else BoardLoads.of([loads[i] for i in board.instance_ids]),
+    )
 
 
 def chosen(instance: InstanceId, batch: int, context: int) -> DecodeChoice:
@@ -65,11 +74,27 @@ def chosen(instance: InstanceId, batch: int, context: int) -> DecodeChoice:
     )
 
 
+def committed(instance: InstanceId, *, decoding: int = 0, reserved: int = 0, context: int = 0) -> DecodeView:
+    """A view committed to `decoding` requests decoding and `reserved` on their way, `context`
+    prompt tokens in all (spread over them)."""
+    decode = view(instance, capacity=10**7)
+    members = decoding + reserved
+    for i in range(members):
+        share = context // members + (1 if i < context % members else 0)
+        if i < decoding:
+            decode.join(
+                ActiveDecode(request_id=RequestId(f"a{i}"), start_s=0.0, context_tokens=share, output_tokens=10)
+            )
+        else:
+            decode.reserve(RequestId(f"r{i}"), share, 10)
+    return decode
+
+
 def test_lowest_predicted_tbt_wins() -> None:
-    """The instance whose batch (with the request) steps fastest is chosen, with that TBT."""
-    views = [view(D0), view(D1), view(D2)]
-    loads = {D0: DecodeLoad(4, 90_000, 0), D1: DecodeLoad(2, 10_000, 0), D2: DecodeLoad(8, 50_000, 0)}
-    assert choose(views, loads) == chosen(D1, 3, 11_000)
+    """The instance whose committed batch (with the request) steps fastest is chosen, with that TBT."""
+    views = [committed(D0, decoding=4, context=90_000), committed(D1, decoding=2, context=10_000)]
+    views.append(committed(D2, decoding=4, reserved=4, context=50_000))
+    assert choose(views) == chosen(D1, 3, 11_000)
 
 
 def test_reservations_count_toward_the_batch_and_its_context() -> None:
@@ -83,21 +108,16 @@ def test_reservations_count_toward_the_batch_and_its_context() -> None:
 
 def test_down_instances_are_skipped() -> None:
     """An instance that is down is never chosen, however idle."""
-    views = [view(D0, up=False), view(D1)]
-    choice = choose(views, {D0: DecodeLoad(0, 0, 0), D1: DecodeLoad(10, 80_000, 0)})
-    assert choice.decode_instance == D1
+    views = [view(D0, up=False), committed(D1, decoding=10, context=80_000)]
+    assert choose(views).decode_instance == D1
 
 
 def test_instances_without_room_are_skipped() -> None:
     """KV room counts what is used and what is reserved; prompt plus expected output must fit."""
-    views = [view(D0, capacity=2000, used=500, reserved=401), view(D1, capacity=2000, used=900), view(D2)]
-    loads = {
-        D0: DecodeLoad(0, 0, 901),
-        D1: DecodeLoad(0, 0, 900),
-        D2: DecodeLoad(30, 90_000, 0),
-    }
-    assert choose(views, loads, prompt=1000, output=100) == chosen(D1, 1, 1000)  # 1,100 fits D1 exactly
-    assert choose(views, loads, prompt=1000, output=101) == chosen(D2, 31, 91_000)
+    views = [view(D0, capacity=2000, used=500, reserved=401), view(D1, capacity=2000, used=900)]
+    views.append(committed(D2, decoding=30, context=90_000))
+    assert choose(views, prompt=1000, output=100) == chosen(D1, 2, 1900)  # 1,100 fits D1 exactly
+    assert choose(views, prompt=1000, output=101) == chosen(D2, 31, 91_000)
 
 
 def test_full_batches_are_skipped() -> None:
@@ -121,25 +141,27 @@ def test_no_instance_names_the_bound_that_stopped_it() -> None:
 
 def test_ties_break_by_id() -> None:
     """Equal predicted TBT: the smallest id."""
-    views = [view(D2), view(D0), view(D1)]
-    assert choose(views, {i: DecodeLoad(3, 3000, 0) for i in (D0, D1, D2)}).decode_instance == D0
+    views = [committed(instance, decoding=3, context=3000) for instance in (D2, D0, D1)]
+    assert choose(views).decode_instance == D0
 
 
-def test_uses_the_load_given_not_the_view() -> None:
-    """The TBT comes from `loads` (current or predicted), not from the view's own batch."""
-    views = [view(D0, used=90_000), view(D1)]
-    assert choose(views, {D0: DecodeLoad(0, 0, 0), D1: DecodeLoad(5, 50_000, 0)}) == chosen(D0, 1, 1000)
+def test_ranks_on_the_committed_load_and_checks_on_the_load_asked_about() -> None:
+    """Selection compares what each instance is committed to; the decode rule and the verdict's TBT
+    use the load the policy asks about (here: nothing decodes yet, the reserved ones are in prefill)."""
+    views = [committed(D0, reserved=8, context=8000), committed(D1, decoding=1, context=1000)]
+    now = {D0: DecodeLoad(0, 0, 0), D1: DecodeLoad(1, 1000, 1010)}
+    assert choose(views, now) == chosen(D1, 2, 2000)
 
 
 def test_fractional_predicted_loads_are_rounded() -> None:
     """An expected batch of 2.6 counts as 3 (plus the request)."""
-    choice = choose([view(D0)], {D0: DecodeLoad(2.6, 1234.4, 0)})
-    assert choice == chosen(D0, 4, 1234 + 1000)
+    views = [committed(D0, reserved=4, context=4000)]
+    assert choose(views, {D0: DecodeLoad(2.6, 1234.4, 0)}) == chosen(D0, 4, 1234 + 1000)
 
 
 def test_the_verdict_carries_the_tbt_check() -> None:
     """The chosen instance's verdict refuses the request when its step would pass the SLO."""
-    choice = choose([view(D0)], {D0: DecodeLoad(8, 900_000, 0)}, slo=0.01)
+    choice = choose([committed(D0, decoding=8, context=900_000)], slo=0.01)
     assert choice.decode_instance == D0
     assert choice.verdict == JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=COST.step_s(9, 901_000))
 
@@ -179,8 +201,8 @@ def decode_cases(draw: st.DrawFn) -> tuple[list[DecodeView], dict[InstanceId, De
 def test_choice_is_the_brute_force_minimum(
     case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float
 ) -> None:
-    """With predicted loads: the lowest step time among the instances up that the decode rule lets in
-    (ties: id), with the rule's verdict; none: the reason most give."""
+    """With loads asked about: the lowest committed step time among the instances up that the decode
+    rule lets in on those loads (ties: id), with the rule's verdict there; none: the reason most give."""
     views, loads, prompt, output = case
     got = choose(views, loads, prompt=prompt, output=output, slo=slo)
     want = reference_decode(
@@ -198,4 +220,5 @@ def test_without_loads_what_is_committed_counts(
     views, _, prompt, output = case
     want = reference_decode(views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
     for given_views in (views, DecodeBoard(views)):
-        assert choose(given_views, prompt=prompt, output=output, slo=slo) == want
+        got = choose_decode(given_views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+        assert got == want

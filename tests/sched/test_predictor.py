@@ -52,14 +52,13 @@ def test_uniform_keeps_requests_younger_than_decode_time() -> None:
     assert predictor.predict(batch, [], now=1.0, at_s=5.0) == DecodeLoad(1, 100, 1100)
 
 
-def test_uniform_adds_prefills_that_have_not_decoded_for_td_by_t() -> None:
-    """An incoming prefill counts in the batch unless it will have decoded for t_d by t: those
-    finishing before t, and those finishing after it (they join while the new request decodes);
-    toward the KV every incoming one counts: its KV was promised and must fit when it comes."""
+def test_uniform_adds_prefills_that_finish_before_t() -> None:
+    """An incoming prefill counts (batch, context, its reservation toward the KV) iff it finishes by t
+    and has not decoded for t_d by then."""
     predictor = UniformDecodePredictor(decode_s=10.0)
     queue = [incoming("done-by-t", 3.0, 50), incoming("at-t", 5.0, 60), incoming("after-t", 6.0, 70)]
     queue.append(incoming("long-done", -8.0, 80))  # finished 13 s before t: decoded t_d already
-    assert predictor.predict([], queue, now=0.0, at_s=5.0) == DecodeLoad(3, 180, 260)
+    assert predictor.predict([], queue, now=0.0, at_s=5.0) == DecodeLoad(2, 110, 110)
 
 
 def test_uniform_now_is_the_current_batch_when_young() -> None:
@@ -102,10 +101,10 @@ def test_output_length_predict_hand_case() -> None:
     predictor = OutputLengthPredictor(step_s=1.0, lengths=[10, 20])
     load = predictor.predict([active("a", 0.0, 100)], [incoming("b", 10.0, 50), incoming("c", 16.0, 70)], 5.0, 15.0)
     # a: produced 5, horizon 10 → P(L > 15 | L > 5) = 1/2, holding 100 + 15 tokens then.
-    # b: decoded 5 by t → P(L > 5) = 1, holding 50 + 5; c finishes after t: it joins, with its 70.
-    assert load.batch_size == pytest.approx(0.5 + 1.0 + 1.0)
-    assert load.context_tokens == pytest.approx(0.5 * 115 + 55 + 70)
-    assert load.kv_tokens == pytest.approx(0.5 * 1100 + 50 + 70)  # every incoming reservation counts
+    # b: decoded 5 by t → P(L > 5) = 1, holding 50 + 5; c finishes after t.
+    assert load.batch_size == pytest.approx(0.5 + 1.0)
+    assert load.context_tokens == pytest.approx(0.5 * 115 + 55)
+    assert load.kv_tokens == pytest.approx(0.5 * 1100 + 50)
 
 
 def test_output_length_requires_positive_step() -> None:
@@ -167,7 +166,7 @@ def test_score_predictor_feeds_each_snapshot() -> None:
         actual=DecodeLoad(1, 100),
     )
     score = score_predictor(UniformDecodePredictor(decode_s=10.0), [snapshot])
-    # predicted (2, 140, 1140): a's reservation and every incoming one
+    # predicted (2, 140, 1140): a's reservation and c's
     assert score == PredictorScore(batch_size_mae=1.0, context_tokens_mae=40.0, samples=1, kv_tokens_mae=1140.0)
 
 

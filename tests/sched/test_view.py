@@ -57,11 +57,7 @@ def test_decode_board_follows_reservations_and_batches_on_refresh() -> None:
     view.join(ActiveDecode(request_id=RequestId("b"), start_s=0.0, context_tokens=1000, output_tokens=200))
     board.refresh(0)
     assert view.load() == DecodeLoad(2, 1600, 1900) and view.free_tokens() == 10_000 - 1900
-    assert (board.batch_size.tolist(), board.context_tokens.tolist(), board.kv_tokens.tolist()) == (
-        [2],
-        [1600],
-        [1900],
-    )
+    assert board.committed.at(0) == DecodeLoad(2, 1600, 1900)
     assert (board.max_batch_size.tolist(), board.kv_capacity_tokens.tolist()) == ([8], [10_000])
     assert board.max_context_tokens.tolist() == [UNLIMITED]
     view.release(RequestId("a"))
