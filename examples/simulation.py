@@ -11,6 +11,14 @@ cached / the trace's duration, in busy instances). A cache-blind router then
 runs the prefill pool near saturation and cache reuse is what relieves it, the
 regime of the paper's experiment (TTFTs of seconds). The rule is fixed
 independently of any router's result.
+
+The overload experiments size the decode pool by its own demand instead
+(`decode_sized`): decode nodes = max(1, round(0.8 · R / N)), R being the
+requests decoding at once (arrival rate × mean output × the TBT objective: the
+slowest an accepted request is meant to go) and N the requests of the mean
+lengths one decode node holds within the TBT objective and its HBM
+(`decode_capacity`). Both pools then run near saturation at the workload's own
+pace, and overload finds whichever binds first.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import importlib
 import importlib.util
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -127,6 +136,44 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
         prefill = max(args.cpp, prefill - prefill % args.cpp)  # whole CPP groups
     decode = args.decode if args.decode > 0 else prefill
     return prefill, decode
+
+
+def decode_capacity(spec: ClusterSpec, requests: Sequence[Request], tbt_slo_s: float) -> int:
+    """Requests of the workload's mean lengths one decode node holds within the TBT objective and its
+    limits (HBM, batch slots), each at half its output on average."""
+    if not requests:
+        return 1
+    prompt = statistics.mean(r.input_length for r in requests)
+    output = statistics.mean(r.output_length for r in requests)
+    limits, step = spec.decode_limits, spec.decode_cost
+
+    def holds(n: int) -> bool:
+        slots = limits.max_batch_size is None or n <= limits.max_batch_size
+        return (
+            slots
+            and n * (prompt + output) <= limits.kv_capacity_tokens
+            and step.step_s(n, round(n * (prompt + output / 2))) <= tbt_slo_s
+        )
+
+    low, high = 1, 2
+    while holds(high) and high < 10**6:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if holds(middle) else (low, middle)
+    return low
+
+
+def decode_sized(requests: Sequence[Request], args: argparse.Namespace, spec: ClusterSpec) -> int:
+    """Decode nodes: the options', or sized by the decode side's own demand (module docstring)."""
+    if args.decode > 0:
+        return int(args.decode)
+    if len(requests) < 2:
+        return 1
+    duration = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
+    output = statistics.mean(r.output_length for r in requests)
+    decoding = len(requests) / duration * output * args.tbt_slo  # requests decoding at once, at the SLO's pace
+    return max(1, round(SIZING_LOAD * decoding / decode_capacity(spec, requests, args.tbt_slo)))
 
 
 def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overrides: object) -> ClusterSpec:

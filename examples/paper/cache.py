@@ -1,0 +1,85 @@
+"""The global KV pool against local caches, over cluster sizes and cache capacities (FAST'25 Fig. 10).
+
+For each number of prefill nodes and each per-node capacity, the same
+workload runs once with a global pool (any node fetches any block; the
+KV-cache-centric router) and once with local caches (the local-cache-aware
+router), and the hit ratios are compared. A global pool gains most where the
+workload's reusable prefixes outgrow one node's cache but fit the cluster's:
+many nodes with small caches. The table marks where the ratio is largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import attrs
+import simulation
+
+from mooncake.sim.metrics import ReplayResult
+from mooncake.sim.report import plot_lines
+from paper.common import Report, header, replay
+
+__all__ = ["cache"]
+
+
+def cache(args: argparse.Namespace) -> tuple[Report, str]:
+    """Global pool vs local caches at equal per-node capacity, over node counts (FAST'25 Fig. 10: up to 2.36×)."""
+    requests = simulation.load_workload(args)
+    capacities = args.capacities or [500, 1000, 2000, 5000, 10000, 20000]
+    spec = simulation.cluster_spec(requests, args)
+    node_counts = args.nodes or sorted({max(1, spec.num_prefill // 2), spec.num_prefill, spec.num_prefill * 2})
+    rows: dict[tuple[int, int, str], ReplayResult] = {}
+    for nodes in node_counts:
+        for blocks in capacities:
+            for mode in ("global", "local"):
+                sized = attrs.evolve(
+                    spec, num_prefill=nodes, cache_capacity_tokens=blocks * 512, global_pool=mode == "global"
+                )
+                rows[nodes, blocks, mode] = replay(sized, requests, args)
+
+    def ratio(nodes: int, blocks: int) -> float:
+        local = rows[nodes, blocks, "local"].summary.cache_hit_ratio
+        return rows[nodes, blocks, "global"].summary.cache_hit_ratio / local if local else float("inf")
+
+    largest = max(((n, b) for n in node_counts for b in capacities), key=lambda nb: ratio(*nb))
+    lines = [header(args, requests, spec), f"router {args.router} (local caches: local_cache_aware)", ""]
+    lines.append(
+        f"{'nodes':>6}{'blocks/node':>12}{'global hit':>11}{'local hit':>10}{'ratio':>7}"
+        f"{'global prefill':>15}{'local prefill':>14}"
+    )
+    for nodes in node_counts:
+        for blocks in capacities:
+            g, loc = rows[nodes, blocks, "global"].summary, rows[nodes, blocks, "local"].summary
+            mark = "  <- largest" if (nodes, blocks) == largest else ""
+            lines.append(
+                f"{nodes:>6}{blocks:>12,}{g.cache_hit_ratio:>11.3f}{loc.cache_hit_ratio:>10.3f}{ratio(nodes, blocks):>7.2f}"
+                f"{g.mean_prefill_s:>14.3f}s{loc.mean_prefill_s:>13.3f}s{mark}"
+            )
+    lines.append("")
+    lines.append(
+        f"the global pool's gain is largest at {largest[0]} nodes of {largest[1]:,} blocks: "
+        f"{ratio(*largest):.2f}x the local caches' hit ratio"
+    )
+    if args.out:
+        plot_lines(
+            {f"{n} nodes": (capacities, [ratio(n, b) for b in capacities]) for n in node_counts},
+            args.out / "cache_hit_ratio.png",
+            xlabel="cache blocks per prefill node",
+            ylabel="global / local hit ratio",
+            title="global pool vs local caches",
+            logx=True,
+        )
+    report: Report = {
+        "hit_ratio": {
+            mode: {f"{n}x{b}": rows[n, b, mode].summary.cache_hit_ratio for n in node_counts for b in capacities}
+            for mode in ("global", "local")
+        },
+        "ratio": {f"{n}x{b}": ratio(n, b) for n in node_counts for b in capacities},
+        "mean_prefill_s": {
+            mode: {f"{n}x{b}": rows[n, b, mode].summary.mean_prefill_s for n in node_counts for b in capacities}
+            for mode in ("global", "local")
+        },
+        "largest_ratio": {"nodes": largest[0], "blocks": largest[1], "ratio": ratio(*largest)},
+        "cluster": simulation.describe(spec),
+    }
+    return report, "\n".join(lines)

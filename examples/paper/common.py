@@ -1,0 +1,98 @@
+"""What the paper's experiments share: the replay, the table header, the outcome columns, the load swing.
+
+Every table that reports TTFT or TBT also reports what happened to all
+arrivals (`OUTCOME_COLUMNS`): completed, rejected before and after prefill,
+the prefill time wasted on the latter, SLO attainment over all arrivals and
+goodput, so that a policy that rejects more never looks faster for it.
+
+The predictive policy's uniform decode time t_d is the workload's mean output
+times the TBT objective: how long an average request decodes when its batch
+runs at the SLO, the slowest an accepted request is meant to go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import simulation
+
+from mooncake.sim.disaggregated import DisaggregatedCluster
+from mooncake.sim.metrics import LoadSample, ReplayResult, Summary
+from mooncake.sim.spec import ClusterSpec, build_conductor
+from mooncake.types import Request, Slo
+
+__all__ = [
+    "OUTCOME_COLUMNS",
+    "Report",
+    "decode_time_s",
+    "header",
+    "oscillation",
+    "outcome_cells",
+    "outcomes_json",
+    "replay",
+]
+
+Report = dict[str, Any]
+
+OUTCOME_COLUMNS = f"{'completed':>10}{'rej. before':>12}{'after':>7}{'wasted s':>10}{'SLO att.':>9}{'goodput':>9}"
+
+
+def decode_time_s(requests: Sequence[Request], slo: Slo) -> float:
+    """The uniform t_d of the predictive policy: mean output × the TBT objective (see the module docstring)."""
+    return statistics.mean(r.output_length for r in requests) * slo.tbt_s if requests else 10.0
+
+
+def replay(
+    spec: ClusterSpec, requests: Sequence[Request], args: argparse.Namespace, *, slo: Slo | None = None, **policy: Any
+) -> ReplayResult:
+    """Replay on a fresh cluster with the options' policies, `policy` overriding them."""
+    slo = slo or simulation.slo(args)
+    options = {"router": args.router, "admission": args.admission, "threshold": args.threshold}
+    options.update(policy)
+    options["router"] = simulation.router_option(options["router"])
+    conductor = build_conductor(spec, slo=slo, seed=args.seed, decode_s=decode_time_s(requests, slo), **options)
+    return DisaggregatedCluster(spec, conductor).run(requests)
+
+
+def header(args: argparse.Namespace, requests: Sequence[Request], spec: ClusterSpec) -> str:
+    slo = simulation.slo(args)
+    return (
+        f"workload: {simulation.workload_name(args)}, {len(requests):,} requests\n"
+        f"cluster: {simulation.describe(spec)}; SLOs: TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s * 1000:g} ms"
+    )
+
+
+def outcome_cells(summary: Summary) -> str:
+    """The `OUTCOME_COLUMNS` of one replay."""
+    s = summary
+    return (
+        f"{s.completed:>10,}{s.rejected_before_prefill:>12,}{s.rejected_after_prefill:>7,}"
+        f"{s.wasted_prefill_s:>10.1f}{s.slo_attainment:>9.3f}{s.goodput_rps:>9.3f}"
+    )
+
+
+def outcomes_json(results: Mapping[str, ReplayResult]) -> Report:
+    """Per key: completed, rejected (in all, before and after prefill), wasted prefill, SLO attainment, goodput."""
+    summaries = {key: result.summary for key, result in results.items()}
+    return {
+        "completed": {k: s.completed for k, s in summaries.items()},
+        "rejected": {k: s.rejected_before_prefill + s.rejected_after_prefill for k, s in summaries.items()},
+        "rejected_before_prefill": {k: s.rejected_before_prefill for k, s in summaries.items()},
+        "rejected_after_prefill": {k: s.rejected_after_prefill for k, s in summaries.items()},
+        "wasted_prefill_s": {k: s.wasted_prefill_s for k, s in summaries.items()},
+        "slo_attainment": {k: s.slo_attainment for k, s in summaries.items()},
+        "goodput_rps": {k: s.goodput_rps for k, s in summaries.items()},
+    }
+
+
+def oscillation(load: Sequence[LoadSample], start_s: float, end_s: float) -> float:
+    """Peak-to-trough of the decode load while requests arrive: its 95th minus 5th percentile."""
+    values = [s.decode_requests for s in load if start_s <= s.time_s <= end_s]
+    if not values:
+        return 0.0
+    high, low = np.percentile(values, [95, 5])
+    return float(high - low)

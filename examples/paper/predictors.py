@@ -1,0 +1,112 @@
+"""How well each decode-load predictor foresees a decode instance's batch (arXiv §6.3).
+
+A replay records, every `--sample-every` seconds, each decode instance's
+state (decoding, incoming) and, some horizons later, the load it really had;
+each predictor is scored by its mean absolute error on those snapshots.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import simulation
+
+from mooncake.errors import MooncakeError
+from mooncake.sched.join import DecodeLoad
+from mooncake.sched.predictor import (
+    LoadPredictor,
+    LoadSnapshot,
+    OutputLengthPredictor,
+    UniformDecodePredictor,
+    score_predictor,
+)
+from mooncake.sched.step import DecodeCostModel
+from mooncake.sched.view import ActiveDecode, QueuedPrefill
+from mooncake.sim.disaggregated import DisaggregatedCluster
+from mooncake.sim.report import plot_lines
+from mooncake.sim.spec import build_conductor
+from paper.common import Report, header
+
+__all__ = ["CurrentLoad", "predictors"]
+
+
+@attrs.frozen
+class CurrentLoad:
+    """No prediction: the load at `at_s` is the load now (the baseline every predictor must beat)."""
+
+    def predict(
+        self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
+    ) -> DecodeLoad:
+        return DecodeLoad(
+            len(active),
+            sum(a.context_tokens for a in active),
+            sum(a.context_tokens + a.output_tokens for a in active),
+        )
+
+    def observe(self, output_tokens: int) -> None:
+        """Nothing to learn."""
+
+
+def predictors(args: argparse.Namespace) -> tuple[Report, str]:
+    """Mean absolute error of each decode-load predictor against what the replay really did."""
+    requests = simulation.load_workload(args)
+    spec = simulation.cluster_spec(requests, args)
+    conductor = build_conductor(
+        spec,
+        router=args.router,
+        admission=args.admission,
+        threshold=args.threshold,
+        slo=simulation.slo(args),
+        seed=args.seed,
+    )
+    cluster = DisaggregatedCluster(spec, conductor)
+    horizons = args.horizons or [1.0, 5.0, 10.0, 30.0]
+    snapshots: dict[float, list[LoadSnapshot]] = {h: [] for h in horizons}
+
+    def observe(now: float) -> None:
+        for view in conductor.decode_views:
+            active, incoming = tuple(view.active.values()), conductor.incoming(view.instance_id)
+            for horizon in horizons:
+                cluster.loop.at(now + horizon, settle, horizon, view.instance_id, active, incoming, now)
+
+    def settle(at_s: float, horizon: float, instance: Any, active: Any, incoming: Any, now: float) -> None:
+        actual = cluster.decode_load(instance, at_s)
+        snapshots[horizon].append(LoadSnapshot(active=active, incoming=incoming, now=now, at_s=at_s, actual=actual))
+
+    warm_up = len(requests) // 5  # the output-length predictor learns from the first fifth
+    if not requests:
+        raise MooncakeError("the workload is empty")
+    start, end = requests[warm_up].arrival_s, requests[-1].arrival_s
+    t = start
+    while t <= end:
+        cluster.loop.at(t, observe)
+        t += args.sample_every
+    cluster.run(requests)
+    step = DecodeCostModel(model=spec.model, hardware=spec.decode_hardware).step_s(1, 0)
+    learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]])
+    candidates: dict[str, LoadPredictor] = {
+        "current_load": CurrentLoad(),
+        "uniform_td_10s": UniformDecodePredictor(decode_s=10.0),
+        "uniform_td_5s": UniformDecodePredictor(decode_s=5.0),
+        "output_length": learnt,
+    }
+    mae = {
+        name: {str(h): attrs.asdict(score_predictor(p, snapshots[h])) for h in horizons}
+        for name, p in candidates.items()
+    }
+    lines = [header(args, requests, spec), f"snapshots every {args.sample_every} s per decode instance", ""]
+    lines.append(f"{'predictor':<18}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of batch size)")
+    for name in candidates:
+        lines.append(f"{name:<18}" + "".join(f"{mae[name][str(h)]['batch_size_mae']:>10.2f}" for h in horizons))
+    if args.out:
+        plot_lines(
+            {n: (horizons, [mae[n][str(h)]["batch_size_mae"] for h in horizons]) for n in candidates},
+            args.out / "predictors.png",
+            xlabel="horizon (s)",
+            ylabel="batch-size MAE",
+            title="decode load prediction error",
+        )
+    return {"mae": mae}, "\n".join(lines)
