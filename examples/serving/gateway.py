@@ -30,11 +30,9 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncake.engine.config import PRESETS
-from mooncake.errors import ConfigError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import TransferCostModel
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import (
@@ -44,53 +42,17 @@ from mooncake.sched.router import (
     TtftEstimator,
     local_cache_aware_router,
 )
-from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
 from mooncake.types import Slo
 from serving.api import HttpError, Reply, parse_request, usage
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import Registry
+from serving.models import CPU, cost_models, model_shape
 from serving.tokenizer import ByteTokenizer
 
-__all__ = ["CPU", "Gateway", "build_conductor", "read_profile"]
+__all__ = ["Gateway", "build_conductor"]
 
-# The analytic cost model's idea of one CPU engine (used without a fitted profile).
-CPU = Hardware(
-    name="cpu",
-    num_gpus=1,
-    peak_flops_per_gpu=2e10,
-    hbm_bytes_per_s=1e10,
-    hbm_bytes=8e9,
-    host_to_device_bytes_per_s=1e10,
-    nic_bytes_per_s=1e9,
-)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def model_shape(config: ClusterConfig) -> ModelShape:
-    return PRESETS[config.model.preset].shape(config.model.dtype)
-
-
-def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
-    """The prefill and decode models of a profile `examples/profile_engine.py` wrote.
-
-    Raises:
-        ConfigError: the file is not JSON, or lacks a valid "prefill" or "decode" section.
-    """
-    try:
-        with open(path) as stream:
-            profile = json.load(stream)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
-    sections = {}
-    for name in ("prefill", "decode"):
-        if not isinstance(profile, dict) or name not in profile:
-            raise ConfigError(f"[prefill] profile = {path!r} has no {name!r} section")
-        sections[name] = json.dumps(profile[name])
-    try:
-        return FittedPrefillModel.from_json(sections["prefill"]), FittedStepModel.from_json(sections["decode"])
-    except ConfigError as error:
-        raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
 
 
 def build_conductor(config: ClusterConfig) -> Conductor:
@@ -100,15 +62,11 @@ def build_conductor(config: ClusterConfig) -> Conductor:
     Raises:
         ConfigError: a profile that cannot be read (see `read_profile`).
     """
-    shape = model_shape(config)
-    prefill: Any = PrefillCostModel(model=shape, hardware=CPU)
-    step_model: AnalyticStepModel = DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0)
-    if config.prefill.profile:
-        prefill, step_model = read_profile(config.prefill.profile)
+    prefill, step_model = cost_models(config)
     estimator = TtftEstimator(
         prefill=prefill,
         transfer=TransferCostModel(bandwidth_bytes_per_s=CPU.nic_bytes_per_s),
-        kv_bytes_per_token=shape.kv_bytes_per_token,
+        kv_bytes_per_token=model_shape(config).kv_bytes_per_token,
     )
     policy = config.policy
     routers: dict[str, Callable[[], Any]] = {

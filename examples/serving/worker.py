@@ -57,6 +57,7 @@ from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import BlockKey, InstanceId, RequestId
 from serving.config import ClusterConfig
+from serving.models import cost_models
 from serving.wire import event_to_wire
 
 __all__ = ["Worker", "WorkerSpec", "run_worker"]
@@ -124,7 +125,9 @@ class Worker:
                 config=DecodeConfig(
                     max_batch_size=config.decode.max_batch_size,
                     max_context_tokens=config.decode.max_context_tokens,
+                    tbt_slo_s=config.slo.tbt_s,
                 ),
+                step_model=cost_models(config)[1],  # the decode rule as the Conductor asks it
             )
             loop = self._decode_loop
         for method, handler in {
