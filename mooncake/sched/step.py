@@ -59,7 +59,7 @@ def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
 
 class StepModel(Protocol):
     """Predicts one decode step's seconds for a batch (`DecodeCostModel` is one; the real
-    engines' fitted `mooncake.engine.decode.FittedStepModel` another)."""
+    engines' `FittedStepModel` another)."""
 
     def step_s(self, batch_size: int, context_tokens: int) -> float: ...
 
