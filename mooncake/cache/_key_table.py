@@ -1,4 +1,4 @@
-"""Open-addressing table of 64-bit block keys → holder bits, compiled with numba.
+"""Open-addressing table of 64-bit block keys → holder bits, in numba-compiled loops.
 
 The storage behind `BlockIndex`. Per entry: the key (uint64) and `num_words`
 uint64 words of holder bits, 16 holder slots per word, a nibble per slot:
@@ -10,7 +10,9 @@ load. About 16 bytes per entry at one word, so 22-44 bytes per key.
 
 Everything per key runs in compiled loops over numpy arrays: one cache line per
 key touched, no Python object per key. Functions are compiled on first use and
-cached on disk (numba `cache=True`).
+cached on disk (numba `cache=True`). Without numba (or with
+`_compiled.use_compiled(False)`) the same kernels run as plain Python on the
+same arrays: identical tables and answers, slower.
 """
 
 from __future__ import annotations
@@ -19,22 +21,28 @@ from typing import Any
 
 import numpy as np
 
+from mooncake.cache._compiled import is_compiled, plain_kernels
+
 __all__ = ["KeyTable"]
 
 SLOTS_PER_WORD = 16
 _PRESENCE = 0x8888888888888888
 
 
-_KERNELS: dict[str, Any] = {}
+# compiled? -> kernel name -> function; filled on first use of each path.
+_KERNELS: dict[bool, dict[str, Any]] = {}
 
 
-def _kernels() -> dict[str, Any]:
+def _kernels(compiled: bool) -> dict[str, Any]:
     # Imported on first use so that `import mooncake.cache` does not load numba.
-    if not _KERNELS:
+    if compiled not in _KERNELS:
         from mooncake.cache import _key_table_kernels as kernels
 
-        _KERNELS.update({name: getattr(kernels, name) for name in kernels.__all__})
-    return _KERNELS
+        if compiled:
+            _KERNELS[compiled] = {name: getattr(kernels, name) for name in kernels.__all__}
+        else:
+            _KERNELS[compiled] = plain_kernels(kernels)
+    return _KERNELS[compiled]
 
 
 class KeyTable:
@@ -47,7 +55,8 @@ class KeyTable:
     """
 
     def __init__(self, *, capacity: int = 1024, num_slots: int = 16) -> None:
-        self._k = _kernels()
+        self.is_compiled = is_compiled()  # chosen once per table
+        self._k = _kernels(self.is_compiled)
         size = 1 << max(4, (capacity - 1).bit_length())
         self.keys = np.zeros(size, dtype=np.uint64)
         self.words = np.zeros((size, max(1, -(-num_slots // SLOTS_PER_WORD))), dtype=np.uint64)

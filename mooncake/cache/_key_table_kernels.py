@@ -1,18 +1,24 @@
-"""Compiled kernels of `_key_table` (numba, cached on disk), imported on first use.
+"""Kernels of `_key_table`: compiled by numba (cached on disk) where it imports, else plain Python.
 
 Arrays: `keys` uint64[capacity] (a power of two), `words` uint64[capacity,
 num_words] of holder nibbles; an entry is empty iff all its words are zero.
 See `_key_table` for the layout and invariants.
+
+The functions are written once, in the subset of Python that numba compiles and
+that numpy scalars run unchanged: `_compiled.jit` compiles them, and
+`_compiled.plain_kernels` gives the same functions undecorated, so both paths
+lay out the table identically (same probe sequences, same entries).
 """
 
-import numba
 import numpy as np
+
+from mooncake.cache._compiled import jit as _jit
 
 __all__ = ["add", "clear", "discard", "find", "match", "rehash"]
 
 _PRESENCE = np.uint64(0x8888888888888888)
 
-jit = numba.njit(cache=True, nogil=True)
+jit = _jit(cache=True, nogil=True)
 
 
 @jit

@@ -10,8 +10,9 @@ block it writes the parent key and the block's tokens into a scratch buffer
 block, and `parallel` spreads requests over threads (chains are sequential
 within a request, independent across requests).
 
-Importing this module raises ImportError where the xxhash C symbols cannot be
-found; `hashing` then uses its Python path.
+Importing this module raises ImportError where numba (an optional dependency,
+the `accel` extra) or the xxhash C symbols are missing; `hashing` then runs its
+plain loop over xxhash's Python API, which gives the same keys.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ Invariants:
   never share a root, hence never share keys.
 
 For XXH3-64, `block_keys` and `hash_batch` run a numba-compiled loop around
-xxhash's own C routine (`_xxh3_kernel`, cached on disk by numba), which returns
-exactly the keys of the pure-Python chain; the other algorithms use the latter.
+xxhash's own C routine (`_xxh3_kernel`, cached on disk by numba). Without numba
+(or with `_compiled.use_compiled(False)`) they run a plain loop over xxhash's
+Python API on the same bytes: the same keys, several times slower. The other
+algorithms always use the plain chain.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake._checks import ceil_div, int_at_least, is_int
+from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
 
@@ -54,7 +57,10 @@ _NAMESPACE_TAG = "mooncake.block/1"
 
 @functools.cache
 def _compiled_kernels() -> Any:
-    """The numba kernels module (compiled, or loaded from numba's cache, once per process), or None."""
+    """The numba kernels module (compiled, or loaded from numba's cache, once per process), or None.
+
+    None where numba or xxhash's C symbol is missing.
+    """
     try:
         from mooncake.cache import _xxh3_kernel
     except ImportError:
@@ -151,7 +157,7 @@ class BlockHasher:
             start = BlockKey(int(parent))
         kernels = self._kernels()
         if kernels is None or array.size == 0:
-            return self._chain_python(array, start)
+            return tuple(self._chain_plain(array, start))
         out = np.empty(self.num_blocks(array.size), dtype=np.uint64)
         kernels.single(array, np.uint64(start), self.block_size_tokens, self._seed64, out)
         return key_tuple(out.tolist())
@@ -190,7 +196,7 @@ class BlockHasher:
             keys = [
                 k
                 for r in range(lengths.size)
-                for k in self._chain_python(array[bounds[r] : bounds[r + 1]], self.root_key)
+                for k in self._chain_plain(array[bounds[r] : bounds[r + 1]], self.root_key)
             ]
             # Keys wider than 64 bits live in an object array of Python ints.
             dtype = np.uint64 if self.key_bytes == 8 else object
@@ -211,11 +217,11 @@ class BlockHasher:
 
     @property
     def is_compiled(self) -> bool:
-        """Whether the numba path serves this hasher (XXH3-64 with xxhash's C symbol found)."""
+        """Whether the numba path serves this hasher (XXH3-64, compiled kernels on, xxhash's C symbol found)."""
         return self._kernels() is not None
 
     def _kernels(self) -> Any:
-        return _compiled_kernels() if self.algorithm == "xxh3_64" else None
+        return _compiled_kernels() if self.algorithm == "xxh3_64" and is_compiled() else None
 
     def _digest(self, data: bytes) -> BlockKey:
         if self.algorithm == "xxh3_64":
@@ -223,6 +229,23 @@ class BlockHasher:
         if self.algorithm == "xxh3_128":
             return BlockKey(xxhash.xxh3_128_intdigest(data, seed=self.seed))
         return BlockKey(int.from_bytes(hashlib.sha256(data).digest(), "big"))
+
+    def _chain_plain(self, tokens: npt.NDArray[np.int32], parent: int) -> list[BlockKey]:
+        """The chain without numba: for XXH3-64 a streaming state over slices of one buffer, else `_chain_python`."""
+        if self.algorithm != "xxh3_64":
+            return list(self._chain_python(tokens, parent))
+        # Feeding the parent and a view of the block separately copies no token bytes.
+        data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+        step = 4 * self.block_size_tokens
+        state = xxhash.xxh3_64(seed=self.seed)
+        keys: list[BlockKey] = []
+        for start in range(0, len(data), step):
+            state.reset()
+            state.update(parent.to_bytes(8, "little"))
+            state.update(data[start : start + step])
+            parent = state.intdigest()
+            keys.append(BlockKey(parent))
+        return keys
 
     def _chain_python(self, tokens: npt.NDArray[np.int32], parent: int) -> tuple[BlockKey, ...]:
         data = tokens.astype("<i4", copy=False).tobytes()

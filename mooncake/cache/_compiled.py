@@ -1,0 +1,107 @@
+"""numba as an optional accelerator: the one switch between compiled and plain kernels.
+
+The per-key loops of the index's key table (`_key_table_kernels`) and the
+per-block loop of the batch hasher (`_xxh3_kernel`) are compiled with numba when
+it imports (the `accel` extra). Without numba the same work runs in plain
+Python: the key-table kernels are the very same functions, left undecorated, on
+the same arrays; the hasher calls xxhash's Python API on the same bytes. Both
+paths give identical keys, tables and answers; the plain one is slower.
+
+The path is chosen on first use: compiled iff numba imports, unless
+`use_compiled` says otherwise (tests run both paths in one process; a process
+may also skip numba's compile). Nothing here reads the environment.
+
+Invariants:
+- `is_compiled()` implies `numba_available()`.
+- `plain_kernels(module)` calls no numba code, even where the module's functions
+  are numba dispatchers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import FunctionType, ModuleType
+from typing import Any, TypeVar
+
+import numpy as np
+
+from mooncake.errors import ConfigError
+
+__all__ = ["is_compiled", "jit", "numba_available", "plain_kernels", "use_compiled"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# None: the default (compiled iff numba imports); True / False: forced by `use_compiled`.
+_forced: list[bool | None] = [None]
+
+
+@functools.cache
+def numba_available() -> bool:
+    """Whether numba imports here (checked once per process)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_compiled(enabled: bool | None) -> bool | None:
+    """Force the compiled path on (True) or off (False), or restore the default (None).
+
+    Takes effect for hashers on their next call and for key tables created
+    afterwards (a table keeps the kernels it was built with).
+
+    Returns:
+        The previous setting, to restore it.
+
+    Raises:
+        ConfigError: `enabled` is True but numba does not import.
+    """
+    if enabled and not numba_available():
+        raise ConfigError(f"use_compiled({enabled!r}): numba is not installed (pip install 'mooncake[accel]')")
+    previous = _forced[0]
+    _forced[0] = enabled
+    return previous
+
+
+def is_compiled() -> bool:
+    """Whether kernels are compiled now: as forced by `use_compiled`, else iff numba imports."""
+    forced = _forced[0]
+    return numba_available() if forced is None else forced
+
+
+def jit(**options: Any) -> Callable[[_F], _F]:
+    """`numba.njit(**options)` where numba imports; else a decorator returning the function unchanged."""
+    if not numba_available():
+        return lambda function: function
+    import numba
+
+    return numba.njit(**options)  # type: ignore[no-any-return]
+
+
+def plain_kernels(module: ModuleType) -> dict[str, Callable[..., Any]]:
+    """The functions `module.__all__` names, as plain Python calling plain Python.
+
+    Each of the module's functions (the `py_func` of a numba dispatcher) is
+    rebound to a copy of the module's globals in which its callees are plain
+    copies too. numba integers wrap silently where numpy scalars warn on
+    overflow, so the entry points run with overflow warnings off.
+    """
+    namespace = dict(vars(module))
+    for name, value in vars(module).items():
+        function = getattr(value, "py_func", value)
+        if isinstance(function, FunctionType) and function.__module__ == module.__name__:
+            namespace[name] = FunctionType(
+                function.__code__, namespace, name, function.__defaults__, function.__closure__
+            )
+    return {name: _wrapping(namespace[name]) for name in module.__all__}
+
+
+def _wrapping(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(*args: Any) -> Any:
+        with np.errstate(over="ignore"):
+            return function(*args)
+
+    return call
