@@ -235,7 +235,7 @@ class BlockHasher:
         if self.algorithm != "xxh3_64":
             return list(self._chain_python(tokens, parent))
         # Feeding the parent and a view of the block separately copies no token bytes.
-        data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+        data = np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
         step = 4 * self.block_size_tokens
         state = xxhash.xxh3_64(seed=self.seed)
         keys: list[BlockKey] = []
