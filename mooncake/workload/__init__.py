@@ -1,4 +1,4 @@
-"""Workloads: requests, Mooncake-format traces, synthetic generators and statistics."""
+"""Workloads: requests, Mooncake-format traces (aiperf's form and gzip too), synthetic generators and statistics."""
 
 from mooncake.types import Request
 from mooncake.workload.generator import (
@@ -11,14 +11,26 @@ from mooncake.workload.generator import (
     preset,
 )
 from mooncake.workload.stats import TraceStats, trace_stats
-from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS, iter_trace, load_trace, write_trace
+from mooncake.workload.trace import (
+    TRACE_BLOCK_SIZE_TOKENS,
+    TRACE_FORMS,
+    SkippedLine,
+    TraceForm,
+    iter_trace,
+    load_trace,
+    text_request,
+    write_trace,
+)
 
 __all__ = [
     "ArrivalProcess",
     "LengthDistribution",
     "PRESETS",
     "Request",
+    "SkippedLine",
     "TRACE_BLOCK_SIZE_TOKENS",
+    "TRACE_FORMS",
+    "TraceForm",
     "TraceStats",
     "WorkloadSpec",
     "fixed_length_requests",
@@ -26,6 +38,7 @@ __all__ = [
     "iter_trace",
     "load_trace",
     "preset",
+    "text_request",
     "trace_stats",
     "write_trace",
 ]

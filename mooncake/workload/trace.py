@@ -1,4 +1,7 @@
-"""Mooncake-format traces: JSON Lines, one request per line.
+"""Mooncake-format traces, as Mooncake publishes them and as aiperf writes them.
+
+JSON Lines, one request per line, plain or gzip-compressed (`.jsonl.gz`; the
+reader goes by the file's first bytes, the writer by a `.gz` name):
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
 
@@ -7,71 +10,127 @@ the chained ids of the prompt's blocks of `block_size_tokens` (512 in the
 published traces), the last partial block included, so there are exactly
 ceil(input_length / block_size) of them.
 
-Reading validates every line and names file and line on the first bad one:
+aiperf's `mooncake_trace` loader (ai-dynamo/aiperf: `MooncakeTrace` in
+src/aiperf/dataset/loader/models.py, the loader in loader/mooncake_trace.py,
+turn timing in src/aiperf/timing/strategies/fixed_schedule.py, session replay
+in docs/reference/conversation-context-mode.md) also reads `session_id` (the
+turns of one conversation), `delay` (ms to wait after the session's previous
+turn, instead of `timestamp`) and `text_input` (the prompt's literal text,
+instead of `input_length` and `hash_ids`). Here (details in
+`mooncake.workload.assembly`):
+
+- a turn without `timestamp` arrives `delay` after its session's previous turn
+  (aiperf counts from that turn's response, unknown to a trace); a session's
+  first line without one arrives with the latest session start above it;
+- a session's later turn is the whole conversation so far, as aiperf sends it:
+  earlier prompt, earlier output, then the line's own tokens; it reuses the
+  earlier prompt's full blocks, the rest of its keys are its own;
+- `text_input` becomes byte tokens (its UTF-8), keyed by a documented byte rule,
+  and the request carries them as `tokens`.
+
+Reading validates every line (`mooncake.workload.trace_record`) and, strict by
+default, raises `TraceFormatError` naming file and line at the first bad one:
 invalid JSON, a missing or wrongly typed field, a non-positive length, a wrong
-`hash_ids` count, a timestamp earlier than the previous line's. Fields the
-format does not define are ignored. `iter_trace` streams (a bad line surfaces
-when reached); `load_trace` returns nothing unless the whole file is valid.
-Writing goes to a temporary file renamed into place, so a trace is either
-written whole or not at all.
+`hash_ids` count, an arrival out of order. With `strict=False` such lines are
+skipped instead, each reported as a `SkippedLine` (file, line, why); a session
+turn after a skipped one of its session is skipped too. Blank lines are
+ignored, as are fields neither format defines.
+
+`iter_trace` streams: it holds a request back only until no later line can
+arrive before it (a trace without sessions holds none; sessions written
+grouped hold their later turns until the trace's other sessions catch up) and
+remembers each session's latest turn. `load_trace` returns nothing unless the
+whole file reads. Writing goes to a temporary file renamed into place, so a
+trace is written whole or not at all; gzip output is byte-for-byte repeatable.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
-import math
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+import warnings
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from heapq import heappop, heappush
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import attrs
+import numpy as np
 
 from mooncake._checks import ceil_div, require_int, require_number
-from mooncake.errors import InvalidRequestError, TraceFormatError
+from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
+from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
+from mooncake.workload.trace_record import parse_record, session_of
 
-__all__ = ["TRACE_BLOCK_SIZE_TOKENS", "iter_trace", "load_trace", "write_trace"]
+__all__ = [
+    "TRACE_BLOCK_SIZE_TOKENS",
+    "TRACE_FORMS",
+    "SkippedLine",
+    "TraceForm",
+    "iter_trace",
+    "load_trace",
+    "text_request",
+    "write_trace",
+]
 
 TRACE_BLOCK_SIZE_TOKENS = 512
 """Block size of the published Mooncake traces."""
 
+TraceForm = Literal["mooncake", "aiperf"]
+"""How `write_trace` spells a request: Mooncake's four fields, or aiperf's `text_input` where the prompt is text."""
 
-def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
-    if name not in record:
-        raise ValueError(f"missing field '{name}'")
-    value = record[name]
-    allowed = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, allowed):
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"field '{name}' must be {kind}, got {value!r}")
-    return value
+TRACE_FORMS: tuple[TraceForm, ...] = ("mooncake", "aiperf")
+
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _parse(record: Any, block_size_tokens: int) -> tuple[float, int, int, list[int]]:
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    timestamp = _field(record, "timestamp", integer=False)
-    if not math.isfinite(timestamp) or timestamp < 0:
-        raise ValueError(f"field 'timestamp' must be a finite number >= 0, got {timestamp!r}")
-    input_length = _field(record, "input_length", integer=True)
-    output_length = _field(record, "output_length", integer=True)
-    for name, value in (("input_length", input_length), ("output_length", output_length)):
-        if value <= 0:
-            raise ValueError(f"field '{name}' must be positive, got {value}")
-    if "hash_ids" not in record:
-        raise ValueError("missing field 'hash_ids'")
-    hash_ids = record["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
-        raise ValueError("field 'hash_ids' must be a list of integers")
-    if hash_ids and min(hash_ids) < 0:
-        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {min(hash_ids)}")
-    expected = ceil_div(input_length, block_size_tokens)
-    if len(hash_ids) != expected:
-        raise ValueError(
-            f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
-            f"ceil({input_length}/{block_size_tokens}) = {expected}"
-        )
-    return timestamp, input_length, output_length, hash_ids
+@attrs.frozen
+class SkippedLine:
+    """A line a lenient read left out, and why."""
+
+    path: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    """(1-based number, raw line) of a plain or gzip file; a broken gzip stream is a TraceFormatError."""
+    with open(path, "rb") as raw:
+        stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == _GZIP_MAGIC else raw
+        number = 0
+        try:
+            for number, line in enumerate(stream, start=1):
+                yield number, line
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise TraceFormatError(path, number + 1, f"broken gzip stream: {error}") from error
+
+
+_BLANK = object()
+
+
+def _record(raw: bytes) -> Any:
+    """The line's decoded JSON, or `_BLANK`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8: byte {raw[error.start]:#04x} at column {error.start + 1}") from error
+    if not line.strip():
+        return _BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}") from error
+
+
+def _warn(skipped: SkippedLine) -> None:
+    warnings.warn(f"skipped {skipped}", stacklevel=2)
 
 
 def iter_trace(
@@ -79,61 +138,76 @@ def iter_trace(
     *,
     block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
     speedup: float = 1.0,
+    strict: bool = True,
+    on_skip: Callable[[SkippedLine], object] | None = None,
 ) -> Iterator[Request]:
-    """Stream the requests of a trace, validating each line as it is read.
+    """Stream the requests of a trace in arrival order, validating each line as it is read.
 
     Args:
-        path: the JSONL trace.
+        path: the JSONL trace, plain or gzip.
         block_size_tokens: tokens per hash id.
-        speedup: replay speed; 2.0 halves every timestamp.
+        speedup: replay speed; 2.0 halves every arrival.
+        strict: raise at the first unusable line (the default), or skip it.
+        on_skip: told of each line a lenient read skips (default: a warning each).
 
     Yields:
-        Requests with ids "0", "1", ... in file order and ``arrival_s = timestamp / 1000 / speedup``.
+        Requests with ids "0", "1", ... in arrival order (file order among equal
+        arrivals) and ``arrival_s = arrival_ms / 1000 / speedup``.
 
     Raises:
-        TraceFormatError: at the first malformed line (blank lines are skipped).
+        TraceFormatError: at the first unusable line when strict, and at a broken gzip stream.
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
-    return _read(path, block_size_tokens, speedup)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"strict must be a bool, got {strict!r}")
+    return _read(path, block_size_tokens, speedup, strict, on_skip or _warn)
 
 
-def _read(path: str | os.PathLike[str], block_size_tokens: int, speedup: float) -> Iterator[Request]:
-    previous = -math.inf
+def _read(
+    path: str | os.PathLike[str],
+    block_size_tokens: int,
+    speedup: float,
+    strict: bool,
+    on_skip: Callable[[SkippedLine], object],
+) -> Iterator[Request]:
+    assembler = TraceAssembler(block_size_tokens)
+    held: list[tuple[float, int, Turn]] = []
     index = 0
-    with open(path, "rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise TraceFormatError(
-                    path, number, f"not UTF-8: byte {raw[error.start]:#04x} at column {error.start + 1}"
-                ) from error
-            if not line.strip():
+    for number, raw in _lines(path):
+        record: Any = None
+        try:
+            record = _record(raw)
+            if record is _BLANK:
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceFormatError(path, number, f"invalid JSON: {error.msg} at column {error.colno}") from error
-            try:
-                timestamp, input_length, output_length, hash_ids = _parse(record, block_size_tokens)
-            except ValueError as error:
+            turn = assembler.place(parse_record(record, block_size_tokens), number)
+        except ValueError as error:
+            if strict:
                 raise TraceFormatError(path, number, str(error)) from error
-            if timestamp < previous:
-                raise TraceFormatError(
-                    path, number, f"timestamp {timestamp} is earlier than the previous line's {previous}"
-                )
-            previous = timestamp
-            yield Request(
-                request_id=RequestId(str(index)),
-                arrival_s=timestamp / 1000.0 / speedup,
-                input_length=input_length,
-                output_length=output_length,
-                block_keys=hash_ids,
-            )
+            assembler.lose(session_of(record), number)
+            on_skip(SkippedLine(os.fspath(path), number, str(error)))
+            continue
+        heappush(held, (turn.arrival_ms, number, turn))
+        # No later line arrives before the mark, so everything up to it is in its final order.
+        while held and held[0][0] <= assembler.mark_ms:
+            yield _request(heappop(held)[2], index, speedup)
             index += 1
+    while held:
+        yield _request(heappop(held)[2], index, speedup)
+        index += 1
+
+
+def _request(turn: Turn, index: int, speedup: float) -> Request:
+    return Request(
+        request_id=RequestId(str(index)),
+        arrival_s=turn.arrival_ms / 1000.0 / speedup,
+        input_length=turn.input_length,
+        output_length=turn.output_length,
+        block_keys=turn.block_keys,
+        tokens=turn.tokens,
+    )
 
 
 def load_trace(
@@ -141,12 +215,54 @@ def load_trace(
     *,
     block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
     speedup: float = 1.0,
+    strict: bool = True,
+    on_skip: Callable[[SkippedLine], object] | None = None,
 ) -> list[Request]:
     """All requests of a trace, or an error and nothing (see `iter_trace`)."""
-    return list(iter_trace(path, block_size_tokens=block_size_tokens, speedup=speedup))
+    return list(iter_trace(path, block_size_tokens=block_size_tokens, speedup=speedup, strict=strict, on_skip=on_skip))
 
 
-def _record(request: Request, block_size_tokens: int) -> dict[str, Any]:
+def text_request(
+    text: str,
+    *,
+    request_id: str,
+    arrival_s: float,
+    output_length: int,
+    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
+) -> Request:
+    """The request of a literal prompt, as a trace's `text_input` reads: byte tokens keyed by the byte rule.
+
+    Raises:
+        InvalidRequestError: an empty text, or invalid other fields.
+    """
+    data = text.encode("utf-8")
+    return Request(
+        request_id=RequestId(request_id),
+        arrival_s=arrival_s,
+        input_length=len(data),
+        output_length=output_length,
+        block_keys=text_block_keys(data, block_size_tokens=block_size_tokens),
+        tokens=np.frombuffer(data, dtype=np.uint8),
+    )
+
+
+def _text_of(request: Request, block_size_tokens: int) -> str | None:
+    """The request's prompt as text, when its tokens are the bytes of a text keyed by the byte rule."""
+    tokens = request.tokens
+    if tokens is None or int(tokens.max()) > 255:
+        return None
+    data = tokens.astype(np.uint8).tobytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if request.block_keys == text_block_keys(data, block_size_tokens=block_size_tokens) else None
+
+
+def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str, Any]:
+    timestamp = round(request.arrival_s * 1000)
+    if form == "aiperf" and (text := _text_of(request, block_size_tokens)) is not None:
+        return {"timestamp": timestamp, "text_input": text, "output_length": request.output_length}
     expected = ceil_div(request.input_length, block_size_tokens)
     if len(request.block_keys) != expected:
         raise InvalidRequestError(
@@ -154,11 +270,27 @@ def _record(request: Request, block_size_tokens: int) -> dict[str, Any]:
             f"{request.input_length}, expected {expected} at block size {block_size_tokens}"
         )
     return {
-        "timestamp": round(request.arrival_s * 1000),
+        "timestamp": timestamp,
         "input_length": request.input_length,
         "output_length": request.output_length,
         "hash_ids": list(request.block_keys),
     }
+
+
+def _write_lines(
+    write: Callable[[bytes], object], requests: Iterable[Request], block_size_tokens: int, form: TraceForm
+) -> int:
+    count = 0
+    previous = -float("inf")
+    for request in requests:
+        if request.arrival_s < previous:
+            raise InvalidRequestError(
+                f"request {request.request_id} arrives at {request.arrival_s}s, before the previous one ({previous}s)"
+            )
+        previous = request.arrival_s
+        write(json.dumps(_line(request, block_size_tokens, form), separators=(", ", ": ")).encode("utf-8") + b"\n")
+        count += 1
+    return count
 
 
 def write_trace(
@@ -166,38 +298,43 @@ def write_trace(
     requests: Iterable[Request],
     *,
     block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
+    form: TraceForm = "mooncake",
 ) -> int:
-    """Write requests as a Mooncake-format trace, atomically.
+    """Write requests as a trace, atomically; gzip-compressed when `path` ends in `.gz`.
 
     Timestamps are written as whole milliseconds. Requests must arrive in
-    non-decreasing order and carry ceil(input_length / block_size) keys.
+    non-decreasing order and carry ceil(input_length / block_size) keys. The
+    "mooncake" form writes `timestamp`, `input_length`, `output_length` and
+    `hash_ids`; the "aiperf" form writes the same, except for a request whose
+    prompt is text (its tokens the UTF-8 bytes of a text, its keys the byte
+    rule's, as `text_request` makes and a trace's `text_input` reads): that one
+    is `timestamp`, `text_input`, `output_length`. Sessions are not written: a
+    request is a whole prompt, which aiperf replays as a one-turn conversation.
 
     Returns:
         The number of requests written.
 
     Raises:
         InvalidRequestError: a request cannot be represented; the file is left untouched.
+        ConfigError: an unknown form or block size.
     """
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
+    if form not in TRACE_FORMS:
+        raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
     target = Path(path)
     # A unique sibling opened with "x" (not mkstemp) so the final file gets the
     # usual umask permissions rather than 0600.
     temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    count = 0
-    previous = -math.inf
     try:
-        with open(temporary, "x", encoding="utf-8") as out:
-            for request in requests:
-                if request.arrival_s < previous:
-                    raise InvalidRequestError(
-                        f"request {request.request_id} arrives at {request.arrival_s}s, before the previous one ({previous}s)"
-                    )
-                previous = request.arrival_s
-                out.write(json.dumps(_record(request, block_size_tokens), separators=(", ", ": ")))
-                out.write("\n")
-                count += 1
-            out.flush()
-            os.fsync(out.fileno())
+        with open(temporary, "xb") as raw:
+            if target.name.endswith(".gz"):
+                # No name and mtime 0 in the gzip header: the same requests give the same bytes.
+                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as packed:
+                    count = _write_lines(packed.write, requests, block_size_tokens, form)
+            else:
+                count = _write_lines(raw.write, requests, block_size_tokens, form)
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)

@@ -1,0 +1,198 @@
+"""Trace records into timed prompts: arrivals, aiperf sessions and block keys.
+
+A line starts a session unless an earlier line had its `session_id` (a line
+without one is a session of its own). Its arrival, in ms from the trace start:
+
+- with `timestamp`: that time (aiperf too prefers it to `delay`);
+- a later turn without `timestamp`: its session's previous turn's arrival plus
+  `delay` (0 if absent). aiperf waits `delay` after the previous turn's
+  response ends, a time only the server knows; a trace can count it from the
+  previous turn's arrival only, so a turn comes the response time earlier;
+- a start without `timestamp`: the latest start above it (0 at the top) plus
+  its `delay`: the line arrives as soon as the trace reaches it.
+
+Its prompt:
+
+- a start is the line itself: `hash_ids` are its keys; `text_input` is byte
+  tokens keyed by the byte rule below; with neither, keys unique to the line;
+- a later turn is the whole conversation, as aiperf replays sessions by default
+  (earlier turns, each live response, then this turn): input = previous input
+  + previous output + the line's own tokens. The previous prompt's full blocks
+  keep their keys (the prefix a cache can reuse); the rest get keys unique to
+  this turn of this session, since the response in them is generated live.
+
+Keys are chained like `mooncake.cache.hashing` keys, with H(s) the first eight
+bytes of BLAKE2b(s) read little-endian and B the block size:
+
+    byte rule   key_i = H("text:B:" key_{i-1} ":" || bytes of block i)     key_{-1} = ""
+    made up     key_i = H(label ":" key_{i-1} ":" i)                      label names the line or session turn
+
+(numbers in decimal). Equal texts get equal keys; made-up keys match nothing
+else (up to 64-bit collisions, hash_ids included).
+
+Order, so that the reader can stream: a start may not arrive before the
+previous start (for traces without sessions, the Mooncake rule that timestamps
+never decrease); a later turn may not arrive before its session's previous
+turn nor before the latest start above it. Sessions may thus be written
+grouped, in start order (as aiperf's writers do), or line by line in arrival
+order.
+
+Invariant: no line still to come arrives before `mark_ms`, the latest start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from mooncake._checks import ceil_div
+from mooncake.types import BlockKey
+from mooncake.workload.trace_record import TraceRecord
+
+__all__ = ["TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
+
+
+def _h(data: bytes) -> BlockKey:
+    return BlockKey(int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little"))
+
+
+def text_block_keys(data: bytes, *, block_size_tokens: int) -> tuple[BlockKey, ...]:
+    """Keys of a prompt of byte tokens (`text_input` as UTF-8) by the byte rule."""
+    keys: list[BlockKey] = []
+    parent = ""
+    for start in range(0, len(data), block_size_tokens):
+        key = _h(f"text:{block_size_tokens}:{parent}:".encode() + data[start : start + block_size_tokens])
+        keys.append(key)
+        parent = str(key)
+    return tuple(keys)
+
+
+def made_up_keys(label: str, parent: BlockKey | None, count: int, *, first_index: int) -> tuple[BlockKey, ...]:
+    """`count` keys of unknown content chained after `parent`, numbered from `first_index`."""
+    keys: list[BlockKey] = []
+    previous = "" if parent is None else str(parent)
+    for index in range(first_index, first_index + count):
+        key = _h(f"{label}:{previous}:{index}".encode())
+        keys.append(key)
+        previous = str(key)
+    return tuple(keys)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Turn:
+    """A line as a timed prompt: what a `Request` is made of."""
+
+    arrival_ms: float
+    input_length: int
+    output_length: int
+    block_keys: tuple[BlockKey, ...]
+    tokens: npt.NDArray[np.int32] | None
+    line: int
+
+
+@attrs.define(eq=False)
+class TraceAssembler:
+    """Places validated records, in file order, on the timeline and builds their prompts.
+
+    Invariants:
+        Every turn placed arrives at or after `mark_ms` as it was when placed, and
+        `mark_ms` never decreases.
+    """
+
+    block_size_tokens: int
+    mark_ms: float = 0
+    _mark_line: int | None = None
+    _last_line: int | None = None
+    _sessions: dict[str, Turn] = attrs.field(factory=dict)
+    _turns: dict[str, int] = attrs.field(factory=dict)
+    _lost: dict[str, int] = attrs.field(factory=dict)
+
+    def lose(self, session_id: str | None, line: int) -> None:
+        """A line of `session_id` was skipped: its later turns cannot be built."""
+        if session_id is not None and session_id not in self._lost:
+            self._lost[session_id] = line
+
+    def place(self, record: TraceRecord, line: int) -> Turn:
+        """The record's turn.
+
+        Raises:
+            ValueError: the record breaks an order rule, or belongs to a session
+                whose earlier line was skipped; nothing changes.
+        """
+        session_id = record.session_id
+        if session_id is not None and session_id in self._lost:
+            raise ValueError(
+                f"session {session_id!r} lost its turn on line {self._lost[session_id]}, which was skipped"
+            )
+        previous = self._sessions.get(session_id) if session_id is not None else None
+        turn = self._start(record, line) if previous is None else self._continue(record, line, previous)
+        if previous is None:
+            self.mark_ms, self._mark_line = turn.arrival_ms, line
+        if session_id is not None:
+            self._sessions[session_id] = turn
+            self._turns[session_id] = self._turns.get(session_id, 0) + 1
+        self._last_line = line
+        return turn
+
+    def _start(self, record: TraceRecord, line: int) -> Turn:
+        if record.timestamp_ms is None:
+            arrival = self.mark_ms + (record.delay_ms or 0)
+        else:
+            arrival = record.timestamp_ms
+            if arrival < self.mark_ms:
+                where = "the previous line's" if self._mark_line == self._last_line else f"line {self._mark_line}'s"
+                raise ValueError(f"timestamp {arrival} is earlier than {where} {self.mark_ms}")
+        tokens = None
+        if record.text is not None:
+            keys = text_block_keys(record.text, block_size_tokens=self.block_size_tokens)
+            tokens = np.frombuffer(record.text, dtype=np.uint8).astype(np.int32)
+        elif record.hash_ids is not None:
+            keys = tuple(BlockKey(k) for k in record.hash_ids)
+        else:
+            keys = made_up_keys(
+                f"line {line}", None, ceil_div(record.input_length, self.block_size_tokens), first_index=0
+            )
+        return Turn(
+            arrival_ms=arrival,
+            input_length=record.input_length,
+            output_length=record.output_length,
+            block_keys=keys,
+            tokens=tokens,
+            line=line,
+        )
+
+    def _continue(self, record: TraceRecord, line: int, previous: Turn) -> Turn:
+        session_id = record.session_id
+        arrival = record.timestamp_ms
+        if arrival is None:
+            arrival = previous.arrival_ms + (record.delay_ms or 0)
+        if arrival < previous.arrival_ms:
+            raise ValueError(
+                f"turn of session {session_id!r} arrives at {arrival} ms, before its previous turn "
+                f"(line {previous.line}, {previous.arrival_ms} ms)"
+            )
+        if arrival < self.mark_ms:
+            raise ValueError(
+                f"turn of session {session_id!r} arrives at {arrival} ms, before the session started on "
+                f"line {self._mark_line} ({self.mark_ms} ms): write sessions grouped in start order, "
+                "or lines in arrival order"
+            )
+        input_length = previous.input_length + previous.output_length + record.input_length
+        shared = previous.input_length // self.block_size_tokens
+        parent = previous.block_keys[shared - 1] if shared else None
+        # JSON quoting keeps labels unambiguous whatever the id holds.
+        label = f"session {json.dumps(session_id)} turn {self._turns[str(session_id)] + 1}"
+        fresh = ceil_div(input_length, self.block_size_tokens) - shared
+        keys = previous.block_keys[:shared] + made_up_keys(label, parent, fresh, first_index=shared)
+        return Turn(
+            arrival_ms=arrival,
+            input_length=input_length,
+            output_length=record.output_length,
+            block_keys=keys,
+            tokens=None,
+            line=line,
+        )

@@ -1,0 +1,163 @@
+"""One line of a trace, validated: the fields of the Mooncake format and aiperf's additions.
+
+A line is a JSON object. The Mooncake format defines `timestamp` (ms),
+`input_length`, `output_length` and `hash_ids`, all required. aiperf's
+`mooncake_trace` loader adds `session_id`, `delay` (ms) and `text_input` and
+makes `timestamp` optional (see `mooncake.workload.trace` for what they mean).
+A line carrying any of the three is read as aiperf writes it:
+
+- `timestamp` may be left out (the line then arrives by `delay`, or with the
+  lines above it);
+- `text_input` replaces `input_length` and `hash_ids` (aiperf refuses either
+  beside it, and so does this parser);
+- `hash_ids` may be left out beside `input_length` (aiperf then makes up a
+  prompt of its own for the line, so it shares nothing).
+
+A line with none of them is in the Mooncake format and needs all four fields.
+`output_length` is required either way: aiperf lets the server choose, but a
+request here has a known output. A field present with a wrong type is an error
+(`null` included); fields neither format defines are ignored.
+
+Invariant: a parsed record has `input_length > 0` tokens and, when it has
+`hash_ids`, exactly ceil(input_length / block_size) of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from mooncake._checks import ceil_div
+
+__all__ = ["AIPERF_FIELDS", "TraceRecord", "parse_record", "session_of"]
+
+AIPERF_FIELDS = ("session_id", "delay", "text_input")
+"""Fields that mark a line as aiperf's form of a Mooncake trace."""
+
+
+@attrs.frozen(kw_only=True)
+class TraceRecord:
+    """The fields of one trace line, checked one by one (arrival rules need the lines around it).
+
+    Attributes:
+        timestamp_ms: absolute arrival in ms from the trace start, if given.
+        delay_ms: aiperf's wait after the session's previous turn, if given.
+        session_id: aiperf's multi-turn session, if given.
+        input_length: tokens the line describes (for `text_input`, its UTF-8 bytes).
+        output_length: tokens to generate.
+        hash_ids: the line's block ids, if given.
+        text: `text_input` as UTF-8 bytes, if given.
+    """
+
+    timestamp_ms: float | None
+    delay_ms: float | None
+    session_id: str | None
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] | None
+    text: bytes | None
+
+
+def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
+    if name not in record:
+        raise ValueError(f"missing field '{name}'")
+    value = record[name]
+    allowed = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"field '{name}' must be {kind}, got {value!r}")
+    return value
+
+
+def _milliseconds(record: dict[str, Any], name: str) -> float:
+    value = _field(record, name, integer=False)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"field '{name}' must be a finite number >= 0, got {value!r}")
+    return value  # type: ignore[no-any-return]  # int or float, kept as written for messages
+
+
+def _positive(record: dict[str, Any], name: str) -> int:
+    value: int = _field(record, name, integer=True)
+    if value <= 0:
+        raise ValueError(f"field '{name}' must be positive, got {value}")
+    return value
+
+
+def _text(record: dict[str, Any]) -> bytes:
+    value = record["text_input"]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"field 'text_input' must be a non-empty string, got {value!r}")
+    for other in ("input_length", "hash_ids"):
+        if other in record:
+            raise ValueError(f"field '{other}' cannot go with 'text_input' (the text gives the prompt)")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"field 'text_input' is not valid Unicode: {error.reason} at {error.start}") from error
+
+
+def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
+        raise ValueError("field 'hash_ids' must be a list of integers")
+    if hash_ids and min(hash_ids) < 0:
+        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {min(hash_ids)}")
+    expected = ceil_div(input_length, block_size_tokens)
+    if len(hash_ids) != expected:
+        raise ValueError(
+            f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
+            f"ceil({input_length}/{block_size_tokens}) = {expected}"
+        )
+    return tuple(hash_ids)
+
+
+def session_of(record: object) -> str | None:
+    """The line's `session_id` when it is a usable one, even if the rest of the line is not."""
+    if isinstance(record, dict):
+        value = record.get("session_id")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
+    """Validate one decoded JSON line.
+
+    Raises:
+        ValueError: the line is not a usable record; the message names the field and value.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    is_aiperf = any(name in record for name in AIPERF_FIELDS)
+    session_id = None
+    if "session_id" in record:
+        session_id = session_of(record)
+        if session_id is None:
+            raise ValueError(f"field 'session_id' must be a non-empty string, got {record['session_id']!r}")
+    timestamp = _milliseconds(record, "timestamp") if "timestamp" in record or not is_aiperf else None
+    delay = _milliseconds(record, "delay") if "delay" in record else None
+    text = _text(record) if "text_input" in record else None
+    if text is None:
+        input_length: int = _field(record, "input_length", integer=True)
+        output_length: int = _field(record, "output_length", integer=True)
+        _positive(record, "input_length")
+    else:
+        input_length = len(text)
+        output_length = _field(record, "output_length", integer=True)
+    _positive(record, "output_length")
+    hash_ids = None
+    if text is None and ("hash_ids" in record or not is_aiperf):
+        if "hash_ids" not in record:
+            raise ValueError("missing field 'hash_ids'")
+        hash_ids = _hash_ids(record, input_length, block_size_tokens)
+    return TraceRecord(
+        timestamp_ms=timestamp,
+        delay_ms=delay,
+        session_id=session_id,
+        input_length=input_length,
+        output_length=output_length,
+        hash_ids=hash_ids,
+        text=text,
+    )
