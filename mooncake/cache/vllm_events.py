@@ -485,7 +485,7 @@ class VllmEventDecoder:
             for block_hash in event.block_hashes:
                 key = self._keys.get(block_hash)
                 if key is None:
-                    self._unknown(f"{self.source}: BlockRemoved names hash {block_hash!r}, never stored")
+                    self._unknown(f"{self.source}: BlockRemoved names hash {block_hash!r}, never stored (or retired)")
                     continue
                 mask = self._held.get(block_hash, 0) & ~bit
                 self._set(block_hash, key, mask or None)
@@ -522,7 +522,9 @@ class VllmEventDecoder:
         if event.parent_block_hash is not None:
             parent = self._keys.get(event.parent_block_hash)
             if parent is None:
-                self._unknown(f"{self.source}: BlockStored's parent hash {event.parent_block_hash!r} was never stored")
+                self._unknown(
+                    f"{self.source}: BlockStored's parent hash {event.parent_block_hash!r} was never stored (or retired)"
+                )
                 return None
         adapter = event.lora_name if event.lora_name is not None else event.lora_id
         if adapter is not None:

@@ -1,0 +1,622 @@
+"""Tests for `mooncake.cache.vllm_events`: vLLM's KV-event payloads in and out.
+
+Layers: payloads written byte by byte (and with msgpack) in the layout read from
+vLLM's source, decoded to the expected records and events; round trips of records
+through both layouts; the decoder's sequencing, re-keying and refusals; the
+encoder's chains; and the acceptance property: a `BlockIndex` fed vLLM-format
+events (made by the encoder from a `TieredCache`'s events, and made directly in
+vLLM's layout from the token ids) answers the prefix lengths of one fed the
+cache's own events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.index import BlockIndex
+from mooncake.cache.pool import MetadataPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.cache.vllm_events import (
+    VllmAllBlocksCleared,
+    VllmBlockRemoved,
+    VllmBlockStored,
+    VllmEventBatch,
+    VllmEventDecoder,
+    VllmEventEncoder,
+    VllmEventError,
+    WireLayout,
+    decode_batch,
+    encode_batch,
+)
+from mooncake.errors import UnknownBlockError
+from mooncake.types import BlockKey, InstanceId, Tier
+
+msgpack = pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
+
+BLOCK = 4
+HASHER = BlockHasher(model="test-model", block_size_tokens=BLOCK)
+SOURCE = InstanceId("vllm-0")
+LAYOUTS: list[WireLayout] = ["array", "map"]
+
+
+def stored_wire(
+    hashes: list[Any], parent: Any, tokens: list[int], *, medium: str | None = "GPU", **more: Any
+) -> dict[str, Any]:
+    """A BlockStored as vLLM's map layout writes it (defaulted fields only when given)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": more.pop("block_size", BLOCK),
+        "lora_id": more.pop("lora_id", None),
+        "medium": medium,
+        "lora_name": more.pop("lora_name", None),
+        **more,
+    }
+
+
+def removed_wire(hashes: list[Any], medium: str | None = "GPU") -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+def as_array(event: dict[str, Any]) -> list[Any]:
+    """The same event in the positional layout of vLLM <= 0.23 (every field, in order)."""
+    order = {
+        "BlockStored": [
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+        ],
+        "BlockRemoved": ["block_hashes", "medium", "group_idx"],
+        "AllBlocksCleared": [],
+    }[event["type"]]
+    return [event["type"], *(event.get(name) for name in order)]
+
+
+def payload(
+    events: Sequence[dict[str, Any]], *, layout: WireLayout = "map", ts: float = 1.0, rank: int | None = 0
+) -> bytes:
+    """A batch packed with msgpack itself, in `layout`."""
+    wire = [as_array(e) if layout == "array" else e for e in events]
+    return msgpack.packb([ts, wire, rank])
+
+
+def decoder(**options: Any) -> VllmEventDecoder:
+    return VllmEventDecoder(HASHER, SOURCE, **options)
+
+
+def decoded(result: tuple[CacheEvent, ...] | SequenceGap) -> tuple[CacheEvent, ...]:
+    assert not isinstance(result, SequenceGap), result
+    return result
+
+
+# ---------------------------------------------------------------------- the layout, byte by byte
+
+
+def test_hand_written_positional_bytes_decode_and_encode_identically() -> None:
+    """A positional batch written byte by byte: [1.5, [["BlockStored", [7], nil, [1, 2, 3, 4], 4, nil, "GPU",
+    nil x5], ["AllBlocksCleared"]], 0] reads as the records, and `encode_batch` writes the same bytes."""
+    wire = (
+        b"\x93"  # batch: array of 3
+        + b"\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00"  # ts 1.5 as float64
+        + b"\x92"  # events: array of 2
+        + b"\x9c\xabBlockStored"  # tag + 11 fields
+        + b"\x91\x07\xc0\x94\x01\x02\x03\x04\x04\xc0\xa3GPU\xc0\xc0\xc0\xc0\xc0"
+        + b"\x91\xb0AllBlocksCleared"
+        + b"\x00"  # data_parallel_rank 0
+    )
+    expected = VllmEventBatch(
+        ts=1.5,
+        events=(
+            VllmBlockStored(
+                block_hashes=(7,), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=4, medium="GPU"
+            ),
+            VllmAllBlocksCleared(),
+        ),
+        data_parallel_rank=0,
+    )
+    assert decode_batch(wire) == expected
+    assert encode_batch(expected, event_layout="array") == wire
+
+
+def test_hand_written_map_bytes_decode_and_encode_identically() -> None:
+    """A map-layout event written byte by byte: {"type": "BlockRemoved", "block_hashes": [-1, bin 0xab],
+    "medium": "CPU"} in a positional batch with a nil rank."""
+    wire = (
+        b"\x93\xcb\x40\x00\x00\x00\x00\x00\x00\x00"  # [2.0,
+        + b"\x91\x83"  # [ {3 entries:
+        + b"\xa4type\xacBlockRemoved"
+        + b"\xacblock_hashes\x92\xff\xc4\x01\xab"  # [-1, b"\xab"]
+        + b"\xa6medium\xa3CPU"
+        + b"\xc0"  # ], nil]
+    )
+    expected = VllmEventBatch(ts=2.0, events=(VllmBlockRemoved(block_hashes=(-1, b"\xab"), medium="CPU"),))
+    assert decode_batch(wire) == expected
+    assert encode_batch(expected, event_layout="map") == wire
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stored_chain_decodes_to_the_hashers_keys(layout: WireLayout) -> None:
+    """BlockStored of two blocks after no parent, then one after the second: keys are the hasher's keys
+    for the tokens, whatever vLLM's hashes are; the medium picks the tier."""
+    tokens = list(range(100, 112))
+    events = [
+        stored_wire([11, 22], None, tokens[:8]),
+        stored_wire([33], 22, tokens[8:], medium="CPU"),
+    ]
+    keys = HASHER.block_keys(tokens)
+    out = decoded(decoder().decode(payload(events, layout=layout), seq=0))
+    assert out == (
+        BlockStored(source=SOURCE, seq=0, keys=keys[:2], tier=Tier.VRAM),
+        BlockStored(source=SOURCE, seq=1, keys=keys[2:], tier=Tier.DRAM),
+    )
+
+
+def test_older_and_newer_producers_read_alike() -> None:
+    """The first layout (6-element BlockStored, 2-element BlockRemoved, [ts, events]) and a map with a
+    field this reader does not know read as the current layout does, unknown fields ignored."""
+    tokens = [5, 6, 7, 8]
+    oldest = msgpack.packb([3.0, [["BlockStored", [1], None, tokens, 4, None], ["BlockRemoved", [1]]]])
+    newest = msgpack.packb(
+        [3.0, [stored_wire([1], None, tokens, medium=None, future_field=[1]), removed_wire([1], None) | {"x": 1}], None]
+    )
+    extra_trailing = msgpack.packb([3.0, [[*as_array(stored_wire([1], None, tokens, medium=None)), "later"]], None, 9])
+    assert decode_batch(oldest) == decode_batch(newest)
+    assert decode_batch(oldest).events[0] == decode_batch(extra_trailing).events[0]
+    assert decode_batch(msgpack.packb({"ts": 3.0, "events": []})) == VllmEventBatch(ts=3.0, events=())
+
+
+# ---------------------------------------------------------------------- round trips
+
+hashes = st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.binary(min_size=1, max_size=32)
+optional_small = st.none() | st.integers(min_value=0, max_value=1000)
+optional_names = st.none() | st.text(max_size=6)
+
+
+@st.composite
+def vllm_batches(draw: st.DrawFn) -> VllmEventBatch:
+    events: list[Any] = []
+    for kind in draw(st.lists(st.sampled_from(["stored", "removed", "cleared"]), max_size=5)):
+        if kind == "stored":
+            num_blocks = draw(st.integers(0, 3))
+            events.append(
+                VllmBlockStored(
+                    block_hashes=tuple(draw(st.lists(hashes, min_size=num_blocks, max_size=num_blocks))),
+                    parent_block_hash=draw(st.none() | hashes),
+                    token_ids=tuple(draw(st.lists(st.integers(0, 2**31 - 1), max_size=4 * num_blocks))),
+                    block_size=draw(st.integers(1, 64)),
+                    lora_id=draw(optional_small),
+                    medium=draw(optional_names),
+                    lora_name=draw(optional_names),
+                    extra_keys=draw(st.none() | st.lists(st.none() | st.tuples(st.text(max_size=3))).map(tuple)),
+                    group_idx=draw(optional_small),
+                    kv_cache_spec_kind=draw(optional_names),
+                    kv_cache_spec_sliding_window=draw(optional_small),
+                )
+            )
+        elif kind == "removed":
+            events.append(
+                VllmBlockRemoved(
+                    block_hashes=tuple(draw(st.lists(hashes, max_size=3))),
+                    medium=draw(optional_names),
+                    group_idx=draw(optional_small),
+                )
+            )
+        else:
+            events.append(VllmAllBlocksCleared())
+    ts = draw(st.floats(allow_nan=False, allow_infinity=False))
+    return VllmEventBatch(ts=ts, events=tuple(events), data_parallel_rank=draw(optional_small))
+
+
+@given(vllm_batches(), st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS))
+def test_records_round_trip_through_every_layout(batch: VllmEventBatch, events: WireLayout, outer: WireLayout) -> None:
+    """decode_batch(encode_batch(b)) == b in both event layouts and both batch layouts."""
+    assert decode_batch(encode_batch(batch, event_layout=events, batch_layout=outer)) == batch
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_events_round_trip_through_encoder_and_decoder(layout: WireLayout) -> None:
+    """Stored (a partial last block included), removed and cleared events come back as they went,
+    keys and tiers alike, renumbered in the decoder's sequence."""
+    encoder = VllmEventEncoder(HASHER)
+    a = encoder.register(list(range(10)))  # two full blocks and a partial one
+    b = encoder.register([*range(8), 50, 51, 52, 53])  # shares two blocks with `a`
+    source = InstanceId("ours")
+    ours: list[CacheEvent] = [
+        BlockStored(source=source, seq=0, keys=a, tier=Tier.VRAM),
+        BlockStored(source=source, seq=1, keys=b[2:], tier=Tier.DRAM),
+        BlockRemoved(source=source, seq=2, keys=a[1:], tier=Tier.VRAM),
+        AllBlocksCleared(source=source, seq=3),
+    ]
+    back = decoded(decoder().decode(encoder.encode(ours, ts=5.0, event_layout=layout), seq=0))
+    assert back == tuple(
+        e.__class__(
+            **{**{f: getattr(e, f) for f in ("seq", "keys", "tier", "epoch") if hasattr(e, f)}, "source": SOURCE}
+        )
+        for e in ours
+    )
+
+
+# ---------------------------------------------------------------------- bad payloads
+
+
+@pytest.mark.parametrize(
+    ("wire", "match"),
+    [
+        (b"\xc1", "not one msgpack value"),
+        (msgpack.packb([1.0, [], 0]) + b"\x00", "not one msgpack value"),
+        (msgpack.packb("batch"), "array or a map"),
+        (msgpack.packb([1.0]), r"needs \[ts, events\]"),
+        (msgpack.packb({"events": []}), "needs 'ts' and 'events'"),
+        (msgpack.packb(["now", []]), "ts must be a finite number"),
+        (msgpack.packb([1.0, {}]), "events must be an array"),
+        (msgpack.packb([1.0, [["BlockStashed", [1]]]]), "unknown tag 'BlockStashed'"),
+        (msgpack.packb([1.0, [{"type": "Evicted"}]]), "unknown tag 'Evicted'"),
+        (msgpack.packb([1.0, [{"block_hashes": [1]}]]), "unknown tag None"),
+        (msgpack.packb([1.0, [[]]]), "unknown tag None"),
+        (msgpack.packb([1.0, [7]]), "tagged array or map"),
+        (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2, 3, 4]]]]), "needs at least 5 fields, got 3"),
+        (msgpack.packb([1.0, [["BlockRemoved"]]]), "needs at least 1 fields, got 0"),
+        (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "missing fields"),
+        (msgpack.packb([1.0, [removed_wire([1.5])]]), "block hashes must be integers or bytes"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [-1, 2, 3, 4])]]), "token_ids must be"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [1, 2, 3, 4], block_size=0)]]), "block_size must be"),
+        (msgpack.packb([1.0, [stored_wire([1], "p", [1, 2, 3, 4])]]), "parent_block_hash"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [1, 2, 3, 4], medium=3)]]), "medium must be"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [1, 2, 3, 4], lora_id="a")]]), "lora_id must be"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [1], extra_keys=7)]]), "extra_keys must be"),
+        (msgpack.packb([1.0, [], "rank"]), "data_parallel_rank must be"),
+    ],
+)
+def test_bad_payloads_raise_a_typed_error_naming_the_problem(wire: bytes, match: str) -> None:
+    """Each broken payload raises VllmEventError (a MooncakeError and a ValueError) saying what is wrong,
+    and the decoder applies nothing."""
+    d = decoder()
+    with pytest.raises(VllmEventError, match=match):
+        d.decode(wire, seq=0)
+    assert d.expected_seq == 0
+
+
+def test_an_unknown_hash_raises_and_leaves_the_batch_unapplied() -> None:
+    """BlockRemoved of a hash never stored (or BlockStored after an unknown parent) raises
+    UnknownBlockError naming it; the batch's earlier events are rolled back."""
+    d = decoder()
+    batch = payload([stored_wire([1], None, [1, 2, 3, 4]), removed_wire([1, 99])])
+    with pytest.raises(UnknownBlockError, match="hash 99"):
+        d.decode(batch, seq=0)
+    assert d.key_of(1) is None and d.expected_seq == 0
+    d.check_invariants()
+    with pytest.raises(UnknownBlockError, match="parent hash 42"):
+        d.decode(payload([stored_wire([2], 42, [1, 2, 3, 4])]), seq=0)
+
+
+@pytest.mark.parametrize(
+    ("event", "match"),
+    [
+        (stored_wire([1], None, [1, 2, 3, 4, 5, 6, 7, 8], block_size=8), "block_size 8, the hasher 4"),
+        (stored_wire([1, 2], None, [1, 2, 3, 4]), "2 hashes for 4 tokens"),
+        (stored_wire([1], None, [1, 2, 3, 4], medium="TAPE"), "unknown medium 'TAPE'"),
+        (stored_wire([1], None, [1, 2, 3, 4], extra_keys=[["image-hash"]]), "extra_keys"),
+    ],
+)
+def test_events_the_hasher_cannot_translate_are_refused(event: dict[str, Any], match: str) -> None:
+    """A block size other than the hasher's, a hash count that does not fit the tokens, an unknown
+    medium, or extra keys (the key depends on more than tokens) raise VllmEventError."""
+    d = decoder()
+    with pytest.raises(VllmEventError, match=match):
+        d.decode(payload([stored_wire([5], None, [9, 9, 9, 9]), event]), seq=0)
+    assert d.key_of(5) is None
+
+
+# ---------------------------------------------------------------------- the decoder
+
+
+def test_removed_hashes_translate_and_retire() -> None:
+    """BlockRemoved carries hashes only: the decoder names their keys, per tier; a hash held in no tier
+    is retired (still translated, so a child stored after its parent's eviction finds it)."""
+    tokens = list(range(8))
+    keys = HASHER.block_keys(tokens)
+    d = decoder(max_retired_hashes=1)
+    decoded(
+        d.decode(payload([stored_wire([1, 2], None, tokens), stored_wire([1], None, tokens[:4], medium="CPU")]), seq=0)
+    )
+    out = decoded(d.decode(payload([removed_wire([1, 2]), removed_wire([1], "CPU")]), seq=1))
+    assert (
+        [(type(e), e.keys, e.tier) for e in out]
+        == [  # type: ignore[union-attr]
+            (BlockRemoved, keys, Tier.VRAM),
+            (BlockRemoved, keys[:1], Tier.DRAM),
+        ]
+    )
+    d.check_invariants()
+    assert d.key_of(1) == keys[0] and d.key_of(2) is None  # one retired hash kept: the latest
+    again = decoded(d.decode(payload([stored_wire([3], 1, [7, 7, 7, 7])]), seq=2))
+    assert again[0].keys == HASHER.block_keys([7, 7, 7, 7], parent=keys[0])  # type: ignore[union-attr]
+
+
+def test_all_blocks_cleared_translates_and_keeps_translations() -> None:
+    """AllBlocksCleared becomes this library's AllBlocksCleared; later events may still name old hashes."""
+    d = decoder()
+    decoded(d.decode(payload([stored_wire([1], None, [1, 2, 3, 4])]), seq=0))
+    assert decoded(d.decode(payload([{"type": "AllBlocksCleared"}]), seq=1)) == (
+        AllBlocksCleared(source=SOURCE, seq=1),
+    )
+    d.check_invariants()
+    assert (
+        decoded(d.decode(payload([stored_wire([2], 1, [5, 6, 7, 8])]), seq=2))[0].keys
+        == HASHER.block_keys(  # type: ignore[union-attr]
+            [1, 2, 3, 4, 5, 6, 7, 8]
+        )[1:]
+    )
+
+
+def test_gaps_replays_restarts_and_skips() -> None:
+    """A batch above the expected one is a gap (nothing applied); feeding the missing one first works;
+    a lower number is a restart (new epoch, empty); skip_to accepts a loss (new epoch, translations kept)."""
+    d = decoder(epoch=7)
+    first, second = payload([stored_wire([1], None, [1, 2, 3, 4])]), payload([stored_wire([2], 1, [5, 6, 7, 8])])
+    gap = d.decode(second, seq=1)
+    assert gap == SequenceGap(source=SOURCE, expected_epoch=7, expected_seq=0, received_epoch=7, received_seq=1)
+    assert decoded(d.decode(first, seq=0))[0].seq == 0
+    assert decoded(d.decode(second, seq=1))[0].seq == 1
+    assert d.expected_seq == 2
+    assert decoded(d.decode(payload([]), seq=2)) == ()  # an empty batch still counts
+    restarted = decoded(d.decode(first, seq=0))
+    assert (d.epoch, restarted[0].epoch, restarted[0].seq) == (8, 8, 0)
+    assert d.key_of(2) is None
+    d.skip_to(10)
+    assert (d.epoch, d.expected_seq, d.key_of(1)) == (9, 10, HASHER.block_keys([1, 2, 3, 4])[0])
+    assert decoded(d.decode(second, seq=10))[0] == BlockStored(
+        source=SOURCE, seq=0, epoch=9, keys=HASHER.block_keys([1, 2, 3, 4, 5, 6, 7, 8])[1:], tier=Tier.VRAM
+    )
+
+
+def test_an_index_follows_restarts_and_skips() -> None:
+    """Fed the decoder's events, a BlockIndex drops a source's holdings when vLLM restarts or events are lost."""
+    d, index = decoder(), BlockIndex()
+    keys = HASHER.block_keys([1, 2, 3, 4])
+    for event in decoded(d.decode(payload([stored_wire([1], None, [1, 2, 3, 4])]), seq=0)):
+        assert index.apply(event) is None
+    assert index.match(keys).length(SOURCE) == 1
+    for event in decoded(d.decode(payload([stored_wire([9], None, [4, 4, 4, 4])]), seq=0)):  # restarted
+        assert index.apply(event) is None
+    assert index.match(keys).length(SOURCE) == 0
+    d.skip_to(5)
+    for event in decoded(d.decode(payload([removed_wire([9])]), seq=5)):
+        assert index.apply(event) is None
+    assert index.num_blocks(SOURCE) == 0
+
+
+def test_lenient_mode_skips_what_it_cannot_translate() -> None:
+    """strict=False: unknown hashes and extra keys are skipped and counted; the rest applies."""
+    d = decoder(strict=False)
+    out = decoded(
+        d.decode(
+            payload(
+                [
+                    stored_wire([1], 77, [1, 2, 3, 4]),
+                    stored_wire([2], None, [1, 2, 3, 4], extra_keys=[["mm"]]),
+                    stored_wire([3], None, [1, 2, 3, 4]),
+                    removed_wire([3, 88]),
+                ]
+            ),
+            seq=0,
+        )
+    )
+    key = HASHER.block_keys([1, 2, 3, 4])
+    assert [e.keys for e in out] == [key, key]  # type: ignore[union-attr]
+    assert d.num_skipped == 3
+
+
+def test_lora_blocks_and_other_groups() -> None:
+    """A LoRA adapter's blocks get keys of their own (by name, else id); other KV groups are ignored."""
+    tokens = [1, 2, 3, 4]
+    d = decoder()
+    out = decoded(
+        d.decode(
+            payload(
+                [
+                    stored_wire([1], None, tokens),
+                    stored_wire([2], None, tokens, lora_name="sql"),
+                    stored_wire([3], None, tokens, lora_id=4),
+                    stored_wire([4], None, tokens, lora_id=9, lora_name="sql"),
+                    stored_wire([5], None, tokens, group_idx=1),
+                    stored_wire([6], None, tokens, group_idx=0),
+                ]
+            ),
+            seq=0,
+        )
+    )
+    keys = [e.keys[0] for e in out]  # type: ignore[union-attr]
+    assert len(out) == 5 and keys[0] == keys[4] == HASHER.block_keys(tokens)[0]
+    assert keys[1] == keys[3] != keys[0] and len({keys[0], keys[1], keys[2]}) == 3
+    assert d.key_of(5) is None
+
+
+# ---------------------------------------------------------------------- the encoder
+
+
+def test_the_encoder_writes_chains_parents_first() -> None:
+    """Keys given in any order become vLLM events of chained keys, each after its parent's event, with
+    the concatenated tokens; a key continues the run that ends at its parent (first come, first served)."""
+    encoder = VllmEventEncoder(HASHER)
+    a = encoder.register([*range(8), 9])  # blocks a0 a1 a2 (a2 partial)
+    b = encoder.register([*range(4), 7, 7, 7, 7])  # b1 branches off a0
+    event = BlockStored(source=SOURCE, seq=0, keys=(b[1], a[2], a[1], a[0]), tier=Tier.DRAM)
+    assert encoder.to_vllm(event) == (
+        VllmBlockStored(
+            block_hashes=(a[0], b[1]),
+            parent_block_hash=None,
+            token_ids=(0, 1, 2, 3, 7, 7, 7, 7),
+            block_size=BLOCK,
+            medium="CPU",
+        ),
+        VllmBlockStored(
+            block_hashes=(a[1], a[2]), parent_block_hash=a[0], token_ids=(4, 5, 6, 7, 9), block_size=BLOCK, medium="CPU"
+        ),
+    )
+
+
+@pytest.mark.parametrize(("algorithm", "width"), [("xxh3_128", 16), ("sha256", 32)])
+def test_wide_keys_travel_as_bytes(algorithm: Any, width: int) -> None:
+    """Keys wider than 64 bits are written as big-endian bytes (what vLLM's SHA-256 hashes are) and
+    still decode to the same keys."""
+    hasher = BlockHasher(model="m", block_size_tokens=BLOCK, algorithm=algorithm)
+    encoder = VllmEventEncoder(hasher)
+    keys = encoder.register(list(range(8)))
+    (event,) = encoder.to_vllm(BlockStored(source=SOURCE, seq=0, keys=keys, tier=Tier.VRAM))
+    assert event.block_hashes == tuple(k.to_bytes(width, "big") for k in keys)  # type: ignore[union-attr]
+    back = decoded(VllmEventDecoder(hasher, SOURCE).translate(VllmEventBatch(ts=0.0, events=(event,)), seq=0))
+    assert back[0].keys == keys  # type: ignore[union-attr]
+
+
+def test_the_encoder_needs_registered_tokens() -> None:
+    """Storing a key whose tokens were never registered (or were forgotten) raises UnknownBlockError;
+    removals need no tokens; a tier with no medium is refused."""
+    encoder = VllmEventEncoder(HASHER, mediums={Tier.VRAM: "GPU"})
+    keys = encoder.register([1, 2, 3, 4])
+    assert len(encoder) == 1
+    encoder.forget(keys)
+    with pytest.raises(UnknownBlockError, match=str(keys[0])):
+        encoder.to_vllm(BlockStored(source=SOURCE, seq=0, keys=keys, tier=Tier.VRAM))
+    assert encoder.to_vllm(BlockRemoved(source=SOURCE, seq=0, keys=keys, tier=Tier.VRAM)) == (
+        VllmBlockRemoved(block_hashes=keys, medium="GPU"),
+    )
+    with pytest.raises(VllmEventError, match="no vLLM medium for tier DRAM"):
+        encoder.to_vllm(BlockRemoved(source=SOURCE, seq=0, keys=keys, tier=Tier.DRAM))
+
+
+# ---------------------------------------------------------------------- the acceptance property
+
+PROPERTY_HASHER = BlockHasher(model="test-model", block_size_tokens=3)
+SOURCES = (InstanceId("engine-0"), InstanceId("engine-1"), InstanceId("engine-2"))
+MEDIUM = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}
+
+
+@st.composite
+def token_streams(draw: st.DrawFn) -> list[list[int]]:
+    """A few prompts over a tiny vocabulary, many sharing one of a few prefixes."""
+    vocab = st.integers(min_value=0, max_value=3)
+    prefixes = draw(st.lists(st.lists(vocab, max_size=9), min_size=1, max_size=3))
+    streams = []
+    for _ in range(draw(st.integers(min_value=1, max_value=6))):
+        stream = draw(st.sampled_from(prefixes)) + draw(st.lists(vocab, max_size=8))
+        streams.append(stream or [0])
+    return streams
+
+
+def foreign_hash(prefix: Sequence[int], style: int) -> int | bytes:
+    """What another engine might call the block ending `prefix`: signed ints, unsigned ints or bytes."""
+    digest = hashlib.blake2b(repr(list(prefix)).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big", signed=True), int.from_bytes(digest, "big"), digest)[style]
+
+
+def direct_payload(
+    events: Sequence[CacheEvent], blocks: dict[BlockKey, tuple[int, ...]], layout: WireLayout, style: int
+) -> bytes:
+    """`events` written straight in vLLM's layout from token ids: one BlockStored per block, in chain order."""
+    size = PROPERTY_HASHER.block_size_tokens
+    wire: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            wire.append({"type": "AllBlocksCleared"})
+            continue
+        medium = MEDIUM[event.tier]
+        if isinstance(event, BlockRemoved):
+            wire.append(removed_wire([foreign_hash(blocks[k], style) for k in event.keys], medium))
+            continue
+        for key in sorted(event.keys, key=lambda k: len(blocks[k])):
+            prefix = blocks[key]
+            start = (len(prefix) - 1) // size * size
+            parent = foreign_hash(prefix[:start], style) if start else None
+            wire.append(
+                stored_wire([foreign_hash(prefix, style)], parent, list(prefix[start:]), medium=medium, block_size=size)
+            )
+    return payload(wire, layout=layout)
+
+
+@st.composite
+def cache_ops(draw: st.DrawFn, num_streams: int) -> list[tuple[int, str, int, int]]:
+    op = st.tuples(
+        st.integers(0, len(SOURCES) - 1),
+        st.sampled_from(["put", "put", "remove"]),
+        st.integers(0, num_streams - 1),
+        st.integers(0, 10),
+    )
+    return draw(st.lists(op, max_size=20))
+
+
+@given(st.data(), token_streams(), st.sampled_from(LAYOUTS), st.integers(0, 2))
+def test_an_index_fed_vllm_events_answers_like_one_fed_our_own(
+    data: st.DataObject, streams: list[list[int]], layout: WireLayout, style: int
+) -> None:
+    """Caches (two tiers, small enough to evict and demote) take random token streams; their own events
+    feed index A; the encoder's vLLM payloads of the same events, decoded, feed index B; payloads written
+    directly in vLLM's layout from the token ids (another engine's hashes), decoded, feed index C. All
+    three give the same prefix_lengths for every stream and hold the same keys per tier."""
+    ops = data.draw(cache_ops(len(streams)))
+    capacities = data.draw(st.tuples(st.integers(2, 6), st.integers(1, 6)))
+    encoder = VllmEventEncoder(PROPERTY_HASHER, mediums=MEDIUM)
+    chains = [encoder.register(stream) for stream in streams]
+    size = PROPERTY_HASHER.block_size_tokens
+    blocks = {
+        key: tuple(s[: (i + 1) * size]) for s, keys in zip(streams, chains, strict=True) for i, key in enumerate(keys)
+    }
+    caches = [
+        TieredCache(
+            [MetadataPagePool(Tier.VRAM, 64, capacities[0]), MetadataPagePool(Tier.DRAM, 64, capacities[1])],
+            source=source,
+        )
+        for source in SOURCES
+    ]
+    tiers = {medium: tier for tier, medium in MEDIUM.items()}
+    decoders_b = [VllmEventDecoder(PROPERTY_HASHER, s, tiers=tiers) for s in SOURCES]
+    decoders_c = [VllmEventDecoder(PROPERTY_HASHER, s, tiers=tiers) for s in SOURCES]
+    index_a, index_b, index_c = BlockIndex(), BlockIndex(), BlockIndex()
+    num_batches = [0] * len(SOURCES)
+    for source, kind, stream, position in ops:
+        cache, keys = caches[source], chains[stream]
+        if kind == "put":
+            cache.put_chain(keys)
+        elif keys[position % len(keys)] in cache:
+            cache.remove(keys[position % len(keys)])
+        events = cache.take_events()
+        if not events:
+            continue
+        seq, num_batches[source] = num_batches[source], num_batches[source] + 1
+        for event in events:
+            assert index_a.apply(event) is None
+        wire_b = encoder.encode(events, ts=float(seq), event_layout=layout)
+        for event in decoded(decoders_b[source].decode(wire_b, seq=seq)):
+            assert index_b.apply(event) is None
+        wire_c = direct_payload(events, blocks, layout, style)
+        for event in decoded(decoders_c[source].decode(wire_c, seq=seq)):
+            assert index_c.apply(event) is None
+    for keys in chains:
+        expected = index_a.prefix_lengths(keys, SOURCES).tolist()
+        assert index_b.prefix_lengths(keys, SOURCES).tolist() == expected
+        assert index_c.prefix_lengths(keys, SOURCES).tolist() == expected
+
+    def holdings(index: BlockIndex) -> dict[InstanceId, object]:
+        return {s.source: s.keys_by_tier for s in index.snapshot().sources}
+
+    assert holdings(index_b) == holdings(index_a) == holdings(index_c)
+    for d in (*decoders_b, *decoders_c):
+        d.check_invariants()
