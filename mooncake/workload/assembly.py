@@ -99,8 +99,10 @@ class TraceAssembler:
     """Places validated records, in file order, on the timeline and builds their prompts.
 
     Invariants:
-        Every turn placed arrives at or after `mark_ms` as it was when placed, and
-        `mark_ms` never decreases.
+        `mark_ms` is the arrival of the latest start (0 before any) and never
+        decreases; every turn placed arrived at or after the mark of its time.
+        Each session's latest turn has ceil(input_length / block size) keys and,
+        for a lost session, lies above the skipped line.
     """
 
     block_size_tokens: int
@@ -110,6 +112,14 @@ class TraceAssembler:
     _sessions: dict[str, Turn] = attrs.field(factory=dict)
     _turns: dict[str, int] = attrs.field(factory=dict)
     _lost: dict[str, int] = attrs.field(factory=dict)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the class docstring fails."""
+        assert self.mark_ms >= 0, f"mark {self.mark_ms} ms"
+        assert self._mark_line is None or self._mark_line <= (self._last_line or 0), "the mark is below no line"
+        for session_id, turn in self._sessions.items():
+            assert len(turn.block_keys) == ceil_div(turn.input_length, self.block_size_tokens), session_id
+            assert turn.line < self._lost.get(session_id, turn.line + 1), f"session {session_id!r} grew after a loss"
 
     def lose(self, session_id: str | None, line: int) -> None:
         """A line of `session_id` was skipped: its later turns cannot be built."""

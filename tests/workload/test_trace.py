@@ -1,7 +1,9 @@
-"""Mooncake-format traces: round trips, line validation, speedup, atomic writes, the real trace."""
+"""Traces: round trips in both forms, gzip, aiperf's fields and sessions, line validation, lenient reading, speedup,
+atomic writes, the real trace."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -9,13 +11,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import BlockKey, Request, RequestId
-from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS, iter_trace, load_trace, write_trace
+from mooncake.workload import (
+    TRACE_BLOCK_SIZE_TOKENS,
+    TRACE_FORMS,
+    SkippedLine,
+    iter_trace,
+    load_trace,
+    text_request,
+    write_trace,
+)
 from tests.strategies import requests
 
 BLOCK = 4
@@ -380,3 +392,312 @@ def test_write_into_a_missing_directory_raises_and_creates_nothing(tmp_path: Pat
     with pytest.raises(FileNotFoundError):
         write_trace(tmp_path / "absent" / "trace.jsonl", [request(0, 0.0)], block_size_tokens=BLOCK)
     assert files_in(tmp_path) == set()
+
+
+# --------------------------------------------------------------------------- gzip
+
+
+def gzip_bytes(data: bytes) -> bytes:
+    return gzip.compress(data, mtime=0)
+
+
+def test_gzip_trace_reads_like_the_plain_one(tmp_path: Path) -> None:
+    """A gzip-compressed trace gives the same requests as its plain text."""
+    plain = write_lines(tmp_path / "t.jsonl", [line(timestamp=t) for t in (0, 5, 9)])
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip_bytes(plain.read_bytes()))
+    assert load_trace(packed, block_size_tokens=BLOCK) == load_trace(plain, block_size_tokens=BLOCK)
+
+
+def test_the_reader_goes_by_content_not_name(tmp_path: Path) -> None:
+    """gzip bytes under a .jsonl name and plain text under a .gz name both read."""
+    text = (line(timestamp=1) + "\n").encode()
+    disguised, plain_gz = tmp_path / "packed.jsonl", tmp_path / "plain.jsonl.gz"
+    disguised.write_bytes(gzip_bytes(text))
+    plain_gz.write_bytes(text)
+    assert load_trace(disguised, block_size_tokens=BLOCK) == load_trace(plain_gz, block_size_tokens=BLOCK)
+
+
+@given(workload=requests(block_size_tokens=BLOCK))
+def test_gz_names_are_written_compressed_and_repeatably(
+    tmp_path_factory: pytest.TempPathFactory, workload: list[Request]
+) -> None:
+    """A .gz target gets the plain trace gzip-compressed, the same bytes on every write."""
+    directory = tmp_path_factory.mktemp("gz")
+    plain, first, second = directory / "t.jsonl", directory / "a.jsonl.gz", directory / "b.jsonl.gz"
+    for path in (plain, first, second):
+        write_trace(path, workload, block_size_tokens=BLOCK)
+    assert first.read_bytes()[:2] == b"\x1f\x8b"
+    assert first.read_bytes() == second.read_bytes()
+    assert gzip.decompress(first.read_bytes()) == plain.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_broken_gzip_stream_is_a_trace_format_error(tmp_path: Path, damage: str, strict: bool) -> None:
+    """A truncated or corrupted gzip stream raises TraceFormatError, lenient or not: it is no line to skip."""
+    data = gzip_bytes("".join(line(timestamp=t) + "\n" for t in range(2000)).encode())
+    broken = data[: len(data) // 2] if damage == "truncated" else data[:40] + bytes(64) + data[104:]
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(broken)
+    with pytest.raises(TraceFormatError, match="broken gzip stream") as caught:
+        load_trace(path, block_size_tokens=BLOCK, strict=strict, on_skip=lambda _: None)
+    assert caught.value.path == str(path)
+
+
+def test_a_failed_gz_write_leaves_nothing(tmp_path: Path) -> None:
+    """A bad request mid-way through a gzip write leaves the directory as it was."""
+    with pytest.raises(InvalidRequestError):
+        write_trace(tmp_path / "t.jsonl.gz", bad_middle_requests()["decreasing arrival"], block_size_tokens=BLOCK)
+    assert files_in(tmp_path) == set()
+
+
+# --------------------------------------------------------------------------- the two forms
+
+
+@st.composite
+def mixed_requests(draw: st.DrawFn) -> list[Request]:
+    """Requests in arrival order, whole-ms arrivals, some keyed by hash ids and some text prompts."""
+    keyed = draw(requests(block_size_tokens=BLOCK))
+    out = []
+    for request in keyed:
+        if draw(st.booleans()):
+            text = draw(st.text(min_size=1, max_size=30))  # Hypothesis leaves out surrogates: always encodable
+            request = text_request(
+                text,
+                request_id=request.request_id,
+                arrival_s=request.arrival_s,
+                output_length=request.output_length,
+                block_size_tokens=BLOCK,
+            )
+        out.append(request)
+    return out
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+@given(workload=mixed_requests())
+def test_both_forms_round_trip_what_they_can_express(
+    tmp_path_factory: pytest.TempPathFactory, suffix: str, workload: list[Request]
+) -> None:
+    """aiperf's form gives back every request, text included; Mooncake's gives them back without their tokens."""
+    directory = tmp_path_factory.mktemp("forms")
+    for form in TRACE_FORMS:
+        path = directory / f"{form}{suffix}"
+        assert write_trace(path, workload, block_size_tokens=BLOCK, form=form) == len(workload)
+        back = load_trace(path, block_size_tokens=BLOCK)
+        expected = workload if form == "aiperf" else [attrs.evolve(r, tokens=None) for r in workload]
+        assert back == expected
+
+
+def test_the_aiperf_form_writes_text_prompts_as_text_input(tmp_path: Path) -> None:
+    """A text prompt is timestamp, text_input, output_length; other requests keep the four Mooncake fields."""
+    workload = [
+        text_request(
+            "What is the capital of France?", request_id="0", arrival_s=0.0, output_length=20, block_size_tokens=BLOCK
+        ),
+        request(1, 0.5),
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, workload, block_size_tokens=BLOCK, form="aiperf")
+    records = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert records[0] == {"timestamp": 0, "text_input": "What is the capital of France?", "output_length": 20}
+    assert tuple(records[1]) == FIELDS
+    write_trace(path, workload, block_size_tokens=BLOCK)
+    assert [tuple(json.loads(text)) for text in path.read_text(encoding="utf-8").splitlines()] == [FIELDS] * 2
+
+
+def test_tokens_that_are_not_byte_rule_text_are_written_as_hash_ids(tmp_path: Path) -> None:
+    """Tokens that are no text, or text keyed otherwise, go out as input_length and hash_ids."""
+    text = text_request("abcdef", request_id="0", arrival_s=0.0, output_length=1, block_size_tokens=BLOCK)
+    workload = [
+        attrs.evolve(text, block_keys=(1, 2)),  # the text's bytes, other keys
+        attrs.evolve(text, request_id=RequestId("1"), tokens=np.array([300, 1, 2, 3, 4, 5])),  # not bytes
+        attrs.evolve(text, request_id=RequestId("2"), tokens=np.array([0xFF] * 6)),  # bytes, not UTF-8
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, workload, block_size_tokens=BLOCK, form="aiperf")
+    assert all("hash_ids" in json.loads(text) for text in path.read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.parametrize("form", ["vllm", "", None, "AIPERF"])
+def test_an_unknown_form_is_a_config_error(tmp_path: Path, form: object) -> None:
+    """write_trace knows the forms in TRACE_FORMS only, and writes nothing otherwise."""
+    with pytest.raises(ConfigError, match="form"):
+        write_trace(tmp_path / "t.jsonl", [request(0, 0.0)], form=form)  # type: ignore[arg-type]
+    assert files_in(tmp_path) == set()
+
+
+# --------------------------------------------------------------------------- aiperf traces
+
+
+def test_aiperf_text_inputs_without_timestamps_arrive_together(tmp_path: Path) -> None:
+    """aiperf's custom-prompt trace (text_input and output_length only) reads as text prompts all at 0 s."""
+    texts = ["What is the capital of France?", "Explain quantum computing in simple terms."]
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps({"text_input": t, "output_length": 20}) for t in texts])
+    workload = load_trace(path, block_size_tokens=BLOCK)
+    assert workload == [
+        text_request(t, request_id=str(i), arrival_s=0.0, output_length=20, block_size_tokens=BLOCK)
+        for i, t in enumerate(texts)
+    ]
+
+
+def test_aiperf_sessions_with_timestamps(tmp_path: Path) -> None:
+    """Turns that carry timestamps arrive then; grouped sessions come out in arrival order, each turn whole."""
+    lines = [
+        {"session_id": "a", "timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1, 2]},
+        {"session_id": "a", "timestamp": 3000, "input_length": 1, "output_length": 2},
+        {"session_id": "b", "timestamp": 1000, "input_length": 4, "output_length": 1, "hash_ids": [1]},
+    ]
+    workload = load_trace(write_lines(tmp_path / "t.jsonl", [json.dumps(x) for x in lines]), block_size_tokens=BLOCK)
+    assert [(r.request_id, r.arrival_s, r.input_length) for r in workload] == [
+        ("0", 0.0, 8),
+        ("1", 1.0, 4),
+        ("2", 3.0, 11),
+    ]
+    assert workload[2].block_keys[:2] == (1, 2)
+
+
+def test_aiperf_sessions_without_timestamps(tmp_path: Path) -> None:
+    """aiperf's multi-turn example: the first turn at the start, the next `delay` ms after it."""
+    lines = [
+        {"session_id": "abc-123", "input_length": 300, "output_length": 40},
+        {"session_id": "abc-123", "delay": 2, "input_length": 150, "output_length": 20},
+    ]
+    workload = load_trace(write_lines(tmp_path / "t.jsonl", [json.dumps(x) for x in lines]))
+    assert [(r.arrival_s, r.input_length, r.output_length) for r in workload] == [(0.0, 300, 40), (0.002, 490, 20)]
+
+
+def test_held_turns_come_out_as_soon_as_the_trace_passes_them(tmp_path: Path) -> None:
+    """A later turn waits only until a start passes its arrival: it is yielded before a bad line further on."""
+    lines = [
+        json.dumps({"session_id": "a", "timestamp": 0, **{k: GOOD[k] for k in FIELDS[1:]}}),
+        json.dumps({"session_id": "a", "delay": 5000, "input_length": 1, "output_length": 1}),
+        line(timestamp=6000),
+        "oops",
+    ]
+    stream = iter_trace(write_lines(tmp_path / "t.jsonl", lines), block_size_tokens=BLOCK)
+    assert [next(stream).arrival_s for _ in range(3)] == [0.0, 5.0, 6.0]
+    with pytest.raises(TraceFormatError) as caught:
+        next(stream)
+    assert caught.value.line == 4
+
+
+@st.composite
+def session_traces(draw: st.DrawFn) -> list[list[dict[str, Any]]]:
+    """Sessions in start order: a first turn with a timestamp (or none), later turns by delay (or timestamp)."""
+    starts = sorted(draw(st.lists(st.integers(0, 5000), min_size=1, max_size=5)))
+    sessions = []
+    for number, start in enumerate(starts):
+        first = {"session_id": f"s{number}", "input_length": draw(st.integers(1, 12)), "output_length": 2}
+        if number == 0 or draw(st.booleans()) or start != starts[number - 1]:
+            first["timestamp"] = start
+        turns, arrival = [first], start
+        for _ in range(draw(st.integers(0, 3))):
+            gap = draw(st.integers(0, 4000))
+            arrival += gap
+            turn = {"session_id": f"s{number}", "input_length": draw(st.integers(1, 6)), "output_length": 1}
+            turn |= {"timestamp": arrival} if draw(st.booleans()) else {"delay": gap}
+            turns.append(turn)
+        sessions.append(turns)
+    return sessions
+
+
+def expected_turns(sessions: list[list[dict[str, Any]]]) -> list[tuple[float, int, int, int]]:
+    """(arrival ms, input, output, line) of each turn in grouped file order, computed turn by turn."""
+    out, line_number, previous_start = [], 0, 0
+    for turns in sessions:
+        arrival, input_length = turns[0].get("timestamp", previous_start), 0
+        previous_start = arrival
+        for index, turn in enumerate(turns):
+            line_number += 1
+            if index:
+                arrival = turn.get("timestamp", arrival + turn.get("delay", 0))
+                input_length += turns[index - 1]["output_length"]
+            input_length += turn["input_length"]
+            out.append((arrival, input_length, turn["output_length"], line_number))
+    return out
+
+
+@given(sessions=session_traces())
+def test_grouped_sessions_come_out_in_arrival_order(
+    tmp_path_factory: pytest.TempPathFactory, sessions: list[list[dict[str, Any]]]
+) -> None:
+    """Sessions written grouped read as the turn-by-turn model, sorted by arrival then line."""
+    path = tmp_path_factory.mktemp("sessions") / "t.jsonl"
+    write_lines(path, [json.dumps(turn) for turns in sessions for turn in turns])
+    workload = load_trace(path, block_size_tokens=BLOCK)
+    expected = sorted(expected_turns(sessions), key=lambda t: (t[0], t[3]))
+    assert [(r.arrival_s, r.input_length, r.output_length) for r in workload] == [
+        (ms / 1000, length, output) for ms, length, output, _ in expected
+    ]
+    assert [r.request_id for r in workload] == [str(i) for i in range(len(workload))]
+
+
+@given(sessions=session_traces())
+def test_sessions_interleaved_in_arrival_order_read_the_same(
+    tmp_path_factory: pytest.TempPathFactory, sessions: list[list[dict[str, Any]]]
+) -> None:
+    """The same sessions written line by line in arrival order give the same requests (up to ties' order)."""
+    directory = tmp_path_factory.mktemp("interleaved")
+    order = sorted(expected_turns(sessions), key=lambda t: t[0])
+    flat = [turn for turns in sessions for turn in turns]
+    grouped = load_trace(write_lines(directory / "g.jsonl", [json.dumps(t) for t in flat]), block_size_tokens=BLOCK)
+    interleaved = load_trace(
+        write_lines(directory / "i.jsonl", [json.dumps(flat[t[3] - 1]) for t in order]), block_size_tokens=BLOCK
+    )
+
+    def shape(workload: list[Request]) -> list[tuple[float, int, int]]:
+        return sorted((r.arrival_s, r.input_length, r.output_length) for r in workload)
+
+    assert shape(interleaved) == shape(grouped)
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(interleaved))
+
+
+# --------------------------------------------------------------------------- lenient reading
+
+
+@pytest.mark.parametrize(("bad", "reason"), MALFORMED.values(), ids=MALFORMED.keys())
+def test_lenient_reading_skips_and_reports_each_bad_line(tmp_path: Path, bad: str, reason: str) -> None:
+    """strict=False leaves the bad line out, reports its file, line and reason, and keeps ids consecutive."""
+    path = write_lines(tmp_path / "bad.jsonl", [line(timestamp=100), "", bad, line(timestamp=200)])
+    skipped: list[SkippedLine] = []
+    workload = load_trace(path, block_size_tokens=BLOCK, strict=False, on_skip=skipped.append)
+    assert [(r.request_id, r.arrival_s) for r in workload] == [("0", 0.1), ("1", 0.2)]
+    assert [(s.path, s.line) for s in skipped] == [(str(path), 3)]
+    assert reason in skipped[0].reason
+    assert str(skipped[0]) == f"{path}:3: {skipped[0].reason}"
+
+
+def test_lenient_reading_without_a_callback_warns(tmp_path: Path) -> None:
+    """With no on_skip, each skipped line is a warning naming file and line: never silent."""
+    path = write_lines(tmp_path / "t.jsonl", ["{", line(timestamp=1), "[1]"])
+    with pytest.warns(UserWarning) as caught:
+        workload = load_trace(path, block_size_tokens=BLOCK, strict=False)
+    assert len(workload) == 1
+    assert [str(w.message).split(": ")[0] for w in caught] == [f"skipped {path}:1", f"skipped {path}:3"]
+
+
+def test_a_session_loses_its_turns_after_a_skipped_one(tmp_path: Path) -> None:
+    """A turn after a skipped turn of its session is skipped too, naming the first; other sessions stay."""
+    lines = [
+        {"session_id": "a", "timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]},
+        {"session_id": "a", "delay": -1, "input_length": 1, "output_length": 1},
+        {"session_id": "b", "timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [2]},
+        {"session_id": "a", "delay": 1, "input_length": 1, "output_length": 1},
+    ]
+    skipped: list[SkippedLine] = []
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(x) for x in lines])
+    workload = load_trace(path, block_size_tokens=BLOCK, strict=False, on_skip=skipped.append)
+    assert [r.block_keys for r in workload] == [(1,), (2,)]
+    assert [s.line for s in skipped] == [2, 4]
+    assert "'delay'" in skipped[0].reason
+    assert "lost its turn on line 2" in skipped[1].reason
+
+
+def test_strict_is_the_default_and_a_bool(tmp_path: Path) -> None:
+    """Without strict=False a bad line raises; a strict that is not a bool is a ConfigError."""
+    path = write_lines(tmp_path / "t.jsonl", ["{"])
+    with pytest.raises(TraceFormatError):
+        load_trace(path)
+    with pytest.raises(ConfigError, match="strict"):
+        iter_trace(path, strict="no")  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""One trace line validated: the Mooncake fields, aiperf's session_id, delay and text_input, and their errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mooncake.workload.trace_record import AIPERF_FIELDS, TraceRecord, parse_record, session_of
+
+BLOCK = 4
+MOONCAKE: dict[str, Any] = {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [1, 2]}
+
+
+def parse(**fields: Any) -> TraceRecord:
+    return parse_record(fields, BLOCK)
+
+
+def test_a_mooncake_line_keeps_its_four_fields() -> None:
+    """The Mooncake form reads as timestamp, lengths and hash_ids; no session, delay or text."""
+    assert parse(**MOONCAKE) == TraceRecord(
+        timestamp_ms=0, delay_ms=None, session_id=None, input_length=5, output_length=3, hash_ids=(1, 2), text=None
+    )
+
+
+AIPERF_WITHOUT_TIMESTAMP = {
+    "session_id": {"session_id": "s", "input_length": 5, "output_length": 3, "hash_ids": [1, 2]},
+    "delay": {"delay": 10, "input_length": 5, "output_length": 3, "hash_ids": [1, 2]},
+    "text_input": {"text_input": "hello", "output_length": 3},
+}
+
+
+def test_the_aiperf_fields_are_the_three() -> None:
+    """session_id, delay and text_input mark aiperf's form."""
+    assert set(AIPERF_FIELDS) == set(AIPERF_WITHOUT_TIMESTAMP)
+
+
+@pytest.mark.parametrize("fields", AIPERF_WITHOUT_TIMESTAMP.values(), ids=AIPERF_WITHOUT_TIMESTAMP.keys())
+def test_any_aiperf_field_makes_timestamp_optional(fields: dict[str, Any]) -> None:
+    """With session_id, delay or text_input, a line may leave out timestamp (aiperf's form)."""
+    assert parse_record(fields, BLOCK).timestamp_ms is None
+
+
+def test_aiperf_lines_may_leave_out_hash_ids() -> None:
+    """aiperf makes up a prompt for input_length without hash_ids; the record has none."""
+    record = parse(session_id="abc-123", input_length=300, output_length=40)
+    assert (record.session_id, record.hash_ids, record.input_length) == ("abc-123", None, 300)
+
+
+def test_aiperf_multi_turn_example_reads() -> None:
+    """The example of aiperf's loader: a first turn, then a turn 2 ms later by delay."""
+    first = parse(session_id="abc-123", input_length=300, output_length=40)
+    second = parse(session_id="abc-123", delay=2, input_length=150, output_length=20)
+    assert (first.delay_ms, second.delay_ms, second.timestamp_ms) == (None, 2, None)
+
+
+def test_text_input_gives_utf8_bytes_as_the_input() -> None:
+    """text_input counts its UTF-8 bytes as input tokens; the record keeps the bytes."""
+    record = parse(text_input="héllo", output_length=2, timestamp=5)
+    assert record.text == "héllo".encode()
+    assert record.input_length == 6
+    assert record.hash_ids is None
+
+
+def test_timestamp_and_delay_may_both_be_given() -> None:
+    """Both are kept; the timestamp wins when placing the line (as in aiperf)."""
+    record = parse(**MOONCAKE, delay=7.5)
+    assert (record.timestamp_ms, record.delay_ms) == (0, 7.5)
+
+
+def test_unknown_fields_are_ignored() -> None:
+    """Fields neither format defines change nothing."""
+    assert parse(**MOONCAKE, extra={"a": 1}, priority=3, group_id=2) == parse(**MOONCAKE)
+
+
+AIPERF_ERRORS: dict[str, tuple[dict[str, Any], str]] = {
+    "session_id number": ({**MOONCAKE, "session_id": 7}, "field 'session_id' must be a non-empty string, got 7"),
+    "session_id empty": ({**MOONCAKE, "session_id": ""}, "field 'session_id' must be a non-empty string"),
+    "session_id null": ({**MOONCAKE, "session_id": None}, "field 'session_id' must be a non-empty string"),
+    "delay negative": ({**MOONCAKE, "delay": -1}, "field 'delay' must be a finite number >= 0, got -1"),
+    "delay string": ({**MOONCAKE, "delay": "5"}, "field 'delay' must be a number"),
+    "delay NaN": ({**MOONCAKE, "delay": float("nan")}, "finite"),
+    "delay null": ({**MOONCAKE, "delay": None}, "field 'delay' must be a number"),
+    "text empty": ({"text_input": "", "output_length": 1}, "field 'text_input' must be a non-empty string"),
+    "text number": ({"text_input": 5, "output_length": 1}, "field 'text_input' must be a non-empty string"),
+    "text with input_length": (
+        {"text_input": "hi", "input_length": 2, "output_length": 1},
+        "field 'input_length' cannot go with 'text_input'",
+    ),
+    "text with hash_ids": (
+        {"text_input": "hi", "hash_ids": [1], "output_length": 1},
+        "field 'hash_ids' cannot go with 'text_input'",
+    ),
+    "text lone surrogate": ({"text_input": "a\ud800", "output_length": 1}, "not valid Unicode"),
+    "text without output_length": ({"text_input": "hi"}, "missing field 'output_length'"),
+    "text with zero output": ({"text_input": "hi", "output_length": 0}, "field 'output_length' must be positive"),
+    "aiperf without input": ({"session_id": "s", "output_length": 1}, "missing field 'input_length'"),
+    "aiperf timestamp null": ({"session_id": "s", **MOONCAKE, "timestamp": None}, "field 'timestamp' must be a number"),
+    "aiperf wrong hash_ids count": ({"session_id": "s", **MOONCAKE, "hash_ids": [1]}, "1 hash_ids for input_length 5"),
+}
+
+
+@pytest.mark.parametrize(("fields", "reason"), AIPERF_ERRORS.values(), ids=AIPERF_ERRORS.keys())
+def test_bad_aiperf_fields_are_value_errors(fields: dict[str, Any], reason: str) -> None:
+    """Each bad aiperf field is a ValueError whose message names the field (and the value)."""
+    with pytest.raises(ValueError) as caught:
+        parse_record(fields, BLOCK)
+    assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [({"session_id": "s"}, "s"), ({"session_id": ""}, None), ({"session_id": 3}, None), ({}, None), ([1], None)],
+)
+def test_session_of_reads_a_usable_session_id_from_any_line(record: object, expected: str | None) -> None:
+    """session_of finds a line's session even when the rest of the line is unusable."""
+    assert session_of(record) == expected
