@@ -1,11 +1,18 @@
 """The `mooncake` command line.
 
-    mooncake trace stats PATH [--json] [--block-size N]
+    mooncake trace stats PATH [--json] [--block-size N] [--skip-invalid]
     mooncake trace generate --preset NAME --num-requests N --out PATH [--rate R] [--cv C] [--seed S]
-    mooncake trace capacity PATH --policy lru --capacity-blocks 1000,10000,50000 [--prefix-aware] [--json] [--plot out.png]
+    mooncake trace capacity PATH --policy lru --capacity-blocks 1000,10000,50000 [--prefix-aware] [--json]
+                            [--plot out.png] [--no-progress] [--skip-invalid]
+    mooncake trace convert IN OUT [--to mooncake|aiperf] [--skip-invalid]
 
-Errors in the input (a malformed trace line, a bad option value) print one line
-naming the problem and exit with status 2; nothing is written.
+Traces may be plain or gzip (`.jsonl.gz`), in the Mooncake form or aiperf's
+(see `mooncake.workload.trace`); an output whose name ends in `.gz` is
+compressed. Errors in the input (a malformed trace line, a bad option value)
+print one line naming the problem and exit with status 2; nothing is written.
+With `--skip-invalid` a malformed line is left out instead and named on stderr.
+A capacity sweep draws a progress bar on stderr when stdout and stderr are both
+terminals (not when the output is piped or redirected) unless `--no-progress`.
 """
 
 from __future__ import annotations
@@ -16,21 +23,24 @@ import json
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
 
-from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
+from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.sim.report import ProgressBar
 from mooncake.types import BlockKey
 from mooncake.workload import (
     PRESETS,
+    TRACE_FORMS,
     ArrivalProcess,
+    Request,
+    SkippedLine,
     generate_requests,
     iter_trace,
-    load_trace,
     preset,
     trace_stats,
     write_trace,
@@ -82,8 +92,17 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
     plt.close(figure)
 
 
+def _report_skipped(skipped: SkippedLine) -> None:
+    print(f"mooncake: skipped {skipped}", file=sys.stderr)
+
+
+def _read(args: argparse.Namespace, path: str) -> Iterator[Request]:
+    """The trace at `path` with the command's block size, strict unless --skip-invalid."""
+    return iter_trace(path, block_size_tokens=args.block_size, strict=not args.skip_invalid, on_skip=_report_skipped)
+
+
 def _stats(args: argparse.Namespace) -> None:
-    stats = trace_stats(iter_trace(args.path, block_size_tokens=args.block_size))
+    stats = trace_stats(_read(args, args.path))
     if args.json:
         print(json.dumps(attrs.asdict(stats), indent=2))
         return
@@ -117,30 +136,60 @@ def _sweep_point(capacity: int) -> CapacityPoint:
 
 
 def capacity_sweep(
-    keys: list[tuple[BlockKey, ...]], policy: str, *, prefix_aware: bool, capacities_blocks: Sequence[int], jobs: int
+    keys: list[tuple[BlockKey, ...]],
+    policy: str,
+    *,
+    prefix_aware: bool,
+    capacities_blocks: Sequence[int],
+    jobs: int,
+    progress: Callable[[int], object] | None = None,
 ) -> tuple[CapacityPoint, ...]:
     """`hit_ratio_curve` with one forked worker process per capacity, `jobs` at a time.
 
     Capacities are independent replays, so a sweep parallelises perfectly;
     with one job (or one capacity, or no fork) it runs in this process.
+    `progress` is told how many capacities are done each time one finishes.
     """
     global _SWEEP
     if jobs <= 1 or len(capacities_blocks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         make = POLICIES[policy]
-        return hit_ratio_curve(keys, lambda: make(prefix_aware=prefix_aware), capacities_blocks=capacities_blocks)
+        points: list[CapacityPoint] = []
+        for capacity in capacities_blocks:  # hit_ratio_curve, a point at a time for the progress
+            points.append(simulate_prefix_hits(keys, make(prefix_aware=prefix_aware), capacity_blocks=capacity))
+            if progress is not None:
+                progress(len(points))
+        return tuple(points)
     _SWEEP = (keys, policy, prefix_aware)
     try:
         context = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context) as pool:
-            return tuple(pool.map(_sweep_point, capacities_blocks))
+            futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
+            for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
+                if progress is not None:
+                    progress(done)
+            return tuple(future.result() for future in futures)
     finally:
         _SWEEP = None
 
 
+def _shows_progress(args: argparse.Namespace) -> bool:
+    # A bar on stderr would still garble a pager or interleave with a log when
+    # stdout is piped or redirected, so both must be terminals.
+    return not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+
+
 def _capacity(args: argparse.Namespace) -> None:
-    keys = [request.block_keys for request in load_trace(args.path, block_size_tokens=args.block_size)]
+    keys = [request.block_keys for request in _read(args, args.path)]
+    bar = (
+        ProgressBar(len(args.capacity_blocks), label="capacities", stream=sys.stderr) if _shows_progress(args) else None
+    )
     points = capacity_sweep(
-        keys, args.policy, prefix_aware=args.prefix_aware, capacities_blocks=args.capacity_blocks, jobs=args.jobs
+        keys,
+        args.policy,
+        prefix_aware=args.prefix_aware,
+        capacities_blocks=args.capacity_blocks,
+        jobs=args.jobs,
+        progress=bar,
     )
     if args.plot:
         label = f"{args.policy}{' (prefix-aware)' if args.prefix_aware else ''}"
@@ -157,6 +206,11 @@ def _capacity(args: argparse.Namespace) -> None:
     print(f"{'capacity (blocks)':>18}  {'hit ratio':>9}")
     for point in points:
         print(f"{point.capacity_blocks:>18,}  {point.hit_ratio:>9.4f}")
+
+
+def _convert(args: argparse.Namespace) -> None:
+    count = write_trace(args.target, _read(args, args.source), block_size_tokens=args.block_size, form=args.to)
+    print(f"wrote {count:,} requests from {args.source} to {args.target} ({args.to} form)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,10 +245,23 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
     )
+    capacity.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     capacity.set_defaults(run=_capacity)
 
-    for command in (stats, generate, capacity):
+    convert = sub.add_parser("convert", help="rewrite a trace in the Mooncake form or aiperf's, plain or gzip")
+    convert.add_argument("source", metavar="IN", help="a trace in either form, plain or gzip")
+    convert.add_argument("target", metavar="OUT", help="the trace to write (gzip when the name ends in .gz)")
+    convert.add_argument(
+        "--to", choices=TRACE_FORMS, default="mooncake", help="the form to write (default mooncake; aiperf keeps text)"
+    )
+    convert.set_defaults(run=_convert)
+
+    for command in (stats, generate, capacity, convert):
         command.add_argument("--block-size", type=int, default=512, help="tokens per block / hash id (default 512)")
+    for command in (stats, capacity, convert):
+        command.add_argument(
+            "--skip-invalid", action="store_true", help="leave out malformed lines (named on stderr) instead of failing"
+        )
     return parser
 
 

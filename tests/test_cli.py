@@ -1,7 +1,9 @@
-"""The `mooncake` command line: trace stats, generate and capacity, errors and exit statuses."""
+"""The `mooncake` command line: trace stats, generate, capacity (and its progress bar) and convert, errors and
+exit statuses."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +16,8 @@ from mooncake.cli import main
 from mooncake.workload import load_trace
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+GOOD_LINE = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}'
 SYNTHETIC_STATS = {"num_requests": 3993, "mean_input_length": 15325.5, "mean_output_length": 149.1}
 
 
@@ -283,3 +287,128 @@ def test_parallel_capacity_sweep_equals_the_sequential_one() -> None:
         parallel = capacity_sweep(keys, policy, prefix_aware=True, capacities_blocks=capacities, jobs=2)
         assert parallel == sequential
         assert [p.capacity_blocks for p in parallel] == capacities
+
+
+def test_capacity_sweep_reports_each_finished_capacity() -> None:
+    """progress is told 1, 2, ... n as capacities finish, in this process and in forked workers alike."""
+    from mooncake.cli import capacity_sweep
+    from mooncake.workload import generate_requests, preset
+
+    keys = [r.block_keys for r in generate_requests(preset("toolagent"), num_requests=100, seed=3)]
+    for jobs in (1, 2):
+        told: list[int] = []
+        capacity_sweep(keys, "lru", prefix_aware=False, capacities_blocks=[5, 50, 500], jobs=jobs, progress=told.append)
+        assert told == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- progress bar
+
+
+class Terminal(io.StringIO):
+    """A captured stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def run_attached(
+    monkeypatch: pytest.MonkeyPatch, stdout: io.StringIO, stderr: io.StringIO, *argv: str
+) -> tuple[int, str, str]:
+    """main(argv) with sys.stdout and sys.stderr replaced: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    status = main(list(argv))
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_capacity_draws_a_progress_bar_on_a_terminal(
+    small_trace: Path, monkeypatch: pytest.MonkeyPatch, jobs: str
+) -> None:
+    """With stdout and stderr on a terminal, the sweep draws a bar on stderr that ends full; stdout has the table."""
+    argv = ("trace", "capacity", str(small_trace), "--capacity-blocks", "10,100,1000", "--jobs", jobs)
+    status, out, err = run_attached(monkeypatch, Terminal(), Terminal(), *argv)
+    assert status == 0
+    assert "capacity (blocks)" in out and "#" not in out
+    assert err.startswith("\rcapacities [") and err.endswith("3/3\n")
+
+
+@pytest.mark.parametrize(
+    ("stdout", "stderr", "flags"),
+    [(io.StringIO, Terminal, ()), (Terminal, io.StringIO, ()), (Terminal, Terminal, ("--no-progress",))],
+    ids=["stdout piped", "stderr redirected", "--no-progress"],
+)
+def test_capacity_draws_no_bar_when_piped_or_asked_not_to(
+    small_trace: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stdout: type[io.StringIO],
+    stderr: type[io.StringIO],
+    flags: tuple[str, ...],
+) -> None:
+    """Piped or redirected output, or --no-progress, leaves stderr empty and the output unchanged."""
+    argv = ("trace", "capacity", str(small_trace), "--capacity-blocks", "10,100", "--json", *flags)
+    status, out, err = run_attached(monkeypatch, stdout(), stderr(), *argv)
+    assert (status, err) == (0, "")
+    assert set(json.loads(out)["hit_ratio"]) == {"10", "100"}
+
+
+# --------------------------------------------------------------------------- trace convert
+
+
+def test_convert_round_trips_through_gzip_and_aiperf(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Mooncake → aiperf form, gzip → Mooncake form, plain gives the original bytes; each run says what it wrote."""
+    packed, back = tmp_path / "aiperf.jsonl.gz", tmp_path / "back.jsonl"
+    status, out, err = run(capsys, "trace", "convert", str(small_trace), str(packed), "--to", "aiperf")
+    assert (status, err) == (0, "")
+    assert out == f"wrote 200 requests from {small_trace} to {packed} (aiperf form)\n"
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert run(capsys, "trace", "convert", str(packed), str(back))[0] == 0
+    assert back.read_bytes() == small_trace.read_bytes()
+
+
+def test_convert_keeps_text_in_aiperf_form_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An aiperf text trace stays text in aiperf's form and becomes input_length and hash_ids in Mooncake's."""
+    source = tmp_path / "texts.jsonl"
+    source.write_text('{"text_input": "How do neural networks learn?", "output_length": 80}\n', encoding="utf-8")
+    for form, fields in (("aiperf", {"timestamp", "text_input", "output_length"}), ("mooncake", set(FIELDS))):
+        target = tmp_path / f"{form}.jsonl"
+        assert run(capsys, "trace", "convert", str(source), str(target), "--to", form)[0] == 0
+        assert set(json.loads(target.read_text(encoding="utf-8"))) == fields
+
+
+def test_convert_of_a_malformed_trace_exits_2_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad line fails the conversion (file:line on stderr, no output file); --skip-invalid names it and goes on."""
+    source, target = tmp_path / "bad.jsonl", tmp_path / "out.jsonl"
+    source.write_text(f"{GOOD_LINE}\n{{oops\n{GOOD_LINE}\n", encoding="utf-8")
+    status, out, err = run(capsys, "trace", "convert", str(source), str(target), "--block-size", "4")
+    assert (status, out) == (2, "")
+    assert f"{source}:2: invalid JSON" in err
+    assert not target.exists()
+    status, out, err = run(capsys, "trace", "convert", str(source), str(target), "--block-size", "4", "--skip-invalid")
+    assert status == 0 and "wrote 2 requests" in out
+    assert err.startswith(f"mooncake: skipped {source}:2: invalid JSON") and err.count("\n") == 1
+    assert len(load_trace(target, block_size_tokens=4)) == 2
+
+
+@pytest.mark.parametrize("command", ["stats", "capacity"])
+def test_skip_invalid_reads_around_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """stats and capacity with --skip-invalid use the good lines and name each skipped one on stderr."""
+    source = tmp_path / "bad.jsonl"
+    source.write_text(f"{GOOD_LINE}\n[]\n{GOOD_LINE}\n", encoding="utf-8")
+    status, out, err = run(capsys, "trace", command, str(source), "--json", "--block-size", "4", "--skip-invalid")
+    assert status == 0
+    assert err == f"mooncake: skipped {source}:2: expected a JSON object, got list\n"
+    if command == "stats":
+        assert json.loads(out)["num_requests"] == 2
+
+
+def test_convert_to_an_unknown_form_is_an_argparse_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--to accepts the writer's forms only."""
+    with pytest.raises(SystemExit) as caught:
+        main(["trace", "convert", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--to", "vllm"])
+    assert caught.value.code == 2
+    assert "aiperf" in capsys.readouterr().err
