@@ -67,9 +67,9 @@ from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
 from mooncake.workload.trace_record import parse_record, session_of
 
 __all__ = [
+    "SkippedLine",
     "TRACE_BLOCK_SIZE_TOKENS",
     "TRACE_FORMS",
-    "SkippedLine",
     "TraceForm",
     "iter_trace",
     "load_trace",
