@@ -19,8 +19,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FunctionType, ModuleType
 from typing import Any, TypeVar
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from mooncake.errors import ConfigError
 
-__all__ = ["is_compiled", "jit", "numba_available", "plain_kernels", "use_compiled"]
+__all__ = ["compiled_path", "is_compiled", "jit", "numba_available", "plain_kernels", "use_compiled"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -63,6 +64,16 @@ def use_compiled(enabled: bool | None) -> bool | None:
     previous = _forced[0]
     _forced[0] = enabled
     return previous
+
+
+@contextlib.contextmanager
+def compiled_path(enabled: bool | None) -> Iterator[None]:
+    """`use_compiled(enabled)` for the duration of a with-block, then the previous setting again."""
+    previous = use_compiled(enabled)
+    try:
+        yield
+    finally:
+        use_compiled(previous)
 
 
 def is_compiled() -> bool:

@@ -139,6 +139,15 @@ def rehash(keys, words, new_keys, new_words):  # type: ignore[no-untyped-def]
 
 
 @jit
+def set_lengths(lengths, w, presence, length):  # type: ignore[no-untyped-def]
+    """lengths[s] = length for each slot s of word `w` whose presence bit is set in `presence`."""
+    # Sixteen fixed steps: a tight loop compiled, and few numpy-scalar operations in the plain path.
+    for slot in range(16):
+        if presence >> np.uint64(4 * slot + 3) & np.uint64(1):
+            lengths[w * 16 + slot] = length
+
+
+@jit
 def match(keys, words, query, lengths, alive):  # type: ignore[no-untyped-def]
     """lengths[s] = contiguous prefix of `query` held by slot s (alive: scratch, all presence bits)."""
     mask = keys.size - 1
@@ -153,24 +162,13 @@ def match(keys, words, query, lengths, alive):  # type: ignore[no-untyped-def]
         for w in range(num_words):
             still = alive[w] & words[i, w] if found else np.uint64(0)
             dropped = alive[w] ^ still
-            while dropped:
-                low = dropped & (~dropped + np.uint64(1))
-                bit = 63
-                while (np.uint64(1) << np.uint64(bit)) != low:
-                    bit -= 1
-                lengths[w * 16 + bit // 4] = position
-                dropped ^= low
+            if dropped:
+                set_lengths(lengths, w, dropped, position)
             alive[w] = still
             if still:
                 any_alive = True
         if not any_alive:
             return
     for w in range(num_words):
-        survivors = alive[w]
-        while survivors:
-            low = survivors & (~survivors + np.uint64(1))
-            bit = 63
-            while (np.uint64(1) << np.uint64(bit)) != low:
-                bit -= 1
-            lengths[w * 16 + bit // 4] = query.size
-            survivors ^= low
+        if alive[w]:
+            set_lengths(lengths, w, alive[w], query.size)

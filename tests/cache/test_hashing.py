@@ -1,4 +1,4 @@
-"""Chained block keys: definition, prefix property, namespaces, determinism, batch path."""
+"""Chained block keys: definition, prefix property, namespaces, determinism, batch path, numba and plain paths."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError, InvalidRequestError
 from tests.strategies import small_token_ids, token_arrays
 
 ALGORITHMS = ["xxh3_64", "xxh3_128", "sha256"]
 block_sizes = st.integers(min_value=1, max_value=9)
+requires_numba = pytest.mark.skipif(
+    not numba_available(), reason="numba (the accel extra) is not installed: there is no compiled path to compare"
+)
 
 
 def hasher(**overrides: object) -> BlockHasher:
@@ -173,10 +177,42 @@ def test_token_types_do_not_change_keys() -> None:
 # --------------------------------------------------------------------------- batch path
 
 
+@requires_numba
 def test_compiled_batch_path_is_available() -> None:
     """The numba path over xxhash's C routine is active here, so the tests below exercise it."""
     assert hasher().is_compiled
     assert not hasher(algorithm="sha256").is_compiled
+    with compiled_path(False):
+        assert not hasher().is_compiled
+    assert hasher().is_compiled
+
+
+@requires_numba
+@given(
+    requests=st.lists(token_arrays(max_size=1100), max_size=5),
+    block_size=st.sampled_from([1, 2, 3, 7, 16, 61, 64, 512]),
+    seed=st.integers(0, 2**64 - 1),
+    parent=st.none() | st.integers(0, 2**64 - 1),
+)
+def test_keys_are_equal_with_and_without_numba(
+    requests: list[np.ndarray], block_size: int, seed: int, parent: int | None
+) -> None:
+    """The plain path (xxhash's Python API, taken without numba) gives exactly the compiled path's keys."""
+    h = hasher(block_size_tokens=block_size, seed=seed)
+    flat = np.concatenate(requests) if requests else np.empty(0, np.int32)
+    offsets = np.cumsum([0, *(r.size for r in requests)])
+
+    def everything() -> tuple[object, ...]:
+        batch = h.hash_batch(flat, offsets)
+        chained = [h.block_keys(r, parent=parent) for r in requests]
+        return batch.keys.dtype, batch.keys.tolist(), batch.offsets.tolist(), h.block_keys_many(requests), chained
+
+    compiled = everything()
+    with compiled_path(False):
+        assert not h.is_compiled
+        plain = everything()
+    assert compiled == plain
+    assert compiled[3] == [h._chain_python(r, h.root_key) for r in requests]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

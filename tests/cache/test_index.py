@@ -13,10 +13,12 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, Holder
 from mooncake.types import BlockKey, InstanceId, Tier
@@ -595,6 +597,29 @@ def test_snapshot_restore_round_trips(events: list[CacheEvent], data: st.DataObj
             assert restored.apply(event) == want
     assert_same_state(restored, reference)
     assert restored.snapshot() == index.snapshot()
+
+
+@pytest.mark.skipif(
+    not numba_available(), reason="numba (the accel extra) is not installed: there is no compiled index to compare"
+)
+@given(events=event_sequences, data=st.data())
+def test_answers_are_identical_with_and_without_numba(events: list[CacheEvent], data: st.DataObject) -> None:
+    """An index on the plain-Python kernels answers every query exactly as the compiled one does."""
+    compiled = BlockIndex()
+    with compiled_path(False):
+        plain = BlockIndex()
+    for event in events:
+        assert compiled.apply(event) == plain.apply(event)
+    plain.check_invariants()
+    assert plain.snapshot() == compiled.snapshot()
+    assert len(plain) == len(compiled) and plain.nbytes() == compiled.nbytes()
+    extra = data.draw(st.lists(st.lists(block_keys, max_size=10), max_size=5), label="random key lists")
+    for keys in [*queries(events), *extra]:
+        assert plain.match(keys) == compiled.match(keys)
+        assert dict(plain.match(keys).lengths) == dict(compiled.match(keys).lengths)
+        assert plain.prefix_lengths(keys, PROBED).tolist() == compiled.prefix_lengths(keys, PROBED).tolist()
+    for key in ALL_KEYS:
+        assert plain.holders(key) == compiled.holders(key)
 
 
 holdings_strategy = st.dictionaries(tiers, st.frozensets(block_keys, max_size=8), max_size=3)

@@ -1,14 +1,22 @@
-"""The compiled key table behind the index, against a dict model (probe runs wrap in small tables)."""
+"""The key table behind the index, against a dict model (probe runs wrap in small tables), on both paths.
+
+The model-based machine runs on the default path (numba where installed, else
+the plain-Python kernels); a second machine drives a compiled and a plain table
+in lockstep and checks that their arrays stay identical, so the plain path lays
+out entries exactly as the compiled one does and answers as the model does.
+"""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
 
 _RANDOM = random.Random(7)
@@ -92,6 +100,52 @@ class KeyTableMachine(RuleBasedStateMachine):
 
 KeyTableMachine.TestCase.settings = settings(stateful_step_count=50, deadline=None)
 TestKeyTable = KeyTableMachine.TestCase
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    """A compiled and a plain table take the same operations; their arrays and answers stay identical."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled = KeyTable(capacity=16, num_slots=1)
+        with compiled_path(False):
+            self.plain = KeyTable(capacity=16, num_slots=1)
+        assert self.compiled.is_compiled and not self.plain.is_compiled
+
+    @rule(batch=st.lists(keys, max_size=8), slot=slots, tier=tiers)
+    def add(self, batch: list[int], slot: int, tier: int) -> None:
+        for table in (self.compiled, self.plain):
+            table.ensure_slots(slot + 1)
+            table.add(as_array(batch), slot, tier)
+
+    @rule(batch=st.lists(keys, max_size=8), slot=slots, tier=tiers)
+    def discard(self, batch: list[int], slot: int, tier: int) -> None:
+        for table in (self.compiled, self.plain):
+            if slot < table.num_slots:
+                table.discard(as_array(batch), slot, tier)
+
+    @rule(slot=slots)
+    def clear(self, slot: int) -> None:
+        for table in (self.compiled, self.plain):
+            if slot < table.num_slots:
+                table.clear_slot(slot)
+
+    @rule(query=st.lists(keys, max_size=10), key=keys)
+    def match_and_find(self, query: list[int], key: int) -> None:
+        assert self.compiled.match(as_array(query)).tolist() == self.plain.match(as_array(query)).tolist()
+        assert self.compiled.find(key) == self.plain.find(key)
+
+    @invariant()
+    def arrays_are_identical(self) -> None:
+        assert self.compiled.size == self.plain.size
+        for name in ("keys", "words", "counts"):
+            assert np.array_equal(getattr(self.compiled, name), getattr(self.plain, name)), name
+
+
+LockstepMachine.TestCase.settings = settings(stateful_step_count=50, deadline=None)
+TestLockstep = pytest.mark.skipif(
+    not numba_available(), reason="numba (the accel extra) is not installed: there is no compiled table to compare"
+)(LockstepMachine.TestCase)
 
 
 def test_slots_grow_past_one_word() -> None:
