@@ -5,9 +5,10 @@ block keys, how long a prefix does each instance hold, and who holds the
 longest (`match`). Caches keep it current by publishing events (`stored`,
 `removed`, `cleared`), each stamped with a per-source epoch and sequence number.
 
-Layout: each holding instance gets a small integer slot. Keys live in a
-numba-compiled open-addressing table (`_key_table`) of uint64 keys with, per
-key, a nibble per slot: which tiers hold it and a presence bit. Keys wider than
+Layout: each holding instance gets a small integer slot. Keys live in an
+open-addressing table (`_key_table`, numba-compiled where numba is installed,
+the same loops in plain Python otherwise) of uint64 keys with, per key, a
+nibble per slot: which tiers hold it and a presence bit. Keys wider than
 64 bits (XXH3-128, SHA-256) are folded to 64 bits by XXH3-64 on the way in; the
 index is a routing hint, and the caches that serve blocks compare full keys.
 
