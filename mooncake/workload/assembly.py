@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import cast
 
 import attrs
 import numpy as np
@@ -161,7 +162,7 @@ class TraceAssembler:
             keys = text_block_keys(record.text, block_size_tokens=self.block_size_tokens)
             tokens = np.frombuffer(record.text, dtype=np.uint8).astype(np.int32)
         elif record.hash_ids is not None:
-            keys = tuple(BlockKey(k) for k in record.hash_ids)
+            keys = cast("tuple[BlockKey, ...]", record.hash_ids)  # validated ints already
         else:
             keys = made_up_keys(
                 f"line {line}", None, ceil_div(record.input_length, self.block_size_tokens), first_index=0
