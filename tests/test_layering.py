@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import pkgutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mooncake
@@ -85,6 +88,73 @@ def test_cache_import_is_light() -> None:
     script = "import sys, mooncake.cache, mooncake.workload; print(sorted({'torch', 'numba'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# The packages of every optional extra (engine, accel, cluster, ray, plot, kv-events): absent from a plain install.
+EXTRA_PACKAGES = ("aiohttp", "llvmlite", "matplotlib", "msgpack", "numba", "ray", "torch", "zmq")
+
+WITHOUT_EXTRAS = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked: a plain install lacks it)", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+    import numpy as np
+
+    import mooncake.cache, mooncake.sched, mooncake.workload
+    from mooncake.cache import BlockHasher, BlockIndex, BlockStored
+    from mooncake.cache._compiled import is_compiled, use_compiled
+    from mooncake.errors import ConfigError
+    from mooncake.types import InstanceId, Tier
+
+    hasher = BlockHasher(model="m", block_size_tokens=4, seed=3)
+    tokens = np.arange(40, dtype=np.int32) * 7919 % 50021
+    keys = hasher.block_keys(tokens)
+    batch = hasher.hash_batch(tokens, [0, 9, 9, 40])
+    index = BlockIndex()
+    index.apply(BlockStored(source=InstanceId("a"), seq=0, keys=keys[:6], tier=Tier.DRAM))
+    index.apply(BlockStored(source=InstanceId("b"), seq=0, keys=keys[:3], tier=Tier.VRAM))
+    index.check_invariants()
+    try:
+        use_compiled(True)
+        refused = False
+    except ConfigError:
+        refused = True
+    print(json.dumps({
+        "keys": [str(k) for k in keys],
+        "batch": [str(k) for k in batch.keys.tolist()],
+        "lengths": dict(index.match(keys).lengths),
+        "compiled": is_compiled() or hasher.is_compiled,
+        "refused": refused,
+        "loaded": sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED),
+    }))
+    """
+)
+
+
+def test_core_imports_without_extras() -> None:
+    """With no extra installed (torch, numba, aiohttp, ray, ... unimportable), `mooncake.sched`, `mooncake.cache`
+    and `mooncake.workload` import, and the hasher and index give the same keys and answers as here."""
+    script = f"BLOCKED = {set(EXTRA_PACKAGES)!r}\n{WITHOUT_EXTRAS}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plain = json.loads(done.stdout)
+    assert plain["compiled"] is False and plain["refused"] is True
+    assert plain["loaded"] == []
+
+    from mooncake.cache import BlockHasher
+
+    hasher = BlockHasher(model="m", block_size_tokens=4, seed=3)
+    tokens = np.arange(40, dtype=np.int32) * 7919 % 50021
+    keys = hasher.block_keys(tokens)
+    assert plain["keys"] == [str(k) for k in keys]
+    assert plain["batch"] == [str(k) for k in hasher.hash_batch(tokens, [0, 9, 9, 40]).keys.tolist()]
+    assert plain["lengths"] == {"a": 6, "b": 3}
 
 
 def top_level_imports(module: str) -> set[str]:
