@@ -9,7 +9,10 @@ chains. The peer, measured in the same run, is the obvious design: a set of
 keys per instance and a per-instance prefix walk (O(keys × holders) per match).
 bytes_per_key is the traced allocation of the index (its key table, as
 measured by tracemalloc) divided by the number of keys; table_bytes_per_key
-counts the table's arrays alone. Goal: >= 50 k matches/s.
+counts the table's arrays alone. plain_matches_per_s is the same match on the
+plain-Python kernels (what runs where numba is not installed), on an index of
+the first `--plain-keys` keys, since building one of a million keys without
+numba takes minutes. Goal: >= 50 k matches/s (compiled).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tracemalloc
 
 import numpy as np
 
+from mooncake.cache._compiled import compiled_path
 from mooncake.cache.events import BlockStored
 from mooncake.cache.index import BlockIndex
 from mooncake.types import BlockKey, InstanceId, Tier
@@ -89,6 +93,8 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=16)
     parser.add_argument("--blocks-per-request", type=int, default=64)
     parser.add_argument("--queries", type=int, default=20_000)
+    parser.add_argument("--plain-keys", type=int, default=32_000, help="keys of the index timed without numba")
+    parser.add_argument("--plain-queries", type=int, default=500)
     args = parser.parse_args()
     length = args.blocks_per_request
     num_chains = args.keys // length
@@ -136,6 +142,17 @@ def main() -> None:
         naive.match(query)
     naive_s = (time.perf_counter() - start) * len(queries) / len(naive_queries)
 
+    plain_chains = max(1, min(num_chains, args.plain_keys // length))
+    with compiled_path(False):
+        plain = build(indexed[:plain_chains], plan[:plain_chains])
+    plain_queries = [indexed[i] for i in rng.integers(0, plain_chains, size=args.plain_queries)]
+    for query in plain_queries[:20]:
+        assert plain.match(query) == index.match(query)  # the chains of both share their holders
+    start = time.perf_counter()
+    for query in plain_queries:
+        plain.match(query)
+    plain_s = (time.perf_counter() - start) * len(queries) / len(plain_queries)
+
     result = {
         "keys": num_keys,
         "instances": args.instances,
@@ -147,6 +164,8 @@ def main() -> None:
         "naive_bytes_per_key": naive_bytes / num_keys,
         "speedup_vs_naive": naive_s / index_s,
         "memory_ratio_vs_naive": index_bytes / naive_bytes,
+        "plain_matches_per_s": len(queries) / plain_s,
+        "speedup_vs_plain": plain_s / index_s,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -155,6 +174,7 @@ def main() -> None:
     print(
         f"BlockIndex.match    {result['matches_per_s'] / 1e3:8.1f} k matches/s   {result['bytes_per_key']:6.1f} bytes/key"
     )
+    print(f"plain (no numba)    {result['plain_matches_per_s'] / 1e3:8.1f} k matches/s")
     print(
         f"naive (peer)        {result['naive_matches_per_s'] / 1e3:8.1f} k matches/s   {result['naive_bytes_per_key']:6.1f} bytes/key"
     )

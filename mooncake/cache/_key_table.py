@@ -41,7 +41,7 @@ def _kernels(compiled: bool) -> dict[str, Any]:
         if compiled:
             _KERNELS[compiled] = {name: getattr(kernels, name) for name in kernels.__all__}
         else:
-            _KERNELS[compiled] = plain_kernels(kernels)
+            _KERNELS[compiled] = {**plain_kernels(kernels), "match": kernels.match_arrays}
     return _KERNELS[compiled]
 
 

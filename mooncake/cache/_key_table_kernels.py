@@ -7,7 +7,10 @@ See `_key_table` for the layout and invariants.
 The functions are written once, in the subset of Python that numba compiles and
 that numpy scalars run unchanged: `_compiled.jit` compiles them, and
 `_compiled.plain_kernels` gives the same functions undecorated, so both paths
-lay out the table identically (same probe sequences, same entries).
+lay out the table identically (same probe sequences, same entries). One
+exception: the plain path matches with `match_arrays`, the same answer from
+whole-array numpy operations, since `match` run as Python is ~30x slower than
+compiled and is the query a router asks per request.
 """
 
 import numpy as np
@@ -17,6 +20,9 @@ from mooncake.cache._compiled import jit as _jit
 __all__ = ["add", "clear", "discard", "find", "match", "rehash"]
 
 _PRESENCE = np.uint64(0x8888888888888888)
+_MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
+_MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
+_SHIFT = np.uint64(33)
 
 jit = _jit(cache=True, nogil=True)
 
@@ -24,11 +30,11 @@ jit = _jit(cache=True, nogil=True)
 @jit
 def bucket(key, mask):  # type: ignore[no-untyped-def]
     # murmur3 finalizer: trace ids are small consecutive ints, keys from a hash are not.
-    h = key ^ (key >> np.uint64(33))
-    h *= np.uint64(0xFF51AFD7ED558CCD)
-    h ^= h >> np.uint64(33)
-    h *= np.uint64(0xC4CEB9FE1A85EC53)
-    h ^= h >> np.uint64(33)
+    h = key ^ (key >> _SHIFT)
+    h *= _MIX_1
+    h ^= h >> _SHIFT
+    h *= _MIX_2
+    h ^= h >> _SHIFT
     return np.int64(h & np.uint64(mask))
 
 
@@ -172,3 +178,32 @@ def match(keys, words, query, lengths, alive):  # type: ignore[no-untyped-def]
     for w in range(num_words):
         if alive[w]:
             set_lengths(lengths, w, alive[w], query.size)
+
+
+def match_arrays(keys, words, query, lengths, alive):  # type: ignore[no-untyped-def]
+    """`match` in whole-array numpy operations (the plain path's): the same `lengths`, no Python loop per key.
+
+    Every query key is probed at once (one round per probe step), then a running
+    AND of the found entries' words gives, per slot, the positions its presence
+    bit survives: their count is its prefix length, as `match` finds it.
+    """
+    mask = np.uint64(keys.size - 1)
+    h = query ^ (query >> _SHIFT)  # `bucket` on the whole query; uint64 arrays wrap silently
+    h *= _MIX_1
+    h ^= h >> _SHIFT
+    h *= _MIX_2
+    h ^= h >> _SHIFT
+    position = (h & mask).astype(np.int64)
+    entry = np.full(query.size, -1, dtype=np.int64)
+    pending = np.arange(query.size)
+    while pending.size:
+        occupied = words[position].any(axis=1)
+        hit = occupied & (keys[position] == query[pending])
+        entry[pending[hit]] = position[hit]
+        probing = occupied & ~hit
+        pending, position = pending[probing], (position[probing] + 1) & np.int64(mask)
+    held = np.where((entry >= 0)[:, None], words[entry], np.uint64(0)) & alive
+    running = np.bitwise_and.accumulate(held, axis=0)
+    shifts = np.arange(3, 64, 4, dtype=np.uint64)
+    present = (running[:, :, None] >> shifts) & np.uint64(1)  # [position, word, slot]
+    lengths[:] = present.sum(axis=0).reshape(-1)
