@@ -8,6 +8,7 @@ offending values in their message.
 
     MooncakeError
     ├── ConfigError(ValueError)           a config field has an invalid value
+    │   └── UnknownInstanceError          an instance nobody added (events, views)
     ├── InvalidRequestError(ValueError)   a request or its tokens break the contract
     ├── TraceFormatError(ValueError)      a trace line is malformed (file, line)
     ├── CapacityError                     a structure cannot hold what was asked
@@ -41,6 +42,7 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "UnknownBlockError",
+    "UnknownInstanceError",
 ]
 
 
@@ -50,6 +52,10 @@ class MooncakeError(Exception):
 
 class ConfigError(MooncakeError, ValueError):
     """A configuration field has an invalid value; the message names field and value."""
+
+
+class UnknownInstanceError(ConfigError):
+    """An event or call names an instance that was never added (or not of the kind it needs)."""
 
 
 class InvalidRequestError(MooncakeError, ValueError):

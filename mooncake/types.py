@@ -102,6 +102,9 @@ class Request:
         block_keys: chained keys of the prompt's blocks, the last (partial) block included.
         tokens: the prompt's token ids when known (read-only int32 array of
             `input_length` entries); traces carry only keys.
+        block_size_tokens: the tokens per block its keys were made with, when known (a
+            `BlockHasher`'s; 512 for the published traces): then there is one key per block,
+            ⌈input_length / block_size_tokens⌉, the partial last block included.
     """
 
     request_id: RequestId
@@ -112,11 +115,23 @@ class Request:
     tokens: npt.NDArray[np.int32] | None = attrs.field(
         default=None, converter=_request_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False, repr=False
     )
+    block_size_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least(1, error=InvalidRequestError))
+    )
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        block = self.block_size_tokens
+        if block is not None and len(self.block_keys) != -(-self.input_length // block):
+            raise InvalidRequestError(
+                f"request {self.request_id}: {len(self.block_keys)} block keys for {self.input_length} tokens in "
+                f"{block}-token blocks (one key per block, the partial last one included: "
+                f"{-(-self.input_length // block)})"
+            )
 
     @tokens.validator
     def _check_tokens(self, _attribute: object, value: npt.NDArray[np.int32] | None) -> None:

@@ -193,6 +193,7 @@ class Dispatcher:
             input_length=len(tokens),
             output_length=parsed.max_tokens,
             block_keys=keys,
+            block_size_tokens=self.hasher.block_size_tokens,
         )
         job = {
             "request_id": int(request_id),

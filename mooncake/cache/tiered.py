@@ -38,6 +38,7 @@ which this class extends with the calls above; its invariants are the cache's
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -47,7 +48,14 @@ from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry,
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
 from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view
-from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
+from mooncake.errors import (
+    BlockPinnedError,
+    CapacityError,
+    ConfigError,
+    IntegrityError,
+    InvalidRequestError,
+    UnknownBlockError,
+)
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["BlockLocation", "CacheStats", "TieredCache"]
@@ -160,7 +168,11 @@ class TieredCache(BlockPlacement):
         Raises:
             IntegrityError: `data` does not match `checksum`.
             CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
+            InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
+        _check_key(key)
+        if parent is not None:
+            _check_key(parent)
         if data is not None:
             view = as_bytes_view(data, self.page_bytes)
             size = view.nbytes
@@ -198,7 +210,11 @@ class TieredCache(BlockPlacement):
         Raises:
             ConfigError: the first tier stores bytes.
             CapacityError: `length` exceeds a page, or every block of the first tier is pinned.
+            InvalidRequestError: a key is not a non-negative integer (nothing is stored).
         """
+        if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
+            for key in keys:
+                _check_key(key)
         pool = self.pools[0]
         if pool.holds_bytes:
             raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
@@ -243,7 +259,11 @@ class TieredCache(BlockPlacement):
         Raises:
             ConfigError: the first tier cannot be written in place (SSD, metadata).
             CapacityError: `length` exceeds a page, or the first tier is all pinned.
+            InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
+        _check_key(key)
+        if parent is not None:
+            _check_key(parent)
         if not self.pools[0].zero_copy:
             raise ConfigError(f"the {self.pools[0].tier.name} tier cannot be filled in place: use put")
         if not 0 <= length <= self.page_bytes:
@@ -430,3 +450,14 @@ class TieredCache(BlockPlacement):
         """Close every pool."""
         for pool in self.pools:
             pool.close()
+
+
+def _check_key(key: object) -> None:
+    """A block key is a non-negative integer (numpy integers are); anything else is refused before
+    it can enter the cache's tables."""
+    try:
+        value = operator.index(key)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}") from None
+    if value < 0:
+        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")

@@ -43,7 +43,7 @@ import numpy as np
 
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.join import DecodeLimits
@@ -199,6 +199,7 @@ class Conductor:
         # The request's own checks (Request validates its fields) come before any state changes.
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
+        self._check_geometry(request)
         board = self._prefill_board
         candidates: Sequence[PrefillView] = board
         lengths = self.index.prefix_lengths(request.block_keys, board.instance_ids)
@@ -291,6 +292,21 @@ class Conductor:
         empty = np.zeros(len(board), dtype=np.int64)
         return BoardLoads(empty, empty, empty)
 
+    def _check_geometry(self, request: Request) -> None:
+        """The request's keys must be this Conductor's blocks: one key per block, the partial last one included."""
+        block = self.block_size_tokens
+        if request.block_size_tokens is not None and request.block_size_tokens != block:
+            raise InvalidRequestError(
+                f"request {request.request_id} was keyed in {request.block_size_tokens}-token blocks, this "
+                f"Conductor's blocks are {block} tokens: key requests with the hasher whose block size it has"
+            )
+        expected = -(-request.input_length // block)
+        if len(request.block_keys) != expected:
+            raise InvalidRequestError(
+                f"request {request.request_id} has {len(request.block_keys)} block keys, but {request.input_length} "
+                f"tokens in this Conductor's {block}-token blocks make {expected}"
+            )
+
     def _transfers_in_flight(self, source: InstanceId, now: float) -> int:
         finishes = self._transfers.get(source)
         if not finishes:
@@ -302,12 +318,31 @@ class Conductor:
     # ------------------------------------------------------------------ events
 
     def handle(self, event: SchedulerEvent) -> tuple[RequestEnd, ...]:
-        """Apply a progress event; returns the requests it ended."""
+        """Apply a progress event; returns the requests it ended.
+
+        Events about a request that already ended (or was never accepted) are ignored: reports race
+        with ends. An event from the wrong instance is a misuse.
+
+        Raises:
+            UnknownInstanceError: the event names an instance never added, or one of the wrong kind
+                (a prefill event from a decode instance, and the reverse).
+            InvalidRequestError: the event names a known instance the request was not routed to.
+        """
         if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
+        if not isinstance(event, RequestAborted):
+            self._check_instance(event)
         flight = self._in_flight.get(event.request_id)
         if flight is None:
             return ()  # already ended (or never accepted): nothing to do
+        if not isinstance(event, RequestAborted):
+            routed = flight.prefill_instance if isinstance(event, (PrefillStarted, PrefillFinished)) else None
+            routed = routed or flight.decode_instance
+            if event.instance_id != routed:
+                raise InvalidRequestError(
+                    f"{type(event).__name__} for request {event.request_id} comes from {event.instance_id}, "
+                    f"but the request was routed to {routed}"
+                )
         if isinstance(event, PrefillStarted):
             self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
         elif isinstance(event, PrefillFinished):
@@ -399,6 +434,23 @@ class Conductor:
 
     # ------------------------------------------------------------------ internals
 
+    def _check_instance(
+        self,
+        event: PrefillStarted | PrefillFinished | PrefilledInline | DecodeJoined | DecodeFinished | RequestRejected,
+    ) -> None:
+        prefill = isinstance(event, (PrefillStarted, PrefillFinished))
+        known = self._prefill if prefill else self._decode
+        if event.instance_id not in known:
+            kind = "prefill" if prefill else "decode"
+            other = " (it is a decode instance)" if prefill and event.instance_id in self._decode else ""
+            other = other or (
+                " (it is a prefill instance)" if not prefill and event.instance_id in self._prefill else ""
+            )
+            raise UnknownInstanceError(
+                f"{type(event).__name__} names {event.instance_id}, which is not a {kind} instance of this "
+                f"Conductor{other}: add it with add_{kind}_instance first"
+            )
+
     def _check_new(self, instance_id: InstanceId) -> None:
         if instance_id in self._prefill or instance_id in self._decode:
             raise ConfigError(f"instance {instance_id} is already known")
@@ -450,7 +502,9 @@ class Conductor:
         instance = event.instance_id
         view: PrefillView | DecodeView | None = self._prefill.get(instance) or self._decode.get(instance)
         if view is None:
-            raise ConfigError(f"unknown instance {instance}")
+            raise UnknownInstanceError(
+                f"{type(event).__name__} names {instance}, which this Conductor does not know: add it first"
+            )
         board: PrefillBoard | DecodeBoard = self._prefill_board if instance in self._prefill else self._decode_board
         view.is_up = isinstance(event, InstanceUp)
         board.refresh(board.slot[instance])

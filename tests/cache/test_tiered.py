@@ -22,7 +22,14 @@ from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, Sieve
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import BlockPinnedError, CapacityError, ConfigError, IntegrityError, UnknownBlockError
+from mooncake.errors import (
+    BlockPinnedError,
+    CapacityError,
+    ConfigError,
+    IntegrityError,
+    InvalidRequestError,
+    UnknownBlockError,
+)
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.strategies import block_keys
 
@@ -560,3 +567,24 @@ def test_put_chain_needs_a_metadata_first_tier(tmp_path: Path) -> None:
     with pytest.raises(CapacityError):
         metadata.put_chain([BlockKey(1)], length=-1)
     assert len(metadata) == 0
+
+
+@pytest.mark.parametrize("bad", ["abc", -1, 2.5, None])
+def test_invalid_keys_are_refused_before_anything_is_stored(tmp_path: Path, bad: object) -> None:
+    """A key that is not a non-negative integer is an InvalidRequestError naming it, from put, reserve
+    and put_chain alike; the cache is unchanged and keeps working."""
+    cache = make_cache(tmp_path)
+    with pytest.raises(InvalidRequestError, match="block key"):
+        cache.put(bad, b"x")  # type: ignore[arg-type]
+    if bad is not None:  # no parent is a valid parent
+        with pytest.raises(InvalidRequestError, match="block key"):
+            cache.put(BlockKey(1), b"x", parent=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="block key"):
+        cache.reserve(bad, 4)  # type: ignore[arg-type]
+    assert cache.take_events() == [] and cache.get(BlockKey(1)) is None
+    metadata = TieredCache([MetadataPagePool(Tier.DRAM, 64, 4)], source=InstanceId("p"))
+    with pytest.raises(InvalidRequestError, match="block key"):
+        metadata.put_chain([BlockKey(1), bad, BlockKey(3)])  # type: ignore[list-item]
+    assert metadata.prefix_match([BlockKey(1)]) == 0 and metadata.take_events() == []
+    cache.put(BlockKey(7), b"fine")
+    assert bytes(cache.get(BlockKey(7))) == b"fine"  # type: ignore[arg-type]

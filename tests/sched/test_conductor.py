@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mooncake.cache.events import AllBlocksCleared, BlockStored
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
@@ -369,6 +369,55 @@ def test_events_about_unknown_instances_are_config_errors() -> None:
         conductor.add_decode_instance(P0, DecodeLimits(kv_capacity_tokens=1000))
 
 
+def test_events_from_unknown_or_wrong_instances_are_refused() -> None:
+    """A progress event naming an instance never added, or one of the wrong kind, is an
+    UnknownInstanceError that says what to do; one from a known instance the request was not routed
+    to is an InvalidRequestError naming both; nothing changes either way."""
+    conductor = make_conductor()
+    prefill, decode = placement(conductor.schedule(request("r", DOC), 0.0))
+    other_prefill = next(p for p in PREFILL_IDS if p != prefill)
+    with pytest.raises(UnknownInstanceError, match=r"prefill-9.*add_prefill_instance"):
+        conductor.handle(PrefillStarted(request_id=RequestId("r"), instance_id=InstanceId("prefill-9"), now=1.0))
+    with pytest.raises(UnknownInstanceError, match="it is a decode instance"):
+        conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=decode, now=1.0))
+    with pytest.raises(UnknownInstanceError, match="decode"):
+        conductor.handle(DecodeFinished(request_id=RequestId("r"), instance_id=prefill, now=1.0))
+    with pytest.raises(InvalidRequestError, match=rf"{other_prefill}.*routed to {prefill}"):
+        conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=other_prefill, now=1.0))
+    assert conductor.in_flight == (RequestId("r"),)
+    conductor.check_invariants()
+    # About an unknown request (ended, or never accepted) a known instance's report is ignored.
+    assert conductor.handle(DecodeFinished(request_id=RequestId("gone"), instance_id=decode, now=1.0)) == ()
+
+
+@pytest.mark.parametrize(
+    ("keys", "tokens", "block", "match"),
+    [
+        (3, 200, None, "3 block keys, but 200 tokens"),  # 200 tokens in 256-token blocks: one key
+        (1, 300, None, "1 block keys, but 300 tokens"),
+        (1, 200, 128, "keyed in 128-token blocks"),
+    ],
+)
+def test_requests_must_be_keyed_in_the_conductors_blocks(keys: int, tokens: int, block: int | None, match: str) -> None:
+    """A request whose keys do not cover its prompt in the Conductor's blocks, or that was keyed with
+    another block size, is an InvalidRequestError naming both values; nothing is scheduled."""
+    conductor = make_conductor()
+    r = Request(
+        request_id=RequestId("r"),
+        arrival_s=0.0,
+        input_length=tokens,
+        output_length=10,
+        block_keys=tuple(BlockKey(k) for k in range(keys)),
+        block_size_tokens=block if block is None or keys == -(-tokens // block) else None,
+    )
+    if block is not None:  # keyed consistently, but in other blocks than the Conductor's
+        r = attrs.evolve(r, block_size_tokens=block, block_keys=tuple(BlockKey(k) for k in range(-(-tokens // block))))
+    with pytest.raises(InvalidRequestError, match=match):
+        conductor.schedule(r, 0.0)
+    assert conductor.in_flight == ()
+    assert all(not v.queue for v in conductor.prefill_views)
+
+
 # ---------------------------------------------------------------------------- the event flow
 
 
@@ -491,13 +540,13 @@ def test_routers_learn_through_observe_once_per_prefill() -> None:
     router = RecordingRouter(ESTIMATOR)
     conductor = make_conductor(router=router)
     decision = conductor.schedule(request("r", DOC), 1.0)
-    prefill, decode = placement(decision)
+    prefill, _ = placement(decision)
     assert decision.ttft_s is not None
     for now in (4.0, 5.0):  # the repeat is ignored
         conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=now))
     assert router.observed == [(False, decision.ttft_s, 3.0)]
-    placement(conductor.schedule(request("inline", DOC[:2]), 6.0))
-    conductor.handle(PrefilledInline(request_id=RequestId("inline"), instance_id=decode, now=6.0))
+    _, inline_decode = placement(conductor.schedule(request("inline", DOC[:2]), 6.0))
+    conductor.handle(PrefilledInline(request_id=RequestId("inline"), instance_id=inline_decode, now=6.0))
     assert router.observed == [(False, decision.ttft_s, 3.0)]
 
 
@@ -820,18 +869,19 @@ class ConductorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def event_after_the_end(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.ends)))
-        instance = data.draw(st.sampled_from(PREFILL_IDS + DECODE_IDS))
+        prefill = data.draw(st.sampled_from(PREFILL_IDS))
+        decode = data.draw(st.sampled_from(DECODE_IDS))
         event = data.draw(
             st.sampled_from(
                 [
-                    PrefillStarted(request_id=request_id, instance_id=instance, now=self.now),
-                    PrefillFinished(request_id=request_id, instance_id=instance, now=self.now),
-                    PrefilledInline(request_id=request_id, instance_id=instance, now=self.now),
+                    PrefillStarted(request_id=request_id, instance_id=prefill, now=self.now),
+                    PrefillFinished(request_id=request_id, instance_id=prefill, now=self.now),
+                    PrefilledInline(request_id=request_id, instance_id=decode, now=self.now),
                     DecodeJoined(
-                        request_id=request_id, instance_id=instance, now=self.now, context_tokens=1, output_tokens=1
+                        request_id=request_id, instance_id=decode, now=self.now, context_tokens=1, output_tokens=1
                     ),
-                    DecodeFinished(request_id=request_id, instance_id=instance, now=self.now),
-                    RequestRejected(request_id=request_id, instance_id=instance, now=self.now),
+                    DecodeFinished(request_id=request_id, instance_id=decode, now=self.now),
+                    RequestRejected(request_id=request_id, instance_id=decode, now=self.now),
                     RequestAborted(request_id=request_id, now=self.now),
                 ]
             )
@@ -914,7 +964,7 @@ class ConductorMachine(RuleBasedStateMachine):
     def vram_is_never_over_capacity(self) -> None:
         for view in self.conductor.decode_views:
             assert 0 <= view.used_tokens <= view.capacity_tokens
-            if self.admission_name != "predictive_early_rejection":  # a prediction may promise more
+            if self.admission_name == "early_rejection":  # the baseline and a prediction may promise more
                 assert view.used_tokens + view.reserved_tokens <= view.capacity_tokens
             mine = [t for t in self.tracked.values() if t.decode == view.instance_id]
             assert view.used_tokens == sum(t.tokens for t in mine if t.stage == "decoding")
