@@ -54,7 +54,7 @@ def spec(num_prefill: int, num_decode: int, **options: object) -> ClusterSpec:
 
 def timed(cluster: ClusterSpec, requests: Iterable[Request], *, keep_intervals: bool = True) -> float:
     started = time.perf_counter()
-    replay(cluster, requests, router="kvcache_centric", admission="early_rejection", keep_intervals=keep_intervals)
+    replay(cluster, requests, keep_intervals=keep_intervals)  # the KV-cache-centric router, early rejection
     return time.perf_counter() - started
 
 

@@ -31,10 +31,10 @@ from paper.predictors import predictors
 from paper.scheduling import scheduling
 from paper.threshold import threshold
 from paper.throughput import throughput
+from serving.registry import ROUTERS
 
 from mooncake.errors import MooncakeError
 from mooncake.sim.report import write_json
-from mooncake.sim.spec import ROUTERS
 
 EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
     "scheduling": scheduling,

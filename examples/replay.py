@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import simulation
+from serving import registry
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
@@ -53,9 +54,8 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
         spec = simulation.cluster_spec(requests, args)
         conductor = build_conductor(
             spec,
-            router=simulation.router_option(args.router),
-            admission=args.admission,
-            threshold=args.threshold,
+            router=registry.router(args.router, threshold=args.threshold),
+            admission=registry.admission(args.admission),
             slo=simulation.slo(args),
             seed=args.seed,
         )

@@ -24,19 +24,17 @@ pace, and overload finds whichever binds first.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
-from mooncake.sched.router import Router, TtftEstimator
-from mooncake.sim.spec import ADMISSIONS, ROUTERS, ClusterSpec
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
 
@@ -89,33 +87,11 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
 
 
-def router_option(text: str) -> str | Callable[[TtftEstimator], Router]:
-    """A built-in router's name, or FILE.py:FACTORY / package.module:FACTORY naming your own:
-    a callable taking the cluster's `TtftEstimator` and returning a `Router`."""
-    if text in ROUTERS:
-        return text
-    where, colon, name = text.rpartition(":")
-    if not colon or not where or not name:
-        raise ConfigError(f"router must be one of {ROUTERS} or FILE.py:FACTORY, got {text!r}")
-    if where.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        if module_spec is None or module_spec.loader is None or not Path(where).is_file():
-            raise ConfigError(f"router file {where} not found")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ConfigError(f"{where} has no callable {name!r}")
-    return factory  # type: ignore[no-any-return]
-
-
 def add_policy_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--router", default="kvcache_centric", help=f"one of {', '.join(ROUTERS)}, or FILE.py:FACTORY (your own)"
     )
-    parser.add_argument("--admission", choices=ADMISSIONS, default="early_rejection")
+    parser.add_argument("--admission", choices=list(ADMISSIONS), default="early_rejection")
     parser.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
 
 

@@ -405,7 +405,7 @@ def test_decode_reports_end_requests_in_the_outcome_vocabulary() -> None:
                 arrival_s=0.0,
                 input_length=20,
                 output_length=8,
-                block_keys=(BlockKey(number),),
+                block_keys=(BlockKey(2 * number), BlockKey(2 * number + 1)),  # two 16-token blocks
             )
             decision = conductor.schedule(request, dispatcher.now())
             assert decision.accepted and decision.prefill_instance and decision.decode_instance

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import simulation
+from serving import registry
 
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import LoadSample, ReplayResult, Summary
@@ -51,10 +52,15 @@ def replay(
 ) -> ReplayResult:
     """Replay on a fresh cluster with the options' policies, `policy` overriding them."""
     slo = slo or simulation.slo(args)
-    options = {"router": args.router, "admission": args.admission, "threshold": args.threshold}
-    options.update(policy)
-    options["router"] = simulation.router_option(options["router"])
-    conductor = build_conductor(spec, slo=slo, seed=args.seed, decode_s=decode_time_s(requests, slo), **options)
+    names = {"router": args.router, "admission": args.admission, "threshold": args.threshold, **policy}
+    conductor = build_conductor(
+        spec,
+        router=registry.router(names["router"], threshold=names["threshold"]),
+        admission=registry.admission(names["admission"]),
+        slo=slo,
+        seed=args.seed,
+        decode_s=decode_time_s(requests, slo),
+    )
     return DisaggregatedCluster(spec, conductor).run(requests)
 
 

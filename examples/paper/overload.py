@@ -25,10 +25,11 @@ from collections.abc import Sequence
 
 import attrs
 import simulation
+from serving.registry import ADMISSIONS
 
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines, plot_load
-from mooncake.sim.spec import ADMISSIONS, ClusterSpec
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request
 from paper.common import OUTCOME_COLUMNS, Report, header, oscillation, outcome_cells, outcomes_json, replay
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import simulation
+from serving import registry
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.join import DecodeLoad
@@ -56,9 +57,8 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     spec = simulation.cluster_spec(requests, args)
     conductor = build_conductor(
         spec,
-        router=args.router,
-        admission=args.admission,
-        threshold=args.threshold,
+        router=registry.router(args.router, threshold=args.threshold),
+        admission=registry.admission(args.admission),
         slo=simulation.slo(args),
         seed=args.seed,
     )

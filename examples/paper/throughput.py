@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simulation
 
+from mooncake.sched.admission import BaselineAdmission
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
@@ -55,7 +56,7 @@ def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespa
         decode_hardware=hardware,
         cache_capacity_tokens=args.cache_blocks * 512,
     )
-    conductor = build_conductor(cluster, router="kvcache_centric", admission="baseline", slo=slo, seed=args.seed)
+    conductor = build_conductor(cluster, admission=BaselineAdmission(), slo=slo, seed=args.seed)
     return DisaggregatedCluster(cluster, conductor).run(requests)
 
 

@@ -37,6 +37,7 @@ import attrs
 
 from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError
+from serving.registry import ADMISSIONS, ROUTERS
 
 __all__ = [
     "CacheSection",
@@ -51,8 +52,6 @@ __all__ = [
     "load_config",
 ]
 
-ROUTERS = ("kvcache_centric", "local_cache_aware", "load_balancing", "random")
-ADMISSIONS = ("baseline", "early_rejection", "predictive_early_rejection")
 
 T = TypeVar("T")
 
@@ -130,8 +129,8 @@ class PolicySection:
     """`[policy]`: the router and admission policy by name, and the cache-aware router's threshold."""
 
     NAME: ClassVar[str] = "policy"
-    router: str = _setting("kvcache_centric", allowed=ROUTERS)
-    admission: str = _setting("early_rejection", allowed=ADMISSIONS)
+    router: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
+    admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
     threshold: float = _setting(1.5, minimum=1.0)
 
 

@@ -30,19 +30,13 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
+from mooncake.cache.hashing import BlockHasher
+from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import TransferCostModel
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.predictor import UniformDecodePredictor
-from mooncake.sched.router import (
-    KvCacheCentricRouter,
-    LoadBalancingRouter,
-    RandomRouter,
-    TtftEstimator,
-    local_cache_aware_router,
-)
 from mooncake.types import Slo
+from serving import registry
 from serving.api import HttpError, Reply, parse_request, usage
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
@@ -63,30 +57,20 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         ConfigError: a profile that cannot be read (see `read_profile`).
     """
     prefill, step_model = cost_models(config)
-    estimator = TtftEstimator(
-        prefill=prefill,
-        transfer=TransferCostModel(bandwidth_bytes_per_s=CPU.nic_bytes_per_s),
-        kv_bytes_per_token=model_shape(config).kv_bytes_per_token,
-    )
     policy = config.policy
-    routers: dict[str, Callable[[], Any]] = {
-        "random": lambda: RandomRouter(estimator),
-        "load_balancing": lambda: LoadBalancingRouter(estimator),
-        "local_cache_aware": lambda: local_cache_aware_router(estimator),
-        "kvcache_centric": lambda: KvCacheCentricRouter(estimator=estimator, threshold=policy.threshold),
-    }
-    admissions: dict[str, Callable[[], Any]] = {
-        "baseline": BaselineAdmission,
-        "early_rejection": EarlyRejection,
-        "predictive_early_rejection": predictive_early_rejection,
-    }
-    return Conductor(
-        router=routers[policy.router](),
-        step_model=step_model,
-        admission=admissions[policy.admission](),
+    # Workers register their instances with the dispatcher as they come up.
+    return build(
+        model=model_shape(config),
+        hardware=CPU,
+        prefill_instances=[],
+        decode_instances=[],
+        hasher=BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens),
+        router=registry.router(policy.router, threshold=policy.threshold),
+        admission=registry.admission(policy.admission),
         predictor=UniformDecodePredictor(decode_s=1.0),
         slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
-        block_size_tokens=config.model.block_tokens,
+        prefill=prefill,
+        step_model=step_model,
     )
 
 

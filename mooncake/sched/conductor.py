@@ -125,6 +125,8 @@ class Conductor:
         slo: the objectives.
         block_size_tokens: tokens per block key.
         index: the global block index (one is made if not given).
+        transfers: False when instances cannot fetch each other's blocks (no global pool): routers
+            then see no holder to move a prefix from.
         seed: of the generator random routing draws from.
     """
 
@@ -138,6 +140,7 @@ class Conductor:
         slo: Slo,
         block_size_tokens: int,
         index: BlockIndex | None = None,
+        transfers: bool = True,
         seed: int = 0,
     ) -> None:
         self.router = router
@@ -146,6 +149,7 @@ class Conductor:
         self.predictor = predictor
         self.slo = slo
         self.block_size_tokens = block_size_tokens
+        self.transfers = transfers
         self.index = index if index is not None else BlockIndex()
         self._rng = random.Random(seed)
         self._prefill: dict[InstanceId, PrefillView] = {}
@@ -211,7 +215,7 @@ class Conductor:
         if lengths.size:
             slot = int(lengths.argmax())  # the longest prefix; slots go in id order, so ties go to the smallest id
             best_blocks = int(lengths[slot])
-            best = board.instance_ids[slot] if best_blocks else None
+            best = board.instance_ids[slot] if best_blocks and self.transfers else None
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,

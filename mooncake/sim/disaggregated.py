@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from mooncake.cache.tiered import TieredCache
+from mooncake.sched.admission import AdmissionPolicy
+from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import (
     ChunkedPipelineCost,
@@ -48,6 +50,7 @@ from mooncake.sched.cost import (
 )
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
+from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
@@ -61,7 +64,7 @@ from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
-from mooncake.types import InstanceId, Request, Tier
+from mooncake.types import InstanceId, Request, Slo, Tier
 
 __all__ = ["DisaggregatedCluster", "replay"]
 
@@ -113,12 +116,16 @@ def replay(
     spec: ClusterSpec,
     requests: Iterable[Request],
     *,
+    router: RouterFactory = KvCacheCentricRouter,
+    admission: AdmissionPolicy | None = None,
+    slo: Slo | None = None,
+    decode_s: float = 10.0,
+    seed: int = 0,
     progress: Callable[[int], None] | None = None,
     keep_intervals: bool = True,
-    **conductor_options: object,
 ) -> ReplayResult:
-    """Build a Conductor for `spec` (`build_conductor` options) and replay `requests` through it."""
-    conductor = build_conductor(spec, **conductor_options)  # type: ignore[arg-type]
+    """Build a Conductor for `spec` (`build_conductor`'s options and defaults) and replay `requests`."""
+    conductor = build_conductor(spec, router=router, admission=admission, slo=slo, decode_s=decode_s, seed=seed)
     return DisaggregatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
 
 

@@ -3,9 +3,9 @@
 `ClusterSpec` names the nodes (prefill, decode, chunked-pipeline groups), the
 model and hardware, the caches and the network; its cost models (`prefill_cost`,
 `decode_cost`, `transfer_cost`) are what the simulator charges.
-`build_conductor` makes a Conductor on those same cost models, with a router
-and an admission policy chosen by name (`ROUTERS`, `ADMISSIONS`) or a router
-factory of your own, and registers the spec's instances with it.
+`build_conductor` makes a Conductor on those same cost models (through the
+library's `mooncake.sched.build.build_conductor`), with the router and the
+admission policy given as objects, and registers the spec's instances with it.
 
 Invariants: a spec is valid once built (every field checked, `cpp_group_size`
 divides `num_prefill`), and never changes.
@@ -19,7 +19,9 @@ from collections.abc import Callable
 import attrs
 
 from mooncake.errors import ConfigError
-from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
+from mooncake.sched.admission import AdmissionPolicy
+from mooncake.sched.build import RouterFactory
+from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
     ChunkedPipelineCost,
@@ -31,21 +33,11 @@ from mooncake.sched.cost import (
 )
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
-from mooncake.sched.router import (
-    KvCacheCentricRouter,
-    LoadBalancingRouter,
-    RandomRouter,
-    Router,
-    TtftEstimator,
-    local_cache_aware_router,
-)
+from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import DecodeCostModel
-from mooncake.types import InstanceId, Slo
+from mooncake.types import Slo
 
-__all__ = ["ADMISSIONS", "ClusterSpec", "ROUTERS", "build_conductor"]
-
-ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")
-ADMISSIONS = ("baseline", "early_rejection", "predictive_early_rejection")
+__all__ = ["ClusterSpec", "build_conductor"]
 
 
 def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
@@ -140,52 +132,35 @@ class ClusterSpec:
 def build_conductor(
     spec: ClusterSpec,
     *,
-    router: str | Callable[[TtftEstimator], Router] = "kvcache_centric",
-    admission: str = "early_rejection",
-    threshold: float = 1.5,
+    router: RouterFactory = KvCacheCentricRouter,
+    admission: AdmissionPolicy | None = None,
     slo: Slo | None = None,
     decode_s: float = 10.0,
     seed: int = 0,
 ) -> Conductor:
-    """A Conductor with the spec's cost models (so its estimates are the simulator's truth).
+    """A Conductor on the spec's cost models (so its estimates are the simulator's truth), with the
+    spec's instances: `prefill-0` …, `decode-0` ….
 
     Args:
-        router: one of `ROUTERS`, or a factory making your own `Router` from the spec's estimator.
-        admission: one of `ADMISSIONS`.
-        threshold: kvcache_balancing_threshold of the KV-cache-centric router.
+        router: makes the `Router` from the spec's estimator (default: Algorithm 1, threshold 1.5).
+        admission: default `EarlyRejection()`.
         decode_s: the uniform decode duration of the paper's load predictor.
     """
-    estimator = TtftEstimator(
-        prefill=spec.prefill_cost, transfer=spec.transfer_cost, kv_bytes_per_token=spec.model.kv_bytes_per_token
-    )
-    routers: dict[str, Callable[[], Router]] = {
-        "random": lambda: RandomRouter(estimator),
-        "load_balancing": lambda: LoadBalancingRouter(estimator),
-        "local_cache_aware": lambda: local_cache_aware_router(estimator),
-        "kvcache_centric": lambda: KvCacheCentricRouter(estimator=estimator, threshold=threshold),
-    }
-    admissions: dict[str, Callable[[], AdmissionPolicy]] = {
-        "baseline": BaselineAdmission,
-        "early_rejection": EarlyRejection,
-        "predictive_early_rejection": predictive_early_rejection,
-    }
-    if isinstance(router, str) and router not in routers:
-        raise ConfigError(f"router must be one of {ROUTERS} or a factory, got {router!r}")
-    if admission not in admissions:
-        raise ConfigError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
-    if not spec.global_pool and router == "kvcache_centric":
-        router = "local_cache_aware"  # without a global pool there is nothing to transfer from
-    conductor = Conductor(
-        router=routers[router]() if isinstance(router, str) else router(estimator),
-        step_model=spec.decode_cost,
-        admission=admissions[admission](),
-        predictor=UniformDecodePredictor(decode_s=decode_s),
-        slo=slo or Slo(),
+    return build(
+        model=spec.model,
+        hardware=spec.prefill_hardware,
+        decode_hardware=spec.decode_hardware,
+        prefill_instances=[f"prefill-{i}" for i in range(spec.num_prefill_instances)],
+        decode_instances=[f"decode-{i}" for i in range(spec.num_decode)],
         block_size_tokens=spec.block_size_tokens,
+        router=router,
+        admission=admission,
+        predictor=UniformDecodePredictor(decode_s=decode_s),
+        slo=slo,
+        prefill=spec.prefill_cost,
+        step_model=spec.decode_cost,
+        transfer=spec.transfer_cost,
+        decode_limits=spec.decode_limits,
+        transfers=spec.global_pool,  # without a global pool there is nothing to transfer from
         seed=seed,
     )
-    for i in range(spec.num_prefill_instances):
-        conductor.add_prefill_instance(InstanceId(f"prefill-{i}"))
-    for i in range(spec.num_decode):
-        conductor.add_decode_instance(InstanceId(f"decode-{i}"), spec.decode_limits)
-    return conductor

@@ -1,0 +1,120 @@
+"""One way to build a Conductor: a model, its hardware, the instances, and the block geometry.
+
+    conductor = build_conductor(
+        model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"],
+        prefill_instances=["prefill-0", "prefill-1"], decode_instances=["decode-0"],
+        hasher=BlockHasher(model="llama3-70b", block_size_tokens=512),
+    )
+
+Everything else has a documented default, each replaceable by an object of
+your own:
+
+    block size      the hasher's (`hasher`), or `block_size_tokens` where keys come from elsewhere
+                    (a trace's `hash_ids`: 512); exactly one of the two
+    router          `KvCacheCentricRouter` (Algorithm 1, threshold 1.5): any callable making a
+                    `Router` from the `TtftEstimator` (a router class, `functools.partial(...)`)
+    admission       `EarlyRejection()`
+    predictor       `UniformDecodePredictor(decode_s=10.0)` (the paper's t_d)
+    slo             `Slo()`: TTFT 30 s, TBT 100 ms
+    cost models     `PrefillCostModel` and `DecodeCostModel` of the model on its hardware, the
+                    transfer model at the hardware's NIC; `decode_hardware` when decode runs on
+                    other GPUs; a fitted `prefill` / `step_model` replaces them
+    decode limits   the decode hardware's HBM beside the weights, no batch or context limit
+
+Names of policies ("kvcache_centric", "baseline", ...) belong to the command
+lines and configs that read them (`examples/serving/registry.py`), not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from mooncake.cache.hashing import BlockHasher
+from mooncake.errors import ConfigError
+from mooncake.sched.admission import AdmissionPolicy, EarlyRejection
+from mooncake.sched.conductor import Conductor
+from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel, PrefillModel, TransferCostModel
+from mooncake.sched.join import DecodeLimits
+from mooncake.sched.predictor import LoadPredictor, UniformDecodePredictor
+from mooncake.sched.router import KvCacheCentricRouter, Router, TtftEstimator
+from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
+from mooncake.types import InstanceId, Slo
+
+__all__ = ["RouterFactory", "build_conductor", "ttft_estimator"]
+
+RouterFactory = Callable[[TtftEstimator], Router]  # a router class, or any callable making one from the estimator
+
+
+def ttft_estimator(
+    model: ModelShape,
+    hardware: Hardware,
+    *,
+    prefill: PrefillModel | None = None,
+    transfer: TransferCostModel | None = None,
+) -> TtftEstimator:
+    """The router's TTFT estimator for `model` on `hardware`: the analytic prefill model (or `prefill`),
+    transfers at the hardware's NIC (or `transfer`), the model's KV bytes per token."""
+    return TtftEstimator(
+        prefill=prefill if prefill is not None else PrefillCostModel(model=model, hardware=hardware),
+        transfer=transfer
+        if transfer is not None
+        else TransferCostModel(bandwidth_bytes_per_s=hardware.nic_bytes_per_s),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+    )
+
+
+def build_conductor(
+    *,
+    model: ModelShape,
+    hardware: Hardware,
+    prefill_instances: Iterable[str],
+    decode_instances: Iterable[str],
+    hasher: BlockHasher | None = None,
+    block_size_tokens: int | None = None,
+    router: RouterFactory = KvCacheCentricRouter,
+    admission: AdmissionPolicy | None = None,
+    predictor: LoadPredictor | None = None,
+    slo: Slo | None = None,
+    decode_hardware: Hardware | None = None,
+    prefill: PrefillModel | None = None,
+    step_model: AnalyticStepModel | None = None,
+    transfer: TransferCostModel | None = None,
+    decode_limits: DecodeLimits | None = None,
+    transfers: bool = True,
+    seed: int = 0,
+) -> Conductor:
+    """A Conductor with its instances added (defaults in the module docstring).
+
+    Args:
+        transfers: False when instances cannot fetch each other's blocks (no global pool).
+
+    Raises:
+        ConfigError: neither or both of `hasher` and `block_size_tokens`, or an instance listed twice.
+    """
+    if (hasher is None) == (block_size_tokens is None):
+        raise ConfigError(
+            f"give the block geometry once: a hasher or block_size_tokens, got hasher={hasher!r}, "
+            f"block_size_tokens={block_size_tokens!r}"
+        )
+    block = hasher.block_size_tokens if hasher is not None else block_size_tokens
+    assert block is not None
+    decode_gpus = decode_hardware if decode_hardware is not None else hardware
+    decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
+    conductor = Conductor(
+        router=router(ttft_estimator(model, hardware, prefill=prefill, transfer=transfer)),
+        step_model=step_model if step_model is not None else decode_cost,
+        admission=admission if admission is not None else EarlyRejection(),
+        predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),
+        slo=slo if slo is not None else Slo(),
+        block_size_tokens=block,
+        transfers=transfers,
+        seed=seed,
+    )
+    limits = (
+        decode_limits if decode_limits is not None else DecodeLimits(kv_capacity_tokens=decode_cost.capacity_tokens())
+    )
+    for instance in prefill_instances:
+        conductor.add_prefill_instance(InstanceId(instance))
+    for instance in decode_instances:
+        conductor.add_decode_instance(InstanceId(instance), limits)
+    return conductor
