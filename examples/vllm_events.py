@@ -1,0 +1,475 @@
+"""vLLM KV events over ZeroMQ: a subscriber that feeds a `BlockIndex`, and a publisher of this library's cache events.
+
+Start vLLM with
+
+    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+                         "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}'
+
+and run ``python examples/vllm_events.py subscribe --model <name> --block-size 16``.
+
+Wire (vLLM's ``ZmqEventPublisher``): a PUB socket sends each batch as three
+frames, [topic, seq as 8 bytes big-endian, payload] (`mooncake.cache.vllm_events`
+reads the payload). With a host in its endpoint vLLM *connects*, so the
+subscriber *binds* (with ``*`` vLLM binds; then pass ``--connect``). PUB/SUB
+drops what a subscriber misses (a slow joiner loses the first batches), so the
+subscriber watches the sequence: on a jump it asks the replay endpoint, a ROUTER
+socket, for the batches from the first missing one. A request is one frame, the
+start seq (8 bytes big-endian); the answer is one message per buffered batch,
+[seq, payload] (recent vLLM puts the topic first), then [-1 as 8 signed bytes,
+b""]. vLLM's own example asks with a REQ socket, which keeps only the first
+reply; the subscriber uses DEALER and writes the empty delimiter frame itself.
+Batches the replay cannot supply are lost: the decoder starts a new epoch and the
+index forgets the source's holdings (they refill as vLLM stores blocks).
+
+Subcommands:
+
+    subscribe   bind (or --connect), feed a BlockIndex, print its counters
+    publish     a TieredCache takes synthetic prompts; its events go out in vLLM's format
+    loopback    both in one process on 127.0.0.1; checks the two indexes agree (exit 1 if not)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mooncake.cache import BlockHasher, BlockIndex, CacheEvent, MetadataPagePool, SequenceGap, TieredCache
+from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder, VllmEventError, WireLayout
+from mooncake.errors import UnknownBlockError
+from mooncake.types import InstanceId, Tier
+
+if TYPE_CHECKING:
+    import zmq
+
+log = logging.getLogger("vllm_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@attrs.define
+class SubscriberStats:
+    """What the subscriber has seen: batches applied, events, gaps, replayed and lost batches, bad ones."""
+
+    num_batches: int = 0
+    num_events: int = 0
+    num_gaps: int = 0
+    num_replayed: int = 0
+    num_lost: int = 0
+    num_errors: int = 0
+
+
+class KvEventSubscriber:
+    """Receives one vLLM instance's batches and applies them to `index` in order.
+
+    Args:
+        endpoint: where vLLM publishes (bound unless `bind` is False; port ``*`` picks one).
+        decoder: translates the batches (its source is the instance's id in `index`).
+        index: the index fed.
+        replay_endpoint: vLLM's replay socket, or None (gaps are then losses).
+        topic: the topic subscribed to ("" is every topic).
+        replay_timeout_s: how long one replay may take.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        decoder: VllmEventDecoder,
+        index: BlockIndex,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        bind: bool = True,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        import zmq  # lazy: the library does not depend on pyzmq
+
+        self._zmq = zmq
+        self.decoder, self.index, self.replay_timeout_s = decoder, index, replay_timeout_s
+        self.stats = SubscriberStats()
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            if bind:
+                self._sub.bind(endpoint)
+                endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self.connect_replay(replay_endpoint)
+        except BaseException:
+            self.close()
+            raise
+        self.endpoint = endpoint
+
+    def connect_replay(self, replay_endpoint: str) -> None:
+        """Ask `replay_endpoint` for missed batches from now on."""
+        if self._replay is None:
+            self._replay = self._ctx.socket(self._zmq.DEALER)
+            self._replay.setsockopt(self._zmq.LINGER, 0)
+        self._replay.connect(replay_endpoint)
+
+    def poll(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for batches and handle every one waiting; returns how many."""
+        if not self._sub.poll(int(timeout_s * 1000)):
+            return 0
+        handled = 0
+        while True:
+            try:
+                frames = self._sub.recv_multipart(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return handled
+            handled += 1
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning("dropping a message of %d frames: not [topic, seq, payload]", len(frames))
+                self.stats.num_errors += 1
+                continue
+            self._feed(int.from_bytes(frames[1], "big"), frames[2], live=True)
+
+    def close(self) -> None:
+        """Close the sockets (unsent and unread messages are dropped)."""
+        for socket in (self._sub, self._replay):
+            if socket is not None:
+                socket.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KvEventSubscriber:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _feed(self, seq: int, payload: bytes, *, live: bool) -> None:
+        try:
+            result = self.decoder.decode(payload, seq=seq)
+        except (VllmEventError, UnknownBlockError) as error:
+            log.warning("batch %d of %s is unreadable, counted as lost: %s", seq, self.decoder.source, error)
+            self.stats.num_errors += 1
+            self._lose(seq + 1)
+            return
+        if isinstance(result, SequenceGap):
+            self.stats.num_gaps += 1
+            if live and self._replay is not None:
+                for replay_seq, replay_payload in self._fetch_replay(result.expected_seq, seq):
+                    self.stats.num_replayed += 1
+                    self._feed(replay_seq, replay_payload, live=False)
+            if self.decoder.expected_seq != seq:
+                self.stats.num_lost += seq - self.decoder.expected_seq
+                self._lose(seq)
+            self._feed(seq, payload, live=False)
+            return
+        for event in result:
+            if self.index.apply(event) is not None:  # cannot happen: the decoder numbers events in order
+                self._lose(seq + 1)
+                return
+        self.stats.num_batches += 1
+        self.stats.num_events += len(result)
+
+    def _lose(self, next_seq: int) -> None:
+        """Accept that batches before `next_seq` are gone: a new epoch, and the source's holdings forgotten."""
+        self.decoder.skip_to(next_seq)
+        self.index.resync(self.decoder.source, {}, epoch=self.decoder.epoch, seq=-1)
+
+    def _fetch_replay(self, start: int, stop: int) -> list[tuple[int, bytes]]:
+        """Batches start <= seq < stop from the replay socket, in order (those it still buffers)."""
+        assert self._replay is not None
+        while self._replay.poll(0):  # answers to an earlier request that timed out
+            self._replay.recv_multipart()
+        self._replay.send_multipart([b"", start.to_bytes(8, "big")])
+        found: dict[int, bytes] = {}
+        deadline = time.monotonic() + self.replay_timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self._replay.poll(max(1, int(left * 1000))):
+            frames = self._replay.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]  # the delimiter DEALER leaves in
+            if len(frames) == 3:
+                frames = frames[1:]  # the topic recent vLLM sends first
+            if len(frames) != 2 or len(frames[0]) != 8:
+                continue
+            replay_seq = int.from_bytes(frames[0], "big", signed=True)
+            if replay_seq < 0 or not frames[1]:
+                break  # the end marker
+            if start <= replay_seq < stop:
+                found[replay_seq] = frames[1]
+        return sorted(found.items())
+
+
+class KvEventPublisher:
+    """Publishes this library's cache events as vLLM does: PUB frames and a ROUTER replay buffer.
+
+    One thread publishes; a thread of its own answers replay requests.
+
+    Args:
+        endpoint: bound when it has ``*`` (or is ipc/inproc), else connected, as vLLM decides.
+        encoder: writes the events (its `register` must have seen the stored blocks' tokens).
+        replay_endpoint: bound ROUTER answering replay requests from a thread, or None.
+        topic: the first frame of every message.
+        buffer_batches: how many recent batches the replay buffer keeps.
+        event_layout: "map" (vLLM after 0.23) or "array".
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        encoder: VllmEventEncoder,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_batches: int = 10_000,
+        event_layout: WireLayout = "map",
+    ) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.encoder, self.event_layout = encoder, event_layout
+        self._topic = topic.encode()
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._router: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        try:
+            if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(replay_endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self.close()
+            raise
+        if self._router is not None:
+            # The ROUTER is used by this thread only from here on (sockets are not thread-safe).
+            self._thread = threading.Thread(target=self._serve_replay, name="vllm-events-replay", daemon=True)
+            self._thread.start()
+
+    def publish(self, events: Sequence[CacheEvent], *, ts: float | None = None) -> int:
+        """Send `events` as one batch; returns its seq."""
+        payload = self.encoder.encode(events, ts=time.time() if ts is None else ts, event_layout=self.event_layout)
+        with self._lock:  # the replay thread reads the buffer
+            seq, self._seq = self._seq, self._seq + 1
+            self._buffer.append((seq, payload))
+        self._send([self._topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch gets (the number published so far)."""
+        return self._seq
+
+    def close(self) -> None:
+        """Stop the replay thread and close the sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()  # it polls in short steps, so it sees the stop promptly
+        elif self._router is not None:
+            self._router.close(linger=0)
+        self._pub.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KvEventPublisher:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _send(self, frames: list[bytes]) -> None:
+        self._pub.send_multipart(frames)
+
+    def _serve_replay(self) -> None:
+        router = self._router
+        assert router is not None
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                frames = router.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    continue  # not [identity, b"", start seq]
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                with self._lock:
+                    batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+                for seq, payload in batches:
+                    router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+                router.send_multipart([identity, b"", END_SEQ, b""])
+        finally:
+            router.close(linger=0)
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def synthetic_prompts(num_prompts: int, *, seed: int, vocab: int = 32_000) -> list[list[int]]:
+    """Prompts that share one of a few system prompts, then differ."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 96))] for _ in range(4)]
+    return [
+        rng.choice(systems) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 64))] for _ in range(num_prompts)
+    ]
+
+
+def small_cache(source: InstanceId, *, vram_blocks: int, dram_blocks: int) -> TieredCache:
+    """A metadata-only VRAM + DRAM cache: it evicts and demotes as a real one would."""
+    pools = [MetadataPagePool(Tier.VRAM, 4096, vram_blocks), MetadataPagePool(Tier.DRAM, 4096, dram_blocks)]
+    return TieredCache(pools, source=source, epoch=time.time_ns())
+
+
+def hasher_from(args: argparse.Namespace) -> BlockHasher:
+    return BlockHasher(model=args.model, block_size_tokens=args.block_size, salt=args.salt, algorithm=args.algorithm)
+
+
+def subscribe(args: argparse.Namespace) -> dict[str, Any]:
+    """Feed a BlockIndex from one vLLM instance until --duration ends, or Ctrl-C / SIGTERM."""
+    stop = threading.Event()
+    # Both signals stop the loop, so the sockets close (SIGINT too: a background job starts with it ignored).
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    source = InstanceId(args.source)
+    decoder = VllmEventDecoder(hasher_from(args), source, epoch=time.time_ns(), strict=args.strict)
+    index = BlockIndex()
+    end = time.monotonic() + args.duration if args.duration > 0 else float("inf")
+    try:
+        with KvEventSubscriber(
+            args.endpoint,
+            decoder=decoder,
+            index=index,
+            replay_endpoint=args.replay,
+            topic=args.topic,
+            bind=not args.connect,
+        ) as subscriber:
+            log.info("listening on %s (replay %s)", subscriber.endpoint, args.replay)
+            next_report = time.monotonic() + args.report_every
+            while not stop.is_set() and time.monotonic() < end:
+                subscriber.poll(0.1)
+                if time.monotonic() >= next_report:
+                    next_report += args.report_every
+                    print(
+                        json.dumps({"blocks": index.num_blocks(source), **attrs.asdict(subscriber.stats)}), flush=True
+                    )
+            stats = attrs.asdict(subscriber.stats)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return {"blocks": index.num_blocks(source), "skipped": decoder.num_skipped, **stats}
+
+
+def publish(args: argparse.Namespace) -> dict[str, Any]:
+    """Send a small cache's events for synthetic prompts, one batch per prompt."""
+    encoder = VllmEventEncoder(hasher_from(args))
+    cache = small_cache(InstanceId("publisher"), vram_blocks=args.vram_blocks, dram_blocks=args.dram_blocks)
+    with KvEventPublisher(args.endpoint, encoder=encoder, replay_endpoint=args.replay, topic=args.topic) as publisher:
+        for prompt in synthetic_prompts(args.num_prompts, seed=args.seed):
+            cache.put_chain(encoder.register(prompt))
+            publisher.publish(cache.take_events())
+            time.sleep(args.interval_s)  # pacing for a human watching, not synchronisation
+        return {"batches": args.num_prompts, "blocks": len(cache)}
+
+
+def loopback(args: argparse.Namespace) -> dict[str, Any]:
+    """A publisher and a subscriber on 127.0.0.1: does the subscriber's index answer as the cache's own does?"""
+    hasher = hasher_from(args)
+    encoder = VllmEventEncoder(hasher)
+    cache = small_cache(InstanceId("cache"), vram_blocks=args.vram_blocks, dram_blocks=args.dram_blocks)
+    source = InstanceId("vllm-0")
+    direct, fed = BlockIndex(), BlockIndex()
+    chains = []
+    with (
+        KvEventSubscriber("tcp://127.0.0.1:*", decoder=VllmEventDecoder(hasher, source), index=fed) as subscriber,
+        KvEventPublisher(subscriber.endpoint, encoder=encoder, replay_endpoint="tcp://127.0.0.1:*") as publisher,
+    ):
+        assert publisher.replay_endpoint is not None
+        subscriber.connect_replay(publisher.replay_endpoint)
+        is_connected = wait_until(lambda: publisher.publish([]) >= 0 and subscriber.poll(0.05) > 0, timeout_s=10.0)
+        for prompt in synthetic_prompts(args.num_prompts, seed=args.seed):
+            chains.append(encoder.register(prompt))
+            cache.put_chain(chains[-1])
+            events = cache.take_events()
+            for event in events:
+                direct.apply(event)
+            publisher.publish(events)
+            subscriber.poll(0.0)
+        is_caught_up = wait_until(
+            lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == publisher.next_seq, timeout_s=10.0
+        )
+        stats = attrs.asdict(subscriber.stats)
+    match = all(
+        direct.prefix_lengths(keys, [cache.source]).tolist() == fed.prefix_lengths(keys, [source]).tolist()
+        for keys in chains
+    )
+    holdings = [s.keys_by_tier for s in direct.snapshot().sources] == [s.keys_by_tier for s in fed.snapshot().sources]
+    return {
+        "match": bool(is_connected and is_caught_up and match and holdings),
+        "connected": is_connected,
+        "caught_up": is_caught_up,
+        "batches_published": publisher.next_seq,
+        "blocks": fed.num_blocks(source),
+        **stats,
+    }
+
+
+def wait_until(condition: Callable[[], bool], *, timeout_s: float) -> bool:
+    """Ask `condition` (which waits a little itself) until it holds or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("subscribe", "publish", "loopback"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--model", default="demo-model", help="the model (part of the block-key namespace)")
+        sub.add_argument("--block-size", type=int, default=16, help="vLLM's block size in tokens")
+        sub.add_argument("--salt", default="")
+        sub.add_argument("--algorithm", choices=["xxh3_64", "xxh3_128", "sha256"], default="xxh3_64")
+        sub.add_argument("--topic", default="")
+        if name != "loopback":
+            sub.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+            sub.add_argument("--replay", default="tcp://127.0.0.1:5558", help="replay endpoint ('' for none)")
+        if name == "subscribe":
+            sub.add_argument("--connect", action="store_true", help="connect (vLLM's endpoint has '*')")
+            sub.add_argument("--source", default="vllm-0", help="the instance's id in the index")
+            sub.add_argument("--strict", action="store_true", help="stop on hashes never seen")
+            sub.add_argument("--duration", type=float, default=0.0, help="seconds (0: until interrupted)")
+            sub.add_argument("--report-every", type=float, default=5.0, help="seconds between counter lines")
+        else:
+            sub.add_argument("--num-prompts", type=int, default=200)
+            sub.add_argument("--seed", type=int, default=0)
+            sub.add_argument("--vram-blocks", type=int, default=64)
+            sub.add_argument("--dram-blocks", type=int, default=128)
+        if name == "publish":
+            sub.add_argument("--interval-s", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "replay", None) == "":
+        args.replay = None
+    summary = {"subscribe": subscribe, "publish": publish, "loopback": loopback}[args.command](args)
+    print(json.dumps(summary))
+    if args.command == "loopback" and not summary["match"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

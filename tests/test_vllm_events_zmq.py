@@ -1,0 +1,249 @@
+"""The ZeroMQ subscriber and publisher of `examples/vllm_events.py`, on 127.0.0.1 only.
+
+A publisher that drops batches on the wire (a test double) makes gaps happen on
+purpose; the subscriber must fill them from the replay socket, or, without one,
+count them lost and forget the source's holdings. A hand-driven XPUB socket and
+ROUTER thread speak vLLM's wire format, including the topic frame recent vLLM puts
+first in replay answers. Every wait is a bounded poll.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from mooncake.cache.events import BlockStored, CacheEvent
+from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.index import BlockIndex
+from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
+from mooncake.types import InstanceId, Tier
+
+zmq = pytest.importorskip("zmq", reason="pyzmq (the kv-events extra) is not installed: the ZMQ example is not tested")
+pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
+
+LOOPBACK = "tcp://127.0.0.1:*"  # bind on loopback, on a port the OS picks
+HASHER = BlockHasher(model="zmq-test", block_size_tokens=16)
+SOURCE = InstanceId("vllm-0")
+
+
+def load_example() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "examples" / "vllm_events.py"
+    spec = importlib.util.spec_from_file_location("vllm_events_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # attrs classes look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+
+
+class LossyPublisher(example.KvEventPublisher):  # type: ignore[misc, name-defined]
+    """Buffers every batch for replay but does not send those numbered in `dropped`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dropped: frozenset[int] = frozenset()
+
+    def drop_ahead(self, *offsets: int) -> None:
+        """Drop the batches `offsets` after the next one (numbers are relative: probes came first)."""
+        self.dropped = frozenset(self.next_seq + offset for offset in offsets)
+
+    def _send(self, frames: list[bytes]) -> None:
+        if int.from_bytes(frames[1], "big") not in self.dropped:
+            super()._send(frames)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    assert example.wait_until(condition, timeout_s=timeout_s), f"timed out after {timeout_s} s waiting for {what}"
+
+
+def connect(publisher: Any, subscriber: Any) -> None:
+    """Send empty batches until one arrives: PUB drops what it sends before the subscription reaches it."""
+    wait_for(lambda: publisher.publish([]) >= 0 and subscriber.poll(0.05) > 0, "the subscription")
+
+
+@pytest.fixture
+def setup() -> Iterator[Callable[..., tuple[Any, Any, BlockIndex, BlockIndex, Any]]]:
+    """Makes (publisher, subscriber, direct index, fed index, cache) and closes them afterwards."""
+    opened: list[Any] = []
+
+    def make(*, replay: bool = True) -> tuple[Any, Any, BlockIndex, BlockIndex, Any]:
+        fed, direct = BlockIndex(), BlockIndex()
+        subscriber = example.KvEventSubscriber(
+            LOOPBACK, decoder=VllmEventDecoder(HASHER, SOURCE, strict=False), index=fed
+        )
+        opened.append(subscriber)
+        publisher = LossyPublisher(
+            subscriber.endpoint,
+            encoder=VllmEventEncoder(HASHER),
+            replay_endpoint=LOOPBACK if replay else None,
+        )
+        opened.append(publisher)
+        if replay:
+            subscriber.connect_replay(publisher.replay_endpoint)
+        cache = example.small_cache(InstanceId("cache"), vram_blocks=24, dram_blocks=24)
+        return publisher, subscriber, direct, fed, cache
+
+    yield make
+    for thing in reversed(opened):
+        thing.close()
+
+
+def publish_prompts(publisher: Any, subscriber: Any, cache: Any, direct: BlockIndex, num_prompts: int) -> list[Any]:
+    """Each prompt's events go to `direct` and, as one batch, to the subscriber; returns the key chains."""
+    chains = []
+    for prompt in example.synthetic_prompts(num_prompts, seed=3):
+        chains.append(publisher.encoder.register(prompt))
+        cache.put_chain(chains[-1])
+        events: list[CacheEvent] = cache.take_events()
+        for event in events:
+            assert direct.apply(event) is None
+        publisher.publish(events)
+    wait_for(
+        lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == publisher.next_seq,
+        "the subscriber to read every batch",
+    )
+    return chains
+
+
+def answers(index: BlockIndex, source: InstanceId, chains: list[Any]) -> list[list[int]]:
+    return [index.prefix_lengths(keys, [source]).tolist() for keys in chains]
+
+
+def test_lost_batches_are_replayed(setup: Callable[..., Any]) -> None:
+    """Batches dropped on the wire come back from the replay socket: nothing is lost and the fed index
+    answers as the cache's own does."""
+    publisher, subscriber, direct, fed, cache = setup()
+    connect(publisher, subscriber)
+    publisher.drop_ahead(5, 6, 9)
+    replayed_before = subscriber.stats.num_replayed
+    chains = publish_prompts(publisher, subscriber, cache, direct, num_prompts=20)
+    assert subscriber.stats.num_replayed - replayed_before >= 3
+    assert subscriber.stats.num_lost == 0 and subscriber.stats.num_errors == 0
+    assert answers(fed, SOURCE, chains) == answers(direct, cache.source, chains)
+    assert fed.snapshot().sources[0].keys_by_tier == direct.snapshot().sources[0].keys_by_tier
+
+
+def test_without_replay_a_loss_forgets_the_source(setup: Callable[..., Any]) -> None:
+    """With no replay socket a gap is a loss: counted, a new epoch, and the fed index holds only what
+    later batches stored (never a block the cache does not hold)."""
+    publisher, subscriber, direct, fed, cache = setup(replay=False)
+    connect(publisher, subscriber)
+    publisher.drop_ahead(8)
+    lost_before, epoch_before = subscriber.stats.num_lost, subscriber.decoder.epoch
+    chains = publish_prompts(publisher, subscriber, cache, direct, num_prompts=20)
+    assert subscriber.stats.num_lost - lost_before == 1
+    assert subscriber.decoder.epoch == epoch_before + 1
+    held = {tier: set(keys) for tier, keys in direct.snapshot().sources[0].keys_by_tier}
+    for tier, keys in fed.snapshot().sources[0].keys_by_tier:
+        assert set(keys) <= held[tier]
+    assert all(f <= d for f, d in zip(answers(fed, SOURCE, chains), answers(direct, cache.source, chains), strict=True))
+
+
+def test_the_replay_socket_answers_as_vllms_does(setup: Callable[..., Any]) -> None:
+    """A request [b"", start seq] gets [b"", seq, payload] for each buffered batch from start on, then
+    [b"", -1 as 8 signed bytes, b""]."""
+    publisher, *_ = setup()
+    payloads = [publisher.publish([], ts=float(i)) for i in range(4)]
+    assert payloads == [0, 1, 2, 3]
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+        replies = []
+        while dealer.poll(5000):
+            replies.append(dealer.recv_multipart())
+            if replies[-1][1] == example.END_SEQ:
+                break
+    finally:
+        dealer.close(linger=0)
+    assert [r[:2] for r in replies] == [
+        [b"", (2).to_bytes(8, "big")],
+        [b"", (3).to_bytes(8, "big")],
+        [b"", example.END_SEQ],
+    ]
+    assert replies[-1][2] == b"" and all(len(r) == 3 and r[2] for r in replies[:-1])
+
+
+def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
+    """Driven by hand as vLLM would: an XPUB socket (so the test sees the subscription arrive) sends
+    batch 1 of topic "kv"; the subscriber asks a ROUTER for batch 0, which answers with the topic
+    frame first; both batches reach the index in order."""
+    encoder = VllmEventEncoder(HASHER)
+    prompt = example.synthetic_prompts(1, seed=1)[0]
+    keys = encoder.register(prompt)
+    first = encoder.encode([BlockStored(source=SOURCE, seq=0, keys=keys[:2], tier=Tier.VRAM)], ts=1.0)
+    second = encoder.encode([BlockStored(source=SOURCE, seq=1, keys=keys[2:], tier=Tier.DRAM)], ts=2.0)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    xpub = ctx.socket(zmq.XPUB)
+    requests: list[int] = []
+    index = BlockIndex()
+    try:
+        router.bind(LOOPBACK)
+
+        def serve_one() -> None:
+            if router.poll(10_000):
+                identity, _, start = router.recv_multipart()
+                requests.append(int.from_bytes(start, "big"))
+                router.send_multipart([identity, b"", b"kv", (0).to_bytes(8, "big"), first])
+                router.send_multipart([identity, b"", b"", example.END_SEQ, b""])
+
+        server = threading.Thread(target=serve_one)
+        server.start()
+        with example.KvEventSubscriber(
+            LOOPBACK,
+            decoder=VllmEventDecoder(HASHER, SOURCE),
+            index=index,
+            replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
+            topic="kv",
+        ) as subscriber:
+            xpub.connect(subscriber.endpoint)
+            # A bound SUB takes a new peer while its owner calls into it: poll both until the subscription shows.
+            wait_for(lambda: subscriber.poll(0.01) >= 0 and xpub.poll(50) > 0, "the subscription")
+            assert xpub.recv() == b"\x01kv"
+            xpub.send_multipart([b"kv", (1).to_bytes(8, "big"), second])
+            wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
+            assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
+        server.join(timeout=10)
+        assert requests == [0]
+        assert index.match(keys).length(SOURCE) == len(keys)
+    finally:
+        for socket in (router, xpub):
+            socket.close(linger=0)
+        ctx.term()
+
+
+def test_loopback_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`loopback` prints a JSON summary whose indexes agree, and exits normally."""
+    example.main(["loopback", "--num-prompts", "40", "--vram-blocks", "16", "--dram-blocks", "16"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        summary["match"] is True and summary["num_lost"] == 0 and summary["num_batches"] == summary["batches_published"]
+    )
+
+
+def test_subscribe_command_stops_after_its_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    """`subscribe --duration` binds, waits, closes its sockets and prints its counters."""
+    args = ["subscribe", "--endpoint", LOOPBACK, "--replay", "", "--duration", "0.2", "--report-every", "60"]
+    example.main(args)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_batches"] == 0 and summary["blocks"] == 0
+
+
+def test_the_hasher_follows_the_flags() -> None:
+    """The hasher the command line builds follows its flags."""
+    args = argparse.Namespace(model="m", block_size=8, salt="s", algorithm="sha256")
+    assert example.hasher_from(args) == BlockHasher(model="m", block_size_tokens=8, salt="s", algorithm="sha256")
