@@ -1,10 +1,38 @@
 """mooncake: composable scheduling and caching primitives for KVCache-centric,
 prefill/decode-disaggregated LLM serving, after the Mooncake paper.
 
-Subpackages are imported on demand (``import mooncake.cache``); see
-docs/architecture.md for the map.
+The values every part shares are here (`Request`, `Slo`, `Tier`, the ids, the
+errors); the parts are subpackages imported on demand (`mooncake.cache`,
+`mooncake.sched`, `mooncake.sim`, `mooncake.transfer`, `mooncake.engine`,
+`mooncake.workload`). docs/architecture.md is the map, docs/api.md the index.
 """
 
-__all__ = ["__version__"]
+from __future__ import annotations
+
+from mooncake.errors import (
+    ConfigError,
+    InvalidRequestError,
+    MooncakeError,
+    TraceFormatError,
+    UnknownBlockError,
+    UnknownInstanceError,
+)
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+
+__all__ = [
+    "BlockKey",
+    "ConfigError",
+    "InstanceId",
+    "InvalidRequestError",
+    "MooncakeError",
+    "Request",
+    "RequestId",
+    "Slo",
+    "Tier",
+    "TraceFormatError",
+    "UnknownBlockError",
+    "UnknownInstanceError",
+    "__version__",
+]
 
 __version__ = "0.1.0"

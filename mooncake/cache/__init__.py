@@ -13,6 +13,7 @@ from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, 
 from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import CacheStats, TieredCache
+from mooncake.types import Tier
 
 __all__ = [
     "AllBlocksCleared",
@@ -39,6 +40,7 @@ __all__ = [
     "SievePolicy",
     "SourceSnapshot",
     "SsdPagePool",
+    "Tier",
     "TieredCache",
     "VramPagePool",
     "hit_ratio_curve",

@@ -1,11 +1,42 @@
-"""The real engines, the only torch users.
+"""The real engines (the only torch users): model, attention, KV pages, prefill, decode, pipeline.
 
-`config` (a model's shape and the presets, without torch), `model` (the dummy
-LLaMA), `attention` (the kernels), `kv` (KV pages), `prefill` with `layerwise`
-(its prefix loads and KV stores overlapped with the layers), `decode`
-(continuous batching), `sampling`, `pipeline` (chunked pipeline parallelism).
-
-Import the submodules you use; `import mooncake.engine` imports nothing heavy.
+Every public name is listed here, but loaded on first use (`from
+mooncake.engine import PrefillEngine` imports torch then): `import
+mooncake.engine` imports nothing heavy, and `mooncake.engine.config` (the
+model presets) needs no torch at all.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "DTYPE_BYTES": "config",
+    "DecodeConfig": "decode",
+    "DecodeEngine": "decode",
+    "KvLayout": "kv",
+    "KvSink": "prefill",
+    "LayerwiseKvIo": "layerwise",
+    "LlamaModel": "model",
+    "MessengerSink": "prefill",
+    "ModelConfig": "config",
+    "PRESETS": "config",
+    "PipelineGroup": "pipeline",
+    "PrefillConfig": "prefill",
+    "PrefillEngine": "prefill",
+    "PrefillResult": "prefill",
+    "Sampler": "sampling",
+    "SamplingParams": "sampling",
+    "TokenEvent": "decode",
+    "TokenStream": "decode",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mooncake.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mooncake.engine.{home}"), name)
