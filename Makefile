@@ -6,12 +6,17 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 OUT    ?= build/demo
+# pyproject's extras take any torch >= 2.5; here it is pinned to the CPU wheel this machine holds,
+# installed first so that the extras' range is already met and pip fetches no other build.
+TORCH  ?= torch==2.13.0
+EXTRAS := dev,accel,engine,cluster,ray,plot,kv-events
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev,engine,cluster]'  # engine: torch==2.13.0 (the CPU wheel here); cluster: aiohttp, ray
+	$(BIN)/python -m pip install --quiet '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	$(BIN)/python -m mooncake.cache.warm_up  # compile the numba kernels once; numba caches them on disk
 	@touch $@
 
