@@ -70,7 +70,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import is_int
+from mooncake._checks import is_int, require_int
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import MooncakeError, UnknownBlockError
@@ -343,6 +343,9 @@ class VllmEventDecoder:
             and count it in `num_skipped` (for a subscriber that joined late).
         max_retired_hashes: dropped hashes whose keys are kept, most recent first.
 
+    Raises:
+        ConfigError: `epoch`, `kv_group` or `max_retired_hashes` is not an integer >= 0.
+
     Not thread-safe. Invariants: see the module docstring; `check_invariants` verifies them.
     """
 
@@ -359,12 +362,12 @@ class VllmEventDecoder:
     ) -> None:
         self.hasher = hasher
         self.source = source
-        self.tiers = dict(tiers)
-        self.kv_group = kv_group
+        self.tiers = {medium: Tier(tier) for medium, tier in tiers.items()}
+        self.kv_group = require_int("kv_group", kv_group, minimum=0)
         self.strict = strict
-        self.max_retired_hashes = max_retired_hashes
+        self.max_retired_hashes = require_int("max_retired_hashes", max_retired_hashes, minimum=0)
         self.num_skipped = 0
-        self._epoch = epoch
+        self._epoch = require_int("epoch", epoch, minimum=0)
         self._expected = 0  # the next vLLM batch seq
         self._seq = 0  # the next event seq of ours
         self._keys: dict[ExternalHash, BlockKey] = {}
@@ -409,6 +412,7 @@ class VllmEventDecoder:
             UnknownBlockError: a parent or removed hash never seen (strict only).
             Either way the batch is not applied.
         """
+        seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         if seq < self._expected:
             self.restart(epoch=self._epoch + 1)
         if seq > self._expected:
@@ -447,6 +451,7 @@ class VllmEventDecoder:
         drops them on the new epoch's first event (or `resync` it to empty at once).
         Hash translations are kept: a hash always stands for the same tokens.
         """
+        seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         self._epoch += 1
         self._seq = 0
         self._expected = seq
@@ -599,7 +604,7 @@ class VllmEventEncoder:
 
     def __init__(self, hasher: BlockHasher, *, mediums: Mapping[Tier, str] = DEFAULT_MEDIUMS) -> None:
         self.hasher = hasher
-        self.mediums = dict(mediums)
+        self.mediums = {Tier(tier): medium for tier, medium in mediums.items()}
         self._blocks: dict[BlockKey, _Block] = {}
 
     def __len__(self) -> int:

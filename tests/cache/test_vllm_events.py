@@ -36,7 +36,7 @@ from mooncake.cache.vllm_events import (
     decode_batch,
     encode_batch,
 )
-from mooncake.errors import UnknownBlockError
+from mooncake.errors import ConfigError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 msgpack = pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
@@ -326,6 +326,15 @@ def test_events_the_hasher_cannot_translate_are_refused(event: dict[str, Any], m
 
 
 # ---------------------------------------------------------------------- the decoder
+
+
+@pytest.mark.parametrize("option", ["epoch", "kv_group", "max_retired_hashes"])
+def test_decoder_options_are_checked(option: str) -> None:
+    """A negative epoch, KV group or retired-hash bound is a ConfigError naming it; so is a negative seq."""
+    with pytest.raises(ConfigError, match=option):
+        decoder(**{option: -1})
+    with pytest.raises(VllmEventError, match="seq"):
+        decoder().decode(payload([]), seq=-1)
 
 
 def test_removed_hashes_translate_and_retire() -> None:
