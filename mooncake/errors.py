@@ -2,15 +2,19 @@
 
 Every exception the library raises on purpose derives from `MooncakeError`, so a
 server can catch the library's failures in one place. Expected outcomes (a cache
-miss, a full pool on `try_*`, a detected event gap) are return values, not
-exceptions; exceptions mean a broken contract or failed I/O and carry the
-offending values in their message.
+miss, a full pool on `try_*`) are return values, not exceptions; exceptions mean
+a broken contract, lost events or failed I/O and carry the offending values in
+their message. Where a consumer expects losses and handles them itself, the
+call says so explicitly (`BlockIndex.apply(event, strict=False)` returns the
+gap instead of raising it).
 
     MooncakeError
     ├── ConfigError(ValueError)           a config field has an invalid value
     │   └── UnknownInstanceError          an instance nobody added (events, views)
     ├── InvalidRequestError(ValueError)   a request or its tokens break the contract
     ├── TraceFormatError(ValueError)      a trace line is malformed (file, line)
+    ├── VllmEventError(ValueError)        a vLLM KV-event payload breaks its layout
+    ├── SequenceGapError                  a consumer of cache events missed some
     ├── CapacityError                     a structure cannot hold what was asked
     ├── BlockPinnedError                  an operation would drop a pinned block
     ├── UnknownBlockError(KeyError)       a block key is not where it must be
@@ -38,11 +42,13 @@ __all__ = [
     "MooncakeError",
     "PeerUnavailable",
     "RejectedError",
+    "SequenceGapError",
     "TraceFormatError",
     "TransferError",
     "TransferTimeout",
     "UnknownBlockError",
     "UnknownInstanceError",
+    "VllmEventError",
 ]
 
 
@@ -76,6 +82,31 @@ class TraceFormatError(MooncakeError, ValueError):
         self.line = line
         self.reason = reason
         super().__init__(f"{self.path}:{line}: {reason}")
+
+
+class VllmEventError(MooncakeError, ValueError):
+    """A vLLM KV-event payload breaks the layout (or does not fit the decoder's hasher)."""
+
+
+class SequenceGapError(MooncakeError):
+    """Cache events from a source were lost: the consumer's view of it is stale.
+
+    Attributes:
+        gap: the `mooncake.cache.SequenceGap` (source, expected and received
+            epoch and seq). Nothing of the offending event was applied; the
+            source's events are refused until `BlockIndex.resync` installs a
+            snapshot of its holdings.
+    """
+
+    def __init__(self, gap: object) -> None:
+        self.gap = gap
+        super().__init__(
+            f"lost cache events from {getattr(gap, 'source', '?')}: expected seq "
+            f"{getattr(gap, 'expected_seq', '?')} of epoch {getattr(gap, 'expected_epoch', '?')}, "
+            f"received seq {getattr(gap, 'received_seq', '?')} of epoch {getattr(gap, 'received_epoch', '?')}; "
+            "resync the source from a snapshot of its holdings (BlockIndex.resync), "
+            "or pass strict=False to receive the gap as a value"
+        )
 
 
 class CapacityError(MooncakeError):

@@ -13,6 +13,8 @@ from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, 
 from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import CacheStats, TieredCache
+from mooncake.cache.vllm_events import VllmEventBatch, VllmEventDecoder, VllmEventEncoder, decode_batch, encode_batch
+from mooncake.errors import VllmEventError
 from mooncake.types import Tier
 
 __all__ = [
@@ -42,7 +44,13 @@ __all__ = [
     "SsdPagePool",
     "Tier",
     "TieredCache",
+    "VllmEventBatch",
+    "VllmEventDecoder",
+    "VllmEventEncoder",
+    "VllmEventError",
     "VramPagePool",
+    "decode_batch",
+    "encode_batch",
     "hit_ratio_curve",
     "simulate_prefix_hits",
 ]

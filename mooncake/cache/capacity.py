@@ -91,8 +91,7 @@ def simulate_prefix_hits(
         added = [key for key in stored if key in policy] if stored else None
         for event_type, changed in ((BlockRemoved, removed), (BlockStored, added)):
             if changed:
-                gap = index.apply(event_type(source=_SOURCE, seq=seq, keys=changed, tier=Tier.DRAM))
-                assert gap is None, gap  # one in-process source cannot lose events
+                index.apply(event_type(source=_SOURCE, seq=seq, keys=changed, tier=Tier.DRAM))
                 seq += 1
     return CapacityPoint(capacity_blocks=capacity_blocks, hit_blocks=hits, total_blocks=total)
 

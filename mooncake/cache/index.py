@@ -26,8 +26,9 @@ seq + 1. Epochs only rise: a higher epoch means the source restarted, and its
 old holdings are dropped; an event of a lower epoch is a late straggler and is
 ignored.
 A repeated or older seq is ignored (redelivery). A jump is a gap: the event is
-not applied, the source is marked stale, `apply` returns a `SequenceGap`, and
-the source's events are refused until `resync` installs its snapshot. Stale
+not applied, the source is marked stale, `apply` raises `SequenceGapError`
+(or, with ``strict=False``, returns the `SequenceGap`), and the source's events
+are refused until `resync` installs its snapshot. Stale
 holdings stay visible to `match`: a wrong hint costs a recomputation, not
 correctness, and the engines verify what they load.
 
@@ -52,7 +53,7 @@ import xxhash
 
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
 from mooncake.cache.events import AllBlocksCleared, BlockStored, CacheEvent, SequenceGap
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import InvalidRequestError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapshot"]
@@ -252,13 +253,22 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ events
 
-    def apply(self, event: CacheEvent) -> SequenceGap | None:
+    def apply(self, event: CacheEvent, *, strict: bool = True) -> SequenceGap | None:
         """Apply one event in its source's sequence.
 
+        Args:
+            event: the next event of its source.
+            strict: raise lost events (the default: a dropped gap would leave
+                the index silently stale); False for a consumer that handles
+                gaps itself, which then receives the `SequenceGap`.
+
         Returns:
-            None when applied or ignored as a redelivery; a `SequenceGap` when
-            events were lost (the event is then not applied and the source is
-            stale until `resync`).
+            None when applied or ignored as a redelivery; with ``strict=False``,
+            a `SequenceGap` when events were lost.
+
+        Raises:
+            SequenceGapError: events were lost (``strict``). Either way the
+                event is not applied and the source is stale until `resync`.
         """
         source = event.source
         # Keys are converted (and validated) before any state changes.
@@ -268,10 +278,10 @@ class BlockIndex:
             return None  # a late event of an earlier incarnation
         if state is None or state.epoch != event.epoch:
             if event.seq != 0:
-                return self._gap(source, event, expected_epoch=event.epoch, expected_seq=0)
+                return self._gap(source, event, expected_epoch=event.epoch, expected_seq=0, strict=strict)
             state = self._reset_source(source, epoch=event.epoch, seq=-1)  # restarted empty
         elif state.is_stale or event.seq > state.seq + 1:
-            return self._gap(source, event, expected_epoch=state.epoch, expected_seq=state.seq + 1)
+            return self._gap(source, event, expected_epoch=state.epoch, expected_seq=state.seq + 1, strict=strict)
         elif event.seq <= state.seq:
             return None
         if isinstance(event, BlockStored):
@@ -373,18 +383,23 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ internals
 
-    def _gap(self, source: InstanceId, event: CacheEvent, *, expected_epoch: int, expected_seq: int) -> SequenceGap:
+    def _gap(
+        self, source: InstanceId, event: CacheEvent, *, expected_epoch: int, expected_seq: int, strict: bool
+    ) -> SequenceGap:
         state = self._sources.get(source)
         if state is None:
             state = self._reset_source(source, epoch=event.epoch, seq=-1)
         state.is_stale = True
-        return SequenceGap(
+        gap = SequenceGap(
             source=source,
             expected_epoch=expected_epoch,
             expected_seq=expected_seq,
             received_epoch=event.epoch,
             received_seq=event.seq,
         )
+        if strict:
+            raise SequenceGapError(gap)
+        return gap
 
     def _reset_source(self, source: InstanceId, *, epoch: int, seq: int) -> _SourceState:
         """A fresh, empty state for `source`, keeping its slot or taking the lowest free one."""

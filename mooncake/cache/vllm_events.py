@@ -73,7 +73,7 @@ import numpy.typing as npt
 from mooncake._checks import is_int, require_int
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher
-from mooncake.errors import MooncakeError, UnknownBlockError
+from mooncake.errors import UnknownBlockError, VllmEventError
 from mooncake.types import BlockKey, InstanceId, Tier, as_token_array
 
 __all__ = [
@@ -108,10 +108,6 @@ DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.
 _STORED, _REMOVED, _CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 _TAG_KEY = "type"
 _INT32_MAX = 2**31 - 1
-
-
-class VllmEventError(MooncakeError, ValueError):
-    """A vLLM KV-event payload breaks the layout (or does not fit the decoder's hasher)."""
 
 
 # ---------------------------------------------------------------------- wire records

@@ -396,9 +396,10 @@ class Conductor:
         self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
         flight.stage = _Stage.DECODING
 
-    def apply_cache_event(self, event: CacheEvent) -> SequenceGap | None:
-        """Feed a cache event to the index."""
-        return self.index.apply(event)
+    def apply_cache_event(self, event: CacheEvent, *, strict: bool = True) -> SequenceGap | None:
+        """Feed a cache event to the index (`BlockIndex.apply`: a gap raises
+        `SequenceGapError`, or with ``strict=False`` is returned)."""
+        return self.index.apply(event, strict=strict)
 
     # ------------------------------------------------------------------ checks
 

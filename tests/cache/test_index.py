@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, Holder
+from mooncake.errors import MooncakeError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.reference.index import ReferenceIndex
 from tests.strategies import block_keys, cache_event_sequences, instance_ids, tiers
@@ -46,8 +47,8 @@ def cleared(source: InstanceId, seq: int, epoch: int = 0) -> AllBlocksCleared:
 
 
 def apply(index: BlockIndex, event: CacheEvent) -> SequenceGap | None:
-    """Apply `event` and check the index's invariants afterwards."""
-    result = index.apply(event)
+    """Apply `event` leniently (a gap is returned) and check the index's invariants afterwards."""
+    result = index.apply(event, strict=False)
     index.check_invariants()
     return result
 
@@ -302,6 +303,25 @@ def test_duplicate_and_older_seq_are_ignored() -> None:
     assert index.stale_sources == ()
     assert apply(index, stored(A, 4, [5])) is None  # the sequence continues from 3
     assert index.holders(K[5]) == (Holder(A, Tier.VRAM),)
+
+
+def test_a_gap_raises_by_default_naming_the_source_and_both_seqs() -> None:
+    """Strict is the default: a lost event is a typed error, not a value to drop; the state is the lenient one."""
+    index = build([stored(A, 0, [1]), stored(A, 1, [2])])
+    with pytest.raises(
+        SequenceGapError, match=r"node-a: expected seq 2 of epoch 0, received seq 5 of epoch 0"
+    ) as raised:
+        index.apply(stored(A, 5, [4]))
+    assert isinstance(raised.value, MooncakeError)
+    assert raised.value.gap == SequenceGap(source=A, expected_epoch=0, expected_seq=2, received_epoch=0, received_seq=5)
+    assert "resync" in str(raised.value)
+    assert K[4] not in index
+    assert index.stale_sources == (A,)
+    with pytest.raises(SequenceGapError):  # stale until resync, strictly too
+        index.apply(stored(A, 2, [3]))
+    index.resync(A, {Tier.DRAM: [K[1]]}, epoch=0, seq=4)
+    assert index.apply(stored(A, 5, [4])) is None
+    index.check_invariants()
 
 
 def test_seq_jump_is_a_gap_and_the_source_stays_stale_until_resync() -> None:
@@ -579,7 +599,7 @@ def test_snapshot_restore_round_trips(events: list[CacheEvent], data: st.DataObj
     reference = ReferenceIndex()
     for position, event in enumerate(events[:split]):
         if position not in lost:
-            assert index.apply(event) == reference.apply(event)
+            assert index.apply(event, strict=False) == reference.apply(event)
 
     snapshot = index.snapshot()
     restored = BlockIndex.restore(snapshot)
@@ -593,8 +613,8 @@ def test_snapshot_restore_round_trips(events: list[CacheEvent], data: st.DataObj
     for position, event in enumerate(events[split:], split):
         if position not in lost:
             want = reference.apply(event)
-            assert index.apply(event) == want
-            assert restored.apply(event) == want
+            assert index.apply(event, strict=False) == want
+            assert restored.apply(event, strict=False) == want
     assert_same_state(restored, reference)
     assert restored.snapshot() == index.snapshot()
 
@@ -609,7 +629,7 @@ def test_answers_are_identical_with_and_without_numba(events: list[CacheEvent], 
     with compiled_path(False):
         plain = BlockIndex()
     for event in events:
-        assert compiled.apply(event) == plain.apply(event)
+        assert compiled.apply(event, strict=False) == plain.apply(event, strict=False)
     plain.check_invariants()
     assert plain.snapshot() == compiled.snapshot()
     assert len(plain) == len(compiled) and plain.nbytes() == compiled.nbytes()
@@ -717,10 +737,15 @@ class IndexMachine(RuleBasedStateMachine):
         self.num_joined = 0
 
     def deliver(self, event: CacheEvent) -> SequenceGap | None:
+        """Apply strictly: a gap is raised, carrying what the reference returns."""
         want = self.reference.apply(event)
-        got = self.index.apply(event)
-        assert got == want, event
-        return got
+        if want is None:
+            assert self.index.apply(event) is None, event
+        else:
+            with pytest.raises(SequenceGapError) as raised:
+                self.index.apply(event)
+            assert raised.value.gap == want, event
+        return want
 
     @rule(source=machine_sources, tier=tiers, keys=key_runs)
     def stored(self, source: InstanceId, tier: Tier, keys: list[BlockKey]) -> None:
