@@ -25,12 +25,18 @@ def run_json(script: str, *args: str) -> dict[str, object]:
         (
             "benchmarks/hashing.py",
             ["--requests", "4", "--blocks-per-request", "2", "--repeats", "1"],
-            ["batch_blocks_per_s", "per_request_blocks_per_s", "sha256_chain_blocks_per_s", "speedup_vs_sha256"],
+            [
+                "batch_blocks_per_s",
+                "per_request_blocks_per_s",
+                "sha256_chain_blocks_per_s",
+                "speedup_vs_sha256",
+                "plain_batch_blocks_per_s",
+            ],
         ),
         (
             "benchmarks/index.py",
             ["--keys", "6400", "--queries", "200"],
-            ["matches_per_s", "bytes_per_key", "naive_matches_per_s", "speedup_vs_naive"],
+            ["matches_per_s", "bytes_per_key", "naive_matches_per_s", "speedup_vs_naive", "plain_matches_per_s"],
         ),
         (
             "benchmarks/tiered_cache.py",

@@ -1,8 +1,10 @@
 """Block keys, the global block index, eviction policies, capacity analysis, page pools and the tiered cache.
 
-Importing this package stays light: numpy, attrs and xxhash only. numba is
-loaded on the first batch hash or index operation, torch only by the pools that
-need it (pinned DRAM, VRAM).
+Importing this package stays light: numpy, attrs and xxhash only. numba (the
+`accel` extra), where installed, is loaded on the first batch hash or index
+operation; without it the same work runs in plain Python and numpy with the same
+keys. torch is loaded only by the pools that need it (pinned DRAM, VRAM), msgpack
+only by the vLLM event codec.
 """
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits

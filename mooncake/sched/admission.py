@@ -40,6 +40,8 @@ __all__ = [
 
 @attrs.frozen
 class AdmissionDecision:
+    """Admit, or reject with the `reason`."""
+
     accepted: bool
     reason: Reason | None = None
 
@@ -71,6 +73,8 @@ def _room_and_ttft(route: RouteDecision, decode: DecodeChoice, slo: Slo) -> Admi
 
 @attrs.frozen
 class BaselineAdmission:
+    """Admit when the decode selection found an instance and the TTFT estimate meets its SLO; no decode load is checked."""
+
     name: str = "baseline"
     load_at: LoadAt = "none"
 

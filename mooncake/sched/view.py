@@ -342,6 +342,8 @@ class DecodeBoard(_Board["DecodeView"]):
 
 @attrs.frozen(kw_only=True)
 class PrefillStarted:
+    """The routed prefill instance started the request's prefill."""
+
     request_id: RequestId
     instance_id: InstanceId
     now: float
@@ -349,6 +351,8 @@ class PrefillStarted:
 
 @attrs.frozen(kw_only=True)
 class PrefillFinished:
+    """The request's prefill is done: it leaves the prefill queue, its KV is on its way to the decode instance."""
+
     request_id: RequestId
     instance_id: InstanceId
     now: float
@@ -366,6 +370,8 @@ class PrefilledInline:
 
 @attrs.frozen(kw_only=True)
 class DecodeJoined:
+    """The request joined its decode instance's batch holding `context_tokens`, `output_tokens` generated so far."""
+
     request_id: RequestId
     instance_id: InstanceId
     now: float
@@ -405,12 +411,16 @@ class RequestAborted:
 
 @attrs.frozen(kw_only=True)
 class InstanceDown:
+    """An instance stopped answering: it gets no new requests, what it held is aborted, its cache leaves the index."""
+
     instance_id: InstanceId
     now: float
 
 
 @attrs.frozen(kw_only=True)
 class InstanceUp:
+    """An instance that was down serves again."""
+
     instance_id: InstanceId
     now: float
 
