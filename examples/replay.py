@@ -30,7 +30,7 @@ from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
-from mooncake.sim.report import ProgressBar, plot_cdfs, plot_load, write_json, write_records_csv
+from mooncake.sim.report import plot_cdfs, plot_load, write_json, write_records_csv
 from mooncake.sim.spec import build_conductor
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     requests = simulation.load_workload(args)
-    progress = ProgressBar(len(requests), label="replay")
+    progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
         spec = simulation.cluster_spec(requests, args)
         conductor = build_conductor(

@@ -34,6 +34,7 @@ from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
+from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
@@ -50,6 +51,14 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="generated arrivals per second (with --preset)")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload generator and the Conductor")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (there are none when the output is piped)"
+    )
+
+
+def progress(args: argparse.Namespace, total: int, label: str) -> ProgressBar:
+    """A progress bar over `total` requests on stderr, drawn on a terminal unless `--no-progress`."""
+    return ProgressBar(total, label=label, enabled=not args.no_progress and shows_progress())
 
 
 def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> list[Request]:

@@ -31,7 +31,7 @@ import attrs
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sim.report import ProgressBar
+from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.types import BlockKey
 from mooncake.workload import (
     PRESETS,
@@ -172,17 +172,9 @@ def capacity_sweep(
         _SWEEP = None
 
 
-def _shows_progress(args: argparse.Namespace) -> bool:
-    # A bar on stderr would still garble a pager or interleave with a log when
-    # stdout is piped or redirected, so both must be terminals.
-    return not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
-
-
 def _capacity(args: argparse.Namespace) -> None:
     keys = [request.block_keys for request in _read(args, args.path)]
-    bar = (
-        ProgressBar(len(args.capacity_blocks), label="capacities", stream=sys.stderr) if _shows_progress(args) else None
-    )
+    bar = ProgressBar(len(args.capacity_blocks), label="capacities", enabled=not args.no_progress and shows_progress())
     points = capacity_sweep(
         keys,
         args.policy,

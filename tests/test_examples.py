@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,58 @@ def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
         "kvcache_centric",
     }
     assert not list(tmp_path.glob("*.png"))
+    assert "\r" not in done.stderr  # piped: no progress bar
+
+
+def run_on_terminal(script: str, *args: str) -> tuple[int, str, str]:
+    """Run an example with stdout and stderr each on a pseudo-terminal: (exit status, stdout, stderr)."""
+    masters, slaves = zip(*(pty.openpty() for _ in range(2)), strict=True)
+    captured: list[bytearray] = [bytearray(), bytearray()]
+
+    def drain(fd: int, into: bytearray) -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's other side closed
+                return
+            if not chunk:
+                return
+            into.extend(chunk)
+
+    readers = [threading.Thread(target=drain, args=pair, daemon=True) for pair in zip(masters, captured, strict=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / script), *args],
+            stdout=slaves[0],
+            stderr=slaves[1],
+            timeout=300,
+            check=False,
+        )
+    finally:
+        for fd in slaves:
+            os.close(fd)
+        for reader in readers:
+            reader.join(timeout=10)
+        for fd in masters:
+            os.close(fd)
+    out, err = (bytes(c).decode().replace("\r\n", "\n") for c in captured)
+    return done.returncode, out, err
+
+
+def test_replays_draw_progress_bars_on_a_terminal_unless_asked_not_to(tmp_path: Path) -> None:
+    """On a terminal each replay of an experiment draws a bar on stderr, named after its policy, that ends full;
+    --no-progress silences them (the piped case is checked above)."""
+    argv = ("experiments.py", "scheduling", *SMALL, "--routers", "random,kvcache_centric", "--no-plots")
+    status, out, err = run_on_terminal(*argv, "--out", str(tmp_path / "bars"))
+    assert status == 0, err
+    assert "\rrouter kvcache_centric [" in err and "] 150/150\n" in err
+    assert "kvcache_centric" in out and "[#" not in out
+    status, out, err = run_on_terminal(*argv, "--out", str(tmp_path / "quiet"), "--no-progress")
+    assert (status, err) == (0, "")
+    status, _out, err = run_on_terminal("replay.py", *SMALL, "--prefill", "1", "--decode", "1")
+    assert status == 0 and err.endswith("] 150/150\n") and "\rreplay (disaggregated) [" in err
 
 
 def test_unknown_router_file_is_a_clear_error(tmp_path: Path) -> None:

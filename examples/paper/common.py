@@ -50,7 +50,7 @@ def decode_time_s(requests: Sequence[Request], slo: Slo) -> float:
 def replay(
     spec: ClusterSpec, requests: Sequence[Request], args: argparse.Namespace, *, slo: Slo | None = None, **policy: Any
 ) -> ReplayResult:
-    """Replay on a fresh cluster with the options' policies, `policy` overriding them."""
+    """Replay on a fresh cluster with the options' policies, `policy` overriding them (a progress bar names them)."""
     slo = slo or simulation.slo(args)
     names = {"router": args.router, "admission": args.admission, "threshold": args.threshold, **policy}
     conductor = build_conductor(
@@ -61,7 +61,8 @@ def replay(
         seed=args.seed,
         decode_s=decode_time_s(requests, slo),
     )
-    return DisaggregatedCluster(spec, conductor).run(requests)
+    label = ", ".join(f"{key} {value}" for key, value in policy.items()) or "replay"
+    return DisaggregatedCluster(spec, conductor).run(requests, progress=simulation.progress(args, len(requests), label))
 
 
 def header(args: argparse.Namespace, requests: Sequence[Request], spec: ClusterSpec) -> str:

@@ -84,7 +84,7 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     while t <= end:
         cluster.loop.at(t, observe)
         t += args.sample_every
-    cluster.run(requests)
+    cluster.run(requests, progress=simulation.progress(args, len(requests), "replay"))
     step = DecodeCostModel(model=spec.model, hardware=spec.decode_hardware).step_s(1, 0)
     learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]])
     candidates: dict[str, LoadPredictor] = {

@@ -123,7 +123,9 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
                     chunked_prefill=chunked,
                 ),
                 slo=slo,
-            ).run(requests)
+            ).run(
+                requests, progress=simulation.progress(args, len(requests), f"coupled{', chunked' if chunked else ''}")
+            )
             for chunked in (False, True)
         }
         effective[str(tbt)] = {

@@ -22,7 +22,7 @@ import numpy as np
 from mooncake.errors import ConfigError
 from mooncake.sim.metrics import LoadSample, RequestRecord
 
-__all__ = ["ProgressBar", "plot_cdfs", "plot_lines", "plot_load", "write_json", "write_records_csv"]
+__all__ = ["ProgressBar", "shows_progress", "plot_cdfs", "plot_lines", "plot_load", "write_json", "write_records_csv"]
 
 RECORD_COLUMNS = (
     "request_id",
@@ -176,14 +176,25 @@ def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, ti
     plt.close(figure)
 
 
-class ProgressBar:
-    """A one-line progress bar on a terminal (silent elsewhere), at most ~10 redraws a second."""
+def shows_progress(stream: TextIO | None = None) -> bool:
+    """Whether a progress bar belongs on `stream` (default stderr): it and stdout are both terminals.
 
-    def __init__(self, total: int, *, label: str = "", stream: TextIO | None = None) -> None:
+    A bar on stderr would still garble a pager or interleave with a log when stdout
+    is piped or redirected, so both must be terminals.
+    """
+    return (stream if stream is not None else sys.stderr).isatty() and sys.stdout.isatty()
+
+
+class ProgressBar:
+    """A one-line progress bar, at most ~10 redraws a second; drawn only where `shows_progress` (or `enabled`) says."""
+
+    def __init__(
+        self, total: int, *, label: str = "", stream: TextIO | None = None, enabled: bool | None = None
+    ) -> None:
         self.total = max(1, total)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty()
+        self.enabled = shows_progress(self.stream) if enabled is None else enabled
         self._last = 0.0
 
     def __call__(self, done: int) -> None:
