@@ -21,8 +21,8 @@ Its prompt:
   keep their keys (the prefix a cache can reuse); the rest get keys unique to
   this turn of this session, since the response in them is generated live.
 
-Keys are chained like `mooncake.cache.hashing` keys, with H(s) the first eight
-bytes of BLAKE2b(s) read little-endian and B the block size:
+Keys are chained like `mooncake.cache.hashing` keys, with H(s) = XXH3-64(s),
+seed 0 (xxhash, as every key of the library), and B the block size:
 
     byte rule   key_i = H("text:B:" key_{i-1} ":" || bytes of block i)     key_{-1} = ""
     made up     key_i = H(label ":" key_{i-1} ":" i)                      label names the line or session turn
@@ -42,13 +42,13 @@ Invariant: no line still to come arrives before `mark_ms`, the latest start.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from mooncake._checks import ceil_div
 from mooncake.types import BlockKey
@@ -58,7 +58,7 @@ __all__ = ["TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
 
 
 def _h(data: bytes) -> BlockKey:
-    return BlockKey(int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little"))
+    return BlockKey(xxhash.xxh3_64_intdigest(data))
 
 
 def text_block_keys(data: bytes, *, block_size_tokens: int) -> tuple[BlockKey, ...]:
