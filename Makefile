@@ -27,8 +27,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check mooncake tests benchmarks examples
-	$(BIN)/ruff format --check mooncake tests benchmarks examples
+	$(BIN)/ruff check mooncake tests benchmarks examples docs
+	$(BIN)/ruff format --check mooncake tests benchmarks examples docs
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -51,6 +51,7 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
     report: Report = {
         "mean_ttft_s": {router: r.summary.ttft_s["mean"] for router, r in results.items()},
         "p90_ttft_s": {router: r.summary.ttft_s["p90"] for router, r in results.items()},
+        "p99_ttft_s": {router: r.summary.ttft_s["p99"] for router, r in results.items()},
         "cache_hit_ratio": {router: r.summary.cache_hit_ratio for router, r in results.items()},
         **outcomes_json(results),
         "ranking": ranking,
