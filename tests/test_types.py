@@ -227,3 +227,35 @@ def test_numpy_integer_keys_become_python_ints() -> None:
     )
     assert request.block_keys == (0, 1, 2)
     assert all(type(k) is int for k in request.block_keys)
+
+
+@given(
+    input_length=st.integers(1, 5_000),
+    block=st.integers(1, 1_024),
+    delta=st.integers(-3, 3),
+)
+def test_a_keyed_request_has_exactly_one_key_per_block(input_length: int, block: int, delta: int) -> None:
+    """With its block size given, a Request is valid iff it has ⌈input / block⌉ keys (the partial last block
+    keyed); a wrong count is an InvalidRequestError naming both counts and the block size."""
+    count = -(-input_length // block) + delta
+    if count < 0:
+        return
+    keys = tuple(BlockKey(k) for k in range(count))
+
+    def make() -> Request:
+        return Request(
+            request_id=RequestId("r"),
+            arrival_s=0.0,
+            input_length=input_length,
+            output_length=1,
+            block_keys=keys,
+            block_size_tokens=block,
+        )
+
+    if delta == 0:
+        assert len(make().block_keys) == math.ceil(input_length / block)
+    else:
+        with pytest.raises(
+            InvalidRequestError, match=rf"{count} block keys for {input_length} tokens in {block}-token"
+        ):
+            make()

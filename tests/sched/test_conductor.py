@@ -418,6 +418,38 @@ def test_requests_must_be_keyed_in_the_conductors_blocks(keys: int, tokens: int,
     assert all(not v.queue for v in conductor.prefill_views)
 
 
+@given(
+    input_length=st.integers(1, 20_000),
+    keyed_with=st.sampled_from([None, 64, 128, 256, 512]),
+    conductor_block=st.sampled_from([64, 256, 512]),
+)
+@settings(max_examples=50)
+def test_a_request_is_scheduled_iff_keyed_in_the_conductors_blocks(
+    input_length: int, keyed_with: int | None, conductor_block: int
+) -> None:
+    """One source of truth: a request keyed (or, without a stated block size, counted) in other blocks than
+    the Conductor's is refused naming both values and leaves nothing behind; one keyed in its blocks is decided."""
+    block = keyed_with if keyed_with is not None else 128  # unstated: its keys were made in 128-token blocks
+    keys = tuple(BlockKey(k) for k in range(-(-input_length // block)))
+    r = Request(
+        request_id=RequestId("r"),
+        arrival_s=0.0,
+        input_length=input_length,
+        output_length=10,
+        block_keys=keys,
+        block_size_tokens=keyed_with,
+    )
+    conductor = make_conductor(block_size=conductor_block)
+    fits = len(keys) == -(-input_length // conductor_block) and keyed_with in (None, conductor_block)
+    if fits:
+        assert conductor.schedule(r, 0.0).request_id == r.request_id
+    else:
+        with pytest.raises(InvalidRequestError, match=str(conductor_block)):
+            conductor.schedule(r, 0.0)
+        assert conductor.in_flight == ()
+    conductor.check_invariants()
+
+
 # ---------------------------------------------------------------------------- the event flow
 
 
