@@ -8,7 +8,7 @@ Start vLLM with
 and run ``python examples/vllm_events.py subscribe --model <name> --block-size 16``.
 
 Wire (vLLM's ``ZmqEventPublisher``): a PUB socket sends each batch as three
-frames, [topic, seq as 8 bytes big-endian, payload] (`mooncake.cache.vllm_events`
+frames, [topic, seq as 8 bytes big-endian, payload] (`mooncake.cache.vllm_wire`
 reads the payload). With a host in its endpoint vLLM *connects*, so the
 subscriber *binds* (with ``*`` vLLM binds; then pass ``--connect``). PUB/SUB
 drops what a subscriber misses (a slow joiner loses the first batches), so the
@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mooncake.cache import BlockHasher, BlockIndex, CacheEvent, MetadataPagePool, SequenceGap, TieredCache
-from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder, VllmEventError, WireLayout
-from mooncake.errors import UnknownBlockError
+from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
+from mooncake.cache.vllm_wire import WireLayout
+from mooncake.errors import UnknownBlockError, VllmEventError
 from mooncake.types import InstanceId, Tier
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, 
 from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import CacheStats, TieredCache
-from mooncake.cache.vllm_events import VllmEventBatch, VllmEventDecoder, VllmEventEncoder, decode_batch, encode_batch
+from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
+from mooncake.cache.vllm_wire import VllmEventBatch, decode_batch, encode_batch
 from mooncake.errors import VllmEventError
 from mooncake.types import Tier
 

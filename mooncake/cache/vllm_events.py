@@ -1,32 +1,7 @@
-"""vLLM's KV-cache events, read into this library's cache events and written from them.
+"""vLLM's KV-cache events read into this library's cache events, and written from them.
 
-vLLM (``--kv-events-config``) publishes what its prefix cache holds as msgpack
-batches, encoded by msgspec structs. The layout below was read from
-vllm-project/vllm ``vllm/distributed/kv_events.py`` at commit b4e69e0af33f (the
-first layout, all positional) and at 0181ea3173e5 (a recent main), and from the
-change that made events maps (vLLM PR 42892, "[KV Events] Switch event structs
-from array to map encoding", first released after v0.23.0)::
-
-    batch   [ts, events, data_parallel_rank]        positional (released vLLM)
-            {"ts", "events", "data_parallel_rank"}  map (the batch struct at 0181ea3)
-    event   ["BlockStored", field, ...]             tagged array, vLLM <= 0.23
-            {"type": "BlockStored", field: ...}     tagged map, later vLLM
-      BlockStored       block_hashes, parent_block_hash, token_ids, block_size,
-                        lora_id, medium, lora_name, extra_keys*, group_idx*,
-                        kv_cache_spec_kind*, kv_cache_spec_sliding_window*
-      BlockRemoved      block_hashes, medium, group_idx*
-      AllBlocksCleared  (no fields)
-
-A positional struct writes every field in that order; a map leaves out the
-starred fields (defaulted ones) when they are nil. A block hash is an int
-(negative ones too: older vLLM used Python's ``hash``) or bytes (SHA-256 block
-hashing); ``token_ids`` are the stored blocks' tokens, concatenated (vLLM stores
-full blocks only); ``parent_block_hash`` is the hash of the block before the
-first one (nil at the start of a sequence). Reading is lenient about versions: a
-trailing field an older producer lacks reads as nil and a field a newer one adds
-is ignored. `encode_batch` writes exactly what msgspec writes for those structs.
-On the wire a batch is the third frame of ``[topic, seq as 8 bytes big-endian,
-payload]`` (``examples/vllm_events.py`` has the subscriber and publisher).
+The records and their msgpack layout are `mooncake.cache.vllm_wire`'s; this
+module gives them this library's keys and sequence numbers.
 
 Re-keying. A vLLM block hash is not this library's key, so `VllmEventDecoder`
 re-derives keys from the token ids with a `BlockHasher` (the parent's key comes
@@ -61,43 +36,37 @@ Invariants (`VllmEventDecoder.check_invariants`):
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import is_int, require_int
+from mooncake._checks import require_int
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.vllm_wire import (
+    ExternalHash,
+    VllmAllBlocksCleared,
+    VllmBlockRemoved,
+    VllmBlockStored,
+    VllmEvent,
+    VllmEventBatch,
+    WireLayout,
+    decode_batch,
+    encode_batch,
+)
 from mooncake.errors import UnknownBlockError, VllmEventError
 from mooncake.types import BlockKey, InstanceId, Tier, as_token_array
 
 __all__ = [
     "DEFAULT_MEDIUMS",
     "DEFAULT_TIERS",
-    "ExternalHash",
-    "VllmAllBlocksCleared",
-    "VllmBlockRemoved",
-    "VllmBlockStored",
-    "VllmEvent",
-    "VllmEventBatch",
     "VllmEventDecoder",
     "VllmEventEncoder",
-    "VllmEventError",
-    "WireLayout",
-    "decode_batch",
-    "encode_batch",
 ]
-
-ExternalHash = int | bytes
-"""A block hash as vLLM publishes it."""
-
-WireLayout = Literal["array", "map"]
-"""A msgpack struct as a positional array or as a map of field names."""
 
 DEFAULT_TIERS: Mapping[str | None, Tier] = {None: Tier.VRAM, "GPU": Tier.VRAM, "CPU": Tier.DRAM, "DISK": Tier.SSD}
 """vLLM medium → tier (no medium: vLLM before mediums, which published GPU blocks only)."""
@@ -105,225 +74,8 @@ DEFAULT_TIERS: Mapping[str | None, Tier] = {None: Tier.VRAM, "GPU": Tier.VRAM, "
 DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}
 """Tier → the medium the encoder writes."""
 
-_STORED, _REMOVED, _CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
-_TAG_KEY = "type"
-_INT32_MAX = 2**31 - 1
-
-
-# ---------------------------------------------------------------------- wire records
-
-
-@attrs.frozen(kw_only=True)
-class VllmBlockStored:
-    """vLLM stored `block_hashes` (a chain after `parent_block_hash`) holding `token_ids`."""
-
-    block_hashes: tuple[ExternalHash, ...]
-    parent_block_hash: ExternalHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class VllmBlockRemoved:
-    """vLLM dropped `block_hashes` from `medium`."""
-
-    block_hashes: tuple[ExternalHash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@attrs.frozen
-class VllmAllBlocksCleared:
-    """vLLM dropped every block."""
-
-
-VllmEvent = VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared
-
-
-@attrs.frozen(kw_only=True)
-class VllmEventBatch:
-    """One published payload: events in order, stamped with the publisher's wall clock."""
-
-    ts: float
-    events: tuple[VllmEvent, ...]
-    data_parallel_rank: int | None = None
-
-
-# (name, required) in vLLM's declaration order; positional layouts follow it.
-_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
-    _STORED: (
-        ("block_hashes", True),
-        ("parent_block_hash", True),
-        ("token_ids", True),
-        ("block_size", True),
-        ("lora_id", True),
-        ("medium", False),
-        ("lora_name", False),
-        ("extra_keys", False),
-        ("group_idx", False),
-        ("kv_cache_spec_kind", False),
-        ("kv_cache_spec_sliding_window", False),
-    ),
-    _REMOVED: (("block_hashes", True), ("medium", False), ("group_idx", False)),
-    _CLEARED: (),
-}
-# Fields vLLM declares with a default: a map omits them when equal to it (msgspec's
-# omit_defaults; an array-like struct writes every field).
-_DEFAULTED = {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
-
-
-def encode_batch(
-    batch: VllmEventBatch, *, event_layout: WireLayout = "map", batch_layout: WireLayout = "array"
-) -> bytes:
-    """`batch` as vLLM's msgpack payload.
-
-    Args:
-        batch: the batch.
-        event_layout: "map" (vLLM after 0.23) or "array" (vLLM up to 0.23).
-        batch_layout: "array", as vLLM's batches are on the wire, or "map".
-    """
-    import msgpack  # type: ignore[import-untyped]  # lazy: `import mooncake.cache` stays light
-
-    events = [_event_wire(event, event_layout) for event in batch.events]
-    rank = batch.data_parallel_rank
-    body: list[Any] | dict[str, Any]
-    if batch_layout == "array":
-        body = [float(batch.ts), events, rank]
-    else:
-        body = {"ts": float(batch.ts), "events": events} | ({} if rank is None else {"data_parallel_rank": rank})
-    return bytes(msgpack.packb(body, use_bin_type=True))
-
-
-def _event_wire(event: VllmEvent, layout: WireLayout) -> list[Any] | dict[str, Any]:
-    tag = (
-        _STORED if isinstance(event, VllmBlockStored) else _REMOVED if isinstance(event, VllmBlockRemoved) else _CLEARED
-    )
-    values = [(name, getattr(event, name), required) for name, required in _FIELDS[tag]]
-    values = [(n, [*v] if isinstance(v, tuple) else v, r) for n, v, r in values]
-    if layout == "map":
-        return {_TAG_KEY: tag} | {n: v for n, v, _ in values if not (n in _DEFAULTED and v is None)}
-    return [tag, *(v for _, v, _ in values)]
-
-
-def decode_batch(payload: bytes) -> VllmEventBatch:
-    """Read a vLLM payload in either layout (see the module docstring).
-
-    Raises:
-        VllmEventError: not msgpack, or a batch or event breaks the layout (the message says where).
-    """
-    import msgpack
-
-    try:
-        body = msgpack.unpackb(payload, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise VllmEventError(f"payload is not one msgpack value ({len(payload)} bytes): {error}") from error
-    if isinstance(body, list):
-        if len(body) < 2:
-            raise VllmEventError(f"batch array needs [ts, events], got {len(body)} elements")
-        ts, events, rank = body[0], body[1], body[2] if len(body) > 2 else None
-    elif isinstance(body, dict):
-        if "ts" not in body or "events" not in body:
-            raise VllmEventError(f"batch map needs 'ts' and 'events', got keys {sorted(map(str, body))}")
-        ts, events, rank = body["ts"], body["events"], body.get("data_parallel_rank")
-    else:
-        raise VllmEventError(f"batch must be an array or a map, got {type(body).__name__}")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise VllmEventError(f"batch ts must be a finite number, got {ts!r}")
-    if not isinstance(events, list):
-        raise VllmEventError(f"batch events must be an array, got {type(events).__name__}")
-    return VllmEventBatch(
-        ts=float(ts),
-        events=tuple(_read_event(i, raw) for i, raw in enumerate(events)),
-        data_parallel_rank=_optional_int("data_parallel_rank", rank, "batch"),
-    )
-
-
-def _read_event(index: int, raw: object) -> VllmEvent:
-    where = f"event {index}"
-    if isinstance(raw, list):
-        tag = raw[0] if raw else None
-        fields = _FIELDS.get(tag) if isinstance(tag, str) else None
-        if fields is None:
-            raise VllmEventError(f"{where}: unknown tag {tag!r}, expected one of {sorted(_FIELDS)}")
-        num_required = sum(required for _, required in fields)
-        if len(raw) - 1 < num_required:
-            raise VllmEventError(f"{where} ({tag}): needs at least {num_required} fields, got {len(raw) - 1}")
-        values = dict(zip((name for name, _ in fields), raw[1:], strict=False))
-    elif isinstance(raw, dict):
-        tag = raw.get(_TAG_KEY)
-        fields = _FIELDS.get(tag) if isinstance(tag, str) else None
-        if fields is None:
-            raise VllmEventError(f"{where}: unknown tag {tag!r}, expected one of {sorted(_FIELDS)}")
-        # lora_id is positional-required but maps from other producers may leave it out.
-        missing = [name for name, required in fields if required and name != "lora_id" and name not in raw]
-        if missing:
-            raise VllmEventError(f"{where} ({tag}): missing fields {missing}")
-        values = {name: raw.get(name) for name, _ in fields}
-    else:
-        raise VllmEventError(f"{where}: must be a tagged array or map, got {type(raw).__name__}")
-    where = f"{where} ({tag})"
-    if tag == _CLEARED:
-        return VllmAllBlocksCleared()
-    hashes = _hashes(values["block_hashes"], where)
-    medium = values.get("medium")
-    if medium is not None and not isinstance(medium, str):
-        raise VllmEventError(f"{where}: medium must be a string or nil, got {medium!r}")
-    group_idx = _optional_int("group_idx", values.get("group_idx"), where)
-    if tag == _REMOVED:
-        return VllmBlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx)
-    parent = values["parent_block_hash"]
-    if parent is not None:
-        parent = _hashes([parent], f"{where} parent_block_hash")[0]
-    tokens = values["token_ids"]
-    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t <= _INT32_MAX for t in tokens):
-        raise VllmEventError(f"{where}: token_ids must be an array of token ids in [0, 2**31), got {tokens!r:.80}")
-    block_size = values["block_size"]
-    if not is_int(block_size) or block_size < 1:
-        raise VllmEventError(f"{where}: block_size must be an integer >= 1, got {block_size!r}")
-    lora_name, spec_kind = values.get("lora_name"), values.get("kv_cache_spec_kind")
-    for name, value in (("lora_name", lora_name), ("kv_cache_spec_kind", spec_kind)):
-        if value is not None and not isinstance(value, str):
-            raise VllmEventError(f"{where}: {name} must be a string or nil, got {value!r}")
-    extra = values.get("extra_keys")
-    if extra is not None and not (isinstance(extra, list) and all(e is None or isinstance(e, list) for e in extra)):
-        raise VllmEventError(f"{where}: extra_keys must be an array of arrays or nils, got {extra!r:.80}")
-    return VllmBlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tuple(tokens),
-        block_size=int(block_size),
-        lora_id=_optional_int("lora_id", values.get("lora_id"), where),
-        medium=medium,
-        lora_name=lora_name,
-        extra_keys=None if extra is None else tuple(None if e is None else tuple(e) for e in extra),
-        group_idx=group_idx,
-        kv_cache_spec_kind=spec_kind,
-        kv_cache_spec_sliding_window=_optional_int(
-            "kv_cache_spec_sliding_window", values.get("kv_cache_spec_sliding_window"), where
-        ),
-    )
-
-
-def _hashes(raw: object, where: str) -> tuple[ExternalHash, ...]:
-    if not isinstance(raw, list) or not all(is_int(h) or isinstance(h, bytes) for h in raw):
-        raise VllmEventError(f"{where}: block hashes must be integers or bytes, got {raw!r:.80}")
-    return tuple(raw)
-
-
-def _optional_int(name: str, value: object, where: str) -> int | None:
-    if value is not None and not is_int(value):
-        raise VllmEventError(f"{where}: {name} must be an integer or nil, got {value!r}")
-    return None if value is None else int(cast("int", value))
-
-
-# ---------------------------------------------------------------------- decoding
+_Change = tuple[type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared], tuple[BlockKey, ...], Tier]
+"""What one vLLM event does to a source's holdings: the kind of event of ours, its keys, its tier."""
 
 
 class VllmEventDecoder:
@@ -430,10 +182,8 @@ class VllmEventDecoder:
         source, epoch = self.source, self._epoch
         events = tuple(
             AllBlocksCleared(source=source, seq=self._seq + i, epoch=epoch)
-            if kind == _CLEARED
-            else (BlockStored if kind == _STORED else BlockRemoved)(
-                source=source, seq=self._seq + i, keys=keys, tier=tier, epoch=epoch
-            )
+            if issubclass(kind, AllBlocksCleared)
+            else kind(source=source, seq=self._seq + i, keys=keys, tier=tier, epoch=epoch)
             for i, (kind, keys, tier) in enumerate(changes)
         )
         self._seq += len(events)
@@ -468,11 +218,11 @@ class VllmEventDecoder:
 
     # ------------------------------------------------------------------ internals
 
-    def _apply(self, event: VllmEvent) -> tuple[str, tuple[BlockKey, ...], Tier] | None:
+    def _apply(self, event: VllmEvent) -> _Change | None:
         if isinstance(event, VllmAllBlocksCleared):
             for block_hash in list(self._held):
                 self._set(block_hash, self._keys[block_hash], None)
-            return (_CLEARED, (), Tier.VRAM)
+            return (AllBlocksCleared, (), Tier.VRAM)
         if event.group_idx not in (None, self.kv_group):
             return None
         if event.medium not in self.tiers:
@@ -491,13 +241,13 @@ class VllmEventDecoder:
                 mask = self._held.get(block_hash, 0) & ~bit
                 self._set(block_hash, key, mask or None)
                 removed.append(key)
-            return (_REMOVED, tuple(removed), tier) if removed else None
+            return (BlockRemoved, tuple(removed), tier) if removed else None
         keys = self._stored_keys(event)
         if keys is None:
             return None
         for block_hash, key in zip(event.block_hashes, keys, strict=True):
             self._set(block_hash, key, self._held.get(block_hash, 0) | bit)
-        return (_STORED, keys, tier) if keys else None
+        return (BlockStored, keys, tier) if keys else None
 
     def _stored_keys(self, event: VllmBlockStored) -> tuple[BlockKey, ...] | None:
         hasher = self.hasher

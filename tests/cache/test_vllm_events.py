@@ -1,4 +1,4 @@
-"""Tests for `mooncake.cache.vllm_events`: vLLM's KV-event payloads in and out.
+"""Tests for `mooncake.cache.vllm_wire` and `mooncake.cache.vllm_events`: vLLM's KV-event payloads in and out.
 
 Layers: payloads written byte by byte (and with msgpack) in the layout read from
 vLLM's source, decoded to the expected records and events; round trips of records
@@ -24,19 +24,17 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.cache.vllm_events import (
+from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
+from mooncake.cache.vllm_wire import (
     VllmAllBlocksCleared,
     VllmBlockRemoved,
     VllmBlockStored,
     VllmEventBatch,
-    VllmEventDecoder,
-    VllmEventEncoder,
-    VllmEventError,
     WireLayout,
     decode_batch,
     encode_batch,
 )
-from mooncake.errors import ConfigError, UnknownBlockError
+from mooncake.errors import ConfigError, UnknownBlockError, VllmEventError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 msgpack = pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
