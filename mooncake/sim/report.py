@@ -22,7 +22,7 @@ import numpy as np
 from mooncake.errors import ConfigError
 from mooncake.sim.metrics import LoadSample, RequestRecord
 
-__all__ = ["ProgressBar", "shows_progress", "plot_cdfs", "plot_lines", "plot_load", "write_json", "write_records_csv"]
+__all__ = ["ProgressBar", "plot_cdfs", "plot_lines", "plot_load", "shows_progress", "write_json", "write_records_csv"]
 
 RECORD_COLUMNS = (
     "request_id",
