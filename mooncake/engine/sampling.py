@@ -1,7 +1,14 @@
-"""Choosing the next token: greedy, or temperature sampling from a per-request seeded stream.
+"""Choosing the next token: greedy, or temperature sampling (optionally nucleus) from a per-request seeded stream.
 
 Each request owns its random stream (seeded from its `seed`), so the tokens it
 gets do not depend on which other requests share its batch.
+
+Nucleus (top-p) sampling draws only from the most probable tokens whose mass
+reaches `top_p`. Token i belongs to the nucleus iff the probability mass of
+the tokens strictly more probable than i is below `top_p`: the most probable
+token always belongs, tokens tied at the boundary all belong or none does, and
+`top_p = 1` keeps every token of non-zero probability (the draws are then the
+plain temperature sampler's, bit for bit: the filter is skipped).
 """
 
 from __future__ import annotations
@@ -10,8 +17,11 @@ import attrs
 import torch
 
 from mooncake._checks import require_int, require_number
+from mooncake.errors import ConfigError
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "nucleus"]
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 
 
 @attrs.frozen(kw_only=True)
@@ -20,19 +30,38 @@ class SamplingParams:
 
     Attributes:
         temperature: 0 for greedy (the default), else logits are divided by it.
-        seed: the request's random stream (temperature > 0).
+        top_p: the nucleus' probability mass, in (0, 1]; 1 (the default) samples from every token.
+        seed: the request's random stream (temperature > 0), in [0, 2**64).
     """
 
     temperature: float = attrs.field(default=0.0)
+    top_p: float = attrs.field(default=1.0)
     seed: int = attrs.field(default=0)
 
     @temperature.validator
     def _check_temperature(self, _attribute: object, value: float) -> None:
         require_number("temperature", value, minimum=0.0)
 
+    @top_p.validator
+    def _check_top_p(self, _attribute: object, value: float) -> None:
+        if require_number("top_p", value, minimum=0.0, strict=True) > 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {value!r}")
+
     @seed.validator
     def _check_seed(self, _attribute: object, value: int) -> None:
-        require_int("seed", value, minimum=0)
+        if require_int("seed", value, minimum=0) > MAX_SEED:
+            raise ConfigError(f"seed must be below 2**64, got {value!r}")
+
+
+def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus of `probabilities` [vocab]: a bool mask, True for token i iff the mass of the tokens
+    strictly more probable than i is below `top_p` (computed in float64)."""
+    exact = probabilities.double()
+    ordered = torch.sort(exact, descending=True).values
+    before = torch.cumsum(ordered, dim=0) - ordered  # mass ahead of each sorted position (0 for the first)
+    # The kept sorted positions are a prefix; ties after it share its last value, so `>=` keeps them too.
+    threshold = ordered[before < top_p][-1]
+    return exact >= threshold
 
 
 class Sampler:
@@ -49,4 +78,6 @@ class Sampler:
         if self._generator is None:
             return int(torch.argmax(logits))
         probabilities = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            probabilities = torch.where(nucleus(probabilities, self.params.top_p), probabilities, 0.0)
         return int(torch.multinomial(probabilities, 1, generator=self._generator))

@@ -3,7 +3,9 @@
 Properties: greedy picks the argmax of any logits; a seed fixes the whole
 token sequence, whatever other samplers draw in between (a request's tokens do
 not depend on its batch); a token of zero probability is never drawn; a very
-low temperature is greedy.
+low temperature is greedy. Nucleus sampling: the mask equals its definition
+(the mass strictly above a token is below top_p) computed by brute force, a draw
+never leaves the nucleus, top_p = 1 draws exactly what plain sampling draws.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ pytest.importorskip("torch")
 
 import torch
 
-from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.engine.sampling import Sampler, SamplingParams, nucleus
 from mooncake.errors import ConfigError
 
 seeds = st.integers(min_value=0, max_value=2**32)
@@ -89,9 +91,72 @@ def test_sampling_draws_from_the_distribution() -> None:
         {"seed": -1},
         {"seed": 1.5},
         {"seed": True},
+        {"seed": 2**64},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": math.nan},
+        {"top_p": "0.5"},
     ],
 )
 def test_params_are_validated(fields: dict[str, object]) -> None:
-    """Negative or non-finite temperatures and non-integer or negative seeds are ConfigErrors."""
+    """Negative or non-finite temperatures, non-integer seeds outside [0, 2**64) and top_p outside (0, 1] are
+    ConfigErrors."""
     with pytest.raises(ConfigError):
         SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+top_ps = st.floats(min_value=0.01, max_value=1.0)
+
+
+def mass_above(probabilities: list[float], token: int) -> float:
+    """The probability mass of the tokens strictly more probable than `token` (the nucleus' definition)."""
+    return math.fsum(p for p in probabilities if p > probabilities[token])
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(min_value=-8, max_value=8), min_size=1, max_size=24), top_ps)
+def test_nucleus_is_its_definition(values: list[int], top_p: float) -> None:
+    """The mask keeps token i iff the mass strictly above it is below top_p, by brute force; small integer logits
+    give ties, which are kept or dropped together; the most probable token is always kept."""
+    probabilities = torch.softmax(torch.tensor(values, dtype=torch.float32), dim=-1)
+    mask = nucleus(probabilities, top_p).tolist()
+    exact = probabilities.double().tolist()
+    for token, kept in enumerate(mask):
+        above = mass_above(exact, token)
+        if abs(above - top_p) > 1e-9:  # away from the boundary, where summation order could tip it
+            assert kept == (above < top_p), (token, above, top_p)
+    assert mask[int(torch.argmax(probabilities))]
+    for token, kept in enumerate(mask):
+        for other, also in enumerate(mask):
+            if exact[token] == exact[other]:
+                assert kept == also
+
+
+@settings(max_examples=30)
+@given(seeds, temperatures, top_ps)
+def test_a_draw_never_leaves_the_nucleus(seed: int, temperature: float, top_p: float) -> None:
+    """Every token drawn with top_p lies in the nucleus of softmax(logits / T)."""
+    logits = logits_of(seed)
+    probabilities = torch.softmax(logits / temperature, dim=-1)
+    allowed = set(torch.nonzero(nucleus(probabilities, top_p)).flatten().tolist())
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
+    assert all(sampler.next_token(logits) in allowed for _ in range(20))
+
+
+@settings(max_examples=30)
+@given(seeds, temperatures)
+def test_top_p_one_is_plain_sampling(seed: int, temperature: float) -> None:
+    """top_p = 1 draws the tokens plain temperature sampling draws, with the same seed."""
+    plain = Sampler(SamplingParams(temperature=temperature, seed=seed))
+    whole = Sampler(SamplingParams(temperature=temperature, top_p=1.0, seed=seed))
+    for step in range(10):
+        assert plain.next_token(logits_of(step)) == whole.next_token(logits_of(step))
+
+
+def test_top_p_narrows_the_draws() -> None:
+    """With probabilities 0.5, 0.3, 0.2: top_p 0.45 always draws token 0; top_p 0.7 draws 0 and 1, never 2."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    narrow = {Sampler(SamplingParams(temperature=1.0, top_p=0.45, seed=s)).next_token(logits) for s in range(200)}
+    assert narrow == {0}
+    wider = {Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=s)).next_token(logits) for s in range(200)}
+    assert wider == {0, 1}
