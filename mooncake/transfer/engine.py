@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake.transfer.listener import Listener
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
 from mooncake.transfer.rdma import Verbs, buffer_address, open_device
 from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, create_shared
@@ -114,6 +115,16 @@ class TransferEngine:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def listener(self) -> Listener:
+        """Where peers connect: how many connections are authenticating and served, and their bounds."""
+        return self._peers.listener
+
+    @property
+    def num_accepted_queue_pairs(self) -> int:
+        """RDMA queue pairs accepted from peers and still open (at most `max_connections`)."""
+        return self._peers.num_queue_pairs
 
     # ------------------------------------------------------------------ memory
 

@@ -25,7 +25,10 @@ that targets it may still write into it: a failed fetch first waits for its
 slices to end. `lease_s` must exceed how long a pusher's slice can take,
 (max_retries + 1) · (connect_timeout_s + io_timeout_s): 36 s with the default
 engine settings, past the default `lease_s` of 30 s, so raise `lease_s` along
-with the timeouts.
+with the timeouts. A peer opens a lease with any id it likes, so the table of
+leases is bounded: ids of at most 64 characters, at most `max_leases` open at
+once (a call that would open one more is refused with `CapacityError` until
+some end or expire), and a lookup that pinned nothing keeps no lease.
 
 The module is one piece, past the usual size, because it holds both ends of the
 block protocol: `fetch` against "blocks.lookup" and "blocks.release", `push`
@@ -66,6 +69,8 @@ from mooncake.types import BlockKey
 
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
 
+_MAX_LEASE_ID = 64  # characters; ours are 16 hex digits
+
 
 def shared_dram_pool(engine: TransferEngine, page_bytes: int, num_pages: int) -> tuple[DramPagePool, RegionDescriptor]:
     """A DRAM page pool in the engine's shared memory, registered: same-host peers copy into it directly."""
@@ -98,6 +103,8 @@ class Messenger:
         lease_s: how long pins and reservations held for a peer survive without it.
         sweep_interval_s: how often a background thread releases expired leases
             (0: only on calls, and when `sweep()` is called).
+        max_leases: leases held for peers at once; past it, calls that would open
+            another are refused (a peer looping on lookups cannot grow the table).
         clock: monotonic seconds (tests pass their own).
     """
 
@@ -109,6 +116,7 @@ class Messenger:
         region: RegionDescriptor | None = None,
         lease_s: float = 30.0,
         sweep_interval_s: float | None = None,
+        max_leases: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         pool = cache.pools[0]
@@ -118,6 +126,7 @@ class Messenger:
         self.page_bytes = pool.page_bytes
         self.region = region if region is not None else engine.register_memory(pool.buffer)
         self._lease_s, self._clock = lease_s, clock
+        self._max_leases = require_int("max_leases", max_leases, minimum=1)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         engine.register_handler("blocks.lookup", self._serve_lookup)
@@ -244,7 +253,8 @@ class Messenger:
 
     def _serve_lookup(self, args: Any) -> Json:
         self.sweep()
-        lease = self._lease(str(args["lease"]))
+        lease_id = str(args["lease"])
+        lease = self._lease(lease_id)
         first_tier = self.cache.pools[0].tier
         blocks: list[Json] = []
         for raw in args["keys"]:
@@ -261,6 +271,8 @@ class Messenger:
                 break
             lease.pinned.append(key)
             blocks.append([key, location.page * self.page_bytes, location.length, self.cache.checksum(key)])
+        if not lease.pinned:
+            self._drop_if_empty(lease_id)
         return {"region": self.region.region_id, "blocks": blocks}
 
     def _serve_release(self, args: Any) -> Json:
@@ -311,10 +323,32 @@ class Messenger:
         return {"committed": committed, "failed": failed}
 
     def _lease(self, lease_id: str) -> _Lease:
+        """The lease `lease_id`, opened if new, its deadline pushed back.
+
+        Raises:
+            TransferError: the id is longer than 64 characters.
+            CapacityError: it is new and `max_leases` are open already.
+        """
+        if len(lease_id) > _MAX_LEASE_ID:
+            raise TransferError(f"a lease id has at most {_MAX_LEASE_ID} characters, got {len(lease_id)}")
         with self._lock:
-            lease = self._leases.setdefault(lease_id, _Lease())
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                if len(self._leases) >= self._max_leases:
+                    raise CapacityError(
+                        f"{len(self._leases)} leases are open for peers, the most this node holds"
+                        f" (max_leases={self._max_leases}); they end on release, commit or after {self._lease_s}s"
+                    )
+                lease = self._leases[lease_id] = _Lease()
             lease.deadline = self._clock() + self._lease_s
             return lease
+
+    def _drop_if_empty(self, lease_id: str) -> None:
+        """Forget a lease that holds nothing (a lookup that found no block): it would only take a slot."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None and not lease.pinned and not lease.reserved:
+                del self._leases[lease_id]
 
     def _end(self, lease: _Lease) -> None:
         for key in lease.pinned:

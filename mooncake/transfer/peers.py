@@ -10,10 +10,12 @@ transports that reach the peer, by preference: `shm` when it runs on this host,
 dialled. `transport_for` picks, per remote region, the first of a peer's
 transports that reaches it (shm only shared regions, rdma only registered ones).
 
-The other side is the accept loop: a thread accepts connections and serves
-each on a thread of its own (`tcp.serve_connection`), at most `max_connections`
-at once; control calls go to the handlers registered by method name ("describe"
-and "rdma_connect" are built in).
+The other side is the `listener`: it authenticates incoming connections under
+a budget and deadline of their own, then serves each authenticated one on a
+thread of its own (`tcp.serve_connection`), at most `max_connections` at once;
+control calls go to the handlers registered by method name ("describe" and
+"rdma_connect" are built in). Checksummed WRITEs are staged in one
+`StagingPool` of `max_staging_bytes` shared by every served connection.
 
 Invariants:
 - A stored descriptor was validated when received: its integers are in range
@@ -26,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import socket
@@ -38,10 +39,12 @@ import attrs
 
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError
 from mooncake.transfer import tcp
+from mooncake.transfer.listener import Listener
 from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs
 from mooncake.transfer.region import Region, RegionDescriptor
 from mooncake.transfer.request import EngineConfig, Transport
 from mooncake.transfer.shm import ShmTransport
+from mooncake.transfer.staging import StagingPool
 from mooncake.transfer.wire import Json, ProtocolError
 
 __all__ = ["Handler", "PeerDescriptor", "Peers", "host_id"]
@@ -142,17 +145,16 @@ class Peers:
             "describe": lambda _args: self._describe_self(),
             "rdma_connect": self._accept_rdma,
         }
-        self._queue_pairs: list[QueuePair] = []  # accepted from peers, closed with the engine
+        self._queue_pairs: list[QueuePair] = []  # accepted from peers, oldest first, closed with the engine
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
-        self._closed = False
-        self._listener = socket.create_server((config.host, config.port), backlog=128)
-        self.host, self.port = self._listener.getsockname()[:2]
-        self.name = name or f"{self.host}:{self.port}"
+        self.staging = StagingPool(config.max_staging_bytes)
         self.host_id = host_id()
-        self._acceptor = threading.Thread(target=self._accept, name=f"engine-{self.port}-accept", daemon=True)
-        self._acceptor.start()
+        self._listener = Listener(
+            secret=secret, config=config, serve=lambda sock: tcp.serve_connection(sock, self), name="engine"
+        )
+        self.host, self.port = self._listener.host, self._listener.port
+        self.name = name or f"{self.host}:{self.port}"
 
     # ------------------------------------------------------------------ the peers we dial
 
@@ -170,9 +172,7 @@ class Peers:
         control = tcp.connect(host, port, secret=self.secret, config=self.config)
         transports: dict[str, Transport] = {}
         try:
-            descriptor = PeerDescriptor.from_json(
-                tcp.call(control, "describe", None, max_frame_bytes=self.config.max_frame_bytes)
-            )
+            descriptor = PeerDescriptor.from_json(tcp.call(control, "describe", None))
             transports = self._transports_for(host, port, key, descriptor, transport, control)
         except BaseException:
             for built in transports.values():
@@ -225,7 +225,7 @@ class Peers:
                 if state.control is None:
                     state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
                 try:
-                    return tcp.call(state.control, method, args, max_frame_bytes=self.config.max_frame_bytes)
+                    return tcp.call(state.control, method, args)
                 except tcp.CallNotSent as error:
                     # Nothing reached the peer (a stale connection): safe to retry once, fresh.
                     state.control.close()
@@ -258,27 +258,28 @@ class Peers:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def listener(self) -> Listener:
+        """Where peers connect: its counts of pending and served connections."""
+        return self._listener
+
     def close(self) -> None:
-        """Stop listening; close every peer's transports, every served connection, every accepted queue pair."""
+        """Stop listening; close every peer's transports and every served connection.
+
+        The queue pairs accepted from peers close in `close_queue_pairs` (before their device).
+        """
         with self._lock:
-            self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
-            connections = list(self._connections)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
         self._listener.close()
         for peer in peers:
             _close_peer(peer)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-            connection.close()
-        self._acceptor.join(timeout=5)
 
     def close_queue_pairs(self) -> None:
         """Close the queue pairs accepted from peers (before their device closes)."""
-        for queue_pair in self._queue_pairs:
+        with self._lock:
+            queue_pairs, self._queue_pairs = self._queue_pairs, []
+        for queue_pair in queue_pairs:
             queue_pair.close()
 
     # ------------------------------------------------------------------ internals
@@ -304,17 +305,34 @@ class Peers:
         return own.to_json()
 
     def _accept_rdma(self, endpoint: Any) -> Json:
-        """The peer side of an RDMA connection: a queue pair connected to the caller's."""
+        """The peer side of an RDMA connection: a queue pair connected to the caller's.
+
+        At most `max_connections` accepted queue pairs live at once; past it the
+        oldest is closed (its initiator's transport fails with PeerUnavailable), so
+        peers that reconnect, or one that floods "rdma_connect", cannot use up the
+        device for good.
+        """
         if self._rdma is None:
             raise TransferError("this engine has no RDMA device")
-        with self._lock:
-            if len(self._queue_pairs) >= self.config.max_connections:
-                raise TransferError("too many RDMA queue pairs")
         queue_pair = self._rdma.create_queue_pair()
-        queue_pair.connect(endpoint)
+        try:
+            queue_pair.connect(endpoint)
+        except BaseException:
+            queue_pair.close()
+            raise
         with self._lock:
             self._queue_pairs.append(queue_pair)
+            evicted = self._queue_pairs[: -self.config.max_connections]
+            del self._queue_pairs[: -self.config.max_connections]
+        for old in evicted:
+            old.close()
         return queue_pair.endpoint()
+
+    @property
+    def num_queue_pairs(self) -> int:
+        """Queue pairs accepted from peers and still open."""
+        with self._lock:
+            return len(self._queue_pairs)
 
     def _transports_for(
         self,
@@ -339,9 +357,7 @@ class Peers:
                     )
                 elif name == "rdma" and self._rdma is not None and descriptor.rdma:
                     queue_pair = self._rdma.create_queue_pair()
-                    remote = tcp.call(
-                        control, "rdma_connect", queue_pair.endpoint(), max_frame_bytes=self.config.max_frame_bytes
-                    )
+                    remote = tcp.call(control, "rdma_connect", queue_pair.endpoint())
                     # The peer's endpoint as it sent it: connect reads the fields it needs.
                     queue_pair.connect(cast(dict[str, Any], remote))
                     transports["rdma"] = RdmaTransport(
@@ -358,31 +374,6 @@ class Peers:
                 built.close()
             raise ConfigError(f"no usable transport to {peer_name} among {allowed}")
         return transports
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed
-            with self._lock:
-                if self._closed:
-                    connection.close()
-                    return
-                if len(self._connections) >= self.config.max_connections:
-                    connection.close()  # refuse rather than let peers exhaust our threads
-                    continue
-                self._connections.add(connection)
-            threading.Thread(
-                target=tcp.serve_connection,
-                args=(connection, self, lambda c=connection: self._forget_connection(c)),
-                name=f"engine-{self.port}-serve",
-                daemon=True,
-            ).start()
-
-    def _forget_connection(self, connection: socket.socket) -> None:
-        with self._lock:
-            self._connections.discard(connection)
 
 
 def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:

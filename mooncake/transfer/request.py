@@ -118,9 +118,20 @@ class EngineConfig:
             CPUs, 2 to 8 (on loopback, more streams than cores only add contention).
         slice_bytes: large requests are cut into slices of this size, spread over the streams.
         max_frame_bytes: the largest data frame accepted from a peer.
-        io_timeout_s: a socket operation that takes longer fails (and is retried).
+        io_timeout_s: a socket operation that takes longer fails (and is retried); on a
+            served connection, each part of a frame (header, payload) must arrive within
+            this of its first byte.
         idle_timeout_s: a served connection with no frame for this long is closed.
-        max_connections: connections an engine serves at once (more are refused).
+        max_connections: authenticated connections an engine serves at once (more are
+            refused with a clean "busy" verdict).
+        max_unauthenticated_connections: connections still authenticating that an engine
+            holds at once, apart from `max_connections`; past it the oldest is dropped,
+            so a flood of silent connects cannot lock authenticated peers out.
+        auth_timeout_s: a connection must complete its authentication within this
+            (a few seconds: an honest peer needs one round trip).
+        max_staging_bytes: memory for checksummed WRITEs, which are received and
+            verified aside before they are copied into the target region; at least
+            `max_frame_bytes` (kept for reuse once allocated).
         connect_timeout_s: connecting and authenticating to a peer.
         max_retries: retries of a slice on a fresh connection after a dropped one.
         checksums: verify every slice end to end with XXH3-64.
@@ -138,6 +149,9 @@ class EngineConfig:
     io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
     idle_timeout_s: float = attrs.field(default=600.0, validator=_positive_number)
     max_connections: int = attrs.field(default=1024, validator=int_at_least(1))
+    max_unauthenticated_connections: int = attrs.field(default=64, validator=int_at_least(1))
+    auth_timeout_s: float = attrs.field(default=3.0, validator=_positive_number)
+    max_staging_bytes: int = attrs.field(default=256 << 20, validator=int_at_least(1))
     connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)
     max_retries: int = attrs.field(default=2, validator=int_at_least(0))
     checksums: bool = False
@@ -151,3 +165,8 @@ class EngineConfig:
             raise ConfigError(f"transports must be a non-empty subset of shm, rdma, tcp; got {self.transports}")
         if self.slice_bytes > self.max_frame_bytes:
             raise ConfigError(f"slice_bytes {self.slice_bytes} exceeds max_frame_bytes {self.max_frame_bytes}")
+        if self.max_staging_bytes < self.max_frame_bytes:
+            raise ConfigError(
+                f"max_staging_bytes {self.max_staging_bytes} is below max_frame_bytes {self.max_frame_bytes}:"
+                " a checksummed frame could never be staged"
+            )

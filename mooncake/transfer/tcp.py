@@ -10,9 +10,17 @@ with checksums on, verified (READ). A connection that drops or times out is
 replaced and the slice retried, `max_retries` times; a peer that cannot be
 reached fails the slice with `PeerUnavailable`.
 
-Server side (`serve_connection`): one thread per accepted connection
-authenticates the peer, then serves frames, checking every region, offset and
-length against the registered bounds before touching memory.
+Server side (`serve_connection`): one thread per authenticated connection
+(the `listener` authenticates) serves frames, checking every region, offset
+and length against the registered bounds before touching memory. Between
+frames a connection may idle (`idle_timeout_s`); once a frame has started, its
+header must be complete within `io_timeout_s` of its first byte and its
+payload within `io_timeout_s` of the header, so a peer cannot hold a thread
+with half a frame. A WRITE that carries a checksum is received into staging
+memory (`staging.StagingPool`), verified there, and only then copied into the
+region: a payload that fails its checksum leaves the region as it was. A
+WRITE without a checksum is received straight into the region (no copy; a
+dropped connection may leave part of it there, which the retry overwrites).
 """
 
 from __future__ import annotations
@@ -22,14 +30,15 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import xxhash
 
 from mooncake.errors import AuthenticationError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.region import Region
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
+from mooncake.transfer.staging import StagingPool
 from mooncake.transfer.wire import (
     MAX_CONTROL_BYTES,
     Frame,
@@ -40,7 +49,6 @@ from mooncake.transfer.wire import (
     recv_exact,
     recv_frame,
     send_frame,
-    server_handshake,
 )
 from mooncake.transfer.workers import Workers
 
@@ -78,8 +86,12 @@ def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> soc
         raise PeerUnavailable(f"cannot connect to {host}:{port}: {error}") from error
     try:
         _tune(sock, config)
-        client_handshake(sock, secret)
+        # One deadline for the whole handshake: a server cannot stall us a byte at a time.
+        client_handshake(sock, secret, deadline=time.monotonic() + config.connect_timeout_s)
         sock.settimeout(config.io_timeout_s)
+    except TimeoutError as error:
+        sock.close()
+        raise PeerUnavailable(f"{host}:{port} did not authenticate within {config.connect_timeout_s}s") from error
     except (OSError, ConnectionError) as error:
         sock.close()
         raise PeerUnavailable(f"{host}:{port} dropped the connection during authentication: {error}") from error
@@ -101,7 +113,7 @@ def _tune(sock: socket.socket, config: EngineConfig) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
 
 
-def call(sock: socket.socket, method: str, args: object, *, max_frame_bytes: int) -> Json:
+def call(sock: socket.socket, method: str, args: object) -> Json:
     """One control call on an authenticated connection: JSON in, JSON out.
 
     `args` is any value `json.dumps` encodes; the result is the decoded reply.
@@ -118,14 +130,18 @@ def call(sock: socket.socket, method: str, args: object, *, max_frame_bytes: int
         send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
     except OSError as error:
         raise CallNotSent(str(error)) from error
-    reply = recv_frame(sock, max_length=max_frame_bytes)
+    # A reply is a control payload: bounded as one, and its kind checked before its body is read.
+    reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES)
+    if reply.kind not in (Kind.REPLY, Kind.ERROR) or reply.tag != 0:
+        raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name} (tag {reply.tag})")
     body = bytearray(reply.length)
     recv_exact(sock, memoryview(body))
     if reply.kind == Kind.ERROR:
         raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
-    if reply.kind != Kind.REPLY:
-        raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name}")
-    decoded: Json = json.loads(body)
+    try:
+        decoded: Json = json.loads(body)
+    except (ValueError, RecursionError) as error:  # malformed, or nested past the parser's depth
+        raise ProtocolError(f"the REPLY to {method} is not JSON: {error}") from error
     return decoded
 
 
@@ -281,8 +297,8 @@ class TcpTransport:
 class ServerContext(Protocol):
     """What a serving connection needs from its engine."""
 
-    secret: bytes
     config: EngineConfig
+    staging: StagingPool
 
     def region(self, region_id: int) -> Region | None:
         """The registered region, or None."""
@@ -291,40 +307,56 @@ class ServerContext(Protocol):
         """Run a control call (raise TransferError to refuse it)."""
 
 
-def serve_connection(sock: socket.socket, context: ServerContext, on_exit: Callable[[], None]) -> None:
-    """Authenticate, then serve frames until the peer leaves or breaks the protocol."""
+def serve_connection(sock: socket.socket, context: ServerContext) -> None:
+    """Serve frames on an authenticated connection until the peer leaves, idles out or breaks the protocol.
+
+    Returns when the connection is done with (the caller closes it); failed I/O
+    and protocol violations end it quietly, so the engine keeps serving others.
+    """
     config = context.config
     try:
         _tune(sock, config)
-        server_handshake(sock, context.secret, deadline=time.monotonic() + config.connect_timeout_s)
         while True:
             spin_until_readable(sock, config.spin_us / 1e6)  # the next request often follows at once
-            sock.settimeout(config.idle_timeout_s)  # between frames: an idle peer may wait this long
-            try:
-                frame = recv_frame(sock, max_length=config.max_frame_bytes)
-            except ConnectionError:
-                return
-            sock.settimeout(config.io_timeout_s)  # within a frame: its body must keep coming
+            if not _readable_within(sock, config.idle_timeout_s):
+                return  # idle for too long
+            # The frame has started: the rest of its header is due within the io timeout.
+            frame = recv_frame(sock, max_length=config.max_frame_bytes, deadline=time.monotonic() + config.io_timeout_s)
             if frame.kind == Kind.WRITE:
                 _serve_write(sock, context, frame)
             elif frame.kind == Kind.READ:
+                sock.settimeout(config.io_timeout_s)
                 _serve_read(sock, context, frame)
             elif frame.kind == Kind.CALL:
                 _serve_call(sock, context, frame)
             else:
                 raise ProtocolError(f"a client may not send {frame.kind.name}")
-    except (OSError, ConnectionError, TransferError, AuthenticationError):
+    except (OSError, ConnectionError, TransferError):
         return  # the connection ends; the engine keeps serving others
-    except Exception:
-        return
-    finally:
-        sock.close()
-        on_exit()
 
 
-def _refuse(sock: socket.socket, frame: Frame, reason: str) -> None:
+def _readable_within(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has bytes (or an end of stream) to read within `timeout_s`."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
+def _payload_deadline(context: ServerContext) -> float:
+    return time.monotonic() + context.config.io_timeout_s
+
+
+def _reply(
+    sock: socket.socket, context: ServerContext, frame: Frame, payload: bytes | memoryview | None = None
+) -> None:
+    """Send `frame` (and its payload) within the io timeout (a peer that never reads cannot hold us)."""
+    sock.settimeout(context.config.io_timeout_s)
+    send_frame(sock, frame, payload)
+
+
+def _refuse(sock: socket.socket, context: ServerContext, frame: Frame, reason: str) -> None:
     message = reason.encode()[:4096]
-    send_frame(sock, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
+    _reply(sock, context, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
 
 
 def _target(context: ServerContext, frame: Frame) -> tuple[memoryview | None, str]:
@@ -337,45 +369,65 @@ def _target(context: ServerContext, frame: Frame) -> tuple[memoryview | None, st
         return None, str(error)
 
 
+def _drain(sock: socket.socket, length: int, deadline: float) -> None:
+    """Consume a payload without storing it, so the stream stays in step."""
+    scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK)))
+    left = length
+    while left:
+        step = min(left, scratch.nbytes)
+        recv_exact(sock, scratch[:step], deadline=deadline)
+        left -= step
+
+
 def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+    deadline = _payload_deadline(context)
     target, reason = _target(context, frame)
     if target is None:
-        # Consume the payload without storing it, so the stream stays in step.
-        scratch = memoryview(bytearray(min(frame.length, _DRAIN_CHUNK)))
-        left = frame.length
-        while left:
-            step = min(left, scratch.nbytes)
-            recv_exact(sock, scratch[:step])
-            left -= step
-        _refuse(sock, frame, reason)
+        _drain(sock, frame.length, deadline)
+        _refuse(sock, context, frame, reason)
         return
-    recv_exact(sock, target)
-    if frame.checksum is not None and xxhash.xxh3_64_intdigest(target) != frame.checksum:
-        _refuse(sock, frame, "WRITE payload failed its end-to-end checksum")
+    if frame.checksum is None:
+        recv_exact(sock, target, deadline=deadline)
+        _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
         return
-    send_frame(sock, Frame(Kind.OK, tag=frame.tag))
+    # Stage, verify, then copy: the region never holds bytes that failed their checksum.
+    staging = context.staging.try_allocate(frame.length, deadline=deadline)
+    if staging is None:
+        _drain(sock, frame.length, deadline)
+        _refuse(sock, context, frame, f"no staging memory for {frame.length} bytes within the io timeout")
+        return
+    try:
+        staged = staging[: frame.length]
+        recv_exact(sock, staged.data, deadline=deadline)
+        if xxhash.xxh3_64_intdigest(staged.data) != frame.checksum:
+            _refuse(sock, context, frame, "WRITE payload failed its end-to-end checksum; the region is unchanged")
+            return
+        np.copyto(np.frombuffer(target, dtype=np.uint8), staged)
+    finally:
+        context.staging.free(staging)
+    _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
 
 
 def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
     source, reason = _target(context, frame)
     if source is None:
-        _refuse(sock, frame, reason)
+        _refuse(sock, context, frame, reason)
         return
     checksum = xxhash.xxh3_64_intdigest(source) if frame.checksum is not None else None
-    send_frame(sock, Frame(Kind.OK, tag=frame.tag, length=frame.length, checksum=checksum), source)
+    _reply(sock, context, Frame(Kind.OK, tag=frame.tag, length=frame.length, checksum=checksum), source)
 
 
 def _serve_call(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
     body = bytearray(frame.length)
-    recv_exact(sock, memoryview(body))
+    recv_exact(sock, memoryview(body), deadline=_payload_deadline(context))
     try:
         request = json.loads(body)
         result = context.handle_call(str(request["method"]), request.get("args"))
         payload = json.dumps(result).encode()
     except Exception as error:
-        _refuse(sock, frame, f"{type(error).__name__}: {error}")
+        _refuse(sock, context, frame, f"{type(error).__name__}: {error}")
         return
     if len(payload) > MAX_CONTROL_BYTES:
-        _refuse(sock, frame, f"reply of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+        _refuse(sock, context, frame, f"reply of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
         return
-    send_frame(sock, Frame(Kind.REPLY, tag=frame.tag, length=len(payload)), payload)
+    _reply(sock, context, Frame(Kind.REPLY, tag=frame.tag, length=len(payload)), payload)

@@ -4,10 +4,15 @@ Every connection starts with a mutual HMAC-SHA256 challenge over a shared secret
 
     server → client   "MCTE-HELLO" version  server_nonce(32)
     client → server   client_nonce(32)  HMAC(secret, "client" || server_nonce || client_nonce)
-    server → client   "OK" HMAC(secret, "server" || client_nonce || server_nonce)   (or "NO", then close)
+    server → client   "OK" HMAC(secret, "server" || client_nonce || server_nonce)
+                      (or "NO": the client failed; or "BY": the server serves as many
+                      authenticated connections as it may; then close)
 
 so no byte of data moves before both sides proved they know the secret, and a
-client never talks to an impostor. Then frames follow, each a 44-byte header:
+client never talks to an impostor. The server side is two steps (`server_hello`,
+`server_verdict`) so that one thread can drive many handshakes without blocking
+(`listener`); the client side is `client_handshake`, all within one deadline.
+Then frames follow, each a 44-byte header:
 
     magic "MCTE" | version u8 | kind u8 | flags u16 | region u32 | tag u64 | offset u64 | length u64 | checksum u64
 
@@ -15,7 +20,9 @@ WRITE carries `length` payload bytes for `region` at `offset`; READ asks for
 them; OK / ERROR answer a tag (ERROR and CALL / REPLY carry a short UTF-8 or
 JSON payload). Data frames are bounded by the engine's `max_frame_bytes`,
 control payloads by `MAX_CONTROL_BYTES`; a header that breaks a bound, or any
-malformed header, ends the connection.
+malformed header, ends the connection. `recv_frame` takes a deadline, so a
+header that has started must be complete by it (a peer cannot hold a
+connection by sending half a header).
 """
 
 from __future__ import annotations
@@ -31,20 +38,24 @@ from typing import TypeAlias
 
 import attrs
 
-from mooncake.errors import AuthenticationError, TransferError
+from mooncake.errors import AuthenticationError, PeerUnavailable, TransferError
 
 __all__ = [
+    "ANSWER_BYTES",
+    "BUSY",
     "Frame",
     "HEADER",
     "Json",
     "Kind",
     "MAX_CONTROL_BYTES",
     "ProtocolError",
+    "REFUSED",
     "client_handshake",
     "recv_exact",
     "recv_frame",
     "send_frame",
-    "server_handshake",
+    "server_hello",
+    "server_verdict",
 ]
 
 MAGIC = b"MCTE"
@@ -58,6 +69,9 @@ Json: TypeAlias = dict[str, "Json"] | list["Json"] | str | int | float | bool | 
 _HELLO = b"MCTE-HELLO"
 _NONCE_BYTES = 32
 _MAC_BYTES = 32
+ANSWER_BYTES = _NONCE_BYTES + _MAC_BYTES  # what a client sends after the hello
+REFUSED = b"NO"  # the client failed the challenge
+BUSY = b"BY"  # authenticated, but the server is at its connection limit
 
 
 class ProtocolError(TransferError):
@@ -112,10 +126,16 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
         got += n
 
 
-def recv_frame(sock: socket.socket, *, max_length: int) -> Frame:
-    """Read one header; raise ProtocolError if it is malformed or breaks its bound."""
+def recv_frame(sock: socket.socket, *, max_length: int, deadline: float | None = None) -> Frame:
+    """Read one header, all of it by `deadline` (time.monotonic) if given.
+
+    Raises:
+        ProtocolError: it is malformed or breaks its bound.
+        ConnectionError: the peer closed the connection first.
+        TimeoutError: the deadline (or the socket's timeout) passed.
+    """
     raw = bytearray(HEADER.size)
-    recv_exact(sock, memoryview(raw))
+    recv_exact(sock, memoryview(raw), deadline=deadline)
     magic, version, kind, flags, region, tag, offset, length, checksum = HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"bad frame header (magic {magic!r}, version {version})")
@@ -144,34 +164,40 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, *, deadline: float) -> None:
-    """Authenticate the client connected on `sock` (mutually), all by `deadline`.
+def server_hello() -> tuple[bytes, bytes]:
+    """The server's first step: a fresh nonce and the hello that carries it (send it at once)."""
+    server_nonce = os.urandom(_NONCE_BYTES)
+    return server_nonce, _HELLO + bytes([VERSION]) + server_nonce
+
+
+def server_verdict(secret: bytes, server_nonce: bytes, answer: bytes) -> bytes:
+    """The server's second step: check the client's `answer` (ANSWER_BYTES) to the hello.
+
+    Returns:
+        What to send back: "OK" and the server's own proof of the secret.
 
     Raises:
-        AuthenticationError: the client does not know the secret (the caller closes the socket).
-        TimeoutError: the client took too long (a slow client cannot hold a thread).
+        AuthenticationError: the client does not know the secret (send REFUSED, then close).
     """
-    server_nonce = os.urandom(_NONCE_BYTES)
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(_HELLO + bytes([VERSION]) + server_nonce)
-    answer = bytearray(_NONCE_BYTES + _MAC_BYTES)
-    recv_exact(sock, memoryview(answer), deadline=deadline)
-    client_nonce, client_mac = bytes(answer[:_NONCE_BYTES]), bytes(answer[_NONCE_BYTES:])
+    if len(answer) != ANSWER_BYTES:
+        raise AuthenticationError(f"a handshake answer is {ANSWER_BYTES} bytes, got {len(answer)}")
+    client_nonce, client_mac = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
     if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce)):
-        sock.sendall(b"NO")
         raise AuthenticationError("a peer failed the shared-secret challenge")
-    sock.sendall(b"OK" + _mac(secret, b"server", client_nonce, server_nonce))
+    return b"OK" + _mac(secret, b"server", client_nonce, server_nonce)
 
 
-def client_handshake(sock: socket.socket, secret: bytes) -> None:
-    """Authenticate to the server on `sock`, and check that it knows the secret too.
+def client_handshake(sock: socket.socket, secret: bytes, *, deadline: float | None = None) -> None:
+    """Authenticate to the server on `sock`, and check that it knows the secret too, all by `deadline`.
 
     Raises:
         AuthenticationError: either side failed the challenge.
+        PeerUnavailable: the server is at its connection limit.
         ProtocolError: the server does not speak this protocol.
+        TimeoutError: the server did not finish by `deadline` (or the socket's timeout).
     """
     hello = bytearray(len(_HELLO) + 1 + _NONCE_BYTES)
-    recv_exact(sock, memoryview(hello))
+    recv_exact(sock, memoryview(hello), deadline=deadline)
     if bytes(hello[: len(_HELLO)]) != _HELLO or hello[len(_HELLO)] != VERSION:
         raise ProtocolError("the peer is not a mooncake transfer engine of this version")
     server_nonce = bytes(hello[len(_HELLO) + 1 :])
@@ -179,12 +205,14 @@ def client_handshake(sock: socket.socket, secret: bytes) -> None:
     sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
     verdict = bytearray(2)
     try:
-        recv_exact(sock, memoryview(verdict))
+        recv_exact(sock, memoryview(verdict), deadline=deadline)
     except ConnectionError as error:
         raise AuthenticationError("the peer closed the connection during authentication") from error
+    if bytes(verdict) == BUSY:
+        raise PeerUnavailable("the peer serves as many connections as it may (max_connections)")
     if bytes(verdict) != b"OK":
         raise AuthenticationError("the peer refused our shared secret")
     server_mac = bytearray(_MAC_BYTES)
-    recv_exact(sock, memoryview(server_mac))
+    recv_exact(sock, memoryview(server_mac), deadline=deadline)
     if not hmac.compare_digest(bytes(server_mac), _mac(secret, b"server", client_nonce, server_nonce)):
         raise AuthenticationError("the peer failed the shared-secret challenge")

@@ -1,0 +1,233 @@
+"""The listener: accepts connections, authenticates them, hands authenticated ones to serving threads.
+
+Two budgets, so that strangers cannot crowd out peers. A connection that has
+not authenticated yet costs no thread: one gate thread drives every pending
+handshake without blocking (a selector over the listening socket and the
+pending connections), each with a short deadline (`auth_timeout_s`), at most
+`max_unauthenticated_connections` at once. When a new connection arrives and
+that budget is spent, the oldest pending one is dropped: an honest peer
+answers the hello within one round trip, so it is always among the youngest,
+and a flood of silent or slow connects only churns its own kind. A connection
+that proves the secret is counted against `max_connections` and served on a
+thread of its own; past that limit it is told "busy" (`wire.BUSY`) and closed.
+
+The gate never blocks on a peer: the hello (43 bytes) and the verdict (34
+bytes) go into an empty send buffer of a fresh connection, and a send that
+would block ends that connection instead.
+
+Invariants:
+- At most `max_unauthenticated_connections` connections are pending, each at
+  most `auth_timeout_s` (plus one pass of the gate) old.
+- At most `max_connections` authenticated connections are served at once.
+- No byte of a frame is read from a connection before it authenticated.
+- After `close`, nothing is accepted and every connection is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+from mooncake.errors import AuthenticationError
+from mooncake.transfer.request import EngineConfig
+from mooncake.transfer.wire import ANSWER_BYTES, BUSY, REFUSED, server_hello, server_verdict
+
+__all__ = ["Listener"]
+
+_ACCEPTS_PER_PASS = 256  # so that pending handshakes are served between bursts of connects
+
+
+@attrs.define(eq=False)
+class _Pending:
+    sock: socket.socket
+    nonce: bytes
+    deadline: float
+    answer: bytearray = attrs.field(factory=lambda: bytearray(ANSWER_BYTES))
+    received: int = 0
+
+
+class Listener:
+    """Listens on `config.host`, `config.port`; calls `serve(sock)` on a thread per authenticated connection.
+
+    Args:
+        secret: the shared secret peers must prove.
+        config: address, budgets and deadlines.
+        serve: serves one authenticated connection until it ends (the listener
+            closes the socket afterwards).
+        name: a prefix for thread names.
+    """
+
+    def __init__(
+        self, *, secret: bytes, config: EngineConfig, serve: Callable[[socket.socket], None], name: str
+    ) -> None:
+        self._secret, self._config, self._serve, self._name = secret, config, serve, name
+        self._sock = socket.create_server((config.host, config.port), backlog=1024)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._pending: dict[socket.socket, _Pending] = {}  # in arrival order: the first is the oldest
+        self._served: set[socket.socket] = set()
+        self._lock = threading.Lock()  # guards _served and _closed (the gate alone touches _pending)
+        self._closed = False
+        self._gate = threading.Thread(target=self._run, name=f"{name}-gate", daemon=True)
+        self._gate.start()
+
+    @property
+    def num_pending(self) -> int:
+        """Connections still authenticating."""
+        return len(self._pending)
+
+    @property
+    def num_served(self) -> int:
+        """Authenticated connections being served."""
+        with self._lock:
+            return len(self._served)
+
+    def close(self) -> None:
+        """Stop accepting; close every pending and served connection; wait for the gate."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            served = list(self._served)
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
+        self._gate.join(timeout=5)
+        for sock in served:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its serving thread, which closes it
+            sock.close()
+        self._wake_write.close()
+
+    def check_invariants(self) -> None:
+        assert self.num_pending <= self._config.max_unauthenticated_connections, self.num_pending
+        assert self.num_served <= self._config.max_connections, self.num_served
+
+    # ------------------------------------------------------------------ the gate thread
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                timeout = None
+                if self._pending:
+                    oldest = next(iter(self._pending.values()))
+                    timeout = max(0.0, oldest.deadline - time.monotonic())
+                for key, _events in self._selector.select(timeout):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is self._wake_read:
+                        return
+                    else:
+                        pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
+                        if pending is not None:
+                            self._advance(pending)
+                self._expire(time.monotonic())
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(pending)
+            self._selector.close()
+            self._sock.close()
+            self._wake_read.close()
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_PASS):
+            try:
+                sock, _address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # e.g. out of descriptors: the connection waits in the backlog
+            if len(self._pending) >= self._config.max_unauthenticated_connections:
+                self._drop(next(iter(self._pending.values())))  # the oldest: honest peers answer within a round trip
+            sock.setblocking(False)
+            nonce, hello = server_hello()
+            try:
+                if sock.send(hello) != len(hello):
+                    raise BlockingIOError
+            except OSError:
+                sock.close()
+                continue
+            pending = _Pending(sock, nonce, time.monotonic() + self._config.auth_timeout_s)
+            self._pending[sock] = pending
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _advance(self, pending: _Pending) -> None:
+        """Read what the peer sent of its answer; decide once all of it is in."""
+        try:
+            got = pending.sock.recv_into(memoryview(pending.answer)[pending.received :])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(pending)
+            return
+        if got == 0:
+            self._drop(pending)
+            return
+        pending.received += got
+        if pending.received < ANSWER_BYTES:
+            return
+        try:
+            verdict = server_verdict(self._secret, pending.nonce, bytes(pending.answer))
+        except AuthenticationError:
+            self._drop(pending, farewell=REFUSED)
+            return
+        with self._lock:
+            admitted = not self._closed and len(self._served) < self._config.max_connections
+            if admitted:
+                self._served.add(pending.sock)
+        if not admitted:
+            self._drop(pending, farewell=BUSY)
+            return
+        self._forget(pending)
+        sock = pending.sock
+        try:
+            if sock.send(verdict) != len(verdict):
+                raise BlockingIOError
+        except OSError:
+            self._end(sock)
+            return
+        threading.Thread(target=self._serve_then_close, args=(sock,), name=f"{self._name}-serve", daemon=True).start()
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.deadline > now:
+                return
+            self._drop(oldest)
+
+    def _forget(self, pending: _Pending) -> None:
+        del self._pending[pending.sock]
+        self._selector.unregister(pending.sock)
+
+    def _drop(self, pending: _Pending, *, farewell: bytes = b"") -> None:
+        self._forget(pending)
+        if farewell:
+            with contextlib.suppress(OSError):
+                pending.sock.send(farewell)
+        pending.sock.close()
+
+    # ------------------------------------------------------------------ served connections
+
+    def _serve_then_close(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(True)
+            self._serve(sock)
+        except Exception:
+            pass  # the connection ends; the engine keeps serving others
+        finally:
+            self._end(sock)
+
+    def _end(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._served.discard(sock)
+        sock.close()
