@@ -121,6 +121,11 @@ class TransferEngine:
         """Where peers connect: how many connections are authenticating and served, and their bounds."""
         return self._peers.listener
 
+    def check_invariants(self) -> None:
+        """The listener's and the staging pool's invariants (what tests check after an attack)."""
+        self._peers.listener.check_invariants()
+        self._peers.staging.check_invariants()
+
     @property
     def num_accepted_queue_pairs(self) -> int:
         """RDMA queue pairs accepted from peers and still open (at most `max_connections`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import BlockPinnedError, ConfigError, PeerUnavailable, UnknownBlockError
+from mooncake.errors import BlockPinnedError, ConfigError, PeerUnavailable, TransferError, UnknownBlockError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, part_range, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
@@ -34,12 +35,14 @@ class Node:
     now: list[float]
 
 
-def make_node(pages: int, transport: str) -> Node:
+def make_node(pages: int, transport: str, *, max_leases: int = 4096) -> Node:
     engine = TransferEngine(secret=SECRET, config=EngineConfig(transports=(transport,), slice_bytes=1024))
     pool, region = shared_dram_pool(engine, PAGE, pages)
     cache = TieredCache([pool])
     now = [0.0]
-    messenger = Messenger(engine, cache, region=region, lease_s=10.0, sweep_interval_s=0, clock=lambda: now[0])
+    messenger = Messenger(
+        engine, cache, region=region, lease_s=10.0, sweep_interval_s=0, max_leases=max_leases, clock=lambda: now[0]
+    )
     return Node(engine, cache, messenger, now)
 
 
@@ -223,3 +226,31 @@ def test_a_dead_peer_leaves_no_pins_behind() -> None:
         assert all(not a.cache.pools[0].allocator.is_allocated(p) for p in range(8))  # type: ignore[attr-defined]
     finally:
         a.engine.close()
+
+
+def test_a_peer_looping_on_lookups_cannot_grow_the_lease_table() -> None:
+    """Lookups under ever new lease ids open at most max_leases leases (then are refused with
+    CapacityError); lookups that pin nothing keep no lease; oversized ids are refused; once the
+    leases expire, fetches work again and no pin is left behind."""
+    a, b = make_node(8, "tcp"), make_node(8, "tcp", max_leases=4)
+    try:
+        peer = a.engine.connect(b.engine.address)
+        b.cache.put(BlockKey(1), block(1))
+        for i in range(20):  # nothing found: no lease kept
+            found: Any = a.engine.call(peer, "blocks.lookup", {"lease": f"empty-{i}", "keys": [99]})
+            assert found["blocks"] == []
+        for i in range(4):
+            a.engine.call(peer, "blocks.lookup", {"lease": f"flood-{i}", "keys": [1]})
+        with pytest.raises(TransferError, match="max_leases"):
+            a.engine.call(peer, "blocks.lookup", {"lease": "one-too-many", "keys": [1]})
+        with pytest.raises(TransferError, match="at most 64"):
+            a.engine.call(peer, "blocks.release", {"lease": "x"})  # releasing an unknown id is fine...
+            a.engine.call(peer, "blocks.lookup", {"lease": "x" * 100_000, "keys": [1]})  # ...a huge one is not
+        with pytest.raises(BlockPinnedError):
+            b.cache.remove(BlockKey(1))  # the flood's pins hold, until their leases expire
+        b.now[0] += 11.0
+        assert a.messenger.fetch([BlockKey(1)], peer).finish(timeout=10) == (1,)
+        b.cache.remove(BlockKey(1))  # no pin left behind
+    finally:
+        a.engine.close()
+        b.engine.close()

@@ -128,3 +128,27 @@ def test_pyverbs_loopback_write() -> None:
         )
         assert statuses[0].state == RequestState.DONE
         assert np.array_equal(source, target)
+
+
+def test_a_flood_of_rdma_connects_cannot_use_up_the_queue_pairs(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine],
+) -> None:
+    """An authenticated peer calling "rdma_connect" over and over holds at most max_connections
+    queue pairs (the oldest are closed); a peer connecting afterwards still gets RDMA and moves bytes."""
+    fabric, a, _b = pair
+    config = EngineConfig(transports=("rdma", "tcp"), slice_bytes=1 << 16, io_timeout_s=2.0, max_connections=4)
+    with TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric)) as target_engine:
+        target = np.zeros(SIZE, np.uint8)
+        remote = target_engine.register_memory(target)
+        flooder = a.connect(target_engine.address, transport="tcp")
+        for _ in range(3 * config.max_connections):
+            a.call(flooder, "rdma_connect", FakeVerbs(fabric).create_queue_pair().endpoint())
+            assert target_engine.num_accepted_queue_pairs <= config.max_connections
+        local = a.register_memory(pattern(SIZE, 5))
+        peer = a.connect(target_engine.address)  # builds its rdma transport after the flood
+        assert a.transport_names(peer) == ("rdma", "tcp")
+        statuses = a.wait(
+            a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)]), timeout=10
+        )
+        assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
+        assert np.array_equal(target, pattern(SIZE, 5))

@@ -1,0 +1,239 @@
+"""The listener under connection floods: unauthenticated connections have a budget and deadline of their own."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from mooncake.errors import ConfigError, PeerUnavailable
+from mooncake.transfer import tcp
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
+from tests.transfer.conftest import SECRET, request
+from tests.transfer.peer_process import pattern
+
+SIZE = 1 << 20
+
+
+def address_of(engine: TransferEngine) -> tuple[str, int]:
+    return engine.host, engine.port
+
+
+def wait_until(condition: Callable[[], bool], *, timeout_s: float) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def closed_by_peer(sock: socket.socket, *, timeout_s: float) -> bool:
+    """Whether the other end closes `sock` within `timeout_s` (what it sent before is read and dropped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return False
+        try:
+            if not sock.recv(65536):
+                return True
+        except OSError:  # reset: closed too
+            return True
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    """Raw client sockets a test opens; all closed at the end."""
+    opened: list[socket.socket] = []
+    yield opened
+    for sock in opened:
+        sock.close()
+
+
+def flood(
+    target: tuple[str, int], count: int, opened: list[socket.socket], *, source: str = "127.0.0.1"
+) -> list[socket.socket]:
+    """`count` TCP connections from `source` that never say a word."""
+    made = [socket.create_connection(target, timeout=5, source_address=(source, 0)) for _ in range(count)]
+    opened.extend(made)
+    return made
+
+
+def other_loopback_address() -> str | None:
+    """A second loopback address (Linux routes all of 127/8 to lo), or None where it is not usable."""
+    try:
+        with socket.create_server(("127.0.0.2", 0)):
+            return "127.0.0.2"
+    except OSError:
+        return None
+
+
+def test_a_flood_of_silent_connects_does_not_lock_out_peers(sockets: list[socket.socket]) -> None:
+    """Three times `max_connections` silent connects, then a peer connects and transfers, promptly.
+
+    The flood stays within its own small budget: the oldest silent connections make room,
+    the rest are closed at their deadline, and the authenticated slots stay free for peers.
+    """
+    config = EngineConfig(
+        max_connections=8, max_unauthenticated_connections=4, auth_timeout_s=1.0, streams_per_peer=2, io_timeout_s=5.0
+    )
+    with (
+        TransferEngine(secret=SECRET, config=config) as server,
+        TransferEngine(secret=SECRET, config=EngineConfig(streams_per_peer=2, io_timeout_s=5.0)) as client,
+    ):
+        target = np.zeros(SIZE, np.uint8)
+        remote = server.register_memory(target)
+        source = pattern(SIZE, 3)
+        local = client.register_memory(source)
+        silent = flood(address_of(server), 3 * config.max_connections, sockets)
+        start = time.monotonic()
+        peer = client.connect(server.address, transport="tcp")
+        statuses = client.transfer_sync(
+            [request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)], timeout=10
+        )
+        assert statuses[0].state == RequestState.DONE, statuses[0]
+        assert time.monotonic() - start < 10
+        assert np.array_equal(target, source)
+        server.listener.check_invariants()
+        # Every silent connection is closed: made room for the others, or out of time.
+        assert all(closed_by_peer(sock, timeout_s=config.auth_timeout_s + 5) for sock in silent)
+        assert wait_until(lambda: server.listener.num_pending == 0, timeout_s=5)
+
+
+@pytest.mark.skipif(other_loopback_address() is None, reason="127.0.0.2 is not a usable loopback address here")
+def test_a_sustained_flood_leaves_authenticated_peers_alone(sockets: list[socket.socket]) -> None:
+    """While silent connections keep coming from another address (each one the engine drops is
+    opened again), a peer connects, transfers, and connects once more; the pending budget is
+    never exceeded. The flood churns its own pending connections, never the peer's handshake."""
+    config = EngineConfig(
+        max_connections=8, max_unauthenticated_connections=8, auth_timeout_s=0.5, streams_per_peer=2, io_timeout_s=5.0
+    )
+    stop = threading.Event()
+    with (
+        TransferEngine(secret=SECRET, config=config) as server,
+        TransferEngine(secret=SECRET, config=EngineConfig(streams_per_peer=2, io_timeout_s=5.0)) as client,
+    ):
+        target = np.zeros(SIZE, np.uint8)
+        remote = server.register_memory(target)
+        local = client.register_memory(pattern(SIZE, 4))
+        reopened = [0]
+
+        def keep_flooding() -> None:
+            live = flood(address_of(server), 2 * config.max_connections, sockets, source="127.0.0.2")
+            while not stop.is_set():
+                ready, _, _ = select.select(live, [], [], 0.05)
+                for sock in ready:
+                    try:
+                        data = sock.recv(65536)  # the hello, or the end
+                    except OSError:
+                        data = b""
+                    if not data:
+                        live.remove(sock)
+                        with contextlib.suppress(OSError):
+                            live.extend(flood(address_of(server), 1, sockets, source="127.0.0.2"))
+                            reopened[0] += 1
+                stop.wait(0.002)  # a steady flood, not a busy loop starving the threads under test
+
+        flooder = threading.Thread(target=keep_flooding, daemon=True)
+        flooder.start()
+        try:
+            assert wait_until(lambda: reopened[0] > config.max_unauthenticated_connections, timeout_s=10)
+            churned_before = reopened[0]
+            peer = client.connect(server.address, transport="tcp")
+            for round_ in range(3):
+                statuses = client.transfer_sync(
+                    [request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)], timeout=10
+                )
+                assert statuses[0].state == RequestState.DONE, (round_, statuses[0])
+                server.listener.check_invariants()
+            assert client.connect(server.address, transport="tcp") == peer  # a fresh handshake gets through too
+            assert client.call(peer, "describe", None) is not None
+            assert reopened[0] > churned_before, "the flood went on while the peer worked"
+        finally:
+            stop.set()
+            flooder.join(timeout=10)
+        assert np.array_equal(target, pattern(SIZE, 4))
+
+
+def test_pending_connections_end_at_their_deadline(sockets: list[socket.socket]) -> None:
+    """A silent connection and one that dribbles its answer a byte at a time are both closed by auth_timeout_s."""
+    config = EngineConfig(auth_timeout_s=0.5)
+    with TransferEngine(secret=SECRET, config=config) as server:
+        silent, slow = flood(address_of(server), 2, sockets)
+        start = time.monotonic()
+        dribbled = 0
+        while not closed_by_peer(slow, timeout_s=0) and time.monotonic() - start < 10:
+            with contextlib.suppress(OSError):
+                slow.send(b"\x00")  # progress that never completes the answer
+                dribbled += 1
+            time.sleep(0.05)
+        assert time.monotonic() - start < 3, "the deadline counts from the connect, not from the last byte"
+        assert dribbled > 1
+        assert closed_by_peer(silent, timeout_s=3)
+        assert wait_until(lambda: server.listener.num_pending == 0, timeout_s=5)
+
+
+def test_a_full_engine_answers_busy_and_admits_again_when_a_slot_frees() -> None:
+    """Past max_connections an authenticated peer hears "busy" (PeerUnavailable) at once; a closed
+    connection frees its slot."""
+    config = EngineConfig(max_connections=2)
+    with TransferEngine(secret=SECRET, config=config) as server:
+        host, port = address_of(server)
+        first = tcp.connect(host, port, secret=SECRET, config=config)
+        second = tcp.connect(host, port, secret=SECRET, config=config)
+        try:
+            assert wait_until(lambda: server.listener.num_served == 2, timeout_s=5)
+            start = time.monotonic()
+            with pytest.raises(PeerUnavailable, match="max_connections"):
+                tcp.connect(host, port, secret=SECRET, config=config)
+            assert time.monotonic() - start < 2
+            first.close()
+            assert wait_until(lambda: server.listener.num_served == 1, timeout_s=5)
+            third = tcp.connect(host, port, secret=SECRET, config=config)
+            assert tcp.call(third, "describe", None) is not None
+            third.close()
+        finally:
+            first.close()
+            second.close()
+
+
+def test_wrong_answers_are_refused_and_peers_still_get_in(sockets: list[socket.socket]) -> None:
+    """Many connections answering the challenge wrongly are told NO (or make room for younger ones
+    before their answer is read) and closed; an honest peer still gets in."""
+    config = EngineConfig(max_unauthenticated_connections=4, auth_timeout_s=2.0)
+    with TransferEngine(secret=SECRET, config=config) as server:
+        liars = flood(address_of(server), 32, sockets)
+        for liar in liars:
+            liar.sendall(bytes(64))
+        for liar in liars:
+            received = b""
+            with contextlib.suppress(OSError):
+                while chunk := liar.recv(64):
+                    received += chunk
+            assert received[:10] in (b"MCTE-HELLO", b"")
+            assert received[43:] in (b"NO", b""), received[43:]
+        host, port = address_of(server)
+        with contextlib.closing(tcp.connect(host, port, secret=SECRET, config=config)) as honest:
+            assert tcp.call(honest, "describe", None) is not None
+        server.listener.check_invariants()
+
+
+def test_the_new_limits_are_validated() -> None:
+    """The unauthenticated budget and deadline, and the staging memory, must be sensible."""
+    with pytest.raises(ConfigError, match="max_unauthenticated_connections"):
+        EngineConfig(max_unauthenticated_connections=0)
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="auth_timeout_s"):
+            EngineConfig(auth_timeout_s=bad)
+    with pytest.raises(ConfigError, match="max_staging_bytes"):
+        EngineConfig(max_frame_bytes=64 << 20, max_staging_bytes=1 << 20)
+    assert EngineConfig().auth_timeout_s <= 5.0

@@ -1,0 +1,343 @@
+"""The TCP wire under misbehaving peers: staged checksums, started frames, bounded lengths, peers that stall."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.errors import PeerUnavailable
+from mooncake.transfer import tcp
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.request import EngineConfig
+from mooncake.transfer.wire import (
+    ANSWER_BYTES,
+    MAX_CONTROL_BYTES,
+    Frame,
+    Kind,
+    ProtocolError,
+    client_handshake,
+    recv_exact,
+    recv_frame,
+    send_frame,
+    server_hello,
+    server_verdict,
+)
+from tests.transfer.conftest import SECRET
+from tests.transfer.peer_process import pattern
+
+SIZE = 1 << 20
+CONFIG = EngineConfig(io_timeout_s=0.5, idle_timeout_s=60.0, max_frame_bytes=4 << 20, slice_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[TransferEngine, np.ndarray, int]]:
+    """An engine serving one plain region (in this process, so its bytes can be compared directly)."""
+    with TransferEngine(secret=SECRET, config=CONFIG) as engine:
+        target = pattern(SIZE, 1).copy()
+        region = engine.register_memory(target)
+        yield engine, target, region.region_id
+
+
+@contextlib.contextmanager
+def authenticated(engine: TransferEngine) -> Iterator[socket.socket]:
+    sock = tcp.connect(engine.host, engine.port, secret=SECRET, config=CONFIG)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def closed_within(sock: socket.socket, timeout_s: float) -> float | None:
+    """Seconds until the peer closes `sock` (what it sends meanwhile is dropped), or None if it does not."""
+    start = time.monotonic()
+    while (left := start + timeout_s - time.monotonic()) > 0:
+        ready, _, _ = select.select([sock], [], [], left)
+        if not ready:
+            break
+        try:
+            if not sock.recv(1 << 16):
+                return time.monotonic() - start
+        except OSError:
+            return time.monotonic() - start
+    return None
+
+
+def write_frame(region: int, offset: int, payload: bytes, checksum: int | None) -> tuple[Frame, bytes]:
+    return Frame(Kind.WRITE, tag=7, region=region, offset=offset, length=len(payload), checksum=checksum), payload
+
+
+# --------------------------------------------------------------------------- checksums before visibility
+
+
+def test_a_write_failing_its_checksum_leaves_the_region_unchanged(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """A WRITE whose payload does not match its checksum is refused and no byte of it reaches the
+    region; the connection stays in step, and a correct WRITE on it then lands."""
+    engine, target, region = server
+    before = target.copy()
+    payload = bytes(pattern(SIZE, 2))
+    with authenticated(engine) as sock:
+        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload) ^ 1))
+        reply = recv_frame(sock, max_length=SIZE)
+        message = bytearray(reply.length)
+        recv_exact(sock, memoryview(message))
+        assert reply.kind == Kind.ERROR and b"checksum" in message
+        assert np.array_equal(target, before), "a refused WRITE must not touch the region"
+        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload)))
+        assert recv_frame(sock, max_length=SIZE).kind == Kind.OK
+    assert bytes(target) == payload
+    target[:] = before
+
+
+def test_a_checksummed_write_cut_midway_leaves_the_region_unchanged(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """A connection that drops halfway through a checksummed payload leaves no partial bytes behind."""
+    engine, target, region = server
+    before = target.copy()
+    payload = bytes(pattern(SIZE, 3))
+    with authenticated(engine) as sock:
+        frame, _ = write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload))
+        sock.sendall(frame.pack() + payload[: SIZE // 2])
+    assert wait_for(lambda: engine.listener.num_served == 0, timeout_s=5)
+    assert np.array_equal(target, before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    offset=st.integers(0, SIZE - 1),
+    length=st.integers(1, 1 << 18),
+    flip=st.one_of(st.none(), st.integers(0, (1 << 18) - 1)),
+    seed=st.integers(0, 1000),
+)
+def test_only_verified_writes_become_visible(
+    server: tuple[TransferEngine, np.ndarray, int], offset: int, length: int, flip: int | None, seed: int
+) -> None:
+    """Against a model of the region: a checksummed WRITE changes exactly its range when its payload
+    verifies, and nothing when one byte of it was flipped on the way."""
+    engine, target, region = server
+    length = min(length, SIZE - offset)
+    model = target.copy()
+    payload = bytearray(pattern(length, seed))
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    if flip is not None:
+        payload[flip % length] ^= 0xFF
+    else:
+        model[offset : offset + length] = np.frombuffer(payload, np.uint8)
+    with authenticated(engine) as sock:
+        send_frame(sock, *write_frame(region, offset, bytes(payload), checksum))
+        reply = recv_frame(sock, max_length=SIZE)
+        assert reply.kind == (Kind.OK if flip is None else Kind.ERROR)
+    assert np.array_equal(target, model)
+    engine.check_invariants()
+
+
+# --------------------------------------------------------------------------- started frames must finish
+
+
+def wait_for(condition: Callable[[], bool], *, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def _half_header(sock: socket.socket, region: int) -> None:
+    sock.sendall(Frame(Kind.READ, region=region, length=16).pack()[:20])
+
+
+def _dribbled_header(sock: socket.socket, region: int) -> None:
+    header = Frame(Kind.READ, region=region, length=16).pack()
+    for i in range(len(header) - 1):  # a byte every 0.1 s: each recv is quick, the header never completes
+        try:
+            sock.send(header[i : i + 1])
+        except OSError:
+            return  # closed on us
+        time.sleep(0.1)
+
+
+def _half_payload(sock: socket.socket, region: int) -> None:
+    sock.sendall(Frame(Kind.WRITE, region=region, length=4096).pack() + bytes(100))
+
+
+def _half_call(sock: socket.socket, region: int) -> None:
+    sock.sendall(Frame(Kind.CALL, length=1000).pack() + b'{"method": ')
+
+
+@pytest.mark.parametrize("stall", [_half_header, _dribbled_header, _half_payload, _half_call])
+def test_a_started_frame_must_finish_within_the_io_timeout(
+    server: tuple[TransferEngine, np.ndarray, int], stall: Callable[[socket.socket, int], None]
+) -> None:
+    """Half a header, a header dribbled a byte at a time, half a payload, half a call: the connection is
+    closed about io_timeout_s after the frame started (idle_timeout_s is 60 s), and the engine
+    answers another connection meanwhile."""
+    engine, _target, region = server
+    with authenticated(engine) as stalled, authenticated(engine) as other:
+        start = time.monotonic()
+        worker = threading.Thread(target=stall, args=(stalled, region), daemon=True)
+        worker.start()
+        assert tcp.call(other, "describe", None) is not None  # served while the other stalls
+        closed_after = closed_within(stalled, timeout_s=10)
+        assert closed_after is not None, "the stalled connection was left open"
+        assert time.monotonic() - start < CONFIG.io_timeout_s + 4
+        worker.join(timeout=10)
+        assert tcp.call(other, "describe", None) is not None
+
+
+def test_an_idle_connection_may_wait_between_frames(server: tuple[TransferEngine, np.ndarray, int]) -> None:
+    """No frame started, no io deadline: a connection quiet for several io timeouts still gets answers."""
+    engine, _target, _region = server
+    with authenticated(engine) as sock:
+        assert closed_within(sock, timeout_s=4 * CONFIG.io_timeout_s) is None
+        assert tcp.call(sock, "describe", None) is not None
+
+
+def test_a_peer_that_never_reads_is_dropped(server: tuple[TransferEngine, np.ndarray, int]) -> None:
+    """A client that asks for large READs and never reads the answers holds a serving thread for
+    about io_timeout_s, then its connection is closed; others are served throughout."""
+    engine, _target, region = server
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        sock.settimeout(5)
+        sock.connect((engine.host, engine.port))
+        client_handshake(sock, SECRET, deadline=time.monotonic() + 5)
+        served_before = engine.listener.num_served
+        for _ in range(16):  # far more than the kernel buffers of both ends hold
+            send_frame(sock, Frame(Kind.READ, region=region, length=SIZE))
+        with authenticated(engine) as other:
+            assert tcp.call(other, "describe", None) is not None
+        assert wait_for(lambda: engine.listener.num_served < served_before, timeout_s=CONFIG.io_timeout_s + 4)
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- bounded length fields
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        Frame(Kind.CALL, length=MAX_CONTROL_BYTES + 1),
+        Frame(Kind.READ, region=1, length=CONFIG.max_frame_bytes + 1),
+        Frame(Kind.WRITE, region=1, length=2**64 - 1),
+        Frame(Kind.ERROR, length=10),
+        Frame(Kind.OK, length=10),
+    ],
+    ids=["call-over-1MiB", "read-over-max-frame", "write-2^64", "client-error", "client-ok"],
+)
+def test_an_oversized_or_misdirected_header_ends_the_connection_at_once(
+    server: tuple[TransferEngine, np.ndarray, int], frame: Frame
+) -> None:
+    """A header that announces more than its bound, or a kind a client may not send, closes the
+    connection before any payload is read or any memory is set aside for it."""
+    engine, _target, _region = server
+    with authenticated(engine) as sock:
+        send_frame(sock, frame)
+        closed_after = closed_within(sock, timeout_s=5)
+        assert closed_after is not None and closed_after < CONFIG.io_timeout_s
+
+
+class ScriptedServer:
+    """A server that authenticates like an engine, then answers the first frame with `answer`."""
+
+    def __init__(self, answer: Callable[[socket.socket], None] | None = None, *, hello_delay_s: float = 0.0) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._answer, self._hello_delay_s = answer, hello_delay_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = self.listener.accept()
+            with connection:
+                connection.settimeout(10)
+                nonce, hello = server_hello()
+                if self._hello_delay_s:  # a byte at a time, each well within any socket timeout
+                    for i in range(len(hello)):
+                        connection.sendall(hello[i : i + 1])
+                        if self._stop.wait(self._hello_delay_s):
+                            return
+                else:
+                    connection.sendall(hello)
+                answer = bytearray(ANSWER_BYTES)
+                recv_exact(connection, memoryview(answer))
+                connection.sendall(server_verdict(SECRET, nonce, bytes(answer)))
+                frame = recv_frame(connection, max_length=MAX_CONTROL_BYTES)
+                recv_exact(connection, memoryview(bytearray(frame.length)))
+                if self._answer is not None:
+                    self._answer(connection)
+                self._stop.wait(10)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        self._thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda c: c.sendall(Frame(Kind.OK, length=32 << 20).pack()),  # a data frame's bound, not a reply's
+        lambda c: c.sendall(Frame(Kind.REPLY, tag=5, length=2).pack() + b"{}"),  # another call's reply
+        lambda c: send_frame(c, Frame(Kind.REPLY, length=7), b"not js!"),
+        lambda c: send_frame(c, Frame(Kind.REPLY, length=200_000), b"[" * 200_000),  # past the parser's depth
+    ],
+    ids=["ok-32MiB", "wrong-tag", "not-json", "nested-json"],
+)
+def test_a_control_reply_is_checked_before_it_is_read(answer: Callable[[socket.socket], None]) -> None:
+    """A reply to a control call that is no reply (a 32 MiB data frame, another tag, not JSON, JSON
+    nested past the parser) is a ProtocolError at once, not an allocation or a wait for its body."""
+    scripted = ScriptedServer(answer)
+    try:
+        sock = tcp.connect("127.0.0.1", scripted.port, secret=SECRET, config=CONFIG)
+        with sock:
+            start = time.monotonic()
+            with pytest.raises(ProtocolError):
+                tcp.call(sock, "describe", None)
+            assert time.monotonic() - start < CONFIG.io_timeout_s
+    finally:
+        scripted.close()
+
+
+def test_the_client_handshake_has_one_deadline() -> None:
+    """A server that sends its hello a byte every 0.1 s (each recv well within the socket timeout)
+    is given up on at connect_timeout_s, not after 43 of them."""
+    scripted = ScriptedServer(hello_delay_s=0.1)
+    config = EngineConfig(connect_timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="authenticate"):
+            tcp.connect("127.0.0.1", scripted.port, secret=SECRET, config=config)
+        assert time.monotonic() - start < config.connect_timeout_s + 1.5
+    finally:
+        scripted.close()
+
+
+def test_calls_refused_by_the_handler_keep_the_connection(server: tuple[TransferEngine, np.ndarray, int]) -> None:
+    """Malformed control calls (not JSON, nested past the parser, unknown method) are refused one by
+    one on a connection that goes on serving."""
+    engine, _target, _region = server
+    with authenticated(engine) as sock:
+        for body in (b"not json", b"[" * 100_000, json.dumps({"method": "nope"}).encode()):
+            send_frame(sock, Frame(Kind.CALL, length=len(body)), body)
+            reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES)
+            recv_exact(sock, memoryview(bytearray(reply.length)))
+            assert reply.kind == Kind.ERROR
+        assert tcp.call(sock, "describe", None) is not None
