@@ -37,7 +37,8 @@ openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from serving.api import HttpError  # noqa: E402
+from serving import wire  # noqa: E402
+from serving.api import ApiError, SamplingOptions  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
 from serving.gateway import build_conductor, declare_metrics  # noqa: E402
@@ -200,7 +201,16 @@ BAD_BODIES = [
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"prompt": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, "messages[1]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, "messages[1].content"),
+    ("completions", {"prompt": "hi", "n": 3}, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "hi", "top_k": 5}, "top_k"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("completions", {"prompt": "a\ud800"}, "prompt"),
 ]
 
 
@@ -262,7 +272,7 @@ def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> N
     dispatcher = cluster.gateway.dispatcher
     decode = next(i for i, role in dispatcher.roles.items() if role == "decode")
     wait_for(
-        lambda: dispatcher.engine.call(dispatcher.peers[decode], "worker.health", {})["active"] == 0,
+        lambda: dispatcher.health(decode).active == (),
         timeout=20.0,
         what="the decode engine to stop generating for a client that left",
     )
@@ -410,28 +420,35 @@ def test_decode_reports_end_requests_in_the_outcome_vocabulary() -> None:
             decision = conductor.schedule(request, dispatcher.now())
             assert decision.accepted and decision.prefill_instance and decision.decode_instance
             entry = LiveRequest(
-                request.request_id, [0] * 20, request, {}, decision.prefill_instance, decision.decode_instance, 0.0
+                request.request_id,
+                [0] * 20,
+                request,
+                SamplingOptions(max_tokens=8),
+                0.0,
+                prefill=decision.prefill_instance,
+                decode=decision.decode_instance,
             )
             dispatcher.live[request.request_id] = entry
             return entry
 
         cases = [
-            ("decode.rejected", {"reason": "kv_budget"}, Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET, 429),
+            (wire.DecodeRejected, {"reason": "kv_budget"}, Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET, 429),
             (
-                "decode.rejected",
+                wire.DecodeRejected,
                 {"reason": "no_such_reason"},
                 Outcome.REJECTED_AFTER_PREFILL,
                 Reason.DECODE_REJECTED,
                 429,
             ),
-            ("decode.failed", {"error": "KV block 7 is not cached"}, Outcome.ABORTED, Reason.FAILED, 500),
+            (wire.DecodeFailed, {"error": "KV block 7 is not cached"}, Outcome.ABORTED, Reason.FAILED, 500),
         ]
-        for number, (method, report, outcome, reason, status) in enumerate(cases, start=1):
+        for number, (message, report, outcome, reason, status) in enumerate(cases, start=1):
             entry = live(number)
-            dispatcher._dispatch(method, {"request_id": number, **report})
+            ids = {"instance_id": "decode-0", "request_id": number, "attempt": 0}
+            dispatcher._dispatch(message(**ids, **report))
             assert ends[-1] == RequestEnd(RequestId(number), outcome, reason)
             kind, error = entry.events.get_nowait()
-            assert kind == "error" and isinstance(error, HttpError) and error.status == status
+            assert kind == "error" and isinstance(error, ApiError) and error.status == status
             assert RequestId(number) not in dispatcher.live
         assert registry.value("mooncake_rejections_total", reason="decode_kv_budget") == 1
         assert registry.value("mooncake_rejections_total", reason="decode_decode_rejected") == 1
@@ -532,11 +549,14 @@ def test_decode_killed_mid_stream(two_by_two: RunningCluster) -> None:
     for i in range(3):
         answer = api.completions.create(model="tiny", prompt=f"After the failure, #{i}.", max_tokens=8)
         assert answer.usage.completion_tokens == 8
-    with api.completions.create(model="tiny", prompt="Who serves me?", max_tokens=64, stream=True) as stream:
+    with api.completions.create(
+        model="tiny", prompt="Who serves me?", max_tokens=64, stream=True, stream_options={"include_usage": True}
+    ) as stream:
         chunks = iter(stream)
         next(chunks)
         assert the_live_request(cluster).decode == survivor
-        assert len(list(chunks)) == 64  # 63 tokens and the closing chunk
+        *_, last = chunks
+        assert last.usage.completion_tokens == 64
 
 
 def test_prefill_killed_requests_rerouted() -> None:
@@ -545,7 +565,8 @@ def test_prefill_killed_requests_rerouted() -> None:
     Both idle and no prefix cached, the Conductor picks prefill-0 (ties go by id), so the first request is sent to
     the dead engine; its failed submit marks it down and reroutes the request.
     """
-    config = tiny(limits={"health_interval_s": 600.0})  # only a failed submit can notice the dead engine
+    # Only a failed submit can notice the dead engine.
+    config = tiny(limits={"health_interval_s": 600.0, "health_probe_backoff_max_s": 600.0})
     with start_cluster(config) as cluster:
         api = client(cluster, timeout=30.0)
         cluster.backend.kill("prefill-0")

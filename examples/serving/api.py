@@ -1,205 +1,559 @@
-"""The OpenAI API's shapes: what a request body may hold, and the bodies of the answers.
+"""The OpenAI API as typed records: request bodies in, answer bodies out. Pure: no sockets, no event loop.
 
-`parse_request` checks a `/v1/completions` or `/v1/chat/completions` body and
-tokenizes its prompt (chat messages through `chat_prompt`); any violation is an
-`HttpError` naming the field: 400 for a bad value, 413 for a prompt over
-`[limits] max_prompt_tokens`. A `Reply` shapes the answers of one request: the
-whole completion, the server-sent-event chunks of a stream (the first carrying
-the assistant's role), and the final usage chunk of `stream_options.include_usage`.
-Errors are OpenAI's `{"error": {message, type, param, code}}`.
+In: `decode_body` turns a POST's bytes into a JSON object (its Content-Encoding
+undone within a size cap, its charset one of the Unicode ones, JSON without
+NaN, its depth and numbers bounded by the parser); `parse_completion` and
+`parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
+with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
+limit. A parameter this server does not implement (`n` > 1, `logprobs`,
+`echo`, `best_of`, tools, penalties, ...) or does not know is refused, never
+ignored.
 
-Nothing here touches the Conductor, the workers or the event loop.
+Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
+(the whole answer) or its `Chunk`s (server-sent events; a chat's first text
+chunk carries the role; `stream_options.include_usage` adds a last chunk with
+the `Usage` and no choices).
+
+Every failure is an `ApiError`: a status and OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`; `code` is a string for the
+errors OpenAI names (`model_not_found`) and the status otherwise.
+
+Invariant: for any bytes and any JSON value, decoding and parsing either
+return a request or raise an `ApiError` with a 4xx status (the property tests
+check it).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-from aiohttp import web
 
-from serving.config import LimitsSection
+from mooncake.errors import MooncakeError
 from serving.tokenizer import ByteTokenizer, chat_prompt
 
-__all__ = ["CompletionRequest", "HttpError", "Reply", "parse_request", "usage"]
+__all__ = [
+    "ApiError",
+    "ChatMessage",
+    "ChatRequest",
+    "Chunk",
+    "Completion",
+    "CompletionRequest",
+    "Reply",
+    "SamplingOptions",
+    "ServedModel",
+    "Usage",
+    "decode_body",
+    "error_body",
+    "models_body",
+    "parse_chat",
+    "parse_completion",
+    "prompt_tokens",
+]
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_SEED = 2**63 - 1
+CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
+ROLES = ("system", "developer", "user", "assistant")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
+ERROR_TYPES.update({404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error", 504: "timeout_error"})
 
 
-class HttpError(Exception):
-    """An error answer: status, OpenAI-style type, message, the offending field."""
+class ApiError(MooncakeError):
+    """An error answer: the status, OpenAI's type, the message, the offending parameter, extra headers."""
 
     def __init__(
         self,
         status: int,
         message: str,
         *,
-        kind: str = "invalid_request_error",
         param: str | None = None,
-        headers: dict[str, str] | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.code: str | int = code or status
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        """OpenAI's error body."""
+        return error_body(self.message, kind=self.kind, param=self.param, code=self.code)
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+def error_body(message: str, *, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A client's value for a message: ASCII (lone surrogates and all), cut to `limit` characters."""
+    text = ascii(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- bytes to JSON
+
+
+def _media_params(content_type: str | None) -> dict[str, str]:
+    params = {}
+    for part in (content_type or "").split(";")[1:]:
+        key, _, value = part.partition("=")
+        params[key.strip().lower()] = value.strip().strip('"')
+    return params
+
+
+def _inflate(data: bytes, coding: str, max_bytes: int) -> bytes:
+    if coding in ("gzip", "x-gzip"):
+        candidates = [16 + zlib.MAX_WBITS]
+    elif coding == "deflate":
+        candidates = [zlib.MAX_WBITS, -zlib.MAX_WBITS]  # zlib-wrapped, as the RFC says, or raw as some clients send
+    else:
+        raise ApiError(415, f"unsupported Content-Encoding {_shown(coding)} (gzip, deflate or identity)")
+    for wbits in candidates:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(data, max_bytes + 1)
+        except zlib.error:
+            continue
+        if len(out) > max_bytes:
+            raise ApiError(413, f"the decompressed body exceeds {max_bytes} bytes")
+        if inflater.eof and not inflater.unused_data:
+            return out
+    raise ApiError(400, f"the body is not valid {coding} data")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_body(
+    raw: bytes, *, content_type: str | None = None, content_encoding: str | None = None, max_bytes: int = 8 << 20
+) -> dict[str, Any]:
+    """The JSON object a POST body holds.
+
+    Args:
+        raw: the body's bytes, as received.
+        content_type: the Content-Type header (only its charset counts: UTF-8 when absent).
+        content_encoding: the Content-Encoding header (gzip, deflate, identity; applied in order).
+        max_bytes: the largest body once decompressed.
+
+    Raises:
+        ApiError: 400 for anything but a JSON object in a known charset, 413 over `max_bytes`, 415 for an
+            unsupported Content-Encoding.
+    """
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    if len(codings) > 2:
+        raise ApiError(415, f"too many Content-Encodings: {_shown(content_encoding)}")
+    for coding in reversed(codings):
+        if coding != "identity":
+            raw = _inflate(raw, coding, max_bytes)
+    charset = _media_params(content_type).get("charset", "utf-8")
+    try:
+        name = codecs.lookup(charset).name
+    except (LookupError, ValueError):
+        name = ""
+    if name not in CHARSETS:
+        raise ApiError(400, f"unsupported charset {_shown(charset)} (use utf-8)")
+    try:
+        text = raw.decode("utf-8-sig" if name == "utf-8" else name)
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"the body is not JSON text in {name}: {error.reason} at byte {error.start}") from None
+    if not text.strip():
+        raise ApiError(400, "the body is empty: expected a JSON object")
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, NaN, an integer past Python's digit limit
+        raise ApiError(400, f"the body is not valid JSON: {_shown(str(error), 120)}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, not a JSON {type(body).__name__}")
+    return body
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@attrs.frozen(kw_only=True)
+class ServedModel:
+    """What the API serves: the model's name and the token limits a request is checked against.
+
+    `max_output_tokens` is what a decode engine's context leaves beside the longest prompt.
+    """
+
+    name: str
+    max_prompt_tokens: int
+    default_max_tokens: int
+    max_output_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class SamplingOptions:
+    """How a request's tokens are chosen and when its text ends.
+
+    Attributes:
+        max_tokens: the most tokens generated.
+        temperature: 0 is greedy.
+        top_p: the nucleus' probability mass, in (0, 1].
+        seed: the random stream of a sampled request.
+        stop: up to four strings; the text ends before the first that appears (finish reason "stop").
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
 class CompletionRequest:
-    """A checked request body: the prompt's tokens and the sampling and streaming options."""
+    """A checked `/v1/completions` body."""
 
-    tokens: list[int]
-    max_tokens: int
-    temperature: float
-    seed: int
-    stream: bool
-    include_usage: bool  # stream_options.include_usage: a last chunk with no choices and the usage
+    model: str
+    prompt: str
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
 
 
-def parse_request(
-    body: Any, *, chat: bool, tokenizer: ByteTokenizer, limits: LimitsSection, max_context_tokens: int
-) -> CompletionRequest:
-    """Check a request body (parsed JSON) and tokenize its prompt.
+@attrs.frozen(kw_only=True)
+class ChatMessage:
+    """One message of a chat: its role and its text."""
 
-    Args:
-        body: the parsed JSON body.
-        chat: a chat completion (`messages`) rather than a completion (`prompt`).
-        tokenizer: turns the prompt's text into tokens.
-        limits: the prompt limit and the default `max_tokens`.
-        max_context_tokens: a request's whole context on a decode engine; `max_tokens` may use what the
-            longest prompt leaves of it.
+    role: str
+    content: str
+
+
+@attrs.frozen(kw_only=True)
+class ChatRequest:
+    """A checked `/v1/chat/completions` body."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v is None or (type(v) is int and v == 1),
+    "best_of": lambda v: v is None or (type(v) is int and v == 1),
+    "logprobs": _off,
+    "top_logprobs": _absent,
+    "echo": _off,
+    "suffix": lambda v: v is None or v == "",
+    "presence_penalty": _zero,
+    "frequency_penalty": _zero,
+    "logit_bias": _empty,
+    "tools": _empty,
+    "functions": _empty,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "reasoning_effort": _absent,
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _absent,
+    "prediction": _absent,
+}
+# Parameters that change nothing here (bookkeeping for the client), checked for their type only.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "user": lambda v: v is None or isinstance(v, str),
+    "store": lambda v: v is None or isinstance(v, bool),
+    "metadata": lambda v: v is None or isinstance(v, dict),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "service_tier": lambda v: v is None or isinstance(v, str),
+}
+SHARED = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
+COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
+CHAT_FIELDS = frozenset({*SHARED, "messages", "max_completion_tokens"})
+
+
+def _param(name: str) -> str:
+    """A parameter's name as an error names it: as given when short printable ASCII, else escaped and cut."""
+    return name if len(name) <= 40 and name.isascii() and name.isprintable() else _shown(name, 40)
+
+
+def _text(value: Any, param: str) -> str:
+    """A string that UTF-8 can encode (JSON's \\ud800 escapes make lone surrogates, which it cannot)."""
+    if not isinstance(value, str):
+        raise ApiError(400, f"{param} must be a string, got {_shown(value)}", param=param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param=param) from None
+    return value
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or not low <= value <= high:
+        raise ApiError(400, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}", param=name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    # An int may have thousands of digits (no float holds it): compare it exactly, never convert it first.
+    ok = type(value) is int or (type(value) is float and math.isfinite(value))
+    if not ok or not (low < value if open_low else low <= value) or value > high:
+        bounds = f"{'(' if open_low else '['}{low}, {high}]"
+        raise ApiError(400, f"{name} must be a number in {bounds}, got {_shown(value)}", param=name)
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings", param="stop")
+    for stop in stops:
+        if not 0 < len(_text(stop, "stop")) <= MAX_STOP_CHARS:
+            raise ApiError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(stops)
+
+
+def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *, chat: bool) -> dict[str, Any]:
+    """Check the parameters both APIs share, refusing unknown and unimplemented ones."""
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in NEUTRAL and NEUTRAL[name](value):
+            continue
+        if name in UNSUPPORTED:
+            if UNSUPPORTED[name](value):
+                continue
+            raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
+        raise ApiError(400, f"unrecognized request argument: {_param(name)}", param=_param(name))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {_shown(model)}", param="model")
+    if model is not None and model != served.name:
+        raise ApiError(
+            404, f"the model {_shown(model)} does not exist (this server serves {served.name!r})",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, limit, served.default_max_tokens, 1, served.max_output_tokens)
+    sampling = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 0.0, 2.0, open_low=False),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        seed=_integer(body, "seed", 0, 0, MAX_SEED),
+        stop=_stop(body.get("stop")),
+    )
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be a boolean, got {_shown(stream)}", param="stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise ApiError(400, 'stream_options must be {"include_usage": <bool>}', param="stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
+    return {"model": served.name, "sampling": sampling, "stream": bool(stream), "include_usage": include_usage}
+
+
+def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionRequest:
+    """Check a `/v1/completions` body (a JSON object).
 
     Raises:
-        HttpError: 400 naming the field, or 413 for a prompt over `limits.max_prompt_tokens`.
+        ApiError: 400 naming the parameter; 404 `model_not_found` for another model than `served.name`.
     """
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HttpError(400, "messages must be a non-empty list", param="messages")
-        for i, message in enumerate(messages):
-            if (
-                not isinstance(message, dict)
-                or not isinstance(message.get("content"), str)
-                or message.get("role") not in ("system", "user", "assistant")
-            ):
-                raise HttpError(
-                    400,
-                    f"messages[{i}] needs a role (system, user, assistant) and a string content",
-                    param=f"messages[{i}]",
-                )
-        text = chat_prompt(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
+    prompt = _text(prompt, "prompt")
+    return CompletionRequest(prompt=prompt, **_common(body, COMPLETION_FIELDS, served, chat=False))
+
+
+def _content(value: Any, param: str) -> str:
+    """A message's content: a string, or a list of text parts."""
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            where = f"{param}[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text" or set(part) - {"type", "text"}:
+                raise ApiError(400, f'{where} must be {{"type": "text", "text": <string>}}', param=where)
+            texts.append(_text(part.get("text"), where))
+        return "".join(texts)
+    return _text(value, param)
+
+
+def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
+    """Check a `/v1/chat/completions` body (a JSON object).
+
+    Raises:
+        ApiError: 400 naming the parameter (`messages[i]`...); 404 `model_not_found`; 413 for more messages
+            than the prompt limit could hold.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    if len(messages) > served.max_prompt_tokens:  # each message adds tokens: checking them all would be wasted
+        raise ApiError(413, f"{len(messages)} messages exceed the prompt limit", param="messages")
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or set(message) - {"role", "content", "name"}
+        ):
+            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content, nothing else", param=where)
+        if message.get("name") is not None:
+            _text(message["name"], f"{where}.name")
+        checked.append(ChatMessage(role=message["role"], content=_content(message.get("content"), f"{where}.content")))
+    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served, chat=True))
+
+
+def prompt_tokens(
+    request: CompletionRequest | ChatRequest, tokenizer: ByteTokenizer, *, max_prompt_tokens: int
+) -> list[int]:
+    """The request's prompt as tokens (a chat through the chat template).
+
+    Raises:
+        ApiError: 400 for an empty prompt, 413 over `max_prompt_tokens`.
+    """
+    if isinstance(request, ChatRequest):
+        param = "messages"
+        tokens = tokenizer.encode(chat_prompt([(m.role, m.content) for m in request.messages]))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise HttpError(400, "prompt must be a string", param="prompt")
-        text = prompt
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limits.default_max_tokens))
-    ceiling = max_context_tokens - limits.max_prompt_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= ceiling:
-        raise HttpError(400, f"max_tokens must be an integer in [1, {ceiling}], got {max_tokens!r}", param="max_tokens")
-    temperature = body.get("temperature", 0.0)
-    if temperature is None:
-        temperature = 0.0
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or not 0 <= temperature <= 2
-        or not math.isfinite(temperature)
-    ):
-        raise HttpError(400, f"temperature must be a number in [0, 2], got {temperature!r}", param="temperature")
-    seed = body.get("seed", 0)
-    if seed is None:
-        seed = 0
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise HttpError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise HttpError(400, f"stream must be a boolean, got {stream!r}", param="stream")
-    tokens = tokenizer.encode(text)
+        param = "prompt"
+        tokens = tokenizer.encode(request.prompt)
     if not tokens:
-        raise HttpError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    if len(tokens) > limits.max_prompt_tokens:
-        raise HttpError(
-            413,
-            f"the prompt has {len(tokens)} tokens, over the limit of {limits.max_prompt_tokens}",
-            param="messages" if chat else "prompt",
-        )
-    options = body.get("stream_options") or {}
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return CompletionRequest(
-        tokens=tokens,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        seed=seed,
-        stream=stream,
-        include_usage=include_usage,
-    )
+        raise ApiError(400, "the prompt is empty", param=param)
+    if len(tokens) > max_prompt_tokens:
+        raise ApiError(413, f"the prompt has {len(tokens)} tokens, over the limit of {max_prompt_tokens}", param=param)
+    return tokens
 
 
-def usage(*, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------- answers
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
     """OpenAI's usage record; `cached_tokens`: the prompt tokens whose KV came from a cache."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    """A whole answer: its text, why it ended ("length" or "stop") and its usage."""
+
+    reply: Reply
+    text: str
+    finish_reason: str
+    usage: Usage
+
+    def to_json(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        if self.reply.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        return {**self.reply.header(chunk=False), "choices": [choice], "usage": self.usage.to_json()}
+
+
+@attrs.frozen(kw_only=True)
+class Chunk:
+    """One server-sent event of a stream: some text, the finish reason of the last, or only the usage."""
+
+    reply: Reply
+    text: str | None = None
+    finish_reason: str | None = None
+    role: bool = False  # a chat's first text chunk carries the assistant's role
+    usage: Usage | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.usage is not None:
+            return {**self.reply.header(chunk=True), "choices": [], "usage": self.usage.to_json()}
+        if self.reply.chat:
+            delta: dict[str, Any] = {} if self.text is None else {"content": self.text}
+            if self.role:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": self.text or ""}
+        choice.update(finish_reason=self.finish_reason, logprobs=None)
+        return {**self.reply.header(chunk=True), "choices": [choice]}
+
+    def to_sse(self) -> bytes:
+        return b"data: " + json.dumps(self.to_json()).encode() + b"\n\n"
 
 
 @attrs.frozen(kw_only=True)
 class Reply:
-    """The answer bodies of one request: `name` (its id), `created` (Unix seconds), the model, chat or not."""
+    """One request's answer header: `name` (its id), `created` (Unix seconds), the model, chat or not."""
 
     name: str
     created: int
     model: str
     chat: bool
 
-    def whole(self, text: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """The completion answered at once (every answer ends by length: there is no stop sequence)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": self.name,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage,
-        }
+    def header(self, *, chunk: bool) -> dict[str, Any]:
+        """The fields every answer body opens with."""
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.name, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish: str | None, *, first: bool) -> bytes:
-        """One server-sent event of a stream; a chat's `first` chunk with text carries the role."""
-        if self.chat:
-            delta: dict[str, Any] = {"content": text} if text is not None else {}
-            if text is not None and first:
-                delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return self._event({"choices": [choice]})
+    def completion(self, text: str, finish_reason: str, usage: Usage) -> Completion:
+        return Completion(reply=self, text=text, finish_reason=finish_reason, usage=usage)
 
-    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
-        """The last event of a stream with `include_usage`: no choices, the usage."""
-        return self._event({"choices": [], "usage": usage})
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> Chunk:
+        return Chunk(reply=self, text=text, finish_reason=finish_reason, role=role)
 
-    def _event(self, fields: dict[str, Any]) -> bytes:
-        data = {
-            "id": self.name,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            **fields,
-        }
-        return f"data: {json.dumps(data)}\n\n".encode()
+    def usage_chunk(self, usage: Usage) -> Chunk:
+        return Chunk(reply=self, usage=usage)
+
+
+def models_body(name: str) -> dict[str, Any]:
+    """`GET /v1/models`: the one served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mooncake"}]}

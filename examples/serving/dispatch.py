@@ -3,21 +3,31 @@
 The `Dispatcher` holds the Conductor, a control connection to every worker and
 the table of live requests. `admit` keys a request's blocks and lets the
 Conductor decide (a rejection is a 429, no engine up a 503); `submit` sends an
-accepted request to its prefill worker with the decision's transfer plan. The
-workers report progress (prefill started/done/failed, decode joined/rejected/
-failed, tokens) with calls that arrive on the transfer engine's threads and are handed
-to the event loop, where they become Conductor events, index updates (the
-prefill node's cache events), metrics, and the request's queue of tokens that
-`tokens` reads until the last one, an error or the request's deadline.
+accepted request to its prefill worker (a `wire.PrefillJob` with the
+decision's transfer plan). The workers report progress with `serving.wire`
+messages that arrive on the transfer engine's threads, are decoded there (a
+malformed one is refused to its sender and logged) and handed to the event
+loop, where they become Conductor events, index updates (the prefill node's
+cache events), metrics, and the request's queue of tokens that `tokens` reads
+until the last one, an error or the request's deadline.
 
 Ends, in `sched.outcome`'s vocabulary: a decode engine's refusal is the decode
 rule's reason (`REJECTED_AFTER_PREFILL`, a 429); a prefill or a join that fails
-(the KV missing on the decode node, say) is `ABORTED` / `FAILED` (a 500).
+(the KV missing on the decode node, say) is `ABORTED` / `FAILED` (a 500); a
+client that leaves is `ABORTED` / `CLIENT_GONE` and a request that hits a stop
+string is `COMPLETED` early — both cancel the request's decode.
 
-Failures: a health loop checks every worker; a dead one is marked down in the
-Conductor. Requests waiting for a dead prefill engine are scheduled again on
-the survivors (twice at most); requests decoding on a dead decode engine end
-with an error.
+Health: every `[limits] health_interval_s` each worker that is due is probed
+(its process is alive and it answers a `HealthCheck` within `PROBE_TIMEOUT_S`).
+A worker that fails a probe is marked down in the Conductor and probed again
+with exponential backoff (the period doubling up to
+`[limits] health_probe_backoff_max_s`); one that answers again (a process
+resumed after SIGSTOP, say) is marked up. A probe's answer lists the requests
+the worker decodes: those the gateway no longer routes to it (ended while it
+was down, or rescheduled) are cancelled there. Requests waiting for a dead
+prefill engine are scheduled again on the survivors (twice at most, each time
+as the next attempt, so a resumed engine's reports about an earlier attempt
+are ignored); requests decoding on a dead decode engine end with a 503.
 
 Every Conductor call happens on the event loop's thread: it is the Conductor's
 only user.
@@ -25,13 +35,15 @@ only user.
 Invariants: a request is in `live` from its acceptance until it ends; the
 Conductor learns of each end once (from `end`, a no-op for a request no longer
 live, or by itself when an instance goes down); tokens reach a request's queue
-only while it is live, in order.
+only while it is live, from the decode engine and attempt it is routed to, in
+order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +61,7 @@ from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
     InstanceDown,
+    InstanceUp,
     PrefillFinished,
     PrefillStarted,
     RequestAborted,
@@ -57,21 +70,25 @@ from mooncake.sched.view import (
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import InstanceId, Request, RequestId
-from serving.api import CompletionRequest, HttpError
+from serving import wire
+from serving.api import ApiError, SamplingOptions
 from serving.config import ClusterConfig
 from serving.metrics import Registry
-from serving.wire import event_from_wire
 
-__all__ = ["Dispatcher", "LiveRequest"]
+__all__ = ["Dispatcher", "LiveRequest", "WorkerState"]
 
+LOG = logging.getLogger("serving.dispatch")
+PROBE_TIMEOUT_S = 5.0  # a health answer's deadline: the control calls' own I/O timeout
+MAX_REROUTES = 2
+UNROUTED = InstanceId("")
 REPORTS = (
-    "prefill.started",
-    "prefill.done",
-    "prefill.failed",
-    "decode.joined",
-    "decode.rejected",
-    "decode.failed",
-    "decode.tokens",
+    wire.PrefillStarted,
+    wire.PrefillDone,
+    wire.PrefillFailed,
+    wire.DecodeJoined,
+    wire.DecodeRejected,
+    wire.DecodeFailed,
+    wire.DecodeTokens,
 )
 
 
@@ -82,15 +99,28 @@ class LiveRequest:
     request_id: RequestId
     tokens: list[int]
     request: Request
-    job: dict[str, Any]
-    prefill: InstanceId
-    decode: InstanceId
+    sampling: SamplingOptions
     arrival: float
+    prefill: InstanceId = UNROUTED
+    decode: InstanceId = UNROUTED
+    fetch: wire.Fetch | None = None
+    attempt: int = 0  # rises each time the request is scheduled again after its prefill engine went down
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
     last_token_s: float | None = None
     generated: int = 0
     cached_tokens: int = 0
-    reroutes: int = 0
+
+
+@attrs.define(eq=False)
+class WorkerState:
+    """What the health loop knows of a worker: up or down, its failed probes in a row, when to probe next."""
+
+    instance_id: InstanceId
+    role: str
+    up: bool = True
+    failures: int = 0
+    next_probe_s: float = 0.0
+    probing: bool = False
 
 
 class Dispatcher:
@@ -133,25 +163,29 @@ class Dispatcher:
                 self.conductor.add_prefill_instance(InstanceId(worker["instance_id"]))
             else:
                 self.conductor.add_decode_instance(InstanceId(worker["instance_id"]), limits)
-        self.up = dict.fromkeys(self.roles, True)
+        self.workers = {i: WorkerState(InstanceId(i), role) for i, role in self.roles.items()}
         self._is_alive = is_alive
         self.engine = TransferEngine(
-            secret=secret, config=EngineConfig(transports=("tcp",), io_timeout_s=5.0, spin_us=0)
+            secret=secret, config=EngineConfig(transports=("tcp",), io_timeout_s=PROBE_TIMEOUT_S, spin_us=0)
         )
-        for method in REPORTS:
-            self.engine.register_handler(method, self._callback(method))
+        for cls in REPORTS:
+            self.engine.register_handler(cls.METHOD, self._receiver(cls))
         self.peers = {w["instance_id"]: self.engine.connect(w["address"], transport="tcp") for w in workers}
-        addresses = {w["instance_id"]: w["address"] for w in workers}
+        connect = wire.Connect(gateway=self.engine.address, peers={w["instance_id"]: w["address"] for w in workers})
         for instance in self.peers:
-            self.engine.call(
-                self.peers[instance], "worker.connect", {"gateway": self.engine.address, "peers": addresses}
-            )
+            self.engine.call(self.peers[instance], *wire.encode(connect))
         self.live: dict[RequestId, LiveRequest] = {}
         self._ids = itertools.count(1)
         self._started = time.monotonic()
-        self._calls = ThreadPoolExecutor(max(4, len(workers)), thread_name_prefix="gateway-call")
+        self._calls = ThreadPoolExecutor(max(4, 2 * len(workers)), thread_name_prefix="gateway-call")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
+        self._probes: set[asyncio.Task[None]] = set()
+
+    @property
+    def up(self) -> dict[str, bool]:
+        """Each worker's instance id → whether it is up."""
+        return {i: w.up for i, w in self.workers.items()}
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver the workers' reports to `loop` from now on (reports before are dropped)."""
@@ -160,7 +194,9 @@ class Dispatcher:
     def close(self) -> None:
         """End every live request with a 503, stop the control calls and the transfer engine."""
         for live in list(self.live.values()):
-            live.events.put_nowait(("error", HttpError(503, "the cluster is shutting down", kind="server_error")))
+            live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
+        for task in self._probes:
+            task.cancel()
         self._calls.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
@@ -170,39 +206,41 @@ class Dispatcher:
 
     def num_up(self, role: str) -> int:
         """How many engines of `role` ("prefill" or "decode") are up."""
-        return sum(1 for i, up in self.up.items() if up and self.roles[i] == role)
+        return sum(1 for w in self.workers.values() if w.up and w.role == role)
+
+    def call(self, instance: str, message: wire.Message) -> Any:
+        """Send `message` to a worker and wait for its answer (blocking: from a thread, or in tests)."""
+        return self.engine.call(self.peers[instance], *wire.encode(message))
+
+    def health(self, instance: str) -> wire.Health:
+        """A worker's answer to a `HealthCheck` (blocking).
+
+        Raises:
+            MooncakeError: it did not answer, or not with a `Health`.
+        """
+        return wire.decode_as(wire.Health, self.call(instance, wire.HealthCheck()))
 
     # ------------------------------------------------------------------ scheduling
 
-    def admit(self, parsed: CompletionRequest, arrival: float) -> LiveRequest:
+    def admit(self, tokens: list[int], sampling: SamplingOptions, arrival: float) -> LiveRequest:
         """Schedule a request; it is live once this returns.
 
         Raises:
-            HttpError: 503 when no prefill or no decode engine is up; 429 when the Conductor rejects it.
+            ApiError: 503 when no prefill or no decode engine is up; 429 when the Conductor rejects it.
         """
         if not (self.num_up("prefill") and self.num_up("decode")):
-            raise HttpError(
-                503, "no prefill or no decode engine is up", kind="server_error", headers={"Retry-After": "5"}
-            )
-        tokens = parsed.tokens
-        request_id = RequestId(next(self._ids))
+            raise ApiError(503, "no prefill or no decode engine is up", headers={"Retry-After": "5"})
+        request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
         keys = self.hasher.block_keys(np.asarray(tokens, dtype=np.int32))
         request = Request(
             request_id=request_id,
             arrival_s=arrival,
             input_length=len(tokens),
-            output_length=parsed.max_tokens,
+            output_length=sampling.max_tokens,
             block_keys=keys,
             block_size_tokens=self.hasher.block_size_tokens,
         )
-        job = {
-            "request_id": int(request_id),
-            "tokens": tokens,
-            "max_tokens": parsed.max_tokens,
-            "temperature": parsed.temperature,
-            "seed": parsed.seed,
-        }
-        live = LiveRequest(request_id, tokens, request, job, InstanceId(""), InstanceId(""), arrival)
+        live = LiveRequest(request_id, tokens, request, sampling, arrival)
         self._schedule(live)
         return live
 
@@ -212,27 +250,29 @@ class Dispatcher:
             assert decision.reason is not None
             reason = decision.reason.value
             self.metrics.inc("mooncake_rejections_total", reason=reason)
-            raise HttpError(
-                429,
-                f"the cluster is at capacity ({reason}); retry later",
-                kind="rate_limit_error",
-                headers={"Retry-After": "1"},
-            )
+            raise ApiError(429, f"the cluster is at capacity ({reason}); retry later", headers={"Retry-After": "1"})
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         live.prefill, live.decode = decision.prefill_instance, decision.decode_instance
-        live.job["decode"] = decision.decode_instance
-        live.job["fetch"] = None
-        if decision.transfer is not None:
-            live.job["fetch"] = {"source": decision.transfer.source, "blocks": decision.transfer.num_blocks}
+        plan = decision.transfer
+        live.fetch = None if plan is None else wire.Fetch(source=plan.source, blocks=plan.num_blocks)
         self.live[live.request_id] = live
 
     def submit(self, live: LiveRequest) -> None:
         """Send an admitted request to its prefill worker (on the event loop's thread)."""
-        peer = self.peers[live.prefill]
-        future = asyncio.get_running_loop().run_in_executor(
-            self._calls, self.engine.call, peer, "prefill.submit", live.job
+        sampling = live.sampling
+        job = wire.PrefillJob(
+            request_id=int(live.request_id),
+            attempt=live.attempt,
+            tokens=tuple(live.tokens),
+            decode=live.decode,
+            fetch=live.fetch,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
         )
         instance = live.prefill
+        future = asyncio.get_running_loop().run_in_executor(self._calls, self.call, instance, job)
 
         def check(done: asyncio.Future[Any]) -> None:
             if not done.cancelled() and done.exception() is not None:
@@ -244,7 +284,7 @@ class Dispatcher:
         """The request's tokens as they arrive.
 
         Raises:
-            HttpError: the request failed, or its deadline (`[limits] request_timeout_s`) passed: a 504.
+            ApiError: the request failed, or its deadline (`[limits] request_timeout_s`) passed: a 504.
         """
         deadline = live.arrival + self.config.limits.request_timeout_s
         while True:
@@ -252,7 +292,7 @@ class Dispatcher:
                 kind, payload = await asyncio.wait_for(live.events.get(), timeout=max(0.0, deadline - self.now()))
             except TimeoutError:
                 self.end(live, Outcome.ABORTED, Reason.TIMEOUT)
-                raise HttpError(504, "the request timed out", kind="timeout_error") from None
+                raise ApiError(504, "the request timed out") from None
             if kind == "error":
                 raise payload
             token, finished = payload
@@ -260,12 +300,21 @@ class Dispatcher:
             if finished:
                 return
 
-    def end(self, live: LiveRequest, outcome: Outcome, reason: Reason | None = None) -> tuple[RequestEnd, ...]:
-        """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports."""
+    def finish(self, live: LiveRequest) -> None:
+        """End a request that needs no more tokens (its text reached a stop string): cancel its decode."""
+        self.end(live, Outcome.COMPLETED, cancel=True)
+
+    def end(
+        self, live: LiveRequest, outcome: Outcome, reason: Reason | None = None, *, cancel: bool = False
+    ) -> tuple[RequestEnd, ...]:
+        """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports.
+
+        A request whose client left or timed out, or one ended with `cancel`, is cancelled on its decode engine.
+        """
         if self.live.pop(live.request_id, None) is None:
             return ()
         now = self.now()
-        if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) and self.up.get(live.decode):
+        if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
             self._calls.submit(self._cancel, live.decode, live.request_id)
         if outcome is Outcome.COMPLETED:
@@ -282,158 +331,173 @@ class Dispatcher:
 
     def _cancel(self, instance: InstanceId, request_id: RequestId) -> None:
         try:
-            self.engine.call(self.peers[instance], "decode.cancel", {"request_id": int(request_id)})
+            self.call(instance, wire.CancelDecode(request_id=int(request_id)))
         except (MooncakeError, OSError):
-            pass  # a dead engine generates nothing
+            pass  # a dead engine generates nothing; a live one is cancelled by the next health probe
 
     # ------------------------------------------------------------------ worker reports
 
-    def _callback(self, method: str) -> Callable[[Any], Any]:
+    def _receiver(self, cls: type[Any]) -> Callable[[Any], Any]:
+        """A control-call handler: decode the report here (a malformed one goes back to its sender as an
+        error, and is logged), apply it on the event loop."""
+
         def handler(args: Any) -> Any:
+            try:
+                message = wire.decode_as(cls, args)
+            except wire.MessageError as error:
+                LOG.warning("refused a malformed worker report: %s", error)
+                raise
             loop = self._loop
             if loop is not None:
-                loop.call_soon_threadsafe(self._dispatch, method, args)
-            return {"ok": True}
+                loop.call_soon_threadsafe(self._dispatch, message)
+            return None
 
         return handler
 
-    def _dispatch(self, method: str, args: dict[str, Any]) -> None:
-        if method == "decode.tokens":
-            self.metrics.inc("mooncake_generation_tokens_total", len(args["tokens"]))
-            for request_id, token, index, finished in args["tokens"]:
-                self._on_token(RequestId(request_id), token, index, finished)
+    def _dispatch(self, message: wire.Message) -> None:
+        if isinstance(message, wire.DecodeTokens):
+            self.metrics.inc("mooncake_generation_tokens_total", len(message.tokens))
+            for token in message.tokens:
+                self._on_token(message.instance_id, token)
             return
-        for wire in args.get("events", ()):
-            # A worker restarted or a message was lost: count it; the index catches up on the next epoch.
-            if self.conductor.apply_cache_event(event_from_wire(wire), strict=False) is not None:
-                self.metrics.inc("mooncake_index_gaps_total")
-        live = self.live.get(RequestId(args["request_id"]))
-        if live is None:
+        if isinstance(message, wire.PrefillDone | wire.PrefillFailed):
+            for event in message.events:
+                # A worker restarted or a message was lost: count it; the index catches up on the next epoch.
+                if self.conductor.apply_cache_event(event, strict=False) is not None:
+                    self.metrics.inc("mooncake_index_gaps_total")
+        assert not isinstance(message, wire.DecodeTokens)
+        live = self.live.get(RequestId(message.request_id))  # type: ignore[union-attr, arg-type]
+        if live is None or live.attempt != message.attempt:  # type: ignore[union-attr]
+            return  # ended, or a report of an earlier attempt (from an engine presumed dead)
+        prefill = isinstance(message, wire.PrefillStarted | wire.PrefillDone | wire.PrefillFailed)
+        if message.instance_id != (live.prefill if prefill else live.decode):  # type: ignore[union-attr]
             return
         now = self.now()
-        if method == "prefill.started":
+        if isinstance(message, wire.PrefillStarted):
             self.conductor.handle(PrefillStarted(request_id=live.request_id, instance_id=live.prefill, now=now))
-        elif method == "prefill.done":
-            self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
-            live.cached_tokens = args["prefix_tokens"]
-            self.metrics.inc("mooncake_prompt_tokens_total", len(live.tokens))
-            self.metrics.inc("mooncake_prefix_hit_tokens_total", args["prefix_tokens"])
-            self.metrics.inc("mooncake_computed_tokens_total", args["computed_tokens"])
-            self.metrics.inc("mooncake_transfer_bytes_total", args["fetched_blocks"] * self._block_bytes, kind="fetch")
-            self.metrics.inc(
-                "mooncake_transfer_bytes_total", args["streamed_blocks"] * self._block_bytes, kind="stream"
+        elif isinstance(message, wire.PrefillDone):
+            self._prefilled(live, message, now)
+        elif isinstance(message, wire.PrefillFailed | wire.DecodeFailed):  # a failure, not a scheduling decision
+            stage = "prefill" if prefill else "decode"
+            self._fail(live, ApiError(500, f"{stage} failed: {message.error}"), Outcome.ABORTED, Reason.FAILED)
+        elif isinstance(message, wire.DecodeJoined):
+            joined = DecodeJoined(
+                request_id=live.request_id,
+                instance_id=live.decode,
+                now=now,
+                context_tokens=message.context_tokens,
+                output_tokens=message.output_tokens,
             )
-            total = self.metrics.value("mooncake_prompt_tokens_total")
-            self.metrics.set(
-                "mooncake_prefix_hit_ratio", self.metrics.value("mooncake_prefix_hit_tokens_total") / total
-            )
-        elif method in ("prefill.failed", "decode.failed"):  # a failure, not a scheduling decision
-            stage = method.split(".")[0]
-            self._fail(
-                live,
-                HttpError(500, f"{stage} failed: {args['error']}", kind="server_error"),
-                Outcome.ABORTED,
-                Reason.FAILED,
-            )
-        elif method == "decode.joined":
-            self.conductor.handle(
-                DecodeJoined(
-                    request_id=live.request_id,
-                    instance_id=live.decode,
-                    now=now,
-                    context_tokens=args["context_tokens"],
-                    output_tokens=args["output_tokens"],
-                )
-            )
-        elif method == "decode.rejected":
-            reason = _reason(str(args["reason"]))
+            self.conductor.handle(joined)
+        elif isinstance(message, wire.DecodeRejected):
+            reason = _reason(message.reason)
             self.metrics.inc("mooncake_rejections_total", reason=f"decode_{reason.value}")
-            self._fail(
-                live,
-                HttpError(
-                    429,
-                    f"the decode engine refused the request ({reason.value}); retry later",
-                    kind="rate_limit_error",
-                    headers={"Retry-After": "1"},
-                ),
-                Outcome.REJECTED_AFTER_PREFILL,
-                reason,
+            error = ApiError(
+                429,
+                f"the decode engine refused the request ({reason.value}); retry later",
+                headers={"Retry-After": "1"},
             )
-        elif method in ("prefill.failed", "decode.failed"):  # a failure, not a scheduling decision
-            stage = method.split(".")[0]
-            self._fail(
-                live,
-                HttpError(500, f"{stage} failed: {args['error']}", kind="server_error"),
-                Outcome.ABORTED,
-                Reason.FAILED,
-            )
+            self._fail(live, error, Outcome.REJECTED_AFTER_PREFILL, reason)
 
-    def _on_token(self, request_id: RequestId, token: int, index: int, finished: bool) -> None:
-        live = self.live.get(request_id)
-        if live is None:
+    def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
+        self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
+        live.cached_tokens = done.prefix_tokens
+        metrics = self.metrics
+        metrics.inc("mooncake_prompt_tokens_total", len(live.tokens))
+        metrics.inc("mooncake_prefix_hit_tokens_total", done.prefix_tokens)
+        metrics.inc("mooncake_computed_tokens_total", done.computed_tokens)
+        metrics.inc("mooncake_transfer_bytes_total", done.fetched_blocks * self._block_bytes, kind="fetch")
+        metrics.inc("mooncake_transfer_bytes_total", done.streamed_blocks * self._block_bytes, kind="stream")
+        total = metrics.value("mooncake_prompt_tokens_total")
+        metrics.set("mooncake_prefix_hit_ratio", metrics.value("mooncake_prefix_hit_tokens_total") / total)
+
+    def _on_token(self, instance: str, token: wire.Token) -> None:
+        live = self.live.get(RequestId(token.request_id))  # type: ignore[arg-type]
+        if live is None or live.decode != instance or live.attempt != token.attempt:
             return
         now = self.now()
-        if index == 0:
+        if token.index == 0:
             self.metrics.observe("mooncake_ttft_seconds", now - live.arrival)
         elif live.last_token_s is not None:
             self.metrics.observe("mooncake_tbt_seconds", now - live.last_token_s)
         live.last_token_s = now
         live.generated += 1
-        live.events.put_nowait(("token", (token, finished)))
-        if finished:
+        live.events.put_nowait(("token", (token.token, token.finished)))
+        if token.finished:
             self.end(live, Outcome.COMPLETED)
 
-    def _fail(self, live: LiveRequest, error: HttpError, outcome: Outcome, reason: Reason) -> None:
+    def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)
         live.events.put_nowait(("error", error))
 
     # ------------------------------------------------------------------ health
 
     async def health_loop(self) -> None:
-        """Every `[limits] health_interval_s`, mark down the workers that are gone or do not answer."""
-        loop = asyncio.get_running_loop()
+        """Every `[limits] health_interval_s`, probe the workers that are due (each probe on its own task)."""
         while True:
             await asyncio.sleep(self.config.limits.health_interval_s)
-            for instance, up in list(self.up.items()):
-                if not up:
-                    continue
-                alive = self._is_alive(instance)
-                if alive:
-                    try:
-                        reply = await asyncio.wait_for(
-                            loop.run_in_executor(
-                                self._calls, self.engine.call, self.peers[instance], "worker.health", {}
-                            ),
-                            timeout=10.0,
-                        )
-                        alive = bool(reply.get("ok"))
-                    except (MooncakeError, OSError, TimeoutError):
-                        alive = False
-                if not alive:
-                    self._worker_failed(InstanceId(instance))
+            now = self.now()
+            for state in self.workers.values():
+                if not state.probing and state.next_probe_s <= now:
+                    state.probing = True
+                    task = asyncio.create_task(self._probe(state))
+                    self._probes.add(task)
+                    task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, state: WorkerState) -> None:
+        loop = asyncio.get_running_loop()
+        instance = state.instance_id
+        health: wire.Health | None = None
+        try:
+            if await loop.run_in_executor(self._calls, self._is_alive, instance):
+                health = await asyncio.wait_for(
+                    loop.run_in_executor(self._calls, self.health, instance), timeout=PROBE_TIMEOUT_S + 1.0
+                )
+        except (MooncakeError, OSError, TimeoutError):
+            health = None
+        finally:
+            state.probing = False
+        limits = self.config.limits
+        if health is None or not health.ok:
+            state.failures += 1
+            backoff = min(limits.health_probe_backoff_max_s, limits.health_interval_s * 2.0**state.failures)
+            state.next_probe_s = self.now() + backoff
+            if state.up:
+                LOG.warning("worker %s does not answer: marked down", instance)
+                self._worker_failed(instance)
+            return
+        state.failures, state.next_probe_s = 0, self.now()
+        if not state.up:
+            LOG.warning("worker %s answers again: marked up", instance)
+            state.up = True
+            self.conductor.handle(InstanceUp(instance_id=instance, now=self.now()))
+        for request_id in health.active:
+            live = self.live.get(RequestId(request_id))  # type: ignore[arg-type]
+            if live is None or live.decode != instance:  # ended while it was down, or rescheduled elsewhere
+                self._calls.submit(self._cancel, instance, RequestId(request_id))  # type: ignore[arg-type]
 
     def _worker_failed(self, instance: InstanceId) -> None:
-        if not self.up.get(instance):
+        state = self.workers[instance]
+        if not state.up:
             return
-        self.up[instance] = False
+        state.up = False
+        state.next_probe_s = max(state.next_probe_s, self.now() + self.config.limits.health_interval_s)
         ends: tuple[RequestEnd, ...] = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now()))
         for end in ends:
             live = self.live.pop(end.request_id, None)
             if live is None:
                 continue
-            if live.prefill == instance and live.reroutes < 2 and live.generated == 0:
-                live.reroutes += 1
+            if live.prefill == instance and live.attempt < MAX_REROUTES and live.generated == 0:
+                live.attempt += 1
                 try:  # not prefilled yet: schedule it again on the survivors
                     self._schedule(live)
-                except HttpError as error:
+                except ApiError as error:
                     live.events.put_nowait(("error", error))
                     continue
                 self.submit(live)
             else:
-                role = self.roles[instance]
-                live.events.put_nowait(
-                    ("error", HttpError(503, f"the {role} engine {instance} failed", kind="server_error"))
-                )
+                failure = ApiError(503, f"the {state.role} engine {instance} failed")
+                live.events.put_nowait(("error", failure))
 
 
 def _reason(value: str) -> Reason:

@@ -1,15 +1,25 @@
 """The gateway: an OpenAI-compatible HTTP API in front of the Conductor and the engine workers.
 
-Per request: check the API key (401 without it when one is set), read and
-check the body (`serving.api`: 400 naming the field, 413 over the prompt
-limit) and let the dispatcher admit it (`serving.dispatch`: a rejection is a
-429 with `Retry-After`, no engine up a 503). An accepted request goes to its
-prefill worker; its tokens come back through the dispatcher, and the gateway
-answers with the whole completion or streams it as server-sent events,
-headers going out with the first token (so a late rejection is still a 429).
-A request that fails mid-stream ends its stream with an error event; a client
-that hangs up is cancelled on its decode engine. `/metrics` serves the
-registry, `/health` the engines up.
+Per request: check the API key (401 without it when one is set), read the body
+within its deadline and decode and check it (`serving.api`: 400 naming the
+field, 404 `model_not_found`, 413 over the prompt limit) and let the
+dispatcher admit it (`serving.dispatch`: a rejection is a 429 with
+`Retry-After`, no engine up a 503). An accepted request goes to its prefill
+worker; its tokens come back through the dispatcher, and the gateway answers
+with the whole completion or streams it as server-sent events, headers going
+out with the first token (so a late rejection is still a 429). The text ends
+before a stop string (finish reason "stop"; the decode is cancelled) or at
+`max_tokens` ("length"). A request that fails mid-stream ends its stream with
+an error event; a client that hangs up, streaming or not, is cancelled on its
+decode engine (aiohttp cancels the handler when its connection is lost).
+`/metrics` serves the registry, `/health` the engines up, `/v1/models` the
+served model.
+
+Every answer but a stream's is JSON: a middleware turns aiohttp's own errors
+(404 for an unknown route, 405, 413 for a body over the cap) and anything
+unexpected (a 500, logged once per kind and interval) into OpenAI's error body.
+`Gateway.start` serves the app through `serving.protocol`'s guarded site
+(connection caps, header deadline, JSON for unparsable requests).
 
 `build_conductor` assembles the Conductor of the config's policies, on the
 analytic CPU cost models or, with `[prefill] profile`, on the models
@@ -24,8 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -37,14 +48,29 @@ from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.types import Slo
 from serving import registry
-from serving.api import HttpError, Reply, parse_request, usage
+from serving.api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    ServedModel,
+    Usage,
+    decode_body,
+    models_body,
+    parse_chat,
+    parse_completion,
+    prompt_tokens,
+)
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import Registry
 from serving.models import CPU, cost_models, model_shape
+from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
 from serving.tokenizer import ByteTokenizer
 
-__all__ = ["Gateway", "build_conductor"]
+__all__ = ["Gateway", "build_conductor", "declare_metrics"]
+
+LOG = logging.getLogger("serving.gateway")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -101,13 +127,27 @@ class Gateway:
         secret: the transfer engines' shared secret.
         workers: each worker's `start()` info (instance id, role, address).
         is_alive: tells whether a worker's process (or actor) still runs.
+        edge: the connections' caps and deadlines (default: the config's `[limits]`).
     """
 
     def __init__(
-        self, config: ClusterConfig, secret: bytes, workers: list[dict[str, Any]], is_alive: Callable[[str], bool]
+        self,
+        config: ClusterConfig,
+        secret: bytes,
+        workers: list[dict[str, Any]],
+        is_alive: Callable[[str], bool],
+        *,
+        edge: EdgeLimits | None = None,
     ) -> None:
         self.config = config
+        self.edge = edge or EdgeLimits.from_config(config.limits)
         self.tokenizer = ByteTokenizer()
+        self.served = ServedModel(
+            name=config.model.preset,
+            max_prompt_tokens=config.limits.max_prompt_tokens,
+            default_max_tokens=config.limits.default_max_tokens,
+            max_output_tokens=config.decode.max_context_tokens - config.limits.max_prompt_tokens,
+        )
         self.metrics = declare_metrics()
         self.dispatcher = Dispatcher(
             config,
@@ -118,10 +158,17 @@ class Gateway:
             metrics=self.metrics,
             block_bytes=model_shape(config).kv_bytes_per_token * config.model.block_tokens,
         )
+        self.site: GuardedSite | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._uninstall_log_limits: Callable[[], None] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
+        """The aiohttp application (its handler options carry the header deadline and handler cancellation)."""
+        app = web.Application(
+            client_max_size=self.edge.max_body_bytes,
+            middlewares=[self._errors],
+            handler_args=self.edge.handler_args(),
+        )
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -131,8 +178,21 @@ class Gateway:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
+    async def start(self, host: str, port: int) -> web.AppRunner:
+        """Serve the app on `host:port` through the guarded site; returns the runner (`cleanup()` stops it)."""
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        self.site = GuardedSite(
+            runner, host, port, limits=self.edge, handler_args={**self.edge.handler_args(), "access_log": None}
+        )
+        await self.site.start()
+        return runner
+
     async def _on_startup(self, _app: web.Application) -> None:
-        self.dispatcher.attach(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(loop_exception_handler)
+        self._uninstall_log_limits = install_log_limits(self.edge.log_interval_s)
+        self.dispatcher.attach(loop)
         self._health_task = asyncio.create_task(self.dispatcher.health_loop())
 
     async def _on_cleanup(self, _app: web.Application) -> None:
@@ -141,6 +201,28 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         self.dispatcher.close()
+        if self._uninstall_log_limits is not None:
+            self._uninstall_log_limits()
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error answer as OpenAI's JSON body: ours, aiohttp's (404, 405, 413...) and the unexpected."""
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return _error_response(error)
+        except web.HTTPException as exception:
+            if exception.status < 400:
+                raise
+            headers = {k: v for k, v in exception.headers.items() if k in ("Allow", "Retry-After")}
+            return _error_response(ApiError(exception.status, exception.reason, headers=headers))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            LOG.exception("unexpected error serving %s %s", request.method, request.path)
+            return _error_response(ApiError(500, "internal error"))
 
     # ------------------------------------------------------------------ routes
 
@@ -151,12 +233,8 @@ class Gateway:
         return await self._serve(request, chat=True)
 
     async def _models(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-        except HttpError as error:
-            return error.response()
-        model = {"id": self.config.model.preset, "object": "model", "created": 0, "owned_by": "mooncake"}
-        return web.json_response({"object": "list", "data": [model]})
+        self._authorize(request)
+        return web.json_response(models_body(self.served.name))
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
@@ -185,7 +263,22 @@ class Gateway:
     def _authorize(self, request: web.Request) -> None:
         key = self.config.cluster.api_key
         if key and request.headers.get("Authorization", "") != f"Bearer {key}":
-            raise HttpError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
+
+    async def _read(self, request: web.Request, *, chat: bool) -> CompletionRequest | ChatRequest:
+        """The request's body, read within its deadline, decoded and checked."""
+        try:
+            async with asyncio.timeout(self.edge.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.edge.body_timeout_s:g} s") from None
+        body = decode_body(
+            raw,
+            content_type=request.headers.get("Content-Type"),
+            content_encoding=request.headers.get("Content-Encoding"),
+            max_bytes=self.edge.max_body_bytes,
+        )
+        return parse_chat(body, self.served) if chat else parse_completion(body, self.served)
 
     # ------------------------------------------------------------------ completions
 
@@ -194,76 +287,97 @@ class Gateway:
         arrival = dispatcher.now()
         try:
             self._authorize(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise HttpError(400, "the body is not valid JSON") from None
-            parsed = parse_request(
-                body,
-                chat=chat,
-                tokenizer=self.tokenizer,
-                limits=self.config.limits,
-                max_context_tokens=self.config.decode.max_context_tokens,
-            )
-            live = dispatcher.admit(parsed, arrival)
-        except HttpError as error:
+            parsed = await self._read(request, chat=chat)
+            tokens = prompt_tokens(parsed, self.tokenizer, max_prompt_tokens=self.served.max_prompt_tokens)
+            live = dispatcher.admit(tokens, parsed.sampling, arrival)
+        except ApiError as error:
             self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
-            return error.response()
+            raise
         dispatcher.submit(live)
         reply = Reply(
             name=f"{'chatcmpl' if chat else 'cmpl'}-{live.request_id}",
             created=int(time.time()),
-            model=self.config.model.preset,
+            model=self.served.name,
             chat=chat,
         )
-        if parsed.stream:
-            return await self._stream(request, live, reply, with_usage=parsed.include_usage)
         try:
-            generated = [token async for token in dispatcher.tokens(live)]
-        except HttpError as error:
-            self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
-            return error.response()
-        self.metrics.inc("mooncake_requests_total", outcome="200")
-        return web.json_response(reply.whole(self.tokenizer.decode(generated), self._usage(live, len(generated))))
+            if parsed.stream:
+                return await self._stream(request, live, reply, parsed)
+            return await self._whole(live, reply, parsed)
+        except (asyncio.CancelledError, ConnectionResetError):
+            dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)  # a no-op if it ended already
+            raise
 
-    def _usage(self, live: LiveRequest, completion: int) -> dict[str, Any]:
-        return usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
+    def _usage(self, live: LiveRequest, completion: int) -> Usage:
+        return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
+
+    async def _whole(
+        self, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
+    ) -> web.StreamResponse:
+        text = self.tokenizer.stream(parsed.sampling.stop)
+        pieces, count = [], 0
+        try:
+            async for token in self.dispatcher.tokens(live):
+                count += 1
+                pieces.append(text.feed(token))
+                if text.stopped:
+                    self.dispatcher.finish(live)
+                    break
+        except ApiError as error:
+            self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
+            raise
+        pieces.append(text.finish())
+        self.metrics.inc("mooncake_requests_total", outcome="200")
+        finish = "stop" if text.stopped else "length"
+        return web.json_response(reply.completion("".join(pieces), finish, self._usage(live, count)).to_json())
 
     async def _stream(
-        self, request: web.Request, live: LiveRequest, reply: Reply, *, with_usage: bool
+        self, request: web.Request, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
         tokens = self.dispatcher.tokens(live)
-        decoder = self.tokenizer.stream_decoder()
+        text = self.tokenizer.stream(parsed.sampling.stop)
         try:
             first = await tokens.__anext__()  # headers go out with the first token: a late rejection is still a 429
-        except HttpError as error:
+        except ApiError as error:
             self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
-            return error.response()
+            raise
         except StopAsyncIteration:
             first = None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        count = 0
+        count, sent = 0, False  # tokens read; whether text went out (a chat's first text chunk carries the role)
         try:
-            if first is not None:
+            async for token in _following(first, tokens):
                 count += 1
-                # The role goes with the first chunk counted here: the decode thread may run ahead of the writes.
-                text = decoder.decode(bytes([first]) if first < 256 else b"")
-                await response.write(reply.chunk(text, None, first=count == 1))
-                async for token in tokens:
-                    count += 1
-                    text = decoder.decode(bytes([token]) if token < 256 else b"")
-                    await response.write(reply.chunk(text, None, first=count == 1))
-            await response.write(reply.chunk(decoder.decode(b"", final=True) or None, "length", first=count == 1))
-            if with_usage:
-                await response.write(reply.usage_chunk(self._usage(live, count)))
+                piece = text.feed(token)
+                if piece:
+                    await response.write(reply.chunk(piece, role=not sent).to_sse())
+                    sent = True
+                if text.stopped:
+                    self.dispatcher.finish(live)
+                    break
+            rest = text.finish()
+            finish = "stop" if text.stopped else "length"
+            await response.write(reply.chunk(rest or None, finish, role=bool(rest) and not sent).to_sse())
+            if parsed.include_usage:
+                await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
             await response.write(b"data: [DONE]\n\n")
             self.metrics.inc("mooncake_requests_total", outcome="200")
-        except HttpError as error:
-            await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
+        except ApiError as error:
+            await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
             self.metrics.inc("mooncake_requests_total", outcome=f"{error.status}-mid-stream")
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
-            raise
         await response.write_eof()
         return response
+
+
+async def _following(first: int | None, tokens: AsyncIterator[int]) -> AsyncIterator[int]:
+    """`first` (None: there is none), then the rest of `tokens`."""
+    if first is None:
+        return
+    yield first
+    async for token in tokens:
+        yield token
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)

@@ -1,23 +1,454 @@
-"""The cache events' wire format between a worker and the gateway (no torch: the gateway never loads it).
+"""The messages between the gateway and the workers: typed records with one encode/decode pair (no torch).
 
-A prefill worker reports its node's cache events with `prefill.done` as JSON
-lists, in order; the gateway turns them back into events for the Conductor's
-index:
+Each message is a frozen record whose `METHOD` names the transfer engine's
+control call that carries it; its fields travel as the call's JSON object:
+
+    gateway → worker   worker.connect  Connect {gateway, peers}
+                       worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, ...}
+                       worker.stop     Stop {}
+    gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, max_tokens, ...}
+    gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
+    prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
+    prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error}
+    decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
+                       decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
+
+Reports name the worker that sends them and the request's `attempt` (a
+request rescheduled after its prefill engine went down is sent again with the
+next attempt), so the gateway can ignore what a worker that was presumed dead
+still reports about a request it no longer serves.
+
+`encode(message)` gives (method, args); `decode(method, args)` the record.
+Decoding checks every field: an unknown method, a missing or extra field, or a
+value of the wrong type is a `MessageError` naming the method and the field,
+never a silent drop (raised in a control call's handler, it goes back to the
+caller as the call's error). Cache events travel inside the prefill reports as
+JSON lists, in order:
 
     ["stored" | "removed", source, seq, epoch, tier, [key, ...]]
     ["cleared", source, seq, epoch]
 
-Invariant: `event_from_wire(event_to_wire(e)) == e` for every cache event.
+Invariants: `decode(*encode(m)) == m` for every message;
+`event_from_wire(event_to_wire(e)) == e` for every cache event.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar, cast
+
+import attrs
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from mooncake.types import InstanceId
+from mooncake.errors import MooncakeError
+from mooncake.types import InstanceId, Tier
 
-__all__ = ["event_from_wire", "event_to_wire"]
+__all__ = [
+    "CancelDecode",
+    "Connect",
+    "DecodeFailed",
+    "DecodeJob",
+    "DecodeJoined",
+    "DecodeRejected",
+    "DecodeTokens",
+    "Fetch",
+    "Health",
+    "HealthCheck",
+    "Message",
+    "MessageError",
+    "PrefillDone",
+    "PrefillFailed",
+    "PrefillJob",
+    "PrefillStarted",
+    "Stop",
+    "Token",
+    "decode",
+    "decode_as",
+    "encode",
+    "event_from_wire",
+    "event_to_wire",
+    "handlers",
+]
+
+
+class MessageError(MooncakeError, ValueError):
+    """A control message that is not one of `wire`'s, or breaks its record's shape; the message names both."""
+
+
+# ---------------------------------------------------------------------------------------------- field codecs
+
+
+@attrs.frozen
+class _Codec:
+    """How one field travels: `load` checks a JSON value into the field's value (raising MessageError), `dump`
+    makes it JSON again."""
+
+    load: Callable[[Any, str], Any]
+    dump: Callable[[Any], Any] = lambda value: value
+
+
+def _bad(where: str, expected: str, value: Any) -> MessageError:
+    shown = repr(value)
+    return MessageError(f"{where}: expected {expected}, got {shown if len(shown) < 80 else shown[:77] + '...'}")
+
+
+def _load_int(value: Any, where: str) -> int:
+    if type(value) is not int:
+        raise _bad(where, "an integer", value)
+    return value
+
+
+def _load_float(value: Any, where: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _bad(where, "a finite number", value)
+    return float(value)
+
+
+def _load_str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _bad(where, "a string", value)
+    return value
+
+
+def _load_bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(where, "a boolean", value)
+    return value
+
+
+def _load_ints(value: Any, where: str) -> tuple[int, ...]:
+    if type(value) is not list or not all(type(item) is int for item in value):
+        raise _bad(where, "a list of integers", value)
+    return tuple(value)
+
+
+def _load_str_map(value: Any, where: str) -> dict[str, str]:
+    if type(value) is not dict or not all(type(item) is str for item in value.values()):
+        raise _bad(where, "an object of strings", value)
+    return dict(value)
+
+
+def _load_events(value: Any, where: str) -> tuple[CacheEvent, ...]:
+    if type(value) is not list:
+        raise _bad(where, "a list of cache events", value)
+    return tuple(event_from_wire(item, where=f"{where}[{i}]") for i, item in enumerate(value))
+
+
+def _load_tokens(value: Any, where: str) -> tuple[Token, ...]:
+    if type(value) is not list:
+        raise _bad(where, "a list of tokens", value)
+    tokens = []
+    for i, item in enumerate(value):
+        if (
+            type(item) is not list
+            or len(item) != 5
+            or not all(type(x) is int for x in item[:4])
+            or type(item[4]) is not bool
+        ):
+            raise _bad(f"{where}[{i}]", "[request_id, attempt, token, index, finished]", item)
+        tokens.append(Token(request_id=item[0], attempt=item[1], token=item[2], index=item[3], finished=item[4]))
+    return tuple(tokens)
+
+
+INT, FLOAT, STR, BOOL = _Codec(_load_int), _Codec(_load_float), _Codec(_load_str), _Codec(_load_bool)
+INTS = _Codec(_load_ints, list)
+STR_MAP = _Codec(_load_str_map)
+EVENTS = _Codec(_load_events, lambda events: [event_to_wire(e) for e in events])
+TOKENS = _Codec(_load_tokens, lambda tokens: [[t.request_id, t.attempt, t.token, t.index, t.finished] for t in tokens])
+
+
+def _record(cls: type[Any]) -> _Codec:
+    return _Codec(lambda value, where: _load_fields(cls, value, where), lambda value: _dump_fields(value))
+
+
+def _optional(codec: _Codec) -> _Codec:
+    return _Codec(
+        lambda value, where: None if value is None else codec.load(value, where),
+        lambda value: None if value is None else codec.dump(value),
+    )
+
+
+def _field(codec: _Codec, **options: Any) -> Any:
+    return attrs.field(metadata={"codec": codec}, **options)
+
+
+# ---------------------------------------------------------------------------------------------- the records
+
+
+@attrs.frozen
+class Token:
+    """One generated token of a request's attempt: its `index`-th output token, the last when `finished`."""
+
+    request_id: int
+    attempt: int
+    token: int
+    index: int
+    finished: bool
+
+
+@attrs.frozen(kw_only=True)
+class Fetch:
+    """The transfer plan: bring the prompt's first `blocks` blocks from `source` before prefilling."""
+
+    source: str = _field(STR)
+    blocks: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class Connect:
+    """The gateway's engine address and every worker's, by instance id."""
+
+    METHOD: ClassVar[str] = "worker.connect"
+    gateway: str = _field(STR)
+    peers: dict[str, str] = _field(STR_MAP)  # noqa: RUF009 (an attrs field)
+
+
+@attrs.frozen(kw_only=True)
+class HealthCheck:
+    """Are you there? Answered by a `Health`."""
+
+    METHOD: ClassVar[str] = "worker.health"
+
+
+@attrs.frozen(kw_only=True)
+class Health:
+    """A worker's answer to a `HealthCheck`: its process, its queue, the requests it decodes (by id) and the
+    tokens it generated since it started."""
+
+    METHOD: ClassVar[str] = "worker.health.reply"
+    ok: bool = _field(BOOL)
+    pid: int = _field(INT)
+    queued: int = _field(INT)
+    active: tuple[int, ...] = _field(INTS)
+    generated_tokens: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class Stop:
+    """Stop serving (the worker's process then closes its engine, cache and shared memory)."""
+
+    METHOD: ClassVar[str] = "worker.stop"
+
+
+@attrs.frozen(kw_only=True)
+class PrefillJob:
+    """Prefill `tokens` for `decode`, after fetching the planned prefix; sampling decides the first token."""
+
+    METHOD: ClassVar[str] = "prefill.submit"
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    tokens: tuple[int, ...] = _field(INTS)
+    decode: str = _field(STR)
+    fetch: Fetch | None = _field(_optional(_record(Fetch)))  # noqa: RUF009 (an attrs field)
+    max_tokens: int = _field(INT)
+    temperature: float = _field(FLOAT)
+    top_p: float = _field(FLOAT)
+    seed: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class CancelDecode:
+    """Drop the request from the decode batch (whatever its attempt); a request not there is ignored."""
+
+    METHOD: ClassVar[str] = "decode.cancel"
+    request_id: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeJob:
+    """A prefilled request handed to its decode node: its KV blocks, its first token and its sampling."""
+
+    METHOD: ClassVar[str] = "decode.join"
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    keys: tuple[int, ...] = _field(INTS)
+    prompt_tokens: int = _field(INT)
+    first_token: int = _field(INT)
+    max_tokens: int = _field(INT)
+    temperature: float = _field(FLOAT)
+    top_p: float = _field(FLOAT)
+    seed: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillStarted:
+    METHOD: ClassVar[str] = "prefill.started"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillDone:
+    """A prefill's figures and its node's cache events since the last report, in order."""
+
+    METHOD: ClassVar[str] = "prefill.done"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    prefix_tokens: int = _field(INT)
+    computed_tokens: int = _field(INT)
+    fetched_blocks: int = _field(INT)
+    streamed_blocks: int = _field(INT)
+    events: tuple[CacheEvent, ...] = _field(EVENTS)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillFailed:
+    METHOD: ClassVar[str] = "prefill.failed"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    error: str = _field(STR)
+    events: tuple[CacheEvent, ...] = _field(EVENTS)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeJoined:
+    METHOD: ClassVar[str] = "decode.joined"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    context_tokens: int = _field(INT)
+    output_tokens: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeRejected:
+    """The decode rule refused the request; `reason` is a `sched.outcome.Reason` value."""
+
+    METHOD: ClassVar[str] = "decode.rejected"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    reason: str = _field(STR)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeFailed:
+    """The join failed (its KV is missing or does not match the prompt): a failure, not a decision."""
+
+    METHOD: ClassVar[str] = "decode.failed"
+    instance_id: str = _field(STR)
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+    error: str = _field(STR)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeTokens:
+    """The tokens of one decode step (the joins' first tokens included) and the step's duration."""
+
+    METHOD: ClassVar[str] = "decode.tokens"
+    instance_id: str = _field(STR)
+    tokens: tuple[Token, ...] = _field(TOKENS)
+    step_s: float = _field(FLOAT)
+
+
+Message = (
+    Connect
+    | HealthCheck
+    | Health
+    | Stop
+    | PrefillJob
+    | CancelDecode
+    | DecodeJob
+    | PrefillStarted
+    | PrefillDone
+    | PrefillFailed
+    | DecodeJoined
+    | DecodeRejected
+    | DecodeFailed
+    | DecodeTokens
+)
+MESSAGES: dict[str, type[Any]] = {
+    cls.METHOD: cls
+    for cls in (
+        Connect,
+        HealthCheck,
+        Health,
+        Stop,
+        PrefillJob,
+        CancelDecode,
+        DecodeJob,
+        PrefillStarted,
+        PrefillDone,
+        PrefillFailed,
+        DecodeJoined,
+        DecodeRejected,
+        DecodeFailed,
+        DecodeTokens,
+    )
+}
+M = TypeVar("M")
+
+
+# ---------------------------------------------------------------------------------------------- encode / decode
+
+
+def _dump_fields(record: Any) -> dict[str, Any]:
+    return {f.name: f.metadata["codec"].dump(getattr(record, f.name)) for f in attrs.fields(type(record))}
+
+
+def _load_fields(cls: type[M], args: Any, where: str) -> M:
+    if type(args) is not dict:
+        raise _bad(where, "a JSON object", args)
+    fields = attrs.fields(cast(Any, cls))
+    names = {f.name for f in fields}
+    if extra := sorted(set(args) - names):
+        raise MessageError(f"{where}: unknown field {extra[0]!r} (fields: {', '.join(sorted(names)) or 'none'})")
+    values = {}
+    for f in fields:
+        if f.name not in args:
+            raise MessageError(f"{where}: missing field {f.name!r}")
+        values[f.name] = f.metadata["codec"].load(args[f.name], f"{where}.{f.name}")
+    return cls(**values)
+
+
+def encode(message: Message) -> tuple[str, dict[str, Any]]:
+    """The control call that carries `message`: its method and JSON args."""
+    return message.METHOD, _dump_fields(message)
+
+
+def decode(method: str, args: Any) -> Message:
+    """The message a control call carries.
+
+    Raises:
+        MessageError: an unknown method, or args that are not its record's fields (naming the field).
+    """
+    cls = MESSAGES.get(method)
+    if cls is None:
+        raise MessageError(f"unknown message {method!r} (known: {', '.join(sorted(MESSAGES))})")
+    message: Message = _load_fields(cls, args, method)
+    return message
+
+
+def decode_as(cls: type[M], args: Any) -> M:
+    """`args` decoded as a `cls` message (a call's reply, whose method is known from the call).
+
+    Raises:
+        MessageError: `args` is not a `cls`.
+    """
+    return _load_fields(cls, args, getattr(cls, "METHOD", cls.__name__))
+
+
+def handlers(serve: Mapping[type[Any], Callable[[Any], Message | None]]) -> dict[str, Callable[[Any], Any]]:
+    """Control-call handlers (method → handler of JSON args) that decode each call into its record, run
+    `serve[record type]` on it and encode its answer (a message, or None for a bare acknowledgement).
+    A malformed call raises MessageError, which the transfer engine returns to the caller as the call's error."""
+
+    def make(cls: type[Any], handler: Callable[[Any], Message | None]) -> Callable[[Any], Any]:
+        def handle(args: Any) -> Any:
+            answer = handler(_load_fields(cls, args, cls.METHOD))
+            return None if answer is None else _dump_fields(answer)
+
+        return handle
+
+    return {cls.METHOD: make(cls, handler) for cls, handler in serve.items()}
+
+
+# ---------------------------------------------------------------------------------------------- cache events
 
 
 def event_to_wire(event: CacheEvent) -> list[Any]:
@@ -28,9 +459,29 @@ def event_to_wire(event: CacheEvent) -> list[Any]:
     return [kind, event.source, event.seq, event.epoch, int(event.tier), [int(k) for k in event.keys]]
 
 
-def event_from_wire(data: list[Any]) -> CacheEvent:
-    """The event `event_to_wire` made `data` from."""
-    if data[0] == "cleared":
-        return AllBlocksCleared(source=InstanceId(data[1]), seq=data[2], epoch=data[3])
-    kind = BlockStored if data[0] == "stored" else BlockRemoved
-    return kind(source=InstanceId(data[1]), seq=data[2], epoch=data[3], tier=data[4], keys=data[5])
+def event_from_wire(data: Any, *, where: str = "event") -> CacheEvent:
+    """The event `event_to_wire` made `data` from.
+
+    Raises:
+        MessageError: `data` is not such a list (naming `where`).
+    """
+    shape = "['stored' | 'removed', source, seq, epoch, tier, [key, ...]] or ['cleared', source, seq, epoch]"
+    if type(data) is not list or not data or data[0] not in ("stored", "removed", "cleared"):
+        raise _bad(where, shape, data)
+    try:
+        if data[0] == "cleared":
+            (_, source, seq, epoch) = data
+            return AllBlocksCleared(source=InstanceId(_load_str(source, where)), seq=seq, epoch=epoch)
+        (kind, source, seq, epoch, tier, keys) = data
+        change = BlockStored if kind == "stored" else BlockRemoved
+        return change(
+            source=InstanceId(_load_str(source, where)),
+            seq=seq,
+            epoch=epoch,
+            tier=Tier(_load_int(tier, where)),
+            keys=_load_ints(keys, where),
+        )
+    except MessageError:
+        raise
+    except (ValueError, TypeError, MooncakeError) as error:  # a wrong count, tier or key: the record's own checks
+        raise _bad(where, shape, data) from error

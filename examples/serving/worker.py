@@ -3,16 +3,10 @@
 A worker owns a tiny world: the model, a `TieredCache` (DRAM pages in shared
 memory, optionally an SSD tier), a `TransferEngine` listening on 127.0.0.1 and
 the `Messenger` serving its blocks. The gateway drives it with control calls
-over the same authenticated transport; the worker answers at once and does the
-work on its own thread, reporting back with calls to the gateway:
-
-    gateway → worker   worker.connect {gateway, peers}   worker.health   worker.stop
-    gateway → prefill  prefill.submit {request_id, tokens, decode, fetch, max_tokens, temperature, seed}
-    gateway → decode   decode.cancel {request_id}          (its client went away or timed out)
-    prefill → decode   decode.join {request_id, keys, prompt_tokens, first_token, ...}
-    prefill → gateway  prefill.started / prefill.done {prefix_tokens, computed_tokens, events} / prefill.failed
-    decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
-                       / decode.tokens [[request_id, token, index, finished]…]
+over the same authenticated transport, each carrying one `serving.wire`
+message (a malformed one is refused back to its caller, naming it); the worker
+answers at once and does the work on its own thread, reporting back with calls
+to the gateway (`wire`'s module docstring lists them).
 
 A prefill fetches the blocks the Conductor's transfer plan names from their
 holder (keeping the copy), prefills layer-wise while streaming each layer's KV
@@ -24,11 +18,16 @@ A decode node joins a request by the decode rule (`DecodeEngine.try_join`, the
 same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
 `decode.rejected` with the rule's reason (a `sched.outcome.Reason` value); a
 request whose KV is missing or does not match its prompt is `decode.failed`.
+It holds one attempt of a request at a time: a hand-off of a later attempt
+replaces the one it holds, a hand-off of an earlier one (from a prefill engine
+that was presumed dead and resumed) is dropped. Its health answer lists the
+requests it decodes, so the gateway can cancel those it no longer serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import tempfile
@@ -56,9 +55,9 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import BlockKey, InstanceId, RequestId
+from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models
-from serving.wire import event_to_wire
 
 __all__ = ["Worker", "WorkerSpec", "run_worker"]
 
@@ -73,6 +72,9 @@ class WorkerSpec:
     instance_id: str
     config: ClusterConfig
     secret: bytes
+
+
+Job = wire.PrefillJob | wire.DecodeJob | wire.CancelDecode
 
 
 class Worker:
@@ -105,13 +107,16 @@ class Worker:
             pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache.ssd_blocks))
         self.cache = TieredCache(pools, source=self.instance_id, epoch=time.time_ns())
         self.messenger = Messenger(self.engine, self.cache, region=region)
-        self._jobs: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._jobs: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
         self._peers: dict[str, str] = {}  # instance id → peer name (connected lazily)
         self._addresses: dict[str, str] = {}
         self._gateway: str | None = None
         self._prefill: PrefillEngine | None = None
         self._decode: DecodeEngine | None = None
+        self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
+        self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
+        self._generated = 0
         if spec.role == "prefill":
             self._prefill = PrefillEngine(
                 self.model, self.cache, self.hasher, PrefillConfig(chunk_tokens=config.prefill.chunk_tokens)
@@ -130,14 +135,15 @@ class Worker:
                 step_model=cost_models(config)[1],  # the decode rule as the Conductor asks it
             )
             loop = self._decode_loop
-        for method, handler in {
-            "worker.connect": self._on_connect,
-            "worker.health": self._on_health,
-            "worker.stop": self._on_stop,
-            "prefill.submit": self._on_job,
-            "decode.join": self._on_job,
-            "decode.cancel": self._on_cancel,
-        }.items():
+        served: dict[type[Any], Callable[[Any], wire.Message | None]] = {
+            wire.Connect: self._on_connect,
+            wire.HealthCheck: self._on_health,
+            wire.Stop: self._on_stop,
+            wire.PrefillJob: self._on_job,
+            wire.DecodeJob: self._on_job,
+            wire.CancelDecode: self._on_job,  # applied by the decode loop, the engine's only user
+        }
+        for method, handler in wire.handlers(served).items():
             self.engine.register_handler(method, handler)
         self._thread = threading.Thread(target=self._guarded, args=(loop,), name=f"{spec.role}-loop", daemon=True)
 
@@ -170,26 +176,24 @@ class Worker:
 
     # ------------------------------------------------------------------ control calls (server threads)
 
-    def _on_connect(self, args: dict[str, Any]) -> dict[str, Any]:
-        self._addresses = dict(args["peers"])
-        self._gateway = self.engine.connect(args["gateway"], transport="tcp")
-        return {"ok": True}
+    def _on_connect(self, message: wire.Connect) -> None:
+        self._addresses = dict(message.peers)
+        self._gateway = self.engine.connect(message.gateway, transport="tcp")
 
-    def _on_health(self, _args: Any) -> dict[str, Any]:
-        active = self._decode.num_active if self._decode is not None else 0
-        return {"ok": not self._stop.is_set(), "queued": self._jobs.qsize(), "active": active}
+    def _on_health(self, _message: wire.HealthCheck) -> wire.Health:
+        return wire.Health(
+            ok=not self._stop.is_set(),
+            pid=os.getpid(),
+            queued=self._jobs.qsize(),
+            active=self._active,
+            generated_tokens=self._generated,
+        )
 
-    def _on_stop(self, _args: Any) -> dict[str, Any]:
+    def _on_stop(self, _message: wire.Stop) -> None:
         self._stop.set()
-        return {"ok": True}
 
-    def _on_cancel(self, args: dict[str, Any]) -> dict[str, Any]:
-        self._jobs.put({"cancel": args["request_id"]})  # applied by the decode loop, the engine's only user
-        return {"queued": True}
-
-    def _on_job(self, args: dict[str, Any]) -> dict[str, Any]:
-        self._jobs.put(args)
-        return {"queued": True}
+    def _on_job(self, message: Job) -> None:
+        self._jobs.put(message)
 
     # ------------------------------------------------------------------ helpers
 
@@ -198,10 +202,10 @@ class Worker:
             self._peers[instance_id] = self.engine.connect(self._addresses[instance_id])
         return self._peers[instance_id]
 
-    def _tell_gateway(self, method: str, args: dict[str, Any]) -> None:
+    def _tell_gateway(self, message: wire.Message) -> None:
         if self._gateway is not None:
             with contextlib.suppress(MooncakeError, OSError):  # a gateway gone is a cluster shutting down
-                self.engine.call(self._gateway, method, args)
+                self.engine.call(self._gateway, *wire.encode(message))
 
     def _guarded(self, loop: Any) -> None:
         try:
@@ -213,60 +217,67 @@ class Worker:
 
     def _prefill_loop(self) -> None:
         assert self._prefill is not None
+        me = self.spec.instance_id
         while not self._stop.is_set():
             try:
                 job = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            request_id = job["request_id"]
-            self._tell_gateway("prefill.started", {"request_id": request_id})
+            if not isinstance(job, wire.PrefillJob):
+                continue  # a decode message sent to a prefill node: nothing of it concerns this engine
+            ids: dict[str, Any] = {"instance_id": me, "request_id": job.request_id, "attempt": job.attempt}
+            self._tell_gateway(wire.PrefillStarted(**ids))
             try:
                 done, join = self._run_prefill(job)
             except (MooncakeError, OSError, RuntimeError) as error:
-                events = [event_to_wire(e) for e in self.cache.take_events()]
-                self._tell_gateway("prefill.failed", {"request_id": request_id, "error": str(error), "events": events})
+                self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), events=self._events()))
                 continue
-            done["events"] = [event_to_wire(e) for e in self.cache.take_events()]
             # Reported before the hand-off: the decode node's tokens (another connection) must not overtake it,
             # or a short request ends before the gateway learns its prefix hit.
-            self._tell_gateway("prefill.done", done)
+            self._tell_gateway(attrs.evolve(done, events=self._events()))
             try:
-                self.engine.call(self._peer(job["decode"]), "decode.join", join)
+                self.engine.call(self._peer(job.decode), *wire.encode(join))
             except (MooncakeError, OSError) as error:
-                failed = {"request_id": request_id, "error": f"hand-off to {job['decode']}: {error}", "events": []}
-                self._tell_gateway("prefill.failed", failed)
+                self._tell_gateway(wire.PrefillFailed(**ids, error=f"hand-off to {job.decode}: {error}", events=()))
 
-    def _run_prefill(self, job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _events(self) -> tuple[Any, ...]:
+        return tuple(self.cache.take_events())
+
+    def _run_prefill(self, job: wire.PrefillJob) -> tuple[wire.PrefillDone, wire.DecodeJob]:
         """Fetch the planned prefix, prefill streaming the KV to the decode node; returns (stats, its join call)."""
         assert self._prefill is not None
-        tokens: list[int] = job["tokens"]
+        tokens = list(job.tokens)
         fetched = 0
-        fetch = job.get("fetch")
-        if fetch:  # the transfer plan: bring the prefix from its holder first, and keep the copy
-            keys = self.hasher.block_keys(tokens)[: fetch["blocks"]]
+        if job.fetch is not None:  # the transfer plan: bring the prefix from its holder first, and keep the copy
+            keys = self.hasher.block_keys(tokens)[: job.fetch.blocks]
             try:
-                fetched = len(self.messenger.fetch(keys, self._peer(fetch["source"])).finish(TIMEOUT_S))
+                fetched = len(self.messenger.fetch(keys, self._peer(job.fetch.source)).finish(TIMEOUT_S))
             except (MooncakeError, OSError, KeyError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
-        sink = MessengerSink(self.messenger, self._peer(job["decode"]), num_layers=self.model.config.num_layers)
-        sampling = SamplingParams(temperature=job["temperature"], seed=job["seed"])
+        sink = MessengerSink(self.messenger, self._peer(job.decode), num_layers=self.model.config.num_layers)
+        sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed)
         result = self._prefill.prefill(tokens, sampling=sampling, sink=sink)
-        join = {
-            "request_id": job["request_id"],
-            "keys": [int(k) for k in result.keys],
-            "prompt_tokens": len(tokens),
-            "first_token": result.first_token,
-            "max_tokens": job["max_tokens"],
-            "temperature": job["temperature"],
-            "seed": job["seed"],
-        }
-        done = {
-            "request_id": job["request_id"],
-            "prefix_tokens": result.prefix_tokens,
-            "computed_tokens": result.computed_tokens,
-            "fetched_blocks": fetched,
-            "streamed_blocks": len(sink.committed),
-        }
+        join = wire.DecodeJob(
+            request_id=job.request_id,
+            attempt=job.attempt,
+            keys=tuple(int(k) for k in result.keys),
+            prompt_tokens=len(tokens),
+            first_token=result.first_token,
+            max_tokens=job.max_tokens,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            seed=job.seed,
+        )
+        done = wire.PrefillDone(
+            instance_id=self.spec.instance_id,
+            request_id=job.request_id,
+            attempt=job.attempt,
+            prefix_tokens=result.prefix_tokens,
+            computed_tokens=result.computed_tokens,
+            fetched_blocks=fetched,
+            streamed_blocks=len(sink.committed),
+            events=(),
+        )
         return done, join
 
     # ------------------------------------------------------------------ decode
@@ -275,56 +286,74 @@ class Worker:
         decode = self._decode
         assert decode is not None
         while not self._stop.is_set():
-            joins: list[dict[str, Any]] = []
+            jobs: list[Job] = []
             try:
-                joins.append(self._jobs.get(timeout=0.0 if decode.num_active else 0.05))
+                jobs.append(self._jobs.get(timeout=0.0 if decode.num_active else 0.05))
                 while True:
-                    joins.append(self._jobs.get_nowait())
+                    jobs.append(self._jobs.get_nowait())
             except queue.Empty:
                 pass
-            tokens: list[TokenEvent] = []  # every token, the joins' first ones included, via on_token
-            for job in joins:
-                if "cancel" in job:
-                    decode.cancel(RequestId(job["cancel"]))
-                else:
+            tokens: list[wire.Token] = []  # every token, the joins' first ones included
+            for job in jobs:
+                if isinstance(job, wire.CancelDecode):
+                    cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
+                    decode.cancel(cancelled)
+                    self._attempts.pop(cancelled, None)
+                elif isinstance(job, wire.DecodeJob):
                     self._join(job, tokens.append)
             if decode.num_active:
                 for event in decode.step():
-                    tokens.append(event)
+                    tokens.append(self._token(event))
+            self._active = tuple(int(r) for r in self._attempts)
             if tokens:
-                wire = [[int(e.request_id), e.token, e.index, e.finished] for e in tokens]
-                self._tell_gateway("decode.tokens", {"tokens": wire, "step_s": decode.last_step_s})
+                self._generated += len(tokens)
+                report = wire.DecodeTokens(
+                    instance_id=self.spec.instance_id, tokens=tuple(tokens), step_s=decode.last_step_s
+                )
+                self._tell_gateway(report)
 
-    def _join(self, job: dict[str, Any], first_token: Callable[[TokenEvent], None]) -> None:
+    def _token(self, event: TokenEvent) -> wire.Token:
+        attempt = self._attempts.pop(event.request_id, 0) if event.finished else self._attempts.get(event.request_id, 0)
+        return wire.Token(int(event.request_id), attempt, event.token, event.index, event.finished)
+
+    def _join(self, job: wire.DecodeJob, first_token: Callable[[wire.Token], None]) -> None:
         assert self._decode is not None
-        request_id = RequestId(job["request_id"])
+        request_id = RequestId(job.request_id)  # type: ignore[arg-type]
+        ids: dict[str, Any] = {
+            "instance_id": self.spec.instance_id,
+            "request_id": job.request_id,
+            "attempt": job.attempt,
+        }
+        held = self._attempts.get(request_id)
+        if held is not None:
+            if job.attempt <= held:
+                return  # a stale hand-off (its prefill engine was presumed dead): the later attempt decodes
+            self._decode.cancel(request_id)
+            del self._attempts[request_id]
         try:
             joined = self._decode.try_join(
                 request_id,
-                [BlockKey(k) for k in job["keys"]],
-                prompt_tokens=job["prompt_tokens"],
-                first_token=job["first_token"],
-                max_new_tokens=job["max_tokens"],
-                sampling=SamplingParams(temperature=job["temperature"], seed=job["seed"]),
+                [BlockKey(k) for k in job.keys],
+                prompt_tokens=job.prompt_tokens,
+                first_token=job.first_token,
+                max_new_tokens=job.max_tokens,
+                sampling=SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
                 on_token=None,
             )
         except MooncakeError as error:
             # Its KV is not here (evicted, or the stream failed) or does not match the prompt: a failure,
             # not the decode rule's decision.
-            self._tell_gateway("decode.failed", {"request_id": request_id, "error": str(error)})
+            self._tell_gateway(wire.DecodeFailed(**ids, error=str(error)))
             return
         if not joined.accepted:
             assert joined.reason is not None
-            self._tell_gateway("decode.rejected", {"request_id": request_id, "reason": joined.reason.value})
+            self._tell_gateway(wire.DecodeRejected(**ids, reason=joined.reason.value))
             return
-        self._tell_gateway(
-            "decode.joined",
-            {"request_id": request_id, "context_tokens": job["prompt_tokens"], "output_tokens": job["max_tokens"]},
-        )
+        self._tell_gateway(wire.DecodeJoined(**ids, context_tokens=job.prompt_tokens, output_tokens=job.max_tokens))
+        if job.max_tokens > 1:
+            self._attempts[request_id] = job.attempt
         # The prefill's token is the request's first output token (the engine does not report it without on_token).
-        first_token(
-            TokenEvent(request_id=request_id, token=job["first_token"], index=0, finished=job["max_tokens"] == 1)
-        )
+        first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, job.max_tokens == 1))
 
 
 def run_worker(spec: WorkerSpec, connection: Any) -> None:
