@@ -1,20 +1,22 @@
 """Launch the example cluster: prefill and decode engines, the Conductor, an OpenAI-compatible gateway.
 
     python examples/cluster.py --config examples/configs/tiny.toml [--backend local|ray] [--ray-address ADDR]
-        [--port 8000]
+        [--ray-dashboard] [--port 8000]
 
 Prints the gateway's URL once it is ready; Ctrl-C or SIGTERM stops everything
-(no orphan process, no leftover shared memory). Point any OpenAI client at
-`URL/v1`:
+(no orphan process, no leftover shared memory). If the launcher dies some other
+way (SIGKILL, a crash), its workers notice and exit within seconds, unlinking
+their shared memory; the next launcher removes whatever a dead one left.
+Point any OpenAI client at `URL/v1`:
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="tiny", prompt="Hello", max_tokens=16)
 
 `GET /metrics` serves Prometheus metrics, `GET /health` the engines' state.
-Across machines: `ray start --head` on one, `ray start --address HEAD:6379` on
-the others, then `--backend ray --ray-address HEAD:6379` (set `[cluster] host`
-to an address the others reach).
+`--backend ray` starts a Ray head whose servers all listen on `[cluster] host`
+(127.0.0.1 by default), without Ray's dashboard unless `--ray-dashboard`; across
+machines, see docs/cluster.md's Ray section.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
     parser.add_argument("--backend", choices=("local", "ray"), default="local")
     parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local one)")
+    parser.add_argument("--ray-dashboard", action="store_true", help="start Ray's dashboard (on [cluster] host)")
     parser.add_argument("--port", type=int, default=None, help="override [cluster] port (0: any free port)")
     args = parser.parse_args()
     try:
@@ -47,10 +50,14 @@ def main() -> None:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        cluster = start_cluster(config, backend=args.backend, ray_address=args.ray_address)
+        cluster = start_cluster(
+            config, backend=args.backend, ray_address=args.ray_address, ray_dashboard=args.ray_dashboard
+        )
     except MooncakeError as error:
         sys.exit(f"error: {error}")
     try:
+        if cluster.removed_segments:
+            print(f"removed {len(cluster.removed_segments)} shared-memory segments of dead processes", flush=True)
         p, d = config.cluster.num_prefill, config.cluster.num_decode
         print(
             f"mooncake cluster ready: {cluster.url}  ({p} prefill + {d} decode, {config.model.preset} model, "

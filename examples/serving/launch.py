@@ -1,22 +1,50 @@
 """Starting and stopping a whole cluster: workers on a backend, then the gateway on an event loop thread.
 
 Backends place the workers: `LocalBackend` as spawned processes on this machine,
-`RayBackend` as Ray actors (on a local Ray instance bound to 127.0.0.1, or an
-existing cluster via `address`). Either way the workers talk to each other and
-to the gateway over mooncake's own transfer engines.
+`RayBackend` as Ray actors (on a local Ray head whose servers all listen on the
+configured host, 127.0.0.1 by default, or an existing cluster via `address`).
+Either way the workers talk to each other and to the gateway over mooncake's
+own transfer engines.
 
-`start_cluster(config)` returns a `RunningCluster` once the gateway answers;
-`close()` stops the gateway, every worker (SIGTERM, then SIGKILL after a grace
-period) and unlinks any shared-memory segment a killed worker left behind.
+`start_cluster(config)` first removes the shared-memory segments of mooncake
+processes that died without unlinking them (`remove_stale_segments`), then
+returns a `RunningCluster` once the gateway answers; `close()` stops the
+gateway, every worker (SIGTERM, then SIGKILL after a grace period) and unlinks
+any shared-memory segment a killed worker left behind.
+
+Lifecycle of a local worker (`_worker_main` around `run_worker`):
+    a launcher that dies, however it dies (SIGKILL included), takes its workers
+    with it. Three signals say it is gone, any one suffices: the kernel's
+    parent-death signal (Linux `prctl(PR_SET_PDEATHSIG)`; it fires when the
+    spawning *thread* exits, so the handler checks that the parent pid really
+    changed), the lifeline pipe reaching EOF (the launcher holds its only
+    write end) and the parent pid changing (polled every `WATCH_PERIOD_S`).
+    The worker then stops as on SIGTERM (closing its engine unlinks its
+    segments); if it has not exited within `EXIT_GRACE_S`, its watch unlinks
+    the segments named with its pid and ends the process.
+
+Invariants:
+    - a segment is named `mooncake-<creator pid>-<12 hex digits>` (the rule of
+      `mooncake.transfer.region.create_shared`); only such names whose creator
+      is not running are ever removed, never another program's or a live one's;
+    - a worker outlives its launcher by at most `EXIT_GRACE_S` plus one
+      watch period.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ipaddress
 import multiprocessing
+import os
+import re
 import secrets
+import signal
+import sys
 import threading
+import time
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,10 +56,17 @@ from serving.config import ClusterConfig
 from serving.gateway import Gateway
 from serving.worker import WorkerSpec, run_worker
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "RunningCluster", "start_cluster"]
+__all__ = ["Backend", "LocalBackend", "RayBackend", "RunningCluster", "remove_stale_segments", "start_cluster"]
 
 START_TIMEOUT_S = 120.0
 SERVING_DIR = Path(__file__).resolve().parent  # shipped to Ray workers, which do not have examples/ on their path
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared memory; elsewhere there is nothing to list
+SEGMENT_NAME = re.compile(r"mooncake-(?P<pid>[1-9][0-9]{0,6})-[0-9a-f]{12}")  # create_shared's names, nothing else
+PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number was never a process
+WATCH_PERIOD_S = 0.5
+EXIT_GRACE_S = 15.0  # a worker's graceful stop after its launcher died, before it unlinks and exits hard
+PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: a spawning thread's exit fires it too, and must not stop us
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Backend(Protocol):
@@ -41,29 +76,155 @@ class Backend(Protocol):
     def stop(self) -> None: ...
 
 
+# ---------------------------------------------------------------------------------------------- shared memory
+
+
 def _unlink(names: list[str]) -> None:
     for name in names:
-        with contextlib.suppress(FileNotFoundError, OSError):
+        with contextlib.suppress(FileNotFoundError, OSError, ValueError):  # ValueError: an empty segment
             segment = shared_memory.SharedMemory(name=name, create=False)
             segment.close()
-            segment.unlink()
+            segment.unlink()  # also forgets it in multiprocessing's resource tracker
+
+
+def _is_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has: an orphan's may wait for a reaper)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # without /proc, kill(pid, 0) is all there is to know
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _segments(pid: int | None = None) -> list[str]:
+    """The names in SHM_DIR that follow the segment rule (of creator `pid` only, if given), sorted."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = SEGMENT_NAME.fullmatch(name)
+        if match is not None and int(match["pid"]) < PID_MAX and (pid is None or int(match["pid"]) == pid):
+            found.append(name)
+    return sorted(found)
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the shared-memory segments whose creating process is gone; returns their names.
+
+    Only names that follow `create_shared`'s rule (`mooncake-<pid>-<12 hex digits>`) are considered,
+    and only those whose pid names no running process are removed. A pid reused by an unrelated
+    process keeps its segment (a leak, never a loss); processes of another pid namespace sharing
+    /dev/shm are out of sight, so share it only between launchers of one namespace.
+    """
+    removed = []
+    for name in _segments():
+        match = SEGMENT_NAME.fullmatch(name)
+        assert match is not None
+        if _is_running(int(match["pid"])):
+            continue
+        # unlink(2) on the file is shm_unlink(3) on Linux, and needs no mapping: a zero-byte segment goes too.
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # gone already, or another user's
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------- local workers
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    """Ask Linux to send `signum` when our parent exits; False where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+class _ParentWatch:
+    """Stops this worker process when its launcher is gone (see the module's Lifecycle)."""
+
+    def __init__(self, parent_pid: int, lifeline: Any) -> None:
+        self._parent_pid = parent_pid
+        self._lifeline = lifeline  # the read end of a pipe whose write end only the launcher holds
+        self._gone = threading.Event()  # the launcher died, or a stop came before run_worker took SIGTERM
+        self._thread = threading.Thread(target=self._run, name="parent-watch", daemon=True)
+
+    def start(self) -> None:
+        # Until run_worker installs its own SIGTERM handler, a SIGTERM must not kill us between creating a
+        # segment and unlinking it: it is noted, and the watch repeats it until the worker's handler takes it.
+        signal.signal(signal.SIGTERM, lambda *_: self._gone.set())
+        signal.signal(PARENT_DEATH_SIGNAL, self._on_parent_death_signal)
+        _set_parent_death_signal(PARENT_DEATH_SIGNAL)
+        self._thread.start()
+
+    def _on_parent_death_signal(self, *_: object) -> None:
+        if self._parent_changed():  # else only the thread that spawned us ended; the launcher lives
+            self._gone.set()
+
+    def _parent_changed(self) -> bool:
+        return os.getppid() != self._parent_pid
+
+    def _lifeline_closed(self) -> bool:
+        try:
+            if self._lifeline.poll(WATCH_PERIOD_S):  # readable: the launcher never writes, so EOF
+                self._lifeline.recv()
+        except (EOFError, OSError):
+            return True
+        return False
+
+    def _run(self) -> None:
+        while not self._gone.is_set() and not self._parent_changed() and not self._lifeline_closed():
+            pass  # _lifeline_closed waits up to WATCH_PERIOD_S
+        for _ in range(int(EXIT_GRACE_S)):
+            os.kill(os.getpid(), signal.SIGTERM)  # run_worker's handler: a graceful stop, which unlinks
+            time.sleep(1.0)  # repeated: the first may come before run_worker has installed that handler
+        _unlink(_segments(os.getpid()))
+        os._exit(1)
+
+
+def _worker_main(spec: WorkerSpec, connection: Any, parent_pid: int, lifeline: Any) -> None:
+    """A local worker process's main: `run_worker` under a parent watch; unlinks what its engine left."""
+    _ParentWatch(parent_pid, lifeline).start()
+    try:
+        run_worker(spec, connection)
+    finally:
+        _unlink(_segments(os.getpid()))
 
 
 class LocalBackend:
-    """Workers as spawned processes of this machine."""
+    """Workers as spawned processes of this machine, each watching that this process lives."""
 
     def __init__(self) -> None:
         self._processes: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
+        self._lifelines: list[Any] = []  # write ends, never written: they close when this process dies
 
     def start(self, specs: list[WorkerSpec]) -> list[dict[str, Any]]:
         context = multiprocessing.get_context("spawn")
         pipes = {}
         for spec in specs:
             parent, child = context.Pipe(duplex=False)
-            process = context.Process(target=run_worker, args=(spec, child), name=spec.instance_id, daemon=True)
+            watched, lifeline = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_worker_main, args=(spec, child, os.getpid(), watched), name=spec.instance_id, daemon=True
+            )
             process.start()
             child.close()
+            watched.close()
+            self._lifelines.append(lifeline)
             self._processes[spec.instance_id] = process
             pipes[spec.instance_id] = parent
         infos = []
@@ -98,29 +259,94 @@ class LocalBackend:
                 process.kill()
                 process.join(timeout=5)
         _unlink([name for names in self._shm.values() for name in names])  # what killed workers left
+        for lifeline in self._lifelines:
+            lifeline.close()
+        self._lifelines.clear()
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RayBackend:
-    """Workers as Ray actors. `address=None` starts a local Ray bound to 127.0.0.1; else joins that cluster."""
+    """Workers as Ray actors. `address=None` starts a local Ray head on `host`; else joins that cluster.
 
-    def __init__(self, address: str | None = None, *, num_cpus: int | None = None) -> None:
+    A head this backend starts has every server on `host`. Ray turns a loopback node address into
+    the machine's own (`resolve_ip_for_localhost`) and its servers then listen on all interfaces,
+    unless Ray runs as a one-machine cluster (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read by Ray at
+    import and by every process it starts): with it, GCS, raylet (node and object manager), the
+    runtime-env agent, the core workers and the autoscaler's metrics all listen on 127.0.0.1. No
+    dashboard unless `include_dashboard`, and then on `host`; no usage reports unless
+    `RAY_USAGE_STATS_ENABLED` says so. Ray's C++ failure handler takes SIGTERM from Python at
+    `ray.init` (a stack dump, then an abort): the process's Python handlers are put back after it.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        num_cpus: int | None = None,
+        include_dashboard: bool = False,
+    ) -> None:
+        self._saved_env: dict[str, str | None] = {}
+        if address is None:  # before `import ray`: its constants read them
+            self._set_env({"RAY_USAGE_STATS_ENABLED": os.environ.get("RAY_USAGE_STATS_ENABLED", "0")})
+            if _is_loopback(host):
+                self._set_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
         import ray
+        import ray._private.ray_constants as ray_constants
 
         self._ray = ray
+        self._constants = ray_constants
+        self._saved_cluster_flag = ray_constants.ENABLE_RAY_CLUSTER
         self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            options: dict[str, Any] = {
-                "include_dashboard": False,
-                "log_to_driver": False,
-                "runtime_env": {"py_modules": [str(SERVING_DIR)]},
-            }
-            if address is None:
-                options.update(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus)
-            else:
-                options["address"] = address
-            ray.init(**options)
         self._actors: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
+        if not self._owns_ray:
+            self._restore_env()
+            return
+        options: dict[str, Any] = {
+            "include_dashboard": include_dashboard,
+            "log_to_driver": False,
+            "runtime_env": {"py_modules": [str(SERVING_DIR)]},
+        }
+        if address is None:
+            if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in self._saved_env:
+                ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before the variable was set
+            options.update(address="local", _node_ip_address=host, dashboard_host=host, num_cpus=num_cpus)
+        else:
+            options["address"] = address
+        handlers = _python_signal_handlers()
+        try:
+            ray.init(**options)
+        except BaseException:
+            self._restore_env()
+            raise
+        finally:
+            _reinstall(handlers)
+
+    def _set_env(self, values: dict[str, str]) -> None:
+        for key, value in values.items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
+        self._constants.ENABLE_RAY_CLUSTER = self._saved_cluster_flag
 
     def start(self, specs: list[WorkerSpec]) -> list[dict[str, Any]]:
         ray = self._ray
@@ -152,6 +378,20 @@ class RayBackend:
         _unlink([name for names in self._shm.values() for name in names])
         if self._owns_ray:
             ray.shutdown()
+            self._restore_env()
+
+
+def _python_signal_handlers() -> dict[int, Any]:
+    """SIGTERM's and SIGINT's Python handlers, if this is the main thread (the only one that may set them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _reinstall(handlers: dict[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: set from C, not Python's to give back
+            signal.signal(signum, handler)
 
 
 class _RayWorker:
@@ -173,10 +413,11 @@ class _RayWorker:
 
 
 class RunningCluster:
-    """A started cluster: `url`, `gateway`, `backend`, `infos`; `close()` stops it all."""
+    """A started cluster: `url`, `gateway`, `backend`, `infos`, `removed_segments`; `close()` stops it all."""
 
     def __init__(self, config: ClusterConfig, backend: Backend) -> None:
         self.config, self.backend = config, backend
+        self.removed_segments: list[str] = []
         secret = secrets.token_bytes(32)
         specs = [
             WorkerSpec(role=role, instance_id=f"{role}-{i}", config=config, secret=secret)
@@ -234,7 +475,21 @@ class RunningCluster:
         self.close()
 
 
-def start_cluster(config: ClusterConfig, *, backend: str = "local", ray_address: str | None = None) -> RunningCluster:
-    """Start workers on `backend` ("local" or "ray") and the gateway; returns once it serves."""
-    chosen: Backend = LocalBackend() if backend == "local" else RayBackend(ray_address)
-    return RunningCluster(config, chosen)
+def start_cluster(
+    config: ClusterConfig, *, backend: str = "local", ray_address: str | None = None, ray_dashboard: bool = False
+) -> RunningCluster:
+    """Remove stale segments, start workers on `backend` ("local" or "ray") and the gateway; returns once it serves.
+
+    `ray_address` joins an existing Ray cluster instead of starting a head on `[cluster] host`;
+    `ray_dashboard` starts Ray's dashboard with that head. The names of the stale segments removed
+    are in the result's `removed_segments`.
+    """
+    removed = remove_stale_segments()
+    chosen: Backend
+    if backend == "local":
+        chosen = LocalBackend()
+    else:
+        chosen = RayBackend(ray_address, host=config.cluster.host, include_dashboard=ray_dashboard)
+    cluster = RunningCluster(config, chosen)
+    cluster.removed_segments = removed
+    return cluster

@@ -1,0 +1,437 @@
+"""The launcher's lifecycle: no orphan worker and no leftover shared memory however it dies; Ray on loopback.
+
+Orphans: the launcher (`examples/cluster.py`) runs in a subprocess and is
+killed with SIGKILL; its workers must exit and unlink their segments within a
+bound. A second launcher removes the segments of dead mooncake processes (and
+only those), and a worker whose spawning thread ends (the parent-death signal
+fires then too) keeps serving.
+
+Ray: one launcher with `--backend ray` per module; every listening socket of
+its processes (read from /proc/net/tcp and tcp6, each socket's inode mapped to
+a pid through /proc/<pid>/fd) must be on a loopback address, and SIGTERM must
+stop it with exit status 0 and no stack dump.
+
+Every wait is bounded; every process, socket and segment made here is removed
+at the end, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import queue
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+
+from serving.config import load_config
+from serving.launch import SEGMENT_NAME, RunningCluster, remove_stale_segments, start_cluster
+
+from mooncake.transfer.region import create_shared
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "examples" / "cluster.py"
+TINY = ROOT / "examples" / "configs" / "tiny.toml"
+SHM = Path("/dev/shm")
+START_S = 180.0  # a launcher ready (Ray's head included) on a busy two-core machine
+EXIT_S = 60.0  # every worker gone after its launcher died: the watch's grace period and then some
+POLL_S = 0.05
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not SHM.is_dir() or not Path("/proc/self").is_dir(),
+    reason="reads /proc and /dev/shm (Linux)",
+)
+
+
+def holds_within(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail naming `what` if it does not within `timeout` seconds."""
+    if not holds_within(predicate, timeout):
+        pytest.fail(f"waited {timeout} s for {what}")
+
+
+def is_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an orphan's zombie may wait for an init that never reaps)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every running descendant of `pid`, read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {child for child in found if is_running(child)}
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """The /dev/shm segments mooncake created in these processes (named mooncake-<pid>-<hex>)."""
+    prefixes = tuple(f"mooncake-{pid}-" for pid in pids)
+    return {name for name in os.listdir(SHM) if name.startswith(prefixes)}
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (free for reuse, but not reused this soon)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    assert not is_running(child.pid)
+    return child.pid
+
+
+@contextlib.contextmanager
+def live_process() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that lives until the block ends (it waits for its stdin to close)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        yield child
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def planted(names: list[str]) -> Iterator[list[Path]]:
+    """Shared-memory segments with these names (files in /dev/shm are POSIX segments); removed at the end."""
+    paths = [SHM / name for name in names]
+    for path in paths:
+        path.write_bytes(b"\0")
+    try:
+        yield paths
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+@attrs.define(eq=False)
+class Launcher:
+    """`examples/cluster.py` in a subprocess: its stdout and stderr lines, drained by threads."""
+
+    process: subprocess.Popen[str]
+    stdout: queue.Queue[str] = attrs.field(factory=queue.Queue)  # consumed by ready_url
+    lines: list[str] = attrs.field(factory=list)  # every stdout line
+    stderr: list[str] = attrs.field(factory=list)
+    readers: list[threading.Thread] = attrs.field(factory=list)
+    seen: set[int] = attrs.field(factory=set)  # every descendant observed, to clean up after a failure
+
+    def ready_url(self) -> str:
+        """The gateway's URL, from the launcher's ready line (bounded by START_S)."""
+        deadline = time.monotonic() + START_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.process.poll() is not None:
+                pytest.fail(f"the launcher did not get ready (exit {self.process.poll()}): {''.join(self.stderr)}")
+            with contextlib.suppress(queue.Empty):
+                line = self.stdout.get(timeout=min(remaining, 1.0))
+                if found := re.search(r"mooncake cluster ready: (http://\S+)", line):
+                    return found.group(1)
+
+    def children(self) -> set[int]:
+        found = descendants(self.process.pid)
+        self.seen |= found
+        return found
+
+
+@contextlib.contextmanager
+def launcher(*args: str) -> Iterator[Launcher]:
+    """Run the launcher with these arguments; at the end, kill whatever of it is left."""
+    command = [sys.executable, str(LAUNCHER), "--port", "0", *args]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
+    running = Launcher(process)
+    assert process.stdout is not None and process.stderr is not None
+
+    def drain_stdout(stream: Any) -> None:
+        for line in stream:
+            running.lines.append(line)
+            running.stdout.put(line)
+
+    def drain_stderr(stream: Any) -> None:
+        for line in stream:
+            running.stderr.append(line)
+
+    for target, stream in ((drain_stdout, process.stdout), (drain_stderr, process.stderr)):
+        thread = threading.Thread(target=target, args=(stream,), daemon=True)
+        thread.start()
+        running.readers.append(thread)
+    try:
+        yield running
+    finally:
+        running.seen |= descendants(process.pid)
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        for pid in running.seen:
+            if is_running(pid):  # only after a failure: a passing test saw them all exit
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        holds_within(lambda: not any(is_running(pid) for pid in running.seen), 30)
+        for name in segments_of(running.seen | {process.pid}):
+            (SHM / name).unlink(missing_ok=True)
+        for thread in running.readers:
+            thread.join(timeout=10)
+        process.stdout.close()
+        process.stderr.close()
+
+
+def complete(url: str, prompt: str) -> dict[str, Any]:
+    """POST one short completion; its JSON answer."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+# ---------------------------------------------------------------------------------------------- stale segments
+
+
+def test_segment_rule_is_create_shareds() -> None:
+    """The sweep's name rule matches exactly what create_shared names (its pid included), and spares a live one."""
+    segment, _array = create_shared(64)
+    try:
+        match = SEGMENT_NAME.fullmatch(segment.name.lstrip("/"))
+        assert match is not None and int(match["pid"]) == os.getpid()
+        assert segment.name.lstrip("/") not in remove_stale_segments()
+        assert (SHM / segment.name.lstrip("/")).exists()
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def test_stale_segments_of_dead_processes_are_removed_and_nothing_else() -> None:
+    """Only `mooncake-<pid>-<12 hex>` segments of a dead (or zombie) pid go; a live pid's and other names stay."""
+    dead = dead_pid()
+    token = secrets.token_hex(6)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, and stays unreaped until we wait
+    try:
+        wait_for(lambda: not is_running(zombie.pid), timeout=60, what="the child to exit")
+        with live_process() as alive:
+            stale = [f"mooncake-{dead}-{token}", f"mooncake-{zombie.pid}-{token}"]
+            kept = [
+                f"mooncake-{alive.pid}-{token}",  # its creator lives
+                f"mooncake-{os.getpid()}-{secrets.token_hex(6)}",  # ours
+                f"mooncake-{dead}-{token.upper()}",  # not create_shared's hex
+                f"mooncake-{dead}-{token}0",  # 13 digits
+                f"mooncake-{dead}-{token[:-1]}",  # 11 digits
+                f"mooncake-0{dead}-{token}",  # a pid is never written with a leading zero
+                f"mooncake-{dead}-{token}-x",
+                f"mooncake-ssd-{dead}-{token}",
+                f"vllm-{dead}-{token}",
+                f"mooncake-{1 << 23}-{token}",  # beyond any pid
+            ]
+            with planted(stale + kept) as paths:
+                removed = remove_stale_segments()
+                assert set(stale) <= set(removed)
+                assert not set(kept) & set(removed)
+                assert [path.name for path in paths if path.exists()] == kept
+                assert remove_stale_segments() == [] or not set(stale) & set(remove_stale_segments())
+    finally:
+        zombie.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- orphans
+
+
+def test_workers_exit_and_unlink_when_the_launcher_is_killed() -> None:
+    """SIGKILL the launcher: within EXIT_S no worker process remains and none of their segments is left."""
+    with launcher("--config", str(TINY)) as running:
+        url = running.ready_url()
+        assert complete(url, "before the kill")["usage"]["completion_tokens"] == 4
+        workers = running.children()
+        assert len(workers) >= 3  # two prefill and one decode worker (and multiprocessing's resource tracker)
+        assert len(segments_of(workers)) == 3  # one DRAM pool per worker
+
+        running.process.kill()
+        running.process.wait(timeout=30)
+        wait_for(
+            lambda: not any(is_running(pid) for pid in workers),
+            timeout=EXIT_S,
+            what=f"the killed launcher's processes {sorted(workers)} to exit (no orphans)",
+        )
+        assert not segments_of(workers | {running.process.pid}), "leftover shared memory"
+        assert not any("Traceback" in line for line in running.stderr), "".join(running.stderr)
+
+
+def test_a_new_launcher_removes_stale_segments_of_dead_processes_only() -> None:
+    """A (re)started launcher unlinks a dead pid's planted segment, leaves a live one's, and says so."""
+    stale = f"mooncake-{dead_pid()}-{secrets.token_hex(6)}"
+    with live_process() as alive:
+        kept = f"mooncake-{alive.pid}-{secrets.token_hex(6)}"
+        with planted([stale, kept]), launcher("--config", str(TINY)) as running:
+            running.ready_url()
+            assert not (SHM / stale).exists()
+            assert (SHM / kept).exists()
+            said = r"removed \d+ shared-memory segments of dead processes"
+            assert any(re.match(said, line) for line in running.lines)
+            running.process.send_signal(signal.SIGTERM)
+            assert running.process.wait(timeout=EXIT_S) == 0
+
+
+def test_workers_outlive_the_thread_that_spawned_them() -> None:
+    """The parent-death signal also fires when the spawning thread ends: workers must keep serving then."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    started: list[RunningCluster] = []
+    spawner = threading.Thread(target=lambda: started.append(start_cluster(config)))
+    spawner.start()
+    spawner.join(timeout=START_S)
+    assert not spawner.is_alive() and started, "the cluster did not start"
+    with started[0] as cluster:
+        # Long enough for a stop to be noticed (the watch polls every 0.5 s, the worker stops in about 1 s).
+        watched_until = time.monotonic() + 3.0
+        while time.monotonic() < watched_until:
+            assert complete(cluster.url, "still here?")["usage"]["completion_tokens"] == 4
+        assert all(cluster.backend.is_alive(info["instance_id"]) for info in cluster.infos)
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of this machine: inode → (address, port), from /proc/net/tcp and tcp6."""
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], int(fields[9])
+                if state != "0A":  # TCP_LISTEN
+                    continue
+                address_hex, port_hex = local.split(":")
+                raw = bytes.fromhex(address_hex)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                address = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found[inode] = (socket.inet_ntop(family, address), int(port_hex, 16))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
+def command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+@attrs.frozen
+class RayRun:
+    """What one Ray-backed launcher did: its processes' listening sockets, its answer, its exit."""
+
+    binds: list[tuple[int, str, str, int]]  # (pid, command line, address, port)
+    commands: list[str]
+    completion_tokens: int
+    exit_status: int
+    stderr: str
+    left: set[int]
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory: pytest.TempPathFactory) -> RayRun:
+    """One `--backend ray` launcher (1 prefill + 1 decode): sockets read while it serves, then SIGTERM."""
+    pytest.importorskip("ray")
+    text = TINY.read_text()
+    small = re.sub(r"(?m)^num_prefill = \d+", "num_prefill = 1", text)
+    assert small != text
+    config = tmp_path_factory.mktemp("ray") / "tiny-ray.toml"
+    config.write_text(small)
+    with launcher("--config", str(config), "--backend", "ray") as running:
+        url = running.ready_url()
+        tokens = complete(url, "Hello from Ray.")["usage"]["completion_tokens"]
+        session = re.compile(rf"session_[0-9_-]+_{running.process.pid}\b")
+        pids = running.children() | {running.process.pid}
+        pids |= {
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and session.search(command_line(int(p.name)))
+        }
+        sockets = listening_sockets()
+        binds = [
+            (pid, command_line(pid), *sockets[inode])
+            for pid in sorted(pids)
+            for inode in socket_inodes(pid)
+            if inode in sockets
+        ]
+        commands = [command_line(pid) for pid in sorted(pids)]
+        running.process.send_signal(signal.SIGTERM)
+        status = running.process.wait(timeout=EXIT_S)
+        holds_within(lambda: not any(is_running(pid) for pid in pids), EXIT_S)
+        for thread in running.readers:
+            thread.join(timeout=10)
+        left = {pid for pid in pids if is_running(pid)}
+        return RayRun(binds, commands, tokens, status, "".join(running.stderr), left)
+
+
+@pytest.mark.slow
+def test_ray_servers_listen_on_loopback_only(ray_run: RayRun) -> None:
+    """Every socket Ray's processes (GCS, raylet, agents, workers) and ours listen on is a loopback address."""
+    assert ray_run.completion_tokens == 4
+    assert any("gcs_server" in command for command in ray_run.commands)
+    assert any("raylet" in command for command in ray_run.commands)
+    assert len(ray_run.binds) >= 4  # the gateway, GCS, the raylet's two, the workers' engines
+    exposed = [bind for bind in ray_run.binds if not is_loopback(bind[2])]
+    assert not exposed, "\n".join(
+        f"pid {pid} listens on {address}:{port}: {cmd[:120]}" for pid, cmd, address, port in exposed
+    )
+
+
+@pytest.mark.slow
+def test_ray_launcher_stops_cleanly_on_sigterm(ray_run: RayRun) -> None:
+    """SIGTERM: exit status 0, every Ray process gone, and no stack dump or traceback on stderr."""
+    assert ray_run.exit_status == 0, ray_run.stderr
+    assert not ray_run.left
+    for marker in ("Traceback", "SIGTERM received", "Stack (most recent call first)", "Fatal Python error", "*** "):
+        assert marker not in ray_run.stderr, ray_run.stderr
