@@ -44,15 +44,13 @@ from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
 from serving.gateway import build_conductor, declare_metrics  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
 from serving.metrics import Registry  # noqa: E402
-from serving.wire import event_from_wire, event_to_wire  # noqa: E402
 
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from mooncake.errors import ConfigError  # noqa: E402
 from mooncake.sched.cost import FittedPrefillModel  # noqa: E402
 from mooncake.sched.join import DecodeLimits  # noqa: E402
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd  # noqa: E402
 from mooncake.sched.step import DecodeCostModel, FittedStepModel  # noqa: E402
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Tier  # noqa: E402
+from mooncake.types import BlockKey, InstanceId, Request, RequestId  # noqa: E402
 
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 API_KEY = "test-key"
@@ -347,18 +345,6 @@ def test_gateway_imports_no_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
-
-
-def test_cache_events_survive_the_wire() -> None:
-    """Every kind of cache event comes back equal from its JSON wire form."""
-    source = InstanceId("prefill-0")
-    events = [
-        BlockStored(source=source, seq=0, keys=(BlockKey(1), BlockKey(2**63)), tier=Tier.DRAM, epoch=7),
-        BlockRemoved(source=source, seq=1, keys=(BlockKey(5),), tier=Tier.SSD, epoch=7),
-        AllBlocksCleared(source=source, seq=2, epoch=7),
-    ]
-    for event in events:
-        assert event_from_wire(json.loads(json.dumps(event_to_wire(event)))) == event
 
 
 # ---------------------------------------------------------------------------------------------- the gateway's models and ends

@@ -61,8 +61,9 @@ MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
 ROLES = ("system", "developer", "user", "assistant")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
-ERROR_TYPES.update({404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error", 504: "timeout_error"})
+# OpenAI's error types by status; any other 4xx is an invalid_request_error, any 5xx a server_error.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 408: "timeout_error", 429: "rate_limit_error"}
+ERROR_TYPES[504] = "timeout_error"
 
 
 class ApiError(MooncakeError):

@@ -5,11 +5,12 @@ vocabulary may generate ids ≥ 256, which decode to nothing. Decoding is
 incremental, so a multi-byte character split across tokens streams whole.
 
 `TextStream` turns a request's tokens into the text its client may see: the
-text ends just before the first stop string that appears. It holds back the
-longest tail of the text that could still begin a stop string, so nothing of a
-stop string is ever sent. Invariant: the text it gives out is the generated
-text cut before the earliest occurrence of any stop string, however the text
-arrives in pieces.
+text ends just before the stop string that completes first (as generation
+would stop there; of several completing at the same character, the longest).
+It holds back the longest tail of the text that could still begin a stop
+string, so nothing of a stop string is ever sent. Invariant: what it gives out
+depends on the text only, never on how the text is split into pieces: it is the
+text cut at the first completed stop string.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
 
 
 class TextStream:
-    """A request's text as its tokens arrive, ended before the first stop string.
+    """A request's text as its tokens arrive, ended before the first stop string to complete.
 
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
     appeared (later tokens are ignored); `finish()` returns what was held back, at the end.
@@ -79,10 +80,11 @@ class TextStream:
         if not self.stop:
             return piece
         held = self._held + piece
-        found = [i for i in (held.find(s) for s in self.stop) if i >= 0]
+        # Every occurrence here ends in `piece` (the held tail holds none): the first to end stops the text.
+        found = [(i + len(s), i) for s in self.stop if (i := held.find(s)) >= 0]
         if found:
             self.stopped, self._held = True, ""
-            return held[: min(found)]
+            return held[: min(found)[1]]
         keep = self._open_tail(held)
         self._held = held[len(held) - keep :]
         return held[: len(held) - keep]

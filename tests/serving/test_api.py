@@ -1,0 +1,387 @@
+"""Tests of `serving.api` (the OpenAI protocol, pure) and `serving.tokenizer`'s stop strings, without a cluster.
+
+Examples pin each attack on the body (a lone surrogate, deep nesting, a 5,000-digit integer, gzip garbage, an
+unknown charset, non-object JSON) to a 4xx naming what is wrong, and each unimplemented parameter to a 400 naming
+it. Properties: arbitrary bytes with arbitrary headers, and arbitrary JSON values (also under the API's own
+keys), either parse into a request or raise an `ApiError` with a 4xx status whose body is JSON; a request built
+from valid values parses back to the same record; `TextStream` gives out exactly the text cut before the first
+stop string to complete, however the text is split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from serving.api import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    SamplingOptions,
+    ServedModel,
+    Usage,
+    decode_body,
+    parse_chat,
+    parse_completion,
+    prompt_tokens,
+)
+from serving.tokenizer import ByteTokenizer, TextStream
+
+SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_output_tokens=128)
+TOKENIZER = ByteTokenizer()
+
+
+def body_of(raw: bytes, **headers: str) -> dict[str, Any]:
+    return decode_body(raw, content_type=headers.get("content_type"), content_encoding=headers.get("encoding"))
+
+
+def refused(call: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        call(*args, **kwargs)
+    return raised.value
+
+
+# ---------------------------------------------------------------------------------------------- bytes to JSON
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers", "status", "said"),
+    [
+        (b'{"prompt": [[[[' + b"[" * 200_000, {}, 400, "JSON"),  # deep nesting
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "JSON"),  # past Python's integer digit limit
+        (b"\x1f\x8b\x08\x00garbage", {"encoding": "gzip"}, 400, "gzip"),
+        (b"not deflate", {"encoding": "deflate"}, 400, "deflate"),
+        (b"{}", {"encoding": "br"}, 415, "Content-Encoding"),
+        (b"{}", {"encoding": "gzip, gzip, gzip"}, 415, "Content-Encoding"),
+        (b'{"prompt": "hi"}', {"content_type": "application/json; charset=klingon"}, 400, "charset"),
+        (b'{"prompt": "hi"}', {"content_type": "application/json; charset=rot13"}, 400, "charset"),
+        (b"[1, 2]", {}, 400, "object"),
+        (b'"prompt"', {}, 400, "object"),
+        (b"null", {}, 400, "object"),
+        (b"", {}, 400, "empty"),
+        (b"  \n", {}, 400, "empty"),
+        (b'{"temperature": NaN}', {}, 400, "JSON"),
+        (b'{"temperature": Infinity}', {}, 400, "JSON"),
+        (b"\xff\xfe{}", {}, 400, "utf-8"),
+        (b"{not json", {}, 400, "JSON"),
+    ],
+)
+def test_malformed_bodies_are_4xx(raw: bytes, headers: dict[str, str], status: int, said: str) -> None:
+    """Each attack on the body is a 4xx saying what is wrong, never an exception of another kind."""
+    error = refused(body_of, raw, **headers)
+    assert error.status == status and said in error.message
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_bomb_is_a_413() -> None:
+    """A gzip body that inflates past the cap is refused without inflating it all."""
+    bomb = gzip.compress(b" " * (4 << 20))
+    error = refused(decode_body, bomb, content_encoding="gzip", max_bytes=1 << 20)
+    assert error.status == 413
+
+
+def test_encodings_and_charsets_decode() -> None:
+    """gzip, zlib and raw deflate, identity, a BOM, UTF-16 and ASCII charsets all give the same object."""
+    text = '{"prompt": "h\u00e9llo"}'
+    raw = text.encode()
+    expected = {"prompt": "h\u00e9llo"}
+    assert body_of(gzip.compress(raw), encoding="gzip") == expected
+    assert body_of(zlib.compress(raw), encoding="deflate") == expected
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert body_of(raw_deflate.compress(raw) + raw_deflate.flush(), encoding="deflate") == expected
+    assert body_of(raw, encoding="identity") == expected
+    assert body_of(b"\xef\xbb\xbf" + raw) == expected
+    assert body_of(text.encode("utf-16"), content_type="application/json; charset=UTF-16") == expected
+    assert body_of(b'{"prompt": "hi"}', content_type='application/json; charset="us-ascii"') == {"prompt": "hi"}
+
+
+# ---------------------------------------------------------------------------------------------- fields
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "n": 3}, "n"),
+        ({"prompt": "hi", "best_of": 2}, "best_of"),
+        ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+        ({"prompt": "hi", "echo": True}, "echo"),
+        ({"prompt": "hi", "suffix": "end"}, "suffix"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"prompt": "hi", "top_k": 3}, "top_k"),
+        ({"prompt": "hi", "user": 5}, "user"),
+        ({"prompt": "a\ud800"}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": "hi", "model": 5}, "model"),
+        ({"prompt": "hi", "max_tokens": 129}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "temperature": 10**4000}, "temperature"),
+        ({"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.01}, "top_p"),
+        ({"prompt": "hi", "seed": 2**63}, "seed"),
+        ({"prompt": "hi", "stop": ""}, "stop"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "hi", "stop": [3]}, "stop"),
+        ({"prompt": "hi", "stop": "x" * 257}, "stop"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"other": True}}, "stream_options"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ],
+)
+def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
+    """Unimplemented, unknown and ill-typed parameters are refused, naming the parameter; nothing is ignored."""
+    error = refused(parse_completion, body, SERVED)
+    assert error.status == 400 and error.param == param
+    assert param in error.message and error.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"prompt": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
+def test_a_chat_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
+    error = refused(parse_chat, body, SERVED)
+    assert error.status == 400 and error.param == param
+
+
+def test_an_unknown_model_is_a_404_model_not_found() -> None:
+    """Another model than the served one is OpenAI's 404 `model_not_found`; the served one or none is accepted."""
+    error = refused(parse_completion, {"prompt": "hi", "model": "gpt-4"}, SERVED)
+    assert error.status == 404 and error.code == "model_not_found" and error.param == "model"
+    assert error.body()["error"] == {
+        "message": error.message,
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert parse_completion({"prompt": "hi", "model": "tiny"}, SERVED).model == "tiny"
+    assert parse_completion({"prompt": "hi"}, SERVED).model == "tiny"
+
+
+def test_a_full_request_parses_into_its_records() -> None:
+    """Every implemented field lands in the records; neutral values of the unimplemented ones are accepted."""
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ],
+        "max_completion_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": ["\n", "END"],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "user": "someone",
+        "tool_choice": "none",
+    }
+    assert parse_chat(body, SERVED) == ChatRequest(
+        model="tiny",
+        messages=(ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")),
+        sampling=SamplingOptions(max_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=("\n", "END")),
+        stream=True,
+        include_usage=True,
+    )
+    assert parse_completion({"prompt": ["one"], "stop": "x"}, SERVED).sampling == SamplingOptions(
+        max_tokens=16, stop=("x",)
+    )
+
+
+def test_prompt_tokens_checks_the_limit() -> None:
+    """A prompt over the limit is a 413 naming the limit; an empty one a 400; chat goes through the template."""
+    request = parse_completion({"prompt": "x" * 65}, SERVED)
+    error = refused(prompt_tokens, request, TOKENIZER, max_prompt_tokens=64)
+    assert error.status == 413 and "64" in error.message
+    assert (
+        refused(prompt_tokens, parse_completion({"prompt": ""}, SERVED), TOKENIZER, max_prompt_tokens=64).status == 400
+    )
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, SERVED)
+    assert bytes(prompt_tokens(chat, TOKENIZER, max_prompt_tokens=64)) == b"<|user|>\nhi\n<|assistant|>\n"
+    many = {"messages": [{"role": "user", "content": ""}] * 65}
+    assert refused(parse_chat, many, SERVED).status == 413
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+API_KEYS = sorted(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
+    | {"stream", "stream_options", "n", "logprobs", "echo", "best_of", "user", "tools", "response_format"}
+)
+api_bodies = st.fixed_dictionaries(
+    {},
+    optional={key: json_values for key in API_KEYS}
+    | {
+        "prompt": st.text(max_size=80) | json_values,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "tool"]), "content": st.text(max_size=20) | json_values}
+            ),
+            max_size=3,
+        ),
+        "model": st.sampled_from(["tiny", "other"]),
+    },
+)
+content_types = st.sampled_from(
+    [None, "application/json", "application/json; charset=utf-8", "text/plain; charset=latin-1", "a; charset=utf-16"]
+) | st.text(max_size=30)
+encodings = st.sampled_from([None, "gzip", "deflate", "identity", "br", "gzip, identity"]) | st.text(max_size=12)
+
+
+def outcome(raw: bytes, *, chat: bool, content_type: str | None = None, encoding: str | None = None) -> Any:
+    """The request `raw` parses into, or the ApiError it raises, which must be a 4xx with a JSON body."""
+    try:
+        body = decode_body(raw, content_type=content_type, content_encoding=encoding, max_bytes=1 << 16)
+        request = parse_chat(body, SERVED) if chat else parse_completion(body, SERVED)
+        prompt_tokens(request, TOKENIZER, max_prompt_tokens=SERVED.max_prompt_tokens)
+    except ApiError as error:
+        assert 400 <= error.status < 500, error
+        json.loads(json.dumps(error.body()))
+        return error
+    return request
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=300), st.booleans(), content_types, encodings)
+def test_any_bytes_are_a_request_or_a_4xx(
+    raw: bytes, chat: bool, content_type: str | None, encoding: str | None
+) -> None:
+    outcome(raw, chat=chat, content_type=content_type, encoding=encoding)
+
+
+@settings(max_examples=300)
+@given(json_values | api_bodies, st.booleans())
+def test_any_json_is_a_request_or_a_4xx(value: Any, chat: bool) -> None:
+    """Arbitrary JSON values, and objects of arbitrary values under the API's keys, never escape as another error."""
+    outcome(json.dumps(value).encode(), chat=chat)
+
+
+@settings(max_examples=100)
+@given(
+    st.text(min_size=1, max_size=40),
+    st.integers(min_value=1, max_value=128),
+    st.floats(min_value=0.0, max_value=2.0),
+    st.floats(min_value=0.001, max_value=1.0),
+    st.integers(min_value=0, max_value=2**63 - 1),
+    st.lists(st.text(min_size=1, max_size=8), max_size=4),
+)
+def test_valid_values_parse_back(
+    prompt: str, max_tokens: int, temperature: float, top_p: float, seed: int, stop: list[str]
+) -> None:
+    """A body of valid values, sent as JSON, parses into the record holding exactly them."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    expected = CompletionRequest(
+        model="tiny",
+        prompt=prompt,
+        sampling=SamplingOptions(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop)
+        ),
+    )
+    assert parse_completion(body_of(json.dumps({**body, "stop": stop}).encode()), SERVED) == expected
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+
+def test_answer_bodies_have_openai_shapes() -> None:
+    """A whole answer and stream chunks: ids, objects, the role on a chat's first chunk, the usage chunk."""
+    usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
+    chat = Reply(name="chatcmpl-1", created=7, model="tiny", chat=True)
+    whole = chat.completion("hi", "stop", usage).to_json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hi",
+    }
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    first = json.loads(chat.chunk("h", role=True).to_sse()[len(b"data: ") :])
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"content": "h", "role": "assistant"}
+    last = json.loads(chat.chunk(None, "length").to_sse()[len(b"data: ") :])
+    assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    assert json.loads(chat.usage_chunk(usage).to_sse()[6:])["choices"] == []
+    text = Reply(name="cmpl-1", created=7, model="tiny", chat=False)
+    assert text.completion("ab", "length", usage).to_json()["choices"][0]["text"] == "ab"
+    assert json.loads(text.chunk("a").to_sse()[6:])["choices"][0]["text"] == "a"
+    assert text.chunk("a").to_sse().endswith(b"\n\n")
+
+
+# ---------------------------------------------------------------------------------------------- stop strings
+
+
+def cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The reference: `text` cut before the first stop string to complete, read character by character (of
+    several completing at one character, the longest)."""
+    for end in range(1, len(text) + 1):
+        ending = [len(s) for s in stops if text[:end].endswith(s)]
+        if ending:
+            return text[: end - max(ending)], True
+    return text, False
+
+
+@settings(max_examples=300)
+@given(
+    st.text(alphabet="abcé\n", max_size=40),
+    st.lists(st.text(alphabet="abcé\n", min_size=1, max_size=4), max_size=4),
+    st.lists(st.integers(min_value=0, max_value=6), max_size=20),
+)
+def test_a_text_stream_cuts_before_the_earliest_stop(text: str, stops: list[str], splits: list[int]) -> None:
+    """Fed in arbitrary pieces, the stream gives out exactly the reference's text, and stops iff it should
+    (a stop that would complete later, though it began earlier, does not count: generation stopped before)."""
+    stream, given_out, rest = TextStream(stops), [], text
+    for size in splits:
+        given_out.append(stream.feed_text(rest[:size]))
+        rest = rest[size:]
+    given_out.append(stream.feed_text(rest))
+    given_out.append(stream.finish())
+    assert ("".join(given_out), stream.stopped) == cut(text, stops)
+
+
+@settings(max_examples=100)
+@given(st.text(max_size=30), st.lists(st.text(min_size=1, max_size=3), max_size=4))
+def test_tokens_stream_whole_characters(text: str, stops: list[str]) -> None:
+    """Fed byte by byte as tokens (multi-byte characters split), the text is the same as fed whole."""
+    stream = TextStream(stops)
+    given_out = "".join(stream.feed(token) for token in text.encode("utf-8", "surrogatepass")) + stream.finish()
+    expected = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    assert (given_out, stream.stopped) == cut(expected, stops)
+    assert TextStream().feed(300) == ""  # ids past the bytes decode to nothing

@@ -1,0 +1,207 @@
+"""Tests of `serving.wire`: the gateway↔worker messages and their one encode/decode pair (no workers, no torch).
+
+Properties: every message comes back equal from its JSON wire form; any change to a valid message's args (a
+field dropped, added, or given a value of another type) and any unknown method is a `MessageError` naming the
+method and the field, never a message. Examples: a malformed call raises through `handlers` (which the transfer
+engine returns to the caller as the call's error) and its handler never runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from serving import wire
+
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from mooncake.types import BlockKey, InstanceId, Tier
+
+ints = st.integers(min_value=0, max_value=2**63 - 1)
+names = st.text(max_size=12)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+keys = st.lists(ints, max_size=5).map(tuple)
+sources = st.sampled_from([InstanceId("prefill-0"), InstanceId("prefill-1")])
+events = st.one_of(
+    st.builds(
+        BlockStored, source=sources, seq=ints, keys=st.lists(ints, max_size=4), tier=st.sampled_from(Tier), epoch=ints
+    ),
+    st.builds(
+        BlockRemoved, source=sources, seq=ints, keys=st.lists(ints, max_size=4), tier=st.sampled_from(Tier), epoch=ints
+    ),
+    st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
+)
+tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans())
+messages = st.one_of(
+    st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
+    st.builds(wire.HealthCheck),
+    st.builds(wire.Health, ok=st.booleans(), pid=ints, queued=ints, active=keys, generated_tokens=ints),
+    st.builds(wire.Stop),
+    st.builds(
+        wire.PrefillJob,
+        request_id=ints,
+        attempt=ints,
+        tokens=keys,
+        decode=names,
+        fetch=st.none() | st.builds(wire.Fetch, source=names, blocks=ints),
+        max_tokens=ints,
+        temperature=floats,
+        top_p=floats,
+        seed=ints,
+    ),
+    st.builds(wire.CancelDecode, request_id=ints),
+    st.builds(
+        wire.DecodeJob,
+        request_id=ints,
+        attempt=ints,
+        keys=keys,
+        prompt_tokens=ints,
+        first_token=ints,
+        max_tokens=ints,
+        temperature=floats,
+        top_p=floats,
+        seed=ints,
+    ),
+    st.builds(wire.PrefillStarted, instance_id=names, request_id=ints, attempt=ints),
+    st.builds(
+        wire.PrefillDone,
+        instance_id=names,
+        request_id=ints,
+        attempt=ints,
+        prefix_tokens=ints,
+        computed_tokens=ints,
+        fetched_blocks=ints,
+        streamed_blocks=ints,
+        events=st.lists(events, max_size=3).map(tuple),
+    ),
+    st.builds(
+        wire.PrefillFailed,
+        instance_id=names,
+        request_id=ints,
+        attempt=ints,
+        error=names,
+        events=st.lists(events, max_size=3).map(tuple),
+    ),
+    st.builds(
+        wire.DecodeJoined, instance_id=names, request_id=ints, attempt=ints, context_tokens=ints, output_tokens=ints
+    ),
+    st.builds(wire.DecodeRejected, instance_id=names, request_id=ints, attempt=ints, reason=names),
+    st.builds(wire.DecodeFailed, instance_id=names, request_id=ints, attempt=ints, error=names),
+    st.builds(wire.DecodeTokens, instance_id=names, tokens=st.lists(tokens, max_size=4).map(tuple), step_s=floats),
+)
+
+
+@given(messages)
+def test_every_message_survives_the_wire(message: wire.Message) -> None:
+    """decode(encode(m)) == m, through real JSON text."""
+    method, args = wire.encode(message)
+    assert wire.decode(method, json.loads(json.dumps(args))) == message
+
+
+def wrong_type(value: Any) -> Any:
+    """A JSON value of another type than `value`'s."""
+    if isinstance(value, bool):
+        return "yes"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return 7
+    return True  # lists, objects and null become a boolean
+
+
+@given(messages, st.data())
+def test_a_broken_message_is_an_error_naming_its_field(message: wire.Message, data: st.DataObject) -> None:
+    """A field dropped, added or of another type is a MessageError naming the method and the field."""
+    method, args = wire.encode(message)
+    fields = sorted(args)
+    change = data.draw(st.sampled_from(["add", "drop", "retype"] if fields else ["add"]))
+    if change == "add":
+        broken, field = {**args, "bogus_field": 1}, "bogus_field"
+    else:
+        field = data.draw(st.sampled_from(fields))
+        broken = dict(args)
+        if change == "drop":
+            del broken[field]
+        else:
+            broken[field] = wrong_type(broken[field])
+    with pytest.raises(wire.MessageError) as raised:
+        wire.decode(method, broken)
+    assert method in str(raised.value) and field in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "named"),
+    [
+        ("decode.token", {}, "decode.token"),  # misspelt
+        ("decode.tokens", [], "decode.tokens"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0]], "step_s": 0.1}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, 1]], "step_s": 0.1}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [], "step_s": float("nan")}, "step_s"),
+        (
+            "prefill.done",
+            {**wire.encode(wire.PrefillStarted(instance_id="p", request_id=1, attempt=0))[1]},
+            "prefix_tokens",
+        ),
+        ("prefill.submit", {**wire.encode(wire.CancelDecode(request_id=1))[1]}, "prefill.submit"),
+        ("worker.connect", {"gateway": "a:1", "peers": {"p": 3}}, "peers"),
+    ],
+)
+def test_malformed_calls_are_named(method: str, args: Any, named: str) -> None:
+    with pytest.raises(wire.MessageError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        wire.decode(method, args)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ["stored", "p", 0, 1, 1, [5]],  # valid: comes back equal
+        ["stored", "p", 0, 1, 9, [5]],  # no such tier
+        ["stored", "p", -1, 1, 0, [5]],
+        ["removed", "p", 0, 1, 0, ["5"]],
+        ["cleared", "p", 0],
+        ["flushed", "p", 0, 1],
+        "stored",
+        [],
+    ],
+)
+def test_malformed_cache_events_are_errors(event: Any) -> None:
+    """A cache event of the wrong shape, kind, counts or key type is a MessageError (or, for a valid one, an event)."""
+    try:
+        decoded = wire.event_from_wire(event)
+    except wire.MessageError as error:
+        assert "event" in str(error)
+    else:
+        assert wire.event_to_wire(decoded) == event
+
+
+def test_handlers_decode_before_serving() -> None:
+    """`handlers` runs the handler on the decoded record and encodes its answer; a malformed call raises and the
+    handler never runs."""
+    seen: list[Any] = []
+
+    def health(message: wire.HealthCheck) -> wire.Health:
+        seen.append(message)
+        return wire.Health(ok=True, pid=1, queued=0, active=(3,), generated_tokens=9)
+
+    served = wire.handlers({wire.HealthCheck: health, wire.CancelDecode: seen.append})
+    assert set(served) == {"worker.health", "decode.cancel"}
+    answer = served["worker.health"]({})
+    assert wire.decode_as(wire.Health, answer) == wire.Health(ok=True, pid=1, queued=0, active=(3,), generated_tokens=9)
+    assert served["decode.cancel"]({"request_id": 4}) is None
+    assert seen == [wire.HealthCheck(), wire.CancelDecode(request_id=4)]
+    with pytest.raises(wire.MessageError, match=r"decode\.cancel\.request_id"):
+        served["decode.cancel"]({"request_id": "4"})
+    assert len(seen) == 2
+
+
+def test_cache_events_survive_the_wire() -> None:
+    """Every kind of cache event comes back equal from its JSON wire form."""
+    source = InstanceId("prefill-0")
+    for event in (
+        BlockStored(source=source, seq=0, keys=(BlockKey(1), BlockKey(2**63)), tier=Tier.DRAM, epoch=7),
+        BlockRemoved(source=source, seq=1, keys=(BlockKey(5),), tier=Tier.SSD, epoch=7),
+        AllBlocksCleared(source=source, seq=2, epoch=7),
+    ):
+        assert wire.event_from_wire(json.loads(json.dumps(wire.event_to_wire(event)))) == event
