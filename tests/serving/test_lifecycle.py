@@ -1,0 +1,216 @@
+"""A request's and a worker's lifecycle on a real tiny cluster: clients that leave, stop strings, stalled workers.
+
+Each test proves: a non-streaming request whose client hangs up is cancelled on its decode engine (the tokens
+generated after the disconnect are counted by the worker and stay few); a stop string ends the text before it with
+finish reason "stop" and cancels the decode; top_p reaches the sampler (a tiny nucleus is greedy); an unknown
+model is OpenAI's 404 `model_not_found` and /v1/models lists the served one; arbitrary bodies sent to the cluster
+never get a 5xx (a bounded property test); a decode worker stopped with SIGSTOP is marked down (its stream gets an
+error, /health says so) and, resumed with SIGCONT, is marked up again, its orphaned request cancelled, and serves.
+
+Every wait is bounded (`wait_for` fails naming what it waited for); every stopped process is continued in a
+`finally`; clusters are closed by their context managers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+
+from serving.config import ClusterConfig, load_config  # noqa: E402
+from serving.launch import RunningCluster, start_cluster  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+TIMEOUT_S = 60.0
+LONG = 3000  # tokens: many seconds of decoding on the tiny model, so an end before it is a cancellation
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+def config(**limits: Any) -> ClusterConfig:
+    """1 prefill + 1 decode on any free port, with room for long decodes."""
+    base = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    base = base.with_overrides("decode", max_context_tokens=4096)
+    return base.with_overrides("limits", max_prompt_tokens=256, default_max_tokens=16, **limits)
+
+
+def client(cluster: RunningCluster) -> Any:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+def status_of(url: str, body: bytes | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read())
+
+
+def generated(cluster: RunningCluster) -> int:
+    """The tokens the decode worker generated since it started (its own count)."""
+    return cluster.gateway.dispatcher.health("decode-0").generated_tokens
+
+
+def decoding(cluster: RunningCluster) -> tuple[int, ...]:
+    """The requests the decode worker holds in its batch."""
+    return cluster.gateway.dispatcher.health("decode-0").active
+
+
+def live_generated(cluster: RunningCluster) -> int:
+    """Tokens the gateway received for its (single) live request; 0 when there is none."""
+    lives = list(cluster.gateway.dispatcher.live.values())
+    return lives[0].generated if lives else 0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    with start_cluster(config()) as running:
+        yield running
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def test_a_client_that_leaves_a_whole_request_stops_its_decode(cluster: RunningCluster) -> None:
+    """A non-streaming request for 3,000 tokens whose client hangs up mid-decode: the gateway forgets it, the
+    decode worker drops it, and it generates only a few tokens after the disconnect."""
+    body = json.dumps({"prompt": "Leave me.", "max_tokens": LONG}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: live_generated(cluster) >= 8, timeout=TIMEOUT_S, what="the request to decode")
+    at_disconnect = generated(cluster)
+    wait_for(lambda: not cluster.gateway.dispatcher.live, timeout=20.0, what="the gateway to forget the request")
+    wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the decode worker to drop the request")
+    after = generated(cluster) - at_disconnect
+    assert after < 200, f"{after} tokens generated after the client left"
+    assert generated(cluster) - at_disconnect == after  # and none since
+
+
+def test_a_stop_string_ends_the_text_and_the_decode(cluster: RunningCluster) -> None:
+    """Greedy text T; a stop string s first found at k > 0 in it: the answer is T[:k] with finish reason "stop",
+    streamed or not, and the decode (asked for 3,000 tokens) is cancelled right after."""
+    api = client(cluster)
+    prompt = "Stop me when you can."
+    text = api.completions.create(model="tiny", prompt=prompt, max_tokens=64).choices[0].text
+    k = next(i for i in range(1, len(text) - 2) if text.find(text[i : i + 2]) == i)
+    stop = text[k : k + 2]
+    before = generated(cluster)
+    answer = api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, stop=[stop, "never\u2603"])
+    assert answer.choices[0].text == text[:k] and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens < 64
+    wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped request to leave the batch")
+    assert generated(cluster) - before < LONG // 2
+    chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text[:k]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped stream to leave the batch")
+
+
+def test_top_p_reaches_the_sampler(cluster: RunningCluster) -> None:
+    """A tiny nucleus keeps only the most probable token: sampling with it is greedy; the whole nucleus is not."""
+    api = client(cluster)
+    prompt = "Nucleus."
+    greedy = api.completions.create(model="tiny", prompt=prompt, max_tokens=24).choices[0].text
+    narrow = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1e-9, seed=3)
+    whole = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1.0, seed=3)
+    assert narrow.choices[0].text == greedy
+    assert whole.choices[0].text != greedy
+
+
+def test_models_and_an_unknown_model(cluster: RunningCluster) -> None:
+    """/v1/models lists the config's model; another name is a 404 `model_not_found` (the OpenAI client's
+    NotFoundError); unimplemented parameters are 400s naming them."""
+    api = client(cluster)
+    assert [m.id for m in api.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as raised:
+        api.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    assert raised.value.body["code"] == "model_not_found" and raised.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(model="tiny", prompt="hi", max_tokens=1, n=3)
+    assert bad.value.body["param"] == "n"
+
+
+bodies = (
+    st.binary(max_size=200)
+    | st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=8,
+    ).map(lambda value: json.dumps(value).encode())
+    | st.fixed_dictionaries(
+        {"prompt": st.text(max_size=30)},
+        optional={"max_tokens": st.integers(-2, 40), "temperature": st.floats(-1, 3), "stop": st.text(max_size=3)},
+    ).map(lambda value: json.dumps(value).encode())
+)
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=bodies, route=st.sampled_from(["completions", "chat/completions"]))
+def test_no_body_gets_a_5xx(cluster: RunningCluster, body: bytes, route: str) -> None:
+    """Arbitrary bytes, arbitrary JSON and near-valid requests, posted to the real cluster: never a 5xx; every
+    error answer is OpenAI's JSON."""
+    status, answer = status_of(f"{cluster.url}/v1/{route}", body)
+    assert status < 500, answer
+    if status >= 400:
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------------------------------------- a stalled worker
+
+
+def health(cluster: RunningCluster) -> tuple[int, Any]:
+    return status_of(f"{cluster.url}/health")
+
+
+def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
+    """SIGSTOP the decode worker mid-stream: its health probes fail, it is marked down (/health 503, the stream
+    ends with an error event). SIGCONT: a later probe (with backoff) finds it answering, it is marked up, the
+    request it still held is cancelled there, and it serves again."""
+    with start_cluster(config(health_interval_s=0.2, health_probe_backoff_max_s=1.0)) as cluster:
+        api = client(cluster)
+        pid = cluster.gateway.dispatcher.health("decode-0").pid
+        stream = api.completions.create(model="tiny", prompt="Stall.", max_tokens=LONG, stream=True)
+        try:
+            chunks = iter(stream)
+            next(chunks)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: health(cluster)[0] == 503, timeout=30.0, what="the stopped worker to be marked down")
+                assert health(cluster)[1]["decode_up"] == 0
+                with pytest.raises(openai.APIError, match="decode-0"):
+                    for _chunk in chunks:
+                        pass
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        finally:
+            stream.close()
+        wait_for(lambda: health(cluster)[0] == 200, timeout=30.0, what="the resumed worker to be marked up")
+        assert health(cluster)[1]["decode_up"] == 1
+        wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the orphaned request to be cancelled")
+        answer = api.completions.create(model="tiny", prompt="Back again.", max_tokens=8)
+        assert answer.usage.completion_tokens == 8
