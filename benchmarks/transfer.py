@@ -13,7 +13,15 @@ process owns the target memory):
 - the upstream Mooncake Transfer Engine over its tcp transport (PyPI
   mooncake-transfer-engine-non-cuda, installed into build/upstream-te-venv on
   first use; it needs Debian's libibverbs1), driven the same way by
-  benchmarks/upstream_te.py.
+  benchmarks/upstream_te.py;
+- the cost of verifying a checksummed WRITE before it becomes visible: a sender
+  process sends checksummed WRITEs of 4 and 64 KiB, 1, 4 (the default slice)
+  and 64 MiB (the largest frame), one at a time,
+  to a connection served here by the engine's own `tcp.serve_connection`
+  (staged: received aside, hashed, then copied into the region) and, on
+  another connection, by the path it replaced, reproduced below (received
+  straight into the region, then hashed: a payload that fails lands anyway);
+  `staged_vs_in_place` is the throughput ratio, per size.
 Every figure is the median over `--rounds` whole rounds (each measures every
 peer once). Goals: tcp_vs_upstream >= 1.5, tcp_vs_raw_socket >= 0.8,
 shm_vs_memcpy >= 0.7, tcp_4kib_median_us <= upstream_4kib_median_us.
@@ -22,6 +30,7 @@ shm_vs_memcpy >= 0.7, tcp_4kib_median_us <= upstream_4kib_median_us.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes.util
 import json
 import os
@@ -30,14 +39,21 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
+from mooncake.errors import TransferError
+from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.region import Region, RegionDescriptor
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
+from mooncake.transfer.staging import StagingPool
+from mooncake.transfer.wire import Frame, Json, Kind, recv_exact, recv_frame, send_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -211,6 +227,107 @@ def upstream(repeats: int, samples: int) -> dict[str, object] | str:
     return json.loads(run.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+CHECKSUM_SIZES = [4096, 64 << 10, MIB, 4 * MIB, 64 * MIB]  # 4 MiB: the default slice; 64 MiB: the largest frame
+
+_SENDER = """
+import json, socket, statistics, sys, time
+import numpy as np, xxhash
+from mooncake.transfer.wire import Frame, Kind, recv_exact, recv_frame, send_frame
+port, repeats, sizes = int(sys.argv[1]), int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
+sock = socket.create_connection(("127.0.0.1", port))
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+figures = {}
+for size in sizes:
+    payload = memoryview(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).data)
+    frame = Frame(Kind.WRITE, region=1, length=size, checksum=xxhash.xxh3_64_intdigest(payload))
+    def write():
+        send_frame(sock, frame, payload)
+        reply = recv_frame(sock, max_length=1 << 20)
+        recv_exact(sock, memoryview(bytearray(reply.length)))
+        assert reply.kind == Kind.OK, reply
+    calls = max(1, (64 << 20) // size)
+    write()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            write()
+        samples.append((time.perf_counter() - start) / calls)
+    figures[size] = size / statistics.median(samples) / 1e9
+print(json.dumps(figures))
+"""
+
+
+class _Served:
+    """What `tcp.serve_connection` needs of an engine: one region of `size` bytes, and staging memory."""
+
+    def __init__(self, size: int) -> None:
+        self.config = EngineConfig(spin_us=0)  # both paths block for the next frame alike
+        self.staging = StagingPool(self.config.max_staging_bytes)
+        self.buffer = np.zeros(size, dtype=np.uint8)
+        self._region = Region(RegionDescriptor(region_id=1, length=size), self.buffer.data)
+
+    def region(self, region_id: int) -> Region | None:
+        return self._region if region_id == 1 else None
+
+    def handle_call(self, method: str, args: object) -> Json:
+        raise TransferError(f"no calls here ({method})")
+
+
+def _serve_in_place(sock: socket.socket, served: _Served) -> None:
+    """The WRITE path before staging: the payload lands in the region, then is hashed."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(served.config.io_timeout_s)
+        while True:
+            frame = recv_frame(sock, max_length=served.config.max_frame_bytes)
+            target = served._region.slice(frame.offset, frame.length)
+            recv_exact(sock, target)
+            if frame.checksum is not None and xxhash.xxh3_64_intdigest(target) != frame.checksum:
+                message = b"WRITE payload failed its end-to-end checksum"
+                send_frame(sock, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
+                continue
+            send_frame(sock, Frame(Kind.OK, tag=frame.tag))
+
+
+def checksum_paths(repeats: int) -> dict[str, dict[str, float]]:
+    """Checksummed WRITE throughput (GB/s) per size, staged and in place, from a sender process."""
+    served = _Served(max(CHECKSUM_SIZES))
+    figures: dict[str, dict[str, float]] = {}
+    for name, serve in (
+        ("staged", lambda sock: tcp.serve_connection(sock, served)),
+        ("in_place", lambda sock: _serve_in_place(sock, served)),
+    ):
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            sender = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _SENDER,
+                    str(listener.getsockname()[1]),
+                    str(repeats),
+                    ",".join(map(str, CHECKSUM_SIZES)),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            connection, _ = listener.accept()
+            server = threading.Thread(target=serve, args=(connection,), daemon=True)
+            server.start()
+            out, _ = sender.communicate(timeout=600)
+            connection.close()
+            server.join(timeout=30)
+        if sender.returncode != 0:
+            raise RuntimeError(f"the checksum sender failed with {sender.returncode}")
+        figures[name] = {_size_key(int(size)): gbps for size, gbps in json.loads(out).items()}
+    return figures
+
+
+def _size_key(size: int) -> str:
+    return f"{size // 1024}KiB_gbps" if size < MIB else f"{size // MIB}MiB_gbps"
+
+
 def _median_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(d[key] for d in dicts) for key in dicts[0]}
 
@@ -229,11 +346,19 @@ def main() -> None:
     for _ in range(args.rounds):
         theirs_now = "skipped (--no-upstream)" if args.no_upstream else upstream(args.repeats, args.latency_samples)
         rounds.append(
-            (ours(args.repeats, args.latency_samples), raw_socket(args.repeats), memcpy(args.repeats), theirs_now)
+            (
+                ours(args.repeats, args.latency_samples),
+                raw_socket(args.repeats),
+                memcpy(args.repeats),
+                theirs_now,
+                checksum_paths(args.repeats),
+            )
         )
     measured = {t: _median_dicts([r[0][t] for r in rounds]) for t in ("tcp", "shm")}
     raw = _median_dicts([r[1] for r in rounds])
     copy = _median_dicts([r[2] for r in rounds])
+    staged = _median_dicts([r[4]["staged"] for r in rounds])
+    in_place = _median_dicts([r[4]["in_place"] for r in rounds])
     upstream_rounds = [r[3] for r in rounds if isinstance(r[3], dict)]
     if upstream_rounds:
         theirs: dict[str, object] | str = {
@@ -254,6 +379,9 @@ def main() -> None:
         "shm_4kib_median_us": measured["shm"]["4kib_median_us"],
         "tcp_vs_raw_socket": min(measured["tcp"][k] / raw[k] for k in raw),
         "shm_vs_memcpy": min(measured["shm"][k] / copy[k] for k in copy),
+        "checksummed_write_staged_gbps": staged,
+        "checksummed_write_in_place_gbps": in_place,
+        "staged_vs_in_place": {k: staged[k] / in_place[k] for k in staged},
     }
     if isinstance(theirs, dict):
         upstream_gbps = {f"{int(k) // MIB}MiB_gbps": v for k, v in theirs["gbps"].items()}  # type: ignore[union-attr]
@@ -283,6 +411,13 @@ def main() -> None:
     )
     if "upstream_te" in result:
         print(f"upstream: {result['upstream_te']}")
+    keys = [_size_key(size) for size in CHECKSUM_SIZES]
+    print()
+    print(f"{'checksummed WRITE, served':28}" + "".join(f"{key.removesuffix('_gbps'):>12}" for key in keys))
+    for label, figures in (("staged (now) GB/s", staged), ("in place (before) GB/s", in_place)):
+        print(f"{label:28}" + "".join(f"{figures[key]:12.2f}" for key in keys))
+    ratio = result["staged_vs_in_place"]
+    print(f"{'ratio staged/in place':28}" + "".join(f"{ratio[key]:12.2f}" for key in keys))  # type: ignore[index]
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ not authenticated yet costs no thread: one gate thread drives every pending
 handshake without blocking (a selector over the listening socket and the
 pending connections), each with a short deadline (`auth_timeout_s`), at most
 `max_unauthenticated_connections` at once. When a new connection arrives and
-that budget is spent, the oldest pending one is dropped: an honest peer
-answers the hello within one round trip, so it is always among the youngest,
-and a flood of silent or slow connects only churns its own kind. A connection
+that budget is spent, one pending connection makes room: the oldest of the
+client address that holds the most. A flood from a few addresses therefore
+only churns its own connections, and a peer elsewhere (one pending
+connection, answered within a round trip) is never the one dropped unless
+the flood comes from as many addresses as the budget. In each pass the gate
+reads the answers that arrived before it accepts new connections, so an
+answer already received is decided, not dropped. A connection
 that proves the secret is counted against `max_connections` and served on a
 thread of its own; past that limit it is told "busy" (`wire.BUSY`) and closed.
 
@@ -46,6 +50,7 @@ _ACCEPTS_PER_PASS = 256  # so that pending handshakes are served between bursts 
 @attrs.define(eq=False)
 class _Pending:
     sock: socket.socket
+    address: str
     nonce: bytes
     deadline: float
     answer: bytearray = attrs.field(factory=lambda: bytearray(ANSWER_BYTES))
@@ -75,9 +80,11 @@ class Listener:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)
         self._selector.register(self._wake_read, selectors.EVENT_READ)
-        self._pending: dict[socket.socket, _Pending] = {}  # in arrival order: the first is the oldest
+        # The gate alone touches these two. Both in arrival order: the first is the oldest.
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._by_address: dict[str, dict[socket.socket, _Pending]] = {}
         self._served: set[socket.socket] = set()
-        self._lock = threading.Lock()  # guards _served and _closed (the gate alone touches _pending)
+        self._lock = threading.Lock()  # guards _served and _closed
         self._closed = False
         self._gate = threading.Thread(target=self._run, name=f"{name}-gate", daemon=True)
         self._gate.start()
@@ -110,8 +117,11 @@ class Listener:
         self._wake_write.close()
 
     def check_invariants(self) -> None:
-        assert self.num_pending <= self._config.max_unauthenticated_connections, self.num_pending
+        pending = dict(self._pending)  # the gate may move on meanwhile: check one snapshot
+        assert len(pending) <= self._config.max_unauthenticated_connections, len(pending)
         assert self.num_served <= self._config.max_connections, self.num_served
+        now = time.monotonic()
+        assert all(entry.deadline <= now + self._config.auth_timeout_s for entry in pending.values())
 
     # ------------------------------------------------------------------ the gate thread
 
@@ -122,15 +132,16 @@ class Listener:
                 if self._pending:
                     oldest = next(iter(self._pending.values()))
                     timeout = max(0.0, oldest.deadline - time.monotonic())
-                for key, _events in self._selector.select(timeout):
-                    if key.fileobj is self._sock:
-                        self._accept()
-                    elif key.fileobj is self._wake_read:
-                        return
-                    else:
-                        pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
-                        if pending is not None:
-                            self._advance(pending)
+                ready = {key.fileobj for key, _events in self._selector.select(timeout)}
+                if self._wake_read in ready:
+                    return
+                # Answers first: one that has arrived is decided before new connections may push it out.
+                for sock in ready:
+                    pending = self._pending.get(sock)  # type: ignore[call-overload]
+                    if pending is not None:
+                        self._advance(pending)
+                if self._sock in ready:
+                    self._accept()
                 self._expire(time.monotonic())
         finally:
             for pending in list(self._pending.values()):
@@ -142,13 +153,13 @@ class Listener:
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_PASS):
             try:
-                sock, _address = self._sock.accept()
+                sock, address = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # e.g. out of descriptors: the connection waits in the backlog
             if len(self._pending) >= self._config.max_unauthenticated_connections:
-                self._drop(next(iter(self._pending.values())))  # the oldest: honest peers answer within a round trip
+                self._make_room()
             sock.setblocking(False)
             nonce, hello = server_hello()
             try:
@@ -157,9 +168,15 @@ class Listener:
             except OSError:
                 sock.close()
                 continue
-            pending = _Pending(sock, nonce, time.monotonic() + self._config.auth_timeout_s)
+            pending = _Pending(sock, str(address[0]), nonce, time.monotonic() + self._config.auth_timeout_s)
             self._pending[sock] = pending
+            self._by_address.setdefault(pending.address, {})[sock] = pending
             self._selector.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self) -> None:
+        """Drop the oldest pending connection of the address that holds the most (ties: the older one)."""
+        crowded = max(self._by_address.values(), key=lambda mine: (len(mine), -next(iter(mine.values())).deadline))
+        self._drop(next(iter(crowded.values())))
 
     def _advance(self, pending: _Pending) -> None:
         """Read what the peer sent of its answer; decide once all of it is in."""
@@ -207,6 +224,10 @@ class Listener:
 
     def _forget(self, pending: _Pending) -> None:
         del self._pending[pending.sock]
+        mine = self._by_address[pending.address]
+        del mine[pending.sock]
+        if not mine:
+            del self._by_address[pending.address]
         self._selector.unregister(pending.sock)
 
     def _drop(self, pending: _Pending, *, farewell: bytes = b"") -> None:

@@ -48,6 +48,7 @@ class StagingPool:
         self._free: list[npt.NDArray[np.uint8]] = []
         self._in_use: dict[int, int] = {}  # id(buffer) -> its size
         self._held_bytes = 0
+        self._waiting = 0  # threads in try_allocate waiting for memory
         self._changed = threading.Condition(threading.Lock())
 
     @property
@@ -65,6 +66,10 @@ class StagingPool:
             return None
         size = min(self.capacity_bytes, max(_MIN_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length()))
         with self._changed:
+            if self._free and nbytes <= self._free[-1].nbytes <= size:
+                warm = self._free.pop()  # the one freed last fits snugly, and is warm in cache
+                self._in_use[id(warm)] = warm.nbytes
+                return warm
             while True:
                 buffer = self._take_free(nbytes)
                 for fresh in (size, nbytes):  # the exact size when the rounded one does not fit
@@ -77,7 +82,11 @@ class StagingPool:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._changed.wait(remaining)
+                self._waiting += 1
+                try:
+                    self._changed.wait(remaining)
+                finally:
+                    self._waiting -= 1
 
     def free(self, buffer: npt.NDArray[np.uint8]) -> None:
         """Give back a buffer from `try_allocate`."""
@@ -85,7 +94,8 @@ class StagingPool:
             if self._in_use.pop(id(buffer), None) is None:
                 raise ValueError("this buffer is not in use from this pool")
             self._free.append(buffer)
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def check_invariants(self) -> None:
         with self._changed:

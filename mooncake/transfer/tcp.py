@@ -17,8 +17,11 @@ frames a connection may idle (`idle_timeout_s`); once a frame has started, its
 header must be complete within `io_timeout_s` of its first byte and its
 payload within `io_timeout_s` of the header, so a peer cannot hold a thread
 with half a frame. A WRITE that carries a checksum is received into staging
-memory (`staging.StagingPool`), verified there, and only then copied into the
-region: a payload that fails its checksum leaves the region as it was. A
+memory, verified there, and only then copied into the region: a payload that
+fails its checksum leaves the region as it was. Small payloads (up to 64 KiB)
+are staged in a buffer of the connection's own (beside its socket buffers of
+megabytes, and free of the pool's lock), larger ones in the engine's
+`staging.StagingPool`. A
 WRITE without a checksum is received straight into the region (no copy; a
 dropped connection may leave part of it there, which the retry overwrites).
 """
@@ -55,6 +58,7 @@ from mooncake.transfer.workers import Workers
 __all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "serve_connection"]
 
 _DRAIN_CHUNK = 1 << 20
+_SMALL_FRAME_BYTES = 64 << 10  # staged in the connection's own buffer
 
 
 def spin_until_readable(sock: socket.socket, budget_s: float) -> None:
@@ -316,16 +320,18 @@ def serve_connection(sock: socket.socket, context: ServerContext) -> None:
     config = context.config
     try:
         _tune(sock, config)
+        sock.settimeout(config.io_timeout_s)  # deadlines below shorten it only when they must
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        scratch = memoryview(bytearray(_SMALL_FRAME_BYTES))
         while True:
-            spin_until_readable(sock, config.spin_us / 1e6)  # the next request often follows at once
-            if not _readable_within(sock, config.idle_timeout_s):
+            if not _next_frame_starts(poller, spin_s=config.spin_us / 1e6, idle_s=config.idle_timeout_s):
                 return  # idle for too long
             # The frame has started: the rest of its header is due within the io timeout.
             frame = recv_frame(sock, max_length=config.max_frame_bytes, deadline=time.monotonic() + config.io_timeout_s)
             if frame.kind == Kind.WRITE:
-                _serve_write(sock, context, frame)
+                _serve_write(sock, context, frame, scratch)
             elif frame.kind == Kind.READ:
-                sock.settimeout(config.io_timeout_s)
                 _serve_read(sock, context, frame)
             elif frame.kind == Kind.CALL:
                 _serve_call(sock, context, frame)
@@ -335,11 +341,18 @@ def serve_connection(sock: socket.socket, context: ServerContext) -> None:
         return  # the connection ends; the engine keeps serving others
 
 
-def _readable_within(sock: socket.socket, timeout_s: float) -> bool:
-    """Whether `sock` has bytes (or an end of stream) to read within `timeout_s`."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(timeout_s * 1000))
+def _next_frame_starts(poller: select.poll, *, spin_s: float, idle_s: float) -> bool:
+    """Whether the connection has bytes (or an end of stream) to read within `idle_s`.
+
+    Polls without blocking for `spin_s` first: the next request often follows at
+    once, and a thread that is still polling does not pay a wake-up.
+    """
+    if spin_s > 0:
+        deadline = time.perf_counter() + spin_s
+        while time.perf_counter() < deadline:
+            if poller.poll(0):
+                return True
+    return bool(poller.poll(idle_s * 1000))
 
 
 def _payload_deadline(context: ServerContext) -> float:
@@ -350,7 +363,8 @@ def _reply(
     sock: socket.socket, context: ServerContext, frame: Frame, payload: bytes | memoryview | None = None
 ) -> None:
     """Send `frame` (and its payload) within the io timeout (a peer that never reads cannot hold us)."""
-    sock.settimeout(context.config.io_timeout_s)
+    if sock.gettimeout() != context.config.io_timeout_s:  # a deadline may have shortened it
+        sock.settimeout(context.config.io_timeout_s)
     send_frame(sock, frame, payload)
 
 
@@ -379,7 +393,7 @@ def _drain(sock: socket.socket, length: int, deadline: float) -> None:
         left -= step
 
 
-def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame, scratch: memoryview) -> None:
     deadline = _payload_deadline(context)
     target, reason = _target(context, frame)
     if target is None:
@@ -391,20 +405,28 @@ def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame) -> N
         _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
         return
     # Stage, verify, then copy: the region never holds bytes that failed their checksum.
-    staging = context.staging.try_allocate(frame.length, deadline=deadline)
-    if staging is None:
-        _drain(sock, frame.length, deadline)
-        _refuse(sock, context, frame, f"no staging memory for {frame.length} bytes within the io timeout")
-        return
-    try:
-        staged = staging[: frame.length]
-        recv_exact(sock, staged.data, deadline=deadline)
-        if xxhash.xxh3_64_intdigest(staged.data) != frame.checksum:
-            _refuse(sock, context, frame, "WRITE payload failed its end-to-end checksum; the region is unchanged")
+    if frame.length <= scratch.nbytes:
+        staged = scratch[: frame.length]
+        recv_exact(sock, staged, deadline=deadline)
+        verified = xxhash.xxh3_64_intdigest(staged) == frame.checksum
+        if verified:
+            target[:] = staged
+    else:
+        buffer = context.staging.try_allocate(frame.length, deadline=deadline)
+        if buffer is None:
+            _drain(sock, frame.length, deadline)
+            _refuse(sock, context, frame, f"no staging memory for {frame.length} bytes within the io timeout")
             return
-        np.copyto(np.frombuffer(target, dtype=np.uint8), staged)
-    finally:
-        context.staging.free(staging)
+        try:
+            recv_exact(sock, buffer.data[: frame.length], deadline=deadline)
+            verified = xxhash.xxh3_64_intdigest(buffer.data[: frame.length]) == frame.checksum
+            if verified:
+                np.copyto(np.frombuffer(target, dtype=np.uint8), buffer[: frame.length])  # GIL released
+        finally:
+            context.staging.free(buffer)
+    if not verified:
+        _refuse(sock, context, frame, "WRITE payload failed its end-to-end checksum; the region is unchanged")
+        return
     _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
 
 

@@ -67,6 +67,7 @@ FLAG_CHECKSUM = 1
 # A decoded JSON value: what CALL and REPLY payloads carry.
 Json: TypeAlias = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
 _HELLO = b"MCTE-HELLO"
+_DEADLINE_SLACK_S = 0.05
 _NONCE_BYTES = 32
 _MAC_BYTES = 32
 ANSWER_BYTES = _NONCE_BYTES + _MAC_BYTES  # what a client sends after the hello
@@ -108,6 +109,9 @@ class Frame:
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
     """Fill `view` from `sock` (recv_into, no copies), by `deadline` (time.monotonic) if given.
 
+    With a deadline, each wait is bounded by what is left of it (give or take
+    `_DEADLINE_SLACK_S`), and the socket keeps that timeout afterwards.
+
     Raises:
         ConnectionError: the peer closed the connection first.
         TimeoutError: the deadline (or the socket's timeout) passed.
@@ -119,7 +123,10 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the peer is too slow")
-            sock.settimeout(remaining)
+            current = sock.gettimeout()
+            # A timeout within the slack of what is left stands (settimeout is a system call).
+            if current is None or abs(current - remaining) > _DEADLINE_SLACK_S:
+                sock.settimeout(remaining)
         n = sock.recv_into(view[got:], total - got)
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {total} bytes")

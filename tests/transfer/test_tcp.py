@@ -80,14 +80,16 @@ def write_frame(region: int, offset: int, payload: bytes, checksum: int | None) 
 # --------------------------------------------------------------------------- checksums before visibility
 
 
+@pytest.mark.parametrize("length", [4096, SIZE], ids=["connection-buffer", "staging-pool"])
 def test_a_write_failing_its_checksum_leaves_the_region_unchanged(
-    server: tuple[TransferEngine, np.ndarray, int],
+    server: tuple[TransferEngine, np.ndarray, int], length: int
 ) -> None:
     """A WRITE whose payload does not match its checksum is refused and no byte of it reaches the
-    region; the connection stays in step, and a correct WRITE on it then lands."""
+    region (small payloads are staged per connection, large ones in the pool); the connection
+    stays in step, and a correct WRITE on it then lands."""
     engine, target, region = server
     before = target.copy()
-    payload = bytes(pattern(SIZE, 2))
+    payload = bytes(pattern(length, 2))
     with authenticated(engine) as sock:
         send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload) ^ 1))
         reply = recv_frame(sock, max_length=SIZE)
@@ -97,7 +99,7 @@ def test_a_write_failing_its_checksum_leaves_the_region_unchanged(
         assert np.array_equal(target, before), "a refused WRITE must not touch the region"
         send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload)))
         assert recv_frame(sock, max_length=SIZE).kind == Kind.OK
-    assert bytes(target) == payload
+    assert bytes(target[:length]) == payload
     target[:] = before
 
 
