@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from mooncake.cache.hashing import BlockHasher
 from mooncake.sched.build import build_conductor as build
@@ -169,11 +169,10 @@ class Gateway:
             middlewares=[self._errors],
             handler_args=self.edge.handler_args(),
         )
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
+        for method, path, handler in self._routes():
+            app.router.add_route(method, path, handler, expect_handler=self._expect)
+        # Last, for any other path or method: aiohttp would answer those (and their Expect) in plain text.
+        app.router.add_route("*", "/{path:.*}", self._unrouted, expect_handler=self._expect)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -213,11 +212,12 @@ class Gateway:
             return await handler(request)
         except ApiError as error:
             return _error_response(error)
-        except web.HTTPException as exception:
+        except web.HTTPException as exception:  # aiohttp's own (a body over the cap: 413), as JSON
             if exception.status < 400:
                 raise
             headers = {k: v for k, v in exception.headers.items() if k in ("Allow", "Retry-After")}
-            return _error_response(ApiError(exception.status, exception.reason, headers=headers))
+            message = exception.text if exception.text and exception.text[:3] != str(exception.status) else None
+            return _error_response(ApiError(exception.status, message or exception.reason, headers=headers))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
@@ -225,6 +225,35 @@ class Gateway:
             return _error_response(ApiError(500, "internal error"))
 
     # ------------------------------------------------------------------ routes
+
+    def _routes(self) -> list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]:
+        return [
+            ("POST", "/v1/completions", self._completions),
+            ("POST", "/v1/chat/completions", self._chat),
+            ("GET", "/v1/models", self._models),
+            ("GET", "/metrics", self._metrics),
+            ("GET", "/health", self._health),
+        ]
+
+    async def _unrouted(self, request: web.Request) -> web.StreamResponse:
+        """404 for an unknown path (OpenAI's "Invalid URL"), 405 naming the allowed methods for a known one."""
+        allowed = sorted(method for method, path, _ in self._routes() if path == request.path)
+        shown = ascii(request.path)[1:-1][:200]
+        if allowed:
+            message = f"{request.method} is not allowed on {shown} (allowed: {', '.join(allowed)})"
+            raise ApiError(405, message, headers={"Allow": ", ".join(allowed)})
+        raise ApiError(404, f"Invalid URL ({request.method} {shown})")
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` gets its interim answer; any other expectation a 417 (JSON)."""
+        if request.version != HttpVersion11:
+            return None
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return _error_response(ApiError(417, f"unsupported Expect: {ascii(expect)[1:-1][:100]}"))
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not begun
+        return None
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)

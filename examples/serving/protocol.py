@@ -254,14 +254,15 @@ class JsonRequestHandler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         reason = getattr(exc, "message", None) or message or (type(exc).__name__ if exc else "")
+        reason = (str(reason).strip().splitlines() or [""])[0].rstrip(":")  # the parser adds the line and a caret
         if status >= 500:
             LOG.error("error handling a request from %s", request.remote, exc_info=exc)
         else:
-            LOG.warning("unreadable request from %s: %s %s", request.remote, status, ascii(str(reason))[:200])
+            LOG.warning("unreadable request from %s: %s %s", request.remote, status, ascii(reason)[:200])
         if request.writer.output_size > 0:
             raise ConnectionError("the answer has begun: no error answer can follow")
         text = "the request could not be read" if status < 500 else "internal error"
-        error = ApiError(status, f"{text}: {str(reason)[:200]}" if status < 500 else text)
+        error = ApiError(status, f"{text}: {reason[:200]}" if status < 500 else text)
         response = web.json_response(error.body(), status=status)
         response.force_close()
         return response

@@ -125,8 +125,8 @@ def fd_budget() -> int:
 
 
 def test_aiohttp_own_errors_are_openai_json() -> None:
-    """Unknown route 404, wrong method 405, body over the cap 413, unparsable request line and header 400s,
-    a malformed body 400: all JSON with OpenAI's error fields."""
+    """Unknown route 404, wrong method 405, body over the cap 413, unparsable request lines, headers and chunks
+    400, an unknown expectation 417, malformed bodies 400: all JSON with OpenAI's error fields."""
     with served(EdgeLimits(max_body_bytes=1024)) as (_gateway, port):
         cases = [
             (get("/v1/nope"), 404),
@@ -138,6 +138,10 @@ def test_aiohttp_own_errors_are_openai_json() -> None:
             (post("/v1/completions", b'{"prompt":"a\\ud800"}'), 400),
             (post("/v1/completions", b"\x1f\x8b garbage", Content_Encoding="gzip"), 400),
             (post("/v1/completions", b'{"prompt":"hi"}', Content_Type="application/json; charset=nope"), 400),
+            (post("/v1/completions", b"{}", Expect="200-ok"), 417),
+            (post("/v1/nope", b"{}", Expect="200-ok"), 417),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n", 400),
+            (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
         ]
         for raw, status in cases:
             answer, headers, body = ask(port, raw)
@@ -145,6 +149,7 @@ def test_aiohttp_own_errors_are_openai_json() -> None:
             assert headers["content-type"].startswith("application/json"), (raw[:40], headers)
             assert is_openai_error(body, answer), body
         assert ask(port, get("/v1/completions"))[1]["allow"] == "POST"
+        assert ask(port, get("/v1/nope"))[2]["error"]["message"] == "Invalid URL (GET /v1/nope)"
 
 
 def test_a_body_that_does_not_arrive_is_a_408() -> None:
