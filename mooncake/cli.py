@@ -8,8 +8,11 @@
 
 Traces may be plain or gzip (`.jsonl.gz`), in the Mooncake form or aiperf's
 (see `mooncake.workload.trace`); an output whose name ends in `.gz` is
-compressed. Errors in the input (a malformed trace line, a bad option value)
-print one line naming the problem and exit with status 2; nothing is written.
+compressed. Errors in the input print one line naming the problem and exit
+with status 2, nothing written: a malformed trace line (`file:line: reason`), a
+file that cannot be read or written (`file: reason`), an option out of its range
+(`argument --seed: ...`; `--rate` and `--cv` lie in [1e-6, 1e6], `--plot` names
+an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
 With `--skip-invalid` a malformed line is left out instead and named on stderr.
 A capacity sweep draws a progress bar on stderr when stdout and stderr are both
 terminals (not when the output is piped or redirected) unless `--no-progress`.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import io
 import json
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 
@@ -46,7 +51,7 @@ from mooncake.workload import (
     write_trace,
 )
 
-__all__ = ["POLICIES", "capacity_sweep", "main", "plot_capacity"]
+__all__ = ["PLOT_FORMATS", "POLICIES", "RATE_RANGE", "capacity_sweep", "main", "plot_capacity"]
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -57,13 +62,78 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
 """Eviction policies by command-line name."""
 
 
+PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "png", "ps", "svg", "svgz", "tif", "tiff", "webp")
+"""Suffixes `--plot` accepts: the image formats matplotlib writes with its own backends and Pillow."""
+
+RATE_RANGE = (1e-6, 1e6)
+"""Bounds of `--rate` (per second) and `--cv`: beyond them the arrival gaps underflow or overflow a float."""
+
+
+def _integer(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also beyond Python's 4300 digits
+            raise argparse.ArgumentTypeError(f"expected an integer, got {_shown(text)}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {_shown(text)}")
+        return value
+
+    return parse
+
+
+def _ranged(text: str) -> float:
+    """An argparse type: a number within RATE_RANGE."""
+    low, high = RATE_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
+    if not low <= value <= high:  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [{low:g}, {high:g}], got {_shown(text)}")
+    return value
+
+
+def _input_path(text: str) -> str:
+    """An argparse type: a path to read (open() refuses NUL, and "" names nothing)."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a file name, got {_shown(text)}")
+    return text
+
+
+def _output_path(text: str) -> str:
+    """An argparse type: a file to write, which needs a name (not "", "." or "..")."""
+    _input_path(text)
+    if Path(text).name in ("", ".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {_shown(text)}")
+    return text
+
+
+def _plot_path(text: str) -> str:
+    """An argparse type: an image file name, by suffix (checked before a sweep, not after it)."""
+    _output_path(text)
+    suffix = Path(text).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"expected an image file name ending in .{', .'.join(PLOT_FORMATS)}, got {_shown(text)}"
+        )
+    return text
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[: limit - 4]}...{shown[-1]}"
+
+
 def _capacities(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {_shown(text)}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"capacities must be positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"capacities must be positive integers, got {_shown(text)}")
     return values
 
 
@@ -90,6 +160,17 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _check_plot(path: str) -> None:
+    """The plot can be written: matplotlib is installed and the folder exists."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ConfigError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {path}: there is no folder {folder}")
 
 
 def _report_skipped(skipped: SkippedLine) -> None:
@@ -173,6 +254,8 @@ def capacity_sweep(
 
 
 def _capacity(args: argparse.Namespace) -> None:
+    if args.plot:  # before the sweep, which may take minutes
+        _check_plot(args.plot)
     keys = [request.block_keys for request in _read(args, args.path)]
     bar = ProgressBar(len(args.capacity_blocks), label="capacities", enabled=not args.no_progress and shows_progress())
     points = capacity_sweep(
@@ -205,51 +288,62 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"wrote {count:,} requests from {args.source} to {args.target} ({args.to} form)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = _Parser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="group", required=True)
     trace = commands.add_parser("trace", help="inspect, generate and analyse Mooncake-format traces")
     sub = trace.add_subparsers(dest="command", required=True)
 
     stats = sub.add_parser("stats", help="requests, mean lengths and prefix reuse of a trace")
-    stats.add_argument("path")
+    stats.add_argument("path", type=_input_path)
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(run=_stats)
 
     generate = sub.add_parser("generate", help="write a synthetic workload as a trace")
     generate.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
-    generate.add_argument("--num-requests", type=int, default=4000)
-    generate.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    generate.add_argument("--num-requests", type=_integer(0), default=4000)
+    generate.add_argument("--rate", type=_ranged, default=4.0, help="mean arrivals per second")
     generate.add_argument(
-        "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
+        "--cv", type=_ranged, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
     )
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--out", required=True)
+    generate.add_argument("--seed", type=_integer(0), default=0)
+    generate.add_argument("--out", type=_output_path, required=True)
     generate.set_defaults(run=_generate)
 
     capacity = sub.add_parser("capacity", help="prefix hit ratio against cache capacity")
-    capacity.add_argument("path")
+    capacity.add_argument("path", type=_input_path)
     capacity.add_argument("--policy", choices=sorted(POLICIES), default="lru")
     capacity.add_argument("--capacity-blocks", type=_capacities, default=[1000, 10000, 50000])
     capacity.add_argument("--prefix-aware", action="store_true", help="evict leaf blocks first")
     capacity.add_argument("--json", action="store_true", help="print JSON")
-    capacity.add_argument("--plot", help="write a PNG plot here")
+    capacity.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
     capacity.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
+        "--jobs", type=_integer(1), default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
     )
     capacity.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     capacity.set_defaults(run=_capacity)
 
     convert = sub.add_parser("convert", help="rewrite a trace in the Mooncake form or aiperf's, plain or gzip")
-    convert.add_argument("source", metavar="IN", help="a trace in either form, plain or gzip")
-    convert.add_argument("target", metavar="OUT", help="the trace to write (gzip when the name ends in .gz)")
+    convert.add_argument("source", metavar="IN", type=_input_path, help="a trace in either form, plain or gzip")
+    convert.add_argument(
+        "target", metavar="OUT", type=_output_path, help="the trace to write (gzip when the name ends in .gz)"
+    )
     convert.add_argument(
         "--to", choices=TRACE_FORMS, default="mooncake", help="the form to write (default mooncake; aiperf keeps text)"
     )
     convert.set_defaults(run=_convert)
 
     for command in (stats, generate, capacity, convert):
-        command.add_argument("--block-size", type=int, default=512, help="tokens per block / hash id (default 512)")
+        command.add_argument(
+            "--block-size", type=_integer(1), default=512, help="tokens per block / hash id (default 512)"
+        )
     for command in (stats, capacity, convert):
         command.add_argument(
             "--skip-invalid", action="store_true", help="leave out malformed lines (named on stderr) instead of failing"
@@ -257,13 +351,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_error(error: OSError) -> str:
+    """`file: reason` for a failed read or write (its errno and repr left out)."""
+    if error.filename is not None and error.strerror:
+        return f"{os.fsdecode(error.filename)}: {error.strerror}"
+    return str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (0, or 2 for a usage or input error)."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A file name from argv may hold undecodable bytes (as surrogates): print them escaped, never fail.
+        sys.stdout.reconfigure(errors="backslashreplace")
     args = _parser().parse_args(argv)
     try:
         args.run(args)
-    except (MooncakeError, OSError) as error:
+    except MooncakeError as error:
         print(f"mooncake: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"mooncake: error: {_os_error(error)}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,17 +3,23 @@ exit statuses."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mooncake.cli import main
 from mooncake.workload import load_trace
+from tests.workload.test_trace import ANY_LINES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -22,8 +28,11 @@ SYNTHETIC_STATS = {"num_requests": 3993, "mean_input_length": 15325.5, "mean_out
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """main(argv) in-process: (exit status, stdout, stderr)."""
-    status = main(list(argv))
+    """main(argv) in-process: (exit status, stdout, stderr); argparse's exit is a status too."""
+    try:
+        status = main(list(argv))
+    except SystemExit as exit:
+        status = exit.code  # type: ignore[assignment]
     captured = capsys.readouterr()
     return status, captured.out, captured.err
 
@@ -207,23 +216,31 @@ def test_generate_block_size_option(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(
-    ("option", "value", "field"),
+    ("option", "value"),
     [
-        ("--rate", "0", "rate_per_s"),
-        ("--cv", "-1", "cv"),
-        ("--num-requests", "-3", "num_requests"),
-        ("--block-size", "0", "block_size_tokens"),
+        ("--rate", "0"),
+        ("--rate", "nan"),
+        ("--rate", "1e400"),
+        ("--cv", "-1"),
+        ("--cv", "1e300"),  # the gamma shape 1/cv**2 underflows
+        ("--cv", "1e-300"),  # ... or overflows
+        ("--num-requests", "-3"),
+        ("--block-size", "0"),
+        ("--seed", "-1"),
+        ("--seed", "1" * 5000),  # beyond int()'s 4300 digits
+        ("--out", ""),
+        ("--out", "."),
     ],
 )
 def test_generate_with_bad_values_exits_2_and_writes_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, field: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
 ) -> None:
-    """An invalid option value prints one error line naming the field, returns 2 and writes no file."""
+    """An invalid option value prints one error line naming the option, exits with 2 and writes no file."""
     out = tmp_path / "gen.jsonl"
-    status, text, err = run(capsys, "trace", "generate", "--num-requests", "5", option, value, "--out", str(out))
+    status, text, err = run(capsys, "trace", "generate", "--num-requests", "5", "--out", str(out), option, value)
     assert status == 2 and text == ""
-    assert err.startswith("mooncake: error: ") and field in err
-    assert err.count("\n") == 1
+    assert err.startswith("mooncake trace generate: error: argument ") and f"argument {option}:" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -412,3 +429,166 @@ def test_convert_to_an_unknown_form_is_an_argparse_error(tmp_path: Path, capsys:
         main(["trace", "convert", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--to", "vllm"])
     assert caught.value.code == 2
     assert "aiperf" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- hostile input: one line, never a traceback
+
+HOSTILE_LINES = {
+    "a timestamp of 10^400": '{"timestamp": 1'
+    + "0" * 400
+    + ', "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+    "a 5,000-digit integer": GOOD_LINE.replace('"output_length": 1', '"output_length": ' + "9" * 5000),
+    "200,000-deep nesting": "[" * 200_000 + "]" * 200_000,
+    "NaN": GOOD_LINE.replace('"timestamp": 0', '"timestamp": NaN'),
+    "Infinity": GOOD_LINE.replace('"input_length": 5', '"input_length": Infinity'),
+}
+
+
+@pytest.mark.parametrize("text", HOSTILE_LINES.values(), ids=HOSTILE_LINES.keys())
+@pytest.mark.parametrize("command", ["stats", "capacity", "convert"])
+def test_a_hostile_line_is_one_error_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, command: str
+) -> None:
+    """Each line that used to raise a traceback is status 2 and one `file:line: reason` line."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD_LINE}\n{text}\n", encoding="utf-8")
+    extra = [str(tmp_path / "out.jsonl")] if command == "convert" else ["--jobs", "1"] if command == "capacity" else []
+    status, out, err = run(capsys, "trace", command, str(path), *extra, "--block-size", "4")
+    assert (status, out) == (2, "")
+    assert err.startswith(f"mooncake: error: {path}:2: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("kind", ["directory", "unreadable"])
+def test_a_trace_path_that_cannot_be_read_is_one_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A directory, or a file whose reads fail (/proc/self/mem: EIO, even for root): `path: reason`, status 2."""
+    path = tmp_path if kind == "directory" else Path("/proc/self/mem")
+    if not path.exists():
+        pytest.skip(f"no {path} here")
+    status, out, err = run(capsys, "trace", "stats", str(path))
+    assert (status, out) == (2, "")
+    assert err.startswith(f"mooncake: error: {path}: ") and err.count("\n") == 1, err
+
+
+def test_convert_into_a_folder_names_the_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A write that fails names the file asked for, not the temporary sibling it writes first."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(f"{GOOD_LINE}\n", encoding="utf-8")
+    target = tmp_path / "missing" / "out.jsonl"
+    status, _, err = run(capsys, "trace", "convert", str(source), str(target), "--block-size", "4")
+    assert status == 2 and err == f"mooncake: error: {target}: No such file or directory\n"
+
+
+@pytest.mark.parametrize(
+    ("plot", "reason"),
+    [("x.jsonl", "argument --plot: expected an image file name"), ("", "argument --plot: expected a file name")],
+)
+def test_plot_must_name_an_image(tmp_path: Path, capsys: pytest.CaptureFixture[str], plot: str, reason: str) -> None:
+    """--plot x.jsonl is refused by its suffix, before any work: one line, status 2."""
+    status, out, err = run(capsys, "trace", "capacity", str(tmp_path / "t.jsonl"), "--plot", plot)
+    assert (status, out) == (2, "")
+    assert reason in err and err.count("\n") == 1
+
+
+def test_plot_into_a_missing_folder_fails_before_the_sweep(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plot that could not be written is refused before the sweep, not after it."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
+    plot = tmp_path / "missing" / "out.png"
+    status, out, err = run(capsys, "trace", "capacity", str(small_trace), "--plot", str(plot))
+    assert (status, out) == (2, "")
+    assert err == f"mooncake: error: --plot {plot}: there is no folder {plot.parent}\n"
+
+
+ARGUMENTS = st.one_of(
+    st.integers().map(str),
+    st.floats().map(repr),
+    st.text(max_size=6),
+    st.sampled_from(["", "-1", "0", "1", "4", "1e400", "nan", "-inf", "1_0", "1" * 5000, ".", "..", "x.jsonl"]),
+)
+COUNTS = st.one_of(st.integers(-3, 30).map(str), ARGUMENTS.filter(lambda text: not text.strip().isdigit()))
+
+
+@st.composite
+def command_lines(draw: st.DrawFn, folder: str) -> list[str]:
+    """`mooncake trace …` with any command, options in any order and any values (few requests, one job)."""
+    files = [f"{folder}/good.jsonl", folder, f"{folder}/out.jsonl", f"{folder}/out.jsonl.gz", f"{folder}/p.png"]
+    paths = st.one_of(st.sampled_from([*files, f"{folder}/no/x.jsonl", "/proc/self/mem"]), ARGUMENTS)
+    options = st.one_of(
+        st.tuples(st.sampled_from(["--seed", "--rate", "--cv", "--block-size", "--capacity-blocks"]), ARGUMENTS),
+        st.tuples(st.sampled_from(["--num-requests", "--jobs"]), COUNTS),
+        st.tuples(st.sampled_from(["--plot", "--out"]), paths),
+        st.tuples(st.sampled_from(["--to", "--preset", "--policy"]), st.sampled_from(["aiperf", "synthetic", "x"])),
+        st.tuples(st.sampled_from(["--json", "--skip-invalid", "--no-progress", "--prefix-aware", "--help"])),
+        st.tuples(paths),
+    )
+    command = draw(st.sampled_from(["stats", "generate", "capacity", "convert", "bogus"]))
+    argv = ["trace", command, *(part for option in draw(st.lists(options, max_size=6)) for part in option)]
+    if "--num-requests" in argv[:-1]:  # keep generation quick; any count is valid input
+        index = argv.index("--num-requests") + 1
+        argv[index] = argv[index] if not argv[index].strip().isdigit() else str(min(int(argv[index]), 30))
+    if "--jobs" in argv[:-1]:  # one process: forks per example would only slow the search
+        argv[argv.index("--jobs") + 1] = "1" if argv[argv.index("--jobs") + 1].strip().isdigit() else "x"
+    return argv
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_argument_list_exits_0_or_2_without_a_traceback(data: st.DataObject) -> None:
+    """Arbitrary argument lists for `mooncake trace …`: status 0 or 2, and an error is one line."""
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):  # relative paths land here
+        Path(folder, "good.jsonl").write_text(f"{GOOD_LINE}\n", encoding="utf-8")
+        argv = data.draw(command_lines(folder), label="argv")
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                status = main(argv)
+            except SystemExit as exit:
+                status = exit.code  # type: ignore[assignment]
+    assert status in (0, 2), (status, err.getvalue())
+    if status == 2:
+        assert err.getvalue().count("\n") == 1, err.getvalue()
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=st.lists(ANY_LINES, max_size=5), command=st.sampled_from(["stats", "capacity", "convert"]))
+def test_any_trace_lines_exit_0_or_2_without_a_traceback(lines: list[bytes], command: str) -> None:
+    """Arbitrary lines (text and bytes) in a trace file: status 0, or 2 with one `file:line: reason`."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "t.jsonl")
+        path.write_bytes(b"\n".join(lines))
+        extra = {"stats": [], "capacity": ["--jobs", "1", "--capacity-blocks", "2,64"], "convert": [f"{folder}/o.gz"]}
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            status = main(["trace", command, str(path), *extra[command], "--block-size", "4"])
+    assert status in (0, 2)
+    if status == 2:
+        assert err.getvalue().startswith(f"mooncake: error: {path}:") and err.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--seed", "-1", "--num-requests", "2", "--out", "x.jsonl"],
+        ["capacity", "t.jsonl", "--plot", "x.jsonl"],
+        ["stats", "deep.jsonl"],
+        ["stats", b"caf\xe9.jsonl"],  # a file name that is not UTF-8 (printed escaped)
+    ],
+    ids=["seed -1", "plot x.jsonl", "deep nesting", "non-UTF-8 name"],
+)
+def test_the_installed_command_prints_no_traceback(tmp_path: Path, argv: list[str | bytes]) -> None:
+    """Through a real process: the attacks end with status 0 or 2 and no traceback on stderr."""
+    (tmp_path / "t.jsonl").write_text(f"{GOOD_LINE}\n", encoding="utf-8")
+    (tmp_path / "deep.jsonl").write_text("[" * 200_000 + "]" * 200_000 + "\n", encoding="utf-8")
+    (tmp_path / "caf\udce9.jsonl").write_text(f"{GOOD_LINE.replace('[1, 2]', '[1]')}\n", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake.cli", "trace", *argv, *(["--block-size", "8"] if "stats" in argv else [])],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
+    assert done.returncode in (0, 2) and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")
+    assert done.stderr.count(b"\n") <= 1

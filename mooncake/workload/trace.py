@@ -49,6 +49,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 import uuid
 import warnings
 import zlib
@@ -101,22 +102,41 @@ class SkippedLine:
 
 
 def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
-    """(1-based number, raw line) of a plain or gzip file; a broken gzip stream is a TraceFormatError."""
+    """(1-based number, raw line) of a plain or gzip file; a broken gzip stream is a TraceFormatError.
+
+    Raises:
+        OSError: the file cannot be opened or read; it always names the file.
+    """
     with open(path, "rb") as raw:
-        stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == _GZIP_MAGIC else raw
         number = 0
         try:
+            stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == _GZIP_MAGIC else raw
             for number, line in enumerate(stream, start=1):
                 yield number, line
         except (EOFError, zlib.error, gzip.BadGzipFile) as error:
             raise TraceFormatError(path, number + 1, f"broken gzip stream: {error}") from error
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # A read that fails (EIO) names no file: name it, so one line says which.
+            raise type(error)(error.errno, error.strerror, os.fspath(path)) from error
 
 
 _BLANK = object()
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"invalid JSON: {name} is not a JSON number")
+
+
 def _record(raw: bytes) -> Any:
-    """The line's decoded JSON, or `_BLANK`."""
+    """The line's decoded JSON, or `_BLANK`.
+
+    Raises:
+        ValueError: whatever the line holds: not UTF-8, not JSON (NaN and
+            Infinity, which Python's reader takes, included), a number of more
+            digits than Python converts, nesting deeper than its recursion.
+    """
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -124,9 +144,16 @@ def _record(raw: bytes) -> Any:
     if not line.strip():
         return _BLANK
     try:
-        return json.loads(line)
+        return json.loads(line, parse_constant=_not_json)
     except json.JSONDecodeError as error:
         raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}") from error
+    except RecursionError as error:
+        raise ValueError("invalid JSON: arrays or objects nested too deeply") from error
+    except ValueError as error:
+        if str(error).startswith("invalid JSON"):
+            raise
+        # int() refuses to read more digits than sys.get_int_max_str_digits().
+        raise ValueError(f"invalid JSON: a number of over {sys.get_int_max_str_digits()} digits") from error
 
 
 def _warn(skipped: SkippedLine) -> None:
@@ -316,12 +343,15 @@ def write_trace(
 
     Raises:
         InvalidRequestError: a request cannot be represented; the file is left untouched.
-        ConfigError: an unknown form or block size.
+        ConfigError: an unknown form or block size, or a path that names no file.
+        OSError: the file cannot be written (named by `path`), or reading the requests failed.
     """
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     if form not in TRACE_FORMS:
         raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
     target = Path(path)
+    if target.name in ("", ".", ".."):
+        raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
     # A unique sibling opened with "x" (not mkstemp) so the final file gets the
     # usual umask permissions rather than 0600.
     temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
@@ -336,6 +366,12 @@ def write_trace(
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(temporary, target)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        if error.filename not in (None, os.fspath(temporary)):
+            raise  # about another file (the requests' source)
+        # Named by the file asked for, not by the temporary sibling.
+        raise type(error)(error.errno, error.strerror, os.fspath(target)) from error
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

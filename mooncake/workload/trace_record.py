@@ -18,8 +18,14 @@ A line with none of them is in the Mooncake format and needs all four fields.
 request here has a known output. A field present with a wrong type is an error
 (`null` included); fields neither format defines are ignored.
 
-Invariant: a parsed record has `input_length > 0` tokens and, when it has
-`hash_ids`, exactly ceil(input_length / block_size) of them.
+Values are bounded so that no line can make the reader fail or stall:
+times lie in [0, 2**53] ms (exact in a float, and sums of them stay finite),
+lengths in [1, 2**24] tokens (past any model's context; a line without
+`hash_ids` makes the reader invent a key per block). JSON's NaN and Infinity
+never reach here (the reader refuses them as not JSON).
+
+Invariant: a parsed record has `0 < input_length <= MAX_LINE_TOKENS` tokens
+and, when it has `hash_ids`, exactly ceil(input_length / block_size) of them.
 """
 
 from __future__ import annotations
@@ -31,10 +37,16 @@ import attrs
 
 from mooncake._checks import ceil_div
 
-__all__ = ["AIPERF_FIELDS", "TraceRecord", "parse_record", "session_of"]
+__all__ = ["AIPERF_FIELDS", "MAX_LINE_MS", "MAX_LINE_TOKENS", "TraceRecord", "parse_record", "session_of"]
 
 AIPERF_FIELDS = ("session_id", "delay", "text_input")
 """Fields that mark a line as aiperf's form of a Mooncake trace."""
+
+MAX_LINE_MS = 2**53
+"""Largest `timestamp` or `delay` (ms): every integer up to it is exact in a float (285,000 years)."""
+
+MAX_LINE_TOKENS = 2**24
+"""Largest `input_length`, `output_length` or `text_input` (tokens, bytes for text)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -67,35 +79,52 @@ def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
     allowed = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"field '{name}' must be {kind}, got {value!r}")
+        raise ValueError(f"field '{name}' must be {kind}, got {_shown(value)}")
     return value
 
 
 def _milliseconds(record: dict[str, Any], name: str) -> float:
     value = _field(record, name, integer=False)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"field '{name}' must be a finite number >= 0, got {value!r}")
+    # An int is compared as an int: float() of one past 1e308 would overflow.
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= MAX_LINE_MS:
+        raise ValueError(f"field '{name}' must be a number in [0, 2**53], got {_shown(value)}")
     return value  # type: ignore[no-any-return]  # int or float, kept as written for messages
+
+
+def _shown(value: object, *, limit: int = 60) -> str:
+    """A JSON value for a one-line message: shortened, big integers by their size."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except RecursionError:  # nested about as deep as the JSON reader allows
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= limit else f"{text[: limit - 4]}...{text[-1]}"
 
 
 def _positive(record: dict[str, Any], name: str) -> int:
     value: int = _field(record, name, integer=True)
     if value <= 0:
-        raise ValueError(f"field '{name}' must be positive, got {value}")
+        raise ValueError(f"field '{name}' must be positive, got {_shown(value)}")
+    if value > MAX_LINE_TOKENS:
+        raise ValueError(f"field '{name}' must be at most 2**24 tokens, got {_shown(value)}")
     return value
 
 
 def _text(record: dict[str, Any]) -> bytes:
     value = record["text_input"]
     if not isinstance(value, str) or not value:
-        raise ValueError(f"field 'text_input' must be a non-empty string, got {value!r}")
+        raise ValueError(f"field 'text_input' must be a non-empty string, got {_shown(value)}")
     for other in ("input_length", "hash_ids"):
         if other in record:
             raise ValueError(f"field '{other}' cannot go with 'text_input' (the text gives the prompt)")
     try:
-        return value.encode("utf-8")
+        text = value.encode("utf-8")
     except UnicodeEncodeError as error:
         raise ValueError(f"field 'text_input' is not valid Unicode: {error.reason} at {error.start}") from error
+    if len(text) > MAX_LINE_TOKENS:
+        raise ValueError(f"field 'text_input' must be at most 2**24 bytes, got {len(text)}")
+    return text
 
 
 def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
@@ -103,7 +132,7 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
     if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
         raise ValueError("field 'hash_ids' must be a list of integers")
     if hash_ids and min(hash_ids) < 0:
-        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {min(hash_ids)}")
+        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
     expected = ceil_div(input_length, block_size_tokens)
     if len(hash_ids) != expected:
         raise ValueError(
@@ -135,7 +164,7 @@ def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
     if "session_id" in record:
         session_id = session_of(record)
         if session_id is None:
-            raise ValueError(f"field 'session_id' must be a non-empty string, got {record['session_id']!r}")
+            raise ValueError(f"field 'session_id' must be a non-empty string, got {_shown(record['session_id'])}")
     timestamp = _milliseconds(record, "timestamp") if "timestamp" in record or not is_aiperf else None
     delay = _milliseconds(record, "delay") if "delay" in record else None
     text = _text(record) if "text_input" in record else None

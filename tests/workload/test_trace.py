@@ -147,9 +147,18 @@ MALFORMED: dict[str, tuple[str, str]] = {
     "input_length negative": (line(input_length=-5), "field 'input_length' must be positive, got -5"),
     "output_length zero": (line(output_length=0), "field 'output_length' must be positive, got 0"),
     "output_length negative": (line(output_length=-1), "field 'output_length' must be positive, got -1"),
-    "timestamp negative": (line(timestamp=-1), "field 'timestamp' must be a finite number >= 0, got -1"),
-    "timestamp NaN": (line(timestamp=math.nan), "finite"),
-    "timestamp Infinity": (line(timestamp=math.inf), "finite"),
+    "timestamp negative": (line(timestamp=-1), "field 'timestamp' must be a number in [0, 2**53], got -1"),
+    "timestamp NaN": (line(timestamp=math.nan), "invalid JSON: NaN is not a JSON number"),
+    "timestamp Infinity": (line(timestamp=math.inf), "invalid JSON: Infinity is not a JSON number"),
+    "timestamp -Infinity": (line(timestamp=-math.inf), "invalid JSON: -Infinity is not a JSON number"),
+    "timestamp 10**400": (line(timestamp=10**400), "field 'timestamp' must be a number in [0, 2**53], got an integer"),
+    "timestamp 1e400": (
+        line().replace('"timestamp": 0', '"timestamp": 1e400'),
+        "must be a number in [0, 2**53], got inf",
+    ),
+    "a 5,000-digit integer": (line().replace("[1, 2]", f"[1, {'9' * 5000}]"), "a number of over 4300 digits"),
+    "200,000-deep nesting": ("[" * 200_000 + "]" * 200_000, "invalid JSON: arrays or objects nested too deeply"),
+    "input_length 2**24 + 1": (line(input_length=2**24 + 1), "field 'input_length' must be at most 2**24 tokens"),
     "too few hash_ids": (line(hash_ids=[1]), "1 hash_ids for input_length 5: expected ceil(5/4) = 2"),
     "too many hash_ids": (line(hash_ids=[1, 2, 3]), "3 hash_ids for input_length 5: expected ceil(5/4) = 2"),
     "no hash_ids": (line(hash_ids=[]), "0 hash_ids for input_length 5"),
@@ -221,6 +230,63 @@ def test_missing_file_raises_os_error(tmp_path: Path) -> None:
     """A trace that does not exist raises FileNotFoundError (I/O, not format)."""
     with pytest.raises(FileNotFoundError):
         load_trace(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["directory", "unreadable"])
+def test_a_path_that_cannot_be_read_is_an_os_error_naming_it(tmp_path: Path, kind: str) -> None:
+    """A directory, or a file whose reads fail (/proc/self/mem: EIO even for root), is an OSError with the path."""
+    path = tmp_path if kind == "directory" else Path("/proc/self/mem")
+    if not path.exists():
+        pytest.skip(f"no {path} here")
+    with pytest.raises(OSError) as caught:
+        load_trace(path)
+    assert caught.value.filename == str(path)
+
+
+# Lines of anything: JSON objects with the trace's fields (and others) holding any JSON value, NaN and
+# Infinity, numbers past a float and past 4300 digits, deep nesting, bytes that are not UTF-8.
+NUMBERS = st.one_of(
+    st.integers(-10, 10**6), st.integers(), st.floats(), st.sampled_from([2**53, 2**53 + 1, 2**24 + 1, 10**400])
+)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | NUMBERS | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=10,
+)
+RECORDS = st.dictionaries(
+    st.sampled_from([*FIELDS, "session_id", "delay", "text_input", "other"]),
+    st.one_of(JSON_VALUES, st.lists(NUMBERS, max_size=4), st.sampled_from(["s", "t", ""])),
+    max_size=7,
+)
+ANY_LINES = st.one_of(
+    RECORDS.map(lambda record: json.dumps(record).encode()),
+    st.binary(max_size=40),
+    st.text(max_size=40).map(lambda text: text.encode("utf-8", "surrogatepass")),
+    st.sampled_from([b"[" * 200_000, b"[" + b"1" * 5000 + b"]", b"NaN", b"\xff\xfe", b"\x1f\x8b\x08", b""]),
+)
+
+
+@given(lines=st.lists(ANY_LINES, max_size=6), block_size=st.sampled_from([1, BLOCK, 512]))
+def test_any_lines_read_or_fail_as_one_trace_format_error(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[bytes], block_size: int
+) -> None:
+    """Strict: requests or a TraceFormatError naming file and line, nothing else; lenient: the same, and
+    an error only for a broken gzip stream (nothing after it can be read)."""
+    path = tmp_path_factory.mktemp("any") / "t.jsonl"
+    data = b"\n".join(lines)
+    path.write_bytes(data)
+    try:
+        load_trace(path, block_size_tokens=block_size)
+    except TraceFormatError as error:
+        assert str(error).startswith(f"{path}:{error.line}: ") and "\n" not in str(error)
+    skipped: list[SkippedLine] = []
+    try:
+        workload = load_trace(path, block_size_tokens=block_size, strict=False, on_skip=skipped.append)
+    except TraceFormatError as error:
+        assert error.reason.startswith("broken gzip stream: "), error
+        return
+    assert all("\n" not in str(line) for line in skipped)
+    assert len(workload) + len(skipped) <= data.count(b"\n") + 1
 
 
 def test_blank_lines_are_skipped(tmp_path: Path) -> None:

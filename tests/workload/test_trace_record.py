@@ -77,9 +77,27 @@ AIPERF_ERRORS: dict[str, tuple[dict[str, Any], str]] = {
     "session_id number": ({**MOONCAKE, "session_id": 7}, "field 'session_id' must be a non-empty string, got 7"),
     "session_id empty": ({**MOONCAKE, "session_id": ""}, "field 'session_id' must be a non-empty string"),
     "session_id null": ({**MOONCAKE, "session_id": None}, "field 'session_id' must be a non-empty string"),
-    "delay negative": ({**MOONCAKE, "delay": -1}, "field 'delay' must be a finite number >= 0, got -1"),
+    "delay negative": ({**MOONCAKE, "delay": -1}, "field 'delay' must be a number in [0, 2**53], got -1"),
     "delay string": ({**MOONCAKE, "delay": "5"}, "field 'delay' must be a number"),
-    "delay NaN": ({**MOONCAKE, "delay": float("nan")}, "finite"),
+    "delay NaN": ({**MOONCAKE, "delay": float("nan")}, "field 'delay' must be a number in [0, 2**53], got nan"),
+    "delay past 2**53": ({**MOONCAKE, "delay": 2**53 + 1}, "field 'delay' must be a number in [0, 2**53]"),
+    "timestamp of 10**400": (  # float() of it would overflow
+        {**MOONCAKE, "timestamp": 10**400},
+        "field 'timestamp' must be a number in [0, 2**53], got an integer of 1329 bits",
+    ),
+    "timestamp of 1e300": ({**MOONCAKE, "timestamp": 1e300}, "field 'timestamp' must be a number in [0, 2**53]"),
+    "input_length past 2**24": (
+        {"session_id": "s", "input_length": 2**24 + 1, "output_length": 1},  # keys would be made up per block
+        "field 'input_length' must be at most 2**24 tokens, got 16777217",
+    ),
+    "output_length of 10**100": (
+        {**MOONCAKE, "output_length": 10**100},
+        "field 'output_length' must be at most 2**24 tokens, got an integer of 333 bits",
+    ),
+    "text past 2**24 bytes": (
+        {"text_input": "é" * (2**23 + 1), "output_length": 1},
+        "field 'text_input' must be at most 2**24 bytes, got 16777218",
+    ),
     "delay null": ({**MOONCAKE, "delay": None}, "field 'delay' must be a number"),
     "text empty": ({"text_input": "", "output_length": 1}, "field 'text_input' must be a non-empty string"),
     "text number": ({"text_input": 5, "output_length": 1}, "field 'text_input' must be a non-empty string"),
