@@ -7,19 +7,33 @@
     [slo]      ttft_s, tbt_s
     [prefill]  chunk_tokens, profile                     (profile: JSON from examples/profile_engine.py)
     [decode]   max_batch_size, max_context_tokens
-    [limits]   max_prompt_tokens, default_max_tokens, request_timeout_s, health_interval_s
+    [limits]   max_prompt_tokens, default_max_tokens, request_timeout_s, health_interval_s,
+               header_timeout_s, body_timeout_s, max_connections, max_connections_per_client,
+               health_probe_backoff_max_s
 
 Each section is a frozen attrs record (`ModelSection`, ..., `LimitsSection`)
 whose fields carry their rule: the type is the default's (an int given for a
-float field becomes a float), with a minimum or a set of allowed values.
-`ClusterConfig` holds one record per section and the file it came from; it
-checks the one rule across sections (a longest prompt plus its default output
-fits the decode context). `parse` checks a TOML document in two passes: first
-that every section and key is known, then every value in declaration order.
+float field becomes a float), numbers are finite and within bounds (durations
+above zero and at most a day, ports 0..65535, integers below 2**63), strings
+from a set or of a shape (a host name or address, an API key of visible ASCII,
+a path without NUL). `ClusterConfig` holds one record per section and the file
+it came from, and checks the rules across sections:
 
-An unknown section or key, or a value of the wrong type or range, is a
-ConfigError naming the file, the section and key, and the value (a record
-built directly names the section, key and value).
+    max_prompt_tokens + default_max_tokens <= max_context_tokens   (a longest prompt and its default output fit)
+    ceil(max_prompt_tokens / block_tokens) <= dram_blocks          (a node's cache holds a longest prompt pinned)
+    max_connections_per_client <= max_connections
+    health_interval_s <= health_probe_backoff_max_s
+
+`load_config` reads a file (UTF-8 TOML), checks it in two passes (first that
+every section and key is known, then every value in declaration order), reads
+the cost-model profile it names, and checks that the cluster fits this machine
+(`serving.machine`: shared memory, RAM, open files, SSD space, the host).
+
+Anything wrong — an unreadable, binary or non-TOML file, an unknown section or
+key, a value of the wrong type or range, a rule across sections, a missing
+profile, a cluster larger than the machine — is a one-line ConfigError naming
+the file, the section and key, and the value (a record built directly names
+the section, key and value); nothing else escapes.
 
 The records pickle (the worker processes and Ray actors receive the config
 inside their `WorkerSpec`) and are never mutated: `with_overrides` makes a
@@ -28,15 +42,21 @@ checked copy.
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
+import sys
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import attrs
 
+from mooncake._checks import ceil_div
 from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError
+from serving.machine import Machine, check_machine
 from serving.registry import ADMISSIONS, ROUTERS
 
 __all__ = [
@@ -55,14 +75,61 @@ __all__ = [
 
 T = TypeVar("T")
 
+MAX_INT = 2**63 - 1  # what torch, numpy and the wire formats hold; no count or size comes near it
+DAY_S = 86_400.0
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _shown(value: Any, *, limit: int = 240) -> str:
+    """`value` for a one-line message: its repr, shortened; an integer too long to print by its size."""
+    if isinstance(value, int) and value.bit_length() > 200:  # repr fails beyond 4300 digits
+        return f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # a nested value holding such an integer, or nested too deep
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
+
+
+def _name(key: str) -> str:
+    """A TOML key as written: bare when it can be, else quoted (so the message stays one line)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]{1,60}", key) else _shown(key)
+
+
+def _host(text: str) -> str | None:
+    try:
+        ipaddress.ip_address(text)
+        return None
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    if len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return "must be an IP address or a host name (letters, digits, '-' and '.')"
+    return None
+
+
+def _api_key(text: str) -> str | None:
+    if len(text) > 4096 or any(not "!" <= char <= "~" for char in text):
+        return "must be at most 4096 visible ASCII characters (no spaces): it travels in an HTTP header"
+    return None
+
+
+def _path(text: str) -> str | None:
+    if "\0" in text or len(text) > 4096:
+        return "must be a path (no NUL character, at most 4096 characters)"
+    return None
+
 
 @attrs.frozen
 class _Rule:
-    """What a field accepts: its type, and a minimum or the allowed values."""
+    """What a field accepts: its type, bounds (finite numbers), allowed values or a shape of text."""
 
     kind: type[Any]
     minimum: float | None = None
+    maximum: float | None = None
+    above: bool = False  # the minimum is excluded
     allowed: tuple[str, ...] = ()
+    text: Callable[[str], str | None] | None = None
 
     def check(self, where: str, value: Any) -> Any:
         """`value` as the field stores it; `where` (`[section] key = value`) opens the ConfigError."""
@@ -71,24 +138,49 @@ class _Rule:
             raise ConfigError(f"{where}: expected {self.kind.__name__}")
         if self.allowed and value not in self.allowed:
             raise ConfigError(f"{where}: must be one of {', '.join(self.allowed)}")
-        if self.minimum is not None and value < self.minimum:
-            raise ConfigError(f"{where}: must be >= {self.minimum}")
+        if self.text is not None and (reason := self.text(value)) is not None:
+            raise ConfigError(f"{where}: {reason}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: must be a finite number")
+        low, high = self.minimum, self.maximum
+        if low is not None and (value < low or (self.above and value == low)):
+            raise ConfigError(f"{where}: must be {'>' if self.above else '>='} {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{where}: must be <= {high}")
         return value
 
     def convert(self, value: Any) -> Any:
-        """An int for a float field becomes a float; anything else is left for `check`."""
+        """An int for a float field becomes a float (an int too large for one stays, for `check`)."""
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                return math.inf
         return value
 
     def validate(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        self.check(f"[{instance.NAME}] {attribute.name} = {value!r}", value)
+        self.check(f"[{instance.NAME}] {attribute.name} = {_shown(value)}", value)
 
 
-def _setting(default: T, *, minimum: float | None = None, allowed: Sequence[str] = ()) -> T:
-    """A checked field of the default's type."""
-    rule = _Rule(type(default), minimum, tuple(allowed))
+def _setting(
+    default: T,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: bool = False,
+    allowed: Sequence[str] = (),
+    text: Callable[[str], str | None] | None = None,
+) -> T:
+    """A checked field of the default's type (integers at most MAX_INT unless a maximum is given)."""
+    if maximum is None and isinstance(default, int):
+        maximum = MAX_INT
+    rule = _Rule(type(default), minimum, maximum, above, tuple(allowed), text)
     return attrs.field(default=default, converter=rule.convert, validator=rule.validate, metadata={"rule": rule})
+
+
+def _seconds(default: float, *, minimum: float = 0.0, maximum: float = DAY_S) -> float:
+    """A duration: above `minimum` (0: strictly positive) and at most a day."""
+    return _setting(default, minimum=minimum, maximum=maximum, above=minimum == 0.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -99,7 +191,7 @@ class ModelSection:
     preset: str = _setting("tiny", allowed=tuple(PRESETS))
     seed: int = _setting(0, minimum=0)
     dtype: str = _setting("float32", allowed=("float32", "bfloat16"))
-    block_tokens: int = _setting(16, minimum=1)
+    block_tokens: int = _setting(16, minimum=1, maximum=65_536)
 
 
 @attrs.frozen(kw_only=True)
@@ -107,11 +199,11 @@ class ClusterSection:
     """`[cluster]`: engine counts, the gateway's host and port (0: any free port), the API key ("": none)."""
 
     NAME: ClassVar[str] = "cluster"
-    num_prefill: int = _setting(2, minimum=1)
-    num_decode: int = _setting(1, minimum=1)
-    host: str = _setting("127.0.0.1")
-    port: int = _setting(8000, minimum=0)
-    api_key: str = _setting("")
+    num_prefill: int = _setting(2, minimum=1, maximum=1024)
+    num_decode: int = _setting(1, minimum=1, maximum=1024)
+    host: str = _setting("127.0.0.1", text=_host)
+    port: int = _setting(8000, minimum=0, maximum=65_535)
+    api_key: str = _setting("", text=_api_key)
 
 
 @attrs.frozen(kw_only=True)
@@ -121,7 +213,7 @@ class CacheSection:
     NAME: ClassVar[str] = "cache"
     dram_blocks: int = _setting(512, minimum=4)
     ssd_blocks: int = _setting(0, minimum=0)
-    ssd_dir: str = _setting("")
+    ssd_dir: str = _setting("", text=_path)
 
 
 @attrs.frozen(kw_only=True)
@@ -139,8 +231,8 @@ class SloSection:
     """`[slo]`: the time-to-first-token and time-between-tokens objectives."""
 
     NAME: ClassVar[str] = "slo"
-    ttft_s: float = _setting(30.0, minimum=0.0)
-    tbt_s: float = _setting(0.5, minimum=0.0)
+    ttft_s: float = _seconds(30.0)
+    tbt_s: float = _seconds(0.5)
 
 
 @attrs.frozen(kw_only=True)
@@ -149,7 +241,7 @@ class PrefillSection:
 
     NAME: ClassVar[str] = "prefill"
     chunk_tokens: int = _setting(512, minimum=1)
-    profile: str = _setting("")
+    profile: str = _setting("", text=_path)
 
 
 @attrs.frozen(kw_only=True)
@@ -163,13 +255,25 @@ class DecodeSection:
 
 @attrs.frozen(kw_only=True)
 class LimitsSection:
-    """`[limits]`: the longest prompt, the default output, a request's deadline, the health loop's period."""
+    """`[limits]`: what one request and one client may take, and the gateway's clocks.
+
+    The longest prompt, the default output and a request's deadline; the
+    health loop's period and the cap of its backoff for a worker that does not
+    answer (`health_probe_backoff_max_s`, at least the period); the time a
+    client has to send its headers and its body; open connections in all and
+    per client address.
+    """
 
     NAME: ClassVar[str] = "limits"
     max_prompt_tokens: int = _setting(1024, minimum=1)
     default_max_tokens: int = _setting(16, minimum=1)
-    request_timeout_s: float = _setting(60.0, minimum=0.0)
-    health_interval_s: float = _setting(0.5, minimum=0.0)
+    request_timeout_s: float = _seconds(60.0)
+    health_interval_s: float = _seconds(0.5, minimum=0.01, maximum=3600.0)  # shorter is a busy loop
+    header_timeout_s: float = _seconds(10.0, maximum=3600.0)
+    body_timeout_s: float = _seconds(30.0)
+    max_connections: int = _setting(1024, minimum=1, maximum=1_000_000)
+    max_connections_per_client: int = _setting(64, minimum=1, maximum=1_000_000)
+    health_probe_backoff_max_s: float = _seconds(5.0, minimum=0.01, maximum=3600.0)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -191,7 +295,11 @@ SECTIONS: dict[str, type[Any]] = {
 class ClusterConfig:
     """The whole config: `config.section.key`, defaults filled in; `source` names the file.
 
-    Invariant: `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`.
+    Invariants (the rules across sections, checked at construction):
+        `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`;
+        `ceil(limits.max_prompt_tokens / model.block_tokens) <= cache.dram_blocks`;
+        `limits.max_connections_per_client <= limits.max_connections`;
+        `limits.health_interval_s <= limits.health_probe_backoff_max_s`.
     """
 
     source: str
@@ -205,15 +313,33 @@ class ClusterConfig:
     limits: LimitsSection = attrs.field(factory=LimitsSection)
 
     def __attrs_post_init__(self) -> None:
-        limits, decode = self.limits, self.decode
+        limits, decode, source = self.limits, self.decode, self.source
         if limits.max_prompt_tokens + limits.default_max_tokens > decode.max_context_tokens:
             raise ConfigError(
-                f"{self.source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
+                f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
                 f"{limits.default_max_tokens} exceed [decode] max_context_tokens = {decode.max_context_tokens}"
+            )
+        blocks = ceil_div(limits.max_prompt_tokens, self.model.block_tokens)
+        if blocks > self.cache.dram_blocks:
+            # Prefill pins a whole prompt's pages in its node's DRAM: a longer one could never be served.
+            raise ConfigError(
+                f"{source}: [limits] max_prompt_tokens = {limits.max_prompt_tokens}: a prompt of "
+                f"{blocks} blocks of [model] block_tokens = {self.model.block_tokens} does not fit pinned in "
+                f"[cache] dram_blocks = {self.cache.dram_blocks}"
+            )
+        if limits.max_connections_per_client > limits.max_connections:
+            raise ConfigError(
+                f"{source}: [limits] max_connections_per_client = {limits.max_connections_per_client}: "
+                f"must be <= max_connections = {limits.max_connections}"
+            )
+        if limits.health_probe_backoff_max_s < limits.health_interval_s:
+            raise ConfigError(
+                f"{source}: [limits] health_probe_backoff_max_s = {limits.health_probe_backoff_max_s}: "
+                f"must be >= health_interval_s = {limits.health_interval_s}"
             )
 
     def with_overrides(self, section: str, **values: Any) -> ClusterConfig:
-        """A copy with some keys of `section` replaced (checked like the file's).
+        """A copy with some keys of `section` replaced (checked like the file's, without the machine).
 
         Raises:
             ConfigError: an unknown section or key, or a value out of bounds.
@@ -231,20 +357,22 @@ def parse(data: Mapping[str, Any], source: str) -> ClusterConfig:
     """
     for section, keys in data.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"{source}: unknown section [{_name(section)}] (known: {', '.join(SECTIONS)})")
         if not isinstance(keys, dict):
-            raise ConfigError(f"{source}: [{section}] = {keys!r}: must be a table")
+            raise ConfigError(f"{source}: [{section}] = {_shown(keys)}: must be a table")
         known = [field.name for field in attrs.fields(SECTIONS[section])]
         for key, value in keys.items():
             if key not in known:
-                raise ConfigError(f"{source}: [{section}] {key} = {value!r}: unknown key (known: {', '.join(known)})")
+                raise ConfigError(
+                    f"{source}: [{section}] {_name(key)} = {_shown(value)}: unknown key (known: {', '.join(known)})"
+                )
     records: dict[str, Any] = {}
     for section, record in SECTIONS.items():
         given = data.get(section, {})
         values = {
             # Checked here, before the record's own validators, so that the message shows the value as written.
             field.name: field.metadata["rule"].check(
-                f"{source}: [{section}] {field.name} = {given[field.name]!r}", given[field.name]
+                f"{source}: [{section}] {field.name} = {_shown(given[field.name])}", given[field.name]
             )
             for field in attrs.fields(record)
             if field.name in given
@@ -253,16 +381,60 @@ def parse(data: Mapping[str, Any], source: str) -> ClusterConfig:
     return ClusterConfig(source=source, **records)
 
 
-def load_config(path: str | Path) -> ClusterConfig:
-    """Read and check a cluster config file.
-
-    Raises:
-        ConfigError: unreadable, not TOML (with its line), or a field out of bounds.
-    """
+def _document(path: str | Path) -> dict[str, Any]:
+    """The file's TOML document; any failure to read or parse it is a ConfigError naming the file."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
     except OSError as error:
-        raise ConfigError(f"{path}: cannot read the config: {error}") from error
+        raise ConfigError(f"{path}: cannot read the config: {error.strerror or error}") from error
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file: byte {raw[error.start]:#04x} on line {line} (a TOML config is text)"
+        ) from error
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from error
-    return parse(data, str(path))
+    except ValueError as error:  # tomllib lets int()'s digit limit through
+        raise ConfigError(
+            f"{path}: not valid TOML: an integer of over {sys.get_int_max_str_digits()} digits"
+        ) from error
+    except RecursionError as error:
+        raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deeply") from error
+
+
+def _check_profile(config: ClusterConfig) -> None:
+    """The fitted cost models `[prefill] profile` names can be read (the gateway reads them at start)."""
+    if not config.prefill.profile:
+        return
+    from serving.models import read_profile  # models imports this module
+
+    try:
+        read_profile(config.prefill.profile)
+    except ConfigError as error:
+        raise ConfigError(f"{config.source}: {error}") from error
+    except RecursionError as error:
+        raise ConfigError(
+            f"{config.source}: [prefill] profile = {_shown(config.prefill.profile)}: JSON nested too deeply"
+        ) from error
+
+
+def load_config(path: str | Path, *, machine: Machine | None = None) -> ClusterConfig:
+    """Read and check a cluster config file, and that the cluster fits the machine.
+
+    Args:
+        path: the TOML file.
+        machine: the resources to fit (default: this machine's, read now; `Machine()` knows none and
+            checks nothing, for a cluster whose nodes run elsewhere).
+
+    Raises:
+        ConfigError: unreadable, not UTF-8, not TOML (with its line), a field out of bounds, a rule across
+            sections broken, an unreadable profile, or a cluster larger than the machine.
+    """
+    config = parse(_document(path), str(path))
+    _check_profile(config)
+    check_machine(config, Machine.here() if machine is None else machine)
+    return config

@@ -1,0 +1,187 @@
+"""What this machine offers a cluster, and whether a config fits in it.
+
+A config can be sound and still impossible here: `[cache] dram_blocks =
+4000000` asks every node for 4,000,000 pages of shared memory. `Machine`
+holds the figures that bound a local cluster — free shared memory
+(`/dev/shm`), available RAM (`MemAvailable`), the open-file limit — read once
+by `Machine.here()`; a figure that cannot be read is `None` and its check is
+skipped. `check_machine` compares a config's demands against them, every node
+on this machine (the local backend, and a Ray cluster started here):
+
+    shared memory   nodes × dram_blocks × page bytes              <= /dev/shm free
+    RAM             that + nodes × weight bytes
+                    + decode nodes × max_batch_size × max_context_tokens × KV bytes per token
+                                                                  <= MemAvailable
+    file limit      limits.max_connections + FD_RESERVE           <= RLIMIT_NOFILE (hard)
+    SSD             nodes × ssd_blocks × page bytes               <= free disk in ssd_dir
+    host            the gateway can bind [cluster] host
+
+(page bytes = the model's KV bytes per token × block_tokens, what a worker's
+`KvLayout.page_bytes` is). Each failure is a ConfigError naming the file, the
+key, its value, the bytes asked and the bytes there are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from mooncake.engine.config import PRESETS
+from mooncake.errors import ConfigError
+
+if TYPE_CHECKING:
+    from serving.config import ClusterConfig
+
+__all__ = ["FD_RESERVE", "Machine", "check_machine", "page_bytes"]
+
+FD_RESERVE = 128
+"""File descriptors the gateway keeps beside its clients' connections (workers' sockets, logs, libraries)."""
+
+SHM = "/dev/shm"
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as stream:
+            for line in stream:
+                name, _, rest = line.partition(":")
+                if name == field:
+                    return int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class Machine:
+    """Resources a local cluster draws on; `None` where unknown (that check is skipped).
+
+    Attributes:
+        shm_free_bytes: free space of /dev/shm, where every node's DRAM pool lives.
+        ram_available_bytes: the kernel's MemAvailable.
+        open_files_limit: the hard RLIMIT_NOFILE (the gateway may raise its soft limit to it).
+        is_here: the figures are this machine's, so the folders a config names
+            (`[cache] ssd_dir`) and its `[cluster] host` are checked as well.
+    """
+
+    shm_free_bytes: int | None = None
+    ram_available_bytes: int | None = None
+    open_files_limit: int | None = None
+    is_here: bool = False
+
+    @classmethod
+    def here(cls) -> Machine:
+        """This machine's figures, read now."""
+        try:
+            stat = os.statvfs(SHM)
+            shm: int | None = stat.f_bavail * stat.f_frsize
+        except OSError:
+            shm = None
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        files = None if hard == resource.RLIM_INFINITY else hard
+        return cls(
+            shm_free_bytes=shm, ram_available_bytes=_meminfo_bytes("MemAvailable"), open_files_limit=files, is_here=True
+        )
+
+
+def page_bytes(config: ClusterConfig) -> int:
+    """Bytes of one KV page (a block of `[model] block_tokens` tokens, every layer's K and V)."""
+    shape = PRESETS[config.model.preset].shape(config.model.dtype)
+    return shape.kv_bytes_per_token * config.model.block_tokens
+
+
+def _bytes(count: float) -> str:
+    return f"{count:,.0f} bytes"
+
+
+def check_machine(config: ClusterConfig, machine: Machine) -> None:
+    """Refuse a config that cannot run on `machine` (see the module docstring).
+
+    Raises:
+        ConfigError: naming the file, the key and value, what is asked and what there is.
+    """
+    source, cache, decode = config.source, config.cache, config.decode
+    nodes = config.cluster.num_prefill + config.cluster.num_decode
+    page = page_bytes(config)
+    shape = PRESETS[config.model.preset].shape(config.model.dtype)
+    pools = nodes * cache.dram_blocks * page
+    where = f"{source}: [cache] dram_blocks = {cache.dram_blocks}"
+    if machine.shm_free_bytes is not None and pools > machine.shm_free_bytes:
+        raise ConfigError(
+            f"{where}: {nodes} nodes × {cache.dram_blocks:,} pages × {page:,} bytes = {_bytes(pools)} of shared "
+            f"memory asked, {_bytes(machine.shm_free_bytes)} free in {SHM}"
+        )
+    weights = nodes * shape.weight_bytes
+    slots = config.cluster.num_decode * decode.max_batch_size * decode.max_context_tokens * shape.kv_bytes_per_token
+    ram = pools + weights + slots
+    if machine.ram_available_bytes is not None and ram > machine.ram_available_bytes:
+        # Name the largest demand: the key to lower first.
+        largest = max(
+            (pools, where),
+            (
+                slots,
+                f"{source}: [decode] max_batch_size = {decode.max_batch_size}, "
+                f"max_context_tokens = {decode.max_context_tokens}",
+            ),
+            (weights, f"{source}: [model] preset = {config.model.preset!r} on {nodes} nodes"),
+        )[1]
+        raise ConfigError(
+            f"{largest}: {_bytes(ram)} of RAM asked ({_bytes(pools)} of DRAM pools, {_bytes(weights)} of weights, "
+            f"{_bytes(slots)} of decode KV slots), {_bytes(machine.ram_available_bytes)} available"
+        )
+    wanted = config.limits.max_connections + FD_RESERVE
+    if machine.open_files_limit is not None and wanted > machine.open_files_limit:
+        raise ConfigError(
+            f"{source}: [limits] max_connections = {config.limits.max_connections}: needs {wanted:,} open files "
+            f"(with {FD_RESERVE} for the gateway itself), the limit (RLIMIT_NOFILE) is {machine.open_files_limit:,}"
+        )
+    if machine.is_here:
+        _check_ssd(config, nodes * cache.ssd_blocks * page)
+        _check_host(config)
+
+
+def _check_ssd(config: ClusterConfig, asked: int) -> None:
+    cache = config.cache
+    folder = cache.ssd_dir or tempfile.gettempdir()
+    where = f"{config.source}: [cache] ssd_dir = {cache.ssd_dir!r}"
+    if cache.ssd_dir and not Path(folder).is_dir():
+        raise ConfigError(f"{where}: not a folder")
+    if not cache.ssd_blocks:
+        return
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: the folder {folder} is not writable")
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot read the free space of {folder}: {error.strerror}") from error
+    if asked > free:
+        raise ConfigError(
+            f"{config.source}: [cache] ssd_blocks = {cache.ssd_blocks}: {_bytes(asked)} of disk asked, "
+            f"{_bytes(free)} free in {folder}"
+        )
+
+
+def _check_host(config: ClusterConfig) -> None:
+    """The gateway must be able to listen on `[cluster] host` (any port: the configured one may be busy now)."""
+    host = config.cluster.host
+    where = f"{config.source}: [cluster] host = {host!r}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
+    except (OSError, UnicodeError) as error:
+        raise ConfigError(f"{where}: not an address of this machine ({error})") from error
+    probe = socket.socket(family, kind, proto)
+    with contextlib.closing(probe):
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ConfigError(f"{where}: cannot listen there ({error.strerror})") from error
