@@ -6,6 +6,8 @@ finish reason "stop" and cancels the decode; top_p reaches the sampler (a tiny n
 model is OpenAI's 404 `model_not_found` and /v1/models lists the served one; arbitrary bodies sent to the cluster
 never get a 5xx (a bounded property test); a decode worker stopped with SIGSTOP is marked down (its stream gets an
 error, /health says so) and, resumed with SIGCONT, is marked up again, its orphaned request cancelled, and serves.
+Without workers: the dispatcher ignores reports of an earlier attempt or from an engine the request is not routed
+to (what a resumed engine may still send), and refuses a malformed report back to its sender.
 
 Every wait is bounded (`wait_for` fails naming what it waited for); every stopped process is continued in a
 `finally`; clusters are closed by their context managers.
@@ -32,8 +34,15 @@ pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
+from serving import wire  # noqa: E402
+from serving.api import SamplingOptions  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
+from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
+from serving.gateway import build_conductor, declare_metrics  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
+
+from mooncake.sched.join import DecodeLimits  # noqa: E402
+from mooncake.types import BlockKey, InstanceId, Request, RequestId  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 TIMEOUT_S = 60.0
@@ -214,3 +223,75 @@ def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
         wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the orphaned request to be cancelled")
         answer = api.completions.create(model="tiny", prompt="Back again.", max_tokens=8)
         assert answer.usage.completion_tokens == 8
+
+
+# ---------------------------------------------------------------------------------------------- stale reports
+
+
+def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
+    """A request on its second attempt: tokens and failures of attempt 0, and reports from engines it is not
+    routed to, change nothing; its own attempt's tokens reach it and end it. A malformed report is refused to
+    its sender (a MessageError naming the field) and changes nothing either."""
+    config = load_config(TINY)
+    conductor = build_conductor(config)
+    for prefill in ("prefill-0", "prefill-1"):
+        conductor.add_prefill_instance(InstanceId(prefill))
+    for decode in ("decode-0", "decode-1"):
+        conductor.add_decode_instance(InstanceId(decode), DecodeLimits(kv_capacity_tokens=4096, max_batch_size=8))
+    dispatcher = Dispatcher(
+        config,
+        conductor,
+        secret=bytes(32),
+        workers=[],
+        is_alive=lambda _: True,
+        metrics=declare_metrics(),
+        block_bytes=1,
+    )
+    try:
+        request_id = RequestId(7)  # type: ignore[arg-type]
+        request = Request(
+            request_id=request_id,
+            arrival_s=0.0,
+            input_length=20,
+            output_length=8,
+            block_keys=(BlockKey(1), BlockKey(2)),
+        )
+        decision = conductor.schedule(request, dispatcher.now())
+        assert decision.accepted and decision.prefill_instance and decision.decode_instance
+        prefill, decode = decision.prefill_instance, decision.decode_instance
+        other_prefill = ({"prefill-0", "prefill-1"} - {prefill}).pop()
+        other_decode = ({"decode-0", "decode-1"} - {decode}).pop()
+        live = LiveRequest(
+            request_id, [0] * 20, request, SamplingOptions(max_tokens=8), 0.0, prefill=prefill, decode=decode, attempt=1
+        )
+        dispatcher.live[request_id] = live
+
+        def tokens(instance: str, attempt: int, *indexes: int) -> wire.DecodeTokens:
+            return wire.DecodeTokens(
+                instance_id=instance,
+                tokens=tuple(wire.Token(7, attempt, 60 + i, i, i == 1) for i in indexes),
+                step_s=0.01,
+            )
+
+        ids = {"request_id": 7, "prefix_tokens": 16, "computed_tokens": 4, "fetched_blocks": 0, "streamed_blocks": 2}
+        for stale in (
+            tokens(decode, 0, 0, 1),
+            tokens(other_decode, 1, 0, 1),
+            wire.DecodeFailed(instance_id=decode, request_id=7, attempt=0, error="a stale hand-off"),
+            wire.DecodeRejected(instance_id=other_decode, request_id=7, attempt=1, reason="batch_full"),
+            wire.PrefillDone(instance_id=other_prefill, attempt=1, events=(), **ids),
+            wire.PrefillDone(instance_id=prefill, attempt=0, events=(), **ids),
+        ):
+            dispatcher._dispatch(stale)
+        assert live.events.empty() and live.cached_tokens == 0 and request_id in dispatcher.live
+        with pytest.raises(wire.MessageError, match="tokens"):
+            dispatcher.engine.handle_call("decode.tokens", {"instance_id": decode, "tokens": "oops", "step_s": 0.0})
+        assert request_id in dispatcher.live
+        dispatcher._dispatch(wire.PrefillDone(instance_id=prefill, attempt=1, events=(), **ids))
+        dispatcher._dispatch(tokens(decode, 1, 0, 1))
+        assert live.cached_tokens == 16
+        assert [live.events.get_nowait() for _ in range(2)] == [("token", (60, False)), ("token", (61, True))]
+        assert request_id not in dispatcher.live and conductor.in_flight == ()
+        conductor.check_invariants()
+    finally:
+        dispatcher.close()
