@@ -16,7 +16,9 @@ least 1); arrival times are divided by `--speedup`.
 Each request streams (with `stream_options.include_usage`) so that TTFT and
 every token interval are measured at the client; TBT is the paper's (mean of
 the longest 10 % intervals). A 429 is a rejection (after prefill when the
-decode engine refused it); other errors count as failed. The summary is
+decode engine refused it), its reason the error's `code`; other errors count as
+failed and the first of each kind is printed to stderr. Requests name the model
+the server lists at `/v1/models` (or `--model`). The summary is
 `mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
 `sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`
 are not visible to a client and stay 0.
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 
-from mooncake.sched.outcome import Outcome
+from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
 from mooncake.types import Request, Slo
@@ -60,6 +62,14 @@ def prompt_of(request: Request, *, length_scale: float, max_tokens: int) -> str:
     return text[:length]
 
 
+def reason_of(code: object) -> Reason:
+    """The `Reason` a 429's error `code` names (`decode_rejected` for one this client does not know)."""
+    try:
+        return Reason(code)
+    except ValueError:
+        return Reason.DECODE_REJECTED
+
+
 async def one(
     session: aiohttp.ClientSession,
     url: str,
@@ -67,20 +77,27 @@ async def one(
     body: dict[str, Any],
     started: float,
     timeout_s: float,
+    failures: dict[str, str],
 ) -> None:
+    """Send one request and fill `record`; a failure's message goes to `failures` under its kind."""
     last: float | None = None
+
+    def failed(kind: str, message: str, reason: Reason = Reason.FAILED) -> None:
+        record.reason = reason
+        failures.setdefault(kind, message)
+
     try:
         async with session.post(
             f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as answer:
             if answer.status == 429:
-                message = (await answer.json())["error"]["message"]
-                after = "decode engine refused" in message
+                error = (await answer.json())["error"]
+                after = "decode engine refused" in error["message"]
                 record.outcome = Outcome.REJECTED_AFTER_PREFILL if after else Outcome.REJECTED_BEFORE_PREFILL
-                record.reason = message
+                record.reason = reason_of(error.get("code"))
                 return
             if answer.status != 200:
-                record.reason = f"HTTP {answer.status}: {await answer.text()}"
+                failed(f"HTTP {answer.status}", await answer.text())
                 return
             async for raw in answer.content:
                 line = raw.decode().strip()
@@ -88,7 +105,7 @@ async def one(
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
-                    record.reason = data["error"]["message"]
+                    failed("stream error", data["error"]["message"])
                     return
                 now = time.perf_counter() - started
                 if data.get("usage"):
@@ -104,15 +121,26 @@ async def one(
             record.finish_s = time.perf_counter() - started
             record.tbt_s = top_mean(record.intervals) if record.intervals.count else 0.0
             record.outcome = Outcome.COMPLETED
-    except (aiohttp.ClientError, TimeoutError) as error:
-        record.reason = f"{type(error).__name__}: {error}"
+    except TimeoutError:
+        failed("timeout", f"no answer within {timeout_s} s", Reason.TIMEOUT)
+    except aiohttp.ClientError as error:
+        failed(type(error).__name__, str(error))
+
+
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model the server lists at `/v1/models`."""
+    async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as answer:
+        answer.raise_for_status()
+        return str((await answer.json())["data"][0]["id"])
 
 
 async def replay_http(url: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[RequestRecord], float]:
     records: list[RequestRecord] = []
     first_arrival = requests[0].arrival_s if requests else 0.0
-    started = time.perf_counter()
+    failures: dict[str, str] = {}
     async with aiohttp.ClientSession() as session:
+        model = args.model or await served_model(session, url)
+        started = time.perf_counter()
         tasks = []
         for request in requests:
             arrival = (request.arrival_s - first_arrival) / args.speedup
@@ -129,16 +157,19 @@ async def replay_http(url: str, requests: list[Request], args: argparse.Namespac
             )
             records.append(record)
             body = {
-                "model": "mooncake",
+                "model": model,
                 "prompt": prompt,
                 "max_tokens": output,
                 "stream": True,
                 "stream_options": {"include_usage": True},
                 "seed": int(request.request_id) % 2**31,
             }
-            tasks.append(asyncio.create_task(one(session, url, record, body, started, args.timeout)))
+            tasks.append(asyncio.create_task(one(session, url, record, body, started, args.timeout, failures)))
         await asyncio.gather(*tasks)
-    return records, time.perf_counter() - started
+    wall = time.perf_counter() - started
+    for kind, message in failures.items():
+        print(f"load.py: failed ({kind}): {message}", file=sys.stderr)
+    return records, wall
 
 
 def main() -> None:
@@ -146,6 +177,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="a Mooncake-format trace (default: the synthetic preset)")
     parser.add_argument("--max-requests", type=int, default=100)
     parser.add_argument("--url", help="a running cluster's gateway (default: start --config's)")
+    parser.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
     parser.add_argument("--length-scale", type=float, default=1 / 32)
     parser.add_argument("--output-scale", type=float, default=1 / 16)

@@ -250,7 +250,9 @@ class Dispatcher:
             assert decision.reason is not None
             reason = decision.reason.value
             self.metrics.inc("mooncake_rejections_total", reason=reason)
-            raise ApiError(429, f"the cluster is at capacity ({reason}); retry later", headers={"Retry-After": "1"})
+            raise ApiError(
+                429, f"the cluster is at capacity ({reason}); retry later", code=reason, headers={"Retry-After": "1"}
+            )
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         live.prefill, live.decode = decision.prefill_instance, decision.decode_instance
         plan = decision.transfer
@@ -289,7 +291,10 @@ class Dispatcher:
         deadline = live.arrival + self.config.limits.request_timeout_s
         while True:
             try:
-                kind, payload = await asyncio.wait_for(live.events.get(), timeout=max(0.0, deadline - self.now()))
+                # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation (the client left) that
+                # arrives as the queue hands over a token, and the decode then runs on for nobody.
+                async with asyncio.timeout(max(0.0, deadline - self.now())):
+                    kind, payload = await live.events.get()
             except TimeoutError:
                 self.end(live, Outcome.ABORTED, Reason.TIMEOUT)
                 raise ApiError(504, "the request timed out") from None
@@ -395,6 +400,7 @@ class Dispatcher:
             error = ApiError(
                 429,
                 f"the decode engine refused the request ({reason.value}); retry later",
+                code=reason.value,
                 headers={"Retry-After": "1"},
             )
             self._fail(live, error, Outcome.REJECTED_AFTER_PREFILL, reason)
@@ -450,9 +456,8 @@ class Dispatcher:
         health: wire.Health | None = None
         try:
             if await loop.run_in_executor(self._calls, self._is_alive, instance):
-                health = await asyncio.wait_for(
-                    loop.run_in_executor(self._calls, self.health, instance), timeout=PROBE_TIMEOUT_S + 1.0
-                )
+                async with asyncio.timeout(PROBE_TIMEOUT_S + 1.0):  # (not wait_for: see `tokens`)
+                    health = await loop.run_in_executor(self._calls, self.health, instance)
         except (MooncakeError, OSError, TimeoutError):
             health = None
         finally:
