@@ -11,17 +11,29 @@ share nothing (each one computes its whole prompt).
 - `request_ms_p50` / `p90`: a client's latency for one request, sequentially;
 - `overhead_ms`: request_ms_p50 − engine_ms: what the gateway, the Conductor,
   the control calls and the KV stream to the decode node add per request;
-- `sustained_rps`: requests per second with `--concurrency` clients for `--seconds`.
+- `sustained_rps`: requests per second with `--concurrency` clients for `--seconds`;
+- `gateway_cpu_ms`: CPU time of the gateway's process (its event loop and its
+  call pool) per request while sustaining that rate; the clients run in a child
+  process and the engines in their own, so neither is in it.
+
+`--profile N` profiles the gateway's event-loop thread (cProfile) during the
+sustained phase and prints its N most expensive functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
+import multiprocessing
+import pstats
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import aiohttp
@@ -30,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from serving.config import load_config
-from serving.launch import start_cluster
+from serving.launch import RunningCluster, start_cluster
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
@@ -75,7 +87,7 @@ async def post(session: aiohttp.ClientSession, url: str, prompt: str) -> int:
         return answer.status
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
+async def measure(url: str, args: argparse.Namespace, marks: Connection) -> dict[str, float]:
     latencies = []
     async with aiohttp.ClientSession() as session:
         for prompt in prompts(10, args.prompt_tokens, seed=2):  # warm-up
@@ -99,15 +111,50 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
                 else:
                     rejected += 1
 
+        marks.send("start")
+        marks.recv()  # the gateway's process has read its CPU time
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - started
+        marks.send("end")
     return {
         "request_ms_p50": 1e3 * float(np.percentile(latencies, 50)),
         "request_ms_p90": 1e3 * float(np.percentile(latencies, 90)),
         "sustained_rps": done / elapsed,
         "sustained_rejected": float(rejected),
+        "sustained_requests": float(done + rejected),
     }
+
+
+def client_main(url: str, args: argparse.Namespace, marks: Connection) -> None:
+    """The clients, in their own process (so they share no interpreter lock with the gateway)."""
+    marks.send(asyncio.run(measure(url, args, marks)))
+
+
+def run_clients(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """Run `measure` in a child process; add the gateway process's CPU time per sustained request."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=client_main, args=(url, args, theirs), daemon=True)
+    child.start()
+    try:
+        timeout = 600.0
+        if not ours.poll(timeout) or ours.recv() != "start":
+            raise SystemExit("the clients did not reach the sustained phase")
+        cpu = time.process_time()  # every thread of this process: the gateway's loop and its call pool
+        ours.send("go")
+        if not ours.poll(timeout) or ours.recv() != "end":
+            raise SystemExit("the clients did not finish the sustained phase")
+        cpu = time.process_time() - cpu
+        if not ours.poll(timeout):
+            raise SystemExit("the clients sent no result")
+        result: dict[str, float] = ours.recv()
+    finally:
+        child.join(10.0)
+        if child.is_alive():
+            child.kill()
+    result["gateway_cpu_ms"] = 1e3 * cpu / max(1.0, result.pop("sustained_requests"))
+    return result
 
 
 def main() -> None:
@@ -117,11 +164,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the gateway's N costliest functions")
     args = parser.parse_args()
     config = load_config(CONFIG).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
     result: dict[str, float] = {"engine_ms": engine_ms(args.prompt_tokens)}
+    profiler = cProfile.Profile()
     with start_cluster(config) as cluster:
-        result.update(asyncio.run(measure(cluster.url, args)))
+        if args.profile:  # cProfile profiles the thread that enables it: the gateway's event loop
+            on_loop(cluster, profiler.enable)
+        result.update(run_clients(cluster.url, args))
+        if args.profile:
+            on_loop(cluster, profiler.disable)
     result["overhead_ms"] = result["request_ms_p50"] - result["engine_ms"]
     if args.json:
         print(json.dumps(result, indent=2))
@@ -134,6 +187,22 @@ def main() -> None:
         f"sustained             {result['sustained_rps']:8.1f} requests/s with {args.concurrency} clients "
         f"({result['sustained_rejected']:.0f} rejected)"
     )
+    print(f"gateway CPU           {result['gateway_cpu_ms']:8.2f} ms per request (its threads, sustained)")
+    if args.profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+
+
+def on_loop(cluster: RunningCluster, call: Callable[[], object]) -> None:
+    """Run `call` on the gateway's event-loop thread and wait for it."""
+    done = threading.Event()
+
+    def run() -> None:
+        call()
+        done.set()
+
+    cluster.loop.call_soon_threadsafe(run)
+    if not done.wait(10.0):
+        raise SystemExit("the gateway's event loop did not answer within 10 s")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving.config import load_config
 from serving.launch import start_cluster
+from serving.machine import Machine
 
 from mooncake.errors import MooncakeError
 
@@ -44,7 +45,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=None, help="override [cluster] port (0: any free port)")
     args = parser.parse_args()
     try:
-        config = load_config(args.config)
+        # Against a Ray cluster elsewhere, this machine's memory and files bound nothing: check the config alone.
+        config = load_config(args.config, machine=Machine() if args.ray_address else None)
         if args.port is not None:
             config = config.with_overrides("cluster", port=args.port)
         stop = threading.Event()

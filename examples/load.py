@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 
+from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
@@ -204,11 +205,14 @@ def main() -> None:
         from serving.config import load_config
         from serving.launch import start_cluster
 
-        config = load_config(args.config).with_overrides("cluster", port=0)
-        config = config.with_overrides(
-            "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
-        )
-        cluster = start_cluster(config)
+        try:
+            config = load_config(args.config).with_overrides("cluster", port=0)
+            config = config.with_overrides(
+                "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
+            )
+            cluster = start_cluster(config)
+        except MooncakeError as error:  # a config (or --max-prompt-tokens) this cluster cannot serve
+            sys.exit(f"error: {error}")
         url = cluster.url
     try:
         records, wall = asyncio.run(replay_http(url, requests, args))

@@ -11,7 +11,7 @@ Traces may be plain or gzip (`.jsonl.gz`), in the Mooncake form or aiperf's
 compressed. Errors in the input print one line naming the problem and exit
 with status 2, nothing written: a malformed trace line (`file:line: reason`), a
 file that cannot be read or written (`file: reason`), an option out of its range
-(`argument --seed: ...`; `--rate` and `--cv` lie in [1e-6, 1e6], `--plot` names
+(`argument --seed: ...`; `--rate` and `--cv` lie in `ARRIVAL_RANGE`, [1e-6, 1e6], `--plot` names
 an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
 With `--skip-invalid` a malformed line is left out instead and named on stderr.
 A capacity sweep draws a progress bar on stderr when stdout and stderr are both
@@ -39,6 +39,7 @@ from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.types import BlockKey
 from mooncake.workload import (
+    ARRIVAL_RANGE,
     PRESETS,
     TRACE_FORMS,
     ArrivalProcess,
@@ -51,7 +52,7 @@ from mooncake.workload import (
     write_trace,
 )
 
-__all__ = ["PLOT_FORMATS", "POLICIES", "RATE_RANGE", "capacity_sweep", "main", "plot_capacity"]
+__all__ = ["PLOT_FORMATS", "POLICIES", "capacity_sweep", "main", "plot_capacity"]
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -64,9 +65,6 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
 
 PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "png", "ps", "svg", "svgz", "tif", "tiff", "webp")
 """Suffixes `--plot` accepts: the image formats matplotlib writes with its own backends and Pillow."""
-
-RATE_RANGE = (1e-6, 1e6)
-"""Bounds of `--rate` (per second) and `--cv`: beyond them the arrival gaps underflow or overflow a float."""
 
 
 def _integer(minimum: int) -> Callable[[str], int]:
@@ -85,8 +83,8 @@ def _integer(minimum: int) -> Callable[[str], int]:
 
 
 def _ranged(text: str) -> float:
-    """An argparse type: a number within RATE_RANGE."""
-    low, high = RATE_RANGE
+    """An argparse type: a number within `ARRIVAL_RANGE` (what `ArrivalProcess` accepts)."""
+    low, high = ARRIVAL_RANGE
     try:
         value = float(text)
     except ValueError:

@@ -415,6 +415,11 @@ class _RayWorker:
 class RunningCluster:
     """A started cluster: `url`, `gateway`, `backend`, `infos`, `removed_segments`; `close()` stops it all."""
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The gateway's event loop (it runs on its own thread): for tools that must run on it, like a profiler."""
+        return self._loop
+
     def __init__(self, config: ClusterConfig, backend: Backend) -> None:
         self.config, self.backend = config, backend
         self.removed_segments: list[str] = []

@@ -40,12 +40,35 @@ from mooncake.errors import ConfigError
 if TYPE_CHECKING:
     from serving.config import ClusterConfig
 
-__all__ = ["FD_RESERVE", "Machine", "check_machine", "page_bytes"]
+__all__ = ["FD_RESERVE", "MAX_LINGERING", "Machine", "check_machine", "connection_budget", "page_bytes"]
 
-FD_RESERVE = 128
-"""File descriptors the gateway keeps beside its clients' connections (workers' sockets, logs, libraries)."""
+MAX_LINGERING = 256
+"""Refused connections the gateway keeps open for a moment, so their answer arrives before the close."""
+FD_RESERVE = 128 + MAX_LINGERING
+"""File descriptors the gateway keeps beside its clients' connections: its own (workers' sockets, logs,
+libraries: 128) and the refused connections still lingering."""
 
 SHM = "/dev/shm"
+
+
+def connection_budget(max_connections: int) -> int:
+    """The client connections the gateway in this process may hold: `max_connections`, with the soft
+    RLIMIT_NOFILE raised (up to the hard limit) to hold them and `FD_RESERVE` more.
+
+    The one answer to "how many connections fit the file limit": `check_machine` refuses a config whose
+    `max_connections + FD_RESERVE` exceeds the hard limit, so a checked config gets all it asks for; an
+    unchecked one (a hard limit lowered since) gets what fits, never a number that exhausts descriptors.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(1, min(max_connections, soft - FD_RESERVE))
 
 
 def _meminfo_bytes(field: str) -> int | None:
@@ -141,7 +164,8 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
     if machine.open_files_limit is not None and wanted > machine.open_files_limit:
         raise ConfigError(
             f"{source}: [limits] max_connections = {config.limits.max_connections}: needs {wanted:,} open files "
-            f"(with {FD_RESERVE} for the gateway itself), the limit (RLIMIT_NOFILE) is {machine.open_files_limit:,}"
+            f"(with {FD_RESERVE} for the gateway itself and refusals), the limit (RLIMIT_NOFILE) is "
+            f"{machine.open_files_limit:,}"
         )
     if machine.is_here:
         _check_ssd(config, nodes * cache.ssd_blocks * page)

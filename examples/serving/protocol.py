@@ -9,8 +9,9 @@
   answer is followed by a FIN and what the client sends meanwhile is dropped for
   at most `REFUSAL_LINGER_S` (so its request does not turn the close into a
   reset that loses the answer). At most `MAX_LINGERING` refusals linger; beyond
-  that a refused connection is reset at once. The total cap is also held under
-  half the process' open-file limit, so a flood never exhausts descriptors.
+  that a refused connection is reset at once. The total cap is what
+  `machine.connection_budget` grants (the soft open-file limit raised to hold it
+  and the gateway's own descriptors), so a flood never exhausts descriptors.
 - Deadlines. A client has `header_timeout_s` from its connection, or from its
   previous answer, to send a request's headers (aiohttp's keep-alive timer,
   which also closes a connection whose headers trickle in: slowloris); the
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +44,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from serving.api import ApiError
+from serving.machine import MAX_LINGERING, connection_budget
 
 __all__ = [
     "ConnectionGuard",
@@ -67,7 +68,6 @@ LOGGERS = (
     "serving.protocol",
 )
 REFUSAL_LINGER_S = 1.0
-MAX_LINGERING = 256
 MAX_LOG_KINDS = 1024
 
 
@@ -87,13 +87,6 @@ class EdgeLimits:
         """The `[limits]` section's connection keys (`header_timeout_s` ... `max_connections_per_client`)."""
         names = ("header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client")
         return cls(**{name: getattr(limits, name) for name in names}, **overrides)
-
-    def connection_budget(self) -> int:
-        """`max_connections`, held under half the open-file limit (the rest: workers, logs, the process)."""
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            return self.max_connections
-        return max(1, min(self.max_connections, soft // 2 - 32))
 
     def handler_args(self) -> dict[str, Any]:
         """aiohttp's per-connection options: the header deadline, a cancelled handler when its client leaves,
@@ -115,7 +108,7 @@ class ConnectionGuard:
 
     def __init__(self, limits: EdgeLimits) -> None:
         self.limits = limits
-        self.max_connections = limits.connection_budget()
+        self.max_connections = connection_budget(limits.max_connections)
         self.total = 0
         self.per_client: dict[str, int] = {}
         self.lingering = 0

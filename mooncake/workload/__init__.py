@@ -2,6 +2,7 @@
 
 from mooncake.types import Request
 from mooncake.workload.generator import (
+    ARRIVAL_RANGE,
     PRESETS,
     ArrivalProcess,
     LengthDistribution,
@@ -23,6 +24,7 @@ from mooncake.workload.trace import (
 )
 
 __all__ = [
+    "ARRIVAL_RANGE",
     "ArrivalProcess",
     "LengthDistribution",
     "PRESETS",

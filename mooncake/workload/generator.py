@@ -39,6 +39,7 @@ from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = [
+    "ARRIVAL_RANGE",
     "ArrivalProcess",
     "LengthDistribution",
     "PRESETS",
@@ -47,6 +48,20 @@ __all__ = [
     "generate_requests",
     "preset",
 ]
+
+
+ARRIVAL_RANGE = (1e-6, 1e6)
+"""Bounds of `ArrivalProcess.rate_per_s` (per second) and `.cv`: beyond them the gamma gaps underflow or
+overflow a float (a cv of 1e200 squares to infinity)."""
+
+
+def _number_in(low: float, high: float) -> Any:
+    def check(_instance: object, attribute: Any, value: Any) -> None:
+        number = require_number(attribute.name, value, minimum=low)
+        if number > high:
+            raise ConfigError(f"{attribute.name} must be a number in [{low:g}, {high:g}], got {value!r}")
+
+    return check
 
 
 def _number_at_least(minimum: float, *, strict: bool = False) -> Any:
@@ -85,11 +100,12 @@ class ArrivalProcess:
     """Request arrivals at `rate_per_s` on average.
 
     `cv` is the coefficient of variation of inter-arrival gaps: 1 is a Poisson
-    process, above 1 bursty (gamma gaps: clusters separated by lulls).
+    process, above 1 bursty (gamma gaps: clusters separated by lulls). Both lie
+    in `ARRIVAL_RANGE`.
     """
 
-    rate_per_s: float = attrs.field(default=1.0, validator=_number_at_least(0, strict=True))
-    cv: float = attrs.field(default=1.0, validator=_number_at_least(0, strict=True))
+    rate_per_s: float = attrs.field(default=1.0, validator=_number_in(*ARRIVAL_RANGE))
+    cv: float = attrs.field(default=1.0, validator=_number_in(*ARRIVAL_RANGE))
 
     def times_s(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, np.dtype[np.float64]]:
         """`count` non-decreasing arrival times in seconds, starting at 0, rounded to milliseconds."""

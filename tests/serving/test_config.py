@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,32 @@ def test_connections_must_fit_the_open_file_limit(tmp_path: Path) -> None:
     path = tmp_path / "fits.toml"
     path.write_text(f"[limits]\nmax_connections = {over - 1}\n")
     assert load_config(path, machine=SMALL).limits.max_connections == over - 1
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "asked", "granted", "soft_after"),
+    [
+        (600, 20_000, 1024, 1024, 1024 + FD_RESERVE),  # raised to hold them all
+        (600, 1000, 1024, 1000 - FD_RESERVE, 1000),  # a hard limit below the need: what fits
+        (5000, 20_000, 1024, 1024, 5000),  # already enough: left alone
+    ],
+)
+def test_the_gateway_raises_its_file_limit_to_hold_its_connections(
+    soft: int, hard: int, asked: int, granted: int, soft_after: int
+) -> None:
+    """One rule for the connections a gateway holds: the config check's (`max_connections + FD_RESERVE` within
+    the hard limit) is what the gateway gets, raising its soft limit; in a child, so this process' limit stays."""
+    code = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT / "examples")!r})
+from serving.machine import connection_budget
+resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))
+print(connection_budget({asked}), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip(f"this process' hard open-file limit is below {hard}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == [str(granted), str(soft_after)]
 
 
 def test_an_unknown_machine_checks_nothing(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request
 from mooncake.workload import (
+    ARRIVAL_RANGE,
     PRESETS,
     TRACE_BLOCK_SIZE_TOKENS,
     ArrivalProcess,
@@ -243,6 +244,25 @@ def test_arrival_process_times(seed: int, rate: float, cv: float) -> None:
     poisson = np.diff(ArrivalProcess(rate_per_s=rate, cv=1.0).times_s(np.random.default_rng(seed), 2000))
     bursty = np.diff(ArrivalProcess(rate_per_s=rate, cv=3.0).times_s(np.random.default_rng(seed), 2000))
     assert bursty.std() / bursty.mean() > poisson.std() / poisson.mean()
+
+
+@given(
+    seed=seeds,
+    rate=st.floats(*ARRIVAL_RANGE),
+    cv=st.floats(*ARRIVAL_RANGE),
+    outside=st.just(math.nan)
+    | st.floats(max_value=ARRIVAL_RANGE[0], exclude_max=True)
+    | st.floats(min_value=ARRIVAL_RANGE[1], exclude_min=True),
+)
+def test_arrivals_are_finite_in_range_and_refused_outside(seed: int, rate: float, cv: float, outside: float) -> None:
+    """Within ARRIVAL_RANGE every rate and cv give finite, non-decreasing times (no overflow warning); a value
+    outside it (or NaN) is a ConfigError naming the field, at construction, not an OverflowError later."""
+    with np.errstate(all="raise"):
+        times = ArrivalProcess(rate_per_s=rate, cv=cv).times_s(np.random.default_rng(seed), 50)
+    assert np.all(np.isfinite(times)) and np.all(np.diff(times) >= 0)
+    for field in ("rate_per_s", "cv"):
+        with pytest.raises(ConfigError, match=field):
+            ArrivalProcess(**{field: outside})
 
 
 @given(seed=seeds, rate=st.floats(0.1, 100.0))
