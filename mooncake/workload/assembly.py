@@ -20,6 +20,8 @@ Its prompt:
   + previous output + the line's own tokens. The previous prompt's full blocks
   keep their keys (the prefix a cache can reuse); the rest get keys unique to
   this turn of this session, since the response in them is generated live.
+  A conversation may not grow past `MAX_LINE_TOKENS` (2**24), the bound on one
+  line's lengths: past it no model serves it, and its keys would grow without end.
 
 Keys are chained like `mooncake.cache.hashing` keys, with H(s) = XXH3-64(s),
 seed 0 (xxhash, as every key of the library), and B the block size:
@@ -52,7 +54,7 @@ import xxhash
 
 from mooncake._checks import ceil_div
 from mooncake.types import BlockKey
-from mooncake.workload.trace_record import TraceRecord
+from mooncake.workload.trace_record import MAX_LINE_TOKENS, TraceRecord
 
 __all__ = ["TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
 
@@ -193,6 +195,11 @@ class TraceAssembler:
                 "or lines in arrival order"
             )
         input_length = previous.input_length + previous.output_length + record.input_length
+        if input_length > MAX_LINE_TOKENS:
+            raise ValueError(
+                f"turn of session {session_id!r} makes its conversation {input_length} tokens long "
+                f"(previous turn on line {previous.line}), past 2**24"
+            )
         shared = previous.input_length // self.block_size_tokens
         parent = previous.block_keys[shared - 1] if shared else None
         # JSON quoting keeps labels unambiguous whatever the id holds.

@@ -189,3 +189,14 @@ def test_a_lost_session_refuses_its_later_turns() -> None:
     with pytest.raises(ValueError, match=r"session 'a' lost its turn on line 2, which was skipped"):
         place(assembler, 4, session_id="a", **keyed())
     assert place(assembler, 5, session_id="b", **keyed()).arrival_ms == 0
+
+
+def test_a_conversation_may_not_grow_past_the_line_bound() -> None:
+    """Turns of at most 2**24 tokens each add up; the turn that takes the conversation past 2**24 is refused
+    (a ValueError the reader reports with the line), before any key is made for it."""
+    assembler = TraceAssembler(BLOCK)
+    half = 2**23
+    place(assembler, 1, session_id="a", timestamp=0, input_length=half - 1, output_length=1)
+    assert place(assembler, 2, session_id="a", input_length=half - 1, output_length=1).input_length == 2**24 - 1
+    with pytest.raises(ValueError, match=r"session 'a' makes its conversation 16777217 tokens long .*line 2"):
+        place(assembler, 3, session_id="a", input_length=1, output_length=1)
