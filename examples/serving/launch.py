@@ -49,8 +49,6 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Protocol
 
-from aiohttp import web
-
 from mooncake.errors import EngineError
 from serving.config import ClusterConfig
 from serving.gateway import Gateway
@@ -457,10 +455,8 @@ class RunningCluster:
 
     async def _main(self) -> None:
         self._stopping = asyncio.Event()
-        runner = web.AppRunner(self.gateway.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.cluster.host, self.config.cluster.port)
-        await site.start()
+        # The guarded site: connection caps, header and body deadlines, JSON for aiohttp's own errors.
+        runner = await self.gateway.start(self.config.cluster.host, self.config.cluster.port)
         port = runner.addresses[0][1]
         self.url = f"http://{self.config.cluster.host}:{port}"
         self._ready.set()
