@@ -41,9 +41,8 @@ from serving import wire  # noqa: E402
 from serving.api import ApiError, SamplingOptions  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
-from serving.gateway import build_conductor, declare_metrics  # noqa: E402
+from serving.gateway import build_conductor  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
-from serving.metrics import Registry  # noqa: E402
 
 from mooncake.errors import ConfigError  # noqa: E402
 from mooncake.sched.cost import FittedPrefillModel  # noqa: E402
@@ -103,6 +102,11 @@ def metrics(cluster: RunningCluster) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def total(samples: dict[str, float], name: str) -> float:
+    """The sum of a family's series (`name` and any labels) in `metrics`' samples."""
+    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
 
 
 def completion_text(chunks: list[Any], *, chat: bool) -> str:
@@ -177,11 +181,12 @@ def test_shared_prefix_is_a_cache_hit(cluster: RunningCluster) -> None:
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert 0 < cached < len(second_prompt.encode())
-        hits = after["mooncake_prefix_hit_tokens_total"] - before["mooncake_prefix_hit_tokens_total"]
-        computed = after["mooncake_computed_tokens_total"] - before["mooncake_computed_tokens_total"]
+        hits = total(after, "mooncake:prefix_cache_hits_total") - total(before, "mooncake:prefix_cache_hits_total")
+        queries = total(after, "mooncake:prefix_cache_queries_total") - total(
+            before, "mooncake:prefix_cache_queries_total"
+        )
         assert hits == cached
-        assert computed == len(second_prompt.encode()) - cached
-        assert 0 < after["mooncake_prefix_hit_ratio"] <= 1
+        assert queries == len(second_prompt.encode())
 
 
 BAD_BODIES = [
@@ -259,7 +264,7 @@ def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> N
     """A client that hangs up mid-stream is cancelled on the decode engine: its batch empties long before
     the request's max_tokens could have been generated."""
     body = {"prompt": "bye " * 20, "max_tokens": 1000, "stream": True}
-    before = metrics(cluster).get("mooncake_generation_tokens_total", 0.0)
+    before = total(metrics(cluster), "mooncake:generation_tokens_total")
     request = urllib.request.Request(
         f"{cluster.url}/v1/completions",
         data=json.dumps(body).encode(),
@@ -275,7 +280,7 @@ def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> N
         what="the decode engine to stop generating for a client that left",
     )
     assert not dispatcher.live  # the gateway forgot it too
-    assert metrics(cluster)["mooncake_generation_tokens_total"] - before < 1000  # cut short, not run to the end
+    assert total(metrics(cluster), "mooncake:generation_tokens_total") - before < 1000  # cut short, not run to the end
 
 
 def test_health_and_metrics(cluster: RunningCluster) -> None:
@@ -289,47 +294,22 @@ def test_health_and_metrics(cluster: RunningCluster) -> None:
     status, headers, text = http(f"{cluster.url}/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     for family, kind in (
-        ("mooncake_ttft_seconds", "histogram"),
-        ("mooncake_tbt_seconds", "histogram"),
-        ("mooncake_rejections_total", "counter"),
-        ("mooncake_prefix_hit_ratio", "gauge"),
-        ("mooncake_transfer_bytes_total", "counter"),
-        ("mooncake_queue_length", "gauge"),
+        ("mooncake:time_to_first_token_seconds", "histogram"),
+        ("mooncake:inter_token_latency_seconds", "histogram"),
+        ("mooncake:request_rejected_total", "counter"),
+        ("mooncake:kv_transfer_bytes_total", "counter"),
+        ("mooncake:num_requests_running", "gauge"),
     ):
         assert f"# TYPE {family} {kind}" in text
     samples = metrics(cluster)
-    for histogram in ("mooncake_ttft_seconds", "mooncake_tbt_seconds"):
-        buckets = [v for k, v in samples.items() if k.startswith(f"{histogram}_bucket")]
-        assert buckets == sorted(buckets) and buckets[-1] == samples[f"{histogram}_count"] > 0
-        assert samples[f'{histogram}_bucket{{le="+Inf"}}'] == samples[f"{histogram}_count"]
-        assert samples[f"{histogram}_sum"] > 0
-    assert samples['mooncake_transfer_bytes_total{kind="stream"}'] > 0
-    assert 'mooncake_transfer_bytes_total{kind="fetch"}' in samples
+    for histogram in ("mooncake:time_to_first_token_seconds", "mooncake:inter_token_latency_seconds"):
+        assert total(samples, f"{histogram}_count") > 0 and total(samples, f"{histogram}_sum") > 0
+    assert total(samples, "mooncake:kv_transfer_bytes_total") > 0
     for instance in ("prefill-0", "prefill-1", "decode-0"):
-        assert samples[f'mooncake_queue_length{{instance="{instance}"}}'] == 0
-        assert samples[f'mooncake_instance_up{{instance="{instance}"}}'] == 1
-    assert samples['mooncake_requests_total{outcome="200"}'] >= 1
-
-
-def test_registry_renders_prometheus_text() -> None:
-    """Cumulative buckets ending in +Inf = count; labels escaped; counters and gauges by label set."""
-    registry = Registry()
-    registry.histogram("latency_seconds", "Latency.", (0.1, 1.0))
-    registry.counter("events_total", "Events.")
-    for value in (0.05, 0.5, 0.5, 3.0):
-        registry.observe("latency_seconds", value, route="a")
-    registry.inc("events_total", 2, reason='say "hi"\n')
-    lines = registry.render().splitlines()
-    assert lines[:2] == ["# HELP latency_seconds Latency.", "# TYPE latency_seconds histogram"]
-    assert lines[2:7] == [
-        'latency_seconds_bucket{route="a",le="0.1"} 1',
-        'latency_seconds_bucket{route="a",le="1"} 3',
-        'latency_seconds_bucket{route="a",le="+Inf"} 4',
-        'latency_seconds_sum{route="a"} 4.05',
-        'latency_seconds_count{route="a"} 4',
-    ]
-    assert 'events_total{reason="say \\"hi\\"\\n"} 2' in lines
-    assert registry.value("events_total", reason='say "hi"\n') == 2 and registry.value("events_total") == 0
+        labels = f'{{engine="{instance}",model_name="tiny"}}'
+        assert samples[f"mooncake:num_requests_running{labels}"] == 0
+        assert samples[f"mooncake:engine_up{labels}"] == 1
+    assert samples['mooncake:http_responses_total{model_name="tiny",status="200"}'] >= 1
 
 
 def test_gateway_imports_no_torch() -> None:
@@ -389,10 +369,7 @@ def test_decode_reports_end_requests_in_the_outcome_vocabulary() -> None:
         return ended
 
     conductor.handle = spy  # type: ignore[method-assign]
-    registry = declare_metrics()
-    dispatcher = Dispatcher(
-        config, conductor, secret=bytes(32), workers=[], is_alive=lambda _: True, metrics=registry, block_bytes=1
-    )
+    dispatcher = Dispatcher(config, conductor, secret=bytes(32), workers=[], is_alive=lambda _: True, block_bytes=1)
     try:
 
         def live(number: int) -> LiveRequest:
@@ -436,9 +413,18 @@ def test_decode_reports_end_requests_in_the_outcome_vocabulary() -> None:
             kind, error = entry.events.get_nowait()
             assert kind == "error" and isinstance(error, ApiError) and error.status == status
             assert RequestId(number) not in dispatcher.live
-        assert registry.value("mooncake_rejections_total", reason="decode_kv_budget") == 1
-        assert registry.value("mooncake_rejections_total", reason="decode_decode_rejected") == 1
-        assert registry.value("mooncake_rejections_total", reason="decode_failed") == 0
+        registry = dispatcher.metrics.registry
+
+        def rejected(reason: str) -> float | None:
+            return registry.get_sample_value(
+                "mooncake:request_rejected_total", {"model_name": "tiny", "reason": reason}
+            )
+
+        assert rejected("decode_kv_budget") == 1
+        assert rejected("decode_decode_rejected") == 1
+        assert rejected("decode_failed") is None
+        failed = {"model_name": "tiny", "engine": "decode-0", "finished_reason": "error"}
+        assert registry.get_sample_value("mooncake:request_success_total", failed) == 1
         assert conductor.in_flight == ()
         conductor.check_invariants()
     finally:
@@ -485,8 +471,7 @@ def test_burst_beyond_capacity_gets_429s_and_nothing_hangs() -> None:
             assert isinstance(error, openai.APIStatusError) and error.status_code == 429, error
             assert int(error.response.headers["Retry-After"]) > 0
             assert error.body["type"] == "rate_limit_error"
-        rejections = {k: v for k, v in metrics(cluster).items() if k.startswith("mooncake_rejections_total{reason=")}
-        assert sum(rejections.values()) == len(errors)
+        assert total(metrics(cluster), "mooncake:request_rejected_total") == len(errors)
         # The burst left nothing reserved: a lone request is served again.
         assert (
             client(cluster).completions.create(model="tiny", prompt=prompt, max_tokens=4).usage.completion_tokens == 4
@@ -531,7 +516,7 @@ def test_decode_killed_mid_stream(two_by_two: RunningCluster) -> None:
 
     status, _headers, text = http(f"{cluster.url}/health")
     assert status == 200 and json.loads(text)["decode_up"] == 1
-    assert metrics(cluster)[f'mooncake_instance_up{{instance="{killed}"}}'] == 0
+    assert metrics(cluster)[f'mooncake:engine_up{{engine="{killed}",model_name="tiny"}}'] == 0
     for i in range(3):
         answer = api.completions.create(model="tiny", prompt=f"After the failure, #{i}.", max_tokens=8)
         assert answer.usage.completion_tokens == 8
@@ -561,7 +546,7 @@ def test_prefill_killed_requests_rerouted() -> None:
             assert answer.usage.completion_tokens == 8
         status, _headers, text = http(f"{cluster.url}/health")
         assert status == 200 and json.loads(text)["prefill_up"] == 1
-        assert metrics(cluster)['mooncake_instance_up{instance="prefill-0"}'] == 0
+        assert metrics(cluster)['mooncake:engine_up{engine="prefill-0",model_name="tiny"}'] == 0
 
 
 def test_no_engine_up_is_a_503() -> None:

@@ -73,7 +73,7 @@ from mooncake.types import InstanceId, Request, RequestId
 from serving import wire
 from serving.api import ApiError, SamplingOptions
 from serving.config import ClusterConfig
-from serving.metrics import Registry
+from serving.metrics import FinishedRequest, ServingMetrics
 
 __all__ = ["Dispatcher", "LiveRequest", "WorkerState"]
 
@@ -106,9 +106,15 @@ class LiveRequest:
     fetch: wire.Fetch | None = None
     attempt: int = 0  # rises each time the request is scheduled again after its prefill engine went down
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
-    last_token_s: float | None = None
     generated: int = 0
     cached_tokens: int = 0
+    # When each phase began, on the dispatcher's clock (None: not yet), for the metrics and the engines' loads;
+    # the prefill phases start again when the request is scheduled again.
+    prefill_started_s: float | None = None
+    prefill_done_s: float | None = None
+    joined_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
 
 
 @attrs.define(eq=False)
@@ -132,7 +138,7 @@ class Dispatcher:
         secret: the transfer engines' shared secret.
         workers: each worker's `start()` info (instance id, role, address).
         is_alive: tells whether a worker's process (or actor) still runs.
-        metrics: the registry the request and engine metrics go to.
+        metrics: where the request and engine metrics go (default: a registry of the dispatcher's own).
         block_bytes: the KV bytes of one block (for the transfer metrics).
     """
 
@@ -144,13 +150,13 @@ class Dispatcher:
         secret: bytes,
         workers: list[dict[str, Any]],
         is_alive: Callable[[str], bool],
-        metrics: Registry,
+        metrics: ServingMetrics | None = None,
         block_bytes: int,
     ) -> None:
         self.config = config
         self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens)
         self.conductor = conductor
-        self.metrics = metrics
+        self.metrics = metrics or ServingMetrics.for_config(config, workers)
         self.roles = {w["instance_id"]: w["role"] for w in workers}
         # What each decode engine holds, as its own check counts it (`DecodeConfig`): the Conductor asks the same rule.
         limits = DecodeLimits(
@@ -229,6 +235,7 @@ class Dispatcher:
             ApiError: 503 when no prefill or no decode engine is up; 429 when the Conductor rejects it.
         """
         if not (self.num_up("prefill") and self.num_up("decode")):
+            self.metrics.rejections["no_engine_up"].inc()
             raise ApiError(503, "no prefill or no decode engine is up", headers={"Retry-After": "5"})
         request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
         keys = self.hasher.block_keys(np.asarray(tokens, dtype=np.int32))
@@ -249,7 +256,7 @@ class Dispatcher:
         if not decision.accepted:
             assert decision.reason is not None
             reason = decision.reason.value
-            self.metrics.inc("mooncake_rejections_total", reason=reason)
+            self.metrics.rejections[reason].inc()
             raise ApiError(
                 429, f"the cluster is at capacity ({reason}); retry later", code=reason, headers={"Retry-After": "1"}
             )
@@ -319,6 +326,11 @@ class Dispatcher:
         if self.live.pop(live.request_id, None) is None:
             return ()
         now = self.now()
+        if outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
+            finished = "stop" if cancel else "length"
+            if outcome is not Outcome.COMPLETED:
+                finished = "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"
+            self._finished(live, finished, now)
         if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
             self._calls.submit(self._cancel, live.decode, live.request_id)
@@ -333,6 +345,36 @@ class Dispatcher:
         else:
             event = RequestAborted(request_id=live.request_id, now=now, reason=reason or Reason.FAILED)
         return self.conductor.handle(event)
+
+    def _finished(self, live: LiveRequest, reason: str, now: float) -> None:
+        record = FinishedRequest(
+            prefill_engine=live.prefill,
+            decode_engine=live.decode,
+            finished_reason=reason,
+            arrival_s=live.arrival,
+            prefill_started_s=live.prefill_started_s,
+            prefill_done_s=live.prefill_done_s,
+            first_token_s=live.first_token_s,
+            last_token_s=live.last_token_s,
+            end_s=now,
+            prompt_tokens=len(live.tokens),
+            generation_tokens=live.generated,
+            max_tokens=live.sampling.max_tokens,
+        )
+        self.metrics.finished(record)
+
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """Each engine's (running, waiting) requests as the reports tell them: a prefill engine runs a request from
+        its start to its end, a decode engine from its join to the request's end; each waits for them before."""
+        loads = dict.fromkeys(self.workers, (0, 0))
+        for live in self.live.values():
+            if live.prefill_done_s is None:
+                engine, running = live.prefill, live.prefill_started_s is not None
+            else:
+                engine, running = live.decode, live.joined_s is not None
+            held, waiting = loads.get(engine, (0, 0))
+            loads[engine] = (held + 1, waiting) if running else (held, waiting + 1)
+        return loads
 
     def _cancel(self, instance: InstanceId, request_id: RequestId) -> None:
         try:
@@ -361,15 +403,13 @@ class Dispatcher:
 
     def _dispatch(self, message: wire.Message) -> None:
         if isinstance(message, wire.DecodeTokens):
-            self.metrics.inc("mooncake_generation_tokens_total", len(message.tokens))
-            for token in message.tokens:
-                self._on_token(message.instance_id, token)
+            self._on_tokens(message)
             return
         if isinstance(message, wire.PrefillDone | wire.PrefillFailed):
             for event in message.events:
                 # A worker restarted or a message was lost: count it; the index catches up on the next epoch.
                 if self.conductor.apply_cache_event(event, strict=False) is not None:
-                    self.metrics.inc("mooncake_index_gaps_total")
+                    self.metrics.index_gaps[message.instance_id].inc()
         assert not isinstance(message, wire.DecodeTokens)
         live = self.live.get(RequestId(message.request_id))  # type: ignore[union-attr, arg-type]
         if live is None or live.attempt != message.attempt:  # type: ignore[union-attr]
@@ -379,6 +419,7 @@ class Dispatcher:
             return
         now = self.now()
         if isinstance(message, wire.PrefillStarted):
+            live.prefill_started_s = now
             self.conductor.handle(PrefillStarted(request_id=live.request_id, instance_id=live.prefill, now=now))
         elif isinstance(message, wire.PrefillDone):
             self._prefilled(live, message, now)
@@ -386,6 +427,7 @@ class Dispatcher:
             stage = "prefill" if prefill else "decode"
             self._fail(live, ApiError(500, f"{stage} failed: {message.error}"), Outcome.ABORTED, Reason.FAILED)
         elif isinstance(message, wire.DecodeJoined):
+            live.joined_s = now
             joined = DecodeJoined(
                 request_id=live.request_id,
                 instance_id=live.decode,
@@ -396,7 +438,7 @@ class Dispatcher:
             self.conductor.handle(joined)
         elif isinstance(message, wire.DecodeRejected):
             reason = _reason(message.reason)
-            self.metrics.inc("mooncake_rejections_total", reason=f"decode_{reason.value}")
+            self.metrics.rejections[f"decode_{reason.value}"].inc()
             error = ApiError(
                 429,
                 f"the decode engine refused the request ({reason.value}); retry later",
@@ -408,29 +450,35 @@ class Dispatcher:
     def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
         self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
         live.cached_tokens = done.prefix_tokens
-        metrics = self.metrics
-        metrics.inc("mooncake_prompt_tokens_total", len(live.tokens))
-        metrics.inc("mooncake_prefix_hit_tokens_total", done.prefix_tokens)
-        metrics.inc("mooncake_computed_tokens_total", done.computed_tokens)
-        metrics.inc("mooncake_transfer_bytes_total", done.fetched_blocks * self._block_bytes, kind="fetch")
-        metrics.inc("mooncake_transfer_bytes_total", done.streamed_blocks * self._block_bytes, kind="stream")
-        total = metrics.value("mooncake_prompt_tokens_total")
-        metrics.set("mooncake_prefix_hit_ratio", metrics.value("mooncake_prefix_hit_tokens_total") / total)
+        live.prefill_done_s = now
+        self.metrics.prefilled(
+            live.prefill,
+            prompt_tokens=len(live.tokens),
+            cached_tokens=done.prefix_tokens,
+            fetched_bytes=done.fetched_blocks * self._block_bytes,
+            pushed_bytes=done.streamed_blocks * self._block_bytes,
+        )
 
-    def _on_token(self, instance: str, token: wire.Token) -> None:
-        live = self.live.get(RequestId(token.request_id))  # type: ignore[arg-type]
-        if live is None or live.decode != instance or live.attempt != token.attempt:
-            return
+    def _on_tokens(self, report: wire.DecodeTokens) -> None:
+        """One decode step's tokens: counted at once, each handed to its request (one clock read for all)."""
+        instance, live_requests = report.instance_id, self.live
+        self.metrics.generation_tokens[instance].inc(len(report.tokens))
+        inter_token = self.metrics.itl[instance]
         now = self.now()
-        if token.index == 0:
-            self.metrics.observe("mooncake_ttft_seconds", now - live.arrival)
-        elif live.last_token_s is not None:
-            self.metrics.observe("mooncake_tbt_seconds", now - live.last_token_s)
-        live.last_token_s = now
-        live.generated += 1
-        live.events.put_nowait(("token", (token.token, token.finished)))
-        if token.finished:
-            self.end(live, Outcome.COMPLETED)
+        for token in report.tokens:
+            live = live_requests.get(RequestId(token.request_id))  # type: ignore[arg-type]
+            if live is None or live.decode != instance or live.attempt != token.attempt:
+                continue
+            if token.index == 0:
+                live.first_token_s = now
+                self.metrics.ttft[live.prefill].observe(now - live.arrival)
+            elif live.last_token_s is not None:
+                inter_token.observe(now - live.last_token_s)
+            live.last_token_s = now
+            live.generated += 1
+            live.events.put_nowait(("token", (token.token, token.finished)))
+            if token.finished:
+                self.end(live, Outcome.COMPLETED)
 
     def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)
@@ -472,6 +520,7 @@ class Dispatcher:
                 self._worker_failed(instance)
             return
         state.failures, state.next_probe_s = 0, self.now()
+        self.metrics.set_kv_usage(instance, health.kv_usage)
         if not state.up:
             LOG.warning("worker %s answers again: marked up", instance)
             state.up = True
@@ -494,6 +543,7 @@ class Dispatcher:
                 continue
             if live.prefill == instance and live.attempt < MAX_REROUTES and live.generated == 0:
                 live.attempt += 1
+                live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
                 try:  # not prefilled yet: schedule it again on the survivors
                     self._schedule(live)
                 except ApiError as error:
@@ -501,6 +551,7 @@ class Dispatcher:
                     continue
                 self.submit(live)
             else:
+                self._finished(live, "error", self.now())
                 failure = ApiError(503, f"the {state.role} engine {instance} failed")
                 live.events.put_nowait(("error", failure))
 

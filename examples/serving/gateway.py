@@ -12,8 +12,8 @@ before a stop string (finish reason "stop"; the decode is cancelled) or at
 `max_tokens` ("length"). A request that fails mid-stream ends its stream with
 an error event; a client that hangs up, streaming or not, is cancelled on its
 decode engine (aiohttp cancels the handler when its connection is lost).
-`/metrics` serves the registry, `/health` the engines up, `/v1/models` the
-served model.
+`/metrics` serves the metrics (`serving.metrics`: vLLM's families under the
+prefix `mooncake:`), `/health` the engines up, `/v1/models` the served model.
 
 Every answer but a stream's is JSON: a middleware turns aiohttp's own errors
 (404 for an unknown route, 405, 413 for a body over the cap) and anything
@@ -63,16 +63,14 @@ from serving.api import (
 )
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
-from serving.metrics import Registry
+from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.models import CPU, cost_models, model_shape
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
 from serving.tokenizer import ByteTokenizer
 
-__all__ = ["Gateway", "build_conductor", "declare_metrics"]
+__all__ = ["Gateway", "build_conductor"]
 
 LOG = logging.getLogger("serving.gateway")
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 def build_conductor(config: ClusterConfig) -> Conductor:
@@ -98,25 +96,6 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         prefill=prefill,
         step_model=step_model,
     )
-
-
-def declare_metrics() -> Registry:
-    """The gateway's metric families (docs/cluster.md lists them)."""
-    m = Registry()
-    m.counter("mooncake_requests_total", "Requests answered, by outcome.")
-    m.counter("mooncake_rejections_total", "Requests rejected, by reason.")
-    m.histogram("mooncake_ttft_seconds", "Time to first token.", LATENCY_BUCKETS)
-    m.histogram("mooncake_tbt_seconds", "Time between tokens.", LATENCY_BUCKETS)
-    m.counter("mooncake_prompt_tokens_total", "Prompt tokens of prefilled requests.")
-    m.counter("mooncake_prefix_hit_tokens_total", "Prompt tokens whose KV came from a cache.")
-    m.counter("mooncake_computed_tokens_total", "Prompt tokens prefill computed.")
-    m.counter("mooncake_generation_tokens_total", "Tokens the decode engines generated (for live requests or not).")
-    m.gauge("mooncake_prefix_hit_ratio", "Prefix hit tokens / prompt tokens, since start.")
-    m.counter("mooncake_transfer_bytes_total", "KV bytes moved between nodes, by kind (fetch, stream).")
-    m.gauge("mooncake_queue_length", "Requests queued for prefill or decoding, per instance.")
-    m.gauge("mooncake_instance_up", "1 when the instance is up.")
-    m.counter("mooncake_index_gaps_total", "Cache events that arrived out of sequence.")
-    return m
 
 
 class Gateway:
@@ -148,7 +127,7 @@ class Gateway:
             default_max_tokens=config.limits.default_max_tokens,
             max_output_tokens=config.decode.max_context_tokens - config.limits.max_prompt_tokens,
         )
-        self.metrics = declare_metrics()
+        self.metrics = ServingMetrics.for_config(config, workers)
         self.dispatcher = Dispatcher(
             config,
             build_conductor(config),
@@ -267,16 +246,11 @@ class Gateway:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
-        for view in dispatcher.conductor.prefill_views:
-            self.metrics.set("mooncake_queue_length", len(view.queue), instance=view.instance_id)
-        for decode in dispatcher.conductor.decode_views:
-            self.metrics.set("mooncake_queue_length", decode.batch_size, instance=decode.instance_id)
-        for instance, up in dispatcher.up.items():
-            self.metrics.set("mooncake_instance_up", 1.0 if up else 0.0, instance=instance)
-        return web.Response(
-            text=self.metrics.render(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8", "X-Content-Type-Options": "nosniff"},
-        )
+        up = dispatcher.up
+        for engine, (running, waiting) in dispatcher.loads().items():
+            self.metrics.set_engine(engine, up=up.get(engine, False), running=running, waiting=waiting)
+        headers = {"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"}
+        return web.Response(body=self.metrics.render(), headers=headers)
 
     async def _health(self, _request: web.Request) -> web.Response:
         prefill, decode = self.dispatcher.num_up("prefill"), self.dispatcher.num_up("decode")
@@ -320,7 +294,7 @@ class Gateway:
             tokens = prompt_tokens(parsed, self.tokenizer, max_prompt_tokens=self.served.max_prompt_tokens)
             live = dispatcher.admit(tokens, parsed.sampling, arrival)
         except ApiError as error:
-            self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
+            self.metrics.responses[str(error.status)].inc()
             raise
         dispatcher.submit(live)
         reply = Reply(
@@ -353,10 +327,10 @@ class Gateway:
                     self.dispatcher.finish(live)
                     break
         except ApiError as error:
-            self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
+            self.metrics.responses[str(error.status)].inc()
             raise
         pieces.append(text.finish())
-        self.metrics.inc("mooncake_requests_total", outcome="200")
+        self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
         return web.json_response(reply.completion("".join(pieces), finish, self._usage(live, count)).to_json())
 
@@ -368,12 +342,13 @@ class Gateway:
         try:
             first = await tokens.__anext__()  # headers go out with the first token: a late rejection is still a 429
         except ApiError as error:
-            self.metrics.inc("mooncake_requests_total", outcome=str(error.status))
+            self.metrics.responses[str(error.status)].inc()
             raise
         except StopAsyncIteration:
             first = None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         count, sent = 0, False  # tokens read; whether text went out (a chat's first text chunk carries the role)
         try:
             async for token in _following(first, tokens):
@@ -391,10 +366,8 @@ class Gateway:
             if parsed.include_usage:
                 await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
             await response.write(b"data: [DONE]\n\n")
-            self.metrics.inc("mooncake_requests_total", outcome="200")
         except ApiError as error:
             await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
-            self.metrics.inc("mooncake_requests_total", outcome=f"{error.status}-mid-stream")
         await response.write_eof()
         return response
 

@@ -1,101 +1,420 @@
-"""A small Prometheus registry: counters, gauges and histograms with labels, in the text format.
+"""The gateway's metrics, in vLLM's shape on `prometheus_client`: every metric the cluster serves is named here.
 
-Thread-safe; `render()` gives what `GET /metrics` serves (text/plain; version=0.0.4).
+Names, kinds, labels and meanings follow vLLM v1's Prometheus logger with the
+prefix `mooncake:` for `vllm:`, so a vLLM dashboard works after that one
+change. Every series has the label `model_name` (the served model); those of
+an engine have `engine` too (a worker's instance id, "prefill-0"). A
+request's queue, prefill and first-token times and its prompt tokens count on
+its prefill engine; its inter-token, decode and end-to-end times, its
+generated tokens and its finish on its decode engine. There is never an
+`instance` label: Prometheus gives that one to the scrape target. Beyond
+vLLM's families, under the same prefix: `request_rejected{reason}`,
+`http_responses{status}`, `kv_transfer_bytes{kind}`, `engine_up` and
+`cache_index_gaps`.
+
+Buckets: a request lasts at most `[limits] request_timeout_s` (the gateway
+answers 504 then), so every duration histogram is a 1-2.5-5 ladder from 1 ms
+up to the first rung at or above that timeout; the token-count histograms are
+vLLM's 1-2-5 ladder up to the first rung at or above the prompt limit and the
+longest output a decode slot leaves room for.
+
+Cost on the hot path: an engine's series of a family is looked up once and
+kept (`_Series`; `labels()` takes a lock and builds a dict), a decode report
+counts its tokens with one increment, and inter-token latency is one
+observation per token, as vLLM observes each request once per step. A scrape
+(`render`) leaves out the `_created` series (vLLM turns them off too) and
+shows three families a second time under the older names vLLM still emits
+and its example dashboard queries (`ALIASES`: `time_per_output_token_seconds`,
+`gpu_cache_usage_perc`, `request_params_max_tokens`), at no cost before then.
+Each gateway has registries of its own: several clusters may share a process.
+
+Invariants: a request that ends counts once in `request_success` (or, refused,
+in `request_rejected`), with one observation in each end histogram of the
+phases it reached; every finite bucket bound of a duration histogram below
+its largest is below the request timeout, and the largest is at or above it.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Registry"]
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
-LabelKey = tuple[tuple[str, str], ...]
+from mooncake.errors import ConfigError
+from serving.config import ClusterConfig
+
+__all__ = [
+    "CONTENT_TYPE",
+    "FINISH_REASONS",
+    "PREFIX",
+    "FinishedRequest",
+    "HistogramBounds",
+    "ServingMetrics",
+    "latency_buckets",
+    "token_buckets",
+]
+
+PREFIX = "mooncake:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format `generate_latest` writes
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finish reasons (less "repetition", never ours)
+SMALLEST_LATENCY_S = 0.001
+# Families shown a second time under the names vLLM's own dashboards still query (vLLM emits both too).
+ALIASES = {
+    f"{PREFIX}inter_token_latency_seconds": f"{PREFIX}time_per_output_token_seconds",
+    f"{PREFIX}kv_cache_usage_perc": f"{PREFIX}gpu_cache_usage_perc",
+    f"{PREFIX}request_max_num_generation_tokens": f"{PREFIX}request_params_max_tokens",
+}
 
 
-def _labels(key: LabelKey, extra: tuple[tuple[str, str], ...] = ()) -> str:
-    pairs = key + extra
-    if not pairs:
-        return ""
-    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in pairs)
-    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(pairs, escaped, strict=True)) + "}"
+def _ladder(mantissas: tuple[float, ...], smallest: float, top: float) -> tuple[float, ...]:
+    """mantissa × 10^k for k = 0, 1, ... times `smallest`, from `smallest` up to the first value >= `top`."""
+    bounds: list[float] = []
+    scale = smallest
+    while True:
+        for mantissa in mantissas:
+            value = round(mantissa * scale, 12)  # 0.0025, not 0.0025000000000000005
+            bounds.append(value)
+            if value >= top:
+                return tuple(bounds)
+        scale *= 10
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+def latency_buckets(top_s: float, *, smallest_s: float = SMALLEST_LATENCY_S) -> tuple[float, ...]:
+    """Bucket bounds for a duration: 1, 2.5, 5 × 10^k × `smallest_s`, the last the first at or above `top_s`.
+
+    Raises:
+        ConfigError: `top_s` or `smallest_s` is not a positive finite number.
+    """
+    if not (0 < smallest_s < float("inf") and 0 < top_s < float("inf")):
+        raise ConfigError(f"latency buckets need positive finite bounds (smallest {smallest_s!r}, top {top_s!r})")
+    return _ladder((1.0, 2.5, 5.0), smallest_s, top_s)
 
 
-class Registry:
-    """Named metrics; each is declared once with its kind and help text."""
+def token_buckets(top: int) -> tuple[float, ...]:
+    """Bucket bounds for a token count: 1, 2, 5 × 10^k, the last the first at or above `top` (vLLM's 1-2-5).
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._meta: dict[str, tuple[str, str]] = {}
-        self._values: dict[str, dict[LabelKey, float]] = {}
-        self._buckets: dict[str, tuple[float, ...]] = {}
-        self._histograms: dict[str, dict[LabelKey, list[float]]] = {}
+    Raises:
+        ConfigError: `top` is below 1.
+    """
+    if top < 1:
+        raise ConfigError(f"token buckets need a top of at least 1, got {top}")
+    return _ladder((1.0, 2.0, 5.0), 1.0, top)
 
-    def counter(self, name: str, help_text: str) -> None:
-        self._declare(name, "counter", help_text)
 
-    def gauge(self, name: str, help_text: str) -> None:
-        self._declare(name, "gauge", help_text)
+@attrs.frozen(kw_only=True)
+class HistogramBounds:
+    """The largest values the histograms must hold: the longest request and the longest prompt and output."""
 
-    def histogram(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self._declare(name, "histogram", help_text)
-        self._buckets[name] = tuple(sorted(buckets))
-        self._histograms[name] = {}
+    longest_request_s: float
+    max_prompt_tokens: int
+    max_output_tokens: int
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            values = self._values[name]
-            values[key] = values.get(key, 0.0) + amount
+    @classmethod
+    def from_config(cls, config: ClusterConfig) -> HistogramBounds:
+        """A cluster's: the gateway ends every request at `[limits] request_timeout_s`; a prompt holds at most
+        `[limits] max_prompt_tokens`, an output what a decode slot's context has left."""
+        limits = config.limits
+        return cls(
+            longest_request_s=limits.request_timeout_s,
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_output_tokens=max(1, config.decode.max_context_tokens - limits.max_prompt_tokens),
+        )
 
-    def set(self, name: str, value: float, **labels: str) -> None:
-        with self._lock:
-            self._values[name][tuple(sorted(labels.items()))] = value
+    @property
+    def latency(self) -> tuple[float, ...]:
+        return latency_buckets(self.longest_request_s)
 
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        buckets = self._buckets[name]
-        with self._lock:
-            state = self._histograms[name].setdefault(key, [0.0] * (len(buckets) + 2))  # counts…, sum, count
-            index = bisect.bisect_left(buckets, value)
-            if index < len(buckets):
-                state[index] += 1
-            state[-2] += value
-            state[-1] += 1
+    @property
+    def prompt_tokens(self) -> tuple[float, ...]:
+        return token_buckets(self.max_prompt_tokens)
 
-    def value(self, name: str, **labels: str) -> float:
-        """A counter's or gauge's current value (0 if never set)."""
-        with self._lock:
-            return self._values[name].get(tuple(sorted(labels.items())), 0.0)
+    @property
+    def output_tokens(self) -> tuple[float, ...]:
+        return token_buckets(self.max_output_tokens)
 
-    def render(self) -> str:
-        lines: list[str] = []
-        with self._lock:
-            for name, (kind, help_text) in self._meta.items():
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-                if kind != "histogram":
-                    for key, value in sorted(self._values[name].items()):
-                        lines.append(f"{name}{_labels(key)} {_number(value)}")
-                    continue
-                buckets = self._buckets[name]
-                for key, state in sorted(self._histograms[name].items()):
-                    cumulative = 0.0
-                    for bound, count in zip(buckets, state, strict=False):
-                        cumulative += count
-                        lines.append(f"{name}_bucket{_labels(key, (('le', _number(bound)),))} {_number(cumulative)}")
-                    lines.append(f"{name}_bucket{_labels(key, (('le', '+Inf'),))} {_number(state[-1])}")
-                    lines.append(f"{name}_sum{_labels(key)} {_number(state[-2])}")
-                    lines.append(f"{name}_count{_labels(key)} {_number(state[-1])}")
-        return "\n".join(lines) + "\n"
 
-    def _declare(self, name: str, kind: str, help_text: str) -> None:
-        self._meta[name] = (kind, help_text)
-        self._values.setdefault(name, {})
+@attrs.frozen(kw_only=True)
+class FinishedRequest:
+    """One request's end as the metrics count it: times in seconds on one clock, None for a phase not reached.
+
+    `finished_reason` is one of `FINISH_REASONS`: "stop" (a stop string), "length" (max_tokens), "abort" (its client
+    left or its deadline passed), "error" (an engine failed it).
+    """
+
+    prefill_engine: str
+    decode_engine: str
+    finished_reason: str
+    arrival_s: float
+    prefill_started_s: float | None
+    prefill_done_s: float | None
+    first_token_s: float | None
+    last_token_s: float | None
+    end_s: float
+    prompt_tokens: int
+    generation_tokens: int
+    max_tokens: int
+
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class _Series(Generic[M]):
+    """A family's series by label values after `model_name` (an engine, or a tuple), each made on first use and
+    kept: `labels()` takes a lock and builds a dict."""
+
+    def __init__(self, family: M, model_name: str) -> None:
+        self._family: M = family
+        self._model_name = model_name
+        self._series: dict[str | tuple[str, ...], M] = {}
+
+    def __getitem__(self, values: str | tuple[str, ...]) -> M:
+        series = self._series.get(values)
+        if series is None:
+            labels = (values,) if isinstance(values, str) else values
+            series = self._series[values] = self._family.labels(self._model_name, *labels)
+        return series
+
+
+class ServingMetrics:
+    """The metric families of one gateway, on a registry of their own (several clusters may share a process).
+
+    Args:
+        model_name: the served model's name (the `model_name` label).
+        bounds: the largest values the histograms hold.
+        prefill_engines, decode_engines: the engines whose series exist from the start (at zero, as vLLM makes
+            them); others are made when first used.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        bounds: HistogramBounds,
+        prefill_engines: Iterable[str] = (),
+        decode_engines: Iterable[str] = (),
+    ) -> None:
+        self.model_name = model_name
+        self.bounds = bounds
+        source = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=False)
+        """What a scrape reads (`render`, or `registry.get_sample_value` in tests)."""
+        self.registry.register(_Exposed(source))
+
+        def series(kind: type[M], name: str, doc: str, *labels: str, **options: Any) -> _Series[M]:
+            return _Series(kind(PREFIX + name, doc, ("model_name", *labels), registry=source, **options), model_name)
+
+        latency, engine = bounds.latency, "engine"
+        # Engine state (vLLM's scheduler state and KV cache).
+        self.running = series(Gauge, "num_requests_running", "Requests an engine is prefilling or decoding.", engine)
+        self.waiting = series(Gauge, "num_requests_waiting", "Requests sent to an engine, not started yet.", engine)
+        self.kv_usage = series(
+            Gauge,
+            "kv_cache_usage_perc",
+            "KV-cache usage, 1 = 100 percent: the share of a decode engine's KV budget its batch reserves, "
+            "of a prefill engine's cache pages in use.",
+            engine,
+        )
+        self.up = series(Gauge, "engine_up", "1 while the engine is up, 0 while the gateway holds it down.", engine)
+        # Tokens (vLLM's counters count tokens).
+        self.prompt_tokens = series(Counter, "prompt_tokens", "Prompt tokens prefilled (cached ones included).", engine)
+        self.prefix_queries = series(
+            Counter, "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.", engine
+        )
+        self.prefix_hits = series(Counter, "prefix_cache_hits", "Prefix cache hits, in cached prompt tokens.", engine)
+        self.generation_tokens = series(
+            Counter, "generation_tokens", "Tokens generated (for requests still served or not).", engine
+        )
+        self.transfer_bytes = series(
+            Counter,
+            "kv_transfer_bytes",
+            "KV bytes a prefill engine moved: fetched from a peer's cache (kind=fetch), "
+            "streamed to the decode engine (kind=push).",
+            engine,
+            "kind",
+        )
+        self.index_gaps = series(
+            Counter, "cache_index_gaps", "Cache events from an engine that arrived out of sequence.", engine
+        )
+        # Requests.
+        self.success = series(
+            Counter,
+            "request_success",
+            "Requests finished, by finished_reason (stop, length, abort, error).",
+            engine,
+            "finished_reason",
+        )
+        self.rejections = series(
+            Counter,
+            "request_rejected",
+            "Requests refused for capacity, by reason (the Conductor's, decode_<the decode engine's>, no_engine_up).",
+            "reason",
+        )
+        self.responses = series(
+            Counter, "http_responses", "Answers to completion requests by HTTP status (a stream is a 200).", "status"
+        )
+        self.ttft = series(
+            Histogram, "time_to_first_token_seconds", "Time to first token in seconds.", engine, buckets=latency
+        )
+        self.itl = series(
+            Histogram, "inter_token_latency_seconds", "Time between tokens in seconds.", engine, buckets=latency
+        )
+        self.e2e = series(
+            Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.", engine, buckets=latency
+        )
+        self.queue = series(
+            Histogram,
+            "request_queue_time_seconds",
+            "Seconds from arrival to the prefill's start.",
+            engine,
+            buckets=latency,
+        )
+        self.prefill = series(
+            Histogram, "request_prefill_time_seconds", "Seconds the prefill took.", engine, buckets=latency
+        )
+        self.decode = series(
+            Histogram,
+            "request_decode_time_seconds",
+            "Seconds from the first token to the last.",
+            engine,
+            buckets=latency,
+        )
+        self.inference = series(
+            Histogram,
+            "request_inference_time_seconds",
+            "Seconds from the prefill's start to the last token.",
+            engine,
+            buckets=latency,
+        )
+        self.request_prompt_tokens = series(
+            Histogram,
+            "request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            engine,
+            buckets=bounds.prompt_tokens,
+        )
+        self.request_generation_tokens = series(
+            Histogram,
+            "request_generation_tokens",
+            "Generated tokens per finished request.",
+            engine,
+            buckets=bounds.output_tokens,
+        )
+        self.request_max_tokens = series(
+            Histogram,
+            "request_max_num_generation_tokens",
+            "The max_tokens a finished request asked for.",
+            engine,
+            buckets=bounds.output_tokens,
+        )
+        prefill_side: tuple[_Series[Any], ...] = (
+            self.prompt_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.ttft,
+            self.queue,
+            self.prefill,
+            self.request_prompt_tokens,
+        )
+        decode_side: tuple[_Series[Any], ...] = (
+            self.generation_tokens,
+            self.itl,
+            self.e2e,
+            self.decode,
+            self.inference,
+            self.request_generation_tokens,
+            self.request_max_tokens,
+        )
+        for name in prefill_engines:
+            self._make(name, prefill_side)
+            for kind in ("fetch", "push"):
+                self.transfer_bytes[name, kind]
+        for name in decode_engines:
+            self._make(name, decode_side)
+            for reason in FINISH_REASONS:
+                self.success[name, reason]
+
+    @classmethod
+    def for_config(cls, config: ClusterConfig, workers: Iterable[Mapping[str, Any]] = ()) -> ServingMetrics:
+        """The metrics of a cluster of `config` serving its preset, with these workers' series made at zero
+        (`workers`: their `start()` info, with instance id and role)."""
+        workers = list(workers)
+        return cls(
+            model_name=config.model.preset,
+            bounds=HistogramBounds.from_config(config),
+            prefill_engines=[w["instance_id"] for w in workers if w["role"] == "prefill"],
+            decode_engines=[w["instance_id"] for w in workers if w["role"] != "prefill"],
+        )
+
+    def _make(self, engine: str, families: tuple[_Series[Any], ...]) -> None:
+        self.up[engine].set(1)
+        every: tuple[_Series[Any], ...] = (self.running, self.waiting, self.kv_usage, self.index_gaps, *families)
+        for family in every:
+            family[engine]  # made now: at zero until used
+
+    # ------------------------------------------------------------------ what the dispatcher and gateway report
+
+    def prefilled(
+        self, engine: str, *, prompt_tokens: int, cached_tokens: int, fetched_bytes: int, pushed_bytes: int
+    ) -> None:
+        """A prefill `engine` finished: its prompt, the part its cache held and the KV bytes it moved."""
+        self.prompt_tokens[engine].inc(prompt_tokens)
+        self.prefix_queries[engine].inc(prompt_tokens)
+        self.prefix_hits[engine].inc(cached_tokens)
+        self.transfer_bytes[engine, "fetch"].inc(fetched_bytes)
+        self.transfer_bytes[engine, "push"].inc(pushed_bytes)
+
+    def finished(self, request: FinishedRequest) -> None:
+        """A request ended: its finish reason and the durations of the phases it reached."""
+        prefill, decode = request.prefill_engine, request.decode_engine
+        self.success[decode, request.finished_reason].inc()
+        self.e2e[decode].observe(request.end_s - request.arrival_s)
+        self.request_prompt_tokens[prefill].observe(request.prompt_tokens)
+        self.request_generation_tokens[decode].observe(request.generation_tokens)
+        self.request_max_tokens[decode].observe(request.max_tokens)
+        started = request.prefill_started_s
+        if started is not None:
+            self.queue[prefill].observe(started - request.arrival_s)
+            if request.prefill_done_s is not None:
+                self.prefill[prefill].observe(request.prefill_done_s - started)
+        if request.first_token_s is not None and request.last_token_s is not None:
+            self.decode[decode].observe(request.last_token_s - request.first_token_s)
+            if started is not None:
+                self.inference[decode].observe(request.last_token_s - started)
+
+    def set_engine(self, engine: str, *, up: bool, running: int, waiting: int) -> None:
+        """An engine's state as the gateway knows it (at each scrape)."""
+        self.up[engine].set(1 if up else 0)
+        self.running[engine].set(running)
+        self.waiting[engine].set(waiting)
+
+    def set_kv_usage(self, engine: str, usage: float) -> None:
+        """An engine's KV usage from its health answer, clamped to 0..1."""
+        self.kv_usage[engine].set(min(1.0, max(0.0, usage)))
+
+    def render(self) -> bytes:
+        """What `GET /metrics` serves (as `CONTENT_TYPE`): Prometheus' text format, whatever the scraper accepts.
+
+        Not OpenMetrics on request: prometheus_client 0.26 writes it with `mooncake:` turned into `mooncake_`,
+        names no dashboard of ours would find.
+        """
+        return generate_latest(self.registry)
+
+
+class _Exposed:
+    """The families as scraped: without `_created` series, those of `ALIASES` also under their other name."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+            alias = ALIASES.get(family.name)
+            if alias is not None:
+                copy = Metric(alias, f"{family.documentation} (as {family.name})", family.type)
+                copy.samples = [s._replace(name=alias + s.name[len(family.name) :]) for s in family.samples]
+                yield copy

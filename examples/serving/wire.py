@@ -4,7 +4,7 @@ Each message is a frozen record whose `METHOD` names the transfer engine's
 control call that carries it; its fields travel as the call's JSON object:
 
     gateway → worker   worker.connect  Connect {gateway, peers}
-                       worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, ...}
+                       worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, kv_usage, ...}
                        worker.stop     Stop {}
     gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, max_tokens, ...}
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
@@ -213,8 +213,9 @@ class HealthCheck:
 
 @attrs.frozen(kw_only=True)
 class Health:
-    """A worker's answer to a `HealthCheck`: its process, its queue, the requests it decodes (by id) and the
-    tokens it generated since it started."""
+    """A worker's answer to a `HealthCheck`: its process, its queue, the requests it decodes (by id), the
+    tokens it generated since it started and the share of its KV memory in use (0..1: a decode engine's KV
+    budget its batch reserves, a prefill engine's cache pages holding blocks)."""
 
     METHOD: ClassVar[str] = "worker.health.reply"
     ok: bool = _field(BOOL)
@@ -222,6 +223,7 @@ class Health:
     queued: int = _field(INT)
     active: tuple[int, ...] = _field(INTS)
     generated_tokens: int = _field(INT)
+    kv_usage: float = _field(FLOAT)
 
 
 @attrs.frozen(kw_only=True)

@@ -54,7 +54,7 @@ from mooncake.errors import MooncakeError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
-from mooncake.types import BlockKey, InstanceId, RequestId
+from mooncake.types import BlockKey, InstanceId, RequestId, Tier
 from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models
@@ -117,6 +117,7 @@ class Worker:
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
+        self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
         if spec.role == "prefill":
             self._prefill = PrefillEngine(
                 self.model, self.cache, self.hasher, PrefillConfig(chunk_tokens=config.prefill.chunk_tokens)
@@ -187,7 +188,15 @@ class Worker:
             queued=self._jobs.qsize(),
             active=self._active,
             generated_tokens=self._generated,
+            kv_usage=self._kv_usage(),
         )
+
+    def _kv_usage(self) -> float:
+        """The share of this engine's KV memory in use: a decode engine's KV budget its batch reserves (as the
+        decode rule counts it), a prefill engine's cache pages in DRAM that hold blocks."""
+        if self._decode is not None:
+            return self._decode_kv_usage
+        return self.cache.used_bytes(Tier.DRAM) / max(1, self.cache.capacity_bytes(Tier.DRAM))
 
     def _on_stop(self, _message: wire.Stop) -> None:
         self._stop.set()
@@ -305,6 +314,7 @@ class Worker:
                 for event in decode.step():
                     tokens.append(self._token(event))
             self._active = tuple(int(r) for r in self._attempts)
+            self._decode_kv_usage = decode.reserved_tokens / max(1, decode.config.budget_tokens)
             if tokens:
                 self._generated += len(tokens)
                 report = wire.DecodeTokens(

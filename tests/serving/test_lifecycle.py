@@ -38,7 +38,7 @@ from serving import wire  # noqa: E402
 from serving.api import SamplingOptions  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.dispatch import Dispatcher, LiveRequest  # noqa: E402
-from serving.gateway import build_conductor, declare_metrics  # noqa: E402
+from serving.gateway import build_conductor  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
 
 from mooncake.sched.join import DecodeLimits  # noqa: E402
@@ -244,7 +244,6 @@ def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
         secret=bytes(32),
         workers=[],
         is_alive=lambda _: True,
-        metrics=declare_metrics(),
         block_bytes=1,
     )
     try:

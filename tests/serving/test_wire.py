@@ -37,7 +37,15 @@ tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans())
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
     st.builds(wire.HealthCheck),
-    st.builds(wire.Health, ok=st.booleans(), pid=ints, queued=ints, active=keys, generated_tokens=ints),
+    st.builds(
+        wire.Health,
+        ok=st.booleans(),
+        pid=ints,
+        queued=ints,
+        active=keys,
+        generated_tokens=ints,
+        kv_usage=st.floats(min_value=0, max_value=1),
+    ),
     st.builds(wire.Stop),
     st.builds(
         wire.PrefillJob,
@@ -183,12 +191,14 @@ def test_handlers_decode_before_serving() -> None:
 
     def health(message: wire.HealthCheck) -> wire.Health:
         seen.append(message)
-        return wire.Health(ok=True, pid=1, queued=0, active=(3,), generated_tokens=9)
+        return wire.Health(ok=True, pid=1, queued=0, active=(3,), generated_tokens=9, kv_usage=0.25)
 
     served = wire.handlers({wire.HealthCheck: health, wire.CancelDecode: seen.append})
     assert set(served) == {"worker.health", "decode.cancel"}
     answer = served["worker.health"]({})
-    assert wire.decode_as(wire.Health, answer) == wire.Health(ok=True, pid=1, queued=0, active=(3,), generated_tokens=9)
+    assert wire.decode_as(wire.Health, answer) == wire.Health(
+        ok=True, pid=1, queued=0, active=(3,), generated_tokens=9, kv_usage=0.25
+    )
     assert served["decode.cancel"]({"request_id": 4}) is None
     assert seen == [wire.HealthCheck(), wire.CancelDecode(request_id=4)]
     with pytest.raises(wire.MessageError, match=r"decode\.cancel\.request_id"):
