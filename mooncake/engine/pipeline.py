@@ -1,28 +1,62 @@
 """Chunked pipeline parallelism (CPP, paper §5.1): one prefill across X processes.
 
-The model's layers are split into X contiguous stages, one process each
-(torch.distributed: gloo on CPU, NCCL on GPU). The prompt is cut into chunks
-that flow through the stages: stage s receives chunk k's hidden states from
-stage s − 1, runs its layers — attending to the KV of the earlier chunks, which
-it keeps for its own layers — sends the result on to stage s + 1 without
-waiting for it to be received, and starts chunk k + 1. So stage 1 computes
-chunk k + 1 while stage 2 computes chunk k; the last stage turns the final
-chunk's last hidden state into logits.
+The model's layers are split into X contiguous stages (`stage_layers`). The
+calling process is stage 0, the group's driver: it embeds the tokens, runs the
+first layers and holds the KV of the whole prompt; stages 1 … X − 1 are
+processes it spawns, linked by torch.distributed (gloo on CPU, NCCL on GPU) on
+127.0.0.1. The prompt is cut into chunks that flow through the stages: stage s
+receives chunk k's hidden states from stage s − 1, runs its layers —
+attending to the KV of the earlier chunks, which it keeps for its own layers —
+sends the result on to stage s + 1 without waiting for it to be received, and
+starts chunk k + 1. So stage 1 computes chunk k + 1 while stage 2 computes
+chunk k; the last stage turns the final chunk's last hidden state into logits.
+
+A prefill may start after a cached prefix of p tokens: the driver sends each
+stage its layers' prefix KV (rows 0 … p − 1) first, and the chunks cover rows
+p … n − 1 only. Once a stage has computed its last chunk it sends the KV of its
+layers' new rows back to the driver, so the driver ends with every layer's KV
+of the prompt — what a prefill node stores in its cache and streams to a decode
+node. The KV travels back rather than each stage writing the node's (shared
+memory) cache pages itself because only the driver's process owns the cache:
+its index, pins and reservations, and prefix blocks on a lower tier (SSD) that
+only it can read. With one writer, a page the cache gives back after a failure
+can never be written by a stage still running. The price is one copy of each
+stage's KV over loopback per prefill, small beside the compute that made it.
 
 Unlike tensor parallelism, stages exchange only one activation per chunk
 boundary (no all-reduce per layer), which is why the paper prefers CPP for long
 prompts across nodes.
 
+Failures: every tensor moves with the group's timeout, so a stage that dies
+fails the driver's next transfer at once (its connection closes) and one that
+stops answering fails it after `timeout_s`; either is an `EngineError`, and the
+group is failed from then on (its streams are out of step) and ends its
+stages. A watch thread notices a stage process that exits, ends the others (a
+transfer the driver is waiting on fails at once) and calls `on_failure` — after
+a failed transfer too, whose ended stages it sees exit. A stage exits when its
+job channel or its connections to the driver break, and a parent watch ends
+it within `PARENT_WATCH_S` of its driver's process exiting, however it exits.
+The rendezvous store and the links listen on 127.0.0.1 only and, like
+torch.distributed's own, carry no authentication.
+
 Invariants: each stage holds exactly the weights of its layers in the whole
-model (per-layer seeds); the result equals a single process's forward pass.
+model (per-layer seeds); the logits and every layer's KV equal a single
+process's forward pass over the same prefix; a stage process runs only while
+the group is open and has not failed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import multiprocessing
 import os
 import queue
 import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 import torch
@@ -33,7 +67,12 @@ from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import LlamaModel
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError
 
-__all__ = ["PipelineGroup", "stage_layers"]
+__all__ = ["PARENT_WATCH_S", "PipelineGroup", "stage_layers"]
+
+PARENT_WATCH_S = 0.2  # how often a stage checks that its driver's process lives
+_PREFIX, _HIDDEN, _KV, _LOGITS = 1, 2, 3, 4  # message tags: one stream per kind between two stages
+
+OnRows = Callable[[int, int, int], None]
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -43,78 +82,135 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _stage_main(
-    rank: int,
-    world: int,
-    config: ModelConfig,
-    options: dict[str, Any],
-    inbox: Any,
-    outbox: Any,
-) -> None:
-    """A stage process: build its layers, then run jobs from `inbox` until None."""
+def _process_group(store: Any, rank: int, world: int, device: str, timeout_s: float) -> Any:
+    """This process's end of the group's links, every operation bounded by `timeout_s`."""
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, nccl_options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # links on loopback only
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
+def _run_chunks(
+    model: LlamaModel,
+    links: Any,
+    rank: int,
+    world: int,
+    ids: torch.Tensor | None,
+    rows: tuple[int, int, int],
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    on_rows: OnRows | None,
+) -> torch.Tensor:
+    """One stage's part of a prefill: rows [p, n) chunk by chunk through its layers; the last chunk's output.
+
+    `rows` is (p, n, chunk_tokens); `kv` holds this stage's layers' buffers, rows [0, p) filled.
+    """
+    prefix, n, chunk = rows
+    sent: list[tuple[Any, torch.Tensor]] = []  # each send with its tensor, alive until it is on its way
+    x = torch.empty(0)
+    for start in range(prefix, n, chunk):
+        end = min(n, start + chunk)
+        if ids is not None:
+            x = model.embed(ids[start:end])
+        else:
+            x = torch.empty((end - start, model.config.hidden_size), dtype=model.dtype, device=model.device)
+            links.recv([x], rank - 1, _HIDDEN).wait()
+        cos, sin = model.rope(torch.arange(start, end))
+        for index, (layer, (k_all, v_all)) in enumerate(zip(model.layers, kv, strict=True)):
+            x = layer(x, cos, sin, prefill_attention_into(k_all, v_all, start, end))
+            if on_rows is not None:
+                on_rows(model.first_layer + index, start, end)
+        if rank < world - 1:
+            x = x.contiguous()
+            sent.append((links.send([x], rank + 1, _HIDDEN), x))  # on to the next stage; keep going
+    for work, _tensor in sent:
+        work.wait()
+    return x
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this stage process once its driver's process is gone (whatever killed it)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
+
+
+def _serve_job(model: LlamaModel, links: Any, rank: int, world: int, job: tuple[int, int, int]) -> None:
+    """A stage's part of one prefill: its prefix KV in, its chunks through, its new KV (and logits) out."""
+    prefix, n, _chunk = job
+    config = model.config
+    shape = (n, config.num_kv_heads, config.head_dim)
+    kv = [
+        (
+            torch.empty(shape, dtype=model.dtype, device=model.device),
+            torch.empty(shape, dtype=model.dtype, device=model.device),
+        )
+        for _ in model.layers
+    ]
+    if prefix:
+        given = torch.empty(
+            (len(kv), 2, prefix, config.num_kv_heads, config.head_dim), dtype=model.dtype, device=model.device
+        )
+        links.recv([given], 0, _PREFIX).wait()
+        for (k_all, v_all), (k_prefix, v_prefix) in zip(kv, given, strict=True):
+            k_all[:prefix] = k_prefix
+            v_all[:prefix] = v_prefix
+    x = _run_chunks(model, links, rank, world, None, job, kv, None)
+    new = torch.stack([torch.stack((k_all[prefix:], v_all[prefix:])) for k_all, v_all in kv])
+    sends = [links.send([new], 0, _KV)]
+    if rank == world - 1:
+        logits = model.logits(x[-1:])[0].contiguous()
+        sends.append(links.send([logits], 0, _LOGITS))
+    for work in sends:
+        work.wait()
+
+
+def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    """A stage process (rank >= 1): build its layers, join the links, then serve jobs from `inbox` until None."""
+    import torch.distributed as dist
+
+    _watch_parent(options["parent_pid"])
     try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["interface"])
         torch.set_num_threads(options["threads"])
         device = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
-        dist.init_process_group(options["backend"], init_method=options["init_method"], rank=rank, world_size=world)
         layers = stage_layers(config.num_layers, world, rank)
         model = LlamaModel(config, seed=options["seed"], dtype=options["dtype"], device=device, layers=layers)
-        outbox.put(("ready", rank))
+        outbox.put(("built", rank))
+        timeout = datetime.timedelta(seconds=options["start_timeout_s"])
+        address = ("127.0.0.1", options["port"])
+        store = dist.TCPStore(*address, world, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+        links = _process_group(store, rank, world, options["device"], options["timeout_s"])
     except BaseException as error:  # report, so the driver does not wait for a dead stage
         outbox.put(("error", f"stage {rank} failed to start: {error!r}"))
         return
-    chunk = options["chunk_tokens"]
     with torch.inference_mode():
         while True:
-            job = inbox.get()
+            job = inbox.get()  # idle here, outside any timed transfer; the parent watch ends an orphan
             if job is None:
                 break
             try:
-                ids = torch.tensor(job, dtype=torch.long)
-                n = ids.shape[0]
-                shape = (n, config.num_kv_heads, config.head_dim)
-                kv = [
-                    (
-                        torch.empty(shape, dtype=model.dtype, device=device),
-                        torch.empty(shape, dtype=model.dtype, device=device),
-                    )
-                    for _ in model.layers
-                ]
-                sends = []
-                x = torch.empty(0)
-                for start in range(0, n, chunk):
-                    end = min(n, start + chunk)
-                    if rank == 0:
-                        x = model.embed(ids[start:end])
-                    else:
-                        x = torch.empty((end - start, config.hidden_size), dtype=model.dtype, device=device)
-                        dist.recv(x, src=rank - 1)
-                    cos, sin = model.rope(torch.arange(start, end))
-                    for (k_all, v_all), layer in zip(kv, model.layers, strict=True):
-                        x = layer(x, cos, sin, prefill_attention_into(k_all, v_all, start, end))
-                    if rank < world - 1:
-                        sends.append(dist.isend(x.contiguous(), dst=rank + 1))  # on to the next stage; keep going
-                for send in sends:
-                    if send is not None:
-                        send.wait()
-                if rank == world - 1:
-                    outbox.put(("logits", model.logits(x[-1:])[0].cpu().numpy()))
+                _serve_job(model, links, rank, world, job)
             except BaseException as error:
+                # Leaving closes this stage's links: whoever waits on it fails at once rather than at the timeout.
                 outbox.put(("error", f"stage {rank} failed: {error!r}"))
-                break
-    dist.destroy_process_group()
+                os._exit(1)
 
 
 class PipelineGroup:
     """X stage processes that prefill prompts together with chunked pipeline parallelism.
+
+    This process is stage 0 and drives the group (`model` holds its layers);
+    stages 1 … X − 1 are processes it starts. One prefill runs at a time.
 
     Args:
         config: the model's shape.
@@ -122,9 +218,16 @@ class PipelineGroup:
         chunk_tokens: tokens per pipeline chunk.
         seed, dtype: the weights (as `LlamaModel`).
         device: "cpu" (gloo) or "cuda" (NCCL, stage s on GPU s).
-        threads_per_stage: torch threads in each stage (default: the CPUs shared out).
-        interface: the network interface gloo uses (loopback for one machine).
-        timeout_s: how long to wait for the stages to start and to answer.
+        threads_per_stage: torch threads in each started stage (default: the CPUs shared out);
+            stage 0 runs on the caller's threads.
+        timeout_s: how long any one transfer between stages may wait.
+        start_timeout_s: how long to wait for the stages to start.
+        on_failure: called once, from a watch thread, with the reason, when the group fails while open: a
+            stage process exited, or a transfer failed (and the group ended its stages).
+
+    Invariants:
+        `check_invariants()`: the stages cover the layers in order; while the group is open and has not
+        failed every stage process runs; once closed, none does.
 
     Raises:
         ConfigError: bad options. EngineError: a stage failed to start.
@@ -140,8 +243,9 @@ class PipelineGroup:
         dtype: str = "float32",
         device: str = "cpu",
         threads_per_stage: int | None = None,
-        interface: str = "lo",
         timeout_s: float = 120.0,
+        start_timeout_s: float = 120.0,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         require_int("num_stages", num_stages, minimum=1)
         require_int("chunk_tokens", chunk_tokens, minimum=1)
@@ -149,78 +253,281 @@ class PipelineGroup:
             raise ConfigError(f"num_stages={num_stages} exceeds the model's {config.num_layers} layers")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        self.config, self.num_stages, self.timeout_s = config, num_stages, timeout_s
-        threads = threads_per_stage or max(1, (os.cpu_count() or 1) // num_stages)
+        for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        self.start_timeout_s = start_timeout_s
+        self.config, self.num_stages, self.chunk_tokens, self.timeout_s = config, num_stages, chunk_tokens, timeout_s
+        self._on_failure = on_failure
+        self._lock = threading.Lock()  # one prefill at a time: the links are streams
+        self._closing = threading.Event()
+        self._failure: str | None = None
+        self._failed = threading.Lock()  # makes the first failure the one recorded and reported
+        self._processes: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._links: Any = None
+        self._store: Any = None
+        self._watch: threading.Thread | None = None
+        home = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        layers = stage_layers(config.num_layers, num_stages, 0)
+        self.model = LlamaModel(config, seed=seed, dtype=dtype, device=home, layers=layers)
+        if num_stages == 1:
+            return
+        import torch.distributed as dist
+
+        listener = socket.create_server(("127.0.0.1", 0))  # the store would listen on every interface by itself
+        port = int(listener.getsockname()[1])
+        timeout = datetime.timedelta(seconds=start_timeout_s)
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1",
+            port,
+            num_stages,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
+        )
         options = {
             "seed": seed,
             "dtype": dtype,
             "device": device,
-            "chunk_tokens": chunk_tokens,
-            "threads": threads,
-            "interface": interface,
-            "backend": "nccl" if device == "cuda" else "gloo",
-            "init_method": f"tcp://127.0.0.1:{_free_port()}",
+            "threads": threads_per_stage or max(1, (os.cpu_count() or 1) // num_stages),
+            "port": port,
+            "timeout_s": timeout_s,
+            "start_timeout_s": start_timeout_s,
+            "parent_pid": os.getpid(),
         }
         context = multiprocessing.get_context("spawn")  # fork would copy this process's torch threads
-        self._inboxes = [context.Queue() for _ in range(num_stages)]
+        self._inboxes = [context.Queue() for _ in range(1, num_stages)]
         self._outbox = context.Queue()
         self._processes = [
             context.Process(
                 target=_stage_main,
-                args=(rank, num_stages, config, options, self._inboxes[rank], self._outbox),
+                args=(rank, num_stages, config, options, self._inboxes[rank - 1], self._outbox),
                 name=f"cpp-stage-{rank}",
                 daemon=True,
             )
-            for rank in range(num_stages)
+            for rank in range(1, num_stages)
         ]
-        for process in self._processes:
-            process.start()
         try:
-            for _ in range(num_stages):
+            for process in self._processes:
+                process.start()
+            for _ in self._processes:  # weights built: a stage that cannot start says so before the rendezvous
                 kind, payload = self._receive()
-                if kind != "ready":
+                if kind != "built":
                     raise EngineError(str(payload))
+            self._links = _process_group(self._store, 0, num_stages, device, timeout_s)
         except BaseException:
             self.close()
             raise
+        self._watch = threading.Thread(target=self._watch_stages, name="cpp-stage-watch", daemon=True)
+        self._watch.start()
 
-    def prefill(self, tokens: list[int]) -> torch.Tensor:
-        """Run `tokens` through the pipeline: float32 logits [vocab] at the last position.
+    # ------------------------------------------------------------------ prefill
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group failed, or None while it works."""
+        return self._failure
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The process ids of stages 1 … X − 1 (stage 0 is this process)."""
+        return tuple(int(p.pid) for p in self._processes if p.pid is not None)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prefix_tokens: int = 0,
+        on_rows: OnRows | None = None,
+    ) -> torch.Tensor:
+        """Run `tokens` through the pipeline after a cached prefix: float32 logits [vocab] at the last position.
+
+        Args:
+            tokens: the whole prompt.
+            kv: K and V buffers per layer of the whole model, each `[len(tokens), kv_heads, head_dim]` in the
+                model's dtype on stage 0's device; rows [0, prefix_tokens) hold the prefix's KV, and on return
+                every row holds the prompt's KV (default: scratch buffers, prefix_tokens must be 0).
+            prefix_tokens: leading tokens whose KV is given (fewer than the prompt's).
+            on_rows: called as `on_rows(layer, start, end)` once rows [start, end) of `layer` are final in
+                `kv`, on this thread: stage 0's layers chunk by chunk as they are computed, the other stages'
+                once their KV has arrived (start = prefix_tokens). Its first error is raised after the group
+                has finished the prefill (the group stays usable).
 
         Raises:
-            InvalidRequestError: no tokens or ids outside the vocabulary.
-            EngineError: a stage failed or did not answer within the timeout.
+            InvalidRequestError: no tokens, ids outside the vocabulary, a prefix not shorter than the prompt,
+                or buffers of the wrong shape.
+            EngineError: a stage failed or did not answer within the timeout; the group has failed.
         """
-        if not tokens:
+        n = len(tokens)
+        if n == 0:
             raise InvalidRequestError("a prompt needs at least one token")
-        if min(tokens) < 0 or max(tokens) >= self.config.vocab_size:
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise InvalidRequestError(f"token ids must lie in [0, {self.config.vocab_size})")
-        for inbox in self._inboxes:
-            inbox.put(list(tokens))
-        kind, payload = self._receive()
-        if kind != "logits":
-            raise EngineError(str(payload))
-        return torch.from_numpy(payload)
+        if not 0 <= prefix_tokens < n or (kv is None and prefix_tokens):
+            raise InvalidRequestError(f"prefix_tokens={prefix_tokens} must lie in [0, {n}) and come with its KV")
+        kv = self._buffers(n) if kv is None else kv
+        shape = (n, self.config.num_kv_heads, self.config.head_dim)
+        if len(kv) != self.config.num_layers or any(
+            tuple(t.shape) != shape or t.dtype != self.model.dtype or t.device != self.model.device
+            for pair in kv
+            for t in pair
+        ):
+            raise InvalidRequestError(
+                f"kv must hold {self.config.num_layers} (K, V) pairs of {shape} {self.model.dtype} on {self.model.device}"
+            )
+        errors: list[BaseException] = []
+
+        def listen(layer: int, start: int, end: int) -> None:
+            if on_rows is not None and not errors:
+                try:
+                    on_rows(layer, start, end)
+                except Exception as error:  # the stages are mid-job: finish it, then raise
+                    errors.append(error)
+
+        with self._lock:
+            if self._failure is not None:
+                raise EngineError(f"the pipeline group has failed: {self._failure}")
+            try:
+                logits = self._drive(ids, prefix_tokens, kv, listen)
+            except RuntimeError as error:  # torch.distributed's: a link closed or timed out
+                self._fail(f"a transfer between stages failed: {error}")
+                reason = self._stage_error() or str(error)
+                raise EngineError(f"the pipeline group failed: {reason}") from error
+        if errors:
+            raise errors[0]
+        return logits.float().cpu()
+
+    def _buffers(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (n, self.config.num_kv_heads, self.config.head_dim)
+        model = self.model
+        return [
+            (
+                torch.empty(shape, dtype=model.dtype, device=model.device),
+                torch.empty(shape, dtype=model.dtype, device=model.device),
+            )
+            for _ in range(self.config.num_layers)
+        ]
+
+    def _drive(
+        self, ids: torch.Tensor, prefix: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], on_rows: OnRows
+    ) -> torch.Tensor:
+        """Stage 0's part: start the job on every stage, run its chunks, gather the other stages' KV and the logits."""
+        n, world, links = ids.shape[0], self.num_stages, self._links
+        job = (prefix, n, self.chunk_tokens)
+        sent: list[tuple[Any, torch.Tensor]] = []
+        for rank in range(1, world):
+            self._inboxes[rank - 1].put(job)
+            if prefix:
+                given = torch.stack([torch.stack((k[:prefix], v[:prefix])) for k, v in self._of_stage(kv, rank)])
+                sent.append((links.send([given], rank, _PREFIX), given))
+        mine = stage_layers(self.config.num_layers, world, 0)
+        x = _run_chunks(self.model, links, 0, world, ids, job, kv[mine.start : mine.stop], on_rows)
+        for work, _tensor in sent:
+            work.wait()
+        if world == 1:
+            return self.model.logits(x[-1:])[0]
+        for rank in range(1, world):
+            layers = stage_layers(self.config.num_layers, world, rank)
+            k0 = kv[0][0]
+            new = torch.empty((len(layers), 2, n - prefix, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+            links.recv([new], rank, _KV).wait()
+            for (k_all, v_all), (k_new, v_new), layer in zip(self._of_stage(kv, rank), new, layers, strict=True):
+                k_all[prefix:] = k_new
+                v_all[prefix:] = v_new
+                on_rows(layer, prefix, n)
+        logits = torch.empty(self.config.vocab_size, dtype=torch.float32, device=self.model.device)
+        links.recv([logits], world - 1, _LOGITS).wait()
+        return logits
+
+    def _of_stage(
+        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+        layers = stage_layers(self.config.num_layers, self.num_stages, rank)
+        return kv[layers.start : layers.stop]
+
+    # ------------------------------------------------------------------ failures and closing
 
     def _receive(self) -> tuple[str, Any]:
-        try:
-            return self._outbox.get(timeout=self.timeout_s)  # type: ignore[no-any-return]
-        except queue.Empty:
-            dead = [p.name for p in self._processes if not p.is_alive()]
-            raise EngineError(
-                f"the pipeline did not answer within {self.timeout_s} s (stopped stages: {dead})"
-            ) from None
+        """The next stage report, waiting up to the timeout; a stage process that exits fails the wait."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                return self._outbox.get(timeout=0.1)  # type: ignore[no-any-return]
+            except queue.Empty:
+                pass
+            dead = [f"{p.name} (exit code {p.exitcode})" for p in self._processes if not p.is_alive()]
+            if dead:
+                raise EngineError(f"pipeline stages exited while starting: {', '.join(dead)}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the pipeline stages did not start within {self.start_timeout_s} s") from None
+
+    def _stage_error(self) -> str | None:
+        """A stage's own account of its failure, if it sent one."""
+        with contextlib.suppress(queue.Empty, OSError, ValueError):
+            kind, payload = self._outbox.get(timeout=0.5)
+            if kind == "error":
+                return str(payload)
+        return None
+
+    def _watch_stages(self) -> None:
+        """Fail the group as soon as a stage process exits while it is open."""
+        by_sentinel = {p.sentinel: p for p in self._processes}
+        while not self._closing.is_set():
+            ready = wait_for_sentinels(list(by_sentinel), timeout=0.2)
+            if ready and not self._closing.is_set():
+                process = by_sentinel[ready[0]]
+                process.join(timeout=1.0)
+                self._fail(f"{process.name} (pid {process.pid}) exited with code {process.exitcode}")
+                if self._on_failure is not None:
+                    self._on_failure(str(self._failure))  # a transfer's failure, if it came first
+                return
+
+    def _fail(self, reason: str) -> None:
+        """Record the group's first failure and end every stage (pending transfers fail, the watch hears of it)."""
+        with self._failed:
+            if self._failure is not None:
+                return
+            self._failure = reason
+        for process in self._processes:
+            with contextlib.suppress(Exception):
+                process.kill()
+
+    def check_invariants(self) -> None:
+        covered = [
+            i for rank in range(self.num_stages) for i in stage_layers(self.config.num_layers, self.num_stages, rank)
+        ]
+        assert covered == list(range(self.config.num_layers)), "the stages do not cover the layers in order"
+        assert len(self._processes) == self.num_stages - 1, "a stage process is missing"
+        if self._closing.is_set():
+            assert not any(p.is_alive() for p in self._processes), "a stage runs after close()"
+        elif self._failure is None:
+            assert all(p.is_alive() for p in self._processes), "a stage exited but the group has not failed"
 
     def close(self) -> None:
-        """Stop every stage process (waits briefly, then terminates)."""
-        for inbox, process in zip(self._inboxes, self._processes, strict=True):
-            if process.is_alive():
-                inbox.put(None)
+        """Stop every stage process (asks, waits briefly, then kills); idempotent."""
+        self._closing.set()
+        if self._failure is None:
+            for inbox, process in zip(self._inboxes, self._processes, strict=False):
+                if process.is_alive():
+                    with contextlib.suppress(Exception):
+                        inbox.put(None)
         for process in self._processes:
+            if process.pid is None:
+                continue
             process.join(timeout=10)
             if process.is_alive():
-                process.terminate()
+                process.kill()
                 process.join(timeout=5)
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join(timeout=5)
+        self._links = None
+        self._store = None
 
     def __enter__(self) -> PipelineGroup:
         return self
