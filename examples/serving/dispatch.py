@@ -327,6 +327,8 @@ class Dispatcher:
             return ()
         now = self.now()
         if outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
+            # A completed request ended by `finish` hit a stop string; one ended by its last token ran to its
+            # length (even when that token also completes a stop string: it ended before the text was read).
             finished = "stop" if cancel else "length"
             if outcome is not Outcome.COMPLETED:
                 finished = "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"
