@@ -75,7 +75,7 @@ def _ladder(mantissas: tuple[float, ...], smallest: float, top: float) -> tuple[
     scale = smallest
     while True:
         for mantissa in mantissas:
-            value = round(mantissa * scale, 12)  # 0.0025, not 0.0025000000000000005
+            value = float(f"{mantissa * scale:.12g}")  # 0.0025, not 0.0025000000000000005
             bounds.append(value)
             if value >= top:
                 return tuple(bounds)

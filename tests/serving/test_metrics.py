@@ -114,7 +114,7 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> Non
 
 
 @settings(max_examples=100, deadline=None)
-@given(top=st.floats(min_value=1e-4, max_value=86_400.0), smallest=st.sampled_from([1e-3, 1e-2, 0.25]))
+@given(top=st.floats(min_value=1e-4, max_value=86_400.0), smallest=st.sampled_from([1e-9, 1e-3, 1e-2, 0.25]))
 def test_latency_buckets_climb_to_the_first_rung_at_or_above_the_top(top: float, smallest: float) -> None:
     """Strictly increasing 1-2.5-5 rungs from `smallest`; the last is at or above the top, the one before below."""
     buckets = latency_buckets(top, smallest_s=smallest)
