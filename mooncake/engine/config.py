@@ -6,11 +6,19 @@ build `mooncake.engine.model.LlamaModel` from it); `shape(dtype)` gives the
 schedules never imports torch. `PRESETS` are the shapes the project ships:
 tiny (tests), small (CPU demos), llama3-8b and llama3-70b (GPU shapes).
 
+The relatives of LLaMA that a checkpoint may hold differ from it only in
+what the config says: biases on the q/k/v projections (Qwen2) or on every
+attention projection (LLaMA's `attention_bias`), a RoPE frequency scaling
+(`RopeScaling`: Llama 3's and linear), and an LM head tied to the token
+embedding. Their defaults are LLaMA's, which is the random model's shape.
+
 Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 `num_heads`, and the head dimension is even (RoPE rotates pairs).
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 
@@ -18,9 +26,44 @@ from mooncake._checks import int_at_least
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import ModelShape
 
-__all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS"]
+__all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeScaling"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes the engines run in, by name
+ROPE_SCALING_KINDS = ("linear", "llama3")  # the RoPE scalings the model implements (transformers' rope_type)
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RopeScaling:
+    """A rescaling of RoPE's inverse frequencies, as transformers' `rope_type` of that name computes it.
+
+    `linear` divides every frequency by `factor`. `llama3` (Llama 3.1) divides the
+    low frequencies (wavelength above `original_max_position_embeddings / low_freq_factor`)
+    by `factor`, keeps the high ones (wavelength below `original / high_freq_factor`) and
+    interpolates smoothly between. Neither changes the attention's scale.
+
+    Attributes:
+        kind: one of `ROPE_SCALING_KINDS`.
+        factor: the context extension factor.
+        low_freq_factor, high_freq_factor, original_max_position_embeddings: llama3's band edges.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(ROPE_SCALING_KINDS))
+    factor: float = attrs.field(validator=_positive)
+    low_freq_factor: float = attrs.field(default=1.0, validator=_positive)
+    high_freq_factor: float = attrs.field(default=4.0, validator=_positive)
+    original_max_position_embeddings: int = attrs.field(default=8192, validator=int_at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, "
+                f"got {self.high_freq_factor} and {self.low_freq_factor}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -33,6 +76,10 @@ class ModelConfig:
             `num_heads` must divide `hidden_size` and be a multiple of `num_kv_heads`.
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
+        rope_scaling: a rescaling of RoPE's frequencies (None: plain RoPE).
+        qkv_bias: the q, k and v projections have biases (Qwen2).
+        out_bias: the attention's output projection has a bias (LLaMA's `attention_bias` sets both).
+        tie_word_embeddings: the LM head is the token embedding matrix.
     """
 
     name: str
@@ -44,6 +91,10 @@ class ModelConfig:
     intermediate_size: int = attrs.field(validator=int_at_least(1))
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    tie_word_embeddings: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -69,8 +120,11 @@ class ModelConfig:
             + self.hidden_size * (self.hidden_size + 2 * self.kv_width)  # qkv
             + self.hidden_size * self.hidden_size  # o
             + 3 * self.hidden_size * self.intermediate_size  # gate, up, down
+            + (self.hidden_size + 2 * self.kv_width if self.qkv_bias else 0)
+            + (self.hidden_size if self.out_bias else 0)
         )
-        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        matrices = 1 if self.tie_word_embeddings else 2  # the embedding and the LM head
+        return self.num_layers * per_layer + matrices * self.vocab_size * self.hidden_size + self.hidden_size
 
     def shape(self, dtype: str = "bfloat16") -> ModelShape:
         """The cost models' view of this model with its weights and KV in `dtype`.
@@ -91,7 +145,8 @@ class ModelConfig:
 
     def flops_per_token(self, context_tokens: int = 0) -> float:
         """Forward FLOPs of one token: 2 per weight of the layers and LM head, plus attention over `context_tokens`."""
-        weights = self.num_parameters - self.vocab_size * self.hidden_size  # the embedding is a lookup
+        # The embedding is a lookup; a tied one is also the LM head, a product.
+        weights = self.num_parameters - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
         attention = 4 * self.num_layers * self.hidden_size * context_tokens  # q·k and p·v
         return 2.0 * weights + attention
 
