@@ -9,7 +9,7 @@ OUT    ?= build/demo
 # pyproject's extras take any torch >= 2.5; here it is pinned to the CPU wheel this machine holds,
 # installed first so that the extras' range is already met and pip fetches no other build.
 TORCH  ?= torch==2.13.0
-EXTRAS := dev,accel,engine,cluster,ray,plot,kv-events
+EXTRAS := dev,accel,engine,hf,cluster,ray,plot,kv-events
 
 .PHONY: demo test lint bench clean
 

@@ -1,4 +1,4 @@
-"""The real engines (the only torch users): model, attention, KV pages, prefill, decode, pipeline.
+"""The real engines (the only torch users): model, checkpoints, attention, KV pages, prefill, decode, pipeline.
 
 Every public name is listed here, but loaded on first use (`from
 mooncake.engine import PrefillEngine` imports torch then): `import
@@ -30,6 +30,11 @@ _HOMES = {
     "SamplingParams": "sampling",
     "TokenEvent": "decode",
     "TokenStream": "decode",
+    "RopeScaling": "config",
+    "SafetensorsWeights": "checkpoint",
+    "WeightSource": "model",
+    "load_model": "checkpoint",
+    "read_model_config": "checkpoint",
 }
 
 __all__ = sorted(_HOMES)

@@ -204,16 +204,16 @@ class DecoderLayer(nn.Module):
             self.down = _loaded(weights, prefix + "down", (h, i), dtype, device)
             return
         g = _generator(seed, index + 1, device)
+        # Random biases are zero: they draw nothing, so the matrices are those of a bias-free model.
+        zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
         self.qkv = _random((qkv_rows, h), h**-0.5, g, dtype, device)
+        self.qkv_bias = nn.Parameter(zeros(qkv_rows), requires_grad=False) if config.qkv_bias else None
         self.out = _random((h, h), h**-0.5, g, dtype, device)
+        self.out_bias = nn.Parameter(zeros(h), requires_grad=False) if config.out_bias else None
         self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
         self.gate_up = _random((2 * i, h), h**-0.5, g, dtype, device)
         self.down = _random((h, i), i**-0.5, g, dtype, device)
-        # Biases start at zero and come after the matrices, so the matrices' draws are those of a bias-free model.
-        zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
-        self.qkv_bias = nn.Parameter(zeros(qkv_rows), requires_grad=False) if config.qkv_bias else None
-        self.out_bias = nn.Parameter(zeros(h), requires_grad=False) if config.out_bias else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """x [T, hidden] at the positions of `cos`/`sin` → the layer's output [T, hidden]."""

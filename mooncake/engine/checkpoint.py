@@ -1,0 +1,348 @@
+"""Checkpoints in Hugging Face layout, loaded into `LlamaModel`.
+
+A checkpoint is a directory: `config.json` (transformers' config of a
+`LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM`: LLaMA and the
+relatives that differ from it only in config) and the weights in one
+`*.safetensors` file or several shards named by `model.safetensors.index.json`.
+
+Loading is three steps:
+1. `model_config_from_hf` turns the config into a `ModelConfig`, refusing what
+   the model does not compute (another architecture or activation, a RoPE
+   scaling other than linear and llama3, a sliding window in effect, a
+   quantized checkpoint): each a one-line `ConfigError` naming the key and file.
+   This step needs neither torch nor safetensors, so a process that only
+   schedules can read a checkpoint's shape.
+2. `SafetensorsWeights` is the model's `WeightSource`: each model weight is
+   one checkpoint tensor, or a few concatenated along the rows (q, k, v into
+   the fused QKV; gate and up into the fused MLP input). Shards are opened
+   with `safe_open` (memory-mapped: only the tensors asked for are read) and
+   only the shards that hold what is asked for are opened.
+3. `LlamaModel(config, weights=...)` builds the modules exactly as the random
+   model does, so a loaded model runs the one forward pass there is.
+
+Invariants: the tensors read are exactly `checkpoint_tensors` of the model's
+`weight_names` (a pipeline stage reads its own layers and nothing else); each
+has the shape the config implies; the loaded model's logits are transformers'
+(the tests hold it to 1e-4 in float32).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mooncake.engine.config import ModelConfig, RopeScaling
+from mooncake.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mooncake.engine.model import LlamaModel
+
+__all__ = [
+    "ARCHITECTURES",
+    "SafetensorsWeights",
+    "checkpoint_tensors",
+    "load_model",
+    "model_config_from_hf",
+    "read_model_config",
+]
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+# A model weight of layer i → the checkpoint tensors (under model.layers.{i}.) it concatenates, in row order.
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight",),
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "out": ("self_attn.o_proj.weight",),
+    "out_bias": ("self_attn.o_proj.bias",),
+    "mlp_norm": ("post_attention_layernorm.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+}
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not readable JSON: {_one_line(error)}") from error
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _number(raw: Mapping[str, Any], key: str, source: str, default: Any = None) -> Any:
+    value = raw.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+    return value
+
+
+def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """RoPE's base and scaling from transformers' v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
+    params = raw.get(key) or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{source}: {key} must be an object, got {params!r}")
+    theta = _number(params, "rope_theta", source, raw.get("rope_theta", 10_000.0))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: {key}.partial_rotary_factor={params['partial_rotary_factor']!r} is not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), RopeScaling(kind="linear", factor=_number(params, "factor", f"{source}: {key}"))
+    if kind == "llama3":
+        where = f"{source}: {key}"
+        return float(theta), RopeScaling(
+            kind="llama3",
+            factor=_number(params, "factor", where),
+            low_freq_factor=_number(params, "low_freq_factor", where),
+            high_freq_factor=_number(params, "high_freq_factor", where),
+            original_max_position_embeddings=int(_number(params, "original_max_position_embeddings", where)),
+        )
+    raise ConfigError(f"{source}: {key}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> None:
+    """Refuse the config values that would make this model compute something else than transformers'."""
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ConfigError(f"{source}: hidden_act={activation!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias", False):
+        raise ConfigError(f"{source}: mlp_bias=true is not supported")
+    if raw.get("quantization_config") is not None:
+        raise ConfigError(f"{source}: quantization_config is not supported (load unquantized weights)")
+    head_dim = raw.get("head_dim")
+    implied = _number(raw, "hidden_size", source) // _number(raw, "num_attention_heads", source)
+    if head_dim is not None and head_dim != implied:
+        raise ConfigError(
+            f"{source}: head_dim={head_dim!r} is not hidden_size / num_attention_heads = {implied} (not supported)"
+        )
+    # A sliding window changes attention only for contexts longer than the window.
+    window = raw.get("sliding_window")
+    max_positions = raw.get("max_position_embeddings")
+    window_in_effect = window is not None and (max_positions is None or window < max_positions)
+    if architecture == "Qwen2ForCausalLM":
+        layer_types = raw.get("layer_types") or []
+        window_in_effect = window_in_effect and bool(raw.get("use_sliding_window", False))
+        window_in_effect = window_in_effect or any(kind != "full_attention" for kind in layer_types)
+    if window_in_effect:
+        raise ConfigError(
+            f"{source}: sliding_window={window!r} is in effect below max_position_embeddings={max_positions!r} "
+            "(sliding-window attention is not supported)"
+        )
+
+
+def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CONFIG_FILE) -> ModelConfig:
+    """The `ModelConfig` of a transformers config (the parsed `config.json`).
+
+    Args:
+        raw: the config's JSON object.
+        name: the model's name (its block-key namespace).
+        source: the file it came from, for messages.
+
+    Raises:
+        ConfigError: an architecture other than `ARCHITECTURES`, a missing or malformed
+            key, or a value the model does not compute (see the module's docstring).
+    """
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: architectures={architectures!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    architecture = architectures[0]
+    _check_supported(raw, architecture, source)
+    theta, scaling = _rope(raw, source)
+    num_heads = _number(raw, "num_attention_heads", source)
+    attention_bias = bool(raw.get("attention_bias", False))  # LLaMA's: every attention projection
+    qwen2 = architecture == "Qwen2ForCausalLM"  # q, k and v always have biases, the output never
+    try:
+        return ModelConfig(
+            name=name,
+            vocab_size=_number(raw, "vocab_size", source),
+            hidden_size=_number(raw, "hidden_size", source),
+            num_layers=_number(raw, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=_number(raw, "num_key_value_heads", source, raw.get("num_key_value_heads") or num_heads),
+            intermediate_size=_number(raw, "intermediate_size", source),
+            rope_theta=theta,
+            norm_eps=float(_number(raw, "rms_norm_eps", source, 1e-6)),
+            rope_scaling=scaling,
+            qkv_bias=qwen2 or attention_bias,
+            out_bias=not qwen2 and attention_bias,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    """The `ModelConfig` of the checkpoint in `directory`, named by the directory (no torch needed).
+
+    Raises:
+        ConfigError: no readable `config.json`, or one `model_config_from_hf` refuses.
+    """
+    path = Path(directory).resolve()
+    raw = _read_json(path / CONFIG_FILE)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path / CONFIG_FILE}: expected a JSON object, got {type(raw).__name__}")
+    return model_config_from_hf(raw, name=path.name, source=str(path / CONFIG_FILE))
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def checkpoint_tensors(config: ModelConfig, name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The checkpoint tensors (transformers' names and shapes) whose row-wise concatenation is model weight `name`.
+
+    Raises:
+        ConfigError: `name` is not one of the model's weight names.
+    """
+    h, kv, i, v = config.hidden_size, config.kv_width, config.intermediate_size, config.vocab_size
+    if name == "embedding":
+        return (("model.embed_tokens.weight", (v, h)),)
+    if name == "final_norm":
+        return (("model.norm.weight", (h,)),)
+    if name == "head":
+        return (("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight", (v, h)),)
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in _LAYER_TENSORS:
+        raise ConfigError(f"{name!r} is not a weight of the model")
+    shapes: dict[str, list[tuple[int, ...]]] = {
+        "attn_norm": [(h,)],
+        "qkv": [(h, h), (kv, h), (kv, h)],
+        "qkv_bias": [(h,), (kv,), (kv,)],
+        "out": [(h, h)],
+        "out_bias": [(h,)],
+        "mlp_norm": [(h,)],
+        "gate_up": [(i, h), (i, h)],
+        "down": [(h, i)],
+    }
+    rows = shapes[parts[2]]
+    names = (f"model.layers.{parts[1]}.{tensor}" for tensor in _LAYER_TENSORS[parts[2]])
+    return tuple(zip(names, rows, strict=True))
+
+
+class SafetensorsWeights:
+    """The weights of a checkpoint directory's safetensors files, as a model's `WeightSource`.
+
+    Args:
+        directory: the checkpoint.
+        config: the model's config (`read_model_config(directory)`), which fixes the shapes.
+
+    `tensors_read` records every checkpoint tensor read, in order.
+
+    Raises:
+        ConfigError: no safetensors files, or an index naming a file outside the directory.
+    """
+
+    def __init__(self, directory: str | Path, config: ModelConfig) -> None:
+        self.directory, self.config = Path(directory).resolve(), config
+        self.tensors_read: list[str] = []
+        self._open: dict[Path, Any] = {}
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            raw = _read_json(index)
+            weight_map = raw.get("weight_map") if isinstance(raw, Mapping) else None
+            if not isinstance(weight_map, Mapping):
+                raise ConfigError(f"{index}: has no weight_map object")
+            self._files = {str(tensor): self._shard(str(file), index) for tensor, file in weight_map.items()}
+        else:
+            shards = sorted(self.directory.glob("*.safetensors"))
+            if not shards:
+                raise ConfigError(f"{self.directory} holds no *.safetensors file")
+            self._files = {tensor: shard for shard in shards for tensor in self._file(shard).keys()}  # noqa: SIM118
+
+    def _shard(self, file: str, index: Path) -> Path:
+        path = (self.directory / file).resolve()
+        if path.parent != self.directory:
+            raise ConfigError(f"{index}: shard {file!r} is not a file of {self.directory}")
+        return path
+
+    def _file(self, path: Path) -> Any:
+        handle = self._open.get(path)
+        if handle is None:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except FileNotFoundError:
+                raise ConfigError(f"shard {path} does not exist") from None
+            except (SafetensorError, OSError) as error:
+                raise ConfigError(f"shard {path} is not a readable safetensors file: {_one_line(error)}") from error
+            self._open[path] = handle
+        return handle
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Model weight `name`: its checkpoint tensors, each checked against its shape, concatenated along rows.
+
+        Raises:
+            ConfigError: a tensor missing from the checkpoint, of another shape, or unreadable.
+        """
+        import torch
+
+        parts = []
+        for tensor, expected in checkpoint_tensors(self.config, name):
+            file = self._files.get(tensor)
+            if file is None:
+                raise ConfigError(f"checkpoint {self.directory} lacks tensor {tensor} (model weight {name})")
+            handle = self._file(file)
+            try:
+                found = tuple(handle.get_slice(tensor).get_shape())
+                if found != expected:
+                    raise ConfigError(f"tensor {tensor} in {file} has shape {found}, the config implies {expected}")
+                parts.append(handle.get_tensor(tensor))
+            except ConfigError:
+                raise
+            except Exception as error:  # safetensors reports a missing key or bad data as its own error types
+                raise ConfigError(f"tensor {tensor} in {file} is unreadable: {_one_line(error)}") from error
+            self.tensors_read.append(tensor)
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if tuple(joined.shape) != shape:
+            raise ConfigError(f"model weight {name} from {self.directory} has shape {tuple(joined.shape)}, not {shape}")
+        return joined
+
+    def tensors_of(self, layers: Iterable[int] | None = None) -> set[str]:
+        """The checkpoint tensors a model holding `layers` (default: all) reads."""
+        from mooncake.engine.model import weight_names
+
+        return {t for name in weight_names(self.config, layers) for t, _ in checkpoint_tensors(self.config, name)}
+
+
+def load_model(
+    directory: str | Path,
+    *,
+    dtype: str = "float32",
+    device: torch.device | str = "cpu",
+    layers: Iterable[int] | None = None,
+) -> LlamaModel:
+    """The checkpoint in `directory` as a `LlamaModel` (or the pipeline stage holding `layers`).
+
+    Args:
+        directory: a Hugging Face checkpoint directory.
+        dtype: the model's dtype ("float32", "bfloat16", "float16"); tensors are converted as read.
+        device: where the weights go.
+        layers: the contiguous layers this stage holds (default: all); it reads only their tensors.
+
+    Raises:
+        ConfigError: what `read_model_config` and `SafetensorsWeights` refuse, each naming the key or
+            tensor and the file.
+    """
+    from mooncake.engine.model import LlamaModel
+
+    config = read_model_config(directory)
+    weights = SafetensorsWeights(directory, config)
+    return LlamaModel(config, dtype=dtype, device=device, layers=layers, weights=weights)
