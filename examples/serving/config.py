@@ -5,7 +5,7 @@
     [cache]    dram_blocks, ssd_blocks, ssd_dir          (per node)
     [policy]   router, admission, threshold
     [slo]      ttft_s, tbt_s
-    [prefill]  chunk_tokens, profile                     (profile: JSON from examples/profile_engine.py)
+    [prefill]  chunk_tokens, profile, pipeline_size      (profile: JSON from examples/profile_engine.py)
     [decode]   max_batch_size, max_context_tokens
     [limits]   max_prompt_tokens, default_max_tokens, request_timeout_s, health_interval_s,
                header_timeout_s, body_timeout_s, max_connections, max_connections_per_client,
@@ -20,6 +20,7 @@ a path without NUL). `ClusterConfig` holds one record per section and the file
 it came from, and checks the rules across sections:
 
     max_prompt_tokens + default_max_tokens <= max_context_tokens   (a longest prompt and its default output fit)
+    pipeline_size <= the layers of the model preset                 (a stage holds at least one layer)
     ceil(max_prompt_tokens / block_tokens) <= dram_blocks          (a node's cache holds a longest prompt pinned)
     max_connections_per_client <= max_connections
     health_interval_s <= health_probe_backoff_max_s
@@ -237,11 +238,14 @@ class SloSection:
 
 @attrs.frozen(kw_only=True)
 class PrefillSection:
-    """`[prefill]`: tokens per prefill chunk; a fitted cost model's JSON ("": the analytic CPU model)."""
+    """`[prefill]`: tokens per prefill chunk; a fitted cost model's JSON ("": the analytic CPU model); the
+    processes of each prefill instance (> 1: a chunked pipeline group of that many stages, each a slice of the
+    layers; the gateway still sees one instance)."""
 
     NAME: ClassVar[str] = "prefill"
     chunk_tokens: int = _setting(512, minimum=1)
     profile: str = _setting("", text=_path)
+    pipeline_size: int = _setting(1, minimum=1, maximum=1024)
 
 
 @attrs.frozen(kw_only=True)
@@ -297,6 +301,7 @@ class ClusterConfig:
 
     Invariants (the rules across sections, checked at construction):
         `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`;
+        `prefill.pipeline_size <= PRESETS[model.preset].num_layers`;
         `ceil(limits.max_prompt_tokens / model.block_tokens) <= cache.dram_blocks`;
         `limits.max_connections_per_client <= limits.max_connections`;
         `limits.health_interval_s <= limits.health_probe_backoff_max_s`.
@@ -318,6 +323,12 @@ class ClusterConfig:
             raise ConfigError(
                 f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
                 f"{limits.default_max_tokens} exceed [decode] max_context_tokens = {decode.max_context_tokens}"
+            )
+        layers = PRESETS[self.model.preset].num_layers
+        if self.prefill.pipeline_size > layers:
+            raise ConfigError(
+                f"{source}: [prefill] pipeline_size = {self.prefill.pipeline_size}: must be <= the {layers} layers "
+                f"of [model] preset = {self.model.preset!r} (a pipeline stage holds at least one layer)"
             )
         blocks = ceil_div(limits.max_prompt_tokens, self.model.block_tokens)
         if blocks > self.cache.dram_blocks:

@@ -34,10 +34,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import ipaddress
 import multiprocessing
+import multiprocessing.util  # registers its exit handler now: LocalBackend's must run before it
 import os
 import re
 import secrets
@@ -202,8 +204,18 @@ def _worker_main(spec: WorkerSpec, connection: Any, parent_pid: int, lifeline: A
         _unlink(_segments(os.getpid()))
 
 
+def _starts_processes(spec: WorkerSpec) -> bool:
+    """Whether the worker starts processes of its own (a pipeline group's stages), which a daemonic one may not."""
+    return spec.role == "prefill" and spec.config.prefill.pipeline_size > 1
+
+
 class LocalBackend:
-    """Workers as spawned processes of this machine, each watching that this process lives."""
+    """Workers as spawned processes of this machine, each watching that this process lives.
+
+    A worker is a daemonic process (multiprocessing ends it if this process exits without `stop`), except
+    one that starts processes of its own, which a daemonic process may not: `stop` is then also an exit
+    handler of this process.
+    """
 
     def __init__(self) -> None:
         self._processes: dict[str, Any] = {}
@@ -212,12 +224,17 @@ class LocalBackend:
 
     def start(self, specs: list[WorkerSpec]) -> list[dict[str, Any]]:
         context = multiprocessing.get_context("spawn")
+        # Before multiprocessing's own exit handler, which would wait for a non-daemonic worker forever.
+        atexit.register(self.stop)
         pipes = {}
         for spec in specs:
             parent, child = context.Pipe(duplex=False)
             watched, lifeline = context.Pipe(duplex=False)
             process = context.Process(
-                target=_worker_main, args=(spec, child, os.getpid(), watched), name=spec.instance_id, daemon=True
+                target=_worker_main,
+                args=(spec, child, os.getpid(), watched),
+                name=spec.instance_id,
+                daemon=not _starts_processes(spec),
             )
             process.start()
             child.close()
@@ -260,6 +277,7 @@ class LocalBackend:
         for lifeline in self._lifelines:
             lifeline.close()
         self._lifelines.clear()
+        atexit.unregister(self.stop)
 
 
 # ---------------------------------------------------------------------------------------------- Ray

@@ -12,7 +12,12 @@ A prefill fetches the blocks the Conductor's transfer plan names from their
 holder (keeping the copy), prefills layer-wise while streaming each layer's KV
 to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
-node's cache exactly.
+node's cache exactly. With `[prefill] pipeline_size` X > 1 the worker is
+stage 0 of a chunked pipeline group (`serving.prefill_group`): X − 1 stage
+processes it starts hold the later layers, and the instance is still this one
+worker to the gateway. A stage that exits stops the worker (its health answer
+turns not ok, then it exits, ending the other stages); the stages exit when the
+worker does, however it dies.
 
 A decode node joins a request by the decode rule (`DecodeEngine.try_join`, the
 same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
@@ -30,6 +35,7 @@ import contextlib
 import os
 import queue
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -48,6 +54,7 @@ from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
+from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import MooncakeError
@@ -58,6 +65,7 @@ from mooncake.types import BlockKey, InstanceId, RequestId, Tier
 from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models
+from serving.prefill_group import GroupPrefillEngine
 
 __all__ = ["Worker", "WorkerSpec", "run_worker"]
 
@@ -85,7 +93,12 @@ class Worker:
         config = spec.config
         self.instance_id = InstanceId(spec.instance_id)
         torch.set_num_threads(1)  # many engines share this machine's cores
-        self.model = LlamaModel(PRESETS[config.model.preset], seed=config.model.seed, dtype=config.model.dtype)
+        self._stop = threading.Event()  # before the pipeline group: a stage that dies sets it
+        self._group = self._start_group() if spec.role == "prefill" and config.prefill.pipeline_size > 1 else None
+        if self._group is not None:
+            self.model = self._group.model  # stage 0's layers; the group's other stages hold the rest
+        else:
+            self.model = LlamaModel(PRESETS[config.model.preset], seed=config.model.seed, dtype=config.model.dtype)
         block = config.model.block_tokens
         self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=block)
         self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model.dtype)
@@ -108,17 +121,19 @@ class Worker:
         self.cache = TieredCache(pools, source=self.instance_id, epoch=time.time_ns())
         self.messenger = Messenger(self.engine, self.cache, region=region)
         self._jobs: queue.Queue[Job] = queue.Queue()
-        self._stop = threading.Event()
         self._peers: dict[str, str] = {}  # instance id → peer name (connected lazily)
         self._addresses: dict[str, str] = {}
         self._gateway: str | None = None
-        self._prefill: PrefillEngine | None = None
+        self._prefill: PrefillEngine | GroupPrefillEngine | None = None
         self._decode: DecodeEngine | None = None
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
         self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
-        if spec.role == "prefill":
+        if spec.role == "prefill" and self._group is not None:
+            self._prefill = GroupPrefillEngine(self._group, self.cache, self.hasher)
+            loop = self._prefill_loop
+        elif spec.role == "prefill":
             self._prefill = PrefillEngine(
                 self.model, self.cache, self.hasher, PrefillConfig(chunk_tokens=config.prefill.chunk_tokens)
             )
@@ -172,6 +187,8 @@ class Worker:
                 closer()
         if self._prefill is not None:
             self._prefill.close()
+        if self._group is not None:
+            self._group.close()  # its stage processes: asked to stop, then killed
         if self._ssd_dir is not None:
             self._ssd_dir.cleanup()
 
@@ -223,6 +240,25 @@ class Worker:
             self._stop.set()
 
     # ------------------------------------------------------------------ prefill
+
+    def _start_group(self) -> PipelineGroup:
+        """This worker as stage 0 of a chunked pipeline group of `[prefill] pipeline_size` processes."""
+        config = self.spec.config
+        return PipelineGroup(
+            PRESETS[config.model.preset],
+            num_stages=config.prefill.pipeline_size,
+            chunk_tokens=config.prefill.chunk_tokens,
+            seed=config.model.seed,
+            dtype=config.model.dtype,
+            threads_per_stage=1,  # many engines share this machine's cores
+            timeout_s=max(TIMEOUT_S, config.limits.request_timeout_s),  # any one transfer between stages
+            on_failure=self._group_failed,
+        )
+
+    def _group_failed(self, reason: str) -> None:
+        """A stage died or stopped answering: this instance cannot prefill any more, so it answers not ok and exits."""
+        print(f"{self.spec.instance_id}: pipeline {reason}; stopping", file=sys.stderr, flush=True)
+        self._stop.set()
 
     def _prefill_loop(self) -> None:
         assert self._prefill is not None
