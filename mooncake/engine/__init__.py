@@ -1,4 +1,4 @@
-"""The real engines (the only torch users): model, checkpoints, attention, KV pages, prefill, decode, pipeline.
+"""The real engines (the only torch users): model, checkpoints and tokenizers, attention, KV pages, prefill, decode, pipeline.
 
 Every public name is listed here, but loaded on first use (`from
 mooncake.engine import PrefillEngine` imports torch then): `import
@@ -35,6 +35,10 @@ _HOMES = {
     "WeightSource": "model",
     "load_model": "checkpoint",
     "read_model_config": "checkpoint",
+    "Detokenizer": "tokenizer",
+    "SpecialTokens": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
 }
 
 __all__ = sorted(_HOMES)

@@ -1,0 +1,294 @@
+"""A checkpoint's tokenizer: `tokenizer.json`, its special tokens, streamed detokenization and its chat template.
+
+`load_tokenizer(directory)` reads what transformers reads from a Hugging Face
+checkpoint: `tokenizer.json` (through `tokenizers`), the special tokens of
+`tokenizer_config.json` (BOS, EOS, UNK, PAD; a string or an AddedToken object),
+the stop ids of `generation_config.json` (or `config.json`) and the chat
+template (`chat_template.jinja`, else the `chat_template` field). `encode` and
+`decode` are transformers' for the same files; the example cluster's byte
+tokenizer stays what the random model speaks.
+
+Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
+(byte-level BPE), and some decoders change a token's text by what precedes it
+(a leading space stripped only at the start). So each step decodes a window:
+the tokens since `prefix` (already emitted, kept as context) and the tokens
+since `read` (not yet emitted); the new text is the window's decode minus the
+decode of its context, and it is emitted only when it grew and does not end in
+U+FFFD (an incomplete character). `finish()` emits what is left.
+
+Invariants: the pieces a `Detokenizer` emits join to `decode` of all its
+tokens; while every token completes what came before, no piece holds U+FFFD.
+
+The chat template is rendered the way transformers renders it: jinja2's
+immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
+`tojson` that keeps non-ASCII, `raise_exception`, `strftime_now` and a no-op
+`{% generation %}` block, given `messages`, `add_generation_prompt`, `tools`,
+`documents` and the special tokens by name (`bos_token`, `eos_token`, ...).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from mooncake.errors import ConfigError, InvalidRequestError
+
+__all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer"]
+
+REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@attrs.frozen(kw_only=True)
+class SpecialTokens:
+    """A tokenizer's special tokens.
+
+    Attributes:
+        tokens: the named special tokens' text (`bos_token`, `eos_token`, ...), as a chat template sees them.
+        bos_token_id, eos_token_id: their ids (None: the tokenizer has none).
+        stop_token_ids: the ids that end a generation: the EOS and every `eos_token_id` of the generation config.
+    """
+
+    tokens: Mapping[str, str] = attrs.field(factory=dict)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not readable JSON: {' '.join(str(error).split())}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _ids(value: Any, where: str) -> set[int]:
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"{where} must be a token id or a list of them, got {value!r}")
+    return set(values)
+
+
+def _template(directory: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """The chat template, found where transformers looks: its own file first, then the config's field."""
+    file = directory / "chat_template.jinja"
+    if file.exists():
+        return file.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the one called "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string, got {template!r}")
+    return template
+
+
+def _environment() -> Any:
+    """transformers' chat-template environment, built on first use so that importing this module needs no jinja2."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # transformers' `{% generation %}` marks assistant text for its masks; rendering keeps the body as is.
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer (`load_tokenizer` makes one).
+
+    Args:
+        backend: the `tokenizers.Tokenizer` of `tokenizer.json`.
+        special: its special tokens and stop ids.
+        chat_template: the Jinja chat template (None: the checkpoint has none).
+        source: where it came from, for messages.
+
+    Raises:
+        ConfigError: a chat template that does not compile.
+    """
+
+    def __init__(self, backend: Any, *, special: SpecialTokens, chat_template: str | None, source: str = "") -> None:
+        self.backend, self.special, self.chat_template, self.source = backend, special, chat_template, source
+        self._compiled: Any = None
+        if chat_template is not None:
+            import jinja2
+
+            try:
+                self._compiled = _environment().from_string(chat_template)
+            except jinja2.TemplateError as error:
+                raise ConfigError(f"{source}: the chat template does not compile: {error}") from error
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids are below this (added tokens included)."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; with `add_special_tokens` the post-processor's (a BOS, say), as transformers' `encode`."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (transformers' `decode` without `clean_up_tokenization_spaces`)."""
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def is_stop(self, token_id: int) -> bool:
+        """Whether `token_id` ends a generation."""
+        return token_id in self.special.stop_token_ids
+
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer:
+        """A fresh streaming decoder of one generation's tokens."""
+        return Detokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The chat template applied to `messages`: the prompt text of a chat completion.
+
+        Args:
+            messages: `{"role": ..., "content": ...}` objects, in order.
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            extra: more variables for the template (`tools`, `documents`, ...).
+
+        Raises:
+            ConfigError: the checkpoint has no chat template.
+            InvalidRequestError: the template refused the messages (its `raise_exception`).
+        """
+        if self._compiled is None:
+            raise ConfigError(f"{self.source}: the tokenizer has no chat template")
+        import jinja2
+
+        variables = {"tools": None, "documents": None, **self.special.tokens, **extra}
+        try:
+            return str(
+                self._compiled.render(
+                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
+                )
+            )
+        except jinja2.TemplateError as error:
+            raise InvalidRequestError(f"the chat template refused the messages: {error}") from error
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """The ids of the rendered chat; no special tokens are added (the template writes them), as transformers."""
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
+        )
+
+
+@attrs.define(eq=False)
+class Detokenizer:
+    """Streams one generation's text as whole characters (the algorithm is in the module's docstring).
+
+    Invariants (`check_invariants`): prefix ≤ read ≤ the tokens pushed; `text` (everything
+    emitted) is the decode of the tokens before `read`.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    prefix: int = 0  # tokens before this are context no longer needed
+    read: int = 0  # tokens before this are emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; the new text that is now whole (often "", for half a character)."""
+        self.ids.append(int(token_id))
+        context = self._decode(self.ids[self.prefix : self.read])
+        window = self._decode(self.ids[self.prefix :])
+        if len(window) <= len(context) or window.endswith(REPLACEMENT):
+            return ""
+        piece = window[len(context) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        """The text still held back (an incomplete character at the end shows as U+FFFD, as `decode` shows it)."""
+        context = self._decode(self.ids[self.prefix : self.read])
+        piece = self._decode(self.ids[self.prefix :])[len(context) :]
+        self.prefix = self.read = len(self.ids)
+        self.text += piece
+        return piece
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.prefix <= self.read <= len(self.ids)
+        assert self.text == self._decode(self.ids[: self.read])
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of the checkpoint in `directory`.
+
+    Raises:
+        ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token the
+            vocabulary lacks; stop ids that are not ids; a chat template that does not compile.
+    """
+    from tokenizers import Tokenizer as Backend
+
+    path = Path(directory).resolve()
+    try:
+        backend = Backend.from_file(str(path / "tokenizer.json"))
+    except Exception as error:  # tokenizers raises a bare Exception for a missing or malformed file
+        raise ConfigError(
+            f"{path / 'tokenizer.json'} is not a readable tokenizer: {' '.join(str(error).split())}"
+        ) from error
+    config = _read_json(path / "tokenizer_config.json")
+    legacy = _read_json(path / "special_tokens_map.json")
+    tokens: dict[str, str] = {}
+    for name in _SPECIAL_NAMES:
+        value = config.get(name, legacy.get(name))
+        if isinstance(value, Mapping):  # a serialized AddedToken
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str) or backend.token_to_id(value) is None:
+            raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not a token of the vocabulary")
+        tokens[name] = value
+    bos = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
+    eos = backend.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
+    generation = _read_json(path / "generation_config.json")
+    source = generation if "eos_token_id" in generation else _read_json(path / "config.json")
+    stops = _ids(source.get("eos_token_id"), f"{path}: eos_token_id") | ({eos} if eos is not None else set())
+    special = SpecialTokens(tokens=tokens, bos_token_id=bos, eos_token_id=eos, stop_token_ids=frozenset(stops))
+    return Tokenizer(backend, special=special, chat_template=_template(path, config), source=str(path))

@@ -1,0 +1,288 @@
+"""Tests for `mooncake.engine.tokenizer` against transformers' tokenizer for the same files.
+
+The tokenizer is a byte-level BPE trained here on local text (accents, CJK,
+emoji: characters of two to four UTF-8 bytes, so tokens split characters),
+wrapped as transformers' `PreTrainedTokenizerFast` with BOS, EOS and a chat
+template, and saved. Properties: encode and decode equal transformers'; the
+streamed pieces of any token sequence join to its decode, and for the tokens of
+any text no piece holds U+FFFD; the chat template renders exactly what
+`apply_chat_template` renders. Examples: special tokens and stop ids, and the
+refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+pytest.importorskip("transformers")
+
+import transformers
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, pre_tokenizers, processors, trainers
+from tokenizers.models import BPE
+
+from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer
+from mooncake.errors import ConfigError, InvalidRequestError
+
+TEXT = [
+    "Hello world! The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café — déjà vu.",
+    "日本語のテキストと中文文本。한국어 텍스트. Ελληνικά και русский текст. 🙂🚀🎉 emoji 👩‍💻.",
+    "def main():\n    return {'key': [1, 2, 3]}  # code, too\n\ttabs and  double  spaces",
+] * 20
+
+# ChatML with a default system turn, loops, conditionals, loop controls and raise_exception: the constructs
+# real templates use.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama 3's shape: BOS from the variable, whitespace control, a generation block.
+LLAMA3 = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if loop.index0 > 5 %}{% break %}{% endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+    {%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim }}{% endgeneration %}
+    {%- else %}{{ message['content'] | trim }}{% endif %}
+    {{- eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+MESSAGES = [
+    {"role": "system", "content": "Be brief. Ünïcödé too: 日本"},
+    {"role": "user", "content": "  What is 2 + 2?  "},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": 'And {"json": true}? 🙂'},
+]
+
+
+def save_tokenizer(directory: Path, template: str) -> Any:
+    """Train a byte-level BPE on TEXT, wrap it as transformers does, save it; transformers' tokenizer of the files."""
+    backend = Backend(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(TEXT, trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=template,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(directory)
+    stop = backend.token_to_id("<|im_end|>")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [fast.eos_token_id, stop]}))
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
+    """Ours and transformers' tokenizer of the same saved files (ChatML template)."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    theirs = save_tokenizer(directory, CHATML)
+    return load_tokenizer(directory), theirs
+
+
+texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(TEXT)
+
+
+@settings(max_examples=100, deadline=None)
+@given(texts)
+def test_encode_equals_transformers(pair: tuple[Tokenizer, Any], text: str) -> None:
+    """The ids of any text, with and without the BOS, are transformers'."""
+    ours, theirs = pair
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_decode_equals_transformers(pair: tuple[Tokenizer, Any], data: st.DataObject) -> None:
+    """The text of any ids (special ones and split characters included) is transformers', skipping specials or not."""
+    ours, theirs = pair
+    ids = data.draw(st.lists(st.integers(min_value=0, max_value=ours.vocab_size - 1), max_size=30))
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+        )
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool) -> list[str]:
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip)
+    pieces = []
+    for token in ids:
+        pieces.append(detokenizer.push(token))
+        detokenizer.check_invariants()
+    pieces.append(detokenizer.finish())
+    detokenizer.check_invariants()
+    return pieces
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.booleans())
+def test_streamed_pieces_join_to_the_decode_of_any_tokens(
+    pair: tuple[Tokenizer, Any], data: st.DataObject, skip: bool
+) -> None:
+    """Whatever the tokens (bytes that never make a character, specials anywhere), the pieces join to the decode."""
+    ours, _ = pair
+    ids = data.draw(st.lists(st.integers(min_value=0, max_value=ours.vocab_size - 1), max_size=40))
+    assert "".join(stream(ours, ids, skip=skip)) == ours.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts)
+def test_the_tokens_of_a_text_stream_whole_characters(pair: tuple[Tokenizer, Any], text: str) -> None:
+    """Streaming the tokens of any text never emits U+FFFD (half a character waits) and joins to the text."""
+    ours, _ = pair
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces = stream(ours, ids, skip=False)
+    assert "".join(pieces) == text
+    assert not any(REPLACEMENT in piece for piece in pieces) or REPLACEMENT in text
+
+
+def test_a_split_character_waits_for_its_last_byte(pair: tuple[Tokenizer, Any]) -> None:
+    """An emoji whose bytes are separate tokens comes out whole, at its last byte."""
+    ours, _ = pair
+    byte_tokens = [ours.backend.token_to_id(c) for c in "ðŁĺĢ"]  # byte-level BPE's characters for F0 9F 98 80
+    assert None not in byte_tokens
+    detokenizer = ours.detokenizer()
+    assert [detokenizer.push(t) for t in byte_tokens] == ["", "", "", "😀"]
+    assert detokenizer.finish() == ""
+    half = ours.detokenizer()
+    assert [half.push(t) for t in byte_tokens[:2]] == ["", ""]
+    assert half.finish() == ours.decode(byte_tokens[:2]) == REPLACEMENT  # as decode shows it, at the end
+
+
+def test_special_tokens_and_stop_ids(pair: tuple[Tokenizer, Any]) -> None:
+    """BOS and EOS come from tokenizer_config.json; the stop ids are the EOS and generation_config's list."""
+    ours, theirs = pair
+    special = ours.special
+    assert special.bos_token_id == theirs.bos_token_id and special.eos_token_id == theirs.eos_token_id
+    assert special.tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    end = ours.backend.token_to_id("<|im_end|>")
+    assert special.stop_token_ids == {theirs.eos_token_id, end}
+    assert ours.is_stop(end) and not ours.is_stop(special.bos_token_id)
+    assert ours.encode("hi")[0] == special.bos_token_id
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_the_chat_template_renders_what_transformers_renders(
+    tmp_path: Path, template: str, generation_prompt: bool
+) -> None:
+    """`render_chat` is `apply_chat_template(..., tokenize=False)`, and `encode_chat` its ids."""
+    theirs = save_tokenizer(tmp_path, template)
+    ours = load_tokenizer(tmp_path)
+    for messages in (MESSAGES, MESSAGES[1:2], MESSAGES * 3):
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        assert ours.render_chat(messages, add_generation_prompt=generation_prompt) == expected
+        ids = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+        ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+        assert ours.encode_chat(messages, add_generation_prompt=generation_prompt) == list(ids)
+
+
+def test_the_template_field_of_the_config_is_read_too(tmp_path: Path) -> None:
+    """A checkpoint saved before chat_template.jinja existed keeps its template in tokenizer_config.json."""
+    save_tokenizer(tmp_path, CHATML)
+    (tmp_path / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": "x"}]
+    config["bos_token"] = {"content": "<s>", "lstrip": False, "normalized": False}  # an AddedToken object
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = load_tokenizer(tmp_path)
+    assert ours.chat_template == CHATML and ours.special.tokens["bos_token"] == "<s>"
+
+
+def test_refusals(tmp_path: Path) -> None:
+    """No tokenizer.json, a special token outside the vocabulary, a template that does not compile, no template,
+    and a template's raise_exception: each a one-line error."""
+    with pytest.raises(ConfigError, match=r"tokenizer\.json is not a readable tokenizer"):
+        load_tokenizer(tmp_path)
+    save_tokenizer(tmp_path, CHATML)
+    with pytest.raises(InvalidRequestError, match="bad role tool"):
+        load_tokenizer(tmp_path).render_chat([{"role": "tool", "content": "x"}])
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "eos_token": "<nope>"}))
+    with pytest.raises(ConfigError, match="eos_token='<nope>' is not a token"):
+        load_tokenizer(tmp_path)
+    config_path.write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="does not compile"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError, match="has no chat template"):
+        load_tokenizer(tmp_path).render_chat(MESSAGES)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
+        load_tokenizer(tmp_path)
+
+
+# The packages of the hf extra (and torch): absent from a plain install.
+BLOCKED = {"jinja2", "safetensors", "tokenizers", "torch", "transformers"}
+
+WITHOUT_HF = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+    import mooncake, mooncake.engine
+    from mooncake.engine import read_model_config
+    from mooncake.engine.checkpoint import model_config_from_hf
+    from mooncake.engine.tokenizer import load_tokenizer
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "intermediate_size": 4}
+    try:
+        load_tokenizer(".")
+        missing = None
+    except ModuleNotFoundError as error:
+        missing = error.name
+    print(json.dumps({
+        "layers": model_config_from_hf(raw, name="m").num_layers,
+        "missing": missing,
+        "loaded": sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED),
+    }))
+    """
+)
+
+
+def test_the_modules_import_without_the_hf_extra() -> None:
+    """Without safetensors, tokenizers, jinja2 or torch, the checkpoint and tokenizer modules import and a
+    config reads; loading a tokenizer then says which package is missing."""
+    script = f"BLOCKED = {BLOCKED!r}\n{WITHOUT_HF}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"layers": 1, "missing": "tokenizers", "loaded": []}
