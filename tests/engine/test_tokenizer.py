@@ -13,6 +13,7 @@ refusals.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test never reaches the network
 
 import transformers
 from tokenizers import Tokenizer as Backend
