@@ -275,6 +275,10 @@ class Worker:
             try:
                 done, join = self._run_prefill(job)
             except (MooncakeError, OSError, RuntimeError) as error:
+                if self._group is not None and self._group.failure is not None:
+                    # The instance is dead, as if its worker had been killed: no report, so the gateway marks it
+                    # down and schedules the request again (a failure report would end it with a 500).
+                    break
                 self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), events=self._events()))
                 continue
             # Reported before the hand-off: the decode node's tokens (another connection) must not overtake it,

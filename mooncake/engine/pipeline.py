@@ -397,7 +397,7 @@ class PipelineGroup:
                 logits = self._drive(ids, prefix_tokens, kv, listen)
             except RuntimeError as error:  # torch.distributed's: a link closed or timed out
                 self._fail(f"a transfer between stages failed: {error}")
-                reason = self._stage_error() or str(error)
+                reason = self._stage_error() or self._failure
                 raise EngineError(f"the pipeline group failed: {reason}") from error
         if errors:
             raise errors[0]

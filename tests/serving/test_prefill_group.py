@@ -358,11 +358,23 @@ def health(cluster: RunningCluster) -> dict[str, Any]:
             return json.loads(error.read())  # type: ignore[no-any-return]
 
 
+def prefilling_on(cluster: RunningCluster, instance: str) -> bool:
+    """Whether a live request's prefill has started on `instance` (the gateway's state, read from this thread)."""
+    try:
+        lives = list(cluster.gateway.dispatcher.live.values())
+    except RuntimeError:  # changed while copied: ask again
+        return False
+    return any(live.prefill == instance and live.prefill_started_s is not None for live in lives)
+
+
 def test_a_dead_stage_takes_its_instance_down_and_no_process_is_left() -> None:
-    """Two prefill groups of 2. SIGKILL a stage of prefill-0: the gateway counts one prefill instance fewer within
-    a bounded time, prefill-0's worker and stage are gone, and prefill-1 still serves. SIGKILL prefill-1's worker:
-    its stage exits too."""
-    config = cluster_config(2, health_interval_s=0.1, health_probe_backoff_max_s=1.0).with_overrides(
+    """Two prefill groups of 2. A request's prefill waits on prefill-0's stopped stage, which is then SIGKILLed:
+    the gateway counts one prefill instance fewer within a bounded time, the request is scheduled again and
+    answered (as for a killed worker), prefill-0's worker and stage are gone, and prefill-1 still serves.
+    SIGKILL prefill-1's worker: its stage exits too."""
+    # Probes every 2 s: the dead group's worker must not report its request failed (a 500) before a probe finds
+    # the instance down and schedules the request again.
+    config = cluster_config(2, health_interval_s=2.0, health_probe_backoff_max_s=2.0).with_overrides(
         "cluster", num_prefill=2
     )
     with start_cluster(config) as cluster:
@@ -372,8 +384,25 @@ def test_a_dead_stage_takes_its_instance_down_and_no_process_is_left() -> None:
         assert all(len(found) == 1 for found in stages.values()), stages
         helpers = children(workers["prefill-0"])  # its stage and multiprocessing's own
         assert health(cluster)["prefill_up"] == 2
-        os.kill(stages["prefill-0"][0], signal.SIGKILL)
+        doomed = stages["prefill-0"][0]
+        os.kill(doomed, signal.SIGSTOP)
+        answers: list[Any] = []
+
+        def ask() -> None:
+            try:
+                answers.append(client(cluster).completions.create(model="tiny", prompt="Caught mid-way.", max_tokens=4))
+            except Exception as error:
+                answers.append(error)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        try:  # idle engines and no cached prefix: the Conductor breaks the tie by id, so prefill-0 gets it
+            wait_for(lambda: prefilling_on(cluster, "prefill-0"), timeout=30.0, what="a prefill on prefill-0")
+        finally:
+            os.kill(doomed, signal.SIGKILL)
         wait_for(lambda: health(cluster)["prefill_up"] == 1, timeout=30.0, what="prefill-0 to be reported down")
+        asking.join(timeout=TIMEOUT_S)
+        assert not asking.is_alive() and answers[0].usage.completion_tokens == 4, answers
         wait_for(
             lambda: not any(map(is_running, [workers["prefill-0"], *helpers])),
             timeout=30.0,
