@@ -183,6 +183,8 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
     try:
         torch.set_num_threads(options["threads"])
         device = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL works on the current device
         layers = stage_layers(config.num_layers, world, rank)
         model = LlamaModel(config, seed=options["seed"], dtype=options["dtype"], device=device, layers=layers)
         outbox.put(("built", rank))
