@@ -66,6 +66,7 @@ from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models
 from serving.prefill_group import GroupPrefillEngine
+from serving.reporter import Reporter
 
 __all__ = ["Worker", "WorkerSpec", "run_worker"]
 
@@ -161,6 +162,7 @@ class Worker:
         }
         for method, handler in wire.handlers(served).items():
             self.engine.register_handler(method, handler)
+        self._reporter = Reporter(self._deliver, name=f"{spec.role}-reports")
         self._thread = threading.Thread(target=self._guarded, args=(loop,), name=f"{spec.role}-loop", daemon=True)
 
     def start(self) -> dict[str, Any]:
@@ -182,6 +184,7 @@ class Worker:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._reporter.close()
         for closer in (self.messenger.close, self.engine.close, self.cache.close):
             with contextlib.suppress(Exception):
                 closer()
@@ -229,9 +232,12 @@ class Worker:
         return self._peers[instance_id]
 
     def _tell_gateway(self, message: wire.Message) -> None:
-        if self._gateway is not None:
-            with contextlib.suppress(MooncakeError, OSError):  # a gateway gone is a cluster shutting down
-                self.engine.call(self._gateway, *wire.encode(message))
+        """Report to the gateway without waiting for it (in order, by the reporter's thread)."""
+        self._reporter.send(message)
+
+    def _deliver(self, message: wire.Message) -> None:
+        if self._gateway is not None:  # not connected yet: nothing was asked of this worker
+            self.engine.call(self._gateway, *wire.encode(message))
 
     def _guarded(self, loop: Any) -> None:
         try:
@@ -281,9 +287,10 @@ class Worker:
                     break
                 self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), events=self._events()))
                 continue
-            # Reported before the hand-off: the decode node's tokens (another connection) must not overtake it,
+            # Delivered before the hand-off: the decode node's tokens (another connection) must not overtake it,
             # or a short request ends before the gateway learns its prefix hit.
             self._tell_gateway(attrs.evolve(done, events=self._events()))
+            self._reporter.flush(TIMEOUT_S)
             try:
                 self.engine.call(self._peer(job.decode), *wire.encode(join))
             except (MooncakeError, OSError) as error:
