@@ -140,6 +140,7 @@ class Dispatcher:
         is_alive: tells whether a worker's process (or actor) still runs.
         metrics: where the request and engine metrics go (default: a registry of the dispatcher's own).
         block_bytes: the KV bytes of one block (for the transfer metrics).
+        host: where the dispatcher's transfer engine listens for the workers' reports (an address they reach).
     """
 
     def __init__(
@@ -152,6 +153,7 @@ class Dispatcher:
         is_alive: Callable[[str], bool],
         metrics: ServingMetrics | None = None,
         block_bytes: int,
+        host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens)
@@ -172,7 +174,8 @@ class Dispatcher:
         self.workers = {i: WorkerState(InstanceId(i), role) for i, role in self.roles.items()}
         self._is_alive = is_alive
         self.engine = TransferEngine(
-            secret=secret, config=EngineConfig(transports=("tcp",), io_timeout_s=PROBE_TIMEOUT_S, spin_us=0)
+            secret=secret,
+            config=EngineConfig(transports=("tcp",), io_timeout_s=PROBE_TIMEOUT_S, spin_us=0, host=host),
         )
         for cls in REPORTS:
             self.engine.register_handler(cls.METHOD, self._receiver(cls))

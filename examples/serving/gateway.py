@@ -107,6 +107,7 @@ class Gateway:
         workers: each worker's `start()` info (instance id, role, address).
         is_alive: tells whether a worker's process (or actor) still runs.
         edge: the connections' caps and deadlines (default: the config's `[limits]`).
+        host: where the gateway's transfer engine listens for the workers' reports (an address they reach).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class Gateway:
         is_alive: Callable[[str], bool],
         *,
         edge: EdgeLimits | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.edge = edge or EdgeLimits.from_config(config.limits)
@@ -136,6 +138,7 @@ class Gateway:
             is_alive=is_alive,
             metrics=self.metrics,
             block_bytes=model_shape(config).kv_bytes_per_token * config.model.block_tokens,
+            host=host,
         )
         self.site: GuardedSite | None = None
         self._health_task: asyncio.Task[None] | None = None

@@ -51,12 +51,17 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Protocol
 
+import attrs
+
 from mooncake.errors import EngineError
 from serving.config import ClusterConfig
 from serving.gateway import Gateway
 from serving.worker import WorkerSpec, run_worker
 
 __all__ = ["Backend", "LocalBackend", "RayBackend", "RunningCluster", "remove_stale_segments", "start_cluster"]
+
+NODE_ADDRESS = "<node>"
+"""A `WorkerSpec.host` a Ray actor replaces with its node's address (`ray.util.get_node_ip_address()`)."""
 
 START_TIMEOUT_S = 120.0
 SERVING_DIR = Path(__file__).resolve().parent  # shipped to Ray workers, which do not have examples/ on their path
@@ -70,6 +75,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Backend(Protocol):
+    """Where workers run. `node_host`: the address the gateway's transfer engine listens on, one every worker
+    reaches (127.0.0.1 on one machine; this node's address on a multi-node Ray cluster)."""
+
+    node_host: str
+
     def start(self, specs: list[WorkerSpec]) -> list[dict[str, Any]]: ...
     def is_alive(self, instance_id: str) -> bool: ...
     def kill(self, instance_id: str) -> None: ...
@@ -217,6 +227,8 @@ class LocalBackend:
     handler of this process.
     """
 
+    node_host = "127.0.0.1"
+
     def __init__(self) -> None:
         self._processes: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
@@ -327,8 +339,12 @@ class RayBackend:
         self._owns_ray = not ray.is_initialized()
         self._actors: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
+        # A head of our own on `host` is one machine; a cluster joined (or one running already) may span several,
+        # so every engine listens on its node's address there (workers resolve theirs on their node).
+        self._multi_node = address is not None or not self._owns_ray
         if not self._owns_ray:
             self._restore_env()
+            self.node_host = ray.util.get_node_ip_address()
             return
         options: dict[str, Any] = {
             "include_dashboard": include_dashboard,
@@ -349,6 +365,7 @@ class RayBackend:
             raise
         finally:
             _reinstall(handlers)
+        self.node_host = ray.util.get_node_ip_address() if self._multi_node else "127.0.0.1"
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
@@ -368,6 +385,8 @@ class RayBackend:
         ray = self._ray
         actor_class = ray.remote(num_cpus=0)(_RayWorker)
         for spec in specs:
+            if self._multi_node:
+                spec = attrs.evolve(spec, host=NODE_ADDRESS)
             self._actors[spec.instance_id] = actor_class.options(name=None).remote(spec)
         infos = ray.get([actor.start.remote() for actor in self._actors.values()], timeout=START_TIMEOUT_S)
         for info in infos:
@@ -416,6 +435,10 @@ class _RayWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         from serving.worker import Worker
 
+        if spec.host == NODE_ADDRESS:
+            import ray
+
+            spec = attrs.evolve(spec, host=ray.util.get_node_ip_address())  # this actor's node
         self.worker = Worker(spec)
 
     def start(self) -> dict[str, Any]:
@@ -447,7 +470,7 @@ class RunningCluster:
         ]
         self.infos = backend.start(specs)
         try:
-            self.gateway = Gateway(config, secret, self.infos, backend.is_alive)
+            self.gateway = Gateway(config, secret, self.infos, backend.is_alive, host=backend.node_host)
         except BaseException:
             backend.stop()
             raise

@@ -1,7 +1,8 @@
 """An engine worker: one prefill or decode engine with its node's cache and block service.
 
 A worker owns a tiny world: the model, a `TieredCache` (DRAM pages in shared
-memory, optionally an SSD tier), a `TransferEngine` listening on 127.0.0.1 and
+memory, optionally an SSD tier), a `TransferEngine` listening on its spec's
+host (127.0.0.1; on a multi-node Ray cluster its node's address) and
 the `Messenger` serving its blocks. The gateway drives it with control calls
 over the same authenticated transport, each carrying one `serving.wire`
 message (a malformed one is refused back to its caller, naming it); the worker
@@ -81,6 +82,7 @@ class WorkerSpec:
     instance_id: str
     config: ClusterConfig
     secret: bytes
+    host: str = "127.0.0.1"  # where its transfer engine listens: the address its peers and the gateway reach
 
 
 Job = wire.PrefillJob | wire.DecodeJob | wire.CancelDecode
@@ -107,7 +109,7 @@ class Worker:
             # No polling for answers (spin_us=0): engines share the machine's cores, and polling threads
             # starve each other of the GIL (a layer's batch of small slices took ~0.5 ms a slice).
             secret=spec.secret,
-            config=EngineConfig(transports=("tcp", "shm"), io_timeout_s=5.0, spin_us=0),
+            config=EngineConfig(transports=("tcp", "shm"), io_timeout_s=5.0, spin_us=0, host=spec.host),
         )
         pool, region = shared_dram_pool(self.engine, self.layout.page_bytes, config.cache.dram_blocks)
         pools: list[PagePool] = [pool]

@@ -435,3 +435,26 @@ def test_ray_launcher_stops_cleanly_on_sigterm(ray_run: RayRun) -> None:
     assert not ray_run.left
     for marker in ("Traceback", "SIGTERM received", "Stack (most recent call first)", "Fatal Python error", "*** "):
         assert marker not in ray_run.stderr, ray_run.stderr
+
+
+def test_a_worker_and_the_gateway_listen_where_their_spec_says() -> None:
+    """The address a worker's engine listens on is its spec's host (a Ray actor on a multi-node cluster gets its
+    node's), reported in its start info; a gateway given a host listens for reports there. 127.0.0.2 is
+    loopback too, so the test stays on this machine."""
+    from serving.gateway import Gateway
+    from serving.worker import Worker, WorkerSpec
+
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    secret = secrets.token_bytes(32)
+    worker = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret, host="127.0.0.2"))
+    try:
+        info = worker.start()
+        assert info["address"].startswith("127.0.0.2:"), info
+        gateway = Gateway(config, secret, [info], lambda _instance: True, host="127.0.0.2")
+        try:
+            assert gateway.dispatcher.engine.address.startswith("127.0.0.2:")
+            assert gateway.dispatcher.health("prefill-0").ok  # the worker reaches it and answers
+        finally:
+            gateway.dispatcher.close()
+    finally:
+        worker.close()
