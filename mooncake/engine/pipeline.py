@@ -51,7 +51,6 @@ import contextlib
 import datetime
 import multiprocessing
 import os
-import queue
 import socket
 import threading
 import time
@@ -176,7 +175,10 @@ def _serve_job(model: LlamaModel, links: Any, rank: int, world: int, job: tuple[
 
 
 def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    """A stage process (rank >= 1): build its layers, join the links, then serve jobs from `inbox` until None."""
+    """A stage process (rank >= 1): build its layers, join the links, then serve jobs from `inbox` until None.
+
+    `inbox` and `outbox` are pipe ends (no named semaphores to leak when a process is killed).
+    """
     import torch.distributed as dist
 
     _watch_parent(options["parent_pid"])
@@ -187,24 +189,29 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
             torch.cuda.set_device(device)  # NCCL works on the current device
         layers = stage_layers(config.num_layers, world, rank)
         model = LlamaModel(config, seed=options["seed"], dtype=options["dtype"], device=device, layers=layers)
-        outbox.put(("built", rank))
+        outbox.send(("built", rank))
         timeout = datetime.timedelta(seconds=options["start_timeout_s"])
         address = ("127.0.0.1", options["port"])
         store = dist.TCPStore(*address, world, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         links = _process_group(store, rank, world, options["device"], options["timeout_s"])
     except BaseException as error:  # report, so the driver does not wait for a dead stage
-        outbox.put(("error", f"stage {rank} failed to start: {error!r}"))
+        with contextlib.suppress(OSError):
+            outbox.send(("error", f"stage {rank} failed to start: {error!r}"))
         return
     with torch.inference_mode():
         while True:
-            job = inbox.get()  # idle here, outside any timed transfer; the parent watch ends an orphan
+            try:
+                job = inbox.recv()  # idle here, outside any timed transfer
+            except (EOFError, OSError):  # the driver is gone (its parent watch would end us too)
+                break
             if job is None:
                 break
             try:
                 _serve_job(model, links, rank, world, job)
             except BaseException as error:
                 # Leaving closes this stage's links: whoever waits on it fails at once rather than at the timeout.
-                outbox.put(("error", f"stage {rank} failed: {error!r}"))
+                with contextlib.suppress(OSError):
+                    outbox.send(("error", f"stage {rank} failed: {error!r}"))
                 os._exit(1)
 
 
@@ -266,7 +273,8 @@ class PipelineGroup:
         self._failure: str | None = None
         self._failed = threading.Lock()  # makes the first failure the one recorded and reported
         self._processes: list[Any] = []
-        self._inboxes: list[Any] = []
+        self._inboxes: list[Any] = []  # the driver's ends of the pipes to and from each stage
+        self._outboxes: list[Any] = []
         self._links: Any = None
         self._store: Any = None
         self._watch: threading.Thread | None = None
@@ -301,24 +309,27 @@ class PipelineGroup:
             "parent_pid": os.getpid(),
         }
         context = multiprocessing.get_context("spawn")  # fork would copy this process's torch threads
-        self._inboxes = [context.Queue() for _ in range(1, num_stages)]
-        self._outbox = context.Queue()
-        self._processes = [
-            context.Process(
-                target=_stage_main,
-                args=(rank, num_stages, config, options, self._inboxes[rank - 1], self._outbox),
-                name=f"cpp-stage-{rank}",
-                daemon=True,
+        theirs = []
+        for rank in range(1, num_stages):
+            job_reader, job_writer = context.Pipe(duplex=False)
+            report_reader, report_writer = context.Pipe(duplex=False)
+            self._inboxes.append(job_writer)
+            self._outboxes.append(report_reader)
+            theirs.append((job_reader, report_writer))
+            self._processes.append(
+                context.Process(
+                    target=_stage_main,
+                    args=(rank, num_stages, config, options, job_reader, report_writer),
+                    name=f"cpp-stage-{rank}",
+                    daemon=True,
+                )
             )
-            for rank in range(1, num_stages)
-        ]
         try:
-            for process in self._processes:
+            for process, ends in zip(self._processes, theirs, strict=True):
                 process.start()
-            for _ in self._processes:  # weights built: a stage that cannot start says so before the rendezvous
-                kind, payload = self._receive()
-                if kind != "built":
-                    raise EngineError(str(payload))
+                for end in ends:
+                    end.close()  # the stage's now: its death closes them
+            self._await_built()  # a stage that cannot start says so before the rendezvous
             self._links = _process_group(self._store, 0, num_stages, device, timeout_s)
         except BaseException:
             self.close()
@@ -397,7 +408,7 @@ class PipelineGroup:
                 raise EngineError(f"the pipeline group has failed: {self._failure}")
             try:
                 logits = self._drive(ids, prefix_tokens, kv, listen)
-            except RuntimeError as error:  # torch.distributed's: a link closed or timed out
+            except (RuntimeError, OSError) as error:  # a link closed or timed out, or a stage's pipe broke
                 self._fail(f"a transfer between stages failed: {error}")
                 reason = self._stage_error() or self._failure
                 raise EngineError(f"the pipeline group failed: {reason}") from error
@@ -424,7 +435,7 @@ class PipelineGroup:
         job = (prefix, n, self.chunk_tokens)
         sent: list[tuple[Any, torch.Tensor]] = []
         for rank in range(1, world):
-            self._inboxes[rank - 1].put(job)
+            self._inboxes[rank - 1].send(job)
             if prefix:
                 given = torch.stack([torch.stack((k[:prefix], v[:prefix])) for k, v in self._of_stage(kv, rank)])
                 sent.append((links.send([given], rank, _PREFIX), given))
@@ -455,26 +466,33 @@ class PipelineGroup:
 
     # ------------------------------------------------------------------ failures and closing
 
-    def _receive(self) -> tuple[str, Any]:
-        """The next stage report, waiting up to the timeout; a stage process that exits fails the wait."""
+    def _await_built(self) -> None:
+        """Return once every stage has built its layers; a stage that fails or exits first is an EngineError."""
         deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                return self._outbox.get(timeout=0.1)  # type: ignore[no-any-return]
-            except queue.Empty:
-                pass
-            dead = [f"{p.name} (exit code {p.exitcode})" for p in self._processes if not p.is_alive()]
-            if dead:
-                raise EngineError(f"pipeline stages exited while starting: {', '.join(dead)}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"the pipeline stages did not start within {self.start_timeout_s} s") from None
+        pending = dict(zip(self._outboxes, self._processes, strict=True))
+        while pending:
+            ready = wait_for_sentinels(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise EngineError(f"the pipeline stages did not start within {self.start_timeout_s} s")
+            for reader in [r for r in self._outboxes if r in ready]:
+                process = pending.pop(reader)
+                try:
+                    kind, payload = reader.recv()
+                except (EOFError, OSError):
+                    process.join(timeout=1.0)
+                    raise EngineError(f"{process.name} exited while starting (exit code {process.exitcode})") from None
+                if kind != "built":
+                    raise EngineError(str(payload))
 
     def _stage_error(self) -> str | None:
-        """A stage's own account of its failure, if it sent one."""
-        with contextlib.suppress(queue.Empty, OSError, ValueError):
-            kind, payload = self._outbox.get(timeout=0.5)
-            if kind == "error":
-                return str(payload)
+        """A stage's own account of its failure, if it sent one (waits briefly for it)."""
+        ready = wait_for_sentinels(self._outboxes, timeout=0.5)
+        for reader in self._outboxes:
+            if reader in ready:
+                with contextlib.suppress(EOFError, OSError, ValueError):
+                    kind, payload = reader.recv()
+                    if kind == "error":
+                        return str(payload)
         return None
 
     def _watch_stages(self) -> None:
@@ -517,8 +535,8 @@ class PipelineGroup:
         if self._failure is None:
             for inbox, process in zip(self._inboxes, self._processes, strict=False):
                 if process.is_alive():
-                    with contextlib.suppress(Exception):
-                        inbox.put(None)
+                    with contextlib.suppress(OSError):
+                        inbox.send(None)
         for process in self._processes:
             if process.pid is None:
                 continue
@@ -528,6 +546,8 @@ class PipelineGroup:
                 process.join(timeout=5)
         if self._watch is not None and self._watch is not threading.current_thread():
             self._watch.join(timeout=5)
+        for end in (*self._inboxes, *self._outboxes):
+            end.close()
         self._links = None
         self._store = None
 

@@ -5,9 +5,10 @@ after any cached prefix gives the logits and every layer's KV of a single proces
 each layer's rows once each, in order, when they are final (stage 0's chunk by chunk, the other stage's when
 its KV arrives). Examples: one stage runs in this process alone; a listener's error waits for the prefill's
 end and leaves the group usable; bad arguments are refused before any stage is asked; the group's sockets
-listen on loopback only. Failures: a stage killed while the driver waits on it fails the prefill at once, not
-at the timeout, and fails the group (`on_failure` called once, every stage ended); a stage that stops
-answering fails it at the timeout; a stage whose driver process is SIGKILLed exits by itself.
+listen on loopback only, and its stages hold no named semaphore. Failures: a stage killed while the driver
+waits on it fails the prefill at once, not at the timeout, and fails the group (`on_failure` called once,
+every stage ended); a stage that stops answering fails it at the timeout; a stage whose driver process is
+SIGKILLed exits by itself.
 """
 
 from __future__ import annotations
@@ -246,6 +247,14 @@ def test_the_group_listens_on_loopback_only(group: PipelineGroup) -> None:
         for inode in socket_inodes(pid) & set(listening):
             assert listening[inode] in loopback, f"process {pid} listens on {listening[inode]}"
     assert socket_inodes(group.pids[0]) & set(listening), "the stage should listen for its links"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc to list a process's mappings")
+def test_a_stage_maps_no_named_semaphore(group: PipelineGroup) -> None:
+    """The driver talks to its stages over pipes, not multiprocessing queues, whose named semaphores in /dev/shm
+    outlive a process that is killed (a Ray actor's, say)."""
+    for pid in group.pids:
+        assert "/dev/shm/sem." not in Path(f"/proc/{pid}/maps").read_text()
 
 
 def test_a_stage_killed_while_the_driver_waits_fails_the_prefill_at_once_and_the_group() -> None:
