@@ -11,6 +11,7 @@ on this machine (the local backend, and a Ray cluster started here):
     shared memory   nodes × dram_blocks × page bytes              <= /dev/shm free
     RAM             that + nodes × weight bytes
                     + decode nodes × max_batch_size × max_context_tokens × KV bytes per token
+                    + processes (nodes and CPP stages) × PROCESS_BYTES
                                                                   <= MemAvailable
     file limit      limits.max_connections + FD_RESERVE           <= RLIMIT_NOFILE (hard)
     SSD             nodes × ssd_blocks × page bytes               <= free disk in ssd_dir
@@ -48,6 +49,8 @@ FD_RESERVE = 128 + MAX_LINGERING
 """File descriptors the gateway keeps beside its clients' connections: its own (workers' sockets, logs,
 libraries: 128) and the refused connections still lingering."""
 
+PROCESS_BYTES = 256 << 20
+"""What one engine process holds besides its weights and caches: an interpreter with torch imported."""
 SHM = "/dev/shm"
 
 
@@ -144,7 +147,8 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
         )
     weights = nodes * shape.weight_bytes
     slots = config.cluster.num_decode * decode.max_batch_size * decode.max_context_tokens * shape.kv_bytes_per_token
-    ram = pools + weights + slots
+    processes = (nodes + config.cluster.num_prefill * (config.prefill.pipeline_size - 1)) * PROCESS_BYTES
+    ram = pools + weights + slots + processes
     if machine.ram_available_bytes is not None and ram > machine.ram_available_bytes:
         # Name the largest demand: the key to lower first.
         largest = max(
@@ -155,10 +159,12 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
                 f"max_context_tokens = {decode.max_context_tokens}",
             ),
             (weights, f"{source}: [model] preset = {config.model.preset!r} on {nodes} nodes"),
+            (processes, f"{source}: [prefill] pipeline_size = {config.prefill.pipeline_size} on {nodes} nodes"),
         )[1]
         raise ConfigError(
             f"{largest}: {_bytes(ram)} of RAM asked ({_bytes(pools)} of DRAM pools, {_bytes(weights)} of weights, "
-            f"{_bytes(slots)} of decode KV slots), {_bytes(machine.ram_available_bytes)} available"
+            f"{_bytes(slots)} of decode KV slots, {_bytes(processes)} for the processes themselves), "
+            f"{_bytes(machine.ram_available_bytes)} available"
         )
     wanted = config.limits.max_connections + FD_RESERVE
     if machine.open_files_limit is not None and wanted > machine.open_files_limit:
