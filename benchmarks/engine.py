@@ -1,10 +1,13 @@
-"""Real engines on this machine: prefill against the roofline, decode steps, layer-wise I/O, CPP.
+"""Real engines on this machine: prefill against the roofline, decode steps, layer-wise I/O, CPP, peers.
 
     python benchmarks/engine.py [--json] [--model small] [--prefill-tokens 1024]
         [--decode-context 2048] [--decode-batches 1,8,32] [--layerwise-tokens 2048,8192,32768]
-        [--cpp-tokens 2048]
+        [--cpp-tokens 2048] [--checkpoint DIR] [--dtype float32|bfloat16] [--threads N]
+        [--peer-batches 1,8,32] [--peer-prompt-tokens 128] [--peer-new-tokens 32] [--repeats 3]
+        [--peers-only]
 
-All in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh).
+Sections 1-4 in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh);
+`--threads` (default: torch's, all cores) holds for every section.
 
 1. `prefill_tokens_per_s`: the prefill engine on a `--prefill-tokens` prompt of
    the `--model` preset (no cached prefix, KV stored layer-wise). The peer is the
@@ -24,6 +27,23 @@ All in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh).
    ÷ the same prompt through a 2-stage chunked pipeline (threads split between
    the stages). On 2 cores the pipeline has no spare hardware to win with:
    the figure says what 2 cores allow.
+5. `peers`: one checkpoint (`--checkpoint`, default a random LlamaForCausalLM
+   of about 16 M parameters that transformers generates and saves in a
+   temporary directory: hidden 512, 4 layers, 8 heads / 4 KV heads, MLP 1408,
+   vocab 4096) in `--dtype`, at each `--peer-batches` size of
+   `--peer-prompt-tokens` prompts. Prefill tokens/s: this engine's
+   `PrefillEngine.prefill` of each prompt (one at a time, KV stored
+   layer-wise), transformers' forward of the [batch, prompt] ids (the last
+   position's logits). Decode tokens/s: `--peer-new-tokens` steps of this
+   engine's `DecodeEngine` with the batch joined (continuous batching), and
+   transformers' greedy `generate` from its first token to its last (times
+   stamped by a stopping criterion, so its prefill is left out). vLLM's CPU
+   build is measured the same way when `import vllm` works (prefill: one
+   generated token; decode: the rest), skipped with the reason otherwise.
+   Each figure is the median of `--repeats` runs after a warm-up, and
+   `prefill_vs_transformers`, `decode_vs_transformers` (and `*_vs_vllm`) are
+   this engine's rate ÷ the peer's (goal ≥ 1.0 on prefill, ≥ 1.5 on batched
+   decode; reported, not asserted). `--peers-only` runs this section alone.
 """
 
 from __future__ import annotations
@@ -31,7 +51,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +65,7 @@ from mooncake.engine.attention import decode_attention, sdpa_decode_attention
 from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import LlamaModel
+from mooncake.engine.model import LlamaModel, dtype_of
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.types import BlockKey, RequestId
@@ -177,6 +199,240 @@ def bench_cpp(config: ModelConfig, n: int, chunk: int = 256) -> dict[str, float]
     return {"cpp_single_s": single, "cpp_pipeline_s": piped, "cpp_speedup": single / piped}
 
 
+# --------------------------------------------------------------------------- peers on one checkpoint
+
+PEER_SHAPE = {  # the generated checkpoint: 8 heads of 64, 4 KV heads, SwiGLU 1408 (about 16 M parameters)
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+}
+
+
+GENERATED = "generated LlamaForCausalLM (hidden 512, 4 layers, 8 heads / 4 KV heads, MLP 1408, vocab 4096)"
+
+
+def generate_checkpoint(directory: str) -> str:
+    """A random LlamaForCausalLM of `PEER_SHAPE` saved with transformers' `save_pretrained` under `directory`."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**PEER_SHAPE)).eval()
+    with torch.no_grad():  # weights at a trained model's scale, so greedy decoding does not collapse onto one token
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 and "embed_tokens" not in name:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[1] ** 0.5)
+    path = os.path.join(directory, "bench-llama")
+    model.save_pretrained(path)
+    return path
+
+
+# A peer at one checkpoint: seconds of one prefill run and of one decode run, at a batch size.
+Timer = Callable[[int], float]
+
+
+def batch_prompts(batch: int, prompt_tokens: int, vocab: int) -> list[list[int]]:
+    return [prompt(prompt_tokens, vocab, seed=1 + r) for r in range(batch)]
+
+
+def prefill_prompts(model: LlamaModel, cache: TieredCache, prompts: list[list[int]]) -> list[Any]:
+    """Each prompt through one `PrefillEngine` (it takes one prompt at a time), KV stored layer-wise."""
+    hasher = BlockHasher(model=model.config.name, block_size_tokens=BLOCK_TOKENS)
+    with PrefillEngine(model, cache, hasher) as engine:
+        return [engine.prefill(p) for p in prompts]
+
+
+def decode_steps_s(model: LlamaModel, cache: TieredCache, prefilled: list[Any], new_tokens: int) -> float:
+    """The prefilled requests join one `DecodeEngine` (a slot each); the seconds of `new_tokens` steps."""
+    prompt_tokens = max(len(r.keys) for r in prefilled) * BLOCK_TOKENS
+    options = DecodeConfig(max_batch_size=len(prefilled), max_context_tokens=prompt_tokens + new_tokens + 2)
+    engine = DecodeEngine(model, cache, block_tokens=BLOCK_TOKENS, config=options)
+    for r, result in enumerate(prefilled):
+        engine.try_join(
+            RequestId(r),
+            result.keys,
+            prompt_tokens=result.computed_tokens + result.prefix_tokens,
+            first_token=result.first_token,
+            max_new_tokens=new_tokens + 2,
+        )
+    started = time.perf_counter()
+    for _ in range(new_tokens):
+        engine.step()
+    return time.perf_counter() - started
+
+
+def ours(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[Timer, Timer]:
+    """This engine. Prefill: the batch's prompts through `PrefillEngine.prefill` one after another,
+    KV stored layer-wise into a fresh cache. Decode: the prompts' KV joins a `DecodeEngine` of
+    `batch` slots and `new_tokens` continuous-batching steps are timed (the joins are not)."""
+    from mooncake.engine.checkpoint import load_model
+
+    model = load_model(directory, dtype=dtype)
+    layout = KvLayout(config=model.config, block_tokens=BLOCK_TOKENS, dtype=dtype)
+    prefilled: dict[int, tuple[TieredCache, list[Any]]] = {}
+
+    def prefill_s(batch: int) -> float:
+        prompts = batch_prompts(batch, prompt_tokens, model.config.vocab_size)
+        cache = cache_for(layout, batch * (prompt_tokens + BLOCK_TOKENS))
+        started = time.perf_counter()
+        prefill_prompts(model, cache, prompts)
+        return time.perf_counter() - started
+
+    def decode_s(batch: int) -> float:
+        if batch not in prefilled:
+            cache = cache_for(layout, batch * (prompt_tokens + BLOCK_TOKENS))
+            prompts = batch_prompts(batch, prompt_tokens, model.config.vocab_size)
+            prefilled[batch] = cache, prefill_prompts(model, cache, prompts)
+        return decode_steps_s(model, *prefilled[batch], new_tokens)
+
+    return prefill_s, decode_s
+
+
+def transformers_peer(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[Timer, Timer]:
+    """transformers. Prefill: one forward of the [batch, prompt] ids (the last position's logits, as a
+    server's prefill). Decode: greedy `generate` of new_tokens + 1 tokens; a stopping criterion stamps
+    the time as each token lands, and the decode steps are the time from the first token to the last."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype_of(dtype)).eval()
+    vocab = model.config.vocab_size
+
+    class Stamps(transformers.StoppingCriteria):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    @torch.inference_mode()
+    def prefill_s(batch: int) -> float:
+        ids = torch.tensor(batch_prompts(batch, prompt_tokens, vocab))
+        started = time.perf_counter()
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - started
+
+    @torch.inference_mode()
+    def decode_s(batch: int) -> float:
+        ids = torch.tensor(batch_prompts(batch, prompt_tokens, vocab))
+        stamps = Stamps()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens + 1,
+            min_new_tokens=new_tokens + 1,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            stopping_criteria=transformers.StoppingCriteriaList([stamps]),
+        )
+        return stamps.times[-1] - stamps.times[0]
+
+    return prefill_s, decode_s
+
+
+def vllm_peer(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[Timer, Timer] | str:
+    """vLLM's CPU build, or why it was skipped. Prefill: `generate` of one token per prompt;
+    decode: of new_tokens + 1 tokens less of one, greedy, EOS ignored."""
+    try:
+        import vllm  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as error:
+        return f"vllm is not installed ({error}); its CPU build is the peer where it is"
+    from mooncake.engine.checkpoint import read_model_config
+
+    llm = vllm.LLM(model=directory, skip_tokenizer_init=True, dtype=dtype, seed=0)
+    vocab = read_model_config(directory).vocab_size
+
+    def generate_s(batch: int, tokens: int) -> float:
+        prompts = [{"prompt_token_ids": p} for p in batch_prompts(batch, prompt_tokens, vocab)]
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    return (
+        lambda batch: generate_s(batch, 1),
+        lambda batch: max(generate_s(batch, new_tokens + 1) - generate_s(batch, 1), 1e-9),
+    )
+
+
+def bench_peers(
+    directory: str | None, dtype: str, batches: list[int], prompt_tokens: int, new_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """This engine, transformers and vLLM (when installed) on one checkpoint: prefill and decode tokens/s.
+
+    The peers' runs interleave (each repeat runs every peer once), so a change in the machine's load
+    falls on all of them alike; each figure is the median of `repeats` runs after a warm-up run.
+    """
+    from mooncake.engine.checkpoint import read_model_config
+
+    with tempfile.TemporaryDirectory(prefix="mooncake-bench-") as scratch:
+        path = directory or generate_checkpoint(scratch)
+        config = read_model_config(path)
+        shape = (path, dtype, prompt_tokens, new_tokens)
+        peers: dict[str, tuple[Timer, Timer]] = {"mooncake": ours(*shape), "transformers": transformers_peer(*shape)}
+        vllm = vllm_peer(*shape)
+        if not isinstance(vllm, str):
+            peers["vllm"] = vllm
+        rates: dict[str, dict[str, dict[str, float]]] = {"prefill": {}, "decode": {}}
+        for phase, index, tokens_per_sequence in (("prefill", 0, prompt_tokens), ("decode", 1, new_tokens)):
+            for name in peers:
+                rates[phase][name] = {}
+            for batch in batches:
+                seconds: dict[str, list[float]] = {name: [] for name in peers}
+                for timers in peers.values():
+                    timers[index](batch)  # warm-up
+                for _ in range(repeats):
+                    for name, timers in peers.items():
+                        seconds[name].append(timers[index](batch))
+                for name in peers:
+                    rates[phase][name][str(batch)] = batch * tokens_per_sequence / float(np.median(seconds[name]))
+    result: dict[str, Any] = {
+        "checkpoint": directory or GENERATED,
+        "parameters": config.num_parameters,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "prefill_tokens_per_s": rates["prefill"],
+        "decode_tokens_per_s": rates["decode"],
+        "vllm_skipped": vllm if isinstance(vllm, str) else None,
+    }
+    for phase in ("prefill", "decode"):
+        mine = rates[phase]["mooncake"]
+        for name in peers:
+            if name != "mooncake":
+                result[f"{phase}_vs_{name}"] = {b: mine[b] / rates[phase][name][b] for b in mine}
+    return result
+
+
+def print_peers(peers: dict[str, Any]) -> None:
+    print(
+        f"peers     {peers['checkpoint']} ({peers['parameters'] / 1e6:.0f} M parameters), {peers['dtype']}, "
+        f"{peers['prompt_tokens']}-token prompts, {peers['new_tokens']} new tokens, {peers['threads']} threads"
+    )
+    names = list(peers["prefill_tokens_per_s"])
+    print(f"          {'batch':>5}  " + "".join(f"{name + ' tok/s':>20}" for name in names) + "   ratios")
+    for phase, goal in (("prefill", 1.0), ("decode", 1.5)):
+        rates = peers[f"{phase}_tokens_per_s"]
+        for batch in rates["mooncake"]:
+            ratios = "  ".join(
+                f"this/{name} {peers[f'{phase}_vs_{name}'][batch]:.2f}" for name in names if name != "mooncake"
+            )
+            line = "".join(f"{rates[name][batch]:20.0f}" for name in names)
+            target = "" if phase == "decode" and batch == "1" else f" (goal >= {goal} vs transformers)"
+            print(f"{phase:<9} {batch:>5}  {line}   {ratios}{target}")
+    if peers["vllm_skipped"]:
+        print(f"vllm      skipped: {peers['vllm_skipped']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
@@ -186,8 +442,17 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,8,32")
     parser.add_argument("--layerwise-tokens", default="2048,8192,32768")
     parser.add_argument("--cpp-tokens", type=int, default=2048)
+    parser.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint (default: generate one)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the peer comparison")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, for all")
+    parser.add_argument("--peer-batches", default="1,8,32")
+    parser.add_argument("--peer-prompt-tokens", type=int, default=128)
+    parser.add_argument("--peer-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="of each peer measurement (the median)")
+    parser.add_argument("--peers-only", action="store_true", help="only the comparison with transformers and vLLM")
     args = parser.parse_args()
     config = PRESETS[args.model]
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "model": config.name,
@@ -195,14 +460,24 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     result["cpus"] = os.cpu_count()
-    result.update(bench_prefill(config, args.prefill_tokens))
-    result.update(bench_decode(config, args.decode_context, [int(b) for b in args.decode_batches.split(",")]))
-    result.update(bench_layerwise([int(n) for n in args.layerwise_tokens.split(",")]))
-    result.update(bench_cpp(config, args.cpp_tokens))
+    if not args.peers_only:
+        result.update(bench_prefill(config, args.prefill_tokens))
+        result.update(bench_decode(config, args.decode_context, [int(b) for b in args.decode_batches.split(",")]))
+        result.update(bench_layerwise([int(n) for n in args.layerwise_tokens.split(",")]))
+        result.update(bench_cpp(config, args.cpp_tokens))
+    batches = [int(b) for b in args.peer_batches.split(",")]
+    shape = (args.peer_prompt_tokens, args.peer_new_tokens, args.repeats)
+    result["peers"] = bench_peers(args.checkpoint, args.dtype, batches, *shape)
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{config.name} ({config.num_parameters / 1e6:.0f} M parameters), fp32, {result['threads']} threads")
+    if not args.peers_only:
+        print_engine(result)
+    print_peers(result["peers"])
+
+
+def print_engine(result: dict[str, Any]) -> None:
+    print(f"{result['model']} ({result['parameters'] / 1e6:.0f} M parameters), fp32, {result['threads']} threads")
     print(
         f"prefill   {result['prefill_tokens_per_s']:10.0f} tokens/s  roofline {result['roofline_tokens_per_s']:.0f}  "
         f"ratio {result['prefill_vs_roofline']:.2f} (goal >= 0.6)"
