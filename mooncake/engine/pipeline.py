@@ -188,7 +188,7 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL works on the current device
         layers = stage_layers(config.num_layers, world, rank)
-        model = LlamaModel(config, seed=options["seed"], dtype=options["dtype"], device=device, layers=layers)
+        model = _stage_model(config, options, device, layers)
         outbox.send(("built", rank))
         timeout = datetime.timedelta(seconds=options["start_timeout_s"])
         address = ("127.0.0.1", options["port"])
@@ -215,6 +215,15 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
                 os._exit(1)
 
 
+def _stage_model(config: ModelConfig, options: dict[str, Any], device: torch.device, layers: range) -> LlamaModel:
+    """A stage's layers: read from the checkpoint when the group serves one, else seeded random weights."""
+    if options["checkpoint"] is not None:
+        from mooncake.engine.checkpoint import load_model
+
+        return load_model(options["checkpoint"], dtype=options["dtype"], device=device, layers=layers)
+    return LlamaModel(config, seed=options["seed"], dtype=options["dtype"], device=device, layers=layers)
+
+
 class PipelineGroup:
     """X stage processes that prefill prompts together with chunked pipeline parallelism.
 
@@ -226,6 +235,8 @@ class PipelineGroup:
         num_stages: X, the processes (at most the number of layers).
         chunk_tokens: tokens per pipeline chunk.
         seed, dtype: the weights (as `LlamaModel`).
+        checkpoint: a checkpoint directory (`config` is its `read_model_config`): each stage reads its own
+            layers' tensors with `load_model` instead of drawing seeded weights (`seed` is then unused).
         device: "cpu" (gloo) or "cuda" (NCCL, stage s on GPU s).
         threads_per_stage: torch threads in each started stage (default: the CPUs shared out);
             stage 0 runs on the caller's threads.
@@ -250,6 +261,7 @@ class PipelineGroup:
         chunk_tokens: int = 512,
         seed: int = 0,
         dtype: str = "float32",
+        checkpoint: str | None = None,
         device: str = "cpu",
         threads_per_stage: int | None = None,
         timeout_s: float = 120.0,
@@ -279,8 +291,8 @@ class PipelineGroup:
         self._store: Any = None
         self._watch: threading.Thread | None = None
         home = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        layers = stage_layers(config.num_layers, num_stages, 0)
-        self.model = LlamaModel(config, seed=seed, dtype=dtype, device=home, layers=layers)
+        options: dict[str, Any] = {"seed": seed, "dtype": dtype, "checkpoint": checkpoint}
+        self.model = _stage_model(config, options, home, stage_layers(config.num_layers, num_stages, 0))
         if num_stages == 1:
             return
         import torch.distributed as dist
@@ -298,9 +310,7 @@ class PipelineGroup:
             master_listen_fd=listener.detach(),
             use_libuv=True,
         )
-        options = {
-            "seed": seed,
-            "dtype": dtype,
+        options |= {
             "device": device,
             "threads": threads_per_stage or max(1, (os.cpu_count() or 1) // num_stages),
             "port": port,
