@@ -62,7 +62,7 @@ def main() -> None:
             print(f"removed {len(cluster.removed_segments)} shared-memory segments of dead processes", flush=True)
         p, d = config.cluster.num_prefill, config.cluster.num_decode
         print(
-            f"mooncake cluster ready: {cluster.url}  ({p} prefill + {d} decode, {config.model.preset} model, "
+            f"mooncake cluster ready: {cluster.url}  ({p} prefill + {d} decode, {config.model.served_name} model, "
             f"{args.backend} backend; OpenAI API at {cluster.url}/v1)",
             flush=True,
         )

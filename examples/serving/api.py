@@ -34,8 +34,8 @@ from typing import Any
 
 import attrs
 
-from mooncake.errors import MooncakeError
-from serving.tokenizer import ByteTokenizer, chat_prompt
+from mooncake.errors import InvalidRequestError, MooncakeError
+from serving.tokenizer import ServingTokenizer
 
 __all__ = [
     "ApiError",
@@ -446,16 +446,19 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
 
 
 def prompt_tokens(
-    request: CompletionRequest | ChatRequest, tokenizer: ByteTokenizer, *, max_prompt_tokens: int
+    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, *, max_prompt_tokens: int
 ) -> list[int]:
     """The request's prompt as tokens (a chat through the chat template).
 
     Raises:
-        ApiError: 400 for an empty prompt, 413 over `max_prompt_tokens`.
+        ApiError: 400 for an empty prompt or messages the chat template refuses, 413 over `max_prompt_tokens`.
     """
     if isinstance(request, ChatRequest):
         param = "messages"
-        tokens = tokenizer.encode(chat_prompt([(m.role, m.content) for m in request.messages]))
+        try:
+            tokens = tokenizer.encode_chat([(m.role, m.content) for m in request.messages])
+        except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
+            raise ApiError(400, str(error), param=param) from error
     else:
         param = "prompt"
         tokens = tokenizer.encode(request.prompt)

@@ -1,6 +1,6 @@
 """The cluster's TOML config: one frozen record per section, every field checked.
 
-    [model]    preset, seed, dtype, block_tokens
+    [model]    preset, path, served_model_name, seed, dtype, block_tokens
     [cluster]  num_prefill, num_decode, host, port, api_key
     [cache]    dram_blocks, ssd_blocks, ssd_dir          (per node)
     [policy]   router, admission, threshold
@@ -20,7 +20,7 @@ a path without NUL). `ClusterConfig` holds one record per section and the file
 it came from, and checks the rules across sections:
 
     max_prompt_tokens + default_max_tokens <= max_context_tokens   (a longest prompt and its default output fit)
-    pipeline_size <= the layers of the model preset                 (a stage holds at least one layer)
+    pipeline_size <= the layers of the model                        (a stage holds at least one layer)
     ceil(max_prompt_tokens / block_tokens) <= dram_blocks          (a node's cache holds a longest prompt pinned)
     max_connections_per_client <= max_connections
     health_interval_s <= health_probe_backoff_max_s
@@ -43,6 +43,8 @@ checked copy.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import ipaddress
 import math
 import re
@@ -55,7 +57,8 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from mooncake._checks import ceil_div
-from mooncake.engine.config import PRESETS
+from mooncake.engine.checkpoint import CONFIG_FILE, read_model_config
+from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.errors import ConfigError
 from serving.machine import Machine, check_machine
 from serving.registry import ADMISSIONS, ROUTERS
@@ -78,6 +81,7 @@ T = TypeVar("T")
 
 MAX_INT = 2**63 - 1  # what torch, numpy and the wire formats hold; no count or size comes near it
 DAY_S = 86_400.0
+_SAMPLE_BYTES = 1 << 20  # of each weight file's head and tail, in a checkpoint's namespace digest
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -119,6 +123,53 @@ def _path(text: str) -> str | None:
     if "\0" in text or len(text) > 4096:
         return "must be a path (no NUL character, at most 4096 characters)"
     return None
+
+
+def _served_name(text: str) -> str | None:
+    if len(text) > 256 or any(not "!" <= char <= "~" for char in text):
+        return "must be at most 256 visible ASCII characters (no spaces): clients send it as `model`"
+    return None
+
+
+def _checkpoint(text: str) -> str | None:
+    """Why `text` is not a checkpoint directory the loader serves (None: it is, or it is "": none)."""
+    if not text:
+        return None
+    if (reason := _path(text)) is not None:
+        return reason
+    directory = Path(text)
+    try:
+        if not directory.is_dir():
+            return "is not a directory (a checkpoint in Hugging Face layout)"
+        if not (directory / CONFIG_FILE).is_file():
+            return f"holds no {CONFIG_FILE} (a checkpoint in Hugging Face layout)"
+        _checkpoint_config(str(directory.resolve()))
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    except ConfigError as error:
+        return f"not a checkpoint this engine serves: {error}"
+    return None
+
+
+@functools.cache
+def _checkpoint_config(directory: str) -> ModelConfig:
+    return read_model_config(directory)
+
+
+@functools.cache
+def _checkpoint_digest(directory: str) -> str:
+    """A short digest of what identifies a checkpoint without reading all its weights: its config.json, and
+    each weight file's name, size and first and last MiB (two fine-tunes of one shape differ there)."""
+    root = Path(directory)
+    digest = hashlib.sha256((root / CONFIG_FILE).read_bytes())
+    for file in sorted(root.glob("*.safetensors*")):
+        size = file.stat().st_size
+        digest.update(f"\0{file.name}\0{size}\0".encode())
+        with file.open("rb") as stream:
+            digest.update(stream.read(_SAMPLE_BYTES))
+            stream.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(stream.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
 
 
 @attrs.frozen
@@ -186,13 +237,49 @@ def _seconds(default: float, *, minimum: float = 0.0, maximum: float = DAY_S) ->
 
 @attrs.frozen(kw_only=True)
 class ModelSection:
-    """`[model]`: the preset (mooncake.engine.config.PRESETS), its weights' seed and dtype, tokens per KV block."""
+    """`[model]`: the model served, its dtype and the tokens per KV block.
+
+    The model is a checkpoint directory in Hugging Face layout when `path` is set (then `preset` and `seed`
+    are unused), else the `preset` (mooncake.engine.config.PRESETS) with seeded random weights, speaking
+    bytes. `served_model_name` is its name in the API (default: the directory's name, or the preset's).
+    """
 
     NAME: ClassVar[str] = "model"
     preset: str = _setting("tiny", allowed=tuple(PRESETS))
+    path: str = _setting("", text=_checkpoint)
+    served_model_name: str = _setting("", text=_served_name)
     seed: int = _setting(0, minimum=0)
     dtype: str = _setting("float32", allowed=("float32", "bfloat16"))
     block_tokens: int = _setting(16, minimum=1, maximum=65_536)
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint directory, absolute (None: the random preset)."""
+        return str(Path(self.path).resolve()) if self.path else None
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's shape: the checkpoint's config.json (no weights read), or the preset."""
+        return PRESETS[self.preset] if self.checkpoint is None else _checkpoint_config(self.checkpoint)
+
+    @property
+    def source(self) -> str:
+        """The key that decides the model, as written (`path = '...'` or `preset = '...'`), for messages."""
+        return f"path = {self.path!r}" if self.path else f"preset = {self.preset!r}"
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in the API."""
+        return self.served_model_name or (Path(self.checkpoint).name if self.checkpoint else self.preset)
+
+    @property
+    def namespace(self) -> str:
+        """The block-key namespace's model: the preset's name, or for a checkpoint its served name and a digest
+        of its config.json and weight files (names, sizes, first and last MiB), so the caches of two models never
+        mix. The gateway and every worker ask this one property."""
+        if self.checkpoint is None:
+            return self.preset
+        return f"{self.served_name}@{_checkpoint_digest(self.checkpoint)}"
 
 
 @attrs.frozen(kw_only=True)
@@ -301,7 +388,7 @@ class ClusterConfig:
 
     Invariants (the rules across sections, checked at construction):
         `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`;
-        `prefill.pipeline_size <= PRESETS[model.preset].num_layers`;
+        `prefill.pipeline_size <= model.config.num_layers`;
         `ceil(limits.max_prompt_tokens / model.block_tokens) <= cache.dram_blocks`;
         `limits.max_connections_per_client <= limits.max_connections`;
         `limits.health_interval_s <= limits.health_probe_backoff_max_s`.
@@ -324,11 +411,11 @@ class ClusterConfig:
                 f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
                 f"{limits.default_max_tokens} exceed [decode] max_context_tokens = {decode.max_context_tokens}"
             )
-        layers = PRESETS[self.model.preset].num_layers
+        layers = self.model.config.num_layers
         if self.prefill.pipeline_size > layers:
             raise ConfigError(
                 f"{source}: [prefill] pipeline_size = {self.prefill.pipeline_size}: must be <= the {layers} layers "
-                f"of [model] preset = {self.model.preset!r} (a pipeline stage holds at least one layer)"
+                f"of [model] {self.model.source} (a pipeline stage holds at least one layer)"
             )
         blocks = ceil_div(limits.max_prompt_tokens, self.model.block_tokens)
         if blocks > self.cache.dram_blocks:

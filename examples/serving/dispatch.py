@@ -156,7 +156,7 @@ class Dispatcher:
         host: str = "127.0.0.1",
     ) -> None:
         self.config = config
-        self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens)
+        self.hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
         self.roles = {w["instance_id"]: w["role"] for w in workers}

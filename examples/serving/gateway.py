@@ -7,9 +7,11 @@ dispatcher admit it (`serving.dispatch`: a rejection is a 429 with
 `Retry-After`, no engine up a 503). An accepted request goes to its prefill
 worker; its tokens come back through the dispatcher, and the gateway answers
 with the whole completion or streams it as server-sent events, headers going
-out with the first token (so a late rejection is still a 429). The text ends
-before a stop string (finish reason "stop"; the decode is cancelled) or at
-`max_tokens` ("length"). A request that fails mid-stream ends its stream with
+out with the first token (so a late rejection is still a 429). Prompts are
+encoded, chats rendered and text decoded by the served model's tokenizer
+(`serving.tokenizer`: a checkpoint's, or bytes for the random preset). The
+text ends before a stop string or at a stop id such as the checkpoint's EOS
+(finish reason "stop"; the decode is cancelled), or at `max_tokens` ("length"). A request that fails mid-stream ends its stream with
 an error event; a client that hangs up, streaming or not, is cancelled on its
 decode engine (aiohttp cancels the handler when its connection is lost).
 `/metrics` serves the metrics (`serving.metrics`: vLLM's families under the
@@ -66,9 +68,9 @@ from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.models import CPU, cost_models, model_shape
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
-from serving.tokenizer import ByteTokenizer
+from serving.tokenizer import ByteTokenizer, CheckpointTokenizer, ServingTokenizer
 
-__all__ = ["Gateway", "build_conductor"]
+__all__ = ["Gateway", "build_conductor", "serving_tokenizer"]
 
 LOG = logging.getLogger("serving.gateway")
 
@@ -88,7 +90,7 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         hardware=CPU,
         prefill_instances=[],
         decode_instances=[],
-        hasher=BlockHasher(model=config.model.preset, block_size_tokens=config.model.block_tokens),
+        hasher=BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens),
         router=registry.router(policy.router, threshold=policy.threshold),
         admission=registry.admission(policy.admission),
         predictor=UniformDecodePredictor(decode_s=1.0),
@@ -96,6 +98,19 @@ def build_conductor(config: ClusterConfig) -> Conductor:
         prefill=prefill,
         step_model=step_model,
     )
+
+
+def serving_tokenizer(config: ClusterConfig) -> ServingTokenizer:
+    """The checkpoint's tokenizer (`tokenizer.json`, its chat template and stop ids), or the random preset's bytes.
+
+    Raises:
+        ConfigError: the checkpoint's tokenizer files cannot be read (see `load_tokenizer`).
+    """
+    if config.model.checkpoint is None:
+        return ByteTokenizer()
+    from mooncake.engine.tokenizer import load_tokenizer
+
+    return CheckpointTokenizer(load_tokenizer(config.model.checkpoint))
 
 
 class Gateway:
@@ -122,9 +137,9 @@ class Gateway:
     ) -> None:
         self.config = config
         self.edge = edge or EdgeLimits.from_config(config.limits)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = serving_tokenizer(config)
         self.served = ServedModel(
-            name=config.model.preset,
+            name=config.model.served_name,
             max_prompt_tokens=config.limits.max_prompt_tokens,
             default_max_tokens=config.limits.default_max_tokens,
             max_output_tokens=config.decode.max_context_tokens - config.limits.max_prompt_tokens,

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -120,7 +119,7 @@ class Machine:
 
 def page_bytes(config: ClusterConfig) -> int:
     """Bytes of one KV page (a block of `[model] block_tokens` tokens, every layer's K and V)."""
-    shape = PRESETS[config.model.preset].shape(config.model.dtype)
+    shape = config.model.config.shape(config.model.dtype)
     return shape.kv_bytes_per_token * config.model.block_tokens
 
 
@@ -137,7 +136,7 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
     source, cache, decode = config.source, config.cache, config.decode
     nodes = config.cluster.num_prefill + config.cluster.num_decode
     page = page_bytes(config)
-    shape = PRESETS[config.model.preset].shape(config.model.dtype)
+    shape = config.model.config.shape(config.model.dtype)
     pools = nodes * cache.dram_blocks * page
     where = f"{source}: [cache] dram_blocks = {cache.dram_blocks}"
     if machine.shm_free_bytes is not None and pools > machine.shm_free_bytes:
@@ -158,7 +157,7 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
                 f"{source}: [decode] max_batch_size = {decode.max_batch_size}, "
                 f"max_context_tokens = {decode.max_context_tokens}",
             ),
-            (weights, f"{source}: [model] preset = {config.model.preset!r} on {nodes} nodes"),
+            (weights, f"{source}: [model] {config.model.source} on {nodes} nodes"),
             (processes, f"{source}: [prefill] pipeline_size = {config.prefill.pipeline_size} on {nodes} nodes"),
         )[1]
         raise ConfigError(

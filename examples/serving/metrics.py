@@ -342,7 +342,7 @@ class ServingMetrics:
         (`workers`: their `start()` info, with instance id and role)."""
         workers = list(workers)
         return cls(
-            model_name=config.model.preset,
+            model_name=config.model.served_name,
             bounds=HistogramBounds.from_config(config),
             prefill_engines=[w["instance_id"] for w in workers if w["role"] == "prefill"],
             decode_engines=[w["instance_id"] for w in workers if w["role"] != "prefill"],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, PrefillModel
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
@@ -32,7 +31,8 @@ CPU = Hardware(
 
 
 def model_shape(config: ClusterConfig) -> ModelShape:
-    return PRESETS[config.model.preset].shape(config.model.dtype)
+    """The served model's shape in its dtype (a checkpoint's from its config.json; no weights read)."""
+    return config.model.config.shape(config.model.dtype)
 
 
 def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:

@@ -1,33 +1,65 @@
-"""A deterministic byte-level tokenizer, a simple chat template (no model hub) and text that stops at stop strings.
+"""The gateway's tokenizers, one `ServingTokenizer` protocol, and text that stops at stop strings and stop ids.
 
-Token ids 0–255 are the bytes of the UTF-8 text; a model with a larger
-vocabulary may generate ids ≥ 256, which decode to nothing. Decoding is
-incremental, so a multi-byte character split across tokens streams whole.
+`ByteTokenizer` is what the random preset model speaks: token ids 0–255 are
+the bytes of the UTF-8 text (a model with a larger vocabulary may generate
+ids ≥ 256, which decode to nothing), its chat template `chat_prompt`.
+`CheckpointTokenizer` is a checkpoint's (`mooncake.engine.tokenizer`): its
+`tokenizer.json`, its chat template and its stop ids (EOS and the generation
+config's). The gateway holds one of them and never asks which.
 
-`TextStream` turns a request's tokens into the text its client may see: the
-text ends just before the stop string that completes first (as generation
-would stop there; of several completing at the same character, the longest).
-It holds back the longest tail of the text that could still begin a stop
-string, so nothing of a stop string is ever sent. Invariant: what it gives out
-depends on the text only, never on how the text is split into pieces: it is the
-text cut at the first completed stop string.
+`TextStream` turns a request's tokens into the text its client may see,
+decoded incrementally (whole characters only): the text ends just before the
+stop string that completes first (as generation would stop there; of several
+completing at the same character, the longest), or at a stop id (the token is
+not shown; what was held back goes out). It holds back the longest tail of the
+text that could still begin a stop string, so nothing of a stop string is ever
+sent. Invariant: what it gives out depends on the text only, never on how the
+text is split into pieces: it is the text cut at the first completed stop
+string or stop id. Both end a generation the one way: `stopped` turns True
+and the gateway cancels the decode (finish reason "stop"); `max_tokens` ends
+it on the decode engine ("length").
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["ByteTokenizer", "TextStream", "chat_prompt"]
+if TYPE_CHECKING:
+    from mooncake.engine.tokenizer import Tokenizer
+
+__all__ = ["ByteTokenizer", "CheckpointTokenizer", "ServingTokenizer", "TextStream", "chat_prompt"]
+
+
+class Decoder(Protocol):
+    """An incremental decoder of one generation's tokens: each push gives the text now whole."""
+
+    def push(self, token: int) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class ServingTokenizer(Protocol):
+    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, and a generation's text stream."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+    def stream(self, stop: Sequence[str] = ()) -> TextStream: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids."""
+    """UTF-8 bytes as token ids; `chat_prompt` as the chat template; no stop ids."""
 
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return self.encode(chat_prompt(messages))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -37,6 +69,42 @@ class ByteTokenizer:
         return TextStream(stop)
 
 
+class CheckpointTokenizer:
+    """A checkpoint's tokenizer: prompts encoded as transformers' `tokenizer(prompt)` (BOS and all), chats
+    through the checkpoint's template, text decoded without special tokens, ended at its stop ids."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The ids of the rendered chat template.
+
+        Raises:
+            InvalidRequestError: the template refused the messages.
+        """
+        return self.tokenizer.encode_chat([{"role": role, "content": content} for role, content in messages])
+
+    def stream(self, stop: Sequence[str] = ()) -> TextStream:
+        """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids."""
+        return TextStream(stop, decoder=self.tokenizer.detokenizer(), stop_ids=self.tokenizer.special.stop_token_ids)
+
+
+class _Utf8Decoder:
+    """Byte tokens as UTF-8 text (ids ≥ 256 decode to nothing)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return str(self._decoder.decode(bytes((token,)) if 0 <= token < 256 else b""))
+
+    def finish(self) -> str:
+        return str(self._decoder.decode(b"", final=True))
+
+
 def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     """`<|role|>\\ncontent\\n` per (role, content) message, then `<|assistant|>\\n` for the reply."""
     parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
@@ -44,23 +112,35 @@ def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
 
 
 class TextStream:
-    """A request's text as its tokens arrive, ended before the first stop string to complete.
+    """A request's text as its tokens arrive, ended before the first stop string to complete or at a stop id.
 
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
-    appeared (later tokens are ignored); `finish()` returns what was held back, at the end.
+    appeared or a stop id came (later tokens are ignored); `finish()` returns what was held back, at the end.
+
+    Args:
+        stop: the request's stop strings.
+        decoder: the tokens' incremental decoder (default: UTF-8 bytes).
+        stop_ids: the token ids that end the generation (the model's EOS and the like).
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, stop: Sequence[str] = (), *, decoder: Decoder | None = None, stop_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.stop = tuple(stop)
+        self.stop_ids = stop_ids
         self.stopped = False
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder: Decoder = decoder if decoder is not None else _Utf8Decoder()
         self._held = ""  # text not given out yet: a tail that may begin a stop string
 
     def feed(self, token: int) -> str:
-        """The text token `token` completes that may be sent (tokens ≥ 256 decode to nothing)."""
+        """The text token `token` completes that may be sent; at a stop id, the rest of the text."""
         if self.stopped:
             return ""
-        return self._push(self._decoder.decode(bytes((token,)) if 0 <= token < 256 else b""))
+        if token in self.stop_ids:
+            text = self.finish()
+            self.stopped = True
+            return text
+        return self._push(self._decoder.push(token))
 
     def feed_text(self, text: str) -> str:
         """As `feed`, for a piece of text."""
@@ -70,7 +150,7 @@ class TextStream:
         """The rest of the text at the end of the generation (an incomplete character as U+FFFD)."""
         if self.stopped:
             return ""
-        text = self._push(self._decoder.decode(b"", final=True))
+        text = self._push(self._decoder.finish())
         if self.stopped:
             return text
         text, self._held = text + self._held, ""

@@ -51,6 +51,7 @@ from mooncake.cache import TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
+from mooncake.engine.checkpoint import load_model
 from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
 from mooncake.engine.kv import KvLayout
@@ -69,7 +70,7 @@ from serving.models import cost_models
 from serving.prefill_group import GroupPrefillEngine
 from serving.reporter import Reporter
 
-__all__ = ["Worker", "WorkerSpec", "run_worker"]
+__all__ = ["Worker", "WorkerSpec", "build_model", "run_worker"]
 
 TIMEOUT_S = 30.0
 
@@ -88,6 +89,18 @@ class WorkerSpec:
 Job = wire.PrefillJob | wire.DecodeJob | wire.CancelDecode
 
 
+def build_model(config: ClusterConfig) -> LlamaModel:
+    """The served model in `[model] dtype`: the checkpoint's weights (`load_model`), or the preset's seeded ones.
+
+    Raises:
+        ConfigError: the checkpoint's weights cannot be loaded (a missing tensor, a shape, a corrupt shard).
+    """
+    model = config.model
+    if model.checkpoint is not None:
+        return load_model(model.checkpoint, dtype=model.dtype)
+    return LlamaModel(PRESETS[model.preset], seed=model.seed, dtype=model.dtype)
+
+
 class Worker:
     """One engine node; `start()` returns how to reach it, `wait()` blocks until it is told to stop."""
 
@@ -101,9 +114,9 @@ class Worker:
         if self._group is not None:
             self.model = self._group.model  # stage 0's layers; the group's other stages hold the rest
         else:
-            self.model = LlamaModel(PRESETS[config.model.preset], seed=config.model.seed, dtype=config.model.dtype)
+            self.model = build_model(config)
         block = config.model.block_tokens
-        self.hasher = BlockHasher(model=config.model.preset, block_size_tokens=block)
+        self.hasher = BlockHasher(model=config.model.namespace, block_size_tokens=block)
         self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model.dtype)
         self.engine = TransferEngine(
             # No polling for answers (spin_us=0): engines share the machine's cores, and polling threads
@@ -253,11 +266,12 @@ class Worker:
         """This worker as stage 0 of a chunked pipeline group of `[prefill] pipeline_size` processes."""
         config = self.spec.config
         return PipelineGroup(
-            PRESETS[config.model.preset],
+            config.model.config,
             num_stages=config.prefill.pipeline_size,
             chunk_tokens=config.prefill.chunk_tokens,
             seed=config.model.seed,
             dtype=config.model.dtype,
+            checkpoint=config.model.checkpoint,  # each stage reads its own layers' tensors
             threads_per_stage=1,  # many engines share this machine's cores
             timeout_s=max(TIMEOUT_S, config.limits.request_timeout_s),  # any one transfer between stages
             on_failure=self._group_failed,

@@ -108,6 +108,12 @@ ATTACKS: dict[str, tuple[str, list[str]]] = {
     "header_timeout_s = 0": ("[limits]\nheader_timeout_s = 0\n", ["[limits] header_timeout_s = 0"]),
     "body_timeout_s = -1": ("[limits]\nbody_timeout_s = -1\n", ["[limits] body_timeout_s = -1"]),
     "max_connections = 0": ("[limits]\nmax_connections = 0\n", ["[limits] max_connections = 0"]),
+    "a checkpoint path that is no directory": (
+        '[model]\npath = "/nonexistent/llama"\n',
+        ["[model] path = '/nonexistent/llama'", "not a directory"],
+    ),
+    "a checkpoint path without config.json": ('[model]\npath = "/"\n', ["[model] path = '/'", "no config.json"]),
+    "a served name with a space": ('[model]\nserved_model_name = "my model"\n', ["[model] served_model_name"]),
     "a timeout of a year": ("[limits]\nrequest_timeout_s = 31536000\n", ["[limits] request_timeout_s", "86400"]),
 }
 

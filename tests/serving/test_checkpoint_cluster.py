@@ -1,0 +1,258 @@
+"""The example cluster serving a checkpoint: `[model] path` against transformers on the same files.
+
+A small random `LlamaForCausalLM` is saved with a byte-level BPE trained here on local text (BOS, EOS, a
+ChatML template); its head's EOS row is made a copy, a little larger, of the row of a token greedy decoding
+reaches early, so generations end at EOS. One cluster (1 prefill + 1 decode) serves it. Each test proves:
+the `openai` client's greedy text, its token counts and its finish reason equal transformers' `generate`
+decoded without special tokens (EOS ends a generation with "stop", as transformers stops there); a stream
+joins to the same text; a chat's prompt is the checkpoint's template as `apply_chat_template` renders it;
+`/v1/models` lists the served name; another checkpoint gets another block-key namespace; and the config
+refuses a missing directory, one without config.json and an unsupported architecture in one line naming
+`[model] path`. A pipeline group of two stages, each loading its own layers, prefills as the whole model.
+Nothing is downloaded; every wait is bounded; the cluster is closed by its context manager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test never reaches the network
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from serving.config import ClusterConfig, load_config  # noqa: E402
+from serving.launch import RunningCluster, start_cluster  # noqa: E402
+from tokenizers import Tokenizer as Backend  # noqa: E402
+from tokenizers import decoders, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers.models import BPE  # noqa: E402
+
+from mooncake.cache.hashing import BlockHasher  # noqa: E402
+from mooncake.errors import ConfigError  # noqa: E402
+from tests.engine.checkpoints import VOCAB, hf_model, save  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+TIMEOUT_S = 60.0
+MAX_TOKENS = 24
+TEXT = [
+    "Hello world! The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café — déjà vu.",
+    "Serving a model: prefill, then decode, token by token. 日本語 and 🙂 too.",
+] * 20
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PROMPTS = ["Hello world", "The quick brown fox", "naïve café — déjà vu", "Serving a model"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+def save_tokenizer(directory: Path) -> Any:
+    """A byte-level BPE of at most VOCAB ids (the model's vocabulary) with BOS, EOS and CHATML, saved as
+    transformers saves it; transformers' tokenizer of the files."""
+    backend = Backend(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(TEXT, trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHATML,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(directory)
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def make_checkpoint(directory: Path, *, seed: int) -> tuple[Any, Any]:
+    """The checkpoint in `directory` (made there); transformers' model and tokenizer of its files."""
+    directory.mkdir(parents=True)
+    tokenizer = save_tokenizer(directory)
+    assert len(tokenizer) <= VOCAB
+    model = hf_model("llama", seed=seed)
+    eos = tokenizer.eos_token_id
+    for settings in (model.config, model.generation_config):
+        settings.bos_token_id, settings.eos_token_id, settings.pad_token_id = (
+            tokenizer.bos_token_id,
+            eos,
+            tokenizer.pad_token_id,
+        )
+    # EOS takes over where greedy decoding of the first prompt reaches its 6th token: generations end early.
+    ids = tokenizer(PROMPTS[0]).input_ids
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        head = model.lm_head.weight
+        head[eos] = 1.05 * head[int(out[0, -1])]
+    save(model, directory)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), tokenizer
+
+
+def hf_answer(model: Any, tokenizer: Any, prompt: str) -> tuple[str, int, int, str]:
+    """transformers' greedy answer: (text without special tokens, prompt tokens, completion tokens, finish)."""
+    ids = tokenizer(prompt).input_ids
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    new = [int(t) for t in out[0, len(ids) :]]
+    finish = "stop" if new[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new), finish
+
+
+def cluster_config(directory: Path, **model: Any) -> ClusterConfig:
+    base = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    base = base.with_overrides("limits", max_prompt_tokens=256, default_max_tokens=16)
+    return base.with_overrides("model", path=str(directory), **model)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    directory = tmp_path_factory.mktemp("checkpoints") / "tiny-llama"
+    model, tokenizer = make_checkpoint(directory, seed=0)
+    return directory, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: tuple[Path, Any, Any]) -> Iterator[RunningCluster]:
+    with start_cluster(cluster_config(checkpoint[0])) as running:
+        yield running
+
+
+def client(cluster: RunningCluster) -> Any:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+def test_greedy_completions_equal_transformers_generate(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """For each prompt: the text, the prompt and completion token counts and the finish reason equal
+    transformers' greedy `generate` on the same files; EOS ends at least one of them with "stop"."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    finishes = []
+    for prompt in PROMPTS:
+        text, prompt_tokens, completion_tokens, finish = hf_answer(model, tokenizer, prompt)
+        answer = api.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        choice = answer.choices[0]
+        assert (choice.text, choice.finish_reason) == (text, finish), prompt
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+        finishes.append(finish)
+    assert "stop" in finishes and "length" in finishes, finishes
+
+
+def test_a_stream_joins_to_the_whole_text(cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]) -> None:
+    """Streamed pieces join to transformers' text (a random model's bytes that are no character are U+FFFD in
+    both), and the last chunk says why it ended."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    for prompt in PROMPTS[:2]:
+        text, _, _, finish = hf_answer(model, tokenizer, prompt)
+        chunks = list(
+            api.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        )
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_a_chat_renders_the_checkpoints_template(cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]) -> None:
+    """A chat's prompt is the checkpoint's template as transformers' `apply_chat_template` renders it (its
+    token count), and its greedy reply is `generate`'s for those tokens."""
+    _, model, tokenizer = checkpoint
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    reply = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    answer = client(cluster).chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == reply
+
+
+def test_models_lists_the_served_name(cluster: RunningCluster) -> None:
+    """/v1/models lists the checkpoint's directory name; another name is OpenAI's 404."""
+    api = client(cluster)
+    assert [m.id for m in api.models.list().data] == ["tiny-llama"]
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+
+
+def test_each_checkpoint_has_its_own_block_key_namespace(checkpoint: tuple[Path, Any, Any], tmp_path: Path) -> None:
+    """Two checkpoints (other weights), or one under another served name, never share block keys; a config's
+    namespace is the same however often it is asked (the gateway and every worker ask it)."""
+    other = tmp_path / "tiny-llama"
+    make_checkpoint(other, seed=1)
+    first, second = cluster_config(checkpoint[0]), cluster_config(other)
+    renamed = cluster_config(checkpoint[0], served_model_name="chat")
+    assert first.model.served_name == second.model.served_name == "tiny-llama"
+    assert renamed.model.served_name == "chat"
+    namespaces = {c.model.namespace for c in (first, second, renamed)}
+    assert len(namespaces) == 3 and "tiny" not in namespaces
+    assert cluster_config(checkpoint[0]).model.namespace == first.model.namespace
+    tokens = list(range(64))
+    keys = [BlockHasher(model=c.model.namespace, block_size_tokens=16).block_keys(tokens) for c in (first, second)]
+    assert not set(keys[0]) & set(keys[1])
+
+
+def test_the_config_refuses_what_is_not_a_checkpoint(checkpoint: tuple[Path, Any, Any], tmp_path: Path) -> None:
+    """A missing directory, one without config.json and an unsupported architecture: one line naming the key."""
+    base = load_config(TINY)
+    unsupported = tmp_path / "gpt2"
+    unsupported.mkdir()
+    raw = json.loads((checkpoint[0] / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**raw, "architectures": ["GPT2LMHeadModel"]}))
+    cases = {
+        tmp_path / "missing": "is not a directory",
+        tmp_path: "holds no config.json",
+        unsupported: "GPT2LMHeadModel",
+    }
+    for path, reason in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            base.with_overrides("model", path=str(path))
+        message = str(caught.value)
+        assert "[model] path = " in message and reason in message and "\n" not in message, message
+
+
+def test_a_pipeline_group_loads_each_stages_layers(checkpoint: tuple[Path, Any, Any]) -> None:
+    """`[prefill] pipeline_size = 2` on a checkpoint: the group's two stages each read their own layers, and its
+    prefill's logits are transformers' (float32 tolerance)."""
+    from mooncake.engine.pipeline import PipelineGroup
+
+    directory, model, tokenizer = checkpoint
+    config = cluster_config(directory).with_overrides("prefill", pipeline_size=2)
+    ids = tokenizer(PROMPTS[1]).input_ids
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids])).logits[0, -1].float()
+    group = PipelineGroup(
+        config.model.config, num_stages=2, chunk_tokens=4, checkpoint=config.model.checkpoint, threads_per_stage=1
+    )
+    try:
+        assert torch.allclose(group.prefill(ids), expected, atol=1e-4, rtol=0)
+    finally:
+        group.close()
