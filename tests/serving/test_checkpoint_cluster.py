@@ -256,3 +256,18 @@ def test_a_pipeline_group_loads_each_stages_layers(checkpoint: tuple[Path, Any, 
         assert torch.allclose(group.prefill(ids), expected, atol=1e-4, rtol=0)
     finally:
         group.close()
+
+
+def test_the_example_checkpoint_config_loads_once_its_path_is_edited(
+    checkpoint: tuple[Path, Any, Any], tmp_path: Path
+) -> None:
+    """examples/configs/checkpoint.toml, its placeholder path replaced by a checkpoint, is a valid config."""
+    from serving.machine import Machine
+
+    example = TINY.with_name("checkpoint.toml").read_text()
+    placeholder = next(line for line in example.splitlines() if line.startswith("path = "))
+    edited = tmp_path / "checkpoint.toml"
+    edited.write_text(example.replace(placeholder, f'path = "{checkpoint[0]}"'))
+    config = load_config(edited, machine=Machine())
+    assert config.model.checkpoint == str(checkpoint[0].resolve())
+    assert config.model.served_name == "tiny-llama"
