@@ -178,7 +178,8 @@ def test_the_mapping_covers_exactly_the_models_parameters(config: ModelConfig, d
 def test_an_exported_model_loads_back_bit_for_bit(
     tmp_path_factory: pytest.TempPathFactory, config: ModelConfig, num_shards: int, dtype: str
 ) -> None:
-    """Export a random model (one file or shards with an index), load it: the same config, weights and logits."""
+    """Export a random model (one file or shards with an index), load it: the same config, bit-equal weights,
+    and logits equal to rounding."""
     model = LlamaModel(config, seed=3)
     with torch.no_grad():  # non-zero biases and norms, so a misplaced one shows
         for parameter in model.parameters():
@@ -192,7 +193,9 @@ def test_an_exported_model_loads_back_bit_for_bit(
     if dtype == "float32":
         tokens = torch.arange(min(config.vocab_size, 20)) % config.vocab_size
         with torch.inference_mode():
-            assert torch.equal(model(tokens), loaded(tokens))
+            # Bit-equal weights, but not always the same kernels: a memory-mapped or tied tensor may take another
+            # path through oneDNN (seen once in CI), so the logits agree to float32 rounding.
+            torch.testing.assert_close(model(tokens), loaded(tokens), rtol=1e-5, atol=1e-6)
 
 
 def attrs_equal_but_name(loaded: ModelConfig, config: ModelConfig) -> bool:
