@@ -67,7 +67,7 @@ from mooncake.types import BlockKey, InstanceId, RequestId, Tier
 from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models
-from serving.prefill_group import GroupPrefillEngine
+from serving.prefill_group import group_prefill_engine
 from serving.reporter import Reporter
 
 __all__ = ["Worker", "WorkerSpec", "build_model", "run_worker"]
@@ -140,14 +140,14 @@ class Worker:
         self._peers: dict[str, str] = {}  # instance id → peer name (connected lazily)
         self._addresses: dict[str, str] = {}
         self._gateway: str | None = None
-        self._prefill: PrefillEngine | GroupPrefillEngine | None = None
+        self._prefill: PrefillEngine | None = None
         self._decode: DecodeEngine | None = None
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
         self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
         if spec.role == "prefill" and self._group is not None:
-            self._prefill = GroupPrefillEngine(self._group, self.cache, self.hasher)
+            self._prefill = group_prefill_engine(self._group, self.cache, self.hasher)
             loop = self._prefill_loop
         elif spec.role == "prefill":
             self._prefill = PrefillEngine(

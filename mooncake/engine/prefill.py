@@ -21,6 +21,12 @@ One `prefill(tokens)`:
    layers still compute (`MessengerSink` pushes them through the node's
    `Messenger`, one layer per part).
 
+Steps 1, 2 and the commit are the engine's; step 3 is a `ForwardPass`: the
+whole model in this process (`ModelForward`, the default when the engine is
+given a `LlamaModel`), or any other computation of the same KV — a chunked
+pipeline group across processes (the example cluster's `GroupForward`) — so
+the cache choreography exists once.
+
 Invariants: a prefill leaves no pin and no reservation behind, on success or
 error; a reserved page is committed only once all its layers are stored.
 """
@@ -41,6 +47,7 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import Buffer
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import prefill_attention_into
+from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.model import LlamaModel
@@ -49,7 +56,7 @@ from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
 
-__all__ = ["KvSink", "MessengerSink", "PrefillConfig", "PrefillEngine", "PrefillResult"]
+__all__ = ["ForwardPass", "KvSink", "MessengerSink", "ModelForward", "PrefillConfig", "PrefillEngine", "PrefillResult"]
 
 
 class KvSink(Protocol):
@@ -110,11 +117,71 @@ class PrefillResult:
     store_wait_s: float
 
 
+class ForwardPass(Protocol):
+    """A prefill's computation of a prompt's KV and last logits, after a cached prefix.
+
+    `run(ids, kv, io)` fills rows [io.prefix_tokens, len(ids)) of every layer's (K, V) buffers in `kv`
+    (rows before hold the prefix once `io.wait_for_prefix(layer)` returns), calls `io.store(layer, start,
+    end)` for rows as they become final, and returns the last position's float logits on the CPU. It must
+    give the bytes one process's forward pass gives.
+    """
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
+        """Compute the new rows of every layer through `io`; the last position's logits."""
+        ...
+
+
+class ModelForward:
+    """The whole model in this process: the uncached tokens in chunks of `chunk_tokens`, each chunk through
+    every layer, attending to the prefix and the earlier chunks; each layer waits for its prefix rows only."""
+
+    def __init__(self, model: LlamaModel, *, chunk_tokens: int) -> None:
+        if not (model.has_embedding and model.has_head):
+            raise ConfigError("the prefill engine needs the whole model, not a pipeline stage")
+        self.model, self.chunk_tokens = model, chunk_tokens
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
+        model, n, chunk = self.model, ids.shape[0], self.chunk_tokens
+        x = torch.empty(0)
+        for start in range(io.prefix_tokens, n, chunk):
+            end = min(n, start + chunk)
+            x = model.embed(ids[start:end])
+            cos, sin = model.rope(torch.arange(start, end))
+            for index, layer in enumerate(model.layers):
+                io.wait_for_prefix(index)
+                k, v = kv[index]
+                x = layer(x, cos, sin, prefill_attention_into(k, v, start, end))
+                io.store(index, start, end)
+        return model.logits(x[-1:])[0].cpu()
+
+
 class PrefillEngine:
-    """Prefills prompts with one model over one node's tiered cache.
+    """Prefills prompts over one node's tiered cache, with one model or another `ForwardPass`.
 
     Args:
-        model: the whole model (pipeline stages use `mooncake.engine.pipeline`).
+        model: the whole model (run by `ModelForward` in chunks of `config.chunk_tokens`), or a forward pass
+            (a pipeline group's, say).
         cache: the node's tiered cache; its page size must be the layout's.
         hasher: the block keys' namespace; its block size is the KV page's.
         config: options.
@@ -124,14 +191,19 @@ class PrefillEngine:
     """
 
     def __init__(
-        self, model: LlamaModel, cache: TieredCache, hasher: BlockHasher, config: PrefillConfig | None = None
+        self,
+        model: LlamaModel | ForwardPass,
+        cache: TieredCache,
+        hasher: BlockHasher,
+        config: PrefillConfig | None = None,
     ) -> None:
-        if not (model.has_embedding and model.has_head):
-            raise ConfigError("the prefill engine needs the whole model, not a pipeline stage")
-        self.model, self.cache, self.hasher = model, cache, hasher
         self.config = config or PrefillConfig()
-        dtype = str(model.dtype).removeprefix("torch.")
-        self.layout = KvLayout(config=model.config, block_tokens=hasher.block_size_tokens, dtype=dtype)
+        self.forward: ForwardPass = (
+            ModelForward(model, chunk_tokens=self.config.chunk_tokens) if isinstance(model, LlamaModel) else model
+        )
+        self.cache, self.hasher = cache, hasher
+        dtype = str(self.forward.dtype).removeprefix("torch.")
+        self.layout = KvLayout(config=self.forward.model_config, block_tokens=hasher.block_size_tokens, dtype=dtype)
         if cache.page_bytes < self.layout.page_bytes:
             raise ConfigError(
                 f"cache pages of {cache.page_bytes} bytes cannot hold a {self.layout.page_bytes}-byte KV block"
@@ -165,8 +237,9 @@ class PrefillEngine:
         if n == 0:
             raise InvalidRequestError("a prompt needs at least one token")
         ids = torch.as_tensor(list(tokens), dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.model.config.vocab_size:
-            raise InvalidRequestError(f"token ids must lie in [0, {self.model.config.vocab_size})")
+        vocab = self.forward.model_config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InvalidRequestError(f"token ids must lie in [0, {vocab})")
         block = self.layout.block_tokens
         keys = self.hasher.block_keys(ids.numpy())
         prefix_blocks = self._pin_prefix(keys, max_blocks=(n - 1) // block)
@@ -264,11 +337,10 @@ class PrefillEngine:
         sink: KvSink | None,
     ) -> tuple[torch.Tensor, float, float]:
         """The last position's logits and the load and store waits; the pages hold the new KV."""
-        model, config = self.model, self.model.config
-        n, chunk = ids.shape[0], self.config.chunk_tokens
-        shape = (n, config.num_kv_heads, config.head_dim)
-        k_all = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(config.num_layers)]
-        v_all = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(config.num_layers)]
+        forward, config = self.forward, self.forward.model_config
+        shape = (ids.shape[0], config.num_kv_heads, config.head_dim)
+        k_all = [torch.empty(shape, dtype=forward.dtype, device=forward.device) for _ in range(config.num_layers)]
+        v_all = [torch.empty(shape, dtype=forward.dtype, device=forward.device) for _ in range(config.num_layers)]
         io = LayerwiseKvIo(
             cache=self.cache,
             layout=self.layout,
@@ -283,21 +355,12 @@ class PrefillEngine:
         )
         try:
             io.start_loading()
-            x = torch.empty(0)
-            for start in range(io.prefix_tokens, n, chunk):
-                end = min(n, start + chunk)
-                x = model.embed(ids[start:end])
-                cos, sin = model.rope(torch.arange(start, end))
-                for index, layer in enumerate(model.layers):
-                    io.wait_for_prefix(index)
-                    x = layer(x, cos, sin, prefill_attention_into(k_all[index], v_all[index], start, end))
-                    io.store(index, start, end)
+            logits = forward.run(ids, list(zip(k_all, v_all, strict=True)), io)
             io.finish()
         except BaseException:
             io.abort()  # loads and stores may still be queued: let none touch a page the caller gives back
             raise
-        logits = model.logits(x[-1:])[0]
-        return logits.cpu(), io.load_wait_s, io.store_wait_s
+        return logits, io.load_wait_s, io.store_wait_s
 
 
 class MessengerSink:

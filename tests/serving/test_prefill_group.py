@@ -1,7 +1,7 @@
 """A prefill instance as a chunked pipeline group (`[prefill] pipeline_size`): one instance, X processes, the
 same tokens.
 
-The engine, without a cluster: `GroupPrefillEngine` on a group of 2 and a single-process `PrefillEngine` fed the
+The engine, without a cluster: `group_prefill_engine` on a group of 2 and a single-process `PrefillEngine` fed the
 same prompts (sharing prefixes, so later ones start after a cached prefix) agree on everything a prefill
 returns and store the same bytes in every page (a property over random prompts); the sink hears each layer
 once, in order, when its bytes are final in every page, the other stage's layers included; a stage killed
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from serving import wire  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
-from serving.prefill_group import GroupPrefillEngine  # noqa: E402
+from serving.prefill_group import group_prefill_engine  # noqa: E402
 
 from mooncake.cache.tiered import TieredCache  # noqa: E402
 from mooncake.engine.pipeline import PipelineGroup  # noqa: E402
@@ -184,7 +184,7 @@ def test_a_group_prefills_as_one_process_does(
     same prefix reuse, stored blocks, first token and logits, the same bytes in every page (every layer's KV),
     and no pin or reservation left."""
     ours_cache, theirs_cache = dram_cache(BLOCK), dram_cache(BLOCK)
-    ours = GroupPrefillEngine(group, ours_cache, hasher(BLOCK), layerwise=layerwise)
+    ours = group_prefill_engine(group, ours_cache, hasher(BLOCK), layerwise=layerwise)
     theirs = PrefillEngine(tiny_model(), theirs_cache, hasher(BLOCK), PrefillConfig(chunk_tokens=CHUNK))
     keys: tuple[BlockKey, ...] = ()
     try:
@@ -241,7 +241,7 @@ def test_the_sink_hears_each_layer_once_in_order_when_final(group: PipelineGroup
     """begin, layer_ready(0 … L−1), end: at layer_ready(l), layer l of every block (the cached prefix's and the
     other stage's layers included) already holds its final bytes."""
     cache = dram_cache(BLOCK)
-    engine = GroupPrefillEngine(group, cache, hasher(BLOCK), layerwise=layerwise)
+    engine = group_prefill_engine(group, cache, hasher(BLOCK), layerwise=layerwise)
     try:
         engine.prefill(PROMPT[:9])
         sink = RecordingSink(cache, len(PROMPT))
@@ -260,7 +260,7 @@ def test_a_stage_killed_mid_prefill_fails_it_and_leaves_nothing_held() -> None:
     is cached; later prefills raise EngineError at once and hold nothing either."""
     cache = dram_cache(BLOCK)
     with PipelineGroup(TINY, num_stages=2, chunk_tokens=CHUNK, threads_per_stage=1, timeout_s=300.0) as doomed:
-        engine = GroupPrefillEngine(doomed, cache, hasher(BLOCK))
+        engine = group_prefill_engine(doomed, cache, hasher(BLOCK))
         prefix = engine.prefill(PROMPT[:9])
         (pid,) = doomed.pids
         os.kill(pid, signal.SIGSTOP)
