@@ -141,6 +141,7 @@ class Dispatcher:
         metrics: where the request and engine metrics go (default: a registry of the dispatcher's own).
         block_bytes: the KV bytes of one block (for the transfer metrics).
         host: where the dispatcher's transfer engine listens for the workers' reports (an address they reach).
+        stop_token_ids: the tokens that end every generation (the tokenizer's: the decode engines stop there).
     """
 
     def __init__(
@@ -154,8 +155,10 @@ class Dispatcher:
         metrics: ServingMetrics | None = None,
         block_bytes: int,
         host: str = "127.0.0.1",
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
+        self._stop_ids = tuple(sorted(stop_token_ids))
         self.hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
@@ -282,6 +285,7 @@ class Dispatcher:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            stop_ids=self._stop_ids,
         )
         instance = live.prefill
         future = asyncio.get_running_loop().run_in_executor(self._calls, self.call, instance, job)

@@ -154,6 +154,7 @@ class Gateway:
             metrics=self.metrics,
             block_bytes=model_shape(config).kv_bytes_per_token * config.model.block_tokens,
             host=host,
+            stop_token_ids=self.tokenizer.stop_token_ids,
         )
         self.site: GuardedSite | None = None
         self._health_task: asyncio.Task[None] | None = None

@@ -41,7 +41,11 @@ class Decoder(Protocol):
 
 
 class ServingTokenizer(Protocol):
-    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, and a generation's text stream."""
+    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, a generation's text stream, and the
+    token ids that end a generation (the decode engine stops at them too)."""
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -54,6 +58,7 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids; `chat_prompt` as the chat template; no stop ids."""
 
     vocab_size = 256
+    stop_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -76,6 +81,10 @@ class CheckpointTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.tokenizer.special.stop_token_ids
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -89,7 +98,7 @@ class CheckpointTokenizer:
 
     def stream(self, stop: Sequence[str] = ()) -> TextStream:
         """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids."""
-        return TextStream(stop, decoder=self.tokenizer.detokenizer(), stop_ids=self.tokenizer.special.stop_token_ids)
+        return TextStream(stop, decoder=self.tokenizer.detokenizer(), stop_ids=self.stop_token_ids)
 
 
 class _Utf8Decoder:

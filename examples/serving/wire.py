@@ -6,7 +6,7 @@ control call that carries it; its fields travel as the call's JSON object:
     gateway → worker   worker.connect  Connect {gateway, peers}
                        worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, kv_usage, ...}
                        worker.stop     Stop {}
-    gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, max_tokens, ...}
+    gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, max_tokens, ..., stop_ids}
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error}
@@ -247,6 +247,7 @@ class PrefillJob:
     temperature: float = _field(FLOAT)
     top_p: float = _field(FLOAT)
     seed: int = _field(INT)
+    stop_ids: tuple[int, ...] = _field(INTS)  # the tokens that end the generation (the model's EOS)
 
 
 @attrs.frozen(kw_only=True)
@@ -271,6 +272,7 @@ class DecodeJob:
     temperature: float = _field(FLOAT)
     top_p: float = _field(FLOAT)
     seed: int = _field(INT)
+    stop_ids: tuple[int, ...] = _field(INTS)  # the tokens that end the generation (the model's EOS)
 
 
 @attrs.frozen(kw_only=True)

@@ -339,6 +339,7 @@ class Worker:
             temperature=job.temperature,
             top_p=job.top_p,
             seed=job.seed,
+            stop_ids=job.stop_ids,
         )
         done = wire.PrefillDone(
             instance_id=self.spec.instance_id,
@@ -410,7 +411,9 @@ class Worker:
                 prompt_tokens=job.prompt_tokens,
                 first_token=job.first_token,
                 max_new_tokens=job.max_tokens,
-                sampling=SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
+                sampling=SamplingParams(
+                    temperature=job.temperature, top_p=job.top_p, seed=job.seed, stop_token_ids=job.stop_ids
+                ),
                 on_token=None,
             )
         except MooncakeError as error:

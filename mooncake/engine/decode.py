@@ -7,7 +7,8 @@ decodes one token for every active request: embeds their last tokens, and per
 layer writes the new K and V at each request's own position and attends over
 each request's own context (`decode_attention` over the slots, ragged lengths);
 then samples, reports every token to the request's callback, and retires the
-requests that reached their `max_new_tokens`.
+requests that reached their `max_new_tokens` or sampled one of their
+`SamplingParams.stop_token_ids` (the model's EOS; emitted as the last token).
 
 KV lives in per-layer slot tensors `[max_batch_size, kv_heads, max_context_tokens,
 head_dim]`; active requests occupy slots 0 … B − 1 (a retired request's slot is
@@ -20,8 +21,8 @@ asks, `sched.join.check_join`, on the engine's `limits` (a slot's
 (active requests, the KV a step reads, Σ prompt + max_new_tokens reserved):
 context too long, batch full, KV budget, and with a TBT SLO and a step model
 the predicted step time with the request added. A request whose only token is
-its prefill's (`max_new_tokens == 1`) is finished at join and takes no slot,
-so only its context is checked.
+its prefill's (`max_new_tokens == 1`, or a first token that stops it) is
+finished at join and takes no slot, so only its context is checked.
 
 Invariants: slots 0 … B − 1 hold exactly the active requests; each request's
 context length = prompt + tokens emitted − 1; reserved tokens = Σ (prompt +
@@ -94,7 +95,13 @@ class _Active:
     sampler: Sampler
     on_token: Callable[[TokenEvent], None] | None
     last_token: int
+    stop_token_ids: frozenset[int]
     emitted: int = 1
+    done: bool = False  # its last token is out: `max_new_tokens` reached or a stop token sampled
+
+    def ends_with(self, token: int) -> bool:
+        """Whether `token`, just emitted as the `emitted`-th, is the request's last (the one rule)."""
+        return self.emitted >= self.max_new_tokens or token in self.stop_token_ids
 
     @property
     def context(self) -> int:  # KV positions filled; the next token is fed at this position
@@ -226,13 +233,15 @@ class DecodeEngine:
         )
         if not verdict.accepted:
             return verdict
+        sampling = sampling or SamplingParams()
         active = _Active(
-            request_id, prompt_tokens, max_new_tokens, Sampler(sampling or SamplingParams()), on_token, first_token
+            request_id, prompt_tokens, max_new_tokens, Sampler(sampling), on_token, first_token, sampling.stop_token_ids
         )
-        if max_new_tokens > 1:
+        active.done = active.ends_with(first_token)
+        if not active.done:
             self._copy_kv(len(self._active), keys, prompt_tokens)
             self._active.append(active)
-        self._emit(active, first_token, finished=max_new_tokens == 1)
+        self._emit(active, first_token, finished=active.done)
         return verdict
 
     def _copy_kv(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
@@ -298,7 +307,8 @@ class DecodeEngine:
             token = a.sampler.next_token(row)
             a.last_token = token
             a.emitted += 1
-            events.append(self._emit(a, token, finished=a.emitted >= a.max_new_tokens))
+            a.done = a.ends_with(token)
+            events.append(self._emit(a, token, finished=a.done))
         self._retire()
         self.last_step_s = time.perf_counter() - started
         return events
@@ -329,7 +339,7 @@ class DecodeEngine:
     def _retire(self) -> None:
         slot = 0
         while slot < len(self._active):
-            if self._active[slot].emitted < self._active[slot].max_new_tokens:
+            if not self._active[slot].done:
                 slot += 1
                 continue
             self._remove(slot)

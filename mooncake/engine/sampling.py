@@ -32,11 +32,14 @@ class SamplingParams:
         temperature: 0 for greedy (the default), else logits are divided by it.
         top_p: the nucleus' probability mass, in (0, 1]; 1 (the default) samples from every token.
         seed: the request's random stream (temperature > 0), in [0, 2**64).
+        stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
+            vLLM's `stop_token_ids`): the token is emitted, as the request's last.
     """
 
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
     seed: int = attrs.field(default=0)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
 
     @temperature.validator
     def _check_temperature(self, _attribute: object, value: float) -> None:
@@ -51,6 +54,11 @@ class SamplingParams:
     def _check_seed(self, _attribute: object, value: int) -> None:
         if require_int("seed", value, minimum=0) > MAX_SEED:
             raise ConfigError(f"seed must be below 2**64, got {value!r}")
+
+    @stop_token_ids.validator
+    def _check_stop_token_ids(self, _attribute: object, value: frozenset[int]) -> None:
+        for token in value:
+            require_int("stop_token_ids", token, minimum=0)
 
 
 def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:

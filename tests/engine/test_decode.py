@@ -602,12 +602,18 @@ class Expected:
     prompt: list[int]
     max_new_tokens: int
     tokens: list[int] = attrs.Factory(list)
+    stop: frozenset[int] = frozenset()
+
+    def over(self) -> bool:
+        """The reference's end: `max_new_tokens` out, or a stop token sampled (emitted as the last)."""
+        return len(self.tokens) == self.max_new_tokens or self.tokens[-1] in self.stop
 
 
 class DecodeMachine(RuleBasedStateMachine):
     """Requests join (prefilled on the spot into the shared cache) and step, against a bookkeeping reference:
     the local checks' verdicts, the active set, emitted counts and reserved tokens; each token is the model's
-    greedy continuation and every request ends exactly once, with finished=True on its last token."""
+    greedy continuation and every request ends exactly once, with finished=True on its last token: its
+    `max_new_tokens`-th or the first of its stop tokens."""
 
     @initialize()
     def start(self) -> None:
@@ -630,8 +636,9 @@ class DecodeMachine(RuleBasedStateMachine):
         length=st.integers(min_value=1, max_value=10),
         content=st.integers(min_value=0, max_value=2),
         max_new_tokens=st.integers(min_value=1, max_value=6),
+        stop=st.frozensets(st.integers(min_value=0, max_value=255), max_size=96),  # the tiny vocabulary: often hit
     )
-    def join(self, length: int, content: int, max_new_tokens: int) -> None:
+    def join(self, length: int, content: int, max_new_tokens: int, stop: frozenset[int]) -> None:
         prompt = tokens_of(content, length)  # three contents: prompts share prefixes often
         request_id = RequestId(f"q{self.count}")
         self.count += 1
@@ -644,6 +651,7 @@ class DecodeMachine(RuleBasedStateMachine):
             prompt_tokens=length,
             first_token=result.first_token,
             max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(stop_token_ids=stop),
             on_token=self.events[request_id].append,
         )
         reserved = sum(len(e.prompt) + e.max_new_tokens for e in self.active.values())
@@ -658,8 +666,8 @@ class DecodeMachine(RuleBasedStateMachine):
         if not verdict.accepted:
             assert self.events.pop(request_id) == []
             return
-        expected = Expected(prompt, max_new_tokens, [result.first_token])
-        (self.active if max_new_tokens > 1 else self.ended)[request_id] = expected
+        expected = Expected(prompt, max_new_tokens, [result.first_token], stop)
+        (self.ended if expected.over() else self.active)[request_id] = expected
 
     @precondition(lambda self: bool(getattr(self, "active", None)))
     @rule()
@@ -672,7 +680,7 @@ class DecodeMachine(RuleBasedStateMachine):
             logits = reference_logits(expected.prompt + expected.tokens)[-1]
             assert event.token == int(torch.argmax(logits))
             expected.tokens.append(event.token)
-            if len(expected.tokens) == expected.max_new_tokens:
+            if expected.over():
                 self.ended[event.request_id] = self.active.pop(event.request_id)
 
     @rule()
@@ -694,7 +702,7 @@ class DecodeMachine(RuleBasedStateMachine):
             assert [e.index for e in events] == list(range(len(expected.tokens)))
             finished = [e.finished for e in events]
             if request_id in self.ended:
-                assert finished == [False] * (expected.max_new_tokens - 1) + [True]
+                assert finished == [False] * (len(expected.tokens) - 1) + [True]
             else:
                 assert not any(finished)
 

@@ -150,16 +150,20 @@ def test_greedy_completions_equal_transformers_generate(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:
     """For each prompt: the text, the prompt and completion token counts and the finish reason equal
-    transformers' greedy `generate` on the same files; EOS ends at least one of them with "stop"."""
+    transformers' greedy `generate` on the same files; EOS ends at least one of them with "stop"; the decode
+    engine generates exactly the answer's tokens (it stops at EOS itself, not when the gateway's cancel lands)."""
     _, model, tokenizer = checkpoint
     api = client(cluster)
     finishes = []
     for prompt in PROMPTS:
         text, prompt_tokens, completion_tokens, finish = hf_answer(model, tokenizer, prompt)
+        before = cluster.gateway.dispatcher.health("decode-0").generated_tokens
         answer = api.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         choice = answer.choices[0]
         assert (choice.text, choice.finish_reason) == (text, finish), prompt
         assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+        generated = cluster.gateway.dispatcher.health("decode-0").generated_tokens - before
+        assert generated == completion_tokens, (prompt, finish)
         finishes.append(finish)
     assert "stop" in finishes and "length" in finishes, finishes
 

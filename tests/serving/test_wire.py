@@ -58,6 +58,7 @@ messages = st.one_of(
         temperature=floats,
         top_p=floats,
         seed=ints,
+        stop_ids=keys,
     ),
     st.builds(wire.CancelDecode, request_id=ints),
     st.builds(
@@ -71,6 +72,7 @@ messages = st.one_of(
         temperature=floats,
         top_p=floats,
         seed=ints,
+        stop_ids=keys,
     ),
     st.builds(wire.PrefillStarted, instance_id=names, request_id=ints, attempt=ints),
     st.builds(
