@@ -58,7 +58,11 @@ def test_a_client_past_its_connection_cap_gets_a_json_429(cluster: RunningCluste
         held = [stack.enter_context(socket.create_connection(address(cluster), timeout=DEADLINE_S))]
         held += [stack.enter_context(socket.create_connection(address(cluster), timeout=DEADLINE_S))
                  for _ in range(PER_CLIENT - 1)]  # fmt: skip
-        time.sleep(0.2)  # the guard counts a connection when the event loop accepts it
+        guard = cluster.gateway.site.guard  # type: ignore[union-attr]
+        deadline = time.monotonic() + DEADLINE_S
+        while guard.total < PER_CLIENT:  # the guard counts a connection when the event loop accepts it
+            assert time.monotonic() < deadline, f"the gateway accepted {guard.total} of {PER_CLIENT} connections"
+            time.sleep(0.01)
         with socket.create_connection(address(cluster), timeout=DEADLINE_S) as extra:
             answer = read_all(extra)
         head, _, body = answer.partition(b"\r\n\r\n")
