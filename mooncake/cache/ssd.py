@@ -110,7 +110,8 @@ class SsdPagePool(AllocatingPool):
         self._scratch = threading.local()  # per-thread header buffers: readers run concurrently
         self._zeros = aligned_buffer(HEADER_BYTES)  # written to free a slot; never modified
         self._bounce = aligned_buffer(self.slot_bytes) if o_direct else None
-        existed = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        created = not os.path.exists(self.path)  # only a file this call makes is removed on failure
+        existed = not created and os.path.getsize(self.path) > 0
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
         try:
             self._fd = os.open(self.path, flags, 0o644)
@@ -124,7 +125,7 @@ class SsdPagePool(AllocatingPool):
                 self.recovered = ()
         except BaseException:
             os.close(self._fd)
-            if not existed:  # leave nothing half-made behind
+            if created:  # leave nothing half-made behind (never a file, or a device, that was there before)
                 os.unlink(self.path)
             raise
 

@@ -370,6 +370,21 @@ def test_another_preallocation_failure_propagates_and_leaves_no_file(
     assert not path.exists()
 
 
+def test_a_failure_never_removes_a_file_that_was_there_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty file (or a device: /dev/null reads as one) the pool cannot set up is left where it was: only a
+    file the pool created is removed when it fails."""
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = tmp_path / "pool"
+    path.touch()
+    with pytest.raises(CapacityError):
+        SsdPagePool(path, 4096, 2)
+    assert path.exists()
+
+
 def test_invalid_options_raise_config_error(tmp_path: Path) -> None:
     """Bad geometry or fsync_every raise ConfigError before any file is made."""
     path = tmp_path / "pool"
