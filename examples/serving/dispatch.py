@@ -281,11 +281,13 @@ class Dispatcher:
             tokens=tuple(live.tokens),
             decode=live.decode,
             fetch=live.fetch,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            stop_ids=self._stop_ids,
+            sampling=wire.Sampling(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed,
+                stop_ids=self._stop_ids,
+            ),
         )
         instance = live.prefill
         future = asyncio.get_running_loop().run_in_executor(self._calls, self.call, instance, job)

@@ -6,7 +6,7 @@ control call that carries it; its fields travel as the call's JSON object:
     gateway → worker   worker.connect  Connect {gateway, peers}
                        worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, kv_usage, ...}
                        worker.stop     Stop {}
-    gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, max_tokens, ..., stop_ids}
+    gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, sampling}
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error}
@@ -61,6 +61,7 @@ __all__ = [
     "PrefillFailed",
     "PrefillJob",
     "PrefillStarted",
+    "Sampling",
     "Stop",
     "Token",
     "decode",
@@ -196,6 +197,19 @@ class Fetch:
 
 
 @attrs.frozen(kw_only=True)
+class Sampling:
+    """How a request's tokens are chosen and when it ends, as the gateway set it: one record the prefill job
+    carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
+    generation, the model's EOS and the like)."""
+
+    max_tokens: int = _field(INT)
+    temperature: float = _field(FLOAT)
+    top_p: float = _field(FLOAT)
+    seed: int = _field(INT)
+    stop_ids: tuple[int, ...] = _field(INTS)
+
+
+@attrs.frozen(kw_only=True)
 class Connect:
     """The gateway's engine address and every worker's, by instance id."""
 
@@ -243,11 +257,7 @@ class PrefillJob:
     tokens: tuple[int, ...] = _field(INTS)
     decode: str = _field(STR)
     fetch: Fetch | None = _field(_optional(_record(Fetch)))  # noqa: RUF009 (an attrs field)
-    max_tokens: int = _field(INT)
-    temperature: float = _field(FLOAT)
-    top_p: float = _field(FLOAT)
-    seed: int = _field(INT)
-    stop_ids: tuple[int, ...] = _field(INTS)  # the tokens that end the generation (the model's EOS)
+    sampling: Sampling = _field(_record(Sampling))  # noqa: RUF009 (an attrs field)
 
 
 @attrs.frozen(kw_only=True)
@@ -268,11 +278,7 @@ class DecodeJob:
     keys: tuple[int, ...] = _field(INTS)
     prompt_tokens: int = _field(INT)
     first_token: int = _field(INT)
-    max_tokens: int = _field(INT)
-    temperature: float = _field(FLOAT)
-    top_p: float = _field(FLOAT)
-    seed: int = _field(INT)
-    stop_ids: tuple[int, ...] = _field(INTS)  # the tokens that end the generation (the model's EOS)
+    sampling: Sampling = _field(_record(Sampling))  # noqa: RUF009 (an attrs field)
 
 
 @attrs.frozen(kw_only=True)

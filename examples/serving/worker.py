@@ -327,19 +327,14 @@ class Worker:
             except (MooncakeError, OSError, KeyError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
         sink = MessengerSink(self.messenger, self._peer(job.decode), num_layers=self.model.config.num_layers)
-        sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed)
-        result = self._prefill.prefill(tokens, sampling=sampling, sink=sink)
+        result = self._prefill.prefill(tokens, sampling=_sampling_params(job.sampling), sink=sink)
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,
             keys=tuple(int(k) for k in result.keys),
             prompt_tokens=len(tokens),
             first_token=result.first_token,
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            seed=job.seed,
-            stop_ids=job.stop_ids,
+            sampling=job.sampling,
         )
         done = wire.PrefillDone(
             instance_id=self.spec.instance_id,
@@ -410,10 +405,8 @@ class Worker:
                 [BlockKey(k) for k in job.keys],
                 prompt_tokens=job.prompt_tokens,
                 first_token=job.first_token,
-                max_new_tokens=job.max_tokens,
-                sampling=SamplingParams(
-                    temperature=job.temperature, top_p=job.top_p, seed=job.seed, stop_token_ids=job.stop_ids
-                ),
+                max_new_tokens=job.sampling.max_tokens,
+                sampling=_sampling_params(job.sampling),
                 on_token=None,
             )
         except MooncakeError as error:
@@ -425,11 +418,22 @@ class Worker:
             assert joined.reason is not None
             self._tell_gateway(wire.DecodeRejected(**ids, reason=joined.reason.value))
             return
-        self._tell_gateway(wire.DecodeJoined(**ids, context_tokens=job.prompt_tokens, output_tokens=job.max_tokens))
-        if job.max_tokens > 1:
+        self._tell_gateway(
+            wire.DecodeJoined(**ids, context_tokens=job.prompt_tokens, output_tokens=job.sampling.max_tokens)
+        )
+        # The engine's own answer to "did the first token end it" (max_tokens 1, or a stop token): not a second rule.
+        decoding = request_id in self._decode.active_ids
+        if decoding:
             self._attempts[request_id] = job.attempt
         # The prefill's token is the request's first output token (the engine does not report it without on_token).
-        first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, job.max_tokens == 1))
+        first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, not decoding))
+
+
+def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
+    """The engines' sampling options for a job's (stop ids end the generation in the decode engine)."""
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, stop_token_ids=sampling.stop_ids
+    )
 
 
 def run_worker(spec: WorkerSpec, connection: Any) -> None:

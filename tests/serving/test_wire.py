@@ -34,6 +34,7 @@ events = st.one_of(
     st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
 )
 tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans())
+samplings = st.builds(wire.Sampling, max_tokens=ints, temperature=floats, top_p=floats, seed=ints, stop_ids=keys)
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
     st.builds(wire.HealthCheck),
@@ -54,11 +55,7 @@ messages = st.one_of(
         tokens=keys,
         decode=names,
         fetch=st.none() | st.builds(wire.Fetch, source=names, blocks=ints),
-        max_tokens=ints,
-        temperature=floats,
-        top_p=floats,
-        seed=ints,
-        stop_ids=keys,
+        sampling=samplings,
     ),
     st.builds(wire.CancelDecode, request_id=ints),
     st.builds(
@@ -68,11 +65,7 @@ messages = st.one_of(
         keys=keys,
         prompt_tokens=ints,
         first_token=ints,
-        max_tokens=ints,
-        temperature=floats,
-        top_p=floats,
-        seed=ints,
-        stop_ids=keys,
+        sampling=samplings,
     ),
     st.builds(wire.PrefillStarted, instance_id=names, request_id=ints, attempt=ints),
     st.builds(
