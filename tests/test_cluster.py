@@ -24,11 +24,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.waiting import is_running, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
@@ -54,17 +56,7 @@ from mooncake.types import BlockKey, InstanceId, Request, RequestId  # noqa: E40
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 API_KEY = "test-key"
 TIMEOUT_S = 60.0  # any one request; far above what the tiny model needs
-POLL_S = 0.05  # wait_for's period
 SAMPLE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$")
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll `predicate` until it holds; fail the test naming `what` if it does not within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout} s for {what}")
-        time.sleep(POLL_S)
 
 
 def tiny(**sections: dict[str, Any]) -> ClusterConfig:
@@ -590,15 +582,6 @@ def children(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
-
-
-def is_running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (an orphan's zombie may wait for an init that never reaps)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def segments_of(pids: set[int]) -> set[str]:

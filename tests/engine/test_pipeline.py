@@ -18,8 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from mooncake.engine.config import PRESETS  # noqa: E402
 from mooncake.engine.model import LlamaModel  # noqa: E402
 from mooncake.engine.pipeline import PARENT_WATCH_S, PipelineGroup, stage_layers  # noqa: E402
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError  # noqa: E402
+from tests.waiting import is_running, wait_for  # noqa: E402
 
 TINY = PRESETS["tiny"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,23 +42,6 @@ SEED = 5
 CHUNK = 3  # small, so prompts of a few tokens already take several chunks through the pipeline
 
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout} s for {what}")
-        time.sleep(0.02)
-
-
-def is_running(pid: int) -> bool:
-    """Whether `pid` is a process that has not exited (a zombie has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def reference(tokens: list[int]) -> tuple[torch.Tensor, KV]:

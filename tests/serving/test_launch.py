@@ -45,6 +45,7 @@ from serving.config import load_config
 from serving.launch import SEGMENT_NAME, RunningCluster, remove_stale_segments, start_cluster
 
 from mooncake.transfer.region import create_shared
+from tests.waiting import is_running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "examples" / "cluster.py"
@@ -68,21 +69,6 @@ def holds_within(predicate: Callable[[], bool], timeout: float) -> bool:
             return False
         time.sleep(POLL_S)
     return True
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll `predicate` until it holds; fail naming `what` if it does not within `timeout` seconds."""
-    if not holds_within(predicate, timeout):
-        pytest.fail(f"waited {timeout} s for {what}")
-
-
-def is_running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (an orphan's zombie may wait for an init that never reaps)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def descendants(pid: int) -> set[int]:

@@ -19,10 +19,9 @@ import json
 import os
 import signal
 import socket
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +42,11 @@ from serving.launch import RunningCluster, start_cluster  # noqa: E402
 
 from mooncake.sched.join import DecodeLimits  # noqa: E402
 from mooncake.types import BlockKey, InstanceId, Request, RequestId  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 TIMEOUT_S = 60.0
 LONG = 3000  # tokens: many seconds of decoding on the tiny model, so an end before it is a cancellation
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout} s for {what}")
-        time.sleep(0.05)
 
 
 def config(**limits: Any) -> ClusterConfig:

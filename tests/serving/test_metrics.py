@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from serving.metrics import (
 )
 
 from mooncake.errors import ConfigError
+from tests.waiting import wait_for
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 TIMEOUT_S = 60.0
@@ -100,14 +100,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def top_bucket(samples: Samples, histogram: str) -> float:
     """The largest finite bucket bound of a histogram's series."""
     return max(float(labels["le"]) for labels, _ in samples[f"{histogram}_bucket"] if labels["le"] != "+Inf")
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout} s for {what}")
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------- without a cluster

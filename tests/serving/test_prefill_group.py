@@ -21,10 +21,9 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,28 +57,12 @@ from tests.engine.support import (  # noqa: E402
     page_bytes,
     tiny_model,
 )
+from tests.waiting import is_running, wait_for  # noqa: E402
 
 TINY_TOML = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 BLOCK = 4
 CHUNK = 5  # chunks that do not divide the blocks
 TIMEOUT_S = 60.0
-
-
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout} s for {what}")
-        time.sleep(0.05)
-
-
-def is_running(pid: int) -> bool:
-    """Whether `pid` is a process that has not exited (a zombie has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def children(pid: int) -> list[int]:
