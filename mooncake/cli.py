@@ -352,8 +352,10 @@ def _parser() -> argparse.ArgumentParser:
 def _os_error(error: OSError) -> str:
     """`file: reason` for a failed read or write (its errno and repr left out)."""
     if error.filename is not None and error.strerror:
-        return f"{os.fsdecode(error.filename)}: {error.strerror}"
-    return str(error)
+        name = os.fsdecode(error.filename)
+        # A name with a line break or other control character is quoted: the error stays one line.
+        return f"{name if name.isprintable() else _shown(name)}: {error.strerror}"
+    return " ".join(str(error).split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

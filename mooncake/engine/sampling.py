@@ -85,7 +85,10 @@ class Sampler:
         """The token chosen from float `logits` [vocab]."""
         if self._generator is None:
             return int(torch.argmax(logits))
-        probabilities = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
+        # (probability 0), never inf - inf = nan.
+        logits = logits.double().cpu()  # float64: a temperature as small as 1e-300 is not 0 there
+        probabilities = torch.softmax((logits - logits.max()) / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             probabilities = torch.where(nucleus(probabilities, self.params.top_p), probabilities, 0.0)
         return int(torch.multinomial(probabilities, 1, generator=self._generator))
