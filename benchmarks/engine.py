@@ -32,9 +32,9 @@ Sections 1-4 in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh);
    temporary directory: hidden 512, 4 layers, 8 heads / 4 KV heads, MLP 1408,
    vocab 4096) in `--dtype`, at each `--peer-batches` size of
    `--peer-prompt-tokens` prompts. Prefill tokens/s: this engine's
-   `PrefillEngine.prefill` of each prompt (one at a time, KV stored
-   layer-wise), transformers' forward of the [batch, prompt] ids (the last
-   position's logits). Decode tokens/s: `--peer-new-tokens` steps of this
+   `PrefillEngine.prefill_batch` of the prompts (packed into shared passes,
+   KV stored layer-wise), transformers' forward of the [batch, prompt] ids
+   (the last position's logits, its KV kept in a `DynamicCache`). Decode tokens/s: `--peer-new-tokens` steps of this
    engine's `DecodeEngine` with the batch joined (continuous batching), and
    transformers' greedy `generate` from its first token to its last (times
    stamped by a stopping criterion, so its prefill is left out). vLLM's CPU
@@ -78,7 +78,8 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def cache_for(layout: KvLayout, tokens: int) -> TieredCache:
-    return TieredCache([DramPagePool(layout.page_bytes, -(-tokens // layout.block_tokens) + 1)])
+    """A DRAM cache for `tokens`, its pages touched up front as a serving node's are after warm-up."""
+    return TieredCache([DramPagePool(layout.page_bytes, -(-tokens // layout.block_tokens) + 1, prefault=True)])
 
 
 def matmul_flops_per_s(config: ModelConfig, rows: int) -> float:
@@ -240,10 +241,10 @@ def batch_prompts(batch: int, prompt_tokens: int, vocab: int) -> list[list[int]]
 
 
 def prefill_prompts(model: LlamaModel, cache: TieredCache, prompts: list[list[int]]) -> list[Any]:
-    """Each prompt through one `PrefillEngine` (it takes one prompt at a time), KV stored layer-wise."""
+    """The prompts as one `PrefillEngine.prefill_batch` (packed into shared passes), KV stored layer-wise."""
     hasher = BlockHasher(model=model.config.name, block_size_tokens=BLOCK_TOKENS)
     with PrefillEngine(model, cache, hasher) as engine:
-        return [engine.prefill(p) for p in prompts]
+        return engine.prefill_batch(prompts)
 
 
 def decode_steps_s(model: LlamaModel, cache: TieredCache, prefilled: list[Any], new_tokens: int) -> float:
@@ -266,8 +267,8 @@ def decode_steps_s(model: LlamaModel, cache: TieredCache, prefilled: list[Any], 
 
 
 def ours(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[Timer, Timer]:
-    """This engine. Prefill: the batch's prompts through `PrefillEngine.prefill` one after another,
-    KV stored layer-wise into a fresh cache. Decode: the prompts' KV joins a `DecodeEngine` of
+    """This engine. Prefill: the batch's prompts through one `PrefillEngine.prefill_batch`, KV stored
+    layer-wise into a fresh cache. Decode: the prompts' KV joins a `DecodeEngine` of
     `batch` slots and `new_tokens` continuous-batching steps are timed (the joins are not)."""
     from mooncake.engine.checkpoint import load_model
 
@@ -293,8 +294,8 @@ def ours(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tup
 
 
 def transformers_peer(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[Timer, Timer]:
-    """transformers. Prefill: one forward of the [batch, prompt] ids (the last position's logits, as a
-    server's prefill). Decode: greedy `generate` of new_tokens + 1 tokens; a stopping criterion stamps
+    """transformers. Prefill: one forward of the [batch, prompt] ids keeping its KV cache (the last
+    position's logits and the KV, as a server's prefill). Decode: greedy `generate` of new_tokens + 1 tokens; a stopping criterion stamps
     the time as each token lands, and the decode steps are the time from the first token to the last."""
     import transformers
 
@@ -315,7 +316,7 @@ def transformers_peer(directory: str, dtype: str, prompt_tokens: int, new_tokens
     def prefill_s(batch: int) -> float:
         ids = torch.tensor(batch_prompts(batch, prompt_tokens, vocab))
         started = time.perf_counter()
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - started
 
     @torch.inference_mode()

@@ -63,14 +63,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     t, s = q.shape[0], k.shape[0]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attention_available():
         return _flash(q[None], k[None], v[None], causal=True)[0]  # type: ignore[no-any-return]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T|S, head_dim]
+    # [1, heads, T|S, head_dim]: with a batch dimension torch's CPU SDPA takes its flash kernel;
+    # 3-D inputs fall back to the math path, 3-8x slower from 1 K tokens on (benchmarks/engine.py).
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
     if s == t:
         out = functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         rows = torch.arange(t, device=q.device)[:, None] + (s - t)
         mask = torch.arange(s, device=q.device)[None, :] <= rows
         out = functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def prefill_attention_into(

@@ -260,11 +260,11 @@ class DecodeEngine:
                     raise InvalidRequestError(
                         f"KV block {key} holds {tokens} tokens, the prompt needs {min(block, prompt_tokens - b * block)}"
                     )
+                kv = self.layout.page_kv(page).to(self.model.device)
+                rows = slice(b * block, b * block + tokens)
                 for layer in range(self.model.config.num_layers):
-                    k, v = self.layout.layer_kv(page, layer)
-                    rows = slice(b * block, b * block + tokens)
-                    self._k[layer][slot, :, rows] = k.transpose(0, 1).to(self.model.device)
-                    self._v[layer][slot, :, rows] = v.transpose(0, 1).to(self.model.device)
+                    self._k[layer][slot, :, rows] = kv[layer, 0].transpose(0, 1)
+                    self._v[layer][slot, :, rows] = kv[layer, 1].transpose(0, 1)
         finally:
             for key in pinned:
                 self.cache.unpin(key)

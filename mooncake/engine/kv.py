@@ -40,7 +40,7 @@ class KvLayout:
 
     @property
     def element_bytes(self) -> int:
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     def layer_bytes(self, tokens: int) -> int:
         """Bytes of one layer's K and V for `tokens` tokens."""
@@ -74,15 +74,18 @@ class KvLayout:
         """
         return self.tokens_in(memoryview(page).nbytes)
 
-    def layer_kv(self, page: Buffer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `layer` in `page` (a buffer of `block_bytes(t)` bytes) as [t, kv_heads, head_dim] views."""
+    def page_kv(self, page: Buffer) -> torch.Tensor:
+        """The whole of `page` (a buffer of `block_bytes(t)` bytes) as a [num_layers, 2, t, kv_heads, head_dim]
+        view (a copy when the buffer is read-only: torch wants writable memory); `[l, 0]` is layer l's K."""
         view = memoryview(page).cast("B")
         tokens = self.tokens_in(view.nbytes)
         array = np.frombuffer(view, dtype=np.uint8)
-        if view.readonly:  # torch wants writable memory: an SSD read's copy is copied once more
+        if view.readonly:  # an SSD read's copy is copied once more
             array = array.copy()
-        size = self.layer_bytes(tokens)
-        start = layer * size
-        flat = torch.from_numpy(array[start : start + size]).view(self.torch_dtype)
-        kv = flat.view(2, tokens, self.config.num_kv_heads, self.config.head_dim)
+        flat = torch.from_numpy(array).view(self.torch_dtype)
+        return flat.view(self.config.num_layers, 2, tokens, self.config.num_kv_heads, self.config.head_dim)
+
+    def layer_kv(self, page: Buffer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` in `page` as [t, kv_heads, head_dim] views (see `page_kv`)."""
+        kv = self.page_kv(page)[layer]
         return kv[0], kv[1]

@@ -88,6 +88,8 @@ class LayerwiseKvIo:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._has_output = any(page is not None for page in pages) or on_layer_final is not None
         self._prefix_pages: list[Buffer] = []
+        self._prefix_views: list[torch.Tensor] = []  # page_kv of each prefix page (loader thread)
+        self._page_views: list[torch.Tensor | None] | None = None  # page_kv of each page to fill (store thread)
         self._loads: dict[int, Future[None]] = {}  # layer → its queued load (layer-wise)
         self._stores: list[Future[None]] = []  # queued stores and listener calls (layer-wise)
         self._deferred: list[tuple[int, int, int]] = []  # (layer, start, end) stored at the end (serialized)
@@ -186,12 +188,13 @@ class LayerwiseKvIo:
             self._prefix_pages.extend(self.cache.get(key) for key in self._prefix_keys)
             if any(page is None for page in self._prefix_pages):
                 raise IntegrityError("a pinned prefix block failed verification while loading")
+        if not self._prefix_views:  # one view per page, not one per page and layer (this runs per layer)
+            self._prefix_views.extend(self.layout.page_kv(page) for page in self._prefix_pages)
         block = self.layout.block_tokens
-        for b, page in enumerate(self._prefix_pages):
-            k, v = self.layout.layer_kv(page, layer)
+        for b, kv in enumerate(self._prefix_views):
             rows = slice(b * block, (b + 1) * block)
-            self._k[layer][rows].copy_(k, non_blocking=True)
-            self._v[layer][rows].copy_(v, non_blocking=True)
+            self._k[layer][rows].copy_(kv[layer, 0], non_blocking=True)
+            self._v[layer][rows].copy_(kv[layer, 1], non_blocking=True)
         device = self._k[layer].device
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
@@ -209,11 +212,12 @@ class LayerwiseKvIo:
         else:
             k_host, v_host = k_rows.cpu(), v_rows.cpu()
         block, first_page = self.layout.block_tokens, len(self._prefix_keys)
+        if self._page_views is None:  # one view per page, made on the store thread, not one per page and layer
+            self._page_views = [None if page is None else self.layout.page_kv(page) for page in self._pages]
         for b in range(start // block, (end - 1) // block + 1):
-            page = self._pages[b - first_page]
-            if page is None:
+            kv = self._page_views[b - first_page]
+            if kv is None:
                 continue
-            k_page, v_page = self.layout.layer_kv(page, layer)
             lo, hi = max(start, b * block), min(end, (b + 1) * block)
-            k_page[lo - b * block : hi - b * block].copy_(k_host[lo - start : hi - start])
-            v_page[lo - b * block : hi - b * block].copy_(v_host[lo - start : hi - start])
+            kv[layer, 0, lo - b * block : hi - b * block].copy_(k_host[lo - start : hi - start])
+            kv[layer, 1, lo - b * block : hi - b * block].copy_(v_host[lo - start : hi - start])

@@ -50,13 +50,26 @@ from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
-from mooncake.engine.model import LlamaModel
+from mooncake.engine.model import Attend, LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
 
-__all__ = ["ForwardPass", "KvSink", "MessengerSink", "ModelForward", "PrefillConfig", "PrefillEngine", "PrefillResult"]
+__all__ = [
+    "ForwardPass",
+    "KvBuffers",
+    "KvSink",
+    "MessengerSink",
+    "ModelForward",
+    "PrefillConfig",
+    "PrefillEngine",
+    "PrefillResult",
+]
+
+
+# One prompt's (K, V) buffers, one pair per layer, each [tokens, kv_heads, head_dim].
+KvBuffers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KvSink(Protocol):
@@ -162,18 +175,58 @@ class ModelForward:
         return self.model.device
 
     def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
-        model, n, chunk = self.model, ids.shape[0], self.chunk_tokens
-        x = torch.empty(0)
-        for start in range(io.prefix_tokens, n, chunk):
-            end = min(n, start + chunk)
-            x = model.embed(ids[start:end])
-            cos, sin = model.rope(torch.arange(start, end))
+        return self.run_many([(ids, kv, io)])[0]
+
+    def run_many(self, prompts: Sequence[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]]) -> list[torch.Tensor]:
+        """`run` of several prompts, their uncached tokens packed into shared passes; each prompt's logits.
+
+        Each pass takes up to `chunk_tokens` tokens, prompt after prompt in order (a prompt may
+        continue in the next pass), and runs them through every layer as one [T, hidden] batch:
+        the matrix products are shared, attention and RoPE positions stay per prompt (each piece
+        attends to its own prefix and earlier pieces only). One prompt's passes are `run`'s chunks.
+        """
+        model = self.model
+        cursor = [io.prefix_tokens for _, _, io in prompts]
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        while True:
+            pieces: list[tuple[int, int, int]] = []  # (prompt, start, end)
+            budget = self.chunk_tokens
+            for i, (ids, _, _) in enumerate(prompts):
+                if budget and cursor[i] < ids.shape[0]:
+                    end = min(ids.shape[0], cursor[i] + budget)
+                    pieces.append((i, cursor[i], end))
+                    budget -= end - cursor[i]
+                    cursor[i] = end
+            if not pieces:
+                break
+            x = model.embed(torch.cat([prompts[i][0][start:end] for i, start, end in pieces]))
+            cos, sin = model.rope(torch.cat([torch.arange(start, end) for _, start, end in pieces]))
             for index, layer in enumerate(model.layers):
-                io.wait_for_prefix(index)
-                k, v = kv[index]
-                x = layer(x, cos, sin, prefill_attention_into(k, v, start, end))
-                io.store(index, start, end)
-        return model.logits(x[-1:])[0].cpu()
+                attends = []
+                for i, start, end in pieces:
+                    prompts[i][2].wait_for_prefix(index)
+                    k, v = prompts[i][1][index]
+                    attends.append(prefill_attention_into(k, v, start, end))
+                x = layer(x, cos, sin, attends[0] if len(attends) == 1 else _packed(attends, pieces))
+                for i, start, end in pieces:
+                    prompts[i][2].store(index, start, end)
+            row = 0
+            for i, start, end in pieces:
+                row += end - start
+                if end == prompts[i][0].shape[0]:
+                    last[i] = x[row - 1]
+        return list(model.logits(torch.stack([h for h in last if h is not None])).cpu())
+
+
+def _packed(attends: list[Attend], pieces: list[tuple[int, int, int]]) -> Attend:
+    """One `attend` over packed pieces: each piece's rows through its own attend, the results in order."""
+    sizes = [end - start for _, start, end in pieces]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = zip(attends, torch.split(q, sizes), torch.split(k, sizes), torch.split(v, sizes), strict=True)
+        return torch.cat([one(qp, kp, vp) for one, qp, kp, vp in parts])
+
+    return attend
 
 
 class PrefillEngine:
@@ -223,7 +276,6 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ prefill
 
-    @torch.inference_mode()
     def prefill(
         self, tokens: Sequence[int], *, sampling: SamplingParams | None = None, sink: KvSink | None = None
     ) -> PrefillResult:
@@ -232,55 +284,105 @@ class PrefillEngine:
         Raises:
             InvalidRequestError: no tokens, or ids outside the vocabulary.
         """
+        return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        sinks: Sequence[KvSink | None] | None = None,
+    ) -> list[PrefillResult]:
+        """`prefill` of several prompts at once: each as `prefill` would, their uncached tokens sharing passes.
+
+        With a `ModelForward` the prompts' new tokens are packed into passes of up to
+        `chunk_tokens` (`ModelForward.run_many`), so short prompts share their matrix
+        products as a batched server's prefill does; other forward passes run them one
+        after another. A prompt whose prefix another prompt of the batch computes does not
+        reuse it (its blocks are committed at the end). The batch succeeds or fails as one;
+        each result's `seconds` is the batch's.
+
+        Raises:
+            InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
+        """
         started = time.perf_counter()
-        n = len(tokens)
-        if n == 0:
+        count = len(prompts)
+        params = list(sampling) if sampling is not None else [None] * count
+        outs = list(sinks) if sinks is not None else [None] * count
+        if not count or len(params) != count or len(outs) != count:
+            raise InvalidRequestError("prefill_batch needs one or more prompts, and one sampling and sink per prompt")
+        if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
+            return [self.prefill(p, sampling=sp, sink=sk) for p, sp, sk in zip(prompts, params, outs, strict=True)]
+        ids = [self._ids(tokens) for tokens in prompts]
+        block = self.layout.block_tokens
+        keys = [self.hasher.block_keys(one.numpy()) for one in ids]
+        prefixes: list[int] = []  # blocks pinned, per prompt so far
+        reserved: list[BlockKey] = []
+        streaming: list[KvSink] = []
+        try:
+            for one, ks in zip(ids, keys, strict=True):
+                prefixes.append(self._pin_prefix(ks, max_blocks=(one.shape[0] - 1) // block))
+            pages = []
+            for one, ks, prefix_blocks in zip(ids, keys, prefixes, strict=True):
+                prompt_pages, prompt_reserved = self._reserve(ks, prefix_blocks, one.shape[0])
+                pages.append(prompt_pages)
+                reserved += prompt_reserved
+            for sink, ks in zip(outs, keys, strict=True):
+                if sink is not None:
+                    sink.begin(ks)
+                    streaming.append(sink)
+            runs = self._forward(
+                [
+                    (one, ks[:prefix_blocks], ps, sink)
+                    for one, ks, prefix_blocks, ps, sink in zip(ids, keys, prefixes, pages, outs, strict=True)
+                ]
+            )
+            for key in reserved:
+                self.cache.commit(key)
+            reserved = []
+            while streaming:
+                streaming.pop(0).end()  # end() finishes or cleans up by itself
+        except BaseException:
+            for sink in streaming:
+                with contextlib.suppress(Exception):  # the original error is the one to report
+                    sink.abort()
+            raise
+        finally:
+            for key in reserved:
+                self.cache.abort(key)
+            for ks, prefix_blocks in zip(keys, prefixes, strict=False):
+                for key in ks[:prefix_blocks]:
+                    self._unpin(key)
+        seconds = time.perf_counter() - started
+        results = []
+        for one, ks, prefix_blocks, ps, sp, (logits, load_wait, store_wait) in zip(
+            ids, keys, prefixes, pages, params, runs, strict=True
+        ):
+            prefix = prefix_blocks * block
+            results.append(
+                PrefillResult(
+                    keys=ks,
+                    first_token=Sampler(sp or SamplingParams()).next_token(logits),
+                    logits=logits,
+                    prefix_tokens=prefix,
+                    computed_tokens=one.shape[0] - prefix,
+                    stored_keys=tuple(k for k, page in zip(ks[prefix_blocks:], ps, strict=True) if page is not None),
+                    seconds=seconds,
+                    load_wait_s=load_wait,
+                    store_wait_s=store_wait,
+                )
+            )
+        return results
+
+    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        if len(tokens) == 0:
             raise InvalidRequestError("a prompt needs at least one token")
         ids = torch.as_tensor(list(tokens), dtype=torch.long)
         vocab = self.forward.model_config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidRequestError(f"token ids must lie in [0, {vocab})")
-        block = self.layout.block_tokens
-        keys = self.hasher.block_keys(ids.numpy())
-        prefix_blocks = self._pin_prefix(keys, max_blocks=(n - 1) // block)
-        prefix = prefix_blocks * block
-        pages: list[Buffer | None] = []
-        reserved: list[BlockKey] = []
-        streaming = False
-        try:
-            pages, reserved = self._reserve(keys, prefix_blocks, n)
-            if sink is not None:
-                sink.begin(keys)
-                streaming = True
-            logits, load_wait, store_wait = self._forward(ids, keys[:prefix_blocks], pages, sink)
-            for key in reserved:
-                self.cache.commit(key)
-            reserved = []
-            if sink is not None:
-                streaming = False  # end() finishes or cleans up by itself
-                sink.end()
-        except BaseException:
-            if streaming:
-                with contextlib.suppress(Exception):  # the original error is the one to report
-                    sink.abort()  # type: ignore[union-attr]
-            raise
-        finally:
-            for key in reserved:
-                self.cache.abort(key)
-            for key in keys[:prefix_blocks]:
-                self._unpin(key)
-        first = Sampler(sampling or SamplingParams()).next_token(logits)
-        return PrefillResult(
-            keys=keys,
-            first_token=first,
-            logits=logits,
-            prefix_tokens=prefix,
-            computed_tokens=n - prefix,
-            stored_keys=tuple(k for k, page in zip(keys[prefix_blocks:], pages, strict=True) if page is not None),
-            seconds=time.perf_counter() - started,
-            load_wait_s=load_wait,
-            store_wait_s=store_wait,
-        )
+        return ids
 
     def _pin_prefix(self, keys: tuple[BlockKey, ...], *, max_blocks: int) -> int:
         """Pin the longest cached run of leading blocks (at most `max_blocks`); its length."""
@@ -330,37 +432,49 @@ class PrefillEngine:
     # ------------------------------------------------------------------ the forward pass
 
     def _forward(
-        self,
-        ids: torch.Tensor,
-        prefix_keys: tuple[BlockKey, ...],
-        pages: list[Buffer | None],
-        sink: KvSink | None,
-    ) -> tuple[torch.Tensor, float, float]:
-        """The last position's logits and the load and store waits; the pages hold the new KV."""
+        self, prompts: list[tuple[torch.Tensor, tuple[BlockKey, ...], list[Buffer | None], KvSink | None]]
+    ) -> list[tuple[torch.Tensor, float, float]]:
+        """Per prompt (ids, prefix keys, pages, sink): its last position's logits and load and store waits;
+        the pages hold the new KV."""
         forward, config = self.forward, self.forward.model_config
-        shape = (ids.shape[0], config.num_kv_heads, config.head_dim)
-        k_all = [torch.empty(shape, dtype=forward.dtype, device=forward.device) for _ in range(config.num_layers)]
-        v_all = [torch.empty(shape, dtype=forward.dtype, device=forward.device) for _ in range(config.num_layers)]
-        io = LayerwiseKvIo(
-            cache=self.cache,
-            layout=self.layout,
-            k_buffers=k_all,
-            v_buffers=v_all,
-            prefix_keys=prefix_keys,
-            pages=pages,
-            on_layer_final=None if sink is None else sink.layer_ready,
-            layerwise=self.config.layerwise,
-            loader=self._loader,
-            storer=self._storer,
-        )
+        runs: list[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]] = []
+        for ids, prefix_keys, pages, sink in prompts:
+            shape = (ids.shape[0], config.num_kv_heads, config.head_dim)
+            kv = [
+                (
+                    torch.empty(shape, dtype=forward.dtype, device=forward.device),
+                    torch.empty(shape, dtype=forward.dtype, device=forward.device),
+                )
+                for _ in range(config.num_layers)
+            ]
+            io = LayerwiseKvIo(
+                cache=self.cache,
+                layout=self.layout,
+                k_buffers=[k for k, _ in kv],
+                v_buffers=[v for _, v in kv],
+                prefix_keys=prefix_keys,
+                pages=pages,
+                on_layer_final=None if sink is None else sink.layer_ready,
+                layerwise=self.config.layerwise,
+                loader=self._loader,
+                storer=self._storer,
+            )
+            runs.append((ids, kv, io))
         try:
-            io.start_loading()
-            logits = forward.run(ids, list(zip(k_all, v_all, strict=True)), io)
-            io.finish()
+            for _, _, io in runs:
+                io.start_loading()
+            if len(runs) == 1:
+                logits = [forward.run(*runs[0])]
+            else:
+                assert isinstance(forward, ModelForward)  # prefill_batch runs others one prompt at a time
+                logits = forward.run_many(runs)
+            for _, _, io in runs:
+                io.finish()
         except BaseException:
-            io.abort()  # loads and stores may still be queued: let none touch a page the caller gives back
+            for _, _, io in runs:
+                io.abort()  # loads and stores may still be queued: let none touch a page the caller gives back
             raise
-        return logits, io.load_wait_s, io.store_wait_s
+        return [(out, io.load_wait_s, io.store_wait_s) for out, (_, _, io) in zip(logits, runs, strict=True)]
 
 
 class MessengerSink:

@@ -9,7 +9,9 @@ Examples: chunked equals unchunked (chunks that do not divide the block too);
 the pages hold the model's K and V; a prefix comes back from the SSD tier; the
 sink hears every layer once, in order, after its bytes are final; and the
 error contracts — bad tokens, a full cache, a failing sink — leave no pin, no
-reservation and no running helper behind.
+reservation and no running helper behind. A batch (`prefill_batch`, the
+prompts packed into shared passes) gives each prompt what prefilling it alone
+gives, streams each to its own sink, and fails as one, holding nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.model import LlamaModel
-from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine, PrefillResult
+from mooncake.engine.prefill import KvBuffers, MessengerSink, ModelForward, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
@@ -354,6 +356,97 @@ def test_a_prefill_failing_mid_stream_releases_the_pins_of_its_push() -> None:
                 )
         assert_nothing_held(prefill_node.cache, prefix.keys)
         assert all(decode_node.cache.location(key) is None for key in hasher(4).block_keys(PROMPT))
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@PREFILL_SETTINGS
+@given(prompts, st.lists(prompts, min_size=1, max_size=4), block_sizes, chunk_sizes, st.booleans())
+def test_a_batch_gives_each_prompt_what_prefilling_it_alone_gives(
+    cached: list[int], batch: list[list[int]], block: int, chunk: int, layerwise: bool
+) -> None:
+    """Packed into shared passes (pieces split across passes when `chunk` is small), each prompt gets the
+    logits, token and cached prefix of a prefill of it alone over the cache as it was before the batch;
+    every new block of every prompt is stored once, with the KV a prompt-alone prefill stores."""
+    batch = [cached[: len(cached) // 2] + tail for tail in batch]  # some share the cached prefix
+    cache = dram_cache(block, pages=256)
+    prefill(cache, cached, block=block)
+    before = set(hasher(block).block_keys(cached))
+    with PrefillEngine(
+        tiny_model(), cache, hasher(block), PrefillConfig(chunk_tokens=chunk, layerwise=layerwise)
+    ) as engine:
+        results = engine.prefill_batch(batch)
+    assert len(results) == len(batch)
+    for tokens, result in zip(batch, results, strict=True):
+        alone_cache = dram_cache(block, pages=256)
+        prefill(alone_cache, cached, block=block)
+        alone = prefill(alone_cache, tokens, block=block)
+        assert torch.allclose(result.logits, alone.logits, **TOLERANCE)
+        assert result.first_token == alone.first_token
+        assert (result.keys, result.prefix_tokens) == (alone.keys, alone.prefix_tokens)
+        for key in alone.stored_keys:
+            assert np.allclose(
+                as_floats([page_bytes(cache, key)]), as_floats([page_bytes(alone_cache, key)]), atol=1e-5
+            )
+    stored = [key for result in results for key in result.stored_keys]
+    assert len(stored) == len(set(stored))  # a block two prompts share is written by one of them
+    assert set(stored) == {key for result in results for key in result.keys} - before
+    assert_nothing_held(cache, tuple(before) + tuple(stored))
+
+
+def test_each_prompt_of_a_batch_streams_to_its_own_sink() -> None:
+    """One sink per prompt: begin, every layer in order, end; None streams nothing."""
+    cache = dram_cache(4)
+    prefill(cache, PROMPT[:9], block=4)
+    second = PROMPT[:5] + PROMPT[::-1]
+    sinks = [RecordingSink(cache, 4, len(PROMPT)), None, RecordingSink(cache, 4, len(second))]
+    with PrefillEngine(tiny_model(), cache, hasher(4), PrefillConfig(chunk_tokens=7)) as engine:
+        results = engine.prefill_batch([PROMPT, PROMPT[:3], second], sinks=sinks)
+    for sink, result in zip((sinks[0], sinks[2]), (results[0], results[2]), strict=True):
+        assert sink is not None and sink.calls == ["begin", *range(TINY.num_layers), "end"]
+        assert sink.keys == result.keys
+    assert_like_the_model(results[1], PROMPT[:3])
+
+
+class OtherForward:
+    """A `ForwardPass` that is not a `ModelForward` (as a pipeline group's is): it cannot pack prompts."""
+
+    def __init__(self) -> None:
+        self.inner = ModelForward(tiny_model(), chunk_tokens=4096)
+        self.model_config, self.dtype, self.device = TINY, self.inner.model.dtype, self.inner.model.device
+        self.runs = 0
+
+    def run(self, ids: torch.Tensor, kv: KvBuffers, io: Any) -> torch.Tensor:
+        self.runs += 1
+        return self.inner.run(ids, kv, io)
+
+
+def test_a_forward_pass_that_cannot_pack_runs_the_batch_one_prompt_at_a_time() -> None:
+    forward = OtherForward()
+    batch = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    with PrefillEngine(forward, dram_cache(4), hasher(4)) as engine:
+        results = engine.prefill_batch(batch)
+    assert forward.runs == 3
+    for tokens, result in zip(batch, results, strict=True):
+        assert_like_the_model(result, tokens)
+
+
+def test_a_batch_that_fails_holds_nothing_and_stores_nothing() -> None:
+    """An invalid prompt anywhere refuses the batch before anything is held; a full cache while reserving a
+    later prompt's pages gives back the earlier prompts' pins and reservations too."""
+    cache = dram_cache(4, pages=5)
+    prefix = prefill(cache, PROMPT[:8], block=4)
+    with PrefillEngine(tiny_model(), cache, hasher(4)) as engine:
+        with pytest.raises(InvalidRequestError):
+            engine.prefill_batch([PROMPT[:12], [TINY.vocab_size]])
+        with pytest.raises(InvalidRequestError):
+            engine.prefill_batch([PROMPT[:12]], sinks=[None, None])
+        assert len(cache) == 2
+        with pytest.raises(CapacityError):
+            engine.prefill_batch([PROMPT[:12], PROMPT[::-1]])  # 1 + 6 new blocks in 3 free pages
+        assert len(cache) == 2 and cache.pools[0].num_free == 3
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
 
 
 # --------------------------------------------------------------------------- error contracts
