@@ -168,7 +168,11 @@ class Tokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """The text of `ids` (transformers' `decode` without `clean_up_tokenization_spaces`)."""
+        """The text of `ids`, as transformers' `decode`.
+
+        `clean_up_tokenization_spaces` is never applied (vLLM's detokenizer does not either): transformers 5
+        ignores it for BPE tokenizers, every LLaMA-family one among them, because it strips real spaces.
+        """
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def is_stop(self, token_id: int) -> bool:

@@ -76,7 +76,7 @@ MESSAGES = [
 ]
 
 
-def save_tokenizer(directory: Path, template: str) -> Any:
+def save_tokenizer(directory: Path, template: str, *, clean_up: bool = False) -> Any:
     """Train a byte-level BPE on TEXT, wrap it as transformers does, save it; transformers' tokenizer of the files."""
     backend = Backend(BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -95,7 +95,7 @@ def save_tokenizer(directory: Path, template: str) -> Any:
         eos_token="</s>",
         pad_token="<pad>",
         chat_template=template,
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=clean_up,
     )
     fast.save_pretrained(directory)
     stop = backend.token_to_id("<|im_end|>")
@@ -133,6 +133,17 @@ def test_decode_equals_transformers(pair: tuple[Tokenizer, Any], data: st.DataOb
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
             ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
         )
+
+
+def test_clean_up_tokenization_spaces_is_not_applied_to_a_bpe_tokenizer(tmp_path: Path) -> None:
+    """Llama 2's and Llama 3's tokenizer_config.json say `clean_up_tokenization_spaces: true`; transformers 5
+    ignores it for BPE tokenizers (it strips real spaces before punctuation), and so does this decode:
+    the default decode of both is the same text, spaces before "." and "," kept."""
+    theirs = save_tokenizer(tmp_path, CHATML, clean_up=True)
+    ours = load_tokenizer(tmp_path)
+    text = "hello , world . is n't it ? yes !"
+    ids = theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids) == text
 
 
 def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool) -> list[str]:

@@ -168,6 +168,26 @@ def test_greedy_completions_equal_transformers_generate(
     assert "stop" in finishes and "length" in finishes, finishes
 
 
+def test_eos_as_the_first_token_ends_the_request_at_once(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """A prompt whose greedy first token (the prefill's) is EOS: an empty text with "stop" after one
+    completion token, as transformers gives, and the decode worker holds nothing of it afterwards."""
+    _, model, tokenizer = checkpoint
+    ids = tokenizer(PROMPTS[0]).input_ids
+    with torch.inference_mode():  # make_checkpoint put EOS at the 6th greedy token of PROMPTS[0]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=None)
+    prompt = PROMPTS[0] + tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    text, prompt_tokens, completion_tokens, finish = hf_answer(model, tokenizer, prompt)
+    assert (text, completion_tokens, finish) == ("", 1, "stop")  # the case this test is about
+    before = cluster.gateway.dispatcher.health("decode-0").generated_tokens
+    answer = client(cluster).completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == ("", "stop")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, 1)
+    health = cluster.gateway.dispatcher.health("decode-0")
+    assert health.generated_tokens - before == 1 and health.active == ()
+
+
 def test_a_stream_joins_to_the_whole_text(cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]) -> None:
     """Streamed pieces join to transformers' text (a random model's bytes that are no character are U+FFFD in
     both), and the last chunk says why it ended."""
