@@ -1,17 +1,21 @@
 """Replay a Mooncake-format trace over HTTP against a real cluster; print the same summary as replay.py.
 
-    python examples/load.py --trace ../shared/traces/synthetic_trace.jsonl --max-requests 200 \\
+    python examples/load.py --trace ../shared/traces/synthetic_trace.jsonl --num-requests 200 \\
         [--url http://127.0.0.1:8000 | --config examples/configs/tiny.toml] \\
         [--length-scale 0.03125] [--output-scale 0.0625] [--speedup 20] [--json] [--out DIR]
 
-Without `--url` it starts the cluster of `--config` itself (and stops it after).
-Without `--trace` it generates the `synthetic` preset, like replay.py.
+Without `--url` it starts the cluster of `--config` itself (and stops it after),
+its Conductor on the cost models `--profile` names if given (`examples/profile_engine.py`).
+The workload options are replay.py's (`simulation.add_workload_options`: a
+trace, or a generated preset at `--rate`, `--num-requests` of them, arrival
+times divided by `--speedup`), so both replay the same requests.
 
-Scaling, so that a CPU model copes: every 512-token block of the trace becomes
-`512 × length_scale` bytes of text derived from its hash id, so requests that
-share hash ids share a prefix exactly as in the trace (prompts are capped at
-`--max-prompt-tokens`); outputs are `output_length × output_scale` tokens (at
-least 1); arrival times are divided by `--speedup`.
+Scaling (`examples/scaling.py`, which replay.py's `--config` shares), so that
+a CPU model copes: every 512-token block of the trace becomes
+`512 × length_scale` characters of text derived from its hash id, so requests
+that share hash ids share a prefix exactly as in the trace (prompts are capped
+at `--max-prompt-tokens`); outputs are `output_length × output_scale` tokens (at
+least 1, at most `--max-output-tokens`).
 
 Each request streams (with `stream_options.include_usage`) so that TTFT and
 every token interval are measured at the client; TBT is the paper's (mean of
@@ -29,8 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import string
 import sys
 import time
 from pathlib import Path
@@ -39,28 +41,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
+import simulation
+from scaling import add_scaling_options, output_of, prompt_of, scaling_of
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
 from mooncake.types import Request, Slo
-from mooncake.workload import ArrivalProcess, generate_requests, load_trace, preset
-
-TRACE_BLOCK_TOKENS = 512
-ALPHABET = string.ascii_letters + string.digits + "      "
-
-
-def block_text(hash_id: int, size: int) -> str:
-    """`size` characters determined by `hash_id` (equal ids, equal text)."""
-    return "".join(random.Random(hash_id).choices(ALPHABET, k=size))
-
-
-def prompt_of(request: Request, *, length_scale: float, max_tokens: int) -> str:
-    size = max(1, round(TRACE_BLOCK_TOKENS * length_scale))
-    text = "".join(block_text(int(h), size) for h in request.block_keys)
-    length = max(1, min(max_tokens, round(request.input_length * length_scale), len(text)))
-    return text[:length]
 
 
 def reason_of(code: object) -> Reason:
@@ -110,6 +98,7 @@ async def one(
                     return
                 now = time.perf_counter() - started
                 if data.get("usage"):
+                    record.input_tokens = data["usage"]["prompt_tokens"]
                     record.prefix_tokens = data["usage"]["prompt_tokens_details"]["cached_tokens"]
                     continue
                 if data["choices"][0]["finish_reason"] is not None:
@@ -137,6 +126,7 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
 
 async def replay_http(url: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[RequestRecord], float]:
     records: list[RequestRecord] = []
+    scaling = scaling_of(args)
     first_arrival = requests[0].arrival_s if requests else 0.0
     failures: dict[str, str] = {}
     async with aiohttp.ClientSession() as session:
@@ -144,16 +134,15 @@ async def replay_http(url: str, requests: list[Request], args: argparse.Namespac
         started = time.perf_counter()
         tasks = []
         for request in requests:
-            arrival = (request.arrival_s - first_arrival) / args.speedup
+            arrival = request.arrival_s - first_arrival
             delay = arrival - (time.perf_counter() - started)
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = prompt_of(request, length_scale=args.length_scale, max_tokens=args.max_prompt_tokens)
-            output = max(1, min(args.max_output_tokens, round(request.output_length * args.output_scale)))
+            prompt, output = prompt_of(request, scaling), output_of(request, scaling)
             record = RequestRecord(
                 request_id=request.request_id,
                 arrival_s=time.perf_counter() - started,
-                input_tokens=len(prompt.encode()),
+                input_tokens=len(prompt.encode()),  # the server's count replaces it (usage.prompt_tokens)
                 output_tokens=output,
             )
             records.append(record)
@@ -175,30 +164,24 @@ async def replay_http(url: str, requests: list[Request], args: argparse.Namespac
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", type=Path, help="a Mooncake-format trace (default: the synthetic preset)")
-    parser.add_argument("--max-requests", type=int, default=100)
+    simulation.add_workload_options(parser)
+    parser.set_defaults(num_requests=100)
     parser.add_argument("--url", help="a running cluster's gateway (default: start --config's)")
     parser.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
-    parser.add_argument("--length-scale", type=float, default=1 / 32)
-    parser.add_argument("--output-scale", type=float, default=1 / 16)
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
-    parser.add_argument("--max-output-tokens", type=int, default=64)
-    parser.add_argument("--speedup", type=float, default=20.0, help="divide the trace's arrival times by this")
+    parser.add_argument("--profile", type=Path, help="the cluster's fitted cost models (its [prefill] profile)")
+    add_scaling_options(parser)
     parser.add_argument("--ttft-slo", type=float, default=30.0)
     parser.add_argument("--tbt-slo", type=float, default=0.5)
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.trace:
-        requests = load_trace(args.trace)[: args.max_requests]
-    else:
-        requests = list(
-            generate_requests(
-                preset("synthetic"), num_requests=args.max_requests, arrivals=ArrivalProcess(rate_per_s=4.0), seed=0
-            )
-        )
+    try:
+        scaling_of(args)
+        requests = simulation.load_workload(args)
+    except (MooncakeError, OSError) as error:
+        sys.exit(f"error: {error}")
     cluster = None
     url = args.url
     if url is None:
@@ -207,6 +190,8 @@ def main() -> None:
 
         try:
             config = load_config(args.config).with_overrides("cluster", port=0)
+            if args.profile is not None:
+                config = config.with_overrides("prefill", profile=str(args.profile))
             config = config.with_overrides(
                 "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
             )

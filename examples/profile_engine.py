@@ -1,7 +1,15 @@
 """Profile the real engines and fit the cost models the cluster's Conductor uses.
 
-    python examples/profile_engine.py [--model tiny] [--out build/profile/tiny.json]
+    python examples/profile_engine.py [--model tiny | --config CLUSTER.toml] [--out build/profile/tiny.json]
         [--lengths 64,128,256,512] [--prefix-fractions 0,0.25,0.5,0.75] [--batches 1,2,4,8]
+
+With `--config` the engines are the example cluster's as its workers build
+them: its model (preset and seed, or checkpoint) and dtype, its block size and
+prefill chunk, one torch thread each; lengths above `[limits]
+max_prompt_tokens` and batches above `[decode] max_batch_size` are left out.
+Name the written file as the config's `[prefill] profile` (or pass it to
+replay.py's `--profile`) and both the cluster's Conductor and its simulation
+use these fits.
 
 1. Prefill: for every (input length, prefix length) of the grid, the prefix is
    first stored in the node's cache by a prefill of its own, then the whole
@@ -21,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
@@ -31,43 +41,66 @@ from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
-from mooncake.engine.prefill import PrefillEngine
+from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+from mooncake.errors import MooncakeError
 from mooncake.sched.cost import FittedPrefillModel, PrefillSample
 from mooncake.sched.step import FittedStepModel
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId
 
-BLOCK_TOKENS = 16
+BLOCK_TOKENS = 16  # without --config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", type=Path, default=None, help="default build/profile/MODEL.json")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    source.add_argument("--config", type=Path, help="profile this example cluster's engines (module docstring)")
+    parser.add_argument("--dtype", default="float32", help="without --config")
+    parser.add_argument("--out", type=Path, default=None, help="default build/profile/MODEL.json (or CONFIG.json)")
     parser.add_argument("--lengths", default="64,128,256,512")
     parser.add_argument("--prefix-fractions", default="0,0.25,0.5,0.75")
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    config = PRESETS[args.model]
-    model = LlamaModel(config, seed=0, dtype=args.dtype)
-    hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
-    layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS, dtype=args.dtype)
     lengths = [int(n) for n in args.lengths.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.config is not None:
+        from serving.config import load_config
+        from serving.machine import Machine
+        from serving.worker import build_model
+
+        try:
+            cluster = load_config(args.config, machine=Machine())
+            model = build_model(cluster)
+        except MooncakeError as error:
+            sys.exit(f"error: {error}")
+        torch.set_num_threads(1)  # as each worker runs (many engines share the machine's cores)
+        dtype, block, chunk = cluster.model.dtype, cluster.model.block_tokens, cluster.prefill.chunk_tokens
+        lengths = [n for n in lengths if n <= cluster.limits.max_prompt_tokens]
+        batches = [b for b in batches if b <= cluster.decode.max_batch_size]
+        name, default_out = cluster.model.namespace, Path("build/profile") / f"{args.config.stem}.json"
+    else:
+        dtype, block, chunk = args.dtype, BLOCK_TOKENS, PrefillConfig().chunk_tokens
+        model = LlamaModel(PRESETS[args.model], seed=0, dtype=dtype)
+        name, default_out = args.model, Path("build/profile") / f"{args.model}.json"
+    config = model.config
+    hasher = BlockHasher(model=name, block_size_tokens=block)
+    layout = KvLayout(config=config, block_tokens=block, dtype=dtype)
+    options = PrefillConfig(chunk_tokens=chunk)
     rng = np.random.default_rng(0)
 
     def fresh_cache(tokens: int) -> TieredCache:
-        return TieredCache([DramPagePool(layout.page_bytes, 2 * (tokens // BLOCK_TOKENS + 2))])
+        return TieredCache([DramPagePool(layout.page_bytes, 2 * (tokens // block + 2))])
 
     samples: list[PrefillSample] = []
     for n in lengths:
         tokens = rng.integers(0, config.vocab_size, size=n).tolist()
         for fraction in (float(f) for f in args.prefix_fractions.split(",")):
-            prefix = int(n * fraction) // BLOCK_TOKENS * BLOCK_TOKENS
+            prefix = int(n * fraction) // block * block
             times = []
             for _ in range(args.repeats):
-                with PrefillEngine(model, fresh_cache(n), hasher) as engine:
+                with PrefillEngine(model, fresh_cache(n), hasher, options) as engine:
                     if prefix:
                         engine.prefill([*tokens[:prefix], 0])  # stores the prefix's blocks
                     result = engine.prefill(tokens)
@@ -81,14 +114,14 @@ def main() -> None:
 
     steps: list[tuple[int, int, float]] = []
     cache = fresh_cache(max(lengths))
-    with PrefillEngine(model, cache, hasher) as engine:
+    with PrefillEngine(model, cache, hasher, options) as engine:
         prompts = {n: engine.prefill(rng.integers(0, config.vocab_size, size=n).tolist()) for n in lengths}
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         for n, done in prompts.items():
             decoder = DecodeEngine(
                 model,
                 cache,
-                block_tokens=BLOCK_TOKENS,
+                block_tokens=block,
                 config=DecodeConfig(max_batch_size=batch, max_context_tokens=n + 8),
             )
             for r in range(batch):
@@ -105,12 +138,12 @@ def main() -> None:
     step_model = FittedStepModel.fit(steps)
     print(f"decode fit: c = {step_model.coefficients}")
 
-    out = args.out or Path("build/profile") / f"{config.name}.json"
+    out = args.out or default_out
     write_json(
         {
-            "model": config.name,
-            "dtype": args.dtype,
-            "block_tokens": BLOCK_TOKENS,
+            "model": name,
+            "dtype": dtype,
+            "block_tokens": block,
             "prefill": json.loads(prefill.to_json()),
             "decode": json.loads(step_model.to_json()),
             "prefill_samples": [[s.num_tokens, s.prefix_tokens, s.seconds] for s in samples],

@@ -9,6 +9,17 @@ Conductor's router and admission policy, KV caches per prefill node.
 `--engine coupled` / `coupled-chunked` is the vLLM-style baseline on
 `--prefill + --decode` instances (chunked prefill with the second).
 
+`--config CLUSTER.toml` simulates the example cluster that config describes
+instead (`simulation.config_spec`): its nodes, block size, caches, policies and
+SLOs, its own Conductor, and as the engines' truth the cost models that
+Conductor uses, the profile `examples/profile_engine.py` fitted to the real
+engines when the config (or `--profile FILE`) names one. The workload is scaled
+as `examples/load.py` sends it to the real cluster (`examples/scaling.py`:
+`--length-scale`, `--output-scale`, `--max-prompt-tokens`,
+`--max-output-tokens`), tokenized by the cluster's tokenizer and keyed by its
+hasher, so both see the same blocks; the cluster options and `--router`,
+`--admission`, `--threshold`, `--ttft-slo`, `--tbt-slo` are then the config's.
+
 Prints a summary table (or, with --json, the summary as JSON). With --out DIR it
 writes requests.csv (one row per request), summary.json, ttft_cdf.png,
 tbt_cdf.png and load.png (prefill and decode load over time).
@@ -22,9 +33,11 @@ import sys
 from pathlib import Path
 
 import simulation
+from scaling import add_scaling_options, scale, scaling_of
 from serving import registry
 
-from mooncake.errors import MooncakeError
+from mooncake.cache.hashing import BlockHasher
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
@@ -42,12 +55,21 @@ def parser() -> argparse.ArgumentParser:
     simulation.add_cluster_options(p)
     simulation.add_policy_options(p)
     p.add_argument("--engine", choices=ENGINES, default="disaggregated")
+    p.add_argument("--config", type=Path, help="simulate this example cluster config (its shape, policies, SLOs)")
+    p.add_argument(
+        "--profile", type=Path, help="with --config: the fitted cost models (the config's [prefill] profile)"
+    )
+    add_scaling_options(p)
     p.add_argument("--out", type=Path, help="write requests.csv, summary.json and plots here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 
 
 def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
+    if args.config is not None:
+        return run_config(args)
+    if args.profile is not None:
+        raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
     requests = simulation.load_workload(args)
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
@@ -72,6 +94,34 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     return result, f"{coupled.num_instances} coupled {args.model} instances on {args.hardware} ({args.engine})"
 
 
+def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
+    """The workload through the simulated twin of the example cluster `--config` describes."""
+    from serving.config import load_config
+    from serving.machine import Machine
+    from serving.tokenizer import serving_tokenizer
+
+    if args.engine != "disaggregated":
+        raise ConfigError(f"--config simulates the disaggregated example cluster, not --engine {args.engine}")
+    config = load_config(args.config, machine=Machine())  # simulated: it need not fit this machine
+    if args.profile is not None:
+        config = config.with_overrides("prefill", profile=str(args.profile))
+    spec = simulation.config_spec(config)
+    conductor = simulation.config_conductor(config, spec, seed=args.seed)
+    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
+    encode = serving_tokenizer(config).encode
+    requests = [
+        s.request for s in scale(simulation.load_workload(args), scaling_of(args), encode=encode, hasher=hasher)
+    ]
+    progress = simulation.progress(args, len(requests), "replay (--config)")
+    result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)
+    policy = config.policy
+    profile = config.prefill.profile or "analytic CPU cost models"
+    title = (
+        f"{args.config}: {simulation.describe(spec)}; router {policy.router}, admission {policy.admission}; {profile}"
+    )
+    return result, title
+
+
 def print_table(result: ReplayResult, title: str) -> None:
     s = result.summary
     print(title)
@@ -81,8 +131,8 @@ def print_table(result: ReplayResult, title: str) -> None:
         f"(wasted prefill {s.wasted_prefill_s:,.1f} s)"
     )
     print(f"{'':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name, values, scale, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
-        row = "".join(f"{values[k] * scale:>10.3f}" for k in ("mean", "p50", "p90", "p99"))
+    for name, values, factor, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
+        row = "".join(f"{values[k] * factor:>10.3f}" for k in ("mean", "p50", "p90", "p99"))
         print(f"{name:<5}{unit:>3}{row}")
     print(
         f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "

@@ -28,17 +28,23 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
+from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
 
+if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
+    from serving.config import ClusterConfig
+
+DEFAULT_REQUESTS = 4000  # generated without --num-requests
 DEFAULT_CACHE_BLOCKS = 10_000  # per prefill node: ~1.6 TB of LLaMA3-70B KV, a node's DRAM
 SIZING_LOAD = 0.8
 
@@ -47,7 +53,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
     source.add_argument("--preset", choices=sorted(PRESETS), help="generate this workload (default: synthetic)")
-    parser.add_argument("--num-requests", type=int, default=4000, help="generated requests (with --preset)")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="requests generated (default 4000), or the first of a trace"
+    )
     parser.add_argument("--rate", type=float, default=4.0, help="generated arrivals per second (with --preset)")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload generator and the Conductor")
@@ -66,11 +74,17 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
     speed = args.speedup if speedup is None else speedup
     if not speed > 0:
         raise ConfigError(f"--speedup must be > 0, got {speed}")
+    count = args.num_requests
+    if count is not None and (isinstance(count, bool) or count < 1):
+        raise ConfigError(f"--num-requests must be >= 1, got {count}")
     if args.trace is not None:
-        return load_trace(args.trace, speedup=speed)
+        return load_trace(args.trace, speedup=speed)[:count]
     spec = preset(args.preset or "synthetic")
     requests = generate_requests(
-        spec, num_requests=args.num_requests, arrivals=ArrivalProcess(rate_per_s=args.rate), seed=args.seed
+        spec,
+        num_requests=DEFAULT_REQUESTS if count is None else count,
+        arrivals=ArrivalProcess(rate_per_s=args.rate),
+        seed=args.seed,
     )
     return [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
 
@@ -176,6 +190,46 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
     }
     options.update(overrides)
     return ClusterSpec(**options)  # type: ignore[arg-type]
+
+
+def config_spec(config: ClusterConfig) -> ClusterSpec:
+    """The simulated twin of the example cluster `config` describes: its nodes (a CPP group's stages
+    counted as nodes), block size, cache per prefill instance (DRAM and SSD blocks), and the cost models
+    and decode limits its Conductor uses (`serving.models`: the fitted profile when it names one), which
+    the simulator then takes as the engines' truth. Its Conductor is `serving.models.build_conductor`'s
+    (see `config_conductor`)."""
+    from serving.models import CPU, cost_models, decode_limits, model_shape
+
+    prefill, step = cost_models(config)
+    stages, block = config.prefill.pipeline_size, config.model.block_tokens
+    return ClusterSpec(
+        num_prefill=config.cluster.num_prefill * stages,
+        num_decode=config.cluster.num_decode,
+        model=model_shape(config),
+        prefill_hardware=CPU,
+        decode_hardware=CPU,
+        block_size_tokens=block,
+        # The simulator pools a CPP group's caches; the real group caches on its first stage only.
+        cache_capacity_tokens=(config.cache.dram_blocks + config.cache.ssd_blocks) * block // stages,
+        cpp_group_size=stages,
+        cpp_chunk_tokens=config.prefill.chunk_tokens,
+        prefill_model=prefill,
+        step_model=step,
+        decode_node_limits=decode_limits(config),
+    )
+
+
+def config_conductor(config: ClusterConfig, spec: ClusterSpec, *, seed: int = 0) -> Conductor:
+    """The cluster's own Conductor (`serving.models.build_conductor`) with `spec`'s instances, named as the
+    launcher names the workers (`prefill-0`, ..., `decode-0`, ...)."""
+    from serving.models import build_conductor
+
+    return build_conductor(
+        config,
+        prefill_instances=[f"prefill-{i}" for i in range(spec.num_prefill_instances)],
+        decode_instances=[f"decode-{i}" for i in range(spec.num_decode)],
+        seed=seed,
+    )
 
 
 def slo(args: argparse.Namespace) -> Slo:

@@ -217,6 +217,44 @@ def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     assert len(data["decode_samples"]) == 6 and step.step_s(2, 100) >= 0
 
 
+def test_profile_engine_profiles_a_cluster_configs_engines(tmp_path: Path) -> None:
+    """--config: the cluster's model, block size and limits (lengths above max_prompt_tokens left out)."""
+    pytest.importorskip("torch")
+    config = tmp_path / "tiny.toml"
+    text = (ROOT / "examples" / "configs" / "tiny.toml").read_text()
+    config.write_text(text.replace("block_tokens = 16", "block_tokens = 8"))
+    out = tmp_path / "profile.json"
+    args = ["--lengths", "32,64,96,5000", "--prefix-fractions", "0,0.5", "--batches", "1,2,64", "--repeats", "1"]
+    run("profile_engine.py", "--config", str(config), *args, "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["block_tokens"] == 8 and data["model"].startswith("tiny")
+    assert {n for n, _, _ in data["prefill_samples"]} == {32, 64, 96}  # 5000 > max_prompt_tokens
+    assert {b for b, _, _ in data["decode_samples"]} == {1, 2}  # 64 > max_batch_size
+
+
+def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> None:
+    """replay.py --config: the example cluster's twin replays the scaled workload on the profile's models."""
+    pytest.importorskip("aiohttp")  # the cluster's config reader lives beside its gateway
+    from mooncake.sched.cost import FittedPrefillModel
+    from mooncake.sched.step import FittedStepModel
+
+    profile = tmp_path / "profile.json"
+    prefill = FittedPrefillModel(coefficients=(0.004, 1e-5, 0.0))
+    step = FittedStepModel(coefficients=(0.002, 1e-4, 0.0))
+    profile.write_text(json.dumps({"prefill": json.loads(prefill.to_json()), "decode": json.loads(step.to_json())}))
+    config = str(ROOT / "examples" / "configs" / "tiny.toml")
+    done = run("replay.py", "--config", config, "--profile", str(profile), *SMALL, "--json")
+    summary = json.loads(done.stdout)
+    assert summary["num_requests"] == 150 and summary["completed"] == 150
+    assert summary["tbt_s"]["p50"] >= step.step_s(1, 0) and 0 < summary["cache_hit_ratio"] < 1
+    table = run("replay.py", "--config", config, *SMALL).stdout
+    assert "tiny.toml: 2P+1D" in table and "analytic CPU cost models" in table
+    alone = run("replay.py", "--profile", str(profile), *SMALL, check=False)
+    assert alone.returncode == 2 and "--profile needs --config" in alone.stderr
+    coupled = run("replay.py", "--config", config, "--engine", "coupled", *SMALL, check=False)
+    assert coupled.returncode == 2 and "--engine coupled" in coupled.stderr
+
+
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
     """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
     pytest.importorskip("torch")

@@ -55,7 +55,6 @@ import numpy as np
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.view import (
     DecodeFinished,
@@ -74,6 +73,7 @@ from serving import wire
 from serving.api import ApiError, SamplingOptions
 from serving.config import ClusterConfig
 from serving.metrics import FinishedRequest, ServingMetrics
+from serving.models import decode_limits
 
 __all__ = ["Dispatcher", "LiveRequest", "WorkerState"]
 
@@ -163,12 +163,7 @@ class Dispatcher:
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
         self.roles = {w["instance_id"]: w["role"] for w in workers}
-        # What each decode engine holds, as its own check counts it (`DecodeConfig`): the Conductor asks the same rule.
-        limits = DecodeLimits(
-            kv_capacity_tokens=config.decode.max_batch_size * config.decode.max_context_tokens,
-            max_batch_size=config.decode.max_batch_size,
-            max_context_tokens=config.decode.max_context_tokens,
-        )
+        limits = decode_limits(config)
         for worker in workers:
             if worker["role"] == "prefill":
                 self.conductor.add_prefill_instance(InstanceId(worker["instance_id"]))

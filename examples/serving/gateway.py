@@ -23,12 +23,9 @@ unexpected (a 500, logged once per kind and interval) into OpenAI's error body.
 `Gateway.start` serves the app through `serving.protocol`'s guarded site
 (connection caps, header deadline, JSON for unparsable requests).
 
-`build_conductor` assembles the Conductor of the config's policies, on the
-analytic CPU cost models or, with `[prefill] profile`, on the models
-`examples/profile_engine.py` fitted to the engines: its "prefill" section
-(`FittedPrefillModel`) for the router's TTFT estimates and its "decode"
-section (`FittedStepModel`) as the Conductor's step model, which its decode
-rule's TBT check and decode selection read.
+The Conductor is `serving.models.build_conductor(config)`'s (the config's
+policies on its engines' cost models); workers register their instances with
+the dispatcher as they come up.
 """
 
 from __future__ import annotations
@@ -43,13 +40,7 @@ from typing import Any
 
 from aiohttp import HttpVersion11, web
 
-from mooncake.cache.hashing import BlockHasher
-from mooncake.sched.build import build_conductor as build
-from mooncake.sched.conductor import Conductor
 from mooncake.sched.outcome import Outcome, Reason
-from mooncake.sched.predictor import UniformDecodePredictor
-from mooncake.types import Slo
-from serving import registry
 from serving.api import (
     ApiError,
     ChatRequest,
@@ -66,51 +57,13 @@ from serving.api import (
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import CONTENT_TYPE, ServingMetrics
-from serving.models import CPU, cost_models, model_shape
+from serving.models import build_conductor, model_shape
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
-from serving.tokenizer import ByteTokenizer, CheckpointTokenizer, ServingTokenizer
+from serving.tokenizer import serving_tokenizer
 
-__all__ = ["Gateway", "build_conductor", "serving_tokenizer"]
+__all__ = ["Gateway"]
 
 LOG = logging.getLogger("serving.gateway")
-
-
-def build_conductor(config: ClusterConfig) -> Conductor:
-    """The Conductor of the config's policies, on the fitted profile when one is named (its prefill
-    model for the router, its decode step model for the decode rule), else on the analytic CPU models.
-
-    Raises:
-        ConfigError: a profile that cannot be read (see `read_profile`).
-    """
-    prefill, step_model = cost_models(config)
-    policy = config.policy
-    # Workers register their instances with the dispatcher as they come up.
-    return build(
-        model=model_shape(config),
-        hardware=CPU,
-        prefill_instances=[],
-        decode_instances=[],
-        hasher=BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens),
-        router=registry.router(policy.router, threshold=policy.threshold),
-        admission=registry.admission(policy.admission),
-        predictor=UniformDecodePredictor(decode_s=1.0),
-        slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
-        prefill=prefill,
-        step_model=step_model,
-    )
-
-
-def serving_tokenizer(config: ClusterConfig) -> ServingTokenizer:
-    """The checkpoint's tokenizer (`tokenizer.json`, its chat template and stop ids), or the random preset's bytes.
-
-    Raises:
-        ConfigError: the checkpoint's tokenizer files cannot be read (see `load_tokenizer`).
-    """
-    if config.model.checkpoint is None:
-        return ByteTokenizer()
-    from mooncake.engine.tokenizer import load_tokenizer
-
-    return CheckpointTokenizer(load_tokenizer(config.model.checkpoint))
 
 
 class Gateway:

@@ -1,22 +1,44 @@
-"""The cost models of the cluster's engines, one answer for the gateway and the workers (no torch).
+"""The cost models of the cluster's engines and its Conductor: one answer for the gateway, the workers and a
+simulation of the cluster (no torch).
 
 Without a profile they are the analytic models on `CPU`, a rough idea of one
 CPU engine; with `[prefill] profile` (the JSON `examples/profile_engine.py`
-writes) they are the models fitted to this machine's engines. The gateway's
-Conductor routes and admits with them, and each decode worker's own join
-check asks the same decode rule with the same step model and TBT objective.
+writes) they are the models fitted to this machine's engines: its "prefill"
+section (`FittedPrefillModel`) for the router's TTFT estimates and its "decode"
+section (`FittedStepModel`) as the Conductor's step model, which its decode
+rule's TBT check and decode selection read. `build_conductor(config)` is the
+Conductor of the config's policies on them, which routes and admits in the
+gateway (and in replay.py's `--config` simulation of the same cluster); each
+decode worker's own join check asks the same decode rule with the same step
+model, limits (`decode_limits`) and TBT objective.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
+from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
+from mooncake.sched.build import build_conductor as build
+from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, PrefillModel
+from mooncake.sched.join import DecodeLimits
+from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
+from mooncake.types import Slo
+from serving import registry
 from serving.config import ClusterConfig
 
-__all__ = ["CPU", "cost_models", "model_shape", "read_profile"]
+__all__ = [
+    "CPU",
+    "PREDICTED_DECODE_S",
+    "build_conductor",
+    "cost_models",
+    "decode_limits",
+    "model_shape",
+    "read_profile",
+]
 
 # The analytic cost model's idea of one CPU engine (used without a fitted profile).
 CPU = Hardware(
@@ -28,6 +50,20 @@ CPU = Hardware(
     host_to_device_bytes_per_s=1e10,
     nic_bytes_per_s=1e9,
 )
+
+
+# The Conductor's load predictor's uniform decode duration (the paper's predictor, at this cluster's pace).
+PREDICTED_DECODE_S = 1.0
+
+
+def decode_limits(config: ClusterConfig) -> DecodeLimits:
+    """What one decode engine holds, as its own check counts it (`DecodeConfig`): the Conductor asks the
+    same rule with these limits (and so does a simulation of the cluster)."""
+    return DecodeLimits(
+        kv_capacity_tokens=config.decode.max_batch_size * config.decode.max_context_tokens,
+        max_batch_size=config.decode.max_batch_size,
+        max_context_tokens=config.decode.max_context_tokens,
+    )
 
 
 def model_shape(config: ClusterConfig) -> ModelShape:
@@ -67,3 +103,32 @@ def cost_models(config: ClusterConfig) -> tuple[PrefillModel, AnalyticStepModel]
         return read_profile(config.prefill.profile)
     shape = model_shape(config)
     return PrefillCostModel(model=shape, hardware=CPU), DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0)
+
+
+def build_conductor(
+    config: ClusterConfig, *, prefill_instances: Iterable[str] = (), decode_instances: Iterable[str] = (), seed: int = 0
+) -> Conductor:
+    """The Conductor of the config's policies and SLOs on its engines' cost models (`cost_models`), its
+    decode instances registered with `decode_limits(config)` (the gateway registers none here: its workers
+    join as they come up, with the same limits).
+
+    Raises:
+        ConfigError: a profile that cannot be read (see `read_profile`).
+    """
+    prefill, step_model = cost_models(config)
+    policy = config.policy
+    return build(
+        model=model_shape(config),
+        hardware=CPU,
+        prefill_instances=prefill_instances,
+        decode_instances=decode_instances,
+        hasher=BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens),
+        router=registry.router(policy.router, threshold=policy.threshold),
+        admission=registry.admission(policy.admission),
+        predictor=UniformDecodePredictor(decode_s=PREDICTED_DECODE_S),
+        slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
+        prefill=prefill,
+        step_model=step_model,
+        decode_limits=decode_limits(config),
+        seed=seed,
+    )

@@ -5,7 +5,8 @@ the bytes of the UTF-8 text (a model with a larger vocabulary may generate
 ids ≥ 256, which decode to nothing), its chat template `chat_prompt`.
 `CheckpointTokenizer` is a checkpoint's (`mooncake.engine.tokenizer`): its
 `tokenizer.json`, its chat template and its stop ids (EOS and the generation
-config's). The gateway holds one of them and never asks which.
+config's). The gateway holds the one `serving_tokenizer(config)` gives and never
+asks which.
 
 `TextStream` turns a request's tokens into the text its client may see,
 decoded incrementally (whole characters only): the text ends just before the
@@ -28,8 +29,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
+    from serving.config import ClusterConfig
 
-__all__ = ["ByteTokenizer", "CheckpointTokenizer", "ServingTokenizer", "TextStream", "chat_prompt"]
+__all__ = ["ByteTokenizer", "CheckpointTokenizer", "ServingTokenizer", "TextStream", "chat_prompt", "serving_tokenizer"]
 
 
 class Decoder(Protocol):
@@ -185,3 +187,16 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop):
                 return length
         return 0
+
+
+def serving_tokenizer(config: ClusterConfig) -> ServingTokenizer:
+    """The checkpoint's tokenizer (`tokenizer.json`, its chat template and stop ids), or the random preset's bytes.
+
+    Raises:
+        ConfigError: the checkpoint's tokenizer files cannot be read (see `load_tokenizer`).
+    """
+    if config.model.checkpoint is None:
+        return ByteTokenizer()
+    from mooncake.engine.tokenizer import load_tokenizer
+
+    return CheckpointTokenizer(load_tokenizer(config.model.checkpoint))

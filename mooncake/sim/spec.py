@@ -34,7 +34,7 @@ from mooncake.sched.cost import (
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter
-from mooncake.sched.step import DecodeCostModel
+from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
 
 __all__ = ["ClusterSpec", "build_conductor"]
@@ -66,6 +66,13 @@ class ClusterSpec:
         max_decode_batch_size: requests a decode node decodes at once (None: as many as its HBM holds).
         analytic_decode: advance decode batches analytically (False: step by step).
         sample_interval_s: how often load over time is sampled.
+        prefill_model: a prefill instance's time fitted to real engines (`FittedPrefillModel`), used as
+            is in place of the analytic model of `model`, the prefill hardware and `mfu` (for a CPP
+            group, the group's time).
+        step_model: a decode node's step time fitted to real engines (`FittedStepModel`), in place of
+            the analytic `DecodeCostModel`.
+        decode_node_limits: what one decode node holds (its engine's KV budget and batch slots), in
+            place of its HBM beside the weights and `max_decode_batch_size`.
     """
 
     num_prefill: int = attrs.field(validator=_at_least(1))
@@ -84,6 +91,9 @@ class ClusterSpec:
     max_decode_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
     analytic_decode: bool = True
     sample_interval_s: float = 1.0
+    prefill_model: PrefillModel | None = None
+    step_model: AnalyticStepModel | None = None
+    decode_node_limits: DecodeLimits | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.num_prefill % self.cpp_group_size:
@@ -105,21 +115,28 @@ class ClusterSpec:
     @property
     def prefill_cost(self) -> PrefillModel:
         """One prefill instance's prefill time (a CPP group's when grouped)."""
+        if self.prefill_model is not None:
+            return self.prefill_model
         base = PrefillCostModel(model=self.model, hardware=self.prefill_hardware, mfu=self.mfu)
         if self.cpp_group_size == 1:
             return base
         return ChunkedPipelineCost(base=base, group_size=self.cpp_group_size, chunk_tokens=self.cpp_chunk_tokens)
 
     @property
-    def decode_cost(self) -> DecodeCostModel:
+    def decode_cost(self) -> AnalyticStepModel:
+        """One decode node's step time: the fitted `step_model`, else the analytic model of its hardware."""
+        if self.step_model is not None:
+            return self.step_model
         return DecodeCostModel(model=self.model, hardware=self.decode_hardware)
 
     @property
     def decode_limits(self) -> DecodeLimits:
-        """What one decode node holds: its HBM's KV beside the weights, and its batch slots."""
-        return DecodeLimits(
-            kv_capacity_tokens=self.decode_cost.capacity_tokens(), max_batch_size=self.max_decode_batch_size
-        )
+        """What one decode node holds: `decode_node_limits`, else its HBM's KV beside the weights and its
+        batch slots."""
+        if self.decode_node_limits is not None:
+            return self.decode_node_limits
+        capacity = DecodeCostModel(model=self.model, hardware=self.decode_hardware).capacity_tokens()
+        return DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=self.max_decode_batch_size)
 
     @property
     def transfer_cost(self) -> TransferCostModel:

@@ -25,10 +25,11 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.build import RouterFactory
-from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, FittedPrefillModel, PrefillCostModel
+from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sched.router import KvCacheCentricRouter, LoadBalancingRouter, RandomRouter, local_cache_aware_router
-from mooncake.sched.step import StepModel
+from mooncake.sched.step import FittedStepModel, StepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import RecordTable, ReplayResult, RequestRecord, top_mean
 from mooncake.sim.spec import ClusterSpec, build_conductor
@@ -513,6 +514,32 @@ def test_network_bandwidth_defaults_to_the_nic() -> None:
     """The transfer model uses `network_bytes_per_s`, else the prefill hardware's NIC."""
     assert make_spec().transfer_cost.bandwidth_bytes_per_s == A800.nic_bytes_per_s
     assert make_spec(network_bytes_per_s=5e9).transfer_cost.bandwidth_bytes_per_s == 5e9
+
+
+FITTED_PREFILL = FittedPrefillModel(coefficients=(0.002, 3e-5, 1e-9))
+FITTED_STEP = FittedStepModel(coefficients=(0.001, 2e-4, 3e-7))
+
+
+def test_fitted_models_replace_the_analytic_ones() -> None:
+    """A spec given the real engines' fitted prefill and step models and decode limits charges them: a lone
+    request's TTFT is the fitted prefill, its token intervals the fitted steps of a batch of one, and the
+    Conductor's decode instances hold the given limits."""
+    limits = DecodeLimits(kv_capacity_tokens=16_384, max_batch_size=8, max_context_tokens=2048)
+    spec = make_spec(
+        cache_capacity_tokens=INFINITE_CACHE_TOKENS,
+        prefill_model=FITTED_PREFILL,
+        step_model=FITTED_STEP,
+        decode_node_limits=limits,
+    )
+    assert (spec.prefill_cost, spec.decode_cost, spec.decode_limits) == (FITTED_PREFILL, FITTED_STEP, limits)
+    assert [view.limits for view in build_conductor(spec).decode_views] == [limits]
+    request = make_request("only", 1.0, 1500, 6, range(num_blocks(1500)))
+    (record,) = replay(spec, [request]).records
+    assert record.outcome == Outcome.COMPLETED and record.ttft_s is not None
+    assert math.isclose(record.ttft_s, FITTED_PREFILL.prefill_s(1500), rel_tol=1e-9)
+    steps = [FITTED_STEP.step_s(1, 1500 + k) for k in range(5)]
+    intervals = record.intervals.values()  # the first also waits for the KV to reach the decode node
+    assert intervals[0] >= steps[0] and np.allclose(intervals[1:], steps[1:], rtol=1e-9)
 
 
 def test_without_a_global_pool_the_router_never_transfers() -> None:

@@ -1,0 +1,116 @@
+"""The example cluster's simulated twin: the workload scaled as load.py sends it, and the spec and Conductor
+replay.py's `--config` builds from the cluster's own config.
+
+Properties of `scaling.scale` over generated workloads and scalings: each scaled request is what the
+cluster sees of its prompt (the tokenizer's ids, the hasher's keys of them, one per block), its prompt and
+output within the caps; requests sharing leading workload blocks share that much prompt text. Examples:
+bad scalings are ConfigErrors naming the option; `simulation.config_spec` and `config_conductor` take
+the config's nodes, caches, block size, cost models and decode limits, the limits the gateway's
+dispatcher registers its decode workers with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import scaling
+import simulation
+from hypothesis import given
+from hypothesis import strategies as st
+from scaling import Scaling, prompt_of, scale
+from serving.config import load_config
+from serving.machine import Machine
+from serving.models import cost_models, decode_limits
+from serving.tokenizer import ByteTokenizer
+
+from mooncake.cache.hashing import BlockHasher
+from mooncake.errors import ConfigError
+from mooncake.types import Request, RequestId
+from mooncake.workload import ArrivalProcess, generate_requests, preset
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+
+scalings = st.builds(
+    Scaling,
+    length_scale=st.sampled_from([1 / 512, 1 / 64, 1 / 32, 1 / 8]),
+    output_scale=st.sampled_from([1 / 64, 1 / 16, 1.0]),
+    max_prompt_tokens=st.integers(min_value=1, max_value=2048),
+    max_output_tokens=st.integers(min_value=1, max_value=64),
+)
+
+
+@given(
+    st.sampled_from(["conversation", "synthetic", "toolagent"]),
+    st.integers(0, 2**16),
+    scalings,
+    st.sampled_from([4, 16]),
+)
+def test_a_scaled_request_is_what_the_cluster_sees_of_its_prompt(
+    name: str, seed: int, scaled_by: Scaling, block: int
+) -> None:
+    requests = list(generate_requests(preset(name), num_requests=5, arrivals=ArrivalProcess(rate_per_s=2.0), seed=seed))
+    hasher = BlockHasher(model="tiny", block_size_tokens=block)
+    encode = ByteTokenizer().encode
+    for original, one in zip(requests, scale(requests, scaled_by, encode=encode, hasher=hasher), strict=True):
+        seen = one.request
+        assert 1 <= len(one.prompt) <= scaled_by.max_prompt_tokens
+        assert (seen.request_id, seen.arrival_s) == (original.request_id, original.arrival_s)
+        assert list(seen.tokens) == encode(one.prompt) and seen.input_length == len(encode(one.prompt))
+        assert seen.block_keys == hasher.block_keys(encode(one.prompt)) and seen.block_size_tokens == block
+        assert 1 <= seen.output_length <= scaled_by.max_output_tokens
+
+
+@given(st.integers(1, 6), st.integers(0, 4), st.integers(0, 4), scalings)
+def test_requests_sharing_blocks_share_that_much_prompt(shared: int, a: int, b: int, scaled_by: Scaling) -> None:
+    """Two requests whose first `shared` workload blocks are the same have prompts that agree on those blocks'
+    text (as far as both prompts reach)."""
+    size = max(1, round(512 * scaled_by.length_scale))
+
+    def request(name: str, extra: int, offset: int) -> Request:
+        keys = [*range(shared), *range(offset, offset + extra)]
+        return Request(
+            request_id=RequestId(name),
+            arrival_s=0.0,
+            input_length=512 * len(keys),
+            output_length=10,
+            block_keys=keys,
+            block_size_tokens=512,
+        )
+
+    first, second = prompt_of(request("a", a, 100), scaled_by), prompt_of(request("b", b, 200), scaled_by)
+    common = min(shared * size, len(first), len(second))
+    assert first[:common] == second[:common]
+    assert first[: min(size, len(first))] == scaling.block_text(0, size)[: min(size, len(first))]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("length_scale", 0.0), ("output_scale", -1.0), ("max_prompt_tokens", 0), ("length_scale", float("nan"))],
+)
+def test_a_bad_scaling_names_its_option(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
+        Scaling(**{field: value})
+
+
+def test_the_spec_and_conductor_are_the_configs() -> None:
+    """Nodes, block size, cache per instance, the cost models and decode limits the cluster's Conductor uses
+    (the dispatcher registers its decode workers with the same `decode_limits`)."""
+    config = load_config(TINY, machine=Machine()).with_overrides("cache", ssd_blocks=128)
+    spec = simulation.config_spec(config)
+    prefill, step = cost_models(config)
+    assert (spec.num_prefill, spec.num_decode) == (config.cluster.num_prefill, config.cluster.num_decode)
+    assert spec.block_size_tokens == config.model.block_tokens
+    assert spec.cache_capacity_tokens == (config.cache.dram_blocks + 128) * config.model.block_tokens
+    assert (spec.prefill_cost, spec.decode_cost, spec.decode_limits) == (prefill, step, decode_limits(config))
+    conductor = simulation.config_conductor(config, spec)
+    assert [v.instance_id for v in conductor.prefill_views] == [f"prefill-{i}" for i in range(spec.num_prefill)]
+    assert [v.limits for v in conductor.decode_views] == [decode_limits(config)] * spec.num_decode
+    assert conductor.slo.ttft_s == config.slo.ttft_s and conductor.block_size_tokens == config.model.block_tokens
+
+
+def test_a_cpp_cluster_is_simulated_as_groups() -> None:
+    config = load_config(TINY, machine=Machine()).with_overrides("prefill", pipeline_size=2)
+    spec = simulation.config_spec(config)
+    assert (spec.num_prefill, spec.cpp_group_size, spec.num_prefill_instances) == (4, 2, 2)
+    assert spec.cache_capacity_tokens * 2 == config.cache.dram_blocks * config.model.block_tokens
