@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 import simulation
-from scaling import add_scaling_options, output_of, prompt_of, scaling_of
+from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
+from serving.api import DECODE_HEADER, PREFILL_HEADER
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason
@@ -88,6 +89,8 @@ async def one(
             if answer.status != 200:
                 failed(f"HTTP {answer.status}", await answer.text())
                 return
+            record.prefill_instance = answer.headers.get(PREFILL_HEADER)  # type: ignore[assignment]
+            record.decode_instance = answer.headers.get(DECODE_HEADER)  # type: ignore[assignment]
             async for raw in answer.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -124,13 +127,16 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
         return str((await answer.json())["data"][0]["id"])
 
 
-async def replay_http(url: str, requests: list[Request], args: argparse.Namespace) -> tuple[list[RequestRecord], float]:
+async def replay_http(
+    url: str, requests: list[Request], scaling: Scaling, *, model: str | None = None, timeout_s: float = 120.0
+) -> tuple[list[RequestRecord], float]:
+    """Send `requests` scaled by `scaling` at their arrival times (the first at once), each streamed; a record
+    per request (its times from this call's start) and the wall time until the last answer ended."""
     records: list[RequestRecord] = []
-    scaling = scaling_of(args)
     first_arrival = requests[0].arrival_s if requests else 0.0
     failures: dict[str, str] = {}
     async with aiohttp.ClientSession() as session:
-        model = args.model or await served_model(session, url)
+        model = model or await served_model(session, url)
         started = time.perf_counter()
         tasks = []
         for request in requests:
@@ -154,7 +160,7 @@ async def replay_http(url: str, requests: list[Request], args: argparse.Namespac
                 "stream_options": {"include_usage": True},
                 "seed": int(request.request_id) % 2**31,
             }
-            tasks.append(asyncio.create_task(one(session, url, record, body, started, args.timeout, failures)))
+            tasks.append(asyncio.create_task(one(session, url, record, body, started, timeout_s, failures)))
         await asyncio.gather(*tasks)
     wall = time.perf_counter() - started
     for kind, message in failures.items():
@@ -200,7 +206,9 @@ def main() -> None:
             sys.exit(f"error: {error}")
         url = cluster.url
     try:
-        records, wall = asyncio.run(replay_http(url, requests, args))
+        records, wall = asyncio.run(
+            replay_http(url, requests, scaling_of(args), model=args.model, timeout_s=args.timeout)
+        )
     finally:
         if cluster is not None:
             cluster.close()

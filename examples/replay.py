@@ -106,7 +106,7 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     if args.profile is not None:
         config = config.with_overrides("prefill", profile=str(args.profile))
     spec = simulation.config_spec(config)
-    conductor = simulation.config_conductor(config, spec, seed=args.seed)
+    conductor = simulation.config_conductor(config, spec)
     hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
     encode = serving_tokenizer(config).encode
     requests = [

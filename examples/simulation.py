@@ -219,16 +219,15 @@ def config_spec(config: ClusterConfig) -> ClusterSpec:
     )
 
 
-def config_conductor(config: ClusterConfig, spec: ClusterSpec, *, seed: int = 0) -> Conductor:
-    """The cluster's own Conductor (`serving.models.build_conductor`) with `spec`'s instances, named as the
-    launcher names the workers (`prefill-0`, ..., `decode-0`, ...)."""
+def config_conductor(config: ClusterConfig, spec: ClusterSpec) -> Conductor:
+    """The cluster's own Conductor (`serving.models.build_conductor`, its seed too) with `spec`'s instances,
+    named as the launcher names the workers (`prefill-0`, ..., `decode-0`, ...)."""
     from serving.models import build_conductor
 
     return build_conductor(
         config,
         prefill_instances=[f"prefill-{i}" for i in range(spec.num_prefill_instances)],
         decode_instances=[f"decode-{i}" for i in range(spec.num_decode)],
-        seed=seed,
     )
 
 

@@ -181,6 +181,18 @@ def test_shared_prefix_is_a_cache_hit(cluster: RunningCluster) -> None:
         assert queries == len(second_prompt.encode())
 
 
+def test_answers_name_the_instances_that_ran_them(cluster: RunningCluster) -> None:
+    """Whole and streamed answers carry X-Mooncake-Prefill-Instance and X-Mooncake-Decode-Instance, naming one
+    of the cluster's prefill and decode workers."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": "Where did I run?", "max_tokens": 2, "stream": stream}
+        status, headers, _ = http(f"{cluster.url}/v1/completions", body, headers=auth)
+        assert status == 200
+        assert headers["X-Mooncake-Prefill-Instance"] in ("prefill-0", "prefill-1")
+        assert headers["X-Mooncake-Decode-Instance"] == "decode-0"
+
+
 BAD_BODIES = [
     ("completions", {"prompt": 3}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),

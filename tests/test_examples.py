@@ -255,6 +255,34 @@ def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> Non
     assert coupled.returncode == 2 and "--engine coupled" in coupled.stderr
 
 
+def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) -> None:
+    """A shortened validate.py: profiling, the real cluster over HTTP and its simulated twin, the keys the
+    issue names for the serviceable and the overload run (the figures themselves are not asserted here)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    out = tmp_path / "out"
+    options = ["--num-requests", "12", "--rate", "4", "--overload-speedup", "4", "--json", "--out", str(out)]
+    summary = json.loads(run("validate.py", *options).stdout)
+    keys = (
+        "ttft_median_rel_error",
+        "ttft_p90_rel_error",
+        "tbt_mean_rel_error",
+        "same_route_fraction",
+        "hit_ratio_real",
+        "hit_ratio_sim",
+        "rejected_real",
+        "rejected_sim",
+    )
+    for run_summary in (summary, summary["overload"]):
+        assert all(key in run_summary for key in keys), run_summary
+        assert run_summary["real"]["num_requests"] == run_summary["sim"]["num_requests"] == 12
+        assert 0 <= run_summary["same_route_fraction"] <= 1
+    assert summary["compared_requests"] > 0 and summary["ttft_median_rel_error"] >= 0
+    assert json.loads((out / "validate.json").read_text()) == summary
+    for name in ("ttft_cdf_serviceable.png", "tbt_cdf_overload.png", "profile.json"):
+        assert (out / name).exists(), name
+
+
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
     """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
     pytest.importorskip("torch")

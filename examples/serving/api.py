@@ -38,6 +38,8 @@ from mooncake.errors import InvalidRequestError, MooncakeError
 from serving.tokenizer import ServingTokenizer
 
 __all__ = [
+    "DECODE_HEADER",
+    "PREFILL_HEADER",
     "ApiError",
     "ChatMessage",
     "ChatRequest",
@@ -56,6 +58,10 @@ __all__ = [
     "prompt_tokens",
 ]
 
+# Response headers naming the instances that prefilled and decoded a request (for clients comparing a run with
+# its simulation, as examples/validate.py does).
+PREFILL_HEADER = "X-Mooncake-Prefill-Instance"
+DECODE_HEADER = "X-Mooncake-Decode-Instance"
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1

@@ -7,7 +7,9 @@ dispatcher admit it (`serving.dispatch`: a rejection is a 429 with
 `Retry-After`, no engine up a 503). An accepted request goes to its prefill
 worker; its tokens come back through the dispatcher, and the gateway answers
 with the whole completion or streams it as server-sent events, headers going
-out with the first token (so a late rejection is still a 429). Prompts are
+out with the first token (so a late rejection is still a 429); an answer's
+`X-Mooncake-Prefill-Instance` and `X-Mooncake-Decode-Instance` headers name
+where it ran. Prompts are
 encoded, chats rendered and text decoded by the served model's tokenizer
 (`serving.tokenizer`: a checkpoint's, or bytes for the random preset). The
 text ends before a stop string or at a stop id such as the checkpoint's EOS
@@ -42,6 +44,8 @@ from aiohttp import HttpVersion11, web
 
 from mooncake.sched.outcome import Outcome, Reason
 from serving.api import (
+    DECODE_HEADER,
+    PREFILL_HEADER,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -304,7 +308,8 @@ class Gateway:
         pieces.append(text.finish())
         self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
-        return web.json_response(reply.completion("".join(pieces), finish, self._usage(live, count)).to_json())
+        answer = reply.completion("".join(pieces), finish, self._usage(live, count)).to_json()
+        return web.json_response(answer, headers=_route_headers(live))
 
     async def _stream(
         self, request: web.Request, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
@@ -318,7 +323,9 @@ class Gateway:
             raise
         except StopAsyncIteration:
             first = None
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(live)}
+        )
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         count, sent = 0, False  # tokens read; whether text went out (a chat's first text chunk carries the role)
@@ -342,6 +349,11 @@ class Gateway:
             await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
         await response.write_eof()
         return response
+
+
+def _route_headers(live: LiveRequest) -> dict[str, str]:
+    """Where the request ran (`serving.api`'s headers)."""
+    return {PREFILL_HEADER: str(live.prefill), DECODE_HEADER: str(live.decode)}
 
 
 async def _following(first: int | None, tokens: AsyncIterator[int]) -> AsyncIterator[int]:

@@ -59,7 +59,8 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import MooncakeError
+from mooncake.errors import MooncakeError, UnknownBlockError
+from mooncake.sched.join import JoinVerdict
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
@@ -331,6 +332,7 @@ class Worker:
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,
+            source=self.spec.instance_id,
             keys=tuple(int(k) for k in result.keys),
             prompt_tokens=len(tokens),
             first_token=result.first_token,
@@ -361,25 +363,28 @@ class Worker:
                     jobs.append(self._jobs.get_nowait())
             except queue.Empty:
                 pass
-            tokens: list[wire.Token] = []  # every token, the joins' first ones included
+            first: list[wire.Token] = []  # the joins' first tokens (the prefills'): reported before the step
             for job in jobs:
                 if isinstance(job, wire.CancelDecode):
                     cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
                     decode.cancel(cancelled)
                     self._attempts.pop(cancelled, None)
                 elif isinstance(job, wire.DecodeJob):
-                    self._join(job, tokens.append)
-            if decode.num_active:
-                for event in decode.step():
-                    tokens.append(self._token(event))
+                    self._join(job, first.append)
+            self._report(first)  # not held back by a step: its client's TTFT would carry one
+            tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
             self._active = tuple(int(r) for r in self._attempts)
             self._decode_kv_usage = decode.reserved_tokens / max(1, decode.config.budget_tokens)
-            if tokens:
-                self._generated += len(tokens)
-                report = wire.DecodeTokens(
-                    instance_id=self.spec.instance_id, tokens=tuple(tokens), step_s=decode.last_step_s
-                )
-                self._tell_gateway(report)
+            self._report(tokens)
+
+    def _report(self, tokens: list[wire.Token]) -> None:
+        """Tell the gateway of `tokens` (nothing when there are none)."""
+        if not tokens:
+            return
+        assert self._decode is not None
+        self._generated += len(tokens)
+        step_s = self._decode.last_step_s
+        self._tell_gateway(wire.DecodeTokens(instance_id=self.spec.instance_id, tokens=tuple(tokens), step_s=step_s))
 
     def _token(self, event: TokenEvent) -> wire.Token:
         attempt = self._attempts.pop(event.request_id, 0) if event.finished else self._attempts.get(event.request_id, 0)
@@ -399,16 +404,28 @@ class Worker:
                 return  # a stale hand-off (its prefill engine was presumed dead): the later attempt decodes
             self._decode.cancel(request_id)
             del self._attempts[request_id]
-        try:
-            joined = self._decode.try_join(
+        keys = [BlockKey(k) for k in job.keys]
+
+        def join() -> JoinVerdict:
+            assert self._decode is not None
+            return self._decode.try_join(
                 request_id,
-                [BlockKey(k) for k in job.keys],
+                keys,
                 prompt_tokens=job.prompt_tokens,
                 first_token=job.first_token,
                 max_new_tokens=job.sampling.max_tokens,
                 sampling=_sampling_params(job.sampling),
                 on_token=None,
             )
+
+        try:
+            try:
+                joined = join()
+            except UnknownBlockError:
+                # A block the push did not bring (it was here already, or there was no room) was evicted before
+                # this join: the prefill node still holds every block of the prompt, so fetch them and join once more.
+                self.messenger.fetch(keys, self._peer(job.source)).finish(TIMEOUT_S)
+                joined = join()
         except MooncakeError as error:
             # Its KV is not here (evicted, or the stream failed) or does not match the prompt: a failure,
             # not the decode rule's decision.

@@ -257,17 +257,18 @@ class DisaggregatedCluster:
         if plan is None or plan.keep_local_copy or not self.spec.global_pool:
             self._store(node, request, len(request.block_keys))
         # else: the moved prefix was dropped after use, and the blocks computed after it are no use alone
-        record.first_token_s = now
+        overhead = self.spec.first_token_overhead_s
+        record.first_token_s = now + overhead
         self._prefill_count -= 1
         self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=node.instance_id, now=now))
         if frees_node:
             self._free(now, node)
         if request.output_length <= 1:  # the first token was the last
-            self._finish(now, record)
+            self.loop.at(record.first_token_s, self._finish, record)
             return
         # The KV streamed layer by layer during the prefill: only what the prefill did not hide remains.
         kv_s = self.transfer_cost.transfer_s(request.input_length * self.kv_bytes_per_token)
-        arrival = now + max(self.transfer_cost.latency_s, kv_s - record.prefill_s)
+        arrival = now + max(self.transfer_cost.latency_s, kv_s - record.prefill_s) + overhead
         assert record.decode_instance is not None
         self.loop.at(arrival, self._decode_arrive, self._decode[record.decode_instance], record)
 

@@ -73,6 +73,9 @@ class ClusterSpec:
             the analytic `DecodeCostModel`.
         decode_node_limits: what one decode node holds (its engine's KV budget and batch slots), in
             place of its HBM beside the weights and `max_decode_batch_size`.
+        first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token
+            at the client, beyond the modelled KV transfer (reports, the decode join, the gateway),
+            measured on a real cluster (0: none); the request joins its decode batch then too.
     """
 
     num_prefill: int = attrs.field(validator=_at_least(1))
@@ -94,6 +97,12 @@ class ClusterSpec:
     prefill_model: PrefillModel | None = None
     step_model: AnalyticStepModel | None = None
     decode_node_limits: DecodeLimits | None = None
+    first_token_overhead_s: float = attrs.field(default=0.0)
+
+    @first_token_overhead_s.validator
+    def _check_overhead(self, attribute: attrs.Attribute[float], value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise ConfigError(f"ClusterSpec.{attribute.name} must be a finite number >= 0, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.num_prefill % self.cpp_group_size:

@@ -469,6 +469,36 @@ def test_tbt_slo_with_the_decode_cost_model(prefilled_cache: Any) -> None:
     assert join(at_slo, r["r13"], "x", 4).accepted and join(at_slo, r["r8"], "y", 4).accepted
 
 
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.integers(0, 100_000), st.floats(1e-4, 0.1)), min_size=3, max_size=30
+    ).filter(lambda samples: len({(b, t) for b, t, _ in samples}) >= 3)
+)
+def test_a_fitted_step_never_gets_faster_as_the_batch_grows(samples: list[tuple[int, int, float]]) -> None:
+    """Noisy samples (a step that barely grows tilts an unconstrained plane): every coefficient is >= 0, one
+    request's step takes time, and the fit is no worse than any plane with a coefficient held at 0."""
+    try:
+        fitted = FittedStepModel.fit(samples)
+    except ConfigError as error:
+        assert "vary" in str(error)  # collinear shapes (every sample on one line)
+        return
+    c0, c1, c2 = fitted.coefficients
+    assert min(c0, c1, c2) >= 0 and fitted.step_s(1, 0) > 0
+
+    def residual(c: tuple[float, float, float]) -> float:
+        return sum((c[0] + c[1] * b + c[2] * t - y) ** 2 for b, t, y in samples)
+
+    for held in range(3):  # the best plane without that coefficient, clamped at 0, is never better
+        free = [i for i in range(3) if i != held]
+        matrix = np.array([[1.0, b, t] for b, t, _ in samples])[:, free]
+        solution = np.linalg.lstsq(matrix, np.array([y for _, _, y in samples]), rcond=None)[0]
+        other = [0.0, 0.0, 0.0]
+        for i, value in zip(free, solution, strict=True):
+            other[i] = max(0.0, float(value))
+        if other[0] + other[1] > 0:
+            assert residual((c0, c1, c2)) <= residual((other[0], other[1], other[2])) * (1 + 1e-9) + 1e-15
+
+
 def test_a_fitted_step_model_recovers_its_coefficients_and_serves_the_tbt_check(prefilled_cache: Any) -> None:
     """Least squares on exact samples gives back c0 + c1·batch + c2·context; too few or too alike samples are
     refused; an empty batch costs nothing and predictions never go below zero."""

@@ -6,7 +6,7 @@ cluster sees of its prompt (the tokenizer's ids, the hasher's keys of them, one 
 output within the caps; requests sharing leading workload blocks share that much prompt text. Examples:
 bad scalings are ConfigErrors naming the option; `simulation.config_spec` and `config_conductor` take
 the config's nodes, caches, block size, cost models and decode limits, the limits the gateway's
-dispatcher registers its decode workers with.
+dispatcher registers its decode workers with; validate.py's `compare` computes its errors request by request.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from serving.tokenizer import ByteTokenizer
 
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
-from mooncake.types import Request, RequestId
+from mooncake.sched.outcome import Outcome
+from mooncake.sim.metrics import RequestRecord
+from mooncake.types import InstanceId, Request, RequestId, Slo
 from mooncake.workload import ArrivalProcess, generate_requests, preset
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
@@ -114,3 +116,30 @@ def test_a_cpp_cluster_is_simulated_as_groups() -> None:
     spec = simulation.config_spec(config)
     assert (spec.num_prefill, spec.cpp_group_size, spec.num_prefill_instances) == (4, 2, 2)
     assert spec.cache_capacity_tokens * 2 == config.cache.dram_blocks * config.model.block_tokens
+
+
+def record(name: str, ttft: float | None, tbt: float, route: tuple[str, str] | None, outcome: Outcome) -> RequestRecord:
+    done = RequestRecord(request_id=RequestId(name), arrival_s=1.0, input_tokens=10, output_tokens=4)
+    done.outcome, done.tbt_s = outcome, tbt
+    done.first_token_s = None if ttft is None else 1.0 + ttft
+    if route is not None:
+        done.prefill_instance, done.decode_instance = (InstanceId(i) for i in route)
+    return done
+
+
+def test_compare_measures_the_simulation_against_the_real_run_request_by_request() -> None:
+    """TTFT errors per request completed in both (median and p90), the error of the mean TBT, and the share of
+    requests routed alike among those routed in both."""
+    validate = pytest.importorskip("validate")
+    ok, rejected = Outcome.COMPLETED, Outcome.REJECTED_BEFORE_PREFILL
+    a, b = ("prefill-0", "decode-0"), ("prefill-1", "decode-0")
+    real = [record("1", 1.0, 0.010, a, ok), record("2", 2.0, 0.010, a, ok), record("3", 0.5, 0.0, None, rejected)]
+    sim = [record("1", 1.5, 0.012, a, ok), record("2", 2.0, 0.014, b, ok), record("3", None, 0.0, b, rejected)]
+    result = validate.compare(
+        real, sim, Slo(), validate.Calibration(first_token_s=0.01, prefill_scale=1.0, step_s=0.002)
+    )
+    assert result.compared == 2
+    assert result.ttft_median_rel_error == pytest.approx(0.25)  # errors 0.5 and 0
+    assert result.tbt_mean_rel_error == pytest.approx(0.3)  # 13 ms against 10 ms
+    assert result.same_route_fraction == pytest.approx(0.5)  # the rejected request has no real route
+    assert (validate.rejected(result.real), validate.rejected(result.sim)) == (1, 1)

@@ -542,6 +542,25 @@ def test_fitted_models_replace_the_analytic_ones() -> None:
     assert intervals[0] >= steps[0] and np.allclose(intervals[1:], steps[1:], rtol=1e-9)
 
 
+@pytest.mark.parametrize("output_tokens", [1, 6])
+def test_the_first_token_overhead_delays_the_first_token_and_the_join(output_tokens: int) -> None:
+    """The serving path's fixed latency: a lone request's first token comes that much after its prefill, and
+    its decode (joining then) keeps the same intervals; a one-token request ends with its first token."""
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS, prefill_model=FITTED_PREFILL, step_model=FITTED_STEP)
+    late = attrs.evolve(spec, first_token_overhead_s=0.02)
+    request = make_request("only", 1.0, 1500, output_tokens, range(num_blocks(1500)))
+    ((plain,), (delayed,)) = (replay(s, [request]).records for s in (spec, late))
+    assert plain.ttft_s is not None and delayed.ttft_s is not None and delayed.finish_s is not None
+    assert math.isclose(delayed.ttft_s, plain.ttft_s + 0.02, rel_tol=1e-9)
+    assert np.allclose(delayed.intervals.values(), plain.intervals.values(), rtol=1e-9)
+    if output_tokens == 1:
+        assert delayed.finish_s == delayed.first_token_s
+    with pytest.raises(ConfigError, match="first_token_overhead_s"):
+        attrs.evolve(spec, first_token_overhead_s=-1.0)
+    with pytest.raises(ConfigError, match="first_token_overhead_s"):
+        attrs.evolve(spec, first_token_overhead_s=math.inf)
+
+
 def test_without_a_global_pool_the_router_never_transfers() -> None:
     """Local-cache mode: the Conductor shows the router no holder to move a prefix from, so the
     KV-cache-centric router routes as the local-cache-aware one does."""

@@ -1,0 +1,330 @@
+"""Validate the simulator against the real example cluster: one workload through both, and the per-request error.
+
+    python examples/validate.py [--config examples/configs/tiny.toml] [--profile FILE]
+        [--trace FILE | --preset conversation] [--num-requests 200] [--rate 2] [--overload-speedup 8]
+        [--no-overload] [--json] [--out build/validate]
+
+1. Profile: unless `--profile` names one, `examples/profile_engine.py --config`
+   fits the prefill and decode cost models to the cluster's own engines
+   (`OUT/profile.json`, lengths up to the config's `max_prompt_tokens`).
+2. Each run (the workload at its own pace, "serviceable"; then the same
+   workload `--overload-speedup` times faster, "overload"): the workload
+   (replay.py's options; default a generated conversation workload) is scaled
+   as load.py sends it (`examples/scaling.py`), then
+   - real: a fresh cluster of `--config`, its Conductor on the profile. First
+     a warm-up and a calibration: lone requests of prompts of their own (a
+     cluster's first requests pay for first connections and first calls: up
+     to seconds each), whose TTFT and TBT, set against the fitted prefill and
+     step times, give the serving path's overheads (`Calibration`: the
+     reports, the decode join, the gateway and the client) and how much slower
+     a prefill runs among the cluster's other processes than alone. Then the
+     workload, replayed over HTTP by load.py (TTFT and every token interval
+     measured at the client, cached tokens from the usage, the instances from
+     the answers' headers);
+   - simulated: replay.py's `--config` twin of the same cluster (its own
+     Conductor, estimating with the profile as the real one does), charging
+     the profile's models as calibrated (the prefill scaled, a constant added
+     to the step, `ClusterSpec.first_token_overhead_s`), on the same scaled
+     requests.
+3. Side by side: TTFT and TBT (mean, p50, p90), cache hit ratio, rejections;
+   per request (by id, those completed in both): the relative TTFT error
+   |sim − real| / real (median, p90), the relative error of the mean TBT, and
+   the fraction of requests both ran on the same prefill and decode instances.
+   With `--out`, CDF plots of both runs' TTFT and TBT (`ttft_cdf_RUN.png`,
+   `tbt_cdf_RUN.png`) and `validate.json`.
+
+`--json` prints `ttft_median_rel_error`, `ttft_p90_rel_error`,
+`tbt_mean_rel_error`, `same_route_fraction`, `hit_ratio_real`, `hit_ratio_sim`,
+`rejected_real`, `rejected_sim` for the serviceable run, and the same under
+`overload`. docs/simulation.md ("How accurate is the simulator") has the
+measured table and what the error is made of on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import attrs
+import load
+import numpy as np
+import simulation
+from scaling import WORKLOAD_BLOCK_TOKENS, Scaling, add_scaling_options, scale, scaling_of
+from serving.config import ClusterConfig, load_config
+from serving.launch import start_cluster
+from serving.models import cost_models
+from serving.tokenizer import serving_tokenizer
+
+from mooncake.cache.hashing import BlockHasher
+from mooncake.errors import EngineError, MooncakeError
+from mooncake.sched.cost import FittedPrefillModel
+from mooncake.sched.outcome import Outcome
+from mooncake.sched.step import FittedStepModel
+from mooncake.sim.disaggregated import DisaggregatedCluster
+from mooncake.sim.metrics import RequestRecord, Summary, summarize
+from mooncake.sim.report import plot_cdfs, write_json
+from mooncake.types import Request, RequestId, Slo
+
+HERE = Path(__file__).resolve().parent
+PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
+CALIBRATION_GAP_S = 1.0  # between calibration requests: each runs alone
+CALIBRATION_OUTPUT = 24  # tokens each calibration request asks for
+CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
+
+
+@attrs.frozen
+class Comparison:
+    """One run's two summaries and the per-request errors (module docstring)."""
+
+    real: Summary
+    sim: Summary
+    ttft_median_rel_error: float
+    ttft_p90_rel_error: float
+    tbt_mean_rel_error: float
+    same_route_fraction: float
+    compared: int  # requests completed in both runs
+    calibration: Calibration
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ttft_median_rel_error": self.ttft_median_rel_error,
+            "ttft_p90_rel_error": self.ttft_p90_rel_error,
+            "tbt_mean_rel_error": self.tbt_mean_rel_error,
+            "same_route_fraction": self.same_route_fraction,
+            "hit_ratio_real": self.real.cache_hit_ratio,
+            "hit_ratio_sim": self.sim.cache_hit_ratio,
+            "rejected_real": rejected(self.real),
+            "rejected_sim": rejected(self.sim),
+            "compared_requests": self.compared,
+            "calibration": attrs.asdict(self.calibration),
+            "real": self.real.to_json(),
+            "sim": self.sim.to_json(),
+        }
+
+
+def rejected(summary: Summary) -> int:
+    return summary.rejected_before_prefill + summary.rejected_after_prefill
+
+
+def compare(
+    real: Sequence[RequestRecord], sim: Sequence[RequestRecord], slo: Slo, calibration: Calibration
+) -> Comparison:
+    """The errors of `sim` against `real`, request by request (module docstring)."""
+    simulated = {r.request_id: r for r in sim}
+    ttft_errors, real_tbt, sim_tbt, same_route, routed = [], [], [], 0, 0
+    for r in real:
+        s = simulated.get(r.request_id)
+        if s is None:
+            continue
+        if r.prefill_instance is not None and s.prefill_instance is not None:
+            routed += 1
+            same_route += (r.prefill_instance, r.decode_instance) == (s.prefill_instance, s.decode_instance)
+        if r.outcome is Outcome.COMPLETED and s.outcome is Outcome.COMPLETED and r.ttft_s and s.ttft_s is not None:
+            ttft_errors.append(abs(s.ttft_s - r.ttft_s) / r.ttft_s)
+            real_tbt.append(r.tbt_s)
+            sim_tbt.append(s.tbt_s)
+    nan = float("nan")
+    real_mean, sim_mean = (float(np.mean(v)) if v else nan for v in (real_tbt, sim_tbt))
+    return Comparison(
+        real=summarize(real, slo),
+        sim=summarize(sim, slo),
+        ttft_median_rel_error=float(np.median(ttft_errors)) if ttft_errors else nan,
+        ttft_p90_rel_error=float(np.percentile(ttft_errors, 90)) if ttft_errors else nan,
+        tbt_mean_rel_error=abs(sim_mean - real_mean) / real_mean if real_mean else nan,
+        same_route_fraction=same_route / routed if routed else nan,
+        compared=len(ttft_errors),
+        calibration=calibration,
+    )
+
+
+def profile(config_path: Path, config: ClusterConfig, out: Path) -> Path:
+    """Fit the cost models to the cluster's engines (profile_engine.py --config) into `out`."""
+    lengths = [n for n in PROFILE_LENGTHS if n <= config.limits.max_prompt_tokens]
+    batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= config.decode.max_batch_size]
+    command = [sys.executable, str(HERE / "profile_engine.py"), "--config", str(config_path), "--out", str(out)]
+    command += ["--lengths", ",".join(map(str, lengths)), "--batches", ",".join(map(str, batches))]
+    command += ["--prefix-fractions", "0,0.5", "--repeats", "3"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+@attrs.frozen
+class Calibration:
+    """How the real cluster differs from its engines' profile, measured on lone calibration requests:
+    `prefill_scale`, how much slower a prefill runs among the cluster's other processes than alone (engines
+    share the machine's cores), and `first_token_s`, the serving path's fixed latency to the first token
+    (the reports, the decode join, the gateway, the client): a least-squares line of their TTFTs over the
+    profile's prefill times; `step_s`, what each decode step takes beyond the profile's as the client's TBT
+    sees it (the median)."""
+
+    first_token_s: float
+    prefill_scale: float
+    step_s: float
+
+
+def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: int) -> list[Request]:
+    """Lone requests (one every `CALIBRATION_GAP_S`) of prompts sharing nothing with any workload's, their
+    lengths spread over what the cluster takes, each asking for `CALIBRATION_OUTPUT` tokens."""
+    lengths = [n for n in PROFILE_LENGTHS if n <= min(config.limits.max_prompt_tokens, scaling.max_prompt_tokens)]
+    requests = []
+    for i, tokens in enumerate(lengths * 2):
+        length = max(1, round(tokens / scaling.length_scale))
+        keys = [2**62 + (first_id + i) * 10_000 + b for b in range(-(-length // WORKLOAD_BLOCK_TOKENS))]
+        output = max(1, round(CALIBRATION_OUTPUT / scaling.output_scale))
+        requests.append(
+            Request(
+                request_id=RequestId(str(CALIBRATION_IDS + first_id + i)),
+                arrival_s=i * CALIBRATION_GAP_S,
+                input_length=length,
+                output_length=output,
+                block_keys=keys,
+                block_size_tokens=WORKLOAD_BLOCK_TOKENS,
+            )
+        )
+    return requests
+
+
+def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: float) -> Calibration:
+    """Warm the cluster up (its first requests pay for first connections and first calls), then time lone
+    requests against the fitted models the simulator charges."""
+    prefill, step = cost_models(config)
+    asyncio.run(load.replay_http(url, calibration_requests(config, scaling, first_id=0), scaling, timeout_s=timeout_s))
+    records, _ = asyncio.run(
+        load.replay_http(url, calibration_requests(config, scaling, first_id=1000), scaling, timeout_s=timeout_s)
+    )
+    done = [r for r in records if r.outcome is Outcome.COMPLETED and r.ttft_s is not None]
+    if not done:
+        raise EngineError("no calibration request completed: the cluster does not serve")
+    profiled = np.array([prefill.prefill_s(r.input_tokens, 0) for r in done])
+    ttft = np.array([r.ttft_s or 0.0 for r in done])
+    scale, fixed = np.polyfit(profiled, ttft, 1) if len(set(profiled)) > 1 else (1.0, float(np.median(ttft - profiled)))
+    steps = [r.tbt_s - step.step_s(1, r.input_tokens + r.output_tokens // 2) for r in done if r.intervals.count]
+    return Calibration(
+        first_token_s=max(0.0, float(fixed)),
+        prefill_scale=max(1.0, float(scale)),
+        step_s=max(0.0, float(np.median(steps))) if steps else 0.0,
+    )
+
+
+def run_real(
+    config: ClusterConfig, requests: list[Request], args: argparse.Namespace
+) -> tuple[list[RequestRecord], Calibration]:
+    """The requests over HTTP through a fresh cluster of `config` (load.py's replay), after its calibration."""
+    scaling = scaling_of(args)
+    with start_cluster(config.with_overrides("cluster", port=0)) as cluster:
+        calibration = calibrate(cluster.url, config, scaling, args.timeout)
+        records, _wall = asyncio.run(load.replay_http(cluster.url, requests, scaling, timeout_s=args.timeout))
+    return records, calibration
+
+
+def run_sim(
+    config: ClusterConfig, requests: list[Request], args: argparse.Namespace, calibration: Calibration
+) -> list[RequestRecord]:
+    """The same requests, scaled and keyed as the cluster sees them, through its simulated twin with the
+    calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one)."""
+    spec = simulation.config_spec(config)
+    prefill, step = spec.prefill_cost, spec.decode_cost
+    assert isinstance(prefill, FittedPrefillModel) and isinstance(step, FittedStepModel)  # the profile's
+    c0, c1, c2 = step.coefficients
+    spec = attrs.evolve(
+        spec,
+        prefill_model=FittedPrefillModel(
+            coefficients=tuple(c * calibration.prefill_scale for c in prefill.coefficients)
+        ),
+        step_model=FittedStepModel(coefficients=(c0 + calibration.step_s, c1, c2)),
+        first_token_overhead_s=calibration.first_token_s,
+    )
+    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
+    encode = serving_tokenizer(config).encode
+    scaled = [s.request for s in scale(requests, scaling_of(args), encode=encode, hasher=hasher)]
+    return list(DisaggregatedCluster(spec, simulation.config_conductor(config, spec)).run(scaled).records)
+
+
+def print_comparison(name: str, result: Comparison) -> None:
+    print(f"{name}: {result.real.num_requests} requests, {result.compared} completed in both")
+    print(
+        f"  {'':10}{'TTFT mean':>10}{'p50':>8}{'p90':>8} s {'TBT mean':>10}{'p50':>8}{'p90':>8} ms  hit ratio  rejected"
+    )
+    for label, s in (("real", result.real), ("simulated", result.sim)):
+        ttft = "".join(f"{s.ttft_s[k]:>{w}.3f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
+        tbt = "".join(f"{s.tbt_s[k] * 1000:>{w}.2f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
+        print(f"  {label:<10}{ttft}   {tbt}    {s.cache_hit_ratio:>9.3f} {rejected(s):>9}")
+    print(
+        f"  per request: TTFT error median {result.ttft_median_rel_error:.1%}, p90 {result.ttft_p90_rel_error:.1%}; "
+        f"mean TBT error {result.tbt_mean_rel_error:.1%}; same route {result.same_route_fraction:.1%}"
+    )
+
+
+def plot(name: str, real: Sequence[RequestRecord], sim: Sequence[RequestRecord], out: Path) -> None:
+    def done(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+        return [r for r in records if r.outcome is Outcome.COMPLETED and r.ttft_s is not None]
+
+    ttft = {"real": [r.ttft_s or 0.0 for r in done(real)], "simulated": [r.ttft_s or 0.0 for r in done(sim)]}
+    tbt = {"real": [r.tbt_s * 1000 for r in done(real)], "simulated": [r.tbt_s * 1000 for r in done(sim)]}
+    plot_cdfs(ttft, out / f"ttft_cdf_{name}.png", xlabel="TTFT (s)", title=f"TTFT, {name}")
+    plot_cdfs(tbt, out / f"tbt_cdf_{name}.png", xlabel="TBT (ms)", title=f"TBT, {name}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
+    p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
+    simulation.add_workload_options(p)
+    p.set_defaults(preset="conversation", num_requests=200, rate=2.0)
+    add_scaling_options(p)
+    p.add_argument("--overload-speedup", type=float, default=8.0, help="the overload run's arrivals, this much faster")
+    p.add_argument("--no-overload", action="store_true", help="only the serviceable run")
+    p.add_argument("--timeout", type=float, default=120.0, help="per request over HTTP, seconds")
+    p.add_argument("--out", type=Path, help="write validate.json, the profile and CDF plots here")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        scaling_of(args)
+        config = load_config(args.config)
+        with tempfile.TemporaryDirectory(prefix="mooncake-validate-") as scratch:
+            out = args.out if args.out is not None else Path(scratch)
+            fitted = args.profile or profile(args.config, config, out / "profile.json")
+            config = config.with_overrides("prefill", profile=str(fitted))
+            slo = Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s)
+            runs = {"serviceable": 1.0} | ({} if args.no_overload else {"overload": args.overload_speedup})
+            results: dict[str, Comparison] = {}
+            for name, speedup in runs.items():
+                requests = simulation.load_workload(args, speedup=args.speedup * speedup)
+                real, calibration = run_real(config, requests, args)
+                sim = run_sim(config, requests, args, calibration)
+                results[name] = compare(real, sim, slo, calibration)
+                if args.out is not None:
+                    plot(name, real, sim, args.out)
+    except (MooncakeError, OSError, subprocess.CalledProcessError) as error:
+        print(f"validate: {error}", file=sys.stderr)
+        return 2
+    summary = results["serviceable"].to_json()
+    if "overload" in results:
+        summary["overload"] = results["overload"].to_json()
+    summary["profile"] = str(fitted)
+    if args.out is not None:
+        write_json(summary, args.out / "validate.json")
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    print(f"validate: {args.config}, {simulation.workload_name(args)}, profile {fitted}")
+    for name, result in results.items():
+        print_comparison(name, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
