@@ -270,13 +270,11 @@ class CancelDecode:
 
 @attrs.frozen(kw_only=True)
 class DecodeJob:
-    """A prefilled request handed to its decode node: its KV blocks (and the prefill instance holding them),
-    its first token and its sampling."""
+    """A prefilled request handed to its decode node: its KV blocks, its first token and its sampling."""
 
     METHOD: ClassVar[str] = "decode.join"
     request_id: int = _field(INT)
     attempt: int = _field(INT)
-    source: str = _field(STR)
     keys: tuple[int, ...] = _field(INTS)
     prompt_tokens: int = _field(INT)
     first_token: int = _field(INT)

@@ -59,8 +59,7 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import MooncakeError, UnknownBlockError
-from mooncake.sched.join import JoinVerdict
+from mooncake.errors import MooncakeError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
@@ -332,7 +331,6 @@ class Worker:
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,
-            source=self.spec.instance_id,
             keys=tuple(int(k) for k in result.keys),
             prompt_tokens=len(tokens),
             first_token=result.first_token,
@@ -404,28 +402,16 @@ class Worker:
                 return  # a stale hand-off (its prefill engine was presumed dead): the later attempt decodes
             self._decode.cancel(request_id)
             del self._attempts[request_id]
-        keys = [BlockKey(k) for k in job.keys]
-
-        def join() -> JoinVerdict:
-            assert self._decode is not None
-            return self._decode.try_join(
+        try:
+            joined = self._decode.try_join(
                 request_id,
-                keys,
+                [BlockKey(k) for k in job.keys],
                 prompt_tokens=job.prompt_tokens,
                 first_token=job.first_token,
                 max_new_tokens=job.sampling.max_tokens,
                 sampling=_sampling_params(job.sampling),
                 on_token=None,
             )
-
-        try:
-            try:
-                joined = join()
-            except UnknownBlockError:
-                # A block the push did not bring (it was here already, or there was no room) was evicted before
-                # this join: the prefill node still holds every block of the prompt, so fetch them and join once more.
-                self.messenger.fetch(keys, self._peer(job.source)).finish(TIMEOUT_S)
-                joined = join()
         except MooncakeError as error:
             # Its KV is not here (evicted, or the stream failed) or does not match the prompt: a failure,
             # not the decode rule's decision.

@@ -62,7 +62,6 @@ messages = st.one_of(
         wire.DecodeJob,
         request_id=ints,
         attempt=ints,
-        source=names,
         keys=keys,
         prompt_tokens=ints,
         first_token=ints,
