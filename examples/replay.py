@@ -33,10 +33,9 @@ import sys
 from pathlib import Path
 
 import simulation
-from scaling import add_scaling_options, scale, scaling_of
+from scaling import add_scaling_options, scaling_of
 from serving import registry
 
-from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -98,7 +97,6 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     """The workload through the simulated twin of the example cluster `--config` describes."""
     from serving.config import load_config
     from serving.machine import Machine
-    from serving.tokenizer import serving_tokenizer
 
     if args.engine != "disaggregated":
         raise ConfigError(f"--config simulates the disaggregated example cluster, not --engine {args.engine}")
@@ -107,11 +105,7 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
         config = config.with_overrides("prefill", profile=str(args.profile))
     spec = simulation.config_spec(config)
     conductor = simulation.config_conductor(config, spec)
-    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
-    encode = serving_tokenizer(config).encode
-    requests = [
-        s.request for s in scale(simulation.load_workload(args), scaling_of(args), encode=encode, hasher=hasher)
-    ]
+    requests = simulation.cluster_requests(config, simulation.load_workload(args), scaling_of(args))
     progress = simulation.progress(args, len(requests), "replay (--config)")
     result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)
     policy = config.policy

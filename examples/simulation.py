@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+from scaling import Scaling, scale
 from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
@@ -229,6 +230,17 @@ def config_conductor(config: ClusterConfig, spec: ClusterSpec) -> Conductor:
         prefill_instances=[f"prefill-{i}" for i in range(spec.num_prefill_instances)],
         decode_instances=[f"decode-{i}" for i in range(spec.num_decode)],
     )
+
+
+def cluster_requests(config: ClusterConfig, requests: Sequence[Request], scaling: Scaling) -> list[Request]:
+    """`requests` as the example cluster of `config` sees them when load.py sends them scaled by `scaling`:
+    its tokenizer's ids of each prompt and its hasher's keys of them (`scaling.scale`)."""
+    from serving.tokenizer import serving_tokenizer
+
+    from mooncake.cache.hashing import BlockHasher
+
+    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
+    return [s.request for s in scale(requests, scaling, encode=serving_tokenizer(config).encode, hasher=hasher)]
 
 
 def slo(args: argparse.Namespace) -> Slo:

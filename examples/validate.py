@@ -58,13 +58,11 @@ import attrs
 import load
 import numpy as np
 import simulation
-from scaling import WORKLOAD_BLOCK_TOKENS, Scaling, add_scaling_options, scale, scaling_of
+from scaling import WORKLOAD_BLOCK_TOKENS, Scaling, add_scaling_options, scaling_of
 from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
 from serving.models import cost_models
-from serving.tokenizer import serving_tokenizer
 
-from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -243,9 +241,7 @@ def run_sim(
         step_model=FittedStepModel(coefficients=(c0 + calibration.step_s, c1, c2)),
         first_token_overhead_s=calibration.first_token_s,
     )
-    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
-    encode = serving_tokenizer(config).encode
-    scaled = [s.request for s in scale(requests, scaling_of(args), encode=encode, hasher=hasher)]
+    scaled = simulation.cluster_requests(config, requests, scaling_of(args))
     return list(DisaggregatedCluster(spec, simulation.config_conductor(config, spec)).run(scaled).records)
 
 

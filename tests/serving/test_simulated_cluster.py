@@ -56,11 +56,17 @@ def test_a_scaled_request_is_what_the_cluster_sees_of_its_prompt(
     encode = ByteTokenizer().encode
     for original, one in zip(requests, scale(requests, scaled_by, encode=encode, hasher=hasher), strict=True):
         seen = one.request
-        assert 1 <= len(one.prompt) <= scaled_by.max_prompt_tokens
+        # The module docstring's rule: the blocks' texts joined, cut to input × scale characters (at least 1,
+        # at most the cap); the output scaled the same way.
+        size = max(1, round(512 * scaled_by.length_scale))
+        text = "".join(scaling.block_text(int(key), size) for key in original.block_keys)
+        wanted = min(scaled_by.max_prompt_tokens, round(original.input_length * scaled_by.length_scale), len(text))
+        assert one.prompt == text[: max(1, wanted)]
         assert (seen.request_id, seen.arrival_s) == (original.request_id, original.arrival_s)
         assert list(seen.tokens) == encode(one.prompt) and seen.input_length == len(encode(one.prompt))
         assert seen.block_keys == hasher.block_keys(encode(one.prompt)) and seen.block_size_tokens == block
-        assert 1 <= seen.output_length <= scaled_by.max_output_tokens
+        output = round(original.output_length * scaled_by.output_scale)
+        assert seen.output_length == max(1, min(scaled_by.max_output_tokens, output))
 
 
 @given(st.integers(1, 6), st.integers(0, 4), st.integers(0, 4), scalings)
