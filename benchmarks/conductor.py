@@ -29,7 +29,7 @@ from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, TtftEstimator
 from mooncake.sched.step import DecodeCostModel
-from mooncake.sched.view import RequestRejected
+from mooncake.sched.view import RequestAborted
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 
 BLOCKS = 64
@@ -98,9 +98,7 @@ def decisions_per_s(num_prefill: int, num_decode: int, num_keys: int, decisions:
             conductor.schedule(request, request.arrival_s)
         timed += time.perf_counter() - begin
         for request_id in conductor.in_flight:  # untimed: end them, keeping a steady state
-            conductor.handle(
-                RequestRejected(request_id=request_id, instance_id=InstanceId("decode-0"), now=batch[-1].arrival_s)
-            )
+            conductor.handle(RequestAborted(request_id=request_id, now=batch[-1].arrival_s))
     return decisions / timed
 
 

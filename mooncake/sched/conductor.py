@@ -2,7 +2,9 @@
 
 `schedule(request, now)`:
 1. match the request's block keys in the global index (each prefill instance's
-   prefix, the best holder);
+   prefix, the best holder); an instance's prefix continues with the blocks the
+   requests queued on it will have stored when this one starts (FIFO), which the
+   prefill will find (only the index's holders are transfer sources);
 2. route it (`router`) among prefill instances that are up;
 3. choose the decode instance (`choose_decode`): ranked by what each is
    committed to (decoding and reserved), checked by the decode rule
@@ -36,7 +38,7 @@ from __future__ import annotations
 import enum
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -70,7 +72,7 @@ from mooncake.sched.view import (
     RequestRejected,
     SchedulerEvent,
 )
-from mooncake.types import InstanceId, Request, RequestId, Slo
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo
 
 __all__ = ["Conductor", "ScheduleDecision"]
 
@@ -161,6 +163,11 @@ class Conductor:
         self._in_flight: dict[RequestId, _InFlight] = {}
         # Per source instance, finish times of the KV transfers planned from it (a heap): congestion.
         self._transfers: dict[InstanceId, list[float]] = {}
+        # The blocks that requests queued on prefill instances will leave in their caches (key ->
+        # instance -> how many of them), and each such request's keys: a request queued behind them
+        # on the same instance reuses them.
+        self._pending: dict[BlockKey, dict[InstanceId, int]] = {}
+        self._pending_of: dict[RequestId, tuple[BlockKey, ...]] = {}
 
     # ------------------------------------------------------------------ instances
 
@@ -210,6 +217,7 @@ class Conductor:
         if not board.all_up:
             candidates = PrefillBoard([view for view in board if view.is_up])
             lengths = np.where(board.is_up, lengths, 0)
+        own = self._with_pending(request.block_keys, board.slot, lengths)
         best = None
         best_blocks = 0
         if lengths.size:
@@ -219,7 +227,7 @@ class Conductor:
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
-            prefix_blocks=PrefixBlocks(board.instance_ids, lengths, board.slot),
+            prefix_blocks=PrefixBlocks(board.instance_ids, own, board.slot),
             best_instance=best,
             best_blocks=best_blocks,
             best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
@@ -265,6 +273,8 @@ class Conductor:
                 transfer_finish_s=now + route.transfer_s,
             )
             self._prefill[route.prefill_instance].queue.append(queued)
+            if route.transfer is None or route.transfer.keep_local_copy:
+                self._add_pending(route.prefill_instance, request)
             self._prefill_board.refresh(self._prefill_board.slot[route.prefill_instance])
             if route.transfer is not None:
                 heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
@@ -471,7 +481,44 @@ class Conductor:
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome, reason)
 
+    def _with_pending(
+        self, keys: Sequence[BlockKey], slot: Mapping[InstanceId, int], lengths: np.ndarray
+    ) -> np.ndarray:
+        """Each instance's prefix (`lengths`, from the index) continued by the blocks that requests queued
+        on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
+        will find. One pass over the keys, touching only the instances where a key is pending."""
+        own = lengths
+        for position, key in enumerate(keys):
+            holders = self._pending.get(key)
+            if holders is None:
+                continue
+            for instance in holders:
+                at = slot[instance]
+                if own[at] == position:
+                    if own is lengths:
+                        own = lengths.copy()
+                    own[at] = position + 1
+        return own
+
+    def _add_pending(self, instance: InstanceId, request: Request) -> None:
+        for key in request.block_keys:
+            holders = self._pending.setdefault(key, {})
+            holders[instance] = holders.get(instance, 0) + 1
+        self._pending_of[request.request_id] = request.block_keys
+
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
+        keys = self._pending_of.pop(request_id, None)
+        if keys is not None:
+            instance = flight.prefill_instance
+            for key in keys:
+                holders = self._pending[key]
+                left = holders[instance] - 1
+                if left:
+                    holders[instance] = left
+                elif len(holders) > 1:
+                    del holders[instance]
+                else:
+                    del self._pending[key]
         view = self._prefill[flight.prefill_instance]
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):

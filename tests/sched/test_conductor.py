@@ -252,16 +252,37 @@ def test_ratio_below_threshold_keeps_the_own_prefix() -> None:
 def test_transfers_from_one_source_congest() -> None:
     """A second transfer from the same holder while the first is still moving takes twice the bytes' time."""
     conductor, caches = make_conductor(), Caches()
+    other_doc = tuple(key + 1_000 for key in DOC)  # as long, so that both move the same bytes
     occupy(conductor, P0, count=3)
     caches.store(conductor, P0, DOC)
+    caches.store(conductor, P0, other_doc)
     first = conductor.schedule(request("r1", DOC), 0.0)
-    second = conductor.schedule(request("r2", DOC), 0.0)
+    second = conductor.schedule(request("r2", other_doc), 0.0)
     assert first.transfer is not None and second.transfer is not None
     assert {first.prefill_instance, second.prefill_instance} == {P1, P2}
     one = first.transfer.num_bytes / 100e9
     assert second.transfer.transfer_s == pytest.approx(first.transfer.transfer_s + one)
     later = conductor.schedule(request("r3", DOC), 10.0)  # both transfers are done by now
     assert later.transfer is None or later.transfer.transfer_s == pytest.approx(first.transfer.transfer_s)
+
+
+def test_a_prefix_queued_ahead_counts_as_cached() -> None:
+    """A request queued behind one with the same prefix on the same instance finds that prefix stored when
+    it starts (FIFO), so it is estimated with it; once the one ahead leaves without storing it, it is not."""
+    conductor = make_conductor()
+    for other in (P1, P2):
+        conductor.handle(InstanceDown(instance_id=other, now=0.0))
+    first = conductor.schedule(request("r1", DOC), 0.0)
+    assert first.prefill_instance == P0 and first.prefix_tokens == 0
+    second = conductor.schedule(request("r2", (*DOC, 999)), 0.0)
+    assert second.prefix_tokens == 32 * BLOCK and second.transfer is None
+    assert second.ttft_s - first.ttft_s < 0.1 * first.ttft_s  # one block to compute, not 33
+    conductor.handle(RequestAborted(request_id=first.request_id, now=0.1))
+    third = conductor.schedule(request("r3", (*DOC, 998)), 0.1)
+    assert third.prefix_tokens == 32 * BLOCK  # still on its way, behind r2
+    conductor.handle(RequestAborted(request_id=second.request_id, now=0.2))
+    conductor.handle(RequestAborted(request_id=third.request_id, now=0.2))
+    assert conductor.schedule(request("r4", DOC), 0.2).prefix_tokens == 0
 
 
 def test_queues_follow_each_other() -> None:
@@ -303,6 +324,7 @@ def test_never_routes_to_a_down_instance() -> None:
     decision = conductor.schedule(request("r", DOC), 0.0)
     assert decision.accepted and decision.prefill_instance in (P1, P2)
     assert decision.transfer is None and decision.prefix_tokens == 0
+    conductor.handle(RequestAborted(request_id=decision.request_id, now=1.0))  # nothing of DOC is on its way
     conductor.handle(InstanceUp(instance_id=P0, now=1.0))
     back = conductor.schedule(request("r2", DOC), 1.0)
     assert back.prefix_tokens == 0  # it restarted empty
@@ -676,6 +698,7 @@ class Tracked:
     decode: InstanceId
     scheduled_s: float
     stage: str  # queued | started | prefilled | decoding
+    keeps: bool = True  # its prefill leaves its blocks in the prefill instance's cache
 
     @property
     def tokens(self) -> int:
@@ -809,7 +832,7 @@ class ConductorMachine(RuleBasedStateMachine):
         assert decision.ttft_s <= self.slo.ttft_s
         if self.admission_name != "baseline":
             assert decision.tbt_s <= self.slo.tbt_s
-        own = self.caches.holdings.prefix_blocks(prefill, r.block_keys)
+        own = self._own_prefix(prefill, r.block_keys)
         if decision.transfer is None:
             assert decision.prefix_tokens == min(own * MACHINE_BLOCK, r.input_length - 1)
         else:
@@ -819,7 +842,22 @@ class ConductorMachine(RuleBasedStateMachine):
             holders = sum(self.caches.holdings.prefix_blocks(p, r.block_keys) >= best_blocks for p in up_prefill)
             assert decision.transfer.keep_local_copy == (holders < max(2, math.ceil(len(up_prefill) / 2)))
             assert decision.prefix_tokens == min(best_blocks * MACHINE_BLOCK, r.input_length - 1)
-        self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued")
+        keeps = decision.transfer is None or decision.transfer.keep_local_copy
+        self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued", keeps)
+
+    def _own_prefix(self, instance: InstanceId, keys: Sequence[BlockKey]) -> int:
+        """The instance's cached prefix, continued by the blocks of the requests queued on it before
+        (FIFO: they will have stored them when this one starts)."""
+        own = self.caches.holdings.prefix_blocks(instance, keys)
+        pending = {
+            key
+            for t in self.tracked.values()
+            if t.prefill == instance and t.stage in ("queued", "started") and t.keeps
+            for key in t.request.block_keys
+        }
+        while own < len(keys) and keys[own] in pending:
+            own += 1
+        return own
 
     @precondition(lambda self: self.tracked)
     @rule(data=st.data())
