@@ -59,7 +59,8 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import MooncakeError
+from mooncake.errors import MooncakeError, UnknownBlockError
+from mooncake.sched.outcome import Reason
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
@@ -413,8 +414,12 @@ class Worker:
                 on_token=None,
             )
         except MooncakeError as error:
-            # Its KV is not here (evicted, or the stream failed) or does not match the prompt: a failure,
-            # not the decode rule's decision.
+            if isinstance(error, UnknownBlockError) and not all(BlockKey(k) in self.cache for k in job.keys):
+                # Its KV did not stay here until the join (no room for it, or evicted since): the decode
+                # node's memory refused it, as the decode rule's KV budget would have.
+                self._tell_gateway(wire.DecodeRejected(**ids, reason=Reason.KV_BUDGET.value))
+                return
+            # The stream failed verification or does not match the prompt: a failure, not a refusal.
             self._tell_gateway(wire.DecodeFailed(**ids, error=str(error)))
             return
         if not joined.accepted:

@@ -291,9 +291,12 @@ class Messenger:
             try:
                 view = self.cache.reserve(key, int(length), parent=None if parent is None else BlockKey(int(parent)))
             except CapacityError:
-                view = None
+                view = None  # no room: the receiver finds it missing, as it would an evicted block
             if view is None:
-                places.append([key, None])  # cached already, or no room
+                # Cached already: held until the commit (then used last), so that the pushes that fill the
+                # cache meanwhile cannot evict a block the receiver counts on finding when this one ends.
+                self._hold(lease, key)
+                places.append([key, None])
                 continue
             lease.reserved.append(key)
             location = self.cache.location(key)
@@ -319,8 +322,19 @@ class Messenger:
             except (IntegrityError, UnknownBlockError):
                 failed.append(key)
         lease.reserved.clear()
+        for key in lease.pinned:
+            self.cache.touch(key)  # the receiver is about to read it: last to be evicted
         self._end(lease)
         return {"committed": committed, "failed": failed}
+
+    def _hold(self, lease: _Lease, key: BlockKey) -> None:
+        """Pin a block that is cached here for `lease` (not one still being filled: its filler's lease
+        ends with it)."""
+        try:
+            self.cache.pin(key)
+        except UnknownBlockError:
+            return  # being filled, or not cached (there was no room for it)
+        lease.pinned.append(key)
 
     def _lease(self, lease_id: str) -> _Lease:
         """The lease `lease_id`, opened if new, its deadline pushed back.

@@ -444,3 +444,24 @@ def test_a_worker_and_the_gateway_listen_where_their_spec_says() -> None:
             gateway.dispatcher.close()
     finally:
         worker.close()
+
+
+def test_a_join_whose_kv_did_not_stay_is_refused_for_kv_not_failed() -> None:
+    """A hand-off whose blocks the decode node no longer holds (no room for them, or evicted before the
+    join) is the node's memory refusing the request: a decode.rejected for the KV budget (429 upstream),
+    not a failure (500)."""
+    from serving import wire
+    from serving.worker import Worker, WorkerSpec
+
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    worker = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secrets.token_bytes(32)))
+    told: list[Any] = []
+    worker._tell_gateway = told.append  # type: ignore[method-assign]
+    worker.start()
+    try:
+        sampling = wire.Sampling(max_tokens=4, temperature=0.0, top_p=1.0, seed=0, stop_ids=())
+        job = wire.DecodeJob(request_id=1, attempt=0, keys=(12345,), prompt_tokens=8, first_token=7, sampling=sampling)
+        worker._join(job, lambda _token: None)
+        assert told == [wire.DecodeRejected(instance_id="decode-0", request_id=1, attempt=0, reason="kv_budget")]
+    finally:
+        worker.close()

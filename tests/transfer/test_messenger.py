@@ -123,6 +123,29 @@ def test_push_of_cached_blocks_and_unknown_ones(nodes: tuple[Node, Node, str]) -
         a.messenger.push([BlockKey(99)], peer)
 
 
+def test_a_pushed_block_the_peer_holds_already_is_kept_until_the_commit() -> None:
+    """A block the receiver caches already is not sent again, and not evicted while the push runs: other
+    blocks arriving meanwhile evict around it, and at the commit it becomes the last to go."""
+    a, b = make_node(8, "tcp"), make_node(4, "tcp")
+    try:
+        peer = a.engine.connect(b.engine.address)
+        held, sent = BlockKey(1), BlockKey(2)
+        for key in (held, sent):
+            a.cache.put(key, block(key))
+        b.cache.put(held, block(held))  # the oldest block there
+        push = a.messenger.push([held, sent], peer)
+        for key in (10, 11, 12, 13):  # two free pages, then two evictions, while the push runs
+            b.cache.put(BlockKey(key), block(key))
+        assert held in b.cache and BlockKey(10) not in b.cache and BlockKey(11) not in b.cache
+        assert push.finish(timeout=10) == (sent,)
+        b.cache.put(BlockKey(14), block(14))  # evicts the least recently used: not the block just used
+        assert held in b.cache and bytes(b.cache.get(held)) == block(held)
+        b.cache.remove(held)  # no pin left behind
+    finally:
+        a.engine.close()
+        b.engine.close()
+
+
 def test_a_corrupted_block_is_not_committed(nodes: tuple[Node, Node, str]) -> None:
     """If the bytes change between lookup and transfer, the peer's checksum catches it and the block is dropped."""
     a, b, peer = nodes
