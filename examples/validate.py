@@ -2,13 +2,15 @@
 
     python examples/validate.py [--config examples/configs/tiny.toml] [--profile FILE]
         [--trace FILE | --preset conversation] [--num-requests 200] [--rate 2] [--overload-speedup 8]
-        [--no-overload] [--json] [--out build/validate]
+        [--overload-slo 2] [--no-overload] [--json] [--out build/validate]
 
 1. Profile: unless `--profile` names one, `examples/profile_engine.py --config`
    fits the prefill and decode cost models to the cluster's own engines
    (`OUT/profile.json`, lengths up to the config's `max_prompt_tokens`).
 2. Each run (the workload at its own pace, "serviceable"; then the same
-   workload `--overload-speedup` times faster, "overload"): the workload
+   workload `--overload-speedup` times faster, "overload", with a TTFT
+   objective of `--overload-slo` times the serviceable run's real median TTFT,
+   so that the Conductor rejects what would queue too long): the workload
    (replay.py's options; default a generated conversation workload) is scaled
    as load.py sends it (`examples/scaling.py`), then
    - real: a fresh cluster of `--config`, its Conductor on the profile. First
@@ -77,6 +79,10 @@ PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone one takes under 0.1 s here)
 CALIBRATION_OUTPUT = 24  # tokens each calibration request asks for
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
+# The overload run's TTFT objective, in medians of the serviceable run's real TTFT: tight enough that
+# queueing at the faster pace breaks it (a config's 30 s objective would reject nothing on a tiny model),
+# so that both runs' rejections, the Conductor's TTFT rejections on its own estimates, are compared.
+OVERLOAD_SLO_FACTOR = 2.0
 
 
 @attrs.frozen
@@ -91,6 +97,7 @@ class Comparison:
     same_route_fraction: float
     compared: int  # requests completed in both runs
     calibration: Calibration
+    slo: Slo  # the run's objectives (the overload run's TTFT objective is validate's)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +110,7 @@ class Comparison:
             "rejected_real": rejected(self.real),
             "rejected_sim": rejected(self.sim),
             "compared_requests": self.compared,
+            "ttft_slo_s": self.slo.ttft_s,
             "calibration": attrs.asdict(self.calibration),
             "real": self.real.to_json(),
             "sim": self.sim.to_json(),
@@ -141,6 +149,7 @@ def compare(
         same_route_fraction=same_route / routed if routed else nan,
         compared=len(ttft_errors),
         calibration=calibration,
+        slo=slo,
     )
 
 
@@ -279,6 +288,12 @@ def parser() -> argparse.ArgumentParser:
     add_scaling_options(p)
     p.add_argument("--overload-speedup", type=float, default=8.0, help="the overload run's arrivals, this much faster")
     p.add_argument("--no-overload", action="store_true", help="only the serviceable run")
+    p.add_argument(
+        "--overload-slo",
+        type=float,
+        default=OVERLOAD_SLO_FACTOR,
+        help="the overload run's TTFT objective, in medians of the serviceable run's real TTFT (0: the config's)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="per request over HTTP, seconds")
     p.add_argument("--out", type=Path, help="write validate.json, the profile and CDF plots here")
     p.add_argument("--json", action="store_true")
@@ -294,13 +309,17 @@ def main(argv: list[str] | None = None) -> int:
             out = args.out if args.out is not None else Path(scratch)
             fitted = args.profile or profile(args.config, config, out / "profile.json")
             config = config.with_overrides("prefill", profile=str(fitted))
-            slo = Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s)
             runs = {"serviceable": 1.0} | ({} if args.no_overload else {"overload": args.overload_speedup})
             results: dict[str, Comparison] = {}
             for name, speedup in runs.items():
+                run_config = config
+                median = results["serviceable"].real.ttft_s["p50"] if results else float("nan")
+                if name == "overload" and args.overload_slo > 0 and median > 0:  # NaN: nothing completed
+                    run_config = config.with_overrides("slo", ttft_s=round(args.overload_slo * median, 6))
                 requests = simulation.load_workload(args, speedup=args.speedup * speedup)
-                real, calibration = run_real(config, requests, args)
-                sim = run_sim(config, requests, args, calibration)
+                real, calibration = run_real(run_config, requests, args)
+                sim = run_sim(run_config, requests, args, calibration)
+                slo = Slo(ttft_s=run_config.slo.ttft_s, tbt_s=run_config.slo.tbt_s)
                 results[name] = compare(real, sim, slo, calibration)
                 if args.out is not None:
                     plot(name, real, sim, args.out)

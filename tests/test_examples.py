@@ -278,6 +278,9 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
         assert run_summary["real"]["num_requests"] == run_summary["sim"]["num_requests"] == 12
         assert 0 <= run_summary["same_route_fraction"] <= 1
     assert summary["compared_requests"] > 0 and summary["ttft_median_rel_error"] >= 0
+    # The overload run's TTFT objective: twice the serviceable run's real median TTFT (the config's is 30 s).
+    assert summary["ttft_slo_s"] == 30.0
+    assert summary["overload"]["ttft_slo_s"] == pytest.approx(2 * summary["real"]["ttft_s"]["p50"], abs=1e-6)
     assert json.loads((out / "validate.json").read_text()) == summary
     for name in ("ttft_cdf_serviceable.png", "tbt_cdf_overload.png", "profile.json"):
         assert (out / name).exists(), name

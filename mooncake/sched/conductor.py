@@ -28,7 +28,8 @@ Invariants (`check_invariants`): every in-flight request is either queued on
 exactly one prefill instance (with a reservation on its decode instance),
 prefilled and on its way (still reserved), or decoding on exactly one decode
 instance; views satisfy their own invariants, and the boards say what the
-views say. Every request ends exactly once (`RequestEnd`, in the vocabulary of
+views say; the blocks counted as coming to a prefill instance are those of the
+requests queued there (that keep them). Every request ends exactly once (`RequestEnd`, in the vocabulary of
 `sched.outcome`): `handle` reports each end, and events about a request that
 already ended are ignored.
 """
@@ -446,6 +447,13 @@ class Conductor:
                     f"{request_id} has no KV reservation"
                 )
         assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
+        pending: dict[BlockKey, dict[InstanceId, int]] = {}
+        for request_id, keys in self._pending_of.items():
+            assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
+            for key in keys:
+                holders = pending.setdefault(key, {})
+                holders[queued[request_id]] = holders.get(queued[request_id], 0) + 1
+        assert pending == self._pending, "the blocks coming to prefill instances are out of sync with their queues"
 
     # ------------------------------------------------------------------ internals
 
