@@ -496,8 +496,9 @@ class Conductor:
         on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
         will find. One pass over the keys, touching only the instances where a key is pending."""
         own = lengths
+        pending = self._pending.get
         for position, key in enumerate(keys):
-            holders = self._pending.get(key)
+            holders = pending(key)
             if holders is None:
                 continue
             for instance in holders:
@@ -509,24 +510,28 @@ class Conductor:
         return own
 
     def _add_pending(self, instance: InstanceId, request: Request) -> None:
+        pending = self._pending
         for key in request.block_keys:
-            holders = self._pending.setdefault(key, {})
-            holders[instance] = holders.get(instance, 0) + 1
+            holders = pending.get(key)
+            if holders is None:
+                pending[key] = {instance: 1}
+            else:
+                holders[instance] = holders.get(instance, 0) + 1
         self._pending_of[request.request_id] = request.block_keys
 
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
         keys = self._pending_of.pop(request_id, None)
         if keys is not None:
-            instance = flight.prefill_instance
+            instance, pending = flight.prefill_instance, self._pending
             for key in keys:
-                holders = self._pending[key]
-                left = holders[instance] - 1
-                if left:
-                    holders[instance] = left
+                holders = pending[key]
+                count = holders[instance]
+                if count > 1:
+                    holders[instance] = count - 1
                 elif len(holders) > 1:
                     del holders[instance]
                 else:
-                    del self._pending[key]
+                    del pending[key]
         view = self._prefill[flight.prefill_instance]
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):
