@@ -65,7 +65,7 @@ from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
 from serving.models import cost_models
 
-from mooncake.errors import EngineError, MooncakeError
+from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import FittedStepModel
@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         scaling_of(args)
+        if args.overload_slo < 0:
+            raise ConfigError(f"--overload-slo must be >= 0, got {args.overload_slo}")
         config = load_config(args.config)
         with tempfile.TemporaryDirectory(prefix="mooncake-validate-") as scratch:
             out = args.out if args.out is not None else Path(scratch)
@@ -313,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, Comparison] = {}
             for name, speedup in runs.items():
                 run_config = config
-                median = results["serviceable"].real.ttft_s["p50"] if results else float("nan")
-                if name == "overload" and args.overload_slo > 0 and median > 0:  # NaN: nothing completed
-                    run_config = config.with_overrides("slo", ttft_s=round(args.overload_slo * median, 6))
+                if name == "overload" and args.overload_slo > 0:
+                    median = results["serviceable"].real.ttft_s["p50"]
+                    if median > 0:  # NaN when nothing completed: the config's objective stays
+                        run_config = config.with_overrides("slo", ttft_s=round(args.overload_slo * median, 6))
                 requests = simulation.load_workload(args, speedup=args.speedup * speedup)
                 real, calibration = run_real(run_config, requests, args)
                 sim = run_sim(run_config, requests, args, calibration)

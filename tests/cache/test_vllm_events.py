@@ -12,9 +12,12 @@ cache's own events.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -639,11 +642,6 @@ def test_a_real_vllm_capture_decodes_to_the_keys_of_its_prompts() -> None:
     kv_cache_spec_kind); decoded, its blocks are the keys this library's hasher gives the prompts'
     full blocks, the second prompt's chain continuing the first's (it shares 3 blocks of it); the
     replay answers each batch as [b"", topic, seq, payload] and ends with seq -1."""
-    import json
-    from pathlib import Path
-
-    import numpy as np
-
     capture = json.loads((Path(__file__).parent / "vllm_0_32_capture.json").read_text())
     hasher = BlockHasher(model="tiny", block_size_tokens=capture["block_size"])
     decoder = VllmEventDecoder(hasher, InstanceId("vllm-0"))
