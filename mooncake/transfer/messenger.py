@@ -290,8 +290,9 @@ class Messenger:
             key = BlockKey(int(raw_key))
             try:
                 view = self.cache.reserve(key, int(length), parent=None if parent is None else BlockKey(int(parent)))
-            except CapacityError:
-                view = None  # no room: the receiver finds it missing, as it would an evicted block
+            except CapacityError:  # no room: the receiver finds it missing, as it would an evicted block
+                places.append([key, None])
+                continue
             if view is None:
                 # Cached already: held until the commit (then used last), so that the pushes that fill the
                 # cache meanwhile cannot evict a block the receiver counts on finding when this one ends.
@@ -333,7 +334,7 @@ class Messenger:
         try:
             self.cache.pin(key)
         except UnknownBlockError:
-            return  # being filled, or not cached (there was no room for it)
+            return  # being filled by another push
         lease.pinned.append(key)
 
     def _lease(self, lease_id: str) -> _Lease:
