@@ -6,7 +6,8 @@
    requests queued on it will have stored when this one starts (FIFO), which the
    prefill will find (only the index's holders are transfer sources);
 2. route it (`router`) among prefill instances that are up;
-3. choose the decode instance (`choose_decode`): ranked by what each is
+3. choose the decode instance (`choose_decode`; a coupled instance, one that
+   prefills and decodes, decodes what it prefilled and nothing else): ranked by what each is
    committed to (decoding and reserved), checked by the decode rule
    (`sched.join`) against the load the admission policy asks about: none (the
    instance checks for itself), what it is committed to now, or the batch
@@ -48,7 +49,7 @@ from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy
-from mooncake.sched.decode import choose_decode
+from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import LoadPredictor
@@ -169,6 +170,7 @@ class Conductor:
         # on the same instance reuses them.
         self._pending: dict[BlockKey, dict[InstanceId, int]] = {}
         self._pending_of: dict[RequestId, tuple[BlockKey, ...]] = {}
+        self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
 
     # ------------------------------------------------------------------ instances
 
@@ -183,6 +185,18 @@ class Conductor:
         self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
+
+    def add_coupled_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
+        """An instance that prefills and decodes on the same GPUs (a vLLM or SGLang server without
+        disaggregation): a request routed to it decodes there, checked by the decode rule against
+        `limits`, and it never decodes what another instance prefilled. Its prefill and decode
+        events name it under the one id."""
+        self._check_new(instance_id)
+        self.add_prefill_instance(instance_id)
+        self._decode[instance_id] = DecodeView(instance_id, limits)
+        self._decode_board = DecodeBoard(tuple(self._decode.values()))
+        self._incoming[instance_id] = {}
+        self._coupled.add(instance_id)
 
     @property
     def prefill_views(self) -> tuple[PrefillView, ...]:
@@ -237,14 +251,7 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
-        decode = choose_decode(
-            self._decode_board,
-            prompt_tokens=request.input_length,
-            output_tokens=request.output_length,
-            step_model=self.step_model,
-            tbt_slo_s=self.slo.tbt_s,
-            loads=self._decode_loads(now, now + route.ttft_s),
-        )
+        decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s, now)
         base = {
             "request_id": request.request_id,
             "prefill_instance": route.prefill_instance,
@@ -288,6 +295,27 @@ class Conductor:
                 route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
             )
         return decision
+
+    def _choose_decode(self, request: Request, prefill: InstanceId, arrival_s: float, now: float) -> DecodeChoice:
+        """`choose_decode` among the instances that can decode what `prefill` prefills: itself if it is
+        coupled, else every decode instance that is not."""
+        board, loads = self._decode_board, self._decode_loads(now, arrival_s)
+        if self._coupled:
+            slots = (
+                [board.slot[prefill]]
+                if prefill in self._coupled
+                else [slot for slot, instance in enumerate(board.instance_ids) if instance not in self._coupled]
+            )
+            board = DecodeBoard([board.slot_views[slot] for slot in slots])
+            loads = BoardLoads(*(getattr(loads, name)[slots] for name in ("batch_size", "context_tokens", "kv_tokens")))
+        return choose_decode(
+            board,
+            prompt_tokens=request.input_length,
+            output_tokens=request.output_length,
+            step_model=self.step_model,
+            tbt_slo_s=self.slo.tbt_s,
+            loads=loads,
+        )
 
     def _decode_loads(self, now: float, arrival_s: float) -> BoardLoads:
         """The decode load the admission policy asks about, slot by slot: none (the instance checks for
@@ -565,15 +593,17 @@ class Conductor:
 
     def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
         instance = event.instance_id
-        view: PrefillView | DecodeView | None = self._prefill.get(instance) or self._decode.get(instance)
-        if view is None:
+        if instance not in self._prefill and instance not in self._decode:
             raise UnknownInstanceError(
                 f"{type(event).__name__} names {instance}, which this Conductor does not know: add it first"
             )
-        board: PrefillBoard | DecodeBoard = self._prefill_board if instance in self._prefill else self._decode_board
-        view.is_up = isinstance(event, InstanceUp)
-        board.refresh(board.slot[instance])
-        if view.is_up:
+        is_up = isinstance(event, InstanceUp)
+        for views, board in ((self._prefill, self._prefill_board), (self._decode, self._decode_board)):
+            view = views.get(instance)
+            if view is not None:  # a coupled instance is in both
+                view.is_up = is_up
+                board.refresh(board.slot[instance])
+        if is_up:
             return ()
         self.index.remove_instance(instance)  # its cache is gone; a restart announces a new epoch
         doomed = [

@@ -673,6 +673,71 @@ def test_no_request_piles_onto_a_node_while_another_is_idle(
         assert max(counts.values()) - min(counts.values()) <= 1, counts
 
 
+C0, C1 = InstanceId("coupled-0"), InstanceId("coupled-1")
+
+
+@settings(deadline=None)
+@given(
+    st.sampled_from(ROUTERS),
+    st.sampled_from(ADMISSIONS),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12_000), st.integers(2, 2000)), min_size=1, max_size=25),
+    st.integers(1, 4),
+)
+def test_a_coupled_instance_decodes_what_it_prefilled_and_nothing_else(
+    router: str, admission: str, requests: list[tuple[int, int, int]], max_batch: int
+) -> None:
+    """In a cluster of prefill, decode and coupled instances, a request routed to a coupled instance
+    decodes there (or is refused by the rule there: a full batch is not a reason to decode elsewhere),
+    and one routed to a prefill instance never decodes on a coupled one."""
+    conductor = make_conductor(router=router, admission=admission, max_batch_size=max_batch)
+    for instance in (C0, C1):
+        conductor.add_coupled_instance(instance, DecodeLimits(kv_capacity_tokens=100_000, max_batch_size=max_batch))
+    for i, (shared, tokens, output) in enumerate(requests):
+        keys = [*DOC[: min(shared, len(DOC))], *range(10_000 * (i + 1), 10_000 * (i + 1) + 48)]
+        r = request(f"r{i}", keys[: -(-tokens // BLOCK)], tokens=tokens, output=output)
+        decision = conductor.schedule(r, float(i))
+        if decision.prefill_instance in (C0, C1):
+            assert decision.decode_instance in (decision.prefill_instance, None), decision
+        elif decision.decode_instance is not None:
+            assert decision.decode_instance in DECODE_IDS, decision
+        conductor.check_invariants()
+
+
+def test_a_coupled_instance_takes_its_events_under_one_id_and_goes_down_whole() -> None:
+    """Prefill and decode events name the coupled instance; down, it leaves routing and decode
+    selection both and ends what it held; up again, it serves both."""
+    conductor = Conductor(
+        router=make_router("kvcache_centric"),
+        step_model=DECODE_COST,
+        admission=make_admission("early_rejection"),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=Slo(),
+        block_size_tokens=BLOCK,
+    )
+    for instance in (C0, C1):
+        conductor.add_coupled_instance(instance, DecodeLimits(kv_capacity_tokens=100_000))
+    with pytest.raises(ConfigError):
+        conductor.add_decode_instance(C0, DecodeLimits(kv_capacity_tokens=1))
+    prefill, decode = placement(conductor.schedule(request("r", DOC[:4]), 0.0))
+    assert prefill == decode
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=0.5))
+    conductor.handle(
+        DecodeJoined(request_id=RequestId("r"), instance_id=decode, now=0.5, context_tokens=1024, output_tokens=1)
+    )
+    conductor.check_invariants()
+    assert conductor.handle(InstanceDown(instance_id=prefill, now=1.0)) == (
+        RequestEnd(RequestId("r"), Outcome.ABORTED, Reason.INSTANCE_DOWN),
+    )
+    other = C1 if prefill == C0 else C0
+    assert {v.instance_id: v.is_up for v in conductor.decode_views} == {prefill: False, other: True}
+    for i in range(3):
+        assert placement(conductor.schedule(request(f"s{i}", DOC[:4]), 2.0)) == (other, other)
+    conductor.handle(InstanceUp(instance_id=prefill, now=2.0))
+    assert all(v.is_up for v in (*conductor.prefill_views, *conductor.decode_views))
+    assert placement(conductor.schedule(request("t", range(5000, 5004)), 2.0)) == (prefill, prefill)  # the idle one
+    conductor.check_invariants()
+
+
 def test_decode_finished_teaches_the_output_length_predictor() -> None:
     """Generated token counts reported at the end feed an output-length predictor."""
     predictor = OutputLengthPredictor(step_s=0.02)
