@@ -67,6 +67,7 @@ class SubscriberStats:
     num_replayed: int = 0
     num_lost: int = 0
     num_errors: int = 0
+    last_error: str = ""  # what the last unreadable batch said (a block size other than the hasher's, ...)
 
 
 class KvEventSubscriber:
@@ -158,6 +159,7 @@ class KvEventSubscriber:
         except (VllmEventError, UnknownBlockError) as error:
             log.warning("batch %d of %s is unreadable, counted as lost: %s", seq, self.decoder.source, error)
             self.stats.num_errors += 1
+            self.stats.last_error = str(error)
             self._lose(seq + 1)
             return
         if isinstance(result, SequenceGap):

@@ -1,0 +1,208 @@
+"""The vLLM router's TOML config: `[router]` and one `[[instances]]` table per vLLM server.
+
+    [router]
+    host = "127.0.0.1"        # where the router listens
+    port = 0                  # 0: any free port
+    policy = "kvcache_centric" # the routers by name (serving.registry.ROUTERS)
+    admission = "early_rejection"
+    block_size = 32           # the servers' --block-size
+    tokenizer = "/models/x"   # a directory with the served model's tokenizer
+    ttft_slo_s = 2.0          # estimated TTFT above this: 429 with Retry-After
+    api_key = ""              # "": none; else clients send `Authorization: Bearer KEY`
+    ...                       # timeouts and the rest: `RouterSection`
+
+    [[instances]]
+    url = "http://10.0.0.5:8000"       # the vLLM server
+    kv_events = "tcp://0.0.0.0:5557"   # where the router binds for its KV events (vLLM connects)
+    replay = "tcp://10.0.0.5:5558"     # its replay socket ("": none: a missed batch is lost)
+    role = "both"                      # both | prefill | decode
+
+Checked as `serving.config` checks the cluster's (the same field rules): an
+unknown key, a value of the wrong type or out of range, two instances with one
+URL or one events endpoint, a role mix that cannot serve (a prefill instance
+without a decode one), a tokenizer directory without a tokenizer: a one-line
+`ConfigError` naming the file, the table and key, and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import attrs
+from serving.config import _api_key, _document, _host, _name, _path, _seconds, _setting, _shown
+from serving.registry import ADMISSIONS, ROUTERS
+
+from mooncake.errors import ConfigError
+
+__all__ = ["InstanceSection", "RouterConfig", "RouterSection", "load_router_config", "parse_router_config"]
+
+ROLES = ("both", "prefill", "decode")
+_ZMQ = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\*|\d{1,5})")
+
+
+def _url(text: str) -> str | None:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        return "must be an http:// or https:// URL of a server (http://HOST:PORT, no path)"
+    try:
+        parts.port  # noqa: B018 - it raises on a bad port
+    except ValueError:
+        return "has a port that is not a number in 0..65535"
+    return None
+
+
+def _endpoint(text: str) -> str | None:
+    if not _ZMQ.fullmatch(text):
+        return "must be a ZeroMQ TCP endpoint, tcp://HOST:PORT (the address vLLM's kv-events-config names)"
+    return None
+
+
+def _optional_endpoint(text: str) -> str | None:
+    return None if not text else _endpoint(text)
+
+
+def _directory(text: str) -> str | None:
+    if (reason := _path(text)) is not None:
+        return reason
+    if not text:
+        return "must name the directory of the served model's tokenizer (tokenizer.json or tokenizer_config.json)"
+    folder = Path(text)
+    if not folder.is_dir():
+        return "is not a directory"
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return "holds no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model)"
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class RouterSection:
+    """`[router]`: where it listens, the policies, the instances' block size and tokenizer, the objective.
+
+    `health_interval_s`: how often each instance's `/health` and `/metrics` are read; `request_timeout_s`: the
+    longest a request may take end to end (504 after); `connect_timeout_s`: to reach an instance (a failure
+    marks it down and the request goes elsewhere if nothing was streamed); `max_retries`: other instances tried.
+    """
+
+    NAME: ClassVar[str] = "router"
+    host: str = _setting("127.0.0.1", text=_host)
+    port: int = _setting(8000, minimum=0, maximum=65_535)
+    policy: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
+    admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
+    threshold: float = _setting(1.5, minimum=1.0)
+    block_size: int = _setting(16, minimum=1, maximum=65_536)
+    tokenizer: str = _setting("", text=_directory)
+    ttft_slo_s: float = _seconds(30.0)
+    api_key: str = _setting("", text=_api_key)
+    health_interval_s: float = _seconds(1.0)
+    request_timeout_s: float = _seconds(600.0)
+    connect_timeout_s: float = _seconds(2.0)
+    max_retries: int = _setting(2, minimum=0, maximum=64)
+    default_max_tokens: int = _setting(256, minimum=1)
+
+
+@attrs.frozen(kw_only=True)
+class InstanceSection:
+    """One `[[instances]]` table: a vLLM server, the endpoint the router binds for its KV events, its replay
+    socket and its role."""
+
+    NAME: ClassVar[str] = "instances"
+    url: str = _setting("", text=_url)
+    kv_events: str = _setting("", text=_endpoint)
+    replay: str = _setting("", text=_optional_endpoint)
+    role: str = _setting("both", allowed=ROLES)
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+@attrs.frozen(kw_only=True)
+class RouterConfig:
+    """The whole file: the router and its instances (at least one), with `source` the file it came from."""
+
+    source: str
+    router: RouterSection
+    instances: tuple[InstanceSection, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.instances:
+            raise ConfigError(f"{self.source}: no [[instances]]: the router needs at least one vLLM server")
+        for field in ("base_url", "kv_events"):
+            seen: dict[str, int] = {}
+            for number, instance in enumerate(self.instances):
+                value = getattr(instance, field)
+                if value in seen:
+                    raise ConfigError(
+                        f"{self.source}: [[instances]] {number} {field.replace('base_url', 'url')} = {value!r}: "
+                        f"the same as instance {seen[value]}'s (each server is listed once, with its own endpoint)"
+                    )
+                seen[value] = number
+        roles = {instance.role for instance in self.instances}
+        if ("prefill" in roles) != ("decode" in roles):
+            missing = "decode" if "prefill" in roles else "prefill"
+            raise ConfigError(
+                f"{self.source}: [[instances]] roles {sorted(roles)}: prefill and decode instances come in pairs "
+                f'(add a {missing} instance, or make them role = "both")'
+            )
+
+    @property
+    def instance_ids(self) -> tuple[str, ...]:
+        """The instances' ids in the router, its metrics and its logs: `vllm-0`, `vllm-1`, ... in file order."""
+        return tuple(f"vllm-{number}" for number in range(len(self.instances)))
+
+
+def parse_router_config(data: Mapping[str, Any], source: str) -> RouterConfig:
+    """Check `data` (a parsed TOML document) and fill in defaults.
+
+    Raises:
+        ConfigError: naming `source`, the table and key, and the value.
+    """
+    for section in data:
+        if section not in ("router", "instances"):
+            raise ConfigError(f"{source}: unknown section [{_name(section)}] (known: router, [[instances]])")
+    router = data.get("router", {})
+    if not isinstance(router, dict):
+        raise ConfigError(f"{source}: [router] = {_shown(router)}: must be a table")
+    instances = data.get("instances", [])
+    if not isinstance(instances, list) or not all(isinstance(table, dict) for table in instances):
+        raise ConfigError(f"{source}: instances = {_shown(instances)}: must be [[instances]] tables")
+    return RouterConfig(
+        source=source,
+        router=_record(RouterSection, router, f"{source}: [router]"),
+        instances=tuple(
+            _record(InstanceSection, table, f"{source}: [[instances]] {number}")
+            for number, table in enumerate(instances)
+        ),
+    )
+
+
+def _record(record: Any, given: Mapping[str, Any], where: str) -> Any:
+    fields = attrs.fields(record)
+    known = [field.name for field in fields]
+    for key, value in given.items():
+        if key not in known:
+            raise ConfigError(f"{where} {_name(key)} = {_shown(value)}: unknown key (known: {', '.join(known)})")
+    values = {
+        field.name: field.metadata["rule"].check(
+            f"{where} {field.name} = {_shown(given[field.name])}", given[field.name]
+        )
+        for field in fields
+        if field.name in given
+    }
+    for field in fields:  # required keys (those whose default no server has)
+        if field.name not in given and field.name in ("url", "kv_events", "tokenizer"):
+            raise ConfigError(f"{where}: {field.name} is required")
+    return record(**values)
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    """Read and check a router config file.
+
+    Raises:
+        ConfigError: unreadable, not UTF-8, not TOML (with its line), or any field or rule broken.
+    """
+    return parse_router_config(_document(path), str(path))

@@ -1,0 +1,255 @@
+"""The router's view of a vLLM fleet: the Conductor over its instances, fed by their KV events.
+
+Each vLLM server is an instance of the Conductor: role `both` a coupled
+instance (it prefills and decodes what it prefilled), `prefill` and `decode`
+the two halves of a disaggregated pair. Instances cannot fetch each other's
+blocks (each vLLM holds its own cache), so the Conductor is built with
+`transfers=False`: Algorithm 1 then picks, per request, the instance with the
+lowest estimated TTFT = queue + prefill of the tokens its own cache lacks
+(the tokens its index holds, continued by the prompts queued there ahead of
+this one), and the admission policy rejects a request whose estimate misses the
+TTFT objective, or that the decode rule refuses (context over the server's
+`max_model_len`, KV over its cache), before any server sees it.
+
+The queue is the router's own bookkeeping: a request is queued on its instance
+from dispatch to its first token (then it decodes there until its last). Its
+prefill time comes from an `OnlinePrefillModel` taught by the requests that
+found their instance idle. The index is each server's cache as its KV events
+say (`KvEventSubscriber`: gaps recovered from the replay socket; a restart,
+seen as numbers starting again, empties the server's holdings).
+
+A `Fleet` reads no clock (times are passed in) and does no network I/O beyond
+its ZeroMQ sockets, polled by `poll_events`. Invariant: every request it
+accepted is in `flights` until exactly one of `finished`, `failed` or an
+instance going down ends it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from serving import registry
+
+from mooncake.cache import BlockHasher
+from mooncake.cache.vllm_events import VllmEventDecoder
+from mooncake.sched import (
+    Conductor,
+    DecodeFinished,
+    DecodeJoined,
+    DecodeLimits,
+    FittedStepModel,
+    InstanceDown,
+    InstanceUp,
+    PrefillFinished,
+    Reason,
+    RequestAborted,
+    RequestEnd,
+    ScheduleDecision,
+    TransferCostModel,
+    TtftEstimator,
+    UniformDecodePredictor,
+)
+from mooncake.types import InstanceId, Request, RequestId, Slo
+from vllm_fleet.config import InstanceSection, RouterConfig
+from vllm_fleet.online import OnlinePrefillModel
+from vllm_fleet.upstream import InstanceInfo, InstanceState
+
+__all__ = ["Fleet", "FleetInstance", "Flight"]
+
+log = logging.getLogger("vllm_router")
+DAY_S = 86_400.0
+HASH_MODEL = "vllm-fleet"  # the block keys' namespace: the router hashes both the prompts and the servers' blocks
+
+
+@attrs.define(eq=False)
+class FleetInstance:
+    """One vLLM server: its config, what the probe found, its KV-event subscriber and its last counters."""
+
+    instance_id: InstanceId
+    section: InstanceSection
+    info: InstanceInfo
+    subscriber: Any = None  # a vllm_events.KvEventSubscriber, or None (no events: the index never holds it)
+    up: bool = True
+    state: InstanceState = attrs.field(factory=InstanceState)
+    event_errors: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.section.base_url
+
+
+@attrs.define(eq=False)
+class Flight:
+    """A request the Conductor accepted: where it goes and what the router saw of it."""
+
+    request: Request
+    decision: ScheduleDecision
+    dispatched_s: float
+    idle: bool  # nothing of the router's was queued ahead on its instance: its TTFT teaches the prefill model
+    first_token_s: float | None = None
+
+    @property
+    def instance_id(self) -> InstanceId:
+        assert self.decision.prefill_instance is not None
+        return self.decision.prefill_instance
+
+    @property
+    def decode_instance_id(self) -> InstanceId:
+        assert self.decision.decode_instance is not None
+        return self.decision.decode_instance
+
+
+class Fleet:
+    """The Conductor over the fleet's instances (see the module docstring).
+
+    Args:
+        config: the router's config.
+        infos: each instance's probe, in config order.
+        subscribe: makes an instance's KV-event subscriber from its section and decoder (None: no events).
+    """
+
+    def __init__(self, config: RouterConfig, infos: Sequence[InstanceInfo], *, subscribe: Any = None) -> None:
+        settings = config.router
+        self.hasher = BlockHasher(model=HASH_MODEL, block_size_tokens=settings.block_size)
+        self.prefill_model = OnlinePrefillModel()
+        estimator = TtftEstimator(
+            prefill=self.prefill_model,
+            transfer=TransferCostModel(bandwidth_bytes_per_s=1.0),  # never used: no instance fetches from another
+            kv_bytes_per_token=1,
+        )
+        self.conductor = Conductor(
+            router=registry.router(settings.policy, threshold=settings.threshold)(estimator),
+            # No TBT objective: the router does not model the servers' decode steps (a zero step model).
+            step_model=FittedStepModel(coefficients=(0.0, 0.0, 0.0)),
+            admission=registry.admission(settings.admission),
+            predictor=UniformDecodePredictor(decode_s=10.0),
+            slo=Slo(ttft_s=settings.ttft_slo_s, tbt_s=DAY_S),
+            block_size_tokens=settings.block_size,
+            transfers=False,
+        )
+        self.instances: dict[InstanceId, FleetInstance] = {}
+        for name, section, info in zip(config.instance_ids, config.instances, infos, strict=True):
+            instance_id = InstanceId(name)
+            limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
+            if section.role == "both":
+                self.conductor.add_coupled_instance(instance_id, limits)
+            elif section.role == "prefill":
+                self.conductor.add_prefill_instance(instance_id)
+            else:
+                self.conductor.add_decode_instance(instance_id, limits)
+            decoder = VllmEventDecoder(self.hasher, instance_id, strict=False)
+            subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
+            self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
+        self._queues = {view.instance_id: view for view in self.conductor.prefill_views}
+        self.flights: dict[RequestId, Flight] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def schedule(self, tokens: Sequence[int], max_tokens: int, now: float) -> tuple[Request, ScheduleDecision]:
+        """Key the prompt's blocks and ask the Conductor; an accepted request is in flight from now."""
+        request = Request(
+            request_id=RequestId(f"r{next(self._ids)}"),
+            arrival_s=0.0,
+            input_length=len(tokens),
+            output_length=max(1, max_tokens),
+            block_keys=self.hasher.block_keys(tokens),
+            block_size_tokens=self.hasher.block_size_tokens,
+        )
+        decision = self.conductor.schedule(request, now)
+        if decision.accepted:
+            assert decision.prefill_instance is not None
+            idle = len(self._queues[decision.prefill_instance].queue) == 1  # only this request
+            self.flights[request.request_id] = Flight(request, decision, now, idle)
+        return request, decision
+
+    def first_token(self, flight: Flight, now: float, *, timed: bool = True) -> None:
+        """The request's first token came back: its prefill is done and it decodes (on the same instance when
+        coupled). `timed`: the time is the first token's (a stream), so an idle instance's prefill teaches the
+        model; an answer that came whole says nothing about its prefill."""
+        if flight.first_token_s is not None:
+            return
+        flight.first_token_s = now
+        request = flight.request
+        if timed and flight.idle:
+            self.prefill_model.observe(request.input_length, flight.decision.prefix_tokens, now - flight.dispatched_s)
+        self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=flight.instance_id, now=now))
+        self.conductor.handle(
+            DecodeJoined(
+                request_id=request.request_id,
+                instance_id=flight.decode_instance_id,
+                now=now,
+                context_tokens=request.input_length,
+                output_tokens=1,
+            )
+        )
+
+    def finished(self, flight: Flight, now: float, generated_tokens: int | None) -> None:
+        """The request's last token came back."""
+        if self.flights.pop(flight.request.request_id, None) is None:
+            return
+        if flight.first_token_s is None:
+            self.first_token(flight, now, timed=False)
+        self.conductor.handle(
+            DecodeFinished(
+                request_id=flight.request.request_id,
+                instance_id=flight.decode_instance_id,
+                now=now,
+                generated_tokens=generated_tokens,
+            )
+        )
+
+    def failed(self, flight: Flight, now: float, reason: Reason) -> None:
+        """The request ended without completing: its client left, its deadline passed, its server failed it."""
+        if self.flights.pop(flight.request.request_id, None) is not None:
+            self.conductor.handle(RequestAborted(request_id=flight.request.request_id, now=now, reason=reason))
+
+    # ------------------------------------------------------------------ instances
+
+    def set_up(self, instance_id: InstanceId, up: bool, now: float) -> tuple[RequestEnd, ...]:
+        """Mark an instance up or down (down: it leaves routing, its cache leaves the index, what it held ends)."""
+        instance = self.instances[instance_id]
+        if instance.up == up:
+            return ()
+        instance.up = up
+        if up:
+            if instance.subscriber is not None:
+                instance.subscriber.decoder.restart()  # whatever it held before is gone or will be replayed
+            return self.conductor.handle(InstanceUp(instance_id=instance_id, now=now))
+        ends = self.conductor.handle(InstanceDown(instance_id=instance_id, now=now))
+        for end in ends:
+            self.flights.pop(end.request_id, None)
+        return ends
+
+    def poll_events(self) -> int:
+        """Apply every KV-event batch waiting on the subscribers' sockets; returns how many."""
+        handled = 0
+        for instance in self.instances.values():
+            subscriber = instance.subscriber
+            if subscriber is None:
+                continue
+            handled += subscriber.poll(0)
+            errors = subscriber.stats.num_errors
+            if errors > instance.event_errors:
+                instance.event_errors = errors
+                log.error(
+                    "instance %s (%s): %d KV-event batches unreadable so far, last: %s",
+                    instance.instance_id,
+                    instance.url,
+                    errors,
+                    subscriber.stats.last_error,
+                )
+        return handled
+
+    def cached_blocks(self, instance_id: InstanceId) -> int:
+        """The blocks the index holds for `instance_id`."""
+        return self.conductor.index.num_blocks(instance_id)
+
+    def close(self) -> None:
+        for instance in self.instances.values():
+            if instance.subscriber is not None:
+                instance.subscriber.close()

@@ -1,0 +1,474 @@
+"""The router's HTTP side: an OpenAI-compatible proxy in front of the fleet.
+
+`POST /v1/completions` and `/v1/chat/completions`: the prompt is tokenized with
+the servers' tokenizer (a chat through its template), the `Fleet` schedules it
+(429 with `Retry-After` when the Conductor rejects it: the estimated TTFT
+misses `[router] ttft_slo_s`, or no server can hold it), and the body goes
+unchanged to the chosen server; its answer streams back as it comes (SSE
+passed through line by line), with the headers `X-Mooncake-Prefill-Instance`,
+`X-Mooncake-Decode-Instance` and `X-Mooncake-Cached-Tokens` (the prefix the
+router expected the server to hold). A stream's usage is asked of the server
+(`stream_options.include_usage`) to count the tokens; the client sees the usage
+chunk only if it asked for it.
+
+Failures: a server that cannot be reached, or answers 502/503/504, before
+anything was streamed is marked down (it leaves routing; its requests end) and
+the request is scheduled again, up to `[router] max_retries` times; a failure
+after the first byte ends the stream with an error event. Each server's
+`/health` and `/metrics` are read every `health_interval_s`: a down server
+that answers again is marked up (its KV events start a new epoch). A client
+that leaves aborts its request on the server (the upstream connection closes).
+
+`GET /v1/models` (the servers' model), `/health` (200 while a server is up,
+with each one's state), `/metrics` (the router's own, `serving.metrics`'s
+families: responses by status, rejections by reason, TTFT, prefix hits as
+the router expected them; `engine` is the instance id; each server's
+`vllm:` counters are in its own `/metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, decode_body
+from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
+from vllm_events import KvEventSubscriber
+
+from mooncake.cache import BlockIndex
+from mooncake.engine.tokenizer import load_tokenizer
+from mooncake.errors import ConfigError
+from mooncake.sched import Reason
+from mooncake.types import InstanceId
+from vllm_fleet.config import InstanceSection, RouterConfig
+from vllm_fleet.fleet import Fleet, Flight
+from vllm_fleet.upstream import PROBE_TEXT, probe, scrape
+
+__all__ = ["CACHED_HEADER", "VllmRouter"]
+
+log = logging.getLogger("vllm_router")
+CACHED_HEADER = "X-Mooncake-Cached-Tokens"
+FAILOVER_STATUSES = frozenset({502, 503, 504})
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server", "date"}
+)
+MAX_BODY_BYTES = 32 << 20
+
+
+class _ServerFailed(Exception):
+    """The chosen server failed before anything was streamed: mark it down and try another."""
+
+
+class VllmRouter:
+    """The proxy, its fleet and its background tasks. `await start()`, then `url`; `await close()` stops all."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.settings = config.router
+        self.tokenizer = load_tokenizer(self.settings.tokenizer)
+        self.fleet: Fleet | None = None
+        self.metrics: ServingMetrics | None = None
+        self.url = ""
+        self.model = ""
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        """Probe every server (a ConfigError names the first that cannot serve), bind the KV-event endpoints,
+        start serving; returns the URL."""
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        try:
+            infos = await asyncio.gather(
+                *(
+                    probe(
+                        self._session,
+                        name,
+                        section.base_url,
+                        block_size=self.settings.block_size,
+                        tokenizer=self.tokenizer,
+                        timeout_s=max(self.settings.connect_timeout_s, 5.0),
+                    )
+                    for name, section in zip(self.config.instance_ids, self.config.instances, strict=True)
+                )
+            )
+            models = {info.model for info in infos}
+            if len(models) > 1:
+                raise ConfigError(f"{self.config.source}: the instances serve different models: {sorted(models)}")
+            self.model = infos[0].model
+            self.fleet = Fleet(self.config, infos, subscribe=_subscriber)
+            fleet = self.fleet
+            fleet.hasher.block_keys(self.tokenizer.encode(PROBE_TEXT))  # compiles the hashing kernel before traffic
+            self.metrics = ServingMetrics(
+                model_name=self.model,
+                bounds=HistogramBounds(
+                    longest_request_s=self.settings.request_timeout_s,
+                    max_prompt_tokens=max(info.max_model_len for info in infos),
+                    max_output_tokens=max(info.max_model_len for info in infos),
+                ),
+                prefill_engines=fleet.instances,
+                decode_engines=fleet.instances,
+            )
+            app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+            app.router.add_post("/v1/completions", self._completions)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/health", self._health)
+            app.router.add_get("/metrics", self._metrics)
+            self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+            await site.start()
+            sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+            port = sockets[0].getsockname()[1]
+            self.url = f"http://{self.settings.host}:{port}"
+            self._tasks = [asyncio.create_task(self._event_loop()), asyncio.create_task(self._health_loop())]
+        except BaseException:
+            await self.close()
+            raise
+        return self.url
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self.fleet is not None:
+            self.fleet.close()
+
+    async def _event_loop(self) -> None:
+        """Apply the servers' KV events as they come (every few ms; a replay blocks the loop at most its timeout)."""
+        assert self.fleet is not None
+        while True:
+            if not self.fleet.poll_events():
+                await asyncio.sleep(0.005)
+            else:
+                await asyncio.sleep(0)
+
+    async def _health_loop(self) -> None:
+        assert self.fleet is not None and self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+        while True:
+            for instance in list(self.fleet.instances.values()):
+                try:
+                    async with self._session.get(f"{instance.url}/health", timeout=timeout) as answer:
+                        healthy = answer.status == 200
+                    if healthy:
+                        async with self._session.get(f"{instance.url}/metrics", timeout=timeout) as answer:
+                            instance.state = scrape(await answer.text())
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    healthy = False
+                if healthy != instance.up:
+                    log.warning(
+                        "instance %s (%s) is %s", instance.instance_id, instance.url, "up" if healthy else "down"
+                    )
+                    self._mark(instance.instance_id, healthy)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    def _mark(self, instance_id: InstanceId, up: bool) -> None:
+        assert self.fleet is not None and self.metrics is not None
+        self.fleet.set_up(instance_id, up, time.monotonic())
+        self.metrics.up[instance_id].set(1 if up else 0)
+
+    # ------------------------------------------------------------------ small routes
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            if self.metrics is not None and request.path.startswith("/v1/") and request.method == "POST":
+                self.metrics.responses[str(error.status)].inc()
+            return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+    def _authorize(self, request: web.Request) -> None:
+        key = self.settings.api_key
+        if key and request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]}
+        return web.json_response(body)
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        assert self.fleet is not None
+        instances = {
+            instance_id: {
+                "url": instance.url,
+                "role": instance.section.role,
+                "up": instance.up,
+                "cached_blocks": self.fleet.cached_blocks(instance_id),
+                "running": instance.state.running,
+                "waiting": instance.state.waiting,
+                "event_errors": instance.event_errors,
+            }
+            for instance_id, instance in self.fleet.instances.items()
+        }
+        healthy = any(instance.up for instance in self.fleet.instances.values())
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "in_flight": len(self.fleet.flights),
+            "instances": instances,
+        }
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        assert self.fleet is not None and self.metrics is not None
+        queued: dict[str, int] = {view.instance_id: len(view.queue) for view in self.fleet.conductor.prefill_views}
+        for instance_id, instance in self.fleet.instances.items():
+            decoding = sum(
+                1
+                for f in self.fleet.flights.values()
+                if f.first_token_s is not None and f.decode_instance_id == instance_id
+            )
+            self.metrics.set_engine(instance_id, up=instance.up, running=decoding, waiting=queued.get(instance_id, 0))
+            self.metrics.set_kv_usage(instance_id, instance.state.kv_usage)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ------------------------------------------------------------------ completions
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    def _prompt(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+        """The prompt's token ids as the servers will see them (the first prompt of a batch)."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list", param="messages")
+            try:
+                return self.tokenizer.encode_chat(messages)
+            except Exception as error:  # the template refused them: the server would too
+                raise ApiError(400, f"the chat template refused the messages: {error}", param="messages") from error
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+            prompt = prompt[0]  # a batch: routed by its first prompt
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [int(p) for p in prompt]
+        raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        assert self.fleet is not None and self.metrics is not None and self._session is not None
+        received = time.monotonic()
+        self._authorize(request)
+        body = decode_body(
+            await request.read(),
+            content_type=request.headers.get("Content-Type"),
+            content_encoding=request.headers.get("Content-Encoding"),
+            max_bytes=MAX_BODY_BYTES,
+        )
+        tokens = self._prompt(body, chat=chat)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            max_tokens = self.settings.default_max_tokens
+        stream = bool(body.get("stream"))
+        wants_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        upstream_body = dict(body)
+        if stream:
+            upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        payload = json.dumps(upstream_body).encode()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        for _attempt in range(self.settings.max_retries + 1):
+            now = time.monotonic()
+            _, decision = self.fleet.schedule(tokens, max_tokens, now)
+            if not decision.accepted:
+                reason = decision.reason.value if decision.reason is not None else "rejected"
+                self.metrics.rejections[reason].inc()
+                if decision.reason is Reason.NO_PREFILL_INSTANCE or decision.reason is Reason.NO_DECODE_INSTANCE:
+                    raise ApiError(503, "no vLLM server is up", headers={"Retry-After": "1"})
+                wait = max(1, math.ceil((decision.ttft_s or 0.0) - self.settings.ttft_slo_s))
+                raise ApiError(
+                    429,
+                    f"rejected ({reason}): estimated TTFT {decision.ttft_s or 0.0:.3f} s, objective "
+                    f"{self.settings.ttft_slo_s:g} s",
+                    code=reason,
+                    headers={"Retry-After": str(wait)},
+                )
+            flight = self.fleet.flights[decision.request_id]
+            try:
+                return await self._forward(request, flight, path, payload, stream, wants_usage, received)
+            except _ServerFailed as failure:
+                log.warning(
+                    "instance %s failed request %s: %s; trying another",
+                    flight.instance_id,
+                    decision.request_id,
+                    failure,
+                )
+                self.fleet.failed(flight, time.monotonic(), Reason.INSTANCE_DOWN)
+                self._mark(flight.instance_id, False)
+        raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
+
+    async def _forward(
+        self,
+        request: web.Request,
+        flight: Flight,
+        path: str,
+        payload: bytes,
+        stream: bool,
+        wants_usage: bool,
+        received: float,
+    ) -> web.StreamResponse:
+        assert self.fleet is not None and self.metrics is not None and self._session is not None
+        fleet, metrics = self.fleet, self.metrics
+        instance = fleet.instances[flight.instance_id]
+        headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
+        timeout = aiohttp.ClientTimeout(
+            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
+        )
+        route_headers = {
+            PREFILL_HEADER: flight.instance_id,
+            DECODE_HEADER: flight.decode_instance_id,
+            CACHED_HEADER: str(flight.decision.prefix_tokens),
+            "X-Mooncake-Router-Overhead-Us": str(round((time.monotonic() - received) * 1e6)),
+        }
+        generated: int | None = None
+        finish = "length"
+        done = False  # the answer was read to its end (else the connection is closed: the server aborts it)
+        try:
+            upstream = await self._session.post(f"{instance.url}{path}", data=payload, headers=headers, timeout=timeout)
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
+            raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+        try:
+            if upstream.status in FAILOVER_STATUSES:
+                raise _ServerFailed(f"HTTP {upstream.status}")
+            if upstream.status != 200 or not stream:
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+                now = time.monotonic()
+                if upstream.status == 200:
+                    with contextlib.suppress(ValueError, TypeError, AttributeError):
+                        answer = json.loads(data)
+                        generated = int(answer["usage"]["completion_tokens"])
+                        finish = str(answer["choices"][0].get("finish_reason") or "length")
+                    fleet.finished(flight, now, generated)
+                    self._account(flight, now, now, generated, finish)
+                else:
+                    fleet.failed(flight, now, Reason.FAILED)
+                metrics.responses[str(upstream.status)].inc()
+                done = True
+                kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+                return web.Response(body=data, status=upstream.status, headers={**kept, **route_headers})
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **route_headers}
+            )
+            first_s: float | None = None
+            prepared = skip_blank = False
+            try:
+                async for line in upstream.content:
+                    if skip_blank and not line.strip():
+                        skip_blank = False
+                        continue  # the blank line that ended a usage chunk the client did not ask for
+                    skip_blank = False
+                    if first_s is None and line.startswith(b"data:"):
+                        first_s = time.monotonic()
+                        fleet.first_token(flight, first_s)
+                        metrics.ttft[flight.instance_id].observe(first_s - received)
+                    if line.startswith(b"data:") and b'"usage":{' in line:
+                        with contextlib.suppress(ValueError, TypeError, KeyError):
+                            chunk = json.loads(line[5:])
+                            if chunk.get("usage") and not chunk.get("choices"):
+                                generated = int(chunk["usage"]["completion_tokens"])
+                                if not wants_usage:
+                                    skip_blank = True
+                                    continue
+                    if b'"finish_reason":"stop"' in line:
+                        finish = "stop"
+                    if not prepared:
+                        await response.prepare(request)
+                        prepared = True
+                        metrics.responses["200"].inc()
+                    await response.write(line)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
+                if not prepared:
+                    raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+                fleet.failed(flight, time.monotonic(), Reason.FAILED)
+                message = {"error": {"message": f"the server failed mid-stream: {error}", "type": "server_error"}}
+                await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
+                await response.write_eof()
+                return response
+            if not prepared:
+                await response.prepare(request)
+                metrics.responses["200"].inc()
+            now = time.monotonic()
+            fleet.finished(flight, now, generated)
+            self._account(flight, first_s if first_s is not None else now, now, generated, finish)
+            done = True
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            fleet.failed(flight, time.monotonic(), Reason.CLIENT_GONE)
+            raise
+        finally:
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+
+    def _account(self, flight: Flight, first_s: float, end_s: float, generated: int | None, finish: str) -> None:
+        assert self.metrics is not None
+        request = flight.request
+        self.metrics.prefilled(
+            flight.instance_id,
+            prompt_tokens=request.input_length,
+            cached_tokens=flight.decision.prefix_tokens,
+            fetched_bytes=0,
+            pushed_bytes=0,
+        )
+        self.metrics.finished(
+            FinishedRequest(
+                prefill_engine=flight.instance_id,
+                decode_engine=flight.decode_instance_id,
+                finished_reason=finish if finish in ("stop", "length") else "length",
+                arrival_s=flight.dispatched_s,
+                prefill_started_s=None,
+                prefill_done_s=None,
+                first_token_s=first_s,
+                last_token_s=end_s,
+                end_s=end_s,
+                prompt_tokens=request.input_length,
+                generation_tokens=generated or 0,
+                max_tokens=request.output_length,
+            )
+        )
+
+
+def _subscriber(section: InstanceSection, decoder: Any, index: BlockIndex) -> KvEventSubscriber:
+    """The KV-event subscriber of one server: bound at its `kv_events` endpoint, its replay socket if any."""
+    try:
+        return KvEventSubscriber(
+            section.kv_events,
+            decoder=decoder,
+            index=index,
+            replay_endpoint=section.replay or None,
+            replay_timeout_s=1.0,
+        )
+    except Exception as error:  # zmq.ZMQError: the endpoint cannot be bound here
+        raise ConfigError(f"kv_events = {section.kv_events!r} cannot be bound on this host: {error}") from error

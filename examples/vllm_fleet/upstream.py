@@ -1,0 +1,147 @@
+"""What the router reads from a vLLM server: its model and geometry at start-up, its state at each health check.
+
+`probe` asks `/v1/models` (the served name, `max_model_len`), `/metrics`
+(`vllm:cache_config_info`: block size, prefix caching, KV capacity) and
+`/tokenize` (a probe text, to compare with the router's tokenizer), and refuses
+what would make the router's index or estimates wrong, each in a line that
+names the instance, the value it serves and what to change:
+
+- a block size other than `[router] block_size` (the router's block keys would
+  never match the server's blocks);
+- prefix caching off (the server caches nothing to route to);
+- a tokenizer that gives the probe text other ids than the router's.
+
+`scrape` reads the gauges and counters the router follows from the Prometheus
+text (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`,
+`prefix_cache_queries_total`, `prefix_cache_hits_total`), summed over engines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from mooncake.errors import ConfigError
+
+__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "probe", "scrape"]
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog: 0123456789, naïve café."
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@attrs.frozen(kw_only=True)
+class InstanceInfo:
+    """A vLLM server as probed at start-up."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    prefix_caching: bool
+    kv_capacity_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class InstanceState:
+    """A vLLM server's counters as its `/metrics` gives them (summed over its engines)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+
+
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        samples.append((match["name"], dict(_LABEL.findall(match["labels"] or "")), value))
+    return samples
+
+
+def scrape(text: str) -> InstanceState:
+    """The counters the router follows, from a `/metrics` answer (absent ones are 0)."""
+    sums: dict[str, float] = {}
+    for name, _labels, value in _samples(text):
+        if math.isfinite(value):
+            sums[name] = sums.get(name, 0.0) + value
+    return InstanceState(
+        running=int(sums.get("vllm:num_requests_running", 0)),
+        waiting=int(sums.get("vllm:num_requests_waiting", 0)),
+        kv_usage=sums.get("vllm:kv_cache_usage_perc", 0.0),
+        prefix_queries=sums.get("vllm:prefix_cache_queries_total", 0.0),
+        prefix_hits=sums.get("vllm:prefix_cache_hits_total", 0.0),
+    )
+
+
+async def probe(
+    session: Any, instance_id: str, url: str, *, block_size: int, tokenizer: Any, timeout_s: float
+) -> InstanceInfo:
+    """Read and check one server (see the module docstring).
+
+    Raises:
+        ConfigError: the server cannot be reached or answers what the router cannot use.
+    """
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    where = f"instance {instance_id} ({url})"
+    try:
+        async with session.get(f"{url}/v1/models", timeout=timeout) as answer:
+            answer.raise_for_status()
+            models = (await answer.json())["data"]
+        async with session.get(f"{url}/metrics", timeout=timeout) as answer:
+            answer.raise_for_status()
+            metrics = await answer.text()
+        model = str(models[0]["id"])
+        async with session.post(
+            f"{url}/tokenize", json={"model": model, "prompt": PROBE_TEXT}, timeout=timeout
+        ) as answer:
+            answer.raise_for_status()
+            served_tokens: Sequence[int] = (await answer.json())["tokens"]
+    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        raise ConfigError(f"{where} is unreachable: {type(error).__name__}: {error}") from error
+    except (KeyError, IndexError, TypeError, ValueError) as error:
+        raise ConfigError(f"{where} does not answer as a vLLM server does: {error!r}") from error
+    config = next((labels for name, labels, _ in _samples(metrics) if name == "vllm:cache_config_info"), None)
+    if config is None:
+        raise ConfigError(f"{where}: its /metrics has no vllm:cache_config_info (is it a vLLM server?)")
+    served_block = int(config.get("block_size", "0") or 0)
+    if served_block != block_size:
+        raise ConfigError(
+            f"{where} stores blocks of {served_block} tokens, [router] block_size = {block_size}: set block_size to "
+            f"the servers' --block-size (the router's block keys must be the servers' blocks)"
+        )
+    prefix_caching = config.get("enable_prefix_caching") == "True"
+    if not prefix_caching:
+        raise ConfigError(f"{where} runs without prefix caching: start it with --enable-prefix-caching")
+    ours = tokenizer.encode(PROBE_TEXT)
+    if list(served_tokens) != list(ours):
+        raise ConfigError(
+            f"{where}: [router] tokenizer does not match the served model {model!r}: the probe text is "
+            f"{len(served_tokens)} tokens {list(served_tokens)[:8]}... there, {len(ours)} tokens {list(ours)[:8]}... "
+            f"here (point tokenizer at the served model's directory)"
+        )
+    capacity = config.get("kv_cache_size_tokens")
+    blocks = config.get("num_gpu_blocks")
+    kv_tokens = int(capacity) if capacity and capacity.isdigit() else int(blocks or 0) * served_block
+    return InstanceInfo(
+        model=model,
+        max_model_len=int(models[0].get("max_model_len") or 0),
+        block_size=served_block,
+        prefix_caching=prefix_caching,
+        kv_capacity_tokens=kv_tokens,
+    )
