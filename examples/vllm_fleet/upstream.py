@@ -11,6 +11,11 @@ names the instance, the value it serves and what to change:
 - prefix caching off (the server caches nothing to route to);
 - a tokenizer that gives the probe text other ids than the router's.
 
+`calibrate` times a few prefills of random token ids (streamed, `max_tokens`
+1, after one warm-up request; a seed of its caller's, so that no server has
+them cached) so that the router's prefill model starts from
+what the server measures rather than a guess.
+
 `scrape` reads the gauges and counters the router follows from the Prometheus
 text (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`,
 `prefix_cache_queries_total`, `prefix_cache_hits_total`), summed over engines.
@@ -19,15 +24,18 @@ text (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`,
 from __future__ import annotations
 
 import math
+import random
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from mooncake.errors import ConfigError
+from mooncake.sched import PrefillSample
 
-__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "probe", "scrape"]
+__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "calibrate", "probe", "scrape"]
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog: 0123456789, naïve café."
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -145,3 +153,40 @@ async def probe(
         prefix_caching=prefix_caching,
         kv_capacity_tokens=kv_tokens,
     )
+
+
+async def calibrate(
+    session: Any, url: str, model: str, *, vocab_size: int, lengths: Sequence[int], seed: int, timeout_s: float
+) -> list[PrefillSample]:
+    """Time to first token of one streamed request per prompt length in `lengths` (random ids, nothing cached),
+    after a warm-up request of the first length that is not counted.
+
+    Raises:
+        ConfigError: a request failed (the server cannot serve what the router will send it).
+    """
+    import aiohttp
+
+    rng = random.Random(seed)
+    samples = []
+    for number, length in enumerate([lengths[0], *lengths]):
+        prompt = [rng.randrange(vocab_size) for _ in range(length)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
+        sent = time.monotonic()
+        first = None
+        try:
+            async with session.post(
+                f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as answer:
+                if answer.status != 200:
+                    raise ConfigError(
+                        f"{url}: a calibration prefill of {length} tokens answered {answer.status}: "
+                        f"{(await answer.text())[:200]}"
+                    )
+                async for line in answer.content:
+                    if first is None and line.startswith(b"data:"):
+                        first = time.monotonic()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise ConfigError(f"{url}: a calibration prefill of {length} tokens failed: {error}") from error
+        if number and first is not None:
+            samples.append(PrefillSample(num_tokens=length, prefix_tokens=0, seconds=first - sent))
+    return samples

@@ -23,7 +23,9 @@ the blocks for this prefill and drops them.
 
 The ablations of the paper's Fig. 5 share the code: `local_cache_aware` is the
 same router with transfers forbidden (an infinite threshold), `load_balancing`
-picks the shortest queue, `random` a random instance; each reports its own TTFT
+picks the shortest queue, `random` a random instance; `round_robin` (the
+default of vLLM's production-stack router and of most load balancers) takes
+the instances up in id order, one after another; each reports its own TTFT
 estimate so that admission can use it.
 
 `AdaptiveThreshold` (ours, off by default) tunes the threshold online: it
@@ -54,6 +56,7 @@ __all__ = [
     "LoadBalancingRouter",
     "PrefixBlocks",
     "RandomRouter",
+    "RoundRobinRouter",
     "RouteDecision",
     "RouteQuery",
     "Router",
@@ -412,6 +415,30 @@ class RandomRouter:
         if not candidates:
             return None
         return self.estimator.decide_local(candidates[rng.randrange(len(candidates))], query, now)
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        """Nothing to learn."""
+
+
+@attrs.define
+class RoundRobinRouter:
+    """The instances up, in id order, one after another: the next one after the last chosen (by id, so an
+    instance going down or coming back does not reset the turn); it uses whatever prefix it holds."""
+
+    estimator: TtftEstimator
+    last: InstanceId | None = None
+
+    def route(
+        self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
+    ) -> RouteDecision | None:
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda view: view.instance_id)
+        view = ordered[0]
+        if self.last is not None:
+            view = next((v for v in ordered if v.instance_id > self.last), ordered[0])
+        self.last = view.instance_id
+        return self.estimator.decide_local(view, query, now)
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """Nothing to learn."""

@@ -27,6 +27,7 @@ from mooncake.sched.router import (
     LoadBalancingRouter,
     PrefixBlocks,
     RandomRouter,
+    RoundRobinRouter,
     RouteDecision,
     RouteQuery,
     Router,
@@ -411,6 +412,31 @@ def test_random_router_spreads_over_candidates() -> None:
     rng = random.Random(0)
     decisions = [RandomRouter(ESTIMATOR).route(views, query({}), NOW, rng) for _ in range(100)]
     assert {d.prefill_instance for d in decisions if d is not None} == {A, B, C}
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.booleans()), min_size=1, max_size=40))
+def test_round_robin_takes_the_instances_up_in_id_order(steps: list[tuple[int, bool]]) -> None:
+    """Each choice is the first instance up after the previous choice in id order (wrapping), whichever
+    instances went down or came back in between; a cycle with all up visits each once."""
+    views = {name: PrefillView(InstanceId(name)) for name in ("a", "b", "c", "d", "e")}
+    router = RoundRobinRouter(ESTIMATOR)
+    previous: str | None = None
+    for flip, up in steps:
+        views["abcde"[flip]].is_up = up
+        candidates = [v for v in views.values() if v.is_up]
+        decision = router.route(candidates, query({}), NOW, random.Random(0))
+        if not candidates:
+            assert decision is None
+            continue
+        assert decision is not None
+        ids = sorted(v.instance_id for v in candidates)
+        later = [i for i in ids if previous is None or i > previous]
+        assert decision.prefill_instance == (later[0] if later else ids[0])
+        previous = decision.prefill_instance
+    for view in views.values():
+        view.is_up = True
+    cycle = [router.route(list(views.values()), query({}), NOW, random.Random(0)) for _ in range(5)]
+    assert sorted(d.prefill_instance for d in cycle if d is not None) == sorted(views)
 
 
 # ---------------------------------------------------------------------------- adaptive threshold

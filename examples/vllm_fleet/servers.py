@@ -1,0 +1,247 @@
+"""Start and stop vLLM servers on this machine (loopback), for the integration tests and the benchmark.
+
+    with VllmFleet.start(python=".venv-vllm/bin/python", model=DIR, count=2) as fleet:
+        fleet.router_config(...)   # the [[instances]] tables of a router in front of them
+
+Each server is `python -m vllm.entrypoints.openai.api_server` from the vLLM
+environment (`make test-vllm` builds it) with the recipe vLLM's CPU build needs
+(`VLLM_TARGET_DEVICE=cpu`, `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, nothing
+downloaded), prefix caching, `--block-size`, prompt-token details in usage, and
+KV events to an endpoint the router binds (vLLM connects to it) with a replay
+socket vLLM binds; without torch.compile (`-O0`), in float32, and reserving a fifth of the
+memory each (`--gpu-memory-utilization`: vLLM's CPU backend refuses to start
+when less than its share is free). Each runs in a process group of its own; `stop` sends the
+group SIGTERM, then SIGKILL after a grace period, so no engine process or port
+outlives it. Start-up takes about a minute for two servers on two cores;
+`start` waits for every `/health`, bounded by `timeout_s`, and on failure
+stops them all and raises with the tail of the failed server's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["VllmFleet", "VllmServer", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@attrs.define(eq=False)
+class VllmServer:
+    """One server: its process, HTTP port, the events endpoint it connects to, its replay port and log."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    events_port: int
+    replay_port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # the engine core and workers too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@attrs.define(eq=False)
+class VllmFleet:
+    """Servers started together; a context manager that stops them all."""
+
+    servers: list[VllmServer]
+    model: Path
+    block_size: int
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        python: str | Path,
+        model: Path,
+        count: int,
+        log_dir: Path,
+        block_size: int = 32,
+        kv_cache_gib: int = 1,
+        max_model_len: int = 2048,
+        timeout_s: float = 420.0,
+        extra_args: Sequence[str] = (),
+    ) -> VllmFleet:
+        """`count` servers of `model`, each healthy (or RuntimeError after stopping them all)."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fleet = cls([], model, block_size)
+        try:
+            for number in range(count):
+                fleet.servers.append(
+                    _launch(
+                        python,
+                        model,
+                        log_dir / f"vllm-{number}.log",
+                        block_size,
+                        kv_cache_gib,
+                        max_model_len,
+                        extra_args,
+                    )
+                )
+            fleet.wait_healthy(timeout_s)
+        except BaseException:
+            fleet.stop()
+            raise
+        return fleet
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for server in self.servers:
+            while not server.healthy():
+                if server.process.poll() is not None:
+                    raise RuntimeError(f"vLLM server on port {server.port} exited:\n{server.tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"vLLM server on port {server.port} not healthy in {timeout_s:g} s:\n{server.tail()}"
+                    )
+                time.sleep(1.0)
+
+    def restart(self, number: int, *, timeout_s: float = 420.0) -> VllmServer:
+        """Stop server `number` and start it again on the same ports."""
+        old = self.servers[number]
+        old.stop()
+        python, args, env = old.process.args[0], list(old.process.args[1:]), _environment()  # type: ignore[index]
+        with old.log.open("ab") as log:
+            process = subprocess.Popen(
+                [python, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        server = VllmServer(process, old.port, old.events_port, old.replay_port, old.log)
+        self.servers[number] = server
+        VllmFleet([server], self.model, self.block_size).wait_healthy(timeout_s)
+        return server
+
+    def instances_toml(self, *, roles: Sequence[str] | None = None) -> str:
+        """The router's `[[instances]]` tables for these servers."""
+        tables = []
+        for number, server in enumerate(self.servers):
+            role = roles[number] if roles is not None else "both"
+            tables.append(
+                f'[[instances]]\nurl = "{server.url}"\nkv_events = "tcp://127.0.0.1:{server.events_port}"\n'
+                f'replay = "tcp://127.0.0.1:{server.replay_port}"\nrole = "{role}"\n'
+            )
+        return "\n".join(tables)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> VllmFleet:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def __iter__(self) -> Iterator[VllmServer]:
+        return iter(self.servers)
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache (the benchmark empties the caches between policies)
+    }
+
+
+def _launch(
+    python: str | Path,
+    model: Path,
+    log: Path,
+    block_size: int,
+    kv_cache_gib: int,
+    max_model_len: int,
+    extra_args: Sequence[str],
+    memory_share: float = 0.2,
+) -> VllmServer:
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    command = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        model.name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--enable-prompt-tokens-details",
+        # vLLM's CPU backend reserves this share of the machine's memory and refuses to start when less is
+        # free (0.92 by default: a second server, or a restarted one beside the first, would not start).
+        "--gpu-memory-utilization",
+        str(memory_share),
+        # No torch.compile: start-up in about half the time. In eager mode bfloat16 (vLLM's CPU default) is
+        # several times slower than float32 on a CPU without bfloat16 units.
+        "-O0",
+        "--dtype",
+        "float32",
+        "--kv-events-config",
+        json.dumps(events),
+        *extra_args,
+    ]
+    env = {**_environment(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return VllmServer(process, port, events_port, replay_port, log)

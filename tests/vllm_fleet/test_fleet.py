@@ -1,0 +1,284 @@
+"""The vLLM router's config, probe parsing, online prefill model and fleet, without a server.
+
+Example tests for the config's one-line errors; properties of `scrape` (sums over engines, whatever the
+text around) and of `OnlinePrefillModel` (it recovers a model it observes; estimates never negative); and a
+`RuleBasedStateMachine` that drives a `Fleet` through arrivals, first tokens, ends, failures, servers going
+down and up, and servers' caches storing prompts, against a model of what must be in flight where: every
+accepted request is in flight until exactly one end; a coupled server decodes what it prefilled; nothing is
+routed to a server that is down; a request sharing a cached prefix goes where the prefix is when that
+server is idle.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vllm_fleet.config import RouterConfig, parse_router_config
+from vllm_fleet.fleet import Fleet, Flight
+from vllm_fleet.online import OnlinePrefillModel
+from vllm_fleet.upstream import InstanceInfo, scrape
+
+from mooncake.cache.events import BlockStored
+from mooncake.errors import ConfigError
+from mooncake.sched import Reason
+from mooncake.types import InstanceId, Tier
+
+BLOCK = 32
+INFO = InstanceInfo(model="tiny", max_model_len=2048, block_size=BLOCK, prefix_caching=True, kv_capacity_tokens=65_536)
+
+
+def router_config(tmp_path: Any, *, roles: tuple[str, ...] = ("both", "both"), **router: Any) -> RouterConfig:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    settings_ = {"block_size": BLOCK, "tokenizer": str(tmp_path), "ttft_slo_s": 5.0, **router}
+    data: dict[str, Any] = {
+        "router": settings_,
+        "instances": [
+            {"url": f"http://127.0.0.1:{8100 + i}", "kv_events": f"tcp://127.0.0.1:{5600 + i}", "role": role}
+            for i, role in enumerate(roles)
+        ],
+    }
+    return parse_router_config(data, "router.toml")
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[router]\nport = 70000\n", r"router.toml: \[router\] port = 70000: must be <= 65535"),
+        ("[router]\npolicy = 'fastest'\n", r"\[router\] policy = 'fastest': must be one of random, "),
+        ("[router]\nblock = 32\n", r"\[router\] block = 32: unknown key \(known: host, port,"),
+        ("[route]\n", r"unknown section \[route\]"),
+        ("[[instances]]\nurl = 'ftp://x'\nkv_events = 'tcp://127.0.0.1:1'\n", r"\[\[instances\]\] 0 url = 'ftp://x'"),
+        (
+            "[[instances]]\nurl = 'http://x:1'\nkv_events = '127.0.0.1:1'\n",
+            r"kv_events = '127.0.0.1:1': must be a ZeroMQ",
+        ),
+        ("[[instances]]\nkv_events = 'tcp://127.0.0.1:1'\n", r"\[\[instances\]\] 0: url is required"),
+        ("[[instances]]\nurl = 'http://x:1'\nkv_events = 'tcp://a:1'\nrole = 'prefill'\n", "come in pairs"),
+        (
+            "[[instances]]\nurl = 'http://x:1'\nkv_events = 'tcp://a:1'\n[[instances]]\nurl = 'http://x:1/'\n"
+            "kv_events = 'tcp://a:2'\n",
+            r"\[\[instances\]\] 1 url = 'http://x:1': the same as instance 0's",
+        ),
+        ("[router]\n", "no \\[\\[instances\\]\\]"),
+    ],
+)
+def test_a_bad_config_is_one_line_naming_the_key_and_value(tmp_path: Any, text: str, message: str) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    data = tomllib.loads(text)
+    data.setdefault("router", {}).setdefault("tokenizer", str(tmp_path))
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_router_config(data, "router.toml")
+    assert "\n" not in str(caught.value)
+
+
+def test_the_tokenizer_must_be_a_directory_holding_one(tmp_path: Any) -> None:
+    data = {"router": {"tokenizer": str(tmp_path)}, "instances": [{"url": "http://x:1", "kv_events": "tcp://a:1"}]}
+    with pytest.raises(ConfigError, match=r"tokenizer = .*: holds no tokenizer"):
+        parse_router_config(data, "router.toml")
+    data["router"] = {}
+    with pytest.raises(ConfigError, match=r"\[router\]: tokenizer is required"):
+        parse_router_config(data, "router.toml")
+
+
+# ---------------------------------------------------------------------------------------------- scrape
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.floats(0, 1e6)), min_size=0, max_size=4),
+    st.booleans(),
+)
+def test_scrape_sums_each_counter_over_the_engines(engines: list[tuple[int, int, float]], noise: bool) -> None:
+    lines = ["# HELP vllm:num_requests_running Running.", "# TYPE vllm:num_requests_running gauge"]
+    for number, (running, waiting, hits) in enumerate(engines):
+        labels = f'{{engine="{number}",model_name="tiny"}}'
+        lines += [
+            f"vllm:num_requests_running{labels} {running}.0",
+            f"vllm:num_requests_waiting{labels} {waiting}.0",
+            f"vllm:prefix_cache_hits_total{labels} {hits!r}",
+            f"vllm:prefix_cache_hits_created{labels} 1.7e9",
+        ]
+        if noise:
+            lines += [f"vllm:num_requests_runningx{labels} 99", "garbage line", f"vllm:kv_cache_usage_perc{labels} NaN"]
+    state = scrape("\n".join(lines))
+    assert state.running == sum(e[0] for e in engines) and state.waiting == sum(e[1] for e in engines)
+    assert state.prefix_hits == pytest.approx(sum(e[2] for e in engines))
+    assert state.kv_usage == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- online model
+
+
+@settings(deadline=None)
+@given(
+    st.tuples(st.floats(1e-3, 0.1), st.floats(1e-6, 1e-3), st.floats(0, 1e-8)),
+    st.lists(st.tuples(st.integers(16, 4000), st.floats(0, 0.9)), min_size=12, max_size=60, unique_by=lambda s: s[0]),
+)
+def test_the_online_model_learns_the_prefill_it_observes(
+    truth: tuple[float, float, float], prompts: list[tuple[int, float]]
+) -> None:
+    c0, c1, c2 = truth
+    model = OnlinePrefillModel(refit_every=4)
+    for tokens, share in prompts:
+        prefix = int(tokens * share)
+        model.observe(tokens, prefix, c0 + c1 * (tokens - prefix) + c2 * (tokens * tokens - prefix * prefix))
+    assert model.num_fits >= 1
+    for tokens, prefix in ((100, 0), (2000, 1000), (3000, 0)):
+        want = c0 + c1 * (tokens - prefix) + c2 * (tokens * tokens - prefix * prefix)
+        assert model.prefill_s(tokens, prefix) == pytest.approx(want, rel=1e-3)
+        assert model.prefill_s(tokens, tokens) == 0.0
+
+
+def test_the_online_model_ignores_what_it_cannot_fit() -> None:
+    model = OnlinePrefillModel(refit_every=1)
+    before = model.current
+    for _ in range(5):
+        model.observe(100, 100, 0.5)  # nothing uncached
+        model.observe(100, 0, 0.0)  # no time
+    assert not model.samples and model.current == before
+    for _ in range(5):
+        model.observe(100, 0, 0.01)  # no variety: the fit fails, the prior stays
+    assert model.current == before and model.num_fits == 0
+    with pytest.raises(ConfigError):
+        OnlinePrefillModel(window=2)
+
+
+# ---------------------------------------------------------------------------------------------- fleet
+
+
+def stored(fleet: Fleet, instance: str, tokens: list[int], seq: int, epoch: int = 0) -> None:
+    keys = fleet.hasher.block_keys(tokens)[: len(tokens) // BLOCK]
+    fleet.conductor.apply_cache_event(
+        BlockStored(source=InstanceId(instance), seq=seq, keys=keys, tier=Tier.VRAM, epoch=epoch)
+    )
+
+
+def test_a_prompt_goes_to_the_server_holding_its_prefix_and_decodes_there(tmp_path: Any) -> None:
+    fleet = Fleet(router_config(tmp_path), [INFO, INFO])
+    document = list(range(1, 1001))
+    stored(fleet, "vllm-1", document, 0)
+    _, decision = fleet.schedule([*document, 5, 6, 7], 16, now=0.0)
+    assert decision.accepted and decision.prefill_instance == decision.decode_instance == "vllm-1"
+    assert decision.prefix_tokens == 992  # 31 whole blocks
+    flight = fleet.flights[decision.request_id]
+    fleet.first_token(flight, 0.05)
+    fleet.finished(flight, 0.2, generated_tokens=16)
+    assert not fleet.flights and fleet.prefill_model.samples[-1].seconds == pytest.approx(0.05)
+    fleet.conductor.check_invariants()
+
+
+def test_a_prompt_over_a_servers_context_is_refused_before_it_is_sent(tmp_path: Any) -> None:
+    fleet = Fleet(router_config(tmp_path), [INFO, INFO])
+    _, decision = fleet.schedule(list(range(2000)), 100, now=0.0)
+    assert not decision.accepted and decision.reason is Reason.CONTEXT_TOO_LONG and not fleet.flights
+
+
+class FleetMachine(RuleBasedStateMachine):
+    """A fleet of two coupled servers under random traffic, against a model of flights and server states."""
+
+    @initialize(slo=st.sampled_from([0.05, 5.0]))
+    def start(self, slo: float) -> None:
+        import tempfile
+
+        self.folder = tempfile.TemporaryDirectory()
+        from pathlib import Path
+
+        self.fleet = Fleet(router_config(Path(self.folder.name), ttft_slo_s=slo), [INFO, INFO])
+        self.now = 0.0
+        self.up = {"vllm-0": True, "vllm-1": True}
+        self.live: dict[str, Flight] = {}
+        self.seq = {"vllm-0": 0, "vllm-1": 0}
+        self.epoch = {"vllm-0": 0, "vllm-1": 0}
+        self.documents = [list(range(1000 * d + 1, 1000 * d + 1 + 320)) for d in range(3)]
+
+    def teardown(self) -> None:
+        if hasattr(self, "folder"):
+            self.folder.cleanup()
+
+    @rule(document=st.integers(0, 2), tail=st.integers(1, 40), max_tokens=st.integers(1, 64))
+    def arrive(self, document: int, tail: int, max_tokens: int) -> None:
+        self.now += 0.01
+        tokens = [*self.documents[document], *range(tail)]
+        conductor = self.fleet.conductor
+        idle = all(not view.queue for view in conductor.prefill_views)
+        up = [InstanceId(i) for i, is_up in sorted(self.up.items()) if is_up]
+        held = conductor.index.prefix_lengths(self.fleet.hasher.block_keys(tokens), up) if up else []
+        _, decision = self.fleet.schedule(tokens, max_tokens, self.now)
+        if decision.accepted and idle:  # nothing queued anywhere: the longest cached prefix wins
+            assert decision.prefix_tokens == min(int(max(held)) * BLOCK, len(tokens) - 1)
+        if not decision.accepted:
+            assert decision.reason is not None
+            if not any(self.up.values()):
+                assert decision.reason is Reason.NO_PREFILL_INSTANCE
+            return
+        assert decision.prefill_instance == decision.decode_instance  # coupled
+        assert self.up[decision.prefill_instance]
+        self.live[decision.request_id] = self.fleet.flights[decision.request_id]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def first_token(self, data: st.DataObject) -> None:
+        flight = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        self.now += 0.01
+        self.fleet.first_token(flight, self.now)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), outcome=st.sampled_from(["finished", "client_gone", "failed"]))
+    def end(self, data: st.DataObject, outcome: str) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        flight = self.live.pop(request_id)
+        self.now += 0.01
+        if outcome == "finished":
+            self.fleet.finished(flight, self.now, generated_tokens=3)
+        else:
+            self.fleet.failed(flight, self.now, Reason.CLIENT_GONE if outcome == "client_gone" else Reason.FAILED)
+        assert request_id not in self.fleet.flights
+        self.fleet.finished(flight, self.now, None)  # a second end is ignored
+
+    @rule(instance=st.sampled_from(["vllm-0", "vllm-1"]), up=st.booleans())
+    def server(self, instance: str, up: bool) -> None:
+        self.now += 0.01
+        ends = self.fleet.set_up(InstanceId(instance), up, self.now)
+        if not up:
+            for end in ends:
+                assert self.live.pop(end.request_id).instance_id == instance
+            assert not any(f.instance_id == instance for f in self.live.values())
+        else:
+            assert ends == ()
+            if not self.up[instance]:  # back: its events start a new epoch (as the subscriber's decoder restarts)
+                self.epoch[instance] += 1
+                self.seq[instance] = 0
+        self.up[instance] = up
+
+    @precondition(lambda self: any(self.up.values()))
+    @rule(instance=st.sampled_from(["vllm-0", "vllm-1"]), document=st.integers(0, 2))
+    def cache_stores(self, instance: str, document: int) -> None:
+        if not self.up[instance]:
+            return
+        stored(self.fleet, instance, self.documents[document], self.seq[instance], self.epoch[instance])
+        self.seq[instance] += 1
+
+    @invariant()
+    def flights_are_the_models(self) -> None:
+        if hasattr(self, "fleet"):
+            assert set(self.fleet.flights) == set(self.live)
+            assert {i: inst.up for i, inst in self.fleet.instances.items()} == self.up
+            self.fleet.conductor.check_invariants()
+            assert set(self.fleet.conductor.in_flight) == set(self.live)
+
+    @invariant()
+    def estimates_are_finite(self) -> None:
+        if hasattr(self, "fleet"):
+            assert math.isfinite(self.fleet.prefill_model.prefill_s(1000, 0))
+
+
+TestFleetMachine = FleetMachine.TestCase
+TestFleetMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -1,0 +1,211 @@
+"""The vLLM router against real vLLM servers on this CPU (`make test-vllm`; marker `vllm`).
+
+Two servers of a small local model (`vllm_fleet.model`), with prefix caching, 32-token blocks and KV events
+to the router, run for the module (`vllm_fleet.servers`: loopback only, every process group stopped at the
+end). Each test starts its own router in front of them (it binds the events endpoints; a new router rebuilds
+its index from the servers' replay sockets). They prove: the router's index mirrors each server's cache
+(the prefix it expects each request to find is what the server reports as cached, and the sums agree with
+the servers' own `vllm:prefix_cache_hits_total`); requests sharing a long prefix go to the server holding
+it; the `openai` client streams completions and chats through the router; a burst beyond the TTFT
+objective is answered 429 with Retry-After; bad configuration (another block size, another tokenizer, a
+server that is not there) stops the start with a message naming it; a killed server is routed around and
+restored once it serves again.
+
+The environment with vLLM is `MOONCAKE_VLLM_PYTHON` (the Makefile's `.venv-vllm/bin/python`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from serving.api import PREFILL_HEADER  # noqa: E402
+from vllm_fleet.background import BackgroundRouter as RunningRouter  # noqa: E402
+from vllm_fleet.config import RouterConfig, parse_router_config  # noqa: E402
+from vllm_fleet.model import make_model, words  # noqa: E402
+from vllm_fleet.proxy import CACHED_HEADER  # noqa: E402
+from vllm_fleet.servers import VllmFleet, free_port  # noqa: E402
+
+from mooncake.errors import ConfigError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+BLOCK = 32
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("vllm") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    python = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
+    if not python:
+        pytest.fail("MOONCAKE_VLLM_PYTHON is not set: run these tests with `make test-vllm`")
+    with VllmFleet.start(python=python, model=model, count=2, log_dir=tmp_path_factory.mktemp("logs")) as fleet:
+        yield fleet
+
+
+def config(servers: VllmFleet, model: Path, **router: Any) -> RouterConfig:
+    settings = {"port": 0, "block_size": BLOCK, "tokenizer": str(model), "ttft_slo_s": 30.0, "health_interval_s": 0.5}
+    settings.update(router)
+    text = "[router]\n" + "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in settings.items())
+    return parse_router_config(tomllib.loads(text + servers.instances_toml()), "test.toml")
+
+
+@attrs.frozen
+class Answer:
+    status_code: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def fetch(url: str, body: dict[str, Any] | None = None) -> Answer:
+    """GET `url`, or POST `body` as JSON: the answer whatever its status."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            return Answer(answer.status, dict(answer.headers), answer.read().decode())
+    except urllib.error.HTTPError as error:
+        return Answer(error.code, dict(error.headers), error.read().decode())
+
+
+def complete(url: str, prompt: str, *, max_tokens: int = 2, **extra: Any) -> Answer:
+    return fetch(f"{url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra})
+
+
+def server_hits(url: str) -> float:
+    text = fetch(f"{url}/metrics").text
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -> None:
+    """Every request finds cached on its server exactly the prefix the router's index expected there (vLLM
+    recomputes the last token of a prompt of whole blocks: there the router's count is one block under 32
+    tokens off), and per server the router's expected hits sum to the server's own hit counter."""
+    before = {server.url: server_hits(server.url) for server in servers}
+    expected = {server.url: 0 for server in servers}
+    urls = {f"vllm-{number}": server.url for number, server in enumerate(servers)}
+    served: set[str] = set()
+    with RunningRouter(config(servers, model)) as running:
+        for i in range(12):
+            answer = complete(running.url, words(300, seed=1000 + i % 3) + " " + words(12, seed=2000 + i))
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            cached, theirs = int(answer.headers[CACHED_HEADER]), usage["prompt_tokens_details"]["cached_tokens"]
+            whole = usage["prompt_tokens"] % BLOCK == 0
+            assert theirs <= cached <= theirs + (BLOCK - 1 if whole else 0), (i, cached, theirs)
+            expected[urls[answer.headers[PREFILL_HEADER]]] += theirs
+            served.add(answer.headers[PREFILL_HEADER])
+            time.sleep(0.4)  # the server's events reach the index before the next request is routed
+        held = running.read(lambda router: {i: router.fleet.cached_blocks(i) for i in router.fleet.instances})
+    assert sum(expected.values()) > 0
+    assert all(held[instance] > 0 for instance in served)  # the blocks of the prompts each server took
+    for url, hits in expected.items():
+        assert server_hits(url) - before[url] == hits
+
+
+def test_requests_sharing_a_long_prefix_go_to_the_server_holding_it(servers: VllmFleet, model: Path) -> None:
+    document = words(400, seed=3000)
+    with RunningRouter(config(servers, model)) as running:
+        first = complete(running.url, document + " " + words(10, seed=3001))
+        assert first.status_code == 200, first.text
+        holder = first.headers[PREFILL_HEADER]
+        time.sleep(0.4)
+        for i in range(4):
+            answer = complete(running.url, document + " " + words(10, seed=3100 + i))
+            assert answer.status_code == 200 and answer.headers[PREFILL_HEADER] == holder
+            assert int(answer.headers[CACHED_HEADER]) >= first.json()["usage"]["prompt_tokens"] - 2 * BLOCK
+            time.sleep(0.2)
+
+
+def test_the_openai_client_streams_through_the_router(servers: VllmFleet, model: Path) -> None:
+    with RunningRouter(config(servers, model)) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        pieces, usage = [], None
+        for chunk in client.completions.create(
+            model="tiny", prompt=words(50, seed=4000), max_tokens=8, stream=True, stream_options={"include_usage": True}
+        ):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None and usage.completion_tokens == 8 and "".join(pieces)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": words(20, seed=4001)}], max_tokens=6, stream=True
+        )
+        chunks = list(chat)
+        assert all(chunk.usage is None for chunk in chunks)  # not asked for: the router's own request is hidden
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_burst_over_the_ttft_objective_is_answered_429(servers: VllmFleet, model: Path) -> None:
+    with RunningRouter(config(servers, model, ttft_slo_s=1.0)) as running:
+        prompts = [words(600, seed=5000 + i) for i in range(24)]
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            answers = list(pool.map(lambda p: complete(running.url, p, max_tokens=4), prompts))
+        statuses = [a.status_code for a in answers]
+        assert set(statuses) == {200, 429}, statuses
+        for answer in answers:
+            if answer.status_code == 429:
+                assert int(answer.headers["Retry-After"]) >= 1
+                assert answer.json()["error"]["type"] == "rate_limit_error"
+        in_flight = running.read(lambda router: len(router.fleet.flights))
+    assert in_flight == 0
+
+
+def test_bad_configuration_stops_the_start_with_a_message(servers: VllmFleet, model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="stores blocks of 32 tokens, \\[router\\] block_size = 16"):
+        RunningRouter(config(servers, model, block_size=16)).close()
+    other = make_model(tmp_path / "other", seed=7)
+    with pytest.raises(ConfigError, match="tokenizer does not match the served model"):
+        RunningRouter(config(servers, other)).close()
+    text = (
+        f'[router]\nport = 0\nblock_size = 32\ntokenizer = "{model}"\n[[instances]]\n'
+        f'url = "http://127.0.0.1:{free_port()}"\nkv_events = "tcp://127.0.0.1:{free_port()}"\n'
+    )
+    with pytest.raises(ConfigError, match=r"vllm-0 .* is unreachable"):
+        RunningRouter(parse_router_config(tomllib.loads(text), "bad.toml")).close()
+
+
+def test_a_killed_server_is_routed_around_and_restored(servers: VllmFleet, model: Path) -> None:
+    """Last: it restarts a server."""
+    with RunningRouter(config(servers, model)) as running:
+        servers.servers[1].stop(grace_s=0)  # SIGKILL-like: the router finds out on its next request or probe
+        for i in range(6):
+            answer = complete(running.url, words(100, seed=6000 + i))
+            assert answer.status_code == 200, answer.text
+            assert answer.headers[PREFILL_HEADER] == "vllm-0"
+        health = fetch(f"{running.url}/health").json()
+        assert health["instances"]["vllm-1"]["up"] is False and health["instances"]["vllm-0"]["up"] is True
+        servers.restart(1)
+        deadline = time.monotonic() + 30
+        while not running.read(lambda router: router.fleet.instances["vllm-1"].up):
+            assert time.monotonic() < deadline, "the restarted server was not marked up"
+            time.sleep(0.2)
+        # Back in the rotation: with vllm-0 busy holding a queue of long prompts, new ones go to vllm-1.
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: complete(running.url, words(500, seed=6100 + i)), range(6)))
+        assert {a.status_code for a in answers} == {200}
+        assert "vllm-1" in {a.headers[PREFILL_HEADER] for a in answers}
