@@ -12,7 +12,10 @@ TTFT objective, or that the decode rule refuses (context over the server's
 `max_model_len`, KV over its cache), before any server sees it.
 
 The queue is the router's own bookkeeping: a request is queued on its instance
-from dispatch to its first token (then it decodes there until its last). Its
+from dispatch to its first token (then it decodes there until its last); a
+head of queue still without its first token after its predicted prefill is
+taken to start now (`PrefillStarted`), so the queue never drains by prediction
+alone. Its
 prefill time comes from an `OnlinePrefillModel` taught by the requests that
 found their instance idle. The index is each server's cache as its KV events
 say (`KvEventSubscriber`: gaps recovered from the replay socket; a restart,
@@ -36,6 +39,7 @@ from serving import registry
 
 from mooncake.cache import BlockHasher
 from mooncake.cache.vllm_events import VllmEventDecoder
+from mooncake.errors import MooncakeError
 from mooncake.sched import (
     Conductor,
     DecodeFinished,
@@ -45,6 +49,7 @@ from mooncake.sched import (
     InstanceDown,
     InstanceUp,
     PrefillFinished,
+    PrefillStarted,
     Reason,
     RequestAborted,
     RequestEnd,
@@ -160,12 +165,23 @@ class Fleet:
             block_keys=self.hasher.block_keys(tokens),
             block_size_tokens=self.hasher.block_size_tokens,
         )
+        self._overdue(now)
         decision = self.conductor.schedule(request, now)
         if decision.accepted:
             assert decision.prefill_instance is not None
             idle = len(self._queues[decision.prefill_instance].queue) == 1  # only this request
             self.flights[request.request_id] = Flight(request, decision, now, idle)
         return request, decision
+
+    def _overdue(self, now: float) -> None:
+        """A server still owing the first token of the request at the head of its queue after the prefill
+        predicted for it is taken to be starting that prefill now: the queue behind it waits its whole
+        predicted time again, instead of draining by prediction while the server is busier than the model
+        says (a server's speed under load is below what it was timed at idle)."""
+        for view in self.conductor.prefill_views:
+            if view.queue and view.queue[0].finish_s < now and view.is_up:
+                head = view.queue[0].request_id
+                self.conductor.handle(PrefillStarted(request_id=head, instance_id=view.instance_id, now=now))
 
     def first_token(self, flight: Flight, now: float, *, timed: bool = True) -> None:
         """The request's first token came back: its prefill is done and it decodes (on the same instance when
@@ -216,9 +232,11 @@ class Fleet:
         if instance.up == up:
             return ()
         instance.up = up
+        if instance.subscriber is not None:
+            # Down, its holdings leave the index; its next events (a restarted server's, or a live one's
+            # after a blip, recovered by replay) start a new epoch there.
+            instance.subscriber.decoder.restart()
         if up:
-            if instance.subscriber is not None:
-                instance.subscriber.decoder.restart()  # whatever it held before is gone or will be replayed
             return self.conductor.handle(InstanceUp(instance_id=instance_id, now=now))
         ends = self.conductor.handle(InstanceDown(instance_id=instance_id, now=now))
         for end in ends:
@@ -232,7 +250,12 @@ class Fleet:
             subscriber = instance.subscriber
             if subscriber is None:
                 continue
-            handled += subscriber.poll(0)
+            try:
+                handled += subscriber.poll(0)
+            except MooncakeError as error:  # the index refused an event: start this server's holdings afresh
+                subscriber.stats.num_errors += 1
+                subscriber.stats.last_error = str(error)
+                subscriber.decoder.restart()
             errors = subscriber.stats.num_errors
             if errors > instance.event_errors:
                 instance.event_errors = errors

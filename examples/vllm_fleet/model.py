@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHATML", "make_model", "words"]
+__all__ = ["CHATML", "make_model", "make_tokenizer", "words"]
 
 CHATML = (
     "{% for message in messages %}"
@@ -36,9 +36,8 @@ def words(count: int, *, seed: int) -> str:
     return " ".join("".join(rng.choices(SYLLABLES, k=rng.choice((2, 3)))) for _ in range(count))
 
 
-def make_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write the model and its tokenizer into `directory` (created); returns it."""
-    import torch
+def make_tokenizer(directory: Path, *, seed: int = 0) -> Any:
+    """Write the tokenizer files into `directory` (created); returns transformers' tokenizer of them."""
     import transformers
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
@@ -64,6 +63,15 @@ def make_model(directory: Path, *, seed: int = 0) -> Path:
         clean_up_tokenization_spaces=False,
     )
     tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def make_model(directory: Path, *, seed: int = 0) -> Path:
+    """Write the model and its tokenizer into `directory` (created); returns it."""
+    import torch
+    import transformers
+
+    tokenizer = make_tokenizer(directory, seed=seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,

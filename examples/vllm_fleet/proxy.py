@@ -325,6 +325,13 @@ class VllmRouter:
                 self.metrics.rejections[reason].inc()
                 if decision.reason is Reason.NO_PREFILL_INSTANCE or decision.reason is Reason.NO_DECODE_INSTANCE:
                     raise ApiError(503, "no vLLM server is up", headers={"Retry-After": "1"})
+                if decision.reason is Reason.CONTEXT_TOO_LONG:  # no server could ever take it: vLLM's own 400
+                    raise ApiError(
+                        400,
+                        f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
+                        f"maximum context",
+                        param="max_tokens",
+                    )
                 wait = max(1, math.ceil((decision.ttft_s or 0.0) - self.settings.ttft_slo_s))
                 raise ApiError(
                     429,
@@ -424,7 +431,7 @@ class VllmRouter:
                         first_s = time.monotonic()
                         fleet.first_token(flight, first_s)
                         metrics.ttft[flight.instance_id].observe(first_s - received)
-                    if line.startswith(b"data:") and b'"usage":{' in line:
+                    if line.startswith(b"data:") and b'"usage"' in line:
                         with contextlib.suppress(ValueError, TypeError, KeyError):
                             chunk = json.loads(line[5:])
                             if chunk.get("usage") and not chunk.get("choices"):

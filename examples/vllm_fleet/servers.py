@@ -5,7 +5,7 @@
 
 Each server is `python -m vllm.entrypoints.openai.api_server` from the vLLM
 environment (`make test-vllm` builds it) with the recipe vLLM's CPU build needs
-(`VLLM_TARGET_DEVICE=cpu`, `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, nothing
+(`VLLM_TARGET_DEVICE=cpu`, `--kv-cache-memory-bytes` of KV cache, nothing
 downloaded), prefix caching, `--block-size`, prompt-token details in usage, and
 KV events to an endpoint the router binds (vLLM connects to it) with a replay
 socket vLLM binds; without torch.compile (`-O0`), in float32, and reserving a fifth of the
@@ -103,7 +103,7 @@ class VllmFleet:
         count: int,
         log_dir: Path,
         block_size: int = 32,
-        kv_cache_gib: int = 1,
+        kv_cache_bytes: int = 1 << 30,
         max_model_len: int = 2048,
         timeout_s: float = 420.0,
         extra_args: Sequence[str] = (),
@@ -119,7 +119,7 @@ class VllmFleet:
                         model,
                         log_dir / f"vllm-{number}.log",
                         block_size,
-                        kv_cache_gib,
+                        kv_cache_bytes,
                         max_model_len,
                         extra_args,
                     )
@@ -198,7 +198,7 @@ def _launch(
     model: Path,
     log: Path,
     block_size: int,
-    kv_cache_gib: int,
+    kv_cache_bytes: int,
     max_model_len: int,
     extra_args: Sequence[str],
     memory_share: float = 0.2,
@@ -228,6 +228,8 @@ def _launch(
         "--block-size",
         str(block_size),
         "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
         # vLLM's CPU backend reserves this share of the machine's memory and refuses to start when less is
         # free (0.92 by default: a second server, or a restarted one beside the first, would not start).
         "--gpu-memory-utilization",
@@ -241,7 +243,8 @@ def _launch(
         json.dumps(events),
         *extra_args,
     ]
-    env = {**_environment(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=_environment(), start_new_session=True
+        )
     return VllmServer(process, port, events_port, replay_port, log)

@@ -8,8 +8,8 @@ its index from the servers' replay sockets). They prove: the router's index mirr
 the servers' own `vllm:prefix_cache_hits_total`); requests sharing a long prefix go to the server holding
 it; the `openai` client streams completions and chats through the router; a burst beyond the TTFT
 objective is answered 429 with Retry-After; bad configuration (another block size, another tokenizer, a
-server that is not there) stops the start with a message naming it; a killed server is routed around and
-restored once it serves again.
+server that is not there) stops the start with a message naming it; the routing benchmark measures each
+policy; a killed server is routed around and restored once it serves again.
 
 The environment with vLLM is `MOONCAKE_VLLM_PYTHON` (the Makefile's `.venv-vllm/bin/python`).
 """
@@ -17,9 +17,11 @@ The environment with vLLM is `MOONCAKE_VLLM_PYTHON` (the Makefile's `.venv-vllm/
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import re
+import socket
 import time
 import tomllib
 import urllib.error
@@ -45,6 +47,7 @@ from mooncake.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 BLOCK = 32
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
 
 
@@ -60,6 +63,13 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[V
         pytest.fail("MOONCAKE_VLLM_PYTHON is not set: run these tests with `make test-vllm`")
     with VllmFleet.start(python=python, model=model, count=2, log_dir=tmp_path_factory.mktemp("logs")) as fleet:
         yield fleet
+    for server in fleet:  # no process of any server's group is left, and its ports are free again
+        with pytest.raises(ProcessLookupError):
+            os.killpg(server.process.pid, 0)
+        for port in (server.port, server.replay_port):
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("127.0.0.1", port))
 
 
 def config(servers: VllmFleet, model: Path, **router: Any) -> RouterConfig:
@@ -187,6 +197,20 @@ def test_bad_configuration_stops_the_start_with_a_message(servers: VllmFleet, mo
     )
     with pytest.raises(ConfigError, match=r"vllm-0 .* is unreachable"):
         RunningRouter(parse_router_config(tomllib.loads(text), "bad.toml")).close()
+
+
+def test_the_routing_benchmark_measures_each_policy(servers: VllmFleet, model: Path) -> None:
+    """benchmarks/vllm_routing.py's measurement, shortened, on these servers: every figure it prints."""
+    spec = importlib.util.spec_from_file_location("vllm_routing", ROOT / "benchmarks" / "vllm_routing.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    requests = bench.workload(12, 3, 8.0, 1)
+    for policy in ("round_robin", "kvcache_centric"):
+        figures = bench.run_policy(servers, model, policy, requests, 2)
+        assert figures["completed"] == 12 and figures["failed"] == 0, figures
+        assert 0 < figures["hit_ratio"] < 1 and figures["mean_ttft_s"] > 0 and figures["requests_per_s"] > 0
+        assert figures["p90_ttft_s"] >= figures["mean_ttft_s"] * 0.5 and figures["router_overhead_us"] > 0
 
 
 def test_a_killed_server_is_routed_around_and_restored(servers: VllmFleet, model: Path) -> None:

@@ -1,0 +1,121 @@
+"""A stand-in for a vLLM server (a test double beside the real ones of `test_with_vllm.py`): the endpoints the
+router reads, and completions that take `seconds_per_token` of prefill before streaming `max_tokens` tokens.
+
+Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers).
+`received` holds every completion body. It serves from a thread of its own on 127.0.0.1 (`port` 0: any
+free one; a stopped fake started again keeps its port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from mooncake.engine.tokenizer import Tokenizer
+
+
+class FakeVllm:
+    def __init__(
+        self, tokenizer: Tokenizer, *, block_size: int = 32, max_model_len: int = 2048, seconds_per_token: float = 0.0
+    ) -> None:
+        self.tokenizer, self.block_size, self.max_model_len = tokenizer, block_size, max_model_len
+        self.seconds_per_token = seconds_per_token
+        self.status = 200
+        self.healthy = True
+        self.received: list[dict[str, Any]] = []
+        self.aborted = 0
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeVllm:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
+        return self
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        assert self._runner is not None and self._thread is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = None
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "max_model_len": self.max_model_len}]})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        info = (
+            f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
+            f'engine="0",kv_cache_size_tokens="65536",num_gpu_blocks="2048"}} 1.0\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
+        )
+        return web.Response(text=info)
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"tokens": self.tokenizer.encode(body["prompt"])})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "failing on purpose"}}, status=self.status)
+        prompt = body.get("prompt", "")
+        tokens = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(str(prompt)))
+        count = int(body.get("max_tokens") or 16)
+        usage = {"prompt_tokens": tokens, "completion_tokens": count, "total_tokens": tokens + count}
+        try:
+            await asyncio.sleep(self.seconds_per_token * tokens)
+            if not body.get("stream"):
+                choice = {"index": 0, "text": " x" * count, "finish_reason": "length"}
+                return web.json_response(
+                    {"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": usage}
+                )
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for number in range(count):
+                finish = "length" if number == count - 1 else None
+                chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(0.002)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(
+                    b"data: " + json.dumps({"id": "cmpl-1", "choices": [], "usage": usage}).encode() + b"\n\n"
+                )
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise

@@ -1,0 +1,200 @@
+"""The vLLM router's HTTP side against stand-in servers (`fake.FakeVllm`), in the main suite.
+
+The real servers' tests (`test_with_vllm.py`, `make test-vllm`) prove the router against vLLM itself; these
+prove the proxy's own rules anywhere: streams pass through line by line with the usage chunk shown only
+to a client that asked for it, whole answers pass through unchanged with the route headers, a server that
+refuses connections or answers 503 is marked down and the request served by another, a server that
+answers again is marked up, a burst over the TTFT objective gets 429 with Retry-After, a prompt beyond
+the context is a 400, a missing API key a 401, and a client that leaves aborts its request upstream. Every
+fake and router is stopped at the end; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("zmq")
+pytest.importorskip("transformers")
+
+from serving.api import PREFILL_HEADER
+from vllm_fleet.background import BackgroundRouter
+from vllm_fleet.config import RouterConfig, parse_router_config
+from vllm_fleet.model import make_tokenizer, words
+from vllm_fleet.servers import free_port
+
+from mooncake.engine.tokenizer import load_tokenizer
+from tests.vllm_fleet.fake import FakeVllm
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    servers = [FakeVllm(tokenizer).start() for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def router_config(fakes: list[FakeVllm], tokenizer_dir: Path, **router: Any) -> RouterConfig:
+    settings = {
+        "port": 0,
+        "block_size": 32,
+        "tokenizer": str(tokenizer_dir),
+        "health_interval_s": 0.2,
+        "calibration_tokens": 256,
+        **router,
+    }
+    instances = [{"url": f.url, "kv_events": f"tcp://127.0.0.1:{free_port()}"} for f in fakes]
+    return parse_router_config({"router": settings, "instances": instances}, "test.toml")
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, dict(answer.headers), answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_streams_and_whole_answers_pass_through(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        status, headers, body = post(
+            f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada keli", "max_tokens": 5, "stream": True}
+        )
+        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in body.decode().split("\n\n") if line]
+        assert len(events) == 6 and events[-1] == "data: [DONE]"  # five tokens, no usage chunk: not asked for
+        upstream = (
+            fakes[0].received[-1] if fakes[0].received[-1].get("prompt") == "bada keli" else fakes[1].received[-1]
+        )
+        assert upstream["stream_options"] == {"include_usage": True}
+        _, _, asked = post(
+            f"{router.url}/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": "bada",
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert b'"usage"' in asked
+        status, headers, body = post(
+            f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 3}
+        )
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+        assert headers[PREFILL_HEADER] in ("vllm-0", "vllm-1")
+        assert router.read(lambda r: len(r.fleet.flights)) == 0
+
+
+def test_a_failing_server_is_routed_around_and_restored(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, health_interval_s=30.0)) as router:
+        fakes[0].stop()  # refuses connections now
+        fakes[1].status = 503
+        status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 2})
+        assert status in (502, 503)  # both failed: the request could not be served
+        fakes[1].status = 200
+        assert router.read(lambda r: {i: x.up for i, x in r.fleet.instances.items()}) == {
+            "vllm-0": False,
+            "vllm-1": False,
+        }
+    with BackgroundRouter(router_config(fakes[1:], tokenizer_dir)) as router:
+        fakes[1].status = 503
+        status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 2})
+        assert status == 503  # marked down, and no other server is up
+        fakes[1].status = 200
+        wait_until(lambda: router.read(lambda r: r.fleet.instances["vllm-0"].up))  # its /health answers
+        status, headers, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 2})
+        assert status == 200 and headers[PREFILL_HEADER] == "vllm-0"
+
+
+def test_a_server_down_sends_its_requests_to_the_other(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        fakes[0].stop()
+        for i in range(4):
+            status, headers, _ = post(
+                f"{router.url}/v1/completions", {"model": "tiny", "prompt": words(20, seed=i), "max_tokens": 2}
+            )
+            assert status == 200 and headers[PREFILL_HEADER] == "vllm-1"
+        assert router.read(lambda r: r.fleet.instances["vllm-0"].up) is False
+        fakes[0].start()  # the same port again
+        wait_until(lambda: router.read(lambda r: r.fleet.instances["vllm-0"].up))
+
+
+def test_a_burst_over_the_objective_gets_429s(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    for fake in fakes:
+        fake.seconds_per_token = 0.0005  # 0.25 s for 500 tokens
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, ttft_slo_s=0.8, calibration_tokens=512)) as router:
+        body = {"model": "tiny", "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: post(f"{router.url}/v1/completions", {**body, "prompt": words(200, seed=50 + i)}),
+                    range(16),
+                )
+            )
+        statuses = sorted(status for status, _, _ in answers)
+        assert 200 in statuses and 429 in statuses, statuses
+        for status, headers, text in answers:
+            if status == 429:
+                assert int(headers["Retry-After"]) >= 1 and json.loads(text)["error"]["type"] == "rate_limit_error"
+        assert router.read(lambda r: len(r.fleet.flights)) == 0
+
+
+def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, api_key="secret")) as router:
+        before = sum(len(f.received) for f in fakes)
+        status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada"})
+        assert status == 401
+        key = {"Authorization": "Bearer secret"}
+        status, _, text = post(
+            f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2000)), "max_tokens": 100}, key
+        )
+        assert status == 400 and "maximum context" in json.loads(text)["error"]["message"]
+        status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": ""}, key)
+        assert status == 400
+        assert sum(len(f.received) for f in fakes) == before
+
+
+def test_a_client_that_leaves_aborts_its_request_upstream(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    import socket
+
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "tiny", "prompt": "bada", "max_tokens": 1500, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert client.recv(1024).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: sum(f.aborted for f in fakes) == 1)
+        wait_until(lambda: router.read(lambda r: len(r.fleet.flights)) == 0)
