@@ -36,6 +36,8 @@ from serving.registry import ROUTERS
 from mooncake.errors import MooncakeError
 from mooncake.sim.report import write_json
 
+PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
+
 EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
     "scheduling": scheduling,
     "rejection": rejection,
@@ -64,7 +66,10 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--json", action="store_true", help="print the JSON instead of the table")
         if name == "scheduling":
             q.add_argument(
-                "--routers", type=_numbers(str), default=list(ROUTERS), help="comma-separated; FILE.py:FACTORY too"
+                "--routers",
+                type=_numbers(str),
+                default=list(PAPER_ROUTERS),
+                help=f"comma-separated, of {', '.join(ROUTERS)}; FILE.py:FACTORY too",
             )
         if name in ("rejection", "overload"):
             q.set_defaults(tbt_slo=DECODE_BOUND_TBT_SLO_S)  # the decode-bound regime (paper/overload.py)
