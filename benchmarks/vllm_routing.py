@@ -83,13 +83,13 @@ def reset_caches(fleet: VllmFleet) -> None:
             pass
 
 
-async def replay(url: str, requests: list[tuple[float, str]], max_tokens: int) -> list[dict[str, Any]]:
+async def replay(url: str, model: str, requests: list[tuple[float, str]], max_tokens: int) -> list[dict[str, Any]]:
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, at: float, prompt: str, start: float) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         sent = time.monotonic()
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
         async with session.post(f"{url}/v1/completions", json=body) as answer:
             first = None
             async for line in answer.content:
@@ -122,7 +122,7 @@ def run_policy(
     config = parse_router_config(tomllib.loads(text), f"<{policy}>")
     with BackgroundRouter(config) as router:
         before = [counters(server.url) for server in fleet]  # after the router's calibration prefills
-        answers = asyncio.run(replay(router.url, requests, max_tokens))
+        answers = asyncio.run(replay(router.url, router.router.model, requests, max_tokens))
     after = [counters(server.url) for server in fleet]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))

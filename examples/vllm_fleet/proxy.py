@@ -392,6 +392,7 @@ class VllmRouter:
             upstream = await self._session.post(f"{instance.url}{path}", data=payload, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
             raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+        log.debug("%s: %s answered %d", flight.request.request_id, flight.instance_id, upstream.status)
         try:
             if upstream.status in FAILOVER_STATUSES:
                 raise _ServerFailed(f"HTTP {upstream.status}")

@@ -8,7 +8,8 @@ environment (`make test-vllm` builds it) with the recipe vLLM's CPU build needs
 (`VLLM_TARGET_DEVICE=cpu`, `--kv-cache-memory-bytes` of KV cache, nothing
 downloaded), prefix caching, `--block-size`, prompt-token details in usage, and
 KV events to an endpoint the router binds (vLLM connects to it) with a replay
-socket vLLM binds; without torch.compile (`-O0`), in float32, and reserving a fifth of the
+socket vLLM binds; its compute threads on a core of its own (vLLM pins every
+server to core 0 otherwise); without torch.compile (`-O0`), in float32, and reserving a fifth of the
 memory each (`--gpu-memory-utilization`: vLLM's CPU backend refuses to start
 when less than its share is free). Each runs in a process group of its own; `stop` sends the
 group SIGTERM, then SIGKILL after a grace period, so no engine process or port
@@ -53,6 +54,7 @@ class VllmServer:
     events_port: int
     replay_port: int
     log: Path
+    core: int
 
     @property
     def url(self) -> str:
@@ -122,6 +124,7 @@ class VllmFleet:
                         kv_cache_bytes,
                         max_model_len,
                         extra_args,
+                        core=number % (os.cpu_count() or 1),
                     )
                 )
             fleet.wait_healthy(timeout_s)
@@ -146,12 +149,12 @@ class VllmFleet:
         """Stop server `number` and start it again on the same ports."""
         old = self.servers[number]
         old.stop()
-        python, args, env = old.process.args[0], list(old.process.args[1:]), _environment()  # type: ignore[index]
+        python, args, env = old.process.args[0], list(old.process.args[1:]), _environment(old.core)  # type: ignore[index]
         with old.log.open("ab") as log:
             process = subprocess.Popen(
                 [python, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        server = VllmServer(process, old.port, old.events_port, old.replay_port, old.log)
+        server = VllmServer(process, old.port, old.events_port, old.replay_port, old.log, old.core)
         self.servers[number] = server
         VllmFleet([server], self.model, self.block_size).wait_healthy(timeout_s)
         return server
@@ -181,9 +184,12 @@ class VllmFleet:
         return iter(self.servers)
 
 
-def _environment() -> dict[str, Any]:
+def _environment(core: int) -> dict[str, Any]:
     return {
         **os.environ,
+        # vLLM pins every server's compute threads to core 0 by default: two servers would then share one
+        # core, spinning in each other's way (multi-second stalls); each gets a core of its own.
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -201,6 +207,7 @@ def _launch(
     kv_cache_bytes: int,
     max_model_len: int,
     extra_args: Sequence[str],
+    core: int,
     memory_share: float = 0.2,
 ) -> VllmServer:
     port, events_port, replay_port = free_port(), free_port(), free_port()
@@ -245,6 +252,6 @@ def _launch(
     ]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=_environment(), start_new_session=True
+            command, stdout=out, stderr=subprocess.STDOUT, env=_environment(core), start_new_session=True
         )
-    return VllmServer(process, port, events_port, replay_port, log)
+    return VllmServer(process, port, events_port, replay_port, log, core)
