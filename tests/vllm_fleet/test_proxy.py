@@ -198,3 +198,52 @@ def test_a_client_that_leaves_aborts_its_request_upstream(fakes: list[FakeVllm],
             assert client.recv(1024).startswith(b"HTTP/1.1 200")
         wait_until(lambda: sum(f.aborted for f in fakes) == 1)
         wait_until(lambda: router.read(lambda r: len(r.fleet.flights)) == 0)
+
+
+def test_the_command_line_serves_until_sigterm_and_reports_bad_config(
+    fakes: list[FakeVllm], tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """`examples/vllm_router.py --config` prints its URL when ready, serves, and stops on SIGTERM; a bad
+    config is one `error:` line and exit status 1."""
+    import signal
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "vllm_router.py"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[router]\ntokenizer = "{tokenizer_dir}"\nblock_size = 16\n' + instances_toml(fakes))
+    done = subprocess.run(
+        [sys.executable, str(script), "--config", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip().splitlines()[-1].startswith("error: instance vllm-0") and "block_size = 16" in done.stderr
+    )
+    good = tmp_path / "good.toml"
+    good.write_text(
+        f'[router]\nport = 0\ntokenizer = "{tokenizer_dir}"\nblock_size = 32\ncalibration_tokens = 64\n'
+        + instances_toml(fakes)
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(script), "--config", str(good)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("vllm router ready: http://127.0.0.1:"), line
+        url = line.split()[3]
+        status, _, _ = post(f"{url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 2})
+        assert status == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def instances_toml(fakes: list[FakeVllm]) -> str:
+    return "".join(f'[[instances]]\nurl = "{f.url}"\nkv_events = "tcp://127.0.0.1:{free_port()}"\n' for f in fakes)
