@@ -67,6 +67,18 @@ class VllmServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def group(self) -> list[int]:
+        """The live processes of the server's process group (zombies, which hold nothing, left out)."""
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it just exited
+            if int(fields[2]) == self.process.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+                alive.append(int(stat.parent.name))
+        return alive
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to the process group, SIGKILL after `grace_s`."""
         if self.process.poll() is None:
@@ -80,6 +92,9 @@ class VllmServer:
             os.killpg(self.process.pid, signal.SIGKILL)  # the engine core and workers too
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5)
+        deadline = time.monotonic() + 10
+        while self.group() and time.monotonic() < deadline:  # SIGKILL lands at once, but not in no time
+            time.sleep(0.05)
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -144,20 +159,6 @@ class VllmFleet:
                         f"vLLM server on port {server.port} not healthy in {timeout_s:g} s:\n{server.tail()}"
                     )
                 time.sleep(1.0)
-
-    def restart(self, number: int, *, timeout_s: float = 420.0) -> VllmServer:
-        """Stop server `number` and start it again on the same ports."""
-        old = self.servers[number]
-        old.stop()
-        python, args, env = old.process.args[0], list(old.process.args[1:]), _environment(old.core)  # type: ignore[index]
-        with old.log.open("ab") as log:
-            process = subprocess.Popen(
-                [python, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        server = VllmServer(process, old.port, old.events_port, old.replay_port, old.log, old.core)
-        self.servers[number] = server
-        VllmFleet([server], self.model, self.block_size).wait_healthy(timeout_s)
-        return server
 
     def instances_toml(self, *, roles: Sequence[str] | None = None) -> str:
         """The router's `[[instances]]` tables for these servers."""

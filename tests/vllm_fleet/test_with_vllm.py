@@ -9,7 +9,7 @@ the servers' own `vllm:prefix_cache_hits_total`); requests sharing a long prefix
 it; the `openai` client streams completions and chats through the router; a burst beyond the TTFT
 objective is answered 429 with Retry-After; bad configuration (another block size, another tokenizer, a
 server that is not there) stops the start with a message naming it; the routing benchmark measures each
-policy; a killed server is routed around and restored once it serves again.
+policy; a killed server is routed around.
 
 The environment with vLLM is `MOONCAKE_VLLM_PYTHON` (the Makefile's `.venv-vllm/bin/python`).
 """
@@ -64,8 +64,7 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[V
     with VllmFleet.start(python=python, model=model, count=2, log_dir=tmp_path_factory.mktemp("logs")) as fleet:
         yield fleet
     for server in fleet:  # no process of any server's group is left, and its ports are free again
-        with pytest.raises(ProcessLookupError):
-            os.killpg(server.process.pid, 0)
+        assert server.group() == []
         for port in (server.port, server.replay_port):
             with socket.socket() as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -213,8 +212,9 @@ def test_the_routing_benchmark_measures_each_policy(servers: VllmFleet, model: P
         assert figures["p90_ttft_s"] >= figures["mean_ttft_s"] * 0.5 and figures["router_overhead_us"] > 0
 
 
-def test_a_killed_server_is_routed_around_and_restored(servers: VllmFleet, model: Path) -> None:
-    """Last: it restarts a server."""
+def test_a_killed_server_is_routed_around(servers: VllmFleet, model: Path) -> None:
+    """Last: it kills a server (restoring one that answers again is proven against stand-in servers in
+    test_proxy.py; a real restart here would add a minute to CI)."""
     with RunningRouter(config(servers, model)) as running:
         servers.servers[1].stop(grace_s=0)  # SIGKILL-like: the router finds out on its next request or probe
         for i in range(6):
@@ -223,13 +223,4 @@ def test_a_killed_server_is_routed_around_and_restored(servers: VllmFleet, model
             assert answer.headers[PREFILL_HEADER] == "vllm-0"
         health = fetch(f"{running.url}/health").json()
         assert health["instances"]["vllm-1"]["up"] is False and health["instances"]["vllm-0"]["up"] is True
-        servers.restart(1)
-        deadline = time.monotonic() + 30
-        while not running.read(lambda router: router.fleet.instances["vllm-1"].up):
-            assert time.monotonic() < deadline, "the restarted server was not marked up"
-            time.sleep(0.2)
-        # Back in the rotation: with vllm-0 busy holding a queue of long prompts, new ones go to vllm-1.
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda i: complete(running.url, words(500, seed=6100 + i)), range(6)))
-        assert {a.status_code for a in answers} == {200}
-        assert "vllm-1" in {a.headers[PREFILL_HEADER] for a in answers}
+        assert running.read(lambda router: len(router.fleet.flights)) == 0
