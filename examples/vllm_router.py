@@ -25,6 +25,8 @@ import signal
 import sys
 from pathlib import Path
 
+import attrs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_fleet.config import load_router_config
 from vllm_fleet.proxy import VllmRouter
@@ -35,8 +37,6 @@ from mooncake.errors import MooncakeError
 async def serve(config_path: Path, port: int | None) -> None:
     config = load_router_config(config_path)
     if port is not None:
-        import attrs
-
         config = attrs.evolve(config, router=attrs.evolve(config.router, port=port))
     router = VllmRouter(config)
     stop = asyncio.Event()

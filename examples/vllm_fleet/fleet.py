@@ -232,12 +232,12 @@ class Fleet:
         if instance.up == up:
             return ()
         instance.up = up
-        if instance.subscriber is not None:
-            # Down, its holdings leave the index; its next events (a restarted server's, or a live one's
-            # after a blip, recovered by replay) start a new epoch there.
-            instance.subscriber.decoder.restart()
         if up:
             return self.conductor.handle(InstanceUp(instance_id=instance_id, now=now))
+        if instance.subscriber is not None:
+            # Its holdings leave the index; its next events (a restarted server's, whose numbers start again,
+            # or a live one's after a blip, recovered by replay) start a new epoch there.
+            instance.subscriber.decoder.restart()
         ends = self.conductor.handle(InstanceDown(instance_id=instance_id, now=now))
         for end in ends:
             self.flights.pop(end.request_id, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,12 @@ def words(count: int, *, seed: int) -> str:
     return " ".join("".join(rng.choices(SYLLABLES, k=rng.choice((2, 3)))) for _ in range(count))
 
 
-def make_tokenizer(directory: Path, *, seed: int = 0) -> Any:
-    """Write the tokenizer files into `directory` (created); returns transformers' tokenizer of them."""
+def make_tokenizer(
+    directory: Path, *, seed: int = 0, corpus: Sequence[str] | None = None, vocab_size: int = VOCAB_SIZE
+) -> Any:
+    """Write the tokenizer files into `directory` (created); returns transformers' tokenizer of them.
+
+    The BPE is trained on `corpus` (default: words drawn with `seed`) up to `vocab_size` ids."""
     import transformers
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
@@ -48,9 +53,10 @@ def make_tokenizer(directory: Path, *, seed: int = 0) -> Any:
     backend.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    backend.train_from_iterator([words(200, seed=seed + i) for i in range(200)], trainer)
+    texts = corpus if corpus is not None else [words(200, seed=seed + i) for i in range(200)]
+    backend.train_from_iterator(texts, trainer)
     backend.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
     )

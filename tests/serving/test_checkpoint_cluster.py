@@ -34,9 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from serving.config import ClusterConfig, load_config  # noqa: E402
 from serving.launch import RunningCluster, start_cluster  # noqa: E402
-from tokenizers import Tokenizer as Backend  # noqa: E402
-from tokenizers import decoders, pre_tokenizers, processors, trainers  # noqa: E402
-from tokenizers.models import BPE  # noqa: E402
+from vllm_fleet.model import make_tokenizer  # noqa: E402
 
 from mooncake.cache.hashing import BlockHasher  # noqa: E402
 from mooncake.errors import ConfigError  # noqa: E402
@@ -49,39 +47,14 @@ TEXT = [
     "Hello world! The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café — déjà vu.",
     "Serving a model: prefill, then decode, token by token. 日本語 and 🙂 too.",
 ] * 20
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 PROMPTS = ["Hello world", "The quick brown fox", "naïve café — déjà vu", "Serving a model"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 
 
 def save_tokenizer(directory: Path) -> Any:
-    """A byte-level BPE of at most VOCAB ids (the model's vocabulary) with BOS, EOS and CHATML, saved as
-    transformers saves it; transformers' tokenizer of the files."""
-    backend = Backend(BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator(TEXT, trainer)
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHATML,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(directory)
+    """A byte-level BPE of at most VOCAB ids (the model's vocabulary) trained on TEXT, with BOS, EOS and ChatML,
+    saved as transformers saves it (`vllm_fleet.model.make_tokenizer`); transformers' tokenizer of the files."""
+    make_tokenizer(directory, corpus=TEXT, vocab_size=VOCAB)
     return transformers.AutoTokenizer.from_pretrained(directory)
 
 

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import json
 import os
 import re
 import socket
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -44,11 +40,11 @@ from vllm_fleet.proxy import CACHED_HEADER  # noqa: E402
 from vllm_fleet.servers import VllmFleet, free_port  # noqa: E402
 
 from mooncake.errors import ConfigError  # noqa: E402
+from tests.vllm_fleet.http import Answer, fetch  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 BLOCK = 32
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -76,27 +72,6 @@ def config(servers: VllmFleet, model: Path, **router: Any) -> RouterConfig:
     settings.update(router)
     text = "[router]\n" + "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in settings.items())
     return parse_router_config(tomllib.loads(text + servers.instances_toml()), "test.toml")
-
-
-@attrs.frozen
-class Answer:
-    status_code: int
-    headers: dict[str, str]
-    text: str
-
-    def json(self) -> Any:
-        return json.loads(self.text)
-
-
-def fetch(url: str, body: dict[str, Any] | None = None) -> Answer:
-    """GET `url`, or POST `body` as JSON: the answer whatever its status."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
-            return Answer(answer.status, dict(answer.headers), answer.read().decode())
-    except urllib.error.HTTPError as error:
-        return Answer(error.code, dict(error.headers), error.read().decode())
 
 
 def complete(url: str, prompt: str, *, max_tokens: int = 2, **extra: Any) -> Answer:
