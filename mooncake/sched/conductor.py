@@ -417,16 +417,21 @@ class Conductor:
 
     def _join(self, flight: _InFlight, event: DecodeJoined) -> None:
         self._remove_from_queue(flight, event.request_id, event.now)
-        self._incoming[flight.decode_instance].pop(event.request_id, None)
         view = self._decode[flight.decode_instance]
         # Account what was reserved, not what the event claims: VRAM was promised at acceptance.
         reservation = view.reserved.get(event.request_id)
+        if reservation is not None and not reservation.takes_slot:
+            # It finishes at its first token (the decode rule promised it no slot and no KV):
+            # counting it now would put the instance over what admission promised.
+            flight.stage = _Stage.PREFILLED
+            return
         total = (
             reservation.prompt_tokens + reservation.output_tokens
             if reservation is not None
             else event.context_tokens + event.output_tokens
         )
         context = min(event.context_tokens, total)
+        self._incoming[flight.decode_instance].pop(event.request_id, None)
         view.join(
             ActiveDecode(
                 request_id=event.request_id, start_s=event.now, context_tokens=context, output_tokens=total - context

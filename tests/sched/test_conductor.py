@@ -524,6 +524,26 @@ def test_decode_joined_without_prefill_finished_leaves_the_queue() -> None:
     conductor.check_invariants()
 
 
+def test_a_request_of_one_output_token_holds_nothing_on_decode() -> None:
+    """Its only token is its prefill's: promised no slot and no KV, it holds none when it joins (found by
+    the state machine: an instance filled to what early rejection promised went over capacity)."""
+    conductor = make_conductor(admission="early_rejection", capacity_tokens=20_000)
+    _, decode = placement(conductor.schedule(request("one", DOC[:4], output=1), 0.0))
+    conductor.handle(
+        DecodeJoined(
+            request_id=RequestId("one"), instance_id=decode, now=1.0, context_tokens=4 * BLOCK, output_tokens=1
+        )
+    )
+    conductor.check_invariants()
+    view = next(v for v in conductor.decode_views if v.instance_id == decode)
+    assert (view.used_tokens, view.reserved_tokens, view.batch_size) == (0, 0, 0)
+    assert all(not v.queue for v in conductor.prefill_views)
+    assert conductor.handle(DecodeFinished(request_id=RequestId("one"), instance_id=decode, now=2.0)) == (
+        RequestEnd(RequestId("one"), Outcome.COMPLETED, None),
+    )
+    conductor.check_invariants()
+
+
 def test_rejection_by_decode_ends_the_request_with_its_reason() -> None:
     """The decode instance's own refusal ends the request: the reason given, or decode_rejected."""
     conductor = make_conductor()
@@ -1102,8 +1122,10 @@ class ConductorMachine(RuleBasedStateMachine):
             if self.admission_name == "early_rejection":  # the baseline and a prediction may promise more
                 assert view.used_tokens + view.reserved_tokens <= view.capacity_tokens
             mine = [t for t in self.tracked.values() if t.decode == view.instance_id]
-            assert view.used_tokens == sum(t.tokens for t in mine if t.stage == "decoding")
-            # A request whose only token is its prefill's is promised nothing.
+            # A request whose only token is its prefill's is promised nothing and holds nothing.
+            assert view.used_tokens == sum(
+                t.tokens for t in mine if t.stage == "decoding" and t.request.output_length > 1
+            )
             assert view.reserved_tokens == sum(
                 t.tokens for t in mine if t.stage != "decoding" and t.request.output_length > 1
             )
