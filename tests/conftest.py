@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=60, deadline=None)
-# 150 examples: the suite and the vLLM router's tests against real servers fit CI's 30 minutes together.
+# 100 examples (Hypothesis' default): the suite and the vLLM router's tests against real servers fit CI's
+# 30 minutes together with a third to spare on CI's machine, which runs the suite about 1.3x slower than this one.
 settings.register_profile(
-    "ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

@@ -126,12 +126,22 @@ def test_engine_benchmark_prints_its_figures() -> None:
         "64",
         "--cpp-tokens",
         "64",
+        "--peer-batches",
+        "1",
+        "--peer-prompt-tokens",
+        "32",
+        "--peer-new-tokens",
+        "4",
+        "--repeats",
+        "1",
     )
     for key in ("prefill_tokens_per_s", "roofline_tokens_per_s", "prefill_vs_roofline", "cpp_speedup"):
         assert isinstance(result[key], float) and result[key] > 0, key
     for key in ("decode_step_ms", "decode_step_ms_sdpa", "layerwise_speedup"):
         values = result[key]
         assert isinstance(values, dict) and values and all(v > 0 for v in values.values()), key
+    peers = result["peers"]
+    assert peers["prefill_vs_transformers"]["1"] > 0 and peers["decode_vs_transformers"]["1"] > 0
 
 
 def test_gateway_benchmark_prints_its_figures() -> None:

@@ -280,8 +280,11 @@ class LocalBackend:
         for process in self._processes.values():
             if process.is_alive():
                 process.terminate()  # SIGTERM: the worker closes its engine, cache and shared memory
+        # One grace period for all (not one each): a stop is bounded by 15 + 5 s however many workers hang.
+        deadline = time.monotonic() + 15.0
         for process in self._processes.values():
-            process.join(timeout=15)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self._processes.values():
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
