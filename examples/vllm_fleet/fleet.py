@@ -12,7 +12,8 @@ TTFT objective, or that the decode rule refuses (context over the server's
 `max_model_len`, KV over its cache), before any server sees it.
 
 The queue is the router's own bookkeeping: a request is queued on its instance
-from dispatch to its first token (then it decodes there until its last); a
+from dispatch to its first token, or to its prefill server's answer in a
+disaggregated pair (then it decodes until its last); a
 head of queue still without its first token after its predicted prefill is
 taken to start now (`PrefillStarted`), so the queue never drains by prediction
 alone. Its
@@ -95,6 +96,7 @@ class Flight:
     decision: ScheduleDecision
     dispatched_s: float
     idle: bool  # nothing of the router's was queued ahead on its instance: its TTFT teaches the prefill model
+    prefilled_s: float | None = None
     first_token_s: float | None = None
 
     @property
@@ -183,17 +185,27 @@ class Fleet:
                 head = view.queue[0].request_id
                 self.conductor.handle(PrefillStarted(request_id=head, instance_id=view.instance_id, now=now))
 
-    def first_token(self, flight: Flight, now: float, *, timed: bool = True) -> None:
-        """The request's first token came back: its prefill is done and it decodes (on the same instance when
-        coupled). `timed`: the time is the first token's (a stream), so an idle instance's prefill teaches the
-        model; an answer that came whole says nothing about its prefill."""
-        if flight.first_token_s is not None:
+    def prefilled(self, flight: Flight, now: float, *, timed: bool = True) -> None:
+        """The request's prefill is done: it leaves its prefill instance's queue. `timed`: `now` is when the
+        prefill ended (a first token streamed, or the one-token answer of a disaggregated prefill), so an idle
+        instance's prefill teaches the model; an answer that came whole says nothing about its prefill."""
+        if flight.prefilled_s is not None:
             return
-        flight.first_token_s = now
+        flight.prefilled_s = now
         request = flight.request
         if timed and flight.idle:
             self.prefill_model.observe(request.input_length, flight.decision.prefix_tokens, now - flight.dispatched_s)
         self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=flight.instance_id, now=now))
+
+    def first_token(self, flight: Flight, now: float, *, timed: bool = True) -> None:
+        """The request's first token came back from its decode instance (the same instance when coupled): its
+        prefill is done (`prefilled`, with `timed`, unless a disaggregated prefill said so first) and it
+        decodes."""
+        if flight.first_token_s is not None:
+            return
+        flight.first_token_s = now
+        self.prefilled(flight, now, timed=timed)
+        request = flight.request
         self.conductor.handle(
             DecodeJoined(
                 request_id=request.request_id,

@@ -4,7 +4,10 @@
 the servers' tokenizer (a chat through its template), the `Fleet` schedules it
 (429 with `Retry-After` when the Conductor rejects it: the estimated TTFT
 misses `[router] ttft_slo_s`, or no server can hold it), and the body goes
-unchanged to the chosen server; its answer streams back as it comes (SSE
+unchanged to the chosen server (a disaggregated pair: first the prompt with
+`max_tokens` 1 and `kv_transfer_params` asking for a remote decode to the
+prefill server, then the body with the parameters it answered to the decode
+server, as vLLM's disaggregated-serving proxy does); its answer streams back as it comes (SSE
 passed through line by line), with the headers `X-Mooncake-Prefill-Instance`,
 `X-Mooncake-Decode-Instance` and `X-Mooncake-Cached-Tokens` (the prefix the
 router expected the server to hold). A stream's usage is asked of the server
@@ -63,8 +66,23 @@ HOP_BY_HOP = frozenset(
 MAX_BODY_BYTES = 32 << 20
 
 
+# What vLLM's disaggregated-serving proxy asks of the prefill server: keep the KV for a decode elsewhere.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 class _ServerFailed(Exception):
-    """The chosen server failed before anything was streamed: mark it down and try another."""
+    """A server failed before anything was streamed: mark it down and try another."""
+
+    def __init__(self, instance_id: InstanceId, message: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
 
 
 class VllmRouter:
@@ -349,18 +367,71 @@ class VllmRouter:
                 decision.ttft_s or 0.0,
             )
             flight = self.fleet.flights[decision.request_id]
+            overhead_us = round((time.monotonic() - received) * 1e6)
             try:
-                return await self._forward(request, flight, path, payload, stream, wants_usage, received)
+                if flight.instance_id == flight.decode_instance_id:
+                    return await self._forward(
+                        request, flight, path, payload, stream, wants_usage, received, overhead_us
+                    )
+                prefilled = await self._prefill(flight, path, upstream_body)
+                if isinstance(prefilled, web.Response):
+                    return prefilled
+                return await self._forward(request, flight, path, prefilled, stream, wants_usage, received, overhead_us)
             except _ServerFailed as failure:
                 log.warning(
                     "instance %s failed request %s: %s; trying another",
-                    flight.instance_id,
+                    failure.instance_id,
                     decision.request_id,
                     failure,
                 )
                 self.fleet.failed(flight, time.monotonic(), Reason.INSTANCE_DOWN)
-                self._mark(flight.instance_id, False)
+                self._mark(failure.instance_id, False)
+            except (asyncio.CancelledError, ConnectionResetError):
+                self.fleet.failed(flight, time.monotonic(), Reason.CLIENT_GONE)
+                raise
         raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
+
+    async def _prefill(self, flight: Flight, path: str, body: dict[str, Any]) -> bytes | web.Response:
+        """Step one of the disaggregated flow (that of vLLM's disaggregated-serving proxy): the prompt with
+        `max_tokens` 1 on the prefill server, asking it to keep the KV for a decode elsewhere (`REMOTE_DECODE`).
+
+        Returns the decode step's body: the request as the client sent it, with the `kv_transfer_params` the
+        prefill server answered (a connector that matches by prompt, such as vLLM's `ExampleConnector`,
+        answers none). A prefill server's own refusal (a 4xx) is returned as the client's answer.
+        """
+        assert self.fleet is not None and self.metrics is not None and self._session is not None
+        instance_id = flight.instance_id
+        prefill = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
+        prefill["max_tokens"] = 1
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        prefill["kv_transfer_params"] = REMOTE_DECODE
+        timeout = aiohttp.ClientTimeout(
+            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
+        )
+        try:
+            async with self._session.post(
+                f"{self.fleet.instances[instance_id].url}{path}", json=prefill, timeout=timeout
+            ) as upstream:
+                data = await upstream.read()
+                status, headers = upstream.status, upstream.headers
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
+        if status in FAILOVER_STATUSES:
+            raise _ServerFailed(instance_id, f"HTTP {status}")
+        now = time.monotonic()
+        if status != 200:
+            self.fleet.failed(flight, now, Reason.FAILED)
+            self.metrics.responses[str(status)].inc()
+            kept = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+            return web.Response(body=data, status=status, headers=kept)
+        self.fleet.prefilled(flight, now)  # a one-token answer comes when the prefill ends
+        decode = dict(body)
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            params = json.loads(data).get("kv_transfer_params")
+            if params:
+                decode["kv_transfer_params"] = params
+        return json.dumps(decode).encode()
 
     async def _forward(
         self,
@@ -371,10 +442,13 @@ class VllmRouter:
         stream: bool,
         wants_usage: bool,
         received: float,
+        overhead_us: int,
     ) -> web.StreamResponse:
+        """Send the request to its decode instance (the instance itself when coupled) and pass its answer on."""
         assert self.fleet is not None and self.metrics is not None and self._session is not None
         fleet, metrics = self.fleet, self.metrics
-        instance = fleet.instances[flight.instance_id]
+        instance_id = flight.decode_instance_id  # the instance itself when coupled
+        instance = fleet.instances[instance_id]
         headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
         timeout = aiohttp.ClientTimeout(
             total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
@@ -383,7 +457,7 @@ class VllmRouter:
             PREFILL_HEADER: flight.instance_id,
             DECODE_HEADER: flight.decode_instance_id,
             CACHED_HEADER: str(flight.decision.prefix_tokens),
-            "X-Mooncake-Router-Overhead-Us": str(round((time.monotonic() - received) * 1e6)),
+            "X-Mooncake-Router-Overhead-Us": str(overhead_us),
         }
         generated: int | None = None
         finish = "length"
@@ -391,16 +465,16 @@ class VllmRouter:
         try:
             upstream = await self._session.post(f"{instance.url}{path}", data=payload, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
-            raise _ServerFailed(f"{type(error).__name__}: {error}") from error
-        log.debug("%s: %s answered %d", flight.request.request_id, flight.instance_id, upstream.status)
+            raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
+        log.debug("%s: %s answered %d", flight.request.request_id, instance_id, upstream.status)
         try:
             if upstream.status in FAILOVER_STATUSES:
-                raise _ServerFailed(f"HTTP {upstream.status}")
+                raise _ServerFailed(instance_id, f"HTTP {upstream.status}")
             if upstream.status != 200 or not stream:
                 try:
                     data = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+                    raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
                 now = time.monotonic()
                 if upstream.status == 200:
                     with contextlib.suppress(ValueError, TypeError, AttributeError):
@@ -449,7 +523,7 @@ class VllmRouter:
                     await response.write(line)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
                 if not prepared:
-                    raise _ServerFailed(f"{type(error).__name__}: {error}") from error
+                    raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
                 fleet.failed(flight, time.monotonic(), Reason.FAILED)
                 message = {"error": {"message": f"the server failed mid-stream: {error}", "type": "server_error"}}
                 await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
@@ -464,9 +538,6 @@ class VllmRouter:
             done = True
             await response.write_eof()
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
-            fleet.failed(flight, time.monotonic(), Reason.CLIENT_GONE)
-            raise
         finally:
             if done:
                 upstream.release()

@@ -6,6 +6,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small local model the real vLLM servers serve (`vllm_fleet.model`)."""
+    from vllm_fleet.model import make_model
+
+    return make_model(tmp_path_factory.mktemp("vllm") / "tiny")

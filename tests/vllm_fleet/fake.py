@@ -1,5 +1,7 @@
 """A stand-in for a vLLM server (a test double beside the real ones of `test_with_vllm.py`): the endpoints the
 router reads, and completions that take `seconds_per_token` of prefill before streaming `max_tokens` tokens.
+A disaggregated pair's protocol as vLLM's NIXL connector speaks it: a request asking `do_remote_decode` is
+answered with `kv_transfer_params` naming this server; one carrying `do_remote_prefill` skips its prefill.
 
 Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers).
 `received` holds every completion body. It serves from a thread of its own on 127.0.0.1 (`port` 0: any
@@ -93,15 +95,25 @@ class FakeVllm:
             return web.json_response({"error": {"message": "failing on purpose"}}, status=self.status)
         prompt = body.get("prompt", "")
         tokens = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(str(prompt)))
-        count = int(body.get("max_tokens") or 16)
+        count = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         usage = {"prompt_tokens": tokens, "completion_tokens": count, "total_tokens": tokens + count}
+        transfer = body.get("kv_transfer_params") or {}
         try:
-            await asyncio.sleep(self.seconds_per_token * tokens)
+            if not transfer.get("do_remote_prefill"):  # else its KV came from the prefill server
+                await asyncio.sleep(self.seconds_per_token * tokens)
             if not body.get("stream"):
                 choice = {"index": 0, "text": " x" * count, "finish_reason": "length"}
-                return web.json_response(
-                    {"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": usage}
-                )
+                answer = {"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": usage}
+                if transfer.get("do_remote_decode"):
+                    answer["kv_transfer_params"] = {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_engine_id": f"fake-{self.port}",
+                        "remote_block_ids": list(range(-(-tokens // self.block_size))),
+                        "remote_host": "127.0.0.1",
+                        "remote_port": self.port,
+                    }
+                return web.json_response(answer)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             for number in range(count):

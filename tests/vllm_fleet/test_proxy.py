@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("zmq")
 pytest.importorskip("transformers")
 
-from serving.api import PREFILL_HEADER
+from serving.api import DECODE_HEADER, PREFILL_HEADER
 from vllm_fleet.background import BackgroundRouter
 from vllm_fleet.config import RouterConfig, parse_router_config
 from vllm_fleet.model import make_tokenizer, words
@@ -51,7 +51,7 @@ def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
         server.stop()
 
 
-def router_config(fakes: list[FakeVllm], tokenizer_dir: Path, **router: Any) -> RouterConfig:
+def router_config(fakes: list[FakeVllm], tokenizer_dir: Path, roles: Sequence[str] = (), **router: Any) -> RouterConfig:
     settings = {
         "port": 0,
         "block_size": 32,
@@ -60,7 +60,9 @@ def router_config(fakes: list[FakeVllm], tokenizer_dir: Path, **router: Any) -> 
         "calibration_tokens": 256,
         **router,
     }
-    instances = [{"url": f.url, "kv_events": f"tcp://127.0.0.1:{free_port()}"} for f in fakes]
+    instances: list[dict[str, Any]] = [{"url": f.url, "kv_events": f"tcp://127.0.0.1:{free_port()}"} for f in fakes]
+    for instance, role in zip(instances, roles, strict=False):
+        instance["role"] = role
     return parse_router_config({"router": settings, "instances": instances}, "test.toml")
 
 
@@ -139,6 +141,56 @@ def test_a_server_down_sends_its_requests_to_the_other(fakes: list[FakeVllm], to
         assert router.read(lambda r: r.fleet.instances["vllm-0"].up) is False
         fakes[0].start()  # the same port again
         wait_until(lambda: router.read(lambda r: r.fleet.instances["vllm-0"].up))
+
+
+def test_a_disaggregated_pair_prefills_then_decodes_with_the_transfer_parameters(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """vLLM's two-step flow: the prompt with max_tokens 1 on the prefill server, asking for a remote decode;
+    then the client's request, with the `kv_transfer_params` the prefill server answered, on the decode
+    server, whose answer streams back."""
+    prefill, decode = fakes
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, roles=("prefill", "decode"))) as router:
+        body = {"model": "tiny", "prompt": words(80, seed=3), "max_tokens": 5, "stream": True}
+        status, headers, text = post(f"{router.url}/v1/completions", body)
+        assert status == 200 and (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("vllm-0", "vllm-1")
+        assert [line for line in text.decode().split("\n\n") if line][-1] == "data: [DONE]"
+        first, second = prefill.received[-1], decode.received[-1]
+        assert first["prompt"] == second["prompt"] == body["prompt"]
+        assert first["max_tokens"] == 1 and "stream" not in first and first["kv_transfer_params"]["do_remote_decode"]
+        assert second["max_tokens"] == 5 and second["stream"] is True
+        assert second["kv_transfer_params"]["do_remote_prefill"] is True
+        assert second["kv_transfer_params"]["remote_engine_id"] == f"fake-{prefill.port}"
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "bada keli"}], "max_completion_tokens": 3}
+        status, _, text = post(f"{router.url}/v1/chat/completions", chat)
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3
+        assert prefill.received[-1]["max_completion_tokens"] == 1 and decode.received[-1]["max_completion_tokens"] == 3
+        prefill.status = 400  # the prefill server's own refusal is the client's answer; no decode is asked
+        asked = len(decode.received)
+        status, _, _ = post(f"{router.url}/v1/completions", {**body, "stream": False})
+        assert status == 400 and len(decode.received) == asked
+        assert router.read(lambda r: len(r.fleet.flights)) == 0
+        assert router.read(lambda r: [len(v.queue) for v in r.fleet.conductor.prefill_views]) == [0]
+
+
+def test_a_failed_prefill_or_decode_server_is_routed_around(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    more = [FakeVllm(fakes[0].tokenizer).start() for _ in range(2)]
+    try:
+        servers = [fakes[0], more[0], fakes[1], more[1]]
+        roles = ("prefill", "prefill", "decode", "decode")
+        with BackgroundRouter(router_config(servers, tokenizer_dir, roles=roles, health_interval_s=30.0)) as router:
+            servers[0].stop()  # refuses connections
+            servers[2].status = 503
+            for i in range(3):
+                body = {"model": "tiny", "prompt": words(40, seed=i), "max_tokens": 2}
+                status, headers, _ = post(f"{router.url}/v1/completions", body)
+                assert status == 200 and (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("vllm-1", "vllm-3")
+            up = router.read(lambda r: {i: x.up for i, x in r.fleet.instances.items()})
+            assert up == {"vllm-0": False, "vllm-1": True, "vllm-2": False, "vllm-3": True}
+            assert router.read(lambda r: len(r.fleet.flights)) == 0
+    finally:
+        for server in more:
+            server.stop()
 
 
 def test_a_burst_over_the_objective_gets_429s(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:

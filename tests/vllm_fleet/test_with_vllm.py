@@ -48,11 +48,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("vllm") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     python = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
     if not python:
