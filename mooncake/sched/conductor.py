@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 import random
 from collections.abc import Mapping, Sequence
 
@@ -64,6 +65,7 @@ from mooncake.sched.view import (
     DecodeView,
     InstanceDown,
     InstanceUp,
+    PrefillBacklog,
     PrefillBoard,
     PrefilledInline,
     PrefillFinished,
@@ -247,6 +249,7 @@ class Conductor:
             best_blocks=best_blocks,
             best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
+            held_blocks=PrefixBlocks(board.instance_ids, self.index.block_counts(board.instance_ids), board.slot),
         )
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
@@ -373,6 +376,12 @@ class Conductor:
         """
         if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
+        if isinstance(event, PrefillBacklog):
+            self._check_instance(event)
+            view = self._prefill[event.instance_id]
+            view.backlog_until_s = event.until_s if event.until_s > event.now else -math.inf
+            self._prefill_board.refresh(self._prefill_board.slot[event.instance_id])
+            return ()
         if not isinstance(event, RequestAborted):
             self._check_instance(event)
         flight = self._in_flight.get(event.request_id)
@@ -492,9 +501,15 @@ class Conductor:
 
     def _check_instance(
         self,
-        event: PrefillStarted | PrefillFinished | PrefilledInline | DecodeJoined | DecodeFinished | RequestRejected,
+        event: PrefillBacklog
+        | PrefillStarted
+        | PrefillFinished
+        | PrefilledInline
+        | DecodeJoined
+        | DecodeFinished
+        | RequestRejected,
     ) -> None:
-        prefill = isinstance(event, (PrefillStarted, PrefillFinished))
+        prefill = isinstance(event, (PrefillBacklog, PrefillStarted, PrefillFinished))
         known = self._prefill if prefill else self._decode
         if event.instance_id not in known:
             kind = "prefill" if prefill else "decode"

@@ -10,7 +10,9 @@ own prefix prefix_len:
         use prefix_len, no transfer
     TTFT = max(T_transfer, T_queue) + T_prefill(input, prefix)
 
-and pick the instance with the smallest TTFT (ties: shorter queue, then id).
+and pick the instance with the smallest TTFT (ties: the shorter queue, then the
+cache holding fewer blocks, then id: Algorithm 1 leaves ties open, and a prompt
+new to every idle instance should land where it evicts least).
 The transfer runs while the request waits in the instance's queue, so the two
 overlap (the simulated and real prefill nodes start when both are over).
 
@@ -119,6 +121,11 @@ class RouteQuery:
         best_instance, best_blocks: the longest holder and its prefix.
         best_holders: instances (up) holding that prefix, the best holder included.
         best_transfers_in_flight: transfers already leaving the best holder (congestion).
+        held_blocks: instance → blocks its cache holds in all (from the index; absent: none). Between
+            instances of equal estimate and equal queue, the one holding fewer is chosen: a prompt new to
+            both then lands where it evicts least, and the fleet's caches fill evenly instead of the
+            smallest id's thrashing while the others sit empty (SGLang's cache-aware router sends an
+            unmatched request to its smallest tree for the same reason).
     """
 
     input_tokens: int
@@ -128,6 +135,7 @@ class RouteQuery:
     best_blocks: int = 0
     best_holders: int = 0
     best_transfers_in_flight: int = 0
+    held_blocks: Mapping[InstanceId, int] = attrs.field(factory=dict)
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
@@ -343,27 +351,28 @@ class KvCacheCentricRouter:
 
         # Instances holding the same prefix length cost the same apart from their queue (the
         # plan depends on the instance only through its length, and TTFT never falls as the
-        # queue grows), so one sort finds the shortest queue (ties: id) per length, and only
-        # those few are planned and compared.
+        # queue grows), so one sort finds the shortest queue (ties: the emptier cache, then id)
+        # per length, and only those few are planned and compared.
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
         own = _blocks_of(query.prefix_blocks, board)
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
-        order = np.lexsort((queue, own))  # stable: equal (length, queue) stay in slot order, which is id order
+        held = _blocks_of(query.held_blocks, board)
+        order = np.lexsort((held, queue, own))  # stable: equal (length, queue, held) stay in slot order: id order
         by_length = own[order]
         first_of_length = np.empty(len(board), dtype=bool)
         first_of_length[0] = True
         np.not_equal(by_length[1:], by_length[:-1], out=first_of_length[1:])
         shortest = order[first_of_length]
-        key: tuple[float, float, InstanceId] | None = None
+        key: tuple[float, float, int, InstanceId] | None = None
         chosen: tuple[PrefillView, int, bool] | None = None
         for slot, length, waiting in zip(
             shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
         ):
             instance = board.instance_ids[slot]
             moving, prefill, blocks, moves = plan(length, instance)
-            candidate_key = (max(moving, waiting) + prefill, waiting, instance)
+            candidate_key = (max(moving, waiting) + prefill, waiting, int(held[slot]), instance)
             if key is None or candidate_key < key:
                 key, chosen = candidate_key, (board.slot_views[slot], blocks, moves)
         if chosen is None:

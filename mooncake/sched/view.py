@@ -45,6 +45,7 @@ __all__ = [
     "DecodeView",
     "InstanceDown",
     "InstanceUp",
+    "PrefillBacklog",
     "PrefillBoard",
     "PrefillFinished",
     "PrefillStarted",
@@ -84,15 +85,18 @@ class ActiveDecode:
 
 @attrs.define
 class PrefillView:
-    """One prefill instance: its queue and whether it is up."""
+    """One prefill instance: its queue, the backlog its owner reported (`PrefillBacklog`: work the
+    Conductor did not route, busy until `backlog_until_s`), and whether it is up."""
 
     instance_id: InstanceId
     is_up: bool = True
     queue: list[QueuedPrefill] = attrs.field(factory=list)
+    backlog_until_s: float = -math.inf
 
     def busy_until_s(self, now: float) -> float:
-        """When the last queued request is predicted to finish (now, if idle)."""
-        return max(now, self.queue[-1].finish_s) if self.queue else now
+        """When the last queued request is predicted to finish, or the backlog ends (now, if idle)."""
+        last = self.queue[-1].finish_s if self.queue else -math.inf
+        return max(now, last, self.backlog_until_s)
 
     def queue_s(self, now: float) -> float:
         """Predicted wait before a new request could start."""
@@ -261,7 +265,8 @@ class _Board(Sequence[_V]):
 
 class PrefillBoard(_Board["PrefillView"]):
     """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
-    view in slot s is predicted to finish (−inf with nothing queued), `is_up[s]` whether it is up."""
+    view in slot s is predicted to finish or its backlog ends (−inf with neither), `is_up[s]`
+    whether it is up."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
         super().__init__(views)
@@ -271,12 +276,14 @@ class PrefillBoard(_Board["PrefillView"]):
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after its queue or state changed)."""
         view = self.slot_views[slot]
-        self.busy_until_s[slot] = view.queue[-1].finish_s if view.queue else -math.inf
+        self.busy_until_s[slot] = max(view.queue[-1].finish_s if view.queue else -math.inf, view.backlog_until_s)
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
         views = self.slot_views
-        assert self.busy_until_s.tolist() == [v.queue[-1].finish_s if v.queue else -math.inf for v in views]
+        assert self.busy_until_s.tolist() == [
+            max(v.queue[-1].finish_s if v.queue else -math.inf, v.backlog_until_s) for v in views
+        ]
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
 
@@ -338,6 +345,18 @@ class DecodeBoard(_Board["DecodeView"]):
         assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillBacklog:
+    """Work a prefill instance has that the Conductor did not route (another client of a shared server,
+    as the server's own counters show it), measured by the instance's owner: it is busy with that work
+    until `until_s`, and requests routed to it from now on start after it (those already queued keep
+    their times). A later report replaces an earlier one; `until_s` <= `now` clears it."""
+
+    instance_id: InstanceId
+    now: float
+    until_s: float
 
 
 @attrs.frozen(kw_only=True)
@@ -426,7 +445,8 @@ class InstanceUp:
 
 
 SchedulerEvent = (
-    PrefillStarted
+    PrefillBacklog
+    | PrefillStarted
     | PrefillFinished
     | PrefilledInline
     | DecodeJoined

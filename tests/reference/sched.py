@@ -4,7 +4,7 @@
   (transfer iff best_len / own > threshold, own == 0 counting as an infinite
   ratio when best_len > 0, and only from another instance with more blocks).
 - `reference_route`: every candidate's decision under that rule with the
-  router's own estimator, and the minimum by (TTFT, queue, id).
+  router's own estimator, and the minimum by (TTFT, queue, blocks held, id).
 - `reference_local_route`: the local-cache-aware ablation (never a transfer).
 - `reference_decode`: the decode rule on each instance that is up, against
   the load asked about, and the lowest committed step time among those it
@@ -50,8 +50,9 @@ def should_transfer(
     return ratio > threshold
 
 
-def _key(decision: RouteDecision) -> tuple[float, float, str]:
-    return (decision.ttft_s, decision.queue_s, decision.prefill_instance)
+def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, int, str]:
+    held = query.held_blocks.get(decision.prefill_instance, 0)
+    return (decision.ttft_s, decision.queue_s, held, decision.prefill_instance)
 
 
 def reference_route(
@@ -89,7 +90,7 @@ def reference_route(
         else:
             decision = estimator.decide(view, query, now, prefix_blocks=own, transfer_from=None)
         decisions.append(decision)
-    chosen = min(decisions, key=_key) if decisions else None
+    chosen = min(decisions, key=lambda d: _key(d, query)) if decisions else None
     return chosen, decisions
 
 
@@ -103,7 +104,7 @@ def reference_local_route(
         )
         for view in candidates
     ]
-    return min(decisions, key=_key) if decisions else None
+    return min(decisions, key=lambda d: _key(d, query)) if decisions else None
 
 
 def reference_decode(

@@ -50,6 +50,7 @@ from mooncake.sched.view import (
     DecodeJoined,
     InstanceDown,
     InstanceUp,
+    PrefillBacklog,
     PrefilledInline,
     PrefillFinished,
     PrefillStarted,
@@ -524,6 +525,40 @@ def test_decode_joined_without_prefill_finished_leaves_the_queue() -> None:
     conductor.check_invariants()
 
 
+def test_a_reported_backlog_delays_what_is_routed_there_until_it_clears() -> None:
+    """Work the Conductor did not route (another client of a shared server) counts as queue: a request
+    goes elsewhere while it lasts, and where it goes it starts after it; a report of none clears it."""
+    conductor = make_conductor(router="load_balancing")
+    conductor.handle(PrefillBacklog(instance_id=P0, now=0.0, until_s=5.0))
+    first = conductor.schedule(request("first", DOC[:2]), 0.0)
+    assert first.prefill_instance == P1
+    for instance in (P1, P2):
+        conductor.handle(PrefillBacklog(instance_id=instance, now=0.0, until_s=9.0))
+    second = conductor.schedule(request("second", DOC[2:4]), 0.0)
+    assert second.prefill_instance == P0 and second.ttft_s is not None and second.ttft_s > 5.0
+    view = next(v for v in conductor.prefill_views if v.instance_id == P0)
+    assert view.queue[-1].start_s == 5.0
+    conductor.handle(PrefillBacklog(instance_id=P2, now=1.0, until_s=1.0))  # none any more
+    assert next(v for v in conductor.prefill_views if v.instance_id == P2).queue_s(1.0) == 0.0
+    conductor.check_invariants()
+    with pytest.raises(UnknownInstanceError, match="it is a decode instance"):
+        conductor.handle(PrefillBacklog(instance_id=D0, now=1.0, until_s=2.0))
+
+
+def test_a_new_prompt_goes_to_the_idle_instance_whose_cache_holds_least() -> None:
+    """Every prefill instance idle and none holding the prompt: the one whose cache holds the fewest
+    blocks takes it, so that new prompts fill the caches evenly (not the smallest id's alone)."""
+    conductor, caches = make_conductor(router="local_cache_aware"), Caches()
+    caches.store(conductor, P0, range(1000, 1040))
+    caches.store(conductor, P1, range(2000, 2010))
+    caches.store(conductor, P2, range(3000, 3020))
+    decision = conductor.schedule(request("new", range(5000, 5004)), 0.0)
+    assert decision.prefill_instance == P1
+    caches.store(conductor, P1, range(5000, 5004))  # and its prompt is held there once prefilled
+    again = conductor.schedule(request("again", range(5000, 5006)), 100.0)
+    assert again.prefill_instance == P1  # its own prefix outweighs a fuller cache
+
+
 def test_a_request_of_one_output_token_holds_nothing_on_decode() -> None:
     """Its only token is its prefill's: promised no slot and no KV, it holds none when it joins (found by
     the state machine: an instance filled to what early rejection promised went over capacity)."""
@@ -803,6 +838,7 @@ class ConductorMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.next_id = 0
         self.next_fresh_key = 10**6
+        self.backlog: dict[InstanceId, float] = {}  # the backlog each prefill instance's owner last reported
 
     @initialize(
         router=st.sampled_from(ROUTERS),
@@ -928,6 +964,9 @@ class ConductorMachine(RuleBasedStateMachine):
             assert decision.transfer.keep_local_copy == (holders < max(2, math.ceil(len(up_prefill) / 2)))
             assert decision.prefix_tokens == min(best_blocks * MACHINE_BLOCK, r.input_length - 1)
         keeps = decision.transfer is None or decision.transfer.keep_local_copy
+        view = next(v for v in self.conductor.prefill_views if v.instance_id == prefill)
+        assert view.queue[-1].request_id == r.request_id
+        assert view.queue[-1].start_s >= self.backlog.get(prefill, self.now)  # it starts after the backlog
         self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued", keeps)
 
     def _own_prefix(self, instance: InstanceId, keys: Sequence[BlockKey]) -> int:
@@ -1084,6 +1123,13 @@ class ConductorMachine(RuleBasedStateMachine):
         if instance not in self.down:
             self.caches.clear(self.conductor, instance)
 
+    @rule(instance=st.sampled_from(PREFILL_IDS), seconds=st.sampled_from([-1.0, 0.0, 0.5, 3.0, 60.0]))
+    def backlog_reported(self, instance: InstanceId, seconds: float) -> None:
+        """The instance's owner sees work the Conductor did not route (or none: `seconds` <= 0)."""
+        event = PrefillBacklog(instance_id=instance, now=self.now, until_s=self.now + seconds)
+        assert self.conductor.handle(event) == ()
+        self.backlog[instance] = self.now + seconds
+
     @rule(seconds=st.sampled_from([0.0, 0.01, 0.3, 2.0, 10.0]))
     def time_passes(self, seconds: float) -> None:
         self.now += seconds
@@ -1095,6 +1141,11 @@ class ConductorMachine(RuleBasedStateMachine):
         for view in (*self.conductor.prefill_views, *self.conductor.decode_views):
             view.check_invariants()
         self.conductor.check_invariants()
+
+    @invariant()
+    def a_new_request_would_start_after_the_backlog(self) -> None:
+        for view in self.conductor.prefill_views:
+            assert view.queue_s(self.now) >= self.backlog.get(view.instance_id, self.now) - self.now
 
     @invariant()
     def in_flight_matches_the_model(self) -> None:

@@ -155,11 +155,28 @@ def test_transfers_in_flight_from_the_holder_slow_a_new_one() -> None:
     assert shared.transfer.transfer_s == shared.transfer_s
 
 
-def test_ties_break_by_queue_then_id() -> None:
-    """Equal estimates: the shorter queue, then the smaller id."""
+def test_ties_break_by_queue_then_cache_then_id() -> None:
+    """Equal estimates: the shorter queue, then the emptier cache, then the smaller id."""
     router = KvCacheCentricRouter(ESTIMATOR)
     idle = router.route([PrefillView(C), PrefillView(B), PrefillView(A)], query({}), NOW, random.Random(0))
     assert idle is not None and idle.prefill_instance == A
+
+
+def test_a_prompt_new_to_every_idle_instance_goes_to_the_emptiest_cache() -> None:
+    """Three idle instances, none holding the prompt: the one whose cache holds the fewest blocks takes it
+    (else the smallest id would take every new prompt, and its cache thrash while the others sit empty)."""
+    views = [PrefillView(A), PrefillView(B), PrefillView(C)]
+    held = attrs.evolve(query({}), held_blocks={A: 500, B: 20, C: 300})
+    for router in (KvCacheCentricRouter(ESTIMATOR), local_cache_aware_router(ESTIMATOR)):
+        chosen = router.route(views, held, NOW, random.Random(0))
+        assert chosen is not None and chosen.prefill_instance == B
+    # A shorter queue still comes first, and a longer prefix first of all.
+    busier = [PrefillView(A), busy(B, NOW + 0.5), PrefillView(C)]
+    chosen = KvCacheCentricRouter(ESTIMATOR).route(busier, held, NOW, random.Random(0))
+    assert chosen is not None and chosen.prefill_instance == C
+    holding = attrs.evolve(query({A: 8}), held_blocks={A: 500, B: 20, C: 300})
+    chosen = local_cache_aware_router(ESTIMATOR).route(views, holding, NOW, random.Random(0))
+    assert chosen is not None and chosen.prefill_instance == A
 
 
 @attrs.frozen
@@ -207,20 +224,25 @@ def tied_scenarios(draw: st.DrawFn) -> tuple[list[PrefillView], RouteQuery]:
     count = draw(st.integers(min_value=2, max_value=6))
     ids = [InstanceId(f"prefill-{i}") for i in range(count)]
     on_line, off_line = [(0.0, 0), (1.0, 4), (2.0, 8)], [(1.0, 0), (0.0, 8), (2.0, 4)]
-    views, prefix = [], {}
+    views, prefix, held = [], {}, {}
     for instance in ids:
         queue_s, blocks = draw(st.sampled_from(on_line) | st.sampled_from(off_line))
         views.append(busy(instance, NOW + queue_s) if queue_s else PrefillView(instance))
         if blocks:
             prefix[instance] = blocks
+        held[instance] = blocks + draw(st.sampled_from([0, 0, 8, 100]))  # what its cache holds in all
     q = query(prefix, input_tokens=draw(st.sampled_from([2048, 4096, 8192])), block_size=256)
-    return views, attrs.evolve(q, best_transfers_in_flight=draw(st.integers(0, 2)) if q.best_instance else 0)
+    congestion = draw(st.integers(0, 2)) if q.best_instance else 0
+    return views, attrs.evolve(q, best_transfers_in_flight=congestion, held_blocks=held)
 
 
 @given(tied_scenarios(), st.sampled_from([1.0, 1.5, 4.0, math.inf]))
-def test_ties_on_ttft_break_by_queue_then_id(scenario: tuple[list[PrefillView], RouteQuery], threshold: float) -> None:
+def test_ties_on_ttft_break_by_queue_then_cache_then_id(
+    scenario: tuple[list[PrefillView], RouteQuery], threshold: float
+) -> None:
     """Among candidates of equal estimated TTFT, the router picks the shortest queue, then the
-    smallest id: the brute-force minimum by (TTFT, queue, id), with exact arithmetic."""
+    emptiest cache, then the smallest id: the brute-force minimum by (TTFT, queue, blocks held, id),
+    with exact arithmetic."""
     views, q = scenario
     chosen = KvCacheCentricRouter(EXACT_ESTIMATOR, threshold=threshold).route(views, q, NOW, random.Random(0))
     expected, every = reference_route(EXACT_ESTIMATOR, views, q, NOW, threshold=threshold)
