@@ -49,6 +49,7 @@ from mooncake.sched import (
     FittedStepModel,
     InstanceDown,
     InstanceUp,
+    PrefillBacklog,
     PrefillFinished,
     PrefillStarted,
     Reason,
@@ -68,6 +69,7 @@ __all__ = ["Fleet", "FleetInstance", "Flight"]
 
 log = logging.getLogger("vllm_router")
 DAY_S = 86_400.0
+TYPICAL_PROMPT_TOKENS = 512  # a foreign request's prompt before the router has seen any
 HASH_MODEL = "vllm-fleet"  # the block keys' namespace: the router hashes both the prompts and the servers' blocks
 
 
@@ -154,6 +156,7 @@ class Fleet:
         self._queues = {view.instance_id: view for view in self.conductor.prefill_views}
         self.flights: dict[RequestId, Flight] = {}
         self._ids = itertools.count()
+        self._prompt_tokens = self._prompts = 0  # what the router has seen: a foreign request is taken as typical
 
     # ------------------------------------------------------------------ requests
 
@@ -168,6 +171,8 @@ class Fleet:
             block_size_tokens=self.hasher.block_size_tokens,
         )
         self._overdue(now)
+        self._prompt_tokens += request.input_length
+        self._prompts += 1
         decision = self.conductor.schedule(request, now)
         if decision.accepted:
             assert decision.prefill_instance is not None
@@ -237,6 +242,23 @@ class Fleet:
             self.conductor.handle(RequestAborted(request_id=flight.request.request_id, now=now, reason=reason))
 
     # ------------------------------------------------------------------ instances
+
+    def reconcile(self, instance_id: InstanceId, state: InstanceState, now: float) -> float:
+        """Reconcile the router's queue of a server with the server's own count (`vllm:num_requests_waiting`):
+        requests waiting there beyond every request of the router's not yet prefilled are another client's,
+        and the server is busy with them for a prefill of the router's mean prompt each (`PrefillBacklog`;
+        none beyond: no backlog). Counting all of the router's unprefilled requests, running ones included,
+        never takes the router's own for foreign. Returns the backlog's seconds."""
+        if instance_id not in self._queues:
+            return 0.0  # a decode server: it prefills nothing the router routes
+        own = sum(1 for f in self.flights.values() if f.instance_id == instance_id and f.prefilled_s is None)
+        foreign = state.waiting - own
+        backlog = 0.0
+        if foreign > 0:
+            typical = self._prompt_tokens // self._prompts if self._prompts else TYPICAL_PROMPT_TOKENS
+            backlog = foreign * self.prefill_model.prefill_s(max(1, typical), 0)
+        self.conductor.handle(PrefillBacklog(instance_id=instance_id, now=now, until_s=now + backlog))
+        return backlog
 
     def set_up(self, instance_id: InstanceId, up: bool, now: float) -> tuple[RequestEnd, ...]:
         """Mark an instance up or down (down: it leaves routing, its cache leaves the index, what it held ends)."""

@@ -215,6 +215,7 @@ class VllmRouter:
                     if healthy:
                         async with self._session.get(f"{instance.url}/metrics", timeout=timeout) as answer:
                             instance.state = scrape(await answer.text())
+                        self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic())
                 except (aiohttp.ClientError, TimeoutError, OSError):
                     healthy = False
                 if healthy != instance.up:

@@ -3,7 +3,8 @@ router reads, and completions that take `seconds_per_token` of prefill before st
 A disaggregated pair's protocol as vLLM's NIXL connector speaks it: a request asking `do_remote_decode` is
 answered with `kv_transfer_params` naming this server; one carrying `do_remote_prefill` skips its prefill.
 
-Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers).
+Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers),
+`waiting` (the requests `/metrics` says wait there: another client's, as far as the router knows).
 `received` holds every completion body. It serves from a thread of its own on 127.0.0.1 (`port` 0: any
 free one; a stopped fake started again keeps its port).
 """
@@ -28,6 +29,7 @@ class FakeVllm:
         self.seconds_per_token = seconds_per_token
         self.status = 200
         self.healthy = True
+        self.waiting = 0
         self.received: list[dict[str, Any]] = []
         self.aborted = 0
         self.port = 0
@@ -78,6 +80,7 @@ class FakeVllm:
             f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
             f'engine="0",kv_cache_size_tokens="65536",num_gpu_blocks="2048"}} 1.0\n'
             'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {self.waiting}.0\n'
         )
         return web.Response(text=info)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -191,6 +192,23 @@ def test_a_failed_prefill_or_decode_server_is_routed_around(fakes: list[FakeVllm
     finally:
         for server in more:
             server.stop()
+
+
+def test_another_clients_waiting_requests_count_as_queue(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """Requests a server says wait there beyond the router's own (`vllm:num_requests_waiting`) are a backlog:
+    new requests go to the other server until the count drops."""
+    for fake in fakes:
+        fake.seconds_per_token = 0.0005  # a 512-token prompt in 0.25 s: forty of them wait 10 s
+    fakes[0].waiting = 40
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        wait_until(lambda: router.read(lambda r: r.fleet.conductor.prefill_views[0].queue_s(time.monotonic())) > 0)
+        for i in range(3):
+            status, headers, _ = post(
+                f"{router.url}/v1/completions", {"model": "tiny", "prompt": words(30, seed=70 + i), "max_tokens": 2}
+            )
+            assert status == 200 and headers[PREFILL_HEADER] == "vllm-1"
+        fakes[0].waiting = 0
+        wait_until(lambda: router.read(lambda r: r.fleet.conductor.prefill_views[0].backlog_until_s) == -math.inf)
 
 
 def test_a_burst_over_the_objective_gets_429s(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
