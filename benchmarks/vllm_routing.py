@@ -23,7 +23,11 @@ counters over the run), mean and p90 TTFT as the client saw it, requests/s
 router's overhead per request (from receiving it to sending it on: reading the
 body, tokenizing, hashing, scheduling), and the requests refused (429: the
 Conductor's decode rule finds a server's KV promised to the requests it
-already holds). Ratios against both peers are printed.
+already holds). Ratios against both peers are printed, and against a bound
+computed here: the hit ratio of one LRU cache as large as both servers' caches
+together, fed every prompt's blocks in arrival order (what two caches could
+hold if routing partitioned the documents between them perfectly and never
+copied one to both; LRU, as vLLM evicts).
 Goal: hit ratio >= 1.4x round-robin's, mean TTFT below both.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import re
 import statistics
@@ -49,8 +54,35 @@ from vllm_fleet.config import parse_router_config
 from vllm_fleet.model import make_model, words
 from vllm_fleet.servers import VllmFleet
 
+from mooncake.cache import BlockHasher
+from mooncake.engine.tokenizer import load_tokenizer
+
 POLICIES = ("round_robin", "load_balancing", "kvcache_centric")
 BLOCK = 32
+KV_BYTES_PER_TOKEN = 4096  # the small model's: 2 layers x (K, V) x 4 heads x 64 x float32
+
+
+def lru_bound(requests: list[tuple[float, str]], model: Path, capacity_blocks: int) -> float:
+    """The hit ratio (cached prompt tokens / prompt tokens, as vLLM counts it) of one LRU cache of
+    `capacity_blocks` blocks fed each prompt's whole blocks in turn: a prompt finds its leading blocks
+    held, at most all but its last token (vLLM always computes that one), then holds all of them."""
+    tokenizer, hasher = load_tokenizer(model), BlockHasher(model="bound", block_size_tokens=BLOCK)
+    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = total = 0
+    for _at, prompt in requests:
+        tokens = tokenizer.encode(prompt)
+        keys = hasher.block_keys(tokens)[: len(tokens) // BLOCK]
+        held = 0
+        while held < len(keys) and keys[held] in cache:
+            held += 1
+        hits += min(held * BLOCK, len(tokens) - 1)
+        total += len(tokens)
+        for key in keys:
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hits / max(total, 1)
 
 
 def workload(num_requests: int, num_documents: int, rate: float, seed: int) -> list[tuple[float, str]]:
@@ -175,8 +207,11 @@ def main() -> None:
             run_policy(fleet, model, "round_robin", requests[: min(20, len(requests))], args.max_tokens)
             for policy in POLICIES:
                 results[policy] = run_policy(fleet, model, policy, requests, args.max_tokens)
+        bound = lru_bound(requests, model, 2 * (args.kv_cache_mib << 20) // (KV_BYTES_PER_TOKEN * BLOCK))
+    results["lru_bound_hit_ratio"] = bound
     ours = results["kvcache_centric"]
     results["ratios"] = {
+        "hit_ratio_vs_lru_bound": ours["hit_ratio"] / max(bound, 1e-9),
         "hit_ratio_vs_round_robin": ours["hit_ratio"] / max(results["round_robin"]["hit_ratio"], 1e-9),
         "hit_ratio_vs_least_loaded": ours["hit_ratio"] / max(results["load_balancing"]["hit_ratio"], 1e-9),
         "mean_ttft_vs_round_robin": ours["mean_ttft_s"] / results["round_robin"]["mean_ttft_s"],
@@ -197,6 +232,7 @@ def main() -> None:
             f"{r['p90_ttft_s']:>8.3f}s{r['max_ttft_s']:>8.2f}s{r['requests_per_s']:>7.2f}{r['rejected']:>5}"
             f"{r['router_overhead_us'] / 1e3:>8.2f}ms  {r['per_instance']}"
         )
+    print(f"{'LRU bound':<16}{bound:>10.3f}  (one LRU cache of both servers' size, perfectly partitioned)")
     for name, value in results["ratios"].items():
         print(f"{name}: {value:.2f}x")
 
