@@ -27,7 +27,8 @@ already holds). Ratios against both peers are printed, and against a bound
 computed here: the hit ratio of one LRU cache as large as both servers' caches
 together, fed every prompt's blocks in arrival order (what two caches could
 hold if routing partitioned the documents between them perfectly and never
-copied one to both; LRU, as vLLM evicts).
+copied one to both; LRU, as vLLM evicts; not a strict bound: two LRU caches
+holding different documents can keep what one LRU of their size would evict).
 Goal: hit ratio >= 1.4x round-robin's, mean TTFT below both.
 """
 

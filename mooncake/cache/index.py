@@ -234,25 +234,6 @@ class BlockIndex:
         every time (the slot lookup is kept while the sequence object and the slots stay the same).
         """
         per_slot = self._table.match(_key_array(keys))
-        gather = self._slots(instances)
-        lengths: npt.NDArray[np.int64] = per_slot[gather[2]]
-        if gather[4]:
-            lengths[gather[3]] = 0
-        return lengths
-
-    def block_counts(self, instances: Sequence[InstanceId]) -> npt.NDArray[np.int64]:
-        """`num_blocks` of each of `instances`, in their order (0 for one the index does not know)."""
-        gather = self._slots(instances)
-        counts: npt.NDArray[np.int64] = self._table.counts[gather[2]]
-        if gather[4]:
-            counts[gather[3]] = 0
-        return counts
-
-    def _slots(
-        self, instances: Sequence[InstanceId]
-    ) -> tuple[Sequence[InstanceId], int, npt.NDArray[np.intp], npt.NDArray[np.bool_], bool]:
-        """(instances, layout, their slots (0 for unknown ones), which are unknown, whether any is): kept
-        while the sequence object and the slots stay the same."""
         gather = self._gather
         if gather is None or gather[0] is not instances or gather[1] != self._layout:
             slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
@@ -265,7 +246,10 @@ class BlockIndex:
                 bool(unknown.any()),
             )
             self._gather = gather
-        return gather
+        lengths: npt.NDArray[np.int64] = per_slot[gather[2]]
+        if gather[4]:
+            lengths[gather[3]] = 0
+        return lengths
 
     # ------------------------------------------------------------------ events
 

@@ -249,7 +249,7 @@ class Conductor:
             best_blocks=best_blocks,
             best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
-            held_blocks=PrefixBlocks(board.instance_ids, self.index.block_counts(board.instance_ids), board.slot),
+            block_keys=request.block_keys,
         )
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:

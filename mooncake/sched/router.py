@@ -11,8 +11,14 @@ own prefix prefix_len:
     TTFT = max(T_transfer, T_queue) + T_prefill(input, prefix)
 
 and pick the instance with the smallest TTFT (ties: the shorter queue, then the
-cache holding fewer blocks, then id: Algorithm 1 leaves ties open, and a prompt
-new to every idle instance should land where it evicts least).
+highest rendezvous weight of the prompt's first block the tied instances lack,
+then id). Algorithm 1 leaves ties open; they are the rule whenever the instances
+are idle and none holds the prompt. Sending them all to the smallest id fills
+its cache alone (it thrashes while the others sit empty); rendezvous hashing
+(`spread_weights`) gives each prompt a home among the tied instances instead, a
+function of the prompt and the instance ids only: new prompts spread evenly, a
+prompt evicted everywhere goes back to its home, and the same prompt on the same
+tie goes to the same instance in a simulation as in the real cluster.
 The transfer runs while the request waits in the instance's queue, so the two
 overlap (the simulated and real prefill nodes start when both are over).
 
@@ -46,11 +52,12 @@ from typing import Protocol
 import attrs
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from mooncake._checks import require_number
 from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillBoard, PrefillView
-from mooncake.types import InstanceId
+from mooncake.types import BlockKey, InstanceId
 
 __all__ = [
     "AdaptiveThreshold",
@@ -65,6 +72,7 @@ __all__ = [
     "TransferPlan",
     "TtftEstimator",
     "local_cache_aware_router",
+    "spread_weights",
 ]
 
 
@@ -101,6 +109,37 @@ class PrefixBlocks(Mapping[InstanceId, int]):
         return int(np.count_nonzero(self.blocks))
 
 
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SEEDS: dict[InstanceId, int] = {}
+
+
+def _seed(instance: InstanceId) -> int:
+    seed = _SEEDS.get(instance)
+    if seed is None:
+        seed = _SEEDS[instance] = xxhash.xxh3_64_intdigest(instance.encode())
+    return seed
+
+
+def spread_weights(
+    keys: Sequence[BlockKey], own: npt.NDArray[np.int64], instances: Sequence[InstanceId]
+) -> npt.NDArray[np.float64]:
+    """Each instance's rendezvous weight for a prompt, in `instances`' order: splitmix64 of the key of
+    the first block it lacks (`keys[own[i]]`, the last key if it holds them all) xor a hash of its id,
+    scaled to [0, 1). Instances that hold the same prefix weigh the same key, so among them the prompt's
+    home is the heaviest: a function of the prompt's keys and the instance ids only, uniform over
+    instances across prompts, and unchanged for the others when one leaves. No keys: all weigh 0."""
+    if not keys:
+        return np.zeros(len(instances))
+    where = np.minimum(own, len(keys) - 1)
+    chosen = np.fromiter((keys[i] for i in where.tolist()), dtype=np.uint64, count=len(where))
+    x = chosen ^ np.fromiter((_seed(i) for i in instances), dtype=np.uint64, count=len(instances))
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def _blocks_of(held: Mapping[InstanceId, int], board: PrefillBoard) -> npt.NDArray[np.int64]:
     """The leading blocks each of `board`'s instances holds, in the board's order."""
     if isinstance(held, PrefixBlocks) and held.instance_ids is board.instance_ids:
@@ -121,11 +160,7 @@ class RouteQuery:
         best_instance, best_blocks: the longest holder and its prefix.
         best_holders: instances (up) holding that prefix, the best holder included.
         best_transfers_in_flight: transfers already leaving the best holder (congestion).
-        held_blocks: instance → blocks its cache holds in all (from the index; absent: none). Between
-            instances of equal estimate and equal queue, the one holding fewer is chosen: a prompt new to
-            both then lands where it evicts least, and the fleet's caches fill evenly instead of the
-            smallest id's thrashing while the others sit empty (SGLang's cache-aware router sends an
-            unmatched request to its smallest tree for the same reason).
+        block_keys: the prompt's block keys (the tie-break's: `spread_weights`; none: ties go by id).
     """
 
     input_tokens: int
@@ -135,7 +170,7 @@ class RouteQuery:
     best_blocks: int = 0
     best_holders: int = 0
     best_transfers_in_flight: int = 0
-    held_blocks: Mapping[InstanceId, int] = attrs.field(factory=dict)
+    block_keys: Sequence[BlockKey] = ()
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
@@ -351,28 +386,28 @@ class KvCacheCentricRouter:
 
         # Instances holding the same prefix length cost the same apart from their queue (the
         # plan depends on the instance only through its length, and TTFT never falls as the
-        # queue grows), so one sort finds the shortest queue (ties: the emptier cache, then id)
+        # queue grows), so one sort finds the shortest queue (ties: the highest weight, then id)
         # per length, and only those few are planned and compared.
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
         own = _blocks_of(query.prefix_blocks, board)
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
-        held = _blocks_of(query.held_blocks, board)
-        order = np.lexsort((held, queue, own))  # stable: equal (length, queue, held) stay in slot order: id order
+        weight = spread_weights(query.block_keys, own, board.instance_ids)
+        order = np.lexsort((-weight, queue, own))  # stable: equal (length, queue, weight) stay in id order
         by_length = own[order]
         first_of_length = np.empty(len(board), dtype=bool)
         first_of_length[0] = True
         np.not_equal(by_length[1:], by_length[:-1], out=first_of_length[1:])
         shortest = order[first_of_length]
-        key: tuple[float, float, int, InstanceId] | None = None
+        key: tuple[float, float, float, InstanceId] | None = None
         chosen: tuple[PrefillView, int, bool] | None = None
         for slot, length, waiting in zip(
             shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
         ):
             instance = board.instance_ids[slot]
             moving, prefill, blocks, moves = plan(length, instance)
-            candidate_key = (max(moving, waiting) + prefill, waiting, int(held[slot]), instance)
+            candidate_key = (max(moving, waiting) + prefill, waiting, -float(weight[slot]), instance)
             if key is None or candidate_key < key:
                 key, chosen = candidate_key, (board.slot_views[slot], blocks, moves)
         if chosen is None:

@@ -4,7 +4,8 @@
   (transfer iff best_len / own > threshold, own == 0 counting as an infinite
   ratio when best_len > 0, and only from another instance with more blocks).
 - `reference_route`: every candidate's decision under that rule with the
-  router's own estimator, and the minimum by (TTFT, queue, blocks held, id).
+  router's own estimator, and the minimum by (TTFT, queue, heaviest rendezvous
+  weight of the first block the instance lacks, id).
 - `reference_local_route`: the local-cache-aware ablation (never a transfer).
 - `reference_decode`: the decode rule on each instance that is up, against
   the load asked about, and the lowest committed step time among those it
@@ -21,11 +22,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
+import numpy as np
 
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Reason
-from mooncake.sched.router import RouteDecision, RouteQuery, TtftEstimator
+from mooncake.sched.router import RouteDecision, RouteQuery, TtftEstimator, spread_weights
 from mooncake.sched.step import StepModel
 from mooncake.sched.view import DecodeView, PrefillView
 from mooncake.types import BlockKey, InstanceId
@@ -50,9 +52,11 @@ def should_transfer(
     return ratio > threshold
 
 
-def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, int, str]:
-    held = query.held_blocks.get(decision.prefill_instance, 0)
-    return (decision.ttft_s, decision.queue_s, held, decision.prefill_instance)
+def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, float, str]:
+    instance = decision.prefill_instance
+    own = np.array([query.prefix_blocks.get(instance, 0)], dtype=np.int64)
+    weight = float(spread_weights(query.block_keys, own, [instance])[0])  # one instance at a time
+    return (decision.ttft_s, decision.queue_s, -weight, instance)
 
 
 def reference_route(

@@ -10,6 +10,7 @@ threshold never transfers, the ablations pick what they say they pick.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -33,9 +34,10 @@ from mooncake.sched.router import (
     Router,
     TtftEstimator,
     local_cache_aware_router,
+    spread_weights,
 )
 from mooncake.sched.view import PrefillBoard, PrefillView, QueuedPrefill
-from mooncake.types import InstanceId, RequestId
+from mooncake.types import BlockKey, InstanceId, RequestId
 from tests.reference.sched import reference_local_route, reference_route, should_transfer
 from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries, ttft_estimators
 
@@ -162,21 +164,42 @@ def test_ties_break_by_queue_then_cache_then_id() -> None:
     assert idle is not None and idle.prefill_instance == A
 
 
-def test_a_prompt_new_to_every_idle_instance_goes_to_the_emptiest_cache() -> None:
-    """Three idle instances, none holding the prompt: the one whose cache holds the fewest blocks takes it
-    (else the smallest id would take every new prompt, and its cache thrash while the others sit empty)."""
+def test_prompts_new_to_every_idle_instance_spread_and_keep_their_home() -> None:
+    """Idle instances, none holding the prompt: each prompt goes to its rendezvous home, the same one every
+    time, and different prompts spread over all instances (not all to the smallest id); a shorter queue
+    still comes first, and a longer prefix first of all."""
     views = [PrefillView(A), PrefillView(B), PrefillView(C)]
-    held = attrs.evolve(query({}), held_blocks={A: 500, B: 20, C: 300})
-    for router in (KvCacheCentricRouter(ESTIMATOR), local_cache_aware_router(ESTIMATOR)):
-        chosen = router.route(views, held, NOW, random.Random(0))
-        assert chosen is not None and chosen.prefill_instance == B
-    # A shorter queue still comes first, and a longer prefix first of all.
-    busier = [PrefillView(A), busy(B, NOW + 0.5), PrefillView(C)]
-    chosen = KvCacheCentricRouter(ESTIMATOR).route(busier, held, NOW, random.Random(0))
-    assert chosen is not None and chosen.prefill_instance == C
-    holding = attrs.evolve(query({A: 8}), held_blocks={A: 500, B: 20, C: 300})
+    router = KvCacheCentricRouter(ESTIMATOR)
+    homes = collections.Counter()
+    for prompt in range(300):
+        q = attrs.evolve(query({}), block_keys=tuple(BlockKey(1000 * prompt + i) for i in range(32)))
+        chosen = router.route(views, q, NOW, random.Random(0))
+        again = local_cache_aware_router(ESTIMATOR).route(list(reversed(views)), q, NOW, random.Random(1))
+        assert chosen is not None and again is not None and chosen.prefill_instance == again.prefill_instance
+        homes[chosen.prefill_instance] += 1
+    assert set(homes) == {A, B, C} and min(homes.values()) >= 70, homes  # about 100 each
+    q = attrs.evolve(query({}), block_keys=(BlockKey(7),))
+    home = router.route(views, q, NOW, random.Random(0))
+    assert home is not None
+    others = [v.instance_id for v in views if v.instance_id != home.prefill_instance]
+    busier = [busy(v.instance_id, NOW + 0.5) if v.instance_id == home.prefill_instance else v for v in views]
+    chosen = router.route(busier, q, NOW, random.Random(0))
+    assert chosen is not None and chosen.prefill_instance in others
+    holding = attrs.evolve(query({others[0]: 8}), block_keys=q.block_keys)
     chosen = local_cache_aware_router(ESTIMATOR).route(views, holding, NOW, random.Random(0))
-    assert chosen is not None and chosen.prefill_instance == A
+    assert chosen is not None and chosen.prefill_instance == others[0]
+
+
+def test_spread_weights_depend_on_the_first_missing_key_and_the_instance() -> None:
+    keys = tuple(BlockKey(k) for k in (11, 22, 33))
+    ids = [A, B, C]
+    weights = spread_weights(keys, np.array([0, 0, 0]), ids)
+    assert ((weights >= 0) & (weights < 1)).all() and len(set(weights.tolist())) == 3
+    # Holding one block weighs the second key; holding all weighs the last; alone or together the same.
+    assert spread_weights(keys, np.array([1]), [A])[0] == spread_weights(keys[1:], np.array([0]), [A])[0]
+    assert spread_weights(keys, np.array([5]), [B])[0] == spread_weights(keys[2:], np.array([0]), [B])[0]
+    assert spread_weights(keys, np.array([0, 0, 0]), [C, A, B]).tolist() == [weights[2], weights[0], weights[1]]
+    assert spread_weights((), np.array([0, 0]), [A, B]).tolist() == [0.0, 0.0]
 
 
 @attrs.frozen
@@ -224,16 +247,17 @@ def tied_scenarios(draw: st.DrawFn) -> tuple[list[PrefillView], RouteQuery]:
     count = draw(st.integers(min_value=2, max_value=6))
     ids = [InstanceId(f"prefill-{i}") for i in range(count)]
     on_line, off_line = [(0.0, 0), (1.0, 4), (2.0, 8)], [(1.0, 0), (0.0, 8), (2.0, 4)]
-    views, prefix, held = [], {}, {}
+    views, prefix = [], {}
     for instance in ids:
         queue_s, blocks = draw(st.sampled_from(on_line) | st.sampled_from(off_line))
         views.append(busy(instance, NOW + queue_s) if queue_s else PrefillView(instance))
         if blocks:
             prefix[instance] = blocks
-        held[instance] = blocks + draw(st.sampled_from([0, 0, 8, 100]))  # what its cache holds in all
-    q = query(prefix, input_tokens=draw(st.sampled_from([2048, 4096, 8192])), block_size=256)
+    input_tokens = draw(st.sampled_from([2048, 4096, 8192]))
+    q = query(prefix, input_tokens=input_tokens, block_size=256)
     congestion = draw(st.integers(0, 2)) if q.best_instance else 0
-    return views, attrs.evolve(q, best_transfers_in_flight=congestion, held_blocks=held)
+    keys = draw(st.lists(st.integers(0, 2**64 - 1), min_size=input_tokens // 256, max_size=input_tokens // 256))
+    return views, attrs.evolve(q, best_transfers_in_flight=congestion, block_keys=tuple(map(BlockKey, keys)))
 
 
 @given(tied_scenarios(), st.sampled_from([1.0, 1.5, 4.0, math.inf]))
@@ -241,8 +265,8 @@ def test_ties_on_ttft_break_by_queue_then_cache_then_id(
     scenario: tuple[list[PrefillView], RouteQuery], threshold: float
 ) -> None:
     """Among candidates of equal estimated TTFT, the router picks the shortest queue, then the
-    emptiest cache, then the smallest id: the brute-force minimum by (TTFT, queue, blocks held, id),
-    with exact arithmetic."""
+    heaviest rendezvous weight, then the smallest id: the brute-force minimum by (TTFT, queue, −weight,
+    id), with exact arithmetic."""
     views, q = scenario
     chosen = KvCacheCentricRouter(EXACT_ESTIMATOR, threshold=threshold).route(views, q, NOW, random.Random(0))
     expected, every = reference_route(EXACT_ESTIMATOR, views, q, NOW, threshold=threshold)
