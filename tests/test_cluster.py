@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.homes import prompt_homed_on
 from tests.waiting import is_running, wait_for
 
 pytest.importorskip("torch")
@@ -537,16 +538,18 @@ def test_decode_killed_mid_stream(two_by_two: RunningCluster) -> None:
 def test_prefill_killed_requests_rerouted() -> None:
     """SIGKILL prefill-0 unnoticed by the health loop: requests sent to it are scheduled again on prefill-1.
 
-    Both idle and no prefix cached, the Conductor picks prefill-0 (ties go by id), so the first request is sent to
-    the dead engine; its failed submit marks it down and reroutes the request.
+    Both idle and no prefix cached, the Conductor picks the first prompt's rendezvous home, prefill-0 (a prompt
+    chosen for it), so the first request is sent to the dead engine; its failed submit marks it down and reroutes
+    the request.
     """
     # Only a failed submit can notice the dead engine.
     config = tiny(limits={"health_interval_s": 600.0, "health_probe_backoff_max_s": 600.0})
     with start_cluster(config) as cluster:
         api = client(cluster, timeout=30.0)
         cluster.backend.kill("prefill-0")
-        for i in range(4):
-            answer = api.completions.create(model="tiny", prompt=f"Rerouted request {i}.", max_tokens=8)
+        first = prompt_homed_on(cluster, "prefill-0", "Rerouted request")
+        for prompt in (first, "Rerouted request a.", "Rerouted request b.", "Rerouted request c."):
+            answer = api.completions.create(model="tiny", prompt=prompt, max_tokens=8)
             assert answer.usage.completion_tokens == 8
         status, _headers, text = http(f"{cluster.url}/health")
         assert status == 200 and json.loads(text)["prefill_up"] == 1

@@ -57,6 +57,7 @@ from tests.engine.support import (  # noqa: E402
     page_bytes,
     tiny_model,
 )
+from tests.homes import prompt_homed_on  # noqa: E402
 from tests.waiting import is_running, wait_for  # noqa: E402
 
 TINY_TOML = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
@@ -370,16 +371,17 @@ def test_a_dead_stage_takes_its_instance_down_and_no_process_is_left() -> None:
         doomed = stages["prefill-0"][0]
         os.kill(doomed, signal.SIGSTOP)
         answers: list[Any] = []
+        prompt = prompt_homed_on(cluster, "prefill-0", "Caught mid-way.")
 
         def ask() -> None:
             try:
-                answers.append(client(cluster).completions.create(model="tiny", prompt="Caught mid-way.", max_tokens=4))
+                answers.append(client(cluster).completions.create(model="tiny", prompt=prompt, max_tokens=4))
             except Exception as error:
                 answers.append(error)
 
         asking = threading.Thread(target=ask)
         asking.start()
-        try:  # idle engines and no cached prefix: the Conductor breaks the tie by id, so prefill-0 gets it
+        try:  # idle engines and no cached prefix: the tie goes to the prompt's home, prefill-0
             wait_for(lambda: prefilling_on(cluster, "prefill-0"), timeout=30.0, what="a prefill on prefill-0")
         finally:
             os.kill(doomed, signal.SIGKILL)
