@@ -392,6 +392,13 @@ class VllmRouter:
                 raise
         raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
 
+    @property
+    def _request_timeout(self) -> aiohttp.ClientTimeout:
+        """One upstream request's limits (each step of a disaggregated pair alike)."""
+        return aiohttp.ClientTimeout(
+            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
+        )
+
     async def _prefill(self, flight: Flight, path: str, body: dict[str, Any]) -> bytes | web.Response:
         """Step one of the disaggregated flow (that of vLLM's disaggregated-serving proxy): the prompt with
         `max_tokens` 1 on the prefill server, asking it to keep the KV for a decode elsewhere (`REMOTE_DECODE`).
@@ -407,12 +414,9 @@ class VllmRouter:
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
         prefill["kv_transfer_params"] = REMOTE_DECODE
-        timeout = aiohttp.ClientTimeout(
-            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
-        )
         try:
             async with self._session.post(
-                f"{self.fleet.instances[instance_id].url}{path}", json=prefill, timeout=timeout
+                f"{self.fleet.instances[instance_id].url}{path}", json=prefill, timeout=self._request_timeout
             ) as upstream:
                 data = await upstream.read()
                 status, headers = upstream.status, upstream.headers
@@ -451,9 +455,6 @@ class VllmRouter:
         instance_id = flight.decode_instance_id  # the instance itself when coupled
         instance = fleet.instances[instance_id]
         headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
-        timeout = aiohttp.ClientTimeout(
-            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
-        )
         route_headers = {
             PREFILL_HEADER: flight.instance_id,
             DECODE_HEADER: flight.decode_instance_id,
@@ -464,7 +465,9 @@ class VllmRouter:
         finish = "length"
         done = False  # the answer was read to its end (else the connection is closed: the server aborts it)
         try:
-            upstream = await self._session.post(f"{instance.url}{path}", data=payload, headers=headers, timeout=timeout)
+            upstream = await self._session.post(
+                f"{instance.url}{path}", data=payload, headers=headers, timeout=self._request_timeout
+            )
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
             raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
         log.debug("%s: %s answered %d", flight.request.request_id, instance_id, upstream.status)

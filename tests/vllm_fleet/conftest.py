@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,15 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The environment with vLLM (`make test-vllm` sets it: the Makefile's `.venv-vllm/bin/python`)."""
+    python = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
+    if not python:
+        pytest.fail("MOONCAKE_VLLM_PYTHON is not set: run these tests with `make test-vllm`")
+    return python
 
 
 @pytest.fixture(scope="session")

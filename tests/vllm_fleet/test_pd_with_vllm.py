@@ -13,7 +13,6 @@ servers run for the module; every process group is stopped at the end.
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +35,7 @@ BLOCK = 32
 
 
 @pytest.fixture(scope="module")
-def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmFleet, Path]]:
-    python = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
-    if not python:
-        pytest.fail("MOONCAKE_VLLM_PYTHON is not set: run these tests with `make test-vllm`")
+def pair(vllm_python: str, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmFleet, Path]]:
     shared = tmp_path_factory.mktemp("kv")
     connector = {
         "kv_connector": "ExampleConnector",
@@ -47,7 +43,7 @@ def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
         "kv_connector_extra_config": {"shared_storage_path": str(shared)},
     }
     with VllmFleet.start(
-        python=python,
+        python=vllm_python,
         model=model,
         count=2,
         log_dir=tmp_path_factory.mktemp("logs"),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import os
 import re
 import socket
 import time
@@ -48,11 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    python = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
-    if not python:
-        pytest.fail("MOONCAKE_VLLM_PYTHON is not set: run these tests with `make test-vllm`")
-    with VllmFleet.start(python=python, model=model, count=2, log_dir=tmp_path_factory.mktemp("logs")) as fleet:
+def servers(vllm_python: str, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    with VllmFleet.start(python=vllm_python, model=model, count=2, log_dir=tmp_path_factory.mktemp("logs")) as fleet:
         yield fleet
     for server in fleet:  # no process of any server's group is left, and its ports are free again
         assert server.group() == []
