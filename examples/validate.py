@@ -2,7 +2,7 @@
 
     python examples/validate.py [--config examples/configs/tiny.toml] [--profile FILE]
         [--trace FILE | --preset conversation] [--num-requests 200] [--rate 2] [--overload-speedup 8]
-        [--overload-slo 2] [--no-overload] [--json] [--out build/validate]
+        [--overload-slo 2] [--no-overload] [--repeat-real] [--json] [--out build/validate]
 
 1. Profile: unless `--profile` names one, `examples/profile_engine.py --config`
    fits the prefill and decode cost models to the cluster's own engines
@@ -25,9 +25,14 @@
      the answers' headers);
    - simulated: replay.py's `--config` twin of the same cluster (its own
      Conductor, estimating with the profile as the real one does), charging
-     the profile's models as calibrated (the prefill scaled, a constant added
-     to the step, `ClusterSpec.first_token_overhead_s`), on the same scaled
-     requests.
+     the profile's models as calibrated (the prefill scaled, the typical
+     step's excess added to the step, `ClusterSpec.first_token_overhead_s`),
+     on the same scaled requests; its TBTs are those a client would measure,
+     each simulated interval with a delay drawn from the calibration's jitter
+     (`observed_tbt`).
+   - with `--repeat-real`, the real run again on a fresh cluster: the same
+     errors between two real runs, how far this machine's cluster is from
+     itself (`real_repeat` in the JSON), the floor under the simulator's.
 3. Side by side: TTFT and TBT (mean, p50, p90), cache hit ratio, rejections;
    per request (by id, those completed in both): the relative TTFT error
    |sim − real| / real (median, p90), the relative error of the mean TBT, and
@@ -77,7 +82,7 @@ from mooncake.types import Request, RequestId, Slo
 HERE = Path(__file__).resolve().parent
 PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone one takes under 0.1 s here)
-CALIBRATION_OUTPUT = 24  # tokens each calibration request asks for
+CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: ~900 intervals in all, for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
 # The overload run's TTFT objective, in medians of the serviceable run's real TTFT: tight enough that
 # queueing at the faster pace breaks it (a config's 30 s objective would reject nothing on a tiny model),
@@ -111,7 +116,7 @@ class Comparison:
             "rejected_sim": rejected(self.sim),
             "compared_requests": self.compared,
             "ttft_slo_s": self.slo.ttft_s,
-            "calibration": attrs.asdict(self.calibration),
+            "calibration": self.calibration.to_json(),
             "real": self.real.to_json(),
             "sim": self.sim.to_json(),
         }
@@ -124,7 +129,10 @@ def rejected(summary: Summary) -> int:
 def compare(
     real: Sequence[RequestRecord], sim: Sequence[RequestRecord], slo: Slo, calibration: Calibration
 ) -> Comparison:
-    """The errors of `sim` against `real`, request by request (module docstring)."""
+    """The errors of `sim` against `real`, request by request (module docstring). The simulated TBTs are
+    those a client would measure (`observed_tbt`, with the calibration's jitter)."""
+    rng = np.random.default_rng(0)
+    sim = [attrs.evolve(r, tbt_s=observed_tbt(r, calibration.jitter_s, rng)) for r in sim]
     simulated = {r.request_id: r for r in sim}
     ttft_errors, real_tbt, sim_tbt, same_route, routed = [], [], [], 0, 0
     for r in real:
@@ -170,12 +178,26 @@ class Calibration:
     `prefill_scale`, how much slower a prefill runs among the cluster's other processes than alone (engines
     share the machine's cores), and `first_token_s`, the serving path's fixed latency to the first token
     (the reports, the decode join, the gateway, the client): a least-squares line of their TTFTs over the
-    profile's prefill times; `step_s`, what each decode step takes beyond the profile's as the client's TBT
-    sees it (the median)."""
+    profile's prefill times. Of every token interval the client saw, the excess over the profile's step:
+    `step_s`, their median, what a typical decode step takes beyond the profile's (the simulated steps
+    carry it); `jitter_s`, each excess less that median, the spread the client sees around a step (the
+    serving path's and the operating system's delays, tokens arriving together), which a simulated
+    client adds to the simulated steps (`observed_tbt`)."""
 
     first_token_s: float
     prefill_scale: float
     step_s: float
+    jitter_s: tuple[float, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        jitter = np.asarray(self.jitter_s)
+        spread = {f"p{q}": float(np.percentile(jitter, q)) for q in (50, 90, 99)} if jitter.size else {}
+        return {
+            "first_token_s": self.first_token_s,
+            "prefill_scale": self.prefill_scale,
+            "step_s": self.step_s,
+            "jitter_s": {"intervals": int(jitter.size), **spread},
+        }
 
 
 def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: int) -> list[Request]:
@@ -214,12 +236,38 @@ def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: floa
     profiled = np.array([prefill.prefill_s(r.input_tokens, 0) for r in done])
     ttft = np.array([r.ttft_s or 0.0 for r in done])
     scale, fixed = np.polyfit(profiled, ttft, 1) if len(set(profiled)) > 1 else (1.0, float(np.median(ttft - profiled)))
-    steps = [r.tbt_s - step.step_s(1, r.input_tokens + r.output_tokens // 2) for r in done if r.intervals.count]
+    # Interval k of a request follows the step that decoded with input + k + 1 tokens in its context.
+    excess = np.array(
+        [
+            interval - step.step_s(1, r.input_tokens + k + 1)
+            for r in done
+            for k, interval in enumerate(r.intervals.values().tolist())
+        ]
+    )
+    typical = float(np.median(excess)) if excess.size else 0.0
     return Calibration(
         first_token_s=max(0.0, float(fixed)),
         prefill_scale=max(1.0, float(scale)),
-        step_s=max(0.0, float(np.median(steps))) if steps else 0.0,
+        step_s=max(0.0, typical),
+        jitter_s=tuple((excess - typical).tolist()),
     )
+
+
+OBSERVATION_DRAWS = 32  # simulated clients per request whose TBT `observed_tbt` averages
+
+
+def observed_tbt(record: RequestRecord, jitter_s: Sequence[float], rng: np.random.Generator) -> float:
+    """The TBT a client would measure of a simulated request: the paper's metric (the mean of the longest
+    10 % intervals, as load.py computes it) of the simulated intervals, each with a delay drawn from the
+    calibration's `jitter_s` added (never below zero), averaged over `OBSERVATION_DRAWS` draws. Without jitter,
+    or without intervals, the record's own TBT."""
+    count = record.intervals.count
+    if not count or not len(jitter_s):
+        return record.tbt_s
+    top = max(1, -(-count // 10))
+    seen = record.intervals.values() + rng.choice(np.asarray(jitter_s), size=(OBSERVATION_DRAWS, count))
+    longest = np.partition(np.maximum(seen, 0.0), count - top, axis=1)[:, count - top :]
+    return float(longest.mean())
 
 
 def run_real(
@@ -289,6 +337,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overload-speedup", type=float, default=8.0, help="the overload run's arrivals, this much faster")
     p.add_argument("--no-overload", action="store_true", help="only the serviceable run")
     p.add_argument(
+        "--repeat-real", action="store_true", help="run the serviceable workload on a second real cluster and compare"
+    )
+    p.add_argument(
         "--overload-slo",
         type=float,
         default=OVERLOAD_SLO_FACTOR,
@@ -313,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config.with_overrides("prefill", profile=str(fitted))
             runs = {"serviceable": 1.0} | ({} if args.no_overload else {"overload": args.overload_speedup})
             results: dict[str, Comparison] = {}
+            repeat: Comparison | None = None
             for name, speedup in runs.items():
                 run_config = config
                 if name == "overload" and args.overload_slo > 0:
@@ -324,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                 sim = run_sim(run_config, requests, args, calibration)
                 slo = Slo(ttft_s=run_config.slo.ttft_s, tbt_s=run_config.slo.tbt_s)
                 results[name] = compare(real, sim, slo, calibration)
+                if name == "serviceable" and args.repeat_real:
+                    again, _ = run_real(run_config, requests, args)
+                    repeat = compare(real, again, slo, Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0))
                 if args.out is not None:
                     plot(name, real, sim, args.out)
     except (MooncakeError, OSError, subprocess.CalledProcessError) as error:
@@ -332,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = results["serviceable"].to_json()
     if "overload" in results:
         summary["overload"] = results["overload"].to_json()
+    if repeat is not None:
+        summary["real_repeat"] = {
+            key: getattr(repeat, key) for key in ("ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error")
+        }
     summary["profile"] = str(fitted)
     if args.out is not None:
         write_json(summary, args.out / "validate.json")
@@ -341,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"validate: {args.config}, {simulation.workload_name(args)}, profile {fitted}")
     for name, result in results.items():
         print_comparison(name, result)
+    if repeat is not None:
+        print(
+            f"real against real (a second cluster, the same workload): TTFT error median "
+            f"{repeat.ttft_median_rel_error:.1%}, p90 {repeat.ttft_p90_rel_error:.1%}; "
+            f"mean TBT error {repeat.tbt_mean_rel_error:.1%}"
+        )
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import scaling
 import simulation
@@ -149,3 +150,47 @@ def test_compare_measures_the_simulation_against_the_real_run_request_by_request
     assert result.tbt_mean_rel_error == pytest.approx(0.3)  # 13 ms against 10 ms
     assert result.same_route_fraction == pytest.approx(0.5)  # the rejected request has no real route
     assert (validate.rejected(result.real), validate.rejected(result.sim)) == (1, 1)
+
+
+def streamed(intervals_ms: list[float]) -> RequestRecord:
+    done = record("s", 0.01, 0.0, None, Outcome.COMPLETED)
+    for interval in intervals_ms:
+        done.intervals.add(interval / 1000, 0.0, 1)
+    done.tbt_s = max(intervals_ms) / 1000 if intervals_ms else 0.0
+    return done
+
+
+@given(
+    intervals=st.lists(st.floats(0.1, 50.0), min_size=1, max_size=40),
+    jitter=st.lists(st.floats(-5.0, 20.0), min_size=1, max_size=20),
+)
+def test_observed_tbt_is_the_paper_metric_of_intervals_with_jitter(intervals: list[float], jitter: list[float]) -> None:
+    """A simulated client's TBT lies between the metric of the intervals shifted by the smallest and by the
+    largest delay (never below zero); a constant delay shifts the metric by exactly that delay."""
+    validate = pytest.importorskip("validate")
+    rng = np.random.default_rng(0)
+    done = streamed(intervals)
+    top = max(1, -(-len(intervals) // 10))
+    bare = float(np.mean(sorted(intervals)[-top:])) / 1000
+    seen = validate.observed_tbt(done, [j / 1000 for j in jitter], rng)
+    low, high = (
+        float(np.mean(sorted(max(0.0, i + j) for i in intervals)[-top:])) / 1000 for j in (min(jitter), max(jitter))
+    )
+    assert low - 1e-12 <= seen <= high + 1e-12
+    shifted = validate.observed_tbt(done, [0.002], rng)
+    assert shifted == pytest.approx(bare + 0.002)
+    assert validate.observed_tbt(done, [], rng) == done.tbt_s  # no jitter measured: the simulated TBT
+
+
+def test_compare_judges_the_simulated_tbt_as_a_client_sees_it() -> None:
+    """With the calibration's jitter, compare's simulated TBT is the observed one, not the bare step."""
+    validate = pytest.importorskip("validate")
+    a = ("prefill-0", "decode-0")
+    real = [record("s", 0.01, 0.003, a, Outcome.COMPLETED)]
+    sim = [streamed([1.0] * 20)]
+    sim[0].prefill_instance, sim[0].decode_instance = (InstanceId(i) for i in a)
+    calm = validate.Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0)
+    jittery = validate.Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0, jitter_s=(0.002,))
+    assert validate.compare(real, sim, Slo(), calm).sim.tbt_s["mean"] == pytest.approx(0.001)
+    assert validate.compare(real, sim, Slo(), jittery).tbt_mean_rel_error == pytest.approx(0.0)
+    assert jittery.to_json()["jitter_s"] == {"intervals": 1, "p50": 0.002, "p90": 0.002, "p99": 0.002}
