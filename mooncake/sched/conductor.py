@@ -542,11 +542,18 @@ class Conductor:
     ) -> np.ndarray:
         """Each instance's prefix (`lengths`, from the index) continued by the blocks that requests queued
         on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
-        will find. One pass over the keys, touching only the instances where a key is pending."""
+        will find. Only a position some instance's prefix ends at can extend it, so only those keys are
+        looked up, in increasing position (each extension makes the next position one)."""
         own = lengths
-        pending = self._pending.get
-        for position, key in enumerate(keys):
-            holders = pending(key)
+        pending = self._pending
+        if not pending:
+            return own
+        count = len(keys)
+        ends = sorted({length for length in lengths.tolist() if length < count})
+        visited = set(ends)
+        while ends:
+            position = heapq.heappop(ends)
+            holders = pending.get(keys[position])
             if holders is None:
                 continue
             for instance in holders:
@@ -555,6 +562,9 @@ class Conductor:
                     if own is lengths:
                         own = lengths.copy()
                     own[at] = position + 1
+                    if position + 1 < count and position + 1 not in visited:
+                        visited.add(position + 1)
+                        heapq.heappush(ends, position + 1)
         return own
 
     def _add_pending(self, instance: InstanceId, request: Request) -> None:

@@ -44,6 +44,7 @@ worse than predicted relative to staying local (and lowers it otherwise).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
@@ -110,14 +111,14 @@ class PrefixBlocks(Mapping[InstanceId, int]):
 
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_SEEDS: dict[InstanceId, int] = {}
 
 
-def _seed(instance: InstanceId) -> int:
-    seed = _SEEDS.get(instance)
-    if seed is None:
-        seed = _SEEDS[instance] = xxhash.xxh3_64_intdigest(instance.encode())
-    return seed
+@functools.lru_cache(maxsize=256)
+def _seeds(instances: tuple[InstanceId, ...]) -> npt.NDArray[np.uint64]:
+    """Each instance's id hash, in order (a board's ids are one tuple for its lifetime: computed once)."""
+    seeds = np.array([xxhash.xxh3_64_intdigest(instance.encode()) for instance in instances], dtype=np.uint64)
+    seeds.flags.writeable = False
+    return seeds
 
 
 def spread_weights(
@@ -132,7 +133,7 @@ def spread_weights(
         return np.zeros(len(instances))
     where = np.minimum(own, len(keys) - 1)
     chosen = np.fromiter((keys[i] for i in where.tolist()), dtype=np.uint64, count=len(where))
-    x = chosen ^ np.fromiter((_seed(i) for i in instances), dtype=np.uint64, count=len(instances))
+    x = chosen ^ _seeds(tuple(instances))
     x = x + _GOLDEN
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
