@@ -56,7 +56,7 @@ from mooncake.cache.events import AllBlocksCleared, BlockStored, CacheEvent, Seq
 from mooncake.errors import InvalidRequestError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 
-__all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapshot"]
+__all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapshot", "key_array"]
 
 _NUM_TIERS = len(Tier)
 _U64 = 2**64
@@ -129,8 +129,14 @@ def _fold(key: object) -> int:
     return xxhash.xxh3_64_intdigest(value.to_bytes((value.bit_length() + 7) // 8, "little"))
 
 
-def _key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
-    """Keys as a uint64 array, validated: nothing is silently truncated or wrapped."""
+def key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
+    """Keys as the index stores them, a uint64 array: each key below 2**64 itself, a wider one (XXH3-128,
+    SHA-256) folded to its XXH3-64; validated, so nothing is silently truncated or wrapped. A uint64
+    array is returned as it is, so a caller converting a prompt's keys once can pass them on.
+
+    Raises:
+        InvalidRequestError: a key that is not a non-negative integer.
+    """
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
             return keys
@@ -218,7 +224,7 @@ class BlockIndex:
         Returns:
             A `PrefixMatch`; an instance holding none of the leading keys is absent.
         """
-        per_slot = self._table.match(_key_array(keys))
+        per_slot = self._table.match(key_array(keys))
         instance_of = cast("list[InstanceId]", self._instance_of)  # matched slots are live
         lengths = {instance_of[slot]: int(per_slot[slot]) for slot in np.flatnonzero(per_slot).tolist()}
         best_instance: InstanceId | None = None
@@ -233,7 +239,7 @@ class BlockIndex:
         does not know): `match` as an array, for a caller that asks about the same instances
         every time (the slot lookup is kept while the sequence object and the slots stay the same).
         """
-        per_slot = self._table.match(_key_array(keys))
+        per_slot = self._table.match(key_array(keys))
         gather = self._gather
         if gather is None or gather[0] is not instances or gather[1] != self._layout:
             slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
@@ -272,7 +278,7 @@ class BlockIndex:
         """
         source = event.source
         # Keys are converted (and validated) before any state changes.
-        keys = _NO_KEYS if isinstance(event, AllBlocksCleared) else _key_array(event.keys)
+        keys = _NO_KEYS if isinstance(event, AllBlocksCleared) else key_array(event.keys)
         state = self._sources.get(source)
         if state is not None and event.epoch < state.epoch:
             return None  # a late event of an earlier incarnation
@@ -309,7 +315,7 @@ class BlockIndex:
             epoch, seq: the source's epoch and the last event seq the snapshot
                 reflects (-1 if none); the next event expected is ``seq + 1``.
         """
-        arrays = [(Tier(tier), _key_array(keys)) for tier, keys in holdings.items()]
+        arrays = [(Tier(tier), key_array(keys)) for tier, keys in holdings.items()]
         state = self._reset_source(source, epoch=epoch, seq=seq)
         for tier, keys in arrays:
             self._table.add(keys, state.slot, tier)

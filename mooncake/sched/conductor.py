@@ -37,6 +37,7 @@ already ended are ignored.
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import math
@@ -47,7 +48,7 @@ import attrs
 import numpy as np
 
 from mooncake.cache.events import CacheEvent, SequenceGap
-from mooncake.cache.index import BlockIndex
+from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
@@ -167,10 +168,11 @@ class Conductor:
         self._in_flight: dict[RequestId, _InFlight] = {}
         # Per source instance, finish times of the KV transfers planned from it (a heap): congestion.
         self._transfers: dict[InstanceId, list[float]] = {}
-        # The blocks that requests queued on prefill instances will leave in their caches (key ->
-        # instance -> how many of them), and each such request's keys: a request queued behind them
-        # on the same instance reuses them.
-        self._pending: dict[BlockKey, dict[InstanceId, int]] = {}
+        # The blocks that requests queued on prefill instances will leave in their caches (instance ->
+        # key -> how many of them), and each such request's keys: a request queued behind them on the
+        # same instance reuses them. Counted per instance, so that adding a prompt is one C-level
+        # Counter.update and each instance's walk along a prompt looks in one table.
+        self._pending: dict[InstanceId, collections.Counter[BlockKey]] = {}
         self._pending_of: dict[RequestId, tuple[BlockKey, ...]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
 
@@ -230,7 +232,8 @@ class Conductor:
         self._check_geometry(request)
         board = self._prefill_board
         candidates: Sequence[PrefillView] = board
-        lengths = self.index.prefix_lengths(request.block_keys, board.instance_ids)
+        keys = key_array(request.block_keys)  # once, for the index and the tie-break
+        lengths = self.index.prefix_lengths(keys, board.instance_ids)
         if not board.all_up:
             candidates = PrefillBoard([view for view in board if view.is_up])
             lengths = np.where(board.is_up, lengths, 0)
@@ -249,7 +252,7 @@ class Conductor:
             best_blocks=best_blocks,
             best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
-            block_keys=request.block_keys,
+            block_keys=keys,
         )
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
@@ -489,13 +492,13 @@ class Conductor:
                     f"{request_id} has no KV reservation"
                 )
         assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
-        pending: dict[BlockKey, dict[InstanceId, int]] = {}
+        pending: dict[InstanceId, collections.Counter[BlockKey]] = {}
         for request_id, keys in self._pending_of.items():
             assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
-            for key in keys:
-                holders = pending.setdefault(key, {})
-                holders[queued[request_id]] = holders.get(queued[request_id], 0) + 1
-        assert pending == self._pending, "the blocks coming to prefill instances are out of sync with their queues"
+            pending.setdefault(queued[request_id], collections.Counter()).update(keys)
+        assert pending == {instance: counts for instance, counts in self._pending.items() if counts}, (
+            "the blocks coming to prefill instances are out of sync with their queues"
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -542,54 +545,42 @@ class Conductor:
     ) -> np.ndarray:
         """Each instance's prefix (`lengths`, from the index) continued by the blocks that requests queued
         on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
-        will find. Only a position some instance's prefix ends at can extend it, so only those keys are
-        looked up, in increasing position (each extension makes the next position one)."""
+        will find: each instance with blocks coming walks on from its own prefix while the next key is
+        among them."""
         own = lengths
-        pending = self._pending
-        if not pending:
-            return own
         count = len(keys)
-        ends = sorted({length for length in lengths.tolist() if length < count})
-        visited = set(ends)
-        while ends:
-            position = heapq.heappop(ends)
-            holders = pending.get(keys[position])
-            if holders is None:
+        for instance, coming in self._pending.items():
+            if not coming:
                 continue
-            for instance in holders:
-                at = slot[instance]
-                if own[at] == position:
-                    if own is lengths:
-                        own = lengths.copy()
-                    own[at] = position + 1
-                    if position + 1 < count and position + 1 not in visited:
-                        visited.add(position + 1)
-                        heapq.heappush(ends, position + 1)
+            at = slot.get(instance)
+            if at is None:
+                continue
+            end = start = int(own[at])
+            while end < count and keys[end] in coming:
+                end += 1
+            if end != start:
+                if own is lengths:
+                    own = lengths.copy()
+                own[at] = end
         return own
 
     def _add_pending(self, instance: InstanceId, request: Request) -> None:
-        pending = self._pending
-        for key in request.block_keys:
-            holders = pending.get(key)
-            if holders is None:
-                pending[key] = {instance: 1}
-            else:
-                holders[instance] = holders.get(instance, 0) + 1
+        coming = self._pending.get(instance)
+        if coming is None:
+            coming = self._pending[instance] = collections.Counter()
+        coming.update(request.block_keys)
         self._pending_of[request.request_id] = request.block_keys
 
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
         keys = self._pending_of.pop(request_id, None)
         if keys is not None:
-            instance, pending = flight.prefill_instance, self._pending
+            coming = self._pending[flight.prefill_instance]
             for key in keys:
-                holders = pending[key]
-                count = holders[instance]
+                count = coming[key]
                 if count > 1:
-                    holders[instance] = count - 1
-                elif len(holders) > 1:
-                    del holders[instance]
+                    coming[key] = count - 1
                 else:
-                    del pending[key]
+                    del coming[key]
         view = self._prefill[flight.prefill_instance]
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):

@@ -56,6 +56,7 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake._checks import require_number
+from mooncake.cache.index import key_array
 from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import BlockKey, InstanceId
@@ -122,17 +123,18 @@ def _seeds(instances: tuple[InstanceId, ...]) -> npt.NDArray[np.uint64]:
 
 
 def spread_weights(
-    keys: Sequence[BlockKey], own: npt.NDArray[np.int64], instances: Sequence[InstanceId]
+    keys: Sequence[BlockKey] | npt.NDArray[np.uint64], own: npt.NDArray[np.int64], instances: Sequence[InstanceId]
 ) -> npt.NDArray[np.float64]:
     """Each instance's rendezvous weight for a prompt, in `instances`' order: splitmix64 of the key of
     the first block it lacks (`keys[own[i]]`, the last key if it holds them all) xor a hash of its id,
     scaled to [0, 1). Instances that hold the same prefix weigh the same key, so among them the prompt's
     home is the heaviest: a function of the prompt's keys and the instance ids only, uniform over
-    instances across prompts, and unchanged for the others when one leaves. No keys: all weigh 0."""
-    if not keys:
+    instances across prompts, and unchanged for the others when one leaves. No keys: all weigh 0.
+    Keys wider than 64 bits weigh as the index stores them (`key_array`)."""
+    if not len(keys):
         return np.zeros(len(instances))
     where = np.minimum(own, len(keys) - 1)
-    chosen = np.fromiter((keys[i] for i in where.tolist()), dtype=np.uint64, count=len(where))
+    chosen = key_array(keys)[where] if isinstance(keys, np.ndarray) else key_array([keys[i] for i in where.tolist()])
     x = chosen ^ _seeds(tuple(instances))
     x = x + _GOLDEN
     x = (x ^ (x >> np.uint64(30))) * _MIX1
@@ -171,7 +173,7 @@ class RouteQuery:
     best_blocks: int = 0
     best_holders: int = 0
     best_transfers_in_flight: int = 0
-    block_keys: Sequence[BlockKey] = ()
+    block_keys: Sequence[BlockKey] | npt.NDArray[np.uint64] = attrs.field(default=(), eq=False)
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
@@ -388,34 +390,41 @@ class KvCacheCentricRouter:
         # Instances holding the same prefix length cost the same apart from their queue (the
         # plan depends on the instance only through its length, and TTFT never falls as the
         # queue grows), so one sort finds the shortest queue (ties: the highest weight, then id)
-        # per length, and only those few are planned and compared.
+        # per length, and only those few are planned and compared. The weights are computed only
+        # where a tie needs them (a busy cluster's queues seldom tie; idle instances always do).
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
         own = _blocks_of(query.prefix_blocks, board)
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
-        weight = spread_weights(query.block_keys, own, board.instance_ids)
-        order = np.lexsort((-weight, queue, own))  # stable: equal (length, queue, weight) stay in id order
+        weight: npt.NDArray[np.float64] | None = None
+        order = np.lexsort((queue, own))  # stable: equal (length, queue) stay in id order
         by_length = own[order]
+        same_length = by_length[1:] == by_length[:-1]
+        if (same_length & (queue[order[1:]] == queue[order[:-1]])).any():
+            weight = spread_weights(query.block_keys, own, board.instance_ids)
+            order = np.lexsort((-weight, queue, own))
+            by_length = own[order]
+            same_length = by_length[1:] == by_length[:-1]
         first_of_length = np.empty(len(board), dtype=bool)
         first_of_length[0] = True
-        np.not_equal(by_length[1:], by_length[:-1], out=first_of_length[1:])
+        np.logical_not(same_length, out=first_of_length[1:])
         shortest = order[first_of_length]
-        key: tuple[float, float, float, InstanceId] | None = None
-        chosen: tuple[PrefillView, int, bool] | None = None
+        planned: list[tuple[float, float, int, int, bool]] = []  # (TTFT, queue, slot, blocks, moves)
         for slot, length, waiting in zip(
             shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
         ):
-            instance = board.instance_ids[slot]
-            moving, prefill, blocks, moves = plan(length, instance)
-            candidate_key = (max(moving, waiting) + prefill, waiting, -float(weight[slot]), instance)
-            if key is None or candidate_key < key:
-                key, chosen = candidate_key, (board.slot_views[slot], blocks, moves)
-        if chosen is None:
-            return None
-        view, blocks, moves = chosen
+            moving, prefill, blocks, moves = plan(length, board.instance_ids[slot])
+            planned.append((max(moving, waiting) + prefill, waiting, slot, blocks, moves))
+        fastest = min((ttft, waiting) for ttft, waiting, *_ in planned)
+        tied = [entry for entry in planned if (entry[0], entry[1]) == fastest]
+        if len(tied) > 1:  # equal TTFT and queue: the heaviest weight, then the smallest id
+            if weight is None:
+                weight = spread_weights(query.block_keys, own, board.instance_ids)
+            tied.sort(key=lambda entry: (-float(weight[entry[2]]), board.instance_ids[entry[2]]))
+        _, _, slot, blocks, moves = tied[0]
         return estimator.decide(
-            view,
+            board.slot_views[slot],
             query,
             now,
             prefix_blocks=blocks,

@@ -199,6 +199,17 @@ def occupy(conductor: Conductor, instance: InstanceId, *, count: int, now: float
 # ---------------------------------------------------------------------------- routing
 
 
+def test_prompts_keyed_wider_than_64_bits_are_routed() -> None:
+    """SHA-256 or XXH3-128 keys (a regression: the tie-break overflowed on them) route like any others:
+    to the instance holding the prefix, as the index matches their folded form."""
+    conductor = make_conductor()
+    wide = [2**255 + k for k in range(4)]
+    conductor.apply_cache_event(BlockStored(source=PREFILL_IDS[1], seq=0, keys=wide[:3], tier=Tier.DRAM))
+    decision = conductor.schedule(request("wide", wide), now=0.0)
+    assert decision.accepted and decision.prefill_instance == PREFILL_IDS[1]
+    assert decision.prefix_tokens == 3 * BLOCK
+
+
 def test_routes_to_the_instance_holding_the_prefix() -> None:
     """All idle: the holder of the whole prompt wins, reusing all but its last token, moving nothing."""
     conductor, caches = make_conductor(), Caches()

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
+from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.router import (
@@ -200,6 +201,21 @@ def test_spread_weights_depend_on_the_first_missing_key_and_the_instance() -> No
     assert spread_weights(keys, np.array([5]), [B])[0] == spread_weights(keys[2:], np.array([0]), [B])[0]
     assert spread_weights(keys, np.array([0, 0, 0]), [C, A, B]).tolist() == [weights[2], weights[0], weights[1]]
     assert spread_weights((), np.array([0, 0]), [A, B]).tolist() == [0.0, 0.0]
+    # The prompt's keys as the index stores them (a uint64 array) weigh the same as the keys themselves.
+    assert (
+        spread_weights(np.array([11, 22, 33], dtype=np.uint64), np.array([0, 0, 0]), ids).tolist() == weights.tolist()
+    )
+
+
+def test_keys_wider_than_64_bits_weigh_as_the_index_stores_them() -> None:
+    """XXH3-128 and SHA-256 keys (a regression: they overflowed a uint64 and routing raised) weigh as
+    their folded 64-bit form, the key the index matches."""
+    wide = (BlockKey(2**200 + 7), BlockKey(2**70))
+    folded = tuple(BlockKey(int(k)) for k in key_array(wide))
+    assert (
+        spread_weights(wide, np.array([0, 1]), [A, B]).tolist()
+        == spread_weights(folded, np.array([0, 1]), [A, B]).tolist()
+    )
 
 
 @attrs.frozen
