@@ -19,13 +19,10 @@
      to seconds each), whose TTFT and TBT, set against the fitted prefill and
      step times, give the serving path's overheads (`Calibration`: the
      reports, the decode join, the gateway and the client) and how much slower
-     a prefill runs among the cluster's other processes than alone. Then a
-     loaded calibration, a workload of its own at the run's pace (other
-     prompts: `loaded_calibration_requests`), on which the prefill scale under
-     that load is fitted (`fit_loaded_scale`: the scale at which the simulated
-     TTFTs of those requests are unbiased). Then the workload, replayed over
-     HTTP by load.py (TTFT and every token interval measured at the client,
-     cached tokens from the usage, the instances from the answers' headers);
+     a prefill runs among the cluster's other processes than alone. Then the
+     workload, replayed over HTTP by load.py (TTFT and every token interval
+     measured at the client, cached tokens from the usage, the instances from
+     the answers' headers);
    - simulated: replay.py's `--config` twin of the same cluster (its own
      Conductor, estimating with the profile as the real one does), charging
      the profile's models as calibrated (the prefill scaled, the typical
@@ -81,16 +78,12 @@ from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import RequestRecord, Summary, summarize
 from mooncake.sim.report import plot_cdfs, write_json
 from mooncake.types import Request, RequestId, Slo
-from mooncake.workload import ArrivalProcess, generate_requests, preset
 
 HERE = Path(__file__).resolve().parent
 PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone one takes under 0.1 s here)
 CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: ~900 intervals in all, for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
-LOADED_REQUESTS = 60  # requests of the loaded calibration, a workload of its own at the run's pace
-LOADED_IDS = CALIBRATION_IDS + 2000  # its request ids, after the lone ones'
-LOADED_KEYS = 2**61  # its block keys start here: below the lone requests' (2**62 + ...), above a generator's
 # The overload run's TTFT objective, in medians of the serviceable run's real TTFT: tight enough that
 # queueing at the faster pace breaks it (a config's 30 s objective would reject nothing on a tiny model),
 # so that both runs' rejections, the Conductor's TTFT rejections on its own estimates, are compared.
@@ -195,7 +188,6 @@ class Calibration:
     prefill_scale: float
     step_s: float
     jitter_s: tuple[float, ...] = ()
-    lone_prefill_scale: float | None = None  # the lone requests' scale, where `fit_loaded_scale` replaced it
 
     def to_json(self) -> dict[str, Any]:
         jitter = np.asarray(self.jitter_s)
@@ -203,7 +195,6 @@ class Calibration:
         return {
             "first_token_s": self.first_token_s,
             "prefill_scale": self.prefill_scale,
-            "lone_prefill_scale": self.lone_prefill_scale,
             "step_s": self.step_s,
             "jitter_s": {"intervals": int(jitter.size), **spread},
         }
@@ -262,70 +253,6 @@ def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: floa
     )
 
 
-def loaded_calibration_requests(requests: Sequence[Request], args: argparse.Namespace) -> list[Request]:
-    """A workload of its own at the pace of `requests`: `LOADED_REQUESTS` of the generator's `--preset`
-    (conversation for a trace) with the next seed, at the same mean arrival rate, its block keys moved
-    to a range of their own (`LOADED_KEYS`: different prompts, so nothing it leaves in the caches serves
-    the run, and nothing of the run is seen before it is measured)."""
-    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
-    rate = (len(requests) - 1) / span if span > 0 else args.rate
-    generated = generate_requests(
-        preset(args.preset or "conversation"),
-        num_requests=LOADED_REQUESTS,
-        arrivals=ArrivalProcess(rate_per_s=rate),
-        seed=args.seed + 1,
-    )
-    fresh: dict[int, int] = {}
-    return [
-        attrs.evolve(
-            r,
-            request_id=RequestId(str(LOADED_IDS + i)),
-            block_keys=[fresh.setdefault(k, LOADED_KEYS + len(fresh)) for k in r.block_keys],
-        )
-        for i, r in enumerate(generated)
-    ]
-
-
-def fit_loaded_scale(
-    config: ClusterConfig,
-    requests: list[Request],
-    real: Sequence[RequestRecord],
-    calibration: Calibration,
-    args: argparse.Namespace,
-) -> Calibration:
-    """The prefill scale under the run's own load, fitted on the loaded calibration: the scale at which the
-    simulated TTFTs of its requests are unbiased against the real ones (the median signed relative error of
-    those completed in both is zero), by bisection over [1, 64] (the error grows with the scale). The lone
-    requests see the engines contending with idle neighbours only; under load the other engines, the
-    gateway and the client are busy on the same cores, and a prefill runs slower still."""
-    measured = {r.request_id: r.ttft_s for r in real if r.outcome is Outcome.COMPLETED and r.ttft_s}
-    if len(measured) < 2:
-        return calibration
-    scaled = simulation.cluster_requests(config, requests, scaling_of(args))
-
-    def bias(scale: float) -> float:
-        sim = run_sim(config, requests, args, attrs.evolve(calibration, prefill_scale=scale), scaled=scaled)
-        errors = [
-            (s.ttft_s - measured[s.request_id]) / measured[s.request_id]
-            for s in sim
-            if s.outcome is Outcome.COMPLETED and s.ttft_s is not None and s.request_id in measured
-        ]
-        return float(np.median(errors)) if errors else 0.0
-
-    low, high = 1.0, 64.0
-    if bias(low) >= 0:
-        scale = low
-    elif bias(high) <= 0:
-        scale = high
-    else:
-        for _ in range(FIT_STEPS):
-            middle = (low * high) ** 0.5  # bisection in log scale: the bracket spans 64x
-            low, high = (middle, high) if bias(middle) < 0 else (low, middle)
-        scale = (low * high) ** 0.5
-    return attrs.evolve(calibration, prefill_scale=scale, lone_prefill_scale=calibration.prefill_scale)
-
-
-FIT_STEPS = 12  # bisection steps of `fit_loaded_scale`: the bracket's ratio 64 ** (1 / 2**12), within 0.1 %
 OBSERVATION_DRAWS = 32  # simulated clients per request whose TBT `observed_tbt` averages
 
 
@@ -348,21 +275,14 @@ def run_real(
 ) -> tuple[list[RequestRecord], Calibration]:
     """The requests over HTTP through a fresh cluster of `config` (load.py's replay), after its calibration."""
     scaling = scaling_of(args)
-    loaded = loaded_calibration_requests(requests, args)
     with start_cluster(config.with_overrides("cluster", port=0)) as cluster:
         calibration = calibrate(cluster.url, config, scaling, args.timeout)
-        under_load, _ = asyncio.run(load.replay_http(cluster.url, loaded, scaling, timeout_s=args.timeout))
         records, _wall = asyncio.run(load.replay_http(cluster.url, requests, scaling, timeout_s=args.timeout))
-    return records, fit_loaded_scale(config, loaded, under_load, calibration, args)
+    return records, calibration
 
 
 def run_sim(
-    config: ClusterConfig,
-    requests: list[Request],
-    args: argparse.Namespace,
-    calibration: Calibration,
-    *,
-    scaled: list[Request] | None = None,
+    config: ClusterConfig, requests: list[Request], args: argparse.Namespace, calibration: Calibration
 ) -> list[RequestRecord]:
     """The same requests, scaled and keyed as the cluster sees them, through its simulated twin with the
     calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one)."""
@@ -378,8 +298,7 @@ def run_sim(
         step_model=FittedStepModel(coefficients=(c0 + calibration.step_s, c1, c2)),
         first_token_overhead_s=calibration.first_token_s,
     )
-    if scaled is None:
-        scaled = simulation.cluster_requests(config, requests, scaling_of(args))
+    scaled = simulation.cluster_requests(config, requests, scaling_of(args))
     return list(DisaggregatedCluster(spec, simulation.config_conductor(config, spec)).run(scaled).records)
 
 
