@@ -80,15 +80,17 @@ def choose_decode(
         kv_capacity_tokens=board.kv_capacity_tokens,
         max_context_tokens=board.max_context_tokens,
     )
-    up = board.is_up if not board.all_up else np.ones(len(board), dtype=bool)
-    candidates = np.flatnonzero(up & ~refused)
-    if not candidates.size:
-        return _nobody(board, up, checked, prompt_tokens, output_tokens)
+    if not board.all_up:
+        refused |= ~board.is_up
     committed = board.committed
-    steps = step_model.roofline().step_times(
-        committed.batch_size[candidates] + 1, committed.context_tokens[candidates] + prompt_tokens
-    )
-    slot = int(candidates[int(np.argmin(steps))])  # slots go in id order: the first minimum is the smallest id
+    # Every slot's step at once, the refused ones then out of the running: cheaper than gathering the
+    # candidates first on a board of tens of instances.
+    steps = step_model.roofline().step_times(committed.batch_size + 1, committed.context_tokens + prompt_tokens)
+    steps[refused] = np.inf
+    slot = int(np.argmin(steps)) if steps.size else -1  # slots go in id order: the first minimum is the smallest id
+    if slot < 0 or refused[slot]:  # no slot, or every slot refused (an infinite step never beats a finite one)
+        up = board.is_up if not board.all_up else np.ones(len(board), dtype=bool)
+        return _nobody(board, up, checked, prompt_tokens, output_tokens)
     verdict = check_join(
         board.slot_views[slot].limits,
         checked.at(slot),
