@@ -547,22 +547,21 @@ class Conductor:
         on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
         will find: each instance with blocks coming walks on from its own prefix while the next key is
         among them."""
-        own = lengths
+        own: list[int] | None = None  # Python ints: cheaper to read one by one than the array
+        changed = False
         count = len(keys)
         for instance, coming in self._pending.items():
-            if not coming:
-                continue
-            at = slot.get(instance)
+            at = slot.get(instance) if coming else None
             if at is None:
                 continue
-            end = start = int(own[at])
+            if own is None:
+                own = lengths.tolist()
+            end = start = own[at]
             while end < count and keys[end] in coming:
                 end += 1
             if end != start:
-                if own is lengths:
-                    own = lengths.copy()
-                own[at] = end
-        return own
+                own[at], changed = end, True
+        return np.array(own, dtype=lengths.dtype) if changed else lengths
 
     def _add_pending(self, instance: InstanceId, request: Request) -> None:
         coming = self._pending.get(instance)
