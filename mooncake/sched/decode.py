@@ -85,9 +85,9 @@ def choose_decode(
     committed = board.committed
     # Every slot's step at once, the refused ones then out of the running: cheaper than gathering the
     # candidates first on a board of tens of instances.
-    steps = step_model.roofline().step_times(committed.batch_size + 1, committed.context_tokens + prompt_tokens)
+    steps = step_model.roofline().busy_step_times(committed.batch_size + 1, committed.context_tokens + prompt_tokens)
     steps[refused] = np.inf
-    slot = int(np.argmin(steps)) if steps.size else -1  # slots go in id order: the first minimum is the smallest id
+    slot = int(steps.argmin()) if steps.size else -1  # slots go in id order: the first minimum is the smallest id
     if slot < 0 or refused[slot]:  # no slot, or every slot refused (an infinite step never beats a finite one)
         up = board.is_up if not board.all_up else np.ones(len(board), dtype=bool)
         return _nobody(board, up, checked, prompt_tokens, output_tokens)

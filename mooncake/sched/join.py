@@ -25,6 +25,7 @@ instances is one pass.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -162,9 +163,8 @@ def blocked(
     side by side; a limit of `UNLIMITED` never binds). The TBT check is the caller's: it
     ranks the instances this leaves by their step time."""
     _check_request(prompt_tokens, output_tokens)
-    result = np.zeros(len(batch_size), dtype=bool)
-    for _reason, fails in _structural(
+    checks = _structural(
         prompt_tokens, output_tokens, batch_size, kv_tokens, max_batch_size, kv_capacity_tokens, max_context_tokens
-    ):
-        result |= fails
+    )
+    result: np.ndarray = functools.reduce(np.logical_or, (fails for _reason, fails in checks))
     return result

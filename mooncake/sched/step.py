@@ -117,14 +117,20 @@ class RooflineStep:
         """`step_s` of each (batch size, context) pair of two equal-length arrays, element by element
         (the same float64 operations in the same order, so each equals `step_s` exactly)."""
         sizes = np.asarray(batch_sizes)
+        times: np.ndarray = np.where(sizes > 0, self.busy_step_times(sizes, context_tokens), 0.0)
+        return times
+
+    def busy_step_times(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        """`step_times` where every batch size is known to be > 0 (a request joining each batch): the
+        same operations, without the empty batch's case."""
+        sizes = np.asarray(batch_sizes)
         contexts = np.asarray(context_tokens)
         slowest: np.ndarray | None = None
         for branch in self.branches:
             seconds = branch.fixed_s + branch.per_sequence_s * sizes + branch.per_context_token_s * contexts
             slowest = seconds if slowest is None else np.maximum(slowest, seconds)
         assert slowest is not None  # a roofline has at least one branch
-        times: np.ndarray = np.where(sizes > 0, self.overhead_s + slowest, 0.0)
-        return times
+        return self.overhead_s + slowest
 
     def roofline(self) -> RooflineStep:
         return self
