@@ -10,7 +10,7 @@ only by the vLLM event codec.
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher, HashAlgorithm, KeyBatch
-from mooncake.cache.index import BlockIndex, Holder, IndexSnapshot, PrefixMatch, SourceSnapshot
+from mooncake.cache.index import BlockIndex, Holder, IndexSnapshot, PrefixMatch, SourceSnapshot, key_array
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
 from mooncake.cache.ssd import SsdPagePool
@@ -55,5 +55,6 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "hit_ratio_curve",
+    "key_array",
     "simulate_prefix_hits",
 ]
