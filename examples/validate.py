@@ -82,6 +82,10 @@ from mooncake.types import Request, RequestId, Slo
 HERE = Path(__file__).resolve().parent
 PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone one takes under 0.1 s here)
+# Measured lone requests per length: on 2 each the fit's fixed latency varied by 5 ms between runs (a third
+# of a TTFT here) and the jitter had ~600 intervals; 6 each (42 requests, 13 s) give the fit three times the
+# points and the jitter ~1,800 intervals.
+CALIBRATION_REPEATS = 6
 CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: ~900 intervals in all, for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
 # The overload run's TTFT objective, in medians of the serviceable run's real TTFT: tight enough that
@@ -200,12 +204,12 @@ class Calibration:
         }
 
 
-def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: int) -> list[Request]:
+def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: int, repeats: int = 2) -> list[Request]:
     """Lone requests (one every `CALIBRATION_GAP_S`) of prompts sharing nothing with any workload's, their
-    lengths spread over what the cluster takes, each asking for `CALIBRATION_OUTPUT` tokens."""
+    lengths spread over what the cluster takes, `repeats` of each, each asking for `CALIBRATION_OUTPUT` tokens."""
     lengths = [n for n in PROFILE_LENGTHS if n <= min(config.limits.max_prompt_tokens, scaling.max_prompt_tokens)]
     requests = []
-    for i, tokens in enumerate(lengths * 2):
+    for i, tokens in enumerate(lengths * repeats):
         length = max(1, round(tokens / scaling.length_scale))
         keys = [2**62 + (first_id + i) * 10_000 + b for b in range(-(-length // WORKLOAD_BLOCK_TOKENS))]
         output = max(1, round(CALIBRATION_OUTPUT / scaling.output_scale))
@@ -228,7 +232,12 @@ def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: floa
     prefill, step = cost_models(config)
     asyncio.run(load.replay_http(url, calibration_requests(config, scaling, first_id=0), scaling, timeout_s=timeout_s))
     records, _ = asyncio.run(
-        load.replay_http(url, calibration_requests(config, scaling, first_id=1000), scaling, timeout_s=timeout_s)
+        load.replay_http(
+            url,
+            calibration_requests(config, scaling, first_id=1000, repeats=CALIBRATION_REPEATS),
+            scaling,
+            timeout_s=timeout_s,
+        )
     )
     done = [r for r in records if r.outcome is Outcome.COMPLETED and r.ttft_s is not None]
     if not done:
