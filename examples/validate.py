@@ -86,7 +86,7 @@ CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone
 # of a TTFT here) and the jitter had ~600 intervals; 6 each (42 requests, 13 s) give the fit three times the
 # points and the jitter ~1,800 intervals.
 CALIBRATION_REPEATS = 6
-CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: ~900 intervals in all, for the jitter's tail
+CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: intervals for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
 # The overload run's TTFT objective, in medians of the serviceable run's real TTFT: tight enough that
 # queueing at the faster pace breaks it (a config's 30 s objective would reject nothing on a tiny model),

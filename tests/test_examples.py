@@ -257,11 +257,13 @@ def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> Non
 
 def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) -> None:
     """A shortened validate.py: profiling, the real cluster over HTTP and its simulated twin, the keys the
-    issue names for the serviceable and the overload run (the figures themselves are not asserted here)."""
+    issue names for the serviceable and the overload run, a second real run against the first, the
+    calibration's jitter (the figures themselves are not asserted here)."""
     pytest.importorskip("torch")
     pytest.importorskip("aiohttp")
     out = tmp_path / "out"
-    options = ["--num-requests", "12", "--rate", "4", "--overload-speedup", "4", "--json", "--out", str(out)]
+    options = ["--num-requests", "12", "--rate", "4", "--overload-speedup", "4", "--repeat-real", "--json"]
+    options += ["--out", str(out)]
     summary = json.loads(run("validate.py", *options).stdout)
     keys = (
         "ttft_median_rel_error",
@@ -281,6 +283,8 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
     # The overload run's TTFT objective: twice the serviceable run's real median TTFT (the config's is 30 s).
     assert summary["ttft_slo_s"] == 30.0
     assert summary["overload"]["ttft_slo_s"] == pytest.approx(2 * summary["real"]["ttft_s"]["p50"], abs=1e-6)
+    assert set(summary["real_repeat"]) == {"ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error"}
+    assert summary["calibration"]["jitter_s"]["intervals"] > 0
     assert json.loads((out / "validate.json").read_text()) == summary
     for name in ("ttft_cdf_serviceable.png", "tbt_cdf_overload.png", "profile.json"):
         assert (out / name).exists(), name
