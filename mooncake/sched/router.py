@@ -399,13 +399,12 @@ class KvCacheCentricRouter:
         queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
         weight: npt.NDArray[np.float64] | None = None
         order = np.lexsort((queue, own))  # stable: equal (length, queue) stay in id order
-        by_length = own[order]
-        same_length = by_length[1:] == by_length[:-1]
-        if (same_length & (queue[order[1:]] == queue[order[:-1]])).any():
+        by_length, by_queue = own[order], queue[order]
+        if ((by_length[1:] == by_length[:-1]) & (by_queue[1:] == by_queue[:-1])).any():
             weight = spread_weights(query.block_keys, own, board.instance_ids)
             order = np.lexsort((-weight, queue, own))
             by_length = own[order]
-            same_length = by_length[1:] == by_length[:-1]
+        same_length = by_length[1:] == by_length[:-1]
         first_of_length = np.empty(len(board), dtype=bool)
         first_of_length[0] = True
         np.logical_not(same_length, out=first_of_length[1:])
