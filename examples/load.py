@@ -19,7 +19,9 @@ least 1, at most `--max-output-tokens`).
 
 Each request streams (with `stream_options.include_usage`) so that TTFT and
 every token interval are measured at the client; TBT is the paper's (mean of
-the longest 10 % intervals). A 429 is a rejection (after prefill when the
+the longest 10 % intervals), the output tokens the usage's completion tokens
+(a detokenized stream sends no event for a token that adds no text yet, so a
+client sees fewer intervals than tokens). A 429 is a rejection (after prefill when the
 decode engine refused it), its reason the error's `code`; other errors count as
 failed and the first of each kind is printed to stderr. Requests name the model
 the server lists at `/v1/models` (or `--model`). The summary is
@@ -103,6 +105,7 @@ async def one(
                 if data.get("usage"):
                     record.input_tokens = data["usage"]["prompt_tokens"]
                     record.prefix_tokens = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    record.output_tokens = data["usage"]["completion_tokens"]  # what was generated (a stop ends early)
                     continue
                 if data["choices"][0]["finish_reason"] is not None:
                     continue

@@ -280,9 +280,12 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
         assert run_summary["real"]["num_requests"] == run_summary["sim"]["num_requests"] == 12
         assert 0 <= run_summary["same_route_fraction"] <= 1
     assert summary["compared_requests"] > 0 and summary["ttft_median_rel_error"] >= 0
-    # The overload run's TTFT objective: twice the serviceable run's real median TTFT (the config's is 30 s).
+    # The overload run's TTFT objective: a quantile of the Conductor's estimates (the config's is 30 s), with
+    # what it refuses at the serviceable pace alongside.
     assert summary["ttft_slo_s"] == 30.0
-    assert summary["overload"]["ttft_slo_s"] == pytest.approx(2 * summary["real"]["ttft_s"]["p50"], abs=1e-6)
+    assert 0 < summary["overload"]["ttft_slo_s"] < 30.0
+    assert 0 <= summary["overload"]["rejected_sim_unloaded"] <= 12 and "rejected_sim_unloaded" not in summary
+    assert 0 < summary["calibration"]["events_per_token"] <= 1
     assert set(summary["real_repeat"]) == {"ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error"}
     assert summary["calibration"]["jitter_s"]["intervals"] > 0
     assert json.loads((out / "validate.json").read_text()) == summary

@@ -182,6 +182,39 @@ def test_observed_tbt_is_the_paper_metric_of_intervals_with_jitter(intervals: li
     assert validate.observed_tbt(done, [], rng) == done.tbt_s  # no jitter measured: the simulated TBT
 
 
+@given(
+    intervals=st.lists(st.floats(0.1, 50.0), min_size=1, max_size=40),
+    delay=st.floats(0.0, 5.0),
+    events_per_token=st.floats(0.05, 1.0),
+)
+def test_a_client_seeing_fewer_events_takes_the_metric_over_that_many_intervals(
+    intervals: list[float], delay: float, events_per_token: float
+) -> None:
+    """Seeing `events_per_token` of the intervals, a client's TBT is the metric over some subset of that size:
+    no more than over all of them, no less than over the smallest ones."""
+    validate = pytest.importorskip("validate")
+    rng = np.random.default_rng(0)
+    done = streamed(intervals)
+    seen = max(1, min(len(intervals), round(len(intervals) * events_per_token)))
+    top = max(1, -(-seen // 10))
+    ordered = sorted(intervals)
+    high = float(np.mean(ordered[-top:])) / 1000 + delay / 1000
+    low = float(np.mean(ordered[:seen][-top:])) / 1000 + delay / 1000
+    observed = validate.observed_tbt(done, [delay / 1000], rng, events_per_token)
+    assert low - 1e-12 <= observed <= high + 1e-12
+
+
+def test_fewer_events_than_tokens_lower_the_metric_of_a_rare_long_interval() -> None:
+    """Two long intervals among twenty: all seen, they are the longest tenth; half seen, the longest tenth
+    is one interval, which often is a short one."""
+    validate = pytest.importorskip("validate")
+    done = streamed([1.0] * 18 + [10.0] * 2)
+    every = validate.observed_tbt(done, [0.0], np.random.default_rng(0), 1.0)
+    half = validate.observed_tbt(done, [0.0], np.random.default_rng(0), 0.5)
+    assert every == pytest.approx(0.010)
+    assert 0.001 < half < 0.0095  # about 1 + 9 × 0.76 ms in expectation
+
+
 def test_compare_judges_the_simulated_tbt_as_a_client_sees_it() -> None:
     """With the calibration's jitter, compare's simulated TBT is the observed one, not the bare step."""
     validate = pytest.importorskip("validate")
@@ -194,3 +227,4 @@ def test_compare_judges_the_simulated_tbt_as_a_client_sees_it() -> None:
     assert validate.compare(real, sim, Slo(), calm).sim.tbt_s["mean"] == pytest.approx(0.001)
     assert validate.compare(real, sim, Slo(), jittery).tbt_mean_rel_error == pytest.approx(0.0)
     assert jittery.to_json()["jitter_s"] == {"intervals": 1, "p50": 0.002, "p90": 0.002, "p99": 0.002}
+    assert jittery.to_json()["events_per_token"] == 1.0
