@@ -237,18 +237,24 @@ class TtftEstimator:
         transfer_from: InstanceId | None,
         congestion: int = 0,
         keep_copy: bool = True,
+        transfer_s: float | None = None,
+        prefill_s: float | None = None,
     ) -> RouteDecision:
         """The decision to prefill on `view` using `prefix_blocks` (moved from `transfer_from` if given,
-        the copy kept there afterwards if `keep_copy`)."""
+        the copy kept there afterwards if `keep_copy`). `transfer_s` and `prefill_s`, if given, are those
+        terms as the caller already computed them with this estimator for the same arguments (a router
+        that compared plans), so that they are not computed twice."""
         prefix = query.prefix_tokens(prefix_blocks)
         plan = None
-        transfer_s = 0.0
-        if transfer_from is not None:
+        if transfer_from is None:
+            transfer_s = 0.0
+        else:
             own = query.prefix_blocks.get(view.instance_id, 0)
             blocks = prefix_blocks - own
             moved_tokens = prefix - query.prefix_tokens(own)
             num_bytes = moved_tokens * self.kv_bytes_per_token
-            transfer_s = self.transfer.transfer_s(num_bytes, in_flight_from_source=congestion)
+            if transfer_s is None:
+                transfer_s = self.transfer.transfer_s(num_bytes, in_flight_from_source=congestion)
             plan = TransferPlan(
                 source=transfer_from,
                 num_blocks=blocks,
@@ -262,7 +268,7 @@ class TtftEstimator:
             transfer=plan,
             transfer_s=transfer_s,
             queue_s=view.queue_s(now),
-            prefill_s=self.prefill.prefill_s(query.input_tokens, prefix),
+            prefill_s=self.prefill.prefill_s(query.input_tokens, prefix) if prefill_s is None else prefill_s,
         )
 
 
@@ -409,19 +415,20 @@ class KvCacheCentricRouter:
         first_of_length[0] = True
         np.logical_not(same_length, out=first_of_length[1:])
         shortest = order[first_of_length]
-        planned: list[tuple[float, float, int, int, bool]] = []  # (TTFT, queue, slot, blocks, moves)
+        # (TTFT, queue, slot, blocks, moves, transfer seconds, prefill seconds)
+        planned: list[tuple[float, float, int, int, bool, float, float]] = []
         for slot, length, waiting in zip(
             shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
         ):
             moving, prefill, blocks, moves = plan(length, board.instance_ids[slot])
-            planned.append((max(moving, waiting) + prefill, waiting, slot, blocks, moves))
+            planned.append((max(moving, waiting) + prefill, waiting, slot, blocks, moves, moving, prefill))
         fastest = min((ttft, waiting) for ttft, waiting, *_ in planned)
         tied = [entry for entry in planned if (entry[0], entry[1]) == fastest]
         if len(tied) > 1:  # equal TTFT and queue: the heaviest weight, then the smallest id
             if weight is None:
                 weight = spread_weights(query.block_keys, own, board.instance_ids)
             tied.sort(key=lambda entry: (-float(weight[entry[2]]), board.instance_ids[entry[2]]))
-        _, _, slot, blocks, moves = tied[0]
+        _, _, slot, blocks, moves, moving, prefill = tied[0]
         return estimator.decide(
             board.slot_views[slot],
             query,
@@ -430,6 +437,8 @@ class KvCacheCentricRouter:
             transfer_from=best if moves else None,
             congestion=query.best_transfers_in_flight,
             keep_copy=query.best_holders < self.max_replicas(len(board)),
+            transfer_s=moving if moves else None,
+            prefill_s=prefill,
         )
 
 
