@@ -293,6 +293,12 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
         assert (out / name).exists(), name
 
 
+def test_validate_refuses_an_overload_objective_that_is_not_a_quantile() -> None:
+    """--overload-slo is a quantile of the Conductor's estimates: outside [0, 1] it is named, before any work."""
+    done = run("validate.py", "--overload-slo", "1.5", check=False)
+    assert done.returncode == 2 and "--overload-slo must be a quantile in [0, 1], got 1.5" in done.stderr
+
+
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
     """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
     pytest.importorskip("torch")
