@@ -34,6 +34,18 @@ def run_json(script: str, *args: str) -> dict[str, object]:
             ],
         ),
         (
+            "benchmarks/conductor.py",
+            ["--keys", "6400", "--decisions", "200"],
+            [
+                "decisions_per_s",
+                "accepted_fraction",
+                "decisions_per_s_without_index",
+                "accepted_fraction_without_index",
+                "decisions_per_s_512_instances",
+                "index_share",
+            ],
+        ),
+        (
             "benchmarks/index.py",
             ["--keys", "6400", "--queries", "200"],
             ["matches_per_s", "bytes_per_key", "naive_matches_per_s", "speedup_vs_naive", "plain_matches_per_s"],
