@@ -86,10 +86,10 @@ HERE = Path(__file__).resolve().parent
 PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone one takes under 0.1 s here)
 # Measured lone requests per length: on 2 each the fit's fixed latency varied by 5 ms between runs (a third
-# of a TTFT here) and the jitter had ~600 intervals; on 6 each (~1,800 intervals) the jitter's 90th percentile
-# still moved by a fifth between runs (1.2-1.5 ms), and with it the simulated TBT, which the longest interval
-# of ten makes; 12 each (84 requests, 25 s) give the jitter ~3,500 intervals.
-CALIBRATION_REPEATS = 12
+# of a TTFT here) and the jitter had ~600 intervals; 6 each (42 requests, 13 s) give the fit three times the
+# points and the jitter ~1,800 intervals. 12 each (~3,500) did not steady the jitter's 90th percentile, which
+# moves between runs with the machine (1.2-1.5 ms on 6 each, 1.4-1.6 ms on 12), so it costs 13 s for nothing.
+CALIBRATION_REPEATS = 6
 CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: intervals for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
 # The overload run's TTFT objective: this quantile of the TTFTs the Conductor estimated for the serviceable
