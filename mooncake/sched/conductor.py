@@ -496,9 +496,7 @@ class Conductor:
         for request_id, keys in self._pending_of.items():
             assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
             pending.setdefault(queued[request_id], collections.Counter()).update(keys)
-        assert pending == {instance: counts for instance, counts in self._pending.items() if counts}, (
-            "the blocks coming to prefill instances are out of sync with their queues"
-        )
+        assert pending == self._pending, "the blocks coming to prefill instances are out of sync with their queues"
 
     # ------------------------------------------------------------------ internals
 
@@ -551,7 +549,7 @@ class Conductor:
         changed = False
         count = len(keys)
         for instance, coming in self._pending.items():
-            at = slot.get(instance) if coming else None
+            at = slot.get(instance)
             if at is None:
                 continue
             if own is None:
@@ -580,6 +578,8 @@ class Conductor:
                     coming[key] = count - 1
                 else:
                     del coming[key]
+            if not coming:  # nothing queued there any more: the walk skips the instance
+                del self._pending[flight.prefill_instance]
         view = self._prefill[flight.prefill_instance]
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):

@@ -134,7 +134,7 @@ def spread_weights(
     if not len(keys):
         return np.zeros(len(instances))
     where = np.minimum(own, len(keys) - 1)
-    chosen = key_array(keys)[where] if isinstance(keys, np.ndarray) else key_array([keys[i] for i in where.tolist()])
+    chosen = key_array(keys)[where]
     x = chosen ^ _seeds(tuple(instances))
     x = x + _GOLDEN
     x = (x ^ (x >> np.uint64(30))) * _MIX1
