@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet '$(TORCH)'
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
-	$(BIN)/python -m mooncake.cache.warm_up  # compile the numba kernels once; numba caches them on disk
+	$(BIN)/python -m mooncake.sched.warm_up  # compile the numba kernels once; numba caches them on disk
 	@touch $@
 
 demo: $(STAMP)

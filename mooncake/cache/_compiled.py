@@ -1,8 +1,9 @@
 """numba as an optional accelerator: the one switch between compiled and plain kernels.
 
-The per-key loops of the index's key table (`_key_table_kernels`) and the
-per-block loop of the batch hasher (`_xxh3_kernel`) are compiled with numba when
-it imports (the `accel` extra). Without numba the same work runs in plain
+The per-key loops of the index's key table (`_key_table_kernels`), the
+per-block loop of the batch hasher (`_xxh3_kernel`) and the Conductor's
+per-instance scans (`mooncake.sched._kernels`, loaded through `kernels`) are
+compiled with numba when it imports (the `accel` extra). Without numba the same work runs in plain
 Python: the key-table kernels are the very same functions, left undecorated, on
 the same arrays; the hasher calls xxhash's Python API on the same bytes. Both
 paths give identical keys, tables and answers; the plain one is slower.
@@ -21,20 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from collections.abc import Callable, Iterator
-from types import FunctionType, ModuleType
+from types import FunctionType, ModuleType, SimpleNamespace
 from typing import Any, TypeVar
 
 import numpy as np
 
 from mooncake.errors import ConfigError
 
-__all__ = ["compiled_path", "is_compiled", "jit", "numba_available", "plain_kernels", "use_compiled"]
+__all__ = ["compiled_path", "is_compiled", "jit", "kernels", "numba_available", "plain_kernels", "use_compiled"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # None: the default (compiled iff numba imports); True / False: forced by `use_compiled`.
 _forced: list[bool | None] = [None]
+
+# (module name, compiled?) -> its kernels, loaded on first use of each path.
+_LOADED: dict[tuple[str, bool], SimpleNamespace] = {}
 
 
 @functools.cache
@@ -96,7 +101,8 @@ def plain_kernels(module: ModuleType) -> dict[str, Callable[..., Any]]:
 
     Each of the module's functions (the `py_func` of a numba dispatcher) is
     rebound to a copy of the module's globals in which its callees are plain
-    copies too. numba integers wrap silently where numpy scalars warn on
+    copies too (a kernel compiled from another module's function: that plain
+    function itself, which calls no numba code). numba integers wrap silently where numpy scalars warn on
     overflow, so the entry points run with overflow warnings off.
     """
     namespace = dict(vars(module))
@@ -106,6 +112,8 @@ def plain_kernels(module: ModuleType) -> dict[str, Callable[..., Any]]:
             namespace[name] = FunctionType(
                 function.__code__, namespace, name, function.__defaults__, function.__closure__
             )
+        elif function is not value:  # compiled from another module's plain function: that function as it is
+            namespace[name] = function
     return {name: _wrapping(namespace[name]) for name in module.__all__}
 
 
@@ -116,3 +124,16 @@ def _wrapping(function: Callable[..., Any]) -> Callable[..., Any]:
             return function(*args)
 
     return call
+
+
+def kernels(module_name: str) -> Any:
+    """The functions the kernel module `module_name` lists in `__all__`, on the path in use now
+    (`is_compiled()`: its numba dispatchers, else `plain_kernels`), as attributes; the module is
+    imported on first use, so that importing its caller does not load numba."""
+    compiled = is_compiled()
+    loaded = _LOADED.get((module_name, compiled))
+    if loaded is None:
+        module = importlib.import_module(module_name)
+        functions = {name: getattr(module, name) for name in module.__all__} if compiled else plain_kernels(module)
+        loaded = _LOADED[(module_name, compiled)] = SimpleNamespace(**functions)
+    return loaded

@@ -15,8 +15,9 @@ check included, for the policy to act on. When no instance can take the
 request, the choice names no instance and its verdict says which bound stopped
 it (the reason most instances that are up give; none up: NO_DECODE_INSTANCE).
 
-The step model is an `AnalyticStepModel`: its roofline gives the step times
-of all candidates as one array expression.
+The step model is an `AnalyticStepModel`: its roofline is what the scan over
+the instances (`sched._kernels.best_decode_slot`, one compiled loop where numba
+imports) evaluates per instance, to the bit as `step_s` would.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from mooncake.sched.join import JoinVerdict, blocked, check_join
+from mooncake.cache._compiled import kernels
+from mooncake.sched.join import JoinVerdict, check_join, check_tokens
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
 from mooncake.types import InstanceId
 
 __all__ = ["DecodeChoice", "choose_decode"]
+
+_KERNELS = "mooncake.sched._kernels"
 
 
 @attrs.frozen(kw_only=True)
@@ -69,28 +73,26 @@ def choose_decode(
     Raises:
         InvalidRequestError: a token count that is not an integer >= 1.
     """
+    check_tokens(prompt_tokens, output_tokens)
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
     checked = board.committed if loads is None else loads
-    refused = blocked(
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        batch_size=checked.batch_size,
-        kv_tokens=checked.kv_tokens,
-        max_batch_size=board.max_batch_size,
-        kv_capacity_tokens=board.kv_capacity_tokens,
-        max_context_tokens=board.max_context_tokens,
+    committed, roofline = board.committed, step_model.roofline()
+    slot = kernels(_KERNELS).best_decode_slot(
+        prompt_tokens,
+        output_tokens,
+        board.is_up,
+        checked.batch_size,
+        checked.kv_tokens,
+        board.max_batch_size,
+        board.kv_capacity_tokens,
+        board.max_context_tokens,
+        committed.batch_size,
+        committed.context_tokens,
+        roofline.coefficients,
+        roofline.overhead_s,
     )
-    if not board.all_up:
-        refused |= ~board.is_up
-    committed = board.committed
-    # Every slot's step at once, the refused ones then out of the running: cheaper than gathering the
-    # candidates first on a board of tens of instances.
-    steps = step_model.roofline().busy_step_times(committed.batch_size + 1, committed.context_tokens + prompt_tokens)
-    steps[refused] = np.inf
-    slot = int(steps.argmin()) if steps.size else -1  # slots go in id order: the first minimum is the smallest id
-    if slot < 0 or refused[slot]:  # no slot, or every slot refused (an infinite step never beats a finite one)
-        up = board.is_up if not board.all_up else np.ones(len(board), dtype=bool)
-        return _nobody(board, up, checked, prompt_tokens, output_tokens)
+    if slot < 0:
+        return _nobody(board, checked, prompt_tokens, output_tokens)
     verdict = check_join(
         board.slot_views[slot].limits,
         checked.at(slot),
@@ -102,12 +104,10 @@ def choose_decode(
     return DecodeChoice(decode_instance=board.instance_ids[slot], verdict=verdict)
 
 
-def _nobody(
-    board: DecodeBoard, up: np.ndarray, checked: BoardLoads, prompt_tokens: int, output_tokens: int
-) -> DecodeChoice:
+def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_tokens: int) -> DecodeChoice:
     """No instance can take the request: the reason most of those up give (ties: the earlier check)."""
     reasons: collections.Counter[Reason] = collections.Counter()
-    for slot in np.flatnonzero(up).tolist():
+    for slot in np.flatnonzero(board.is_up).tolist():
         verdict = check_join(
             board.slot_views[slot].limits, checked.at(slot), prompt_tokens=prompt_tokens, output_tokens=output_tokens
         )

@@ -18,15 +18,12 @@ in order (the first that fails is the reason):
 will hold at its end), `context_tokens` the KV a step reads now. A request whose
 only token is its prefill's (output 1) never takes a slot: only its context is
 checked. With a step model the verdict carries the predicted step time with the
-request added, whether or not it was checked. `blocked` applies the structural checks (all but TBT) to arrays of
-instances at once, with the same comparisons, so that a board of hundreds of
-instances is one pass.
+request added, whether or not it was checked. `refusal` is the structural checks
+(all but TBT) on plain numbers, written so that numba compiles the same
+definition for the decode selection's scan over a board of instances.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import Any
 
 import attrs
 import numpy as np
@@ -36,7 +33,16 @@ from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import StepModel
 
-__all__ = ["DecodeLimits", "DecodeLoad", "JoinVerdict", "UNLIMITED", "blocked", "check_join"]
+__all__ = [
+    "DecodeLimits",
+    "DecodeLoad",
+    "JoinVerdict",
+    "REFUSALS",
+    "UNLIMITED",
+    "check_join",
+    "check_tokens",
+    "refusal",
+]
 
 UNLIMITED = np.iinfo(np.int64).max // 4  # a limit nothing reaches (room for sums without overflow)
 
@@ -87,21 +93,40 @@ class JoinVerdict:
     predicted_tbt_s: float | None = None
 
 
-def _structural(
-    prompt_tokens: int, output_tokens: int, batch_size: Any, kv_tokens: Any, max_batch: Any, capacity: Any, context: Any
-) -> tuple[tuple[Reason, Any], ...]:
-    """Each structural check with whether it fails (bools for scalars, boolean arrays for arrays)."""
+# `refusal`'s codes: the reason each names (0: none).
+REFUSALS: tuple[Reason | None, ...] = (None, Reason.CONTEXT_TOO_LONG, Reason.BATCH_FULL, Reason.KV_BUDGET)
+
+
+def refusal(
+    prompt_tokens: int,
+    output_tokens: int,
+    batch_size: float,
+    kv_tokens: float,
+    max_batch_size: int,
+    kv_capacity_tokens: int,
+    max_context_tokens: int,
+) -> int:
+    """The structural checks (all but TBT), in order: 0 if the request fits, else the code in
+    `REFUSALS` of the first that fails. Written in the subset numba compiles: `sched._kernels`
+    compiles this one definition for the decode selection's scan over many instances."""
     need = prompt_tokens + output_tokens
+    if need > max_context_tokens:
+        return 1
     if output_tokens <= 1:  # it finishes at its first token: no slot, no KV kept
-        return ((Reason.CONTEXT_TOO_LONG, need > context),)
-    return (
-        (Reason.CONTEXT_TOO_LONG, need > context),
-        (Reason.BATCH_FULL, batch_size + 1 > max_batch),
-        (Reason.KV_BUDGET, kv_tokens + need > capacity),
-    )
+        return 0
+    if batch_size + 1 > max_batch_size:
+        return 2
+    if kv_tokens + need > kv_capacity_tokens:
+        return 3
+    return 0
 
 
-def _check_request(prompt_tokens: int, output_tokens: int) -> None:
+def check_tokens(prompt_tokens: int, output_tokens: int) -> None:
+    """A request's token counts as the rule takes them.
+
+    Raises:
+        InvalidRequestError: a count that is not an integer >= 1.
+    """
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int | np.integer) or prompt_tokens < 1:
         raise InvalidRequestError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
     if isinstance(output_tokens, bool) or not isinstance(output_tokens, int | np.integer) or output_tokens < 1:
@@ -128,8 +153,8 @@ def check_join(
     Raises:
         InvalidRequestError: a token count that is not an integer >= 1.
     """
-    _check_request(prompt_tokens, output_tokens)
-    checks = _structural(
+    check_tokens(prompt_tokens, output_tokens)
+    code = refusal(
         prompt_tokens,
         output_tokens,
         load.batch_size,
@@ -138,33 +163,11 @@ def check_join(
         limits.kv_capacity_tokens,
         _limit(limits.max_context_tokens),
     )
-    for reason, fails in checks:
-        if fails:
-            return JoinVerdict(accepted=False, reason=reason)
+    if code:
+        return JoinVerdict(accepted=False, reason=REFUSALS[code])
     if step_model is None:
         return JoinVerdict(accepted=True)
     predicted = step_model.step_s(round(load.batch_size) + 1, round(load.context_tokens) + prompt_tokens)
     if tbt_slo_s is not None and output_tokens > 1 and load.batch_size > 0 and predicted > tbt_slo_s:
         return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted)
     return JoinVerdict(accepted=True, predicted_tbt_s=predicted)
-
-
-def blocked(
-    *,
-    prompt_tokens: int,
-    output_tokens: int,
-    batch_size: np.ndarray,
-    kv_tokens: np.ndarray,
-    max_batch_size: np.ndarray,
-    kv_capacity_tokens: np.ndarray,
-    max_context_tokens: np.ndarray,
-) -> np.ndarray:
-    """Per instance, whether a structural check of `check_join` refuses the request (arrays
-    side by side; a limit of `UNLIMITED` never binds). The TBT check is the caller's: it
-    ranks the instances this leaves by their step time."""
-    _check_request(prompt_tokens, output_tokens)
-    checks = _structural(
-        prompt_tokens, output_tokens, batch_size, kv_tokens, max_batch_size, kv_capacity_tokens, max_context_tokens
-    )
-    result: np.ndarray = functools.reduce(np.logical_or, (fails for _reason, fails in checks))
-    return result

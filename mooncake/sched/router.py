@@ -56,6 +56,7 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake._checks import require_number
+from mooncake.cache._compiled import kernels
 from mooncake.cache.index import key_array
 from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillBoard, PrefillView
@@ -76,6 +77,9 @@ __all__ = [
     "local_cache_aware_router",
     "spread_weights",
 ]
+
+_KERNELS = "mooncake.sched._kernels"
+_UNWEIGHED = np.zeros(0)  # `shortest_by_length` without weights: ties go to the smallest slot
 
 
 class PrefixBlocks(Mapping[InstanceId, int]):
@@ -363,72 +367,67 @@ class KvCacheCentricRouter:
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
-        threshold = self.current_threshold
-        best, best_blocks = query.best_instance, query.best_blocks
-        estimator = self.estimator
-        # The terms that do not depend on the instance are computed once per request:
-        # the prefill time per prefix length used, and the transfer time per block count.
-        prefill_s: dict[int, float] = {}
-        transfer_s: dict[int, float] = {}
-
-        def plan(own: int, instance: InstanceId) -> tuple[float, float, int, bool]:
-            """(transfer seconds, prefill seconds, blocks used, moves) for an instance holding `own` blocks."""
-            moves = best is not None and best != instance and best_blocks > own
-            # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
-            # finite threshold stops and an infinite one does: then nothing ever moves).
-            moves = moves and (best_blocks / own if own else math.inf) > threshold
-            blocks = best_blocks if moves else own
-            prefill = prefill_s.get(blocks)
-            if prefill is None:
-                prefill = prefill_s[blocks] = estimator.prefill.prefill_s(
-                    query.input_tokens, query.prefix_tokens(blocks)
-                )
-            moving = 0.0
-            if moves:
-                moving = transfer_s.get(own, -1.0)
-                if moving < 0:
-                    moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(own)
-                    moving = transfer_s[own] = estimator.transfer.transfer_s(
-                        moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
-                    )
-            return moving, prefill, blocks, moves
-
         # Instances holding the same prefix length cost the same apart from their queue (the
         # plan depends on the instance only through its length, and TTFT never falls as the
-        # queue grows), so one sort finds the shortest queue (ties: the highest weight, then id)
+        # queue grows), so one scan finds the shortest queue (ties: the highest weight, then id)
         # per length, and only those few are planned and compared. The weights are computed only
         # where a tie needs them (a busy cluster's queues seldom tie; idle instances always do).
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
         own = _blocks_of(query.prefix_blocks, board)
-        queue = np.maximum(board.busy_until_s - now, 0.0)  # view.queue_s, for every view at once
+        busy = board.busy_until_s
+        scan = kernels(_KERNELS)
         weight: npt.NDArray[np.float64] | None = None
-        order = np.lexsort((queue, own))  # stable: equal (length, queue) stay in id order
-        by_length, by_queue = own[order], queue[order]
-        if ((by_length[1:] == by_length[:-1]) & (by_queue[1:] == by_queue[:-1])).any():
+        shortest, shared = scan.shortest_by_length(own, busy, now, _UNWEIGHED)
+        if shared:
             weight = spread_weights(query.block_keys, own, board.instance_ids)
-            order = np.lexsort((-weight, queue, own))
-            by_length = own[order]
-        same_length = by_length[1:] == by_length[:-1]
-        first_of_length = np.empty(len(board), dtype=bool)
-        first_of_length[0] = True
-        np.logical_not(same_length, out=first_of_length[1:])
-        shortest = order[first_of_length]
-        # (TTFT, queue, slot, blocks, moves, transfer seconds, prefill seconds)
-        planned: list[tuple[float, float, int, int, bool, float, float]] = []
-        for slot, length, waiting in zip(
-            shortest.tolist(), by_length[first_of_length].tolist(), queue[shortest].tolist(), strict=True
-        ):
-            moving, prefill, blocks, moves = plan(length, board.instance_ids[slot])
-            planned.append((max(moving, waiting) + prefill, waiting, slot, blocks, moves, moving, prefill))
-        fastest = min((ttft, waiting) for ttft, waiting, *_ in planned)
-        tied = [entry for entry in planned if (entry[0], entry[1]) == fastest]
+            shortest, _ = scan.shortest_by_length(own, busy, now, weight)
+        threshold = self.current_threshold
+        best, best_blocks = query.best_instance, query.best_blocks
+        estimator = self.estimator
+        # The terms that do not depend on the instance are computed once per request:
+        # the prefill time per prefix length used, and the transfer time per block count.
+        prefill_of: dict[int, float] = {}
+        transfer_of: dict[int, float] = {}
+        fastest = (math.inf, math.inf)
+        # Each planned instance at the fastest (TTFT, queue): (slot, blocks, moves, transfer s, prefill s).
+        tied: list[tuple[int, int, bool, float, float]] = []
+        for slot in shortest.tolist():
+            held = int(own[slot])
+            # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
+            # finite threshold stops and an infinite one does: then nothing ever moves).
+            moves = (
+                best is not None
+                and best_blocks > held
+                and (best_blocks / held if held else math.inf) > threshold
+                and best != board.instance_ids[slot]
+            )
+            blocks = best_blocks if moves else held
+            prefill = prefill_of.get(blocks)
+            if prefill is None:
+                prefill = prefill_of[blocks] = estimator.prefill.prefill_s(
+                    query.input_tokens, query.prefix_tokens(blocks)
+                )
+            moving = 0.0
+            if moves:
+                moving = transfer_of.get(held, -1.0)
+                if moving < 0:
+                    moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(held)
+                    moving = transfer_of[held] = estimator.transfer.transfer_s(
+                        moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
+                    )
+            waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s
+            key = (max(moving, waiting) + prefill, waiting)
+            if key < fastest:
+                fastest, tied = key, [(slot, blocks, moves, moving, prefill)]
+            elif key == fastest:
+                tied.append((slot, blocks, moves, moving, prefill))
         if len(tied) > 1:  # equal TTFT and queue: the heaviest weight, then the smallest id
             if weight is None:
                 weight = spread_weights(query.block_keys, own, board.instance_ids)
-            tied.sort(key=lambda entry: (-float(weight[entry[2]]), board.instance_ids[entry[2]]))
-        _, _, slot, blocks, moves, moving, prefill = tied[0]
+            tied.sort(key=lambda entry: (-float(weight[entry[0]]), board.instance_ids[entry[0]]))
+        slot, blocks, moves, moving, prefill = tied[0]
         return estimator.decide(
             board.slot_views[slot],
             query,

@@ -102,6 +102,14 @@ class RooflineStep:
 
     branches: tuple[StepBranch, ...] = attrs.field(converter=_branch_tuple, validator=_some_branches)
     overhead_s: float = attrs.field(default=0.0, kw_only=True, validator=_non_negative)
+    # One row per branch: (fixed_s, per_sequence_s, per_context_token_s), for `sched._kernels.roofline_step`.
+    coefficients: np.ndarray = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        rows = [(b.fixed_s, b.per_sequence_s, b.per_context_token_s) for b in self.branches]
+        coefficients = np.array(rows, dtype=np.float64).reshape(len(rows), 3)
+        coefficients.flags.writeable = False
+        object.__setattr__(self, "coefficients", coefficients)
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
@@ -117,20 +125,14 @@ class RooflineStep:
         """`step_s` of each (batch size, context) pair of two equal-length arrays, element by element
         (the same float64 operations in the same order, so each equals `step_s` exactly)."""
         sizes = np.asarray(batch_sizes)
-        times: np.ndarray = np.where(sizes > 0, self.busy_step_times(sizes, context_tokens), 0.0)
-        return times
-
-    def busy_step_times(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
-        """`step_times` where every batch size is known to be > 0 (a request joining each batch): the
-        same operations, without the empty batch's case."""
-        sizes = np.asarray(batch_sizes)
         contexts = np.asarray(context_tokens)
         slowest: np.ndarray | None = None
         for branch in self.branches:
             seconds = branch.fixed_s + branch.per_sequence_s * sizes + branch.per_context_token_s * contexts
             slowest = seconds if slowest is None else np.maximum(slowest, seconds)
         assert slowest is not None  # a roofline has at least one branch
-        return self.overhead_s + slowest
+        times: np.ndarray = np.where(sizes > 0, self.overhead_s + slowest, 0.0)
+        return times
 
     def roofline(self) -> RooflineStep:
         return self

@@ -1,20 +1,19 @@
 """Tests for `mooncake.sched.join`: the decode rule every caller asks.
 
 Examples pin each check and their order; a property compares `check_join`
-with the rule written out check by check (`tests/reference/sched.py`), and
-`blocked` over arrays with `check_join` instance by instance.
+with the rule written out check by check (`tests/reference/sched.py`); the
+compiled scan over many instances is checked against it in `test_kernels.py`.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
-from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, JoinVerdict, blocked, check_join
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
 from tests.reference.sched import reference_verdict
@@ -86,24 +85,3 @@ def test_the_rule_as_written(
     got = check_join(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
     want = reference_verdict(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
     assert got.reason is want and got.accepted == (want is None)
-
-
-@given(st.lists(st.tuples(limits, loads), min_size=1, max_size=8), requests)
-def test_blocked_is_the_structural_rule_per_instance(
-    cases: list[tuple[DecodeLimits, DecodeLoad]], request: tuple[int, int]
-) -> None:
-    """Over arrays of instances, `blocked` says what `check_join` without the TBT check says of each."""
-    prompt, output = request
-    got = blocked(
-        prompt_tokens=prompt,
-        output_tokens=output,
-        batch_size=np.array([int(load.batch_size) for _, load in cases]),
-        kv_tokens=np.array([int(load.kv_tokens) for _, load in cases]),
-        max_batch_size=np.array([UNLIMITED if lim.max_batch_size is None else lim.max_batch_size for lim, _ in cases]),
-        kv_capacity_tokens=np.array([lim.kv_capacity_tokens for lim, _ in cases]),
-        max_context_tokens=np.array(
-            [UNLIMITED if lim.max_context_tokens is None else lim.max_context_tokens for lim, _ in cases]
-        ),
-    )
-    want = [not check_join(lim, load, prompt_tokens=prompt, output_tokens=output).accepted for lim, load in cases]
-    assert got.tolist() == want
