@@ -129,10 +129,12 @@ def _fold(key: object) -> int:
     return xxhash.xxh3_64_intdigest(value.to_bytes((value.bit_length() + 7) // 8, "little"))
 
 
-def key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
+def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArray[np.uint64]:
     """Keys as the index stores them, a uint64 array: each key below 2**64 itself, a wider one (XXH3-128,
     SHA-256) folded to its XXH3-64; validated, so nothing is silently truncated or wrapped. A uint64
     array is returned as it is, so a caller converting a prompt's keys once can pass them on.
+    `integers`: the caller vouches that the keys are non-negative Python ints (a `Request`'s, which
+    `types.key_tuple` converted), so the check that numpy truncated no non-integer is skipped.
 
     Raises:
         InvalidRequestError: a key that is not a non-negative integer.
@@ -148,7 +150,7 @@ def key_array(keys: Iterable[BlockKey]) -> npt.NDArray[np.uint64]:
         array = np.array(values, dtype=np.uint64)
     except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers
         return np.array([_fold(k) for k in values], dtype=np.uint64)
-    if array.tolist() != values:  # numpy truncated a non-integer such as 1.5
+    if not integers and array.tolist() != values:  # numpy truncated a non-integer such as 1.5
         bad = next(k for k, v in zip(values, array.tolist(), strict=True) if k != v)
         raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
     return array

@@ -15,6 +15,8 @@ paths give the same answers; the plain one is slower on large boards.
   `sched.join.refusal`, the decode rule's structural checks, compiled from that
   one definition.
 - `shortest_by_length`: the router's shortlist (`sched.router`).
+- `pending_*`: the table of `sched.pending.PendingBlocks` (add, remove, grow) and its walk along a
+  prompt from each instance's cached prefix.
 """
 
 import numpy as np
@@ -22,7 +24,17 @@ import numpy as np
 from mooncake.cache._compiled import jit as _jit
 from mooncake.sched import join as _join
 
-__all__ = ["best_decode_slot", "refusal", "roofline_step", "shortest_by_length"]
+__all__ = [
+    "best_decode_slot",
+    "pending_add",
+    "pending_find",
+    "pending_rehash",
+    "pending_remove",
+    "pending_walk",
+    "refusal",
+    "roofline_step",
+    "shortest_by_length",
+]
 
 jit = _jit(cache=True, nogil=True)
 
@@ -109,3 +121,115 @@ def shortest_by_length(own, busy_until_s, now, weight):
             if weighed and weight[slot] > weight[slots[j]]:
                 slots[j] = slot
     return slots[:found], shared[:found].any()
+
+
+# ---------------------------------------------------------------- pending blocks (`sched.pending`)
+# A linear-probing table of (owner, key) -> count: `owners[i] < 0` marks an empty entry; the
+# table's size is a power of two.
+
+_MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
+_MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
+_OWNER_MIX = np.uint64(0x9E3779B97F4A7C15)
+_SHIFT = np.uint64(33)
+
+
+@jit
+def pending_bucket(key, owner, mask):
+    # murmur3's finalizer of the key xor a multiple of the owner: one table for every owner.
+    h = key ^ (np.uint64(owner) * _OWNER_MIX)
+    h ^= h >> _SHIFT
+    h *= _MIX_1
+    h ^= h >> _SHIFT
+    h *= _MIX_2
+    h ^= h >> _SHIFT
+    return np.int64(h & np.uint64(mask))
+
+
+@jit
+def pending_find(keys, owners, key, owner):
+    mask = keys.size - 1
+    i = pending_bucket(key, owner, mask)
+    while owners[i] >= 0:
+        if keys[i] == key and owners[i] == owner:
+            return i
+        i = (i + 1) & mask
+    return -1
+
+
+@jit
+def pending_add(keys, owners, counts, added, owner):
+    # Count each of `added` once more for `owner`; returns the entries created.
+    mask = keys.size - 1
+    created = 0
+    for key in added:
+        i = pending_bucket(key, owner, mask)
+        while owners[i] >= 0 and not (keys[i] == key and owners[i] == owner):
+            i = (i + 1) & mask
+        if owners[i] < 0:
+            keys[i] = key
+            owners[i] = owner
+            counts[i] = 0
+            created += 1
+        counts[i] += 1
+    return created
+
+
+@jit
+def pending_remove(keys, owners, counts, removed, owner):
+    # Count each of `removed` once less for `owner` (one absent is skipped); returns the entries deleted.
+    mask = keys.size - 1
+    deleted = 0
+    for key in removed:
+        hole = pending_find(keys, owners, key, owner)
+        if hole < 0:
+            continue
+        counts[hole] -= 1
+        if counts[hole] > 0:
+            continue
+        deleted += 1
+        # Backward-shift deletion: pull later entries of the probe run into the hole, unless an
+        # entry's home lies cyclically in (hole, j].
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            if owners[j] < 0:
+                break
+            home = pending_bucket(keys[j], owners[j], mask)
+            if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+                keys[hole] = keys[j]
+                owners[hole] = owners[j]
+                counts[hole] = counts[j]
+                hole = j
+        owners[hole] = -1
+        counts[hole] = 0
+    return deleted
+
+
+@jit
+def pending_rehash(keys, owners, counts, new_keys, new_owners, new_counts):
+    mask = new_keys.size - 1
+    for i in range(keys.size):
+        if owners[i] < 0:
+            continue
+        j = pending_bucket(keys[i], owners[i], mask)
+        while new_owners[j] >= 0:
+            j = (j + 1) & mask
+        new_keys[j] = keys[i]
+        new_owners[j] = owners[i]
+        new_counts[j] = counts[i]
+
+
+@jit
+def pending_walk(keys, owners, prompt, lengths, owner_of_slot):
+    # Each slot's prefix `lengths[slot]` continued while the prompt's next key is counted for the
+    # slot's owner (an owner < 0 has nothing coming), as a new array.
+    walked = lengths.copy()
+    for slot in range(lengths.size):
+        owner = owner_of_slot[slot]
+        if owner < 0:
+            continue
+        end = walked[slot]
+        while end < prompt.size and pending_find(keys, owners, prompt[end], owner) >= 0:
+            end += 1
+        walked[slot] = end
+    return walked

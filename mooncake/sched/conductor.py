@@ -4,7 +4,7 @@
 1. match the request's block keys in the global index (each prefill instance's
    prefix, the best holder); an instance's prefix continues with the blocks the
    requests queued on it will have stored when this one starts (FIFO), which the
-   prefill will find (only the index's holders are transfer sources);
+   prefill will find (`sched.pending`; only the index's holders are transfer sources);
 2. route it (`router`) among prefill instances that are up;
 3. choose the decode instance (`choose_decode`; a coupled instance, one that
    prefills and decodes, decodes what it prefilled and nothing else): ranked by what each is
@@ -42,10 +42,11 @@ import enum
 import heapq
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
@@ -54,6 +55,7 @@ from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
+from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.predictor import LoadPredictor
 from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
 from mooncake.sched.step import AnalyticStepModel
@@ -77,7 +79,7 @@ from mooncake.sched.view import (
     RequestRejected,
     SchedulerEvent,
 )
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo
+from mooncake.types import InstanceId, Request, RequestId, Slo
 
 __all__ = ["Conductor", "ScheduleDecision"]
 
@@ -168,12 +170,13 @@ class Conductor:
         self._in_flight: dict[RequestId, _InFlight] = {}
         # Per source instance, finish times of the KV transfers planned from it (a heap): congestion.
         self._transfers: dict[InstanceId, list[float]] = {}
-        # The blocks that requests queued on prefill instances will leave in their caches (instance ->
-        # key -> how many of them), and each such request's keys: a request queued behind them on the
-        # same instance reuses them. Counted per instance, so that adding a prompt is one C-level
-        # Counter.update and each instance's walk along a prompt looks in one table.
-        self._pending: dict[InstanceId, collections.Counter[BlockKey]] = {}
-        self._pending_of: dict[RequestId, tuple[BlockKey, ...]] = {}
+        # The blocks that requests queued on prefill instances will leave in their caches, counted per
+        # instance (its owner number, for its lifetime; per board slot in `_owner_of_slot`), and each
+        # such request's owner and keys: a request queued behind them on the same instance reuses them.
+        self._pending = PendingBlocks()
+        self._owner: dict[InstanceId, int] = {}
+        self._owner_of_slot = np.zeros(0, dtype=np.int64)
+        self._pending_of: dict[RequestId, tuple[int, npt.NDArray[np.uint64]]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
 
     # ------------------------------------------------------------------ instances
@@ -182,6 +185,8 @@ class Conductor:
         self._check_new(instance_id)
         self._prefill[instance_id] = PrefillView(instance_id)
         self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
+        self._owner[instance_id] = len(self._owner)
+        self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
 
     def add_decode_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """A decode instance that holds what `limits` say (its KV, batch slots, a request's context)."""
@@ -232,12 +237,12 @@ class Conductor:
         self._check_geometry(request)
         board = self._prefill_board
         candidates: Sequence[PrefillView] = board
-        keys = key_array(request.block_keys)  # once, for the index and the tie-break
+        keys = key_array(request.block_keys, integers=True)  # once, for the index and the tie-break
         lengths = self.index.prefix_lengths(keys, board.instance_ids)
         if not board.all_up:
             candidates = PrefillBoard([view for view in board if view.is_up])
             lengths = np.where(board.is_up, lengths, 0)
-        own = self._with_pending(request.block_keys, board.slot, lengths)
+        own = self._pending.walk(keys, lengths, self._owner_of_slot)  # the prefix each will have by its turn
         best = None
         best_blocks = 0
         if lengths.size:
@@ -250,7 +255,7 @@ class Conductor:
             prefix_blocks=PrefixBlocks(board.instance_ids, own, board.slot),
             best_instance=best,
             best_blocks=best_blocks,
-            best_holders=int((lengths >= best_blocks).sum()) if best_blocks else 0,
+            best_holders=int(np.count_nonzero(lengths >= best_blocks)) if best_blocks else 0,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
             block_keys=keys,
         )
@@ -288,7 +293,9 @@ class Conductor:
             )
             self._prefill[route.prefill_instance].queue.append(queued)
             if route.transfer is None or route.transfer.keep_local_copy:
-                self._add_pending(route.prefill_instance, request)
+                owner = self._owner[route.prefill_instance]
+                self._pending.add(owner, keys)
+                self._pending_of[request.request_id] = (owner, keys)
             self._prefill_board.refresh(self._prefill_board.slot[route.prefill_instance])
             if route.transfer is not None:
                 heapq.heappush(self._transfers.setdefault(route.transfer.source, []), now + route.transfer_s)
@@ -492,11 +499,15 @@ class Conductor:
                     f"{request_id} has no KV reservation"
                 )
         assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
-        pending: dict[InstanceId, collections.Counter[BlockKey]] = {}
-        for request_id, keys in self._pending_of.items():
+        pending: collections.Counter[tuple[int, int]] = collections.Counter()
+        for request_id, (owner, keys) in self._pending_of.items():
             assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
-            pending.setdefault(queued[request_id], collections.Counter()).update(keys)
-        assert pending == self._pending, "the blocks coming to prefill instances are out of sync with their queues"
+            assert owner == self._owner[queued[request_id]], f"{request_id}'s blocks count for another instance"
+            pending.update((owner, key) for key in keys.tolist())
+        assert pending == self._pending.counts(), (
+            "the blocks coming to prefill instances are out of sync with their queues"
+        )
+        self._pending.check_invariants()
 
     # ------------------------------------------------------------------ internals
 
@@ -538,48 +549,10 @@ class Conductor:
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome, reason)
 
-    def _with_pending(
-        self, keys: Sequence[BlockKey], slot: Mapping[InstanceId, int], lengths: np.ndarray
-    ) -> np.ndarray:
-        """Each instance's prefix (`lengths`, from the index) continued by the blocks that requests queued
-        on it will have stored when a request queued behind them starts (FIFO): the prefix its prefill
-        will find: each instance with blocks coming walks on from its own prefix while the next key is
-        among them."""
-        own: list[int] | None = None  # Python ints: cheaper to read one by one than the array
-        changed = False
-        count = len(keys)
-        for instance, coming in self._pending.items():
-            at = slot.get(instance)
-            if at is None:
-                continue
-            if own is None:
-                own = lengths.tolist()
-            end = start = own[at]
-            while end < count and keys[end] in coming:
-                end += 1
-            if end != start:
-                own[at], changed = end, True
-        return np.array(own, dtype=lengths.dtype) if changed else lengths
-
-    def _add_pending(self, instance: InstanceId, request: Request) -> None:
-        coming = self._pending.get(instance)
-        if coming is None:
-            coming = self._pending[instance] = collections.Counter()
-        coming.update(request.block_keys)
-        self._pending_of[request.request_id] = request.block_keys
-
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
-        keys = self._pending_of.pop(request_id, None)
-        if keys is not None:
-            coming = self._pending[flight.prefill_instance]
-            for key in keys:
-                count = coming[key]
-                if count > 1:
-                    coming[key] = count - 1
-                else:
-                    del coming[key]
-            if not coming:  # nothing queued there any more: the walk skips the instance
-                del self._pending[flight.prefill_instance]
+        pending = self._pending_of.pop(request_id, None)
+        if pending is not None:
+            self._pending.remove(*pending)
         view = self._prefill[flight.prefill_instance]
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):

@@ -18,10 +18,11 @@ from mooncake.cache._compiled import is_compiled
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.join import DecodeLimits
+from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.router import KvCacheCentricRouter, PrefixBlocks, RouteQuery, TtftEstimator
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import DecodeBoard, DecodeView, PrefillBoard, PrefillView
-from mooncake.types import InstanceId
+from mooncake.types import BlockKey, InstanceId
 
 __all__ = ["main"]
 
@@ -42,8 +43,14 @@ def main() -> None:
         kv_bytes_per_token=model.kv_bytes_per_token,
     )
     held = PrefixBlocks(prefill.instance_ids, np.ones(2, dtype=np.int64), prefill.slot)  # a tie: the weighed scan too
-    query = RouteQuery(input_tokens=8, block_size_tokens=4, prefix_blocks=held, block_keys=(1, 2))
+    query = RouteQuery(input_tokens=8, block_size_tokens=4, prefix_blocks=held, block_keys=(BlockKey(1), BlockKey(2)))
     KvCacheCentricRouter(estimator=estimator).route(prefill, query, 0.0, random.Random(0))
+    pending = PendingBlocks(capacity=1)
+    keys = np.arange(1, 40, dtype=np.uint64)
+    pending.add(0, keys)  # also grows: rehash
+    pending.walk(keys, np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))
+    pending.count(0, 1)
+    pending.remove(0, keys)
 
 
 if __name__ == "__main__":

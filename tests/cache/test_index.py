@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
-from mooncake.cache.index import BlockIndex, Holder
+from mooncake.cache.index import BlockIndex, Holder, key_array
 from mooncake.errors import MooncakeError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.reference.index import ReferenceIndex
@@ -154,6 +154,13 @@ def test_match_accepts_integer_key_arrays() -> None:
     assert index.match(np.array([1, 2, 7], dtype=np.int64)) == want
     assert dict(index.match(np.array([1, 2**64 - 1], dtype=np.uint64)).lengths) == {A: 1, B: 2}
     assert dict(index.match(np.array([], dtype=np.uint64)).lengths) == {}
+
+
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(2**64, 2**256 - 1), max_size=16))
+def test_key_array_of_vouched_integers_is_the_checked_one(keys: list[int]) -> None:
+    """`key_array(..., integers=True)` (a Request's keys, already non-negative ints) gives the same
+    array as the checked conversion, wide keys folded alike."""
+    assert key_array(tuple(keys), integers=True).tolist() == key_array(keys).tolist()
 
 
 def test_best_instance_ties_break_to_the_smallest_id() -> None:

@@ -137,5 +137,6 @@ def test_warm_up_compiles_every_scan() -> None:
 
     with compiled_path(True):
         warm_up.main()
-    for name in ("best_decode_slot", "shortest_by_length"):
+    called = ("best_decode_slot", "shortest_by_length", "pending_add", "pending_remove", "pending_rehash")
+    for name in (*called, "pending_find", "pending_walk"):
         assert getattr(_kernels, name).signatures, f"{name} was not compiled"
