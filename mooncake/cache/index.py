@@ -145,7 +145,7 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         if keys.dtype.kind in "iu" and (keys.size == 0 or keys.min() >= 0):
             return keys.astype(np.uint64)
         keys = keys.tolist()
-    values = list(keys)
+    values = keys if integers and isinstance(keys, tuple) else list(keys)
     try:
         array = np.array(values, dtype=np.uint64)
     except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers

@@ -58,6 +58,7 @@ def best_decode_slot(
     output_tokens,
     up,
     check_batch,
+    check_context,
     check_kv,
     max_batch,
     capacity,
@@ -67,8 +68,9 @@ def best_decode_slot(
     coefficients,
     overhead_s,
 ):
-    # The slot up whose structural checks pass on (check_batch, check_kv) with the lowest step once the
-    # request joins its (rank_batch, rank_context); the first minimum, so ties go to the smallest slot; -1: none.
+    # The slot up whose structural checks pass on its checked load with the lowest step once the request
+    # joins its ranked batch (rank_batch, rank_context); the first minimum, so ties go to the smallest
+    # slot; -1: none. With it, the step predicted on the checked load with the request added.
     best = -1
     best_step = np.inf
     for slot in range(up.size):
@@ -89,7 +91,10 @@ def best_decode_slot(
         if best < 0 or step < best_step:
             best = slot
             best_step = step
-    return best
+    if best < 0:
+        return best, np.inf
+    predicted = roofline_step(coefficients, overhead_s, check_batch[best] + 1, check_context[best] + prompt_tokens)
+    return best, predicted
 
 
 @jit

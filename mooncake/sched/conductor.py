@@ -263,20 +263,17 @@ class Conductor:
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
         decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s, now)
-        base = {
-            "request_id": request.request_id,
-            "prefill_instance": route.prefill_instance,
-            "prefix_tokens": route.prefix_tokens,
-            "transfer": route.transfer,
-            "ttft_s": route.ttft_s,
-        }
         verdict = self.admission.admit(route, decode, self.slo)
         decision = ScheduleDecision(
+            request_id=request.request_id,
             accepted=verdict.accepted,
             reason=verdict.reason,
+            prefill_instance=route.prefill_instance,
             decode_instance=decode.decode_instance,
+            prefix_tokens=route.prefix_tokens,
+            transfer=route.transfer,
+            ttft_s=route.ttft_s,
             tbt_s=decode.tbt_s,
-            **base,  # type: ignore[arg-type]
         )
         if verdict.accepted:
             assert decode.decode_instance is not None  # every policy needs an instance that can take it
@@ -302,7 +299,7 @@ class Conductor:
             self._decode[decode.decode_instance].reserve(
                 request.request_id, request.input_length, request.output_length
             )
-            self._decode_board.refresh(self._decode_board.slot[decode.decode_instance])
+            self._decode_board.refresh_load(self._decode_board.slot[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
             self._in_flight[request.request_id] = _InFlight(
                 route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
@@ -456,7 +453,7 @@ class Conductor:
                 request_id=event.request_id, start_s=event.now, context_tokens=context, output_tokens=total - context
             )
         )
-        self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
+        self._decode_board.refresh_load(self._decode_board.slot[flight.decode_instance])
         flight.stage = _Stage.DECODING
 
     def apply_cache_event(self, event: CacheEvent, *, strict: bool = True) -> SequenceGap | None:
@@ -545,7 +542,7 @@ class Conductor:
         decode = self._decode[flight.decode_instance]
         decode.release(request_id)
         decode.leave(request_id)
-        self._decode_board.refresh(self._decode_board.slot[flight.decode_instance])
+        self._decode_board.refresh_load(self._decode_board.slot[flight.decode_instance])
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome, reason)
 

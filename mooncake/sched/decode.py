@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from mooncake.cache._compiled import kernels
-from mooncake.sched.join import JoinVerdict, check_join, check_tokens
+from mooncake.sched.join import JoinVerdict, check_join, check_tokens, tbt_verdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
@@ -77,11 +77,12 @@ def choose_decode(
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
     checked = board.committed if loads is None else loads
     committed, roofline = board.committed, step_model.roofline()
-    slot = kernels(_KERNELS).best_decode_slot(
+    slot, predicted = kernels(_KERNELS).best_decode_slot(
         prompt_tokens,
         output_tokens,
         board.is_up,
         checked.batch_size,
+        checked.context_tokens,
         checked.kv_tokens,
         board.max_batch_size,
         board.kv_capacity_tokens,
@@ -93,14 +94,9 @@ def choose_decode(
     )
     if slot < 0:
         return _nobody(board, checked, prompt_tokens, output_tokens)
-    verdict = check_join(
-        board.slot_views[slot].limits,
-        checked.at(slot),
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        step_model=step_model,
-        tbt_slo_s=tbt_slo_s,
-    )
+    # The rule's verdict there (`check_join`): its structural checks passed in the scan, which also
+    # predicted the step on the checked load (the roofline's is the step model's own, to the bit).
+    verdict = tbt_verdict(int(checked.batch_size[slot]), output_tokens, float(predicted), tbt_slo_s)
     return DecodeChoice(decode_instance=board.instance_ids[slot], verdict=verdict)
 
 

@@ -168,6 +168,13 @@ def check_join(
     if step_model is None:
         return JoinVerdict(accepted=True)
     predicted = step_model.step_s(round(load.batch_size) + 1, round(load.context_tokens) + prompt_tokens)
-    if tbt_slo_s is not None and output_tokens > 1 and load.batch_size > 0 and predicted > tbt_slo_s:
-        return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted)
-    return JoinVerdict(accepted=True, predicted_tbt_s=predicted)
+    return tbt_verdict(load.batch_size, output_tokens, predicted, tbt_slo_s)
+
+
+def tbt_verdict(batch_size: float, output_tokens: int, predicted_tbt_s: float, tbt_slo_s: float | None) -> JoinVerdict:
+    """The last check of the rule, for a request the structural checks let in: refused when the step
+    predicted with it in the batch (`predicted_tbt_s`) exceeds the objective, unless the batch is empty
+    or the request takes no slot (no objective: never)."""
+    if tbt_slo_s is not None and output_tokens > 1 and batch_size > 0 and predicted_tbt_s > tbt_slo_s:
+        return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted_tbt_s)
+    return JoinVerdict(accepted=True, predicted_tbt_s=predicted_tbt_s)

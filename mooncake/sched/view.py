@@ -324,14 +324,20 @@ class DecodeBoard(_Board["DecodeView"]):
         self.max_context_tokens = np.zeros(count, dtype=np.int64)
         self.refresh_all()
 
-    def refresh(self, slot: int) -> None:
-        """Read the view in `slot` again (after a reservation, join, leave or state change)."""
-        view = self.slot_views[slot]
-        load, limits = view.load(), view.limits
+    def refresh_load(self, slot: int) -> None:
+        """Read the load of the view in `slot` again (after a reservation, join or leave: its limits and
+        state unchanged)."""
+        load = self.slot_views[slot].load()
         committed = self.committed
         committed.batch_size[slot] = load.batch_size
         committed.context_tokens[slot] = load.context_tokens
         committed.kv_tokens[slot] = load.kv_tokens
+
+    def refresh(self, slot: int) -> None:
+        """Read the view in `slot` again (its load, limits and state)."""
+        self.refresh_load(slot)
+        view = self.slot_views[slot]
+        limits = view.limits
         self.max_batch_size[slot] = UNLIMITED if limits.max_batch_size is None else limits.max_batch_size
         self.kv_capacity_tokens[slot] = limits.kv_capacity_tokens
         self.max_context_tokens[slot] = UNLIMITED if limits.max_context_tokens is None else limits.max_context_tokens

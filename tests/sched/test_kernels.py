@@ -53,7 +53,7 @@ limits = st.builds(
 instances = st.tuples(
     limits,
     st.booleans(),  # up
-    st.tuples(st.integers(0, 6), st.integers(0, 20_000)),  # checked (batch, KV)
+    st.tuples(st.integers(0, 6), st.integers(0, 50_000), st.integers(0, 20_000)),  # checked (batch, context, KV)
     st.tuples(st.integers(0, 6), st.integers(0, 50_000)),  # ranked (batch, context)
 )
 
@@ -68,9 +68,10 @@ def test_best_decode_slot_is_the_rule_instance_by_instance(
     scans: Any, board: list[Any], prompt: int, output: int, roofline: RooflineStep
 ) -> None:
     """The slot up that `check_join` (without its TBT check) lets in on the checked load, with the lowest
-    `step_s` on the ranked load plus the request; the first of equal steps; -1 when none."""
+    `step_s` on the ranked load plus the request (the first of equal steps; -1 when none), and the
+    `step_s` there on the checked load plus the request: what `check_join` predicts."""
     want, best = -1, math.inf
-    for slot, (limit, up, (batch, kv), (rank_batch, rank_context)) in enumerate(board):
+    for slot, (limit, up, (batch, _, kv), (rank_batch, rank_context)) in enumerate(board):
         load = DecodeLoad(batch, 0, kv)
         if up and check_join(limit, load, prompt_tokens=prompt, output_tokens=output).accepted:
             step = roofline.step_s(rank_batch + 1, rank_context + prompt)
@@ -80,12 +81,13 @@ def test_best_decode_slot_is_the_rule_instance_by_instance(
     def column(values: list[int]) -> np.ndarray:
         return np.array(values, dtype=np.int64)
 
-    got = scans.best_decode_slot(
+    got, predicted = scans.best_decode_slot(
         prompt,
         output,
         np.array([up for _, up, _, _ in board], dtype=bool),
-        column([batch for _, _, (batch, _), _ in board]),
-        column([kv for _, _, (_, kv), _ in board]),
+        column([batch for _, _, (batch, _, _), _ in board]),
+        column([context for _, _, (_, context, _), _ in board]),
+        column([kv for _, _, (_, _, kv), _ in board]),
         column([UNLIMITED if lim.max_batch_size is None else lim.max_batch_size for lim, *_ in board]),
         column([lim.kv_capacity_tokens for lim, *_ in board]),
         column([UNLIMITED if lim.max_context_tokens is None else lim.max_context_tokens for lim, *_ in board]),
@@ -95,6 +97,9 @@ def test_best_decode_slot_is_the_rule_instance_by_instance(
         roofline.overhead_s,
     )
     assert got == want
+    if want >= 0:
+        _, _, (batch, context, _), _ = board[want]
+        assert predicted == roofline.step_s(batch + 1, context + prompt)
 
 
 @given(
