@@ -38,8 +38,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # None: the default (compiled iff numba imports); True / False: forced by `use_compiled`.
 _forced: list[bool | None] = [None]
 
-# (module name, compiled?) -> its kernels, loaded on first use of each path.
-_LOADED: dict[tuple[str, bool], SimpleNamespace] = {}
+# compiled? -> module name -> its kernels, loaded on first use of each path.
+_LOADED: dict[bool, dict[str, SimpleNamespace]] = {True: {}, False: {}}
 
 
 @functools.cache
@@ -131,9 +131,9 @@ def kernels(module_name: str) -> Any:
     (`is_compiled()`: its numba dispatchers, else `plain_kernels`), as attributes; the module is
     imported on first use, so that importing its caller does not load numba."""
     compiled = is_compiled()
-    loaded = _LOADED.get((module_name, compiled))
+    loaded = _LOADED[compiled].get(module_name)
     if loaded is None:
         module = importlib.import_module(module_name)
         functions = {name: getattr(module, name) for name in module.__all__} if compiled else plain_kernels(module)
-        loaded = _LOADED[(module_name, compiled)] = SimpleNamespace(**functions)
+        loaded = _LOADED[compiled][module_name] = SimpleNamespace(**functions)
     return loaded

@@ -43,6 +43,7 @@ class PendingBlocks:
         self._owners = np.full(size, -1, dtype=np.int64)
         self._counts = np.zeros(size, dtype=np.int64)
         self._size = 0
+        self._k = kernels(_KERNELS)  # the path in use when the table is made, for its lifetime (as a KeyTable)
 
     def __len__(self) -> int:
         """(owner, key) pairs counted at least once."""
@@ -52,15 +53,15 @@ class PendingBlocks:
         """Count each of `keys` (a key twice: twice) once more for `owner`."""
         if (self._size + keys.size) * 2 > self._keys.size:
             self._grow(self._size + keys.size)
-        self._size += kernels(_KERNELS).pending_add(self._keys, self._owners, self._counts, keys, owner)
+        self._size += self._k.pending_add(self._keys, self._owners, self._counts, keys, owner)
 
     def remove(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
         """Count each of `keys` once less for `owner`: what `add` counted for a request that left."""
-        self._size -= kernels(_KERNELS).pending_remove(self._keys, self._owners, self._counts, keys, owner)
+        self._size -= self._k.pending_remove(self._keys, self._owners, self._counts, keys, owner)
 
     def count(self, owner: int, key: int) -> int:
         """How many times `key` is counted for `owner`."""
-        at = kernels(_KERNELS).pending_find(self._keys, self._owners, np.uint64(key), owner)
+        at = self._k.pending_find(self._keys, self._owners, np.uint64(key), owner)
         return 0 if at < 0 else int(self._counts[at])
 
     def walk(
@@ -68,9 +69,7 @@ class PendingBlocks:
     ) -> npt.NDArray[np.int64]:
         """Each slot's prefix `lengths[slot]` continued while the prompt's next key is counted for
         `owners[slot]` (< 0: nothing is coming there), as a new array."""
-        walked: npt.NDArray[np.int64] = kernels(_KERNELS).pending_walk(
-            self._keys, self._owners, prompt, lengths, owners
-        )
+        walked: npt.NDArray[np.int64] = self._k.pending_walk(self._keys, self._owners, prompt, lengths, owners)
         return walked
 
     def counts(self) -> dict[tuple[int, int], int]:
@@ -93,7 +92,7 @@ class PendingBlocks:
         keys = np.zeros(size, dtype=np.uint64)
         owners = np.full(size, -1, dtype=np.int64)
         counts = np.zeros(size, dtype=np.int64)
-        kernels(_KERNELS).pending_rehash(self._keys, self._owners, self._counts, keys, owners, counts)
+        self._k.pending_rehash(self._keys, self._owners, self._counts, keys, owners, counts)
         self._keys, self._owners, self._counts = keys, owners, counts
 
     def check_invariants(self) -> None:
@@ -102,7 +101,6 @@ class PendingBlocks:
         assert (self._counts[present] > 0).all(), "a present entry counted 0 times"
         assert (self._counts[~present] == 0).all(), "an empty entry with a count"
         assert self._size * 2 <= self._keys.size, "more than half full"
-        scan = kernels(_KERNELS)
         for i in np.flatnonzero(present).tolist():
-            found = scan.pending_find(self._keys, self._owners, self._keys[i], int(self._owners[i]))
+            found = self._k.pending_find(self._keys, self._owners, self._keys[i], int(self._owners[i]))
             assert found == i, f"entry {i} unreachable from its home bucket"

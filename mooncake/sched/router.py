@@ -243,11 +243,12 @@ class TtftEstimator:
         keep_copy: bool = True,
         transfer_s: float | None = None,
         prefill_s: float | None = None,
+        queue_s: float | None = None,
     ) -> RouteDecision:
         """The decision to prefill on `view` using `prefix_blocks` (moved from `transfer_from` if given,
-        the copy kept there afterwards if `keep_copy`). `transfer_s` and `prefill_s`, if given, are those
-        terms as the caller already computed them with this estimator for the same arguments (a router
-        that compared plans), so that they are not computed twice."""
+        the copy kept there afterwards if `keep_copy`). `transfer_s`, `prefill_s` and `queue_s`, if given,
+        are those terms as the caller already computed them (with this estimator, for the same arguments
+        and `view.queue_s(now)`: a router that compared plans), so that they are not computed twice."""
         prefix = query.prefix_tokens(prefix_blocks)
         plan = None
         if transfer_from is None:
@@ -271,7 +272,7 @@ class TtftEstimator:
             prefix_tokens=prefix,
             transfer=plan,
             transfer_s=transfer_s,
-            queue_s=view.queue_s(now),
+            queue_s=view.queue_s(now) if queue_s is None else queue_s,
             prefill_s=self.prefill.prefill_s(query.input_tokens, prefix) if prefill_s is None else prefill_s,
         )
 
@@ -417,7 +418,7 @@ class KvCacheCentricRouter:
                     moving = transfer_of[held] = estimator.transfer.transfer_s(
                         moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                     )
-            waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s
+            waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s(now), from the board
             key = (max(moving, waiting) + prefill, waiting)
             if key < fastest:
                 fastest, tied = key, [(slot, blocks, moves, moving, prefill)]
@@ -438,6 +439,7 @@ class KvCacheCentricRouter:
             keep_copy=query.best_holders < self.max_replicas(len(board)),
             transfer_s=moving if moves else None,
             prefill_s=prefill,
+            queue_s=fastest[1],
         )
 
 
