@@ -42,6 +42,7 @@ __all__ = [
     "check_join",
     "check_tokens",
     "refusal",
+    "tbt_verdict",
 ]
 
 UNLIMITED = np.iinfo(np.int64).max // 4  # a limit nothing reaches (room for sums without overflow)
