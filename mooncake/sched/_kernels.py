@@ -15,8 +15,9 @@ paths give the same answers; the plain one is slower on large boards.
   `sched.join.refusal`, the decode rule's structural checks, compiled from that
   one definition.
 - `shortest_by_length`: the router's shortlist (`sched.router`).
-- `pending_*`: the table of `sched.pending.PendingBlocks` (add, remove, grow) and its walk along a
-  prompt from each instance's cached prefix.
+- `pending_*`: the compiled path of `sched.pending.PendingBlocks`, a table (add, remove, grow)
+  and its walk along a prompt from each instance's cached prefix (its plain path keeps a Counter
+  per instance instead: the table's probing as Python would cost more than it saves).
 """
 
 import numpy as np

@@ -7,26 +7,33 @@ instance (`add`) until the request leaves the queue (`remove`), and continues
 each instance's indexed prefix of a new prompt while the prompt's next key is
 counted there (`walk`).
 
-The counts live in one open-addressing table of (owner, key) → count for all
-owners (numpy arrays, linear probing, backward-shift deletion, grown by
-doubling at half full), worked by the compiled kernels of `sched._kernels`
-where numba imports: adding a 64-block prompt is one call, not 64 inserts into
-a Python dict that, with a few thousand queued prompts, no longer fits the CPU's
-caches. Owners are small non-negative ints the caller assigns (the Conductor:
-one per prefill instance, for its lifetime); keys are uint64 as the index
-stores them (`cache.index.key_array`).
+Where numba imports, the counts live in one open-addressing table of
+(owner, key) → count for all owners (numpy arrays, linear probing,
+backward-shift deletion, grown by doubling at half full), worked by the
+compiled kernels of `sched._kernels`: adding a 64-block prompt is one call, not
+64 inserts into a Python dict that, with a few thousand queued prompts, no
+longer fits the CPU's caches. Without numba (or with
+`_compiled.use_compiled(False)` when the object is made) they live in one
+`collections.Counter` per owner, whose `update` is one C call: the same counts
+and walks, without the table's kernels run as slow Python. Owners are small
+non-negative ints the caller assigns (the Conductor: one per prefill instance,
+for its lifetime); keys are uint64 as the index stores them
+(`cache.index.key_array`).
 
-Invariants (`check_invariants`): an entry is present iff its count is > 0;
-`len()` is the number of present entries; every present entry is reachable
-from its home bucket without crossing an empty one; the table is at most half full.
+Invariants (`check_invariants`): what is counted is present, with a count
+> 0; `len()` is the number of (owner, key) pairs counted; in the table, every
+present entry is reachable from its home bucket without crossing an empty one,
+and the table is at most half full.
 """
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import numpy.typing as npt
 
-from mooncake.cache._compiled import kernels
+from mooncake.cache._compiled import is_compiled, kernels
 
 __all__ = ["PendingBlocks"]
 
@@ -34,8 +41,8 @@ _KERNELS = "mooncake.sched._kernels"
 _MIN_CAPACITY = 1024
 
 
-class PendingBlocks:
-    """Block keys counted per owner, with the walk along a prompt (see the module docstring)."""
+class _Table:
+    """The compiled path: one open-addressing table of (owner, key) -> count."""
 
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         size = 1 << max(4, (max(capacity, 1) - 1).bit_length())
@@ -43,7 +50,7 @@ class PendingBlocks:
         self._owners = np.full(size, -1, dtype=np.int64)
         self._counts = np.zeros(size, dtype=np.int64)
         self._size = 0
-        self._k = kernels(_KERNELS)  # the path in use when the table is made, for its lifetime (as a KeyTable)
+        self._k = kernels(_KERNELS)
 
     def __len__(self) -> int:
         """(owner, key) pairs counted at least once."""
@@ -104,3 +111,98 @@ class PendingBlocks:
         for i in np.flatnonzero(present).tolist():
             found = self._k.pending_find(self._keys, self._owners, self._keys[i], int(self._owners[i]))
             assert found == i, f"entry {i} unreachable from its home bucket"
+
+
+class _Counters:
+    """The plain path: a `collections.Counter` of keys per owner."""
+
+    def __init__(self) -> None:
+        self._coming: dict[int, collections.Counter[int]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(counter) for counter in self._coming.values())
+
+    def add(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
+        if keys.size:
+            self._coming.setdefault(owner, collections.Counter()).update(keys.tolist())
+
+    def remove(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
+        counter = self._coming.get(owner)
+        if counter is None:
+            return
+        for key in keys.tolist():
+            count = counter.get(key, 0)
+            if count > 1:
+                counter[key] = count - 1
+            elif count:
+                del counter[key]
+        if not counter:  # nothing coming there any more: the walk skips the owner
+            del self._coming[owner]
+
+    def count(self, owner: int, key: int) -> int:
+        return self._coming.get(owner, collections.Counter())[key]
+
+    def walk(
+        self, prompt: npt.NDArray[np.uint64], lengths: npt.NDArray[np.int64], owners: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        walked = lengths.copy()
+        if not self._coming:
+            return walked
+        keys = prompt.tolist()
+        for slot, owner in enumerate(owners.tolist()):
+            counter = self._coming.get(owner)
+            if counter is None:
+                continue
+            end = int(walked[slot])
+            while end < len(keys) and keys[end] in counter:
+                end += 1
+            walked[slot] = end
+        return walked
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        return {(owner, key): n for owner, counter in self._coming.items() for key, n in counter.items()}
+
+    def check_invariants(self) -> None:
+        for owner, counter in self._coming.items():
+            assert counter, f"owner {owner}: an empty counter kept"
+            assert all(n > 0 for n in counter.values()), f"owner {owner}: a key counted 0 times"
+
+
+class PendingBlocks:
+    """Block keys counted per owner, with the walk along a prompt (see the module docstring); the
+    path (compiled table or plain counters) is chosen when it is made, for its lifetime, as a
+    `KeyTable`'s is."""
+
+    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        self.is_compiled = is_compiled()
+        self._store: _Table | _Counters = _Table(capacity) if self.is_compiled else _Counters()
+
+    def __len__(self) -> int:
+        """(owner, key) pairs counted at least once."""
+        return len(self._store)
+
+    def add(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
+        """Count each of `keys` (a key twice: twice) once more for `owner`."""
+        self._store.add(owner, keys)
+
+    def remove(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
+        """Count each of `keys` once less for `owner`: what `add` counted for a request that left."""
+        self._store.remove(owner, keys)
+
+    def count(self, owner: int, key: int) -> int:
+        """How many times `key` is counted for `owner`."""
+        return self._store.count(owner, key)
+
+    def walk(
+        self, prompt: npt.NDArray[np.uint64], lengths: npt.NDArray[np.int64], owners: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """Each slot's prefix `lengths[slot]` continued while the prompt's next key is counted for
+        `owners[slot]` (< 0: nothing is coming there), as a new array."""
+        return self._store.walk(prompt, lengths, owners)
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Every (owner, key) counted, with its count."""
+        return self._store.counts()
+
+    def check_invariants(self) -> None:
+        self._store.check_invariants()

@@ -387,10 +387,10 @@ class KvCacheCentricRouter:
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
         estimator = self.estimator
-        # The terms that do not depend on the instance are computed once per request:
-        # the prefill time per prefix length used, and the transfer time per block count.
-        prefill_of: dict[int, float] = {}
-        transfer_of: dict[int, float] = {}
+        # Each planned instance holds a different prefix length, so its own prefill and transfer are
+        # computed once; the prefill from the best holder's prefix, which several may use (the best
+        # holder itself and those that fetch it), once per request.
+        prefill_at_best = -1.0
         fastest = (math.inf, math.inf)
         # Each planned instance at the fastest (TTFT, queue): (slot, blocks, moves, transfer s, prefill s).
         tied: list[tuple[int, int, bool, float, float]] = []
@@ -405,19 +405,18 @@ class KvCacheCentricRouter:
                 and best != board.instance_ids[slot]
             )
             blocks = best_blocks if moves else held
-            prefill = prefill_of.get(blocks)
-            if prefill is None:
-                prefill = prefill_of[blocks] = estimator.prefill.prefill_s(
-                    query.input_tokens, query.prefix_tokens(blocks)
-                )
+            if blocks != best_blocks:
+                prefill = estimator.prefill.prefill_s(query.input_tokens, query.prefix_tokens(blocks))
+            else:
+                if prefill_at_best < 0:
+                    prefill_at_best = estimator.prefill.prefill_s(query.input_tokens, query.prefix_tokens(blocks))
+                prefill = prefill_at_best
             moving = 0.0
             if moves:
-                moving = transfer_of.get(held, -1.0)
-                if moving < 0:
-                    moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(held)
-                    moving = transfer_of[held] = estimator.transfer.transfer_s(
-                        moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
-                    )
+                moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(held)
+                moving = estimator.transfer.transfer_s(
+                    moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
+                )
             waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s(now), from the board
             key = (max(moving, waiting) + prefill, waiting)
             if key < fastest:
