@@ -1,9 +1,10 @@
-"""Kernels of the Conductor's two per-request scans: compiled by numba where it imports, else plain Python.
+"""Kernels of the Conductor's per-request loops: compiled by numba where it imports, else plain Python.
 
 Choosing a decode instance and shortlisting prefill instances each compare
 every instance of a board for every request. As whole-array numpy they cost a
 dozen array operations of about a microsecond each on a board of tens; as one
-compiled loop, one call. The functions are written once, in the subset of
+compiled loop, one call. Counting a queued prompt's blocks and walking a new
+prompt along them is a loop over its keys. The functions are written once, in the subset of
 Python that numba compiles and numpy scalars run unchanged: compiled where
 numba imports, the same functions undecorated otherwise
 (`mooncake.cache._compiled`, the one switch between the two paths), so both
