@@ -262,7 +262,8 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
-        decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s, now)
+        ttft_s = route.ttft_s
+        decode = self._choose_decode(request, route.prefill_instance, now + ttft_s, now)
         verdict = self.admission.admit(route, decode, self.slo)
         decision = ScheduleDecision(
             request_id=request.request_id,
@@ -272,7 +273,7 @@ class Conductor:
             decode_instance=decode.decode_instance,
             prefix_tokens=route.prefix_tokens,
             transfer=route.transfer,
-            ttft_s=route.ttft_s,
+            ttft_s=ttft_s,
             tbt_s=decode.tbt_s,
         )
         if verdict.accepted:
@@ -302,7 +303,7 @@ class Conductor:
             self._decode_board.refresh_load(self._decode_board.slot[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
             self._in_flight[request.request_id] = _InFlight(
-                route.prefill_instance, decode.decode_instance, now, route.ttft_s, route.transfer is not None
+                route.prefill_instance, decode.decode_instance, now, ttft_s, route.transfer is not None
             )
         return decision
 
