@@ -10,9 +10,10 @@ KV-cache-centric router and early rejection. Only `schedule` is timed, in rounds
 of 1,000 after a first, untimed round (numba loads its compiled kernels on the
 first decision); between rounds the accepted requests are ended by events
 (untimed), so queues and VRAM stay in a steady state. Once the index and the
-Conductor are built, the process freezes its heap as a server does after startup
-(`gc.freeze()`, as vLLM's `freeze_gc_heap`), so that the garbage collector's full
-passes skip them; the requests and all that scheduling makes stay collectable. The peer in the same run is the same Conductor
+Conductor are built, the process freezes its heap as a server does after
+startup (`gc.freeze()`, as vLLM's `freeze_gc_heap`), so that the garbage
+collector's full passes skip them; the requests and all that scheduling makes
+stay collectable. The peer in the same run is the same Conductor
 without the index lookup (routing on empty prefixes), to show what the match
 costs; with nothing cached its 32 k-token prompts would miss the TTFT objective
 and be rejected before most of the work an accepted one costs, so it runs with

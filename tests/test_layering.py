@@ -125,12 +125,31 @@ WITHOUT_EXTRAS = textwrap.dedent(
         refused = False
     except ConfigError:
         refused = True
+    from mooncake.cache import BlockStored
+    from mooncake.sched import HARDWARE, MODELS, build_conductor
+    from mooncake.types import InstanceId, Request, RequestId, Tier
+
+    conductor = build_conductor(
+        model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"], prefill_instances=["a", "b"],
+        decode_instances=["d"], hasher=hasher,
+    )
+    for instance, held in (("a", keys[:6]), ("b", keys[:3])):
+        conductor.apply_cache_event(BlockStored(source=InstanceId(instance), seq=0, keys=held, tier=Tier.DRAM))
+    decisions = []
+    for n in range(3):  # the second and third queue behind the first: its blocks count as coming
+        request = Request(request_id=RequestId(str(n)), arrival_s=0.0, input_length=40, output_length=8,
+                          block_keys=keys, block_size_tokens=4)
+        decision = conductor.schedule(request, 0.0)
+        decisions.append([decision.accepted, decision.prefill_instance, decision.decode_instance,
+                          decision.prefix_tokens])
+    conductor.check_invariants()
     print(json.dumps({
         "keys": [str(k) for k in keys],
         "batch": [str(k) for k in batch.keys.tolist()],
         "lengths": dict(index.match(keys).lengths),
         "compiled": is_compiled() or hasher.is_compiled,
         "refused": refused,
+        "decisions": decisions,
         "loaded": sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED),
     }))
     """
@@ -139,7 +158,8 @@ WITHOUT_EXTRAS = textwrap.dedent(
 
 def test_core_imports_without_extras() -> None:
     """With no extra installed (torch, numba, aiohttp, ray, ... unimportable), `mooncake.sched`, `mooncake.cache`
-    and `mooncake.workload` import, and the hasher and index give the same keys and answers as here."""
+    and `mooncake.workload` import, and the hasher, the index and a Conductor (its scans and pending blocks
+    on the plain path) give the same keys, answers and decisions as here."""
     script = f"BLOCKED = {set(EXTRA_PACKAGES)!r}\n{WITHOUT_EXTRAS}"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -155,6 +175,35 @@ def test_core_imports_without_extras() -> None:
     assert plain["keys"] == [str(k) for k in keys]
     assert plain["batch"] == [str(k) for k in hasher.hash_batch(tokens, [0, 9, 9, 40]).keys.tolist()]
     assert plain["lengths"] == {"a": 6, "b": 3}
+    # The Conductor schedules without numba (its scans and pending blocks on the plain path) as it does here.
+    from mooncake.cache import BlockStored
+    from mooncake.sched import HARDWARE, MODELS, build_conductor
+    from mooncake.types import InstanceId, Request, RequestId, Tier
+
+    conductor = build_conductor(
+        model=MODELS["llama3-70b"],
+        hardware=HARDWARE["8xA800"],
+        prefill_instances=["a", "b"],
+        decode_instances=["d"],
+        hasher=hasher,
+    )
+    for instance, held in (("a", keys[:6]), ("b", keys[:3])):
+        conductor.apply_cache_event(BlockStored(source=InstanceId(instance), seq=0, keys=held, tier=Tier.DRAM))
+    decisions = []
+    for n in range(3):
+        request = Request(
+            request_id=RequestId(str(n)),
+            arrival_s=0.0,
+            input_length=40,
+            output_length=8,
+            block_keys=keys,
+            block_size_tokens=4,
+        )
+        decision = conductor.schedule(request, 0.0)
+        decisions.append(
+            [decision.accepted, decision.prefill_instance, decision.decode_instance, decision.prefix_tokens]
+        )
+    assert plain["decisions"] == decisions
 
 
 def top_level_imports(module: str) -> set[str]:

@@ -1,12 +1,14 @@
 """numba as an optional accelerator: the one switch between compiled and plain kernels.
 
 The per-key loops of the index's key table (`_key_table_kernels`), the
-per-block loop of the batch hasher (`_xxh3_kernel`) and the Conductor's
-per-instance scans (`mooncake.sched._kernels`, loaded through `kernels`) are
-compiled with numba when it imports (the `accel` extra). Without numba the same work runs in plain
-Python: the key-table kernels are the very same functions, left undecorated, on
-the same arrays; the hasher calls xxhash's Python API on the same bytes. Both
-paths give identical keys, tables and answers; the plain one is slower.
+per-block loop of the batch hasher (`_xxh3_kernel`) and the Conductor's loops
+over instances and blocks (`mooncake.sched._kernels`, loaded through `kernels`)
+are compiled with numba when it imports (the `accel` extra). Without numba the
+same work runs in plain Python: the key-table and scan kernels are the very same
+functions, left undecorated, on the same arrays; the hasher calls xxhash's
+Python API on the same bytes; the Conductor's pending blocks are counted in
+Python dicts. Both paths give identical keys, tables and answers; the plain one
+is slower.
 
 The path is chosen on first use: compiled iff numba imports, unless
 `use_compiled` says otherwise (tests run both paths in one process; a process
@@ -102,8 +104,9 @@ def plain_kernels(module: ModuleType) -> dict[str, Callable[..., Any]]:
     Each of the module's functions (the `py_func` of a numba dispatcher) is
     rebound to a copy of the module's globals in which its callees are plain
     copies too (a kernel compiled from another module's function: that plain
-    function itself, which calls no numba code). numba integers wrap silently where numpy scalars warn on
-    overflow, so the entry points run with overflow warnings off.
+    function itself, which calls no numba code). numba integers wrap silently
+    where numpy scalars warn on overflow, so the entry points run with overflow
+    warnings off.
     """
     namespace = dict(vars(module))
     for name, value in vars(module).items():
