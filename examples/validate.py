@@ -38,7 +38,10 @@
 3. Side by side: TTFT and TBT (mean, p50, p90), cache hit ratio, rejections;
    per request (by id, those completed in both): the relative TTFT error
    |sim − real| / real (median, p90), the relative error of the mean TBT, and
-   the fraction of requests both ran on the same prefill and decode instances.
+   the fraction of requests both ran on the same prefill and decode instances;
+   and by bands of output and of prompt length (`by_output_tokens`,
+   `by_prompt_tokens`): each band's mean TBT in both runs and median signed
+   TTFT error, which show where a mean's agreement comes from.
    With `--out`, CDF plots of both runs' TTFT and TBT (`ttft_cdf_RUN.png`,
    `tbt_cdf_RUN.png`) and `validate.json`.
 
@@ -100,6 +103,52 @@ CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by
 # the faster pace's queues add on top is the part that tells the two runs apart (`rejected_sim_unloaded`:
 # the simulated twin's rejections under the same objective at the serviceable pace).
 OVERLOAD_OBJECTIVE_QUANTILE = 0.9
+# Bands (lower edges, tokens) of the errors by size: where the mean's agreement comes from. A short answer's
+# TBT is the longest of its few intervals, a long one's the tail of many; long prompts prefill longest.
+OUTPUT_BANDS = (1, 5, 10, 20, 40)
+PROMPT_BANDS = (1, 128, 512, 1024)
+
+
+@attrs.frozen
+class Band:
+    """The requests (completed in both runs) whose size falls in [`low`, `high`) tokens: how many, the
+    real and simulated mean TBT, and the median signed relative TTFT error (sim − real) / real."""
+
+    low: int
+    high: int | None  # None: no upper edge
+    count: int
+    tbt_real_s: float
+    tbt_sim_s: float
+    ttft_signed_error: float
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def bands(
+    sizes: Sequence[int], pairs: Sequence[tuple[RequestRecord, RequestRecord]], edges: Sequence[int]
+) -> tuple[Band, ...]:
+    """`pairs` (real, simulated) grouped by `sizes` into the bands starting at `edges` (empty bands left out)."""
+    found = []
+    for low, high in zip(edges, [*edges[1:], None], strict=True):
+        members = [
+            pair for size, pair in zip(sizes, pairs, strict=True) if size >= low and (high is None or size < high)
+        ]
+        if not members:
+            continue
+        found.append(
+            Band(
+                low=low,
+                high=high,
+                count=len(members),
+                tbt_real_s=float(np.mean([r.tbt_s for r, _ in members])),
+                tbt_sim_s=float(np.mean([s.tbt_s for _, s in members])),
+                ttft_signed_error=float(
+                    np.median([((s.ttft_s or 0.0) - (r.ttft_s or 0.0)) / (r.ttft_s or 1.0) for r, s in members])
+                ),
+            )
+        )
+    return tuple(found)
 
 
 @attrs.frozen
@@ -116,6 +165,8 @@ class Comparison:
     calibration: Calibration
     slo: Slo  # the run's objectives (the overload run's TTFT objective is validate's)
     rejected_sim_unloaded: int | None = None  # the simulated rejections under `slo` at the serviceable pace
+    by_output_tokens: tuple[Band, ...] = ()
+    by_prompt_tokens: tuple[Band, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -130,6 +181,8 @@ class Comparison:
             "compared_requests": self.compared,
             "ttft_slo_s": self.slo.ttft_s,
             **({} if self.rejected_sim_unloaded is None else {"rejected_sim_unloaded": self.rejected_sim_unloaded}),
+            "by_output_tokens": [band.to_json() for band in self.by_output_tokens],
+            "by_prompt_tokens": [band.to_json() for band in self.by_prompt_tokens],
             "calibration": self.calibration.to_json(),
             "real": self.real.to_json(),
             "sim": self.sim.to_json(),
@@ -149,6 +202,7 @@ def compare(
     sim = [attrs.evolve(r, tbt_s=observed_tbt(r, calibration.jitter_s, rng, calibration.events_per_token)) for r in sim]
     simulated = {r.request_id: r for r in sim}
     ttft_errors, real_tbt, sim_tbt, same_route, routed = [], [], [], 0, 0
+    pairs: list[tuple[RequestRecord, RequestRecord]] = []
     for r in real:
         s = simulated.get(r.request_id)
         if s is None:
@@ -160,6 +214,7 @@ def compare(
             ttft_errors.append(abs(s.ttft_s - r.ttft_s) / r.ttft_s)
             real_tbt.append(r.tbt_s)
             sim_tbt.append(s.tbt_s)
+            pairs.append((r, s))
     nan = float("nan")
     real_mean, sim_mean = (float(np.mean(v)) if v else nan for v in (real_tbt, sim_tbt))
     return Comparison(
@@ -172,6 +227,8 @@ def compare(
         compared=len(ttft_errors),
         calibration=calibration,
         slo=slo,
+        by_output_tokens=bands([r.output_tokens for r, _ in pairs], pairs, OUTPUT_BANDS),
+        by_prompt_tokens=bands([r.input_tokens for r, _ in pairs], pairs, PROMPT_BANDS),
     )
 
 
@@ -364,6 +421,16 @@ def print_comparison(name: str, result: Comparison) -> None:
         f"  per request: TTFT error median {result.ttft_median_rel_error:.1%}, p90 {result.ttft_p90_rel_error:.1%}; "
         f"mean TBT error {result.tbt_mean_rel_error:.1%}; same route {result.same_route_fraction:.1%}"
     )
+    for label, found in (("output", result.by_output_tokens), ("prompt", result.by_prompt_tokens)):
+        print(
+            f"  by {label} tokens: "
+            + "; ".join(
+                f"{band.low}{'+' if band.high is None else f'-{band.high - 1}'} ({band.count}): TBT sim/real "
+                f"{band.tbt_sim_s / band.tbt_real_s if band.tbt_real_s else float('nan'):.2f}, "
+                f"TTFT {band.ttft_signed_error:+.0%}"
+                for band in found
+            )
+        )
     if result.rejected_sim_unloaded is not None:
         print(
             f"  TTFT objective {result.slo.ttft_s * 1000:.2f} ms: the simulated twin rejects "

@@ -280,6 +280,8 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
         assert run_summary["real"]["num_requests"] == run_summary["sim"]["num_requests"] == 12
         assert 0 <= run_summary["same_route_fraction"] <= 1
     assert summary["compared_requests"] > 0 and summary["ttft_median_rel_error"] >= 0
+    for by in ("by_output_tokens", "by_prompt_tokens"):  # every request compared falls in one band
+        assert sum(band["count"] for band in summary[by]) == summary["compared_requests"]
     # The overload run's TTFT objective: a quantile of the Conductor's estimates (the config's is 30 s), with
     # what it refuses at the serviceable pace alongside.
     assert summary["ttft_slo_s"] == 30.0

@@ -152,6 +152,31 @@ def test_compare_measures_the_simulation_against_the_real_run_request_by_request
     assert (validate.rejected(result.real), validate.rejected(result.sim)) == (1, 1)
 
 
+def test_compare_groups_the_errors_by_output_and_prompt_length() -> None:
+    """Per band of output (and of prompt) tokens, the requests completed in both: their count, the mean TBT
+    of each run and the median signed TTFT error; bands no request falls in are left out."""
+    validate = pytest.importorskip("validate")
+    ok = Outcome.COMPLETED
+    real, sim = [], []
+    for name, output, prompt, ttft, tbt in (
+        ("a", 2, 100, 1.0, 0.010),
+        ("b", 3, 600, 2.0, 0.020),
+        ("c", 50, 600, 1.0, 0.030),
+    ):
+        r, s = record(name, ttft, tbt, None, ok), record(name, ttft * 1.5, tbt * 2, None, ok)
+        for done in (r, s):
+            done.output_tokens, done.input_tokens = output, prompt
+        real.append(r)
+        sim.append(s)
+    result = validate.compare(real, sim, Slo(), validate.Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0))
+    by_output = [(b.low, b.high, b.count) for b in result.by_output_tokens]
+    assert by_output == [(1, 5, 2), (40, None, 1)]
+    first = result.by_output_tokens[0]
+    assert (first.tbt_real_s, first.tbt_sim_s, first.ttft_signed_error) == pytest.approx((0.015, 0.030, 0.5))
+    assert [(b.low, b.high, b.count) for b in result.by_prompt_tokens] == [(1, 128, 1), (512, 1024, 2)]
+    assert result.to_json()["by_prompt_tokens"][1]["count"] == 2
+
+
 def streamed(intervals_ms: list[float]) -> RequestRecord:
     done = record("s", 0.01, 0.0, None, Outcome.COMPLETED)
     for interval in intervals_ms:
