@@ -24,6 +24,7 @@ paths give the same answers; the plain one is slower on large boards.
 import numpy as np
 
 from mooncake.cache._compiled import jit as _jit
+from mooncake.cache._key_table_kernels import bucket as _bucket
 from mooncake.sched import join as _join
 
 __all__ = [
@@ -134,22 +135,14 @@ def shortest_by_length(own, busy_until_s, now, weight):
 # A linear-probing table of (owner, key) -> count: `owners[i] < 0` marks an empty entry; the
 # table's size is a power of two.
 
-_MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
-_MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
 _OWNER_MIX = np.uint64(0x9E3779B97F4A7C15)
-_SHIFT = np.uint64(33)
 
 
 @jit
 def pending_bucket(key, owner, mask):
-    # murmur3's finalizer of the key xor a multiple of the owner: one table for every owner.
-    h = key ^ (np.uint64(owner) * _OWNER_MIX)
-    h ^= h >> _SHIFT
-    h *= _MIX_1
-    h ^= h >> _SHIFT
-    h *= _MIX_2
-    h ^= h >> _SHIFT
-    return np.int64(h & np.uint64(mask))
+    # The key table's bucket (murmur3's finalizer) of the key xor a multiple of the owner: one table for
+    # every owner.
+    return _bucket(key ^ (np.uint64(owner) * _OWNER_MIX), mask)
 
 
 @jit
