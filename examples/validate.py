@@ -125,6 +125,12 @@ class Band:
         return attrs.asdict(self)
 
 
+def ttft_error(real: RequestRecord, sim: RequestRecord) -> float:
+    """The simulated TTFT's relative error, signed: (sim − real) / real, of a request both completed."""
+    assert real.ttft_s and sim.ttft_s is not None  # completed in both
+    return (sim.ttft_s - real.ttft_s) / real.ttft_s
+
+
 def bands(
     sizes: Sequence[int], pairs: Sequence[tuple[RequestRecord, RequestRecord]], edges: Sequence[int]
 ) -> tuple[Band, ...]:
@@ -143,9 +149,7 @@ def bands(
                 count=len(members),
                 tbt_real_s=float(np.mean([r.tbt_s for r, _ in members])),
                 tbt_sim_s=float(np.mean([s.tbt_s for _, s in members])),
-                ttft_signed_error=float(
-                    np.median([((s.ttft_s or 0.0) - (r.ttft_s or 0.0)) / (r.ttft_s or 1.0) for r, s in members])
-                ),
+                ttft_signed_error=float(np.median([ttft_error(r, s) for r, s in members])),
             )
         )
     return tuple(found)
@@ -211,7 +215,7 @@ def compare(
             routed += 1
             same_route += (r.prefill_instance, r.decode_instance) == (s.prefill_instance, s.decode_instance)
         if r.outcome is Outcome.COMPLETED and s.outcome is Outcome.COMPLETED and r.ttft_s and s.ttft_s is not None:
-            ttft_errors.append(abs(s.ttft_s - r.ttft_s) / r.ttft_s)
+            ttft_errors.append(abs(ttft_error(r, s)))
             real_tbt.append(r.tbt_s)
             sim_tbt.append(s.tbt_s)
             pairs.append((r, s))
@@ -488,16 +492,20 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, Comparison] = {}
             repeat: Comparison | None = None
             estimates: list[float] = []  # the serviceable run's, from its simulated Conductor
+            serviceable = simulation.load_workload(args, speedup=args.speedup)
             for name, speedup in runs.items():
                 run_config, unloaded = config, None
                 if name == "overload" and args.overload_slo > 0 and estimates:
                     objective = round(float(np.quantile(estimates, args.overload_slo)), 6)
                     run_config = config.with_overrides("slo", ttft_s=objective)
-                requests = simulation.load_workload(args, speedup=args.speedup * speedup)
+                requests = (
+                    serviceable
+                    if name == "serviceable"
+                    else simulation.load_workload(args, speedup=args.speedup * speedup)
+                )
                 real, calibration = run_real(run_config, requests, args)
                 sim = run_sim(run_config, requests, args, calibration, estimates if name == "serviceable" else None)
                 if run_config is not config:  # what the objective alone refuses, at the serviceable pace
-                    serviceable = simulation.load_workload(args, speedup=args.speedup)
                     unloaded = rejected(summarize(run_sim(run_config, serviceable, args, calibration), Slo()))
                 slo = Slo(ttft_s=run_config.slo.ttft_s, tbt_s=run_config.slo.tbt_s)
                 results[name] = attrs.evolve(compare(real, sim, slo, calibration), rejected_sim_unloaded=unloaded)

@@ -386,6 +386,7 @@ class KvCacheCentricRouter:
             shortest, _ = scan.shortest_by_length(own, busy, now, weight)
         threshold = self.current_threshold
         best, best_blocks = query.best_instance, query.best_blocks
+        best_tokens = query.prefix_tokens(best_blocks)
         estimator = self.estimator
         # Each planned instance holds a different prefix length, so its own prefill and transfer are
         # computed once; the prefill from the best holder's prefix, which several may use (the best
@@ -409,11 +410,11 @@ class KvCacheCentricRouter:
                 prefill = estimator.prefill.prefill_s(query.input_tokens, query.prefix_tokens(blocks))
             else:
                 if prefill_at_best < 0:
-                    prefill_at_best = estimator.prefill.prefill_s(query.input_tokens, query.prefix_tokens(blocks))
+                    prefill_at_best = estimator.prefill.prefill_s(query.input_tokens, best_tokens)
                 prefill = prefill_at_best
             moving = 0.0
             if moves:
-                moved = query.prefix_tokens(best_blocks) - query.prefix_tokens(held)
+                moved = best_tokens - query.prefix_tokens(held)
                 moving = estimator.transfer.transfer_s(
                     moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                 )
