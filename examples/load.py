@@ -17,11 +17,14 @@ that share hash ids share a prefix exactly as in the trace (prompts are capped
 at `--max-prompt-tokens`); outputs are `output_length × output_scale` tokens (at
 least 1, at most `--max-output-tokens`).
 
-Each request streams (with `stream_options.include_usage`) so that TTFT and
-every token interval are measured at the client; TBT is the paper's (mean of
-the longest 10 % intervals), the output tokens the usage's completion tokens
-(a detokenized stream sends no event for a token that adds no text yet, so a
-client sees fewer intervals than tokens). A 429 is a rejection (after prefill when the
+Each request streams (with `stream_options.include_usage` and
+`continuous_usage_stats`) so that TTFT and every interval between events are
+measured at the client, an event being a chunk with text, as vLLM's benchmark
+counts them; TBT is the paper's (mean of the longest 10 % intervals), the
+output tokens the usage's completion tokens. A detokenized stream sends no
+event for a token that adds no text yet, so a client sees fewer intervals than
+tokens; the usage in every chunk tells how many tokens each event carried
+(`ClientRecord.event_tokens`, left empty when a server sends no such usage). A 429 is a rejection (after prefill when the
 decode engine refused it), its reason the error's `code`; other errors count as
 failed and the first of each kind is printed to stderr. Requests name the model
 the server lists at `/v1/models` (or `--model`). The summary is
@@ -39,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,10 +67,18 @@ def reason_of(code: object) -> Reason:
         return Reason.DECODE_REJECTED
 
 
+@attrs.define(eq=False)
+class ClientRecord(RequestRecord):
+    """A request as the client saw it: with `event_tokens`, the tokens each event after the first carried (one
+    per interval; from the usage in every chunk), empty when the server did not send that usage."""
+
+    event_tokens: list[int] = attrs.field(factory=list)
+
+
 async def one(
     session: aiohttp.ClientSession,
     url: str,
-    record: RequestRecord,
+    record: ClientRecord,
     body: dict[str, Any],
     started: float,
     timeout_s: float,
@@ -73,6 +86,7 @@ async def one(
 ) -> None:
     """Send one request and fill `record`; a failure's message goes to `failures` under its kind."""
     last: float | None = None
+    carried: int | None = 0  # the completion tokens the events so far carried (None: a chunk had no usage)
 
     def failed(kind: str, message: str, reason: Reason = Reason.FAILED) -> None:
         record.reason = reason
@@ -102,18 +116,25 @@ async def one(
                     failed("stream error", data["error"]["message"])
                     return
                 now = time.perf_counter() - started
-                if data.get("usage"):
-                    record.input_tokens = data["usage"]["prompt_tokens"]
-                    record.prefix_tokens = data["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    record.output_tokens = data["usage"]["completion_tokens"]  # what was generated (a stop ends early)
+                usage = data.get("usage")
+                if not data["choices"]:  # the last chunk, the usage alone
+                    if usage:
+                        record.input_tokens = usage["prompt_tokens"]
+                        record.prefix_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                        record.output_tokens = usage["completion_tokens"]  # what was generated (a stop ends early)
                     continue
-                if data["choices"][0]["finish_reason"] is not None:
+                if not data["choices"][0].get("text"):  # no text (the finish of a stream that ended on one): no event
                     continue
                 if last is None:
                     record.first_token_s = now
                 else:
                     record.intervals.add(now - last, 0.0, 1)
+                    if carried is not None and usage:
+                        record.event_tokens.append(usage["completion_tokens"] - carried)
+                carried = usage["completion_tokens"] if carried is not None and usage else None
                 last = now
+            if carried is None:
+                record.event_tokens.clear()
             record.finish_s = time.perf_counter() - started
             record.tbt_s = top_mean(record.intervals) if record.intervals.count else 0.0
             record.outcome = Outcome.COMPLETED
@@ -132,10 +153,10 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
 
 async def replay_http(
     url: str, requests: list[Request], scaling: Scaling, *, model: str | None = None, timeout_s: float = 120.0
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[ClientRecord], float]:
     """Send `requests` scaled by `scaling` at their arrival times (the first at once), each streamed; a record
     per request (its times from this call's start) and the wall time until the last answer ended."""
-    records: list[RequestRecord] = []
+    records: list[ClientRecord] = []
     first_arrival = requests[0].arrival_s if requests else 0.0
     failures: dict[str, str] = {}
     async with aiohttp.ClientSession() as session:
@@ -148,7 +169,7 @@ async def replay_http(
             if delay > 0:
                 await asyncio.sleep(delay)
             prompt, output = prompt_of(request, scaling), output_of(request, scaling)
-            record = RequestRecord(
+            record = ClientRecord(
                 request_id=request.request_id,
                 arrival_s=time.perf_counter() - started,
                 input_tokens=len(prompt.encode()),  # the server's count replaces it (usage.prompt_tokens)
@@ -160,7 +181,7 @@ async def replay_http(
                 "prompt": prompt,
                 "max_tokens": output,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                 "seed": int(request.request_id) % 2**31,
             }
             tasks.append(asyncio.create_task(one(session, url, record, body, started, timeout_s, failures)))

@@ -1,17 +1,18 @@
 """Validate the simulator against the real example cluster: one workload through both, and the per-request error.
 
     python examples/validate.py [--config examples/configs/tiny.toml] [--profile FILE]
-        [--trace FILE | --preset conversation] [--num-requests 200] [--rate 2] [--overload-speedup 8]
-        [--overload-slo 0.9] [--no-overload] [--repeat-real] [--json] [--out build/validate]
+        [--trace FILE | --preset conversation] [--num-requests 200] [--rate 2] [--overload-speedup 4]
+        [--overload-batch 1] [--no-overload] [--repeat-real] [--json] [--out build/validate]
 
 1. Profile: unless `--profile` names one, `examples/profile_engine.py --config`
    fits the prefill and decode cost models to the cluster's own engines
    (`OUT/profile.json`, lengths up to the config's `max_prompt_tokens`).
 2. Each run (the workload at its own pace, "serviceable"; then the same
-   workload `--overload-speedup` times faster, "overload", with the TTFT
-   objective the `--overload-slo` quantile of the TTFTs the Conductor
-   estimated for the serviceable run's requests, so that it rejects the
-   longest prompts and what queues push over): the workload
+   workload `--overload-speedup` times faster, "overload", on the cluster
+   with its decode batch limited to `--overload-batch` sequences, so that the
+   decode side binds and the Conductor rejects what the decode engine could
+   not take by the time it arrives: rejections the load makes, not the
+   lengths): the workload
    (replay.py's options; default a generated conversation workload) is scaled
    as load.py sends it (`examples/scaling.py`), then
    - real: a fresh cluster of `--config`, its Conductor on the profile. First
@@ -76,10 +77,9 @@ from serving.launch import start_cluster
 from serving.models import cost_models
 
 from mooncake.errors import ConfigError, EngineError, MooncakeError
-from mooncake.sched.conductor import ScheduleDecision
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
-from mooncake.sched.step import FittedStepModel
+from mooncake.sched.step import AnalyticStepModel, FittedStepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import RequestRecord, Summary, summarize
 from mooncake.sim.report import plot_cdfs, write_json
@@ -95,14 +95,13 @@ CALIBRATION_GAP_S = 0.3  # between calibration requests: each runs alone (a lone
 CALIBRATION_REPEATS = 6
 CALIBRATION_OUTPUT = 64  # tokens each calibration request asks for: intervals for the jitter's tail
 CALIBRATION_IDS = 10**9  # calibration request ids (numbers, as load.py seeds by id) far above a workload's
-# The overload run's TTFT objective: this quantile of the TTFTs the Conductor estimated for the serviceable
-# run's requests (the simulated twin's, which estimates as the real one does: the same profile, the same
-# events). The Conductor rejects on its estimates, and those leave out the serving path's latency, so an
-# objective in measured TTFTs (the config's 30 s, or twice the real median) is never reached: both runs
-# rejected nothing. At this one, the longest tenth of the prompts are refused on an idle cluster, and what
-# the faster pace's queues add on top is the part that tells the two runs apart (`rejected_sim_unloaded`:
-# the simulated twin's rejections under the same objective at the serviceable pace).
-OVERLOAD_OBJECTIVE_QUANTILE = 0.9
+# The overload run's decode batch limit and pace. With the tiny config's batch of 8 the decode side never
+# binds before this machine's two cores do (from ~64x, a contention the simulator does not model): a batch of
+# one sequence makes the decode engine the bottleneck at a pace the cores sustain, the paper's overload
+# (decode-bound, §7), and its rejections come from the load (`rejected_sim_unloaded`: the simulated twin's
+# rejections of the serviceable workload under the same limit, what it refuses without the faster pace).
+OVERLOAD_BATCH = 1
+OVERLOAD_SPEEDUP = 4.0
 # Bands (lower edges, tokens) of the errors by size: where the mean's agreement comes from. A short answer's
 # TBT is the longest of its few intervals, a long one's the tail of many; long prompts prefill longest.
 OUTPUT_BANDS = (1, 5, 10, 20, 40)
@@ -167,8 +166,9 @@ class Comparison:
     same_route_fraction: float
     compared: int  # requests completed in both runs
     calibration: Calibration
-    slo: Slo  # the run's objectives (the overload run's TTFT objective is validate's)
-    rejected_sim_unloaded: int | None = None  # the simulated rejections under `slo` at the serviceable pace
+    slo: Slo  # the run's objectives
+    decode_max_batch: int  # the run's decode batch limit
+    rejected_sim_unloaded: int | None = None  # the simulated rejections of the serviceable workload, same config
     by_output_tokens: tuple[Band, ...] = ()
     by_prompt_tokens: tuple[Band, ...] = ()
 
@@ -184,6 +184,7 @@ class Comparison:
             "rejected_sim": rejected(self.sim),
             "compared_requests": self.compared,
             "ttft_slo_s": self.slo.ttft_s,
+            "decode_max_batch": self.decode_max_batch,
             **({} if self.rejected_sim_unloaded is None else {"rejected_sim_unloaded": self.rejected_sim_unloaded}),
             "by_output_tokens": [band.to_json() for band in self.by_output_tokens],
             "by_prompt_tokens": [band.to_json() for band in self.by_prompt_tokens],
@@ -198,12 +199,16 @@ def rejected(summary: Summary) -> int:
 
 
 def compare(
-    real: Sequence[RequestRecord], sim: Sequence[RequestRecord], slo: Slo, calibration: Calibration
+    real: Sequence[RequestRecord],
+    sim: Sequence[RequestRecord],
+    slo: Slo,
+    decode_max_batch: int,
+    calibration: Calibration,
 ) -> Comparison:
     """The errors of `sim` against `real`, request by request (module docstring). The simulated TBTs are
     those a client would measure (`observed_tbt`, with the calibration's jitter)."""
     rng = np.random.default_rng(0)
-    sim = [attrs.evolve(r, tbt_s=observed_tbt(r, calibration.jitter_s, rng, calibration.events_per_token)) for r in sim]
+    sim = [attrs.evolve(r, tbt_s=observed_tbt(r, calibration.jitter_s, rng, calibration.event_sizes)) for r in sim]
     simulated = {r.request_id: r for r in sim}
     ttft_errors, real_tbt, sim_tbt, same_route, routed = [], [], [], 0, 0
     pairs: list[tuple[RequestRecord, RequestRecord]] = []
@@ -231,6 +236,7 @@ def compare(
         compared=len(ttft_errors),
         calibration=calibration,
         slo=slo,
+        decode_max_batch=decode_max_batch,
         by_output_tokens=bands([r.output_tokens for r, _ in pairs], pairs, OUTPUT_BANDS),
         by_prompt_tokens=bands([r.input_tokens for r, _ in pairs], pairs, PROMPT_BANDS),
     )
@@ -253,19 +259,26 @@ class Calibration:
     `prefill_scale`, how much slower a prefill runs among the cluster's other processes than alone (engines
     share the machine's cores), and `first_token_s`, the serving path's fixed latency to the first token
     (the reports, the decode join, the gateway, the client): a least-squares line of their TTFTs over the
-    profile's prefill times. Of every token interval the client saw, the excess over the profile's step:
-    `step_s`, their median, what a typical decode step takes beyond the profile's (the simulated steps
-    carry it); `jitter_s`, each excess less that median, the spread the client sees around a step (the
-    serving path's and the operating system's delays, tokens arriving together), which a simulated
-    client adds to the simulated steps (`observed_tbt`). `events_per_token`: the intervals the client saw per
-    token interval generated (the usage's completion tokens): the detokenizer sends no event for a token that
-    adds no text yet, so the client sees fewer, and the paper's metric takes the longest tenth of fewer."""
+    profile's prefill times. Of every interval between the events the client saw, the excess over the
+    profile's steps of the tokens the event carried (load.py's `event_tokens`): `step_s`, the median excess
+    of the events of one token, what a typical decode step takes beyond the profile's (the simulated steps
+    carry it); `jitter_s`, each event's excess less `step_s` per token it carried, the spread the client sees
+    around its steps (the serving path's and the operating system's delays), which a simulated client adds
+    to each event it sees (`observed_tbt`). `event_sizes`: the tokens each of those events carried: the
+    detokenizer sends no event for a token that adds no text yet (a byte of a character not yet whole), so
+    its interval merges into the next event's, and the paper's metric takes the longest tenth of fewer,
+    longer intervals."""
 
     first_token_s: float
     prefill_scale: float
     step_s: float
     jitter_s: tuple[float, ...] = ()
-    events_per_token: float = 1.0
+    event_sizes: tuple[int, ...] = (1,)
+
+    @property
+    def events_per_token(self) -> float:
+        """Events the client saw per token generated (after the first event's)."""
+        return len(self.event_sizes) / sum(self.event_sizes)
 
     def to_json(self) -> dict[str, Any]:
         jitter = np.asarray(self.jitter_s)
@@ -276,6 +289,7 @@ class Calibration:
             "step_s": self.step_s,
             "jitter_s": {"intervals": int(jitter.size), **spread},
             "events_per_token": self.events_per_token,
+            "event_sizes": {str(n): self.event_sizes.count(n) for n in sorted(set(self.event_sizes))},
         }
 
 
@@ -320,48 +334,71 @@ def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: floa
     profiled = np.array([prefill.prefill_s(r.input_tokens, 0) for r in done])
     ttft = np.array([r.ttft_s or 0.0 for r in done])
     scale, fixed = np.polyfit(profiled, ttft, 1) if len(set(profiled)) > 1 else (1.0, float(np.median(ttft - profiled)))
-    # Interval k of a request follows the step that decoded with input + k + 1 tokens in its context.
-    excess = np.array(
-        [
-            interval - step.step_s(1, r.input_tokens + k + 1)
-            for r in done
-            for k, interval in enumerate(r.intervals.values().tolist())
-        ]
-    )
-    typical = float(np.median(excess)) if excess.size else 0.0
-    generated = sum(max(0, r.output_tokens - 1) for r in done)
+    excess, carried = event_excess(done, step)
+    single = excess[carried == 1]
+    typical = max(0.0, float(np.median(single))) if single.size else 0.0
     return Calibration(
         first_token_s=max(0.0, float(fixed)),
         prefill_scale=max(1.0, float(scale)),
-        step_s=max(0.0, typical),
-        jitter_s=tuple((excess - typical).tolist()),
-        events_per_token=min(1.0, excess.size / generated) if generated else 1.0,
+        step_s=typical,
+        jitter_s=tuple((excess - typical * carried).tolist()),
+        event_sizes=tuple(carried.tolist()) or (1,),
     )
+
+
+def event_excess(records: Sequence[load.ClientRecord], step: AnalyticStepModel) -> tuple[np.ndarray, np.ndarray]:
+    """Of every interval between events the client saw: its excess over the profile's steps of the tokens the
+    event carried, and how many it carried. Token t of an answer (from 0) was decoded with input + t tokens in
+    its context; a request's first event carried the tokens the later ones did not. Events that carried no
+    token (text a stop flushed at the end) are left out; without `event_tokens` (a server that sends no usage
+    per chunk) every event counts as one token."""
+    excess, carried = [], []
+    for r in records:
+        intervals = r.intervals.values().tolist()
+        tokens = r.event_tokens if len(r.event_tokens) == len(intervals) else [1] * len(intervals)
+        t = max(1, r.output_tokens - sum(tokens))  # the first token of the first interval's event
+        for interval, n in zip(intervals, tokens, strict=True):
+            if n > 0:
+                excess.append(interval - sum(step.step_s(1, r.input_tokens + t + i) for i in range(n)))
+                carried.append(n)
+            t += n
+    return np.array(excess), np.array(carried)
 
 
 OBSERVATION_DRAWS = 32  # simulated clients per request whose TBT `observed_tbt` averages
 
 
 def observed_tbt(
-    record: RequestRecord, jitter_s: Sequence[float], rng: np.random.Generator, events_per_token: float = 1.0
+    record: RequestRecord,
+    jitter_s: Sequence[float],
+    rng: np.random.Generator,
+    event_sizes: Sequence[int] = (1,),
+    draws: int = OBSERVATION_DRAWS,
 ) -> float:
     """The TBT a client would measure of a simulated request: the paper's metric (the mean of the longest
-    10 % intervals, as load.py computes it) of the intervals the client sees, averaged over
-    `OBSERVATION_DRAWS` draws. It sees `events_per_token` of the simulated intervals (rounded, at least
-    one; which ones is drawn), each with a delay drawn from the calibration's `jitter_s` added (never below
-    zero): the jitter was measured per interval the client saw, so it already holds the longer intervals
-    of tokens that came in one event. Without jitter, or without intervals, the record's own TBT."""
+    10 % intervals, as load.py computes it) of the intervals between the events the client sees, averaged
+    over `draws` draws. The tokens come in events of sizes drawn from `event_sizes` (the calibration's
+    events, so that a character of two bytes is two tokens in one event as often as there), the first
+    event from the first token, the last ending at the last token (cut short where a size overruns it): an
+    event's interval is the sum of the simulated intervals since the previous event's. Each interval seen
+    gets a delay drawn from the calibration's `jitter_s` (never below zero). A draw with one event has no
+    interval: its TBT is 0, as load.py records it. Without jitter, or without intervals, the record's own
+    TBT."""
     count = record.intervals.count
     if not count or not len(jitter_s):
         return record.tbt_s
-    seen_count = max(1, min(count, round(count * events_per_token)))
-    top = max(1, -(-seen_count // 10))
-    values = record.intervals.values()
-    if seen_count < count:  # each draw keeps its own `seen_count` of them
-        values = values[np.argsort(rng.random((OBSERVATION_DRAWS, count)), axis=1)[:, :seen_count]]
-    seen = values + rng.choice(np.asarray(jitter_s), size=(OBSERVATION_DRAWS, seen_count))
-    longest = np.partition(np.maximum(seen, 0.0), seen_count - top, axis=1)[:, seen_count - top :]
-    return float(longest.mean())
+    jitter = np.asarray(jitter_s)
+    times = np.concatenate(([0.0], np.cumsum(record.intervals.values())))  # each token's, from the first's
+    total = 0.0
+    for sizes in rng.choice(np.asarray(event_sizes), size=(draws, count + 1)):  # sizes >= 1: enough for every token
+        ends = np.cumsum(sizes) - 1  # the token each event ends at
+        last = int(np.searchsorted(ends, count))  # the first event reaching the last token ends there
+        seen = np.diff(times[np.append(ends[:last], count)])
+        if seen.size:
+            seen = np.maximum(seen + rng.choice(jitter, size=seen.size), 0.0)
+            top = -(-seen.size // 10)
+            total += float(np.partition(seen, seen.size - top)[seen.size - top :].mean())
+    return total / draws
 
 
 def run_real(
@@ -380,11 +417,9 @@ def run_sim(
     requests: list[Request],
     args: argparse.Namespace,
     calibration: Calibration,
-    estimates: list[float] | None = None,
 ) -> list[RequestRecord]:
     """The same requests, scaled and keyed as the cluster sees them, through its simulated twin with the
-    calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one);
-    `estimates`, if given, receives the TTFT its Conductor estimated for each request it routed."""
+    calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one)."""
     spec = simulation.config_spec(config)
     prefill, step = spec.prefill_cost, spec.decode_cost
     assert isinstance(prefill, FittedPrefillModel) and isinstance(step, FittedStepModel)  # the profile's
@@ -399,16 +434,6 @@ def run_sim(
     )
     scaled = simulation.cluster_requests(config, requests, scaling_of(args))
     conductor = simulation.config_conductor(config, spec)
-    if estimates is not None:
-        schedule = conductor.schedule
-
-        def recording(request: Request, now: float) -> ScheduleDecision:
-            decision = schedule(request, now)
-            if decision.ttft_s is not None:
-                estimates.append(decision.ttft_s)
-            return decision
-
-        conductor.schedule = recording  # type: ignore[method-assign]
     return list(DisaggregatedCluster(spec, conductor).run(scaled).records)
 
 
@@ -437,8 +462,8 @@ def print_comparison(name: str, result: Comparison) -> None:
         )
     if result.rejected_sim_unloaded is not None:
         print(
-            f"  TTFT objective {result.slo.ttft_s * 1000:.2f} ms: the simulated twin rejects "
-            f"{result.rejected_sim_unloaded} of these requests at the serviceable pace"
+            f"  decode batch of {result.decode_max_batch}: the simulated twin rejects {result.rejected_sim_unloaded} "
+            f"of these requests at the serviceable pace"
         )
 
 
@@ -459,17 +484,18 @@ def parser() -> argparse.ArgumentParser:
     simulation.add_workload_options(p)
     p.set_defaults(preset="conversation", num_requests=200, rate=2.0)
     add_scaling_options(p)
-    p.add_argument("--overload-speedup", type=float, default=8.0, help="the overload run's arrivals, this much faster")
+    p.add_argument(
+        "--overload-speedup", type=float, default=OVERLOAD_SPEEDUP, help="the overload run's arrivals, this much faster"
+    )
+    p.add_argument(
+        "--overload-batch",
+        type=int,
+        default=OVERLOAD_BATCH,
+        help="the overload run's decode batch limit, [decode] max_batch_size (0: the config's)",
+    )
     p.add_argument("--no-overload", action="store_true", help="only the serviceable run")
     p.add_argument(
         "--repeat-real", action="store_true", help="run the serviceable workload on a second real cluster and compare"
-    )
-    p.add_argument(
-        "--overload-slo",
-        type=float,
-        default=OVERLOAD_OBJECTIVE_QUANTILE,
-        help="the overload run's TTFT objective, a quantile of the Conductor's TTFT estimates in the serviceable "
-        "run (0: the config's)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="per request over HTTP, seconds")
     p.add_argument("--out", type=Path, help="write validate.json, the profile and CDF plots here")
@@ -481,8 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         scaling_of(args)
-        if not 0 <= args.overload_slo <= 1:
-            raise ConfigError(f"--overload-slo must be a quantile in [0, 1], got {args.overload_slo}")
+        if args.overload_batch < 0:
+            raise ConfigError(
+                f"--overload-batch must be a batch size, or 0 for the config's, got {args.overload_batch}"
+            )
         config = load_config(args.config)
         with tempfile.TemporaryDirectory(prefix="mooncake-validate-") as scratch:
             out = args.out if args.out is not None else Path(scratch)
@@ -491,27 +519,34 @@ def main(argv: list[str] | None = None) -> int:
             runs = {"serviceable": 1.0} | ({} if args.no_overload else {"overload": args.overload_speedup})
             results: dict[str, Comparison] = {}
             repeat: Comparison | None = None
-            estimates: list[float] = []  # the serviceable run's, from its simulated Conductor
             serviceable = simulation.load_workload(args, speedup=args.speedup)
             for name, speedup in runs.items():
                 run_config, unloaded = config, None
-                if name == "overload" and args.overload_slo > 0 and estimates:
-                    objective = round(float(np.quantile(estimates, args.overload_slo)), 6)
-                    run_config = config.with_overrides("slo", ttft_s=objective)
+                if name == "overload" and args.overload_batch:
+                    run_config = config.with_overrides("decode", max_batch_size=args.overload_batch)
                 requests = (
                     serviceable
                     if name == "serviceable"
                     else simulation.load_workload(args, speedup=args.speedup * speedup)
                 )
                 real, calibration = run_real(run_config, requests, args)
-                sim = run_sim(run_config, requests, args, calibration, estimates if name == "serviceable" else None)
-                if run_config is not config:  # what the objective alone refuses, at the serviceable pace
+                sim = run_sim(run_config, requests, args, calibration)
+                if run_config is not config:  # what the limit alone refuses, at the serviceable pace
                     unloaded = rejected(summarize(run_sim(run_config, serviceable, args, calibration), Slo()))
                 slo = Slo(ttft_s=run_config.slo.ttft_s, tbt_s=run_config.slo.tbt_s)
-                results[name] = attrs.evolve(compare(real, sim, slo, calibration), rejected_sim_unloaded=unloaded)
+                results[name] = attrs.evolve(
+                    compare(real, sim, slo, run_config.decode.max_batch_size, calibration),
+                    rejected_sim_unloaded=unloaded,
+                )
                 if name == "serviceable" and args.repeat_real:
                     again, _ = run_real(run_config, requests, args)
-                    repeat = compare(real, again, slo, Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0))
+                    repeat = compare(
+                        real,
+                        again,
+                        slo,
+                        run_config.decode.max_batch_size,
+                        Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0),
+                    )
                 if args.out is not None:
                     plot(name, real, sim, args.out)
     except (MooncakeError, OSError, subprocess.CalledProcessError) as error:

@@ -137,6 +137,19 @@ def test_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
 
+    # continuous_usage_stats (vLLM's): every chunk carries the tokens generated so far, so a client can tell
+    # how many tokens each event brought (load.py's event_tokens)
+    stream = api.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    counts = [c.usage.completion_tokens for c in stream if c.choices and c.usage is not None]
+    assert counts == sorted(counts) and counts[0] > 0 and counts[-1] == 24
+
 
 def test_chat_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
     """Chat: the reply is the assistant's; streamed deltas (the first with the role) add up to the whole reply."""

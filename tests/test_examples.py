@@ -282,10 +282,10 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
     assert summary["compared_requests"] > 0 and summary["ttft_median_rel_error"] >= 0
     for by in ("by_output_tokens", "by_prompt_tokens"):  # every request compared falls in one band
         assert sum(band["count"] for band in summary[by]) == summary["compared_requests"]
-    # The overload run's TTFT objective: a quantile of the Conductor's estimates (the config's is 30 s), with
-    # what it refuses at the serviceable pace alongside.
-    assert summary["ttft_slo_s"] == 30.0
-    assert 0 < summary["overload"]["ttft_slo_s"] < 30.0
+    # The overload run's decode batch: one sequence (the config's is 8), with what that limit refuses at the
+    # serviceable pace alongside; the objectives are the config's.
+    assert summary["decode_max_batch"] == 8 and summary["overload"]["decode_max_batch"] == 1
+    assert summary["ttft_slo_s"] == summary["overload"]["ttft_slo_s"] == 30.0
     assert 0 <= summary["overload"]["rejected_sim_unloaded"] <= 12 and "rejected_sim_unloaded" not in summary
     assert 0 < summary["calibration"]["events_per_token"] <= 1
     assert set(summary["real_repeat"]) == {"ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error"}
@@ -295,10 +295,12 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
         assert (out / name).exists(), name
 
 
-def test_validate_refuses_an_overload_objective_that_is_not_a_quantile() -> None:
-    """--overload-slo is a quantile of the Conductor's estimates: outside [0, 1] it is named, before any work."""
-    done = run("validate.py", "--overload-slo", "1.5", check=False)
-    assert done.returncode == 2 and "--overload-slo must be a quantile in [0, 1], got 1.5" in done.stderr
+def test_validate_refuses_an_overload_batch_that_is_not_one() -> None:
+    """--overload-batch is a decode batch size (0: the config's): a negative one is named, before any work."""
+    done = run("validate.py", "--overload-batch", "-2", check=False)
+    assert (
+        done.returncode == 2 and "--overload-batch must be a batch size, or 0 for the config's, got -2" in done.stderr
+    )
 
 
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:

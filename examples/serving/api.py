@@ -12,7 +12,8 @@ ignored.
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
 chunk carries the role; `stream_options.include_usage` adds a last chunk with
-the `Usage` and no choices).
+the `Usage` and no choices, and with `continuous_usage_stats` as well every chunk
+carries the usage so far, as vLLM's do).
 
 Every failure is an `ApiError`: a status and OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; `code` is a string for the
@@ -231,6 +232,7 @@ class CompletionRequest:
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
+    continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
 
 
 @attrs.frozen(kw_only=True)
@@ -250,6 +252,7 @@ class ChatRequest:
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
 
 
 def _absent(value: Any) -> bool:
@@ -384,16 +387,33 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"stream must be a boolean, got {_shown(stream)}", param="stream")
     options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
+    flags = {"include_usage": False, "continuous_usage_stats": False}
+    if options is not None:  # vLLM's defaults once stream_options is given: the usage chunk, not in every chunk
+        flags["include_usage"] = True
         if not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise ApiError(400, 'stream_options must be {"include_usage": <bool>}', param="stream_options")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
-    return {"model": served.name, "sampling": sampling, "stream": bool(stream), "include_usage": include_usage}
+        if not isinstance(options, dict) or set(options) - set(flags):
+            raise ApiError(
+                400,
+                'stream_options must be {"include_usage": <bool>, "continuous_usage_stats": <bool>}',
+                param="stream_options",
+            )
+        for name in flags:
+            value = options.get(name)
+            if not isinstance(value, bool | None):
+                raise ApiError(
+                    400, f"stream_options.{name} must be a boolean, got {_shown(value)}", param="stream_options"
+                )
+            if value is not None:
+                flags[name] = value
+    return {
+        "model": served.name,
+        "sampling": sampling,
+        "stream": bool(stream),
+        "include_usage": flags["include_usage"],
+        # vLLM's rule: the usage in every chunk only together with the last chunk's
+        "continuous_usage": flags["include_usage"] and flags["continuous_usage_stats"],
+    }
 
 
 def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionRequest:
@@ -515,17 +535,20 @@ class Completion:
 
 @attrs.frozen(kw_only=True)
 class Chunk:
-    """One server-sent event of a stream: some text, the finish reason of the last, or only the usage."""
+    """One server-sent event of a stream: some text, the finish reason of the last, or only the usage
+    (`usage_only`); `usage` beside a choice is the usage so far (`continuous_usage_stats`)."""
 
     reply: Reply
     text: str | None = None
     finish_reason: str | None = None
     role: bool = False  # a chat's first text chunk carries the assistant's role
     usage: Usage | None = None
+    usage_only: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        if self.usage is not None:
-            return {**self.reply.header(chunk=True), "choices": [], "usage": self.usage.to_json()}
+        usage = {} if self.usage is None else {"usage": self.usage.to_json()}
+        if self.usage_only:
+            return {**self.reply.header(chunk=True), "choices": [], **usage}
         if self.reply.chat:
             delta: dict[str, Any] = {} if self.text is None else {"content": self.text}
             if self.role:
@@ -534,7 +557,7 @@ class Chunk:
         else:
             choice = {"index": 0, "text": self.text or ""}
         choice.update(finish_reason=self.finish_reason, logprobs=None)
-        return {**self.reply.header(chunk=True), "choices": [choice]}
+        return {**self.reply.header(chunk=True), "choices": [choice], **usage}
 
     def to_sse(self) -> bytes:
         return b"data: " + json.dumps(self.to_json()).encode() + b"\n\n"
@@ -557,11 +580,13 @@ class Reply:
     def completion(self, text: str, finish_reason: str, usage: Usage) -> Completion:
         return Completion(reply=self, text=text, finish_reason=finish_reason, usage=usage)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> Chunk:
-        return Chunk(reply=self, text=text, finish_reason=finish_reason, role=role)
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, role: bool = False, usage: Usage | None = None
+    ) -> Chunk:
+        return Chunk(reply=self, text=text, finish_reason=finish_reason, role=role, usage=usage)
 
     def usage_chunk(self, usage: Usage) -> Chunk:
-        return Chunk(reply=self, usage=usage)
+        return Chunk(reply=self, usage=usage, usage_only=True)
 
 
 def models_body(name: str) -> dict[str, Any]:

@@ -329,19 +329,24 @@ class Gateway:
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         count, sent = 0, False  # tokens read; whether text went out (a chat's first text chunk carries the role)
+
+        def so_far() -> Usage | None:
+            return self._usage(live, count) if parsed.continuous_usage else None
+
         try:
             async for token in _following(first, tokens):
                 count += 1
                 piece = text.feed(token)
                 if piece:
-                    await response.write(reply.chunk(piece, role=not sent).to_sse())
+                    await response.write(reply.chunk(piece, role=not sent, usage=so_far()).to_sse())
                     sent = True
                 if text.stopped:
                     self.dispatcher.finish(live)
                     break
             rest = text.finish()
             finish = "stop" if text.stopped else "length"
-            await response.write(reply.chunk(rest or None, finish, role=bool(rest) and not sent).to_sse())
+            last = reply.chunk(rest or None, finish, role=bool(rest) and not sent, usage=so_far())
+            await response.write(last.to_sse())
             if parsed.include_usage:
                 await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
             await response.write(b"data: [DONE]\n\n")

@@ -136,6 +136,8 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": {"other": True}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
     ],
 )
@@ -317,6 +319,26 @@ def test_valid_values_parse_back(
 # ---------------------------------------------------------------------------------------------- answers
 
 
+@pytest.mark.parametrize(
+    ("options", "include_usage", "continuous_usage"),
+    [
+        (None, False, False),
+        ({}, True, False),  # vLLM's defaults once stream_options is given
+        ({"include_usage": False}, False, False),
+        ({"continuous_usage_stats": True}, True, True),
+        ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+        ({"include_usage": False, "continuous_usage_stats": True}, False, False),  # vLLM: only with the last chunk
+        ({"include_usage": None, "continuous_usage_stats": None}, True, False),
+    ],
+)
+def test_stream_options_follow_vllm(options: Any, include_usage: bool, continuous_usage: bool) -> None:
+    """stream_options as vLLM reads it: include_usage defaults to true once the object is given, and the usage
+    in every chunk (continuous_usage_stats) comes only with the last chunk's."""
+    body = {"prompt": "hi", "stream": True} | ({} if options is None else {"stream_options": options})
+    parsed = parse_completion(body, SERVED)
+    assert (parsed.include_usage, parsed.continuous_usage) == (include_usage, continuous_usage)
+
+
 def test_answer_bodies_have_openai_shapes() -> None:
     """A whole answer and stream chunks: ids, objects, the role on a chat's first chunk, the usage chunk."""
     usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
@@ -342,6 +364,9 @@ def test_answer_bodies_have_openai_shapes() -> None:
     text = Reply(name="cmpl-1", created=7, model="tiny", chat=False)
     assert text.completion("ab", "length", usage).to_json()["choices"][0]["text"] == "ab"
     assert json.loads(text.chunk("a").to_sse()[6:])["choices"][0]["text"] == "a"
+    so_far = json.loads(text.chunk("a", usage=usage).to_sse()[6:])  # continuous_usage_stats: the usage so far
+    assert so_far["choices"][0]["text"] == "a" and so_far["usage"]["completion_tokens"] == 3
+    assert "usage" not in json.loads(text.chunk("a").to_sse()[6:])
     assert text.chunk("a").to_sse().endswith(b"\n\n")
 
 
