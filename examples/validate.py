@@ -15,24 +15,25 @@
    lengths): the workload
    (replay.py's options; default a generated conversation workload) is scaled
    as load.py sends it (`examples/scaling.py`), then
-   - real: a fresh cluster of `--config`, its Conductor on the profile. First
+   - real: a fresh cluster of `--config`, its Conductor on the profile, its
+     engines pinned to cores of their own where the machine has enough. First
      a warm-up and a calibration: lone requests of prompts of their own (a
      cluster's first requests pay for first connections and first calls: up
      to seconds each), whose TTFT and TBT, set against the fitted prefill and
      step times, give the serving path's overheads (`Calibration`: the
      reports, the decode join, the gateway and the client) and how much slower
      a prefill runs among the cluster's other processes than alone. Then the
-     workload, replayed over HTTP by load.py (TTFT and every token interval
-     measured at the client, cached tokens from the usage, the instances from
-     the answers' headers);
+     workload, replayed over HTTP by load.py (TTFT and every interval between
+     events measured at the client, the tokens each event carried and the
+     cached tokens from the usage, the instances from the answers' headers);
    - simulated: replay.py's `--config` twin of the same cluster (its own
      Conductor, estimating with the profile as the real one does), charging
      the profile's models as calibrated (the prefill scaled, the typical
      step's excess added to the step, `ClusterSpec.first_token_overhead_s`),
      on the same scaled requests; its TBTs are those a client would measure:
-     as many of the simulated intervals as the calibration's client saw
-     events per token, each with a delay drawn from the calibration's jitter
-     (`observed_tbt`).
+     the simulated tokens cut into events of the sizes the calibration's
+     client saw, each event's interval with a delay drawn from the
+     calibration's jitter (`observed_tbt`).
    - with `--repeat-real`, the real run again on a fresh cluster: the same
      errors between two real runs, how far this machine's cluster is from
      itself (`real_repeat` in the JSON), the floor under the simulator's.
@@ -404,9 +405,11 @@ def observed_tbt(
 def run_real(
     config: ClusterConfig, requests: list[Request], args: argparse.Namespace
 ) -> tuple[list[RequestRecord], Calibration]:
-    """The requests over HTTP through a fresh cluster of `config` (load.py's replay), after its calibration."""
+    """The requests over HTTP through a fresh cluster of `config` (load.py's replay), after its calibration. Its
+    engines run on cores of their own where the machine has enough (`[cluster] pin_cores = "auto"`), as the
+    profile timed each alone; on this development machine's two cores they share them."""
     scaling = scaling_of(args)
-    with start_cluster(config.with_overrides("cluster", port=0)) as cluster:
+    with start_cluster(config.with_overrides("cluster", port=0, pin_cores="auto")) as cluster:
         calibration = calibrate(cluster.url, config, scaling, args.timeout)
         records, _wall = asyncio.run(load.replay_http(cluster.url, requests, scaling, timeout_s=args.timeout))
     return records, calibration

@@ -57,6 +57,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "prompt_tokens",
+    "stream_usage",
 ]
 
 # Response headers naming the instances that prefilled and decoded a request (for clients comparing a run with
@@ -386,34 +387,43 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"stream must be a boolean, got {_shown(stream)}", param="stream")
-    options = body.get("stream_options")
-    flags = {"include_usage": False, "continuous_usage_stats": False}
-    if options is not None:  # vLLM's defaults once stream_options is given: the usage chunk, not in every chunk
-        flags["include_usage"] = True
-        if not stream:
-            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if not isinstance(options, dict) or set(options) - set(flags):
-            raise ApiError(
-                400,
-                'stream_options must be {"include_usage": <bool>, "continuous_usage_stats": <bool>}',
-                param="stream_options",
-            )
-        for name in flags:
-            value = options.get(name)
-            if not isinstance(value, bool | None):
-                raise ApiError(
-                    400, f"stream_options.{name} must be a boolean, got {_shown(value)}", param="stream_options"
-                )
-            if value is not None:
-                flags[name] = value
+    include_usage, continuous_usage = stream_usage(body)
     return {
         "model": served.name,
         "sampling": sampling,
         "stream": bool(stream),
-        "include_usage": flags["include_usage"],
-        # vLLM's rule: the usage in every chunk only together with the last chunk's
-        "continuous_usage": flags["include_usage"] and flags["continuous_usage_stats"],
+        "include_usage": include_usage,
+        "continuous_usage": continuous_usage,
     }
+
+
+def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """What a body's `stream_options` asks for, by vLLM's rules: (a last chunk with the usage, the usage so far
+    in every chunk). Once `stream_options` is given, `include_usage` defaults to true and
+    `continuous_usage_stats` to false (an explicit null is false); the usage in every chunk comes only with
+    the last chunk's.
+
+    Raises:
+        ApiError: 400, stream_options without `stream: true`, not an object, with another key, or a flag
+            that is not a boolean.
+    """
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if body.get("stream") is not True:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    flags = {"include_usage": True, "continuous_usage_stats": False}
+    if not isinstance(options, dict) or set(options) - set(flags):
+        raise ApiError(
+            400,
+            'stream_options must be {"include_usage": <bool>, "continuous_usage_stats": <bool>}',
+            param="stream_options",
+        )
+    for name, value in options.items():
+        if not isinstance(value, bool | None):
+            raise ApiError(400, f"stream_options.{name} must be a boolean, got {_shown(value)}", param="stream_options")
+        flags[name] = bool(value)
+    return flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
 
 
 def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionRequest:

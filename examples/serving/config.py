@@ -284,7 +284,9 @@ class ModelSection:
 
 @attrs.frozen(kw_only=True)
 class ClusterSection:
-    """`[cluster]`: engine counts, the gateway's host and port (0: any free port), the API key ("": none)."""
+    """`[cluster]`: engine counts, the gateway's host and port (0: any free port), the API key ("": none), and
+    `pin_cores` ("auto": each local engine process on cores of its own when this machine has enough, the
+    launcher and its gateway on the rest; "off": the operating system places them)."""
 
     NAME: ClassVar[str] = "cluster"
     num_prefill: int = _setting(2, minimum=1, maximum=1024)
@@ -292,6 +294,7 @@ class ClusterSection:
     host: str = _setting("127.0.0.1", text=_host)
     port: int = _setting(8000, minimum=0, maximum=65_535)
     api_key: str = _setting("", text=_api_key)
+    pin_cores: str = _setting("off", allowed=("off", "auto"))
 
 
 @attrs.frozen(kw_only=True)

@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import ctypes
 import ipaddress
+import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler now: LocalBackend's must run before it
 import os
@@ -47,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,7 +60,18 @@ from serving.config import ClusterConfig
 from serving.gateway import Gateway
 from serving.worker import WorkerSpec, run_worker
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "RunningCluster", "remove_stale_segments", "start_cluster"]
+__all__ = [
+    "Backend",
+    "CorePlan",
+    "LocalBackend",
+    "RayBackend",
+    "RunningCluster",
+    "core_plan",
+    "remove_stale_segments",
+    "start_cluster",
+]
+
+LOG = logging.getLogger("serving.launch")
 
 NODE_ADDRESS = "<node>"
 """A `WorkerSpec.host` a Ray actor replaces with its node's address (`ray.util.get_node_ip_address()`)."""
@@ -219,6 +232,32 @@ def _starts_processes(spec: WorkerSpec) -> bool:
     return spec.role == "prefill" and spec.config.prefill.pipeline_size > 1
 
 
+@attrs.frozen
+class CorePlan:
+    """Cores for engine processes of their own: `engines[i]` for the i-th worker (as many as it runs processes),
+    `rest` for the launcher, its gateway and anything else on the machine."""
+
+    engines: tuple[tuple[int, ...], ...]
+    rest: tuple[int, ...]
+
+
+def core_plan(available: Sequence[int], needs: Sequence[int]) -> CorePlan | None:
+    """Give each worker `needs[i]` cores of its own from `available`, the last ones first, and keep at least one
+    for the rest; None when there are not enough (the engines then share the cores as the system places them).
+
+    Invariants of a plan: the engines' sets and the rest are disjoint, cover `available`, and the i-th set has
+    `needs[i]` cores.
+    """
+    cores = sorted(available)
+    if sum(needs) + 1 > len(cores):
+        return None
+    engines, end = [], len(cores)
+    for need in needs:
+        engines.append(tuple(cores[end - need : end]))
+        end -= need
+    return CorePlan(engines=tuple(engines), rest=tuple(cores[:end]))
+
+
 class LocalBackend:
     """Workers as spawned processes of this machine, each watching that this process lives.
 
@@ -229,7 +268,10 @@ class LocalBackend:
 
     node_host = "127.0.0.1"
 
-    def __init__(self) -> None:
+    def __init__(self, *, pin_cores: bool = False) -> None:
+        self.pin_cores = pin_cores  # each worker on cores of its own when the machine has enough (`core_plan`)
+        self.plan: CorePlan | None = None
+        self._affinity: set[int] | None = None  # this process's own, while pinned to the plan's rest
         self._processes: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
         self._lifelines: list[Any] = []  # write ends, never written: they close when this process dies
@@ -238,8 +280,21 @@ class LocalBackend:
         context = multiprocessing.get_context("spawn")
         # Before multiprocessing's own exit handler, which would wait for a non-daemonic worker forever.
         atexit.register(self.stop)
+        if self.pin_cores:
+            needs = [spec.config.prefill.pipeline_size if _starts_processes(spec) else 1 for spec in specs]
+            self.plan = core_plan(sorted(os.sched_getaffinity(0)), needs)
+            if self.plan is None:
+                LOG.warning(
+                    "pin_cores: %d engine processes need %d cores and the launcher one; %d available: not pinned",
+                    len(specs),
+                    sum(needs),
+                    len(os.sched_getaffinity(0)),
+                )
+            else:
+                self._affinity = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, self.plan.rest)  # the gateway's thread, the workers' start (each moves on)
         pipes = {}
-        for spec in specs:
+        for i, spec in enumerate(specs):
             parent, child = context.Pipe(duplex=False)
             watched, lifeline = context.Pipe(duplex=False)
             process = context.Process(
@@ -249,6 +304,8 @@ class LocalBackend:
                 daemon=not _starts_processes(spec),
             )
             process.start()
+            if self.plan is not None:  # its pipeline stages, started later, inherit the set
+                os.sched_setaffinity(process.pid, self.plan.engines[i])
             child.close()
             watched.close()
             self._lifelines.append(lifeline)
@@ -271,6 +328,10 @@ class LocalBackend:
     def is_alive(self, instance_id: str) -> bool:
         return bool(self._processes[instance_id].is_alive())
 
+    def pid(self, instance_id: str) -> int:
+        """The worker's process id."""
+        return int(self._processes[instance_id].pid)
+
     def kill(self, instance_id: str) -> None:
         """SIGKILL a worker (to test failures); its shared memory is unlinked at `stop`."""
         self._processes[instance_id].kill()
@@ -292,6 +353,9 @@ class LocalBackend:
         for lifeline in self._lifelines:
             lifeline.close()
         self._lifelines.clear()
+        if self._affinity is not None:
+            os.sched_setaffinity(0, self._affinity)
+            self._affinity = None
         atexit.unregister(self.stop)
 
 
@@ -532,7 +596,7 @@ def start_cluster(
     removed = remove_stale_segments()
     chosen: Backend
     if backend == "local":
-        chosen = LocalBackend()
+        chosen = LocalBackend(pin_cores=config.cluster.pin_cores == "auto")
     else:
         chosen = RayBackend(ray_address, host=config.cluster.host, include_dashboard=ray_dashboard)
     cluster = RunningCluster(config, chosen)

@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, decode_body
+from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, decode_body, stream_usage
 from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
 from vllm_events import KvEventSubscriber
 
@@ -330,7 +330,7 @@ class VllmRouter:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             max_tokens = self.settings.default_max_tokens
         stream = bool(body.get("stream"))
-        wants_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        wants_usage, _ = stream_usage(body)  # vLLM's reading, so that the answer is the one vLLM would give
         upstream_body = dict(body)
         if stream:
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

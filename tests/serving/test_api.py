@@ -328,7 +328,7 @@ def test_valid_values_parse_back(
         ({"continuous_usage_stats": True}, True, True),
         ({"include_usage": True, "continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),  # vLLM: only with the last chunk
-        ({"include_usage": None, "continuous_usage_stats": None}, True, False),
+        ({"include_usage": None, "continuous_usage_stats": True}, False, False),  # an explicit null is false
     ],
 )
 def test_stream_options_follow_vllm(options: Any, include_usage: bool, continuous_usage: bool) -> None:

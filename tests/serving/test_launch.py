@@ -37,12 +37,21 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
 
 from serving.config import load_config
-from serving.launch import SEGMENT_NAME, RunningCluster, remove_stale_segments, start_cluster
+from serving.launch import (
+    SEGMENT_NAME,
+    LocalBackend,
+    RunningCluster,
+    core_plan,
+    remove_stale_segments,
+    start_cluster,
+)
 
 from mooncake.transfer.region import create_shared
 from tests.waiting import is_running, wait_for
@@ -305,6 +314,42 @@ def test_workers_outlive_the_thread_that_spawned_them() -> None:
         while time.monotonic() < watched_until:
             assert complete(cluster.url, "still here?")["usage"]["completion_tokens"] == 4
         assert all(cluster.backend.is_alive(info["instance_id"]) for info in cluster.infos)
+
+
+@given(
+    available=st.sets(st.integers(0, 63), min_size=1, max_size=16),
+    needs=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+)
+def test_a_core_plan_gives_each_engine_cores_of_its_own(available: set[int], needs: list[int]) -> None:
+    """Each worker gets as many cores as it runs processes, none shared, at least one left for the launcher,
+    every available core used once; no plan when they do not fit."""
+    plan = core_plan(sorted(available), needs)
+    if sum(needs) + 1 > len(available):
+        assert plan is None
+        return
+    assert plan is not None
+    assert [len(cores) for cores in plan.engines] == needs and plan.rest
+    every = [core for cores in (*plan.engines, plan.rest) for core in cores]
+    assert sorted(every) == sorted(available)
+
+
+def test_pin_cores_gives_engines_cores_of_their_own_when_there_are_enough() -> None:
+    """`[cluster] pin_cores = "auto"`: with a core for each engine and one more, each worker process runs on its
+    own core and the launcher on the rest until the cluster closes; with fewer (this two-core machine: two
+    engines need three), nothing is pinned and the cluster serves as without."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1, pin_cores="auto")
+    before = os.sched_getaffinity(0)
+    with start_cluster(config) as cluster:
+        backend = cluster.backend
+        assert isinstance(backend, LocalBackend)
+        affinities = {frozenset(os.sched_getaffinity(backend.pid(info["instance_id"]))) for info in cluster.infos}
+        if len(before) >= 3:
+            assert backend.plan is not None and os.sched_getaffinity(0) == set(backend.plan.rest)
+            assert affinities == {frozenset(cores) for cores in backend.plan.engines}
+        else:
+            assert backend.plan is None and os.sched_getaffinity(0) == before and affinities == {frozenset(before)}
+        assert complete(cluster.url, "pinned?")["usage"]["completion_tokens"] == 4
+    assert os.sched_getaffinity(0) == before
 
 
 # ---------------------------------------------------------------------------------------------- Ray

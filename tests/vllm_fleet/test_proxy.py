@@ -102,6 +102,16 @@ def test_streams_and_whole_answers_pass_through(fakes: list[FakeVllm], tokenizer
             },
         )
         assert b'"usage"' in asked
+        _, _, defaulted = post(  # vLLM's default once stream_options is given: the usage chunk
+            f"{router.url}/v1/completions",
+            {"model": "tiny", "prompt": "bada", "max_tokens": 2, "stream": True, "stream_options": {}},
+        )
+        assert b'"usage"' in defaulted
+        status, _, refused = post(
+            f"{router.url}/v1/completions",
+            {"model": "tiny", "prompt": "bada", "max_tokens": 2, "stream_options": {"include_usage": True}},
+        )
+        assert status == 400 and b"stream_options" in refused
         status, headers, body = post(
             f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "max_tokens": 3}
         )
