@@ -24,9 +24,10 @@ counts them; TBT is the paper's (mean of the longest 10 % intervals), the
 output tokens the usage's completion tokens. A detokenized stream sends no
 event for a token that adds no text yet, so a client sees fewer intervals than
 tokens; the usage in every chunk tells how many tokens each event carried
-(`ClientRecord.event_tokens`, left empty when a server sends no such usage). A 429 is a rejection (after prefill when the
-decode engine refused it), its reason the error's `code`; other errors count as
-failed and the first of each kind is printed to stderr. Requests name the model
+(`ClientRecord.event_tokens`, left empty when a server sends no such usage).
+A 429 is a rejection (after prefill when the decode engine refused it), its
+reason the error's `code`; other errors count as failed and the first of each
+kind is printed to stderr. Requests name the model
 the server lists at `/v1/models` (or `--model`). The summary is
 `mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
 `sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`

@@ -271,7 +271,7 @@ class LocalBackend:
     def __init__(self, *, pin_cores: bool = False) -> None:
         self.pin_cores = pin_cores  # each worker on cores of its own when the machine has enough (`core_plan`)
         self.plan: CorePlan | None = None
-        self._affinity: set[int] | None = None  # this process's own, while pinned to the plan's rest
+        self._pinned: tuple[int, set[int]] | None = None  # the thread pinned to the plan's rest, its own set before
         self._processes: dict[str, Any] = {}
         self._shm: dict[str, list[str]] = {}
         self._lifelines: list[Any] = []  # write ends, never written: they close when this process dies
@@ -291,8 +291,10 @@ class LocalBackend:
                     len(os.sched_getaffinity(0)),
                 )
             else:
-                self._affinity = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, self.plan.rest)  # the gateway's thread, the workers' start (each moves on)
+                # This thread (Linux pins threads): the gateway's thread it starts next inherits the set, and so
+                # does each worker until it is moved to its own cores below.
+                self._pinned = (threading.get_native_id(), os.sched_getaffinity(0))
+                os.sched_setaffinity(0, self.plan.rest)
         pipes = {}
         for i, spec in enumerate(specs):
             parent, child = context.Pipe(duplex=False)
@@ -353,9 +355,11 @@ class LocalBackend:
         for lifeline in self._lifelines:
             lifeline.close()
         self._lifelines.clear()
-        if self._affinity is not None:
-            os.sched_setaffinity(0, self._affinity)
-            self._affinity = None
+        if self._pinned is not None:
+            thread, cores = self._pinned
+            with contextlib.suppress(OSError):  # the thread has ended
+                os.sched_setaffinity(thread, cores)
+            self._pinned = None
         atexit.unregister(self.stop)
 
 

@@ -235,18 +235,18 @@ def merged_tbt_expected(intervals: list[float], sizes: list[int]) -> float:
 
 
 @given(
-    intervals=st.lists(st.floats(0.1, 50.0), min_size=1, max_size=7),
+    intervals=st.lists(st.floats(0.1, 50.0), min_size=1, max_size=6),
     sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4),
 )
 def test_a_client_sees_merged_intervals_for_tokens_that_end_no_event(intervals: list[float], sizes: list[int]) -> None:
     """With no jitter, the observed TBT's expectation is the metric over the merged intervals, every way the
-    tokens can come in events weighted by its chance (enumerated); 4,000 draws come within a few percent of
-    the largest value it can take, their sum."""
+    tokens can come in events weighted by its chance (enumerated); 1,000 draws come within a tenth of the
+    largest value it can take, their sum (six standard errors at most)."""
     validate = pytest.importorskip("validate")
     done = streamed(intervals)
-    observed = validate.observed_tbt(done, [0.0], np.random.default_rng(0), sizes, draws=4000)
+    observed = validate.observed_tbt(done, [0.0], np.random.default_rng(0), sizes, draws=1000)
     expected = merged_tbt_expected(intervals, sizes)
-    assert observed * 1000 == pytest.approx(expected, abs=0.06 * sum(intervals))
+    assert observed * 1000 == pytest.approx(expected, abs=0.1 * sum(intervals))
 
 
 def test_a_short_answer_merges_less_than_a_long_one() -> None:
