@@ -249,7 +249,7 @@ def test_a_client_sees_merged_intervals_for_tokens_that_end_no_event(intervals: 
     assert observed * 1000 == pytest.approx(expected, abs=0.1 * sum(intervals))
 
 
-def test_a_short_answer_merges_less_than_a_long_one() -> None:
+def test_the_last_token_always_ends_an_event() -> None:
     """The last token always ends an event: in events of four tokens, a 4-token answer comes in one event
     (no interval: TBT 0); in events of one, the metric is the plain one; in events of one or two, a merged
     interval is as likely as the enumeration says."""
