@@ -97,6 +97,9 @@ def test_a_slowloris_connection_is_closed_at_the_header_deadline(cluster: Runnin
                     break
             except TimeoutError:
                 pass
+            except OSError:  # reset: closed while the last header line was unread (a race, seen once in CI)
+                closed = True
+                break
         assert closed, "a connection whose headers never end stayed open past 10 header deadlines"
 
 
