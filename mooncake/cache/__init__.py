@@ -9,7 +9,7 @@ only by the vLLM event codec.
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
-from mooncake.cache.hashing import BlockHasher, HashAlgorithm, KeyBatch
+from mooncake.cache.hashing import BlockHasher, HashAlgorithm, KeyBatch, reusable_prefix_tokens
 from mooncake.cache.index import BlockIndex, Holder, IndexSnapshot, PrefixMatch, SourceSnapshot, key_array
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool, PagePool, VramPagePool
@@ -56,5 +56,6 @@ __all__ = [
     "encode_batch",
     "hit_ratio_curve",
     "key_array",
+    "reusable_prefix_tokens",
     "simulate_prefix_hits",
 ]

@@ -46,9 +46,22 @@ from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
 
-__all__ = ["BlockHasher", "HashAlgorithm", "KeyBatch"]
+__all__ = ["BlockHasher", "HashAlgorithm", "KeyBatch", "reusable_prefix_tokens"]
 
 HashAlgorithm = Literal["xxh3_64", "xxh3_128", "sha256"]
+
+
+def reusable_prefix_tokens(num_tokens: int, cached_blocks: int, block_size_tokens: int) -> int:
+    """Prompt tokens a prefill reuses when the first `cached_blocks` blocks of its `num_tokens`-token
+    prompt are cached: whole blocks only, and never the block that holds the last prompt token, which
+    is computed for the first output token's logits (vLLM does the same: a prompt cached whole
+    recomputes its last block). A partial last block is keyed, but its key covers only the tokens it
+    had, so it is never a longer prompt's prefix. The one answer to "how much does a cached prefix
+    save": the engine's prefill reuses this many tokens, the router estimates with it and the
+    simulators charge it.
+    """
+    return min(max(cached_blocks, 0), max(num_tokens - 1, 0) // block_size_tokens) * block_size_tokens
+
 
 _KEY_BYTES: dict[str, int] = {"xxh3_64": 8, "xxh3_128": 16, "sha256": 32}
 _U64 = 2**64

@@ -43,7 +43,7 @@ import attrs
 import torch
 
 from mooncake._checks import int_at_least
-from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.hashing import BlockHasher, reusable_prefix_tokens
 from mooncake.cache.pool import Buffer
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import prefill_attention_into
@@ -322,7 +322,9 @@ class PrefillEngine:
         streaming: list[KvSink] = []
         try:
             for one, ks in zip(ids, keys, strict=True):
-                prefixes.append(self._pin_prefix(ks, max_blocks=(one.shape[0] - 1) // block))
+                prefixes.append(
+                    self._pin_prefix(ks, max_blocks=reusable_prefix_tokens(one.shape[0], len(ks), block) // block)
+                )
             pages = []
             for one, ks, prefix_blocks in zip(ids, keys, prefixes, strict=True):
                 prompt_pages, prompt_reserved = self._reserve(ks, prefix_blocks, one.shape[0])

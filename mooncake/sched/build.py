@@ -89,7 +89,8 @@ def build_conductor(
         transfers: False when instances cannot fetch each other's blocks (no global pool).
 
     Raises:
-        ConfigError: neither or both of `hasher` and `block_size_tokens`, or an instance listed twice.
+        ConfigError: neither or both of `hasher` and `block_size_tokens`, a block size that is not an
+            integer >= 1, an instance list given as one string, or an instance listed twice.
     """
     if (hasher is None) == (block_size_tokens is None):
         raise ConfigError(
@@ -98,6 +99,9 @@ def build_conductor(
         )
     block = hasher.block_size_tokens if hasher is not None else block_size_tokens
     assert block is not None
+    for name, instances in (("prefill_instances", prefill_instances), ("decode_instances", decode_instances)):
+        if isinstance(instances, str):  # iterating it would add one instance per character
+            raise ConfigError(f"{name} must be a collection of instance ids, got the string {instances!r}")
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
     conductor = Conductor(

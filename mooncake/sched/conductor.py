@@ -48,6 +48,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from mooncake._checks import require_int, require_number
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
@@ -157,7 +158,7 @@ class Conductor:
         self.admission = admission
         self.predictor = predictor
         self.slo = slo
-        self.block_size_tokens = block_size_tokens
+        self.block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
         self.transfers = transfers
         self.index = index if index is not None else BlockIndex()
         self._rng = random.Random(seed)
@@ -190,7 +191,7 @@ class Conductor:
 
     def add_decode_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """A decode instance that holds what `limits` say (its KV, batch slots, a request's context)."""
-        self._check_new(instance_id)
+        self._check_new(instance_id, limits)
         self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
@@ -200,7 +201,7 @@ class Conductor:
         disaggregation): a request routed to it decodes there, checked by the decode rule against
         `limits`, and it never decodes what another instance prefilled. Its prefill and decode
         events name it under the one id."""
-        self._check_new(instance_id)
+        self._check_new(instance_id, limits)
         self.add_prefill_instance(instance_id)
         self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
@@ -216,8 +217,15 @@ class Conductor:
         return self._decode_board.views
 
     def incoming(self, decode_instance: InstanceId) -> tuple[QueuedPrefill, ...]:
-        """The prefills routed to `decode_instance` that have not joined it yet (what predictors read)."""
-        return tuple(self._incoming[decode_instance].values())
+        """The prefills routed to `decode_instance` that have not joined it yet (what predictors read).
+
+        Raises:
+            UnknownInstanceError: no decode instance has that id.
+        """
+        routed = self._incoming.get(decode_instance)
+        if routed is None:
+            raise UnknownInstanceError(f"no decode instance {decode_instance!r}")
+        return tuple(routed.values())
 
     @property
     def in_flight(self) -> tuple[RequestId, ...]:
@@ -229,9 +237,11 @@ class Conductor:
         """Decide where `request` goes, or reject it; an accepted request is now in flight.
 
         Raises:
-            InvalidRequestError: a request with this id is already in flight.
+            InvalidRequestError: a request with this id is already in flight, or `now` is not a finite time.
         """
         # The request's own checks (Request validates its fields) come before any state changes.
+        if type(now) is not float or not math.isfinite(now):  # the common case, a finite float, is one test
+            require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
         self._check_geometry(request)
@@ -532,9 +542,16 @@ class Conductor:
                 f"Conductor{other}: add it with add_{kind}_instance first"
             )
 
-    def _check_new(self, instance_id: InstanceId) -> None:
+    def _check_new(self, instance_id: InstanceId, *decode_limits: DecodeLimits) -> None:
+        """A new instance's id (and a decode instance's limits), checked before anything is registered,
+        so that a failed add changes nothing."""
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ConfigError(f"an instance id must be a non-empty string, got {instance_id!r}")
         if instance_id in self._prefill or instance_id in self._decode:
             raise ConfigError(f"instance {instance_id} is already known")
+        for limits in decode_limits:
+            if not isinstance(limits, DecodeLimits):
+                raise ConfigError(f"limits of instance {instance_id} must be DecodeLimits, got {limits!r}")
 
     def _end(self, request_id: RequestId, outcome: Outcome, reason: Reason | None, now: float) -> RequestEnd:
         flight = self._in_flight.pop(request_id)

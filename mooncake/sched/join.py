@@ -42,10 +42,18 @@ __all__ = [
     "check_join",
     "check_tokens",
     "refusal",
+    "takes_slot",
     "tbt_verdict",
 ]
 
 UNLIMITED = np.iinfo(np.int64).max // 4  # a limit nothing reaches (room for sums without overflow)
+
+
+def takes_slot(output_tokens: int) -> bool:
+    """Whether a request with `output_tokens` (the prefill's first token included) joins a decode batch:
+    one that ends at its first token never does, and holds no KV there. (`refusal` writes the same test
+    inline, for numba.)"""
+    return output_tokens > 1
 
 
 def _limit(value: int | None) -> int:
@@ -113,7 +121,7 @@ def refusal(
     need = prompt_tokens + output_tokens
     if need > max_context_tokens:
         return 1
-    if output_tokens <= 1:  # it finishes at its first token: no slot, no KV kept
+    if output_tokens <= 1:  # not `takes_slot`: it finishes at its first token, no slot, no KV kept
         return 0
     if batch_size + 1 > max_batch_size:
         return 2
@@ -176,6 +184,6 @@ def tbt_verdict(batch_size: float, output_tokens: int, predicted_tbt_s: float, t
     """The last check of the rule, for a request the structural checks let in: refused when the step
     predicted with it in the batch (`predicted_tbt_s`) exceeds the objective, unless the batch is empty
     or the request takes no slot (no objective: never)."""
-    if tbt_slo_s is not None and output_tokens > 1 and batch_size > 0 and predicted_tbt_s > tbt_slo_s:
+    if tbt_slo_s is not None and takes_slot(output_tokens) and batch_size > 0 and predicted_tbt_s > tbt_slo_s:
         return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted_tbt_s)
     return JoinVerdict(accepted=True, predicted_tbt_s=predicted_tbt_s)

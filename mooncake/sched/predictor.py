@@ -3,7 +3,8 @@
 `UniformDecodePredictor` is the paper's system-level prediction: at time t the
 instance holds the requests decoding now that will not have decoded longer than
 a uniform t_d by then, plus the requests heading to it (accepted, in prefill)
-whose prefill ends before t and that have not been decoding for t_d by t.
+whose prefill ends before t and that have not been decoding for t_d by t
+(a request that ends at its first token never joins: `join.takes_slot`).
 Those make the predicted batch and the context its steps read; their whole
 reservations (prompt + output each) make the predicted KV (`kv_tokens`).
 
@@ -25,7 +26,7 @@ from typing import Protocol
 import attrs
 
 from mooncake._checks import require_number
-from mooncake.sched.join import DecodeLoad
+from mooncake.sched.join import DecodeLoad, takes_slot
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 
 __all__ = [
@@ -71,6 +72,8 @@ class UniformDecodePredictor:
                 tokens += request.context_tokens
                 kv += request.context_tokens + request.output_tokens
         for queued in incoming:
+            if not takes_slot(queued.output_tokens):
+                continue  # it ends at its first token: it never joins the batch
             if queued.finish_s <= at_s and at_s - queued.finish_s < self.decode_s:
                 batch += 1
                 tokens += queued.input_tokens
@@ -124,8 +127,8 @@ class OutputLengthPredictor:
             tokens += alive * (request.context_tokens + produced + horizon)
             kv += alive * (request.context_tokens + request.output_tokens)
         for queued in incoming:
-            if queued.finish_s > at_s:
-                continue  # it joins after t
+            if queued.finish_s > at_s or not takes_slot(queued.output_tokens):
+                continue  # it joins after t, or never (it ends at its first token)
             decoded = (at_s - queued.finish_s) / self.step_s
             alive = self.survival(0.0, decoded)
             batch += alive

@@ -57,6 +57,7 @@ import xxhash
 
 from mooncake._checks import require_number
 from mooncake.cache._compiled import kernels
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillBoard, PrefillView
@@ -180,8 +181,8 @@ class RouteQuery:
     block_keys: Sequence[BlockKey] | npt.NDArray[np.uint64] = attrs.field(default=(), eq=False)
 
     def prefix_tokens(self, blocks: int) -> int:
-        """Cached tokens a prefix of `blocks` blocks gives; at least one token is always computed."""
-        return max(0, min(blocks * self.block_size_tokens, self.input_tokens - 1))
+        """Cached tokens a prefix of `blocks` blocks saves (`cache.hashing.reusable_prefix_tokens`)."""
+        return reusable_prefix_tokens(self.input_tokens, blocks, self.block_size_tokens)
 
 
 @attrs.frozen(kw_only=True)
@@ -254,9 +255,9 @@ class TtftEstimator:
         if transfer_from is None:
             transfer_s = 0.0
         else:
-            own = query.prefix_blocks.get(view.instance_id, 0)
-            blocks = prefix_blocks - own
-            moved_tokens = prefix - query.prefix_tokens(own)
+            # Only the blocks the prefill will reuse move (both counts are whole blocks).
+            moved_tokens = prefix - query.prefix_tokens(query.prefix_blocks.get(view.instance_id, 0))
+            blocks = moved_tokens // query.block_size_tokens
             num_bytes = moved_tokens * self.kv_bytes_per_token
             if transfer_s is None:
                 transfer_s = self.transfer.transfer_s(num_bytes, in_flight_from_source=congestion)
@@ -385,7 +386,10 @@ class KvCacheCentricRouter:
             weight = spread_weights(query.block_keys, own, board.instance_ids)
             shortest, _ = scan.shortest_by_length(own, busy, now, weight)
         threshold = self.current_threshold
-        best, best_blocks = query.best_instance, query.best_blocks
+        # Prefixes count as far as a prefill reuses them (never the block of the prompt's last token), so
+        # that a holder of the whole prompt and one lacking only its last block tie, and nothing moves for it.
+        usable = query.prefix_tokens(query.input_tokens) // query.block_size_tokens
+        best, best_blocks = query.best_instance, min(query.best_blocks, usable)
         best_tokens = query.prefix_tokens(best_blocks)
         estimator = self.estimator
         # Each planned instance holds a different prefix length, so its own prefill and transfer are
@@ -396,7 +400,7 @@ class KvCacheCentricRouter:
         # Each planned instance at the fastest (TTFT, queue): (slot, blocks, moves, transfer s, prefill s).
         tied: list[tuple[int, int, bool, float, float]] = []
         for slot in shortest.tolist():
-            held = int(own[slot])
+            held = min(int(own[slot]), usable)
             # best_len / prefix_len, with an instance holding nothing at ratio ∞ (which no
             # finite threshold stops and an infinite one does: then nothing ever moves).
             moves = (

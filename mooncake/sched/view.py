@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import attrs
 import numpy as np
 
-from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
+from mooncake._checks import int_at_least, require_number
+from mooncake.errors import InvalidRequestError
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, takes_slot
 from mooncake.sched.outcome import Reason
 from mooncake.types import InstanceId, RequestId
 
@@ -123,7 +125,7 @@ class Reservation:
 
     @property
     def takes_slot(self) -> bool:
-        return self.output_tokens > 1
+        return takes_slot(self.output_tokens)
 
     @property
     def tokens(self) -> int:
@@ -353,6 +355,15 @@ class DecodeBoard(_Board["DecodeView"]):
         assert self.all_up == all(v.is_up for v in views)
 
 
+def _finite_time(_instance: object, attribute: Any, value: Any) -> None:
+    """An event's time: a finite number of seconds (a NaN would poison every queue time after it)."""
+    if type(value) is not float or not math.isfinite(value):  # the common case, a finite float, is one test
+        require_number(attribute.name, value, minimum=-math.inf, error=InvalidRequestError)
+
+
+_count = int_at_least(0, error=InvalidRequestError)
+
+
 @attrs.frozen(kw_only=True)
 class PrefillBacklog:
     """Work a prefill instance has that the Conductor did not route (another client of a shared server,
@@ -361,8 +372,8 @@ class PrefillBacklog:
     their times). A later report replaces an earlier one; `until_s` <= `now` clears it."""
 
     instance_id: InstanceId
-    now: float
-    until_s: float
+    now: float = attrs.field(validator=_finite_time)
+    until_s: float = attrs.field(validator=_finite_time)
 
 
 @attrs.frozen(kw_only=True)
@@ -371,7 +382,7 @@ class PrefillStarted:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
 
 
 @attrs.frozen(kw_only=True)
@@ -380,7 +391,7 @@ class PrefillFinished:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
 
 
 @attrs.frozen(kw_only=True)
@@ -390,7 +401,7 @@ class PrefilledInline:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
 
 
 @attrs.frozen(kw_only=True)
@@ -399,9 +410,9 @@ class DecodeJoined:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
-    context_tokens: int
-    output_tokens: int
+    now: float = attrs.field(validator=_finite_time)
+    context_tokens: int = attrs.field(validator=_count)
+    output_tokens: int = attrs.field(validator=_count)
 
 
 @attrs.frozen(kw_only=True)
@@ -410,8 +421,8 @@ class DecodeFinished:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
-    generated_tokens: int | None = None
+    now: float = attrs.field(validator=_finite_time)
+    generated_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count))
 
 
 @attrs.frozen(kw_only=True)
@@ -420,7 +431,7 @@ class RequestRejected:
 
     request_id: RequestId
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
     reason: Reason = Reason.DECODE_REJECTED
 
 
@@ -430,7 +441,7 @@ class RequestAborted:
     its deadline passed, an engine failed."""
 
     request_id: RequestId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
     reason: Reason = Reason.FAILED
 
 
@@ -439,7 +450,7 @@ class InstanceDown:
     """An instance stopped answering: it gets no new requests, what it held is aborted, its cache leaves the index."""
 
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
 
 
 @attrs.frozen(kw_only=True)
@@ -447,7 +458,7 @@ class InstanceUp:
     """An instance that was down serves again."""
 
     instance_id: InstanceId
-    now: float
+    now: float = attrs.field(validator=_finite_time)
 
 
 SchedulerEvent = (

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel
@@ -207,7 +208,7 @@ class CoupledCluster:
         waiting = instance.waiting.popleft()
         request = waiting.request
         cached = instance.cache.prefix_match(request.block_keys)
-        waiting.done_tokens = max(0, min(cached * self.spec.block_size_tokens, request.input_length - 1))
+        waiting.done_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         waiting.record.prefix_tokens = waiting.done_tokens
         return waiting
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
@@ -230,7 +231,7 @@ class DisaggregatedCluster:
                     self._store(node, request, moved)
         # The prefix counts as used when the prefill ends and stores the whole chain (`_store`).
         cached = max(node.cache.prefix_match(request.block_keys), moved)
-        record.prefix_tokens = max(0, min(cached * self.spec.block_size_tokens, request.input_length - 1))
+        record.prefix_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
         cost = self.prefill_cost

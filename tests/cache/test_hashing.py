@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.cache._compiled import compiled_path, numba_available
-from mooncake.cache.hashing import BlockHasher
+from mooncake.cache.hashing import BlockHasher, reusable_prefix_tokens
 from mooncake.errors import ConfigError, InvalidRequestError
 from tests.strategies import small_token_ids, token_arrays
 
@@ -33,6 +33,19 @@ def hasher(**overrides: object) -> BlockHasher:
 
 
 # --------------------------------------------------------------------------- definition
+
+
+@given(num_tokens=st.integers(1, 5000), cached_blocks=st.integers(0, 20), block_size=st.integers(1, 600))
+def test_a_cached_prefix_saves_whole_blocks_short_of_the_last_token(
+    num_tokens: int, cached_blocks: int, block_size: int
+) -> None:
+    """The reused tokens are whole cached blocks, none holding the last prompt token, and as many as that
+    allows; one block more would reach past the cache or onto the last token."""
+    reused = reusable_prefix_tokens(num_tokens, cached_blocks, block_size)
+    assert reused % block_size == 0
+    assert 0 <= reused <= min(cached_blocks * block_size, num_tokens - 1)
+    assert reused + block_size > min(cached_blocks * block_size, num_tokens - 1)
+    assert reusable_prefix_tokens(num_tokens, cached_blocks + 1, block_size) >= reused  # more cached, never less
 
 
 def test_keys_follow_the_documented_xxh3_chain() -> None:

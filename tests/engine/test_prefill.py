@@ -29,6 +29,7 @@ pytest.importorskip("torch")
 
 import torch
 
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import KvBuffers, MessengerSink, ModelForward, PrefillConfig, PrefillEngine, PrefillResult
@@ -118,6 +119,8 @@ def test_a_cached_prefix_gives_the_logits_of_a_prefill_from_scratch(
     result = prefill(cache, second, block=block, chunk_tokens=chunk, layerwise=layerwise)
     prefix_blocks = min(common_prefix(first, second) // block, (len(second) - 1) // block)
     assert result.prefix_tokens == prefix_blocks * block
+    # What the router estimates and the simulators charge for the same cached blocks:
+    assert result.prefix_tokens == reusable_prefix_tokens(len(second), common_prefix(first, second) // block, block)
     assert result.computed_tokens == len(second) - result.prefix_tokens
     scratch = prefill(dram_cache(block), second, block=block)
     assert torch.allclose(result.logits, scratch.logits, **TOLERANCE)

@@ -2,7 +2,9 @@
 
 - `should_transfer`: the ratio rule of Algorithm 1 as the issue states it
   (transfer iff best_len / own > threshold, own == 0 counting as an infinite
-  ratio when best_len > 0, and only from another instance with more blocks).
+  ratio when best_len > 0, and only from another instance with more blocks);
+  `reference_route` applies it to prefixes counted as far as a prefill reuses
+  them (`usable_blocks`: never the block holding the prompt's last token).
 - `reference_route`: every candidate's decision under that rule with the
   router's own estimator, and the minimum by (TTFT, queue, heaviest rendezvous
   weight of the first block the instance lacks, id).
@@ -39,6 +41,7 @@ __all__ = [
     "reference_route",
     "reference_verdict",
     "should_transfer",
+    "usable_blocks",
 ]
 
 
@@ -50,6 +53,12 @@ def should_transfer(
         return False
     ratio = math.inf if own_blocks == 0 else best_blocks / own_blocks
     return ratio > threshold
+
+
+def usable_blocks(query: RouteQuery, blocks: int) -> int:
+    """`blocks` cached blocks as far as the prefill reuses them: the blocks before the one holding the
+    prompt's last token (computed for the first token's logits)."""
+    return min(blocks, (query.input_tokens - 1) // query.block_size_tokens)
 
 
 def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, float, str]:
@@ -71,14 +80,15 @@ def reference_route(
     """The chosen decision and every candidate's decision, computed one by one."""
     best = query.best_instance
     congestion = query.best_transfers_in_flight
+    best_blocks = usable_blocks(query, query.best_blocks)
     decisions = []
     for view in candidates:
-        own = query.prefix_blocks.get(view.instance_id, 0)
+        own = usable_blocks(query, query.prefix_blocks.get(view.instance_id, 0))
         if should_transfer(
             instance=view.instance_id,
             own_blocks=own,
             best_instance=best,
-            best_blocks=query.best_blocks,
+            best_blocks=best_blocks,
             threshold=threshold,
         ):
             keep = query.best_holders < max(2, math.ceil(replica_fraction * len(candidates)))
@@ -86,7 +96,7 @@ def reference_route(
                 view,
                 query,
                 now,
-                prefix_blocks=query.best_blocks,
+                prefix_blocks=best_blocks,
                 transfer_from=best,
                 congestion=congestion,
                 keep_copy=keep,

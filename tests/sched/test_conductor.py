@@ -211,13 +211,14 @@ def test_prompts_keyed_wider_than_64_bits_are_routed() -> None:
 
 
 def test_routes_to_the_instance_holding_the_prefix() -> None:
-    """All idle: the holder of the whole prompt wins, reusing all but its last token, moving nothing."""
+    """All idle: the holder of the whole prompt wins, reusing all but the block holding its last token,
+    moving nothing."""
     conductor, caches = make_conductor(), Caches()
     caches.store(conductor, P1, DOC)
     decision = conductor.schedule(request("r", DOC), 0.0)
     assert decision.accepted
-    assert (decision.prefill_instance, decision.prefix_tokens, decision.transfer) == (P1, 8191, None)
-    assert decision.ttft_s == pytest.approx(ESTIMATOR.prefill.prefill_s(8192, 8191))
+    assert (decision.prefill_instance, decision.prefix_tokens, decision.transfer) == (P1, 8192 - BLOCK, None)
+    assert decision.ttft_s == pytest.approx(ESTIMATOR.prefill.prefill_s(8192, 8192 - BLOCK))
     conductor.check_invariants()
 
 
@@ -239,16 +240,17 @@ def test_plans_a_transfer_from_the_best_holder_when_the_threshold_allows() -> No
     assert decision.accepted and decision.prefill_instance in (P1, P2)  # the idle peers tie: the prompt's home
     plan = decision.transfer
     assert plan is not None
-    assert (plan.source, plan.num_blocks, plan.keep_local_copy) == (P0, 32, True)
-    assert plan.num_bytes == 8191 * LLAMA3.kv_bytes_per_token
-    assert decision.prefix_tokens == 8191
-    assert decision.ttft_s == pytest.approx(plan.transfer_s + ESTIMATOR.prefill.prefill_s(8192, 8191))
+    # All the blocks but the last, which the prefill computes (for the first token) and so nothing moves for.
+    assert (plan.source, plan.num_blocks, plan.keep_local_copy) == (P0, 31, True)
+    assert plan.num_bytes == 31 * BLOCK * LLAMA3.kv_bytes_per_token
+    assert decision.prefix_tokens == 31 * BLOCK
+    assert decision.ttft_s == pytest.approx(plan.transfer_s + ESTIMATOR.prefill.prefill_s(8192, 31 * BLOCK))
     conductor.check_invariants()
 
 
 def test_ratio_below_threshold_keeps_the_own_prefix() -> None:
     """Peers holding half the prefix (ratio 2): threshold 4 keeps their own half; threshold 1.5 moves the other half."""
-    for threshold, expected_blocks in [(4.0, None), (1.5, 16)]:
+    for threshold, expected_blocks in [(4.0, None), (1.5, 15)]:
         conductor, caches = make_conductor(threshold=threshold), Caches()
         occupy(conductor, P0, count=3)
         caches.store(conductor, P0, DOC)
@@ -257,8 +259,8 @@ def test_ratio_below_threshold_keeps_the_own_prefix() -> None:
         decision = conductor.schedule(request("r", DOC), 0.0)
         assert decision.prefill_instance == P1
         moved = decision.transfer.num_blocks if decision.transfer is not None else None
-        assert moved == expected_blocks
-        assert decision.prefix_tokens == (16 * BLOCK if expected_blocks is None else 8191)
+        assert moved == expected_blocks  # the 16 blocks it lacks but the last one, which is computed
+        assert decision.prefix_tokens == (16 * BLOCK if expected_blocks is None else 31 * BLOCK)
 
 
 def test_transfers_from_one_source_congest() -> None:
@@ -401,6 +403,54 @@ def test_events_about_unknown_instances_are_config_errors() -> None:
         conductor.add_prefill_instance(D0)
     with pytest.raises(ConfigError):
         conductor.add_decode_instance(P0, DecodeLimits(kv_capacity_tokens=1000))
+
+
+def test_a_failed_add_changes_nothing() -> None:
+    """A bad id or limits are a ConfigError naming them, raised before anything is registered: the same id
+    can then be added properly."""
+    conductor = make_conductor()
+    with pytest.raises(ConfigError, match="limits of instance decode-9 must be DecodeLimits"):
+        conductor.add_decode_instance(InstanceId("decode-9"), None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="limits"):
+        conductor.add_coupled_instance(InstanceId("decode-9"), {"kv_capacity_tokens": 10})  # type: ignore[arg-type]
+    for bad in ("", None, 7):
+        with pytest.raises(ConfigError, match="non-empty string"):
+            conductor.add_prefill_instance(bad)  # type: ignore[arg-type]
+    assert InstanceId("decode-9") not in [v.instance_id for v in (*conductor.decode_views, *conductor.prefill_views)]
+    conductor.add_decode_instance(InstanceId("decode-9"), DecodeLimits(kv_capacity_tokens=10**6))
+    conductor.handle(InstanceDown(instance_id=InstanceId("decode-9"), now=0.0))
+    conductor.check_invariants()
+    with pytest.raises(UnknownInstanceError, match="decode-8"):
+        conductor.incoming(InstanceId("decode-8"))
+
+
+@pytest.mark.parametrize("block", [0, -4, 512.0, "512"])
+def test_a_block_size_that_is_not_a_positive_integer_is_refused(block: object) -> None:
+    with pytest.raises(ConfigError, match="block_size_tokens must be an integer >= 1"):
+        make_conductor(block_size=block)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("now", [math.nan, math.inf, "0"])
+def test_times_must_be_finite_numbers(now: object) -> None:
+    """A NaN or infinite `now`, in `schedule` or in an event, is an InvalidRequestError naming it (one
+    would poison every queue time after it); nothing changes."""
+    conductor = make_conductor()
+    with pytest.raises(InvalidRequestError, match="now must be a finite number"):
+        conductor.schedule(request("r", DOC), now)  # type: ignore[arg-type]
+    assert conductor.in_flight == ()
+    with pytest.raises(InvalidRequestError, match="now must be a finite number"):
+        PrefillStarted(request_id=RequestId("r"), instance_id=P0, now=now)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="until_s must be a finite number"):
+        PrefillBacklog(instance_id=P0, now=0.0, until_s=now)  # type: ignore[arg-type]
+
+
+def test_negative_token_counts_in_events_are_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="context_tokens must be an integer >= 0, got -1000"):
+        DecodeJoined(request_id=RequestId("r"), instance_id=D0, now=0.0, context_tokens=-1000, output_tokens=1)
+    with pytest.raises(InvalidRequestError, match="output_tokens"):
+        DecodeJoined(request_id=RequestId("r"), instance_id=D0, now=0.0, context_tokens=10, output_tokens=-5)
+    with pytest.raises(InvalidRequestError, match="generated_tokens"):
+        DecodeFinished(request_id=RequestId("r"), instance_id=D0, now=0.0, generated_tokens=-50)
 
 
 def test_events_from_unknown_or_wrong_instances_are_refused() -> None:
@@ -969,15 +1019,16 @@ class ConductorMachine(RuleBasedStateMachine):
         if self.admission_name != "baseline":
             assert decision.tbt_s <= self.slo.tbt_s
         own = self._own_prefix(prefill, r.block_keys)
+        usable = (r.input_length - 1) // MACHINE_BLOCK  # blocks before the one holding the last token
         if decision.transfer is None:
-            assert decision.prefix_tokens == min(own * MACHINE_BLOCK, r.input_length - 1)
+            assert decision.prefix_tokens == min(own, usable) * MACHINE_BLOCK
         else:
             assert self.router_name in ("kvcache_centric", "adaptive", "local_cache_aware")
             assert decision.transfer.source == best and best not in self.down and best != prefill
-            assert decision.transfer.num_blocks == best_blocks - own
+            assert decision.transfer.num_blocks == min(best_blocks, usable) - min(own, usable) > 0
             holders = sum(self.caches.holdings.prefix_blocks(p, r.block_keys) >= best_blocks for p in up_prefill)
             assert decision.transfer.keep_local_copy == (holders < max(2, math.ceil(len(up_prefill) / 2)))
-            assert decision.prefix_tokens == min(best_blocks * MACHINE_BLOCK, r.input_length - 1)
+            assert decision.prefix_tokens == min(best_blocks, usable) * MACHINE_BLOCK
         keeps = decision.transfer is None or decision.transfer.keep_local_copy
         view = next(v for v in self.conductor.prefill_views if v.instance_id == prefill)
         assert view.queue[-1].request_id == r.request_id

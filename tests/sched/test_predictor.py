@@ -27,7 +27,7 @@ from mooncake.sched.predictor import (
     UniformDecodePredictor,
     score_predictor,
 )
-from mooncake.sched.view import ActiveDecode, QueuedPrefill
+from mooncake.sched.view import ActiveDecode, QueuedPrefill, Reservation
 from mooncake.types import RequestId
 
 STEP_S = 0.02  # seconds per generated token in the replay
@@ -37,8 +37,10 @@ def active(name: str, start_s: float, context: int) -> ActiveDecode:
     return ActiveDecode(request_id=RequestId(name), start_s=start_s, context_tokens=context, output_tokens=1000)
 
 
-def incoming(name: str, finish_s: float, tokens: int) -> QueuedPrefill:
-    return QueuedPrefill(request_id=RequestId(name), start_s=finish_s - 1.0, finish_s=finish_s, input_tokens=tokens)
+def incoming(name: str, finish_s: float, tokens: int, output: int = 1000) -> QueuedPrefill:
+    return QueuedPrefill(
+        request_id=RequestId(name), start_s=finish_s - 1.0, finish_s=finish_s, input_tokens=tokens, output_tokens=output
+    )
 
 
 # ---------------------------------------------------------------------------- uniform (the paper's rule)
@@ -58,7 +60,21 @@ def test_uniform_adds_prefills_that_finish_before_t() -> None:
     predictor = UniformDecodePredictor(decode_s=10.0)
     queue = [incoming("done-by-t", 3.0, 50), incoming("at-t", 5.0, 60), incoming("after-t", 6.0, 70)]
     queue.append(incoming("long-done", -8.0, 80))  # finished 13 s before t: decoded t_d already
-    assert predictor.predict([], queue, now=0.0, at_s=5.0) == DecodeLoad(2, 110, 110)
+    assert predictor.predict([], queue, now=0.0, at_s=5.0) == DecodeLoad(2, 110, 2110)
+
+
+@pytest.mark.parametrize(
+    "predictor", [UniformDecodePredictor(decode_s=10.0), OutputLengthPredictor(step_s=1.0, lengths=[10, 20])]
+)
+def test_a_request_ending_at_its_first_token_is_never_predicted_to_decode(
+    predictor: UniformDecodePredictor | OutputLengthPredictor,
+) -> None:
+    """Output 1 (the prefill's token only): the decode rule gives it no slot and no KV (`takes_slot`), so no
+    prediction counts it, as the committed load (`Reservation`) does not."""
+    queue = [incoming("one-token", 3.0, 500, output=1), incoming("two-tokens", 3.0, 70, output=2)]
+    with_it = predictor.predict([], queue, now=0.0, at_s=5.0)
+    assert with_it == predictor.predict([], queue[1:], now=0.0, at_s=5.0)
+    assert Reservation(500, 1).tokens == 0 and not Reservation(500, 1).takes_slot
 
 
 def test_uniform_now_is_the_current_batch_when_young() -> None:
@@ -104,7 +120,7 @@ def test_output_length_predict_hand_case() -> None:
     # b: decoded 5 by t → P(L > 5) = 1, holding 50 + 5; c finishes after t.
     assert load.batch_size == pytest.approx(0.5 + 1.0)
     assert load.context_tokens == pytest.approx(0.5 * 115 + 55)
-    assert load.kv_tokens == pytest.approx(0.5 * 1100 + 50)
+    assert load.kv_tokens == pytest.approx(0.5 * 1100 + 1050)
 
 
 def test_output_length_requires_positive_step() -> None:
@@ -166,8 +182,8 @@ def test_score_predictor_feeds_each_snapshot() -> None:
         actual=DecodeLoad(1, 100),
     )
     score = score_predictor(UniformDecodePredictor(decode_s=10.0), [snapshot])
-    # predicted (2, 140, 1140): a's reservation and c's
-    assert score == PredictorScore(batch_size_mae=1.0, context_tokens_mae=40.0, samples=1, kv_tokens_mae=1140.0)
+    # predicted (2, 140, 2140): a's reservation and c's
+    assert score == PredictorScore(batch_size_mae=1.0, context_tokens_mae=40.0, samples=1, kv_tokens_mae=2140.0)
 
 
 def test_score_of_no_snapshots_is_zero() -> None:
@@ -206,7 +222,7 @@ def decode_replay(
             if start <= now < start + length * STEP_S
         )
         prefilling = tuple(
-            QueuedPrefill(request_id=rid, start_s=arrival, finish_s=start, input_tokens=prompt)
+            QueuedPrefill(request_id=rid, start_s=arrival, finish_s=start, input_tokens=prompt, output_tokens=2000)
             for rid, arrival, start, _, prompt in requests
             if arrival <= now < start
         )

@@ -39,7 +39,7 @@ from mooncake.sched.router import (
 )
 from mooncake.sched.view import PrefillBoard, PrefillView, QueuedPrefill
 from mooncake.types import BlockKey, InstanceId, RequestId
-from tests.reference.sched import reference_local_route, reference_route, should_transfer
+from tests.reference.sched import reference_local_route, reference_route, should_transfer, usable_blocks
 from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries, ttft_estimators
 
 NOW = SCHED_NOW_S
@@ -81,12 +81,13 @@ EMPTY_INSTANCE_CASE = ([busy(A, NOW + 10), PrefillView(B)], query({A: 32}))
 # ---------------------------------------------------------------------------- estimator and query
 
 
-def test_prefix_tokens_always_leaves_one_token_to_compute() -> None:
-    """A prefix covering the whole prompt still leaves its last token to compute."""
+def test_prefix_tokens_leave_the_block_of_the_last_token_to_compute() -> None:
+    """A prefix covering the whole prompt still leaves the block holding its last token to compute."""
     q = RouteQuery(input_tokens=100, block_size_tokens=16, prefix_blocks={})
     assert q.prefix_tokens(0) == 0
     assert q.prefix_tokens(3) == 48
-    assert q.prefix_tokens(7) == 99  # 112 tokens of blocks, capped at input - 1
+    assert q.prefix_tokens(7) == 96  # token 99 is in block 6: blocks 0-5 are reused
+    assert RouteQuery(input_tokens=96, block_size_tokens=16, prefix_blocks={}).prefix_tokens(6) == 80
     assert RouteQuery(input_tokens=1, block_size_tokens=16, prefix_blocks={}).prefix_tokens(1) == 0
 
 
@@ -117,7 +118,7 @@ def test_routes_to_the_holder_when_it_is_idle() -> None:
         [PrefillView(A), PrefillView(B)], query({B: 32}), NOW, random.Random(0)
     )
     assert decision is not None
-    assert (decision.prefill_instance, decision.transfer, decision.prefix_tokens) == (B, None, 8191)
+    assert (decision.prefill_instance, decision.transfer, decision.prefix_tokens) == (B, None, 8192 - 256)
 
 
 def test_busy_holder_makes_the_router_replicate_its_prefix() -> None:
@@ -127,19 +128,20 @@ def test_busy_holder_makes_the_router_replicate_its_prefix() -> None:
     assert decision is not None
     assert decision.prefill_instance == B
     assert decision.transfer is not None
-    assert (decision.transfer.source, decision.transfer.num_blocks, decision.transfer.keep_local_copy) == (A, 30, True)
-    assert decision.prefix_tokens == 8191
+    # The blocks it lacks but the last, which the prefill computes anyway.
+    assert (decision.transfer.source, decision.transfer.num_blocks, decision.transfer.keep_local_copy) == (A, 29, True)
+    assert decision.prefix_tokens == 8192 - 256
 
 
 def test_ratio_at_or_below_threshold_keeps_own_prefix() -> None:
     """best / own = 2 with threshold 2 does not transfer; with threshold 1.9 it does."""
     views = [busy(A, NOW + 10), PrefillView(B)]
-    q = query({A: 32, B: 16})
+    q = query({A: 30, B: 15})
     kept = KvCacheCentricRouter(ESTIMATOR, threshold=2.0).route(views, q, NOW, random.Random(0))
     moved = KvCacheCentricRouter(ESTIMATOR, threshold=1.9).route(views, q, NOW, random.Random(0))
     assert kept is not None and moved is not None
-    assert (kept.prefill_instance, kept.transfer, kept.prefix_tokens) == (B, None, 16 * 256)
-    assert moved.prefill_instance == B and moved.transfer is not None and moved.transfer.num_blocks == 16
+    assert (kept.prefill_instance, kept.transfer, kept.prefix_tokens) == (B, None, 15 * 256)
+    assert moved.prefill_instance == B and moved.transfer is not None and moved.transfer.num_blocks == 15
 
 
 def test_transfers_in_flight_from_the_holder_slow_a_new_one() -> None:
@@ -348,16 +350,17 @@ def test_a_board_with_prefix_arrays_routes_as_plain_views(
 def test_ratio_rule_holds_for_the_choice(
     scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
 ) -> None:
-    """The choice transfers iff best / own > threshold (own 0: infinite), from the best holder."""
+    """The choice transfers iff best / own > threshold (own 0: infinite), from the best holder, both
+    prefixes counted as far as the prefill reuses them."""
     views, q = scenario
     chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
     assert chosen is not None
     own = q.prefix_blocks.get(chosen.prefill_instance, 0)
     expected = should_transfer(
         instance=chosen.prefill_instance,
-        own_blocks=own,
+        own_blocks=usable_blocks(q, own),
         best_instance=q.best_instance,
-        best_blocks=q.best_blocks,
+        best_blocks=usable_blocks(q, q.best_blocks),
         threshold=threshold,
     )
     assert (chosen.transfer is not None) == expected
@@ -368,8 +371,9 @@ def test_ratio_rule_holds_for_the_choice(
 def test_transfer_plan_moves_missing_blocks_and_keeps_a_copy_while_the_prefix_is_rare(
     scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
 ) -> None:
-    """A transfer moves best − own blocks (their KV bytes) from the best holder; the receiver keeps the
-    copy exactly while fewer than max(2, ⌈n / 2⌉) of the n candidates hold the prefix."""
+    """A transfer moves best − own blocks (their KV bytes) from the best holder, counted as far as the
+    prefill reuses them; the receiver keeps the copy exactly while fewer than max(2, ⌈n / 2⌉) of the n
+    candidates hold the prefix."""
     views, q = scenario
     chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
     assert chosen is not None
@@ -380,7 +384,7 @@ def test_transfer_plan_moves_missing_blocks_and_keeps_a_copy_while_the_prefix_is
     own = q.prefix_blocks.get(chosen.prefill_instance, 0)
     assert plan.source == q.best_instance != chosen.prefill_instance
     assert plan.keep_local_copy == (q.best_holders < max(2, math.ceil(len(views) / 2)))
-    assert plan.num_blocks == q.best_blocks - own > 0
+    assert plan.num_blocks == usable_blocks(q, q.best_blocks) - usable_blocks(q, own) > 0
     assert plan.num_bytes == (q.prefix_tokens(q.best_blocks) - q.prefix_tokens(own)) * estimator.kv_bytes_per_token
     assert plan.transfer_s == chosen.transfer_s
 

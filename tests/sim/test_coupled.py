@@ -149,14 +149,14 @@ def test_lone_request_ttft_is_the_cost_model_prefill(chunked_prefill: bool, inpu
 
 
 def test_repeated_prompt_hits_the_instance_prefix_cache() -> None:
-    """A repeat of a prompt on the same instance reuses every cached block but one token."""
+    """A repeat of a prompt on the same instance reuses every cached block but the one holding its last token."""
     spec = make_spec()
     first, repeat = (
         CoupledCluster(spec).run([make_request("a", 0.0, 4096, 3), make_request("b", 60.0, 4096, 3)]).records
     )
-    assert (first.prefix_tokens, repeat.prefix_tokens) == (0, 4095)
+    assert (first.prefix_tokens, repeat.prefix_tokens) == (0, 4096 - spec.block_size_tokens)
     assert repeat.ttft_s is not None
-    assert math.isclose(repeat.ttft_s, spec.prefill_cost.prefill_s(4096, 4095), rel_tol=1e-9)
+    assert math.isclose(repeat.ttft_s, spec.prefill_cost.prefill_s(4096, repeat.prefix_tokens), rel_tol=1e-9)
 
 
 @pytest.mark.parametrize(
