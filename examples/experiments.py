@@ -33,7 +33,7 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sim.report import write_json
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
@@ -50,7 +50,13 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
 
 
 def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    return lambda text: [kind(part) for part in text.split(",") if part]
+    def parse(text: str) -> list[Any]:
+        values = [kind(part) for part in text.split(",") if part]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,12 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = plots_dir
     started = time.perf_counter()
     try:
+        if out_dir.exists() and not out_dir.is_dir():  # found before the run, not after it
+            raise ConfigError(f"--out {out_dir} is a file, not a directory")
         report, table = EXPERIMENTS[args.experiment](args)
+        report["wall_s"] = time.perf_counter() - started
+        write_json(report, out_dir / f"{args.experiment}.json")
     except (MooncakeError, OSError) as error:
         print(f"experiments: {error}", file=sys.stderr)
         return 2
-    report["wall_s"] = time.perf_counter() - started
-    write_json(report, out_dir / f"{args.experiment}.json")
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

@@ -73,13 +73,18 @@ def progress(args: argparse.Namespace, total: int, label: str) -> ProgressBar:
 def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> list[Request]:
     """The requests the options describe, at `speedup` (default: `--speedup`)."""
     speed = args.speedup if speedup is None else speedup
-    if not speed > 0:
-        raise ConfigError(f"--speedup must be > 0, got {speed}")
+    if not (speed > 0 and math.isfinite(speed)):
+        raise ConfigError(f"--speedup must be a finite number > 0, got {speed}")
     count = args.num_requests
     if count is not None and (isinstance(count, bool) or count < 1):
         raise ConfigError(f"--num-requests must be >= 1, got {count}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.trace is not None:
-        return load_trace(args.trace, speedup=speed)[:count]
+        requests = load_trace(args.trace, speedup=speed)[:count]
+        if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
+            raise ConfigError(f"--trace {args.trace} has no requests")
+        return requests
     spec = preset(args.preset or "synthetic")
     requests = generate_requests(
         spec,
@@ -129,6 +134,9 @@ def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float
 
 def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[int, int]:
     """(prefill, decode) nodes: the options', or sized the paper's way (module docstring)."""
+    for option, value, least in (("--prefill", args.prefill, 0), ("--decode", args.decode, 0), ("--cpp", args.cpp, 1)):
+        if value < least:
+            raise ConfigError(f"{option} must be >= {least}, got {value}")
     prefill = args.prefill
     if prefill <= 0:
         cost = PrefillCostModel(model=MODELS[args.model], hardware=HARDWARE[args.hardware])

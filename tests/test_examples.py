@@ -92,6 +92,33 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "EMPTY"], "has no requests"),
+        ([*SMALL, "--seed", "-1"], "--seed must be >= 0"),
+        ([*SMALL, "--cpp", "0"], "--cpp must be >= 1"),
+        ([*SMALL, "--prefill", "-3"], "--prefill must be >= 0"),
+        ([*SMALL, "--speedup", "inf"], "--speedup must be a finite number > 0"),
+    ],
+)
+def test_replay_refuses_bad_options_by_name(args: list[str], message: str, tmp_path: Path) -> None:
+    """One line naming the option, exit status 2, and nothing run (an empty trace once printed a table of zeros)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    done = run("replay.py", *[str(empty) if arg == "EMPTY" else arg for arg in args], check=False)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_experiments_refuse_an_output_path_that_is_a_file_before_running(tmp_path: Path) -> None:
+    out = tmp_path / "taken"
+    out.write_text("mine")
+    done = run("experiments.py", "scheduling", *SMALL, "--out", str(out), check=False)
+    assert done.returncode == 2 and "is a file, not a directory" in done.stderr and out.read_text() == "mine"
+    done = run("experiments.py", "scheduling", *SMALL, "--routers", ",", check=False)
+    assert done.returncode == 2 and "comma-separated list" in done.stderr
+
+
+@pytest.mark.parametrize(
     ("experiment", "extra", "key"),
     [
         (

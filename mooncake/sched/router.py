@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
@@ -59,6 +60,7 @@ from mooncake._checks import require_number
 from mooncake.cache._compiled import kernels
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
+from mooncake.errors import ConfigError
 from mooncake.sched.cost import PrefillModel, TransferCostModel
 from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import BlockKey, InstanceId
@@ -343,9 +345,16 @@ class KvCacheCentricRouter:
     """Algorithm 1 (see the module docstring). `threshold=math.inf` never transfers."""
 
     estimator: TtftEstimator
-    threshold: float = 1.5
+    threshold: float = attrs.field(default=1.5)
     adaptive: AdaptiveThreshold | None = None
     replica_fraction: float = attrs.field(default=0.5)
+
+    @threshold.validator
+    def _check_threshold(self, _attribute: object, value: float) -> None:
+        # A ratio of prefix lengths: below 1 it would mean what 1 means; infinite: never transfer.
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (value == math.inf or value >= 1)
+        if not ok:  # NaN fails `value >= 1`
+            raise ConfigError(f"threshold must be a number >= 1, or math.inf (never transfer), got {value!r}")
 
     @replica_fraction.validator
     def _check_fraction(self, _attribute: object, value: float) -> None:

@@ -211,7 +211,7 @@ class _BlockIds:
     """Chained ids for prompts made of segments: id = f(parent id, pieces of the block)."""
 
     def __init__(self, block_size_tokens: int) -> None:
-        self._block_size = block_size_tokens
+        self._block_size = require_int("block_size_tokens", block_size_tokens, minimum=1)
         self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
 
     def of(self, segments: list[Segment]) -> tuple[BlockKey, ...]:
@@ -332,8 +332,16 @@ def generate_requests(
     Yields:
         Requests with ids "0", "1", ..., arrival times in whole milliseconds and
         chained `block_keys` at `spec.block_size_tokens`.
+
+    Raises:
+        ConfigError: a spec or arrival process of the wrong type, a negative count or seed.
     """
+    if not isinstance(spec, WorkloadSpec):
+        raise ConfigError(f"spec must be a WorkloadSpec (see workload.preset), got {spec!r}")
+    if not isinstance(arrivals, ArrivalProcess):
+        raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
     num_requests = require_int("num_requests", num_requests, minimum=0)
+    seed = require_int("seed", seed, minimum=0)
     return _generate(spec, num_requests, arrivals, seed)  # checked here, not lazily at the first next()
 
 
@@ -388,13 +396,15 @@ def fixed_length_requests(
     cached tends to `cache_ratio`.
 
     Raises:
-        ConfigError: a length or prefix count below 1, a negative request count, or `cache_ratio`
-            outside [0, 1).
+        ConfigError: a length, prefix count or block size below 1, a negative request count or seed,
+            or `cache_ratio` outside [0, 1).
     """
     input_tokens = require_int("input_tokens", input_tokens, minimum=1)
     output_tokens = require_int("output_tokens", output_tokens, minimum=1)
     num_requests = require_int("num_requests", num_requests, minimum=0)
     num_prefixes = require_int("num_prefixes", num_prefixes, minimum=1)
+    block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
+    seed = require_int("seed", seed, minimum=0)
     cache_ratio = require_number("cache_ratio", cache_ratio, minimum=0)
     if cache_ratio >= 1:
         raise ConfigError(f"cache_ratio must be in [0, 1), got {cache_ratio}")

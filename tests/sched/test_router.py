@@ -587,3 +587,11 @@ def test_adaptive_threshold_rejects_non_positive_settings(field: str) -> None:
     """Every setting must be a positive finite number."""
     with pytest.raises(ConfigError):
         AdaptiveThreshold(**{field: 0.0})
+
+
+@pytest.mark.parametrize("threshold", [math.nan, -1.0, 0.5, "x", -math.inf])
+def test_a_threshold_that_is_not_a_ratio_of_at_least_one_is_refused(threshold: object) -> None:
+    """Algorithm 1's threshold compares best_len / own: a number >= 1, or ∞ (never transfer)."""
+    with pytest.raises(ConfigError, match="threshold must be a number >= 1"):
+        KvCacheCentricRouter(ESTIMATOR, threshold=threshold)  # type: ignore[arg-type]
+    assert KvCacheCentricRouter(ESTIMATOR, threshold=math.inf).current_threshold == math.inf

@@ -219,6 +219,26 @@ def test_unknown_preset_is_a_config_error(name: str) -> None:
     assert repr(name) in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda: generate_requests(preset("synthetic"), num_requests=2, seed=-1), "seed"),
+        (lambda: generate_requests("synthetic", num_requests=2), "WorkloadSpec"),  # type: ignore[arg-type]
+        (lambda: generate_requests(preset("synthetic"), num_requests=2, arrivals=2.0), "ArrivalProcess"),  # type: ignore[arg-type]
+        (
+            lambda: fixed_length_requests(input_tokens=100, output_tokens=1, num_requests=2, block_size_tokens=0),
+            "block_size_tokens",
+        ),
+        (lambda: fixed_length_requests(input_tokens=100, output_tokens=1, num_requests=2, seed=-1), "seed"),
+    ],
+)
+def test_bad_generator_options_are_refused_at_the_call(call: Any, field: str) -> None:
+    """Refused when called, naming the option (a generator does not wait for its first request; a zero
+    block size once looped forever)."""
+    with pytest.raises(ConfigError, match=field):
+        call()
+
+
 # --------------------------------------------------------------------------- arrivals
 
 
