@@ -11,7 +11,7 @@ from typing import Any
 
 from mooncake.errors import ConfigError
 
-__all__ = ["ceil_div", "int_at_least", "is_int", "plain_int", "require_int", "require_number"]
+__all__ = ["ceil_div", "fraction", "int_at_least", "is_int", "plain_int", "require_int", "require_number"]
 
 
 def is_int(value: object) -> bool:
@@ -49,6 +49,12 @@ def int_at_least(minimum: int, *, error: type[Exception] = ConfigError) -> Any:
         require_int(attribute.name, value, minimum=minimum, error=error)
 
     return check
+
+
+def fraction(_instance: object, attribute: Any, value: Any) -> None:
+    """An attrs validator: a share of a peak (an efficiency, a utilisation), in (0, 1]."""
+    if require_number(attribute.name, value, minimum=0, strict=True) > 1:
+        raise ConfigError(f"{attribute.name} is a fraction of a peak, at most 1, got {value!r}")
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

@@ -33,13 +33,14 @@ All functions are pure; units are in the names (seconds, bytes, tokens).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from mooncake._checks import int_at_least, require_number
+from mooncake._checks import fraction, int_at_least, require_number
 from mooncake.errors import ConfigError
 from mooncake.types import Tier
 
@@ -85,6 +86,12 @@ class ModelShape:
     gqa: int = attrs.field(validator=int_at_least(1))
     bytes_per_element: int = attrs.field(default=2, validator=int_at_least(1))
     num_params: float = attrs.field(validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.gqa:
+            raise ConfigError(
+                f"ModelShape {self.name}: gqa={self.gqa} query heads per KV head must divide hidden_size={self.hidden_size}"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -208,7 +215,7 @@ class PrefillCostModel:
 
     model: ModelShape
     hardware: Hardware
-    mfu: float = attrs.field(default=0.5, validator=_positive)
+    mfu: float = attrs.field(default=0.5, validator=fraction)
     overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
     prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
 
@@ -298,9 +305,17 @@ class FittedPrefillModel:
         mean_relative_error, max_relative_error: of the fit on its own samples.
     """
 
-    coefficients: tuple[float, float, float]
+    coefficients: tuple[float, float, float] = attrs.field()
     mean_relative_error: float = 0.0
     max_relative_error: float = 0.0
+
+    @coefficients.validator
+    def _check_coefficients(self, _attribute: object, value: Any) -> None:
+        # A NaN coefficient would time every prefill at 0 s (max(0, NaN) is 0).
+        if not isinstance(value, tuple) or len(value) != 3:
+            raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {value!r}")
+        for name, c in zip(("c0", "c1", "c2"), value, strict=True):
+            require_number(f"coefficient {name}", c, minimum=-math.inf)
 
     @classmethod
     def fit(cls, samples: Sequence[PrefillSample]) -> FittedPrefillModel:
@@ -314,8 +329,8 @@ class FittedPrefillModel:
         n = np.array([s.num_tokens for s in samples])
         p = np.array([s.prefix_tokens for s in samples])
         y = np.array([s.seconds for s in samples], dtype=np.float64)
-        if np.any(y <= 0) or np.any(n <= p):
-            raise ConfigError("every sample needs seconds > 0 and num_tokens > prefix_tokens")
+        if not np.all(np.isfinite(y)) or np.any(y <= 0) or np.any(n <= p):
+            raise ConfigError("every sample needs finite seconds > 0 and num_tokens > prefix_tokens")
         x = _features(n, p)
         weights = 1.0 / y
         solution, _, rank, _ = np.linalg.lstsq(x * weights[:, None], y * weights, rcond=None)
@@ -355,7 +370,7 @@ class FittedPrefillModel:
                 mean_relative_error=float(data["mean_relative_error"]),
                 max_relative_error=float(data["max_relative_error"]),
             )
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, ConfigError) as error:
             raise ConfigError(f"not a fitted prefill model: {error}") from error
 
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from mooncake._checks import require_number
+from mooncake._checks import fraction, require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import Hardware, ModelShape
 
@@ -175,9 +175,9 @@ class DecodeCostModel:
     model: ModelShape
     hardware: Hardware
     overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
-    memory_efficiency: float = attrs.field(default=0.8, validator=_positive)
-    compute_efficiency: float = attrs.field(default=0.5, validator=_positive)
-    kv_memory_fraction: float = attrs.field(default=0.9, validator=_positive)
+    memory_efficiency: float = attrs.field(default=0.8, validator=fraction)
+    compute_efficiency: float = attrs.field(default=0.5, validator=fraction)
+    kv_memory_fraction: float = attrs.field(default=0.9, validator=fraction)
 
     _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
 
@@ -223,6 +223,10 @@ class FittedStepModel:
     _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.coefficients, tuple) or len(self.coefficients) != 3:
+            raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {self.coefficients!r}")
+        for name, c in zip(("c0", "c1", "c2"), self.coefficients, strict=True):
+            require_number(f"coefficient {name}", c, minimum=-math.inf)
         c0, c1, c2 = self.coefficients
         roofline = RooflineStep((StepBranch(c0, c1, c2), StepBranch(0.0, 0.0, 0.0)))
         object.__setattr__(self, "_roofline", roofline)
@@ -242,8 +246,13 @@ class FittedStepModel:
         """
         if len(samples) < 3:
             raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
-        x = np.array([[1.0, b, t] for b, t, _ in samples], dtype=np.float64)
-        y = np.array([s for _, _, s in samples], dtype=np.float64)
+        try:
+            x = np.array([[1.0, b, t] for b, t, _ in samples], dtype=np.float64)
+            y = np.array([s for _, _, s in samples], dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"samples must be (batch_size, context_tokens, seconds) numbers: {error}") from error
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+            raise ConfigError("samples must be finite numbers")
         if int(np.linalg.matrix_rank(x)) < 3:
             raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
         best: tuple[float, np.ndarray[Any, np.dtype[np.float64]]] | None = None

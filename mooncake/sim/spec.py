@@ -105,6 +105,21 @@ class ClusterSpec:
             raise ConfigError(f"ClusterSpec.{attribute.name} must be a finite number >= 0, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
+        kinds: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+            ("model", ModelShape),
+            ("prefill_hardware", Hardware),
+            ("decode_hardware", Hardware),
+            ("global_pool", bool),
+            ("analytic_decode", bool),
+            ("decode_node_limits", (DecodeLimits, type(None))),
+        )
+        for name, kind in kinds:
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"ClusterSpec.{name} has the wrong type: {getattr(self, name)!r}")
+        for name, method in (("prefill_model", "prefill_s"), ("step_model", "step_s")):
+            model = getattr(self, name)
+            if model is not None and not callable(getattr(model, method, None)):
+                raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
         if self.num_prefill % self.cpp_group_size:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} must divide num_prefill={self.num_prefill}"
@@ -115,6 +130,8 @@ class ClusterSpec:
                 continue  # the prefill hardware's NIC
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ConfigError(f"ClusterSpec.{name} must be a finite number > 0, got {value!r}")
+        if self.mfu > 1:
+            raise ConfigError(f"ClusterSpec.mfu is a fraction of the peak, at most 1, got {self.mfu!r}")
 
     @property
     def num_prefill_instances(self) -> int:

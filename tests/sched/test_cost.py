@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from typing import Any
 
 import attrs
 import numpy as np
@@ -35,7 +36,7 @@ from mooncake.sched.cost import (
     prefill_flops,
     reuse_bandwidth_bytes_per_s,
 )
-from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, RooflineStep, StepBranch
+from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel, RooflineStep, StepBranch
 
 LLAMA3 = MODELS["llama3-70b"]
 VIDUR_PREFILL_8192_ON_8XA100_S = 0.99  # Vidur's profile-based prediction for a 70B model, 8,192 tokens, 8×A100
@@ -164,6 +165,48 @@ def test_prefill_cost_model_rejects_bad_fields(field: str) -> None:
     """A non-positive MFU or a negative overhead is a ConfigError."""
     with pytest.raises(ConfigError):
         PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], **{field: -1.0})
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], mfu=7.0), "mfu"),
+        (
+            lambda: DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], memory_efficiency=3.0),
+            "memory_efficiency",
+        ),
+        (
+            lambda: DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], compute_efficiency=1.5),
+            "compute_efficiency",
+        ),
+        (
+            lambda: DecodeCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], kv_memory_fraction=2.0),
+            "kv_memory_fraction",
+        ),
+        (lambda: attrs.evolve(LLAMA3, hidden_size=4, gqa=8), "gqa=8"),
+        (lambda: attrs.evolve(LLAMA3, gqa=3), "gqa=3"),
+        (lambda: FittedPrefillModel(coefficients=(math.nan, 1.0, 1.0)), "c0"),
+        (
+            lambda: FittedPrefillModel.from_json(
+                '{"coefficients": [NaN, 1, 1], "mean_relative_error": 0, "max_relative_error": 0}'
+            ),
+            "c0",
+        ),
+        (
+            lambda: FittedPrefillModel.fit(
+                [PrefillSample(num_tokens=n, prefix_tokens=0, seconds=math.nan) for n in (1, 2, 3)]
+            ),
+            "finite",
+        ),
+        (lambda: FittedStepModel(coefficients=(1.0, 1.0)), "coefficients"),  # type: ignore[arg-type]
+        (lambda: FittedStepModel.fit([(1, 2, "x"), (2, 3, 1.0), (3, 5, 2.0)]), "numbers"),  # type: ignore[list-item]
+    ],
+)
+def test_out_of_range_shapes_fractions_and_coefficients_are_refused(make: Any, field: str) -> None:
+    """A share of a peak above 1, a head grouping that does not divide the width (a silent zero KV size
+    once), or a coefficient or sample that is not a finite number: a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=field):
+        make()
 
 
 # ---------------------------------------------------------------------------- fitted model
