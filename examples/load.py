@@ -25,8 +25,9 @@ output tokens the usage's completion tokens. A detokenized stream sends no
 event for a token that adds no text yet, so a client sees fewer intervals than
 tokens; the usage in every chunk tells how many tokens each event carried
 (`ClientRecord.event_tokens`, left empty when a server sends no such usage).
-A 429 is a rejection (after prefill when the decode engine refused it), its
-reason the error's `code`; other errors count as failed and the first of each
+A rejection is an error whose body says so (`outcome`: before or after prefill,
+as the gateway answers with `sched.outcome.http_status`), or any 429; its
+reason is the error's `code`; other errors count as failed and the first of each
 kind is printed to stderr. Requests name the model
 the server lists at `/v1/models` (or `--model`). The summary is
 `mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
@@ -54,18 +55,10 @@ from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
 from mooncake.errors import MooncakeError
-from mooncake.sched.outcome import Outcome, Reason
+from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
 from mooncake.types import Request, Slo
-
-
-def reason_of(code: object) -> Reason:
-    """The `Reason` a 429's error `code` names (`decode_rejected` for one this client does not know)."""
-    try:
-        return Reason(code)
-    except ValueError:
-        return Reason.DECODE_REJECTED
 
 
 @attrs.define(eq=False)
@@ -74,6 +67,25 @@ class ClientRecord(RequestRecord):
     per interval; from the usage in every chunk), empty when the server did not send that usage."""
 
     event_tokens: list[int] = attrs.field(factory=list)
+
+
+_REJECTIONS = {Outcome.REJECTED_BEFORE_PREFILL.value, Outcome.REJECTED_AFTER_PREFILL.value}
+
+
+async def _rejection(answer: aiohttp.ClientResponse) -> tuple[Outcome, Reason] | None:
+    """How an error answer rejected the request, or None when it is a failure: the gateway's error body
+    names the outcome (and the reason as its code); a 429 from a server that does not is a rejection
+    before prefill."""
+    try:
+        error = (await answer.json(content_type=None))["error"]
+    except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+        error = {}
+    outcome = error.get("outcome") if isinstance(error, dict) else None
+    if outcome in _REJECTIONS:
+        return Outcome(outcome), reason_named(error.get("code"))
+    if answer.status == 429:
+        return Outcome.REJECTED_BEFORE_PREFILL, reason_named(error.get("code") if isinstance(error, dict) else None)
+    return None
 
 
 async def one(
@@ -97,13 +109,11 @@ async def one(
         async with session.post(
             f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as answer:
-            if answer.status == 429:
-                error = (await answer.json())["error"]
-                after = "decode engine refused" in error["message"]
-                record.outcome = Outcome.REJECTED_AFTER_PREFILL if after else Outcome.REJECTED_BEFORE_PREFILL
-                record.reason = reason_of(error.get("code"))
-                return
             if answer.status != 200:
+                rejection = await _rejection(answer)
+                if rejection is not None:
+                    record.outcome, record.reason = rejection
+                    return
                 failed(f"HTTP {answer.status}", await answer.text())
                 return
             record.prefill_instance = answer.headers.get(PREFILL_HEADER)  # type: ignore[assignment]

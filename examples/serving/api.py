@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.sched.outcome import Outcome
 from serving.tokenizer import ServingTokenizer
 
 __all__ = [
@@ -86,16 +87,22 @@ class ApiError(MooncakeError):
         kind: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        outcome: Outcome | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.code: str | int = code or status
         self.headers = dict(headers or {})
+        self.outcome = outcome
 
     def body(self) -> dict[str, Any]:
-        """OpenAI's error body."""
-        return error_body(self.message, kind=self.kind, param=self.param, code=self.code)
+        """OpenAI's error body; a rejection's also says whether its prefill ran (`outcome`: the value of
+        `sched.outcome.Outcome`), for clients that count wasted prefills."""
+        body = error_body(self.message, kind=self.kind, param=self.param, code=self.code)
+        if self.outcome is not None:
+            body["error"]["outcome"] = self.outcome.value
+        return body
 
 
 def error_body(message: str, *, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:

@@ -55,7 +55,7 @@ import numpy as np
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.outcome import Outcome, Reason, RequestEnd
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
@@ -256,11 +256,8 @@ class Dispatcher:
         decision = self.conductor.schedule(live.request, self.now())
         if not decision.accepted:
             assert decision.reason is not None
-            reason = decision.reason.value
-            self.metrics.rejections[reason].inc()
-            raise ApiError(
-                429, f"the cluster is at capacity ({reason}); retry later", code=reason, headers={"Retry-After": "1"}
-            )
+            self.metrics.rejections[decision.reason.value].inc()
+            raise _rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL)
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         live.prefill, live.decode = decision.prefill_instance, decision.decode_instance
         plan = decision.transfer
@@ -443,15 +440,9 @@ class Dispatcher:
             )
             self.conductor.handle(joined)
         elif isinstance(message, wire.DecodeRejected):
-            reason = _reason(message.reason)
+            reason = reason_named(message.reason)
             self.metrics.rejections[f"decode_{reason.value}"].inc()
-            error = ApiError(
-                429,
-                f"the decode engine refused the request ({reason.value}); retry later",
-                code=reason.value,
-                headers={"Retry-After": "1"},
-            )
-            self._fail(live, error, Outcome.REJECTED_AFTER_PREFILL, reason)
+            self._fail(live, _rejection(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason)
 
     def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
         self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
@@ -562,10 +553,11 @@ class Dispatcher:
                 live.events.put_nowait(("error", failure))
 
 
-def _reason(value: str) -> Reason:
-    """The `Reason` a decode engine's refusal names by its value (the decode rule's); a value this
-    gateway does not know (a worker of another version) is DECODE_REJECTED."""
-    try:
-        return Reason(value)
-    except ValueError:
-        return Reason.DECODE_REJECTED
+def _rejection(reason: Reason, outcome: Outcome) -> ApiError:
+    """The answer to a rejected request: the status `http_status` gives its reason, the reason as the error's
+    code, and whether the prefill ran (`outcome`)."""
+    status = http_status(reason)
+    where = "the decode engine refused the request" if outcome is Outcome.REJECTED_AFTER_PREFILL else "rejected"
+    advice = {503: "no engine of a role is up", 400: "no engine could ever take it", 429: "retry later"}[status]
+    headers = {} if status == 400 else {"Retry-After": "1"}
+    return ApiError(status, f"{where} ({reason.value}): {advice}", code=reason.value, headers=headers, outcome=outcome)

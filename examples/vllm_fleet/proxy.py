@@ -49,7 +49,7 @@ from vllm_events import KvEventSubscriber
 from mooncake.cache import BlockIndex
 from mooncake.engine.tokenizer import load_tokenizer
 from mooncake.errors import ConfigError
-from mooncake.sched import Reason
+from mooncake.sched import Outcome, Reason, http_status
 from mooncake.types import InstanceId
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, Flight
@@ -340,24 +340,31 @@ class VllmRouter:
             now = time.monotonic()
             _, decision = self.fleet.schedule(tokens, max_tokens, now)
             if not decision.accepted:
-                reason = decision.reason.value if decision.reason is not None else "rejected"
+                assert decision.reason is not None
+                reason = decision.reason.value
                 self.metrics.rejections[reason].inc()
-                if decision.reason is Reason.NO_PREFILL_INSTANCE or decision.reason is Reason.NO_DECODE_INSTANCE:
-                    raise ApiError(503, "no vLLM server is up", headers={"Retry-After": "1"})
-                if decision.reason is Reason.CONTEXT_TOO_LONG:  # no server could ever take it: vLLM's own 400
+                status, before = http_status(decision.reason), Outcome.REJECTED_BEFORE_PREFILL
+                if status == 503:
+                    raise ApiError(
+                        503, "no vLLM server is up", code=reason, headers={"Retry-After": "1"}, outcome=before
+                    )
+                if status == 400:  # no server could ever take it: vLLM's own 400
                     raise ApiError(
                         400,
                         f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
                         f"maximum context",
                         param="max_tokens",
+                        code=reason,
+                        outcome=before,
                     )
                 wait = max(1, math.ceil((decision.ttft_s or 0.0) - self.settings.ttft_slo_s))
                 raise ApiError(
-                    429,
+                    status,
                     f"rejected ({reason}): estimated TTFT {decision.ttft_s or 0.0:.3f} s, objective "
                     f"{self.settings.ttft_slo_s:g} s",
                     code=reason,
                     headers={"Retry-After": str(wait)},
+                    outcome=before,
                 )
             log.debug(
                 "%s: %d tokens, %d cached on %s, estimated TTFT %.3f s",

@@ -30,7 +30,7 @@ from mooncake.sched.cost import (
 )
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
-from mooncake.sched.outcome import Outcome, Reason, RequestEnd
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.predictor import (
     LoadPredictor,
     LoadSnapshot,
@@ -131,8 +131,10 @@ __all__ = [
     "build_conductor",
     "check_join",
     "choose_decode",
+    "http_status",
     "local_cache_aware_router",
     "predictive_early_rejection",
+    "reason_named",
     "score_predictor",
     "ttft_estimator",
 ]

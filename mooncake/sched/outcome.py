@@ -9,7 +9,8 @@ context too long, batch full, KV budget, TBT objective), after which the
 prefill was wasted. A request can also be aborted by a failure or its client.
 
 `RequestEnd` is what the Conductor reports when a request ends; every request
-ends exactly once.
+ends exactly once. `reason_named` reads a reason another process sent by its
+value; `http_status` is what a gateway answers a rejection with.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import attrs
 from mooncake.errors import InvalidRequestError
 from mooncake.types import RequestId
 
-__all__ = ["Outcome", "Reason", "RequestEnd"]
+__all__ = ["Outcome", "Reason", "RequestEnd", "http_status", "reason_named"]
 
 
 class Outcome(enum.Enum):
@@ -66,3 +67,26 @@ class RequestEnd:
             raise InvalidRequestError(
                 f"a {self.outcome.value} request has reason {self.reason}: every outcome but completed has one"
             )
+
+
+def reason_named(value: object) -> Reason:
+    """The `Reason` whose value is `value` (as a worker's refusal or a gateway's error code carries it); one
+    this version does not know (a peer of another version) is DECODE_REJECTED: a refusal without a known why."""
+    try:
+        return Reason(value)
+    except ValueError:
+        return Reason.DECODE_REJECTED
+
+
+_UNAVAILABLE = frozenset({Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE})
+
+
+def http_status(reason: Reason) -> int:
+    """The HTTP status a gateway answers a rejection for `reason` with: 503 when no instance of a role is up
+    (the service is unavailable), 400 when the request cannot fit any instance however idle (its prompt and
+    max_tokens exceed the context: vLLM's own answer), 429 for the rest (at capacity now: retry later)."""
+    if reason in _UNAVAILABLE:
+        return 503
+    if reason is Reason.CONTEXT_TOO_LONG:
+        return 400
+    return 429

@@ -399,8 +399,10 @@ def test_prompt_tokens_and_prefix_hits_are_what_the_answers_reported(scenario: S
 
 
 def test_a_rejection_counts_by_its_reason(scenario: Scenario) -> None:
-    """The refused request counts once, under the reason its 429 named; it reached no engine."""
+    """The refused request counts once, under the reason its 429 named; it reached no engine (its body says
+    so: rejected before prefill)."""
     final, reason = scenario.final, scenario.rejection["code"]
+    assert scenario.rejection["outcome"] == "rejected_before_prefill"
     assert value(final, "mooncake:request_rejected_total") == 1
     assert value(final, "mooncake:request_rejected_total", reason=reason) == 1
     assert value(final, "mooncake:http_responses_total", status="429") == 1

@@ -1,0 +1,45 @@
+"""Tests for `mooncake.sched.outcome`: the one vocabulary of how requests end.
+
+Properties: every reason read back by its value is itself and anything else is a refusal without a known
+why; every rejection reason has one HTTP status, and the statuses mean what the docstring says (503 only
+when no instance of a role is up, 400 only for what no instance could ever take); a `RequestEnd` has a
+reason exactly when it did not complete.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.errors import InvalidRequestError
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
+from mooncake.types import RequestId
+
+
+@given(st.sampled_from(Reason))
+def test_a_reason_reads_back_from_its_value(reason: Reason) -> None:
+    assert reason_named(reason.value) is reason
+
+
+@given(st.one_of(st.text(), st.integers(), st.none()).filter(lambda v: v not in {r.value for r in Reason}))
+def test_a_value_no_reason_has_is_a_refusal_without_a_known_why(value: object) -> None:
+    """A peer of another version may send a reason this one does not know: still a refusal."""
+    assert reason_named(value) is Reason.DECODE_REJECTED
+
+
+@given(st.sampled_from(Reason))
+def test_every_reason_has_one_status_of_its_meaning(reason: Reason) -> None:
+    status = http_status(reason)
+    assert status in (400, 429, 503)
+    assert (status == 503) == (reason in (Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE))
+    assert (status == 400) == (reason is Reason.CONTEXT_TOO_LONG)
+
+
+@given(st.sampled_from(Outcome), st.one_of(st.none(), st.sampled_from(Reason)))
+def test_a_request_end_has_a_reason_iff_it_did_not_complete(outcome: Outcome, reason: Reason | None) -> None:
+    if (outcome is Outcome.COMPLETED) == (reason is None):
+        assert RequestEnd(RequestId("r"), outcome, reason).reason is reason
+    else:
+        with pytest.raises(InvalidRequestError, match=outcome.value):
+            RequestEnd(RequestId("r"), outcome, reason)
