@@ -40,7 +40,7 @@ from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
-from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset
+from mooncake.workload import PRESETS, TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, generate_requests, load_trace, preset
 
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
@@ -105,7 +105,10 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="8xA800", help="one node's GPUs")
     parser.add_argument(
-        "--cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS, help="KV cache per prefill node, in 512-token blocks"
+        "--cache-blocks",
+        type=int,
+        default=DEFAULT_CACHE_BLOCKS,
+        help=f"KV cache per prefill node, in {TRACE_BLOCK_SIZE_TOKENS}-token blocks",
     )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--global-pool", dest="global_pool", action="store_true", default=True, help="(default)")
@@ -192,7 +195,8 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
         "model": MODELS[args.model],
         "prefill_hardware": HARDWARE[args.hardware],
         "decode_hardware": HARDWARE[args.hardware],
-        "cache_capacity_tokens": args.cache_blocks * 512,
+        "cache_capacity_tokens": args.cache_blocks * TRACE_BLOCK_SIZE_TOKENS,
+        "block_size_tokens": TRACE_BLOCK_SIZE_TOKENS,
         "global_pool": args.global_pool,
         "cpp_group_size": args.cpp,
         "inline_prefill_tokens": args.inline_prefill,

@@ -41,6 +41,7 @@ from mooncake.types import BlockKey
 from mooncake.workload import (
     ARRIVAL_RANGE,
     PRESETS,
+    TRACE_BLOCK_SIZE_TOKENS,
     TRACE_FORMS,
     ArrivalProcess,
     Request,
@@ -340,7 +341,10 @@ def _parser() -> argparse.ArgumentParser:
 
     for command in (stats, generate, capacity, convert):
         command.add_argument(
-            "--block-size", type=_integer(1), default=512, help="tokens per block / hash id (default 512)"
+            "--block-size",
+            type=_integer(1),
+            default=TRACE_BLOCK_SIZE_TOKENS,
+            help=f"tokens per block / hash id (default {TRACE_BLOCK_SIZE_TOKENS})",
         )
     for command in (stats, capacity, convert):
         command.add_argument(

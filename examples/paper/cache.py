@@ -33,7 +33,10 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         for blocks in capacities:
             for mode in ("global", "local"):
                 sized = attrs.evolve(
-                    spec, num_prefill=nodes, cache_capacity_tokens=blocks * 512, global_pool=mode == "global"
+                    spec,
+                    num_prefill=nodes,
+                    cache_capacity_tokens=blocks * spec.block_size_tokens,
+                    global_pool=mode == "global",
                 )
                 rows[nodes, blocks, mode] = replay(sized, requests, args)
 

@@ -26,7 +26,7 @@ from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
-from mooncake.workload import ArrivalProcess, fixed_length_requests
+from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, fixed_length_requests
 from paper.common import Report, header, replay
 
 __all__ = ["THROUGHPUT_CONFIGS", "throughput"]
@@ -54,7 +54,8 @@ def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespa
         model=model,
         prefill_hardware=hardware,
         decode_hardware=hardware,
-        cache_capacity_tokens=args.cache_blocks * 512,
+        cache_capacity_tokens=args.cache_blocks * TRACE_BLOCK_SIZE_TOKENS,
+        block_size_tokens=TRACE_BLOCK_SIZE_TOKENS,
     )
     conductor = build_conductor(cluster, admission=BaselineAdmission(), slo=slo, seed=args.seed)
     return DisaggregatedCluster(cluster, conductor).run(requests)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import int_at_least, is_int, require_int
+from mooncake._checks import ceil_div, int_at_least, is_int, require_int
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.kv import KvLayout
@@ -219,7 +219,7 @@ class DecodeEngine:
         if any(a.request_id == request_id for a in self._active):
             raise InvalidRequestError(f"request {request_id} is already decoding")
         block = self.layout.block_tokens
-        if len(keys) != -(-prompt_tokens // block):
+        if len(keys) != ceil_div(prompt_tokens, block):
             raise InvalidRequestError(
                 f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )

@@ -48,7 +48,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_int, require_number
+from mooncake._checks import ceil_div, require_int, require_number
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
@@ -364,7 +364,7 @@ class Conductor:
                 f"request {request.request_id} was keyed in {request.block_size_tokens}-token blocks, this "
                 f"Conductor's blocks are {block} tokens: key requests with the hasher whose block size it has"
             )
-        expected = -(-request.input_length // block)
+        expected = ceil_div(request.input_length, block)
         if len(request.block_keys) != expected:
             raise InvalidRequestError(
                 f"request {request.request_id} has {len(request.block_keys)} block keys, but {request.input_length} "

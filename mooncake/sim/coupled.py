@@ -42,6 +42,7 @@ from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.types import InstanceId, Request, Slo, Tier
+from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = ["CoupledCluster", "CoupledSpec"]
 
@@ -64,7 +65,7 @@ class CoupledSpec:
     num_instances: int
     model: ModelShape
     hardware: Hardware
-    block_size_tokens: int = 512
+    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS
     cache_capacity_tokens: int | None = None
     chunked_prefill: bool = False
     token_budget: int = 512  # vLLM's max_num_batched_tokens with chunked prefill

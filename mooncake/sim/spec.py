@@ -36,6 +36,7 @@ from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
+from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = ["ClusterSpec", "build_conductor"]
 
@@ -83,8 +84,8 @@ class ClusterSpec:
     model: ModelShape
     prefill_hardware: Hardware
     decode_hardware: Hardware
-    block_size_tokens: int = attrs.field(default=512, validator=_at_least(1))
-    cache_capacity_tokens: int = attrs.field(default=50_000 * 512, validator=_at_least(0))
+    block_size_tokens: int = attrs.field(default=TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(1))
+    cache_capacity_tokens: int = attrs.field(default=50_000 * TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(0))
     global_pool: bool = True
     mfu: float = 0.5
     network_bytes_per_s: float | None = None
