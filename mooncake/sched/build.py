@@ -51,10 +51,13 @@ def ttft_estimator(
     *,
     prefill: PrefillModel | None = None,
     transfer: TransferCostModel | None = None,
+    first_token_overhead_s: float = 0.0,
 ) -> TtftEstimator:
     """The router's TTFT estimator for `model` on `hardware`: the analytic prefill model (or `prefill`),
-    transfers at the hardware's NIC (or `transfer`), the model's KV bytes per token."""
+    transfers at the hardware's NIC (or `transfer`), the model's KV bytes per token, and the serving
+    path's fixed latency to the first token."""
     return TtftEstimator(
+        first_token_overhead_s=first_token_overhead_s,
         prefill=prefill if prefill is not None else PrefillCostModel(model=model, hardware=hardware),
         transfer=transfer
         if transfer is not None
@@ -81,12 +84,15 @@ def build_conductor(
     transfer: TransferCostModel | None = None,
     decode_limits: DecodeLimits | None = None,
     transfers: bool = True,
+    first_token_overhead_s: float = 0.0,
     seed: int = 0,
 ) -> Conductor:
     """A Conductor with its instances added (defaults in the module docstring).
 
     Args:
         transfers: False when instances cannot fetch each other's blocks (no global pool).
+        first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token,
+            part of every TTFT estimate.
 
     Raises:
         ConfigError: neither or both of `hasher` and `block_size_tokens`, a block size that is not an
@@ -105,7 +111,11 @@ def build_conductor(
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
     conductor = Conductor(
-        router=router(ttft_estimator(model, hardware, prefill=prefill, transfer=transfer)),
+        router=router(
+            ttft_estimator(
+                model, hardware, prefill=prefill, transfer=transfer, first_token_overhead_s=first_token_overhead_s
+            )
+        ),
         step_model=step_model if step_model is not None else decode_cost,
         admission=admission if admission is not None else EarlyRejection(),
         predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),

@@ -209,6 +209,7 @@ class RouteDecision:
     transfer_s: float
     queue_s: float
     prefill_s: float
+    overhead_s: float = 0.0  # the serving path's fixed latency from the prefill's end to the first token
 
     @property
     def wait_s(self) -> float:
@@ -217,16 +218,23 @@ class RouteDecision:
 
     @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.prefill_s
+        return self.wait_s + self.prefill_s + self.overhead_s
 
 
 @attrs.frozen(kw_only=True)
 class TtftEstimator:
-    """Estimates each term of TTFT for one instance."""
+    """Estimates each term of TTFT for one instance: TTFT = max(transfer, queue) + prefill + overhead,
+    the overhead being the serving path's fixed latency from a prefill's end to its first token (as
+    measured on a real cluster: `sim.spec.ClusterSpec.first_token_overhead_s`, which the simulator charges)."""
 
     prefill: PrefillModel
     transfer: TransferCostModel
     kv_bytes_per_token: int
+    first_token_overhead_s: float = attrs.field(default=0.0)
+
+    @first_token_overhead_s.validator
+    def _check_overhead(self, _attribute: object, value: float) -> None:
+        require_number("first_token_overhead_s", value, minimum=0)
 
     def decide_local(self, view: PrefillView, query: RouteQuery, now: float) -> RouteDecision:
         """The decision to prefill on `view` with the prefix it holds itself (no transfer)."""
@@ -277,6 +285,7 @@ class TtftEstimator:
             transfer_s=transfer_s,
             queue_s=view.queue_s(now) if queue_s is None else queue_s,
             prefill_s=self.prefill.prefill_s(query.input_tokens, prefix) if prefill_s is None else prefill_s,
+            overhead_s=self.first_token_overhead_s,
         )
 
 

@@ -206,5 +206,6 @@ def build_conductor(
         transfer=spec.transfer_cost,
         decode_limits=spec.decode_limits,
         transfers=spec.global_pool,  # without a global pool there is nothing to transfer from
+        first_token_overhead_s=spec.first_token_overhead_s,  # what the simulator charges, estimated alike
         seed=seed,
     )

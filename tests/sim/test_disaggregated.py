@@ -566,6 +566,9 @@ def test_the_first_token_overhead_delays_the_first_token_and_the_join(output_tok
     assert np.allclose(delayed.intervals.values(), plain.intervals.values(), rtol=1e-9)
     if output_tokens == 1:
         assert delayed.finish_s == delayed.first_token_s
+    # The Conductor on the spec estimates the same TTFT the simulator charges, overhead included.
+    decision = build_conductor(late).schedule(request, request.arrival_s)
+    assert decision.ttft_s is not None and math.isclose(decision.ttft_s, delayed.ttft_s, rel_tol=1e-9)
     with pytest.raises(ConfigError, match="first_token_overhead_s"):
         attrs.evolve(spec, first_token_overhead_s=-1.0)
     with pytest.raises(ConfigError, match="first_token_overhead_s"):
