@@ -57,8 +57,8 @@ PREDICTED_DECODE_S = 1.0
 
 
 def decode_limits(config: ClusterConfig) -> DecodeLimits:
-    """What one decode engine holds, as its own check counts it (`DecodeConfig`): the Conductor asks the
-    same rule with these limits (and so does a simulation of the cluster)."""
+    """What one decode engine holds: the decode worker builds its engine's `DecodeConfig` from these, and the
+    Conductor asks the same rule with them (and so does a simulation of the cluster)."""
     return DecodeLimits(
         kv_capacity_tokens=config.decode.max_batch_size * config.decode.max_context_tokens,
         max_batch_size=config.decode.max_batch_size,

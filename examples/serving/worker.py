@@ -67,7 +67,7 @@ from mooncake.transfer.request import EngineConfig
 from mooncake.types import BlockKey, InstanceId, RequestId, Tier
 from serving import wire
 from serving.config import ClusterConfig
-from serving.models import cost_models
+from serving.models import cost_models, decode_limits
 from serving.prefill_group import group_prefill_engine
 from serving.reporter import Reporter
 
@@ -156,13 +156,16 @@ class Worker:
             )
             loop = self._prefill_loop
         else:
+            limits = decode_limits(config)
+            assert limits.max_batch_size is not None and limits.max_context_tokens is not None
             self._decode = DecodeEngine(
                 self.model,
                 self.cache,
                 block_tokens=block,
-                config=DecodeConfig(
-                    max_batch_size=config.decode.max_batch_size,
-                    max_context_tokens=config.decode.max_context_tokens,
+                config=DecodeConfig(  # the limits the Conductor checks this engine against, by construction
+                    max_batch_size=limits.max_batch_size,
+                    max_context_tokens=limits.max_context_tokens,
+                    kv_budget_tokens=limits.kv_capacity_tokens,
                     tbt_slo_s=config.slo.tbt_s,
                 ),
                 step_model=cost_models(config)[1],  # the decode rule as the Conductor asks it
