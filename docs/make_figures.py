@@ -183,13 +183,11 @@ def overload_table(trace: Path) -> str:
         claim(rejected["baseline"] == min(rejected.values()), f"the baseline rejects the fewest at {speedup}×")
         claim(at("wasted_prefill_s", "early_rejection", speedup) == 0, f"early rejection wastes nothing at {speedup}×")
         for key, what in (("slo_attainment", "attainment"), ("goodput_rps", "goodput")):
-            best = max(at(key, p, speedup) for p in policies)
-            # At 2× the decode side barely binds: the best and early rejection are within 1 %.
-            slack = 0.99 if speedup == "2.0" else 1.0
-            claim(
-                at(key, "early_rejection", speedup) >= slack * best,
-                f"early rejection has the best {what} at {speedup}×",
-            )
+            values = [at(key, p, speedup) for p in policies]
+            if speedup == "2.0":  # the decode side barely binds: the prose says the three are close
+                claim(min(values) >= 0.96 * max(values), f"the three policies' {what} are within 4 % at 2×")
+            else:
+                claim(at(key, "early_rejection", speedup) == max(values), f"early rejection has the best {what} at 4×")
         swing = min(at("oscillation", p, speedup) for p in policies)
         claim(at("oscillation", "early_rejection", speedup) == swing, f"early rejection swings least at {speedup}×")
     claim(
