@@ -293,6 +293,7 @@ class Conductor:
                 request_id=request.request_id,
                 start_s=start,
                 finish_s=start + route.prefill_s,
+                frees_s=start + route.occupancy_s,
                 decode_instance=decode.decode_instance,
                 input_tokens=request.input_length,
                 output_tokens=request.output_length,
@@ -577,25 +578,30 @@ class Conductor:
     def _retime(
         self, view: PrefillView, *, now: float | None = None, started: tuple[RequestId, float] | None = None
     ) -> None:
-        """Re-predict the queue's times after a start or an end: each entry keeps its
-        duration and starts no earlier than its predecessor ends."""
-        previous_finish = now if now is not None else float("-inf")
+        """Re-predict the queue's times after a start or an end: each entry keeps its durations (to its
+        first token, and until it frees the instance) and starts no earlier than its predecessor frees
+        the instance; one not yet reported started also no earlier than `now` (a running one keeps its
+        start: that time has passed)."""
+        not_before = now if now is not None else -math.inf
+        previous_frees = -math.inf
         retimed = []
         for entry in view.queue:
-            duration = entry.finish_s - entry.start_s
-            start = entry.start_s
+            duration, hold = entry.finish_s - entry.start_s, entry.frees_s - entry.start_s
             if started is not None and entry.request_id == started[0]:
-                start = started[1]
-            elif now is not None:
-                start = max(start, previous_finish)
-            start = max(start, previous_finish)
-            if start != entry.start_s:
-                entry = attrs.evolve(entry, start_s=start, finish_s=start + duration)
+                start, is_started = max(started[1], previous_frees), True
+            elif entry.started:
+                start, is_started = max(entry.start_s, previous_frees), True
+            else:
+                start, is_started = max(entry.start_s, previous_frees, not_before), False
+            if start != entry.start_s or is_started != entry.started:
+                entry = attrs.evolve(
+                    entry, start_s=start, finish_s=start + duration, frees_s=start + hold, started=is_started
+                )
                 incoming = self._incoming.get(entry.decode_instance) if entry.decode_instance is not None else None
                 if incoming is not None and entry.request_id in incoming:  # the decode side's picture follows
                     incoming[entry.request_id] = entry
             retimed.append(entry)
-            previous_finish = start + duration
+            previous_frees = start + hold
         view.queue = retimed
         self._prefill_board.refresh(self._prefill_board.slot[view.instance_id])
 

@@ -55,6 +55,7 @@ __all__ = [
     "PrefillModel",
     "PrefillSample",
     "TransferCostModel",
+    "occupancy_s",
     "prefill_flops",
     "reuse_bandwidth_bytes_per_s",
 ]
@@ -279,6 +280,17 @@ class ChunkedPipelineCost:
     def occupancy_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
         """How long the prefill holds the first stage: the next one may start after that."""
         return self._stages(num_tokens, prefix_tokens)[0]
+
+
+def occupancy_s(
+    model: PrefillModel, num_tokens: int, prefix_tokens: int = 0, *, prefill_s: float | None = None
+) -> float:
+    """How long a prefill holds its instance before the next may start: a chunked-pipeline group's first
+    stage (`ChunkedPipelineCost.occupancy_s`), any other instance's whole prefill (`prefill_s`, if the
+    caller has it). The simulator frees an instance and the Conductor predicts its queue by this one answer."""
+    if isinstance(model, ChunkedPipelineCost):
+        return model.occupancy_s(num_tokens, prefix_tokens)
+    return model.prefill_s(num_tokens, prefix_tokens) if prefill_s is None else prefill_s
 
 
 @attrs.frozen(kw_only=True)

@@ -61,7 +61,7 @@ from mooncake.cache._compiled import kernels
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import PrefillModel, TransferCostModel
+from mooncake.sched.cost import PrefillModel, TransferCostModel, occupancy_s
 from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import BlockKey, InstanceId
 
@@ -210,6 +210,9 @@ class RouteDecision:
     queue_s: float
     prefill_s: float
     overhead_s: float = 0.0  # the serving path's fixed latency from the prefill's end to the first token
+    # How long the prefill holds the instance before the next may start (a chunked-pipeline group's first
+    # stage; the whole prefill elsewhere): `sched.cost.occupancy_s`.
+    occupancy_s: float = attrs.field(default=attrs.Factory(lambda self: self.prefill_s, takes_self=True))
 
     @property
     def wait_s(self) -> float:
@@ -278,14 +281,17 @@ class TtftEstimator:
                 transfer_s=transfer_s,
                 keep_local_copy=keep_copy,
             )
+        if prefill_s is None:
+            prefill_s = self.prefill.prefill_s(query.input_tokens, prefix)
         return RouteDecision(
             prefill_instance=view.instance_id,
             prefix_tokens=prefix,
             transfer=plan,
             transfer_s=transfer_s,
             queue_s=view.queue_s(now) if queue_s is None else queue_s,
-            prefill_s=self.prefill.prefill_s(query.input_tokens, prefix) if prefill_s is None else prefill_s,
+            prefill_s=prefill_s,
             overhead_s=self.first_token_overhead_s,
+            occupancy_s=occupancy_s(self.prefill, query.input_tokens, prefix, prefill_s=prefill_s),
         )
 
 

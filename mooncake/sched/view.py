@@ -63,11 +63,16 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class QueuedPrefill:
-    """A request waiting for or running its prefill on an instance."""
+    """A request waiting for or running its prefill on an instance: it starts at `start_s`, the instance
+    may start the next at `frees_s` (a chunked-pipeline group takes it once this one's chunks have left
+    the first stage; any other instance when this one ends) and its first token comes at `finish_s`.
+    `started`: its start was reported (it keeps that start whatever happens ahead of it)."""
 
     request_id: RequestId
     start_s: float
     finish_s: float
+    frees_s: float = attrs.field(default=attrs.Factory(lambda self: self.finish_s, takes_self=True))
+    started: bool = False
     decode_instance: InstanceId | None = None
     input_tokens: int = 0
     output_tokens: int = 0
@@ -96,8 +101,9 @@ class PrefillView:
     backlog_until_s: float = -math.inf
 
     def busy_until_s(self, now: float) -> float:
-        """When the last queued request is predicted to finish, or the backlog ends (now, if idle)."""
-        last = self.queue[-1].finish_s if self.queue else -math.inf
+        """When the instance can start a new request: the last queued one frees it, or the backlog ends
+        (now, if idle)."""
+        last = self.queue[-1].frees_s if self.queue else -math.inf
         return max(now, last, self.backlog_until_s)
 
     def queue_s(self, now: float) -> float:
@@ -107,9 +113,9 @@ class PrefillView:
     def check_invariants(self) -> None:
         previous = float("-inf")
         for queued in self.queue:
-            assert queued.start_s <= queued.finish_s, f"{queued.request_id}: finishes before it starts"
-            assert queued.finish_s >= previous, f"{self.instance_id}: queue out of order"
-            previous = queued.finish_s
+            assert queued.start_s <= queued.frees_s <= queued.finish_s, f"{queued.request_id}: times out of order"
+            assert queued.frees_s >= previous, f"{self.instance_id}: queue out of order"
+            previous = queued.frees_s
 
 
 @attrs.frozen
@@ -267,7 +273,7 @@ class _Board(Sequence[_V]):
 
 class PrefillBoard(_Board["PrefillView"]):
     """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
-    view in slot s is predicted to finish or its backlog ends (−inf with neither), `is_up[s]`
+    view in slot s is predicted to free it or its backlog ends (−inf with neither), `is_up[s]`
     whether it is up."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
@@ -278,13 +284,13 @@ class PrefillBoard(_Board["PrefillView"]):
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after its queue or state changed)."""
         view = self.slot_views[slot]
-        self.busy_until_s[slot] = max(view.queue[-1].finish_s if view.queue else -math.inf, view.backlog_until_s)
+        self.busy_until_s[slot] = max(view.queue[-1].frees_s if view.queue else -math.inf, view.backlog_until_s)
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
         views = self.slot_views
         assert self.busy_until_s.tolist() == [
-            max(v.queue[-1].finish_s if v.queue else -math.inf, v.backlog_until_s) for v in views
+            max(v.queue[-1].frees_s if v.queue else -math.inf, v.backlog_until_s) for v in views
         ]
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)

@@ -45,10 +45,7 @@ from mooncake.cache.tiered import TieredCache
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import (
-    ChunkedPipelineCost,
-    PrefillCostModel,
-)
+from mooncake.sched.cost import PrefillCostModel, occupancy_s
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.router import KvCacheCentricRouter
@@ -234,10 +231,10 @@ class DisaggregatedCluster:
         record.prefix_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
-        cost = self.prefill_cost
-        if isinstance(cost, ChunkedPipelineCost):  # the group takes the next prompt before this one's KV is done
+        hold = occupancy_s(self.prefill_cost, request.input_length, record.prefix_tokens, prefill_s=record.prefill_s)
+        if hold < record.prefill_s:  # a CPP group takes the next prompt before this one's KV is done
             self.loop.at(now + record.prefill_s, self._prefill_done, node, head, False)
-            self.loop.at(now + cost.occupancy_s(request.input_length, record.prefix_tokens), self._free, node)
+            self.loop.at(now + hold, self._free, node)
         else:
             self.loop.at(now + record.prefill_s, self._prefill_done, node, head, True)
 

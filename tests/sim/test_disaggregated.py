@@ -321,6 +321,27 @@ def test_lone_request_ttft_is_the_cost_model_prefill(input_tokens: int, cpp_grou
     assert math.isclose(record.prefill_s, expected, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("cpp_group_size", [1, 4])
+def test_the_conductor_estimates_a_queue_as_the_group_runs_it(cpp_group_size: int) -> None:
+    """Three long prompts at once on one instance: a chunked-pipeline group takes the next once the last
+    one's chunks have left its first stage (`sched.cost.occupancy_s`), anything else when it ends; the
+    Conductor's estimates, made as they arrive, are the TTFTs the simulator gives them."""
+    spec = make_spec(
+        num_prefill=cpp_group_size, cpp_group_size=cpp_group_size, cache_capacity_tokens=INFINITE_CACHE_TOKENS
+    )
+    requests = [
+        make_request(f"r{i}", 1.0, tokens, 8, range(1000 * i, 1000 * i + num_blocks(tokens)))
+        for i, tokens in enumerate([32_768, 20_000, 9_000])
+    ]
+    conductor = build_conductor(spec)
+    estimates = [conductor.schedule(r, r.arrival_s).ttft_s for r in requests]
+    records = replay(spec, requests).records
+    assert [r.ttft_s for r in records] == pytest.approx(estimates, rel=1e-9)
+    if cpp_group_size > 1:  # pipelined: the second starts before the first's first token
+        assert records[1].ttft_s is not None and records[0].ttft_s is not None
+        assert records[1].ttft_s - records[1].prefill_s < records[0].ttft_s
+
+
 @pytest.mark.parametrize("global_pool", [True, False])
 @pytest.mark.parametrize("input_tokens", [512, 3000, 8192])
 def test_repeated_prompts_reuse_the_cached_prefix(global_pool: bool, input_tokens: int) -> None:
