@@ -291,7 +291,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (the usage is one `--help` away)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        # An argument may hold line breaks or other control characters: shown escaped, the message stays one line.
+        shown = "".join(char if char.isprintable() else ascii(char)[1:-1] for char in message)
+        self.exit(2, f"{self.prog}: error: {shown} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:

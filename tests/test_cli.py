@@ -552,6 +552,19 @@ def test_any_argument_list_exits_0_or_2_without_a_traceback(data: st.DataObject)
         assert err.getvalue().count("\n") == 1, err.getvalue()
 
 
+@pytest.mark.parametrize("argument", ["\n", "a\r\nb", "\x1b[31m", "\u2028"])
+def test_a_usage_error_about_a_control_character_is_one_line(argument: str) -> None:
+    """argparse quotes an unrecognized argument as it is: its line breaks once split the error (found by
+    the property above); they are shown escaped."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
+        main(["trace", "stats", "--to", "aiperf", argument])
+    assert exit.value.code == 2
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith("mooncake: error: unrecognized"), (
+        err.getvalue()
+    )
+
+
 @settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 @given(lines=st.lists(ANY_LINES, max_size=5), command=st.sampled_from(["stats", "capacity", "convert"]))
 def test_any_trace_lines_exit_0_or_2_without_a_traceback(lines: list[bytes], command: str) -> None:
