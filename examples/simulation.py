@@ -37,6 +37,7 @@ from serving.registry import ADMISSIONS, ROUTERS
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
+from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
@@ -150,21 +151,25 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
 
 
 def decode_capacity(spec: ClusterSpec, requests: Sequence[Request], tbt_slo_s: float) -> int:
-    """Requests of the workload's mean lengths one decode node holds within the TBT objective and its
-    limits (HBM, batch slots), each at half its output on average."""
+    """Requests of the workload's mean lengths one decode node holds: the most the decode rule
+    (`sched.join.check_join`, every caller's) lets join, with the TBT objective, the others each at half
+    its output on average."""
     if not requests:
         return 1
-    prompt = statistics.mean(r.input_length for r in requests)
-    output = statistics.mean(r.output_length for r in requests)
-    limits, step = spec.decode_limits, spec.decode_cost
+    prompt = round(statistics.mean(r.input_length for r in requests))
+    output = max(2, round(statistics.mean(r.output_length for r in requests)))
+    half = output // 2
 
     def holds(n: int) -> bool:
-        slots = limits.max_batch_size is None or n <= limits.max_batch_size
-        return (
-            slots
-            and n * (prompt + output) <= limits.kv_capacity_tokens
-            and step.step_s(n, round(n * (prompt + output / 2))) <= tbt_slo_s
-        )
+        others = DecodeLoad(n - 1, (n - 1) * (prompt + half) + half, (n - 1) * (prompt + output))
+        return check_join(
+            spec.decode_limits,
+            others,
+            prompt_tokens=prompt,
+            output_tokens=output,
+            step_model=spec.decode_cost,
+            tbt_slo_s=tbt_slo_s,
+        ).accepted
 
     low, high = 1, 2
     while holds(high) and high < 10**6:
