@@ -181,10 +181,21 @@ class RouteQuery:
     best_holders: int = 0
     best_transfers_in_flight: int = 0
     block_keys: Sequence[BlockKey] | npt.NDArray[np.uint64] = attrs.field(default=(), eq=False)
+    # The most a prefill of this prompt reuses, whatever is cached (asked once: routing asks per instance).
+    reusable_tokens: int = attrs.field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: reusable_prefix_tokens(self.input_tokens, self.input_tokens, self.block_size_tokens),
+            takes_self=True,
+        ),
+    )
 
     def prefix_tokens(self, blocks: int) -> int:
-        """Cached tokens a prefix of `blocks` blocks saves (`cache.hashing.reusable_prefix_tokens`)."""
-        return reusable_prefix_tokens(self.input_tokens, blocks, self.block_size_tokens)
+        """Cached tokens a prefix of `blocks` blocks saves (`cache.hashing.reusable_prefix_tokens`: whole
+        blocks, up to what a prefill of this prompt reuses at most)."""
+        return min(blocks * self.block_size_tokens, self.reusable_tokens) if blocks > 0 else 0
 
 
 @attrs.frozen(kw_only=True)
@@ -412,7 +423,7 @@ class KvCacheCentricRouter:
         threshold = self.current_threshold
         # Prefixes count as far as a prefill reuses them (never the block of the prompt's last token), so
         # that a holder of the whole prompt and one lacking only its last block tie, and nothing moves for it.
-        usable = query.prefix_tokens(query.input_tokens) // query.block_size_tokens
+        usable = query.reusable_tokens // query.block_size_tokens
         best, best_blocks = query.best_instance, min(query.best_blocks, usable)
         best_tokens = query.prefix_tokens(best_blocks)
         estimator = self.estimator

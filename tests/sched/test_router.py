@@ -20,6 +20,7 @@ import pytest
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
@@ -89,6 +90,13 @@ def test_prefix_tokens_leave_the_block_of_the_last_token_to_compute() -> None:
     assert q.prefix_tokens(7) == 96  # token 99 is in block 6: blocks 0-5 are reused
     assert RouteQuery(input_tokens=96, block_size_tokens=16, prefix_blocks={}).prefix_tokens(6) == 80
     assert RouteQuery(input_tokens=1, block_size_tokens=16, prefix_blocks={}).prefix_tokens(1) == 0
+
+
+@given(st.integers(1, 5000), st.integers(0, 40), st.integers(1, 600))
+def test_prefix_tokens_are_the_one_rule(input_tokens: int, blocks: int, block_size: int) -> None:
+    """The router counts a cached prefix as the engine reuses it (`reusable_prefix_tokens`)."""
+    q = RouteQuery(input_tokens=input_tokens, block_size_tokens=block_size, prefix_blocks={})
+    assert q.prefix_tokens(blocks) == reusable_prefix_tokens(input_tokens, blocks, block_size)
 
 
 def test_estimate_is_transfer_plus_queue_plus_prefill() -> None:
