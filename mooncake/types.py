@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import int_at_least, plain_int
+from mooncake._checks import ceil_div, int_at_least, plain_int
 from mooncake.errors import InvalidRequestError
 
 __all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Slo", "Tier", "as_token_array", "key_tuple"]
@@ -107,7 +107,7 @@ class Request:
             ⌈input_length / block_size_tokens⌉, the partial last block included.
     """
 
-    request_id: RequestId
+    request_id: RequestId = attrs.field()
     arrival_s: float = attrs.field()
     input_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
     output_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
@@ -119,6 +119,11 @@ class Request:
         default=None, validator=attrs.validators.optional(int_at_least(1, error=InvalidRequestError))
     )
 
+    @request_id.validator
+    def _check_id(self, _attribute: object, value: RequestId) -> None:
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {value!r}")
+
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -126,11 +131,11 @@ class Request:
 
     def __attrs_post_init__(self) -> None:
         block = self.block_size_tokens
-        if block is not None and len(self.block_keys) != -(-self.input_length // block):
+        if block is not None and len(self.block_keys) != ceil_div(self.input_length, block):
             raise InvalidRequestError(
                 f"request {self.request_id}: {len(self.block_keys)} block keys for {self.input_length} tokens in "
                 f"{block}-token blocks (one key per block, the partial last one included: "
-                f"{-(-self.input_length // block)})"
+                f"{ceil_div(self.input_length, block)})"
             )
 
     @tokens.validator

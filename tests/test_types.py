@@ -50,6 +50,13 @@ def test_non_positive_or_non_integer_lengths_are_rejected(field: str, value: obj
     assert repr(value) in str(caught.value)
 
 
+@pytest.mark.parametrize("value", [None, 5, "", b"r"])
+def test_a_request_id_must_be_a_non_empty_string(value: object) -> None:
+    """Ids key every table of in-flight requests and name requests in errors: a string, never empty."""
+    with pytest.raises(InvalidRequestError, match="request_id must be a non-empty string"):
+        Request(request_id=value, arrival_s=0.0, input_length=1, output_length=1, block_keys=[1])  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("value", [-1, -0.001, math.inf, -math.inf, math.nan, True, False, "0", None])
 def test_invalid_arrival_is_rejected(value: object) -> None:
     """arrival_s must be a finite number >= 0 (bools, inf and NaN rejected); the error names the value."""

@@ -80,7 +80,7 @@ class LengthDistribution:
     """
 
     mean_tokens: float = attrs.field(validator=_number_at_least(0, strict=True))
-    sigma: float = attrs.field(default=0.8, validator=_number_at_least(0))
+    sigma: float = attrs.field(default=0.8, validator=_number_in(0, 10))  # beyond 10 the tail overflows a float
     min_tokens: int = attrs.field(default=1, validator=int_at_least(1))
     max_tokens: int = attrs.field(default=1 << 20, validator=int_at_least(1))
 
@@ -92,7 +92,7 @@ class LengthDistribution:
         """One token count drawn from `rng`."""
         mu = math.log(self.mean_tokens) - self.sigma**2 / 2
         value = rng.lognormal(mu, self.sigma) if self.sigma else self.mean_tokens
-        return int(min(max(round(value), self.min_tokens), self.max_tokens))
+        return round(min(max(value, self.min_tokens), self.max_tokens))  # clipped first: a huge draw stays a number
 
 
 @attrs.frozen(kw_only=True)
@@ -127,7 +127,7 @@ class WorkloadSpec:
     prompt would exceed `max_input_tokens`.
     """
 
-    name: str = "custom"
+    name: str = attrs.field(default="custom")
     block_size_tokens: int = attrs.field(default=TRACE_BLOCK_SIZE_TOKENS, validator=int_at_least(1))
     chat_weight: float = attrs.field(default=1.0, validator=_number_at_least(0))
     document_weight: float = attrs.field(default=0.0, validator=_number_at_least(0))
@@ -142,14 +142,23 @@ class WorkloadSpec:
     user_message_tokens: LengthDistribution = LengthDistribution(mean_tokens=800, sigma=1.0)
     observation_tokens: LengthDistribution = LengthDistribution(mean_tokens=600, sigma=1.0)
     output_tokens: LengthDistribution = LengthDistribution(mean_tokens=300, sigma=1.0, max_tokens=8192)
-    mean_turns: float = attrs.field(default=3.0, validator=_number_at_least(1))
+    mean_turns: float = attrs.field(default=3.0, validator=_number_in(1, 10_000))
     continue_probability: float = attrs.field(default=0.6, validator=_number_at_least(0))
     max_input_tokens: int = attrs.field(default=131072, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         weights = (self.chat_weight, self.document_weight, self.agent_weight)
-        if sum(weights) <= 0:
-            raise ConfigError(f"session weights (chat, document, agent) must have a positive sum, got {weights}")
+        if not 0 < sum(weights) < math.inf:
+            raise ConfigError(
+                f"session weights (chat, document, agent) must have a positive, finite sum, got {weights}"
+            )
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name must be a string, got {self.name!r}")
+        for field in attrs.fields(WorkloadSpec):
+            if field.type in ("LengthDistribution", LengthDistribution):
+                value = getattr(self, field.name)
+                if not isinstance(value, LengthDistribution):
+                    raise ConfigError(f"{field.name} must be a LengthDistribution, got {value!r}")
         if self.continue_probability >= 1:
             raise ConfigError(f"continue_probability must be < 1, got {self.continue_probability!r}")
 
@@ -200,7 +209,7 @@ def preset(name: str) -> WorkloadSpec:
     """The preset called `name` (see `PRESETS`)."""
     try:
         return PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name, such as a list
         raise ConfigError(f"unknown workload preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 

@@ -186,6 +186,8 @@ def iter_trace(
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
+    if not isinstance(path, str | os.PathLike):  # open() would take an int as a file descriptor
+        raise ConfigError(f"a trace path must be a str or os.PathLike, got {path!r}")
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
     if not isinstance(strict, bool):

@@ -211,7 +211,7 @@ def test_preset_lookup() -> None:
         assert preset(name) is spec and spec.name == name
 
 
-@pytest.mark.parametrize("name", ["", "Synthetic", "chat", "toolagent "])
+@pytest.mark.parametrize("name", ["", "Synthetic", "chat", "toolagent ", []])
 def test_unknown_preset_is_a_config_error(name: str) -> None:
     """An unknown preset name raises ConfigError naming it and the choices."""
     with pytest.raises(ConfigError, match="conversation") as caught:
@@ -237,6 +237,31 @@ def test_bad_generator_options_are_refused_at_the_call(call: Any, field: str) ->
     block size once looped forever)."""
     with pytest.raises(ConfigError, match=field):
         call()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"mean_turns": 1e300}, "mean_turns"),
+        ({"chat_weight": 1e308, "document_weight": 1e308, "agent_weight": 1e308}, "finite sum"),
+        ({"system_prompt_tokens": 5}, "system_prompt_tokens"),
+        ({"output_tokens": {"mean_tokens": 300}}, "output_tokens"),
+        ({"name": None}, "name"),
+    ],
+)
+def test_a_spec_out_of_its_range_or_type_is_refused_by_name(options: dict[str, Any], field: str) -> None:
+    """Values the generator cannot draw from (a Poisson mean, weights that overflow their sum, a length
+    that is not a distribution) are ConfigErrors naming the field, not numpy errors at the first draw."""
+    with pytest.raises(ConfigError, match=field):
+        WorkloadSpec(**options)
+    with pytest.raises(ConfigError, match="sigma"):
+        LengthDistribution(mean_tokens=10, sigma=1e200)
+
+
+def test_a_huge_draw_is_clipped_not_overflowed() -> None:
+    rng = np.random.default_rng(0)
+    draws = {LengthDistribution(mean_tokens=1e300, sigma=10, max_tokens=4096).sample(rng) for _ in range(20)}
+    assert draws <= set(range(1, 4097))
 
 
 # --------------------------------------------------------------------------- arrivals

@@ -226,6 +226,13 @@ def test_invalid_utf8_is_a_trace_format_error(tmp_path: Path) -> None:
     assert caught.value.line == 2
 
 
+@pytest.mark.parametrize("path", [3, None, b"t.jsonl"])
+def test_a_path_that_is_not_one_is_a_config_error_at_the_call(path: object) -> None:
+    """An int would be opened as a file descriptor ("Bad file descriptor", naming nothing)."""
+    with pytest.raises(ConfigError, match=r"trace path must be a str or os\.PathLike"):
+        iter_trace(path)  # type: ignore[arg-type]
+
+
 def test_missing_file_raises_os_error(tmp_path: Path) -> None:
     """A trace that does not exist raises FileNotFoundError (I/O, not format)."""
     with pytest.raises(FileNotFoundError):
