@@ -121,7 +121,8 @@ class Request:
 
     @request_id.validator
     def _check_id(self, _attribute: object, value: RequestId) -> None:
-        if not isinstance(value, str) or not value:
+        # A string; an integer passes too (the example gateway numbers its requests as its wire does).
+        if not (isinstance(value, str) and value) and (type(value) is bool or not isinstance(value, int)):
             raise InvalidRequestError(f"request_id must be a non-empty string, got {value!r}")
 
     @arrival_s.validator
