@@ -22,6 +22,7 @@ machines, see docs/cluster.md's Ray section.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
@@ -34,6 +35,8 @@ from serving.launch import start_cluster
 from serving.machine import Machine
 
 from mooncake.errors import MooncakeError
+
+STOP_REPORT_S = 40.0  # longer than a stop takes by design (RunningCluster.close: 15 s + 15 s + 5 s)
 
 
 def main() -> None:
@@ -69,7 +72,11 @@ def main() -> None:
         stop.wait()
     finally:
         print("stopping...", flush=True)
+        # A stop is bounded (the gateway, then every worker's grace period): if it is not done in
+        # STOP_REPORT_S, say where each thread is, so that a hang shows where it hangs.
+        faulthandler.dump_traceback_later(STOP_REPORT_S, exit=False)
         cluster.close()
+        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -578,7 +578,7 @@ class RunningCluster:
     def close(self) -> None:
         if self._stopping is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=15)  # a daemon: if its cleanup hangs, the workers are stopped all the same
         self.backend.stop()
 
     def __enter__(self) -> RunningCluster:

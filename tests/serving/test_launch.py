@@ -297,7 +297,16 @@ def test_a_new_launcher_removes_stale_segments_of_dead_processes_only() -> None:
             said = r"removed \d+ shared-memory segments of dead processes"
             assert any(re.match(said, line) for line in running.lines)
             running.process.send_signal(signal.SIGTERM)
-            assert running.process.wait(timeout=EXIT_S) == 0
+            assert exit_status(running) == 0
+
+
+def exit_status(running: Launcher) -> int:
+    """The launcher's exit status once it exits (bounded by EXIT_S); a launcher still stopping then fails
+    the test with what it wrote (where each of its threads was, if its stop ran long)."""
+    try:
+        return running.process.wait(timeout=EXIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within {EXIT_S} s of SIGTERM:\n{''.join(running.stderr)}")
 
 
 def test_workers_outlive_the_thread_that_spawned_them() -> None:
@@ -438,7 +447,7 @@ def ray_run(tmp_path_factory: pytest.TempPathFactory) -> RayRun:
         ]
         commands = [command_line(pid) for pid in sorted(pids)]
         running.process.send_signal(signal.SIGTERM)
-        status = running.process.wait(timeout=EXIT_S)
+        status = exit_status(running)
         holds_within(lambda: not any(is_running(pid) for pid in pids), EXIT_S)
         for thread in running.readers:
             thread.join(timeout=10)
