@@ -100,13 +100,25 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
         assert server_hits(url) - before[url] == hits
 
 
+def index_holds(running: RunningRouter, instance: str, blocks: int, timeout_s: float = 15.0) -> bool:
+    """Whether the router's index holds `blocks` blocks of `instance` within `timeout_s` (its KV events
+    come asynchronously: a loaded machine delivers them later)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if running.read(lambda router: router.fleet.cached_blocks(instance)) >= blocks:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_requests_sharing_a_long_prefix_go_to_the_server_holding_it(servers: VllmFleet, model: Path) -> None:
     document = words(400, seed=3000)
     with RunningRouter(config(servers, model)) as running:
         first = complete(running.url, document + " " + words(10, seed=3001))
         assert first.status_code == 200, first.text
         holder = first.headers[PREFILL_HEADER]
-        time.sleep(0.4)
+        # Its blocks are in the index before the next is routed (a fixed 0.4 s was too short once, loaded).
+        assert index_holds(running, holder, first.json()["usage"]["prompt_tokens"] // BLOCK - 1)
         for i in range(4):
             answer = complete(running.url, document + " " + words(10, seed=3100 + i))
             assert answer.status_code == 200 and answer.headers[PREFILL_HEADER] == holder
