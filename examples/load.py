@@ -79,12 +79,14 @@ async def _rejection(answer: aiohttp.ClientResponse) -> tuple[Outcome, Reason] |
     try:
         error = (await answer.json(content_type=None))["error"]
     except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+        error = None
+    if not isinstance(error, dict):
         error = {}
-    outcome = error.get("outcome") if isinstance(error, dict) else None
+    outcome = error.get("outcome")
     if outcome in _REJECTIONS:
         return Outcome(outcome), reason_named(error.get("code"))
     if answer.status == 429:
-        return Outcome.REJECTED_BEFORE_PREFILL, reason_named(error.get("code") if isinstance(error, dict) else None)
+        return Outcome.REJECTED_BEFORE_PREFILL, reason_named(error.get("code"))
     return None
 
 

@@ -122,7 +122,8 @@ class Request:
     @request_id.validator
     def _check_id(self, _attribute: object, value: RequestId) -> None:
         # A string; an integer passes too (the example gateway numbers its requests as its wire does).
-        if not (isinstance(value, str) and value) and (type(value) is bool or not isinstance(value, int)):
+        ok = bool(value) if isinstance(value, str) else isinstance(value, int) and not isinstance(value, bool)
+        if not ok:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {value!r}")
 
     @arrival_s.validator

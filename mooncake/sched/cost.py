@@ -282,6 +282,18 @@ class ChunkedPipelineCost:
         return self._stages(num_tokens, prefix_tokens)[0]
 
 
+def require_coefficients(value: Any) -> None:
+    """A fitted model's (c0, c1, c2): a tuple of three finite numbers (the fitted prefill and step models').
+
+    Raises:
+        ConfigError: anything else, naming the coefficient.
+    """
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {value!r}")
+    for name, c in zip(("c0", "c1", "c2"), value, strict=True):
+        require_number(f"coefficient {name}", c, minimum=-math.inf)
+
+
 def occupancy_s(
     model: PrefillModel, num_tokens: int, prefix_tokens: int = 0, *, prefill_s: float | None = None
 ) -> float:
@@ -324,10 +336,7 @@ class FittedPrefillModel:
     @coefficients.validator
     def _check_coefficients(self, _attribute: object, value: Any) -> None:
         # A NaN coefficient would time every prefill at 0 s (max(0, NaN) is 0).
-        if not isinstance(value, tuple) or len(value) != 3:
-            raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {value!r}")
-        for name, c in zip(("c0", "c1", "c2"), value, strict=True):
-            require_number(f"coefficient {name}", c, minimum=-math.inf)
+        require_coefficients(value)
 
     @classmethod
     def fit(cls, samples: Sequence[PrefillSample]) -> FittedPrefillModel:
@@ -382,7 +391,7 @@ class FittedPrefillModel:
                 mean_relative_error=float(data["mean_relative_error"]),
                 max_relative_error=float(data["max_relative_error"]),
             )
-        except (ValueError, KeyError, TypeError, ConfigError) as error:
+        except (ValueError, KeyError, TypeError) as error:  # a ConfigError is a ValueError
             raise ConfigError(f"not a fitted prefill model: {error}") from error
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from mooncake._checks import fraction, require_number
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import Hardware, ModelShape
+from mooncake.sched.cost import Hardware, ModelShape, require_coefficients
 
 __all__ = [
     "AnalyticStepModel",
@@ -223,10 +223,7 @@ class FittedStepModel:
     _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.coefficients, tuple) or len(self.coefficients) != 3:
-            raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {self.coefficients!r}")
-        for name, c in zip(("c0", "c1", "c2"), self.coefficients, strict=True):
-            require_number(f"coefficient {name}", c, minimum=-math.inf)
+        require_coefficients(self.coefficients)
         c0, c1, c2 = self.coefficients
         roofline = RooflineStep((StepBranch(c0, c1, c2), StepBranch(0.0, 0.0, 0.0)))
         object.__setattr__(self, "_roofline", roofline)
