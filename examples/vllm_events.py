@@ -140,8 +140,15 @@ class KvEventSubscriber:
                 continue
             self._feed(int.from_bytes(frames[1], "big"), frames[2], live=True)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (the sockets are closed and the ZeroMQ context terminated)."""
+        return bool(self._ctx.closed)
+
     def close(self) -> None:
-        """Close the sockets (unsent and unread messages are dropped)."""
+        """Close the sockets (unsent and unread messages are dropped); again: nothing."""
+        if self._ctx.closed:
+            return
         for socket in (self._sub, self._replay):
             if socket is not None:
                 socket.close(linger=0)

@@ -43,6 +43,8 @@ class BackgroundRouter:
             asyncio.run_coroutine_threadsafe(self.router.close(), self.loop).result(30)
         finally:
             self._stop_loop()
+            if self.router.fleet is not None:  # a close that ran out of time still lets go of the sockets
+                self.router.fleet.close()
 
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

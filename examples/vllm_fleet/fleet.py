@@ -141,18 +141,24 @@ class Fleet:
             transfers=False,
         )
         self.instances: dict[InstanceId, FleetInstance] = {}
-        for name, section, info in zip(config.instance_ids, config.instances, infos, strict=True):
-            instance_id = InstanceId(name)
-            limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
-            if section.role == "both":
-                self.conductor.add_coupled_instance(instance_id, limits)
-            elif section.role == "prefill":
-                self.conductor.add_prefill_instance(instance_id)
-            else:
-                self.conductor.add_decode_instance(instance_id, limits)
-            decoder = VllmEventDecoder(self.hasher, instance_id, strict=False)
-            subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
-            self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
+        try:
+            for name, section, info in zip(config.instance_ids, config.instances, infos, strict=True):
+                instance_id = InstanceId(name)
+                limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
+                if section.role == "both":
+                    self.conductor.add_coupled_instance(instance_id, limits)
+                elif section.role == "prefill":
+                    self.conductor.add_prefill_instance(instance_id)
+                else:
+                    self.conductor.add_decode_instance(instance_id, limits)
+                decoder = VllmEventDecoder(self.hasher, instance_id, strict=False)
+                subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
+                self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
+        except BaseException:
+            # The subscribers bound so far are closed here: a ZeroMQ context left to the garbage collector
+            # terminates there and waits forever for its sockets (a failed start once hung pytest so).
+            self.close()
+            raise
         self._queues = {view.instance_id: view for view in self.conductor.prefill_views}
         self.flights: dict[RequestId, Flight] = {}
         self._ids = itertools.count()

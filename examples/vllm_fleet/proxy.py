@@ -64,6 +64,7 @@ HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server", "date"}
 )
 MAX_BODY_BYTES = 32 << 20
+SHUTDOWN_GRACE_S = 5.0  # what a request still in flight gets at `close` before it is cancelled (aiohttp's: 60 s)
 
 
 # What vLLM's disaggregated-serving proxy asks of the prefill server: keep the KV for a decode elsewhere.
@@ -166,7 +167,9 @@ class VllmRouter:
             app.router.add_get("/v1/models", self._models)
             app.router.add_get("/health", self._health)
             app.router.add_get("/metrics", self._metrics)
-            self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+            self._runner = web.AppRunner(
+                app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
+            )
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
             await site.start()
@@ -180,20 +183,24 @@ class VllmRouter:
         return self.url
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-        if self.fleet is not None:
-            self.fleet.close()
+        """Stop serving (requests still in flight get `SHUTDOWN_GRACE_S`, then are cancelled) and close the
+        sessions and the KV-event subscribers, the last whatever failed before."""
+        try:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._tasks = []
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+        finally:
+            if self.fleet is not None:
+                self.fleet.close()
 
     async def _event_loop(self) -> None:
         """Apply the servers' KV events as they come (every few ms; a replay blocks the loop at most its timeout)."""

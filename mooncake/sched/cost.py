@@ -32,13 +32,15 @@ All functions are pure; units are in the names (seconds, bytes, tokens).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from mooncake._checks import fraction, int_at_least, require_number
 from mooncake.errors import ConfigError
@@ -294,6 +296,31 @@ def require_coefficients(value: Any) -> None:
         require_number(f"coefficient {name}", c, minimum=-math.inf)
 
 
+def nonnegative_least_squares(
+    x: npt.NDArray[np.float64],
+    y: npt.NDArray[np.float64],
+    usable: Callable[[npt.NDArray[np.float64]], bool] = lambda _solution: True,
+) -> npt.NDArray[np.float64] | None:
+    """min ‖x·c − y‖² over c ≥ 0 among the `usable` solutions, or None when none is (the fitted prefill and
+    step models' fit: a cost never falls as the work grows, whatever the timing noise says).
+
+    Exact for the few unknowns of a cost model: the non-negative optimum is the unconstrained least-squares
+    solution on its own support (its nonzero columns), so the best of those solutions over every support that
+    come out >= 0 is it. 2^k − 1 small solves for k columns.
+    """
+    best: tuple[float, npt.NDArray[np.float64]] | None = None
+    columns = range(x.shape[1])
+    for size in range(len(columns), 0, -1):
+        for free in itertools.combinations(columns, size):
+            solution = np.zeros(x.shape[1])
+            solution[list(free)] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+            if np.all(solution >= 0) and usable(solution):
+                residual = float(np.sum((x @ solution - y) ** 2))
+                if best is None or residual < best[0]:
+                    best = (residual, solution)
+    return None if best is None else best[1]
+
+
 def occupancy_s(
     model: PrefillModel, num_tokens: int, prefix_tokens: int = 0, *, prefill_s: float | None = None
 ) -> float:
@@ -340,7 +367,8 @@ class FittedPrefillModel:
 
     @classmethod
     def fit(cls, samples: Sequence[PrefillSample]) -> FittedPrefillModel:
-        """Least squares, weighted so that relative (not absolute) error is minimised.
+        """Least squares with every coefficient >= 0 (`nonnegative_least_squares`), weighted so that relative
+        (not absolute) error is minimised.
 
         Raises:
             ConfigError: fewer than three samples, or not enough distinct ones to fit.
@@ -354,9 +382,14 @@ class FittedPrefillModel:
             raise ConfigError("every sample needs finite seconds > 0 and num_tokens > prefix_tokens")
         x = _features(n, p)
         weights = 1.0 / y
-        solution, _, rank, _ = np.linalg.lstsq(x * weights[:, None], y * weights, rcond=None)
-        if rank < x.shape[1]:
+        if int(np.linalg.matrix_rank(x)) < x.shape[1]:
             raise ConfigError("the samples do not vary enough (in n - p and n² - p²) to fit the model")
+        # Every coefficient >= 0: a cached prefix never makes a prefill slower, nor a longer prompt faster
+        # (a few noisy timings fit exactly, as the vLLM router's start-up calibration does, can tilt the
+        # unconstrained curve so that the server holding a prompt's prefix looks the slower one).
+        solution = nonnegative_least_squares(x * weights[:, None], y * weights, lambda c: bool(np.any(c > 0)))
+        if solution is None:
+            raise ConfigError("no prefill in the samples takes time: cannot fit a prefill model")
         predicted = x @ solution
         relative = np.abs(predicted - y) / y
         return cls(

@@ -11,9 +11,12 @@ own prefix prefix_len:
     TTFT = max(T_transfer, T_queue) + T_prefill(input, prefix)
 
 and pick the instance with the smallest TTFT (ties: the shorter queue, then the
-highest rendezvous weight of the prompt's first block the tied instances lack,
-then id). Algorithm 1 leaves ties open; they are the rule whenever the instances
-are idle and none holds the prompt. Sending them all to the smallest id fills
+longer prefix of its own, then the highest rendezvous weight of the prompt's
+first block the tied instances lack, then id). Algorithm 1 leaves ties open. A
+prefill model that says a cached prefix saves nothing (a flat fit) ties its
+holder with the others: the holder keeps the prompt, as a prefix-aware router
+(vLLM's, SGLang's) would. Ties are the rule whenever the instances are idle and
+none holds the prompt. Sending them all to the smallest id fills
 its cache alone (it thrashes while the others sit empty); rendezvous hashing
 (`spread_weights`) gives each prompt a home among the tied instances instead, a
 function of the prompt and the instance ids only: new prompts spread evenly, a
@@ -463,10 +466,16 @@ class KvCacheCentricRouter:
                 fastest, tied = key, [(slot, blocks, moves, moving, prefill)]
             elif key == fastest:
                 tied.append((slot, blocks, moves, moving, prefill))
-        if len(tied) > 1:  # equal TTFT and queue: the heaviest weight, then the smallest id
+        if len(tied) > 1:  # equal TTFT and queue: the longest own prefix, the heaviest weight, the smallest id
             if weight is None:
                 weight = spread_weights(query.block_keys, own, board.instance_ids)
-            tied.sort(key=lambda entry: (-float(weight[entry[0]]), board.instance_ids[entry[0]]))
+            tied.sort(
+                key=lambda entry: (
+                    -min(int(own[entry[0]]), usable),
+                    -float(weight[entry[0]]),
+                    board.instance_ids[entry[0]],
+                )
+            )
         slot, blocks, moves, moving, prefill = tied[0]
         return estimator.decide(
             board.slot_views[slot],

@@ -37,7 +37,7 @@ import numpy as np
 
 from mooncake._checks import fraction, require_number
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import Hardware, ModelShape, require_coefficients
+from mooncake.sched.cost import Hardware, ModelShape, nonnegative_least_squares, require_coefficients
 
 __all__ = [
     "AnalyticStepModel",
@@ -235,8 +235,7 @@ class FittedStepModel:
         A step never gets faster as the batch or its context grows, and takes time for one request
         (what the simulator's analytic batch relies on); timing noise on a step that barely grows (a
         tiny model) can tilt the unconstrained plane the other way. So the fit is the best of the
-        planes whose coefficients are all >= 0: the unconstrained one if it is, else the least-squares
-        fits with one or two coefficients held at 0 (an exact non-negative least squares in 3 unknowns).
+        planes whose coefficients are all >= 0 (`cost.nonnegative_least_squares`, exact in 3 unknowns).
 
         Raises:
             ConfigError: fewer than three samples, too little variety to fit, or no step taking time.
@@ -252,17 +251,10 @@ class FittedStepModel:
             raise ConfigError("samples must be finite numbers")
         if int(np.linalg.matrix_rank(x)) < 3:
             raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
-        best: tuple[float, np.ndarray[Any, np.dtype[np.float64]]] | None = None
-        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
-            solution = np.zeros(3)
-            solution[list(free)] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
-            if np.all(solution >= 0) and solution[0] + solution[1] > 0:
-                residual = float(np.sum((x @ solution - y) ** 2))
-                if best is None or residual < best[0]:
-                    best = (residual, solution)
+        best = nonnegative_least_squares(x, y, lambda c: bool(c[0] + c[1] > 0))
         if best is None:
             raise ConfigError("no step in the samples takes time: cannot fit a decode step model")
-        c0, c1, c2 = (float(c) for c in best[1])
+        c0, c1, c2 = (float(c) for c in best)
         return cls(coefficients=(c0, c1, c2))
 
     def to_json(self) -> str:

@@ -6,8 +6,8 @@
   `reference_route` applies it to prefixes counted as far as a prefill reuses
   them (`usable_blocks`: never the block holding the prompt's last token).
 - `reference_route`: every candidate's decision under that rule with the
-  router's own estimator, and the minimum by (TTFT, queue, heaviest rendezvous
-  weight of the first block the instance lacks, id).
+  router's own estimator, and the minimum by (TTFT, queue, longest own usable
+  prefix, heaviest rendezvous weight of the first block the instance lacks, id).
 - `reference_local_route`: the local-cache-aware ablation (never a transfer).
 - `reference_decode`: the decode rule on each instance that is up, against
   the load asked about, and the lowest committed step time among those it
@@ -61,11 +61,12 @@ def usable_blocks(query: RouteQuery, blocks: int) -> int:
     return min(blocks, (query.input_tokens - 1) // query.block_size_tokens)
 
 
-def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, float, str]:
+def _key(decision: RouteDecision, query: RouteQuery) -> tuple[float, float, int, float, str]:
     instance = decision.prefill_instance
-    own = np.array([query.prefix_blocks.get(instance, 0)], dtype=np.int64)
+    held = query.prefix_blocks.get(instance, 0)
+    own = np.array([held], dtype=np.int64)
     weight = float(spread_weights(query.block_keys, own, [instance])[0])  # one instance at a time
-    return (decision.ttft_s, decision.queue_s, -weight, instance)
+    return (decision.ttft_s, decision.queue_s, -usable_blocks(query, held), -weight, instance)
 
 
 def reference_route(

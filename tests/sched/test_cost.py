@@ -248,6 +248,46 @@ def test_fitted_model_matches_analytic_when_fed_analytic_samples() -> None:
     assert fitted.prefill_s(100, 100) == 0.0
 
 
+def test_a_fitted_prefill_never_costs_more_for_a_cached_prefix() -> None:
+    """Six noisy start-up timings of three lengths (the vLLM router's calibration on a loaded CPU) fit
+    exactly by the unconstrained curve give it a negative linear term: a short cached prefix then *raised*
+    the estimate, and at some lengths the curve went below zero (clamped: every server tied at 0 s, so the
+    prefix holder lost half the time). The fit keeps every coefficient >= 0."""
+    timings = [(64, 0.050), (256, 0.046), (512, 0.081), (64, 0.052), (256, 0.047), (512, 0.079)]
+    n = np.array([t[0] for t in timings], dtype=np.float64)
+    y = np.array([t[1] for t in timings])
+    unconstrained = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n], axis=1) / y[:, None], y / y, rcond=None)[0]
+    assert unconstrained[1] < 0  # the case this test is about
+    fitted = FittedPrefillModel.fit([PrefillSample(num_tokens=a, prefix_tokens=0, seconds=b) for a, b in timings])
+    assert min(fitted.coefficients) >= 0
+    assert fitted.prefill_s(530, 480) < fitted.prefill_s(530, 100) < fitted.prefill_s(530, 0)
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 40_000), st.floats(0.0, 0.99), st.floats(1e-4, 10.0)), min_size=3, max_size=24),
+    st.integers(2, 40_000),
+    st.integers(0, 40_000),
+    st.integers(0, 40_000),
+)
+def test_a_fitted_prefill_is_monotone_in_its_uncached_tokens(
+    timings: list[tuple[int, float, float]], n: int, p: int, q: int
+) -> None:
+    """Whatever the timings: every coefficient is >= 0, so a longer cached prefix never makes a prefill of the
+    same prompt slower, nor a longer prompt with the same prefix faster (Algorithm 1 relies on both)."""
+    samples = [
+        PrefillSample(num_tokens=tokens, prefix_tokens=int(tokens * cached), seconds=seconds)
+        for tokens, cached, seconds in timings
+    ]
+    try:
+        fitted = FittedPrefillModel.fit(samples)
+    except ConfigError as error:
+        assert "vary" in str(error)
+        return
+    assert min(fitted.coefficients) >= 0
+    shorter, longer = sorted((min(p, n - 1), min(q, n - 1)))
+    assert fitted.prefill_s(n, longer) <= fitted.prefill_s(n, shorter) <= fitted.prefill_s(n + 1, shorter)
+
+
 def test_fitted_model_round_trips_through_json() -> None:
     """from_json(to_json(m)) == m, errors included."""
     fitted = FittedPrefillModel.fit(synthetic_samples(TRUE_COEFFICIENTS, noise=0.05, seed=3))

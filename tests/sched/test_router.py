@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, FittedPrefillModel, PrefillCostModel, TransferCostModel
 from mooncake.sched.router import (
     AdaptiveThreshold,
     KvCacheCentricRouter,
@@ -290,9 +290,9 @@ def tied_scenarios(draw: st.DrawFn) -> tuple[list[PrefillView], RouteQuery]:
 def test_ties_on_ttft_break_by_queue_then_cache_then_id(
     scenario: tuple[list[PrefillView], RouteQuery], threshold: float
 ) -> None:
-    """Among candidates of equal estimated TTFT, the router picks the shortest queue, then the
-    heaviest rendezvous weight, then the smallest id: the brute-force minimum by (TTFT, queue, −weight,
-    id), with exact arithmetic."""
+    """Among candidates of equal estimated TTFT, the router picks the shortest queue, then the longest
+    prefix of its own, then the heaviest rendezvous weight, then the smallest id: the brute-force minimum
+    by (TTFT, queue, −own blocks, −weight, id), with exact arithmetic."""
     views, q = scenario
     chosen = KvCacheCentricRouter(EXACT_ESTIMATOR, threshold=threshold).route(views, q, NOW, random.Random(0))
     expected, every = reference_route(EXACT_ESTIMATOR, views, q, NOW, threshold=threshold)
@@ -301,6 +301,23 @@ def test_ties_on_ttft_break_by_queue_then_cache_then_id(
     tied = [d for d in every if d.ttft_s == chosen.ttft_s]
     if len({d.queue_s for d in tied}) > 1:
         event("TTFT tie between different queues")
+
+
+@given(scenarios(), finite_thresholds)
+def test_a_flat_prefill_model_keeps_the_prompt_on_its_prefix_holder(
+    scenario: tuple[list[PrefillView], RouteQuery], threshold: float
+) -> None:
+    """A prefill model fitted flat (a cached prefix saves nothing by its estimate) ties every instance of
+    the same queue: the one with the longest prefix of its own wins the tie, as the brute force says."""
+    views, q = scenario
+    flat = attrs.evolve(ESTIMATOR, prefill=FittedPrefillModel(coefficients=(0.05, 0.0, 0.0)))
+    chosen = KvCacheCentricRouter(flat, threshold=threshold).route(views, q, NOW, random.Random(0))
+    expected, every = reference_route(flat, views, q, NOW, threshold=threshold)
+    assert chosen == expected and chosen is not None
+    held = usable_blocks(q, q.prefix_blocks.get(chosen.prefill_instance, 0))
+    for other in every:
+        if (other.ttft_s, other.queue_s) == (chosen.ttft_s, chosen.queue_s):
+            assert usable_blocks(q, q.prefix_blocks.get(other.prefill_instance, 0)) <= held
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import math
 import tomllib
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -179,6 +180,41 @@ def test_a_prompt_over_a_servers_context_is_refused_before_it_is_sent(tmp_path: 
     fleet = Fleet(router_config(tmp_path), [INFO, INFO])
     _, decision = fleet.schedule(list(range(2000)), 100, now=0.0)
     assert not decision.accepted and decision.reason is Reason.CONTEXT_TOO_LONG and not fleet.flights
+
+
+def test_a_failed_start_closes_the_subscribers_it_bound(tmp_path: Any) -> None:
+    """The second server's events endpoint is taken: the start fails naming it, and the first server's
+    subscriber, already bound, is closed (its port free again, its ZeroMQ context terminated: one left to
+    the garbage collector once hung the test run in `Context.term`)."""
+    zmq = pytest.importorskip("zmq")
+    from vllm_fleet.proxy import _subscriber
+    from vllm_fleet.servers import free_port
+
+    first, taken = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    context = zmq.Context()
+    try:
+        squatter = context.socket(zmq.PUB)
+        squatter.setsockopt(zmq.LINGER, 0)
+        squatter.bind(taken)
+        config = router_config(tmp_path)
+        instances = tuple(
+            attrs.evolve(section, kv_events=endpoint)
+            for section, endpoint in zip(config.instances, (first, taken), strict=True)
+        )
+        made: list[Any] = []
+
+        def subscribe(section: Any, decoder: Any, index: Any) -> Any:
+            made.append(_subscriber(section, decoder, index))
+            return made[-1]
+
+        with pytest.raises(ConfigError, match=f"kv_events = '{taken}' cannot be bound"):
+            Fleet(attrs.evolve(config, instances=instances), [INFO, INFO], subscribe=subscribe)
+        assert len(made) == 1 and made[0].closed
+        again = context.socket(zmq.SUB)
+        again.setsockopt(zmq.LINGER, 0)
+        again.bind(first)  # the failed start's subscriber let go of it
+    finally:
+        context.destroy(linger=0)  # closes its sockets first: a bare term() would wait for them forever
 
 
 class FleetMachine(RuleBasedStateMachine):
