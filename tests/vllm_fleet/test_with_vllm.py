@@ -39,6 +39,7 @@ from vllm_fleet.proxy import CACHED_HEADER  # noqa: E402
 from vllm_fleet.servers import VllmFleet, free_port  # noqa: E402
 
 from mooncake.errors import ConfigError  # noqa: E402
+from mooncake.types import InstanceId  # noqa: E402
 from tests.vllm_fleet.http import Answer, fetch  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -84,7 +85,8 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
     served: set[str] = set()
     with RunningRouter(config(servers, model)) as running:
         for i in range(12):
-            answer = complete(running.url, words(300, seed=1000 + i % 3) + " " + words(12, seed=2000 + i))
+            prompt = words(300, seed=1000 + i % 3) + " " + words(12, seed=2000 + i)
+            answer = complete(running.url, prompt)
             assert answer.status_code == 200, answer.text
             usage = answer.json()["usage"]
             cached, theirs = int(answer.headers[CACHED_HEADER]), usage["prompt_tokens_details"]["cached_tokens"]
@@ -92,7 +94,8 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
             assert theirs <= cached <= theirs + (BLOCK - 1 if whole else 0), (i, cached, theirs)
             expected[urls[answer.headers[PREFILL_HEADER]]] += theirs
             served.add(answer.headers[PREFILL_HEADER])
-            time.sleep(0.4)  # the server's events reach the index before the next request is routed
+            # The server's events reach the index before the next request is routed (bounded, not a fixed sleep).
+            assert index_holds(running, answer.headers[PREFILL_HEADER], prompt, usage["prompt_tokens"] // BLOCK - 1)
         held = running.read(lambda router: {i: router.fleet.cached_blocks(i) for i in router.fleet.instances})
     assert sum(expected.values()) > 0
     assert all(held[instance] > 0 for instance in served)  # the blocks of the prompts each server took
@@ -100,12 +103,17 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
         assert server_hits(url) - before[url] == hits
 
 
-def index_holds(running: RunningRouter, instance: str, blocks: int, timeout_s: float = 15.0) -> bool:
-    """Whether the router's index holds `blocks` blocks of `instance` within `timeout_s` (its KV events
-    come asynchronously: a loaded machine delivers them later)."""
+def index_holds(running: RunningRouter, instance: str, prompt: str, blocks: int, timeout_s: float = 15.0) -> bool:
+    """Whether the router's index holds the first `blocks` blocks of `prompt` for `instance` within
+    `timeout_s` (the server's KV events come asynchronously: a loaded machine delivers them later)."""
+
+    def held(router: Any) -> int:
+        keys = router.fleet.hasher.block_keys(router.tokenizer.encode(prompt))
+        return int(router.fleet.conductor.index.prefix_lengths(keys, [InstanceId(instance)])[0])
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if running.read(lambda router: router.fleet.cached_blocks(instance)) >= blocks:
+        if running.read(held) >= blocks:
             return True
         time.sleep(0.05)
     return False
@@ -114,11 +122,12 @@ def index_holds(running: RunningRouter, instance: str, blocks: int, timeout_s: f
 def test_requests_sharing_a_long_prefix_go_to_the_server_holding_it(servers: VllmFleet, model: Path) -> None:
     document = words(400, seed=3000)
     with RunningRouter(config(servers, model)) as running:
-        first = complete(running.url, document + " " + words(10, seed=3001))
+        prompt = document + " " + words(10, seed=3001)
+        first = complete(running.url, prompt)
         assert first.status_code == 200, first.text
         holder = first.headers[PREFILL_HEADER]
         # Its blocks are in the index before the next is routed (a fixed 0.4 s was too short once, loaded).
-        assert index_holds(running, holder, first.json()["usage"]["prompt_tokens"] // BLOCK - 1)
+        assert index_holds(running, holder, prompt, first.json()["usage"]["prompt_tokens"] // BLOCK - 1)
         for i in range(4):
             answer = complete(running.url, document + " " + words(10, seed=3100 + i))
             assert answer.status_code == 200 and answer.headers[PREFILL_HEADER] == holder
