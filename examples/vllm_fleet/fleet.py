@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -249,15 +249,28 @@ class Fleet:
 
     # ------------------------------------------------------------------ instances
 
-    def reconcile(self, instance_id: InstanceId, state: InstanceState, now: float) -> float:
+    def unprefilled(self, instance_id: InstanceId) -> frozenset[RequestId]:
+        """The router's requests on `instance_id` not yet prefilled (waiting or running there)."""
+        return frozenset(
+            request_id
+            for request_id, flight in self.flights.items()
+            if flight.instance_id == instance_id and flight.prefilled_s is None
+        )
+
+    def reconcile(
+        self, instance_id: InstanceId, state: InstanceState, now: float, *, asked: Collection[RequestId] = ()
+    ) -> float:
         """Reconcile the router's queue of a server with the server's own count (`vllm:num_requests_waiting`):
         requests waiting there beyond every request of the router's not yet prefilled are another client's,
         and the server is busy with them for a prefill of the router's mean prompt each (`PrefillBacklog`;
         none beyond: no backlog). Counting all of the router's unprefilled requests, running ones included,
-        never takes the router's own for foreign. Returns the backlog's seconds."""
+        never takes the router's own for foreign. `asked`: the router's unprefilled requests when the count
+        was asked for (`unprefilled`), counted too: the count may predate an answer the router has had since,
+        and that request, still waiting when the server counted, is the router's, not another client's.
+        Returns the backlog's seconds."""
         if instance_id not in self._queues:
             return 0.0  # a decode server: it prefills nothing the router routes
-        own = sum(1 for f in self.flights.values() if f.instance_id == instance_id and f.prefilled_s is None)
+        own = len(self.unprefilled(instance_id).union(asked))
         foreign = state.waiting - own
         backlog = 0.0
         if foreign > 0:

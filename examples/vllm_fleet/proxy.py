@@ -220,9 +220,10 @@ class VllmRouter:
                     async with self._session.get(f"{instance.url}/health", timeout=timeout) as answer:
                         healthy = answer.status == 200
                     if healthy:
+                        asked = self.fleet.unprefilled(instance.instance_id)  # answers may come during the scrape
                         async with self._session.get(f"{instance.url}/metrics", timeout=timeout) as answer:
                             instance.state = scrape(await answer.text())
-                        self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic())
+                        self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic(), asked=asked)
                 except (aiohttp.ClientError, TimeoutError, OSError):
                     healthy = False
                 if healthy != instance.up:

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vllm_fleet.config import RouterConfig, parse_router_config
 from vllm_fleet.fleet import Fleet, Flight
 from vllm_fleet.online import OnlinePrefillModel
-from vllm_fleet.upstream import InstanceInfo, scrape
+from vllm_fleet.upstream import InstanceInfo, InstanceState, scrape
 
 from mooncake.cache.events import BlockStored
 from mooncake.errors import ConfigError
@@ -180,6 +180,23 @@ def test_a_prompt_over_a_servers_context_is_refused_before_it_is_sent(tmp_path: 
     fleet = Fleet(router_config(tmp_path), [INFO, INFO])
     _, decision = fleet.schedule(list(range(2000)), 100, now=0.0)
     assert not decision.accepted and decision.reason is Reason.CONTEXT_TOO_LONG and not fleet.flights
+
+
+def test_a_request_answered_while_the_count_was_asked_for_is_not_another_clients(tmp_path: Any) -> None:
+    """The server counted the router's request as waiting, and the router had its answer before the count
+    came back: that request is the router's own, so there is no backlog. A waiting request the router never
+    had is another client's: a backlog of one typical prefill."""
+    fleet = Fleet(router_config(tmp_path), [INFO, INFO])
+    _, decision = fleet.schedule(list(range(1, 301)), 4, now=0.0)
+    assert decision.prefill_instance is not None
+    instance = decision.prefill_instance
+    asked = fleet.unprefilled(instance)
+    assert asked == {decision.request_id}
+    fleet.first_token(fleet.flights[decision.request_id], 0.1)  # answered while the count was on its way
+    assert fleet.unprefilled(instance) == frozenset()
+    counted = InstanceState(running=0, waiting=1)
+    assert fleet.reconcile(instance, counted, 0.2, asked=asked) == 0.0
+    assert fleet.reconcile(instance, counted, 0.3) == pytest.approx(fleet.prefill_model.prefill_s(300, 0))
 
 
 def test_a_failed_start_closes_the_subscribers_it_bound(tmp_path: Any) -> None:
