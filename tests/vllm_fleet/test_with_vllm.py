@@ -92,10 +92,11 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
             cached, theirs = int(answer.headers[CACHED_HEADER]), usage["prompt_tokens_details"]["cached_tokens"]
             whole = usage["prompt_tokens"] % BLOCK == 0
             assert theirs <= cached <= theirs + (BLOCK - 1 if whole else 0), (i, cached, theirs)
-            expected[urls[answer.headers[PREFILL_HEADER]]] += theirs
-            served.add(answer.headers[PREFILL_HEADER])
+            server = answer.headers[PREFILL_HEADER]
+            expected[urls[server]] += theirs
+            served.add(server)
             # The server's events reach the index before the next request is routed (bounded, not a fixed sleep).
-            assert index_holds(running, answer.headers[PREFILL_HEADER], prompt, usage["prompt_tokens"] // BLOCK - 1)
+            assert index_holds(running, server, prompt, usage["prompt_tokens"] // BLOCK - 1)
         held = running.read(lambda router: {i: router.fleet.cached_blocks(i) for i in router.fleet.instances})
     assert sum(expected.values()) > 0
     assert all(held[instance] > 0 for instance in served)  # the blocks of the prompts each server took
@@ -107,9 +108,11 @@ def index_holds(running: RunningRouter, instance: str, prompt: str, blocks: int,
     """Whether the router's index holds the first `blocks` blocks of `prompt` for `instance` within
     `timeout_s` (the server's KV events come asynchronously: a loaded machine delivers them later)."""
 
+    keys = running.read(lambda router: router.fleet.hasher.block_keys(router.tokenizer.encode(prompt)))
+    instances = [InstanceId(instance)]
+
     def held(router: Any) -> int:
-        keys = router.fleet.hasher.block_keys(router.tokenizer.encode(prompt))
-        return int(router.fleet.conductor.index.prefix_lengths(keys, [InstanceId(instance)])[0])
+        return int(router.fleet.conductor.index.prefix_lengths(keys, instances)[0])
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
