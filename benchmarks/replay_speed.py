@@ -46,7 +46,6 @@ def spec(num_prefill: int, num_decode: int, **options: object) -> ClusterSpec:
         model=MODELS["llama3-70b"],
         prefill_hardware=HARDWARE["8xA800"],
         decode_hardware=HARDWARE["8xA800"],
-        cache_capacity_tokens=10_000 * 512,
         sample_interval_s=10.0,
         **options,  # type: ignore[arg-type]
     )

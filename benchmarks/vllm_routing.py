@@ -53,20 +53,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from vllm_fleet.background import BackgroundRouter
 from vllm_fleet.config import parse_router_config
 from vllm_fleet.model import make_model, words
-from vllm_fleet.servers import VllmFleet
+from vllm_fleet.servers import SERVED_DTYPE, VllmFleet
 
 from mooncake.cache import BlockHasher
+from mooncake.cache.hashing import reusable_prefix_tokens
+from mooncake.engine.checkpoint import read_model_config
 from mooncake.engine.tokenizer import load_tokenizer
 
 POLICIES = ("round_robin", "load_balancing", "kvcache_centric")
-BLOCK = 32
-KV_BYTES_PER_TOKEN = 4096  # the small model's: 2 layers x (K, V) x 4 heads x 64 x float32
+BLOCK = 32  # tokens per block: the servers' and the router's, and the LRU bound's
 
 
 def lru_bound(requests: list[tuple[float, str]], model: Path, capacity_blocks: int) -> float:
     """The hit ratio (cached prompt tokens / prompt tokens, as vLLM counts it) of one LRU cache of
     `capacity_blocks` blocks fed each prompt's whole blocks in turn: a prompt finds its leading blocks
-    held, at most all but its last token (vLLM always computes that one), then holds all of them."""
+    held, as far as a prefill reuses them (`reusable_prefix_tokens`: whole blocks, never the one holding the
+    last token, as vLLM counts), then holds all of them."""
     tokenizer, hasher = load_tokenizer(model), BlockHasher(model="bound", block_size_tokens=BLOCK)
     cache: collections.OrderedDict[int, None] = collections.OrderedDict()
     hits = total = 0
@@ -76,7 +78,7 @@ def lru_bound(requests: list[tuple[float, str]], model: Path, capacity_blocks: i
         held = 0
         while held < len(keys) and keys[held] in cache:
             held += 1
-        hits += min(held * BLOCK, len(tokens) - 1)
+        hits += reusable_prefix_tokens(len(tokens), held, BLOCK)
         total += len(tokens)
         for key in keys:
             cache[key] = None
@@ -201,6 +203,7 @@ def main() -> None:
             python=args.vllm_python,
             model=model,
             count=2,
+            block_size=BLOCK,
             log_dir=Path(folder) / "logs",
             kv_cache_bytes=args.kv_cache_mib << 20,
         ) as fleet:
@@ -208,7 +211,8 @@ def main() -> None:
             run_policy(fleet, model, "round_robin", requests[: min(20, len(requests))], args.max_tokens)
             for policy in POLICIES:
                 results[policy] = run_policy(fleet, model, policy, requests, args.max_tokens)
-        bound = lru_bound(requests, model, 2 * (args.kv_cache_mib << 20) // (KV_BYTES_PER_TOKEN * BLOCK))
+        kv_bytes_per_token = read_model_config(model).shape(dtype=SERVED_DTYPE).kv_bytes_per_token
+        bound = lru_bound(requests, model, 2 * (args.kv_cache_mib << 20) // (kv_bytes_per_token * BLOCK))
     results["lru_bound_hit_ratio"] = bound
     ours = results["kvcache_centric"]
     results["ratios"] = {

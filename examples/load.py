@@ -58,7 +58,7 @@ from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import write_json
-from mooncake.types import Request, Slo
+from mooncake.types import Request
 
 
 @attrs.define(eq=False)
@@ -214,8 +214,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
     parser.add_argument("--profile", type=Path, help="the cluster's fitted cost models (its [prefill] profile)")
     add_scaling_options(parser)
-    parser.add_argument("--ttft-slo", type=float, default=30.0)
-    parser.add_argument("--tbt-slo", type=float, default=0.5)
+    parser.add_argument("--ttft-slo", type=float, help="seconds (default: --config's [slo] ttft_s)")
+    parser.add_argument("--tbt-slo", type=float, help="seconds (default: --config's [slo] tbt_s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path)
@@ -225,14 +225,26 @@ def main() -> None:
         requests = simulation.load_workload(args)
     except (MooncakeError, OSError) as error:
         sys.exit(f"error: {error}")
+    from serving.config import load_config
+
+    try:
+        config = load_config(args.config)
+        # Scored against the objectives the cluster admits against, unless the command line names others.
+        slo = attrs.evolve(
+            config.slo.objectives(),
+            **{
+                name: value for name, value in (("ttft_s", args.ttft_slo), ("tbt_s", args.tbt_slo)) if value is not None
+            },
+        )
+    except MooncakeError as error:
+        sys.exit(f"error: {error}")
     cluster = None
     url = args.url
     if url is None:
-        from serving.config import load_config
         from serving.launch import start_cluster
 
         try:
-            config = load_config(args.config).with_overrides("cluster", port=0)
+            config = config.with_overrides("cluster", port=0)
             if args.profile is not None:
                 config = config.with_overrides("prefill", profile=str(args.profile))
             config = config.with_overrides(
@@ -249,7 +261,7 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.close()
-    summary = summarize(records, Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), sim_wall_s=wall)
+    summary = summarize(records, slo, sim_wall_s=wall)
     failed = sum(1 for r in records if r.outcome is None)
     result = {**summary.to_json(), "failed": failed}
     if args.out:

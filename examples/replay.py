@@ -39,6 +39,7 @@ from serving import registry
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
+from mooncake.sched.predictor import uniform_decode_s
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
@@ -72,12 +73,13 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     requests = simulation.load_workload(args)
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
-        spec = simulation.cluster_spec(requests, args)
+        spec, slo = simulation.cluster_spec(requests, args), simulation.slo(args)
         conductor = build_conductor(
             spec,
             router=registry.router(args.router, threshold=args.threshold),
             admission=registry.admission(args.admission),
-            slo=simulation.slo(args),
+            slo=slo,
+            decode_s=uniform_decode_s((r.output_length for r in requests), slo.tbt_s),
             seed=args.seed,
         )
         result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)

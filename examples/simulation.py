@@ -39,7 +39,7 @@ from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sim.report import ProgressBar, shows_progress
-from mooncake.sim.spec import ClusterSpec
+from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import PRESETS, TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, generate_requests, load_trace, preset
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:  # the example cluster's config, read only for --config (it ne
     from serving.config import ClusterConfig
 
 DEFAULT_REQUESTS = 4000  # generated without --num-requests
-DEFAULT_CACHE_BLOCKS = 10_000  # per prefill node: ~1.6 TB of LLaMA3-70B KV, a node's DRAM
 SIZING_LOAD = 0.8
 
 
@@ -116,8 +115,8 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--local-cache", dest="global_pool", action="store_false", help="no cross-node fetches")
     parser.add_argument("--cpp", type=int, default=1, help="prefill nodes per chunked-pipeline group")
     parser.add_argument("--inline-prefill", type=int, default=0, help="inline prompts up to this many tokens")
-    parser.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
-    parser.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
+    parser.add_argument("--ttft-slo", type=float, default=Slo().ttft_s, help="seconds")
+    parser.add_argument("--tbt-slo", type=float, default=Slo().tbt_s, help="seconds")
 
 
 def add_policy_options(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +137,14 @@ def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float
 
 def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[int, int]:
     """(prefill, decode) nodes: the options', or sized the paper's way (module docstring)."""
-    for option, value, least in (("--prefill", args.prefill, 0), ("--decode", args.decode, 0), ("--cpp", args.cpp, 1)):
+    options = (
+        ("--prefill", args.prefill, 0),
+        ("--decode", args.decode, 0),
+        ("--cpp", args.cpp, 1),
+        ("--cache-blocks", args.cache_blocks, 0),
+        ("--inline-prefill", args.inline_prefill, 0),
+    )
+    for option, value, least in options:
         if value < least:
             raise ConfigError(f"{option} must be >= {least}, got {value}")
     prefill = args.prefill
@@ -254,13 +260,15 @@ def cluster_requests(config: ClusterConfig, requests: Sequence[Request], scaling
     its tokenizer's ids of each prompt and its hasher's keys of them (`scaling.scale`)."""
     from serving.tokenizer import serving_tokenizer
 
-    from mooncake.cache.hashing import BlockHasher
-
-    hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
+    hasher = config.model.hasher()
     return [s.request for s in scale(requests, scaling, encode=serving_tokenizer(config).encode, hasher=hasher)]
 
 
 def slo(args: argparse.Namespace) -> Slo:
+    """The `--ttft-slo` / `--tbt-slo` objectives (named by their options when they are not positive)."""
+    for option, value in (("--ttft-slo", args.ttft_slo), ("--tbt-slo", args.tbt_slo)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{option} must be a finite number > 0, got {value}")
     return Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
 
 

@@ -181,8 +181,8 @@ class Comparison:
             "same_route_fraction": self.same_route_fraction,
             "hit_ratio_real": self.real.cache_hit_ratio,
             "hit_ratio_sim": self.sim.cache_hit_ratio,
-            "rejected_real": rejected(self.real),
-            "rejected_sim": rejected(self.sim),
+            "rejected_real": self.real.rejected,
+            "rejected_sim": self.sim.rejected,
             "compared_requests": self.compared,
             "ttft_slo_s": self.slo.ttft_s,
             "decode_max_batch": self.decode_max_batch,
@@ -193,10 +193,6 @@ class Comparison:
             "real": self.real.to_json(),
             "sim": self.sim.to_json(),
         }
-
-
-def rejected(summary: Summary) -> int:
-    return summary.rejected_before_prefill + summary.rejected_after_prefill
 
 
 def compare(
@@ -448,7 +444,7 @@ def print_comparison(name: str, result: Comparison) -> None:
     for label, s in (("real", result.real), ("simulated", result.sim)):
         ttft = "".join(f"{s.ttft_s[k]:>{w}.3f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
         tbt = "".join(f"{s.tbt_s[k] * 1000:>{w}.2f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
-        print(f"  {label:<10}{ttft}   {tbt}    {s.cache_hit_ratio:>9.3f} {rejected(s):>9}")
+        print(f"  {label:<10}{ttft}   {tbt}    {s.cache_hit_ratio:>9.3f} {s.rejected:>9}")
     print(
         f"  per request: TTFT error median {result.ttft_median_rel_error:.1%}, p90 {result.ttft_p90_rel_error:.1%}; "
         f"mean TBT error {result.tbt_mean_rel_error:.1%}; same route {result.same_route_fraction:.1%}"
@@ -535,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                 real, calibration = run_real(run_config, requests, args)
                 sim = run_sim(run_config, requests, args, calibration)
                 if run_config is not config:  # what the limit alone refuses, at the serviceable pace
-                    unloaded = rejected(summarize(run_sim(run_config, serviceable, args, calibration), Slo()))
-                slo = Slo(ttft_s=run_config.slo.ttft_s, tbt_s=run_config.slo.tbt_s)
+                    unloaded = summarize(run_sim(run_config, serviceable, args, calibration), Slo()).rejected
+                slo = run_config.slo.objectives()
                 results[name] = attrs.evolve(
                     compare(real, sim, slo, run_config.decode.max_batch_size, calibration),
                     rejected_sim_unloaded=unloaded,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NewType, cast
 
 import attrs
@@ -49,6 +49,8 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
     Raises:
         InvalidRequestError: not a 1-D integer sequence, or a value outside int32.
     """
+    if isinstance(tokens, Iterator):  # a generator or iterator: its items, not a 0-d object
+        tokens = list(tokens)
     array = np.asarray(tokens)
     if array.dtype == object and array.ndim == 1 and all(isinstance(t, int) and not isinstance(t, bool) for t in array):
         raise InvalidRequestError(f"token ids must fit in int32, got range [{min(array)}, {max(array)}]")

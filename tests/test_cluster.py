@@ -583,6 +583,9 @@ def test_no_engine_up_is_a_503() -> None:
             client(cluster).completions.create(model="tiny", prompt="anyone?", max_tokens=4)
         assert raised.value.status_code == 503
         assert int(raised.value.response.headers["Retry-After"]) > 0
+        # The Conductor's vocabulary, as every other rejection: the reason as the code, no prefill ran.
+        error = raised.value.response.json()["error"]
+        assert (error["code"], error["outcome"]) == ("no_decode_instance", "rejected_before_prefill")
 
 
 # ---------------------------------------------------------------------------------------------- backends and the launcher

@@ -13,7 +13,6 @@ runs at the SLO, the slowest an accepted request is meant to go.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import simulation
 from serving import registry
 
+from mooncake.sched.predictor import uniform_decode_s
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import LoadSample, ReplayResult, Summary
 from mooncake.sim.spec import ClusterSpec, build_conductor
@@ -43,8 +43,8 @@ OUTCOME_COLUMNS = f"{'completed':>10}{'rej. before':>12}{'after':>7}{'wasted s':
 
 
 def decode_time_s(requests: Sequence[Request], slo: Slo) -> float:
-    """The uniform t_d of the predictive policy: mean output × the TBT objective (see the module docstring)."""
-    return statistics.mean(r.output_length for r in requests) * slo.tbt_s if requests else 10.0
+    """The uniform t_d of the predictive policy: `sched.predictor.uniform_decode_s` of the workload."""
+    return uniform_decode_s((r.output_length for r in requests), slo.tbt_s)
 
 
 def replay(
@@ -87,7 +87,7 @@ def outcomes_json(results: Mapping[str, ReplayResult]) -> Report:
     summaries = {key: result.summary for key, result in results.items()}
     return {
         "completed": {k: s.completed for k, s in summaries.items()},
-        "rejected": {k: s.rejected_before_prefill + s.rejected_after_prefill for k, s in summaries.items()},
+        "rejected": {k: s.rejected for k, s in summaries.items()},
         "rejected_before_prefill": {k: s.rejected_before_prefill for k, s in summaries.items()},
         "rejected_after_prefill": {k: s.rejected_after_prefill for k, s in summaries.items()},
         "wasted_prefill_s": {k: s.wasted_prefill_s for k, s in summaries.items()},

@@ -93,10 +93,7 @@ def overload(args: argparse.Namespace) -> tuple[Report, str]:
         cells = []
         for v in speedups:
             s = runs[policy][str(v)].summary
-            cells.append(
-                f"{s.rejected_before_prefill + s.rejected_after_prefill:>6}({s.wasted_prefill_s:>5.0f})"
-                f"/{swing[policy][str(v)]:<3.0f}"
-            )
+            cells.append(f"{s.rejected:>6}({s.wasted_prefill_s:>5.0f})/{swing[policy][str(v)]:<3.0f}")
         lines.append(f"{policy:<28}" + "".join(f"{cell:>16}" for cell in cells))
     per_speedup = {policy: outcomes_json(runs[policy]) for policy in ADMISSIONS}
     if args.out:

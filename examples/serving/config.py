@@ -57,9 +57,11 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from mooncake._checks import ceil_div
+from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.checkpoint import CONFIG_FILE, read_model_config
 from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.errors import ConfigError
+from mooncake.types import Slo
 from serving.machine import Machine, check_machine
 from serving.registry import ADMISSIONS, ROUTERS
 
@@ -281,6 +283,11 @@ class ModelSection:
             return self.preset
         return f"{self.served_name}@{_checkpoint_digest(self.checkpoint)}"
 
+    def hasher(self) -> BlockHasher:
+        """The cluster's block keys: in this namespace, of `block_tokens` tokens. The gateway, every worker, the
+        Conductor and the simulated twin key prompts with this one hasher, so their keys always match."""
+        return BlockHasher(model=self.namespace, block_size_tokens=self.block_tokens)
+
 
 @attrs.frozen(kw_only=True)
 class ClusterSection:
@@ -324,6 +331,10 @@ class SloSection:
     NAME: ClassVar[str] = "slo"
     ttft_s: float = _seconds(30.0)
     tbt_s: float = _seconds(0.5)
+
+    def objectives(self) -> Slo:
+        """The section as the library's `Slo`: what the Conductor admits against and what a summary scores."""
+        return Slo(ttft_s=self.ttft_s, tbt_s=self.tbt_s)
 
 
 @attrs.frozen(kw_only=True)

@@ -52,7 +52,6 @@ from typing import Any
 import attrs
 import numpy as np
 
-from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
@@ -159,7 +158,7 @@ class Dispatcher:
     ) -> None:
         self.config = config
         self._stop_ids = tuple(sorted(stop_token_ids))
-        self.hasher = BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens)
+        self.hasher = config.model.hasher()
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
         self.roles = {w["instance_id"]: w["role"] for w in workers}
@@ -233,11 +232,12 @@ class Dispatcher:
         """Schedule a request; it is live once this returns.
 
         Raises:
-            ApiError: 503 when no prefill or no decode engine is up; 429 when the Conductor rejects it.
+            ApiError: the Conductor's rejection (`_rejection`): 503 when no prefill or no decode engine is up.
         """
-        if not (self.num_up("prefill") and self.num_up("decode")):
-            self.metrics.rejections["no_engine_up"].inc()
-            raise ApiError(503, "no prefill or no decode engine is up", headers={"Retry-After": "5"})
+        for role, reason in (("prefill", Reason.NO_PREFILL_INSTANCE), ("decode", Reason.NO_DECODE_INSTANCE)):
+            if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
+                self.metrics.rejections[reason.value].inc()
+                raise _rejection(reason, Outcome.REJECTED_BEFORE_PREFILL)
         request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
         keys = self.hasher.block_keys(np.asarray(tokens, dtype=np.int32))
         request = Request(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
@@ -26,7 +25,6 @@ from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, Prefil
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
-from mooncake.types import Slo
 from serving import registry
 from serving.config import ClusterConfig
 
@@ -122,11 +120,11 @@ def build_conductor(
         hardware=CPU,
         prefill_instances=prefill_instances,
         decode_instances=decode_instances,
-        hasher=BlockHasher(model=config.model.namespace, block_size_tokens=config.model.block_tokens),
+        hasher=config.model.hasher(),
         router=registry.router(policy.router, threshold=policy.threshold),
         admission=registry.admission(policy.admission),
         predictor=UniformDecodePredictor(decode_s=PREDICTED_DECODE_S),
-        slo=Slo(ttft_s=config.slo.ttft_s, tbt_s=config.slo.tbt_s),
+        slo=config.slo.objectives(),
         prefill=prefill,
         step_model=step_model,
         decode_limits=decode_limits(config),

@@ -48,7 +48,6 @@ import attrs
 import torch
 
 from mooncake.cache import TieredCache
-from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.engine.checkpoint import load_model
@@ -117,7 +116,7 @@ class Worker:
         else:
             self.model = build_model(config)
         block = config.model.block_tokens
-        self.hasher = BlockHasher(model=config.model.namespace, block_size_tokens=block)
+        self.hasher = config.model.hasher()
         self.layout = KvLayout(config=self.model.config, block_tokens=block, dtype=config.model.dtype)
         self.engine = TransferEngine(
             # No polling for answers (spin_us=0): engines share the machine's cores, and polling threads

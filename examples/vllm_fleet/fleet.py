@@ -42,6 +42,7 @@ from mooncake.cache import BlockHasher
 from mooncake.cache.vllm_events import VllmEventDecoder
 from mooncake.errors import MooncakeError
 from mooncake.sched import (
+    DEFAULT_DECODE_S,
     Conductor,
     DecodeFinished,
     DecodeJoined,
@@ -135,7 +136,7 @@ class Fleet:
             # No TBT objective: the router does not model the servers' decode steps (a zero step model).
             step_model=FittedStepModel(coefficients=(0.0, 0.0, 0.0)),
             admission=registry.admission(settings.admission),
-            predictor=UniformDecodePredictor(decode_s=10.0),
+            predictor=UniformDecodePredictor(decode_s=DEFAULT_DECODE_S),
             slo=Slo(ttft_s=settings.ttft_slo_s, tbt_s=DAY_S),
             block_size_tokens=settings.block_size,
             transfers=False,
@@ -223,7 +224,7 @@ class Fleet:
                 instance_id=flight.decode_instance_id,
                 now=now,
                 context_tokens=request.input_length,
-                output_tokens=1,
+                output_tokens=request.output_length,
             )
         )
 

@@ -35,7 +35,11 @@ from typing import Any
 
 import attrs
 
-__all__ = ["VllmFleet", "VllmServer", "free_port"]
+__all__ = ["SERVED_DTYPE", "VllmFleet", "VllmServer", "free_port"]
+
+# The weights' and the KV cache's dtype the servers run in. In eager mode bfloat16 (vLLM's CPU default) is
+# several times slower than float32 on a CPU without bfloat16 units.
+SERVED_DTYPE = "float32"
 
 
 def free_port() -> int:
@@ -242,11 +246,10 @@ def _launch(
         # free (0.92 by default: a second server, or a restarted one beside the first, would not start).
         "--gpu-memory-utilization",
         str(memory_share),
-        # No torch.compile: start-up in about half the time. In eager mode bfloat16 (vLLM's CPU default) is
-        # several times slower than float32 on a CPU without bfloat16 units.
+        # No torch.compile: start-up in about half the time.
         "-O0",
         "--dtype",
-        "float32",
+        SERVED_DTYPE,
         "--kv-events-config",
         json.dumps(events),
         *extra_args,

@@ -39,7 +39,8 @@ from torch import nn
 from torch.nn import functional
 
 from mooncake.engine.config import ModelConfig
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.types import as_token_array
 
 __all__ = [
     "Attend",
@@ -50,6 +51,7 @@ __all__ = [
     "inverse_frequencies",
     "rms_norm",
     "rope_tables",
+    "token_ids",
     "weight_names",
 ]
 
@@ -318,3 +320,19 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, prefill_attention)
         return self.logits(x)
+
+
+def token_ids(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """A prompt's token ids as the model's int64 input, checked as the hasher checks them (`types.as_token_array`:
+    a 1-D integer sequence, no floats or bools truncated) and against the vocabulary. The prefill engine and the
+    pipeline group take their prompts through this one check.
+
+    Raises:
+        InvalidRequestError: no tokens, not integers, or an id outside [0, vocab_size).
+    """
+    array = as_token_array(tokens)
+    if not array.size:
+        raise InvalidRequestError("a prompt needs at least one token")
+    if int(array.min()) < 0 or int(array.max()) >= vocab_size:
+        raise InvalidRequestError(f"token ids must lie in [0, {vocab_size})")
+    return torch.from_numpy(array.astype("int64"))

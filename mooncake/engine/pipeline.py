@@ -63,8 +63,9 @@ import torch
 from mooncake._checks import require_int
 from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
-from mooncake.engine.model import LlamaModel
+from mooncake.engine.model import LlamaModel, token_ids
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError
+from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["PARENT_WATCH_S", "PipelineGroup", "stage_layers"]
 
@@ -258,7 +259,7 @@ class PipelineGroup:
         config: ModelConfig,
         *,
         num_stages: int,
-        chunk_tokens: int = 512,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         seed: int = 0,
         dtype: str = "float32",
         checkpoint: str | None = None,
@@ -386,12 +387,8 @@ class PipelineGroup:
                 or buffers of the wrong shape.
             EngineError: a stage failed or did not answer within the timeout; the group has failed.
         """
-        n = len(tokens)
-        if n == 0:
-            raise InvalidRequestError("a prompt needs at least one token")
-        ids = torch.as_tensor(list(tokens), dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise InvalidRequestError(f"token ids must lie in [0, {self.config.vocab_size})")
+        ids = token_ids(tokens, self.config.vocab_size)
+        n = len(ids)
         if not 0 <= prefix_tokens < n or (kv is None and prefix_tokens):
             raise InvalidRequestError(f"prefix_tokens={prefix_tokens} must lie in [0, {n}) and come with its KV")
         kv = self._buffers(n) if kv is None else kv

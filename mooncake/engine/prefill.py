@@ -50,9 +50,10 @@ from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
-from mooncake.engine.model import Attend, LlamaModel
+from mooncake.engine.model import Attend, LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
 
@@ -98,7 +99,7 @@ class PrefillConfig:
         store: store the new KV in the cache (off: compute only).
     """
 
-    chunk_tokens: int = attrs.field(default=4096, validator=int_at_least(1))
+    chunk_tokens: int = attrs.field(default=DEFAULT_CHUNK_TOKENS, validator=int_at_least(1))
     layerwise: bool = True
     store: bool = True
 
@@ -378,13 +379,7 @@ class PrefillEngine:
         return results
 
     def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
-        if len(tokens) == 0:
-            raise InvalidRequestError("a prompt needs at least one token")
-        ids = torch.as_tensor(list(tokens), dtype=torch.long)
-        vocab = self.forward.model_config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise InvalidRequestError(f"token ids must lie in [0, {vocab})")
-        return ids
+        return token_ids(tokens, self.forward.model_config.vocab_size)
 
     def _pin_prefix(self, keys: tuple[BlockKey, ...], *, max_blocks: int) -> int:
         """Pin the longest cached run of leading blocks (at most `max_blocks`); its length."""

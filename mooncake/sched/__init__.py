@@ -17,6 +17,7 @@ from mooncake.sched.admission import (
 from mooncake.sched.build import RouterFactory, build_conductor, ttft_estimator
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import (
+    DEFAULT_CHUNK_TOKENS,
     HARDWARE,
     MODELS,
     ChunkedPipelineCost,
@@ -32,12 +33,14 @@ from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.predictor import (
+    DEFAULT_DECODE_S,
     LoadPredictor,
     LoadSnapshot,
     OutputLengthPredictor,
     PredictorScore,
     UniformDecodePredictor,
     score_predictor,
+    uniform_decode_s,
 )
 from mooncake.sched.router import (
     AdaptiveThreshold,
@@ -77,6 +80,8 @@ __all__ = [
     "BaselineAdmission",
     "ChunkedPipelineCost",
     "Conductor",
+    "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_DECODE_S",
     "DecodeChoice",
     "DecodeCostModel",
     "DecodeFinished",
@@ -137,4 +142,5 @@ __all__ = [
     "reason_named",
     "score_predictor",
     "ttft_estimator",
+    "uniform_decode_s",
 ]

@@ -14,7 +14,7 @@ your own:
     router          `KvCacheCentricRouter` (Algorithm 1, threshold 1.5): any callable making a
                     `Router` from the `TtftEstimator` (a router class, `functools.partial(...)`)
     admission       `EarlyRejection()`
-    predictor       `UniformDecodePredictor(decode_s=10.0)` (the paper's t_d)
+    predictor       `UniformDecodePredictor(decode_s=DEFAULT_DECODE_S)` (the paper's t_d)
     slo             `Slo()`: TTFT 30 s, TBT 100 ms
     cost models     `PrefillCostModel` and `DecodeCostModel` of the model on its hardware, the
                     transfer model at the hardware's NIC; `decode_hardware` when decode runs on
@@ -35,7 +35,7 @@ from mooncake.sched.admission import AdmissionPolicy, EarlyRejection
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel, PrefillModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import LoadPredictor, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, LoadPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, Router, TtftEstimator
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import InstanceId, Slo
@@ -118,7 +118,7 @@ def build_conductor(
         ),
         step_model=step_model if step_model is not None else decode_cost,
         admission=admission if admission is not None else EarlyRejection(),
-        predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=10.0),
+        predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=DEFAULT_DECODE_S),
         slo=slo if slo is not None else Slo(),
         block_size_tokens=block,
         transfers=transfers,

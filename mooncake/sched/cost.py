@@ -48,6 +48,7 @@ from mooncake.types import Tier
 
 __all__ = [
     "ChunkedPipelineCost",
+    "DEFAULT_CHUNK_TOKENS",
     "FittedPrefillModel",
     "HARDWARE",
     "Hardware",
@@ -240,6 +241,11 @@ class PrefillModel(Protocol):
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float: ...
 
 
+DEFAULT_CHUNK_TOKENS = 4096
+"""Tokens per chunk of a chunked prefill where none is given: the engines' (`engine.prefill.PrefillConfig`,
+`engine.pipeline.PipelineGroup`), the chunked-pipeline cost model's and the simulated cluster's default."""
+
+
 @attrs.frozen(kw_only=True)
 class ChunkedPipelineCost:
     """Prefill time on a chunked-pipeline-parallel (CPP) group of `group_size` instances.
@@ -260,7 +266,7 @@ class ChunkedPipelineCost:
 
     base: PrefillModel
     group_size: int = attrs.field(validator=int_at_least(1))
-    chunk_tokens: int = attrs.field(default=4096, validator=int_at_least(1))
+    chunk_tokens: int = attrs.field(default=DEFAULT_CHUNK_TOKENS, validator=int_at_least(1))
 
     def _stages(self, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
         """(Σ chunk times on one stage, the longest chunk time)."""

@@ -20,7 +20,8 @@ predictor's mean absolute error, so predictors are compared on what happened.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import attrs
@@ -30,13 +31,27 @@ from mooncake.sched.join import DecodeLoad, takes_slot
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 
 __all__ = [
+    "DEFAULT_DECODE_S",
     "LoadPredictor",
     "LoadSnapshot",
     "OutputLengthPredictor",
     "PredictorScore",
     "UniformDecodePredictor",
     "score_predictor",
+    "uniform_decode_s",
 ]
+
+DEFAULT_DECODE_S = 10.0
+"""The uniform t_d (seconds) where nothing is known of the workload: the Conductor's and the simulator's default."""
+
+
+def uniform_decode_s(output_lengths: Iterable[int], tbt_slo_s: float) -> float:
+    """The uniform t_d for a workload: its mean output length times the TBT objective, how long an average
+    request decodes when its batch runs at the objective, the slowest an accepted request is meant to go
+    (`DEFAULT_DECODE_S` for no requests). The experiments, the replay tool and the twin all take it from here."""
+    lengths = list(output_lengths)
+    require_number("tbt_slo_s", tbt_slo_s, minimum=0, strict=True)
+    return statistics.mean(lengths) * tbt_slo_s if lengths else DEFAULT_DECODE_S
 
 
 class LoadPredictor(Protocol):

@@ -412,7 +412,9 @@ class PrefilledInline:
 
 @attrs.frozen(kw_only=True)
 class DecodeJoined:
-    """The request joined its decode instance's batch holding `context_tokens`, `output_tokens` generated so far."""
+    """The request joined its decode instance's batch holding `context_tokens` (its prompt), to generate at most
+    `output_tokens` in all (its output length, a server's `max_tokens`; the prefill's first token included), as
+    its reservation says: the Conductor accounts the reservation and reads these only where there is none."""
 
     request_id: RequestId
     instance_id: InstanceId

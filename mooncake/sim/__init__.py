@@ -11,12 +11,13 @@ from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import LoadSample, RecordTable, ReplayResult, RequestRecord, Summary, summarize
 from mooncake.sim.replayer import ReplayContext
-from mooncake.sim.spec import ClusterSpec, build_conductor
+from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec, build_conductor
 
 __all__ = [
     "ClusterSpec",
     "CoupledCluster",
     "CoupledSpec",
+    "DEFAULT_CACHE_BLOCKS",
     "DisaggregatedCluster",
     "LoadSample",
     "RecordTable",

@@ -48,6 +48,7 @@ from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import PrefillCostModel, occupancy_s
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
+from mooncake.sched.predictor import DEFAULT_DECODE_S
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.view import (
     DecodeFinished,
@@ -117,7 +118,7 @@ def replay(
     router: RouterFactory = KvCacheCentricRouter,
     admission: AdmissionPolicy | None = None,
     slo: Slo | None = None,
-    decode_s: float = 10.0,
+    decode_s: float = DEFAULT_DECODE_S,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     keep_intervals: bool = True,

@@ -367,6 +367,11 @@ class Summary:
     mean_prefill_s: float
     sim_wall_s: float = 0.0
 
+    @property
+    def rejected(self) -> int:
+        """Requests rejected, before prefill or after it."""
+        return self.rejected_before_prefill + self.rejected_after_prefill
+
     def to_json(self) -> dict[str, object]:
         return attrs.asdict(self)
 

@@ -24,6 +24,7 @@ from mooncake.sched.build import RouterFactory
 from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
+    DEFAULT_CHUNK_TOKENS,
     ChunkedPipelineCost,
     Hardware,
     ModelShape,
@@ -32,13 +33,16 @@ from mooncake.sched.cost import (
     TransferCostModel,
 )
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
-__all__ = ["ClusterSpec", "build_conductor"]
+__all__ = ["ClusterSpec", "DEFAULT_CACHE_BLOCKS", "build_conductor"]
+
+DEFAULT_CACHE_BLOCKS = 10_000
+"""A simulated prefill node's KV cache, in 512-token trace blocks: ~1.6 TB of LLaMA3-70B KV, a node's DRAM."""
 
 
 def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
@@ -85,12 +89,14 @@ class ClusterSpec:
     prefill_hardware: Hardware
     decode_hardware: Hardware
     block_size_tokens: int = attrs.field(default=TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(1))
-    cache_capacity_tokens: int = attrs.field(default=50_000 * TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(0))
+    cache_capacity_tokens: int = attrs.field(
+        default=DEFAULT_CACHE_BLOCKS * TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(0)
+    )
     global_pool: bool = True
     mfu: float = 0.5
     network_bytes_per_s: float | None = None
     cpp_group_size: int = attrs.field(default=1, validator=_at_least(1))
-    cpp_chunk_tokens: int = attrs.field(default=4096, validator=_at_least(1))
+    cpp_chunk_tokens: int = attrs.field(default=DEFAULT_CHUNK_TOKENS, validator=_at_least(1))
     inline_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
     max_decode_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
     analytic_decode: bool = True
@@ -179,7 +185,7 @@ def build_conductor(
     router: RouterFactory = KvCacheCentricRouter,
     admission: AdmissionPolicy | None = None,
     slo: Slo | None = None,
-    decode_s: float = 10.0,
+    decode_s: float = DEFAULT_DECODE_S,
     seed: int = 0,
 ) -> Conductor:
     """A Conductor on the spec's cost models (so its estimates are the simulator's truth), with the

@@ -455,9 +455,12 @@ def test_a_batch_that_fails_holds_nothing_and_stores_nothing() -> None:
 # --------------------------------------------------------------------------- error contracts
 
 
-@pytest.mark.parametrize("tokens", [[], [0, TINY.vocab_size], [-1, 3], [1, 2, 10**9]])
+@pytest.mark.parametrize(
+    "tokens", [[], [0, TINY.vocab_size], [-1, 3], [1, 2, 10**9], [1.7, 2.2, 3.9], [True, False], "abc"]
+)
 def test_invalid_prompts_are_refused_before_anything_is_held(tokens: list[int]) -> None:
-    """No tokens, or ids outside the vocabulary: InvalidRequestError, and the cache is untouched."""
+    """No tokens, ids outside the vocabulary, or anything but integers (floats are not truncated, bools are not
+    ids): InvalidRequestError, and the cache is untouched."""
     cache = dram_cache(4)
     prefill(cache, PROMPT[:8], block=4)
     with PrefillEngine(tiny_model(), cache, hasher(4)) as engine, pytest.raises(InvalidRequestError):

@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
+    DEFAULT_DECODE_S,
     LoadSnapshot,
     OutputLengthPredictor,
     PredictorScore,
     UniformDecodePredictor,
     score_predictor,
+    uniform_decode_s,
 )
 from mooncake.sched.view import ActiveDecode, QueuedPrefill, Reservation
 from mooncake.types import RequestId
@@ -88,6 +90,30 @@ def test_uniform_requires_positive_decode_time() -> None:
     """t_d must be positive."""
     with pytest.raises(ConfigError):
         UniformDecodePredictor(decode_s=0.0)
+
+
+@given(
+    st.lists(st.integers(1, 100_000), min_size=1, max_size=50),
+    st.floats(0.001, 10.0),
+    st.integers(1, 100_000),
+)
+def test_workload_decode_time_is_mean_output_at_the_objective(lengths: list[int], tbt_s: float, extra: int) -> None:
+    """t_d = mean output x TBT objective: positive (a valid predictor), within the shortest and longest
+    request's time at the objective, and longer when a longer request joins the workload."""
+    t_d = uniform_decode_s(lengths, tbt_s)
+    assert t_d == pytest.approx(statistics.mean(lengths) * tbt_s)
+    assert min(lengths) * tbt_s * (1 - 1e-9) <= t_d <= max(lengths) * tbt_s * (1 + 1e-9)
+    UniformDecodePredictor(decode_s=t_d)
+    if extra > max(lengths):
+        assert uniform_decode_s([*lengths, extra], tbt_s) > t_d
+
+
+def test_workload_decode_time_without_requests_or_with_a_bad_objective() -> None:
+    """No requests: the default t_d. A TBT objective that is not a positive number: a ConfigError naming it."""
+    assert uniform_decode_s([], 0.1) == DEFAULT_DECODE_S
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ConfigError, match="tbt_slo_s"):
+            uniform_decode_s([100], bad)
 
 
 # ---------------------------------------------------------------------------- output-length survival

@@ -149,7 +149,7 @@ def test_compare_measures_the_simulation_against_the_real_run_request_by_request
     assert result.ttft_median_rel_error == pytest.approx(0.25)  # errors 0.5 and 0
     assert result.tbt_mean_rel_error == pytest.approx(0.3)  # 13 ms against 10 ms
     assert result.same_route_fraction == pytest.approx(0.5)  # the rejected request has no real route
-    assert (validate.rejected(result.real), validate.rejected(result.sim)) == (1, 1)
+    assert (result.real.rejected, result.sim.rejected) == (1, 1)
 
 
 def test_compare_groups_the_errors_by_output_and_prompt_length() -> None:
