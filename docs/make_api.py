@@ -56,7 +56,7 @@ def summary_of(value: Any) -> str:
         return f"`{value!r}`" if len(repr(value)) <= 60 else f"a `{type(value).__name__}`"
     doc = inspect.getdoc(value) or ""
     first = " ".join(doc.split("\n\n", 1)[0].split())
-    return re.split(r"(?<=[.!?])\s", first, maxsplit=1)[0]
+    return re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s", first, maxsplit=1)[0]  # "e.g." ends no sentence
 
 
 def table(package: str) -> str:

@@ -37,8 +37,8 @@ def require_number(
     """`value` as a finite float above (`strict`) or at least `minimum`, or `error`."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < minimum or (strict and value == minimum):
-        relation = ">" if strict else ">="
-        raise error(f"{name} must be a finite number {relation} {minimum}, got {value!r}")
+        bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
+        raise error(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)
 
 

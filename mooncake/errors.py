@@ -100,11 +100,17 @@ class SequenceGapError(MooncakeError):
 
     def __init__(self, gap: object) -> None:
         self.gap = gap
+        source = getattr(gap, "source", "?")
+        expected = (getattr(gap, "expected_seq", "?"), getattr(gap, "expected_epoch", "?"))
+        received = (getattr(gap, "received_seq", "?"), getattr(gap, "received_epoch", "?"))
+        if expected == received:  # the next event in order, refused because an earlier gap left the source stale
+            what = f"cache events from {source} are refused since an earlier gap (received seq {received[0]} of "
+            what += f"epoch {received[1]}, the next in order)"
+        else:
+            what = f"lost cache events from {source}: expected seq {expected[0]} of epoch {expected[1]}, "
+            what += f"received seq {received[0]} of epoch {received[1]}"
         super().__init__(
-            f"lost cache events from {getattr(gap, 'source', '?')}: expected seq "
-            f"{getattr(gap, 'expected_seq', '?')} of epoch {getattr(gap, 'expected_epoch', '?')}, "
-            f"received seq {getattr(gap, 'received_seq', '?')} of epoch {getattr(gap, 'received_epoch', '?')}; "
-            "resync the source from a snapshot of its holdings (BlockIndex.resync), "
+            f"{what}; resync the source from a snapshot of its holdings (BlockIndex.resync), "
             "or pass strict=False to receive the gap as a value"
         )
 

@@ -150,7 +150,7 @@ def test_capacity_other_policies(small_trace: Path, capsys: pytest.CaptureFixtur
     assert result["hit_ratio"]["100000"] == pytest.approx(reuse, abs=1e-6)
 
 
-@pytest.mark.parametrize("blocks", ["0", "-5", "abc", "", ",", "1,x", "1.5", "100,0"])
+@pytest.mark.parametrize("blocks", ["0", "-5", "abc", "", ",", "1,x", "1.5", "100,0", "1,,2", "100,"])
 def test_bad_capacity_blocks_is_an_argparse_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], blocks: str
 ) -> None:

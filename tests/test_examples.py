@@ -99,6 +99,8 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
         ([*SMALL, "--cpp", "0"], "--cpp must be >= 1"),
         ([*SMALL, "--prefill", "-3"], "--prefill must be >= 0"),
         ([*SMALL, "--speedup", "inf"], "--speedup must be a finite number > 0"),
+        ([*SMALL, "--cache-blocks", "-3"], "--cache-blocks must be >= 0, got -3"),
+        ([*SMALL, "--ttft-slo", "-1"], "--ttft-slo must be a finite number > 0, got -1.0"),
     ],
 )
 def test_replay_refuses_bad_options_by_name(args: list[str], message: str, tmp_path: Path) -> None:
@@ -159,6 +161,17 @@ def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
     }
     assert not list(tmp_path.glob("*.png"))
     assert "\r" not in done.stderr  # piped: no progress bar
+
+
+def test_a_ranking_shows_ties_as_ties(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routers with equal figures are joined by '=', so that a tie never reads as an order."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from paper.scheduling import ranked
+
+    values = {"a": 0.9972451790633609, "b": 0.9972451790633609, "c": 0.5, "d": 0.1}
+    assert ranked(["a", "b", "c", "d"], values, " > ") == "a = b > c > d"
+    assert ranked(["d", "c"], values, " < ") == "d < c"
+    assert ranked([], {}, " < ") == ""
 
 
 def run_on_terminal(script: str, *args: str) -> tuple[int, str, str]:

@@ -7,6 +7,8 @@ by goodput and by SLO attainment over all arrivals.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 
 import simulation
 
@@ -15,6 +17,16 @@ from mooncake.sim.report import plot_cdfs, plot_load
 from paper.common import OUTCOME_COLUMNS, Report, header, outcome_cells, outcomes_json, replay
 
 __all__ = ["scheduling"]
+
+
+def ranked(order: list[str], values: dict[str, float], better: str) -> str:
+    """Routers in `order` joined by `better` (" < ", " > "), and by " = " where their figures tie, so that a tie
+    never reads as an order."""
+    text = order[0] if order else ""
+    for previous, router in itertools.pairwise(order):
+        tie = math.isclose(values[previous], values[router], rel_tol=1e-9, abs_tol=1e-12)
+        text += (" = " if tie else better) + router
+    return text
 
 
 def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
@@ -31,16 +43,15 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
             f"{router:<{width}}{s.ttft_s['mean']:>10.2f}{s.ttft_s['p90']:>8.2f}{s.ttft_s['p99']:>8.2f}"
             f"{s.cache_hit_ratio:>10.3f}{outcome_cells(s)}"
         )
-    ranking = {
-        "mean_ttft": sorted(results, key=lambda r: results[r].summary.ttft_s["mean"]),
-        "goodput": sorted(results, key=lambda r: -results[r].summary.goodput_rps),
-        "slo_attainment": sorted(results, key=lambda r: -results[r].summary.slo_attainment),
+    figures = {  # what each ranking orders by, and the sign that makes smaller better
+        "mean_ttft": ({r: results[r].summary.ttft_s["mean"] for r in results}, 1.0, " < "),
+        "goodput": ({r: results[r].summary.goodput_rps for r in results}, -1.0, " > "),
+        "slo_attainment": ({r: results[r].summary.slo_attainment for r in results}, -1.0, " > "),
     }
+    ranking = {by: sorted(values, key=lambda r: sign * values[r]) for by, (values, sign, _) in figures.items()}
     lines.append("")
-    for by, order in ranking.items():
-        lines.append(
-            f"ranked by {by.replace('_', ' ')}: {' < '.join(order) if by == 'mean_ttft' else ' > '.join(order)}"
-        )
+    for by, (values, _sign, better) in figures.items():
+        lines.append(f"ranked by {by.replace('_', ' ')}: {ranked(ranking[by], values, better)}")
     if args.out:
         ttfts = {
             router: [r.ttft_s or 0.0 for r in result.records if r.outcome == Outcome.COMPLETED]

@@ -11,9 +11,12 @@ vLLM's KV-event publishers and Dynamo-style routers stay consistent, too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from mooncake._checks import int_at_least
+from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, InstanceId, Tier, key_tuple
 
 __all__ = [
@@ -25,15 +28,29 @@ __all__ = [
 ]
 
 
+def _source(_instance: object, attribute: attrs.Attribute[InstanceId], value: object) -> None:
+    # An instance id, as the index keys its sources by and sorts them: a non-empty string.
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{attribute.name} must be a non-empty instance id string, got {value!r}")
+
+
+def _tier(value: Any) -> Tier:
+    """A tier, its value or its name ("DRAM")."""
+    try:
+        return Tier[value] if isinstance(value, str) else Tier(value)
+    except (KeyError, ValueError):
+        raise ConfigError(f"tier must be one of {', '.join(t.name for t in Tier)}, got {value!r}") from None
+
+
 @attrs.frozen(kw_only=True)
 class _BlockChange:
     """A change to `keys` held by `source` in `tier`; the subclass says which (an event
     of one kind never equals one of the other)."""
 
-    source: InstanceId
+    source: InstanceId = attrs.field(validator=_source)
     seq: int = attrs.field(validator=int_at_least(0))
     keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
-    tier: Tier = attrs.field(converter=Tier)
+    tier: Tier = attrs.field(converter=_tier)
     epoch: int = attrs.field(default=0, validator=int_at_least(0))
 
 
@@ -51,7 +68,7 @@ class BlockRemoved(_BlockChange):
 class AllBlocksCleared:
     """`source` dropped every block in every tier."""
 
-    source: InstanceId
+    source: InstanceId = attrs.field(validator=_source)
     seq: int = attrs.field(validator=int_at_least(0))
     epoch: int = attrs.field(default=0, validator=int_at_least(0))
 

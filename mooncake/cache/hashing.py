@@ -59,8 +59,16 @@ def reusable_prefix_tokens(num_tokens: int, cached_blocks: int, block_size_token
     had, so it is never a longer prompt's prefix. The one answer to "how much does a cached prefix
     save": the engine's prefill reuses this many tokens, the router estimates with it and the
     simulators charge it.
+
+    Raises:
+        InvalidRequestError: a negative token or block count, or a block size below 1.
     """
-    return min(max(cached_blocks, 0), max(num_tokens - 1, 0) // block_size_tokens) * block_size_tokens
+    if num_tokens < 0 or cached_blocks < 0 or block_size_tokens < 1:  # comparisons only: routing asks per request
+        raise InvalidRequestError(
+            f"reusable_prefix_tokens needs num_tokens >= 0, cached_blocks >= 0 and block_size_tokens >= 1, got "
+            f"{num_tokens}, {cached_blocks} and {block_size_tokens}"
+        )
+    return min(cached_blocks, max(num_tokens - 1, 0) // block_size_tokens) * block_size_tokens
 
 
 _KEY_BYTES: dict[str, int] = {"xxh3_64": 8, "xxh3_128": 16, "sha256": 32}
@@ -98,6 +106,12 @@ class KeyBatch:
         return key_tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
 
 
+def _require_str(name: str, value: object, *, empty: bool = True) -> None:
+    # Part of every key's namespace (JSON-encoded): a number or None would key a different namespace than its text.
+    if not isinstance(value, str) or (not empty and not value):
+        raise ConfigError(f"{name} must be a {'' if empty else 'non-empty '}string, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class BlockHasher:
     """Computes chained block keys for one namespace.
@@ -111,9 +125,9 @@ class BlockHasher:
         algorithm: "xxh3_64" (default), "xxh3_128" or "sha256".
     """
 
-    model: str
+    model: str = attrs.field(validator=lambda _self, _attribute, value: _require_str("model", value, empty=False))
     block_size_tokens: int = attrs.field(validator=int_at_least(1))
-    salt: str = ""
+    salt: str = attrs.field(default="", validator=lambda _self, _attribute, value: _require_str("salt", value))
     seed: int = attrs.field(default=0)
     algorithm: HashAlgorithm = attrs.field(default="xxh3_64")
     root_key: BlockKey = attrs.field(init=False)

@@ -52,7 +52,7 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
-from mooncake.cache.events import AllBlocksCleared, BlockStored, CacheEvent, SequenceGap
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.errors import InvalidRequestError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 
@@ -154,6 +154,9 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         bad = next(k for k, v in zip(values, array.tolist(), strict=True) if k != v)
         raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
     return array
+
+
+_EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
 class BlockIndex:
@@ -277,7 +280,12 @@ class BlockIndex:
         Raises:
             SequenceGapError: events were lost (``strict``). Either way the
                 event is not applied and the source is stale until `resync`.
+            InvalidRequestError: not a cache event.
         """
+        if not isinstance(event, _EVENT_TYPES):
+            raise InvalidRequestError(
+                f"apply takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {event!r}"
+            )
         source = event.source
         # Keys are converted (and validated) before any state changes.
         keys = _NO_KEYS if isinstance(event, AllBlocksCleared) else key_array(event.keys)

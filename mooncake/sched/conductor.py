@@ -237,9 +237,12 @@ class Conductor:
         """Decide where `request` goes, or reject it; an accepted request is now in flight.
 
         Raises:
-            InvalidRequestError: a request with this id is already in flight, or `now` is not a finite time.
+            InvalidRequestError: not a `Request`, a request with this id is already in flight, or `now` is not a
+                finite time.
         """
         # The request's own checks (Request validates its fields) come before any state changes.
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"schedule takes a mooncake.types.Request, got {type(request).__name__}")
         if type(now) is not float or not math.isfinite(now):  # the common case, a finite float, is one test
             require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         if request.request_id in self._in_flight:

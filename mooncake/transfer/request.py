@@ -24,6 +24,8 @@ __all__ = [
 
 
 class TransferOp(enum.Enum):
+    """A transfer's direction: READ pulls a peer's bytes into a local region, WRITE pushes local bytes to a peer."""
+
     READ = "read"  # remote → local
     WRITE = "write"  # local → remote
 
@@ -56,6 +58,8 @@ class TransferRequest:
 
 
 class RequestState(enum.Enum):
+    """Where a transfer request stands: PENDING until it is DONE or has FAILED (then for good)."""
+
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, Request
 
 __all__ = ["TraceStats", "trace_stats"]
@@ -48,6 +49,8 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
     count = total_input = total_output = max_input = num_blocks = reused = 0
     first = last = 0.0
     for request in requests:
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
         if count == 0:
             first = request.arrival_s
         last = request.arrival_s

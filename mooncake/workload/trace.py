@@ -312,6 +312,8 @@ def _write_lines(
     count = 0
     previous = -float("inf")
     for request in requests:
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
         if request.arrival_s < previous:
             raise InvalidRequestError(
                 f"request {request.request_id} arrives at {request.arrival_s}s, before the previous one ({previous}s)"

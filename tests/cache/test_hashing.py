@@ -48,6 +48,15 @@ def test_a_cached_prefix_saves_whole_blocks_short_of_the_last_token(
     assert reusable_prefix_tokens(num_tokens, cached_blocks + 1, block_size) >= reused  # more cached, never less
 
 
+@pytest.mark.parametrize(("num_tokens", "cached_blocks", "block_size"), [(-1, 0, 16), (100, -1, 16), (100, 1, 0)])
+def test_reusable_prefix_refuses_negative_counts_and_empty_blocks(
+    num_tokens: int, cached_blocks: int, block_size: int
+) -> None:
+    """A negative count or a block of no tokens is a clear error naming the values, not 0 or a ZeroDivisionError."""
+    with pytest.raises(InvalidRequestError, match=f"got {num_tokens}, {cached_blocks} and {block_size}"):
+        reusable_prefix_tokens(num_tokens, cached_blocks, block_size)
+
+
 def test_keys_follow_the_documented_xxh3_chain() -> None:
     """key_i = XXH3-64(le64(key_{i-1}) || le32 tokens, seed), root = XXH3-64(namespace JSON, seed)."""
     h = hasher(seed=7)

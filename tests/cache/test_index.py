@@ -324,11 +324,40 @@ def test_a_gap_raises_by_default_naming_the_source_and_both_seqs() -> None:
     assert "resync" in str(raised.value)
     assert K[4] not in index
     assert index.stale_sources == (A,)
-    with pytest.raises(SequenceGapError):  # stale until resync, strictly too
+    # Stale until resync, strictly too: the next event in order is refused, and the error says why.
+    with pytest.raises(SequenceGapError, match=r"node-a are refused since an earlier gap .*resync"):
         index.apply(stored(A, 2, [3]))
     index.resync(A, {Tier.DRAM: [K[1]]}, epoch=0, seq=4)
     assert index.apply(stored(A, 5, [4])) is None
     index.check_invariants()
+
+
+@pytest.mark.parametrize("source", [5, "", None])
+def test_an_event_names_its_source_by_instance_id(source: object) -> None:
+    """Sources are instance ids (the index sorts and keys them): anything else is refused when the event is made."""
+    for make in (
+        lambda: BlockStored(source=source, seq=0, keys=[1], tier=Tier.DRAM),  # type: ignore[arg-type]
+        lambda: AllBlocksCleared(source=source, seq=0),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(MooncakeError, match=f"source must be a non-empty instance id string, got {source!r}"):
+            make()
+
+
+def test_apply_takes_cache_events_only() -> None:
+    """Anything but a cache event is an InvalidRequestError naming it, not an AttributeError from inside."""
+    index = BlockIndex()
+    with pytest.raises(MooncakeError, match=r"apply takes a cache event .*got 'x'"):
+        index.apply("x")  # type: ignore[arg-type]
+    assert len(index) == 0 and index.instances == ()
+
+
+def test_an_event_tier_is_a_tier_its_value_or_its_name() -> None:
+    """`Tier.DRAM`, 1 and "DRAM" are the same tier; another value or name is an error listing the tiers."""
+    made = [BlockRemoved(source=A, seq=0, keys=[1], tier=tier).tier for tier in (Tier.DRAM, 1, "DRAM")]
+    assert made == [Tier.DRAM] * 3
+    for bad in ("dram", 7, None):
+        with pytest.raises(MooncakeError, match="tier must be one of VRAM, DRAM, SSD"):
+            BlockStored(source=A, seq=0, keys=[1], tier=bad)  # type: ignore[arg-type]
 
 
 def test_seq_jump_is_a_gap_and_the_source_stays_stale_until_resync() -> None:

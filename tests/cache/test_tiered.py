@@ -173,7 +173,8 @@ def test_prefix_match_counts_leading_blocks_in_any_tier(tmp_path: Path) -> None:
 
 
 def test_invalid_configurations(tmp_path: Path) -> None:
-    """No pools, mixed page sizes, repeated tiers and bad promote_after are ConfigErrors; oversize data a CapacityError."""
+    """No pools, mixed page sizes, repeated tiers, bad promote_after, epoch or source are ConfigErrors; oversize data a
+    CapacityError."""
     with pytest.raises(ConfigError):
         TieredCache([])
     with pytest.raises(ConfigError, match="page size"):
@@ -182,6 +183,12 @@ def test_invalid_configurations(tmp_path: Path) -> None:
         TieredCache([DramPagePool(64, 2), DramPagePool(64, 2)])
     with pytest.raises(ConfigError, match="promote_after"):
         TieredCache([DramPagePool(64, 2)], promote_after=-1)
+    # The events' stamp, refused when the cache is made (not when its first events are taken).
+    with pytest.raises(ConfigError, match="epoch must be an integer >= 0, got -1"):
+        TieredCache([DramPagePool(64, 2)], epoch=-1)
+    for source in ("", 5):
+        with pytest.raises(ConfigError, match="source must be a non-empty instance id string"):
+            TieredCache([DramPagePool(64, 2)], source=source)  # type: ignore[arg-type]
     cache = TieredCache([DramPagePool(64, 2)])
     with pytest.raises(CapacityError, match="65 bytes"):
         cache.put(BlockKey(1), bytes(65))

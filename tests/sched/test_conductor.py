@@ -435,9 +435,11 @@ def test_times_must_be_finite_numbers(now: object) -> None:
     """A NaN or infinite `now`, in `schedule` or in an event, is an InvalidRequestError naming it (one
     would poison every queue time after it); nothing changes."""
     conductor = make_conductor()
-    with pytest.raises(InvalidRequestError, match="now must be a finite number"):
+    with pytest.raises(InvalidRequestError, match=f"now must be a finite number, got {now!r}$"):  # no ">= -inf"
         conductor.schedule(request("r", DOC), now)  # type: ignore[arg-type]
     assert conductor.in_flight == ()
+    with pytest.raises(InvalidRequestError, match=r"schedule takes a mooncake\.types\.Request, got str"):
+        conductor.schedule("r", 0.0)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="now must be a finite number"):
         PrefillStarted(request_id=RequestId("r"), instance_id=P0, now=now)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="until_s must be a finite number"):

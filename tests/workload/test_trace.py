@@ -26,6 +26,7 @@ from mooncake.workload import (
     iter_trace,
     load_trace,
     text_request,
+    trace_stats,
     write_trace,
 )
 from tests.strategies import requests
@@ -377,6 +378,16 @@ def test_invalid_speedup_is_a_config_error(tmp_path: Path, speedup: object) -> N
     path = write_lines(tmp_path / "t.jsonl", [line()])
     with pytest.raises(ConfigError, match="speedup"):
         load_trace(path, block_size_tokens=BLOCK, speedup=speedup)  # type: ignore[arg-type]
+
+
+def test_writing_or_summarizing_what_is_not_a_request_names_it(tmp_path: Path) -> None:
+    """write_trace and trace_stats take Requests: anything else is an InvalidRequestError naming its position
+    and value (not an AttributeError), and no file is left behind."""
+    with pytest.raises(InvalidRequestError, match=r"request 1: expected a mooncake\.types\.Request, got 2"):
+        write_trace(tmp_path / "out.jsonl", [request(0, 0.0), 2], block_size_tokens=BLOCK)  # type: ignore[list-item]
+    assert files_in(tmp_path) == set()
+    with pytest.raises(InvalidRequestError, match=r"request 0: expected a mooncake\.types\.Request, got 1"):
+        trace_stats([1])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("block_size", BAD_BLOCK_SIZES)
