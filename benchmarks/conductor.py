@@ -40,9 +40,10 @@ from mooncake.sched.router import KvCacheCentricRouter, TtftEstimator
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import RequestAborted
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
 BLOCKS = 64
-BLOCK_TOKENS = 512
+BLOCK_TOKENS = TRACE_BLOCK_SIZE_TOKENS  # the published traces' block, as the paper's cluster keys them
 
 
 NO_TTFT_OBJECTIVE_S = 1e9  # seconds: nothing is estimated to take longer

@@ -27,10 +27,10 @@ import attrs
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.types import Request
+from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = ["Scaled", "Scaling", "add_scaling_options", "block_text", "output_of", "prompt_of", "scale", "scaling_of"]
 
-WORKLOAD_BLOCK_TOKENS = 512  # the published traces' (and the generator's) block
 ALPHABET = string.ascii_letters + string.digits + "      "
 
 
@@ -86,7 +86,8 @@ def block_text(key: int, size: int) -> str:
 
 def prompt_of(request: Request, scaling: Scaling) -> str:
     """The text standing for `request`'s prompt."""
-    size = max(1, round(WORKLOAD_BLOCK_TOKENS * scaling.length_scale))
+    # A block of the workload's keys (the published traces' 512 tokens where a request does not say).
+    size = max(1, round((request.block_size_tokens or TRACE_BLOCK_SIZE_TOKENS) * scaling.length_scale))
     text = "".join(block_text(int(key), size) for key in request.block_keys)
     length = max(1, min(scaling.max_prompt_tokens, round(request.input_length * scaling.length_scale), len(text)))
     return text[:length]

@@ -38,6 +38,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.join import DecodeLoad, check_join
+from mooncake.sched.router import DEFAULT_THRESHOLD
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
@@ -124,7 +125,7 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
         "--router", default="kvcache_centric", help=f"one of {', '.join(ROUTERS)}, or FILE.py:FACTORY (your own)"
     )
     parser.add_argument("--admission", choices=list(ADMISSIONS), default="early_rejection")
-    parser.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="kvcache_balancing_threshold")
 
 
 def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float:

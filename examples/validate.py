@@ -72,7 +72,7 @@ import attrs
 import load
 import numpy as np
 import simulation
-from scaling import WORKLOAD_BLOCK_TOKENS, Scaling, add_scaling_options, scaling_of
+from scaling import Scaling, add_scaling_options, scaling_of
 from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
 from serving.models import cost_models
@@ -82,9 +82,10 @@ from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import AnalyticStepModel, FittedStepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
-from mooncake.sim.metrics import RequestRecord, Summary, summarize
+from mooncake.sim.metrics import RequestRecord, Summary, summarize, top_mean_of
 from mooncake.sim.report import plot_cdfs, write_json
 from mooncake.types import Request, RequestId, Slo
+from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
 HERE = Path(__file__).resolve().parent
 PROFILE_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
@@ -297,7 +298,7 @@ def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: i
     requests = []
     for i, tokens in enumerate(lengths * repeats):
         length = max(1, round(tokens / scaling.length_scale))
-        keys = [2**62 + (first_id + i) * 10_000 + b for b in range(-(-length // WORKLOAD_BLOCK_TOKENS))]
+        keys = [2**62 + (first_id + i) * 10_000 + b for b in range(-(-length // TRACE_BLOCK_SIZE_TOKENS))]
         output = max(1, round(CALIBRATION_OUTPUT / scaling.output_scale))
         requests.append(
             Request(
@@ -306,7 +307,7 @@ def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: i
                 input_length=length,
                 output_length=output,
                 block_keys=keys,
-                block_size_tokens=WORKLOAD_BLOCK_TOKENS,
+                block_size_tokens=TRACE_BLOCK_SIZE_TOKENS,
             )
         )
     return requests
@@ -392,9 +393,7 @@ def observed_tbt(
         last = int(np.searchsorted(ends, count))  # the first event reaching the last token ends there
         seen = np.diff(times[np.append(ends[:last], count)])
         if seen.size:
-            seen = np.maximum(seen + rng.choice(jitter, size=seen.size), 0.0)
-            top = -(-seen.size // 10)
-            total += float(np.partition(seen, seen.size - top)[seen.size - top :].mean())
+            total += top_mean_of(np.maximum(seen + rng.choice(jitter, size=seen.size), 0.0))
     return total / draws
 
 

@@ -61,6 +61,7 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.checkpoint import CONFIG_FILE, read_model_config
 from mooncake.engine.config import PRESETS, ModelConfig
 from mooncake.errors import ConfigError
+from mooncake.sched.router import DEFAULT_THRESHOLD
 from mooncake.types import Slo
 from serving.machine import Machine, check_machine
 from serving.registry import ADMISSIONS, ROUTERS
@@ -321,7 +322,7 @@ class PolicySection:
     NAME: ClassVar[str] = "policy"
     router: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
     admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
-    threshold: float = _setting(1.5, minimum=1.0)
+    threshold: float = _setting(DEFAULT_THRESHOLD, minimum=1.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -417,6 +418,13 @@ class ClusterConfig:
     prefill: PrefillSection = attrs.field(factory=PrefillSection)
     decode: DecodeSection = attrs.field(factory=DecodeSection)
     limits: LimitsSection = attrs.field(factory=LimitsSection)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The most tokens one request may ask for: what a decode slot's context leaves after the longest prompt
+        (>= default_max_tokens >= 1, as checked when the config is made). The gateway refuses more, and the
+        metrics' buckets end there."""
+        return self.decode.max_context_tokens - self.limits.max_prompt_tokens
 
     def __attrs_post_init__(self) -> None:
         limits, decode, source = self.limits, self.decode, self.source

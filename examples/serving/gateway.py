@@ -99,7 +99,7 @@ class Gateway:
             name=config.model.served_name,
             max_prompt_tokens=config.limits.max_prompt_tokens,
             default_max_tokens=config.limits.default_max_tokens,
-            max_output_tokens=config.decode.max_context_tokens - config.limits.max_prompt_tokens,
+            max_output_tokens=config.max_output_tokens,
         )
         self.metrics = ServingMetrics.for_config(config, workers)
         self.dispatcher = Dispatcher(

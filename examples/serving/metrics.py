@@ -120,7 +120,7 @@ class HistogramBounds:
         return cls(
             longest_request_s=limits.request_timeout_s,
             max_prompt_tokens=limits.max_prompt_tokens,
-            max_output_tokens=max(1, config.decode.max_context_tokens - limits.max_prompt_tokens),
+            max_output_tokens=config.max_output_tokens,
         )
 
     @property

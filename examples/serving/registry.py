@@ -20,6 +20,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.router import (
+    DEFAULT_THRESHOLD,
     KvCacheCentricRouter,
     LoadBalancingRouter,
     RandomRouter,
@@ -45,7 +46,7 @@ ADMISSIONS: dict[str, Callable[[], AdmissionPolicy]] = {
 }
 
 
-def router(name: str, *, threshold: float = 1.5) -> RouterFactory:
+def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     """The router factory called `name`: one of `ROUTERS`, or FILE.py:FACTORY / package.module:FACTORY.
 
     Raises:

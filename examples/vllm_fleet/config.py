@@ -37,6 +37,7 @@ from serving.config import _api_key, _document, _host, _name, _path, _seconds, _
 from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
+from mooncake.sched.router import DEFAULT_THRESHOLD
 
 __all__ = ["InstanceSection", "RouterConfig", "RouterSection", "load_router_config", "parse_router_config"]
 
@@ -94,7 +95,7 @@ class RouterSection:
     port: int = _setting(8000, minimum=0, maximum=65_535)
     policy: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
     admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
-    threshold: float = _setting(1.5, minimum=1.0)
+    threshold: float = _setting(DEFAULT_THRESHOLD, minimum=1.0)
     block_size: int = _setting(16, minimum=1, maximum=65_536)
     tokenizer: str = _setting("", text=_directory)
     ttft_slo_s: float = _seconds(30.0)

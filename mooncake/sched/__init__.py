@@ -18,6 +18,7 @@ from mooncake.sched.build import RouterFactory, build_conductor, ttft_estimator
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import (
     DEFAULT_CHUNK_TOKENS,
+    DEFAULT_MFU,
     HARDWARE,
     MODELS,
     ChunkedPipelineCost,
@@ -43,6 +44,7 @@ from mooncake.sched.predictor import (
     uniform_decode_s,
 )
 from mooncake.sched.router import (
+    DEFAULT_THRESHOLD,
     AdaptiveThreshold,
     KvCacheCentricRouter,
     LoadBalancingRouter,
@@ -82,6 +84,8 @@ __all__ = [
     "Conductor",
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_DECODE_S",
+    "DEFAULT_MFU",
+    "DEFAULT_THRESHOLD",
     "DecodeChoice",
     "DecodeCostModel",
     "DecodeFinished",

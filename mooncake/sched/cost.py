@@ -49,6 +49,7 @@ from mooncake.types import Tier
 __all__ = [
     "ChunkedPipelineCost",
     "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_MFU",
     "FittedPrefillModel",
     "HARDWARE",
     "Hardware",
@@ -200,6 +201,11 @@ HARDWARE: dict[str, Hardware] = {
 per instance; the sources are in the comment above."""
 
 
+DEFAULT_MFU = 0.5
+"""The model FLOPs utilization a prefill reaches where none is given (the analytic model's, the simulated
+clusters')."""
+
+
 def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:
     """FLOPs to compute tokens [prefix_tokens, num_tokens) with the prefix's KV cached."""
     n, p, d = num_tokens, min(prefix_tokens, num_tokens), model.hidden_size
@@ -219,7 +225,7 @@ class PrefillCostModel:
 
     model: ModelShape
     hardware: Hardware
-    mfu: float = attrs.field(default=0.5, validator=fraction)
+    mfu: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
     overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
     prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
 

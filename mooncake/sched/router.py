@@ -70,6 +70,7 @@ from mooncake.types import BlockKey, InstanceId
 
 __all__ = [
     "AdaptiveThreshold",
+    "DEFAULT_THRESHOLD",
     "KvCacheCentricRouter",
     "LoadBalancingRouter",
     "PrefixBlocks",
@@ -83,6 +84,9 @@ __all__ = [
     "local_cache_aware_router",
     "spread_weights",
 ]
+
+DEFAULT_THRESHOLD = 1.5
+"""Algorithm 1's kvcache_balancing_threshold where none is given: the paper's, the router's and every tool's."""
 
 _KERNELS = "mooncake.sched._kernels"
 _UNWEIGHED = np.zeros(0)  # `shortest_by_length` without weights: ties go to the smallest slot
@@ -343,7 +347,7 @@ class AdaptiveThreshold:
     transfers); transfers that beat their estimate bring it down.
     """
 
-    value: float = 1.5
+    value: float = DEFAULT_THRESHOLD
     rate: float = 0.5
     smoothing: float = 0.1
     minimum: float = 1.0
@@ -374,7 +378,7 @@ class KvCacheCentricRouter:
     """Algorithm 1 (see the module docstring). `threshold=math.inf` never transfers."""
 
     estimator: TtftEstimator
-    threshold: float = attrs.field(default=1.5)
+    threshold: float = attrs.field(default=DEFAULT_THRESHOLD)
     adaptive: AdaptiveThreshold | None = None
     replica_fraction: float = attrs.field(default=0.5)
 

@@ -33,7 +33,7 @@ import attrs
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel
+from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, PrefillCostModel
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import DecodeCostModel
@@ -70,7 +70,7 @@ class CoupledSpec:
     chunked_prefill: bool = False
     token_budget: int = 512  # vLLM's max_num_batched_tokens with chunked prefill
     max_batch_size: int | None = None  # vLLM's max_num_seqs (None: as many as the HBM holds)
-    mfu: float = 0.5
+    mfu: float = DEFAULT_MFU
     analytic_decode: bool = True
     sample_interval_s: float = 1.0
 

@@ -39,6 +39,7 @@ __all__ = [
     "Summary",
     "summarize",
     "top_mean",
+    "top_mean_of",
 ]
 
 
@@ -98,6 +99,17 @@ def _count_and_sum_at_least(runs: Sequence[tuple[float, float, int]], cut: float
     return count, total
 
 
+def top_mean_of(values: np.ndarray, fraction: float = 0.1) -> float:
+    """`top_mean` of intervals in an array (partitioned in place, as np.partition does to its copy): the mean of
+    its largest ceil(fraction · n), 0 when it is empty. A client's TBT of the intervals it saw (validate.py's)."""
+    n = values.size
+    if n == 0:
+        return 0.0
+    m = max(1, math.ceil(fraction * n))
+    values.partition(n - m)
+    return float(np.add.reduce(values[n - m :]) / m)  # ndarray.mean, without its wrapper
+
+
 def top_mean(runs: IntervalRuns, fraction: float = 0.1) -> float:
     """Mean of the largest ceil(fraction · n) intervals (0 when there are none)."""
     n = runs.count
@@ -108,9 +120,7 @@ def top_mean(runs: IntervalRuns, fraction: float = 0.1) -> float:
         largest = heapq.nlargest(m, runs.listed())
         return largest[0] if m == 1 else (largest[0] + largest[1]) / 2
     if n <= 4096:
-        values = runs.values()  # a fresh array: partitioned in place (what np.partition does to its copy)
-        values.partition(n - m)
-        return float(np.add.reduce(values[n - m :]) / m)  # ndarray.mean, without its wrapper
+        return top_mean_of(runs.values(), fraction)  # a fresh array: partitioned in place
     low = min(min(f, f + s * (c - 1)) for f, s, c in runs.runs)
     high = max(max(f, f + s * (c - 1)) for f, s, c in runs.runs)
     for _ in range(100):  # bisection on the cut value: count(values >= cut) >= m

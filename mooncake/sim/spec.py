@@ -25,6 +25,7 @@ from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
     DEFAULT_CHUNK_TOKENS,
+    DEFAULT_MFU,
     ChunkedPipelineCost,
     Hardware,
     ModelShape,
@@ -93,7 +94,7 @@ class ClusterSpec:
         default=DEFAULT_CACHE_BLOCKS * TRACE_BLOCK_SIZE_TOKENS, validator=_at_least(0)
     )
     global_pool: bool = True
-    mfu: float = 0.5
+    mfu: float = DEFAULT_MFU
     network_bytes_per_s: float | None = None
     cpp_group_size: int = attrs.field(default=1, validator=_at_least(1))
     cpp_chunk_tokens: int = attrs.field(default=DEFAULT_CHUNK_TOKENS, validator=_at_least(1))

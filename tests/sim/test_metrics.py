@@ -28,6 +28,7 @@ from mooncake.sim.metrics import (
     RequestRecord,
     summarize,
     top_mean,
+    top_mean_of,
 )
 from mooncake.types import InstanceId, RequestId, Slo
 from tests.reference.metrics import reference_summary
@@ -104,6 +105,15 @@ def test_top_mean_is_numpys_mean_of_the_partitioned_values_bit_for_bit(runs: Int
         m = max(1, math.ceil(0.1 * values.size))
         expected = float(np.partition(values, values.size - m)[values.size - m :].mean())
         assert top_mean(runs) == expected and math.copysign(1.0, top_mean(runs)) == math.copysign(1.0, expected)
+
+
+@given(interval_runs(max_count=800))
+def test_top_mean_of_an_array_is_top_mean_of_the_runs(runs: IntervalRuns) -> None:
+    """A client's intervals in an array (validate.py's) give the TBT their runs give, to the bit: one metric."""
+    values = runs.values()
+    if values.size <= BISECTION_ABOVE:  # above it, top_mean bisects on the runs: equal to rounding, not the bit
+        assert top_mean_of(values) == top_mean(runs)
+    assert top_mean_of(np.array([])) == 0.0
 
 
 @settings(max_examples=40)
