@@ -95,9 +95,17 @@ def build_conductor(
             part of every TTFT estimate.
 
     Raises:
-        ConfigError: neither or both of `hasher` and `block_size_tokens`, a block size that is not an
+        ConfigError: a model or hardware that is not a `ModelShape` / `Hardware` (a preset's name, say), neither
+            or both of `hasher` and `block_size_tokens`, a block size that is not an
             integer >= 1, an instance list given as one string, or an instance listed twice.
     """
+    for name, value, kind, table in (
+        ("model", model, ModelShape, "MODELS"),
+        ("hardware", hardware, Hardware, "HARDWARE"),
+        ("decode_hardware", decode_hardware if decode_hardware is not None else hardware, Hardware, "HARDWARE"),
+    ):
+        if not isinstance(value, kind):  # a preset's name, most likely: say where the object is
+            raise ConfigError(f"{name} must be a {kind.__name__} (e.g. mooncake.sched.{table}[name]), got {value!r}")
     if (hasher is None) == (block_size_tokens is None):
         raise ConfigError(
             f"give the block geometry once: a hasher or block_size_tokens, got hasher={hasher!r}, "

@@ -473,7 +473,18 @@ class Conductor:
 
     def apply_cache_event(self, event: CacheEvent, *, strict: bool = True) -> SequenceGap | None:
         """Feed a cache event to the index (`BlockIndex.apply`: a gap raises
-        `SequenceGapError`, or with ``strict=False`` is returned)."""
+        `SequenceGapError`, or with ``strict=False`` is returned).
+
+        Raises:
+            UnknownInstanceError: the event's source is no instance of this Conductor (a misspelt id would
+                otherwise index blocks no route ever finds); nothing is applied.
+        """
+        source = getattr(event, "source", None)
+        if source not in self._prefill and source not in self._decode:
+            raise UnknownInstanceError(
+                f"a cache event from {source!r}, which is no instance of this Conductor: add it first "
+                f"(prefill instances: {', '.join(sorted(self._prefill)) or 'none'})"
+            )
         return self.index.apply(event, strict=strict)
 
     # ------------------------------------------------------------------ checks

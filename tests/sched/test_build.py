@@ -82,6 +82,24 @@ def test_the_block_geometry_is_given_once(geometry: dict[str, object]) -> None:
         build_conductor(model=LLAMA3, hardware=A800, prefill_instances=["p"], decode_instances=["d"], **geometry)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("parts", "named"),
+    [
+        (
+            {"model": "llama3-70b"},
+            r"model must be a ModelShape \(e\.g\. mooncake\.sched\.MODELS\[name\]\), got 'llama3-70b'",
+        ),
+        ({"hardware": "8xA800"}, r"hardware must be a Hardware .*got '8xA800'"),
+        ({"decode_hardware": 8}, r"decode_hardware must be a Hardware .*got 8"),
+    ],
+)
+def test_a_preset_name_for_a_model_or_hardware_is_a_clear_error(parts: dict[str, object], named: str) -> None:
+    """A name where the object belongs says which object and where presets are, not an AttributeError."""
+    options: dict[str, object] = {"model": LLAMA3, "hardware": A800, **parts}
+    with pytest.raises(ConfigError, match=named):
+        build_conductor(prefill_instances=["p"], decode_instances=["d"], block_size_tokens=512, **options)  # type: ignore[arg-type]
+
+
 def test_requests_keyed_with_another_hasher_are_refused() -> None:
     """A request keyed in 16-token blocks meets a Conductor built with 512-token blocks: refused, naming both."""
     conductor = build_conductor(

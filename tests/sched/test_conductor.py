@@ -405,6 +405,18 @@ def test_events_about_unknown_instances_are_config_errors() -> None:
         conductor.add_decode_instance(P0, DecodeLimits(kv_capacity_tokens=1000))
 
 
+def test_a_cache_event_from_an_unknown_instance_is_refused() -> None:
+    """A misspelt source would index blocks no route finds: UnknownInstanceError naming it, nothing applied;
+    the same event from the instance itself is applied."""
+    conductor = make_conductor()
+    stray = BlockStored(source=InstanceId("prefill_0"), seq=0, keys=DOC[:2], tier=Tier.DRAM)
+    with pytest.raises(UnknownInstanceError, match="'prefill_0', which is no instance of this Conductor"):
+        conductor.apply_cache_event(stray)
+    assert len(conductor.index) == 0 and conductor.index.instances == ()
+    assert conductor.apply_cache_event(attrs.evolve(stray, source=P0)) is None
+    assert conductor.index.instances == (P0,)
+
+
 def test_a_failed_add_changes_nothing() -> None:
     """A bad id or limits are a ConfigError naming them, raised before anything is registered: the same id
     can then be added properly."""
