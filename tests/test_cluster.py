@@ -165,7 +165,9 @@ def test_chat_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
 
     chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, seed=7, stream=True))
     assert chunks[0].object == "chat.completion.chunk"
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # The stream opens as vLLM's does: the assistant's role and no text yet; then text only.
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert all(chunk.choices[0].delta.role is None for chunk in chunks[1:])
     assert completion_text(chunks, chat=True) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -253,16 +255,17 @@ def test_body_not_a_json_object_is_a_400(cluster: RunningCluster, body: bytes) -
     assert "JSON" in json.loads(text)["error"]["message"]
 
 
-def test_prompt_over_the_limit_is_a_413(cluster: RunningCluster) -> None:
-    """One token over [limits] max_prompt_tokens is a 413 (the OpenAI client's APIStatusError), for both APIs."""
+def test_prompt_over_the_limit_is_a_context_length_error(cluster: RunningCluster) -> None:
+    """One token over [limits] max_prompt_tokens is vLLM's 400 `context_length_exceeded` (the OpenAI client's
+    BadRequestError, which clients catch to shorten the context), for both APIs."""
     limit = cluster.config.limits.max_prompt_tokens
     api = client(cluster)
-    with pytest.raises(openai.APIStatusError) as raised:
+    with pytest.raises(openai.BadRequestError) as raised:
         api.completions.create(model="tiny", prompt="x" * (limit + 1), max_tokens=1)
-    assert raised.value.status_code == 413 and str(limit) in raised.value.message
-    with pytest.raises(openai.APIStatusError) as raised:
+    assert raised.value.code == "context_length_exceeded" and str(limit) in raised.value.message
+    with pytest.raises(openai.BadRequestError) as raised:
         api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * limit}], max_tokens=1)
-    assert raised.value.status_code == 413
+    assert raised.value.code == "context_length_exceeded"
     assert api.completions.create(model="tiny", prompt="x" * limit, max_tokens=1).usage.prompt_tokens == limit
 
 
@@ -275,7 +278,8 @@ def test_api_key_is_required(cluster: RunningCluster) -> None:
         assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
     status, _headers, _text = http(f"{cluster.url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert status == 401
-    assert [m.id for m in client(cluster).models.list()] == ["tiny"]
+    (model,) = client(cluster).models.list()
+    assert model.id == "tiny" and model.max_model_len == cluster.config.decode.max_context_tokens  # vLLM's field
     assert http(f"{cluster.url}/health")[0] == 200
 
 

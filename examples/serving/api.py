@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 import zlib
 from collections.abc import Callable, Mapping
@@ -61,6 +62,8 @@ __all__ = [
     "stream_usage",
 ]
 
+LOG = logging.getLogger(__name__)
+
 # Response headers naming the instances that prefilled and decoded a request (for clients comparing a run with
 # its simulation, as examples/validate.py does).
 PREFILL_HEADER = "X-Mooncake-Prefill-Instance"
@@ -69,7 +72,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's error types by status; any other 4xx is an invalid_request_error, any 5xx a server_error.
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 408: "timeout_error", 429: "rate_limit_error"}
 ERROR_TYPES[504] = "timeout_error"
@@ -203,13 +206,15 @@ def decode_body(
 class ServedModel:
     """What the API serves: the model's name and the token limits a request is checked against.
 
-    `max_output_tokens` is what a decode engine's context leaves beside the longest prompt.
+    A request's prompt and `max_tokens` together fit a decode engine's context (`max_context_tokens`), as in
+    vLLM, where they fit the model's `max_model_len`; `vocab_size` bounds the ids of a prompt given as tokens.
     """
 
     name: str
     max_prompt_tokens: int
     default_max_tokens: int
-    max_output_tokens: int
+    max_context_tokens: int
+    vocab_size: int
 
 
 @attrs.frozen(kw_only=True)
@@ -220,14 +225,15 @@ class SamplingOptions:
         max_tokens: the most tokens generated.
         temperature: 0 is greedy.
         top_p: the nucleus' probability mass, in (0, 1].
-        seed: the random stream of a sampled request.
+        seed: the random stream of a sampled request; None (no seed in the body): a fresh one per request, drawn
+            when it is admitted (`Dispatcher.admit`), as vLLM and OpenAI sample (a fixed default would repeat).
         stop: up to four strings; the text ends before the first that appears (finish reason "stop").
     """
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
     stop: tuple[str, ...] = ()
 
 
@@ -236,7 +242,7 @@ class CompletionRequest:
     """A checked `/v1/completions` body."""
 
     model: str
-    prompt: str
+    prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
@@ -299,6 +305,30 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _absent,
     "prediction": _absent,
+    # vLLM's own sampling and output parameters (its clients send them), at the value that changes nothing.
+    "top_k": lambda v: v is None or (type(v) is int and v in (-1, 0)),
+    "min_p": _zero,
+    "min_tokens": _zero,
+    "repetition_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
+    "length_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
+    "ignore_eos": _off,
+    "use_beam_search": _off,
+    "include_stop_str_in_output": _off,
+    "stop_token_ids": _empty,
+    "bad_words": _empty,
+    "allowed_token_ids": _absent,
+    "prompt_logprobs": _absent,
+    "truncate_prompt_tokens": _absent,
+    "guided_json": _absent,
+    "guided_regex": _absent,
+    "guided_choice": _absent,
+    "guided_grammar": _absent,
+    "structured_outputs": _absent,
+    "logits_processors": _absent,
+    "chat_template": _absent,
+    "continue_final_message": _off,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "return_tokens_as_token_ids": _off,
 }
 # Parameters that change nothing here (bookkeeping for the client), checked for their type only.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -307,10 +337,25 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "metadata": lambda v: v is None or isinstance(v, dict),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "service_tier": lambda v: v is None or isinstance(v, str),
+    "request_id": lambda v: v is None or isinstance(v, str),
+    "priority": lambda v: v is None or type(v) is int,
+    "skip_special_tokens": lambda v: v is None or isinstance(v, bool),
+    "spaces_between_special_tokens": lambda v: v is None or isinstance(v, bool),
+    "chat_template_kwargs": lambda v: v is None or isinstance(v, dict),  # a template without them ignores them
 }
-SHARED = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
+SHARED = (
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+)
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
-CHAT_FIELDS = frozenset({*SHARED, "messages", "max_completion_tokens"})
+CHAT_FIELDS = frozenset({*SHARED, "messages"})
 
 
 def _param(name: str) -> str:
@@ -362,18 +407,24 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *, chat: bool) -> dict[str, Any]:
-    """Check the parameters both APIs share, refusing unknown and unimplemented ones."""
+def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel) -> dict[str, Any]:
+    """Check the parameters both APIs share, refusing unimplemented ones at any but their neutral value and
+    ignoring unknown ones with a warning, as vLLM does (its clients send extras other servers do not know)."""
+    ignored = []
     for name, value in body.items():
         if name in known:
             continue
-        if name in NEUTRAL and NEUTRAL[name](value):
-            continue
+        if name in NEUTRAL:
+            if NEUTRAL[name](value):
+                continue
+            raise ApiError(400, f"{name} = {_shown(value)} has the wrong type", param=name)
         if name in UNSUPPORTED:
             if UNSUPPORTED[name](value):
                 continue
             raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
-        raise ApiError(400, f"unrecognized request argument: {_param(name)}", param=_param(name))
+        ignored.append(_param(name))
+    if ignored:
+        LOG.warning("ignored request fields this server does not know: %s", ", ".join(ignored))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {_shown(model)}", param="model")
@@ -382,13 +433,15 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
             404, f"the model {_shown(model)} does not exist (this server serves {served.name!r})",
             param="model", code="model_not_found",
         )  # fmt: skip
-    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, limit, served.default_max_tokens, 1, served.max_output_tokens)
+    # OpenAI's newer name wins where both are given; the prompt's share of the context is checked once it is
+    # tokenized (`prompt_tokens`).
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, limit, served.default_max_tokens, 1, served.max_context_tokens - 1)
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 0.0, 2.0, open_low=False),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        seed=_integer(body, "seed", 0, 0, MAX_SEED),
+        seed=None if body.get("seed") is None else _integer(body, "seed", 0, 0, MAX_SEED),
         stop=_stop(body.get("stop")),
     )
     stream = body.get("stream")
@@ -440,12 +493,19 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
         ApiError: 400 naming the parameter; 404 `model_not_found` for another model than `served.name`.
     """
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
-    prompt = _text(prompt, "prompt")
-    return CompletionRequest(prompt=prompt, **_common(body, COMPLETION_FIELDS, served, chat=False))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one: a string or a list of token ids
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t < served.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must lie in [0, {served.vocab_size})", param="prompt")
+        checked: str | tuple[int, ...] = tuple(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "a batch of prompts is not served: send one prompt per request", param="prompt")
+    elif isinstance(prompt, str):
+        checked = _text(prompt, "prompt")
+    else:
+        raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+    return CompletionRequest(prompt=checked, **_common(body, COMPLETION_FIELDS, served))
 
 
 def _content(value: Any, param: str) -> str:
@@ -465,36 +525,47 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
     """Check a `/v1/chat/completions` body (a JSON object).
 
     Raises:
-        ApiError: 400 naming the parameter (`messages[i]`...); 404 `model_not_found`; 413 for more messages
-            than the prompt limit could hold.
+        ApiError: 400 naming the parameter (`messages[i]`...; `context_length_exceeded` for more messages than
+            the prompt limit could hold); 404 `model_not_found`.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     if len(messages) > served.max_prompt_tokens:  # each message adds tokens: checking them all would be wasted
-        raise ApiError(413, f"{len(messages)} messages exceed the prompt limit", param="messages")
+        raise ApiError(
+            400,
+            f"{len(messages)} messages exceed the prompt limit of {served.max_prompt_tokens} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
     checked = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if (
             not isinstance(message, dict)
             or message.get("role") not in ROLES
-            or set(message) - {"role", "content", "name"}
+            or set(message) - {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
         ):
             raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content, nothing else", param=where)
         if message.get("name") is not None:
             _text(message["name"], f"{where}.name")
-        checked.append(ChatMessage(role=message["role"], content=_content(message.get("content"), f"{where}.content")))
-    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served, chat=True))
+        if message.get("tool_calls"):  # tools are not served (`tools` is refused): a call could not be rendered
+            raise ApiError(400, f"{where}.tool_calls: tool calls are not supported by this server", param=where)
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":  # an assistant turn that only called tools
+            content = ""
+        checked.append(ChatMessage(role=message["role"], content=_content(content, f"{where}.content")))
+    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served))
 
 
 def prompt_tokens(
-    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, *, max_prompt_tokens: int
+    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, served: ServedModel
 ) -> list[int]:
-    """The request's prompt as tokens (a chat through the chat template).
+    """The request's prompt as tokens (a chat through the chat template; token ids as they are).
 
     Raises:
-        ApiError: 400 for an empty prompt or messages the chat template refuses, 413 over `max_prompt_tokens`.
+        ApiError: 400 for an empty prompt or messages the chat template refuses; 400 `context_length_exceeded`
+            over `max_prompt_tokens`, or when the prompt and `max_tokens` exceed the context (vLLM's answers).
     """
     if isinstance(request, ChatRequest):
         param = "messages"
@@ -504,11 +575,25 @@ def prompt_tokens(
             raise ApiError(400, str(error), param=param) from error
     else:
         param = "prompt"
-        tokens = tokenizer.encode(request.prompt)
+        tokens = list(request.prompt) if isinstance(request.prompt, tuple) else tokenizer.encode(request.prompt)
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=param)
-    if len(tokens) > max_prompt_tokens:
-        raise ApiError(413, f"the prompt has {len(tokens)} tokens, over the limit of {max_prompt_tokens}", param=param)
+    n, asked, context = len(tokens), request.sampling.max_tokens, served.max_context_tokens
+    if n > served.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens, over this server's limit of {served.max_prompt_tokens}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if n + asked > context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested {n + asked} tokens "
+            f"({n} in the prompt, {asked} in the completion). Please reduce the length of the prompt or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return tokens
 
 
@@ -606,6 +691,17 @@ class Reply:
         return Chunk(reply=self, usage=usage, usage_only=True)
 
 
-def models_body(name: str) -> dict[str, Any]:
-    """`GET /v1/models`: the one served model."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mooncake"}]}
+def models_body(served: ServedModel) -> dict[str, Any]:
+    """`GET /v1/models`: the one served model, with the fields vLLM adds (`max_model_len`, `root`, `parent`,
+    `permission`) for the tools that read them."""
+    model = {
+        "id": served.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mooncake",
+        "root": served.name,
+        "parent": None,
+        "max_model_len": served.max_context_tokens,
+        "permission": [],
+    }
+    return {"object": "list", "data": [model]}

@@ -421,10 +421,10 @@ class ClusterConfig:
 
     @property
     def max_output_tokens(self) -> int:
-        """The most tokens one request may ask for: what a decode slot's context leaves after the longest prompt
-        (>= default_max_tokens >= 1, as checked when the config is made). The gateway refuses more, and the
-        metrics' buckets end there."""
-        return self.decode.max_context_tokens - self.limits.max_prompt_tokens
+        """The most tokens one request may ask for: what a decode slot's context leaves after a one-token prompt
+        (a request's prompt and `max_tokens` together fit the context, as in vLLM: the gateway checks that).
+        The metrics' output buckets end there."""
+        return self.decode.max_context_tokens - 1
 
     def __attrs_post_init__(self) -> None:
         limits, decode, source = self.limits, self.decode, self.source

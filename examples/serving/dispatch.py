@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,7 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import InstanceId, Request, RequestId
 from serving import wire
-from serving.api import ApiError, SamplingOptions
+from serving.api import MAX_SEED, ApiError, SamplingOptions
 from serving.config import ClusterConfig
 from serving.metrics import FinishedRequest, ServingMetrics
 from serving.models import decode_limits
@@ -238,6 +239,8 @@ class Dispatcher:
             if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
                 self.metrics.rejections[reason.value].inc()
                 raise _rejection(reason, Outcome.REJECTED_BEFORE_PREFILL)
+        if sampling.seed is None:  # drawn once: a retry on another engine samples the same stream
+            sampling = attrs.evolve(sampling, seed=secrets.randbelow(MAX_SEED + 1))
         request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
         keys = self.hasher.block_keys(np.asarray(tokens, dtype=np.int32))
         request = Request(
@@ -267,6 +270,7 @@ class Dispatcher:
     def submit(self, live: LiveRequest) -> None:
         """Send an admitted request to its prefill worker (on the event loop's thread)."""
         sampling = live.sampling
+        assert sampling.seed is not None  # drawn at admission
         job = wire.PrefillJob(
             request_id=int(live.request_id),
             attempt=live.attempt,

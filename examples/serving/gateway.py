@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -99,7 +100,8 @@ class Gateway:
             name=config.model.served_name,
             max_prompt_tokens=config.limits.max_prompt_tokens,
             default_max_tokens=config.limits.default_max_tokens,
-            max_output_tokens=config.max_output_tokens,
+            max_context_tokens=config.decode.max_context_tokens,
+            vocab_size=config.model.config.vocab_size,
         )
         self.metrics = ServingMetrics.for_config(config, workers)
         self.dispatcher = Dispatcher(
@@ -218,7 +220,7 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        return web.json_response(models_body(self.served.name))
+        return web.json_response(models_body(self.served))
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
@@ -267,14 +269,14 @@ class Gateway:
         try:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
-            tokens = prompt_tokens(parsed, self.tokenizer, max_prompt_tokens=self.served.max_prompt_tokens)
+            tokens = prompt_tokens(parsed, self.tokenizer, self.served)
             live = dispatcher.admit(tokens, parsed.sampling, arrival)
         except ApiError as error:
             self.metrics.responses[str(error.status)].inc()
             raise
         dispatcher.submit(live)
         reply = Reply(
-            name=f"{'chatcmpl' if chat else 'cmpl'}-{live.request_id}",
+            name=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",  # unique across restarts, as vLLM's
             created=int(time.time()),
             model=self.served.name,
             chat=chat,
@@ -328,7 +330,9 @@ class Gateway:
         )
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
-        count, sent = 0, False  # tokens read; whether text went out (a chat's first text chunk carries the role)
+        count = 0
+        if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
+            await response.write(reply.chunk("", role=True).to_sse())
 
         def so_far() -> Usage | None:
             return self._usage(live, count) if parsed.continuous_usage else None
@@ -338,20 +342,18 @@ class Gateway:
                 count += 1
                 piece = text.feed(token)
                 if piece:
-                    await response.write(reply.chunk(piece, role=not sent, usage=so_far()).to_sse())
-                    sent = True
+                    await response.write(reply.chunk(piece, usage=so_far()).to_sse())
                 if text.stopped:
                     self.dispatcher.finish(live)
                     break
             rest = text.finish()
             finish = "stop" if text.stopped else "length"
-            last = reply.chunk(rest or None, finish, role=bool(rest) and not sent, usage=so_far())
-            await response.write(last.to_sse())
+            await response.write(reply.chunk(rest or None, finish, usage=so_far()).to_sse())
             if parsed.include_usage:
                 await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
-            await response.write(b"data: [DONE]\n\n")
         except ApiError as error:
             await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")  # after an error event too, as vLLM ends every stream
         await response.write_eof()
         return response
 

@@ -34,7 +34,7 @@ from serving.api import (
 )
 from serving.tokenizer import ByteTokenizer, TextStream
 
-SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_output_tokens=128)
+SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_context_tokens=129, vocab_size=256)
 TOKENIZER = ByteTokenizer()
 
 
@@ -119,7 +119,12 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "user": 5}, "user"),
         ({"prompt": "a\ud800"}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": [[1], [2]]}, "prompt"),
+        ({"prompt": [1, 256]}, "prompt"),
+        ({"prompt": [1, "2"]}, "prompt"),
+        ({"prompt": "hi", "min_tokens": 4}, "min_tokens"),
+        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
         ({"prompt": "hi", "max_tokens": 129}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
@@ -142,7 +147,8 @@ def test_encodings_and_charsets_decode() -> None:
     ],
 )
 def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
-    """Unimplemented, unknown and ill-typed parameters are refused, naming the parameter; nothing is ignored."""
+    """Unimplemented parameters at another than their neutral value, and ill-typed ones, are refused, naming
+    the parameter."""
     error = refused(parse_completion, body, SERVED)
     assert error.status == 400 and error.param == param
     assert param in error.message and error.body()["error"]["param"] == param
@@ -154,7 +160,8 @@ def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any
         ({"messages": []}, "messages"),
         ({"prompt": "hi"}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
-        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c"}]}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": "hi", "audio": {}}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
@@ -220,17 +227,64 @@ def test_a_full_request_parses_into_its_records() -> None:
 
 
 def test_prompt_tokens_checks_the_limit() -> None:
-    """A prompt over the limit is a 413 naming the limit; an empty one a 400; chat goes through the template."""
+    """A prompt over the limit, or a prompt and max_tokens over the context, is vLLM's 400
+    `context_length_exceeded` naming the limit; an empty one a 400; chat goes through the template; token ids
+    are the prompt as they are."""
     request = parse_completion({"prompt": "x" * 65}, SERVED)
-    error = refused(prompt_tokens, request, TOKENIZER, max_prompt_tokens=64)
-    assert error.status == 413 and "64" in error.message
-    assert (
-        refused(prompt_tokens, parse_completion({"prompt": ""}, SERVED), TOKENIZER, max_prompt_tokens=64).status == 400
-    )
+    error = refused(prompt_tokens, request, TOKENIZER, SERVED)
+    assert (error.status, error.code) == (400, "context_length_exceeded") and "64" in error.message
+    assert refused(prompt_tokens, parse_completion({"prompt": ""}, SERVED), TOKENIZER, SERVED).status == 400
     chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, SERVED)
-    assert bytes(prompt_tokens(chat, TOKENIZER, max_prompt_tokens=64)) == b"<|user|>\nhi\n<|assistant|>\n"
+    assert bytes(prompt_tokens(chat, TOKENIZER, SERVED)) == b"<|user|>\nhi\n<|assistant|>\n"
     many = {"messages": [{"role": "user", "content": ""}] * 65}
-    assert refused(parse_chat, many, SERVED).status == 413
+    assert refused(parse_chat, many, SERVED).code == "context_length_exceeded"
+    # 60 prompt tokens + 69 = the 129-token context: served; one more is over it, named as vLLM names it.
+    assert len(prompt_tokens(parse_completion({"prompt": "x" * 60, "max_tokens": 69}, SERVED), TOKENIZER, SERVED)) == 60
+    over = refused(prompt_tokens, parse_completion({"prompt": "x" * 60, "max_tokens": 70}, SERVED), TOKENIZER, SERVED)
+    assert (over.status, over.code, over.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "maximum context length is 129 tokens" in over.message and "(60 in the prompt, 70 in" in over.message
+    for ids in ([72, 105], [[72, 105]]):
+        assert prompt_tokens(parse_completion({"prompt": ids}, SERVED), TOKENIZER, SERVED) == [72, 105]
+
+
+def test_vllm_clients_extras_are_accepted_at_their_neutral_values_and_unknown_fields_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As vLLM: a client's extra fields this server does not know are ignored (with a warning naming them), and
+    vLLM's own sampling extras are accepted where they change nothing; no seed means a fresh stream per request
+    (drawn at admission), a given one is kept."""
+    body = {
+        "prompt": "hi",
+        "top_k": -1,
+        "min_tokens": 0,
+        "repetition_penalty": 1.0,
+        "ignore_eos": False,
+        "skip_special_tokens": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "max_completion_tokens": 5,
+        "some_new_field": 1,
+    }
+    with caplog.at_level("WARNING", logger="serving.api"):
+        parsed = parse_completion(body, SERVED)
+    assert parsed.sampling == SamplingOptions(max_tokens=5)
+    assert parsed.sampling.seed is None and parse_completion({"prompt": "hi", "seed": 7}, SERVED).sampling.seed == 7
+    assert "some_new_field" in caplog.text and "top_k" not in caplog.text
+
+
+def test_a_chat_transcript_with_tool_turns_parses() -> None:
+    """An assistant turn without content (it called a tool) and a tool's answer are parts of a transcript."""
+    body = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    }
+    assert parse_chat(body, SERVED).messages == (
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage(role="assistant", content=""),
+        ChatMessage(role="tool", content="sunny"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- properties
@@ -269,7 +323,7 @@ def outcome(raw: bytes, *, chat: bool, content_type: str | None = None, encoding
     try:
         body = decode_body(raw, content_type=content_type, content_encoding=encoding, max_bytes=1 << 16)
         request = parse_chat(body, SERVED) if chat else parse_completion(body, SERVED)
-        prompt_tokens(request, TOKENIZER, max_prompt_tokens=SERVED.max_prompt_tokens)
+        prompt_tokens(request, TOKENIZER, SERVED)
     except ApiError as error:
         assert 400 <= error.status < 500, error
         json.loads(json.dumps(error.body()))
