@@ -46,6 +46,7 @@ trace is written whole or not at all; gzip output is byte-for-byte repeatable.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -208,7 +209,7 @@ def _read(
     for number, raw in _lines(path):
         record: Any = None
         try:
-            record = _record(raw)
+            record = _record(raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw)  # Windows' BOM
             if record is _BLANK:
                 continue
             turn = assembler.place(parse_record(record, block_size_tokens), number)

@@ -1,22 +1,26 @@
 """One line of a trace, validated: the fields of the Mooncake format and aiperf's additions.
 
 A line is a JSON object. The Mooncake format defines `timestamp` (ms),
-`input_length`, `output_length` and `hash_ids`, all required. aiperf's
-`mooncake_trace` loader adds `session_id`, `delay` (ms) and `text_input` and
-makes `timestamp` optional (see `mooncake.workload.trace` for what they mean).
-A line carrying any of the three is read as aiperf writes it:
+`input_length`, `output_length` and `hash_ids`; the published traces carry all
+four. aiperf's `mooncake_trace` loader adds `session_id`, `delay` (ms) and
+`text_input` (see `mooncake.workload.trace` for what they mean), and reads
+every line as this parser does:
 
 - `timestamp` may be left out (the line then arrives by `delay`, or with the
   lines above it);
 - `text_input` replaces `input_length` and `hash_ids` (aiperf refuses either
   beside it, and so does this parser);
 - `hash_ids` may be left out beside `input_length` (aiperf then makes up a
-  prompt of its own for the line, so it shares nothing).
+  prompt of its own for the line, so it shares nothing);
+- a field given as `null` is absent (as Dynamo's trace writer leaves a field it
+  has no value for, and aiperf reads it);
+- a whole-number float is that integer (`6758.0`, as pandas writes a column
+  that held a gap).
 
-A line with none of them is in the Mooncake format and needs all four fields.
-`output_length` is required either way: aiperf lets the server choose, but a
-request here has a known output. A field present with a wrong type is an error
-(`null` included); fields neither format defines are ignored.
+`output_length` is required: aiperf lets the server choose, but a request here
+has a known output. A field present with a wrong type is an error naming it and
+its value; fields neither format defines are ignored, but aiperf's other prompt
+forms (`messages`, `payload`) are refused by name.
 
 Values are bounded so that no line can make the reader fail or stall:
 times lie in [0, 2**53] ms (exact in a float, and sums of them stay finite),
@@ -40,7 +44,10 @@ from mooncake._checks import ceil_div
 __all__ = ["AIPERF_FIELDS", "MAX_LINE_MS", "MAX_LINE_TOKENS", "TraceRecord", "parse_record", "session_of"]
 
 AIPERF_FIELDS = ("session_id", "delay", "text_input")
-"""Fields that mark a line as aiperf's form of a Mooncake trace."""
+"""The fields aiperf adds to the Mooncake format."""
+
+UNSUPPORTED_PROMPTS = ("messages", "payload")
+"""aiperf's other ways to give a line's prompt, which this reader does not take."""
 
 MAX_LINE_MS = 2**53
 """Largest `timestamp` or `delay` (ms): every integer up to it is exact in a float (285,000 years)."""
@@ -72,10 +79,20 @@ class TraceRecord:
     text: bytes | None
 
 
+def _present(record: dict[str, Any], name: str) -> bool:
+    """Whether the line gives `name` a value (`null` is no value)."""
+    return record.get(name) is not None
+
+
+def _whole(value: Any) -> Any:
+    """A whole-number float as its int (pandas' 6758.0); anything else as it is."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
-    if name not in record:
-        raise ValueError(f"missing field '{name}'")
-    value = record[name]
+    if not _present(record, name):
+        raise ValueError(f"missing field '{name}'" + (" (it is null)" if name in record else ""))
+    value = _whole(record[name]) if integer else record[name]
     allowed = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an integer" if integer else "a number"
@@ -116,7 +133,7 @@ def _text(record: dict[str, Any]) -> bytes:
     if not isinstance(value, str) or not value:
         raise ValueError(f"field 'text_input' must be a non-empty string, got {_shown(value)}")
     for other in ("input_length", "hash_ids"):
-        if other in record:
+        if _present(record, other):
             raise ValueError(f"field '{other}' cannot go with 'text_input' (the text gives the prompt)")
     try:
         text = value.encode("utf-8")
@@ -129,15 +146,20 @@ def _text(record: dict[str, Any]) -> bytes:
 
 def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
     hash_ids = record["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
-        raise ValueError("field 'hash_ids' must be a list of integers")
+    if not isinstance(hash_ids, list):
+        raise ValueError(f"field 'hash_ids' must be a list of integers, got {_shown(hash_ids)}")
+    hash_ids = [_whole(h) for h in hash_ids]
+    bad = next((h for h in hash_ids if type(h) is not int), None)
+    if bad is not None:
+        raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(bad)}")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
     expected = ceil_div(input_length, block_size_tokens)
     if len(hash_ids) != expected:
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
-            f"ceil({input_length}/{block_size_tokens}) = {expected}"
+            f"ceil({input_length}/{block_size_tokens}) = {expected} (is the trace keyed in another block size? "
+            f"block_size_tokens / --block-size)"
         )
     return tuple(hash_ids)
 
@@ -159,15 +181,19 @@ def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
     """
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    is_aiperf = any(name in record for name in AIPERF_FIELDS)
+    for other in UNSUPPORTED_PROMPTS:
+        if _present(record, other):
+            raise ValueError(
+                f"field '{other}' is not supported: a line's prompt is input_length (with hash_ids) or text_input"
+            )
     session_id = None
-    if "session_id" in record:
+    if _present(record, "session_id"):
         session_id = session_of(record)
         if session_id is None:
             raise ValueError(f"field 'session_id' must be a non-empty string, got {_shown(record['session_id'])}")
-    timestamp = _milliseconds(record, "timestamp") if "timestamp" in record or not is_aiperf else None
-    delay = _milliseconds(record, "delay") if "delay" in record else None
-    text = _text(record) if "text_input" in record else None
+    timestamp = _milliseconds(record, "timestamp") if _present(record, "timestamp") else None
+    delay = _milliseconds(record, "delay") if _present(record, "delay") else None
+    text = _text(record) if _present(record, "text_input") else None
     if text is None:
         input_length: int = _field(record, "input_length", integer=True)
         output_length: int = _field(record, "output_length", integer=True)
@@ -176,11 +202,9 @@ def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
         input_length = len(text)
         output_length = _field(record, "output_length", integer=True)
     _positive(record, "output_length")
-    hash_ids = None
-    if text is None and ("hash_ids" in record or not is_aiperf):
-        if "hash_ids" not in record:
-            raise ValueError("missing field 'hash_ids'")
-        hash_ids = _hash_ids(record, input_length, block_size_tokens)
+    hash_ids = (
+        _hash_ids(record, input_length, block_size_tokens) if text is None and _present(record, "hash_ids") else None
+    )
     return TraceRecord(
         timestamp_ms=timestamp,
         delay_ms=delay,
