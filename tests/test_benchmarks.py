@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ def run_json(script: str, *args: str) -> dict[str, object]:
         [sys.executable, str(ROOT / script), "--json", *args], capture_output=True, text=True, timeout=300, check=True
     )
     return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+SIGNED = {"index_share"}  # 1 - (decisions/s with the index) / (without it)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +78,10 @@ def test_benchmark_prints_its_figures(script: str, args: list[str], keys: list[s
         args = [*args, "--dir", str(tmp_path)]
     result = run_json(script, *args)
     for key in keys:
-        assert isinstance(result[key], float) and result[key] > 0, key
+        assert isinstance(result[key], float) and math.isfinite(result[key]), key
+        # A share of one timed run in another is a difference of two timings: on a busy machine it may come out
+        # below zero, and speed is measured here, not asserted. Every other figure is a rate, size or ratio.
+        assert key in SIGNED or result[key] > 0, key
 
 
 def test_transfer_benchmark_prints_its_figures() -> None:
