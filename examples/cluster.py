@@ -69,7 +69,11 @@ def main() -> None:
             f"{args.backend} backend; OpenAI API at {cluster.url}/v1)",
             flush=True,
         )
-        stop.wait()
+        # Waited on in slices: the kernel may hand SIGTERM to any of the launcher's threads, and then CPython runs
+        # the handler only when the main thread next looks, which a wait without a timeout never does (the
+        # launcher once stayed up for good after a SIGTERM, about one run in a few hundred).
+        while not stop.wait(0.5):
+            pass
     finally:
         print("stopping...", flush=True)
         # A stop is bounded (the gateway, then every worker's grace period): if it is not done in
