@@ -11,7 +11,16 @@ from typing import Any
 
 from mooncake.errors import ConfigError
 
-__all__ = ["ceil_div", "fraction", "int_at_least", "is_int", "plain_int", "require_int", "require_number"]
+__all__ = [
+    "ceil_div",
+    "fraction",
+    "int_at_least",
+    "is_int",
+    "plain_int",
+    "require_int",
+    "require_number",
+    "require_str",
+]
 
 
 def is_int(value: object) -> bool:
@@ -40,6 +49,14 @@ def require_number(
         bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
         raise error(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)
+
+
+def require_str(name: str, value: Any, *, what: str = "string", empty: bool = False) -> str:
+    """`value` as a string (non-empty unless `empty`), or a ConfigError naming `name`, what it must be and the value
+    (an instance id, a hash namespace: keys and sort orders would otherwise mix ints, None and text)."""
+    if not isinstance(value, str) or (not empty and not value):
+        raise ConfigError(f"{name} must be a {'' if empty else 'non-empty '}{what}, got {value!r}")
+    return value
 
 
 def int_at_least(minimum: int, *, error: type[Exception] = ConfigError) -> Any:

@@ -281,6 +281,10 @@ def _zero(value: Any) -> bool:
     return value is None or (type(value) in (int, float) and value == 0)
 
 
+def _one(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and value == 1)
+
+
 def _empty(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
@@ -309,8 +313,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_k": lambda v: v is None or (type(v) is int and v in (-1, 0)),
     "min_p": _zero,
     "min_tokens": _zero,
-    "repetition_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
-    "length_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
+    "repetition_penalty": _one,
+    "length_penalty": _one,
     "ignore_eos": _off,
     "use_beam_search": _off,
     "include_stop_str_in_output": _off,

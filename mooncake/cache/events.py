@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least
+from mooncake._checks import int_at_least, require_str
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, InstanceId, Tier, key_tuple
 
@@ -30,8 +30,7 @@ __all__ = [
 
 def _source(_instance: object, attribute: attrs.Attribute[InstanceId], value: object) -> None:
     # An instance id, as the index keys its sources by and sorts them: a non-empty string.
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{attribute.name} must be a non-empty instance id string, got {value!r}")
+    require_str(attribute.name, value, what="instance id string")
 
 
 def _tier(value: Any) -> Tier:

@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div, int_at_least, is_int
+from mooncake._checks import ceil_div, int_at_least, is_int, require_str
 from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
@@ -106,12 +106,6 @@ class KeyBatch:
         return key_tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
 
 
-def _require_str(name: str, value: object, *, empty: bool = True) -> None:
-    # Part of every key's namespace (JSON-encoded): a number or None would key a different namespace than its text.
-    if not isinstance(value, str) or (not empty and not value):
-        raise ConfigError(f"{name} must be a {'' if empty else 'non-empty '}string, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class BlockHasher:
     """Computes chained block keys for one namespace.
@@ -125,9 +119,12 @@ class BlockHasher:
         algorithm: "xxh3_64" (default), "xxh3_128" or "sha256".
     """
 
-    model: str = attrs.field(validator=lambda _self, _attribute, value: _require_str("model", value, empty=False))
+    # Both are part of every key's namespace (JSON-encoded): a number or None would key another namespace than its text.
+    model: str = attrs.field(validator=lambda _self, _attribute, value: require_str("model", value))
     block_size_tokens: int = attrs.field(validator=int_at_least(1))
-    salt: str = attrs.field(default="", validator=lambda _self, _attribute, value: _require_str("salt", value))
+    salt: str = attrs.field(
+        default="", validator=lambda _self, _attribute, value: require_str("salt", value, empty=True)
+    )
     seed: int = attrs.field(default=0)
     algorithm: HashAlgorithm = attrs.field(default="xxh3_64")
     root_key: BlockKey = attrs.field(init=False)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import attrs
 import xxhash
 
-from mooncake._checks import require_int
+from mooncake._checks import require_int, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
@@ -96,8 +96,7 @@ class TieredCache(BlockPlacement):
         promote_after: int = 1,
     ) -> None:
         # The events' stamp is checked here, not when the first events are taken and it is too late to say where.
-        if not isinstance(source, str) or not source:
-            raise ConfigError(f"source must be a non-empty instance id string, got {source!r}")
+        require_str("source", source, what="instance id string")
         require_int("epoch", epoch, minimum=0)
         super().__init__(pools, policy=policy, promote_after=promote_after)
         self.source = source

@@ -48,7 +48,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, require_int, require_number
+from mooncake._checks import ceil_div, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
@@ -480,7 +480,7 @@ class Conductor:
                 otherwise index blocks no route ever finds); nothing is applied.
         """
         source = getattr(event, "source", None)
-        if source not in self._prefill and source not in self._decode:
+        if source is not None and source not in self._prefill and source not in self._decode:  # None: no event
             raise UnknownInstanceError(
                 f"a cache event from {source!r}, which is no instance of this Conductor: add it first "
                 f"(prefill instances: {', '.join(sorted(self._prefill)) or 'none'})"
@@ -560,8 +560,7 @@ class Conductor:
     def _check_new(self, instance_id: InstanceId, *decode_limits: DecodeLimits) -> None:
         """A new instance's id (and a decode instance's limits), checked before anything is registered,
         so that a failed add changes nothing."""
-        if not isinstance(instance_id, str) or not instance_id:
-            raise ConfigError(f"an instance id must be a non-empty string, got {instance_id!r}")
+        require_str("an instance id", instance_id)
         if instance_id in self._prefill or instance_id in self._decode:
             raise ConfigError(f"instance {instance_id} is already known")
         for limits in decode_limits:

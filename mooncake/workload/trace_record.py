@@ -148,10 +148,11 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
         raise ValueError(f"field 'hash_ids' must be a list of integers, got {_shown(hash_ids)}")
-    hash_ids = [_whole(h) for h in hash_ids]
-    bad = next((h for h in hash_ids if type(h) is not int), None)
-    if bad is not None:
-        raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(bad)}")
+    if not all(type(h) is int for h in hash_ids):  # converted only when needed: every line of a trace passes here
+        hash_ids = [_whole(h) for h in hash_ids]
+        bad = next((h for h in hash_ids if type(h) is not int), None)
+        if bad is not None:
+            raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(bad)}")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
     expected = ceil_div(input_length, block_size_tokens)

@@ -107,13 +107,13 @@ def test_top_mean_is_numpys_mean_of_the_partitioned_values_bit_for_bit(runs: Int
         assert top_mean(runs) == expected and math.copysign(1.0, top_mean(runs)) == math.copysign(1.0, expected)
 
 
-@given(interval_runs(max_count=800))
-def test_top_mean_of_an_array_is_top_mean_of_the_runs(runs: IntervalRuns) -> None:
-    """A client's intervals in an array (validate.py's) give the TBT their runs give, to the bit: one metric."""
-    values = runs.values()
-    if values.size <= BISECTION_ABOVE:  # above it, top_mean bisects on the runs: equal to rounding, not the bit
-        assert top_mean_of(values) == top_mean(runs)
-    assert top_mean_of(np.array([])) == 0.0
+@given(st.lists(st.floats(min_value=0.0, max_value=10.0), max_size=300), st.floats(min_value=0.01, max_value=1.0))
+def test_top_mean_of_an_array_is_the_mean_of_its_largest_tenth(values: list[float], fraction: float) -> None:
+    """A client's intervals in an array (validate.py's): the mean of the largest ceil(fraction * n), against a
+    sort (to rounding), and 0 for none."""
+    largest = sorted(values)[len(values) - max(1, math.ceil(fraction * len(values))) :] if values else []
+    expected = sum(largest) / len(largest) if largest else 0.0
+    assert top_mean_of(np.array(values, dtype=np.float64), fraction) == pytest.approx(expected, rel=1e-12, abs=1e-300)
 
 
 @settings(max_examples=40)
