@@ -22,7 +22,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake.cache.pool import ALIGNMENT_BYTES
+from mooncake.cache.pool import ALIGNMENT_BYTES, aligned_buffer
+from mooncake.cache import ssd
 from mooncake.cache.ssd import HEADER_BYTES, RecoveredPage, SsdPagePool
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
@@ -550,6 +551,53 @@ def test_a_truncated_file_loses_only_the_cut_pages(tmp_path: Path) -> None:
             pool.read(pages[1], 4096)
         page = write_new(pool, 9, b"past the cut")
         assert bytes(pool.read(page, 12)) == b"past the cut"
+
+
+# --------------------------------------------------------------------------- chunked reads
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+@given(
+    length=st.integers(0, 6 * 4096),
+    chunk_pages=st.integers(1, 3),
+    damage=st.one_of(st.none(), st.integers(0, 6 * 4096 - 1)),
+)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_page_read_in_chunks_is_the_page_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, o_direct: bool, length: int, chunk_pages: int, damage: int | None
+) -> None:
+    """Large pages are read and hashed chunk by chunk (`READ_CHUNK_BYTES`, shrunk here so that small pages
+    take that path): the bytes and checksum are those of a whole read, and a byte flipped anywhere in the
+    data, in any chunk, still fails the checksum; one flipped past the data changes nothing."""
+    monkeypatch.setattr(ssd, "READ_CHUNK_BYTES", chunk_pages * 4096)
+    path = tmp_path / f"pool-{next(_example_ids)}"
+    try:
+        with open_direct(path, 6 * 4096, 1) if o_direct else SsdPagePool(path, 6 * 4096, 1) as pool:
+            data = block(length, length)
+            page = write_new(pool, 1, data)
+            if damage is not None:
+                flip_byte(path, data_offset(pool, page) + damage)
+            if damage is not None and damage < length:
+                with pytest.raises(IntegrityError, match="checksum"):
+                    pool.read(page, length)
+            else:
+                assert bytes(pool.read(page, length)) == data
+                out = aligned_buffer(6 * 4096)
+                assert pool.read_into(page, length, out) == xxhash.xxh3_64_intdigest(data)
+                assert out[:length].tobytes() == data
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_file_cut_inside_a_later_chunk_is_a_short_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page whose file ends inside its second chunk fails with the byte where the read came up short."""
+    monkeypatch.setattr(ssd, "READ_CHUNK_BYTES", 4096)
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4 * 4096, 1) as pool:
+        page = write_new(pool, 1, block(1, 4 * 4096))
+        os.truncate(path, data_offset(pool, page) + 4096 + 100)
+        with pytest.raises(IntegrityError, match="short read at byte 4096"):
+            pool.read(page, 4 * 4096)
 
 
 # --------------------------------------------------------------------------- threads
