@@ -13,9 +13,12 @@ O_DIRECT), so a write torn by a crash leaves a header whose checksum or whose
 data checksum fails. Freeing a page zeroes its header. Reopening reads every
 slot header and adopts the valid ones (for a key found twice, the newest
 generation wins); data is verified on every read, so a torn or corrupted page
-raises `IntegrityError` and is never returned. Stale pages that survive a crash
-are harmless: keys are content hashes, so a page valid for its key holds the
-right bytes.
+raises `IntegrityError` and is never returned, and so is a valid page of another
+key in the slot (a misdirected write): a read checks that the header holds the
+key this pool wrote there. Stale pages that survive a crash are harmless: keys
+are content hashes, so a page valid for its key holds the right bytes. A pool
+holds an exclusive `flock` on its file: a second pool on a file in use, in this
+process or another, is refused (both would hand out the same free pages).
 
 fsync policy: `fsync_every=N` calls fdatasync after every N page writes (0:
 leave it to the OS; a killed process loses nothing the kernel has, a power cut
@@ -26,6 +29,7 @@ syncs now.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import struct
 import threading
@@ -111,6 +115,9 @@ class SsdPagePool(AllocatingPool):
         self._scratch = threading.local()  # per-thread header buffers: readers run concurrently
         self._zeros = aligned_buffer(HEADER_BYTES)  # written to free a slot; never modified
         self._bounce = aligned_buffer(self.slot_bytes) if o_direct else None
+        # The key this pool wrote to each page: a read checks the header holds it, so a slot overwritten
+        # with another valid page (a misdirected write, another writer) is never served as this key.
+        self._keys: dict[int, BlockKey] = {}
         created = not os.path.exists(self.path)  # only a file this call makes is removed on failure
         existed = not created and os.path.getsize(self.path) > 0
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
@@ -119,6 +126,13 @@ class SsdPagePool(AllocatingPool):
         except OSError as error:
             raise ConfigError(f"cannot open SSD pool file {self.path}: {error.strerror}") from error
         try:
+            try:  # one pool per file: two writers would each allocate the same free pages
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as error:
+                raise ConfigError(
+                    f"SSD pool file {self.path} is in use by another pool (in this process or another); "
+                    "give each pool its own file"
+                ) from error
             if existed:
                 self.recovered = self._recover()
             else:
@@ -135,6 +149,7 @@ class SsdPagePool(AllocatingPool):
     def free(self, page: int) -> None:
         """Release `page` and invalidate its header on disk."""
         super().free(page)
+        self._keys.pop(page, None)
         self._pwrite(self._zeros, self._slot(page))
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
@@ -158,6 +173,7 @@ class SsdPagePool(AllocatingPool):
                 written = os.pwritev(self._fd, [header, source], offset)
                 if written != len(header) + source.nbytes:
                     raise OSError(errno.EIO, f"short write to {self.path}: {written} bytes")
+            self._keys[page] = key
             self._writes_since_sync += 1
             sync = self.fsync_every and self._writes_since_sync >= self.fsync_every
         if sync:
@@ -199,7 +215,14 @@ class SsdPagePool(AllocatingPool):
         got = os.preadv(self._fd, [header.data, target[:first]], offset)
         if got < HEADER_BYTES + min(first, length):
             raise IntegrityError(f"{self.path} page {page}: short read of {got} bytes")
-        stored_length, digest, _generation, _key = self._unpack_header(header, page)
+        stored_length, digest, _generation, key = self._unpack_header(header, page)
+        expected = self._keys.get(page)
+        if key != expected:
+            wanted = "nothing" if expected is None else f"block {expected:#x}"
+            raise IntegrityError(
+                f"{self.path} page {page}: holds block {key:#x}, but this pool wrote {wanted} there "
+                "(a misdirected write, or another writer of the file)"
+            )
         if stored_length != length:
             raise IntegrityError(f"{self.path} page {page}: holds {stored_length} bytes, expected {length}")
         if first == size:
@@ -324,4 +347,5 @@ class SsdPagePool(AllocatingPool):
         pages = tuple(sorted(newest.values(), key=lambda p: p.page))
         for found in pages:
             self.allocator.claim(found.page)
+            self._keys[found.page] = found.key
         return pages

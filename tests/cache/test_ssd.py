@@ -22,8 +22,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake.cache.pool import ALIGNMENT_BYTES, aligned_buffer
 from mooncake.cache import ssd
+from mooncake.cache.pool import ALIGNMENT_BYTES, aligned_buffer
 from mooncake.cache.ssd import HEADER_BYTES, RecoveredPage, SsdPagePool
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
@@ -535,6 +535,30 @@ def test_a_new_header_over_old_data_raises_integrity_error(tmp_path: Path) -> No
         assert [(p.page, p.key) for p in pool.recovered] == [(page, 2)]
         with pytest.raises(IntegrityError, match="checksum"):
             pool.read(page, 4096)
+
+
+def test_a_slot_holding_another_keys_page_raises_integrity_error_naming_both(tmp_path: Path) -> None:
+    """A slot overwritten with another key's valid page (a misdirected write, another writer) fails the
+    read, naming the key found and the key this pool wrote there."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 2) as pool:
+        pages = [write_new(pool, key, block(key, 4096)) for key in (0x11, 0x22)]
+        overwrite(path, header_offset(pool, pages[0]), read_file(path, header_offset(pool, pages[1]), pool.slot_bytes))
+        with pytest.raises(IntegrityError, match=f"page {pages[0]}: holds block 0x22, but this pool wrote block 0x11"):
+            pool.read(pages[0], 4096)
+        assert bytes(pool.read(pages[1], 4096)) == block(0x22, 4096)
+
+
+def test_one_pool_per_file(tmp_path: Path) -> None:
+    """A second pool on a file in use raises ConfigError and leaves the file as it was; it opens once the first closes."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 2) as pool:
+        page = write_new(pool, 7, b"kept")
+        with pytest.raises(ConfigError, match="in use by another pool"):
+            SsdPagePool(path, 4096, 2)
+        assert bytes(pool.read(page, 4)) == b"kept"
+    with SsdPagePool(path, 4096, 2) as pool:
+        assert [(p.page, p.key) for p in pool.recovered] == [(page, 7)]
 
 
 def test_a_truncated_file_loses_only_the_cut_pages(tmp_path: Path) -> None:

@@ -268,6 +268,57 @@ def test_flipped_bytes_in_an_ssd_only_cache_are_a_miss(tmp_path: Path) -> None:
         cache.close()
 
 
+def test_another_valid_page_copied_over_a_slot_is_a_miss_not_its_bytes(tmp_path: Path) -> None:
+    """A slot overwritten with another key's valid page (header and data: a misdirected write) is a
+    counted miss for the key the cache put there, never the other key's bytes."""
+    path = tmp_path / "ssd.pool"
+    cache = TieredCache([SsdPagePool(path, PAGE, 8)])
+    try:
+        for key in (1, 2):
+            cache.put(BlockKey(key), block(key))
+        first, second = (data_offset(path, key) - HEADER_BYTES for key in (1, 2))
+        with path.open("r+b") as file:
+            file.seek(second)
+            slot = file.read(HEADER_BYTES + PAGE)
+            file.seek(first)
+            file.write(slot)
+        assert cache.get(BlockKey(1)) is None
+        assert cache.stats.corrupt_blocks == 1 and BlockKey(1) not in cache
+        assert cache.get(BlockKey(2)) == block(2)
+    finally:
+        cache.close()
+
+
+def test_a_second_cache_on_a_pool_file_in_use_is_refused(tmp_path: Path) -> None:
+    """Two writers of one SSD file would hand out the same pages and serve each other's bytes: a second
+    pool on a file in use (here, from another process) raises ConfigError, and opens once it is free."""
+    path = tmp_path / "ssd.pool"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mooncake.cache.ssd import SsdPagePool\n"
+            f"pool = SsdPagePool({str(path)!r}, {PAGE}, 8); print('open', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert holder.stdout is not None
+        ready, _, _ = select.select([holder.stdout], [], [], WRITER_TIMEOUT_S)
+        assert ready and holder.stdout.readline() == b"open\n"
+        with pytest.raises(ConfigError, match="in use by another pool"):
+            reopen(path)
+        assert holder.stdin is not None
+        holder.stdin.close()  # the holder exits, which releases its lock
+        holder.wait(timeout=WRITER_TIMEOUT_S)
+        reopen(path).close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=WRITER_TIMEOUT_S)
+
+
 def test_flipped_bytes_are_a_miss_while_the_first_tier_is_pinned(tmp_path: Path) -> None:
     """A corrupt SSD block read while every first-tier page is pinned (no room to promote) is a miss."""
     path = tmp_path / "ssd.pool"
