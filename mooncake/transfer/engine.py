@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,6 +46,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from mooncake._checks import require_int, require_number
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
@@ -135,6 +137,7 @@ class TransferEngine:
 
     def register_memory(self, buffer: Any) -> RegionDescriptor:
         """Make `buffer` (contiguous, writable) addressable by peers; returns its descriptor."""
+        self._check_open()
         view = as_writable_bytes(buffer)
         return self._add_region(view, keepalive=buffer, shm_name=None)
 
@@ -145,6 +148,8 @@ class TransferEngine:
             Its descriptor and a uint8 numpy array over it. The segment is
             unlinked when the engine closes.
         """
+        self._check_open()
+        require_int("nbytes", nbytes, minimum=0)
         segment, array = create_shared(nbytes)
         descriptor = self._add_region(array.data, keepalive=(segment, array), shm_name=segment.name)
         return descriptor, array
@@ -204,6 +209,7 @@ class TransferEngine:
         Raises:
             PeerUnavailable: nobody answers there. AuthenticationError: the secrets differ.
         """
+        self._check_open()
         return self._peers.connect(address, transport=transport)
 
     def peer_regions(self, peer: str) -> tuple[RegionDescriptor, ...]:
@@ -246,6 +252,7 @@ class TransferEngine:
             TransferError: a request names an unknown peer or region or is out of its
                 local bounds (nothing of the batch is started then).
         """
+        self._check_open()
         requests = tuple(requests)
         plans = [self._plan(request) for request in requests]  # validates all before starting any
         with self._lock:
@@ -272,7 +279,7 @@ class TransferEngine:
                 )
         return batch_id
 
-    def transfer_sync(self, requests: Iterable[TransferRequest], *, timeout: float) -> tuple[RequestStatus, ...]:
+    def transfer_sync(self, requests: Iterable[TransferRequest], *, timeout: float | None) -> tuple[RequestStatus, ...]:
         """Move `requests` in this thread, one slice after another, and return their statuses.
 
         The latency path (like the upstream engine's `transfer_sync_*`): requests of
@@ -285,6 +292,8 @@ class TransferEngine:
         Raises:
             TransferError: as `submit`, before anything moves.
         """
+        self._check_open()
+        limit = _timeout(timeout)
         requests = tuple(requests)
         plans = [self._plan(request) for request in requests]
         if any(len(pieces) > 1 for _, pieces in plans):
@@ -303,12 +312,12 @@ class TransferEngine:
                 )
             finally:
                 self.forget(batch)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit if limit is not None else None
         statuses = []
         for request, (transport, pieces) in zip(requests, plans, strict=True):
             error: TransferError | None = None
             for local, remote_offset in pieces:
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     error = TransferTimeout(f"not started within {timeout}s")
                     break
                 error = transport.run_inline(
@@ -328,22 +337,31 @@ class TransferEngine:
                 raise TransferError(f"unknown batch {batch_id}")
             return tuple(_status(batch, i) for i in range(len(batch.requests)))
 
-    def wait(self, batch_id: int, timeout: float) -> tuple[RequestStatus, ...]:
+    def wait(self, batch_id: int, timeout: float | None) -> tuple[RequestStatus, ...]:
         """Block until every request of the batch has ended, then return their statuses.
+
+        Args:
+            timeout: seconds (None or math.inf: until they end).
 
         Raises:
             TransferTimeout: requests were still moving after `timeout` seconds
                 (they go on; `status` tells how they end).
+            ConfigError: `timeout` is negative or NaN.
         """
+        limit = _timeout(timeout)
         with self._finished:
             batch = self._batches.get(batch_id)
             if batch is None:
                 raise TransferError(f"unknown batch {batch_id}")
-            if not self._finished.wait_for(lambda: batch.open_requests == 0, timeout=timeout):
+            if not self._finished.wait_for(lambda: batch.open_requests == 0, timeout=limit):
                 raise TransferTimeout(
                     f"batch {batch_id}: {batch.open_requests} of {len(batch.requests)} requests still moving after {timeout}s"
                 )
             return tuple(_status(batch, i) for i in range(len(batch.requests)))
+
+    def _check_open(self) -> None:
+        if self._closed:  # a region or connection made now would outlive close(): nothing would release it
+            raise TransferError(f"transfer engine {self.address} is closed")
 
     def forget(self, batch_id: int) -> None:
         """Drop a finished batch's record."""
@@ -397,8 +415,10 @@ class TransferEngine:
         view = local.slice(request.local_offset, request.length)
         transport = self._peers.transport_for(request.peer, request.remote_region)
         step = self.config.slice_bytes
+        # A zero-length request is one empty slice, so that the peer still checks its region and offset.
         pieces = [
-            (view[start : start + step], request.remote_offset + start) for start in range(0, request.length, step)
+            (view[start : start + step], request.remote_offset + start)
+            for start in range(0, max(request.length, 1), step)
         ]
         return transport, pieces
 
@@ -417,6 +437,14 @@ class TransferEngine:
                         self._finished.notify_all()
 
         return done
+
+
+def _timeout(value: Any) -> float | None:
+    """A wait's limit in seconds, None for none (None or math.inf); ConfigError for anything else but a number >= 0
+    (NaN would make every deadline comparison false: a wait that never times out)."""
+    if value is None or (isinstance(value, float) and value == math.inf):
+        return None
+    return require_number("timeout", value, minimum=0)
 
 
 def _ignore(_error: TransferError | None) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from mooncake._checks import int_at_least, require_int, require_number
+from mooncake._checks import int_at_least, require_int, require_number, require_str
 from mooncake.errors import ConfigError, TransferError
 
 __all__ = [
@@ -44,14 +44,24 @@ def _offset(_instance: object, attribute: Any, value: Any) -> None:
         raise ConfigError(f"{attribute.name} must be at most 2**62, got {value!r}")
 
 
+def _op(_instance: object, attribute: Any, value: Any) -> None:
+    # An op that is no TransferOp was sent as a READ whose answer nobody read: DONE with nothing moved.
+    if not isinstance(value, TransferOp):
+        raise ConfigError(f"{attribute.name} must be TransferOp.READ or TransferOp.WRITE, got {value!r}")
+
+
+def _peer(_instance: object, attribute: Any, value: Any) -> None:
+    require_str(attribute.name, value, what="peer name (an engine's address)")
+
+
 @attrs.frozen(kw_only=True)
 class TransferRequest:
     """Move `length` bytes between a local region and a peer's region."""
 
-    op: TransferOp
+    op: TransferOp = attrs.field(validator=_op)
     local_region: int = attrs.field(validator=_region_id)
     local_offset: int = attrs.field(validator=_offset)
-    peer: str
+    peer: str = attrs.field(validator=_peer)
     remote_region: int = attrs.field(validator=_region_id)
     remote_offset: int = attrs.field(validator=_offset)
     length: int = attrs.field(validator=_offset)
@@ -112,6 +122,20 @@ def _positive_number(_instance: object, attribute: Any, value: Any) -> None:
     require_number(attribute.name, value, minimum=0, strict=True)
 
 
+def _port(_instance: object, attribute: Any, value: Any) -> None:
+    if require_int(attribute.name, value, minimum=0) > 65535:
+        raise ConfigError(f"{attribute.name} must be a TCP port, 0 (any free one) to 65535, got {value!r}")
+
+
+def _host(_instance: object, attribute: Any, value: Any) -> None:
+    require_str(attribute.name, value, what="host name or address")
+
+
+def _flag(_instance: object, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):  # "no" and 0.0 are not read as switches: one is truthy, both are typos
+        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How a transfer engine listens, slices, retries and checks.
@@ -145,8 +169,8 @@ class EngineConfig:
         transports: allowed transports in order of preference.
     """
 
-    host: str = "127.0.0.1"
-    port: int = attrs.field(default=0, validator=int_at_least(0))
+    host: str = attrs.field(default="127.0.0.1", validator=_host)
+    port: int = attrs.field(default=0, validator=_port)
     streams_per_peer: int = attrs.field(factory=lambda: _default_streams(), validator=int_at_least(1))
     slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
     max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
@@ -158,7 +182,7 @@ class EngineConfig:
     max_staging_bytes: int = attrs.field(default=256 << 20, validator=int_at_least(1))
     connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)
     max_retries: int = attrs.field(default=2, validator=int_at_least(0))
-    checksums: bool = False
+    checksums: bool = attrs.field(default=False, validator=_flag)
     spin_us: int = attrs.field(default=200, validator=int_at_least(0))
     socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0))
     transports: tuple[str, ...] = attrs.field(default=("shm", "rdma", "tcp"), converter=tuple)

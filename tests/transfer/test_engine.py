@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -454,6 +455,105 @@ def test_request_fields_are_bounded() -> None:
             remote_offset=0,
             length=1,
         )
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"op": "write"}, "op"),  # was sent as a READ whose answer nobody read: DONE with nothing moved
+        ({"op": None}, "op"),
+        ({"peer": ""}, "peer"),
+        ({"peer": 7}, "peer"),
+    ],
+)
+def test_a_request_with_a_bad_op_or_peer_is_refused_by_name(fields: dict[str, object], named: str) -> None:
+    values: dict[str, object] = {
+        "op": TransferOp.WRITE,
+        "local_region": 1,
+        "local_offset": 0,
+        "peer": "p",
+        "remote_region": 1,
+        "remote_offset": 0,
+        "length": 1,
+    }
+    with pytest.raises(ConfigError, match=f"^{named} must be"):
+        TransferRequest(**{**values, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("checksums", "no"), ("checksums", 0), ("port", 70000), ("port", -1), ("host", "")]
+)
+def test_engine_config_fields_are_checked_by_name(field: str, value: object) -> None:
+    """A string is no switch ("no" is truthy), a port is at most 65535, a host is a non-empty string."""
+    with pytest.raises(ConfigError, match=f"^{field} must be"):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_zero_length_request_is_checked_by_the_peer(
+    engine: TransferEngine, peers: Callable[..., PeerProcess], transport: str
+) -> None:
+    """Moving nothing still names a real place: in bounds (the region's end included) it is DONE, past
+    the region's end or in an unknown region it FAILS, through submit and transfer_sync alike."""
+    remote = peers(SIZE)
+    name = engine.connect(remote.address, transport=transport)
+    local, _ = engine.allocate_shared(4096)
+    for op in TransferOp:
+        for region, offset, state in [
+            (remote.shared, 0, RequestState.DONE),
+            (remote.shared, SIZE, RequestState.DONE),
+            (remote.shared, SIZE + 1, RequestState.FAILED),
+            (remote.shared, 10**9, RequestState.FAILED),
+        ]:
+            zero = request(op, local.region_id, name, region, 0, remote_offset=offset)
+            assert engine.transfer_sync([zero], timeout=5)[0].state == state, (op, offset)
+            assert engine.wait(engine.submit([zero]), timeout=5)[0].state == state, (op, offset)
+    if transport == "tcp":  # shm refuses an unknown region before anything starts (no transport reaches it)
+        zero = request(TransferOp.READ, local.region_id, name, 999, 0)
+        assert engine.transfer_sync([zero], timeout=5)[0].state == RequestState.FAILED
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, "5", True])
+def test_a_wait_without_a_real_limit_is_refused(engine: TransferEngine, timeout: object) -> None:
+    """NaN made every deadline comparison false (a wait that never timed out); the limit is checked first."""
+    local, _ = engine.allocate_shared(64)
+    batch = engine.submit([])
+    with pytest.raises(ConfigError, match="timeout must be"):
+        engine.wait(batch, timeout)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="timeout must be"):
+        engine.transfer_sync([], timeout=timeout)  # type: ignore[arg-type]
+    assert engine.wait(batch, None) == engine.wait(batch, math.inf) == ()
+    assert local.length == 64
+
+
+def test_a_closed_engine_refuses_new_work_and_creates_nothing() -> None:
+    """After close, memory, connections and batches are refused (they would outlive the close that
+    should release them: a shared segment no one unlinks, threads no one stops)."""
+    peer = TransferEngine(secret=SECRET)
+    local_engine = TransferEngine(secret=SECRET)
+    try:
+        region, _ = local_engine.allocate_shared(64)
+        name = local_engine.connect(peer.address)
+        with pytest.raises(ConfigError, match="nbytes must be an integer >= 0, got -1"):
+            local_engine.allocate_shared(-1)
+        local_engine.close()
+        before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        threads = threading.active_count()
+        zero = request(TransferOp.READ, region.region_id, name, 1, 0)
+        for attempt in (
+            lambda: local_engine.allocate_shared(64),
+            lambda: local_engine.register_memory(bytearray(64)),
+            lambda: local_engine.connect(peer.address),
+            lambda: local_engine.submit([zero]),
+            lambda: local_engine.transfer_sync([zero], timeout=1),
+        ):
+            with pytest.raises(TransferError, match="is closed"):
+                attempt()
+        assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) == before
+        assert threading.active_count() <= threads
+    finally:
+        local_engine.close()
+        peer.close()
 
 
 def test_a_lying_peer_descriptor_is_refused(engine: TransferEngine) -> None:
