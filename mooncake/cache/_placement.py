@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import xxhash
 
+from mooncake.cache.events import parse_tier
 from mooncake.cache.policy import EvictionPolicy
 from mooncake.cache.pool import PageBytes, PagePool
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, UnknownBlockError
@@ -135,11 +136,12 @@ class BlockPlacement:
                         if is_pinned is not None:
                             assert is_pinned(key) == (entry.pins > 0), f"block {key}: pin state out of sync"
 
-    def _level_of(self, tier: Tier) -> int:
+    def _level_of(self, tier: Tier | int | str) -> int:
+        tier = parse_tier(tier)
         for level, pool in enumerate(self.pools):
             if pool.tier == tier:
                 return level
-        raise ConfigError(f"this cache has no {Tier(tier).name} tier")
+        raise ConfigError(f"this cache has no {tier.name} tier")
 
     def _ready_entry(self, key: BlockKey) -> Entry:
         entry = self._entries.get(key)
@@ -164,6 +166,10 @@ class BlockPlacement:
 
     def _should_promote(self, entry: Entry) -> bool:
         return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
+
+    def _promotes_on_read(self, entry: Entry) -> bool:
+        """Whether the next read of `entry` (in a lower tier) promotes it: `_should_promote` after the count."""
+        return bool(self.promote_after) and entry.lower_reads + 1 >= self.promote_after and entry.pins == 0
 
     def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> Entry:
         """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""

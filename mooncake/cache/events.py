@@ -33,8 +33,8 @@ def _source(_instance: object, attribute: attrs.Attribute[InstanceId], value: ob
     require_str(attribute.name, value, what="instance id string")
 
 
-def _tier(value: Any) -> Tier:
-    """A tier, its value or its name ("DRAM")."""
+def parse_tier(value: Any) -> Tier:
+    """A tier, its value or its name ("DRAM"); ConfigError naming the tiers for anything else."""
     try:
         return Tier[value] if isinstance(value, str) else Tier(value)
     except (KeyError, ValueError):
@@ -49,7 +49,7 @@ class _BlockChange:
     source: InstanceId = attrs.field(validator=_source)
     seq: int = attrs.field(validator=int_at_least(0))
     keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
-    tier: Tier = attrs.field(converter=_tier)
+    tier: Tier = attrs.field(converter=parse_tier)
     epoch: int = attrs.field(default=0, validator=int_at_least(0))
 
 

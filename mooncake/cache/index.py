@@ -51,8 +51,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from mooncake._checks import require_int, require_str
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
 from mooncake.errors import InvalidRequestError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 
@@ -325,7 +326,10 @@ class BlockIndex:
             epoch, seq: the source's epoch and the last event seq the snapshot
                 reflects (-1 if none); the next event expected is ``seq + 1``.
         """
-        arrays = [(Tier(tier), key_array(keys)) for tier, keys in holdings.items()]
+        require_str("source", source, what="instance id string")
+        require_int("epoch", epoch, minimum=0)
+        require_int("seq", seq, minimum=-1)  # NaN or a float would let any next event in without a gap check
+        arrays = [(parse_tier(tier), key_array(keys)) for tier, keys in holdings.items()]
         state = self._reset_source(source, epoch=epoch, seq=seq)
         for tier, keys in arrays:
             self._table.add(keys, state.slot, tier)

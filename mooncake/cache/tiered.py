@@ -40,11 +40,12 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import xxhash
 
-from mooncake._checks import require_int, require_str
+from mooncake._checks import is_int, require_int, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
@@ -177,6 +178,9 @@ class TieredCache(BlockPlacement):
         _check_key(key)
         if parent is not None:
             _check_key(parent)
+        _check_position(position)
+        if checksum is not None:
+            _check_checksum(checksum)
         if data is not None:
             view = as_bytes_view(data, self.page_bytes)
             size = view.nbytes
@@ -186,7 +190,11 @@ class TieredCache(BlockPlacement):
             if self.pools[0].holds_bytes:
                 raise ConfigError(f"the {self.pools[0].tier.name} tier stores bytes: put needs data")
             view = None
-            size = self.page_bytes if length is None else length
+            size = (
+                self.page_bytes
+                if length is None
+                else require_int("length", length, minimum=0, error=InvalidRequestError)
+            )
             if not 0 <= size <= self.page_bytes:
                 raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
         with self._lock:
@@ -268,6 +276,8 @@ class TieredCache(BlockPlacement):
         _check_key(key)
         if parent is not None:
             _check_key(parent)
+        _check_position(position)
+        require_int("length", length, minimum=0, error=InvalidRequestError)
         if not self.pools[0].zero_copy:
             raise ConfigError(f"the {self.pools[0].tier.name} tier cannot be filled in place: use put")
         if not 0 <= length <= self.page_bytes:
@@ -285,6 +295,8 @@ class TieredCache(BlockPlacement):
             UnknownBlockError: `key` is not reserved.
             IntegrityError: the bytes do not match `checksum` (the reservation is dropped).
         """
+        if checksum is not None:
+            _check_checksum(checksum)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.ready:
@@ -413,18 +425,30 @@ class TieredCache(BlockPlacement):
 
     @contextlib.contextmanager
     def pinned(self, key: BlockKey) -> Iterator[PageBytes | None]:
-        """Pin `key` and yield its bytes (None on a miss) for the duration of the block."""
+        """Pin `key` and yield its bytes (None on a miss) for the duration of the block.
+
+        A read that promotes the block (its `promote_after`-th in a lower tier) promotes it first and
+        pins it where it lands: a pinned block never moves, so reads under a pin alone would never promote.
+        """
         with self._lock:
-            hit = key in self
-            if hit:
-                self.pin(key)
+            entry = self._entries.get(key)
+            if entry is not None and entry.is_live and entry.level and self._promotes_on_read(entry):
+                data = self.get(key)  # promoted under the lock (RLock), so nothing evicts it before the pin
+                hit = data is not None
+                if hit:
+                    self.pin(key)
             else:
-                self._counts["misses"] += 1
+                data = _UNREAD
+                hit = key in self
+                if hit:
+                    self.pin(key)
+                else:
+                    self._counts["misses"] += 1
         if not hit:
             yield None  # outside the lock: the caller's block may take its time
             return
         try:
-            yield self.get(key)
+            yield self.get(key) if data is _UNREAD else data
         finally:
             with self._lock:
                 if key in self._entries:
@@ -456,12 +480,28 @@ class TieredCache(BlockPlacement):
             pool.close()
 
 
+_UNREAD: Any = object()  # pinned(): the bytes are still to be read
+
+
 def _check_key(key: object) -> None:
     """A block key is a non-negative integer (numpy integers are); anything else is refused before
     it can enter the cache's tables."""
     try:
+        if isinstance(key, bool):
+            raise TypeError
         value = operator.index(key)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}") from None
     if value < 0:
         raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
+
+
+def _check_position(position: object) -> None:
+    """A block's index in its request: checked before a page is claimed (a policy refusing it afterwards
+    would leave a block that is cached but no policy can evict)."""
+    require_int("position", position, minimum=0, error=InvalidRequestError)
+
+
+def _check_checksum(checksum: object) -> None:
+    if not (is_int(checksum) and 0 <= checksum < 1 << 64):  # type: ignore[operator]
+        raise InvalidRequestError(f"checksum must be an XXH3-64 value, an integer in [0, 2**64), got {checksum!r}")

@@ -9,6 +9,7 @@ snapshot restores) against that model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -21,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, Holder, key_array
-from mooncake.errors import MooncakeError, SequenceGapError
+from mooncake.errors import ConfigError, MooncakeError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.reference.index import ReferenceIndex
 from tests.strategies import block_keys, cache_event_sequences, instance_ids, tiers
@@ -434,6 +435,27 @@ def test_resync_of_a_never_seen_source() -> None:
     assert dict(index.match([K[1], K[2]]).lengths) == {A: 2}
     assert apply(index, stored(A, 0, [3], epoch=3)) is None
     assert index.num_blocks(A) == 3
+
+
+@pytest.mark.parametrize(
+    ("source", "holdings", "epoch", "seq", "named"),
+    [
+        (A, {Tier.VRAM: [K[1]]}, -1, 0, "epoch"),
+        (A, {Tier.VRAM: [K[1]]}, 0, math.nan, "seq"),  # NaN let the next event in without a gap check
+        (A, {Tier.VRAM: [K[1]]}, 0, -2, "seq"),
+        (A, {9: [K[1]]}, 0, 0, "tier must be one of"),
+        ("", {Tier.VRAM: [K[1]]}, 0, 0, "source"),
+    ],
+)
+def test_resync_with_bad_arguments_is_refused_and_changes_nothing(
+    source: object, holdings: object, epoch: object, seq: object, named: str
+) -> None:
+    index = BlockIndex()
+    index.resync(A, {Tier.DRAM: [K[2]]}, epoch=1, seq=4)
+    with pytest.raises(ConfigError, match=named):
+        index.resync(source, holdings, epoch=epoch, seq=seq)  # type: ignore[arg-type]
+    assert dict(index.match([K[2]]).lengths) == {A: 1} and index.num_blocks(A) == 1
+    assert apply(index, stored(A, 5, [3], epoch=1)) is None
 
 
 def test_remove_instance_forgets_holdings_and_sequence() -> None:

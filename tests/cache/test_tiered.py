@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import threading
@@ -108,6 +109,32 @@ def test_ssd_read_promotes_by_policy(tmp_path: Path) -> None:
         assert bytes(never.get(BlockKey(1))) == block(1)
     assert never.tier_of(BlockKey(1)) == Tier.SSD
     never.close()
+
+
+def test_reads_under_pinned_promote_as_plain_gets_do(tmp_path: Path) -> None:
+    """`pinned` (the documented way to read) promotes on the same read as `get`, and pins the block where
+    it lands: it was pinned before its read, and a pinned block never moves, so it never promoted."""
+    for promote_after in (1, 2):
+        folder = tmp_path / str(promote_after)
+        folder.mkdir()
+        cache = make_cache(folder, dram_pages=1, ssd_pages=3, promote_after=promote_after)
+        cache.put(BlockKey(1), block(1))
+        cache.put(BlockKey(2), block(2))
+        for read in range(1, promote_after + 1):
+            assert cache.tier_of(BlockKey(1)) == Tier.SSD
+            with cache.pinned(BlockKey(1)) as view:
+                assert bytes(view) == block(1)  # type: ignore[arg-type]
+                with pytest.raises(BlockPinnedError):
+                    cache.remove(BlockKey(1))
+                if read == promote_after:
+                    assert cache.tier_of(BlockKey(1)) == Tier.DRAM
+                    with pytest.raises(CapacityError, match="pinned"):  # the only DRAM page: pinned where it landed
+                        cache.put(BlockKey(3), block(3))
+                    assert bytes(view) == block(1)  # type: ignore[arg-type]
+        assert cache.stats.promotions == 1
+        cache.check_invariants()
+        cache.remove(BlockKey(1))  # no pin is left behind
+        cache.close()
 
 
 def test_pinned_blocks_are_never_moved_or_lost(tmp_path: Path) -> None:
@@ -574,6 +601,38 @@ def test_put_chain_needs_a_metadata_first_tier(tmp_path: Path) -> None:
     with pytest.raises(CapacityError):
         metadata.put_chain([BlockKey(1)], length=-1)
     assert len(metadata) == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda cache: cache.put(BlockKey(1), b"x", position="x"), "position"),
+        (lambda cache: cache.put(BlockKey(1), b"x", position=-1), "position"),
+        (lambda cache: cache.reserve(BlockKey(1), 4, position=1.5), "position"),
+        (lambda cache: cache.reserve(BlockKey(1), 1.5), "length"),
+        (lambda cache: cache.put(BlockKey(1), b"x", checksum="abc"), "checksum"),
+        (lambda cache: cache.put(BlockKey(1), b"x", checksum=math.nan), "checksum"),
+        (lambda cache: cache.put(BlockKey(1), b"x", checksum=1 << 64), "checksum"),
+        (lambda cache: cache.put(True, b"x"), "block key"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_a_page_is_claimed(
+    tmp_path: Path, call: Callable[[TieredCache], object], named: str
+) -> None:
+    """A bad position (refused by a length-aware policy only after the page was claimed, which left a
+    block cached that no policy could evict), length or checksum is an InvalidRequestError naming it;
+    nothing is stored, no event is sent, the invariants hold."""
+    cache = make_cache(tmp_path, policy=LengthAwarePolicy)
+    with pytest.raises(InvalidRequestError, match=named):
+        call(cache)
+    assert len(cache) == 0 and cache.take_events() == []
+    cache.check_invariants()
+    metadata = TieredCache([MetadataPagePool(Tier.DRAM, 64, 4)], source=InstanceId("p"))
+    with pytest.raises(InvalidRequestError, match="length"):
+        metadata.put(BlockKey(1), length=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tier must be one of"):
+        metadata.used_bytes("RAM")  # type: ignore[arg-type]
+    assert metadata.used_bytes("DRAM") == 0  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", ["abc", -1, 2.5, None])
