@@ -90,6 +90,30 @@ def _number(raw: Mapping[str, Any], key: str, source: str, default: Any = None) 
     return value
 
 
+def _count(raw: Mapping[str, Any], key: str, source: str, default: Any = None, *, minimum: int = 1) -> int:
+    """A size (heads, layers, a window): an integer >= `minimum` (`default` when absent or null)."""
+    value = raw.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{source}: {key} must be {what}, got {value!r}")
+    return value
+
+
+def _optional_count(raw: Mapping[str, Any], key: str, source: str) -> int | None:
+    return None if raw.get(key) is None else _count(raw, key, source)
+
+
+def _flag(raw: Mapping[str, Any], key: str, source: str) -> bool:
+    """A switch, false when absent or null; a string is refused ("false" would read as true), as transformers does."""
+    value = raw.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """RoPE's base and scaling from transformers' v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
     key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
@@ -111,34 +135,51 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
             factor=_number(params, "factor", where),
             low_freq_factor=_number(params, "low_freq_factor", where),
             high_freq_factor=_number(params, "high_freq_factor", where),
-            original_max_position_embeddings=int(_number(params, "original_max_position_embeddings", where)),
+            # transformers falls back on the model's own context length
+            original_max_position_embeddings=_count(
+                params, "original_max_position_embeddings", where, raw.get("max_position_embeddings")
+            ),
         )
     raise ConfigError(f"{source}: {key}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
 
 
 def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> None:
-    """Refuse the config values that would make this model compute something else than transformers'."""
+    """Refuse the config values that would make this model compute something else than transformers'.
+
+    Only what the architecture reads counts: LLaMA has no sliding window (a `sliding_window` key is ignored, as
+    transformers ignores it), Mistral and Qwen2 have no `attention_bias` or `mlp_bias` switch."""
     activation = raw.get("hidden_act", "silu")
-    if activation != "silu":
+    if activation not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise ConfigError(f"{source}: hidden_act={activation!r} is not supported (only 'silu')")
-    if raw.get("mlp_bias", False):
+    if architecture == "LlamaForCausalLM" and _flag(raw, "mlp_bias", source):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
     if raw.get("quantization_config") is not None:
         raise ConfigError(f"{source}: quantization_config is not supported (load unquantized weights)")
-    head_dim = raw.get("head_dim")
-    implied = _number(raw, "hidden_size", source) // _number(raw, "num_attention_heads", source)
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:  # transformers v4's place for it (v5: in rope_parameters)
+        raise ConfigError(f"{source}: partial_rotary_factor={raw['partial_rotary_factor']!r} is not supported")
+    head_dim = _optional_count(raw, "head_dim", source)
+    implied = _count(raw, "hidden_size", source) // _count(raw, "num_attention_heads", source)
     if head_dim is not None and head_dim != implied:
         raise ConfigError(
             f"{source}: head_dim={head_dim!r} is not hidden_size / num_attention_heads = {implied} (not supported)"
         )
+    if architecture == "LlamaForCausalLM":
+        return
     # A sliding window changes attention only for contexts longer than the window.
-    window = raw.get("sliding_window")
-    max_positions = raw.get("max_position_embeddings")
+    window = _optional_count(raw, "sliding_window", source)
+    max_positions = _optional_count(raw, "max_position_embeddings", source)
     window_in_effect = window is not None and (max_positions is None or window < max_positions)
     if architecture == "Qwen2ForCausalLM":
-        layer_types = raw.get("layer_types") or []
-        window_in_effect = window_in_effect and bool(raw.get("use_sliding_window", False))
-        window_in_effect = window_in_effect or any(kind != "full_attention" for kind in layer_types)
+        layer_types = raw.get("layer_types")
+        if layer_types is None:  # transformers derives them: a window from layer max_window_layers on
+            sliding = _flag(raw, "use_sliding_window", source) and _count(
+                raw, "max_window_layers", source, 28, minimum=0
+            ) < _count(raw, "num_hidden_layers", source)
+        elif isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types):
+            sliding = any(kind != "full_attention" for kind in layer_types)
+        else:
+            raise ConfigError(f"{source}: layer_types must be a list of strings, got {layer_types!r}")
+        window_in_effect = window_in_effect and sliding
     if window_in_effect:
         raise ConfigError(
             f"{source}: sliding_window={window!r} is in effect below max_position_embeddings={max_positions!r} "
@@ -166,24 +207,31 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
     architecture = architectures[0]
     _check_supported(raw, architecture, source)
     theta, scaling = _rope(raw, source)
-    num_heads = _number(raw, "num_attention_heads", source)
-    attention_bias = bool(raw.get("attention_bias", False))  # LLaMA's: every attention projection
-    qwen2 = architecture == "Qwen2ForCausalLM"  # q, k and v always have biases, the output never
+    num_heads = _count(raw, "num_attention_heads", source)
+    # LLaMA's switch for every attention projection; Mistral has none; Qwen2: q, k and v always, the output never.
+    attention_bias = architecture == "LlamaForCausalLM" and _flag(raw, "attention_bias", source)
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    # Each read (and its error named with the file) before the config checks how they fit together.
+    vocab_size, hidden_size = _count(raw, "vocab_size", source), _count(raw, "hidden_size", source)
+    num_layers, intermediate_size = _count(raw, "num_hidden_layers", source), _count(raw, "intermediate_size", source)
+    num_kv_heads = _count(raw, "num_key_value_heads", source, raw.get("num_key_value_heads") or num_heads)
+    norm_eps = float(_number(raw, "rms_norm_eps", source, 1e-6))
+    tie_word_embeddings = _flag(raw, "tie_word_embeddings", source)
     try:
         return ModelConfig(
             name=name,
-            vocab_size=_number(raw, "vocab_size", source),
-            hidden_size=_number(raw, "hidden_size", source),
-            num_layers=_number(raw, "num_hidden_layers", source),
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_number(raw, "num_key_value_heads", source, raw.get("num_key_value_heads") or num_heads),
-            intermediate_size=_number(raw, "intermediate_size", source),
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
             rope_theta=theta,
-            norm_eps=float(_number(raw, "rms_norm_eps", source, 1e-6)),
+            norm_eps=norm_eps,
             rope_scaling=scaling,
             qkv_bias=qwen2 or attention_bias,
             out_bias=not qwen2 and attention_bias,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings,
         )
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None

@@ -235,7 +235,13 @@ class DecodeEngine:
             return verdict
         sampling = sampling or SamplingParams()
         active = _Active(
-            request_id, prompt_tokens, max_new_tokens, Sampler(sampling), on_token, first_token, sampling.stop_token_ids
+            request_id,
+            prompt_tokens,
+            max_new_tokens,
+            Sampler(sampling, position=1),  # the prefill drew token 0 (`first_token`) from the same stream
+            on_token,
+            first_token,
+            sampling.stop_token_ids,
         )
         active.done = active.ends_with(first_token)
         if not active.done:
@@ -358,17 +364,23 @@ class DecodeEngine:
 class TokenStream:
     """One request's tokens as an async iterator: pass `stream.put` as the request's `on_token`.
 
-    `put` may be called from any thread (the decode loop's); iteration happens on
-    `loop` and ends after the event with `finished=True`.
+    `put` and `close` may be called from any thread (the decode loop's); iteration happens on
+    `loop` and ends after the event with `finished=True`, or at `close()`: a request that
+    `DecodeEngine.cancel` dropped gets no further token, so whoever cancels it closes its stream
+    (as vLLM's abort ends a request's output stream).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._done = False
 
     def put(self, event: TokenEvent) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def close(self) -> None:
+        """End the iteration after the tokens already put (idempotent)."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
     def __aiter__(self) -> TokenStream:
         return self
@@ -377,5 +389,8 @@ class TokenStream:
         if self._done:
             raise StopAsyncIteration
         event = await self._queue.get()
+        if event is None:
+            self._done = True
+            raise StopAsyncIteration
         self._done = event.finished
         return event

@@ -81,8 +81,11 @@ def inverse_frequencies(config: ModelConfig, device: torch.device | str = "cpu")
     The llama3 rescaling is transformers' `_compute_llama3_parameters` step for step,
     on the plain frequencies computed as this model always has.
     """
-    half = config.head_dim // 2
-    inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+    # transformers' expression, operation for operation: θ^(−2i/d) computed otherwise (θ ** (−i/half)) differs by
+    # an ulp in some frequencies, which grows with the position (5e-3 in cos/sin at 128 k tokens).
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype=torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

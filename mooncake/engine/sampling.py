@@ -1,7 +1,13 @@
 """Choosing the next token: greedy, or temperature sampling (optionally nucleus) from a per-request seeded stream.
 
 Each request owns its random stream (seeded from its `seed`), so the tokens it
-gets do not depend on which other requests share its batch.
+gets do not depend on which other requests share its batch. The stream is
+counter-based: output token k is drawn from a generator seeded with
+XXH3-64(seed, k), so a request's draws are independent of each other and the
+same wherever each token is sampled. The prefill engine draws token 0 and a
+decode engine, in another process, goes on at token 1 (`Sampler(params,
+position=1)`) with no generator state to hand over; vLLM keeps one generator
+per request for the same effect within one engine.
 
 Nucleus (top-p) sampling draws only from the most probable tokens whose mass
 reaches `top_p`. Token i belongs to the nucleus iff the probability mass of
@@ -13,8 +19,11 @@ plain temperature sampler's, bit for bit: the filter is skipped).
 
 from __future__ import annotations
 
+import secrets
+
 import attrs
 import torch
+import xxhash
 
 from mooncake._checks import require_int, require_number
 from mooncake.errors import ConfigError
@@ -31,14 +40,15 @@ class SamplingParams:
     Attributes:
         temperature: 0 for greedy (the default), else logits are divided by it.
         top_p: the nucleus' probability mass, in (0, 1]; 1 (the default) samples from every token.
-        seed: the request's random stream (temperature > 0), in [0, 2**64).
+        seed: the request's random stream (temperature > 0), in [0, 2**64); None (the default): a fresh random
+            stream for each `Sampler`, as vLLM samples without a seed (a fixed default repeated one text).
         stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
             vLLM's `stop_token_ids`): the token is emitted, as the request's last.
     """
 
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
-    seed: int = attrs.field(default=0)
+    seed: int | None = attrs.field(default=None)
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
 
     @temperature.validator
@@ -51,14 +61,20 @@ class SamplingParams:
             raise ConfigError(f"top_p must lie in (0, 1], got {value!r}")
 
     @seed.validator
-    def _check_seed(self, _attribute: object, value: int) -> None:
-        if require_int("seed", value, minimum=0) > MAX_SEED:
+    def _check_seed(self, _attribute: object, value: int | None) -> None:
+        if value is not None and require_int("seed", value, minimum=0) > MAX_SEED:
             raise ConfigError(f"seed must be below 2**64, got {value!r}")
 
     @stop_token_ids.validator
     def _check_stop_token_ids(self, _attribute: object, value: frozenset[int]) -> None:
         for token in value:
             require_int("stop_token_ids", token, minimum=0)
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """The generator seed of output token `position` of a request seeded `seed`: XXH3-64 of both (little-endian
+    64-bit words), so nearby seeds and positions give unrelated streams."""
+    return xxhash.xxh3_64_intdigest(seed.to_bytes(8, "little") + position.to_bytes(8, "little"))
 
 
 def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -73,18 +89,27 @@ def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    """Draws one request's tokens; keeps its random stream between calls."""
+    """Draws one request's tokens, from output position `position` on (0: the first token).
 
-    def __init__(self, params: SamplingParams) -> None:
+    Raises:
+        ConfigError: `position` is not an integer >= 0.
+    """
+
+    def __init__(self, params: SamplingParams, *, position: int = 0) -> None:
         self.params = params
+        self.position = require_int("position", position, minimum=0)
         self._generator: torch.Generator | None = None
+        self._seed = secrets.randbits(64) if params.seed is None else params.seed
         if params.temperature > 0:
-            self._generator = torch.Generator().manual_seed(params.seed)
+            self._generator = torch.Generator()
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """The token chosen from float `logits` [vocab]."""
+        """The token chosen from float `logits` [vocab], at the next position."""
+        position = self.position
+        self.position += 1
         if self._generator is None:
             return int(torch.argmax(logits))
+        self._generator.manual_seed(stream_seed(self._seed, position))
         # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
         # (probability 0), never inf - inf = nan.
         logits = logits.double().cpu()  # float64: a temperature as small as 1e-300 is not 0 there

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import attrs
 
 from mooncake.errors import ConfigError, InvalidRequestError
 
-__all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer"]
+__all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -70,6 +71,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def sampling_defaults(directory: str | Path) -> dict[str, float]:
+    """The sampling settings a checkpoint's `generation_config.json` sets (`temperature`, `top_p`), which vLLM's
+    server applies to a request that leaves them out (its `--generation-config auto`); {} without the file.
+
+    Raises:
+        ConfigError: the file is not JSON, or a setting is out of its range (named with the file).
+    """
+    path = Path(directory) / "generation_config.json"
+    raw = _read_json(path)
+    found: dict[str, float] = {}
+    for name, low, high, open_low in (("temperature", 0.0, math.inf, False), ("top_p", 0.0, 1.0, True)):
+        value = raw.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < low or (open_low and value == low) or value > high:
+            bound = f"in ({low}, {high}]" if open_low else f"a finite number >= {low}"
+            raise ConfigError(f"{path}: {name} must be {bound}, got {value!r}")
+        found[name] = float(value)
+    return found
 
 
 def _ids(value: Any, where: str) -> set[int]:

@@ -87,6 +87,51 @@ def test_the_config_carries_what_the_relatives_differ_in(checkpoints: dict[str, 
     assert tied_model.head is tied_model.embedding  # one tensor, as transformers ties them
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+    ids=["default-500k", "default-10k", "linear", "llama3"],
+)
+def test_rope_frequencies_are_transformers_bit_for_bit(rope: dict[str, Any]) -> None:
+    """The inverse frequencies equal transformers' exactly, so the rotation stays exact at long positions
+    (θ^(−i/half), one ulp off in a third of them, drifted to 5e-3 in cos/sin at 128 k tokens)."""
+    import transformers
+
+    from mooncake.engine.checkpoint import model_config_from_hf
+    from mooncake.engine.model import inverse_frequencies, rope_tables
+
+    fields = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+    }
+    hf = transformers.LlamaConfig(**fields, rope_parameters=rope)
+    ours = model_config_from_hf(
+        {**fields, "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "num_hidden_layers": 1,
+         "intermediate_size": 16, "rope_parameters": rope},
+        name="rope",
+    )  # fmt: skip
+    reference = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf)
+    assert torch.equal(inverse_frequencies(ours), reference.inv_freq)
+    positions = torch.tensor([0, 1000, 32000, 131000])
+    cos, sin = rope_tables(ours, positions, torch.float32)
+    expected_cos, expected_sin = reference(torch.zeros(1, 1, 128), positions[None])
+    assert torch.equal(cos[:, 0], expected_cos[0]) and torch.equal(sin[:, 0], expected_sin[0])
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "sharded"])
 def test_every_tensor_of_the_checkpoint_is_read_once(checkpoints: dict[str, tuple[Path, Any]], kind: str) -> None:
     """Loading the whole model reads each tensor transformers saved exactly once, and nothing else."""

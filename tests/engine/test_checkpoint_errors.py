@@ -304,9 +304,21 @@ def test_an_index_pointing_outside_the_directory_is_refused(checkpoint: Path) ->
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "low_freq_factor"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-        ({"sliding_window": 64}, "sliding_window=64"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window=64"),
         ({"vocab_size": "many"}, "vocab_size"),
         ({"num_key_value_heads": 3}, "num_kv_heads=3"),
+        # strings where transformers wants a bool or a size (it refuses them too): "false" read as true
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"attention_bias": "false"}, "attention_bias must be true or false"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a positive integer"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": "8"}, "sliding_window must be a positive"),
+        (
+            {"architectures": ["MistralForCausalLM"], "sliding_window": 8, "max_position_embeddings": "4096"},
+            "max_position_embeddings must be a positive integer",
+        ),
+        ({"architectures": ["Qwen2ForCausalLM"], "layer_types": "full_attention"}, "layer_types must be a list"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),  # transformers v4's place for it
     ],
 )
 def test_unsupported_config_keys_are_refused_naming_the_key_and_file(
@@ -336,7 +348,32 @@ def test_a_window_that_never_slides_and_the_v4_rope_keys_are_accepted(checkpoint
     qwen = {**raw, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": False}
     assert model_config_from_hf(qwen, name="q").qkv_bias
     with pytest.raises(ConfigError, match="sliding_window=64"):
-        model_config_from_hf({**qwen, "use_sliding_window": True}, name="q")
+        model_config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 0}, name="q")
+
+
+def test_a_malformed_value_names_the_file_once(checkpoint: Path) -> None:
+    edit_config(checkpoint, intermediate_size=None)
+    message = refusal(checkpoint)
+    assert message.count(str(checkpoint / "config.json")) == 1 and "intermediate_size" in message
+
+
+def test_configs_transformers_runs_as_this_model_are_accepted(checkpoint: Path) -> None:
+    """What the architecture ignores is ignored, and what transformers fills in is filled in the same way: LLaMA
+    has no sliding window and Mistral no attention bias; "swish" is SiLU; Qwen2's window applies only from layer
+    `max_window_layers` on; a llama3 RoPE without `original_max_position_embeddings` takes the model's context."""
+    raw = json.loads((checkpoint / "config.json").read_text())
+    layers = raw["num_hidden_layers"]
+    plain = model_config_from_hf(raw, name="m")
+    assert model_config_from_hf({**raw, "sliding_window": 64, "hidden_act": "swish"}, name="m") == plain
+    mistral = {**raw, "architectures": ["MistralForCausalLM"]}
+    assert not model_config_from_hf({**mistral, "attention_bias": True}, name="m").qkv_bias
+    qwen = {**raw, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": True}
+    assert model_config_from_hf({**qwen, "max_window_layers": layers}, name="q").qkv_bias
+    with pytest.raises(ConfigError, match="sliding_window=64"):
+        model_config_from_hf({**qwen, "max_window_layers": layers - 1}, name="q")
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaled = model_config_from_hf({**raw, "rope_parameters": llama3, "max_position_embeddings": 4096}, name="m")
+    assert scaled.rope_scaling is not None and scaled.rope_scaling.original_max_position_embeddings == 4096
 
 
 def test_a_directory_without_weights_or_config_is_refused(tmp_path: Path, checkpoint: Path) -> None:

@@ -54,6 +54,36 @@ def test_a_seed_fixes_the_tokens_whatever_else_draws(
 
 
 @settings(max_examples=30)
+@given(seeds, temperatures, st.lists(seeds, min_size=2, max_size=8), st.integers(min_value=1, max_value=7))
+def test_a_stream_resumed_at_a_position_draws_what_one_sampler_draws(
+    seed: int, temperature: float, steps: list[int], split: int
+) -> None:
+    """A request's stream is its (seed, position): a sampler started at position k (a decode engine after
+    the prefill drew token 0) draws what one sampler would from its k-th draw on."""
+    params = SamplingParams(temperature=temperature, seed=seed)
+    split = min(split, len(steps) - 1)
+    whole = Sampler(params)
+    expected = [whole.next_token(logits_of(step)) for step in steps]
+    first, rest = Sampler(params), Sampler(params, position=split)
+    drawn = [first.next_token(logits_of(step)) for step in steps[:split]]
+    drawn += [rest.next_token(logits_of(step)) for step in steps[split:]]
+    assert drawn == expected and rest.position == len(steps)
+
+
+def test_the_draws_of_one_request_are_independent() -> None:
+    """Consecutive tokens of one request are separate draws: over near-uniform logits of 1,024 tokens the first
+    two agree about 1 time in 1,024 (two fresh samplers of one seed once repeated the first draw every time)."""
+    uniform = torch.zeros(1024)
+    same = 0
+    for seed in range(300):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        same += sampler.next_token(uniform) == sampler.next_token(uniform)
+    assert same <= 4  # expected 0.3; P(>= 5) < 1e-4
+    with pytest.raises(ConfigError, match="position"):
+        Sampler(SamplingParams(), position=-1)
+
+
+@settings(max_examples=30)
 @given(seeds, temperatures, st.sets(st.integers(min_value=0, max_value=31), min_size=1, max_size=31))
 def test_a_token_of_zero_probability_is_never_drawn(seed: int, temperature: float, banned: set[int]) -> None:
     """Tokens whose logit is -inf never come out."""

@@ -27,3 +27,22 @@ def test_stream_yields_events_put_from_another_thread_until_finished() -> None:
         return [event.token async for event in stream]
 
     assert asyncio.run(asyncio.wait_for(consume(), timeout=10)) == [10, 11, 12, 13, 14]
+
+
+def test_a_closed_stream_ends_after_the_tokens_already_put() -> None:
+    """After `DecodeEngine.cancel` no finished event comes: `close` (from any thread) ends the iteration, after
+    the tokens put before it, where it would otherwise wait for ever."""
+
+    async def consume() -> list[int]:
+        stream = TokenStream(asyncio.get_running_loop())
+
+        def produce() -> None:
+            for i in range(3):
+                stream.put(TokenEvent(request_id=RequestId(1), token=10 + i, index=i, finished=False))
+            stream.close()
+            stream.close()  # idempotent
+
+        threading.Thread(target=produce).start()
+        return [event.token async for event in stream]
+
+    assert asyncio.run(asyncio.wait_for(consume(), timeout=10)) == [10, 11, 12]

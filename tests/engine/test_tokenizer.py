@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
-from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer
+from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer, sampling_defaults
 from mooncake.errors import ConfigError, InvalidRequestError
 
 TEXT = [
@@ -230,6 +230,21 @@ def test_the_template_field_of_the_config_is_read_too(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     ours = load_tokenizer(tmp_path)
     assert ours.chat_template == CHATML and ours.special.tokens["bos_token"] == "<s>"
+
+
+def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
+    """temperature and top_p of generation_config.json, as vLLM's server defaults a request to them; nothing
+    without the file or the keys; a value out of range names the file and the key."""
+    assert sampling_defaults(tmp_path) == {}
+    generation = tmp_path / "generation_config.json"
+    generation.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9}
+    generation.write_text(json.dumps({"eos_token_id": 2}))
+    assert sampling_defaults(tmp_path) == {}
+    for bad in ({"temperature": -1}, {"temperature": "0.7"}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": True}):
+        generation.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"generation_config.json: {next(iter(bad))} must be"):
+            sampling_defaults(tmp_path)
 
 
 def test_refusals(tmp_path: Path) -> None:
