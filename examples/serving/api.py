@@ -208,6 +208,8 @@ class ServedModel:
 
     A request's prompt and `max_tokens` together fit a decode engine's context (`max_context_tokens`), as in
     vLLM, where they fit the model's `max_model_len`; `vocab_size` bounds the ids of a prompt given as tokens.
+    A request without `temperature` or `top_p` gets `default_temperature` / `default_top_p`: as in vLLM, the
+    checkpoint's `generation_config.json` where it sets them, else 1.0 (OpenAI's defaults: sampling).
     """
 
     name: str
@@ -215,6 +217,8 @@ class ServedModel:
     default_max_tokens: int
     max_context_tokens: int
     vocab_size: int
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -443,8 +447,8 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel) ->
     max_tokens = _integer(body, limit, served.default_max_tokens, 1, served.max_context_tokens - 1)
     sampling = SamplingOptions(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 0.0, 2.0, open_low=False),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        temperature=_number(body, "temperature", served.default_temperature, 0.0, 2.0, open_low=False),
+        top_p=_number(body, "top_p", served.default_top_p, 0.0, 1.0, open_low=True),
         seed=None if body.get("seed") is None else _integer(body, "seed", 0, 0, MAX_SEED),
         stop=_stop(body.get("stop")),
     )

@@ -64,7 +64,7 @@ from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.models import build_conductor, model_shape
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
-from serving.tokenizer import serving_tokenizer
+from serving.tokenizer import generation_defaults, serving_tokenizer
 
 __all__ = ["Gateway"]
 
@@ -102,6 +102,7 @@ class Gateway:
             default_max_tokens=config.limits.default_max_tokens,
             max_context_tokens=config.decode.max_context_tokens,
             vocab_size=config.model.config.vocab_size,
+            **{f"default_{name}": value for name, value in generation_defaults(config).items()},
         )
         self.metrics = ServingMetrics.for_config(config, workers)
         self.dispatcher = Dispatcher(

@@ -31,7 +31,15 @@ if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
     from serving.config import ClusterConfig
 
-__all__ = ["ByteTokenizer", "CheckpointTokenizer", "ServingTokenizer", "TextStream", "chat_prompt", "serving_tokenizer"]
+__all__ = [
+    "ByteTokenizer",
+    "CheckpointTokenizer",
+    "ServingTokenizer",
+    "TextStream",
+    "chat_prompt",
+    "generation_defaults",
+    "serving_tokenizer",
+]
 
 
 class Decoder(Protocol):
@@ -187,6 +195,16 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop):
                 return length
         return 0
+
+
+def generation_defaults(config: ClusterConfig) -> dict[str, float]:
+    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p), {} for the
+    random preset: what a request without them gets, as from vLLM (`mooncake.engine.tokenizer.sampling_defaults`)."""
+    if config.model.checkpoint is None:
+        return {}
+    from mooncake.engine.tokenizer import sampling_defaults
+
+    return sampling_defaults(config.model.checkpoint)
 
 
 def serving_tokenizer(config: ClusterConfig) -> ServingTokenizer:

@@ -15,6 +15,7 @@ import json
 import zlib
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -222,8 +223,19 @@ def test_a_full_request_parses_into_its_records() -> None:
         include_usage=True,
     )
     assert parse_completion({"prompt": ["one"], "stop": "x"}, SERVED).sampling == SamplingOptions(
-        max_tokens=16, stop=("x",)
+        max_tokens=16, temperature=1.0, stop=("x",)
     )
+
+
+def test_left_out_temperature_and_top_p_are_the_served_models_defaults() -> None:
+    """As vLLM: a request without temperature or top_p samples at the checkpoint's generation_config values,
+    else at 1.0 (OpenAI's defaults); a given value, 0 included, wins."""
+    assert parse_completion({"prompt": "hi"}, SERVED).sampling.temperature == 1.0
+    served = attrs.evolve(SERVED, default_temperature=0.6, default_top_p=0.9)
+    sampling = parse_completion({"prompt": "hi"}, served).sampling
+    assert (sampling.temperature, sampling.top_p) == (0.6, 0.9)
+    given = parse_completion({"prompt": "hi", "temperature": 0, "top_p": 1}, served).sampling
+    assert (given.temperature, given.top_p) == (0.0, 1.0)
 
 
 def test_prompt_tokens_checks_the_limit() -> None:
@@ -266,7 +278,7 @@ def test_vllm_clients_extras_are_accepted_at_their_neutral_values_and_unknown_fi
     }
     with caplog.at_level("WARNING", logger="serving.api"):
         parsed = parse_completion(body, SERVED)
-    assert parsed.sampling == SamplingOptions(max_tokens=5)
+    assert parsed.sampling == SamplingOptions(max_tokens=5, temperature=1.0)
     assert parsed.sampling.seed is None and parse_completion({"prompt": "hi", "seed": 7}, SERVED).sampling.seed == 7
     assert "some_new_field" in caplog.text and "top_k" not in caplog.text
 

@@ -117,16 +117,20 @@ def test_a_stop_string_ends_the_text_and_the_decode(cluster: RunningCluster) -> 
     streamed or not, and the decode (asked for 3,000 tokens) is cancelled right after."""
     api = client(cluster)
     prompt = "Stop me when you can."
-    text = api.completions.create(model="tiny", prompt=prompt, max_tokens=64).choices[0].text
+    text = api.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0).choices[0].text
     k = next(i for i in range(1, len(text) - 2) if text.find(text[i : i + 2]) == i)
     stop = text[k : k + 2]
     before = generated(cluster)
-    answer = api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, stop=[stop, "never\u2603"])
+    answer = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stop=[stop, "never\u2603"]
+    )
     assert answer.choices[0].text == text[:k] and answer.choices[0].finish_reason == "stop"
     assert answer.usage.completion_tokens < 64
     wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped request to leave the batch")
     assert generated(cluster) - before < LONG // 2
-    chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, stop=stop, stream=True))
+    chunks = list(
+        api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == text[:k]
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped stream to leave the batch")
@@ -136,7 +140,7 @@ def test_top_p_reaches_the_sampler(cluster: RunningCluster) -> None:
     """A tiny nucleus keeps only the most probable token: sampling with it is greedy; the whole nucleus is not."""
     api = client(cluster)
     prompt = "Nucleus."
-    greedy = api.completions.create(model="tiny", prompt=prompt, max_tokens=24).choices[0].text
+    greedy = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     narrow = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1e-9, seed=3)
     whole = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1.0, seed=3)
     assert narrow.choices[0].text == greedy

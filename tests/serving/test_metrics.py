@@ -290,11 +290,13 @@ def scenario() -> Iterator[Scenario]:
         answers: dict[str, Any] = {}
         # D: greedy text; C: the same prompt, stopped at a string of that text (a "stop" finish; cached prefix).
         prompt = f"{uuid.uuid4()} Stop me when you can."
-        greedy = api.completions.create(model="tiny", prompt=prompt, max_tokens=64)
+        greedy = api.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0)
         answers["D"] = greedy.usage
         text = greedy.choices[0].text
         k = next(i for i in range(1, len(text) - 2) if text.find(text[i : i + 2]) == i)
-        stopped = api.completions.create(model="tiny", prompt=prompt, max_tokens=64, stop=text[k : k + 2])
+        stopped = api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=64, temperature=0, stop=text[k : k + 2]
+        )
         assert stopped.choices[0].finish_reason == "stop"
         answers["C"] = stopped.usage
         wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped request to leave the batch")
