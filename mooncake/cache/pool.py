@@ -166,7 +166,12 @@ def as_bytes_view(data: Buffer, page_bytes: int) -> memoryview:
             raise InvalidRequestError("page data must be a contiguous buffer")
         view = data.reshape(-1).view(np.uint8).data
     else:
-        view = memoryview(data)
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise InvalidRequestError(
+                f"page data must be bytes-like (bytes, bytearray, memoryview, a numpy array), got {type(data).__name__}"
+            ) from None
         if not view.c_contiguous:
             raise InvalidRequestError("page data must be a contiguous buffer")
         if view.format != "B" or view.ndim != 1:

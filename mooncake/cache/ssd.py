@@ -104,6 +104,8 @@ class SsdPagePool(AllocatingPool):
         super().__init__(tier, page_bytes, num_pages)
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
             raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
+        if not isinstance(o_direct, bool):  # "no" would switch it on
+            raise ConfigError(f"o_direct must be True or False, got {o_direct!r}")
         self.path = os.fspath(path)
         self.slot_bytes = HEADER_BYTES + _round_up(page_bytes, ALIGNMENT_BYTES)
         self.file_bytes = HEADER_BYTES + num_pages * self.slot_bytes

@@ -19,10 +19,11 @@ Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least
+from mooncake._checks import int_at_least, require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import ModelShape
 
@@ -66,6 +67,15 @@ class RopeScaling:
             )
 
 
+def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
+    require_number(attribute.name, value, minimum=0)
+
+
+def _switch(_instance: object, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """The shape of a LLaMA-architecture model.
@@ -89,12 +99,12 @@ class ModelConfig:
     num_heads: int = attrs.field(validator=int_at_least(1))
     num_kv_heads: int = attrs.field(validator=int_at_least(1))
     intermediate_size: int = attrs.field(validator=int_at_least(1))
-    rope_theta: float = 500_000.0
-    norm_eps: float = 1e-5
+    rope_theta: float = attrs.field(default=500_000.0, validator=_positive)  # a base <= 0 gives NaN angles
+    norm_eps: float = attrs.field(default=1e-5, validator=_non_negative)  # < 0 can take a root of a negative
     rope_scaling: RopeScaling | None = None
-    qkv_bias: bool = False
-    out_bias: bool = False
-    tie_word_embeddings: bool = False
+    qkv_bias: bool = attrs.field(default=False, validator=_switch)
+    out_bias: bool = attrs.field(default=False, validator=_switch)
+    tie_word_embeddings: bool = attrs.field(default=False, validator=_switch)
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads:

@@ -395,6 +395,9 @@ def test_invalid_options_raise_config_error(tmp_path: Path) -> None:
     for fsync_every in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="fsync_every"):
             SsdPagePool(path, 4096, 1, fsync_every=fsync_every)  # type: ignore[arg-type]
+    for o_direct in ("no", 1, None):
+        with pytest.raises(ConfigError, match="o_direct must be True or False"):
+            SsdPagePool(path, 4096, 1, o_direct=o_direct)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cannot open SSD pool file"):
         SsdPagePool(tmp_path / "missing-dir" / "pool", 4096, 1)
     assert list(tmp_path.iterdir()) == []

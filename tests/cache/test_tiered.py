@@ -614,6 +614,7 @@ def test_put_chain_needs_a_metadata_first_tier(tmp_path: Path) -> None:
         (lambda cache: cache.put(BlockKey(1), b"x", checksum=math.nan), "checksum"),
         (lambda cache: cache.put(BlockKey(1), b"x", checksum=1 << 64), "checksum"),
         (lambda cache: cache.put(True, b"x"), "block key"),
+        (lambda cache: cache.put(BlockKey(1), "text"), "page data must be bytes-like"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_a_page_is_claimed(

@@ -10,6 +10,7 @@ the module does not load torch (a scheduler or gateway process never pays for it
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -85,6 +86,12 @@ def test_presets_are_valid_llama_shapes() -> None:
         ({"num_layers": 0}, "num_layers"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"num_kv_heads": True}, "num_kv_heads"),
+        ({"rope_theta": -5.0}, "rope_theta must be a finite number > 0"),  # NaN angles
+        ({"rope_theta": 0}, "rope_theta"),
+        ({"norm_eps": -1.0}, "norm_eps must be a finite number >= 0"),
+        ({"norm_eps": math.nan}, "norm_eps"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be True or False"),
+        ({"qkv_bias": 1}, "qkv_bias"),
     ],
 )
 def test_config_rejects_invalid_shapes(fields: dict[str, object], named: str) -> None:
