@@ -386,6 +386,8 @@ def _integer(body: Mapping[str, Any], name: str, default: int, low: int, high: i
     value = body.get(name)
     if value is None:
         return default
+    if type(value) is float and value.is_integer():  # 5.0 is 5, as vLLM's pydantic models read it
+        value = int(value)
     if type(value) is not int or not low <= value <= high:
         raise ApiError(400, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}", param=name)
     return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from typing import Any
 
@@ -130,6 +131,8 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "max_tokens": 129}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 5.5}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": math.inf}, "max_tokens"),
         ({"prompt": "hi", "temperature": 10**4000}, "temperature"),
         ({"prompt": "hi", "temperature": 2.5}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
@@ -225,6 +228,12 @@ def test_a_full_request_parses_into_its_records() -> None:
     assert parse_completion({"prompt": ["one"], "stop": "x"}, SERVED).sampling == SamplingOptions(
         max_tokens=16, temperature=1.0, stop=("x",)
     )
+
+
+def test_an_integral_float_is_its_integer() -> None:
+    """`max_tokens: 5.0` and `seed: 7.0` read as 5 and 7, as vLLM's pydantic models read them (5.5 is a 400)."""
+    sampling = parse_completion({"prompt": "hi", "max_tokens": 5.0, "seed": 7.0}, SERVED).sampling
+    assert (sampling.max_tokens, sampling.seed) == (5, 7) and type(sampling.max_tokens) is int
 
 
 def test_left_out_temperature_and_top_p_are_the_served_models_defaults() -> None:

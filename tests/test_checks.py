@@ -1,0 +1,74 @@
+"""Properties of `mooncake._checks`, the argument checks every module's errors go through.
+
+Each check accepts exactly its domain and returns the value as the caller uses it; anything else is the
+error it was given, naming the argument and showing the value: integers (never a bool, a float or a
+string) at least a minimum, finite numbers above or at least a minimum (never NaN, an infinity or a
+bool), non-empty strings; `ceil_div` is the exact ceiling for any non-negative integers (no float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake._checks import ceil_div, is_int, plain_int, require_int, require_number, require_str
+from mooncake.errors import ConfigError, InvalidRequestError
+
+anything = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=5),
+    st.builds(np.int64, st.integers(-(2**62), 2**62)),
+    st.builds(np.float64, st.floats(allow_nan=True)),
+    st.fractions(),
+)
+
+
+@given(anything, st.integers(-5, 5))
+def test_require_int_accepts_exactly_integers_at_least_the_minimum(value: object, minimum: int) -> None:
+    integral = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if integral and value >= minimum:  # type: ignore[operator]
+        result = require_int("count", value, minimum=minimum)
+        assert type(result) is int and result == value
+    else:
+        with pytest.raises(ConfigError, match=rf"^count must be an integer >= {minimum}, got "):
+            require_int("count", value, minimum=minimum)
+    assert is_int(value) == integral
+    assert plain_int(value) == value or value != value  # NaN is itself unchanged, only unequal
+    if integral:
+        assert type(plain_int(value)) is int
+
+
+@given(anything, st.integers(-3, 3), st.booleans())
+def test_require_number_accepts_exactly_finite_numbers_within_the_bound(
+    value: object, minimum: int, strict: bool
+) -> None:
+    real = isinstance(value, (int, float, np.integer, np.floating, Fraction)) and not isinstance(value, bool)
+    finite = real and math.isfinite(value)  # type: ignore[arg-type]
+    inside = finite and (value > minimum if strict else value >= minimum)  # type: ignore[operator]
+    if inside:
+        assert require_number("rate", value, minimum=minimum, strict=strict) == float(value)  # type: ignore[arg-type]
+    else:
+        with pytest.raises(InvalidRequestError, match=r"^rate must be a finite number .*, got "):
+            require_number("rate", value, minimum=minimum, strict=strict, error=InvalidRequestError)
+
+
+@given(anything | st.text(max_size=3), st.booleans())
+def test_require_str_accepts_exactly_strings_non_empty_unless_allowed(value: object, empty: bool) -> None:
+    if isinstance(value, str) and (empty or value):
+        assert require_str("name", value, empty=empty) is value
+    else:
+        with pytest.raises(ConfigError, match=r"^name must be a "):
+            require_str("name", value, empty=empty)
+
+
+@given(st.integers(0, 2**200), st.integers(1, 2**70))
+def test_ceil_div_is_the_exact_ceiling(numerator: int, denominator: int) -> None:
+    assert ceil_div(numerator, denominator) == math.ceil(Fraction(numerator, denominator))
