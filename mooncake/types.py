@@ -21,7 +21,18 @@ import numpy.typing as npt
 from mooncake._checks import ceil_div, int_at_least, plain_int
 from mooncake.errors import InvalidRequestError
 
-__all__ = ["BlockKey", "InstanceId", "Request", "RequestId", "Slo", "Tier", "as_token_array", "key_tuple"]
+__all__ = [
+    "BlockKey",
+    "InstanceId",
+    "MAX_TOKENS",
+    "Request",
+    "RequestId",
+    "Slo",
+    "Tier",
+    "as_token_array",
+    "check_token_count",
+    "key_tuple",
+]
 
 _INT32 = np.iinfo(np.int32)
 
@@ -33,6 +44,25 @@ InstanceId = NewType("InstanceId", str)
 
 RequestId = NewType("RequestId", str)
 """Identifies a request for its whole life."""
+
+MAX_TOKENS = 2**40
+"""The most tokens a request's prompt or output may count: far beyond any context, and small enough that
+sums of them stay exact in the int64 and float64 arithmetic of the schedulers' compiled kernels."""
+
+
+def check_token_count(name: str, value: Any) -> int:
+    """`value` as a token count, an integer in [1, MAX_TOKENS].
+
+    Raises:
+        InvalidRequestError: anything else, naming `name` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value <= MAX_TOKENS:
+        raise InvalidRequestError(f"{name} must be an integer in [1, 2**40], got {value!r}")
+    return int(value)
+
+
+def _token_count(_instance: object, attribute: Any, value: Any) -> None:
+    check_token_count(attribute.name, value)
 
 
 class Tier(enum.IntEnum):
@@ -111,8 +141,8 @@ class Request:
 
     request_id: RequestId = attrs.field()
     arrival_s: float = attrs.field()
-    input_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
-    output_length: int = attrs.field(converter=plain_int, validator=int_at_least(1, error=InvalidRequestError))
+    input_length: int = attrs.field(converter=plain_int, validator=_token_count)
+    output_length: int = attrs.field(converter=plain_int, validator=_token_count)
     block_keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
     tokens: npt.NDArray[np.int32] | None = attrs.field(
         default=None, converter=_request_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False, repr=False

@@ -42,6 +42,7 @@ import enum
 import heapq
 import math
 import random
+import typing
 from collections.abc import Sequence
 
 import attrs
@@ -122,6 +123,12 @@ class _InFlight:
     ttft_s: float
     had_transfer: bool
     stage: _Stage = _Stage.QUEUED
+    # (source, estimated finish) of the transfer its prefill waits for: counted in the source's congestion
+    # until the request leaves its prefill queue (then the blocks have arrived) or ends.
+    transfer: tuple[InstanceId, float] | None = None
+
+
+_EVENT_TYPES = typing.get_args(SchedulerEvent)
 
 
 class Conductor:
@@ -153,6 +160,18 @@ class Conductor:
         transfers: bool = True,
         seed: int = 0,
     ) -> None:
+        # What each part must be able to do, checked here: a misplaced argument (an SLO given as 30, a policy
+        # given by its name) would otherwise fail at the first request, as an AttributeError.
+        if not isinstance(slo, Slo):
+            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+        for name, part, method in (
+            ("router", router, "route"),
+            ("step_model", step_model, "step_s"),
+            ("admission", admission, "admit"),
+            ("predictor", predictor, "predict"),
+        ):
+            if not callable(getattr(part, method, None)):
+                raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {part!r}")
         self.router = router
         self.step_model = step_model
         self.admission = admission
@@ -317,7 +336,12 @@ class Conductor:
             self._decode_board.refresh_load(self._decode_board.slot[decode.decode_instance])
             self._incoming[decode.decode_instance][request.request_id] = queued
             self._in_flight[request.request_id] = _InFlight(
-                route.prefill_instance, decode.decode_instance, now, ttft_s, route.transfer is not None
+                route.prefill_instance,
+                decode.decode_instance,
+                now,
+                ttft_s,
+                route.transfer is not None,
+                transfer=(route.transfer.source, now + route.transfer_s) if route.transfer is not None else None,
             )
         return decision
 
@@ -394,8 +418,11 @@ class Conductor:
         Raises:
             UnknownInstanceError: the event names an instance never added, or one of the wrong kind
                 (a prefill event from a decode instance, and the reverse).
-            InvalidRequestError: the event names a known instance the request was not routed to.
+            InvalidRequestError: the event names a known instance the request was not routed to, or is no
+                scheduler event.
         """
+        if not isinstance(event, _EVENT_TYPES):
+            raise InvalidRequestError(f"handle takes a scheduler event (mooncake.sched.view), got {event!r}")
         if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
         if isinstance(event, PrefillBacklog):
@@ -531,6 +558,16 @@ class Conductor:
             "the blocks coming to prefill instances are out of sync with their queues"
         )
         self._pending.check_invariants()
+        # Every transfer still counted against a source belongs to a queued request (none outlives its request).
+        counted = collections.Counter(
+            flight.transfer
+            for request_id, flight in self._in_flight.items()
+            if flight.transfer is not None and request_id in queued
+        )
+        for source, finishes in self._transfers.items():
+            for finish in finishes:
+                assert counted[(source, finish)] > 0, f"a transfer from {source} outlived its request"
+                counted[(source, finish)] -= 1
 
     # ------------------------------------------------------------------ internals
 
@@ -579,6 +616,15 @@ class Conductor:
         return RequestEnd(request_id, outcome, reason)
 
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
+        if flight.transfer is not None:  # its blocks have arrived, or will never be needed
+            source, finish = flight.transfer
+            flight.transfer = None
+            finishes = self._transfers.get(source, [])
+            if finish in finishes:  # not yet trimmed as past
+                finishes.remove(finish)
+                heapq.heapify(finishes)
+            if not finishes:
+                self._transfers.pop(source, None)
         pending = self._pending_of.pop(request_id, None)
         if pending is not None:
             self._pending.remove(*pending)
@@ -633,10 +679,13 @@ class Conductor:
         if is_up:
             return ()
         self.index.remove_instance(instance)  # its cache is gone; a restart announces a new epoch
+        # Its queued prefills, its decodes, and the prefills still waiting for a transfer from it (estimated
+        # unfinished: the blocks their TTFT was planned on may never arrive).
         doomed = [
             request_id
             for request_id, flight in self._in_flight.items()
             if (flight.prefill_instance == instance and flight.stage is _Stage.QUEUED)
             or flight.decode_instance == instance
+            or (flight.transfer is not None and flight.transfer[0] == instance and flight.transfer[1] > event.now)
         ]
         return tuple(self._end(request_id, Outcome.ABORTED, Reason.INSTANCE_DOWN, event.now) for request_id in doomed)

@@ -29,9 +29,9 @@ import attrs
 import numpy as np
 
 from mooncake._checks import int_at_least
-from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import StepModel
+from mooncake.types import check_token_count
 
 __all__ = [
     "DecodeLimits",
@@ -134,12 +134,10 @@ def check_tokens(prompt_tokens: int, output_tokens: int) -> None:
     """A request's token counts as the rule takes them.
 
     Raises:
-        InvalidRequestError: a count that is not an integer >= 1.
+        InvalidRequestError: a count that is not an integer in [1, MAX_TOKENS] (the compiled scan takes int64).
     """
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int | np.integer) or prompt_tokens < 1:
-        raise InvalidRequestError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
-    if isinstance(output_tokens, bool) or not isinstance(output_tokens, int | np.integer) or output_tokens < 1:
-        raise InvalidRequestError(f"output_tokens must be an integer >= 1, got {output_tokens!r}")
+    check_token_count("prompt_tokens", prompt_tokens)
+    check_token_count("output_tokens", output_tokens)
 
 
 def check_join(
@@ -160,7 +158,7 @@ def check_join(
         step_model, tbt_slo_s: the TBT check needs both; without them it is skipped.
 
     Raises:
-        InvalidRequestError: a token count that is not an integer >= 1.
+        InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS].
     """
     check_tokens(prompt_tokens, output_tokens)
     code = refusal(

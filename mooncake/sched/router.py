@@ -356,12 +356,21 @@ class AdaptiveThreshold:
     local_ratio: float = 1.0
 
     def __attrs_post_init__(self) -> None:
-        for name in ("value", "rate", "smoothing", "minimum", "maximum"):
+        for name in ("rate", "smoothing"):
             require_number(name, getattr(self, name), minimum=0, strict=True)
+        if self.smoothing > 1:  # a weight of the newest observation
+            raise ConfigError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        for name in ("value", "minimum", "maximum"):  # thresholds: ratios of prefix lengths, as the router's
+            require_number(name, getattr(self, name), minimum=1)
+        if not self.minimum <= self.value <= self.maximum:
+            raise ConfigError(
+                f"value must lie in [minimum, maximum] = [{self.minimum}, {self.maximum}], got {self.value!r}"
+            )
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
-        """Learn from one request's outcome."""
-        if estimated_ttft_s <= 0:
+        """Learn from one request's outcome (an observed TTFT below 0, from a clock that stepped back, or not
+        finite teaches nothing)."""
+        if not estimated_ttft_s > 0 or not 0 <= observed_ttft_s < math.inf:
             return
         ratio = min(observed_ttft_s / estimated_ttft_s, 100.0)
         if had_transfer:

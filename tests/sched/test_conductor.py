@@ -248,6 +248,71 @@ def test_plans_a_transfer_from_the_best_holder_when_the_threshold_allows() -> No
     conductor.check_invariants()
 
 
+def test_a_transfer_counts_against_its_source_only_while_its_request_waits_for_it() -> None:
+    """Concurrent transfers from one source slow each other (the estimate's congestion); one whose request
+    ended, or left its prefill queue, no longer counts: an aborted request's transfer doubled the next
+    request's estimate (and stayed counted until the source was next the best holder)."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    first = conductor.schedule(request("first", DOC), 0.0)
+    assert first.transfer is not None and first.transfer.source == P0
+    conductor.handle(RequestAborted(request_id=first.request_id, now=0.0))
+    conductor.check_invariants()
+    again = conductor.schedule(request("again", DOC), 0.0)
+    assert again.transfer is not None and again.ttft_s == pytest.approx(first.ttft_s)
+    conductor.check_invariants()
+
+
+def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> None:
+    """The blocks a queued prefill was planned on may never arrive from a source that went down: the request
+    ends, aborted with `instance_down` (as those on the instance itself), instead of waiting on a void plan."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.transfer is not None and decision.transfer.source == P0
+    ends = conductor.handle(InstanceDown(instance_id=P0, now=0.0))
+    assert RequestEnd(decision.request_id, Outcome.ABORTED, Reason.INSTANCE_DOWN) in ends
+    assert decision.request_id not in conductor.in_flight
+    conductor.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("part", "value", "named"),
+    [("slo", 30, "slo must be"), ("admission", "baseline", "admission must have"), ("router", None, "router must")],
+)
+def test_a_misplaced_part_is_refused_when_the_conductor_is_made(part: str, value: object, named: str) -> None:
+    """An SLO given as a number or a policy by its name failed at the first request, as an AttributeError."""
+    parts: dict[str, Any] = {
+        "router": make_router("kvcache_centric"),
+        "step_model": DECODE_COST,
+        "admission": BaselineAdmission(),
+        "predictor": UniformDecodePredictor(decode_s=10.0),
+        "slo": Slo(),
+    }
+    with pytest.raises(ConfigError, match=named):
+        Conductor(**{**parts, part: value}, block_size_tokens=BLOCK)
+
+
+@pytest.mark.parametrize("event", ["x", None, 3])
+def test_handle_refuses_what_is_no_event(event: object) -> None:
+    with pytest.raises(InvalidRequestError, match="handle takes a scheduler event"):
+        make_conductor().handle(event)  # type: ignore[arg-type]
+
+
+def test_a_request_size_beyond_any_context_is_refused_by_name() -> None:
+    """A count the compiled scan could not hold (int64) was a bare OverflowError from inside `schedule`."""
+    for field in ("input_length", "output_length"):
+        with pytest.raises(InvalidRequestError, match=rf"{field} must be an integer in \[1, 2\*\*40\], got {2**63}"):
+            Request(
+                request_id=RequestId("r"),
+                arrival_s=0.0,
+                block_keys=(),
+                **{"input_length": 8, "output_length": 8, field: 2**63},
+            )
+
+
 def test_ratio_below_threshold_keeps_the_own_prefix() -> None:
     """Peers holding half the prefix (ratio 2): threshold 4 keeps their own half; threshold 1.5 moves the other half."""
     for threshold, expected_blocks in [(4.0, None), (1.5, 15)]:
@@ -898,6 +963,7 @@ class Tracked:
     scheduled_s: float
     stage: str  # queued | started | prefilled | decoding
     keeps: bool = True  # its prefill leaves its blocks in the prefill instance's cache
+    transfer: tuple[InstanceId, float] | None = None  # the source its prefill fetches from, and the estimated finish
 
     @property
     def tokens(self) -> int:
@@ -1047,7 +1113,9 @@ class ConductorMachine(RuleBasedStateMachine):
         view = next(v for v in self.conductor.prefill_views if v.instance_id == prefill)
         assert view.queue[-1].request_id == r.request_id
         assert view.queue[-1].start_s >= self.backlog.get(prefill, self.now)  # it starts after the backlog
-        self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued", keeps)
+        entry = view.queue[-1]
+        transfer = (entry.transfer_source, entry.transfer_finish_s) if entry.transfer_source is not None else None
+        self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued", keeps, transfer)
 
     def _own_prefix(self, instance: InstanceId, keys: Sequence[BlockKey]) -> int:
         """The instance's cached prefix, continued by the blocks of the requests queued on it before
@@ -1167,8 +1235,16 @@ class ConductorMachine(RuleBasedStateMachine):
         doomed = {
             rid
             for rid, t in self.tracked.items()
-            # A prefill instance takes down what it has not finished; finished KV is on its way to decode.
-            if (t.prefill == instance and t.stage in ("queued", "started")) or t.decode == instance
+            # A prefill instance takes down what it has not finished; finished KV is on its way to decode. A
+            # source takes down the prefills still waiting (by the estimate) for its blocks.
+            if (t.prefill == instance and t.stage in ("queued", "started"))
+            or t.decode == instance
+            or (
+                t.stage in ("queued", "started")
+                and t.transfer is not None
+                and t.transfer[0] == instance
+                and t.transfer[1] > self.now
+            )
         }
         ends = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
         assert len(ends) == len(doomed)

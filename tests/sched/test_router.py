@@ -607,11 +607,34 @@ def test_router_uses_the_adaptive_value() -> None:
     assert kept is not None and kept.transfer is None
 
 
-@pytest.mark.parametrize("field", ["value", "rate", "smoothing", "minimum", "maximum"])
-def test_adaptive_threshold_rejects_non_positive_settings(field: str) -> None:
-    """Every setting must be a positive finite number."""
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"value": 0.0},
+        {"rate": 0.0},
+        {"smoothing": 0.0},
+        {"minimum": 0.0},
+        {"maximum": 0.0},
+        {"value": 0.5, "minimum": 0.5},  # a threshold is a ratio of prefix lengths: at least 1, as the router's
+        {"smoothing": 5.0},  # the newest observation's weight
+        {"minimum": 8.0, "maximum": 4.0, "value": 6.0},
+        {"value": 100.0},  # outside [minimum, maximum]
+        {"rate": math.nan},
+    ],
+)
+def test_adaptive_threshold_rejects_settings_out_of_their_range(settings: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
-        AdaptiveThreshold(**{field: 0.0})
+        AdaptiveThreshold(**settings)
+
+
+def test_a_negative_observed_ttft_teaches_the_threshold_nothing() -> None:
+    """A TTFT observed from a clock that stepped back (negative) once drove the local ratio to -241 and pinned the
+    threshold at its maximum for good; such an observation, or a non-finite one, is ignored."""
+    adaptive = AdaptiveThreshold()
+    before = attrs.asdict(adaptive)
+    for observed in (-1000.0, math.nan, math.inf):
+        adaptive.observe(had_transfer=False, estimated_ttft_s=4.0, observed_ttft_s=observed)
+    assert attrs.asdict(adaptive) == before
 
 
 @pytest.mark.parametrize("threshold", [math.nan, -1.0, 0.5, "x", -math.inf])
