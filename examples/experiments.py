@@ -34,7 +34,7 @@ from paper.throughput import throughput
 from serving.registry import ROUTERS
 
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sim.report import write_json
+from mooncake.sim.report import json_safe, write_json
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
 
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"experiments: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
+        print(json.dumps(json_safe(report), indent=2, sort_keys=True, allow_nan=False))
     else:
         print(table)
         print(f"\n{args.experiment}: {report['wall_s']:.1f} s; JSON and plots in {out_dir}")

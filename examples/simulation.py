@@ -48,7 +48,9 @@ if TYPE_CHECKING:  # the example cluster's config, read only for --config (it ne
     from serving.config import ClusterConfig
 
 DEFAULT_REQUESTS = 4000  # generated without --num-requests
+DEFAULT_RATE = 4.0  # arrivals per second, generated without --rate
 SIZING_LOAD = 0.8
+MAX_SIZED_NODES = 1024  # of a role: past it a trace's rate is no basis for sizing (arrivals nearly at once)
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +60,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-requests", type=int, default=None, help="requests generated (default 4000), or the first of a trace"
     )
-    parser.add_argument("--rate", type=float, default=4.0, help="generated arrivals per second (with --preset)")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="generated arrivals per second (with --preset; default 4)"
+    )
     parser.add_argument("--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload generator and the Conductor")
     parser.add_argument(
@@ -81,7 +85,12 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
         raise ConfigError(f"--num-requests must be >= 1, got {count}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    rate = args.rate
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        raise ConfigError(f"--rate must be a finite number > 0, got {rate}")
     if args.trace is not None:
+        if rate is not None:  # a trace's own timestamps are its arrivals
+            raise ConfigError("--rate sets a generated workload's arrivals; a --trace keeps its own (see --speedup)")
         requests = load_trace(args.trace, speedup=speed)[:count]
         if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
             raise ConfigError(f"--trace {args.trace} has no requests")
@@ -90,7 +99,7 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
     requests = generate_requests(
         spec,
         num_requests=DEFAULT_REQUESTS if count is None else count,
-        arrivals=ArrivalProcess(rate_per_s=args.rate),
+        arrivals=ArrivalProcess(rate_per_s=getattr(args, "default_rate", DEFAULT_RATE) if rate is None else rate),
         seed=args.seed,
     )
     return [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
@@ -128,12 +137,28 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="kvcache_balancing_threshold")
 
 
+def arrival_span_s(requests: Sequence[Request]) -> float:
+    """Seconds from the first arrival to the last: what the sizing rates are per."""
+    return requests[-1].arrival_s - requests[0].arrival_s
+
+
+def sized(role: str, nodes: float, requests: Sequence[Request]) -> int:
+    """`nodes` of `role` as a count, or a ConfigError where the trace's arrival rate is no basis for sizing."""
+    if not nodes <= MAX_SIZED_NODES:  # inf (all at once) too
+        raise ConfigError(
+            f"sizing the {role} pool by this workload's demand asks for {nodes:,.0f} nodes: its "
+            f"{len(requests):,} arrivals span {arrival_span_s(requests):.3g} s; give --prefill and --decode"
+        )
+    return max(1, round(nodes))
+
+
 def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float:
-    """Busy prefill instances the workload needs with nothing cached."""
+    """Busy prefill instances the workload needs with nothing cached (inf when every request arrives at once)."""
     if len(requests) < 2:
         return 1.0
-    duration = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
-    return sum(cost.prefill_s(r.input_length) for r in requests) / duration
+    span = arrival_span_s(requests)
+    work = sum(cost.prefill_s(r.input_length) for r in requests)
+    return work / span if span > 0 else math.inf
 
 
 def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[int, int]:
@@ -148,10 +173,15 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
     for option, value, least in options:
         if value < least:
             raise ConfigError(f"{option} must be >= {least}, got {value}")
+    if args.prefill > 0 and args.prefill % args.cpp:
+        raise ConfigError(f"--cpp {args.cpp} must divide --prefill {args.prefill} (whole groups of prefill nodes)")
+    threshold = getattr(args, "threshold", None)
+    if threshold is not None and not (threshold == math.inf or threshold >= 1):  # NaN fails both
+        raise ConfigError(f"--threshold must be a number >= 1 (inf: never transfer), got {threshold}")
     prefill = args.prefill
     if prefill <= 0:
         cost = PrefillCostModel(model=MODELS[args.model], hardware=HARDWARE[args.hardware])
-        prefill = max(1, round(SIZING_LOAD * prefill_demand(requests, cost)))
+        prefill = sized("prefill", SIZING_LOAD * prefill_demand(requests, cost), requests)
         prefill = max(args.cpp, prefill - prefill % args.cpp)  # whole CPP groups
     decode = args.decode if args.decode > 0 else prefill
     return prefill, decode
@@ -193,10 +223,11 @@ def decode_sized(requests: Sequence[Request], args: argparse.Namespace, spec: Cl
         return int(args.decode)
     if len(requests) < 2:
         return 1
-    duration = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
+    span = arrival_span_s(requests)
     output = statistics.mean(r.output_length for r in requests)
-    decoding = len(requests) / duration * output * args.tbt_slo  # requests decoding at once, at the SLO's pace
-    return max(1, round(SIZING_LOAD * decoding / decode_capacity(spec, requests, args.tbt_slo)))
+    # requests decoding at once, at the SLO's pace
+    decoding = len(requests) / span * output * args.tbt_slo if span > 0 else math.inf
+    return sized("decode", SIZING_LOAD * decoding / decode_capacity(spec, requests, args.tbt_slo), requests)
 
 
 def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overrides: object) -> ClusterSpec:

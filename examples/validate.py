@@ -480,7 +480,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
     p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
     simulation.add_workload_options(p)
-    p.set_defaults(preset="conversation", num_requests=200, rate=2.0)
+    p.set_defaults(preset="conversation", num_requests=200, default_rate=2.0)  # the rate without --rate
     add_scaling_options(p)
     p.add_argument(
         "--overload-speedup", type=float, default=OVERLOAD_SPEEDUP, help="the overload run's arrivals, this much faster"

@@ -101,13 +101,21 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
         ([*SMALL, "--speedup", "inf"], "--speedup must be a finite number > 0"),
         ([*SMALL, "--cache-blocks", "-3"], "--cache-blocks must be >= 0, got -3"),
         ([*SMALL, "--ttft-slo", "-1"], "--ttft-slo must be a finite number > 0, got -1.0"),
+        ([*SMALL[:-1], "-5"], "--rate must be a finite number > 0, got -5.0"),
+        (["--trace", "ONE", "--rate", "2"], "--rate sets a generated workload's arrivals"),  # it was ignored
+        ([*SMALL, "--cpp", "4", "--prefill", "6"], "--cpp 4 must divide --prefill 6"),
+        ([*SMALL, "--threshold", "0.5"], "--threshold must be a number >= 1"),
+        (["--trace", "AT_ONCE"], "its 3 arrivals span 0 s; give --prefill and --decode"),  # sized 1.7e11 nodes
     ],
 )
 def test_replay_refuses_bad_options_by_name(args: list[str], message: str, tmp_path: Path) -> None:
     """One line naming the option, exit status 2, and nothing run (an empty trace once printed a table of zeros)."""
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    done = run("replay.py", *[str(empty) if arg == "EMPTY" else arg for arg in args], check=False)
+    traces = {"EMPTY": tmp_path / "empty.jsonl", "ONE": tmp_path / "one.jsonl", "AT_ONCE": tmp_path / "at_once.jsonl"}
+    traces["EMPTY"].write_text("")
+    line = '{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}\n'
+    traces["ONE"].write_text(line)
+    traces["AT_ONCE"].write_text(line * 3)
+    done = run("replay.py", *[str(traces[arg]) if arg in traces else arg for arg in args], check=False)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
@@ -161,6 +169,25 @@ def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
     }
     assert not list(tmp_path.glob("*.png"))
     assert "\r" not in done.stderr  # piped: no progress bar
+
+
+def test_a_router_that_completes_nothing_is_not_ranked_fastest(tmp_path: Path) -> None:
+    """Its mean TTFT over no request (0) ranked a router that rejected everything first."""
+    router = tmp_path / "reject_all.py"
+    router.write_text(
+        "class RejectAll:\n"
+        "    def __init__(self, estimator):\n"
+        "        pass\n"
+        "    def route(self, candidates, query, now, rng):\n"
+        "        return None\n"
+        "    def observe(self, *, had_transfer, estimated_ttft_s, observed_ttft_s):\n"
+        "        pass\n"
+    )
+    routers = f"kvcache_centric,{router}:RejectAll"
+    done = run("experiments.py", "scheduling", *SMALL, "--routers", routers, "--no-plots", "--no-progress")
+    ranking = next(line for line in done.stdout.splitlines() if line.startswith("ranked by mean ttft"))
+    assert "RejectAll" not in ranking
+    assert f"not ranked by mean TTFT (completed nothing): {router}:RejectAll" in done.stdout
 
 
 def test_a_ranking_shows_ties_as_ties(monkeypatch: pytest.MonkeyPatch) -> None:

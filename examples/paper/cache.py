@@ -11,6 +11,7 @@ many nodes with small caches. The table marks where the ratio is largest.
 from __future__ import annotations
 
 import argparse
+import math
 
 import attrs
 import simulation
@@ -42,9 +43,14 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
 
     def ratio(nodes: int, blocks: int) -> float:
         local = rows[nodes, blocks, "local"].summary.cache_hit_ratio
-        return rows[nodes, blocks, "global"].summary.cache_hit_ratio / local if local else float("inf")
+        shared = rows[nodes, blocks, "global"].summary.cache_hit_ratio
+        if local:
+            return shared / local
+        return math.inf if shared else math.nan  # no local hit: infinite gain, or none to compare (JSON: null)
 
-    largest = max(((n, b) for n in node_counts for b in capacities), key=lambda nb: ratio(*nb))
+    # The largest gain among the cells where both caches hit (an infinite one says only that local caches missed).
+    finite = [(n, b) for n in node_counts for b in capacities if math.isfinite(ratio(n, b))]
+    largest = max(finite or [(node_counts[0], capacities[0])], key=lambda nb: ratio(*nb))
     lines = [header(args, requests, spec), f"router {args.router} (local caches: local_cache_aware)", ""]
     lines.append(
         f"{'nodes':>6}{'blocks/node':>12}{'global hit':>11}{'local hit':>10}{'ratio':>7}"

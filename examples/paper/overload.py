@@ -86,15 +86,11 @@ def overload(args: argparse.Namespace) -> tuple[Report, str]:
             runs[policy][str(speedup)] = result
             swing[policy][str(speedup)] = oscillation(result.load, *_span(requests))
     lines = [header(args, base, spec), ""]
-    lines.append(
-        f"{'admission':<28}" + "".join(f"{f'x{v}':>16}" for v in speedups) + "   rejected (wasted s) / oscillation"
-    )
-    for policy in ADMISSIONS:
-        cells = []
-        for v in speedups:
+    lines.append(f"{'speed-up':>8}  {'admission':<28}{'rejected':>9}{'osc.':>6}{OUTCOME_COLUMNS}")
+    for v in speedups:
+        for policy in ADMISSIONS:
             s = runs[policy][str(v)].summary
-            cells.append(f"{s.rejected:>6}({s.wasted_prefill_s:>5.0f})/{swing[policy][str(v)]:<3.0f}")
-        lines.append(f"{policy:<28}" + "".join(f"{cell:>16}" for cell in cells))
+            lines.append(f"{f'x{v}':>8}  {policy:<28}{s.rejected:>9,}{swing[policy][str(v)]:>6.1f}{outcome_cells(s)}")
     per_speedup = {policy: outcomes_json(runs[policy]) for policy in ADMISSIONS}
     if args.out:
         for key, label in (("rejected", "rejected requests"), ("wasted_prefill_s", "wasted prefill (s)")):

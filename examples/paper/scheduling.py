@@ -43,8 +43,10 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
             f"{router:<{width}}{s.ttft_s['mean']:>10.2f}{s.ttft_s['p90']:>8.2f}{s.ttft_s['p99']:>8.2f}"
             f"{s.cache_hit_ratio:>10.3f}{outcome_cells(s)}"
         )
+    # A router that completed nothing has no mean TTFT (its 0 would rank it fastest): it is left out of that ranking.
+    timed = [r for r in results if results[r].summary.completed]
     figures = {  # what each ranking orders by, and the sign that makes smaller better
-        "mean_ttft": ({r: results[r].summary.ttft_s["mean"] for r in results}, 1.0, " < "),
+        "mean_ttft": ({r: results[r].summary.ttft_s["mean"] for r in timed}, 1.0, " < "),
         "goodput": ({r: results[r].summary.goodput_rps for r in results}, -1.0, " > "),
         "slo_attainment": ({r: results[r].summary.slo_attainment for r in results}, -1.0, " > "),
     }
@@ -52,6 +54,8 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
     lines.append("")
     for by, (values, _sign, better) in figures.items():
         lines.append(f"ranked by {by.replace('_', ' ')}: {ranked(ranking[by], values, better)}")
+    if len(timed) < len(results):
+        lines.append(f"not ranked by mean TTFT (completed nothing): {', '.join(r for r in results if r not in timed)}")
     if args.out:
         ttfts = {
             router: [r.ttft_s or 0.0 for r in result.records if r.outcome == Outcome.COMPLETED]

@@ -362,7 +362,14 @@ def _percentiles(values: Sequence[float] | np.ndarray) -> dict[str, float]:
 
 @attrs.frozen(kw_only=True)
 class Summary:
-    """The replay's figures (the `--json` of examples/replay.py)."""
+    """The replay's figures (the `--json` of examples/replay.py).
+
+    `ttft_s` and `tbt_s` are over the completed requests (0 when none completed; a ranking leaves such a run
+    out), `tbt_s` over those with more than one output token. `slo_attainment` is over every arrival.
+    `goodput_rps` is the requests completed within both objectives per second from the first arrival to
+    the last completion, as vLLM's benchmark counts it: a policy that finishes its backlog sooner has the
+    shorter span, so goodput can rank two policies against their attainment on the same arrivals.
+    """
 
     num_requests: int
     completed: int
@@ -410,7 +417,8 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
         rejected_after_prefill=int(after_prefill.sum()),
         wasted_prefill_s=sum(prefill_s[after_prefill].tolist()),
         ttft_s=_percentiles(ttft[completed & prefilled]),
-        tbt_s=_percentiles(tbt[completed]),
+        # over the requests that have a token interval: one output token has none (its TBT 0 is no pace)
+        tbt_s=_percentiles(tbt[completed & (table.column("output_tokens") > 1)]),
         slo_attainment=num_within / len(table) if len(table) else 0.0,
         goodput_rps=num_within / span if span > 0 else 0.0,
         cache_hit_ratio=sum(table.column("prefix_tokens")[prefilled].tolist()) / input_tokens if input_tokens else 0.0,
@@ -429,25 +437,49 @@ class LoadSample:
 
 
 class LoadTrace:
-    """Samples `counts()` (prefill, decode) every `interval_s` of simulated time.
+    """Samples `counts()` (prefill, decode) at the multiples of `interval_s` of simulated time, from the first
+    event on.
 
     Used as the event loop's `before_each` hook: at each event it records the
     load for every sample time passed since the last event (the state held
-    since then).
+    since then). Sampling starts at the first event, not at time 0 (a trace
+    stamped in epoch milliseconds starts decades in), and a stretch of more
+    than `MAX_GAP_SAMPLES` intervals without an event is recorded by its first
+    and last samples only (the state is the same throughout), so memory follows
+    the events, not the idle time between them.
     """
+
+    MAX_GAP_SAMPLES = 3600
 
     def __init__(self, interval_s: float, counts: Callable[[], tuple[int, int]]) -> None:
         self.interval_s = interval_s
         self.counts = counts
         self.samples: list[LoadSample] = []
-        self._next_s = 0.0
+        self._next: int | None = None  # the next sample is at next · interval (a product: no drift from adding)
+        self._next_s = -math.inf  # that time (the first call always samples)
+
+    def _last_index(self, now: float) -> int:
+        """The index of the last sample time at or before `now`."""
+        last = math.floor(now / self.interval_s)
+        while last * self.interval_s > now:  # the division rounded up
+            last -= 1
+        return last
 
     def __call__(self, now: float) -> None:
-        if now >= self._next_s:
-            prefill, decode = self.counts()
-            while now >= self._next_s:
-                self.samples.append(LoadSample(self._next_s, prefill, decode))
-                self._next_s += self.interval_s
+        if now < self._next_s:  # per event: one comparison
+            return
+        interval = self.interval_s
+        last = self._last_index(now)
+        if self._next is None:  # the first event: the grid's point at or before it
+            self._next = last
+        prefill, decode = self.counts()
+        if last - self._next > self.MAX_GAP_SAMPLES:
+            self.samples.append(LoadSample(self._next * interval, prefill, decode))
+            self._next = last
+        while self._next <= last:
+            self.samples.append(LoadSample(self._next * interval, prefill, decode))
+            self._next += 1
+        self._next_s = self._next * interval
 
 
 @attrs.frozen(kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 import time
@@ -22,7 +23,16 @@ import numpy as np
 from mooncake.errors import ConfigError
 from mooncake.sim.metrics import LoadSample, RequestRecord
 
-__all__ = ["ProgressBar", "plot_cdfs", "plot_lines", "plot_load", "shows_progress", "write_json", "write_records_csv"]
+__all__ = [
+    "ProgressBar",
+    "json_safe",
+    "plot_cdfs",
+    "plot_lines",
+    "plot_load",
+    "shows_progress",
+    "write_json",
+    "write_records_csv",
+]
 
 RECORD_COLUMNS = (
     "request_id",
@@ -68,7 +78,7 @@ def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> Non
                     r.input_tokens,
                     r.output_tokens,
                     r.outcome.value if r.outcome else "",
-                    r.reason,
+                    r.reason.value if r.reason else "",
                     r.prefill_instance or "",
                     r.decode_instance or "",
                     r.prefix_tokens,
@@ -81,9 +91,22 @@ def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> Non
             )
 
 
+def json_safe(data: Any) -> Any:
+    """`data` with every float that is not finite (a ratio over nothing, an infinite one) as None: JSON has no
+    NaN or Infinity, and strict parsers refuse Python's extension."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [json_safe(value) for value in data]
+    return data
+
+
 def write_json(data: Any, path: str | Path) -> None:
+    """`data` as strict JSON (see `json_safe`), written atomically."""
     with _atomic(path) as stream:
-        json.dump(data, stream, indent=2, sort_keys=True)
+        json.dump(json_safe(data), stream, indent=2, sort_keys=True, allow_nan=False)
         stream.write("\n")
 
 

@@ -145,7 +145,8 @@ def _record(raw: bytes) -> Any:
     if not line.strip():
         return _BLANK
     try:
-        return json.loads(line, parse_constant=_not_json)
+        # Without its line ending: a line cut short is then reported at its end, not at column 1 of the next.
+        return json.loads(line.rstrip("\r\n"), parse_constant=_not_json)
     except json.JSONDecodeError as error:
         raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}") from error
     except RecursionError as error:

@@ -40,7 +40,7 @@ def reference_summary(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s:
         rejected_after_prefill=sum(1 for r in records if r.outcome == Outcome.REJECTED_AFTER_PREFILL),
         wasted_prefill_s=sum(r.prefill_s for r in records if r.outcome == Outcome.REJECTED_AFTER_PREFILL),
         ttft_s=_percentiles([r.ttft_s for r in completed if r.ttft_s is not None]),
-        tbt_s=_percentiles([r.tbt_s for r in completed]),
+        tbt_s=_percentiles([r.tbt_s for r in completed if r.output_tokens > 1]),  # one token has no interval
         slo_attainment=len(within) / len(records) if records else 0.0,
         goodput_rps=len(within) / span if span > 0 else 0.0,
         cache_hit_ratio=sum(r.prefix_tokens for r in prefilled) / input_tokens if input_tokens else 0.0,

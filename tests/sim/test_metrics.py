@@ -353,7 +353,8 @@ def test_load_trace_samples_the_state_held_at_each_sample_time() -> None:
     st.lists(st.integers(min_value=0, max_value=400), min_size=1, max_size=20),
 )
 def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(interval_s: float, event_ticks: list[int]) -> None:
-    """Samples at 0, i, 2i, ... up to the last event's time, each the count set by the latest earlier event."""
+    """Samples at the multiples of i from the last at or before the first event up to the last event's time,
+    each the count set by the latest earlier event."""
     loop = EventLoop()
     times = sorted(t / 10 for t in event_ticks)
     current = [0]
@@ -361,10 +362,27 @@ def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(interval_s:
     for number, time_s in enumerate(times, start=1):
         loop.at(time_s, lambda _now, n: current.__setitem__(0, n), number)
     loop.run(trace)
-    expected_count = math.floor(times[-1] / interval_s) + 1
+    first = math.floor(times[0] / interval_s)
+    expected_count = math.floor(times[-1] / interval_s) - first + 1
     assert len(trace.samples) == expected_count
     for index, sample in enumerate(trace.samples):
-        assert sample.time_s == pytest.approx(index * interval_s)
+        assert sample.time_s == (first + index) * interval_s
         before = [n for n, t in enumerate(times, start=1) if t < sample.time_s - 1e-9]
         assert sample.prefill_requests == (before[-1] if before else 0)
         assert sample.decode_requests == -sample.prefill_requests
+
+
+def test_load_trace_memory_follows_the_events_not_the_idle_time() -> None:
+    """A trace stamped in epoch seconds samples from its first event (not from 0: 1.7e9 samples), and a gap of
+    months between two events is its first and last samples (10 million samples of one unchanged state)."""
+    loop = EventLoop()
+    current = [0]
+    trace = LoadTrace(1.0, lambda: (current[0], 0))
+    start = 1.7e9
+    for time_s, count in [(start, 1), (start + 2.5, 2), (start + 1e7, 3), (start + 1e7 + 1.5, 4)]:
+        loop.at(time_s, lambda _now, n: current.__setitem__(0, n), count)
+    loop.run(trace)
+    times = [sample.time_s for sample in trace.samples]
+    assert times[:3] == [start, start + 1, start + 2] and len(times) < 10
+    assert times[3:] == [start + 3, start + 1e7, start + 1e7 + 1]  # the gap: its first sample, then its last
+    assert [sample.prefill_requests for sample in trace.samples][3:] == [2, 2, 3]

@@ -132,6 +132,11 @@ def test_synthetic_trace_has_3993_requests(synthetic_trace: Path) -> None:
 MALFORMED: dict[str, tuple[str, str]] = {
     # id: (bad line, expected words in the reason)
     "truncated json": ('{"timestamp": 0, "input_length": 5,', "invalid JSON"),
+    # where the line ends (its newline is no part of it: the column was 1, of the next line)
+    "cut before its brace": (
+        '{"timestamp": 0, "input_length": 5',
+        "invalid JSON: Expecting ',' delimiter at column 35",
+    ),
     "not json": ("timestamp=0", "invalid JSON"),
     "json array": ("[0, 5, 3, [1, 2]]", "expected a JSON object, got list"),
     "json number": ("42", "expected a JSON object, got int"),

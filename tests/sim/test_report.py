@@ -1,0 +1,73 @@
+"""Tests of `mooncake.sim.report`'s files: strict JSON and the per-request CSV.
+
+Properties: `json_safe` of any nesting of floats (NaN and infinities included) is what a strict JSON
+encoder takes, with every finite value kept and every other one null; `write_json` writes it. The CSV's
+outcome and reason columns hold the values `Outcome(...)` and `reason_named` read back.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake.sched.outcome import Outcome, Reason, reason_named
+from mooncake.sim.metrics import RequestRecord
+from mooncake.sim.report import json_safe, write_json, write_records_csv
+from mooncake.types import RequestId
+
+leaves = st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.text(max_size=3) | st.none()
+nested = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner))
+
+
+def same_but_non_finite_as_none(original: Any, safe: Any) -> bool:
+    if isinstance(original, float):
+        return safe == original if math.isfinite(original) else safe is None
+    if isinstance(original, dict):
+        return original.keys() == safe.keys() and all(
+            same_but_non_finite_as_none(original[k], safe[k]) for k in original
+        )
+    if isinstance(original, list):
+        return len(original) == len(safe) and all(map(same_but_non_finite_as_none, original, safe))
+    return bool(original == safe)
+
+
+@given(nested)
+def test_json_safe_is_strict_json_with_only_the_non_finite_values_nulled(data: Any) -> None:
+    safe = json_safe(data)
+    assert same_but_non_finite_as_none(data, safe)
+    assert json.loads(json.dumps(safe, allow_nan=False)) == safe
+
+
+def test_write_json_writes_a_ratio_over_nothing_as_null(tmp_path: Path) -> None:
+    """`experiments.py cache` wrote `"ratio": Infinity`, which strict parsers refuse."""
+    write_json({"ratio": {"4x100": math.inf, "4x200": math.nan, "8x100": 1.5}}, tmp_path / "cache.json")
+    text = (tmp_path / "cache.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == {"ratio": {"4x100": None, "4x200": None, "8x100": 1.5}}
+
+
+def test_the_csv_names_outcomes_and_reasons_by_the_values_that_read_back(tmp_path: Path) -> None:
+    records = [
+        RequestRecord(
+            request_id=RequestId("0"), arrival_s=0.0, input_tokens=8, output_tokens=2, outcome=Outcome.COMPLETED
+        ),
+        RequestRecord(
+            request_id=RequestId("1"),
+            arrival_s=1.0,
+            input_tokens=8,
+            output_tokens=2,
+            outcome=Outcome.REJECTED_BEFORE_PREFILL,
+            reason=Reason.TTFT_SLO,
+        ),
+    ]
+    write_records_csv(records, tmp_path / "requests.csv")
+    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+    assert [row["reason"] for row in rows] == ["", "ttft_slo"]
+    assert reason_named(rows[1]["reason"]) is Reason.TTFT_SLO
+    assert [Outcome(row["outcome"]) for row in rows] == [Outcome.COMPLETED, Outcome.REJECTED_BEFORE_PREFILL]
