@@ -17,6 +17,7 @@ __all__ = [
     "int_at_least",
     "is_int",
     "plain_int",
+    "require_bool",
     "require_int",
     "require_number",
     "require_str",
@@ -49,6 +50,14 @@ def require_number(
         bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
         raise error(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)
+
+
+def require_bool(name: str, value: Any) -> bool:
+    """`value` as a switch, or a ConfigError naming `name` (a string such as "no", or 0, is no switch: one
+    would read as true, the other is a typo)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def require_str(name: str, value: Any, *, what: str = "string", empty: bool = False) -> str:

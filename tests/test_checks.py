@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake._checks import ceil_div, is_int, plain_int, require_int, require_number, require_str
+from mooncake._checks import ceil_div, is_int, plain_int, require_bool, require_int, require_number, require_str
 from mooncake.errors import ConfigError, InvalidRequestError
 
 anything = st.one_of(
@@ -72,3 +72,12 @@ def test_require_str_accepts_exactly_strings_non_empty_unless_allowed(value: obj
 @given(st.integers(0, 2**200), st.integers(1, 2**70))
 def test_ceil_div_is_the_exact_ceiling(numerator: int, denominator: int) -> None:
     assert ceil_div(numerator, denominator) == math.ceil(Fraction(numerator, denominator))
+
+
+@given(anything)
+def test_require_bool_accepts_exactly_the_two_booleans(value: object) -> None:
+    if isinstance(value, bool):
+        assert require_bool("flag", value) is value
+    else:
+        with pytest.raises(ConfigError, match=r"^flag must be True or False, got "):
+            require_bool("flag", value)

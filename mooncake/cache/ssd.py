@@ -39,6 +39,7 @@ import attrs
 import numpy as np
 import xxhash
 
+from mooncake._checks import require_bool
 from mooncake.cache.pool import ALIGNMENT_BYTES, AllocatingPool, Buffer, aligned_buffer, as_bytes_view
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
@@ -104,8 +105,7 @@ class SsdPagePool(AllocatingPool):
         super().__init__(tier, page_bytes, num_pages)
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
             raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
-        if not isinstance(o_direct, bool):  # "no" would switch it on
-            raise ConfigError(f"o_direct must be True or False, got {o_direct!r}")
+        require_bool("o_direct", o_direct)
         self.path = os.fspath(path)
         self.slot_bytes = HEADER_BYTES + _round_up(page_bytes, ALIGNMENT_BYTES)
         self.file_bytes = HEADER_BYTES + num_pages * self.slot_bytes
@@ -120,22 +120,24 @@ class SsdPagePool(AllocatingPool):
         # The key this pool wrote to each page: a read checks the header holds it, so a slot overwritten
         # with another valid page (a misdirected write, another writer) is never served as this key.
         self._keys: dict[int, BlockKey] = {}
-        created = not os.path.exists(self.path)  # only a file this call makes is removed on failure
-        existed = not created and os.path.getsize(self.path) > 0
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
+        flags = os.O_RDWR | (os.O_DIRECT if o_direct else 0)
         try:
-            self._fd = os.open(self.path, flags, 0o644)
+            try:  # O_EXCL: whether this call made the file is known for sure (only such a file is removed on failure)
+                self._fd, created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                self._fd, created = os.open(self.path, flags), False
         except OSError as error:
             raise ConfigError(f"cannot open SSD pool file {self.path}: {error.strerror}") from error
         try:
-            try:  # one pool per file: two writers would each allocate the same free pages
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as error:
-                raise ConfigError(
-                    f"SSD pool file {self.path} is in use by another pool (in this process or another); "
-                    "give each pool its own file"
-                ) from error
-            if existed:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one pool per file: two would share free pages
+        except BlockingIOError as error:
+            os.close(self._fd)  # and never remove it: the holder's file, even if this call made it
+            raise ConfigError(
+                f"SSD pool file {self.path} is in use by another pool (in this process or another); "
+                "give each pool its own file"
+            ) from error
+        try:
+            if os.fstat(self._fd).st_size > 0:  # read under the lock: what the last holder left
                 self.recovered = self._recover()
             else:
                 self._create()
@@ -149,10 +151,11 @@ class SsdPagePool(AllocatingPool):
     # ------------------------------------------------------------------ pool protocol
 
     def free(self, page: int) -> None:
-        """Release `page` and invalidate its header on disk."""
-        super().free(page)
+        """Invalidate `page`'s header on disk, then release it (never handed out while its old header stands)."""
+        self._check_allocated(page)
         self._keys.pop(page, None)
         self._pwrite(self._zeros, self._slot(page))
+        super().free(page)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
         """Write `data` with its header in one call; `checksum` is computed when not given."""

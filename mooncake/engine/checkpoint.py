@@ -135,9 +135,12 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
             factor=_number(params, "factor", where),
             low_freq_factor=_number(params, "low_freq_factor", where),
             high_freq_factor=_number(params, "high_freq_factor", where),
-            # transformers falls back on the model's own context length
+            # as transformers: a top-level value first (Phi3's place), then the parameters', then the model's context
             original_max_position_embeddings=_count(
-                params, "original_max_position_embeddings", where, raw.get("max_position_embeddings")
+                raw,
+                "original_max_position_embeddings",
+                source,
+                params.get("original_max_position_embeddings") or raw.get("max_position_embeddings"),
             ),
         )
     raise ConfigError(f"{source}: {key}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
@@ -168,18 +171,22 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
     # A sliding window changes attention only for contexts longer than the window.
     window = _optional_count(raw, "sliding_window", source)
     max_positions = _optional_count(raw, "max_position_embeddings", source)
-    window_in_effect = window is not None and (max_positions is None or window < max_positions)
-    if architecture == "Qwen2ForCausalLM":
+    if architecture == "Qwen2ForCausalLM":  # transformers' Qwen2Config, step for step
         layer_types = raw.get("layer_types")
-        if layer_types is None:  # transformers derives them: a window from layer max_window_layers on
-            sliding = _flag(raw, "use_sliding_window", source) and _count(
-                raw, "max_window_layers", source, 28, minimum=0
-            ) < _count(raw, "num_hidden_layers", source)
-        elif isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types):
-            sliding = any(kind != "full_attention" for kind in layer_types)
-        else:
+        if layer_types is not None and not (
+            isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types)
+        ):
             raise ConfigError(f"{source}: layer_types must be a list of strings, got {layer_types!r}")
-        window_in_effect = window_in_effect and sliding
+        if not _flag(raw, "use_sliding_window", source):
+            window = None  # the window is nulled: full attention in every layer, whatever layer_types say
+        elif "sliding_window" not in raw:
+            window = 4096  # Qwen2Config's default
+        if layer_types is None:  # derived: a window from layer max_window_layers on
+            sliding = _count(raw, "max_window_layers", source, 28, minimum=0) < _count(raw, "num_hidden_layers", source)
+        else:
+            sliding = any(kind != "full_attention" for kind in layer_types)
+        window = window if sliding else None
+    window_in_effect = window is not None and (max_positions is None or window < max_positions)
     if window_in_effect:
         raise ConfigError(
             f"{source}: sliding_window={window!r} is in effect below max_position_embeddings={max_positions!r} "

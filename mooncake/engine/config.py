@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least, require_number
+from mooncake._checks import int_at_least, require_bool, require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import ModelShape
 
@@ -72,8 +72,7 @@ def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
 
 
 def _switch(_instance: object, attribute: Any, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
+    require_bool(attribute.name, value)
 
 
 @attrs.frozen(kw_only=True)

@@ -25,7 +25,7 @@ import attrs
 import torch
 import xxhash
 
-from mooncake._checks import require_int, require_number
+from mooncake._checks import plain_int, require_int, require_number
 from mooncake.errors import ConfigError
 
 __all__ = ["Sampler", "SamplingParams", "nucleus"]
@@ -48,7 +48,7 @@ class SamplingParams:
 
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
-    seed: int | None = attrs.field(default=None)
+    seed: int | None = attrs.field(default=None, converter=plain_int)
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
 
     @temperature.validator

@@ -445,6 +445,7 @@ class Conductor:
                     f"but the request was routed to {routed}"
                 )
         if isinstance(event, PrefillStarted):
+            self._release_transfer(flight)  # the prefill runs: the blocks it fetched are there
             self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
         elif isinstance(event, PrefillFinished):
             if flight.stage is not _Stage.QUEUED:
@@ -615,16 +616,22 @@ class Conductor:
         self._incoming[flight.decode_instance].pop(request_id, None)
         return RequestEnd(request_id, outcome, reason)
 
+    def _release_transfer(self, flight: _InFlight) -> None:
+        """The request's transfer no longer counts against its source: its blocks have arrived (its prefill
+        started or left the queue), or will never be needed (it ended)."""
+        if flight.transfer is None:
+            return
+        source, finish = flight.transfer
+        flight.transfer = None
+        finishes = self._transfers.get(source, [])
+        if finish in finishes:  # not yet trimmed as past
+            finishes.remove(finish)
+            heapq.heapify(finishes)
+        if not finishes:
+            self._transfers.pop(source, None)
+
     def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
-        if flight.transfer is not None:  # its blocks have arrived, or will never be needed
-            source, finish = flight.transfer
-            flight.transfer = None
-            finishes = self._transfers.get(source, [])
-            if finish in finishes:  # not yet trimmed as past
-                finishes.remove(finish)
-                heapq.heapify(finishes)
-            if not finishes:
-                self._transfers.pop(source, None)
+        self._release_transfer(flight)
         pending = self._pending_of.pop(request_id, None)
         if pending is not None:
             self._pending.remove(*pending)

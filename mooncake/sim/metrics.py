@@ -463,6 +463,8 @@ class LoadTrace:
         last = math.floor(now / self.interval_s)
         while last * self.interval_s > now:  # the division rounded up
             last -= 1
+        while (last + 1) * self.interval_s <= now:  # or down
+            last += 1
         return last
 
     def __call__(self, now: float) -> None:

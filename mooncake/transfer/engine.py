@@ -151,7 +151,12 @@ class TransferEngine:
         self._check_open()
         require_int("nbytes", nbytes, minimum=0)
         segment, array = create_shared(nbytes)
-        descriptor = self._add_region(array.data, keepalive=(segment, array), shm_name=segment.name)
+        try:
+            descriptor = self._add_region(array.data, keepalive=(segment, array), shm_name=segment.name)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
+            raise
         return descriptor, array
 
     def unregister_memory(self, region_id: int) -> None:
@@ -181,6 +186,10 @@ class TransferEngine:
         if self._rdma is not None and view.nbytes:
             rdma_address, lkey, rdma_rkey = self._rdma.register(view)
         with self._lock:
+            if self._closed:  # closed since the caller's check: nothing would release the region
+                if self._rdma is not None and rdma_address is not None:
+                    self._rdma.deregister(rdma_address)
+                raise TransferError(f"transfer engine {self.address} is closed")
             descriptor = RegionDescriptor(
                 region_id=next(self._region_ids),
                 length=view.nbytes,
@@ -256,6 +265,8 @@ class TransferEngine:
         requests = tuple(requests)
         plans = [self._plan(request) for request in requests]  # validates all before starting any
         with self._lock:
+            if self._closed:  # closed since the check above: no close would fail this batch
+                raise TransferError(f"transfer engine {self.address} is closed")
             batch_id = next(self._batch_ids)
             batch = _Batch(
                 requests=requests,
@@ -444,7 +455,8 @@ def _timeout(value: Any) -> float | None:
     (NaN would make every deadline comparison false: a wait that never times out)."""
     if value is None or (isinstance(value, float) and value == math.inf):
         return None
-    return require_number("timeout", value, minimum=0)
+    seconds = require_number("timeout", value, minimum=0)
+    return None if seconds > threading.TIMEOUT_MAX else seconds  # longer than a lock wait can take: no limit
 
 
 def _ignore(_error: TransferError | None) -> None:

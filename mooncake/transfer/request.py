@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from mooncake._checks import int_at_least, require_int, require_number, require_str
+from mooncake._checks import int_at_least, require_bool, require_int, require_number, require_str
 from mooncake.errors import ConfigError, TransferError
 
 __all__ = [
@@ -132,8 +132,7 @@ def _host(_instance: object, attribute: Any, value: Any) -> None:
 
 
 def _flag(_instance: object, attribute: Any, value: Any) -> None:
-    if not isinstance(value, bool):  # "no" and 0.0 are not read as switches: one is truthy, both are typos
-        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
+    require_bool(attribute.name, value)
 
 
 @attrs.frozen(kw_only=True)

@@ -371,9 +371,18 @@ def test_configs_transformers_runs_as_this_model_are_accepted(checkpoint: Path) 
     assert model_config_from_hf({**qwen, "max_window_layers": layers}, name="q").qkv_bias
     with pytest.raises(ConfigError, match="sliding_window=64"):
         model_config_from_hf({**qwen, "max_window_layers": layers - 1}, name="q")
+    sliding_types = ["sliding_attention"] * layers
+    assert model_config_from_hf({**qwen, "use_sliding_window": False, "layer_types": sliding_types}, name="q")
+    no_window_key = {key: value for key, value in qwen.items() if key != "sliding_window"}
+    with pytest.raises(ConfigError, match="sliding_window=4096"):  # Qwen2Config's default window
+        model_config_from_hf({**no_window_key, "max_window_layers": 0, "max_position_embeddings": 32768}, name="q")
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     scaled = model_config_from_hf({**raw, "rope_parameters": llama3, "max_position_embeddings": 4096}, name="m")
     assert scaled.rope_scaling is not None and scaled.rope_scaling.original_max_position_embeddings == 4096
+    given = {**llama3, "original_max_position_embeddings": 2048}
+    phi3_style = {**raw, "rope_parameters": given, "original_max_position_embeddings": 1024}  # the top level wins
+    scaling = model_config_from_hf(phi3_style, name="m").rope_scaling
+    assert scaling is not None and scaling.original_max_position_embeddings == 1024
 
 
 def test_a_directory_without_weights_or_config_is_refused(tmp_path: Path, checkpoint: Path) -> None:

@@ -70,6 +70,18 @@ def test_a_stream_resumed_at_a_position_draws_what_one_sampler_draws(
     assert drawn == expected and rest.position == len(steps)
 
 
+def test_a_numpy_seed_is_its_integer() -> None:
+    """A seed drawn with numpy (np.int64) streams as the same Python int (it had no `to_bytes`)."""
+    import numpy as np
+
+    logits = logits_of(0)
+    ours, plain = (
+        Sampler(SamplingParams(temperature=1.0, seed=np.int64(5))),
+        Sampler(SamplingParams(temperature=1.0, seed=5)),
+    )
+    assert [ours.next_token(logits) for _ in range(5)] == [plain.next_token(logits) for _ in range(5)]
+
+
 def test_the_draws_of_one_request_are_independent() -> None:
     """Consecutive tokens of one request are separate draws: over near-uniform logits of 1,024 tokens the first
     two agree about 1 time in 1,024 (two fresh samplers of one seed once repeated the first draw every time)."""

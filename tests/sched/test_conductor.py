@@ -272,9 +272,13 @@ def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> No
     caches.store(conductor, P0, DOC)
     decision = conductor.schedule(request("r", DOC), 0.0)
     assert decision.transfer is not None and decision.transfer.source == P0
+    started = conductor.schedule(request("started", DOC), 0.0)
+    assert started.transfer is not None and started.transfer.source == P0 and started.prefill_instance is not None
+    conductor.handle(PrefillStarted(request_id=started.request_id, instance_id=started.prefill_instance, now=0.0))
     ends = conductor.handle(InstanceDown(instance_id=P0, now=0.0))
     assert RequestEnd(decision.request_id, Outcome.ABORTED, Reason.INSTANCE_DOWN) in ends
     assert decision.request_id not in conductor.in_flight
+    assert started.request_id in conductor.in_flight  # its prefill runs: the blocks are there
     conductor.check_invariants()
 
 
@@ -1240,7 +1244,7 @@ class ConductorMachine(RuleBasedStateMachine):
             if (t.prefill == instance and t.stage in ("queued", "started"))
             or t.decode == instance
             or (
-                t.stage in ("queued", "started")
+                t.stage == "queued"  # a started prefill has its blocks
                 and t.transfer is not None
                 and t.transfer[0] == instance
                 and t.transfer[1] > self.now

@@ -349,25 +349,35 @@ def test_load_trace_samples_the_state_held_at_each_sample_time() -> None:
 
 
 @given(
-    st.sampled_from([0.25, 0.5, 1.0, 3.0]),
+    st.sampled_from([0.25, 0.5, 1.0, 3.0, 0.1, 0.01, 0.3]),  # and ones no float holds: the grid is k · i as computed
     st.lists(st.integers(min_value=0, max_value=400), min_size=1, max_size=20),
+    st.lists(st.integers(min_value=0, max_value=4000), max_size=5),
 )
-def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(interval_s: float, event_ticks: list[int]) -> None:
+def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(
+    interval_s: float, event_ticks: list[int], on_grid: list[int]
+) -> None:
     """Samples at the multiples of i from the last at or before the first event up to the last event's time,
-    each the count set by the latest earlier event."""
+    each the count set by the latest earlier event (events exactly at a sample time included: k · i / i can
+    round below k)."""
     loop = EventLoop()
-    times = sorted(t / 10 for t in event_ticks)
+    times = sorted([t / 10 for t in event_ticks] + [k * interval_s for k in on_grid if k * interval_s <= 40])
     current = [0]
     trace = LoadTrace(interval_s, lambda: (current[0], -current[0]))
     for number, time_s in enumerate(times, start=1):
         loop.at(time_s, lambda _now, n: current.__setitem__(0, n), number)
     loop.run(trace)
-    first = math.floor(times[0] / interval_s)
-    expected_count = math.floor(times[-1] / interval_s) - first + 1
-    assert len(trace.samples) == expected_count
+
+    def last_at_or_before(time_s: float) -> int:  # by counting, as the grid's times compute
+        k = 0
+        while (k + 1) * interval_s <= time_s:
+            k += 1
+        return k
+
+    first = last_at_or_before(times[0])
+    assert len(trace.samples) == last_at_or_before(times[-1]) - first + 1
     for index, sample in enumerate(trace.samples):
         assert sample.time_s == (first + index) * interval_s
-        before = [n for n, t in enumerate(times, start=1) if t < sample.time_s - 1e-9]
+        before = [n for n, t in enumerate(times, start=1) if t < sample.time_s]  # an event at the time: not yet
         assert sample.prefill_requests == (before[-1] if before else 0)
         assert sample.decode_requests == -sample.prefill_requests
 
