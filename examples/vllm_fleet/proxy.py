@@ -215,6 +215,9 @@ class VllmRouter:
         assert self.fleet is not None and self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
         while True:
+            # First the interval: `start` has just probed every server. (A pass at once raced the first requests:
+            # it could mark up again, from a /health asked before, a server a request had just found failing.)
+            await asyncio.sleep(self.settings.health_interval_s)
             for instance in list(self.fleet.instances.values()):
                 try:
                     async with self._session.get(f"{instance.url}/health", timeout=timeout) as answer:
@@ -231,7 +234,6 @@ class VllmRouter:
                         "instance %s (%s) is %s", instance.instance_id, instance.url, "up" if healthy else "down"
                     )
                     self._mark(instance.instance_id, healthy)
-            await asyncio.sleep(self.settings.health_interval_s)
 
     def _mark(self, instance_id: InstanceId, up: bool) -> None:
         assert self.fleet is not None and self.metrics is not None
