@@ -38,7 +38,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.join import DecodeLoad, check_join
-from mooncake.sched.router import DEFAULT_THRESHOLD
+from mooncake.sched.router import DEFAULT_THRESHOLD, is_threshold
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
@@ -176,7 +176,7 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
     if args.prefill > 0 and args.prefill % args.cpp:
         raise ConfigError(f"--cpp {args.cpp} must divide --prefill {args.prefill} (whole groups of prefill nodes)")
     threshold = getattr(args, "threshold", None)
-    if threshold is not None and not (threshold == math.inf or threshold >= 1):  # NaN fails both
+    if threshold is not None and not is_threshold(threshold):
         raise ConfigError(f"--threshold must be a number >= 1 (inf: never transfer), got {threshold}")
     prefill = args.prefill
     if prefill <= 0:

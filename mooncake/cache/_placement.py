@@ -164,12 +164,9 @@ class BlockPlacement:
         self._counts["misses"] += 1
         entry.corrupt = True
 
-    def _should_promote(self, entry: Entry) -> bool:
-        return bool(self.promote_after) and entry.lower_reads >= self.promote_after and entry.pins == 0
-
-    def _promotes_on_read(self, entry: Entry) -> bool:
-        """Whether the next read of `entry` (in a lower tier) promotes it: `_should_promote` after the count."""
-        return bool(self.promote_after) and entry.lower_reads + 1 >= self.promote_after and entry.pins == 0
+    def _should_promote(self, entry: Entry, *, reads_ahead: int = 0) -> bool:
+        """Whether `entry` (in a lower tier) moves up now, or after `reads_ahead` more reads."""
+        return bool(self.promote_after) and entry.lower_reads + reads_ahead >= self.promote_after and entry.pins == 0
 
     def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> Entry:
         """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 import attrs
 import xxhash
@@ -432,23 +431,23 @@ class TieredCache(BlockPlacement):
         """
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.is_live and entry.level and self._promotes_on_read(entry):
+            promotes = (
+                entry is not None and entry.is_live and entry.level and self._should_promote(entry, reads_ahead=1)
+            )
+            if promotes:
                 data = self.get(key)  # promoted under the lock (RLock), so nothing evicts it before the pin
                 hit = data is not None
-                if hit:
-                    self.pin(key)
             else:
-                data = _UNREAD
                 hit = key in self
-                if hit:
-                    self.pin(key)
-                else:
+                if not hit:
                     self._counts["misses"] += 1
+            if hit:
+                self.pin(key)
         if not hit:
             yield None  # outside the lock: the caller's block may take its time
             return
         try:
-            yield self.get(key) if data is _UNREAD else data
+            yield data if promotes else self.get(key)
         finally:
             with self._lock:
                 if key in self._entries:
@@ -480,19 +479,14 @@ class TieredCache(BlockPlacement):
             pool.close()
 
 
-_UNREAD: Any = object()  # pinned(): the bytes are still to be read
-
-
 def _check_key(key: object) -> None:
     """A block key is a non-negative integer (numpy integers are); anything else is refused before
     it can enter the cache's tables."""
     try:
-        if isinstance(key, bool):
-            raise TypeError
         value = operator.index(key)  # type: ignore[arg-type]
     except TypeError:
-        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}") from None
-    if value < 0:
+        value = -1
+    if value < 0 or isinstance(key, bool):
         raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
 
 

@@ -221,7 +221,7 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
     # Each read (and its error named with the file) before the config checks how they fit together.
     vocab_size, hidden_size = _count(raw, "vocab_size", source), _count(raw, "hidden_size", source)
     num_layers, intermediate_size = _count(raw, "num_hidden_layers", source), _count(raw, "intermediate_size", source)
-    num_kv_heads = _count(raw, "num_key_value_heads", source, raw.get("num_key_value_heads") or num_heads)
+    num_kv_heads = _count(raw, "num_key_value_heads", source, num_heads)
     norm_eps = float(_number(raw, "rms_norm_eps", source, 1e-6))
     tie_word_embeddings = _flag(raw, "tie_word_embeddings", source)
     try:

@@ -81,12 +81,20 @@ __all__ = [
     "Router",
     "TransferPlan",
     "TtftEstimator",
+    "is_threshold",
     "local_cache_aware_router",
     "spread_weights",
 ]
 
 DEFAULT_THRESHOLD = 1.5
 """Algorithm 1's kvcache_balancing_threshold where none is given: the paper's, the router's and every tool's."""
+
+
+def is_threshold(value: object) -> bool:
+    """Whether `value` is a kvcache_balancing_threshold: a ratio of prefix lengths, so a number >= 1 (below 1 it
+    would mean what 1 means), or math.inf (never transfer). NaN is not."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and (value == math.inf or float(value) >= 1)
+
 
 _KERNELS = "mooncake.sched._kernels"
 _UNWEIGHED = np.zeros(0)  # `shortest_by_length` without weights: ties go to the smallest slot
@@ -393,9 +401,7 @@ class KvCacheCentricRouter:
 
     @threshold.validator
     def _check_threshold(self, _attribute: object, value: float) -> None:
-        # A ratio of prefix lengths: below 1 it would mean what 1 means; infinite: never transfer.
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (value == math.inf or value >= 1)
-        if not ok:  # NaN fails `value >= 1`
+        if not is_threshold(value):
             raise ConfigError(f"threshold must be a number >= 1, or math.inf (never transfer), got {value!r}")
 
     @replica_fraction.validator
