@@ -276,18 +276,21 @@ class Conductor:
             lengths = np.where(board.is_up, lengths, 0)
         own = self._pending.walk(keys, lengths, self._owner_of_slot)  # the prefix each will have by its turn
         best = None
-        best_blocks = 0
-        if lengths.size:
-            slot = int(lengths.argmax())  # the longest prefix; slots go in id order, so ties go to the smallest id
-            best_blocks = int(lengths[slot])
-            best = board.instance_ids[slot] if best_blocks and self.transfers else None
+        best_blocks = best_holders = 0
+        held = lengths.tolist()  # a few dozen numbers: list operations beat numpy's per-call cost
+        if held:
+            best_blocks = max(held)
+            if best_blocks:
+                best_holders = held.count(best_blocks)
+                # The longest prefix; slots go in id order, so ties go to the smallest id.
+                best = board.instance_ids[held.index(best_blocks)] if self.transfers else None
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
             prefix_blocks=PrefixBlocks(board.instance_ids, own, board.slot),
             best_instance=best,
             best_blocks=best_blocks,
-            best_holders=int(np.count_nonzero(lengths >= best_blocks)) if best_blocks else 0,
+            best_holders=best_holders,
             best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
             block_keys=keys,
         )
