@@ -378,12 +378,19 @@ class Conductor:
             return board.committed
         if self.admission.load_at == "arrival":
             predict = self.predictor.predict
-            return BoardLoads.of(
-                [
-                    predict(tuple(view.active.values()), self.incoming(view.instance_id), now, arrival_s)
-                    for view in board.slot_views
-                ]
-            )
+            loads = [
+                predict(tuple(view.active.values()), self.incoming(view.instance_id), now, arrival_s)
+                for view in board.slot_views
+            ]
+            for view, load in zip(board.slot_views, loads, strict=True):
+                # A plugged-in predictor's answer is checked here, where it can be named: a NaN or an
+                # infinity would otherwise fail in the rounding, as a bare ValueError or OverflowError.
+                if not all(0 <= value < math.inf for value in (load.batch_size, load.context_tokens, load.kv_tokens)):
+                    raise ConfigError(
+                        f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}: "
+                        "a predicted load's batch size and tokens must be finite numbers >= 0"
+                    )
+            return BoardLoads.of(loads)
         empty = np.zeros(len(board), dtype=np.int64)
         return BoardLoads(empty, empty, empty)
 

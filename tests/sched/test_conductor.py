@@ -30,7 +30,7 @@ from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceErr
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
-from mooncake.sched.join import DecodeLimits, check_join
+from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
 from mooncake.sched.router import (
@@ -952,6 +952,26 @@ def test_decode_finished_teaches_the_output_length_predictor() -> None:
         )
         conductor.handle(finished)
     assert predictor.lengths == [10, 20, 30]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+@pytest.mark.parametrize("field", ["batch_size", "context_tokens", "kv_tokens"])
+def test_a_predictor_answering_a_load_that_is_no_count_is_named(field: str, bad: float) -> None:
+    """A plugged-in predictor's NaN, infinity or negative count is a ConfigError naming it and the instance,
+    before the schedule changes anything."""
+
+    class Broken:
+        def predict(self, active: object, incoming: object, now: float, at_s: float) -> DecodeLoad:
+            return attrs.evolve(DecodeLoad(1, 10, 10), **{field: bad})
+
+        def observe(self, output_tokens: int) -> None:
+            pass
+
+    conductor = make_conductor(admission="predictive_early_rejection", predictor=Broken())
+    with pytest.raises(ConfigError, match=rf"predictor Broken predicted .*{field}={bad!r}.* for {DECODE_IDS[0]}"):
+        conductor.schedule(request("r", DOC), 0.0)
+    assert not conductor.in_flight
+    conductor.check_invariants()
 
 
 # ---------------------------------------------------------------------------- state machine
