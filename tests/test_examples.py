@@ -257,6 +257,21 @@ def test_unknown_router_file_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 2 and "missing.py" in done.stderr
 
 
+def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_arguments_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """A package.module:FACTORY whose module does not import, and a factory whose constructor does not take the
+    estimator alone, end with an error naming them, not a traceback."""
+    done = run("replay.py", *SMALL, "--router", "no_such_package.routers:Router", check=False)
+    assert done.returncode == 2 and "router module no_such_package.routers not found" in done.stderr
+    assert "Traceback" not in done.stderr
+    factory = tmp_path / "mine.py"
+    factory.write_text("class Mine:\n    def __init__(self, estimator, depth):\n        pass\n")
+    done = run("replay.py", *SMALL, "--router", f"{factory}:Mine", check=False)
+    assert done.returncode == 2 and "router factory Mine(estimator, depth) cannot be called" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     """profile_engine.py measures the tiny model and writes fits that the cost-model readers accept."""
     pytest.importorskip("torch")

@@ -64,7 +64,12 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as error:
+            if error.name is None or not where.startswith(error.name):
+                raise  # the module was found and failed inside: its own traceback says where
+            raise ConfigError(f"router module {where} not found ({error.name} is not importable)") from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ConfigError(f"{where} has no callable {attribute!r}")

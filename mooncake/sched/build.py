@@ -27,6 +27,7 @@ lines and configs that read them (`examples/serving/registry.py`), not here.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 
 from mooncake.cache.hashing import BlockHasher
@@ -66,6 +67,25 @@ def ttft_estimator(
     )
 
 
+def _check_factory(router: object) -> None:
+    """A router factory is called with the TTFT estimator alone: say so before calling it, instead of the
+    TypeError a class with another constructor (or a router instance given for its class) would raise."""
+    if not callable(router):
+        raise ConfigError(f"router must be a router class or factory taking the TTFT estimator, got {router!r}")
+    try:
+        signature = inspect.signature(router)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call tell
+        return
+    try:
+        signature.bind(object())
+    except TypeError as error:
+        name = getattr(router, "__qualname__", repr(router))
+        raise ConfigError(
+            f"router factory {name}({', '.join(signature.parameters)}) cannot be called with the TTFT estimator alone ({error}): a router "
+            "factory takes the estimator and returns a router (see mooncake.sched.build.RouterFactory)"
+        ) from None
+
+
 def build_conductor(
     *,
     model: ModelShape,
@@ -97,7 +117,8 @@ def build_conductor(
     Raises:
         ConfigError: a model or hardware that is not a `ModelShape` / `Hardware` (a preset's name, say), neither
             or both of `hasher` and `block_size_tokens`, a block size that is not an
-            integer >= 1, an instance list given as one string, or an instance listed twice.
+            integer >= 1, an instance list given as one string, an instance listed twice, or a router factory
+            that cannot be called with the TTFT estimator alone.
     """
     for name, value, kind, table in (
         ("model", model, ModelShape, "MODELS"),
@@ -116,6 +137,7 @@ def build_conductor(
     for name, instances in (("prefill_instances", prefill_instances), ("decode_instances", decode_instances)):
         if isinstance(instances, str):  # iterating it would add one instance per character
             raise ConfigError(f"{name} must be a collection of instance ids, got the string {instances!r}")
+    _check_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
     conductor = Conductor(

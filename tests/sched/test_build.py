@@ -123,3 +123,30 @@ def test_instances_must_be_unique() -> None:
     """An instance listed twice (or as both kinds) is a ConfigError."""
     with pytest.raises(ConfigError, match="p"):
         build_conductor(model=LLAMA3, hardware=A800, prefill_instances=["p"], decode_instances=["p"], hasher=HASHER)
+
+
+class _NeedsDepth:
+    def __init__(self, estimator: object, depth: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("router", "named"),
+    [
+        (_NeedsDepth, r"router factory _NeedsDepth\(estimator, depth\) cannot be called with the TTFT estimator"),
+        (LoadBalancingRouter(estimator=ttft_estimator(LLAMA3, A800)), "cannot be called|router class or factory"),
+        ("kvcache_centric", "router must be a router class or factory"),
+    ],
+)
+def test_a_router_factory_that_cannot_take_the_estimator_is_a_clear_error(router: object, named: str) -> None:
+    """The factory is checked against the one argument it will get (a router instance in its place, or a
+    constructor wanting more) before anything is built, with a ConfigError instead of a TypeError."""
+    with pytest.raises(ConfigError, match=named):
+        build_conductor(
+            model=LLAMA3,
+            hardware=A800,
+            prefill_instances=["p0"],
+            decode_instances=["d0"],
+            hasher=HASHER,
+            router=router,  # type: ignore[arg-type]
+        )
