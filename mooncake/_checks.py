@@ -34,11 +34,20 @@ def plain_int(value: Any) -> Any:
     return int(value) if is_int(value) else value
 
 
-def require_int(name: str, value: Any, *, minimum: int, error: type[Exception] = ConfigError) -> int:
-    """`value` as an int, or `error` naming `name` and the value."""
-    if not is_int(value) or value < minimum:
-        raise error(f"{name} must be an integer >= {minimum}, got {value!r}")
+def require_int(
+    name: str, value: Any, *, minimum: int, below: int | None = None, error: type[Exception] = ConfigError
+) -> int:
+    """`value` as an int at least `minimum` (and less than `below`, if given), or `error` naming `name` and the
+    value."""
+    if not is_int(value) or value < minimum or (below is not None and value >= below):
+        bound = f">= {minimum}" if below is None else f"in [{minimum}, {_power_text(below)})"
+        raise error(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
+
+
+def _power_text(n: int) -> str:
+    """A bound as it is written: 2**64 rather than its twenty digits."""
+    return f"2**{n.bit_length() - 1}" if n > 1 << 16 and n & (n - 1) == 0 else str(n)
 
 
 def require_number(

@@ -9,6 +9,7 @@ bool), non-empty strings; `ceil_div` is the exact ceiling for any non-negative i
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -44,6 +45,26 @@ def test_require_int_accepts_exactly_integers_at_least_the_minimum(value: object
     assert plain_int(value) == value or value != value  # NaN is itself unchanged, only unequal
     if integral:
         assert type(plain_int(value)) is int
+
+
+@given(
+    st.one_of(anything, st.integers(2**64 - 2, 2**64 + 1)),
+    st.integers(-3, 3),
+    st.sampled_from([1, 3, 2**20, 2**64]),
+)
+def test_require_int_with_an_upper_bound_accepts_exactly_the_integers_of_the_range(
+    value: object, minimum: int, below: int
+) -> None:
+    """[minimum, below), the bound written as a power of two where it is a large one."""
+    integral = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if integral and minimum <= value < below:  # type: ignore[operator]
+        assert require_int("seed", value, minimum=minimum, below=below) == value
+    else:
+        shown = {2**20: "2**20", 2**64: "2**64"}.get(below, str(below))
+        with pytest.raises(
+            InvalidRequestError, match=rf"^seed must be an integer in \[{minimum}, {re.escape(shown)}\), got "
+        ):
+            require_int("seed", value, minimum=minimum, below=below, error=InvalidRequestError)
 
 
 @given(anything, st.integers(-3, 3), st.booleans())

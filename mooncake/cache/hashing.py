@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div, int_at_least, is_int, require_str
+from mooncake._checks import ceil_div, int_at_least, is_int, plain_int, require_int, require_str
 from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
@@ -125,15 +125,14 @@ class BlockHasher:
     salt: str = attrs.field(
         default="", validator=lambda _self, _attribute, value: require_str("salt", value, empty=True)
     )
-    seed: int = attrs.field(default=0)
+    seed: int = attrs.field(default=0, converter=plain_int)
     algorithm: HashAlgorithm = attrs.field(default="xxh3_64")
     root_key: BlockKey = attrs.field(init=False)
     _seed64: np.uint64 = attrs.field(init=False, repr=False, eq=False)
 
     @seed.validator
     def _check_seed(self, _attribute: object, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
-            raise ConfigError(f"seed must be an integer in [0, 2**64), got {value!r}")
+        require_int("seed", value, minimum=0, below=_U64)
 
     @algorithm.validator
     def _check_algorithm(self, _attribute: object, value: str) -> None:

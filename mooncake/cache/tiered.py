@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import attrs
 import xxhash
 
-from mooncake._checks import is_int, require_int, require_str
+from mooncake._checks import require_int, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
@@ -497,5 +497,4 @@ def _check_position(position: object) -> None:
 
 
 def _check_checksum(checksum: object) -> None:
-    if not (is_int(checksum) and 0 <= checksum < 1 << 64):  # type: ignore[operator]
-        raise InvalidRequestError(f"checksum must be an XXH3-64 value, an integer in [0, 2**64), got {checksum!r}")
+    require_int("checksum (an XXH3-64 value)", checksum, minimum=0, below=1 << 64, error=InvalidRequestError)

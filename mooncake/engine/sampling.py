@@ -62,8 +62,8 @@ class SamplingParams:
 
     @seed.validator
     def _check_seed(self, _attribute: object, value: int | None) -> None:
-        if value is not None and require_int("seed", value, minimum=0) > MAX_SEED:
-            raise ConfigError(f"seed must be below 2**64, got {value!r}")
+        if value is not None:
+            require_int("seed", value, minimum=0, below=MAX_SEED + 1)
 
     @stop_token_ids.validator
     def _check_stop_token_ids(self, _attribute: object, value: frozenset[int]) -> None:
