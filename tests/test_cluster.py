@@ -279,7 +279,10 @@ def test_api_key_is_required(cluster: RunningCluster) -> None:
     status, _headers, _text = http(f"{cluster.url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert status == 401
     (model,) = client(cluster).models.list()
-    assert model.id == "tiny" and model.max_model_len == cluster.config.decode.max_context_tokens  # vLLM's field
+    # vLLM's field: the longest prompt plus max_tokens that is never refused for length (the prompt has a limit
+    # of its own below the decode context's)
+    limits, context = cluster.config.limits, cluster.config.decode.max_context_tokens
+    assert model.id == "tiny" and model.max_model_len == min(limits.max_prompt_tokens, context)
     assert http(f"{cluster.url}/health")[0] == 200
 
 

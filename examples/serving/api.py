@@ -55,6 +55,7 @@ __all__ = [
     "Usage",
     "decode_body",
     "error_body",
+    "generation_limit",
     "models_body",
     "parse_chat",
     "parse_completion",
@@ -226,7 +227,8 @@ class SamplingOptions:
     """How a request's tokens are chosen and when its text ends.
 
     Attributes:
-        max_tokens: the most tokens generated.
+        max_tokens: the most tokens generated; None, a chat that set none until its prompt is tokenized
+            (`generation_limit`): then what the context leaves after the prompt, as vLLM's chat default.
         temperature: 0 is greedy.
         top_p: the nucleus' probability mass, in (0, 1].
         seed: the random stream of a sampled request; None (no seed in the body): a fresh one per request, drawn
@@ -234,7 +236,7 @@ class SamplingOptions:
         stop: up to four strings; the text ends before the first that appears (finish reason "stop").
     """
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -417,9 +419,11 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel) -> dict[str, Any]:
+def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *, chat: bool) -> dict[str, Any]:
     """Check the parameters both APIs share, refusing unimplemented ones at any but their neutral value and
-    ignoring unknown ones with a warning, as vLLM does (its clients send extras other servers do not know)."""
+    ignoring unknown ones with a warning, as vLLM does (its clients send extras other servers do not know).
+    Without `max_tokens` a completion gets `served.default_max_tokens` (vLLM's 16) and a chat the rest of the
+    context (`generation_limit`, once the prompt's length is known), as vLLM's server defaults them."""
     ignored = []
     for name, value in body.items():
         if name in known:
@@ -446,7 +450,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel) ->
     # OpenAI's newer name wins where both are given; the prompt's share of the context is checked once it is
     # tokenized (`prompt_tokens`).
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, limit, served.default_max_tokens, 1, served.max_context_tokens - 1)
+    max_tokens: int | None = _integer(body, limit, served.default_max_tokens, 1, served.max_context_tokens - 1)
+    if chat and body.get(limit) is None:
+        max_tokens = None
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", served.default_temperature, 0.0, 2.0, open_low=False),
@@ -515,16 +521,28 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
         checked = _text(prompt, "prompt")
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-    return CompletionRequest(prompt=checked, **_common(body, COMPLETION_FIELDS, served))
+    return CompletionRequest(prompt=checked, **_common(body, COMPLETION_FIELDS, served, chat=False))
+
+
+# A chat message's keys beside role, content and name: those asking for what this server cannot render (tools,
+# audio) are refused but at their neutral value, which clients send when they append an answer's message to the
+# conversation as the SDK dumps it (`function_call: null`, `audio: null`); any other key (OpenAI's `refusal`,
+# `annotations`, `tool_call_id`, vLLM's `reasoning_content`, a client's own) is ignored, as vLLM's message types
+# ignore keys they do not render.
+MESSAGE_UNRENDERED: dict[str, Callable[[Any], bool]] = {
+    "tool_calls": _empty,
+    "function_call": _absent,
+    "audio": _absent,
+}
 
 
 def _content(value: Any, param: str) -> str:
-    """A message's content: a string, or a list of text parts."""
+    """A message's content: a string, or a list of text parts (their other keys, `cache_control` say, ignored)."""
     if isinstance(value, list):
         texts = []
         for j, part in enumerate(value):
             where = f"{param}[{j}]"
-            if not isinstance(part, dict) or part.get("type") != "text" or set(part) - {"type", "text"}:
+            if not isinstance(part, dict) or part.get("type") != "text":
                 raise ApiError(400, f'{where} must be {{"type": "text", "text": <string>}}', param=where)
             texts.append(_text(part.get("text"), where))
         return "".join(texts)
@@ -551,21 +569,20 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
     checked = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if (
-            not isinstance(message, dict)
-            or message.get("role") not in ROLES
-            or set(message) - {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
-        ):
-            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content, nothing else", param=where)
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content", param=where)
         if message.get("name") is not None:
             _text(message["name"], f"{where}.name")
-        if message.get("tool_calls"):  # tools are not served (`tools` is refused): a call could not be rendered
-            raise ApiError(400, f"{where}.tool_calls: tool calls are not supported by this server", param=where)
+        for key, neutral in MESSAGE_UNRENDERED.items():  # tools are not served (`tools` is refused), nor audio
+            if not neutral(message.get(key)):
+                raise ApiError(
+                    400, f"{where}.{key} = {_shown(message[key])} is not supported by this server", param=where
+                )
         content = message.get("content")
         if content is None and message["role"] == "assistant":  # an assistant turn that only called tools
             content = ""
         checked.append(ChatMessage(role=message["role"], content=_content(content, f"{where}.content")))
-    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served))
+    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served, chat=True))
 
 
 def prompt_tokens(
@@ -596,7 +613,7 @@ def prompt_tokens(
             param=param,
             code="context_length_exceeded",
         )
-    if n + asked > context:
+    if asked is not None and n + asked > context:
         raise ApiError(
             400,
             f"This model's maximum context length is {context} tokens. However, you requested {n + asked} tokens "
@@ -605,6 +622,15 @@ def prompt_tokens(
             code="context_length_exceeded",
         )
     return tokens
+
+
+def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
+    """`sampling` with its `max_tokens` settled: a chat that set none may generate what the context leaves after
+    its prompt of `num_prompt_tokens` (vLLM's chat default: `max_model_len` minus the prompt). At least
+    `default_max_tokens`, since the config keeps the longest prompt and that default within the context."""
+    if sampling.max_tokens is not None:
+        return sampling
+    return attrs.evolve(sampling, max_tokens=served.max_context_tokens - num_prompt_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -703,7 +729,9 @@ class Reply:
 
 def models_body(served: ServedModel) -> dict[str, Any]:
     """`GET /v1/models`: the one served model, with the fields vLLM adds (`max_model_len`, `root`, `parent`,
-    `permission`) for the tools that read them."""
+    `permission`) for the tools that read them. A vLLM client takes `max_model_len` as the bound of a prompt plus
+    its `max_tokens`; here the prompt alone has a lower one (`max_prompt_tokens`), so the length advertised is the
+    longest that every such split fits: the smaller of the two (a request within it is never refused for length)."""
     model = {
         "id": served.name,
         "object": "model",
@@ -711,7 +739,7 @@ def models_body(served: ServedModel) -> dict[str, Any]:
         "owned_by": "mooncake",
         "root": served.name,
         "parent": None,
-        "max_model_len": served.max_context_tokens,
+        "max_model_len": min(served.max_prompt_tokens, served.max_context_tokens),
         "permission": [],
     }
     return {"object": "list", "data": [model]}

@@ -159,6 +159,7 @@ class Dispatcher:
     ) -> None:
         self.config = config
         self._stop_ids = tuple(sorted(stop_token_ids))
+        self._stop_id_set = frozenset(stop_token_ids)
         self.hasher = config.model.hasher()
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
@@ -230,7 +231,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ scheduling
 
     def admit(self, tokens: list[int], sampling: SamplingOptions, arrival: float) -> LiveRequest:
-        """Schedule a request; it is live once this returns.
+        """Schedule a request (its `max_tokens` settled: `api.generation_limit`); it is live once this returns.
 
         Raises:
             ApiError: the Conductor's rejection (`_rejection`): 503 when no prefill or no decode engine is up.
@@ -239,6 +240,7 @@ class Dispatcher:
             if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
                 self.metrics.rejections[reason.value].inc()
                 raise _rejection(reason, Outcome.REJECTED_BEFORE_PREFILL)
+        assert sampling.max_tokens is not None, "settle a chat's max_tokens first (api.generation_limit)"
         if sampling.seed is None:  # drawn once: a retry on another engine samples the same stream
             sampling = attrs.evolve(sampling, seed=secrets.randbelow(MAX_SEED + 1))
         request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
@@ -297,10 +299,15 @@ class Dispatcher:
     async def tokens(self, live: LiveRequest) -> AsyncIterator[int]:
         """The request's tokens as they arrive.
 
+        `[limits] request_timeout_s` bounds each wait: for the first token from the request's arrival, for each
+        next one from the one before. A request whose tokens keep coming runs to its end however long that takes
+        (vLLM's server sets no deadline at all); one that stalls (an engine hung, a step lost) ends.
+
         Raises:
-            ApiError: the request failed, or its deadline (`[limits] request_timeout_s`) passed: a 504.
+            ApiError: the request failed, or no token came within the timeout: a 504.
         """
-        deadline = live.arrival + self.config.limits.request_timeout_s
+        timeout_s = self.config.limits.request_timeout_s
+        deadline = live.arrival + timeout_s
         while True:
             try:
                 # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation (the client left) that
@@ -309,32 +316,41 @@ class Dispatcher:
                     kind, payload = await live.events.get()
             except TimeoutError:
                 self.end(live, Outcome.ABORTED, Reason.TIMEOUT)
-                raise ApiError(504, "the request timed out") from None
+                raise ApiError(504, f"no token came for {timeout_s:g} s: the request timed out") from None
             if kind == "error":
                 raise payload
             token, finished = payload
             yield token
             if finished:
                 return
+            deadline = self.now() + timeout_s  # from when the reader asks again: a slow client is not a stall
 
     def finish(self, live: LiveRequest) -> None:
         """End a request that needs no more tokens (its text reached a stop string): cancel its decode."""
         self.end(live, Outcome.COMPLETED, cancel=True)
 
     def end(
-        self, live: LiveRequest, outcome: Outcome, reason: Reason | None = None, *, cancel: bool = False
+        self,
+        live: LiveRequest,
+        outcome: Outcome,
+        reason: Reason | None = None,
+        *,
+        cancel: bool = False,
+        at_stop_id: bool = False,
     ) -> tuple[RequestEnd, ...]:
         """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports.
 
         A request whose client left or timed out, or one ended with `cancel`, is cancelled on its decode engine.
+        `at_stop_id`: a completed request's last token is a stop id (the decode engine stopped at the model's EOS).
         """
         if self.live.pop(live.request_id, None) is None:
             return ()
         now = self.now()
         if outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
-            # A completed request ended by `finish` hit a stop string; one ended by its last token ran to its
-            # length (even when that token also completes a stop string: it ended before the text was read).
-            finished = "stop" if cancel else "length"
+            # A completed request ended by `finish` hit a stop string; one ended by its last token stopped at a
+            # stop id or ran to its length (even when that token also completes a stop string: it ended before the
+            # text was read). The finish reasons are the API's (`finish_reason`), as vLLM counts them.
+            finished = "stop" if cancel or at_stop_id else "length"
             if outcome is not Outcome.COMPLETED:
                 finished = "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"
             self._finished(live, finished, now)
@@ -479,7 +495,7 @@ class Dispatcher:
             live.generated += 1
             live.events.put_nowait(("token", (token.token, token.finished)))
             if token.finished:
-                self.end(live, Outcome.COMPLETED)
+                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_id_set)
 
     def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)

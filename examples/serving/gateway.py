@@ -54,6 +54,7 @@ from serving.api import (
     ServedModel,
     Usage,
     decode_body,
+    generation_limit,
     models_body,
     parse_chat,
     parse_completion,
@@ -271,7 +272,7 @@ class Gateway:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
             tokens = prompt_tokens(parsed, self.tokenizer, self.served)
-            live = dispatcher.admit(tokens, parsed.sampling, arrival)
+            live = dispatcher.admit(tokens, generation_limit(parsed.sampling, len(tokens), self.served), arrival)
         except ApiError as error:
             self.metrics.responses[str(error.status)].inc()
             raise

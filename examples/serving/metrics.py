@@ -12,9 +12,13 @@ vLLM's families, under the same prefix: `request_rejected{reason}`,
 `http_responses{status}`, `kv_transfer_bytes{kind}`, `engine_up` and
 `cache_index_gaps`.
 
-Buckets: a request lasts at most `[limits] request_timeout_s` (the gateway
-answers 504 then), so every duration histogram is a 1-2.5-5 ladder from 1 ms
-up to the first rung at or above that timeout; the token-count histograms are
+Buckets: a wait for a token lasts at most `[limits] request_timeout_s` (the
+gateway answers 504 then), so the histograms of waits (time to first token,
+between tokens, queue, prefill) are a 1-2.5-5 ladder from 1 ms up to the first
+rung at or above that timeout; a whole request whose tokens keep coming has no
+bound, so those of whole requests (end to end, decode, inference) climb the same
+ladder to vLLM's top bucket for them, 7,680 s (or the timeout, if longer); the
+token-count histograms are
 vLLM's 1-2-5 ladder up to the first rung at or above the prompt limit and the
 longest output a decode slot leaves room for.
 
@@ -61,6 +65,7 @@ PREFIX = "mooncake:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format `generate_latest` writes
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finish reasons (less "repetition", never ours)
 SMALLEST_LATENCY_S = 0.001
+LONGEST_REQUEST_S = 7680.0  # vLLM's top bucket of its end-to-end latency histogram
 # Families shown a second time under the names vLLM's own dashboards still query (vLLM emits both too).
 ALIASES = {
     f"{PREFIX}inter_token_latency_seconds": f"{PREFIX}time_per_output_token_seconds",
@@ -106,25 +111,35 @@ def token_buckets(top: int) -> tuple[float, ...]:
 
 @attrs.frozen(kw_only=True)
 class HistogramBounds:
-    """The largest values the histograms must hold: the longest request and the longest prompt and output."""
+    """The largest values the histograms must hold: the longest request, the longest wait within one (None: the
+    request's), and the longest prompt and output."""
 
     longest_request_s: float
     max_prompt_tokens: int
     max_output_tokens: int
+    longest_wait_s: float | None = None
 
     @classmethod
     def from_config(cls, config: ClusterConfig) -> HistogramBounds:
-        """A cluster's: the gateway ends every request at `[limits] request_timeout_s`; a prompt holds at most
+        """A cluster's: the gateway ends a request that waits `[limits] request_timeout_s` for a token, and one
+        whose tokens keep coming runs on (vLLM's top bucket, if the timeout is shorter); a prompt holds at most
         `[limits] max_prompt_tokens`, an output what a decode slot's context has left."""
         limits = config.limits
         return cls(
-            longest_request_s=limits.request_timeout_s,
+            longest_request_s=max(limits.request_timeout_s, LONGEST_REQUEST_S),
+            longest_wait_s=limits.request_timeout_s,
             max_prompt_tokens=limits.max_prompt_tokens,
             max_output_tokens=config.max_output_tokens,
         )
 
     @property
     def latency(self) -> tuple[float, ...]:
+        """Buckets of a wait within a request (to its first token, between tokens, in the queue, the prefill)."""
+        return latency_buckets(self.longest_request_s if self.longest_wait_s is None else self.longest_wait_s)
+
+    @property
+    def duration(self) -> tuple[float, ...]:
+        """Buckets of a whole request, or of its decode or inference."""
         return latency_buckets(self.longest_request_s)
 
     @property
@@ -206,7 +221,7 @@ class ServingMetrics:
         def series(kind: type[M], name: str, doc: str, *labels: str, **options: Any) -> _Series[M]:
             return _Series(kind(PREFIX + name, doc, ("model_name", *labels), registry=source, **options), model_name)
 
-        latency, engine = bounds.latency, "engine"
+        latency, duration, engine = bounds.latency, bounds.duration, "engine"
         # Engine state (vLLM's scheduler state and KV cache).
         self.running = series(Gauge, "num_requests_running", "Requests an engine is prefilling or decoding.", engine)
         self.waiting = series(Gauge, "num_requests_waiting", "Requests sent to an engine, not started yet.", engine)
@@ -262,7 +277,7 @@ class ServingMetrics:
             Histogram, "inter_token_latency_seconds", "Time between tokens in seconds.", engine, buckets=latency
         )
         self.e2e = series(
-            Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.", engine, buckets=latency
+            Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.", engine, buckets=duration
         )
         self.queue = series(
             Histogram,
@@ -279,14 +294,14 @@ class ServingMetrics:
             "request_decode_time_seconds",
             "Seconds from the first token to the last.",
             engine,
-            buckets=latency,
+            buckets=duration,
         )
         self.inference = series(
             Histogram,
             "request_inference_time_seconds",
             "Seconds from the prefill's start to the last token.",
             engine,
-            buckets=latency,
+            buckets=duration,
         )
         self.request_prompt_tokens = series(
             Histogram,

@@ -30,6 +30,8 @@ from serving.api import (
     ServedModel,
     Usage,
     decode_body,
+    generation_limit,
+    models_body,
     parse_chat,
     parse_completion,
     prompt_tokens,
@@ -228,6 +230,53 @@ def test_a_full_request_parses_into_its_records() -> None:
     assert parse_completion({"prompt": ["one"], "stop": "x"}, SERVED).sampling == SamplingOptions(
         max_tokens=16, temperature=1.0, stop=("x",)
     )
+
+
+def test_without_max_tokens_a_completion_gets_16_and_a_chat_the_rest_of_the_context() -> None:
+    """vLLM's defaults: a completion `default_max_tokens`; a chat what the context leaves after its prompt, settled
+    once the prompt is tokenized (the check of prompt + max_tokens then has nothing to refuse); a given value
+    stays, in either API."""
+    assert parse_completion({"prompt": "hi"}, SERVED).sampling.max_tokens == 16
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, SERVED)
+    assert chat.sampling.max_tokens is None
+    tokens = prompt_tokens(chat, TOKENIZER, SERVED)
+    assert generation_limit(chat.sampling, len(tokens), SERVED).max_tokens == 129 - len(tokens)
+    longest = parse_chat({"messages": [{"role": "user", "content": "x" * 40}]}, SERVED)
+    assert generation_limit(longest.sampling, 64, SERVED).max_tokens == 129 - 64 >= SERVED.default_max_tokens
+    for limit in ("max_tokens", "max_completion_tokens"):
+        given = parse_chat({"messages": [{"role": "user", "content": "hi"}], limit: 5}, SERVED).sampling
+        assert generation_limit(given, len(tokens), SERVED).max_tokens == 5
+
+
+def test_a_chat_message_as_the_sdk_dumps_an_answer_is_accepted() -> None:
+    """A client appending `choices[0].message.model_dump()` sends OpenAI's assistant fields at null (function_call,
+    audio, annotations, refusal, tool_calls); vLLM's `reasoning_content` and a part's `cache_control` are ignored
+    as vLLM ignores them; only what asks for tools or audio is refused."""
+    answer = {
+        "role": "assistant",
+        "content": "Hello.",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+        "reasoning_content": "thinking",
+    }
+    part = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}
+    request = parse_chat({"messages": [{"role": "user", "content": [part]}, answer]}, SERVED)
+    assert request.messages == (ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello."))
+    for key, value in (("function_call", {"name": "f", "arguments": "{}"}), ("audio", {"id": "a"})):
+        error = refused(parse_chat, {"messages": [{**answer, key: value}]}, SERVED)
+        assert error.status == 400 and f"messages[0].{key}" in error.message
+
+
+def test_models_advertises_the_longest_context_every_split_of_it_fits() -> None:
+    """vLLM's `max_model_len` bounds a prompt plus its max_tokens; with a prompt limit below the context, the
+    length advertised is the prompt limit, so that no request within it is refused for length."""
+    (model,) = models_body(SERVED)["data"]
+    assert model["max_model_len"] == 64
+    wide = attrs.evolve(SERVED, max_prompt_tokens=500, max_context_tokens=300)
+    assert models_body(wide)["data"][0]["max_model_len"] == 300
 
 
 def test_an_integral_float_is_its_integer() -> None:

@@ -124,9 +124,17 @@ def test_greedy_completions_equal_transformers_generate(
 ) -> None:
     """For each prompt: the text, the prompt and completion token counts and the finish reason equal
     transformers' greedy `generate` on the same files; EOS ends at least one of them with "stop"; the decode
-    engine generates exactly the answer's tokens (it stops at EOS itself, not when the gateway's cancel lands)."""
+    engine generates exactly the answer's tokens (it stops at EOS itself, not when the gateway's cancel lands);
+    /metrics counts each finish under the reason the answer gave, as vLLM's `request_success` does."""
     _, model, tokenizer = checkpoint
     api = client(cluster)
+    registry = cluster.gateway.dispatcher.metrics.registry
+
+    def successes(reason: str) -> float:
+        labels = {"model_name": "tiny-llama", "engine": "decode-0", "finished_reason": reason}
+        return registry.get_sample_value("mooncake:request_success_total", labels) or 0.0
+
+    counted = {reason: successes(reason) for reason in ("stop", "length")}
     finishes = []
     for prompt in PROMPTS:
         text, prompt_tokens, completion_tokens, finish = hf_answer(model, tokenizer, prompt)
@@ -139,6 +147,8 @@ def test_greedy_completions_equal_transformers_generate(
         assert generated == completion_tokens, (prompt, finish)
         finishes.append(finish)
     assert "stop" in finishes and "length" in finishes, finishes
+    for reason, before in counted.items():
+        assert successes(reason) - before == finishes.count(reason), reason
 
 
 def test_eos_as_the_first_token_ends_the_request_at_once(

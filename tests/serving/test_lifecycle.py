@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -190,6 +191,44 @@ def test_no_body_gets_a_5xx(cluster: RunningCluster, body: bytes, route: str) ->
 
 def health(cluster: RunningCluster) -> tuple[int, Any]:
     return status_of(f"{cluster.url}/health")
+
+
+def test_the_request_timeout_bounds_each_wait_for_a_token_not_the_whole_request() -> None:
+    """With a 1 s request timeout: a stream whose tokens keep coming runs past it to its last token, and so does a
+    whole (non-streamed) answer; a stream whose decode worker is stopped (SIGSTOP, the health probes too slow to
+    notice first) ends with the timeout's error about a second after its last token."""
+    timeout_s = 1.0
+    with start_cluster(
+        config(request_timeout_s=timeout_s, health_interval_s=30.0, health_probe_backoff_max_s=30.0)
+    ) as cluster:
+        api = client(cluster)
+        began = time.monotonic()
+        chunks = list(
+            api.completions.create(
+                model="tiny", prompt="Keep going.", max_tokens=LONG, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert chunks[-1].usage.completion_tokens == LONG and chunks[-2].choices[0].finish_reason == "length"
+        assert time.monotonic() - began > 2 * timeout_s  # else this machine decodes too fast to show anything
+        began = time.monotonic()
+        assert api.completions.create(model="tiny", prompt="Go on.", max_tokens=LONG).usage.completion_tokens == LONG
+        assert time.monotonic() - began > 2 * timeout_s
+        pid = cluster.gateway.dispatcher.health("decode-0").pid
+        stream = api.completions.create(model="tiny", prompt="Stall.", max_tokens=LONG, stream=True)
+        try:
+            tokens = iter(stream)
+            next(tokens)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                with pytest.raises(openai.APIError, match=r"no token came for 1 s"):
+                    for _chunk in tokens:
+                        pass
+                assert time.monotonic() - stopped < 10 * timeout_s
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        finally:
+            stream.close()
 
 
 def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:

@@ -137,14 +137,21 @@ def test_bad_bucket_tops_are_config_errors() -> None:
 
 
 def test_bounds_come_from_the_config() -> None:
-    """The duration buckets reach the request timeout (not a fixed 30 s), the token buckets the prompt limit and
-    the longest output a decode slot leaves room for (beside a one-token prompt)."""
+    """The buckets of waits reach the request timeout (not a fixed 30 s), those of whole requests vLLM's 7,680 s or
+    the timeout if longer (a request whose tokens keep coming has no deadline), the token buckets the prompt limit
+    and the longest output a decode slot leaves room for (beside a one-token prompt)."""
     config = load_config(TINY).with_overrides("limits", request_timeout_s=600.0, max_prompt_tokens=1000)
     bounds = HistogramBounds.from_config(config)
     assert bounds == HistogramBounds(
-        longest_request_s=600.0, max_prompt_tokens=1000, max_output_tokens=config.decode.max_context_tokens - 1
+        longest_request_s=7680.0,
+        longest_wait_s=600.0,
+        max_prompt_tokens=1000,
+        max_output_tokens=config.decode.max_context_tokens - 1,
     )
     assert bounds.latency[-1] >= 600.0 > bounds.latency[-2]
+    assert bounds.duration[-1] >= 7680.0 > bounds.duration[-2]
+    long_wait = HistogramBounds.from_config(config.with_overrides("limits", request_timeout_s=10_000.0))
+    assert long_wait.duration[-1] >= 10_000.0 > long_wait.duration[-2]
     assert bounds.prompt_tokens[-1] >= 1000 and bounds.output_tokens[-1] >= bounds.max_output_tokens
 
 
