@@ -24,7 +24,10 @@ with exponential backoff (the period doubling up to
 `[limits] health_probe_backoff_max_s`); one that answers again (a process
 resumed after SIGSTOP, say) is marked up. A probe's answer lists the requests
 the worker decodes: those the gateway no longer routes to it (ended while it
-was down, or rescheduled) are cancelled there. Requests waiting for a dead
+was down, or rescheduled) are cancelled there. Each worker's control calls go
+out from a thread of its own and its probes from another, so a worker that
+stops answering delays no other worker's calls or probes; its prefill jobs not
+sent yet are dropped when it is marked down. Requests waiting for a dead
 prefill engine are scheduled again on the survivors (twice at most, each time
 as the next attempt, so a resumed engine's reports about an earlier attempt
 are ignored); requests decoding on a dead decode engine end with a 503.
@@ -185,7 +188,14 @@ class Dispatcher:
         self.live: dict[RequestId, LiveRequest] = {}
         self._ids = itertools.count(1)
         self._started = time.monotonic()
-        self._calls = ThreadPoolExecutor(max(4, 2 * len(workers)), thread_name_prefix="gateway-call")
+        # Control calls go out from one thread per worker, and its health probes from another: a worker that stops
+        # answering (SIGSTOP, a hung process) holds up only its own calls, each until the I/O timeout, never the
+        # other workers' calls or probes (with one shared pool, its blocked calls filled the threads, healthy
+        # workers' probes timed out in the queue and the whole cluster was marked down).
+        self._calls = {i: ThreadPoolExecutor(1, thread_name_prefix=f"gateway-call-{i}") for i in self.peers}
+        self._probe_calls = {i: ThreadPoolExecutor(1, thread_name_prefix=f"gateway-probe-{i}") for i in self.peers}
+        # Each worker's prefill jobs not sent yet: cancelled when it is marked down (they are rerouted).
+        self._unsent: dict[str, set[asyncio.Future[Any]]] = {i: set() for i in self.peers}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
@@ -205,7 +215,8 @@ class Dispatcher:
             live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
         for task in self._probes:
             task.cancel()
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        for pool in (*self._calls.values(), *self._probe_calls.values()):
+            pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     def now(self) -> float:
@@ -288,9 +299,12 @@ class Dispatcher:
             ),
         )
         instance = live.prefill
-        future = asyncio.get_running_loop().run_in_executor(self._calls, self.call, instance, job)
+        future = asyncio.get_running_loop().run_in_executor(self._calls[instance], self.call, instance, job)
+        unsent = self._unsent[instance]
+        unsent.add(future)
 
         def check(done: asyncio.Future[Any]) -> None:
+            unsent.discard(done)
             if not done.cancelled() and done.exception() is not None:
                 self._worker_failed(instance)  # unreachable: mark it down (its requests are rerouted)
 
@@ -356,7 +370,7 @@ class Dispatcher:
             self._finished(live, finished, now)
         if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
-            self._calls.submit(self._cancel, live.decode, live.request_id)
+            self._calls[live.decode].submit(self._cancel, live.decode, live.request_id)
         if outcome is Outcome.COMPLETED:
             event: DecodeFinished | RequestRejected | RequestAborted = DecodeFinished(
                 request_id=live.request_id, instance_id=live.decode, now=now, generated_tokens=live.generated
@@ -520,9 +534,10 @@ class Dispatcher:
         instance = state.instance_id
         health: wire.Health | None = None
         try:
-            if await loop.run_in_executor(self._calls, self._is_alive, instance):
+            probe = self._probe_calls[instance]  # its own thread: the timeout is the answer's, never a queue's
+            if await loop.run_in_executor(probe, self._is_alive, instance):
                 async with asyncio.timeout(PROBE_TIMEOUT_S + 1.0):  # (not wait_for: see `tokens`)
-                    health = await loop.run_in_executor(self._calls, self.health, instance)
+                    health = await loop.run_in_executor(probe, self.health, instance)
         except (MooncakeError, OSError, TimeoutError):
             health = None
         finally:
@@ -545,7 +560,7 @@ class Dispatcher:
         for request_id in health.active:
             live = self.live.get(RequestId(request_id))  # type: ignore[arg-type]
             if live is None or live.decode != instance:  # ended while it was down, or rescheduled elsewhere
-                self._calls.submit(self._cancel, instance, RequestId(request_id))  # type: ignore[arg-type]
+                self._calls[instance].submit(self._cancel, instance, RequestId(request_id))  # type: ignore[arg-type]
 
     def _worker_failed(self, instance: InstanceId) -> None:
         state = self.workers[instance]
@@ -553,6 +568,8 @@ class Dispatcher:
             return
         state.up = False
         state.next_probe_s = max(state.next_probe_s, self.now() + self.config.limits.health_interval_s)
+        for future in list(self._unsent.get(instance, ())):
+            future.cancel()  # a job still queued for it: its request is rerouted below, never sent there late
         ends: tuple[RequestEnd, ...] = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now()))
         for end in ends:
             live = self.live.pop(end.request_id, None)

@@ -5,7 +5,9 @@ generated after the disconnect are counted by the worker and stay few); a stop s
 finish reason "stop" and cancels the decode; top_p reaches the sampler (a tiny nucleus is greedy); an unknown
 model is OpenAI's 404 `model_not_found` and /v1/models lists the served one; arbitrary bodies sent to the cluster
 never get a 5xx (a bounded property test); a decode worker stopped with SIGSTOP is marked down (its stream gets an
-error, /health says so) and, resumed with SIGCONT, is marked up again, its orphaned request cancelled, and serves.
+error, /health says so) and, resumed with SIGCONT, is marked up again, its orphaned request cancelled, and serves;
+a stopped prefill worker under a burst takes down only itself (every request served); the request timeout bounds
+each wait for a token, not a request whose tokens keep coming.
 Without workers: the dispatcher ignores reports of an earlier attempt or from an engine the request is not routed
 to (what a resumed engine may still send), and refuses a malformed report back to its sender.
 
@@ -23,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +232,42 @@ def test_the_request_timeout_bounds_each_wait_for_a_token_not_the_whole_request(
                 os.kill(pid, signal.SIGCONT)
         finally:
             stream.close()
+
+
+def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
+    """SIGSTOP one of two prefill workers, then 60 requests at 20/s: the Conductor sends some to it until a probe
+    marks it down, their calls block there, and still every request is served (those sent to it rerouted) and the
+    other workers stay up throughout (their calls and probes never wait behind the stopped one's)."""
+    base = config(health_interval_s=0.5, health_probe_backoff_max_s=2.0)
+    base = base.with_overrides("cluster", num_prefill=2).with_overrides("decode", max_batch_size=64)
+    with start_cluster(base) as cluster:
+        dispatcher = cluster.gateway.dispatcher
+        url = f"{cluster.url}/v1/completions"
+        assert status_of(url, json.dumps({"prompt": "warm", "max_tokens": 2}).encode())[0] == 200
+        downs: list[str] = []
+        failed = dispatcher._worker_failed
+
+        def noting(instance: InstanceId) -> None:
+            if dispatcher.workers[instance].up:
+                downs.append(instance)
+            failed(instance)
+
+        dispatcher._worker_failed = noting  # type: ignore[method-assign]
+        pid = cluster.backend.pid("prefill-0")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(16) as pool:
+                answers = []
+                for i in range(60):
+                    body = json.dumps({"prompt": f"burst {i} " * 3, "max_tokens": 2}).encode()
+                    answers.append(pool.submit(status_of, url, body))
+                    time.sleep(0.05)
+                statuses = [answer.result(timeout=120)[0] for answer in answers]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert statuses == [200] * 60
+        assert downs == ["prefill-0"]
+        wait_for(lambda: health(cluster)[1]["prefill_up"] == 2, timeout=30.0, what="the resumed worker to be marked up")
 
 
 def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
