@@ -130,6 +130,7 @@ class WorkerState:
     failures: int = 0
     next_probe_s: float = 0.0
     probing: bool = False
+    gone: bool = False  # its process was found dead (the other workers were told: `PeerGone`)
 
 
 class Dispatcher:
@@ -181,6 +182,7 @@ class Dispatcher:
         )
         for cls in REPORTS:
             self.engine.register_handler(cls.METHOD, self._receiver(cls))
+        self._addresses = {w["instance_id"]: w["address"] for w in workers}
         self.peers = {w["instance_id"]: self.engine.connect(w["address"], transport="tcp") for w in workers}
         connect = wire.Connect(gateway=self.engine.address, peers={w["instance_id"]: w["address"] for w in workers})
         for instance in self.peers:
@@ -414,10 +416,8 @@ class Dispatcher:
         return loads
 
     def _cancel(self, instance: InstanceId, request_id: RequestId) -> None:
-        try:
-            self.call(instance, wire.CancelDecode(request_id=int(request_id)))
-        except (MooncakeError, OSError):
-            pass  # a dead engine generates nothing; a live one is cancelled by the next health probe
+        # Unanswered: a dead engine generates nothing; a live one is cancelled by the next health probe.
+        self._tell(instance, wire.CancelDecode(request_id=int(request_id)))
 
     # ------------------------------------------------------------------ worker reports
 
@@ -533,15 +533,19 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         instance = state.instance_id
         health: wire.Health | None = None
+        alive = True
         try:
             probe = self._probe_calls[instance]  # its own thread: the timeout is the answer's, never a queue's
-            if await loop.run_in_executor(probe, self._is_alive, instance):
+            alive = await loop.run_in_executor(probe, self._is_alive, instance)
+            if alive:
                 async with asyncio.timeout(PROBE_TIMEOUT_S + 1.0):  # (not wait_for: see `tokens`)
                     health = await loop.run_in_executor(probe, self.health, instance)
         except (MooncakeError, OSError, TimeoutError):
             health = None
         finally:
             state.probing = False
+        if not alive and not state.gone:
+            self._peer_gone(state)
         limits = self.config.limits
         if health is None or not health.ok:
             state.failures += 1
@@ -561,6 +565,24 @@ class Dispatcher:
             live = self.live.get(RequestId(request_id))  # type: ignore[arg-type]
             if live is None or live.decode != instance:  # ended while it was down, or rescheduled elsewhere
                 self._calls[instance].submit(self._cancel, instance, RequestId(request_id))  # type: ignore[arg-type]
+
+    def _peer_gone(self, state: WorkerState) -> None:
+        """Its process is dead: the other workers end the leases it held with them at once (pins it took to
+        fetch, pages it reserved to push into), instead of keeping them until they expire. Only a dead process is
+        certain to write no more: a stopped one keeps its reservations (`Messenger`'s quarantine)."""
+        state.gone = True
+        message = wire.PeerGone(address=self._addresses[state.instance_id])
+        for other, worker in self.workers.items():
+            if other != state.instance_id and worker.up:
+                self._calls[other].submit(self._tell, other, message)
+
+    def _tell(self, instance: str, message: wire.Message) -> None:
+        """`call`, for a message whose answer nobody waits for (a worker that does not answer is the health
+        loop's to find)."""
+        try:
+            self.call(instance, message)
+        except (MooncakeError, OSError):
+            pass
 
     def _worker_failed(self, instance: InstanceId) -> None:
         state = self.workers[instance]

@@ -6,6 +6,7 @@ control call that carries it; its fields travel as the call's JSON object:
     gateway → worker   worker.connect  Connect {gateway, peers}
                        worker.health   HealthCheck {}   answered by a Health {ok, pid, queued, active, kv_usage, ...}
                        worker.stop     Stop {}
+                       worker.peer_gone PeerGone {address}   (a worker's process is gone: end its leases here)
     gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, sampling}
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
@@ -248,6 +249,15 @@ class Stop:
 
 
 @attrs.frozen(kw_only=True)
+class PeerGone:
+    """The worker at `address` (its engine's) is gone, its process dead: end every lease it holds here, its pins
+    and its reservations (`Messenger.release_owner`), since nothing of it can still write into them."""
+
+    METHOD: ClassVar[str] = "worker.peer_gone"
+    address: str = _field(STR)
+
+
+@attrs.frozen(kw_only=True)
 class PrefillJob:
     """Prefill `tokens` for `decode`, after fetching the planned prefix; sampling decides the first token."""
 
@@ -361,6 +371,7 @@ Message = (
     | HealthCheck
     | Health
     | Stop
+    | PeerGone
     | PrefillJob
     | CancelDecode
     | DecodeJob
@@ -379,6 +390,7 @@ MESSAGES: dict[str, type[Any]] = {
         HealthCheck,
         Health,
         Stop,
+        PeerGone,
         PrefillJob,
         CancelDecode,
         DecodeJob,

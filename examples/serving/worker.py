@@ -174,6 +174,7 @@ class Worker:
             wire.Connect: self._on_connect,
             wire.HealthCheck: self._on_health,
             wire.Stop: self._on_stop,
+            wire.PeerGone: self._on_peer_gone,
             wire.PrefillJob: self._on_job,
             wire.DecodeJob: self._on_job,
             wire.CancelDecode: self._on_job,  # applied by the decode loop, the engine's only user
@@ -238,6 +239,9 @@ class Worker:
 
     def _on_stop(self, _message: wire.Stop) -> None:
         self._stop.set()
+
+    def _on_peer_gone(self, message: wire.PeerGone) -> None:
+        self.messenger.release_owner(message.address)
 
     def _on_job(self, message: Job) -> None:
         self._jobs.put(message)

@@ -22,7 +22,12 @@ Leases: pins and reservations taken for a peer expire `lease_s` after its last
 call, released by a sweeper thread (and on every call), so a vanished peer
 holds nothing for long. A reserved page is never given back while a transfer
 that targets it may still write into it: a failed fetch first waits for its
-slices to end. `lease_s` must exceed how long a pusher's slice can take,
+slices to end, and a pusher commits only once its writes have ended. So an
+expired lease's pins go, but its reservations stay (quarantined) until its
+pusher commits or releases it, or `release_owner` says its process is gone: a
+pusher that was only paused (SIGSTOP) may resume mid-write, and the pages it
+writes into must not meanwhile hold other blocks. Each lease names its owner,
+the engine address of the peer that opened it. `lease_s` must exceed how long a pusher's slice can take,
 (max_retries + 1) · (connect_timeout_s + io_timeout_s): 36 s with the default
 engine settings, past the default `lease_s` of 30 s, so raise `lease_s` along
 with the timeouts. A peer opens a lease with any id it likes, so the table of
@@ -70,6 +75,7 @@ from mooncake.types import BlockKey
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
 
 _MAX_LEASE_ID = 64  # characters; ours are 16 hex digits
+_MAX_OWNER = 256  # characters of an owner's engine address (host:port)
 
 
 def shared_dram_pool(engine: TransferEngine, page_bytes: int, num_pages: int) -> tuple[DramPagePool, RegionDescriptor]:
@@ -90,6 +96,7 @@ class _Lease:
     pinned: list[BlockKey] = attrs.field(factory=list)
     reserved: list[BlockKey] = attrs.field(factory=list)
     deadline: float = 0.0
+    owner: str = ""  # the engine address of the peer that opened it ("": not said)
 
 
 class Messenger:
@@ -128,6 +135,8 @@ class Messenger:
         self._lease_s, self._clock = lease_s, clock
         self._max_leases = require_int("max_leases", max_leases, minimum=1)
         self._leases: dict[str, _Lease] = {}
+        # Expired leases with reservations: their pages stay reserved until the owner commits, releases or is gone.
+        self._quarantine: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         engine.register_handler("blocks.lookup", self._serve_lookup)
         engine.register_handler("blocks.release", self._serve_release)
@@ -142,10 +151,34 @@ class Messenger:
         """Stop the sweeper and release every lease (the engine is closed by its owner)."""
         self._stop.set()
         with self._lock:
-            leases = list(self._leases.values())
+            leases = [*self._leases.values(), *self._quarantine.values()]
             self._leases.clear()
+            self._quarantine.clear()
         for lease in leases:
             self._end(lease)
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease `owner` (a peer's engine address) holds here, quarantined ones included: its process
+        is gone, so nothing of it can still write into the pages it reserved. Returns how many ended.
+
+        Raises:
+            TransferError: `owner` is not a non-empty string.
+        """
+        if not isinstance(owner, str) or not owner:
+            raise TransferError(f"an owner is a peer's engine address, got {owner!r}")
+        with self._lock:
+            leases = []
+            for table in (self._leases, self._quarantine):
+                for lease_id in [i for i, lease in table.items() if lease.owner == owner]:
+                    leases.append(table.pop(lease_id))
+        for lease in leases:
+            self._end(lease)
+        return len(leases)
+
+    @property
+    def quarantined(self) -> int:
+        """Expired leases whose reservations are held until their owner commits, releases or is gone."""
+        return len(self._quarantine)
 
     # ------------------------------------------------------------------ moving blocks
 
@@ -156,7 +189,9 @@ class Messenger:
         lease = secrets.token_hex(8)
         wanted = [int(k) for k in keys]
         # Replies are read by the block protocol; a malformed one raises as it is read.
-        reply: Any = self.engine.call(from_peer, "blocks.lookup", {"lease": lease, "keys": wanted})
+        reply: Any = self.engine.call(
+            from_peer, "blocks.lookup", {"lease": lease, "keys": wanted, "owner": self.engine.address}
+        )
         reserved: list[tuple[BlockKey, int, int, int, int]] = []  # key, remote offset, length, checksum, local offset
         batches: list[int] = []
         try:
@@ -226,7 +261,9 @@ class Messenger:
             wanted = [
                 [int(key), length, int(local[i - 1][0]) if i else None] for i, (key, _o, length, _p) in enumerate(local)
             ]
-            reply: Any = self.engine.call(to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted})
+            reply: Any = self.engine.call(
+                to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted, "owner": self.engine.address}
+            )
             remote_region, places = int(reply["region"]), reply["blocks"]
             if [entry[0] for entry in places] != [int(key) for key, *_ in local]:
                 raise TransferError(f"{to_peer} answered a reservation for other keys")
@@ -246,15 +283,18 @@ class Messenger:
         with self._lock:
             expired = [lease_id for lease_id, lease in self._leases.items() if lease.deadline < now]
             leases = [self._leases.pop(lease_id) for lease_id in expired]
+            for lease_id, lease in zip(expired, leases, strict=True):
+                if lease.reserved:  # its pusher may only be paused: the pages wait for it (module docstring)
+                    self._quarantine[lease_id] = lease
         for lease in leases:
-            self._end(lease)
+            self._unpin(lease)
 
     # ------------------------------------------------------------------ serving peers
 
     def _serve_lookup(self, args: Any) -> Json:
         self.sweep()
         lease_id = str(args["lease"])
-        lease = self._lease(lease_id)
+        lease = self._lease(lease_id, _owner(args))
         first_tier = self.cache.pools[0].tier
         blocks: list[Json] = []
         for raw in args["keys"]:
@@ -276,15 +316,16 @@ class Messenger:
         return {"region": self.region.region_id, "blocks": blocks}
 
     def _serve_release(self, args: Any) -> Json:
+        lease_id = str(args["lease"])
         with self._lock:
-            lease = self._leases.pop(str(args["lease"]), None)
+            lease = self._leases.pop(lease_id, None) or self._quarantine.pop(lease_id, None)
         if lease is not None:
             self._end(lease)
         return None
 
     def _serve_reserve(self, args: Any) -> Json:
         self.sweep()
-        lease = self._lease(str(args["lease"]))
+        lease = self._lease(str(args["lease"]), _owner(args))
         places: list[Json] = []
         for raw_key, length, parent in args["blocks"]:
             key = BlockKey(int(raw_key))
@@ -306,8 +347,13 @@ class Messenger:
         return {"region": self.region.region_id, "blocks": places}
 
     def _serve_commit(self, args: Any) -> Json:
+        lease_id = str(args["lease"])
         with self._lock:
-            lease = self._leases.pop(str(args["lease"]), None)
+            lease = self._leases.pop(lease_id, None)
+            expired = self._quarantine.pop(lease_id, None) if lease is None else None
+        if expired is not None:  # its pusher is back and done writing: the pages it held are free again
+            self._end(expired)
+            raise TransferError("expired lease: its reservations were held for it until now, and are released")
         if lease is None:
             raise TransferError("unknown or expired lease")
         checksums = {BlockKey(int(k)): int(v) for k, v in args["checksums"]}
@@ -337,24 +383,27 @@ class Messenger:
             return  # being filled by another push
         lease.pinned.append(key)
 
-    def _lease(self, lease_id: str) -> _Lease:
-        """The lease `lease_id`, opened if new, its deadline pushed back.
+    def _lease(self, lease_id: str, owner: str) -> _Lease:
+        """The lease `lease_id` of `owner`, opened if new, its deadline pushed back.
 
         Raises:
-            TransferError: the id is longer than 64 characters.
-            CapacityError: it is new and `max_leases` are open already.
+            TransferError: the id is longer than 64 characters, or names an expired lease.
+            CapacityError: it is new and `max_leases` are open already (quarantined ones count).
         """
         if len(lease_id) > _MAX_LEASE_ID:
             raise TransferError(f"a lease id has at most {_MAX_LEASE_ID} characters, got {len(lease_id)}")
         with self._lock:
+            if lease_id in self._quarantine:
+                raise TransferError("expired lease: commit or release it")
             lease = self._leases.get(lease_id)
             if lease is None:
-                if len(self._leases) >= self._max_leases:
+                held = len(self._leases) + len(self._quarantine)
+                if held >= self._max_leases:
                     raise CapacityError(
-                        f"{len(self._leases)} leases are open for peers, the most this node holds"
+                        f"{held} leases are open for peers, the most this node holds"
                         f" (max_leases={self._max_leases}); they end on release, commit or after {self._lease_s}s"
                     )
-                lease = self._leases[lease_id] = _Lease()
+                lease = self._leases[lease_id] = _Lease(owner=owner)
             lease.deadline = self._clock() + self._lease_s
             return lease
 
@@ -366,15 +415,18 @@ class Messenger:
                 del self._leases[lease_id]
 
     def _end(self, lease: _Lease) -> None:
+        self._unpin(lease)
+        for key in lease.reserved:
+            self.cache.abort(key)
+        lease.reserved.clear()
+
+    def _unpin(self, lease: _Lease) -> None:
         for key in lease.pinned:
             try:
                 self.cache.unpin(key)
             except UnknownBlockError:
                 pass
-        for key in lease.reserved:
-            self.cache.abort(key)
         lease.pinned.clear()
-        lease.reserved.clear()
 
     def _sweeper(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -403,6 +455,14 @@ class Messenger:
             self.engine.call(peer, "blocks.release", {"lease": lease})
         except TransferError:
             pass  # the peer's lease expires on its own
+
+
+def _owner(args: Any) -> str:
+    """The engine address a peer's call names as the lease's owner ("" if none)."""
+    owner = args.get("owner", "") if isinstance(args, dict) else ""
+    if not isinstance(owner, str) or len(owner) > _MAX_OWNER:
+        raise TransferError(f"a lease's owner is an engine address of at most {_MAX_OWNER} characters")
+    return owner
 
 
 class Fetch:
@@ -538,6 +598,11 @@ class Push:
                     ok = ok and all(s.state == RequestState.DONE for s in statuses)
                 except TransferTimeout:
                     ok = False
+            # The commit frees the pages of what it does not commit: it goes out only once no slice can still
+            # write into them (a wait that timed out leaves slices running). Unsettled, nothing is sent: the lease
+            # expires at the peer and its pages stay reserved for this process until it is gone.
+            if not messenger._settle(list(self._batches.values())):
+                raise TransferError(f"a push to {self._peer} did not settle: its reservations stay at the peer")
             checksums = []
             if ok:
                 buffer = messenger.cache.pools[0].buffer  # type: ignore[attr-defined]
@@ -568,8 +633,8 @@ class Push:
             return
         messenger = self._messenger
         try:
-            messenger._settle(list(self._batches.values()))
-            messenger._release_remote(self._peer, self._lease)
+            if messenger._settle(list(self._batches.values())):  # else a slice may still write: keep the pages
+                messenger._release_remote(self._peer, self._lease)
         finally:
             for key, _offset, _length, _pinned in self._pinned:
                 try:

@@ -270,6 +270,35 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
         wait_for(lambda: health(cluster)[1]["prefill_up"] == 2, timeout=30.0, what="the resumed worker to be marked up")
 
 
+def test_a_killed_prefill_workers_reservations_end_at_once_on_the_other_nodes() -> None:
+    """Pages a prefill worker reserved on the decode node to push into stay reserved while it may still write
+    (a push's lease, quarantined past its expiry while the pusher lives); once the gateway finds its process dead
+    (SIGKILL), it tells the other workers, and the decode node can take the block again within a probe or two,
+    not the lease's 30 s later (a request rerouted after the kill was refused as a KV-budget 429 meanwhile)."""
+    base = config(health_interval_s=0.2, health_probe_backoff_max_s=1.0).with_overrides("cluster", num_prefill=2)
+    with start_cluster(base) as cluster:
+        dispatcher = cluster.gateway.dispatcher
+        key = 12345
+
+        def reserve(lease: str, owner: str) -> int | None:
+            blocks = [[key, 64, None]]
+            answer: Any = dispatcher.engine.call(
+                dispatcher.peers["decode-0"], "blocks.reserve", {"lease": lease, "blocks": blocks, "owner": owner}
+            )
+            return answer["blocks"][0][1]  # type: ignore[no-any-return]
+
+        assert reserve("pushed-by-prefill-1", dispatcher._addresses["prefill-1"]) is not None
+        assert reserve("another", "127.0.0.1:1") is None  # being filled by prefill-1's push
+        cluster.backend.kill("prefill-1")
+        attempts = iter(range(1000))
+        wait_for(
+            lambda: reserve(f"retry-{next(attempts)}", "127.0.0.1:1") is not None,
+            timeout=10.0,
+            what="the decode node to end the dead worker's reservation",
+        )
+        assert not dispatcher.workers["prefill-1"].up and dispatcher.workers["prefill-1"].gone
+
+
 def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
     """SIGSTOP the decode worker mid-stream: its health probes fail, it is marked down (/health 503, the stream
     ends with an error event). SIGCONT: a later probe (with backoff) finds it answering, it is marked up, the

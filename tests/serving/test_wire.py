@@ -48,6 +48,7 @@ messages = st.one_of(
         kv_usage=st.floats(min_value=0, max_value=1),
     ),
     st.builds(wire.Stop),
+    st.builds(wire.PeerGone, address=names),
     st.builds(
         wire.PrefillJob,
         request_id=ints,

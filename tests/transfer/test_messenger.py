@@ -176,6 +176,65 @@ def test_leases_release_pins_of_a_vanished_peer(nodes: tuple[Node, Node, str]) -
     b.cache.remove(BlockKey(8))
 
 
+def test_an_expired_push_keeps_its_pages_until_its_pusher_is_back_or_gone(nodes: tuple[Node, Node, str]) -> None:
+    """A pusher paused past its lease (SIGSTOP) may resume mid-write: the pages reserved for it stay reserved,
+    so no other block lands where it writes, until it commits (refused: expired; the pages then free) or its
+    process is said gone (`release_owner`); the blocks never count as cached."""
+    a, b, peer = nodes
+    pool = b.cache.pools[0]
+    for key in (1, 2):
+        a.cache.put(BlockKey(key), block(key))
+    late = a.messenger.push([BlockKey(1)], peer)  # reserved at b, nothing written yet: the pusher is paused
+    b.now[0] += 11.0
+    b.messenger.sweep()
+    assert b.messenger.quarantined == 1 and BlockKey(1) not in b.cache
+    location = b.cache.location(BlockKey(1))
+    assert location is not None and not location.ready
+    for key in range(100, 100 + 20):  # more blocks than pages: evictions, never of the quarantined page
+        b.cache.put(BlockKey(key), block(key))
+    assert b.cache.location(BlockKey(1)) == location
+    held = [b.cache.location(BlockKey(k)) for k in range(100, 120)]
+    assert location.page not in {h.page for h in held if h is not None}
+    assert pool.allocator.is_allocated(location.page)  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match="expired lease"):
+        late.finish(timeout=10)  # it resumes, writes its page, commits: refused, and its page is free again
+    assert b.messenger.quarantined == 0 and BlockKey(1) not in b.cache
+    assert all(bytes(b.cache.get(BlockKey(k))) == block(k) for k in range(100, 116) if BlockKey(k) in b.cache)
+    gone = a.messenger.push([BlockKey(2)], peer)  # another pusher that will never come back
+    b.now[0] += 11.0
+    b.messenger.sweep()
+    assert b.messenger.quarantined == 1
+    assert b.messenger.release_owner("127.0.0.1:1") == 0  # another owner's: nothing of it here
+    assert b.messenger.release_owner(a.engine.address) == 1 and b.messenger.quarantined == 0
+    gone.abort()  # its release finds nothing left: harmless
+    assert BlockKey(2) not in b.cache
+
+
+def test_release_owner_ends_what_a_gone_peer_holds() -> None:
+    """A peer's pins and reservations (leases still open) end at once when its process is said gone; another
+    peer's stay; an owner that is no address is refused."""
+    a, b, c = make_node(8, "tcp"), make_node(8, "tcp"), make_node(8, "tcp")
+    try:
+        from_a, from_c = a.engine.connect(b.engine.address), c.engine.connect(b.engine.address)
+        b.cache.put(BlockKey(5), block(5))
+        a.messenger.fetch([BlockKey(5)], from_a)  # pins 5 at b, never finished
+        a.cache.put(BlockKey(6), block(6))
+        a.messenger.push([BlockKey(6)], from_a)  # reserves 6 at b, never finished
+        c.cache.put(BlockKey(7), block(7))
+        kept = c.messenger.push([BlockKey(7)], from_c)
+        assert b.messenger.release_owner(a.engine.address) == 2
+        b.cache.remove(BlockKey(5))  # unpinned
+        assert BlockKey(6) not in b.cache
+        assert kept.finish(timeout=10) == (7,)  # c's lease was left alone
+        with pytest.raises(TransferError, match="engine address"):
+            b.messenger.release_owner("")
+        with pytest.raises(TransferError, match="owner"):
+            a.engine.call(from_a, "blocks.reserve", {"lease": "x", "blocks": [], "owner": 5})
+    finally:
+        for node in (a, b, c):
+            node.engine.close()
+
+
 def test_fetch_takes_only_what_fits() -> None:
     """With every local page pinned but two, a fetch brings two blocks and stops."""
     a, b = make_node(4, "tcp"), make_node(16, "tcp")
