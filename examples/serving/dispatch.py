@@ -213,13 +213,17 @@ class Dispatcher:
 
     def close(self) -> None:
         """End every live request with a 503, stop the control calls and the transfer engine."""
-        for live in list(self.live.values()):
-            live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
+        self.shut_down_requests()
         for task in self._probes:
             task.cancel()
         for pool in (*self._calls.values(), *self._probe_calls.values()):
             pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+
+    def shut_down_requests(self) -> None:
+        """End every live request with a 503 saying the cluster is shutting down (on the event loop's thread)."""
+        for live in list(self.live.values()):
+            live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
 
     def now(self) -> float:
         """Seconds since the dispatcher started: the Conductor's clock."""

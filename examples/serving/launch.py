@@ -7,7 +7,9 @@ Either way the workers talk to each other and to the gateway over mooncake's
 own transfer engines.
 
 `start_cluster(config)` first removes the shared-memory segments of mooncake
-processes that died without unlinking them (`remove_stale_segments`), then
+processes that died without unlinking them (`remove_stale_segments`) and the
+temporary SSD-tier folders of workers killed before removing theirs
+(`remove_stale_ssd_folders`), then
 returns a `RunningCluster` once the gateway answers; `close()` stops the
 gateway, every worker (SIGTERM, then SIGKILL after a grace period) and unlinks
 any shared-memory segment a killed worker left behind.
@@ -44,8 +46,10 @@ import multiprocessing.util  # registers its exit handler now: LocalBackend's mu
 import os
 import re
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -58,6 +62,7 @@ import attrs
 from mooncake.errors import EngineError
 from serving.config import ClusterConfig
 from serving.gateway import Gateway
+from serving.machine import check_port_free
 from serving.worker import WorkerSpec, run_worker
 
 __all__ = [
@@ -68,6 +73,7 @@ __all__ = [
     "RunningCluster",
     "core_plan",
     "remove_stale_segments",
+    "remove_stale_ssd_folders",
     "start_cluster",
 ]
 
@@ -81,6 +87,8 @@ SERVING_DIR = Path(__file__).resolve().parent  # shipped to Ray workers, which d
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared memory; elsewhere there is nothing to list
 SEGMENT_NAME = re.compile(r"mooncake-(?P<pid>[1-9][0-9]{0,6})-[0-9a-f]{12}")  # create_shared's names, nothing else
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number was never a process
+# A worker's SSD tier without `[cache] ssd_dir`: tempfile's folder, its prefix naming the worker's pid.
+SSD_FOLDER_NAME = re.compile(r"mooncake-ssd-(?P<pid>[1-9][0-9]{0,6})-[a-z0-9_]{8}")
 WATCH_PERIOD_S = 0.5
 EXIT_GRACE_S = 15.0  # a worker's graceful stop after its launcher died, before it unlinks and exits hard
 PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: a spawning thread's exit fires it too, and must not stop us
@@ -159,6 +167,32 @@ def remove_stale_segments() -> list[str]:
         with contextlib.suppress(FileNotFoundError, PermissionError):  # gone already, or another user's
             (SHM_DIR / name).unlink()
             removed.append(name)
+    return removed
+
+
+def remove_stale_ssd_folders(root: Path | None = None) -> list[str]:
+    """Remove the SSD-tier folders of workers that are gone; returns their names.
+
+    A worker without `[cache] ssd_dir` keeps its SSD pages in a temporary folder named
+    `mooncake-ssd-<its pid>-<tempfile's 8 characters>` (in `root`, the temporary directory by default) and
+    removes it when it closes; one that was killed never does, and its folder may hold gigabytes. As for
+    segments, only that name and only a pid that names no running process are removed.
+    """
+    root = Path(tempfile.gettempdir()) if root is None else root
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = SSD_FOLDER_NAME.fullmatch(name)
+        if match is None or int(match["pid"]) >= PID_MAX or _is_running(int(match["pid"])):
+            continue
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)  # another user's stays
+            if not path.exists():
+                removed.append(name)
     return removed
 
 
@@ -533,6 +567,7 @@ class RunningCluster:
     def __init__(self, config: ClusterConfig, backend: Backend) -> None:
         self.config, self.backend = config, backend
         self.removed_segments: list[str] = []
+        self.removed_ssd_folders: list[str] = []
         secret = secrets.token_bytes(32)
         specs = [
             WorkerSpec(role=role, instance_id=f"{role}-{i}", config=config, secret=secret)
@@ -575,10 +610,17 @@ class RunningCluster:
         await self._stopping.wait()
         await runner.cleanup()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 15.0) -> None:
+        """Stop serving: requests in flight get `grace_s` to end, then those still running end with a 503 saying
+        the cluster is shutting down (before their workers stop: else their clients would read that an engine
+        failed), and every worker stops."""
         if self._stopping is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(timeout=15)  # a daemon: if its cleanup hangs, the workers are stopped all the same
+        self._thread.join(timeout=grace_s)  # a daemon: if its cleanup hangs, the workers are stopped all the same
+        if self._thread.is_alive() and self._loop.is_running():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self.gateway.dispatcher.shut_down_requests)
+            self._thread.join(timeout=5.0)  # the handlers write the 503s and the cleanup ends
         self.backend.stop()
 
     def __enter__(self) -> RunningCluster:
@@ -595,9 +637,12 @@ def start_cluster(
 
     `ray_address` joins an existing Ray cluster instead of starting a head on `[cluster] host`;
     `ray_dashboard` starts Ray's dashboard with that head. The names of the stale segments removed
-    are in the result's `removed_segments`.
+    are in the result's `removed_segments`, those of the stale SSD folders (`remove_stale_ssd_folders`) in its
+    `removed_ssd_folders`.
     """
+    check_port_free(config)  # before any worker starts: a clash found by the gateway came after them all
     removed = remove_stale_segments()
+    folders = remove_stale_ssd_folders()
     chosen: Backend
     if backend == "local":
         chosen = LocalBackend(pin_cores=config.cluster.pin_cores == "auto")
@@ -605,4 +650,5 @@ def start_cluster(
         chosen = RayBackend(ray_address, host=config.cluster.host, include_dashboard=ray_dashboard)
     cluster = RunningCluster(config, chosen)
     cluster.removed_segments = removed
+    cluster.removed_ssd_folders = folders
     return cluster

@@ -40,7 +40,15 @@ from mooncake.errors import ConfigError
 if TYPE_CHECKING:
     from serving.config import ClusterConfig
 
-__all__ = ["FD_RESERVE", "MAX_LINGERING", "Machine", "check_machine", "connection_budget", "page_bytes"]
+__all__ = [
+    "FD_RESERVE",
+    "MAX_LINGERING",
+    "Machine",
+    "check_machine",
+    "check_port_free",
+    "connection_budget",
+    "page_bytes",
+]
 
 MAX_LINGERING = 256
 """Refused connections the gateway keeps open for a moment, so their answer arrives before the close."""
@@ -196,6 +204,34 @@ def _check_ssd(config: ClusterConfig, asked: int) -> None:
             f"{config.source}: [cache] ssd_blocks = {cache.ssd_blocks}: {_bytes(asked)} of disk asked, "
             f"{_bytes(free)} free in {folder}"
         )
+
+
+def check_port_free(config: ClusterConfig) -> None:
+    """At launch, before any worker starts: the gateway's `[cluster] port` (unless 0, any free one) is not taken.
+    Bound as the gateway will bind it (address reuse on, as aiohttp's server: a port in TIME_WAIT is free).
+
+    Raises:
+        ConfigError: naming the file, the key and the value, when something listens there already.
+    """
+    host, port = config.cluster.host, config.cluster.port
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError):
+        return  # the host is `_check_host`'s to name
+    probe = socket.socket(family, kind, proto)
+    with contextlib.closing(probe):
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ConfigError(
+                f"{config.source}: [cluster] port = {port}: {host}:{port} is taken ({error.strerror}): another "
+                "cluster or server listens there; give another port, or 0 for any free one"
+            ) from error
 
 
 def _check_host(config: ClusterConfig) -> None:

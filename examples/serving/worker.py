@@ -130,7 +130,8 @@ class Worker:
         if config.cache.ssd_blocks:
             folder = config.cache.ssd_dir
             if not folder:
-                self._ssd_dir = tempfile.TemporaryDirectory(prefix="mooncake-ssd-")
+                # Named with our pid: a launcher removes it if we are killed before we can (`launch.SSD_FOLDER_NAME`).
+                self._ssd_dir = tempfile.TemporaryDirectory(prefix=f"mooncake-ssd-{os.getpid()}-")
                 folder = self._ssd_dir.name
             path = Path(folder) / f"{spec.instance_id}.pool"
             pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache.ssd_blocks))

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -46,13 +47,17 @@ pytest.importorskip("aiohttp")
 from serving.config import load_config
 from serving.launch import (
     SEGMENT_NAME,
+    SSD_FOLDER_NAME,
     LocalBackend,
     RunningCluster,
     core_plan,
     remove_stale_segments,
+    remove_stale_ssd_folders,
     start_cluster,
 )
+from serving.machine import check_port_free
 
+from mooncake.errors import ConfigError
 from mooncake.transfer.region import create_shared
 from tests.waiting import is_running, wait_for
 
@@ -260,6 +265,44 @@ def test_stale_segments_of_dead_processes_are_removed_and_nothing_else() -> None
                 assert not set(stale + kept) & set(remove_stale_segments())  # a second sweep finds none of them
     finally:
         zombie.wait(timeout=30)
+
+
+def test_a_taken_port_is_a_config_error_before_any_worker_starts() -> None:
+    """A second cluster on a port something listens on fails at once, naming the file, [cluster] port and the
+    value, and starts no worker; port 0 (any free port) is never refused."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        config = load_config(TINY).with_overrides("cluster", port=port, num_prefill=1, num_decode=1)
+        began = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"tiny.toml: \[cluster\] port = {port}: 127.0.0.1:{port} is taken"):
+            start_cluster(config)
+        assert time.monotonic() - began < 2.0  # refused before the workers (seconds to start) were started
+    check_port_free(config.with_overrides("cluster", port=0))
+
+
+def test_stale_ssd_folders_of_dead_workers_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    """A killed worker's temporary SSD folder (`mooncake-ssd-<pid>-<8 chars>`, pages inside) goes once its pid is
+    dead; a live pid's, other names, a file of that name and the folder a worker makes now (ours) stay."""
+    dead = dead_pid()
+    with live_process() as alive:
+        stale = tmp_path / f"mooncake-ssd-{dead}-ab_12cd3"
+        (stale / "sub").mkdir(parents=True)
+        (stale / "prefill-0.pool").write_bytes(b"\0" * 4096)
+        kept = [f"mooncake-ssd-{alive.pid}-ab_12cd3", f"mooncake-ssd-{dead}-ab12cd3", f"mooncake-ssd-0{dead}-ab_12cd3"]
+        for name in kept:
+            (tmp_path / name).mkdir()
+        (tmp_path / f"mooncake-ssd-{dead}-zz_12cd3").write_text("a file, not a folder")
+        made = tempfile.TemporaryDirectory(prefix=f"mooncake-ssd-{os.getpid()}-", dir=tmp_path)  # as a worker does
+        try:
+            assert SSD_FOLDER_NAME.fullmatch(Path(made.name).name)  # the rule is the one the worker's names follow
+            assert remove_stale_ssd_folders(tmp_path) == [stale.name]
+            assert not stale.exists() and all((tmp_path / name).is_dir() for name in kept)
+            assert Path(made.name).is_dir() and (tmp_path / f"mooncake-ssd-{dead}-zz_12cd3").is_file()
+            assert remove_stale_ssd_folders(tmp_path) == []
+        finally:
+            made.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------- orphans

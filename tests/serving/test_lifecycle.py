@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -297,6 +298,29 @@ def test_a_killed_prefill_workers_reservations_end_at_once_on_the_other_nodes() 
             what="the decode node to end the dead worker's reservation",
         )
         assert not dispatcher.workers["prefill-1"].up and dispatcher.workers["prefill-1"].gone
+
+
+def test_a_stop_with_a_request_still_running_tells_its_client_the_cluster_is_shutting_down() -> None:
+    """close(grace_s) with a long stream in flight: past the grace, the stream ends with the dispatcher's 503 'the
+    cluster is shutting down', sent before the workers stop (not an engine failure)."""
+    cluster = start_cluster(config())
+    ended: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _chunk in client(cluster).completions.create(model="tiny", prompt="Go.", max_tokens=LONG, stream=True):
+                pass
+        except openai.APIError as error:
+            ended.append(error)
+
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        wait_for(lambda: live_generated(cluster) >= 8, timeout=TIMEOUT_S, what="the stream to decode")
+    finally:
+        cluster.close(grace_s=0.5)
+    reader.join(timeout=TIMEOUT_S)
+    assert len(ended) == 1 and "shutting down" in str(ended[0]), ended
 
 
 def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
