@@ -219,7 +219,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
     ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ("completions", {"prompt": "hi", "seed": -1}, "seed"),
+    ("completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
     ("completions", {"prompt": "hi", "seed": 1.5}, "seed"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("chat/completions", {"messages": []}, "messages"),

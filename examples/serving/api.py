@@ -234,6 +234,7 @@ class SamplingOptions:
         seed: the random stream of a sampled request; None (no seed in the body): a fresh one per request, drawn
             when it is admitted (`Dispatcher.admit`), as vLLM and OpenAI sample (a fixed default would repeat).
         stop: up to four strings; the text ends before the first that appears (finish reason "stop").
+        skip_special_tokens: leave the tokenizer's special tokens out of the text (vLLM's default).
     """
 
     max_tokens: int | None
@@ -241,6 +242,7 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -273,6 +275,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    # vLLM's `chat_template_kwargs`: more variables for the chat template (`enable_thinking`, say).
+    template_variables: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 def _absent(value: Any) -> bool:
@@ -297,10 +301,10 @@ def _empty(value: Any) -> bool:
 
 # Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v is None or (type(v) is int and v == 1),
-    "best_of": lambda v: v is None or (type(v) is int and v == 1),
+    "n": _one,
+    "best_of": _one,
     "logprobs": _off,
-    "top_logprobs": _absent,
+    "top_logprobs": _zero,  # vLLM's default, sent by clients that ask for no logprobs
     "echo": _off,
     "suffix": lambda v: v is None or v == "",
     "presence_penalty": _zero,
@@ -349,9 +353,7 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "service_tier": lambda v: v is None or isinstance(v, str),
     "request_id": lambda v: v is None or isinstance(v, str),
     "priority": lambda v: v is None or type(v) is int,
-    "skip_special_tokens": lambda v: v is None or isinstance(v, bool),
     "spaces_between_special_tokens": lambda v: v is None or isinstance(v, bool),
-    "chat_template_kwargs": lambda v: v is None or isinstance(v, dict),  # a template without them ignores them
 }
 SHARED = (
     "model",
@@ -363,9 +365,10 @@ SHARED = (
     "stop",
     "stream",
     "stream_options",
+    "skip_special_tokens",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
-CHAT_FIELDS = frozenset({*SHARED, "messages"})
+CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs"})
 
 
 def _param(name: str) -> str:
@@ -405,6 +408,15 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
         bounds = f"{'(' if open_low else '['}{low}, {high}]"
         raise ApiError(400, f"{name} must be a number in {bounds}, got {_shown(value)}", param=name)
     return float(value)
+
+
+def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {_shown(value)}", param=name)
+    return value
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -457,8 +469,10 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", served.default_temperature, 0.0, 2.0, open_low=False),
         top_p=_number(body, "top_p", served.default_top_p, 0.0, 1.0, open_low=True),
-        seed=None if body.get("seed") is None else _integer(body, "seed", 0, 0, MAX_SEED),
+        # vLLM takes any 64-bit signed seed; the sampler's streams are unsigned: the same bits.
+        seed=None if body.get("seed") is None else _integer(body, "seed", 0, -MAX_SEED - 1, MAX_SEED) % (1 << 64),
         stop=_stop(body.get("stop")),
+        skip_special_tokens=_flag(body, "skip_special_tokens", default=True),
     )
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -582,7 +596,29 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
         if content is None and message["role"] == "assistant":  # an assistant turn that only called tools
             content = ""
         checked.append(ChatMessage(role=message["role"], content=_content(content, f"{where}.content")))
-    return ChatRequest(messages=tuple(checked), **_common(body, CHAT_FIELDS, served, chat=True))
+    return ChatRequest(
+        messages=tuple(checked),
+        template_variables=_template_variables(body.get("chat_template_kwargs")),
+        **_common(body, CHAT_FIELDS, served, chat=True),
+    )
+
+
+def _template_variables(value: Any) -> dict[str, Any]:
+    """`chat_template_kwargs`: an object of variables for the template, none of them the template's own inputs."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(
+            400, f"chat_template_kwargs must be an object, got {_shown(value)}", param="chat_template_kwargs"
+        )
+    taken = sorted({"messages", "add_generation_prompt"} & set(value))
+    if taken:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(taken)} (the request's own)",
+            param="chat_template_kwargs",
+        )
+    return dict(value)
 
 
 def prompt_tokens(
@@ -597,7 +633,9 @@ def prompt_tokens(
     if isinstance(request, ChatRequest):
         param = "messages"
         try:
-            tokens = tokenizer.encode_chat([(m.role, m.content) for m in request.messages])
+            tokens = tokenizer.encode_chat(
+                [(m.role, m.content) for m in request.messages], variables=request.template_variables
+            )
         except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
             raise ApiError(400, str(error), param=param) from error
     else:

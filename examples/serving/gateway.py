@@ -297,7 +297,7 @@ class Gateway:
     async def _whole(
         self, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
-        text = self.tokenizer.stream(parsed.sampling.stop)
+        text = self.tokenizer.stream(parsed.sampling.stop, skip_special_tokens=parsed.sampling.skip_special_tokens)
         pieces, count = [], 0
         try:
             async for token in self.dispatcher.tokens(live):
@@ -319,7 +319,7 @@ class Gateway:
         self, request: web.Request, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
         tokens = self.dispatcher.tokens(live)
-        text = self.tokenizer.stream(parsed.sampling.stop)
+        text = self.tokenizer.stream(parsed.sampling.stop, skip_special_tokens=parsed.sampling.skip_special_tokens)
         try:
             first = await tokens.__anext__()  # headers go out with the first token: a late rejection is still a 429
         except ApiError as error:

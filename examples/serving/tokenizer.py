@@ -24,8 +24,8 @@ it on the decode engine ("length").
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
@@ -59,9 +59,11 @@ class ServingTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+    def encode_chat(
+        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+    ) -> list[int]: ...
 
-    def stream(self, stop: Sequence[str] = ()) -> TextStream: ...
+    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream: ...
 
 
 class ByteTokenizer:
@@ -73,14 +75,17 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """`chat_prompt`'s text as bytes (a fixed template: it has no variables to set)."""
         return self.encode(chat_prompt(messages))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def stream(self, stop: Sequence[str] = ()) -> TextStream:
-        """A `TextStream` decoding this tokenizer's tokens."""
+    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream:
+        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special)."""
         return TextStream(stop)
 
 
@@ -98,17 +103,25 @@ class CheckpointTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """The ids of the rendered chat template.
+    def encode_chat(
+        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The ids of the rendered chat template, with the request's `variables` for it.
 
         Raises:
             InvalidRequestError: the template refused the messages.
         """
-        return self.tokenizer.encode_chat([{"role": role, "content": content} for role, content in messages])
+        return self.tokenizer.encode_chat(
+            [{"role": role, "content": content} for role, content in messages], **(variables or {})
+        )
 
-    def stream(self, stop: Sequence[str] = ()) -> TextStream:
+    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream:
         """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids."""
-        return TextStream(stop, decoder=self.tokenizer.detokenizer(), stop_ids=self.stop_token_ids)
+        return TextStream(
+            stop,
+            decoder=self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
+            stop_ids=self.stop_token_ids,
+        )
 
 
 class _Utf8Decoder:

@@ -234,10 +234,13 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template refused the messages: {error}") from error
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        """The ids of the rendered chat; no special tokens are added (the template writes them), as transformers."""
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """The ids of the rendered chat (`render_chat`, `extra` its variables); no special tokens are added (the
+        template writes them), as transformers."""
         return self.encode(
-            self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
+            self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra), add_special_tokens=False
         )
 
 

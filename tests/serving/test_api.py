@@ -341,6 +341,34 @@ def test_vllm_clients_extras_are_accepted_at_their_neutral_values_and_unknown_fi
     assert "some_new_field" in caplog.text and "top_k" not in caplog.text
 
 
+def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them() -> None:
+    """A negative 64-bit seed (vLLM takes any) is the same bits unsigned; n / best_of 1.0 and top_logprobs 0 are
+    neutral; skip_special_tokens reaches the text stream; chat_template_kwargs reach the chat template (never
+    its own inputs)."""
+    assert parse_completion({"prompt": "hi", "seed": -1}, SERVED).sampling.seed == 2**64 - 1
+    assert parse_completion({"prompt": "hi", "seed": -(2**63)}, SERVED).sampling.seed == 2**63
+    assert refused(parse_completion, {"prompt": "hi", "seed": -(2**63) - 1}, SERVED).param == "seed"
+    parsed = parse_completion({"prompt": "hi", "n": 1.0, "best_of": 1, "top_logprobs": 0, "logprobs": False}, SERVED)
+    assert parsed.sampling.skip_special_tokens
+    assert not parse_completion({"prompt": "hi", "skip_special_tokens": False}, SERVED).sampling.skip_special_tokens
+    assert refused(parse_completion, {"prompt": "hi", "top_logprobs": 2}, SERVED).param == "top_logprobs"
+    messages = [{"role": "user", "content": "hi"}]
+    chat = parse_chat({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}, SERVED)
+    assert chat.template_variables == {"enable_thinking": False}
+    seen: list[object] = []
+
+    class Recording(ByteTokenizer):
+        def encode_chat(self, messages: Any, *, variables: Any = None) -> list[int]:
+            seen.append(variables)
+            return super().encode_chat(messages)
+
+    prompt_tokens(chat, Recording(), SERVED)
+    assert seen == [{"enable_thinking": False}]
+    for bad in ([1], {"messages": []}, {"add_generation_prompt": False}):
+        error = refused(parse_chat, {"messages": messages, "chat_template_kwargs": bad}, SERVED)
+        assert error.status == 400 and error.param == "chat_template_kwargs"
+
+
 def test_a_chat_transcript_with_tool_turns_parses() -> None:
     """An assistant turn without content (it called a tool) and a tool's answer are parts of a transcript."""
     body = {

@@ -202,6 +202,24 @@ def test_a_chat_renders_the_checkpoints_template(cluster: RunningCluster, checkp
     assert answer.choices[0].message.content == reply
 
 
+def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:
+    """The stream of a request with skip_special_tokens false writes a special token's text where transformers'
+    decode(skip_special_tokens=False) does; by default it leaves it out, as decode(skip_special_tokens=True)."""
+    from serving.tokenizer import CheckpointTokenizer
+
+    from mooncake.engine.tokenizer import load_tokenizer
+
+    directory, _, tokenizer = checkpoint
+    ours = CheckpointTokenizer(load_tokenizer(directory))
+    ids = [*tokenizer("Hello").input_ids, tokenizer.convert_tokens_to_ids("<|im_start|>"), *tokenizer("there").input_ids]
+    texts = []
+    for skip in (True, False):
+        stream = ours.stream(skip_special_tokens=skip)
+        texts.append("".join(stream.feed(token) for token in ids) + stream.finish())
+        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip), skip
+    assert "<|im_start|>" in texts[1] and "<|im_start|>" not in texts[0]
+
+
 def test_models_lists_the_served_name(cluster: RunningCluster) -> None:
     """/v1/models lists the checkpoint's directory name; another name is OpenAI's 404."""
     api = client(cluster)
