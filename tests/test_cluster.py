@@ -269,6 +269,31 @@ def test_prompt_over_the_limit_is_a_context_length_error(cluster: RunningCluster
     assert api.completions.create(model="tiny", prompt="x" * limit, max_tokens=1).usage.prompt_tokens == limit
 
 
+def test_a_browser_page_may_call_the_api_as_on_vllms_server(cluster: RunningCluster) -> None:
+    """CORS as vLLM's default: a preflight (no key needed) is a 200 allowing the method and the headers asked for;
+    answers to a request with an Origin, a stream's and an error's included, allow any origin."""
+    origin = {"Origin": "http://localhost:3000"}
+    preflight = urllib.request.Request(
+        f"{cluster.url}/v1/chat/completions",
+        method="OPTIONS",
+        headers={**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"},
+    )
+    with urllib.request.urlopen(preflight, timeout=TIMEOUT_S) as answer:
+        assert answer.status == 200 and "POST" in answer.headers["Access-Control-Allow-Methods"]
+        assert answer.headers["Access-Control-Allow-Headers"] == "authorization"
+        assert answer.headers["Access-Control-Allow-Origin"] == "*"
+    keyed = {**origin, "Authorization": f"Bearer {API_KEY}"}
+    for body, expected in (
+        ({"prompt": "hi", "max_tokens": 2}, 200),
+        ({"prompt": "hi", "max_tokens": 2, "stream": True}, 200),
+        ({"prompt": 5}, 400),
+    ):
+        status, headers, _text = http(f"{cluster.url}/v1/completions", body, headers=keyed)
+        assert status == expected and headers["Access-Control-Allow-Origin"] == "*"
+    assert http(f"{cluster.url}/v1/completions", {"prompt": "hi"}, headers=origin)[1]["Access-Control-Allow-Origin"]
+    assert "Access-Control-Allow-Origin" not in http(f"{cluster.url}/health")[1]  # no Origin: no CORS header
+
+
 def test_api_key_is_required(cluster: RunningCluster) -> None:
     """With [cluster] api_key set, a wrong or missing key is a 401 on every API route; /health stays open."""
     with pytest.raises(openai.AuthenticationError):

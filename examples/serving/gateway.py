@@ -125,9 +125,10 @@ class Gateway:
         """The aiohttp application (its handler options carry the header deadline and handler cancellation)."""
         app = web.Application(
             client_max_size=self.edge.max_body_bytes,
-            middlewares=[self._errors],
+            middlewares=[_cors_preflight, self._errors],
             handler_args=self.edge.handler_args(),
         )
+        app.on_response_prepare.append(_cors_headers)
         for method, path, handler in self._routes():
             app.router.add_route(method, path, handler, expect_handler=self._expect)
         # Last, for any other path or method: aiohttp would answer those (and their Expect) in plain text.
@@ -358,6 +359,31 @@ class Gateway:
         await response.write(b"data: [DONE]\n\n")  # after an error event too, as vLLM ends every stream
         await response.write_eof()
         return response
+
+
+# CORS as vLLM's server sets it by default (`--allowed-origins` "*", no credentials): browsers may call the API from
+# any page, sending the key themselves. A preflight needs no key: browsers send none with it.
+CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+
+
+@web.middleware
+async def _cors_preflight(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A browser's preflight (OPTIONS with Origin and Access-Control-Request-Method), answered before any route."""
+    headers = request.headers
+    if request.method != "OPTIONS" or "Origin" not in headers or "Access-Control-Request-Method" not in headers:
+        return await handler(request)
+    allowed = {"Access-Control-Allow-Methods": CORS_METHODS, "Access-Control-Max-Age": "600"}
+    if "Access-Control-Request-Headers" in headers:
+        allowed["Access-Control-Allow-Headers"] = headers["Access-Control-Request-Headers"]
+    return web.Response(text="OK", headers=allowed)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer to a request from a page (an Origin header), streams included, may be read by it."""
+    if "Origin" in request.headers:
+        response.headers["Access-Control-Allow-Origin"] = "*"
 
 
 def _route_headers(live: LiveRequest) -> dict[str, str]:

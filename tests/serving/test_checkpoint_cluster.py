@@ -211,7 +211,11 @@ def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(check
 
     directory, _, tokenizer = checkpoint
     ours = CheckpointTokenizer(load_tokenizer(directory))
-    ids = [*tokenizer("Hello").input_ids, tokenizer.convert_tokens_to_ids("<|im_start|>"), *tokenizer("there").input_ids]
+    ids = [
+        *tokenizer("Hello").input_ids,
+        tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        *tokenizer("there").input_ids,
+    ]
     texts = []
     for skip in (True, False):
         stream = ours.stream(skip_special_tokens=skip)
