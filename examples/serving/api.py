@@ -474,14 +474,12 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         stop=_stop(body.get("stop")),
         skip_special_tokens=_flag(body, "skip_special_tokens", default=True),
     )
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, f"stream must be a boolean, got {_shown(stream)}", param="stream")
+    stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
     return {
         "model": served.name,
         "sampling": sampling,
-        "stream": bool(stream),
+        "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
     }

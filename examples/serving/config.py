@@ -363,7 +363,7 @@ class DecodeSection:
 class LimitsSection:
     """`[limits]`: what one request and one client may take, and the gateway's clocks.
 
-    The longest prompt, the default output and a request's deadline; the
+    The longest prompt, a completion's default output and how long a request may wait for a token; the
     health loop's period and the cap of its backoff for a worker that does not
     answer (`health_probe_backoff_max_s`, at least the period); the time a
     client has to send its headers and its body; open connections in all and

@@ -9,7 +9,7 @@ messages that arrive on the transfer engine's threads, are decoded there (a
 malformed one is refused to its sender and logged) and handed to the event
 loop, where they become Conductor events, index updates (the prefill node's
 cache events), metrics, and the request's queue of tokens that `tokens` reads
-until the last one, an error or the request's deadline.
+until the last one, an error or a wait for a token past `[limits] request_timeout_s`.
 
 Ends, in `sched.outcome`'s vocabulary: a decode engine's refusal is the decode
 rule's reason (`REJECTED_AFTER_PREFILL`, a 429); a prefill or a join that fails
@@ -141,7 +141,7 @@ class Dispatcher:
         conductor: the scheduler; every worker is added to it here.
         secret: the transfer engines' shared secret.
         workers: each worker's `start()` info (instance id, role, address).
-        is_alive: tells whether a worker's process (or actor) still runs.
+        is_alive: tells whether a worker's process (or actor) still runs; False only when it is certainly gone.
         metrics: where the request and engine metrics go (default: a registry of the dispatcher's own).
         block_bytes: the KV bytes of one block (for the transfer metrics).
         host: where the dispatcher's transfer engine listens for the workers' reports (an address they reach).
@@ -163,7 +163,6 @@ class Dispatcher:
     ) -> None:
         self.config = config
         self._stop_ids = tuple(sorted(stop_token_ids))
-        self._stop_id_set = frozenset(stop_token_ids)
         self.hasher = config.model.hasher()
         self.conductor = conductor
         self.metrics = metrics or ServingMetrics.for_config(config, workers)
@@ -184,7 +183,7 @@ class Dispatcher:
             self.engine.register_handler(cls.METHOD, self._receiver(cls))
         self._addresses = {w["instance_id"]: w["address"] for w in workers}
         self.peers = {w["instance_id"]: self.engine.connect(w["address"], transport="tcp") for w in workers}
-        connect = wire.Connect(gateway=self.engine.address, peers={w["instance_id"]: w["address"] for w in workers})
+        connect = wire.Connect(gateway=self.engine.address, peers=self._addresses)
         for instance in self.peers:
             self.engine.call(self.peers[instance], *wire.encode(connect))
         self.live: dict[RequestId, LiveRequest] = {}
@@ -513,7 +512,7 @@ class Dispatcher:
             live.generated += 1
             live.events.put_nowait(("token", (token.token, token.finished)))
             if token.finished:
-                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_id_set)
+                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_ids)
 
     def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)
@@ -565,6 +564,9 @@ class Dispatcher:
             LOG.warning("worker %s answers again: marked up", instance)
             state.up = True
             self.conductor.handle(InstanceUp(instance_id=instance, now=self.now()))
+            for other in self.workers.values():  # the deaths it missed while down: it may hold leases of theirs
+                if other.gone:
+                    self._calls[instance].submit(self._tell, instance, self._gone_message(other))
         for request_id in health.active:
             live = self.live.get(RequestId(request_id))  # type: ignore[arg-type]
             if live is None or live.decode != instance:  # ended while it was down, or rescheduled elsewhere
@@ -575,10 +577,13 @@ class Dispatcher:
         fetch, pages it reserved to push into), instead of keeping them until they expire. Only a dead process is
         certain to write no more: a stopped one keeps its reservations (`Messenger`'s quarantine)."""
         state.gone = True
-        message = wire.PeerGone(address=self._addresses[state.instance_id])
-        for other, worker in self.workers.items():
+        message = self._gone_message(state)
+        for other, worker in self.workers.items():  # one down now is told when it answers again
             if other != state.instance_id and worker.up:
                 self._calls[other].submit(self._tell, other, message)
+
+    def _gone_message(self, state: WorkerState) -> wire.PeerGone:
+        return wire.PeerGone(address=self._addresses[state.instance_id])
 
     def _tell(self, instance: str, message: wire.Message) -> None:
         """`call`, for a message whose answer nobody waits for (a worker that does not answer is the health
@@ -595,7 +600,8 @@ class Dispatcher:
         state.up = False
         state.next_probe_s = max(state.next_probe_s, self.now() + self.config.limits.health_interval_s)
         for future in list(self._unsent.get(instance, ())):
-            future.cancel()  # a job still queued for it: its request is rerouted below, never sent there late
+            future.cancel()  # a job still queued for it: its request is rerouted below (one being sent goes on: the
+            # worker's reports about that attempt are then ignored)
         ends: tuple[RequestEnd, ...] = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now()))
         for end in ends:
             live = self.live.pop(end.request_id, None)

@@ -102,7 +102,12 @@ class Backend(Protocol):
     node_host: str
 
     def start(self, specs: list[WorkerSpec]) -> list[dict[str, Any]]: ...
-    def is_alive(self, instance_id: str) -> bool: ...
+
+    def is_alive(self, instance_id: str) -> bool:
+        """False only when the worker is certainly gone (its process exited, Ray says its actor died): the other
+        workers then release what it held with them, so a stopped or slow one must never read as dead."""
+        ...
+
     def kill(self, instance_id: str) -> None: ...
     def stop(self) -> None: ...
 
@@ -501,8 +506,10 @@ class RayBackend:
     def is_alive(self, instance_id: str) -> bool:
         try:
             return bool(self._ray.get(self._actors[instance_id].is_alive.remote(), timeout=5))
-        except Exception:  # any Ray error means the actor is gone
+        except self._ray.exceptions.RayActorError:  # Ray says the actor died
             return False
+        except Exception:  # a timeout or another Ray error: a slow or stopped actor is not known to be dead
+            return True
 
     def kill(self, instance_id: str) -> None:
         self._ray.kill(self._actors[instance_id])

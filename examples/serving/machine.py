@@ -217,21 +217,14 @@ def check_port_free(config: ClusterConfig) -> None:
     if port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except (OSError, UnicodeError):
+        _bind_probe(host, port, reuse_address=True)
+    except (UnicodeError, socket.gaierror):
         return  # the host is `_check_host`'s to name
-    probe = socket.socket(family, kind, proto)
-    with contextlib.closing(probe):
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as error:
-            raise ConfigError(
-                f"{config.source}: [cluster] port = {port}: {host}:{port} is taken ({error.strerror}): another "
-                "cluster or server listens there; give another port, or 0 for any free one"
-            ) from error
+    except OSError as error:
+        raise ConfigError(
+            f"{config.source}: [cluster] port = {port}: {host}:{port} is taken ({error.strerror}): another "
+            "cluster or server listens there; give another port, or 0 for any free one"
+        ) from error
 
 
 def _check_host(config: ClusterConfig) -> None:
@@ -239,14 +232,25 @@ def _check_host(config: ClusterConfig) -> None:
     host = config.cluster.host
     where = f"{config.source}: [cluster] host = {host!r}"
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
-            0
-        ]
-    except (OSError, UnicodeError) as error:
+        _bind_probe(host, 0, reuse_address=False)
+    except (UnicodeError, socket.gaierror) as error:
         raise ConfigError(f"{where}: not an address of this machine ({error})") from error
-    probe = socket.socket(family, kind, proto)
-    with contextlib.closing(probe):
-        try:
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot listen there ({error.strerror})") from error
+
+
+def _bind_probe(host: str, port: int, *, reuse_address: bool) -> None:
+    """Bind, then release, every address `host` resolves to at `port`, as the gateway's server binds them all.
+
+    Raises:
+        socket.gaierror, UnicodeError: `host` names no address; OSError: one cannot be bound (taken, not ours).
+    """
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with contextlib.closing(socket.socket(family, kind, proto)) as probe:
+            if reuse_address:  # as aiohttp's server: a port in TIME_WAIT is free
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio's server: the IPv6 socket does not take IPv4 too
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
-        except OSError as error:
-            raise ConfigError(f"{where}: cannot listen there ({error.strerror})") from error

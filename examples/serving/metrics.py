@@ -155,8 +155,8 @@ class HistogramBounds:
 class FinishedRequest:
     """One request's end as the metrics count it: times in seconds on one clock, None for a phase not reached.
 
-    `finished_reason` is one of `FINISH_REASONS`: "stop" (a stop string), "length" (max_tokens), "abort" (its client
-    left or its deadline passed), "error" (an engine failed it).
+    `finished_reason` is one of `FINISH_REASONS`: "stop" (a stop string or a stop id such as EOS), "length"
+    (max_tokens), "abort" (its client left or it waited too long for a token), "error" (an engine failed it).
     """
 
     prefill_engine: str

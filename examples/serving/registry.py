@@ -67,7 +67,7 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as error:
-            if error.name is None or not where.startswith(error.name):
+            if error.name is None or not (where == error.name or where.startswith(error.name + ".")):
                 raise  # the module was found and failed inside: its own traceback says where
             raise ConfigError(f"router module {where} not found ({error.name} is not importable)") from None
     factory = getattr(module, attribute, None)

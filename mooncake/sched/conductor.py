@@ -41,6 +41,7 @@ import collections
 import enum
 import heapq
 import math
+import numbers
 import random
 import typing
 from collections.abc import Sequence
@@ -129,6 +130,11 @@ class _InFlight:
 
 
 _EVENT_TYPES = typing.get_args(SchedulerEvent)
+
+
+def _is_load(value: object) -> bool:
+    """A predicted batch size or token count the decode scan can hold (NaN is none: it fails the comparison)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < 1 << 62  # type: ignore[operator]
 
 
 class Conductor:
@@ -383,12 +389,12 @@ class Conductor:
                 for view in board.slot_views
             ]
             for view, load in zip(board.slot_views, loads, strict=True):
-                # A plugged-in predictor's answer is checked here, where it can be named: a NaN or an
-                # infinity would otherwise fail in the rounding, as a bare ValueError or OverflowError.
-                if not all(0 <= value < math.inf for value in (load.batch_size, load.context_tokens, load.kv_tokens)):
+                # A plugged-in predictor's answer is checked here, where it can be named: a NaN, an infinity or a
+                # count past the scan's int64 arrays would otherwise fail in the rounding, as a bare error.
+                if not all(map(_is_load, (load.batch_size, load.context_tokens, load.kv_tokens))):
                     raise ConfigError(
                         f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}: "
-                        "a predicted load's batch size and tokens must be finite numbers >= 0"
+                        f"a predicted load's batch size and tokens must be numbers in [0, 2**62)"
                     )
             return BoardLoads.of(loads)
         empty = np.zeros(len(board), dtype=np.int64)

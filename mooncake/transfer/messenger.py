@@ -26,8 +26,10 @@ slices to end, and a pusher commits only once its writes have ended. So an
 expired lease's pins go, but its reservations stay (quarantined) until its
 pusher commits or releases it, or `release_owner` says its process is gone: a
 pusher that was only paused (SIGSTOP) may resume mid-write, and the pages it
-writes into must not meanwhile hold other blocks. Each lease names its owner,
-the engine address of the peer that opened it. `lease_s` must exceed how long a pusher's slice can take,
+writes into must not meanwhile hold other blocks. (A pusher stopped for good,
+or one whose slices never settle, keeps its pages until its process is gone.)
+Each lease names its owner, the engine address of the peer that opened it.
+`lease_s` must exceed how long a pusher's slice can take,
 (max_retries + 1) · (connect_timeout_s + io_timeout_s): 36 s with the default
 engine settings, past the default `lease_s` of 30 s, so raise `lease_s` along
 with the timeouts. A peer opens a lease with any id it likes, so the table of
@@ -283,11 +285,15 @@ class Messenger:
         with self._lock:
             expired = [lease_id for lease_id, lease in self._leases.items() if lease.deadline < now]
             leases = [self._leases.pop(lease_id) for lease_id in expired]
+            pins = []
             for lease_id, lease in zip(expired, leases, strict=True):
+                # Taken off the lease here, under the lock: a quarantined lease can be ended at once by another
+                # thread (a commit, a release, release_owner), which must not unpin them a second time.
+                pins.extend(lease.pinned)
+                lease.pinned = []
                 if lease.reserved:  # its pusher may only be paused: the pages wait for it (module docstring)
                     self._quarantine[lease_id] = lease
-        for lease in leases:
-            self._unpin(lease)
+        self._unpin(pins)
 
     # ------------------------------------------------------------------ serving peers
 
@@ -415,18 +421,19 @@ class Messenger:
                 del self._leases[lease_id]
 
     def _end(self, lease: _Lease) -> None:
-        self._unpin(lease)
+        """Release what a lease no table holds any more (so no other thread can end it too)."""
+        self._unpin(lease.pinned)
         for key in lease.reserved:
             self.cache.abort(key)
+        lease.pinned.clear()
         lease.reserved.clear()
 
-    def _unpin(self, lease: _Lease) -> None:
-        for key in lease.pinned:
+    def _unpin(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
             try:
                 self.cache.unpin(key)
             except UnknownBlockError:
                 pass
-        lease.pinned.clear()
 
     def _sweeper(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -583,7 +590,13 @@ class Push:
         self._batches[part] = messenger.engine.submit(requests)
 
     def finish(self, timeout: float) -> tuple[BlockKey, ...]:
-        """Ship what is left, then have the peer verify and commit; returns the keys it committed (once)."""
+        """Ship what is left, then have the peer verify and commit; returns the keys it committed (once).
+
+        Raises:
+            TransferError: a slice did not settle (nothing is committed: the peer keeps the pages it reserved, as a
+                late slice may still land), or the peer refused the commit (its lease expired: the pages are then
+                free again).
+        """
         if self._done is not None:
             return self._done
         messenger = self._messenger
@@ -628,7 +641,8 @@ class Push:
         return committed
 
     def abort(self) -> None:
-        """Give up: nothing is committed at the peer (its reservations are released), local pins are dropped."""
+        """Give up: nothing is committed at the peer (its reservations are released once no slice can still land
+        in them; while one may, they stay), local pins are dropped."""
         if self._done is not None:
             return
         messenger = self._messenger

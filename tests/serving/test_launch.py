@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,13 +50,13 @@ from serving.launch import (
     SEGMENT_NAME,
     SSD_FOLDER_NAME,
     LocalBackend,
+    RayBackend,
     RunningCluster,
     core_plan,
     remove_stale_segments,
     remove_stale_ssd_folders,
     start_cluster,
 )
-from serving.machine import check_port_free
 
 from mooncake.errors import ConfigError
 from mooncake.transfer.region import create_shared
@@ -279,7 +280,6 @@ def test_a_taken_port_is_a_config_error_before_any_worker_starts() -> None:
         with pytest.raises(ConfigError, match=rf"tiny.toml: \[cluster\] port = {port}: 127.0.0.1:{port} is taken"):
             start_cluster(config)
         assert time.monotonic() - began < 2.0  # refused before the workers (seconds to start) were started
-    check_port_free(config.with_overrides("cluster", port=0))
 
 
 def test_stale_ssd_folders_of_dead_workers_are_removed_and_nothing_else(tmp_path: Path) -> None:
@@ -499,6 +499,30 @@ def ray_run(tmp_path_factory: pytest.TempPathFactory) -> RayRun:
 
 
 @pytest.mark.slow
+def test_a_ray_actor_reads_as_dead_only_when_ray_says_it_died() -> None:
+    """The gateway releases what a dead worker held with the others, so a timeout (a stopped or slow actor) must
+    read as alive; only Ray's actor-died error is a death."""
+    ray = pytest.importorskip("ray")
+
+    class Actor:
+        def __init__(self, answer: BaseException | bool) -> None:
+            self.is_alive = types.SimpleNamespace(remote=lambda: answer)
+
+    def get(answer: BaseException | bool, timeout: float) -> bool:
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    backend = object.__new__(RayBackend)
+    backend._ray = types.SimpleNamespace(get=get, exceptions=ray.exceptions)  # type: ignore[attr-defined]
+    backend._actors = {  # type: ignore[attr-defined]
+        "up": Actor(True),
+        "slow": Actor(ray.exceptions.GetTimeoutError("5 s")),
+        "dead": Actor(ray.exceptions.RayActorError()),
+    }
+    assert [backend.is_alive(name) for name in ("up", "slow", "dead")] == [True, True, False]
+
+
 def test_ray_servers_listen_on_loopback_only(ray_run: RayRun) -> None:
     """Every socket Ray's processes (GCS, raylet, agents, workers) and ours listen on is a loopback address."""
     assert ray_run.completion_tokens == 4

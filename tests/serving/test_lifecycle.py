@@ -272,32 +272,43 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
 
 
 def test_a_killed_prefill_workers_reservations_end_at_once_on_the_other_nodes() -> None:
-    """Pages a prefill worker reserved on the decode node to push into stay reserved while it may still write
-    (a push's lease, quarantined past its expiry while the pusher lives); once the gateway finds its process dead
-    (SIGKILL), it tells the other workers, and the decode node can take the block again within a probe or two,
-    not the lease's 30 s later (a request rerouted after the kill was refused as a KV-budget 429 meanwhile)."""
+    """Pages a prefill worker reserved on the decode node to push into stay reserved while its lease is open (and
+    past its expiry while the pusher may live); once the gateway finds its process dead (SIGKILL), it tells the
+    other workers, and the decode node can take the block again within a probe or two, not the lease's 30 s later
+    (a request rerouted after the kill was refused as a KV-budget 429 meanwhile). A decode node that was down
+    (stopped) when the death was found is told when it answers again."""
     base = config(health_interval_s=0.2, health_probe_backoff_max_s=1.0).with_overrides("cluster", num_prefill=2)
     with start_cluster(base) as cluster:
         dispatcher = cluster.gateway.dispatcher
-        key = 12345
+        attempts = iter(range(10_000))
 
-        def reserve(lease: str, owner: str) -> int | None:
+        def reserve(owner: str, key: int) -> int | None:
             blocks = [[key, 64, None]]
             answer: Any = dispatcher.engine.call(
-                dispatcher.peers["decode-0"], "blocks.reserve", {"lease": lease, "blocks": blocks, "owner": owner}
+                dispatcher.peers["decode-0"],
+                "blocks.reserve",
+                {"lease": f"lease-{next(attempts)}", "blocks": blocks, "owner": owner},
             )
             return answer["blocks"][0][1]  # type: ignore[no-any-return]
 
-        assert reserve("pushed-by-prefill-1", dispatcher._addresses["prefill-1"]) is not None
-        assert reserve("another", "127.0.0.1:1") is None  # being filled by prefill-1's push
-        cluster.backend.kill("prefill-1")
-        attempts = iter(range(1000))
-        wait_for(
-            lambda: reserve(f"retry-{next(attempts)}", "127.0.0.1:1") is not None,
-            timeout=10.0,
-            what="the decode node to end the dead worker's reservation",
-        )
-        assert not dispatcher.workers["prefill-1"].up and dispatcher.workers["prefill-1"].gone
+        for key, victim in enumerate(("prefill-1", "prefill-0")):
+            assert reserve(dispatcher._addresses[victim], key) is not None  # a push of the victim's
+            assert reserve("127.0.0.1:1", key) is None  # the block is being filled by that push
+            decode = cluster.backend.pid("decode-0")
+            if victim == "prefill-0":  # the decode node is down when the death is found
+                os.kill(decode, signal.SIGSTOP)
+                wait_for(lambda: not dispatcher.workers["decode-0"].up, timeout=30.0, what="decode-0 marked down")
+            try:
+                cluster.backend.kill(victim)
+                wait_for(lambda v=victim: dispatcher.workers[v].gone, timeout=10.0, what=f"{victim} found dead")
+            finally:
+                os.kill(decode, signal.SIGCONT)
+            wait_for(lambda: dispatcher.workers["decode-0"].up, timeout=30.0, what="decode-0 marked up")
+            wait_for(
+                lambda k=key: reserve("127.0.0.1:1", k) is not None,
+                timeout=10.0,
+                what=f"the decode node to end the dead {victim}'s reservation",
+            )
 
 
 def test_a_stop_with_a_request_still_running_tells_its_client_the_cluster_is_shutting_down() -> None:
