@@ -602,14 +602,16 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
 
 
 def _template_variables(value: Any) -> dict[str, Any]:
-    """`chat_template_kwargs`: an object of variables for the template, none of them the template's own inputs."""
+    """`chat_template_kwargs`: an object of variables for the template, none of them the request's own inputs (the
+    template's own, `raise_exception` and the special tokens, are refused when it renders)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ApiError(
             400, f"chat_template_kwargs must be an object, got {_shown(value)}", param="chat_template_kwargs"
         )
-    taken = sorted({"messages", "add_generation_prompt"} & set(value))
+    # The request's own inputs, and tools (refused at the top level: they would be rendered but never called).
+    taken = sorted({"messages", "add_generation_prompt", "tools", "documents"} & set(value))
     if taken:
         raise ApiError(
             400,

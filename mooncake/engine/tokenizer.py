@@ -218,12 +218,17 @@ class Tokenizer:
 
         Raises:
             ConfigError: the checkpoint has no chat template.
-            InvalidRequestError: the template refused the messages (its `raise_exception`).
+            InvalidRequestError: the template refused the messages (its `raise_exception`), failed on them or on a
+                variable of `extra` (a value of the wrong kind), or `extra` sets one of the template's own inputs
+                (`raise_exception`, the special tokens).
         """
         if self._compiled is None:
             raise ConfigError(f"{self.source}: the tokenizer has no chat template")
         import jinja2
 
+        own = sorted({"raise_exception", *self.special.tokens} & set(extra))
+        if own:
+            raise InvalidRequestError(f"chat template variables may not set {', '.join(own)} (the template's own)")
         variables = {"tools": None, "documents": None, **self.special.tokens, **extra}
         try:
             return str(
@@ -233,6 +238,8 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template refused the messages: {error}") from error
+        except (TypeError, ValueError, AttributeError, LookupError) as error:  # a value of the wrong kind in them
+            raise InvalidRequestError(f"the chat template failed on the messages or variables: {error}") from error
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any

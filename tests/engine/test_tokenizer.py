@@ -220,6 +220,27 @@ def test_the_chat_template_renders_what_transformers_renders(
         assert ours.encode_chat(messages, add_generation_prompt=generation_prompt) == list(ids)
 
 
+def test_a_requests_template_variables_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    """Extra variables (vLLM's chat_template_kwargs) reach the template as apply_chat_template's keyword arguments
+    do; one setting the template's own inputs, or of a kind the template fails on, is an InvalidRequestError."""
+    template = "{% if greet %}hello {% for word in greet %}{{ word | upper }}{% endfor %}\n{% endif %}" + CHATML
+    theirs = save_tokenizer(tmp_path, template)
+    ours = load_tokenizer(tmp_path)
+    expected = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, greet="there")
+    assert ours.render_chat(MESSAGES, greet=["there"]) == theirs.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, greet=["there"]
+    )
+    assert expected.startswith("hello THERE")
+    assert ours.render_chat(MESSAGES) == theirs.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    for own in ({"eos_token": 5}, {"raise_exception": "x"}):
+        with pytest.raises(InvalidRequestError, match=f"may not set {next(iter(own))}"):
+            ours.render_chat(MESSAGES, **own)
+    with pytest.raises(InvalidRequestError, match="failed on the messages or variables"):
+        ours.render_chat(MESSAGES, greet=5)  # a loop over an int
+
+
 def test_the_template_field_of_the_config_is_read_too(tmp_path: Path) -> None:
     """A checkpoint saved before chat_template.jinja existed keeps its template in tokenizer_config.json."""
     save_tokenizer(tmp_path, CHATML)

@@ -364,7 +364,7 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
 
     prompt_tokens(chat, Recording(), SERVED)
     assert seen == [{"enable_thinking": False}]
-    for bad in ([1], {"messages": []}, {"add_generation_prompt": False}):
+    for bad in ([1], {"messages": []}, {"add_generation_prompt": False}, {"tools": [{"type": "function"}]}):
         error = refused(parse_chat, {"messages": messages, "chat_template_kwargs": bad}, SERVED)
         assert error.status == 400 and error.param == "chat_template_kwargs"
 
