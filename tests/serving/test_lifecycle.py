@@ -17,6 +17,7 @@ Every wait is bounded (`wait_for` fails naming what it waited for); every stoppe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,6 +198,24 @@ def health(cluster: RunningCluster) -> tuple[int, Any]:
     return status_of(f"{cluster.url}/health")
 
 
+@contextlib.contextmanager
+def stalled_stream(cluster: RunningCluster) -> Iterator[Iterator[Any]]:
+    """A long stream that has begun, its decode worker then stopped (SIGSTOP): yields the rest of its chunks; the
+    worker is continued (SIGCONT) and the stream closed when the block ends."""
+    pid = cluster.gateway.dispatcher.health("decode-0").pid
+    stream = client(cluster).completions.create(model="tiny", prompt="Stall.", max_tokens=LONG, stream=True)
+    try:
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield chunks
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        stream.close()
+
+
 def test_the_request_timeout_bounds_each_wait_for_a_token_not_the_whole_request() -> None:
     """With a 1 s request timeout: a stream whose tokens keep coming runs past it to its last token, and so does a
     whole (non-streamed) answer; a stream whose decode worker is stopped (SIGSTOP, the health probes too slow to
@@ -217,22 +236,12 @@ def test_the_request_timeout_bounds_each_wait_for_a_token_not_the_whole_request(
         began = time.monotonic()
         assert api.completions.create(model="tiny", prompt="Go on.", max_tokens=LONG).usage.completion_tokens == LONG
         assert time.monotonic() - began > 2 * timeout_s
-        pid = cluster.gateway.dispatcher.health("decode-0").pid
-        stream = api.completions.create(model="tiny", prompt="Stall.", max_tokens=LONG, stream=True)
-        try:
-            tokens = iter(stream)
-            next(tokens)
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                stopped = time.monotonic()
-                with pytest.raises(openai.APIError, match=r"no token came for 1 s"):
-                    for _chunk in tokens:
-                        pass
-                assert time.monotonic() - stopped < 10 * timeout_s
-            finally:
-                os.kill(pid, signal.SIGCONT)
-        finally:
-            stream.close()
+        with stalled_stream(cluster) as chunks:
+            stopped = time.monotonic()
+            with pytest.raises(openai.APIError, match=r"no token came for 1 s"):
+                for _chunk in chunks:
+                    pass
+            assert time.monotonic() - stopped < 10 * timeout_s
 
 
 def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
@@ -340,22 +349,12 @@ def test_a_stopped_decode_worker_is_marked_down_and_restored() -> None:
     request it still held is cancelled there, and it serves again."""
     with start_cluster(config(health_interval_s=0.2, health_probe_backoff_max_s=1.0)) as cluster:
         api = client(cluster)
-        pid = cluster.gateway.dispatcher.health("decode-0").pid
-        stream = api.completions.create(model="tiny", prompt="Stall.", max_tokens=LONG, stream=True)
-        try:
-            chunks = iter(stream)
-            next(chunks)
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                wait_for(lambda: health(cluster)[0] == 503, timeout=30.0, what="the stopped worker to be marked down")
-                assert health(cluster)[1]["decode_up"] == 0
-                with pytest.raises(openai.APIError, match="decode-0"):
-                    for _chunk in chunks:
-                        pass
-            finally:
-                os.kill(pid, signal.SIGCONT)
-        finally:
-            stream.close()
+        with stalled_stream(cluster) as chunks:
+            wait_for(lambda: health(cluster)[0] == 503, timeout=30.0, what="the stopped worker to be marked down")
+            assert health(cluster)[1]["decode_up"] == 0
+            with pytest.raises(openai.APIError, match="decode-0"):
+                for _chunk in chunks:
+                    pass
         wait_for(lambda: health(cluster)[0] == 200, timeout=30.0, what="the resumed worker to be marked up")
         assert health(cluster)[1]["decode_up"] == 1
         wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the orphaned request to be cancelled")
