@@ -140,18 +140,24 @@ def _is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _segments(pid: int | None = None) -> list[str]:
-    """The names in SHM_DIR that follow the segment rule (of creator `pid` only, if given), sorted."""
+def _named_by_pid(root: Path, pattern: re.Pattern[str], pid: int | None = None) -> list[tuple[str, int]]:
+    """The names in `root` that follow `pattern` (its `pid` group naming the process that made them; of `pid`
+    only, if given), sorted, each with that pid."""
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(root)
     except OSError:
         return []
     found = []
     for name in names:
-        match = SEGMENT_NAME.fullmatch(name)
-        if match is not None and int(match["pid"]) < PID_MAX and (pid is None or int(match["pid"]) == pid):
-            found.append(name)
+        match = pattern.fullmatch(name)
+        if match is not None and (owner := int(match["pid"])) < PID_MAX and (pid is None or owner == pid):
+            found.append((name, owner))
     return sorted(found)
+
+
+def _segments(pid: int | None = None) -> list[str]:
+    """The names in SHM_DIR that follow the segment rule (of creator `pid` only, if given), sorted."""
+    return [name for name, _owner in _named_by_pid(SHM_DIR, SEGMENT_NAME, pid)]
 
 
 def remove_stale_segments() -> list[str]:
@@ -163,10 +169,8 @@ def remove_stale_segments() -> list[str]:
     /dev/shm are out of sight, so share it only between launchers of one namespace.
     """
     removed = []
-    for name in _segments():
-        match = SEGMENT_NAME.fullmatch(name)
-        assert match is not None
-        if _is_running(int(match["pid"])):
+    for name, owner in _named_by_pid(SHM_DIR, SEGMENT_NAME):
+        if _is_running(owner):
             continue
         # unlink(2) on the file is shm_unlink(3) on Linux, and needs no mapping: a zero-byte segment goes too.
         with contextlib.suppress(FileNotFoundError, PermissionError):  # gone already, or another user's
@@ -184,14 +188,9 @@ def remove_stale_ssd_folders(root: Path | None = None) -> list[str]:
     segments, only that name and only a pid that names no running process are removed.
     """
     root = Path(tempfile.gettempdir()) if root is None else root
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
     removed = []
-    for name in names:
-        match = SSD_FOLDER_NAME.fullmatch(name)
-        if match is None or int(match["pid"]) >= PID_MAX or _is_running(int(match["pid"])):
+    for name, owner in _named_by_pid(root, SSD_FOLDER_NAME):
+        if _is_running(owner):
             continue
         path = root / name
         if path.is_dir() and not path.is_symlink():
