@@ -15,7 +15,10 @@ Ends, in `sched.outcome`'s vocabulary: a decode engine's refusal is the decode
 rule's reason (`REJECTED_AFTER_PREFILL`, a 429); a prefill or a join that fails
 (the KV missing on the decode node, say) is `ABORTED` / `FAILED` (a 500); a
 client that leaves is `ABORTED` / `CLIENT_GONE` and a request that hits a stop
-string is `COMPLETED` early — both cancel the request's decode.
+string is `COMPLETED` early — both cancel the request's decode, and a request
+that ends before its prefill is done is cancelled on its prefill engine too
+(`wire.CancelPrefill`: a job still queued there is dropped, a running one is
+not handed on).
 
 Health: every `[limits] health_interval_s` each worker that is due is probed
 (its process is alive and it answers a `HealthCheck` within `PROBE_TIMEOUT_S`).
@@ -27,10 +30,17 @@ the worker decodes: those the gateway no longer routes to it (ended while it
 was down, or rescheduled) are cancelled there. Each worker's control calls go
 out from a thread of its own and its probes from another, so a worker that
 stops answering delays no other worker's calls or probes; its prefill jobs not
-sent yet are dropped when it is marked down. Requests waiting for a dead
-prefill engine are scheduled again on the survivors (twice at most, each time
+sent yet are dropped when it is marked down. When an engine goes down, the
+requests routed to it of which no token has reached the client (waiting for
+or in their prefill, on their way to the decode engine, joined but not yet
+stepped) are scheduled again on the engines still up (twice at most, each time
 as the next attempt, so a resumed engine's reports about an earlier attempt
-are ignored); requests decoding on a dead decode engine end with a 503.
+are ignored); the earlier attempt's prefill job is cancelled on its prefill
+engine (at once, or when a down one answers again), so a stopped decode node
+does not hold up a prefill engine's queue. Requests whose tokens have begun
+end with a 503. A prefill engine that reports its decode node did not answer
+(`PrefillFailed.peer`: the KV stream or the hand-off timed out) has that node
+marked down as a failed probe would, and the request is rerouted.
 
 Every Conductor call happens on the event loop's thread: it is the Conductor's
 only user.
@@ -107,7 +117,7 @@ class LiveRequest:
     prefill: InstanceId = UNROUTED
     decode: InstanceId = UNROUTED
     fetch: wire.Fetch | None = None
-    attempt: int = 0  # rises each time the request is scheduled again after its prefill engine went down
+    attempt: int = 0  # rises each time the request is scheduled again after an engine of its went down
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
     generated: int = 0
     cached_tokens: int = 0
@@ -197,6 +207,8 @@ class Dispatcher:
         self._probe_calls = {i: ThreadPoolExecutor(1, thread_name_prefix=f"gateway-probe-{i}") for i in self.peers}
         # Each worker's prefill jobs not sent yet: cancelled when it is marked down (they are rerouted).
         self._unsent: dict[str, set[asyncio.Future[Any]]] = {i: set() for i in self.peers}
+        # Cancellations of abandoned prefill attempts for each worker that was down: sent when it answers again.
+        self._stale: dict[str, list[wire.CancelPrefill]] = {i: [] for i in self.peers}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
@@ -359,7 +371,8 @@ class Dispatcher:
     ) -> tuple[RequestEnd, ...]:
         """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports.
 
-        A request whose client left or timed out, or one ended with `cancel`, is cancelled on its decode engine.
+        A request whose client left or timed out, or one ended with `cancel`, is cancelled on its decode engine, and
+        one whose client left or timed out before it joined there, on its prefill engine too.
         `at_stop_id`: a completed request's last token is a stop id (the decode engine stopped at the model's EOS).
         """
         if self.live.pop(live.request_id, None) is None:
@@ -376,6 +389,8 @@ class Dispatcher:
         if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
             self._calls[live.decode].submit(self._cancel, live.decode, live.request_id)
+        if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) and live.joined_s is None:
+            self._abandon(live)  # nor prefill it for nobody
         if outcome is Outcome.COMPLETED:
             event: DecodeFinished | RequestRejected | RequestAborted = DecodeFinished(
                 request_id=live.request_id, instance_id=live.decode, now=now, generated_tokens=live.generated
@@ -422,6 +437,15 @@ class Dispatcher:
         # Unanswered: a dead engine generates nothing; a live one is cancelled by the next health probe.
         self._tell(instance, wire.CancelDecode(request_id=int(request_id)))
 
+    def _abandon(self, live: LiveRequest) -> None:
+        """The request's current attempt will not be served: its prefill worker drops the job (told now, or when it
+        answers again if it is down; one that has done the job ignores it)."""
+        job = wire.CancelPrefill(request_id=int(live.request_id), attempt=live.attempt)
+        if self.workers[live.prefill].up:
+            self._calls[live.prefill].submit(self._tell, live.prefill, job)
+        elif not self.workers[live.prefill].gone:
+            self._stale[live.prefill].append(job)
+
     # ------------------------------------------------------------------ worker reports
 
     def _receiver(self, cls: type[Any]) -> Callable[[Any], Any]:
@@ -463,6 +487,8 @@ class Dispatcher:
             self.conductor.handle(PrefillStarted(request_id=live.request_id, instance_id=live.prefill, now=now))
         elif isinstance(message, wire.PrefillDone):
             self._prefilled(live, message, now)
+        elif isinstance(message, wire.PrefillFailed) and message.peer:
+            self._unreachable(live, message)
         elif isinstance(message, wire.PrefillFailed | wire.DecodeFailed):  # a failure, not a scheduling decision
             stage = "prefill" if prefill else "decode"
             self._fail(live, ApiError(500, f"{stage} failed: {message.error}"), Outcome.ABORTED, Reason.FAILED)
@@ -480,6 +506,16 @@ class Dispatcher:
             reason = reason_named(message.reason)
             self.metrics.rejections[f"decode_{reason.value}"].inc()
             self._fail(live, _rejection(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason)
+
+    def _unreachable(self, live: LiveRequest, failed: wire.PrefillFailed) -> None:
+        """The prefill's decode node did not answer it (the prefill engine waited out an I/O timeout, as a probe
+        would): that node is marked down, which reroutes this request with the others routed there."""
+        if failed.peer == live.decode:
+            LOG.warning("worker %s did not answer %s: marked down", failed.peer, failed.instance_id)
+            self._worker_failed(live.decode)
+        if self.live.get(live.request_id) is live and live.attempt == failed.attempt:  # not rerouted
+            error = ApiError(503, f"the decode engine {failed.peer} did not answer: {failed.error}")
+            self._fail(live, error, Outcome.ABORTED, Reason.FAILED)
 
     def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
         self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
@@ -564,6 +600,9 @@ class Dispatcher:
             LOG.warning("worker %s answers again: marked up", instance)
             state.up = True
             self.conductor.handle(InstanceUp(instance_id=instance, now=self.now()))
+            for job in self._stale[instance]:  # jobs still queued there that were rerouted while it was down
+                self._calls[instance].submit(self._tell, instance, job)
+            self._stale[instance].clear()
             for other in self.workers.values():  # the deaths it missed while down: it may hold leases of theirs
                 if other.gone:
                     self._calls[instance].submit(self._tell, instance, self._gone_message(other))
@@ -577,6 +616,7 @@ class Dispatcher:
         fetch, pages it reserved to push into), instead of keeping them until they expire. Only a dead process is
         certain to write no more: a stopped one keeps its reservations (`Messenger`'s quarantine)."""
         state.gone = True
+        self._stale[state.instance_id].clear()  # its queue died with it
         message = self._gone_message(state)
         for other, worker in self.workers.items():  # one down now is told when it answers again
             if other != state.instance_id and worker.up:
@@ -607,10 +647,11 @@ class Dispatcher:
             live = self.live.pop(end.request_id, None)
             if live is None:
                 continue
-            if live.prefill == instance and live.attempt < MAX_REROUTES and live.generated == 0:
+            if live.generated == 0 and live.attempt < MAX_REROUTES:  # nothing of it reached its client yet
+                self._abandon(live)
                 live.attempt += 1
                 live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
-                try:  # not prefilled yet: schedule it again on the survivors
+                try:  # schedule it again on the survivors (a prefix it had prefilled is cached there now)
                     self._schedule(live)
                 except ApiError as error:
                     live.events.put_nowait(("error", error))

@@ -8,9 +8,10 @@ control call that carries it; its fields travel as the call's JSON object:
                        worker.stop     Stop {}
                        worker.peer_gone PeerGone {address}   (a worker's process is gone: end its leases here)
     gateway → prefill  prefill.submit  PrefillJob {request_id, attempt, tokens, decode, fetch, sampling}
+                       prefill.cancel  CancelPrefill {request_id, attempt}   (its client left, or it was rerouted)
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
-    prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error}
+    prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error, peer}
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
                        decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
 
@@ -47,6 +48,7 @@ from mooncake.types import InstanceId, Tier
 
 __all__ = [
     "CancelDecode",
+    "CancelPrefill",
     "Connect",
     "DecodeFailed",
     "DecodeJob",
@@ -58,6 +60,7 @@ __all__ = [
     "HealthCheck",
     "Message",
     "MessageError",
+    "PeerGone",
     "PrefillDone",
     "PrefillFailed",
     "PrefillJob",
@@ -271,6 +274,17 @@ class PrefillJob:
 
 
 @attrs.frozen(kw_only=True)
+class CancelPrefill:
+    """Drop this attempt of the request if it is still queued; if it is being prefilled, finish the prefill (its
+    KV stays in the node's cache) but hand nothing to the decode node. An attempt the worker does not hold (done,
+    or never sent) is ignored."""
+
+    METHOD: ClassVar[str] = "prefill.cancel"
+    request_id: int = _field(INT)
+    attempt: int = _field(INT)
+
+
+@attrs.frozen(kw_only=True)
 class CancelDecode:
     """Drop the request from the decode batch (whatever its attempt); a request not there is ignored."""
 
@@ -316,11 +330,15 @@ class PrefillDone:
 
 @attrs.frozen(kw_only=True)
 class PrefillFailed:
+    """The prefill did not reach its decode node: `peer` names that decode instance when it did not answer (the KV
+    stream or the hand-off timed out, its connection failed); empty when the prefill itself failed."""
+
     METHOD: ClassVar[str] = "prefill.failed"
     instance_id: str = _field(STR)
     request_id: int = _field(INT)
     attempt: int = _field(INT)
     error: str = _field(STR)
+    peer: str = _field(STR)
     events: tuple[CacheEvent, ...] = _field(EVENTS)
 
 
@@ -373,6 +391,7 @@ Message = (
     | Stop
     | PeerGone
     | PrefillJob
+    | CancelPrefill
     | CancelDecode
     | DecodeJob
     | PrefillStarted
@@ -392,6 +411,7 @@ MESSAGES: dict[str, type[Any]] = {
         Stop,
         PeerGone,
         PrefillJob,
+        CancelPrefill,
         CancelDecode,
         DecodeJob,
         PrefillStarted,

@@ -13,7 +13,11 @@ A prefill fetches the blocks the Conductor's transfer plan names from their
 holder (keeping the copy), prefills layer-wise while streaming each layer's KV
 to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
-node's cache exactly. With `[prefill] pipeline_size` X > 1 the worker is
+node's cache exactly. A `prefill.cancel` (the client left, or the gateway
+rerouted the request) drops the job if it is still queued, or keeps a running
+one from being handed on. When the decode node does not answer (the KV stream
+or the hand-off timed out or lost its connection), `prefill.failed` names it
+(`peer`): the failure is that node's, not this one's. With `[prefill] pipeline_size` X > 1 the worker is
 stage 0 of a chunked pipeline group (`serving.prefill_group`): X − 1 stage
 processes it starts hold the later layers, and the instance is still this one
 worker to the gateway. A stage that exits stops the worker (its health answer
@@ -58,7 +62,7 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import MooncakeError, UnknownBlockError
+from mooncake.errors import MooncakeError, PeerUnavailable, TransferTimeout, UnknownBlockError
 from mooncake.sched.outcome import Reason
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
@@ -87,6 +91,32 @@ class WorkerSpec:
 
 
 Job = wire.PrefillJob | wire.DecodeJob | wire.CancelDecode
+
+# What a peer that does not answer raises: a timeout, or a connection refused, reset or timed out.
+_UNREACHABLE = (PeerUnavailable, TransferTimeout, OSError)
+
+
+class _DecodeStream(MessengerSink):
+    """The prefill's KV stream to its decode node, noting whether a failure was that node not answering
+    (`unreachable`) rather than this prefill's own."""
+
+    unreachable = False
+
+    def _guard(self, call: Callable[..., None], *args: Any) -> None:
+        try:
+            call(*args)
+        except _UNREACHABLE:
+            self.unreachable = True
+            raise
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        self._guard(super().begin, keys)
+
+    def layer_ready(self, layer: int) -> None:
+        self._guard(super().layer_ready, layer)
+
+    def end(self) -> None:
+        self._guard(super().end)
 
 
 def build_model(config: ClusterConfig) -> LlamaModel:
@@ -138,6 +168,9 @@ class Worker:
         self.cache = TieredCache(pools, source=self.instance_id, epoch=time.time_ns())
         self.messenger = Messenger(self.engine, self.cache, region=region)
         self._jobs: queue.Queue[Job] = queue.Queue()
+        # The prefill attempts queued or running here → whether the gateway cancelled them (server threads set it).
+        self._prefill_jobs: dict[tuple[int, int], bool] = {}
+        self._prefill_lock = threading.Lock()
         self._peers: dict[str, str] = {}  # instance id → peer name (connected lazily)
         self._addresses: dict[str, str] = {}
         self._gateway: str | None = None
@@ -177,6 +210,7 @@ class Worker:
             wire.Stop: self._on_stop,
             wire.PeerGone: self._on_peer_gone,
             wire.PrefillJob: self._on_job,
+            wire.CancelPrefill: self._on_cancel_prefill,
             wire.DecodeJob: self._on_job,
             wire.CancelDecode: self._on_job,  # applied by the decode loop, the engine's only user
         }
@@ -203,7 +237,8 @@ class Worker:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
         self._reporter.close()
         for closer in (self.messenger.close, self.engine.close, self.cache.close):
             with contextlib.suppress(Exception):
@@ -245,7 +280,25 @@ class Worker:
         self.messenger.release_owner(message.address)
 
     def _on_job(self, message: Job) -> None:
+        if isinstance(message, wire.PrefillJob):
+            with self._prefill_lock:
+                self._prefill_jobs[message.request_id, message.attempt] = False
         self._jobs.put(message)
+
+    def _on_cancel_prefill(self, message: wire.CancelPrefill) -> None:
+        with self._prefill_lock:
+            key = (message.request_id, message.attempt)
+            if key in self._prefill_jobs:  # else done already, or never sent: nothing to stop
+                self._prefill_jobs[key] = True
+
+    def _cancelled(self, key: tuple[int, int], *, leaving: bool) -> bool:
+        """Whether the gateway cancelled this prefill attempt; one cancelled, or `leaving` (the worker is done with
+        it), is forgotten."""
+        with self._prefill_lock:
+            cancelled = self._prefill_jobs.get(key, False)
+            if cancelled or leaving:
+                self._prefill_jobs.pop(key, None)
+            return cancelled
 
     # ------------------------------------------------------------------ helpers
 
@@ -300,31 +353,45 @@ class Worker:
                 continue
             if not isinstance(job, wire.PrefillJob):
                 continue  # a decode message sent to a prefill node: nothing of it concerns this engine
+            key = (job.request_id, job.attempt)
+            if self._cancelled(key, leaving=False):
+                continue  # its client left or it was rerouted: the gateway has forgotten this attempt
             ids: dict[str, Any] = {"instance_id": me, "request_id": job.request_id, "attempt": job.attempt}
             self._tell_gateway(wire.PrefillStarted(**ids))
+            sink: _DecodeStream | None = None
             try:
-                done, join = self._run_prefill(job)
+                sink = _DecodeStream(self.messenger, self._peer(job.decode), num_layers=self.model.config.num_layers)
+                done, join = self._run_prefill(job, sink)
             except (MooncakeError, OSError, RuntimeError) as error:
+                self._cancelled(key, leaving=True)
                 if self._group is not None and self._group.failure is not None:
                     # The instance is dead, as if its worker had been killed: no report, so the gateway marks it
                     # down and schedules the request again (a failure report would end it with a 500).
                     break
-                self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), events=self._events()))
+                # Not reached: connecting to the decode node failed (no sink yet), or its KV stream did.
+                unreachable = isinstance(error, _UNREACHABLE) if sink is None else sink.unreachable
+                peer = job.decode if unreachable else ""
+                self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), peer=peer, events=self._events()))
                 continue
             # Delivered before the hand-off: the decode node's tokens (another connection) must not overtake it,
             # or a short request ends before the gateway learns its prefix hit.
             self._tell_gateway(attrs.evolve(done, events=self._events()))
             self._reporter.flush(TIMEOUT_S)
+            if self._cancelled(key, leaving=True):
+                continue  # cancelled while it ran: its KV stays cached here, and what it streamed, there
             try:
                 self.engine.call(self._peer(job.decode), *wire.encode(join))
             except (MooncakeError, OSError) as error:
-                self._tell_gateway(wire.PrefillFailed(**ids, error=f"hand-off to {job.decode}: {error}", events=()))
+                peer = job.decode if isinstance(error, _UNREACHABLE) else ""
+                failed = wire.PrefillFailed(**ids, error=f"hand-off to {job.decode}: {error}", peer=peer, events=())
+                self._tell_gateway(failed)
 
     def _events(self) -> tuple[Any, ...]:
         return tuple(self.cache.take_events())
 
-    def _run_prefill(self, job: wire.PrefillJob) -> tuple[wire.PrefillDone, wire.DecodeJob]:
-        """Fetch the planned prefix, prefill streaming the KV to the decode node; returns (stats, its join call)."""
+    def _run_prefill(self, job: wire.PrefillJob, sink: MessengerSink) -> tuple[wire.PrefillDone, wire.DecodeJob]:
+        """Fetch the planned prefix, prefill streaming the KV to the decode node through `sink`; returns (stats, its
+        join call)."""
         assert self._prefill is not None
         tokens = list(job.tokens)
         fetched = 0
@@ -334,7 +401,6 @@ class Worker:
                 fetched = len(self.messenger.fetch(keys, self._peer(job.fetch.source)).finish(TIMEOUT_S))
             except (MooncakeError, OSError, KeyError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
-        sink = MessengerSink(self.messenger, self._peer(job.decode), num_layers=self.model.config.num_layers)
         result = self._prefill.prefill(tokens, sampling=_sampling_params(job.sampling), sink=sink)
         join = wire.DecodeJob(
             request_id=job.request_id,

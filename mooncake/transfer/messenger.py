@@ -593,9 +593,9 @@ class Push:
         """Ship what is left, then have the peer verify and commit; returns the keys it committed (once).
 
         Raises:
-            TransferError: a slice did not settle (nothing is committed: the peer keeps the pages it reserved, as a
-                late slice may still land), or the peer refused the commit (its lease expired: the pages are then
-                free again).
+            TransferTimeout: a slice did not settle (nothing is committed: the peer keeps the pages it reserved, as a
+                late slice may still land).
+            TransferError: the peer refused the commit (its lease expired: the pages are then free again).
         """
         if self._done is not None:
             return self._done
@@ -615,7 +615,7 @@ class Push:
             # write into them (a wait that timed out leaves slices running). Unsettled, nothing is sent: the lease
             # expires at the peer and its pages stay reserved for this process until it is gone.
             if not messenger._settle(list(self._batches.values())):
-                raise TransferError(f"a push to {self._peer} did not settle: its reservations stay at the peer")
+                raise TransferTimeout(f"a push to {self._peer} did not settle: its reservations stay at the peer")
             checksums = []
             if ok:
                 buffer = messenger.cache.pools[0].buffer  # type: ignore[attr-defined]

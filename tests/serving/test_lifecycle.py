@@ -6,8 +6,9 @@ finish reason "stop" and cancels the decode; top_p reaches the sampler (a tiny n
 model is OpenAI's 404 `model_not_found` and /v1/models lists the served one; arbitrary bodies sent to the cluster
 never get a 5xx (a bounded property test); a decode worker stopped with SIGSTOP is marked down (its stream gets an
 error, /health says so) and, resumed with SIGCONT, is marked up again, its orphaned request cancelled, and serves;
-a stopped prefill worker under a burst takes down only itself (every request served); the request timeout bounds
-each wait for a token, not a request whose tokens keep coming.
+a stopped prefill worker under a burst takes down only itself (every request served); a stopped decode worker is
+reported by the prefill that cannot reach it and every request not yet begun is rerouted (all served); the request
+timeout bounds each wait for a token, not a request whose tokens keep coming.
 Without workers: the dispatcher ignores reports of an earlier attempt or from an engine the request is not routed
 to (what a resumed engine may still send), and refuses a malformed report back to its sender.
 
@@ -278,6 +279,36 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
         assert statuses == [200] * 60
         assert downs == ["prefill-0"]
         wait_for(lambda: health(cluster)[1]["prefill_up"] == 2, timeout=30.0, what="the resumed worker to be marked up")
+
+
+def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> None:
+    """SIGSTOP one of two decode workers, then 12 requests at 10/s, with the health probes too slow to notice: the
+    first prefill whose KV stream waits on the stopped node reports that node (not itself) as failing, the gateway
+    marks it down and reroutes every request routed there that has no token yet, and cancels their queued prefill
+    jobs. Every request is served (before, each one routed there waited out an I/O timeout in the prefill queue and
+    was answered with a 500 blamed on the prefill)."""
+    base = config(health_interval_s=60.0, health_probe_backoff_max_s=60.0)
+    base = base.with_overrides("cluster", num_decode=2).with_overrides("decode", max_batch_size=64)
+    with start_cluster(base) as cluster:
+        dispatcher = cluster.gateway.dispatcher
+        url = f"{cluster.url}/v1/completions"
+        assert status_of(url, json.dumps({"prompt": "warm", "max_tokens": 2}).encode())[0] == 200
+        pid = dispatcher.health("decode-0").pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(12) as pool:
+                answers = []
+                for i in range(12):
+                    body = json.dumps({"prompt": f"held up {i} " * 3, "max_tokens": 4}).encode()
+                    answers.append(pool.submit(status_of, url, body))
+                    time.sleep(0.1)
+                results = [answer.result(timeout=120) for answer in answers]
+            marked_down = not dispatcher.workers["decode-0"].up  # by the prefill's report: no probe ran yet
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [status for status, _body in results] == [200] * 12, [r for r in results if r[0] != 200]
+        assert marked_down
+        assert all(body["usage"]["completion_tokens"] == 4 for _status, body in results)
 
 
 def test_a_killed_prefill_workers_reservations_end_at_once_on_the_other_nodes() -> None:

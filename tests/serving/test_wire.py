@@ -58,6 +58,7 @@ messages = st.one_of(
         fetch=st.none() | st.builds(wire.Fetch, source=names, blocks=ints),
         sampling=samplings,
     ),
+    st.builds(wire.CancelPrefill, request_id=ints, attempt=ints),
     st.builds(wire.CancelDecode, request_id=ints),
     st.builds(
         wire.DecodeJob,
@@ -86,6 +87,7 @@ messages = st.one_of(
         request_id=ints,
         attempt=ints,
         error=names,
+        peer=names,
         events=st.lists(events, max_size=3).map(tuple),
     ),
     st.builds(

@@ -1,0 +1,152 @@
+"""A prefill worker's jobs, in-process, against a real decode worker: cancellations, and a decode node that does
+not answer.
+
+Each test proves: a job the gateway cancels while it is queued is dropped (never started), one cancelled while it
+runs is prefilled but not handed on (the decode node never joins it), the jobs around them are served as usual;
+a decode node that does not answer (a listener that never completes the handshake, as a stopped process's
+kernel would) fails the job with a report that names that node (`PrefillFailed.peer`), not the prefill.
+
+The workers' reports to the gateway are captured instead of sent (no gateway runs). Every wait is bounded
+(`wait_for`); workers and sockets are closed at the end, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+
+from serving import wire
+from serving.api import SamplingOptions
+from serving.config import load_config
+from serving.dispatch import Dispatcher
+from serving.gateway import build_conductor
+from serving.worker import Worker, WorkerSpec
+
+from mooncake.sched.outcome import Outcome, Reason
+from mooncake.types import InstanceId
+from tests.waiting import wait_for
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+SAMPLING = wire.Sampling(max_tokens=3, temperature=0.0, top_p=1.0, seed=0, stop_ids=())
+
+
+def job(request_id: int, decode: str = "decode-0") -> wire.PrefillJob:
+    tokens = tuple(range(request_id * 10, request_id * 10 + 24))  # each its own prompt: no prefix shared
+    return wire.PrefillJob(
+        request_id=request_id, attempt=0, tokens=tokens, decode=decode, fetch=None, sampling=SAMPLING
+    )
+
+
+def reported(told: list[Any], kind: type[Any]) -> list[int]:
+    """The request ids of the reports of `kind`, in order."""
+    return [m.request_id for m in list(told) if isinstance(m, kind)]
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """An address whose listener never completes a handshake (the connection waits in its backlog)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        host, port = listener.getsockname()
+        yield f"{host}:{port}"
+
+
+def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is_named(silent: str) -> None:
+    """Six jobs, queued before the prefill loop starts: 3 cancelled while queued, 2 while it runs, a cancel of
+    another attempt of 4 (ignored), 5 for a silent decode node; 1, 4 and 6 are joined by the decode worker."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    secret = secrets.token_bytes(32)
+    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
+    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
+    told: list[Any] = []
+    decoded: list[Any] = []
+    prefill._tell_gateway = told.append  # type: ignore[method-assign]
+    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
+    try:
+        prefill._addresses = {"decode-0": decode.start()["address"], "decode-9": silent}
+        run = prefill._run_prefill
+
+        def cancelled_while_running(job: wire.PrefillJob, sink: Any) -> Any:
+            if job.request_id == 2:  # the gateway's cancel arrives while this one is being prefilled
+                prefill._on_cancel_prefill(wire.CancelPrefill(request_id=2, attempt=0))
+            return run(job, sink)
+
+        prefill._run_prefill = cancelled_while_running  # type: ignore[method-assign]
+        for message in (job(1), job(2), job(3), job(4), job(5, decode="decode-9"), job(6)):
+            prefill._on_job(message)
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=3, attempt=0))  # still queued: the loop is not
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=4, attempt=1))  # started; another attempt's
+        prefill.start()
+        wait_for(lambda: 6 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the last job to be joined")
+        assert reported(told, wire.PrefillStarted) == [1, 2, 4, 5, 6]  # 3 dropped unstarted
+        assert reported(told, wire.PrefillDone) == [1, 2, 4, 6]
+        assert reported(decoded, wire.DecodeJoined) == [1, 4, 6]  # 2 prefilled, not handed on
+        [failed] = [m for m in told if isinstance(m, wire.PrefillFailed)]
+        assert (failed.request_id, failed.peer) == (5, "decode-9"), failed
+        assert not prefill._prefill_jobs  # every job left the table: a cancel of a finished job finds nothing
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=1, attempt=0))
+        assert not prefill._prefill_jobs
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted() -> None:
+    """Real workers whose loops are not started (their jobs stay queued), a real dispatcher: a request whose client
+    leaves before its prefill is cancelled on its prefill worker; when a decode worker goes down, a request routed
+    to it with no token yet is scheduled again on the other one as its next attempt, and the earlier attempt is
+    cancelled on its prefill worker (the new one is queued there, not cancelled); when that prefill worker is down,
+    the cancel of the attempt abandoned then reaches it once a probe finds it answering again."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=2)
+    secret = secrets.token_bytes(32)
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    workers = {
+        i: Worker(WorkerSpec(role=role, instance_id=i, config=config, secret=secret)) for i, role in roles.items()
+    }
+    prefill = workers["prefill-0"]
+    infos = [{"instance_id": i, "role": roles[i], "address": w.engine.address} for i, w in workers.items()]
+    dispatcher = Dispatcher(
+        config, build_conductor(config), secret=secret, workers=infos, is_alive=lambda _: True, block_bytes=1
+    )
+
+    def queued(request_id: int, attempt: int) -> bool | None:
+        """Whether the prefill worker holds that attempt cancelled (None: it does not hold it)."""
+        return prefill._prefill_jobs.get((request_id, attempt))
+
+    async def scenario() -> None:
+        sampling = SamplingOptions(max_tokens=4)
+        leaving = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+        dispatcher.submit(leaving)
+        wait_for(lambda: queued(int(leaving.request_id), 0) is False, timeout=10.0, what="the first job at the worker")
+        dispatcher.end(leaving, Outcome.ABORTED, Reason.CLIENT_GONE)
+        wait_for(lambda: queued(int(leaving.request_id), 0), timeout=10.0, what="the cancel of the left request")
+
+        moved = dispatcher.admit(list(range(100, 124)), sampling, dispatcher.now())
+        dispatcher.submit(moved)
+        rid, first = int(moved.request_id), moved.decode
+        wait_for(lambda: queued(rid, 0) is False, timeout=10.0, what="the second job at the worker")
+        dispatcher._worker_failed(first)
+        assert dispatcher.live[moved.request_id] is moved and moved.attempt == 1 and moved.decode != first
+        wait_for(lambda: queued(rid, 0) and queued(rid, 1) is False, timeout=10.0, what="attempt 0 cancelled")
+
+        dispatcher._worker_failed(InstanceId("prefill-0"))  # attempt 1 is abandoned too, its worker down
+        assert moved.request_id not in dispatcher.live  # no prefill engine is left to take it
+        assert queued(rid, 1) is False  # not told yet: it is down
+        await dispatcher._probe(dispatcher.workers["prefill-0"])  # it answers: marked up, and told
+        assert dispatcher.workers["prefill-0"].up
+        wait_for(lambda: queued(rid, 1), timeout=10.0, what="attempt 1 cancelled once its worker answers")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dispatcher.close()
+        for worker in workers.values():
+            worker.close()
