@@ -30,7 +30,12 @@ same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
 request whose KV is missing or does not match its prompt is `decode.failed`.
 It holds one attempt of a request at a time: a hand-off of a later attempt
 replaces the one it holds, a hand-off of an earlier one (from a prefill engine
-that was presumed dead and resumed) is dropped. Its health answer lists the
+that was presumed dead and resumed) is dropped. A hand-off some of whose blocks
+another prefill's push is still filling here (requests sharing a prefix, sent
+at once: each push fills only the blocks no other is filling) waits for them,
+at most `TIMEOUT_S` (as long as that push may take to commit), without holding
+up the batch; blocks that push gave up on are then missing, a KV refusal as
+for any block that did not stay. Its health answer lists the
 requests it decodes, so the gateway can cancel those it no longer serves.
 """
 
@@ -177,6 +182,8 @@ class Worker:
         self._prefill: PrefillEngine | None = None
         self._decode: DecodeEngine | None = None
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
+        # Hand-offs waiting for blocks another push is filling here → (the job, when to stop waiting) (decode loop only)
+        self._arriving: dict[RequestId, tuple[wire.DecodeJob, float]] = {}
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
         self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
@@ -429,8 +436,9 @@ class Worker:
         assert decode is not None
         while not self._stop.is_set():
             jobs: list[Job] = []
+            idle_s = 0.005 if self._arriving else 0.05  # a waiting hand-off is checked again soon
             try:
-                jobs.append(self._jobs.get(timeout=0.0 if decode.num_active else 0.05))
+                jobs.append(self._jobs.get(timeout=0.0 if decode.num_active else idle_s))
                 while True:
                     jobs.append(self._jobs.get_nowait())
             except queue.Empty:
@@ -439,10 +447,14 @@ class Worker:
             for job in jobs:
                 if isinstance(job, wire.CancelDecode):
                     cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
+                    self._arriving.pop(cancelled, None)
                     decode.cancel(cancelled)
                     self._attempts.pop(cancelled, None)
                 elif isinstance(job, wire.DecodeJob):
-                    self._join(job, first.append)
+                    waiting = self._arriving.get(RequestId(job.request_id))  # type: ignore[arg-type]
+                    if waiting is None or waiting[0].attempt < job.attempt:  # else a stale hand-off
+                        self._arriving[RequestId(job.request_id)] = (job, time.monotonic() + TIMEOUT_S)  # type: ignore[arg-type]
+            self._join_arrived(first.append)
             self._report(first)  # not held back by a step: its client's TTFT would carry one
             tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
             self._active = tuple(int(r) for r in self._attempts)
@@ -461,6 +473,30 @@ class Worker:
     def _token(self, event: TokenEvent) -> wire.Token:
         attempt = self._attempts.pop(event.request_id, 0) if event.finished else self._attempts.get(event.request_id, 0)
         return wire.Token(int(event.request_id), attempt, event.token, event.index, event.finished)
+
+    def _join_arrived(self, first_token: Callable[[wire.Token], None]) -> None:
+        """Join the hand-offs, in their order of arrival, except those still waiting for blocks another push is
+        filling here; one that waited `TIMEOUT_S` for them fails (their push neither committed nor gave up)."""
+        now = time.monotonic()
+        for request_id, (job, deadline) in list(self._arriving.items()):
+            filling = [
+                k for k in job.keys if (where := self.cache.location(BlockKey(k))) is not None and not where.ready
+            ]
+            if filling and now < deadline:
+                continue
+            del self._arriving[request_id]
+            if filling:
+                error = f"{len(filling)} KV blocks of the prompt are still being pushed here by another prefill"
+                self._tell_gateway(
+                    wire.DecodeFailed(
+                        instance_id=self.spec.instance_id,
+                        request_id=job.request_id,
+                        attempt=job.attempt,
+                        error=f"{error} after {TIMEOUT_S:g} s",
+                    )
+                )
+            else:
+                self._join(job, first_token)
 
     def _join(self, job: wire.DecodeJob, first_token: Callable[[wire.Token], None]) -> None:
         assert self._decode is not None

@@ -4,7 +4,9 @@ not answer.
 Each test proves: a job the gateway cancels while it is queued is dropped (never started), one cancelled while it
 runs is prefilled but not handed on (the decode node never joins it), the jobs around them are served as usual;
 a decode node that does not answer (a listener that never completes the handshake, as a stopped process's
-kernel would) fails the job with a report that names that node (`PrefillFailed.peer`), not the prefill.
+kernel would) fails the job with a report that names that node (`PrefillFailed.peer`), not the prefill; the
+gateway cancels the prefill of a request whose client left or that it rerouted; a decode node's hand-off waits for
+blocks another push is still filling there, and joins once they land (or is refused for KV once that push aborts).
 
 The workers' reports to the gateway are captured instead of sent (no gateway runs). Every wait is bounded
 (`wait_for`); workers and sockets are closed at the end, even when a test fails.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from serving.gateway import build_conductor
 from serving.worker import Worker, WorkerSpec
 
 from mooncake.sched.outcome import Outcome, Reason
-from mooncake.types import InstanceId
+from mooncake.types import BlockKey, InstanceId
 from tests.waiting import wait_for
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
@@ -150,3 +153,51 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
         dispatcher.close()
         for worker in workers.values():
             worker.close()
+
+
+def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
+    """Requests sharing a prefix, sent at once, push into the same decode node, each filling only the blocks no
+    other push is filling; one whose hand-off comes first must wait for the others' blocks, not be refused for
+    KV (a 429 'kv_budget' to a third of such bursts before). Real workers: a prompt's blocks are reserved on the
+    decode node by a push the test holds open; the hand-off waits (no report) until the push commits, then joins;
+    a second one waits until its push is aborted, then is refused for KV (the blocks never came)."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    secret = secrets.token_bytes(32)
+    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
+    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
+    decoded: list[Any] = []
+    prefill._tell_gateway = lambda _message: None  # type: ignore[method-assign]
+    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
+    try:
+        prefill._addresses = {"decode-0": decode.start()["address"]}
+        prefill.start()
+        first = job(1)
+        prefill._on_job(first)  # prefilled here, streamed there: both caches hold its blocks
+        wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first request's join")
+        wait_for(lambda: not decode._attempts, timeout=60.0, what="the first request to finish decoding")
+        keys = tuple(int(k) for k in prefill.hasher.block_keys(list(first.tokens)))
+
+        def hand_off(request_id: int) -> None:
+            for key in keys:  # gone from the decode node: the next push fills them again
+                decode.cache.remove(BlockKey(key))
+            handed = wire.DecodeJob(
+                request_id=request_id, attempt=0, keys=keys, prompt_tokens=24, first_token=5, sampling=SAMPLING
+            )
+            push = prefill.messenger.push([BlockKey(k) for k in keys], prefill._peer("decode-0"), parts=1)
+            decode._on_job(handed)
+            time.sleep(0.5)
+            assert request_id not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
+            pushes.append(push)
+
+        pushes: list[Any] = []
+        hand_off(2)
+        pushes[0].finish(30.0)
+        wait_for(lambda: 2 in reported(decoded, wire.DecodeJoined), timeout=30.0, what="the join once the push lands")
+        hand_off(3)
+        pushes[1].abort()
+        wait_for(lambda: 3 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal once it aborts")
+        [refused] = [m for m in decoded if isinstance(m, wire.DecodeRejected)]
+        assert refused.reason == "kv_budget"
+    finally:
+        prefill.close()
+        decode.close()
