@@ -693,15 +693,22 @@ class Usage:
 
 @attrs.frozen(kw_only=True)
 class Completion:
-    """A whole answer: its text, why it ended ("length" or "stop") and its usage."""
+    """A whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string that ended it, as
+    vLLM names it) and its usage."""
 
     reply: Reply
     text: str
     finish_reason: str
     usage: Usage
+    stop_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "logprobs": None,
+        }
         if self.reply.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
         else:
@@ -717,6 +724,7 @@ class Chunk:
     reply: Reply
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | None = None
     role: bool = False  # a chat's first text chunk carries the assistant's role
     usage: Usage | None = None
     usage_only: bool = False
@@ -732,7 +740,7 @@ class Chunk:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": self.text or ""}
-        choice.update(finish_reason=self.finish_reason, logprobs=None)
+        choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=None)
         return {**self.reply.header(chunk=True), "choices": [choice], **usage}
 
     def to_sse(self) -> bytes:
@@ -753,13 +761,21 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.name, "object": kind, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, finish_reason: str, usage: Usage) -> Completion:
-        return Completion(reply=self, text=text, finish_reason=finish_reason, usage=usage)
+    def completion(self, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None) -> Completion:
+        return Completion(reply=self, text=text, finish_reason=finish_reason, usage=usage, stop_reason=stop_reason)
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, *, role: bool = False, usage: Usage | None = None
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        *,
+        stop_reason: str | None = None,
+        role: bool = False,
+        usage: Usage | None = None,
     ) -> Chunk:
-        return Chunk(reply=self, text=text, finish_reason=finish_reason, role=role, usage=usage)
+        return Chunk(
+            reply=self, text=text, finish_reason=finish_reason, stop_reason=stop_reason, role=role, usage=usage
+        )
 
     def usage_chunk(self, usage: Usage) -> Chunk:
         return Chunk(reply=self, usage=usage, usage_only=True)

@@ -313,7 +313,7 @@ class Gateway:
         pieces.append(text.finish())
         self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
-        answer = reply.completion("".join(pieces), finish, self._usage(live, count)).to_json()
+        answer = reply.completion("".join(pieces), finish, self._usage(live, count), text.stop_reason).to_json()
         return web.json_response(answer, headers=_route_headers(live))
 
     async def _stream(
@@ -351,7 +351,8 @@ class Gateway:
                     break
             rest = text.finish()
             finish = "stop" if text.stopped else "length"
-            await response.write(reply.chunk(rest or None, finish, usage=so_far()).to_sse())
+            last = reply.chunk(rest or None, finish, stop_reason=text.stop_reason, usage=so_far())
+            await response.write(last.to_sse())
             if parsed.include_usage:
                 await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
         except ApiError as error:

@@ -147,7 +147,8 @@ class TextStream:
     """A request's text as its tokens arrive, ended before the first stop string to complete or at a stop id.
 
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
-    appeared or a stop id came (later tokens are ignored); `finish()` returns what was held back, at the end.
+    appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string (None at a
+    stop id: vLLM's `stop_reason` for the model's EOS); `finish()` returns what was held back, at the end.
 
     Args:
         stop: the request's stop strings.
@@ -161,6 +162,7 @@ class TextStream:
         self.stop = tuple(stop)
         self.stop_ids = stop_ids
         self.stopped = False
+        self.stop_reason: str | None = None
         self._decoder: Decoder = decoder if decoder is not None else _Utf8Decoder()
         self._held = ""  # text not given out yet: a tail that may begin a stop string
 
@@ -193,10 +195,11 @@ class TextStream:
             return piece
         held = self._held + piece
         # Every occurrence here ends in `piece` (the held tail holds none): the first to end stops the text.
-        found = [(i + len(s), i) for s in self.stop if (i := held.find(s)) >= 0]
+        found = [(i + len(s), i, s) for s in self.stop if (i := held.find(s)) >= 0]
         if found:
+            _end, start, self.stop_reason = min(found)
             self.stopped, self._held = True, ""
-            return held[: min(found)[1]]
+            return held[:start]
         keep = self._open_tail(held)
         self._held = held[len(held) - keep :]
         return held[: len(held) - keep]

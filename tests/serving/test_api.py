@@ -511,7 +511,13 @@ def test_answer_bodies_have_openai_shapes() -> None:
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"content": "h", "role": "assistant"}
     last = json.loads(chat.chunk(None, "length").to_sse()[len(b"data: ") :])
-    assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    assert last["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "finish_reason": "length",
+        "stop_reason": None,
+        "logprobs": None,
+    }
     assert json.loads(chat.usage_chunk(usage).to_sse()[6:])["choices"] == []
     text = Reply(name="cmpl-1", created=7, model="tiny", chat=False)
     assert text.completion("ab", "length", usage).to_json()["choices"][0]["text"] == "ab"
@@ -525,14 +531,15 @@ def test_answer_bodies_have_openai_shapes() -> None:
 # ---------------------------------------------------------------------------------------------- stop strings
 
 
-def cut(text: str, stops: list[str]) -> tuple[str, bool]:
+def cut(text: str, stops: list[str]) -> tuple[str, bool, str | None]:
     """The reference: `text` cut before the first stop string to complete, read character by character (of
-    several completing at one character, the longest)."""
+    several completing at one character, the longest), whether it was, and that stop string."""
     for end in range(1, len(text) + 1):
-        ending = [len(s) for s in stops if text[:end].endswith(s)]
+        ending = [s for s in stops if text[:end].endswith(s)]
         if ending:
-            return text[: end - max(ending)], True
-    return text, False
+            longest = max(ending, key=len)
+            return text[: end - len(longest)], True, longest
+    return text, False, None
 
 
 @settings(max_examples=300)
@@ -542,15 +549,16 @@ def cut(text: str, stops: list[str]) -> tuple[str, bool]:
     st.lists(st.integers(min_value=0, max_value=6), max_size=20),
 )
 def test_a_text_stream_cuts_before_the_earliest_stop(text: str, stops: list[str], splits: list[int]) -> None:
-    """Fed in arbitrary pieces, the stream gives out exactly the reference's text, and stops iff it should
-    (a stop that would complete later, though it began earlier, does not count: generation stopped before)."""
+    """Fed in arbitrary pieces, the stream gives out exactly the reference's text, and stops iff it should, naming
+    the stop string (a stop that would complete later, though it began earlier, does not count: generation stopped
+    before)."""
     stream, given_out, rest = TextStream(stops), [], text
     for size in splits:
         given_out.append(stream.feed_text(rest[:size]))
         rest = rest[size:]
     given_out.append(stream.feed_text(rest))
     given_out.append(stream.finish())
-    assert ("".join(given_out), stream.stopped) == cut(text, stops)
+    assert ("".join(given_out), stream.stopped, stream.stop_reason) == cut(text, stops)
 
 
 @settings(max_examples=100)
@@ -560,5 +568,5 @@ def test_tokens_stream_whole_characters(text: str, stops: list[str]) -> None:
     stream = TextStream(stops)
     given_out = "".join(stream.feed(token) for token in text.encode("utf-8", "surrogatepass")) + stream.finish()
     expected = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    assert (given_out, stream.stopped) == cut(expected, stops)
+    assert (given_out, stream.stopped, stream.stop_reason) == cut(expected, stops)
     assert TextStream().feed(300) == ""  # ids past the bytes decode to nothing

@@ -120,8 +120,8 @@ def test_a_client_that_leaves_a_whole_request_stops_its_decode(cluster: RunningC
 
 
 def test_a_stop_string_ends_the_text_and_the_decode(cluster: RunningCluster) -> None:
-    """Greedy text T; a stop string s first found at k > 0 in it: the answer is T[:k] with finish reason "stop",
-    streamed or not, and the decode (asked for 3,000 tokens) is cancelled right after."""
+    """Greedy text T; a stop string s first found at k > 0 in it: the answer is T[:k] with finish reason "stop" and
+    stop reason s, streamed or not, and the decode (asked for 3,000 tokens) is cancelled right after."""
     api = client(cluster)
     prompt = "Stop me when you can."
     text = api.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0).choices[0].text
@@ -132,6 +132,7 @@ def test_a_stop_string_ends_the_text_and_the_decode(cluster: RunningCluster) -> 
         model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stop=[stop, "never\u2603"]
     )
     assert answer.choices[0].text == text[:k] and answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].stop_reason == stop  # vLLM's field: the stop string that ended it
     assert answer.usage.completion_tokens < 64
     wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped request to leave the batch")
     assert generated(cluster) - before < LONG // 2
@@ -139,7 +140,8 @@ def test_a_stop_string_ends_the_text_and_the_decode(cluster: RunningCluster) -> 
         api.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stop=stop, stream=True)
     )
     assert "".join(c.choices[0].text for c in chunks) == text[:k]
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])
     wait_for(lambda: decoding(cluster) == (), timeout=20.0, what="the stopped stream to leave the batch")
 
 
