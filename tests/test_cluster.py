@@ -170,6 +170,15 @@ def test_chat_completions_streamed_equal_whole(cluster: RunningCluster) -> None:
     assert all(chunk.choices[0].delta.role is None for chunk in chunks[1:])
     assert completion_text(chunks, chat=True) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+    # continuous_usage_stats: the role chunk carries the usage too, nothing generated yet (as vLLM's does)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=20, seed=7, stream=True, stream_options=options
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage is not None
+    assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (len(prompt.encode()), 0)
 
 
 def test_shared_prefix_is_a_cache_hit(cluster: RunningCluster) -> None:

@@ -334,11 +334,12 @@ class Gateway:
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         count = 0
-        if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
-            await response.write(reply.chunk("", role=True).to_sse())
 
         def so_far() -> Usage | None:
             return self._usage(live, count) if parsed.continuous_usage else None
+
+        if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
+            await response.write(reply.chunk("", role=True, usage=so_far()).to_sse())
 
         try:
             async for token in _following(first, tokens):
