@@ -37,10 +37,11 @@ stepped) are scheduled again on the engines still up (twice at most, each time
 as the next attempt, so a resumed engine's reports about an earlier attempt
 are ignored); the earlier attempt's prefill job is cancelled on its prefill
 engine (at once, or when a down one answers again), so a stopped decode node
-does not hold up a prefill engine's queue. Requests whose tokens have begun
-end with a 503. A prefill engine that reports its decode node did not answer
-(`PrefillFailed.peer`: the KV stream or the hand-off timed out) has that node
-marked down as a failed probe would, and the request is rerouted.
+holds up a prefill engine's queue for the job running there at most. Requests
+whose tokens have begun end with a 503. A prefill engine that reports its
+decode node did not answer (`PrefillFailed.peer`) has that node probed at
+once: marked down if it does not answer (the request rerouted with the
+others), else the request alone is scheduled again.
 
 Every Conductor call happens on the event loop's thread: it is the Conductor's
 only user.
@@ -508,14 +509,29 @@ class Dispatcher:
             self._fail(live, _rejection(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason)
 
     def _unreachable(self, live: LiveRequest, failed: wire.PrefillFailed) -> None:
-        """The prefill's decode node did not answer it (the prefill engine waited out an I/O timeout, as a probe
-        would): that node is marked down, which reroutes this request with the others routed there."""
-        if failed.peer == live.decode:
-            LOG.warning("worker %s did not answer %s: marked down", failed.peer, failed.instance_id)
-            self._worker_failed(live.decode)
-        if self.live.get(live.request_id) is live and live.attempt == failed.attempt:  # not rerouted
-            error = ApiError(503, f"the decode engine {failed.peer} did not answer: {failed.error}")
-            self._fail(live, error, Outcome.ABORTED, Reason.FAILED)
+        """The prefill's decode node did not answer it: a probe of that node decides at once whether it is down
+        (then this request is rerouted with the others routed there), not one prefill engine's word, which would
+        end the node's streams too; if it answers, this request alone is scheduled again."""
+        task = asyncio.get_running_loop().create_task(self._probe_then_reroute(live, failed))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_then_reroute(self, live: LiveRequest, failed: wire.PrefillFailed) -> None:
+        state = self.workers.get(InstanceId(failed.peer))
+        if state is not None and state.up:
+            LOG.warning("worker %s did not answer %s: probing it now", failed.peer, failed.instance_id)
+            while state.probing:  # the health loop's probe is on its way: its verdict will do
+                await asyncio.sleep(0.05)
+            if state.up:
+                state.probing = True
+                await self._probe(state)  # no answer: marked down, this request rerouted with the others
+        if self.live.get(live.request_id) is not live or live.attempt != failed.attempt:
+            return  # ended or rerouted meanwhile
+        if live.joined_s is not None or live.generated:
+            return  # its hand-off reached the node after all (the call timed out after it was taken)
+        self.live.pop(live.request_id)
+        self.conductor.handle(RequestAborted(request_id=live.request_id, now=self.now(), reason=Reason.FAILED))
+        self._reroute(live, ApiError(503, f"the decode engine {failed.peer} did not answer: {failed.error}"))
 
     def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
         self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
@@ -645,22 +661,26 @@ class Dispatcher:
         ends: tuple[RequestEnd, ...] = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now()))
         for end in ends:
             live = self.live.pop(end.request_id, None)
-            if live is None:
-                continue
-            if live.generated == 0 and live.attempt < MAX_REROUTES:  # nothing of it reached its client yet
-                self._abandon(live)
-                live.attempt += 1
-                live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
-                try:  # schedule it again on the survivors (a prefix it had prefilled is cached there now)
-                    self._schedule(live)
-                except ApiError as error:
-                    live.events.put_nowait(("error", error))
-                    continue
-                self.submit(live)
-            else:
-                self._finished(live, "error", self.now())
-                failure = ApiError(503, f"the {state.role} engine {instance} failed")
-                live.events.put_nowait(("error", failure))
+            if live is not None:
+                self._reroute(live, ApiError(503, f"the {state.role} engine {instance} failed"))
+
+    def _reroute(self, live: LiveRequest, failure: ApiError) -> None:
+        """A request the Conductor has ended (no longer live) because an engine of its failed: scheduled again as
+        its next attempt while nothing of it has reached its client and it has attempts left, else ended with
+        `failure`. Its abandoned attempt is cancelled on its prefill engine either way."""
+        self._abandon(live)
+        if live.generated or live.attempt >= MAX_REROUTES:
+            self._finished(live, "error", self.now())
+            live.events.put_nowait(("error", failure))
+            return
+        live.attempt += 1
+        live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
+        try:  # schedule it again on the engines up (a prefix it had prefilled is cached there now)
+            self._schedule(live)
+        except ApiError as error:
+            live.events.put_nowait(("error", error))
+            return
+        self.submit(live)
 
 
 def _rejection(reason: Reason, outcome: Outcome) -> ApiError:

@@ -330,8 +330,9 @@ class PrefillDone:
 
 @attrs.frozen(kw_only=True)
 class PrefillFailed:
-    """The prefill did not reach its decode node: `peer` names that decode instance when it did not answer (the KV
-    stream or the hand-off timed out, its connection failed); empty when the prefill itself failed."""
+    """A prefill job failed: `peer` names that decode instance when it did not answer (the KV
+    stream or the hand-off timed out or found no connection, or its slices did not settle); empty when the prefill
+    itself failed."""
 
     METHOD: ClassVar[str] = "prefill.failed"
     instance_id: str = _field(STR)

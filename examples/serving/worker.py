@@ -15,8 +15,9 @@ to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
 node's cache exactly. A `prefill.cancel` (the client left, or the gateway
 rerouted the request) drops the job if it is still queued, or keeps a running
-one from being handed on. When the decode node does not answer (the KV stream
-or the hand-off timed out or lost its connection), `prefill.failed` names it
+one from being handed on. When the decode node does not answer (a control call
+of the KV stream or the hand-off timed out or found no connection, or the
+stream's slices did not settle), `prefill.failed` names it
 (`peer`): the failure is that node's, not this one's. With `[prefill] pipeline_size` X > 1 the worker is
 stage 0 of a chunked pipeline group (`serving.prefill_group`): X − 1 stage
 processes it starts hold the later layers, and the instance is still this one
@@ -33,8 +34,8 @@ replaces the one it holds, a hand-off of an earlier one (from a prefill engine
 that was presumed dead and resumed) is dropped. A hand-off some of whose blocks
 another prefill's push is still filling here (requests sharing a prefix, sent
 at once: each push fills only the blocks no other is filling) waits for them,
-at most `TIMEOUT_S` (as long as that push may take to commit), without holding
-up the batch; blocks that push gave up on are then missing, a KV refusal as
+at most `TIMEOUT_S`, pinning the blocks already there, without holding up the
+batch; blocks that push gave up on are then missing, a KV refusal as
 for any block that did not stay. Its health answer lists the
 requests it decodes, so the gateway can cancel those it no longer serves.
 """
@@ -99,6 +100,15 @@ Job = wire.PrefillJob | wire.DecodeJob | wire.CancelDecode
 
 # What a peer that does not answer raises: a timeout, or a connection refused, reset or timed out.
 _UNREACHABLE = (PeerUnavailable, TransferTimeout, OSError)
+
+
+@attrs.define(eq=False)
+class _Arriving:
+    """A hand-off waiting for blocks another push is filling: until when, and the blocks it pinned meanwhile."""
+
+    job: wire.DecodeJob
+    deadline: float
+    pinned: list[BlockKey] = attrs.field(factory=list)
 
 
 class _DecodeStream(MessengerSink):
@@ -182,8 +192,8 @@ class Worker:
         self._prefill: PrefillEngine | None = None
         self._decode: DecodeEngine | None = None
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
-        # Hand-offs waiting for blocks another push is filling here → (the job, when to stop waiting) (decode loop only)
-        self._arriving: dict[RequestId, tuple[wire.DecodeJob, float]] = {}
+        # Hand-offs waiting for blocks another push is filling here (decode loop only)
+        self._arriving: dict[RequestId, _Arriving] = {}
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
         self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
@@ -447,13 +457,15 @@ class Worker:
             for job in jobs:
                 if isinstance(job, wire.CancelDecode):
                     cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
-                    self._arriving.pop(cancelled, None)
+                    self._stop_waiting(cancelled)
                     decode.cancel(cancelled)
                     self._attempts.pop(cancelled, None)
                 elif isinstance(job, wire.DecodeJob):
-                    waiting = self._arriving.get(RequestId(job.request_id))  # type: ignore[arg-type]
-                    if waiting is None or waiting[0].attempt < job.attempt:  # else a stale hand-off
-                        self._arriving[RequestId(job.request_id)] = (job, time.monotonic() + TIMEOUT_S)  # type: ignore[arg-type]
+                    request_id = RequestId(job.request_id)  # type: ignore[arg-type]
+                    waiting = self._arriving.get(request_id)
+                    if waiting is None or waiting.job.attempt < job.attempt:  # else a stale hand-off
+                        self._stop_waiting(request_id)
+                        self._arriving[request_id] = _Arriving(job, time.monotonic() + TIMEOUT_S)
             self._join_arrived(first.append)
             self._report(first)  # not held back by a step: its client's TTFT would carry one
             tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
@@ -478,13 +490,20 @@ class Worker:
         """Join the hand-offs, in their order of arrival, except those still waiting for blocks another push is
         filling here; one that waited `TIMEOUT_S` for them fails (their push neither committed nor gave up)."""
         now = time.monotonic()
-        for request_id, (job, deadline) in list(self._arriving.items()):
-            filling = [
-                k for k in job.keys if (where := self.cache.location(BlockKey(k))) is not None and not where.ready
-            ]
-            if filling and now < deadline:
+        for request_id, arriving in list(self._arriving.items()):
+            job, filling, ready = arriving.job, [], []
+            for k in job.keys:
+                where = self.cache.location(BlockKey(k))
+                if where is not None:
+                    (ready if where.ready else filling).append(BlockKey(k))
+            if filling and now < arriving.deadline:
+                if not arriving.pinned:  # what is here stays while it waits (a burst of pushes evicts)
+                    for key in ready:
+                        with contextlib.suppress(UnknownBlockError):  # left since: the join finds it missing
+                            self.cache.pin(key)
+                            arriving.pinned.append(key)
                 continue
-            del self._arriving[request_id]
+            self._stop_waiting(request_id)
             if filling:
                 error = f"{len(filling)} KV blocks of the prompt are still being pushed here by another prefill"
                 self._tell_gateway(
@@ -497,6 +516,14 @@ class Worker:
                 )
             else:
                 self._join(job, first_token)
+
+    def _stop_waiting(self, request_id: RequestId) -> None:
+        """Forget the request's waiting hand-off, if any, and let go of the blocks it pinned."""
+        arriving = self._arriving.pop(request_id, None)
+        if arriving is not None:
+            for key in arriving.pinned:
+                with contextlib.suppress(UnknownBlockError):
+                    self.cache.unpin(key)
 
     def _join(self, job: wire.DecodeJob, first_token: Callable[[wire.Token], None]) -> None:
         assert self._decode is not None

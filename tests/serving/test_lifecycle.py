@@ -286,8 +286,8 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
 def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> None:
     """SIGSTOP one of two decode workers, then 12 requests at 10/s, with the health probes too slow to notice: the
     first prefill whose KV stream waits on the stopped node reports that node (not itself) as failing, the gateway
-    marks it down and reroutes every request routed there that has no token yet, and cancels their queued prefill
-    jobs. Every request is served (before, each one routed there waited out an I/O timeout in the prefill queue and
+    probes it at once, marks it down and reroutes every request routed there that has no token yet, and cancels
+    their queued prefill jobs. Every request is served (before, each one routed there waited out an I/O timeout in the prefill queue and
     was answered with a 500 blamed on the prefill)."""
     base = config(health_interval_s=60.0, health_probe_backoff_max_s=60.0)
     base = base.with_overrides("cluster", num_decode=2).with_overrides("decode", max_batch_size=64)
@@ -305,7 +305,7 @@ def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> Non
                     answers.append(pool.submit(status_of, url, body))
                     time.sleep(0.1)
                 results = [answer.result(timeout=120) for answer in answers]
-            marked_down = not dispatcher.workers["decode-0"].up  # by the prefill's report: no probe ran yet
+            marked_down = not dispatcher.workers["decode-0"].up  # by the probe the prefill's report asked for
         finally:
             os.kill(pid, signal.SIGCONT)
         assert [status for status, _body in results] == [200] * 12, [r for r in results if r[0] != 200]

@@ -34,6 +34,7 @@ from serving.dispatch import Dispatcher
 from serving.gateway import build_conductor
 from serving.worker import Worker, WorkerSpec
 
+from mooncake.errors import BlockPinnedError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.types import BlockKey, InstanceId
 from tests.waiting import wait_for
@@ -106,8 +107,9 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
     """Real workers whose loops are not started (their jobs stay queued), a real dispatcher: a request whose client
     leaves before its prefill is cancelled on its prefill worker; when a decode worker goes down, a request routed
     to it with no token yet is scheduled again on the other one as its next attempt, and the earlier attempt is
-    cancelled on its prefill worker (the new one is queued there, not cancelled); when that prefill worker is down,
-    the cancel of the attempt abandoned then reaches it once a probe finds it answering again."""
+    cancelled on its prefill worker (the new one is queued there, not cancelled); a prefill's report that the decode
+    node did not answer, when a probe finds it answering, reschedules that request alone; when the prefill worker is
+    down, the cancel of the attempt abandoned then (its last) reaches it once a probe finds it answering again."""
     config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=2)
     secret = secrets.token_bytes(32)
     roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
@@ -140,12 +142,22 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
         assert dispatcher.live[moved.request_id] is moved and moved.attempt == 1 and moved.decode != first
         wait_for(lambda: queued(rid, 0) and queued(rid, 1) is False, timeout=10.0, what="attempt 0 cancelled")
 
-        dispatcher._worker_failed(InstanceId("prefill-0"))  # attempt 1 is abandoned too, its worker down
-        assert moved.request_id not in dispatcher.live  # no prefill engine is left to take it
-        assert queued(rid, 1) is False  # not told yet: it is down
+        # A prefill's report that the decode node did not answer, though it does: a probe finds it up, so it keeps
+        # its streams, and the request alone is scheduled again (attempt 2), attempt 1 cancelled
+        report = wire.PrefillFailed(
+            instance_id="prefill-0", request_id=rid, attempt=1, error="timed out", peer=moved.decode, events=()
+        )
+        dispatcher._dispatch(report)
+        await asyncio.gather(*dispatcher._probes)
+        assert dispatcher.workers[moved.decode].up and moved.attempt == 2 and dispatcher.live[moved.request_id] is moved
+        wait_for(lambda: queued(rid, 1) and queued(rid, 2) is False, timeout=10.0, what="attempt 1 cancelled")
+
+        dispatcher._worker_failed(InstanceId("prefill-0"))  # attempt 2 is abandoned too, its worker down
+        assert moved.request_id not in dispatcher.live  # no prefill engine is left to take it (no attempt left)
+        assert queued(rid, 2) is False  # not told yet: it is down
         await dispatcher._probe(dispatcher.workers["prefill-0"])  # it answers: marked up, and told
         assert dispatcher.workers["prefill-0"].up
-        wait_for(lambda: queued(rid, 1), timeout=10.0, what="attempt 1 cancelled once its worker answers")
+        wait_for(lambda: queued(rid, 2), timeout=10.0, what="attempt 2 cancelled once its worker answers")
 
     try:
         asyncio.run(scenario())
@@ -159,8 +171,9 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
     """Requests sharing a prefix, sent at once, push into the same decode node, each filling only the blocks no
     other push is filling; one whose hand-off comes first must wait for the others' blocks, not be refused for
     KV (a 429 'kv_budget' to a third of such bursts before). Real workers: a prompt's blocks are reserved on the
-    decode node by a push the test holds open; the hand-off waits (no report) until the push commits, then joins;
-    a second one waits until its push is aborted, then is refused for KV (the blocks never came)."""
+    decode node by a push the test holds open (the first block stays there); the hand-off waits (no report, the
+    first block pinned) until the push commits, then joins; a second one waits until its push is aborted, then is
+    refused for KV (the blocks never came) and lets go of the first block."""
     config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
     secret = secrets.token_bytes(32)
     prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
@@ -178,7 +191,7 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
         keys = tuple(int(k) for k in prefill.hasher.block_keys(list(first.tokens)))
 
         def hand_off(request_id: int) -> None:
-            for key in keys:  # gone from the decode node: the next push fills them again
+            for key in keys[1:]:  # gone from the decode node but the first: the next push fills them again
                 decode.cache.remove(BlockKey(key))
             handed = wire.DecodeJob(
                 request_id=request_id, attempt=0, keys=keys, prompt_tokens=24, first_token=5, sampling=SAMPLING
@@ -187,6 +200,8 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
             decode._on_job(handed)
             time.sleep(0.5)
             assert request_id not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
+            with pytest.raises(BlockPinnedError):  # the block already there is held while the hand-off waits
+                decode.cache.remove(BlockKey(keys[0]))
             pushes.append(push)
 
         pushes: list[Any] = []
@@ -198,6 +213,45 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
         wait_for(lambda: 3 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal once it aborts")
         [refused] = [m for m in decoded if isinstance(m, wire.DecodeRejected)]
         assert refused.reason == "kv_budget"
+        decode.cache.remove(BlockKey(keys[0]))  # let go once the hand-off left
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_failure_is_blamed_on_the_decode_node_only_when_it_is_that_nodes() -> None:
+    """Past the connection (opened by a first job that is joined): the decode node gone, a job's KV stream to it
+    fails and the report names it; the prefill's own failure (an OSError from the engine, the stream untouched)
+    names nobody."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    secret = secrets.token_bytes(32)
+    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
+    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
+    told: list[Any] = []
+    decoded: list[Any] = []
+    prefill._tell_gateway = told.append  # type: ignore[method-assign]
+    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
+    try:
+        prefill._addresses = {"decode-0": decode.start()["address"]}
+        engine = prefill._prefill
+        assert engine is not None
+        compute = engine.prefill
+
+        def failing(tokens: Any, **options: Any) -> Any:
+            if tokens[0] == 30:  # job 3's prompt: the engine fails before it streams anything
+                raise OSError("the prefill's own disk failed")
+            return compute(tokens, **options)
+
+        engine.prefill = failing  # type: ignore[method-assign]
+        prefill.start()
+        prefill._on_job(job(1))
+        wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first join")
+        decode.close()  # its engine closes: the prefill's next reserve call there fails
+        prefill._on_job(job(2))
+        prefill._on_job(job(3))
+        wait_for(lambda: len(reported(told, wire.PrefillFailed)) == 2, timeout=60.0, what="two failures")
+        failed = {m.request_id: m.peer for m in told if isinstance(m, wire.PrefillFailed)}
+        assert failed == {2: "decode-0", 3: ""}, told
     finally:
         prefill.close()
         decode.close()
