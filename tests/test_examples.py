@@ -272,6 +272,26 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
     assert "Traceback" not in done.stderr
 
 
+def test_a_router_file_loads_as_a_script_would(tmp_path: Path) -> None:
+    """A router file with a dataclass under `from __future__ import annotations` (dataclasses look the module up
+    in sys.modules) that imports a sibling module runs; one with a syntax error is a one-line error naming the
+    line."""
+    (tmp_path / "helper.py").write_text(
+        "from mooncake.sched.router import LoadBalancingRouter\n\n\ndef base(estimator):\n"
+        "    return LoadBalancingRouter(estimator)\n"
+    )
+    (tmp_path / "mine.py").write_text(
+        "from __future__ import annotations\n\nimport dataclasses\n\nfrom helper import base\n\n\n"
+        "@dataclasses.dataclass\nclass Options:\n    depth: int = 1\n\n\n"
+        "def Router(estimator):\n    return base(estimator)\n"
+    )
+    done = run("replay.py", *SMALL, "--router", f"{tmp_path / 'mine.py'}:Router", check=False)
+    assert done.returncode == 0, done.stderr
+    (tmp_path / "broken.py").write_text("def Router(estimator):\n    return (\n")
+    done = run("replay.py", *SMALL, "--router", f"{tmp_path / 'broken.py'}:Router", check=False)
+    assert done.returncode == 2 and "broken.py, line" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     """profile_engine.py measures the tiny model and writes fits that the cost-model readers accept."""
     pytest.importorskip("torch")

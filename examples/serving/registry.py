@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
@@ -58,11 +60,7 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     if not colon or not where or not attribute:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)} or FILE.py:FACTORY, got {name!r}")
     if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        if spec is None or spec.loader is None or not Path(where).is_file():
-            raise ConfigError(f"router file {where} not found")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _load_file(Path(where))
     else:
         try:
             module = importlib.import_module(where)
@@ -74,6 +72,36 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     if not callable(factory):
         raise ConfigError(f"{where} has no callable {attribute!r}")
     return factory  # type: ignore[no-any-return]
+
+
+def _load_file(path: Path) -> ModuleType:
+    """The module of a router file, loaded as running it would: its folder first on `sys.path` (its sibling
+    modules import), the module in `sys.modules` (dataclasses and pickling look it up there) under a name of its
+    own (a file named like a library module shadows nothing).
+
+    Raises:
+        ConfigError: the file is missing, or is not valid Python (naming the line).
+    """
+    if not path.is_file():
+        raise ConfigError(f"router file {path} not found")
+    name = f"mooncake_router_{path.stem}_{abs(hash(str(path.resolve()))):x}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"router file {path} is not a Python module")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        del sys.modules[name]
+        raise ConfigError(f"router file {path}, line {error.lineno}: {error.msg}") from None
+    except BaseException:
+        del sys.modules[name]
+        raise  # the file ran and failed: its own traceback says where
+    return module
 
 
 def admission(name: str) -> AdmissionPolicy:

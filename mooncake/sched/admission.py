@@ -20,6 +20,7 @@ TBT).
 
 from __future__ import annotations
 
+import typing
 from typing import Literal, Protocol
 
 import attrs
@@ -30,6 +31,7 @@ from mooncake.sched.router import RouteDecision
 from mooncake.types import Slo
 
 __all__ = [
+    "LOAD_AT",
     "AdmissionDecision",
     "AdmissionPolicy",
     "BaselineAdmission",
@@ -47,6 +49,7 @@ class AdmissionDecision:
 
 
 LoadAt = Literal["none", "now", "arrival"]
+LOAD_AT: tuple[LoadAt, ...] = typing.get_args(LoadAt)
 
 
 class AdmissionPolicy(Protocol):

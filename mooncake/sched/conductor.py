@@ -54,13 +54,13 @@ from mooncake._checks import ceil_div, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
-from mooncake.sched.admission import AdmissionPolicy
+from mooncake.sched.admission import LOAD_AT, AdmissionDecision, AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.predictor import LoadPredictor
-from mooncake.sched.router import PrefixBlocks, RouteQuery, Router, TransferPlan
+from mooncake.sched.router import PrefixBlocks, RouteDecision, RouteQuery, Router, TransferPlan
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import (
     ActiveDecode,
@@ -172,14 +172,19 @@ class Conductor:
         # given by its name) would otherwise fail at the first request, as an AttributeError.
         if not isinstance(slo, Slo):
             raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
-        for name, part, method in (
-            ("router", router, "route"),
-            ("step_model", step_model, "step_s"),
-            ("admission", admission, "admit"),
-            ("predictor", predictor, "predict"),
+        for name, part, methods in (
+            ("router", router, ("route", "observe")),
+            ("step_model", step_model, ("step_s",)),
+            ("admission", admission, ("admit",)),
+            ("predictor", predictor, ("predict", "observe")),
         ):
-            if not callable(getattr(part, method, None)):
-                raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {part!r}")
+            if isinstance(part, type):
+                raise ConfigError(f"{name} must be an instance, got the class {part.__name__} (call it)")
+            for method in methods:
+                if not callable(getattr(part, method, None)):
+                    raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {part!r}")
+        if getattr(admission, "load_at", None) not in LOAD_AT:
+            raise ConfigError(f"admission's load_at must be one of {', '.join(LOAD_AT)}, got {admission!r}")
         self.router = router
         self.step_model = step_model
         self.admission = admission
@@ -305,9 +310,20 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
+        self._check_route(route)
         ttft_s = route.ttft_s
         decode = self._choose_decode(request, route.prefill_instance, now + ttft_s, now)
         verdict = self.admission.admit(route, decode, self.slo)
+        if type(verdict) is not AdmissionDecision or (
+            (decode.decode_instance is None or verdict.reason is not None)
+            if verdict.accepted
+            else type(verdict.reason) is not Reason
+        ):
+            raise ConfigError(
+                f"admission {self.admission!r} answered {verdict!r} (decode instance {decode.decode_instance}): an"
+                " AdmissionDecision accepts with no reason, only where the decode selection found an instance, or"
+                " rejects with a mooncake.sched.Reason"
+            )
         decision = ScheduleDecision(
             request_id=request.request_id,
             accepted=verdict.accepted,
@@ -320,7 +336,7 @@ class Conductor:
             tbt_s=decode.tbt_s,
         )
         if verdict.accepted:
-            assert decode.decode_instance is not None  # every policy needs an instance that can take it
+            assert decode.decode_instance is not None  # checked above
             start = now + route.wait_s
             queued = QueuedPrefill(
                 request_id=request.request_id,
@@ -355,6 +371,31 @@ class Conductor:
                 transfer=(route.transfer.source, now + route.transfer_s) if route.transfer is not None else None,
             )
         return decision
+
+    def _check_route(self, route: RouteDecision) -> None:
+        """A router's decision names a prefill instance that is up, its times are finite and not negative, and a
+        transfer it plans comes from another instance.
+
+        Raises:
+            ConfigError: naming the router and its decision.
+        """
+        if type(route) is not RouteDecision:
+            raise ConfigError(f"router {self.router!r} returned {route!r}, not a RouteDecision (or None)")
+        view = self._prefill.get(route.prefill_instance)
+        problem = None
+        if view is None or not view.is_up:
+            problem = "a prefill instance that is not up" if view else "an unknown prefill instance"
+        elif not (
+            0.0 <= route.queue_s < math.inf  # NaN fails each comparison
+            and 0.0 <= route.transfer_s < math.inf
+            and 0.0 <= route.prefill_s < math.inf
+            and 0.0 <= route.ttft_s < math.inf
+        ):
+            problem = "a time that is negative or not finite"
+        elif route.transfer is not None and route.transfer.source == route.prefill_instance:
+            problem = "a transfer from the instance to itself"
+        if problem is not None:
+            raise ConfigError(f"router {self.router!r} chose {problem}: {route!r}")
 
     def _choose_decode(self, request: Request, prefill: InstanceId, arrival_s: float, now: float) -> DecodeChoice:
         """`choose_decode` among the instances that can decode what `prefill` prefills: itself if it is

@@ -48,7 +48,7 @@ from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import PrefillCostModel, occupancy_s
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
-from mooncake.sched.predictor import DEFAULT_DECODE_S
+from mooncake.sched.predictor import LoadPredictor, uniform_decode_s
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.view import (
     DecodeFinished,
@@ -118,13 +118,28 @@ def replay(
     router: RouterFactory = KvCacheCentricRouter,
     admission: AdmissionPolicy | None = None,
     slo: Slo | None = None,
-    decode_s: float = DEFAULT_DECODE_S,
+    decode_s: float | None = None,
+    predictor: LoadPredictor | None = None,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     keep_intervals: bool = True,
 ) -> ReplayResult:
-    """Build a Conductor for `spec` (`build_conductor`'s options and defaults) and replay `requests`."""
-    conductor = build_conductor(spec, router=router, admission=admission, slo=slo, decode_s=decode_s, seed=seed)
+    """Build a Conductor for `spec` (`build_conductor`'s options and defaults) and replay `requests`.
+
+    Without a `decode_s` or a `predictor`, the paper's predictor takes the workload's t_d
+    (`sched.predictor.uniform_decode_s`: mean output × TBT objective, as the experiments and the replay tool
+    do); the requests are then read into a list first.
+
+    Raises:
+        ConfigError: both a `decode_s` and a `predictor`.
+        InvalidRequestError: an item that is not a `Request`, or no request at all.
+    """
+    if decode_s is None and predictor is None:
+        requests = list(requests)
+        decode_s = uniform_decode_s((r.output_length for r in requests), (slo or Slo()).tbt_s)
+    conductor = build_conductor(
+        spec, router=router, admission=admission, slo=slo, decode_s=decode_s, predictor=predictor, seed=seed
+    )
     return DisaggregatedCluster(spec, conductor).run(requests, progress=progress, keep_intervals=keep_intervals)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
@@ -28,6 +29,8 @@ Progress = Callable[[int], None]  # told the count of requests arrived so far
 
 
 def _arrival_s(request: Request) -> float:
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(request).__name__}")
     return request.arrival_s
 
 
@@ -58,6 +61,9 @@ class ReplayContext:
     ) -> ReplayResult:
         """Replay `requests` (in arrival order; streamed) to the end and summarize.
 
+        Raises:
+            InvalidRequestError: an item that is not a `Request`, or no request at all.
+
         Args:
             arrive: the cluster's arrival handler, called at each request's arrival time.
             counts: the cluster's requests in prefill and in decode, sampled for the load trace.
@@ -71,6 +77,11 @@ class ReplayContext:
         load = LoadTrace(self.sample_interval_s, counts)
         self.loop.feed(requests, _arrival_s, arrive)
         self.loop.run(load)
+        if not self.records:
+            raise InvalidRequestError(
+                "no request to replay: the workload is empty (an iterator, such as generate_requests' workload, is"
+                " used up by one replay: make a list of it to replay it again)"
+            )
         return ReplayResult(
             summary=summarize(self.records, self.slo, sim_wall_s=time.perf_counter() - started),
             records=self.records,

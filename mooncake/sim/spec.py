@@ -34,7 +34,7 @@ from mooncake.sched.cost import (
     TransferCostModel,
 )
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import DEFAULT_DECODE_S, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, LoadPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
@@ -186,7 +186,8 @@ def build_conductor(
     router: RouterFactory = KvCacheCentricRouter,
     admission: AdmissionPolicy | None = None,
     slo: Slo | None = None,
-    decode_s: float = DEFAULT_DECODE_S,
+    decode_s: float | None = None,
+    predictor: LoadPredictor | None = None,
     seed: int = 0,
 ) -> Conductor:
     """A Conductor on the spec's cost models (so its estimates are the simulator's truth), with the
@@ -195,8 +196,17 @@ def build_conductor(
     Args:
         router: makes the `Router` from the spec's estimator (default: Algorithm 1, threshold 1.5).
         admission: default `EarlyRejection()`.
-        decode_s: the uniform decode duration of the paper's load predictor.
+        decode_s: the uniform decode duration t_d of the paper's load predictor (default `DEFAULT_DECODE_S`;
+            `sched.predictor.uniform_decode_s` gives a workload's).
+        predictor: the decode load predictor instead of the paper's (then no `decode_s`).
+
+    Raises:
+        ConfigError: both a `decode_s` and a `predictor`.
     """
+    if predictor is not None and decode_s is not None:
+        raise ConfigError("give a decode_s (the paper's uniform predictor's t_d) or a predictor, not both")
+    if predictor is None:
+        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S if decode_s is None else decode_s)
     return build(
         model=spec.model,
         hardware=spec.prefill_hardware,
@@ -206,7 +216,7 @@ def build_conductor(
         block_size_tokens=spec.block_size_tokens,
         router=router,
         admission=admission,
-        predictor=UniformDecodePredictor(decode_s=decode_s),
+        predictor=predictor,
         slo=slo,
         prefill=spec.prefill_cost,
         step_model=spec.decode_cost,

@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mooncake.cache.events import AllBlocksCleared, BlockStored
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
-from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection
+from mooncake.sched.admission import AdmissionDecision, AdmissionPolicy, BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join
@@ -42,6 +42,7 @@ from mooncake.sched.router import (
     RouteDecision,
     RouteQuery,
     Router,
+    TransferPlan,
     TtftEstimator,
     local_cache_aware_router,
 )
@@ -285,7 +286,14 @@ def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> No
 
 @pytest.mark.parametrize(
     ("part", "value", "named"),
-    [("slo", 30, "slo must be"), ("admission", "baseline", "admission must have"), ("router", None, "router must")],
+    [
+        ("slo", 30, "slo must be"),
+        ("admission", "baseline", "admission must have"),
+        ("router", None, "router must"),
+        ("admission", EarlyRejection, "the class EarlyRejection"),
+        ("router", attrs.make_class("RouteOnly", {}, bases=(), slots=True)(), "router must have a route"),
+        ("admission", attrs.evolve(BaselineAdmission(), load_at="later"), "load_at must be one of none, now, arrival"),
+    ],
 )
 def test_a_misplaced_part_is_refused_when_the_conductor_is_made(part: str, value: object, named: str) -> None:
     """An SLO given as a number or a policy by its name failed at the first request, as an AttributeError."""
@@ -298,6 +306,81 @@ def test_a_misplaced_part_is_refused_when_the_conductor_is_made(part: str, value
     }
     with pytest.raises(ConfigError, match=named):
         Conductor(**{**parts, part: value}, block_size_tokens=BLOCK)
+
+
+@attrs.define
+class _Misrouting:
+    """A router that asks the real one, then breaks its answer with `change` (a plug-in's mistakes)."""
+
+    inner: Router
+    change: Any
+
+    def route(self, *args: Any) -> Any:
+        return self.change(self.inner.route(*args))
+
+    def observe(self, **_observed: Any) -> None:
+        pass
+
+
+@attrs.define
+class _Misadmitting:
+    """An admission policy that answers `answer` whatever it is asked."""
+
+    answer: Any
+    name: str = "misadmitting"
+    load_at: str = "now"
+
+    def admit(self, *_args: Any) -> Any:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda route: attrs.evolve(route, prefill_instance=InstanceId("prefill-99")), "an unknown prefill instance"),
+        (lambda route: route.prefill_instance, "not a RouteDecision"),
+        (lambda route: attrs.evolve(route, queue_s=math.nan), "negative or not finite"),
+        (lambda route: attrs.evolve(route, prefill_s=-5.0), "negative or not finite"),
+        (
+            lambda route: attrs.evolve(
+                route, transfer=TransferPlan(source=route.prefill_instance, num_blocks=1, num_bytes=1, transfer_s=0.0)
+            ),
+            "a transfer from the instance to itself",
+        ),
+    ],
+)
+def test_a_routers_broken_decision_is_a_config_error_naming_it(change: Any, named: str) -> None:
+    """A plugged-in router's decision is checked where it can be named (it failed deep inside, as a KeyError or an
+    AttributeError, or was acted on as it was); the Conductor is unchanged."""
+    conductor = make_conductor(router=_Misrouting(make_router("kvcache_centric"), change))
+    with pytest.raises(ConfigError, match=f"router _Misrouting.*{named}"):
+        conductor.schedule(request("r", [1, 2]), 0.0)
+    assert not conductor.in_flight
+    conductor.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        AdmissionDecision(False),  # a rejection without its reason
+        AdmissionDecision(False, "too busy"),  # a reason that is not a Reason
+        AdmissionDecision(True, Reason.TTFT_SLO),  # accepted, with a reason
+        True,  # not a decision
+    ],
+)
+def test_an_admission_policys_broken_answer_is_a_config_error_naming_it(answer: Any) -> None:
+    conductor = make_conductor()
+    conductor.admission = _Misadmitting(answer)  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"admission _Misadmitting.*answered"):
+        conductor.schedule(request("r", [1, 2]), 0.0)
+    assert not conductor.in_flight
+
+
+def test_an_acceptance_where_no_decode_instance_can_take_the_request_is_a_config_error() -> None:
+    conductor = make_conductor(capacity_tokens=10)  # no decode instance holds the request's KV
+    conductor.admission = _Misadmitting(AdmissionDecision(True))  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="decode instance None"):
+        conductor.schedule(request("r", [1, 2]), 0.0)
 
 
 @pytest.mark.parametrize("event", ["x", None, 3])

@@ -642,3 +642,40 @@ def test_early_rejection_refuses_before_prefill(admission: str) -> None:
     assert a.outcome == Outcome.COMPLETED
     assert b.outcome == Outcome.REJECTED_BEFORE_PREFILL and b.reason is Reason.TBT_SLO
     assert b.first_token_s is None and b.prefill_s == 0.0
+
+
+def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
+    """A workload iterator replayed twice (generate_requests' is one): the second replay is an error saying so,
+    not an empty result; an item that is not a Request is an InvalidRequestError naming its type."""
+    from mooncake.errors import InvalidRequestError
+    from mooncake.workload import PRESETS, generate_requests
+
+    spec = make_spec()
+    workload = generate_requests(PRESETS["synthetic"], num_requests=5)
+    assert replay(spec, workload, decode_s=5.0).summary.completed == 5
+    with pytest.raises(InvalidRequestError, match="used up by one replay"):
+        replay(spec, workload, decode_s=5.0)
+    with pytest.raises(InvalidRequestError, match="got dict"):
+        replay(spec, [{"arrival_s": 0.0}], decode_s=5.0)  # type: ignore[list-item]
+
+
+def test_replay_predicts_with_the_workloads_decode_time_unless_told() -> None:
+    """Without decode_s or a predictor, the predictive policy's t_d is the workload's (uniform_decode_s: what the
+    experiments and the replay tool use), so the library and the tools agree; a predictor given is the one used;
+    both at once is a ConfigError."""
+    from mooncake.sched.predictor import UniformDecodePredictor, uniform_decode_s
+
+    spec = make_spec(max_decode_batch_size=8)  # a decode side that binds: the prediction decides
+    requests = fixed_length_requests(
+        input_tokens=2048, output_tokens=1000, num_requests=120, arrivals=ArrivalProcess(rate_per_s=8.0)
+    )
+    slo = Slo(ttft_s=30.0, tbt_s=0.03)
+    t_d = uniform_decode_s((r.output_length for r in requests), slo.tbt_s)
+    policy = predictive_early_rejection()
+    default = replay(spec, iter(requests), admission=policy, slo=slo).records
+    assert default == replay(spec, requests, admission=policy, slo=slo, decode_s=t_d).records
+    predicted = replay(spec, requests, admission=policy, slo=slo, predictor=UniformDecodePredictor(decode_s=t_d))
+    assert predicted.records == default
+    assert replay(spec, requests, admission=policy, slo=slo, decode_s=1.0).records != default  # t_d matters here
+    with pytest.raises(ConfigError, match="not both"):
+        replay(spec, requests, decode_s=1.0, predictor=UniformDecodePredictor(decode_s=1.0))
