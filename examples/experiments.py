@@ -99,6 +99,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Options an experiment sets itself (it compares or sweeps them): given anyway, they are an error, not ignored.
+UNUSED: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
+    "scheduling": ((("router",), "to scheduling: it compares --routers"),),
+    "rejection": ((("admission",), "to rejection: it compares every admission policy"),),
+    "overload": ((("admission",), "to overload: it compares every admission policy"),),
+}
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]  # type: ignore[no-any-return]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     plots_dir = None if args.no_plots else args.out
@@ -108,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if out_dir.exists() and not out_dir.is_dir():  # found before the run, not after it
             raise ConfigError(f"--out {out_dir} is a file, not a directory")
+        for dests, why in UNUSED.get(args.experiment, ()):
+            simulation.refuse_unused(_subparser(args.experiment), args, dests, why)
         report, table = EXPERIMENTS[args.experiment](args)
         report["wall_s"] = time.perf_counter() - started
         write_json(report, out_dir / f"{args.experiment}.json")

@@ -65,9 +65,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+COUPLED_UNUSED = ("router", "admission", "threshold", "cache_blocks", "global_pool", "cpp", "inline_prefill")
+CONFIG_UNUSED = ("prefill", "decode", "model", "hardware", "ttft_slo", "tbt_slo", *COUPLED_UNUSED)
+
+
 def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     if args.config is not None:
+        simulation.refuse_unused(parser(), args, CONFIG_UNUSED, "with --config (the config sets it)")
         return run_config(args)
+    if args.engine != "disaggregated":
+        simulation.refuse_unused(parser(), args, COUPLED_UNUSED, f"to --engine {args.engine}")
     if args.profile is not None:
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
     requests = simulation.load_workload(args)

@@ -137,6 +137,18 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="kvcache_balancing_threshold")
 
 
+def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, dests: Sequence[str], why: str) -> None:
+    """Options the run will not use, given anyway: each would look like a setting the results were made with.
+
+    Raises:
+        ConfigError: the first of `dests` set to other than its default, naming its option and `why`.
+    """
+    options = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    for dest in dests:
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ConfigError(f"{options.get(dest, dest)} does not apply {why}")
+
+
 def arrival_span_s(requests: Sequence[Request]) -> float:
     """Seconds from the first arrival to the last: what the sizing rates are per."""
     return requests[-1].arrival_s - requests[0].arrival_s

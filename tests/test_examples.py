@@ -272,6 +272,24 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("replay.py", "--engine", "coupled", "--router", "random"), "--router does not apply to --engine coupled"),
+        (("replay.py", "--engine", "coupled-chunked", "--local-cache"), "--local-cache does not apply"),
+        (("replay.py", "--config", "examples/configs/tiny.toml", "--tbt-slo", "0.5"), "--tbt-slo does not apply"),
+        (("experiments.py", "scheduling", "--router", "random"), "--router does not apply to scheduling"),
+        (("experiments.py", "rejection", "--admission", "baseline"), "--admission does not apply to rejection"),
+    ],
+)
+def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:
+    """Options an engine, a config or an experiment sets itself were accepted and ignored, so results looked made
+    with a setting they were not; they are a one-line error naming the option."""
+    script, *rest = argv
+    done = run(script, *rest, *SMALL, "--no-progress", check=False)
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_router_file_loads_as_a_script_would(tmp_path: Path) -> None:
     """A router file with a dataclass under `from __future__ import annotations` (dataclasses look the module up
     in sys.modules) that imports a sibling module runs; one with a syntax error is a one-line error naming the

@@ -59,6 +59,7 @@ from mooncake.sched.router import (
 )
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel, RooflineStep, StepBranch, StepModel
 from mooncake.sched.view import (
+    ActiveDecode,
     DecodeFinished,
     DecodeJoined,
     DecodeView,
@@ -69,12 +70,14 @@ from mooncake.sched.view import (
     PrefillFinished,
     PrefillStarted,
     PrefillView,
+    QueuedPrefill,
     RequestAborted,
     RequestRejected,
     SchedulerEvent,
 )
 
 __all__ = [
+    "ActiveDecode",
     "AdaptiveThreshold",
     "AdmissionDecision",
     "AdmissionPolicy",
@@ -118,6 +121,7 @@ __all__ = [
     "PrefillStarted",
     "PrefillView",
     "PrefilledInline",
+    "QueuedPrefill",
     "RandomRouter",
     "Reason",
     "RequestAborted",

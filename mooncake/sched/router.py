@@ -408,6 +408,13 @@ class KvCacheCentricRouter:
     def _check_fraction(self, _attribute: object, value: float) -> None:
         require_number("replica_fraction", value, minimum=0, strict=True)
 
+    def __attrs_post_init__(self) -> None:
+        if self.adaptive is not None and self.threshold != DEFAULT_THRESHOLD:
+            raise ConfigError(
+                f"threshold {self.threshold!r} is not used with an adaptive threshold, which sets it: start that one"
+                " at it instead (AdaptiveThreshold(value=...))"
+            )
+
     def max_replicas(self, num_instances: int) -> int:
         """How many instances may hold a hot prefix before a receiver stops keeping its copy."""
         return max(2, math.ceil(self.replica_fraction * num_instances))

@@ -595,9 +595,12 @@ def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
 
 
 def test_router_uses_the_adaptive_value() -> None:
-    """With an adaptive threshold the router decides on its current value, not the fixed one."""
+    """With an adaptive threshold the router decides on its current value; a fixed threshold given beside it (which
+    it would ignore) is a ConfigError."""
     adaptive = AdaptiveThreshold(value=1.5)
-    router = KvCacheCentricRouter(ESTIMATOR, threshold=100.0, adaptive=adaptive)
+    with pytest.raises(ConfigError, match="not used with an adaptive threshold"):
+        KvCacheCentricRouter(ESTIMATOR, threshold=100.0, adaptive=adaptive)
+    router = KvCacheCentricRouter(ESTIMATOR, adaptive=adaptive)
     views, q = [busy(A, NOW + 10), PrefillView(B)], query({A: 32, B: 8})  # ratio 4
     assert router.current_threshold == 1.5
     moved = router.route(views, q, NOW, random.Random(0))
