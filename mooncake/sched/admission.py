@@ -31,11 +31,11 @@ from mooncake.sched.router import RouteDecision
 from mooncake.types import Slo
 
 __all__ = [
-    "LOAD_AT",
     "AdmissionDecision",
     "AdmissionPolicy",
     "BaselineAdmission",
     "EarlyRejection",
+    "LOAD_AT",
     "predictive_early_rejection",
 ]
 
