@@ -56,12 +56,15 @@ def small_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 # --------------------------------------------------------------------------- trace stats
 
 
-def test_console_script_runs_trace_stats(synthetic_trace: Path) -> None:
-    """The installed `mooncake` console script exists next to the interpreter and prints stats JSON."""
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_console_script_runs_trace_stats(synthetic_trace: Path, how: str) -> None:
+    """The installed `mooncake` console script exists next to the interpreter and prints stats JSON; so does
+    `python -m mooncake` (for when the environment's bin is not on PATH)."""
     script = Path(sys.executable).with_name("mooncake")
     assert script.exists(), f"console script missing at {script}"
+    command = [str(script)] if how == "console script" else [sys.executable, "-m", "mooncake"]
     result = subprocess.run(
-        [str(script), "trace", "stats", str(synthetic_trace), "--json"],
+        [*command, "trace", "stats", str(synthetic_trace), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -193,7 +193,7 @@ class Conductor:
         self.block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
         self.transfers = transfers
         self.index = index if index is not None else BlockIndex()
-        self._rng = random.Random(seed)
+        self._rng = random.Random(require_int("seed", seed, minimum=0))
         self._prefill: dict[InstanceId, PrefillView] = {}
         self._decode: dict[InstanceId, DecodeView] = {}
         # The same views side by side, for routing and decode selection; refreshed on every change.

@@ -293,6 +293,7 @@ def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> No
         ("admission", EarlyRejection, "the class EarlyRejection"),
         ("router", attrs.make_class("RouteOnly", {}, bases=(), slots=True)(), "router must have a route"),
         ("admission", attrs.evolve(BaselineAdmission(), load_at="later"), "load_at must be one of none, now, arrival"),
+        ("seed", "a", "seed"),
     ],
 )
 def test_a_misplaced_part_is_refused_when_the_conductor_is_made(part: str, value: object, named: str) -> None:
