@@ -55,17 +55,13 @@ def reported(told: list[Any], kind: type[Any]) -> list[int]:
     return [m.request_id for m in list(told) if isinstance(m, kind)]
 
 
+Pair = tuple[Worker, Worker, list[Any], list[Any]]
+
+
 @pytest.fixture
-def silent() -> Iterator[str]:
-    """An address whose listener never completes a handshake (the connection waits in its backlog)."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        host, port = listener.getsockname()
-        yield f"{host}:{port}"
-
-
-def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is_named(silent: str) -> None:
-    """Six jobs, queued before the prefill loop starts: 3 cancelled while queued, 2 while it runs, a cancel of
-    another attempt of 4 (ignored), 5 for a silent decode node; 1, 4 and 6 are joined by the decode worker."""
+def pair() -> Iterator[Pair]:
+    """A prefill and a decode worker of the tiny config (neither started) and the lists their reports to the
+    gateway go to instead; both closed at the end."""
     config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
     secret = secrets.token_bytes(32)
     prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
@@ -75,32 +71,47 @@ def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is
     prefill._tell_gateway = told.append  # type: ignore[method-assign]
     decode._tell_gateway = decoded.append  # type: ignore[method-assign]
     try:
-        prefill._addresses = {"decode-0": decode.start()["address"], "decode-9": silent}
-        run = prefill._run_prefill
-
-        def cancelled_while_running(job: wire.PrefillJob, sink: Any) -> Any:
-            if job.request_id == 2:  # the gateway's cancel arrives while this one is being prefilled
-                prefill._on_cancel_prefill(wire.CancelPrefill(request_id=2, attempt=0))
-            return run(job, sink)
-
-        prefill._run_prefill = cancelled_while_running  # type: ignore[method-assign]
-        for message in (job(1), job(2), job(3), job(4), job(5, decode="decode-9"), job(6)):
-            prefill._on_job(message)
-        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=3, attempt=0))  # still queued: the loop is not
-        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=4, attempt=1))  # started; another attempt's
-        prefill.start()
-        wait_for(lambda: 6 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the last job to be joined")
-        assert reported(told, wire.PrefillStarted) == [1, 2, 4, 5, 6]  # 3 dropped unstarted
-        assert reported(told, wire.PrefillDone) == [1, 2, 4, 6]
-        assert reported(decoded, wire.DecodeJoined) == [1, 4, 6]  # 2 prefilled, not handed on
-        [failed] = [m for m in told if isinstance(m, wire.PrefillFailed)]
-        assert (failed.request_id, failed.peer) == (5, "decode-9"), failed
-        assert not prefill._prefill_jobs  # every job left the table: a cancel of a finished job finds nothing
-        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=1, attempt=0))
-        assert not prefill._prefill_jobs
+        yield prefill, decode, told, decoded
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """An address whose listener never completes a handshake (the connection waits in its backlog)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        host, port = listener.getsockname()
+        yield f"{host}:{port}"
+
+
+def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is_named(silent: str, pair: Pair) -> None:
+    """Six jobs, queued before the prefill loop starts: 3 cancelled while queued, 2 while it runs, a cancel of
+    another attempt of 4 (ignored), 5 for a silent decode node; 1, 4 and 6 are joined by the decode worker."""
+    prefill, decode, told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"], "decode-9": silent}
+    run = prefill._run_prefill
+
+    def cancelled_while_running(job: wire.PrefillJob, sink: Any) -> Any:
+        if job.request_id == 2:  # the gateway's cancel arrives while this one is being prefilled
+            prefill._on_cancel_prefill(wire.CancelPrefill(request_id=2, attempt=0))
+        return run(job, sink)
+
+    prefill._run_prefill = cancelled_while_running  # type: ignore[method-assign]
+    for message in (job(1), job(2), job(3), job(4), job(5, decode="decode-9"), job(6)):
+        prefill._on_job(message)
+    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=3, attempt=0))  # still queued: the loop is not
+    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=4, attempt=1))  # started; another attempt's
+    prefill.start()
+    wait_for(lambda: 6 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the last job to be joined")
+    assert reported(told, wire.PrefillStarted) == [1, 2, 4, 5, 6]  # 3 dropped unstarted
+    assert reported(told, wire.PrefillDone) == [1, 2, 4, 6]
+    assert reported(decoded, wire.DecodeJoined) == [1, 4, 6]  # 2 prefilled, not handed on
+    [failed] = [m for m in told if isinstance(m, wire.PrefillFailed)]
+    assert (failed.request_id, failed.peer) == (5, "decode-9"), failed
+    assert not prefill._prefill_jobs  # every job left the table: a cancel of a finished job finds nothing
+    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=1, attempt=0))
+    assert not prefill._prefill_jobs
 
 
 def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted() -> None:
@@ -167,91 +178,70 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
             worker.close()
 
 
-def test_a_hand_off_waits_for_blocks_another_push_is_still_filling() -> None:
+def test_a_hand_off_waits_for_blocks_another_push_is_still_filling(pair: Pair) -> None:
     """Requests sharing a prefix, sent at once, push into the same decode node, each filling only the blocks no
     other push is filling; one whose hand-off comes first must wait for the others' blocks, not be refused for
     KV (a 429 'kv_budget' to a third of such bursts before). Real workers: a prompt's blocks are reserved on the
     decode node by a push the test holds open (the first block stays there); the hand-off waits (no report, the
     first block pinned) until the push commits, then joins; a second one waits until its push is aborted, then is
     refused for KV (the blocks never came) and lets go of the first block."""
-    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
-    secret = secrets.token_bytes(32)
-    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
-    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
-    decoded: list[Any] = []
-    prefill._tell_gateway = lambda _message: None  # type: ignore[method-assign]
-    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
-    try:
-        prefill._addresses = {"decode-0": decode.start()["address"]}
-        prefill.start()
-        first = job(1)
-        prefill._on_job(first)  # prefilled here, streamed there: both caches hold its blocks
-        wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first request's join")
-        wait_for(lambda: not decode._attempts, timeout=60.0, what="the first request to finish decoding")
-        keys = tuple(int(k) for k in prefill.hasher.block_keys(list(first.tokens)))
+    prefill, decode, _told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    prefill.start()
+    first = job(1)
+    prefill._on_job(first)  # prefilled here, streamed there: both caches hold its blocks
+    wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first request's join")
+    wait_for(lambda: not decode._attempts, timeout=60.0, what="the first request to finish decoding")
+    keys = tuple(int(k) for k in prefill.hasher.block_keys(list(first.tokens)))
 
-        def hand_off(request_id: int) -> None:
-            for key in keys[1:]:  # gone from the decode node but the first: the next push fills them again
-                decode.cache.remove(BlockKey(key))
-            handed = wire.DecodeJob(
-                request_id=request_id, attempt=0, keys=keys, prompt_tokens=24, first_token=5, sampling=SAMPLING
-            )
-            push = prefill.messenger.push([BlockKey(k) for k in keys], prefill._peer("decode-0"), parts=1)
-            decode._on_job(handed)
-            time.sleep(0.5)
-            assert request_id not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
-            with pytest.raises(BlockPinnedError):  # the block already there is held while the hand-off waits
-                decode.cache.remove(BlockKey(keys[0]))
-            pushes.append(push)
+    def hand_off(request_id: int) -> None:
+        for key in keys[1:]:  # gone from the decode node but the first: the next push fills them again
+            decode.cache.remove(BlockKey(key))
+        handed = wire.DecodeJob(
+            request_id=request_id, attempt=0, keys=keys, prompt_tokens=24, first_token=5, sampling=SAMPLING
+        )
+        push = prefill.messenger.push([BlockKey(k) for k in keys], prefill._peer("decode-0"), parts=1)
+        decode._on_job(handed)
+        time.sleep(0.5)
+        assert request_id not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
+        with pytest.raises(BlockPinnedError):  # the block already there is held while the hand-off waits
+            decode.cache.remove(BlockKey(keys[0]))
+        pushes.append(push)
 
-        pushes: list[Any] = []
-        hand_off(2)
-        pushes[0].finish(30.0)
-        wait_for(lambda: 2 in reported(decoded, wire.DecodeJoined), timeout=30.0, what="the join once the push lands")
-        hand_off(3)
-        pushes[1].abort()
-        wait_for(lambda: 3 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal once it aborts")
-        [refused] = [m for m in decoded if isinstance(m, wire.DecodeRejected)]
-        assert refused.reason == "kv_budget"
-        decode.cache.remove(BlockKey(keys[0]))  # let go once the hand-off left
-    finally:
-        prefill.close()
-        decode.close()
+    pushes: list[Any] = []
+    hand_off(2)
+    pushes[0].finish(30.0)
+    wait_for(lambda: 2 in reported(decoded, wire.DecodeJoined), timeout=30.0, what="the join once the push lands")
+    hand_off(3)
+    pushes[1].abort()
+    wait_for(lambda: 3 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal once it aborts")
+    [refused] = [m for m in decoded if isinstance(m, wire.DecodeRejected)]
+    assert refused.reason == "kv_budget"
+    decode.cache.remove(BlockKey(keys[0]))  # let go once the hand-off left
 
 
-def test_a_failure_is_blamed_on_the_decode_node_only_when_it_is_that_nodes() -> None:
+def test_a_failure_is_blamed_on_the_decode_node_only_when_it_is_that_nodes(pair: Pair) -> None:
     """Past the connection (opened by a first job that is joined): the decode node gone, a job's KV stream to it
     fails and the report names it; the prefill's own failure (an OSError from the engine, the stream untouched)
     names nobody."""
-    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
-    secret = secrets.token_bytes(32)
-    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
-    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
-    told: list[Any] = []
-    decoded: list[Any] = []
-    prefill._tell_gateway = told.append  # type: ignore[method-assign]
-    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
-    try:
-        prefill._addresses = {"decode-0": decode.start()["address"]}
-        engine = prefill._prefill
-        assert engine is not None
-        compute = engine.prefill
+    prefill, decode, told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    engine = prefill._prefill
+    assert engine is not None
+    compute = engine.prefill
 
-        def failing(tokens: Any, **options: Any) -> Any:
-            if tokens[0] == 30:  # job 3's prompt: the engine fails before it streams anything
-                raise OSError("the prefill's own disk failed")
-            return compute(tokens, **options)
+    def failing(tokens: Any, **options: Any) -> Any:
+        if tokens[0] == 30:  # job 3's prompt: the engine fails before it streams anything
+            raise OSError("the prefill's own disk failed")
+        return compute(tokens, **options)
 
-        engine.prefill = failing  # type: ignore[method-assign]
-        prefill.start()
-        prefill._on_job(job(1))
-        wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first join")
-        decode.close()  # its engine closes: the prefill's next reserve call there fails
-        prefill._on_job(job(2))
-        prefill._on_job(job(3))
-        wait_for(lambda: len(reported(told, wire.PrefillFailed)) == 2, timeout=60.0, what="two failures")
-        failed = {m.request_id: m.peer for m in told if isinstance(m, wire.PrefillFailed)}
-        assert failed == {2: "decode-0", 3: ""}, told
-    finally:
-        prefill.close()
-        decode.close()
+    engine.prefill = failing  # type: ignore[method-assign]
+    prefill.start()
+    prefill._on_job(job(1))
+    wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first join")
+    decode.close()  # its engine closes: the prefill's next reserve call there fails
+    prefill._on_job(job(2))
+    prefill._on_job(job(3))
+    wait_for(lambda: len(reported(told, wire.PrefillFailed)) == 2, timeout=60.0, what="two failures")
+    failed = {m.request_id: m.peer for m in told if isinstance(m, wire.PrefillFailed)}
+    assert failed == {2: "decode-0", 3: ""}, told
