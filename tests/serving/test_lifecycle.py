@@ -247,6 +247,18 @@ def test_the_request_timeout_bounds_each_wait_for_a_token_not_the_whole_request(
             assert time.monotonic() - stopped < 10 * timeout_s
 
 
+def burst(url: str, prompt: str, *, count: int, every_s: float, max_tokens: int) -> list[tuple[int, Any]]:
+    """`count` completions of distinct prompts, one every `every_s` seconds, all in flight at once: each
+    (status, body), in order."""
+    with ThreadPoolExecutor(16) as pool:
+        answers = []
+        for i in range(count):
+            body = json.dumps({"prompt": f"{prompt} {i} " * 3, "max_tokens": max_tokens}).encode()
+            answers.append(pool.submit(status_of, url, body))
+            time.sleep(every_s)
+        return [answer.result(timeout=120) for answer in answers]
+
+
 def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
     """SIGSTOP one of two prefill workers, then 60 requests at 20/s: the Conductor sends some to it until a probe
     marks it down, their calls block there, and still every request is served (those sent to it rerouted) and the
@@ -269,13 +281,7 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
         pid = cluster.backend.pid("prefill-0")
         os.kill(pid, signal.SIGSTOP)
         try:
-            with ThreadPoolExecutor(16) as pool:
-                answers = []
-                for i in range(60):
-                    body = json.dumps({"prompt": f"burst {i} " * 3, "max_tokens": 2}).encode()
-                    answers.append(pool.submit(status_of, url, body))
-                    time.sleep(0.05)
-                statuses = [answer.result(timeout=120)[0] for answer in answers]
+            statuses = [status for status, _body in burst(url, "burst", count=60, every_s=0.05, max_tokens=2)]
         finally:
             os.kill(pid, signal.SIGCONT)
         assert statuses == [200] * 60
@@ -287,8 +293,8 @@ def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> Non
     """SIGSTOP one of two decode workers, then 12 requests at 10/s, with the health probes too slow to notice: the
     first prefill whose KV stream waits on the stopped node reports that node (not itself) as failing, the gateway
     probes it at once, marks it down and reroutes every request routed there that has no token yet, and cancels
-    their queued prefill jobs. Every request is served (before, each one routed there waited out an I/O timeout in the prefill queue and
-    was answered with a 500 blamed on the prefill)."""
+    their queued prefill jobs. Every request is served (before, each one routed there waited out an I/O timeout in
+    the prefill queue and was answered with a 500 blamed on the prefill)."""
     base = config(health_interval_s=60.0, health_probe_backoff_max_s=60.0)
     base = base.with_overrides("cluster", num_decode=2).with_overrides("decode", max_batch_size=64)
     with start_cluster(base) as cluster:
@@ -298,13 +304,7 @@ def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> Non
         pid = dispatcher.health("decode-0").pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            with ThreadPoolExecutor(12) as pool:
-                answers = []
-                for i in range(12):
-                    body = json.dumps({"prompt": f"held up {i} " * 3, "max_tokens": 4}).encode()
-                    answers.append(pool.submit(status_of, url, body))
-                    time.sleep(0.1)
-                results = [answer.result(timeout=120) for answer in answers]
+            results = burst(url, "held up", count=12, every_s=0.1, max_tokens=4)
             marked_down = not dispatcher.workers["decode-0"].up  # by the probe the prefill's report asked for
         finally:
             os.kill(pid, signal.SIGCONT)
