@@ -41,7 +41,6 @@ import collections
 import enum
 import heapq
 import math
-import numbers
 import random
 import typing
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, AdmissionDecision, AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
-from mooncake.sched.join import DecodeLimits
+from mooncake.sched.join import DecodeLimits, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.predictor import LoadPredictor
@@ -130,13 +129,6 @@ class _InFlight:
 
 
 _EVENT_TYPES = typing.get_args(SchedulerEvent)
-
-
-def _is_load(value: object) -> bool:
-    """A predicted batch size or token count the decode scan can hold (NaN is none: it fails the comparison)."""
-    # The exact-type test first: it runs per decode instance per decision, and isinstance against an ABC is slow.
-    real = type(value) in (int, float) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
-    return real and 0 <= value < 1 << 62  # type: ignore[operator]
 
 
 class Conductor:
@@ -434,10 +426,10 @@ class Conductor:
             for view, load in zip(board.slot_views, loads, strict=True):
                 # A plugged-in predictor's answer is checked here, where it can be named: a NaN, an infinity or a
                 # count past the scan's int64 arrays would otherwise fail in the rounding, as a bare error.
-                if not all(map(_is_load, (load.batch_size, load.context_tokens, load.kv_tokens))):
+                problem = load_problem(load)
+                if problem is not None:
                     raise ConfigError(
-                        f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}: "
-                        "a predicted load's batch size and tokens must be numbers in [0, 2**62)"
+                        f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}: {problem}"
                     )
             return BoardLoads.of(loads)
         empty = np.zeros(len(board), dtype=np.int64)

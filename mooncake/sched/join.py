@@ -25,10 +25,13 @@ definition for the decode selection's scan over a board of instances.
 
 from __future__ import annotations
 
+import numbers
+
 import attrs
 import numpy as np
 
 from mooncake._checks import int_at_least
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import StepModel
 from mooncake.types import check_token_count
@@ -41,6 +44,7 @@ __all__ = [
     "UNLIMITED",
     "check_join",
     "check_tokens",
+    "load_problem",
     "refusal",
     "takes_slot",
     "tbt_verdict",
@@ -102,6 +106,28 @@ class JoinVerdict:
     predicted_tbt_s: float | None = None
 
 
+MAX_LOAD = 1 << 62  # a load the compiled scan's int64 arrays hold, with room for the request added
+
+
+def _is_count(value: object) -> bool:
+    # The exact-type test first: the Conductor asks this per decode instance per predictive decision, and
+    # isinstance against an ABC is slow. NaN fails the comparison.
+    real = type(value) in (int, float) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
+    return real and 0 <= value < MAX_LOAD  # type: ignore[operator]
+
+
+def load_problem(load: object) -> str | None:
+    """What is wrong with `load` as the rule takes it (None: nothing): it must be a `DecodeLoad` whose batch
+    size and token counts are numbers in [0, 2**62) (fractions allowed: predictions are expectations)."""
+    if not isinstance(load, DecodeLoad):
+        return f"a load must be a DecodeLoad, got {load!r}"
+    for name in ("batch_size", "context_tokens", "kv_tokens"):
+        value = getattr(load, name)
+        if not _is_count(value):
+            return f"a load's {name} must be a number in [0, 2**62), got {value!r}"
+    return None
+
+
 # `refusal`'s codes: the reason each names (0: none).
 REFUSALS: tuple[Reason | None, ...] = (None, Reason.CONTEXT_TOO_LONG, Reason.BATCH_FULL, Reason.KV_BUDGET)
 
@@ -158,9 +184,13 @@ def check_join(
         step_model, tbt_slo_s: the TBT check needs both; without them it is skipped.
 
     Raises:
-        InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS].
+        InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS], or a `load` that
+            `load_problem` finds wrong (a negative or NaN count, say).
     """
     check_tokens(prompt_tokens, output_tokens)
+    problem = load_problem(load)
+    if problem is not None:
+        raise InvalidRequestError(problem)
     code = refusal(
         prompt_tokens,
         output_tokens,

@@ -66,6 +66,23 @@ def test_bad_token_counts_are_invalid_requests(prompt: object, output: object) -
         check_join(LIMITS, DecodeLoad(0, 0, 0), prompt_tokens=prompt, output_tokens=output)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("load", "field"),
+    [
+        (DecodeLoad(-1, 0, 0), "batch_size"),
+        (DecodeLoad(0, -10, 0), "context_tokens"),
+        (DecodeLoad(0, 0, float("nan")), "kv_tokens"),
+        (DecodeLoad(0, float("inf"), 0), "context_tokens"),
+        (DecodeLoad(True, 0, 0), "batch_size"),
+        ((0, 0, 0), "DecodeLoad"),
+    ],
+)
+def test_bad_loads_are_invalid_requests(load: object, field: str) -> None:
+    """A negative, NaN or infinite count (or no DecodeLoad at all) is refused by name, not decided on."""
+    with pytest.raises(InvalidRequestError, match=field):
+        check_join(LIMITS, load, prompt_tokens=10, output_tokens=10)  # type: ignore[arg-type]
+
+
 limits = st.builds(
     DecodeLimits,
     kv_capacity_tokens=st.integers(0, 20_000),
