@@ -10,7 +10,8 @@ gap instead of raising it).
 
     MooncakeError
     ├── ConfigError(ValueError)           a config field has an invalid value
-    │   └── UnknownInstanceError          an instance nobody added (events, views)
+    │   └── UnknownInstanceError          an instance nobody added (events, views); also an
+    │                                     InvalidRequestError: the call that names it is bad input
     ├── InvalidRequestError(ValueError)   a request or its tokens break the contract
     ├── TraceFormatError(ValueError)      a trace line is malformed (file, line)
     ├── VllmEventError(ValueError)        a vLLM KV-event payload breaks its layout
@@ -60,12 +61,13 @@ class ConfigError(MooncakeError, ValueError):
     """A configuration field has an invalid value; the message names field and value."""
 
 
-class UnknownInstanceError(ConfigError):
-    """An event or call names an instance that was never added (or not of the kind it needs)."""
-
-
 class InvalidRequestError(MooncakeError, ValueError):
     """A request, or the tokens given for one, breaks its contract."""
+
+
+class UnknownInstanceError(ConfigError, InvalidRequestError):
+    """An event or call names an instance that was never added (or not of the kind it needs): a server that
+    catches bad input as InvalidRequestError catches this too, one that catches ConfigError as before."""
 
 
 class TraceFormatError(MooncakeError, ValueError):

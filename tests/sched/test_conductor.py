@@ -588,6 +588,8 @@ def test_a_failed_add_changes_nothing() -> None:
     conductor.check_invariants()
     with pytest.raises(UnknownInstanceError, match="decode-8"):
         conductor.incoming(InstanceId("decode-8"))
+    with pytest.raises(InvalidRequestError, match="decode-8"):  # bad input, caught as such too
+        conductor.handle(InstanceDown(instance_id=InstanceId("decode-8"), now=0.0))
 
 
 @pytest.mark.parametrize("block", [0, -4, 512.0, "512"])
