@@ -18,6 +18,7 @@ from serving import registry
 from mooncake.errors import MooncakeError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
+    ExpectedOutputPredictor,
     LoadPredictor,
     LoadSnapshot,
     OutputLengthPredictor,
@@ -93,6 +94,7 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
         "uniform_td_10s": UniformDecodePredictor(decode_s=10.0),
         "uniform_td_5s": UniformDecodePredictor(decode_s=5.0),
         "output_length": learnt,
+        "expected_output": ExpectedOutputPredictor(step_s=simulation.slo(args).tbt_s),
     }
     mae = {
         name: {str(h): attrs.asdict(score_predictor(p, snapshots[h])) for h in horizons}
@@ -102,6 +104,12 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     lines.append(f"{'predictor':<18}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of batch size)")
     for name in candidates:
         lines.append(f"{name:<18}" + "".join(f"{mae[name][str(h)]['batch_size_mae']:>10.2f}" for h in horizons))
+    # The context a step reads is what the TBT check weighs: a predictor can get the batch right and this wrong.
+    lines.append(f"{'':<18}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of context, k tokens)")
+    for name in candidates:
+        lines.append(
+            f"{name:<18}" + "".join(f"{mae[name][str(h)]['context_tokens_mae'] / 1e3:>10.1f}" for h in horizons)
+        )
     if args.out:
         plot_lines(
             {n: (horizons, [mae[n][str(h)]["batch_size_mae"] for h in horizons]) for n in candidates},

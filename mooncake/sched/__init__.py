@@ -35,6 +35,7 @@ from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_joi
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.predictor import (
     DEFAULT_DECODE_S,
+    ExpectedOutputPredictor,
     LoadPredictor,
     LoadSnapshot,
     OutputLengthPredictor,
@@ -97,6 +98,7 @@ __all__ = [
     "DecodeLoad",
     "DecodeView",
     "EarlyRejection",
+    "ExpectedOutputPredictor",
     "FittedPrefillModel",
     "FittedStepModel",
     "HARDWARE",

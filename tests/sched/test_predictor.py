@@ -22,6 +22,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
     DEFAULT_DECODE_S,
+    ExpectedOutputPredictor,
     LoadSnapshot,
     OutputLengthPredictor,
     PredictorScore,
@@ -114,6 +115,61 @@ def test_workload_decode_time_without_requests_or_with_a_bad_objective() -> None
     for bad in (0.0, -0.1, float("nan")):
         with pytest.raises(ConfigError, match="tbt_slo_s"):
             uniform_decode_s([100], bad)
+
+
+# ---------------------------------------------------------------------------- expected output (t_d per request)
+
+
+def test_expected_output_keeps_each_request_for_its_own_output() -> None:
+    """At t, a request counts iff it will have decoded for less than its own output x step_s by then."""
+    predictor = ExpectedOutputPredictor(step_s=0.1)
+    batch = [
+        attrs.evolve(active("long", 0.0, 100), output_tokens=200),  # 20 s: still there at t = 5
+        attrs.evolve(active("short", 0.0, 300), output_tokens=20),  # 2 s: gone
+    ]
+    queue = [incoming("joins", 4.0, 50, output=30), incoming("joins-and-ends", 1.0, 70, output=30)]  # 3 s each
+    # "long" has generated 50 tokens by t, "joins" 10 (one every 0.1 s).
+    assert predictor.predict(batch, queue, now=1.0, at_s=5.0) == DecodeLoad(2, 150 + 60, 380)
+
+
+times = st.floats(-100.0, 100.0, allow_nan=False)
+contexts = st.integers(1, 100_000)
+
+
+@given(
+    st.lists(st.tuples(times, contexts), max_size=20),
+    st.lists(st.tuples(times, contexts), max_size=20),
+    st.integers(2, 5000),
+    st.floats(0.001, 1.0),
+    times,
+    st.floats(0.0, 100.0),
+)
+def test_expected_output_with_equal_outputs_is_the_uniform_rule(
+    decoding: list[tuple[float, int]],
+    queued: list[tuple[float, int]],
+    output: int,
+    step_s: float,
+    now: float,
+    ahead_s: float,
+) -> None:
+    """The reference model: with every expected output equal to n, each request's t_d is n x step_s, and the
+    batch and KV predicted are the paper's uniform rule's with that t_d, exactly; the context is its (prompts
+    only) plus fewer than n generated tokens per member."""
+    batch = [
+        ActiveDecode(request_id=RequestId(f"a{i}"), start_s=start, context_tokens=context, output_tokens=output)
+        for i, (start, context) in enumerate(decoding)
+    ]
+    queue = [incoming(f"q{i}", finish, tokens, output=output) for i, (finish, tokens) in enumerate(queued)]
+    own = ExpectedOutputPredictor(step_s=step_s).predict(batch, queue, now, now + ahead_s)
+    uniform = UniformDecodePredictor(decode_s=output * step_s).predict(batch, queue, now, now + ahead_s)
+    assert (own.batch_size, own.kv_tokens) == (uniform.batch_size, uniform.kv_tokens)
+    assert uniform.context_tokens <= own.context_tokens <= uniform.context_tokens + own.batch_size * output * (1 + 1e-9)
+
+
+def test_expected_output_requires_positive_step() -> None:
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="step_s"):
+            ExpectedOutputPredictor(step_s=bad)
 
 
 # ---------------------------------------------------------------------------- output-length survival
@@ -228,27 +284,40 @@ def output_length(rng: random.Random) -> int:
 
 
 def decode_replay(
-    seed: int, *, duration_s: float = 300.0, rate_per_s: float = 4.0, horizon_s: float = 2.0
+    seed: int,
+    *,
+    duration_s: float = 300.0,
+    rate_per_s: float = 4.0,
+    horizon_s: float = 2.0,
+    known_outputs: bool = False,
+    against: bool = False,
 ) -> list[LoadSnapshot]:
     """Simulate one decode instance (Poisson arrivals, a prefill each, then STEP_S per token) and record,
-    every second, its state and the load it really had `horizon_s` later."""
+    every second, its state and the load it really had `horizon_s` later. Each request's expected output
+    is 2000 tokens, or with `known_outputs` its own; `against`: long answers come to short prompts (as in
+    the synthetic trace), else prompt and output are independent."""
     rng = random.Random(seed)
     requests = []  # (id, arrival, prefill finish = decode start, output length, prompt tokens)
     clock = 0.0
     while clock < duration_s:
         clock += rng.expovariate(rate_per_s)
         finish = clock + rng.uniform(0.2, 1.0)
-        requests.append((RequestId(str(len(requests))), clock, finish, output_length(rng), rng.randint(100, 2000)))
+        length = output_length(rng)
+        prompt = (100 if length > 100 else 2000) + rng.randint(0, 100) if against else rng.randint(100, 2000)
+        requests.append((RequestId(str(len(requests))), clock, finish, length, prompt))
+    expected = {rid: length if known_outputs else 2000 for rid, _, _, length, _ in requests}
     snapshots = []
     for now in range(10, int(duration_s) - 5):
         at_s = now + horizon_s
         decoding = tuple(
-            ActiveDecode(request_id=rid, start_s=start, context_tokens=prompt, output_tokens=2000)
+            ActiveDecode(request_id=rid, start_s=start, context_tokens=prompt, output_tokens=expected[rid])
             for rid, _, start, length, prompt in requests
             if start <= now < start + length * STEP_S
         )
         prefilling = tuple(
-            QueuedPrefill(request_id=rid, start_s=arrival, finish_s=start, input_tokens=prompt, output_tokens=2000)
+            QueuedPrefill(
+                request_id=rid, start_s=arrival, finish_s=start, input_tokens=prompt, output_tokens=expected[rid]
+            )
             for rid, arrival, start, _, prompt in requests
             if arrival <= now < start
         )
@@ -275,3 +344,16 @@ def test_output_length_predictor_beats_uniform_on_a_replay() -> None:
     assert survival_score.samples == uniform_score.samples == len(snapshots) > 200
     assert survival_score.batch_size_mae < uniform_score.batch_size_mae
     assert survival_score.context_tokens_mae < uniform_score.context_tokens_mae
+
+
+def test_expected_output_beats_uniform_where_prompt_and_output_run_against_each_other() -> None:
+    """Long answers to short prompts: a batch holds mostly short prompts, which the uniform t_d (the mean decode
+    time) misses and each request's own output sees: a lower context MAE, and a lower batch MAE."""
+    history = random.Random(1)
+    uniform = UniformDecodePredictor(decode_s=statistics.mean(output_length(history) for _ in range(2000)) * STEP_S)
+    snapshots = decode_replay(seed=2, known_outputs=True, against=True)
+    uniform_score = score_predictor(uniform, snapshots)
+    own_score = score_predictor(ExpectedOutputPredictor(step_s=STEP_S), snapshots)
+    print(f"\nreplay of {len(snapshots)} snapshots: uniform {uniform_score}, expected output {own_score}")
+    assert own_score.context_tokens_mae < uniform_score.context_tokens_mae / 2
+    assert own_score.batch_size_mae < uniform_score.batch_size_mae
