@@ -123,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--out {out_dir} is a file, not a directory")
         for dests, why in UNUSED.get(args.experiment, ()):
             simulation.refuse_unused(_subparser(args.experiment), args, dests, why)
+        if args.experiment not in ("rejection", "overload"):  # those run every admission policy, predictive too
+            simulation.refuse_unpredicted(_subparser(args.experiment), args)
         report, table = EXPERIMENTS[args.experiment](args)
         report["wall_s"] = time.perf_counter() - started
         write_json(report, out_dir / f"{args.experiment}.json")

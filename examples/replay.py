@@ -39,7 +39,6 @@ from serving import registry
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
-from mooncake.sched.predictor import uniform_decode_s
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
@@ -65,7 +64,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COUPLED_UNUSED = ("router", "admission", "threshold", "cache_blocks", "global_pool", "cpp", "inline_prefill")
+COUPLED_UNUSED = (
+    "router",
+    "admission",
+    "threshold",
+    "predictor",
+    "cache_blocks",
+    "global_pool",
+    "cpp",
+    "inline_prefill",
+)
 CONFIG_UNUSED = ("prefill", "decode", "model", "hardware", "ttft_slo", "tbt_slo", *COUPLED_UNUSED)
 
 
@@ -75,6 +83,7 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
         return run_config(args)
     if args.engine != "disaggregated":
         simulation.refuse_unused(parser(), args, COUPLED_UNUSED, f"to --engine {args.engine}")
+    simulation.refuse_unpredicted(parser(), args)
     if args.profile is not None:
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
     requests = simulation.load_workload(args)
@@ -86,7 +95,7 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
             router=registry.router(args.router, threshold=args.threshold),
             admission=registry.admission(args.admission),
             slo=slo,
-            decode_s=uniform_decode_s((r.output_length for r in requests), slo.tbt_s),
+            predictor=registry.predictor(args.predictor, requests, slo),
             seed=args.seed,
         )
         result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)

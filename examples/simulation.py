@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 from scaling import Scaling, scale
-from serving.registry import ADMISSIONS, ROUTERS
+from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
@@ -135,6 +135,13 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--admission", choices=list(ADMISSIONS), default="early_rejection")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="kvcache_balancing_threshold")
+    parser.add_argument(
+        "--predictor",
+        choices=list(PREDICTORS),
+        default="uniform",
+        help="decode load predictor of predictive_early_rejection: uniform (the paper's t_d = mean output x TBT "
+        "objective) or expected_output (each request's own output x TBT objective)",
+    )
 
 
 def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, dests: Sequence[str], why: str) -> None:
@@ -147,6 +154,17 @@ def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, des
     for dest in dests:
         if getattr(args, dest) != parser.get_default(dest):
             raise ConfigError(f"{options.get(dest, dest)} does not apply {why}")
+
+
+def refuse_unpredicted(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--predictor given to a run whose admission policy predicts nothing (all but predictive_early_rejection).
+
+    Raises:
+        ConfigError: naming --predictor and the admission policy.
+    """
+    if args.admission != "predictive_early_rejection":
+        why = f"to --admission {args.admission}: only predictive_early_rejection predicts the decode load"
+        refuse_unused(parser, args, ("predictor",), why)
 
 
 def arrival_span_s(requests: Sequence[Request]) -> float:

@@ -280,6 +280,12 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
         (("replay.py", "--config", "examples/configs/tiny.toml", "--tbt-slo", "0.5"), "--tbt-slo does not apply"),
         (("experiments.py", "scheduling", "--router", "random"), "--router does not apply to scheduling"),
         (("experiments.py", "rejection", "--admission", "baseline"), "--admission does not apply to rejection"),
+        (
+            ("replay.py", "--predictor", "expected_output"),
+            "--predictor does not apply to --admission early_rejection",
+        ),
+        (("experiments.py", "cache", "--predictor", "expected_output"), "--predictor does not apply"),
+        (("replay.py", "--engine", "coupled", "--predictor", "expected_output"), "--predictor does not apply"),
     ],
 )
 def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:
@@ -450,3 +456,28 @@ def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) 
     ):
         assert key in summary
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
+
+
+def test_the_predictor_option_chooses_the_predictive_policys_predictor() -> None:
+    """--predictor names the decode load predictor of predictive_early_rejection: the paper's uniform t_d by
+    default (the workload's mean output x TBT objective), each request's own output with expected_output."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from serving import registry
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    from mooncake.errors import ConfigError
+    from mooncake.sched.predictor import ExpectedOutputPredictor, UniformDecodePredictor
+    from mooncake.types import Request, Slo
+
+    requests = [
+        Request(request_id=f"r{n}", arrival_s=0.0, input_length=10, output_length=n, block_keys=(n,))
+        for n in (100, 300)
+    ]
+    slo = Slo(tbt_s=0.05)
+    assert registry.predictor("uniform", requests, slo) == UniformDecodePredictor(decode_s=200 * 0.05)
+    assert registry.predictor("expected_output", requests, slo) == ExpectedOutputPredictor(step_s=0.05)
+    with pytest.raises(ConfigError, match="predictor must be one of uniform, expected_output"):
+        registry.predictor("oracle", requests, slo)
+    done = run("replay.py", *SMALL, "--admission", "predictive_early_rejection", "--predictor", "expected_output")
+    assert done.returncode == 0 and "SLO attainment" in done.stdout

@@ -20,7 +20,6 @@ import numpy as np
 import simulation
 from serving import registry
 
-from mooncake.sched.predictor import uniform_decode_s
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import LoadSample, ReplayResult, Summary
 from mooncake.sim.spec import ClusterSpec, build_conductor
@@ -29,7 +28,6 @@ from mooncake.types import Request, Slo
 __all__ = [
     "OUTCOME_COLUMNS",
     "Report",
-    "decode_time_s",
     "header",
     "oscillation",
     "outcome_cells",
@@ -40,11 +38,6 @@ __all__ = [
 Report = dict[str, Any]
 
 OUTCOME_COLUMNS = f"{'completed':>10}{'rej. before':>12}{'after':>7}{'wasted s':>10}{'SLO att.':>9}{'goodput':>9}"
-
-
-def decode_time_s(requests: Sequence[Request], slo: Slo) -> float:
-    """The uniform t_d of the predictive policy: `sched.predictor.uniform_decode_s` of the workload."""
-    return uniform_decode_s((r.output_length for r in requests), slo.tbt_s)
 
 
 def replay(
@@ -59,7 +52,7 @@ def replay(
         admission=registry.admission(names["admission"]),
         slo=slo,
         seed=args.seed,
-        decode_s=decode_time_s(requests, slo),
+        predictor=registry.predictor(args.predictor, requests, slo),
     )
     label = ", ".join(f"{key} {value}" for key, value in policy.items()) or "replay"
     return DisaggregatedCluster(spec, conductor).run(requests, progress=simulation.progress(args, len(requests), label))

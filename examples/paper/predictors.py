@@ -30,7 +30,7 @@ from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.report import plot_lines
 from mooncake.sim.spec import build_conductor
-from paper.common import Report, decode_time_s, header
+from paper.common import Report, header
 
 __all__ = ["CurrentLoad", "predictors"]
 
@@ -61,7 +61,7 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
         router=registry.router(args.router, threshold=args.threshold),
         admission=registry.admission(args.admission),
         slo=simulation.slo(args),
-        decode_s=decode_time_s(requests, simulation.slo(args)),
+        predictor=registry.predictor(args.predictor, requests, simulation.slo(args)),
         seed=args.seed,
     )
     cluster = DisaggregatedCluster(spec, conductor)

@@ -14,13 +14,14 @@ import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.build import RouterFactory
+from mooncake.sched.predictor import ExpectedOutputPredictor, LoadPredictor, UniformDecodePredictor, uniform_decode_s
 from mooncake.sched.router import (
     DEFAULT_THRESHOLD,
     KvCacheCentricRouter,
@@ -29,8 +30,9 @@ from mooncake.sched.router import (
     RoundRobinRouter,
     local_cache_aware_router,
 )
+from mooncake.types import Request, Slo
 
-__all__ = ["ADMISSIONS", "ROUTERS", "admission", "router"]
+__all__ = ["ADMISSIONS", "PREDICTORS", "ROUTERS", "admission", "predictor", "router"]
 
 # name → the router factory, given the KV-cache-centric router's kvcache_balancing_threshold
 ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
@@ -46,6 +48,28 @@ ADMISSIONS: dict[str, Callable[[], AdmissionPolicy]] = {
     "early_rejection": EarlyRejection,
     "predictive_early_rejection": predictive_early_rejection,
 }
+
+
+# name → the decode load predictor of `predictive_early_rejection`, given the workload and the SLOs
+PREDICTORS: dict[str, Callable[[Sequence[Request], Slo], LoadPredictor]] = {
+    # the paper's: every request decodes for t_d = the workload's mean output x TBT objective
+    "uniform": lambda requests, slo: UniformDecodePredictor(
+        decode_s=uniform_decode_s((r.output_length for r in requests), slo.tbt_s)
+    ),
+    # each request for its own output x TBT objective
+    "expected_output": lambda _requests, slo: ExpectedOutputPredictor(step_s=slo.tbt_s),
+}
+
+
+def predictor(name: str, requests: Sequence[Request], slo: Slo) -> LoadPredictor:
+    """The load predictor called `name` (one of `PREDICTORS`) for a replay of `requests` under `slo`.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name not in PREDICTORS:
+        raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {name!r}")
+    return PREDICTORS[name](requests, slo)
 
 
 def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
