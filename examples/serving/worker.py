@@ -36,13 +36,15 @@ another prefill's push is still filling here (requests sharing a prefix, sent
 at once: each push fills only the blocks no other is filling) waits for them,
 at most `TIMEOUT_S`, pinning the blocks already there, without holding up the
 batch; blocks that push gave up on are then missing, a KV refusal as
-for any block that did not stay. Its health answer lists the
+for any block that did not stay, and so is a wait that runs out (that push's
+reservation still holds the memory). Its health answer lists the
 requests it decodes, so the gateway can cancel those it no longer serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -83,6 +85,7 @@ from serving.reporter import Reporter
 __all__ = ["Worker", "WorkerSpec", "build_model", "run_worker"]
 
 TIMEOUT_S = 30.0
+LOG = logging.getLogger("serving.worker")
 
 
 @attrs.frozen(kw_only=True)
@@ -488,7 +491,8 @@ class Worker:
 
     def _join_arrived(self, first_token: Callable[[wire.Token], None]) -> None:
         """Join the hand-offs, in their order of arrival, except those still waiting for blocks another push is
-        filling here; one that waited `TIMEOUT_S` for them fails (their push neither committed nor gave up)."""
+        filling here; one that waited `TIMEOUT_S` for them is refused for KV (their push neither committed nor
+        gave up, and holds that memory)."""
         now = time.monotonic()
         for request_id, arriving in list(self._arriving.items()):
             job, filling, ready = arriving.job, [], []
@@ -505,13 +509,22 @@ class Worker:
                 continue
             self._stop_waiting(request_id)
             if filling:
-                error = f"{len(filling)} KV blocks of the prompt are still being pushed here by another prefill"
+                # The push filling them neither committed nor gave up (its prefill engine stopped, say): its
+                # reservation holds that memory, so this node cannot take the request's KV: refused for KV, as
+                # when the blocks are missing (a 429 the client may retry), not failed (a 500).
+                LOG.warning(
+                    "request %s: %d KV blocks of its prompt were still being pushed here by another prefill after "
+                    "%g s: refused for KV",
+                    job.request_id,
+                    len(filling),
+                    TIMEOUT_S,
+                )
                 self._tell_gateway(
-                    wire.DecodeFailed(
+                    wire.DecodeRejected(
                         instance_id=self.spec.instance_id,
                         request_id=job.request_id,
                         attempt=job.attempt,
-                        error=f"{error} after {TIMEOUT_S:g} s",
+                        reason=Reason.KV_BUDGET.value,
                     )
                 )
             else:

@@ -220,6 +220,34 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling(pair: Pair) -
     decode.cache.remove(BlockKey(keys[0]))  # let go once the hand-off left
 
 
+def test_a_hand_off_whose_blocks_never_land_is_refused_for_kv(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push that neither commits nor gives up (its prefill engine stopped) holds its blocks' memory: a hand-off
+    waiting for them is refused for KV once the wait runs out (a 429 the client may retry; a 500 'decode failed'
+    before), and lets go of what it pinned."""
+    import serving.worker
+
+    monkeypatch.setattr(serving.worker, "TIMEOUT_S", 1.5)
+    prefill, decode, _told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    prefill.start()
+    prefill._on_job(job(1))  # prefilled here (the push's source), streamed there
+    wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first request's join")
+    wait_for(lambda: not decode._attempts, timeout=60.0, what="the first request to finish decoding")
+    keys = tuple(int(k) for k in prefill.hasher.block_keys(list(job(1).tokens)))
+    for key in keys:  # gone from the decode node: the push below fills them again
+        decode.cache.remove(BlockKey(key))
+    push = prefill.messenger.push([BlockKey(k) for k in keys], prefill._peer("decode-0"), parts=1)
+    try:
+        handed = wire.DecodeJob(request_id=7, attempt=0, keys=keys, prompt_tokens=24, first_token=5, sampling=SAMPLING)
+        decode._on_job(handed)
+        wait_for(lambda: 7 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal")
+        assert not reported(decoded, wire.DecodeFailed)
+        [refused] = [m for m in decoded if isinstance(m, wire.DecodeRejected)]
+        assert refused.reason == "kv_budget" and not decode._arriving
+    finally:
+        push.abort()
+
+
 def test_a_failure_is_blamed_on_the_decode_node_only_when_it_is_that_nodes(pair: Pair) -> None:
     """Past the connection (opened by a first job that is joined): the decode node gone, a job's KV stream to it
     fails and the report names it; the prefill's own failure (an OSError from the engine, the stream untouched)
