@@ -10,8 +10,9 @@ TBT).
   prefilled request reaches it; a refusal there wastes the prefill.
 - `early_rejection`: the decode rule, TBT included, before any prefill,
   against what the chosen instance is committed to *now*: its decoding batch
-  and the requests already accepted for it and still in prefill, as if they
-  all decoded together (no departure is foreseen).
+  (with the tokens it has generated so far, estimated: `sched.decode`) and the
+  requests already accepted for it and still in prefill, as if they all
+  decoded together (no departure is foreseen).
 - `predictive_early_rejection`: the same against the batch *predicted* for
   when the request will reach decoding (now + estimated TTFT): requests that
   will have finished by then no longer count, those whose prefill ends before

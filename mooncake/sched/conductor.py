@@ -408,6 +408,7 @@ class Conductor:
             step_model=self.step_model,
             tbt_slo_s=self.slo.tbt_s,
             loads=loads,
+            now=now,
         )
 
     def _decode_loads(self, now: float, arrival_s: float) -> BoardLoads:

@@ -3,7 +3,8 @@
 A `PrefillView` holds the instance's queue: the requests routed to it, in order,
 each with a predicted start and finish (a new request starts when the last
 queued one finishes, or now). A `DecodeView` holds the requests decoding there
-(start time, context tokens, expected output), the KV tokens they occupy, the
+(start time, context tokens, expected output; their start times summed, from
+which decode selection estimates the tokens they generated), the KV tokens they occupy, the
 requests reserved there (accepted, still in prefill or transfer: they count
 toward its load from acceptance on) and its limits (`sched.join.DecodeLimits`).
 Both are updated only through the event types below, so a replay of events
@@ -11,7 +12,8 @@ reproduces them exactly.
 
 A `PrefillBoard` / `DecodeBoard` lays views of one kind side by side, with what
 routing and decode selection compare kept as arrays (busy-until times; each
-decode instance's load and limits), so that choosing among hundreds of instances is a few
+decode instance's load, its decoding batch's size, prompts and summed start
+times, and its limits), so that choosing among hundreds of instances is a few
 array operations rather than a loop. Array slots go in instance id order, so
 the first minimum is the one ties go to. The owner of the views calls
 `refresh(slot)` after changing one; a board built from views reads them.
@@ -158,7 +160,8 @@ class DecodeView:
     is_up: bool = True
     active: dict[RequestId, ActiveDecode] = attrs.field(factory=dict)
     used_tokens: int = 0
-    context_tokens: int = 0  # prompt tokens of the active requests: the KV a step reads now
+    context_tokens: int = 0  # prompt tokens of the active requests (the KV a step reads, less what they generated)
+    started_s_sum: float = 0.0  # the active requests' start times, summed: their decoding seconds are n·now − this
     reserved: dict[RequestId, Reservation] = attrs.field(factory=dict)
     reserved_tokens: int = 0
     reserved_context_tokens: int = 0  # prompt tokens of the reserved requests
@@ -202,17 +205,22 @@ class DecodeView:
         self.active[request.request_id] = request
         self.used_tokens += request.context_tokens + request.output_tokens
         self.context_tokens += request.context_tokens
+        self.started_s_sum += request.start_s
 
     def leave(self, request_id: RequestId) -> None:
         request = self.active.pop(request_id, None)
         if request is not None:
             self.used_tokens -= request.context_tokens + request.output_tokens
             self.context_tokens -= request.context_tokens
+            # Summed and taken back in float: exactly 0 again once the batch empties, rather than a drift.
+            self.started_s_sum = self.started_s_sum - request.start_s if self.active else 0.0
 
     def check_invariants(self) -> None:
         total = sum(a.context_tokens + a.output_tokens for a in self.active.values())
         assert total == self.used_tokens, f"{self.instance_id}: used {self.used_tokens} != {total}"
         assert self.context_tokens == sum(a.context_tokens for a in self.active.values()), "context total out of sync"
+        started = sum(a.start_s for a in self.active.values())
+        assert math.isclose(self.started_s_sum, started, rel_tol=1e-9, abs_tol=1e-6), "start times out of sync"
         assert sum(r.tokens for r in self.reserved.values()) == self.reserved_tokens, (
             f"{self.instance_id}: reservations out of sync"
         )
@@ -320,13 +328,17 @@ class BoardLoads:
 
 class DecodeBoard(_Board["DecodeView"]):
     """Decode views side by side: per slot, what each is committed to (`committed`: its `load()`,
-    reservations included), its limits (`max_batch_size`, `kv_capacity_tokens`,
+    reservations included), its decoding batch (`active_batch`, `active_context`: their prompts,
+    `started_s_sum`: their start times summed), its limits (`max_batch_size`, `kv_capacity_tokens`,
     `max_context_tokens`; `UNLIMITED` where none is set) and `is_up`."""
 
     def __init__(self, views: Sequence[DecodeView]) -> None:
         super().__init__(views)
         count = len(self.views)
         self.committed = BoardLoads(*(np.zeros(count, dtype=np.int64) for _ in range(3)))
+        self.active_batch = np.zeros(count, dtype=np.int64)
+        self.active_context = np.zeros(count, dtype=np.int64)
+        self.started_s_sum = np.zeros(count, dtype=np.float64)
         self.max_batch_size = np.zeros(count, dtype=np.int64)
         self.kv_capacity_tokens = np.zeros(count, dtype=np.int64)
         self.max_context_tokens = np.zeros(count, dtype=np.int64)
@@ -335,11 +347,15 @@ class DecodeBoard(_Board["DecodeView"]):
     def refresh_load(self, slot: int) -> None:
         """Read the load of the view in `slot` again (after a reservation, join or leave: its limits and
         state unchanged)."""
-        load = self.slot_views[slot].load()
+        view = self.slot_views[slot]
+        load = view.load()
         committed = self.committed
         committed.batch_size[slot] = load.batch_size
         committed.context_tokens[slot] = load.context_tokens
         committed.kv_tokens[slot] = load.kv_tokens
+        self.active_batch[slot] = len(view.active)
+        self.active_context[slot] = view.context_tokens
+        self.started_s_sum[slot] = view.started_s_sum
 
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (its load, limits and state)."""
@@ -356,6 +372,9 @@ class DecodeBoard(_Board["DecodeView"]):
         committed = BoardLoads.of([v.load() for v in views])
         for name in ("batch_size", "context_tokens", "kv_tokens"):
             assert getattr(self.committed, name).tolist() == getattr(committed, name).tolist(), f"committed {name}"
+        assert self.active_batch.tolist() == [len(v.active) for v in views], "batches out of sync"
+        assert self.active_context.tolist() == [v.context_tokens for v in views], "contexts out of sync"
+        assert self.started_s_sum.tolist() == [v.started_s_sum for v in views], "start times out of sync"
         assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)

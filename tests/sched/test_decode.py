@@ -9,11 +9,14 @@ limits and loads, with and without a board.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
@@ -37,12 +40,16 @@ def view(
     up: bool = True,
     max_batch: int | None = None,
     max_context: int | None = None,
+    started_s: float = 0.0,
 ) -> DecodeView:
-    """A decode view with `used` tokens held by one active request and `reserved` (>= 3) by one on its way."""
+    """A decode view with `used` tokens held by one active request (decoding since `started_s`) and `reserved`
+    (>= 3) by one on its way."""
     limits = DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=max_batch, max_context_tokens=max_context)
     decode = DecodeView(instance, limits, is_up=up)
     if used:
-        decode.join(ActiveDecode(request_id=RequestId("active"), start_s=0.0, context_tokens=used, output_tokens=0))
+        decode.join(
+            ActiveDecode(request_id=RequestId("active"), start_s=started_s, context_tokens=used, output_tokens=0)
+        )
     if reserved >= 3:  # a request on its way: `reserved` tokens, two of them output
         decode.reserve(RequestId("incoming"), reserved - 2, 2)
     return decode
@@ -191,6 +198,7 @@ def decode_cases(draw: st.DrawFn) -> tuple[list[DecodeView], dict[InstanceId, De
                 up=draw(st.booleans()),
                 max_batch=draw(st.none() | st.integers(1, 3)),
                 max_context=draw(st.none() | st.integers(1, 12_000)),
+                started_s=draw(st.sampled_from([0.0, 30.0]) | st.floats(0.0, 60.0)),
             )
         )
         loads[instance] = draw(_loads)
@@ -211,14 +219,40 @@ def test_choice_is_the_brute_force_minimum(
     assert got == want
 
 
-@given(decode_cases(), st.sampled_from([0.02, 0.1, 0.3]))
+@given(decode_cases(), st.sampled_from([0.02, 0.1, 0.3]), st.none() | st.sampled_from([60.0]) | st.floats(0.0, 120.0))
 def test_without_loads_what_is_committed_counts(
-    case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float
+    case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float, now: float | None
 ) -> None:
-    """Without `loads`, each instance's committed load (decoding and reserved) is used; a
-    `DecodeBoard` of the views chooses alike."""
+    """Without `loads`, each instance's committed load (decoding and reserved) is used, with `now` its decoding
+    requests' context grown by the tokens generated since they joined, ranked and checked; a `DecodeBoard`
+    of the views chooses alike."""
     views, _, prompt, output = case
-    want = reference_decode(views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+    want = reference_decode(views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, now=now)
     for given_views in (views, DecodeBoard(views)):
-        got = choose_decode(given_views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
+        got = choose_decode(
+            given_views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, now=now
+        )
         assert got == want
+
+
+@given(decode_cases(), st.sampled_from([0.02, 0.1, 0.3]), st.floats(0.0, 120.0))
+def test_loads_asked_about_do_not_grow(
+    case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float, now: float
+) -> None:
+    """A load the policy asks about (a prediction) is checked as given: only the ranking grows with `now`."""
+    views, loads, prompt, output = case
+    want = reference_decode(
+        views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, loads=loads, now=now
+    )
+    board = DecodeBoard(views)
+    asked = BoardLoads.of([loads[i] for i in board.instance_ids])
+    got = choose_decode(
+        board, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, loads=asked, now=now
+    )
+    assert got == want
+
+
+def test_a_time_that_is_not_a_finite_number_is_an_invalid_request() -> None:
+    for bad in (math.nan, math.inf, "1.0"):
+        with pytest.raises(InvalidRequestError, match="now"):
+            choose_decode([view(D0)], prompt_tokens=10, output_tokens=10, step_model=COST, tbt_slo_s=0.1, now=bad)  # type: ignore[arg-type]
