@@ -5,9 +5,10 @@ arrivals (`OUTCOME_COLUMNS`): completed, rejected before and after prefill,
 the prefill time wasted on the latter, SLO attainment over all arrivals and
 goodput, so that a policy that rejects more never looks faster for it.
 
-The predictive policy's uniform decode time t_d is the workload's mean output
-times the TBT objective: how long an average request decodes when its batch
-runs at the SLO, the slowest an accepted request is meant to go.
+The predictive policy's predictor is `--predictor`'s (`serving.registry.PREDICTORS`): by default the
+paper's uniform decode time t_d, the workload's mean output times the TBT objective (how long an
+average request decodes when its batch runs at the SLO, the slowest an accepted request is meant to
+go); `expected_output` keeps each request for its own output at that pace.
 """
 
 from __future__ import annotations

@@ -400,7 +400,10 @@ class Conductor:
                 else [slot for slot, instance in enumerate(board.instance_ids) if instance not in self._coupled]
             )
             board = DecodeBoard([board.slot_views[slot] for slot in slots])
-            loads = BoardLoads(*(getattr(loads, name)[slots] for name in ("batch_size", "context_tokens", "kv_tokens")))
+            if loads is not None:
+                loads = BoardLoads(
+                    *(getattr(loads, name)[slots] for name in ("batch_size", "context_tokens", "kv_tokens"))
+                )
         return choose_decode(
             board,
             prompt_tokens=request.input_length,
@@ -411,13 +414,13 @@ class Conductor:
             now=now,
         )
 
-    def _decode_loads(self, now: float, arrival_s: float) -> BoardLoads:
+    def _decode_loads(self, now: float, arrival_s: float) -> BoardLoads | None:
         """The decode load the admission policy asks about, slot by slot: none (the instance checks for
-        itself), what each is committed to now (decoding and reserved), or the batches predicted for
-        the request's arrival at `arrival_s`."""
+        itself), what each is committed to now (decoding, with what it generated, and reserved: None,
+        `choose_decode`'s default), or the batches predicted for the request's arrival at `arrival_s`."""
         board = self._decode_board
         if self.admission.load_at == "now":
-            return board.committed
+            return None
         if self.admission.load_at == "arrival":
             predict = self.predictor.predict
             loads = [

@@ -76,7 +76,8 @@ def choose_decode(
         views: every decode instance (a `DecodeBoard` of them is read without a loop).
         prompt_tokens, output_tokens: the request's prompt and expected output.
         step_model: the decode step model; tbt_slo_s: the TBT objective of the verdict.
-        loads: the load the decode rule checks, slot by slot in the board's order (default: the committed one).
+        loads: the load the decode rule checks, slot by slot in the board's order, as given (default: the
+            committed one, its decoding requests' context grown like the ranking's).
         now: the time of the decision, for which the decoding requests' generated tokens are estimated (None:
             none counted, as at the instant they joined).
 
@@ -106,8 +107,9 @@ def choose_decode(
         math.nan if now is None else float(now),
         board.active_batch,
         board.active_context,
+        board.active_output,
         board.started_s_sum,
-        checked is committed,  # the committed load grows; a predicted one is the predictor's, none is none
+        loads is None,  # the committed load grows; one given (a prediction, or none) is checked as given
     )
     if slot < 0:
         return _nobody(board, checked, prompt_tokens, output_tokens)

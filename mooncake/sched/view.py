@@ -120,6 +120,10 @@ class PrefillView:
             previous = queued.frees_s
 
 
+def _nanoseconds(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
 @attrs.frozen
 class Reservation:
     """A batch slot and KV promised on a decode instance to a request still in prefill or transfer.
@@ -161,7 +165,9 @@ class DecodeView:
     active: dict[RequestId, ActiveDecode] = attrs.field(factory=dict)
     used_tokens: int = 0
     context_tokens: int = 0  # prompt tokens of the active requests (the KV a step reads, less what they generated)
-    started_s_sum: float = 0.0  # the active requests' start times, summed: their decoding seconds are n·now − this
+    # The active requests' start times, summed in integer nanoseconds: exact, however many join and leave (a
+    # float sum would drift); their decoding seconds are n·now − `started_s_sum`.
+    started_ns_sum: int = 0
     reserved: dict[RequestId, Reservation] = attrs.field(factory=dict)
     reserved_tokens: int = 0
     reserved_context_tokens: int = 0  # prompt tokens of the reserved requests
@@ -174,6 +180,16 @@ class DecodeView:
     @property
     def batch_size(self) -> int:
         return len(self.active)
+
+    @property
+    def started_s_sum(self) -> float:
+        """The active requests' start times, summed (seconds)."""
+        return self.started_ns_sum / 1e9
+
+    @property
+    def output_tokens(self) -> int:
+        """The active requests' expected outputs, summed: the most they generate."""
+        return self.used_tokens - self.context_tokens
 
     def free_tokens(self) -> int:
         return self.capacity_tokens - self.used_tokens - self.reserved_tokens
@@ -205,22 +221,21 @@ class DecodeView:
         self.active[request.request_id] = request
         self.used_tokens += request.context_tokens + request.output_tokens
         self.context_tokens += request.context_tokens
-        self.started_s_sum += request.start_s
+        self.started_ns_sum += _nanoseconds(request.start_s)
 
     def leave(self, request_id: RequestId) -> None:
         request = self.active.pop(request_id, None)
         if request is not None:
             self.used_tokens -= request.context_tokens + request.output_tokens
             self.context_tokens -= request.context_tokens
-            # Summed and taken back in float: exactly 0 again once the batch empties, rather than a drift.
-            self.started_s_sum = self.started_s_sum - request.start_s if self.active else 0.0
+            self.started_ns_sum -= _nanoseconds(request.start_s)
 
     def check_invariants(self) -> None:
         total = sum(a.context_tokens + a.output_tokens for a in self.active.values())
         assert total == self.used_tokens, f"{self.instance_id}: used {self.used_tokens} != {total}"
         assert self.context_tokens == sum(a.context_tokens for a in self.active.values()), "context total out of sync"
-        started = sum(a.start_s for a in self.active.values())
-        assert math.isclose(self.started_s_sum, started, rel_tol=1e-9, abs_tol=1e-6), "start times out of sync"
+        started = sum(_nanoseconds(a.start_s) for a in self.active.values())
+        assert self.started_ns_sum == started, f"{self.instance_id}: start times out of sync"
         assert sum(r.tokens for r in self.reserved.values()) == self.reserved_tokens, (
             f"{self.instance_id}: reservations out of sync"
         )
@@ -329,7 +344,7 @@ class BoardLoads:
 class DecodeBoard(_Board["DecodeView"]):
     """Decode views side by side: per slot, what each is committed to (`committed`: its `load()`,
     reservations included), its decoding batch (`active_batch`, `active_context`: their prompts,
-    `started_s_sum`: their start times summed), its limits (`max_batch_size`, `kv_capacity_tokens`,
+    `active_output`: their expected outputs, `started_s_sum`: their start times), all summed, its limits (`max_batch_size`, `kv_capacity_tokens`,
     `max_context_tokens`; `UNLIMITED` where none is set) and `is_up`."""
 
     def __init__(self, views: Sequence[DecodeView]) -> None:
@@ -338,6 +353,7 @@ class DecodeBoard(_Board["DecodeView"]):
         self.committed = BoardLoads(*(np.zeros(count, dtype=np.int64) for _ in range(3)))
         self.active_batch = np.zeros(count, dtype=np.int64)
         self.active_context = np.zeros(count, dtype=np.int64)
+        self.active_output = np.zeros(count, dtype=np.int64)
         self.started_s_sum = np.zeros(count, dtype=np.float64)
         self.max_batch_size = np.zeros(count, dtype=np.int64)
         self.kv_capacity_tokens = np.zeros(count, dtype=np.int64)
@@ -355,6 +371,7 @@ class DecodeBoard(_Board["DecodeView"]):
         committed.kv_tokens[slot] = load.kv_tokens
         self.active_batch[slot] = len(view.active)
         self.active_context[slot] = view.context_tokens
+        self.active_output[slot] = view.output_tokens
         self.started_s_sum[slot] = view.started_s_sum
 
     def refresh(self, slot: int) -> None:
@@ -374,6 +391,7 @@ class DecodeBoard(_Board["DecodeView"]):
             assert getattr(self.committed, name).tolist() == getattr(committed, name).tolist(), f"committed {name}"
         assert self.active_batch.tolist() == [len(v.active) for v in views], "batches out of sync"
         assert self.active_context.tolist() == [v.context_tokens for v in views], "contexts out of sync"
+        assert self.active_output.tolist() == [v.output_tokens for v in views], "outputs out of sync"
         assert self.started_s_sum.tolist() == [v.started_s_sum for v in views], "start times out of sync"
         assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"

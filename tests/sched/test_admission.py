@@ -204,6 +204,25 @@ def test_the_tokens_a_batch_generated_count_toward_early_rejections_check() -> N
     assert later.tbt_s == DECODE_COST.step_s(2, 40_000 + math.floor(150.0 / step_s) + 1000) > TIGHT_TBT.tbt_s
 
 
+def test_a_coupled_instance_counts_the_tokens_its_batch_generated_too() -> None:
+    """The same check on a cluster of coupled instances (vLLM servers, whose scheduler has no TBT check of its
+    own): the one that decodes a long answer refuses a probe for TBT once the answer has grown."""
+    c = Conductor(
+        router=KvCacheCentricRouter(ESTIMATOR),
+        step_model=DECODE_COST,
+        admission=EarlyRejection(),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=TIGHT_TBT,
+        block_size_tokens=BLOCK,
+    )
+    c.add_coupled_instance(InstanceId("vllm-0"), LIMITS)
+    run_to_decode(c, request("long-answer", 40_000, output=30_000), now=0.0)
+    probe = request("probe", 1000, first_key=10**6)
+    assert c.schedule(probe, now=0.0).accepted
+    c.handle(DecodeFinished(request_id=probe.request_id, instance_id=InstanceId("vllm-0"), now=0.0))
+    assert c.schedule(probe, now=150.0).reason is Reason.TBT_SLO
+
+
 def test_requests_still_in_prefill_count_toward_the_decode_batch() -> None:
     """Prefills heading to the decode instance are part of its load: early rejection counts them as
     committed now, the predictive one because they arrive before the probe does; baseline does not look."""

@@ -41,14 +41,17 @@ def view(
     max_batch: int | None = None,
     max_context: int | None = None,
     started_s: float = 0.0,
+    output: int = 0,
 ) -> DecodeView:
-    """A decode view with `used` tokens held by one active request (decoding since `started_s`) and `reserved`
-    (>= 3) by one on its way."""
+    """A decode view with `used` tokens held by one active request (`output` <= `used` of them its expected
+    output, decoding since `started_s`) and `reserved` (>= 3) by one on its way."""
     limits = DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=max_batch, max_context_tokens=max_context)
     decode = DecodeView(instance, limits, is_up=up)
     if used:
         decode.join(
-            ActiveDecode(request_id=RequestId("active"), start_s=started_s, context_tokens=used, output_tokens=0)
+            ActiveDecode(
+                request_id=RequestId("active"), start_s=started_s, context_tokens=used - output, output_tokens=output
+            )
         )
     if reserved >= 3:  # a request on its way: `reserved` tokens, two of them output
         decode.reserve(RequestId("incoming"), reserved - 2, 2)
@@ -199,6 +202,7 @@ def decode_cases(draw: st.DrawFn) -> tuple[list[DecodeView], dict[InstanceId, De
                 max_batch=draw(st.none() | st.integers(1, 3)),
                 max_context=draw(st.none() | st.integers(1, 12_000)),
                 started_s=draw(st.sampled_from([0.0, 30.0]) | st.floats(0.0, 60.0)),
+                output=draw(st.integers(min_value=0, max_value=used)),
             )
         )
         loads[instance] = draw(_loads)

@@ -55,26 +55,35 @@ instances = st.tuples(
     st.booleans(),  # up
     st.tuples(st.integers(0, 6), st.integers(0, 50_000), st.integers(0, 20_000)),  # checked (batch, context, KV)
     st.tuples(st.integers(0, 6), st.integers(0, 50_000)),  # ranked (batch, context)
-    st.tuples(st.integers(0, 6), st.integers(0, 50_000), st.floats(0.0, 60.0)),  # decoding (batch, prompts, starts)
+    # decoding (batch, prompts, outputs, starts)
+    st.tuples(st.integers(0, 6), st.integers(0, 50_000), st.integers(0, 20_000), st.floats(0.0, 60.0)),
 )
 
 
-def grown(roofline: RooflineStep, batch: int, context: int, started_s_sum: float, now: float) -> float:
-    """The reference: the decoding seconds sum(now - start) over the step the batch runs now, rounded down (none
-    for an empty batch, a NaN now, or a step that takes no time)."""
+def grown(roofline: RooflineStep, batch: int, context: int, output: int, started_s_sum: float, now: float) -> float:
+    """The reference: the decoding seconds sum(now - start) over the step the batch runs now, rounded down, at most
+    the batch's outputs (none for an empty batch, a NaN now, or a step that takes no time)."""
     if batch <= 0 or math.isnan(now):
         return 0.0
     decoded_s, step_s = batch * now - started_s_sum, roofline.step_s(batch, context)
-    return float(math.floor(decoded_s / step_s)) if decoded_s > 0 and step_s > 0 else 0.0
+    return float(min(math.floor(decoded_s / step_s), output)) if decoded_s > 0 and step_s > 0 else 0.0
 
 
-@given(rooflines, st.integers(0, 8), st.integers(0, 10**6), st.floats(0.0, 100.0), st.floats(0.0, 100.0))
+@given(
+    rooflines,
+    st.integers(0, 8),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.floats(0.0, 100.0),
+    st.floats(0.0, 100.0),
+)
 def test_grown_tokens_is_the_decoding_seconds_over_the_step(
-    scans: Any, roofline: RooflineStep, batch: int, context: int, started_s_sum: float, now: float
+    scans: Any, roofline: RooflineStep, batch: int, context: int, output: int, started_s_sum: float, now: float
 ) -> None:
-    got = scans.grown_tokens(roofline.coefficients, roofline.overhead_s, batch, context, started_s_sum, now)
-    assert got == grown(roofline, batch, context, started_s_sum, now)
-    assert scans.grown_tokens(roofline.coefficients, roofline.overhead_s, batch, context, started_s_sum, math.nan) == 0
+    coefficients, overhead_s = roofline.coefficients, roofline.overhead_s
+    got = scans.grown_tokens(coefficients, overhead_s, batch, context, output, started_s_sum, now)
+    assert got == grown(roofline, batch, context, output, started_s_sum, now) <= output
+    assert scans.grown_tokens(coefficients, overhead_s, batch, context, output, started_s_sum, math.nan) == 0
 
 
 @given(
@@ -125,9 +134,10 @@ def test_best_decode_slot_is_the_rule_instance_by_instance(
         roofline.coefficients,
         roofline.overhead_s,
         now,
-        column([batch for *_, (batch, _, _) in board]),
-        column([context for *_, (_, context, _) in board]),
-        np.array([started for *_, (_, _, started) in board], dtype=np.float64),
+        column([batch for *_, (batch, _, _, _) in board]),
+        column([context for *_, (_, context, _, _) in board]),
+        column([output for *_, (_, _, output, _) in board]),
+        np.array([started for *_, (_, _, _, started) in board], dtype=np.float64),
         grow_checked,
     )
     assert got == want
