@@ -150,14 +150,13 @@ class ModelConfig:
             gqa=self.num_heads // self.num_kv_heads,
             bytes_per_element=DTYPE_BYTES[dtype],
             num_params=float(self.num_parameters),
+            # The embedding is a lookup; a tied one is also the LM head, a product.
+            lookup_params=0.0 if self.tie_word_embeddings else float(self.vocab_size * self.hidden_size),
         )
 
     def flops_per_token(self, context_tokens: int = 0) -> float:
-        """Forward FLOPs of one token: 2 per weight of the layers and LM head, plus attention over `context_tokens`."""
-        # The embedding is a lookup; a tied one is also the LM head, a product.
-        weights = self.num_parameters - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
-        attention = 4 * self.num_layers * self.hidden_size * context_tokens  # q·k and p·v
-        return 2.0 * weights + attention
+        """Forward FLOPs of one token attending to `context_tokens` (`ModelShape.flops_per_token`)."""
+        return self.shape().flops_per_token(context_tokens)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -66,6 +66,7 @@ __all__ = [
 
 ATTENTION_COEFFICIENT = 4  # the paper's a
 LINEAR_COEFFICIENT = 22  # the paper's b
+TOKEN_ATTENTION_FLOPS = 4  # per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
 
 
 def _positive(_instance: object, attribute: Any, value: Any) -> None:
@@ -82,7 +83,9 @@ class ModelShape:
 
     Attributes:
         num_layers: l. hidden_size: d. gqa: query heads per KV head.
-        bytes_per_element: 2 for bf16. num_params: for the weight reads of decode.
+        bytes_per_element: 2 for bf16. num_params: N, every weight (the weight reads of decode).
+        lookup_params: the weights a forward pass looks up instead of multiplying: an untied input
+            embedding (vocabulary × d); 0 when the embedding is tied to the LM head.
     """
 
     name: str
@@ -91,12 +94,31 @@ class ModelShape:
     gqa: int = attrs.field(validator=int_at_least(1))
     bytes_per_element: int = attrs.field(default=2, validator=int_at_least(1))
     num_params: float = attrs.field(validator=_positive)
+    lookup_params: float = attrs.field(default=0.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.gqa:
             raise ConfigError(
                 f"ModelShape {self.name}: gqa={self.gqa} query heads per KV head must divide hidden_size={self.hidden_size}"
             )
+        if self.lookup_params >= self.num_params:
+            raise ConfigError(
+                f"ModelShape {self.name}: lookup_params={self.lookup_params} must be below num_params={self.num_params}"
+            )
+
+    @property
+    def attention_flops_per_context_token(self) -> float:
+        """4 · l · d: one token's q·k and weighted sum of v over one context token, a multiply-add each, in every layer."""
+        return TOKEN_ATTENTION_FLOPS * self.num_layers * self.hidden_size
+
+    def flops_per_token(self, context_tokens: float = 0) -> float:
+        """Forward FLOPs of one token attending to `context_tokens`: 2 · (N − lookups) + 4 · l · d · context.
+
+        A multiply-add per multiplied weight, plus attention. This is the decode
+        step's compute (per sequence) and the engines' FLOPs count for their MFU;
+        the prefill cost model keeps the paper's fitted form (`prefill_flops`).
+        """
+        return 2.0 * (self.num_params - self.lookup_params) + self.attention_flops_per_context_token * context_tokens
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -105,7 +127,13 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> float:
+        """Every weight's bytes: what the weights take of HBM."""
         return self.num_params * self.bytes_per_element
+
+    @property
+    def streamed_weight_bytes(self) -> float:
+        """The weight bytes one forward step reads: all but the lookups (an embedding row per token)."""
+        return (self.num_params - self.lookup_params) * self.bytes_per_element
 
 
 @attrs.frozen(kw_only=True)
@@ -133,9 +161,26 @@ class Hardware:
         return self.num_gpus * self.peak_flops_per_gpu
 
 
+# Parameters counted from the architecture (80 layers, d = 8,192, 64 query and 8 KV heads, MLP width
+# 28,672, untied embedding and LM head, vocabulary 32,000 / 128,256), as `ModelConfig.num_parameters`
+# counts them: the engine's "llama3-70b" preset has this very shape (tests check it).
 MODELS: dict[str, ModelShape] = {
-    "llama2-70b": ModelShape(name="llama2-70b", num_layers=80, hidden_size=8192, gqa=8, num_params=69.0e9),
-    "llama3-70b": ModelShape(name="llama3-70b", num_layers=80, hidden_size=8192, gqa=8, num_params=70.6e9),
+    "llama2-70b": ModelShape(
+        name="llama2-70b",
+        num_layers=80,
+        hidden_size=8192,
+        gqa=8,
+        num_params=68_976_648_192,
+        lookup_params=32_000 * 8192,
+    ),
+    "llama3-70b": ModelShape(
+        name="llama3-70b",
+        num_layers=80,
+        hidden_size=8192,
+        gqa=8,
+        num_params=70_553_706_496,
+        lookup_params=128_256 * 8192,
+    ),
 }
 """Model shapes by name (LLaMA-2/3-70B: 80 layers, d = 8,192, GQA 8, bf16: 320 KiB of KV per token)."""
 
@@ -150,52 +195,31 @@ _GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 # eight GPUs off four PCIe switches), kept for the Hopper presets as a conservative figure; the
 # prefill model loads cached prefixes from DRAM at that rate. NICs are the Mooncake paper's and its transfer engine's setups: 4 x 200 Gbit/s RDMA
 # on the Ampere nodes, 8 x 400 Gbit/s RoCE on the Hopper ones.
+_A800 = Hardware(
+    name="8xA800",
+    num_gpus=8,
+    peak_flops_per_gpu=312e12,
+    hbm_bytes_per_s=2.039e12,
+    hbm_bytes=80e9,
+    host_to_device_bytes_per_s=128e9,
+    nic_bytes_per_s=800 * _GBPS,
+)
+_H800 = Hardware(
+    name="8xH800",
+    num_gpus=8,
+    peak_flops_per_gpu=989e12,
+    hbm_bytes_per_s=3.35e12,
+    hbm_bytes=80e9,
+    host_to_device_bytes_per_s=128e9,
+    nic_bytes_per_s=3200 * _GBPS,
+)
+# The export parts differ from their originals only where no model here reads (above): one set of figures each.
 HARDWARE: dict[str, Hardware] = {
-    "8xA800": Hardware(
-        name="8xA800",
-        num_gpus=8,
-        peak_flops_per_gpu=312e12,
-        hbm_bytes_per_s=2.039e12,
-        hbm_bytes=80e9,
-        host_to_device_bytes_per_s=128e9,
-        nic_bytes_per_s=800 * _GBPS,
-    ),
-    "8xA100": Hardware(
-        name="8xA100",
-        num_gpus=8,
-        peak_flops_per_gpu=312e12,
-        hbm_bytes_per_s=2.039e12,
-        hbm_bytes=80e9,
-        host_to_device_bytes_per_s=128e9,
-        nic_bytes_per_s=800 * _GBPS,
-    ),
-    "8xH800": Hardware(
-        name="8xH800",
-        num_gpus=8,
-        peak_flops_per_gpu=989e12,
-        hbm_bytes_per_s=3.35e12,
-        hbm_bytes=80e9,
-        host_to_device_bytes_per_s=128e9,
-        nic_bytes_per_s=3200 * _GBPS,
-    ),
-    "8xH100": Hardware(
-        name="8xH100",
-        num_gpus=8,
-        peak_flops_per_gpu=989e12,
-        hbm_bytes_per_s=3.35e12,
-        hbm_bytes=80e9,
-        host_to_device_bytes_per_s=128e9,
-        nic_bytes_per_s=3200 * _GBPS,
-    ),
-    "8xH200": Hardware(
-        name="8xH200",
-        num_gpus=8,
-        peak_flops_per_gpu=989e12,
-        hbm_bytes_per_s=4.8e12,
-        hbm_bytes=141e9,
-        host_to_device_bytes_per_s=128e9,
-        nic_bytes_per_s=3200 * _GBPS,
-    ),
+    "8xA800": _A800,
+    "8xA100": attrs.evolve(_A800, name="8xA100"),
+    "8xH800": _H800,
+    "8xH100": attrs.evolve(_H800, name="8xH100"),
+    "8xH200": attrs.evolve(_H800, name="8xH200", hbm_bytes_per_s=4.8e12, hbm_bytes=141e9),
 }
 """Instances by name (eight GPUs each): dense bf16 peak, HBM bandwidth and size per GPU, PCIe and NIC
 per instance; the sources are in the comment above."""

@@ -6,9 +6,11 @@ in all is bound by HBM bandwidth or by compute, whichever is slower,
     step(B, C) = overhead + max((W + kv · C) / (G · HBM · memory_efficiency),
                                 (2 · N · B + 4 · l · d · C) / (G · peak · compute_efficiency))
 
-(W the weights' bytes, kv the KV bytes per token, N the parameters: a
+(W the bytes of the weights a step reads and N their number: all but an untied
+embedding, whose rows are looked up; kv the KV bytes per token. Compute is a
 multiply-add per weight per sequence, and q·k and the weighted sum of v per
-context token and layer). Small batches are memory-bound (the weights' read
+context token and layer: `ModelShape.flops_per_token`, the engines' FLOPs
+count.) Small batches are memory-bound (the weights' read
 dominates); the compute term grows with B, so large batches are compute-bound
 and raise TBT as on real GPUs. A request's TBT is its batch's step time.
 Every analytic step model (`AnalyticStepModel`: this one, `RooflineStep`,
@@ -145,23 +147,19 @@ class AnalyticStepModel(StepModel, Protocol):
     def roofline(self) -> RooflineStep: ...
 
 
-MULTIPLY_ADD_FLOPS = 2  # a weight's multiply-add per sequence in the decode GEMMs
-DECODE_ATTENTION_COEFFICIENT = 4  # FLOPs per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
-
-
 @attrs.frozen(kw_only=True)
 class DecodeCostModel:
     """Decode step time and KV capacity of one decode instance: a two-branch roofline.
 
-    A step reads every weight and the batch's KV from HBM once (the memory
+    A step reads the weights (all but the embedding's lookups) and the batch's KV from HBM once (the memory
     branch, at `memory_efficiency` of the instance's HBM bandwidth) and does
     2 · N FLOPs per request plus 4 · l · d per context token (the compute
     branch, at `compute_efficiency` of its dense bf16 peak); it takes the slower
     of the two plus `overhead_s`. Small batches are memory-bound; the compute
     branch grows faster with the batch and, for LLaMA3-70B on 8×A800, overtakes
-    from 164 requests of 2,048 tokens each (96 with no context). An H800's
+    from 166 requests of 2,048 tokens each (96 with no context). An H800's
     peak is 3.2× an A800's against 1.6× the bandwidth, so on 8×H800 that takes
-    about 1,150 such requests, more than its HBM holds.
+    about 1,250 such requests, more than its HBM holds.
 
     `compute_efficiency` defaults to 0.5: a decode GEMM has only B rows, so it
     reaches a fraction of peak, and tensor-parallel all-reduces and launch gaps
@@ -186,12 +184,9 @@ class DecodeCostModel:
         hardware, model = self.hardware, self.model
         bandwidth = hardware.num_gpus * hardware.hbm_bytes_per_s * self.memory_efficiency
         flops = hardware.peak_flops * self.compute_efficiency
-        memory = StepBranch(model.weight_bytes / bandwidth, 0.0, model.kv_bytes_per_token / bandwidth)
-        compute = StepBranch(
-            0.0,
-            MULTIPLY_ADD_FLOPS * model.num_params / flops,
-            DECODE_ATTENTION_COEFFICIENT * model.num_layers * model.hidden_size / flops,
-        )
+        memory = StepBranch(model.streamed_weight_bytes / bandwidth, 0.0, model.kv_bytes_per_token / bandwidth)
+        # Per sequence, the FLOPs of its one new token (the same count as the engines' MFU).
+        compute = StepBranch(0.0, model.flops_per_token(0) / flops, model.attention_flops_per_context_token / flops)
         object.__setattr__(self, "_roofline", RooflineStep((memory, compute), overhead_s=self.overhead_s))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:

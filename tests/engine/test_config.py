@@ -14,13 +14,14 @@ import math
 import subprocess
 import sys
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.engine.config import DTYPE_BYTES, PRESETS, ModelConfig
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import ModelShape
+from mooncake.sched.cost import MODELS, ModelShape
 from tests.engine.strategies import model_configs
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # written out: DTYPE_BYTES is what is tested
@@ -40,8 +41,18 @@ def test_each_preset_and_dtype_gives_the_cost_models_shape(name: str, dtype: str
         gqa=config.num_heads // config.num_kv_heads,
         bytes_per_element=ELEMENT_BYTES[dtype],
         num_params=float(config.num_parameters),
+        lookup_params=float(config.vocab_size * config.hidden_size),  # no preset ties its embedding
     )
     assert shape.weight_bytes == config.num_parameters * ELEMENT_BYTES[dtype]
+    assert shape.flops_per_token(7) == config.flops_per_token(7)
+
+
+def test_the_cost_models_70b_shapes_are_the_engines() -> None:
+    """`MODELS` (the simulator's shapes) count LLaMA3-70B's parameters as the engine's preset does, and
+    LLaMA2-70B's as the same architecture with its 32,000-token vocabulary (one count, not a rounded copy)."""
+    llama3 = PRESETS["llama3-70b"]
+    assert MODELS["llama3-70b"] == llama3.shape()
+    assert MODELS["llama2-70b"] == attrs.evolve(llama3, name="llama2-70b", vocab_size=32_000).shape()
 
 
 def test_the_engines_dtypes_are_the_shapes_dtypes() -> None:
@@ -74,7 +85,7 @@ def test_presets_are_valid_llama_shapes() -> None:
     tiny = PRESETS["tiny"]
     assert tiny.vocab_size == 256 and tiny.num_kv_heads < tiny.num_heads
     assert PRESETS["llama3-8b"].num_parameters == pytest.approx(8.0e9, rel=0.05)
-    assert PRESETS["llama3-70b"].num_parameters == pytest.approx(70.6e9, rel=0.05)
+    assert PRESETS["llama3-70b"].num_parameters == 70_553_706_496  # Meta's model card: 70.6 B
 
 
 @pytest.mark.parametrize(

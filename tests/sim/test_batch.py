@@ -231,15 +231,15 @@ def test_one_stretch_equals_many_single_steps(
 
 def test_a_stretch_crosses_from_compute_to_memory_bound() -> None:
     """LLaMA3-70B on 8×A800, 200 members of 10 tokens: compute-bound first, memory-bound once their
-    KV has grown (from step 2,556 on): one run per branch, each step the roofline's, intervals and
+    KV has grown (from step 2,516 on): one run per branch, each step the roofline's, intervals and
     steps_within across the crossover as stepping one by one gives them."""
     batch = make_batch(A800, [10] * 200, remaining=10_000)
     steps = 3000
     times = stepped_times(A800, 2000, 200, steps)
-    assert slowest_branches(A800, 2000, 200, 2556) == {1}
-    assert slowest_branches(A800, 2000 + 2556 * 200, 200, steps - 2556) == {0}
+    assert slowest_branches(A800, 2000, 200, 2516) == {1}
+    assert slowest_branches(A800, 2000 + 2516 * 200, 200, steps - 2516) == {0}
     assert close(batch.stretch_s(steps), math.fsum(times))
-    for t in (times[0], math.fsum(times[:2556]), math.fsum(times[:2557]), math.fsum(times) * 0.999):
+    for t in (times[0], math.fsum(times[:2516]), math.fsum(times[:2517]), math.fsum(times) * 0.999):
         brute = 0
         while batch.stretch_s(brute + 1) <= t:
             brute += 1
@@ -248,9 +248,9 @@ def test_a_stretch_crosses_from_compute_to_memory_bound() -> None:
     member.gap_s = 0.5
     batch.advance(steps)
     runs = member.record.intervals.runs
-    assert len(runs) == 3 and runs[0] == (0.5 + times[0], 0.0, 1) and runs[2][0] == times[2556]
+    assert len(runs) == 3 and runs[0] == (0.5 + times[0], 0.0, 1) and runs[2][0] == times[2516]
     np.testing.assert_allclose(member.record.intervals.values(), [0.5 + times[0], *times[1:]], rtol=1e-12)
-    assert [count for _, _, count in batch.members[1].record.intervals.runs] == [2556, steps - 2556]
+    assert [count for _, _, count in batch.members[1].record.intervals.runs] == [2516, steps - 2516]
 
 
 def test_stall_adds_to_the_next_interval_only() -> None:
