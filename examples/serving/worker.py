@@ -470,6 +470,9 @@ class Worker:
                         self._stop_waiting(request_id)
                         self._arriving[request_id] = _Arriving(job, time.monotonic() + TIMEOUT_S)
             self._join_arrived(first.append)
+            # Before the first tokens go out: a health answer must list what joined (a client that has its first
+            # token, then leaves, would otherwise find the engine idle while the step runs).
+            self._active = tuple(int(r) for r in self._attempts)
             self._report(first)  # not held back by a step: its client's TTFT would carry one
             tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
             self._active = tuple(int(r) for r in self._attempts)

@@ -33,7 +33,7 @@ from mooncake.engine.config import PRESETS  # noqa: E402
 from mooncake.engine.model import LlamaModel  # noqa: E402
 from mooncake.engine.pipeline import PARENT_WATCH_S, PipelineGroup, stage_layers  # noqa: E402
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError  # noqa: E402
-from tests.waiting import is_running, wait_for  # noqa: E402
+from tests.waiting import is_running, stop_process, wait_for  # noqa: E402
 
 TINY = PRESETS["tiny"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_a_stage_killed_while_the_driver_waits_fails_the_prefill_at_once_and_the
         TINY, num_stages=2, chunk_tokens=CHUNK, seed=SEED, threads_per_stage=1, timeout_s=300.0, on_failure=exits.append
     ) as doomed:
         (pid,) = doomed.pids
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         mine_done = threading.Event()
         outcome: list[BaseException | None] = []
 
@@ -294,7 +294,7 @@ def test_a_stage_that_stops_answering_fails_the_prefill_at_the_timeout() -> None
         on_failure=failures.append,
     ) as stuck:
         (pid,) = stuck.pids
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             with pytest.raises(EngineError, match="failed"):
                 stuck.prefill(list(range(10)))

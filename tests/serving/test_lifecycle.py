@@ -49,7 +49,7 @@ from serving.launch import RunningCluster, start_cluster  # noqa: E402
 
 from mooncake.sched.join import DecodeLimits  # noqa: E402
 from mooncake.types import BlockKey, InstanceId, Request, RequestId  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
+from tests.waiting import stop_process, wait_for  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 TIMEOUT_S = 60.0
@@ -210,7 +210,7 @@ def stalled_stream(cluster: RunningCluster) -> Iterator[Iterator[Any]]:
     try:
         chunks = iter(stream)
         next(chunks)
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             yield chunks
         finally:
@@ -279,7 +279,7 @@ def test_a_stopped_prefill_worker_under_load_takes_down_only_itself() -> None:
 
         dispatcher._worker_failed = noting  # type: ignore[method-assign]
         pid = cluster.backend.pid("prefill-0")
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             statuses = [status for status, _body in burst(url, "burst", count=60, every_s=0.05, max_tokens=2)]
         finally:
@@ -302,7 +302,7 @@ def test_a_stopped_decode_worker_holds_up_no_request_that_has_not_begun() -> Non
         url = f"{cluster.url}/v1/completions"
         assert status_of(url, json.dumps({"prompt": "warm", "max_tokens": 2}).encode())[0] == 200
         pid = dispatcher.health("decode-0").pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             results = burst(url, "held up", count=12, every_s=0.1, max_tokens=4)
             marked_down = not dispatcher.workers["decode-0"].up  # by the probe the prefill's report asked for
@@ -338,7 +338,7 @@ def test_a_killed_prefill_workers_reservations_end_at_once_on_the_other_nodes() 
             assert reserve("127.0.0.1:1", key) is None  # the block is being filled by that push
             decode = cluster.backend.pid("decode-0")
             if victim == "prefill-0":  # the decode node is down when the death is found
-                os.kill(decode, signal.SIGSTOP)
+                stop_process(decode)
                 wait_for(lambda: not dispatcher.workers["decode-0"].up, timeout=30.0, what="decode-0 marked down")
             try:
                 cluster.backend.kill(victim)

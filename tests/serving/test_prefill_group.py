@@ -58,7 +58,7 @@ from tests.engine.support import (  # noqa: E402
     tiny_model,
 )
 from tests.homes import prompt_homed_on  # noqa: E402
-from tests.waiting import is_running, wait_for  # noqa: E402
+from tests.waiting import is_running, stop_process, wait_for  # noqa: E402
 
 TINY_TOML = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 BLOCK = 4
@@ -247,7 +247,7 @@ def test_a_stage_killed_mid_prefill_fails_it_and_leaves_nothing_held() -> None:
         engine = group_prefill_engine(doomed, cache, hasher(BLOCK))
         prefix = engine.prefill(PROMPT[:9])
         (pid,) = doomed.pids
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         sink = RecordingSink(cache, len(PROMPT))
         outcome: list[BaseException | None] = []
 
@@ -369,7 +369,7 @@ def test_a_dead_stage_takes_its_instance_down_and_no_process_is_left() -> None:
         helpers = children(workers["prefill-0"])  # its stage and multiprocessing's own
         assert health(cluster)["prefill_up"] == 2
         doomed = stages["prefill-0"][0]
-        os.kill(doomed, signal.SIGSTOP)
+        stop_process(doomed)
         answers: list[Any] = []
         prompt = prompt_homed_on(cluster, "prefill-0", "Caught mid-way.")
 

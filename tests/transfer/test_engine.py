@@ -24,6 +24,7 @@ from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, Tr
 from mooncake.transfer.wire import Frame, Kind, recv_frame, send_frame
 from tests.transfer.conftest import SECRET, PeerProcess, request, start_peer
 from tests.transfer.peer_process import pattern
+from tests.waiting import stop_process
 
 SIZE = 1 << 23
 
@@ -295,7 +296,7 @@ def test_a_stalled_peer_times_out(peers: Callable[..., PeerProcess]) -> None:
     with TransferEngine(secret=SECRET, config=config) as local_engine:
         local, _ = local_engine.allocate_shared(SIZE)
         name = local_engine.connect(remote.address, transport="tcp")
-        os.kill(remote.pid, signal.SIGSTOP)
+        stop_process(remote.pid)
         try:
             batch = local_engine.submit([request(TransferOp.READ, local.region_id, name, remote.shared, 1 << 20)])
             start = time.monotonic()
@@ -428,7 +429,7 @@ def test_transfer_sync_against_a_stalled_peer_is_bounded(peers: Callable[..., Pe
     with TransferEngine(secret=SECRET, config=config) as local_engine:
         local, _ = local_engine.allocate_shared(SIZE)
         name = local_engine.connect(remote.address, transport="tcp")
-        os.kill(remote.pid, signal.SIGSTOP)
+        stop_process(remote.pid)
         try:
             start = time.monotonic()
             statuses = local_engine.transfer_sync(
@@ -579,7 +580,7 @@ def test_closing_an_engine_ends_its_open_batches(peers: Callable[..., PeerProces
     local_engine = TransferEngine(secret=SECRET, config=EngineConfig(slice_bytes=1 << 16, streams_per_peer=1))
     local, _ = local_engine.allocate_shared(SIZE)
     name = local_engine.connect(remote.address, transport="tcp")
-    os.kill(remote.pid, signal.SIGSTOP)
+    stop_process(remote.pid)
     try:
         batch = local_engine.submit([request(TransferOp.WRITE, local.region_id, name, remote.shared, 4 << 20)])
         local_engine.close()
