@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -31,20 +32,33 @@ def is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _state(stat: Path) -> str:
+    return stat.read_text().rsplit(")", 1)[1].split()[0]
+
+
 def stop_process(pid: int, *, timeout: float = 10.0) -> None:
-    """SIGSTOP `pid` and wait until every one of its threads has stopped.
+    """SIGSTOP `pid` and wait until every one of its threads has stopped; fail the test (the process let go
+    again with SIGCONT) if it exits instead or does not stop within `timeout` seconds.
 
     `kill` returns once the signal is queued: on a busy machine a thread of the
     process may still run for a while and, say, answer one more request.
     """
     os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
-        except (OSError, IndexError):  # gone, or a thread ended while being read: look again
-            return not Path(f"/proc/{pid}").exists()
-        return all(state in ("T", "t", "Z", "X") for state in states)
-
-    wait_for(stopped, timeout=timeout, what=f"process {pid} to stop", poll_s=0.005)
+            if _state(Path(f"/proc/{pid}/stat")) in ("Z", "X"):
+                break  # exited: a stopped process is what the test needs
+            states = []
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                    states.append(_state(task / "stat"))
+        except FileNotFoundError:
+            break  # exited and reaped
+        if all(state in ("T", "t", "Z", "X") for state in states):  # an exited thread stays a zombie a while
+            return
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGCONT)
+            pytest.fail(f"waited {timeout} s for process {pid} to stop")
+        time.sleep(0.005)
+    pytest.fail(f"process {pid} exited instead of stopping")

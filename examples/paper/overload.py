@@ -7,7 +7,7 @@ decode pool by its own (`simulation.decode_sized`), and a TBT objective of 25
 ms. For LLaMA3-70B on 8×A800 a decode step takes 16 ms at batch 1 and ~50 ms
 with the HBM full of KV, so a 100 ms objective never binds and only the HBM
 would stop a decode node; at 25 ms a node of the synthetic trace's requests
-(15 k tokens in, 150 out) holds about 23 of them, and the TBT check decides.
+(15 k tokens in, 150 out) holds about 24 of them, and the TBT check decides.
 Any workload, cluster or SLO can be given instead (`--trace`, `--prefill`,
 `--decode`, `--tbt-slo`).
 

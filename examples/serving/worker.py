@@ -470,14 +470,18 @@ class Worker:
                         self._stop_waiting(request_id)
                         self._arriving[request_id] = _Arriving(job, time.monotonic() + TIMEOUT_S)
             self._join_arrived(first.append)
-            # Before the first tokens go out: a health answer must list what joined (a client that has its first
+            # Before the first tokens go out: a health answer must count what joined (a client that has its first
             # token, then leaves, would otherwise find the engine idle while the step runs).
-            self._active = tuple(int(r) for r in self._attempts)
+            self._publish_health(decode)
             self._report(first)  # not held back by a step: its client's TTFT would carry one
             tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
-            self._active = tuple(int(r) for r in self._attempts)
-            self._decode_kv_usage = decode.reserved_tokens / max(1, decode.config.budget_tokens)
+            self._publish_health(decode)
             self._report(tokens)
+
+    def _publish_health(self, decode: DecodeEngine) -> None:
+        """The batch and KV a health answer gives (read on another thread): snapshots of the decode loop's."""
+        self._active = tuple(int(r) for r in self._attempts)
+        self._decode_kv_usage = decode.reserved_tokens / max(1, decode.config.budget_tokens)
 
     def _report(self, tokens: list[wire.Token]) -> None:
         """Tell the gateway of `tokens` (nothing when there are none)."""

@@ -83,7 +83,8 @@ class ModelShape:
 
     Attributes:
         num_layers: l. hidden_size: d. gqa: query heads per KV head.
-        bytes_per_element: 2 for bf16. num_params: N, every weight (the weight reads of decode).
+        bytes_per_element: 2 for bf16. num_params: every weight (what they take of HBM; a step's
+            FLOPs and weight reads leave out `lookup_params`).
         lookup_params: the weights a forward pass looks up instead of multiplying: an untied input
             embedding (vocabulary × d); 0 when the embedding is tied to the LM head.
     """
@@ -214,12 +215,13 @@ _H800 = Hardware(
     nic_bytes_per_s=3200 * _GBPS,
 )
 # The export parts differ from their originals only where no model here reads (above): one set of figures each.
+_H100 = attrs.evolve(_H800, name="8xH100")
 HARDWARE: dict[str, Hardware] = {
     "8xA800": _A800,
     "8xA100": attrs.evolve(_A800, name="8xA100"),
     "8xH800": _H800,
-    "8xH100": attrs.evolve(_H800, name="8xH100"),
-    "8xH200": attrs.evolve(_H800, name="8xH200", hbm_bytes_per_s=4.8e12, hbm_bytes=141e9),
+    "8xH100": _H100,
+    "8xH200": attrs.evolve(_H100, name="8xH200", hbm_bytes_per_s=4.8e12, hbm_bytes=141e9),
 }
 """Instances by name (eight GPUs each): dense bf16 peak, HBM bandwidth and size per GPU, PCIe and NIC
 per instance; the sources are in the comment above."""
@@ -227,7 +229,9 @@ per instance; the sources are in the comment above."""
 
 DEFAULT_MFU = 0.5
 """The model FLOPs utilization a prefill reaches where none is given (the analytic model's, the simulated
-clusters')."""
+clusters'), counted in the paper's prefill FLOPs (`prefill_flops`). Those are 0.86× the exact count
+(`ModelShape.flops_per_token`, which `benchmarks/gpu.py` measures MFU in) at 1 K tokens of LLaMA3-70B,
+0.93× at 8 K and 1.12× at 32 K: convert an MFU measured there before using it here."""
 
 
 def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:

@@ -163,8 +163,8 @@ class DecodeCostModel:
 
     `compute_efficiency` defaults to 0.5: a decode GEMM has only B rows, so it
     reaches a fraction of peak, and tensor-parallel all-reduces and launch gaps
-    take more. It is `PrefillCostModel`'s default MFU too, so an instance's
-    compute is rated alike on both sides; it is a round figure, not a
+    take more. It is `PrefillCostModel`'s default MFU too (which counts the
+    paper's prefill FLOPs, within 15 % of these); it is a round figure, not a
     measurement (fit a `FittedStepModel` to an engine where it matters).
     `memory_efficiency` 0.8 is what streaming kernels reach of the datasheet
     HBM bandwidth.

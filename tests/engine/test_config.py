@@ -44,7 +44,13 @@ def test_each_preset_and_dtype_gives_the_cost_models_shape(name: str, dtype: str
         lookup_params=float(config.vocab_size * config.hidden_size),  # no preset ties its embedding
     )
     assert shape.weight_bytes == config.num_parameters * ELEMENT_BYTES[dtype]
-    assert shape.flops_per_token(7) == config.flops_per_token(7)
+
+
+def test_a_tied_embedding_is_multiplied_as_the_lm_head() -> None:
+    """Tied, the one matrix is the LM head's product: no weight is a lookup, and every one costs 2 FLOPs a token."""
+    tied = attrs.evolve(PRESETS["tiny"], tie_word_embeddings=True)
+    assert tied.shape().lookup_params == 0.0
+    assert tied.flops_per_token() == 2.0 * tied.num_parameters
 
 
 def test_the_cost_models_70b_shapes_are_the_engines() -> None:

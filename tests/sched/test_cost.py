@@ -552,6 +552,26 @@ def test_decode_capacity_positive_for_presets(model_name: str, hardware_name: st
     assert capacity * model.kv_bytes_per_token <= hw.num_gpus * hw.hbm_bytes - model.weight_bytes
 
 
+def test_an_embedding_takes_hbm_but_no_step_reads_or_multiplies_it() -> None:
+    """A shape whose weights are half lookups: the KV room is what all the weights leave, while the step's weight
+    read and per-request FLOPs count only the other half."""
+    hw = Hardware(
+        name="one",
+        num_gpus=1,
+        peak_flops_per_gpu=1e12,
+        hbm_bytes_per_s=1e12,
+        hbm_bytes=1e9,
+        host_to_device_bytes_per_s=1e10,
+        nic_bytes_per_s=1e10,
+    )
+    half = ModelShape(name="half", num_layers=1, hidden_size=8, gqa=1, num_params=2e8, lookup_params=1e8)
+    cost = DecodeCostModel(model=half, hardware=hw, overhead_s=0.0, kv_memory_fraction=1.0)
+    assert cost.capacity_tokens() == math.floor((1e9 - 4e8) / 32)  # 2 bytes x 2e8 weights; K and V of 8 x 2 bytes
+    memory, compute = cost.roofline().branches
+    assert memory.fixed_s == pytest.approx(2e8 / (1e12 * cost.memory_efficiency))
+    assert compute.per_sequence_s == pytest.approx(2e8 / (1e12 * cost.compute_efficiency))
+
+
 def test_decode_capacity_is_zero_when_weights_do_not_fit() -> None:
     """A model bigger than the HBM leaves no KV room (not a negative one)."""
     tiny = Hardware(
