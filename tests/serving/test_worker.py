@@ -6,7 +6,8 @@ runs is prefilled but not handed on (the decode node never joins it), the jobs a
 a decode node that does not answer (a listener that never completes the handshake, as a stopped process's
 kernel would) fails the job with a report that names that node (`PrefillFailed.peer`), not the prefill; the
 gateway cancels the prefill of a request whose client left or that it rerouted; a decode node's hand-off waits for
-blocks another push is still filling there, and joins once they land (or is refused for KV once that push aborts).
+blocks another push is still filling there, and joins once they land (or is refused for KV once that push aborts);
+a decode node's health answer lists a request before its first token goes out.
 
 The workers' reports to the gateway are captured instead of sent (no gateway runs). Every wait is bounded
 (`wait_for`); workers and sockets are closed at the end, even when a test fails.
@@ -176,6 +177,32 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
         dispatcher.close()
         for worker in workers.values():
             worker.close()
+
+
+def test_a_joined_request_is_in_the_health_answer_before_its_first_token_goes_out(pair: Pair) -> None:
+    """The gateway's health probe must see a request on its decode engine from the moment its client can have a
+    token: a client that leaves after the first one is cancelled there, and an engine that answers "idle" meanwhile
+    (its batch published only after the next step) misleads whoever watches it. Each report of a request's first
+    token finds it in the health answer, with its KV counted."""
+    prefill, decode, _told, decoded = pair
+    seen: dict[int, tuple[tuple[int, ...], float]] = {}
+
+    def report(message: Any) -> None:
+        if isinstance(message, wire.DecodeTokens):
+            for token in message.tokens:
+                if token.index == 0:
+                    health = decode._on_health(wire.HealthCheck())
+                    seen[token.request_id] = (health.active, health.kv_usage)
+        decoded.append(message)
+
+    decode._tell_gateway = report  # type: ignore[method-assign]
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    prefill.start()
+    for request_id in (1, 2, 3):
+        prefill._on_job(job(request_id))
+    wait_for(lambda: len(seen) == 3, timeout=60.0, what="the three first tokens")
+    for request_id, (active, kv_usage) in seen.items():
+        assert request_id in active and kv_usage > 0, (request_id, active, kv_usage)
 
 
 def test_a_hand_off_waits_for_blocks_another_push_is_still_filling(pair: Pair) -> None:
