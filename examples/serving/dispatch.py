@@ -32,8 +32,8 @@ out from a thread of its own and its probes from another, so a worker that
 stops answering delays no other worker's calls or probes; its prefill jobs not
 sent yet are dropped when it is marked down. When an engine goes down, the
 requests routed to it of which no token has reached the client (waiting for
-or in their prefill, on their way to the decode engine, joined but not yet
-stepped) are scheduled again on the engines still up (twice at most, each time
+or in their prefill, prefilled there but not yet handed on, on their way to
+the decode engine, joined but not yet stepped) are scheduled again on the engines still up (twice at most, each time
 as the next attempt, so a resumed engine's reports about an earlier attempt
 are ignored); the earlier attempt's prefill job is cancelled on its prefill
 engine (at once, or when a down one answers again), so a stopped decode node
@@ -663,6 +663,19 @@ class Dispatcher:
             live = self.live.pop(end.request_id, None)
             if live is not None:
                 self._reroute(live, ApiError(503, f"the {state.role} engine {instance} failed"))
+        # Prefilled there but not handed on: the worker reports PrefillDone, then calls the decode node, so the
+        # Conductor counts these as the decode node's and ended none of them above. A worker that died or stopped in
+        # between never hands them on, and they would wait out the request timeout (a 504). A hand-off that comes
+        # after all is stale: the decode node keeps the later attempt, and the health probes cancel the rest.
+        stranded = [
+            live
+            for live in self.live.values()
+            if live.prefill == instance and live.prefill_done_s is not None and live.joined_s is None
+        ]
+        for live in stranded:
+            self.live.pop(live.request_id)
+            self.conductor.handle(RequestAborted(request_id=live.request_id, now=self.now(), reason=Reason.FAILED))
+            self._reroute(live, ApiError(503, f"the prefill engine {instance} failed before handing the request on"))
 
     def _reroute(self, live: LiveRequest, failure: ApiError) -> None:
         """A request the Conductor has ended (no longer live) because an engine of its failed: scheduled again as

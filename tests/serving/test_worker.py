@@ -179,6 +179,64 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
             worker.close()
 
 
+def test_a_request_prefilled_but_not_handed_on_is_rerouted_when_its_prefill_worker_goes_down() -> None:
+    """A prefill worker reports PrefillDone, then calls the decode node: one that dies or stops in between never
+    hands the request on. When it is marked down, such a request is scheduled again on the other prefill worker as
+    its next attempt (instead of waiting out the request timeout, a 504), and the abandoned attempt is cancelled
+    there once it answers. A request its decode node has joined stays where it is."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=2, num_decode=1)
+    secret = secrets.token_bytes(32)
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
+    workers = {
+        i: Worker(WorkerSpec(role=role, instance_id=i, config=config, secret=secret)) for i, role in roles.items()
+    }
+    infos = [{"instance_id": i, "role": roles[i], "address": w.engine.address} for i, w in workers.items()]
+    dispatcher = Dispatcher(
+        config, build_conductor(config), secret=secret, workers=infos, is_alive=lambda _: True, block_bytes=1
+    )
+
+    def prefilled(live: Any) -> None:
+        ids = {"instance_id": live.prefill, "request_id": int(live.request_id), "attempt": live.attempt}
+        dispatcher._dispatch(wire.PrefillStarted(**ids))
+        done = {"prefix_tokens": 0, "computed_tokens": 24, "fetched_blocks": 0, "streamed_blocks": 1, "events": ()}
+        dispatcher._dispatch(wire.PrefillDone(**ids, **done))
+
+    async def scenario() -> None:
+        sampling = SamplingOptions(max_tokens=4)
+        dispatcher._worker_failed(InstanceId("prefill-1"))  # both requests go to prefill-0
+        stranded = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+        joined = dispatcher.admit(list(range(200, 224)), sampling, dispatcher.now())
+        first = "prefill-0"
+        assert stranded.prefill == joined.prefill == first
+        await dispatcher._probe(dispatcher.workers["prefill-1"])  # it answers: up again
+        assert dispatcher.workers["prefill-1"].up
+        for live in (stranded, joined):
+            dispatcher.submit(live)
+            prefilled(live)
+        dispatcher._dispatch(
+            wire.DecodeJoined(
+                instance_id=joined.decode,
+                request_id=int(joined.request_id),
+                attempt=0,
+                context_tokens=24,
+                output_tokens=4,
+            )
+        )
+        assert stranded.prefill_done_s is not None and stranded.joined_s is None and joined.joined_s is not None
+        dispatcher._worker_failed(InstanceId(first))
+        assert dispatcher.live[stranded.request_id] is stranded
+        assert (stranded.attempt, stranded.prefill_done_s) == (1, None) and stranded.prefill != first
+        assert dispatcher.live[joined.request_id] is joined and joined.attempt == 0  # decoding: left alone
+        assert wire.CancelPrefill(request_id=int(stranded.request_id), attempt=0) in dispatcher._stale[first]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dispatcher.close()
+        for worker in workers.values():
+            worker.close()
+
+
 def test_a_joined_request_is_in_the_health_answer_before_its_first_token_goes_out(pair: Pair) -> None:
     """The gateway's health probe must see a request on its decode engine from the moment its client can have a
     token: a client that leaves after the first one is cancelled there, and an engine that answers "idle" meanwhile
