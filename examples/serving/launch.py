@@ -422,7 +422,8 @@ class RayBackend:
     import and by every process it starts): with it, GCS, raylet (node and object manager), the
     runtime-env agent, the core workers and the autoscaler's metrics all listen on 127.0.0.1. No
     dashboard unless `include_dashboard`, and then on `host`; no usage reports unless
-    `RAY_USAGE_STATS_ENABLED` says so. Ray's C++ failure handler takes SIGTERM from Python at
+    `RAY_USAGE_STATS_ENABLED` says so; workers at the engines' own priority unless `RAY_worker_niceness` says
+    otherwise (Ray's default nices them to 15). Ray's C++ failure handler takes SIGTERM from Python at
     `ray.init` (a stack dump, then an abort): the process's Python handlers are put back after it.
     """
 
@@ -437,6 +438,10 @@ class RayBackend:
         self._saved_env: dict[str, str | None] = {}
         if address is None:  # before `import ray`: its constants read them
             self._set_env({"RAY_USAGE_STATS_ENABLED": os.environ.get("RAY_USAGE_STATS_ENABLED", "0")})
+            # Ray nices its workers to 15 by default: the engines, actors here, would then get almost no CPU on a
+            # busy machine (starting in minutes, missing the gateway's health probes).
+            niceness = os.environ.get("RAY_worker_niceness", "0")  # noqa: SIM112 (Ray spells its config so)
+            self._set_env({"RAY_worker_niceness": niceness})
             if _is_loopback(host):
                 self._set_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
         import ray

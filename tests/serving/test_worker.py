@@ -287,7 +287,12 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling(pair: Pair) -
         )
         push = prefill.messenger.push([BlockKey(k) for k in keys], prefill._peer("decode-0"), parts=1)
         decode._on_job(handed)
-        time.sleep(0.5)
+        wait_for(
+            lambda: bool(getattr(decode._arriving.get(request_id), "pinned", ())),
+            timeout=30.0,
+            what="the hand-off to wait, holding the block already there",
+        )
+        time.sleep(0.2)  # it goes on waiting: no join, no refusal
         assert request_id not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
         with pytest.raises(BlockPinnedError):  # the block already there is held while the hand-off waits
             decode.cache.remove(BlockKey(keys[0]))
