@@ -23,17 +23,18 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str, poll_s
         time.sleep(poll_s)
 
 
+def _state(stat: Path) -> str:
+    """A process's or thread's state letter from its /proc stat file (after the name, which may hold ')')."""
+    return stat.read_text().rsplit(")", 1)[1].split()[0]
+
+
 def is_running(pid: int) -> bool:
     """True while `pid` exists and is not a zombie (an orphan's zombie may wait for an init that never reaps)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _state(Path(f"/proc/{pid}/stat"))
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
-
-
-def _state(stat: Path) -> str:
-    return stat.read_text().rsplit(")", 1)[1].split()[0]
 
 
 def stop_process(pid: int, *, timeout: float = 10.0) -> None:

@@ -33,9 +33,9 @@ stops answering delays no other worker's calls or probes; its prefill jobs not
 sent yet are dropped when it is marked down. When an engine goes down, the
 requests routed to it of which no token has reached the client (waiting for
 or in their prefill, prefilled there but not yet handed on, on their way to
-the decode engine, joined but not yet stepped) are scheduled again on the engines still up (twice at most, each time
-as the next attempt, so a resumed engine's reports about an earlier attempt
-are ignored); the earlier attempt's prefill job is cancelled on its prefill
+the decode engine, joined but not yet stepped) are scheduled again on the
+engines still up (twice at most, each time as the next attempt, so a resumed
+engine's reports about an earlier attempt are ignored); the earlier attempt's prefill job is cancelled on its prefill
 engine (at once, or when a down one answers again), so a stopped decode node
 holds up a prefill engine's queue for the job running there at most. Requests
 whose tokens have begun end with a 503. A prefill engine that reports its

@@ -16,6 +16,7 @@ The workers' reports to the gateway are captured instead of sent (no gateway run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import socket
 import time
@@ -115,6 +116,30 @@ def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is
     assert not prefill._prefill_jobs
 
 
+@contextlib.contextmanager
+def dispatching(num_prefill: int, num_decode: int) -> Iterator[tuple[Dispatcher, dict[str, Worker]]]:
+    """Real workers of the tiny config whose loops are not started (their jobs stay queued) and a real dispatcher
+    over them, no gateway; all closed at the end."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=num_prefill, num_decode=num_decode)
+    secret = secrets.token_bytes(32)
+    roles = {f"prefill-{i}": "prefill" for i in range(num_prefill)} | {
+        f"decode-{i}": "decode" for i in range(num_decode)
+    }
+    workers = {
+        i: Worker(WorkerSpec(role=role, instance_id=i, config=config, secret=secret)) for i, role in roles.items()
+    }
+    infos = [{"instance_id": i, "role": roles[i], "address": w.engine.address} for i, w in workers.items()]
+    dispatcher = Dispatcher(
+        config, build_conductor(config), secret=secret, workers=infos, is_alive=lambda _: True, block_bytes=1
+    )
+    try:
+        yield dispatcher, workers
+    finally:
+        dispatcher.close()
+        for worker in workers.values():
+            worker.close()
+
+
 def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted() -> None:
     """Real workers whose loops are not started (their jobs stay queued), a real dispatcher: a request whose client
     leaves before its prefill is cancelled on its prefill worker; when a decode worker goes down, a request routed
@@ -122,61 +147,52 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
     cancelled on its prefill worker (the new one is queued there, not cancelled); a prefill's report that the decode
     node did not answer, when a probe finds it answering, reschedules that request alone; when the prefill worker is
     down, the cancel of the attempt abandoned then (its last) reaches it once a probe finds it answering again."""
-    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=2)
-    secret = secrets.token_bytes(32)
-    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
-    workers = {
-        i: Worker(WorkerSpec(role=role, instance_id=i, config=config, secret=secret)) for i, role in roles.items()
-    }
-    prefill = workers["prefill-0"]
-    infos = [{"instance_id": i, "role": roles[i], "address": w.engine.address} for i, w in workers.items()]
-    dispatcher = Dispatcher(
-        config, build_conductor(config), secret=secret, workers=infos, is_alive=lambda _: True, block_bytes=1
-    )
+    with dispatching(num_prefill=1, num_decode=2) as (dispatcher, workers):
 
-    def queued(request_id: int, attempt: int) -> bool | None:
-        """Whether the prefill worker holds that attempt cancelled (None: it does not hold it)."""
-        return prefill._prefill_jobs.get((request_id, attempt))
+        def queued(request_id: int, attempt: int) -> bool | None:
+            """Whether the prefill worker holds that attempt cancelled (None: it does not hold it)."""
+            return workers["prefill-0"]._prefill_jobs.get((request_id, attempt))
 
-    async def scenario() -> None:
-        sampling = SamplingOptions(max_tokens=4)
-        leaving = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
-        dispatcher.submit(leaving)
-        wait_for(lambda: queued(int(leaving.request_id), 0) is False, timeout=10.0, what="the first job at the worker")
-        dispatcher.end(leaving, Outcome.ABORTED, Reason.CLIENT_GONE)
-        wait_for(lambda: queued(int(leaving.request_id), 0), timeout=10.0, what="the cancel of the left request")
+        async def scenario() -> None:
+            sampling = SamplingOptions(max_tokens=4)
+            leaving = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+            dispatcher.submit(leaving)
+            wait_for(
+                lambda: queued(int(leaving.request_id), 0) is False, timeout=10.0, what="the first job at the worker"
+            )
+            dispatcher.end(leaving, Outcome.ABORTED, Reason.CLIENT_GONE)
+            wait_for(lambda: queued(int(leaving.request_id), 0), timeout=10.0, what="the cancel of the left request")
 
-        moved = dispatcher.admit(list(range(100, 124)), sampling, dispatcher.now())
-        dispatcher.submit(moved)
-        rid, first = int(moved.request_id), moved.decode
-        wait_for(lambda: queued(rid, 0) is False, timeout=10.0, what="the second job at the worker")
-        dispatcher._worker_failed(first)
-        assert dispatcher.live[moved.request_id] is moved and moved.attempt == 1 and moved.decode != first
-        wait_for(lambda: queued(rid, 0) and queued(rid, 1) is False, timeout=10.0, what="attempt 0 cancelled")
+            moved = dispatcher.admit(list(range(100, 124)), sampling, dispatcher.now())
+            dispatcher.submit(moved)
+            rid, first = int(moved.request_id), moved.decode
+            wait_for(lambda: queued(rid, 0) is False, timeout=10.0, what="the second job at the worker")
+            dispatcher._worker_failed(first)
+            assert dispatcher.live[moved.request_id] is moved and moved.attempt == 1 and moved.decode != first
+            wait_for(lambda: queued(rid, 0) and queued(rid, 1) is False, timeout=10.0, what="attempt 0 cancelled")
 
-        # A prefill's report that the decode node did not answer, though it does: a probe finds it up, so it keeps
-        # its streams, and the request alone is scheduled again (attempt 2), attempt 1 cancelled
-        report = wire.PrefillFailed(
-            instance_id="prefill-0", request_id=rid, attempt=1, error="timed out", peer=moved.decode, events=()
-        )
-        dispatcher._dispatch(report)
-        await asyncio.gather(*dispatcher._probes)
-        assert dispatcher.workers[moved.decode].up and moved.attempt == 2 and dispatcher.live[moved.request_id] is moved
-        wait_for(lambda: queued(rid, 1) and queued(rid, 2) is False, timeout=10.0, what="attempt 1 cancelled")
+            # A prefill's report that the decode node did not answer, though it does: a probe finds it up, so it keeps
+            # its streams, and the request alone is scheduled again (attempt 2), attempt 1 cancelled
+            report = wire.PrefillFailed(
+                instance_id="prefill-0", request_id=rid, attempt=1, error="timed out", peer=moved.decode, events=()
+            )
+            dispatcher._dispatch(report)
+            await asyncio.gather(*dispatcher._probes)
+            assert (
+                dispatcher.workers[moved.decode].up
+                and moved.attempt == 2
+                and dispatcher.live[moved.request_id] is moved
+            )
+            wait_for(lambda: queued(rid, 1) and queued(rid, 2) is False, timeout=10.0, what="attempt 1 cancelled")
 
-        dispatcher._worker_failed(InstanceId("prefill-0"))  # attempt 2 is abandoned too, its worker down
-        assert moved.request_id not in dispatcher.live  # no prefill engine is left to take it (no attempt left)
-        assert queued(rid, 2) is False  # not told yet: it is down
-        await dispatcher._probe(dispatcher.workers["prefill-0"])  # it answers: marked up, and told
-        assert dispatcher.workers["prefill-0"].up
-        wait_for(lambda: queued(rid, 2), timeout=10.0, what="attempt 2 cancelled once its worker answers")
+            dispatcher._worker_failed(InstanceId("prefill-0"))  # attempt 2 is abandoned too, its worker down
+            assert moved.request_id not in dispatcher.live  # no prefill engine is left to take it (no attempt left)
+            assert queued(rid, 2) is False  # not told yet: it is down
+            await dispatcher._probe(dispatcher.workers["prefill-0"])  # it answers: marked up, and told
+            assert dispatcher.workers["prefill-0"].up
+            wait_for(lambda: queued(rid, 2), timeout=10.0, what="attempt 2 cancelled once its worker answers")
 
-    try:
         asyncio.run(scenario())
-    finally:
-        dispatcher.close()
-        for worker in workers.values():
-            worker.close()
 
 
 def test_a_request_prefilled_but_not_handed_on_is_rerouted_when_its_prefill_worker_goes_down() -> None:
@@ -184,57 +200,43 @@ def test_a_request_prefilled_but_not_handed_on_is_rerouted_when_its_prefill_work
     hands the request on. When it is marked down, such a request is scheduled again on the other prefill worker as
     its next attempt (instead of waiting out the request timeout, a 504), and the abandoned attempt is cancelled
     there once it answers. A request its decode node has joined stays where it is."""
-    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=2, num_decode=1)
-    secret = secrets.token_bytes(32)
-    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
-    workers = {
-        i: Worker(WorkerSpec(role=role, instance_id=i, config=config, secret=secret)) for i, role in roles.items()
-    }
-    infos = [{"instance_id": i, "role": roles[i], "address": w.engine.address} for i, w in workers.items()]
-    dispatcher = Dispatcher(
-        config, build_conductor(config), secret=secret, workers=infos, is_alive=lambda _: True, block_bytes=1
-    )
+    with dispatching(num_prefill=2, num_decode=1) as (dispatcher, _workers):
 
-    def prefilled(live: Any) -> None:
-        ids = {"instance_id": live.prefill, "request_id": int(live.request_id), "attempt": live.attempt}
-        dispatcher._dispatch(wire.PrefillStarted(**ids))
-        done = {"prefix_tokens": 0, "computed_tokens": 24, "fetched_blocks": 0, "streamed_blocks": 1, "events": ()}
-        dispatcher._dispatch(wire.PrefillDone(**ids, **done))
+        def prefilled(live: Any) -> None:
+            ids = {"instance_id": live.prefill, "request_id": int(live.request_id), "attempt": live.attempt}
+            dispatcher._dispatch(wire.PrefillStarted(**ids))
+            done = {"prefix_tokens": 0, "computed_tokens": 24, "fetched_blocks": 0, "streamed_blocks": 1, "events": ()}
+            dispatcher._dispatch(wire.PrefillDone(**ids, **done))
 
-    async def scenario() -> None:
-        sampling = SamplingOptions(max_tokens=4)
-        dispatcher._worker_failed(InstanceId("prefill-1"))  # both requests go to prefill-0
-        stranded = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
-        joined = dispatcher.admit(list(range(200, 224)), sampling, dispatcher.now())
-        first = "prefill-0"
-        assert stranded.prefill == joined.prefill == first
-        await dispatcher._probe(dispatcher.workers["prefill-1"])  # it answers: up again
-        assert dispatcher.workers["prefill-1"].up
-        for live in (stranded, joined):
-            dispatcher.submit(live)
-            prefilled(live)
-        dispatcher._dispatch(
-            wire.DecodeJoined(
-                instance_id=joined.decode,
-                request_id=int(joined.request_id),
-                attempt=0,
-                context_tokens=24,
-                output_tokens=4,
+        async def scenario() -> None:
+            sampling = SamplingOptions(max_tokens=4)
+            dispatcher._worker_failed(InstanceId("prefill-1"))  # both requests go to prefill-0
+            stranded = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+            joined = dispatcher.admit(list(range(200, 224)), sampling, dispatcher.now())
+            first = "prefill-0"
+            assert stranded.prefill == joined.prefill == first
+            await dispatcher._probe(dispatcher.workers["prefill-1"])  # it answers: up again
+            assert dispatcher.workers["prefill-1"].up
+            for live in (stranded, joined):
+                dispatcher.submit(live)
+                prefilled(live)
+            dispatcher._dispatch(
+                wire.DecodeJoined(
+                    instance_id=joined.decode,
+                    request_id=int(joined.request_id),
+                    attempt=0,
+                    context_tokens=24,
+                    output_tokens=4,
+                )
             )
-        )
-        assert stranded.prefill_done_s is not None and stranded.joined_s is None and joined.joined_s is not None
-        dispatcher._worker_failed(InstanceId(first))
-        assert dispatcher.live[stranded.request_id] is stranded
-        assert (stranded.attempt, stranded.prefill_done_s) == (1, None) and stranded.prefill != first
-        assert dispatcher.live[joined.request_id] is joined and joined.attempt == 0  # decoding: left alone
-        assert wire.CancelPrefill(request_id=int(stranded.request_id), attempt=0) in dispatcher._stale[first]
+            assert stranded.prefill_done_s is not None and stranded.joined_s is None and joined.joined_s is not None
+            dispatcher._worker_failed(InstanceId(first))
+            assert dispatcher.live[stranded.request_id] is stranded
+            assert (stranded.attempt, stranded.prefill_done_s) == (1, None) and stranded.prefill != first
+            assert dispatcher.live[joined.request_id] is joined and joined.attempt == 0  # decoding: left alone
+            assert wire.CancelPrefill(request_id=int(stranded.request_id), attempt=0) in dispatcher._stale[first]
 
-    try:
         asyncio.run(scenario())
-    finally:
-        dispatcher.close()
-        for worker in workers.values():
-            worker.close()
 
 
 def test_a_joined_request_is_in_the_health_answer_before_its_first_token_goes_out(pair: Pair) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import attrs
 import numpy as np
 import pytest
 import xxhash
@@ -39,7 +40,7 @@ from tests.transfer.peer_process import pattern
 SIZE = 1 << 20
 CONFIG = EngineConfig(io_timeout_s=0.5, idle_timeout_s=60.0, max_frame_bytes=4 << 20, slice_bytes=1 << 20)
 # For the tests that show an error comes at once, not after a wait: an I/O timeout no pause of a busy machine reaches.
-PATIENT = EngineConfig(io_timeout_s=3.0, idle_timeout_s=60.0, max_frame_bytes=4 << 20, slice_bytes=1 << 20)
+PATIENT = attrs.evolve(CONFIG, io_timeout_s=3.0)
 
 
 @pytest.fixture(scope="module")
