@@ -90,12 +90,25 @@ def is_compiled() -> bool:
 
 
 def jit(**options: Any) -> Callable[[_F], _F]:
-    """`numba.njit(**options)` where numba imports; else a decorator returning the function unchanged."""
+    """`numba.njit(**options)` where numba imports; else a decorator returning the function unchanged.
+
+    With `cache=True`, a function numba finds nowhere to cache on disk (an install it cannot write beside,
+    with no writable `~/.cache` and no `NUMBA_CACHE_DIR`: a read-only container running as another user)
+    is compiled without the disk cache, in memory once per process, instead of failing the import.
+    """
     if not numba_available():
         return lambda function: function
     import numba
 
-    return numba.njit(**options)  # type: ignore[no-any-return]
+    def decorate(function: _F) -> _F:
+        try:
+            return numba.njit(**options)(function)  # type: ignore[no-any-return]
+        except RuntimeError as error:
+            if not options.get("cache") or "cannot cache" not in str(error):
+                raise
+            return numba.njit(**{**options, "cache": False})(function)  # type: ignore[no-any-return]
+
+    return decorate
 
 
 def plain_kernels(module: ModuleType) -> dict[str, Callable[..., Any]]:

@@ -27,6 +27,8 @@ import numba
 import numpy as np
 from numba import types
 
+from mooncake.cache._compiled import jit
+
 __all__ = ["parallel", "single"]
 
 
@@ -65,7 +67,7 @@ _STATE_BYTES = 2048
 _STATE_ALIGN = 64
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _chain(tokens, start, stop, parent, block_size, seed, out, k):  # type: ignore[no-untyped-def]
     # numpy's native order is little-endian on every platform numba targets here,
     # so the parent slot and the tokens are already le64 and le32.
@@ -86,13 +88,13 @@ def _chain(tokens, start, stop, parent, block_size, seed, out, k):  # type: igno
         start = end
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def single(tokens, parent, block_size, seed, out):  # type: ignore[no-untyped-def]
     """Hash one request's tokens in blocks of `block_size` (the last may be partial), chaining from `parent`."""
     _chain(tokens, 0, tokens.size, parent, block_size, seed, out, 0)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@jit(cache=True, nogil=True, parallel=True)
 def parallel(tokens, token_offsets, parents, block_size, seed, out, out_offsets):  # type: ignore[no-untyped-def]
     """Request r = ``tokens[token_offsets[r]:token_offsets[r+1]]`` from ``parents[r]`` into ``out[out_offsets[r]:]``."""
     for r in numba.prange(token_offsets.size - 1):
