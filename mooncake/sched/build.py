@@ -157,8 +157,6 @@ def build_conductor(
     limits = (
         decode_limits if decode_limits is not None else DecodeLimits(kv_capacity_tokens=decode_cost.capacity_tokens())
     )
-    for instance in prefill_instances:
-        conductor.add_prefill_instance(InstanceId(instance))
-    for instance in decode_instances:
-        conductor.add_decode_instance(InstanceId(instance), limits)
+    conductor.add_prefill_instances(InstanceId(instance) for instance in prefill_instances)
+    conductor.add_decode_instances((InstanceId(instance) for instance in decode_instances), limits)
     return conductor

@@ -43,7 +43,7 @@ import heapq
 import math
 import random
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -207,25 +207,39 @@ class Conductor:
     # ------------------------------------------------------------------ instances
 
     def add_prefill_instance(self, instance_id: InstanceId) -> None:
-        self._check_new(instance_id)
-        self._prefill[instance_id] = PrefillView(instance_id)
+        self.add_prefill_instances((instance_id,))
+
+    def add_prefill_instances(self, instance_ids: Iterable[InstanceId]) -> None:
+        """Prefill instances, all checked before any is added; the board is rebuilt once (a cluster of n
+        instances added one at a time costs O(n²))."""
+        new = tuple(instance_ids)
+        self._check_new(*new)
+        for instance_id in new:
+            self._prefill[instance_id] = PrefillView(instance_id)
+            self._owner[instance_id] = len(self._owner)
         self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
-        self._owner[instance_id] = len(self._owner)
         self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
 
     def add_decode_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """A decode instance that holds what `limits` say (its KV, batch slots, a request's context)."""
-        self._check_new(instance_id, limits)
-        self._decode[instance_id] = DecodeView(instance_id, limits)
+        self.add_decode_instances((instance_id,), limits)
+
+    def add_decode_instances(self, instance_ids: Iterable[InstanceId], limits: DecodeLimits) -> None:
+        """Decode instances, each holding what `limits` say, all checked before any is added; the board is
+        rebuilt once."""
+        new = tuple(instance_ids)
+        self._check_new(*new, decode_limits=(limits,))
+        for instance_id in new:
+            self._decode[instance_id] = DecodeView(instance_id, limits)
+            self._incoming[instance_id] = {}
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
-        self._incoming[instance_id] = {}
 
     def add_coupled_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """An instance that prefills and decodes on the same GPUs (a vLLM or SGLang server without
         disaggregation): a request routed to it decodes there, checked by the decode rule against
         `limits`, and it never decodes what another instance prefilled. Its prefill and decode
         events name it under the one id."""
-        self._check_new(instance_id, limits)
+        self._check_new(instance_id, decode_limits=(limits,))
         self.add_prefill_instance(instance_id)
         self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
@@ -650,15 +664,18 @@ class Conductor:
                 f"Conductor{other}: add it with add_{kind}_instance first"
             )
 
-    def _check_new(self, instance_id: InstanceId, *decode_limits: DecodeLimits) -> None:
-        """A new instance's id (and a decode instance's limits), checked before anything is registered,
-        so that a failed add changes nothing."""
-        require_str("an instance id", instance_id)
-        if instance_id in self._prefill or instance_id in self._decode:
-            raise ConfigError(f"instance {instance_id} is already known")
-        for limits in decode_limits:
-            if not isinstance(limits, DecodeLimits):
-                raise ConfigError(f"limits of instance {instance_id} must be DecodeLimits, got {limits!r}")
+    def _check_new(self, *instance_ids: InstanceId, decode_limits: tuple[DecodeLimits, ...] = ()) -> None:
+        """New instances' ids (and decode instances' limits, when given), checked before anything is
+        registered, so that a failed add changes nothing."""
+        seen: set[InstanceId] = set()
+        for instance_id in instance_ids:
+            require_str("an instance id", instance_id)
+            if instance_id in self._prefill or instance_id in self._decode or instance_id in seen:
+                raise ConfigError(f"instance {instance_id} is already known")
+            seen.add(instance_id)
+            for limits in decode_limits:
+                if not isinstance(limits, DecodeLimits):
+                    raise ConfigError(f"limits of instance {instance_id} must be DecodeLimits, got {limits!r}")
 
     def _end(self, request_id: RequestId, outcome: Outcome, reason: Reason | None, now: float) -> RequestEnd:
         flight = self._in_flight.pop(request_id)

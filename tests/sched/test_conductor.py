@@ -592,6 +592,34 @@ def test_a_failed_add_changes_nothing() -> None:
         conductor.handle(InstanceDown(instance_id=InstanceId("decode-8"), now=0.0))
 
 
+def test_instances_added_together_are_checked_first_and_equal_those_added_one_by_one() -> None:
+    """`add_*_instances` check every id, then rebuild the board once (one by one, each add rebuilds it: a
+    cluster of n instances cost O(n²)); a repeated or known id anywhere in the batch adds none of it."""
+    together, one_by_one = make_conductor(), make_conductor()
+    prefill = [InstanceId(f"extra-prefill-{i}") for i in range(5)]
+    decode = [InstanceId(f"extra-decode-{i}") for i in range(3)]
+    limits = DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=8)
+    together.add_prefill_instances(prefill)
+    together.add_decode_instances(decode, limits)
+    for instance in prefill:
+        one_by_one.add_prefill_instance(instance)
+    for instance in decode:
+        one_by_one.add_decode_instance(instance, limits)
+    for conductor in (together, one_by_one):
+        conductor.check_invariants()
+    assert [v.instance_id for v in together.prefill_views] == [v.instance_id for v in one_by_one.prefill_views]
+    assert [(v.instance_id, v.limits) for v in together.decode_views] == [
+        (v.instance_id, v.limits) for v in one_by_one.decode_views
+    ]
+    before = (together.prefill_views, together.decode_views)
+    for batch in ([InstanceId("new-0"), InstanceId("new-0")], [InstanceId("new-1"), P0]):
+        with pytest.raises(ConfigError, match="is already known"):
+            together.add_prefill_instances(batch)
+        with pytest.raises(ConfigError, match="is already known"):
+            together.add_decode_instances(batch, limits)
+    assert (together.prefill_views, together.decode_views) == before
+
+
 @pytest.mark.parametrize("block", [0, -4, 512.0, "512"])
 def test_a_block_size_that_is_not_a_positive_integer_is_refused(block: object) -> None:
     with pytest.raises(ConfigError, match="block_size_tokens must be an integer >= 1"):
