@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from paper.throughput import throughput
 from serving.registry import ROUTERS
 
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, write_json
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
@@ -49,7 +51,37 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
 }
 
 
+def _number(kind: Callable[[str], Any], *, least: float = -math.inf, above: float = -math.inf) -> Callable[[str], Any]:
+    """An option's value as `kind`, finite, >= `least` and > `above`: argparse then names the option and
+    the value it refuses, before anything runs (an unbounded value could loop forever: --sample-every 0)."""
+    bound = f">= {least:g}" if least > -math.inf else f"> {above:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (value >= least and value > above and math.isfinite(value)):
+            noun = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not is_threshold(value):
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 (inf: never transfer), got {text!r}")
+    return value
+
+
 def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A comma-separated list of `kind` (`_number(...)` for a bounded one)."""
+
     def parse(text: str) -> list[Any]:
         values = [kind(part) for part in text.split(",") if part]
         if not values:
@@ -82,20 +114,31 @@ def parser() -> argparse.ArgumentParser:
         if name == "rejection":
             q.set_defaults(speedup=2.0)
         if name == "cache":
-            q.add_argument("--capacities", type=_numbers(int), help="blocks per node, comma-separated")
-            q.add_argument("--nodes", type=_numbers(int), help="prefill node counts, comma-separated")
+            q.add_argument(
+                "--capacities", type=_numbers(_number(int, least=0)), help="blocks per node, comma-separated"
+            )
+            q.add_argument("--nodes", type=_numbers(_number(int, least=1)), help="prefill node counts, comma-separated")
         if name == "throughput":
-            q.add_argument("--lengths", type=_numbers(int), help="prompt lengths, comma-separated")
-            q.add_argument("--throughput-requests", type=int, default=300, help="requests per rate tried")
-            q.add_argument("--ttft-slo-factor", type=float, default=10.0, help="TTFT SLO = factor x a lone request's")
-            q.add_argument("--tbt-thresholds", type=_numbers(float), default=[0.1, 0.2, 0.3])
+            q.add_argument("--lengths", type=_numbers(_number(int, least=1)), help="prompt lengths, comma-separated")
+            q.add_argument(
+                "--throughput-requests", type=_number(int, least=1), default=300, help="requests per rate tried"
+            )
+            q.add_argument(
+                "--ttft-slo-factor",
+                type=_number(float, least=0),
+                default=10.0,
+                help="TTFT SLO = factor x a lone request's (0: --ttft-slo for every length)",
+            )
+            q.add_argument("--tbt-thresholds", type=_numbers(_number(float, above=0)), default=[0.1, 0.2, 0.3])
         if name == "threshold":
-            q.add_argument("--thresholds", type=_numbers(float))
+            q.add_argument("--thresholds", type=_numbers(_threshold))
         if name == "overload":
-            q.add_argument("--speedups", type=_numbers(float))
+            q.add_argument("--speedups", type=_numbers(_number(float, above=0)))
         if name == "predictors":
-            q.add_argument("--horizons", type=_numbers(float))
-            q.add_argument("--sample-every", type=float, default=5.0, help="seconds between snapshots")
+            q.add_argument("--horizons", type=_numbers(_number(float, least=0)))
+            q.add_argument(
+                "--sample-every", type=_number(float, above=0), default=5.0, help="seconds between snapshots"
+            )
     return p
 
 

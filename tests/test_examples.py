@@ -129,6 +129,26 @@ def test_experiments_refuse_an_output_path_that_is_a_file_before_running(tmp_pat
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("predictors", "--sample-every", "0"), "argument --sample-every: must be a finite number > 0, got '0'"),
+        (("predictors", "--horizons=1,-1"), "argument --horizons: must be a finite number >= 0, got '-1'"),
+        (("predictors", "--sample-every", "1e-9"), "snapshots of the"),
+        (("cache", "--nodes", "2,0"), "argument --nodes: must be an integer >= 1, got '0'"),
+        (("throughput", "--ttft-slo-factor", "-1"), "argument --ttft-slo-factor: must be a finite number >= 0"),
+        (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),
+        (("overload", "--speedups=2,nan"), "argument --speedups: must be a finite number > 0, got 'nan'"),
+    ],
+)
+def test_experiments_refuse_out_of_range_values_by_name(argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    """An experiment's own options are bounded before anything runs: --sample-every 0 once sampled until the
+    kernel killed the process, a negative horizon was a traceback, a negative factor silently meant another SLO."""
+    done = run("experiments.py", *argv, *SMALL, "--out", str(tmp_path), "--no-progress", check=False)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     ("experiment", "extra", "key"),
     [
         (

@@ -15,7 +15,7 @@ import attrs
 import simulation
 from serving import registry
 
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
     ExpectedOutputPredictor,
@@ -33,6 +33,8 @@ from mooncake.sim.spec import build_conductor
 from paper.common import Report, header
 
 __all__ = ["CurrentLoad", "predictors"]
+
+MAX_SNAPSHOTS = 100_000  # sampling times per decode instance
 
 
 @attrs.frozen
@@ -82,6 +84,11 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     if not requests:
         raise MooncakeError("the workload is empty")
     start, end = requests[warm_up].arrival_s, requests[-1].arrival_s
+    if (end - start) / args.sample_every > MAX_SNAPSHOTS:  # a typo would otherwise look like a hang
+        raise ConfigError(
+            f"--sample-every {args.sample_every:g} takes {(end - start) / args.sample_every:,.0f} snapshots of "
+            f"the {end - start:,.0f} s scored; at most {MAX_SNAPSHOTS:,} (a larger --sample-every)"
+        )
     t = start
     while t <= end:
         cluster.loop.at(t, observe)
