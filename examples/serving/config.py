@@ -9,12 +9,12 @@
     [decode]   max_batch_size, max_context_tokens
     [limits]   max_prompt_tokens, default_max_tokens, request_timeout_s, health_interval_s,
                header_timeout_s, body_timeout_s, max_connections, max_connections_per_client,
-               health_probe_backoff_max_s
+               health_probe_backoff_max_s, admission_wait_s
 
 Each section is a frozen attrs record (`ModelSection`, ..., `LimitsSection`)
 whose fields carry their rule: the type is the default's (an int given for a
 float field becomes a float), numbers are finite and within bounds (durations
-above zero and at most a day, ports 0..65535, integers below 2**63), strings
+above zero and at most a day, `admission_wait_s` zero too, ports 0..65535, integers below 2**63), strings
 from a set or of a shape (a host name or address, an API key of visible ASCII,
 a path without NUL). `ClusterConfig` holds one record per section and the file
 it came from, and checks the rules across sections:
@@ -367,7 +367,9 @@ class LimitsSection:
     health loop's period and the cap of its backoff for a worker that does not
     answer (`health_probe_backoff_max_s`, at least the period); the time a
     client has to send its headers and its body; open connections in all and
-    per client address.
+    per client address; how long a request the decode side has no room for may wait for it before
+    its prefill (`admission_wait_s`, within its TTFT objective: `sched.admission.room_wait_deadline`;
+    0 rejects it at once, as the paper's Conductor does).
     """
 
     NAME: ClassVar[str] = "limits"
@@ -380,6 +382,7 @@ class LimitsSection:
     max_connections: int = _setting(1024, minimum=1, maximum=1_000_000)
     max_connections_per_client: int = _setting(64, minimum=1, maximum=1_000_000)
     health_probe_backoff_max_s: float = _seconds(5.0, minimum=0.01, maximum=3600.0)
+    admission_wait_s: float = _setting(30.0, minimum=0.0, maximum=DAY_S)
 
 
 SECTIONS: dict[str, type[Any]] = {

@@ -2,7 +2,8 @@
 
 The `Dispatcher` holds the Conductor, a control connection to every worker and
 the table of live requests. `admit` keys a request's blocks and lets the
-Conductor decide (a rejection is a 429, no engine up a 503); `submit` sends an
+Conductor decide (a rejection is a 429, no engine up a 503; one for room the
+decode side frees as its requests end waits first: `admit`); `submit` sends an
 accepted request to its prefill worker (a `wire.PrefillJob` with the
 decision's transfer plan). The workers report progress with `serving.wire`
 messages that arrive on the transfer engine's threads, are decoded there (a
@@ -56,6 +57,7 @@ order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import secrets
@@ -68,7 +70,8 @@ import attrs
 import numpy as np
 
 from mooncake.errors import MooncakeError
-from mooncake.sched.conductor import Conductor
+from mooncake.sched.admission import room_wait_deadline
+from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.view import (
     DecodeFinished,
@@ -213,6 +216,9 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
+        # Requests waiting for room on the decode side (`admit`), the longest waiting first: each a future that a
+        # request's end (or an engine coming up) resolves, to schedule that request again.
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
     def up(self) -> dict[str, bool]:
@@ -233,9 +239,15 @@ class Dispatcher:
         self.engine.close()
 
     def shut_down_requests(self) -> None:
-        """End every live request with a 503 saying the cluster is shutting down (on the event loop's thread)."""
+        """End every live request, and every one waiting for room, with a 503 saying the cluster is shutting down
+        (on the event loop's thread)."""
         for live in list(self.live.values()):
             live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_exception(ApiError(503, "the cluster is shutting down"))
+        self._count_waiting()
 
     def now(self) -> float:
         """Seconds since the dispatcher started: the Conductor's clock."""
@@ -259,11 +271,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ scheduling
 
-    def admit(self, tokens: list[int], sampling: SamplingOptions, arrival: float) -> LiveRequest:
+    async def admit(self, tokens: list[int], sampling: SamplingOptions, arrival: float) -> LiveRequest:
         """Schedule a request (its `max_tokens` settled: `api.generation_limit`); it is live once this returns.
 
+        A request the Conductor rejects for room the decode side frees as its requests end (a full batch, no KV
+        room, a step over the TBT objective) waits for it, before any prefill: it is scheduled again each time a
+        request ends or an engine comes up, the longest waiting first, until `admission.room_wait_deadline`
+        (at most `[limits] admission_wait_s` after its arrival, and only while it could still meet its TTFT
+        objective). vLLM queues such a request; the paper's Conductor rejects it at once (a wait of 0).
+
         Raises:
-            ApiError: the Conductor's rejection (`_rejection`): 503 when no prefill or no decode engine is up.
+            ApiError: the Conductor's rejection (`_rejection`), once the request may wait no longer: 503 when no
+                prefill or no decode engine is up.
         """
         for role, reason in (("prefill", Reason.NO_PREFILL_INSTANCE), ("decode", Reason.NO_DECODE_INSTANCE)):
             if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
@@ -283,15 +302,81 @@ class Dispatcher:
             block_size_tokens=self.hasher.block_size_tokens,
         )
         live = LiveRequest(request_id, tokens, request, sampling, arrival)
-        self._schedule(live)
-        return live
+        waited = False
+        while True:
+            decision = self.conductor.schedule(request, self.now())
+            if decision.accepted:
+                self._accepted(live, decision)
+                if waited:
+                    self._room_freed()  # there may be room for the next in line too
+                return live
+            assert decision.reason is not None
+            deadline = room_wait_deadline(
+                decision.reason,
+                estimated_ttft_s=decision.ttft_s,
+                arrival_s=arrival,
+                slo=self.conductor.slo,
+                max_wait_s=self.config.limits.admission_wait_s,
+            )
+            if self.now() >= deadline:
+                self.metrics.rejections[decision.reason.value].inc()
+                raise _rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL)
+            await self._wait_for_room(deadline, first=waited)  # a retry keeps its place at the head
+            waited = True
+
+    async def _wait_for_room(self, deadline: float, *, first: bool) -> None:
+        """Wait in line until a request's end wakes this one (`_room_freed`) or `deadline` passes.
+
+        Raises:
+            ApiError: the cluster is shutting down (a 503).
+        """
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if first:
+            self._waiting.appendleft(waiter)
+        else:
+            self._waiting.append(waiter)
+        self._count_waiting()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.now())):
+                await waiter
+        except TimeoutError:
+            pass  # tried once more, then rejected
+        except asyncio.CancelledError:  # the client left: a wake it took goes to the next in line
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._room_freed()
+            raise
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            self._count_waiting()
+
+    def _room_freed(self) -> None:
+        """A request ended or an engine came up: the request waiting longest is scheduled again (it wakes the
+        next when it is accepted)."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+        self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        self.metrics.admission_waiting.set(len(self._waiting))
 
     def _schedule(self, live: LiveRequest) -> None:
+        """Schedule a request again at once (after an engine of its went down): no wait, it has waited once.
+
+        Raises:
+            ApiError: the Conductor's rejection (`_rejection`).
+        """
         decision = self.conductor.schedule(live.request, self.now())
         if not decision.accepted:
             assert decision.reason is not None
             self.metrics.rejections[decision.reason.value].inc()
             raise _rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL)
+        self._accepted(live, decision)
+
+    def _accepted(self, live: LiveRequest, decision: ScheduleDecision) -> None:
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         live.prefill, live.decode = decision.prefill_instance, decision.decode_instance
         plan = decision.transfer
@@ -402,7 +487,9 @@ class Dispatcher:
             )
         else:
             event = RequestAborted(request_id=live.request_id, now=now, reason=reason or Reason.FAILED)
-        return self.conductor.handle(event)
+        ends = self.conductor.handle(event)
+        self._room_freed()
+        return ends
 
     def _finished(self, live: LiveRequest, reason: str, now: float) -> None:
         record = FinishedRequest(
@@ -616,6 +703,7 @@ class Dispatcher:
             LOG.warning("worker %s answers again: marked up", instance)
             state.up = True
             self.conductor.handle(InstanceUp(instance_id=instance, now=self.now()))
+            self._room_freed()
             for job in self._stale[instance]:  # jobs still queued there that were rerouted while it was down
                 self._calls[instance].submit(self._tell, instance, job)
             self._stale[instance].clear()

@@ -273,7 +273,7 @@ class Gateway:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
             tokens = prompt_tokens(parsed, self.tokenizer, self.served)
-            live = dispatcher.admit(tokens, generation_limit(parsed.sampling, len(tokens), self.served), arrival)
+            live = await dispatcher.admit(tokens, generation_limit(parsed.sampling, len(tokens), self.served), arrival)
         except ApiError as error:
             self.metrics.responses[str(error.status)].inc()
             raise

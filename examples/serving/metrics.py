@@ -233,6 +233,11 @@ class ServingMetrics:
             engine,
         )
         self.up = series(Gauge, "engine_up", "1 while the engine is up, 0 while the gateway holds it down.", engine)
+        self.admission_waiting = series(
+            Gauge,
+            "num_requests_admission_waiting",
+            "Requests the gateway holds before their prefill until the decode side has room ([limits] admission_wait_s).",
+        )[()]
         # Tokens (vLLM's counters count tokens).
         self.prompt_tokens = series(Counter, "prompt_tokens", "Prompt tokens prefilled (cached ones included).", engine)
         self.prefix_queries = series(

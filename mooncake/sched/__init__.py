@@ -8,11 +8,13 @@ server needs is exported here.
 from __future__ import annotations
 
 from mooncake.sched.admission import (
+    WAITS_FOR_ROOM,
     AdmissionDecision,
     AdmissionPolicy,
     BaselineAdmission,
     EarlyRejection,
     predictive_early_rejection,
+    room_wait_deadline,
 )
 from mooncake.sched.build import RouterFactory, build_conductor, ttft_estimator
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -143,6 +145,7 @@ __all__ = [
     "TransferPlan",
     "TtftEstimator",
     "UniformDecodePredictor",
+    "WAITS_FOR_ROOM",
     "build_conductor",
     "check_join",
     "choose_decode",
@@ -150,6 +153,7 @@ __all__ = [
     "local_cache_aware_router",
     "predictive_early_rejection",
     "reason_named",
+    "room_wait_deadline",
     "score_predictor",
     "ttft_estimator",
     "uniform_decode_s",

@@ -17,10 +17,18 @@ TBT).
   when the request will reach decoding (now + estimated TTFT): requests that
   will have finished by then no longer count, those whose prefill ends before
   then do.
+
+A rejection for room the decode side frees as its own requests end (a full
+batch, no KV room, the TBT objective: `WAITS_FOR_ROOM`) need not be final: a
+caller may hold the request before any prefill and schedule it again when a
+request ends, until `room_wait_deadline` (vLLM's scheduler queues such a
+request; the paper's Conductor rejects it at once, a wait of 0). The example
+cluster's gateway and the simulator (`ClusterSpec.admission_wait_s`) both ask it.
 """
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Literal, Protocol
 
@@ -37,7 +45,9 @@ __all__ = [
     "BaselineAdmission",
     "EarlyRejection",
     "LOAD_AT",
+    "WAITS_FOR_ROOM",
     "predictive_early_rejection",
+    "room_wait_deadline",
 ]
 
 
@@ -110,3 +120,23 @@ class EarlyRejection:
 def predictive_early_rejection() -> EarlyRejection:
     """The predictive variant of `EarlyRejection`."""
     return EarlyRejection(predictive=True)
+
+
+WAITS_FOR_ROOM = frozenset({Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.TBT_SLO})
+"""The rejections that the decode side's requests ending can lift: batch slots, KV room, a step within the TBT
+objective. The others cannot (no instance up, a context no instance holds) or grow worse with waiting (TTFT)."""
+
+
+def room_wait_deadline(
+    reason: Reason, *, estimated_ttft_s: float | None, arrival_s: float, slo: Slo, max_wait_s: float
+) -> float:
+    """Until when a request rejected for `reason` may wait for room and be scheduled again (-inf: not at all).
+
+    Only a rejection in `WAITS_FOR_ROOM` waits, and only while the request could still meet its TTFT objective
+    with the time waited counted (`arrival_s` + the objective - the TTFT the rejection estimated), and at most
+    `max_wait_s` after its arrival (0: never, the paper's early rejection). The request is never prefilled
+    while it waits, so a wait that ends in a rejection wastes nothing.
+    """
+    if reason not in WAITS_FOR_ROOM or estimated_ttft_s is None or not max_wait_s > 0:
+        return -math.inf
+    return min(arrival_s + max_wait_s, arrival_s + slo.ttft_s - estimated_ttft_s)

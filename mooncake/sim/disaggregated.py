@@ -29,6 +29,12 @@ never visits a prefill instance.
 In local-cache mode (`global_pool=False`) nodes never fetch each other's
 blocks: the KV-cache-centric router becomes the local-cache-aware one.
 
+With `admission_wait_s` > 0, a request the Conductor rejects for room the
+decode side frees as its requests end waits before any prefill, the longest
+waiting first, and is scheduled again whenever a request ends, until
+`sched.admission.room_wait_deadline` (as the example cluster's gateway does);
+with 0 (the default, the paper's) it is rejected at once.
+
 Everything is deterministic for a given workload, spec and seed.
 """
 
@@ -42,7 +48,7 @@ import attrs
 
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.sched.admission import AdmissionPolicy
+from mooncake.sched.admission import AdmissionPolicy, room_wait_deadline
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import PrefillCostModel, occupancy_s
@@ -74,6 +80,16 @@ class _Queued:
     record: RequestRecord
     decision: ScheduleDecision
     ready_s: float  # when its planned transfer has arrived
+
+
+@attrs.define(eq=False)
+class _Waiting:
+    """A request waiting for room on the decode side, until `deadline_s`; `waiting` turns False when it leaves."""
+
+    request: Request
+    record: RequestRecord
+    deadline_s: float
+    waiting: bool = True
 
 
 @attrs.define(eq=False)
@@ -180,6 +196,7 @@ class DisaggregatedCluster:
         self._prefill_count = 0
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
+        self._waiting: deque[_Waiting] = deque()  # for room on the decode side, the longest waiting first
 
     def run(
         self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
@@ -201,13 +218,51 @@ class DisaggregatedCluster:
     # ------------------------------------------------------------------ prefill side
 
     def _arrive(self, now: float, request: Request) -> None:
-        record = self.replay.open(now, request)
+        self._schedule(now, request, self.replay.open(now, request), waited=False)
+
+    def _schedule(self, now: float, request: Request, record: RequestRecord, *, waited: bool) -> bool:
+        """Ask the Conductor; False when the request waits for room (at the head of the line if it `waited`)."""
         decision = self.conductor.schedule(request, now)
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
         if not decision.accepted:
             assert decision.reason is not None
+            deadline = room_wait_deadline(
+                decision.reason,
+                estimated_ttft_s=decision.ttft_s,
+                arrival_s=record.arrival_s,
+                slo=self.slo,
+                max_wait_s=self.spec.admission_wait_s,
+            )
+            if now < deadline:
+                entry = _Waiting(request, record, deadline)
+                if waited:
+                    self._waiting.appendleft(entry)
+                else:
+                    self._waiting.append(entry)
+                self.loop.at(deadline, self._give_up, entry)
+                return False
             self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason)
-            return
+            return True
+        self._admit(now, request, record, decision)
+        return True
+
+    def _room_freed(self, now: float) -> None:
+        """A request ended: those waiting for room are scheduled again, the longest waiting first, until one
+        still finds none."""
+        while self._waiting:
+            entry = self._waiting.popleft()
+            entry.waiting = False
+            if not self._schedule(now, entry.request, entry.record, waited=True):
+                return
+
+    def _give_up(self, now: float, entry: _Waiting) -> None:
+        """The request's wait is over: one last try, then rejected."""
+        if entry.waiting:
+            entry.waiting = False
+            self._waiting.remove(entry)
+            self._schedule(now, entry.request, entry.record, waited=True)
+
+    def _admit(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> None:
         assert decision.prefill_instance is not None and decision.decode_instance is not None
         if self._try_inline(now, request, record, decision):
             return
@@ -331,6 +386,8 @@ class DisaggregatedCluster:
                     request_id=record.request_id, instance_id=record.decode_instance, now=now, reason=verdict.reason
                 )
             )
+            if self._waiting:
+                self.loop.at(now, self._room_freed)
             return
         self._enqueue(now, side, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
 
@@ -396,3 +453,5 @@ class DisaggregatedCluster:
                 generated_tokens=record.output_tokens,
             )
         )
+        if self._waiting:  # tried as an event of its own: a finish may be in the middle of a batch boundary
+            self.loop.at(now, self._room_freed)

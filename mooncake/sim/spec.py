@@ -82,6 +82,9 @@ class ClusterSpec:
         first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token
             at the client, beyond the modelled KV transfer (reports, the decode join, the gateway),
             measured on a real cluster (0: none); the request joins its decode batch then too.
+        admission_wait_s: how long a request rejected for room the decode side frees may wait for it before
+            its prefill, scheduled again as requests end (`sched.admission.room_wait_deadline`, the example
+            cluster's `[limits] admission_wait_s`); 0 (the paper's early rejection): rejected at once.
     """
 
     num_prefill: int = attrs.field(validator=_at_least(1))
@@ -106,8 +109,10 @@ class ClusterSpec:
     step_model: AnalyticStepModel | None = None
     decode_node_limits: DecodeLimits | None = None
     first_token_overhead_s: float = attrs.field(default=0.0)
+    admission_wait_s: float = attrs.field(default=0.0)
 
     @first_token_overhead_s.validator
+    @admission_wait_s.validator
     def _check_overhead(self, attribute: attrs.Attribute[float], value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise ConfigError(f"ClusterSpec.{attribute.name} must be a finite number >= 0, got {value!r}")

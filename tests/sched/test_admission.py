@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockStored
 from mooncake.sched.admission import (
+    WAITS_FOR_ROOM,
     AdmissionPolicy,
     BaselineAdmission,
     EarlyRejection,
     predictive_early_rejection,
+    room_wait_deadline,
 )
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
@@ -335,3 +337,26 @@ def test_accepted_requests_are_within_their_policys_slos(
             c.handle(DecodeFinished(request_id=r.request_id, instance_id=target, now=now, generated_tokens=output))
     for view in (*c.prefill_views, *c.decode_views):
         view.check_invariants()
+
+
+times = st.floats(0.0, 1e4, allow_nan=False)
+
+
+@given(st.sampled_from(list(Reason)), st.none() | times, times, times, st.floats(0.0, 1e3, allow_nan=False))
+def test_only_a_rejection_for_room_waits_and_never_past_its_ttft_objective(
+    reason: Reason, estimated_ttft_s: float | None, arrival_s: float, ttft_slo_s: float, max_wait_s: float
+) -> None:
+    """A request waits for a full batch, KV room or the TBT objective only: at most `max_wait_s` after its
+    arrival, and only while the time waited plus its estimated TTFT stays within the objective."""
+    slo = Slo(ttft_s=max(ttft_slo_s, 1e-3), tbt_s=0.1)
+    deadline = room_wait_deadline(
+        reason, estimated_ttft_s=estimated_ttft_s, arrival_s=arrival_s, slo=slo, max_wait_s=max_wait_s
+    )
+    if reason not in WAITS_FOR_ROOM or estimated_ttft_s is None or max_wait_s == 0:
+        assert deadline == -math.inf
+        return
+    event(f"waits: {deadline > arrival_s}")
+    assert deadline <= arrival_s + max_wait_s
+    assert deadline - arrival_s + estimated_ttft_s <= slo.ttft_s + 1e-9 * max(1.0, arrival_s)
+    # and no earlier than both bounds allow: it waits as long as it may
+    assert deadline >= min(arrival_s + max_wait_s, arrival_s + slo.ttft_s - estimated_ttft_s)

@@ -68,6 +68,7 @@ FAMILIES = {  # name → (type, label names of its samples, less `le`)
     "mooncake:kv_cache_usage_perc": ("gauge", {"model_name", "engine"}),
     "mooncake:gpu_cache_usage_perc": ("gauge", {"model_name", "engine"}),
     "mooncake:engine_up": ("gauge", {"model_name", "engine"}),
+    "mooncake:num_requests_admission_waiting": ("gauge", {"model_name"}),
     "mooncake:prompt_tokens": ("counter", {"model_name", "engine"}),
     "mooncake:generation_tokens": ("counter", {"model_name", "engine"}),
     "mooncake:prefix_cache_queries": ("counter", {"model_name", "engine"}),
@@ -290,7 +291,11 @@ def scenario() -> Iterator[Scenario]:
     config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=2, num_decode=1)
     config = config.with_overrides("decode", max_batch_size=1, max_context_tokens=4096)
     config = config.with_overrides(
-        "limits", max_prompt_tokens=256, default_max_tokens=16, request_timeout_s=REQUEST_TIMEOUT_S
+        "limits",
+        max_prompt_tokens=256,
+        default_max_tokens=16,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        admission_wait_s=0.0,  # F is refused at once, not held until E's slot frees
     )
     with start_cluster(config) as cluster:
         api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)

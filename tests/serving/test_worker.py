@@ -155,7 +155,7 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
 
         async def scenario() -> None:
             sampling = SamplingOptions(max_tokens=4)
-            leaving = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+            leaving = await dispatcher.admit(list(range(24)), sampling, dispatcher.now())
             dispatcher.submit(leaving)
             wait_for(
                 lambda: queued(int(leaving.request_id), 0) is False, timeout=10.0, what="the first job at the worker"
@@ -163,7 +163,7 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
             dispatcher.end(leaving, Outcome.ABORTED, Reason.CLIENT_GONE)
             wait_for(lambda: queued(int(leaving.request_id), 0), timeout=10.0, what="the cancel of the left request")
 
-            moved = dispatcher.admit(list(range(100, 124)), sampling, dispatcher.now())
+            moved = await dispatcher.admit(list(range(100, 124)), sampling, dispatcher.now())
             dispatcher.submit(moved)
             rid, first = int(moved.request_id), moved.decode
             wait_for(lambda: queued(rid, 0) is False, timeout=10.0, what="the second job at the worker")
@@ -211,8 +211,8 @@ def test_a_request_prefilled_but_not_handed_on_is_rerouted_when_its_prefill_work
         async def scenario() -> None:
             sampling = SamplingOptions(max_tokens=4)
             dispatcher._worker_failed(InstanceId("prefill-1"))  # both requests go to prefill-0
-            stranded = dispatcher.admit(list(range(24)), sampling, dispatcher.now())
-            joined = dispatcher.admit(list(range(200, 224)), sampling, dispatcher.now())
+            stranded = await dispatcher.admit(list(range(24)), sampling, dispatcher.now())
+            joined = await dispatcher.admit(list(range(200, 224)), sampling, dispatcher.now())
             first = "prefill-0"
             assert stranded.prefill == joined.prefill == first
             await dispatcher._probe(dispatcher.workers["prefill-1"])  # it answers: up again

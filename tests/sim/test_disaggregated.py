@@ -133,6 +133,7 @@ def cluster_specs(draw: st.DrawFn, **fixed: Any) -> ClusterSpec:
         "inline_prefill_tokens": draw(st.sampled_from([0, 256, 4096])),
         "network_bytes_per_s": draw(st.sampled_from([None, 2e9])),
         "sample_interval_s": draw(st.sampled_from([0.25, 1.0])),
+        "admission_wait_s": draw(st.sampled_from([0.0, 0.0, 0.5, 30.0])),
     }
     options.update(fixed)
     return make_spec(**options)
@@ -522,6 +523,8 @@ def test_bad_spec_values_are_config_errors(options: dict[str, Any], field: str) 
         ({"network_bytes_per_s": 0.0}, "network_bytes_per_s"),
         ({"network_bytes_per_s": -1e9}, "network_bytes_per_s"),
         ({"network_bytes_per_s": math.nan}, "network_bytes_per_s"),
+        ({"admission_wait_s": -1.0}, "admission_wait_s"),
+        ({"admission_wait_s": math.inf}, "admission_wait_s"),
     ],
     ids=lambda value: repr(value) if isinstance(value, dict) else None,
 )
@@ -642,6 +645,44 @@ def test_early_rejection_refuses_before_prefill(admission: str) -> None:
     assert a.outcome == Outcome.COMPLETED
     assert b.outcome == Outcome.REJECTED_BEFORE_PREFILL and b.reason is Reason.TBT_SLO
     assert b.first_token_s is None and b.prefill_s == 0.0
+
+
+def test_a_request_without_room_waits_for_it_before_its_prefill() -> None:
+    """B, refused at 3 s for the TBT objective, waits (no prefill) and is scheduled again when A ends: with a
+    TTFT objective A's decode fits into, it completes after A; with one it does not, it is rejected once the
+    wait plus its estimated TTFT would break the objective, having wasted nothing."""
+    spec, slo, requests = busy_decode_scenario()
+    a_alone = replay(spec, requests[:1], admission=EarlyRejection(), slo=slo).records[0]
+    assert a_alone.finish_s is not None and a_alone.finish_s > 30.0  # A decodes for tens of seconds
+    patient = attrs.evolve(slo, ttft_s=100.0)
+    waiting = attrs.evolve(spec, admission_wait_s=100.0)
+    a, b = replay(waiting, requests, admission=EarlyRejection(), slo=patient).records
+    assert a.outcome == b.outcome == Outcome.COMPLETED
+    assert b.first_token_s is not None and b.first_token_s > a_alone.finish_s  # it started when A ended
+    assert a.finish_s == pytest.approx(a_alone.finish_s)  # B never joined A's batch
+    hurried = attrs.evolve(slo, ttft_s=10.0)
+    result = replay(waiting, requests, admission=EarlyRejection(), slo=hurried)
+    a, b = result.records
+    assert a.outcome == Outcome.COMPLETED
+    assert (b.outcome, b.reason) == (Outcome.REJECTED_BEFORE_PREFILL, Reason.TBT_SLO)
+    assert b.prefill_s == 0.0 and result.summary.wasted_prefill_s == 0.0
+    at_once = replay(spec, requests, admission=EarlyRejection(), slo=patient).records[1]  # admission_wait_s = 0
+    assert (at_once.outcome, at_once.reason) == (Outcome.REJECTED_BEFORE_PREFILL, Reason.TBT_SLO)
+
+
+def test_requests_waiting_for_room_are_served_in_arrival_order() -> None:
+    """A decode node of one batch slot, eight requests at once: with a wait they all complete, one after another
+    in arrival order (the longest waiting first); without, the first alone."""
+    spec = make_spec(decode_node_limits=DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1))
+    requests = [make_request(f"r{i}", i * 0.001, 1000, 50, [1000 + i, 2000 + i]) for i in range(8)]
+    slo = Slo(ttft_s=1000.0, tbt_s=1.0)
+    records = replay(attrs.evolve(spec, admission_wait_s=1000.0), requests, slo=slo).records
+    assert [r.outcome for r in records] == [Outcome.COMPLETED] * 8
+    starts = [r.first_token_s for r in records]
+    assert all(x is not None for x in starts) and starts == sorted(starts)  # type: ignore[type-var]
+    alone = replay(spec, requests, slo=slo).records
+    assert [r.outcome for r in alone] == [Outcome.COMPLETED] + [Outcome.REJECTED_BEFORE_PREFILL] * 7
+    assert {r.reason for r in alone[1:]} == {Reason.BATCH_FULL}
 
 
 def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
