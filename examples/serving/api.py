@@ -299,6 +299,8 @@ def _empty(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
+COUNTS = frozenset({"n", "best_of"})  # a count of choices: a type or range error is said as such, not "unsupported"
+
 # Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _one,
@@ -447,6 +449,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         if name in UNSUPPORTED:
             if UNSUPPORTED[name](value):
                 continue
+            whole = type(value) is int or (type(value) is float and value.is_integer())  # 10**4000 too
+            if name in COUNTS and not (whole and value >= 1):
+                raise ApiError(400, f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
             raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
         ignored.append(_param(name))
     if ignored:
@@ -462,7 +467,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     # OpenAI's newer name wins where both are given; the prompt's share of the context is checked once it is
     # tokenized (`prompt_tokens`).
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens: int | None = _integer(body, limit, served.default_max_tokens, 1, served.max_context_tokens - 1)
+    # No bound of the context's here: a prompt and max_tokens over it get vLLM's context_length_exceeded, once
+    # the prompt is tokenized (`prompt_tokens`).
+    max_tokens: int | None = _integer(body, limit, served.default_max_tokens, 1, MAX_SEED)
     if chat and body.get(limit) is None:
         max_tokens = None
     sampling = SamplingOptions(
@@ -781,7 +788,7 @@ class Reply:
         return Chunk(reply=self, usage=usage, usage_only=True)
 
 
-def models_body(served: ServedModel) -> dict[str, Any]:
+def models_body(served: ServedModel, *, created: int = 0) -> dict[str, Any]:
     """`GET /v1/models`: the one served model, with the fields vLLM adds (`max_model_len`, `root`, `parent`,
     `permission`) for the tools that read them. A vLLM client takes `max_model_len` as the bound of a prompt plus
     its `max_tokens`; here the prompt alone has a lower one (`max_prompt_tokens`), so the length advertised is the
@@ -789,7 +796,7 @@ def models_body(served: ServedModel) -> dict[str, Any]:
     model = {
         "id": served.name,
         "object": "model",
-        "created": 0,
+        "created": created,  # Unix seconds: vLLM's answer's time
         "owned_by": "mooncake",
         "root": served.name,
         "parent": None,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -43,6 +44,7 @@ from typing import Any
 
 from aiohttp import HttpVersion11, web
 
+import mooncake
 from mooncake.sched.outcome import Outcome, Reason
 from serving.api import (
     DECODE_HEADER,
@@ -131,6 +133,8 @@ class Gateway:
         app.on_response_prepare.append(_cors_headers)
         for method, path, handler in self._routes():
             app.router.add_route(method, path, handler, expect_handler=self._expect)
+            if method == "GET":  # as vLLM's server and HTTP want: the headers without the body
+                app.router.add_route("HEAD", path, handler, expect_handler=self._expect)
         # Last, for any other path or method: aiohttp would answer those (and their Expect) in plain text.
         app.router.add_route("*", "/{path:.*}", self._unrouted, expect_handler=self._expect)
         app.on_startup.append(self._on_startup)
@@ -142,7 +146,12 @@ class Gateway:
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         self.site = GuardedSite(
-            runner, host, port, limits=self.edge, handler_args={**self.edge.handler_args(), "access_log": None}
+            runner,
+            host,
+            port,
+            limits=self.edge,
+            handler_args={**self.edge.handler_args(), "access_log": None},
+            on_refusal=lambda status: self.metrics.connections_refused[str(status)].inc(),
         )
         await self.site.start()
         return runner
@@ -193,6 +202,9 @@ class Gateway:
             ("GET", "/v1/models", self._models),
             ("GET", "/metrics", self._metrics),
             ("GET", "/health", self._health),
+            ("GET", "/ping", self._health),  # vLLM's (SageMaker's) name for the same check
+            ("POST", "/ping", self._health),
+            ("GET", "/version", self._version),
         ]
 
     async def _unrouted(self, request: web.Request) -> web.StreamResponse:
@@ -223,7 +235,10 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        return web.json_response(models_body(self.served))
+        return web.json_response(models_body(self.served, created=int(time.time())))
+
+    async def _version(self, _request: web.Request) -> web.Response:
+        return web.json_response({"version": mooncake.__version__})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
@@ -246,7 +261,8 @@ class Gateway:
 
     def _authorize(self, request: web.Request) -> None:
         key = self.config.cluster.api_key
-        if key and request.headers.get("Authorization", "") != f"Bearer {key}":
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if key and not hmac.compare_digest(given, f"Bearer {key}".encode()):  # in time that tells nothing of the key
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
     async def _read(self, request: web.Request, *, chat: bool) -> CompletionRequest | ChatRequest:

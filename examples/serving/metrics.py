@@ -233,6 +233,15 @@ class ServingMetrics:
             engine,
         )
         self.up = series(Gauge, "engine_up", "1 while the engine is up, 0 while the gateway holds it down.", engine)
+        self.connections_refused = series(
+            Counter,
+            "connections_refused",
+            "Client connections refused before a request was read: 429 over a client's share "
+            "([limits] max_connections_per_client), 503 over the total (max_connections).",
+            "status",
+        )
+        for status in ("429", "503"):
+            self.connections_refused[status]  # at zero from the start
         self.admission_waiting = series(
             Gauge,
             "num_requests_admission_waiting",

@@ -106,28 +106,34 @@ class ConnectionGuard:
     Invariants: `total == sum(per_client.values())`; no client has a zero entry; `lingering >= 0`.
     """
 
-    def __init__(self, limits: EdgeLimits) -> None:
+    def __init__(self, limits: EdgeLimits, *, on_refusal: Callable[[int], None] | None = None) -> None:
         self.limits = limits
         self.max_connections = connection_budget(limits.max_connections)
         self.total = 0
         self.per_client: dict[str, int] = {}
         self.lingering = 0
         self.refused = 0
+        self._on_refusal = on_refusal  # told each refusal's status (the gateway counts them in its metrics)
 
     def admit(self, client: str) -> ApiError | None:
         """Count a new connection from `client`; or the error that refuses it (counting nothing)."""
-        if self.total >= self.max_connections:
-            self.refused += 1
-            return ApiError(503, f"the gateway holds {self.total} connections, its limit", headers={"Retry-After": "1"})
         held = self.per_client.get(client, 0)
-        if held >= self.limits.max_connections_per_client:
-            self.refused += 1
+        if self.total >= self.max_connections:
+            refusal = ApiError(
+                503, f"the gateway holds {self.total} connections, its limit", headers={"Retry-After": "1"}
+            )
+        elif held >= self.limits.max_connections_per_client:
             limit = self.limits.max_connections_per_client
-            return ApiError(429, f"{held} connections from {client}, the limit per client is {limit}",
-                            headers={"Retry-After": "1"})  # fmt: skip
-        self.total += 1
-        self.per_client[client] = held + 1
-        return None
+            refusal = ApiError(429, f"{held} connections from {client}, the limit per client is {limit}",
+                               headers={"Retry-After": "1"})  # fmt: skip
+        else:
+            self.total += 1
+            self.per_client[client] = held + 1
+            return None
+        self.refused += 1
+        if self._on_refusal is not None:
+            self._on_refusal(refusal.status)
+        return refusal
 
     def release(self, client: str) -> None:
         """Forget an admitted connection of `client` (it closed)."""
@@ -269,14 +275,22 @@ class GuardedSite(web.BaseSite):
         host, port: where to listen (port 0: any free port).
         limits: the caps and deadlines.
         handler_args: the handlers' options (`EdgeLimits.handler_args` and the runner's, like `access_log`).
+        on_refusal: told the status of each connection refused (429 over a client's share, 503 over the total).
     """
 
     def __init__(
-        self, runner: web.BaseRunner, host: str, port: int, *, limits: EdgeLimits, handler_args: dict[str, Any]
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        limits: EdgeLimits,
+        handler_args: dict[str, Any],
+        on_refusal: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(runner, backlog=1024)
         self._host, self._port = host, port
-        self.guard = ConnectionGuard(limits)
+        self.guard = ConnectionGuard(limits, on_refusal=on_refusal)
         self._handler_args = {k: v for k, v in handler_args.items() if k != "handler_cancellation"}
 
     @property

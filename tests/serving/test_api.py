@@ -130,7 +130,6 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
-        ({"prompt": "hi", "max_tokens": 129}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 5.5}, "max_tokens"),
@@ -296,6 +295,24 @@ def test_left_out_temperature_and_top_p_are_the_served_models_defaults() -> None
     assert (given.temperature, given.top_p) == (0.0, 1.0)
 
 
+@pytest.mark.parametrize(
+    ("n", "message"),
+    [
+        (3, "n = 3 is not supported by this server"),
+        (0, "n must be an integer >= 1, got 0"),
+        (-1, "n must be an integer >= 1, got -1"),
+        ("1", "n must be an integer >= 1, got '1'"),
+        (1.5, "n must be an integer >= 1, got 1.5"),
+        (10**4000, "is not supported by this server"),
+    ],
+)
+def test_a_choice_count_that_is_no_count_is_said_so_not_unsupported(n: object, message: str) -> None:
+    """One choice per request is what this server does; a count that is not a count at all is a type or range
+    error, as vLLM's own validation says it."""
+    error = refused(parse_completion, {"prompt": "hi", "n": n}, SERVED)
+    assert (error.status, error.param) == (400, "n") and message in error.message
+
+
 def test_prompt_tokens_checks_the_limit() -> None:
     """A prompt over the limit, or a prompt and max_tokens over the context, is vLLM's 400
     `context_length_exceeded` naming the limit; an empty one a 400; chat goes through the template; token ids
@@ -313,6 +330,10 @@ def test_prompt_tokens_checks_the_limit() -> None:
     over = refused(prompt_tokens, parse_completion({"prompt": "x" * 60, "max_tokens": 70}, SERVED), TOKENIZER, SERVED)
     assert (over.status, over.code, over.param) == (400, "context_length_exceeded", "max_tokens")
     assert "maximum context length is 129 tokens" in over.message and "(60 in the prompt, 70 in" in over.message
+    # A max_tokens past the context itself is the same answer (once a range error vLLM's clients did not know).
+    huge = refused(prompt_tokens, parse_completion({"prompt": "x" * 2, "max_tokens": 5000}, SERVED), TOKENIZER, SERVED)
+    assert (huge.status, huge.code, huge.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "you requested 5002 tokens" in huge.message
     for ids in ([72, 105], [[72, 105]]):
         assert prompt_tokens(parse_completion({"prompt": ids}, SERVED), TOKENIZER, SERVED) == [72, 105]
 

@@ -32,6 +32,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import mooncake
+
 pytest.importorskip("aiohttp")
 
 from serving.config import ClusterConfig
@@ -224,6 +226,25 @@ def idle_connections(port: int, count: int, source: str) -> list[socket.socket]:
     return [connect(port, source) for _ in range(count)]
 
 
+def test_vllms_side_routes_answer_as_vllms_do() -> None:
+    """HEAD on every GET route answers its status without a body, /ping is /health (503 here: no engine is up),
+    /version names this version, and /v1/models says when it answered (vLLM's `created`, not 0)."""
+    with served(EdgeLimits()) as (_gateway, port):
+        with connect(port) as sock:
+            sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and rest == b""
+        assert ask(port, get("/ping"))[0] == ask(port, post("/ping", b""))[0] == 503
+        status, _headers, version = ask(port, get("/version"))
+        assert status == 200 and version == {"version": mooncake.__version__}
+        before = int(time.time())
+        status, _headers, models = ask(port, get("/v1/models"))
+        assert status == 200 and before <= models["data"][0]["created"] <= int(time.time())
+
+
 def test_a_client_over_its_share_gets_a_429_and_others_are_served() -> None:
     """Four idle connections from 127.0.0.1 fill its share: a fifth gets a 429 JSON with Retry-After before it
     sends anything; 127.0.0.2 is served; once one of the four closes, 127.0.0.1 is served again."""
@@ -238,6 +259,10 @@ def test_a_client_over_its_share_gets_a_429_and_others_are_served() -> None:
                 status, headers, body = read_answer(refused)  # answered without a request
             assert status == 429 and int(headers["retry-after"]) > 0 and headers["connection"] == "close"
             assert body["error"]["type"] == "rate_limit_error" and "4" in body["error"]["message"]
+            refusals = gateway.metrics.registry.get_sample_value
+            labels = {"model_name": gateway.served.name}
+            assert refusals("mooncake:connections_refused_total", {**labels, "status": "429"}) == 1
+            assert refusals("mooncake:connections_refused_total", {**labels, "status": "503"}) == 0
             assert ask(port, get("/v1/models"), source="127.0.0.2")[0] == 200
             held.pop().close()
             wait_for(lambda: guard.per_client.get(HOST) == 3, "the closed connection forgotten")

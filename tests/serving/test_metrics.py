@@ -78,6 +78,7 @@ FAMILIES = {  # name → (type, label names of its samples, less `le`)
     "mooncake:request_success": ("counter", {"model_name", "engine", "finished_reason"}),
     "mooncake:request_rejected": ("counter", {"model_name", "reason"}),
     "mooncake:http_responses": ("counter", {"model_name", "status"}),
+    "mooncake:connections_refused": ("counter", {"model_name", "status"}),
 }
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name → (labels, value) of each series
