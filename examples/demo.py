@@ -1,4 +1,7 @@
-"""`make demo`: the built-in workload, its statistics, and its cache capacity curve.
+"""A tour of the workload tools: the built-in workload, its statistics, and its cache capacity curve.
+
+(`make demo` is another tour: `examples/experiments.py scheduling`, the workload
+replayed through a simulated cluster under each router.)
 
 1. Generate the default workload (the `synthetic` preset, 4,000 requests,
    Poisson arrivals at 4 req/s) as a Mooncake-format trace.
@@ -7,30 +10,55 @@
    (prefix-aware, the serving default) and print the prefix hit ratios.
 4. Plot hit ratio against capacity.
 
-    python examples/demo.py [--out build/demo] [--preset synthetic] [--num-requests 4000]
+    python examples/demo.py [--out build/demo] [--preset synthetic] [--num-requests 4000] [--seed 0]
+
+An error (an option out of range, an --out that is a file) is one line on
+stderr and exit status 2; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
-from mooncake.cli import POLICIES, capacity_sweep, plot_capacity
+import simulation
+
+from mooncake.cli import POLICIES, capacity_sweep, plot_capacity, run_interruptible
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset, trace_stats, write_trace
 
 CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo: 0, or 2 and one line on stderr for an error, 130 after Ctrl-C (`run_interruptible`)."""
+    return run_interruptible("demo", lambda: demo(argv))
+
+
+def demo(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="build/demo", help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("build/demo"), help="output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
     parser.add_argument("--num-requests", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    out = Path(args.out)
+    args = parser.parse_args(argv)
+    try:
+        for option, value in (("--num-requests", args.num_requests), ("--seed", args.seed)):
+            if value < 0:
+                raise ConfigError(f"{option} must be >= 0, got {value}")
+        simulation.check_out_dir(args.out)
+        tour(args)
+    except (MooncakeError, OSError) as error:
+        print(f"demo: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def tour(args: argparse.Namespace) -> None:
+    out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
     trace = out / f"{args.preset}.jsonl"
@@ -70,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

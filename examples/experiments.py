@@ -34,7 +34,8 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.errors import ConfigError, MooncakeError
+from mooncake.cli import run_interruptible
+from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, write_json
 
@@ -156,14 +157,18 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line: 0, 2 and one line on stderr for an error, 130 after Ctrl-C (`run_interruptible`)."""
+    return run_interruptible("experiments", lambda: experiment(argv))
+
+
+def experiment(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     plots_dir = None if args.no_plots else args.out
     out_dir: Path = args.out
     args.out = plots_dir
     started = time.perf_counter()
     try:
-        if out_dir.exists() and not out_dir.is_dir():  # found before the run, not after it
-            raise ConfigError(f"--out {out_dir} is a file, not a directory")
+        simulation.check_out_dir(out_dir)  # found before the run, not after it
         for dests, why in UNUSED.get(args.experiment, ()):
             simulation.refuse_unused(_subparser(args.experiment), args, dests, why)
         if args.experiment not in ("rejection", "overload"):  # those run every admission policy, predictive too

@@ -36,6 +36,7 @@ import simulation
 from scaling import add_scaling_options, scaling_of
 from serving import registry
 
+from mooncake.cli import run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
         model=MODELS[args.model],
         hardware=HARDWARE[args.hardware],
         chunked_prefill=args.engine == "coupled-chunked",
+        block_size_tokens=args.block_size,
     )
     result = CoupledCluster(coupled, slo=simulation.slo(args)).run(requests, progress=progress)
     return result, f"{coupled.num_instances} coupled {args.model} instances on {args.hardware} ({args.engine})"
@@ -163,8 +165,15 @@ def write_outputs(result: ReplayResult, out: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line: 0, 2 and one line on stderr for an error, 130 after Ctrl-C (`run_interruptible`)."""
+    return run_interruptible("replay", lambda: replay(argv))
+
+
+def replay(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.out is not None:  # found before the run, not after it
+            simulation.check_out_dir(args.out)
         result, title = run(args)
         if args.out is not None:
             write_outputs(result, args.out, title)

@@ -1,8 +1,10 @@
 """What replay.py and experiments.py share: workload and cluster options, the paper-like sizing.
 
 A workload is a Mooncake-format trace (`--trace`) or a generated preset
-(`--preset`, so nothing needs a data file). A cluster is a `ClusterSpec` from
-the options; `--prefill/--decode 0` (the default) sizes it the paper's way:
+(`--preset`, so nothing needs a data file), in blocks of `--block-size` tokens
+(512 by default, the published traces'), the blocks the cluster caches. A
+cluster is a `ClusterSpec` from the options; `--prefill/--decode 0` (the
+default) sizes it the paper's way:
 
     prefill instances = max(1, round(0.8 · D)),  decode instances = the same,
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +37,7 @@ import attrs
 from scaling import Scaling, scale
 from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
+from mooncake.cli import read_trace
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
@@ -42,7 +46,7 @@ from mooncake.sched.router import DEFAULT_THRESHOLD, is_threshold
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
-from mooncake.workload import PRESETS, TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, generate_requests, load_trace, preset
+from mooncake.workload import PRESETS, TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, generate_requests, preset
 
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
@@ -57,6 +61,20 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
     source.add_argument("--preset", choices=sorted(PRESETS), help="generate this workload (default: synthetic)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=TRACE_BLOCK_SIZE_TOKENS,
+        help=f"tokens per block (default {TRACE_BLOCK_SIZE_TOKENS}, the published traces'): a --trace's tokens per "
+        "hash id (`mooncake trace generate --block-size` writes others); a --preset is generated in blocks of this "
+        "size, as that command generates it, so the two replay alike; the simulated cluster caches blocks of this "
+        "size (a --config cluster keeps its own)",
+    )
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="leave out the trace's malformed lines (each named on stderr) instead of failing",
+    )
     parser.add_argument(
         "--num-requests", type=int, default=None, help="requests generated (default 4000), or the first of a trace"
     )
@@ -85,17 +103,26 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
         raise ConfigError(f"--num-requests must be >= 1, got {count}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    block = args.block_size
+    if block < 1:
+        raise ConfigError(f"--block-size must be >= 1, got {block}")
     rate = args.rate
     if rate is not None and not (rate > 0 and math.isfinite(rate)):
         raise ConfigError(f"--rate must be a finite number > 0, got {rate}")
     if args.trace is not None:
         if rate is not None:  # a trace's own timestamps are its arrivals
             raise ConfigError("--rate sets a generated workload's arrivals; a --trace keeps its own (see --speedup)")
-        requests = load_trace(args.trace, speedup=speed)[:count]
+        # As `mooncake trace` reads it (--skip-invalid names each line it leaves out), named by this program.
+        lines = read_trace(
+            args.trace, block_size_tokens=block, speedup=speed, skip_invalid=args.skip_invalid, prog=_program()
+        )
+        requests = list(lines)[:count]
         if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
             raise ConfigError(f"--trace {args.trace} has no requests")
         return requests
-    spec = preset(args.preset or "synthetic")
+    if args.skip_invalid:  # given anyway, it would look like a setting the results were made with
+        raise ConfigError("--skip-invalid reads around a --trace's malformed lines; a generated workload has none")
+    spec = attrs.evolve(preset(args.preset or "synthetic"), block_size_tokens=block)  # as `trace generate` does
     requests = generate_requests(
         spec,
         num_requests=DEFAULT_REQUESTS if count is None else count,
@@ -103,6 +130,24 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
         seed=args.seed,
     )
     return [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
+
+
+def _program() -> str:
+    """This script's name (`replay`, `experiments`, ...), as its error lines begin."""
+    return Path(sys.argv[0]).stem or "simulation"
+
+
+def check_out_dir(out: Path) -> None:
+    """`--out` names a folder, or one that can be made: checked before a run, not found wrong after it.
+
+    Raises:
+        ConfigError: `out`, or the nearest of its parents that exists, is no folder.
+    """
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"--out {out}{'' if folder == out else f': {folder}'} is a file, not a directory")
+            return
 
 
 def workload_name(args: argparse.Namespace) -> str:
@@ -118,7 +163,7 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
         "--cache-blocks",
         type=int,
         default=DEFAULT_CACHE_BLOCKS,
-        help=f"KV cache per prefill node, in {TRACE_BLOCK_SIZE_TOKENS}-token blocks",
+        help="KV cache per prefill node, in blocks of --block-size tokens",
     )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--global-pool", dest="global_pool", action="store_true", default=True, help="(default)")
@@ -268,8 +313,8 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
         "model": MODELS[args.model],
         "prefill_hardware": HARDWARE[args.hardware],
         "decode_hardware": HARDWARE[args.hardware],
-        "cache_capacity_tokens": args.cache_blocks * TRACE_BLOCK_SIZE_TOKENS,
-        "block_size_tokens": TRACE_BLOCK_SIZE_TOKENS,
+        "cache_capacity_tokens": args.cache_blocks * args.block_size,
+        "block_size_tokens": args.block_size,
         "global_pool": args.global_pool,
         "cpp_group_size": args.cpp,
         "inline_prefill_tokens": args.inline_prefill,
@@ -280,8 +325,8 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
 
 def config_spec(config: ClusterConfig) -> ClusterSpec:
     """The simulated twin of the example cluster `config` describes: its nodes (a CPP group's stages
-    counted as nodes), block size, cache per prefill instance (DRAM and SSD blocks), and the cost models
-    and decode limits its Conductor uses (`serving.models`: the fitted profile when it names one), which
+    counted as nodes), block size, cache per prefill instance (DRAM and SSD blocks), how long a request
+    waits for decode room (`[limits] admission_wait_s`), and the cost models and decode limits its Conductor uses (`serving.models`: the fitted profile when it names one), which
     the simulator then takes as the engines' truth. Its Conductor is `serving.models.build_conductor`'s
     (see `config_conductor`)."""
     from serving.models import CPU, cost_models, decode_limits, model_shape
@@ -302,6 +347,7 @@ def config_spec(config: ClusterConfig) -> ClusterSpec:
         prefill_model=prefill,
         step_model=step,
         decode_node_limits=decode_limits(config),
+        admission_wait_s=config.limits.admission_wait_s,  # it waits for decode room as the gateway does
     )
 
 

@@ -520,8 +520,10 @@ def main(argv: list[str] | None = None) -> int:
             serviceable = simulation.load_workload(args, speedup=args.speedup)
             for name, speedup in runs.items():
                 run_config, unloaded = config, None
-                if name == "overload" and args.overload_batch:
-                    run_config = config.with_overrides("decode", max_batch_size=args.overload_batch)
+                if name == "overload":  # the paper's overload: refused at once, not held for decode room
+                    run_config = config.with_overrides("limits", admission_wait_s=0.0)
+                    if args.overload_batch:
+                        run_config = run_config.with_overrides("decode", max_batch_size=args.overload_batch)
                 requests = (
                     serviceable
                     if name == "serviceable"

@@ -14,6 +14,9 @@ file that cannot be read or written (`file: reason`), an option out of its range
 (`argument --seed: ...`; `--rate` and `--cv` lie in `ARRIVAL_RANGE`, [1e-6, 1e6], `--plot` names
 an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
 With `--skip-invalid` a malformed line is left out instead and named on stderr.
+Ctrl-C ends a command with status 130 and one line on stderr; SIGTERM with
+status 143. Either way an output being written is left as it was, no temporary
+file behind.
 A capacity sweep draws a progress bar on stderr when stdout and stderr are both
 terminals (not when the output is piped or redirected) unless `--no-progress`.
 """
@@ -26,7 +29,9 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -53,7 +58,7 @@ from mooncake.workload import (
     write_trace,
 )
 
-__all__ = ["PLOT_FORMATS", "POLICIES", "capacity_sweep", "main", "plot_capacity"]
+__all__ = ["PLOT_FORMATS", "POLICIES", "capacity_sweep", "main", "plot_capacity", "read_trace", "run_interruptible"]
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -172,13 +177,33 @@ def _check_plot(path: str) -> None:
         raise ConfigError(f"--plot {path}: there is no folder {folder}")
 
 
-def _report_skipped(skipped: SkippedLine) -> None:
-    print(f"mooncake: skipped {skipped}", file=sys.stderr)
+def read_trace(
+    path: str | os.PathLike[str],
+    *,
+    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
+    speedup: float = 1.0,
+    skip_invalid: bool = False,
+    prog: str = "mooncake",
+) -> Iterator[Request]:
+    """A trace as the command lines read it (`--block-size`, `--skip-invalid`): `iter_trace`, strict, or with
+    `skip_invalid` each malformed line left out and named on stderr as `PROG: skipped FILE:LINE: reason`.
+
+    Raises:
+        TraceFormatError: at the first malformed line unless `skip_invalid`, and at a broken gzip stream.
+        ConfigError: for invalid options.
+    """
+
+    def report(skipped: SkippedLine) -> None:
+        print(f"{prog}: skipped {skipped}", file=sys.stderr)
+
+    return iter_trace(
+        path, block_size_tokens=block_size_tokens, speedup=speedup, strict=not skip_invalid, on_skip=report
+    )
 
 
 def _read(args: argparse.Namespace, path: str) -> Iterator[Request]:
     """The trace at `path` with the command's block size, strict unless --skip-invalid."""
-    return iter_trace(path, block_size_tokens=args.block_size, strict=not args.skip_invalid, on_skip=_report_skipped)
+    return read_trace(path, block_size_tokens=args.block_size, skip_invalid=args.skip_invalid)
 
 
 def _stats(args: argparse.Namespace) -> None:
@@ -244,9 +269,13 @@ def capacity_sweep(
         context = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context) as pool:
             futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
-            for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
-                if progress is not None:
-                    progress(done)
+            try:
+                for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
+                    if progress is not None:
+                        progress(done)
+            except BaseException:  # Ctrl-C or SIGTERM: stop at the capacities running, start no more
+                pool.shutdown(cancel_futures=True)
+                raise
             return tuple(future.result() for future in futures)
     finally:
         _SWEEP = None
@@ -370,8 +399,45 @@ def _os_error(error: OSError) -> str:
     return " ".join(str(error).split())
 
 
+def _terminate(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def run_interruptible(prog: str, command: Callable[[], int]) -> int:
+    """Run a command line's body so that stopping it cleans up and says so in one line.
+
+    SIGTERM raises SystemExit(143) inside `command`, so `finally` blocks run
+    and an atomic write (`write_trace`, the simulator's reports) removes its
+    temporary file instead of leaving it behind. Ctrl-C (KeyboardInterrupt)
+    ends it with status 130 and `PROG: interrupted` on stderr, not a traceback.
+    The SIGTERM handler is installed for the call only, and only from the main
+    thread (the one Python runs signal handlers in).
+
+    Returns:
+        `command()`'s exit status, or 130 after Ctrl-C.
+
+    Raises:
+        SystemExit: 143 (128 + SIGTERM) on SIGTERM.
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+    try:
+        return command()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if in_main_thread:  # None: a handler not installed from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0, or 2 for a usage or input error)."""
+    """Run the command line; returns the exit status (0, 2 for a usage or input error, 130 after Ctrl-C;
+    SIGTERM exits with 143, removing what was half written: see `run_interruptible`)."""
+    return run_interruptible("mooncake", lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         # A file name from argv may hold undecodable bytes (as surrogates): print them escaped, never fail.
         sys.stdout.reconfigure(errors="backslashreplace")

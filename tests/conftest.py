@@ -7,6 +7,8 @@ with HYPOTHESIS_PROFILE (`.ci/run` sets ci).
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,16 @@ def synthetic_trace() -> Path:
     if not SHARED_TRACE.exists():
         pytest.skip(f"the shared synthetic trace is not at {SHARED_TRACE}")
     return SHARED_TRACE
+
+
+@pytest.fixture
+def sigterm_fails_the_test() -> Iterator[None]:
+    """For a test that sends itself SIGTERM: unless the code under test handles it, the test fails (with the
+    default action the signal would end the whole run)."""
+
+    def unhandled(*_: object) -> None:
+        pytest.fail("SIGTERM reached no handler of the code under test")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    yield
+    signal.signal(signal.SIGTERM, previous)

@@ -97,7 +97,7 @@ def test_transfer_benchmark_prints_its_figures() -> None:
 
 
 def test_demo_runs(tmp_path: Path) -> None:
-    """The `make demo` job writes its workload and plot and prints the capacity table."""
+    """The workload demo writes its workload and plot and prints the capacity table."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples/demo.py"), "--out", str(tmp_path), "--num-requests", "300"],
         capture_output=True,
@@ -108,6 +108,30 @@ def test_demo_runs(tmp_path: Path) -> None:
     assert "prefix hit ratio" in done.stdout and "sieve" in done.stdout
     assert (tmp_path / "synthetic.jsonl").stat().st_size > 0
     assert (tmp_path / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-requests", "-3"], "demo: --num-requests must be >= 0, got -3\n"),
+        (["--seed", "-1"], "demo: --seed must be >= 0, got -1\n"),
+        (["--out", "FILE"], "demo: --out FILE is a file, not a directory\n"),
+        (["--out", "FILE/demo"], "demo: --out FILE/demo: FILE is a file, not a directory\n"),
+    ],
+    ids=["--num-requests -3", "--seed -1", "--out a file", "--out beneath a file"],
+)
+def test_demo_errors_are_one_line_and_status_2(tmp_path: Path, argv: list[str], message: str) -> None:
+    """A bad option or an --out that is a file was a ConfigError or FileExistsError traceback."""
+    (tmp_path / "FILE").write_text("mine")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/demo.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", message)
+    assert [path.name for path in tmp_path.iterdir()] == ["FILE"]
 
 
 def test_replay_speed_benchmark_prints_its_figures(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake.cli import main
+from mooncake.cli import main, run_interruptible
 from mooncake.workload import load_trace
+from tests.waiting import wait_for
 from tests.workload.test_trace import ANY_LINES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -608,3 +610,70 @@ def test_the_installed_command_prints_no_traceback(tmp_path: Path, argv: list[st
     )
     assert done.returncode in (0, 2) and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")
     assert done.stderr.count(b"\n") <= 1
+
+
+# --------------------------------------------------------------------------- stopped by a signal
+
+
+def test_ctrl_c_is_status_130_and_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """KeyboardInterrupt in a command is `PROG: interrupted` on stderr and status 130, not a traceback."""
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert run_interruptible("tool", interrupted) == 130
+    assert capsys.readouterr() == ("", "tool: interrupted\n")
+    assert run_interruptible("tool", lambda: 7) == 7
+
+
+@pytest.mark.usefixtures("sigterm_fails_the_test")
+def test_sigterm_unwinds_the_command_as_system_exit_143() -> None:
+    """SIGTERM raises SystemExit(143) inside the command, so its `finally` blocks run; the handler is the
+    command's only: the one before it is back afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    unwound = []
+
+    def command() -> int:
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            return 0
+        finally:
+            unwound.append(True)
+
+    with pytest.raises(SystemExit) as caught:
+        run_interruptible("tool", command)
+    assert caught.value.code == 143 and unwound == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# A terminal's Ctrl-C reaches a foreground process with SIGINT handled; a test run in the background (SIGINT
+# ignored, which a child inherits) must not make the child ignore it too.
+INTERRUPTIBLE = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from mooncake.cli import main; sys.exit(main())"
+)
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "stderr"),
+    [(signal.SIGTERM, 143, ""), (signal.SIGINT, 130, "mooncake: interrupted\n")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_write_stopped_by_a_signal_leaves_nothing_and_no_traceback(
+    tmp_path: Path, signum: int, status: int, stderr: str
+) -> None:
+    """`trace generate` stopped while it writes: SIGTERM left its hidden temporary file behind, Ctrl-C printed
+    a KeyboardInterrupt traceback. Now: status 128 + the signal, at most one line, the folder left empty."""
+    argv = ["trace", "generate", "--num-requests", "3000000", "--out", str(tmp_path / "big.jsonl")]
+    child = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTIBLE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: any(tmp_path.iterdir()), timeout=60, what="the trace's temporary file")
+        child.send_signal(signum)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert (child.returncode, err) == (status, stderr)
+    assert list(tmp_path.iterdir()) == []

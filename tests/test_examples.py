@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from mooncake.cli import main as mooncake_main
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.types import Slo
@@ -105,6 +110,8 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
         (["--trace", "ONE", "--rate", "2"], "--rate sets a generated workload's arrivals"),  # it was ignored
         ([*SMALL, "--cpp", "4", "--prefill", "6"], "--cpp 4 must divide --prefill 6"),
         ([*SMALL, "--threshold", "0.5"], "--threshold must be a number >= 1"),
+        ([*SMALL, "--block-size", "0"], "--block-size must be >= 1, got 0"),
+        ([*SMALL, "--skip-invalid"], "--skip-invalid reads around a --trace's malformed lines"),
         (["--trace", "AT_ONCE"], "its 3 arrivals span 0 s; give --prefill and --decode"),  # sized 1.7e11 nodes
     ],
 )
@@ -126,6 +133,144 @@ def test_experiments_refuse_an_output_path_that_is_a_file_before_running(tmp_pat
     assert done.returncode == 2 and "is a file, not a directory" in done.stderr and out.read_text() == "mine"
     done = run("experiments.py", "scheduling", *SMALL, "--routers", ",", check=False)
     assert done.returncode == 2 and "comma-separated list" in done.stderr
+
+
+def test_replay_refuses_an_output_path_that_is_a_file_before_running(tmp_path: Path) -> None:
+    """--out naming a file, or a path beneath one, is one line and status 2 before the replay (it was
+    `[Errno 17] File exists` after it): the trace's bad line, which the run would read first, is never reached."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{oops\n")
+    for out, message in ((taken, f"--out {taken} is"), (taken / "out", f"--out {taken / 'out'}: {taken} is")):
+        done = run("replay.py", "--trace", str(trace), "--out", str(out), check=False)
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr == f"replay: {message} a file, not a directory\n"
+    assert taken.read_text() == "mine"
+
+
+def generated_trace(path: Path, *options: str) -> Path:
+    """`mooncake trace generate` of SMALL's workload, with `options`."""
+    argv = ["trace", "generate", "--num-requests", "150", "--rate", "2", *options, "--out", str(path)]
+    assert mooncake_main(argv) == 0
+    return path
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("replay.py", "--prefill", "1", "--decode", "1"),
+        ("experiments.py", "scheduling", "--routers", "random", "--prefill", "1", "--decode", "1", "--no-plots"),
+    ],
+    ids=["replay", "experiments"],
+)
+def test_a_trace_generated_in_other_blocks_replays_with_its_block_size(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """`mooncake trace generate --block-size 64` wrote a trace these tools could not read (the error's hint
+    named a --block-size they did not have); with it, they replay it."""
+    trace = generated_trace(tmp_path / "b64.jsonl", "--block-size", "64")
+    script, *rest = command
+    argv = [*rest, "--trace", str(trace), "--json", *(["--out", str(tmp_path)] if script == "experiments.py" else [])]
+    refused = run(script, *argv, check=False)
+    assert refused.returncode == 2 and "--block-size" in refused.stderr
+    done = run(script, *argv, "--block-size", "64")
+    assert done.stderr == "" and json.loads(done.stdout)
+
+
+def test_skip_invalid_replays_around_a_bad_line_naming_it(tmp_path: Path) -> None:
+    """--skip-invalid leaves a malformed line out and names it on stderr, as `mooncake trace` does."""
+    trace = generated_trace(tmp_path / "t.jsonl")
+    lines = trace.read_text().splitlines(keepends=True)
+    trace.write_text("".join([*lines[:2], "{oops\n", *lines[2:]]))
+    assert run("replay.py", "--trace", str(trace), check=False).returncode == 2
+    done = run("replay.py", "--trace", str(trace), "--prefill", "1", "--decode", "1", "--json", "--skip-invalid")
+    assert done.stderr.startswith(f"replay: skipped {trace}:3: invalid JSON") and done.stderr.count("\n") == 1
+    assert json.loads(done.stdout)["num_requests"] == 150
+
+
+def example(name: str) -> ModuleType:
+    """The example script `name` as a module (examples/ is its folder's imports' root)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+def test_the_block_size_keys_the_workload_and_sizes_the_clusters_blocks(tmp_path: Path) -> None:
+    """--block-size applies to a generated workload as `mooncake trace generate --block-size` generates it (the
+    same keys as the trace it writes), each request says its block size, and the simulated cluster caches
+    --cache-blocks blocks of that size."""
+    simulation = example("simulation")
+    parser = argparse.ArgumentParser()
+    simulation.add_workload_options(parser)
+    simulation.add_cluster_options(parser)
+    trace = generated_trace(tmp_path / "b64.jsonl", "--preset", "conversation", "--block-size", "64")
+    small = ["--num-requests", "150", "--rate", "2", "--block-size", "64", "--cache-blocks", "1000"]
+    generated = simulation.load_workload(parser.parse_args(["--preset", "conversation", *small]))
+    args = parser.parse_args(["--trace", str(trace), "--block-size", "64", "--cache-blocks", "1000"])
+    read = simulation.load_workload(args)
+    assert [(r.input_length, r.output_length, r.block_keys) for r in read] == [
+        (r.input_length, r.output_length, r.block_keys) for r in generated
+    ]
+    assert {r.block_size_tokens for r in [*read, *generated]} == {64}
+    spec = simulation.cluster_spec(read, args)
+    assert (spec.block_size_tokens, spec.cache_capacity_tokens) == (64, 64_000)
+
+
+def interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def terminate() -> None:
+    signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "body"),
+    [
+        ("replay", [*SMALL], "run"),
+        ("experiments", ["scheduling", *SMALL], "EXPERIMENTS"),
+        ("demo", ["--num-requests", "5"], "tour"),
+    ],
+    ids=["replay", "experiments", "demo"],
+)
+@pytest.mark.parametrize("stop", [interrupt, terminate], ids=["Ctrl-C", "SIGTERM"])
+@pytest.mark.usefixtures("sigterm_fails_the_test")
+def test_the_examples_stop_on_a_signal_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    argv: list[str],
+    body: str,
+    stop: Callable[[], None],
+) -> None:
+    """Stopped mid-run, an example ends as the `mooncake` command does: Ctrl-C with status 130 and one line
+    (it was a KeyboardInterrupt traceback), SIGTERM as SystemExit(143), which unwinds its atomic writes."""
+    module = example(name)
+
+    def stopped(*_: object) -> object:
+        stop()
+        return None
+
+    if body == "EXPERIMENTS":
+        monkeypatch.setitem(module.EXPERIMENTS, "scheduling", stopped)
+    else:
+        monkeypatch.setattr(module, body, stopped)
+    argv = [*argv, "--out", str(tmp_path / "out")]
+    if stop is interrupt:
+        try:
+            status = module.main(argv)
+        except KeyboardInterrupt:  # let out, it would end the test run
+            pytest.fail(f"{name} let KeyboardInterrupt out: a traceback")
+        assert status == 130
+        assert capsys.readouterr().err == f"{name}: interrupted\n"
+    else:
+        with pytest.raises(SystemExit) as caught:
+            module.main(argv)
+        assert caught.value.code == 143
 
 
 @pytest.mark.parametrize(

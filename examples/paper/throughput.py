@@ -26,7 +26,7 @@ from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
-from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, fixed_length_requests
+from mooncake.workload import ArrivalProcess, fixed_length_requests
 from paper.common import Report, header, replay
 
 __all__ = ["THROUGHPUT_CONFIGS", "throughput"]
@@ -45,7 +45,13 @@ def _p90_within(result: ReplayResult, slo: Slo) -> bool:
 def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespace, slo: Slo) -> ReplayResult:
     model, hardware = MODELS[args.model], HARDWARE[args.hardware]
     if config.startswith("vllm"):
-        spec = CoupledSpec(num_instances=4, model=model, hardware=hardware, chunked_prefill=config.endswith("chunked"))
+        spec = CoupledSpec(
+            num_instances=4,
+            model=model,
+            hardware=hardware,
+            chunked_prefill=config.endswith("chunked"),
+            block_size_tokens=args.block_size,
+        )
         return CoupledCluster(spec, slo=slo).run(requests)
     prefill, decode = int(config[0]), int(config[3])
     cluster = ClusterSpec(
@@ -54,8 +60,8 @@ def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespa
         model=model,
         prefill_hardware=hardware,
         decode_hardware=hardware,
-        cache_capacity_tokens=args.cache_blocks * TRACE_BLOCK_SIZE_TOKENS,
-        block_size_tokens=TRACE_BLOCK_SIZE_TOKENS,
+        cache_capacity_tokens=args.cache_blocks * args.block_size,
+        block_size_tokens=args.block_size,
     )
     conductor = build_conductor(cluster, admission=BaselineAdmission(), slo=slo, seed=args.seed)
     return DisaggregatedCluster(cluster, conductor).run(requests)
@@ -101,6 +107,7 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
                 cache_ratio=0.5,
                 arrivals=ArrivalProcess(rate_per_s=rate),
                 seed=args.seed,
+                block_size_tokens=args.block_size,
             )
             return _p90_within(_run_config(config, requests, args, slo), slo)
 
@@ -122,6 +129,7 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
                     model=model,
                     hardware=hardware,
                     chunked_prefill=chunked,
+                    block_size_tokens=spec.block_size_tokens,
                 ),
                 slo=slo,
             ).run(

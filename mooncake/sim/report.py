@@ -1,7 +1,9 @@
 """Writing a replay's results: per-request CSV, summary JSON, CDF and load plots, a progress bar.
 
-Files are written whole or not at all (to a temporary name, then renamed), so
-an interrupted run never leaves a half-written result. Plots need matplotlib
+Files are written whole or not at all (to a temporary sibling of a name of its
+own, then renamed), so an interrupted run never leaves a half-written result,
+and two runs writing one folder never share a temporary; an error names the
+file asked for. Plots need matplotlib
 (the `dev` extra); it is imported only when a plot is drawn.
 """
 
@@ -10,16 +12,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
+from mooncake._files import atomic_path
 from mooncake.errors import ConfigError
 from mooncake.sim.metrics import LoadSample, RequestRecord
 
@@ -53,16 +55,12 @@ RECORD_COLUMNS = (
 
 
 @contextmanager
-def _atomic(path: str | Path) -> Iterator[IO[str]]:
+def _atomic(path: str | Path) -> Iterator[TextIO]:
+    """A text file written whole at `path` (its folder made if missing); see `mooncake._files.atomic_path`."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    try:
-        with temporary.open("w", newline="") as stream:
-            yield stream
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with atomic_path(target) as temporary, temporary.open("w", encoding="utf-8", newline="") as stream:
+        yield stream
 
 
 def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> None:
@@ -124,12 +122,9 @@ def _pyplot() -> Any:
 def _save(figure: Any, path: str | Path) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.stem}.tmp{target.suffix}")
-    try:
-        figure.savefig(temporary, dpi=110)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with atomic_path(target) as temporary:
+        # The format by the target's name (the temporary's ends in .tmp); matplotlib's default without one.
+        figure.savefig(temporary, dpi=110, format=target.suffix[1:] or "png")
 
 
 def _finish(

@@ -382,6 +382,7 @@ def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, s
             input_length=sum(length for _, length in session.prompt),
             output_length=output,
             block_keys=generator.ids.of(session.prompt),
+            block_size_tokens=spec.block_size_tokens,
         )
 
 
@@ -433,6 +434,7 @@ def fixed_length_requests(
                 input_length=input_tokens,
                 output_length=output_tokens,
                 block_keys=ids.of(segments),
+                block_size_tokens=block_size_tokens,
             )
         )
     return requests

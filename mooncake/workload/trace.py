@@ -51,7 +51,6 @@ import gzip
 import json
 import os
 import sys
-import uuid
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -63,6 +62,7 @@ import attrs
 import numpy as np
 
 from mooncake._checks import ceil_div, require_int, require_number
+from mooncake._files import atomic_path
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
@@ -148,7 +148,11 @@ def _record(raw: bytes) -> Any:
         # Without its line ending: a line cut short is then reported at its end, not at column 1 of the next.
         return json.loads(line.rstrip("\r\n"), parse_constant=_not_json)
     except json.JSONDecodeError as error:
-        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}") from error
+        # A JSON array of requests, pretty-printed or not, fails on its first line: say what a trace is.
+        hint = (
+            " (a trace is JSON Lines: one object per line, not a JSON array)" if line.lstrip().startswith("[") else ""
+        )
+        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}{hint}") from error
     except RecursionError as error:
         raise ValueError("invalid JSON: arrays or objects nested too deeply") from error
     except ValueError as error:
@@ -223,14 +227,14 @@ def _read(
         heappush(held, (turn.arrival_ms, number, turn))
         # No later line arrives before the mark, so everything up to it is in its final order.
         while held and held[0][0] <= assembler.mark_ms:
-            yield _request(heappop(held)[2], index, speedup)
+            yield _request(heappop(held)[2], index, speedup, block_size_tokens)
             index += 1
     while held:
-        yield _request(heappop(held)[2], index, speedup)
+        yield _request(heappop(held)[2], index, speedup, block_size_tokens)
         index += 1
 
 
-def _request(turn: Turn, index: int, speedup: float) -> Request:
+def _request(turn: Turn, index: int, speedup: float, block_size_tokens: int) -> Request:
     return Request(
         request_id=RequestId(str(index)),
         arrival_s=turn.arrival_ms / 1000.0 / speedup,
@@ -238,6 +242,7 @@ def _request(turn: Turn, index: int, speedup: float) -> Request:
         output_length=turn.output_length,
         block_keys=turn.block_keys,
         tokens=turn.tokens,
+        block_size_tokens=block_size_tokens,  # what its keys are of (scaling cuts text blocks this long)
     )
 
 
@@ -274,6 +279,7 @@ def text_request(
         output_length=output_length,
         block_keys=text_block_keys(data, block_size_tokens=block_size_tokens),
         tokens=np.frombuffer(data, dtype=np.uint8),
+        block_size_tokens=block_size_tokens,
     )
 
 
@@ -358,27 +364,13 @@ def write_trace(
     target = Path(path)
     if target.name in ("", ".", ".."):
         raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
-    # A unique sibling opened with "x" (not mkstemp) so the final file gets the
-    # usual umask permissions rather than 0600.
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "xb") as raw:
-            if target.name.endswith(".gz"):
-                # No name and mtime 0 in the gzip header: the same requests give the same bytes.
-                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as packed:
-                    count = _write_lines(packed.write, requests, block_size_tokens, form)
-            else:
-                count = _write_lines(raw.write, requests, block_size_tokens, form)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(temporary, target)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        if error.filename not in (None, os.fspath(temporary)):
-            raise  # about another file (the requests' source)
-        # Named by the file asked for, not by the temporary sibling.
-        raise type(error)(error.errno, error.strerror, os.fspath(target)) from error
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as temporary, open(temporary, "wb") as raw:
+        if target.name.endswith(".gz"):
+            # No name and mtime 0 in the gzip header: the same requests give the same bytes.
+            with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as packed:
+                count = _write_lines(packed.write, requests, block_size_tokens, form)
+        else:
+            count = _write_lines(raw.write, requests, block_size_tokens, form)
+        raw.flush()
+        os.fsync(raw.fileno())
     return count

@@ -103,8 +103,8 @@ def test_a_bad_scaling_names_its_option(field: str, value: float) -> None:
 
 
 def test_the_spec_and_conductor_are_the_configs() -> None:
-    """Nodes, block size, cache per instance, the cost models and decode limits the cluster's Conductor uses
-    (the dispatcher registers its decode workers with the same `decode_limits`)."""
+    """Nodes, block size, cache per instance, the wait for decode room, the cost models and decode limits the
+    cluster's Conductor uses (the dispatcher registers its decode workers with the same `decode_limits`)."""
     config = load_config(TINY, machine=Machine()).with_overrides("cache", ssd_blocks=128)
     spec = simulation.config_spec(config)
     prefill, step = cost_models(config)
@@ -112,6 +112,7 @@ def test_the_spec_and_conductor_are_the_configs() -> None:
     assert spec.block_size_tokens == config.model.block_tokens
     assert spec.cache_capacity_tokens == (config.cache.dram_blocks + 128) * config.model.block_tokens
     assert (spec.prefill_cost, spec.decode_cost, spec.decode_limits) == (prefill, step, decode_limits(config))
+    assert spec.admission_wait_s == config.limits.admission_wait_s > 0  # it waits for decode room as the gateway does
     conductor = simulation.config_conductor(config, spec)
     assert [v.instance_id for v in conductor.prefill_views] == [f"prefill-{i}" for i in range(spec.num_prefill)]
     assert [v.limits for v in conductor.decode_views] == [decode_limits(config)] * spec.num_decode

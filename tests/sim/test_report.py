@@ -1,4 +1,4 @@
-"""Tests of `mooncake.sim.report`'s files: strict JSON and the per-request CSV.
+"""Tests of `mooncake.sim.report`'s files: strict JSON, the per-request CSV, and how each is written.
 
 Properties: `json_safe` of any nesting of floats (NaN and infinities included) is what a strict JSON
 encoder takes, with every finite value kept and every other one null; `write_json` writes it. The CSV's
@@ -10,15 +10,17 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord
-from mooncake.sim.report import json_safe, write_json, write_records_csv
+from mooncake.sim.report import json_safe, plot_cdfs, write_json, write_records_csv
 from mooncake.types import RequestId
 
 leaves = st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.text(max_size=3) | st.none()
@@ -71,3 +73,34 @@ def test_the_csv_names_outcomes_and_reasons_by_the_values_that_read_back(tmp_pat
     assert [row["reason"] for row in rows] == ["", "ttft_slo"]
     assert reason_named(rows[1]["reason"]) is Reason.TTFT_SLO
     assert [Outcome(row["outcome"]) for row in rows] == [Outcome.COMPLETED, Outcome.REJECTED_BEFORE_PREFILL]
+
+
+WRITERS: dict[str, Callable[[Path], None]] = {
+    "json": lambda path: write_json({"a": 1}, path),
+    "csv": lambda path: write_records_csv([], path),
+    "plot": lambda path: plot_cdfs({"TTFT": [1.0, 2.0]}, path, xlabel="TTFT (s)"),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS.values(), ids=WRITERS.keys())
+def test_a_write_leaves_another_runs_temporary_alone(tmp_path: Path, writer: Callable[[Path], None]) -> None:
+    """Two runs writing one --out each write through a temporary of their own: the fixed name each used
+    (`.summary.json.tmp`) was shared, one run renaming or removing the other's half-written file."""
+    target = tmp_path / "out.png"
+    theirs = {tmp_path / ".out.png.tmp": "another run's", tmp_path / ".out.tmp.png": "another run's plot"}
+    for path, text in theirs.items():
+        path.write_text(text, encoding="utf-8")
+    writer(target)
+    assert {path.name for path in tmp_path.iterdir()} == {"out.png", *(path.name for path in theirs)}
+    assert all(path.read_text(encoding="utf-8") == text for path, text in theirs.items())
+
+
+@pytest.mark.parametrize("writer", WRITERS.values(), ids=WRITERS.keys())
+def test_a_failed_write_names_the_file_asked_for(tmp_path: Path, writer: Callable[[Path], None]) -> None:
+    """A write that fails (here onto a folder) names the output, not the hidden temporary, and leaves nothing."""
+    target = tmp_path / "out.png"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError) as caught:
+        writer(target)
+    assert caught.value.filename == str(target)
+    assert [path.name for path in tmp_path.iterdir()] == ["out.png"] and not any(target.iterdir())

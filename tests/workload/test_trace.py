@@ -71,8 +71,9 @@ def test_reader_round_trips_writer_output(tmp_path_factory: pytest.TempPathFacto
     """write_trace then load_trace (same block size) gives equal requests; the count is returned."""
     path = tmp_path_factory.mktemp("roundtrip") / "trace.jsonl"
     assert write_trace(path, workload, block_size_tokens=BLOCK) == len(workload)
-    assert load_trace(path, block_size_tokens=BLOCK) == workload
-    assert list(iter_trace(path, block_size_tokens=BLOCK)) == workload
+    read = [attrs.evolve(r, block_size_tokens=BLOCK) for r in workload]  # the reader says what its keys are of
+    assert load_trace(path, block_size_tokens=BLOCK) == read
+    assert list(iter_trace(path, block_size_tokens=BLOCK)) == read
 
 
 @given(workload=requests(block_size_tokens=BLOCK))
@@ -139,6 +140,9 @@ MALFORMED: dict[str, tuple[str, str]] = {
     ),
     "not json": ("timestamp=0", "invalid JSON"),
     "json array": ("[0, 5, 3, [1, 2]]", "expected a JSON object, got list"),
+    # a JSON array of requests over several lines, pretty-printed or not: its first line fails
+    "array's opening line": ("[", "invalid JSON: Expecting value at column 2 (a trace is JSON Lines: one object"),
+    "array's first request": (f"[{line()},", "at column 78 (a trace is JSON Lines: one object per line, not a JSON"),
     "json number": ("42", "expected a JSON object, got int"),
     "json string": ('"hello"', "expected a JSON object, got str"),
     "json null": ("null", "expected a JSON object, got NoneType"),
@@ -350,6 +354,7 @@ def test_fields_become_request_fields(tmp_path: Path) -> None:
             input_length=9,
             output_length=3,
             block_keys=(BlockKey(4), BlockKey(5), BlockKey(2**70)),
+            block_size_tokens=BLOCK,
         )
     ]
 
@@ -498,6 +503,17 @@ def test_write_into_a_missing_directory_raises_and_creates_nothing(tmp_path: Pat
     assert files_in(tmp_path) == set()
 
 
+def test_a_write_beneath_a_file_names_the_target_and_leaves_nothing(tmp_path: Path) -> None:
+    """A parent of the target that is a regular file fails the write naming the target: removing the temporary
+    failed the same way and replaced that error with one naming the hidden sibling."""
+    (tmp_path / "afile").write_text("mine", encoding="utf-8")
+    target = tmp_path / "afile" / "g.jsonl"
+    with pytest.raises(NotADirectoryError) as caught:
+        write_trace(target, [request(0, 0.0)], block_size_tokens=BLOCK)
+    assert caught.value.filename == str(target)
+    assert files_in(tmp_path) == {"afile"} and (tmp_path / "afile").read_text(encoding="utf-8") == "mine"
+
+
 # --------------------------------------------------------------------------- gzip
 
 
@@ -589,7 +605,8 @@ def test_both_forms_round_trip_what_they_can_express(
         path = directory / f"{form}{suffix}"
         assert write_trace(path, workload, block_size_tokens=BLOCK, form=form) == len(workload)
         back = load_trace(path, block_size_tokens=BLOCK)
-        expected = workload if form == "aiperf" else [attrs.evolve(r, tokens=None) for r in workload]
+        read = [attrs.evolve(r, block_size_tokens=BLOCK) for r in workload]
+        expected = read if form == "aiperf" else [attrs.evolve(r, tokens=None) for r in read]
         assert back == expected
 
 

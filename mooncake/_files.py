@@ -1,0 +1,56 @@
+"""Files written whole or not at all: a temporary sibling, renamed onto the target once complete.
+
+The sibling, `.NAME.PID.UUID.tmp` beside the target, is created exclusively, so
+two writers of one target (two runs sharing an `--out`) never share it. It is
+removed however the write ends (an error, Ctrl-C, the SystemExit the command
+lines make of SIGTERM), and a failure to write it is reported against the
+target: the hidden name means nothing to the user who asked for the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_path"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A fresh temporary sibling of `path` to write the whole file into, renamed onto `path` when the block ends.
+
+    The sibling is created empty with "x" (not mkstemp), so the final file gets
+    the usual umask permissions rather than 0600; reopen it to write.
+
+    Yields:
+        The temporary sibling.
+
+    Raises:
+        OSError: the file cannot be written, named by `path`; an error the block
+            raises about another file (one it reads) passes unchanged. Nothing
+            is left behind either way.
+    """
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temporary, "xb"):
+            pass
+        yield temporary
+        os.replace(temporary, target)
+    except OSError as error:
+        _remove(temporary)
+        if error.filename not in (None, os.fspath(temporary)):
+            raise  # about another file (the block's source)
+        raise type(error)(error.errno, error.strerror, os.fspath(target)) from error
+    except BaseException:
+        _remove(temporary)
+        raise
+
+
+def _remove(temporary: Path) -> None:
+    # Removing it may fail as the write did (its folder is no folder): that must not replace the write's error.
+    with contextlib.suppress(OSError):
+        temporary.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""`mooncake._files.atomic_path`: a file is replaced whole or not at all, and its errors name it.
+
+The writers built on it are tested with it: `write_trace` in tests/workload/test_trace.py, the simulator's
+reports in tests/sim/test_report.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mooncake._files import atomic_path
+
+
+def test_the_whole_file_replaces_the_old_one(tmp_path: Path) -> None:
+    """The block writes the temporary sibling; at its end the target holds that, and the sibling is gone."""
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with atomic_path(target) as temporary:
+        assert temporary.parent == tmp_path and temporary.name.startswith(".out.json.")
+        assert temporary.read_bytes() == b""  # created, empty, by this writer alone
+        temporary.write_text("new")
+        assert target.read_text() == "old"
+    assert [path.name for path in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "new"
+
+
+@pytest.mark.parametrize("stop", [SystemExit(143), KeyboardInterrupt(), ValueError("bad")])
+def test_a_write_stopped_midway_leaves_the_old_file_and_nothing_else(tmp_path: Path, stop: BaseException) -> None:
+    """SIGTERM's SystemExit, Ctrl-C or an error in the block: the exception passes, the target is untouched."""
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with pytest.raises(type(stop)), atomic_path(target) as temporary:
+        temporary.write_text("half")
+        raise stop
+    assert [path.name for path in tmp_path.iterdir()] == ["out.json"] and target.read_text() == "old"
+
+
+def test_an_error_about_another_file_passes_unchanged(tmp_path: Path) -> None:
+    """An OSError the block raises about a file it reads names that file, not the target."""
+    source = tmp_path / "missing.jsonl"
+    with pytest.raises(FileNotFoundError) as caught, atomic_path(tmp_path / "out.jsonl"):
+        source.read_text()
+    assert caught.value.filename == str(source)
+    assert list(tmp_path.iterdir()) == []
