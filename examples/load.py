@@ -54,6 +54,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
+from mooncake.cli import run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -282,5 +283,10 @@ def main() -> None:
     )
 
 
-if __name__ == "__main__":
+def _run() -> int:
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_interruptible("load", _run))  # Ctrl-C: one line; SIGTERM stops a cluster it started, too

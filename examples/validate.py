@@ -77,6 +77,7 @@ from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
 from serving.models import cost_models
 
+from mooncake.cli import run_interruptible
 from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -502,6 +503,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line: 0, 2 and one line on stderr for an error, 130 after Ctrl-C; SIGTERM stops the
+    clusters it started as Ctrl-C does (`run_interruptible`)."""
+    return run_interruptible("validate", lambda: validate(argv))
+
+
+def validate(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         scaling_of(args)

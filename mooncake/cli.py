@@ -38,6 +38,7 @@ from typing import NoReturn
 
 import attrs
 
+from mooncake._files import atomic_path
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
@@ -162,7 +163,9 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
     if title:
         axes.set_title(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    target = Path(path)
+    with atomic_path(target) as temporary:  # whole or not at all, as every other output
+        figure.savefig(temporary, dpi=120, format=target.suffix[1:] or "png")
     plt.close(figure)
 
 

@@ -54,6 +54,8 @@ __all__ = [
     "ServedModel",
     "Usage",
     "decode_body",
+    "detokenize_body",
+    "encoded",
     "error_body",
     "generation_limit",
     "models_body",
@@ -61,6 +63,7 @@ __all__ = [
     "parse_completion",
     "prompt_tokens",
     "stream_usage",
+    "tokenize_body",
 ]
 
 LOG = logging.getLogger(__name__)
@@ -433,6 +436,18 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _check_model(body: Mapping[str, Any], served: ServedModel) -> None:
+    """A `model` given must be the served one's name (404 `model_not_found` otherwise, as OpenAI answers)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {_shown(model)}", param="model")
+    if model is not None and model != served.name:
+        raise ApiError(
+            404, f"the model {_shown(model)} does not exist (this server serves {served.name!r})",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+
 def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *, chat: bool) -> dict[str, Any]:
     """Check the parameters both APIs share, refusing unimplemented ones at any but their neutral value and
     ignoring unknown ones with a warning, as vLLM does (its clients send extras other servers do not know).
@@ -456,14 +471,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         ignored.append(_param(name))
     if ignored:
         LOG.warning("ignored request fields this server does not know: %s", ", ".join(ignored))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"model must be a string, got {_shown(model)}", param="model")
-    if model is not None and model != served.name:
-        raise ApiError(
-            404, f"the model {_shown(model)} does not exist (this server serves {served.name!r})",
-            param="model", code="model_not_found",
-        )  # fmt: skip
+    _check_model(body, served)
     # OpenAI's newer name wins where both are given; the prompt's share of the context is checked once it is
     # tokenized (`prompt_tokens`).
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -628,6 +636,49 @@ def _template_variables(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def encoded(request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer) -> tuple[list[int], str]:
+    """The request's prompt as tokens and the field it came from, no limit checked (a chat through the chat
+    template; token ids as they are).
+
+    Raises:
+        ApiError: 400 for messages the chat template refuses.
+    """
+    if isinstance(request, ChatRequest):
+        try:
+            tokens = tokenizer.encode_chat(
+                [(m.role, m.content) for m in request.messages], variables=request.template_variables
+            )
+        except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
+            raise ApiError(400, str(error), param="messages") from error
+        return tokens, "messages"
+    return (list(request.prompt) if isinstance(request.prompt, tuple) else tokenizer.encode(request.prompt)), "prompt"
+
+
+def tokenize_body(
+    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, served: ServedModel
+) -> dict[str, Any]:
+    """`POST /tokenize`, as vLLM answers it: the prompt's (or the templated chat's) tokens, their count and the
+    length a prompt plus its `max_tokens` may take (`/v1/models`' `max_model_len`). A prompt over the limits is
+    tokenized all the same: a client asks in order to measure it."""
+    tokens, _param = encoded(request, tokenizer)
+    max_model_len = models_body(served)["data"][0]["max_model_len"]
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+
+
+def detokenize_body(body: Mapping[str, Any], tokenizer: ServingTokenizer, served: ServedModel) -> dict[str, Any]:
+    """`POST /detokenize`, as vLLM answers it: `{"prompt": text}` of `body["tokens"]` (special tokens kept).
+
+    Raises:
+        ApiError: 400 when `tokens` is not a list of ids of the vocabulary; 404 for another model.
+    """
+    _check_model(body, served)
+    ids = body.get("tokens")
+    if type(ids) is not list or not all(type(t) is int and 0 <= t < served.vocab_size for t in ids):
+        raise ApiError(400, f"tokens must be a list of token ids in [0, {served.vocab_size})", param="tokens")
+    text = tokenizer.stream((), skip_special_tokens=False)
+    return {"prompt": "".join(text.feed(t) for t in ids) + text.finish()}
+
+
 def prompt_tokens(
     request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, served: ServedModel
 ) -> list[int]:
@@ -637,17 +688,7 @@ def prompt_tokens(
         ApiError: 400 for an empty prompt or messages the chat template refuses; 400 `context_length_exceeded`
             over `max_prompt_tokens`, or when the prompt and `max_tokens` exceed the context (vLLM's answers).
     """
-    if isinstance(request, ChatRequest):
-        param = "messages"
-        try:
-            tokens = tokenizer.encode_chat(
-                [(m.role, m.content) for m in request.messages], variables=request.template_variables
-            )
-        except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
-            raise ApiError(400, str(error), param=param) from error
-    else:
-        param = "prompt"
-        tokens = list(request.prompt) if isinstance(request.prompt, tuple) else tokenizer.encode(request.prompt)
+    tokens, param = encoded(request, tokenizer)
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=param)
     n, asked, context = len(tokens), request.sampling.max_tokens, served.max_context_tokens

@@ -56,11 +56,13 @@ from serving.api import (
     ServedModel,
     Usage,
     decode_body,
+    detokenize_body,
     generation_limit,
     models_body,
     parse_chat,
     parse_completion,
     prompt_tokens,
+    tokenize_body,
 )
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
@@ -205,6 +207,8 @@ class Gateway:
             ("GET", "/ping", self._health),  # vLLM's (SageMaker's) name for the same check
             ("POST", "/ping", self._health),
             ("GET", "/version", self._version),
+            ("POST", "/tokenize", self._tokenize),
+            ("POST", "/detokenize", self._detokenize),
         ]
 
     async def _unrouted(self, request: web.Request) -> web.StreamResponse:
@@ -237,6 +241,17 @@ class Gateway:
         self._authorize(request)
         return web.json_response(models_body(self.served, created=int(time.time())))
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template."""
+        self._authorize(request)
+        body = await self._body(request)
+        parsed = parse_chat(body, self.served) if "messages" in body else parse_completion(body, self.served)
+        return web.json_response(tokenize_body(parsed, self.tokenizer, self.served))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(detokenize_body(await self._body(request), self.tokenizer, self.served))
+
     async def _version(self, _request: web.Request) -> web.Response:
         return web.json_response({"version": mooncake.__version__})
 
@@ -267,18 +282,22 @@ class Gateway:
 
     async def _read(self, request: web.Request, *, chat: bool) -> CompletionRequest | ChatRequest:
         """The request's body, read within its deadline, decoded and checked."""
+        body = await self._body(request)
+        return parse_chat(body, self.served) if chat else parse_completion(body, self.served)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's body, read within its deadline, decoded: a JSON object (`decode_body`)."""
         try:
             async with asyncio.timeout(self.edge.body_timeout_s):
                 raw = await request.read()
         except TimeoutError:
             raise ApiError(408, f"the body did not arrive within {self.edge.body_timeout_s:g} s") from None
-        body = decode_body(
+        return decode_body(
             raw,
             content_type=request.headers.get("Content-Type"),
             content_encoding=request.headers.get("Content-Encoding"),
             max_bytes=self.edge.max_body_bytes,
         )
-        return parse_chat(body, self.served) if chat else parse_completion(body, self.served)
 
     # ------------------------------------------------------------------ completions
 

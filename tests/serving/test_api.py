@@ -30,11 +30,13 @@ from serving.api import (
     ServedModel,
     Usage,
     decode_body,
+    detokenize_body,
     generation_limit,
     models_body,
     parse_chat,
     parse_completion,
     prompt_tokens,
+    tokenize_body,
 )
 from serving.tokenizer import ByteTokenizer, TextStream
 
@@ -311,6 +313,19 @@ def test_a_choice_count_that_is_no_count_is_said_so_not_unsupported(n: object, m
     error, as vLLM's own validation says it."""
     error = refused(parse_completion, {"prompt": "hi", "n": n}, SERVED)
     assert (error.status, error.param) == (400, "n") and message in error.message
+
+
+def test_tokenize_measures_a_prompt_over_the_limits_and_detokenize_undoes_it() -> None:
+    """vLLM's /tokenize answers a prompt's tokens however long it is (a client asks to measure it); /detokenize
+    gives the text back; ids outside the vocabulary or another model are refused."""
+    long = parse_completion({"prompt": "x" * 200}, SERVED)
+    assert refused(prompt_tokens, long, TOKENIZER, SERVED).code == "context_length_exceeded"
+    answer = tokenize_body(long, TOKENIZER, SERVED)
+    assert (answer["count"], answer["max_model_len"]) == (200, 64) and answer["tokens"] == [120] * 200
+    assert detokenize_body({"tokens": answer["tokens"]}, TOKENIZER, SERVED) == {"prompt": "x" * 200}
+    for bad in ({"tokens": [256]}, {"tokens": "hi"}, {"tokens": [True]}, {}):
+        assert refused(detokenize_body, bad, TOKENIZER, SERVED).param == "tokens"
+    assert refused(detokenize_body, {"tokens": [1], "model": "other"}, TOKENIZER, SERVED).status == 404
 
 
 def test_prompt_tokens_checks_the_limit() -> None:

@@ -228,7 +228,8 @@ def idle_connections(port: int, count: int, source: str) -> list[socket.socket]:
 
 def test_vllms_side_routes_answer_as_vllms_do() -> None:
     """HEAD on every GET route answers its status without a body, /ping is /health (503 here: no engine is up),
-    /version names this version, and /v1/models says when it answered (vLLM's `created`, not 0)."""
+    /version names this version, /v1/models says when it answered (vLLM's `created`, not 0), and /tokenize and
+    /detokenize turn a prompt or a chat into tokens and back, as vLLM's do."""
     with served(EdgeLimits()) as (_gateway, port):
         with connect(port) as sock:
             sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -243,6 +244,14 @@ def test_vllms_side_routes_answer_as_vllms_do() -> None:
         before = int(time.time())
         status, _headers, models = ask(port, get("/v1/models"))
         assert status == 200 and before <= models["data"][0]["created"] <= int(time.time())
+        status, _headers, tokens = ask(port, post("/tokenize", b'{"prompt": "hi"}'))
+        assert status == 200 and (tokens["count"], tokens["tokens"]) == (2, [104, 105])  # the tiny model's bytes
+        assert tokens["max_model_len"] == models["data"][0]["max_model_len"]
+        chat = ask(port, post("/tokenize", b'{"messages": [{"role": "user", "content": "hi"}]}'))[2]
+        assert chat["count"] > 2 and bytes(chat["tokens"]).endswith(b"<|assistant|>\n")  # the chat template's
+        assert ask(port, post("/detokenize", b'{"tokens": [104, 105]}'))[2] == {"prompt": "hi"}
+        status, _headers, error = ask(port, post("/detokenize", b'{"tokens": [104, 1000000]}'))
+        assert status == 400 and error["error"]["param"] == "tokens"
 
 
 def test_a_client_over_its_share_gets_a_429_and_others_are_served() -> None:
