@@ -3,7 +3,8 @@
 Per request: check the API key (401 without it when one is set), read the body
 within its deadline and decode and check it (`serving.api`: 400 naming the
 field, 404 `model_not_found`, 413 over the prompt limit) and let the
-dispatcher admit it (`serving.dispatch`: a rejection is a 429 with
+dispatcher admit it (`serving.dispatch`: one the decode side has no room
+for waits for it up to `[limits] admission_wait_s`; a rejection is a 429 with
 `Retry-After`, no engine up a 503). An accepted request goes to its prefill
 worker; its tokens come back through the dispatcher, and the gateway answers
 with the whole completion or streams it as server-sent events, headers going
@@ -17,7 +18,9 @@ text ends before a stop string or at a stop id such as the checkpoint's EOS
 an error event; a client that hangs up, streaming or not, is cancelled on its
 decode engine (aiohttp cancels the handler when its connection is lost).
 `/metrics` serves the metrics (`serving.metrics`: vLLM's families under the
-prefix `mooncake:`), `/health` the engines up, `/v1/models` the served model.
+prefix `mooncake:`), `/health` (and vLLM's `/ping`) the engines up, `/v1/models`
+the served model, `/version` this version, `/tokenize` and `/detokenize`
+vLLM's token views; every GET route answers HEAD too.
 
 Every answer but a stream's is JSON: a middleware turns aiohttp's own errors
 (404 for an unknown route, 405, 413 for a body over the cap) and anything
