@@ -368,8 +368,8 @@ class LimitsSection:
     answer (`health_probe_backoff_max_s`, at least the period); the time a
     client has to send its headers and its body; open connections in all and
     per client address; how long a request the decode side has no room for may wait for it before
-    its prefill (`admission_wait_s`, within its TTFT objective: `sched.admission.room_wait_deadline`;
-    0 rejects it at once, as the paper's Conductor does).
+    its prefill (`admission_wait_s`, within its TTFT objective, first come, first served:
+    `sched.waiting.AdmissionQueue`; 0 rejects it at once, as the paper's Conductor does).
     """
 
     NAME: ClassVar[str] = "limits"

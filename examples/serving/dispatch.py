@@ -57,9 +57,9 @@ order.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -70,7 +70,6 @@ import attrs
 import numpy as np
 
 from mooncake.errors import MooncakeError
-from mooncake.sched.admission import room_wait_deadline
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.view import (
@@ -83,6 +82,7 @@ from mooncake.sched.view import (
     RequestAborted,
     RequestRejected,
 )
+from mooncake.sched.waiting import AdmissionQueue
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import InstanceId, Request, RequestId
@@ -132,6 +132,14 @@ class LiveRequest:
     joined_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    """A request in the admission line; `decided` is settled when it leaves (live, or its rejection)."""
+
+    live: LiveRequest
+    decided: asyncio.Future[None]
 
 
 @attrs.define(eq=False)
@@ -216,9 +224,17 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
-        # Requests waiting for room on the decode side (`admit`), the longest waiting first: each a future that a
-        # request's end (or an engine coming up) resolves, to schedule that request again.
-        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Requests waiting for room on the decode side (`admit`), first come, first served. A wait never outlasts
+        # the request timeout: the first token's deadline counts from arrival too (`tokens`).
+        limits = config.limits
+        slo = conductor.slo
+        self._waiting = AdmissionQueue[_Waiter](
+            conductor,
+            slo=attrs.evolve(slo, ttft_s=min(slo.ttft_s, limits.request_timeout_s)),
+            max_wait_s=limits.admission_wait_s,
+        )
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._closed = False  # shut down: nothing is admitted or sent any more
 
     @property
     def up(self) -> dict[str, bool]:
@@ -240,14 +256,15 @@ class Dispatcher:
 
     def shut_down_requests(self) -> None:
         """End every live request, and every one waiting for room, with a 503 saying the cluster is shutting down
-        (on the event loop's thread)."""
+        (on the event loop's thread); admit and send nothing from now on."""
+        self._closed = True
         for live in list(self.live.values()):
             live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_exception(ApiError(503, "the cluster is shutting down"))
-        self._count_waiting()
+        for waiter in self._waiting.clear():
+            waiter.decided.set_exception(ApiError(503, "the cluster is shutting down"))
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self.metrics.admission_waiting.set(0)
 
     def now(self) -> float:
         """Seconds since the dispatcher started: the Conductor's clock."""
@@ -275,15 +292,19 @@ class Dispatcher:
         """Schedule a request (its `max_tokens` settled: `api.generation_limit`); it is live once this returns.
 
         A request the Conductor rejects for room the decode side frees as its requests end (a full batch, no KV
-        room, a step over the TBT objective) waits for it, before any prefill: it is scheduled again each time a
-        request ends or an engine comes up, the longest waiting first, until `admission.room_wait_deadline`
-        (at most `[limits] admission_wait_s` after its arrival, and only while it could still meet its TTFT
-        objective). vLLM queues such a request; the paper's Conductor rejects it at once (a wait of 0).
+        room, a step over the TBT objective) waits for it, before any prefill, in the line `sched.waiting`'s
+        `AdmissionQueue` keeps: first come, first served (one arriving while others wait queues behind them), tried
+        again each time a request ends or an engine comes up or goes down, for at most `[limits] admission_wait_s`
+        after its arrival and only while it could still meet its TTFT objective (capped at
+        `[limits] request_timeout_s`), the wait counted. vLLM queues such a request; the paper's Conductor rejects
+        it at once (a wait of 0).
 
         Raises:
             ApiError: the Conductor's rejection (`_rejection`), once the request may wait no longer: 503 when no
-                prefill or no decode engine is up.
+                prefill or no decode engine is up, or the cluster is shutting down.
         """
+        if self._closed:
+            raise ApiError(503, "the cluster is shutting down")
         for role, reason in (("prefill", Reason.NO_PREFILL_INSTANCE), ("decode", Reason.NO_DECODE_INSTANCE)):
             if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
                 self.metrics.rejections[reason.value].inc()
@@ -302,66 +323,54 @@ class Dispatcher:
             block_size_tokens=self.hasher.block_size_tokens,
         )
         live = LiveRequest(request_id, tokens, request, sampling, arrival)
-        waited = False
-        while True:
-            decision = self.conductor.schedule(request, self.now())
-            if decision.accepted:
-                self._accepted(live, decision)
-                if waited:
-                    self._room_freed()  # there may be room for the next in line too
-                return live
-            assert decision.reason is not None
-            deadline = room_wait_deadline(
-                decision.reason,
-                estimated_ttft_s=decision.ttft_s,
-                arrival_s=arrival,
-                slo=self.conductor.slo,
-                max_wait_s=self.config.limits.admission_wait_s,
-            )
-            if self.now() >= deadline:
-                self.metrics.rejections[decision.reason.value].inc()
-                raise _rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL)
-            await self._wait_for_room(deadline, first=waited)  # a retry keeps its place at the head
-            waited = True
-
-    async def _wait_for_room(self, deadline: float, *, first: bool) -> None:
-        """Wait in line until a request's end wakes this one (`_room_freed`) or `deadline` passes.
-
-        Raises:
-            ApiError: the cluster is shutting down (a 503).
-        """
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if first:
-            self._waiting.appendleft(waiter)
+        waiter = _Waiter(live, asyncio.get_running_loop().create_future())
+        decision = self._waiting.arrive(waiter, request, self.now())
+        if decision is not None:
+            self._decided(waiter, decision)
         else:
-            self._waiting.append(waiter)
-        self._count_waiting()
+            self._waited()
         try:
-            async with asyncio.timeout(max(0.0, deadline - self.now())):
-                await waiter
-        except TimeoutError:
-            pass  # tried once more, then rejected
-        except asyncio.CancelledError:  # the client left: a wake it took goes to the next in line
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self._room_freed()
+            # Shielded: the client leaving cancels this wait, not the decision, which the line may settle before
+            # this handler runs.
+            await asyncio.shield(waiter.decided)  # at once when decided above
+        except asyncio.CancelledError:  # the client left
+            decided = waiter.decided
+            if self._waiting.remove(waiter):
+                self._room_freed()  # the head leaving lets the next try
+            elif decided.done() and decided.exception() is None and self.live.get(live.request_id) is live:
+                self.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)  # accepted as it left
             raise
-        finally:
-            if waiter in self._waiting:
-                self._waiting.remove(waiter)
-            self._count_waiting()
+        return live
+
+    def _decided(self, waiter: _Waiter, decision: ScheduleDecision) -> None:
+        """Settle a request's admission: live, or its rejection for its `admit` to raise."""
+        if decision.accepted:
+            self._accepted(waiter.live, decision)
+            waiter.decided.set_result(None)
+            return
+        assert decision.reason is not None
+        self.metrics.rejections[decision.reason.value].inc()
+        waiter.decided.set_exception(_rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL))
 
     def _room_freed(self) -> None:
-        """A request ended or an engine came up: the request waiting longest is scheduled again (it wakes the
-        next when it is accepted)."""
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
-        self._count_waiting()
+        """A request ended, an engine came up or went down, or a wait's deadline came: the line is tried
+        (`AdmissionQueue.pump`)."""
+        if self._closed:
+            return
+        for waiter, decision in self._waiting.pump(self.now()):
+            self._decided(waiter, decision)
+        self._waited()
 
-    def _count_waiting(self) -> None:
+    def _waited(self) -> None:
+        """Count those waiting, and set the timer for the earliest deadline among them."""
         self.metrics.admission_waiting.set(len(self._waiting))
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        deadline = self._waiting.next_deadline()
+        if deadline < math.inf:
+            delay = max(0.0, deadline - self.now())
+            self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._room_freed)
 
     def _schedule(self, live: LiveRequest) -> None:
         """Schedule a request again at once (after an engine of its went down): no wait, it has waited once.
@@ -384,7 +393,10 @@ class Dispatcher:
         self.live[live.request_id] = live
 
     def submit(self, live: LiveRequest) -> None:
-        """Send an admitted request to its prefill worker (on the event loop's thread)."""
+        """Send an admitted request to its prefill worker (on the event loop's thread); nothing once the cluster
+        is shutting down (the request has its 503: `shut_down_requests`)."""
+        if self._closed:
+            return
         sampling = live.sampling
         assert sampling.seed is not None  # drawn at admission
         job = wire.PrefillJob(
@@ -764,6 +776,7 @@ class Dispatcher:
             self.live.pop(live.request_id)
             self.conductor.handle(RequestAborted(request_id=live.request_id, now=self.now(), reason=Reason.FAILED))
             self._reroute(live, ApiError(503, f"the prefill engine {instance} failed before handing the request on"))
+        self._room_freed()  # its requests that ended freed room (those rerouted went first: they were accepted before)
 
     def _reroute(self, live: LiveRequest, failure: ApiError) -> None:
         """A request the Conductor has ended (no longer live) because an engine of its failed: scheduled again as

@@ -78,12 +78,14 @@ from mooncake.sched.view import (
     RequestRejected,
     SchedulerEvent,
 )
+from mooncake.sched.waiting import AdmissionQueue, Scheduler
 
 __all__ = [
     "ActiveDecode",
     "AdaptiveThreshold",
     "AdmissionDecision",
     "AdmissionPolicy",
+    "AdmissionQueue",
     "AnalyticStepModel",
     "BaselineAdmission",
     "ChunkedPipelineCost",
@@ -138,6 +140,7 @@ __all__ = [
     "Router",
     "RouterFactory",
     "ScheduleDecision",
+    "Scheduler",
     "SchedulerEvent",
     "StepBranch",
     "StepModel",

@@ -22,8 +22,9 @@ A rejection for room the decode side frees as its own requests end (a full
 batch, no KV room, the TBT objective: `WAITS_FOR_ROOM`) need not be final: a
 caller may hold the request before any prefill and schedule it again when a
 request ends, until `room_wait_deadline` (vLLM's scheduler queues such a
-request; the paper's Conductor rejects it at once, a wait of 0). The example
-cluster's gateway and the simulator (`ClusterSpec.admission_wait_s`) both ask it.
+request; the paper's Conductor rejects it at once, a wait of 0). The line such
+requests wait in is `sched.waiting.AdmissionQueue`, which the example cluster's
+gateway and the simulator (`ClusterSpec.admission_wait_s`) both drive.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from mooncake._checks import ceil_div, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
-from mooncake.sched.admission import LOAD_AT, AdmissionDecision, AdmissionPolicy
+from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
 from mooncake.sched.join import DecodeLimits, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
@@ -271,18 +271,24 @@ class Conductor:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self, request: Request, now: float) -> ScheduleDecision:
+    def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
         """Decide where `request` goes, or reject it; an accepted request is now in flight.
 
+        `waited_s`: how long the request has waited for room since it arrived (`sched.waiting.AdmissionQueue`):
+        the wait counts against its TTFT objective, so a request that waited is accepted only while the wait
+        plus the estimated TTFT meets it (else rejected as TTFT_SLO, where the policy's reason was room).
+
         Raises:
-            InvalidRequestError: not a `Request`, a request with this id is already in flight, or `now` is not a
-                finite time.
+            InvalidRequestError: not a `Request`, a request with this id is already in flight, or `now` or
+                `waited_s` is not a finite time (`waited_s` >= 0).
         """
         # The request's own checks (Request validates its fields) come before any state changes.
         if not isinstance(request, Request):
             raise InvalidRequestError(f"schedule takes a mooncake.types.Request, got {type(request).__name__}")
         if type(now) is not float or not math.isfinite(now):  # the common case, a finite float, is one test
             require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
+        if waited_s:
+            require_number("waited_s", waited_s, minimum=0.0, error=InvalidRequestError)
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
         self._check_geometry(request)
@@ -330,6 +336,10 @@ class Conductor:
                 " AdmissionDecision accepts with no reason, only where the decode selection found an instance, or"
                 " rejects with a mooncake.sched.Reason"
             )
+        if waited_s and (verdict.accepted or verdict.reason in WAITS_FOR_ROOM) and waited_s + ttft_s > self.slo.ttft_s:
+            # What the wait left of the objective is too little now: waiting longer only makes it less (the
+            # policies check TTFT before the decode side's room, so the same order holds here).
+            verdict = AdmissionDecision(False, Reason.TTFT_SLO)
         decision = ScheduleDecision(
             request_id=request.request_id,
             accepted=verdict.accepted,

@@ -120,7 +120,8 @@ def choose_decode(
 
 
 def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_tokens: int) -> DecodeChoice:
-    """No instance can take the request: the reason most of those up give (ties: the earlier check)."""
+    """No instance can take the request: the reason most of those up give (ties: the earlier check), among
+    those that could take it once room frees (a reason to wait) unless none ever could (CONTEXT_TOO_LONG)."""
     reasons: collections.Counter[Reason] = collections.Counter()
     for slot in np.flatnonzero(board.is_up).tolist():
         verdict = check_join(
@@ -128,6 +129,10 @@ def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_
         )
         assert verdict.reason is not None  # the structural checks refused it: so must the rule
         reasons[verdict.reason] += 1
+    room: collections.Counter[Reason] = collections.Counter(
+        {r: n for r, n in reasons.items() if r is not Reason.CONTEXT_TOO_LONG}
+    )
+    reasons = room or reasons
     order = list(Reason)
     reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
     return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))

@@ -6,7 +6,9 @@ request will arrive); the simulated decode nodes and the real `DecodeEngine`
 ask it of their own batch when a prefilled request reaches them. The checks,
 in order (the first that fails is the reason):
 
-    CONTEXT_TOO_LONG  prompt + output > max_context_tokens (a request's own room)
+    CONTEXT_TOO_LONG  prompt + output > max_context_tokens (a request's own room),
+                      or > kv_capacity_tokens (its KV would not fit the instance
+                      alone: no wait makes room for it)
     BATCH_FULL        batch_size + 1 > max_batch_size
     KV_BUDGET         kv_tokens + prompt + output > kv_capacity_tokens
     TBT_SLO           step_s(batch_size + 1, context_tokens + prompt) > tbt_slo_s,
@@ -149,6 +151,8 @@ def refusal(
         return 1
     if output_tokens <= 1:  # not `takes_slot`: it finishes at its first token, no slot, no KV kept
         return 0
+    if need > kv_capacity_tokens:  # more than the instance holds empty: a context too long for it, not a wait
+        return 1
     if batch_size + 1 > max_batch_size:
         return 2
     if kv_tokens + need > kv_capacity_tokens:

@@ -30,10 +30,10 @@ In local-cache mode (`global_pool=False`) nodes never fetch each other's
 blocks: the KV-cache-centric router becomes the local-cache-aware one.
 
 With `admission_wait_s` > 0, a request the Conductor rejects for room the
-decode side frees as its requests end waits before any prefill, the longest
-waiting first, and is scheduled again whenever a request ends, until
-`sched.admission.room_wait_deadline` (as the example cluster's gateway does);
-with 0 (the default, the paper's) it is rejected at once.
+decode side frees as its requests end waits before any prefill, in the line
+`sched.waiting.AdmissionQueue` keeps (first come, first served), tried again
+whenever a request ends and at its deadline, as the example cluster's gateway
+does; with 0 (the default, the paper's) it is rejected at once.
 
 Everything is deterministic for a given workload, spec and seed.
 """
@@ -41,6 +41,7 @@ Everything is deterministic for a given workload, spec and seed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -48,7 +49,7 @@ import attrs
 
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.sched.admission import AdmissionPolicy, room_wait_deadline
+from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import PrefillCostModel, occupancy_s
@@ -64,6 +65,7 @@ from mooncake.sched.view import (
     PrefillStarted,
     RequestRejected,
 )
+from mooncake.sched.waiting import AdmissionQueue
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
@@ -80,16 +82,6 @@ class _Queued:
     record: RequestRecord
     decision: ScheduleDecision
     ready_s: float  # when its planned transfer has arrived
-
-
-@attrs.define(eq=False)
-class _Waiting:
-    """A request waiting for room on the decode side, until `deadline_s`; `waiting` turns False when it leaves."""
-
-    request: Request
-    record: RequestRecord
-    deadline_s: float
-    waiting: bool = True
 
 
 @attrs.define(eq=False)
@@ -196,7 +188,11 @@ class DisaggregatedCluster:
         self._prefill_count = 0
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
-        self._waiting: deque[_Waiting] = deque()  # for room on the decode side, the longest waiting first
+        # Requests waiting for room on the decode side, each with its record; one timer for the earliest deadline.
+        self._waiting = AdmissionQueue[tuple[Request, RequestRecord]](
+            conductor, slo=self.slo, max_wait_s=spec.admission_wait_s
+        )
+        self._timer_s = math.inf
 
     def run(
         self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
@@ -218,49 +214,38 @@ class DisaggregatedCluster:
     # ------------------------------------------------------------------ prefill side
 
     def _arrive(self, now: float, request: Request) -> None:
-        self._schedule(now, request, self.replay.open(now, request), waited=False)
+        record = self.replay.open(now, request)
+        decision = self._waiting.arrive((request, record), request, now)
+        if decision is None:
+            self._arm()
+        else:
+            self._decided(now, request, record, decision)
 
-    def _schedule(self, now: float, request: Request, record: RequestRecord, *, waited: bool) -> bool:
-        """Ask the Conductor; False when the request waits for room (at the head of the line if it `waited`)."""
-        decision = self.conductor.schedule(request, now)
+    def _decided(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> None:
         record.prefill_instance, record.decode_instance = decision.prefill_instance, decision.decode_instance
-        if not decision.accepted:
+        if decision.accepted:
+            self._admit(now, request, record, decision)
+        else:
             assert decision.reason is not None
-            deadline = room_wait_deadline(
-                decision.reason,
-                estimated_ttft_s=decision.ttft_s,
-                arrival_s=record.arrival_s,
-                slo=self.slo,
-                max_wait_s=self.spec.admission_wait_s,
-            )
-            if now < deadline:
-                entry = _Waiting(request, record, deadline)
-                if waited:
-                    self._waiting.appendleft(entry)
-                else:
-                    self._waiting.append(entry)
-                self.loop.at(deadline, self._give_up, entry)
-                return False
             self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason)
-            return True
-        self._admit(now, request, record, decision)
-        return True
 
     def _room_freed(self, now: float) -> None:
-        """A request ended: those waiting for room are scheduled again, the longest waiting first, until one
-        still finds none."""
-        while self._waiting:
-            entry = self._waiting.popleft()
-            entry.waiting = False
-            if not self._schedule(now, entry.request, entry.record, waited=True):
-                return
+        """A request ended, or a wait's deadline came: the line is tried (`AdmissionQueue.pump`)."""
+        for (request, record), decision in self._waiting.pump(now):
+            self._decided(now, request, record, decision)
+        self._arm()
 
-    def _give_up(self, now: float, entry: _Waiting) -> None:
-        """The request's wait is over: one last try, then rejected."""
-        if entry.waiting:
-            entry.waiting = False
-            self._waiting.remove(entry)
-            self._schedule(now, entry.request, entry.record, waited=True)
+    def _arm(self) -> None:
+        """A timer for the earliest deadline in the line, unless one as early is set."""
+        deadline = self._waiting.next_deadline()
+        if deadline < self._timer_s:
+            self._timer_s = deadline
+            self.loop.at(deadline, self._deadline)
+
+    def _deadline(self, now: float) -> None:
+        if now >= self._timer_s:  # else a later timer, superseded by an earlier one that fired
+            self._timer_s = math.inf
+            self._room_freed(now)
 
     def _admit(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> None:
         assert decision.prefill_instance is not None and decision.decode_instance is not None

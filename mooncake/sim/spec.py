@@ -83,8 +83,8 @@ class ClusterSpec:
             at the client, beyond the modelled KV transfer (reports, the decode join, the gateway),
             measured on a real cluster (0: none); the request joins its decode batch then too.
         admission_wait_s: how long a request rejected for room the decode side frees may wait for it before
-            its prefill, scheduled again as requests end (`sched.admission.room_wait_deadline`, the example
-            cluster's `[limits] admission_wait_s`); 0 (the paper's early rejection): rejected at once.
+            its prefill, in line (`sched.waiting.AdmissionQueue`, as the example cluster's gateway with its
+            `[limits] admission_wait_s`); 0 (the paper's early rejection): rejected at once.
     """
 
     num_prefill: int = attrs.field(validator=_at_least(1))

@@ -135,8 +135,8 @@ def reference_decode(
     """Brute force: the decode rule on each instance that is up, one at a time, against the load asked
     about (`loads`, rounded; default: what it is committed to); among those it lets in (TBT aside), the
     lowest step time on the committed load with the request added, ties by id, with the rule's verdict
-    on the asked load; none: the reason most instances up give (ties: the earlier check), or
-    NO_DECODE_INSTANCE when none is up. With `now`, the committed context (ranked, and asked about by
+    on the asked load; none: the reason most instances up give (ties: the earlier check) leaving out
+    CONTEXT_TOO_LONG unless it is the only one, or NO_DECODE_INSTANCE when none is up. With `now`, the committed context (ranked, and asked about by
     default) counts the tokens the decoding requests generated: their decoding seconds over the step
     their batch runs, rounded down."""
     options = []
@@ -159,6 +159,8 @@ def reference_decode(
         step = step_model.step_s(int(committed.batch_size) + 1, context + prompt_tokens)
         options.append((step, view.instance_id, view.limits, asked))
     if not options:
+        if len(reasons) > 1:  # the reasons of those that could take it once room frees
+            reasons.pop(Reason.CONTEXT_TOO_LONG, None)
         order = list(Reason)
         reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
         return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
@@ -199,6 +201,8 @@ def reference_verdict(
         return Reason.CONTEXT_TOO_LONG
     if output_tokens == 1:
         return None  # no slot taken, no KV kept
+    if need > limits.kv_capacity_tokens:
+        return Reason.CONTEXT_TOO_LONG  # more KV than the instance holds empty
     if limits.max_batch_size is not None and load.batch_size + 1 > limits.max_batch_size:
         return Reason.BATCH_FULL
     if load.kv_tokens + need > limits.kv_capacity_tokens:

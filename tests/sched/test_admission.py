@@ -16,6 +16,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockStored
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import (
     WAITS_FOR_ROOM,
     AdmissionPolicy,
@@ -32,7 +33,7 @@ from mooncake.sched.outcome import Reason
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, RouteDecision, TtftEstimator
 from mooncake.sched.step import DecodeCostModel
-from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished
+from mooncake.sched.view import DecodeFinished, DecodeJoined, PrefillFinished, RequestAborted
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 
 LLAMA3 = MODELS["llama3-70b"]
@@ -237,8 +238,34 @@ def test_requests_still_in_prefill_count_toward_the_decode_batch() -> None:
     assert verdicts["predictive_early_rejection"].reason is Reason.TBT_SLO
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_request_that_waited_is_held_to_what_its_wait_left_of_the_ttft_objective(name: str) -> None:
+    """The wait counts against the TTFT objective: accepted while the wait plus the estimate meets it, else a
+    TTFT rejection, with nothing reserved; what could never fit keeps its own reason."""
+    slo = Slo(ttft_s=2.0, tbt_s=0.1)
+    c = conductor(POLICIES[name], slo=slo)
+    estimate = c.schedule(request("probe", 10_000), 0.0)
+    assert estimate.accepted and estimate.ttft_s is not None and 1.0 < estimate.ttft_s < 2.0
+    c.handle(RequestAborted(request_id=RequestId("probe"), now=0.0, reason=Reason.CLIENT_GONE))
+    budget = slo.ttft_s - estimate.ttft_s
+    late = c.schedule(request("late", 10_000), 0.0, waited_s=budget + 0.01)
+    assert (late.accepted, late.reason, c.in_flight) == (False, Reason.TTFT_SLO, ())
+    assert c.schedule(request("in-time", 10_000), 0.0, waited_s=budget - 0.01).accepted
+    never = c.schedule(request("never", LIMITS.kv_capacity_tokens), 0.0, waited_s=5.0)  # its KV alone overflows
+    assert never.reason is Reason.CONTEXT_TOO_LONG
+
+
+@pytest.mark.parametrize("waited_s", [-1.0, math.nan, math.inf, "1"])
+def test_a_wait_that_is_no_time_is_named(waited_s: object) -> None:
+    c = conductor(BaselineAdmission())
+    with pytest.raises(InvalidRequestError, match="waited_s"):
+        c.schedule(request("r", 100), 0.0, waited_s=waited_s)  # type: ignore[arg-type]
+    assert c.in_flight == ()
+
+
 def test_no_room_on_any_decode_instance_is_a_rejection_for_every_policy() -> None:
-    """A request whose KV could never fit is rejected with KV_BUDGET by every policy; one meeting a full
+    """A request whose KV could never fit is rejected as CONTEXT_TOO_LONG by every policy (no wait makes room
+    for it); one meeting a full
     batch is refused with BATCH_FULL by the policies that look at the decode load, and left by the
     baseline to the instance's own check."""
     for name, policy in POLICIES.items():
@@ -253,7 +280,7 @@ def test_no_room_on_any_decode_instance_is_a_rejection_for_every_policy() -> Non
         c.add_prefill_instance(InstanceId("prefill-0"))
         c.add_decode_instance(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=1000, max_batch_size=1))
         decision = c.schedule(request("big", 900, output=101), 0.0)
-        assert (decision.accepted, decision.reason) == (False, Reason.KV_BUDGET), name
+        assert (decision.accepted, decision.reason) == (False, Reason.CONTEXT_TOO_LONG), name
         assert c.in_flight == ()
         run_to_decode(c, request("small", 100, output=100), 0.0)
         decision = c.schedule(request("second", 100, output=100, first_key=10**6), 0.0)
@@ -280,12 +307,13 @@ arrivals = st.integers(min_value=5, max_value=30).flatmap(lambda n: st.lists(arr
     st.sampled_from([Slo(ttft_s=1.0, tbt_s=0.0162), Slo(ttft_s=2.0, tbt_s=0.0165), Slo(ttft_s=30.0, tbt_s=0.02)]),
     st.sampled_from(["uniform", "output_length"]),
     arrivals,
+    st.lists(st.sampled_from([0.0, 0.0, 0.25, 0.9, 3.0]), min_size=30, max_size=30),
 )
 def test_accepted_requests_are_within_their_policys_slos(
-    name: str, slo: Slo, predictor_name: str, stream: list[tuple[float, int, int, int, str]]
+    name: str, slo: Slo, predictor_name: str, stream: list[tuple[float, int, int, int, str]], waits: list[float]
 ) -> None:
-    """Every accepted decision has ttft_s <= SLO and, for TBT-checking policies, tbt_s <= SLO (when it
-    decodes at all); rejections carry a reason."""
+    """Every accepted decision has ttft_s <= SLO, the time the request waited for room counted (`waited_s`),
+    and, for TBT-checking policies, tbt_s <= SLO (when it decodes at all); rejections carry a reason."""
     predictor = (
         UniformDecodePredictor(decode_s=5.0) if predictor_name == "uniform" else OutputLengthPredictor(step_s=0.02)
     )
@@ -306,7 +334,7 @@ def test_accepted_requests_are_within_their_policys_slos(
     for index, (gap_s, tokens, output, document, stage) in enumerate(stream):
         now += gap_s
         r = request(str(index), tokens, output=output, first_key=10**6 * document)
-        decision = c.schedule(r, now)
+        decision = c.schedule(r, now, waited_s=waits[index])
         event(f"{name}: {decision.reason.value if decision.reason else 'accepted'}")
         assert decision.ttft_s is None or decision.ttft_s >= 0
         if not decision.accepted:
@@ -314,7 +342,7 @@ def test_accepted_requests_are_within_their_policys_slos(
             continue
         assert decision.reason is None
         assert decision.ttft_s is not None and decision.tbt_s is not None
-        assert decision.ttft_s <= slo.ttft_s
+        assert waits[index] + decision.ttft_s <= slo.ttft_s
         if name != "baseline" and output > 1:  # a request whose only token is its prefill's never decodes
             # ... unless it decodes alone there: the rule never refuses a lone request (it would be refused
             # forever), and one whose own step exceeds the objective can be let in only that way.

@@ -66,7 +66,8 @@ def grown(roofline: RooflineStep, batch: int, context: int, output: int, started
     if batch <= 0 or math.isnan(now):
         return 0.0
     decoded_s, step_s = batch * now - started_s_sum, roofline.step_s(batch, context)
-    return float(min(math.floor(decoded_s / step_s), output)) if decoded_s > 0 and step_s > 0 else 0.0
+    # min before floor: a subnormal step makes the quotient infinite, which has no integer floor
+    return float(math.floor(min(decoded_s / step_s, output))) if decoded_s > 0 and step_s > 0 else 0.0
 
 
 @given(

@@ -218,7 +218,7 @@ def test_request_larger_than_hbm_is_rejected_before_prefill() -> None:
         make_request("after", 0.2, 1000, 10, first_key=10_000),
     ]
     fits, too_big, after = cluster.run(requests).records
-    assert too_big.outcome == Outcome.REJECTED_BEFORE_PREFILL and too_big.reason is Reason.KV_BUDGET
+    assert too_big.outcome == Outcome.REJECTED_BEFORE_PREFILL and too_big.reason is Reason.CONTEXT_TOO_LONG
     assert too_big.first_token_s is None and too_big.prefill_instance is None
     assert fits.outcome == after.outcome == Outcome.COMPLETED
     assert after.first_token_s is not None and fits.finish_s is not None

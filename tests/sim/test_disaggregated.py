@@ -685,6 +685,26 @@ def test_requests_waiting_for_room_are_served_in_arrival_order() -> None:
     assert {r.reason for r in alone[1:]} == {Reason.BATCH_FULL}
 
 
+def test_nobody_overtakes_a_request_waiting_for_room() -> None:
+    """A holds most of the decode node's KV; B, too large for what is left, waits; C, small enough to fit beside
+    A, arrives after B and waits behind it (first come, first served): it is prefilled after B, once A's end
+    lets B in. Without a wait B is refused and C goes straight in."""
+    spec = make_spec(decode_node_limits=DecodeLimits(kv_capacity_tokens=3000))
+    requests = [
+        make_request("a", 0.0, 2000, 50, range(100, 104)),
+        make_request("b", 0.005, 1500, 50, range(200, 203)),
+        make_request("c", 0.01, 500, 50, range(300, 301)),
+    ]
+    slo = Slo(ttft_s=1000.0, tbt_s=1.0)
+    a, b, c = replay(attrs.evolve(spec, admission_wait_s=1000.0), requests, admission=EarlyRejection(), slo=slo).records
+    assert a.outcome == b.outcome == c.outcome == Outcome.COMPLETED
+    assert a.finish_s is not None and b.first_token_s is not None and c.first_token_s is not None
+    assert a.finish_s < b.first_token_s < c.first_token_s
+    a, b, c = replay(spec, requests, admission=EarlyRejection(), slo=slo).records
+    assert (b.outcome, b.reason) == (Outcome.REJECTED_BEFORE_PREFILL, Reason.KV_BUDGET)
+    assert c.first_token_s is not None and a.finish_s is not None and c.first_token_s < a.finish_s
+
+
 def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
     """A workload iterator replayed twice (generate_requests' is one): the second replay is an error saying so,
     not an empty result; an item that is not a Request is an InvalidRequestError naming its type."""

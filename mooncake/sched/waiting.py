@@ -1,0 +1,226 @@
+"""The line of requests waiting for room on the decode side, first come, first served.
+
+A request the Conductor rejects for room the decode side frees as its own requests end
+(`admission.WAITS_FOR_ROOM`: a full batch, no KV room, the TBT objective) need not be refused at once: it may
+wait, before any prefill, and be scheduled again until `admission.room_wait_deadline` (vLLM's scheduler
+queues such a request; the paper's Conductor rejects it, a `max_wait_s` of 0). This queue decides who is
+tried when; its caller (the example cluster's gateway, the simulator) asks it whenever room may have
+appeared (a request ended, an instance came up or went down) and when `next_deadline` comes, and acts on the
+decisions it hands back.
+
+The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way):
+
+- An arrival while no one waits is scheduled at once; rejected for room, it waits (`arrive` answers None)
+  until its deadline, else its decision is final.
+- An arrival while others wait joins the line behind them untried: nobody overtakes, so a large request at
+  the head is never starved by smaller ones that came after it. Untried, its deadline is the most its wait
+  may be (`max_wait_s`, the TTFT objective); its first try sets it from the TTFT the Conductor estimates.
+- `pump` tries the head: accepted, it leaves and the next is tried; rejected for room before its deadline, it
+  keeps its place and the line waits; rejected otherwise, it leaves rejected and the next is tried. Then each
+  request whose deadline has come is tried once, out of turn (the head has just failed, so only room the head
+  cannot use is taken), and leaves, admitted or rejected.
+- Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
+  counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.
+
+Invariants: the line is in arrival order; a request's deadline is at most `max_wait_s` and the TTFT
+objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
+decision is handed back once; with `max_wait_s` 0 nothing waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+import attrs
+
+from mooncake._checks import require_number
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.sched.admission import room_wait_deadline
+from mooncake.sched.conductor import ScheduleDecision
+from mooncake.types import Request, Slo
+
+__all__ = ["AdmissionQueue", "Scheduler"]
+
+T = TypeVar("T")
+
+
+class Scheduler(Protocol):
+    """What the queue schedules with: the Conductor."""
+
+    def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision: ...
+
+
+@attrs.define(eq=False)
+class _Entry(Generic[T]):
+    item: T
+    request: Request
+    deadline_s: float
+    seq: int
+    waiting: bool = True
+
+
+class AdmissionQueue(Generic[T]):
+    """Requests waiting for decode room, each with its caller's `item` (handed back with its decision).
+
+    Args:
+        scheduler: decides on a request (the Conductor).
+        slo: the objective a wait is bounded by (`room_wait_deadline`): the Conductor's, or a tighter one
+            (the gateway's, capped at its request timeout).
+        max_wait_s: the longest a request waits after its arrival (0: never).
+
+    Raises:
+        ConfigError: `max_wait_s` negative or not finite, `slo` not an `Slo`.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, slo: Slo, max_wait_s: float) -> None:
+        if not isinstance(slo, Slo):
+            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+        self.scheduler = scheduler
+        self.slo = slo
+        self.max_wait_s = require_number("max_wait_s", max_wait_s, minimum=0.0)
+        self._line: collections.deque[_Entry[T]] = collections.deque()  # arrival order; left entries linger
+        self._deadlines: list[tuple[float, int, int, _Entry[T]]] = []  # a heap (deadline, seq, row); stale rows linger
+        self._entries: dict[int, _Entry[T]] = {}  # id(item) → its entry, while it waits
+        self._seq = itertools.count()
+        self._rows = itertools.count()  # ties an entry's rows apart (a deadline may come back to a value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[T]:
+        """The items waiting, in arrival order."""
+        return (entry.item for entry in self._line if entry.waiting)
+
+    def __contains__(self, item: object) -> bool:
+        return id(item) in self._entries
+
+    def arrive(self, item: T, request: Request, now: float) -> ScheduleDecision | None:
+        """A request arrives: its decision, or None while it waits in line.
+
+        Raises:
+            InvalidRequestError: `item` already waits.
+        """
+        if id(item) in self._entries:
+            raise InvalidRequestError(f"{item!r} already waits for room")
+        if self._entries:  # behind those already waiting, untried
+            self._enter(item, request, request.arrival_s + min(self.max_wait_s, self.slo.ttft_s))
+            return None
+        decision = self._try(request, now)
+        deadline = self._deadline(request, decision)
+        if now < deadline:
+            self._enter(item, request, deadline)
+            return None
+        return decision
+
+    def pump(self, now: float) -> list[tuple[T, ScheduleDecision]]:
+        """Room may have appeared, or a deadline come: try the line (the module's discipline); the decisions of
+        those that left it, in the order they were made."""
+        decided: list[tuple[T, ScheduleDecision]] = []
+        while self._entries:
+            head = self._head()
+            decision = self._try(head.request, now)
+            if self._keeps_place(head, decision, now):
+                break
+            self._leave(head)
+            decided.append((head.item, decision))
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, _, entry = heapq.heappop(self._deadlines)
+            if not entry.waiting or deadline != entry.deadline_s:
+                continue  # it left, or a try moved its deadline (a newer row stands for it)
+            # Behind the head, so never tried before: its deadline is the most any wait may be, which no estimate
+            # can extend. Its one try gives its decision a reason.
+            decided.append((entry.item, self._try(entry.request, now)))
+            self._leave(entry)
+        return decided
+
+    def remove(self, item: T) -> bool:
+        """Take `item` out of the line (its client left); False if it was not waiting. Pump afterwards: the
+        head leaving lets the next one try."""
+        entry = self._entries.get(id(item))
+        if entry is None:
+            return False
+        self._leave(entry)
+        return True
+
+    def clear(self) -> list[T]:
+        """Empty the line; the items that waited, in arrival order."""
+        items = list(self)
+        for entry in self._entries.values():
+            entry.waiting = False
+        self._line.clear()
+        self._deadlines.clear()
+        self._entries.clear()
+        return items
+
+    def next_deadline(self) -> float:
+        """When the earliest wait ends (`pump` then), math.inf when no one waits."""
+        while self._deadlines:
+            deadline, _, _, entry = self._deadlines[0]
+            if entry.waiting and deadline == entry.deadline_s:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return math.inf
+
+    def deadline(self, item: T) -> float:
+        """When `item`'s wait ends.
+
+        Raises:
+            InvalidRequestError: `item` does not wait.
+        """
+        entry = self._entries.get(id(item))
+        if entry is None:
+            raise InvalidRequestError(f"{item!r} does not wait for room")
+        return entry.deadline_s
+
+    # ------------------------------------------------------------------ internals
+
+    def _try(self, request: Request, now: float) -> ScheduleDecision:
+        return self.scheduler.schedule(request, now, waited_s=max(0.0, now - request.arrival_s))
+
+    def _deadline(self, request: Request, decision: ScheduleDecision) -> float:
+        if decision.accepted:
+            return -math.inf
+        assert decision.reason is not None
+        return room_wait_deadline(
+            decision.reason,
+            estimated_ttft_s=decision.ttft_s,
+            arrival_s=request.arrival_s,
+            slo=self.slo,
+            max_wait_s=self.max_wait_s,
+        )
+
+    def _keeps_place(self, entry: _Entry[T], decision: ScheduleDecision, now: float) -> bool:
+        """After a try: whether `entry` still waits (its deadline set anew from the try)."""
+        deadline = self._deadline(entry.request, decision)
+        if not now < deadline:
+            return False
+        if deadline != entry.deadline_s:
+            entry.deadline_s = deadline
+            self._push(entry)
+        return True
+
+    def _enter(self, item: T, request: Request, deadline: float) -> None:
+        entry = _Entry(item, request, deadline, next(self._seq))
+        self._line.append(entry)
+        self._entries[id(item)] = entry
+        self._push(entry)
+
+    def _push(self, entry: _Entry[T]) -> None:
+        heapq.heappush(self._deadlines, (entry.deadline_s, entry.seq, next(self._rows), entry))
+
+    def _head(self) -> _Entry[T]:
+        while not self._line[0].waiting:
+            self._line.popleft()
+        return self._line[0]
+
+    def _leave(self, entry: _Entry[T]) -> None:
+        entry.waiting = False
+        del self._entries[id(entry.item)]
+        if not self._entries:
+            self._line.clear()
+            self._deadlines.clear()

@@ -1,0 +1,330 @@
+"""Tests for `mooncake.sched.waiting`: the line of requests waiting for decode room.
+
+A `RuleBasedStateMachine` drives the queue against a plain list that states the discipline directly (try the
+head until one keeps its place, then everyone past a deadline once, by deadline, out of the line), both scheduling on their own
+copy of a room-counting fake of the Conductor: the same decisions in the same order, the same line, the same
+deadlines. Examples: nobody overtakes the head, a wait is never past the TTFT objective, a request accepted
+after waiting meets it with the real Conductor, bad input is named.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.sched.admission import WAITS_FOR_ROOM, room_wait_deadline
+from mooncake.sched.conductor import ScheduleDecision
+from mooncake.sched.outcome import Reason
+from mooncake.sched.waiting import AdmissionQueue
+from mooncake.types import Request, RequestId, Slo
+
+SLO = Slo(ttft_s=10.0, tbt_s=0.1)
+CAPACITY = 10  # the fake decode side's room, in units a request's input_length takes
+
+
+@attrs.define
+class FakeConductor:
+    """Room for `CAPACITY` units; a request takes `input_length` of them and its estimated TTFT is
+    `output_length` tenths of a second plus a quarter second per unit taken. Checks in the Conductor's order: never fits, TTFT with the wait counted,
+    then room."""
+
+    free: int = CAPACITY
+    held: dict[RequestId, int] = attrs.field(factory=dict)
+    calls: list[tuple[RequestId, float, float]] = attrs.field(factory=list)
+
+    def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+        self.calls.append((request.request_id, now, waited_s))
+        # A busier decode side, a longer estimate (as a prefill queue would grow): room freed moves deadlines.
+        size, ttft_s = request.input_length, request.output_length / 10 + 0.25 * (CAPACITY - self.free)
+        reason = None
+        if size > CAPACITY:
+            reason = Reason.CONTEXT_TOO_LONG
+        elif waited_s + ttft_s > SLO.ttft_s:
+            reason = Reason.TTFT_SLO
+        elif size > self.free:
+            reason = Reason.BATCH_FULL
+        if reason is not None:
+            return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason, ttft_s=ttft_s)
+        self.free -= size
+        self.held[request.request_id] = size
+        return ScheduleDecision(request_id=request.request_id, accepted=True, ttft_s=ttft_s)
+
+    def release(self, request_id: RequestId) -> None:
+        self.free += self.held.pop(request_id)
+
+
+def request(number: int, now: float, size: int, ttft_tenths: int) -> Request:
+    return Request(
+        request_id=RequestId(f"r{number}"),
+        arrival_s=now,
+        input_length=size,
+        output_length=ttft_tenths,
+        block_keys=(),
+    )
+
+
+@attrs.define(eq=False)
+class _Row:
+    item: int
+    request: Request
+    deadline_s: float
+
+
+@attrs.define
+class LineModel:
+    """The discipline written plainly: a list in arrival order, scanned whole."""
+
+    conductor: FakeConductor
+    max_wait_s: float
+    line: list[_Row] = attrs.field(factory=list)
+
+    def _try(self, row_request: Request, now: float) -> tuple[ScheduleDecision, float]:
+        decision = self.conductor.schedule(row_request, now, waited_s=max(0.0, now - row_request.arrival_s))
+        if decision.accepted:
+            return decision, -math.inf
+        assert decision.reason is not None
+        deadline = room_wait_deadline(
+            decision.reason,
+            estimated_ttft_s=decision.ttft_s,
+            arrival_s=row_request.arrival_s,
+            slo=SLO,
+            max_wait_s=self.max_wait_s,
+        )
+        return decision, deadline
+
+    def arrive(self, item: int, req: Request, now: float) -> ScheduleDecision | None:
+        if self.line:
+            self.line.append(_Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s)))
+            return None
+        decision, deadline = self._try(req, now)
+        if now < deadline:
+            self.line.append(_Row(item, req, deadline))
+            return None
+        return decision
+
+    def pump(self, now: float) -> list[tuple[int, ScheduleDecision]]:
+        out = []
+        while self.line:
+            head = self.line[0]
+            decision, deadline = self._try(head.request, now)
+            if now < deadline:
+                head.deadline_s = deadline
+                break
+            self.line.pop(0)
+            out.append((head.item, decision))
+        for row in sorted((r for r in self.line if r.deadline_s <= now), key=lambda r: (r.deadline_s, r.item)):
+            self.line.remove(row)
+            out.append((row.item, self._try(row.request, now)[0]))
+        return out
+
+    def remove(self, item: int) -> bool:
+        for row in self.line:
+            if row.item == item:
+                self.line.remove(row)
+                return True
+        return False
+
+
+def summary(decided: list[tuple[int, ScheduleDecision]]) -> list[tuple[int, bool, Reason | None]]:
+    return [(item, d.accepted, d.reason) for item, d in decided]
+
+
+class LineMachine(RuleBasedStateMachine):
+    """The queue against `LineModel`, each with its own fake Conductor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.number = 0
+        self.queue: AdmissionQueue[int] | None = None
+        self.model: LineModel | None = None
+        self.real = FakeConductor()
+        self.arrivals: dict[int, float] = {}
+        self.decided: set[int] = set()
+        self.removed: set[int] = set()
+        self.accepted: list[RequestId] = []
+
+    @initialize(max_wait_s=st.sampled_from([0.0, 2.0, 7.5, 30.0]))
+    def start(self, max_wait_s: float) -> None:
+        self.queue = AdmissionQueue(self.real, slo=SLO, max_wait_s=max_wait_s)
+        self.model = LineModel(FakeConductor(), max_wait_s)
+
+    def _record(
+        self, decided: list[tuple[int, ScheduleDecision]], expected: list[tuple[int, ScheduleDecision]]
+    ) -> None:
+        assert summary(decided) == summary(expected)
+        for item, decision in decided:
+            assert item not in self.decided, "decided twice"
+            self.decided.add(item)
+            if decision.accepted:
+                self.accepted.append(RequestId(f"r{item}"))
+
+    @precondition(lambda self: self.queue is not None)
+    @rule(size=st.integers(1, CAPACITY + 1), ttft_tenths=st.integers(1, 120), late_s=st.sampled_from([0.0, 0.0, 1.5]))
+    def arrive(self, size: int, ttft_tenths: int, late_s: float) -> None:
+        """A request arrives, `late_s` after its arrival time (the gateway reads and tokenizes its body first):
+        one that joins the line late may be due before those ahead of it."""
+        assert self.queue is not None and self.model is not None
+        self.number += 1
+        arrival = max(0.0, self.now - late_s)
+        req = request(self.number, arrival, size, ttft_tenths)
+        self.arrivals[self.number] = arrival
+        got = self.queue.arrive(self.number, req, self.now)
+        want = self.model.arrive(self.number, req, self.now)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            self._record([(self.number, got)], [(self.number, want)])
+
+    @precondition(lambda self: self.queue is not None)
+    @rule(dt=st.floats(0.0, 6.0))
+    def advance_to_a_deadline_or_by(self, dt: float) -> None:
+        """Time passes, to the earliest deadline if that comes first, where the line is pumped (a caller's timer)."""
+        assert self.queue is not None and self.model is not None
+        deadline = self.queue.next_deadline()
+        if deadline <= self.now + dt:
+            self.now = max(self.now, deadline)
+            self._record(self.queue.pump(self.now), self.model.pump(self.now))
+        else:
+            self.now += dt
+
+    @precondition(lambda self: self.queue is not None and self.accepted)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """A request ends: room is freed, the line pumped."""
+        assert self.queue is not None and self.model is not None
+        request_id = self.accepted.pop(data.draw(st.integers(0, len(self.accepted) - 1)))
+        self.real.release(request_id)
+        self.model.conductor.release(request_id)
+        self._record(self.queue.pump(self.now), self.model.pump(self.now))
+
+    @precondition(lambda self: self.queue is not None and len(self.queue) > 0)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        """A waiting client leaves: the line is pumped after."""
+        assert self.queue is not None and self.model is not None
+        item = data.draw(st.sampled_from(list(self.queue)))
+        assert self.queue.remove(item) and self.model.remove(item)
+        assert not self.queue.remove(item)
+        self.removed.add(item)
+        self._record(self.queue.pump(self.now), self.model.pump(self.now))
+
+    @invariant()
+    def same_line_and_deadlines(self) -> None:
+        if self.queue is None or self.model is None:
+            return
+        waiting = list(self.queue)
+        assert waiting == [row.item for row in self.model.line]
+        assert waiting == sorted(waiting), "the line is in arrival order"
+        assert len(self.queue) == len(waiting)
+        for row in self.model.line:
+            assert self.queue.deadline(row.item) == row.deadline_s
+            arrival = self.arrivals[row.item]
+            assert row.deadline_s <= arrival + min(self.queue.max_wait_s, SLO.ttft_s)
+        assert self.queue.next_deadline() == min((row.deadline_s for row in self.model.line), default=math.inf)
+        if self.queue.max_wait_s == 0:
+            assert not waiting
+        assert self.real.free == self.model.conductor.free
+
+    @invariant()
+    def every_request_is_in_one_place(self) -> None:
+        if self.queue is None:
+            return
+        waiting = set(self.queue)
+        assert not waiting & self.decided and not waiting & self.removed and not self.decided & self.removed
+        assert waiting | self.decided | self.removed == set(self.arrivals)
+
+    @invariant()
+    def every_try_counts_the_wait(self) -> None:
+        for request_id, now, waited_s in self.real.calls:
+            assert waited_s == pytest.approx(now - self.arrivals[int(request_id[1:])], abs=1e-9)
+
+
+TestLine = LineMachine.TestCase
+TestLine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_nobody_overtakes_the_head_and_its_turn_comes_when_room_does() -> None:
+    """A large request at the head blocks the smaller ones behind it (they are not even tried); when room
+    frees, it goes first, then those behind, in arrival order."""
+    conductor = FakeConductor(free=3)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    assert queue.arrive("big", request(1, 0.0, 5, 10), 0.0) is None
+    for n, name in ((2, "small-a"), (3, "small-b")):
+        assert queue.arrive(name, request(n, 0.1 * n, 1, 10), 0.1 * n) is None
+    assert [c[0] for c in conductor.calls] == ["r1"], "those behind the head are not tried on arrival"
+    assert queue.pump(0.5) == [] and list(queue) == ["big", "small-a", "small-b"]
+    conductor.free = 6
+    decided = queue.pump(1.0)
+    assert [(item, d.accepted) for item, d in decided] == [("big", True), ("small-a", True)]
+    assert list(queue) == ["small-b"]  # no room left for it: it keeps its place
+    assert [c[2] for c in conductor.calls[-3:]] == pytest.approx([1.0, 0.8, 0.7])  # the wait counted on each try
+
+
+def test_a_request_whose_wait_cannot_meet_its_objective_leaves_rejected() -> None:
+    """Its deadline is where the wait plus its estimated TTFT reaches the objective; room that comes after it
+    is no use to it: tried then it leaves (TTFT, the wait counted), and the next in line is tried in the same
+    pump and takes the room."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    assert queue.arrive("a", request(1, 0.0, 1, 60), 0.0) is None  # 8.5 s estimated now: 1.5 s to wait at most
+    assert queue.deadline("a") == pytest.approx(1.5)
+    assert queue.arrive("b", request(2, 1.0, 1, 10), 1.0) is None
+    assert queue.deadline("b") == pytest.approx(11.0)  # untried: the most a wait may be
+    conductor.free = 1
+    decided = queue.pump(2.0)
+    assert [(item, d.accepted, d.reason) for item, d in decided] == [("a", False, Reason.TTFT_SLO), ("b", True, None)]
+    assert len(queue) == 0 and queue.next_deadline() == math.inf
+
+
+def test_with_no_wait_allowed_nothing_waits() -> None:
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=0)
+    decision = queue.arrive("a", request(1, 0.0, 1, 10), 0.0)
+    assert decision is not None and decision.reason is Reason.BATCH_FULL and len(queue) == 0
+
+
+@pytest.mark.parametrize(
+    ("max_wait_s", "slo", "words"),
+    [
+        (-1.0, SLO, ["max_wait_s", ">= 0", "-1.0"]),
+        (math.inf, SLO, ["max_wait_s", "finite", "inf"]),
+        ("5", SLO, ["max_wait_s", "'5'"]),
+        (1.0, None, ["slo", "Slo", "None"]),
+    ],
+)
+def test_bad_settings_are_named(max_wait_s: object, slo: object, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        AdmissionQueue(FakeConductor(), slo=slo, max_wait_s=max_wait_s)  # type: ignore[arg-type]
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_an_item_waits_once() -> None:
+    queue: AdmissionQueue[str] = AdmissionQueue(FakeConductor(free=0), slo=SLO, max_wait_s=5.0)
+    assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
+    with pytest.raises(InvalidRequestError, match="already waits"):
+        queue.arrive("a", request(2, 0.0, 1, 10), 0.0)
+    with pytest.raises(InvalidRequestError, match="does not wait"):
+        queue.deadline("b")
+    assert queue.clear() == ["a"] and len(queue) == 0 and not queue.remove("a")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(WAITS_FOR_ROOM, key=lambda r: r.value)), st.floats(0.0, 20.0))
+def test_only_a_rejection_for_room_waits(reason: Reason, ttft_s: float) -> None:
+    """`arrive` waits exactly when `room_wait_deadline` lets the first rejection wait."""
+
+    @attrs.define
+    class Refuses:
+        def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+            return ScheduleDecision(request_id=req.request_id, accepted=False, reason=reason, ttft_s=ttft_s)
+
+    queue: AdmissionQueue[int] = AdmissionQueue(Refuses(), slo=SLO, max_wait_s=5.0)
+    waits = queue.arrive(1, request(1, 0.0, 1, 1), 0.0) is None
+    assert waits == (room_wait_deadline(reason, estimated_ttft_s=ttft_s, arrival_s=0.0, slo=SLO, max_wait_s=5.0) > 0.0)

@@ -1,0 +1,163 @@
+"""The gateway's admission wait (`Dispatcher.admit`), without workers: a real Conductor over one prefill and
+one decode instance of one batch slot, driven on an event loop as the gateway drives it.
+
+What the end-to-end burst in test_cluster.py cannot pin down: first come, first served (a later arrival never
+overtakes), a client leaving as its turn came passes the turn on, a wait's deadline ends it in a 429 naming the
+bound, and shutting down answers every waiter, and every later request, with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+
+from serving.api import ApiError, SamplingOptions
+from serving.config import load_config
+from serving.dispatch import Dispatcher, LiveRequest, WorkerState
+from serving.gateway import build_conductor
+
+from mooncake.sched.join import DecodeLimits
+from mooncake.sched.outcome import Outcome
+from mooncake.types import InstanceId
+from tests.serving.conftest import EXAMPLES
+
+TINY = EXAMPLES / "configs" / "tiny.toml"
+PREFILL, DECODE = InstanceId("prefill-0"), InstanceId("decode-0")
+STEP_S = 0.01  # how long the tests let the loop run between steps (nothing here waits on I/O)
+
+
+@asynccontextmanager
+async def dispatcher(admission_wait_s: float = 30.0, kv_tokens: int | None = None) -> AsyncIterator[Dispatcher]:
+    """A dispatcher with no workers, its Conductor knowing one prefill instance and one decode instance of one
+    batch slot (`kv_tokens`: of unlimited slots and that much KV), both up."""
+    config = load_config(TINY).with_overrides("limits", admission_wait_s=admission_wait_s)
+    conductor = build_conductor(config)
+    conductor.add_prefill_instance(PREFILL)
+    limits = DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=1)
+    if kv_tokens is not None:
+        limits = DecodeLimits(kv_capacity_tokens=kv_tokens)
+    conductor.add_decode_instance(DECODE, limits)
+    found = Dispatcher(config, conductor, secret=bytes(32), workers=[], is_alive=lambda _: True, block_bytes=1)
+    found.workers = {PREFILL: WorkerState(PREFILL, "prefill"), DECODE: WorkerState(DECODE, "decode")}
+    found._calls = {PREFILL: Calls(), DECODE: Calls()}  # type: ignore[dict-item]
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+@attrs.define
+class Calls:
+    """Stands in for a worker's control-call thread: records what would be sent."""
+
+    sent: list[Any] = attrs.field(factory=list)
+
+    def submit(self, function: Any, _instance: str, message: Any) -> None:
+        self.sent.append(type(message).__name__ if function.__name__ == "_tell" else function.__name__)
+
+    def shutdown(self, **_options: Any) -> None:
+        pass
+
+
+def admitting(d: Dispatcher, first_token: int, length: int = 40) -> Callable[[], Coroutine[Any, Any, LiveRequest]]:
+    """A request of its own prompt (no shared prefix) of `length` tokens, 4 tokens out."""
+    prompt = list(range(first_token, first_token + length))
+    return lambda: d.admit(prompt, SamplingOptions(max_tokens=4), d.now())
+
+
+async def settle() -> None:
+    await asyncio.sleep(STEP_S)
+
+
+def test_first_come_first_served() -> None:
+    """A holds 44 of the 100 KV tokens; B (64) waits, and so does C (44), which would fit beside A but came
+    after B. A's end lets B in, not C (no room beside B); B's end lets C in."""
+
+    async def run() -> None:
+        async with dispatcher(kv_tokens=100) as d:
+            a = await admitting(d, 0)()
+            b = asyncio.create_task(admitting(d, 1000, length=60)())
+            await settle()
+            c = asyncio.create_task(admitting(d, 2000)())
+            await settle()
+            assert not b.done() and not c.done() and len(d._waiting) == 2
+            assert d.metrics.admission_waiting._value.get() == 2  # type: ignore[attr-defined]
+            d.end(a, Outcome.COMPLETED)
+            await settle()
+            assert b.done() and not c.done()
+            d.end(b.result(), Outcome.COMPLETED)
+            await settle()
+            assert c.done() and set(d.conductor.in_flight) == {c.result().request_id}
+            assert len(d._waiting) == 0
+
+    asyncio.run(run())
+
+
+def test_a_client_leaving_as_its_turn_came_passes_the_turn_on() -> None:
+    """A's end admits B, whose client leaves before `admit` returns: B is ended (client gone) and C, behind
+    it, gets the slot; a client leaving while waiting leaves the line and nothing is scheduled for it."""
+
+    async def run() -> None:
+        async with dispatcher() as d:
+            a = await admitting(d, 0)()
+            b = asyncio.create_task(admitting(d, 1000)())
+            await settle()
+            c = asyncio.create_task(admitting(d, 2000)())
+            await settle()
+            d.end(a, Outcome.COMPLETED)  # B is admitted here, on the loop's thread ...
+            b.cancel()  # ... and its client leaves before B's coroutine runs again
+            await settle()
+            assert b.cancelled() and c.done()
+            assert set(d.conductor.in_flight) == {c.result().request_id}
+            sent = d._calls[DECODE].sent, d._calls[PREFILL].sent  # type: ignore[attr-defined]
+            assert sent == (["_cancel"], ["CancelPrefill"])  # B's, on both its engines
+            e = asyncio.create_task(admitting(d, 3000)())
+            await settle()
+            assert len(d._waiting) == 1
+            e.cancel()
+            await settle()
+            assert len(d._waiting) == 0 and set(d.conductor.in_flight) == {c.result().request_id}
+
+    asyncio.run(run())
+
+
+def test_a_wait_ends_at_its_deadline_in_a_429_naming_the_bound() -> None:
+    async def run() -> None:
+        async with dispatcher(admission_wait_s=0.2) as d:
+            await admitting(d, 0)()
+            started = d.now()
+            with pytest.raises(ApiError) as caught:
+                await admitting(d, 1000)()
+            assert 0.2 <= d.now() - started < 2.0
+            assert (caught.value.status, caught.value.code) == (429, "batch_full")
+            assert len(d._waiting) == 0
+
+    asyncio.run(run())
+
+
+def test_shutting_down_answers_waiters_and_later_requests_with_a_503() -> None:
+    async def run() -> None:
+        async with dispatcher() as d:
+            a = await admitting(d, 0)()
+            b = asyncio.create_task(admitting(d, 1000)())
+            await settle()
+            d.shut_down_requests()
+            with pytest.raises(ApiError) as caught:
+                await b
+            assert caught.value.status == 503
+            with pytest.raises(ApiError) as later:
+                await admitting(d, 2000)()
+            assert later.value.status == 503
+            kind, error = a.events.get_nowait()
+            assert kind == "error" and error.status == 503
+            d.submit(a)  # sends nothing once shut down (its pools may be gone)
+
+    asyncio.run(run())
