@@ -60,9 +60,10 @@ def _number(kind: Callable[[str], Any], *, least: float = -math.inf, above: floa
     def parse(text: str) -> Any:
         try:
             value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not (value >= least and value > above and math.isfinite(value)):
+            finite = math.isfinite(value)
+        except (ValueError, OverflowError):  # not a number, or an integer past any float
+            value, finite = math.nan, False
+        if not (finite and value >= least and value > above):
             noun = "an integer" if kind is int else "a finite number"
             raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
         return value

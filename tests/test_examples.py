@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "synthetic", "--num-requests", "150", "--rate", "2"]
 
 
-def run(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(script: str, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=check,
     )
 
@@ -280,6 +280,7 @@ def test_the_examples_stop_on_a_signal_in_one_line(
         (("predictors", "--horizons=1,-1"), "argument --horizons: must be a finite number >= 0, got '-1'"),
         (("predictors", "--sample-every", "1e-9"), "snapshots of the"),
         (("cache", "--nodes", "2,0"), "argument --nodes: must be an integer >= 1, got '0'"),
+        (("cache", "--nodes", "1" + "0" * 400), "argument --nodes: must be an integer >= 1, got '1000"),
         (("throughput", "--ttft-slo-factor", "-1"), "argument --ttft-slo-factor: must be a finite number >= 0"),
         (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),
         (("overload", "--speedups=2,nan"), "argument --speedups: must be a finite number > 0, got 'nan'"),
@@ -291,6 +292,38 @@ def test_experiments_refuse_out_of_range_values_by_name(argv: tuple[str, ...], m
     done = run("experiments.py", *argv, *SMALL, "--out", str(tmp_path), "--no-progress", check=False)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_predictors_samples_a_span_below_the_clocks_resolution_once(tmp_path: Path) -> None:
+    """Arrivals all at 10^6 s and a sampling step that adding to that clock leaves it unchanged: one snapshot
+    time (the sampling loop once added the step for ever)."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        json.dumps({"timestamp": 1e9, "input_length": 600, "output_length": 20, "hash_ids": [2 * i, 2 * i + 1]})
+        for i in range(10)
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    done = run(
+        "experiments.py",
+        "predictors",
+        "--trace",
+        str(trace),
+        "--sample-every",
+        "1e-11",
+        "--horizons",
+        "1",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-plots",
+        "--json",
+        "--no-progress",
+        timeout=60,  # it takes a second; the old loop never ended
+    )
+    assert "mae" in json.loads(done.stdout)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ each predictor is scored by its mean absolute error on those snapshots.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,10 +90,9 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
             f"--sample-every {args.sample_every:g} takes {(end - start) / args.sample_every:,.0f} snapshots of "
             f"the {end - start:,.0f} s scored; at most {MAX_SNAPSHOTS:,} (a larger --sample-every)"
         )
-    t = start
-    while t <= end:
-        cluster.loop.at(t, observe)
-        t += args.sample_every
+    # By index: adding a step far below the clock's resolution would leave t where it was, for ever.
+    for index in range(math.floor((end - start) / args.sample_every) + 1):
+        cluster.loop.at(start + index * args.sample_every, observe)
     cluster.run(requests, progress=simulation.progress(args, len(requests), "replay"))
     step = DecodeCostModel(model=spec.model, hardware=spec.decode_hardware).step_s(1, 0)
     learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]])

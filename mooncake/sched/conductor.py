@@ -212,7 +212,7 @@ class Conductor:
     def add_prefill_instances(self, instance_ids: Iterable[InstanceId]) -> None:
         """Prefill instances, all checked before any is added; the board is rebuilt once (a cluster of n
         instances added one at a time costs O(n²))."""
-        new = tuple(instance_ids)
+        new = self._new_ids(instance_ids)
         self._check_new(*new)
         for instance_id in new:
             self._prefill[instance_id] = PrefillView(instance_id)
@@ -227,7 +227,7 @@ class Conductor:
     def add_decode_instances(self, instance_ids: Iterable[InstanceId], limits: DecodeLimits) -> None:
         """Decode instances, each holding what `limits` say, all checked before any is added; the board is
         rebuilt once."""
-        new = tuple(instance_ids)
+        new = self._new_ids(instance_ids)
         self._check_new(*new, decode_limits=(limits,))
         for instance_id in new:
             self._decode[instance_id] = DecodeView(instance_id, limits)
@@ -674,18 +674,25 @@ class Conductor:
                 f"Conductor{other}: add it with add_{kind}_instance first"
             )
 
+    @staticmethod
+    def _new_ids(instance_ids: Iterable[InstanceId]) -> tuple[InstanceId, ...]:
+        """A batch of ids as a tuple; one id alone is refused (a string is an iterable of characters)."""
+        if isinstance(instance_ids, str):
+            raise ConfigError(f"instance_ids must be a collection of instance ids, got the one string {instance_ids!r}")
+        return tuple(instance_ids)
+
     def _check_new(self, *instance_ids: InstanceId, decode_limits: tuple[DecodeLimits, ...] = ()) -> None:
         """New instances' ids (and decode instances' limits, when given), checked before anything is
         registered, so that a failed add changes nothing."""
+        for limits in decode_limits:
+            if not isinstance(limits, DecodeLimits):
+                raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
         seen: set[InstanceId] = set()
         for instance_id in instance_ids:
             require_str("an instance id", instance_id)
             if instance_id in self._prefill or instance_id in self._decode or instance_id in seen:
                 raise ConfigError(f"instance {instance_id} is already known")
             seen.add(instance_id)
-            for limits in decode_limits:
-                if not isinstance(limits, DecodeLimits):
-                    raise ConfigError(f"limits of instance {instance_id} must be DecodeLimits, got {limits!r}")
 
     def _end(self, request_id: RequestId, outcome: Outcome, reason: Reason | None, now: float) -> RequestEnd:
         flight = self._in_flight.pop(request_id)

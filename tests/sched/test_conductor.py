@@ -575,7 +575,7 @@ def test_a_failed_add_changes_nothing() -> None:
     """A bad id or limits are a ConfigError naming them, raised before anything is registered: the same id
     can then be added properly."""
     conductor = make_conductor()
-    with pytest.raises(ConfigError, match="limits of instance decode-9 must be DecodeLimits"):
+    with pytest.raises(ConfigError, match="decode limits must be DecodeLimits, got None"):
         conductor.add_decode_instance(InstanceId("decode-9"), None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="limits"):
         conductor.add_coupled_instance(InstanceId("decode-9"), {"kv_capacity_tokens": 10})  # type: ignore[arg-type]
@@ -617,6 +617,12 @@ def test_instances_added_together_are_checked_first_and_equal_those_added_one_by
             together.add_prefill_instances(batch)
         with pytest.raises(ConfigError, match="is already known"):
             together.add_decode_instances(batch, limits)
+    with pytest.raises(ConfigError, match="the one string 'prefill-x'"):  # not five instances p, r, e, ...
+        together.add_prefill_instances("prefill-x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the one string"):
+        together.add_decode_instances("decode-x", limits)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="DecodeLimits"):  # checked even when the batch is empty
+        together.add_decode_instances([], None)  # type: ignore[arg-type]
     assert (together.prefill_views, together.decode_views) == before
 
 
