@@ -35,10 +35,14 @@ STEP_S = 0.01  # how long the tests let the loop run between steps (nothing here
 
 
 @asynccontextmanager
-async def dispatcher(admission_wait_s: float = 30.0, kv_tokens: int | None = None) -> AsyncIterator[Dispatcher]:
+async def dispatcher(
+    admission_wait_s: float = 30.0, kv_tokens: int | None = None, request_timeout_s: float = 60.0
+) -> AsyncIterator[Dispatcher]:
     """A dispatcher with no workers, its Conductor knowing one prefill instance and one decode instance of one
     batch slot (`kv_tokens`: of unlimited slots and that much KV), both up."""
-    config = load_config(TINY).with_overrides("limits", admission_wait_s=admission_wait_s)
+    config = load_config(TINY).with_overrides(
+        "limits", admission_wait_s=admission_wait_s, request_timeout_s=request_timeout_s
+    )
     conductor = build_conductor(config)
     conductor.add_prefill_instance(PREFILL)
     limits = DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=1)
@@ -139,6 +143,22 @@ def test_a_wait_ends_at_its_deadline_in_a_429_naming_the_bound() -> None:
             assert 0.2 <= d.now() - started < 2.0
             assert (caught.value.status, caught.value.code) == (429, "batch_full")
             assert len(d._waiting) == 0
+
+    asyncio.run(run())
+
+
+def test_a_wait_never_outlasts_the_request_timeout() -> None:
+    """A TTFT objective (30 s) and a wait (30 s) past the request timeout (0.3 s): the wait ends before the
+    first token's deadline would, in a 429, not in a 504 after it."""
+
+    async def run() -> None:
+        async with dispatcher(request_timeout_s=0.3) as d:
+            assert d.conductor.slo.ttft_s == 30.0
+            await admitting(d, 0)()
+            started = d.now()
+            with pytest.raises(ApiError) as caught:
+                await admitting(d, 1000)()
+            assert d.now() - started < 0.3 and caught.value.status == 429
 
     asyncio.run(run())
 
