@@ -79,7 +79,9 @@ class KvEventSubscriber:
         index: the index fed.
         replay_endpoint: vLLM's replay socket, or None (gaps are then losses).
         topic: the topic subscribed to ("" is every topic).
-        replay_timeout_s: how long one replay may take.
+        replay_timeout_s: how long a replay's answer may stay silent (it streams one message per batch: a long
+            one, thousands of batches from a server that ran before this subscriber, is not cut off while its
+            batches keep coming, which would lose them and forget the server's holdings).
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class KvEventSubscriber:
         deadline = time.monotonic() + self.replay_timeout_s
         while (left := deadline - time.monotonic()) > 0 and self._replay.poll(max(1, int(left * 1000))):
             frames = self._replay.recv_multipart()
+            deadline = time.monotonic() + self.replay_timeout_s  # a silence ends it, not a long answer
             if frames and frames[0] == b"":
                 frames = frames[1:]  # the delimiter DEALER leaves in
             if len(frames) == 3:

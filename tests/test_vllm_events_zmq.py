@@ -14,6 +14,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -220,6 +221,57 @@ def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
         server.join(timeout=10)
         assert requests == [0]
         assert index.match(keys).length(SOURCE) == len(keys)
+    finally:
+        for socket in (router, xpub):
+            socket.close(linger=0)
+        ctx.term()
+
+
+def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() -> None:
+    """A replay answer streams (a long-lived server's buffer can be thousands of batches): batches 0, 1, 2 and
+    the end marker each come 0.8 s apart, 3.2 s in all, past the 2 s timeout, which bounds a silence, not the
+    answer; all reach the index and nothing is lost (cut off at 2 s, batch 2 was lost and the source's
+    holdings forgotten)."""
+    encoder = VllmEventEncoder(HASHER)
+    prompt = example.synthetic_prompts(1, seed=2)[0]
+    keys = encoder.register(prompt)
+    batches = [
+        encoder.encode([BlockStored(source=SOURCE, seq=i, keys=keys[i : i + 1], tier=Tier.VRAM)], ts=float(i))
+        for i in range(4)
+    ]
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    xpub = ctx.socket(zmq.XPUB)
+    index = BlockIndex()
+    try:
+        router.bind(LOOPBACK)
+
+        def serve_slowly() -> None:
+            if router.poll(10_000):
+                identity, _, _start = router.recv_multipart()
+                for seq in (0, 1, 2):
+                    time.sleep(0.8)
+                    router.send_multipart([identity, b"", seq.to_bytes(8, "big"), batches[seq]])
+                time.sleep(0.8)
+                router.send_multipart([identity, b"", example.END_SEQ, b""])
+
+        server = threading.Thread(target=serve_slowly)
+        server.start()
+        with example.KvEventSubscriber(
+            LOOPBACK,
+            decoder=VllmEventDecoder(HASHER, SOURCE),
+            index=index,
+            replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
+            replay_timeout_s=2.0,
+        ) as subscriber:
+            xpub.connect(subscriber.endpoint)
+            wait_for(lambda: subscriber.poll(0.01) >= 0 and xpub.poll(50) > 0, "the subscription")
+            assert xpub.recv() == b"\x01"
+            xpub.send_multipart([b"", (3).to_bytes(8, "big"), batches[3]])
+            wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 4, "the batches")
+            assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
+        server.join(timeout=10)
+        assert index.match(keys).length(SOURCE) == len(keys) >= 3  # batches 0-2 stored one block each
     finally:
         for socket in (router, xpub):
             socket.close(linger=0)
