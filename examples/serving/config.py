@@ -461,6 +461,13 @@ class ClusterConfig:
                 f"must be >= health_interval_s = {limits.health_interval_s}"
             )
 
+    def objectives(self) -> Slo:
+        """The objectives the gateway's Conductor admits against: `[slo]`'s, the TTFT one capped at
+        `[limits] request_timeout_s` (a first token later than that is a 504, so no request is accepted, or left
+        waiting for room, on a longer estimate). A summary scores `[slo]` itself (`SloSection.objectives`)."""
+        slo = self.slo.objectives()
+        return attrs.evolve(slo, ttft_s=min(slo.ttft_s, self.limits.request_timeout_s))
+
     def with_overrides(self, section: str, **values: Any) -> ClusterConfig:
         """A copy with some keys of `section` replaced (checked like the file's, without the machine).
 

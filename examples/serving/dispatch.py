@@ -122,6 +122,7 @@ class LiveRequest:
     decode: InstanceId = UNROUTED
     fetch: wire.Fetch | None = None
     attempt: int = 0  # rises each time the request is scheduled again after an engine of its went down
+    sent_attempt: int = -1  # the attempt last sent to a prefill worker (`submit`)
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
     generated: int = 0
     cached_tokens: int = 0
@@ -224,15 +225,9 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
-        # Requests waiting for room on the decode side (`admit`), first come, first served. A wait never outlasts
-        # the request timeout: the first token's deadline counts from arrival too (`tokens`).
-        limits = config.limits
-        slo = conductor.slo
-        self._waiting = AdmissionQueue[_Waiter](
-            conductor,
-            slo=attrs.evolve(slo, ttft_s=min(slo.ttft_s, limits.request_timeout_s)),
-            max_wait_s=limits.admission_wait_s,
-        )
+        # Requests waiting for room on the decode side (`admit`), first come, first served, within the Conductor's
+        # TTFT objective (capped at the request timeout: `ClusterConfig.objectives`).
+        self._waiting = AdmissionQueue[_Waiter](conductor, slo=conductor.slo, max_wait_s=config.limits.admission_wait_s)
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._closed = False  # shut down: nothing is admitted or sent any more
 
@@ -393,10 +388,15 @@ class Dispatcher:
         self.live[live.request_id] = live
 
     def submit(self, live: LiveRequest) -> None:
-        """Send an admitted request to its prefill worker (on the event loop's thread); nothing once the cluster
-        is shutting down (the request has its 503: `shut_down_requests`)."""
-        if self._closed:
+        """Send an admitted request's current attempt to its prefill worker, once (on the event loop's thread).
+
+        Nothing is sent once the cluster is shutting down (the request has its 503: `shut_down_requests`), for a
+        request no longer live, or for an attempt already sent: between the line admitting a request and its
+        `admit` returning, an engine of its may fail and the request be rerouted and sent (or ended) already.
+        """
+        if self._closed or self.live.get(live.request_id) is not live or live.sent_attempt == live.attempt:
             return
+        live.sent_attempt = live.attempt
         sampling = live.sampling
         assert sampling.seed is not None  # drawn at admission
         job = wire.PrefillJob(
@@ -783,7 +783,7 @@ class Dispatcher:
         its next attempt while nothing of it has reached its client and it has attempts left, else ended with
         `failure`. Its abandoned attempt is cancelled on its prefill engine either way."""
         self._abandon(live)
-        if live.generated or live.attempt >= MAX_REROUTES:
+        if self._closed or live.generated or live.attempt >= MAX_REROUTES:  # shut down: it has its 503
             self._finished(live, "error", self.now())
             live.events.put_nowait(("error", failure))
             return

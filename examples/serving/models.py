@@ -124,7 +124,7 @@ def build_conductor(
         router=registry.router(policy.router, threshold=policy.threshold),
         admission=registry.admission(policy.admission),
         predictor=UniformDecodePredictor(decode_s=PREDICTED_DECODE_S),
-        slo=config.slo.objectives(),
+        slo=config.objectives(),
         prefill=prefill,
         step_model=step_model,
         decode_limits=decode_limits(config),

@@ -55,7 +55,7 @@ from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
 from mooncake.sched.decode import DecodeChoice, choose_decode
-from mooncake.sched.join import DecodeLimits, load_problem
+from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.predictor import LoadPredictor
@@ -274,8 +274,8 @@ class Conductor:
     def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
         """Decide where `request` goes, or reject it; an accepted request is now in flight.
 
-        `waited_s`: how long the request has waited for room since it arrived (`sched.waiting.AdmissionQueue`):
-        the wait counts against its TTFT objective, so a request that waited is accepted only while the wait
+        `waited_s`: how long has passed since the request arrived (`sched.waiting.AdmissionQueue` passes it: the
+        wait for room, and a gateway's reading of the body before): it counts against the TTFT objective, so a request that waited is accepted only while the wait
         plus the estimated TTFT meets it (else rejected as TTFT_SLO, where the policy's reason was room).
 
         Raises:
@@ -387,6 +387,28 @@ class Conductor:
                 transfer=(route.transfer.source, now + route.transfer_s) if route.transfer is not None else None,
             )
         return decision
+
+    def lasting_refusal(self, request: Request) -> Reason | None:
+        """Why no wait for room could get `request` in, without scheduling it (nothing changes), or None: no
+        prefill or no decode instance up, or a context no decode instance up could hold even empty
+        (CONTEXT_TOO_LONG). What a wait could change (the TTFT estimate, the decode load) is not looked at.
+
+        Raises:
+            InvalidRequestError: not a `Request`, or one keyed in other blocks than this Conductor's.
+        """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"lasting_refusal takes a mooncake.types.Request, got {type(request).__name__}")
+        self._check_geometry(request)
+        if not any(view.is_up for view in self._prefill_board):
+            return Reason.NO_PREFILL_INSTANCE
+        empty = DecodeLoad(0, 0, 0)
+        up = [view for view in self._decode_board.slot_views if view.is_up]
+        if not up:
+            return Reason.NO_DECODE_INSTANCE
+        prompt, output = request.input_length, request.output_length
+        if any(check_join(v.limits, empty, prompt_tokens=prompt, output_tokens=output).accepted for v in up):
+            return None
+        return Reason.CONTEXT_TOO_LONG
 
     def _check_route(self, route: RouteDecision) -> None:
         """A router's decision names a prefill instance that is up, its times are finite and not negative, and a

@@ -84,7 +84,8 @@ _UNAVAILABLE = frozenset({Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE}
 def http_status(reason: Reason) -> int:
     """The HTTP status a gateway answers a rejection for `reason` with: 503 when no instance of a role is up
     (the service is unavailable), 400 when the request cannot fit any instance however idle (its prompt and
-    max_tokens exceed the context: vLLM's own answer), 429 for the rest (at capacity now: retry later)."""
+    max_tokens exceed the context or an empty instance's KV: vLLM's own answer), 429 for the rest (at capacity
+    now: retry later)."""
     if reason in _UNAVAILABLE:
         return 503
     if reason is Reason.CONTEXT_TOO_LONG:

@@ -15,6 +15,8 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 - An arrival while others wait joins the line behind them untried: nobody overtakes, so a large request at
   the head is never starved by smaller ones that came after it. Untried, its deadline is the most its wait
   may be (`max_wait_s`, the TTFT objective); its first try sets it from the TTFT the Conductor estimates.
+  Only one that no wait could get in (`Scheduler.lasting_refusal`: no instance up, a context no instance
+  holds) is refused at once instead.
 - `pump` tries the head: accepted, it leaves and the next is tried; rejected for room before its deadline, it
   keeps its place and the line waits; rejected otherwise, it leaves rejected and the next is tried. Then each
   request whose deadline has come is tried once, out of turn (the head has just failed, so only room the head
@@ -22,7 +24,7 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 - Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
   counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.
 
-Invariants: the line is in arrival order; a request's deadline is at most `max_wait_s` and the TTFT
+Invariants: the line is in the order requests joined it; a request's deadline is at most `max_wait_s` and the TTFT
 objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
 decision is handed back once; with `max_wait_s` 0 nothing waits.
 """
@@ -42,6 +44,7 @@ from mooncake._checks import require_number
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import room_wait_deadline
 from mooncake.sched.conductor import ScheduleDecision
+from mooncake.sched.outcome import Reason
 from mooncake.types import Request, Slo
 
 __all__ = ["AdmissionQueue", "Scheduler"]
@@ -53,6 +56,9 @@ class Scheduler(Protocol):
     """What the queue schedules with: the Conductor."""
 
     def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision: ...
+
+    def lasting_refusal(self, request: Request) -> Reason | None:
+        """Why no wait could get `request` in (nothing scheduled), or None."""
 
 
 @attrs.define(eq=False)
@@ -83,7 +89,7 @@ class AdmissionQueue(Generic[T]):
         self.scheduler = scheduler
         self.slo = slo
         self.max_wait_s = require_number("max_wait_s", max_wait_s, minimum=0.0)
-        self._line: collections.deque[_Entry[T]] = collections.deque()  # arrival order; left entries linger
+        self._line: collections.deque[_Entry[T]] = collections.deque()  # the order they joined; left entries linger
         self._deadlines: list[tuple[float, int, int, _Entry[T]]] = []  # a heap (deadline, seq, row); stale rows linger
         self._entries: dict[int, _Entry[T]] = {}  # id(item) → its entry, while it waits
         self._seq = itertools.count()
@@ -93,7 +99,7 @@ class AdmissionQueue(Generic[T]):
         return len(self._entries)
 
     def __iter__(self) -> Iterator[T]:
-        """The items waiting, in arrival order."""
+        """The items waiting, in the order they joined the line."""
         return (entry.item for entry in self._line if entry.waiting)
 
     def __contains__(self, item: object) -> bool:
@@ -107,7 +113,10 @@ class AdmissionQueue(Generic[T]):
         """
         if id(item) in self._entries:
             raise InvalidRequestError(f"{item!r} already waits for room")
-        if self._entries:  # behind those already waiting, untried
+        if self._entries:  # behind those already waiting, untried, unless no wait could help it
+            reason = self.scheduler.lasting_refusal(request)
+            if reason is not None:
+                return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
             self._enter(item, request, request.arrival_s + min(self.max_wait_s, self.slo.ttft_s))
             return None
         decision = self._try(request, now)
@@ -148,7 +157,7 @@ class AdmissionQueue(Generic[T]):
         return True
 
     def clear(self) -> list[T]:
-        """Empty the line; the items that waited, in arrival order."""
+        """Empty the line; the items that waited, in line order."""
         items = list(self)
         for entry in self._entries.values():
             entry.waiting = False

@@ -626,6 +626,31 @@ def test_instances_added_together_are_checked_first_and_equal_those_added_one_by
     assert (together.prefill_views, together.decode_views) == before
 
 
+def test_a_lasting_refusal_is_what_no_wait_could_change_and_changes_nothing() -> None:
+    """`lasting_refusal` (the admission line asks it of a request arriving behind others): a context past every
+    decode instance up, even empty, or no instance of a role up; None for a request a wait could get in (here a
+    full decode side); nothing is scheduled."""
+    conductor = make_conductor(admission="early_rejection", capacity_tokens=10_000, max_batch_size=1)
+    for i, instance in enumerate(DECODE_IDS):  # both decode instances full
+        assert placement(conductor.schedule(request(f"filler-{i}", [10 * i + 1]), 0.0))[1] == instance
+    waiting = request("waits", [50])
+    assert conductor.schedule(waiting, 0.0).reason is Reason.BATCH_FULL
+    assert conductor.lasting_refusal(waiting) is None
+    huge = request("huge", list(range(200, 240)), output=10)  # 10,240 + 10 tokens of KV, past 10,000
+    assert conductor.lasting_refusal(huge) is Reason.CONTEXT_TOO_LONG
+    assert conductor.in_flight == (RequestId("filler-0"), RequestId("filler-1"))
+    for instance in DECODE_IDS:
+        conductor.handle(InstanceDown(instance_id=instance, now=0.0))
+    assert conductor.lasting_refusal(waiting) is Reason.NO_DECODE_INSTANCE
+    for instance in PREFILL_IDS:
+        conductor.handle(InstanceDown(instance_id=instance, now=0.0))
+    assert conductor.lasting_refusal(waiting) is Reason.NO_PREFILL_INSTANCE
+    with pytest.raises(InvalidRequestError, match="Request"):
+        conductor.lasting_refusal("waits")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="block keys"):
+        conductor.lasting_refusal(request("short", [1, 2], tokens=10))
+
+
 @pytest.mark.parametrize("block", [0, -4, 512.0, "512"])
 def test_a_block_size_that_is_not_a_positive_integer_is_refused(block: object) -> None:
     with pytest.raises(ConfigError, match="block_size_tokens must be an integer >= 1"):

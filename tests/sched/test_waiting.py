@@ -58,6 +58,9 @@ class FakeConductor:
     def release(self, request_id: RequestId) -> None:
         self.free += self.held.pop(request_id)
 
+    def lasting_refusal(self, request: Request) -> Reason | None:
+        return Reason.CONTEXT_TOO_LONG if request.input_length > CAPACITY else None
+
 
 def request(number: int, now: float, size: int, ttft_tenths: int) -> Request:
     return Request(
@@ -99,6 +102,8 @@ class LineModel:
         return decision, deadline
 
     def arrive(self, item: int, req: Request, now: float) -> ScheduleDecision | None:
+        if self.line and req.input_length > CAPACITY:  # no wait could get it in: refused at once
+            return ScheduleDecision(request_id=req.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG)
         if self.line:
             self.line.append(_Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s)))
             return None
@@ -282,6 +287,17 @@ def test_a_request_whose_wait_cannot_meet_its_objective_leaves_rejected() -> Non
     assert len(queue) == 0 and queue.next_deadline() == math.inf
 
 
+def test_what_no_wait_could_get_in_is_refused_at_once_even_behind_others() -> None:
+    """Behind a waiter, an arrival is not tried (no overtaking), but one no wait could help (here a context
+    past what the decode side holds) is refused at once, not left to wait for its turn."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
+    decision = queue.arrive("huge", request(2, 0.1, CAPACITY + 1, 10), 0.1)
+    assert decision is not None and decision.reason is Reason.CONTEXT_TOO_LONG
+    assert list(queue) == ["a"] and [c[0] for c in conductor.calls] == ["r1"]
+
+
 def test_with_no_wait_allowed_nothing_waits() -> None:
     conductor = FakeConductor(free=0)
     queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=0)
@@ -324,6 +340,9 @@ def test_only_a_rejection_for_room_waits(reason: Reason, ttft_s: float) -> None:
     class Refuses:
         def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=reason, ttft_s=ttft_s)
+
+        def lasting_refusal(self, req: Request) -> Reason | None:
+            return None
 
     queue: AdmissionQueue[int] = AdmissionQueue(Refuses(), slo=SLO, max_wait_s=5.0)
     waits = queue.arrive(1, request(1, 0.0, 1, 1), 0.0) is None

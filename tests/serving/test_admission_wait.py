@@ -9,6 +9,7 @@ bound, and shutting down answers every waiter, and every later request, with a 5
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,28 +31,36 @@ from mooncake.types import InstanceId
 from tests.serving.conftest import EXAMPLES
 
 TINY = EXAMPLES / "configs" / "tiny.toml"
-PREFILL, DECODE = InstanceId("prefill-0"), InstanceId("decode-0")
+PREFILL, DECODE, SPARE = InstanceId("prefill-0"), InstanceId("decode-0"), InstanceId("prefill-1")
 STEP_S = 0.01  # how long the tests let the loop run between steps (nothing here waits on I/O)
 
 
 @asynccontextmanager
 async def dispatcher(
-    admission_wait_s: float = 30.0, kv_tokens: int | None = None, request_timeout_s: float = 60.0
+    admission_wait_s: float = 30.0,
+    kv_tokens: int | None = None,
+    request_timeout_s: float = 60.0,
+    spare_prefill: bool = False,
 ) -> AsyncIterator[Dispatcher]:
-    """A dispatcher with no workers, its Conductor knowing one prefill instance and one decode instance of one
-    batch slot (`kv_tokens`: of unlimited slots and that much KV), both up."""
+    """A dispatcher with no workers, its Conductor knowing one prefill instance (two with `spare_prefill`) and
+    one decode instance of one batch slot (`kv_tokens`: of unlimited slots and that much KV), all up; what it
+    would send the workers is recorded (`Calls`)."""
     config = load_config(TINY).with_overrides(
         "limits", admission_wait_s=admission_wait_s, request_timeout_s=request_timeout_s
     )
     conductor = build_conductor(config)
-    conductor.add_prefill_instance(PREFILL)
+    prefills = (PREFILL, SPARE) if spare_prefill else (PREFILL,)
+    conductor.add_prefill_instances(prefills)
     limits = DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=1)
     if kv_tokens is not None:
         limits = DecodeLimits(kv_capacity_tokens=kv_tokens)
     conductor.add_decode_instance(DECODE, limits)
     found = Dispatcher(config, conductor, secret=bytes(32), workers=[], is_alive=lambda _: True, block_bytes=1)
-    found.workers = {PREFILL: WorkerState(PREFILL, "prefill"), DECODE: WorkerState(DECODE, "decode")}
-    found._calls = {PREFILL: Calls(), DECODE: Calls()}  # type: ignore[dict-item]
+    roles = {instance: "prefill" for instance in prefills} | {DECODE: "decode"}
+    found.workers = {instance: WorkerState(instance, role) for instance, role in roles.items()}
+    found._calls = {instance: Calls() for instance in roles}  # type: ignore[misc]
+    found._unsent = {instance: set() for instance in roles}
+    found._stale = {instance: [] for instance in roles}
     try:
         yield found
     finally:
@@ -64,8 +73,11 @@ class Calls:
 
     sent: list[Any] = attrs.field(factory=list)
 
-    def submit(self, function: Any, _instance: str, message: Any) -> None:
-        self.sent.append(type(message).__name__ if function.__name__ == "_tell" else function.__name__)
+    def submit(self, function: Any, _instance: str, message: Any) -> concurrent.futures.Future[None]:
+        self.sent.append(function.__name__ if function.__name__ == "_cancel" else type(message).__name__)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
 
     def shutdown(self, **_options: Any) -> None:
         pass
@@ -122,7 +134,7 @@ def test_a_client_leaving_as_its_turn_came_passes_the_turn_on() -> None:
             assert b.cancelled() and c.done()
             assert set(d.conductor.in_flight) == {c.result().request_id}
             sent = d._calls[DECODE].sent, d._calls[PREFILL].sent  # type: ignore[attr-defined]
-            assert sent == (["_cancel"], ["CancelPrefill"])  # B's, on both its engines
+            assert sent == (["_cancel"], ["CancelPrefill"])  # B's, on both its engines (none was submitted)
             e = asyncio.create_task(admitting(d, 3000)())
             await settle()
             assert len(d._waiting) == 1
@@ -153,7 +165,7 @@ def test_a_wait_never_outlasts_the_request_timeout() -> None:
 
     async def run() -> None:
         async with dispatcher(request_timeout_s=0.3) as d:
-            assert d.conductor.slo.ttft_s == 30.0
+            assert d.config.slo.ttft_s == 30.0 and d.conductor.slo.ttft_s == 0.3
             await admitting(d, 0)()
             started = d.now()
             with pytest.raises(ApiError) as caught:
@@ -165,8 +177,11 @@ def test_a_wait_never_outlasts_the_request_timeout() -> None:
 
 
 def test_shutting_down_answers_waiters_and_later_requests_with_a_503() -> None:
+    """Waiters and later requests get a 503; a live request keeps its 503 and is neither sent nor, when its
+    engine fails after the shutdown, scheduled again."""
+
     async def run() -> None:
-        async with dispatcher() as d:
+        async with dispatcher(spare_prefill=True) as d:
             a = await admitting(d, 0)()
             b = asyncio.create_task(admitting(d, 1000)())
             await settle()
@@ -180,5 +195,84 @@ def test_shutting_down_answers_waiters_and_later_requests_with_a_503() -> None:
             kind, error = a.events.get_nowait()
             assert kind == "error" and error.status == 503
             d.submit(a)  # sends nothing once shut down (its pools may be gone)
+            assert "PrefillJob" not in sent(d, a.prefill)
+            d._worker_failed(a.prefill)  # not rerouted to the spare one
+            assert d.conductor.in_flight == () and not d.live
 
     asyncio.run(run())
+
+
+def sent(d: Dispatcher, instance: InstanceId) -> list[str]:
+    return d._calls[instance].sent  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_request_the_line_admitted_is_sent_once_even_if_rerouted_before_its_admit_returns() -> None:
+    """A's end admits B from the line; before B's `admit` returns, B's prefill engine fails and B is rerouted
+    and sent to the other one; the gateway's `submit` of what `admit` returned then sends nothing more (the
+    same attempt twice, or to the engine that failed)."""
+
+    async def run() -> None:
+        async with dispatcher(spare_prefill=True) as d:
+            a = await admitting(d, 0)()
+            d.submit(a)
+            b = asyncio.create_task(admitting(d, 1000)())
+            await settle()
+            d.end(a, Outcome.COMPLETED)  # B admitted here ...
+            (b_live,) = d.live.values()
+            first = b_live.prefill
+            d._worker_failed(first)  # ... and its prefill engine fails before B's coroutine runs again
+            assert b_live.attempt == 1 and b_live.prefill != first
+            d.submit(await b)  # what the gateway does with what admit returned
+            jobs = {instance: sent(d, instance).count("PrefillJob") for instance in (PREFILL, SPARE)}
+            assert jobs == {first: 1, b_live.prefill: 1}  # A's on the first; B's only attempt 1, once
+
+    asyncio.run(run())
+
+
+def test_an_engine_going_down_wakes_the_line() -> None:
+    """The one decode engine fails: A, on it, is rerouted and finds none; B, waiting, is tried at once and
+    gets its 503 then, not at its deadline 30 s on."""
+
+    async def run() -> None:
+        async with dispatcher() as d:
+            a = await admitting(d, 0)()
+            b = asyncio.create_task(admitting(d, 1000)())
+            await settle()
+            started = d.now()
+            d._worker_failed(DECODE)
+            with pytest.raises(ApiError) as caught:
+                await b
+            assert caught.value.status == 503 and d.now() - started < 5.0
+            kind, error = a.events.get_nowait()
+            assert kind == "error" and error.status == 503
+
+    asyncio.run(run())
+
+
+def test_a_client_leaving_in_the_turn_its_decision_is_made_passes_the_slot_on() -> None:
+    """B's client leaves, and in the same turn of the loop (before B's coroutine hears of it) A's end admits B
+    from the line: B is ended as gone and C, behind it, gets the slot; nothing escapes into the loop."""
+
+    async def run() -> None:
+        async with dispatcher() as d:
+            a = await admitting(d, 0)()
+            b = asyncio.create_task(admitting(d, 1000)())
+            await settle()
+            c = asyncio.create_task(admitting(d, 2000)())
+            await settle()
+            b.cancel()  # the client leaves ...
+            d.end(a, Outcome.COMPLETED)  # ... and B is admitted before its coroutine runs
+            await settle()
+            assert b.cancelled() and c.done() and not c.cancelled()
+            assert set(d.conductor.in_flight) == {c.result().request_id}
+
+    asyncio.run(run())
+
+
+def test_the_gateways_ttft_objective_is_capped_at_the_request_timeout() -> None:
+    """A request estimated (or waited) past the request timeout would get a 504 after its prefill: the
+    Conductor admits against the capped objective, so it is refused before (`ClusterConfig.objectives`)."""
+    config = load_config(TINY).with_overrides("limits", request_timeout_s=0.3)
+    assert config.slo.ttft_s == 30.0 and config.objectives().ttft_s == 0.3
+    assert build_conductor(config).slo.ttft_s == 0.3
+    assert load_config(TINY).objectives() == load_config(TINY).slo.objectives()
