@@ -275,8 +275,9 @@ class Conductor:
         """Decide where `request` goes, or reject it; an accepted request is now in flight.
 
         `waited_s`: how long has passed since the request arrived (`sched.waiting.AdmissionQueue` passes it: the
-        wait for room, and a gateway's reading of the body before): it counts against the TTFT objective, so a request that waited is accepted only while the wait
-        plus the estimated TTFT meets it (else rejected as TTFT_SLO, where the policy's reason was room).
+        wait for room, and a gateway's reading of the body before). It counts against the TTFT objective: the
+        request is accepted only while the wait plus the estimated TTFT meets it, else rejected as TTFT_SLO
+        (where the policy's reason was room).
 
         Raises:
             InvalidRequestError: not a `Request`, a request with this id is already in flight, or `now` or

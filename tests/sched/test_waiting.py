@@ -1,10 +1,11 @@
 """Tests for `mooncake.sched.waiting`: the line of requests waiting for decode room.
 
-A `RuleBasedStateMachine` drives the queue against a plain list that states the discipline directly (try the
-head until one keeps its place, then everyone past a deadline once, by deadline, out of the line), both scheduling on their own
-copy of a room-counting fake of the Conductor: the same decisions in the same order, the same line, the same
-deadlines. Examples: nobody overtakes the head, a wait is never past the TTFT objective, a request accepted
-after waiting meets it with the real Conductor, bad input is named.
+A `RuleBasedStateMachine` drives the queue against a plain list that states the discipline directly (try
+the head until one keeps its place, then everyone past a deadline once, by deadline, out of the line), both
+scheduling on their own copy of a room-counting fake of the Conductor: the same decisions in the same order,
+the same line, the same deadlines. Examples: nobody overtakes the head, a wait ends where its TTFT objective
+would be broken, what no wait could help is refused at once, bad input is named. (That the real Conductor
+counts the wait: tests/sched/test_admission.py.)
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ CAPACITY = 10  # the fake decode side's room, in units a request's input_length 
 @attrs.define
 class FakeConductor:
     """Room for `CAPACITY` units; a request takes `input_length` of them and its estimated TTFT is
-    `output_length` tenths of a second plus a quarter second per unit taken. Checks in the Conductor's order: never fits, TTFT with the wait counted,
-    then room."""
+    `output_length` tenths of a second plus a quarter second per unit taken. Checks in the Conductor's order:
+    never fits, TTFT with the wait counted, then room."""
 
     free: int = CAPACITY
     held: dict[RequestId, int] = attrs.field(factory=dict)
