@@ -74,6 +74,7 @@ COUPLED_UNUSED = (
     "global_pool",
     "cpp",
     "inline_prefill",
+    "admission_wait",
 )
 CONFIG_UNUSED = ("prefill", "decode", "model", "hardware", "ttft_slo", "tbt_slo", *COUPLED_UNUSED)
 

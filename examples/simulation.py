@@ -172,6 +172,13 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inline-prefill", type=int, default=0, help="inline prompts up to this many tokens")
     parser.add_argument("--ttft-slo", type=float, default=Slo().ttft_s, help="seconds")
     parser.add_argument("--tbt-slo", type=float, default=Slo().tbt_s, help="seconds")
+    parser.add_argument(
+        "--admission-wait",
+        type=float,
+        default=0.0,
+        help="seconds a request refused for decode room may wait for it, first come first served, before its "
+        "prefill (0: rejected at once, the paper's; the example cluster's gateway waits 30)",
+    )
 
 
 def add_policy_options(parser: argparse.ArgumentParser) -> None:
@@ -306,6 +313,13 @@ def decode_sized(requests: Sequence[Request], args: argparse.Namespace, spec: Cl
 
 
 def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+    """The simulated cluster the options describe (`overrides` replace its fields).
+
+    Raises:
+        ConfigError: an --admission-wait that is not a finite number of seconds >= 0.
+    """
+    if not (math.isfinite(args.admission_wait) and args.admission_wait >= 0):
+        raise ConfigError(f"--admission-wait must be a finite number of seconds >= 0, got {args.admission_wait:g}")
     prefill, decode = paper_sized(requests, args)
     options: dict[str, object] = {
         "num_prefill": prefill,
@@ -318,6 +332,7 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
         "global_pool": args.global_pool,
         "cpp_group_size": args.cpp,
         "inline_prefill_tokens": args.inline_prefill,
+        "admission_wait_s": args.admission_wait,
     }
     options.update(overrides)
     return ClusterSpec(**options)  # type: ignore[arg-type]

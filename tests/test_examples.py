@@ -484,6 +484,10 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
         ),
         (("experiments.py", "cache", "--predictor", "expected_output"), "--predictor does not apply"),
         (("replay.py", "--engine", "coupled", "--predictor", "expected_output"), "--predictor does not apply"),
+        (("replay.py", "--engine", "coupled", "--admission-wait", "5"), "--admission-wait does not apply"),
+        (("replay.py", "--config", "examples/configs/tiny.toml", "--admission-wait", "5"), "--admission-wait does"),
+        (("replay.py", "--admission-wait", "-1"), "--admission-wait must be a finite number of seconds >= 0, got -1"),
+        (("experiments.py", "cache", "--admission-wait", "nan"), "--admission-wait must be a finite number"),
     ],
 )
 def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:
@@ -492,6 +496,20 @@ def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], name
     script, *rest = argv
     done = run(script, *rest, *SMALL, "--no-progress", check=False)
     assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_replay_waits_for_decode_room_when_told() -> None:
+    """A decode side that binds (one decode node, 20 requests/s): with --admission-wait the requests refused for
+    decode room wait for it, before any prefill, and more complete within their SLOs; with none (the default,
+    the paper's), they are rejected at once."""
+    load = ("--preset", "synthetic", "--num-requests", "300", "--rate", "20", "--prefill", "4", "--decode", "1")
+    at_once, waiting = (
+        json.loads(run("replay.py", *load, "--admission-wait", wait, "--json", "--no-progress").stdout)
+        for wait in ("0", "30")
+    )
+    assert at_once["rejected_before_prefill"] > waiting["rejected_before_prefill"]
+    assert waiting["completed"] > at_once["completed"] and waiting["slo_attainment"] > at_once["slo_attainment"]
+    assert at_once["wasted_prefill_s"] == waiting["wasted_prefill_s"] == 0
 
 
 def test_a_router_file_loads_as_a_script_would(tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespa
         decode_hardware=hardware,
         cache_capacity_tokens=args.cache_blocks * args.block_size,
         block_size_tokens=args.block_size,
+        admission_wait_s=args.admission_wait,
     )
     conductor = build_conductor(cluster, admission=BaselineAdmission(), slo=slo, seed=args.seed)
     return DisaggregatedCluster(cluster, conductor).run(requests)
