@@ -10,6 +10,7 @@ first in replay answers. Every wait is a bounded poll.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -178,53 +179,63 @@ def test_the_replay_socket_answers_as_vllms_does(setup: Callable[..., Any]) -> N
     assert replies[-1][2] == b"" and all(len(r) == 3 and r[2] for r in replies[:-1])
 
 
+@contextlib.contextmanager
+def driven_by_hand(index: BlockIndex, serve: Callable[[Any], None], **options: Any) -> Iterator[tuple[Any, Any]]:
+    """A subscriber fed `index` as vLLM would feed it: from an XPUB socket (so the test sees the subscription
+    arrive) and a ROUTER replay socket that `serve(router)` answers on a thread; yields (subscriber, xpub) once
+    the subscription shows. `options` go to the subscriber (its `topic`, its `replay_timeout_s`)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    xpub = ctx.socket(zmq.XPUB)
+    try:
+        router.bind(LOOPBACK)
+        server = threading.Thread(target=serve, args=(router,))
+        server.start()
+        try:
+            with example.KvEventSubscriber(
+                LOOPBACK,
+                decoder=VllmEventDecoder(HASHER, SOURCE),
+                index=index,
+                replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
+                **options,
+            ) as subscriber:
+                xpub.connect(subscriber.endpoint)
+                # A bound SUB takes a new peer while its owner calls into it: poll both until the subscription shows.
+                wait_for(lambda: subscriber.poll(0.01) >= 0 and xpub.poll(50) > 0, "the subscription")
+                assert xpub.recv() == b"\x01" + options.get("topic", "").encode()
+                yield subscriber, xpub
+        finally:
+            server.join(timeout=10)
+    finally:
+        for socket in (router, xpub):
+            socket.close(linger=0)
+        ctx.term()
+
+
 def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
-    """Driven by hand as vLLM would: an XPUB socket (so the test sees the subscription arrive) sends
-    batch 1 of topic "kv"; the subscriber asks a ROUTER for batch 0, which answers with the topic
-    frame first; both batches reach the index in order."""
+    """Driven by hand as vLLM would: batch 1 of topic "kv" is published; the subscriber asks the replay socket
+    for batch 0, which answers with the topic frame first; both batches reach the index in order."""
     encoder = VllmEventEncoder(HASHER)
     prompt = example.synthetic_prompts(1, seed=1)[0]
     keys = encoder.register(prompt)
     first = encoder.encode([BlockStored(source=SOURCE, seq=0, keys=keys[:2], tier=Tier.VRAM)], ts=1.0)
     second = encoder.encode([BlockStored(source=SOURCE, seq=1, keys=keys[2:], tier=Tier.DRAM)], ts=2.0)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    xpub = ctx.socket(zmq.XPUB)
     requests: list[int] = []
     index = BlockIndex()
-    try:
-        router.bind(LOOPBACK)
 
-        def serve_one() -> None:
-            if router.poll(10_000):
-                identity, _, start = router.recv_multipart()
-                requests.append(int.from_bytes(start, "big"))
-                router.send_multipart([identity, b"", b"kv", (0).to_bytes(8, "big"), first])
-                router.send_multipart([identity, b"", b"", example.END_SEQ, b""])
+    def serve_one(router: Any) -> None:
+        if router.poll(10_000):
+            identity, _, start = router.recv_multipart()
+            requests.append(int.from_bytes(start, "big"))
+            router.send_multipart([identity, b"", b"kv", (0).to_bytes(8, "big"), first])
+            router.send_multipart([identity, b"", b"", example.END_SEQ, b""])
 
-        server = threading.Thread(target=serve_one)
-        server.start()
-        with example.KvEventSubscriber(
-            LOOPBACK,
-            decoder=VllmEventDecoder(HASHER, SOURCE),
-            index=index,
-            replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
-            topic="kv",
-        ) as subscriber:
-            xpub.connect(subscriber.endpoint)
-            # A bound SUB takes a new peer while its owner calls into it: poll both until the subscription shows.
-            wait_for(lambda: subscriber.poll(0.01) >= 0 and xpub.poll(50) > 0, "the subscription")
-            assert xpub.recv() == b"\x01kv"
-            xpub.send_multipart([b"kv", (1).to_bytes(8, "big"), second])
-            wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
-            assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
-        server.join(timeout=10)
-        assert requests == [0]
-        assert index.match(keys).length(SOURCE) == len(keys)
-    finally:
-        for socket in (router, xpub):
-            socket.close(linger=0)
-        ctx.term()
+    with driven_by_hand(index, serve_one, topic="kv") as (subscriber, xpub):
+        xpub.send_multipart([b"kv", (1).to_bytes(8, "big"), second])
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
+        assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
+    assert requests == [0]
+    assert index.match(keys).length(SOURCE) == len(keys)
 
 
 def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() -> None:
@@ -239,43 +250,22 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
         encoder.encode([BlockStored(source=SOURCE, seq=i, keys=keys[i : i + 1], tier=Tier.VRAM)], ts=float(i))
         for i in range(4)
     ]
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    xpub = ctx.socket(zmq.XPUB)
     index = BlockIndex()
-    try:
-        router.bind(LOOPBACK)
 
-        def serve_slowly() -> None:
-            if router.poll(10_000):
-                identity, _, _start = router.recv_multipart()
-                for seq in (0, 1, 2):
-                    time.sleep(0.8)
-                    router.send_multipart([identity, b"", seq.to_bytes(8, "big"), batches[seq]])
+    def serve_slowly(router: Any) -> None:
+        if router.poll(10_000):
+            identity, _, _start = router.recv_multipart()
+            for seq in (0, 1, 2):
                 time.sleep(0.8)
-                router.send_multipart([identity, b"", example.END_SEQ, b""])
+                router.send_multipart([identity, b"", seq.to_bytes(8, "big"), batches[seq]])
+            time.sleep(0.8)
+            router.send_multipart([identity, b"", example.END_SEQ, b""])
 
-        server = threading.Thread(target=serve_slowly)
-        server.start()
-        with example.KvEventSubscriber(
-            LOOPBACK,
-            decoder=VllmEventDecoder(HASHER, SOURCE),
-            index=index,
-            replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
-            replay_timeout_s=2.0,
-        ) as subscriber:
-            xpub.connect(subscriber.endpoint)
-            wait_for(lambda: subscriber.poll(0.01) >= 0 and xpub.poll(50) > 0, "the subscription")
-            assert xpub.recv() == b"\x01"
-            xpub.send_multipart([b"", (3).to_bytes(8, "big"), batches[3]])
-            wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 4, "the batches")
-            assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
-        server.join(timeout=10)
-        assert index.match(keys).length(SOURCE) == len(keys) >= 3  # batches 0-2 stored one block each
-    finally:
-        for socket in (router, xpub):
-            socket.close(linger=0)
-        ctx.term()
+    with driven_by_hand(index, serve_slowly, replay_timeout_s=2.0) as (subscriber, xpub):
+        xpub.send_multipart([b"", (3).to_bytes(8, "big"), batches[3]])
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 4, "the batches")
+        assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
+    assert index.match(keys).length(SOURCE) == len(keys) >= 3  # batches 0-2 stored one block each
 
 
 def test_loopback_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,6 +89,10 @@ def admitting(d: Dispatcher, first_token: int, length: int = 40) -> Callable[[],
     return lambda: d.admit(prompt, SamplingOptions(max_tokens=4), d.now())
 
 
+def sent(d: Dispatcher, instance: InstanceId) -> list[str]:
+    return d._calls[instance].sent  # type: ignore[attr-defined, no-any-return]
+
+
 async def settle() -> None:
     await asyncio.sleep(STEP_S)
 
@@ -117,9 +121,12 @@ def test_first_come_first_served() -> None:
     asyncio.run(run())
 
 
-def test_a_client_leaving_as_its_turn_came_passes_the_turn_on() -> None:
-    """A's end admits B, whose client leaves before `admit` returns: B is ended (client gone) and C, behind
-    it, gets the slot; a client leaving while waiting leaves the line and nothing is scheduled for it."""
+@pytest.mark.parametrize("leaves_first", [False, True], ids=["admitted-then-leaves", "leaves-then-admitted"])
+def test_a_client_leaving_as_its_turn_came_passes_the_turn_on(leaves_first: bool) -> None:
+    """A's end admits B from the line while B's client leaves, in either order within one turn of the loop
+    (before B's coroutine runs again): B is ended (client gone, cancelled on both its engines) and C, behind it,
+    gets the slot, with nothing escaping into the loop. A client leaving while waiting leaves the line and
+    nothing is scheduled for it."""
 
     async def run() -> None:
         async with dispatcher() as d:
@@ -128,13 +135,16 @@ def test_a_client_leaving_as_its_turn_came_passes_the_turn_on() -> None:
             await settle()
             c = asyncio.create_task(admitting(d, 2000)())
             await settle()
-            d.end(a, Outcome.COMPLETED)  # B is admitted here, on the loop's thread ...
-            b.cancel()  # ... and its client leaves before B's coroutine runs again
+            if leaves_first:
+                b.cancel()
+                d.end(a, Outcome.COMPLETED)
+            else:
+                d.end(a, Outcome.COMPLETED)
+                b.cancel()
             await settle()
-            assert b.cancelled() and c.done()
+            assert b.cancelled() and c.done() and not c.cancelled()
             assert set(d.conductor.in_flight) == {c.result().request_id}
-            sent = d._calls[DECODE].sent, d._calls[PREFILL].sent  # type: ignore[attr-defined]
-            assert sent == (["_cancel"], ["CancelPrefill"])  # B's, on both its engines (none was submitted)
+            assert (sent(d, DECODE), sent(d, PREFILL)) == (["_cancel"], ["CancelPrefill"])  # B's, never sent
             e = asyncio.create_task(admitting(d, 3000)())
             await settle()
             assert len(d._waiting) == 1
@@ -202,10 +212,6 @@ def test_shutting_down_answers_waiters_and_later_requests_with_a_503() -> None:
     asyncio.run(run())
 
 
-def sent(d: Dispatcher, instance: InstanceId) -> list[str]:
-    return d._calls[instance].sent  # type: ignore[attr-defined, no-any-return]
-
-
 def test_a_request_the_line_admitted_is_sent_once_even_if_rerouted_before_its_admit_returns() -> None:
     """A's end admits B from the line; before B's `admit` returns, B's prefill engine fails and B is rerouted
     and sent to the other one; the gateway's `submit` of what `admit` returned then sends nothing more (the
@@ -245,26 +251,6 @@ def test_an_engine_going_down_wakes_the_line() -> None:
             assert caught.value.status == 503 and d.now() - started < 5.0
             kind, error = a.events.get_nowait()
             assert kind == "error" and error.status == 503
-
-    asyncio.run(run())
-
-
-def test_a_client_leaving_in_the_turn_its_decision_is_made_passes_the_slot_on() -> None:
-    """B's client leaves, and in the same turn of the loop (before B's coroutine hears of it) A's end admits B
-    from the line: B is ended as gone and C, behind it, gets the slot; nothing escapes into the loop."""
-
-    async def run() -> None:
-        async with dispatcher() as d:
-            a = await admitting(d, 0)()
-            b = asyncio.create_task(admitting(d, 1000)())
-            await settle()
-            c = asyncio.create_task(admitting(d, 2000)())
-            await settle()
-            b.cancel()  # the client leaves ...
-            d.end(a, Outcome.COMPLETED)  # ... and B is admitted before its coroutine runs
-            await settle()
-            assert b.cancelled() and c.done() and not c.cancelled()
-            assert set(d.conductor.in_flight) == {c.result().request_id}
 
     asyncio.run(run())
 
