@@ -227,7 +227,7 @@ class Dispatcher:
         self._probes: set[asyncio.Task[None]] = set()
         # Requests waiting for room on the decode side (`admit`), first come, first served, within the Conductor's
         # TTFT objective (capped at the request timeout: `ClusterConfig.objectives`).
-        self._waiting = AdmissionQueue[_Waiter](conductor, slo=conductor.slo, max_wait_s=config.limits.admission_wait_s)
+        self._waiting = AdmissionQueue[_Waiter](conductor, max_wait_s=config.limits.admission_wait_s)
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._closed = False  # shut down: nothing is admitted or sent any more
 

@@ -42,7 +42,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 
 from mooncake._checks import require_number
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import room_wait_deadline
 from mooncake.sched.conductor import ScheduleDecision
 from mooncake.sched.outcome import Reason
@@ -54,7 +54,10 @@ T = TypeVar("T")
 
 
 class Scheduler(Protocol):
-    """What the queue schedules with: the Conductor."""
+    """What the queue schedules with: the Conductor (whose `slo` bounds a wait, as it bounds acceptance)."""
+
+    @property
+    def slo(self) -> Slo: ...
 
     def schedule(self, request: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision: ...
 
@@ -75,20 +78,16 @@ class AdmissionQueue(Generic[T]):
     """Requests waiting for decode room, each with its caller's `item` (handed back with its decision).
 
     Args:
-        scheduler: decides on a request (the Conductor).
-        slo: the objective a wait is bounded by (`room_wait_deadline`): the Conductor's, or a tighter one
-            (the gateway's, capped at its request timeout).
+        scheduler: decides on a request (the Conductor); its TTFT objective also bounds a wait
+            (`room_wait_deadline`), so the two cannot disagree.
         max_wait_s: the longest a request waits after its arrival (0: never).
 
     Raises:
-        ConfigError: `max_wait_s` negative or not finite, `slo` not an `Slo`.
+        ConfigError: `max_wait_s` negative or not finite.
     """
 
-    def __init__(self, scheduler: Scheduler, *, slo: Slo, max_wait_s: float) -> None:
-        if not isinstance(slo, Slo):
-            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+    def __init__(self, scheduler: Scheduler, *, max_wait_s: float) -> None:
         self.scheduler = scheduler
-        self.slo = slo
         self.max_wait_s = require_number("max_wait_s", max_wait_s, minimum=0.0)
         self._line: collections.deque[_Entry[T]] = collections.deque()  # the order they joined; left entries linger
         self._deadlines: list[tuple[float, int, int, _Entry[T]]] = []  # a heap (deadline, seq, row); stale rows linger
@@ -103,9 +102,6 @@ class AdmissionQueue(Generic[T]):
         """The items waiting, in the order they joined the line."""
         return (entry.item for entry in self._line if entry.waiting)
 
-    def __contains__(self, item: object) -> bool:
-        return id(item) in self._entries
-
     def arrive(self, item: T, request: Request, now: float) -> ScheduleDecision | None:
         """A request arrives: its decision, or None while it waits in line.
 
@@ -118,7 +114,7 @@ class AdmissionQueue(Generic[T]):
             reason = self.scheduler.lasting_refusal(request)
             if reason is not None:
                 return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
-            self._enter(item, request, request.arrival_s + min(self.max_wait_s, self.slo.ttft_s))
+            self._enter(item, request, request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s))
             return None
         decision = self._try(request, now)
         deadline = self._deadline(request, decision)
@@ -200,7 +196,7 @@ class AdmissionQueue(Generic[T]):
             decision.reason,
             estimated_ttft_s=decision.ttft_s,
             arrival_s=request.arrival_s,
-            slo=self.slo,
+            slo=self.scheduler.slo,
             max_wait_s=self.max_wait_s,
         )
 

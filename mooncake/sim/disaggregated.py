@@ -189,9 +189,7 @@ class DisaggregatedCluster:
         self._decode_count = 0
         self._transfers: dict[InstanceId, list[float]] = {}
         # Requests waiting for room on the decode side, each with its record; one timer for the earliest deadline.
-        self._waiting = AdmissionQueue[tuple[Request, RequestRecord]](
-            conductor, slo=self.slo, max_wait_s=spec.admission_wait_s
-        )
+        self._waiting = AdmissionQueue[tuple[Request, RequestRecord]](conductor, max_wait_s=spec.admission_wait_s)
         self._timer_s = math.inf
 
     def run(

@@ -36,6 +36,7 @@ class FakeConductor:
     never fits, TTFT with the wait counted, then room."""
 
     free: int = CAPACITY
+    slo: Slo = SLO
     held: dict[RequestId, int] = attrs.field(factory=dict)
     calls: list[tuple[RequestId, float, float]] = attrs.field(factory=list)
 
@@ -158,7 +159,7 @@ class LineMachine(RuleBasedStateMachine):
 
     @initialize(max_wait_s=st.sampled_from([0.0, 2.0, 7.5, 30.0]))
     def start(self, max_wait_s: float) -> None:
-        self.queue = AdmissionQueue(self.real, slo=SLO, max_wait_s=max_wait_s)
+        self.queue = AdmissionQueue(self.real, max_wait_s=max_wait_s)
         self.model = LineModel(FakeConductor(), max_wait_s)
 
     def _record(
@@ -259,7 +260,7 @@ def test_nobody_overtakes_the_head_and_its_turn_comes_when_room_does() -> None:
     """A large request at the head blocks the smaller ones behind it (they are not even tried); when room
     frees, it goes first, then those behind, in arrival order."""
     conductor = FakeConductor(free=3)
-    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
     assert queue.arrive("big", request(1, 0.0, 5, 10), 0.0) is None
     for n, name in ((2, "small-a"), (3, "small-b")):
         assert queue.arrive(name, request(n, 0.1 * n, 1, 10), 0.1 * n) is None
@@ -277,7 +278,7 @@ def test_a_request_whose_wait_cannot_meet_its_objective_leaves_rejected() -> Non
     is no use to it: tried then it leaves (TTFT, the wait counted), and the next in line is tried in the same
     pump and takes the room."""
     conductor = FakeConductor(free=0)
-    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
     assert queue.arrive("a", request(1, 0.0, 1, 60), 0.0) is None  # 8.5 s estimated now: 1.5 s to wait at most
     assert queue.deadline("a") == pytest.approx(1.5)
     assert queue.arrive("b", request(2, 1.0, 1, 10), 1.0) is None
@@ -292,7 +293,7 @@ def test_what_no_wait_could_get_in_is_refused_at_once_even_behind_others() -> No
     """Behind a waiter, an arrival is not tried (no overtaking), but one no wait could help (here a context
     past what the decode side holds) is refused at once, not left to wait for its turn."""
     conductor = FakeConductor(free=0)
-    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=30.0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
     assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
     decision = queue.arrive("huge", request(2, 0.1, CAPACITY + 1, 10), 0.1)
     assert decision is not None and decision.reason is Reason.CONTEXT_TOO_LONG
@@ -301,29 +302,28 @@ def test_what_no_wait_could_get_in_is_refused_at_once_even_behind_others() -> No
 
 def test_with_no_wait_allowed_nothing_waits() -> None:
     conductor = FakeConductor(free=0)
-    queue: AdmissionQueue[str] = AdmissionQueue(conductor, slo=SLO, max_wait_s=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=0)
     decision = queue.arrive("a", request(1, 0.0, 1, 10), 0.0)
     assert decision is not None and decision.reason is Reason.BATCH_FULL and len(queue) == 0
 
 
 @pytest.mark.parametrize(
-    ("max_wait_s", "slo", "words"),
+    ("max_wait_s", "words"),
     [
-        (-1.0, SLO, ["max_wait_s", ">= 0", "-1.0"]),
-        (math.inf, SLO, ["max_wait_s", "finite", "inf"]),
-        ("5", SLO, ["max_wait_s", "'5'"]),
-        (1.0, None, ["slo", "Slo", "None"]),
+        (-1.0, ["max_wait_s", ">= 0", "-1.0"]),
+        (math.inf, ["max_wait_s", "finite", "inf"]),
+        ("5", ["max_wait_s", "'5'"]),
     ],
 )
-def test_bad_settings_are_named(max_wait_s: object, slo: object, words: list[str]) -> None:
+def test_bad_settings_are_named(max_wait_s: object, words: list[str]) -> None:
     with pytest.raises(ConfigError) as caught:
-        AdmissionQueue(FakeConductor(), slo=slo, max_wait_s=max_wait_s)  # type: ignore[arg-type]
+        AdmissionQueue(FakeConductor(), max_wait_s=max_wait_s)  # type: ignore[arg-type]
     for word in words:
         assert word in str(caught.value)
 
 
 def test_an_item_waits_once() -> None:
-    queue: AdmissionQueue[str] = AdmissionQueue(FakeConductor(free=0), slo=SLO, max_wait_s=5.0)
+    queue: AdmissionQueue[str] = AdmissionQueue(FakeConductor(free=0), max_wait_s=5.0)
     assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
     with pytest.raises(InvalidRequestError, match="already waits"):
         queue.arrive("a", request(2, 0.0, 1, 10), 0.0)
@@ -339,12 +339,14 @@ def test_only_a_rejection_for_room_waits(reason: Reason, ttft_s: float) -> None:
 
     @attrs.define
     class Refuses:
+        slo: Slo = SLO
+
         def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=reason, ttft_s=ttft_s)
 
         def lasting_refusal(self, req: Request) -> Reason | None:
             return None
 
-    queue: AdmissionQueue[int] = AdmissionQueue(Refuses(), slo=SLO, max_wait_s=5.0)
+    queue: AdmissionQueue[int] = AdmissionQueue(Refuses(), max_wait_s=5.0)
     waits = queue.arrive(1, request(1, 0.0, 1, 1), 0.0) is None
     assert waits == (room_wait_deadline(reason, estimated_ttft_s=ttft_s, arrival_s=0.0, slo=SLO, max_wait_s=5.0) > 0.0)
