@@ -32,7 +32,7 @@ from mooncake.sched.cost import (
     PrefillSample,
     TransferCostModel,
 )
-from mooncake.sched.decode import DecodeChoice, choose_decode
+from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
 from mooncake.sched.predictor import (
@@ -153,6 +153,7 @@ __all__ = [
     "check_join",
     "choose_decode",
     "http_status",
+    "lasting_decode_refusal",
     "local_cache_aware_router",
     "predictive_early_rejection",
     "reason_named",

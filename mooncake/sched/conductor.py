@@ -54,8 +54,8 @@ from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
-from mooncake.sched.decode import DecodeChoice, choose_decode
-from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join, load_problem
+from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
+from mooncake.sched.join import DecodeLimits, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.pending import PendingBlocks
 from mooncake.sched.predictor import LoadPredictor
@@ -391,8 +391,9 @@ class Conductor:
 
     def lasting_refusal(self, request: Request) -> Reason | None:
         """Why no wait for room could get `request` in, without scheduling it (nothing changes), or None: no
-        prefill or no decode instance up, or a context no decode instance up could hold even empty
-        (CONTEXT_TOO_LONG). What a wait could change (the TTFT estimate, the decode load) is not looked at.
+        prefill instance up, or the decode side's `lasting_decode_refusal` (no decode instance up that could hold
+        it even empty: NO_DECODE_INSTANCE while one that could is down, CONTEXT_TOO_LONG when none could). What a
+        wait could change (the TTFT estimate, the decode load) is not looked at.
 
         Raises:
             InvalidRequestError: not a `Request`, or one keyed in other blocks than this Conductor's.
@@ -402,14 +403,9 @@ class Conductor:
         self._check_geometry(request)
         if not any(view.is_up for view in self._prefill_board):
             return Reason.NO_PREFILL_INSTANCE
-        empty = DecodeLoad(0, 0, 0)
-        up = [view for view in self._decode_board.slot_views if view.is_up]
-        if not up:
-            return Reason.NO_DECODE_INSTANCE
-        prompt, output = request.input_length, request.output_length
-        if any(check_join(v.limits, empty, prompt_tokens=prompt, output_tokens=output).accepted for v in up):
-            return None
-        return Reason.CONTEXT_TOO_LONG
+        return lasting_decode_refusal(
+            self._decode_board.slot_views, prompt_tokens=request.input_length, output_tokens=request.output_length
+        )
 
     def _check_route(self, route: RouteDecision) -> None:
         """A router's decision names a prefill instance that is up, its times are finite and not negative, and a

@@ -17,7 +17,10 @@ decode rule (`sched.join`: context, batch slots, KV) lets the request into
 against that load, and the choice carries the rule's verdict there, its TBT
 check included, for the policy to act on. When no instance can take the
 request, the choice names no instance and its verdict says which bound stopped
-it (the reason most instances that are up give; none up: NO_DECODE_INSTANCE).
+it: the reason most instances that are up give among those that could take it
+once room frees; when none could, `lasting_decode_refusal` (NO_DECODE_INSTANCE
+while an instance that could hold it is down or none is up, CONTEXT_TOO_LONG
+when no instance could hold it even empty).
 
 The step model is an `AnalyticStepModel`: its roofline is what the scan over
 the instances (`sched._kernels.best_decode_slot`, one compiled loop where numba
@@ -36,13 +39,13 @@ import numpy as np
 from mooncake._checks import require_number
 from mooncake.cache._compiled import kernels
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.join import JoinVerdict, check_join, check_tokens, tbt_verdict
+from mooncake.sched.join import DecodeLoad, JoinVerdict, check_join, check_tokens, tbt_verdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
 from mooncake.types import InstanceId
 
-__all__ = ["DecodeChoice", "choose_decode"]
+__all__ = ["DecodeChoice", "choose_decode", "lasting_decode_refusal"]
 
 _KERNELS = "mooncake.sched._kernels"
 
@@ -119,20 +122,45 @@ def choose_decode(
     return DecodeChoice(decode_instance=board.instance_ids[slot], verdict=verdict)
 
 
+def lasting_decode_refusal(views: Sequence[DecodeView], *, prompt_tokens: int, output_tokens: int) -> Reason | None:
+    """Why no wait for room could get a request onto any of `views`, or None: one that is up could hold it
+    alone (`check_join` on an empty load). NO_DECODE_INSTANCE when none up could but one that is down could, or
+    none is up: it may fit once an instance returns, so the cluster is unavailable (a 503), not the request
+    wrong; CONTEXT_TOO_LONG when no instance, up or down, could hold it even empty (a 400: the request is
+    never served here).
+
+    Raises:
+        InvalidRequestError: a token count that is not an integer >= 1.
+    """
+    check_tokens(prompt_tokens, output_tokens)
+    empty = DecodeLoad(0, 0, 0)
+    holds = [
+        check_join(view.limits, empty, prompt_tokens=prompt_tokens, output_tokens=output_tokens).accepted
+        for view in views
+    ]
+    if any(fits and view.is_up for fits, view in zip(holds, views, strict=True)):
+        return None
+    if any(holds) or not any(view.is_up for view in views):
+        return Reason.NO_DECODE_INSTANCE
+    return Reason.CONTEXT_TOO_LONG
+
+
 def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_tokens: int) -> DecodeChoice:
-    """No instance can take the request: the reason most of those up give (ties: the earlier check), among
-    those that could take it once room frees (a reason to wait) unless none ever could (CONTEXT_TOO_LONG)."""
+    """No instance can take the request: the reason most of those up give (ties: the earlier check) among those
+    that could take it once room frees (a reason to wait); when none could, `lasting_decode_refusal`."""
     reasons: collections.Counter[Reason] = collections.Counter()
     for slot in np.flatnonzero(board.is_up).tolist():
         verdict = check_join(
             board.slot_views[slot].limits, checked.at(slot), prompt_tokens=prompt_tokens, output_tokens=output_tokens
         )
         assert verdict.reason is not None  # the structural checks refused it: so must the rule
-        reasons[verdict.reason] += 1
-    room: collections.Counter[Reason] = collections.Counter(
-        {r: n for r, n in reasons.items() if r is not Reason.CONTEXT_TOO_LONG}
-    )
-    reasons = room or reasons
-    order = list(Reason)
-    reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
+        if verdict.reason is not Reason.CONTEXT_TOO_LONG:  # that one no load makes: no room frees for it
+            reasons[verdict.reason] += 1
+    if reasons:
+        order = list(Reason)
+        reason = min(reasons, key=lambda r: (-reasons[r], order.index(r)))
+    else:
+        lasting = lasting_decode_refusal(board.slot_views, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        assert lasting is not None  # every instance up refused it as too long, which an empty one would too
+        reason = lasting
     return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))

@@ -136,7 +136,8 @@ def reference_decode(
     about (`loads`, rounded; default: what it is committed to); among those it lets in (TBT aside), the
     lowest step time on the committed load with the request added, ties by id, with the rule's verdict
     on the asked load; none: the reason most instances up give (ties: the earlier check) leaving out
-    CONTEXT_TOO_LONG unless it is the only one, or NO_DECODE_INSTANCE when none is up. With `now`, the committed context (ranked, and asked about by
+    CONTEXT_TOO_LONG; with no other reason, NO_DECODE_INSTANCE when some instance, up or down, could hold the
+    request alone or none is up, else CONTEXT_TOO_LONG. With `now`, the committed context (ranked, and asked about by
     default) counts the tokens the decoding requests generated: their decoding seconds over the step
     their batch runs, rounded down."""
     options = []
@@ -159,10 +160,18 @@ def reference_decode(
         step = step_model.step_s(int(committed.batch_size) + 1, context + prompt_tokens)
         options.append((step, view.instance_id, view.limits, asked))
     if not options:
-        if len(reasons) > 1:  # the reasons of those that could take it once room frees
-            reasons.pop(Reason.CONTEXT_TOO_LONG, None)
+        reasons.pop(Reason.CONTEXT_TOO_LONG, None)  # the reasons of those that could take it once room frees
         order = list(Reason)
-        reason = min(reasons, key=lambda r: (-reasons[r], order.index(r))) if reasons else Reason.NO_DECODE_INSTANCE
+        if reasons:
+            reason = min(reasons, key=lambda r: (-reasons[r], order.index(r)))
+        else:
+            empty = DecodeLoad(0, 0, 0)
+            ever = any(
+                check_join(v.limits, empty, prompt_tokens=prompt_tokens, output_tokens=output_tokens).accepted
+                for v in views
+            )
+            up = any(v.is_up for v in views)
+            reason = Reason.NO_DECODE_INSTANCE if ever or not up else Reason.CONTEXT_TOO_LONG
         return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
     _, instance, limits, asked = min(options, key=lambda option: (option[0], option[1]))
     verdict = check_join(

@@ -651,6 +651,25 @@ def test_a_lasting_refusal_is_what_no_wait_could_change_and_changes_nothing() ->
         conductor.lasting_refusal(request("short", [1, 2], tokens=10))
 
 
+def test_a_context_only_an_instance_that_is_down_holds_is_unavailable_not_too_long() -> None:
+    """A request that only a decode instance now down could hold is NO_DECODE_INSTANCE (503: it may come back),
+    from `schedule` and `lasting_refusal` alike, accepted once that instance is up, and CONTEXT_TOO_LONG (400)
+    only when no instance could hold it."""
+    conductor = make_conductor(admission="early_rejection", capacity_tokens=10_000)
+    conductor.add_decode_instance(InstanceId("decode-large"), DecodeLimits(kv_capacity_tokens=100_000))
+    long = request("long", list(range(200, 240)), output=10)  # 10,250 tokens of KV: only decode-large holds it
+    conductor.handle(InstanceDown(instance_id=InstanceId("decode-large"), now=0.0))
+    assert conductor.lasting_refusal(long) is Reason.NO_DECODE_INSTANCE
+    assert conductor.schedule(long, 0.0).reason is Reason.NO_DECODE_INSTANCE
+    too_long = request("too-long", list(range(300, 700)), output=10)  # 102,410: past every instance
+    assert conductor.lasting_refusal(too_long) is Reason.CONTEXT_TOO_LONG
+    assert conductor.schedule(too_long, 0.0).reason is Reason.CONTEXT_TOO_LONG
+    assert not conductor.in_flight
+    conductor.handle(InstanceUp(instance_id=InstanceId("decode-large"), now=0.0))
+    assert conductor.lasting_refusal(long) is None
+    assert placement(conductor.schedule(long, 0.0))[1] == InstanceId("decode-large")
+
+
 @pytest.mark.parametrize("block", [0, -4, 512.0, "512"])
 def test_a_block_size_that_is_not_a_positive_integer_is_refused(block: object) -> None:
     with pytest.raises(ConfigError, match="block_size_tokens must be an integer >= 1"):

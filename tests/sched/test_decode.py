@@ -140,10 +140,14 @@ def test_full_batches_are_skipped() -> None:
 def test_no_instance_names_the_bound_that_stopped_it() -> None:
     """No instance can take the request: no instance at all, or all down, is NO_DECODE_INSTANCE;
     otherwise the reason most instances give (ties: the earlier check) among those that could take it once
-    room frees, CONTEXT_TOO_LONG only when none ever could."""
+    room frees; when none up could, NO_DECODE_INSTANCE while one that could is down (a 503: it may return),
+    CONTEXT_TOO_LONG only when none ever could (a 400)."""
     nobody = DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=Reason.NO_DECODE_INSTANCE))
     assert choose([]) == nobody
     assert choose([view(D0, up=False)]) == nobody
+    small, large_down = view(D0, capacity=500), view(D1, up=False)
+    assert choose([small, large_down], prompt=450) == nobody
+    assert choose([small, view(D1, capacity=500, up=False)], prompt=450).verdict.reason is Reason.CONTEXT_TOO_LONG
     kv = [view(D0, capacity=1000, used=999), view(D1, capacity=500), view(D2, max_context=10)]
     assert choose(kv, prompt=400, output=200).verdict.reason is Reason.KV_BUDGET  # D1, D2: never; D0: room
     full = view(D0, max_batch=1, used=5)
