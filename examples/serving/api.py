@@ -6,8 +6,9 @@ NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
 limit. A parameter this server does not implement (`n` > 1, `logprobs`,
-`echo`, `best_of`, tools, penalties, ...) or does not know is refused, never
-ignored.
+`echo`, `best_of`, tools, penalties, ...) is refused unless it has the value
+that changes nothing; one it does not know is ignored with a warning, as vLLM
+does (its clients send extras other servers do not know).
 
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
@@ -238,6 +239,11 @@ class SamplingOptions:
             when it is admitted (`Dispatcher.admit`), as vLLM and OpenAI sample (a fixed default would repeat).
         stop: up to four strings; the text ends before the first that appears (finish reason "stop").
         skip_special_tokens: leave the tokenizer's special tokens out of the text (vLLM's default).
+        ignore_eos: the model's stop ids (its EOS and the like) do not end the generation; only `max_tokens` or a
+            stop string does (vLLM's, which benchmarks send to fix each output's length).
+        min_tokens: no stop id is drawn and no stop string ends the text before this many tokens (vLLM's).
+        add_special_tokens: the tokenizer adds its special tokens (a BOS) to the prompt; vLLM's defaults, true
+            for a completion and false for a chat, whose template writes its own.
     """
 
     max_tokens: int | None
@@ -246,6 +252,9 @@ class SamplingOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    add_special_tokens: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -327,10 +336,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # vLLM's own sampling and output parameters (its clients send them), at the value that changes nothing.
     "top_k": lambda v: v is None or (type(v) is int and v in (-1, 0)),
     "min_p": _zero,
-    "min_tokens": _zero,
     "repetition_penalty": _one,
     "length_penalty": _one,
-    "ignore_eos": _off,
     "use_beam_search": _off,
     "include_stop_str_in_output": _off,
     "stop_token_ids": _empty,
@@ -348,6 +355,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "continue_final_message": _off,
     "add_generation_prompt": lambda v: v is None or v is True,
     "return_tokens_as_token_ids": _off,
+    "return_token_ids": _off,
 }
 # Parameters that change nothing here (bookkeeping for the client), checked for their type only.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -371,6 +379,9 @@ SHARED = (
     "stream",
     "stream_options",
     "skip_special_tokens",
+    "ignore_eos",
+    "min_tokens",
+    "add_special_tokens",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs"})
@@ -480,6 +491,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     max_tokens: int | None = _integer(body, limit, served.default_max_tokens, 1, MAX_SEED)
     if chat and body.get(limit) is None:
         max_tokens = None
+    min_tokens = _integer(body, "min_tokens", 0, 0, MAX_SEED)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(400, _min_over_max(min_tokens, max_tokens), param="min_tokens")
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", served.default_temperature, 0.0, 2.0, open_low=False),
@@ -488,6 +502,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         seed=None if body.get("seed") is None else _integer(body, "seed", 0, -MAX_SEED - 1, MAX_SEED) % (1 << 64),
         stop=_stop(body.get("stop")),
         skip_special_tokens=_flag(body, "skip_special_tokens", default=True),
+        ignore_eos=_flag(body, "ignore_eos", default=False),
+        min_tokens=min_tokens,
+        add_special_tokens=_flag(body, "add_special_tokens", default=not chat),
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
@@ -572,7 +589,7 @@ def _content(value: Any, param: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise ApiError(400, f'{where} must be {{"type": "text", "text": <string>}}', param=where)
             texts.append(_text(part.get("text"), where))
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM renders a message's text parts
     return _text(value, param)
 
 
@@ -646,12 +663,16 @@ def encoded(request: CompletionRequest | ChatRequest, tokenizer: ServingTokenize
     if isinstance(request, ChatRequest):
         try:
             tokens = tokenizer.encode_chat(
-                [(m.role, m.content) for m in request.messages], variables=request.template_variables
+                [(m.role, m.content) for m in request.messages],
+                variables=request.template_variables,
+                add_special_tokens=request.sampling.add_special_tokens,
             )
         except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
             raise ApiError(400, str(error), param="messages") from error
         return tokens, "messages"
-    return (list(request.prompt) if isinstance(request.prompt, tuple) else tokenizer.encode(request.prompt)), "prompt"
+    if isinstance(request.prompt, tuple):
+        return list(request.prompt), "prompt"
+    return tokenizer.encode(request.prompt, add_special_tokens=request.sampling.add_special_tokens), "prompt"
 
 
 def tokenize_body(
@@ -713,10 +734,21 @@ def prompt_tokens(
 def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
     """`sampling` with its `max_tokens` settled: a chat that set none may generate what the context leaves after
     its prompt of `num_prompt_tokens` (vLLM's chat default: `max_model_len` minus the prompt). At least
-    `default_max_tokens`, since the config keeps the longest prompt and that default within the context."""
+    `default_max_tokens`, since the config keeps the longest prompt and that default within the context.
+
+    Raises:
+        ApiError: 400, a `min_tokens` over what the context leaves (vLLM's answer).
+    """
     if sampling.max_tokens is not None:
         return sampling
-    return attrs.evolve(sampling, max_tokens=served.max_context_tokens - num_prompt_tokens)
+    left = served.max_context_tokens - num_prompt_tokens
+    if sampling.min_tokens > left:
+        raise ApiError(400, _min_over_max(sampling.min_tokens, left), param="min_tokens")
+    return attrs.evolve(sampling, max_tokens=left)
+
+
+def _min_over_max(min_tokens: int, max_tokens: int) -> str:
+    return f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}"
 
 
 # ---------------------------------------------------------------------------------------------- answers

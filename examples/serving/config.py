@@ -22,7 +22,6 @@ it came from, and checks the rules across sections:
     max_prompt_tokens + default_max_tokens <= max_context_tokens   (a longest prompt and its default output fit)
     pipeline_size <= the layers of the model                        (a stage holds at least one layer)
     ceil(max_prompt_tokens / block_tokens) <= dram_blocks          (a node's cache holds a longest prompt pinned)
-    max_connections_per_client <= max_connections
     health_interval_s <= health_probe_backoff_max_s
 
 `load_config` reads a file (UTF-8 TOML), checks it in two passes (first that
@@ -380,7 +379,9 @@ class LimitsSection:
     header_timeout_s: float = _seconds(10.0, maximum=3600.0)
     body_timeout_s: float = _seconds(30.0)
     max_connections: int = _setting(1024, minimum=1, maximum=1_000_000)
-    max_connections_per_client: int = _setting(64, minimum=1, maximum=1_000_000)
+    # As many as in all: one client may use them all, as on vLLM's server, which has no per-client cap (its
+    # `vllm bench serve` opens a connection per request in flight, all from one address).
+    max_connections_per_client: int = _setting(1024, minimum=1, maximum=1_000_000)
     health_probe_backoff_max_s: float = _seconds(5.0, minimum=0.01, maximum=3600.0)
     admission_wait_s: float = _setting(30.0, minimum=0.0, maximum=DAY_S)
 
@@ -408,7 +409,6 @@ class ClusterConfig:
         `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`;
         `prefill.pipeline_size <= model.config.num_layers`;
         `ceil(limits.max_prompt_tokens / model.block_tokens) <= cache.dram_blocks`;
-        `limits.max_connections_per_client <= limits.max_connections`;
         `limits.health_interval_s <= limits.health_probe_backoff_max_s`.
     """
 
@@ -449,11 +449,6 @@ class ClusterConfig:
                 f"{source}: [limits] max_prompt_tokens = {limits.max_prompt_tokens}: a prompt of "
                 f"{blocks} blocks of [model] block_tokens = {self.model.block_tokens} does not fit pinned in "
                 f"[cache] dram_blocks = {self.cache.dram_blocks}"
-            )
-        if limits.max_connections_per_client > limits.max_connections:
-            raise ConfigError(
-                f"{source}: [limits] max_connections_per_client = {limits.max_connections_per_client}: "
-                f"must be <= max_connections = {limits.max_connections}"
             )
         if limits.health_probe_backoff_max_s < limits.health_interval_s:
             raise ConfigError(

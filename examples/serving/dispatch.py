@@ -168,7 +168,8 @@ class Dispatcher:
         metrics: where the request and engine metrics go (default: a registry of the dispatcher's own).
         block_bytes: the KV bytes of one block (for the transfer metrics).
         host: where the dispatcher's transfer engine listens for the workers' reports (an address they reach).
-        stop_token_ids: the tokens that end every generation (the tokenizer's: the decode engines stop there).
+        stop_token_ids: the tokens that end a generation (the tokenizer's: the decode engines stop there), but one
+            asking `ignore_eos`.
     """
 
     def __init__(
@@ -410,7 +411,8 @@ class Dispatcher:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 seed=sampling.seed,
-                stop_ids=self._stop_ids,
+                stop_ids=self._stop_ids_of(live),
+                min_tokens=sampling.min_tokens,
             ),
         )
         instance = live.prefill
@@ -457,6 +459,10 @@ class Dispatcher:
     def finish(self, live: LiveRequest) -> None:
         """End a request that needs no more tokens (its text reached a stop string): cancel its decode."""
         self.end(live, Outcome.COMPLETED, cancel=True)
+
+    def _stop_ids_of(self, live: LiveRequest) -> tuple[int, ...]:
+        """The token ids that end `live`'s generation: the model's, none with `ignore_eos` (vLLM's)."""
+        return () if live.sampling.ignore_eos else self._stop_ids
 
     def end(
         self,
@@ -663,7 +669,7 @@ class Dispatcher:
             live.generated += 1
             live.events.put_nowait(("token", (token.token, token.finished)))
             if token.finished:
-                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_ids)
+                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_ids_of(live))
 
     def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)

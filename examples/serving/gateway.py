@@ -56,6 +56,7 @@ from serving.api import (
     ChatRequest,
     CompletionRequest,
     Reply,
+    SamplingOptions,
     ServedModel,
     Usage,
     decode_body,
@@ -72,7 +73,7 @@ from serving.dispatch import Dispatcher, LiveRequest
 from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.models import build_conductor, model_shape
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
-from serving.tokenizer import generation_defaults, serving_tokenizer
+from serving.tokenizer import TextStream, generation_defaults, serving_tokenizer
 
 __all__ = ["Gateway"]
 
@@ -330,13 +331,22 @@ class Gateway:
             dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)  # a no-op if it ended already
             raise
 
+    def _text_stream(self, sampling: SamplingOptions) -> TextStream:
+        """The request's text as its tokens come, ended as its sampling options say."""
+        return self.tokenizer.stream(
+            sampling.stop,
+            skip_special_tokens=sampling.skip_special_tokens,
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+        )
+
     def _usage(self, live: LiveRequest, completion: int) -> Usage:
         return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
 
     async def _whole(
         self, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
-        text = self.tokenizer.stream(parsed.sampling.stop, skip_special_tokens=parsed.sampling.skip_special_tokens)
+        text = self._text_stream(parsed.sampling)
         pieces, count = [], 0
         try:
             async for token in self.dispatcher.tokens(live):
@@ -358,7 +368,7 @@ class Gateway:
         self, request: web.Request, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
         tokens = self.dispatcher.tokens(live)
-        text = self.tokenizer.stream(parsed.sampling.stop, skip_special_tokens=parsed.sampling.skip_special_tokens)
+        text = self._text_stream(parsed.sampling)
         try:
             first = await tokens.__anext__()  # headers go out with the first token: a late rejection is still a 429
         except ApiError as error:

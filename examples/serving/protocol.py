@@ -78,7 +78,7 @@ class EdgeLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1024
-    max_connections_per_client: int = 64
+    max_connections_per_client: int = 1024
     max_body_bytes: int = 8 << 20
     log_interval_s: float = 10.0
 

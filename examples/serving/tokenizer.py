@@ -57,13 +57,24 @@ class ServingTokenizer(Protocol):
     @property
     def stop_token_ids(self) -> frozenset[int]: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(
-        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        variables: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]: ...
 
-    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream: ...
+    def stream(
+        self,
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> TextStream: ...
 
 
 class ByteTokenizer:
@@ -72,11 +83,16 @@ class ByteTokenizer:
     vocab_size = 256
     stop_token_ids: frozenset[int] = frozenset()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The text's bytes (there are no special tokens to add)."""
         return list(text.encode("utf-8"))
 
     def encode_chat(
-        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        variables: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """`chat_prompt`'s text as bytes (a fixed template: it has no variables to set)."""
         return self.encode(chat_prompt(messages))
@@ -84,9 +100,16 @@ class ByteTokenizer:
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream:
-        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special)."""
-        return TextStream(stop)
+    def stream(
+        self,
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> TextStream:
+        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special, none stops)."""
+        return TextStream(stop, min_tokens=min_tokens)
 
 
 class CheckpointTokenizer:
@@ -100,27 +123,43 @@ class CheckpointTokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         return self.tokenizer.special.stop_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the tokenizer's special tokens (a BOS, say) unless `add_special_tokens` is false."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(
-        self, messages: Sequence[tuple[str, str]], *, variables: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        variables: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """The ids of the rendered chat template, with the request's `variables` for it.
+        """The ids of the rendered chat template, with the request's `variables` for it; the special tokens the
+        tokenizer adds only with `add_special_tokens` (the template writes its own: vLLM's chat default).
 
         Raises:
             InvalidRequestError: the template refused the messages.
         """
-        return self.tokenizer.encode_chat(
+        text = self.tokenizer.render_chat(
             [{"role": role, "content": content} for role, content in messages], **(variables or {})
         )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def stream(self, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> TextStream:
-        """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids."""
+    def stream(
+        self,
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> TextStream:
+        """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids (none
+        with `ignore_eos`)."""
         return TextStream(
             stop,
             decoder=self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
-            stop_ids=self.stop_token_ids,
+            stop_ids=frozenset() if ignore_eos else self.stop_token_ids,
+            min_tokens=min_tokens,
         )
 
 
@@ -149,18 +188,28 @@ class TextStream:
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
     appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string (None at a
     stop id: vLLM's `stop_reason` for the model's EOS); `finish()` returns what was held back, at the end.
+    Neither ends the text before its token `min_tokens` + 1 (vLLM's `min_tokens`: a stop string found earlier
+    is text; the engine's sampler never draws a stop id there).
 
     Args:
         stop: the request's stop strings.
         decoder: the tokens' incremental decoder (default: UTF-8 bytes).
         stop_ids: the token ids that end the generation (the model's EOS and the like).
+        min_tokens: the tokens generated before a stop may end the text.
     """
 
     def __init__(
-        self, stop: Sequence[str] = (), *, decoder: Decoder | None = None, stop_ids: frozenset[int] = frozenset()
+        self,
+        stop: Sequence[str] = (),
+        *,
+        decoder: Decoder | None = None,
+        stop_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> None:
         self.stop = tuple(stop)
         self.stop_ids = stop_ids
+        self.min_tokens = min_tokens
+        self.tokens = 0  # fed so far
         self.stopped = False
         self.stop_reason: str | None = None
         self._decoder: Decoder = decoder if decoder is not None else _Utf8Decoder()
@@ -170,7 +219,8 @@ class TextStream:
         """The text token `token` completes that may be sent; at a stop id, the rest of the text."""
         if self.stopped:
             return ""
-        if token in self.stop_ids:
+        self.tokens += 1
+        if token in self.stop_ids and self._may_stop:
             text = self.finish()
             self.stopped = True
             return text
@@ -190,13 +240,19 @@ class TextStream:
         text, self._held = text + self._held, ""
         return text
 
+    @property
+    def _may_stop(self) -> bool:
+        """Past `min_tokens` (vLLM checks once the tokens generated exceed it)."""
+        return self.tokens > self.min_tokens or not self.min_tokens
+
     def _push(self, piece: str) -> str:
         if not self.stop:
             return piece
         held = self._held + piece
-        # Every occurrence here ends in `piece` (the held tail holds none): the first to end stops the text.
+        # Every occurrence here ends in `piece` (the held tail holds none, or only one found before `min_tokens`
+        # had passed, which stays text): the first to end stops the text.
         found = [(i + len(s), i, s) for s in self.stop if (i := held.find(s)) >= 0]
-        if found:
+        if found and self._may_stop:
             _end, start, self.stop_reason = min(found)
             self.stopped, self._held = True, ""
             return held[:start]

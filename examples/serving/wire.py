@@ -204,13 +204,14 @@ class Fetch:
 class Sampling:
     """How a request's tokens are chosen and when it ends, as the gateway set it: one record the prefill job
     carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
-    generation, the model's EOS and the like)."""
+    generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn)."""
 
     max_tokens: int = _field(INT)
     temperature: float = _field(FLOAT)
     top_p: float = _field(FLOAT)
     seed: int = _field(INT)
     stop_ids: tuple[int, ...] = _field(INTS)
+    min_tokens: int = _field(INT, default=0)
 
 
 @attrs.frozen(kw_only=True)

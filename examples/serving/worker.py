@@ -596,7 +596,11 @@ class Worker:
 def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
     """The engines' sampling options for a job's (stop ids end the generation in the decode engine)."""
     return SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, stop_token_ids=sampling.stop_ids
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop_token_ids=sampling.stop_ids,
+        min_tokens=sampling.min_tokens,
     )
 
 

@@ -19,6 +19,7 @@ plain temperature sampler's, bit for bit: the filter is skipped).
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import attrs
@@ -44,12 +45,15 @@ class SamplingParams:
             stream for each `Sampler`, as vLLM samples without a seed (a fixed default repeated one text).
         stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
             vLLM's `stop_token_ids`): the token is emitted, as the request's last.
+        min_tokens: the output positions before it that never draw a stop token (their logits are -inf there),
+            as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first.
     """
 
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
     seed: int | None = attrs.field(default=None, converter=plain_int)
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    min_tokens: int = attrs.field(default=0)
 
     @temperature.validator
     def _check_temperature(self, _attribute: object, value: float) -> None:
@@ -69,6 +73,10 @@ class SamplingParams:
     def _check_stop_token_ids(self, _attribute: object, value: frozenset[int]) -> None:
         for token in value:
             require_int("stop_token_ids", token, minimum=0)
+
+    @min_tokens.validator
+    def _check_min_tokens(self, _attribute: object, value: int) -> None:
+        require_int("min_tokens", value, minimum=0)
 
 
 def stream_seed(seed: int, position: int) -> int:
@@ -102,9 +110,18 @@ class Sampler:
         self._seed = secrets.randbits(64) if params.seed is None else params.seed
         if params.temperature > 0:
             self._generator = torch.Generator()
+        self._stop_ids = sorted(params.stop_token_ids)
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """The token chosen from float `logits` [vocab], at the next position."""
+        """The token chosen from float `logits` [vocab], at the next position (a stop token only from
+        `min_tokens` on)."""
+        if self.position < self.params.min_tokens and self._stop_ids:
+            banned = [token for token in self._stop_ids if token < logits.shape[-1]]
+            logits = logits.clone()
+            logits[banned] = -math.inf
+        return self._draw(logits)
+
+    def _draw(self, logits: torch.Tensor) -> int:
         position = self.position
         self.position += 1
         if self._generator is None:

@@ -3,7 +3,7 @@
 Properties: greedy picks the argmax of any logits; a seed fixes the whole
 token sequence, whatever other samplers draw in between (a request's tokens do
 not depend on its batch); a token of zero probability is never drawn; a very
-low temperature is greedy. Nucleus sampling: the mask equals its definition
+low temperature is greedy; no stop token is drawn before `min_tokens`. Nucleus sampling: the mask equals its definition
 (the mass strictly above a token is below top_p) computed by brute force, a draw
 never leaves the nucleus, top_p = 1 draws exactly what plain sampling draws.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,6 +115,36 @@ def test_a_tiny_temperature_is_greedy(seed: int) -> None:
     assert Sampler(SamplingParams(temperature=1e-4, seed=seed)).next_token(logits) == seed % 32
 
 
+@settings(max_examples=50)
+@given(
+    seeds,
+    st.sampled_from([0.0, 0.7, 1.0]),
+    st.sets(st.integers(min_value=0, max_value=40), min_size=1, max_size=8),  # 32 and up: past the vocabulary
+    st.integers(min_value=0, max_value=6),
+    st.integers(min_value=0, max_value=4),
+)
+def test_no_stop_token_is_drawn_before_min_tokens(
+    seed: int, temperature: float, stop: set[int], min_tokens: int, start: int
+) -> None:
+    """vLLM's `min_tokens`: the positions before it never draw a stop token, even its most probable one; from it
+    on the draws are those of the same stream without `min_tokens` (a stop's logit the largest: greedy draws it)."""
+    logits = logits_of(seed)
+    inside = sorted(t for t in stop if t < 32)
+    if inside:
+        logits[inside[0]] = logits.max() + 50.0  # a stop token all but certain to be drawn
+    params = SamplingParams(temperature=temperature, seed=seed, stop_token_ids=frozenset(stop), min_tokens=min_tokens)
+    plain = Sampler(attrs.evolve(params, min_tokens=0), position=start)
+    held = Sampler(params, position=start)  # resumed mid-stream, as the decode engine's sampler at position 1
+    for position in range(start, start + 8):
+        token, unheld = held.next_token(logits), plain.next_token(logits)
+        if position < min_tokens:
+            assert token not in stop
+        else:
+            assert token == unheld
+            if inside and temperature == 0.0:
+                assert token == inside[0]
+
+
 def test_sampling_draws_from_the_distribution() -> None:
     """Different seeds give different streams, and the draws follow softmax(logits / T) roughly."""
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
@@ -138,6 +169,8 @@ def test_sampling_draws_from_the_distribution() -> None:
         {"top_p": 1.5},
         {"top_p": math.nan},
         {"top_p": "0.5"},
+        {"min_tokens": -1},
+        {"min_tokens": 1.5},
     ],
 )
 def test_params_are_validated(fields: dict[str, object]) -> None:

@@ -128,7 +128,11 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": [[1], [2]]}, "prompt"),
         ({"prompt": [1, 256]}, "prompt"),
         ({"prompt": [1, "2"]}, "prompt"),
-        ({"prompt": "hi", "min_tokens": 4}, "min_tokens"),
+        ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
+        ({"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
         ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
@@ -224,7 +228,9 @@ def test_a_full_request_parses_into_its_records() -> None:
     assert parse_chat(body, SERVED) == ChatRequest(
         model="tiny",
         messages=(ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")),
-        sampling=SamplingOptions(max_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=("\n", "END")),
+        sampling=SamplingOptions(
+            max_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=("\n", "END"), add_special_tokens=False
+        ),
         stream=True,
         include_usage=True,
     )
@@ -394,7 +400,7 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
     seen: list[object] = []
 
     class Recording(ByteTokenizer):
-        def encode_chat(self, messages: Any, *, variables: Any = None) -> list[int]:
+        def encode_chat(self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False) -> list[int]:
             seen.append(variables)
             return super().encode_chat(messages)
 
@@ -403,6 +409,58 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
     for bad in ([1], {"messages": []}, {"add_generation_prompt": False}, {"tools": [{"type": "function"}]}):
         error = refused(parse_chat, {"messages": messages, "chat_template_kwargs": bad}, SERVED)
         assert error.status == 400 and error.param == "chat_template_kwargs"
+
+
+def test_what_benchmark_clients_send_is_taken_as_vllm_takes_it() -> None:
+    """SGLang's `bench_serving` and `vllm bench serve --ignore-eos` send `ignore_eos: true` (and `min_tokens`) to fix
+    each output's length: both reach the sampling options; `min_tokens` over `max_tokens`, or over what the context
+    leaves a chat, is vLLM's 400. `add_special_tokens` defaults as vLLM's (a completion true, a chat false) and
+    reaches the tokenizer. A message's text parts are joined by newlines, as vLLM renders them."""
+    sglang = {"model": "tiny", "prompt": "hi", "temperature": 0.0, "best_of": 1, "max_tokens": 5, "stream": True}
+    sampling = parse_completion({**sglang, "ignore_eos": True, "min_tokens": 5}, SERVED).sampling
+    assert (sampling.ignore_eos, sampling.min_tokens, sampling.max_tokens) == (True, 5, 5)
+    assert sampling.add_special_tokens
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100}, SERVED)
+    assert not chat.sampling.add_special_tokens and chat.sampling.max_tokens is None
+    assert generation_limit(chat.sampling, 29, SERVED).max_tokens == 100  # exactly what the context leaves
+    over = refused(generation_limit, chat.sampling, 30, SERVED)
+    assert (over.status, over.param) == (400, "min_tokens") and "max_tokens=99, got 100" in over.message
+    asked: list[bool] = []
+
+    class Recording(ByteTokenizer):
+        def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+            asked.append(add_special_tokens)
+            return super().encode(text)
+
+        def encode_chat(self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False) -> list[int]:
+            asked.append(add_special_tokens)
+            return [1]
+
+    for body, parse in (
+        ({"prompt": "hi"}, parse_completion),
+        ({"prompt": "hi", "add_special_tokens": False}, parse_completion),
+        ({"messages": [{"role": "user", "content": "hi"}]}, parse_chat),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, parse_chat),
+    ):
+        prompt_tokens(parse(body, SERVED), Recording(), SERVED)  # type: ignore[operator]
+    assert asked == [True, False, False, True]
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert parse_chat({"messages": [{"role": "user", "content": parts}]}, SERVED).messages[0].content == (
+        "Hello\nworld"
+    )
+
+
+def test_min_tokens_holds_off_stops_and_ignore_eos_drops_the_stop_ids() -> None:
+    """A `TextStream` with `min_tokens` m ends at no stop string or stop id within its first m tokens (they are
+    text), and at the first after; `ignore_eos` leaves a checkpoint's stream no stop ids."""
+    stream = TextStream(["b"], min_tokens=2)
+    assert [stream.feed(t) for t in b"abab"] == ["a", "b", "a", ""]
+    assert (stream.stopped, stream.stop_reason) == (True, "b")
+    eos = TextStream(stop_ids=frozenset({300}), min_tokens=1)  # an id past the bytes: it decodes to nothing
+    assert [eos.feed(t) for t in (300, ord("x"), 300, ord("y"))] == ["", "x", "", ""]
+    assert eos.stopped and eos.stop_reason is None
+    unheld = TextStream(["b"])
+    assert [unheld.feed(t) for t in b"ab"] == ["a", ""] and unheld.stopped
 
 
 def test_a_chat_transcript_with_tool_turns_parses() -> None:

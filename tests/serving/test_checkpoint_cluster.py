@@ -202,6 +202,48 @@ def test_a_chat_renders_the_checkpoints_template(cluster: RunningCluster, checkp
     assert answer.choices[0].message.content == reply
 
 
+def test_ignore_eos_min_tokens_and_add_special_tokens_generate_as_transformers(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """The vLLM parameters benchmarks send, on the prompt whose greedy 6th token is EOS: `ignore_eos` runs to
+    `max_tokens` past EOS ("length", transformers' `generate` without an EOS); `min_tokens` 8 holds EOS off for
+    8 tokens (transformers' `min_new_tokens`); `add_special_tokens: false` leaves out the BOS (the prompt one
+    token shorter). Each answer's text and counts equal transformers' on the same files."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    ids = tokenizer(PROMPTS[0]).input_ids
+
+    def hf(prompt_ids: list[int], **options: Any) -> tuple[str, int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                **options,
+            )
+        new = [int(t) for t in out[0, len(prompt_ids) :]]
+        return tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+    def ours(**extra: Any) -> tuple[str, int, int, str]:
+        answer = api.completions.create(
+            model="tiny-llama", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
+        choice = answer.choices[0]
+        return choice.text, answer.usage.prompt_tokens, answer.usage.completion_tokens, choice.finish_reason
+
+    assert hf(ids)[1] == 6  # make_checkpoint's EOS: the case this test is about
+    text, count = hf(ids, eos_token_id=None)
+    assert ours(ignore_eos=True) == (text, len(ids), MAX_TOKENS, "length") and count == MAX_TOKENS
+    text, count = hf(ids, min_new_tokens=8)
+    assert count > 8 and ours(min_tokens=8) == (text, len(ids), count, "stop" if count < MAX_TOKENS else "length")
+    bare = tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
+    assert len(bare) == len(ids) - 1
+    text, count = hf(bare)
+    answer = ours(add_special_tokens=False)
+    assert answer[:3] == (text, len(bare), count)
+
+
 def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:
     """The stream of a request with skip_special_tokens false writes a special token's text where transformers'
     decode(skip_special_tokens=False) does; by default it leaves it out, as decode(skip_special_tokens=True)."""

@@ -66,7 +66,7 @@ def test_the_gateway_limits_have_their_defaults() -> None:
     """The connection and probe limits the gateway reads: header/body timeouts, connection caps, backoff."""
     limits = LimitsSection()
     assert (limits.header_timeout_s, limits.body_timeout_s) == (10.0, 30.0)
-    assert (limits.max_connections, limits.max_connections_per_client) == (1024, 64)
+    assert (limits.max_connections, limits.max_connections_per_client) == (1024, 1024)
     assert limits.health_probe_backoff_max_s == 5.0
 
 
@@ -97,10 +97,6 @@ ATTACKS: dict[str, tuple[str, list[str]]] = {
     "an API key with a newline": ('[cluster]\napi_key = "a\\nb"\n', ["[cluster] api_key = 'a\\nb'", "ASCII"]),
     "a NUL in a path": ('[cache]\nssd_dir = "a\\u0000b"\n', ["[cache] ssd_dir = 'a\\x00b'", "NUL"]),
     "a key with a newline": ('[model]\n"a\\nb" = 1\n', ["[model] 'a\\nb' = 1", "unknown key"]),
-    "more per client than in all": (
-        "[limits]\nmax_connections = 10\nmax_connections_per_client = 11\n",
-        ["[limits] max_connections_per_client = 11", "max_connections = 10"],
-    ),
     "a backoff below the probe period": (
         "[limits]\nhealth_interval_s = 2\nhealth_probe_backoff_max_s = 1\n",
         ["[limits] health_probe_backoff_max_s = 1.0", "health_interval_s = 2.0"],
