@@ -26,6 +26,7 @@ pace, and overload finds whichever binds first.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -46,7 +47,14 @@ from mooncake.sched.router import DEFAULT_THRESHOLD, is_threshold
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
-from mooncake.workload import PRESETS, TRACE_BLOCK_SIZE_TOKENS, ArrivalProcess, generate_requests, preset
+from mooncake.workload import (
+    PRESETS,
+    TIME_UNITS,
+    TRACE_BLOCK_SIZE_TOKENS,
+    ArrivalProcess,
+    generate_requests,
+    preset,
+)
 
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
@@ -74,6 +82,12 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
         "--skip-invalid",
         action="store_true",
         help="leave out the trace's malformed lines (each named on stderr) instead of failing",
+    )
+    parser.add_argument(
+        "--time-unit",
+        choices=TIME_UNITS,
+        default="ms",
+        help="what a --trace's timestamps count (default ms, the Mooncake format's; s for Qwen-Bailian's traces)",
     )
     parser.add_argument(
         "--num-requests", type=int, default=None, help="requests generated (default 4000), or the first of a trace"
@@ -114,9 +128,15 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
             raise ConfigError("--rate sets a generated workload's arrivals; a --trace keeps its own (see --speedup)")
         # As `mooncake trace` reads it (--skip-invalid names each line it leaves out), named by this program.
         lines = read_trace(
-            args.trace, block_size_tokens=block, speedup=speed, skip_invalid=args.skip_invalid, prog=_program()
+            args.trace,
+            block_size_tokens=block,
+            speedup=speed,
+            skip_invalid=args.skip_invalid,
+            prog=_program(),
+            time_unit=args.time_unit,
         )
-        requests = list(lines)[:count]
+        # Only the first `count` are read (and checked): the lines come in arrival order.
+        requests = list(itertools.islice(lines, count))
         if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
             raise ConfigError(f"--trace {args.trace} has no requests")
         return requests

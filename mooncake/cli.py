@@ -1,6 +1,6 @@
 """The `mooncake` command line.
 
-    mooncake trace stats PATH [--json] [--block-size N] [--skip-invalid]
+    mooncake trace stats PATH [--json] [--block-size N] [--time-unit ms|s|us] [--skip-invalid]
     mooncake trace generate --preset NAME --num-requests N --out PATH [--rate R] [--cv C] [--seed S]
     mooncake trace capacity PATH --policy lru --capacity-blocks 1000,10000,50000 [--prefix-aware] [--json]
                             [--plot out.png] [--no-progress] [--skip-invalid]
@@ -14,6 +14,9 @@ file that cannot be read or written (`file: reason`), an option out of its range
 (`argument --seed: ...`; `--rate` and `--cv` lie in `ARRIVAL_RANGE`, [1e-6, 1e6], `--plot` names
 an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
 With `--skip-invalid` a malformed line is left out instead and named on stderr.
+`--time-unit` says what a trace's timestamps count (ms, the Mooncake format's,
+by default; `s` for Alibaba's Qwen-Bailian traces); a millisecond trace with
+fractions of a millisecond gets one `PROG: warning: ...` line on stderr saying so.
 Ctrl-C ends a command with status 130 and one line on stderr; SIGTERM with
 status 143. Either way an output being written is left as it was, no temporary
 file behind.
@@ -47,11 +50,13 @@ from mooncake.types import BlockKey
 from mooncake.workload import (
     ARRIVAL_RANGE,
     PRESETS,
+    TIME_UNITS,
     TRACE_BLOCK_SIZE_TOKENS,
     TRACE_FORMS,
     ArrivalProcess,
     Request,
     SkippedLine,
+    TimeUnit,
     generate_requests,
     iter_trace,
     preset,
@@ -187,9 +192,11 @@ def read_trace(
     speedup: float = 1.0,
     skip_invalid: bool = False,
     prog: str = "mooncake",
+    time_unit: TimeUnit = "ms",
 ) -> Iterator[Request]:
-    """A trace as the command lines read it (`--block-size`, `--skip-invalid`): `iter_trace`, strict, or with
-    `skip_invalid` each malformed line left out and named on stderr as `PROG: skipped FILE:LINE: reason`.
+    """A trace as the command lines read it (`--block-size`, `--skip-invalid`, `--time-unit`): `iter_trace`, strict,
+    or with `skip_invalid` each malformed line left out and named on stderr as `PROG: skipped FILE:LINE: reason`;
+    its caution about the time unit as `PROG: warning: ...`.
 
     Raises:
         TraceFormatError: at the first malformed line unless `skip_invalid`, and at a broken gzip stream.
@@ -199,14 +206,23 @@ def read_trace(
     def report(skipped: SkippedLine) -> None:
         print(f"{prog}: skipped {skipped}", file=sys.stderr)
 
+    def caution(message: str) -> None:
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
     return iter_trace(
-        path, block_size_tokens=block_size_tokens, speedup=speedup, strict=not skip_invalid, on_skip=report
+        path,
+        block_size_tokens=block_size_tokens,
+        speedup=speedup,
+        strict=not skip_invalid,
+        on_skip=report,
+        time_unit=time_unit,
+        on_caution=caution,
     )
 
 
 def _read(args: argparse.Namespace, path: str) -> Iterator[Request]:
-    """The trace at `path` with the command's block size, strict unless --skip-invalid."""
-    return read_trace(path, block_size_tokens=args.block_size, skip_invalid=args.skip_invalid)
+    """The trace at `path` with the command's block size and time unit, strict unless --skip-invalid."""
+    return read_trace(path, block_size_tokens=args.block_size, skip_invalid=args.skip_invalid, time_unit=args.time_unit)
 
 
 def _stats(args: argparse.Namespace) -> None:
@@ -389,6 +405,12 @@ def _parser() -> argparse.ArgumentParser:
     for command in (stats, capacity, convert):
         command.add_argument(
             "--skip-invalid", action="store_true", help="leave out malformed lines (named on stderr) instead of failing"
+        )
+        command.add_argument(
+            "--time-unit",
+            choices=TIME_UNITS,
+            default="ms",
+            help="what the trace's timestamps count (default ms, the Mooncake format's; s for Qwen-Bailian's traces)",
         )
     return parser
 

@@ -423,9 +423,30 @@ def test_skip_invalid_reads_around_bad_lines(tmp_path: Path, capsys: pytest.Capt
     source.write_text(f"{GOOD_LINE}\n[]\n{GOOD_LINE}\n", encoding="utf-8")
     status, out, err = run(capsys, "trace", command, str(source), "--json", "--block-size", "4", "--skip-invalid")
     assert status == 0
-    assert err == f"mooncake: skipped {source}:2: expected a JSON object, got list\n"
+    assert (
+        err
+        == f"mooncake: skipped {source}:2: expected a JSON object, got list (a trace is JSON Lines: one object per line, not a JSON array)\n"
+    )
     if command == "stats":
         assert json.loads(out)["num_requests"] == 2
+
+
+def test_a_trace_timed_in_seconds_converts_with_time_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace whose timestamps count seconds (Qwen-Bailian's): read as milliseconds it gets one warning line
+    naming the first fraction and `--time-unit s`; with `--time-unit s`, no warning, and `convert` writes it in
+    the Mooncake format's milliseconds."""
+    source, target = tmp_path / "seconds.jsonl", tmp_path / "ms.jsonl"
+    stamps = (0, 1.5, 61.114)
+    source.write_text("".join(GOOD_LINE.replace('"timestamp": 0', f'"timestamp": {t}') + "\n" for t in stamps))
+    status, out, err = run(capsys, "trace", "stats", str(source), "--json", "--block-size", "4")
+    assert status == 0 and json.loads(out)["duration_s"] == pytest.approx(0.061114)
+    assert err.startswith(f"mooncake: warning: {source}:2: timestamp 1.5 has a fraction") and err.count("\n") == 1
+    assert "--time-unit s" in err
+    status, out, err = run(
+        capsys, "trace", "convert", str(source), str(target), "--block-size", "4", "--time-unit", "s"
+    )
+    assert (status, err) == (0, "")
+    assert [json.loads(row)["timestamp"] for row in target.read_text().splitlines()] == [0, 1500, 61114]
 
 
 def test_convert_to_an_unknown_form_is_an_argparse_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -189,6 +189,34 @@ def test_skip_invalid_replays_around_a_bad_line_naming_it(tmp_path: Path) -> Non
     assert json.loads(done.stdout)["num_requests"] == 150
 
 
+def test_num_requests_reads_only_the_first_lines_of_a_trace(tmp_path: Path) -> None:
+    """--num-requests N replays the trace's first N requests, reading (and checking) no line past them: a bad
+    line after them does not fail the run."""
+    trace = generated_trace(tmp_path / "t.jsonl")
+    trace.write_text(trace.read_text() + "{oops\n")
+    done = run("replay.py", "--trace", str(trace), "--num-requests", "40", "--prefill", "1", "--decode", "1", "--json")
+    assert done.stderr == "" and json.loads(done.stdout)["num_requests"] == 40
+
+
+def test_a_trace_timed_in_seconds_replays_with_time_unit(tmp_path: Path) -> None:
+    """A trace in seconds (Qwen-Bailian's timing), replayed with --time-unit s, gives the summary of the same trace
+    in milliseconds; without it the replay warns on stderr once, naming --time-unit s."""
+    trace = generated_trace(tmp_path / "ms.jsonl")
+    rows = [json.loads(row) for row in trace.read_text().splitlines()]
+    seconds = tmp_path / "s.jsonl"
+    seconds.write_text("".join(json.dumps({**row, "timestamp": row["timestamp"] / 1000}) + "\n" for row in rows))
+    cluster = ("--prefill", "1", "--decode", "1", "--json")
+
+    def summary(stdout: str) -> dict[str, object]:
+        return {k: v for k, v in json.loads(stdout).items() if k != "sim_wall_s"}  # all but the run's own time
+
+    as_ms = summary(run("replay.py", "--trace", str(trace), *cluster).stdout)
+    done = run("replay.py", "--trace", str(seconds), "--time-unit", "s", *cluster)
+    assert done.stderr == "" and summary(done.stdout) == as_ms
+    misread = run("replay.py", "--trace", str(seconds), *cluster)
+    assert misread.stderr.startswith(f"replay: warning: {seconds}:") and "--time-unit s" in misread.stderr
+
+
 def example(name: str) -> ModuleType:
     """The example script `name` as a module (examples/ is its folder's imports' root)."""
     sys.path.insert(0, str(ROOT / "examples"))
@@ -355,6 +383,21 @@ def test_experiment_prints_json_and_writes_plots(experiment: str, extra: list[st
     assert key in report
     assert json.loads((tmp_path / f"{experiment}.json").read_text())[key] == report[key]
     assert list(tmp_path.glob("*.png")), "no plot written"
+
+
+def test_cache_says_so_when_no_cell_has_a_hit_to_compare(tmp_path: Path) -> None:
+    """A workload that shares no prefix (every hash id its own) hits in neither mode: the experiment says there is
+    nothing to compare, marks no cell the largest, and its JSON's `largest_ratio` is null."""
+    lines = [
+        json.dumps({"timestamp": 500 * i, "input_length": 1024, "output_length": 8, "hash_ids": [2 * i, 2 * i + 1]})
+        for i in range(60)
+    ]
+    trace = tmp_path / "unique.jsonl"
+    trace.write_text("".join(f"{line}\n" for line in lines))
+    argv = ["cache", "--trace", str(trace), "--capacities", "100,1000", "--no-plots", "--out", str(tmp_path)]
+    done = run("experiments.py", *argv)
+    assert "no comparison" in done.stdout and "<- largest" not in done.stdout and "nan" not in done.stdout
+    assert json.loads(run("experiments.py", *argv, "--json").stdout)["largest_ratio"] is None
 
 
 def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:

@@ -48,9 +48,10 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
             return shared / local
         return math.inf if shared else math.nan  # no local hit: infinite gain, or none to compare (JSON: null)
 
-    # The largest gain among the cells where both caches hit (an infinite one says only that local caches missed).
+    # The largest gain among the cells where both caches hit (an infinite one says only that local caches missed);
+    # none where no cell has both (a workload that shares no prefix hits in neither).
     finite = [(n, b) for n in node_counts for b in capacities if math.isfinite(ratio(n, b))]
-    largest = max(finite or [(node_counts[0], capacities[0])], key=lambda nb: ratio(*nb))
+    largest = max(finite, key=lambda nb: ratio(*nb)) if finite else None
     lines = [header(args, requests, spec), f"router {args.router} (local caches: local_cache_aware)", ""]
     lines.append(
         f"{'nodes':>6}{'blocks/node':>12}{'global hit':>11}{'local hit':>10}{'ratio':>7}"
@@ -60,15 +61,22 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         for blocks in capacities:
             g, loc = rows[nodes, blocks, "global"].summary, rows[nodes, blocks, "local"].summary
             mark = "  <- largest" if (nodes, blocks) == largest else ""
+            gain = ratio(nodes, blocks)
+            shown = "-" if math.isnan(gain) else f"{gain:.2f}"  # no hit in either: nothing to compare
             lines.append(
-                f"{nodes:>6}{blocks:>12,}{g.cache_hit_ratio:>11.3f}{loc.cache_hit_ratio:>10.3f}{ratio(nodes, blocks):>7.2f}"
+                f"{nodes:>6}{blocks:>12,}{g.cache_hit_ratio:>11.3f}{loc.cache_hit_ratio:>10.3f}{shown:>7}"
                 f"{g.mean_prefill_s:>14.3f}s{loc.mean_prefill_s:>13.3f}s{mark}"
             )
     lines.append("")
-    lines.append(
-        f"the global pool's gain is largest at {largest[0]} nodes of {largest[1]:,} blocks: "
-        f"{ratio(*largest):.2f}x the local caches' hit ratio"
-    )
+    if largest is not None:
+        lines.append(
+            f"the global pool's gain is largest at {largest[0]} nodes of {largest[1]:,} blocks: "
+            f"{ratio(*largest):.2f}x the local caches' hit ratio"
+        )
+    elif any(math.isinf(ratio(n, b)) for n in node_counts for b in capacities):
+        lines.append("the local caches never hit where the global pool did: there is no finite ratio to compare")
+    else:
+        lines.append("neither the global pool nor the local caches hit (the workload shares no prefix): no comparison")
     if args.out:
         plot_lines(
             {f"{n} nodes": (capacities, [ratio(n, b) for b in capacities]) for n in node_counts},
@@ -88,7 +96,9 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
             mode: {f"{n}x{b}": rows[n, b, mode].summary.mean_prefill_s for n in node_counts for b in capacities}
             for mode in ("global", "local")
         },
-        "largest_ratio": {"nodes": largest[0], "blocks": largest[1], "ratio": ratio(*largest)},
+        "largest_ratio": None
+        if largest is None
+        else {"nodes": largest[0], "blocks": largest[1], "ratio": ratio(*largest)},
         "cluster": simulation.describe(spec),
     }
     return report, "\n".join(lines)

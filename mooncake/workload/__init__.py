@@ -13,9 +13,11 @@ from mooncake.workload.generator import (
 )
 from mooncake.workload.stats import TraceStats, trace_stats
 from mooncake.workload.trace import (
+    TIME_UNITS,
     TRACE_BLOCK_SIZE_TOKENS,
     TRACE_FORMS,
     SkippedLine,
+    TimeUnit,
     TraceForm,
     iter_trace,
     load_trace,
@@ -30,8 +32,10 @@ __all__ = [
     "PRESETS",
     "Request",
     "SkippedLine",
+    "TIME_UNITS",
     "TRACE_BLOCK_SIZE_TOKENS",
     "TRACE_FORMS",
+    "TimeUnit",
     "TraceForm",
     "TraceStats",
     "WorkloadSpec",

@@ -67,7 +67,8 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
             hit += 1
         reused += hit
         seen.update(keys)
-    duration = last - first
+    # To the nanosecond: arrivals are milliseconds / 1000, whose difference would print 42.74199999999996.
+    duration = round(last - first, 9)
     return TraceStats(
         num_requests=count,
         mean_input_length=total_input / count if count else 0.0,

@@ -5,7 +5,10 @@ reader goes by the file's first bytes, the writer by a `.gz` name):
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
 
-`timestamp` is the arrival in milliseconds from the trace start; `hash_ids` are
+`timestamp` is the arrival in milliseconds from the trace start (`time_unit`
+reads traces that keep these fields but count seconds, as Alibaba's Qwen-Bailian
+traces do, or microseconds; a millisecond trace whose timestamps have fractions
+of a millisecond gets one warning that it may be timed in seconds); `hash_ids` are
 the chained ids of the prompt's blocks of `block_size_tokens` (512 in the
 published traces), the last partial block included, so there are exactly
 ceil(input_length / block_size) of them.
@@ -66,12 +69,14 @@ from mooncake._files import atomic_path
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
-from mooncake.workload.trace_record import parse_record, session_of
+from mooncake.workload.trace_record import ARRAY_HINT, TIME_UNITS, TimeUnit, parse_record, session_of
 
 __all__ = [
     "SkippedLine",
+    "TIME_UNITS",
     "TRACE_BLOCK_SIZE_TOKENS",
     "TRACE_FORMS",
+    "TimeUnit",
     "TraceForm",
     "iter_trace",
     "load_trace",
@@ -130,6 +135,25 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"invalid JSON: {name} is not a JSON number")
 
 
+_COMPRESSED = {b"\xfd7zXZ\x00": "xz", b"BZh": "bzip2", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def _hint(line: str) -> str:
+    """What a line that is no JSON object may be instead, for the error: another format than JSON Lines."""
+    data = line.encode("utf-8", "surrogateescape")
+    packed = next((name for magic, name in _COMPRESSED.items() if data.startswith(magic)), None)
+    text = line.strip()
+    if packed is not None:
+        return f" (a {packed}-compressed file? only plain and gzip traces are read)"
+    if text.startswith("["):
+        return ARRAY_HINT
+    if text == "{":
+        return " (a trace is JSON Lines: each request's object on one line, not pretty-printed)"
+    if "," in text and not text.startswith("{"):
+        return " (a trace is JSON Lines, not CSV: one object per line with timestamp, input_length, ...)"
+    return ""
+
+
 def _record(raw: bytes) -> Any:
     """The line's decoded JSON, or `_BLANK`.
 
@@ -141,18 +165,17 @@ def _record(raw: bytes) -> Any:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"not UTF-8: byte {raw[error.start]:#04x} at column {error.start + 1}") from error
+        hint = _hint(raw.decode("utf-8", "surrogateescape"))
+        raise ValueError(f"not UTF-8: byte {raw[error.start]:#04x} at column {error.start + 1}{hint}") from error
     if not line.strip():
         return _BLANK
     try:
         # Without its line ending: a line cut short is then reported at its end, not at column 1 of the next.
         return json.loads(line.rstrip("\r\n"), parse_constant=_not_json)
     except json.JSONDecodeError as error:
-        # A JSON array of requests, pretty-printed or not, fails on its first line: say what a trace is.
-        hint = (
-            " (a trace is JSON Lines: one object per line, not a JSON array)" if line.lstrip().startswith("[") else ""
-        )
-        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}{hint}") from error
+        # A JSON array of requests (pretty-printed), a pretty-printed object, a CSV trace or a compressed file fail
+        # on their first line: say what a trace is.
+        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}{_hint(line)}") from error
     except RecursionError as error:
         raise ValueError("invalid JSON: arrays or objects nested too deeply") from error
     except ValueError as error:
@@ -166,6 +189,10 @@ def _warn(skipped: SkippedLine) -> None:
     warnings.warn(f"skipped {skipped}", stacklevel=2)
 
 
+def _caution(message: str) -> None:
+    warnings.warn(message, stacklevel=2)
+
+
 def iter_trace(
     path: str | os.PathLike[str],
     *,
@@ -173,6 +200,8 @@ def iter_trace(
     speedup: float = 1.0,
     strict: bool = True,
     on_skip: Callable[[SkippedLine], object] | None = None,
+    time_unit: TimeUnit = "ms",
+    on_caution: Callable[[str], object] | None = None,
 ) -> Iterator[Request]:
     """Stream the requests of a trace in arrival order, validating each line as it is read.
 
@@ -182,6 +211,9 @@ def iter_trace(
         speedup: replay speed; 2.0 halves every arrival.
         strict: raise at the first unusable line (the default), or skip it.
         on_skip: told of each line a lenient read skips (default: a warning each).
+        time_unit: what `timestamp` and `delay` count: "ms" (the Mooncake format), "s" or "us".
+        on_caution: told, once, that a millisecond trace has timestamps with fractions of a millisecond (the
+            first, by file and line), as a trace timed in seconds has (default: a warning).
 
     Yields:
         Requests with ids "0", "1", ... in arrival order (file order among equal
@@ -198,7 +230,9 @@ def iter_trace(
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
     if not isinstance(strict, bool):
         raise ConfigError(f"strict must be a bool, got {strict!r}")
-    return _read(path, block_size_tokens, speedup, strict, on_skip or _warn)
+    if time_unit not in TIME_UNITS:
+        raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
+    return _read(path, block_size_tokens, speedup, strict, on_skip or _warn, time_unit, on_caution or _caution)
 
 
 def _read(
@@ -207,23 +241,34 @@ def _read(
     speedup: float,
     strict: bool,
     on_skip: Callable[[SkippedLine], object],
+    time_unit: TimeUnit,
+    on_caution: Callable[[str], object],
 ) -> Iterator[Request]:
     assembler = TraceAssembler(block_size_tokens)
     held: list[tuple[float, int, Turn]] = []
     index = 0
+    cautioned = time_unit != "ms"
     for number, raw in _lines(path):
         record: Any = None
         try:
             record = _record(raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw)  # Windows' BOM
             if record is _BLANK:
                 continue
-            turn = assembler.place(parse_record(record, block_size_tokens), number)
+            parsed = parse_record(record, block_size_tokens, time_unit=time_unit)
+            turn = assembler.place(parsed, number)
         except ValueError as error:
             if strict:
                 raise TraceFormatError(path, number, str(error)) from error
             assembler.lose(session_of(record), number)
             on_skip(SkippedLine(os.fspath(path), number, str(error)))
             continue
+        stamp = parsed.timestamp_ms
+        if not cautioned and isinstance(stamp, float) and not stamp.is_integer():
+            cautioned = True  # Mooncake's traces count whole milliseconds; Qwen-Bailian's seconds, to the ms
+            on_caution(
+                f"{os.fspath(path)}:{number}: timestamp {stamp} has a fraction of a millisecond: if the trace is "
+                "timed in seconds (as Alibaba's Qwen-Bailian traces are), read it with time_unit='s' (--time-unit s)"
+            )
         heappush(held, (turn.arrival_ms, number, turn))
         # No later line arrives before the mark, so everything up to it is in its final order.
         while held and held[0][0] <= assembler.mark_ms:
@@ -253,9 +298,21 @@ def load_trace(
     speedup: float = 1.0,
     strict: bool = True,
     on_skip: Callable[[SkippedLine], object] | None = None,
+    time_unit: TimeUnit = "ms",
+    on_caution: Callable[[str], object] | None = None,
 ) -> list[Request]:
     """All requests of a trace, or an error and nothing (see `iter_trace`)."""
-    return list(iter_trace(path, block_size_tokens=block_size_tokens, speedup=speedup, strict=strict, on_skip=on_skip))
+    return list(
+        iter_trace(
+            path,
+            block_size_tokens=block_size_tokens,
+            speedup=speedup,
+            strict=strict,
+            on_skip=on_skip,
+            time_unit=time_unit,
+            on_caution=on_caution,
+        )
+    )
 
 
 def text_request(

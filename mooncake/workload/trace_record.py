@@ -1,6 +1,8 @@
 """One line of a trace, validated: the fields of the Mooncake format and aiperf's additions.
 
-A line is a JSON object. The Mooncake format defines `timestamp` (ms),
+A line is a JSON object. The Mooncake format defines `timestamp` (ms; other
+published traces, Alibaba's Qwen-Bailian ones, keep its fields but time them in
+seconds: `time_unit` reads those, and its times are held in ms),
 `input_length`, `output_length` and `hash_ids`; the published traces carry all
 four. aiperf's `mooncake_trace` loader adds `session_id`, `delay` (ms) and
 `text_input` (see `mooncake.workload.trace` for what they mean), and reads
@@ -23,7 +25,10 @@ its value; fields neither format defines are ignored, but aiperf's other prompt
 forms (`messages`, `payload`) are refused by name.
 
 Values are bounded so that no line can make the reader fail or stall:
-times lie in [0, 2**53] ms (exact in a float, and sums of them stay finite),
+times lie in [0, 2**43] ms (up to the year 2248 as epoch milliseconds, each
+held to a microsecond as float seconds, and sums of them stay exact; epoch
+microseconds read as milliseconds would be past it, and are refused, not
+replayed a thousand times too slowly),
 lengths in [1, 2**24] tokens (past any model's context; a line without
 `hash_ids` makes the reader invent a key per block). JSON's NaN and Infinity
 never reach here (the reader refuses them as not JSON).
@@ -35,13 +40,22 @@ and, when it has `hash_ids`, exactly ceil(input_length / block_size) of them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from mooncake._checks import ceil_div
 
-__all__ = ["AIPERF_FIELDS", "MAX_LINE_MS", "MAX_LINE_TOKENS", "TraceRecord", "parse_record", "session_of"]
+__all__ = [
+    "AIPERF_FIELDS",
+    "MAX_LINE_MS",
+    "MAX_LINE_TOKENS",
+    "TIME_UNITS",
+    "TimeUnit",
+    "TraceRecord",
+    "parse_record",
+    "session_of",
+]
 
 AIPERF_FIELDS = ("session_id", "delay", "text_input")
 """The fields aiperf adds to the Mooncake format."""
@@ -49,8 +63,17 @@ AIPERF_FIELDS = ("session_id", "delay", "text_input")
 UNSUPPORTED_PROMPTS = ("messages", "payload")
 """aiperf's other ways to give a line's prompt, which this reader does not take."""
 
-MAX_LINE_MS = 2**53
-"""Largest `timestamp` or `delay` (ms): every integer up to it is exact in a float (285,000 years)."""
+MAX_LINE_MS = 2**43
+"""Largest `timestamp` or `delay` (ms, 279 years): as float seconds, a time up to it keeps microseconds (2**-19 s
+apart at most), and an integer count of ms is exact."""
+
+TimeUnit = Literal["ms", "s", "us"]
+"""What a trace's `timestamp` and `delay` count: milliseconds (the Mooncake format), seconds or microseconds."""
+
+TIME_UNITS: dict[str, float] = {"ms": 1.0, "s": 1000.0, "us": 0.001}
+"""Milliseconds per unit of each `TimeUnit`."""
+
+ARRAY_HINT = " (a trace is JSON Lines: one object per line, not a JSON array)"
 
 MAX_LINE_TOKENS = 2**24
 """Largest `input_length`, `output_length` or `text_input` (tokens, bytes for text)."""
@@ -100,12 +123,18 @@ def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
     return value
 
 
-def _milliseconds(record: dict[str, Any], name: str) -> float:
+def _milliseconds(record: dict[str, Any], name: str, unit: TimeUnit) -> float:
     value = _field(record, name, integer=False)
+    scale = TIME_UNITS[unit]
     # An int is compared as an int: float() of one past 1e308 would overflow.
-    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= MAX_LINE_MS:
-        raise ValueError(f"field '{name}' must be a number in [0, 2**53], got {_shown(value)}")
-    return value  # type: ignore[no-any-return]  # int or float, kept as written for messages
+    bound = MAX_LINE_MS if unit == "ms" else MAX_LINE_MS / scale
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= bound:
+        shown = "2**43" if unit == "ms" else f"{bound:.15g}"
+        # Epoch microseconds (1.7e15 in 2024) read as milliseconds are past the bound: say so.
+        micro = unit == "ms" and 0 < value <= 2**64
+        hint = " (is the trace timed in microseconds? time_unit / --time-unit us)" if micro else ""
+        raise ValueError(f"field '{name}' must be a number of {unit} in [0, {shown}], got {_shown(value)}{hint}")
+    return value if unit == "ms" else value * scale  # type: ignore[no-any-return]  # ms as written: int or float
 
 
 def _shown(value: object, *, limit: int = 60) -> str:
@@ -174,14 +203,15 @@ def session_of(record: object) -> str | None:
     return None
 
 
-def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
-    """Validate one decoded JSON line.
+def parse_record(record: object, block_size_tokens: int, *, time_unit: TimeUnit = "ms") -> TraceRecord:
+    """Validate one decoded JSON line, its times counted in `time_unit` (held in ms).
 
     Raises:
         ValueError: the line is not a usable record; the message names the field and value.
     """
     if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        hint = ARRAY_HINT if isinstance(record, list) else ""
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}{hint}")
     for other in UNSUPPORTED_PROMPTS:
         if _present(record, other):
             raise ValueError(
@@ -192,8 +222,8 @@ def parse_record(record: object, block_size_tokens: int) -> TraceRecord:
         session_id = session_of(record)
         if session_id is None:
             raise ValueError(f"field 'session_id' must be a non-empty string, got {_shown(record['session_id'])}")
-    timestamp = _milliseconds(record, "timestamp") if _present(record, "timestamp") else None
-    delay = _milliseconds(record, "delay") if _present(record, "delay") else None
+    timestamp = _milliseconds(record, "timestamp", time_unit) if _present(record, "timestamp") else None
+    delay = _milliseconds(record, "delay", time_unit) if _present(record, "delay") else None
     text = _text(record) if _present(record, "text_input") else None
     if text is None:
         input_length: int = _field(record, "input_length", integer=True)

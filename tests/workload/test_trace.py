@@ -172,14 +172,17 @@ MALFORMED: dict[str, tuple[str, str]] = {
     "input_length negative": (line(input_length=-5), "field 'input_length' must be positive, got -5"),
     "output_length zero": (line(output_length=0), "field 'output_length' must be positive, got 0"),
     "output_length negative": (line(output_length=-1), "field 'output_length' must be positive, got -1"),
-    "timestamp negative": (line(timestamp=-1), "field 'timestamp' must be a number in [0, 2**53], got -1"),
+    "timestamp negative": (line(timestamp=-1), "field 'timestamp' must be a number of ms in [0, 2**43], got -1"),
     "timestamp NaN": (line(timestamp=math.nan), "invalid JSON: NaN is not a JSON number"),
     "timestamp Infinity": (line(timestamp=math.inf), "invalid JSON: Infinity is not a JSON number"),
     "timestamp -Infinity": (line(timestamp=-math.inf), "invalid JSON: -Infinity is not a JSON number"),
-    "timestamp 10**400": (line(timestamp=10**400), "field 'timestamp' must be a number in [0, 2**53], got an integer"),
+    "timestamp 10**400": (
+        line(timestamp=10**400),
+        "field 'timestamp' must be a number of ms in [0, 2**43], got an integer",
+    ),
     "timestamp 1e400": (
         line().replace('"timestamp": 0', '"timestamp": 1e400'),
-        "must be a number in [0, 2**53], got inf",
+        "must be a number of ms in [0, 2**43], got inf",
     ),
     "a 5,000-digit integer": (line().replace("[1, 2]", f"[1, {'9' * 5000}]"), "a number of over 4300 digits"),
     "200,000-deep nesting": ("[" * 200_000 + "]" * 200_000, "invalid JSON: arrays or objects nested too deeply"),
@@ -188,7 +191,19 @@ MALFORMED: dict[str, tuple[str, str]] = {
     "too many hash_ids": (line(hash_ids=[1, 2, 3]), "3 hash_ids for input_length 5: expected ceil(5/4) = 2"),
     "no hash_ids": (line(hash_ids=[]), "0 hash_ids for input_length 5"),
     "earlier timestamp": (line(timestamp=99), "timestamp 99 is earlier than the previous line's 100"),
+    "a JSON array on one line": (f"[{line()}]", "expected a JSON object, got list (a trace is JSON Lines"),
+    "a pretty-printed object": ("{", "(a trace is JSON Lines: each request's object on one line"),
+    "a CSV row": ("2024-05-10 00:00:00.01,4808,10", "(a trace is JSON Lines, not CSV"),
 }
+
+
+@pytest.mark.parametrize(("magic", "name"), [(b"\xfd7zXZ\x00\x00", "xz"), (b"BZh91AY&SY", "bzip2")])
+def test_a_file_compressed_other_than_gzip_is_named(tmp_path: Path, magic: bytes, name: str) -> None:
+    """Only plain and gzip traces are read; an xz or bzip2 file's error says what it probably is."""
+    path = tmp_path / "t.jsonl.x"
+    path.write_bytes(magic + b"\x80\x00\xff\n")
+    with pytest.raises(TraceFormatError, match=f"a {name}-compressed file"):
+        load_trace(path)
 
 
 @pytest.mark.parametrize(("bad", "reason"), MALFORMED.values(), ids=MALFORMED.keys())
@@ -219,7 +234,33 @@ def test_error_names_the_first_bad_line(tmp_path: Path, position: int) -> None:
 def test_equal_timestamps_are_allowed(tmp_path: Path) -> None:
     """Timestamps need only be non-decreasing; float timestamps are accepted."""
     path = write_lines(tmp_path / "t.jsonl", [line(timestamp=5), line(timestamp=5), line(timestamp=5.5)])
-    assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK)] == [0.005, 0.005, 0.0055]
+    read = load_trace(path, block_size_tokens=BLOCK, on_caution=lambda _: None)  # 5.5 ms: a caution
+    assert [r.arrival_s for r in read] == [0.005, 0.005, 0.0055]
+
+
+def test_a_trace_timed_in_seconds_or_microseconds_reads_with_its_time_unit(tmp_path: Path) -> None:
+    """`time_unit` "s" (Alibaba's Qwen-Bailian traces: the Mooncake fields, seconds to the millisecond) and "us"
+    give the same arrivals as the trace in milliseconds; a millisecond trace with a fraction of a millisecond gets
+    one caution naming the file, the line and the unit to try, and reads as written; an unknown unit is a
+    ConfigError at the call."""
+    seconds = write_lines(tmp_path / "s.jsonl", [line(timestamp=0), line(timestamp=61.114), line(timestamp=61.5)])
+    micro = write_lines(tmp_path / "us.jsonl", [line(timestamp=t) for t in (0, 61_114_000, 61_500_000)])
+    milli = write_lines(tmp_path / "ms.jsonl", [line(timestamp=t) for t in (0, 61_114, 61_500)])
+    expected = [r.arrival_s for r in load_trace(milli, block_size_tokens=BLOCK)]
+    assert expected == [0.0, 61.114, 61.5]
+    assert [r.arrival_s for r in load_trace(seconds, block_size_tokens=BLOCK, time_unit="s")] == expected
+    assert [r.arrival_s for r in load_trace(micro, block_size_tokens=BLOCK, time_unit="us")] == expected
+    cautions: list[str] = []
+    as_ms = load_trace(seconds, block_size_tokens=BLOCK, on_caution=cautions.append)
+    assert [r.arrival_s for r in as_ms] == pytest.approx([0.0, 0.061114, 0.0615])
+    assert len(cautions) == 1 and cautions[0].startswith(f"{seconds}:2: timestamp 61.114 has a fraction")
+    assert "time_unit='s'" in cautions[0]
+    load_trace(seconds, block_size_tokens=BLOCK, time_unit="s", on_caution=cautions.append)
+    assert len(cautions) == 1  # read in seconds: no second caution
+    with pytest.raises(ConfigError, match="time_unit must be one of ms, s, us"):
+        iter_trace(milli, time_unit="minutes")  # type: ignore[arg-type]
+    with pytest.raises(TraceFormatError, match=r"must be a number of s in \[0, 8796093022.208\]"):
+        load_trace(write_lines(tmp_path / "far.jsonl", [line(timestamp=2**43)]), time_unit="s")
 
 
 def test_iter_trace_streams_up_to_the_bad_line(tmp_path: Path) -> None:
@@ -278,7 +319,10 @@ def test_a_path_that_cannot_be_read_is_an_os_error_naming_it(tmp_path: Path, kin
 # Lines of anything: JSON objects with the trace's fields (and others) holding any JSON value, NaN and
 # Infinity, numbers past a float and past 4300 digits, deep nesting, bytes that are not UTF-8.
 NUMBERS = st.one_of(
-    st.integers(-10, 10**6), st.integers(), st.floats(), st.sampled_from([2**53, 2**53 + 1, 2**24 + 1, 10**400])
+    st.integers(-10, 10**6),
+    st.integers(),
+    st.floats(),
+    st.sampled_from([2**43, 2**43 + 1, 2**53 + 1, 2**24 + 1, 10**400]),
 )
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | NUMBERS | st.text(max_size=8),

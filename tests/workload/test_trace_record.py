@@ -89,15 +89,19 @@ def test_unknown_fields_are_ignored() -> None:
 AIPERF_ERRORS: dict[str, tuple[dict[str, Any], str]] = {
     "session_id number": ({**MOONCAKE, "session_id": 7}, "field 'session_id' must be a non-empty string, got 7"),
     "session_id empty": ({**MOONCAKE, "session_id": ""}, "field 'session_id' must be a non-empty string"),
-    "delay negative": ({**MOONCAKE, "delay": -1}, "field 'delay' must be a number in [0, 2**53], got -1"),
+    "delay negative": ({**MOONCAKE, "delay": -1}, "field 'delay' must be a number of ms in [0, 2**43], got -1"),
     "delay string": ({**MOONCAKE, "delay": "5"}, "field 'delay' must be a number"),
-    "delay NaN": ({**MOONCAKE, "delay": float("nan")}, "field 'delay' must be a number in [0, 2**53], got nan"),
-    "delay past 2**53": ({**MOONCAKE, "delay": 2**53 + 1}, "field 'delay' must be a number in [0, 2**53]"),
+    "delay NaN": ({**MOONCAKE, "delay": float("nan")}, "field 'delay' must be a number of ms in [0, 2**43], got nan"),
+    "delay past 2**43": ({**MOONCAKE, "delay": 2**43 + 1}, "field 'delay' must be a number of ms in [0, 2**43]"),
+    "epoch microseconds": (
+        {**MOONCAKE, "timestamp": 1_733_300_000_000_000},
+        "must be a number of ms in [0, 2**43], got 1733300000000000 (is the trace timed in microseconds?",
+    ),
     "timestamp of 10**400": (  # float() of it would overflow
         {**MOONCAKE, "timestamp": 10**400},
-        "field 'timestamp' must be a number in [0, 2**53], got an integer of 1329 bits",
+        "field 'timestamp' must be a number of ms in [0, 2**43], got an integer of 1329 bits",
     ),
-    "timestamp of 1e300": ({**MOONCAKE, "timestamp": 1e300}, "field 'timestamp' must be a number in [0, 2**53]"),
+    "timestamp of 1e300": ({**MOONCAKE, "timestamp": 1e300}, "field 'timestamp' must be a number of ms in [0, 2**43]"),
     "input_length past 2**24": (
         {"session_id": "s", "input_length": 2**24 + 1, "output_length": 1},  # keys would be made up per block
         "field 'input_length' must be at most 2**24 tokens, got 16777217",
