@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCHITECTURES",
+    "CLASS_DEFAULTS",
     "SafetensorsWeights",
     "checkpoint_tensors",
     "load_model",
@@ -51,6 +52,14 @@ __all__ = [
 ]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131_072, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32_768, "sliding_window": 4096},
+}
+"""What transformers' `LlamaConfig`, `MistralConfig` and `Qwen2Config` give a key `config.json` leaves out, where it
+changes what the model computes or refuses (a missing `sliding_window` is Mistral's 4096, not none); a key given
+as null keeps its null (transformers: `num_key_value_heads` null is `num_attention_heads`)."""
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -115,8 +124,9 @@ def _flag(raw: Mapping[str, Any], key: str, source: str) -> bool:
 
 
 def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE's base and scaling from transformers' v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
-    key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
+    """RoPE's base and scaling from transformers' v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`; a non-empty
+    `rope_scaling` wins over `rope_parameters`, as transformers v5 reads a config that has both."""
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = raw.get(key) or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{source}: {key} must be an object, got {params!r}")
@@ -179,8 +189,6 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
             raise ConfigError(f"{source}: layer_types must be a list of strings, got {layer_types!r}")
         if not _flag(raw, "use_sliding_window", source):
             window = None  # the window is nulled: full attention in every layer, whatever layer_types say
-        elif "sliding_window" not in raw:
-            window = 4096  # Qwen2Config's default
         if layer_types is None:  # derived: a window from layer max_window_layers on
             sliding = _count(raw, "max_window_layers", source, 28, minimum=0) < _count(raw, "num_hidden_layers", source)
         else:
@@ -212,6 +220,8 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
             f"{source}: architectures={architectures!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     architecture = architectures[0]
+    # A key the file leaves out has the value of the architecture's transformers config class.
+    raw = {**CLASS_DEFAULTS[architecture], **raw}
     _check_supported(raw, architecture, source)
     theta, scaling = _rope(raw, source)
     num_heads = _count(raw, "num_attention_heads", source)

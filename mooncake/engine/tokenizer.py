@@ -5,8 +5,20 @@ checkpoint: `tokenizer.json` (through `tokenizers`), the special tokens of
 `tokenizer_config.json` (BOS, EOS, UNK, PAD; a string or an AddedToken object),
 the stop ids of `generation_config.json` (or `config.json`) and the chat
 template (`chat_template.jinja`, else the `chat_template` field). `encode` and
-`decode` are transformers' for the same files; the example cluster's byte
+`decode` are transformers' (v5) for the same files; the example cluster's byte
 tokenizer stays what the random model speaks.
+
+transformers v5 does not take a `LlamaTokenizer`'s `tokenizer.json` as written
+(`tokenizer_class` "LlamaTokenizer" or "LlamaTokenizerFast": Llama 2, TinyLlama,
+Mistral v0.x): it keeps the file's vocabulary, merges and post-processor and
+rebuilds the rest (`LlamaTokenizer.__init__`): BPE with byte fallback, no
+normalizer, a Metaspace pre-tokenizer that prepends "▁" to the first piece
+only (to every piece with `legacy: true`, to none with `add_prefix_space:
+false`), the SentencePiece decoder and the added tokens of
+`added_tokens_decoder` (the post-processor is the file's: `add_bos_token` and
+`add_eos_token` are not read for this class). So does `load_tokenizer`; without it, text
+after a special token (a chat template's `</s>\n<|assistant|>`) would get an
+extra "▁" token.
 
 Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
 (byte-level BPE), and some decoders change a token's text by what precedes it
@@ -294,6 +306,68 @@ class Detokenizer:
         assert self.text == self._decode(self.ids[: self.read])
 
 
+_LLAMA_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
+
+
+def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[str, Any], path: Path) -> Any:
+    """The backend transformers v5's `LlamaTokenizer` builds from `backend`'s vocabulary and merges (the module's
+    docstring says what it keeps and what it rebuilds); `named`: the special tokens by name (`bos_token`, ...).
+
+    Raises:
+        ConfigError: the file's model is not BPE (transformers' LlamaTokenizer is one).
+    """
+    from tokenizers import AddedToken, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    data = json.loads(backend.to_str())
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ConfigError(
+            f"{path / 'tokenizer.json'}: a {config.get('tokenizer_class')} with a {model.get('type')!r} model is not "
+            "supported (transformers rebuilds it as BPE)"
+        )
+    merges: list[tuple[str, str]] = []
+    for merge in model.get("merges", []):  # "a b", or ["a", "b"] in newer files
+        first, second = merge.split(" ", 1) if isinstance(merge, str) else merge
+        merges.append((first, second))
+    rebuilt = Backend(BPE(vocab=model.get("vocab", {}), merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    rebuilt.normalizer = None
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    # The added tokens: `added_tokens_decoder` (transformers' source) in id order, else the file's; then the named
+    # special tokens not among them, as special tokens.
+    listed = config.get("added_tokens_decoder")
+    entries = (
+        [listed[k] for k in sorted(listed, key=int)] if isinstance(listed, Mapping) else data.get("added_tokens", [])
+    )
+    for entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
+            raise ConfigError(f"{path}: an added token must be an object with a content, got {entry!r}")
+        special = bool(entry.get("special", False))
+        token = AddedToken(
+            entry["content"],
+            single_word=bool(entry.get("single_word", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            normalized=bool(entry.get("normalized", not special)),
+            special=special,
+        )
+        (rebuilt.add_special_tokens if special else rebuilt.add_tokens)([token])
+    for value in named.values():
+        added = {token.content for token in rebuilt.get_added_tokens_decoder().values()}
+        if isinstance(value, str) and value not in added:
+            rebuilt.add_special_tokens([AddedToken(value, special=True, normalized=False)])
+    # The file's post-processor, whatever `add_bos_token` / `add_eos_token` say (transformers v5 does not read them
+    # for this class); none: no BOS or EOS added.
+    rebuilt.post_processor = backend.post_processor
+    return rebuilt
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of the checkpoint in `directory`.
 
@@ -312,11 +386,15 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         ) from error
     config = _read_json(path / "tokenizer_config.json")
     legacy = _read_json(path / "special_tokens_map.json")
-    tokens: dict[str, str] = {}
+    named: dict[str, Any] = {}
     for name in _SPECIAL_NAMES:
         value = config.get(name, legacy.get(name))
-        if isinstance(value, Mapping):  # a serialized AddedToken
-            value = value.get("content")
+        named[name] = value.get("content") if isinstance(value, Mapping) else value  # a serialized AddedToken
+    if config.get("tokenizer_class") in _LLAMA_CLASSES:
+        backend = _as_llama_tokenizer(backend, config, named, path)
+    tokens: dict[str, str] = {}
+    for name in _SPECIAL_NAMES:
+        value = named[name]
         if value is None:
             continue
         if not isinstance(value, str) or backend.token_to_id(value) is None:

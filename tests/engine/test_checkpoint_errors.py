@@ -402,3 +402,26 @@ def test_reading_the_config_needs_no_weights(checkpoint: Path) -> None:
     assert config.name == "ckpt" and config.num_layers == 2
     with pytest.raises(ConfigError, match="not a weight"):
         checkpoint_tensors(config, "layers.0.nothing")
+
+
+def test_what_a_config_leaves_out_or_gives_twice_reads_as_transformers_reads_it(checkpoint: Path) -> None:
+    """A key `config.json` leaves out has the value of the architecture's transformers config class (Mistral's
+    window is 4096 and its key-value heads 8, not none and all heads), and a config with both v5's
+    `rope_parameters` and v4's `rope_scaling` scales RoPE by `rope_scaling`, as transformers reads it."""
+    transformers = pytest.importorskip("transformers")
+    raw = json.loads((checkpoint / "config.json").read_text())
+    bare = {k: v for k, v in raw.items() if k not in ("sliding_window", "num_key_value_heads")}
+    mistral = {**bare, "architectures": ["MistralForCausalLM"], "num_attention_heads": 8, "hidden_size": 64}
+    reference = transformers.MistralConfig(**mistral)
+    assert reference.sliding_window == 4096 and reference.num_key_value_heads == 8
+    with pytest.raises(ConfigError, match="sliding_window=4096"):
+        model_config_from_hf({**mistral, "max_position_embeddings": 8192}, name="m")
+    short = {**mistral, "max_position_embeddings": 4096}  # a window as long as the positions never slides
+    assert model_config_from_hf(short, name="m").num_kv_heads == transformers.MistralConfig(**short).num_key_value_heads
+    both = {
+        **raw,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    }
+    assert transformers.LlamaConfig(**both).rope_parameters["rope_type"] == "linear"
+    assert model_config_from_hf(both, name="m").rope_scaling == RopeScaling(kind="linear", factor=4.0)

@@ -253,6 +253,65 @@ def test_the_template_field_of_the_config_is_read_too(tmp_path: Path) -> None:
     assert ours.chat_template == CHATML and ours.special.tokens["bos_token"] == "<s>"
 
 
+ZEPHYR = (  # TinyLlama-Chat's template: text right after each special token
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+SENTENCEPIECE_TEXT = [*TEXT, "<|user|>\nHi there</s>\n<|assistant|>\nHello!</s>", "  two  spaces, \n a newline"]
+
+
+def save_llama_tokenizer(directory: Path, **config: Any) -> Any:
+    """A Llama 2 style tokenizer.json (BPE with byte fallback, SentencePiece's normalizer and decoder, a BOS
+    post-processor) trained on local text, with `tokenizer_class` LlamaTokenizer and the Zephyr template in
+    tokenizer_config.json (plus `config`); transformers' tokenizer of the files."""
+    from tokenizers import normalizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    backend = Backend(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=[*specials, *(f"<0x{i:02X}>" for i in range(256))])
+    backend.train_from_iterator(SENTENCEPIECE_TEXT, trainer)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    directory.mkdir()
+    backend.save(str(directory / "tokenizer.json"))
+    fields = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps({**fields, "chat_template": ZEPHYR, **config}))
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"legacy": False},
+        {"legacy": True},
+        {"add_prefix_space": False},
+        {"add_bos_token": True, "add_eos_token": True},
+    ],
+    ids=["plain", "legacy-false", "legacy-true", "no-prefix-space", "bos-eos-flags"],
+)
+def test_a_llama_tokenizer_is_rebuilt_as_transformers_rebuilds_it(tmp_path: Path, config: dict[str, Any]) -> None:
+    """transformers v5 rebuilds a `LlamaTokenizer`'s tokenizer.json (TinyLlama, Llama 2, Mistral v0.x): encode,
+    decode and the chat template's ids equal its, at text after a special token and at leading or doubled spaces
+    too (where the file's own normalizer would add a "▁")."""
+    theirs = save_llama_tokenizer(tmp_path / "llama", **config)
+    ours = load_tokenizer(tmp_path / "llama")
+    for text in [*SENTENCEPIECE_TEXT[-3:], " Hello  world", "Hi</s>there", "\nHello", "日本 🙂", ""]:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+    expected = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+    assert ours.encode_chat(chat) == expected
+
+
 def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
     """temperature and top_p of generation_config.json, as vLLM's server defaults a request to them; nothing
     without the file or the keys; a value out of range names the file and the key."""
