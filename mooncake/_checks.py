@@ -77,11 +77,11 @@ def require_str(name: str, value: Any, *, what: str = "string", empty: bool = Fa
     return value
 
 
-def int_at_least(minimum: int, *, error: type[Exception] = ConfigError) -> Any:
-    """An attrs validator: the field is an integer >= `minimum`."""
+def int_at_least(minimum: int, *, below: int | None = None, error: type[Exception] = ConfigError) -> Any:
+    """An attrs validator: the field is an integer >= `minimum` (and < `below`, if given)."""
 
     def check(_instance: object, attribute: Any, value: Any) -> None:
-        require_int(attribute.name, value, minimum=minimum, error=error)
+        require_int(attribute.name, value, minimum=minimum, below=below, error=error)
 
     return check
 

@@ -74,10 +74,10 @@ class Tier(enum.IntEnum):
 
 
 def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
-    """Tokens as a contiguous int32 array (no copy when they already are one).
+    """Tokens as a contiguous int32 array (no copy when they already are one): token ids, so non-negative.
 
     Raises:
-        InvalidRequestError: not a 1-D integer sequence, or a value outside int32.
+        InvalidRequestError: not a 1-D integer sequence, or a value outside [0, 2**31).
     """
     if isinstance(tokens, Iterator):  # a generator or iterator: its items, not a 0-d object
         tokens = list(tokens)
@@ -88,6 +88,8 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
         raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
     if array.dtype != np.int32 and array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
         raise InvalidRequestError(f"token ids must fit in int32, got range [{array.min()}, {array.max()}]")
+    if array.size and array.min() < 0:
+        raise InvalidRequestError(f"token ids must be >= 0, got {array.min()}")
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
@@ -110,8 +112,6 @@ def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
     if value is None:
         return None
     tokens = np.array(as_token_array(value))  # a private copy, so freezing it cannot surprise the caller
-    if tokens.size and tokens.min() < 0:
-        raise InvalidRequestError(f"token ids must be >= 0, got {tokens.min()}")
     tokens.flags.writeable = False
     return tokens
 

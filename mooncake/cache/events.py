@@ -34,10 +34,13 @@ def _source(_instance: object, attribute: attrs.Attribute[InstanceId], value: ob
 
 
 def parse_tier(value: Any) -> Tier:
-    """A tier, its value or its name ("DRAM"); ConfigError naming the tiers for anything else."""
+    """A tier, its value or its name ("DRAM"); ConfigError naming the tiers for anything else (a bool too: True
+    would read as tier 1)."""
     try:
+        if isinstance(value, bool):
+            raise ValueError(value)
         return Tier[value] if isinstance(value, str) else Tier(value)
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, TypeError):
         raise ConfigError(f"tier must be one of {', '.join(t.name for t in Tier)}, got {value!r}") from None
 
 

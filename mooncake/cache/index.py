@@ -54,7 +54,7 @@ import xxhash
 from mooncake._checks import require_int, require_str
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
-from mooncake.errors import InvalidRequestError, SequenceGapError
+from mooncake.errors import ConfigError, InvalidRequestError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["BlockIndex", "Holder", "IndexSnapshot", "PrefixMatch", "SourceSnapshot", "key_array"]
@@ -146,7 +146,10 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         if keys.dtype.kind in "iu" and (keys.size == 0 or keys.min() >= 0):
             return keys.astype(np.uint64)
         keys = keys.tolist()
-    values = keys if integers and isinstance(keys, tuple) else list(keys)
+    try:
+        values = keys if integers and isinstance(keys, tuple) else list(keys)
+    except TypeError:  # None, a number: no keys at all
+        raise InvalidRequestError(f"block keys must be a sequence of non-negative integers, got {keys!r}") from None
     try:
         array = np.array(values, dtype=np.uint64)
     except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers
@@ -329,6 +332,8 @@ class BlockIndex:
         require_str("source", source, what="instance id string")
         require_int("epoch", epoch, minimum=0)
         require_int("seq", seq, minimum=-1)  # NaN or a float would let any next event in without a gap check
+        if not isinstance(holdings, Mapping):
+            raise ConfigError(f"holdings must map tiers to the keys held there, got {holdings!r}")
         arrays = [(parse_tier(tier), key_array(keys)) for tier, keys in holdings.items()]
         state = self._reset_source(source, epoch=epoch, seq=seq)
         for tier, keys in arrays:

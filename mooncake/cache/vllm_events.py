@@ -17,9 +17,11 @@ is read (a hybrid model's other groups repeat the same prefixes).
 Sequencing. vLLM numbers batches 0, 1, 2, ... per process. The decoder turns
 batch ``seq`` into this library's events of one source, numbered one by one in
 its own epoch: a batch above the next expected one is a gap (nothing is applied;
-replay the missing batches, or `skip_to` to accept the loss); a batch below it
-means vLLM restarted, which starts a new, empty epoch. Each batch is applied
-whole or not at all.
+replay the missing batches, or `skip_to` to accept the loss); a batch below it is
+a redelivery when it is one the decoder applied (the same number and publisher
+timestamp, among the last `REDELIVERY_WINDOW`: vLLM delivers at least once, and a
+replay may overlap what came live), ignored, and otherwise means vLLM restarted,
+which starts a new, empty epoch. Each batch is applied whole or not at all.
 
 Writing. `VllmEventEncoder` turns this library's events into vLLM batches. vLLM
 events carry token ids, which this library's events do not, so the encoder needs
@@ -44,8 +46,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_int
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake._checks import require_bool, require_int, require_str
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.vllm_wire import (
     ExternalHash,
@@ -58,11 +60,12 @@ from mooncake.cache.vllm_wire import (
     decode_batch,
     encode_batch,
 )
-from mooncake.errors import UnknownBlockError, VllmEventError
+from mooncake.errors import ConfigError, UnknownBlockError, VllmEventError
 from mooncake.types import BlockKey, InstanceId, Tier, as_token_array
 
 __all__ = [
     "DEFAULT_MEDIUMS",
+    "REDELIVERY_WINDOW",
     "DEFAULT_TIERS",
     "VllmEventDecoder",
     "VllmEventEncoder",
@@ -73,6 +76,10 @@ DEFAULT_TIERS: Mapping[str | None, Tier] = {None: Tier.VRAM, "GPU": Tier.VRAM, "
 
 DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}
 """Tier → the medium the encoder writes."""
+
+REDELIVERY_WINDOW = 1 << 14
+"""How many applied batches (number → timestamp) a decoder remembers to tell a redelivery from a restart: more
+than vLLM's replay buffer holds (`buffer_steps`, 10,000 by default)."""
 
 _Change = tuple[type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared], tuple[BlockKey, ...], Tier]
 """What one vLLM event does to a source's holdings: the kind of event of ours, its keys, its tier."""
@@ -92,7 +99,9 @@ class VllmEventDecoder:
         max_retired_hashes: dropped hashes whose keys are kept, most recent first.
 
     Raises:
-        ConfigError: `epoch`, `kv_group` or `max_retired_hashes` is not an integer >= 0.
+        ConfigError: `epoch`, `kv_group` or `max_retired_hashes` is not an integer >= 0; `hasher` is no
+            `BlockHasher`, `source` no instance id string, `tiers` no map of mediums to tiers (or their names),
+            `strict` no bool.
 
     Not thread-safe. Invariants: see the module docstring; `check_invariants` verifies them.
     """
@@ -108,11 +117,15 @@ class VllmEventDecoder:
         strict: bool = True,
         max_retired_hashes: int = 1 << 16,
     ) -> None:
+        if not isinstance(hasher, BlockHasher):
+            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
         self.hasher = hasher
-        self.source = source
-        self.tiers = {medium: Tier(tier) for medium, tier in tiers.items()}
+        self.source = InstanceId(require_str("source", source, what="instance id string"))
+        if not isinstance(tiers, Mapping) or not all(isinstance(m, str | None) for m in tiers):
+            raise ConfigError(f"tiers must map vLLM mediums (strings, or None) to tiers, got {tiers!r}")
+        self.tiers = {medium: parse_tier(tier) for medium, tier in tiers.items()}
         self.kv_group = require_int("kv_group", kv_group, minimum=0)
-        self.strict = strict
+        self.strict = require_bool("strict", strict)
         self.max_retired_hashes = require_int("max_retired_hashes", max_retired_hashes, minimum=0)
         self.num_skipped = 0
         self._epoch = require_int("epoch", epoch, minimum=0)
@@ -123,6 +136,8 @@ class VllmEventDecoder:
         self._retired: OrderedDict[ExternalHash, None] = OrderedDict()
         self._lora_hashers: dict[str, BlockHasher] = {}
         self._undo: list[tuple[ExternalHash, BlockKey | None, int | None, bool]] | None = None
+        self._applied: OrderedDict[int, float] = OrderedDict()  # the last batches applied: seq → publisher's ts
+        self.num_redelivered = 0
 
     @property
     def epoch(self) -> int:
@@ -145,14 +160,16 @@ class VllmEventDecoder:
     def translate(self, batch: VllmEventBatch, *, seq: int) -> tuple[CacheEvent, ...] | SequenceGap:
         """This library's events for vLLM batch number `seq`.
 
-        Feed each batch once, in order; a batch below `expected_seq` is taken as
-        vLLM having restarted (its numbers start again at 0), so the decoder first
-        starts a new, empty epoch.
+        Batches come in order; a batch below `expected_seq` that the decoder applied
+        (the same number and timestamp) is a redelivery, ignored (no events; counted
+        in `num_redelivered`); any other batch below it is taken as vLLM having
+        restarted (its numbers start again at 0), so the decoder first starts a new,
+        empty epoch.
 
         Returns:
             The events, numbered on from the last ones (empty when nothing in the
-            batch concerns the index); or, for a batch above `expected_seq`, a
-            `SequenceGap` in vLLM batch numbers, with nothing applied.
+            batch concerns the index, or for a redelivery); or, for a batch above
+            `expected_seq`, a `SequenceGap` in vLLM batch numbers, with nothing applied.
 
         Raises:
             VllmEventError: a block size other than the hasher's, a block count that
@@ -162,6 +179,9 @@ class VllmEventDecoder:
         """
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         if seq < self._expected:
+            if self._applied.get(seq) == batch.ts:
+                self.num_redelivered += 1
+                return ()
             self.restart(epoch=self._epoch + 1)
         if seq > self._expected:
             return SequenceGap(
@@ -188,6 +208,9 @@ class VllmEventDecoder:
         )
         self._seq += len(events)
         self._expected = seq + 1
+        self._applied[seq] = batch.ts
+        if len(self._applied) > REDELIVERY_WINDOW:
+            self._applied.popitem(last=False)
         return events
 
     def skip_to(self, seq: int) -> None:
@@ -208,6 +231,7 @@ class VllmEventDecoder:
         self._seq = 0
         self._expected = 0
         self._keys, self._held, self._retired = {}, {}, OrderedDict()
+        self._applied.clear()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module docstring fails."""
@@ -349,8 +373,12 @@ class VllmEventEncoder:
     """
 
     def __init__(self, hasher: BlockHasher, *, mediums: Mapping[Tier, str] = DEFAULT_MEDIUMS) -> None:
+        if not isinstance(hasher, BlockHasher):
+            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
         self.hasher = hasher
-        self.mediums = {Tier(tier): medium for tier, medium in mediums.items()}
+        if not isinstance(mediums, Mapping) or not all(isinstance(m, str) for m in mediums.values()):
+            raise ConfigError(f"mediums must map tiers to vLLM medium strings, got {mediums!r}")
+        self.mediums = {parse_tier(tier): medium for tier, medium in mediums.items()}
         self._blocks: dict[BlockKey, _Block] = {}
 
     def __len__(self) -> int:

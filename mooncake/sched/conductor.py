@@ -396,10 +396,13 @@ class Conductor:
         wait could change (the TTFT estimate, the decode load) is not looked at.
 
         Raises:
-            InvalidRequestError: not a `Request`, or one keyed in other blocks than this Conductor's.
+            InvalidRequestError: not a `Request`, one keyed in other blocks than this Conductor's, or one already in
+                flight (what `schedule` refuses as invalid).
         """
         if not isinstance(request, Request):
             raise InvalidRequestError(f"lasting_refusal takes a mooncake.types.Request, got {type(request).__name__}")
+        if request.request_id in self._in_flight:
+            raise InvalidRequestError(f"request {request.request_id} is already scheduled")
         self._check_geometry(request)
         if not any(view.is_up for view in self._prefill_board):
             return Reason.NO_PREFILL_INSTANCE

@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 UNLIMITED = np.iinfo(np.int64).max // 4  # a limit nothing reaches (room for sums without overflow)
+_LIMIT_BOUND = UNLIMITED + 1  # 2**61: a limit may be as large as UNLIMITED, no larger
 
 
 def takes_slot(output_tokens: int) -> bool:
@@ -74,11 +75,17 @@ class DecodeLimits:
         kv_capacity_tokens: KV tokens its memory holds beside the weights.
         max_batch_size: requests decoding at once (None: as many as fit).
         max_context_tokens: prompt + output tokens one request may take (None: as many as fit).
+
+    Each is below 2**61 (`UNLIMITED` and under: what the compiled scan's int64 arrays hold with room for sums).
     """
 
-    kv_capacity_tokens: int = attrs.field(validator=int_at_least(0))
-    max_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
-    max_context_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+    kv_capacity_tokens: int = attrs.field(validator=int_at_least(0, below=_LIMIT_BOUND))
+    max_batch_size: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least(1, below=_LIMIT_BOUND))
+    )
+    max_context_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least(1, below=_LIMIT_BOUND))
+    )
 
 
 @attrs.frozen

@@ -39,7 +39,8 @@ from typing import Protocol
 
 import attrs
 
-from mooncake._checks import require_number
+from mooncake._checks import require_int, require_number
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import DecodeLoad, takes_slot
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 
@@ -174,8 +175,12 @@ class OutputLengthPredictor:
         require_number("step_s", self.step_s, minimum=0, strict=True)
 
     def observe(self, output_tokens: int) -> None:
-        """Record a finished request's output length."""
-        bisect.insort(self.lengths, output_tokens)
+        """Record a finished request's output length.
+
+        Raises:
+            InvalidRequestError: not an integer >= 0 (one would poison every later prediction), nothing recorded.
+        """
+        bisect.insort(self.lengths, require_int("output_tokens", output_tokens, minimum=0, error=InvalidRequestError))
 
     def survival(self, produced: float, horizon: float) -> float:
         """P(output > produced + horizon | output > produced) under the observed lengths."""

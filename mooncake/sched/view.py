@@ -407,6 +407,24 @@ def _finite_time(_instance: object, attribute: Any, value: Any) -> None:
 _count = int_at_least(0, error=InvalidRequestError)
 
 
+def _instance(_instance_obj: object, attribute: Any, value: Any) -> None:
+    """An event's instance: an id string (anything else could not be looked up, or would look up nothing)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{attribute.name} must be a non-empty instance id string, got {value!r}")
+
+
+def _request(_instance_obj: object, attribute: Any, value: Any) -> None:
+    """An event's request: an id string, as a `Request`'s."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{attribute.name} must be a request id string, got {value!r}")
+
+
+def _reason(_instance: object, attribute: Any, value: Any) -> None:
+    """A rejection's or abort's reason: a `Reason` (a string would reach the request's end as it is)."""
+    if not isinstance(value, Reason):
+        raise InvalidRequestError(f"{attribute.name} must be a mooncake.sched.Reason, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class PrefillBacklog:
     """Work a prefill instance has that the Conductor did not route (another client of a shared server,
@@ -414,7 +432,7 @@ class PrefillBacklog:
     until `until_s`, and requests routed to it from now on start after it (those already queued keep
     their times). A later report replaces an earlier one; `until_s` <= `now` clears it."""
 
-    instance_id: InstanceId
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
     until_s: float = attrs.field(validator=_finite_time)
 
@@ -423,8 +441,8 @@ class PrefillBacklog:
 class PrefillStarted:
     """The routed prefill instance started the request's prefill."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
 
 
@@ -432,8 +450,8 @@ class PrefillStarted:
 class PrefillFinished:
     """The request's prefill is done: it leaves the prefill queue, its KV is on its way to the decode instance."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
 
 
@@ -442,8 +460,8 @@ class PrefilledInline:
     """A request was prefilled inside its decode instance's batch (`instance_id`): it leaves the
     prefill queue it was routed to without running there, and its KV is already where it decodes."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
 
 
@@ -453,8 +471,8 @@ class DecodeJoined:
     `output_tokens` in all (its output length, a server's `max_tokens`; the prefill's first token included), as
     its reservation says: the Conductor accounts the reservation and reads these only where there is none."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
     context_tokens: int = attrs.field(validator=_count)
     output_tokens: int = attrs.field(validator=_count)
@@ -464,8 +482,8 @@ class DecodeJoined:
 class DecodeFinished:
     """A request finished decoding; `generated_tokens` (if known) teaches output-length predictors."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
     generated_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count))
 
@@ -474,10 +492,10 @@ class DecodeFinished:
 class RequestRejected:
     """The decode instance refused a prefilled request it was routed to (its own check of the decode rule)."""
 
-    request_id: RequestId
-    instance_id: InstanceId
+    request_id: RequestId = attrs.field(validator=_request)
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
-    reason: Reason = Reason.DECODE_REJECTED
+    reason: Reason = attrs.field(default=Reason.DECODE_REJECTED, validator=_reason)
 
 
 @attrs.frozen(kw_only=True)
@@ -485,16 +503,16 @@ class RequestAborted:
     """A request ended before completing for a reason no scheduling decision gave: its client left,
     its deadline passed, an engine failed."""
 
-    request_id: RequestId
+    request_id: RequestId = attrs.field(validator=_request)
     now: float = attrs.field(validator=_finite_time)
-    reason: Reason = Reason.FAILED
+    reason: Reason = attrs.field(default=Reason.FAILED, validator=_reason)
 
 
 @attrs.frozen(kw_only=True)
 class InstanceDown:
     """An instance stopped answering: it gets no new requests, what it held is aborted, its cache leaves the index."""
 
-    instance_id: InstanceId
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
 
 
@@ -502,7 +520,7 @@ class InstanceDown:
 class InstanceUp:
     """An instance that was down serves again."""
 
-    instance_id: InstanceId
+    instance_id: InstanceId = attrs.field(validator=_instance)
     now: float = attrs.field(validator=_finite_time)
 
 

@@ -27,7 +27,8 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 
 Invariants: the line is in the order requests joined it; a request's deadline is at most `max_wait_s` and the TTFT
 objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
-decision is handed back once; with `max_wait_s` 0 nothing waits.
+decision is handed back once, even when a later try in the same `pump` raises (the decisions made before it
+come with the next `pump`); no two waiting requests share a request id; with `max_wait_s` 0 nothing waits.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import room_wait_deadline
 from mooncake.sched.conductor import ScheduleDecision
 from mooncake.sched.outcome import Reason
-from mooncake.types import Request, Slo
+from mooncake.types import Request, RequestId, Slo
 
 __all__ = ["AdmissionQueue", "Scheduler"]
 
@@ -77,6 +78,9 @@ class _Entry(Generic[T]):
 class AdmissionQueue(Generic[T]):
     """Requests waiting for decode room, each with its caller's `item` (handed back with its decision).
 
+    Items are told apart by identity, not equality (`remove` and `deadline` take the very object `arrive` was
+    given): a caller's record of a request need be neither hashable nor unique in value.
+
     Args:
         scheduler: decides on a request (the Conductor); its TTFT objective also bounds a wait
             (`room_wait_deadline`), so the two cannot disagree.
@@ -92,6 +96,8 @@ class AdmissionQueue(Generic[T]):
         self._line: collections.deque[_Entry[T]] = collections.deque()  # the order they joined; left entries linger
         self._deadlines: list[tuple[float, int, int, _Entry[T]]] = []  # a heap (deadline, seq, row); stale rows linger
         self._entries: dict[int, _Entry[T]] = {}  # id(item) → its entry, while it waits
+        self._request_ids: set[RequestId] = set()  # of the requests waiting
+        self._undelivered: list[tuple[T, ScheduleDecision]] = []  # decided by a pump that then raised
         self._seq = itertools.count()
         self._rows = itertools.count()  # ties an entry's rows apart (a deadline may come back to a value)
 
@@ -106,10 +112,13 @@ class AdmissionQueue(Generic[T]):
         """A request arrives: its decision, or None while it waits in line.
 
         Raises:
-            InvalidRequestError: `item` already waits.
+            InvalidRequestError: `item`, or a request with this id, already waits; or the scheduler refuses the
+                request as invalid (one already in flight, say), nothing changed.
         """
         if id(item) in self._entries:
             raise InvalidRequestError(f"{item!r} already waits for room")
+        if request.request_id in self._request_ids:
+            raise InvalidRequestError(f"request {request.request_id} already waits for room")
         if self._entries:  # behind those already waiting, untried, unless no wait could help it
             reason = self.scheduler.lasting_refusal(request)
             if reason is not None:
@@ -125,23 +134,33 @@ class AdmissionQueue(Generic[T]):
 
     def pump(self, now: float) -> list[tuple[T, ScheduleDecision]]:
         """Room may have appeared, or a deadline come: try the line (the module's discipline); the decisions of
-        those that left it, in the order they were made."""
-        decided: list[tuple[T, ScheduleDecision]] = []
-        while self._entries:
-            head = self._head()
-            decision = self._try(head.request, now)
-            if self._keeps_place(head, decision, now):
-                break
-            self._leave(head)
-            decided.append((head.item, decision))
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, _, entry = heapq.heappop(self._deadlines)
-            if not entry.waiting or deadline != entry.deadline_s:
-                continue  # it left, or a try moved its deadline (a newer row stands for it)
-            # Behind the head, so never tried before: its deadline is the most any wait may be, which no estimate
-            # can extend. Its one try gives its decision a reason.
-            decided.append((entry.item, self._try(entry.request, now)))
-            self._leave(entry)
+        those that left it, in the order they were made.
+
+        Raises:
+            whatever the scheduler raises for a request (one scheduled meanwhile by another caller, say): that
+                request leaves the line undecided, and the decisions made before it come with the next `pump`.
+        """
+        decided, self._undelivered = self._undelivered, []
+        try:
+            while self._entries:
+                head = self._head()
+                decision = self._try_in_line(head, now)
+                if self._keeps_place(head, decision, now):
+                    break
+                self._leave(head)
+                decided.append((head.item, decision))
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, _, _, entry = heapq.heappop(self._deadlines)
+                if not entry.waiting or deadline != entry.deadline_s:
+                    continue  # it left, or a try moved its deadline (a newer row stands for it)
+                # Behind the head, so never tried before: its deadline is the most any wait may be, which no
+                # estimate can extend. Its one try gives its decision a reason.
+                decision = self._try_in_line(entry, now)
+                self._leave(entry)
+                decided.append((entry.item, decision))
+        except BaseException:
+            self._undelivered = decided  # each decision is handed back once: by the next pump
+            raise
         return decided
 
     def remove(self, item: T) -> bool:
@@ -161,6 +180,7 @@ class AdmissionQueue(Generic[T]):
         self._line.clear()
         self._deadlines.clear()
         self._entries.clear()
+        self._request_ids.clear()
         return items
 
     def next_deadline(self) -> float:
@@ -188,6 +208,14 @@ class AdmissionQueue(Generic[T]):
     def _try(self, request: Request, now: float) -> ScheduleDecision:
         return self.scheduler.schedule(request, now, waited_s=max(0.0, now - request.arrival_s))
 
+    def _try_in_line(self, entry: _Entry[T], now: float) -> ScheduleDecision:
+        """`_try` of a waiting entry; one the scheduler raises for leaves the line (no wait would change that)."""
+        try:
+            return self._try(entry.request, now)
+        except BaseException:
+            self._leave(entry)
+            raise
+
     def _deadline(self, request: Request, decision: ScheduleDecision) -> float:
         if decision.accepted:
             return -math.inf
@@ -214,6 +242,7 @@ class AdmissionQueue(Generic[T]):
         entry = _Entry(item, request, deadline, next(self._seq))
         self._line.append(entry)
         self._entries[id(item)] = entry
+        self._request_ids.add(request.request_id)
         self._push(entry)
 
     def _push(self, entry: _Entry[T]) -> None:
@@ -227,6 +256,7 @@ class AdmissionQueue(Generic[T]):
     def _leave(self, entry: _Entry[T]) -> None:
         entry.waiting = False
         del self._entries[id(entry.item)]
+        self._request_ids.discard(entry.request.request_id)
         if not self._entries:
             self._line.clear()
             self._deadlines.clear()

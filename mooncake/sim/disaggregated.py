@@ -49,6 +49,7 @@ import attrs
 
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -144,6 +145,9 @@ def replay(
     """
     if decode_s is None and predictor is None:
         requests = list(requests)
+        bad = next((r for r in requests if not isinstance(r, Request)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(bad).__name__}")
         decode_s = uniform_decode_s((r.output_length for r in requests), (slo or Slo()).tbt_s)
     conductor = build_conductor(
         spec, router=router, admission=admission, slo=slo, decode_s=decode_s, predictor=predictor, seed=seed

@@ -26,6 +26,7 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.types import InstanceId, RequestId, Slo
 
@@ -188,7 +189,7 @@ class RecordTable(Sequence[RequestRecord]):
     or a `RequestRecord` rebuilt from the columns. With `keep_intervals=False` a
     sealed record's intervals are not kept (its TBT is).
 
-    Invariants: every row is either live or sealed; columns have one entry per row.
+    Invariants: every row is either live or sealed; columns have one entry per row; request ids are unique.
     """
 
     def __init__(self, *, keep_intervals: bool = True) -> None:
@@ -196,6 +197,7 @@ class RecordTable(Sequence[RequestRecord]):
         self._live: dict[int, RequestRecord] = {}  # row → record, while its request is in flight
         self._row_of: dict[int, int] = {}  # id(live record) → row
         self._request_ids: list[RequestId] = []
+        self._seen: set[RequestId] = set()
         self._floats = {name: array.array("d") for name in _FLOAT_FIELDS}
         self._ints = {name: array.array("q") for name in _INT_FIELDS}
         self._codes = {name: array.array("i") for name in _CODE_FIELDS}
@@ -213,7 +215,15 @@ class RecordTable(Sequence[RequestRecord]):
         return table
 
     def add(self, record: RequestRecord) -> None:
-        """Append a live record (its request has just arrived)."""
+        """Append a live record (its request has just arrived).
+
+        Raises:
+            InvalidRequestError: a record of this request id is in the table already (a workload's ids are unique:
+                every outcome is counted by them).
+        """
+        if record.request_id in self._seen:
+            raise InvalidRequestError(f"request id {record.request_id!r} appears twice in the workload")
+        self._seen.add(record.request_id)
         row = len(self._request_ids)
         self._request_ids.append(record.request_id)
         for column in self._columns:

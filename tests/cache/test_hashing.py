@@ -272,9 +272,9 @@ def test_invalid_config_names_the_field(field: str, value: object) -> None:
     assert repr(value) in str(caught.value)
 
 
-@pytest.mark.parametrize("tokens", [[[1, 2]], [2**31], [-(2**31) - 1], ["a"], [1.5]])
+@pytest.mark.parametrize("tokens", [[[1, 2]], [2**31], [-(2**31) - 1], ["a"], [1.5], [-1, 2], np.array([3, -1])])
 def test_invalid_tokens_are_rejected(tokens: object) -> None:
-    """Tokens must be a 1-D integer sequence fitting int32."""
+    """Tokens must be a 1-D integer sequence of token ids: in [0, 2**31), as a `Request`'s are."""
     with pytest.raises(InvalidRequestError):
         hasher().block_keys(tokens)
 

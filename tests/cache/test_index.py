@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mooncake.cache._compiled import compiled_path, numba_available
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, Holder, key_array
-from mooncake.errors import ConfigError, MooncakeError, SequenceGapError
+from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, SequenceGapError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.reference.index import ReferenceIndex
 from tests.strategies import block_keys, cache_event_sequences, instance_ids, tiers
@@ -445,6 +445,7 @@ def test_resync_of_a_never_seen_source() -> None:
         (A, {Tier.VRAM: [K[1]]}, 0, -2, "seq"),
         (A, {9: [K[1]]}, 0, 0, "tier must be one of"),
         ("", {Tier.VRAM: [K[1]]}, 0, 0, "source"),
+        (A, [K[1], K[2]], 0, 0, "holdings must map tiers"),
     ],
 )
 def test_resync_with_bad_arguments_is_refused_and_changes_nothing(
@@ -456,6 +457,13 @@ def test_resync_with_bad_arguments_is_refused_and_changes_nothing(
         index.resync(source, holdings, epoch=epoch, seq=seq)  # type: ignore[arg-type]
     assert dict(index.match([K[2]]).lengths) == {A: 1} and index.num_blocks(A) == 1
     assert apply(index, stored(A, 5, [3], epoch=1)) is None
+
+
+@pytest.mark.parametrize("keys", [None, 5, object()])
+def test_a_match_of_no_keys_at_all_is_an_invalid_request(keys: object) -> None:
+    """Keys that are no sequence (None, a number) are an InvalidRequestError saying so, not a TypeError."""
+    with pytest.raises(InvalidRequestError, match="block keys must be a sequence"):
+        build([stored(A, 0, [1])]).match(keys)  # type: ignore[arg-type]
 
 
 def test_remove_instance_forgets_holdings_and_sequence() -> None:

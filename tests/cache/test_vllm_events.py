@@ -338,6 +338,32 @@ def test_decoder_options_are_checked(option: str) -> None:
         decoder().decode(payload([]), seq=-1)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"hasher": None}, "hasher must be"),
+        ({"source": None}, "source must be"),
+        ({"source": ""}, "source must be"),
+        ({"tiers": {"GPU": "HBM"}}, "tier must be one of"),
+        ({"tiers": {"GPU": True}}, "tier must be one of"),
+        ({"tiers": {3: Tier.VRAM}}, "tiers must map"),
+        ({"strict": "no"}, "strict must be True or False"),
+    ],
+)
+def test_decoder_arguments_are_checked_when_it_is_made(arguments: dict[str, Any], named: str) -> None:
+    """A decoder made with no hasher, no source id, a medium mapped to no tier or a strictness that is no bool is a
+    ConfigError naming it, before anything is decoded; tiers may be named ("DRAM"), as events name them."""
+    with pytest.raises(ConfigError, match=named):
+        VllmEventDecoder(**{"hasher": HASHER, "source": SOURCE, **arguments})
+    assert VllmEventDecoder(HASHER, SOURCE, tiers={"GPU": "VRAM", "CPU": "DRAM"}).tiers["CPU"] is Tier.DRAM
+    with pytest.raises(ConfigError, match="mediums must map"):
+        VllmEventEncoder(HASHER, mediums={Tier.VRAM: 1})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="tier must be one of"):
+        VllmEventEncoder(HASHER, mediums={"HBM": "GPU"})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="tier must be one of"):  # True is no tier, though it equals 1
+        BlockStored(source=SOURCE, seq=0, keys=(BlockKey(1),), tier=True)  # type: ignore[arg-type]
+
+
 def test_removed_hashes_translate_and_retire() -> None:
     """BlockRemoved carries hashes only: the decoder names their keys, per tier; a hash held in no tier
     is retired (still translated, so a child stored after its parent's eviction finds it)."""
@@ -379,7 +405,8 @@ def test_all_blocks_cleared_translates_and_keeps_translations() -> None:
 
 def test_gaps_replays_restarts_and_skips() -> None:
     """A batch above the expected one is a gap (nothing applied); feeding the missing one first works;
-    a lower number is a restart (new epoch, empty); skip_to accepts a loss (new epoch, translations kept)."""
+    a lower number with another timestamp is a restart (new epoch, empty); skip_to accepts a loss (new epoch,
+    translations kept)."""
     d = decoder(epoch=7)
     first, second = payload([stored_wire([1], None, [1, 2, 3, 4])]), payload([stored_wire([2], 1, [5, 6, 7, 8])])
     gap = d.decode(second, seq=1)
@@ -388,7 +415,7 @@ def test_gaps_replays_restarts_and_skips() -> None:
     assert decoded(d.decode(second, seq=1))[0].seq == 1
     assert d.expected_seq == 2
     assert decoded(d.decode(payload([]), seq=2)) == ()  # an empty batch still counts
-    restarted = decoded(d.decode(first, seq=0))
+    restarted = decoded(d.decode(payload([stored_wire([1], None, [1, 2, 3, 4])], ts=9.0), seq=0))  # a new process
     assert (d.epoch, restarted[0].epoch, restarted[0].seq) == (8, 8, 0)
     assert d.key_of(2) is None
     d.skip_to(10)
@@ -398,6 +425,27 @@ def test_gaps_replays_restarts_and_skips() -> None:
     )
 
 
+def test_a_redelivered_batch_is_ignored_not_taken_for_a_restart() -> None:
+    """vLLM delivers at least once, and a replay may overlap what came live: a batch the decoder applied, fed again
+    (the same number and timestamp), gives no events and changes nothing (counted in `num_redelivered`); the next
+    batch then applies as if it had not come, and the translations stand."""
+    d, index = decoder(), BlockIndex()
+    batches = [
+        payload([stored_wire([1], None, [1, 2, 3, 4])], ts=1.0),
+        payload([stored_wire([2], 1, [5, 6, 7, 8])], ts=2.0),
+        payload([stored_wire([3], 2, [9, 9, 9, 9])], ts=3.0),
+    ]
+    for seq in (0, 1):
+        for event in decoded(d.decode(batches[seq], seq=seq)):
+            assert index.apply(event) is None
+    assert decoded(d.decode(batches[1], seq=1)) == () and decoded(d.decode(batches[0], seq=0)) == ()
+    assert (d.num_redelivered, d.epoch, d.expected_seq) == (2, 0, 2)
+    third = decoded(d.decode(batches[2], seq=2))
+    assert third[0].seq == 2 and all(index.apply(event) is None for event in third)
+    assert index.match(HASHER.block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9])).length(SOURCE) == 3
+    d.check_invariants()
+
+
 def test_an_index_follows_restarts_and_skips() -> None:
     """Fed the decoder's events, a BlockIndex drops a source's holdings when vLLM restarts or events are lost."""
     d, index = decoder(), BlockIndex()
@@ -405,7 +453,7 @@ def test_an_index_follows_restarts_and_skips() -> None:
     for event in decoded(d.decode(payload([stored_wire([1], None, [1, 2, 3, 4])]), seq=0)):
         assert index.apply(event) is None
     assert index.match(keys).length(SOURCE) == 1
-    for event in decoded(d.decode(payload([stored_wire([9], None, [4, 4, 4, 4])]), seq=0)):  # restarted
+    for event in decoded(d.decode(payload([stored_wire([9], None, [4, 4, 4, 4])], ts=9.0), seq=0)):  # restarted
         assert index.apply(event) is None
     assert index.match(keys).length(SOURCE) == 0
     d.skip_to(5)

@@ -639,6 +639,8 @@ def test_a_lasting_refusal_is_what_no_wait_could_change_and_changes_nothing() ->
     huge = request("huge", list(range(200, 240)), output=10)  # 10,240 + 10 tokens of KV, past 10,000
     assert conductor.lasting_refusal(huge) is Reason.CONTEXT_TOO_LONG
     assert conductor.in_flight == (RequestId("filler-0"), RequestId("filler-1"))
+    with pytest.raises(InvalidRequestError, match="already scheduled"):  # what schedule refuses, it refuses too
+        conductor.lasting_refusal(request("filler-0", [1]))
     for instance in DECODE_IDS:
         conductor.handle(InstanceDown(instance_id=instance, now=0.0))
     assert conductor.lasting_refusal(waiting) is Reason.NO_DECODE_INSTANCE
@@ -699,6 +701,42 @@ def test_negative_token_counts_in_events_are_refused() -> None:
         DecodeJoined(request_id=RequestId("r"), instance_id=D0, now=0.0, context_tokens=10, output_tokens=-5)
     with pytest.raises(InvalidRequestError, match="generated_tokens"):
         DecodeFinished(request_id=RequestId("r"), instance_id=D0, now=0.0, generated_tokens=-50)
+
+
+@pytest.mark.parametrize(("instance", "request_id"), [(["x"], "r"), ("", "r"), (None, "r"), ("prefill-0", ["r"])])
+def test_an_event_naming_no_instance_or_request_id_is_refused_when_made(instance: object, request_id: object) -> None:
+    """An event's instance and request are id strings: a list (unhashable), an empty or a missing one is an
+    InvalidRequestError naming the field when the event is made, never a TypeError inside the Conductor."""
+    with pytest.raises(InvalidRequestError, match=r"instance_id|request_id"):
+        PrefillStarted(request_id=request_id, instance_id=instance, now=0.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reason", [None, "batch_full", 3])
+def test_an_end_without_a_reason_of_the_vocabulary_is_refused_before_anything_ends(reason: object) -> None:
+    """An abort or a decode rejection must name a `Reason`: one without is refused when the event is made, so the
+    request it names is still in flight, and a proper event ends it once."""
+    conductor = make_conductor()
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    with pytest.raises(InvalidRequestError, match=r"reason must be a mooncake\.sched\.Reason"):
+        RequestAborted(request_id=decision.request_id, now=1.0, reason=reason)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"reason must be a mooncake\.sched\.Reason"):
+        RequestRejected(request_id=decision.request_id, instance_id=D0, now=1.0, reason=reason)  # type: ignore[arg-type]
+    assert conductor.in_flight == (decision.request_id,)
+    ends = conductor.handle(RequestAborted(request_id=decision.request_id, now=1.0, reason=Reason.CLIENT_GONE))
+    assert [end.reason for end in ends] == [Reason.CLIENT_GONE] and conductor.in_flight == ()
+
+
+@pytest.mark.parametrize("field", ["kv_capacity_tokens", "max_batch_size", "max_context_tokens"])
+def test_a_limit_past_what_the_scan_holds_is_refused_and_adds_nothing(field: str) -> None:
+    """A decode limit of 2**61 or more (past the compiled scan's int64 room) is a ConfigError naming it, made
+    with the limits, before any instance is added; the largest allowed, 2**61 - 1, is taken."""
+    with pytest.raises(ConfigError, match=rf"{field} must be an integer in \[\d, 2\*\*61\), got {2**64}"):
+        DecodeLimits(**{"kv_capacity_tokens": 1000, field: 2**64})
+    conductor = make_conductor()
+    conductor.add_decode_instance(
+        InstanceId("decode-big"), DecodeLimits(**{"kv_capacity_tokens": 1000, field: 2**61 - 1})
+    )
+    assert placement(conductor.schedule(request("r", DOC), 0.0))[1] in (*DECODE_IDS, InstanceId("decode-big"))
 
 
 def test_events_from_unknown_or_wrong_instances_are_refused() -> None:

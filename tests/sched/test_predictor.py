@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
     DEFAULT_DECODE_S,
@@ -85,6 +85,17 @@ def test_uniform_now_is_the_current_batch_when_young() -> None:
     predictor = UniformDecodePredictor(decode_s=4.0)
     batch = [active(str(i), 10.0 - i, 10 * i) for i in range(8)]  # ages 0..7 s
     assert predictor.predict(batch, [], now=10.0, at_s=10.0) == DecodeLoad(4, 0 + 10 + 20 + 30, 4060)
+
+
+@pytest.mark.parametrize("bad", ["x", -1, 1.5, None])
+def test_an_output_length_that_is_no_count_is_refused_and_learned_from_nothing(bad: object) -> None:
+    """`observe` takes a count of tokens: anything else is an InvalidRequestError, and the predictor goes on as if
+    it had not come (one bad length used to break every later prediction)."""
+    predictor = OutputLengthPredictor(step_s=1.0, lengths=[10, 20])
+    with pytest.raises(InvalidRequestError, match="output_tokens"):
+        predictor.observe(bad)  # type: ignore[arg-type]
+    predictor.observe(30)
+    assert predictor.lengths == [10, 20, 30] and predictor.survival(15.0, 1.0) == 1.0
 
 
 def test_uniform_requires_positive_decode_time() -> None:

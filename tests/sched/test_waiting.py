@@ -327,9 +327,36 @@ def test_an_item_waits_once() -> None:
     assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
     with pytest.raises(InvalidRequestError, match="already waits"):
         queue.arrive("a", request(2, 0.0, 1, 10), 0.0)
+    with pytest.raises(InvalidRequestError, match="request r1 already waits"):  # another item, the same request id
+        queue.arrive("b", request(1, 0.0, 1, 10), 0.0)
     with pytest.raises(InvalidRequestError, match="does not wait"):
         queue.deadline("b")
     assert queue.clear() == ["a"] and len(queue) == 0 and not queue.remove("a")
+    assert queue.arrive("b", request(1, 0.0, 1, 10), 0.0) is None  # its id free again
+
+
+def test_a_decision_made_before_a_try_that_raises_comes_with_the_next_pump() -> None:
+    """A try the scheduler raises for (its request scheduled meanwhile by another caller, say) takes that request
+    out of the line and propagates; the decisions the same pump made before it are not lost: the next pump hands
+    them back first, once."""
+
+    @attrs.define
+    class Raising(FakeConductor):
+        def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+            if req.request_id == RequestId("r2") and now > 0:
+                raise InvalidRequestError("request r2 is already scheduled")
+            return super().schedule(req, now, waited_s=waited_s)
+
+    conductor = Raising(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    for n, name in ((1, "a"), (2, "b"), (3, "c")):
+        assert queue.arrive(name, request(n, 0.0, 1, 10), 0.0) is None
+    conductor.free = 3
+    with pytest.raises(InvalidRequestError, match="r2"):
+        queue.pump(1.0)
+    assert list(queue) == ["c"]  # "b" left with its error; "c" still waits
+    assert [(item, d.accepted) for item, d in queue.pump(1.0)] == [("a", True), ("c", True)]
+    assert queue.pump(1.0) == []
 
 
 @settings(max_examples=60, deadline=None)

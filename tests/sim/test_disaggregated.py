@@ -707,7 +707,8 @@ def test_nobody_overtakes_a_request_waiting_for_room() -> None:
 
 def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
     """A workload iterator replayed twice (generate_requests' is one): the second replay is an error saying so,
-    not an empty result; an item that is not a Request is an InvalidRequestError naming its type."""
+    not an empty result; an item that is not a Request is an InvalidRequestError naming its type; so is a request
+    id given twice, in either simulator (outcomes are counted by id)."""
     from mooncake.errors import InvalidRequestError
     from mooncake.workload import PRESETS, generate_requests
 
@@ -718,6 +719,17 @@ def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
         replay(spec, workload, decode_s=5.0)
     with pytest.raises(InvalidRequestError, match="got dict"):
         replay(spec, [{"arrival_s": 0.0}], decode_s=5.0)  # type: ignore[list-item]
+    with pytest.raises(InvalidRequestError, match="got int"):  # without decode_s: read for the workload's t_d
+        replay(spec, [1, 2])  # type: ignore[list-item]
+    requests = list(generate_requests(PRESETS["synthetic"], num_requests=5))
+    twice = [*requests, attrs.evolve(requests[-1], request_id=requests[0].request_id, arrival_s=1e6)]
+    with pytest.raises(InvalidRequestError, match="request id '0' appears twice"):  # its first has long ended
+        replay(spec, twice, decode_s=5.0)
+    from mooncake.sim import CoupledCluster, CoupledSpec
+
+    coupled = CoupledCluster(CoupledSpec(num_instances=1, model=spec.model, hardware=spec.prefill_hardware))
+    with pytest.raises(InvalidRequestError, match="appears twice"):
+        coupled.run(twice)
 
 
 def test_replay_predicts_with_the_workloads_decode_time_unless_told() -> None:
