@@ -246,6 +246,23 @@ class Conductor:
         self._incoming[instance_id] = {}
         self._coupled.add(instance_id)
 
+    def set_decode_limits(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
+        """What decode (or coupled) instance `instance_id` holds from now on: a server restarted with another batch
+        size or memory budget (vLLM's `--max-num-seqs`, `--gpu-memory-utilization`). What it already holds or was
+        promised stays; new requests are checked against `limits`.
+
+        Raises:
+            ConfigError: `limits` is no `DecodeLimits`.
+            UnknownInstanceError: no decode instance has that id.
+        """
+        if not isinstance(limits, DecodeLimits):
+            raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+        view = self._decode.get(instance_id)
+        if view is None:
+            raise UnknownInstanceError(f"no decode instance {instance_id!r}")
+        view.limits = limits
+        self._decode_board.refresh(self._decode_board.slot[instance_id])
+
     @property
     def prefill_views(self) -> tuple[PrefillView, ...]:
         return self._prefill_board.views

@@ -726,6 +726,27 @@ def test_an_end_without_a_reason_of_the_vocabulary_is_refused_before_anything_en
     assert [end.reason for end in ends] == [Reason.CLIENT_GONE] and conductor.in_flight == ()
 
 
+def test_new_decode_limits_apply_to_new_requests_and_keep_what_was_promised() -> None:
+    """`set_decode_limits` (a server restarted with another batch size): a request the new limits leave no room
+    for is refused for that bound, one they make room for is accepted; what the instance already held stays in
+    flight; an unknown instance or limits that are no DecodeLimits are refused, changing nothing."""
+    conductor = make_conductor(admission="early_rejection", max_batch_size=1)
+    for i, instance in enumerate(DECODE_IDS):
+        assert placement(conductor.schedule(request(f"filler-{i}", [10 * i + 1]), 0.0))[1] == instance
+    assert conductor.schedule(request("waits", [50]), 0.0).reason is Reason.BATCH_FULL
+    conductor.set_decode_limits(DECODE_IDS[0], DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=2))
+    assert placement(conductor.schedule(request("fits-now", [60]), 0.0))[1] == DECODE_IDS[0]
+    conductor.set_decode_limits(DECODE_IDS[0], DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1))
+    assert conductor.schedule(request("full-again", [70]), 0.0).reason is Reason.BATCH_FULL
+    assert set(conductor.in_flight) == {RequestId("filler-0"), RequestId("filler-1"), RequestId("fits-now")}
+    conductor.check_invariants()
+    with pytest.raises(UnknownInstanceError, match="no decode instance"):
+        conductor.set_decode_limits(InstanceId("nowhere"), DecodeLimits(kv_capacity_tokens=1))
+    with pytest.raises(ConfigError, match="DecodeLimits"):
+        conductor.set_decode_limits(DECODE_IDS[0], {"kv_capacity_tokens": 1})  # type: ignore[arg-type]
+    assert conductor.decode_views[0].limits.max_batch_size == 1
+
+
 @pytest.mark.parametrize("field", ["kv_capacity_tokens", "max_batch_size", "max_context_tokens"])
 def test_a_limit_past_what_the_scan_holds_is_refused_and_adds_nothing(field: str) -> None:
     """A decode limit of 2**61 or more (past the compiled scan's int64 room) is a ConfigError naming it, made
