@@ -30,6 +30,7 @@ __all__ = [
     "Slo",
     "Tier",
     "as_token_array",
+    "check_request_id",
     "check_token_count",
     "key_tuple",
 ]
@@ -93,6 +94,18 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def check_request_id(name: str, value: object) -> None:
+    """A request id: a non-empty string; an integer passes too (the example gateway numbers its requests as its
+    wire does). A `Request` and every scheduler event naming one check it so.
+
+    Raises:
+        InvalidRequestError: naming `name` and the value.
+    """
+    ok = bool(value) if isinstance(value, str) else isinstance(value, int) and not isinstance(value, bool)
+    if not ok:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+
+
 def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
     """`keys` as a tuple of non-negative Python ints (the converter of key fields).
 
@@ -153,10 +166,7 @@ class Request:
 
     @request_id.validator
     def _check_id(self, _attribute: object, value: RequestId) -> None:
-        # A string; an integer passes too (the example gateway numbers its requests as its wire does).
-        ok = bool(value) if isinstance(value, str) else isinstance(value, int) and not isinstance(value, bool)
-        if not ok:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {value!r}")
+        check_request_id("request_id", value)
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:

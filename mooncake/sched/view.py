@@ -38,7 +38,7 @@ from mooncake._checks import int_at_least, require_number
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, takes_slot
 from mooncake.sched.outcome import Reason
-from mooncake.types import InstanceId, RequestId
+from mooncake.types import InstanceId, RequestId, check_request_id
 
 __all__ = [
     "ActiveDecode",
@@ -414,9 +414,8 @@ def _instance(_instance_obj: object, attribute: Any, value: Any) -> None:
 
 
 def _request(_instance_obj: object, attribute: Any, value: Any) -> None:
-    """An event's request: an id string, as a `Request`'s."""
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{attribute.name} must be a request id string, got {value!r}")
+    """An event's request: an id as a `Request`'s (`types.check_request_id`)."""
+    check_request_id(attribute.name, value)
 
 
 def _reason(_instance: object, attribute: Any, value: Any) -> None:
