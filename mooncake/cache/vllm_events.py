@@ -65,8 +65,8 @@ from mooncake.types import BlockKey, InstanceId, Tier, as_token_array
 
 __all__ = [
     "DEFAULT_MEDIUMS",
-    "REDELIVERY_WINDOW",
     "DEFAULT_TIERS",
+    "REDELIVERY_WINDOW",
     "VllmEventDecoder",
     "VllmEventEncoder",
 ]
