@@ -81,17 +81,23 @@ def make_checkpoint(directory: Path, *, seed: int) -> tuple[Any, Any]:
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), tokenizer
 
 
-def hf_answer(model: Any, tokenizer: Any, prompt: str) -> tuple[str, int, int, str]:
-    """transformers' greedy answer: (text without special tokens, prompt tokens, completion tokens, finish)."""
-    ids = tokenizer(prompt).input_ids
+def hf_generate(model: Any, ids: list[int], **options: Any) -> list[int]:
+    """transformers' greedy `generate` of at most MAX_TOKENS after `ids` (with `options`): the new tokens."""
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             max_new_tokens=MAX_TOKENS,
             do_sample=False,
+            **options,
         )
-    new = [int(t) for t in out[0, len(ids) :]]
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def hf_answer(model: Any, tokenizer: Any, prompt: str) -> tuple[str, int, int, str]:
+    """transformers' greedy answer: (text without special tokens, prompt tokens, completion tokens, finish)."""
+    ids = tokenizer(prompt).input_ids
+    new = hf_generate(model, ids)
     finish = "stop" if new[-1] == tokenizer.eos_token_id else "length"
     return tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new), finish
 
@@ -214,15 +220,7 @@ def test_ignore_eos_min_tokens_and_add_special_tokens_generate_as_transformers(
     ids = tokenizer(PROMPTS[0]).input_ids
 
     def hf(prompt_ids: list[int], **options: Any) -> tuple[str, int]:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                **options,
-            )
-        new = [int(t) for t in out[0, len(prompt_ids) :]]
+        new = hf_generate(model, prompt_ids, **options)
         return tokenizer.decode(new, skip_special_tokens=True), len(new)
 
     def ours(**extra: Any) -> tuple[str, int, int, str]:
