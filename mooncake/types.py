@@ -75,10 +75,12 @@ class Tier(enum.IntEnum):
 
 
 def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
-    """Tokens as a contiguous int32 array (no copy when they already are one): token ids, so non-negative.
+    """Tokens as a contiguous int32 array (no copy when they already are one): token ids, so non-negative. An
+    int32 array is taken as it is, unread (the hashers' hot path: a pass over it would cost as much as hashing
+    it); anything else is checked.
 
     Raises:
-        InvalidRequestError: not a 1-D integer sequence, or a value outside [0, 2**31).
+        InvalidRequestError: not a 1-D integer sequence, or a value outside [0, 2**31) (int32 arrays aside).
     """
     if isinstance(tokens, Iterator):  # a generator or iterator: its items, not a 0-d object
         tokens = list(tokens)
@@ -87,10 +89,10 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
         raise InvalidRequestError(f"token ids must fit in int32, got range [{min(array)}, {max(array)}]")
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
-    if array.dtype != np.int32 and array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
-        raise InvalidRequestError(f"token ids must fit in int32, got range [{array.min()}, {array.max()}]")
-    if array.size and array.min() < 0:
-        raise InvalidRequestError(f"token ids must be >= 0, got {array.min()}")
+    if array.dtype != np.int32 and array.size:
+        low, high = array.min(), array.max()
+        if low < 0 or high > _INT32.max:
+            raise InvalidRequestError(f"token ids must lie in [0, 2**31), got range [{low}, {high}]")
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
@@ -125,6 +127,8 @@ def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
     if value is None:
         return None
     tokens = np.array(as_token_array(value))  # a private copy, so freezing it cannot surprise the caller
+    if tokens.size and tokens.min() < 0:  # an int32 array is not read by as_token_array
+        raise InvalidRequestError(f"token ids must be >= 0, got {tokens.min()}")
     tokens.flags.writeable = False
     return tokens
 
