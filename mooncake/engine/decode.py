@@ -367,7 +367,8 @@ class TokenStream:
     `put` and `close` may be called from any thread (the decode loop's); iteration happens on
     `loop` and ends after the event with `finished=True`, or at `close()`: a request that
     `DecodeEngine.cancel` dropped gets no further token, so whoever cancels it closes its stream
-    (as vLLM's abort ends a request's output stream).
+    (as vLLM's abort ends a request's output stream). Once `loop` is closed (its consumer is gone), `put` and
+    `close` drop what they are given: nobody listens, and the decode loop calling them must not fail for it.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -376,11 +377,18 @@ class TokenStream:
         self._done = False
 
     def put(self, event: TokenEvent) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._send(event)
 
     def close(self) -> None:
         """End the iteration after the tokens already put (idempotent)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        self._send(None)
+
+    def _send(self, item: TokenEvent | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: its consumer is gone (asking first would race with its closing)
+            if not self._loop.is_closed():
+                raise
 
     def __aiter__(self) -> TokenStream:
         return self

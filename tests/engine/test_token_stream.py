@@ -46,3 +46,13 @@ def test_a_closed_stream_ends_after_the_tokens_already_put() -> None:
         return [event.token async for event in stream]
 
     assert asyncio.run(asyncio.wait_for(consume(), timeout=10)) == [10, 11, 12]
+
+
+def test_a_stream_whose_loop_has_closed_drops_what_it_is_given() -> None:
+    """The consumer's loop closed (its client gone, the server stopping) before the decode loop put its last token
+    or closed the stream: `put` and `close` drop it, never raising into the decode loop's thread."""
+    loop = asyncio.new_event_loop()
+    stream = TokenStream(loop)
+    loop.close()
+    stream.put(TokenEvent(request_id=RequestId(1), token=10, index=0, finished=True))
+    stream.close()
