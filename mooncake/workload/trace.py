@@ -230,7 +230,7 @@ def iter_trace(
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
     if not isinstance(strict, bool):
         raise ConfigError(f"strict must be a bool, got {strict!r}")
-    if time_unit not in TIME_UNITS:
+    if not isinstance(time_unit, str) or time_unit not in TIME_UNITS:
         raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
     return _read(path, block_size_tokens, speedup, strict, on_skip or _warn, time_unit, on_caution or _caution)
 
