@@ -328,9 +328,14 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
             "supported (transformers rebuilds it as BPE)"
         )
     merges: list[tuple[str, str]] = []
-    for merge in model.get("merges", []):  # "a b", or ["a", "b"] in newer files
-        first, second = merge.split(" ", 1) if isinstance(merge, str) else merge
-        merges.append((first, second))
+    try:
+        for merge in model.get("merges", []):  # "a b", or ["a", "b"] in newer files
+            first, second = merge.split(" ", 1) if isinstance(merge, str) else merge
+            merges.append((first, second))
+        listed = config.get("added_tokens_decoder")
+        order = sorted(listed, key=int) if isinstance(listed, Mapping) else []
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{path}: a merge of tokenizer.json or an added token's id is malformed: {error}") from None
     rebuilt = Backend(BPE(vocab=model.get("vocab", {}), merges=merges, fuse_unk=True, byte_fallback=True))
     prefix = config.get("add_prefix_space")
     prefix = True if prefix is None else bool(prefix)
@@ -341,10 +346,7 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
     rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     # The added tokens: `added_tokens_decoder` (transformers' source) in id order, else the file's; then the named
     # special tokens not among them, as special tokens.
-    listed = config.get("added_tokens_decoder")
-    entries = (
-        [listed[k] for k in sorted(listed, key=int)] if isinstance(listed, Mapping) else data.get("added_tokens", [])
-    )
+    entries = [listed[k] for k in order] if isinstance(listed, Mapping) else data.get("added_tokens", [])
     for entry in entries:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
             raise ConfigError(f"{path}: an added token must be an object with a content, got {entry!r}")
