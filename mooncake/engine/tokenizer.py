@@ -360,10 +360,11 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
             special=special,
         )
         (rebuilt.add_special_tokens if special else rebuilt.add_tokens)([token])
+    added = {token.content for token in rebuilt.get_added_tokens_decoder().values()}
     for value in named.values():
-        added = {token.content for token in rebuilt.get_added_tokens_decoder().values()}
         if isinstance(value, str) and value not in added:
             rebuilt.add_special_tokens([AddedToken(value, special=True, normalized=False)])
+            added.add(value)
     # The file's post-processor, whatever `add_bos_token` / `add_eos_token` say (transformers v5 does not read them
     # for this class); none: no BOS or EOS added.
     rebuilt.post_processor = backend.post_processor

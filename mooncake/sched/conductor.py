@@ -131,6 +131,12 @@ class _InFlight:
 _EVENT_TYPES = typing.get_args(SchedulerEvent)
 
 
+def _check_limits(limits: object) -> None:
+    """A decode instance's limits are `DecodeLimits` (ConfigError otherwise)."""
+    if not isinstance(limits, DecodeLimits):
+        raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+
+
 class Conductor:
     """Composes the index, views, router, decode selection, predictor and admission.
 
@@ -255,8 +261,7 @@ class Conductor:
             ConfigError: `limits` is no `DecodeLimits`.
             UnknownInstanceError: no decode instance has that id.
         """
-        if not isinstance(limits, DecodeLimits):
-            raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+        _check_limits(limits)
         view = self._decode.get(instance_id)
         if view is None:
             raise UnknownInstanceError(f"no decode instance {instance_id!r}")
@@ -724,8 +729,7 @@ class Conductor:
         """New instances' ids (and decode instances' limits, when given), checked before anything is
         registered, so that a failed add changes nothing."""
         for limits in decode_limits:
-            if not isinstance(limits, DecodeLimits):
-                raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+            _check_limits(limits)
         seen: set[InstanceId] = set()
         for instance_id in instance_ids:
             require_str("an instance id", instance_id)
