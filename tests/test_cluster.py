@@ -312,6 +312,7 @@ def test_api_key_is_required(cluster: RunningCluster) -> None:
         assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
     status, _headers, _text = http(f"{cluster.url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert status == 401
+    assert http(f"{cluster.url}/v1/models", headers={"Authorization": f"bearer {API_KEY}"})[0] == 200  # any case
     (model,) = client(cluster).models.list()
     # vLLM's field: the longest prompt plus max_tokens that is never refused for length (the prompt has a limit
     # of its own below the decode context's)

@@ -28,6 +28,8 @@ check it).
 from __future__ import annotations
 
 import codecs
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -54,6 +56,7 @@ __all__ = [
     "SamplingOptions",
     "ServedModel",
     "Usage",
+    "authorized",
     "decode_body",
     "detokenize_body",
     "encoded",
@@ -116,6 +119,18 @@ class ApiError(MooncakeError):
 def error_body(message: str, *, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def authorized(authorization: str | None, api_key: str) -> bool:
+    """Whether an `Authorization` header carries `api_key` (always, where the key is ""): the scheme `Bearer`
+    in any case (RFC 9110 makes schemes case-insensitive; vLLM and the openai client agree), one space, the key.
+    The comparison is of SHA-256 digests, so its time tells nothing of the key, its length included."""
+    if not api_key:
+        return True
+    scheme, _, given = (authorization or "").partition(" ")
+    digest = hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest()
+    matches = hmac.compare_digest(digest, hashlib.sha256(api_key.encode()).digest())
+    return scheme.lower() == "bearer" and matches
 
 
 def _shown(value: Any, limit: int = 60) -> str:

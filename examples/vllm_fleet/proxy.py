@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, decode_body, stream_usage
+from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, authorized, decode_body, stream_usage
 from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
 from vllm_events import KvEventSubscriber
 
@@ -254,8 +254,7 @@ class VllmRouter:
             return web.json_response(error.body(), status=error.status, headers=error.headers)
 
     def _authorize(self, request: web.Request) -> None:
-        key = self.settings.api_key
-        if key and request.headers.get("Authorization", "") != f"Bearer {key}":
+        if not authorized(request.headers.get("Authorization"), self.settings.api_key):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
     async def _models(self, request: web.Request) -> web.Response:

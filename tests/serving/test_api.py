@@ -29,6 +29,7 @@ from serving.api import (
     SamplingOptions,
     ServedModel,
     Usage,
+    authorized,
     decode_body,
     detokenize_body,
     generation_limit,
@@ -664,3 +665,18 @@ def test_tokens_stream_whole_characters(text: str, stops: list[str]) -> None:
     expected = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     assert (given_out, stream.stopped, stream.stop_reason) == cut(expected, stops)
     assert TextStream().feed(300) == ""  # ids past the bytes decode to nothing
+
+
+@given(
+    key=st.text(min_size=1, max_size=40),
+    other=st.text(max_size=40),
+    scheme=st.sampled_from(["Bearer", "bearer", "BEARER"]),
+)
+def test_the_api_key_is_checked_as_vllm_checks_it(key: str, other: str, scheme: str) -> None:
+    """`Bearer KEY` in any case of the scheme passes; another key, another scheme or no header does not; no
+    key configured lets everything through."""
+    assert authorized(f"{scheme} {key}", key)
+    assert authorized(f"{scheme} {other}", key) == (other == key)
+    assert not authorized(f"Basic {key}", key) and not authorized(key, key)
+    assert not authorized(None, key) and not authorized("", key)
+    assert authorized(None, "") and authorized(f"Basic {other}", "")
