@@ -173,6 +173,12 @@ def _text(record: dict[str, Any]) -> bytes:
     return text
 
 
+# The block sizes traces are keyed in (vLLM's 16 to 128, Mooncake's 512 and powers of two around them), tried for a
+# hint when a line's hash_ids do not fit the one asked for: Alibaba's Qwen traces keep Mooncake's fields in 16-token
+# blocks.
+_BLOCK_SIZES = tuple(2**k for k in range(13))
+
+
 def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
@@ -186,10 +192,15 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
     expected = ceil_div(input_length, block_size_tokens)
     if len(hash_ids) != expected:
+        fits = [size for size in _BLOCK_SIZES if ceil_div(input_length, size) == len(hash_ids)]
+        hint = (
+            f"the count fits {fits[0]}-token blocks: block_size_tokens / --block-size {fits[0]}"
+            if len(fits) == 1
+            else "is the trace keyed in another block size? block_size_tokens / --block-size"
+        )
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
-            f"ceil({input_length}/{block_size_tokens}) = {expected} (is the trace keyed in another block size? "
-            f"block_size_tokens / --block-size)"
+            f"ceil({input_length}/{block_size_tokens}) = {expected} ({hint})"
         )
     return tuple(hash_ids)
 

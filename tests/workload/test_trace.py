@@ -189,6 +189,11 @@ MALFORMED: dict[str, tuple[str, str]] = {
     "input_length 2**24 + 1": (line(input_length=2**24 + 1), "field 'input_length' must be at most 2**24 tokens"),
     "too few hash_ids": (line(hash_ids=[1]), "1 hash_ids for input_length 5: expected ceil(5/4) = 2"),
     "too many hash_ids": (line(hash_ids=[1, 2, 3]), "3 hash_ids for input_length 5: expected ceil(5/4) = 2"),
+    "hash_ids of 16-token blocks": (
+        line(input_length=1742, hash_ids=list(range(109))),
+        "109 hash_ids for input_length 1742: expected ceil(1742/4) = 436 (the count fits 16-token blocks: "
+        "block_size_tokens / --block-size 16)",
+    ),
     "no hash_ids": (line(hash_ids=[]), "0 hash_ids for input_length 5"),
     "earlier timestamp": (line(timestamp=99), "timestamp 99 is earlier than the previous line's 100"),
     "a JSON array on one line": (f"[{line()}]", "expected a JSON object, got list (a trace is JSON Lines"),
