@@ -278,7 +278,7 @@ class ServingMetrics:
         self.rejections = series(
             Counter,
             "request_rejected",
-            "Requests refused for capacity, by reason (the Conductor's, decode_<the decode engine's>, no_engine_up).",
+            "Requests the scheduler refused, by reason (the Conductor's, decode_<the decode engine's>).",
             "reason",
         )
         self.responses = series(

@@ -29,10 +29,10 @@ pusher that was only paused (SIGSTOP) may resume mid-write, and the pages it
 writes into must not meanwhile hold other blocks. (A pusher stopped for good,
 or one whose slices never settle, keeps its pages until its process is gone.)
 Each lease names its owner, the engine address of the peer that opened it.
-`lease_s` must exceed how long a pusher's slice can take,
-(max_retries + 1) · (connect_timeout_s + io_timeout_s): 36 s with the default
-engine settings, past the default `lease_s` of 30 s, so raise `lease_s` along
-with the timeouts. A peer opens a lease with any id it likes, so the table of
+`lease_s` should exceed how long a pusher's slice can take
+(`EngineConfig.slice_deadline_s`; 36 s with the default engine settings), else
+a slow push outlives its lease and is refused at its commit: by default it is
+twice that, and at least 30 s. A peer opens a lease with any id it likes, so the table of
 leases is bounded: ids of at most 64 characters, at most `max_leases` open at
 once (a call that would open one more is refused with `CapacityError` until
 some end or expire), and a lookup that pinned nothing keeps no lease.
@@ -55,7 +55,7 @@ from typing import Any
 import attrs
 import xxhash
 
-from mooncake._checks import ceil_div, require_int
+from mooncake._checks import ceil_div, require_int, require_number
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import (
@@ -77,6 +77,7 @@ from mooncake.types import BlockKey
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
 
 _MAX_LEASE_ID = 64  # characters; ours are 16 hex digits
+MIN_LEASE_S = 30.0  # the default lease's floor: a vanished peer's pins go within a minute or so
 _MAX_OWNER = 256  # characters of an owner's engine address (host:port)
 
 
@@ -109,7 +110,8 @@ class Messenger:
         cache: the node's tiered cache; its first tier must be a `DramPagePool`.
         region: the engine's descriptor of that pool's buffer, if already registered
             (see `shared_dram_pool`); otherwise the buffer is registered here.
-        lease_s: how long pins and reservations held for a peer survive without it.
+        lease_s: how long pins and reservations held for a peer survive without it (None: twice the engine's
+            `slice_deadline_s`, at least 30 s).
         sweep_interval_s: how often a background thread releases expired leases
             (0: only on calls, and when `sweep()` is called).
         max_leases: leases held for peers at once; past it, calls that would open
@@ -123,11 +125,16 @@ class Messenger:
         cache: TieredCache,
         *,
         region: RegionDescriptor | None = None,
-        lease_s: float = 30.0,
+        lease_s: float | None = None,
         sweep_interval_s: float | None = None,
         max_leases: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if lease_s is None:
+            lease_s = max(MIN_LEASE_S, 2 * engine.config.slice_deadline_s)
+        lease_s = require_number("lease_s", lease_s, minimum=0, strict=True)
+        if sweep_interval_s is not None:
+            require_number("sweep_interval_s", sweep_interval_s, minimum=0)
         pool = cache.pools[0]
         if not isinstance(pool, DramPagePool):
             raise ConfigError("the messenger moves first-tier pages: the cache's first tier must be a DramPagePool")
@@ -444,8 +451,7 @@ class Messenger:
 
     def _settle(self, batches: Sequence[int]) -> bool:
         """Wait until no slice of `batches` can still write; False if some may (pages must then stay)."""
-        config = self.engine.config
-        bound = (config.max_retries + 1) * (config.connect_timeout_s + config.io_timeout_s) + 1.0
+        bound = self.engine.config.slice_deadline_s + 1.0
         settled = True
         for batch in batches:
             try:

@@ -186,6 +186,12 @@ class EngineConfig:
     socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0))
     transports: tuple[str, ...] = attrs.field(default=("shm", "rdma", "tcp"), converter=tuple)
 
+    @property
+    def slice_deadline_s(self) -> float:
+        """The longest one slice can take before it fails for good: each try connects and waits on its socket,
+        `(max_retries + 1) · (connect_timeout_s + io_timeout_s)`."""
+        return (self.max_retries + 1) * (self.connect_timeout_s + self.io_timeout_s)
+
     def __attrs_post_init__(self) -> None:
         unknown = set(self.transports) - {"shm", "rdma", "tcp"}
         if unknown or not self.transports:
