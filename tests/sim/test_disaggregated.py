@@ -577,6 +577,29 @@ def test_fitted_models_replace_the_analytic_ones() -> None:
     assert intervals[0] >= steps[0] and np.allclose(intervals[1:], steps[1:], rtol=1e-9)
 
 
+@pytest.mark.parametrize("network_bytes_per_s", [None, 1e9])
+def test_the_kv_stream_hides_behind_the_prefill_and_only_what_it_does_not_hide_delays_the_join(
+    network_bytes_per_s: float | None,
+) -> None:
+    """The KV streams layer by layer during the prefill: a lone request joins its decode node the network's
+    latency after the prefill, or what the stream takes beyond the prefill when that is longer (a slow
+    network); the first interval is that wait plus the first step."""
+    spec = make_spec(
+        cache_capacity_tokens=INFINITE_CACHE_TOKENS,
+        prefill_model=FITTED_PREFILL,
+        step_model=FITTED_STEP,
+        network_bytes_per_s=network_bytes_per_s,
+    )
+    request = make_request("only", 1.0, 1500, 3, range(num_blocks(1500)))
+    (record,) = replay(spec, [request]).records
+    assert record.outcome == Outcome.COMPLETED
+    transfer, prefill_s = spec.transfer_cost, FITTED_PREFILL.prefill_s(1500)
+    stream_s = transfer.transfer_s(1500 * spec.model.kv_bytes_per_token)
+    wait = max(transfer.latency_s, stream_s - prefill_s)
+    assert (stream_s > prefill_s) == (network_bytes_per_s is not None)  # both cases are met
+    assert math.isclose(record.intervals.values()[0], wait + FITTED_STEP.step_s(1, 1500), rel_tol=1e-9)
+
+
 @pytest.mark.parametrize("output_tokens", [1, 6])
 def test_the_first_token_overhead_delays_the_first_token_and_the_join(output_tokens: int) -> None:
     """The serving path's fixed latency: a lone request's first token comes that much after its prefill, and
@@ -597,6 +620,47 @@ def test_the_first_token_overhead_delays_the_first_token_and_the_join(output_tok
         attrs.evolve(spec, first_token_overhead_s=-1.0)
     with pytest.raises(ConfigError, match="first_token_overhead_s"):
         attrs.evolve(spec, first_token_overhead_s=math.inf)
+
+
+@attrs.define
+class _ScriptedTransfer:
+    """A test router: the first request prefills on the first instance, the second on the second with the
+    first's prefix moved over (its copy kept there or not, `keep`), the rest on the second with what it holds."""
+
+    estimator: Any
+    keep: bool
+    routed: int = 0
+
+    def route(self, candidates: Any, query: Any, now: float, rng: Any) -> Any:
+        first, second = candidates[0], candidates[1]
+        self.routed += 1
+        if self.routed == 1:
+            return self.estimator.decide_local(first, query, now)
+        if self.routed == 2:
+            held = query.prefix_blocks.get(first.instance_id, 0)
+            return self.estimator.decide(
+                second, query, now, prefix_blocks=held, transfer_from=first.instance_id, keep_copy=self.keep
+            )
+        return self.estimator.decide_local(second, query, now)
+
+    def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_receiver_keeps_a_moved_prefix_only_when_the_plan_says_so(keep: bool) -> None:
+    """Hot-spot replication (§6.2): the instance a prefix was moved to keeps it, and stores the whole prompt
+    after its prefill, when the plan keeps the copy, and drops both otherwise; a later request there that
+    continues the prompt finds all of it, or nothing."""
+    spec = make_spec(num_prefill=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    requests = [
+        make_request(name, 10.0 * i, tokens, 2, range(num_blocks(tokens)))
+        for i, (name, tokens) in enumerate((("a", 8 * BLOCK), ("b", 12 * BLOCK), ("c", 16 * BLOCK)))
+    ]  # each prompt continues the one before
+    records = {r.request_id: r for r in replay(spec, requests, router=lambda e: _ScriptedTransfer(e, keep)).records}
+    assert all(record.outcome == Outcome.COMPLETED for record in records.values())
+    assert records[RequestId("b")].prefix_tokens == 8 * BLOCK  # a's blocks, moved
+    assert records[RequestId("c")].prefix_tokens == (12 * BLOCK if keep else 0)  # b's, 4 of them computed there
 
 
 def test_without_a_global_pool_the_router_never_transfers() -> None:
