@@ -17,6 +17,7 @@ import random
 import attrs
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
@@ -215,6 +216,27 @@ def test_spread_weights_depend_on_the_first_missing_key_and_the_instance() -> No
     assert (
         spread_weights(np.array([11, 22, 33], dtype=np.uint64), np.array([0, 0, 0]), ids).tolist() == weights.tolist()
     )
+
+
+def _splitmix64_weight(key: int, instance: str) -> float:
+    """The rendezvous weight written out in integers: splitmix64's finalizer of (key xor XXH3-64 of the id)
+    plus the golden gamma, its top 53 bits as a fraction of 1."""
+    mask = 2**64 - 1
+    x = ((key ^ xxhash.xxh3_64_intdigest(instance.encode())) + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return ((x ^ (x >> 31)) >> 11) / 2**53
+
+
+@given(
+    keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6),
+    held=st.lists(st.integers(0, 8), min_size=1, max_size=4),
+)
+def test_spread_weights_are_splitmix64_of_the_first_missing_key_and_the_id(keys: list[int], held: list[int]) -> None:
+    """Each instance weighs the key of the first block it lacks (the last key when it holds them all)."""
+    ids = [InstanceId(f"prefill-{i}") for i in range(len(held))]
+    weights = spread_weights(tuple(BlockKey(k) for k in keys), np.array(held), ids).tolist()
+    assert weights == [_splitmix64_weight(keys[min(n, len(keys) - 1)], i) for n, i in zip(held, ids, strict=True)]
 
 
 def test_keys_wider_than_64_bits_weigh_as_the_index_stores_them() -> None:
