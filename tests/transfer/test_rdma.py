@@ -83,6 +83,23 @@ def test_a_failed_completion_takes_the_queue_pair_down(pair: tuple[FakeFabric, T
     assert statuses[0].state == RequestState.FAILED
 
 
+def test_a_slice_is_posted_under_the_registration_that_holds_all_of_it(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine],
+) -> None:
+    """Two registrations that start at one address (a buffer's head, then the whole buffer): a slice past the
+    head's end goes under the whole buffer's key, which covers it (the head's would fail on a real NIC)."""
+    _fabric, a, b = pair
+    source = pattern(SIZE, 5)
+    a.register_memory(source[:4096])
+    whole = a.register_memory(source)
+    target = np.zeros(SIZE, np.uint8)
+    remote = b.register_memory(target)
+    peer = a.connect(b.address)
+    statuses = a.wait(a.submit([request(TransferOp.WRITE, whole.region_id, peer, remote.region_id, SIZE)]), timeout=10)
+    assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
+    assert np.array_equal(source, target)
+
+
 def test_unregistered_remote_memory_goes_over_tcp(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
     """A region registered before RDMA was available has no rkey: tcp carries it."""
     _fabric, a, _b = pair
