@@ -3,7 +3,8 @@
 Registration remembers each buffer's real address and hands out keys; a work
 request posted on a connected queue pair copies real bytes with ctypes.memmove
 after checking the rkey and the remote bounds (as a NIC would), and its
-completion appears at the next poll. `fail_next` injects failed completions.
+completion appears at the next poll. `fail_next` injects failed completions;
+`stall` makes work requests vanish (posted, never completed: a wedged NIC).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class FakeFabric:
         self.queue_pairs: dict[int, FakeQueuePair] = {}
         self.keys = itertools.count(100)
         self.fail_next = 0
+        self.stall = False
         self.posted = 0
         self.lock = threading.Lock()
 
@@ -76,6 +78,8 @@ class FakeQueuePair:
             fabric.posted += 1
             failing = fabric.fail_next > 0
             fabric.fail_next -= failing
+            if fabric.stall:
+                return
         error = "injected failure" if failing else self._check(address, length, lkey, remote_address, rkey)
         if error is None:
             if op == TransferOp.WRITE:

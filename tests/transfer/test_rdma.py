@@ -11,7 +11,7 @@ import pytest
 
 from mooncake.errors import PeerUnavailable
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.rdma import open_device
+from mooncake.transfer.rdma import RdmaTransport, open_device
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
 from tests.transfer.conftest import SECRET, request
 from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
@@ -98,6 +98,25 @@ def test_a_slice_is_posted_under_the_registration_that_holds_all_of_it(
     statuses = a.wait(a.submit([request(TransferOp.WRITE, whole.region_id, peer, remote.region_id, SIZE)]), timeout=10)
     assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
     assert np.array_equal(source, target)
+
+
+@pytest.mark.parametrize("transport_fails_them", [True, False])
+def test_closing_ends_posted_work_that_never_completed(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine], monkeypatch: pytest.MonkeyPatch, transport_fails_them: bool
+) -> None:
+    """Work requests the NIC never completes: closing the engine ends their request FAILED (never DONE), and
+    `wait` returns; also when the transport loses track of them at its close (the engine's own last sweep)."""
+    fabric, a, b = pair
+    if not transport_fails_them:
+        monkeypatch.setattr(RdmaTransport, "_fail_all", lambda self, error: None)
+    local = a.register_memory(pattern(SIZE, 6))
+    remote = b.register_memory(np.zeros(SIZE, np.uint8))
+    peer = a.connect(b.address)
+    fabric.stall = True
+    batch = a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)])
+    a.close()
+    (status,) = a.wait(batch, timeout=5)
+    assert status.state == RequestState.FAILED and isinstance(status.error, PeerUnavailable)
 
 
 def test_unregistered_remote_memory_goes_over_tcp(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
