@@ -155,6 +155,10 @@ def test_no_instance_names_the_bound_that_stopped_it() -> None:
     assert choose([view(D0, max_context=10), view(D1, capacity=500)], prompt=450).verdict.reason is (
         Reason.CONTEXT_TOO_LONG
     )
+    # As many refuse for the batch as for KV: the batch, checked first, in either order of the instances.
+    batch_full, kv_full = view(D0, max_batch=1, used=5), view(D1, capacity=1000, used=999)
+    for views in ([batch_full, kv_full], [kv_full, batch_full]):
+        assert choose(views, prompt=400, output=200).verdict.reason is Reason.BATCH_FULL
 
 
 def test_ties_break_by_id() -> None:
