@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sim.clock import EventLoop
 
 
@@ -130,3 +131,31 @@ def test_run_does_young_collections_only_and_restores_the_thresholds() -> None:
     with pytest.raises(RuntimeError):
         failing.run()
     assert gc.get_threshold() == before
+
+
+@given(
+    scheduled=st.lists(st.integers(0, 5), max_size=12),
+    arrivals=st.lists(st.integers(0, 5), max_size=12).map(sorted),
+)
+def test_fed_arrivals_merge_in_time_order_before_events_at_the_same_time(
+    scheduled: list[int], arrivals: list[int]
+) -> None:
+    """Against a sort by (time, arrivals first, then scheduling order): a fed stream merges into the scheduled
+    events, each arrival handled before any event due at its time."""
+    loop = EventLoop()
+    ran: list[tuple[float, int, int]] = []
+    for number, time_s in enumerate(scheduled):
+        loop.at(float(time_s), lambda now, n: ran.append((now, 1, n)), number)
+    loop.feed(list(enumerate(arrivals)), lambda item: float(item[1]), lambda now, item: ran.append((now, 0, item[0])))
+    loop.run()
+    expected = sorted(
+        [(float(t), 1, n) for n, t in enumerate(scheduled)] + [(float(t), 0, n) for n, t in enumerate(arrivals)]
+    )
+    assert ran == expected
+
+
+def test_a_fed_arrival_earlier_than_the_clock_is_an_invalid_request() -> None:
+    loop = EventLoop()
+    loop.feed([2.0, 1.0], float, lambda now, item: None)
+    with pytest.raises(InvalidRequestError, match="out of order"):
+        loop.run()
