@@ -214,6 +214,9 @@ def test_output_length_predict_hand_case() -> None:
     assert load.batch_size == pytest.approx(0.5 + 1.0)
     assert load.context_tokens == pytest.approx(0.5 * 115 + 55)
     assert load.kv_tokens == pytest.approx(0.5 * 1100 + 1050)
+    # A prefill finishing at t has joined by t, as with the uniform rule: it counts, with nothing decoded yet.
+    at_t = predictor.predict([], [incoming("d", 15.0, 40)], 5.0, 15.0)
+    assert (at_t.batch_size, at_t.context_tokens, at_t.kv_tokens) == (1.0, 40.0, 1040.0)
 
 
 def test_output_length_requires_positive_step() -> None:
