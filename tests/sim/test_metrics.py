@@ -397,3 +397,9 @@ def test_load_trace_memory_follows_the_events_not_the_idle_time() -> None:
     assert times[:3] == [start, start + 1, start + 2] and len(times) < 10
     assert times[3:] == [start + 3, start + 1e7, start + 1e7 + 1]  # the gap: its first sample, then its last
     assert [sample.prefill_requests for sample in trace.samples][3:] == [2, 2, 3]
+    # The bound: a stretch of MAX_GAP_SAMPLES intervals keeps every sample, one more keeps only its ends.
+    for gap, kept in ((LoadTrace.MAX_GAP_SAMPLES, LoadTrace.MAX_GAP_SAMPLES + 2), (LoadTrace.MAX_GAP_SAMPLES + 1, 3)):
+        bounded = LoadTrace(1.0, lambda: (0, 0))
+        bounded(0.0)  # samples 0; the next is due at 1
+        bounded(float(gap + 1))  # the stretch from sample 1 to sample gap + 1
+        assert len(bounded.samples) == kept
