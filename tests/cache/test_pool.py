@@ -2,15 +2,18 @@
 
 Three layers: examples for the edge contracts (double free, unallocated pages,
 oversized data, zero-copy views, alignment, pinned memory); properties of the
-DRAM pool against a dict of pages; and a state machine that drives the
+DRAM pool against a dict of pages; a state machine that drives the
 allocator against a set-based reference with `check_invariants()` after every
-step. O(1) allocation is checked by structure (lazy hand-out, a free stack),
+step, and one per pool (DRAM, metadata, SSD with reopening) against its
+allocated and written pages. O(1) allocation is checked by structure (lazy hand-out, a free stack),
 never by timing: performance is measured in `benchmarks/`.
 """
 
 from __future__ import annotations
 
+import tempfile
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.cache.pool import ALIGNMENT_BYTES, DramPagePool, MetadataPagePool, PageAllocator, VramPagePool
+from mooncake.cache.ssd import SsdPagePool
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 from tests.strategies import page_payloads, page_pool_ops, page_sizes
@@ -543,3 +547,109 @@ def test_metadata_pool_of_a_trillion_pages_costs_nothing_until_used() -> None:
     assert pages == list(range(1000))
     pool.free(pages[10])
     assert pool.try_allocate() == 10
+
+
+# --------------------------------------------------------------------------- pools as state machines
+
+POOL_PAGE_BYTES, POOL_PAGES = 64, 4
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """A page pool against a reference: the set of allocated pages and, per written page, its key and bytes.
+    What a pool reads back is what was last written there (None where it holds no bytes); a full pool hands
+    out nothing; freeing a page not allocated is refused; `check_invariants` holds after every step.
+    Subclasses make the pool (`make`); an SSD pool is also closed and reopened, recovering what was written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: Any = self.make()
+        self.allocated: set[int] = set()
+        self.written: dict[int, tuple[BlockKey, bytes]] = {}
+
+    def make(self) -> Any:
+        raise NotImplementedError
+
+    @rule()
+    def allocate(self) -> None:
+        page = self.pool.try_allocate()
+        if len(self.allocated) == POOL_PAGES:
+            assert page is None, "allocated past capacity"
+        else:
+            assert page is not None and 0 <= page < POOL_PAGES and page not in self.allocated
+            self.allocated.add(page)
+
+    @precondition(lambda self: self.allocated)
+    @rule(data=st.data(), key=st.integers(0, 2**64 - 1), payload=page_payloads(POOL_PAGE_BYTES))
+    def write(self, data: st.DataObject, key: int, payload: bytes) -> None:
+        page = data.draw(st.sampled_from(sorted(self.allocated)))
+        self.pool.write(page, payload, key=BlockKey(key))
+        self.written[page] = (BlockKey(key), payload)
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data())
+    def read(self, data: st.DataObject) -> None:
+        page = data.draw(st.sampled_from(sorted(self.written)))
+        payload = self.written[page][1]
+        got = self.pool.read(page, len(payload))
+        assert (None if got is None else bytes(got)) == (payload if self.pool.holds_bytes else None)
+
+    @precondition(lambda self: self.allocated)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        page = data.draw(st.sampled_from(sorted(self.allocated)))
+        self.pool.free(page)
+        self.allocated.remove(page)
+        self.written.pop(page, None)
+
+    @rule(page=st.integers(-1, POOL_PAGES))
+    def refuse_what_is_not_allocated(self, page: int) -> None:
+        if page in self.allocated:
+            return
+        with pytest.raises(InvalidRequestError):
+            self.pool.free(page)
+        with pytest.raises(InvalidRequestError):
+            self.pool.write(page, b"x", key=KEY)
+
+    @invariant()
+    def matches_reference(self) -> None:
+        self.pool.allocator.check_invariants()
+        assert self.pool.num_free == POOL_PAGES - len(self.allocated)
+        assert {p for p in range(POOL_PAGES) if self.pool.allocator.is_allocated(p)} == self.allocated
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+
+class DramPoolMachine(PoolMachine):
+    def make(self) -> Any:
+        return DramPagePool(POOL_PAGE_BYTES, POOL_PAGES)
+
+
+class MetadataPoolMachine(PoolMachine):
+    def make(self) -> Any:
+        return MetadataPagePool(Tier.SSD, POOL_PAGE_BYTES, POOL_PAGES)
+
+
+class SsdPoolMachine(PoolMachine):
+    def make(self) -> Any:
+        self.directory = tempfile.TemporaryDirectory()
+        self.path = Path(self.directory.name) / "pool"
+        return SsdPagePool(self.path, POOL_PAGE_BYTES, POOL_PAGES)
+
+    @rule()
+    def reopen(self) -> None:
+        """What was written (and not freed) comes back with its key; pages allocated but never written are free."""
+        self.pool.close()
+        self.pool = SsdPagePool(self.path, POOL_PAGE_BYTES, POOL_PAGES)
+        recovered = {page.page: (page.key, page.length) for page in self.pool.recovered}
+        assert recovered == {page: (key, len(payload)) for page, (key, payload) in self.written.items()}
+        self.allocated = set(self.written)
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.directory.cleanup()
+
+
+TestDramPoolMachine = DramPoolMachine.TestCase
+TestMetadataPoolMachine = MetadataPoolMachine.TestCase
+TestSsdPoolMachine = SsdPoolMachine.TestCase
