@@ -20,6 +20,7 @@ import pytest
 import xxhash
 from hypothesis import event, example, given
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
@@ -603,6 +604,40 @@ def test_adaptive_threshold_stays_within_bounds(
     for had_transfer, estimated, observed in observations:
         adaptive.observe(had_transfer=had_transfer, estimated_ttft_s=estimated, observed_ttft_s=observed)
         assert minimum <= adaptive.value <= maximum
+
+
+class AdaptiveThresholdMachine(RuleBasedStateMachine):
+    """`AdaptiveThreshold` against its documented update written out: an exponentially weighted mean of
+    observed / estimated TTFT (capped at 100) per kind of decision, the threshold multiplied by
+    exp(rate · (transfer mean − local mean)) clamped to one e-fold, then to [minimum, maximum]; observations
+    that teach nothing (an estimate <= 0, an observation negative or not finite) change nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adaptive = AdaptiveThreshold(value=4.0, minimum=1.0, maximum=32.0, rate=0.5, smoothing=0.25)
+        self.value, self.ratios = 4.0, {True: 1.0, False: 1.0}
+
+    @rule(
+        had_transfer=st.booleans(),
+        estimated=st.one_of(st.floats(1e-4, 100.0), st.sampled_from([0.0, -1.0, math.nan])),
+        observed=st.one_of(st.floats(0.0, 1000.0), st.sampled_from([-1.0, math.inf, math.nan])),
+    )
+    def observe(self, had_transfer: bool, estimated: float, observed: float) -> None:
+        self.adaptive.observe(had_transfer=had_transfer, estimated_ttft_s=estimated, observed_ttft_s=observed)
+        if not (estimated > 0 and 0 <= observed < math.inf):
+            return
+        self.ratios[had_transfer] += 0.25 * (min(observed / estimated, 100.0) - self.ratios[had_transfer])
+        step = min(1.0, max(-1.0, 0.5 * (self.ratios[True] - self.ratios[False])))
+        self.value = min(32.0, max(1.0, self.value * math.exp(step)))
+
+    @invariant()
+    def matches_the_reference(self) -> None:
+        assert math.isclose(self.adaptive.value, self.value, rel_tol=1e-12)
+        assert (self.adaptive.transfer_ratio, self.adaptive.local_ratio) == (self.ratios[True], self.ratios[False])
+        assert 1.0 <= self.adaptive.value <= 32.0
+
+
+TestAdaptiveThresholdMachine = AdaptiveThresholdMachine.TestCase
 
 
 def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
