@@ -222,13 +222,24 @@ class BlockPlacement:
         self._counts["demotions"] += 1
 
     def _promote(self, key: BlockKey, entry: Entry) -> PageBytes | None:
-        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt)."""
+        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt).
+
+        A full first tier demotes its victim one tier down. Where that is the tier `key` leaves, the two swap
+        pages (`_swap`): demoting first would find that tier full, with `key` still in it, and drop a block
+        that the move is about to make room for."""
         source_level = entry.level
         self._policies[source_level].remove(key)
         try:
-            page = self._try_make_room(0)
+            page = self.pools[0].try_allocate()
+            if page is None and source_level == 1:
+                victim = self._policies[0].evict()
+                if victim is not None:
+                    return self._swap(key, entry, victim, self._entries[victim])
+            if page is None:
+                page = self._try_make_room(0)
         except BaseException:
-            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            if key in self._entries and entry.level == source_level:  # not dropped or moved meanwhile
+                self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
             raise
         if page is not None:
             if not self._move(key, entry, 0, page):
@@ -247,6 +258,44 @@ class BlockPlacement:
             self._drop(key, entry)
             self._counts["corrupt_blocks"] += 1
             return None
+
+    def _swap(self, key: BlockKey, entry: Entry, victim: BlockKey, demoted: Entry) -> PageBytes | None:
+        """Promote `key` from the second tier into the page of the first tier's `victim`, which takes the page
+        `key` leaves (both out of their policies); returns `key`'s bytes, None if they fail verification
+        (then `key` is dropped, and `victim` demoted into the page it freed)."""
+        try:
+            data = self._read_host(entry) if self.pools[0].holds_bytes else None  # a copy: its page is reused
+        except IntegrityError:
+            self._found_corrupt(entry)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
+            self._demote(victim, demoted)
+            return None
+        up, down = entry.page, demoted.page
+        try:
+            moved = self._read_host(demoted) if self.pools[1].holds_bytes else None
+            if moved is not None and demoted.checksum is None:
+                demoted.checksum = xxhash.xxh3_64_intdigest(moved)
+            self.pools[1].write(up, moved, key=victim, checksum=demoted.checksum)
+        except BaseException:  # the victim stays where it is; `key`'s page may be torn: it goes
+            self._policies[0].access(victim, parent=demoted.parent, position=demoted.position)
+            self._drop(key, entry)
+            raise
+        demoted.level, demoted.page, demoted.lower_reads = 1, up, 0
+        self._policies[1].access(victim, parent=demoted.parent, position=demoted.position)
+        self._log += [(REMOVED, 0, victim), (STORED, 1, victim)]
+        self._counts["demotions"] += 1
+        try:
+            self.pools[0].write(down, data, key=key, checksum=entry.checksum)
+        except BaseException:  # nowhere left for `key`
+            entry.level, entry.page = 0, down
+            self._drop(key, entry)
+            raise
+        entry.level, entry.page, entry.lower_reads = 0, down, 0
+        self._policies[0].access(key, parent=entry.parent, position=entry.position)
+        self._log += [(REMOVED, 1, key), (STORED, 0, key)]
+        self._counts["promotions"] += 1
+        return self.pools[0].read(down, entry.length)
 
     def _move(self, key: BlockKey, entry: Entry, target: int, page: int) -> bool:
         """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.

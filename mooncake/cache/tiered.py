@@ -11,7 +11,9 @@ one tier at a time:
   overwritten).
 - `get(key)` returns the bytes: a zero-copy view in DRAM/VRAM, a verified copy
   from SSD. A block read from a lower tier is promoted to the first tier on its
-  `promote_after`-th read there (0: never).
+  `promote_after`-th read there (0: never); from the second tier into a full
+  first one, it swaps pages with the first tier's victim, so that a promotion
+  in a full hierarchy loses no block.
 - `pin` / `unpin` (reference counted): a pinned block is never evicted,
   demoted, promoted or overwritten, so a view of it stays valid. Engines pin
   the blocks they read; `pinned(key)` does it as a context manager.

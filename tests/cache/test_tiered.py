@@ -111,6 +111,30 @@ def test_ssd_read_promotes_by_policy(tmp_path: Path) -> None:
     never.close()
 
 
+def test_a_promotion_in_a_full_hierarchy_swaps_the_block_with_the_first_tiers_victim(tmp_path: Path) -> None:
+    """Every page holds a block: a read that promotes one from SSD trades places with DRAM's victim, and no
+    block is lost (demoting the victim first would have found SSD full and dropped one); the events say so."""
+    cache = make_cache(tmp_path, dram_pages=2, ssd_pages=2, promote_after=1)
+    index = BlockIndex()
+    for key in range(1, 5):
+        cache.put(BlockKey(key), block(key))
+    assert [cache.tier_of(BlockKey(k)) for k in range(1, 5)] == [Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert [cache.tier_of(BlockKey(k)) for k in range(1, 5)] == [Tier.DRAM, Tier.SSD, Tier.SSD, Tier.DRAM]
+    stats = cache.stats
+    assert (stats.promotions, stats.drops, stats.demotions) == (1, 0, 3)
+    for key in range(1, 5):
+        assert bytes(cache.get(BlockKey(key))) == block(key)
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    assert [index.holders(BlockKey(k)) for k in range(1, 5)] == [
+        (Holder(SOURCE, cache.tier_of(BlockKey(k))),)
+        for k in range(1, 5)  # type: ignore[arg-type]
+    ]
+    cache.check_invariants()
+    cache.close()
+
+
 def test_reads_under_pinned_promote_as_plain_gets_do(tmp_path: Path) -> None:
     """`pinned` (the documented way to read) promotes on the same read as `get`, and pins the block where
     it lands: it was pinned before its read, and a pinned block never moves, so it never promoted."""
@@ -293,7 +317,9 @@ keys = st.integers(min_value=1, max_value=12).map(BlockKey)
 
 
 class TieredMachine(RuleBasedStateMachine):
-    """The cache against a dict with losses: what it returns was put, pins hold, events mirror it."""
+    """The cache against a dict with losses: what it returns was put, pins hold, events mirror it, and a block
+    is lost only to make room for another while every page of the hierarchy holds a block: one at most, and
+    only by a put or a reservation (a read, a pin or a remove of another block loses nothing)."""
 
     policy_class: type = LruPolicy
     with_parents = False
@@ -311,6 +337,9 @@ class TieredMachine(RuleBasedStateMachine):
         self.pins: dict[BlockKey, int] = {}
         self.pinned_tier: dict[BlockKey, Tier | None] = {}
         self.index = BlockIndex()
+        self.held: set[BlockKey] = set()  # what the cache held after the last step
+        self.may_evict = False  # the step may claim a page (a put or a reservation)
+        self.removed: set[BlockKey] = set()  # what the step removed on purpose
 
     def teardown(self) -> None:
         self.cache.close()
@@ -322,6 +351,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def put(self, key: BlockKey) -> None:
+        self.may_evict = True
         parent = BlockKey(key - 1) if self.with_parents and key > 1 else None
         if key not in self.cache and self.dram_all_pinned():
             with pytest.raises(CapacityError):
@@ -333,6 +363,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     @rule(key=keys, good=st.booleans(), abort=st.booleans())
     def reserve_fill_commit(self, key: BlockKey, good: bool, abort: bool) -> None:
+        self.may_evict = True
         data = block(key)
         parent = BlockKey(key - 1) if self.with_parents and key > 1 else None
         if key in self.cache:
@@ -395,6 +426,7 @@ class TieredMachine(RuleBasedStateMachine):
                 self.cache.remove(key)
         elif key in self.cache:
             self.cache.remove(key)
+            self.removed = {key}
             assert key not in self.cache
         else:
             with pytest.raises(UnknownBlockError):
@@ -407,6 +439,16 @@ class TieredMachine(RuleBasedStateMachine):
             if tier is not None:
                 assert BlockKey(key) in self.reference
         self.cache.check_invariants()
+
+    @invariant()
+    def blocks_are_lost_only_to_room_for_others(self) -> None:
+        held = {BlockKey(key) for key in range(1, 13) if BlockKey(key) in self.cache}
+        lost = self.held - held - self.removed
+        if lost:
+            assert self.may_evict, f"{sorted(lost)} lost by a step that claims no page"
+            full = sum(pool.num_pages for pool in self.cache.pools)
+            assert len(lost) == 1 and len(self.held) == full, f"{sorted(lost)} lost with {len(self.held)} held"
+        self.held, self.may_evict, self.removed = held, False, set()
 
     @invariant()
     def pinned_blocks_are_kept(self) -> None:

@@ -219,6 +219,24 @@ def test_flipped_data_bytes_make_the_block_a_reported_miss(tmp_path: Path, promo
         assert {found.key for found in pool.recovered} <= set(keys) - {bad}
 
 
+def test_a_block_found_damaged_as_it_swaps_up_is_a_miss_and_the_victim_still_goes_down(tmp_path: Path) -> None:
+    """A full hierarchy: the block a read would promote fails verification, so it is a counted miss and
+    dropped, and DRAM's victim, already chosen, is demoted into the page it left; nothing else is lost."""
+    path = tmp_path / "ssd.pool"
+    cache = reopen(path, dram_pages=2, ssd_pages=2, promote_after=1)
+    for key in range(4):
+        cache.put(BlockKey(key), block(key))
+    assert [cache.tier_of(BlockKey(k)) for k in range(4)] == [Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+    flip_byte(path, data_offset(path, 0) + 1)
+    assert cache.get(BlockKey(0)) is None
+    assert (cache.stats.corrupt_blocks, cache.stats.misses, cache.stats.drops) == (1, 1, 1)
+    assert [cache.tier_of(BlockKey(k)) for k in range(4)] == [None, Tier.SSD, Tier.SSD, Tier.DRAM]
+    for key in range(1, 4):
+        assert bytes(cache.get(BlockKey(key))) == block(key)
+    cache.check_invariants()
+    cache.close()
+
+
 def test_flipped_bytes_in_a_live_cache_are_a_reported_miss(tmp_path: Path) -> None:
     """A block demoted to SSD and then damaged on disk is a miss when read back, never its bad bytes."""
     path = tmp_path / "ssd.pool"
