@@ -16,6 +16,8 @@ Then frames follow, each a 44-byte header:
 
     magic "MCTE" | version u8 | kind u8 | flags u16 | region u32 | tag u64 | offset u64 | length u64 | checksum u64
 
+(flag bit 0: the checksum field is set; any other bit is refused)
+
 WRITE carries `length` payload bytes for `region` at `offset`; READ asks for
 them; OK / ERROR answer a tag (ERROR and CALL / REPLY carry a short UTF-8 or
 JSON payload). Data frames are bounded by the engine's `max_frame_bytes`,
@@ -146,6 +148,8 @@ def recv_frame(sock: socket.socket, *, max_length: int, deadline: float | None =
     magic, version, kind, flags, region, tag, offset, length, checksum = HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"bad frame header (magic {magic!r}, version {version})")
+    if flags & ~FLAG_CHECKSUM:  # a flag this version does not know: its meaning cannot be honoured
+        raise ProtocolError(f"unknown frame flags {flags:#06x}")
     try:
         kind = Kind(kind)
     except ValueError:
