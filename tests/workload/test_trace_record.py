@@ -1,10 +1,14 @@
-"""One trace line validated: the Mooncake fields, aiperf's session_id, delay and text_input, and their errors."""
+"""One trace line validated: the Mooncake fields, aiperf's session_id, delay and text_input, and their errors;
+a property: any line within the bounds reads back field for field, and a wrong block count is refused."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mooncake.workload.trace_record import AIPERF_FIELDS, TraceRecord, parse_record, session_of
 
@@ -147,3 +151,34 @@ def test_bad_aiperf_fields_are_value_errors(fields: dict[str, Any], reason: str)
 def test_session_of_reads_a_usable_session_id_from_any_line(record: object, expected: str | None) -> None:
     """session_of finds a line's session even when the rest of the line is unusable."""
     assert session_of(record) == expected
+
+
+@given(
+    input_length=st.integers(1, 5000),
+    output_length=st.integers(1, 2**24),
+    timestamp=st.none() | st.integers(0, 2**43) | st.floats(0, 2**43, allow_nan=False),
+    block=st.sampled_from([16, 64, 512]),
+    hashed=st.booleans(),
+    data=st.data(),
+)
+def test_a_record_reads_back_what_its_line_says_and_its_block_count_is_checked(
+    input_length: int, output_length: int, timestamp: float | None, block: int, hashed: bool, data: st.DataObject
+) -> None:
+    """Any line within the bounds reads back field for field (a timestamp in seconds as that many thousand ms);
+    hash_ids of any other count than ceil(input_length / block) are refused, naming the count."""
+    blocks = -(-input_length // block)
+    hash_ids = data.draw(st.lists(st.integers(0, 2**63), min_size=blocks, max_size=blocks)) if hashed else None
+    line: dict[str, Any] = {"input_length": input_length, "output_length": output_length}
+    if timestamp is not None:
+        line["timestamp"] = timestamp
+    if hash_ids is not None:
+        line["hash_ids"] = hash_ids
+    record = parse_record(json.loads(json.dumps(line)), block)
+    assert (record.input_length, record.output_length) == (input_length, output_length)
+    assert record.hash_ids == (None if hash_ids is None else tuple(hash_ids))
+    assert record.timestamp_ms == timestamp and record.text is None and record.delay_ms is None
+    if timestamp is not None and timestamp <= 2**43 / 1000:
+        assert parse_record(line, block, time_unit="s").timestamp_ms == timestamp * 1000
+    wrong = data.draw(st.integers(0, blocks + 3).filter(lambda n: n != blocks))
+    with pytest.raises(ValueError, match=f"{wrong} hash_ids for input_length {input_length}"):
+        parse_record({**line, "hash_ids": list(range(wrong))}, block)
