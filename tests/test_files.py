@@ -6,9 +6,13 @@ reports in tests/sim/test_report.py.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mooncake._files import atomic_path
 
@@ -43,3 +47,22 @@ def test_an_error_about_another_file_passes_unchanged(tmp_path: Path) -> None:
         source.read_text()
     assert caught.value.filename == str(source)
     assert list(tmp_path.iterdir()) == []
+
+
+@given(writes=st.lists(st.tuples(st.binary(max_size=64), st.booleans()), max_size=8))
+def test_the_file_is_always_the_last_write_that_finished(writes: list[tuple[bytes, bool]]) -> None:
+    """Over any sequence of writes, some stopped midway: the target holds the last whole write's bytes (or does
+    not exist before the first), and nothing else is ever left in the folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        target = Path(folder) / "out.json"
+        last: bytes | None = None
+        for content, stopped in writes:
+            with contextlib.suppress(KeyboardInterrupt), atomic_path(target) as temporary:
+                temporary.write_bytes(content[: len(content) // 2])
+                if stopped:
+                    raise KeyboardInterrupt
+                temporary.write_bytes(content)
+            if not stopped:
+                last = content
+            assert (target.read_bytes() if target.exists() else None) == last
+            assert [p.name for p in Path(folder).iterdir()] == (["out.json"] if last is not None else [])
