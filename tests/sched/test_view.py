@@ -2,14 +2,19 @@
 
 Examples for the contracts (a board is its views in the order given, ranks
 order ids, `refresh` follows a view's changes); a property that a board built
-from random views holds what each view says.
+from random views holds what each view says; a state machine of decode views on
+a board against the requests each holds.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import pytest
 from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
 from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView, PrefillBoard, PrefillView, QueuedPrefill
@@ -73,3 +78,88 @@ def test_prefill_board_holds_what_its_views_say(views: list[PrefillView]) -> Non
     board.check_invariants()
     by_id = sorted(views, key=lambda v: v.instance_id)
     assert board.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in by_id]
+
+
+class DecodeBoardMachine(RuleBasedStateMachine):
+    """Three decode views on a board, driven by reservations, joins, leaves, releases, limit changes and up/down,
+    each followed by the board's refresh as the Conductor makes it, against a reference: per view, the requests
+    reserved (prompt, output) and decoding (start, context, output). The committed load is counted from scratch
+    (a request that ends at its first token takes no slot and no KV), and the board says what the views say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids = [InstanceId(f"decode-{i}") for i in (2, 0, 1)]  # given out of id order: slots sort them
+        self.views = {i: DecodeView(i, DecodeLimits(kv_capacity_tokens=10**6)) for i in self.ids}
+        self.board = DecodeBoard(list(self.views.values()))
+        self.reserved: dict[InstanceId, dict[RequestId, tuple[int, int]]] = {i: {} for i in self.ids}
+        self.active: dict[InstanceId, dict[RequestId, tuple[float, int, int]]] = {i: {} for i in self.ids}
+        self.numbers = iter(range(10**6))
+
+    def _pick(self, data: st.DataObject, table: dict[InstanceId, dict[RequestId, Any]]) -> tuple[InstanceId, RequestId]:
+        pairs = sorted((i, r) for i, requests in table.items() for r in requests)
+        return data.draw(st.sampled_from(pairs))
+
+    @rule(index=st.integers(0, 2), prompt=st.integers(1, 5000), output=st.integers(1, 500))
+    def reserve(self, index: int, prompt: int, output: int) -> None:
+        instance, request = self.ids[index], RequestId(f"r{next(self.numbers)}")
+        self.views[instance].reserve(request, prompt, output)
+        self.board.refresh_load(self.board.slot[instance])
+        self.reserved[instance][request] = (prompt, output)
+
+    @precondition(lambda self: any(self.reserved.values()))
+    @rule(data=st.data(), start=st.floats(0, 1e6, allow_nan=False), grown=st.integers(0, 100))
+    def join(self, data: st.DataObject, start: float, grown: int) -> None:
+        instance, request = self._pick(data, self.reserved)
+        prompt, output = self.reserved[instance].pop(request)
+        context = prompt + min(grown, output)
+        self.views[instance].join(
+            ActiveDecode(
+                request_id=request, start_s=start, context_tokens=context, output_tokens=prompt + output - context
+            )
+        )
+        self.board.refresh_load(self.board.slot[instance])
+        self.active[instance][request] = (start, context, prompt + output - context)
+
+    @precondition(lambda self: any(self.reserved.values()))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        instance, request = self._pick(data, self.reserved)
+        self.views[instance].release(request)
+        self.board.refresh_load(self.board.slot[instance])
+        del self.reserved[instance][request]
+
+    @precondition(lambda self: any(self.active.values()))
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        instance, request = self._pick(data, self.active)
+        self.views[instance].leave(request)
+        self.board.refresh_load(self.board.slot[instance])
+        del self.active[instance][request]
+
+    @rule(
+        index=st.integers(0, 2), up=st.booleans(), capacity=st.integers(1, 10**7), batch=st.none() | st.integers(1, 64)
+    )
+    def set_state(self, index: int, up: bool, capacity: int, batch: int | None) -> None:
+        view = self.views[self.ids[index]]
+        view.is_up, view.limits = up, DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=batch)
+        self.board.refresh(self.board.slot[view.instance_id])
+
+    @invariant()
+    def loads_are_what_the_reference_counts(self) -> None:
+        for instance, view in self.views.items():
+            slots = [(p, o) for p, o in self.reserved[instance].values() if o > 1]
+            active = self.active[instance].values()
+            expected = DecodeLoad(
+                len(active) + len(slots),
+                sum(c for _, c, _ in active) + sum(p for p, _ in slots),
+                sum(c + o for _, c, o in active) + sum(p + o for p, o in slots),
+            )
+            assert view.load() == expected == self.board.committed.at(self.board.slot[instance])
+            assert view.started_s_sum == pytest.approx(sum(s for s, _, _ in active), abs=1e-6)
+        assert list(self.board.instance_ids) == sorted(self.ids) and list(self.board) == list(self.views.values())
+        self.board.check_invariants()
+        for view in self.views.values():
+            view.check_invariants()
+
+
+TestDecodeBoardMachine = DecodeBoardMachine.TestCase
