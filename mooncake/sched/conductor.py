@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import enum
 import heapq
+import itertools
 import math
 import random
 import typing
@@ -206,6 +207,7 @@ class Conductor:
         # such request's owner and keys: a request queued behind them on the same instance reuses them.
         self._pending = PendingBlocks()
         self._owner: dict[InstanceId, int] = {}
+        self._owners = itertools.count()  # never reused: a removed instance's number stays its own
         self._owner_of_slot = np.zeros(0, dtype=np.int64)
         self._pending_of: dict[RequestId, tuple[int, npt.NDArray[np.uint64]]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
@@ -222,7 +224,7 @@ class Conductor:
         self._check_new(*new)
         for instance_id in new:
             self._prefill[instance_id] = PrefillView(instance_id)
-            self._owner[instance_id] = len(self._owner)
+            self._owner[instance_id] = next(self._owners)
         self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
         self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
 
@@ -251,6 +253,32 @@ class Conductor:
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
         self._coupled.add(instance_id)
+
+    def remove_instance(self, instance_id: InstanceId, now: float) -> tuple[RequestEnd, ...]:
+        """Forget an instance (scaled in, replaced by another): it goes down as `InstanceDown` takes it (the requests
+        that need it end, aborted as INSTANCE_DOWN; its blocks leave the index), then its views and its place on the
+        boards go, so that a long-running server's instances come and go without the Conductor growing. Requests it
+        already prefilled go on to their decode instance; its id may be added again (a new instance). Returns the
+        requests it ended.
+
+        Raises:
+            UnknownInstanceError: no instance has that id.
+            InvalidRequestError: `now` is not a finite number.
+        """
+        if instance_id not in self._prefill and instance_id not in self._decode:
+            raise UnknownInstanceError(f"no instance {instance_id!r} to remove")
+        require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
+        ends = self._instance(InstanceDown(instance_id=instance_id, now=now))
+        if self._prefill.pop(instance_id, None) is not None:
+            del self._owner[instance_id]
+            self._transfers.pop(instance_id, None)  # what is left was estimated done: nothing waits on it
+            self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
+            self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
+        if self._decode.pop(instance_id, None) is not None:
+            assert not self._incoming.pop(instance_id), "a request bound for a removed instance outlived it"
+            self._decode_board = DecodeBoard(tuple(self._decode.values()))
+        self._coupled.discard(instance_id)
+        return ends
 
     def set_decode_limits(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """What decode (or coupled) instance `instance_id` holds from now on: a server restarted with another batch
@@ -673,6 +701,7 @@ class Conductor:
                     f"{request_id} has no KV reservation"
                 )
         assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
+        assert len(set(self._owner.values())) == len(self._owner), "two prefill instances share an owner number"
         pending: collections.Counter[tuple[int, int]] = collections.Counter()
         for request_id, (owner, keys) in self._pending_of.items():
             assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
@@ -767,7 +796,9 @@ class Conductor:
         pending = self._pending_of.pop(request_id, None)
         if pending is not None:
             self._pending.remove(*pending)
-        view = self._prefill[flight.prefill_instance]
+        view = self._prefill.get(flight.prefill_instance)
+        if view is None:  # removed after it prefilled the request (nothing of it was queued there still)
+            return
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):
             view.queue = kept

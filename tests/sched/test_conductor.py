@@ -1165,6 +1165,49 @@ def test_a_coupled_instance_takes_its_events_under_one_id_and_goes_down_whole() 
     conductor.check_invariants()
 
 
+def test_a_removed_instance_is_forgotten_and_its_id_may_come_back() -> None:
+    """Removing an instance ends what going down ends, drops it from the views, the boards and the index, lets
+    a request it already prefilled finish on its decode instance, refuses its events as from an unknown
+    instance, and frees its id for a new instance."""
+    conductor = make_conductor()
+    first = conductor.schedule(request("done", DOC), 0.0)
+    prefill, decode = placement(first)
+    conductor.handle(PrefillFinished(request_id=RequestId("done"), instance_id=prefill, now=0.5))
+    conductor.apply_cache_event(BlockStored(source=prefill, seq=0, keys=[BlockKey(k) for k in DOC], tier=Tier.DRAM))
+    queued = conductor.schedule(request("queued", DOC), 0.6)
+    assert placement(queued)[0] == prefill  # it holds the document
+    assert conductor.remove_instance(prefill, 1.0) == (
+        RequestEnd(RequestId("queued"), Outcome.ABORTED, Reason.INSTANCE_DOWN),
+    )
+    assert prefill not in {v.instance_id for v in conductor.prefill_views}
+    assert prefill not in conductor.index.instances
+    conductor.check_invariants()
+    # What it prefilled goes on.
+    conductor.handle(
+        DecodeJoined(request_id=RequestId("done"), instance_id=decode, now=1.1, context_tokens=8192, output_tokens=100)
+    )
+    assert conductor.handle(DecodeFinished(request_id=RequestId("done"), instance_id=decode, now=2.0)) == (
+        RequestEnd(RequestId("done"), Outcome.COMPLETED),
+    )
+    with pytest.raises(UnknownInstanceError):
+        conductor.handle(PrefillStarted(request_id=RequestId("done"), instance_id=prefill, now=2.0))
+    with pytest.raises(UnknownInstanceError):
+        conductor.remove_instance(prefill, 2.0)
+    for i in range(6):  # never routed to it again
+        assert placement(conductor.schedule(request(f"after{i}", range(500 + 10 * i, 504 + 10 * i)), 2.0))[0] != prefill
+    # A decode instance goes the same way; the ids come back as new instances, with nothing of the old ones.
+    ended = conductor.remove_instance(D1, 3.0)
+    assert all(end.reason is Reason.INSTANCE_DOWN for end in ended)
+    assert [v.instance_id for v in conductor.decode_views] == [D0]
+    conductor.add_prefill_instance(prefill)
+    conductor.add_decode_instance(D1, DecodeLimits(kv_capacity_tokens=10**6))
+    assert conductor.index.match([BlockKey(k) for k in DOC]).best_length == 0
+    assert len(conductor.prefill_views) == 3 and len(conductor.decode_views) == 2
+    conductor.check_invariants()
+    with pytest.raises(InvalidRequestError, match="now"):
+        conductor.remove_instance(prefill, math.nan)
+
+
 def test_decode_finished_teaches_the_output_length_predictor() -> None:
     """Generated token counts reported at the end feed an output-length predictor."""
     predictor = OutputLengthPredictor(step_s=0.02)
@@ -1228,6 +1271,7 @@ class ConductorMachine(RuleBasedStateMachine):
         self.tracked: dict[RequestId, Tracked] = {}
         self.ends: collections.Counter[RequestId] = collections.Counter()
         self.down: set[InstanceId] = set()
+        self.removed: set[InstanceId] = set()  # forgotten by the Conductor (also in `down`: nothing routes there)
         self.caches = Caches()
         self.now = 0.0
         self.next_id = 0
@@ -1258,7 +1302,7 @@ class ConductorMachine(RuleBasedStateMachine):
         seed: int,
         warm: list[tuple[int, InstanceId, int]],
     ) -> None:
-        self.router_name, self.admission_name, self.slo = router, admission, slo
+        self.router_name, self.admission_name, self.slo, self.capacity = router, admission, slo, capacity
         self.conductor = make_conductor(
             router=router,
             threshold=threshold,
@@ -1477,11 +1521,14 @@ class ConductorMachine(RuleBasedStateMachine):
                 ]
             )
         )
+        if getattr(event, "instance_id", None) in self.removed:
+            with pytest.raises(UnknownInstanceError):
+                self.conductor.handle(event)
+            return
         assert self.conductor.handle(event) == ()
 
-    @rule(instance=st.sampled_from(PREFILL_IDS + DECODE_IDS))
-    def instance_down(self, instance: InstanceId) -> None:
-        doomed = {
+    def _doomed(self, instance: InstanceId) -> set[RequestId]:
+        return {
             rid
             for rid, t in self.tracked.items()
             # A prefill instance takes down what it has not finished; finished KV is on its way to decode. A
@@ -1495,7 +1542,8 @@ class ConductorMachine(RuleBasedStateMachine):
                 and t.transfer[1] > self.now
             )
         }
-        ends = self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
+
+    def _ended_by(self, instance: InstanceId, doomed: set[RequestId], ends: tuple[RequestEnd, ...]) -> None:
         assert len(ends) == len(doomed)
         assert {e.request_id for e in ends} == doomed
         assert {(e.outcome, e.reason) for e in ends} <= {(Outcome.ABORTED, Reason.INSTANCE_DOWN)}
@@ -1506,10 +1554,48 @@ class ConductorMachine(RuleBasedStateMachine):
         if instance in PREFILL_IDS:
             self.caches.restart(instance)
 
+    @rule(instance=st.sampled_from(PREFILL_IDS + DECODE_IDS))
+    def instance_down(self, instance: InstanceId) -> None:
+        if instance in self.removed:
+            with pytest.raises(UnknownInstanceError):
+                self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
+            return
+        doomed = self._doomed(instance)
+        self._ended_by(instance, doomed, self.conductor.handle(InstanceDown(instance_id=instance, now=self.now)))
+
+    @rule(instance=st.sampled_from(PREFILL_IDS + DECODE_IDS))
+    def instance_removed(self, instance: InstanceId) -> None:
+        """Scaled in: what going down ends ends, and the instance is forgotten (what it prefilled goes on)."""
+        if instance in self.removed:
+            with pytest.raises(UnknownInstanceError):
+                self.conductor.remove_instance(instance, self.now)
+            return
+        doomed = self._doomed(instance)
+        self._ended_by(instance, doomed, self.conductor.remove_instance(instance, self.now))
+        self.removed.add(instance)
+        self.backlog.pop(instance, None)
+        assert instance not in {v.instance_id for v in (*self.conductor.prefill_views, *self.conductor.decode_views)}
+
+    @precondition(lambda self: self.removed)
+    @rule(data=st.data())
+    def instance_added_back(self, data: st.DataObject) -> None:
+        """A new instance under a removed one's id: up, empty, with nothing of the old one."""
+        instance = data.draw(st.sampled_from(sorted(self.removed)))
+        if instance in PREFILL_IDS:
+            self.conductor.add_prefill_instance(instance)
+        else:
+            self.conductor.add_decode_instance(instance, DecodeLimits(kv_capacity_tokens=self.capacity))
+        self.removed.discard(instance)
+        self.down.discard(instance)
+
     @precondition(lambda self: self.down)
     @rule(data=st.data())
     def instance_up(self, data: st.DataObject) -> None:
         instance = data.draw(st.sampled_from(sorted(self.down)))
+        if instance in self.removed:
+            with pytest.raises(UnknownInstanceError):
+                self.conductor.handle(InstanceUp(instance_id=instance, now=self.now))
+            return
         assert self.conductor.handle(InstanceUp(instance_id=instance, now=self.now)) == ()
         self.down.discard(instance)
 
@@ -1532,6 +1618,10 @@ class ConductorMachine(RuleBasedStateMachine):
     def backlog_reported(self, instance: InstanceId, seconds: float) -> None:
         """The instance's owner sees work the Conductor did not route (or none: `seconds` <= 0)."""
         event = PrefillBacklog(instance_id=instance, now=self.now, until_s=self.now + seconds)
+        if instance in self.removed:
+            with pytest.raises(UnknownInstanceError):
+                self.conductor.handle(event)
+            return
         assert self.conductor.handle(event) == ()
         self.backlog[instance] = self.now + seconds
 
@@ -1595,7 +1685,7 @@ class ConductorMachine(RuleBasedStateMachine):
             assert view.is_up == (view.instance_id not in self.down)
 
 
-ConductorMachine.TestCase.settings = settings(stateful_step_count=40)
+ConductorMachine.TestCase.settings = settings(stateful_step_count=40, max_examples=150)
 TestConductorMachine = ConductorMachine.TestCase
 
 
