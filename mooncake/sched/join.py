@@ -102,6 +102,11 @@ class DecodeLoad:
     context_tokens: float
     kv_tokens: float = 0.0
 
+    def rounded(self) -> DecodeLoad:
+        """The load in whole requests and tokens, as the rule checks it: a prediction's fractions rounded to
+        the nearest (half to even, Python's `round`), by `check_join` and the decode selection's scan alike."""
+        return DecodeLoad(round(self.batch_size), round(self.context_tokens), round(self.kv_tokens))
+
 
 @attrs.frozen(kw_only=True)
 class JoinVerdict:
@@ -202,6 +207,7 @@ def check_join(
     problem = load_problem(load)
     if problem is not None:
         raise InvalidRequestError(problem)
+    load = load.rounded()
     code = refusal(
         prompt_tokens,
         output_tokens,
@@ -215,7 +221,7 @@ def check_join(
         return JoinVerdict(accepted=False, reason=REFUSALS[code])
     if step_model is None:
         return JoinVerdict(accepted=True)
-    predicted = step_model.step_s(round(load.batch_size) + 1, round(load.context_tokens) + prompt_tokens)
+    predicted = step_model.step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
     return tbt_verdict(load.batch_size, output_tokens, predicted, tbt_slo_s)
 
 

@@ -333,11 +333,12 @@ class BoardLoads:
 
     @classmethod
     def of(cls, loads: Sequence[DecodeLoad]) -> BoardLoads:
-        """From one load per slot (fractional predictions rounded)."""
+        """From one load per slot (fractional predictions rounded as the rule rounds them: `DecodeLoad.rounded`)."""
+        whole = [load.rounded() for load in loads]
         return cls(
-            np.array([round(load.batch_size) for load in loads], dtype=np.int64),
-            np.array([round(load.context_tokens) for load in loads], dtype=np.int64),
-            np.array([round(load.kv_tokens) for load in loads], dtype=np.int64),
+            np.array([load.batch_size for load in whole], dtype=np.int64),
+            np.array([load.context_tokens for load in whole], dtype=np.int64),
+            np.array([load.kv_tokens for load in whole], dtype=np.int64),
         )
 
 

@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.decode import choose_decode
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
+from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
+from mooncake.types import InstanceId
 from tests.reference.sched import reference_verdict
 
 COST = DecodeCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])
@@ -102,3 +105,25 @@ def test_the_rule_as_written(
     got = check_join(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
     want = reference_verdict(limit, load, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo)
     assert got.reason is want and got.accepted == (want is None)
+
+
+fractional_loads = st.builds(DecodeLoad, st.floats(0, 10), st.floats(0, 100_000), st.floats(0, 25_000))
+
+
+@given(limits, fractional_loads, requests, st.sampled_from([0.015, 0.03, 0.1]))
+def test_a_predicted_load_is_checked_as_its_rounding_by_the_rule_and_the_scan_alike(
+    limit: DecodeLimits, load: DecodeLoad, request: tuple[int, int], slo: float
+) -> None:
+    """A prediction's fractional counts are rounded once (`DecodeLoad.rounded`) before every check: `check_join`
+    gives the verdict of the rounded load, and the decode selection's compiled scan, given the same load, lets the
+    request in exactly then, with that verdict."""
+    prompt, output = request
+    ask = {"prompt_tokens": prompt, "output_tokens": output, "step_model": COST, "tbt_slo_s": slo}
+    got = check_join(limit, load, **ask)  # type: ignore[arg-type]
+    assert got == check_join(limit, load.rounded(), **ask)  # type: ignore[arg-type]
+    board = DecodeBoard([DecodeView(InstanceId("decode-0"), limit)])
+    choice = choose_decode(board, loads=BoardLoads.of([load]), **ask)  # type: ignore[arg-type]
+    structural = check_join(limit, load, prompt_tokens=prompt, output_tokens=output)
+    assert (choice.decode_instance is not None) == structural.accepted
+    if structural.accepted:
+        assert choice.verdict == got
