@@ -66,6 +66,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "prompt_tokens",
+    "requested_max_tokens",
     "stream_usage",
     "tokenize_body",
 ]
@@ -498,14 +499,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     if ignored:
         LOG.warning("ignored request fields this server does not know: %s", ", ".join(ignored))
     _check_model(body, served)
-    # OpenAI's newer name wins where both are given; the prompt's share of the context is checked once it is
-    # tokenized (`prompt_tokens`).
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # No bound of the context's here: a prompt and max_tokens over it get vLLM's context_length_exceeded, once
     # the prompt is tokenized (`prompt_tokens`).
-    max_tokens: int | None = _integer(body, limit, served.default_max_tokens, 1, MAX_SEED)
-    if chat and body.get(limit) is None:
-        max_tokens = None
+    max_tokens = requested_max_tokens(body, default=None if chat else served.default_max_tokens)
     min_tokens = _integer(body, "min_tokens", 0, 0, MAX_SEED)
     if max_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, _min_over_max(min_tokens, max_tokens), param="min_tokens")
@@ -530,6 +526,20 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
     }
+
+
+def requested_max_tokens(body: Mapping[str, Any], *, default: int | None) -> int | None:
+    """The output a body asks for, as vLLM reads it: `max_completion_tokens` (OpenAI's newer name) where it is not
+    null, else `max_tokens`; `default` where neither is set (None: the context decides, vLLM's rule for a chat;
+    a completion's default is 16 in vLLM).
+
+    Raises:
+        ApiError: 400, a value that is not an integer >= 1 (a whole float is its integer).
+    """
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(limit) is None:
+        return default
+    return _integer(body, limit, 0, 1, MAX_SEED)
 
 
 def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:

@@ -42,7 +42,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from serving.api import DECODE_HEADER, PREFILL_HEADER, ApiError, authorized, decode_body, stream_usage
+from serving.api import (
+    DECODE_HEADER,
+    PREFILL_HEADER,
+    ApiError,
+    authorized,
+    decode_body,
+    requested_max_tokens,
+    stream_usage,
+)
 from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
 from vllm_events import KvEventSubscriber
 
@@ -64,6 +72,7 @@ HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server", "date"}
 )
 MAX_BODY_BYTES = 32 << 20
+VLLM_COMPLETION_MAX_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens for a completion that sets none
 SHUTDOWN_GRACE_S = 5.0  # what a request still in flight gets at `close` before it is cancelled (aiohttp's: 60 s)
 
 
@@ -335,8 +344,11 @@ class VllmRouter:
             max_bytes=MAX_BODY_BYTES,
         )
         tokens = self._prompt(body, chat=chat)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        # What vLLM will generate at most, read as vLLM reads it (a bad value is vLLM's 400, before any server
+        # sees it); a completion that sets none gets vLLM's 16, a chat runs to the context's end in vLLM and is
+        # planned for `default_max_tokens`.
+        max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
+        if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
         stream = bool(body.get("stream"))
         wants_usage, _ = stream_usage(body)  # vLLM's reading, so that the answer is the one vLLM would give

@@ -37,6 +37,7 @@ from serving.api import (
     parse_chat,
     parse_completion,
     prompt_tokens,
+    requested_max_tokens,
     tokenize_body,
 )
 from serving.tokenizer import ByteTokenizer, TextStream
@@ -680,3 +681,31 @@ def test_the_api_key_is_checked_as_vllm_checks_it(key: str, other: str, scheme: 
     assert not authorized(f"Basic {key}", key) and not authorized(key, key)
     assert not authorized(None, key) and not authorized("", key)
     assert authorized(None, "") and authorized(f"Basic {other}", "")
+
+
+@pytest.mark.parametrize(
+    ("body", "default", "expected"),
+    [
+        ({}, 16, 16),
+        ({}, None, None),
+        ({"max_tokens": 7}, 16, 7),
+        ({"max_tokens": 7.0}, None, 7),
+        ({"max_completion_tokens": 9, "max_tokens": 7}, 16, 9),
+        ({"max_completion_tokens": None, "max_tokens": 7}, 16, 7),
+        ({"max_tokens": None}, None, None),
+    ],
+)
+def test_the_requested_output_is_read_as_vllm_reads_it(
+    body: dict[str, Any], default: int | None, expected: int | None
+) -> None:
+    """`max_completion_tokens` wins where it is not null; neither set: the default (None: the context decides)."""
+    assert requested_max_tokens(body, default=default) == expected
+
+
+@pytest.mark.parametrize(
+    "body", [{"max_tokens": 0}, {"max_tokens": "8"}, {"max_completion_tokens": 1.5}, {"max_tokens": True}]
+)
+def test_a_requested_output_that_is_no_count_is_a_400_naming_it(body: dict[str, Any]) -> None:
+    with pytest.raises(ApiError) as raised:
+        requested_max_tokens(body, default=16)
+    assert raised.value.status == 400 and raised.value.param in body

@@ -257,7 +257,23 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
         assert status == 400 and "maximum context" in json.loads(text)["error"]["message"]
         status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": ""}, key)
         assert status == 400
+        for bad in ({"max_tokens": 0}, {"max_tokens": "8"}, {"max_completion_tokens": 1.5}):  # vLLM's 400s
+            status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", **bad}, key)
+            assert status == 400 and json.loads(text)["error"]["param"] in bad
         assert sum(len(f.received) for f in fakes) == before
+        # max_tokens as vLLM reads it: a completion that sets none gets 16, so a prompt 20 tokens short of the
+        # context is served; a null max_completion_tokens leaves max_tokens in force.
+        for extra in ({}, {"max_completion_tokens": None, "max_tokens": 20}):
+            status, _, _ = post(
+                f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2028)), **extra}, key
+            )
+            assert status == 200
+        status, _, _ = post(
+            f"{router.url}/v1/completions",
+            {"model": "tiny", "prompt": list(range(2028)), "max_completion_tokens": None, "max_tokens": 21},
+            key,
+        )
+        assert status == 400
 
 
 def test_a_client_that_leaves_aborts_its_request_upstream(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
