@@ -101,6 +101,10 @@ class Flight:
     idle: bool  # nothing of the router's was queued ahead on its instance: its TTFT teaches the prefill model
     prefilled_s: float | None = None
     first_token_s: float | None = None
+    # The prompt tokens the server found cached (vLLM's usage.prompt_tokens_details.cached_tokens), once it said.
+    cached_tokens: int | None = None
+    # A timed prefill's seconds, learnt from once the server says what it found cached (or the request ends).
+    prefill_sample_s: float | None = None
 
     @property
     def instance_id(self) -> InstanceId:
@@ -197,16 +201,22 @@ class Fleet:
                 head = view.queue[0].request_id
                 self.conductor.handle(PrefillStarted(request_id=head, instance_id=view.instance_id, now=now))
 
-    def prefilled(self, flight: Flight, now: float, *, timed: bool = True) -> None:
+    def prefilled(self, flight: Flight, now: float, *, timed: bool = True, cached_tokens: int | None = None) -> None:
         """The request's prefill is done: it leaves its prefill instance's queue. `timed`: `now` is when the
         prefill ended (a first token streamed, or the one-token answer of a disaggregated prefill), so an idle
-        instance's prefill teaches the model; an answer that came whole says nothing about its prefill."""
+        instance's prefill teaches the model, with the prefix the server found cached (`cached_tokens`, from its
+        answer's usage; a stream says it at its end, so the sample waits for `finished`; a server that never
+        says: the prefix the router expected); an answer that came whole says nothing about its prefill."""
         if flight.prefilled_s is not None:
             return
         flight.prefilled_s = now
+        if cached_tokens is not None:
+            flight.cached_tokens = cached_tokens
         request = flight.request
         if timed and flight.idle:
-            self.prefill_model.observe(request.input_length, flight.decision.prefix_tokens, now - flight.dispatched_s)
+            flight.prefill_sample_s = now - flight.dispatched_s
+            if flight.cached_tokens is not None:
+                self._learn(flight)
         self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=flight.instance_id, now=now))
 
     def first_token(self, flight: Flight, now: float, *, timed: bool = True) -> None:
@@ -228,12 +238,18 @@ class Fleet:
             )
         )
 
-    def finished(self, flight: Flight, now: float, generated_tokens: int | None) -> None:
-        """The request's last token came back."""
+    def finished(
+        self, flight: Flight, now: float, generated_tokens: int | None, *, cached_tokens: int | None = None
+    ) -> None:
+        """The request's last token came back; `cached_tokens`: the prompt tokens its server found cached, as its
+        answer's usage says (None: it did not say)."""
         if self.flights.pop(flight.request.request_id, None) is None:
             return
         if flight.first_token_s is None:
             self.first_token(flight, now, timed=False)
+        if flight.cached_tokens is None:
+            flight.cached_tokens = cached_tokens
+        self._learn(flight)
         self.conductor.handle(
             DecodeFinished(
                 request_id=flight.request.request_id,
@@ -246,7 +262,17 @@ class Fleet:
     def failed(self, flight: Flight, now: float, reason: Reason) -> None:
         """The request ended without completing: its client left, its deadline passed, its server failed it."""
         if self.flights.pop(flight.request.request_id, None) is not None:
+            self._learn(flight)
             self.conductor.handle(RequestAborted(request_id=flight.request.request_id, now=now, reason=reason))
+
+    def _learn(self, flight: Flight) -> None:
+        """Teach the prefill model the flight's timed prefill, once: with the prefix its server found cached, else
+        the one the router expected."""
+        if flight.prefill_sample_s is None:
+            return
+        cached = flight.cached_tokens if flight.cached_tokens is not None else flight.decision.prefix_tokens
+        self.prefill_model.observe(flight.request.input_length, cached, flight.prefill_sample_s)
+        flight.prefill_sample_s = None
 
     # ------------------------------------------------------------------ instances
 

@@ -25,7 +25,8 @@ that leaves aborts its request on the server (the upstream connection closes).
 `GET /v1/models` (the servers' model), `/health` (200 while a server is up,
 with each one's state), `/metrics` (the router's own, `serving.metrics`'s
 families: responses by status, rejections by reason, TTFT, prefix hits as
-the router expected them; `engine` is the instance id; each server's
+each server reports them in its usage, `prompt_tokens_details.cached_tokens`,
+else as the router expected them; `engine` is the instance id; each server's
 `vllm:` counters are in its own `/metrics`).
 """
 
@@ -458,12 +459,16 @@ class VllmRouter:
             self.metrics.responses[str(status)].inc()
             kept = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
             return web.Response(body=data, status=status, headers=kept)
-        self.fleet.prefilled(flight, now)  # a one-token answer comes when the prefill ends
+        answer: Any = None
+        with contextlib.suppress(ValueError, TypeError):
+            answer = json.loads(data)
+        answer = answer if isinstance(answer, dict) else {}
+        # A one-token answer comes when the prefill ends; its usage says what the prefill server found cached.
+        self.fleet.prefilled(flight, now, cached_tokens=_cached_tokens(answer.get("usage")))
         decode = dict(body)
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            params = json.loads(data).get("kv_transfer_params")
-            if params:
-                decode["kv_transfer_params"] = params
+        params = answer.get("kv_transfer_params")
+        if params:
+            decode["kv_transfer_params"] = params
         return json.dumps(decode).encode()
 
     async def _forward(
@@ -490,6 +495,7 @@ class VllmRouter:
             "X-Mooncake-Router-Overhead-Us": str(overhead_us),
         }
         generated: int | None = None
+        cached: int | None = None  # the prompt tokens the server found cached, as its usage says
         finish = "length"
         done = False  # the answer was read to its end (else the connection is closed: the server aborts it)
         try:
@@ -509,13 +515,14 @@ class VllmRouter:
                     raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
                 now = time.monotonic()
                 if upstream.status == 200:
-                    with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError, IndexError):
                         answer = json.loads(data)
+                        cached = _cached_tokens(answer.get("usage"))
                         generated = int(answer["usage"]["completion_tokens"])
                         finish = str(answer["choices"][0].get("finish_reason") or "length")
                     # An answer of one token came at its first token: its time is the prefill's.
                     fleet.first_token(flight, now, timed=flight.request.output_length == 1)
-                    fleet.finished(flight, now, generated)
+                    fleet.finished(flight, now, generated, cached_tokens=cached)
                     self._account(flight, now, now, generated, finish)
                 else:
                     fleet.failed(flight, now, Reason.FAILED)
@@ -542,6 +549,7 @@ class VllmRouter:
                         with contextlib.suppress(ValueError, TypeError, KeyError):
                             chunk = json.loads(line[5:])
                             if chunk.get("usage") and not chunk.get("choices"):
+                                cached = _cached_tokens(chunk["usage"])
                                 generated = int(chunk["usage"]["completion_tokens"])
                                 if not wants_usage:
                                     skip_blank = True
@@ -565,7 +573,7 @@ class VllmRouter:
                 await response.prepare(request)
                 metrics.responses["200"].inc()
             now = time.monotonic()
-            fleet.finished(flight, now, generated)
+            fleet.finished(flight, now, generated, cached_tokens=cached)
             self._account(flight, first_s if first_s is not None else now, now, generated, finish)
             done = True
             await response.write_eof()
@@ -582,7 +590,7 @@ class VllmRouter:
         self.metrics.prefilled(
             flight.instance_id,
             prompt_tokens=request.input_length,
-            cached_tokens=flight.decision.prefix_tokens,
+            cached_tokens=flight.cached_tokens if flight.cached_tokens is not None else flight.decision.prefix_tokens,
             fetched_bytes=0,
             pushed_bytes=0,
         )
@@ -616,3 +624,12 @@ def _subscriber(section: InstanceSection, decoder: Any, index: BlockIndex) -> Kv
         )
     except Exception as error:  # zmq.ZMQError: the endpoint cannot be bound here
         raise ConfigError(f"kv_events = {section.kv_events!r} cannot be bound on this host: {error}") from error
+
+
+def _cached_tokens(usage: Any) -> int | None:
+    """The prompt tokens a vLLM server found in its prefix cache, from an answer's usage
+    (`prompt_tokens_details.cached_tokens`, given with `--enable-prompt-tokens-details`); None where it says
+    nothing usable."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int and cached >= 0 else None

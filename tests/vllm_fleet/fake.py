@@ -4,7 +4,8 @@ A disaggregated pair's protocol as vLLM's NIXL connector speaks it: a request as
 answered with `kv_transfer_params` naming this server; one carrying `do_remote_prefill` skips its prefill.
 
 Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers),
-`waiting` (the requests `/metrics` says wait there: another client's, as far as the router knows).
+`waiting` (the requests `/metrics` says wait there: another client's, as far as the router knows),
+`cached_tokens` (None, or the prefix-cache hit its usage reports, as `--enable-prompt-tokens-details` does).
 `received` holds every completion body. It serves from a thread of its own on 127.0.0.1 (`port` 0: any
 free one; a stopped fake started again keeps its port).
 """
@@ -30,6 +31,7 @@ class FakeVllm:
         self.status = 200
         self.healthy = True
         self.waiting = 0
+        self.cached_tokens: int | None = None
         self.received: list[dict[str, Any]] = []
         self.aborted = 0
         self.port = 0
@@ -99,7 +101,9 @@ class FakeVllm:
         prompt = body.get("prompt", "")
         tokens = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(str(prompt)))
         count = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-        usage = {"prompt_tokens": tokens, "completion_tokens": count, "total_tokens": tokens + count}
+        usage: dict[str, Any] = {"prompt_tokens": tokens, "completion_tokens": count, "total_tokens": tokens + count}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         transfer = body.get("kv_transfer_params") or {}
         try:
             if not transfer.get("do_remote_prefill"):  # else its KV came from the prefill server

@@ -176,6 +176,31 @@ def test_a_prompt_goes_to_the_server_holding_its_prefix_and_decodes_there(tmp_pa
     fleet.conductor.check_invariants()
 
 
+def test_the_prefill_model_learns_the_prefix_the_server_found_not_the_one_expected(tmp_path: Any) -> None:
+    """A timed prefill is learnt from once: with the cached prefix its server's usage reports (at the stream's
+    end, or with a disaggregated prefill's answer), else, for a server that never says, the router's expectation."""
+    fleet = Fleet(router_config(tmp_path), [INFO, INFO])
+    document = list(range(1, 1001))
+    stored(fleet, "vllm-1", document, 0)
+    for reported, learnt in ((320, 320), (None, 992)):
+        _, decision = fleet.schedule([*document, 5, 6, 7], 16, now=0.0)
+        assert decision.prefix_tokens == 992  # what the router expects
+        flight = fleet.flights[decision.request_id]
+        fleet.first_token(flight, 0.05)
+        count = len(fleet.prefill_model.samples)
+        fleet.finished(flight, 0.2, generated_tokens=16, cached_tokens=reported)  # the usage chunk, at the end
+        assert len(fleet.prefill_model.samples) == count + 1
+        assert fleet.prefill_model.samples[-1].prefix_tokens == learnt
+    _, decision = fleet.schedule([*document, 8, 9], 16, now=1.0)
+    flight = fleet.flights[decision.request_id]
+    fleet.prefilled(flight, 1.05, cached_tokens=640)  # a disaggregated prefill's one-token answer says it
+    assert fleet.prefill_model.samples[-1].prefix_tokens == 640
+    count = len(fleet.prefill_model.samples)
+    fleet.finished(flight, 1.2, generated_tokens=16, cached_tokens=1000)  # the decode server's own count: not it
+    assert len(fleet.prefill_model.samples) == count and flight.cached_tokens == 640
+    fleet.conductor.check_invariants()
+
+
 def test_a_prompt_over_a_servers_context_is_refused_before_it_is_sent(tmp_path: Any) -> None:
     fleet = Fleet(router_config(tmp_path), [INFO, INFO])
     _, decision = fleet.schedule(list(range(2000)), 100, now=0.0)

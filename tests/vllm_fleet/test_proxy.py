@@ -120,6 +120,21 @@ def test_streams_and_whole_answers_pass_through(fakes: list[FakeVllm], tokenizer
         assert router.read(lambda r: len(r.fleet.flights)) == 0
 
 
+def test_prefix_hits_are_counted_as_the_server_reports_them(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """The router's prefix-hit counter takes each answer's `prompt_tokens_details.cached_tokens` (whole answers
+    and streams alike), not the prefix it expected; the X-Mooncake-Cached-Tokens header stays the expectation."""
+    for fake in fakes:
+        fake.cached_tokens = 7
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "bada keli", "max_tokens": 2, "stream": stream}
+            status, headers, _ = post(f"{router.url}/v1/completions", body)
+            assert status == 200 and headers["X-Mooncake-Cached-Tokens"] == "0"
+        metrics = fetch(f"{router.url}/metrics").text
+        hits = [line for line in metrics.splitlines() if line.startswith("mooncake:prefix_cache_hits_total")]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in hits) == 14, metrics
+
+
 def test_a_failing_server_is_routed_around_and_restored(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
     with BackgroundRouter(router_config(fakes, tokenizer_dir, health_interval_s=30.0)) as router:
         fakes[0].stop()  # refuses connections now
