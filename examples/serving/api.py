@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 
 from mooncake.errors import InvalidRequestError, MooncakeError
-from mooncake.sched.outcome import Outcome
+from mooncake.sched.outcome import Outcome, Reason, http_status
 from serving.tokenizer import ServingTokenizer
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "prompt_tokens",
+    "rejection_error",
     "requested_max_tokens",
     "stream_usage",
     "tokenize_body",
@@ -115,6 +116,36 @@ class ApiError(MooncakeError):
         if self.outcome is not None:
             body["error"]["outcome"] = self.outcome.value
         return body
+
+
+def rejection_error(
+    reason: Reason,
+    outcome: Outcome,
+    *,
+    detail: str | None = None,
+    ttft_s: float | None = None,
+    ttft_slo_s: float | None = None,
+    param: str | None = None,
+) -> ApiError:
+    """The answer to a request the scheduler refused, one for every server here: the status `http_status` gives
+    the reason, the reason as the error's code, whether the prefill ran (`outcome`), and `Retry-After` (none
+    with a 400: no retry can help). A TTFT refusal with its estimate waits what the estimate overshot the
+    objective by (the queue ahead drains about that much meanwhile), at least 1 s; any other wait 1 s.
+    `detail` (default: a word of advice) follows the reason in the message."""
+    status = http_status(reason)
+    where = "the decode engine refused the request" if outcome is Outcome.REJECTED_AFTER_PREFILL else "rejected"
+    advice = {503: "no engine of a role is up", 400: "no engine could ever take it", 429: "retry later"}[status]
+    wait = 1
+    if reason is Reason.TTFT_SLO and ttft_s is not None and ttft_slo_s is not None and math.isfinite(ttft_s):
+        wait = max(1, math.ceil(ttft_s - ttft_slo_s))
+    return ApiError(
+        status,
+        f"{where} ({reason.value}): {detail or advice}",
+        code=reason.value,
+        param=param,
+        headers={} if status == 400 else {"Retry-After": str(wait)},
+        outcome=outcome,
+    )
 
 
 def error_body(message: str, *, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:

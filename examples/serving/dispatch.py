@@ -71,7 +71,7 @@ import numpy as np
 
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd, reason_named
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
@@ -87,7 +87,7 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import InstanceId, Request, RequestId
 from serving import wire
-from serving.api import MAX_SEED, ApiError, SamplingOptions
+from serving.api import MAX_SEED, ApiError, SamplingOptions, rejection_error
 from serving.config import ClusterConfig
 from serving.metrics import FinishedRequest, ServingMetrics
 from serving.models import decode_limits
@@ -304,7 +304,7 @@ class Dispatcher:
         for role, reason in (("prefill", Reason.NO_PREFILL_INSTANCE), ("decode", Reason.NO_DECODE_INSTANCE)):
             if not self.num_up(role):  # what the Conductor would answer, before the prompt is hashed for it
                 self.metrics.rejections[reason.value].inc()
-                raise _rejection(reason, Outcome.REJECTED_BEFORE_PREFILL)
+                raise rejection_error(reason, Outcome.REJECTED_BEFORE_PREFILL)
         assert sampling.max_tokens is not None, "settle a chat's max_tokens first (api.generation_limit)"
         if sampling.seed is None:  # drawn once: a retry on another engine samples the same stream
             sampling = attrs.evolve(sampling, seed=secrets.randbelow(MAX_SEED + 1))
@@ -346,7 +346,7 @@ class Dispatcher:
             return
         assert decision.reason is not None
         self.metrics.rejections[decision.reason.value].inc()
-        waiter.decided.set_exception(_rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL))
+        waiter.decided.set_exception(self._rejection(decision))
 
     def _room_freed(self) -> None:
         """A request ended, an engine came up or went down, or a wait's deadline came: the line is tried
@@ -368,6 +368,19 @@ class Dispatcher:
             delay = max(0.0, deadline - self.now())
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._room_freed)
 
+    def _rejection(self, decision: ScheduleDecision) -> ApiError:
+        """The answer to the Conductor's rejection of a request before its prefill (`rejection_error`)."""
+        assert decision.reason is not None
+        ttft = decision.ttft_s
+        detail = None if ttft is None else f"estimated TTFT {ttft:.3f} s, objective {self.conductor.slo.ttft_s:g} s"
+        return rejection_error(
+            decision.reason,
+            Outcome.REJECTED_BEFORE_PREFILL,
+            detail=detail if decision.reason is Reason.TTFT_SLO else None,
+            ttft_s=ttft,
+            ttft_slo_s=self.conductor.slo.ttft_s,
+        )
+
     def _schedule(self, live: LiveRequest) -> None:
         """Schedule a request again at once (after an engine of its went down): no wait, it has waited once.
 
@@ -378,7 +391,7 @@ class Dispatcher:
         if not decision.accepted:
             assert decision.reason is not None
             self.metrics.rejections[decision.reason.value].inc()
-            raise _rejection(decision.reason, Outcome.REJECTED_BEFORE_PREFILL)
+            raise self._rejection(decision)
         self._accepted(live, decision)
 
     def _accepted(self, live: LiveRequest, decision: ScheduleDecision) -> None:
@@ -611,7 +624,9 @@ class Dispatcher:
         elif isinstance(message, wire.DecodeRejected):
             reason = reason_named(message.reason)
             self.metrics.rejections[f"decode_{reason.value}"].inc()
-            self._fail(live, _rejection(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason)
+            self._fail(
+                live, rejection_error(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason
+            )
 
     def _unreachable(self, live: LiveRequest, failed: wire.PrefillFailed) -> None:
         """The prefill's decode node did not answer it: a probe of that node decides at once whether it is down
@@ -801,13 +816,3 @@ class Dispatcher:
             live.events.put_nowait(("error", error))
             return
         self.submit(live)
-
-
-def _rejection(reason: Reason, outcome: Outcome) -> ApiError:
-    """The answer to a rejected request: the status `http_status` gives its reason, the reason as the error's
-    code, and whether the prefill ran (`outcome`)."""
-    status = http_status(reason)
-    where = "the decode engine refused the request" if outcome is Outcome.REJECTED_AFTER_PREFILL else "rejected"
-    advice = {503: "no engine of a role is up", 400: "no engine could ever take it", 429: "retry later"}[status]
-    headers = {} if status == 400 else {"Retry-After": "1"}
-    return ApiError(status, f"{where} ({reason.value}): {advice}", code=reason.value, headers=headers, outcome=outcome)

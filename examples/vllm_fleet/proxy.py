@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,6 +48,7 @@ from serving.api import (
     ApiError,
     authorized,
     decode_body,
+    rejection_error,
     requested_max_tokens,
     stream_usage,
 )
@@ -363,30 +363,23 @@ class VllmRouter:
             _, decision = self.fleet.schedule(tokens, max_tokens, now)
             if not decision.accepted:
                 assert decision.reason is not None
-                reason = decision.reason.value
-                self.metrics.rejections[reason].inc()
-                status, before = http_status(decision.reason), Outcome.REJECTED_BEFORE_PREFILL
-                if status == 503:
-                    raise ApiError(
-                        503, "no vLLM server is up", code=reason, headers={"Retry-After": "1"}, outcome=before
-                    )
-                if status == 400:  # no server could ever take it: vLLM's own 400
-                    raise ApiError(
-                        400,
-                        f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
-                        f"maximum context",
-                        param="max_tokens",
-                        code=reason,
-                        outcome=before,
-                    )
-                wait = max(1, math.ceil((decision.ttft_s or 0.0) - self.settings.ttft_slo_s))
-                raise ApiError(
-                    status,
-                    f"rejected ({reason}): estimated TTFT {decision.ttft_s or 0.0:.3f} s, objective "
-                    f"{self.settings.ttft_slo_s:g} s",
-                    code=reason,
-                    headers={"Retry-After": str(wait)},
-                    outcome=before,
+                self.metrics.rejections[decision.reason.value].inc()
+                status = http_status(decision.reason)
+                detail = {
+                    503: "no vLLM server is up",
+                    # no server could ever take it: vLLM's own 400
+                    400: f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
+                    "maximum context",
+                }.get(
+                    status, f"estimated TTFT {decision.ttft_s or 0.0:.3f} s, objective {self.settings.ttft_slo_s:g} s"
+                )
+                raise rejection_error(
+                    decision.reason,
+                    Outcome.REJECTED_BEFORE_PREFILL,
+                    detail=detail,
+                    ttft_s=decision.ttft_s,
+                    ttft_slo_s=self.settings.ttft_slo_s,
+                    param="max_tokens" if status == 400 else None,
                 )
             log.debug(
                 "%s: %d tokens, %d cached on %s, estimated TTFT %.3f s",

@@ -37,10 +37,13 @@ from serving.api import (
     parse_chat,
     parse_completion,
     prompt_tokens,
+    rejection_error,
     requested_max_tokens,
     tokenize_body,
 )
 from serving.tokenizer import ByteTokenizer, TextStream
+
+from mooncake.sched.outcome import Outcome, Reason
 
 SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_context_tokens=129, vocab_size=256)
 TOKENIZER = ByteTokenizer()
@@ -709,3 +712,23 @@ def test_a_requested_output_that_is_no_count_is_a_400_naming_it(body: dict[str, 
     with pytest.raises(ApiError) as raised:
         requested_max_tokens(body, default=16)
     assert raised.value.status == 400 and raised.value.param in body
+
+
+@pytest.mark.parametrize(
+    ("reason", "ttft_s", "status", "retry_after"),
+    [
+        (Reason.TTFT_SLO, 34.2, 429, "5"),  # what the estimate overshot the 30 s objective by, rounded up
+        (Reason.TTFT_SLO, 30.1, 429, "1"),  # at least 1 s
+        (Reason.TTFT_SLO, None, 429, "1"),
+        (Reason.KV_BUDGET, 34.2, 429, "1"),  # a wait for room: no estimate of when
+        (Reason.NO_DECODE_INSTANCE, None, 503, "1"),
+        (Reason.CONTEXT_TOO_LONG, None, 400, None),  # no retry helps
+    ],
+)
+def test_a_rejection_is_answered_alike_by_every_server(
+    reason: Reason, ttft_s: float | None, status: int, retry_after: str | None
+) -> None:
+    """The status is `http_status`'s, the code the reason, the outcome said, and Retry-After one rule."""
+    error = rejection_error(reason, Outcome.REJECTED_BEFORE_PREFILL, ttft_s=ttft_s, ttft_slo_s=30.0)
+    assert (error.status, error.code, error.headers.get("Retry-After")) == (status, reason.value, retry_after)
+    assert error.body()["error"]["outcome"] == "rejected_before_prefill" and reason.value in error.message
