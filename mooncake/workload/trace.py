@@ -64,12 +64,19 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from mooncake._checks import ceil_div, require_int, require_number
+from mooncake._checks import require_int, require_number
 from mooncake._files import atomic_path
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
-from mooncake.workload.trace_record import ARRAY_HINT, TIME_UNITS, TimeUnit, parse_record, session_of
+from mooncake.workload.trace_record import (
+    ARRAY_HINT,
+    TIME_UNITS,
+    TimeUnit,
+    check_block_count,
+    parse_record,
+    session_of,
+)
 
 __all__ = [
     "SkippedLine",
@@ -354,31 +361,46 @@ def _text_of(request: Request, block_size_tokens: int) -> str | None:
 
 
 def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str, Any]:
+    """The request's line, checked by the reader's own rule (`parse_record`): a written trace always reads back.
+
+    Raises:
+        InvalidRequestError: the request is keyed in another block size, or a field is past the reader's bounds.
+    """
+    if request.block_size_tokens is not None and request.block_size_tokens != block_size_tokens:
+        raise InvalidRequestError(
+            f"request {request.request_id} is keyed in {request.block_size_tokens}-token blocks, the trace in "
+            f"{block_size_tokens}-token blocks: write each block size's requests to a trace of their own"
+        )
     timestamp = round(request.arrival_s * 1000)
     if form == "aiperf" and (text := _text_of(request, block_size_tokens)) is not None:
-        return {"timestamp": timestamp, "text_input": text, "output_length": request.output_length}
-    expected = ceil_div(request.input_length, block_size_tokens)
-    if len(request.block_keys) != expected:
-        raise InvalidRequestError(
-            f"request {request.request_id}: {len(request.block_keys)} block keys for input_length "
-            f"{request.input_length}, expected {expected} at block size {block_size_tokens}"
-        )
-    return {
-        "timestamp": timestamp,
-        "input_length": request.input_length,
-        "output_length": request.output_length,
-        "hash_ids": list(request.block_keys),
-    }
+        line: dict[str, Any] = {"timestamp": timestamp, "text_input": text, "output_length": request.output_length}
+    else:
+        line = {
+            "timestamp": timestamp,
+            "input_length": request.input_length,
+            "output_length": request.output_length,
+            "hash_ids": list(request.block_keys),
+        }
+    try:
+        # The fields as the reader checks them; the keys (a Request's are valid ids) by their count alone.
+        parse_record({**line, "hash_ids": None}, block_size_tokens)
+        if "hash_ids" in line:
+            check_block_count(len(request.block_keys), request.input_length, block_size_tokens)
+    except ValueError as error:
+        raise InvalidRequestError(f"request {request.request_id} cannot be read back from a trace: {error}") from None
+    return line
 
 
 def _write_lines(
-    write: Callable[[bytes], object], requests: Iterable[Request], block_size_tokens: int, form: TraceForm
+    write: Callable[[bytes], object], requests: Iterable[Request], block_size_tokens: int | None, form: TraceForm
 ) -> int:
     count = 0
     previous = -float("inf")
     for request in requests:
         if not isinstance(request, Request):
             raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
+        if block_size_tokens is None:  # the first request's, as it was keyed
+            block_size_tokens = request.block_size_tokens or TRACE_BLOCK_SIZE_TOKENS
         if request.arrival_s < previous:
             raise InvalidRequestError(
                 f"request {request.request_id} arrives at {request.arrival_s}s, before the previous one ({previous}s)"
@@ -393,13 +415,16 @@ def write_trace(
     path: str | os.PathLike[str],
     requests: Iterable[Request],
     *,
-    block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS,
+    block_size_tokens: int | None = None,
     form: TraceForm = "mooncake",
 ) -> int:
     """Write requests as a trace, atomically; gzip-compressed when `path` ends in `.gz`.
 
     Timestamps are written as whole milliseconds. Requests must arrive in
-    non-decreasing order and carry ceil(input_length / block_size) keys. The
+    non-decreasing order and carry ceil(input_length / block_size) keys, in the
+    trace's block size (`block_size_tokens`; None: the first request's, as it
+    was keyed, else 512); each line is checked by the reader's rule, so that a
+    written trace always reads back (with that block size). The
     "mooncake" form writes `timestamp`, `input_length`, `output_length` and
     `hash_ids`; the "aiperf" form writes the same, except for a request whose
     prompt is text (its tokens the UTF-8 bytes of a text, its keys the byte
@@ -415,7 +440,8 @@ def write_trace(
         ConfigError: an unknown form or block size, or a path that names no file.
         OSError: the file cannot be written (named by `path`), or reading the requests failed.
     """
-    block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
+    if block_size_tokens is not None:
+        block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     if form not in TRACE_FORMS:
         raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
     target = Path(path)

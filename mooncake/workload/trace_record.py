@@ -53,6 +53,7 @@ __all__ = [
     "TIME_UNITS",
     "TimeUnit",
     "TraceRecord",
+    "check_block_count",
     "parse_record",
     "session_of",
 ]
@@ -190,19 +191,29 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
             raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(bad)}")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
+    check_block_count(len(hash_ids), input_length, block_size_tokens)
+    return tuple(hash_ids)
+
+
+def check_block_count(count: int, input_length: int, block_size_tokens: int) -> None:
+    """A line's `count` hash_ids must be ceil(input_length / block_size_tokens), one per block, the partial last
+    one included (the reader's rule, and the writer's).
+
+    Raises:
+        ValueError: another count, naming a block size it would fit where exactly one does.
+    """
     expected = ceil_div(input_length, block_size_tokens)
-    if len(hash_ids) != expected:
-        fits = [size for size in _BLOCK_SIZES if ceil_div(input_length, size) == len(hash_ids)]
+    if count != expected:
+        fits = [size for size in _BLOCK_SIZES if ceil_div(input_length, size) == count]
         hint = (
             f"the count fits {fits[0]}-token blocks: block_size_tokens / --block-size {fits[0]}"
             if len(fits) == 1
             else "is the trace keyed in another block size? block_size_tokens / --block-size"
         )
         raise ValueError(
-            f"{len(hash_ids)} hash_ids for input_length {input_length}: expected "
+            f"{count} hash_ids for input_length {input_length}: expected "
             f"ceil({input_length}/{block_size_tokens}) = {expected} ({hint})"
         )
-    return tuple(hash_ids)
 
 
 def session_of(record: object) -> str | None:

@@ -464,14 +464,38 @@ def test_writing_or_summarizing_what_is_not_a_request_names_it(tmp_path: Path) -
         trace_stats([1])  # type: ignore[list-item]
 
 
+def test_a_trace_is_written_in_its_requests_block_size_and_only_what_reads_back(tmp_path: Path) -> None:
+    """Without a block size the trace takes its requests' (as they were keyed); a request keyed in another one
+    than the trace's, or with a field past the reader's bounds (2**24 tokens, 2**43 ms), is an
+    InvalidRequestError naming it, and nothing is written."""
+    keyed = [
+        attrs.evolve(request(i, float(i), input_length=40, keys=(1, 2, 3)), block_size_tokens=16) for i in range(2)
+    ]
+    assert write_trace(tmp_path / "sixteen.jsonl", keyed) == 2
+    assert load_trace(tmp_path / "sixteen.jsonl", block_size_tokens=16)[0].block_keys == keyed[0].block_keys
+    with pytest.raises(InvalidRequestError, match="keyed in 16-token blocks, the trace in 512-token blocks"):
+        write_trace(tmp_path / "out.jsonl", keyed, block_size_tokens=512)
+    mixed = [request(0, 0.0, input_length=40, keys=(1,)), keyed[1]]
+    with pytest.raises(InvalidRequestError, match="request 1 is keyed in 16-token blocks"):
+        write_trace(tmp_path / "out.jsonl", mixed)
+    huge = request(0, 0.0, input_length=2**24 + 1, keys=tuple(range(-(-(2**24 + 1) // 512))))
+    late = request(0, 2**43 / 1000 + 1, input_length=5, keys=(1,))
+    for bad, field in ((huge, "input_length"), (late, "timestamp")):
+        with pytest.raises(InvalidRequestError, match=f"request 0 cannot be read back from a trace: field '{field}'"):
+            write_trace(tmp_path / "out.jsonl", [bad])
+    assert files_in(tmp_path) == {"sixteen.jsonl"}
+
+
 @pytest.mark.parametrize("block_size", BAD_BLOCK_SIZES)
 def test_invalid_block_size_is_a_config_error(tmp_path: Path, block_size: object) -> None:
-    """load_trace and write_trace reject a block size that is not a positive int; nothing is written."""
+    """load_trace and write_trace reject a block size that is not a positive int (None, for write_trace: the
+    requests' own); nothing is written."""
     path = write_lines(tmp_path / "t.jsonl", [line()])
     with pytest.raises(ConfigError, match="block_size_tokens"):
         load_trace(path, block_size_tokens=block_size)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="block_size_tokens"):
-        write_trace(tmp_path / "out.jsonl", [request(0, 0.0)], block_size_tokens=block_size)  # type: ignore[arg-type]
+    if block_size is not None:
+        with pytest.raises(ConfigError, match="block_size_tokens"):
+            write_trace(tmp_path / "out.jsonl", [request(0, 0.0)], block_size_tokens=block_size)  # type: ignore[arg-type]
     assert files_in(tmp_path) == {"t.jsonl"}
 
 
