@@ -63,7 +63,9 @@ DEFAULT_DECODE_S = 10.0
 def uniform_decode_s(output_lengths: Iterable[int], tbt_slo_s: float) -> float:
     """The uniform t_d for a workload: its mean output length times the TBT objective, how long an average
     request decodes when its batch runs at the objective, the slowest an accepted request is meant to go
-    (`DEFAULT_DECODE_S` for no requests). The experiments, the replay tool and the twin all take it from here."""
+    (`DEFAULT_DECODE_S` for no requests). The experiments, `sim.replay` and the replay tool on a workload take it
+    from here; a Conductor built without a workload (`sched.build`, `sim.spec.build_conductor`) takes
+    `DEFAULT_DECODE_S`, and the example cluster and its simulated twin their one `serving.models.PREDICTED_DECODE_S`."""
     lengths = list(output_lengths)
     require_number("tbt_slo_s", tbt_slo_s, minimum=0, strict=True)
     return statistics.mean(lengths) * tbt_slo_s if lengths else DEFAULT_DECODE_S
