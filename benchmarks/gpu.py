@@ -28,6 +28,7 @@ from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+from mooncake.sched.cost import HARDWARE
 from mooncake.types import BlockKey, RequestId
 
 BLOCK_TOKENS = 256
@@ -37,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     parser.add_argument("--lengths", default="8192,16384,32768")
-    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--peak-tflops", type=float, default=HARDWARE["8xH200"].peak_flops_per_gpu / 1e12)
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-batches", default="1,8,32")
     args = parser.parse_args()

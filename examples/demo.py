@@ -28,7 +28,16 @@ import simulation
 
 from mooncake.cli import POLICIES, capacity_sweep, plot_capacity, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.workload import PRESETS, ArrivalProcess, generate_requests, load_trace, preset, trace_stats, write_trace
+from mooncake.workload import (
+    DEFAULT_WORKLOAD,
+    PRESETS,
+    ArrivalProcess,
+    generate_requests,
+    load_trace,
+    preset,
+    trace_stats,
+    write_trace,
+)
 
 CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
 
@@ -41,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 def demo(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("build/demo"), help="output folder")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
-    parser.add_argument("--num-requests", type=int, default=4000)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
+    parser.add_argument("--num-requests", type=int, default=DEFAULT_WORKLOAD.num_requests)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -63,7 +72,10 @@ def tour(args: argparse.Namespace) -> None:
 
     trace = out / f"{args.preset}.jsonl"
     requests = generate_requests(
-        preset(args.preset), num_requests=args.num_requests, arrivals=ArrivalProcess(rate_per_s=4.0), seed=args.seed
+        preset(args.preset),
+        num_requests=args.num_requests,
+        arrivals=ArrivalProcess(rate_per_s=DEFAULT_WORKLOAD.rate_per_s),
+        seed=args.seed,
     )
     write_trace(trace, requests)
     workload = load_trace(trace)

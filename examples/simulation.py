@@ -48,6 +48,7 @@ from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import (
+    DEFAULT_WORKLOAD,
     PRESETS,
     TIME_UNITS,
     TRACE_BLOCK_SIZE_TOKENS,
@@ -59,8 +60,8 @@ from mooncake.workload import (
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
 
-DEFAULT_REQUESTS = 4000  # generated without --num-requests
-DEFAULT_RATE = 4.0  # arrivals per second, generated without --rate
+# Generated without --preset, --num-requests, --rate.
+DEFAULT_PRESET, DEFAULT_REQUESTS, DEFAULT_RATE = attrs.astuple(DEFAULT_WORKLOAD)
 SIZING_LOAD = 0.8
 MAX_SIZED_NODES = 1024  # of a role: past it a trace's rate is no basis for sizing (arrivals nearly at once)
 
@@ -142,7 +143,7 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
         return requests
     if args.skip_invalid:  # given anyway, it would look like a setting the results were made with
         raise ConfigError("--skip-invalid reads around a --trace's malformed lines; a generated workload has none")
-    spec = attrs.evolve(preset(args.preset or "synthetic"), block_size_tokens=block)  # as `trace generate` does
+    spec = attrs.evolve(preset(args.preset or DEFAULT_PRESET), block_size_tokens=block)  # as `trace generate` does
     requests = generate_requests(
         spec,
         num_requests=DEFAULT_REQUESTS if count is None else count,

@@ -49,6 +49,7 @@ from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.types import BlockKey
 from mooncake.workload import (
     ARRIVAL_RANGE,
+    DEFAULT_WORKLOAD,
     PRESETS,
     TIME_UNITS,
     TRACE_BLOCK_SIZE_TOKENS,
@@ -356,9 +357,9 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(run=_stats)
 
     generate = sub.add_parser("generate", help="write a synthetic workload as a trace")
-    generate.add_argument("--preset", choices=sorted(PRESETS), default="synthetic")
-    generate.add_argument("--num-requests", type=_integer(0), default=4000)
-    generate.add_argument("--rate", type=_ranged, default=4.0, help="mean arrivals per second")
+    generate.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
+    generate.add_argument("--num-requests", type=_integer(0), default=DEFAULT_WORKLOAD.num_requests)
+    generate.add_argument("--rate", type=_ranged, default=DEFAULT_WORKLOAD.rate_per_s, help="mean arrivals per second")
     generate.add_argument(
         "--cv", type=_ranged, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
     )

@@ -38,6 +38,7 @@ from serving.registry import ADMISSIONS, ROUTERS
 
 from mooncake.errors import ConfigError
 from mooncake.sched.router import DEFAULT_THRESHOLD
+from mooncake.types import Slo
 
 __all__ = ["InstanceSection", "RouterConfig", "RouterSection", "load_router_config", "parse_router_config"]
 
@@ -98,7 +99,7 @@ class RouterSection:
     threshold: float = _setting(DEFAULT_THRESHOLD, minimum=1.0)
     block_size: int = _setting(16, minimum=1, maximum=65_536)
     tokenizer: str = _setting("", text=_directory)
-    ttft_slo_s: float = _seconds(30.0)
+    ttft_slo_s: float = _seconds(Slo().ttft_s)  # the library's objective
     api_key: str = _setting("", text=_api_key)
     health_interval_s: float = _seconds(1.0)
     request_timeout_s: float = _seconds(600.0)

@@ -39,7 +39,7 @@ import numpy as np
 
 from mooncake._checks import fraction, require_number
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import Hardware, ModelShape, nonnegative_least_squares, require_coefficients
+from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, nonnegative_least_squares, require_coefficients
 
 __all__ = [
     "AnalyticStepModel",
@@ -174,7 +174,7 @@ class DecodeCostModel:
     hardware: Hardware
     overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
     memory_efficiency: float = attrs.field(default=0.8, validator=fraction)
-    compute_efficiency: float = attrs.field(default=0.5, validator=fraction)
+    compute_efficiency: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
     kv_memory_fraction: float = attrs.field(default=0.9, validator=fraction)
 
     _roofline: RooflineStep = attrs.field(init=False, repr=False, eq=False)

@@ -3,8 +3,10 @@
 from mooncake.types import Request
 from mooncake.workload.generator import (
     ARRIVAL_RANGE,
+    DEFAULT_WORKLOAD,
     PRESETS,
     ArrivalProcess,
+    DefaultWorkload,
     LengthDistribution,
     WorkloadSpec,
     fixed_length_requests,
@@ -28,6 +30,8 @@ from mooncake.workload.trace import (
 __all__ = [
     "ARRIVAL_RANGE",
     "ArrivalProcess",
+    "DEFAULT_WORKLOAD",
+    "DefaultWorkload",
     "LengthDistribution",
     "PRESETS",
     "Request",

@@ -41,6 +41,8 @@ from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 __all__ = [
     "ARRIVAL_RANGE",
     "ArrivalProcess",
+    "DEFAULT_WORKLOAD",
+    "DefaultWorkload",
     "LengthDistribution",
     "PRESETS",
     "WorkloadSpec",
@@ -49,6 +51,18 @@ __all__ = [
     "preset",
 ]
 
+
+@attrs.frozen
+class DefaultWorkload:
+    """The built-in default workload: what `make demo`, `mooncake trace generate` and the experiments generate
+    when given no trace or option, so that they replay alike."""
+
+    preset: str = "synthetic"
+    num_requests: int = 4000
+    rate_per_s: float = 4.0  # mean arrivals per second
+
+
+DEFAULT_WORKLOAD = DefaultWorkload()
 
 ARRIVAL_RANGE = (1e-6, 1e6)
 """Bounds of `ArrivalProcess.rate_per_s` (per second) and `.cv`: beyond them the gamma gaps underflow or
