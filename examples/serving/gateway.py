@@ -70,8 +70,9 @@ from serving.api import (
 )
 from serving.config import ClusterConfig
 from serving.dispatch import Dispatcher, LiveRequest
+from serving.machine import page_bytes
 from serving.metrics import CONTENT_TYPE, ServingMetrics
-from serving.models import build_conductor, model_shape
+from serving.models import build_conductor
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
 from serving.tokenizer import TextStream, generation_defaults, serving_tokenizer
 
@@ -121,7 +122,7 @@ class Gateway:
             workers=workers,
             is_alive=is_alive,
             metrics=self.metrics,
-            block_bytes=model_shape(config).kv_bytes_per_token * config.model.block_tokens,
+            block_bytes=page_bytes(config),
             host=host,
             stop_token_ids=self.tokenizer.stop_token_ids,
         )
