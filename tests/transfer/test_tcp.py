@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mooncake.errors import PeerUnavailable
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.request import EngineConfig
+from mooncake.transfer.request import EngineConfig, Slice, TransferOp
 from mooncake.transfer.wire import (
     ANSWER_BYTES,
     MAX_CONTROL_BYTES,
@@ -283,7 +283,8 @@ class ScriptedServer:
                 recv_exact(connection, memoryview(answer))
                 connection.sendall(server_verdict(SECRET, nonce, bytes(answer)))
                 frame = recv_frame(connection, max_length=MAX_CONTROL_BYTES)
-                recv_exact(connection, memoryview(bytearray(frame.length)))
+                if frame.kind in (Kind.WRITE, Kind.CALL):  # a READ's length is what it asks for: nothing follows
+                    recv_exact(connection, memoryview(bytearray(frame.length)))
                 if self._answer is not None:
                     self._answer(connection)
                 self._stop.wait(10)
@@ -316,6 +317,42 @@ def test_a_control_reply_is_checked_before_it_is_read(answer: Callable[[socket.s
                 tcp.call(sock, "describe", None)
             assert time.monotonic() - start < PATIENT.io_timeout_s
     finally:
+        scripted.close()
+
+
+READ_BYTES = 4096
+DATA = bytes(range(256)) * (READ_BYTES // 256)
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (
+            lambda c: send_frame(
+                c, Frame(Kind.OK, tag=1, length=READ_BYTES, checksum=xxhash.xxh3_64_intdigest(DATA) ^ 1), DATA
+            ),
+            "checksum",
+        ),
+        (lambda c: send_frame(c, Frame(Kind.OK, tag=7, length=READ_BYTES), DATA), "a reply for slice 7"),
+        (lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=16), DATA[:16]), "asked for 4096 bytes"),
+    ],
+    ids=["bad-checksum", "wrong-tag", "wrong-length"],
+)
+def test_a_read_reply_is_checked(answer: Callable[[socket.socket], None], error: str) -> None:
+    """A READ answered with bytes failing their end-to-end checksum, for another slice, or of another length is a
+    ProtocolError for that slice: its bytes are never taken as the region's."""
+    scripted = ScriptedServer(answer)
+    config = attrs.evolve(PATIENT, checksums=True, max_retries=0, streams_per_peer=1)
+    transport = tcp.TcpTransport("127.0.0.1", scripted.port, secret=SECRET, config=config)  # its one stream connects
+    try:
+        failures: list[Exception | None] = []
+        done = threading.Event()
+        target = bytearray(READ_BYTES)
+        transport.submit(Slice(TransferOp.READ, memoryview(target), 0, 0, lambda e: (failures.append(e), done.set())))
+        assert done.wait(10)
+        assert isinstance(failures[0], ProtocolError) and error in str(failures[0])
+    finally:
+        transport.close()
         scripted.close()
 
 
