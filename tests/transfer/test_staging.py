@@ -31,6 +31,25 @@ def test_buffers_are_reused_and_the_budget_holds() -> None:
     pool.check_invariants()
 
 
+def test_sizes_round_up_to_a_power_of_two_and_a_request_gets_the_snuggest_free_buffer() -> None:
+    """A request's buffer is its size rounded up to a power of two (a power of two stays itself, 64 KiB at
+    least); from the free list it gets the smallest buffer that holds it, not a larger one freed last."""
+    pool = StagingPool(8 * MIB)
+    now = time.monotonic()
+    sizes = {n: pool.try_allocate(n, deadline=now) for n in (MIB, 4 * MIB)}
+    assert {n: b.nbytes for n, b in sizes.items() if b is not None} == {MIB: MIB, 4 * MIB: 4 * MIB}
+    pool.free(sizes[MIB])  # type: ignore[arg-type]
+    pool.free(sizes[4 * MIB])  # type: ignore[arg-type]  # freed last, and warm, but four times too big
+    small = pool.try_allocate(600 << 10, deadline=now)
+    assert small is sizes[MIB]
+    tiny = pool.try_allocate(10, deadline=now)
+    assert tiny is sizes[4 * MIB]  # the only one free: any that holds it will do
+    pool.free(small)  # type: ignore[arg-type]
+    pool.free(tiny)  # type: ignore[arg-type]
+    assert pool.try_allocate(100, deadline=now) is small  # not the 4 MiB one freed last: past its 64 KiB
+    pool.check_invariants()
+
+
 def test_free_memory_is_dropped_to_make_room_for_another_size() -> None:
     """Free buffers too small for a request are dropped when the budget is needed for a bigger one."""
     pool = StagingPool(4 * MIB)
@@ -43,16 +62,22 @@ def test_free_memory_is_dropped_to_make_room_for_another_size() -> None:
 
 
 def test_a_waiting_request_is_served_when_memory_is_freed() -> None:
-    """A request that does not fit waits, and gets the buffer another connection gives back."""
+    """A request that does not fit waits, and is woken by the buffer another connection gives back (at once, not
+    at its deadline)."""
     pool = StagingPool(2 * MIB)
     held = pool.try_allocate(2 * MIB, deadline=time.monotonic())
     assert held is not None
     got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.try_allocate(MIB, deadline=time.monotonic() + 10)))
+    waiter = threading.Thread(target=lambda: got.append(pool.try_allocate(MIB, deadline=time.monotonic() + 30)))
     waiter.start()
+    deadline = time.monotonic() + 10
+    while pool._waiting == 0:  # it is waiting: only a wake-up serves it before its deadline
+        assert time.monotonic() < deadline, "the request never waited"
+        time.sleep(0.005)
+    freed = time.monotonic()
     pool.free(held)
     waiter.join(timeout=10)
-    assert got and got[0] is not None
+    assert got and got[0] is not None and time.monotonic() - freed < 5
 
 
 def test_a_buffer_is_freed_once() -> None:
