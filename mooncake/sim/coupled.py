@@ -130,16 +130,11 @@ class _Instance:
         return self.prefills + len(self.node.batch)
 
     def load(self) -> DecodeLoad:
-        """What the instance holds for the decode rule: its batch and the request it is prefilling."""
-        batch, prefilling = self.node.batch, self.prefilling
-        if prefilling is None:
-            return DecodeLoad(len(batch), batch.context, self.kv_tokens)
-        request = prefilling.request
-        return DecodeLoad(
-            len(batch) + 1,
-            batch.context + request.input_length,
-            self.kv_tokens + request.input_length + request.output_length,
-        )
+        """What the instance holds for the decode rule: its batch (asked only when no request is in prefill:
+        one is taken at a time)."""
+        assert self.prefilling is None, "the next request is taken once the one in prefill has joined"
+        batch = self.node.batch
+        return DecodeLoad(len(batch), batch.context, self.kv_tokens)
 
 
 class CoupledCluster:

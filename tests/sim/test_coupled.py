@@ -176,6 +176,34 @@ def test_requests_spread_by_least_outstanding(chunked_prefill: bool, token_budge
     assert [r.decode_instance for r in records] == ["coupled-0", "coupled-1", "coupled-2", "coupled-0"]
 
 
+def test_a_decoding_request_counts_as_outstanding() -> None:
+    """A request arriving while another decodes on the first instance goes to the idle second one: outstanding
+    counts the batch as well as the prefills."""
+    spec = make_spec(num_instances=2)
+    requests = [make_request("a", 0.0, 1000, 2000), make_request("b", 5.0, 1000, 5, first_key=100)]
+    records = {r.request_id: r for r in CoupledCluster(spec).run(requests).records}
+    assert (records[RequestId("a")].decode_instance, records[RequestId("b")].decode_instance) == (
+        "coupled-0",
+        "coupled-1",
+    )
+
+
+def test_a_chunk_takes_what_the_decodes_leave_of_the_token_budget() -> None:
+    """Beside one decoding request, each chunk of a prompt is the token budget less that request's token, so a
+    prompt of 100 budgets takes 101 iterations (the last a chunk of 100 tokens), each one of the decoding
+    request's tokens, slower than a plain step by its chunk; the prompt is charged its whole prefill."""
+    budget, prompt = 256, 100 * 256
+    spec = make_spec(chunked_prefill=True, token_budget=budget)
+    requests = [make_request("a", 0.0, 100, 5000), make_request("b", 1.0, prompt, 5, first_key=100)]
+    records = {r.request_id: r for r in CoupledCluster(spec).run(requests).records}
+    decoding, chunked = records[RequestId("a")], records[RequestId("b")]
+    plain = min(decoding.intervals.values())
+    smallest_chunk_s = spec.prefill_cost.prefill_s(prompt, prompt - 100)
+    carried = sum(interval > plain + smallest_chunk_s / 2 for interval in decoding.intervals.values())
+    assert carried == -(-prompt // (budget - 1)) == 101
+    assert math.isclose(chunked.prefill_s, spec.prefill_cost.prefill_s(prompt), rel_tol=1e-9)
+
+
 @pytest.mark.parametrize(
     ("chunked_prefill", "token_budget"),
     [
