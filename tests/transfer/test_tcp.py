@@ -381,3 +381,21 @@ def test_calls_refused_by_the_handler_keep_the_connection(server: tuple[Transfer
             recv_exact(sock, memoryview(bytearray(reply.length)))
             assert reply.kind == Kind.ERROR
         assert tcp.call(sock, "describe", None) is not None
+
+
+def test_a_deadline_already_past_never_passes_off_a_slice_as_moved(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """A slice run inline with its deadline already passed still gets its one try: it moves, or it fails; it is
+    never reported done with nothing moved."""
+    engine, target, region = server
+    transport = tcp.TcpTransport(
+        engine.host, engine.port, secret=SECRET, config=attrs.evolve(CONFIG, streams_per_peer=1)
+    )
+    try:
+        data = bytes(range(200)) * 20
+        piece = Slice(TransferOp.WRITE, memoryview(data), region, 4096, lambda _error: None)
+        error = transport.run_inline(piece, deadline=time.monotonic() - 1.0)
+        assert error is not None or bytes(target[4096 : 4096 + len(data)]) == data
+    finally:
+        transport.close()
