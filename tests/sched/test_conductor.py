@@ -30,7 +30,7 @@ from mooncake.cache.events import AllBlocksCleared, BlockStored
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionDecision, AdmissionPolicy, BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
+from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, PrefillCostModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import OutputLengthPredictor, UniformDecodePredictor
@@ -1162,6 +1162,50 @@ def test_a_coupled_instance_takes_its_events_under_one_id_and_goes_down_whole() 
     conductor.handle(InstanceUp(instance_id=prefill, now=2.0))
     assert all(v.is_up for v in (*conductor.prefill_views, *conductor.decode_views))
     assert placement(conductor.schedule(request("t", range(5000, 5004)), 2.0)) == (prefill, prefill)  # the idle one
+    conductor.check_invariants()
+
+
+def test_a_queue_is_retimed_by_occupancy_and_never_in_the_past() -> None:
+    """On a chunked-pipeline group the queue's next prefill starts once the one before has left the first stage
+    (its occupancy, not its whole prefill), also when a late start retimes the queue; a prefill that ends late
+    moves those not started yet to now, never earlier."""
+    cpp = TtftEstimator(
+        prefill=ChunkedPipelineCost(base=ESTIMATOR.prefill, group_size=4, chunk_tokens=1024),
+        transfer=ESTIMATOR.transfer,
+        kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
+    )
+    conductor = Conductor(
+        router=LoadBalancingRouter(cpp),
+        step_model=DECODE_COST,
+        admission=make_admission("baseline"),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=Slo(ttft_s=1e6),
+        block_size_tokens=BLOCK,
+    )
+    conductor.add_prefill_instance(P0)
+    conductor.add_decode_instance(D0, DecodeLimits(kv_capacity_tokens=10**7))
+    for i in range(3):
+        assert conductor.schedule(request(f"r{i}", range(100 * i, 100 * i + 32)), 0.0).accepted
+    hold = cpp.prefill.occupancy_s(32 * BLOCK)
+    assert hold < cpp.prefill.prefill_s(32 * BLOCK)
+    conductor.handle(PrefillStarted(request_id=RequestId("r0"), instance_id=P0, now=0.5))
+    (view,) = conductor.prefill_views
+    assert [e.start_s for e in view.queue] == pytest.approx([0.5, 0.5 + hold, 0.5 + 2 * hold])
+    conductor.handle(PrefillFinished(request_id=RequestId("r0"), instance_id=P0, now=50.0))
+    assert [e.start_s for e in view.queue] == pytest.approx([50.0, 50.0 + hold])
+    conductor.check_invariants()
+
+
+def test_a_join_claiming_more_context_than_was_reserved_is_held_to_the_reservation() -> None:
+    """A DecodeJoined whose context exceeds what the request reserved (prompt + output) counts the reservation:
+    the instance's KV never grows past what admission promised, and no request holds a negative output."""
+    conductor = make_conductor()
+    _, decode = placement(conductor.schedule(request("r", DOC, output=100), 0.0))
+    conductor.handle(
+        DecodeJoined(request_id=RequestId("r"), instance_id=decode, now=1.0, context_tokens=50_000, output_tokens=10)
+    )
+    view = next(v for v in conductor.decode_views if v.instance_id == decode)
+    assert view.used_tokens == len(DOC) * BLOCK + 100 and view.active[RequestId("r")].output_tokens == 0
     conductor.check_invariants()
 
 
