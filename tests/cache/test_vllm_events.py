@@ -182,6 +182,9 @@ def test_older_and_newer_producers_read_alike() -> None:
     assert decode_batch(oldest) == decode_batch(newest)
     assert decode_batch(oldest).events[0] == decode_batch(extra_trailing).events[0]
     assert decode_batch(msgpack.packb({"ts": 3.0, "events": []})) == VllmEventBatch(ts=3.0, events=())
+    # A map from a producer that leaves out lora_id (positional-required, but defaulted) reads as one giving nil.
+    without_lora = {k: v for k, v in stored_wire([1], None, tokens, medium=None).items() if k != "lora_id"}
+    assert decode_batch(msgpack.packb([3.0, [without_lora], None])).events == decode_batch(newest).events[:1]
 
 
 # ---------------------------------------------------------------------- round trips
