@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 import torch
+import xxhash
 
-from mooncake.engine.sampling import Sampler, SamplingParams, nucleus
+from mooncake.engine.sampling import Sampler, SamplingParams, nucleus, stream_seed
 from mooncake.errors import ConfigError
 
 seeds = st.integers(min_value=0, max_value=2**32)
@@ -207,6 +208,17 @@ def test_nucleus_is_its_definition(values: list[int], top_p: float) -> None:
                 assert kept == also
 
 
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.5, [True, False, False, False]), (0.75, [True, True, False, False]), (1.0, [True, True, True, True])],
+)
+def test_a_token_whose_mass_above_is_exactly_top_p_is_dropped(top_p: float, kept: list[bool]) -> None:
+    """At the boundary, represented exactly: a token with exactly top_p of mass above it is out, as vLLM's and
+    transformers' top-p drop it (the ascending cumulative at or below 1 - top_p is removed); tied tokens go
+    together."""
+    assert nucleus(torch.tensor([0.5, 0.25, 0.125, 0.125]), top_p).tolist() == kept
+
+
 @settings(max_examples=30)
 @given(seeds, temperatures, top_ps)
 def test_a_draw_never_leaves_the_nucleus(seed: int, temperature: float, top_p: float) -> None:
@@ -235,3 +247,10 @@ def test_top_p_narrows_the_draws() -> None:
     assert narrow == {0}
     wider = {Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=s)).next_token(logits) for s in range(200)}
     assert wider == {0, 1}
+
+
+def test_a_tokens_stream_is_seeded_by_the_documented_bytes() -> None:
+    """XXH3-64 of the request's seed then the token's position, each a little-endian 64-bit word: the layout a
+    prefill and a decode process (or two releases) must share to draw one request's tokens alike."""
+    word = bytes([1, 0, 0, 0, 0, 0, 0, 0]), bytes([2, 0, 0, 0, 0, 0, 0, 0])
+    assert stream_seed(1, 2) == xxhash.xxh3_64_intdigest(word[0] + word[1]) != stream_seed(2, 1)
