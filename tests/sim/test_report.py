@@ -21,10 +21,17 @@ from hypothesis import strategies as st
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.report import json_safe, plot_cdfs, write_json, write_records_csv
-from mooncake.types import RequestId
+from mooncake.types import InstanceId, RequestId
 
 leaves = st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.text(max_size=3) | st.none()
-nested = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner))
+nested = st.recursive(
+    leaves,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)  # summaries hold tuples (a CDF's points) as well as lists
+        | st.dictionaries(st.text(max_size=3), inner)
+    ),
+)
 
 
 def same_but_non_finite_as_none(original: Any, safe: Any) -> bool:
@@ -34,7 +41,7 @@ def same_but_non_finite_as_none(original: Any, safe: Any) -> bool:
         return original.keys() == safe.keys() and all(
             same_but_non_finite_as_none(original[k], safe[k]) for k in original
         )
-    if isinstance(original, list):
+    if isinstance(original, list | tuple):
         return len(original) == len(safe) and all(map(same_but_non_finite_as_none, original, safe))
     return bool(original == safe)
 
@@ -73,6 +80,43 @@ def test_the_csv_names_outcomes_and_reasons_by_the_values_that_read_back(tmp_pat
     assert [row["reason"] for row in rows] == ["", "ttft_slo"]
     assert reason_named(rows[1]["reason"]) is Reason.TTFT_SLO
     assert [Outcome(row["outcome"]) for row in rows] == [Outcome.COMPLETED, Outcome.REJECTED_BEFORE_PREFILL]
+
+
+def test_each_csv_column_holds_the_field_it_names(tmp_path: Path) -> None:
+    """Every column of a row reads back as the record's field of that name (times to the microsecond)."""
+    record = RequestRecord(
+        request_id=RequestId("r"),
+        arrival_s=1.5,
+        input_tokens=8,
+        output_tokens=3,
+        outcome=Outcome.COMPLETED,
+        prefill_instance=InstanceId("prefill-1"),
+        decode_instance=InstanceId("decode-2"),
+        prefix_tokens=4,
+        prefill_s=0.25,
+        inline_prefill=True,
+        first_token_s=2.0,
+        finish_s=3.0,
+        tbt_s=0.125,
+    )
+    write_records_csv([record], tmp_path / "requests.csv")
+    (row,) = csv.DictReader((tmp_path / "requests.csv").open())
+    assert row == {
+        "request_id": "r",
+        "arrival_s": "1.500000",
+        "input_tokens": "8",
+        "output_tokens": "3",
+        "outcome": "completed",
+        "reason": "",
+        "prefill_instance": "prefill-1",
+        "decode_instance": "decode-2",
+        "prefix_tokens": "4",
+        "prefill_s": "0.250000",
+        "inline_prefill": "1",
+        "ttft_s": "0.500000",
+        "tbt_s": "0.125000",
+        "finish_s": "3.000000",
+    }
 
 
 WRITERS: dict[str, Callable[[Path], None]] = {
