@@ -210,6 +210,17 @@ def test_a_prompt_seen_twice_reuses_all_but_its_last_block() -> None:
     assert_like_the_model(longer, PROMPT)
 
 
+def test_stored_blocks_are_chained_to_their_parents() -> None:
+    """Each block a prefill stores names the block before it as its parent (the first none, a continuation the
+    cached block it follows): what prefix-aware eviction needs to take leaves before their prefix."""
+    cache = dram_cache(16)
+    first = prefill(cache, PROMPT[:12], block=4)
+    longer = prefill(cache, PROMPT[:20], block=4)  # continues the three cached blocks
+    keys = longer.keys
+    parents = [cache._entries[key].parent for key in keys]  # the chain the cache keeps (no public view of it)
+    assert first.keys == keys[:3] and parents == [None, *keys[:-1]]
+
+
 @pytest.mark.parametrize("promote_after", [1, 0])
 def test_a_prefix_demoted_to_ssd_is_reused(tmp_path: Path, promote_after: int) -> None:
     """Blocks pushed down to the SSD tier by later prompts still serve as a prefix, with the same result:
