@@ -71,6 +71,16 @@ def test_fetch_replicates_the_leading_blocks(nodes: tuple[Node, Node, str]) -> N
         b.cache.remove(BlockKey(key))  # raises if a pin leaked
 
 
+def test_fetched_blocks_are_chained_to_their_parents(nodes: tuple[Node, Node, str]) -> None:
+    """Each fetched block names the one before it as its parent (the first none), as a prefill's stored blocks do:
+    prefix-aware eviction takes the chain's leaves first."""
+    a, b, peer = nodes
+    for key in (1, 2, 3):
+        b.cache.put(BlockKey(key), block(key))
+    assert a.messenger.fetch([BlockKey(k) for k in (1, 2, 3)], peer).finish(timeout=10) == (1, 2, 3)
+    assert [a.cache._entries[BlockKey(k)].parent for k in (1, 2, 3)] == [None, 1, 2]  # the chain the cache keeps
+
+
 def test_fetch_skips_blocks_already_held(nodes: tuple[Node, Node, str]) -> None:
     """Blocks the fetcher holds are not moved again."""
     a, b, peer = nodes
