@@ -261,7 +261,9 @@ def test_a_trace_timed_in_seconds_or_microseconds_reads_with_its_time_unit(tmp_p
     assert len(cautions) == 1 and cautions[0].startswith(f"{seconds}:2: timestamp 61.114 has a fraction")
     assert "time_unit='s'" in cautions[0]
     load_trace(seconds, block_size_tokens=BLOCK, time_unit="s", on_caution=cautions.append)
-    assert len(cautions) == 1  # read in seconds: no second caution
+    precise = write_lines(tmp_path / "precise.jsonl", [line(timestamp=0), line(timestamp=61.1140005)])  # to the us
+    load_trace(precise, block_size_tokens=BLOCK, time_unit="s", on_caution=cautions.append)
+    assert len(cautions) == 1  # read in seconds, fractions of a millisecond too: no second caution
     with pytest.raises(ConfigError, match="time_unit must be one of ms, s, us"):
         iter_trace(milli, time_unit="minutes")  # type: ignore[arg-type]
     with pytest.raises(TraceFormatError, match=r"must be a number of s in \[0, 8796093022.208\]"):
