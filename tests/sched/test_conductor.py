@@ -284,6 +284,30 @@ def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> No
     conductor.check_invariants()
 
 
+
+def test_a_transfer_estimated_done_when_its_source_goes_down_is_kept() -> None:
+    """A source going down at the very time a queued prefill's transfer was estimated to finish takes nothing
+    with it: the blocks are taken to have arrived (only a transfer still running is doomed)."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.transfer is not None and decision.transfer.source == P0
+    done_s = decision.transfer.transfer_s
+    assert done_s > 0
+    conductor.handle(InstanceDown(instance_id=P0, now=done_s))
+    assert decision.request_id in conductor.in_flight
+    conductor.check_invariants()
+
+
+def test_a_backlog_that_ends_now_is_no_backlog() -> None:
+    """A backlog report ending at its own time leaves the instance free now, as one ending before it does."""
+    conductor = make_conductor()
+    conductor.handle(PrefillBacklog(instance_id=P0, now=5.0, until_s=5.0))
+    (view,) = [v for v in conductor.prefill_views if v.instance_id == P0]
+    assert view.backlog_until_s == -math.inf and view.queue_s(5.0) == 0.0
+
+
 @pytest.mark.parametrize(
     ("part", "value", "named"),
     [
