@@ -77,11 +77,16 @@ def test_bad_token_counts_are_invalid_requests(prompt: object, output: object) -
         (DecodeLoad(0, 0, float("nan")), "kv_tokens"),
         (DecodeLoad(0, float("inf"), 0), "context_tokens"),
         (DecodeLoad(True, 0, 0), "batch_size"),
+        (DecodeLoad(0, 0, 1 << 62), "kv_tokens"),  # MAX_LOAD: past what the scan's int64 holds with a request added
         ((0, 0, 0), "DecodeLoad"),
     ],
 )
 def test_bad_loads_are_invalid_requests(load: object, field: str) -> None:
-    """A negative, NaN or infinite count (or no DecodeLoad at all) is refused by name, not decided on."""
+    """A negative, NaN, infinite or too large count (or no DecodeLoad at all) is refused by name, not decided on;
+    the largest count allowed is decided on."""
+    assert (
+        check_join(LIMITS, DecodeLoad(0, 0, (1 << 62) - 1), prompt_tokens=1, output_tokens=2).reason is Reason.KV_BUDGET
+    )
     with pytest.raises(InvalidRequestError, match=field):
         check_join(LIMITS, load, prompt_tokens=10, output_tokens=10)  # type: ignore[arg-type]
 
