@@ -281,6 +281,7 @@ def test_events_round_trip_through_encoder_and_decoder(layout: WireLayout) -> No
         (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "missing fields"),
         (msgpack.packb([1.0, [removed_wire([1.5])]]), "block hashes must be integers or bytes"),
         (msgpack.packb([1.0, [stored_wire([1], None, [-1, 2, 3, 4])]]), "token_ids must be"),
+        (msgpack.packb([1.0, [stored_wire([1], None, [2**31, 2, 3, 4])]]), "token_ids must be"),  # past int32
         (msgpack.packb([1.0, [stored_wire([1], None, [1, 2, 3, 4], block_size=0)]]), "block_size must be"),
         (msgpack.packb([1.0, [stored_wire([1], "p", [1, 2, 3, 4])]]), "parent_block_hash"),
         (msgpack.packb([1.0, [stored_wire([1], None, [1, 2, 3, 4], medium=3)]]), "medium must be"),
@@ -291,7 +292,8 @@ def test_events_round_trip_through_encoder_and_decoder(layout: WireLayout) -> No
 )
 def test_bad_payloads_raise_a_typed_error_naming_the_problem(wire: bytes, match: str) -> None:
     """Each broken payload raises VllmEventError (a MooncakeError and a ValueError) saying what is wrong,
-    and the decoder applies nothing."""
+    and the decoder applies nothing; the largest token id a vLLM tokenizer's int32 holds reads."""
+    assert decode_batch(msgpack.packb([1.0, [stored_wire([1], None, [2**31 - 1, 2, 3, 4])]])).events
     d = decoder()
     with pytest.raises(VllmEventError, match=match):
         d.decode(wire, seq=0)
