@@ -264,7 +264,9 @@ class BlockPlacement:
         `key` leaves (both out of their policies); returns `key`'s bytes, None if they fail verification
         (then `key` is dropped, and `victim` demoted into the page it freed)."""
         try:
-            data = self._read_host(entry) if self.pools[0].holds_bytes else None  # a copy: its page is reused
+            data = self._read_host(entry) if self.pools[0].holds_bytes else None
+            if data is not None and self.pools[1].zero_copy:  # a view of the page the victim is about to take
+                data = memoryview(bytes(data))
         except IntegrityError:
             self._found_corrupt(entry)
             self._drop(key, entry)

@@ -135,6 +135,21 @@ def test_a_promotion_in_a_full_hierarchy_swaps_the_block_with_the_first_tiers_vi
     cache.close()
 
 
+def test_a_swap_with_a_zero_copy_second_tier_keeps_both_blocks_bytes() -> None:
+    """The swap where the second tier's reads are views of its pages (host memory under an accelerator's, here
+    two host pools standing in): the promoted block's bytes are taken whole before the victim overwrites its
+    page, and both blocks read back right."""
+    pools = [DramPagePool(PAGE, 1, tier=Tier.VRAM), DramPagePool(PAGE, 1)]
+    cache = TieredCache(pools, source=SOURCE, promote_after=1)  # type: ignore[arg-type]
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to the second tier
+    assert bytes(cache.get(BlockKey(1))) == block(1)  # promoted: 2 goes down in its place
+    assert (cache.tier_of(BlockKey(1)), cache.tier_of(BlockKey(2))) == (Tier.VRAM, Tier.DRAM)
+    assert bytes(cache.get(BlockKey(2))) == block(2) and bytes(cache.get(BlockKey(1))) == block(1)
+    cache.check_invariants()
+    cache.close()
+
+
 def test_reads_under_pinned_promote_as_plain_gets_do(tmp_path: Path) -> None:
     """`pinned` (the documented way to read) promotes on the same read as `get`, and pins the block where
     it lands: it was pinned before its read, and a pinned block never moves, so it never promoted."""
