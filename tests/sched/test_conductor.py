@@ -284,7 +284,6 @@ def test_a_transfer_source_going_down_aborts_the_prefills_waiting_for_it() -> No
     conductor.check_invariants()
 
 
-
 def test_a_transfer_estimated_done_when_its_source_goes_down_is_kept() -> None:
     """A source going down at the very time a queued prefill's transfer was estimated to finish takes nothing
     with it: the blocks are taken to have arrived (only a transfer still running is doomed)."""
