@@ -684,17 +684,29 @@ def test_a_write_stopped_by_a_signal_leaves_nothing_and_no_traceback(
     tmp_path: Path, signum: int, status: int, stderr: str
 ) -> None:
     """`trace generate` stopped while it writes: SIGTERM left its hidden temporary file behind, Ctrl-C printed
-    a KeyboardInterrupt traceback. Now: status 128 + the signal, at most one line, the folder left empty."""
+    a KeyboardInterrupt traceback. Now: status 128 + the signal, at most one line, the folder left empty.
+
+    Python drops an exception its signal handler raises inside a finalizer (saying "Exception ignored"): a
+    stop landing there is lost, as a user's first Ctrl-C may be, so the signal is sent again every 5 s, as
+    the user would press it again (seen once in CI, under load)."""
     argv = ["trace", "generate", "--num-requests", "3000000", "--out", str(tmp_path / "big.jsonl")]
     child = subprocess.Popen(
         [sys.executable, "-c", INTERRUPTIBLE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    sent = 0
     try:
         wait_for(lambda: any(tmp_path.iterdir()), timeout=60, what="the trace's temporary file")
-        child.send_signal(signum)
-        _, err = child.communicate(timeout=60)
+        while True:
+            child.send_signal(signum)
+            sent += 1
+            try:
+                _, err = child.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                assert sent < 12, "the child ignored the signal for a minute"
     finally:
         child.kill()
         child.wait()
-    assert (child.returncode, err) == (status, stderr)
+    assert child.returncode == status
+    assert err == stderr or (sent > 1 and err.endswith(stderr) and "Exception ignored" in err), err
     assert list(tmp_path.iterdir()) == []

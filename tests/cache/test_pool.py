@@ -11,6 +11,7 @@ never by timing: performance is measured in `benchmarks/`.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -565,6 +566,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool: Any = self.make()
         self.allocated: set[int] = set()
         self.written: dict[int, tuple[BlockKey, bytes]] = {}
+        self.order: dict[int, int] = {}  # per written page, when it was written (the SSD pool's generation)
+        self.writes = itertools.count()
 
     def make(self) -> Any:
         raise NotImplementedError
@@ -584,6 +587,7 @@ class PoolMachine(RuleBasedStateMachine):
         page = data.draw(st.sampled_from(sorted(self.allocated)))
         self.pool.write(page, payload, key=BlockKey(key))
         self.written[page] = (BlockKey(key), payload)
+        self.order[page] = next(self.writes)
 
     @precondition(lambda self: self.written)
     @rule(data=st.data())
@@ -638,9 +642,15 @@ class SsdPoolMachine(PoolMachine):
 
     @rule()
     def reopen(self) -> None:
-        """What was written (and not freed) comes back with its key; pages allocated but never written are free."""
+        """What was written (and not freed) comes back with its key, one page per key (the newest write of a key
+        written to two); pages allocated but never written, or holding an older copy, are free."""
         self.pool.close()
         self.pool = SsdPagePool(self.path, POOL_PAGE_BYTES, POOL_PAGES)
+        newest: dict[BlockKey, int] = {}
+        for page, (key, _payload) in self.written.items():
+            if key not in newest or self.order[page] > self.order[newest[key]]:
+                newest[key] = page
+        self.written = {page: self.written[page] for page in newest.values()}
         recovered = {page.page: (page.key, page.length) for page in self.pool.recovered}
         assert recovered == {page: (key, len(payload)) for page, (key, payload) in self.written.items()}
         self.allocated = set(self.written)
