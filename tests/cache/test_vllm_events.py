@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher
@@ -715,3 +716,90 @@ def test_a_real_vllm_capture_decodes_to_the_keys_of_its_prompts() -> None:
     assert [m[3] for m in replayed[:-1]] == [bytes.fromhex(p) for _t, _s, p in capture["published"]]
     assert [int.from_bytes(m[2], "big", signed=True) for m in replayed] == [0, 1, 2, -1]
     assert all(m[:2] == [b"", b""] for m in replayed) and replayed[-1][3] == b""
+
+
+class DecoderSequencingMachine(RuleBasedStateMachine):
+    """The decoder's sequencing against a model: the next batch is applied and numbered on; a batch above it is a
+    gap that changes nothing; a batch it applied, redelivered with its number and timestamp, is ignored; a lower
+    number with another timestamp is vLLM restarted (a new, empty epoch, in which only batch 0 applies); `skip_to`
+    starts a new epoch at the number given and keeps the hashes it knows. The hashes known (held, or retired by a
+    removal) are the decoder's mapped ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = decoder()
+        self.expected, self.epoch, self.ours = 0, 0, 0
+        self.applied: dict[int, float] = {}
+        self.held: set[int] = set()
+        self.known: set[int] = set()
+        self.fresh = iter(range(1, 10**6))  # hashes, timestamps and token runs never seen before
+
+    def _stored(self) -> tuple[dict[str, Any], int]:
+        number = next(self.fresh)
+        return stored_wire([number], None, [number % 50_000 + i for i in range(BLOCK)]), number
+
+    def _deliver(self, seq: int, events: list[dict[str, Any]], ts: float) -> tuple[CacheEvent, ...] | SequenceGap:
+        return self.decoder.decode(payload(events, ts=ts), seq=seq)
+
+    def _applies(self, seq: int, kind: str, data: st.DataObject) -> None:
+        """Batch `seq` (the one expected) with one event of `kind`, applied: numbered on in the epoch."""
+        if kind == "remove" and self.held:
+            number = data.draw(st.sampled_from(sorted(self.held)))
+            event, after = removed_wire([number]), self.held - {number}
+        else:
+            event, number = self._stored()
+            after = self.held | {number}
+        ts = float(next(self.fresh))
+        events = self._deliver(seq, [event], ts)
+        assert not isinstance(events, SequenceGap)
+        assert [(e.seq, e.epoch) for e in events] == [(self.ours, self.epoch)]
+        self.ours, self.expected, self.held = self.ours + 1, seq + 1, after
+        self.known.add(number)
+        self.applied[seq] = ts
+
+    @rule(kind=st.sampled_from(["store", "remove"]), data=st.data())
+    def next_batch(self, kind: str, data: st.DataObject) -> None:
+        self._applies(self.expected, kind, data)
+
+    @rule(ahead=st.integers(1, 3))
+    def a_gap(self, ahead: int) -> None:
+        gap = self._deliver(self.expected + ahead, [self._stored()[0]], float(next(self.fresh)))
+        assert isinstance(gap, SequenceGap)
+        assert (gap.expected_seq, gap.received_seq, gap.expected_epoch) == (
+            self.expected,
+            self.expected + ahead,
+            self.epoch,
+        )
+
+    @precondition(lambda self: self.applied)
+    @rule(data=st.data())
+    def a_redelivery(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.applied)))
+        assert self._deliver(seq, [self._stored()[0]], self.applied[seq]) == ()
+
+    @precondition(lambda self: self.expected > 0)
+    @rule(data=st.data())
+    def vllm_restarted(self, data: st.DataObject) -> None:
+        seq = data.draw(st.integers(0, self.expected - 1))
+        self.epoch, self.expected, self.ours = self.epoch + 1, 0, 0
+        self.applied, self.held, self.known = {}, set(), set()
+        if seq == 0:
+            self._applies(0, "store", data)  # numbered from 0 in the new epoch
+        else:
+            gap = self._deliver(seq, [self._stored()[0]], float(next(self.fresh)))
+            assert isinstance(gap, SequenceGap) and (gap.expected_seq, gap.expected_epoch) == (0, self.epoch)
+
+    @rule(ahead=st.integers(0, 5))
+    def skipped(self, ahead: int) -> None:
+        self.decoder.skip_to(self.expected + ahead)
+        self.epoch, self.expected, self.ours = self.epoch + 1, self.expected + ahead, 0
+
+    @invariant()
+    def matches_the_model(self) -> None:
+        assert (self.decoder.expected_seq, self.decoder.epoch) == (self.expected, self.epoch)
+        for number in range(1, 200):
+            assert (self.decoder.key_of(number) is not None) == (number in self.known), number
+        self.decoder.check_invariants()
+
+
+TestDecoderSequencingMachine = DecoderSequencingMachine.TestCase
