@@ -283,9 +283,7 @@ class BlockPlacement:
             self._policies[0].access(victim, parent=demoted.parent, position=demoted.position)
             self._drop(key, entry)
             raise
-        demoted.level, demoted.page, demoted.lower_reads = 1, up, 0
-        self._policies[1].access(victim, parent=demoted.parent, position=demoted.position)
-        self._log += [(REMOVED, 0, victim), (STORED, 1, victim)]
+        self._rehome(victim, demoted, 1, up)
         self._counts["demotions"] += 1
         try:
             self.pools[0].write(down, data, key=key, checksum=entry.checksum)
@@ -293,9 +291,7 @@ class BlockPlacement:
             entry.level, entry.page = 0, down
             self._drop(key, entry)
             raise
-        entry.level, entry.page, entry.lower_reads = 0, down, 0
-        self._policies[0].access(key, parent=entry.parent, position=entry.position)
-        self._log += [(REMOVED, 1, key), (STORED, 0, key)]
+        self._rehome(key, entry, 0, down)
         self._counts["promotions"] += 1
         return self.pools[0].read(down, entry.length)
 
@@ -320,11 +316,15 @@ class BlockPlacement:
             self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
             raise
         self.pools[source_level].free(entry.page)
+        self._rehome(key, entry, target, page)
+        return True
+
+    def _rehome(self, key: BlockKey, entry: Entry, target: int, page: int) -> None:
+        """The block now lives in `page` of tier `target` (its bytes are there): its entry, its new tier's policy
+        and the change log say so."""
+        self._log += [(REMOVED, entry.level, key), (STORED, target, key)]
         entry.level, entry.page, entry.lower_reads = target, page, 0
         self._policies[target].access(key, parent=entry.parent, position=entry.position)
-        self._log.append((REMOVED, source_level, key))
-        self._log.append((STORED, target, key))
-        return True
 
     def _read_host(self, entry: Entry) -> memoryview | None:
         """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool)."""
