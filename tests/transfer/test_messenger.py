@@ -133,9 +133,11 @@ def test_push_of_cached_blocks_and_unknown_ones(nodes: tuple[Node, Node, str]) -
         a.messenger.push([BlockKey(99)], peer)
 
 
-def test_a_pushed_block_the_peer_holds_already_is_kept_until_the_commit() -> None:
+@pytest.mark.parametrize("held_first", [True, False], ids=["held-block-is-a-parent", "held-block-is-a-leaf"])
+def test_a_pushed_block_the_peer_holds_already_is_kept_until_the_commit(held_first: bool) -> None:
     """A block the receiver caches already is not sent again, and not evicted while the push runs: other
-    blocks arriving meanwhile evict around it, and at the commit it becomes the last to go."""
+    blocks arriving meanwhile evict around it, and at the commit it becomes the last to go (also as the chain's
+    leaf, which prefix-aware eviction does not protect as it does a parent of what was sent)."""
     a, b = make_node(8, "tcp"), make_node(4, "tcp")
     try:
         peer = a.engine.connect(b.engine.address)
@@ -143,7 +145,7 @@ def test_a_pushed_block_the_peer_holds_already_is_kept_until_the_commit() -> Non
         for key in (held, sent):
             a.cache.put(key, block(key))
         b.cache.put(held, block(held))  # the oldest block there
-        push = a.messenger.push([held, sent], peer)
+        push = a.messenger.push([held, sent] if held_first else [sent, held], peer)
         for key in (10, 11, 12, 13):  # two free pages, then two evictions, while the push runs
             b.cache.put(BlockKey(key), block(key))
         assert held in b.cache and BlockKey(10) not in b.cache and BlockKey(11) not in b.cache
