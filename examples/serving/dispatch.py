@@ -371,13 +371,10 @@ class Dispatcher:
     def _rejection(self, decision: ScheduleDecision) -> ApiError:
         """The answer to the Conductor's rejection of a request before its prefill (`rejection_error`)."""
         assert decision.reason is not None
-        ttft = decision.ttft_s
-        detail = None if ttft is None else f"estimated TTFT {ttft:.3f} s, objective {self.conductor.slo.ttft_s:g} s"
         return rejection_error(
             decision.reason,
             Outcome.REJECTED_BEFORE_PREFILL,
-            detail=detail if decision.reason is Reason.TTFT_SLO else None,
-            ttft_s=ttft,
+            ttft_s=decision.ttft_s,
             ttft_slo_s=self.conductor.slo.ttft_s,
         )
 

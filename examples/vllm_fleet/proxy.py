@@ -370,9 +370,7 @@ class VllmRouter:
                     # no server could ever take it: vLLM's own 400
                     400: f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
                     "maximum context",
-                }.get(
-                    status, f"estimated TTFT {decision.ttft_s or 0.0:.3f} s, objective {self.settings.ttft_slo_s:g} s"
-                )
+                }.get(status)
                 raise rejection_error(
                     decision.reason,
                     Outcome.REJECTED_BEFORE_PREFILL,
