@@ -7,10 +7,13 @@ policy per tier, the change log the cache's events are made from, and the
 counters of `CacheStats`. Every move runs with the lock held:
 
 - making room in a tier takes a free page, or else evicts the tier's policy
-  victim and demotes it one tier down, which makes room there the same way; a
-  victim that no lower tier can take is dropped;
+  victim and demotes it to the next tier down, which makes room the same way
+  (or, where all its pages are pinned, to the one below it); a victim that no
+  lower tier can take is dropped;
 - promotion moves a block read from a lower tier into the first tier, making
-  room there; when every first-tier page is pinned, the block is read in place;
+  room there; the demotions it causes end in the page the block leaves, so in
+  a full hierarchy it loses nothing; when every first-tier page is pinned, the
+  block is read in place;
 - a move copies the bytes (verified when they come from SSD) and re-homes the
   entry; bytes that fail verification make the block a miss and drop it.
 
@@ -43,6 +46,7 @@ from mooncake.types import BlockKey, Tier
 __all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_changes"]
 
 STORED, REMOVED = 0, 1  # the kinds of change in the log
+_CORRUPT: tuple[None] = (None,)  # what a promotion carries when its block failed verification as it left
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +112,8 @@ class BlockPlacement:
         self._lock = threading.RLock()
         self._log: list[tuple[int, int, BlockKey]] = []
         self._counts = dict.fromkeys(attrs.fields_dict(CacheStats), 0)
+        self._leaving: tuple[BlockKey, Entry] | None = None  # the block `_promote` moves, until `_vacate` takes it
+        self._carried: tuple[memoryview | None] | None = None  # its bytes, once taken
         for level, pool in enumerate(self.pools):
             for found in getattr(pool, "recovered", ()):
                 if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
@@ -200,6 +206,8 @@ class BlockPlacement:
         pool = self.pools[level]
         page = pool.try_allocate()
         if page is None:
+            page = self._vacate(level)
+        if page is None:
             policy, last = self._policies[level], level + 1 == len(self.pools)
             while page is None:
                 victim = policy.evict()
@@ -213,9 +221,14 @@ class BlockPlacement:
         return page
 
     def _demote(self, key: BlockKey, entry: Entry) -> None:
-        """Move an evicted block (already out of its policy) one tier down, or drop it."""
-        target = entry.level + 1
-        page = self._try_make_room(target) if target < len(self.pools) else None
+        """Move an evicted block (already out of its policy) to the nearest lower tier that has room or can make
+        it (one whose pages are all pinned cannot), or drop it."""
+        for target in range(entry.level + 1, len(self.pools)):
+            page = self._try_make_room(target)
+            if page is not None:
+                break
+        else:
+            page = None
         if page is None or not self._move(key, entry, target, page):
             self._drop(key, entry)
             return
@@ -224,23 +237,25 @@ class BlockPlacement:
     def _promote(self, key: BlockKey, entry: Entry) -> PageBytes | None:
         """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt).
 
-        A full first tier demotes its victim one tier down. Where that is the tier `key` leaves, the two swap
-        pages (`_swap`): demoting first would find that tier full, with `key` still in it, and drop a block
-        that the move is about to make room for."""
+        Making room in a full first tier demotes its victim, whose tier makes room the same way, down to the
+        tier `key` leaves: there the cascade takes `key`'s page (`_vacate`), so a promotion in a full hierarchy
+        rotates one block down each tier between and loses none. (Evicting there instead would find that tier
+        full, with `key` still in it, and drop a block the move is about to make room for.)"""
         source_level = entry.level
         self._policies[source_level].remove(key)
+        self._leaving, self._carried = (key, entry), None
         try:
-            page = self.pools[0].try_allocate()
-            if page is None and source_level == 1:
-                victim = self._policies[0].evict()
-                if victim is not None:
-                    return self._swap(key, entry, victim, self._entries[victim])
-            if page is None:
-                page = self._try_make_room(0)
+            page = self._try_make_room(0)
         except BaseException:
-            if key in self._entries and entry.level == source_level:  # not dropped or moved meanwhile
+            if self._carried is not None:  # its page went to the cascade: its bytes are nowhere now
+                self._forget(key, entry)
+            elif key in self._entries and entry.level == source_level:  # not dropped or moved meanwhile
                 self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
             raise
+        finally:
+            self._leaving, carried, self._carried = None, self._carried, None
+        if carried is not None:
+            return self._land(key, entry, page, carried)
         if page is not None:
             if not self._move(key, entry, 0, page):
                 self._found_corrupt(entry)
@@ -259,41 +274,49 @@ class BlockPlacement:
             self._counts["corrupt_blocks"] += 1
             return None
 
-    def _swap(self, key: BlockKey, entry: Entry, victim: BlockKey, demoted: Entry) -> PageBytes | None:
-        """Promote `key` from the second tier into the page of the first tier's `victim`, which takes the page
-        `key` leaves (both out of their policies); returns `key`'s bytes, None if they fail verification
-        (then `key` is dropped, and `victim` demoted into the page it freed)."""
+    def _vacate(self, level: int) -> int | None:
+        """The page of the block being promoted, if it lies in `level` (lock held, during `_promote`): its bytes are
+        taken first (verified, and copied where a read is a view of the page) and carried to the first tier; a
+        block whose bytes fail verification is dropped there instead, its page given all the same."""
+        leaving = self._leaving
+        if leaving is None or leaving[1].level != level:
+            return None
+        key, entry = leaving
+        self._leaving = None  # one page per promotion
         try:
             data = self._read_host(entry) if self.pools[0].holds_bytes else None
-            if data is not None and self.pools[1].zero_copy:  # a view of the page the victim is about to take
-                data = memoryview(bytes(data))
         except IntegrityError:
             self._found_corrupt(entry)
-            self._drop(key, entry)
+            self._forget(key, entry)
             self._counts["corrupt_blocks"] += 1
-            self._demote(victim, demoted)
+            self._carried = _CORRUPT
+            return entry.page
+        if data is not None:
+            if self.pools[level].zero_copy:  # a view of the page the cascade is about to fill
+                data = memoryview(bytes(data))
+            if entry.checksum is None:
+                entry.checksum = xxhash.xxh3_64_intdigest(data)
+        self._carried = (data,)
+        return entry.page
+
+    def _land(
+        self, key: BlockKey, entry: Entry, page: int | None, carried: tuple[memoryview | None]
+    ) -> PageBytes | None:
+        """Write the bytes `_vacate` carried into `page` of the first tier (which the cascade freed), or give the
+        page back where the block was dropped as corrupt."""
+        assert page is not None  # the cascade that took the carried block's page demoted a first-tier victim
+        if carried is _CORRUPT:
+            self.pools[0].free(page)
             return None
-        up, down = entry.page, demoted.page
         try:
-            moved = self._read_host(demoted) if self.pools[1].holds_bytes else None
-            if moved is not None and demoted.checksum is None:
-                demoted.checksum = xxhash.xxh3_64_intdigest(moved)
-            self.pools[1].write(up, moved, key=victim, checksum=demoted.checksum)
-        except BaseException:  # the victim stays where it is; `key`'s page may be torn: it goes
-            self._policies[0].access(victim, parent=demoted.parent, position=demoted.position)
-            self._drop(key, entry)
-            raise
-        self._rehome(victim, demoted, 1, up)
-        self._counts["demotions"] += 1
-        try:
-            self.pools[0].write(down, data, key=key, checksum=entry.checksum)
+            self.pools[0].write(page, carried[0], key=key, checksum=entry.checksum)
         except BaseException:  # nowhere left for `key`
-            entry.level, entry.page = 0, down
-            self._drop(key, entry)
+            self.pools[0].free(page)
+            self._forget(key, entry)
             raise
-        self._rehome(key, entry, 0, down)
+        self._rehome(key, entry, 0, page)
         self._counts["promotions"] += 1
-        return self.pools[0].read(down, entry.length)
+        return self.pools[0].read(page, entry.length)
 
     def _move(self, key: BlockKey, entry: Entry, target: int, page: int) -> bool:
         """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.
@@ -343,6 +366,10 @@ class BlockPlacement:
     def _drop(self, key: BlockKey, entry: Entry) -> None:
         """Forget `key` everywhere (its policy entry is already gone)."""
         self.pools[entry.level].free(entry.page)
+        self._forget(key, entry)
+
+    def _forget(self, key: BlockKey, entry: Entry) -> None:
+        """`_drop` where `key`'s page is no longer its own (`_vacate` gave it away)."""
         del self._entries[key]
         self._log.append((REMOVED, entry.level, key))
         self._counts["drops"] += 1

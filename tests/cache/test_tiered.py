@@ -150,6 +150,43 @@ def test_a_swap_with_a_zero_copy_second_tier_keeps_both_blocks_bytes() -> None:
     cache.close()
 
 
+def test_a_promotion_from_the_third_tier_passes_one_block_down_each_tier(tmp_path: Path) -> None:
+    """Three full tiers of one page each: promoting the SSD block moves VRAM's block to DRAM and DRAM's into the
+    SSD page it left; nothing is dropped and the events say where each block is."""
+    pools = [DramPagePool(PAGE, 1, tier=Tier.VRAM), DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "ssd", PAGE, 1)]
+    cache = TieredCache(pools, source=SOURCE, promote_after=1)  # type: ignore[arg-type]
+    index = BlockIndex()
+    for key in (1, 2, 3):
+        cache.put(BlockKey(key), block(key))
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.SSD, Tier.DRAM, Tier.VRAM]
+    assert bytes(cache.get(BlockKey(1))) == block(1)
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.VRAM, Tier.SSD, Tier.DRAM]
+    assert (cache.stats.promotions, cache.stats.drops) == (1, 0)
+    for key in (1, 2, 3):
+        assert bytes(cache.get(BlockKey(key))) == block(key)
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    for key in (1, 2, 3):
+        assert index.holders(BlockKey(key)) == (Holder(SOURCE, cache.tier_of(BlockKey(key))),)  # type: ignore[arg-type]
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_victim_passes_a_tier_whose_pages_are_all_pinned(tmp_path: Path) -> None:
+    """A first-tier victim whose next tier holds only pinned blocks goes to the tier below it, not away."""
+    pools = [DramPagePool(PAGE, 1, tier=Tier.VRAM), DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "ssd", PAGE, 2)]
+    cache = TieredCache(pools, source=SOURCE, promote_after=0)  # type: ignore[arg-type]
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to DRAM
+    cache.pin(BlockKey(1))
+    cache.put(BlockKey(3), block(3))
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.DRAM, Tier.SSD, Tier.VRAM]
+    assert cache.stats.drops == 0 and bytes(cache.get(BlockKey(2))) == block(2)
+    cache.unpin(BlockKey(1))
+    cache.check_invariants()
+    cache.close()
+
+
 def test_reads_under_pinned_promote_as_plain_gets_do(tmp_path: Path) -> None:
     """`pinned` (the documented way to read) promotes on the same read as `get`, and pins the block where
     it lands: it was pinned before its read, and a pinned block never moves, so it never promoted."""
@@ -343,7 +380,7 @@ class TieredMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="tiered-machine-"))
         self.cache = TieredCache(
-            [DramPagePool(PAGE, 3), SsdPagePool(self.tmp / "ssd.pool", PAGE, 4)],
+            self.pools(),
             source=SOURCE,
             policy=lambda: self.policy_class(prefix_aware=self.with_parents),
             promote_after=2,
@@ -356,19 +393,22 @@ class TieredMachine(RuleBasedStateMachine):
         self.may_evict = False  # the step may claim a page (a put or a reservation)
         self.removed: set[BlockKey] = set()  # what the step removed on purpose
 
+    def pools(self) -> list[Any]:
+        return [DramPagePool(PAGE, 3), SsdPagePool(self.tmp / "ssd.pool", PAGE, 4)]
+
     def teardown(self) -> None:
         self.cache.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def dram_all_pinned(self) -> bool:
-        pinned_in_dram = sum(1 for k in self.pins if self.cache.tier_of(k) == Tier.DRAM)
-        return pinned_in_dram >= self.cache.pools[0].num_pages
+    def first_tier_all_pinned(self) -> bool:
+        first = self.cache.pools[0]
+        return sum(1 for k in self.pins if self.cache.tier_of(k) == first.tier) >= first.num_pages
 
     @rule(key=keys)
     def put(self, key: BlockKey) -> None:
         self.may_evict = True
         parent = BlockKey(key - 1) if self.with_parents and key > 1 else None
-        if key not in self.cache and self.dram_all_pinned():
+        if key not in self.cache and self.first_tier_all_pinned():
             with pytest.raises(CapacityError):
                 self.cache.put(key, block(key), parent=parent)
             return
@@ -384,7 +424,7 @@ class TieredMachine(RuleBasedStateMachine):
         if key in self.cache:
             assert self.cache.reserve(key, len(data), parent=parent) is None
             return
-        if self.dram_all_pinned():
+        if self.first_tier_all_pinned():
             with pytest.raises(CapacityError):
                 self.cache.reserve(key, len(data), parent=parent)
             return
@@ -500,7 +540,21 @@ class TieredLfuPrefixMachine(TieredMachine):
     with_parents = True
 
 
+class ThreeTierMachine(TieredMachine):
+    """Three tiers (host pools standing in for VRAM and DRAM, over SSD): a block promoted from the third tier
+    rotates the first two tiers' victims down one tier each, into the page it leaves."""
+
+    def pools(self) -> list[Any]:
+        return [
+            DramPagePool(PAGE, 2, tier=Tier.VRAM),
+            DramPagePool(PAGE, 2),
+            SsdPagePool(self.tmp / "ssd.pool", PAGE, 3),
+        ]
+
+
 TestTieredSieve = TieredSieveMachine.TestCase
+TestThreeTiers = ThreeTierMachine.TestCase
+TestThreeTiers.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestTieredLfuPrefix = TieredLfuPrefixMachine.TestCase
 
 

@@ -35,6 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockRemoved, BlockStored
+from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
 from mooncake.cache.tiered import TieredCache
@@ -233,6 +234,45 @@ def test_a_block_found_damaged_as_it_swaps_up_is_a_miss_and_the_victim_still_goe
     assert [cache.tier_of(BlockKey(k)) for k in range(4)] == [None, Tier.SSD, Tier.SSD, Tier.DRAM]
     for key in range(1, 4):
         assert bytes(cache.get(BlockKey(key))) == block(key)
+    cache.check_invariants()
+    cache.close()
+
+
+class FailingPool(DramPagePool):
+    """A host pool whose writes raise OSError once `failing` is set (a device error, a full disk)."""
+
+    failing = False
+
+    def write(self, page: int, data: Any, *, key: BlockKey, checksum: int | None = None) -> None:
+        if self.failing:
+            raise OSError("injected write failure")
+        super().write(page, data, key=key, checksum=checksum)
+
+
+@pytest.mark.parametrize("failing_tier", [0, 1])
+def test_a_write_failing_during_a_promotion_loses_only_the_promoted_block(failing_tier: int) -> None:
+    """A full hierarchy promotes a block: the first tier's victim goes into the page the block leaves, and the
+    block into the victim's. Where either write fails, the error reaches the reader, the victim stays whole
+    (where it was, or where it went), and only the block in flight is dropped, its page given back: the cache
+    keeps its invariants and its events still mirror it."""
+    pools = [FailingPool(PAGE, 1, tier=Tier.VRAM), FailingPool(PAGE, 1)]
+    cache = TieredCache(pools, source=SOURCE, promote_after=1)  # type: ignore[arg-type]
+    index = BlockIndex()
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down
+    pools[failing_tier].failing = True
+    with pytest.raises(OSError, match="injected"):
+        cache.get(BlockKey(1))
+    pools[failing_tier].failing = False
+    assert cache.tier_of(BlockKey(1)) is None
+    assert cache.tier_of(BlockKey(2)) == (Tier.VRAM if failing_tier == 1 else Tier.DRAM)
+    assert bytes(cache.get(BlockKey(2))) == block(2)
+    cache.check_invariants()
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    assert index.holders(BlockKey(1)) == ()
+    assert index.holders(BlockKey(2)) == (Holder(SOURCE, cache.tier_of(BlockKey(2))),)  # type: ignore[arg-type]
+    cache.put(BlockKey(3), block(3))  # every page is usable again
     cache.check_invariants()
     cache.close()
 
