@@ -178,6 +178,24 @@ def test_single_turn_sessions_never_continue() -> None:
     assert continuations(generate(spec, 300), spec.block_size_tokens) == 0
 
 
+@given(seed=seeds, turns=st.integers(2, 4))
+def test_a_turn_that_reaches_max_input_tokens_exactly_is_kept(seed: int, turns: int) -> None:
+    """The limit is inclusive: with every length constant, a session's `turns`-th prompt fills the context
+    exactly and is still asked, and nothing longer ever is."""
+    fixed = LengthDistribution(mean_tokens=100, sigma=0)
+    spec = WorkloadSpec(
+        system_prompt_tokens=fixed,
+        user_message_tokens=fixed,
+        output_tokens=fixed,
+        mean_turns=10_000,  # sessions end at the limit, not by their turn count
+        continue_probability=0.99,
+        max_input_tokens=200 * turns,  # system prompt and first message, then 200 more per turn
+    )
+    lengths = {r.input_length for r in generate_requests(spec, num_requests=60, seed=seed)}
+    assert max(lengths) == 200 * turns
+    assert lengths <= {200 * turn for turn in range(1, turns + 1)}
+
+
 @given(seed=seeds, max_input=st.integers(1, 3000))
 @settings(max_examples=20)
 def test_inputs_never_exceed_max_input_tokens(seed: int, max_input: int) -> None:
