@@ -55,6 +55,7 @@ from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
+from mooncake.sched.cost import transfers_in_flight
 from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
@@ -552,11 +553,7 @@ class Conductor:
 
     def _transfers_in_flight(self, source: InstanceId, now: float) -> int:
         finishes = self._transfers.get(source)
-        if not finishes:
-            return 0
-        while finishes and finishes[0] <= now:
-            heapq.heappop(finishes)
-        return len(finishes)
+        return transfers_in_flight(finishes, now) if finishes else 0
 
     # ------------------------------------------------------------------ events
 

@@ -32,6 +32,7 @@ All functions are pure; units are in the names (seconds, bytes, tokens).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import math
@@ -62,6 +63,7 @@ __all__ = [
     "occupancy_s",
     "prefill_flops",
     "reuse_bandwidth_bytes_per_s",
+    "transfers_in_flight",
 ]
 
 ATTENTION_COEFFICIENT = 4  # the paper's a
@@ -466,6 +468,15 @@ class FittedPrefillModel:
             )
         except (ValueError, KeyError, TypeError) as error:  # a ConfigError is a ValueError
             raise ConfigError(f"not a fitted prefill model: {error}") from error
+
+
+def transfers_in_flight(finishes: list[float], now: float) -> int:
+    """How many transfers from one source, ending at `finishes` (a heap of times), still move at `now`: those
+    ending after it (the ended ones are popped). The congestion `TransferCostModel.transfer_s` charges, counted
+    alike by the Conductor's estimate and the simulator's links."""
+    while finishes and finishes[0] <= now:
+        heapq.heappop(finishes)
+    return len(finishes)
 
 
 @attrs.frozen(kw_only=True)

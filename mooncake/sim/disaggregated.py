@@ -53,7 +53,7 @@ from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import PrefillCostModel, occupancy_s
+from mooncake.sched.cost import PrefillCostModel, occupancy_s, transfers_in_flight
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.predictor import LoadPredictor, uniform_decode_s
@@ -259,9 +259,8 @@ class DisaggregatedCluster:
         if plan is not None and self.spec.global_pool:
             # The blocks from the holder must arrive before the prefill may start.
             ends = self._transfers.setdefault(plan.source, [])
-            while ends and ends[0] <= now:
-                heapq.heappop(ends)
-            ready = now + self.transfer_cost.transfer_s(plan.num_bytes, in_flight_from_source=len(ends))
+            congestion = transfers_in_flight(ends, now)
+            ready = now + self.transfer_cost.transfer_s(plan.num_bytes, in_flight_from_source=congestion)
             heapq.heappush(ends, ready)
         node.queue.append(_Queued(request, record, decision, ready))
         self._prefill_count += 1

@@ -11,6 +11,7 @@ and capacity.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -35,6 +36,7 @@ from mooncake.sched.cost import (
     TransferCostModel,
     prefill_flops,
     reuse_bandwidth_bytes_per_s,
+    transfers_in_flight,
 )
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel, RooflineStep, StepBranch
 
@@ -691,3 +693,17 @@ def test_cpp_rejects_bad_fields(options: dict[str, object]) -> None:
     base = PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"])
     with pytest.raises(ConfigError, match=next(iter(options))):
         ChunkedPipelineCost(base=base, **{"group_size": 2, **options})  # type: ignore[arg-type]
+
+
+@given(
+    finishes=st.lists(st.floats(0, 100, allow_nan=False), max_size=20),
+    nows=st.lists(st.floats(0, 100, allow_nan=False), min_size=1, max_size=5),
+)
+def test_transfers_in_flight_counts_those_ending_after_now(finishes: list[float], nows: list[float]) -> None:
+    """At each (non-decreasing) `now`, the count is the transfers ending strictly after it, and the heap keeps
+    exactly those: a transfer ending at `now` no longer shares the link."""
+    heap = list(finishes)
+    heapq.heapify(heap)
+    for now in sorted(nows):
+        assert transfers_in_flight(heap, now) == sum(1 for end in finishes if end > now)
+        assert sorted(heap) == sorted(end for end in finishes if end > now)
