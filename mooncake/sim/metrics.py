@@ -234,9 +234,20 @@ class RecordTable(Sequence[RequestRecord]):
         self._row_of[id(record)] = row
 
     def seal(self, record: RequestRecord) -> None:
-        """`record`'s request has ended: keep it as columns only (the table lets go of the object)."""
-        row = self._row_of.pop(id(record))
-        del self._live[row]
+        """`record`'s request has ended: keep it as columns only (the table lets go of the object, and later
+        changes to it, its intervals included, change nothing here). A field no column holds (a count past
+        int64) leaves the record live, as it was.
+
+        Raises:
+            InvalidRequestError: `record` is not live in this table (sealed already, or never added).
+        """
+        row = self._row_of.get(id(record))
+        if row is None:
+            raise InvalidRequestError(
+                f"the record of request {record.request_id!r} is not live in this table (sealed already, or an"
+                " object never added)"
+            )
+        # The columns first: a live row reads from its object, so a write that fails halfway shows nowhere.
         floats, ints, codes, code = self._floats, self._ints, self._codes, self._names.code
         floats["arrival_s"][row] = record.arrival_s
         floats["prefill_s"][row] = record.prefill_s
@@ -252,7 +263,8 @@ class RecordTable(Sequence[RequestRecord]):
         codes["decode_instance"][row] = code(record.decode_instance)
         codes["inline_prefill"][row] = record.inline_prefill
         if self.keep_intervals:
-            self._intervals[row] = record.intervals
+            self._intervals[row] = IntervalRuns(list(record.intervals.runs))
+        del self._row_of[id(record)], self._live[row]
 
     def column(self, name: str) -> np.ndarray:
         """A field of every record as an array, live records included (times: NaN for None;
