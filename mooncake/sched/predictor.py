@@ -161,6 +161,15 @@ class ExpectedOutputPredictor:
         """Nothing to learn: each request's expected output is given with it."""
 
 
+def _step_s(value: float) -> float:
+    return require_number("step_s", value, minimum=0, strict=True)
+
+
+def _output_lengths(values: Iterable[int]) -> list[int]:
+    """Observed output lengths as the predictor keeps them: sorted ints, each checked as `observe` checks one."""
+    return sorted(require_int("an output length", value, minimum=0) for value in values)
+
+
 @attrs.define
 class OutputLengthPredictor:
     """Survival of each request under the observed output-length distribution.
@@ -170,11 +179,8 @@ class OutputLengthPredictor:
         lengths: output lengths seen so far (more can be `observe`d).
     """
 
-    step_s: float
-    lengths: list[int] = attrs.field(factory=list, converter=sorted)
-
-    def __attrs_post_init__(self) -> None:
-        require_number("step_s", self.step_s, minimum=0, strict=True)
+    step_s: float = attrs.field(converter=_step_s)
+    lengths: list[int] = attrs.field(factory=list, converter=_output_lengths)
 
     def observe(self, output_tokens: int) -> None:
         """Record a finished request's output length.
