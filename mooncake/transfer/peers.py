@@ -53,7 +53,8 @@ __all__ = ["Handler", "PeerDescriptor", "Peers", "host_id"]
 # a malformed one raises and the call is refused), and the JSON value to answer.
 Handler = Callable[[Any], Json]
 
-_SHM_NAME = re.compile(r"mooncake-(\d+)-[0-9a-f]+")
+_PORT = re.compile(r"[0-9]{1,5}")
+_SHM_NAME = re.compile(r"mooncake-([1-9][0-9]*)-[0-9a-f]+")  # ASCII digits only, no leading zero: one name per pid
 
 
 def host_id() -> str:
@@ -93,13 +94,22 @@ class PeerDescriptor:
             TransferError: a field is missing, of the wrong type or implausible.
         """
         try:
-            pid = int(data["pid"])
+            name, host, pid, regions = data["name"], data["host_id"], data["pid"], data["regions"]
+            rdma = data.get("rdma", False)
+            # Taken as sent, never coerced: a pid of "12", 12.9 or true, or rdma "false", is a lie or a bug.
+            for field, value, kind in (("name", name, str), ("host_id", host, str), ("rdma", rdma, bool)):
+                if type(value) is not kind:
+                    raise TransferError(f"malformed segment descriptor: {field}={value!r} is not a {kind.__name__}")
+            if type(pid) is not int or not 0 < pid < 2**32:  # a process id: positive, and pid_t is 32 bits
+                raise TransferError(f"malformed segment descriptor: pid={pid!r}")
+            if type(regions) is not list:
+                raise TransferError(f"malformed segment descriptor: regions={regions!r} is not a list")
             return cls(
-                name=str(data["name"]),
-                host_id=str(data["host_id"]),
+                name=name,
+                host_id=host,
                 pid=pid,
-                regions=tuple(_checked_region(r, pid) for r in data["regions"]),
-                rdma=bool(data.get("rdma", False)),
+                regions=tuple(_checked_region(r, pid) for r in regions),
+                rdma=rdma,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TransferError(f"malformed segment descriptor: {error}") from error
@@ -147,6 +157,7 @@ class Peers:
         }
         self._queue_pairs: list[QueuePair] = []  # accepted from peers, oldest first, closed with the engine
         self._peers: dict[str, _Peer] = {}
+        self._closed = False
         self._lock = threading.Lock()
         self.staging = StagingPool(config.max_staging_bytes)
         self.host_id = host_id()
@@ -163,12 +174,17 @@ class Peers:
 
         Returns:
             The peer's key: the address dialled.
+
+        Raises:
+            ConfigError: not "host:port". TransferError: `close` came first, or the peer's descriptor is malformed.
         """
         host, _, port_text = address.rpartition(":")
-        if not host or not port_text.isdigit():
-            raise ConfigError(f"a peer address is host:port, got {address!r}")
+        if not host or _PORT.fullmatch(port_text) is None or not 0 < int(port_text) < 65536:
+            raise ConfigError(f"a peer address is host:port (a TCP port, 1 to 65535), got {address!r}")
         port = int(port_text)
         key = f"{host}:{port}"
+        if self._closed:
+            raise TransferError(f"{self.name} is closed: no peer is kept")
         control = tcp.connect(host, port, secret=self.secret, config=self.config)
         transports: dict[str, Transport] = {}
         try:
@@ -181,8 +197,13 @@ class Peers:
             raise
         peer = _Peer(host, port, descriptor, transports, control)
         with self._lock:
-            old = self._peers.pop(key, None)
-            self._peers[key] = peer
+            closed = self._closed  # checked with the peers: a connect racing close() never outlives it
+            old = None if closed else self._peers.pop(key, None)
+            if not closed:
+                self._peers[key] = peer
+        if closed:
+            _close_peer(peer)
+            raise TransferError(f"{self.name} is closed: no peer is kept")
         if old is not None:
             _close_peer(old)
         return key
@@ -269,6 +290,7 @@ class Peers:
         The queue pairs accepted from peers close in `close_queue_pairs` (before their device).
         """
         with self._lock:
+            self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
         self._listener.close()
