@@ -159,7 +159,7 @@ class Listener:
             except OSError:
                 return  # e.g. out of descriptors: the connection waits in the backlog
             if len(self._pending) >= self._config.max_unauthenticated_connections:
-                self._make_room()
+                self._make_room(str(address[0]))
             sock.setblocking(False)
             nonce, hello = server_hello()
             try:
@@ -173,10 +173,16 @@ class Listener:
             self._by_address.setdefault(pending.address, {})[sock] = pending
             self._selector.register(sock, selectors.EVENT_READ)
 
-    def _make_room(self) -> None:
-        """Drop the oldest pending connection of the address that holds the most (ties: the older one)."""
-        crowded = max(self._by_address.values(), key=lambda mine: (len(mine), -next(iter(mine.values())).deadline))
-        self._drop(next(iter(crowded.values())))
+    def _make_room(self, arriving: str) -> None:
+        """Drop the oldest pending connection of the address that holds the most, counting the connection
+        `arriving` from its address (ties: the older one). Counting it, a flood from one address with a budget
+        of two drops its own connection, not the peer's that came first."""
+
+        def crowding(address: str) -> tuple[int, float]:
+            mine = self._by_address[address]
+            return len(mine) + (address == arriving), -next(iter(mine.values())).deadline
+
+        self._drop(next(iter(self._by_address[max(self._by_address, key=crowding)].values())))
 
     def _advance(self, pending: _Pending) -> None:
         """Read what the peer sent of its answer; decide once all of it is in."""
