@@ -29,6 +29,7 @@ has the shape the config implies; the loaded model's logits are transformers'
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 
 # A model weight of layer i → the checkpoint tensors (under model.layers.{i}.) it concatenates, in row order.
+_LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")  # as `weight_names` writes it: ASCII digits, no leading zero
 _LAYER_TENSORS = {
     "attn_norm": ("input_layernorm.weight",),
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -284,7 +286,13 @@ def checkpoint_tensors(config: ModelConfig, name: str) -> tuple[tuple[str, tuple
     if name == "head":
         return (("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight", (v, h)),)
     parts = name.split(".")
-    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in _LAYER_TENSORS:
+    if (
+        len(parts) != 3
+        or parts[0] != "layers"
+        or _LAYER_INDEX.fullmatch(parts[1]) is None
+        or int(parts[1]) >= config.num_layers
+        or parts[2] not in config.layer_weights
+    ):
         raise ConfigError(f"{name!r} is not a weight of the model")
     shapes: dict[str, list[tuple[int, ...]]] = {
         "attn_norm": [(h,)],

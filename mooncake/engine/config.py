@@ -123,6 +123,20 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def layer_weights(self) -> tuple[str, ...]:
+        """The weights of each layer, in build order (`layers.{i}.<weight>`): a bias only where the config has it."""
+        return (
+            "attn_norm",
+            "qkv",
+            *(("qkv_bias",) if self.qkv_bias else ()),
+            "out",
+            *(("out_bias",) if self.out_bias else ()),
+            "mlp_norm",
+            "gate_up",
+            "down",
+        )
+
+    @property
     def num_parameters(self) -> int:
         per_layer = (
             2 * self.hidden_size  # the two norms

@@ -147,11 +147,7 @@ def weight_names(config: ModelConfig, layers: Iterable[int] | None = None) -> li
     indices = list(range(config.num_layers) if layers is None else layers)
     names: list[str] = []
     for i in indices:
-        names += [f"layers.{i}.attn_norm", f"layers.{i}.qkv"]
-        names += [f"layers.{i}.qkv_bias"] if config.qkv_bias else []
-        names += [f"layers.{i}.out"]
-        names += [f"layers.{i}.out_bias"] if config.out_bias else []
-        names += [f"layers.{i}.mlp_norm", f"layers.{i}.gate_up", f"layers.{i}.down"]
+        names += [f"layers.{i}.{weight}" for weight in config.layer_weights]
     has_embedding = bool(indices) and indices[0] == 0
     names += ["embedding"] if has_embedding else []
     if indices and indices[-1] == config.num_layers - 1:
