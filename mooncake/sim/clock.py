@@ -31,6 +31,8 @@ from mooncake.errors import InvalidRequestError
 
 __all__ = ["EventLoop"]
 
+_END = object()  # the stream's end: any item, None included, is an item (`time_of` judges it)
+
 
 class EventLoop:
     """Runs handlers in time order; `now` is the time of the event being handled."""
@@ -71,10 +73,10 @@ class EventLoop:
         heap = self._heap
         pop = heapq.heappop
         stream, time_of, on_item = self._stream, self._time_of, self._on_item
-        item = next(stream, None) if stream is not None else None
-        item_s = time_of(item) if item is not None else 0.0
-        while heap or item is not None:
-            if item is not None and (not heap or item_s <= heap[0][0]):
+        item = next(stream, _END) if stream is not None else _END
+        item_s = time_of(item) if item is not _END else 0.0
+        while heap or item is not _END:
+            if item is not _END and (not heap or item_s <= heap[0][0]):
                 if item_s < self.now:
                     raise InvalidRequestError(f"arrivals out of order: {item!r} at {item_s} after {self.now}")
                 self.now = now = item_s
@@ -82,8 +84,8 @@ class EventLoop:
                     before_each(now)
                 assert on_item is not None and stream is not None
                 on_item(now, item)
-                item = next(stream, None)
-                item_s = time_of(item) if item is not None else 0.0
+                item = next(stream, _END)
+                item_s = time_of(item) if item is not _END else 0.0
                 continue
             now, _, handler, args = pop(heap)
             self.now = now

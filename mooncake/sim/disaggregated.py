@@ -145,9 +145,9 @@ def replay(
     """
     if decode_s is None and predictor is None:
         requests = list(requests)
-        bad = next((r for r in requests if not isinstance(r, Request)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(bad).__name__}")
+        for item in requests:
+            if not isinstance(item, Request):
+                raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(item).__name__}")
         decode_s = uniform_decode_s((r.output_length for r in requests), (slo or Slo()).tbt_s)
     conductor = build_conductor(
         spec, router=router, admission=admission, slo=slo, decode_s=decode_s, predictor=predictor, seed=seed

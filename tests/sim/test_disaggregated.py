@@ -785,6 +785,10 @@ def test_replay_refuses_an_empty_workload_and_what_is_not_a_request() -> None:
         replay(spec, [{"arrival_s": 0.0}], decode_s=5.0)  # type: ignore[list-item]
     with pytest.raises(InvalidRequestError, match="got int"):  # without decode_s: read for the workload's t_d
         replay(spec, [1, 2])  # type: ignore[list-item]
+    requests = list(generate_requests(PRESETS["synthetic"], num_requests=3))
+    for decode_s in (5.0, None):  # a None is an item like any other, not the end of the workload
+        with pytest.raises(InvalidRequestError, match="got NoneType"):
+            replay(spec, [requests[0], None, *requests[1:]], decode_s=decode_s)  # type: ignore[list-item]
     requests = list(generate_requests(PRESETS["synthetic"], num_requests=5))
     twice = [*requests, attrs.evolve(requests[-1], request_id=requests[0].request_id, arrival_s=1e6)]
     with pytest.raises(InvalidRequestError, match="request id '0' appears twice"):  # its first has long ended
