@@ -186,9 +186,9 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
         raise ValueError(f"field 'hash_ids' must be a list of integers, got {_shown(hash_ids)}")
     if not all(type(h) is int for h in hash_ids):  # converted only when needed: every line of a trace passes here
         hash_ids = [_whole(h) for h in hash_ids]
-        bad = next((h for h in hash_ids if type(h) is not int), None)
-        if bad is not None:
-            raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(bad)}")
+        for h in hash_ids:
+            if type(h) is not int:  # None too (a JSON null)
+                raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(h)}")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
     check_block_count(len(hash_ids), input_length, block_size_tokens)

@@ -164,6 +164,10 @@ MALFORMED: dict[str, tuple[str, str]] = {
         "field 'hash_ids' must be a list of integers, got an element '2'",
     ),
     "hash_ids with float": (line(hash_ids=[1, 2.5]), "field 'hash_ids' must be a list of integers, got an element 2.5"),
+    "hash_ids with null": (
+        line(hash_ids=[1, None]),
+        "field 'hash_ids' must be a list of integers, got an element None",
+    ),
     "aiperf messages": (line(messages=[{"role": "user", "content": "hi"}]), "field 'messages' is not supported"),
     "hash_ids with bool": (line(hash_ids=[1, True]), "field 'hash_ids' must be a list of integers"),
     "hash_ids nested": (line(hash_ids=[[1], [2]]), "field 'hash_ids' must be a list of integers"),
