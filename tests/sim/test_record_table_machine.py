@@ -66,7 +66,12 @@ field_changes = st.fixed_dictionaries(
 """Some of the fields a request's progress sets (intervals aside), times relative to the record's own."""
 
 
-def apply_changes(record: RequestRecord, changes: dict[str, Any]) -> None:
+def apply_changes(
+    record: RequestRecord, changes: dict[str, Any], runs: list[tuple[float, float, int]] | None = None
+) -> None:
+    """Set `changes` on `record` and add the interval `runs`: what a request's progress does to it."""
+    for run in runs or []:
+        record.intervals.add(*run)
     for name, value in changes.items():
         if name == "ttft_s":
             record.first_token_s = None if value is None else record.arrival_s + value
@@ -190,9 +195,7 @@ class RecordTableMachine(RuleBasedStateMachine):
         """A live record changes in place: the table reads it as it is now."""
         live = self.live_rows()
         record = live[which % len(live)].given
-        apply_changes(record, changes)
-        for run in runs:
-            record.intervals.add(*run)
+        apply_changes(record, changes, runs)
 
     @precondition(has_live)
     @rule(which=rows)
@@ -223,9 +226,7 @@ class RecordTableMachine(RuleBasedStateMachine):
         it was."""
         sealed = self.sealed_rows()
         record = sealed[which % len(sealed)].given
-        apply_changes(record, changes)
-        for run in runs:
-            record.intervals.add(*run)
+        apply_changes(record, changes, runs)
 
     @precondition(has_sealed)
     @rule(which=rows)
