@@ -537,3 +537,24 @@ TestLengthAwarePrefixMachine = _machine("length_aware", True).TestCase
 TestLengthAwareFlatMachine = _machine("length_aware", False).TestCase
 TestSievePrefixMachine = _machine("sieve", True).TestCase
 TestSieveFlatMachine = _machine("sieve", False).TestCase
+
+
+def test_length_aware_ties_go_to_the_least_recently_accessed_not_the_first_inserted() -> None:
+    """Equal uses and equal position: the tie goes by last access, which a re-access refreshes."""
+    policy = LengthAwarePolicy()
+    policy.access(K(1), position=3)
+    policy.access(K(2), position=3)
+    policy.access(K(2))  # both now two uses, position 3; 1 used last
+    policy.access(K(1))
+    assert policy.evict() == K(2)
+    assert policy.evict() == K(1)
+
+
+@pytest.mark.parametrize("kind", ["lru", "lfu", "length_aware"])
+def test_every_candidate_keeps_an_entry_across_a_heap_rebuild(kind: str) -> None:
+    """Two keys used in turn push a heap entry at every access until the heap is rebuilt; the bookkeeping must
+    hold at the very access that rebuilds it (the entry of the block used just before included)."""
+    policy = POLICIES[kind](prefix_aware=False)
+    for step in range(2500):  # past 4 * 2 + 1024 entries: at least two rebuilds
+        policy.access(K(step % 2), position=0)
+        policy.check_invariants()

@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 import torch
 import xxhash
 
-from mooncake.engine.sampling import Sampler, SamplingParams, nucleus, stream_seed
+from mooncake.engine.sampling import MAX_SEED, Sampler, SamplingParams, nucleus, stream_seed
 from mooncake.errors import ConfigError
 
 seeds = st.integers(min_value=0, max_value=2**32)
@@ -254,3 +254,31 @@ def test_a_tokens_stream_is_seeded_by_the_documented_bytes() -> None:
     prefill and a decode process (or two releases) must share to draw one request's tokens alike."""
     word = bytes([1, 0, 0, 0, 0, 0, 0, 0]), bytes([2, 0, 0, 0, 0, 0, 0, 0])
     assert stream_seed(1, 2) == xxhash.xxh3_64_intdigest(word[0] + word[1]) != stream_seed(2, 1)
+
+
+def test_the_largest_seed_is_accepted() -> None:
+    """Seeds lie in [0, 2**64): 2**64 - 1, torch's largest, is a valid seed that draws."""
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1)
+    assert params.seed == MAX_SEED
+    assert 0 <= Sampler(params).next_token(torch.zeros(8)) < 8
+
+
+def test_output_token_k_is_drawn_from_a_generator_seeded_with_stream_seed_of_k() -> None:
+    """The documented stream: token k is torch.multinomial over softmax(logits / T) with a generator seeded
+    stream_seed(seed, k). Over uniform logits of 1,024 tokens a stream shifted by one position disagrees."""
+    seed = 1234
+    uniform = torch.zeros(1024)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+    for k in range(4):
+        generator = torch.Generator().manual_seed(stream_seed(seed, k))
+        expected = int(torch.multinomial(torch.full((1024,), 1 / 1024, dtype=torch.float64), 1, generator=generator))
+        assert sampler.next_token(uniform) == expected
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_temperature_down_to_the_smallest_float_is_greedy(temperature: float) -> None:
+    """float32 logits (as a model gives them) and a temperature so small that a logit divided by it overflows:
+    all the mass on the argmax, no nan (the largest logit is shifted to 0 first, in float64)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0], dtype=torch.float32)
+    for seed in range(10):
+        assert Sampler(SamplingParams(temperature=temperature, seed=seed)).next_token(logits) == 1

@@ -43,3 +43,29 @@ def test_a_request_end_has_a_reason_iff_it_did_not_complete(outcome: Outcome, re
     else:
         with pytest.raises(InvalidRequestError, match=outcome.value):
             RequestEnd(RequestId("r"), outcome, reason)
+
+
+def test_the_values_are_the_documented_wire_vocabulary() -> None:
+    """Outcome and reason values travel between processes (a worker's refusal, a gateway's error code, the
+    simulator's CSV, metric labels) and versions: each is its name in lower case, and the set is fixed."""
+    assert [o.value for o in Outcome] == [
+        "completed",
+        "rejected_before_prefill",
+        "rejected_after_prefill",
+        "aborted",
+    ]
+    assert [r.value for r in Reason] == [
+        "no_prefill_instance",
+        "no_decode_instance",
+        "ttft_slo",
+        "context_too_long",
+        "batch_full",
+        "kv_budget",
+        "tbt_slo",
+        "decode_rejected",
+        "instance_down",
+        "client_gone",
+        "timeout",
+        "failed",
+    ]
+    assert all(member.value == member.name.lower() for member in [*Outcome, *Reason])

@@ -17,7 +17,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
-from mooncake.sched.view import ActiveDecode, DecodeBoard, DecodeView, PrefillBoard, PrefillView, QueuedPrefill
+from mooncake.sched.outcome import Reason
+from mooncake.sched.view import (
+    ActiveDecode,
+    DecodeBoard,
+    DecodeView,
+    PrefillBoard,
+    PrefillView,
+    QueuedPrefill,
+    RequestAborted,
+    RequestRejected,
+)
 from mooncake.types import InstanceId, RequestId
 from tests.strategies import prefill_views
 
@@ -163,3 +173,29 @@ class DecodeBoardMachine(RuleBasedStateMachine):
 
 
 TestDecodeBoardMachine = DecodeBoardMachine.TestCase
+
+
+def test_a_decoding_batch_is_its_prompts_outputs_and_start_times_summed() -> None:
+    """The decoding batch's arrays: prompts (the KV a step reads), expected outputs (the most they generate,
+    which caps the tokens decode selection counts as grown) and start times, each summed, reservations apart."""
+    view = DecodeView(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=10_000))
+    board = DecodeBoard([view])
+    view.reserve(RequestId("r"), 600, 100)
+    view.join(ActiveDecode(request_id=RequestId("a"), start_s=1.0, context_tokens=1000, output_tokens=200))
+    view.join(ActiveDecode(request_id=RequestId("b"), start_s=2.5, context_tokens=50, output_tokens=7))
+    board.refresh(0)
+    assert (view.context_tokens, view.output_tokens, view.started_s_sum) == (1050, 207, 3.5)
+    assert board.active_batch.tolist() == [2] and board.active_context.tolist() == [1050]
+    assert board.active_output.tolist() == [207] and board.started_s_sum.tolist() == [3.5]
+    view.leave(RequestId("a"))
+    board.refresh(0)
+    assert (view.context_tokens, view.output_tokens, board.active_output.tolist()) == (50, 7, [7])
+
+
+def test_events_default_to_the_documented_reasons() -> None:
+    """A decode instance's refusal without a why is DECODE_REJECTED; an abort without one is FAILED."""
+    assert (
+        RequestRejected(request_id=RequestId("r"), instance_id=InstanceId("d"), now=0.0).reason
+        is Reason.DECODE_REJECTED
+    )
+    assert RequestAborted(request_id=RequestId("r"), now=0.0).reason is Reason.FAILED

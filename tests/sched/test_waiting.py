@@ -377,3 +377,57 @@ def test_only_a_rejection_for_room_waits(reason: Reason, ttft_s: float) -> None:
     queue: AdmissionQueue[int] = AdmissionQueue(Refuses(), max_wait_s=5.0)
     waits = queue.arrive(1, request(1, 0.0, 1, 1), 0.0) is None
     assert waits == (room_wait_deadline(reason, estimated_ttft_s=ttft_s, arrival_s=0.0, slo=SLO, max_wait_s=5.0) > 0.0)
+
+
+def test_a_late_joiner_is_decided_by_a_pump_at_exactly_its_deadline() -> None:
+    """A caller's timer fires at `next_deadline()` exactly: that pump must decide the one due then (else the
+    timer fires again at the same time forever)."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=5.0)
+    assert queue.arrive("head", request(1, 2.0, 1, 10), 2.0) is None  # deadline 2 + 5 = 7
+    assert queue.arrive("late", request(2, 0.5, 1, 10), 2.0) is None  # read late: deadline 0.5 + 5 = 5.5
+    due = queue.next_deadline()
+    assert due == 5.5
+    decided = queue.pump(due)
+    assert [(item, d.accepted) for item, d in decided] == [("late", False)]
+    assert list(queue) == ["head"] and queue.next_deadline() > due
+
+
+def test_a_deadline_a_try_moved_later_is_not_acted_on_at_its_old_time() -> None:
+    """Room freed shortens the head's TTFT estimate, moving its deadline later; at a time past the old deadline
+    but before the new one the head still waits."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    assert queue.arrive("a", request(1, 0.0, 2, 10), 0.0) is None  # estimate 1 + 2.5: deadline 6.5
+    assert queue.deadline("a") == 6.5
+    conductor.free = 1  # still no room for it, estimate 1 + 2.25: deadline 6.75
+    assert queue.pump(1.0) == [] and queue.deadline("a") == 6.75
+    assert queue.pump(6.6) == []
+    assert list(queue) == ["a"] and queue.next_deadline() == 6.75
+
+
+def test_a_request_id_that_left_the_line_may_wait_again() -> None:
+    queue: AdmissionQueue[str] = AdmissionQueue(FakeConductor(free=0), max_wait_s=5.0)
+    assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
+    assert queue.remove("a")
+    assert queue.arrive("b", request(1, 0.1, 1, 10), 0.1) is None  # the same id, its earlier wait over
+    assert list(queue) == ["b"]
+
+
+def test_a_try_before_the_arrival_time_counts_no_negative_wait() -> None:
+    """A caller's clock a little behind the request's arrival stamp: the wait passed is 0, never negative (a
+    negative wait would let the Conductor accept a TTFT past the objective)."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=5.0)
+    assert queue.arrive("a", request(1, 1.0, 1, 10), 0.5) is None
+    assert conductor.calls[-1][2] == 0.0
+
+
+def test_a_first_try_whose_wait_would_end_at_once_is_decided_at_once() -> None:
+    """Its estimate already uses the whole TTFT objective (deadline = arrival + 10 - 10 = now): no wait is
+    left, so the rejection is final and nothing joins the line."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    decision = queue.arrive("a", request(1, 0.0, 1, 75), 0.0)  # estimate 7.5 + 2.5 = 10.0 s, the objective
+    assert decision is not None and decision.reason is Reason.BATCH_FULL
+    assert len(queue) == 0 and queue.next_deadline() == math.inf

@@ -436,3 +436,13 @@ class BatchMachine(RuleBasedStateMachine):
 
 BatchMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestBatchMachine = BatchMachine.TestCase
+
+
+def test_a_stretch_that_ends_where_the_next_branch_starts_records_no_empty_run() -> None:
+    """200 members of 10 tokens on A800 turn memory-bound at step 2,516: advancing exactly that far covers
+    only the compute-bound piece, one run of 2,516 intervals, and no run of none (IntervalRuns keeps counts
+    positive)."""
+    batch = make_batch(A800, [10] * 200, remaining=10_000)
+    batch.advance(2516)
+    for member in batch.members:
+        assert [count for _, _, count in member.record.intervals.runs] == [2516]

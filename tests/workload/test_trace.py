@@ -901,3 +901,51 @@ def test_strict_is_the_default_and_a_bool(tmp_path: Path) -> None:
         load_trace(path)
     with pytest.raises(ConfigError, match="strict"):
         iter_trace(path, strict="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cut", [8, 4000])  # the trailer only; mid-stream
+def test_a_broken_gzip_stream_is_reported_at_the_line_it_broke(tmp_path: Path, cut: int) -> None:
+    """The error names the line after the last one read: the one the broken stream could not give."""
+    data = gzip_bytes("".join(line(timestamp=t) + "\n" for t in range(2000)).encode())
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(data[:-cut])
+    read = []
+    with pytest.raises(TraceFormatError, match="broken gzip stream") as caught:
+        for request in iter_trace(path, block_size_tokens=BLOCK):
+            read.append(request)
+    assert caught.value.line == len(read) + 1
+    if cut == 8:
+        assert caught.value.line == 2001
+
+
+def test_a_gz_trace_carries_no_name_and_no_time(tmp_path: Path) -> None:
+    """The gzip header's mtime is 0 and no file name is stored: the bytes never depend on when or where."""
+    request = text_request("abc", request_id="0", arrival_s=0.0, output_length=1, block_size_tokens=BLOCK)
+    path = tmp_path / "t.jsonl.gz"
+    write_trace(path, [request], block_size_tokens=BLOCK)
+    header = path.read_bytes()[:10]
+    assert header[:2] == b"\x1f\x8b" and header[3] & 0x08 == 0  # FNAME unset
+    assert header[4:8] == bytes(4)  # MTIME 0
+
+
+@pytest.mark.parametrize("name", ["", ".", ".."])
+def test_a_path_that_names_no_file_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    sub = tmp_path / "d"
+    sub.mkdir()
+    monkeypatch.chdir(sub)  # "" and "." name this directory, ".." the test's own
+    with pytest.raises(ConfigError, match="must name a file"):
+        write_trace(name, [], block_size_tokens=BLOCK)
+    assert list(sub.iterdir()) == []
+
+
+def test_tokens_past_a_byte_are_not_written_as_text_even_when_they_wrap_to_it(tmp_path: Path) -> None:
+    """Tokens 256 + b (not bytes) whose low bytes spell the text its keys are of: hash_ids, not text_input."""
+    text = text_request("abcdef", request_id="0", arrival_s=0.0, output_length=1, block_size_tokens=BLOCK)
+    wrapped = attrs.evolve(
+        text, request_id=RequestId("1"), tokens=np.frombuffer(b"abcdef", np.uint8).astype(np.int64) + 256
+    )
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [wrapped], block_size_tokens=BLOCK, form="aiperf")
+    assert "hash_ids" in json.loads(path.read_text(encoding="utf-8"))
