@@ -6,9 +6,9 @@ one tier at a time:
 - `put(key, data)` writes into the first tier, making room by evicting that
   tier's victim (chosen by its eviction policy) and demoting it to the next
   tier (past one whose pages are all pinned), which may in turn demote its own
-  victim; a victim that no lower tier can take is dropped. `put` of a key already cached only records a use: keys are
-  content hashes, so the bytes are the same (and a pinned block is never
-  overwritten).
+  victim; a victim that no lower tier can take is dropped. `put` of a key
+  already cached only records a use: keys are content hashes, so the bytes are
+  the same (and a pinned block is never overwritten).
 - `get(key)` returns the bytes: a zero-copy view in DRAM/VRAM, a verified copy
   from SSD. A block read from a lower tier is promoted to the first tier on its
   `promote_after`-th read there (0: never); into a full first tier, the

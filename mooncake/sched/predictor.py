@@ -177,6 +177,10 @@ class OutputLengthPredictor:
     Args:
         step_s: seconds per generated token (the decode step time).
         lengths: output lengths seen so far (more can be `observe`d).
+
+    Raises:
+        ConfigError: a `step_s` that is not a finite number > 0, or a length that is not an integer >= 0, given or
+            assigned.
     """
 
     step_s: float = attrs.field(converter=_step_s)

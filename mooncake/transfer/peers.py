@@ -100,7 +100,7 @@ class PeerDescriptor:
             for field, value, kind in (("name", name, str), ("host_id", host, str), ("rdma", rdma, bool)):
                 if type(value) is not kind:
                     raise TransferError(f"malformed segment descriptor: {field}={value!r} is not a {kind.__name__}")
-            if type(pid) is not int or not 0 < pid < 2**32:  # a process id: positive, and pid_t is 32 bits
+            if type(pid) is not int or not 0 < pid < 2**31:  # a process id: positive, and pid_t a signed 32-bit int
                 raise TransferError(f"malformed segment descriptor: pid={pid!r}")
             if type(regions) is not list:
                 raise TransferError(f"malformed segment descriptor: regions={regions!r} is not a list")
@@ -197,9 +197,9 @@ class Peers:
             raise
         peer = _Peer(host, port, descriptor, transports, control)
         with self._lock:
-            closed = self._closed  # checked with the peers: a connect racing close() never outlives it
-            old = None if closed else self._peers.pop(key, None)
+            closed = self._closed  # under close()'s lock: a connect racing it keeps nothing
             if not closed:
+                old = self._peers.pop(key, None)
                 self._peers[key] = peer
         if closed:
             _close_peer(peer)
