@@ -57,6 +57,8 @@ def check_token_count(name: str, value: Any) -> int:
     Raises:
         InvalidRequestError: anything else, naming `name` and the value.
     """
+    if type(value) is int and 1 <= value <= MAX_TOKENS:  # the common case, one test (schedulers call this per request)
+        return value
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value <= MAX_TOKENS:
         raise InvalidRequestError(f"{name} must be an integer in [1, 2**40], got {value!r}")
     return int(value)

@@ -88,7 +88,7 @@ def choose_decode(
         InvalidRequestError: a token count that is not an integer >= 1, or a `now` that is not a finite number.
     """
     check_tokens(prompt_tokens, output_tokens)
-    if now is not None:
+    if now is not None and (type(now) is not float or not math.isfinite(now)):  # a finite float passes in one test
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
     checked = board.committed if loads is None else loads
