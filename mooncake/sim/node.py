@@ -18,7 +18,7 @@ is how an arrival cuts a long stretch at the next step boundary
 
 Invariants: only the boundary of the latest plan is current; between
 boundaries the batch's `start_s` is a step boundary and `grown(now)` counts the
-tokens its members gained since then.
+tokens its members gained since then (none while a planned stall lasts).
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ class DecodeNode:
         return cls(instance_id, ContinuousBatch(step_model.roofline()))
 
     def grown(self, now: float) -> int:
-        """Tokens the batch gained in the steps of its current stretch done by `now`."""
+        """Tokens the batch gained in the steps of its current stretch done by `now` (none during its stall)."""
         batch = self.batch
-        return batch.steps_within(now - batch.start_s) * len(batch) if len(batch) else 0
+        return batch.steps_within(now - batch.start_s - self.planned_stall_s) * len(batch) if len(batch) else 0
 
     def steps_to_next_boundary(self, now: float) -> int:
-        """Steps of the current stretch until the first boundary after `now`."""
+        """Steps of the current stretch until the first boundary after `now` (the first step after a stall)."""
         batch = self.batch
-        return batch.steps_within(now - batch.start_s) + 1
+        return batch.steps_within(now - batch.start_s - self.planned_stall_s) + 1
 
     def plan(self, steps: int, stall_s: float = 0.0) -> float:
         """Plan the next boundary after a `stall_s` stall and `steps` steps; returns when it falls.
@@ -101,6 +101,7 @@ class DecodeNode:
         batch = self.batch
         if self.planned_stall_s:
             batch.stall(self.planned_stall_s)
+            self.planned_stall_s = 0.0  # it has happened: the steps from here start at the batch's start_s
         if batch.members:
             batch.advance(self.planned_steps)
         else:
