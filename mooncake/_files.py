@@ -1,7 +1,9 @@
 """Files written whole or not at all: a temporary sibling, renamed onto the target once complete.
 
 The sibling, `.NAME.PID.UUID.tmp` beside the target, is created exclusively, so
-two writers of one target (two runs sharing an `--out`) never share it. It is
+two writers of one target (two runs sharing an `--out`) never share it; NAME is
+the target's name cut to `NAME_BYTES` bytes, so that any name the system takes
+(up to 255 bytes) has a sibling it takes too. It is
 removed however the write ends (an error, Ctrl-C, the SystemExit the command
 lines make of SIGTERM), and a failure to write it is reported against the
 target: the hidden name means nothing to the user who asked for the target.
@@ -16,6 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["atomic_path"]
+
+# The sibling adds at most 49 bytes (two dots, a pid of up to 10 digits, 32 hex digits, ".tmp") to its NAME part:
+# cut to this, it stays within NAME_MAX (255 bytes on every Linux file system).
+NAME_BYTES = 200
 
 
 @contextlib.contextmanager
@@ -34,7 +40,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             is left behind either way.
     """
     target = Path(path)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    temporary = target.with_name(f".{_cut(target.name)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(temporary, "xb"):
             pass
@@ -54,3 +60,11 @@ def _remove(temporary: Path) -> None:
     # Removing it may fail as the write did (its folder is no folder): that must not replace the write's error.
     with contextlib.suppress(OSError):
         temporary.unlink(missing_ok=True)
+
+
+def _cut(name: str) -> str:
+    """The longest start of `name` whose file-system encoding has at most `NAME_BYTES` bytes."""
+    name = name[:NAME_BYTES]
+    while len(os.fsencode(name)) > NAME_BYTES:
+        name = name[:-1]
+    return name

@@ -66,3 +66,21 @@ def test_the_file_is_always_the_last_write_that_finished(writes: list[tuple[byte
                 last = content
             assert (target.read_bytes() if target.exists() else None) == last
             assert [p.name for p in Path(folder).iterdir()] == (["out.json"] if last is not None else [])
+
+
+@given(
+    text=st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), max_size=80),
+    short_by=st.integers(0, 250),
+    at_end=st.booleans(),
+)
+def test_every_name_the_system_takes_can_be_written_whole(text: str, short_by: int, at_end: bool) -> None:
+    """A name of up to 255 bytes (NAME_MAX), multibyte characters included, has a temporary sibling the system takes
+    too: the sibling's copy of the name is cut (at a character, not inside one) so the sibling stays within the limit."""
+    padding = "r" * max(1, 255 - len(text.encode()) - short_by)  # up to 255 bytes, the characters before or after
+    name = text + padding if at_end else padding + text
+    with tempfile.TemporaryDirectory() as folder:
+        target = Path(folder) / name
+        with atomic_path(target) as temporary:
+            assert len(temporary.name.encode()) <= 255 and temporary.name.startswith("." + name[:8])
+            temporary.write_bytes(b"whole")
+        assert [path.name for path in Path(folder).iterdir()] == [name] and target.read_bytes() == b"whole"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,11 +55,21 @@ RECORD_COLUMNS = (
 )
 
 
+def _make_folder(target: Path) -> None:
+    """Make `target`'s folder if missing; a failure is named by `target`, as a failed write is (what the user asked
+    for), and says which folder could not be made."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = f"{error.strerror} (making its folder {error.filename})"
+        raise type(error)(error.errno, reason, os.fspath(target)) from error
+
+
 @contextmanager
 def _atomic(path: str | Path) -> Iterator[TextIO]:
     """A text file written whole at `path` (its folder made if missing); see `mooncake._files.atomic_path`."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(target)
     with atomic_path(target) as temporary, temporary.open("w", encoding="utf-8", newline="") as stream:
         yield stream
 
@@ -121,7 +132,7 @@ def _pyplot() -> Any:
 
 def _save(figure: Any, path: str | Path) -> None:
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(target)
     with atomic_path(target) as temporary:
         # The format by the target's name (the temporary's ends in .tmp); matplotlib's default without one.
         figure.savefig(temporary, dpi=110, format=target.suffix[1:] or "png")
