@@ -8,6 +8,7 @@ prefix hit ratio of an infinite cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
@@ -28,7 +29,7 @@ class TraceStats:
         max_input_length: the longest prompt, in tokens.
         num_blocks, num_unique_blocks: block keys in all, and distinct ones.
         prefix_reuse_ratio: see the module docstring.
-        duration_s: last arrival minus first.
+        duration_s: the span of the arrivals, latest minus earliest (in any order).
         mean_rate_per_s: arrivals per second over that span.
     """
 
@@ -47,13 +48,12 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
     """Statistics of `requests` (consumed once, in order)."""
     seen: set[BlockKey] = set()
     count = total_input = total_output = max_input = num_blocks = reused = 0
-    first = last = 0.0
+    earliest, latest = math.inf, -math.inf
     for request in requests:
         if not isinstance(request, Request):
             raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
-        if count == 0:
-            first = request.arrival_s
-        last = request.arrival_s
+        earliest = min(earliest, request.arrival_s)
+        latest = max(latest, request.arrival_s)
         count += 1
         total_input += request.input_length
         total_output += request.output_length
@@ -68,7 +68,7 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
         reused += hit
         seen.update(keys)
     # To the nanosecond: arrivals are milliseconds / 1000, whose difference would print 42.74199999999996.
-    duration = round(last - first, 9)
+    duration = round(latest - earliest, 9) if count else 0.0
     return TraceStats(
         num_requests=count,
         mean_input_length=total_input / count if count else 0.0,

@@ -69,7 +69,10 @@ def test_on_chained_keys_the_ratio_is_an_infinite_caches_hit_ratio(chains: list[
 @given(workload=prefix_workloads(), data=st.data())
 def test_earlier_means_read_earlier_not_arriving_earlier(workload: list[Request], data: st.DataObject) -> None:
     """The ratio depends on the order the requests are read in, not on their arrival times: the same requests
-    at any other times (out of order, tied) give the same ratio, block for block."""
+    at any other times (out of order, tied) give the same ratio, block for block; the duration is the arrivals'
+    span whatever their order, never negative."""
     arrivals = data.draw(st.lists(st.integers(0, 5).map(float), min_size=len(workload), max_size=len(workload)))
     retimed = as_requests([request.block_keys for request in workload], arrivals)
-    assert trace_stats(iter(retimed)).prefix_reuse_ratio == trace_stats(iter(workload)).prefix_reuse_ratio
+    stats = trace_stats(iter(retimed))
+    assert stats.prefix_reuse_ratio == trace_stats(iter(workload)).prefix_reuse_ratio
+    assert stats.duration_s == (max(arrivals) - min(arrivals) if arrivals else 0.0)
