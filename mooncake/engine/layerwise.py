@@ -17,7 +17,9 @@ pages (paper §5.2, Fig. 7):
   runs after the forward pass.
 - Streaming. `on_layer_final(l)` is called once layer l of every block holds
   its final bytes: after the last chunk's store of layer l (layer-wise from the
-  store thread, which runs its tasks in order).
+  store thread, which runs its tasks in order). Once a store (or a listener
+  call) has failed, the tasks queued after it do nothing: no page is written
+  that the caller is about to give back, and no layer is called final.
 
 The caller's loop: `start_loading()`; per chunk and layer, `wait_for_prefix(l)`,
 compute, `store(l, start, end)`; then `finish()`. On any error it calls
@@ -94,6 +96,7 @@ class LayerwiseKvIo:
         self._stores: list[Future[None]] = []  # queued stores and listener calls (layer-wise)
         self._deferred: list[tuple[int, int, int]] = []  # (layer, start, end) stored at the end (serialized)
         self._submitted: list[Future[None]] = []  # every task given to the helpers, for abort()
+        self._store_failed = False  # a task on the store thread raised: the ones after it do nothing (store thread)
         self.num_loaded_layers = 0
         self.load_wait_s = 0.0
         self.store_wait_s = 0.0
@@ -143,9 +146,9 @@ class LayerwiseKvIo:
         computed = torch.cuda.Event() if self._side is not None else None  # type: ignore[no-untyped-call]
         if computed is not None:
             computed.record()
-        self._stores.append(self._submit(self._storer, self._store, layer, start, end, computed))
+        self._stores.append(self._submit(self._storer, self._queued, self._store, layer, start, end, computed))
         if end == self._num_tokens and self._on_layer_final is not None:  # the last chunk: the layer is final
-            self._stores.append(self._submit(self._storer, self._on_layer_final, layer))
+            self._stores.append(self._submit(self._storer, self._queued, self._on_layer_final, layer))
 
     def finish(self) -> None:
         """Wait for the queued stores, then run the deferred ones and tell the listener (serialized).
@@ -181,13 +184,31 @@ class LayerwiseKvIo:
         self._submitted.append(future)
         return future
 
+    def _queued(self, task: Callable[..., None], *args: object) -> None:
+        """Run a store or listener call queued on the store thread, unless one before it failed.
+
+        The store thread runs its tasks in order, so once one failed (its error is the caller's from `finish`),
+        no later store writes a page that is about to be given back, and the listener never hears that a layer
+        is final whose bytes a failed store did not write.
+        """
+        if self._store_failed:
+            return
+        try:
+            task(*args)
+        except BaseException:
+            self._store_failed = True
+            raise
+
     @torch.inference_mode()  # the mode is per thread: this runs on the loader thread
     def _load(self, layer: int) -> None:
         """Gather layer `layer` of every prefix block into the contiguous buffers."""
         if not self._prefix_pages:  # pinned: DRAM pages are zero-copy views, lower tiers one verified read
-            self._prefix_pages.extend(self.cache.get(key) for key in self._prefix_keys)
-            if any(page is None for page in self._prefix_pages):
+            # Kept only once all were read: a read that fails must fail every later layer's load too.
+            read = [self.cache.get(key) for key in self._prefix_keys]
+            pages = [page for page in read if page is not None]
+            if len(pages) < len(read):
                 raise IntegrityError("a pinned prefix block failed verification while loading")
+            self._prefix_pages = pages
         if not self._prefix_views:  # one view per page, not one per page and layer (this runs per layer)
             self._prefix_views.extend(self.layout.page_kv(page) for page in self._prefix_pages)
         block = self.layout.block_tokens

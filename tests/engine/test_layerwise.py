@@ -305,5 +305,35 @@ def test_a_failing_listener_raises_from_finish_and_abort_leaves_nothing_running(
             io.finish()
         io.abort()
         assert all(future.done() for future in loader.futures + storer.futures)
-        assert heard == ([0, 1] if layerwise else [0])  # queued calls still ran; the serialized loop stopped
+        assert heard == [0]  # in both modes nothing runs after the first failure (layer-wise: queued tasks skip)
+    cache.close()
+
+
+def test_a_read_that_fails_midway_leaves_no_later_layer_a_partial_prefix() -> None:
+    """The second prefix block's read raises once (an SSD read error): the wait for layer 0 raises it, and the
+    load of layer 1, queued before that wait, reads the prefix again rather than copying the one block it had read:
+    a load reports success only with every prefix row in place."""
+    case = Case(block=4, prefix_blocks=2, new_tokens=3, chunk=4096, seed=5)
+    ks, vs = case.rows()
+    cache, prefix_keys = case.cache_with_prefix()
+    gets = []
+
+    def get(key: BlockKey) -> Any:
+        gets.append(key)
+        if len(gets) == 2:
+            raise OSError("reading the second prefix block failed")
+        return real_get(key)
+
+    real_get, cache.get = cache.get, get  # type: ignore[method-assign]
+    with helpers() as threads, torch.inference_mode():
+        io, k_all, v_all = new_io(
+            case, cache, prefix_keys, threads, pages=case.new_pages(), on_layer_final=None, layerwise=True
+        )
+        io.start_loading()
+        with pytest.raises(OSError, match="second prefix block"):
+            io.wait_for_prefix(0)
+        io.wait_for_prefix(1)
+        rows = slice(0, case.prefix_tokens)
+        assert torch.equal(k_all[1][rows], ks[1][rows]) and torch.equal(v_all[1][rows], vs[1][rows])
+        io.abort()
     cache.close()
