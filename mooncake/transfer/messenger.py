@@ -13,7 +13,7 @@ buffer is one registered region, and a block at page p sits at offset
   the peer reserves pages ("blocks.reserve"), the messenger WRITEs into them,
   and the peer commits each against the checksum sent with "blocks.commit".
 
-Both move a block in `parts` equal byte ranges (a layer each, for a KV block
+Both move a block in `parts` byte ranges (equal, a layer each, for a KV block
 laid out layer by layer) so an engine can overlap transfer with compute:
 `Fetch.wait_part(p)` returns as soon as range p of every block has arrived, and
 `Push.send_part(p)` ships range p as soon as it is written.
@@ -88,7 +88,12 @@ def shared_dram_pool(engine: TransferEngine, page_bytes: int, num_pages: int) ->
 
 
 def part_range(length: int, parts: int, part: int) -> tuple[int, int]:
-    """Byte range [start, end) of `part` when `length` bytes are cut into `parts` equal pieces."""
+    """Byte range [start, end) of `part` when `length` bytes are cut into `parts` pieces of ceil(length / parts).
+
+    The pieces tile [0, length) in order; they are equal when `parts` divides `length` (a KV block's
+    layers), else the last non-empty one is shorter and any after it are empty (10 in 4: 3, 3, 3, 1;
+    4 in 3: 2, 2, 0).
+    """
     step = ceil_div(length, parts) if length else 0
     start = min(length, part * step)
     return start, min(length, start + step)
