@@ -4,7 +4,8 @@
 slices wait in one queue, and each of `count` threads runs the transport's
 `serve` loop, taking slices with `take` until it gets None (the stop marker).
 `close` stops taking slices, puts one stop marker per thread, waits for the
-threads, then fails whatever is still queued with `PeerUnavailable`.
+threads, then fails whatever is still queued with `PeerUnavailable` and gives
+each thread still busy (past the wait) its stop marker again.
 
 `attempt` runs one move of a slice and turns its exceptions into the slice's
 outcome: a `TransferError` as raised, anything else wrapped in one, so that a
@@ -112,3 +113,6 @@ class Workers:
                 break
             if piece is not None:
                 piece.on_done(self.closed_error())
+        for thread in self._threads:  # the drain took its stop marker: a worker busy past the join still gets one
+            if thread.is_alive():
+                self._queue.put(None)
