@@ -247,8 +247,8 @@ class RdmaTransport:
 
     def submit(self, piece: Slice) -> None:
         error = attempt(self._post, piece, action="RDMA post")
-        if error is not None:
-            piece.on_done(error)  # a posted slice ends when its completion is polled
+        if error is not None or not piece.local.nbytes:
+            piece.on_done(error)  # a posted slice ends when its completion is polled; an empty one posts nothing
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Post `piece` and wait for its completion in the calling thread."""
@@ -282,6 +282,8 @@ class RdmaTransport:
         problem = bounds_error(piece.remote_offset, length, remote.length)
         if problem is not None:
             raise TransferError(f"region {piece.remote_region}: {problem}")
+        if not length:  # in bounds and nothing to move (an empty view has no address to post)
+            return
         address, lkey = self._local_key(piece.local)
         wr_id = next(self._ids)
         with self._lock:
