@@ -26,7 +26,7 @@ from pathlib import Path
 
 import simulation
 
-from mooncake.cli import POLICIES, capacity_sweep, plot_capacity, run_interruptible
+from mooncake.cli import POLICIES, capacity_sweep, one_line, plot_capacity, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.workload import (
     DEFAULT_WORKLOAD,
@@ -61,7 +61,7 @@ def demo(argv: list[str] | None) -> int:
         simulation.check_out_dir(args.out)
         tour(args)
     except (MooncakeError, OSError) as error:
-        print(f"demo: {error}", file=sys.stderr)
+        print(one_line(f"demo: {error}"), file=sys.stderr)
         return 2
     return 0
 

@@ -34,7 +34,7 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.cli import run_interruptible
+from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, write_json
@@ -178,7 +178,7 @@ def experiment(argv: Sequence[str] | None) -> int:
         report["wall_s"] = time.perf_counter() - started
         write_json(report, out_dir / f"{args.experiment}.json")
     except (MooncakeError, OSError) as error:
-        print(f"experiments: {error}", file=sys.stderr)
+        print(one_line(f"experiments: {error}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(json_safe(report), indent=2, sort_keys=True, allow_nan=False))

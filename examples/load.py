@@ -54,7 +54,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
-from mooncake.cli import run_interruptible
+from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -202,7 +202,7 @@ async def replay_http(
         await asyncio.gather(*tasks)
     wall = time.perf_counter() - started
     for kind, message in failures.items():
-        print(f"load.py: failed ({kind}): {message}", file=sys.stderr)
+        print(one_line(f"load.py: failed ({kind}): {message}"), file=sys.stderr)
     return records, wall
 
 
@@ -225,7 +225,7 @@ def main() -> None:
         scaling_of(args)
         requests = simulation.load_workload(args)
     except (MooncakeError, OSError) as error:
-        sys.exit(f"error: {error}")
+        sys.exit(one_line(f"error: {error}"))
     from serving.config import load_config
 
     try:
@@ -238,7 +238,7 @@ def main() -> None:
             },
         )
     except MooncakeError as error:
-        sys.exit(f"error: {error}")
+        sys.exit(one_line(f"error: {error}"))
     cluster = None
     url = args.url
     if url is None:
@@ -253,7 +253,7 @@ def main() -> None:
             )
             cluster = start_cluster(config)
         except MooncakeError as error:  # a config (or --max-prompt-tokens) this cluster cannot serve
-            sys.exit(f"error: {error}")
+            sys.exit(one_line(f"error: {error}"))
         url = cluster.url
     try:
         records, wall = asyncio.run(

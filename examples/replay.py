@@ -36,7 +36,7 @@ import simulation
 from scaling import add_scaling_options, scaling_of
 from serving import registry
 
-from mooncake.cli import run_interruptible
+from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -179,7 +179,7 @@ def replay(argv: list[str] | None) -> int:
         if args.out is not None:
             write_outputs(result, args.out, title)
     except (MooncakeError, OSError) as error:
-        print(f"replay: {error}", file=sys.stderr)
+        print(one_line(f"replay: {error}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.summary.to_json(), indent=2, sort_keys=True))

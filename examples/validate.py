@@ -77,7 +77,7 @@ from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
 from serving.models import cost_models
 
-from mooncake.cli import run_interruptible
+from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -557,7 +557,7 @@ def validate(argv: list[str] | None) -> int:
                 if args.out is not None:
                     plot(name, real, sim, args.out)
     except (MooncakeError, OSError, subprocess.CalledProcessError) as error:
-        print(f"validate: {error}", file=sys.stderr)
+        print(one_line(f"validate: {error}"), file=sys.stderr)
         return 2
     summary = results["serviceable"].to_json()
     if "overload" in results:

@@ -65,7 +65,16 @@ from mooncake.workload import (
     write_trace,
 )
 
-__all__ = ["PLOT_FORMATS", "POLICIES", "capacity_sweep", "main", "plot_capacity", "read_trace", "run_interruptible"]
+__all__ = [
+    "PLOT_FORMATS",
+    "POLICIES",
+    "capacity_sweep",
+    "main",
+    "one_line",
+    "plot_capacity",
+    "read_trace",
+    "run_interruptible",
+]
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -131,6 +140,12 @@ def _plot_path(text: str) -> str:
             f"expected an image file name ending in .{', .'.join(PLOT_FORMATS)}, got {_shown(text)}"
         )
     return text
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (a line break, a tab, U+2028) escaped as Python writes
+    it: a message naming a file whose name holds one stays on one line, as every command line's errors promise."""
+    return text if text.isprintable() else "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
 
 
 def _shown(text: str, limit: int = 60) -> str:
@@ -205,10 +220,10 @@ def read_trace(
     """
 
     def report(skipped: SkippedLine) -> None:
-        print(f"{prog}: skipped {skipped}", file=sys.stderr)
+        print(one_line(f"{prog}: skipped {skipped}"), file=sys.stderr)
 
     def caution(message: str) -> None:
-        print(f"{prog}: warning: {message}", file=sys.stderr)
+        print(one_line(f"{prog}: warning: {message}"), file=sys.stderr)
 
     return iter_trace(
         path,
@@ -341,8 +356,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # An argument may hold line breaks or other control characters: shown escaped, the message stays one line.
-        shown = "".join(char if char.isprintable() else ascii(char)[1:-1] for char in message)
-        self.exit(2, f"{self.prog}: error: {shown} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -419,9 +433,7 @@ def _parser() -> argparse.ArgumentParser:
 def _os_error(error: OSError) -> str:
     """`file: reason` for a failed read or write (its errno and repr left out)."""
     if error.filename is not None and error.strerror:
-        name = os.fsdecode(error.filename)
-        # A name with a line break or other control character is quoted: the error stays one line.
-        return f"{name if name.isprintable() else _shown(name)}: {error.strerror}"
+        return f"{os.fsdecode(error.filename)}: {error.strerror}"
     return " ".join(str(error).split())
 
 
@@ -471,10 +483,10 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         args.run(args)
     except MooncakeError as error:
-        print(f"mooncake: error: {error}", file=sys.stderr)
+        print(one_line(f"mooncake: error: {error}"), file=sys.stderr)
         return 2
     except OSError as error:
-        print(f"mooncake: error: {_os_error(error)}", file=sys.stderr)
+        print(one_line(f"mooncake: error: {_os_error(error)}"), file=sys.stderr)
         return 2
     return 0
 

@@ -88,12 +88,14 @@ def test_replay_coupled_engines(engine: str) -> None:
     assert summary == json.loads(json.dumps(expected))
 
 
-def test_replay_reports_a_bad_trace_by_name(tmp_path: Path) -> None:
-    trace = tmp_path / "bad.jsonl"
+@pytest.mark.parametrize("name", ["bad.jsonl", "bad\nname.jsonl"])
+def test_replay_reports_a_bad_trace_by_name(tmp_path: Path, name: str) -> None:
+    """The file and line, in one line on stderr even when the file's name holds a line break (shown escaped)."""
+    trace = tmp_path / name
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{oops\n')
     done = run("replay.py", "--trace", str(trace), check=False)
     assert done.returncode == 2
-    assert "bad.jsonl" in done.stderr and "2" in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and f"{ascii(name)[1:-1]}:2:" in done.stderr
 
 
 @pytest.mark.parametrize(
