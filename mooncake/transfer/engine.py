@@ -473,7 +473,7 @@ def _status(batch: _Batch, index: int) -> RequestStatus:
 
 def _release(region: Region) -> None:
     """Unlink the shared segment behind `region`, if it has one. The mapping itself lives
-    on while arrays over it exist (a caller may still hold one) and goes with the process."""
+    on while arrays over it exist (a caller may still hold one; see `region.shared_array`)."""
     keepalive = region.keepalive
     if isinstance(keepalive, tuple) and isinstance(keepalive[0], shared_memory.SharedMemory):
         with contextlib.suppress(FileNotFoundError):

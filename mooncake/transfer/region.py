@@ -8,12 +8,18 @@ is then reachable over TCP or RDMA only.
 
 Every access goes through `Region.slice`, which checks the bounds: a request
 for bytes outside a region is refused before any byte is touched.
+
+A segment's mapping lives as long as any array over it (`shared_array`): numpy's
+own arrays over a `SharedMemory`'s buffer keep a reference to the mapping but no
+claim on it, so the segment closed or collected under one unmapped the memory it
+still pointed to (a segmentation fault at its next access).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import weakref
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -23,7 +29,7 @@ import numpy.typing as npt
 
 from mooncake.errors import TransferError
 
-__all__ = ["Region", "RegionDescriptor", "attach_shared", "bounds_error", "create_shared"]
+__all__ = ["Region", "RegionDescriptor", "attach_shared", "bounds_error", "create_shared", "shared_array"]
 
 _CREATED_HERE: set[str] = set()
 
@@ -100,7 +106,27 @@ def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memo
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
     _CREATED_HERE.add(segment.name)
-    return segment, np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
+    return segment, shared_array(segment, nbytes)
+
+
+def shared_array(segment: shared_memory.SharedMemory, nbytes: int) -> npt.NDArray[np.uint8]:
+    """A uint8 array over the first `nbytes` of `segment` that keeps its mapping alive.
+
+    The array's base is a memoryview holding a buffer export of the mapping, so
+    `SharedMemory.close` cannot unmap it under the array (it raises `BufferError`),
+    and `segment` itself is held until that view is gone (no array, view or slice
+    over it left), so it is not collected (and closed) under the array either.
+    """
+    buffer = segment.buf
+    if buffer is None:
+        raise TransferError(f"shared segment {segment.name} is closed")
+    array = np.frombuffer(buffer, dtype=np.uint8, count=nbytes)
+    weakref.finalize(array.base, _let_go, segment).atexit = False  # holds `segment` until the arrays are gone
+    return array
+
+
+def _let_go(segment: shared_memory.SharedMemory) -> None:
+    """Nothing: the finalizer that calls this drops its reference to `segment`, which may then be collected."""
 
 
 def attach_shared(name: str) -> shared_memory.SharedMemory:

@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from mooncake.errors import PeerUnavailable, TransferError
-from mooncake.transfer.region import RegionDescriptor, attach_shared, bounds_error
+from mooncake.transfer.region import RegionDescriptor, attach_shared, bounds_error, shared_array
 from mooncake.transfer.request import Slice, TransferOp
 from mooncake.transfer.workers import Workers, attempt
 
@@ -62,13 +62,8 @@ class ShmTransport:
 
     def close(self) -> None:
         self._workers.close()
-        with self._lock:
+        with self._lock:  # each segment is closed when collected: once no copy holds a view of it (`shared_array`)
             self._arrays.clear()
-            for segment in self._segments.values():
-                try:
-                    segment.close()
-                except BufferError:
-                    pass  # a copy still holds a view; the mapping goes with the process
             self._segments.clear()
 
     def _work(self, workers: Workers) -> None:
@@ -105,7 +100,7 @@ class ShmTransport:
                     segment = self._segments[name] = attach_shared(name)
                 except FileNotFoundError as error:
                     raise PeerUnavailable(f"the peer's shared segment {name} is gone") from error
-                self._arrays[name] = np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
+                self._arrays[name] = shared_array(segment, segment.size)
         array = self._arrays[name]
         return array
 
