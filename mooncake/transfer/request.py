@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from mooncake._checks import int_at_least, require_bool, require_int, require_number, require_str
+from mooncake._checks import int_at_least, plain_int, require_bool, require_int, require_number, require_str
 from mooncake.errors import ConfigError, TransferError
 
 __all__ = [
@@ -58,13 +58,14 @@ def _peer(_instance: object, attribute: Any, value: Any) -> None:
 class TransferRequest:
     """Move `length` bytes between a local region and a peer's region."""
 
+    # Integers are kept as Python ints (numpy's too): a numpy int64 offset + length would wrap in the bounds checks.
     op: TransferOp = attrs.field(validator=_op)
-    local_region: int = attrs.field(validator=_region_id)
-    local_offset: int = attrs.field(validator=_offset)
+    local_region: int = attrs.field(converter=plain_int, validator=_region_id)
+    local_offset: int = attrs.field(converter=plain_int, validator=_offset)
     peer: str = attrs.field(validator=_peer)
-    remote_region: int = attrs.field(validator=_region_id)
-    remote_offset: int = attrs.field(validator=_offset)
-    length: int = attrs.field(validator=_offset)
+    remote_region: int = attrs.field(converter=plain_int, validator=_region_id)
+    remote_offset: int = attrs.field(converter=plain_int, validator=_offset)
+    length: int = attrs.field(converter=plain_int, validator=_offset)
 
 
 class RequestState(enum.Enum):
