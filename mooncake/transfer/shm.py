@@ -6,7 +6,10 @@ every slice as one memory copy (numpy, which releases the GIL, so the worker
 threads copy in parallel). Bounds are checked against the peer's descriptor
 before any byte moves, and a peer whose process has gone fails the slice with
 `PeerUnavailable` (its segment may outlive it; writing there would deliver to no
-one).
+one). A region the peer unregistered (its segment unlinked) fails the slice with
+`TransferError`, as over TCP, also where it was mapped before: a mapping outlives
+the name, and copying into it would deliver to no one either. (A slice already
+running when the peer unregisters may still complete, as over every transport.)
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class ShmTransport:
         problem = bounds_error(piece.remote_offset, length, descriptor.length)
         if problem is not None:
             raise TransferError(f"region {piece.remote_region}: {problem}")
-        mapped = self._map(descriptor.shm_name)
+        mapped = self._map(descriptor.shm_name, piece.remote_region)
         if descriptor.length > mapped.size:
             raise TransferError(f"the peer describes region {piece.remote_region} larger than its segment")
         remote = mapped[piece.remote_offset : piece.remote_offset + length]
@@ -90,19 +93,32 @@ class ShmTransport:
         else:
             np.copyto(local, remote)
 
-    def _map(self, name: str) -> np.ndarray:
+    def _map(self, name: str, region_id: int) -> np.ndarray:
         array = self._arrays.get(name)
         if array is not None:
-            return array
+            if not _unlinked(name):
+                return array
+            with self._lock:  # let the mapping go (once no copy holds a view of it)
+                self._arrays.pop(name, None)
+                self._segments.pop(name, None)
         with self._lock:
             if name not in self._arrays:
                 try:
                     segment = self._segments[name] = attach_shared(name)
-                except FileNotFoundError as error:
-                    raise PeerUnavailable(f"the peer's shared segment {name} is gone") from error
+                except FileNotFoundError as error:  # the peer is alive (checked before): it unregistered the region
+                    raise TransferError(f"the peer's region {region_id} is no longer shared (unregistered)") from error
                 self._arrays[name] = shared_array(segment, segment.size)
         array = self._arrays[name]
         return array
+
+
+# Where Linux keeps POSIX shared memory by name (elsewhere a name's unlinking goes unnoticed until remapped).
+_SHM_FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _unlinked(name: str) -> bool:
+    """Whether the segment `name` has been unlinked (its owner unregistered it): one stat."""
+    return _SHM_FOLDER is not None and not os.path.exists(os.path.join(_SHM_FOLDER, name))
 
 
 def _alive(pid: int) -> bool:
