@@ -226,13 +226,14 @@ def complete(url: str, prompt: str) -> dict[str, Any]:
 
 def test_the_sweeps_rule_is_create_shareds_rule() -> None:
     """The sweep's name rule matches exactly what create_shared names (its pid included), and spares a live one."""
-    segment, _array = create_shared(64)
+    segment, array = create_shared(64)
     try:
         match = SEGMENT_NAME.fullmatch(segment.name.lstrip("/"))
         assert match is not None and int(match["pid"]) == os.getpid()
         assert segment.name.lstrip("/") not in remove_stale_segments()
         assert (SHM / segment.name.lstrip("/")).exists()
     finally:
+        del array  # the array keeps the mapping alive: closing under it is refused (BufferError)
         segment.close()
         segment.unlink()
 
