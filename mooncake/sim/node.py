@@ -71,7 +71,8 @@ class DecodeNode:
         return batch.steps_within(now - batch.start_s - self.planned_stall_s) * len(batch) if len(batch) else 0
 
     def steps_to_next_boundary(self, now: float) -> int:
-        """Steps of the current stretch until the first boundary after `now` (the first step after a stall)."""
+        """Steps of the current stretch until the first boundary after `now` (the first step after a stall: a
+        plan cut there must pass the stall again, as `plan(steps)` without one drops it)."""
         batch = self.batch
         return batch.steps_within(now - batch.start_s - self.planned_stall_s) + 1
 

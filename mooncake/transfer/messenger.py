@@ -91,7 +91,7 @@ def part_range(length: int, parts: int, part: int) -> tuple[int, int]:
     """Byte range [start, end) of `part` when `length` bytes are cut into `parts` pieces of ceil(length / parts).
 
     The pieces tile [0, length) in order; they are equal when `parts` divides `length` (a KV block's
-    layers), else the last non-empty one is shorter and any after it are empty (10 in 4: 3, 3, 3, 1;
+    layers), else the last non-empty one may be shorter and any after it are empty (10 in 4: 3, 3, 3, 1;
     4 in 3: 2, 2, 0).
     """
     step = ceil_div(length, parts) if length else 0

@@ -276,14 +276,16 @@ class RdmaTransport:
         if self._closed.is_set():
             raise PeerUnavailable("the RDMA transport is closed")
         remote = self._describe(piece.remote_region)
-        if remote is None or remote.rdma_address is None or remote.rdma_rkey is None:
+        if remote is None:
             raise TransferError(f"the peer has no RDMA-registered region {piece.remote_region}")
         length = piece.local.nbytes
         problem = bounds_error(piece.remote_offset, length, remote.length)
         if problem is not None:
             raise TransferError(f"region {piece.remote_region}: {problem}")
-        if not length:  # in bounds and nothing to move (an empty view has no address to post)
+        if not length:  # in bounds and nothing to move (an empty view, or an empty region, has no address to post)
             return
+        if remote.rdma_address is None or remote.rdma_rkey is None:
+            raise TransferError(f"the peer has no RDMA-registered region {piece.remote_region}")
         address, lkey = self._local_key(piece.local)
         wr_id = next(self._ids)
         with self._lock:

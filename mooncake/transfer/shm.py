@@ -7,8 +7,9 @@ threads copy in parallel). Bounds are checked against the peer's descriptor
 before any byte moves, and a peer whose process has gone fails the slice with
 `PeerUnavailable` (its segment may outlive it; writing there would deliver to no
 one). A region the peer unregistered (its segment unlinked) fails the slice with
-`TransferError`, as over TCP, also where it was mapped before: a mapping outlives
-the name, and copying into it would deliver to no one either. (A slice already
+`TransferError`, as over TCP, also (on Linux, where /dev/shm shows the names)
+where it was mapped before: a mapping outlives the name, and copying into it
+would deliver to no one either. (A slice already
 running when the peer unregisters may still complete, as over every transport.)
 """
 
@@ -102,17 +103,19 @@ class ShmTransport:
                 self._arrays.pop(name, None)
                 self._segments.pop(name, None)
         with self._lock:
-            if name not in self._arrays:
+            array = self._arrays.get(name)
+            if array is None:
                 try:
                     segment = self._segments[name] = attach_shared(name)
-                except FileNotFoundError as error:  # the peer is alive (checked before): it unregistered the region
+                except FileNotFoundError as error:
+                    if not _alive(self._peer_pid):  # it exited since the check: its segments went with it
+                        raise PeerUnavailable(f"peer process {self._peer_pid} is gone") from error
                     raise TransferError(f"the peer's region {region_id} is no longer shared (unregistered)") from error
-                self._arrays[name] = shared_array(segment, segment.size)
-        array = self._arrays[name]
-        return array
+                array = self._arrays[name] = shared_array(segment, segment.size)
+            return array
 
 
-# Where Linux keeps POSIX shared memory by name (elsewhere a name's unlinking goes unnoticed until remapped).
+# Where Linux keeps POSIX shared memory by name (elsewhere an unlinked segment mapped before is still copied into).
 _SHM_FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 

@@ -55,3 +55,23 @@ def test_a_copy_checks_the_peer_is_alive_and_the_segment_holds_the_region(overst
         del memory
         segment.close()
         segment.unlink()
+
+
+@pytest.mark.parametrize("exits_meanwhile", [False, True])
+def test_a_segment_gone_is_an_unregistered_region_unless_the_peer_is_gone_too(
+    exits_meanwhile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live peer's segment that cannot be mapped was unregistered: a TransferError, not PeerUnavailable. A peer
+    that exits between the liveness check and the mapping took its segments with it: PeerUnavailable."""
+    answers = iter([True, not exits_meanwhile])  # alive at the copy's check; then alive, or exited
+    monkeypatch.setattr("mooncake.transfer.shm._alive", lambda _pid: next(answers))
+    descriptor = RegionDescriptor(region_id=7, length=64, shm_name=f"mooncake-{os.getpid()}-000000000000")
+    transport = ShmTransport(lambda region: descriptor if region == 7 else None, peer_pid=os.getpid(), workers=1)
+    try:
+        error = transport.run_inline(Slice(TransferOp.WRITE, memoryview(bytes(64)), 7, 0, lambda _e: None))
+    finally:
+        transport.close()
+    if exits_meanwhile:
+        assert isinstance(error, PeerUnavailable), error
+    else:
+        assert type(error) is TransferError and "no longer shared" in str(error), error
