@@ -137,8 +137,9 @@ class LayerwiseKvIo:
         self.num_loaded_layers = layer + 1
 
     def store(self, layer: int, start: int, end: int) -> None:
-        """`layer` has computed rows [start, end): store them (layer-wise: queue the store)."""
-        if not self._has_output:
+        """`layer` has computed rows [start, end): store them (layer-wise: queue the store); an empty range is
+        nothing to store (nor a second "final" for the layer after its last chunk)."""
+        if not self._has_output or start >= end:
             return
         if not self.layerwise:
             self._deferred.append((layer, start, end))

@@ -337,3 +337,31 @@ def test_a_read_that_fails_midway_leaves_no_later_layer_a_partial_prefix() -> No
         assert torch.equal(k_all[1][rows], ks[1][rows]) and torch.equal(v_all[1][rows], vs[1][rows])
         io.abort()
     cache.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_an_empty_chunk_stores_nothing_and_finalizes_no_layer_twice(layerwise: bool) -> None:
+    """A caller that reports an empty range [n, n) after the last chunk: nothing is queued for it, and the
+    listener still hears each layer exactly once."""
+    case = Case(block=4, prefix_blocks=0, new_tokens=6, chunk=4096, seed=3)
+    cache, prefix_keys = case.cache_with_prefix()
+    heard: list[int] = []
+    with helpers() as (loader, storer), torch.inference_mode():
+        io, _k, _v = new_io(
+            case,
+            cache,
+            prefix_keys,
+            (loader, storer),
+            pages=case.new_pages(),
+            on_layer_final=heard.append,
+            layerwise=layerwise,
+        )
+        io.start_loading()
+        for layer in range(NUM_LAYERS):
+            io.wait_for_prefix(layer)
+            io.store(layer, 0, case.num_tokens)
+            io.store(layer, case.num_tokens, case.num_tokens)
+        io.finish()
+        assert heard == list(range(NUM_LAYERS))
+        assert len(storer.futures) == (2 * NUM_LAYERS if layerwise else 0)
+    cache.close()
