@@ -116,9 +116,10 @@ def build_conductor(
 
     Raises:
         ConfigError: a model or hardware that is not a `ModelShape` / `Hardware` (a preset's name, say), neither
-            or both of `hasher` and `block_size_tokens`, a block size that is not an
-            integer >= 1, an instance list given as one string, an instance listed twice, or a router factory
-            that cannot be called with the TTFT estimator alone.
+            or both of `hasher` and `block_size_tokens`, a hasher that is no `BlockHasher`, a block size that is
+            not an integer >= 1, an instance list given as one string (or no collection), an instance listed
+            twice, a `prefill` or `transfer` model without its method, `transfers` not a bool, or a router
+            factory that cannot be called with the TTFT estimator alone.
     """
     for name, value, kind, table in (
         ("model", model, ModelShape, "MODELS"),
@@ -132,11 +133,15 @@ def build_conductor(
             f"give the block geometry once: a hasher or block_size_tokens, got hasher={hasher!r}, "
             f"block_size_tokens={block_size_tokens!r}"
         )
+    if hasher is not None and not isinstance(hasher, BlockHasher):
+        raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
     block = hasher.block_size_tokens if hasher is not None else block_size_tokens
     assert block is not None
     for name, instances in (("prefill_instances", prefill_instances), ("decode_instances", decode_instances)):
         if isinstance(instances, str):  # iterating it would add one instance per character
             raise ConfigError(f"{name} must be a collection of instance ids, got the string {instances!r}")
+        if not isinstance(instances, Iterable):
+            raise ConfigError(f"{name} must be a collection of instance ids, got {instances!r}")
     _check_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)

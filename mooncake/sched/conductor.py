@@ -50,7 +50,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, require_int, require_number, require_str
+from mooncake._checks import ceil_div, require_bool, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
@@ -191,7 +191,7 @@ class Conductor:
         self.predictor = predictor
         self.slo = slo
         self.block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
-        self.transfers = transfers
+        self.transfers = require_bool("transfers", transfers)  # "no" would read as true
         self.index = index if index is not None else BlockIndex()
         self._rng = random.Random(require_int("seed", seed, minimum=0))
         self._prefill: dict[InstanceId, PrefillView] = {}

@@ -250,14 +250,22 @@ class RouteDecision:
         return self.wait_s + self.prefill_s + self.overhead_s
 
 
+def _require_method(name: str, part: object, method: str) -> None:
+    """A part given by its name or class (say "fitted") is refused here, not at the first request's AttributeError."""
+    if isinstance(part, type) or not callable(getattr(part, method, None)):
+        raise ConfigError(f"{name} must be a model with a {method}() method, got {part!r}")
+
+
 @attrs.frozen(kw_only=True)
 class TtftEstimator:
     """Estimates each term of TTFT for one instance: TTFT = max(transfer, queue) + prefill + overhead,
     the overhead being the serving path's fixed latency from a prefill's end to its first token (as
     measured on a real cluster: `sim.spec.ClusterSpec.first_token_overhead_s`, which the simulator charges)."""
 
-    prefill: PrefillModel
-    transfer: TransferCostModel
+    prefill: PrefillModel = attrs.field(validator=lambda _i, _a, value: _require_method("prefill", value, "prefill_s"))
+    transfer: TransferCostModel = attrs.field(
+        validator=lambda _i, _a, value: _require_method("transfer", value, "transfer_s")
+    )
     kv_bytes_per_token: int
     first_token_overhead_s: float = attrs.field(default=0.0)
 
