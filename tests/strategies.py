@@ -311,3 +311,27 @@ def ttft_estimators(draw: st.DrawFn) -> TtftEstimator:
 
 
 finite_thresholds = st.sampled_from([1.0, 1.5, 2.0, 4.0, 16.0]) | st.floats(min_value=1.0, max_value=64.0)
+
+
+@st.composite
+def request_streams(draw: st.DrawFn, block_size_tokens: int) -> list[Request]:
+    """Requests in arrival order whose key chains share prefixes (keys from a small tree), so routers see
+    holders, queues build up and seeded choices matter; up to a few thousand tokens each."""
+    count = draw(st.integers(1, 12))
+    arrivals = sorted(draw(st.lists(st.integers(0, 3_000), min_size=count, max_size=count)))
+    out = []
+    for index, ms in enumerate(arrivals):
+        input_length = draw(st.integers(1, min(6 * block_size_tokens, 3_000)))
+        branch = draw(st.integers(0, 2))
+        num_blocks = -(-input_length // block_size_tokens)
+        out.append(
+            Request(
+                request_id=RequestId(f"r{index}"),
+                arrival_s=ms / 1000,
+                input_length=input_length,
+                output_length=draw(st.integers(1, 600)),
+                block_keys=tuple(BlockKey(1 + 10_000 * branch + depth) for depth in range(num_blocks)),
+                block_size_tokens=block_size_tokens,
+            )
+        )
+    return out

@@ -29,6 +29,7 @@ from mooncake.sched.predictor import DEFAULT_DECODE_S, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, LoadBalancingRouter, RandomRouter
 from mooncake.sched.step import DecodeCostModel
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo
+from tests.strategies import request_streams
 
 LLAMA3, A800 = MODELS["llama3-70b"], HARDWARE["8xA800"]
 
@@ -113,32 +114,8 @@ def by_hand(options: dict[str, Any]) -> Conductor:
     return conductor
 
 
-@st.composite
-def request_streams(draw: st.DrawFn, block_size_tokens: int) -> list[Request]:
-    """Requests in arrival order whose key chains share prefixes (keys from a small tree), so routers see
-    holders, queues build up and seeded choices matter."""
-    count = draw(st.integers(1, 12))
-    arrivals = sorted(draw(st.lists(st.integers(0, 3_000), min_size=count, max_size=count)))
-    out = []
-    for index, ms in enumerate(arrivals):
-        input_length = draw(st.integers(1, 6 * block_size_tokens))
-        num_blocks = -(-input_length // block_size_tokens)
-        branch = draw(st.integers(0, 2))
-        keys = tuple(BlockKey(1 + branch * 100 + depth) for depth in range(num_blocks))
-        out.append(
-            Request(
-                request_id=RequestId(f"r{index}"),
-                arrival_s=ms / 1000,
-                input_length=input_length,
-                output_length=draw(st.integers(1, 600)),
-                block_keys=keys,
-                block_size_tokens=block_size_tokens,
-            )
-        )
-    return out
-
-
 def decisions(conductor: Conductor, requests: list[Request]) -> list[ScheduleDecision]:
+    """`conductor`'s decision on each request of a stream, at its arrival; its invariants checked after."""
     out = [conductor.schedule(request, request.arrival_s) for request in requests]
     conductor.check_invariants()
     return out

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection
 from mooncake.sched.build import build_conductor as library_build
-from mooncake.sched.conductor import Conductor, ScheduleDecision
+from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_MFU,
@@ -40,8 +40,10 @@ from mooncake.sched.predictor import DEFAULT_DECODE_S, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, LoadBalancingRouter, RandomRouter, TtftEstimator
 from mooncake.sched.step import DecodeCostModel, FittedStepModel
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec, build_conductor
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo
+from mooncake.types import InstanceId, Slo
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
+from tests.sched.test_build_properties import decisions
+from tests.strategies import request_streams
 
 FITTED_PREFILL = FittedPrefillModel(coefficients=(0.01, 1e-4, 1e-9))
 FITTED_STEP = FittedStepModel(coefficients=(0.001, 2e-4, 3e-7))
@@ -200,35 +202,6 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert spec.max_decode_batch_size is None and spec.sample_interval_s == 1.0
     assert spec.first_token_overhead_s == 0.0 and spec.admission_wait_s == 0.0
     assert spec.transfer_cost == TransferCostModel(bandwidth_bytes_per_s=HARDWARE["8xA800"].nic_bytes_per_s)
-
-
-@st.composite
-def request_streams(draw: st.DrawFn, block_size_tokens: int) -> list[Request]:
-    """Requests in arrival order on a small key tree (prefixes recur), up to a few thousand tokens each."""
-    count = draw(st.integers(1, 10))
-    arrivals = sorted(draw(st.lists(st.integers(0, 2_000), min_size=count, max_size=count)))
-    out = []
-    for index, ms in enumerate(arrivals):
-        input_length = draw(st.integers(1, min(6 * block_size_tokens, 3_000)))
-        branch = draw(st.integers(0, 2))
-        num_blocks = -(-input_length // block_size_tokens)
-        out.append(
-            Request(
-                request_id=RequestId(f"r{index}"),
-                arrival_s=ms / 1000,
-                input_length=input_length,
-                output_length=draw(st.integers(1, 400)),
-                block_keys=tuple(BlockKey(1 + 10_000 * branch + depth) for depth in range(num_blocks)),
-                block_size_tokens=block_size_tokens,
-            )
-        )
-    return out
-
-
-def decisions(conductor: Conductor, requests: list[Request]) -> list[ScheduleDecision]:
-    out = [conductor.schedule(request, request.arrival_s) for request in requests]
-    conductor.check_invariants()
-    return out
 
 
 @given(specs(), build_options(), st.data())

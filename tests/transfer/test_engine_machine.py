@@ -51,7 +51,7 @@ from mooncake.transfer.request import (
     TransferRequest,
     Transport,
 )
-from tests.transfer.conftest import ROOT, SECRET
+from tests.transfer.conftest import ROOT, SECRET, request
 from tests.waiting import wait_for
 
 T = TypeVar("T")
@@ -464,15 +464,7 @@ class EngineMachine(RuleBasedStateMachine):
             length = data.draw(st.one_of(st.sampled_from([0, fits]), st.integers(0, fits)), label="length")
             local_offset = data.draw(edge_offset(local_size - length), label="local offset")
             remote_offset = data.draw(edge_offset(remote_size - length), label="remote offset")
-        return TransferRequest(
-            op=op,
-            local_region=local,
-            local_offset=local_offset,
-            peer=peer,
-            remote_region=remote,
-            remote_offset=remote_offset,
-            length=length,
-        )
+        return request(op, local, peer, remote, length, local_offset=local_offset, remote_offset=remote_offset)
 
     def _over_shm(self, i: int, j: int, region_id: int) -> bool:
         """Whether engine `i` knows region `region_id` of engine `j` as a shared one (what shm reaches)."""
@@ -802,14 +794,15 @@ def test_a_request_is_its_slices_and_ends_with_its_last(
         region = engine.register_memory(buffer)
         base = buffer_address(memoryview(buffer))
         requests = [
-            TransferRequest(
-                op=op,
-                local_region=region.region_id,
+            # remote region n + 1: which request a slice belongs to
+            request(
+                op,
+                region.region_id,
+                "127.0.0.1:9",
+                n + 1,
+                length,
                 local_offset=local_offset,
-                peer="127.0.0.1:9",
-                remote_region=n + 1,  # which request a slice belongs to
                 remote_offset=remote_offset,
-                length=length,
             )
             for n, (op, local_offset, length, remote_offset) in enumerate(specs)
         ]
@@ -821,19 +814,19 @@ def test_a_request_is_its_slices_and_ends_with_its_last(
 
         batch_id = engine.submit(requests)
         pieces = twin.pieces
-        for n, request in enumerate(requests):
+        for n, one in enumerate(requests):
             mine = sorted((p for p in pieces if p.remote_region == n + 1), key=lambda p: p.remote_offset)
-            assert all(p.op == request.op and p.local.nbytes <= slice_bytes for p in mine)
-            if request.length == 0:
-                assert [(p.remote_offset, p.local.nbytes) for p in mine] == [(request.remote_offset, 0)]
+            assert all(p.op == one.op and p.local.nbytes <= slice_bytes for p in mine)
+            if one.length == 0:
+                assert [(p.remote_offset, p.local.nbytes) for p in mine] == [(one.remote_offset, 0)]
                 continue
             mine = [p for p in mine if p.local.nbytes]
             at = 0
             for piece in mine:  # contiguous, in step on both sides, from the first byte to the last
-                assert piece.remote_offset == request.remote_offset + at
-                assert buffer_address(piece.local) == base + request.local_offset + at
+                assert piece.remote_offset == one.remote_offset + at
+                assert buffer_address(piece.local) == base + one.local_offset + at
                 at += piece.local.nbytes
-            assert at == request.length
+            assert at == one.length
         assert all(p.remote_region <= len(requests) for p in pieces)
 
         remaining = [sum(1 for p in pieces if p.remote_region == n + 1) for n in range(len(requests))]
@@ -947,15 +940,7 @@ def test_an_unregistered_shared_region_cannot_be_written_over_shm() -> None:
         peer = writer.connect(owner.address, transport="shm")
 
         def write(region_id: int) -> RequestStatus:
-            one = TransferRequest(
-                op=TransferOp.WRITE,
-                local_region=local.region_id,
-                local_offset=0,
-                peer=peer,
-                remote_region=region_id,
-                remote_offset=0,
-                length=64,
-            )
+            one = request(TransferOp.WRITE, local.region_id, peer, region_id, 64)
             return writer.wait(writer.submit([one]), timeout=10)[0]
 
         assert write(target.region_id).state == RequestState.DONE  # maps the segment
