@@ -3,8 +3,8 @@
 The sibling, `.NAME.PID.UUID.tmp` beside the target, is created exclusively, so
 two writers of one target (two runs sharing an `--out`) never share it; NAME is
 the target's name cut to `NAME_BYTES` bytes, so that any name the system takes
-(up to 255 bytes) has a sibling it takes too. It is
-removed however the write ends (an error, Ctrl-C, the SystemExit the command
+(up to 255 bytes) has a sibling it takes too; a longer name is refused before
+anything is written. The sibling is removed however the write ends (an error, Ctrl-C, the SystemExit the command
 lines make of SIGTERM), and a failure to write it is reported against the
 target: the hidden name means nothing to the user who asked for the target.
 """
@@ -12,6 +12,7 @@ target: the hidden name means nothing to the user who asked for the target.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ __all__ = ["atomic_path"]
 # The sibling adds at most 49 bytes (two dots, a pid of up to 10 digits, 32 hex digits, ".tmp") to its NAME part:
 # cut to this, it stays within NAME_MAX (255 bytes on every Linux file system).
 NAME_BYTES = 200
+NAME_MAX = 255
 
 
 @contextlib.contextmanager
@@ -40,6 +42,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             is left behind either way.
     """
     target = Path(path)
+    _check_name(target)
     temporary = target.with_name(f".{_cut(target.name)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(temporary, "xb"):
@@ -54,6 +57,17 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         _remove(temporary)
         raise
+
+
+def _check_name(target: Path) -> None:
+    """Refuse a name longer than its folder takes before anything is written: the sibling's name is cut to
+    fit, so the rename would be the first to fail, after the whole file had been written for nothing."""
+    try:
+        limit = os.pathconf(target.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no such folder (the sibling's open names that), or no limit to ask for
+        limit = NAME_MAX
+    if len(os.fsencode(target.name)) > limit:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), os.fspath(target))
 
 
 def _remove(temporary: Path) -> None:

@@ -7,6 +7,7 @@ reports in tests/sim/test_report.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import tempfile
 from pathlib import Path
 
@@ -84,3 +85,14 @@ def test_every_name_the_system_takes_can_be_written_whole(text: str, short_by: i
             assert len(temporary.name.encode()) <= 255 and temporary.name.startswith("." + name[:8])
             temporary.write_bytes(b"whole")
         assert [path.name for path in Path(folder).iterdir()] == [name] and target.read_bytes() == b"whole"
+
+
+def test_a_name_longer_than_the_system_takes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A name over NAME_MAX (256 bytes) is refused with ENAMETOOLONG naming the target before the block runs: the
+    whole file is not written for a rename that must fail, and nothing is left behind."""
+    target = tmp_path / ("é" * 128)  # 256 bytes in UTF-8
+    ran = False
+    with pytest.raises(OSError) as raised, atomic_path(target):
+        ran = True
+    assert raised.value.errno == errno.ENAMETOOLONG and raised.value.filename == str(target)
+    assert not ran and list(tmp_path.iterdir()) == []
