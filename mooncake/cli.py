@@ -179,8 +179,8 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
     axes.set_xlabel("cache capacity (blocks)")
     axes.set_ylabel("prefix hit ratio")
     axes.set_ylim(0, 1)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    axes.grid(True, which="both", color="0.85")  # opaque, as the legends: PostScript has no transparency
+    axes.legend(framealpha=1)
     if title:
         axes.set_title(title)
     figure.tight_layout()

@@ -144,9 +144,9 @@ def _finish(
     """Label, grid and title one panel, then write the figure whole and release it."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
-    axes.grid(alpha=0.3)
+    axes.grid(color="0.85")  # opaque, as the legends: PostScript has no transparency
     if legend:
-        axes.legend()
+        axes.legend(framealpha=1)
     axes.set_title(title)
     figure.tight_layout()
     _save(figure, path)
@@ -195,8 +195,8 @@ def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, ti
         axis.plot(times, [s.decode_requests for s in samples], label="decoding", lw=0.9)
         axis.set_ylabel("requests")
         axis.set_title(name, fontsize=9)
-        axis.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8, loc="upper right")
+        axis.grid(color="0.85")
+    axes[0, 0].legend(fontsize=8, loc="upper right", framealpha=1)
     axes[-1, 0].set_xlabel("simulated time (s)")
     if title:
         figure.suptitle(title)

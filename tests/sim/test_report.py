@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord
-from mooncake.sim.report import json_safe, plot_cdfs, write_json, write_records_csv
+from mooncake.sim.report import json_safe, plot_cdfs, plot_lines, plot_load, write_json, write_records_csv
 from mooncake.types import InstanceId, RequestId
 
 leaves = st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.text(max_size=3) | st.none()
@@ -148,3 +150,32 @@ def test_a_failed_write_names_the_file_asked_for(tmp_path: Path, writer: Callabl
         writer(target)
     assert caught.value.filename == str(target)
     assert [path.name for path in tmp_path.iterdir()] == ["out.png"] and not any(target.iterdir())
+
+
+@pytest.mark.parametrize("suffix", ["eps", "ps", "pdf", "svg", "png"])
+def test_every_plot_writes_every_format_without_a_warning(
+    tmp_path: Path, suffix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing in a plot is transparent: the PostScript backend logged a warning about the grid's alpha, which
+    reached the command line's stderr in matplotlib's words (no `mooncake:` prefix) for every `--plot x.eps`."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
+    from mooncake.cache.capacity import CapacityPoint
+    from mooncake.cli import plot_capacity
+    from mooncake.sim.metrics import LoadSample
+
+    samples = [LoadSample(time_s=float(t), prefill_requests=t % 3, decode_requests=t % 5) for t in range(10)]
+    points = [CapacityPoint(capacity_blocks=c, hit_blocks=c // 2, total_blocks=100) for c in (10, 100)]
+    plots: list[Callable[[Path], None]] = [
+        lambda path: plot_cdfs({"a": [1.0, 2.0], "b": [3.0]}, path, xlabel="x", title="cdfs"),
+        lambda path: plot_lines(
+            {"a": ([1, 2], [3, 4]), "b": ([1, 2], [4, 3])}, path, xlabel="x", ylabel="y", logx=True
+        ),
+        lambda path: plot_load({"a": samples, "b": samples}, path, title="loads"),
+        lambda path: plot_capacity({"lru": points, "lfu": points}, path, title="capacity"),
+    ]
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error")
+        for number, plot in enumerate(plots):
+            plot(tmp_path / f"{number}.{suffix}")
+    assert [record.getMessage() for record in caplog.records] == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{n}.{suffix}" for n in range(len(plots))]
