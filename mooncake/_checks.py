@@ -86,6 +86,16 @@ def int_at_least(minimum: int, *, below: int | None = None, error: type[Exceptio
     return check
 
 
+def positive(_instance: object, attribute: Any, value: Any) -> None:
+    """An attrs validator: a finite number > 0 (a bool is no number)."""
+    require_number(attribute.name, value, minimum=0, strict=True)
+
+
+def non_negative(_instance: object, attribute: Any, value: Any) -> None:
+    """An attrs validator: a finite number >= 0 (a bool is no number)."""
+    require_number(attribute.name, value, minimum=0)
+
+
 def fraction(_instance: object, attribute: Any, value: Any) -> None:
     """An attrs validator: a share of a peak (an efficiency, a utilisation), in (0, 1]."""
     if require_number(attribute.name, value, minimum=0, strict=True) > 1:

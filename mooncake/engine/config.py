@@ -18,12 +18,11 @@ Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least, require_bool, require_number
+from mooncake._checks import int_at_least, non_negative, positive, require_bool
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import ModelShape
 
@@ -31,11 +30,6 @@ __all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes the engines run in, by name
 ROPE_SCALING_KINDS = ("linear", "llama3")  # the RoPE scalings the model implements (transformers' rope_type)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{attribute.name} must be a finite number > 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -54,9 +48,9 @@ class RopeScaling:
     """
 
     kind: str = attrs.field(validator=attrs.validators.in_(ROPE_SCALING_KINDS))
-    factor: float = attrs.field(validator=_positive)
-    low_freq_factor: float = attrs.field(default=1.0, validator=_positive)
-    high_freq_factor: float = attrs.field(default=4.0, validator=_positive)
+    factor: float = attrs.field(validator=positive)
+    low_freq_factor: float = attrs.field(default=1.0, validator=positive)
+    high_freq_factor: float = attrs.field(default=4.0, validator=positive)
     original_max_position_embeddings: int = attrs.field(default=8192, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
@@ -65,10 +59,6 @@ class RopeScaling:
                 f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, "
                 f"got {self.high_freq_factor} and {self.low_freq_factor}"
             )
-
-
-def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0)
 
 
 def _switch(_instance: object, attribute: Any, value: Any) -> None:
@@ -98,8 +88,8 @@ class ModelConfig:
     num_heads: int = attrs.field(validator=int_at_least(1))
     num_kv_heads: int = attrs.field(validator=int_at_least(1))
     intermediate_size: int = attrs.field(validator=int_at_least(1))
-    rope_theta: float = attrs.field(default=500_000.0, validator=_positive)  # a base <= 0 gives NaN angles
-    norm_eps: float = attrs.field(default=1e-5, validator=_non_negative)  # < 0 can take a root of a negative
+    rope_theta: float = attrs.field(default=500_000.0, validator=positive)  # a base <= 0 gives NaN angles
+    norm_eps: float = attrs.field(default=1e-5, validator=non_negative)  # < 0 can take a root of a negative
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = attrs.field(default=False, validator=_switch)
     out_bias: bool = attrs.field(default=False, validator=_switch)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import ceil_div, int_at_least, is_int, require_int
+from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, require_int
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.kv import KvLayout
@@ -69,7 +69,7 @@ class DecodeConfig:
     max_batch_size: int = attrs.field(default=8, validator=int_at_least(1))
     max_context_tokens: int = attrs.field(default=2048, validator=int_at_least(2))
     kv_budget_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(0)))
-    tbt_slo_s: float | None = None
+    tbt_slo_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = decode_attention
 
     @property

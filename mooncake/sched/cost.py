@@ -43,7 +43,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import fraction, int_at_least, require_number
+from mooncake._checks import fraction, int_at_least, non_negative, positive, require_number
 from mooncake.errors import ConfigError
 from mooncake.types import Tier
 
@@ -71,14 +71,6 @@ LINEAR_COEFFICIENT = 22  # the paper's b
 TOKEN_ATTENTION_FLOPS = 4  # per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
 
 
-def _positive(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0, strict=True)
-
-
-def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0)
-
-
 @attrs.frozen(kw_only=True)
 class ModelShape:
     """The shape that sets a model's compute and KV size.
@@ -96,8 +88,8 @@ class ModelShape:
     hidden_size: int = attrs.field(validator=int_at_least(1))
     gqa: int = attrs.field(validator=int_at_least(1))
     bytes_per_element: int = attrs.field(default=2, validator=int_at_least(1))
-    num_params: float = attrs.field(validator=_positive)
-    lookup_params: float = attrs.field(default=0.0, validator=_non_negative)
+    num_params: float = attrs.field(validator=positive)
+    lookup_params: float = attrs.field(default=0.0, validator=non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.gqa:
@@ -153,11 +145,11 @@ class Hardware:
 
     name: str
     num_gpus: int = attrs.field(validator=int_at_least(1))
-    peak_flops_per_gpu: float = attrs.field(validator=_positive)
-    hbm_bytes_per_s: float = attrs.field(validator=_positive)
-    hbm_bytes: float = attrs.field(validator=_positive)
-    host_to_device_bytes_per_s: float = attrs.field(validator=_positive)
-    nic_bytes_per_s: float = attrs.field(validator=_positive)
+    peak_flops_per_gpu: float = attrs.field(validator=positive)
+    hbm_bytes_per_s: float = attrs.field(validator=positive)
+    hbm_bytes: float = attrs.field(validator=positive)
+    host_to_device_bytes_per_s: float = attrs.field(validator=positive)
+    nic_bytes_per_s: float = attrs.field(validator=positive)
 
     @property
     def peak_flops(self) -> float:
@@ -256,7 +248,7 @@ class PrefillCostModel:
     model: ModelShape
     hardware: Hardware
     mfu: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
-    overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    overhead_s: float = attrs.field(default=0.0, validator=non_negative)
     prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
@@ -483,8 +475,8 @@ def transfers_in_flight(finishes: list[float], now: float) -> int:
 class TransferCostModel:
     """KV transfer time between instances, with congestion at the source."""
 
-    bandwidth_bytes_per_s: float = attrs.field(validator=_positive)
-    latency_s: float = attrs.field(default=1e-4, validator=_non_negative)
+    bandwidth_bytes_per_s: float = attrs.field(validator=positive)
+    latency_s: float = attrs.field(default=1e-4, validator=non_negative)
 
     def transfer_s(self, num_bytes: float, *, in_flight_from_source: int = 0) -> float:
         """Seconds to move `num_bytes` while `in_flight_from_source` other transfers share the source's link."""

@@ -120,7 +120,9 @@ class JoinVerdict:
     predicted_tbt_s: float | None = None
 
 
-MAX_LOAD = 1 << 62  # a load the compiled scan's int64 arrays hold, with room for the request added
+# A load below what an unset limit stands for (`UNLIMITED`): with the request added it never passes a limit
+# that was not set (and the compiled scan's int64 arrays hold it with room for sums).
+MAX_LOAD = UNLIMITED
 
 
 def _is_count(value: object) -> bool:
@@ -132,13 +134,13 @@ def _is_count(value: object) -> bool:
 
 def load_problem(load: object) -> str | None:
     """What is wrong with `load` as the rule takes it (None: nothing): it must be a `DecodeLoad` whose batch
-    size and token counts are numbers in [0, 2**62) (fractions allowed: predictions are expectations)."""
+    size and token counts are numbers in [0, 2**61 - 1) (fractions allowed: predictions are expectations)."""
     if not isinstance(load, DecodeLoad):
         return f"a load must be a DecodeLoad, got {load!r}"
     for name in ("batch_size", "context_tokens", "kv_tokens"):
         value = getattr(load, name)
         if not _is_count(value):
-            return f"a load's {name} must be a number in [0, 2**62), got {value!r}"
+            return f"a load's {name} must be a number in [0, 2**61 - 1), got {value!r}"
     return None
 
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from mooncake._checks import fraction, require_number
+from mooncake._checks import fraction, non_negative, require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, nonnegative_least_squares, require_coefficients
 
@@ -49,14 +49,6 @@ __all__ = [
     "StepBranch",
     "StepModel",
 ]
-
-
-def _positive(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0, strict=True)
-
-
-def _non_negative(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0)
 
 
 class StepModel(Protocol):
@@ -103,7 +95,7 @@ class RooflineStep:
     """
 
     branches: tuple[StepBranch, ...] = attrs.field(converter=_branch_tuple, validator=_some_branches)
-    overhead_s: float = attrs.field(default=0.0, kw_only=True, validator=_non_negative)
+    overhead_s: float = attrs.field(default=0.0, kw_only=True, validator=non_negative)
     # One row per branch: (fixed_s, per_sequence_s, per_context_token_s), for `sched._kernels.roofline_step`.
     coefficients: np.ndarray = attrs.field(init=False, repr=False, eq=False)
 
@@ -172,7 +164,7 @@ class DecodeCostModel:
 
     model: ModelShape
     hardware: Hardware
-    overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
+    overhead_s: float = attrs.field(default=0.005, validator=non_negative)
     memory_efficiency: float = attrs.field(default=0.8, validator=fraction)
     compute_efficiency: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
     kv_memory_fraction: float = attrs.field(default=0.9, validator=fraction)

@@ -137,9 +137,12 @@ class AdmissionQueue(Generic[T]):
         those that left it, in the order they were made.
 
         Raises:
+            InvalidRequestError: `now` is not a finite number (the caller's error: nothing changed).
             whatever the scheduler raises for a request (one scheduled meanwhile by another caller, say): that
                 request leaves the line undecided, and the decisions made before it come with the next `pump`.
         """
+        # Checked here, not left to the scheduler: its refusal would read as the head request's fault and drop it.
+        require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         decided, self._undelivered = self._undelivered, []
         try:
             while self._entries:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -624,8 +625,9 @@ def test_a_request_id_decodes_once_at_a_time(prefilled_cache: Any) -> None:
 
 
 def test_engine_configuration_is_checked() -> None:
-    """A pipeline stage, a TBT SLO without a step model, and impossible sizes (a negative KV budget
-    included) are ConfigErrors."""
+    """A pipeline stage, a TBT SLO without a step model, impossible sizes (a negative KV budget included) and a
+    TBT SLO that is no time (NaN, negative, a bool, a string: the decode rule compared it to every step) are
+    ConfigErrors naming the field."""
     cache = dram_cache(BLOCK)
     with pytest.raises(ConfigError, match="whole model"):
         DecodeEngine(LlamaModel(TINY, layers=[1]), cache, block_tokens=BLOCK)
@@ -634,6 +636,10 @@ def test_engine_configuration_is_checked() -> None:
     for fields in ({"max_batch_size": 0}, {"max_context_tokens": 1}, {"kv_budget_tokens": -1}):
         with pytest.raises(ConfigError):
             DecodeConfig(**fields)  # type: ignore[arg-type]
+    for slo in (math.nan, -0.1, math.inf, True, "0.1"):
+        with pytest.raises(ConfigError, match="tbt_slo_s"):
+            DecodeConfig(tbt_slo_s=slo)  # type: ignore[arg-type]
+    assert DecodeConfig(tbt_slo_s=0).tbt_slo_s == 0  # an objective of 0: only a lone request decodes
     assert DecodeConfig(max_batch_size=3, max_context_tokens=10).budget_tokens == 30
 
 

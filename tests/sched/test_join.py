@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.decode import choose_decode
-from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
@@ -77,7 +77,7 @@ def test_bad_token_counts_are_invalid_requests(prompt: object, output: object) -
         (DecodeLoad(0, 0, float("nan")), "kv_tokens"),
         (DecodeLoad(0, float("inf"), 0), "context_tokens"),
         (DecodeLoad(True, 0, 0), "batch_size"),
-        (DecodeLoad(0, 0, 1 << 62), "kv_tokens"),  # MAX_LOAD: past what the scan's int64 holds with a request added
+        (DecodeLoad(0, 0, UNLIMITED), "kv_tokens"),  # MAX_LOAD: what an unset limit stands for
         ((0, 0, 0), "DecodeLoad"),
     ],
 )
@@ -85,7 +85,7 @@ def test_bad_loads_are_invalid_requests(load: object, field: str) -> None:
     """A negative, NaN, infinite or too large count (or no DecodeLoad at all) is refused by name, not decided on;
     the largest count allowed is decided on."""
     assert (
-        check_join(LIMITS, DecodeLoad(0, 0, (1 << 62) - 1), prompt_tokens=1, output_tokens=2).reason is Reason.KV_BUDGET
+        check_join(LIMITS, DecodeLoad(0, 0, UNLIMITED - 1), prompt_tokens=1, output_tokens=2).reason is Reason.KV_BUDGET
     )
     with pytest.raises(InvalidRequestError, match=field):
         check_join(LIMITS, load, prompt_tokens=10, output_tokens=10)  # type: ignore[arg-type]
