@@ -59,7 +59,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import require_number
+from mooncake._checks import int_at_least, require_number
 from mooncake.cache._compiled import kernels
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
@@ -266,7 +266,7 @@ class TtftEstimator:
     transfer: TransferCostModel = attrs.field(
         validator=lambda _i, _a, value: _require_method("transfer", value, "transfer_s")
     )
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int = attrs.field(validator=int_at_least(1))  # prices every transfer: 0 made them free
     first_token_overhead_s: float = attrs.field(default=0.0)
 
     @first_token_overhead_s.validator
@@ -340,16 +340,6 @@ class Router(Protocol):
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """A request it routed finished its prefill: the TTFT it estimated and the one observed
         (a router that does not learn ignores it)."""
-
-
-def _better(candidate: RouteDecision, incumbent: RouteDecision | None) -> bool:
-    if incumbent is None:
-        return True
-    return (candidate.ttft_s, candidate.queue_s, candidate.prefill_instance) < (
-        incumbent.ttft_s,
-        incumbent.queue_s,
-        incumbent.prefill_instance,
-    )
 
 
 @attrs.define
