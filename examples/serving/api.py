@@ -579,25 +579,29 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
     """What a body's `stream_options` asks for, by vLLM's rules: (a last chunk with the usage, the usage so far
     in every chunk). Once `stream_options` is given, `include_usage` defaults to true and
     `continuous_usage_stats` to false (an explicit null is false); the usage in every chunk comes only with
-    the last chunk's.
+    the last chunk's. Other keys (OpenAI's `include_obfuscation`) are ignored, as vLLM ignores them; an empty
+    object is taken without `stream` too (vLLM refuses only options that say something).
 
     Raises:
-        ApiError: 400, stream_options without `stream: true`, not an object, with another key, or a flag
-            that is not a boolean.
+        ApiError: 400, stream_options that is not an object, that sets anything without `stream: true`, or
+            a flag that is not a boolean.
     """
     options = body.get("stream_options")
     if options is None:
         return False, False
-    if body.get("stream") is not True:
-        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    flags = {"include_usage": True, "continuous_usage_stats": False}
-    if not isinstance(options, dict) or set(options) - set(flags):
+    if not isinstance(options, dict):
         raise ApiError(
             400,
-            'stream_options must be {"include_usage": <bool>, "continuous_usage_stats": <bool>}',
+            f'stream_options must be an object such as {{"include_usage": <bool>}}, got {_shown(options)}',
             param="stream_options",
         )
-    for name, value in options.items():
+    if body.get("stream") is not True:
+        if options:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        return False, False
+    flags = {"include_usage": True, "continuous_usage_stats": False}
+    for name in flags.keys() & options.keys():
+        value = options[name]
         if not isinstance(value, bool | None):
             raise ApiError(400, f"stream_options.{name} must be a boolean, got {_shown(value)}", param="stream_options")
         flags[name] = bool(value)

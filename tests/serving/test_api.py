@@ -156,7 +156,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "stop": "x" * 257}, "stop"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
-        ({"prompt": "hi", "stream": True, "stream_options": {"other": True}}, "stream_options"),
+        ({"prompt": "hi", "stream": False, "stream_options": {"other": True}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
@@ -580,6 +580,7 @@ def test_valid_values_parse_back(
         ({"include_usage": True, "continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),  # vLLM: only with the last chunk
         ({"include_usage": None, "continuous_usage_stats": True}, False, False),  # an explicit null is false
+        ({"include_obfuscation": False, "other": 1}, True, False),  # keys vLLM does not know are ignored
     ],
 )
 def test_stream_options_follow_vllm(options: Any, include_usage: bool, continuous_usage: bool) -> None:
@@ -588,6 +589,15 @@ def test_stream_options_follow_vllm(options: Any, include_usage: bool, continuou
     body = {"prompt": "hi", "stream": True} | ({} if options is None else {"stream_options": options})
     parsed = parse_completion(body, SERVED)
     assert (parsed.include_usage, parsed.continuous_usage) == (include_usage, continuous_usage)
+
+
+@pytest.mark.parametrize("stream", [False, None])
+def test_empty_stream_options_without_stream_are_taken_as_vllm_takes_them(stream: bool | None) -> None:
+    """vLLM refuses stream_options without `stream: true` only when they say something: `{}` (which clients
+    built from a default object send) is served, with no usage chunk to give."""
+    body: dict[str, Any] = {"prompt": "hi", "stream_options": {}} | ({} if stream is None else {"stream": stream})
+    parsed = parse_completion(body, SERVED)
+    assert (parsed.include_usage, parsed.continuous_usage) == (False, False)
 
 
 def test_answer_bodies_have_openai_shapes() -> None:
