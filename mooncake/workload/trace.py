@@ -231,8 +231,10 @@ def iter_trace(
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
-    if not isinstance(path, str | os.PathLike):  # open() would take an int as a file descriptor
-        raise ConfigError(f"a trace path must be a str or os.PathLike, got {path!r}")
+    _check_path(path)
+    for name, callback in (("on_skip", on_skip), ("on_caution", on_caution)):
+        if callback is not None and not callable(callback):  # else a TypeError at the first bad line, hours in
+            raise ConfigError(f"{name} must be a callable or None, got {callback!r}")
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
     if not isinstance(strict, bool):
@@ -240,6 +242,11 @@ def iter_trace(
     if not isinstance(time_unit, str) or time_unit not in TIME_UNITS:
         raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
     return _read(path, block_size_tokens, speedup, strict, on_skip or _warn, time_unit, on_caution or _caution)
+
+
+def _check_path(path: object) -> None:
+    if not isinstance(path, str | os.PathLike):  # open() would take an int as a file descriptor
+        raise ConfigError(f"a trace path must be a str or os.PathLike, got {path!r}")
 
 
 def _read(
@@ -333,9 +340,19 @@ def text_request(
     """The request of a literal prompt, as a trace's `text_input` reads: byte tokens keyed by the byte rule.
 
     Raises:
-        InvalidRequestError: an empty text, or invalid other fields.
+        InvalidRequestError: a text that is no str of valid Unicode (a lone surrogate) or is empty, a block size
+            that is not an integer >= 1, or invalid other fields.
     """
-    data = text.encode("utf-8")
+    # Checked before keying, which would fail with Python's own errors (range() of a block of 0, say).
+    block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1, error=InvalidRequestError)
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"request {request_id}: text must be a str, got {type(text).__name__}")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"request {request_id}: text is not valid Unicode ({error.reason} at character {error.start})"
+        ) from None
     return Request(
         request_id=RequestId(request_id),
         arrival_s=arrival_s,
@@ -437,15 +454,17 @@ def write_trace(
 
     Raises:
         InvalidRequestError: a request cannot be represented; the file is left untouched.
-        ConfigError: an unknown form or block size, or a path that names no file.
+        ConfigError: an unknown form or block size, or a path that is none or names no file (ends in a slash).
         OSError: the file cannot be written (named by `path`), or reading the requests failed.
     """
     if block_size_tokens is not None:
         block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     if form not in TRACE_FORMS:
         raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
+    _check_path(path)
     target = Path(path)
-    if target.name in ("", ".", ".."):
+    # A trailing slash names a folder (POSIX), which pathlib drops: "out/" would write a file named out.
+    if target.name in ("", ".", "..") or os.fspath(path).endswith(("/", os.sep)):
         raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
     with atomic_path(target) as temporary, open(temporary, "wb") as raw:
         if target.name.endswith(".gz"):
