@@ -10,8 +10,9 @@ library's own caches. It keeps, per source, a map vLLM hash → key: `BlockRemov
 carries hashes only. The map holds every hash some tier holds, plus the
 `max_retired_hashes` most recently dropped ones, so a block stored just after its
 parent was evicted still finds its parent. LoRA blocks hash under a salt naming
-the adapter; blocks with other ``extra_keys`` (multimodal inputs, cache salts)
-cannot be re-derived from tokens and are refused; only KV-cache group `kv_group`
+the adapter (vLLM also writes the adapter's name, or id, as each block's
+``extra_keys``: those say nothing more); blocks with other ``extra_keys``
+(multimodal inputs, cache salts) cannot be re-derived from tokens and are refused; only KV-cache group `kv_group`
 is read (a hybrid model's other groups repeat the same prefixes).
 
 Sequencing. vLLM numbers batches 0, 1, 2, ... per process. The decoder turns
@@ -33,7 +34,9 @@ chained keys, parents first.
 
 Invariants (`VllmEventDecoder.check_invariants`):
 - a hash is mapped to a key iff some tier holds it or it is retired, not both;
-- held hashes have a non-empty set of tiers; at most `max_retired_hashes` are retired.
+- held hashes have a non-empty set of tiers; at most `max_retired_hashes` are retired;
+- the held are kept in the order they came to be held (a clear retires them so), the retired in the order
+  they were retired (the oldest goes first); a refused batch puts every hash back in its place.
 """
 
 from __future__ import annotations
@@ -132,10 +135,12 @@ class VllmEventDecoder:
         self._expected = 0  # the next vLLM batch seq
         self._seq = 0  # the next event seq of ours
         self._keys: dict[ExternalHash, BlockKey] = {}
-        self._held: dict[ExternalHash, int] = {}  # hash → bit mask of the tiers holding it
-        self._retired: OrderedDict[ExternalHash, None] = OrderedDict()
+        self._held: dict[ExternalHash, int] = {}  # hash → bit mask of the tiers holding it, oldest held first
+        self._held_at: dict[ExternalHash, int] = {}  # hash → when it came to be held (its place in `_held`)
+        self._retired: OrderedDict[ExternalHash, int] = OrderedDict()  # hash → when it was retired, oldest first
+        self._clock = 0  # stamps the moves above, so that a refused batch can put each hash back in its place
         self._lora_hashers: dict[str, BlockHasher] = {}
-        self._undo: list[tuple[ExternalHash, BlockKey | None, int | None, bool]] | None = None
+        self._undo: list[tuple[ExternalHash, BlockKey | None, int | None, int | None, int | None]] | None = None
         self._applied: OrderedDict[int, float] = OrderedDict()  # the last batches applied: seq → publisher's ts
         self.num_redelivered = 0
 
@@ -178,10 +183,12 @@ class VllmEventDecoder:
             Either way the batch is not applied.
         """
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
+        before_restart = None
         if seq < self._expected:
             if self._applied.get(seq) == batch.ts:
                 self.num_redelivered += 1
                 return ()
+            before_restart = self._state()  # a restart the batch then refused did not happen
             self.restart(epoch=self._epoch + 1)
         if seq > self._expected:
             return SequenceGap(
@@ -192,10 +199,14 @@ class VllmEventDecoder:
                 received_seq=seq,
             )
         self._undo = []
+        skipped = self.num_skipped
         try:
             changes = [change for event in batch.events if (change := self._apply(event)) is not None]
         except BaseException:
             self._rollback()
+            self.num_skipped = skipped  # what a refused batch skipped is skipped again when it is replayed
+            if before_restart is not None:
+                self._restore(before_restart)
             raise
         finally:
             self._undo = None
@@ -230,12 +241,40 @@ class VllmEventDecoder:
         self._epoch = self._epoch + 1 if epoch is None else epoch
         self._seq = 0
         self._expected = 0
-        self._keys, self._held, self._retired = {}, {}, OrderedDict()
-        self._applied.clear()
+        # New containers, not cleared ones: `translate` keeps the old to undo a restart whose batch is refused.
+        self._keys, self._held, self._held_at, self._retired = {}, {}, {}, OrderedDict()
+        self._applied = OrderedDict()
+
+    def _state(self) -> tuple[Any, ...]:
+        return (
+            self._epoch,
+            self._seq,
+            self._expected,
+            self._keys,
+            self._held,
+            self._held_at,
+            self._retired,
+            self._applied,
+        )
+
+    def _restore(self, state: tuple[Any, ...]) -> None:
+        (
+            self._epoch,
+            self._seq,
+            self._expected,
+            self._keys,
+            self._held,
+            self._held_at,
+            self._retired,
+            self._applied,
+        ) = state
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module docstring fails."""
         assert set(self._keys) == set(self._held) | set(self._retired), "mapped hashes != held + retired"
+        assert self._held_at.keys() == self._held.keys(), "a held hash without its stamp"
+        assert list(self._held) == sorted(self._held, key=self._held_at.__getitem__), "held out of order"
+        assert list(self._retired.values()) == sorted(self._retired.values()), "retired out of order"
         assert not set(self._held) & set(self._retired), "a hash is both held and retired"
         assert all(0 < mask < 1 << len(Tier) for mask in self._held.values()), "a held hash has no tier"
         assert len(self._retired) <= self.max_retired_hashes, f"{len(self._retired)} retired hashes"
@@ -285,7 +324,8 @@ class VllmEventDecoder:
                 f"{self.source}: BlockStored has {len(event.block_hashes)} hashes for {len(event.token_ids)} tokens"
                 f" ({num_blocks} blocks of {event.block_size})"
             )
-        if event.extra_keys is not None and any(extra is not None for extra in event.extra_keys):
+        adapter = event.lora_name if event.lora_name is not None else event.lora_id
+        if event.extra_keys is not None and any(not _names_adapter(extra, event) for extra in event.extra_keys):
             if self.strict:
                 raise VllmEventError(
                     f"{self.source}: BlockStored has extra_keys {event.extra_keys!r:.80}: its keys depend on more"
@@ -301,7 +341,6 @@ class VllmEventDecoder:
                     f"{self.source}: BlockStored's parent hash {event.parent_block_hash!r} was never stored (or retired)"
                 )
                 return None
-        adapter = event.lora_name if event.lora_name is not None else event.lora_id
         if adapter is not None:
             hasher = self._lora_hasher(str(adapter))
         return hasher.block_keys(np.asarray(event.token_ids, dtype=np.int32), parent=parent)
@@ -323,33 +362,58 @@ class VllmEventDecoder:
         """Map `block_hash` to `key`, held in `mask`'s tiers (None: retired), recording the undo."""
         if self._undo is not None:
             self._undo.append(
-                (block_hash, self._keys.get(block_hash), self._held.get(block_hash), block_hash in self._retired)
+                (
+                    block_hash,
+                    self._keys.get(block_hash),
+                    self._held.get(block_hash),
+                    self._held_at.get(block_hash),
+                    self._retired.get(block_hash),
+                )
             )
         self._keys[block_hash] = key
+        self._clock += 1
         if mask is not None:
+            if block_hash not in self._held:
+                self._held_at[block_hash] = self._clock
             self._held[block_hash] = mask
             self._retired.pop(block_hash, None)
             return
         self._held.pop(block_hash, None)
-        self._retired[block_hash] = None
-        self._retired.move_to_end(block_hash)
+        self._held_at.pop(block_hash, None)
+        self._retired.pop(block_hash, None)
+        self._retired[block_hash] = self._clock
         while len(self._retired) > self.max_retired_hashes:
-            oldest = next(iter(self._retired))
+            oldest, stamp = next(iter(self._retired.items()))
             if self._undo is not None:
-                self._undo.append((oldest, self._keys[oldest], None, True))
+                self._undo.append((oldest, self._keys[oldest], None, None, stamp))
             del self._retired[oldest], self._keys[oldest]
 
     def _rollback(self) -> None:
-        for block_hash, key, mask, retired in reversed(self._undo or []):
-            self._held.pop(block_hash, None)
-            self._retired.pop(block_hash, None)
-            self._keys.pop(block_hash, None)
+        """Undo the batch's `_set`s, each hash back in its place among the held and the retired (by its stamp:
+        the order decides which retired hash goes first and in which order a clear retires the held)."""
+        for block_hash, key, mask, held_at, retired_at in reversed(self._undo or []):
+            for table in (self._keys, self._held, self._held_at, self._retired):
+                table.pop(block_hash, None)
             if key is not None:
                 self._keys[block_hash] = key
-            if mask is not None:
-                self._held[block_hash] = mask
-            if retired:
-                self._retired[block_hash] = None
+            if mask is not None and held_at is not None:
+                self._held[block_hash], self._held_at[block_hash] = mask, held_at
+            if retired_at is not None:
+                self._retired[block_hash] = retired_at
+        self._held = {h: self._held[h] for h in sorted(self._held, key=self._held_at.__getitem__)}
+        self._retired = OrderedDict(sorted(self._retired.items(), key=lambda item: item[1]))
+
+
+def _names_adapter(extra: tuple[Any, ...] | None, event: VllmBlockStored) -> bool:
+    """Whether a block's extra keys say no more than its LoRA adapter (which the LoRA salt keys): none, or the
+    adapter alone as vLLM adds it to every block of a LoRA request (`lora_name`; `lora_int_id` in older vLLM)."""
+    if extra is None:
+        return True
+    return len(extra) == 1 and any(
+        type(extra[0]) is type(named) and extra[0] == named
+        for named in (event.lora_name, event.lora_id)
+        if named is not None
+    )
 
 
 # ---------------------------------------------------------------------- encoding
