@@ -245,29 +245,15 @@ class VllmEventDecoder:
         self._keys, self._held, self._held_at, self._retired = {}, {}, {}, OrderedDict()
         self._applied = OrderedDict()
 
+    # What a restart replaces: kept by `translate` to undo a restart whose batch is refused.
+    _RESTARTED = ("_epoch", "_seq", "_expected", "_keys", "_held", "_held_at", "_retired", "_applied")
+
     def _state(self) -> tuple[Any, ...]:
-        return (
-            self._epoch,
-            self._seq,
-            self._expected,
-            self._keys,
-            self._held,
-            self._held_at,
-            self._retired,
-            self._applied,
-        )
+        return tuple(getattr(self, name) for name in self._RESTARTED)
 
     def _restore(self, state: tuple[Any, ...]) -> None:
-        (
-            self._epoch,
-            self._seq,
-            self._expected,
-            self._keys,
-            self._held,
-            self._held_at,
-            self._retired,
-            self._applied,
-        ) = state
+        for name, value in zip(self._RESTARTED, state, strict=True):
+            setattr(self, name, value)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module docstring fails."""
