@@ -375,8 +375,8 @@ class AdaptiveThreshold:
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """Learn from one request's outcome (an observed TTFT below 0, from a clock that stepped back, or not
-        finite teaches nothing)."""
-        if not estimated_ttft_s > 0 or not 0 <= observed_ttft_s < math.inf:
+        finite teaches nothing; nor does an estimate that is not a finite time > 0)."""
+        if not 0 < estimated_ttft_s < math.inf or not 0 <= observed_ttft_s < math.inf:
             return
         ratio = min(observed_ttft_s / estimated_ttft_s, 100.0)
         if had_transfer:

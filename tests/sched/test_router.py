@@ -581,10 +581,13 @@ def test_adaptive_threshold_compares_with_local_decisions() -> None:
     assert adaptive.value < 8.0
 
 
-def test_adaptive_threshold_ignores_non_positive_estimates() -> None:
-    """An estimate of zero teaches nothing."""
+@pytest.mark.parametrize("estimate", [0.0, -1.0, math.inf, math.nan])
+def test_adaptive_threshold_ignores_estimates_that_are_no_time(estimate: float) -> None:
+    """An estimate of zero (or less), infinite or NaN teaches nothing: an infinite one read as a ratio of 0, a
+    transfer infinitely faster than estimated, and pulled the threshold down."""
     adaptive = AdaptiveThreshold()
-    adaptive.observe(had_transfer=True, estimated_ttft_s=0.0, observed_ttft_s=5.0)
+    for had_transfer in (True, False):
+        adaptive.observe(had_transfer=had_transfer, estimated_ttft_s=estimate, observed_ttft_s=5.0)
     assert (adaptive.value, adaptive.transfer_ratio, adaptive.local_ratio) == (1.5, 1.0, 1.0)
 
 
