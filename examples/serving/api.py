@@ -125,21 +125,23 @@ def rejection_error(
     detail: str | None = None,
     ttft_s: float | None = None,
     ttft_slo_s: float | None = None,
+    waited_s: float = 0.0,
     param: str | None = None,
 ) -> ApiError:
     """The answer to a request the scheduler refused, one for every server here: the status `http_status` gives
     the reason, the reason as the error's code, whether the prefill ran (`outcome`), and `Retry-After` (none
     with a 400: no retry can help). A TTFT refusal with its estimate waits what the estimate overshot the
     objective by (the queue ahead drains about that much meanwhile), at least 1 s; any other wait 1 s.
-    `detail` (default: the TTFT estimate against its objective for a TTFT refusal, else a word of advice)
-    follows the reason in the message."""
+    `detail` (default: the TTFT estimate against its objective for a TTFT refusal, with `waited_s` the request
+    waited for room before it, else a word of advice) follows the reason in the message."""
     status = http_status(reason)
     where = "the decode engine refused the request" if outcome is Outcome.REJECTED_AFTER_PREFILL else "rejected"
     advice = {503: "no engine of a role is up", 400: "no engine could ever take it", 429: "retry later"}[status]
     wait = 1
     if reason is Reason.TTFT_SLO and ttft_s is not None and ttft_slo_s is not None and math.isfinite(ttft_s):
         wait = max(1, math.ceil(ttft_s - ttft_slo_s))
-        advice = f"estimated TTFT {ttft_s:.3f} s, objective {ttft_slo_s:g} s"
+        waited = f" after {waited_s:.3f} s waited for room" if waited_s > 0 else ""
+        advice = f"estimated TTFT {ttft_s:.3f} s{waited}, objective {ttft_slo_s:g} s"
     return ApiError(
         status,
         f"{where} ({reason.value}): {detail or advice}",

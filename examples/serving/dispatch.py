@@ -322,7 +322,7 @@ class Dispatcher:
         waiter = _Waiter(live, asyncio.get_running_loop().create_future())
         decision = self._waiting.arrive(waiter, request, self.now())
         if decision is not None:
-            self._decided(waiter, decision)
+            self._decided(waiter, decision, waited=False)
         else:
             self._waited()
         try:
@@ -338,15 +338,17 @@ class Dispatcher:
             raise
         return live
 
-    def _decided(self, waiter: _Waiter, decision: ScheduleDecision) -> None:
-        """Settle a request's admission: live, or its rejection for its `admit` to raise."""
+    def _decided(self, waiter: _Waiter, decision: ScheduleDecision, *, waited: bool = True) -> None:
+        """Settle a request's admission: live, or its rejection for its `admit` to raise (saying how long it
+        `waited` in line, if it did)."""
         if decision.accepted:
             self._accepted(waiter.live, decision)
             waiter.decided.set_result(None)
             return
         assert decision.reason is not None
         self.metrics.rejections[decision.reason.value].inc()
-        waiter.decided.set_exception(self._rejection(decision))
+        waited_s = self.now() - waiter.live.request.arrival_s if waited else 0.0
+        waiter.decided.set_exception(self._rejection(decision, waited_s=waited_s))
 
     def _room_freed(self) -> None:
         """A request ended, an engine came up or went down, or a wait's deadline came: the line is tried
@@ -368,14 +370,16 @@ class Dispatcher:
             delay = max(0.0, deadline - self.now())
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._room_freed)
 
-    def _rejection(self, decision: ScheduleDecision) -> ApiError:
-        """The answer to the Conductor's rejection of a request before its prefill (`rejection_error`)."""
+    def _rejection(self, decision: ScheduleDecision, *, waited_s: float = 0.0) -> ApiError:
+        """The answer to the Conductor's rejection of a request before its prefill (`rejection_error`), after
+        `waited_s` in the admission line (a TTFT estimate under the objective is then refused for the wait)."""
         assert decision.reason is not None
         return rejection_error(
             decision.reason,
             Outcome.REJECTED_BEFORE_PREFILL,
             ttft_s=decision.ttft_s,
             ttft_slo_s=self.conductor.slo.ttft_s,
+            waited_s=waited_s,
         )
 
     def _schedule(self, live: LiveRequest) -> None:

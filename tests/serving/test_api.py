@@ -742,3 +742,16 @@ def test_a_rejection_is_answered_alike_by_every_server(
     error = rejection_error(reason, Outcome.REJECTED_BEFORE_PREFILL, ttft_s=ttft_s, ttft_slo_s=30.0)
     assert (error.status, error.code, error.headers.get("Retry-After")) == (status, reason.value, retry_after)
     assert error.body()["error"]["outcome"] == "rejected_before_prefill" and reason.value in error.message
+
+
+def test_a_ttft_refusal_after_a_wait_says_how_long_the_request_waited() -> None:
+    """A request refused for TTFT after waiting for room has an estimate under the objective (the wait made up
+    the rest): the message says the wait, so that "estimated TTFT 20 s, objective 30 s" does not read as a
+    refusal for nothing; Retry-After still follows the estimate (a new request does not carry the wait)."""
+    waited = rejection_error(
+        Reason.TTFT_SLO, Outcome.REJECTED_BEFORE_PREFILL, ttft_s=20.0, ttft_slo_s=30.0, waited_s=15.0
+    )
+    assert "estimated TTFT 20.000 s after 15.000 s waited for room, objective 30 s" in waited.message
+    assert waited.headers["Retry-After"] == "1"
+    at_once = rejection_error(Reason.TTFT_SLO, Outcome.REJECTED_BEFORE_PREFILL, ttft_s=34.0, ttft_slo_s=30.0)
+    assert "waited" not in at_once.message and "estimated TTFT 34.000 s, objective 30 s" in at_once.message
