@@ -474,11 +474,13 @@ class Conductor:
         problem = None
         if view is None or not view.is_up:
             problem = "a prefill instance that is not up" if view else "an unknown prefill instance"
-        elif not (
+        elif not (  # written out, not a loop: this runs for every decision
             0.0 <= route.queue_s < math.inf  # NaN fails each comparison
             and 0.0 <= route.transfer_s < math.inf
             and 0.0 <= route.prefill_s < math.inf
             and 0.0 <= route.ttft_s < math.inf
+            and 0.0 <= route.occupancy_s < math.inf
+            and 0.0 <= route.overhead_s < math.inf
         ):
             problem = "a time that is negative or not finite"
         elif route.transfer is not None and route.transfer.source == route.prefill_instance:
