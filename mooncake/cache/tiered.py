@@ -213,12 +213,35 @@ class TieredCache(BlockPlacement):
         self._publish(key, entry, checksum)
         return self.pools[0].tier
 
+    def _room_beside(self, parent: BlockKey | None, *, needed_for: BlockKey) -> int | None:
+        """A first-tier page for the chain's next block, `parent`'s child, made without evicting `parent` where
+        an eviction drops (a single tier: with a lower one, `parent` would be demoted, not lost); None if it
+        cannot. (`parent` is the only block of the chain that can be a victim: every earlier one has a cached
+        child, under a prefix-aware policy; a policy that ranks blocks alone evicts the chain's head first.)
+
+        Raises:
+            CapacityError: the chain's first block, and every first-tier page holds a pinned block.
+        """
+        entry = None if parent is None else self._entries.get(parent)
+        if parent is None or entry is None or entry.level != 0 or not entry.ready or len(self.pools) > 1:
+            return self._make_room(0, needed_for=needed_for)
+        policy = self._policies[0]
+        policy.pin(parent)
+        try:
+            return self._try_make_room(0)
+        finally:
+            policy.unpin(parent)
+
     def put_chain(self, keys: Sequence[BlockKey], *, length: int | None = None) -> None:
         """Record a request's chain of blocks without data (metadata-only first tier).
 
         Equivalent to `put(key, parent=previous key, position=i, length=length)`
         for each key in order (cached ones count as used), under one lock: the
-        simulator stores every prefill's chain this way.
+        simulator stores every prefill's chain this way. Except that the chain
+        stops where room for a block could only be made by dropping its parent
+        (a chain longer than an unpinned single tier): the head stays cached and
+        the rest is not stored, where storing it would have evicted the whole
+        head (leaf first) and kept a tail that no prompt can match.
 
         Raises:
             ConfigError: the first tier stores bytes.
@@ -249,7 +272,9 @@ class TieredCache(BlockPlacement):
                     else:
                         page = allocate()
                         if page is None:
-                            page = self._make_room(0, needed_for=key)
+                            page = self._room_beside(parent, needed_for=key)
+                            if page is None:
+                                break  # only its own prefix could make room: the rest of the chain stays out
                         entries[key] = Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
                         access(key, parent=parent, position=position)
                         log.append((STORED, 0, key))

@@ -156,6 +156,8 @@ class CoupledCluster:
         self.limits = DecodeLimits(kv_capacity_tokens=self.capacity_tokens, max_batch_size=spec.max_batch_size)
         cache_tokens = self.capacity_tokens if spec.cache_capacity_tokens is None else spec.cache_capacity_tokens
         self.page_bytes = spec.block_size_tokens * spec.model.kv_bytes_per_token
+        # A capacity under one block caches nothing (its cache, a page no chain is put into, stays empty).
+        self._caches = cache_tokens >= spec.block_size_tokens
         pages = max(1, cache_tokens // spec.block_size_tokens)
         self._instances = [
             _Instance(
@@ -260,8 +262,9 @@ class CoupledCluster:
         if done is not None:
             record = done.record
             record.first_token_s = now
-            instance.cache.put_chain(done.request.block_keys, length=self.page_bytes)
-            instance.cache.take_events()  # nobody indexes a coupled instance's HBM cache
+            if self._caches:
+                instance.cache.put_chain(done.request.block_keys, length=self.page_bytes)
+                instance.cache.take_events()  # nobody indexes a coupled instance's HBM cache
             if record.output_tokens <= 1:
                 self.replay.complete(now, record)
             else:

@@ -177,7 +177,10 @@ class DisaggregatedCluster:
         self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
         self.step_model = spec.decode_cost
         self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
-        pages = max(1, spec.cache_capacity_tokens * spec.cpp_group_size // spec.block_size_tokens)
+        cache_tokens = spec.cache_capacity_tokens * spec.cpp_group_size
+        # A capacity under one block caches nothing (its cache, a page no chain is put into, stays empty).
+        self._caches = cache_tokens >= spec.block_size_tokens
+        pages = max(1, cache_tokens // spec.block_size_tokens)
         self._prefill = {
             view.instance_id: _PrefillNode(
                 view.instance_id,
@@ -301,6 +304,8 @@ class DisaggregatedCluster:
 
     def _store(self, node: _PrefillNode, request: Request, upto: int) -> None:
         """Put the request's first `upto` blocks into the node's cache (evicting by its policy)."""
+        if not self._caches:
+            return
         cache = node.cache
         cache.put_chain(request.block_keys[:upto], length=self.page_bytes)
         for event in cache.take_events():

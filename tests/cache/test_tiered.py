@@ -582,10 +582,30 @@ def metadata_cache(*, dram_pages: int, ssd_pages: int, policy: type, prefix_awar
 
 
 def put_one_by_one(cache: TieredCache, keys: list[BlockKey], length: int | None) -> None:
-    """What put_chain stands for: put each key with the previous one as parent and its index as position."""
+    """What put_chain stands for: put each key with the previous one as parent and its index as position; in a
+    single tier, a new key's parent pinned while it is put, and the chain ended where only the parent could have
+    made room (storing on would have dropped the head and kept a tail no prompt matches)."""
     parent = None
     for position, key in enumerate(keys):
-        cache.put(key, parent=parent, position=position, length=length)
+        guard = (
+            parent is not None
+            and len(cache.pools) == 1
+            and cache.location(key) is None
+            and cache.location(parent) is not None
+        )
+        if guard:
+            assert parent is not None
+            cache.pin(parent)
+        try:
+            cache.put(key, parent=parent, position=position, length=length)
+        except CapacityError:
+            if guard:
+                break
+            raise
+        finally:
+            if guard:
+                assert parent is not None
+                cache.unpin(parent)
         parent = key
 
 
@@ -766,3 +786,19 @@ def test_invalid_keys_are_refused_before_anything_is_stored(tmp_path: Path, bad:
     assert metadata.prefix_match([BlockKey(1)]) == 0 and metadata.take_events() == []
     cache.put(BlockKey(7), b"fine")
     assert bytes(cache.get(BlockKey(7))) == b"fine"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", [LruPolicy, LfuPolicy, SievePolicy, LengthAwarePolicy])
+def test_a_chain_longer_than_a_single_tier_keeps_its_head(policy: type) -> None:
+    """A prompt of 8 blocks into 4 unpinned pages (prefix-aware): its first 4 blocks stay cached and a repeat of
+    it matches them, where storing on evicted the head leaf first and kept blocks 4..7, which nothing matches. A
+    later chain still takes the room, leaf first, as before."""
+    cache = metadata_cache(dram_pages=4, ssd_pages=0, policy=policy, prefix_aware=True)
+    first = [BlockKey(k) for k in range(8)]
+    cache.put_chain(first, length=10)
+    assert cache.prefix_match(first) == 4 and [cache.location(k) is not None for k in first] == [True] * 4 + [False] * 4
+    assert [(type(e).__name__, e.keys) for e in cache.take_events()] == [("BlockStored", (0, 1, 2, 3))]
+    second = [BlockKey(k) for k in range(100, 103)]
+    cache.put_chain(second, length=10)
+    assert cache.prefix_match(second) == 3 and cache.prefix_match(first) == 1
+    cache.check_invariants()

@@ -198,6 +198,16 @@ def test_a_chunked_pipeline_group_caches_what_all_its_nodes_hold() -> None:
     assert alone.prefix_tokens < 11 * BLOCK  # one node's cache does not hold it
 
 
+@pytest.mark.parametrize(("capacity_blocks", "reused_blocks"), [(0, 0), (4, 4), (12, 11)])
+def test_a_prompt_longer_than_a_nodes_cache_leaves_its_head_there(capacity_blocks: int, reused_blocks: int) -> None:
+    """A prompt of 12 blocks on a node whose cache holds 4: its first 4 blocks stay and its repeat reuses them (the
+    cache kept the last 4 before, which no prompt matches); a cache of 0 holds nothing (it held one page)."""
+    spec = make_spec(num_prefill=1, cache_capacity_tokens=capacity_blocks * BLOCK)
+    requests = [make_request("a", 0.0, 12 * BLOCK, 2, range(12)), make_request("b", 100.0, 12 * BLOCK, 2, range(12))]
+    first, repeat = replay(spec, requests).records
+    assert (first.prefix_tokens, repeat.prefix_tokens) == (0, reused_blocks * BLOCK)
+
+
 # --------------------------------------------------------------------------- disaggregated: load
 
 
@@ -291,10 +301,11 @@ def coupled_spec(**options: Any) -> CoupledSpec:
     return CoupledSpec(**{"num_instances": 1, "model": LLAMA3, "hardware": A800, **options})
 
 
-@pytest.mark.parametrize(("capacity_blocks", "reused_blocks"), [(0, 0), (8, 7), (None, 7)])
+@pytest.mark.parametrize(("capacity_blocks", "reused_blocks"), [(0, 0), (4, 4), (8, 7), (None, 7)])
 def test_the_coupled_prefix_cache_holds_what_its_capacity_says(capacity_blocks: int | None, reused_blocks: int) -> None:
     """`cache_capacity_tokens` bounds a coupled instance's prefix cache: 0 caches nothing (a repeat recomputes its
-    prompt), the prompt's size holds all of it, and None (its KV capacity) too."""
+    prompt), half the prompt's size holds its first half, the prompt's size all of it, and None (its KV capacity)
+    too."""
     tokens = None if capacity_blocks is None else capacity_blocks * BLOCK
     spec = coupled_spec(cache_capacity_tokens=tokens)
     requests = [make_request(name, t, 8 * BLOCK, 3, range(8)) for name, t in (("a", 0.0), ("b", 60.0))]
