@@ -103,6 +103,15 @@ class KeyBatch:
         return int(self.offsets.size - 1)
 
     def __getitem__(self, r: int) -> tuple[BlockKey, ...]:
+        """Request `r`'s keys (from the end for r < 0, as a sequence indexes).
+
+        Raises:
+            IndexError: no request `r`.
+        """
+        n = len(self)
+        if not -n <= r < n:
+            raise IndexError(f"request {r} of a batch of {n}")
+        r %= n
         return key_tuple(self.keys[self.offsets[r] : self.offsets[r + 1]].tolist())
 
 
@@ -121,7 +130,7 @@ class BlockHasher:
 
     # Both are part of every key's namespace (JSON-encoded): a number or None would key another namespace than its text.
     model: str = attrs.field(validator=lambda _self, _attribute, value: require_str("model", value))
-    block_size_tokens: int = attrs.field(validator=int_at_least(1))
+    block_size_tokens: int = attrs.field(converter=plain_int, validator=int_at_least(1))
     salt: str = attrs.field(
         default="", validator=lambda _self, _attribute, value: require_str("salt", value, empty=True)
     )

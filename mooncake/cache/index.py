@@ -141,6 +141,8 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         InvalidRequestError: a key that is not a non-negative integer.
     """
     if isinstance(keys, np.ndarray):
+        if keys.ndim != 1:  # the key table's loops take one flat run
+            raise InvalidRequestError(f"block keys must be a flat sequence, got an array of shape {keys.shape}")
         if keys.dtype == np.uint64:
             return keys
         if keys.dtype.kind in "iu" and (keys.size == 0 or keys.min() >= 0):
@@ -154,6 +156,8 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         array = np.array(values, dtype=np.uint64)
     except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers
         return np.array([_fold(k) for k in values], dtype=np.uint64)
+    if array.ndim != 1:  # keys that are sequences themselves
+        raise InvalidRequestError(f"block keys must be a flat sequence of non-negative integers, got {keys!r:.80}")
     if not integers and array.tolist() != values:  # numpy truncated a non-integer such as 1.5
         bad = next(k for k, v in zip(values, array.tolist(), strict=True) if k != v)
         raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
@@ -246,11 +250,12 @@ class BlockIndex:
     def prefix_lengths(self, keys: Iterable[BlockKey], instances: Sequence[InstanceId]) -> npt.NDArray[np.int64]:
         """Each of `instances`' contiguous prefix of `keys`, in their order (0 for one the index
         does not know): `match` as an array, for a caller that asks about the same instances
-        every time (the slot lookup is kept while the sequence object and the slots stay the same).
+        every time (the slot lookup is kept while the tuple and the slots stay the same; a list,
+        which may change in place, is looked up anew each time).
         """
         per_slot = self._table.match(key_array(keys))
         gather = self._gather
-        if gather is None or gather[0] is not instances or gather[1] != self._layout:
+        if gather is None or gather[0] is not instances or gather[1] != self._layout or type(instances) is not tuple:
             slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
             unknown = np.array([slot < 0 for slot in slots], dtype=bool)
             gather = (

@@ -176,9 +176,9 @@ class TieredCache(BlockPlacement):
             CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
             InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
-        _check_key(key)
+        key = _check_key(key)
         if parent is not None:
-            _check_key(parent)
+            parent = _check_key(parent)
         _check_position(position)
         if checksum is not None:
             _check_checksum(checksum)
@@ -249,8 +249,7 @@ class TieredCache(BlockPlacement):
             InvalidRequestError: a key is not a non-negative integer (nothing is stored).
         """
         if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
-            for key in keys:
-                _check_key(key)
+            keys = [_check_key(key) for key in keys]
         pool = self.pools[0]
         if pool.holds_bytes:
             raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
@@ -299,9 +298,9 @@ class TieredCache(BlockPlacement):
             CapacityError: `length` exceeds a page, or the first tier is all pinned.
             InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
-        _check_key(key)
+        key = _check_key(key)
         if parent is not None:
-            _check_key(parent)
+            parent = _check_key(parent)
         _check_position(position)
         require_int("length", length, minimum=0, error=InvalidRequestError)
         if not self.pools[0].zero_copy:
@@ -506,15 +505,17 @@ class TieredCache(BlockPlacement):
             pool.close()
 
 
-def _check_key(key: object) -> None:
-    """A block key is a non-negative integer (numpy integers are); anything else is refused before
-    it can enter the cache's tables."""
+def _check_key(key: object) -> BlockKey:
+    """A block key as the cache keeps it, a Python int (a numpy integer is one; kept as numpy's, it reached the
+    SSD tier's page headers and the events); anything but a non-negative integer is refused before it can enter
+    the cache's tables."""
     try:
         value = operator.index(key)  # type: ignore[arg-type]
     except TypeError:
         value = -1
     if value < 0 or isinstance(key, bool):
         raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
+    return BlockKey(value)
 
 
 def _check_position(position: object) -> None:
