@@ -43,6 +43,7 @@ from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.cache.damage import flip_byte
+from tests.cache.test_tiered_faults import FailingPool
 
 PAGE = 64
 SOURCE = InstanceId("node-e")
@@ -422,17 +423,6 @@ def test_a_dram_pool_refuses_a_supplied_buffer_of_another_size(size: int) -> Non
     or less is a ConfigError naming the size wanted."""
     with pytest.raises(ConfigError, match=str(4 * PAGE)):
         DramPagePool(PAGE, 4, buffer=np.zeros(size, dtype=np.uint8))
-
-
-class FailingPool(DramPagePool):
-    """A host pool whose writes raise OSError while `failing` is set (a device error)."""
-
-    failing = False
-
-    def write(self, page: int, data: Any, *, key: BlockKey, checksum: int | None = None) -> None:
-        if self.failing:
-            raise OSError("injected write failure")
-        super().write(page, data, key=key, checksum=checksum)
 
 
 def test_a_demotion_whose_write_fails_leaves_the_victim_where_it_was() -> None:
