@@ -231,6 +231,8 @@ def test_boundary_values_are_accepted(body: dict[str, Any]) -> None:
     ],
 )
 def test_values_past_the_boundaries_are_refused_naming_the_parameter(body: dict[str, Any], param: str) -> None:
+    """A value an unimplemented parameter would act on (a required tool call, JSON mode, top-k, stop ids) or one of
+    the wrong type is a 400 naming that parameter, not silently served as if neutral."""
     error = refused(parse_chat, {"messages": USER, **body}, SERVED)
     assert (error.status, error.param) == (400, param)
 
