@@ -374,7 +374,7 @@ class Conductor:
         route = self.router.route(candidates, query, now, self._rng)
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
-        self._check_route(route)
+        self._check_route(route, request.input_length)
         ttft_s = route.ttft_s
         decode = self._choose_decode(request, route.prefill_instance, now + ttft_s, now)
         verdict = self.admission.admit(route, decode, self.slo)
@@ -461,9 +461,9 @@ class Conductor:
             self._decode_board.slot_views, prompt_tokens=request.input_length, output_tokens=request.output_length
         )
 
-    def _check_route(self, route: RouteDecision) -> None:
-        """A router's decision names a prefill instance that is up, its times are finite and not negative, and a
-        transfer it plans comes from another instance.
+    def _check_route(self, route: RouteDecision, prompt_tokens: int) -> None:
+        """A router's decision names a prefill instance that is up, its times are finite and not negative, its
+        prefix is a count of the prompt's tokens, and a transfer it plans comes from another instance.
 
         Raises:
             ConfigError: naming the router and its decision.
@@ -483,6 +483,8 @@ class Conductor:
             and 0.0 <= route.overhead_s < math.inf
         ):
             problem = "a time that is negative or not finite"
+        elif type(route.prefix_tokens) is not int or not 0 <= route.prefix_tokens <= prompt_tokens:
+            problem = f"a prefix that is no count of the prompt's {prompt_tokens} tokens"
         elif route.transfer is not None and route.transfer.source == route.prefill_instance:
             problem = "a transfer from the instance to itself"
         if problem is not None:

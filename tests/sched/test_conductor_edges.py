@@ -228,6 +228,17 @@ def test_a_routers_time_that_is_negative_or_infinite_is_refused(field: str, valu
     conductor.check_invariants()
 
 
+@pytest.mark.parametrize("prefix_tokens", [-1, len(DOC) * BLOCK + 1, 1.5, True])
+def test_a_routers_prefix_that_is_no_count_of_the_prompt_is_refused(prefix_tokens: object) -> None:
+    """A decision's prefix is a count of the prompt's tokens, 0 up to its length: one below or past it (or no
+    integer) is named, not passed on to the ScheduleDecision and the prefill that would compute a negative rest."""
+    conductor = misrouted(lambda route: attrs.evolve(route, prefix_tokens=prefix_tokens))
+    with pytest.raises(ConfigError, match=r"router .*_Misrouting.*a prefix that is no count"):
+        conductor.schedule(request("r", DOC), 0.0)
+    assert conductor.in_flight == () and all(not v.queue for v in conductor.prefill_views)
+    conductor.check_invariants()
+
+
 def test_a_router_choosing_an_instance_that_is_down_is_refused() -> None:
     """A router that picks a known prefill instance that is down (not among its candidates) is named."""
     conductor = misrouted(lambda route: attrs.evolve(route, prefill_instance=P2))
