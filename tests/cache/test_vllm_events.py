@@ -50,14 +50,14 @@ LAYOUTS: list[WireLayout] = ["array", "map"]
 
 
 def stored_wire(
-    hashes: list[Any], parent: Any, tokens: list[int], *, medium: str | None = "GPU", **more: Any
+    hashes: Sequence[Any], parent: Any, tokens: Sequence[int], *, medium: str | None = "GPU", **more: Any
 ) -> dict[str, Any]:
     """A BlockStored as vLLM's map layout writes it (defaulted fields only when given)."""
     return {
         "type": "BlockStored",
-        "block_hashes": hashes,
+        "block_hashes": list(hashes),
         "parent_block_hash": parent,
-        "token_ids": tokens,
+        "token_ids": list(tokens),
         "block_size": more.pop("block_size", BLOCK),
         "lora_id": more.pop("lora_id", None),
         "medium": medium,
@@ -66,8 +66,8 @@ def stored_wire(
     }
 
 
-def removed_wire(hashes: list[Any], medium: str | None = "GPU") -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+def removed_wire(hashes: Sequence[Any], medium: str | None = "GPU", **more: Any) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, **more}
 
 
 def as_array(event: dict[str, Any]) -> list[Any]:

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.vllm_events import (
     DEFAULT_MEDIUMS,
@@ -31,64 +31,10 @@ from mooncake.cache.vllm_events import (
 )
 from mooncake.cache.vllm_wire import VllmEventBatch, WireLayout, decode_batch
 from mooncake.errors import MooncakeError, UnknownBlockError, VllmEventError
-from mooncake.types import BlockKey, InstanceId, Tier
+from mooncake.types import BlockKey, Tier
+from tests.cache.test_vllm_events import BLOCK, HASHER, SOURCE, decoded, payload, removed_wire, stored_wire
 
 msgpack = pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
-
-BLOCK = 4
-HASHER = BlockHasher(model="edge-model", block_size_tokens=BLOCK)
-SOURCE = InstanceId("vllm-edge")
-
-
-def stored_wire(
-    hashes: Sequence[Any], parent: Any, tokens: Sequence[int], *, medium: str | None = "GPU", **more: Any
-) -> dict[str, Any]:
-    """A BlockStored in vLLM's map layout (the defaulted fields only when given)."""
-    return {
-        "type": "BlockStored",
-        "block_hashes": list(hashes),
-        "parent_block_hash": parent,
-        "token_ids": list(tokens),
-        "block_size": more.pop("block_size", BLOCK),
-        "lora_id": more.pop("lora_id", None),
-        "medium": medium,
-        "lora_name": more.pop("lora_name", None),
-        **more,
-    }
-
-
-def removed_wire(hashes: Sequence[Any], medium: str | None = "GPU", **more: Any) -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, **more}
-
-
-ORDER = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-        "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window",
-    ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
-}
-
-
-def payload(events: Sequence[dict[str, Any]], *, layout: WireLayout = "map", ts: float = 1.0) -> bytes:
-    """A positional batch of `events`, each in `layout` (the positional one writes every field, in order)."""
-    wire = [[e["type"], *(e.get(n) for n in ORDER[e["type"]])] if layout == "array" else e for e in events]
-    return bytes(msgpack.packb([ts, wire, 0]))
-
-
-def decoded(result: tuple[CacheEvent, ...] | SequenceGap) -> tuple[CacheEvent, ...]:
-    assert not isinstance(result, SequenceGap), result
-    return result
 
 
 def key_of_tokens(tokens: Sequence[int], parent: BlockKey | None = None, hasher: BlockHasher = HASHER) -> BlockKey:

@@ -25,13 +25,11 @@ from mooncake.cache.events import BlockStored, SequenceGap
 from mooncake.errors import ConfigError, InvalidRequestError, SequenceGapError, UnknownInstanceError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel, TransferCostModel
 from mooncake.sched.decode import choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
 from mooncake.sched.predictor import UniformDecodePredictor
-from mooncake.sched.router import KvCacheCentricRouter, RouteDecision, TtftEstimator
-from mooncake.sched.step import DecodeCostModel
+from mooncake.sched.router import KvCacheCentricRouter, RouteDecision
 from mooncake.sched.view import (
     BoardLoads,
     DecodeBoard,
@@ -39,27 +37,26 @@ from mooncake.sched.view import (
     DecodeJoined,
     DecodeView,
     InstanceDown,
-    InstanceUp,
     PrefillBacklog,
     PrefilledInline,
     PrefillFinished,
     PrefillStarted,
     RequestAborted,
 )
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
-
-LLAMA3 = MODELS["llama3-70b"]
-A800 = HARDWARE["8xA800"]
-BLOCK = 256
-ESTIMATOR = TtftEstimator(
-    prefill=PrefillCostModel(model=LLAMA3, hardware=A800),
-    transfer=TransferCostModel(bandwidth_bytes_per_s=100e9),
-    kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
+from mooncake.types import InstanceId, RequestId, Slo, Tier
+from tests.sched.test_conductor import (
+    BLOCK,
+    D0,
+    D1,
+    DECODE_COST,
+    DOC,
+    ESTIMATOR,
+    P0,
+    P1,
+    P2,
+    occupy,
+    request,
 )
-DECODE_COST = DecodeCostModel(model=LLAMA3, hardware=A800)
-P0, P1, P2 = (InstanceId(f"prefill-{i}") for i in range(3))
-D0, D1 = InstanceId("decode-0"), InstanceId("decode-1")
-DOC = tuple(range(100, 132))  # a 32-block (8,192-token) prompt
 
 
 def make(
@@ -87,33 +84,11 @@ def make(
     return conductor
 
 
-def request(name: str, keys: Sequence[int], *, output: int = 100) -> Request:
-    return Request(
-        request_id=RequestId(name),
-        arrival_s=0.0,
-        input_length=len(keys) * BLOCK,
-        output_length=output,
-        block_keys=tuple(BlockKey(k) for k in keys),
-    )
-
-
 def store(conductor: Conductor, instance: InstanceId, keys: Sequence[int], *, epoch: int = 0, seq: int = 0) -> None:
     assert (
         conductor.apply_cache_event(BlockStored(source=instance, seq=seq, epoch=epoch, keys=keys, tier=Tier.VRAM))
         is None
     )
-
-
-def busy(conductor: Conductor, instance: InstanceId, *, count: int = 3, now: float = 0.0) -> None:
-    """Queue `count` uncached 8,192-token prompts on `instance` at `now` (the only prefill instance up meanwhile)."""
-    others = [v.instance_id for v in conductor.prefill_views if v.instance_id != instance and v.is_up]
-    for other in others:
-        conductor.handle(InstanceDown(instance_id=other, now=now))
-    for i in range(count):
-        keys = range(10_000 * (i + 1), 10_000 * (i + 1) + 32)
-        assert conductor.schedule(request(f"filler-{instance}-{i}", keys), now).prefill_instance == instance
-    for other in others:
-        conductor.handle(InstanceUp(instance_id=other, now=now))
 
 
 # ---------------------------------------------------------------------------- transfer sources
@@ -136,7 +111,7 @@ def test_without_a_global_pool_no_prefix_moves() -> None:
     with a pool moves it)."""
     for transfers in (True, False):
         conductor = make(transfers=transfers)
-        busy(conductor, P0)
+        occupy(conductor, P0, count=3)
         store(conductor, P0, DOC)
         decision = conductor.schedule(request("r", DOC), 0.0)
         assert decision.accepted
@@ -154,7 +129,7 @@ def test_a_queued_transfer_is_published_in_the_decisions_clock(now: float) -> No
     """The queue entry's `transfer_finish_s` is the decision's time plus the transfer's estimate: the instant from
     which the source going down no longer dooms the request."""
     conductor = make()
-    busy(conductor, P0, now=now)
+    occupy(conductor, P0, count=3, now=now)
     store(conductor, P0, DOC)
     decision = conductor.schedule(request("r", DOC), now)
     assert decision.transfer is not None and decision.prefill_instance is not None
@@ -422,7 +397,7 @@ def test_a_sources_congestion_counts_the_transfers_still_moving_for_a_waiting_re
     estimates) for requests that still wait for them: not those whose request ended or started its prefill, nor
     those estimated done, whatever order they were planned, ended and started in (a brute-force count)."""
     conductor = make(slo=Slo(ttft_s=1e3, tbt_s=1.0))
-    busy(conductor, P0, count=20)  # about 18 s of prefill ahead on the holder
+    occupy(conductor, P0, count=20)  # about 18 s of prefill ahead on the holder
     documents = [tuple(range(1000 * (d + 1), 1000 * (d + 1) + 32)) for d in range(len(ops))]
     for seq, document in enumerate(documents):
         store(conductor, P0, document, seq=seq)
