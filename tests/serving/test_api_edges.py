@@ -35,7 +35,6 @@ from serving.api import (
     ApiError,
     ChatMessage,
     Reply,
-    ServedModel,
     Usage,
     decode_body,
     detokenize_body,
@@ -59,16 +58,9 @@ from serving.tokenizer import ByteTokenizer
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason, http_status
+from tests.serving.test_api import SERVED, TOKENIZER, refused
 
-SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_context_tokens=129, vocab_size=256)
-TOKENIZER = ByteTokenizer()
 USER = [{"role": "user", "content": "hi"}]
-
-
-def refused(call: Any, *args: Any, **kwargs: Any) -> ApiError:
-    with pytest.raises(ApiError) as raised:
-        call(*args, **kwargs)
-    return raised.value
 
 
 # ---------------------------------------------------------------------------------------------- errors
