@@ -23,7 +23,9 @@ that keeps the order of changes to each key.
 
 Invariants (`check_invariants`):
 - each cached key has one page, allocated in its tier's pool, and each
-  allocated page belongs to exactly one key (or a write in progress);
+  allocated page belongs to exactly one key (or a write in progress, or a
+  copy that failed verification and was replaced while pinned: set aside,
+  out of every policy, until its last pin);
 - a tier's policy knows exactly the ready keys of that tier; pinned keys are
   pinned in it;
 - used bytes never exceed a tier's capacity (pages are the unit of capacity).
@@ -76,6 +78,7 @@ class Entry:
     ready: bool = False  # False while its first write is in progress
     corrupt: bool = False  # failed verification; dropped when the last pin goes
     lower_reads: int = 0
+    reads: int = 0  # the pins held by reads in progress outside the lock (a part of `pins`)
 
     @property
     def is_live(self) -> bool:
@@ -109,6 +112,9 @@ class BlockPlacement:
         self.promote_after = promote_after
         self._policies = [policy() for _ in pools]
         self._entries: dict[BlockKey, Entry] = {}
+        # Copies that failed verification while pinned and were then replaced by a new copy of their key: out of
+        # the cache, each holds its page until its last pin goes.
+        self._aside: dict[BlockKey, list[Entry]] = {}
         self._lock = threading.RLock()
         self._log: list[tuple[int, int, BlockKey]] = []
         self._counts = dict.fromkeys(attrs.fields_dict(CacheStats), 0)
@@ -126,9 +132,15 @@ class BlockPlacement:
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module docstring fails."""
         with self._lock:
+            aside = [entry for entries in self._aside.values() for entry in entries]
+            for key, entries in self._aside.items():
+                assert entries, f"block {key}: an empty list of copies set aside"
+                for entry in entries:
+                    assert entry.corrupt and 0 <= entry.reads <= entry.pins and entry.pins > 0, f"block {key}: {entry}"
+                    assert self._entries.get(key) is not entry, f"block {key}: set aside and cached"
             for level, pool in enumerate(self.pools):
                 here = {k: e for k, e in self._entries.items() if e.level == level}
-                pages = [e.page for e in here.values()]
+                pages = [e.page for e in here.values()] + [e.page for e in aside if e.level == level]
                 assert len(set(pages)) == len(pages), f"tier {pool.tier.name}: two keys share a page"
                 assert pool.num_pages - pool.num_free == len(pages), f"tier {pool.tier.name}: pages leaked"
                 ready = {k for k, e in here.items() if e.ready}
@@ -157,6 +169,14 @@ class BlockPlacement:
 
     def _unpin_entry(self, key: BlockKey, entry: Entry) -> None:
         entry.pins -= 1
+        if self._entries.get(key) is not entry:  # set aside: out of every policy, it holds only its page
+            if entry.pins == 0:
+                self.pools[entry.level].free(entry.page)
+                copies = self._aside[key]
+                copies.remove(entry)
+                if not copies:
+                    del self._aside[key]
+            return
         self._policies[entry.level].unpin(key)
         if entry.corrupt and entry.pins == 0:
             self._policies[entry.level].remove(key)
@@ -169,6 +189,23 @@ class BlockPlacement:
         self._counts["hits"] -= 1
         self._counts["misses"] += 1
         entry.corrupt = True
+
+    def _unless_corrupt(self, key: BlockKey, entry: Entry | None) -> Entry | None:
+        """`key`'s entry as a new copy of the block must respect it (lock held): None where there is none, or where
+        it failed verification and a reader still pins it. That copy is no longer cached, so the new one takes its
+        place: it leaves the cache now (as it would at its last unpin), and its page stays held, set aside, until
+        those pins go. (Seeing it as cached, a put of the recomputed block would store nothing, and the key would
+        be gone at the unpin.)"""
+        if entry is None or not entry.corrupt:
+            return entry
+        policy = self._policies[entry.level]
+        for _ in range(entry.pins):
+            policy.unpin(key)
+        policy.remove(key)
+        self._forget(key, entry)
+        self._counts["corrupt_blocks"] += 1
+        self._aside.setdefault(key, []).append(entry)
+        return None
 
     def _should_promote(self, entry: Entry, *, reads_ahead: int = 0) -> bool:
         """Whether `entry` (in a lower tier) moves up now, or after `reads_ahead` more reads."""

@@ -8,7 +8,10 @@ one tier at a time:
   tier (past one whose pages are all pinned), which may in turn demote its own
   victim; a victim that no lower tier can take is dropped. `put` of a key
   already cached only records a use: keys are content hashes, so the bytes are
-  the same (and a pinned block is never overwritten).
+  the same (and a pinned block is never overwritten). A copy that failed
+  verification is not cached: a `put` of its key stores the new bytes, even
+  while a reader still pins the damaged copy (whose page is freed at its last
+  pin; an `unpin` of the key releases that copy's pins first).
 - `get(key)` returns the bytes: a zero-copy view in DRAM/VRAM, a verified copy
   from SSD. A block read from a lower tier is promoted to the first tier on its
   `promote_after`-th read there (0: never); into a full first tier, the
@@ -199,7 +202,7 @@ class TieredCache(BlockPlacement):
             if not 0 <= size <= self.page_bytes:
                 raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._unless_corrupt(key, self._entries.get(key))
             if entry is not None:
                 if entry.ready:
                     self._policies[entry.level].access(key)
@@ -265,6 +268,8 @@ class TieredCache(BlockPlacement):
             try:
                 for position, key in enumerate(keys):
                     entry = entries.get(key)
+                    if entry is not None and entry.corrupt:
+                        entry = self._unless_corrupt(key, entry)
                     if entry is not None:
                         if entry.ready:
                             accesses[entry.level](key)
@@ -308,7 +313,7 @@ class TieredCache(BlockPlacement):
         if not 0 <= length <= self.page_bytes:
             raise CapacityError(f"{length} bytes do not fit a page of {self.page_bytes} bytes")
         with self._lock:
-            if key in self._entries:
+            if self._unless_corrupt(key, self._entries.get(key)) is not None:
                 return None
             entry = self._claim(key, length, parent, position)
             return self.pools[0].read(entry.page, length)
@@ -389,6 +394,7 @@ class TieredCache(BlockPlacement):
                 if self._should_promote(entry):
                     return self._promote(key, entry)
             entry.pins += 1  # hold the page while reading outside the lock
+            entry.reads += 1
             self._policies[entry.level].pin(key)
         data = None
         try:
@@ -399,6 +405,7 @@ class TieredCache(BlockPlacement):
             with self._lock:
                 if data is None:
                     self._found_corrupt(entry)
+                entry.reads -= 1
                 self._unpin_entry(key, entry)
         return data
 
@@ -441,8 +448,13 @@ class TieredCache(BlockPlacement):
             self._policies[entry.level].pin(key)
 
     def unpin(self, key: BlockKey) -> None:
-        """Release one pin of `key`."""
+        """Release one pin of `key`: first one taken before its copy failed verification and was replaced (that
+        copy's page is freed at its last pin), so the new copy's pins never fall below its holders'."""
         with self._lock:
+            for copy in self._aside.get(key, ()):
+                if copy.pins > copy.reads:  # a holder's pin, not a read's in progress
+                    self._unpin_entry(key, copy)
+                    return
             entry = self._ready_entry(key)
             if entry.pins == 0:
                 raise UnknownBlockError(f"block {key} is not pinned")
@@ -476,7 +488,7 @@ class TieredCache(BlockPlacement):
             yield data if promotes else self.get(key)
         finally:
             with self._lock:
-                if key in self._entries:
+                if key in self._entries or key in self._aside:
                     self.unpin(key)
 
     # ------------------------------------------------------------------ events

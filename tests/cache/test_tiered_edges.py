@@ -16,8 +16,9 @@ Each test here kills a mutant of `tiered`, `_placement`, `ssd` or `pool` that th
   header claiming more than a page is never adopted; a short SSD write fails the put and leaves
   nothing behind; buffer and length checks at their exact bounds; wide-item buffers are bytes.
 
-A numpy integer key is a key in every tier (it broke the SSD tier's page headers). One test is a strict xfail
-for a product defect left open: a re-put of a block that failed verification while a reader pins it.
+A numpy integer key is a key in every tier (it broke the SSD tier's page headers). A block put again after
+it failed verification, while a reader still pins the damaged copy or reads it, is stored; the damaged
+copy's page is held until its last pin, and a pin never unprotects the new copy.
 """
 
 from __future__ import annotations
@@ -482,21 +483,73 @@ def test_a_numpy_integer_key_is_a_key_in_every_tier(tmp_path: Path, numpy_key: A
         cache.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: TieredCache.put sees the entry of a block that failed verification (still pinned by a reader) "
-    "and only records a use: it returns the block's old tier, stores nothing, and the key is gone at the unpin",
-)
 def test_a_block_put_again_after_it_failed_verification_is_stored(tmp_path: Path) -> None:
     """A reader's miss on a damaged block leads the engine to recompute it and put it again, possibly while that
     reader still holds its pin: the new bytes are stored (the damaged block is not cached, so this put is no mere
-    use) and served after the reader lets go."""
+    use) and served after the reader lets go; the damaged copy's page is held until then, and freed at its pin."""
     cache = on_ssd_with_room_above(tmp_path, promote_after=0)
+    ssd = cache.pools[1]
     damage(cache, BlockKey(1))
     with cache.pinned(BlockKey(1)) as view:
         assert view is None
         cache.put(BlockKey(1), block(1))
-        assert BlockKey(1) in cache
+        assert BlockKey(1) in cache and cache.tier_of(BlockKey(1)) == Tier.DRAM
+        held = ssd.num_free  # blocks 2 and 3 (DRAM's victim), and the damaged copy's page, held by the pin
+        assert held == 1
+        cache.check_invariants()
+    assert ssd.num_free == held + 1
+    assert bytes(cache.get(BlockKey(1))) == block(1)  # type: ignore[arg-type]
+    assert cache.stats.corrupt_blocks == 1
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_pin_on_a_replaced_damaged_copy_never_unprotects_the_new_one(tmp_path: Path) -> None:
+    """Two holders, one of the damaged copy and one of its replacement: after one unpin (whoever's: a pin names
+    only its key) the replacement is still pinned, never evicted, until both have let go."""
+    cache = on_ssd_with_room_above(tmp_path, promote_after=0)
+    damage(cache, BlockKey(1))
+    cache.pin(BlockKey(1))  # the old holder
+    assert cache.get(BlockKey(1)) is None
+    cache.put(BlockKey(1), block(1))
+    cache.pin(BlockKey(1))  # the new holder
+    cache.unpin(BlockKey(1))  # one of them lets go
+    for key in (5, 6):  # fill DRAM: the replacement is still pinned, so it stays
+        cache.put(BlockKey(key), block(key))
+    assert cache.tier_of(BlockKey(1)) == Tier.DRAM
+    cache.check_invariants()
+    cache.unpin(BlockKey(1))
+    with pytest.raises(UnknownBlockError, match="not pinned"):
+        cache.unpin(BlockKey(1))
+    cache.check_invariants()
+    cache.put(BlockKey(7), block(7))  # now it can go down
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD and bytes(cache.get(BlockKey(1))) == block(1)  # type: ignore[arg-type]
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_block_put_again_during_the_read_that_finds_it_damaged_is_stored(tmp_path: Path) -> None:
+    """Two reads of a damaged block run outside the lock; the first ends (a miss) and the writer stores the
+    recomputed block while the second is still under way: that read ends as a miss too, the new copy stays, and
+    the damaged page is freed when the read lets go of it (not before: the read still holds it)."""
+    cache = on_ssd_with_room_above(tmp_path, promote_after=0)
+    ssd = cache.pools[1]
+    assert isinstance(ssd, SsdPagePool)
+    damage(cache, BlockKey(1))
+    seen: list[int] = []
+    real_read = ssd.read
+
+    def read_while_put(page: int, length: int) -> Any:
+        ssd.read = real_read  # type: ignore[method-assign]
+        assert cache.get(BlockKey(1)) is None  # the first read, ending before this one
+        cache.put(BlockKey(1), block(1))  # the writer, while this read is under way
+        seen.append(ssd.num_free)
+        return real_read(page, length)
+
+    ssd.read = read_while_put  # type: ignore[method-assign]
+    assert cache.get(BlockKey(1)) is None
+    assert seen == [1]  # blocks 2 and 3 (DRAM's victim), and the damaged page while its read ran
+    assert ssd.num_free == 2 and cache.tier_of(BlockKey(1)) == Tier.DRAM
     assert bytes(cache.get(BlockKey(1))) == block(1)  # type: ignore[arg-type]
     cache.check_invariants()
     cache.close()
