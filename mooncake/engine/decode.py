@@ -204,7 +204,8 @@ class DecodeEngine:
         The verdict is `check_join(self.limits, self.load(), ...)` with the engine's step
         model and `config.tbt_slo_s` (its `predicted_tbt_s` is set when there is a step
         model). On acceptance the request's first token (the prefill's) is reported at
-        once; a request with `max_new_tokens == 1` is then already finished and takes no slot.
+        once; a request with `max_new_tokens == 1`, or whose first token is one of its stop
+        tokens, is then already finished and takes no slot (so only its context is checked).
 
         Raises:
             InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, or keys
@@ -223,16 +224,6 @@ class DecodeEngine:
             raise InvalidRequestError(
                 f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
-        verdict = check_join(
-            self.limits,
-            self.load(),
-            prompt_tokens=prompt_tokens,
-            output_tokens=max_new_tokens,
-            step_model=self.step_model,
-            tbt_slo_s=self.config.tbt_slo_s,
-        )
-        if not verdict.accepted:
-            return verdict
         sampling = sampling or SamplingParams()
         active = _Active(
             request_id,
@@ -244,6 +235,18 @@ class DecodeEngine:
             sampling.stop_token_ids,
         )
         active.done = active.ends_with(first_token)
+        # A request that ends at its first token (a stop token, or max_new_tokens 1) has no other: asked as such,
+        # the rule checks only its context (a full batch does not refuse a request that takes no slot).
+        verdict = check_join(
+            self.limits,
+            self.load(),
+            prompt_tokens=prompt_tokens,
+            output_tokens=1 if active.done else max_new_tokens,
+            step_model=self.step_model,
+            tbt_slo_s=self.config.tbt_slo_s,
+        )
+        if not verdict.accepted:
+            return verdict
         if not active.done:
             self._copy_kv(len(self._active), keys, prompt_tokens)
             self._active.append(active)

@@ -391,6 +391,24 @@ def test_batch_full_refuses_a_decoding_request_but_not_a_finished_one(prefilled_
     engine.check_invariants()
 
 
+def test_a_request_whose_first_token_stops_it_is_served_by_a_full_batch(prefilled_cache: Any) -> None:
+    """A first token that is one of the request's stop tokens is its last: it takes no slot, so a full batch
+    serves it (as one with max_new_tokens 1) instead of refusing it as batch_full and wasting its prefill."""
+    cache, r = prefilled_cache
+    engine = DecodeEngine(
+        tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(max_batch_size=2, max_context_tokens=32)
+    )
+    assert join(engine, r["r3"], "x", 4).accepted and join(engine, r["r5"], "y", 4).accepted
+    events: list[TokenEvent] = []
+    stop = SamplingParams(stop_token_ids=frozenset({r["r8"].first_token}))
+    assert join(engine, r["r8"], "z", 4, sampling=stop, on_token=events.append).accepted
+    assert events == [TokenEvent(request_id=RequestId("z"), token=r["r8"].first_token, index=0, finished=True)]
+    other = SamplingParams(stop_token_ids=frozenset({(r["r8"].first_token + 1) % TINY.vocab_size}))
+    assert join(engine, r["r8"], "w", 4, sampling=other) == JoinVerdict(accepted=False, reason=Reason.BATCH_FULL)
+    assert engine.active_ids == ("x", "y")
+    engine.check_invariants()
+
+
 def test_kv_budget_counts_prompt_and_max_new_tokens(prefilled_cache: Any) -> None:
     """Σ (prompt + max_new_tokens) of the active requests may not exceed the budget; retiring frees it."""
     cache, r = prefilled_cache
@@ -706,12 +724,13 @@ class DecodeMachine(RuleBasedStateMachine):
             on_token=self.events[request_id].append,
         )
         reserved = sum(len(e.prompt) + e.max_new_tokens for e in self.active.values())
+        output = 1 if result.first_token in stop else max_new_tokens  # a first token that stops it is its only one
         expected_reason: Reason | None = None
-        if length + max_new_tokens > MACHINE_CONTEXT:
+        if length + output > MACHINE_CONTEXT:
             expected_reason = Reason.CONTEXT_TOO_LONG
-        elif max_new_tokens > 1 and len(self.active) >= MACHINE_BATCH:
+        elif output > 1 and len(self.active) >= MACHINE_BATCH:
             expected_reason = Reason.BATCH_FULL
-        elif max_new_tokens > 1 and reserved + length + max_new_tokens > MACHINE_BUDGET:
+        elif output > 1 and reserved + length + output > MACHINE_BUDGET:
             expected_reason = Reason.KV_BUDGET
         assert verdict.reason == expected_reason and verdict.accepted == (expected_reason is None)
         if not verdict.accepted:
