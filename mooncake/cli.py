@@ -41,11 +41,10 @@ from typing import NoReturn
 
 import attrs
 
-from mooncake._files import atomic_path
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sim.report import ProgressBar, shows_progress
+from mooncake.sim.report import ProgressBar, plot_lines, shows_progress
 from mooncake.types import BlockKey
 from mooncake.workload import (
     ARRIVAL_RANGE,
@@ -165,29 +164,19 @@ def _capacities(text: str) -> list[int]:
 
 def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, *, title: str = "") -> None:
     """Write a hit-ratio-against-capacity plot, one line per curve (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ConfigError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
-    figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    for label, points in curves.items():
-        axes.plot([p.capacity_blocks for p in points], [p.hit_ratio for p in points], marker="o", label=label)
-    axes.set_xscale("log")
-    axes.set_xlabel("cache capacity (blocks)")
-    axes.set_ylabel("prefix hit ratio")
-    axes.set_ylim(0, 1)
-    axes.grid(True, which="both", color="0.85")  # opaque, as the legends: PostScript has no transparency
-    axes.legend(framealpha=1)
-    if title:
-        axes.set_title(title)
-    figure.tight_layout()
-    target = Path(path)
-    with atomic_path(target) as temporary:  # whole or not at all, as every other output
-        figure.savefig(temporary, dpi=120, format=target.suffix[1:] or "png")
-    plt.close(figure)
+    lines = {
+        label: ([p.capacity_blocks for p in points], [p.hit_ratio for p in points]) for label, points in curves.items()
+    }
+    plot_lines(
+        lines,
+        path,
+        xlabel="cache capacity (blocks)",
+        ylabel="prefix hit ratio",
+        title=title,
+        logx=True,
+        ylim=(0, 1),
+        legend=True,
+    )
 
 
 def _check_plot(path: str) -> None:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -138,16 +139,33 @@ def _save(figure: Any, path: str | Path) -> None:
         figure.savefig(temporary, dpi=110, format=target.suffix[1:] or "png")
 
 
+def _fit(text: Any, figure: Any) -> None:
+    """Break a title into lines that fit the figure's width: matplotlib clips a longer line at both edges (a run's
+    description, say). A character of its font is taken as 0.6 of its size, wider than most are."""
+    width_points = figure.get_figwidth() * 72 * 0.95
+    characters = max(16, int(width_points / (0.6 * text.get_fontsize())))
+    text.set_text("\n".join(textwrap.wrap(text.get_text(), characters)))
+
+
 def _finish(
-    plt: Any, figure: Any, axes: Any, path: str | Path, *, xlabel: str, ylabel: str, title: str, legend: bool
+    plt: Any,
+    figure: Any,
+    axes: Any,
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    legend: bool,
+    **grid: Any,
 ) -> None:
     """Label, grid and title one panel, then write the figure whole and release it."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
-    axes.grid(color="0.85")  # opaque, as the legends: PostScript has no transparency
+    axes.grid(color="0.85", **grid)  # opaque, as the legends: PostScript has no transparency
     if legend:
         axes.legend(framealpha=1)
-    axes.set_title(title)
+    _fit(axes.set_title(title), figure)
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)
@@ -173,33 +191,44 @@ def plot_lines(
     ylabel: str,
     title: str = "",
     logx: bool = False,
+    ylim: tuple[float, float] | None = None,
+    legend: bool | None = None,
 ) -> None:
-    """One marked line per series of (xs, ys)."""
+    """One marked line per series of (xs, ys); `logx` puts x on a base-2 scale (minor grid lines too), `legend`
+    names the series (default: where there is more than one)."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for name, (xs, ys) in series.items():
         axes.plot(list(xs), list(ys), marker="o", label=name)
     if logx:
         axes.set_xscale("log", base=2)
-    _finish(plt, figure, axes, path, xlabel=xlabel, ylabel=ylabel, title=title, legend=len(series) > 1)
+    if ylim is not None:
+        axes.set_ylim(*ylim)
+    grid = {"which": "both"} if logx else {}
+    legend = len(series) > 1 if legend is None else legend
+    _finish(plt, figure, axes, path, xlabel=xlabel, ylabel=ylabel, title=title, legend=legend, **grid)
 
 
 def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, title: str = "") -> None:
-    """Prefill (queued or running) and decoding requests over time, a panel per run."""
+    """Prefill (queued or running) and decoding requests over time, a panel per run.
+
+    Time is counted from the earliest sample of any run: a trace stamped in epoch milliseconds is plotted from
+    0 s, not as offsets from 1.7e9 that matplotlib writes in a corner."""
     plt = _pyplot()
     rows = max(1, len(loads))
     figure, axes = plt.subplots(rows, 1, figsize=(7.5, 2.4 * rows), sharex=True, squeeze=False)
+    start = min((samples[0].time_s for samples in loads.values() if samples), default=0.0)
     for (name, samples), axis in zip(loads.items(), axes[:, 0], strict=False):
-        times = [s.time_s for s in samples]
+        times = [s.time_s - start for s in samples]
         axis.plot(times, [s.prefill_requests for s in samples], label="prefill (queued + running)", lw=0.9)
         axis.plot(times, [s.decode_requests for s in samples], label="decoding", lw=0.9)
         axis.set_ylabel("requests")
-        axis.set_title(name, fontsize=9)
+        _fit(axis.set_title(name, fontsize=9), figure)
         axis.grid(color="0.85")
     axes[0, 0].legend(fontsize=8, loc="upper right", framealpha=1)
-    axes[-1, 0].set_xlabel("simulated time (s)")
+    axes[-1, 0].set_xlabel("simulated time (s)" if start == 0 else f"simulated time (s) since {start:,.3f} s")
     if title:
-        figure.suptitle(title)
+        _fit(figure.suptitle(title), figure)
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)

@@ -179,3 +179,52 @@ def test_every_plot_writes_every_format_without_a_warning(
             plot(tmp_path / f"{number}.{suffix}")
     assert [record.getMessage() for record in caplog.records] == []
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"{n}.{suffix}" for n in range(len(plots))]
+
+
+LONG = (
+    "16P+16D llama3-70b on 8xA800, 10,000 cache blocks per prefill node (global pool); router kvcache_centric, "
+    "admission early_rejection, TTFT SLO 30 s, TBT SLO 0.1 s"
+)
+
+
+def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_the_first_sample(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run's description as a title (the replay's is ~150 characters) is broken into lines that lie inside the
+    figure: one line was clipped at both edges. A load trace stamped in epoch seconds is drawn from 0 s."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    import mooncake.sim.report as report
+    from mooncake.cache.capacity import CapacityPoint
+    from mooncake.cli import plot_capacity
+    from mooncake.sim.metrics import LoadSample
+
+    figures: list[Any] = []
+    real_save = report._save
+
+    def keep(figure: Any, path: str | Path) -> None:
+        figures.append(figure)
+        real_save(figure, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    epoch = 1_733_000_000.0
+    samples = [LoadSample(time_s=epoch + t, prefill_requests=t % 3, decode_requests=t % 5) for t in range(10)]
+    points = [CapacityPoint(capacity_blocks=c, hit_blocks=c // 2, total_blocks=100) for c in (10, 100)]
+    plot_cdfs({"TTFT": [1.0, 2.0]}, tmp_path / "cdf.png", xlabel="TTFT (s)", title=LONG)
+    plot_lines({"a": ([1, 2], [3, 4])}, tmp_path / "lines.png", xlabel="x", ylabel="y", title=LONG)
+    plot_load({LONG: samples}, tmp_path / "load.png", title=LONG)
+    plot_capacity({"lru": points}, tmp_path / "capacity.png", title=LONG)
+    for figure in figures:
+        renderer = FigureCanvasAgg(figure).get_renderer()
+        texts = [figure._suptitle] if figure._suptitle is not None else []
+        texts += [axes.title for axes in figure.axes]
+        assert any("global pool" in text.get_text() for text in texts)
+        for text in texts:
+            box = text.get_window_extent(renderer)
+            assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1, text.get_text()
+            assert " ".join(text.get_text().split()) in (LONG, "")  # broken at spaces, nothing lost
+    assert len(figures) == 4
+    (axes,) = figures[2].axes
+    assert [line.get_xdata()[0] for line in axes.lines] == [0.0, 0.0]
+    assert "1,733,000,000.000" in axes.get_xlabel()
