@@ -52,6 +52,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import math
 import os
 import sys
 import warnings
@@ -227,7 +228,8 @@ def iter_trace(
         arrivals) and ``arrival_s = arrival_ms / 1000 / speedup``.
 
     Raises:
-        TraceFormatError: at the first unusable line when strict, and at a broken gzip stream.
+        TraceFormatError: at the first unusable line when strict, at a broken gzip stream, and at the first
+            arrival that `speedup` makes overflow a float.
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
@@ -286,17 +288,22 @@ def _read(
         heappush(held, (turn.arrival_ms, number, turn))
         # No later line arrives before the mark, so everything up to it is in its final order.
         while held and held[0][0] <= assembler.mark_ms:
-            yield _request(heappop(held)[2], index, speedup, block_size_tokens)
+            yield _request(path, *heappop(held)[1:], index, speedup, block_size_tokens)
             index += 1
     while held:
-        yield _request(heappop(held)[2], index, speedup, block_size_tokens)
+        yield _request(path, *heappop(held)[1:], index, speedup, block_size_tokens)
         index += 1
 
 
-def _request(turn: Turn, index: int, speedup: float, block_size_tokens: int) -> Request:
+def _request(
+    path: str | os.PathLike[str], number: int, turn: Turn, index: int, speedup: float, block_size_tokens: int
+) -> Request:
+    arrival_s = turn.arrival_ms / 1000.0 / speedup
+    if arrival_s == math.inf:  # a tiny speedup: an options problem, but said where it first shows
+        raise TraceFormatError(path, number, f"arrival {turn.arrival_ms} ms at speedup {speedup!r} overflows a float")
     return Request(
         request_id=RequestId(str(index)),
-        arrival_s=turn.arrival_ms / 1000.0 / speedup,
+        arrival_s=arrival_s,
         input_length=turn.input_length,
         output_length=turn.output_length,
         block_keys=turn.block_keys,

@@ -423,3 +423,15 @@ def test_sessions_that_share_only_the_system_prompt_share_no_later_key(seed: int
         assert request.input_length > 512 and owner.setdefault(request.block_keys[0], "system") == "system"
         for key in request.block_keys[1:]:
             assert owner.setdefault(key, request.request_id) == request.request_id, f"key {key} is shared"
+
+
+def test_an_arrival_that_a_tiny_speedup_overflows_names_its_line(tmp_path: Path) -> None:
+    """A speedup so small that an arrival overflows a float is a TraceFormatError at the first line it
+    overflows (the earlier ones are read), not an InvalidRequestError about `arrival_s` naming no line."""
+    records = [{"timestamp": t, "input_length": 4, "output_length": 1} for t in (0, 1, 2**43)]
+    path = write_lines(tmp_path / "t.jsonl", records)
+    read: list[Request] = []
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:3: .*speedup 1e-308") as caught:
+        read.extend(iter_trace(path, block_size_tokens=BLOCK, speedup=1e-308))
+    assert caught.value.line == 3 and [r.arrival_s for r in read] == [0.0, 0.001 / 1e-308]
+    assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK, speedup=1e-290)][-1] > 1e299
