@@ -7,8 +7,11 @@ range for every full block. That is what lets the prefill engine store a
 layer's KV as soon as the layer is computed and stream it part by part (part
 `l` of a block cut into `num_layers` equal parts is exactly layer `l`).
 
+A page is any byte buffer (a DRAM page's memoryview, an SSD read's copy) or a
+flat uint8 tensor (a VRAM page, on its device).
+
 Invariants: `block_bytes(t) == num_layers * layer_bytes(t)`; a view returned by
-`layer_kv` shares the page's memory.
+`layer_kv` shares the page's memory (but a read-only buffer's).
 """
 
 from __future__ import annotations
@@ -66,26 +69,39 @@ class KvLayout:
             raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
         return num_bytes // per_token
 
-    def page_tokens(self, page: Buffer) -> int:
-        """How many tokens `page` (a buffer of `block_bytes(t)` bytes) holds.
+    def page_tokens(self, page: Buffer | torch.Tensor) -> int:
+        """How many tokens `page` (a buffer or flat uint8 tensor of `block_bytes(t)` bytes) holds.
 
         Raises:
             ConfigError: its size is not a whole number of tokens.
         """
-        return self.tokens_in(memoryview(page).nbytes)
+        return self.tokens_in(_flat_bytes(page).nbytes if isinstance(page, torch.Tensor) else memoryview(page).nbytes)
 
-    def page_kv(self, page: Buffer) -> torch.Tensor:
-        """The whole of `page` (a buffer of `block_bytes(t)` bytes) as a [num_layers, 2, t, kv_heads, head_dim]
-        view (a copy when the buffer is read-only: torch wants writable memory); `[l, 0]` is layer l's K."""
-        view = memoryview(page).cast("B")
-        tokens = self.tokens_in(view.nbytes)
-        array = np.frombuffer(view, dtype=np.uint8)
-        if view.readonly:  # an SSD read's copy is copied once more
-            array = array.copy()
-        flat = torch.from_numpy(array).view(self.torch_dtype)
-        return flat.view(self.config.num_layers, 2, tokens, self.config.num_kv_heads, self.config.head_dim)
+    def page_kv(self, page: Buffer | torch.Tensor) -> torch.Tensor:
+        """The whole of `page` (a buffer or flat uint8 tensor of `block_bytes(t)` bytes) as a
+        [num_layers, 2, t, kv_heads, head_dim] view, on the page's device (a copy when the buffer is read-only:
+        torch wants writable memory); `[l, 0]` is layer l's K."""
+        if isinstance(page, torch.Tensor):  # a VRAM page: viewed where it lies (memoryview cannot take a tensor)
+            flat = _flat_bytes(page)
+            tokens = self.tokens_in(flat.numel())
+        else:
+            view = memoryview(page).cast("B")
+            tokens = self.tokens_in(view.nbytes)
+            array = np.frombuffer(view, dtype=np.uint8)
+            if view.readonly:  # an SSD read's copy is copied once more
+                array = array.copy()
+            flat = torch.from_numpy(array)
+        shape = (self.config.num_layers, 2, tokens, self.config.num_kv_heads, self.config.head_dim)
+        return flat.view(self.torch_dtype).view(shape)
 
     def layer_kv(self, page: Buffer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` in `page` as [t, kv_heads, head_dim] views (see `page_kv`)."""
         kv = self.page_kv(page)[layer]
         return kv[0], kv[1]
+
+
+def _flat_bytes(page: torch.Tensor) -> torch.Tensor:
+    """A page tensor as the flat uint8 view of its memory (a pool's pages are contiguous uint8 slices)."""
+    if not page.is_contiguous():
+        raise ConfigError("a KV page tensor must be contiguous")
+    return page.reshape(-1).view(torch.uint8)

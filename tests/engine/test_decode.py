@@ -32,6 +32,7 @@ pytest.importorskip("torch")
 
 import torch
 
+from mooncake.cache.pool import AllocatingPool, VramPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention, sdpa_decode_attention
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
@@ -50,6 +51,7 @@ from tests.engine.support import (
     assert_nothing_held,
     dram_cache,
     hasher,
+    layout,
     page_bytes,
     reference_logits,
     tcp_nodes,
@@ -291,6 +293,33 @@ def test_pages_through_the_ssd_tier_decode_identically(tmp_path: Path) -> None:
     assert_same_pages(cache, reference, keys)
     assert_nothing_held(cache, keys)
     cache.close()
+
+
+class CpuTensorPool(VramPagePool):
+    """A VRAM pool's kind of page (flat uint8 tensor slices, read zero-copy) held on the CPU: the engines' path
+    for tensor pages, run where there is no CUDA device."""
+
+    def __init__(self, page_bytes: int, num_pages: int) -> None:
+        AllocatingPool.__init__(self, Tier.VRAM, page_bytes, num_pages)
+        self._torch = torch
+        self.buffer = torch.empty(page_bytes * num_pages, dtype=torch.uint8)
+
+
+def test_tensor_pages_prefill_reuse_and_decode_identically() -> None:
+    """A first tier of tensor pages (a VRAM pool's, here on the CPU) takes a prefill's KV layer by layer, gives it
+    back for a prefix reuse and to the decode engine: logits, tokens and page bytes are the DRAM run's (memoryview
+    could not take a tensor page, so a VRAM tier failed every prefill)."""
+    reference, reference_prefilled, expected = reference_run(PLAN)
+    cache = TieredCache([CpuTensorPool(layout(BLOCK).page_bytes, 64)])
+    prefilled = prefill_all(cache, PLAN)
+    assert prefilled[RequestId("f")].prefix_tokens == 8  # two blocks of SHARED, loaded from tensor pages
+    for request_id, result in prefilled.items():
+        assert torch.equal(result.logits, reference_prefilled[request_id].logits), request_id
+    keys = all_keys(prefilled)
+    assert all(isinstance(cache.get(key), torch.Tensor) for key in keys)
+    assert_same_traces(decode(cache, PLAN, prefilled), expected, exact=True)
+    assert [bytes(cache.get(key).numpy()) for key in keys] == [page_bytes(reference, key) for key in keys]  # type: ignore[union-attr]
+    assert_nothing_held(cache, keys)
 
 
 def test_pages_fetched_over_tcp_from_a_node_with_ssd_decode_identically(tmp_path: Path) -> None:

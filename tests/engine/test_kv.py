@@ -109,6 +109,21 @@ def test_views_of_a_writable_page_are_zero_copy_and_of_a_read_only_one_are_copie
     assert bytes(page) == frozen and torch.equal(v2, v)
 
 
+def test_a_tensor_page_is_viewed_in_place_and_a_scattered_one_refused() -> None:
+    """A VRAM pool's page is a flat uint8 tensor: its views write the page itself, its token count is read from
+    its size; a tensor that is not one contiguous run of bytes is refused rather than silently copied."""
+    layout = KvLayout(config=TINY, block_tokens=4)
+    page = torch.zeros(layout.block_bytes(3), dtype=torch.uint8)
+    assert layout.page_tokens(page) == 3
+    k, v = layout.layer_kv(page, 1)
+    v.fill_(1.0)
+    assert k.data_ptr() == page.data_ptr() + layout.layer_bytes(3)
+    assert not page[: layout.layer_bytes(3)].any() and page[layout.layer_bytes(3) + layout.layer_bytes(3) // 2 :].any()
+    scattered = torch.zeros(2 * layout.page_bytes, dtype=torch.uint8)[::2]
+    with pytest.raises(ConfigError, match="contiguous"):
+        layout.page_kv(scattered)
+
+
 def test_tiny_pages_are_small() -> None:
     """tiny: 2 layers × K,V × 2 kv heads × 16 dims × 4 bytes = 512 bytes per token."""
     layout = KvLayout(config=TINY, block_tokens=4)
