@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import torch
 
-from mooncake._checks import int_at_least
+from mooncake._checks import int_at_least, is_int
 from mooncake.cache.pool import Buffer
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import dtype_of
@@ -65,7 +65,7 @@ class KvLayout:
             ConfigError: `num_bytes` is not a whole number of tokens.
         """
         per_token = self.block_bytes(1)
-        if num_bytes % per_token or num_bytes > self.page_bytes:
+        if not is_int(num_bytes) or num_bytes < 0 or num_bytes % per_token or num_bytes > self.page_bytes:
             raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
         return num_bytes // per_token
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from mooncake._checks import require_int
+from mooncake._checks import require_int, require_number
 from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import LlamaModel, token_ids
@@ -275,9 +275,9 @@ class PipelineGroup:
             raise ConfigError(f"num_stages={num_stages} exceeds the model's {config.num_layers} layers")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        # Finite: an infinite wait overflows the store's timedelta once its socket is open (and hangs otherwise).
+        timeout_s = require_number("timeout_s", timeout_s, minimum=0, strict=True)
+        start_timeout_s = require_number("start_timeout_s", start_timeout_s, minimum=0, strict=True)
         self.start_timeout_s = start_timeout_s
         self.config, self.num_stages, self.chunk_tokens, self.timeout_s = config, num_stages, chunk_tokens, timeout_s
         self._on_failure = on_failure
@@ -389,6 +389,8 @@ class PipelineGroup:
         """
         ids = token_ids(tokens, self.config.vocab_size)
         n = len(ids)
+        # An integer, checked before any stage hears of the job (a float would fail them in `range`).
+        prefix_tokens = require_int("prefix_tokens", prefix_tokens, minimum=0, error=InvalidRequestError)
         if not 0 <= prefix_tokens < n or (kv is None and prefix_tokens):
             raise InvalidRequestError(f"prefix_tokens={prefix_tokens} must lie in [0, {n}) and come with its KV")
         kv = self._buffers(n) if kv is None else kv
