@@ -52,7 +52,7 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.model import Attend, LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams
-from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import ConfigError, EngineError, InvalidRequestError, UnknownBlockError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
@@ -264,8 +264,10 @@ class PrefillEngine:
             )
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._loader.shutdown()
         self._storer.shutdown()
 
@@ -284,6 +286,7 @@ class PrefillEngine:
 
         Raises:
             InvalidRequestError: no tokens, or ids outside the vocabulary.
+            EngineError: the engine is closed.
         """
         return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink])[0]
 
@@ -306,7 +309,10 @@ class PrefillEngine:
 
         Raises:
             InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
+            EngineError: the engine is closed (its loader and store threads are gone; nothing is done).
         """
+        if self._closed:  # else executor's RuntimeError, once the prefix is pinned and pages reserved
+            raise EngineError("the prefill engine is closed")
         started = time.perf_counter()
         count = len(prompts)
         params = list(sampling) if sampling is not None else [None] * count

@@ -38,7 +38,7 @@ from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import KvBuffers, ModelForward, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import ConfigError, EngineError, IntegrityError, InvalidRequestError, UnknownBlockError
 from mooncake.types import BlockKey, RequestId
 from tests.engine.support import (
     TINY,
@@ -210,6 +210,19 @@ def test_a_batch_whose_sampling_list_does_not_match_its_prompts_is_refused_befor
             with pytest.raises(InvalidRequestError):
                 engine.prefill_batch([PROMPT, PROMPT[:12]], sampling=sampling)
             assert len(cache) == 2
+    assert_nothing_held(cache, cached.keys + hasher(BLOCK).block_keys(PROMPT))
+
+
+def test_a_closed_engine_refuses_a_prefill_before_anything_is_held() -> None:
+    """After `close` the loader and store threads are gone: a prefill is an EngineError saying so, raised before
+    the cached prefix is pinned or a page reserved (it was the executor's RuntimeError)."""
+    cache = dram_cache(BLOCK)
+    cached = prefill(cache, PROMPT[:8])
+    engine = PrefillEngine(tiny_model(), cache, hasher(BLOCK))
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine.prefill(PROMPT)
+    assert len(cache) == 2
     assert_nothing_held(cache, cached.keys + hasher(BLOCK).block_keys(PROMPT))
 
 
