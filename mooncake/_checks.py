@@ -15,6 +15,7 @@ __all__ = [
     "ceil_div",
     "fraction",
     "int_at_least",
+    "is_finite_number",
     "is_int",
     "plain_int",
     "require_bool",
@@ -50,12 +51,22 @@ def _power_text(n: int) -> str:
     return f"2**{n.bit_length() - 1}" if n > 1 << 16 and n & (n - 1) == 0 else str(n)
 
 
+def is_finite_number(value: object) -> bool:
+    """Whether `value` is a real number (a bool is none) that a float holds finitely: an int past float's range
+    (10**400, which JSON reads) is none, where `math.isfinite` would raise OverflowError converting it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def require_number(
     name: str, value: Any, *, minimum: float, strict: bool = False, error: type[Exception] = ConfigError
 ) -> float:
     """`value` as a finite float above (`strict`) or at least `minimum`, or `error`."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < minimum or (strict and value == minimum):
+    if not is_finite_number(value) or value < minimum or (strict and value == minimum):
         bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
         raise error(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)

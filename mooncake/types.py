@@ -9,7 +9,6 @@ and validated on construction, so every later layer may trust it.
 from __future__ import annotations
 
 import enum
-import math
 import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, NewType, cast
@@ -18,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, int_at_least, plain_int
+from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int
 from mooncake.errors import InvalidRequestError
 
 __all__ = [
@@ -176,7 +175,7 @@ class Request:
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        if not isinstance(value, int | float) or not is_finite_number(value) or value < 0:
             raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {value!r}")
 
     def __attrs_post_init__(self) -> None:

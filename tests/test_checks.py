@@ -17,7 +17,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake._checks import ceil_div, is_int, plain_int, require_bool, require_int, require_number, require_str
+from mooncake._checks import (
+    ceil_div,
+    is_finite_number,
+    is_int,
+    plain_int,
+    require_bool,
+    require_int,
+    require_number,
+    require_str,
+)
 from mooncake.errors import ConfigError, InvalidRequestError
 
 anything = st.one_of(
@@ -67,12 +76,25 @@ def test_require_int_with_an_upper_bound_accepts_exactly_the_integers_of_the_ran
             require_int("seed", value, minimum=minimum, below=below, error=InvalidRequestError)
 
 
-@given(anything, st.integers(-3, 3), st.booleans())
+def float_holds(value: object) -> bool:
+    """Whether float(value) is finite: an int or fraction past float's range overflows (JSON reads 10**400)."""
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+past_float = st.integers(2**1023, 2**1030) | st.integers(-(2**1030), -(2**1023))  # float's edge, on both sides
+
+
+@given(anything | past_float, st.integers(-3, 3), st.booleans())
 def test_require_number_accepts_exactly_finite_numbers_within_the_bound(
     value: object, minimum: int, strict: bool
 ) -> None:
+    """Finite within the bound: an integer past float's range is no finite number (it was an OverflowError)."""
     real = isinstance(value, (int, float, np.integer, np.floating, Fraction)) and not isinstance(value, bool)
-    finite = real and math.isfinite(value)  # type: ignore[arg-type]
+    finite = real and float_holds(value)
+    assert is_finite_number(value) == finite
     inside = finite and (value > minimum if strict else value >= minimum)  # type: ignore[operator]
     if inside:
         assert require_number("rate", value, minimum=minimum, strict=strict) == float(value)  # type: ignore[arg-type]

@@ -57,9 +57,10 @@ def test_a_request_id_must_be_a_non_empty_string(value: object) -> None:
         Request(request_id=value, arrival_s=0.0, input_length=1, output_length=1, block_keys=[1])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [-1, -0.001, math.inf, -math.inf, math.nan, True, False, "0", None])
+@pytest.mark.parametrize("value", [-1, -0.001, math.inf, -math.inf, math.nan, True, False, "0", None, 10**400])
 def test_invalid_arrival_is_rejected(value: object) -> None:
-    """arrival_s must be a finite number >= 0 (bools, inf and NaN rejected); the error names the value."""
+    """arrival_s must be a finite number >= 0 (bools, inf, NaN and an int past float's range rejected); the
+    error names the value."""
     with pytest.raises(InvalidRequestError, match="arrival_s") as caught:
         make_request(arrival_s=value)
     assert repr(value) in str(caught.value)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mooncake._checks import is_finite_number
 from mooncake.engine.config import ModelConfig, RopeScaling
 from mooncake.errors import ConfigError
 
@@ -96,8 +97,8 @@ def _read_json(path: Path) -> Any:
 
 def _number(raw: Mapping[str, Any], key: str, source: str, default: Any = None) -> Any:
     value = raw.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+    if not is_finite_number(value):  # 10**400 would overflow float() below it
+        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
     return value
 
 

@@ -47,11 +47,16 @@ class RopeScaling:
         low_freq_factor, high_freq_factor, original_max_position_embeddings: llama3's band edges.
     """
 
-    kind: str = attrs.field(validator=attrs.validators.in_(ROPE_SCALING_KINDS))
+    kind: str = attrs.field()
     factor: float = attrs.field(validator=positive)
     low_freq_factor: float = attrs.field(default=1.0, validator=positive)
     high_freq_factor: float = attrs.field(default=4.0, validator=positive)
     original_max_position_embeddings: int = attrs.field(default=8192, validator=int_at_least(1))
+
+    @kind.validator
+    def _check_kind(self, _attribute: object, value: object) -> None:
+        if value not in ROPE_SCALING_KINDS:  # a ConfigError, as every validator's (attrs' in_ raises ValueError)
+            raise ConfigError(f"kind must be one of {', '.join(ROPE_SCALING_KINDS)}, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:

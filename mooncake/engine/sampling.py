@@ -90,7 +90,9 @@ def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
     strictly more probable than i is below `top_p` (computed in float64)."""
     exact = probabilities.double()
     ordered = torch.sort(exact, descending=True).values
-    before = torch.cumsum(ordered, dim=0) - ordered  # mass ahead of each sorted position (0 for the first)
+    # The mass ahead of each sorted position (0 for the first), summed exclusively: `cumsum - ordered` rounds, and
+    # can put a token whose mass ahead is exactly top_p just below it.
+    before = torch.cat((exact.new_zeros(1), torch.cumsum(ordered, dim=0)[:-1]))
     # The kept sorted positions are a prefix; ties after it share its last value, so `>=` keeps them too.
     threshold = ordered[before < top_p][-1]
     return exact >= threshold

@@ -30,6 +30,12 @@ U+FFFD (an incomplete character). `finish()` emits what is left.
 
 Invariants: the pieces a `Detokenizer` emits join to `decode` of all its
 tokens; while every token completes what came before, no piece holds U+FFFD.
+One exception, kept as tokenizers' own `DecodeStream` (vLLM's streaming) keeps
+it: a byte-fallback decoder (`<0xE6>` tokens) shows a run of byte tokens that
+is not valid UTF-8 as one U+FFFD per byte, also the bytes of characters in it
+that were already emitted whole; the stream keeps what it emitted (a stray
+byte after "日" streams as "日" and then, at `finish`, the rest of the run's
+U+FFFD: "日" + 3 × U+FFFD where `decode` gives 4 × U+FFFD).
 
 The chat template is rendered the way transformers renders it: jinja2's
 immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
@@ -49,6 +55,7 @@ from typing import Any
 
 import attrs
 
+from mooncake._checks import is_finite_number
 from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
@@ -99,8 +106,7 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
         value = raw.get(name)
         if value is None:
             continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < low or (open_low and value == low) or value > high:
+        if not is_finite_number(value) or value < low or (open_low and value == low) or value > high:
             bound = f"in ({low}, {high}]" if open_low else f"a finite number >= {low}"
             raise ConfigError(f"{path}: {name} must be {bound}, got {value!r}")
         found[name] = float(value)
@@ -303,7 +309,8 @@ class Detokenizer:
 
     def check_invariants(self) -> None:
         assert 0 <= self.prefix <= self.read <= len(self.ids)
-        assert self.text == self._decode(self.ids[: self.read])
+        decoded = self._decode(self.ids[: self.read])
+        assert self.text == decoded or REPLACEMENT in decoded  # (invalid fallback bytes: the module's exception)
 
 
 _LLAMA_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
