@@ -36,7 +36,7 @@ pytest.importorskip("jinja2")
 import attrs
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, decoders, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -47,6 +47,7 @@ from mooncake.engine.sampling import Sampler, SamplingParams, nucleus
 from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer, sampling_defaults
 from mooncake.errors import ConfigError, MooncakeError
 from tests.engine.test_checkpoint_errors import hf_config, relatives
+from tests.engine.test_tokenizer import write_llama_files
 
 torch.set_num_threads(1)  # tiny tensors on a busy 2-core box
 
@@ -63,29 +64,8 @@ RARE = "日本語 🙂🚀 Ελληνικά ß"
 
 
 def write_llama(directory: Path, *, drop_added: tuple[str, ...] = (), **config: Any) -> Path:
-    """A Llama 2 style tokenizer.json (BPE with byte fallback, a BOS post-processor) and a `LlamaTokenizer`
-    tokenizer_config.json (plus `config`); `drop_added`: special tokens kept in the vocabulary but left out of
-    the file's added tokens (as some converted checkpoints ship them)."""
-    specials = ["<unk>", "<s>", "</s>"]
-    backend = Backend(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*specials, *(f"<0x{i:02X}>" for i in range(256))])
-    backend.train_from_iterator(TEXT, trainer)
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    data = json.loads(backend.to_str())
-    # The fallback bytes are vocabulary, not added tokens (as in Llama 2's file): a decode skipping specials keeps them.
-    kept = [token for token in data["added_tokens"] if not token["content"].startswith("<0x")]
-    data["added_tokens"] = [token for token in kept if token["content"] not in drop_added]
-    (directory / "tokenizer.json").write_text(json.dumps(data))
-    fields = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps({**fields, **config}))
-    return directory
+    """A Llama 2 style tokenizer (test_tokenizer's files) trained on this file's text."""
+    return write_llama_files(directory, texts=TEXT, vocab_size=400, drop_added=drop_added, **config)
 
 
 def write_byte_level(directory: Path, *, config: dict[str, Any] | None = None, extra_special: str = "") -> Path:

@@ -260,28 +260,46 @@ ZEPHYR = (  # TinyLlama-Chat's template: text right after each special token
 SENTENCEPIECE_TEXT = [*TEXT, "<|user|>\nHi there</s>\n<|assistant|>\nHello!</s>", "  two  spaces, \n a newline"]
 
 
-def save_llama_tokenizer(directory: Path, **config: Any) -> Any:
+def write_llama_files(
+    directory: Path,
+    *,
+    texts: list[str] = SENTENCEPIECE_TEXT,
+    vocab_size: int = 700,
+    drop_added: tuple[str, ...] = (),
+    **config: Any,
+) -> Path:
     """A Llama 2 style tokenizer.json (BPE with byte fallback, SentencePiece's normalizer and decoder, a BOS
-    post-processor) trained on local text, with `tokenizer_class` LlamaTokenizer and the Zephyr template in
-    tokenizer_config.json (plus `config`); transformers' tokenizer of the files."""
+    post-processor) trained on `texts`, and a `LlamaTokenizer` tokenizer_config.json (plus `config`);
+    `drop_added`: special tokens kept in the vocabulary but left out of the file's added tokens (as some converted
+    checkpoints ship them)."""
     from tokenizers import normalizers
 
     specials = ["<unk>", "<s>", "</s>"]
     backend = Backend(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=[*specials, *(f"<0x{i:02X}>" for i in range(256))])
-    backend.train_from_iterator(SENTENCEPIECE_TEXT, trainer)
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]  # given ids first, as in Llama 2's vocabulary
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*specials, *bytes_])
+    backend.train_from_iterator(texts, trainer)
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     backend.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
     )
-    directory.mkdir()
-    backend.save(str(directory / "tokenizer.json"))
+    directory.mkdir(parents=True, exist_ok=True)
+    data = json.loads(backend.to_str())
+    # The fallback bytes are vocabulary, not added tokens (as in Llama 2's file): a decode skipping specials keeps them.
+    kept = [token for token in data["added_tokens"] if not token["content"].startswith("<0x")]
+    data["added_tokens"] = [token for token in kept if token["content"] not in drop_added]
+    (directory / "tokenizer.json").write_text(json.dumps(data))
     fields = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps({**fields, "chat_template": ZEPHYR, **config}))
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({**fields, **config}))
+    return directory
+
+
+def save_llama_tokenizer(directory: Path, **config: Any) -> Any:
+    """`write_llama_files` with the Zephyr template (plus `config`); transformers' tokenizer of the files."""
+    return transformers.AutoTokenizer.from_pretrained(write_llama_files(directory, chat_template=ZEPHYR, **config))
 
 
 @pytest.mark.parametrize(
