@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from mooncake._checks import require_bool, require_int, require_number
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import ConfigError
@@ -75,10 +76,18 @@ class CoupledSpec:
     sample_interval_s: float = 1.0
 
     def __attrs_post_init__(self) -> None:
+        # Every field, as ClusterSpec checks its twins: a bad sampling interval hung a replay, a negative cache
+        # silently held nothing.
         for name in ("num_instances", "block_size_tokens", "token_budget"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"CoupledSpec.{name} must be an integer >= 1, got {value!r}")
+            require_int(f"CoupledSpec.{name}", getattr(self, name), minimum=1)
+        for name, minimum in (("cache_capacity_tokens", 0), ("max_batch_size", 1)):  # None: as the HBM holds
+            if getattr(self, name) is not None:
+                require_int(f"CoupledSpec.{name}", getattr(self, name), minimum=minimum)
+        for name in ("chunked_prefill", "analytic_decode"):
+            require_bool(f"CoupledSpec.{name}", getattr(self, name))
+        require_number("CoupledSpec.sample_interval_s", self.sample_interval_s, minimum=0, strict=True)
+        if require_number("CoupledSpec.mfu", self.mfu, minimum=0, strict=True) > 1:
+            raise ConfigError(f"CoupledSpec.mfu is a fraction of the peak, at most 1, got {self.mfu!r}")
 
     @property
     def prefill_cost(self) -> PrefillCostModel:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from mooncake._checks import require_number
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
@@ -44,7 +45,8 @@ class ReplayContext:
 
     def __init__(self, slo: Slo, *, sample_interval_s: float) -> None:
         self.slo = slo
-        self.sample_interval_s = sample_interval_s
+        # Checked here: a replay with an interval that is no time > 0 hung sampling, or divided by zero.
+        self.sample_interval_s = require_number("sample_interval_s", sample_interval_s, minimum=0, strict=True)
         self.loop = EventLoop()
         self.records = RecordTable()
         self._arrived = 0
