@@ -29,6 +29,7 @@ __all__ = [
     "Slo",
     "Tier",
     "as_token_array",
+    "check_block_key",
     "check_request_id",
     "check_token_count",
     "key_tuple",
@@ -109,18 +110,38 @@ def check_request_id(name: str, value: object) -> None:
         raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
 
 
-def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
-    """`keys` as a tuple of non-negative Python ints (the converter of key fields).
+def check_block_key(key: object) -> BlockKey:
+    """`key` as a block key: a non-negative Python int (a numpy integer is one, converted; a bool, a float or a
+    string is none, rather than coerced into another block's key).
 
     Raises:
-        InvalidRequestError: a key is not an integer (numpy integers are) or is negative.
+        InvalidRequestError: anything else, naming the value.
     """
+    try:
+        value = operator.index(key)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if value < 0 or isinstance(key, bool):
+        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
+    return BlockKey(value)
+
+
+def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
+    """`keys` as a tuple of block keys (`check_block_key`'s rule, in one pass: the converter of key fields).
+
+    Raises:
+        InvalidRequestError: a key is not an integer (numpy integers are; bools are not) or is negative.
+    """
+    if iter(keys) is keys:  # a one-shot iterator: read twice below
+        keys = tuple(keys)
     try:
         converted = tuple(map(operator.index, keys))
     except TypeError as error:
         raise InvalidRequestError(f"block keys must be integers: {error}") from error
     if converted and min(converted) < 0:
         raise InvalidRequestError(f"block keys must be non-negative integers, got {min(converted)}")
+    if bool in map(type, keys):
+        raise InvalidRequestError("block keys must be integers, not bools")
     return cast("tuple[BlockKey, ...]", converted)
 
 

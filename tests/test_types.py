@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
-from mooncake.types import BlockKey, Request, RequestId, Tier, as_token_array
+from mooncake.types import BlockKey, Request, RequestId, Tier, as_token_array, check_block_key, key_tuple
 from tests.strategies import key_chains, token_arrays, token_ids
 
 
@@ -267,3 +267,21 @@ def test_a_keyed_request_has_exactly_one_key_per_block(input_length: int, block:
             InvalidRequestError, match=rf"{count} block keys for {input_length} tokens in {block}-token"
         ):
             make()
+
+
+@pytest.mark.parametrize("keys", [[1, True], [1.0], ["1"], [-1], (k for k in (1, -2))])
+def test_block_keys_that_are_no_non_negative_integers_are_refused(keys: Any) -> None:
+    """One rule for a block key, for one (`check_block_key`) or many (`key_tuple`): a bool, a float or a string is
+    refused, not coerced into another block's key (the messenger fetched block 1 for 1.5, "1" or True)."""
+    with pytest.raises(InvalidRequestError, match="block key"):
+        key_tuple(keys)
+    for key in [1.5, "1", True, -1]:
+        with pytest.raises(InvalidRequestError, match="block key"):
+            check_block_key(key)
+
+
+def test_block_keys_may_be_numpy_integers_or_a_generator_and_become_python_ints() -> None:
+    """numpy integers (a key array's items) and a one-shot iterator are keys; each comes back a Python int."""
+    assert key_tuple(np.array([3, 2**63], dtype=np.uint64)) == (3, 2**63)
+    assert key_tuple(k for k in (4, 5)) == (4, 5)
+    assert type(check_block_key(np.uint64(7))) is int and check_block_key(np.uint64(7)) == 7

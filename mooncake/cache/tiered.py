@@ -43,7 +43,6 @@ which this class extends with the calls above; its invariants are the cache's
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -62,7 +61,7 @@ from mooncake.errors import (
     InvalidRequestError,
     UnknownBlockError,
 )
-from mooncake.types import BlockKey, InstanceId, Tier
+from mooncake.types import BlockKey, InstanceId, Tier, check_block_key
 
 __all__ = ["BlockLocation", "CacheStats", "TieredCache"]
 
@@ -179,9 +178,9 @@ class TieredCache(BlockPlacement):
             CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
             InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
-        key = _check_key(key)
+        key = check_block_key(key)
         if parent is not None:
-            parent = _check_key(parent)
+            parent = check_block_key(parent)
         _check_position(position)
         if checksum is not None:
             _check_checksum(checksum)
@@ -252,7 +251,7 @@ class TieredCache(BlockPlacement):
             InvalidRequestError: a key is not a non-negative integer (nothing is stored).
         """
         if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
-            keys = [_check_key(key) for key in keys]
+            keys = [check_block_key(key) for key in keys]
         pool = self.pools[0]
         if pool.holds_bytes:
             raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
@@ -303,9 +302,9 @@ class TieredCache(BlockPlacement):
             CapacityError: `length` exceeds a page, or the first tier is all pinned.
             InvalidRequestError: `key` or `parent` is not a non-negative integer.
         """
-        key = _check_key(key)
+        key = check_block_key(key)
         if parent is not None:
-            parent = _check_key(parent)
+            parent = check_block_key(parent)
         _check_position(position)
         require_int("length", length, minimum=0, error=InvalidRequestError)
         if not self.pools[0].zero_copy:
@@ -515,19 +514,6 @@ class TieredCache(BlockPlacement):
         """Close every pool."""
         for pool in self.pools:
             pool.close()
-
-
-def _check_key(key: object) -> BlockKey:
-    """A block key as the cache keeps it, a Python int (a numpy integer is one; kept as numpy's, it reached the
-    SSD tier's page headers and the events); anything but a non-negative integer is refused before it can enter
-    the cache's tables."""
-    try:
-        value = operator.index(key)  # type: ignore[arg-type]
-    except TypeError:
-        value = -1
-    if value < 0 or isinstance(key, bool):
-        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
-    return BlockKey(value)
 
 
 def _check_position(position: object) -> None:

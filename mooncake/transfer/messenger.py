@@ -72,7 +72,7 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import RegionDescriptor
 from mooncake.transfer.request import RequestState, TransferOp, TransferRequest
 from mooncake.transfer.wire import Json
-from mooncake.types import BlockKey
+from mooncake.types import BlockKey, key_tuple
 
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
 
@@ -201,7 +201,7 @@ class Messenger:
         parts = require_int("parts", parts, minimum=1)
         self.sweep()
         lease = secrets.token_hex(8)
-        wanted = [int(k) for k in keys]
+        wanted = list(key_tuple(keys))  # checked before any call: int() made 1.5, "1" and True block 1
         # Replies are read by the block protocol; a malformed one raises as it is read.
         reply: Any = self.engine.call(
             from_peer, "blocks.lookup", {"lease": lease, "keys": wanted, "owner": self.engine.address}

@@ -12,6 +12,8 @@ import attrs
 from mooncake._checks import int_at_least, plain_int, require_bool, require_int, require_number, require_str
 from mooncake.errors import ConfigError, TransferError
 
+TRANSPORTS = ("shm", "rdma", "tcp")  # the kinds an engine can move bytes by, fastest first
+
 __all__ = [
     "EngineConfig",
     "RequestState",
@@ -136,6 +138,15 @@ def _flag(_instance: object, attribute: Any, value: Any) -> None:
     require_bool(attribute.name, value)
 
 
+def _transports(value: Any) -> tuple[str, ...]:
+    """Names of transports, in order of preference: a non-empty sequence of `TRANSPORTS` (a ConfigError naming the
+    field for anything else; a lone "tcp" would read as t, c, p, and None or 5 failed in `tuple`)."""
+    names = tuple(value) if isinstance(value, list | tuple) else None
+    if not names or not all(isinstance(name, str) and name in TRANSPORTS for name in names):
+        raise ConfigError(f"transports must be a non-empty sequence of {', '.join(TRANSPORTS)}; got {value!r}")
+    return names
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How a transfer engine listens, slices, retries and checks.
@@ -185,7 +196,7 @@ class EngineConfig:
     checksums: bool = attrs.field(default=False, validator=_flag)
     spin_us: int = attrs.field(default=200, validator=int_at_least(0))
     socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0))
-    transports: tuple[str, ...] = attrs.field(default=("shm", "rdma", "tcp"), converter=tuple)
+    transports: tuple[str, ...] = attrs.field(default=TRANSPORTS, converter=_transports)
 
     @property
     def slice_deadline_s(self) -> float:
@@ -194,9 +205,6 @@ class EngineConfig:
         return (self.max_retries + 1) * (self.connect_timeout_s + self.io_timeout_s)
 
     def __attrs_post_init__(self) -> None:
-        unknown = set(self.transports) - {"shm", "rdma", "tcp"}
-        if unknown or not self.transports:
-            raise ConfigError(f"transports must be a non-empty subset of shm, rdma, tcp; got {self.transports}")
         if self.slice_bytes > self.max_frame_bytes:
             raise ConfigError(f"slice_bytes {self.slice_bytes} exceeds max_frame_bytes {self.max_frame_bytes}")
         if self.max_staging_bytes < self.max_frame_bytes:
