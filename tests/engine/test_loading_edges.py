@@ -47,7 +47,7 @@ from mooncake.engine.sampling import Sampler, SamplingParams, nucleus
 from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer, sampling_defaults
 from mooncake.errors import ConfigError, MooncakeError
 from tests.engine.test_checkpoint_errors import hf_config, relatives
-from tests.engine.test_tokenizer import write_llama_files
+from tests.engine.test_tokenizer import stream, write_llama_files
 
 torch.set_num_threads(1)  # tiny tensors on a busy 2-core box
 
@@ -100,18 +100,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def byte_level_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_byte_level(tmp_path_factory.mktemp("bytes"))
-
-
-def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool) -> list[str]:
-    """The pieces a fresh detokenizer emits for `ids` (one per push, then `finish`), invariants checked."""
-    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip)
-    pieces = []
-    for token in ids:
-        pieces.append(detokenizer.push(token))
-        detokenizer.check_invariants()
-    pieces.append(detokenizer.finish())
-    detokenizer.check_invariants()
-    return pieces
 
 
 llama_texts = st.lists(

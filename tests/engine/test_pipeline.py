@@ -44,9 +44,10 @@ CHUNK = 3  # small, so prompts of a few tokens already take several chunks throu
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
-def reference(tokens: list[int]) -> tuple[torch.Tensor, KV]:
-    """The whole model in this process, one chunk: the last logits and every layer's K and V."""
-    model = whole_model()
+def reference(tokens: list[int], model: LlamaModel | None = None) -> tuple[torch.Tensor, KV]:
+    """The whole model (default: the groups' seed) in this process, one chunk: the last logits and every layer's
+    K and V."""
+    model = model or whole_model()
     n = len(tokens)
     shape = (n, TINY.num_kv_heads, TINY.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_layers)]

@@ -32,7 +32,6 @@ import torch
 
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.pipeline import PipelineGroup
@@ -51,6 +50,7 @@ from tests.engine.support import (
     reference_logits,
     tiny_model,
 )
+from tests.engine.test_pipeline import reference
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 BLOCK = 4
@@ -68,17 +68,9 @@ def floats(page: bytes) -> np.ndarray:
 
 
 def one_pass(tokens: list[int]) -> tuple[torch.Tensor, KV]:
-    """The tiny model over `tokens` in one chunk: the last logits and every layer's K and V."""
-    model = tiny_model()
-    n = len(tokens)
-    shape = (n, TINY.num_kv_heads, TINY.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_layers)]
-    with torch.inference_mode():
-        cos, sin = model.rope(torch.arange(n))
-        x = model.embed(torch.tensor(tokens))
-        for layer, (k, v) in zip(model.layers, kv, strict=True):
-            x = layer(x, cos, sin, prefill_attention_into(k, v, 0, n))
-        return model.logits(x[-1:])[0], kv
+    """The tiny model (seed 0, a group's default) over `tokens` in one chunk: the last logits and every layer's
+    K and V."""
+    return reference(tokens, tiny_model())
 
 
 # --------------------------------------------------------------------------- prefix reuse

@@ -147,6 +147,7 @@ def test_clean_up_tokenization_spaces_is_not_applied_to_a_bpe_tokenizer(tmp_path
 
 
 def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool) -> list[str]:
+    """The pieces a fresh detokenizer emits for `ids` (one per push, then `finish`), invariants checked."""
     detokenizer = tokenizer.detokenizer(skip_special_tokens=skip)
     pieces = []
     for token in ids:

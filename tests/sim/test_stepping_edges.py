@@ -44,22 +44,12 @@ from mooncake.sim.clock import EventLoop
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.replayer import ReplayContext
-from mooncake.types import BlockKey, Request, RequestId, Slo
+from mooncake.types import RequestId, Slo
+from tests.sim.test_coupled import make_request
 
 LLAMA3 = MODELS["llama3-70b"]
 A800 = HARDWARE["8xA800"]
 BLOCK = 512
-
-
-def make_request(name: str, arrival_s: float, input_tokens: int, output_tokens: int, first_key: int = 0) -> Request:
-    blocks = -(-input_tokens // BLOCK)
-    return Request(
-        request_id=RequestId(name),
-        arrival_s=arrival_s,
-        input_length=input_tokens,
-        output_length=output_tokens,
-        block_keys=tuple(BlockKey(first_key + j) for j in range(blocks)),
-    )
 
 
 def coupled_spec(**options: Any) -> CoupledSpec:
