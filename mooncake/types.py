@@ -138,9 +138,10 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
         converted = tuple(map(operator.index, keys))
     except TypeError as error:
         raise InvalidRequestError(f"block keys must be integers: {error}") from error
-    if converted and min(converted) < 0:
-        raise InvalidRequestError(f"block keys must be non-negative integers, got {min(converted)}")
-    if bool in map(type, keys):
+    least = min(converted, default=2)
+    if least < 0:
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {least}")
+    if least <= 1 and bool in map(type, keys):  # a bool reads as 0 or 1: only then can one be there
         raise InvalidRequestError("block keys must be integers, not bools")
     return cast("tuple[BlockKey, ...]", converted)
 
