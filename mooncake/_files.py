@@ -18,12 +18,22 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "names_a_file"]
 
 # The sibling adds at most 49 bytes (two dots, a pid of up to 10 digits, 32 hex digits, ".tmp") to its NAME part:
 # cut to this, it stays within NAME_MAX (255 bytes on every Linux file system).
 NAME_BYTES = 200
 NAME_MAX = 255
+
+
+def names_a_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path`, as written, can name a file: its last component is not "", "." or "..". pathlib drops a
+    trailing slash or "/.", so "out/" and "out.jsonl/." (POSIX: a folder, or nothing) would name `out` and
+    `out.jsonl` to it, and a writer would replace them."""
+    text = os.fspath(path)
+    for separator in {"/", os.sep}:
+        text = text.rsplit(separator, 1)[-1]
+    return text not in ("", ".", "..")
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from typing import NoReturn
 
 import attrs
 
+from mooncake._files import names_a_file
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
@@ -125,7 +126,7 @@ def _input_path(text: str) -> str:
 def _output_path(text: str) -> str:
     """An argparse type: a file to write, which needs a name (not "", "." or "..")."""
     _input_path(text)
-    if Path(text).name in ("", ".", ".."):
+    if not names_a_file(text):
         raise argparse.ArgumentTypeError(f"expected a file name, got {_shown(text)}")
     return text
 

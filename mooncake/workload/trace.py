@@ -66,7 +66,7 @@ import attrs
 import numpy as np
 
 from mooncake._checks import require_int, require_number
-from mooncake._files import atomic_path
+from mooncake._files import atomic_path, names_a_file
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
@@ -470,8 +470,7 @@ def write_trace(
         raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
     _check_path(path)
     target = Path(path)
-    # A trailing slash names a folder (POSIX), which pathlib drops: "out/" would write a file named out.
-    if target.name in ("", ".", "..") or os.fspath(path).endswith(("/", os.sep)):
+    if not names_a_file(path):
         raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
     with atomic_path(target) as temporary, open(temporary, "wb") as raw:
         if target.name.endswith(".gz"):

@@ -324,10 +324,12 @@ def test_write_trace_refuses_a_path_that_is_not_one_as_iter_trace_does(tmp_path:
         write_trace(path, [a_request(0, 0.0)], block_size_tokens=BLOCK)  # type: ignore[arg-type]
 
 
-def test_a_path_ending_in_a_slash_names_no_file(tmp_path: Path) -> None:
-    """'out/' names a directory (POSIX: a trailing slash resolves only to one): a ConfigError, nothing written."""
+@pytest.mark.parametrize("tail", ["/", "/.", "/.."])
+def test_a_path_ending_in_a_slash_or_a_dot_names_no_file(tmp_path: Path, tail: str) -> None:
+    """'out/' and 'out/.' name a directory (POSIX: they resolve only to one), which pathlib drops: a ConfigError,
+    nothing written (not a file named out)."""
     with pytest.raises(ConfigError, match="must name a file"):
-        write_trace(f"{tmp_path / 'out'}/", [a_request(0, 0.0)], block_size_tokens=BLOCK)
+        write_trace(f"{tmp_path / 'out'}{tail}", [a_request(0, 0.0)], block_size_tokens=BLOCK)
     assert list(tmp_path.iterdir()) == []
 
 
