@@ -249,6 +249,8 @@ def iter_trace(
 def _check_path(path: object) -> None:
     if not isinstance(path, str | os.PathLike):  # open() would take an int as a file descriptor
         raise ConfigError(f"a trace path must be a str or os.PathLike, got {path!r}")
+    if "\0" in os.fspath(path):  # open() raises a bare ValueError for it
+        raise ConfigError(f"a trace path cannot hold a NUL byte, got {os.fspath(path)!r}")
 
 
 def _read(

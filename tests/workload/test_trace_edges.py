@@ -315,7 +315,7 @@ def test_every_gz_name_and_only_one_is_written_compressed(tmp_path: Path, name: 
     assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK)] == [0.0, 0.5]
 
 
-@pytest.mark.parametrize("path", [3, None, b"t.jsonl"])
+@pytest.mark.parametrize("path", [3, None, b"t.jsonl", "t\0.jsonl"])
 def test_write_trace_refuses_a_path_that_is_not_one_as_iter_trace_does(tmp_path: Path, path: object) -> None:
     """write_trace, like iter_trace, refuses a path that is no str or os.PathLike with a ConfigError naming it."""
     with pytest.raises(ConfigError, match="path"):
