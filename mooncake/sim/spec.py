@@ -13,11 +13,11 @@ divides `num_prefill`), and never changes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import attrs
 
+from mooncake._checks import require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
@@ -114,8 +114,7 @@ class ClusterSpec:
     @first_token_overhead_s.validator
     @admission_wait_s.validator
     def _check_overhead(self, attribute: attrs.Attribute[float], value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-            raise ConfigError(f"ClusterSpec.{attribute.name} must be a finite number >= 0, got {value!r}")
+        require_number(f"ClusterSpec.{attribute.name}", value, minimum=0)
 
     def __attrs_post_init__(self) -> None:
         kinds: tuple[tuple[str, type | tuple[type, ...]], ...] = (
@@ -139,10 +138,8 @@ class ClusterSpec:
             )
         for name in ("mfu", "sample_interval_s", "network_bytes_per_s"):
             value = getattr(self, name)
-            if value is None and name == "network_bytes_per_s":
-                continue  # the prefill hardware's NIC
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ConfigError(f"ClusterSpec.{name} must be a finite number > 0, got {value!r}")
+            if value is not None or name != "network_bytes_per_s":  # None: the prefill hardware's NIC
+                require_number(f"ClusterSpec.{name}", value, minimum=0, strict=True)
         if self.mfu > 1:
             raise ConfigError(f"ClusterSpec.mfu is a fraction of the peak, at most 1, got {self.mfu!r}")
 
