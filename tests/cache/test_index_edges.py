@@ -102,11 +102,15 @@ def test_integer_arrays_convert_value_for_value(values: list[int], dtype: str) -
         pytest.param(np.array([[1, 2]], dtype=np.uint64), id="2d-uint64"),
         pytest.param(np.array([[1], [2]], dtype=np.int64), id="2d-int64"),
         pytest.param(np.array(1, dtype=np.uint64), id="0d-uint64"),
+        pytest.param([1.0, 2], id="whole-float"),  # numpy read it as key 1, which the tiered cache refuses
+        pytest.param([True], id="bool"),
+        pytest.param(["1"], id="numeric-string"),
     ],
 )
 def test_keys_that_are_not_a_flat_sequence_are_an_invalid_request(keys: object) -> None:
     """A key list whose items are themselves lists (or a 2-D / 0-D array) has keys that are not integers: `match`
-    says so with an InvalidRequestError, as it does for any other non-integer key."""
+    says so with an InvalidRequestError, as it does for any other non-integer key (a whole float, a bool or a
+    numeric string, which numpy would read as an integer key, as the tiered cache refuses them)."""
     index = BlockIndex()
     index.apply(stored(A, 0, [1, 2]))
     with pytest.raises(InvalidRequestError):
