@@ -44,6 +44,7 @@ from serving.reporter import Reporter
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.build import ttft_estimator
 from mooncake.sched.cost import HARDWARE, MODELS
+from tests.serving.test_reporter import tokens as token_report  # one decode node's report of tokens
 from tests.serving.test_wire import messages
 
 DEADLINE_S = 10.0
@@ -229,16 +230,6 @@ class GatedCall:
     def wait(self, what: str, predicate: Any) -> None:
         with self.changed:
             assert self.changed.wait_for(predicate, timeout=DEADLINE_S), f"waited {DEADLINE_S} s for {what}"
-
-
-def token_report(instance: str, first: int, count: int) -> wire.DecodeTokens:
-    return wire.DecodeTokens(
-        instance_id=instance,
-        tokens=tuple(
-            wire.Token(request_id=1, attempt=0, token=first + i, index=first + i, finished=False) for i in range(count)
-        ),
-        step_s=0.001,
-    )
 
 
 reports = st.one_of(
