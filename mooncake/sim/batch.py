@@ -46,7 +46,7 @@ import math
 
 import attrs
 
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.step import RooflineStep
 from mooncake.sim.metrics import RequestRecord
 
@@ -225,9 +225,15 @@ class ContinuousBatch:
         return total
 
     def steps_within(self, elapsed_s: float) -> int:
-        """Whole steps of the current stretch done within `elapsed_s` of its start."""
+        """Whole steps of the current stretch done within `elapsed_s` of its start.
+
+        Raises:
+            InvalidRequestError: `elapsed_s` is NaN or infinite (no whole count of steps answers it).
+        """
         if not self.members or elapsed_s <= 0:
             return 0
+        if not elapsed_s < math.inf:  # NaN too; math.floor would raise a bare ValueError or OverflowError
+            raise InvalidRequestError(f"elapsed_s must be a finite number of seconds, got {elapsed_s!r}")
         pieces = self._pieces
         if pieces is None:  # _steps_in_piece, inlined: the hot path
             quad = self._rise / 2

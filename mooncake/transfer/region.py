@@ -92,7 +92,12 @@ def as_writable_bytes(buffer: Any) -> memoryview:
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise TransferError("a registered buffer must be contiguous and writable")
         return buffer.reshape(-1).view(np.uint8).data
-    view = memoryview(buffer)
+    try:
+        view = memoryview(buffer)
+    except TypeError:  # a list, a str, a torch tensor: no buffer to hand out
+        raise TransferError(
+            f"a registered buffer must expose its bytes (bytearray, numpy array, mmap), got {type(buffer).__name__}"
+        ) from None
     if view.readonly or not view.c_contiguous:
         raise TransferError("a registered buffer must be contiguous and writable")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -21,7 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.step import DecodeCostModel, RooflineStep, StepBranch
 from mooncake.sim.batch import ContinuousBatch, Member
@@ -180,6 +180,14 @@ def test_steps_within_is_exact_at_step_boundaries(
     boundary = batch.stretch_s(k)
     assert batch.steps_within(boundary) == k
     assert batch.steps_within(math.nextafter(boundary, 0.0)) == k - 1
+
+
+@pytest.mark.parametrize("elapsed_s", [math.inf, math.nan])
+def test_steps_within_refuses_a_time_no_count_of_steps_answers(elapsed_s: float) -> None:
+    """An infinite or NaN elapsed time is an InvalidRequestError naming it, not OverflowError or ValueError."""
+    batch = make_batch(A800, [100, 200])
+    with pytest.raises(InvalidRequestError, match="elapsed_s"):
+        batch.steps_within(elapsed_s)
 
 
 def test_an_empty_batch_does_no_steps() -> None:

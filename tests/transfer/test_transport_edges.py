@@ -113,6 +113,15 @@ def test_a_read_only_or_strided_buffer_is_refused_and_registers_nothing(buffer: 
         assert engine.regions() == before
 
 
+@pytest.mark.parametrize("buffer", [[0] * 64, "x" * 64, 64], ids=["list", "str", "int"])
+def test_a_buffer_without_bytes_is_refused_by_its_type(buffer: Any) -> None:
+    """Something with no buffer to hand out is a TransferError naming its type, not memoryview's TypeError."""
+    with TransferEngine(secret=SECRET, config=EngineConfig(transports=("tcp",))) as engine:
+        with pytest.raises(TransferError, match=f"got {type(buffer).__name__}"):
+            engine.register_memory(buffer)
+        assert engine.regions() == ()
+
+
 def _readonly() -> np.ndarray:
     array = np.zeros(64, np.uint8)
     array.flags.writeable = False
