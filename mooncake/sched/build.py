@@ -75,15 +75,20 @@ def _check_factory(router: object) -> None:
     try:
         signature = inspect.signature(router)
     except (TypeError, ValueError):  # a builtin without a signature: let the call tell
-        return
-    try:
-        signature.bind(object())
-    except TypeError as error:
-        name = getattr(router, "__qualname__", repr(router))
-        raise ConfigError(
-            f"router factory {name}({', '.join(signature.parameters)}) cannot be called with the TTFT estimator alone ({error}): a router "
-            "factory takes the estimator and returns a router (see mooncake.sched.build.RouterFactory)"
-        ) from None
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(object())
+        except TypeError as error:
+            name = getattr(router, "__qualname__", repr(router))
+            raise ConfigError(
+                f"router factory {name}({', '.join(signature.parameters)}) cannot be called with the TTFT estimator alone ({error}): a router "
+                "factory takes the estimator and returns a router (see mooncake.sched.build.RouterFactory)"
+            ) from None
+    if isinstance(router, type) and not callable(getattr(router, "route", None)):
+        # a class that is no router (dict, say) would fail inside its own constructor, or only at the check
+        # of the instance it made
+        raise ConfigError(f"router class {router.__qualname__} has no route() method: it is not a router (see Router)")
 
 
 def build_conductor(

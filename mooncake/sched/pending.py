@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake.cache._compiled import is_compiled, kernels
+from mooncake.errors import InvalidRequestError
 
 __all__ = ["PendingBlocks"]
 
@@ -182,11 +183,14 @@ class PendingBlocks:
         return len(self._store)
 
     def add(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
-        """Count each of `keys` (a key twice: twice) once more for `owner`."""
+        """Count each of `keys` (a key twice: twice) once more for `owner` (>= 0: the table marks an empty
+        slot with owner −1, and `walk` reads a negative owner as "nothing is coming")."""
+        _check_owner(owner)
         self._store.add(owner, keys)
 
     def remove(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
         """Count each of `keys` once less for `owner`: what `add` counted for a request that left."""
+        _check_owner(owner)
         self._store.remove(owner, keys)
 
     def count(self, owner: int, key: int) -> int:
@@ -206,3 +210,8 @@ class PendingBlocks:
 
     def check_invariants(self) -> None:
         self._store.check_invariants()
+
+
+def _check_owner(owner: int) -> None:
+    if not 0 <= owner:
+        raise InvalidRequestError(f"owner must be an instance slot >= 0, got {owner!r}")

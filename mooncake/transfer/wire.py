@@ -206,6 +206,8 @@ def client_handshake(sock: socket.socket, secret: bytes, *, deadline: float | No
         PeerUnavailable: the server is at its connection limit.
         ProtocolError: the server does not speak this protocol.
         TimeoutError: the server did not finish by `deadline` (or the socket's timeout).
+        ConnectionError: the server closed the connection before its greeting (`tcp.connect` reads
+            this, as any dropped handshake, as PeerUnavailable).
     """
     hello = bytearray(len(_HELLO) + 1 + _NONCE_BYTES)
     recv_exact(sock, memoryview(hello), deadline=deadline)

@@ -136,11 +136,13 @@ class _NeedsDepth:
         (_NeedsDepth, r"router factory _NeedsDepth\(estimator, depth\) cannot be called with the TTFT estimator"),
         (LoadBalancingRouter(estimator=ttft_estimator(LLAMA3, A800)), "cannot be called|router class or factory"),
         ("kvcache_centric", "router must be a router class or factory"),
+        (dict, "router class dict has no route"),
     ],
 )
 def test_a_router_factory_that_cannot_take_the_estimator_is_a_clear_error(router: object, named: str) -> None:
-    """The factory is checked against the one argument it will get (a router instance in its place, or a
-    constructor wanting more) before anything is built, with a ConfigError instead of a TypeError."""
+    """The factory is checked against the one argument it will get (a router instance in its place, a
+    constructor wanting more, a class that is no router) before anything is built, with a ConfigError
+    instead of a TypeError."""
     with pytest.raises(ConfigError, match=named):
         build_conductor(
             model=LLAMA3,

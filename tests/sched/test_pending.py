@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mooncake.cache._compiled import compiled_path, numba_available
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.pending import PendingBlocks
 
 OWNERS = 3
@@ -115,3 +116,20 @@ def test_growth_keeps_every_count(prompts: list[list[int]]) -> None:
         table.remove(n % 2, as_array(prompt))
     assert len(table) == 0 and table.counts() == {}
     table.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "compiled",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not numba_available(), reason="numba is not installed"))],
+)
+def test_a_negative_owner_is_refused_and_changes_nothing(compiled: bool) -> None:
+    """Owner −1 marks the table's empty slots: counting under it would corrupt the table, so `add` and
+    `remove` refuse any negative owner by name, on either path, and the counts stay as they were."""
+    with compiled_path(compiled):
+        table = PendingBlocks(capacity=4)
+        table.add(0, as_array([1, 2]))
+        for method in (table.add, table.remove):
+            with pytest.raises(InvalidRequestError, match="owner"):
+                method(-1, as_array([1, 3]))
+        assert table.counts() == {(0, 1): 1, (0, 2): 1}
+        table.check_invariants()
