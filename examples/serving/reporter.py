@@ -60,7 +60,8 @@ class Reporter:
         self._thread.start()
 
     def send(self, message: wire.Message) -> None:
-        """Queue `message` for the gateway (after everything sent before it)."""
+        """Queue `message` for the gateway (after everything sent before it); after `close` (or while
+        waiting for room when `close` comes) it is dropped, as a report the gone gateway refuses is."""
         with self._lock:
             while len(self._queue) >= self._capacity and not self._closed:
                 self._lock.wait()
