@@ -96,3 +96,20 @@ def test_slices_left_queued_by_a_worker_that_stopped_are_answered_at_the_close()
     workers.close()
     assert outcomes[0] is None and len(outcomes) == 4
     assert all(isinstance(error, PeerUnavailable) for error in outcomes[1:])
+
+
+def test_close_stops_every_idle_worker_without_waiting_out_a_join() -> None:
+    """Each idle worker gets its own stop marker: `close` returns well within one `join_timeout_s`, with every
+    thread ended (one marker for all would leave the others to the join's timeout, then to the second round)."""
+    count, join_timeout_s = 4, 3.0
+
+    def serve(workers: Workers) -> None:
+        while workers.take() is not None:
+            pass
+
+    workers = Workers(serve, count=count, name="idle-close", closed_message="closed", join_timeout_s=join_timeout_s)
+    started = time.monotonic()
+    workers.close()
+    elapsed = time.monotonic() - started
+    lingering = [thread.name for thread in threading.enumerate() if thread.name.startswith("idle-close-")]
+    assert lingering == [] and elapsed < join_timeout_s / 2, (lingering, elapsed)
