@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from mooncake._checks import is_finite_number, require_int
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.types import Request
@@ -35,8 +36,12 @@ ALPHABET = string.ascii_letters + string.digits + "      "
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+    if not is_finite_number(value) or not value > 0:
         raise ConfigError(f"--{attribute.name.replace('_', '-')} must be a finite number > 0, got {value!r}")
+
+
+def _count(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    require_int(f"--{attribute.name.replace('_', '-')}", value, minimum=1)  # a count: slicing by 2.5 would fail
 
 
 @attrs.frozen(kw_only=True)
@@ -45,8 +50,8 @@ class Scaling:
 
     length_scale: float = attrs.field(default=1 / 32, validator=_positive)
     output_scale: float = attrs.field(default=1 / 16, validator=_positive)
-    max_prompt_tokens: int = attrs.field(default=1024, validator=_positive)
-    max_output_tokens: int = attrs.field(default=64, validator=_positive)
+    max_prompt_tokens: int = attrs.field(default=1024, validator=_count)
+    max_output_tokens: int = attrs.field(default=64, validator=_count)
 
 
 @attrs.frozen

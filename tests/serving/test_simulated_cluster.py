@@ -95,7 +95,15 @@ def test_requests_sharing_blocks_share_that_much_prompt(shared: int, a: int, b: 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("length_scale", 0.0), ("output_scale", -1.0), ("max_prompt_tokens", 0), ("length_scale", float("nan"))],
+    [
+        ("length_scale", 0.0),
+        ("output_scale", -1.0),
+        ("max_prompt_tokens", 0),
+        ("length_scale", float("nan")),
+        ("length_scale", 10**400),  # past float's range: not an OverflowError
+        ("max_prompt_tokens", 2.5),  # a count: a prompt cut at 2.5 characters would be a TypeError
+        ("max_output_tokens", True),
+    ],
 )
 def test_a_bad_scaling_names_its_option(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
