@@ -213,5 +213,5 @@ class PendingBlocks:
 
 
 def _check_owner(owner: int) -> None:
-    if not 0 <= owner:
+    if owner < 0:
         raise InvalidRequestError(f"owner must be an instance slot >= 0, got {owner!r}")
