@@ -208,8 +208,7 @@ async def replay_http(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    simulation.add_workload_options(parser)
-    parser.set_defaults(num_requests=100)
+    simulation.add_workload_options(parser, num_requests=100)
     parser.add_argument("--url", help="a running cluster's gateway (default: start --config's)")
     parser.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")

@@ -66,10 +66,20 @@ SIZING_LOAD = 0.8
 MAX_SIZED_NODES = 1024  # of a role: past it a trace's rate is no basis for sizing (arrivals nearly at once)
 
 
-def add_workload_options(parser: argparse.ArgumentParser) -> None:
+def add_workload_options(
+    parser: argparse.ArgumentParser,
+    *,
+    preset: str = DEFAULT_PRESET,
+    num_requests: int | None = None,
+    rate: float = DEFAULT_RATE,
+) -> None:
+    """The workload options; a program whose generated workload differs from the default gives its own
+    `preset`, `num_requests` (then also the first of a trace taken) and `rate`, which its --help states."""
+    if (preset, num_requests, rate) != (DEFAULT_PRESET, None, DEFAULT_RATE):
+        parser.set_defaults(preset=preset, num_requests=num_requests, default_rate=rate)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="generate this workload (default: synthetic)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help=f"generate this workload (default: {preset})")
     parser.add_argument(
         "--block-size",
         type=int,
@@ -91,12 +101,16 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
         help="what a --trace's timestamps count (default ms, the Mooncake format's; s for Qwen-Bailian's traces)",
     )
     parser.add_argument(
-        "--num-requests", type=int, default=None, help="requests generated (default 4000), or the first of a trace"
+        "--num-requests",
+        type=int,
+        help=f"requests generated (default {DEFAULT_REQUESTS}), or the first of a trace (default: all of it)"
+        if num_requests is None
+        else f"requests generated, or the first of a trace (default {num_requests})",
     )
+    parser.add_argument("--rate", type=float, help=f"generated arrivals per second (default {rate:g})")
     parser.add_argument(
-        "--rate", type=float, default=None, help="generated arrivals per second (with --preset; default 4)"
+        "--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp (default %(default)s)"
     )
-    parser.add_argument("--speedup", type=float, default=1.0, help="replay speed: 2 halves every timestamp")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload generator and the Conductor")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (there are none when the output is piped)"
@@ -191,8 +205,8 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--local-cache", dest="global_pool", action="store_false", help="no cross-node fetches")
     parser.add_argument("--cpp", type=int, default=1, help="prefill nodes per chunked-pipeline group")
     parser.add_argument("--inline-prefill", type=int, default=0, help="inline prompts up to this many tokens")
-    parser.add_argument("--ttft-slo", type=float, default=Slo().ttft_s, help="seconds")
-    parser.add_argument("--tbt-slo", type=float, default=Slo().tbt_s, help="seconds")
+    parser.add_argument("--ttft-slo", type=float, default=Slo().ttft_s, help="seconds (default %(default)s)")
+    parser.add_argument("--tbt-slo", type=float, default=Slo().tbt_s, help="seconds (default %(default)s)")
     parser.add_argument(
         "--admission-wait",
         type=float,

@@ -480,8 +480,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
     p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
-    simulation.add_workload_options(p)
-    p.set_defaults(preset="conversation", num_requests=200, default_rate=2.0)  # the rate without --rate
+    simulation.add_workload_options(p, preset="conversation", num_requests=200, rate=2.0)
     add_scaling_options(p)
     p.add_argument(
         "--overload-speedup", type=float, default=OVERLOAD_SPEEDUP, help="the overload run's arrivals, this much faster"

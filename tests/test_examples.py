@@ -742,3 +742,24 @@ def test_the_predictor_option_chooses_the_predictive_policys_predictor() -> None
         registry.predictor("oracle", requests, slo)
     done = run("replay.py", *SMALL, "--admission", "predictive_early_rejection", "--predictor", "expected_output")
     assert done.returncode == 0 and "SLO attainment" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "stated"),
+    [
+        (
+            ("replay.py",),
+            ["(default: synthetic)", "(default 4000), or the first of a trace (default: all", "(default 4)"],
+        ),
+        (("load.py",), ["(default: synthetic)", "or the first of a trace (default 100)", "(default 4)"]),
+        (("validate.py",), ["(default: conversation)", "or the first of a trace (default 200)", "(default 2)"]),
+        (("experiments.py", "rejection"), ["every timestamp (default 2.0)", "TBT_SLO     seconds (default 0.025)"]),
+        (("experiments.py", "scheduling"), ["every timestamp (default 1.0)", "TBT_SLO     seconds (default 0.1)"]),
+    ],
+)
+def test_help_states_the_defaults_each_program_runs_with(argv: tuple[str, ...], stated: list[str]) -> None:
+    """A program whose workload or objective defaults differ from replay.py's says its own in --help (load.py
+    generated 100 requests and validate.py 200 of the conversation preset while their help said 4000 synthetic)."""
+    text = " ".join(run(*argv, "--help").stdout.split())  # argparse wraps help lines at the terminal's width
+    for phrase in stated:
+        assert " ".join(phrase.split()) in text, phrase
