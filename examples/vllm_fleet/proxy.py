@@ -17,7 +17,10 @@ chunk only if it asked for it.
 Failures: a server that cannot be reached, or answers 502/503/504, before
 anything was streamed is marked down (it leaves routing; its requests end) and
 the request is scheduled again, up to `[router] max_retries` times; a failure
-after the first byte ends the stream with an error event. Each server's
+after the first byte ends the stream with an error event. A request that runs
+past `[router] request_timeout_s` (aiohttp's total limit, not a socket's
+connect or read timeout) is a 504, or a stream's error event, and its server,
+slow rather than gone, stays up. Each server's
 `/health` and `/metrics` are read every `health_interval_s`: a down server
 that answers again is marked up (its KV events start a new epoch). A client
 that leaves aborts its request on the server (the upstream connection closes).
@@ -94,6 +97,22 @@ class _ServerFailed(Exception):
     def __init__(self, instance_id: InstanceId, message: str) -> None:
         super().__init__(message)
         self.instance_id = instance_id
+
+
+class _TimedOut(Exception):
+    """The request ran past `request_timeout_s` on a server that is slow, not gone: a 504, the server stays up."""
+
+    def __init__(self, instance_id: InstanceId) -> None:
+        super().__init__(instance_id)
+        self.instance_id = instance_id
+
+
+def _failure(instance_id: InstanceId, error: BaseException) -> Exception:
+    """What an upstream error before the first byte means: aiohttp's total timeout (a plain TimeoutError) is the
+    request's own limit; its socket timeouts (`ServerTimeoutError`: connect, read) and the rest are the server's."""
+    if isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ServerTimeoutError):
+        return _TimedOut(instance_id)
+    return _ServerFailed(instance_id, f"{type(error).__name__}: {error}")
 
 
 class VllmRouter:
@@ -398,6 +417,14 @@ class VllmRouter:
                 if isinstance(prefilled, web.Response):
                     return prefilled
                 return await self._forward(request, flight, path, prefilled, stream, wants_usage, received, overhead_us)
+            except _TimedOut as late:
+                # Slow, not gone (request_timeout_s is end to end): the server keeps its place and its cache.
+                self.fleet.failed(flight, time.monotonic(), Reason.TIMEOUT)
+                raise ApiError(
+                    504,
+                    f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s) on "
+                    f"{late.instance_id}",
+                ) from None
             except _ServerFailed as failure:
                 log.warning(
                     "instance %s failed request %s: %s; trying another",
@@ -441,7 +468,7 @@ class VllmRouter:
                 data = await upstream.read()
                 status, headers = upstream.status, upstream.headers
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
+            raise _failure(instance_id, error) from error
         if status in FAILOVER_STATUSES:
             raise _ServerFailed(instance_id, f"HTTP {status}")
         now = time.monotonic()
@@ -494,7 +521,7 @@ class VllmRouter:
                 f"{instance.url}{path}", data=payload, headers=headers, timeout=self._request_timeout
             )
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
-            raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
+            raise _failure(instance_id, error) from error
         log.debug("%s: %s answered %d", flight.request.request_id, instance_id, upstream.status)
         try:
             if upstream.status in FAILOVER_STATUSES:
@@ -503,7 +530,7 @@ class VllmRouter:
                 try:
                     data = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
+                    raise _failure(instance_id, error) from error
                 now = time.monotonic()
                 if upstream.status == 200:
                     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError, IndexError):
@@ -554,9 +581,17 @@ class VllmRouter:
                     await response.write(line)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
                 if not prepared:
-                    raise _ServerFailed(instance_id, f"{type(error).__name__}: {error}") from error
-                fleet.failed(flight, time.monotonic(), Reason.FAILED)
-                message = {"error": {"message": f"the server failed mid-stream: {error}", "type": "server_error"}}
+                    raise _failure(instance_id, error) from error
+                timed_out = isinstance(_failure(instance_id, error), _TimedOut)
+                fleet.failed(flight, time.monotonic(), Reason.TIMEOUT if timed_out else Reason.FAILED)
+                message = {
+                    "error": {
+                        "message": f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s)"
+                        if timed_out
+                        else f"the server failed mid-stream: {error}",
+                        "type": "timeout_error" if timed_out else "server_error",
+                    }
+                }
                 await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
                 await response.write_eof()
                 return response

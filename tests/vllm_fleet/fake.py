@@ -4,6 +4,7 @@ A disaggregated pair's protocol as vLLM's NIXL connector speaks it: a request as
 answered with `kv_transfer_params` naming this server; one carrying `do_remote_prefill` skips its prefill.
 
 Switches: `status` (what completions answer: 200, or an error status), `healthy` (what `/health` answers),
+`seconds_between_tokens` (a stream's pace),
 `waiting` (the requests `/metrics` says wait there: another client's, as far as the router knows),
 `cached_tokens` (None, or the prefix-cache hit its usage reports, as `--enable-prompt-tokens-details` does).
 `received` holds every completion body. It serves from a thread of its own on 127.0.0.1 (`port` 0: any
@@ -28,6 +29,7 @@ class FakeVllm:
     ) -> None:
         self.tokenizer, self.block_size, self.max_model_len = tokenizer, block_size, max_model_len
         self.seconds_per_token = seconds_per_token
+        self.seconds_between_tokens = 0.002  # a stream's pace once its first token is out
         self.status = 200
         self.healthy = True
         self.waiting = 0
@@ -127,7 +129,7 @@ class FakeVllm:
                 finish = "length" if number == count - 1 else None
                 chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(self.seconds_between_tokens)
             if (body.get("stream_options") or {}).get("include_usage"):
                 await response.write(
                     b"data: " + json.dumps({"id": "cmpl-1", "choices": [], "usage": usage}).encode() + b"\n\n"
