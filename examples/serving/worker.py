@@ -324,7 +324,10 @@ class Worker:
 
     def _peer(self, instance_id: str) -> str:
         if instance_id not in self._peers:
-            self._peers[instance_id] = self.engine.connect(self._addresses[instance_id])
+            address = self._addresses.get(instance_id)
+            if address is None:  # a KeyError would end the prefill loop: the job fails, the worker goes on
+                raise PeerUnavailable(f"no address for {instance_id}: the gateway's connect did not name it")
+            self._peers[instance_id] = self.engine.connect(address)
         return self._peers[instance_id]
 
     def _tell_gateway(self, message: wire.Message) -> None:
