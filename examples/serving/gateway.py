@@ -152,15 +152,19 @@ class Gateway:
         """Serve the app on `host:port` through the guarded site; returns the runner (`cleanup()` stops it)."""
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
-        self.site = GuardedSite(
-            runner,
-            host,
-            port,
-            limits=self.edge,
-            handler_args={**self.edge.handler_args(), "access_log": None},
-            on_refusal=lambda status: self.metrics.connections_refused[str(status)].inc(),
-        )
-        await self.site.start()
+        try:
+            self.site = GuardedSite(
+                runner,
+                host,
+                port,
+                limits=self.edge,
+                handler_args={**self.edge.handler_args(), "access_log": None},
+                on_refusal=lambda status: self.metrics.connections_refused[str(status)].inc(),
+            )
+            await self.site.start()
+        except BaseException:  # the port is taken, say: undo the setup's startup (dispatcher, log limits)
+            await runner.cleanup()
+            raise
         return runner
 
     async def _on_startup(self, _app: web.Application) -> None:
