@@ -31,7 +31,7 @@ pytest.importorskip("aiohttp")
 
 from serving import wire
 from serving.api import SamplingOptions
-from serving.config import load_config
+from serving.config import ClusterConfig, load_config
 from serving.dispatch import Dispatcher
 from serving.gateway import build_conductor
 from serving.worker import Worker, WorkerSpec
@@ -60,23 +60,34 @@ def reported(told: list[Any], kind: type[Any]) -> list[int]:
 Pair = tuple[Worker, Worker, list[Any], list[Any]]
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    """A prefill and a decode worker of the tiny config (neither started) and the lists their reports to the
-    gateway go to instead; both closed at the end."""
-    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+@contextlib.contextmanager
+def workers(config: ClusterConfig) -> Iterator[Pair]:
+    """A prefill and a decode worker of `config` (neither started), the prefill's address book naming the decode
+    worker, and the lists their reports go to instead of a gateway; both closed at the end."""
     secret = secrets.token_bytes(32)
     prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
-    decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
+    try:
+        decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
+    except BaseException:
+        prefill.close()
+        raise
     told: list[Any] = []
     decoded: list[Any] = []
     prefill._tell_gateway = told.append  # type: ignore[method-assign]
     decode._tell_gateway = decoded.append  # type: ignore[method-assign]
+    prefill._addresses = {"decode-0": decode.engine.address}
     try:
         yield prefill, decode, told, decoded
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    """`workers` of the tiny config."""
+    with workers(load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)) as made:
+        yield made
 
 
 @pytest.fixture

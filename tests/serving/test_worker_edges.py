@@ -31,7 +31,6 @@ workers, engines, pushes and processes are closed at the end.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import secrets
@@ -57,7 +56,7 @@ pytest.importorskip("aiohttp")
 
 import torch
 from serving import wire
-from serving.config import ClusterConfig, load_config
+from serving.config import load_config
 from serving.launch import SSD_FOLDER_NAME
 from serving.machine import (
     FD_RESERVE,
@@ -87,35 +86,10 @@ from mooncake.types import BlockKey, Tier
 from tests.engine.support import TINY as TINY_MODEL
 from tests.engine.support import dram_cache
 from tests.engine.support import hasher as support_hasher
-from tests.serving.test_worker import SAMPLING, TINY, job, reported
+from tests.serving.test_worker import SAMPLING, TINY, Pair, job, reported, workers
 from tests.waiting import wait_for
 
 PROMPT = tuple((i * 7) % 256 for i in range(64))  # 4 blocks of the tiny config's 16 tokens
-
-Pair = tuple[Worker, Worker, list[Any], list[Any]]
-
-
-@contextlib.contextmanager
-def workers(config: ClusterConfig) -> Iterator[Pair]:
-    """A prefill and a decode worker of `config` (neither started), the prefill's address book naming the decode
-    worker, and the lists their reports go to instead of a gateway; both closed at the end."""
-    secret = secrets.token_bytes(32)
-    prefill = Worker(WorkerSpec(role="prefill", instance_id="prefill-0", config=config, secret=secret))
-    try:
-        decode = Worker(WorkerSpec(role="decode", instance_id="decode-0", config=config, secret=secret))
-    except BaseException:
-        prefill.close()
-        raise
-    told: list[Any] = []
-    decoded: list[Any] = []
-    prefill._tell_gateway = told.append  # type: ignore[method-assign]
-    decode._tell_gateway = decoded.append  # type: ignore[method-assign]
-    prefill._addresses = {"decode-0": decode.engine.address}
-    try:
-        yield prefill, decode, told, decoded
-    finally:
-        prefill.close()
-        decode.close()
 
 
 @pytest.fixture

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.vllm_fleet.fake import FakeVllm
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -29,3 +34,26 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_fleet.model import make_model
 
     return make_model(tmp_path_factory.mktemp("vllm") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The servers' tokenizer, as the stand-in servers and the router load it."""
+    from vllm_fleet.model import make_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
+    """Two stand-in vLLM servers (`tests/vllm_fleet/fake.py`), started; stopped at the end."""
+    from mooncake.engine.tokenizer import load_tokenizer
+    from tests.vllm_fleet.fake import FakeVllm
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    servers = [FakeVllm(tokenizer).start() for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()

@@ -42,7 +42,7 @@ from serving.api import DECODE_HEADER, PREFILL_HEADER
 from vllm_fleet.background import BackgroundRouter
 from vllm_fleet.config import RouterConfig, parse_router_config
 from vllm_fleet.fleet import Fleet
-from vllm_fleet.model import make_tokenizer, words
+from vllm_fleet.model import words
 from vllm_fleet.online import OnlinePrefillModel
 from vllm_fleet.proxy import VllmRouter, _cached_tokens, _subscriber
 from vllm_fleet.servers import VllmFleet, VllmServer, free_port
@@ -56,6 +56,7 @@ from mooncake.sched import PrefillSample, Reason
 from mooncake.types import InstanceId, Tier
 from tests.vllm_fleet.fake import FakeVllm
 from tests.vllm_fleet.http import fetch
+from tests.vllm_fleet.test_proxy import router_config
 from tests.waiting import is_running, wait_for
 
 BLOCK = 32
@@ -88,18 +89,10 @@ def stored(fleet: Fleet, instance: str, tokens: list[int], seq: int) -> None:
 def proxy_config(
     servers: list[FakeVllm], tokenizer_dir: Path, roles: tuple[str, ...] = (), **router: Any
 ) -> RouterConfig:
-    settings = {
-        "port": 0,
-        "block_size": BLOCK,
-        "tokenizer": str(tokenizer_dir),
-        "health_interval_s": 30.0,  # no health pass unless a test asks for one
-        "calibration_tokens": 0,
-        **router,
-    }
-    instances: list[dict[str, Any]] = [{"url": s.url, "kv_events": f"tcp://127.0.0.1:{free_port()}"} for s in servers]
-    for instance, role in zip(instances, roles, strict=False):
-        instance["role"] = role
-    return parse_router_config({"router": settings, "instances": instances}, "test.toml")
+    """test_proxy's configuration, with no health pass unless a test asks for one and no calibration."""
+    return router_config(
+        servers, tokenizer_dir, roles, **{"health_interval_s": 30.0, "calibration_tokens": 0, **router}
+    )
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
@@ -111,22 +104,6 @@ def sample(router: BackgroundRouter, name: str, labels: dict[str, str]) -> float
     """One series of the router's own metrics (0 where it does not exist yet)."""
     value = router.read(lambda r: r.metrics.registry.get_sample_value(name, {"model_name": MODEL, **labels}))
     return float(value or 0.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tokenizer")
-    make_tokenizer(directory)
-    return directory
-
-
-@pytest.fixture
-def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
-    tokenizer = load_tokenizer(tokenizer_dir)
-    servers = [FakeVllm(tokenizer).start() for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 @contextlib.contextmanager

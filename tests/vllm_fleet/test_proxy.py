@@ -15,7 +15,7 @@ import concurrent.futures
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,28 +28,11 @@ pytest.importorskip("transformers")
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 from vllm_fleet.background import BackgroundRouter
 from vllm_fleet.config import RouterConfig, parse_router_config
-from vllm_fleet.model import make_tokenizer, words
+from vllm_fleet.model import words
 from vllm_fleet.servers import free_port
 
-from mooncake.engine.tokenizer import load_tokenizer
 from tests.vllm_fleet.fake import FakeVllm
 from tests.vllm_fleet.http import fetch
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tokenizer")
-    make_tokenizer(directory)
-    return directory
-
-
-@pytest.fixture
-def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
-    tokenizer = load_tokenizer(tokenizer_dir)
-    servers = [FakeVllm(tokenizer).start() for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def router_config(fakes: list[FakeVllm], tokenizer_dir: Path, roles: Sequence[str] = (), **router: Any) -> RouterConfig:
