@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from mooncake._checks import is_finite_number, require_int
+from mooncake._checks import require_int, require_number
 from mooncake.cache.hashing import BlockHasher
-from mooncake.errors import ConfigError
 from mooncake.types import Request
 from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
@@ -36,8 +35,7 @@ ALPHABET = string.ascii_letters + string.digits + "      "
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not is_finite_number(value) or not value > 0:
-        raise ConfigError(f"--{attribute.name.replace('_', '-')} must be a finite number > 0, got {value!r}")
+    require_number(f"--{attribute.name.replace('_', '-')}", value, minimum=0, strict=True)
 
 
 def _count(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:

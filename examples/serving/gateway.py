@@ -163,6 +163,7 @@ class Gateway:
             )
             await self.site.start()
         except BaseException:  # the port is taken, say: undo the setup's startup (dispatcher, log limits)
+            self.site = None
             await runner.cleanup()
             raise
         return runner

@@ -70,7 +70,7 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import MooncakeError, PeerUnavailable, TransferTimeout, UnknownBlockError
+from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable, TransferTimeout, UnknownBlockError
 from mooncake.sched.outcome import Reason
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
@@ -325,8 +325,8 @@ class Worker:
     def _peer(self, instance_id: str) -> str:
         if instance_id not in self._peers:
             address = self._addresses.get(instance_id)
-            if address is None:  # a KeyError would end the prefill loop: the job fails, the worker goes on
-                raise PeerUnavailable(f"no address for {instance_id}: the gateway's connect did not name it")
+            if address is None:  # the gateway's mistake, not the node's (no probe, no reroute); the worker goes on
+                raise ConfigError(f"no address for {instance_id}: the gateway's connect did not name it")
             self._peers[instance_id] = self.engine.connect(address)
         return self._peers[instance_id]
 
@@ -422,7 +422,7 @@ class Worker:
             keys = self.hasher.block_keys(tokens)[: job.fetch.blocks]
             try:
                 fetched = len(self.messenger.fetch(keys, self._peer(job.fetch.source)).finish(TIMEOUT_S))
-            except (MooncakeError, OSError, KeyError):
+            except (MooncakeError, OSError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
         result = self._prefill.prefill(tokens, sampling=_sampling_params(job.sampling), sink=sink)
         join = wire.DecodeJob(

@@ -85,7 +85,8 @@ class RouterSection:
     """`[router]`: where it listens, the policies, the instances' block size and tokenizer, the objective.
 
     `health_interval_s`: how often each instance's `/health` and `/metrics` are read; `request_timeout_s`: the
-    longest a request may take end to end (504 after); `connect_timeout_s`: to reach an instance (a failure
+    longest a request may take end to end, both steps of a disaggregated pair and any retries together (504
+    after, and the server stays up: slow is not gone); `connect_timeout_s`: to reach an instance (a failure
     marks it down and the request goes elsewhere if nothing was streamed); `max_retries`: other instances tried;
     `calibration_tokens`: the longest of the prefills timed on each server at start-up (0: none, the prefill
     model starts from its prior).

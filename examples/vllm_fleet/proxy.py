@@ -107,12 +107,15 @@ class _TimedOut(Exception):
         self.instance_id = instance_id
 
 
+def _ran_out(error: BaseException) -> bool:
+    """Whether an upstream error is the request's own time running out: aiohttp's total timeout is a plain
+    TimeoutError; its socket timeouts (`ServerTimeoutError`: connect, read) are the server's, as the rest are."""
+    return isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ServerTimeoutError)
+
+
 def _failure(instance_id: InstanceId, error: BaseException) -> Exception:
-    """What an upstream error before the first byte means: aiohttp's total timeout (a plain TimeoutError) is the
-    request's own limit; its socket timeouts (`ServerTimeoutError`: connect, read) and the rest are the server's."""
-    if isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ServerTimeoutError):
-        return _TimedOut(instance_id)
-    return _ServerFailed(instance_id, f"{type(error).__name__}: {error}")
+    """What an upstream error before the first byte streamed means (see `_ran_out`)."""
+    return _TimedOut(instance_id) if _ran_out(error) else _ServerFailed(instance_id, f"{type(error).__name__}: {error}")
 
 
 class VllmRouter:
@@ -413,18 +416,14 @@ class VllmRouter:
                     return await self._forward(
                         request, flight, path, payload, stream, wants_usage, received, overhead_us
                     )
-                prefilled = await self._prefill(flight, path, upstream_body)
+                prefilled = await self._prefill(flight, path, upstream_body, received)
                 if isinstance(prefilled, web.Response):
                     return prefilled
                 return await self._forward(request, flight, path, prefilled, stream, wants_usage, received, overhead_us)
             except _TimedOut as late:
-                # Slow, not gone (request_timeout_s is end to end): the server keeps its place and its cache.
+                # Slow, not gone: the server keeps its place and its cache (a wedged one is /health's to find).
                 self.fleet.failed(flight, time.monotonic(), Reason.TIMEOUT)
-                raise ApiError(
-                    504,
-                    f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s) on "
-                    f"{late.instance_id}",
-                ) from None
+                raise ApiError(504, self._timeout_message(late.instance_id)) from None
             except _ServerFailed as failure:
                 log.warning(
                     "instance %s failed request %s: %s; trying another",
@@ -439,14 +438,18 @@ class VllmRouter:
                 raise
         raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
 
-    @property
-    def _request_timeout(self) -> aiohttp.ClientTimeout:
-        """One upstream request's limits (each step of a disaggregated pair alike)."""
-        return aiohttp.ClientTimeout(
-            total=self.settings.request_timeout_s, sock_connect=self.settings.connect_timeout_s
-        )
+    def _timeout_message(self, instance_id: InstanceId) -> str:
+        return f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s) on {instance_id}"
 
-    async def _prefill(self, flight: Flight, path: str, body: dict[str, Any]) -> bytes | web.Response:
+    def _upstream_timeout(self, received: float, instance_id: InstanceId) -> aiohttp.ClientTimeout:
+        """One upstream call's limits: what is left of `request_timeout_s` since the request was received (end to
+        end: a disaggregated pair's two steps and any retries share it), and the connect timeout."""
+        left = received + self.settings.request_timeout_s - time.monotonic()
+        if left <= 0:
+            raise _TimedOut(instance_id)
+        return aiohttp.ClientTimeout(total=left, sock_connect=self.settings.connect_timeout_s)
+
+    async def _prefill(self, flight: Flight, path: str, body: dict[str, Any], received: float) -> bytes | web.Response:
         """Step one of the disaggregated flow (that of vLLM's disaggregated-serving proxy): the prompt with
         `max_tokens` 1 on the prefill server, asking it to keep the KV for a decode elsewhere (`REMOTE_DECODE`).
 
@@ -463,7 +466,9 @@ class VllmRouter:
         prefill["kv_transfer_params"] = REMOTE_DECODE
         try:
             async with self._session.post(
-                f"{self.fleet.instances[instance_id].url}{path}", json=prefill, timeout=self._request_timeout
+                f"{self.fleet.instances[instance_id].url}{path}",
+                json=prefill,
+                timeout=self._upstream_timeout(received, instance_id),
             ) as upstream:
                 data = await upstream.read()
                 status, headers = upstream.status, upstream.headers
@@ -518,7 +523,10 @@ class VllmRouter:
         done = False  # the answer was read to its end (else the connection is closed: the server aborts it)
         try:
             upstream = await self._session.post(
-                f"{instance.url}{path}", data=payload, headers=headers, timeout=self._request_timeout
+                f"{instance.url}{path}",
+                data=payload,
+                headers=headers,
+                timeout=self._upstream_timeout(received, instance_id),
             )
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
             raise _failure(instance_id, error) from error
@@ -582,11 +590,11 @@ class VllmRouter:
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
                 if not prepared:
                     raise _failure(instance_id, error) from error
-                timed_out = isinstance(_failure(instance_id, error), _TimedOut)
+                timed_out = _ran_out(error)
                 fleet.failed(flight, time.monotonic(), Reason.TIMEOUT if timed_out else Reason.FAILED)
                 message = {
                     "error": {
-                        "message": f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s)"
+                        "message": self._timeout_message(instance_id)
                         if timed_out
                         else f"the server failed mid-stream: {error}",
                         "type": "timeout_error" if timed_out else "server_error",

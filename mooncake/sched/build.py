@@ -123,8 +123,8 @@ def build_conductor(
         ConfigError: a model or hardware that is not a `ModelShape` / `Hardware` (a preset's name, say), neither
             or both of `hasher` and `block_size_tokens`, a hasher that is no `BlockHasher`, a block size that is
             not an integer >= 1, an instance list given as one string (or no collection), an instance listed
-            twice, a `prefill` or `transfer` model without its method, `transfers` not a bool, or a router
-            factory that cannot be called with the TTFT estimator alone.
+            twice, a `prefill` or `transfer` model without its method, `transfers` not a bool, a router
+            factory that cannot be called with the TTFT estimator alone, or a class that is no router.
     """
     for name, value, kind, table in (
         ("model", model, ModelShape, "MODELS"),

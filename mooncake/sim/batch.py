@@ -228,7 +228,8 @@ class ContinuousBatch:
         """Whole steps of the current stretch done within `elapsed_s` of its start.
 
         Raises:
-            InvalidRequestError: `elapsed_s` is NaN or infinite (no whole count of steps answers it).
+            InvalidRequestError: `elapsed_s` is NaN or +inf while the batch has members (no whole count of
+                steps answers it; an empty batch, or a time <= 0, does none).
         """
         if not self.members or elapsed_s <= 0:
             return 0

@@ -87,7 +87,11 @@ class Region:
 
 
 def as_writable_bytes(buffer: Any) -> memoryview:
-    """`buffer` as a flat, writable byte view (numpy arrays of any dtype included)."""
+    """`buffer` as a flat, writable byte view (numpy arrays of any dtype included).
+
+    Raises:
+        TransferError: `buffer` exposes no bytes (a list, a str), or they are read-only or not contiguous.
+    """
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise TransferError("a registered buffer must be contiguous and writable")

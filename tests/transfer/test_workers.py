@@ -101,7 +101,7 @@ def test_slices_left_queued_by_a_worker_that_stopped_are_answered_at_the_close()
 def test_close_stops_every_idle_worker_without_waiting_out_a_join() -> None:
     """Each idle worker gets its own stop marker: `close` returns well within one `join_timeout_s`, with every
     thread ended (one marker for all would leave the others to the join's timeout, then to the second round)."""
-    count, join_timeout_s = 4, 3.0
+    count, join_timeout_s = 4, 10.0
 
     def serve(workers: Workers) -> None:
         while workers.take() is not None:

@@ -53,7 +53,11 @@ def fakes(tokenizer_dir: Path) -> Iterator[list[FakeVllm]]:
     from tests.vllm_fleet.fake import FakeVllm
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    servers = [FakeVllm(tokenizer).start() for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
+    servers: list[FakeVllm] = []
+    try:
+        for _ in range(2):
+            servers.append(FakeVllm(tokenizer).start())
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

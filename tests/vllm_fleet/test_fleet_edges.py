@@ -108,11 +108,11 @@ def sample(router: BackgroundRouter, name: str, labels: dict[str, str]) -> float
 
 @contextlib.contextmanager
 def serving(*servers: FakeVllm) -> Iterator[tuple[FakeVllm, ...]]:
-    for server in servers:
-        server.start()
     try:
+        for server in servers:
+            server.start()
         yield servers
-    finally:
+    finally:  # stop() of a server that never started does nothing
         for server in servers:
             server.stop()
 
@@ -725,6 +725,22 @@ def test_a_request_over_its_timeout_is_a_504_and_its_server_stays_up(
         flights = router.read(lambda r: len(r.fleet.flights))
     assert (status, up, flights) == (504, [True, True], 0), text
     assert "request_timeout_s" in text
+
+
+def test_a_disaggregated_pairs_two_steps_share_one_timeout(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """`request_timeout_s` is end to end: a prefill step that takes most of it leaves the decode step the rest,
+    not a limit of its own, so the stream ends with the timeout event though each step alone is within it."""
+    prefill, decode = fakes
+    prefill.seconds_per_token = 0.1  # a prompt of 6 tokens: 0.6 s
+    decode.seconds_between_tokens = 0.1  # 20 tokens: about 2 s
+    config = proxy_config(fakes, tokenizer_dir, roles=("prefill", "decode"), request_timeout_s=2.0)
+    with BackgroundRouter(config) as router:
+        body = {"model": MODEL, "prompt": words(2, seed=5), "max_tokens": 20, "stream": True}
+        status, headers, text = post(f"{router.url}/v1/completions", body)
+        up = router.read(lambda r: [x.up for x in r.fleet.instances.values()])
+    assert headers[PREFILL_HEADER] != headers[DECODE_HEADER]  # the pair served it
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert (status, up) == (200, [True, True]) and events[-1]["error"]["type"] == "timeout_error", text
 
 
 def test_a_stream_over_its_timeout_ends_with_a_timeout_event_and_its_server_stays_up(
