@@ -610,6 +610,8 @@ class RunningCluster:
         except BaseException as error:  # reported to the starting thread
             self._failure = error
             self._ready.set()
+        finally:  # else the loop's self-pipe stays open until the collector finds it
+            self._loop.close()
 
     async def _main(self) -> None:
         self._stopping = asyncio.Event()
@@ -626,7 +628,8 @@ class RunningCluster:
         the cluster is shutting down (before their workers stop: else their clients would read that an engine
         failed), and every worker stops."""
         if self._stopping is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._stopping.set)
+            with contextlib.suppress(RuntimeError):  # the loop ended and closed meanwhile
+                self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join(timeout=grace_s)  # a daemon: if its cleanup hangs, the workers are stopped all the same
         if self._thread.is_alive() and self._loop.is_running():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
