@@ -816,3 +816,18 @@ def test_the_instances_toml_is_a_router_config(tmp_path: Path) -> None:
             "tcp://127.0.0.1:9001",
             "tcp://127.0.0.1:9002",
         )
+
+
+def test_close_ends_the_routers_background_tasks_at_once(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """The router's own loops (KV events, health) run until cancelled: `close` cancels them and returns at once,
+    instead of waiting for loops that never end (BackgroundRouter's 30 s limit would be all that ended it)."""
+    background = BackgroundRouter(proxy_config(fakes, tokenizer_dir))
+    try:
+        tasks = background.read(lambda r: list(r._tasks))
+        assert tasks, "the router runs background loops"
+        started = time.monotonic()
+        asyncio.run_coroutine_threadsafe(background.router.close(), background.loop).result(10.0)
+        assert time.monotonic() - started < 5.0
+        assert background.read(lambda r: (r._tasks, all(task.done() for task in tasks))) == ([], True)
+    finally:
+        background.close()  # a second close finds nothing left to stop
