@@ -439,17 +439,24 @@ def test_close_removes_the_ssd_folder_and_closes_its_pool(tmp_path: Path, monkey
     assert not [name for name in info["shm"] if Path("/dev/shm", name.lstrip("/")).exists()], info["shm"]
 
 
-def test_a_cancelled_decode_stops_and_a_waiting_hand_off_is_dropped(pair: Pair) -> None:
-    """`decode.cancel` of a request being decoded: no token after it, it never finishes, and it leaves the health
-    answer's batch; of a hand-off still waiting for blocks another push is filling: it stops waiting, lets go of
-    the block it pinned and is never joined."""
-    prefill, decode, _told, decoded = pair
+def start_a_long_decode(prefill: Worker, decode: Worker) -> wire.Sampling:
+    """Both workers started, and request 1 (attempt 0) prefilled to run 1,500 tokens on the decode node; returns
+    its sampling options."""
     decode.start()
     prefill.start()
     long = attrs.evolve(SAMPLING, max_tokens=1500)
     control(
         prefill, wire.PrefillJob(request_id=1, attempt=0, tokens=PROMPT, decode="decode-0", fetch=None, sampling=long)
     )
+    return long
+
+
+def test_a_cancelled_decode_stops_and_a_waiting_hand_off_is_dropped(pair: Pair) -> None:
+    """`decode.cancel` of a request being decoded: no token after it, it never finishes, and it leaves the health
+    answer's batch; of a hand-off still waiting for blocks another push is filling: it stops waiting, lets go of
+    the block it pinned and is never joined."""
+    prefill, decode, _told, decoded = pair
+    long = start_a_long_decode(prefill, decode)
 
     wait_for(lambda: len(tokens_of(decoded, 1)) >= 3, timeout=30.0, what="the long request to decode")
     control(decode, wire.CancelDecode(request_id=1))
@@ -526,12 +533,7 @@ def test_a_later_attempt_replaces_the_one_decoding_and_a_repeat_changes_nothing(
     batch holds the later one alone), its join report gives its context and output tokens; a repeated or earlier
     hand-off of it changes nothing."""
     prefill, decode, _told, decoded = pair
-    decode.start()
-    prefill.start()
-    long = attrs.evolve(SAMPLING, max_tokens=1500)
-    control(
-        prefill, wire.PrefillJob(request_id=1, attempt=0, tokens=PROMPT, decode="decode-0", fetch=None, sampling=long)
-    )
+    long = start_a_long_decode(prefill, decode)
 
     def joined() -> list[wire.DecodeJoined]:
         return [m for m in list(decoded) if isinstance(m, wire.DecodeJoined)]
