@@ -5,16 +5,20 @@ undone within a size cap, its charset one of the Unicode ones, JSON without
 NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
-limit. A parameter this server does not implement (`n` > 1, `logprobs`,
-`echo`, `best_of`, tools, penalties, ...) is refused unless it has the value
-that changes nothing; one it does not know is ignored with a warning, as vLLM
-does (its clients send extras other servers do not know).
+limit. A parameter this server does not implement (`n` > 1, `echo`,
+`prompt_logprobs`, `best_of`, tools, penalties, ...) is refused unless it has
+the value that changes nothing; one it does not know is ignored with a warning,
+as vLLM does (its clients send extras other servers do not know).
 
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
 chunk carries the role; `stream_options.include_usage` adds a last chunk with
 the `Usage` and no choices, and with `continuous_usage_stats` as well every chunk
-carries the usage so far, as vLLM's do).
+carries the usage so far, as vLLM's do). Log-probabilities, where asked
+(`logprobs: k` for a completion, `logprobs: true` and `top_logprobs: k` for a
+chat, k <= `MAX_LOGPROBS`), come in OpenAI's two shapes (`Logprobs`): a
+completion's four parallel lists, a chat's `content` list; each chunk carries
+those of the tokens it is the first to show.
 
 Every failure is an `ApiError`: a status and OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; `code` is a string for the
@@ -34,11 +38,12 @@ import json
 import logging
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, http_status
 from serving.tokenizer import ServingTokenizer
@@ -52,6 +57,7 @@ __all__ = [
     "Chunk",
     "Completion",
     "CompletionRequest",
+    "Logprobs",
     "Reply",
     "SamplingOptions",
     "ServedModel",
@@ -81,6 +87,8 @@ DECODE_HEADER = "X-Mooncake-Decode-Instance"
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`, OpenAI's chat limit
+LOGPROB_FLOOR = -9999.0  # a log-probability of -inf as OpenAI and vLLM write it (JSON has no infinity)
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's error types by status; any other 4xx is an invalid_request_error, any 5xx a server_error.
@@ -295,6 +303,8 @@ class SamplingOptions:
         min_tokens: no stop id is drawn and no stop string ends the text before this many tokens (vLLM's).
         add_special_tokens: the tokenizer adds its special tokens (a BOS) to the prompt; vLLM's defaults, true
             for a completion and false for a chat, whose template writes its own.
+        logprobs: None, no log-probabilities; k, each token's and the k most probable tokens' (a completion's
+            `logprobs`, a chat's `top_logprobs` with `logprobs: true`).
     """
 
     max_tokens: int | None
@@ -306,6 +316,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     min_tokens: int = 0
     add_special_tokens: bool = True
+    logprobs: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -368,8 +379,7 @@ COUNTS = frozenset({"n", "best_of"})  # a count of choices: a type or range erro
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _one,
     "best_of": _one,
-    "logprobs": _off,
-    "top_logprobs": _zero,  # vLLM's default, sent by clients that ask for no logprobs
+    "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,
     "suffix": lambda v: v is None or v == "",
     "presence_penalty": _zero,
@@ -433,9 +443,10 @@ SHARED = (
     "ignore_eos",
     "min_tokens",
     "add_special_tokens",
+    "logprobs",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
-CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs"})
+CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
 
 
 def _param(name: str) -> str:
@@ -551,6 +562,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         ignore_eos=_flag(body, "ignore_eos", default=False),
         min_tokens=min_tokens,
         add_special_tokens=_flag(body, "add_special_tokens", default=not chat),
+        logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
@@ -561,6 +573,24 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
     }
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """A completion's `logprobs`: the most probable tokens to list beside each token (0: only its own), None
+    (or false, as clients that want none send) for none."""
+    if body.get("logprobs") is None or body.get("logprobs") is False:  # not `in (None, False)`: 0 == False
+        return None
+    return _integer(body, "logprobs", 0, 0, MAX_LOGPROBS)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """A chat's `logprobs` (a flag) and `top_logprobs` (how many of the most probable tokens beside each one), as
+    one count; vLLM's 400 for a `top_logprobs` above 0 without `logprobs: true`."""
+    wanted = _flag(body, "logprobs", default=False)
+    top = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if top and not wanted:
+        raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
+    return top if wanted else None
 
 
 def requested_max_tokens(body: Mapping[str, Any], *, default: int | None) -> int | None:
@@ -835,23 +865,86 @@ class Usage:
         }
 
 
+class Logprobs:
+    """A request's tokens' log-probabilities in OpenAI's shape, a part at a time (each call to `take` gives those
+    of the tokens it is given, for one answer or one chunk).
+
+    A completion's (`chat` false) are four parallel lists, as vLLM writes them: `tokens` (each token's text),
+    `token_logprobs`, `top_logprobs` (per token, an object of the token's own and the `k` most probable tokens'
+    log-probabilities by text: k + 1 entries at most) and `text_offset` (where each token's text starts, summing
+    the texts before it, across the parts). A chat's are `{"content": [{"token", "logprob", "bytes",
+    "top_logprobs": [{"token", "logprob", "bytes"}: the k most probable, most probable first]}]}`.
+
+    A token's text is `token_text`'s (the tokenizer's text of the lone token, as vLLM shows it); a log-probability
+    of -inf is written -9999.0, as OpenAI and vLLM write it.
+    """
+
+    def __init__(self, *, chat: bool, k: int, token_text: Callable[[int], str]) -> None:
+        self.chat, self.k, self.token_text = chat, k, token_text
+        self._offset = 0  # a completion's next text offset
+
+    def take(self, tokens: Sequence[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        """The log-probabilities of (token, its log-probabilities) pairs, in order (None where the engine sent
+        none: a null log-probability, as vLLM writes a token without them)."""
+        return self._chat(tokens) if self.chat else self._completion(tokens)
+
+    def _completion(self, tokens: Sequence[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        texts, logprobs, tops, offsets = [], [], [], []
+        for token, entry in tokens:
+            text = self.token_text(token)
+            texts.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            if entry is None:
+                logprobs.append(None)
+                tops.append(None)
+                continue
+            logprobs.append(_floored(entry.logprob))
+            top = {text: _floored(entry.logprob)}  # the token's own first, as vLLM lists it
+            for other, logprob in entry.top[: self.k]:
+                top[self.token_text(other)] = _floored(logprob)
+            tops.append(top)
+        return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": texts, "top_logprobs": tops}
+
+    def _chat(self, tokens: Sequence[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        content = []
+        for token, entry in tokens:
+            item = self._chat_item(token, None if entry is None else entry.logprob)
+            item["top_logprobs"] = [] if entry is None else [self._chat_item(t, lp) for t, lp in entry.top[: self.k]]
+            content.append(item)
+        return {"content": content}
+
+    def _chat_item(self, token: int, logprob: float | None) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {
+            "token": text,
+            "logprob": None if logprob is None else _floored(logprob),
+            "bytes": list(text.encode("utf-8", errors="replace")),
+        }
+
+
+def _floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 @attrs.frozen(kw_only=True)
 class Completion:
     """A whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string that ended it, as
-    vLLM names it) and its usage."""
+    vLLM names it), its usage and its log-probabilities (`Logprobs`' JSON; None where none were asked)."""
 
     reply: Reply
     text: str
     finish_reason: str
     usage: Usage
     stop_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
-            "logprobs": None,
+            "logprobs": self.logprobs,
         }
         if self.reply.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
@@ -863,7 +956,8 @@ class Completion:
 @attrs.frozen(kw_only=True)
 class Chunk:
     """One server-sent event of a stream: some text, the finish reason of the last, or only the usage
-    (`usage_only`); `usage` beside a choice is the usage so far (`continuous_usage_stats`)."""
+    (`usage_only`); `usage` beside a choice is the usage so far (`continuous_usage_stats`); `logprobs` those of
+    the tokens this chunk is the first to show."""
 
     reply: Reply
     text: str | None = None
@@ -872,6 +966,7 @@ class Chunk:
     role: bool = False  # a chat's first text chunk carries the assistant's role
     usage: Usage | None = None
     usage_only: bool = False
+    logprobs: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         usage = {} if self.usage is None else {"usage": self.usage.to_json()}
@@ -884,7 +979,7 @@ class Chunk:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": self.text or ""}
-        choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=None)
+        choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=self.logprobs)
         return {**self.reply.header(chunk=True), "choices": [choice], **usage}
 
     def to_sse(self) -> bytes:
@@ -905,8 +1000,17 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.name, "object": kind, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None) -> Completion:
-        return Completion(reply=self, text=text, finish_reason=finish_reason, usage=usage, stop_reason=stop_reason)
+    def completion(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        stop_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> Completion:
+        return Completion(
+            reply=self, text=text, finish_reason=finish_reason, usage=usage, stop_reason=stop_reason, logprobs=logprobs
+        )
 
     def chunk(
         self,
@@ -916,9 +1020,16 @@ class Reply:
         stop_reason: str | None = None,
         role: bool = False,
         usage: Usage | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> Chunk:
         return Chunk(
-            reply=self, text=text, finish_reason=finish_reason, stop_reason=stop_reason, role=role, usage=usage
+            reply=self,
+            text=text,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            role=role,
+            usage=usage,
+            logprobs=logprobs,
         )
 
     def usage_chunk(self, usage: Usage) -> Chunk:

@@ -111,7 +111,7 @@ REPORTS = (
 
 @attrs.define(eq=False)
 class LiveRequest:
-    """A request between its acceptance and its end; `events` queues ("token", (token, finished)) or ("error", e)."""
+    """A request between its acceptance and its end; `events` queues ("token", wire.Token) or ("error", e)."""
 
     request_id: RequestId
     tokens: list[int]
@@ -427,6 +427,7 @@ class Dispatcher:
                 seed=sampling.seed,
                 stop_ids=self._stop_ids_of(live),
                 min_tokens=sampling.min_tokens,
+                logprobs=sampling.logprobs,
             ),
         )
         instance = live.prefill
@@ -441,8 +442,8 @@ class Dispatcher:
 
         future.add_done_callback(check)
 
-    async def tokens(self, live: LiveRequest) -> AsyncIterator[int]:
-        """The request's tokens as they arrive.
+    async def tokens(self, live: LiveRequest) -> AsyncIterator[wire.Token]:
+        """The request's tokens as they arrive (with their log-probabilities where it asked for them).
 
         `[limits] request_timeout_s` bounds each wait: for the first token from the request's arrival, for each
         next one from the one before. A request whose tokens keep coming runs to its end however long that takes
@@ -464,9 +465,8 @@ class Dispatcher:
                 raise ApiError(504, f"no token came for {timeout_s:g} s: the request timed out") from None
             if kind == "error":
                 raise payload
-            token, finished = payload
-            yield token
-            if finished:
+            yield payload
+            if payload.finished:
                 return
             deadline = self.now() + timeout_s  # from when the reader asks again: a slow client is not a stall
 
@@ -683,7 +683,7 @@ class Dispatcher:
                 inter_token.observe(now - live.last_token_s)
             live.last_token_s = now
             live.generated += 1
-            live.events.put_nowait(("token", (token.token, token.finished)))
+            live.events.put_nowait(("token", token))
             if token.finished:
                 self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_ids_of(live))
 

@@ -47,13 +47,16 @@ from typing import Any
 from aiohttp import HttpVersion11, web
 
 import mooncake
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.sched.outcome import Outcome, Reason
+from serving import wire
 from serving.api import (
     DECODE_HEADER,
     PREFILL_HEADER,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    Logprobs,
     Reply,
     SamplingOptions,
     ServedModel,
@@ -344,6 +347,12 @@ class Gateway:
             min_tokens=sampling.min_tokens,
         )
 
+    def _logprobs(self, reply: Reply, sampling: SamplingOptions) -> Logprobs | None:
+        """The writer of the request's log-probabilities (None: it asked for none)."""
+        if sampling.logprobs is None:
+            return None
+        return Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=self.tokenizer.token_text)
+
     def _usage(self, live: LiveRequest, completion: int) -> Usage:
         return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
 
@@ -351,11 +360,11 @@ class Gateway:
         self, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
         text = self._text_stream(parsed.sampling)
-        pieces, count = [], 0
+        pieces, generated = [], []
         try:
             async for token in self.dispatcher.tokens(live):
-                count += 1
-                pieces.append(text.feed(token))
+                generated.append((token.token, token.logprobs))
+                pieces.append(text.feed(token.token))
                 if text.stopped:
                     self.dispatcher.finish(live)
                     break
@@ -365,7 +374,14 @@ class Gateway:
         pieces.append(text.finish())
         self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
-        answer = reply.completion("".join(pieces), finish, self._usage(live, count), text.stop_reason).to_json()
+        logprobs = self._logprobs(reply, parsed.sampling)
+        answer = reply.completion(
+            "".join(pieces),
+            finish,
+            self._usage(live, len(generated)),
+            text.stop_reason,
+            logprobs=None if logprobs is None else logprobs.take(generated),
+        ).to_json()
         return web.json_response(answer, headers=_route_headers(live))
 
     async def _stream(
@@ -386,9 +402,19 @@ class Gateway:
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         count = 0
+        logprobs = self._logprobs(reply, parsed.sampling)
+        unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
 
         def so_far() -> Usage | None:
             return self._usage(live, count) if parsed.continuous_usage else None
+
+        def shown() -> dict[str, Any] | None:
+            """The log-probabilities of the tokens the next chunk shows (all since the last chunk)."""
+            if logprobs is None:
+                return None
+            taken = logprobs.take(unshown)
+            unshown.clear()
+            return taken
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
             await response.write(reply.chunk("", role=True, usage=so_far()).to_sse())
@@ -396,15 +422,22 @@ class Gateway:
         try:
             async for token in _following(first, tokens):
                 count += 1
-                piece = text.feed(token)
+                unshown.append((token.token, token.logprobs))
+                piece = text.feed(token.token)
                 if piece:
-                    await response.write(reply.chunk(piece, usage=so_far()).to_sse())
+                    await response.write(reply.chunk(piece, usage=so_far(), logprobs=shown()).to_sse())
                 if text.stopped:
                     self.dispatcher.finish(live)
                     break
             rest = text.finish()
             finish = "stop" if text.stopped else "length"
-            last = reply.chunk(rest or None, finish, stop_reason=text.stop_reason, usage=so_far())
+            last = reply.chunk(
+                rest or None,
+                finish,
+                stop_reason=text.stop_reason,
+                usage=so_far(),
+                logprobs=shown() if unshown else None,
+            )
             await response.write(last.to_sse())
             if parsed.include_usage:
                 await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
@@ -445,7 +478,7 @@ def _route_headers(live: LiveRequest) -> dict[str, str]:
     return {PREFILL_HEADER: str(live.prefill), DECODE_HEADER: str(live.decode)}
 
 
-async def _following(first: int | None, tokens: AsyncIterator[int]) -> AsyncIterator[int]:
+async def _following(first: wire.Token | None, tokens: AsyncIterator[wire.Token]) -> AsyncIterator[wire.Token]:
     """`first` (None: there is none), then the rest of `tokens`."""
     if first is None:
         return

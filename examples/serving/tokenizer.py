@@ -51,8 +51,9 @@ class Decoder(Protocol):
 
 
 class ServingTokenizer(Protocol):
-    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, a generation's text stream, and the
-    token ids that end a generation (the decode engine stops at them too)."""
+    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, a generation's text stream, a lone
+    token's text (shown beside its log-probability), and the token ids that end a generation (the decode engine
+    stops at them too)."""
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...
@@ -66,6 +67,8 @@ class ServingTokenizer(Protocol):
         variables: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> list[int]: ...
+
+    def token_text(self, token: int) -> str: ...
 
     def stream(
         self,
@@ -99,6 +102,10 @@ class ByteTokenizer:
 
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        """The lone byte's text (U+FFFD for a byte that only begins or continues a character)."""
+        return self.decode([token])
 
     def stream(
         self,
@@ -144,6 +151,10 @@ class CheckpointTokenizer:
             [{"role": role, "content": content} for role, content in messages], **(variables or {})
         )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """The lone token's text as vLLM shows it (`Tokenizer.token_text`)."""
+        return self.tokenizer.token_text(token)
 
     def stream(
         self,

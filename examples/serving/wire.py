@@ -15,6 +15,10 @@ control call that carries it; its fields travel as the call's JSON object:
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
                        decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
 
+A token whose request asked for log-probabilities carries them as a sixth item,
+`[logprob, rank, [[token, logprob]…]]` (`TokenLogprobs`); a job's first token's
+ride in `DecodeJob.first_logprobs` the same way.
+
 Reports name the worker that sends them and the request's `attempt` (a
 request rescheduled after its prefill engine went down is sent again with the
 next attempt), so the gateway can ignore what a worker that was presumed dead
@@ -43,6 +47,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import attrs
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import MooncakeError
 from mooncake.types import InstanceId, Tier
 
@@ -140,6 +145,31 @@ def _load_events(value: Any, where: str) -> tuple[CacheEvent, ...]:
     return tuple(event_from_wire(item, where=f"{where}[{i}]") for i, item in enumerate(value))
 
 
+def _load_logprob(value: Any, where: str) -> float:
+    """A log-probability: a number <= 0, -inf included (JSON's -Infinity), never NaN."""
+    if type(value) not in (int, float) or not value <= 0:
+        raise _bad(where, "a log-probability (a number <= 0)", value)
+    return float(value)
+
+
+def _load_logprobs(value: Any, where: str) -> TokenLogprobs:
+    shape = "[logprob, rank, [[token, logprob], ...]]"
+    if type(value) is not list or len(value) != 3 or type(value[1]) is not int or value[1] < 1:
+        raise _bad(where, shape, value)
+    if type(value[2]) is not list:
+        raise _bad(f"{where}[2]", "a list of [token, logprob]", value[2])
+    top = []
+    for i, pair in enumerate(value[2]):
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not int or pair[0] < 0:
+            raise _bad(f"{where}[2][{i}]", "[token, logprob]", pair)
+        top.append((pair[0], _load_logprob(pair[1], f"{where}[2][{i}][1]")))
+    return TokenLogprobs(logprob=_load_logprob(value[0], f"{where}[0]"), rank=value[1], top=tuple(top))
+
+
+def _dump_logprobs(logprobs: TokenLogprobs) -> list[Any]:
+    return [logprobs.logprob, logprobs.rank, [list(pair) for pair in logprobs.top]]
+
+
 def _load_tokens(value: Any, where: str) -> tuple[Token, ...]:
     if type(value) is not list:
         raise _bad(where, "a list of tokens", value)
@@ -147,20 +177,27 @@ def _load_tokens(value: Any, where: str) -> tuple[Token, ...]:
     for i, item in enumerate(value):
         if (
             type(item) is not list
-            or len(item) != 5
+            or len(item) not in (5, 6)
             or not all(type(x) is int for x in item[:4])
             or type(item[4]) is not bool
         ):
-            raise _bad(f"{where}[{i}]", "[request_id, attempt, token, index, finished]", item)
-        tokens.append(Token(request_id=item[0], attempt=item[1], token=item[2], index=item[3], finished=item[4]))
+            raise _bad(f"{where}[{i}]", "[request_id, attempt, token, index, finished(, logprobs)]", item)
+        logprobs = _load_logprobs(item[5], f"{where}[{i}][5]") if len(item) == 6 else None
+        tokens.append(Token(item[0], item[1], item[2], item[3], item[4], logprobs))
     return tuple(tokens)
+
+
+def _dump_token(t: Token) -> list[Any]:
+    item = [t.request_id, t.attempt, t.token, t.index, t.finished]
+    return item if t.logprobs is None else [*item, _dump_logprobs(t.logprobs)]
 
 
 INT, FLOAT, STR, BOOL = _Codec(_load_int), _Codec(_load_float), _Codec(_load_str), _Codec(_load_bool)
 INTS = _Codec(_load_ints, list)
 STR_MAP = _Codec(_load_str_map)
 EVENTS = _Codec(_load_events, lambda events: [event_to_wire(e) for e in events])
-TOKENS = _Codec(_load_tokens, lambda tokens: [[t.request_id, t.attempt, t.token, t.index, t.finished] for t in tokens])
+TOKENS = _Codec(_load_tokens, lambda tokens: [_dump_token(t) for t in tokens])
+LOGPROBS = _Codec(_load_logprobs, _dump_logprobs)
 
 
 def _record(cls: type[Any]) -> _Codec:
@@ -174,6 +211,9 @@ def _optional(codec: _Codec) -> _Codec:
     )
 
 
+OPTIONAL_INT, OPTIONAL_LOGPROBS = _optional(INT), _optional(LOGPROBS)
+
+
 def _field(codec: _Codec, **options: Any) -> Any:
     return attrs.field(metadata={"codec": codec}, **options)
 
@@ -183,13 +223,15 @@ def _field(codec: _Codec, **options: Any) -> Any:
 
 @attrs.frozen
 class Token:
-    """One generated token of a request's attempt: its `index`-th output token, the last when `finished`."""
+    """One generated token of a request's attempt: its `index`-th output token, the last when `finished`; its
+    log-probabilities where the request asked for them."""
 
     request_id: int
     attempt: int
     token: int
     index: int
     finished: bool
+    logprobs: TokenLogprobs | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -204,7 +246,8 @@ class Fetch:
 class Sampling:
     """How a request's tokens are chosen and when it ends, as the gateway set it: one record the prefill job
     carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
-    generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn)."""
+    generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn; `logprobs`: the
+    most probable tokens' log-probabilities to report with each token, None for none)."""
 
     max_tokens: int = _field(INT)
     temperature: float = _field(FLOAT)
@@ -212,6 +255,7 @@ class Sampling:
     seed: int = _field(INT)
     stop_ids: tuple[int, ...] = _field(INTS)
     min_tokens: int = _field(INT, default=0)
+    logprobs: int | None = _field(OPTIONAL_INT, default=None)
 
 
 @attrs.frozen(kw_only=True)
@@ -304,6 +348,7 @@ class DecodeJob:
     prompt_tokens: int = _field(INT)
     first_token: int = _field(INT)
     sampling: Sampling = _field(_record(Sampling))  # noqa: RUF009 (an attrs field)
+    first_logprobs: TokenLogprobs | None = _field(OPTIONAL_LOGPROBS, default=None)  # noqa: RUF009 (an attrs field)
 
 
 @attrs.frozen(kw_only=True)

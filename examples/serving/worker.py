@@ -432,6 +432,7 @@ class Worker:
             prompt_tokens=len(tokens),
             first_token=result.first_token,
             sampling=job.sampling,
+            first_logprobs=result.first_logprobs,
         )
         done = wire.PrefillDone(
             instance_id=self.spec.instance_id,
@@ -497,7 +498,7 @@ class Worker:
 
     def _token(self, event: TokenEvent) -> wire.Token:
         attempt = self._attempts.pop(event.request_id, 0) if event.finished else self._attempts.get(event.request_id, 0)
-        return wire.Token(int(event.request_id), attempt, event.token, event.index, event.finished)
+        return wire.Token(int(event.request_id), attempt, event.token, event.index, event.finished, event.logprobs)
 
     def _join_arrived(self, first_token: Callable[[wire.Token], None]) -> None:
         """Join the hand-offs, in their order of arrival, except those still waiting for blocks another push is
@@ -593,7 +594,7 @@ class Worker:
         if decoding:
             self._attempts[request_id] = job.attempt
         # The prefill's token is the request's first output token (the engine does not report it without on_token).
-        first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, not decoding))
+        first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, not decoding, job.first_logprobs))
 
 
 def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
@@ -604,6 +605,7 @@ def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
         seed=sampling.seed,
         stop_token_ids=sampling.stop_ids,
         min_tokens=sampling.min_tokens,
+        logprobs=sampling.logprobs,
     )
 
 

@@ -30,6 +30,7 @@ _HOMES = {
     "PrefillResult": "prefill",
     "Sampler": "sampling",
     "SamplingParams": "sampling",
+    "TokenLogprobs": "logprobs",
     "TokenEvent": "decode",
     "TokenStream": "decode",
     "RopeScaling": "config",

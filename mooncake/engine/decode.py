@@ -43,6 +43,7 @@ from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, requi
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.kv import KvLayout
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
@@ -79,12 +80,14 @@ class DecodeConfig:
 
 @attrs.frozen(kw_only=True)
 class TokenEvent:
-    """One generated token: the `index`-th output token of `request_id`."""
+    """One generated token: the `index`-th output token of `request_id`, with its log-probabilities where the
+    request's sampling asks for them."""
 
     request_id: RequestId
     token: int
     index: int
     finished: bool
+    logprobs: TokenLogprobs | None = None
 
 
 @attrs.define(eq=False)
@@ -198,13 +201,14 @@ class DecodeEngine:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> JoinVerdict:
         """Admit a prefilled request into the batch, or say which check of the decode rule refused it.
 
         The verdict is `check_join(self.limits, self.load(), ...)` with the engine's step
         model and `config.tbt_slo_s` (its `predicted_tbt_s` is set when there is a step
-        model). On acceptance the request's first token (the prefill's) is reported at
-        once; a request with `max_new_tokens == 1`, or whose first token is one of its stop
+        model). On acceptance the request's first token (the prefill's, with its
+        `first_logprobs`) is reported at once; a request with `max_new_tokens == 1`, or whose first token is one of its stop
         tokens, is then already finished and takes no slot (so only its context is checked).
 
         Raises:
@@ -250,7 +254,7 @@ class DecodeEngine:
         if not active.done:
             self._copy_kv(len(self._active), keys, prompt_tokens)
             self._active.append(active)
-        self._emit(active, first_token, finished=active.done)
+        self._emit(active, first_token, finished=active.done, logprobs=first_logprobs)
         return verdict
 
     def _copy_kv(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
@@ -317,7 +321,7 @@ class DecodeEngine:
             a.last_token = token
             a.emitted += 1
             a.done = a.ends_with(token)
-            events.append(self._emit(a, token, finished=a.done))
+            events.append(self._emit(a, token, finished=a.done, logprobs=a.sampler.logprobs_of(row, token)))
         self._retire()
         self.last_step_s = time.perf_counter() - started
         return events
@@ -331,8 +335,12 @@ class DecodeEngine:
             events.extend(self.step())
         return events
 
-    def _emit(self, active: _Active, token: int, *, finished: bool) -> TokenEvent:
-        event = TokenEvent(request_id=active.request_id, token=token, index=active.emitted - 1, finished=finished)
+    def _emit(
+        self, active: _Active, token: int, *, finished: bool, logprobs: TokenLogprobs | None = None
+    ) -> TokenEvent:
+        event = TokenEvent(
+            request_id=active.request_id, token=token, index=active.emitted - 1, finished=finished, logprobs=logprobs
+        )
         if active.on_token is not None:
             active.on_token(event)
         return event

@@ -50,6 +50,7 @@ from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import Attend, LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError, UnknownBlockError
@@ -111,6 +112,7 @@ class PrefillResult:
     Attributes:
         keys: the prompt's block keys (the partial last block included).
         first_token: the token sampled from the last position's logits.
+        first_logprobs: its log-probabilities, where the request's sampling asks for them (None otherwise).
         logits: float32 [vocab] at the last position.
         prefix_tokens: tokens whose KV came from the cache.
         computed_tokens: tokens computed (len(tokens) - prefix_tokens).
@@ -129,6 +131,7 @@ class PrefillResult:
     seconds: float
     load_wait_s: float
     store_wait_s: float
+    first_logprobs: TokenLogprobs | None = None
 
 
 class ForwardPass(Protocol):
@@ -369,10 +372,13 @@ class PrefillEngine:
             ids, keys, prefixes, pages, params, runs, strict=True
         ):
             prefix = prefix_blocks * block
+            sampler = Sampler(sp or SamplingParams())
+            first = sampler.next_token(logits)
             results.append(
                 PrefillResult(
                     keys=ks,
-                    first_token=Sampler(sp or SamplingParams()).next_token(logits),
+                    first_token=first,
+                    first_logprobs=sampler.logprobs_of(logits, first),
                     logits=logits,
                     prefix_tokens=prefix,
                     computed_tokens=one.shape[0] - prefix,

@@ -15,6 +15,13 @@ the tokens strictly more probable than i is below `top_p`: the most probable
 token always belongs, tokens tied at the boundary all belong or none does, and
 `top_p = 1` keeps every token of non-zero probability (the draws are then the
 plain temperature sampler's, bit for bit: the filter is skipped).
+
+Log-probabilities (`SamplingParams.logprobs`, as vLLM's and OpenAI's) are of
+the model's own distribution: the log-softmax of the raw logits in float32,
+before temperature, nucleus or `min_tokens` shape the draw (vLLM's default
+`raw_logprobs`), so they do not depend on how a token was chosen. With them a
+token comes with its log-probability, its rank (1 + the tokens strictly more
+probable) and the `k` most probable tokens.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import torch
 import xxhash
 
 from mooncake._checks import plain_int, require_int, require_number
-from mooncake.errors import ConfigError
+from mooncake.engine.logprobs import TokenLogprobs
+from mooncake.errors import ConfigError, InvalidRequestError
 
-__all__ = ["Sampler", "SamplingParams", "nucleus"]
+__all__ = ["Sampler", "SamplingParams", "nucleus", "token_logprobs"]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 
@@ -47,6 +55,8 @@ class SamplingParams:
             vLLM's `stop_token_ids`): the token is emitted, as the request's last.
         min_tokens: the output positions before it that never draw a stop token (their logits are -inf there),
             as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first.
+        logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
+            and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
     """
 
     temperature: float = attrs.field(default=0.0)
@@ -54,6 +64,7 @@ class SamplingParams:
     seed: int | None = attrs.field(default=None, converter=plain_int)
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     min_tokens: int = attrs.field(default=0)
+    logprobs: int | None = attrs.field(default=None)
 
     @temperature.validator
     def _check_temperature(self, _attribute: object, value: float) -> None:
@@ -77,6 +88,29 @@ class SamplingParams:
     @min_tokens.validator
     def _check_min_tokens(self, _attribute: object, value: int) -> None:
         require_int("min_tokens", value, minimum=0)
+
+    @logprobs.validator
+    def _check_logprobs(self, _attribute: object, value: int | None) -> None:
+        if value is not None:
+            require_int("logprobs", value, minimum=0)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """`token`'s entry under float `logits` [vocab]: the log-softmax in float32 (vLLM's precision), its rank, and
+    the `min(k, vocab)` most probable tokens (a stable sort: of equal log-probabilities, the lower id first).
+
+    Raises:
+        InvalidRequestError: `token` outside the vocabulary, or `k` not an integer >= 0.
+    """
+    require_int("token", token, minimum=0, below=logits.shape[-1], error=InvalidRequestError)
+    require_int("k", k, minimum=0, error=InvalidRequestError)
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)  # on the logits' device: only k values move
+    chosen = logprobs[int(token)]
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.sort(logprobs, descending=True, stable=True)
+        top = tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
+    return TokenLogprobs(logprob=float(chosen), rank=int((logprobs > chosen).sum()) + 1, top=top)
 
 
 def stream_seed(seed: int, position: int) -> int:
@@ -122,6 +156,12 @@ class Sampler:
             logits = logits.clone()
             logits[banned] = -math.inf
         return self._draw(logits)
+
+    def logprobs_of(self, logits: torch.Tensor, token: int) -> TokenLogprobs | None:
+        """`token`'s log-probabilities under the raw `logits` it was drawn from, as the params ask (None: not
+        asked)."""
+        k = self.params.logprobs
+        return None if k is None else token_logprobs(logits, token, k)
 
     def _draw(self, logits: torch.Tensor) -> int:
         position = self.position

@@ -61,6 +61,7 @@ from mooncake.errors import ConfigError, InvalidRequestError
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
+SPACE_MARK = "▁"  # SentencePiece's mark for a space within a piece
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -216,6 +217,15 @@ class Tokenizer:
         """
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as vLLM shows it beside its log-probability: `decode([token_id])`, special tokens
+        included, with the leading spaces a SentencePiece piece's "▁" marks stand for (decoding a lone piece
+        strips them, so " Hello" would read "Hello")."""
+        text = self.decode([token_id])
+        piece = self.backend.id_to_token(token_id) or ""
+        missing = (len(piece) - len(piece.lstrip(SPACE_MARK))) - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
     def is_stop(self, token_id: int) -> bool:
         """Whether `token_id` ends a generation."""
         return token_id in self.special.stop_token_ids
@@ -348,8 +358,8 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
     prefix = True if prefix is None else bool(prefix)
     rebuilt.normalizer = None
     scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
-    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
     rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     # The added tokens: `added_tokens_decoder` (transformers' source) in id order, else the file's; then the named
     # special tokens not among them, as special tokens.

@@ -38,7 +38,7 @@ from mooncake.engine.attention import decode_attention, sdpa_decode_attention
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine, PrefillResult
-from mooncake.engine.sampling import SamplingParams
+from mooncake.engine.sampling import SamplingParams, token_logprobs
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
@@ -155,6 +155,7 @@ def decode(
                     max_new_tokens=p.max_new_tokens,
                     sampling=p.sampling,
                     on_token=trace.events.append,
+                    first_logprobs=result.first_logprobs,
                 )
                 assert joined.accepted, joined
         events = engine.step()
@@ -238,6 +239,23 @@ def test_sampled_tokens_do_not_depend_on_the_batch() -> None:
     batched = decode(cache, plan, prefilled)
     for p in plan:
         assert decode(cache, [p], prefilled)[p.request_id].tokens == batched[p.request_id].tokens
+
+
+def test_each_token_comes_with_the_logprobs_of_the_logits_it_was_drawn_from() -> None:
+    """With `logprobs: 3` every token of the mixed batch (the prefill's first included) carries `token_logprobs`
+    of the very logits it was drawn from, in the batch as alone, and the tokens are those drawn without them;
+    without it no token carries any."""
+    plan = [attrs.evolve(p, sampling=attrs.evolve(p.sampling or SamplingParams(), logprobs=3)) for p in MIXED]
+    cache = dram_cache(BLOCK)
+    prefilled = prefill_all(cache, plan)
+    traces = decode(cache, plan, prefilled)
+    plain = decode(cache, MIXED, prefill_all(cache, MIXED))
+    for p in plan:
+        trace = traces[p.request_id]
+        assert trace.tokens == plain[p.request_id].tokens
+        assert all(event.logprobs is None for event in plain[p.request_id].events)
+        for event, logits in zip(trace.events, trace.logits, strict=True):
+            assert event.logprobs == token_logprobs(logits, event.token, 3), (p.request_id, event.index)
 
 
 def test_the_decode_engine_goes_on_with_the_stream_the_prefill_started() -> None:

@@ -6,6 +6,8 @@ not depend on its batch); a token of zero probability is never drawn; a very
 low temperature is greedy; no stop token is drawn before `min_tokens`. Nucleus sampling: the mask equals its definition
 (the mass strictly above a token is below top_p) computed by brute force, a draw
 never leaves the nucleus, top_p = 1 draws exactly what plain sampling draws.
+Log-probabilities: the float32 log-softmax of the raw logits, the rank and the
+k most probable by their definitions; asking for them changes no draw.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ pytest.importorskip("torch")
 import torch
 import xxhash
 
-from mooncake.engine.sampling import MAX_SEED, Sampler, SamplingParams, nucleus, stream_seed
-from mooncake.errors import ConfigError
+from mooncake.engine.sampling import MAX_SEED, Sampler, SamplingParams, nucleus, stream_seed, token_logprobs
+from mooncake.errors import ConfigError, InvalidRequestError
 
 seeds = st.integers(min_value=0, max_value=2**32)
 temperatures = st.sampled_from([0.5, 1.0, 2.0]) | st.floats(min_value=0.05, max_value=10.0)
@@ -282,3 +284,56 @@ def test_a_temperature_down_to_the_smallest_float_is_greedy(temperature: float) 
     logits = torch.tensor([1.0, 3.0, 2.0, -1.0], dtype=torch.float32)
     for seed in range(10):
         assert Sampler(SamplingParams(temperature=temperature, seed=seed)).next_token(logits) == 1
+
+
+# ---------------------------------------------------------------------------------------------- log-probabilities
+
+
+@given(
+    st.lists(st.floats(min_value=-50.0, max_value=50.0), min_size=1, max_size=40),
+    st.integers(min_value=0, max_value=45),
+    st.data(),
+)
+def test_token_logprobs_are_the_log_softmax_its_rank_and_the_k_most_probable(
+    values: list[float], k: int, data: st.DataObject
+) -> None:
+    """For any logits, token and k: the token's log-probability is the float32 log-softmax's entry; its rank is 1 +
+    the tokens strictly more probable; `top` has min(k, vocab) entries, the k largest, most probable first and
+    equal ones by id (ties are common here: the logits repeat)."""
+    logits = torch.tensor(values).round()  # rounded: many equal logits, so the tie rules are exercised
+    token = data.draw(st.integers(min_value=0, max_value=len(values) - 1))
+    got = token_logprobs(logits, token, k)
+    reference = torch.log_softmax(logits.float(), dim=-1).tolist()
+    assert got.logprob == reference[token] <= 0.0
+    assert got.rank == 1 + sum(value > reference[token] for value in reference)
+    expected = sorted(range(len(values)), key=lambda t: (-reference[t], t))[:k]
+    assert got.top == tuple((t, reference[t]) for t in expected)
+
+
+@given(seeds, st.sampled_from([0.0, 0.7, 1.5]), st.integers(min_value=0, max_value=5))
+def test_asking_for_logprobs_changes_no_draw_and_gives_the_raw_models(seed: int, temperature: float, k: int) -> None:
+    """A sampler asked for log-probabilities draws the same tokens as one that is not (the same seed), and
+    reports them under the raw logits, whatever the temperature or `min_tokens` mask (vLLM's `raw_logprobs`);
+    one not asked reports None."""
+    params = SamplingParams(temperature=temperature, seed=seed, stop_token_ids=frozenset({3}), min_tokens=2)
+    asked, plain = Sampler(attrs.evolve(params, logprobs=k)), Sampler(params)
+    for step in range(4):
+        logits = logits_of(seed + step)
+        token = asked.next_token(logits)
+        assert token == plain.next_token(logits)
+        assert plain.logprobs_of(logits, token) is None
+        assert asked.logprobs_of(logits, token) == token_logprobs(logits, token, k)
+
+
+def test_bad_logprobs_arguments_are_named_errors() -> None:
+    """A negative count is refused where the params are made (ConfigError) and where log-probabilities are
+    computed (InvalidRequestError), as is a token outside the vocabulary."""
+    with pytest.raises(ConfigError, match="logprobs"):
+        SamplingParams(logprobs=-1)
+    with pytest.raises(ConfigError, match="logprobs"):
+        SamplingParams(logprobs=True)
+    logits = logits_of(0, vocab=8)
+    with pytest.raises(InvalidRequestError, match=r"token must be an integer in \[0, 8\)"):
+        token_logprobs(logits, 8, 1)
+    with pytest.raises(InvalidRequestError, match="k must"):
+        token_logprobs(logits, 0, -1)

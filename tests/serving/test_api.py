@@ -25,6 +25,7 @@ from serving.api import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    Logprobs,
     Reply,
     SamplingOptions,
     ServedModel,
@@ -43,6 +44,7 @@ from serving.api import (
 )
 from serving.tokenizer import ByteTokenizer, TextStream
 
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.sched.outcome import Outcome, Reason
 
 SERVED = ServedModel(name="tiny", max_prompt_tokens=64, default_max_tokens=16, max_context_tokens=129, vocab_size=256)
@@ -121,7 +123,9 @@ def test_encodings_and_charsets_decode() -> None:
     [
         ({"prompt": "hi", "n": 3}, "n"),
         ({"prompt": "hi", "best_of": 2}, "best_of"),
-        ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
         ({"prompt": "hi", "echo": True}, "echo"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
@@ -181,7 +185,10 @@ def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
@@ -755,3 +762,57 @@ def test_a_ttft_refusal_after_a_wait_says_how_long_the_request_waited() -> None:
     assert waited.headers["Retry-After"] == "1"
     at_once = rejection_error(Reason.TTFT_SLO, Outcome.REJECTED_BEFORE_PREFILL, ttft_s=34.0, ttft_slo_s=30.0)
     assert "waited" not in at_once.message and "estimated TTFT 34.000 s, objective 30 s" in at_once.message
+
+
+# ---------------------------------------------------------------------------------------------- log-probabilities
+
+
+def test_logprobs_options_parse_as_vllm_reads_them() -> None:
+    """A completion's `logprobs` is the count beside each token (false or null: none); a chat's is `logprobs:
+    true` with `top_logprobs` (default 0), and `top_logprobs` without `logprobs: true` is vLLM's 400."""
+    assert parse_completion({"prompt": "hi", "logprobs": 0}, SERVED).sampling.logprobs == 0
+    assert parse_completion({"prompt": "hi", "logprobs": 20.0}, SERVED).sampling.logprobs == 20
+    assert parse_completion({"prompt": "hi", "logprobs": False}, SERVED).sampling.logprobs is None
+    assert parse_completion({"prompt": "hi"}, SERVED).sampling.logprobs is None
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": messages, "logprobs": True}, SERVED).sampling.logprobs == 0
+    assert parse_chat({"messages": messages, "logprobs": True, "top_logprobs": 5}, SERVED).sampling.logprobs == 5
+    assert parse_chat({"messages": messages, "logprobs": False, "top_logprobs": 0}, SERVED).sampling.logprobs is None
+    error = refused(parse_chat, {"messages": messages, "top_logprobs": 1}, SERVED)
+    assert error.message == "when using top_logprobs, logprobs must be set to true"
+
+
+def entries(draw: st.DrawFn) -> list[tuple[int, TokenLogprobs | None]]:
+    logprob = st.floats(max_value=0.0, allow_nan=False)
+    top = st.lists(st.tuples(st.integers(0, 255), logprob), max_size=6)
+    made = st.builds(TokenLogprobs, logprob=logprob, rank=st.integers(1, 256), top=top.map(tuple))
+    return draw(st.lists(st.tuples(st.integers(0, 255), st.none() | made), max_size=8))
+
+
+@given(st.data(), st.integers(min_value=0, max_value=4))
+def test_logprobs_take_the_openai_shapes_across_parts(data: st.DataObject, k: int) -> None:
+    """Whatever the tokens and however they are split into parts (chunks): a completion's four lists are
+    parallel, `text_offset` sums the token texts before each across the parts, each top object starts with the
+    token's own and adds at most k; a chat item's `top_logprobs` has the first k of the top list, its bytes
+    are its text's; -inf is written -9999.0 (JSON has no infinity) and a token without log-probabilities gets
+    nulls."""
+    tokens = entries(data.draw)
+    cut = data.draw(st.integers(min_value=0, max_value=len(tokens)))
+    text = ByteTokenizer().token_text
+    completion = Logprobs(chat=False, k=k, token_text=text)
+    parts = [completion.take(tokens[:cut]), completion.take(tokens[cut:])]
+    joined = {key: parts[0][key] + parts[1][key] for key in parts[0]}
+    assert joined["tokens"] == [text(t) for t, _ in tokens]
+    assert joined["text_offset"] == [sum(len(text(t)) for t, _ in tokens[:i]) for i in range(len(tokens))]
+    for (token, entry), logprob, top in zip(tokens, joined["token_logprobs"], joined["top_logprobs"], strict=True):
+        if entry is None:
+            assert logprob is None and top is None
+            continue
+        assert logprob == max(entry.logprob, -9999.0) and next(iter(top)) == text(token)
+        assert len(top) <= k + 1 and all(math.isfinite(v) for v in top.values())
+    chat = Logprobs(chat=True, k=k, token_text=text).take(tokens)["content"]
+    for (token, entry), item in zip(tokens, chat, strict=True):
+        assert item["token"] == text(token) and item["bytes"] == list(text(token).encode())
+        expected = [] if entry is None else [(text(t), max(lp, -9999.0)) for t, lp in entry.top[:k]]
+        assert [(i["token"], i["logprob"]) for i in item["top_logprobs"]] == expected
+    json.dumps(parts, allow_nan=False)  # valid JSON, as clients parse it

@@ -242,6 +242,78 @@ def test_ignore_eos_min_tokens_and_add_special_tokens_generate_as_transformers(
     assert answer[:3] == (text, len(bare), count)
 
 
+def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log-probabilities [vocab] of the token after `ids`."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+
+
+def test_logprobs_equal_transformers_for_greedy_and_sampled_tokens(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """A completion's `logprobs: 5` answer, greedy and sampled (temperature 1.3, seeded): each token's text is
+    transformers' `decode([id])` of a token whose log-probability under transformers' forward pass over the
+    prompt and the tokens before it is the one listed, within 1e-4 (the model's own, not the temperature's); its
+    top object holds the token's own and the 5 most probable tokens' log-probabilities; `text_offset` sums the
+    token texts before it; there are as many as the usage counts. Greedy tokens are each the most probable. A
+    chat's `top_logprobs: 3` lists the 3 most probable, most probable first, with each text's UTF-8 bytes."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    ids = tokenizer(PROMPTS[1]).input_ids
+    texts = [tokenizer.decode([t]) for t in range(VOCAB)]
+    for options in ({"temperature": 0}, {"temperature": 1.3, "seed": 11}):
+        answer = api.completions.create(
+            model="tiny-llama", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, logprobs=5, **options
+        )
+        got = answer.choices[0].logprobs
+        assert len(got.tokens) == answer.usage.completion_tokens
+        context, offset = list(ids), 0
+        for i, (text, logprob, top) in enumerate(zip(got.tokens, got.token_logprobs, got.top_logprobs, strict=True)):
+            reference = hf_logprobs(model, context)
+            # The answer names a token by its text: of the ids with that text, the one transformers agrees with.
+            token = min((t for t in range(VOCAB) if texts[t] == text), key=lambda t: abs(reference[t] - logprob))
+            assert abs(float(reference[token]) - logprob) < 1e-4, (options, i, text)
+            best = torch.sort(reference, descending=True, stable=True).indices[:5].tolist()
+            wanted = {texts[t]: float(reference[t]) for t in [token, *best]}
+            assert top.keys() == wanted.keys() and all(abs(top[k] - v) < 1e-4 for k, v in wanted.items()), i
+            assert got.text_offset[i] == offset
+            if options["temperature"] == 0:
+                assert token == best[0]
+            offset += len(text)
+            context.append(token)
+    chat = api.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert item.bytes == list(item.token.encode("utf-8")) and len(item.top_logprobs) == 3
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert (item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (item.token, item.logprob)  # greedy
+
+
+def test_streamed_logprobs_join_to_the_whole_answers(cluster: RunningCluster) -> None:
+    """A stream's chunks carry the log-probabilities of the tokens each is the first to show: joined, they are
+    the whole answer's (same tokens, values, top objects and text offsets), and a chat stream's are its
+    answer's `content`; no token is listed twice or left out (held-back text included)."""
+    api = client(cluster)
+    common = {"model": "tiny-llama", "max_tokens": MAX_TOKENS, "temperature": 0}
+    for prompt in PROMPTS[:2]:
+        whole = api.completions.create(prompt=prompt, logprobs=2, **common).choices[0].logprobs
+        chunks = [
+            c.choices[0].logprobs for c in api.completions.create(prompt=prompt, logprobs=2, stream=True, **common)
+        ]
+        joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for part in chunks:
+            for key in joined:
+                joined[key] += [] if part is None else getattr(part, key)
+        assert joined == {key: getattr(whole, key) for key in joined}, prompt
+    whole = api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, **common)
+    stream = api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, stream=True, **common)
+    streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert streamed == whole.choices[0].logprobs.content
+
+
 def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:
     """The stream of a request with skip_special_tokens false writes a special token's text where transformers'
     decode(skip_special_tokens=False) does; by default it leaves it out, as decode(skip_special_tokens=True)."""

@@ -68,8 +68,17 @@ def near_values(codec: Any, value: Any) -> list[Any]:
         return [{**value, "k": None}, ["k", "v"]]
     if codec is wire.EVENTS:
         return [[["stored", "p", 0, 0, 1, [True]]], [["cleared", 5, 0, 0]], [["stored", "p", 0, 0]]]
+    if codec is wire.OPTIONAL_INT:
+        return [True, 1.0, "1"]
+    if codec is wire.OPTIONAL_LOGPROBS:
+        return [[-0.5, True, []], [True, 1, []], [-0.5, 1, [[True, -0.1]]], [-0.5, 1, [[1, None]]], [-0.5, 1.0, []]]
     assert codec is wire.TOKENS, codec
-    return [[[1, 0, 5, 0, False, 0]], [[1, 0, 5, True, False]], [[1.0, 0, 5, 0, False]]]
+    return [
+        [[1, 0, 5, 0, False, 0]],
+        [[1, 0, 5, True, False]],
+        [[1.0, 0, 5, 0, False]],
+        [[1, 0, 5, 0, False, [-0.5, 1, [[2, True]]]]],
+    ]
 
 
 def near_misses(cls: type[Any], args: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -299,8 +299,8 @@ def test_a_last_token_that_is_a_stop_id_is_a_stop_unless_eos_is_ignored(ignore_e
             assert job.sampling.stop_ids == (() if ignore_eos else (2, 9))
             prefilled(d, live)
             joined(d, live)
-            d._dispatch(tokens(live, (5, 0, False), (9, 1, True)))
-            assert [live.events.get_nowait() for _ in range(2)] == [("token", (5, False)), ("token", (9, True))]
+            d._dispatch(report := tokens(live, (5, 0, False), (9, 1, True)))
+            assert [live.events.get_nowait() for _ in range(2)] == [("token", step) for step in report.tokens]
             assert live.generated == 2
             assert finished(d, live.decode, "length" if ignore_eos else "stop") == 1
             assert sample(d, "request_prompt_tokens_sum", engine=live.prefill) == 40
@@ -448,7 +448,7 @@ def test_a_request_whose_tokens_began_is_not_rerouted() -> None:
             prefilled(d, began)
             joined(d, began)
             d._dispatch(tokens(began, (5, 0, False)))
-            assert began.events.get_nowait() == ("token", (5, False))
+            assert began.events.get_nowait() == ("token", wire.Token(int(began.request_id), began.attempt, 5, 0, False))
             waiting = await admitted(d, 100)
             d.submit(waiting)
             prefilled(d, waiting)
@@ -506,7 +506,7 @@ def test_the_request_timeout_bounds_each_wait_for_a_token() -> None:
 
             feeder = asyncio.create_task(feed())
             began = d.now()
-            got = [token async for token in d.tokens(live)]
+            got = [token.token async for token in d.tokens(live)]
             await feeder
             assert got == list(range(8)) and d.now() - began > 1.4
 

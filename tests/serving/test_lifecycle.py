@@ -469,7 +469,10 @@ def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
         dispatcher._dispatch(wire.PrefillDone(instance_id=prefill, attempt=1, events=(), **ids))
         dispatcher._dispatch(tokens(decode, 1, 0, 1))
         assert live.cached_tokens == 16
-        assert [live.events.get_nowait() for _ in range(2)] == [("token", (60, False)), ("token", (61, True))]
+        assert [(kind, t.token, t.finished) for kind, t in (live.events.get_nowait() for _ in range(2))] == [
+            ("token", 60, False),
+            ("token", 61, True),
+        ]
         assert request_id not in dispatcher.live and conductor.in_flight == ()
         conductor.check_invariants()
     finally:

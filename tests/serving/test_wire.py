@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from serving import wire
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.types import BlockKey, InstanceId, Tier
 
 ints = st.integers(min_value=0, max_value=2**63 - 1)
@@ -33,8 +34,23 @@ events = st.one_of(
     ),
     st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
 )
-tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans())
-samplings = st.builds(wire.Sampling, max_tokens=ints, temperature=floats, top_p=floats, seed=ints, stop_ids=keys)
+logprob_values = st.floats(max_value=0.0, allow_nan=False)  # -inf included: a token the model gives no chance
+logprobs = st.none() | st.builds(
+    TokenLogprobs,
+    logprob=logprob_values,
+    rank=st.integers(min_value=1, max_value=2**31),
+    top=st.lists(st.tuples(ints, logprob_values), max_size=3).map(tuple),
+)
+tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans(), logprobs)
+samplings = st.builds(
+    wire.Sampling,
+    max_tokens=ints,
+    temperature=floats,
+    top_p=floats,
+    seed=ints,
+    stop_ids=keys,
+    logprobs=st.none() | st.integers(min_value=0, max_value=20),
+)
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
     st.builds(wire.HealthCheck),
@@ -68,6 +84,7 @@ messages = st.one_of(
         prompt_tokens=ints,
         first_token=ints,
         sampling=samplings,
+        first_logprobs=logprobs,
     ),
     st.builds(wire.PrefillStarted, instance_id=names, request_id=ints, attempt=ints),
     st.builds(
@@ -145,6 +162,23 @@ def test_a_broken_message_is_an_error_naming_its_field(message: wire.Message, da
         ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0]], "step_s": 0.1}, "tokens[0]"),
         ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, 1]], "step_s": 0.1}, "tokens[0]"),
         ("decode.tokens", {"instance_id": "d", "tokens": [], "step_s": float("nan")}, "step_s"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [0.5, 1, []]]], "step_s": 0}, "[5][0]"),
+        (
+            "decode.tokens",
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [float("nan"), 1, []]]], "step_s": 0},
+            "[5][0]",
+        ),
+        (
+            "decode.tokens",
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 0, []]]], "step_s": 0},
+            "tokens[0][5]",
+        ),
+        (
+            "decode.tokens",
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, [[3]]]]], "step_s": 0},
+            "[5][2][0]",
+        ),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, {}]]], "step_s": 0}, "[5][2]"),
         (
             "prefill.done",
             {**wire.encode(wire.PrefillStarted(instance_id="p", request_id=1, attempt=0))[1]},

@@ -1,0 +1,23 @@
+"""A sampled token's log-probabilities: a plain record (no torch), so the processes that only carry it (a
+gateway, the wire between workers) need not load the engines. `sampling.token_logprobs` computes it."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["TokenLogprobs"]
+
+
+@attrs.frozen(kw_only=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model, its rank, and the most probable tokens'.
+
+    Attributes:
+        logprob: the token's log-probability (<= 0; -inf where the model gives it none).
+        rank: 1 + the number of tokens strictly more probable (1: the most probable; ties share a rank).
+        top: (token, log-probability) of the k most probable tokens, most probable first; equal ones by id.
+    """
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
