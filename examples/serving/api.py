@@ -272,8 +272,9 @@ class ServedModel:
 
     A request's prompt and `max_tokens` together fit a decode engine's context (`max_context_tokens`), as in
     vLLM, where they fit the model's `max_model_len`; `vocab_size` bounds the ids of a prompt given as tokens.
-    A request without `temperature` or `top_p` gets `default_temperature` / `default_top_p`: as in vLLM, the
-    checkpoint's `generation_config.json` where it sets them, else 1.0 (OpenAI's defaults: sampling).
+    A request without `temperature`, `top_p`, `top_k`, `min_p` or `repetition_penalty` gets its `default_...`:
+    as in vLLM, the checkpoint's `generation_config.json` where it sets them, else 1.0, 1.0, 0 (all), 0 and 1
+    (OpenAI's defaults: sampling from the whole distribution).
     """
 
     name: str
@@ -283,6 +284,9 @@ class ServedModel:
     vocab_size: int
     default_temperature: float = 1.0
     default_top_p: float = 1.0
+    default_top_k: int = 0
+    default_min_p: float = 0.0
+    default_repetition_penalty: float = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -305,6 +309,8 @@ class SamplingOptions:
             for a completion and false for a chat, whose template writes its own.
         logprobs: None, no log-probabilities; k, each token's and the k most probable tokens' (a completion's
             `logprobs`, a chat's `top_logprobs` with `logprobs: true`).
+        top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty: vLLM's, as
+            `mooncake.engine.sampling.SamplingParams` applies them (top_k 0: all tokens).
     """
 
     max_tokens: int | None
@@ -317,6 +323,11 @@ class SamplingOptions:
     min_tokens: int = 0
     add_special_tokens: bool = True
     logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -382,8 +393,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,
     "suffix": lambda v: v is None or v == "",
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
     "logit_bias": _empty,
     "tools": _empty,
     "functions": _empty,
@@ -395,9 +404,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "audio": _absent,
     "prediction": _absent,
     # vLLM's own sampling and output parameters (its clients send them), at the value that changes nothing.
-    "top_k": lambda v: v is None or (type(v) is int and v in (-1, 0)),
-    "min_p": _zero,
-    "repetition_penalty": _one,
     "length_penalty": _one,
     "use_beam_search": _off,
     "include_stop_str_in_output": _off,
@@ -444,6 +450,11 @@ SHARED = (
     "min_tokens",
     "add_special_tokens",
     "logprobs",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
@@ -563,6 +574,13 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         min_tokens=min_tokens,
         add_special_tokens=_flag(body, "add_special_tokens", default=not chat),
         logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
+        top_k=max(0, _integer(body, "top_k", served.default_top_k, -1, MAX_SEED)),  # -1 is vLLM's "all" too
+        min_p=_number(body, "min_p", served.default_min_p, 0.0, 1.0, open_low=False),
+        repetition_penalty=_number(
+            body, "repetition_penalty", served.default_repetition_penalty, 0.0, math.inf, open_low=True
+        ),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, open_low=False),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, open_low=False),
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)

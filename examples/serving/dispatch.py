@@ -428,6 +428,11 @@ class Dispatcher:
                 stop_ids=self._stop_ids_of(live),
                 min_tokens=sampling.min_tokens,
                 logprobs=sampling.logprobs,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
             ),
         )
         instance = live.prefill

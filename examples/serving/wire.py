@@ -11,6 +11,7 @@ control call that carries it; its fields travel as the call's JSON object:
                        prefill.cancel  CancelPrefill {request_id, attempt}   (its client left, or it was rerouted)
     gateway → decode   decode.cancel   CancelDecode {request_id}   (its client left, it stopped, it timed out)
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
+                                       (and `prompt_ids`, the prompt itself, only for a repetition penalty)
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error, peer}
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
                        decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
@@ -247,7 +248,8 @@ class Sampling:
     """How a request's tokens are chosen and when it ends, as the gateway set it: one record the prefill job
     carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
     generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn; `logprobs`: the
-    most probable tokens' log-probabilities to report with each token, None for none)."""
+    most probable tokens' log-probabilities to report with each token, None for none; the rest as
+    `mooncake.engine.sampling.SamplingParams`'s)."""
 
     max_tokens: int = _field(INT)
     temperature: float = _field(FLOAT)
@@ -256,6 +258,11 @@ class Sampling:
     stop_ids: tuple[int, ...] = _field(INTS)
     min_tokens: int = _field(INT, default=0)
     logprobs: int | None = _field(OPTIONAL_INT, default=None)
+    top_k: int = _field(INT, default=0)
+    min_p: float = _field(FLOAT, default=0.0)
+    repetition_penalty: float = _field(FLOAT, default=1.0)
+    presence_penalty: float = _field(FLOAT, default=0.0)
+    frequency_penalty: float = _field(FLOAT, default=0.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -349,6 +356,7 @@ class DecodeJob:
     first_token: int = _field(INT)
     sampling: Sampling = _field(_record(Sampling))  # noqa: RUF009 (an attrs field)
     first_logprobs: TokenLogprobs | None = _field(OPTIONAL_LOGPROBS, default=None)  # noqa: RUF009 (an attrs field)
+    prompt_ids: tuple[int, ...] = _field(INTS, default=())  # the prompt, where a repetition penalty counts it
 
 
 @attrs.frozen(kw_only=True)

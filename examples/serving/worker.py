@@ -424,7 +424,8 @@ class Worker:
                 fetched = len(self.messenger.fetch(keys, self._peer(job.fetch.source)).finish(TIMEOUT_S))
             except (MooncakeError, OSError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
-        result = self._prefill.prefill(tokens, sampling=_sampling_params(job.sampling), sink=sink)
+        sampling = _sampling_params(job.sampling)
+        result = self._prefill.prefill(tokens, sampling=sampling, sink=sink)
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,
@@ -433,6 +434,7 @@ class Worker:
             first_token=result.first_token,
             sampling=job.sampling,
             first_logprobs=result.first_logprobs,
+            prompt_ids=tuple(tokens) if sampling.needs_prompt else (),
         )
         done = wire.PrefillDone(
             instance_id=self.spec.instance_id,
@@ -572,6 +574,7 @@ class Worker:
                 max_new_tokens=job.sampling.max_tokens,
                 sampling=_sampling_params(job.sampling),
                 on_token=None,
+                prompt=job.prompt_ids or None,
             )
         except MooncakeError as error:
             if isinstance(error, UnknownBlockError) and not all(BlockKey(k) in self.cache for k in job.keys):
@@ -606,6 +609,11 @@ def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
         stop_token_ids=sampling.stop_ids,
         min_tokens=sampling.min_tokens,
         logprobs=sampling.logprobs,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
     )
 
 

@@ -202,18 +202,20 @@ class DecodeEngine:
         sampling: SamplingParams | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
         first_logprobs: TokenLogprobs | None = None,
+        prompt: Sequence[int] | None = None,
     ) -> JoinVerdict:
         """Admit a prefilled request into the batch, or say which check of the decode rule refused it.
 
         The verdict is `check_join(self.limits, self.load(), ...)` with the engine's step
         model and `config.tbt_slo_s` (its `predicted_tbt_s` is set when there is a step
         model). On acceptance the request's first token (the prefill's, with its
-        `first_logprobs`) is reported at once; a request with `max_new_tokens == 1`, or whose first token is one of its stop
+        `first_logprobs`) is reported at once; `prompt` (the prompt's token ids) is
+        needed only by a repetition penalty (`SamplingParams.needs_prompt`); a request with `max_new_tokens == 1`, or whose first token is one of its stop
         tokens, is then already finished and takes no slot (so only its context is checked).
 
         Raises:
-            InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, or keys
-                that do not cover the prompt.
+            InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, keys
+                that do not cover the prompt, or a `prompt` missing where the sampling needs it or of another length.
             UnknownBlockError: a KV block of the prompt is not in the local cache.
         """
         require_int("prompt_tokens", prompt_tokens, minimum=1, error=InvalidRequestError)
@@ -229,11 +231,15 @@ class DecodeEngine:
                 f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
         sampling = sampling or SamplingParams()
+        if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):
+            got = "none" if prompt is None else f"{len(prompt)} ids"
+            raise InvalidRequestError(f"the repetition penalty needs the prompt's {prompt_tokens} token ids, got {got}")
         active = _Active(
             request_id,
             prompt_tokens,
             max_new_tokens,
-            Sampler(sampling, position=1),  # the prefill drew token 0 (`first_token`) from the same stream
+            # The prefill drew token 0 (`first_token`) from the same stream; the penalties count it.
+            Sampler(sampling, position=1, prompt=prompt, output=(first_token,)),
             on_token,
             first_token,
             sampling.stop_token_ids,

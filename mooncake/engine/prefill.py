@@ -372,7 +372,8 @@ class PrefillEngine:
             ids, keys, prefixes, pages, params, runs, strict=True
         ):
             prefix = prefix_blocks * block
-            sampler = Sampler(sp or SamplingParams())
+            sp = sp or SamplingParams()
+            sampler = Sampler(sp, prompt=one.tolist() if sp.needs_prompt else None)
             first = sampler.next_token(logits)
             results.append(
                 PrefillResult(

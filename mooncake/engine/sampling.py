@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, or temperature sampling (optionally nucleus) from a per-request seeded stream.
+"""Choosing the next token: greedy, or temperature sampling (optionally min-p, top-k, nucleus) from a per-request
+seeded stream, after vLLM's repetition, frequency and presence penalties.
 
 Each request owns its random stream (seeded from its `seed`), so the tokens it
 gets do not depend on which other requests share its batch. The stream is
@@ -16,6 +17,16 @@ token always belongs, tokens tied at the boundary all belong or none does, and
 `top_p = 1` keeps every token of non-zero probability (the draws are then the
 plain temperature sampler's, bit for bit: the filter is skipped).
 
+The order is vLLM's: the `min_tokens` mask; the penalties, on the logits (a
+token of the prompt or of the output so far has a positive logit divided by
+`repetition_penalty` and a negative one multiplied; each output token's logit
+loses `frequency_penalty` times its count and `presence_penalty` once); then
+greedy takes the argmax, and sampling divides by the temperature, drops the
+tokens less probable than `min_p` times the most probable, keeps the `top_k`
+largest logits (ties with the k-th kept), renormalizes and applies the nucleus.
+Each filter at its neutral value (`min_p` 0, `top_k` 0, penalties 0 and 1) is
+skipped, so the draws are then bit for bit those without it.
+
 Log-probabilities (`SamplingParams.logprobs`, as vLLM's and OpenAI's) are of
 the model's own distribution: the log-softmax of the raw logits in float32,
 before temperature, nucleus or `min_tokens` shape the draw (vLLM's default
@@ -26,8 +37,10 @@ probable) and the `k` most probable tokens.
 
 from __future__ import annotations
 
+import collections
 import math
 import secrets
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -57,6 +70,12 @@ class SamplingParams:
             as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first.
         logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
             and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
+        top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default): all.
+        min_p: sample only tokens at least this share of the most probable one's probability, in [0, 1].
+        repetition_penalty: > 0; a token already in the prompt or the output has its logit divided by it when
+            positive, multiplied when not (1, the default: none; > 1 discourages repeats). Needs the prompt.
+        presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of each token the output
+            holds, once / per occurrence (OpenAI's definitions; 0, the default: none).
     """
 
     temperature: float = attrs.field(default=0.0)
@@ -65,6 +84,21 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     min_tokens: int = attrs.field(default=0)
     logprobs: int | None = attrs.field(default=None)
+    top_k: int = attrs.field(default=0)
+    min_p: float = attrs.field(default=0.0)
+    repetition_penalty: float = attrs.field(default=1.0)
+    presence_penalty: float = attrs.field(default=0.0)
+    frequency_penalty: float = attrs.field(default=0.0)
+
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether drawing needs the prompt's token ids (a repetition penalty counts them)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty reshapes the logits (each at its neutral value otherwise)."""
+        return self.needs_prompt or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @temperature.validator
     def _check_temperature(self, _attribute: object, value: float) -> None:
@@ -93,6 +127,25 @@ class SamplingParams:
     def _check_logprobs(self, _attribute: object, value: int | None) -> None:
         if value is not None:
             require_int("logprobs", value, minimum=0)
+
+    @top_k.validator
+    def _check_top_k(self, _attribute: object, value: int) -> None:
+        require_int("top_k", value, minimum=0)
+
+    @min_p.validator
+    def _check_min_p(self, _attribute: object, value: float) -> None:
+        if require_number("min_p", value, minimum=0.0) > 1.0:
+            raise ConfigError(f"min_p must lie in [0, 1], got {value!r}")
+
+    @repetition_penalty.validator
+    def _check_repetition_penalty(self, _attribute: object, value: float) -> None:
+        require_number("repetition_penalty", value, minimum=0.0, strict=True)
+
+    @presence_penalty.validator
+    @frequency_penalty.validator
+    def _check_penalty(self, attribute: attrs.Attribute[float], value: float) -> None:
+        if abs(require_number(attribute.name, value, minimum=-math.inf)) > 2.0:
+            raise ConfigError(f"{attribute.name} must lie in [-2, 2], got {value!r}")
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -135,11 +188,26 @@ def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
 class Sampler:
     """Draws one request's tokens, from output position `position` on (0: the first token).
 
+    Args:
+        params: how to draw.
+        position: the output position of the next draw.
+        prompt: the prompt's token ids (a repetition penalty counts them; unused otherwise).
+        output: the tokens the request generated before `position` (drawn by another sampler: the prefill
+            engine's first token, say), which the penalties count; the sampler adds each token it draws.
+
     Raises:
-        ConfigError: `position` is not an integer >= 0.
+        ConfigError: `position` is not an integer >= 0, or `output` does not hold `position` tokens while a
+            penalty would count them, or no `prompt` for a repetition penalty.
     """
 
-    def __init__(self, params: SamplingParams, *, position: int = 0) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        position: int = 0,
+        prompt: Sequence[int] | None = None,
+        output: Sequence[int] = (),
+    ) -> None:
         self.params = params
         self.position = require_int("position", position, minimum=0)
         self._generator: torch.Generator | None = None
@@ -147,6 +215,12 @@ class Sampler:
         if params.temperature > 0:
             self._generator = torch.Generator()
         self._stop_ids = sorted(params.stop_token_ids)
+        if params.needs_prompt and prompt is None:
+            raise ConfigError("a repetition penalty needs the prompt's token ids (prompt=)")
+        if params.penalized and len(output) != self.position:
+            raise ConfigError(f"the penalties count the output so far: {self.position} tokens, got {len(output)}")
+        self._prompt = frozenset(prompt or ()) if params.needs_prompt else frozenset()
+        self._counts: collections.Counter[int] = collections.Counter(output if params.penalized else ())
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
@@ -155,7 +229,30 @@ class Sampler:
             banned = [token for token in self._stop_ids if token < logits.shape[-1]]
             logits = logits.clone()
             logits[banned] = -math.inf
-        return self._draw(logits)
+        if self.params.penalized:
+            logits = self._penalize(logits)
+        token = self._draw(logits)
+        if self.params.penalized:
+            self._counts[token] += 1
+        return token
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with vLLM's penalties applied (a copy; in the logits' dtype, on their device)."""
+        params, vocab = self.params, logits.shape[-1]
+        logits = logits.clone()
+        seen = sorted(t for t in self._prompt | self._counts.keys() if t < vocab)
+        if params.repetition_penalty != 1.0 and seen:
+            ids = torch.tensor(seen, device=logits.device)
+            values = logits[ids]
+            logits[ids] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+        out = [(t, n) for t, n in self._counts.items() if t < vocab]
+        if out and (params.frequency_penalty or params.presence_penalty):
+            ids = torch.tensor([t for t, _ in out], device=logits.device)
+            counts = torch.tensor([n for _, n in out], dtype=logits.dtype, device=logits.device)
+            logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        return logits
 
     def logprobs_of(self, logits: torch.Tensor, token: int) -> TokenLogprobs | None:
         """`token`'s log-probabilities under the raw `logits` it was drawn from, as the params ask (None: not
@@ -172,7 +269,15 @@ class Sampler:
         # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
         # (probability 0), never inf - inf = nan.
         logits = logits.double().cpu()  # float64: a temperature as small as 1e-300 is not 0 there
-        probabilities = torch.softmax((logits - logits.max()) / self.params.temperature, dim=-1)
+        scaled = (logits - logits.max()) / self.params.temperature
+        probabilities = torch.softmax(scaled, dim=-1)
+        if self.params.min_p > 0.0 or 0 < self.params.top_k < scaled.shape[-1]:
+            if self.params.min_p > 0.0:
+                scaled = scaled.masked_fill(probabilities < self.params.min_p * probabilities.max(), -math.inf)
+            if 0 < self.params.top_k < scaled.shape[-1]:
+                kth = torch.topk(scaled, self.params.top_k).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, -math.inf)
+            probabilities = torch.softmax(scaled, dim=-1)
         if self.params.top_p < 1.0:
             probabilities = torch.where(nucleus(probabilities, self.params.top_p), probabilities, 0.0)
         return int(torch.multinomial(probabilities, 1, generator=self._generator))

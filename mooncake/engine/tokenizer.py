@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from mooncake._checks import is_finite_number
+from mooncake._checks import is_finite_number, is_int
 from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
@@ -93,9 +92,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+HF_DEFAULT_TOP_K = 50  # transformers' GenerationConfig default, which vLLM does not apply (it takes the file's diff)
+
+
 def sampling_defaults(directory: str | Path) -> dict[str, float]:
-    """The sampling settings a checkpoint's `generation_config.json` sets (`temperature`, `top_p`), which vLLM's
-    server applies to a request that leaves them out (its `--generation-config auto`); {} without the file.
+    """The sampling settings a checkpoint's `generation_config.json` sets (`temperature`, `top_p`, `top_k`, `min_p`,
+    `repetition_penalty`), which vLLM's server applies to a request that leaves them out (its `--generation-config
+    auto`); {} without the file. As vLLM reads the file's difference from transformers' defaults, a `top_k` of 50
+    (that default) is not applied; the others' defaults (1.0, 1.0, none, 1.0) change nothing anyway.
 
     Raises:
         ConfigError: the file is not JSON, or a setting is out of its range (named with the file).
@@ -103,14 +107,25 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
     path = Path(directory) / "generation_config.json"
     raw = _read_json(path)
     found: dict[str, float] = {}
-    for name, low, high, open_low in (("temperature", 0.0, math.inf, False), ("top_p", 0.0, 1.0, True)):
+    ranges: dict[str, tuple[Callable[[float], bool], str]] = {
+        "temperature": (lambda v: v >= 0, "a finite number >= 0"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repetition_penalty": (lambda v: v > 0, "a finite number > 0"),
+    }
+    for name, (ok, bound) in ranges.items():
         value = raw.get(name)
         if value is None:
             continue
-        if not is_finite_number(value) or value < low or (open_low and value == low) or value > high:
-            bound = f"in ({low}, {high}]" if open_low else f"a finite number >= {low}"
+        if not is_finite_number(value) or not ok(value):
             raise ConfigError(f"{path}: {name} must be {bound}, got {value!r}")
         found[name] = float(value)
+    top_k = raw.get("top_k")
+    if top_k is not None:
+        if not is_int(top_k) or top_k < 0:
+            raise ConfigError(f"{path}: top_k must be an integer >= 0, got {top_k!r}")
+        if top_k != HF_DEFAULT_TOP_K:
+            found["top_k"] = int(top_k)
     return found
 
 

@@ -337,3 +337,132 @@ def test_bad_logprobs_arguments_are_named_errors() -> None:
         token_logprobs(logits, 8, 1)
     with pytest.raises(InvalidRequestError, match="k must"):
         token_logprobs(logits, 0, -1)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's filters and penalties
+
+
+def penalized_reference(
+    logits: list[float], prompt: list[int], output: list[int], params: SamplingParams
+) -> list[float]:
+    """vLLM's penalties written out per token: the repetition penalty on every token of the prompt or the output
+    (a positive logit divided, any other multiplied), then minus frequency x count and presence once."""
+    out = list(logits)
+    for token in range(len(out)):
+        if token in prompt or token in output:
+            rp = params.repetition_penalty
+            out[token] = out[token] / rp if out[token] > 0 else out[token] * rp
+        count = output.count(token)
+        out[token] -= params.frequency_penalty * count + (params.presence_penalty if count else 0.0)
+    return out
+
+
+penalties = st.builds(
+    SamplingParams,
+    repetition_penalty=st.sampled_from([1.0, 0.8, 1.3, 2.0]),
+    presence_penalty=st.sampled_from([0.0, -1.5, 0.5, 2.0]),
+    frequency_penalty=st.sampled_from([0.0, -0.5, 1.0]),
+)
+
+
+@settings(max_examples=60)
+@given(
+    penalties,
+    st.lists(st.integers(min_value=0, max_value=15), max_size=6),
+    st.lists(st.integers(min_value=0, max_value=15), min_size=1, max_size=6),
+    seeds,
+)
+def test_greedy_with_penalties_takes_the_argmax_of_vllms_penalized_logits(
+    params: SamplingParams, prompt: list[int], output: list[int], seed: int
+) -> None:
+    """A greedy sampler that has seen `output` (its first token given at construction, as the decode engine
+    is given the prefill's; the rest drawn by it) picks the argmax of the logits with the penalties applied as
+    vLLM defines them; the logits it was given are left as they were (the log-probabilities are the raw ones)."""
+    logits = logits_of(seed, vocab=16)
+    sampler = Sampler(params, position=1, prompt=prompt, output=output[:1])
+    for token in output[1:]:  # drawn by it: a row whose argmax is the token, by a margin no penalty undoes
+        row = torch.full((16,), -1e4)
+        row[token] = 1e4
+        assert sampler.next_token(row) == token
+    before = logits.clone()
+    expected = penalized_reference(logits.tolist(), prompt, output, params)
+    got = sampler.next_token(logits)
+    assert torch.equal(logits, before)
+    assert expected[got] == max(expected) or math.isclose(expected[got], max(expected), rel_tol=1e-6)
+
+
+def test_neutral_filters_and_penalties_draw_exactly_what_the_plain_sampler_draws() -> None:
+    """top_k 0 or >= the vocabulary, min_p 0, penalties 0 and repetition 1: the same tokens, seed for seed."""
+    for neutral in (
+        {"top_k": 0},
+        {"top_k": 32},
+        {"min_p": 0.0},
+        {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
+    ):
+        for seed in range(20):
+            plain = Sampler(SamplingParams(temperature=1.0, seed=seed))
+            other = Sampler(SamplingParams(temperature=1.0, seed=seed, **neutral))
+            for step in range(5):
+                logits = logits_of(seed * 7 + step)
+                assert plain.next_token(logits) == other.next_token(logits), (neutral, seed)
+
+
+@settings(max_examples=40)
+@given(seeds, st.integers(min_value=1, max_value=6), st.sampled_from([0.5, 1.0, 3.0]))
+def test_top_k_draws_only_among_the_k_largest_logits(seed: int, k: int, temperature: float) -> None:
+    """Every draw lies among the k largest logits (ties with the k-th included); top_k 1 over distinct logits is
+    greedy."""
+    logits = logits_of(seed).round()  # rounded: ties at the k-th value occur
+    kth = torch.sort(logits, descending=True).values[k - 1]
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, top_k=k))
+    for _ in range(30):
+        assert logits[sampler.next_token(logits)] >= kth
+    distinct = logits_of(seed)
+    one = Sampler(SamplingParams(temperature=temperature, seed=seed, top_k=1))
+    assert one.next_token(distinct) == int(torch.argmax(distinct))
+
+
+@settings(max_examples=40)
+@given(seeds, st.sampled_from([0.05, 0.3, 0.9, 1.0]), st.sampled_from([0.5, 1.0, 2.0]))
+def test_min_p_draws_only_tokens_near_enough_the_most_probable(seed: int, min_p: float, temperature: float) -> None:
+    """Every draw has a probability (at the temperature) at least min_p times the most probable token's."""
+    logits = logits_of(seed)
+    probabilities = torch.softmax(logits.double() / temperature, dim=-1)
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, min_p=min_p))
+    for _ in range(30):
+        assert probabilities[sampler.next_token(logits)] >= min_p * probabilities.max() * (1 - 1e-12)
+
+
+def test_a_repetition_penalty_needs_the_prompt_and_the_penalties_the_output_so_far() -> None:
+    """Without the prompt a repetition penalty cannot count it, and a sampler starting at position 1 must be
+    told token 0: both refused by name, not drawn wrong; the ranges are vLLM's."""
+    with pytest.raises(ConfigError, match="prompt"):
+        Sampler(SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ConfigError, match="output so far"):
+        Sampler(SamplingParams(presence_penalty=0.5), position=1)
+    Sampler(SamplingParams(presence_penalty=0.5), position=1, output=[3])
+    for bad in (
+        {"top_k": -1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"frequency_penalty": math.nan},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_the_repetition_penalty_counts_the_prompts_tokens_and_the_penalties_only_the_outputs() -> None:
+    """A prompt token's positive logit is divided (5 / 2 = 2.5 falls below 4) and a negative one multiplied (-1 x 2
+    falls below -1.5), so greedy moves to the next token; presence and frequency penalties leave a token only
+    in the prompt alone, and weigh a token the output holds (the first, given at construction) by its count."""
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt=[0]).next_token(torch.tensor([5.0, 4.0])) == 1
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt=[0]).next_token(torch.tensor([-1.0, -1.5])) == 1
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt=[1]).next_token(torch.tensor([5.0, 4.0])) == 0
+    logits = torch.tensor([5.0, 4.0, 2.5])
+    assert Sampler(SamplingParams(presence_penalty=2.0), prompt=[0]).next_token(logits) == 0
+    assert Sampler(SamplingParams(presence_penalty=2.0), position=1, output=[0]).next_token(logits) == 1
+    frequent = Sampler(SamplingParams(frequency_penalty=1.6), position=3, output=[0, 0, 1])
+    assert frequent.next_token(logits) == 2  # 5 - 2 x 1.6 = 1.8 and 4 - 1.6 = 2.4 fall below 2.5
+    assert Sampler(SamplingParams(frequency_penalty=1.6), position=3, output=[0, 1, 1]).next_token(logits) == 0

@@ -128,9 +128,12 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "logprobs": True}, "logprobs"),
         ({"prompt": "hi", "echo": True}, "echo"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
-        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
         ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
-        ({"prompt": "hi", "top_k": 3}, "top_k"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "top_k": 2.5}, "top_k"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p"),
         ({"prompt": "hi", "user": 5}, "user"),
         ({"prompt": "a\ud800"}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -142,7 +145,8 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ({"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
         ({"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
-        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "hi", "repetition_penalty": "1.2"}, "repetition_penalty"),
         ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
@@ -816,3 +820,20 @@ def test_logprobs_take_the_openai_shapes_across_parts(data: st.DataObject, k: in
         expected = [] if entry is None else [(text(t), max(lp, -9999.0)) for t, lp in entry.top[:k]]
         assert [(i["token"], i["logprob"]) for i in item["top_logprobs"]] == expected
     json.dumps(parts, allow_nan=False)  # valid JSON, as clients parse it
+
+
+def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
+    """top_k (-1 and 0: all tokens), min_p, and the three penalties land in the sampling options; a request
+    without top_k, min_p or repetition_penalty gets the served model's defaults (its generation_config.json's,
+    as vLLM applies them); the penalties default to none."""
+    body = {"prompt": "hi", "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1}
+    body |= {"presence_penalty": -2, "frequency_penalty": 2.0}
+    sampling = parse_completion(body, SERVED).sampling
+    assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (20, 0.1, 1.1)
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2.0, 2.0)
+    assert parse_completion({"prompt": "hi", "top_k": -1}, SERVED).sampling.top_k == 0
+    qwen = attrs.evolve(SERVED, default_top_k=20, default_min_p=0.05, default_repetition_penalty=1.05)
+    sampling = parse_completion({"prompt": "hi"}, qwen).sampling
+    assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (20, 0.05, 1.05)
+    assert parse_completion({"prompt": "hi", "top_k": 0}, qwen).sampling.top_k == 0  # asked for all: all
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.0, 0.0)

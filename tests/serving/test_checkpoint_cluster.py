@@ -242,6 +242,72 @@ def test_ignore_eos_min_tokens_and_add_special_tokens_generate_as_transformers(
     assert answer[:3] == (text, len(bare), count)
 
 
+def test_penalties_and_top_k_generate_as_transformers_and_vllm_define_them(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """vLLM's sampling extras through the cluster (the penalties count the prefill's first token on the decode
+    node too, and the prompt travels with the hand-off for the repetition penalty): a greedy request with
+    `repetition_penalty` 1.3 (or 0.7) generates what transformers' `generate(repetition_penalty=...)` does over
+    the same prompt, in a completion and a stream; `top_k: 1` sampling at temperature 1 is greedy; presence and
+    frequency penalties generate what transformers does with OpenAI's definitions as its logits processor."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    common = {"model": "tiny-llama", "max_tokens": MAX_TOKENS, "temperature": 0}
+    start = 0
+
+    def output_only(penalty: float) -> Any:
+        """transformers' repetition penalty over the generated tokens alone (the prompt's left out)."""
+
+        def process(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            seen = input_ids[0, start:]
+            picked = scores[0, seen]
+            scores[0, seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+            return scores
+
+        return transformers.LogitsProcessorList([process])
+
+    # A prompt whose penalized generation depends on its prompt's tokens, not only on those generated: ours must
+    # then have counted the prompt, which the decode node knows only from the hand-off.
+    prompt_counted = False
+    for prompt in [*PROMPTS, *TEXT[:2]]:
+        ids = tokenizer(prompt).input_ids
+        start = len(ids)
+        for penalty in (1.3, 0.7):
+            new = hf_generate(model, ids, eos_token_id=None, repetition_penalty=penalty)
+            extra = {"repetition_penalty": penalty, "ignore_eos": True}
+            answer = api.completions.create(prompt=prompt, extra_body=extra, **common)
+            assert answer.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), (prompt, penalty)
+            streamed = api.completions.create(prompt=prompt, extra_body=extra, stream=True, **common)
+            assert "".join(c.choices[0].text for c in streamed) == answer.choices[0].text
+            prompt_counted |= new != hf_generate(model, ids, eos_token_id=None, logits_processor=output_only(penalty))
+        if prompt_counted:
+            break
+    assert prompt_counted, "no prompt's penalized generation depends on its prompt: the test proves nothing"
+    sampled = {**common, "temperature": 1.0, "seed": 5}
+    for prompt in PROMPTS:
+        greedy = api.completions.create(prompt=prompt, **common).choices[0].text
+        assert api.completions.create(prompt=prompt, extra_body={"top_k": 1}, **sampled).choices[0].text == greedy
+    ids = tokenizer(PROMPTS[0]).input_ids
+
+    def openai_penalties(presence: float, frequency: float) -> Any:
+        """OpenAI's presence and frequency penalties over the generated tokens, as a transformers logits processor."""
+
+        def process(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            counts = torch.bincount(input_ids[0, len(ids) :], minlength=scores.shape[-1]).to(scores.dtype)
+            return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+        return transformers.LogitsProcessorList([process])
+
+    changed = False
+    for presence, frequency in ((2.0, 0.0), (0.0, 1.5), (-1.0, 0.5)):
+        new = hf_generate(model, ids, eos_token_id=None, logits_processor=openai_penalties(presence, frequency))
+        extra = {"presence_penalty": presence, "frequency_penalty": frequency, "ignore_eos": True}
+        answer = api.completions.create(prompt=PROMPTS[0], extra_body=extra, **common)
+        assert answer.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), (presence, frequency)
+        changed |= new != hf_generate(model, ids, eos_token_id=None)
+    assert changed, "no penalty changed the greedy generation: the test proves nothing"
+
+
 def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     """transformers' float32 log-probabilities [vocab] of the token after `ids`."""
     with torch.inference_mode():

@@ -50,6 +50,11 @@ samplings = st.builds(
     seed=ints,
     stop_ids=keys,
     logprobs=st.none() | st.integers(min_value=0, max_value=20),
+    top_k=ints,
+    min_p=floats,
+    repetition_penalty=floats,
+    presence_penalty=floats,
+    frequency_penalty=floats,
 )
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
@@ -85,6 +90,7 @@ messages = st.one_of(
         first_token=ints,
         sampling=samplings,
         first_logprobs=logprobs,
+        prompt_ids=keys,
     ),
     st.builds(wire.PrefillStarted, instance_id=names, request_id=ints, attempt=ints),
     st.builds(
