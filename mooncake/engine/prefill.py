@@ -52,7 +52,7 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import Attend, LlamaModel, token_ids
-from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.engine.sampling import Sampler, SamplingParams, rows_logprobs
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError, UnknownBlockError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
@@ -113,6 +113,8 @@ class PrefillResult:
         keys: the prompt's block keys (the partial last block included).
         first_token: the token sampled from the last position's logits.
         first_logprobs: its log-probabilities, where the request's sampling asks for them (None otherwise).
+        prompt_logprobs: where the sampling's `prompt_logprobs` asks, the log-probabilities of prompt tokens
+            1..n-1, each given the tokens before it (token 0 has none); None otherwise.
         logits: float32 [vocab] at the last position.
         prefix_tokens: tokens whose KV came from the cache.
         computed_tokens: tokens computed (len(tokens) - prefix_tokens).
@@ -132,6 +134,7 @@ class PrefillResult:
     load_wait_s: float
     store_wait_s: float
     first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class ForwardPass(Protocol):
@@ -179,19 +182,33 @@ class ModelForward:
         return self.model.device
 
     def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
-        return self.run_many([(ids, kv, io)])[0]
+        return self.run_many([(ids, kv, io)])[0][0]
 
-    def run_many(self, prompts: Sequence[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]]) -> list[torch.Tensor]:
-        """`run` of several prompts, their uncached tokens packed into shared passes; each prompt's logits.
+    def run_many(
+        self,
+        prompts: Sequence[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]],
+        *,
+        scores: Sequence[int | None] = (),
+    ) -> list[tuple[torch.Tensor, tuple[TokenLogprobs, ...] | None]]:
+        """`run` of several prompts, their uncached tokens packed into shared passes; each prompt's logits, and
+        its prompt log-probabilities where `scores` (one per prompt; none: no prompt's) gives a count k.
 
         Each pass takes up to `chunk_tokens` tokens, prompt after prompt in order (a prompt may
         continue in the next pass), and runs them through every layer as one [T, hidden] batch:
         the matrix products are shared, attention and RoPE positions stay per prompt (each piece
         attends to its own prefix and earlier pieces only). One prompt's passes are `run`'s chunks.
+        A scored prompt (computed from its first token: no prefix) has each position's logits taken
+        in its pass, scoring the token after it (`rows_logprobs`): a pass's rows at a time, never the
+        whole prompt's [n, vocab] at once.
         """
         model = self.model
         cursor = [io.prefix_tokens for _, _, io in prompts]
         last: list[torch.Tensor | None] = [None] * len(prompts)
+        counts = list(scores) or [None] * len(prompts)
+        scored: list[list[TokenLogprobs]] = [[] for _ in prompts]
+        for count, (_, _, io) in zip(counts, prompts, strict=True):
+            if count is not None and io.prefix_tokens:
+                raise InvalidRequestError("a prompt scored for its log-probabilities is computed whole: no prefix")
         while True:
             pieces: list[tuple[int, int, int]] = []  # (prompt, start, end)
             budget = self.chunk_tokens
@@ -216,10 +233,16 @@ class ModelForward:
                     prompts[i][2].store(index, start, end)
             row = 0
             for i, start, end in pieces:
+                ids, count = prompts[i][0], counts[i]
+                if count is not None and start + 1 < ids.shape[0]:  # positions start.. score the tokens after them
+                    rows = min(end, ids.shape[0] - 1) - start
+                    scoring = model.logits(x[row : row + rows])
+                    scored[i] += rows_logprobs(scoring, ids[start + 1 : start + 1 + rows].tolist(), count)
                 row += end - start
-                if end == prompts[i][0].shape[0]:
+                if end == ids.shape[0]:
                     last[i] = x[row - 1]
-        return list(model.logits(torch.stack([h for h in last if h is not None])).cpu())
+        outs = list(model.logits(torch.stack([h for h in last if h is not None])).cpu())
+        return [(out, None if c is None else tuple(s)) for out, c, s in zip(outs, counts, scored, strict=True)]
 
 
 def _packed(attends: list[Attend], pieces: list[tuple[int, int, int]]) -> Attend:
@@ -322,6 +345,12 @@ class PrefillEngine:
         outs = list(sinks) if sinks is not None else [None] * count
         if not count or len(params) != count or len(outs) != count:
             raise InvalidRequestError("prefill_batch needs one or more prompts, and one sampling and sink per prompt")
+        scores = [None if sp is None else sp.prompt_logprobs for sp in params]
+        if not isinstance(self.forward, ModelForward) and any(k is not None for k in scores):
+            raise InvalidRequestError(
+                "prompt log-probabilities need the whole model in this process (a pipeline's last stage returns the "
+                "last position's logits only)"
+            )
         if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
             return [self.prefill(p, sampling=sp, sink=sk) for p, sp, sk in zip(prompts, params, outs, strict=True)]
         ids = [self._ids(tokens) for tokens in prompts]
@@ -331,10 +360,10 @@ class PrefillEngine:
         reserved: list[BlockKey] = []
         streaming: list[KvSink] = []
         try:
-            for one, ks in zip(ids, keys, strict=True):
-                prefixes.append(
-                    self._pin_prefix(ks, max_blocks=reusable_prefix_tokens(one.shape[0], len(ks), block) // block)
-                )
+            for one, ks, k in zip(ids, keys, scores, strict=True):
+                # A scored prompt is computed whole: its prefix positions' logits are needed, not only their KV.
+                reusable = 0 if k is not None else reusable_prefix_tokens(one.shape[0], len(ks), block) // block
+                prefixes.append(self._pin_prefix(ks, max_blocks=reusable))
             pages = []
             for one, ks, prefix_blocks in zip(ids, keys, prefixes, strict=True):
                 prompt_pages, prompt_reserved = self._reserve(ks, prefix_blocks, one.shape[0])
@@ -348,7 +377,8 @@ class PrefillEngine:
                 [
                     (one, ks[:prefix_blocks], ps, sink)
                     for one, ks, prefix_blocks, ps, sink in zip(ids, keys, prefixes, pages, outs, strict=True)
-                ]
+                ],
+                scores,
             )
             for key in reserved:
                 self.cache.commit(key)
@@ -368,7 +398,7 @@ class PrefillEngine:
                     self._unpin(key)
         seconds = time.perf_counter() - started
         results = []
-        for one, ks, prefix_blocks, ps, sp, (logits, load_wait, store_wait) in zip(
+        for one, ks, prefix_blocks, ps, sp, (logits, scored, load_wait, store_wait) in zip(
             ids, keys, prefixes, pages, params, runs, strict=True
         ):
             prefix = prefix_blocks * block
@@ -380,6 +410,7 @@ class PrefillEngine:
                     keys=ks,
                     first_token=first,
                     first_logprobs=sampler.logprobs_of(logits, first),
+                    prompt_logprobs=scored,
                     logits=logits,
                     prefix_tokens=prefix,
                     computed_tokens=one.shape[0] - prefix,
@@ -442,10 +473,13 @@ class PrefillEngine:
     # ------------------------------------------------------------------ the forward pass
 
     def _forward(
-        self, prompts: list[tuple[torch.Tensor, tuple[BlockKey, ...], list[Buffer | None], KvSink | None]]
-    ) -> list[tuple[torch.Tensor, float, float]]:
-        """Per prompt (ids, prefix keys, pages, sink): its last position's logits and load and store waits;
-        the pages hold the new KV."""
+        self,
+        prompts: list[tuple[torch.Tensor, tuple[BlockKey, ...], list[Buffer | None], KvSink | None]],
+        scores: list[int | None],
+    ) -> list[tuple[torch.Tensor, tuple[TokenLogprobs, ...] | None, float, float]]:
+        """Per prompt (ids, prefix keys, pages, sink): its last position's logits, its prompt log-probabilities
+        (where its `scores` count is set; a `ModelForward` only) and load and store waits; the pages hold the new
+        KV."""
         forward, config = self.forward, self.forward.model_config
         runs: list[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]] = []
         for ids, prefix_keys, pages, sink in prompts:
@@ -473,18 +507,20 @@ class PrefillEngine:
         try:
             for _, _, io in runs:
                 io.start_loading()
-            if len(runs) == 1:
-                logits = [forward.run(*runs[0])]
+            if isinstance(forward, ModelForward):
+                outs = forward.run_many(runs, scores=scores)
             else:
-                assert isinstance(forward, ModelForward)  # prefill_batch runs others one prompt at a time
-                logits = forward.run_many(runs)
+                assert len(runs) == 1  # prefill_batch runs others one prompt at a time, unscored
+                outs = [(forward.run(*runs[0]), None)]
             for _, _, io in runs:
                 io.finish()
         except BaseException:
             for _, _, io in runs:
                 io.abort()  # loads and stores may still be queued: let none touch a page the caller gives back
             raise
-        return [(out, io.load_wait_s, io.store_wait_s) for out, (_, _, io) in zip(logits, runs, strict=True)]
+        return [
+            (out, scored, io.load_wait_s, io.store_wait_s) for (out, scored), (_, _, io) in zip(outs, runs, strict=True)
+        ]
 
 
 class MessengerSink:

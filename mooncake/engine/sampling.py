@@ -50,7 +50,7 @@ from mooncake._checks import plain_int, require_int, require_number
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import ConfigError, InvalidRequestError
 
-__all__ = ["Sampler", "SamplingParams", "nucleus", "token_logprobs"]
+__all__ = ["Sampler", "SamplingParams", "nucleus", "rows_logprobs", "token_logprobs"]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 
@@ -76,6 +76,9 @@ class SamplingParams:
             positive, multiplied when not (1, the default: none; > 1 discourages repeats). Needs the prompt.
         presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of each token the output
             holds, once / per occurrence (OpenAI's definitions; 0, the default: none).
+        prompt_logprobs: None (the default): none; k >= 0: the prefill scores every prompt token after the first
+            (its log-probability given the tokens before it, and the k most probable there), as vLLM's
+            `prompt_logprobs`; the whole prompt is then computed, no cached prefix reused.
     """
 
     temperature: float = attrs.field(default=0.0)
@@ -89,6 +92,7 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(default=1.0)
     presence_penalty: float = attrs.field(default=0.0)
     frequency_penalty: float = attrs.field(default=0.0)
+    prompt_logprobs: int | None = attrs.field(default=None)
 
     @property
     def needs_prompt(self) -> bool:
@@ -128,6 +132,11 @@ class SamplingParams:
         if value is not None:
             require_int("logprobs", value, minimum=0)
 
+    @prompt_logprobs.validator
+    def _check_prompt_logprobs(self, _attribute: object, value: int | None) -> None:
+        if value is not None:
+            require_int("prompt_logprobs", value, minimum=0)
+
     @top_k.validator
     def _check_top_k(self, _attribute: object, value: int) -> None:
         require_int("top_k", value, minimum=0)
@@ -156,14 +165,32 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
         InvalidRequestError: `token` outside the vocabulary, or `k` not an integer >= 0.
     """
     require_int("token", token, minimum=0, below=logits.shape[-1], error=InvalidRequestError)
+    return rows_logprobs(logits.unsqueeze(0), [int(token)], k)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """`token_logprobs` of each row of `logits` [rows, vocab] and its token, in one pass over the rows (a
+    prompt's positions, each scored by the token after it).
+
+    Raises:
+        InvalidRequestError: a token outside the vocabulary, one token per row not given, or `k` not an integer
+            >= 0.
+    """
     require_int("k", k, minimum=0, error=InvalidRequestError)
+    vocab = logits.shape[-1]
+    if len(tokens) != logits.shape[0] or not all(0 <= t < vocab for t in tokens):
+        raise InvalidRequestError(f"one token in [0, {vocab}) per row of logits is needed, got {len(tokens)}")
     logprobs = torch.log_softmax(logits.detach().float(), dim=-1)  # on the logits' device: only k values move
-    chosen = logprobs[int(token)]
-    top: tuple[tuple[int, float], ...] = ()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
     if k:
-        values, ids = torch.sort(logprobs, descending=True, stable=True)
-        top = tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
-    return TokenLogprobs(logprob=float(chosen), rank=int((logprobs > chosen).sum()) + 1, top=top)
+        values, ids = torch.sort(logprobs, dim=1, descending=True, stable=True)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids[:, :k].tolist(), values[:, :k].tolist(), strict=True)]
+    return [
+        TokenLogprobs(logprob=logprob, rank=rank, top=top)
+        for logprob, rank, top in zip(chosen[:, 0].tolist(), ranks, tops, strict=True)
+    ]
 
 
 def stream_seed(seed: int, position: int) -> int:

@@ -16,6 +16,7 @@ gives, streams each to its own sink, and fails as one, holding nothing.
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -461,6 +462,49 @@ def test_a_batch_that_fails_holds_nothing_and_stores_nothing() -> None:
             engine.prefill_batch([PROMPT[:12], PROMPT[::-1]])  # 1 + 6 new blocks in 3 free pages
         assert len(cache) == 2 and cache.pools[0].num_free == 3
     assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
+
+
+# --------------------------------------------------------------------------- prompt log-probabilities
+
+
+@PREFILL_SETTINGS
+@given(prompts, prompts, block_sizes, chunk_sizes, st.integers(min_value=0, max_value=4))
+def test_prompt_logprobs_score_each_token_by_the_models_logits_before_it(
+    cached: list[int], tokens: list[int], block: int, chunk: int, k: int
+) -> None:
+    """With `prompt_logprobs: k` (in a batch beside an unscored prompt sharing a cached prefix, in passes of
+    `chunk` tokens): entry j scores prompt token j + 1 under the model's logits at position j, within float
+    tolerance, with the k most probable; the whole prompt is computed (no prefix reused, though
+    one is cached) and the last logits and first token are a plain prefill's. The other prompt is unchanged."""
+    tokens = cached[: len(cached) // 2] + tokens
+    cache = dram_cache(block, pages=256)
+    prefill(cache, cached, block=block)
+    scored = SamplingParams(prompt_logprobs=k)
+    with PrefillEngine(tiny_model(), cache, hasher(block), PrefillConfig(chunk_tokens=chunk)) as engine:
+        result, other = engine.prefill_batch([tokens, cached], sampling=[scored, None])
+    assert (result.prefix_tokens, result.computed_tokens) == (0, len(tokens))
+    assert_like_the_model(result, tokens)
+    assert_like_the_model(other, cached)
+    assert other.prompt_logprobs is None
+    reference = torch.log_softmax(reference_logits(tokens), dim=-1)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(tokens) - 1
+    for position, entry in enumerate(result.prompt_logprobs):
+        row, token = reference[position], tokens[position + 1]
+        assert math.isclose(entry.logprob, float(row[token]), abs_tol=1e-4)
+        assert len(entry.top) == min(k, TINY.vocab_size)
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+        if k:
+            assert math.isclose(entry.top[0][1], float(row.max()), abs_tol=1e-4)
+
+
+def test_prompt_logprobs_need_a_forward_pass_that_keeps_every_position() -> None:
+    """A forward pass that returns the last position's logits only (a pipeline group's) refuses a scored
+    prompt before anything is held, naming why."""
+    cache = dram_cache(4)
+    refused = pytest.raises(InvalidRequestError, match="prompt log-probabilities need the whole model")
+    with PrefillEngine(OtherForward(), cache, hasher(4)) as engine, refused:
+        engine.prefill(PROMPT, sampling=SamplingParams(prompt_logprobs=1))
+    assert len(cache) == 0
 
 
 # --------------------------------------------------------------------------- error contracts

@@ -24,7 +24,15 @@ pytest.importorskip("torch")
 import torch
 import xxhash
 
-from mooncake.engine.sampling import MAX_SEED, Sampler, SamplingParams, nucleus, stream_seed, token_logprobs
+from mooncake.engine.sampling import (
+    MAX_SEED,
+    Sampler,
+    SamplingParams,
+    nucleus,
+    rows_logprobs,
+    stream_seed,
+    token_logprobs,
+)
 from mooncake.errors import ConfigError, InvalidRequestError
 
 seeds = st.integers(min_value=0, max_value=2**32)
@@ -308,6 +316,18 @@ def test_token_logprobs_are_the_log_softmax_its_rank_and_the_k_most_probable(
     assert got.rank == 1 + sum(value > reference[token] for value in reference)
     expected = sorted(range(len(values)), key=lambda t: (-reference[t], t))[:k]
     assert got.top == tuple((t, reference[t]) for t in expected)
+
+
+@given(st.integers(min_value=1, max_value=6), st.integers(min_value=0, max_value=40), seeds, st.data())
+def test_rows_logprobs_are_each_rows_token_logprobs(rows: int, k: int, seed: int, data: st.DataObject) -> None:
+    """Scoring rows at once (a prompt's positions) gives, row by row, what `token_logprobs` gives for that row
+    alone: the same log-probability, rank and top list."""
+    logits = torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed)).round()
+    tokens = data.draw(st.lists(st.integers(min_value=0, max_value=31), min_size=rows, max_size=rows))
+    got = rows_logprobs(logits, tokens, k)
+    assert got == [token_logprobs(logits[i], tokens[i], k) for i in range(rows)]
+    with pytest.raises(InvalidRequestError, match="one token"):
+        rows_logprobs(logits, [*tokens, 0], k)
 
 
 @given(seeds, st.sampled_from([0.0, 0.7, 1.5]), st.integers(min_value=0, max_value=5))
