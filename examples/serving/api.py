@@ -5,10 +5,10 @@ undone within a size cap, its charset one of the Unicode ones, JSON without
 NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
-limit. A parameter this server does not implement (`n` > 1, `echo`,
-`prompt_logprobs`, `best_of`, tools, penalties, ...) is refused unless it has
-the value that changes nothing; one it does not know is ignored with a warning,
-as vLLM does (its clients send extras other servers do not know).
+limit. A parameter this server does not implement (`n` > 1, a chat's `echo`,
+`prompt_logprobs`, `best_of`, tools, `logit_bias`, ...) is refused unless it
+has the value that changes nothing; one it does not know is ignored with a
+warning, as vLLM does (its clients send extras other servers do not know).
 
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
@@ -18,7 +18,9 @@ carries the usage so far, as vLLM's do). Log-probabilities, where asked
 (`logprobs: k` for a completion, `logprobs: true` and `top_logprobs: k` for a
 chat, k <= `MAX_LOGPROBS`), come in OpenAI's two shapes (`Logprobs`): a
 completion's four parallel lists, a chat's `content` list; each chunk carries
-those of the tokens it is the first to show.
+those of the tokens it is the first to show. A completion's `echo` opens the
+answer with the prompt, and its log-probabilities with the prompt's (the first
+token's null), as vLLM's.
 
 Every failure is an `ApiError`: a status and OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; `code` is a string for the
@@ -311,6 +313,8 @@ class SamplingOptions:
             `logprobs`, a chat's `top_logprobs` with `logprobs: true`).
         top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty: vLLM's, as
             `mooncake.engine.sampling.SamplingParams` applies them (top_k 0: all tokens).
+        prompt_logprobs: the prompt's log-probabilities too, k most probable beside each token (a completion's
+            `echo` with `logprobs`, as vLLM asks its engine for them then); None: none.
     """
 
     max_tokens: int | None
@@ -328,6 +332,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    prompt_logprobs: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -337,6 +342,7 @@ class CompletionRequest:
     model: str
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
+    echo: bool = False  # the answer opens with the prompt (and its log-probabilities, with `logprobs`)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
@@ -391,7 +397,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _one,
     "best_of": _one,
     "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
-    "echo": _off,
+    "echo": _off,  # a chat's (a completion's is served): vLLM's chat echo repeats the last message
     "suffix": lambda v: v is None or v == "",
     "logit_bias": _empty,
     "tools": _empty,
@@ -456,7 +462,7 @@ SHARED = (
     "presence_penalty",
     "frequency_penalty",
 )
-COMPLETION_FIELDS = frozenset({*SHARED, "prompt"})
+COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
 
 
@@ -677,7 +683,11 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
         checked = _text(prompt, "prompt")
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-    return CompletionRequest(prompt=checked, **_common(body, COMPLETION_FIELDS, served, chat=False))
+    common = _common(body, COMPLETION_FIELDS, served, chat=False)
+    echo = _flag(body, "echo", default=False)
+    if echo and common["sampling"].logprobs is not None:  # the engine scores the prompt then, as vLLM's does
+        common["sampling"] = attrs.evolve(common["sampling"], prompt_logprobs=common["sampling"].logprobs)
+    return CompletionRequest(prompt=checked, echo=echo, **common)
 
 
 # A chat message's keys beside role, content and name: those asking for what this server cannot render (tools,

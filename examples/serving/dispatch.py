@@ -69,6 +69,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, reason_named
@@ -126,6 +127,8 @@ class LiveRequest:
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
     generated: int = 0
     cached_tokens: int = 0
+    # The prompt's log-probabilities (tokens 1..n-1), from its prefill, where it asked for them (echo and logprobs).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # When each phase began, on the dispatcher's clock (None: not yet), for the metrics and the engines' loads;
     # the prefill phases start again when the request is scheduled again.
     prefill_started_s: float | None = None
@@ -433,6 +436,7 @@ class Dispatcher:
                 repetition_penalty=sampling.repetition_penalty,
                 presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty,
+                prompt_logprobs=sampling.prompt_logprobs,
             ),
         )
         instance = live.prefill
@@ -662,6 +666,7 @@ class Dispatcher:
     def _prefilled(self, live: LiveRequest, done: wire.PrefillDone, now: float) -> None:
         self.conductor.handle(PrefillFinished(request_id=live.request_id, instance_id=live.prefill, now=now))
         live.cached_tokens = done.prefix_tokens
+        live.prompt_logprobs = done.prompt_logprobs
         live.prefill_done_s = now
         self.metrics.prefilled(
             live.prefill,

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import attrs
 from aiohttp import HttpVersion11, web
 
 import mooncake
@@ -318,6 +319,13 @@ class Gateway:
         try:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
+            if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
+                raise ApiError(
+                    400,
+                    "echo with logprobs needs the prompt's log-probabilities, which a pipelined prefill "
+                    "([prefill] pipeline_size > 1) does not compute",
+                    param="echo",
+                )
             tokens = prompt_tokens(parsed, self.tokenizer, self.served)
             live = await dispatcher.admit(tokens, generation_limit(parsed.sampling, len(tokens), self.served), arrival)
         except ApiError as error:
@@ -353,6 +361,22 @@ class Gateway:
             return None
         return Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=self.tokenizer.token_text)
 
+    def _echoed(
+        self, parsed: CompletionRequest | ChatRequest, live: LiveRequest
+    ) -> tuple[str, list[tuple[int, TokenLogprobs | None]]] | None:
+        """What a completion's `echo` puts before the generation: the prompt's text (as given, or its ids decoded
+        as the output is) and its tokens with their log-probabilities (the first has none); None without echo."""
+        if not isinstance(parsed, CompletionRequest) or not parsed.echo:
+            return None
+        if isinstance(parsed.prompt, str):
+            prompt = parsed.prompt
+        else:
+            text = self._text_stream(attrs.evolve(parsed.sampling, stop=(), min_tokens=0))
+            prompt = "".join(text.feed(t) for t in parsed.prompt) + text.finish()
+        scored = live.prompt_logprobs or ()
+        entries = [(token, scored[i - 1] if 0 < i <= len(scored) else None) for i, token in enumerate(live.tokens)]
+        return prompt, entries
+
     def _usage(self, live: LiveRequest, completion: int) -> Usage:
         return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
 
@@ -375,12 +399,13 @@ class Gateway:
         self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
         logprobs = self._logprobs(reply, parsed.sampling)
+        echoed = self._echoed(parsed, live)  # once tokens came: the prompt's log-probabilities came before them
         answer = reply.completion(
-            "".join(pieces),
+            (echoed[0] if echoed else "") + "".join(pieces),
             finish,
             self._usage(live, len(generated)),
             text.stop_reason,
-            logprobs=None if logprobs is None else logprobs.take(generated),
+            logprobs=None if logprobs is None else logprobs.take([*(echoed[1] if echoed else []), *generated]),
         ).to_json()
         return web.json_response(answer, headers=_route_headers(live))
 
@@ -418,6 +443,10 @@ class Gateway:
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
             await response.write(reply.chunk("", role=True, usage=so_far()).to_sse())
+        echoed = self._echoed(parsed, live)
+        if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
+            unshown += echoed[1]
+            await response.write(reply.chunk(echoed[0], usage=so_far(), logprobs=shown()).to_sse())
 
         try:
             async for token in _following(first, tokens):

@@ -167,6 +167,12 @@ def _load_logprobs(value: Any, where: str) -> TokenLogprobs:
     return TokenLogprobs(logprob=_load_logprob(value[0], f"{where}[0]"), rank=value[1], top=tuple(top))
 
 
+def _load_logprobs_list(value: Any, where: str) -> tuple[TokenLogprobs, ...]:
+    if type(value) is not list:
+        raise _bad(where, "a list of log-probabilities", value)
+    return tuple(_load_logprobs(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
 def _dump_logprobs(logprobs: TokenLogprobs) -> list[Any]:
     return [logprobs.logprob, logprobs.rank, [list(pair) for pair in logprobs.top]]
 
@@ -213,6 +219,7 @@ def _optional(codec: _Codec) -> _Codec:
 
 
 OPTIONAL_INT, OPTIONAL_LOGPROBS = _optional(INT), _optional(LOGPROBS)
+OPTIONAL_LOGPROBS_LIST = _optional(_Codec(_load_logprobs_list, lambda entries: [_dump_logprobs(e) for e in entries]))
 
 
 def _field(codec: _Codec, **options: Any) -> Any:
@@ -248,8 +255,8 @@ class Sampling:
     """How a request's tokens are chosen and when it ends, as the gateway set it: one record the prefill job
     carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
     generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn; `logprobs`: the
-    most probable tokens' log-probabilities to report with each token, None for none; the rest as
-    `mooncake.engine.sampling.SamplingParams`'s)."""
+    most probable tokens' log-probabilities to report with each token, None for none; `prompt_logprobs`: the
+    same for the prompt's tokens, which the prefill reports; the rest as `mooncake.engine.sampling.SamplingParams`'s)."""
 
     max_tokens: int = _field(INT)
     temperature: float = _field(FLOAT)
@@ -263,6 +270,7 @@ class Sampling:
     repetition_penalty: float = _field(FLOAT, default=1.0)
     presence_penalty: float = _field(FLOAT, default=0.0)
     frequency_penalty: float = _field(FLOAT, default=0.0)
+    prompt_logprobs: int | None = _field(OPTIONAL_INT, default=None)
 
 
 @attrs.frozen(kw_only=True)
@@ -380,6 +388,8 @@ class PrefillDone:
     fetched_blocks: int = _field(INT)
     streamed_blocks: int = _field(INT)
     events: tuple[CacheEvent, ...] = _field(EVENTS)
+    # The log-probabilities of prompt tokens 1..n-1, where the job's sampling asked for them (`prompt_logprobs`).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = _field(OPTIONAL_LOGPROBS_LIST, default=None)
 
 
 @attrs.frozen(kw_only=True)

@@ -445,6 +445,7 @@ class Worker:
             fetched_blocks=fetched,
             streamed_blocks=len(sink.committed),
             events=(),
+            prompt_logprobs=result.prompt_logprobs,
         )
         return done, join
 
@@ -614,6 +615,7 @@ def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
         repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
+        prompt_logprobs=sampling.prompt_logprobs,
     )
 
 

@@ -380,6 +380,46 @@ def test_streamed_logprobs_join_to_the_whole_answers(cluster: RunningCluster) ->
     assert streamed == whole.choices[0].logprobs.content
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (a prompt of token ids in a batch of one, `echo`, `logprobs:
+    1`, `max_tokens: 1`, greedy): the answer opens with the prompt's text and tokens, the first token's
+    log-probability null, each later one transformers' log-softmax at the position before it (1e-4), the
+    sampled token last; a second time, with the prompt's blocks now cached, the same figures (the prompt is
+    scored whole, not from the cache: no cached tokens reported); a text prompt's echo is its text; a stream joins to the whole answer."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    ids = tokenizer(TEXT[0]).input_ids  # over two blocks: a prefix to cache
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(reference[j - 1, ids[j]]) for j in range(1, len(ids))]
+    body = {"model": "tiny-llama", "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    answers = [api.completions.create(prompt=[ids], **body) for _ in range(2)]
+    for answer in answers:
+        got = answer.choices[0].logprobs
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        assert len(got.tokens) == len(ids) + 1 == answer.usage.prompt_tokens + answer.usage.completion_tokens
+        assert got.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert max(abs(a - b) for a, b in zip(got.token_logprobs[1 : len(ids)], expected, strict=True)) < 1e-4
+        greedy = int(reference[-1].argmax())
+        assert got.tokens[-1] == tokenizer.decode([greedy])
+        assert answer.choices[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
+    cached = api.completions.create(prompt=[ids], model="tiny-llama", max_tokens=1, temperature=0)
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0  # its blocks are cached ...
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == 0  # ... and a scored prompt reuses none
+    assert answers[0].choices[0].logprobs == answers[1].choices[0].logprobs
+    text_body = {**body, "max_tokens": 6}
+    whole = api.completions.create(prompt=PROMPTS[2], **text_body).choices[0]
+    plain = api.completions.create(prompt=PROMPTS[2], **{**text_body, "echo": False}).choices[0]
+    assert whole.text == PROMPTS[2] + plain.text
+    assert whole.logprobs.tokens[len(tokenizer(PROMPTS[2]).input_ids) :] == plain.logprobs.tokens
+    chunks = [c.choices[0] for c in api.completions.create(prompt=PROMPTS[2], stream=True, **text_body)]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+
+
 def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:
     """The stream of a request with skip_special_tokens false writes a special token's text where transformers'
     decode(skip_special_tokens=False) does; by default it leaves it out, as decode(skip_special_tokens=True)."""

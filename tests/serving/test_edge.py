@@ -51,9 +51,11 @@ DEADLINE_S = 30.0
 
 
 @contextlib.contextmanager
-def served(edge: EdgeLimits) -> Iterator[tuple[Gateway, int]]:
-    """A worker-less gateway with `edge`, served on 127.0.0.1 by an event loop thread; yields it and its port."""
-    gateway = Gateway(ClusterConfig(source="test_edge"), bytes(32), [], lambda _instance: True, edge=edge)
+def served(edge: EdgeLimits, config: ClusterConfig | None = None) -> Iterator[tuple[Gateway, int]]:
+    """A worker-less gateway with `edge` (and `config`), served on 127.0.0.1 by an event loop thread; yields it
+    and its port."""
+    config = config or ClusterConfig(source="test_edge")
+    gateway = Gateway(config, bytes(32), [], lambda _instance: True, edge=edge)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="edge-gateway", daemon=True)
     thread.start()
@@ -423,3 +425,16 @@ class GuardModel(RuleBasedStateMachine):
 
 TestGuard = GuardModel.TestCase
 TestGuard.settings = settings(max_examples=50, stateful_step_count=30)
+
+
+def test_echo_with_logprobs_is_a_400_where_the_prefill_is_a_pipeline() -> None:
+    """A pipelined prefill computes the last position's logits only: a completion asking for the prompt's
+    log-probabilities (`echo` with `logprobs`) is refused at once with a 400 naming `echo`, before any engine
+    is asked; echo alone is taken (here: no engine is up, a 503)."""
+    config = ClusterConfig(source="test_edge").with_overrides("prefill", pipeline_size=2)
+    with served(EdgeLimits(), config) as (_gateway, port):
+        body = json.dumps({"prompt": "hi", "echo": True, "logprobs": 1}).encode()
+        status, _, answer = ask(port, post("/v1/completions", body, Content_Type="application/json"))
+        assert (status, answer["error"]["param"]) == (400, "echo") and "pipeline" in answer["error"]["message"]
+        body = json.dumps({"prompt": "hi", "echo": True}).encode()
+        assert ask(port, post("/v1/completions", body, Content_Type="application/json"))[0] == 503

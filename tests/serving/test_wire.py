@@ -35,12 +35,13 @@ events = st.one_of(
     st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
 )
 logprob_values = st.floats(max_value=0.0, allow_nan=False)  # -inf included: a token the model gives no chance
-logprobs = st.none() | st.builds(
+entries = st.builds(
     TokenLogprobs,
     logprob=logprob_values,
     rank=st.integers(min_value=1, max_value=2**31),
     top=st.lists(st.tuples(ints, logprob_values), max_size=3).map(tuple),
 )
+logprobs = st.none() | entries
 tokens = st.builds(wire.Token, ints, ints, ints, ints, st.booleans(), logprobs)
 samplings = st.builds(
     wire.Sampling,
@@ -55,6 +56,7 @@ samplings = st.builds(
     repetition_penalty=floats,
     presence_penalty=floats,
     frequency_penalty=floats,
+    prompt_logprobs=st.none() | st.integers(min_value=0, max_value=20),
 )
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),
@@ -103,6 +105,7 @@ messages = st.one_of(
         fetched_blocks=ints,
         streamed_blocks=ints,
         events=st.lists(events, max_size=3).map(tuple),
+        prompt_logprobs=st.none() | st.lists(entries, max_size=3).map(tuple),
     ),
     st.builds(
         wire.PrefillFailed,
