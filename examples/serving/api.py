@@ -499,10 +499,19 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
         return default
     # An int may have thousands of digits (no float holds it): compare it exactly, never convert it first.
     ok = type(value) is int or (type(value) is float and math.isfinite(value))
-    if not ok or not (low < value if open_low else low <= value) or value > high:
+    # An int past float's range (10**400) passes an infinite bound but has no float: out of range all the same.
+    if not ok or not (low < value if open_low else low <= value) or value > high or not math.isfinite(_as_float(value)):
         bounds = f"{'(' if open_low else '['}{low}, {high}]"
         raise ApiError(400, f"{name} must be a number in {bounds}, got {_shown(value)}", param=name)
     return float(value)
+
+
+def _as_float(value: int | float) -> float:
+    """`value` as a float, inf where an int is past float's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:

@@ -281,8 +281,9 @@ class TextStream:
 
 
 def generation_defaults(config: ClusterConfig) -> dict[str, float]:
-    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p), {} for the
-    random preset: what a request without them gets, as from vLLM (`mooncake.engine.tokenizer.sampling_defaults`)."""
+    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p, top_k, min_p,
+    repetition_penalty), {} for the random preset: what a request without them gets, as from vLLM
+    (`mooncake.engine.tokenizer.sampling_defaults`)."""
     if config.model.checkpoint is None:
         return {}
     from mooncake.engine.tokenizer import sampling_defaults

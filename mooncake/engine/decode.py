@@ -234,6 +234,8 @@ class DecodeEngine:
         if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):
             got = "none" if prompt is None else f"{len(prompt)} ids"
             raise InvalidRequestError(f"the repetition penalty needs the prompt's {prompt_tokens} token ids, got {got}")
+        if prompt is not None and not all(is_int(t) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"the prompt's token ids must lie in [0, {vocab})")
         active = _Active(
             request_id,
             prompt_tokens,

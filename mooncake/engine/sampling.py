@@ -37,7 +37,6 @@ probable) and the `k` most probable tokens.
 
 from __future__ import annotations
 
-import collections
 import math
 import secrets
 from collections.abc import Sequence
@@ -185,8 +184,14 @@ def rows_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[T
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
     if k:
-        values, ids = torch.sort(logprobs, dim=1, descending=True, stable=True)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids[:, :k].tolist(), values[:, :k].tolist(), strict=True)]
+        # The k-th largest per row (O(vocab), not a sort of the vocabulary), then the tokens at or above it in
+        # order, equal ones by id: exact where ties straddle the k-th place too.
+        kth = torch.topk(logprobs, min(k, vocab), dim=1).values[:, -1:]
+        tops = []
+        for row, bound in zip(logprobs, kth, strict=True):
+            ids = torch.nonzero(row >= bound).squeeze(1)
+            pairs = sorted(zip(ids.tolist(), row[ids].tolist(), strict=True), key=lambda pair: (-pair[1], pair[0]))
+            tops.append(tuple(pairs[:k]))
     return [
         TokenLogprobs(logprob=logprob, rank=rank, top=top)
         for logprob, rank, top in zip(chosen[:, 0].tolist(), ranks, tops, strict=True)
@@ -246,8 +251,12 @@ class Sampler:
             raise ConfigError("a repetition penalty needs the prompt's token ids (prompt=)")
         if params.penalized and len(output) != self.position:
             raise ConfigError(f"the penalties count the output so far: {self.position} tokens, got {len(output)}")
-        self._prompt = frozenset(prompt or ()) if params.needs_prompt else frozenset()
-        self._counts: collections.Counter[int] = collections.Counter(output if params.penalized else ())
+        self._prompt = list(prompt or ()) if params.needs_prompt else []
+        self._output = list(output) if params.penalized else []
+        # The penalties' state over the vocabulary, made at the first draw (the vocabulary and device are the
+        # logits'): tokens of the prompt or the output so far, and each token's count in the output.
+        self._seen: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
@@ -259,26 +268,28 @@ class Sampler:
         if self.params.penalized:
             logits = self._penalize(logits)
         token = self._draw(logits)
-        if self.params.penalized:
+        if self._seen is not None and self._counts is not None:
+            self._seen[token] = True
             self._counts[token] += 1
         return token
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with vLLM's penalties applied (a copy; in the logits' dtype, on their device)."""
+        """`logits` with vLLM's penalties applied: a new tensor, in the logits' dtype, on their device, in O(vocab)
+        per token (the seen tokens and the counts are kept as vocabulary-wide tensors, as vLLM's masks)."""
         params, vocab = self.params, logits.shape[-1]
-        logits = logits.clone()
-        seen = sorted(t for t in self._prompt | self._counts.keys() if t < vocab)
-        if params.repetition_penalty != 1.0 and seen:
-            ids = torch.tensor(seen, device=logits.device)
-            values = logits[ids]
-            logits[ids] = torch.where(
-                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-            )
-        out = [(t, n) for t, n in self._counts.items() if t < vocab]
-        if out and (params.frequency_penalty or params.presence_penalty):
-            ids = torch.tensor([t for t, _ in out], device=logits.device)
-            counts = torch.tensor([n for _, n in out], dtype=logits.dtype, device=logits.device)
-            logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        if self._seen is None or self._counts is None:
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            self._counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+            self._seen[torch.tensor([t for t in self._prompt if 0 <= t < vocab], dtype=torch.long)] = True
+            output = torch.tensor([t for t in self._output if 0 <= t < vocab], dtype=torch.long)
+            ones = torch.ones(len(output), dtype=logits.dtype, device=logits.device)
+            self._counts.index_add_(0, output.to(logits.device), ones)
+            self._seen |= self._counts > 0
+        if params.repetition_penalty != 1.0:
+            rp = params.repetition_penalty
+            logits = torch.where(self._seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        if params.frequency_penalty or params.presence_penalty:
+            logits = logits - (params.frequency_penalty * self._counts + params.presence_penalty * (self._counts > 0))
         return logits
 
     def logprobs_of(self, logits: torch.Tensor, token: int) -> TokenLogprobs | None:

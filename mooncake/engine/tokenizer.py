@@ -122,10 +122,10 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
         found[name] = float(value)
     top_k = raw.get("top_k")
     if top_k is not None:
-        if not is_int(top_k) or top_k < 0:
-            raise ConfigError(f"{path}: top_k must be an integer >= 0, got {top_k!r}")
+        if not is_int(top_k) or top_k < -1:
+            raise ConfigError(f"{path}: top_k must be an integer >= -1, got {top_k!r}")
         if top_k != HF_DEFAULT_TOP_K:
-            found["top_k"] = int(top_k)
+            found["top_k"] = max(0, int(top_k))  # -1 is all tokens, as 0 (vLLM's and a request's reading)
     return found
 
 

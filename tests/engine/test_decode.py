@@ -666,10 +666,15 @@ def test_pages_that_do_not_match_the_prompt_are_refused(prefilled_cache: Any) ->
         {"first_token": TINY.vocab_size},
         {"first_token": -1},
         {"first_token": 3.0},
+        {"sampling": SamplingParams(repetition_penalty=1.2)},  # no prompt to count
+        {"sampling": SamplingParams(repetition_penalty=1.2), "prompt": [1, 2, 3, 4]},  # 4 ids for 5 tokens
+        {"sampling": SamplingParams(repetition_penalty=1.2), "prompt": [1, 2, 3, 4, -1]},
+        {"prompt": [1, 2, 3, 4, TINY.vocab_size]},
     ],
 )
 def test_bad_requests_are_refused(prefilled_cache: Any, options: dict[str, Any]) -> None:
-    """Bad counts, uncovered prompts and first tokens outside the vocabulary: InvalidRequestError, nothing held."""
+    """Bad counts, uncovered prompts, first tokens outside the vocabulary, and prompt ids missing, miscounted or
+    outside it where given: InvalidRequestError, nothing held."""
     cache, r = prefilled_cache
     engine = DecodeEngine(tiny_model(), cache, block_tokens=BLOCK)
     with pytest.raises(InvalidRequestError):

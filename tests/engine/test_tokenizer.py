@@ -365,8 +365,10 @@ def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
     assert sampling_defaults(tmp_path) == qwen
     generation.write_text(json.dumps({"top_k": 50, "eos_token_id": 2}))
     assert sampling_defaults(tmp_path) == {}
+    generation.write_text(json.dumps({"top_k": -1}))
+    assert sampling_defaults(tmp_path) == {"top_k": 0}
     bad_values = [{"temperature": -1}, {"temperature": "0.7"}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": True}]
-    bad_values += [{"top_k": -1}, {"top_k": 2.5}, {"min_p": 1.5}, {"repetition_penalty": 0}]
+    bad_values += [{"top_k": -2}, {"top_k": 2.5}, {"min_p": 1.5}, {"repetition_penalty": 0}]
     for bad in bad_values:
         generation.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=f"generation_config.json: {next(iter(bad))} must be"):

@@ -147,6 +147,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": "1.2"}, "repetition_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 10**400}, "repetition_penalty"),
         ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),

@@ -361,7 +361,8 @@ def test_logprobs_equal_transformers_for_greedy_and_sampled_tokens(
 def test_streamed_logprobs_join_to_the_whole_answers(cluster: RunningCluster) -> None:
     """A stream's chunks carry the log-probabilities of the tokens each is the first to show: joined, they are
     the whole answer's (same tokens, values, top objects and text offsets), and a chat stream's are its
-    answer's `content`; no token is listed twice or left out (held-back text included)."""
+    answer's `content`; no token is listed twice or left out (held-back text included, and with a stop string
+    that cuts the text)."""
     api = client(cluster)
     common = {"model": "tiny-llama", "max_tokens": MAX_TOKENS, "temperature": 0}
     for prompt in PROMPTS[:2]:
@@ -374,6 +375,13 @@ def test_streamed_logprobs_join_to_the_whole_answers(cluster: RunningCluster) ->
             for key in joined:
                 joined[key] += [] if part is None else getattr(part, key)
         assert joined == {key: getattr(whole, key) for key in joined}, prompt
+    # A stop string from the middle of an answer: the text held back for it, and cut at it, changes no list.
+    text = api.completions.create(prompt=PROMPTS[1], **common).choices[0].text
+    stop = {"stop": [text[len(text) // 2 : len(text) // 2 + 2]], "logprobs": 1}
+    whole = api.completions.create(prompt=PROMPTS[1], **common, **stop).choices[0]
+    assert whole.finish_reason == "stop" and len(whole.text) < len(text)
+    chunks = [c.choices[0] for c in api.completions.create(prompt=PROMPTS[1], stream=True, **common, **stop)]
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
     whole = api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, **common)
     stream = api.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, stream=True, **common)
     streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
