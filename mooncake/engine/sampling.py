@@ -52,6 +52,7 @@ from mooncake.errors import ConfigError, InvalidRequestError
 __all__ = ["Sampler", "SamplingParams", "nucleus", "rows_logprobs", "token_logprobs"]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+NUCLEUS_FIRST_K = 32  # the most probable tokens the nucleus is first looked for among (it doubles)
 
 
 @attrs.frozen(kw_only=True)
@@ -206,12 +207,25 @@ def stream_seed(seed: int, position: int) -> int:
 
 def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
     """The nucleus of `probabilities` [vocab]: a bool mask, True for token i iff the mass of the tokens
-    strictly more probable than i is below `top_p` (computed in float64)."""
+    strictly more probable than i is below `top_p` (computed in float64).
+
+    The mass is summed over the most probable tokens only, as many as it takes: the `k` largest (k = 32,
+    doubling) in order, until they hold `top_p`; the kept tokens are a prefix of them, so a nucleus of n
+    tokens costs O(vocab) selections and a sort of about 2n, not a sort of the vocabulary (14 ms at 128 k
+    tokens on one core). The prefix sums are those of the whole sorted vocabulary, so the mask is too.
+    """
     exact = probabilities.double()
-    ordered = torch.sort(exact, descending=True).values
-    # The mass ahead of each sorted position (0 for the first), summed exclusively: `cumsum - ordered` rounds, and
-    # can put a token whose mass ahead is exactly top_p just below it.
-    before = torch.cat((exact.new_zeros(1), torch.cumsum(ordered, dim=0)[:-1]))
+    vocab = exact.shape[-1]
+    k = min(NUCLEUS_FIRST_K, vocab)
+    while True:
+        ordered = torch.topk(exact, k).values if k < vocab else torch.sort(exact, descending=True).values
+        # The mass ahead of each sorted position (0 for the first), summed exclusively: `cumsum - ordered` rounds,
+        # and can put a token whose mass ahead is exactly top_p just below it.
+        summed = torch.cumsum(ordered, dim=0)
+        if k == vocab or summed[-1] >= top_p:  # every position past these has at least top_p ahead: out
+            break
+        k = min(2 * k, vocab)
+    before = torch.cat((exact.new_zeros(1), summed[:-1]))
     # The kept sorted positions are a prefix; ties after it share its last value, so `>=` keeps them too.
     threshold = ordered[before < top_p][-1]
     return exact >= threshold

@@ -200,10 +200,15 @@ def mass_above(probabilities: list[float], token: int) -> float:
 
 
 @settings(max_examples=100)
-@given(st.lists(st.integers(min_value=-8, max_value=8), min_size=1, max_size=24), top_ps)
+@given(
+    st.lists(st.integers(min_value=-8, max_value=8), min_size=1, max_size=24)
+    | st.lists(st.integers(-3, 3), min_size=33, max_size=300),
+    top_ps,
+)
 def test_nucleus_is_its_definition(values: list[int], top_p: float) -> None:
     """The mask keeps token i iff the mass strictly above it is below top_p, by brute force; small integer logits
-    give ties, which are kept or dropped together; the most probable token is always kept."""
+    give ties, which are kept or dropped together; the most probable token is always kept. Vocabularies past
+    the 32 tokens the nucleus is first looked for among, with flat logits, make it look further (doubling)."""
     probabilities = torch.softmax(torch.tensor(values, dtype=torch.float32), dim=-1)
     mask = nucleus(probabilities, top_p).tolist()
     exact = probabilities.double().tolist()
