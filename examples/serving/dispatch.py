@@ -423,20 +423,10 @@ class Dispatcher:
             tokens=tuple(live.tokens),
             decode=live.decode,
             fetch=live.fetch,
+            # The request's options by name (each wire field is one of them), the stop ids as the tokenizer says.
             sampling=wire.Sampling(
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                seed=sampling.seed,
                 stop_ids=self._stop_ids_of(live),
-                min_tokens=sampling.min_tokens,
-                logprobs=sampling.logprobs,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                repetition_penalty=sampling.repetition_penalty,
-                presence_penalty=sampling.presence_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-                prompt_logprobs=sampling.prompt_logprobs,
+                **{f.name: getattr(sampling, f.name) for f in attrs.fields(wire.Sampling) if f.name != "stop_ids"},
             ),
         )
         instance = live.prefill

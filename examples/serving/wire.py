@@ -256,7 +256,9 @@ class Sampling:
     carries and the prefill worker hands on to the decode node unchanged (`stop_ids`: the tokens that end the
     generation, the model's EOS and the like; `min_tokens`: the tokens before one may be drawn; `logprobs`: the
     most probable tokens' log-probabilities to report with each token, None for none; `prompt_logprobs`: the
-    same for the prompt's tokens, which the prefill reports; the rest as `mooncake.engine.sampling.SamplingParams`'s)."""
+    same for the prompt's tokens, which the prefill reports; the rest as `mooncake.engine.sampling.SamplingParams`'s).
+    Each field is the gateway's `SamplingOptions` field and the engines' `SamplingParams` field of its name (but
+    `stop_ids`: `stop_token_ids` there; `max_tokens`: the decode engine's `max_new_tokens`), copied by name."""
 
     max_tokens: int = _field(INT)
     temperature: float = _field(FLOAT)

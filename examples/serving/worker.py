@@ -602,21 +602,12 @@ class Worker:
 
 
 def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
-    """The engines' sampling options for a job's (stop ids end the generation in the decode engine)."""
-    return SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-        stop_token_ids=sampling.stop_ids,
-        min_tokens=sampling.min_tokens,
-        logprobs=sampling.logprobs,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        prompt_logprobs=sampling.prompt_logprobs,
-    )
+    """The engines' sampling options for a job's, field by field: each wire field but `max_tokens` (the decode
+    engine's `max_new_tokens`) is the `SamplingParams` field of its name (`stop_ids` is `stop_token_ids`: they
+    end the generation in the decode engine)."""
+    fields = {f.name: getattr(sampling, f.name) for f in attrs.fields(wire.Sampling) if f.name != "max_tokens"}
+    fields["stop_token_ids"] = fields.pop("stop_ids")
+    return SamplingParams(**fields)
 
 
 def run_worker(spec: WorkerSpec, connection: Any) -> None:

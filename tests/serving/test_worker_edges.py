@@ -56,6 +56,7 @@ pytest.importorskip("aiohttp")
 
 import torch
 from serving import wire
+from serving.api import SamplingOptions
 from serving.config import load_config
 from serving.launch import SSD_FOLDER_NAME
 from serving.machine import (
@@ -68,10 +69,11 @@ from serving.machine import (
     check_port_free,
 )
 from serving.prefill_group import GroupForward, group_prefill_engine
-from serving.worker import Worker, WorkerSpec, _DecodeStream, run_worker
+from serving.worker import Worker, WorkerSpec, _DecodeStream, _sampling_params, run_worker
 
 from mooncake.cache.events import BlockStored
 from mooncake.engine.kv import KvLayout
+from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import (
     ConfigError,
     IntegrityError,
@@ -825,3 +827,37 @@ def test_a_group_prefill_engine_stores_layer_wise_unless_told_not_to(layerwise: 
         for engine in engines:
             engine.close()
         cache.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.builds(
+        SamplingOptions,
+        max_tokens=st.integers(1, 64),
+        temperature=st.sampled_from([0.0, 0.7]),
+        top_p=st.sampled_from([0.5, 1.0]),
+        seed=st.integers(0, 2**64 - 1),
+        min_tokens=st.integers(0, 4),
+        logprobs=st.none() | st.integers(0, 20),
+        top_k=st.integers(0, 50),
+        min_p=st.sampled_from([0.0, 0.1]),
+        repetition_penalty=st.sampled_from([1.0, 1.2]),
+        presence_penalty=st.sampled_from([0.0, -1.0]),
+        frequency_penalty=st.sampled_from([0.0, 2.0]),
+        prompt_logprobs=st.none() | st.integers(0, 5),
+    )
+)
+def test_every_sampling_option_reaches_the_engines(options: SamplingOptions) -> None:
+    """A request's sampling options go gateway -> wire -> engine by name: every `SamplingParams` field is carried
+    by the wire (the stop ids under their wire name) and arrives with the request's value, so an option added to
+    the engine and the API cannot be dropped on the way."""
+    carried = {f.name for f in attrs.fields(wire.Sampling)}
+    assert {f.name for f in attrs.fields(SamplingParams)} == carried - {"max_tokens", "stop_ids"} | {"stop_token_ids"}
+    record = wire.Sampling(stop_ids=(2,), **{name: getattr(options, name) for name in carried - {"stop_ids"}})
+    job = wire.PrefillJob(request_id=1, attempt=0, tokens=(5,), decode="decode-0", fetch=None, sampling=record)
+    received = wire.decode(*wire.encode(job))
+    assert isinstance(received, wire.PrefillJob)
+    params = _sampling_params(received.sampling)
+    for name in carried - {"max_tokens", "stop_ids"}:
+        assert getattr(params, name) == getattr(options, name), name
+    assert params.stop_token_ids == frozenset({2})
