@@ -6,7 +6,7 @@ NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
 limit. A parameter this server does not implement (`n` > 1, a chat's `echo`,
-`prompt_logprobs`, `best_of`, tools, `logit_bias`, ...) is refused unless it
+`prompt_logprobs`, `best_of`, tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
 warning, as vLLM does (its clients send extras other servers do not know).
 
@@ -315,6 +315,10 @@ class SamplingOptions:
             `mooncake.engine.sampling.SamplingParams` applies them (top_k 0: all tokens).
         prompt_logprobs: the prompt's log-probabilities too, k most probable beside each token (a completion's
             `echo` with `logprobs`, as vLLM asks its engine for them then); None: none.
+        stop_token_ids: the request's own ids that end the generation (vLLM's), beside the model's; the
+            answer's `stop_reason` is the id.
+        include_stop_str_in_output: the stop string (or stop token's text) ends the text instead of being cut.
+        logit_bias: (token id, bias) pairs added to those logits before drawing (OpenAI's, within [-100, 100]).
     """
 
     max_tokens: int | None
@@ -333,6 +337,9 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     prompt_logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -399,7 +406,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,  # a chat's (a completion's is served): vLLM's chat echo repeats the last message
     "suffix": lambda v: v is None or v == "",
-    "logit_bias": _empty,
     "tools": _empty,
     "functions": _empty,
     "tool_choice": lambda v: v in (None, "none", "auto"),
@@ -412,8 +418,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # vLLM's own sampling and output parameters (its clients send them), at the value that changes nothing.
     "length_penalty": _one,
     "use_beam_search": _off,
-    "include_stop_str_in_output": _off,
-    "stop_token_ids": _empty,
     "bad_words": _empty,
     "allowed_token_ids": _absent,
     "prompt_logprobs": _absent,
@@ -461,6 +465,9 @@ SHARED = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "logit_bias",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
@@ -596,6 +603,9 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         ),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, open_low=False),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, open_low=False),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", served),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", default=False),
+        logit_bias=_logit_bias(body.get("logit_bias"), served),
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
@@ -606,6 +616,39 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
     }
+
+
+def _token_ids(value: Any, param: str, served: ServedModel) -> tuple[int, ...]:
+    """A list of token ids of the vocabulary (null: none), sorted and without repeats."""
+    if value is None:
+        return ()
+    if type(value) is not list or not all(type(t) is int and 0 <= t < served.vocab_size for t in value):
+        raise ApiError(400, f"{param} must be a list of token ids in [0, {served.vocab_size})", param=param)
+    return tuple(sorted(set(value)))
+
+
+def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to a bias added to its logit, each clamped to
+    [-100, 100] as vLLM clamps it; sorted by id."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(
+            400, f"logit_bias must be an object of token ids to numbers, got {_shown(value)}", param="logit_bias"
+        )
+    biases = {}
+    for key, bias in value.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None  # "12", as OpenAI's keys are written
+        if token is None or not 0 <= token < served.vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias keys must be token ids in [0, {served.vocab_size}), got {_shown(key)}",
+                param="logit_bias",
+            )
+        if not (type(bias) is int or (type(bias) is float and math.isfinite(bias))) or math.isinf(_as_float(bias)):
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number, got {_shown(bias)}", param="logit_bias")
+        biases[token] = min(100.0, max(-100.0, float(bias)))
+    return tuple(sorted(biases.items()))
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -966,14 +1009,14 @@ def _floored(logprob: float) -> float:
 
 @attrs.frozen(kw_only=True)
 class Completion:
-    """A whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string that ended it, as
-    vLLM names it), its usage and its log-probabilities (`Logprobs`' JSON; None where none were asked)."""
+    """A whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string or the request's
+    stop token id that ended it, as vLLM names it), its usage and its log-probabilities (`Logprobs`' JSON; None where none were asked)."""
 
     reply: Reply
     text: str
     finish_reason: str
     usage: Usage
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -999,7 +1042,7 @@ class Chunk:
     reply: Reply
     text: str | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     role: bool = False  # a chat's first text chunk carries the assistant's role
     usage: Usage | None = None
     usage_only: bool = False
@@ -1042,7 +1085,7 @@ class Reply:
         text: str,
         finish_reason: str,
         usage: Usage,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
         logprobs: dict[str, Any] | None = None,
     ) -> Completion:
         return Completion(
@@ -1054,7 +1097,7 @@ class Reply:
         text: str | None,
         finish_reason: str | None = None,
         *,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
         role: bool = False,
         usage: Usage | None = None,
         logprobs: dict[str, Any] | None = None,

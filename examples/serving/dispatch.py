@@ -474,8 +474,10 @@ class Dispatcher:
         self.end(live, Outcome.COMPLETED, cancel=True)
 
     def _stop_ids_of(self, live: LiveRequest) -> tuple[int, ...]:
-        """The token ids that end `live`'s generation: the model's, none with `ignore_eos` (vLLM's)."""
-        return () if live.sampling.ignore_eos else self._stop_ids
+        """The token ids that end `live`'s generation: the model's (none with `ignore_eos`, vLLM's) and the
+        request's own `stop_token_ids`."""
+        model = () if live.sampling.ignore_eos else self._stop_ids
+        return tuple(sorted({*model, *live.sampling.stop_token_ids}))
 
     def end(
         self,

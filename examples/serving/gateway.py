@@ -353,6 +353,8 @@ class Gateway:
             skip_special_tokens=sampling.skip_special_tokens,
             ignore_eos=sampling.ignore_eos,
             min_tokens=sampling.min_tokens,
+            stop_token_ids=sampling.stop_token_ids,
+            include_stop=sampling.include_stop_str_in_output,
         )
 
     def _logprobs(self, reply: Reply, sampling: SamplingOptions) -> Logprobs | None:

@@ -77,6 +77,8 @@ class ServingTokenizer(Protocol):
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> TextStream: ...
 
 
@@ -114,9 +116,13 @@ class ByteTokenizer:
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> TextStream:
-        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special, none stops)."""
-        return TextStream(stop, min_tokens=min_tokens)
+        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special; only the request's ids stop)."""
+        return TextStream(
+            stop, min_tokens=min_tokens, stop_token_ids=frozenset(stop_token_ids), include_stop=include_stop
+        )
 
 
 class CheckpointTokenizer:
@@ -163,14 +169,18 @@ class CheckpointTokenizer:
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> TextStream:
         """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids (none
-        with `ignore_eos`)."""
+        with `ignore_eos`) and the request's."""
         return TextStream(
             stop,
             decoder=self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
             stop_ids=frozenset() if ignore_eos else self.stop_token_ids,
             min_tokens=min_tokens,
+            stop_token_ids=frozenset(stop_token_ids),
+            include_stop=include_stop,
         )
 
 
@@ -197,16 +207,20 @@ class TextStream:
     """A request's text as its tokens arrive, ended before the first stop string to complete or at a stop id.
 
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
-    appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string (None at a
-    stop id: vLLM's `stop_reason` for the model's EOS); `finish()` returns what was held back, at the end.
-    Neither ends the text before its token `min_tokens` + 1 (vLLM's `min_tokens`: a stop string found earlier
-    is text; the engine's sampler never draws a stop id there).
+    appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string, or the
+    request's stop token id (None at one of the model's: vLLM's `stop_reason` for its EOS); `finish()` returns
+    what was held back, at the end. Neither ends the text before its token `min_tokens` + 1 (vLLM's
+    `min_tokens`: a stop string found earlier is text; the engine's sampler never draws a stop id there). The
+    text ends before the stop string or the stop token's text, or after it with `include_stop` (vLLM's
+    `include_stop_str_in_output`).
 
     Args:
         stop: the request's stop strings.
         decoder: the tokens' incremental decoder (default: UTF-8 bytes).
         stop_ids: the token ids that end the generation (the model's EOS and the like).
         min_tokens: the tokens generated before a stop may end the text.
+        stop_token_ids: the request's own ids that end it (vLLM's `stop_token_ids`).
+        include_stop: the stop string or stop token's text ends the text instead of being cut.
     """
 
     def __init__(
@@ -216,13 +230,17 @@ class TextStream:
         decoder: Decoder | None = None,
         stop_ids: frozenset[int] = frozenset(),
         min_tokens: int = 0,
+        stop_token_ids: frozenset[int] = frozenset(),
+        include_stop: bool = False,
     ) -> None:
         self.stop = tuple(stop)
         self.stop_ids = stop_ids
         self.min_tokens = min_tokens
+        self.stop_token_ids = stop_token_ids
+        self.include_stop = include_stop
         self.tokens = 0  # fed so far
         self.stopped = False
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self._decoder: Decoder = decoder if decoder is not None else _Utf8Decoder()
         self._held = ""  # text not given out yet: a tail that may begin a stop string
 
@@ -231,9 +249,12 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens += 1
-        if token in self.stop_ids and self._may_stop:
+        if (token in self.stop_ids or token in self.stop_token_ids) and self._may_stop:
+            if self.include_stop:
+                self._held += self._decoder.push(token)  # the stop token's text ends the text
             text = self.finish()
             self.stopped = True
+            self.stop_reason = None if token in self.stop_ids else token  # the model's EOS first, as vLLM checks
             return text
         return self._push(self._decoder.push(token))
 
@@ -264,9 +285,9 @@ class TextStream:
         # had passed, which stays text): the first to end stops the text.
         found = [(i + len(s), i, s) for s in self.stop if (i := held.find(s)) >= 0]
         if found and self._may_stop:
-            _end, start, self.stop_reason = min(found)
+            end, start, self.stop_reason = min(found)
             self.stopped, self._held = True, ""
-            return held[:start]
+            return held[:end] if self.include_stop else held[:start]
         keep = self._open_tail(held)
         self._held = held[len(held) - keep :]
         return held[: len(held) - keep]

@@ -167,6 +167,17 @@ def _load_logprobs(value: Any, where: str) -> TokenLogprobs:
     return TokenLogprobs(logprob=_load_logprob(value[0], f"{where}[0]"), rank=value[1], top=tuple(top))
 
 
+def _load_biases(value: Any, where: str) -> tuple[tuple[int, float], ...]:
+    if type(value) is not list:
+        raise _bad(where, "a list of [token, bias]", value)
+    biases = []
+    for i, pair in enumerate(value):
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not int or pair[0] < 0:
+            raise _bad(f"{where}[{i}]", "[token, bias]", pair)
+        biases.append((pair[0], _load_float(pair[1], f"{where}[{i}][1]")))
+    return tuple(biases)
+
+
 def _load_logprobs_list(value: Any, where: str) -> tuple[TokenLogprobs, ...]:
     if type(value) is not list:
         raise _bad(where, "a list of log-probabilities", value)
@@ -205,6 +216,7 @@ STR_MAP = _Codec(_load_str_map)
 EVENTS = _Codec(_load_events, lambda events: [event_to_wire(e) for e in events])
 TOKENS = _Codec(_load_tokens, lambda tokens: [_dump_token(t) for t in tokens])
 LOGPROBS = _Codec(_load_logprobs, _dump_logprobs)
+BIASES = _Codec(_load_biases, lambda biases: [list(pair) for pair in biases])
 
 
 def _record(cls: type[Any]) -> _Codec:
@@ -273,6 +285,7 @@ class Sampling:
     presence_penalty: float = _field(FLOAT, default=0.0)
     frequency_penalty: float = _field(FLOAT, default=0.0)
     prompt_logprobs: int | None = _field(OPTIONAL_INT, default=None)
+    logit_bias: tuple[tuple[int, float], ...] = _field(BIASES, default=())
 
 
 @attrs.frozen(kw_only=True)

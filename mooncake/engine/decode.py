@@ -231,6 +231,7 @@ class DecodeEngine:
                 f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
         sampling = sampling or SamplingParams()
+        sampling.check_vocabulary(vocab)
         if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):
             got = "none" if prompt is None else f"{len(prompt)} ids"
             raise InvalidRequestError(f"the repetition penalty needs the prompt's {prompt_tokens} token ids, got {got}")

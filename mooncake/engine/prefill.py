@@ -345,6 +345,9 @@ class PrefillEngine:
         outs = list(sinks) if sinks is not None else [None] * count
         if not count or len(params) != count or len(outs) != count:
             raise InvalidRequestError("prefill_batch needs one or more prompts, and one sampling and sink per prompt")
+        for sp in params:
+            if sp is not None:
+                sp.check_vocabulary(self.forward.model_config.vocab_size)  # before anything is held
         scores = [None if sp is None else sp.prompt_logprobs for sp in params]
         if not isinstance(self.forward, ModelForward) and any(k is not None for k in scores):
             raise InvalidRequestError(

@@ -17,7 +17,7 @@ token always belongs, tokens tied at the boundary all belong or none does, and
 `top_p = 1` keeps every token of non-zero probability (the draws are then the
 plain temperature sampler's, bit for bit: the filter is skipped).
 
-The order is vLLM's: the `min_tokens` mask; the penalties, on the logits (a
+The order is vLLM's: the `min_tokens` mask; `logit_bias`; the penalties, on the logits (a
 token of the prompt or of the output so far has a positive logit divided by
 `repetition_penalty` and a negative one multiplied; each output token's logit
 loses `frequency_penalty` times its count and `presence_penalty` once); then
@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -55,6 +56,15 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 NUCLEUS_FIRST_K = 32  # the most probable tokens the nucleus is first looked for among (it doubles)
 
 
+def _pairs(value: Any) -> Any:
+    """An attrs converter: a dict or pairs of (token, bias) become pairs sorted by token (anything else is left
+    for the validator)."""
+    try:
+        return tuple(sorted(dict(value).items()))
+    except (TypeError, ValueError):
+        return value
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How a request picks its tokens.
@@ -67,7 +77,8 @@ class SamplingParams:
         stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
             vLLM's `stop_token_ids`): the token is emitted, as the request's last.
         min_tokens: the output positions before it that never draw a stop token (their logits are -inf there),
-            as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first.
+            as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first
+            (or every token of the vocabulary is a stop token: then nothing else could be drawn, and none is held).
         logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
             and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
         top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default): all.
@@ -76,6 +87,9 @@ class SamplingParams:
             positive, multiplied when not (1, the default: none; > 1 discourages repeats). Needs the prompt.
         presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of each token the output
             holds, once / per occurrence (OpenAI's definitions; 0, the default: none).
+        logit_bias: (token, bias) pairs (or a dict) added to those tokens' logits before anything else shapes
+            them but the `min_tokens` mask (OpenAI's `logit_bias`; vLLM's order); a token outside the
+            vocabulary is refused where the logits are known (`check_vocabulary`).
         prompt_logprobs: None (the default): none; k >= 0: the prefill scores every prompt token after the first
             (its log-probability given the tokens before it, and the k most probable there), as vLLM's
             `prompt_logprobs`; the whole prompt is then computed, no cached prefix reused.
@@ -93,6 +107,7 @@ class SamplingParams:
     presence_penalty: float = attrs.field(default=0.0)
     frequency_penalty: float = attrs.field(default=0.0)
     prompt_logprobs: int | None = attrs.field(default=None)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_pairs)
 
     @property
     def needs_prompt(self) -> bool:
@@ -131,6 +146,26 @@ class SamplingParams:
     def _check_logprobs(self, _attribute: object, value: int | None) -> None:
         if value is not None:
             require_int("logprobs", value, minimum=0)
+
+    @logit_bias.validator
+    def _check_logit_bias(self, _attribute: object, value: tuple[tuple[int, float], ...]) -> None:
+        if type(value) is not tuple:
+            raise ConfigError(f"logit_bias must map token ids to biases, got {value!r}")
+        for token, bias in value:
+            require_int("logit_bias token", token, minimum=0)
+            require_number("logit_bias", bias, minimum=-math.inf)
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """That every token id the params name lies in a `vocab`-token vocabulary (an engine checks a request
+        before it runs it: a bad id would fail only once its logits exist).
+
+        Raises:
+            InvalidRequestError: naming the field and the id.
+        """
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            for token in ids:
+                if token >= vocab:
+                    raise InvalidRequestError(f"{name}: token {token} is outside the {vocab}-token vocabulary")
 
     @prompt_logprobs.validator
     def _check_prompt_logprobs(self, _attribute: object, value: int | None) -> None:
@@ -271,14 +306,22 @@ class Sampler:
         # logits'): tokens of the prompt or the output so far, and each token's count in the output.
         self._seen: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
         `min_tokens` on)."""
         if self.position < self.params.min_tokens and self._stop_ids:
             banned = [token for token in self._stop_ids if token < logits.shape[-1]]
-            logits = logits.clone()
-            logits[banned] = -math.inf
+            if len(banned) < logits.shape[-1]:  # a vocabulary of stop ids only cannot wait: nothing else to draw
+                logits = logits.clone()
+                logits[banned] = -math.inf
+        if self.params.logit_bias:
+            if self._bias is None:  # [vocab] once, on the logits' device
+                self._bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+                ids, biases = zip(*self.params.logit_bias, strict=True)
+                self._bias[list(ids)] = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            logits = logits + self._bias
         if self.params.penalized:
             logits = self._penalize(logits)
         token = self._draw(logits)

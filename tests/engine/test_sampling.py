@@ -491,3 +491,33 @@ def test_the_repetition_penalty_counts_the_prompts_tokens_and_the_penalties_only
     frequent = Sampler(SamplingParams(frequency_penalty=1.6), position=3, output=[0, 0, 1])
     assert frequent.next_token(logits) == 2  # 5 - 2 x 1.6 = 1.8 and 4 - 1.6 = 2.4 fall below 2.5
     assert Sampler(SamplingParams(frequency_penalty=1.6), position=3, output=[0, 1, 1]).next_token(logits) == 0
+
+
+def test_logit_bias_shifts_those_logits_before_the_penalties_and_leaves_the_logprobs_raw() -> None:
+    """A bias is added to its token's logit (greedy moves to a token lifted past the best; -100 bans one), after
+    the min_tokens mask and before the penalties (a repetition penalty then divides the biased logit), and the
+    log-probabilities stay those of the raw logits; ids outside the vocabulary are refused by name where the
+    engines know it."""
+    logits = torch.tensor([5.0, 4.0, 1.0])
+    assert Sampler(SamplingParams(logit_bias={2: 4.5})).next_token(logits) == 2
+    assert Sampler(SamplingParams(logit_bias={0: -100.0})).next_token(logits) == 1
+    # 1 + 4.5 = 5.5 > 5, but divided by the repetition penalty 2 it is 2.75 < 5: the penalty comes after the bias.
+    assert Sampler(SamplingParams(logit_bias={2: 4.5}, repetition_penalty=2.0), prompt=[2]).next_token(logits) == 0
+    biased = Sampler(SamplingParams(logit_bias={2: 4.5}, logprobs=1))
+    assert biased.logprobs_of(logits, biased.next_token(logits)) == token_logprobs(logits, 2, 1)
+    assert SamplingParams(logit_bias=[(7, 1.0), (3, -2.0)]).logit_bias == ((3, -2.0), (7, 1.0))
+    with pytest.raises(InvalidRequestError, match="logit_bias: token 3"):
+        SamplingParams(logit_bias={3: 1.0}).check_vocabulary(3)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids: token 5"):
+        SamplingParams(stop_token_ids={5}).check_vocabulary(5)
+    for bad in ({-1: 1.0}, {1: math.inf}, "12"):
+        with pytest.raises(ConfigError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_a_vocabulary_of_stop_tokens_only_is_drawn_from_before_min_tokens() -> None:
+    """`min_tokens` holds stop tokens back, but where every token is one there is nothing else to draw: the
+    sampler draws among them (a sampled draw over all -inf logits raised "probability tensor contains nan")."""
+    for temperature in (0.0, 0.8):
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=1, stop_token_ids={0, 1}, min_tokens=3))
+        assert sampler.next_token(torch.tensor([0.0, 0.5])) in (0, 1)

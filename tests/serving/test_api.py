@@ -130,7 +130,13 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
-        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"256": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": [5, 1]}, "logit_bias"),
+        ({"prompt": "hi", "stop_token_ids": [256]}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
+        ({"prompt": "hi", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
         ({"prompt": "hi", "top_k": 2.5}, "top_k"),
         ({"prompt": "hi", "min_p": 1.5}, "min_p"),
@@ -669,18 +675,39 @@ def cut(text: str, stops: list[str]) -> tuple[str, bool, str | None]:
     st.text(alphabet="abcé\n", max_size=40),
     st.lists(st.text(alphabet="abcé\n", min_size=1, max_size=4), max_size=4),
     st.lists(st.integers(min_value=0, max_value=6), max_size=20),
+    st.booleans(),
 )
-def test_a_text_stream_cuts_before_the_earliest_stop(text: str, stops: list[str], splits: list[int]) -> None:
+def test_a_text_stream_cuts_before_the_earliest_stop(
+    text: str, stops: list[str], splits: list[int], include: bool
+) -> None:
     """Fed in arbitrary pieces, the stream gives out exactly the reference's text, and stops iff it should, naming
     the stop string (a stop that would complete later, though it began earlier, does not count: generation stopped
-    before)."""
-    stream, given_out, rest = TextStream(stops), [], text
+    before); with `include_stop` the text ends with that stop string instead (vLLM's
+    `include_stop_str_in_output`)."""
+    stream, given_out, rest = TextStream(stops, include_stop=include), [], text
     for size in splits:
         given_out.append(stream.feed_text(rest[:size]))
         rest = rest[size:]
     given_out.append(stream.feed_text(rest))
     given_out.append(stream.finish())
-    assert ("".join(given_out), stream.stopped, stream.stop_reason) == cut(text, stops)
+    kept, stopped, reason = cut(text, stops)
+    if include and reason is not None:
+        kept += reason
+    assert ("".join(given_out), stream.stopped, stream.stop_reason) == (kept, stopped, reason)
+
+
+def test_a_requests_stop_token_ids_end_the_text_naming_the_id() -> None:
+    """The request's own stop ids end the text as the model's do (the token's text cut, or kept with
+    `include_stop`), but `stop_reason` is the id (vLLM's), and the model's EOS is None; both wait for
+    `min_tokens`."""
+    for include, expected in ((False, "ab"), (True, "abc")):
+        stream = TextStream(stop_token_ids=frozenset({ord("c")}), include_stop=include)
+        text = "".join(stream.feed(t) for t in b"abcd") + stream.finish()
+        assert (text, stream.stopped, stream.stop_reason) == (expected, True, ord("c"))
+    stream = TextStream(stop_ids=frozenset({ord("c")}), stop_token_ids=frozenset({ord("c")}))
+    assert "".join(stream.feed(t) for t in b"abc") == "ab" and stream.stop_reason is None  # the EOS check first
+    stream = TextStream(stop_token_ids=frozenset({ord("a")}), min_tokens=2)
+    assert "".join(stream.feed(t) for t in b"aaa") == "aa" and stream.stop_reason == ord("a")
 
 
 @settings(max_examples=100)
@@ -839,3 +866,15 @@ def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (20, 0.05, 1.05)
     assert parse_completion({"prompt": "hi", "top_k": 0}, qwen).sampling.top_k == 0  # asked for all: all
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.0, 0.0)
+
+
+def test_stop_token_ids_include_stop_str_and_logit_bias_parse_as_vllm_reads_them() -> None:
+    """`stop_token_ids` (sorted, without repeats), `include_stop_str_in_output`, and `logit_bias` with OpenAI's
+    string keys, each bias clamped to [-100, 100] as vLLM clamps it; null is none."""
+    body = {"prompt": "hi", "stop_token_ids": [9, 3, 9], "include_stop_str_in_output": True}
+    body |= {"logit_bias": {"7": 250, "3": -1e9, "12": 0.5}}
+    sampling = parse_completion(body, SERVED).sampling
+    assert sampling.stop_token_ids == (3, 9) and sampling.include_stop_str_in_output
+    assert sampling.logit_bias == ((3, -100.0), (7, 100.0), (12, 0.5))
+    neutral = parse_completion({"prompt": "hi", "logit_bias": None, "stop_token_ids": None}, SERVED).sampling
+    assert (neutral.logit_bias, neutral.stop_token_ids, neutral.include_stop_str_in_output) == ((), (), False)

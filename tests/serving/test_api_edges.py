@@ -219,12 +219,12 @@ def test_boundary_values_are_accepted(body: dict[str, Any]) -> None:
         ({"priority": 1.5}, "priority"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"top_k": -5}, "top_k"),
-        ({"stop_token_ids": [2]}, "stop_token_ids"),
+        ({"stop_token_ids": [-2]}, "stop_token_ids"),
     ],
 )
 def test_values_past_the_boundaries_are_refused_naming_the_parameter(body: dict[str, Any], param: str) -> None:
-    """A value an unimplemented parameter would act on (a required tool call, JSON mode, stop ids), one out of its
-    range (a top-k below -1) or one of the wrong type is a 400 naming that parameter, not silently served as if
+    """A value an unimplemented parameter would act on (a required tool call, JSON mode), one out of its range (a
+    top-k below -1, a negative stop token id) or one of the wrong type is a 400 naming that parameter, not silently served as if
     neutral."""
     error = refused(parse_chat, {"messages": USER, **body}, SERVED)
     assert (error.status, error.param) == (400, param)

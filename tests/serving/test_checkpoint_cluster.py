@@ -308,6 +308,46 @@ def test_penalties_and_top_k_generate_as_transformers_and_vllm_define_them(
     assert changed, "no penalty changed the greedy generation: the test proves nothing"
 
 
+def test_logit_bias_stop_token_ids_and_include_stop_str_act_as_vllm_defines_them(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """`logit_bias` generates what transformers does with the biases added by a logits processor (greedy: two
+    tokens of the plain answer lifted, one banned), on the prefill's first token and the decode's; a greedy
+    token chosen as `stop_token_ids` ends the answer there ("stop", the id as `stop_reason`, its text cut, or
+    kept with `include_stop_str_in_output`, the tokens counted up to it); a stop string is kept the same way."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    common = {"model": "tiny-llama", "max_tokens": MAX_TOKENS, "temperature": 0}
+    ids = tokenizer(PROMPTS[1]).input_ids
+    plain = hf_generate(model, ids, eos_token_id=None)
+    bias = {plain[0]: -100.0, plain[3]: 7.5, plain[5]: 3.0}
+
+    def biased(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for token, value in bias.items():
+            scores[:, token] += value
+        return scores
+
+    expected = hf_generate(model, ids, eos_token_id=None, logits_processor=transformers.LogitsProcessorList([biased]))
+    assert expected != plain  # the case this test is about
+    extra = {"logit_bias": {str(t): b for t, b in bias.items()}, "ignore_eos": True}
+    answer = api.completions.create(prompt=PROMPTS[1], extra_body=extra, **common)
+    assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    stop = plain[4]
+    cut = plain.index(stop)  # the first time greedy decoding draws it
+    for include in (False, True):
+        extra = {"stop_token_ids": [stop], "ignore_eos": True, "include_stop_str_in_output": include}
+        choice = api.completions.create(prompt=PROMPTS[1], extra_body=extra, logprobs=0, **common).choices[0]
+        shown = plain[: cut + 1] if include else plain[:cut]
+        assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
+        assert choice.text == tokenizer.decode(shown, skip_special_tokens=True)
+        assert len(choice.logprobs.tokens) == cut + 1  # the stop token was generated, and is counted
+    text = api.completions.create(prompt=PROMPTS[1], **common).choices[0].text
+    word = text[len(text) // 2 : len(text) // 2 + 2]
+    extra = {"include_stop_str_in_output": True}
+    kept = api.completions.create(prompt=PROMPTS[1], stop=[word], extra_body=extra, **common).choices[0]
+    assert kept.text == text[: text.index(word) + len(word)] and kept.stop_reason == word
+
+
 def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     """transformers' float32 log-probabilities [vocab] of the token after `ids`."""
     with torch.inference_mode():

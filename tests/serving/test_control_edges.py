@@ -72,6 +72,8 @@ def near_values(codec: Any, value: Any) -> list[Any]:
         return [True, 1.0, "1"]
     if codec is wire.OPTIONAL_LOGPROBS:
         return [[-0.5, True, []], [True, 1, []], [-0.5, 1, [[True, -0.1]]], [-0.5, 1, [[1, None]]], [-0.5, 1.0, []]]
+    if codec is wire.BIASES:
+        return [[[True, 1.0]], [[1, None]], [[1, 2.0, 3]], {"1": 2.0}]
     if codec is wire.OPTIONAL_LOGPROBS_LIST:
         return [[[-0.5, True, []]], [[-0.5, 1, []], None], {"0": [-0.5, 1, []]}]
     assert codec is wire.TOKENS, codec

@@ -57,6 +57,7 @@ samplings = st.builds(
     presence_penalty=floats,
     frequency_penalty=floats,
     prompt_logprobs=st.none() | st.integers(min_value=0, max_value=20),
+    logit_bias=st.lists(st.tuples(ints, floats), max_size=3).map(tuple),
 )
 messages = st.one_of(
     st.builds(wire.Connect, gateway=names, peers=st.dictionaries(names, names, max_size=3)),

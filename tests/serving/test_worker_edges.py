@@ -845,6 +845,9 @@ def test_a_group_prefill_engine_stores_layer_wise_unless_told_not_to(layerwise: 
         presence_penalty=st.sampled_from([0.0, -1.0]),
         frequency_penalty=st.sampled_from([0.0, 2.0]),
         prompt_logprobs=st.none() | st.integers(0, 5),
+        logit_bias=st.dictionaries(st.integers(0, 99), st.sampled_from([-100.0, 2.5]), max_size=3).map(
+            lambda biases: tuple(sorted(biases.items()))
+        ),
     )
 )
 def test_every_sampling_option_reaches_the_engines(options: SamplingOptions) -> None:
