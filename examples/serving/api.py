@@ -638,8 +638,11 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
         )
     biases = {}
     for key, bias in value.items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None  # "12", as OpenAI's keys are written
-        if token is None or not 0 <= token < served.vocab_size:
+        try:
+            token = int(key)  # as vLLM reads a key: " 12", "+12", "012" too; "12.0" not
+        except ValueError:  # not an integer, or past int()'s 4,300 digits
+            token = -1
+        if not 0 <= token < served.vocab_size:
             raise ApiError(
                 400,
                 f"logit_bias keys must be token ids in [0, {served.vocab_size}), got {_shown(key)}",

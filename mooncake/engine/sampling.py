@@ -194,7 +194,7 @@ class SamplingParams:
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """`token`'s entry under float `logits` [vocab]: the log-softmax in float32 (vLLM's precision), its rank, and
-    the `min(k, vocab)` most probable tokens (a stable sort: of equal log-probabilities, the lower id first).
+    the `min(k, vocab)` most probable tokens, most probable first (of equal log-probabilities, the lower id first).
 
     Raises:
         InvalidRequestError: `token` outside the vocabulary, or `k` not an integer >= 0.
@@ -336,10 +336,10 @@ class Sampler:
         params, vocab = self.params, logits.shape[-1]
         if self._seen is None or self._counts is None:
             self._seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            self._counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=logits.device)  # exact counts to 2**24
             self._seen[torch.tensor([t for t in self._prompt if 0 <= t < vocab], dtype=torch.long)] = True
             output = torch.tensor([t for t in self._output if 0 <= t < vocab], dtype=torch.long)
-            ones = torch.ones(len(output), dtype=logits.dtype, device=logits.device)
+            ones = torch.ones(len(output), dtype=torch.float32, device=logits.device)
             self._counts.index_add_(0, output.to(logits.device), ones)
             self._seen |= self._counts > 0
         if params.repetition_penalty != 1.0:

@@ -131,6 +131,9 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit int() does not read
+        ({"prompt": "hi", "logit_bias": {"5.0": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"256": 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": [5, 1]}, "logit_bias"),
@@ -872,7 +875,7 @@ def test_stop_token_ids_include_stop_str_and_logit_bias_parse_as_vllm_reads_them
     """`stop_token_ids` (sorted, without repeats), `include_stop_str_in_output`, and `logit_bias` with OpenAI's
     string keys, each bias clamped to [-100, 100] as vLLM clamps it; null is none."""
     body = {"prompt": "hi", "stop_token_ids": [9, 3, 9], "include_stop_str_in_output": True}
-    body |= {"logit_bias": {"7": 250, "3": -1e9, "12": 0.5}}
+    body |= {"logit_bias": {"7": 250, " 3": -1e9, "+012": 0.5}}
     sampling = parse_completion(body, SERVED).sampling
     assert sampling.stop_token_ids == (3, 9) and sampling.include_stop_str_in_output
     assert sampling.logit_bias == ((3, -100.0), (7, 100.0), (12, 0.5))
