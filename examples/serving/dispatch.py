@@ -423,7 +423,7 @@ class Dispatcher:
             tokens=tuple(live.tokens),
             decode=live.decode,
             fetch=live.fetch,
-            # The request's options by name (each wire field is one of them), the stop ids as the tokenizer says.
+            # The request's options by name (each wire field is one of them); the stop ids are `_stop_ids_of`'s.
             sampling=wire.Sampling(
                 stop_ids=self._stop_ids_of(live),
                 **{f.name: getattr(sampling, f.name) for f in attrs.fields(wire.Sampling) if f.name != "stop_ids"},

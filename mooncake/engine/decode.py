@@ -210,7 +210,8 @@ class DecodeEngine:
         model and `config.tbt_slo_s` (its `predicted_tbt_s` is set when there is a step
         model). On acceptance the request's first token (the prefill's, with its
         `first_logprobs`) is reported at once; `prompt` (the prompt's token ids) is
-        needed only by a repetition penalty (`SamplingParams.needs_prompt`); a request with `max_new_tokens == 1`, or whose first token is one of its stop
+        needed only by a repetition penalty (`SamplingParams.needs_prompt`). A
+        request with `max_new_tokens == 1`, or whose first token is one of its stop
         tokens, is then already finished and takes no slot (so only its context is checked).
 
         Raises:
