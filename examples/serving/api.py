@@ -350,6 +350,9 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
     echo: bool = False  # the answer opens with the prompt (and its log-probabilities, with `logprobs`)
+    # `echo` with `max_tokens: 0` (OpenAI's way to score a prompt): the answer is the prompt alone; the engines
+    # still draw one token (`sampling.max_tokens` 1), which the answer leaves out.
+    echo_only: bool = False
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
@@ -738,11 +741,15 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
         checked = _text(prompt, "prompt")
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-    common = _common(body, COMPLETION_FIELDS, served, chat=False)
     echo = _flag(body, "echo", default=False)
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    echo_only = echo and type(body.get(limit)) in (int, float) and body[limit] == 0  # not False: a type error
+    if echo_only:
+        body = {**body, limit: 1}
+    common = _common(body, COMPLETION_FIELDS, served, chat=False)
     if echo and common["sampling"].logprobs is not None:  # the engine scores the prompt then, as vLLM's does
         common["sampling"] = attrs.evolve(common["sampling"], prompt_logprobs=common["sampling"].logprobs)
-    return CompletionRequest(prompt=checked, echo=echo, **common)
+    return CompletionRequest(prompt=checked, echo=echo, echo_only=echo_only, **common)
 
 
 # A chat message's keys beside role, content and name: those asking for what this server cannot render (tools,

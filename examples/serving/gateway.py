@@ -44,7 +44,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import attrs
 from aiohttp import HttpVersion11, web
 
 import mooncake
@@ -367,17 +366,22 @@ class Gateway:
         self, parsed: CompletionRequest | ChatRequest, live: LiveRequest
     ) -> tuple[str, list[tuple[int, TokenLogprobs | None]]] | None:
         """What a completion's `echo` puts before the generation: the prompt's text (as given, or its ids decoded
-        as the output is) and its tokens with their log-probabilities (the first has none); None without echo."""
+        whole, special tokens and stop ids included, as vLLM echoes them) and its tokens with their
+        log-probabilities (the first has none; all none where none were asked); None without echo.
+
+        Raises:
+            ApiError: 500, the prefill did not report the log-probabilities asked of it (never nulls instead).
+        """
         if not isinstance(parsed, CompletionRequest) or not parsed.echo:
             return None
-        if isinstance(parsed.prompt, str):
-            prompt = parsed.prompt
-        else:
-            text = self._text_stream(attrs.evolve(parsed.sampling, stop=(), min_tokens=0))
-            prompt = "".join(text.feed(t) for t in parsed.prompt) + text.finish()
-        scored = live.prompt_logprobs or ()
-        entries = [(token, scored[i - 1] if 0 < i <= len(scored) else None) for i, token in enumerate(live.tokens)]
-        return prompt, entries
+        prompt = parsed.prompt if isinstance(parsed.prompt, str) else self.tokenizer.decode(parsed.prompt)
+        if parsed.sampling.prompt_logprobs is None:
+            return prompt, [(token, None) for token in live.tokens]
+        scored = live.prompt_logprobs
+        if scored is None or len(scored) != len(live.tokens) - 1:
+            self.dispatcher.end(live, Outcome.ABORTED, Reason.FAILED)
+            raise ApiError(500, "the prefill did not report the prompt's log-probabilities")
+        return prompt, [(live.tokens[0], None), *zip(live.tokens[1:], scored, strict=True)]
 
     def _usage(self, live: LiveRequest, completion: int) -> Usage:
         return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
@@ -398,15 +402,21 @@ class Gateway:
             self.metrics.responses[str(error.status)].inc()
             raise
         pieces.append(text.finish())
+        try:
+            echoed = self._echoed(parsed, live)  # once tokens came: the prompt's log-probabilities came before them
+        except ApiError as error:
+            self.metrics.responses[str(error.status)].inc()
+            raise
         self.metrics.responses["200"].inc()
         finish = "stop" if text.stopped else "length"
+        if isinstance(parsed, CompletionRequest) and parsed.echo_only:  # the prompt alone: its one token dropped
+            pieces, generated, finish = [], [], "length"
         logprobs = self._logprobs(reply, parsed.sampling)
-        echoed = self._echoed(parsed, live)  # once tokens came: the prompt's log-probabilities came before them
         answer = reply.completion(
             (echoed[0] if echoed else "") + "".join(pieces),
             finish,
             self._usage(live, len(generated)),
-            text.stop_reason,
+            None if isinstance(parsed, CompletionRequest) and parsed.echo_only else text.stop_reason,
             logprobs=None if logprobs is None else logprobs.take([*(echoed[1] if echoed else []), *generated]),
         ).to_json()
         return web.json_response(answer, headers=_route_headers(live))
@@ -445,13 +455,14 @@ class Gateway:
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
             await response.write(reply.chunk("", role=True, usage=so_far()).to_sse())
-        echoed = self._echoed(parsed, live)
-        if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
-            unshown += echoed[1]
-            await response.write(reply.chunk(echoed[0], usage=so_far(), logprobs=shown()).to_sse())
-
         try:
+            echoed = self._echoed(parsed, live)
+            if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
+                unshown += echoed[1]
+                await response.write(reply.chunk(echoed[0], usage=so_far(), logprobs=shown()).to_sse())
             async for token in _following(first, tokens):
+                if isinstance(parsed, CompletionRequest) and parsed.echo_only:
+                    continue  # the prompt alone: the one token drawn for its prefill is not shown or counted
                 count += 1
                 unshown.append((token.token, token.logprobs))
                 piece = text.feed(token.token)

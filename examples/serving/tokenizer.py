@@ -52,8 +52,8 @@ class Decoder(Protocol):
 
 class ServingTokenizer(Protocol):
     """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, a generation's text stream, a lone
-    token's text (shown beside its log-probability), and the token ids that end a generation (the decode engine
-    stops at them too)."""
+    token's text (shown beside its log-probability), the text of ids (an echoed prompt), and the token ids that
+    end a generation (the decode engine stops at them too)."""
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...
@@ -69,6 +69,8 @@ class ServingTokenizer(Protocol):
     ) -> list[int]: ...
 
     def token_text(self, token: int) -> str: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
 
     def stream(
         self,
@@ -161,6 +163,11 @@ class CheckpointTokenizer:
     def token_text(self, token: int) -> str:
         """The lone token's text as vLLM shows it (`Tokenizer.token_text`)."""
         return self.tokenizer.token_text(token)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """The text of `tokens`, special tokens included (transformers' `decode` default, as vLLM echoes a prompt
+        given as ids)."""
+        return self.tokenizer.decode(tokens)
 
     def stream(
         self,

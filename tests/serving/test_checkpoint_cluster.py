@@ -452,7 +452,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
         assert max(abs(a - b) for a, b in zip(got.token_logprobs[1 : len(ids)], expected, strict=True)) < 1e-4
         greedy = int(reference[-1].argmax())
         assert got.tokens[-1] == tokenizer.decode([greedy])
-        assert answer.choices[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
+        assert answer.choices[0].text.startswith(tokenizer.decode(ids))  # special tokens kept, as vLLM echoes ids
     cached = api.completions.create(prompt=[ids], model="tiny-llama", max_tokens=1, temperature=0)
     assert cached.usage.prompt_tokens_details.cached_tokens > 0  # its blocks are cached ...
     assert answers[1].usage.prompt_tokens_details.cached_tokens == 0  # ... and a scored prompt reuses none
@@ -466,6 +466,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+    # A prompt of ids with the model's EOS and a request stop id inside: echoed whole, as vLLM decodes it.
+    inner = [*ids[:4], tokenizer.eos_token_id, *ids[4:]]
+    extra = {"stop_token_ids": [ids[2]]}
+    echoed = api.completions.create(prompt=[inner], extra_body=extra, **{**body, "logprobs": None}).choices[0]
+    assert echoed.text.startswith(tokenizer.decode(inner)) and tokenizer.eos_token in echoed.text
+
+
+def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """OpenAI's way to score a prompt, `echo` with `max_tokens: 0`: the answer is the prompt's text and its
+    tokens' log-probabilities only (no token generated is shown or counted), whole or streamed; without echo,
+    0 stays a 400."""
+    _, _, tokenizer = checkpoint
+    api = client(cluster)
+    ids = tokenizer(PROMPTS[3]).input_ids
+    body = {"model": "tiny-llama", "prompt": PROMPTS[3], "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = api.completions.create(**body)
+    choice = whole.choices[0]
+    assert (choice.text, choice.finish_reason, whole.usage.completion_tokens) == (PROMPTS[3], "length", 0)
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids] and choice.logprobs.token_logprobs[0] is None
+    chunks = [c.choices[0] for c in api.completions.create(stream=True, **body)]
+    assert "".join(c.text for c in chunks) == PROMPTS[3]
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == choice.logprobs.tokens
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(**{**body, "echo": False})
 
 
 def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:

@@ -1006,3 +1006,39 @@ def test_a_failed_send_to_a_worker_already_down_leaves_its_probes_as_they_were()
             assert state.next_probe_s == due and not state.up
 
     asyncio.run(run())
+
+
+def test_a_prefill_job_carries_every_sampling_option_of_its_request() -> None:
+    """The dispatcher copies the request's options onto the wire by name: each `wire.Sampling` field holds the
+    request's value (the seed as drawn at admission), and the stop ids are the model's with the request's own
+    (none of the model's with `ignore_eos`)."""
+    options = {
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "seed": 11,
+        "min_tokens": 2,
+        "logprobs": 3,
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 0.25,
+        "prompt_logprobs": 1,
+        "logit_bias": ((4, 2.5),),
+        "stop_token_ids": (3, 12),
+    }
+    assert {f.name for f in attrs.fields(wire.Sampling)} - {"stop_ids"} <= options.keys()
+
+    async def run() -> None:
+        async with dispatching(stop_token_ids=frozenset({2, 9})) as d:
+            for ignore_eos, stops in ((False, (2, 3, 9, 12)), (True, (3, 12))):
+                live = await admitted(d, 100 * ignore_eos, ignore_eos=ignore_eos, **options)
+                d.submit(live)
+                (job,) = sent(d, live.prefill)[-1:]
+                for f in attrs.fields(wire.Sampling):
+                    if f.name != "stop_ids":
+                        assert getattr(job.sampling, f.name) == options[f.name], f.name
+                assert job.sampling.stop_ids == stops
+
+    asyncio.run(run())
