@@ -177,6 +177,10 @@ class Request:
         block_size_tokens: the tokens per block its keys were made with, when known (a
             `BlockHasher`'s; 512 for the published traces): then there is one key per block,
             ⌈input_length / block_size_tokens⌉, the partial last block included.
+        reuses_prefix: whether its prefill may start from a cached prefix (the default); False for a prompt
+            whose every position's logits are wanted (prompt log-probabilities, as vLLM scores them): the
+            Conductor then routes and estimates it as computed whole, planning no prefix transfer. (The
+            simulators replay traces, whose requests all reuse.)
     """
 
     request_id: RequestId = attrs.field()
@@ -190,10 +194,16 @@ class Request:
     block_size_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(int_at_least(1, error=InvalidRequestError))
     )
+    reuses_prefix: bool = attrs.field(default=True)
 
     @request_id.validator
     def _check_id(self, _attribute: object, value: RequestId) -> None:
         check_request_id("request_id", value)
+
+    @reuses_prefix.validator
+    def _check_reuses_prefix(self, _attribute: object, value: bool) -> None:
+        if type(value) is not bool:
+            raise InvalidRequestError(f"reuses_prefix must be a bool, got {value!r}")
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:

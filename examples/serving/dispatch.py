@@ -320,6 +320,7 @@ class Dispatcher:
             output_length=sampling.max_tokens,
             block_keys=keys,
             block_size_tokens=self.hasher.block_size_tokens,
+            reuses_prefix=sampling.prompt_logprobs is None,  # a scored prompt is computed whole (the engine's rule)
         )
         live = LiveRequest(request_id, tokens, request, sampling, arrival)
         waiter = _Waiter(live, asyncio.get_running_loop().create_future())

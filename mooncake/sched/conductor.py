@@ -348,10 +348,13 @@ class Conductor:
         candidates: Sequence[PrefillView] = board
         keys = key_array(request.block_keys, integers=True)  # once, for the index and the tie-break
         lengths = self.index.prefix_lengths(keys, board.instance_ids)
+        if not request.reuses_prefix:  # computed whole wherever it goes: no instance's prefix counts
+            lengths = np.zeros_like(lengths)
         if not board.all_up:
             candidates = PrefillBoard([view for view in board if view.is_up])
             lengths = np.where(board.is_up, lengths, 0)
-        own = self._pending.walk(keys, lengths, self._owner_of_slot)  # the prefix each will have by its turn
+        # The prefix each will have by its turn (none counts for a prompt computed whole).
+        own = self._pending.walk(keys, lengths, self._owner_of_slot) if request.reuses_prefix else lengths
         best = None
         best_blocks = best_holders = 0
         held = lengths.tolist()  # a few dozen numbers: list operations beat numpy's per-call cost

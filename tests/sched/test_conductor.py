@@ -476,6 +476,25 @@ def test_a_prefix_queued_ahead_counts_as_cached() -> None:
     assert conductor.schedule(request("r4", DOC), 0.2).prefix_tokens == 0
 
 
+def test_a_prompt_computed_whole_counts_no_cached_prefix_and_moves_none() -> None:
+    """A request that does not reuse a prefix (its prompt's log-probabilities are wanted) is estimated as a
+    cold prefill wherever its prefix is cached, coming or moving: no prefix tokens, no transfer, the cold TTFT;
+    the same prompt reusing is routed to its holder as before."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    occupy(conductor, P0, count=3)
+    caches.store(conductor, P0, DOC)
+    caches.store(conductor, P1, DOC[:16])
+    reusing = conductor.schedule(request("reusing", DOC), 0.0)
+    assert reusing.prefix_tokens > 0  # what the flag changes
+    whole = conductor.schedule(attrs.evolve(request("whole", DOC), reuses_prefix=False), 0.0)
+    assert whole.accepted and (whole.prefix_tokens, whole.transfer) == (0, None)
+    assert whole.prefill_instance == P2  # the idle instance without the prefix: none counts anywhere
+    assert whole.ttft_s == pytest.approx(ESTIMATOR.prefill.prefill_s(8192, 0))
+    with pytest.raises(InvalidRequestError, match="reuses_prefix"):
+        attrs.evolve(request("bad", DOC), reuses_prefix=1)
+    conductor.check_invariants()
+
+
 def test_queues_follow_each_other() -> None:
     """On one instance, each queued request is predicted to start when the previous one finishes."""
     conductor = make_conductor()
