@@ -235,7 +235,7 @@ BAD_BODIES = [
     ("chat/completions", {"prompt": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, "messages[1].content"),
-    ("completions", {"prompt": "hi", "n": 3}, "n"),
+    ("completions", {"prompt": "hi", "n": 17}, "n"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 2}, "best_of"),

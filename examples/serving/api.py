@@ -5,8 +5,8 @@ undone within a size cap, its charset one of the Unicode ones, JSON without
 NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
-limit. A parameter this server does not implement (`n` > 1, a chat's `echo`,
-`prompt_logprobs`, `best_of`, tools, `response_format`, ...) is refused unless it
+limit. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
+`prompt_logprobs`, tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
 warning, as vLLM does (its clients send extras other servers do not know).
 
@@ -56,6 +56,7 @@ __all__ = [
     "ApiError",
     "ChatMessage",
     "ChatRequest",
+    "Choice",
     "Chunk",
     "Completion",
     "CompletionRequest",
@@ -90,6 +91,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`, OpenAI's chat limit
+MAX_CHOICES = 16  # a request's `n`: each choice is a request of the cluster's (its own prefill and decode)
 LOGPROB_FLOOR = -9999.0  # a log-probability of -inf as OpenAI and vLLM write it (JSON has no infinity)
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -349,6 +351,7 @@ class CompletionRequest:
     model: str
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
+    n: int = 1  # choices, each drawn independently (a seed: choice i samples with seed + i, as vLLM's)
     echo: bool = False  # the answer opens with the prompt (and its log-probabilities, with `logprobs`)
     # `echo` with `max_tokens: 0` (OpenAI's way to score a prompt): the answer is the prompt alone; the engines
     # still draw one token (`sampling.max_tokens` 1), which the answer leaves out.
@@ -373,6 +376,7 @@ class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
     sampling: SamplingOptions
+    n: int = 1  # choices, as a completion's
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -400,11 +404,10 @@ def _empty(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
-COUNTS = frozenset({"n", "best_of"})  # a count of choices: a type or range error is said as such, not "unsupported"
+COUNTS = frozenset({"best_of"})  # a count of choices: a type or range error is said as such, not "unsupported"
 
 # Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _one,
     "best_of": _one,
     "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,  # a chat's (a completion's is served): vLLM's chat echo repeats the last message
@@ -471,6 +474,7 @@ SHARED = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "logit_bias",
+    "n",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
@@ -615,6 +619,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     return {
         "model": served.name,
         "sampling": sampling,
+        "n": _integer(body, "n", 1, 1, MAX_CHOICES),
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
@@ -1018,29 +1023,40 @@ def _floored(logprob: float) -> float:
 
 
 @attrs.frozen(kw_only=True)
-class Completion:
-    """A whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string or the request's
-    stop token id that ended it, as vLLM names it), its usage and its log-probabilities (`Logprobs`' JSON; None where none were asked)."""
+class Choice:
+    """One choice of a whole answer: its text, why it ended ("length" or "stop"; `stop_reason`: the stop string or
+    the request's stop token id that ended it, as vLLM names it) and its log-probabilities (`Logprobs`' JSON;
+    None where none were asked)."""
 
-    reply: Reply
     text: str
     finish_reason: str
-    usage: Usage
     stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None
 
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    """A whole answer: its choices (a request's `n`, in index order) and the usage of them all."""
+
+    reply: Reply
+    choices: tuple[Choice, ...]
+    usage: Usage
+
     def to_json(self) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-            "logprobs": self.logprobs,
-        }
-        if self.reply.chat:
-            choice["message"] = {"role": "assistant", "content": self.text}
-        else:
-            choice["text"] = self.text
-        return {**self.reply.header(chunk=False), "choices": [choice], "usage": self.usage.to_json()}
+        choices = []
+        for index, one in enumerate(self.choices):
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": one.finish_reason,
+                "stop_reason": one.stop_reason,
+                "logprobs": one.logprobs,
+            }
+            if self.reply.chat:
+                choice["message"] = {"role": "assistant", "content": one.text}
+            else:
+                choice["text"] = one.text
+            choices.append(choice)
+        return {**self.reply.header(chunk=False), "choices": choices, "usage": self.usage.to_json()}
 
 
 @attrs.frozen(kw_only=True)
@@ -1057,6 +1073,7 @@ class Chunk:
     usage: Usage | None = None
     usage_only: bool = False
     logprobs: dict[str, Any] | None = None
+    index: int = 0  # the choice it belongs to (a request's `n`)
 
     def to_json(self) -> dict[str, Any]:
         usage = {} if self.usage is None else {"usage": self.usage.to_json()}
@@ -1066,9 +1083,9 @@ class Chunk:
             delta: dict[str, Any] = {} if self.text is None else {"content": self.text}
             if self.role:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": self.text or ""}
+            choice = {"index": self.index, "text": self.text or ""}
         choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=self.logprobs)
         return {**self.reply.header(chunk=True), "choices": [choice], **usage}
 
@@ -1098,9 +1115,9 @@ class Reply:
         stop_reason: str | int | None = None,
         logprobs: dict[str, Any] | None = None,
     ) -> Completion:
-        return Completion(
-            reply=self, text=text, finish_reason=finish_reason, usage=usage, stop_reason=stop_reason, logprobs=logprobs
-        )
+        """A one-choice answer."""
+        choice = Choice(text=text, finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs)
+        return Completion(reply=self, choices=(choice,), usage=usage)
 
     def chunk(
         self,
@@ -1111,6 +1128,7 @@ class Reply:
         role: bool = False,
         usage: Usage | None = None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> Chunk:
         return Chunk(
             reply=self,
@@ -1120,6 +1138,7 @@ class Reply:
             role=role,
             usage=usage,
             logprobs=logprobs,
+            index=index,
         )
 
     def usage_chunk(self, usage: Usage) -> Chunk:

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import attrs
 from aiohttp import HttpVersion11, web
 
 import mooncake
@@ -55,6 +56,9 @@ from serving.api import (
     PREFILL_HEADER,
     ApiError,
     ChatRequest,
+    Choice,
+    Chunk,
+    Completion,
     CompletionRequest,
     Logprobs,
     Reply,
@@ -313,8 +317,12 @@ class Gateway:
     # ------------------------------------------------------------------ completions
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        """Serve one completion: its `n` choices are `n` requests of the cluster, each sent on as it is admitted;
+        one refused withdraws those admitted before it (the answer is the refusal), and a choice failing later
+        ends the others with it."""
         dispatcher = self.dispatcher
         arrival = dispatcher.now()
+        lives: list[LiveRequest] = []
         try:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
@@ -326,11 +334,18 @@ class Gateway:
                     param="echo",
                 )
             tokens = prompt_tokens(parsed, self.tokenizer, self.served)
-            live = await dispatcher.admit(tokens, generation_limit(parsed.sampling, len(tokens), self.served), arrival)
+            sampling = generation_limit(parsed.sampling, len(tokens), self.served)
+            for index in range(parsed.n):
+                live = await dispatcher.admit(tokens, _choice_sampling(sampling, index), arrival)
+                lives.append(live)
+                dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it
         except ApiError as error:
+            self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
             raise
-        dispatcher.submit(live)
+        except asyncio.CancelledError:
+            self._withdraw(lives)
+            raise
         reply = Reply(
             name=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",  # unique across restarts, as vLLM's
             created=int(time.time()),
@@ -339,11 +354,17 @@ class Gateway:
         )
         try:
             if parsed.stream:
-                return await self._stream(request, live, reply, parsed)
-            return await self._whole(live, reply, parsed)
+                return await self._stream(request, lives, reply, parsed)
+            return await self._whole(lives, reply, parsed)
         except (asyncio.CancelledError, ConnectionResetError):
-            dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)  # a no-op if it ended already
+            self._withdraw(lives)
             raise
+
+    def _withdraw(self, lives: list[LiveRequest]) -> None:
+        """End the choices still live (their client left, or another choice of theirs failed): no-ops for the
+        ones that ended."""
+        for live in lives:
+            self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
 
     def _text_stream(self, sampling: SamplingOptions) -> TextStream:
         """The request's text as its tokens come, ended as its sampling options say."""
@@ -355,12 +376,6 @@ class Gateway:
             stop_token_ids=sampling.stop_token_ids,
             include_stop=sampling.include_stop_str_in_output,
         )
-
-    def _logprobs(self, reply: Reply, sampling: SamplingOptions) -> Logprobs | None:
-        """The writer of the request's log-probabilities (None: it asked for none)."""
-        if sampling.logprobs is None:
-            return None
-        return Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=self.tokenizer.token_text)
 
     def _echoed(
         self, parsed: CompletionRequest | ChatRequest, live: LiveRequest
@@ -383,111 +398,225 @@ class Gateway:
             raise ApiError(500, "the prefill did not report the prompt's log-probabilities")
         return prompt, [(live.tokens[0], None), *zip(live.tokens[1:], scored, strict=True)]
 
-    def _usage(self, live: LiveRequest, completion: int) -> Usage:
-        return Usage(prompt_tokens=len(live.tokens), completion_tokens=completion, cached_tokens=live.cached_tokens)
+    def _usage(self, lives: list[LiveRequest], completion: int) -> Usage:
+        """The answer's usage: the prompt once, the tokens of every choice."""
+        first = lives[0]
+        return Usage(prompt_tokens=len(first.tokens), completion_tokens=completion, cached_tokens=first.cached_tokens)
+
+    def _choice(self, live: LiveRequest, index: int, reply: Reply, parsed: CompletionRequest | ChatRequest) -> _Choice:
+        sampling = parsed.sampling
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=self.tokenizer.token_text)
+        echo_only = isinstance(parsed, CompletionRequest) and parsed.echo_only
+        return _Choice(live, index, reply, self._text_stream(sampling), logprobs, echo_only=echo_only)
 
     async def _whole(
-        self, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
+        self, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
-        text = self._text_stream(parsed.sampling)
-        pieces, generated = [], []
+        choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
         try:
-            async for token in self.dispatcher.tokens(live):
-                generated.append((token.token, token.logprobs))
-                pieces.append(text.feed(token.token))
-                if text.stopped:
-                    self.dispatcher.finish(live)
-                    break
+            await _together([self._read_tokens(choice) for choice in choices])
+            echoes = [
+                self._echoed(parsed, choice.live) for choice in choices
+            ]  # after the tokens: the prompt's came first
         except ApiError as error:
-            self.metrics.responses[str(error.status)].inc()
-            raise
-        pieces.append(text.finish())
-        try:
-            echoed = self._echoed(parsed, live)  # once tokens came: the prompt's log-probabilities came before them
-        except ApiError as error:
+            self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
             raise
         self.metrics.responses["200"].inc()
-        finish = "stop" if text.stopped else "length"
-        if isinstance(parsed, CompletionRequest) and parsed.echo_only:  # the prompt alone: its one token dropped
-            pieces, generated, finish = [], [], "length"
-        logprobs = self._logprobs(reply, parsed.sampling)
-        answer = reply.completion(
-            (echoed[0] if echoed else "") + "".join(pieces),
-            finish,
-            self._usage(live, len(generated)),
-            None if isinstance(parsed, CompletionRequest) and parsed.echo_only else text.stop_reason,
-            logprobs=None if logprobs is None else logprobs.take([*(echoed[1] if echoed else []), *generated]),
-        ).to_json()
-        return web.json_response(answer, headers=_route_headers(live))
+        answer = Completion(
+            reply=reply,
+            choices=tuple(choice.whole(echo) for choice, echo in zip(choices, echoes, strict=True)),
+            usage=self._usage(lives, sum(choice.count for choice in choices)),
+        )
+        return web.json_response(answer.to_json(), headers=_route_headers(lives))
+
+    async def _read_tokens(self, choice: _Choice) -> None:
+        """Feed a choice its tokens until it ends (a stop string ends its request here)."""
+        async for token in self.dispatcher.tokens(choice.live):
+            choice.feed(token)
+            if choice.text.stopped:
+                self.dispatcher.finish(choice.live)
+                break
 
     async def _stream(
-        self, request: web.Request, live: LiveRequest, reply: Reply, parsed: CompletionRequest | ChatRequest
+        self, request: web.Request, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
-        tokens = self.dispatcher.tokens(live)
-        text = self._text_stream(parsed.sampling)
+        streams = [self.dispatcher.tokens(live) for live in lives]
+        firsts: list[wire.Token | None] = []
         try:
-            first = await tokens.__anext__()  # headers go out with the first token: a late rejection is still a 429
+            for tokens in streams:  # headers go out with every choice's first token: a late rejection is a 429
+                try:
+                    firsts.append(await tokens.__anext__())
+                except StopAsyncIteration:
+                    firsts.append(None)
         except ApiError as error:
+            self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
             raise
-        except StopAsyncIteration:
-            first = None
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(live)}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(lives)}
         )
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
-        count = 0
-        logprobs = self._logprobs(reply, parsed.sampling)
-        unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
+        choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
 
         def so_far() -> Usage | None:
-            return self._usage(live, count) if parsed.continuous_usage else None
+            return self._usage(lives, sum(choice.count for choice in choices)) if parsed.continuous_usage else None
 
-        def shown() -> dict[str, Any] | None:
-            """The log-probabilities of the tokens the next chunk shows (all since the last chunk)."""
-            if logprobs is None:
-                return None
-            taken = logprobs.take(unshown)
-            unshown.clear()
-            return taken
+        events: asyncio.Queue[Chunk | None] = asyncio.Queue()
+
+        async def pump(choice: _Choice, first: wire.Token | None, tokens: AsyncIterator[wire.Token]) -> None:
+            """One choice's chunks into the queue, in order; None once it ended."""
+            echoed = self._echoed(parsed, choice.live)
+            if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
+                events.put_nowait(choice.echo_chunk(echoed, so_far()))
+            async for token in _following(first, tokens):
+                piece = choice.feed(token)
+                if piece:
+                    events.put_nowait(choice.chunk(piece, so_far()))
+                if choice.text.stopped:
+                    self.dispatcher.finish(choice.live)
+                    break
+            events.put_nowait(choice.last_chunk(so_far()))
+            events.put_nowait(None)
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
-            await response.write(reply.chunk("", role=True, usage=so_far()).to_sse())
+            for choice in choices:
+                await response.write(reply.chunk("", role=True, usage=so_far(), index=choice.index).to_sse())
+        pumps = [
+            asyncio.ensure_future(pump(choice, first, tokens))
+            for choice, first, tokens in zip(choices, firsts, streams, strict=True)
+        ]
         try:
-            echoed = self._echoed(parsed, live)
-            if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
-                unshown += echoed[1]
-                await response.write(reply.chunk(echoed[0], usage=so_far(), logprobs=shown()).to_sse())
-            async for token in _following(first, tokens):
-                if isinstance(parsed, CompletionRequest) and parsed.echo_only:
-                    continue  # the prompt alone: the one token drawn for its prefill is not shown or counted
-                count += 1
-                unshown.append((token.token, token.logprobs))
-                piece = text.feed(token.token)
-                if piece:
-                    await response.write(reply.chunk(piece, usage=so_far(), logprobs=shown()).to_sse())
-                if text.stopped:
-                    self.dispatcher.finish(live)
-                    break
-            rest = text.finish()
-            finish = "stop" if text.stopped else "length"
-            last = reply.chunk(
-                rest or None,
-                finish,
-                stop_reason=text.stop_reason,
-                usage=so_far(),
-                logprobs=shown() if unshown else None,
-            )
-            await response.write(last.to_sse())
+            ended = 0
+            while ended < len(pumps):
+                if events.empty():
+                    # What a failed choice queued went out first; now its error ends the stream (a choice that
+                    # ended well queued its None before it finished).
+                    for p in pumps:
+                        if p.done() and not p.cancelled() and p.exception() is not None:
+                            raise p.exception()  # type: ignore[misc]
+                    waiting = asyncio.ensure_future(events.get())
+                    running = [p for p in pumps if not p.done()]
+                    await asyncio.wait([waiting, *running], return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done():
+                        waiting.cancel()  # a choice's pump ended without a chunk: look again
+                        continue
+                    chunk = waiting.result()
+                else:
+                    chunk = events.get_nowait()
+                if chunk is None:
+                    ended += 1
+                    continue
+                await response.write(chunk.to_sse())
             if parsed.include_usage:
-                await response.write(reply.usage_chunk(self._usage(live, count)).to_sse())
+                total = sum(choice.count for choice in choices)
+                await response.write(reply.usage_chunk(self._usage(lives, total)).to_sse())
         except ApiError as error:
+            self._withdraw(lives)
             await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        finally:
+            for p in pumps:
+                p.cancel()
         await response.write(b"data: [DONE]\n\n")  # after an error event too, as vLLM ends every stream
         await response.write_eof()
         return response
+
+
+class _Choice:
+    """One choice of an answer as its tokens come: its text stream, log-probabilities and token count, and the
+    chunks or the whole choice they make.
+
+    `echo_only` (echo with `max_tokens: 0`): the one token drawn is neither shown nor counted.
+    """
+
+    def __init__(
+        self,
+        live: LiveRequest,
+        index: int,
+        reply: Reply,
+        text: TextStream,
+        logprobs: Logprobs | None,
+        *,
+        echo_only: bool = False,
+    ) -> None:
+        self.live, self.index, self.reply, self.text, self.logprobs = live, index, reply, text, logprobs
+        self.echo_only = echo_only
+        self.count = 0  # tokens generated, as the usage counts them
+        self.pieces: list[str] = []
+        self.generated: list[tuple[int, TokenLogprobs | None]] = []
+        self._unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
+
+    def feed(self, token: wire.Token) -> str:
+        """Take the next token; the text it lets out (none for an echo-only choice)."""
+        if self.echo_only:
+            return ""
+        self.count += 1
+        self.generated.append((token.token, token.logprobs))
+        self._unshown.append((token.token, token.logprobs))
+        piece = self.text.feed(token.token)
+        self.pieces.append(piece)
+        return piece
+
+    def _shown(self) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens the next chunk shows (all since the last chunk)."""
+        if self.logprobs is None or not self._unshown:
+            return None
+        taken = self.logprobs.take(self._unshown)
+        self._unshown.clear()
+        return taken
+
+    def echo_chunk(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]], usage: Usage | None) -> Chunk:
+        self._unshown[:0] = echoed[1]
+        return self.reply.chunk(echoed[0], usage=usage, logprobs=self._shown(), index=self.index)
+
+    def chunk(self, piece: str, usage: Usage | None) -> Chunk:
+        return self.reply.chunk(piece, usage=usage, logprobs=self._shown(), index=self.index)
+
+    def last_chunk(self, usage: Usage | None) -> Chunk:
+        """The choice's last chunk: the text held back, its finish reason, the tokens not shown yet."""
+        rest = self.text.finish() if not self.echo_only else ""
+        finish = "stop" if self.text.stopped else "length"
+        stop_reason = None if self.echo_only else self.text.stop_reason
+        return self.reply.chunk(
+            rest or None, finish, stop_reason=stop_reason, usage=usage, logprobs=self._shown(), index=self.index
+        )
+
+    def whole(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]] | None) -> Choice:
+        """The choice whole, once its tokens are in (the echoed prompt before them)."""
+        text = "".join(self.pieces) + (self.text.finish() if not self.echo_only else "")
+        entries = [*(echoed[1] if echoed else []), *self.generated]
+        return Choice(
+            text=(echoed[0] if echoed else "") + text,
+            finish_reason="stop" if self.text.stopped else "length",
+            stop_reason=None if self.echo_only else self.text.stop_reason,
+            logprobs=None if self.logprobs is None else self.logprobs.take(entries),
+        )
+
+
+def _choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:
+    """Choice `index`'s sampling: the request's, a seed moved on by the index (vLLM's rule for `n`), so the choices
+    are independent draws yet each reproducible; without a seed each draws its own at admission."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return attrs.evolve(sampling, seed=(sampling.seed + index) % (1 << 64))
+
+
+async def _together(reads: list[Any]) -> None:
+    """Run the choices' reads at once; the first to fail cancels the others and raises its error."""
+    if len(reads) == 1:
+        await reads[0]
+        return
+    tasks = [asyncio.ensure_future(read) for read in reads]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each has stopped reading before it is withdrawn
+        raise
 
 
 # CORS as vLLM's server sets it by default (`--allowed-origins` "*", no credentials): browsers may call the API from
@@ -515,9 +644,12 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
         response.headers["Access-Control-Allow-Origin"] = "*"
 
 
-def _route_headers(live: LiveRequest) -> dict[str, str]:
-    """Where the request ran (`serving.api`'s headers)."""
-    return {PREFILL_HEADER: str(live.prefill), DECODE_HEADER: str(live.decode)}
+def _route_headers(lives: list[LiveRequest]) -> dict[str, str]:
+    """Where the request ran (`serving.api`'s headers): each choice's instance, in index order, comma-separated."""
+    return {
+        PREFILL_HEADER: ",".join(str(live.prefill) for live in lives),
+        DECODE_HEADER: ",".join(str(live.decode) for live in lives),
+    }
 
 
 async def _following(first: wire.Token | None, tokens: AsyncIterator[wire.Token]) -> AsyncIterator[wire.Token]:

@@ -121,7 +121,7 @@ def test_encodings_and_charsets_decode() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "hi", "n": 3}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
         ({"prompt": "hi", "best_of": 2}, "best_of"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "logprobs": -1}, "logprobs"),
@@ -333,19 +333,22 @@ def test_left_out_temperature_and_top_p_are_the_served_models_defaults() -> None
 @pytest.mark.parametrize(
     ("n", "message"),
     [
-        (3, "n = 3 is not supported by this server"),
-        (0, "n must be an integer >= 1, got 0"),
-        (-1, "n must be an integer >= 1, got -1"),
-        ("1", "n must be an integer >= 1, got '1'"),
-        (1.5, "n must be an integer >= 1, got 1.5"),
-        (10**4000, "is not supported by this server"),
+        (17, "n must be an integer in [1, 16], got 17"),
+        (0, "n must be an integer in [1, 16], got 0"),
+        (-1, "n must be an integer in [1, 16], got -1"),
+        ("1", "n must be an integer in [1, 16], got '1'"),
+        (1.5, "n must be an integer in [1, 16], got 1.5"),
+        (10**4000, "n must be an integer in [1, 16]"),
+        (True, "n must be an integer in [1, 16], got True"),
     ],
 )
-def test_a_choice_count_that_is_no_count_is_said_so_not_unsupported(n: object, message: str) -> None:
-    """One choice per request is what this server does; a count that is not a count at all is a type or range
-    error, as vLLM's own validation says it."""
+def test_a_choice_count_out_of_its_range_is_a_400_naming_n(n: object, message: str) -> None:
+    """`n` choices, 1 to 16 (each a request of the cluster); a count that is not one, or out of the range, is a
+    400 naming `n` (a whole float is its integer, as vLLM reads it)."""
     error = refused(parse_completion, {"prompt": "hi", "n": n}, SERVED)
     assert (error.status, error.param) == (400, "n") and message in error.message
+    assert parse_completion({"prompt": "hi", "n": 16.0}, SERVED).n == 16
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 3}, SERVED).n == 3
 
 
 def test_tokenize_measures_a_prompt_over_the_limits_and_detokenize_undoes_it() -> None:

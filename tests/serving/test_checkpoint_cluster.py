@@ -494,6 +494,56 @@ def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
         api.completions.create(**{**body, "echo": False})
 
 
+def test_n_choices_are_the_seeded_requests_of_each_choice(cluster: RunningCluster) -> None:
+    """`n: 3` with a seed: choice i is what one request seeded seed + i answers (vLLM's rule), text, finish reason
+    and log-probabilities (to a batch's float rounding), whole or streamed (chunks carry their choice's index; a chat stream opens each choice
+    with its role); the usage counts the prompt once and every choice's tokens; the route headers name each
+    choice's instances; greedy choices are equal. `n: 12`, more than the decode engine's batch of 8 at once,
+    is served too (the choices past the batch wait for room while the first ones run)."""
+    api = client(cluster)
+    body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 1.0, "logprobs": 1}
+    alone = [api.completions.create(seed=40 + i, **body) for i in range(3)]
+    raw = api.completions.with_raw_response.create(seed=40, n=3, **body)
+    both = raw.parse()
+    assert [c.index for c in both.choices] == [0, 1, 2]
+    for choice, single in zip(both.choices, alone, strict=True):
+        expected = single.choices[0]
+        assert (choice.text, choice.finish_reason, choice.logprobs.tokens) == (
+            expected.text,
+            expected.finish_reason,
+            expected.logprobs.tokens,
+        )
+        # Batched with its siblings rather than alone: the same tokens, the floats within a batch's rounding.
+        pairs = zip(choice.logprobs.token_logprobs, expected.logprobs.token_logprobs, strict=True)
+        assert max(abs(a - b) for a, b in pairs) < 1e-4
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert len(raw.headers["X-Mooncake-Decode-Instance"].split(",")) == 3
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    finishes = {}
+    for chunk in api.completions.create(seed=40, n=3, stream=True, **body):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    assert finishes == {i: a.choices[0].finish_reason for i, a in enumerate(alone)}
+    chat = {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "n": 2}
+    greedy = api.chat.completions.create(**chat)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    roles, texts = [], {0: "", 1: ""}
+    for chunk in api.chat.completions.create(stream=True, **chat):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.index)
+            texts[choice.index] += choice.delta.content or ""
+    assert sorted(roles) == [0, 1] and texts == {i: c.message.content for i, c in enumerate(greedy.choices)}
+    many = api.completions.create(**{**body, "n": 12, "max_tokens": 4, "logprobs": 0})
+    assert [c.index for c in many.choices] == list(range(12))
+    assert many.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in many.choices)
+    assert not cluster.gateway.dispatcher.live  # every choice ended
+
+
 def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(checkpoint: tuple[Path, Any, Any]) -> None:
     """The stream of a request with skip_special_tokens false writes a special token's text where transformers'
     decode(skip_special_tokens=False) does; by default it leaves it out, as decode(skip_special_tokens=True)."""

@@ -1042,3 +1042,32 @@ def test_a_prefill_job_carries_every_sampling_option_of_its_request() -> None:
                 assert job.sampling.stop_ids == stops
 
     asyncio.run(run())
+
+
+def test_the_first_choice_to_fail_ends_the_others_reads() -> None:
+    """A completion's choices are read together: the first read to raise cancels the others (their requests are
+    then withdrawn by the gateway) and its error is the answer's; reads that all end give their results."""
+    from serving.gateway import _together
+
+    async def run() -> None:
+        done: list[str] = []
+        cancelled: list[str] = []
+
+        async def read(name: str, after_s: float, error: ApiError | None = None) -> None:
+            try:
+                await asyncio.sleep(after_s)
+            except asyncio.CancelledError:
+                cancelled.append(name)
+                raise
+            if error is not None:
+                raise error
+            done.append(name)
+
+        with pytest.raises(ApiError) as raised:
+            await _together([read("slow", 5.0), read("bad", 0.01, ApiError(500, "decode failed")), read("ok", 0.0)])
+        assert raised.value.message == "decode failed" and done == ["ok"] and cancelled == ["slow"]
+        done.clear()
+        await _together([read("a", 0.01), read("b", 0.0)])
+        assert sorted(done) == ["a", "b"]
+
+    asyncio.run(asyncio.wait_for(run(), 10.0))

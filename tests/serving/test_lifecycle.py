@@ -165,7 +165,7 @@ def test_models_and_an_unknown_model(cluster: RunningCluster) -> None:
         api.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
     assert raised.value.body["code"] == "model_not_found" and raised.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as bad:
-        api.completions.create(model="tiny", prompt="hi", max_tokens=1, n=3)
+        api.completions.create(model="tiny", prompt="hi", max_tokens=1, n=17)
     assert bad.value.body["param"] == "n"
 
 
