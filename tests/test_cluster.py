@@ -12,6 +12,7 @@ it), and every cluster is closed by a context manager.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -342,6 +343,51 @@ def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> N
     )
     assert not dispatcher.live  # the gateway forgot it too
     assert total(metrics(cluster), "mooncake:generation_tokens_total") - before < 1000  # cut short, not run to the end
+
+
+def test_a_client_gone_mid_stream_stops_every_choice_and_leaves_no_task(
+    cluster: RunningCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that hangs up a stream of 1 or 3 choices: every choice is cancelled on the decode engine, the
+    gateway forgets them, and no task of the stream is left pending for the collector (its event loop would log
+    "Task was destroyed but it is pending")."""
+    dispatcher = cluster.gateway.dispatcher
+    decode = next(i for i, role in dispatcher.roles.items() if role == "decode")
+    for n in (1, 3):
+        body = {"prompt": "bye " * 20, "max_tokens": 1000, "stream": True, "n": n, "ignore_eos": True}
+        request = urllib.request.Request(
+            f"{cluster.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+        )
+        with caplog.at_level("ERROR"), urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            for _ in range(3):
+                assert response.readline()  # streaming has begun
+        wait_for(lambda: dispatcher.health(decode).active == (), timeout=20.0, what=f"all {n} choices to stop")
+        wait_for(lambda: not dispatcher.live, timeout=20.0, what="the gateway to forget them")
+        with caplog.at_level("ERROR"):
+            gc.collect()
+            time.sleep(0.2)  # the loop's handler runs on its own thread
+    assert not [r for r in caplog.records if "was destroyed but it is pending" in r.getMessage()]
+
+
+def test_a_choice_refused_at_admission_withdraws_the_others() -> None:
+    """With a decode batch of 2 and no wait for room, `n: 3` has its third choice refused for the batch: the
+    answer is that 429, and the two choices admitted before it are withdrawn (none left live or decoding)."""
+    config = tiny(decode={"max_batch_size": 2}, limits={"admission_wait_s": 0.0})
+    with start_cluster(config) as running:
+        api = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        with pytest.raises(openai.RateLimitError) as raised:
+            api.completions.create(
+                model="tiny", prompt="three of us", max_tokens=200, n=3, extra_body={"ignore_eos": True}
+            )
+        assert raised.value.body["code"] == "batch_full"
+        dispatcher = running.gateway.dispatcher
+        decode = next(i for i, role in dispatcher.roles.items() if role == "decode")
+        wait_for(
+            lambda: not dispatcher.live and dispatcher.health(decode).active == (), timeout=20.0, what="withdrawal"
+        )
+        assert len(api.completions.create(model="tiny", prompt="two of us", max_tokens=2, n=2).choices) == 2
 
 
 def test_health_and_metrics(cluster: RunningCluster) -> None:

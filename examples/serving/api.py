@@ -619,7 +619,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     return {
         "model": served.name,
         "sampling": sampling,
-        "n": _integer(body, "n", 1, 1, MAX_CHOICES),
+        "n": _choices(body),
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
@@ -660,6 +660,17 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
             raise ApiError(400, f"logit_bias[{key!r}] must be a number, got {_shown(bias)}", param="logit_bias")
         biases[token] = min(100.0, max(-100.0, float(bias)))
     return tuple(sorted(biases.items()))
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    """`n`, 1 to `MAX_CHOICES`; vLLM's 400 where a `best_of` is below it (`best_of` itself is served only at 1)."""
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    best_of = body.get("best_of")
+    if type(best_of) in (int, float) and n > best_of:
+        raise ApiError(
+            400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}", param="best_of"
+        )
+    return n
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:

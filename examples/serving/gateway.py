@@ -361,8 +361,8 @@ class Gateway:
             raise
 
     def _withdraw(self, lives: list[LiveRequest]) -> None:
-        """End the choices still live (their client left, or another choice of theirs failed): no-ops for the
-        ones that ended."""
+        """Abort the choices still live (their client left, or another choice of theirs failed: its answer is
+        the error, and nobody reads theirs), cancelling them on their engines; no-ops for the ones that ended."""
         for live in lives:
             self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
 
@@ -444,13 +444,10 @@ class Gateway:
         self, request: web.Request, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
     ) -> web.StreamResponse:
         streams = [self.dispatcher.tokens(live) for live in lives]
-        firsts: list[wire.Token | None] = []
         try:
-            for tokens in streams:  # headers go out with every choice's first token: a late rejection is a 429
-                try:
-                    firsts.append(await tokens.__anext__())
-                except StopAsyncIteration:
-                    firsts.append(None)
+            # Headers go out with every choice's first token (a late rejection is still a 429), waited for together:
+            # one choice refused ends the wait for the others.
+            firsts: list[wire.Token | None] = await _together([_first(tokens) for tokens in streams])
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -462,8 +459,9 @@ class Gateway:
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
         choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
 
-        def so_far() -> Usage | None:
-            return self._usage(lives, sum(choice.count for choice in choices)) if parsed.continuous_usage else None
+        def so_far(choice: _Choice) -> Usage | None:
+            """The usage so far of `choice` (continuous_usage_stats: the prompt and its own tokens, as vLLM's)."""
+            return self._usage(lives, choice.count) if parsed.continuous_usage else None
 
         events: asyncio.Queue[Chunk | None] = asyncio.Queue()
 
@@ -471,40 +469,47 @@ class Gateway:
             """One choice's chunks into the queue, in order; None once it ended."""
             echoed = self._echoed(parsed, choice.live)
             if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
-                events.put_nowait(choice.echo_chunk(echoed, so_far()))
+                events.put_nowait(choice.echo_chunk(echoed, so_far(choice)))
             async for token in _following(first, tokens):
                 piece = choice.feed(token)
                 if piece:
-                    events.put_nowait(choice.chunk(piece, so_far()))
+                    events.put_nowait(choice.chunk(piece, so_far(choice)))
                 if choice.text.stopped:
                     self.dispatcher.finish(choice.live)
                     break
-            events.put_nowait(choice.last_chunk(so_far()))
+            events.put_nowait(choice.last_chunk(so_far(choice)))
             events.put_nowait(None)
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
             for choice in choices:
-                await response.write(reply.chunk("", role=True, usage=so_far(), index=choice.index).to_sse())
+                await response.write(reply.chunk("", role=True, usage=so_far(choice), index=choice.index).to_sse())
         pumps = [
             asyncio.ensure_future(pump(choice, first, tokens))
             for choice, first, tokens in zip(choices, firsts, streams, strict=True)
         ]
+        waiting: asyncio.Future[Chunk | None] | None = None
         try:
             ended = 0
             while ended < len(pumps):
-                if events.empty():
-                    # What a failed choice queued went out first; now its error ends the stream (a choice that
-                    # ended well queued its None before it finished).
+                failed = next((p for p in pumps if p.done() and not p.cancelled() and p.exception() is not None), None)
+                if failed is not None:
+                    # A choice failed (a choice that ended well queued its None first): the others stop at once,
+                    # what was queued before goes out, then the error ends the stream.
                     for p in pumps:
-                        if p.done() and not p.cancelled() and p.exception() is not None:
-                            raise p.exception()  # type: ignore[misc]
+                        p.cancel()
+                    while not events.empty():
+                        if (queued := events.get_nowait()) is not None:
+                            await response.write(queued.to_sse())
+                    raise failed.exception()  # type: ignore[misc]
+                if events.empty():
                     waiting = asyncio.ensure_future(events.get())
-                    running = [p for p in pumps if not p.done()]
-                    await asyncio.wait([waiting, *running], return_when=asyncio.FIRST_COMPLETED)
-                    if not waiting.done():
-                        waiting.cancel()  # a choice's pump ended without a chunk: look again
+                    await asyncio.wait(
+                        [waiting, *(p for p in pumps if not p.done())], return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not waiting.done():  # a choice's pump ended without a chunk: look again
+                        waiting.cancel()
                         continue
-                    chunk = waiting.result()
+                    chunk, waiting = waiting.result(), None
                 else:
                     chunk = events.get_nowait()
                 if chunk is None:
@@ -520,6 +525,8 @@ class Gateway:
         finally:
             for p in pumps:
                 p.cancel()
+            if waiting is not None:  # the client left during the wait: no task is left pending for the collector
+                waiting.cancel()
         await response.write(b"data: [DONE]\n\n")  # after an error event too, as vLLM ends every stream
         await response.write_eof()
         return response
@@ -604,14 +611,22 @@ def _choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:
     return attrs.evolve(sampling, seed=(sampling.seed + index) % (1 << 64))
 
 
-async def _together(reads: list[Any]) -> None:
-    """Run the choices' reads at once; the first to fail cancels the others and raises its error."""
+async def _first(tokens: AsyncIterator[wire.Token]) -> wire.Token | None:
+    """A choice's first token (None: it ended with none)."""
+    try:
+        return await tokens.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _together(reads: list[Any]) -> list[Any]:
+    """Run the choices' reads at once, their results in order; the first to fail cancels the others and raises
+    its error."""
     if len(reads) == 1:
-        await reads[0]
-        return
+        return [await reads[0]]
     tasks = [asyncio.ensure_future(read) for read in reads]
     try:
-        await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
             task.cancel()

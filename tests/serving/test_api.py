@@ -349,6 +349,11 @@ def test_a_choice_count_out_of_its_range_is_a_400_naming_n(n: object, message: s
     assert (error.status, error.param) == (400, "n") and message in error.message
     assert parse_completion({"prompt": "hi", "n": 16.0}, SERVED).n == 16
     assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 3}, SERVED).n == 3
+    error = refused(parse_completion, {"prompt": "hi", "n": 2, "best_of": 1}, SERVED)
+    assert (error.param, error.message) == (
+        "best_of",
+        "best_of must be greater than or equal to n, got n=2 and best_of=1",
+    )
 
 
 def test_tokenize_measures_a_prompt_over_the_limits_and_detokenize_undoes_it() -> None:

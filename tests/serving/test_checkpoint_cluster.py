@@ -498,7 +498,8 @@ def test_n_choices_are_the_seeded_requests_of_each_choice(cluster: RunningCluste
     """`n: 3` with a seed: choice i is what one request seeded seed + i answers (vLLM's rule), text, finish reason
     and log-probabilities (to a batch's float rounding), whole or streamed (chunks carry their choice's index; a chat stream opens each choice
     with its role); the usage counts the prompt once and every choice's tokens; the route headers name each
-    choice's instances; greedy choices are equal. `n: 12`, more than the decode engine's batch of 8 at once,
+    choice's instances; with continuous usage each chunk counts its own choice's tokens; greedy choices are
+    equal. `n: 12`, more than the decode engine's batch of 8 at once,
     is served too (the choices past the batch wait for room while the first ones run)."""
     api = client(cluster)
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 1.0, "logprobs": 1}
@@ -538,6 +539,23 @@ def test_n_choices_are_the_seeded_requests_of_each_choice(cluster: RunningCluste
                 roles.append(choice.index)
             texts[choice.index] += choice.delta.content or ""
     assert sorted(roles) == [0, 1] and texts == {i: c.message.content for i, c in enumerate(greedy.choices)}
+    # continuous_usage_stats: each chunk's usage counts its own choice's tokens (vLLM's), the last chunk all.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    last_usage: dict[int, int] = {}
+    chunks = list(
+        api.completions.create(
+            seed=1,
+            n=2,
+            stream=True,
+            stream_options=options,
+            **{**body, "max_tokens": 3},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            last_usage[choice.index] = chunk.usage.completion_tokens
+    assert last_usage == {0: 3, 1: 3} and chunks[-1].usage.completion_tokens == 6
     many = api.completions.create(**{**body, "n": 12, "max_tokens": 4, "logprobs": 0})
     assert [c.index for c in many.choices] == list(range(12))
     assert many.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in many.choices)
