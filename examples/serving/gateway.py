@@ -399,7 +399,7 @@ class Gateway:
         return prompt, [(live.tokens[0], None), *zip(live.tokens[1:], scored, strict=True)]
 
     def _usage(self, lives: list[LiveRequest], completion: int) -> Usage:
-        """The answer's usage: the prompt once, the tokens of every choice."""
+        """A usage: the prompt once (its cached tokens choice 0's) and `completion` tokens."""
         first = lives[0]
         return Usage(prompt_tokens=len(first.tokens), completion_tokens=completion, cached_tokens=first.cached_tokens)
 
@@ -417,9 +417,8 @@ class Gateway:
         choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
         try:
             await _together([self._read_tokens(choice) for choice in choices])
-            echoes = [
-                self._echoed(parsed, choice.live) for choice in choices
-            ]  # after the tokens: the prompt's came first
+            # After the tokens: the prompt's log-probabilities came before them.
+            echoes = [self._echoed(parsed, choice.live) for choice in choices]
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
