@@ -581,23 +581,26 @@ class _Choice:
     def chunk(self, piece: str, usage: Usage | None) -> Chunk:
         return self.reply.chunk(piece, usage=usage, logprobs=self._shown(), index=self.index)
 
+    def _ending(self) -> tuple[str, str, str | int | None]:
+        """At the end: the text held back, the finish reason and the stop reason (the one rule of both answers)."""
+        rest = "" if self.echo_only else self.text.finish()
+        return rest, "stop" if self.text.stopped else "length", None if self.echo_only else self.text.stop_reason
+
     def last_chunk(self, usage: Usage | None) -> Chunk:
         """The choice's last chunk: the text held back, its finish reason, the tokens not shown yet."""
-        rest = self.text.finish() if not self.echo_only else ""
-        finish = "stop" if self.text.stopped else "length"
-        stop_reason = None if self.echo_only else self.text.stop_reason
+        rest, finish, stop_reason = self._ending()
         return self.reply.chunk(
             rest or None, finish, stop_reason=stop_reason, usage=usage, logprobs=self._shown(), index=self.index
         )
 
     def whole(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]] | None) -> Choice:
         """The choice whole, once its tokens are in (the echoed prompt before them)."""
-        text = "".join(self.pieces) + (self.text.finish() if not self.echo_only else "")
+        rest, finish, stop_reason = self._ending()
         entries = [*(echoed[1] if echoed else []), *self.generated]
         return Choice(
-            text=(echoed[0] if echoed else "") + text,
-            finish_reason="stop" if self.text.stopped else "length",
-            stop_reason=None if self.echo_only else self.text.stop_reason,
+            text=(echoed[0] if echoed else "") + "".join(self.pieces) + rest,
+            finish_reason=finish,
+            stop_reason=stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs.take(entries),
         )
 
