@@ -8,17 +8,25 @@ template (`chat_template.jinja`, else the `chat_template` field). `encode` and
 `decode` are transformers' (v5) for the same files; the example cluster's byte
 tokenizer stays what the random model speaks.
 
-transformers v5 does not take a `LlamaTokenizer`'s `tokenizer.json` as written
-(`tokenizer_class` "LlamaTokenizer" or "LlamaTokenizerFast": Llama 2, TinyLlama,
-Mistral v0.x): it keeps the file's vocabulary, merges and post-processor and
-rebuilds the rest (`LlamaTokenizer.__init__`): BPE with byte fallback, no
-normalizer, a Metaspace pre-tokenizer that prepends "▁" to the first piece
-only (to every piece with `legacy: true`, to none with `add_prefix_space:
-false`), the SentencePiece decoder and the added tokens of
-`added_tokens_decoder` (the post-processor is the file's: `add_bos_token` and
-`add_eos_token` are not read for this class). So does `load_tokenizer`; without it, text
-after a special token (a chat template's `</s>\n<|assistant|>`) would get an
-extra "▁" token.
+transformers v5 does not always take a `tokenizer.json` as written. Its
+`AutoTokenizer` picks a class by config.json's `model_type` and the declared
+`tokenizer_class` (`_transformers_class` states the rule: a Qwen2 model's is
+always `Qwen2Tokenizer`, a Mistral model's the file as written, a byte-level
+file declared `LlamaTokenizer` as written), and three classes keep only the
+file's vocabulary, merges and post-processor and rebuild the rest, with their
+own default special tokens:
+- `LlamaTokenizer` (Llama 2, TinyLlama): BPE with byte fallback, no normalizer,
+  a Metaspace pre-tokenizer that prepends "▁" to the first piece only (to every
+  piece with `legacy: true`, to none with `add_prefix_space: false`) and the
+  SentencePiece decoder; without it, text after a special token (a chat
+  template's `</s>\n<|assistant|>`) would get an extra "▁" token;
+- `Qwen2Tokenizer` (Qwen2, DeepSeek-R1-Distill-Qwen): NFC, Qwen's split
+  pattern, then byte-level;
+- `GPT2Tokenizer` (SmolLM2): byte-level with GPT-2's split.
+Then the added tokens of `added_tokens_decoder` and the named special tokens
+missing from them. The BOS and EOS an encoding gets are the file's
+post-processor's: transformers (5.25) does not apply `add_bos_token` or
+`add_eos_token`, with or without one. So does `load_tokenizer`.
 
 Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
 (byte-level BPE), and some decoders change a token's text by what precedes it
@@ -338,17 +346,48 @@ class Detokenizer:
         assert self.text == decoded or REPLACEMENT in decoded  # (invalid fallback bytes: the module's exception)
 
 
-_LLAMA_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
+# The classes of transformers (v5) that rebuild a tokenizer.json's pipeline around its vocabulary and merges; any
+# other class (PreTrainedTokenizerFast, TokenizersBackend, an unknown name) takes the file as written.
+_LLAMA, _QWEN2, _GPT2, _AS_WRITTEN = "LlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "TokenizersBackend"
+# Their special tokens where tokenizer_config.json leaves a name out (an explicit null keeps none).
+_CLASS_DEFAULTS: Mapping[str, Mapping[str, str]] = {
+    _LLAMA: {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    _QWEN2: {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    _GPT2: {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+}
+# Qwen2Tokenizer's split of text into pieces before the byte-level mapping (GPT-2's, with runs of digits split).
+_QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[str, Any], path: Path) -> Any:
-    """The backend transformers v5's `LlamaTokenizer` builds from `backend`'s vocabulary and merges (the module's
-    docstring says what it keeps and what it rebuilds); `named`: the special tokens by name (`bos_token`, ...).
+def _transformers_class(model_type: str | None, declared: str | None, byte_level: bool) -> str:
+    """The class transformers' (v5) `AutoTokenizer` loads a checkpoint's tokenizer with, for the model types this
+    package runs: `model_type` of config.json (None: no config), `declared` the `tokenizer_class` of
+    tokenizer_config.json (else of config.json), `byte_level`: the tokenizer.json names a ByteLevel step.
+
+    A Qwen2 model's tokenizer is always a `Qwen2Tokenizer` (transformers lists qwen2 among the models whose Hub class
+    is wrong: DeepSeek-R1-Distill-Qwen declares `LlamaTokenizerFast`); a Mistral model's is the file as written (its
+    registered class is the generic one, whatever the Hub says); otherwise the declared class, except that a
+    `LlamaTokenizer` whose file is byte-level (Llama 3 style, DeepSeek-R1-Distill-Llama) is taken as written, as
+    transformers' `LlamaTokenizer` would impose SentencePiece's Metaspace on it. Other model types are read as
+    Llama's (no registered class)."""
+    if model_type == "qwen2":
+        return _QWEN2
+    declared = (declared or "").removesuffix("Fast")
+    if model_type == "mistral" or (declared == _LLAMA and byte_level):
+        return _AS_WRITTEN
+    return declared if declared in _CLASS_DEFAULTS else _AS_WRITTEN
+
+
+def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping[str, Any], path: Path) -> Any:
+    """The backend transformers v5's `klass` (Llama, Qwen2 or GPT-2) builds from `backend`'s vocabulary and merges:
+    the class's own model options, normalizer, pre-tokenizer and decoder (the module's docstring says Llama's), the
+    file's post-processor, the added tokens of `added_tokens_decoder` (else the file's) and then the named special
+    tokens (`named`: `bos_token`, ...) not among them, as special tokens.
 
     Raises:
-        ConfigError: the file's model is not BPE (transformers' LlamaTokenizer is one).
+        ConfigError: the file's model is not BPE (each of these classes is), or a merge or added token is malformed.
     """
-    from tokenizers import AddedToken, decoders, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
 
@@ -356,8 +395,8 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise ConfigError(
-            f"{path / 'tokenizer.json'}: a {config.get('tokenizer_class')} with a {model.get('type')!r} model is not "
-            "supported (transformers rebuilds it as BPE)"
+            f"{path / 'tokenizer.json'}: a {config.get('tokenizer_class') or klass} with a {model.get('type')!r} "
+            f"model is not supported (transformers rebuilds it as BPE)"
         )
     merges: list[tuple[str, str]] = []
     try:
@@ -368,16 +407,30 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
         order = sorted(listed, key=int) if isinstance(listed, Mapping) else []
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{path}: a merge of tokenizer.json or an added token's id is malformed: {error}") from None
-    rebuilt = Backend(BPE(vocab=model.get("vocab", {}), merges=merges, fuse_unk=True, byte_fallback=True))
+    vocab = model.get("vocab", {})
     prefix = config.get("add_prefix_space")
-    prefix = True if prefix is None else bool(prefix)
-    rebuilt.normalizer = None
-    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
-    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-    rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
-    # The added tokens: `added_tokens_decoder` (transformers' source) in id order, else the file's; then the named
-    # special tokens not among them, as special tokens.
+    if klass == _LLAMA:
+        rebuilt = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+        prefix = True if prefix is None else bool(prefix)
+        rebuilt.normalizer = None
+        scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+        rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme=scheme, split=False)
+        steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+        rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    else:  # Qwen2 and GPT-2: byte-level BPE, no unknown token, no byte fallback
+        rebuilt = Backend(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix=""))
+        rebuilt.decoder = decoders.ByteLevel()
+        if klass == _QWEN2:
+            rebuilt.normalizer = normalizers.NFC()
+            rebuilt.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=bool(prefix), use_regex=False),
+                ]
+            )
+        else:
+            rebuilt.normalizer = None
+            rebuilt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(prefix))
     entries = [listed[k] for k in order] if isinstance(listed, Mapping) else data.get("added_tokens", [])
     for entry in entries:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
@@ -397,8 +450,8 @@ def _as_llama_tokenizer(backend: Any, config: Mapping[str, Any], named: Mapping[
         if isinstance(value, str) and value not in added:
             rebuilt.add_special_tokens([AddedToken(value, special=True, normalized=False)])
             added.add(value)
-    # The file's post-processor, whatever `add_bos_token` / `add_eos_token` say (transformers v5 does not read them
-    # for this class); none: no BOS or EOS added.
+    # The file's post-processor, whatever `add_bos_token` / `add_eos_token` say (transformers v5 does not apply
+    # them); none: no BOS or EOS added.
     rebuilt.post_processor = backend.post_processor
     return rebuilt
 
@@ -421,12 +474,19 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         ) from error
     config = _read_json(path / "tokenizer_config.json")
     legacy = _read_json(path / "special_tokens_map.json")
+    model = _read_json(path / "config.json")
+    text = (path / "tokenizer.json").read_text(encoding="utf-8", errors="replace")
+    declared = config.get("tokenizer_class") or model.get("tokenizer_class")
+    klass = _transformers_class(
+        model.get("model_type"), declared if isinstance(declared, str) else None, '"ByteLevel"' in text
+    )
+    defaults = _CLASS_DEFAULTS.get(klass, {})
     named: dict[str, Any] = {}
     for name in _SPECIAL_NAMES:
-        value = config.get(name, legacy.get(name))
+        value = config[name] if name in config else legacy.get(name, defaults.get(name))
         named[name] = value.get("content") if isinstance(value, Mapping) else value  # a serialized AddedToken
-    if config.get("tokenizer_class") in _LLAMA_CLASSES:
-        backend = _as_llama_tokenizer(backend, config, named, path)
+    if klass != _AS_WRITTEN:
+        backend = _rebuilt(backend, klass, config, named, path)
     tokens: dict[str, str] = {}
     for name in _SPECIAL_NAMES:
         value = named[name]
@@ -438,7 +498,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     bos = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
     eos = backend.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
     generation = _read_json(path / "generation_config.json")
-    source = generation if "eos_token_id" in generation else _read_json(path / "config.json")
+    source = generation if "eos_token_id" in generation else model
     stops = _ids(source.get("eos_token_id"), f"{path}: eos_token_id") | ({eos} if eos is not None else set())
     special = SpecialTokens(tokens=tokens, bos_token_id=bos, eos_token_id=eos, stop_token_ids=frozenset(stops))
     return Tokenizer(backend, special=special, chat_template=_template(path, config), source=str(path))

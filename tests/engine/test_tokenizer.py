@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
-from mooncake.engine.tokenizer import REPLACEMENT, Tokenizer, load_tokenizer, sampling_defaults
+from mooncake.engine.tokenizer import _SPECIAL_NAMES, REPLACEMENT, Tokenizer, load_tokenizer, sampling_defaults
 from mooncake.errors import ConfigError, InvalidRequestError
 
 TEXT = [
@@ -329,6 +329,75 @@ def test_a_llama_tokenizer_is_rebuilt_as_transformers_rebuilds_it(tmp_path: Path
     expected = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
     assert ours.encode_chat(chat) == expected
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# (model_type of config.json or None for none, tokenizer.json's style, tokenizer_config.json's fields): the checkpoints
+# whose tokenizer transformers v5 builds by model type and file, not by the declared class alone.
+CHECKPOINTS = {
+    # Mistral v0.x declares a LlamaTokenizer; transformers takes the file as written (its normalizer adds a "▁" after
+    # a special token, which the LlamaTokenizer rebuild would not).
+    "mistral-v0": ("mistral", "sentencepiece", {"tokenizer_class": "LlamaTokenizer"}),
+    # DeepSeek-R1-Distill-Llama: a byte-level file declared as LlamaTokenizerFast: as written.
+    "r1-distill-llama": ("llama", "byte-level", {"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True}),
+    # DeepSeek-R1-Distill-Qwen declares LlamaTokenizerFast; every qwen2 model's tokenizer is a Qwen2Tokenizer.
+    "r1-distill-qwen": ("qwen2", "byte-level", {"tokenizer_class": "LlamaTokenizerFast", "legacy": True}),
+    # Qwen2.5: Qwen2Tokenizer, EOS left to the class's default (<|endoftext|>, added to the vocabulary here).
+    "qwen2.5": ("qwen2", "byte-level", {"tokenizer_class": "Qwen2Tokenizer", "eos_token": None, "bos_token": None}),
+    "qwen2-prefix-space": ("qwen2", "byte-level", {"tokenizer_class": "Qwen2Tokenizer", "add_prefix_space": True}),
+    "qwen2-tokenizer-alone": (None, "byte-level", {"tokenizer_class": "Qwen2TokenizerFast"}),
+    # SmolLM2: a Llama model with a GPT2Tokenizer (BOS and EOS default to <|endoftext|>).
+    "smollm2": ("llama", "byte-level", {"tokenizer_class": "GPT2Tokenizer", "bos_token": None, "eos_token": None}),
+    "gpt2-prefix-space": ("llama", "byte-level", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}),
+    "llama-3": ("llama", "byte-level", {"tokenizer_class": "PreTrainedTokenizerFast"}),
+    "tinyllama": ("llama", "sentencepiece", {"tokenizer_class": "LlamaTokenizer"}),
+    "mistral-declaring-qwen2": ("mistral", "byte-level", {"tokenizer_class": "Qwen2Tokenizer"}),
+}
+CHECKPOINT_TEXT = [
+    *SENTENCEPIECE_TEXT[-3:],
+    " Hello  world",
+    "Hi</s>there",
+    "a<|endoftext|>b",
+    "e\u0301 cafe\u0301",
+    "",
+]
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_a_checkpoints_tokenizer_is_the_one_autotokenizer_loads(tmp_path: Path, name: str) -> None:
+    """transformers' AutoTokenizer chooses the class by config.json's model type as well as the declared class,
+    and a Llama, Qwen2 or GPT-2 class rebuilds the file's pipeline (each case's comment says which); encode, decode,
+    the named special tokens, their ids and the vocabulary's size equal its. The files of each case differ from
+    the class's rebuild, so taking the wrong one shows."""
+    model_type, style, fields = CHECKPOINTS[name]
+    directory = tmp_path / name
+    if style == "sentencepiece":
+        write_llama_files(directory)
+    else:
+        save_tokenizer(directory, CHATML)  # GPT-2's split and no NFC: unlike Qwen2Tokenizer's rebuild
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key, value in fields.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    config_path.write_text(json.dumps(config))
+    if model_type is not None:
+        (directory / "config.json").write_text(
+            json.dumps({"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "vocab_size": 1000})
+        )
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = load_tokenizer(directory)
+    for text in CHECKPOINT_TEXT:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    for key in _SPECIAL_NAMES:
+        assert ours.special.tokens.get(key) == getattr(theirs, key), key
+    assert (ours.special.bos_token_id, ours.special.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.vocab_size == len(theirs)
 
 
 def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path) -> None:
