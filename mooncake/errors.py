@@ -21,6 +21,7 @@ gap instead of raising it).
     ├── UnknownBlockError(KeyError)       a block key is not where it must be
     ├── IntegrityError                    a checksum does not match
     ├── EngineError                       an engine process failed or stopped answering
+    ├── Cancelled                         work its caller cancelled stopped early, all it held given back
     ├── TransferError                     moving bytes failed
     │   ├── TransferTimeout
     │   ├── PeerUnavailable
@@ -35,6 +36,7 @@ import os
 __all__ = [
     "AuthenticationError",
     "BlockPinnedError",
+    "Cancelled",
     "CapacityError",
     "ConfigError",
     "EngineError",
@@ -123,6 +125,11 @@ class CapacityError(MooncakeError):
 
 class EngineError(MooncakeError):
     """An engine process (a pipeline stage, a prefill or decode worker) failed or stopped answering."""
+
+
+class Cancelled(MooncakeError):
+    """Work its caller cancelled (a prefill whose client left) stopped at its next boundary; everything it held
+    (pins, reserved pages, a KV stream) was given back, and nothing it half-wrote was kept."""
 
 
 class BlockPinnedError(MooncakeError):

@@ -13,6 +13,7 @@ control call that carries it; its fields travel as the call's JSON object:
     prefill → decode   decode.join     DecodeJob {request_id, attempt, keys, prompt_tokens, first_token, ...}
                                        (and `prompt_ids`, the prompt itself, only for a repetition penalty)
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error, peer}
+                       (also for a job stopped by its cancel: the gateway has forgotten it, and takes its events)
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
                        decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
 

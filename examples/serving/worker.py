@@ -14,8 +14,11 @@ holder (keeping the copy), prefills layer-wise while streaming each layer's KV
 to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
 node's cache exactly. A `prefill.cancel` (the client left, or the gateway
-rerouted the request) drops the job if it is still queued, or keeps a running
-one from being handed on. When the decode node does not answer (a control call
+rerouted the request) drops the job if it is still queued, and stops a running
+one before its next chunk (`PrefillEngine`'s `cancelled`: nothing of it is
+kept, its KV stream aborts, and `prefill.failed` carries its cache events to
+a gateway that has forgotten the attempt), or, once computed, keeps it from
+being handed on. A pipeline group's prefill is only stopped before it starts. When the decode node does not answer (a control call
 of the KV stream or the hand-off timed out or found no connection, or the
 stream's slices did not settle), `prefill.failed` names it
 (`peer`): the failure is that node's, not this one's. With `[prefill] pipeline_size` X > 1 the worker is
@@ -70,7 +73,14 @@ from mooncake.engine.model import LlamaModel
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import MessengerSink, PrefillConfig, PrefillEngine
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable, TransferTimeout, UnknownBlockError
+from mooncake.errors import (
+    Cancelled,
+    ConfigError,
+    MooncakeError,
+    PeerUnavailable,
+    TransferTimeout,
+    UnknownBlockError,
+)
 from mooncake.sched.outcome import Reason
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
@@ -311,6 +321,11 @@ class Worker:
             if key in self._prefill_jobs:  # else done already, or never sent: nothing to stop
                 self._prefill_jobs[key] = True
 
+    def _cancel_asked(self, key: tuple[int, int]) -> bool:
+        """Whether the gateway has cancelled this prefill attempt (the engine asks before each chunk)."""
+        with self._prefill_lock:
+            return self._prefill_jobs.get(key, False)
+
     def _cancelled(self, key: tuple[int, int], *, leaving: bool) -> bool:
         """Whether the gateway cancelled this prefill attempt; one cancelled, or `leaving` (the worker is done with
         it), is forgotten."""
@@ -385,6 +400,10 @@ class Worker:
             try:
                 sink = _DecodeStream(self.messenger, self._peer(job.decode), num_layers=self.model.config.num_layers)
                 done, join = self._run_prefill(job, sink)
+            except Cancelled as error:  # its client left while it ran: stopped, nothing kept
+                self._cancelled(key, leaving=True)
+                self._tell_gateway(wire.PrefillFailed(**ids, error=str(error), peer="", events=self._events()))
+                continue
             except (MooncakeError, OSError, RuntimeError) as error:
                 self._cancelled(key, leaving=True)
                 if self._group is not None and self._group.failure is not None:
@@ -425,7 +444,8 @@ class Worker:
             except (MooncakeError, OSError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
         sampling = _sampling_params(job.sampling)
-        result = self._prefill.prefill(tokens, sampling=sampling, sink=sink)
+        key = (job.request_id, job.attempt)
+        result = self._prefill.prefill(tokens, sampling=sampling, sink=sink, cancelled=lambda: self._cancel_asked(key))
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,

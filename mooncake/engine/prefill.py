@@ -20,6 +20,9 @@ One `prefill(tokens)`:
    page of the request, so the KV can stream to a decode node while later
    layers still compute (`MessengerSink` pushes them through the node's
    `Messenger`, one layer per part).
+6. A caller's `cancelled` flag (its client left) is asked before each chunk: a
+   cancelled prefill stops there, within one chunk's time, as a failed one
+   does (the stream aborts, nothing is committed).
 
 Steps 1, 2 and the commit are the engine's; step 3 is a `ForwardPass`: the
 whole model in this process (`ModelForward`, the default when the engine is
@@ -27,15 +30,15 @@ given a `LlamaModel`), or any other computation of the same KV — a chunked
 pipeline group across processes (the example cluster's `GroupForward`) — so
 the cache choreography exists once.
 
-Invariants: a prefill leaves no pin and no reservation behind, on success or
-error; a reserved page is committed only once all its layers are stored.
+Invariants: a prefill leaves no pin and no reservation behind, on success,
+error or cancellation; a reserved page is committed only once all its layers are stored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -53,7 +56,7 @@ from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import Attend, LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams, rows_logprobs
-from mooncake.errors import ConfigError, EngineError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError, UnknownBlockError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
@@ -189,9 +192,12 @@ class ModelForward:
         prompts: Sequence[tuple[torch.Tensor, KvBuffers, LayerwiseKvIo]],
         *,
         scores: Sequence[int | None] = (),
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[tuple[torch.Tensor, tuple[TokenLogprobs, ...] | None]]:
         """`run` of several prompts, their uncached tokens packed into shared passes; each prompt's logits, and
         its prompt log-probabilities where `scores` (one per prompt; none: no prompt's) gives a count k.
+        `cancelled` is asked before each pass (not once the last is done): True stops the run there (`Cancelled`),
+        as a server's scheduler drops an aborted request at its next step.
 
         Each pass takes up to `chunk_tokens` tokens, prompt after prompt in order (a prompt may
         continue in the next pass), and runs them through every layer as one [T, hidden] batch:
@@ -220,6 +226,10 @@ class ModelForward:
                     cursor[i] = end
             if not pieces:
                 break
+            if cancelled is not None and cancelled():
+                done = sum(cursor) - sum(end - start for _, start, end in pieces)
+                total = sum(ids.shape[0] for ids, _, _ in prompts)
+                raise Cancelled(f"prefill cancelled with {done} of its {total} prompt tokens computed or cached")
             x = model.embed(torch.cat([prompts[i][0][start:end] for i, start, end in pieces]))
             cos, sin = model.rope(torch.cat([torch.arange(start, end) for _, start, end in pieces]))
             for index, layer in enumerate(model.layers):
@@ -306,15 +316,21 @@ class PrefillEngine:
     # ------------------------------------------------------------------ prefill
 
     def prefill(
-        self, tokens: Sequence[int], *, sampling: SamplingParams | None = None, sink: KvSink | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        sink: KvSink | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> PrefillResult:
         """Prefill `tokens`, reusing cached prefix KV and storing the new KV.
 
         Raises:
             InvalidRequestError: no tokens, or ids outside the vocabulary.
             EngineError: the engine is closed.
+            Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
         """
-        return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink])[0]
+        return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled)[0]
 
     @torch.inference_mode()
     def prefill_batch(
@@ -323,6 +339,7 @@ class PrefillEngine:
         *,
         sampling: Sequence[SamplingParams | None] | None = None,
         sinks: Sequence[KvSink | None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[PrefillResult]:
         """`prefill` of several prompts at once: each as `prefill` would, their uncached tokens sharing passes.
 
@@ -333,9 +350,15 @@ class PrefillEngine:
         reuse it (its blocks are committed at the end). The batch succeeds or fails as one;
         each result's `seconds` is the batch's.
 
+        Cancellation: `cancelled` (a caller's flag, read on this thread) is asked once the prefix is pinned and
+        then before each pass of a `ModelForward` (a chunk of `chunk_tokens`); other forward passes (a pipeline
+        group) are asked before they start only. True stops the batch there as a failure does: the KV streams
+        abort, the reserved pages and pins are given back, no block is committed.
+
         Raises:
             InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
             EngineError: the engine is closed (its loader and store threads are gone; nothing is done).
+            Cancelled: `cancelled` answered True (nothing is kept).
         """
         if self._closed:  # else executor's RuntimeError, once the prefix is pinned and pages reserved
             raise EngineError("the prefill engine is closed")
@@ -355,7 +378,10 @@ class PrefillEngine:
                 "last position's logits only)"
             )
         if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
-            return [self.prefill(p, sampling=sp, sink=sk) for p, sp, sk in zip(prompts, params, outs, strict=True)]
+            return [
+                self.prefill(p, sampling=sp, sink=sk, cancelled=cancelled)
+                for p, sp, sk in zip(prompts, params, outs, strict=True)
+            ]
         ids = [self._ids(tokens) for tokens in prompts]
         block = self.layout.block_tokens
         keys = [self.hasher.block_keys(one.numpy()) for one in ids]
@@ -382,6 +408,7 @@ class PrefillEngine:
                     for one, ks, prefix_blocks, ps, sink in zip(ids, keys, prefixes, pages, outs, strict=True)
                 ],
                 scores,
+                cancelled,
             )
             for key in reserved:
                 self.cache.commit(key)
@@ -479,6 +506,7 @@ class PrefillEngine:
         self,
         prompts: list[tuple[torch.Tensor, tuple[BlockKey, ...], list[Buffer | None], KvSink | None]],
         scores: list[int | None],
+        cancelled: Callable[[], bool] | None,
     ) -> list[tuple[torch.Tensor, tuple[TokenLogprobs, ...] | None, float, float]]:
         """Per prompt (ids, prefix keys, pages, sink): its last position's logits, its prompt log-probabilities
         (where its `scores` count is set; a `ModelForward` only) and load and store waits; the pages hold the new
@@ -511,9 +539,11 @@ class PrefillEngine:
             for _, _, io in runs:
                 io.start_loading()
             if isinstance(forward, ModelForward):
-                outs = forward.run_many(runs, scores=scores)
+                outs = forward.run_many(runs, scores=scores, cancelled=cancelled)
             else:
                 assert len(runs) == 1  # prefill_batch runs others one prompt at a time, unscored
+                if cancelled is not None and cancelled():
+                    raise Cancelled("prefill cancelled before its forward pass started")
                 outs = [(forward.run(*runs[0]), None)]
             for _, _, io in runs:
                 io.finish()

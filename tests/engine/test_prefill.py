@@ -35,7 +35,7 @@ from mooncake.cache.tiered import TieredCache
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import KvBuffers, MessengerSink, ModelForward, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import Sampler, SamplingParams
-from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
+from mooncake.errors import Cancelled, CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 from tests.engine.support import (
     TINY,
@@ -370,6 +370,74 @@ def test_a_prefill_failing_mid_stream_releases_the_pins_of_its_push() -> None:
                     PROMPT, sink=DyingMessengerSink(prefill_node.messenger, peer, num_layers=TINY.num_layers)
                 )
         assert_nothing_held(prefill_node.cache, prefix.keys)
+        assert all(decode_node.cache.location(key) is None for key in hasher(4).block_keys(PROMPT))
+
+
+class CancelAfter:
+    """A caller's cancel flag that turns True at its `asks`-th reading."""
+
+    def __init__(self, asks: int) -> None:
+        self.asks, self.read = asks, 0
+
+    def __call__(self) -> bool:
+        self.read += 1
+        return self.read >= self.asks
+
+
+class AbortingSink(RecordingSink):
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+@PREFILL_SETTINGS
+@given(st.integers(min_value=1, max_value=8), st.sampled_from([1, 2, 3, 5]), st.booleans())
+def test_a_cancelled_prefill_stops_before_its_next_chunk_and_keeps_nothing(
+    asks: int, chunk: int, layerwise: bool
+) -> None:
+    """The flag is read once before each chunk; True stops the prefill there (`Cancelled`): no later chunk runs,
+    the sink is aborted, no new block is cached, the prefix stays cached and unpinned, and the engine's next
+    prefill of the same prompt is the model's. A flag that turns True only after the last chunk changes nothing."""
+    cache = dram_cache(4)
+    prefix = prefill(cache, PROMPT[:9], block=4)  # 8 tokens cached: 15 to compute
+    passes = -(-(len(PROMPT) - 8) // chunk)
+    flag, sink = CancelAfter(asks), AbortingSink(cache, 4, len(PROMPT))
+    with PrefillEngine(
+        tiny_model(), cache, hasher(4), PrefillConfig(chunk_tokens=chunk, layerwise=layerwise)
+    ) as engine:
+        if asks <= passes:
+            with pytest.raises(Cancelled, match=f"with {8 + (asks - 1) * chunk} of its 23 prompt tokens"):
+                engine.prefill(PROMPT, sink=sink, cancelled=flag)
+            assert flag.read == asks and sink.calls[0] == "begin" and sink.calls[-1] == "abort"
+            keys = hasher(4).block_keys(PROMPT)
+            assert [key in cache for key in keys] == [True, True] + [False] * (len(keys) - 2)
+            assert_like_the_model(engine.prefill(PROMPT), PROMPT)
+        else:
+            result = engine.prefill(PROMPT, sink=sink, cancelled=flag)
+            assert flag.read == passes and sink.calls == ["begin", *range(TINY.num_layers), "end"]
+            assert_like_the_model(result, PROMPT)
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
+
+
+def test_a_forward_pass_that_cannot_stop_between_chunks_is_cancelled_before_it_starts() -> None:
+    forward = OtherForward()
+    cache = dram_cache(4)
+    with PrefillEngine(forward, cache, hasher(4)) as engine:
+        with pytest.raises(Cancelled, match="before its forward pass started"):
+            engine.prefill(PROMPT, cancelled=lambda: True)
+        assert forward.runs == 0 and len(cache) == 0
+        assert_like_the_model(engine.prefill(PROMPT, cancelled=CancelAfter(2)), PROMPT)  # read once, before
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT))
+
+
+def test_a_prefill_cancelled_mid_stream_leaves_nothing_on_the_decode_node() -> None:
+    """The push to the decode node began; cancelled before the second chunk, it is aborted there: the decode node
+    neither commits nor keeps a reservation of any block, and the prefill node holds no pin."""
+    with tcp_nodes(4) as (prefill_node, decode_node, peer):
+        with PrefillEngine(tiny_model(), prefill_node.cache, hasher(4), PrefillConfig(chunk_tokens=5)) as engine:
+            sink = MessengerSink(prefill_node.messenger, peer, num_layers=TINY.num_layers)
+            with pytest.raises(Cancelled):
+                engine.prefill(PROMPT, sink=sink, cancelled=CancelAfter(2))
+        assert_nothing_held(prefill_node.cache, hasher(4).block_keys(PROMPT))
         assert all(decode_node.cache.location(key) is None for key in hasher(4).block_keys(PROMPT))
 
 

@@ -98,33 +98,50 @@ def silent() -> Iterator[str]:
         yield f"{host}:{port}"
 
 
-def test_cancelled_jobs_are_dropped_or_not_handed_on_and_a_silent_decode_node_is_named(silent: str, pair: Pair) -> None:
-    """Six jobs, queued before the prefill loop starts: 3 cancelled while queued, 2 while it runs, a cancel of
-    another attempt of 4 (ignored), 5 for a silent decode node; 1, 4 and 6 are joined by the decode worker."""
-    prefill, decode, told, decoded = pair
-    prefill._addresses = {"decode-0": decode.start()["address"], "decode-9": silent}
-    run = prefill._run_prefill
+def test_cancelled_jobs_are_dropped_stopped_or_not_handed_on_and_a_silent_decode_node_is_named(silent: str) -> None:
+    """Seven jobs of 24 tokens in chunks of 8, queued before the prefill loop starts: 3 cancelled while queued, 2
+    after its first chunk (stopped before the second: reported failed as cancelled, no cache kept, its stream
+    aborted on the decode node), 7 once its prefill is done (reported done, not handed on), a cancel of another
+    attempt of 4 (ignored), 5 for a silent decode node; 1, 4 and 6 are joined by the decode worker."""
+    config = load_config(TINY).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
+    with workers(config.with_overrides("prefill", chunk_tokens=8)) as (prefill, decode, told, decoded):
+        prefill._addresses = {"decode-0": decode.start()["address"], "decode-9": silent}
+        run, asked = prefill._run_prefill, prefill._cancel_asked
+        asks: list[tuple[int, int]] = []
 
-    def cancelled_while_running(job: wire.PrefillJob, sink: Any) -> Any:
-        if job.request_id == 2:  # the gateway's cancel arrives while this one is being prefilled
-            prefill._on_cancel_prefill(wire.CancelPrefill(request_id=2, attempt=0))
-        return run(job, sink)
+        def cancel_after_the_first_chunk(key: tuple[int, int]) -> bool:
+            answer = asked(key)
+            asks.append(key)
+            if key == (2, 0):  # the gateway's cancel arrives while the first chunk computes
+                prefill._on_cancel_prefill(wire.CancelPrefill(request_id=2, attempt=0))
+            return answer
 
-    prefill._run_prefill = cancelled_while_running  # type: ignore[method-assign]
-    for message in (job(1), job(2), job(3), job(4), job(5, decode="decode-9"), job(6)):
-        prefill._on_job(message)
-    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=3, attempt=0))  # still queued: the loop is not
-    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=4, attempt=1))  # started; another attempt's
-    prefill.start()
-    wait_for(lambda: 6 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the last job to be joined")
-    assert reported(told, wire.PrefillStarted) == [1, 2, 4, 5, 6]  # 3 dropped unstarted
-    assert reported(told, wire.PrefillDone) == [1, 2, 4, 6]
-    assert reported(decoded, wire.DecodeJoined) == [1, 4, 6]  # 2 prefilled, not handed on
-    [failed] = [m for m in told if isinstance(m, wire.PrefillFailed)]
-    assert (failed.request_id, failed.peer) == (5, "decode-9"), failed
-    assert not prefill._prefill_jobs  # every job left the table: a cancel of a finished job finds nothing
-    prefill._on_cancel_prefill(wire.CancelPrefill(request_id=1, attempt=0))
-    assert not prefill._prefill_jobs
+        def cancelled_once_computed(job: wire.PrefillJob, sink: Any) -> Any:
+            done = run(job, sink)
+            if job.request_id == 7:
+                prefill._on_cancel_prefill(wire.CancelPrefill(request_id=7, attempt=0))
+            return done
+
+        prefill._cancel_asked = cancel_after_the_first_chunk  # type: ignore[method-assign]
+        prefill._run_prefill = cancelled_once_computed  # type: ignore[method-assign]
+        for message in (job(1), job(2), job(3), job(4), job(5, decode="decode-9"), job(7), job(6)):
+            prefill._on_job(message)
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=3, attempt=0))  # still queued: the loop is not
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=4, attempt=1))  # started; another attempt's
+        prefill.start()
+        wait_for(lambda: 6 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the last job to be joined")
+        assert reported(told, wire.PrefillStarted) == [1, 2, 4, 5, 7, 6]  # 3 dropped unstarted
+        assert reported(told, wire.PrefillDone) == [1, 4, 7, 6]
+        assert reported(decoded, wire.DecodeJoined) == [1, 4, 6]  # 7 prefilled, not handed on
+        assert asks.count((2, 0)) == 2 and asks.count((1, 0)) == 3  # asked before each chunk; 2 stopped at its 2nd
+        cancelled, silenced = [m for m in told if isinstance(m, wire.PrefillFailed)]
+        assert (cancelled.request_id, cancelled.peer) == (2, "") and "cancelled with 8 of its 24" in cancelled.error
+        assert (silenced.request_id, silenced.peer) == (5, "decode-9"), silenced
+        keys = prefill.hasher.block_keys(list(job(2).tokens))
+        assert all(prefill.cache.location(k) is None and decode.cache.location(k) is None for k in keys)
+        assert not prefill._prefill_jobs  # every job left the table: a cancel of a finished job finds nothing
+        prefill._on_cancel_prefill(wire.CancelPrefill(request_id=1, attempt=0))
+        assert not prefill._prefill_jobs
 
 
 @contextlib.contextmanager
