@@ -6,7 +6,7 @@ NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
 limit. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
-`prompt_logprobs`, tools, `response_format`, ...) is refused unless it
+tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
 warning, as vLLM does (its clients send extras other servers do not know).
 
@@ -20,7 +20,10 @@ chat, k <= `MAX_LOGPROBS`), come in OpenAI's two shapes (`Logprobs`): a
 completion's four parallel lists, a chat's `content` list; each chunk carries
 those of the tokens it is the first to show. A completion's `echo` opens the
 answer with the prompt, and its log-probabilities with the prompt's (the first
-token's null), as vLLM's.
+token's null), as vLLM's. vLLM's `prompt_logprobs: k` adds the prompt's own
+(`prompt_logprobs_json`: per token, null for the first, an object of token ids
+to `{logprob, rank, decoded_token}`) to each choice of a completion and to a
+chat's answer; a field every answer carries, null when not asked, as vLLM's.
 
 Every failure is an `ApiError`: a status and OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; `code` is a string for the
@@ -74,6 +77,7 @@ __all__ = [
     "models_body",
     "parse_chat",
     "parse_completion",
+    "prompt_logprobs_json",
     "prompt_tokens",
     "rejection_error",
     "requested_max_tokens",
@@ -315,8 +319,9 @@ class SamplingOptions:
             `logprobs`, a chat's `top_logprobs` with `logprobs: true`).
         top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty: vLLM's, as
             `mooncake.engine.sampling.SamplingParams` applies them (top_k 0: all tokens).
-        prompt_logprobs: the prompt's log-probabilities too, k most probable beside each token (a completion's
-            `echo` with `logprobs`, as vLLM asks its engine for them then); None: none.
+        prompt_logprobs: the prompt's log-probabilities too, k most probable beside each token, computed by the
+            prefill (vLLM's `prompt_logprobs`; else a completion's `echo` with `logprobs`, as vLLM asks its engine
+            for them then); None: none.
         stop_token_ids: the request's own ids that end the generation (vLLM's), beside the model's; the
             answer's `stop_reason` is the id.
         include_stop_str_in_output: the stop string (or stop token's text) ends the text instead of being cut.
@@ -352,6 +357,7 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
     n: int = 1  # choices, each drawn independently (a seed: choice i samples with seed + i, as vLLM's)
+    prompt_logprobs: int | None = None  # vLLM's field: the answer lists the prompt's log-probabilities (k each)
     echo: bool = False  # the answer opens with the prompt (and its log-probabilities, with `logprobs`)
     # `echo` with `max_tokens: 0` (OpenAI's way to score a prompt): the answer is the prompt alone; the engines
     # still draw one token (`sampling.max_tokens` 1), which the answer leaves out.
@@ -377,6 +383,7 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     sampling: SamplingOptions
     n: int = 1  # choices, as a completion's
+    prompt_logprobs: int | None = None  # as a completion's
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -426,7 +433,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _off,
     "bad_words": _empty,
     "allowed_token_ids": _absent,
-    "prompt_logprobs": _absent,
     "truncate_prompt_tokens": _absent,
     "guided_json": _absent,
     "guided_regex": _absent,
@@ -475,6 +481,7 @@ SHARED = (
     "include_stop_str_in_output",
     "logit_bias",
     "n",
+    "prompt_logprobs",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
@@ -616,9 +623,13 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
+    prompt_logprobs = _prompt_logprobs(body, served, stream=stream)
+    if prompt_logprobs is not None:
+        sampling = attrs.evolve(sampling, prompt_logprobs=prompt_logprobs)
     return {
         "model": served.name,
         "sampling": sampling,
+        "prompt_logprobs": prompt_logprobs,
         "n": _choices(body),
         "stream": stream,
         "include_usage": include_usage,
@@ -679,6 +690,53 @@ def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
     if body.get("logprobs") is None or body.get("logprobs") is False:  # not `in (None, False)`: 0 == False
         return None
     return _integer(body, "logprobs", 0, 0, MAX_LOGPROBS)
+
+
+def _prompt_logprobs(body: Mapping[str, Any], served: ServedModel, *, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: how many of the most probable tokens to list beside each prompt token (0: only its
+    own), None for none. vLLM's refusals: a negative count but -1 (the whole vocabulary, over the most this server
+    lists, as over vLLM's default `--max-logprobs`), and a count with `stream` (a stream carries no prompt
+    log-probabilities: 0 with it is taken, and lists nothing)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    if type(value) is not int:
+        raise ApiError(400, f"prompt_logprobs must be an integer, got {_shown(value)}", param="prompt_logprobs")
+    if value < -1:
+        raise ApiError(400, f"prompt_logprobs must be a positive value or -1, got {value}", param="prompt_logprobs")
+    if stream and value != 0:
+        raise ApiError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    if value == -1:
+        raise ApiError(
+            400,
+            f"prompt_logprobs = -1 asks for the whole vocabulary ({served.vocab_size} tokens), more than the most "
+            f"this server lists ({MAX_LOGPROBS})",
+            param="prompt_logprobs",
+        )
+    count = _integer(body, "prompt_logprobs", 0, 0, MAX_LOGPROBS)
+    return None if stream else count
+
+
+def prompt_logprobs_json(
+    tokens: Sequence[int], scored: Sequence[TokenLogprobs], k: int, token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """The prompt's log-probabilities as vLLM's answer lists them: null for the first token (nothing before it),
+    then per token an object of token ids to `{"logprob", "rank", "decoded_token"}`: the token's own first (its
+    rank in the vocabulary), then the `k` most probable (ranks 1 to k; the token among them is listed once).
+    -inf is written -9999.0."""
+    listed: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, entry in zip(tokens[1:], scored, strict=True):
+        one = {str(token): _logprob_entry(entry.logprob, entry.rank, token_text(token))}
+        for rank, (other, logprob) in enumerate(entry.top[:k], start=1):
+            one[str(other)] = _logprob_entry(logprob, rank, token_text(other))
+        listed.append(one)
+    return listed
+
+
+def _logprob_entry(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": _floored(logprob), "rank": rank, "decoded_token": text}
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -763,8 +821,10 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
     if echo_only:
         body = {**body, limit: 1}
     common = _common(body, COMPLETION_FIELDS, served, chat=False)
-    if echo and common["sampling"].logprobs is not None:  # the engine scores the prompt then, as vLLM's does
-        common["sampling"] = attrs.evolve(common["sampling"], prompt_logprobs=common["sampling"].logprobs)
+    sampling = common["sampling"]
+    if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
+        # The engine scores the prompt then, as vLLM's does (an explicit `prompt_logprobs` count wins).
+        common["sampling"] = attrs.evolve(sampling, prompt_logprobs=sampling.logprobs)
     return CompletionRequest(prompt=checked, echo=echo, echo_only=echo_only, **common)
 
 
@@ -1047,11 +1107,14 @@ class Choice:
 
 @attrs.frozen(kw_only=True)
 class Completion:
-    """A whole answer: its choices (a request's `n`, in index order) and the usage of them all."""
+    """A whole answer: its choices (a request's `n`, in index order), the usage of them all, and the prompt's
+    log-probabilities (`prompt_logprobs_json`; None where not asked), which vLLM lists in each choice of a
+    completion and once in a chat's answer."""
 
     reply: Reply
     choices: tuple[Choice, ...]
     usage: Usage
+    prompt_logprobs: list[Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         choices = []
@@ -1066,8 +1129,12 @@ class Completion:
                 choice["message"] = {"role": "assistant", "content": one.text}
             else:
                 choice["text"] = one.text
+                choice["prompt_logprobs"] = self.prompt_logprobs
             choices.append(choice)
-        return {**self.reply.header(chunk=False), "choices": choices, "usage": self.usage.to_json()}
+        body = {**self.reply.header(chunk=False), "choices": choices, "usage": self.usage.to_json()}
+        if self.reply.chat:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
 
 
 @attrs.frozen(kw_only=True)

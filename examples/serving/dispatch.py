@@ -18,8 +18,8 @@ rule's reason (`REJECTED_AFTER_PREFILL`, a 429); a prefill or a join that fails
 client that leaves is `ABORTED` / `CLIENT_GONE` and a request that hits a stop
 string is `COMPLETED` early — both cancel the request's decode, and a request
 that ends before its prefill is done is cancelled on its prefill engine too
-(`wire.CancelPrefill`: a job still queued there is dropped, a running one is
-not handed on).
+(`wire.CancelPrefill`: a job still queued there is dropped, a running one stops
+before its next chunk, or, once computed, is not handed on).
 
 Health: every `[limits] health_interval_s` each worker that is due is probed
 (its process is alive and it answers a `HealthCheck` within `PROBE_TIMEOUT_S`).

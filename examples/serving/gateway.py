@@ -72,6 +72,7 @@ from serving.api import (
     models_body,
     parse_chat,
     parse_completion,
+    prompt_logprobs_json,
     prompt_tokens,
     tokenize_body,
 )
@@ -327,11 +328,13 @@ class Gateway:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
             if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
+                asked = "prompt_logprobs" if parsed.prompt_logprobs is not None else "echo"
                 raise ApiError(
                     400,
-                    "echo with logprobs needs the prompt's log-probabilities, which a pipelined prefill "
-                    "([prefill] pipeline_size > 1) does not compute",
-                    param="echo",
+                    f"{'prompt_logprobs' if asked == 'prompt_logprobs' else 'echo with logprobs'} needs the "
+                    "prompt's log-probabilities, which a pipelined prefill ([prefill] pipeline_size > 1) does not "
+                    "compute",
+                    param=asked,
                 )
             tokens = prompt_tokens(parsed, self.tokenizer, self.served)
             sampling = generation_limit(parsed.sampling, len(tokens), self.served)
@@ -392,11 +395,20 @@ class Gateway:
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else self.tokenizer.decode(parsed.prompt)
         if parsed.sampling.prompt_logprobs is None:
             return prompt, [(token, None) for token in live.tokens]
+        scored = self._scored(live)
+        return prompt, [(live.tokens[0], None), *zip(live.tokens[1:], scored, strict=True)]
+
+    def _scored(self, live: LiveRequest) -> tuple[TokenLogprobs, ...]:
+        """The prompt's log-probabilities its prefill reported (tokens 1 to n - 1).
+
+        Raises:
+            ApiError: 500, the prefill did not report them though they were asked of it (never nulls instead).
+        """
         scored = live.prompt_logprobs
         if scored is None or len(scored) != len(live.tokens) - 1:
             self.dispatcher.end(live, Outcome.ABORTED, Reason.FAILED)
             raise ApiError(500, "the prefill did not report the prompt's log-probabilities")
-        return prompt, [(live.tokens[0], None), *zip(live.tokens[1:], scored, strict=True)]
+        return scored
 
     def _usage(self, lives: list[LiveRequest], completion: int) -> Usage:
         """A usage: the prompt once (its cached tokens choice 0's) and `completion` tokens."""
@@ -419,6 +431,11 @@ class Gateway:
             await _together([self._read_tokens(choice) for choice in choices])
             # After the tokens: the prompt's log-probabilities came before them.
             echoes = [self._echoed(parsed, choice.live) for choice in choices]
+            listed = None
+            if parsed.prompt_logprobs is not None:  # every choice scored the same prompt: the first's
+                first = lives[0]
+                scored = self._scored(first)
+                listed = prompt_logprobs_json(first.tokens, scored, parsed.prompt_logprobs, self.tokenizer.token_text)
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -428,6 +445,7 @@ class Gateway:
             reply=reply,
             choices=tuple(choice.whole(echo) for choice, echo in zip(choices, echoes, strict=True)),
             usage=self._usage(lives, sum(choice.count for choice in choices)),
+            prompt_logprobs=listed,
         )
         return web.json_response(answer.to_json(), headers=_route_headers(lives))
 

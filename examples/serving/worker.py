@@ -15,8 +15,8 @@ to the chosen decode node, then hands the request to that node. Its cache
 events travel with `prefill.done`, in order, so the gateway's index follows the
 node's cache exactly. A `prefill.cancel` (the client left, or the gateway
 rerouted the request) drops the job if it is still queued, and stops a running
-one before its next chunk (`PrefillEngine`'s `cancelled`: nothing of it is
-kept, its KV stream aborts, and `prefill.failed` carries its cache events to
+one before its next chunk (`PrefillEngine`'s `cancelled`: nothing it computed
+is kept, a prefix it fetched stays cached, its KV stream aborts, and `prefill.failed` carries its cache events to
 a gateway that has forgotten the attempt), or, once computed, keeps it from
 being handed on. A pipeline group's prefill is only stopped before it starts. When the decode node does not answer (a control call
 of the KV stream or the hand-off timed out or found no connection, or the

@@ -358,7 +358,8 @@ class PrefillEngine:
         Raises:
             InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
             EngineError: the engine is closed (its loader and store threads are gone; nothing is done).
-            Cancelled: `cancelled` answered True (nothing is kept).
+            Cancelled: `cancelled` answered True (nothing of the batch is kept; where the forward pass runs the
+                prompts one at a time, those done before are kept, committed and streamed).
         """
         if self._closed:  # else executor's RuntimeError, once the prefix is pinned and pages reserved
             raise EngineError("the prefill engine is closed")

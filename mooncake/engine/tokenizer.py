@@ -22,9 +22,11 @@ own default special tokens:
   template's `</s>\n<|assistant|>`) would get an extra "▁" token;
 - `Qwen2Tokenizer` (Qwen2, DeepSeek-R1-Distill-Qwen): NFC, Qwen's split
   pattern, then byte-level;
-- `GPT2Tokenizer` (SmolLM2): byte-level with GPT-2's split.
-Then the added tokens of `added_tokens_decoder` and the named special tokens
-missing from them. The BOS and EOS an encoding gets are the file's
+- `GPT2Tokenizer` (SmolLM2): byte-level with GPT-2's split;
+- `CodeLlamaTokenizer`: Llama's, "▁" before the first piece whatever `legacy`
+  says, and its infilling tokens (`▁<PRE>`, ..., `<FILL_ME>`) made special.
+Then the added tokens of `added_tokens_decoder`. Whatever the class, the named
+special tokens missing from the added tokens become special ones. The BOS and EOS an encoding gets are the file's
 post-processor's: transformers (5.25) does not apply `add_bos_token` or
 `add_eos_token`, with or without one. So does `load_tokenizer`.
 
@@ -348,13 +350,17 @@ class Detokenizer:
 
 # The classes of transformers (v5) that rebuild a tokenizer.json's pipeline around its vocabulary and merges; any
 # other class (PreTrainedTokenizerFast, TokenizersBackend, an unknown name) takes the file as written.
-_LLAMA, _QWEN2, _GPT2, _AS_WRITTEN = "LlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "TokenizersBackend"
+_LLAMA, _CODE_LLAMA, _QWEN2, _GPT2 = "LlamaTokenizer", "CodeLlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer"
+_AS_WRITTEN = "TokenizersBackend"
 # Their special tokens where tokenizer_config.json leaves a name out (an explicit null keeps none).
 _CLASS_DEFAULTS: Mapping[str, Mapping[str, str]] = {
     _LLAMA: {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    _CODE_LLAMA: {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
     _QWEN2: {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
     _GPT2: {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
 }
+# CodeLlamaTokenizer's infilling tokens, special tokens it adds whether or not the file lists them.
+_INFILLING = ("▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>", "<FILL_ME>")
 # Qwen2Tokenizer's split of text into pieces before the byte-level mapping (GPT-2's, with runs of digits split).
 _QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
@@ -368,8 +374,9 @@ def _transformers_class(model_type: str | None, declared: str | None, byte_level
     is wrong: DeepSeek-R1-Distill-Qwen declares `LlamaTokenizerFast`); a Mistral model's is the file as written (its
     registered class is the generic one, whatever the Hub says); otherwise the declared class, except that a
     `LlamaTokenizer` whose file is byte-level (Llama 3 style, DeepSeek-R1-Distill-Llama) is taken as written, as
-    transformers' `LlamaTokenizer` would impose SentencePiece's Metaspace on it. Other model types are read as
-    Llama's (no registered class)."""
+    transformers' `LlamaTokenizer` would impose SentencePiece's Metaspace on it. For other model types the
+    declared class decides (transformers registers classes for some of them, which this does not follow:
+    a checkpoint this package cannot run anyway)."""
     if model_type == "qwen2":
         return _QWEN2
     declared = (declared or "").removesuffix("Fast")
@@ -379,10 +386,10 @@ def _transformers_class(model_type: str | None, declared: str | None, byte_level
 
 
 def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping[str, Any], path: Path) -> Any:
-    """The backend transformers v5's `klass` (Llama, Qwen2 or GPT-2) builds from `backend`'s vocabulary and merges:
-    the class's own model options, normalizer, pre-tokenizer and decoder (the module's docstring says Llama's), the
-    file's post-processor, the added tokens of `added_tokens_decoder` (else the file's) and then the named special
-    tokens (`named`: `bos_token`, ...) not among them, as special tokens.
+    """The backend transformers v5's `klass` (Llama, Code Llama, Qwen2 or GPT-2) builds from `backend`'s vocabulary
+    and merges: the class's own model options, normalizer, pre-tokenizer and decoder (the module's docstring says
+    Llama's; Code Llama's prepends "▁" to the first piece whatever `legacy` says, and adds its infilling tokens),
+    the file's post-processor, and the added tokens of `added_tokens_decoder` (else the file's).
 
     Raises:
         ConfigError: the file's model is not BPE (each of these classes is), or a merge or added token is malformed.
@@ -409,14 +416,16 @@ def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping
         raise ConfigError(f"{path}: a merge of tokenizer.json or an added token's id is malformed: {error}") from None
     vocab = model.get("vocab", {})
     prefix = config.get("add_prefix_space")
-    if klass == _LLAMA:
-        rebuilt = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    if klass in (_LLAMA, _CODE_LLAMA):
+        code = klass == _CODE_LLAMA
+        unknown = named.get("unk_token") if code and isinstance(named.get("unk_token"), str) else None
+        rebuilt = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unknown))
         prefix = True if prefix is None else bool(prefix)
         rebuilt.normalizer = None
-        scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+        scheme = ("always" if config.get("legacy", False) and not code else "first") if prefix else "never"
         rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme=scheme, split=False)
         steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-        rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+        rebuilt.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix or code else steps)
     else:  # Qwen2 and GPT-2: byte-level BPE, no unknown token, no byte fallback
         rebuilt = Backend(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix=""))
         rebuilt.decoder = decoders.ByteLevel()
@@ -445,23 +454,37 @@ def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping
             special=special,
         )
         (rebuilt.add_special_tokens if special else rebuilt.add_tokens)([token])
-    added = {token.content for token in rebuilt.get_added_tokens_decoder().values()}
-    for value in named.values():
-        if isinstance(value, str) and value not in added:
-            rebuilt.add_special_tokens([AddedToken(value, special=True, normalized=False)])
-            added.add(value)
+    if klass == _CODE_LLAMA:
+        _add_special(rebuilt, _INFILLING)
     # The file's post-processor, whatever `add_bos_token` / `add_eos_token` say (transformers v5 does not apply
     # them); none: no BOS or EOS added.
     rebuilt.post_processor = backend.post_processor
     return rebuilt
 
 
+def _add_special(backend: Any, tokens: Sequence[str]) -> None:
+    """Add those of `tokens` that are not added tokens yet as special tokens (new ones get the next ids), as
+    transformers adds a tokenizer's named special tokens."""
+    from tokenizers import AddedToken
+
+    added = {token.content for token in backend.get_added_tokens_decoder().values()}
+    for token in dict.fromkeys(tokens):
+        if token not in added:
+            backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of the checkpoint in `directory`.
 
+    The special tokens by name are tokenizer_config.json's, overridden by special_tokens_map.json's where the
+    config has no `added_tokens_decoder` (transformers reads that legacy file then only), else the class's
+    defaults; any of them the file does not list as an added token becomes one, special (a new id where the
+    vocabulary lacks it), as transformers adds them. The file's own truncation and padding are off (transformers
+    turns them off for each encoding).
+
     Raises:
-        ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token the
-            vocabulary lacks; stop ids that are not ids; a chat template that does not compile.
+        ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token that is not a
+            string; stop ids that are not ids; a chat template that does not compile.
     """
     from tokenizers import Tokenizer as Backend
 
@@ -472,6 +495,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise ConfigError(
             f"{path / 'tokenizer.json'} is not a readable tokenizer: {' '.join(str(error).split())}"
         ) from error
+    backend.no_truncation()  # a file saved after a truncating or padding call keeps them: never applied here
+    backend.no_padding()
     config = _read_json(path / "tokenizer_config.json")
     legacy = _read_json(path / "special_tokens_map.json")
     model = _read_json(path / "config.json")
@@ -481,20 +506,17 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         model.get("model_type"), declared if isinstance(declared, str) else None, '"ByteLevel"' in text
     )
     defaults = _CLASS_DEFAULTS.get(klass, {})
+    given = config if "added_tokens_decoder" in config else {**config, **legacy}
     named: dict[str, Any] = {}
     for name in _SPECIAL_NAMES:
-        value = config[name] if name in config else legacy.get(name, defaults.get(name))
+        value = given[name] if name in given else defaults.get(name)
         named[name] = value.get("content") if isinstance(value, Mapping) else value  # a serialized AddedToken
+        if named[name] is not None and not isinstance(named[name], str):
+            raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not a token")
     if klass != _AS_WRITTEN:
         backend = _rebuilt(backend, klass, config, named, path)
-    tokens: dict[str, str] = {}
-    for name in _SPECIAL_NAMES:
-        value = named[name]
-        if value is None:
-            continue
-        if not isinstance(value, str) or backend.token_to_id(value) is None:
-            raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not a token of the vocabulary")
-        tokens[name] = value
+    tokens = {name: value for name, value in named.items() if value is not None}
+    _add_special(backend, list(tokens.values()))
     bos = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
     eos = backend.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
     generation = _read_json(path / "generation_config.json")

@@ -235,7 +235,9 @@ def test_a_json_file_beside_the_tokenizer_that_is_no_object_is_refused_naming_it
 
 def test_special_tokens_may_come_from_special_tokens_map(tmp_path: Path) -> None:
     """An older checkpoint names its special tokens only in special_tokens_map.json (as a string or an AddedToken
-    object): they are read from there, and tokenizer_config.json's win where both name one."""
+    object): they are read from there. As transformers reads that legacy file only for a tokenizer_config.json
+    without `added_tokens_decoder`, and then lets it win (Vicuna's `pad_token: null` beside a map naming
+    "<unk>"), a config with `added_tokens_decoder` keeps its own (and a null) and ignores the map."""
     directory = write_byte_level(tmp_path, config={})
     legacy = {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<|eot|>"}
     (directory / "special_tokens_map.json").write_text(json.dumps(legacy))
@@ -243,8 +245,12 @@ def test_special_tokens_may_come_from_special_tokens_map(tmp_path: Path) -> None
     backend = load_tokenizer(directory).backend
     assert special.tokens == {"bos_token": "<s>", "eos_token": "<|eot|>"}
     assert special.eos_token_id == backend.token_to_id("<|eot|>") and special.bos_token_id == backend.token_to_id("<s>")
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    assert load_tokenizer(directory).special.tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": None}))
+    (directory / "special_tokens_map.json").write_text(json.dumps({**legacy, "pad_token": "</s>"}))
+    assert load_tokenizer(directory).special.tokens == {"bos_token": "<s>", "eos_token": "<|eot|>", "pad_token": "</s>"}
+    decoder = {"0": {"content": "<s>", "special": True}}
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": decoder}))
+    assert load_tokenizer(directory).special.tokens == {"eos_token": "</s>"}
 
 
 CHAT = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"

@@ -352,6 +352,9 @@ CHECKPOINTS = {
     "llama-3": ("llama", "byte-level", {"tokenizer_class": "PreTrainedTokenizerFast"}),
     "tinyllama": ("llama", "sentencepiece", {"tokenizer_class": "LlamaTokenizer"}),
     "mistral-declaring-qwen2": ("mistral", "byte-level", {"tokenizer_class": "Qwen2Tokenizer"}),
+    # Code Llama: a LlamaTokenizer whose "▁" goes before the first piece whatever `legacy` says, and whose
+    # infilling tokens (<FILL_ME> new to this vocabulary) are special.
+    "codellama": ("llama", "sentencepiece", {"tokenizer_class": "CodeLlamaTokenizer", "legacy": True}),
 }
 CHECKPOINT_TEXT = [
     *SENTENCEPIECE_TEXT[-3:],
@@ -400,6 +403,40 @@ def test_a_checkpoints_tokenizer_is_the_one_autotokenizer_loads(tmp_path: Path, 
     assert ours.vocab_size == len(theirs)
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "llama"])
+def test_what_a_file_carries_beside_its_pipeline_is_read_as_autotokenizer_reads_it(
+    tmp_path: Path, model_type: str
+) -> None:
+    """A tokenizer.json saved after a truncating, padding call keeps both settings: transformers turns them off
+    for every encoding, and so does this (a long prompt is never cut). A named special token the file does not
+    list among its added tokens (some converted checkpoints drop "</s>") becomes one, matched whole in text; one
+    the vocabulary lacks altogether (a `pad_token` of its own) gets the next id. Taken as written (Mistral) or
+    rebuilt (Llama), encode, decode, the special tokens and the size equal AutoTokenizer's."""
+    directory = write_llama_files(tmp_path / model_type, drop_added=("</s>",), pad_token="<pad>")
+    data = json.loads((directory / "tokenizer.json").read_text())
+    data["truncation"] = {"direction": "Right", "max_length": 6, "strategy": "LongestFirst", "stride": 0}
+    data["padding"] = {
+        "strategy": {"Fixed": 40},
+        "direction": "Left",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<unk>",
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = load_tokenizer(directory)
+    long = "jumps over naïve dogs, déjà vu: a quick fox"
+    for text in [*CHECKPOINT_TEXT, "a <pad> b", long]:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True), text
+    assert 6 < len(ours.encode(long)) < 40  # neither cut at 6 nor padded to 40
+    assert ours.special.tokens["pad_token"] == "<pad>" and ours.vocab_size == len(theirs)
+    assert (ours.special.eos_token_id, ours.backend.token_to_id("<pad>")) == (theirs.eos_token_id, theirs.pad_token_id)
+
+
 def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path) -> None:
     """`token_text` (a token's text beside its log-probability) is transformers' `decode([id])` with the leading
     spaces its piece's "▁" marks stand for, which decoding a lone SentencePiece piece strips (vLLM's
@@ -445,7 +482,7 @@ def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
 
 
 def test_refusals(tmp_path: Path) -> None:
-    """No tokenizer.json, a special token outside the vocabulary, a template that does not compile, no template,
+    """No tokenizer.json, a special token that is not a string, a template that does not compile, no template,
     and a template's raise_exception: each a one-line error."""
     with pytest.raises(ConfigError, match=r"tokenizer\.json is not a readable tokenizer"):
         load_tokenizer(tmp_path)
@@ -454,8 +491,8 @@ def test_refusals(tmp_path: Path) -> None:
         load_tokenizer(tmp_path).render_chat([{"role": "tool", "content": "x"}])
     config_path = tmp_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "eos_token": "<nope>"}))
-    with pytest.raises(ConfigError, match="eos_token='<nope>' is not a token"):
+    config_path.write_text(json.dumps({**config, "eos_token": ["</s>"]}))
+    with pytest.raises(ConfigError, match=r"eos_token=\['</s>'\] is not a token"):
         load_tokenizer(tmp_path)
     config_path.write_text(json.dumps(config))
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")

@@ -37,6 +37,7 @@ from serving.api import (
     models_body,
     parse_chat,
     parse_completion,
+    prompt_logprobs_json,
     prompt_tokens,
     rejection_error,
     requested_max_tokens,
@@ -824,6 +825,60 @@ def test_logprobs_options_parse_as_vllm_reads_them() -> None:
     assert parse_chat({"messages": messages, "logprobs": False, "top_logprobs": 0}, SERVED).sampling.logprobs is None
     error = refused(parse_chat, {"messages": messages, "top_logprobs": 1}, SERVED)
     assert error.message == "when using top_logprobs, logprobs must be set to true"
+
+
+def test_prompt_logprobs_parse_as_vllm_reads_them() -> None:
+    """vLLM's `prompt_logprobs`: a count 0 to 20 for a completion or a chat, which the prefill computes; with
+    `echo` and `logprobs` it wins over the echo's count; refused: -1 (the whole vocabulary, over the most listed),
+    other negatives, a count with `stream` (0 with it is taken and lists nothing), and a non-integer."""
+    messages = [{"role": "user", "content": "hi"}]
+    for parse, body in [(parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": messages})]:
+        assert parse(body, SERVED).prompt_logprobs is None and parse(body, SERVED).sampling.prompt_logprobs is None
+        for k in (0, 3, 20.0):
+            parsed = parse({**body, "prompt_logprobs": k}, SERVED)
+            assert parsed.prompt_logprobs == parsed.sampling.prompt_logprobs == k
+        streamed = parse({**body, "prompt_logprobs": 0, "stream": True}, SERVED)
+        assert streamed.prompt_logprobs is streamed.sampling.prompt_logprobs is None
+        for bad, words in [
+            (-1, "whole vocabulary"),
+            (-2, "positive value or -1"),
+            (21, "[0, 20]"),
+            (1.5, "an integer"),
+            (True, "an integer"),
+            ("1", "an integer"),
+        ]:
+            error = refused(parse, {**body, "prompt_logprobs": bad}, SERVED)
+            assert error.param == "prompt_logprobs" and words in error.message, (bad, error.message)
+        for k in (1, -1):
+            error = refused(parse, {**body, "prompt_logprobs": k, "stream": True}, SERVED)
+            assert "not available when stream" in error.message
+    echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 5, "prompt_logprobs": 2}, SERVED)
+    assert (echoed.sampling.logprobs, echoed.sampling.prompt_logprobs, echoed.prompt_logprobs) == (5, 2, 2)
+    echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 5}, SERVED)
+    assert (echoed.sampling.prompt_logprobs, echoed.prompt_logprobs) == (5, None)
+
+
+@given(st.data(), st.integers(min_value=0, max_value=4))
+def test_prompt_logprobs_take_vllms_shape(data: st.DataObject, k: int) -> None:
+    """Null for the first token; then per token an object keyed by token ids (strings): the token's own entry
+    first with its rank, then the k most probable with ranks 1 to k (the token among them listed once, its rank
+    then its place); each entry's `decoded_token` is the token's text; -inf is -9999.0."""
+    tokens = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=8))
+    logprob = st.floats(max_value=0.0, allow_nan=False)
+    top = st.lists(st.tuples(st.integers(0, 255), logprob), max_size=6, unique_by=lambda pair: pair[0])
+    made = st.builds(TokenLogprobs, logprob=logprob, rank=st.integers(1, 256), top=top.map(tuple))
+    scored = data.draw(st.lists(made, min_size=len(tokens) - 1, max_size=len(tokens) - 1))
+    text = ByteTokenizer().token_text
+    listed = prompt_logprobs_json(tokens, scored, k, text)
+    assert listed[0] is None and len(listed) == len(tokens)
+    for token, entry, one in zip(tokens[1:], scored, listed[1:], strict=True):
+        assert one is not None and next(iter(one)) == str(token)
+        ranked = {str(t): (rank, lp) for rank, (t, lp) in enumerate(entry.top[:k], start=1)}
+        assert list(one) == list(dict.fromkeys([str(token), *ranked]))
+        for key, value in one.items():
+            rank, logprob = ranked.get(key, (entry.rank, entry.logprob))
+            assert value == {"logprob": max(-9999.0, logprob), "rank": rank, "decoded_token": text(int(key))}
+    json.dumps(listed, allow_nan=False)
 
 
 def entries(draw: st.DrawFn) -> list[tuple[int, TokenLogprobs | None]]:

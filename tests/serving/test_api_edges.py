@@ -393,10 +393,13 @@ def _usage(usage: Usage) -> dict[str, Any]:
 @given(reply=replies, text=st.text(max_size=10), finish=finish_reasons, stop=stop_reasons, usage=usages)
 def test_a_whole_answer_has_openais_shape(reply: Reply, text: str, finish: str, stop: str | None, usage: Usage) -> None:
     """A completion's choice holds its text, a chat's an assistant message; both say the finish reason and the
-    stop string that ended it (vLLM's `stop_reason`), no logprobs, and the usage with its total."""
+    stop string that ended it (vLLM's `stop_reason`), no logprobs, and the usage with its total; vLLM's
+    `prompt_logprobs` is null, in a completion's choice and beside a chat's choices."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": stop, "logprobs": None}
     choice |= {"message": {"role": "assistant", "content": text}} if reply.chat else {"text": text}
+    choice |= {} if reply.chat else {"prompt_logprobs": None}
     expected = {**_header(reply, chunk=False), "choices": [choice], "usage": _usage(usage)}
+    expected |= {"prompt_logprobs": None} if reply.chat else {}
     assert reply.completion(text, finish, usage, stop_reason=stop).to_json() == expected
 
 

@@ -473,6 +473,44 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
     assert echoed.text.startswith(tokenizer.decode(inner)) and tokenizer.eos_token in echoed.text
 
 
+def test_prompt_logprobs_list_the_prompts_scores_as_transformers_gives_them(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """vLLM's `prompt_logprobs: 3`: each choice of a completion (both of `n: 2`) lists null for the first prompt
+    token, then per token an object keyed by token ids: the token's own log-probability (transformers'
+    log-softmax at the position before it, 1e-4) with its rank in the vocabulary, then the 3 most probable with
+    ranks 1 to 3, each with its decoded text; a chat's answer lists its rendered prompt's beside its choices;
+    without the field, null; a stream asking for a count is a 400."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    ids = tokenizer(PROMPTS[1]).input_ids
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    common = {"model": "tiny-llama", "max_tokens": 2, "temperature": 0}
+    answer = api.completions.create(prompt=PROMPTS[1], n=2, extra_body={"prompt_logprobs": 3}, **common)
+    listed = [choice.model_extra["prompt_logprobs"] for choice in answer.choices]
+    assert listed[0] == listed[1] and len(listed[0]) == len(ids) and listed[0][0] is None
+    for position, (token, one) in enumerate(zip(ids[1:], listed[0][1:], strict=True)):
+        row = reference[position]
+        best = torch.sort(row, descending=True, stable=True).indices[:3].tolist()
+        assert list(one) == list(dict.fromkeys([str(token), *map(str, best)]))
+        own = one[str(token)]
+        assert abs(own["logprob"] - float(row[token])) < 1e-4 and own["decoded_token"] == tokenizer.decode([token])
+        if token not in best:
+            assert own["rank"] == 1 + int((row > row[token]).sum())
+        for rank, other in enumerate(best, start=1):
+            entry = one[str(other)]
+            assert entry["rank"] == rank and abs(entry["logprob"] - float(row[other])) < 1e-4
+    plain = api.completions.create(prompt=PROMPTS[1], **common)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+    chat = api.chat.completions.create(messages=MESSAGES, extra_body={"prompt_logprobs": 0}, **common)
+    scores = chat.model_extra["prompt_logprobs"]
+    assert len(scores) == chat.usage.prompt_tokens and scores[0] is None
+    assert all(len(one) == 1 and next(iter(one.values()))["rank"] >= 1 for one in scores[1:])
+    with pytest.raises(openai.BadRequestError, match="not available when stream"):
+        api.completions.create(prompt=PROMPTS[1], stream=True, extra_body={"prompt_logprobs": 1}, **common)
+
+
 def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:

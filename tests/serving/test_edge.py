@@ -436,5 +436,11 @@ def test_echo_with_logprobs_is_a_400_where_the_prefill_is_a_pipeline() -> None:
         body = json.dumps({"prompt": "hi", "echo": True, "logprobs": 1}).encode()
         status, _, answer = ask(port, post("/v1/completions", body, Content_Type="application/json"))
         assert (status, answer["error"]["param"]) == (400, "echo") and "pipeline" in answer["error"]["message"]
+        for path, body in [
+            ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 2}),
+        ]:
+            status, _, answer = ask(port, post(path, json.dumps(body).encode(), Content_Type="application/json"))
+            assert (status, answer["error"]["param"]) == (400, "prompt_logprobs"), answer
         body = json.dumps({"prompt": "hi", "echo": True}).encode()
         assert ask(port, post("/v1/completions", body, Content_Type="application/json"))[0] == 503
