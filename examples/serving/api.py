@@ -4,8 +4,9 @@ In: `decode_body` turns a POST's bytes into a JSON object (its Content-Encoding
 undone within a size cap, its charset one of the Unicode ones, JSON without
 NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
-with its `SamplingOptions`; `prompt_tokens` tokenizes one under the prompt
-limit. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
+with its `SamplingOptions` and `Output` (vLLM's options of what the answer
+shows); `prompt_tokens` tokenizes one (cut to `truncate_prompt_tokens`, as
+vLLM cuts it) under the prompt limit. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
 tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
 warning, as vLLM does (its clients send extras other servers do not know).
@@ -18,7 +19,7 @@ carries the usage so far, as vLLM's do). Log-probabilities, where asked
 (`logprobs: k` for a completion, `logprobs: true` and `top_logprobs: k` for a
 chat, k <= `MAX_LOGPROBS`), come in OpenAI's two shapes (`Logprobs`): a
 completion's four parallel lists, a chat's `content` list; each chunk carries
-those of the tokens it is the first to show. A completion's `echo` opens the
+those of the tokens that came since the choice's last chunk. A completion's `echo` opens the
 answer with the prompt, and its log-probabilities with the prompt's (the first
 token's null), as vLLM's. vLLM's `prompt_logprobs: k` adds the prompt's own
 (`prompt_logprobs_json`: per token, null for the first, an object of token ids
@@ -64,6 +65,7 @@ __all__ = [
     "Completion",
     "CompletionRequest",
     "Logprobs",
+    "Output",
     "Reply",
     "SamplingOptions",
     "ServedModel",
@@ -326,6 +328,7 @@ class SamplingOptions:
             answer's `stop_reason` is the id.
         include_stop_str_in_output: the stop string (or stop token's text) ends the text instead of being cut.
         logit_bias: (token id, bias) pairs added to those logits before drawing (OpenAI's, within [-100, 100]).
+        allowed_token_ids: the only tokens that may be drawn (vLLM's), sorted; empty: every token.
     """
 
     max_tokens: int | None
@@ -343,10 +346,29 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # what the prefill computes; `Output.prompt_logprobs`: what is listed
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Output:
+    """vLLM's options of what an answer shows beside its text (its request fields of the same names).
+
+    Attributes:
+        prompt_logprobs: list the prompt's log-probabilities, k most probable beside each token (None: not).
+        return_token_ids: add the prompt's token ids (`prompt_token_ids`) and each choice's (`token_ids`; a
+            stream's chunks, those of the tokens since the choice's last chunk, the prompt's in the first).
+        tokens_as_ids: `return_tokens_as_token_ids`: a log-probability's token is written "token_id:{id}".
+        truncate_prompt_tokens: keep only the prompt's last k tokens (None: all of it).
+    """
+
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    truncate_prompt_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -357,7 +379,7 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: SamplingOptions
     n: int = 1  # choices, each drawn independently (a seed: choice i samples with seed + i, as vLLM's)
-    prompt_logprobs: int | None = None  # vLLM's field: the answer lists the prompt's log-probabilities (k each)
+    output: Output = Output()
     echo: bool = False  # the answer opens with the prompt (and its log-probabilities, with `logprobs`)
     # `echo` with `max_tokens: 0` (OpenAI's way to score a prompt): the answer is the prompt alone; the engines
     # still draw one token (`sampling.max_tokens` 1), which the answer leaves out.
@@ -383,7 +405,7 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     sampling: SamplingOptions
     n: int = 1  # choices, as a completion's
-    prompt_logprobs: int | None = None  # as a completion's
+    output: Output = Output()
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -432,8 +454,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "length_penalty": _one,
     "use_beam_search": _off,
     "bad_words": _empty,
-    "allowed_token_ids": _absent,
-    "truncate_prompt_tokens": _absent,
     "guided_json": _absent,
     "guided_regex": _absent,
     "guided_choice": _absent,
@@ -443,8 +463,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template": _absent,
     "continue_final_message": _off,
     "add_generation_prompt": lambda v: v is None or v is True,
-    "return_tokens_as_token_ids": _off,
-    "return_token_ids": _off,
 }
 # Parameters that change nothing here (bookkeeping for the client), checked for their type only.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -482,6 +500,10 @@ SHARED = (
     "logit_bias",
     "n",
     "prompt_logprobs",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
@@ -620,16 +642,23 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", served),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", default=False),
         logit_bias=_logit_bias(body.get("logit_bias"), served),
+        allowed_token_ids=_token_ids(body.get("allowed_token_ids"), "allowed_token_ids", served, empty=False),
     )
     stream = _flag(body, "stream", default=False)
     include_usage, continuous_usage = stream_usage(body)
     prompt_logprobs = _prompt_logprobs(body, served, stream=stream)
-    if prompt_logprobs is not None:
+    if prompt_logprobs is not None:  # the prefill computes them
         sampling = attrs.evolve(sampling, prompt_logprobs=prompt_logprobs)
+    output = Output(
+        prompt_logprobs=prompt_logprobs,
+        return_token_ids=_flag(body, "return_token_ids", default=False),
+        tokens_as_ids=_flag(body, "return_tokens_as_token_ids", default=False),
+        truncate_prompt_tokens=_truncation(body, served),
+    )
     return {
         "model": served.name,
         "sampling": sampling,
-        "prompt_logprobs": prompt_logprobs,
+        "output": output,
         "n": _choices(body),
         "stream": stream,
         "include_usage": include_usage,
@@ -637,13 +666,37 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     }
 
 
-def _token_ids(value: Any, param: str, served: ServedModel) -> tuple[int, ...]:
-    """A list of token ids of the vocabulary (null: none), sorted and without repeats."""
+def _token_ids(value: Any, param: str, served: ServedModel, *, empty: bool = True) -> tuple[int, ...]:
+    """A list of token ids of the vocabulary (null: none), sorted and without repeats; `empty` false: an empty
+    list is refused (vLLM's `allowed_token_ids`: one that allows nothing)."""
     if value is None:
         return ()
     if type(value) is not list or not all(type(t) is int and 0 <= t < served.vocab_size for t in value):
         raise ApiError(400, f"{param} must be a list of token ids in [0, {served.vocab_size})", param=param)
+    if not value and not empty:
+        raise ApiError(400, f"{param} must name at least one token", param=param)
     return tuple(sorted(set(value)))
+
+
+def _truncation(body: Mapping[str, Any], served: ServedModel) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens, k at most the model length this server
+    advertises (`models_body`'s `max_model_len`; -1: that length); None: no truncation."""
+    if body.get("truncate_prompt_tokens") is None:
+        return None
+    bound = min(served.max_prompt_tokens, served.max_context_tokens)
+    k = _integer(body, "truncate_prompt_tokens", 0, -1, MAX_SEED)
+    if k == 0:
+        raise ApiError(
+            400, "truncate_prompt_tokens must be -1 or an integer >= 1, got 0", param="truncate_prompt_tokens"
+        )
+    if k > bound:
+        raise ApiError(
+            400,
+            f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({bound}). Please, select a smaller "
+            "truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    return bound if k == -1 else k
 
 
 def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...]:
@@ -935,6 +988,25 @@ def encoded(request: CompletionRequest | ChatRequest, tokenizer: ServingTokenize
     return tokenizer.encode(request.prompt, add_special_tokens=request.sampling.add_special_tokens), "prompt"
 
 
+def _truncated(
+    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, tokens: list[int], k: int
+) -> list[int]:
+    """The prompt's last `k` tokens, as vLLM truncates it: a text the tokenizer added special tokens to (a BOS)
+    keeps them and loses its own tokens from the left, as a tokenizer's left truncation does; token ids, or a text
+    whose specials leave no room, are cut plainly."""
+    ids = isinstance(request, CompletionRequest) and isinstance(request.prompt, tuple)
+    if request.sampling.add_special_tokens and not ids:
+        bare = attrs.evolve(request, sampling=attrs.evolve(request.sampling, add_special_tokens=False))
+        text, _ = encoded(bare, tokenizer)
+        added = len(tokens) - len(text)
+        for start in range(added + 1):  # where the text's tokens sit among the specials
+            if tokens[start : start + len(text)] == text:
+                if k > added:
+                    return tokens[:start] + text[len(text) - (k - added) :] + tokens[start + len(text) :]
+                break
+    return tokens[-k:]
+
+
 def tokenize_body(
     request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, served: ServedModel
 ) -> dict[str, Any]:
@@ -972,6 +1044,9 @@ def prompt_tokens(
     tokens, param = encoded(request, tokenizer)
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=param)
+    k = request.output.truncate_prompt_tokens
+    if k is not None and len(tokens) > k:  # before any bound, as vLLM truncates
+        tokens = _truncated(request, tokenizer, tokens, k)
     n, asked, context = len(tokens), request.sampling.max_tokens, served.max_context_tokens
     if n > served.max_prompt_tokens:
         raise ApiError(
@@ -1103,21 +1178,26 @@ class Choice:
     finish_reason: str
     stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None
+    token_ids: tuple[int, ...] | None = None  # the tokens generated, where `return_token_ids` asked for them
 
 
 @attrs.frozen(kw_only=True)
 class Completion:
-    """A whole answer: its choices (a request's `n`, in index order), the usage of them all, and the prompt's
-    log-probabilities (`prompt_logprobs_json`; None where not asked), which vLLM lists in each choice of a
-    completion and once in a chat's answer."""
+    """A whole answer: its choices (a request's `n`, in index order), the usage of them all, and what vLLM shows
+    of the prompt: its log-probabilities (`prompt_logprobs_json`; null where not asked) and token ids (where
+    `return_token_ids` asked), in each choice of a completion and once in a chat's answer."""
 
     reply: Reply
     choices: tuple[Choice, ...]
     usage: Usage
     prompt_logprobs: list[Any] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         choices = []
+        prompt: dict[str, Any] = {"prompt_logprobs": self.prompt_logprobs}
+        if self.prompt_token_ids is not None:
+            prompt["prompt_token_ids"] = list(self.prompt_token_ids)
         for index, one in enumerate(self.choices):
             choice: dict[str, Any] = {
                 "index": index,
@@ -1129,19 +1209,19 @@ class Completion:
                 choice["message"] = {"role": "assistant", "content": one.text}
             else:
                 choice["text"] = one.text
-                choice["prompt_logprobs"] = self.prompt_logprobs
+                choice.update(prompt)
+            if one.token_ids is not None:
+                choice["token_ids"] = list(one.token_ids)
             choices.append(choice)
         body = {**self.reply.header(chunk=False), "choices": choices, "usage": self.usage.to_json()}
-        if self.reply.chat:
-            body["prompt_logprobs"] = self.prompt_logprobs
-        return body
+        return {**body, **prompt} if self.reply.chat else body
 
 
 @attrs.frozen(kw_only=True)
 class Chunk:
     """One server-sent event of a stream: some text, the finish reason of the last, or only the usage
     (`usage_only`); `usage` beside a choice is the usage so far (`continuous_usage_stats`); `logprobs` those of
-    the tokens this chunk is the first to show."""
+    the tokens that came since the choice's last chunk."""
 
     reply: Reply
     text: str | None = None
@@ -1152,20 +1232,31 @@ class Chunk:
     usage_only: bool = False
     logprobs: dict[str, Any] | None = None
     index: int = 0  # the choice it belongs to (a request's `n`)
+    # `return_token_ids`: the tokens since the choice's last chunk, and the prompt's in a choice's first chunk.
+    token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         usage = {} if self.usage is None else {"usage": self.usage.to_json()}
         if self.usage_only:
             return {**self.reply.header(chunk=True), "choices": [], **usage}
+        prompt = {} if self.prompt_token_ids is None else {"prompt_token_ids": list(self.prompt_token_ids)}
         if self.reply.chat:
             delta: dict[str, Any] = {} if self.text is None else {"content": self.text}
             if self.role:
                 delta["role"] = "assistant"
             choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": self.index, "text": self.text or ""}
+            choice = {"index": self.index, "text": self.text or "", **prompt}
         choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=self.logprobs)
-        return {**self.reply.header(chunk=True), "choices": [choice], **usage}
+        if self.token_ids is not None:
+            choice["token_ids"] = list(self.token_ids)
+        header = self.reply.header(chunk=True)
+        return (
+            {**header, **prompt, "choices": [choice], **usage}
+            if self.reply.chat
+            else {**header, "choices": [choice], **usage}
+        )
 
     def to_sse(self) -> bytes:
         return b"data: " + json.dumps(self.to_json()).encode() + b"\n\n"
@@ -1207,6 +1298,8 @@ class Reply:
         usage: Usage | None = None,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
+        token_ids: tuple[int, ...] | None = None,
+        prompt_token_ids: tuple[int, ...] | None = None,
     ) -> Chunk:
         return Chunk(
             reply=self,
@@ -1217,6 +1310,8 @@ class Reply:
             usage=usage,
             logprobs=logprobs,
             index=index,
+            token_ids=token_ids,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def usage_chunk(self, usage: Usage) -> Chunk:

@@ -328,7 +328,7 @@ class Gateway:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
             if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
-                asked = "prompt_logprobs" if parsed.prompt_logprobs is not None else "echo"
+                asked = "prompt_logprobs" if parsed.output.prompt_logprobs is not None else "echo"
                 raise ApiError(
                     400,
                     f"{'prompt_logprobs' if asked == 'prompt_logprobs' else 'echo with logprobs'} needs the "
@@ -392,7 +392,8 @@ class Gateway:
         """
         if not isinstance(parsed, CompletionRequest) or not parsed.echo:
             return None
-        prompt = parsed.prompt if isinstance(parsed.prompt, str) else self.tokenizer.decode(parsed.prompt)
+        # A text as sent (vLLM's); ids as the engines got them (after `truncate_prompt_tokens`), decoded whole.
+        prompt = parsed.prompt if isinstance(parsed.prompt, str) else self.tokenizer.decode(live.tokens)
         if parsed.sampling.prompt_logprobs is None:
             return prompt, [(token, None) for token in live.tokens]
         scored = self._scored(live)
@@ -416,12 +417,17 @@ class Gateway:
         return Usage(prompt_tokens=len(first.tokens), completion_tokens=completion, cached_tokens=first.cached_tokens)
 
     def _choice(self, live: LiveRequest, index: int, reply: Reply, parsed: CompletionRequest | ChatRequest) -> _Choice:
-        sampling = parsed.sampling
+        sampling, output = parsed.sampling, parsed.output
         logprobs = None
         if sampling.logprobs is not None:
-            logprobs = Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=self.tokenizer.token_text)
+            # vLLM's `return_tokens_as_token_ids`: a token any client can tell from another, whatever its bytes.
+            text = _token_id_text if output.tokens_as_ids else self.tokenizer.token_text
+            logprobs = Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=text)
         echo_only = isinstance(parsed, CompletionRequest) and parsed.echo_only
-        return _Choice(live, index, reply, self._text_stream(sampling), logprobs, echo_only=echo_only)
+        prompt_ids = tuple(live.tokens) if output.return_token_ids else None
+        return _Choice(
+            live, index, reply, self._text_stream(sampling), logprobs, echo_only=echo_only, prompt_ids=prompt_ids
+        )
 
     async def _whole(
         self, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
@@ -431,11 +437,10 @@ class Gateway:
             await _together([self._read_tokens(choice) for choice in choices])
             # After the tokens: the prompt's log-probabilities came before them.
             echoes = [self._echoed(parsed, choice.live) for choice in choices]
-            listed = None
-            if parsed.prompt_logprobs is not None:  # every choice scored the same prompt: the first's
-                first = lives[0]
-                scored = self._scored(first)
-                listed = prompt_logprobs_json(first.tokens, scored, parsed.prompt_logprobs, self.tokenizer.token_text)
+            listed, first = None, lives[0]
+            if parsed.output.prompt_logprobs is not None:  # every choice scored the same prompt: the first's
+                k = parsed.output.prompt_logprobs
+                listed = prompt_logprobs_json(first.tokens, self._scored(first), k, self.tokenizer.token_text)
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -446,6 +451,7 @@ class Gateway:
             choices=tuple(choice.whole(echo) for choice, echo in zip(choices, echoes, strict=True)),
             usage=self._usage(lives, sum(choice.count for choice in choices)),
             prompt_logprobs=listed,
+            prompt_token_ids=tuple(first.tokens) if parsed.output.return_token_ids else None,
         )
         return web.json_response(answer.to_json(), headers=_route_headers(lives))
 
@@ -499,7 +505,7 @@ class Gateway:
 
         if reply.chat:  # a chat stream opens with the assistant's role and no text, as vLLM's and OpenAI's do
             for choice in choices:
-                await response.write(reply.chunk("", role=True, usage=so_far(choice), index=choice.index).to_sse())
+                await response.write(choice.role_chunk(so_far(choice)).to_sse())
         pumps = [
             asyncio.ensure_future(pump(choice, first, tokens))
             for choice, first, tokens in zip(choices, firsts, streams, strict=True)
@@ -553,7 +559,9 @@ class _Choice:
     """One choice of an answer as its tokens come: its text stream, log-probabilities and token count, and the
     chunks or the whole choice they make.
 
-    `echo_only` (echo with `max_tokens: 0`): the one token drawn is neither shown nor counted.
+    `echo_only` (echo with `max_tokens: 0`): the one token drawn is neither shown nor counted. `prompt_ids`
+    (`return_token_ids`): the prompt's token ids, which the choice's first chunk carries (a chat's role chunk);
+    then each chunk carries the ids of the tokens that came since the last, as its log-probabilities.
     """
 
     def __init__(
@@ -565,13 +573,16 @@ class _Choice:
         logprobs: Logprobs | None,
         *,
         echo_only: bool = False,
+        prompt_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.live, self.index, self.reply, self.text, self.logprobs = live, index, reply, text, logprobs
-        self.echo_only = echo_only
+        self.echo_only, self.prompt_ids = echo_only, prompt_ids
         self.count = 0  # tokens generated, as the usage counts them
         self.pieces: list[str] = []
         self.generated: list[tuple[int, TokenLogprobs | None]] = []
         self._unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
+        self._unshown_ids: list[int] = []  # of them, the generated ones (`return_token_ids`)
+        self._opened = False  # a chunk of this choice went out
 
     def feed(self, token: wire.Token) -> str:
         """Take the next token; the text it lets out (none for an echo-only choice)."""
@@ -580,24 +591,37 @@ class _Choice:
         self.count += 1
         self.generated.append((token.token, token.logprobs))
         self._unshown.append((token.token, token.logprobs))
+        self._unshown_ids.append(token.token)
         piece = self.text.feed(token.token)
         self.pieces.append(piece)
         return piece
 
-    def _shown(self) -> dict[str, Any] | None:
-        """The log-probabilities of the tokens the next chunk shows (all since the last chunk)."""
-        if self.logprobs is None or not self._unshown:
-            return None
-        taken = self.logprobs.take(self._unshown)
+    def _chunk(self, text: str | None, usage: Usage | None, **fields: Any) -> Chunk:
+        """A chunk of this choice: the log-probabilities and ids of the tokens that came since its last chunk, and
+        the prompt's ids in its first where asked."""
+        logprobs = None
+        if self.logprobs is not None and self._unshown:
+            logprobs = self.logprobs.take(self._unshown)
         self._unshown.clear()
-        return taken
+        ids = None if self.prompt_ids is None or fields.get("role") else tuple(self._unshown_ids)
+        if ids is not None:
+            self._unshown_ids.clear()
+        prompt = self.prompt_ids if not self._opened else None
+        self._opened = True
+        return self.reply.chunk(
+            text, usage=usage, logprobs=logprobs, index=self.index, token_ids=ids, prompt_token_ids=prompt, **fields
+        )
+
+    def role_chunk(self, usage: Usage | None) -> Chunk:
+        """A chat choice's first chunk: the assistant's role, no text."""
+        return self._chunk("", usage, role=True)
 
     def echo_chunk(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]], usage: Usage | None) -> Chunk:
         self._unshown[:0] = echoed[1]
-        return self.reply.chunk(echoed[0], usage=usage, logprobs=self._shown(), index=self.index)
+        return self._chunk(echoed[0], usage)
 
     def chunk(self, piece: str, usage: Usage | None) -> Chunk:
-        return self.reply.chunk(piece, usage=usage, logprobs=self._shown(), index=self.index)
+        return self._chunk(piece, usage)
 
     def _ending(self) -> tuple[str, str, str | int | None]:
         """At the end: the text held back, the finish reason and the stop reason (the one rule of both answers)."""
@@ -607,9 +631,7 @@ class _Choice:
     def last_chunk(self, usage: Usage | None) -> Chunk:
         """The choice's last chunk: the text held back, its finish reason, the tokens not shown yet."""
         rest, finish, stop_reason = self._ending()
-        return self.reply.chunk(
-            rest or None, finish, stop_reason=stop_reason, usage=usage, logprobs=self._shown(), index=self.index
-        )
+        return self._chunk(rest or None, usage, finish_reason=finish, stop_reason=stop_reason)
 
     def whole(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]] | None) -> Choice:
         """The choice whole, once its tokens are in (the echoed prompt before them)."""
@@ -620,7 +642,13 @@ class _Choice:
             finish_reason=finish,
             stop_reason=stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs.take(entries),
+            token_ids=None if self.prompt_ids is None else tuple(token for token, _ in self.generated),
         )
+
+
+def _token_id_text(token: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` writes it beside its log-probability."""
+    return f"token_id:{token}"
 
 
 def _choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:

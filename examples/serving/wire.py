@@ -287,6 +287,7 @@ class Sampling:
     frequency_penalty: float = _field(FLOAT, default=0.0)
     prompt_logprobs: int | None = _field(OPTIONAL_INT, default=None)
     logit_bias: tuple[tuple[int, float], ...] = _field(BIASES, default=())
+    allowed_token_ids: tuple[int, ...] = _field(INTS, default=())
 
 
 @attrs.frozen(kw_only=True)

@@ -17,7 +17,8 @@ token always belongs, tokens tied at the boundary all belong or none does, and
 `top_p = 1` keeps every token of non-zero probability (the draws are then the
 plain temperature sampler's, bit for bit: the filter is skipped).
 
-The order is vLLM's: the `min_tokens` mask; `logit_bias`; the penalties, on the logits (a
+The order is vLLM's: `allowed_token_ids` (every other token's logit -inf); the `min_tokens` mask; `logit_bias`;
+the penalties, on the logits (a
 token of the prompt or of the output so far has a positive logit divided by
 `repetition_penalty` and a negative one multiplied; each output token's logit
 loses `frequency_penalty` times its count and `presence_penalty` once); then
@@ -90,6 +91,9 @@ class SamplingParams:
         logit_bias: (token, bias) pairs (or a dict) added to those tokens' logits before anything else shapes
             them but the `min_tokens` mask (OpenAI's `logit_bias`; vLLM's order); a token outside the
             vocabulary is refused where the logits are known (`check_vocabulary`).
+        allowed_token_ids: the only tokens that may be drawn (vLLM's `allowed_token_ids`: every other logit is
+            -inf before anything else shapes them); empty (the default): every token. A token outside the
+            vocabulary is refused where the logits are known (`check_vocabulary`).
         prompt_logprobs: None (the default): none; k >= 0: the prefill scores every prompt token after the first
             (its log-probability given the tokens before it, and the k most probable there), as vLLM's
             `prompt_logprobs`; the whole prompt is then computed, no cached prefix reused.
@@ -108,6 +112,7 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0)
     prompt_logprobs: int | None = attrs.field(default=None)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_pairs)
+    allowed_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
 
     @property
     def needs_prompt(self) -> bool:
@@ -134,9 +139,10 @@ class SamplingParams:
             require_int("seed", value, minimum=0, below=MAX_SEED + 1)
 
     @stop_token_ids.validator
-    def _check_stop_token_ids(self, _attribute: object, value: frozenset[int]) -> None:
+    @allowed_token_ids.validator
+    def _check_token_ids(self, attribute: attrs.Attribute[frozenset[int]], value: frozenset[int]) -> None:
         for token in value:
-            require_int("stop_token_ids", token, minimum=0)
+            require_int(attribute.name, token, minimum=0)
 
     @min_tokens.validator
     def _check_min_tokens(self, _attribute: object, value: int) -> None:
@@ -162,7 +168,12 @@ class SamplingParams:
         Raises:
             InvalidRequestError: naming the field and the id.
         """
-        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        named = (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
+        )
+        for name, ids in named:
             for token in ids:
                 if token >= vocab:
                     raise InvalidRequestError(f"{name}: token {token} is outside the {vocab}-token vocabulary")
@@ -307,13 +318,21 @@ class Sampler:
         self._seen: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
+        self._allowed: torch.Tensor | None = None  # 0 for an allowed token, -inf for the others [vocab]
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
         `min_tokens` on)."""
+        allowed = self.params.allowed_token_ids
+        if allowed:
+            if self._allowed is None:  # [vocab] once, on the logits' device
+                self._allowed = torch.full((logits.shape[-1],), -math.inf, dtype=logits.dtype, device=logits.device)
+                self._allowed[sorted(allowed)] = 0.0
+            logits = logits + self._allowed
         if self.position < self.params.min_tokens and self._stop_ids:
             banned = [token for token in self._stop_ids if token < logits.shape[-1]]
-            if len(banned) < logits.shape[-1]:  # a vocabulary of stop ids only cannot wait: nothing else to draw
+            # Only while something else may be drawn: a vocabulary (or an allowed set) of stop ids cannot wait.
+            if (len(allowed - set(banned)) if allowed else logits.shape[-1] - len(banned)) > 0:
                 logits = logits.clone()
                 logits[banned] = -math.inf
         if self.params.logit_bias:

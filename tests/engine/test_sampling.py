@@ -521,3 +521,47 @@ def test_a_vocabulary_of_stop_tokens_only_is_drawn_from_before_min_tokens() -> N
     for temperature in (0.0, 0.8):
         sampler = Sampler(SamplingParams(temperature=temperature, seed=1, stop_token_ids={0, 1}, min_tokens=3))
         assert sampler.next_token(torch.tensor([0.0, 0.5])) in (0, 1)
+
+
+@settings(max_examples=40)
+@given(
+    seeds,
+    st.sampled_from([0.0, 0.7, 2.0]),
+    st.sets(st.integers(min_value=0, max_value=31), min_size=1, max_size=6),
+    st.sets(st.integers(min_value=0, max_value=31), max_size=6),
+    st.integers(min_value=0, max_value=3),
+)
+def test_only_allowed_tokens_are_drawn(
+    seed: int, temperature: float, allowed: set[int], stop: set[int], min_tokens: int
+) -> None:
+    """vLLM's `allowed_token_ids`: every draw is an allowed token, greedy the most probable of them, whatever
+    biases push others up; with `min_tokens`, an allowed set of stop ids only still draws (among them), and one
+    with other tokens draws those first; log-probabilities stay the raw model's."""
+    logits = logits_of(seed)
+    bias = {t: 100.0 for t in range(32) if t not in allowed}  # would win anywhere else
+    params = SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        allowed_token_ids=allowed,
+        logit_bias=bias,
+        stop_token_ids=stop,
+        min_tokens=min_tokens,
+        logprobs=1,
+    )
+    sampler = Sampler(params)
+    for position in range(6):
+        token = sampler.next_token(logits)
+        assert token in allowed
+        if position < min_tokens and allowed - stop:
+            assert token not in stop
+        if temperature == 0 and (position >= min_tokens or not stop & allowed):
+            assert token == max(allowed, key=lambda t: float(logits[t]))
+        assert sampler.logprobs_of(logits, token) == token_logprobs(logits, token, 1)
+
+
+def test_allowed_token_ids_are_checked_against_the_vocabulary() -> None:
+    SamplingParams(allowed_token_ids=[3, 31]).check_vocabulary(32)
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids: token 32 is outside the 32-token vocabulary"):
+        SamplingParams(allowed_token_ids=[3, 32]).check_vocabulary(32)
+    with pytest.raises(ConfigError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])

@@ -26,6 +26,7 @@ from serving.api import (
     ChatRequest,
     CompletionRequest,
     Logprobs,
+    Output,
     Reply,
     SamplingOptions,
     ServedModel,
@@ -154,7 +155,13 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ({"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
-        ({"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
+        ({"prompt": "hi", "return_token_ids": 1}, "return_token_ids"),
+        ({"prompt": "hi", "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+        ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"prompt": "hi", "allowed_token_ids": [256]}, "allowed_token_ids"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": "1.2"}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": 10**400}, "repetition_penalty"),
@@ -833,12 +840,14 @@ def test_prompt_logprobs_parse_as_vllm_reads_them() -> None:
     other negatives, a count with `stream` (0 with it is taken and lists nothing), and a non-integer."""
     messages = [{"role": "user", "content": "hi"}]
     for parse, body in [(parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": messages})]:
-        assert parse(body, SERVED).prompt_logprobs is None and parse(body, SERVED).sampling.prompt_logprobs is None
+        assert (
+            parse(body, SERVED).output.prompt_logprobs is None and parse(body, SERVED).sampling.prompt_logprobs is None
+        )
         for k in (0, 3, 20.0):
             parsed = parse({**body, "prompt_logprobs": k}, SERVED)
-            assert parsed.prompt_logprobs == parsed.sampling.prompt_logprobs == k
+            assert parsed.output.prompt_logprobs == parsed.sampling.prompt_logprobs == k
         streamed = parse({**body, "prompt_logprobs": 0, "stream": True}, SERVED)
-        assert streamed.prompt_logprobs is streamed.sampling.prompt_logprobs is None
+        assert streamed.output.prompt_logprobs is streamed.sampling.prompt_logprobs is None
         for bad, words in [
             (-1, "whole vocabulary"),
             (-2, "positive value or -1"),
@@ -853,9 +862,26 @@ def test_prompt_logprobs_parse_as_vllm_reads_them() -> None:
             error = refused(parse, {**body, "prompt_logprobs": k, "stream": True}, SERVED)
             assert "not available when stream" in error.message
     echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 5, "prompt_logprobs": 2}, SERVED)
-    assert (echoed.sampling.logprobs, echoed.sampling.prompt_logprobs, echoed.prompt_logprobs) == (5, 2, 2)
+    assert (echoed.sampling.logprobs, echoed.sampling.prompt_logprobs, echoed.output.prompt_logprobs) == (5, 2, 2)
     echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 5}, SERVED)
-    assert (echoed.sampling.prompt_logprobs, echoed.prompt_logprobs) == (5, None)
+    assert (echoed.sampling.prompt_logprobs, echoed.output.prompt_logprobs) == (5, None)
+
+
+def test_vllms_output_options_parse_as_vllm_reads_them() -> None:
+    """`allowed_token_ids` (sorted, without repeats), `truncate_prompt_tokens` (-1: the longest prompt served),
+    `return_token_ids` and `return_tokens_as_token_ids`, for a completion and a chat; the prompt is then its last
+    k tokens, counted against the limits after the cut."""
+    messages = [{"role": "user", "content": "hi"}]
+    for parse, body in [(parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": messages})]:
+        plain = parse(body, SERVED)
+        assert plain.sampling.allowed_token_ids == () and plain.output == Output()
+        asked = {"allowed_token_ids": [7, 3, 7], "return_token_ids": True, "return_tokens_as_token_ids": True}
+        parsed = parse({**body, **asked, "truncate_prompt_tokens": -1}, SERVED)
+        assert parsed.sampling.allowed_token_ids == (3, 7)
+        assert parsed.output == Output(return_token_ids=True, tokens_as_ids=True, truncate_prompt_tokens=64)
+    long = parse_completion({"prompt": "x" * 100, "truncate_prompt_tokens": 5}, SERVED)
+    assert prompt_tokens(long, TOKENIZER, SERVED) == TOKENIZER.encode("x" * 100)[-5:]
+    assert refused(prompt_tokens, parse_completion({"prompt": "x" * 100}, SERVED), TOKENIZER, SERVED).status == 400
 
 
 @given(st.data(), st.integers(min_value=0, max_value=4))

@@ -511,6 +511,78 @@ def test_prompt_logprobs_list_the_prompts_scores_as_transformers_gives_them(
         api.completions.create(prompt=PROMPTS[1], stream=True, extra_body={"prompt_logprobs": 1}, **common)
 
 
+def test_vllms_output_options_answer_as_vllm_answers(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """`return_token_ids`: a completion's choice has the prompt's ids (`prompt_token_ids`, the tokenizer's) and its
+    own (`token_ids`, as many as the usage counts, decoding to its text), a chat's answer the prompt's beside its
+    choices; streamed, the first chunk carries the prompt's and the chunks' `token_ids` join to the whole
+    answer's. `return_tokens_as_token_ids`: each log-probability's token reads "token_id:{id}" (text offsets
+    summing those). `allowed_token_ids`: greedy draws the most probable allowed token at each step (transformers'
+    logits). `truncate_prompt_tokens: k`: the prompt is its last k tokens, so the answer is that of those ids."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    common = {"model": "tiny-llama", "max_tokens": 4, "temperature": 0}
+    ids = tokenizer(PROMPTS[1]).input_ids
+    whole = api.completions.create(prompt=PROMPTS[1], extra_body={"return_token_ids": True}, **common)
+    choice = whole.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == whole.usage.completion_tokens
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == whole.choices[0].text
+    stream = list(
+        api.completions.create(prompt=PROMPTS[1], stream=True, extra_body={"return_token_ids": True}, **common)
+    )
+    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in stream]
+    assert firsts[0] == ids and not any(firsts[1:])
+    assert [t for c in stream for t in c.choices[0].model_extra["token_ids"]] == choice["token_ids"]
+    chat = api.chat.completions.create(messages=MESSAGES, extra_body={"return_token_ids": True}, **common)
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+    chunks = list(
+        api.chat.completions.create(messages=MESSAGES, stream=True, extra_body={"return_token_ids": True}, **common)
+    )
+    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    streamed = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == chat.choices[0].model_extra["token_ids"]
+    named = api.completions.create(
+        prompt=PROMPTS[1],
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+        **common,
+    ).choices[0]
+    generated = named.model_extra["token_ids"]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in generated]
+    assert all(key.startswith("token_id:") for top in named.logprobs.top_logprobs for key in top)
+    assert named.logprobs.text_offset == [
+        sum(len(f"token_id:{t}") for t in generated[:i]) for i in range(len(generated))
+    ]
+    allowed = sorted({5, 17, 42, 99, 123})
+    answer = api.completions.create(
+        prompt=[ids], extra_body={"allowed_token_ids": allowed, "return_token_ids": True}, **{**common, "max_tokens": 3}
+    )
+    context = list(ids)
+    for token in answer.choices[0].model_extra["token_ids"]:
+        with torch.inference_mode():
+            last = model(torch.tensor([context])).logits[0, -1].float()
+        assert token == max(allowed, key=lambda t: float(last[t]))
+        context.append(token)
+    long = tokenizer(TEXT[0]).input_ids
+    cut = api.completions.create(
+        prompt=[long], extra_body={"truncate_prompt_tokens": 7, "return_token_ids": True}, **common
+    )
+    alone = api.completions.create(prompt=[long[-7:]], **common)
+    assert cut.usage.prompt_tokens == 7 and cut.choices[0].model_extra["prompt_token_ids"] == long[-7:]
+    assert cut.choices[0].text == alone.choices[0].text
+    # A text prompt is cut as the tokenizer's left truncation cuts it (vLLM's): the BOS stays.
+    tokenizer.truncation_side = "left"
+    expected = tokenizer(TEXT[0], truncation=True, max_length=7).input_ids
+    assert expected[0] == tokenizer.bos_token_id
+    extra = {"truncate_prompt_tokens": 7, "return_token_ids": True}
+    text_cut = api.completions.create(prompt=TEXT[0], extra_body=extra, **common).choices[0]
+    assert text_cut.model_extra["prompt_token_ids"] == expected
+    echoed = api.completions.create(prompt=[long], echo=True, extra_body=extra, **common).choices[0]
+    assert echoed.text.startswith(tokenizer.decode(long[-7:]))  # the ids the engines got, not the whole prompt
+
+
 def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:

@@ -1027,6 +1027,7 @@ def test_a_prefill_job_carries_every_sampling_option_of_its_request() -> None:
         "prompt_logprobs": 1,
         "logit_bias": ((4, 2.5),),
         "stop_token_ids": (3, 12),
+        "allowed_token_ids": (1, 6),
     }
     assert {f.name for f in attrs.fields(wire.Sampling)} - {"stop_ids"} <= options.keys()
 

@@ -848,6 +848,7 @@ def test_a_group_prefill_engine_stores_layer_wise_unless_told_not_to(layerwise: 
         logit_bias=st.dictionaries(st.integers(0, 99), st.sampled_from([-100.0, 2.5]), max_size=3).map(
             lambda biases: tuple(sorted(biases.items()))
         ),
+        allowed_token_ids=st.lists(st.integers(0, 99), max_size=3, unique=True).map(lambda ids: tuple(sorted(ids))),
     )
 )
 def test_every_sampling_option_reaches_the_engines(options: SamplingOptions) -> None:
@@ -862,5 +863,6 @@ def test_every_sampling_option_reaches_the_engines(options: SamplingOptions) -> 
     assert isinstance(received, wire.PrefillJob)
     params = _sampling_params(received.sampling)
     for name in carried - {"max_tokens", "stop_ids"}:
-        assert getattr(params, name) == getattr(options, name), name
+        sent = getattr(options, name)
+        assert getattr(params, name) == (frozenset(sent) if name == "allowed_token_ids" else sent), name
     assert params.stop_token_ids == frozenset({2})
