@@ -31,6 +31,8 @@ forward pass).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mooncake.cache.hashing import BlockHasher
@@ -61,11 +63,21 @@ class GroupForward:
     def device(self) -> torch.device:
         return self.group.model.device
 
-    def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
-        """Raises EngineError when a stage fails (the group has failed: every later prefill raises it too)."""
+    def run(
+        self,
+        ids: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        io: LayerwiseKvIo,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Raises EngineError when a stage fails (the group has failed: every later prefill raises it too), and
+        Cancelled when `cancelled` stops it before a chunk (the group goes on)."""
         for layer in range(self.group.config.num_layers):  # every stage needs its prefix before its first chunk
             io.wait_for_prefix(layer)
-        return self.group.prefill(ids.tolist(), kv=kv, prefix_tokens=io.prefix_tokens, on_rows=io.store)
+        return self.group.prefill(
+            ids.tolist(), kv=kv, prefix_tokens=io.prefix_tokens, on_rows=io.store, cancelled=cancelled
+        )
 
 
 def group_prefill_engine(

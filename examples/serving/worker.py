@@ -18,7 +18,7 @@ rerouted the request) drops the job if it is still queued, and stops a running
 one before its next chunk (`PrefillEngine`'s `cancelled`: nothing it computed
 is kept, a prefix it fetched stays cached, its KV stream aborts, and `prefill.failed` carries its cache events to
 a gateway that has forgotten the attempt), or, once computed, keeps it from
-being handed on. A pipeline group's prefill is only stopped before it starts. When the decode node does not answer (a control call
+being handed on (a pipeline group's prefill stops at the same chunk boundary). When the decode node does not answer (a control call
 of the KV stream or the hand-off timed out or found no connection, or the
 stream's slices did not settle), `prefill.failed` names it
 (`peer`): the failure is that node's, not this one's. With `[prefill] pipeline_size` X > 1 the worker is

@@ -39,6 +39,12 @@ it within `PARENT_WATCH_S` of its driver's process exiting, however it exits.
 The rendezvous store and the links listen on 127.0.0.1 only and, like
 torch.distributed's own, carry no authentication.
 
+Cancellation: `prefill(..., cancelled=flag)` asks the flag at stage 0 before
+each chunk, and a go flag travels the pipe ahead of every chunk (each stage
+takes it from the one before and passes it on), so every stage stops at the
+same chunk; none sends KV or logits back, the driver raises `Cancelled`, and
+the links stay in step for the next prefill.
+
 Invariants: each stage holds exactly the weights of its layers in the whole
 model (per-layer seeds); the logits and every layer's KV equal a single
 process's forward pass over the same prefix; a stage process runs only while
@@ -64,13 +70,13 @@ from mooncake._checks import require_int, require_number
 from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import LlamaModel, token_ids
-from mooncake.errors import ConfigError, EngineError, InvalidRequestError
+from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["PARENT_WATCH_S", "PipelineGroup", "stage_layers"]
 
 PARENT_WATCH_S = 0.2  # how often a stage checks that its driver's process lives
-_PREFIX, _HIDDEN, _KV, _LOGITS = 1, 2, 3, 4  # message tags: one stream per kind between two stages
+_PREFIX, _HIDDEN, _KV, _LOGITS, _GO = 1, 2, 3, 4, 5  # message tags: one stream per kind between two stages
 
 OnRows = Callable[[int, int, int], None]
 
@@ -106,16 +112,31 @@ def _run_chunks(
     rows: tuple[int, int, int],
     kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     on_rows: OnRows | None,
-) -> torch.Tensor:
-    """One stage's part of a prefill: rows [p, n) chunk by chunk through its layers; the last chunk's output.
+    cancelled: Callable[[], bool] | None = None,
+) -> tuple[torch.Tensor, int | None]:
+    """One stage's part of a prefill: rows [p, n) chunk by chunk through its layers; the last chunk's output, and
+    None, or where the prefill was cancelled (the row it stopped at: the output is not the last chunk's).
 
-    `rows` is (p, n, chunk_tokens); `kv` holds this stage's layers' buffers, rows [0, p) filled.
+    `rows` is (p, n, chunk_tokens); `kv` holds this stage's layers' buffers, rows [0, p) filled. Before each
+    chunk a go flag travels the pipe ahead of it: stage 0 sets it from `cancelled` (asked there only), each later
+    stage takes it from the stage before and passes it on, so every stage stops at the same chunk.
     """
     prefix, n, chunk = rows
     sent: list[tuple[Any, torch.Tensor]] = []  # each send with its tensor, alive until it is on its way
     x = torch.empty(0)
+    stopped: int | None = None
     for start in range(prefix, n, chunk):
         end = min(n, start + chunk)
+        if rank == 0:
+            go = torch.tensor([0 if cancelled is not None and cancelled() else 1], device=model.device)
+        else:
+            go = torch.empty(1, dtype=torch.int64, device=model.device)
+            links.recv([go], rank - 1, _GO).wait()
+        if rank < world - 1:
+            sent.append((links.send([go], rank + 1, _GO), go))
+        if not int(go.item()):
+            stopped = start
+            break
         if ids is not None:
             x = model.embed(ids[start:end])
         else:
@@ -131,7 +152,7 @@ def _run_chunks(
             sent.append((links.send([x], rank + 1, _HIDDEN), x))  # on to the next stage; keep going
     for work, _tensor in sent:
         work.wait()
-    return x
+    return x, stopped
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -165,7 +186,9 @@ def _serve_job(model: LlamaModel, links: Any, rank: int, world: int, job: tuple[
         for (k_all, v_all), (k_prefix, v_prefix) in zip(kv, given, strict=True):
             k_all[:prefix] = k_prefix
             v_all[:prefix] = v_prefix
-    x = _run_chunks(model, links, rank, world, None, job, kv, None)
+    x, stopped = _run_chunks(model, links, rank, world, None, job, kv, None)
+    if stopped is not None:  # cancelled at stage 0: no KV or logits go back (the driver waits for none)
+        return
     new = torch.stack([torch.stack((k_all[prefix:], v_all[prefix:])) for k_all, v_all in kv])
     sends = [links.send([new], 0, _KV)]
     if rank == world - 1:
@@ -368,6 +391,7 @@ class PipelineGroup:
         kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         prefix_tokens: int = 0,
         on_rows: OnRows | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Run `tokens` through the pipeline after a cached prefix: float32 logits [vocab] at the last position.
 
@@ -381,11 +405,14 @@ class PipelineGroup:
                 `kv`, on this thread: stage 0's layers chunk by chunk as they are computed, the other stages'
                 once their KV has arrived (start = prefix_tokens). Its first error is raised after the group
                 has finished the prefill (the group stays usable).
+            cancelled: asked by stage 0 before each chunk; True stops every stage at that chunk (the group stays
+                usable, `kv` holds only the chunks done).
 
         Raises:
             InvalidRequestError: no tokens, ids outside the vocabulary, a prefix not shorter than the prompt,
                 or buffers of the wrong shape.
             EngineError: a stage failed or did not answer within the timeout; the group has failed.
+            Cancelled: `cancelled` answered True.
         """
         ids = token_ids(tokens, self.config.vocab_size)
         n = len(ids)
@@ -416,7 +443,7 @@ class PipelineGroup:
             if self._failure is not None:
                 raise EngineError(f"the pipeline group has failed: {self._failure}")
             try:
-                logits = self._drive(ids, prefix_tokens, kv, listen)
+                logits = self._drive(ids, prefix_tokens, kv, listen, cancelled)
             except (RuntimeError, OSError) as error:  # a link closed or timed out, or a stage's pipe broke
                 self._fail(f"a transfer between stages failed: {error}")
                 reason = self._stage_error() or self._failure
@@ -437,7 +464,12 @@ class PipelineGroup:
         ]
 
     def _drive(
-        self, ids: torch.Tensor, prefix: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], on_rows: OnRows
+        self,
+        ids: torch.Tensor,
+        prefix: int,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        on_rows: OnRows,
+        cancelled: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Stage 0's part: start the job on every stage, run its chunks, gather the other stages' KV and the logits."""
         n, world, links = ids.shape[0], self.num_stages, self._links
@@ -449,9 +481,11 @@ class PipelineGroup:
                 given = torch.stack([torch.stack((k[:prefix], v[:prefix])) for k, v in self._of_stage(kv, rank)])
                 sent.append((links.send([given], rank, _PREFIX), given))
         mine = stage_layers(self.config.num_layers, world, 0)
-        x = _run_chunks(self.model, links, 0, world, ids, job, kv[mine.start : mine.stop], on_rows)
+        x, stopped = _run_chunks(self.model, links, 0, world, ids, job, kv[mine.start : mine.stop], on_rows, cancelled)
         for work, _tensor in sent:
             work.wait()
+        if stopped is not None:
+            raise Cancelled(f"prefill cancelled with {stopped} of its {n} prompt tokens computed or cached")
         if world == 1:
             return self.model.logits(x[-1:])[0]
         for rank in range(1, world):

@@ -146,7 +146,8 @@ class ForwardPass(Protocol):
     `run(ids, kv, io)` fills rows [io.prefix_tokens, len(ids)) of every layer's (K, V) buffers in `kv`
     (rows before hold the prefix once `io.wait_for_prefix(layer)` returns), calls `io.store(layer, start,
     end)` for rows as they become final, and returns the last position's float logits on the CPU. It must
-    give the bytes one process's forward pass gives.
+    give the bytes one process's forward pass gives. `cancelled` (None: never) is asked before each chunk; True
+    stops the run with `mooncake.errors.Cancelled` (the rows after are not filled).
     """
 
     @property
@@ -158,7 +159,14 @@ class ForwardPass(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
+    def run(
+        self,
+        ids: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        io: LayerwiseKvIo,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         """Compute the new rows of every layer through `io`; the last position's logits."""
         ...
 
@@ -184,8 +192,15 @@ class ModelForward:
     def device(self) -> torch.device:
         return self.model.device
 
-    def run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], io: LayerwiseKvIo) -> torch.Tensor:
-        return self.run_many([(ids, kv, io)])[0][0]
+    def run(
+        self,
+        ids: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        io: LayerwiseKvIo,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        return self.run_many([(ids, kv, io)], cancelled=cancelled)[0][0]
 
     def run_many(
         self,
@@ -350,10 +365,10 @@ class PrefillEngine:
         reuse it (its blocks are committed at the end). The batch succeeds or fails as one;
         each result's `seconds` is the batch's.
 
-        Cancellation: `cancelled` (a caller's flag, read on this thread) is asked once the prefix is pinned and
-        then before each pass of a `ModelForward` (a chunk of `chunk_tokens`); other forward passes (a pipeline
-        group) are asked before they start only. True stops the batch there as a failure does: the KV streams
-        abort, the reserved pages and pins are given back, no block is committed.
+        Cancellation: `cancelled` (a caller's flag, read on this thread) is asked by the forward pass before each
+        chunk (a `ModelForward`'s pass of `chunk_tokens`; a pipeline group's chunk, at stage 0). True stops the
+        batch there as a failure does: the KV streams abort, the reserved pages and pins are given back, no block
+        is committed.
 
         Raises:
             InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
@@ -543,9 +558,7 @@ class PrefillEngine:
                 outs = forward.run_many(runs, scores=scores, cancelled=cancelled)
             else:
                 assert len(runs) == 1  # prefill_batch runs others one prompt at a time, unscored
-                if cancelled is not None and cancelled():
-                    raise Cancelled("prefill cancelled before its forward pass started")
-                outs = [(forward.run(*runs[0]), None)]
+                outs = [(forward.run(*runs[0], cancelled=cancelled), None)]
             for _, _, io in runs:
                 io.finish()
         except BaseException:

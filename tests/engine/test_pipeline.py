@@ -25,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import attrs  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -32,7 +33,7 @@ from mooncake.engine.attention import prefill_attention_into  # noqa: E402
 from mooncake.engine.config import PRESETS  # noqa: E402
 from mooncake.engine.model import LlamaModel  # noqa: E402
 from mooncake.engine.pipeline import PARENT_WATCH_S, PipelineGroup, stage_layers  # noqa: E402
-from mooncake.errors import ConfigError, EngineError, InvalidRequestError  # noqa: E402
+from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError  # noqa: E402
 from tests.waiting import is_running, stop_process, wait_for  # noqa: E402
 
 TINY = PRESETS["tiny"]
@@ -175,6 +176,45 @@ def test_a_listeners_error_comes_after_the_prefill_and_the_group_stays_usable(gr
     assert calls == [0]
     assert torch.allclose(group.prefill(tokens), reference(tokens)[0], **TOLERANCE)
     assert group.failure is None
+
+
+class CancelAt:
+    """A caller's cancel flag that turns True at its `asks`-th reading."""
+
+    def __init__(self, asks: int) -> None:
+        self.asks, self.read = asks, 0
+
+    def __call__(self) -> bool:
+        self.read += 1
+        return self.read >= self.asks
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_cancel_stops_every_stage_at_the_same_chunk_and_the_group_goes_on(stages: int) -> None:
+    """Stage 0 asks the flag before each of the 4 chunks of a 12-token prompt and the go flag travels ahead of the
+    chunk, through a middle stage too: cancelled before chunk k, `Cancelled` says 3(k - 1) tokens were done, stage
+    0 reported only the rows of the chunks before, no stage sends KV or logits back, and the next prefills give a
+    single process's logits (every link still in step); a flag still False after the last chunk changes nothing."""
+    config = attrs.evolve(TINY, num_layers=stages)
+    model = LlamaModel(config, seed=SEED)
+    tokens = [(5 * i + 3) % TINY.vocab_size for i in range(12)]
+    with torch.inference_mode():
+        wanted = model(torch.tensor(tokens))[-1]
+    with PipelineGroup(config, num_stages=stages, chunk_tokens=CHUNK, seed=SEED, threads_per_stage=1) as running:
+        rows: list[tuple[int, int, int]] = []
+        for asks in (1, 2, 4, 5):
+            rows.clear()
+            flag = CancelAt(asks)
+            if asks <= 4:
+                with pytest.raises(Cancelled, match=f"with {3 * (asks - 1)} of its 12 prompt tokens"):
+                    running.prefill(tokens, on_rows=lambda *row: rows.append(row), cancelled=flag)
+                assert flag.read == asks and rows == [(0, s, s + 3) for s in range(0, 3 * (asks - 1), 3)]
+            else:
+                logits = running.prefill(tokens, cancelled=flag)
+                assert flag.read == 4 and torch.allclose(logits, wanted, **TOLERANCE)
+            assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
+        running.check_invariants()
+        assert running.failure is None
 
 
 def test_bad_arguments_are_refused_before_any_stage_is_asked(group: PipelineGroup) -> None:

@@ -418,14 +418,16 @@ def test_a_cancelled_prefill_stops_before_its_next_chunk_and_keeps_nothing(
     assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
 
 
-def test_a_forward_pass_that_cannot_stop_between_chunks_is_cancelled_before_it_starts() -> None:
+def test_any_forward_pass_is_handed_the_flag() -> None:
+    """A forward pass that is not a `ModelForward` (a pipeline group's) gets the flag to ask before its chunks:
+    True before the first stores nothing; one that turns True after the last chunk changes nothing."""
     forward = OtherForward()
     cache = dram_cache(4)
     with PrefillEngine(forward, cache, hasher(4)) as engine:
-        with pytest.raises(Cancelled, match="before its forward pass started"):
+        with pytest.raises(Cancelled, match="with 0 of its 23 prompt tokens"):
             engine.prefill(PROMPT, cancelled=lambda: True)
-        assert forward.runs == 0 and len(cache) == 0
-        assert_like_the_model(engine.prefill(PROMPT, cancelled=CancelAfter(2)), PROMPT)  # read once, before
+        assert forward.runs == 1 and len(cache) == 0
+        assert_like_the_model(engine.prefill(PROMPT, cancelled=CancelAfter(2)), PROMPT)  # one chunk: asked once
     assert_nothing_held(cache, hasher(4).block_keys(PROMPT))
 
 
@@ -500,9 +502,9 @@ class OtherForward:
         self.model_config, self.dtype, self.device = TINY, self.inner.model.dtype, self.inner.model.device
         self.runs = 0
 
-    def run(self, ids: torch.Tensor, kv: KvBuffers, io: Any) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, kv: KvBuffers, io: Any, *, cancelled: Any = None) -> torch.Tensor:
         self.runs += 1
-        return self.inner.run(ids, kv, io)
+        return self.inner.run(ids, kv, io, cancelled=cancelled)
 
 
 def test_a_forward_pass_that_cannot_pack_runs_the_batch_one_prompt_at_a_time() -> None:
