@@ -147,7 +147,8 @@ class ForwardPass(Protocol):
     (rows before hold the prefix once `io.wait_for_prefix(layer)` returns), calls `io.store(layer, start,
     end)` for rows as they become final, and returns the last position's float logits on the CPU. It must
     give the bytes one process's forward pass gives. `cancelled` (None: never) is asked before each chunk; True
-    stops the run with `mooncake.errors.Cancelled` (the rows after are not filled).
+    stops the run with `mooncake.errors.Cancelled` (the rows after are not filled). The engine passes it only
+    when its caller gave one, so a forward pass without the parameter serves every other prefill.
     """
 
     @property
@@ -558,7 +559,9 @@ class PrefillEngine:
                 outs = forward.run_many(runs, scores=scores, cancelled=cancelled)
             else:
                 assert len(runs) == 1  # prefill_batch runs others one prompt at a time, unscored
-                outs = [(forward.run(*runs[0], cancelled=cancelled), None)]
+                # Only with a flag: a ForwardPass written before `cancelled` existed still runs uncancellable work.
+                run = forward.run(*runs[0]) if cancelled is None else forward.run(*runs[0], cancelled=cancelled)
+                outs = [(run, None)]
             for _, _, io in runs:
                 io.finish()
         except BaseException:
