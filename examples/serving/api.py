@@ -98,6 +98,7 @@ MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`, OpenAI's chat limit
 MAX_CHOICES = 16  # a request's `n`: each choice is a request of the cluster's (its own prefill and decode)
+MAX_PROMPTS = 64  # a completion's batch of prompts (OpenAI's array `prompt`): each prompt's `n` choices
 LOGPROB_FLOOR = -9999.0  # a log-probability of -inf as OpenAI and vLLM write it (JSON has no infinity)
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -376,7 +377,7 @@ class CompletionRequest:
     """A checked `/v1/completions` body."""
 
     model: str
-    prompt: str | tuple[int, ...]  # text, or token ids
+    prompt: str | tuple[int, ...]  # text, or token ids (a batch's first)
     sampling: SamplingOptions
     n: int = 1  # choices, each drawn independently (a seed: choice i samples with seed + i, as vLLM's)
     output: Output = Output()
@@ -387,6 +388,12 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
+    batch: tuple[str | tuple[int, ...], ...] = ()  # a batch of prompts (OpenAI's array `prompt`); () for one
+
+    def split(self) -> list[CompletionRequest]:
+        """One request per prompt of a batch (itself alone when it has one prompt): their choices are the
+        answer's, prompt after prompt, as vLLM numbers them (prompt i's choice j is index i * n + j)."""
+        return [attrs.evolve(self, prompt=one, batch=()) for one in self.batch] or [self]
 
 
 @attrs.frozen(kw_only=True)
@@ -856,18 +863,15 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
         ApiError: 400 naming the parameter; 404 `model_not_found` for another model than `served.name`.
     """
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one: a string or a list of token ids
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        if not all(0 <= t < served.vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must lie in [0, {served.vocab_size})", param="prompt")
-        checked: str | tuple[int, ...] = tuple(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(400, "a batch of prompts is not served: send one prompt per request", param="prompt")
-    elif isinstance(prompt, str):
-        checked = _text(prompt, "prompt")
+    batch: tuple[str | tuple[int, ...], ...] = ()
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):  # a batch
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+        batch = tuple(_one_prompt(one, served) for one in prompt)
+        checked = batch[0]
+        batch = batch if len(batch) > 1 else ()  # a batch of one is that prompt
     else:
-        raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        checked = _one_prompt(prompt, served)
     echo = _flag(body, "echo", default=False)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     echo_only = echo and type(body.get(limit)) in (int, float) and body[limit] == 0  # not False: a type error
@@ -878,7 +882,18 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
     if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
         # The engine scores the prompt then, as vLLM's does (an explicit `prompt_logprobs` count wins).
         common["sampling"] = attrs.evolve(sampling, prompt_logprobs=sampling.logprobs)
-    return CompletionRequest(prompt=checked, echo=echo, echo_only=echo_only, **common)
+    return CompletionRequest(prompt=checked, echo=echo, echo_only=echo_only, batch=batch, **common)
+
+
+def _one_prompt(prompt: Any, served: ServedModel) -> str | tuple[int, ...]:
+    """A prompt: a string, or a non-empty list of token ids of the vocabulary."""
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t < served.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must lie in [0, {served.vocab_size})", param="prompt")
+        return tuple(prompt)
+    if isinstance(prompt, str):
+        return _text(prompt, "prompt")
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
 
 # A chat message's keys beside role, content and name: those asking for what this server cannot render (tools,
@@ -1012,7 +1027,10 @@ def tokenize_body(
 ) -> dict[str, Any]:
     """`POST /tokenize`, as vLLM answers it: the prompt's (or the templated chat's) tokens, their count and the
     length a prompt plus its `max_tokens` may take (`/v1/models`' `max_model_len`). A prompt over the limits is
-    tokenized all the same: a client asks in order to measure it."""
+    tokenized all the same: a client asks in order to measure it. A batch of prompts is a 400 (one at a time,
+    as vLLM's)."""
+    if isinstance(request, CompletionRequest) and request.batch:
+        raise ApiError(400, "/tokenize takes one prompt, not a batch", param="prompt")
     tokens, _param = encoded(request, tokenizer)
     max_model_len = models_body(served)["data"][0]["max_model_len"]
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
@@ -1179,25 +1197,30 @@ class Choice:
     stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens generated, where `return_token_ids` asked for them
+    # What vLLM shows of the choice's prompt: its log-probabilities (`prompt_logprobs_json`; null where not
+    # asked) and token ids (where `return_token_ids` asked).
+    prompt_logprobs: list[Any] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+    def prompt_fields(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {"prompt_logprobs": self.prompt_logprobs}
+        if self.prompt_token_ids is not None:
+            shown["prompt_token_ids"] = list(self.prompt_token_ids)
+        return shown
 
 
 @attrs.frozen(kw_only=True)
 class Completion:
-    """A whole answer: its choices (a request's `n`, in index order), the usage of them all, and what vLLM shows
-    of the prompt: its log-probabilities (`prompt_logprobs_json`; null where not asked) and token ids (where
-    `return_token_ids` asked), in each choice of a completion and once in a chat's answer."""
+    """A whole answer: its choices (a request's `n` for each of its prompts, in index order) and the usage of
+    them all. What vLLM shows of the prompt goes in each choice of a completion (each its own prompt's) and once
+    in a chat's answer."""
 
     reply: Reply
     choices: tuple[Choice, ...]
     usage: Usage
-    prompt_logprobs: list[Any] | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         choices = []
-        prompt: dict[str, Any] = {"prompt_logprobs": self.prompt_logprobs}
-        if self.prompt_token_ids is not None:
-            prompt["prompt_token_ids"] = list(self.prompt_token_ids)
         for index, one in enumerate(self.choices):
             choice: dict[str, Any] = {
                 "index": index,
@@ -1209,12 +1232,12 @@ class Completion:
                 choice["message"] = {"role": "assistant", "content": one.text}
             else:
                 choice["text"] = one.text
-                choice.update(prompt)
+                choice.update(one.prompt_fields())
             if one.token_ids is not None:
                 choice["token_ids"] = list(one.token_ids)
             choices.append(choice)
         body = {**self.reply.header(chunk=False), "choices": choices, "usage": self.usage.to_json()}
-        return {**body, **prompt} if self.reply.chat else body
+        return {**body, **self.choices[0].prompt_fields()} if self.reply.chat else body
 
 
 @attrs.frozen(kw_only=True)

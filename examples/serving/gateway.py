@@ -324,6 +324,7 @@ class Gateway:
         dispatcher = self.dispatcher
         arrival = dispatcher.now()
         lives: list[LiveRequest] = []
+        asked: list[CompletionRequest | ChatRequest] = []  # each choice's request: its prompt's (a batch's one)
         try:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
@@ -336,12 +337,16 @@ class Gateway:
                     "compute",
                     param=asked,
                 )
-            tokens = prompt_tokens(parsed, self.tokenizer, self.served)
-            sampling = generation_limit(parsed.sampling, len(tokens), self.served)
-            for index in range(parsed.n):
-                live = await dispatcher.admit(tokens, _choice_sampling(sampling, index), arrival)
-                lives.append(live)
-                dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it
+            prompts = parsed.split() if isinstance(parsed, CompletionRequest) else [parsed]
+            # Every prompt tokenized and checked before any is admitted: a bad one refuses the batch at once.
+            tokenized = [prompt_tokens(one, self.tokenizer, self.served) for one in prompts]
+            for one, tokens in zip(prompts, tokenized, strict=True):
+                sampling = generation_limit(one.sampling, len(tokens), self.served)
+                for index in range(one.n):
+                    live = await dispatcher.admit(tokens, _choice_sampling(sampling, index), arrival)
+                    lives.append(live)
+                    asked.append(one)
+                    dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -357,8 +362,8 @@ class Gateway:
         )
         try:
             if parsed.stream:
-                return await self._stream(request, lives, reply, parsed)
-            return await self._whole(lives, reply, parsed)
+                return await self._stream(request, lives, reply, parsed, asked)
+            return await self._whole(lives, reply, parsed, asked)
         except (asyncio.CancelledError, ConnectionResetError):
             self._withdraw(lives)
             raise
@@ -411,10 +416,23 @@ class Gateway:
             raise ApiError(500, "the prefill did not report the prompt's log-probabilities")
         return scored
 
-    def _usage(self, lives: list[LiveRequest], completion: int) -> Usage:
-        """A usage: the prompt once (its cached tokens choice 0's) and `completion` tokens."""
-        first = lives[0]
-        return Usage(prompt_tokens=len(first.tokens), completion_tokens=completion, cached_tokens=first.cached_tokens)
+    def _usage(self, lives: list[LiveRequest], completion: int, n: int) -> Usage:
+        """A usage: each prompt once (`lives` hold `n` choices of each, in order; its cached tokens its first
+        choice's) and `completion` tokens."""
+        firsts = lives[::n]
+        return Usage(
+            prompt_tokens=sum(len(first.tokens) for first in firsts),
+            completion_tokens=completion,
+            cached_tokens=sum(first.cached_tokens for first in firsts),
+        )
+
+    def _choices(
+        self, lives: list[LiveRequest], reply: Reply, asked: list[CompletionRequest | ChatRequest]
+    ) -> list[_Choice]:
+        """The answer's choices, in index order: each live request with the request of its prompt."""
+        return [
+            self._choice(live, index, reply, one) for index, (live, one) in enumerate(zip(lives, asked, strict=True))
+        ]
 
     def _choice(self, live: LiveRequest, index: int, reply: Reply, parsed: CompletionRequest | ChatRequest) -> _Choice:
         sampling, output = parsed.sampling, parsed.output
@@ -430,17 +448,26 @@ class Gateway:
         )
 
     async def _whole(
-        self, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
+        self,
+        lives: list[LiveRequest],
+        reply: Reply,
+        parsed: CompletionRequest | ChatRequest,
+        asked: list[CompletionRequest | ChatRequest],
     ) -> web.StreamResponse:
-        choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
+        choices = self._choices(lives, reply, asked)
         try:
             await _together([self._read_tokens(choice) for choice in choices])
             # After the tokens: the prompt's log-probabilities came before them.
-            echoes = [self._echoed(parsed, choice.live) for choice in choices]
-            listed, first = None, lives[0]
-            if parsed.output.prompt_logprobs is not None:  # every choice scored the same prompt: the first's
-                k = parsed.output.prompt_logprobs
-                listed = prompt_logprobs_json(first.tokens, self._scored(first), k, self.tokenizer.token_text)
+            whole = [choice.whole(self._echoed(one, choice.live)) for choice, one in zip(choices, asked, strict=True)]
+            k = parsed.output.prompt_logprobs
+            if k is not None:  # each choice's prefill scored its prompt
+                text = self.tokenizer.token_text
+                whole = [
+                    attrs.evolve(
+                        one, prompt_logprobs=prompt_logprobs_json(c.live.tokens, self._scored(c.live), k, text)
+                    )
+                    for one, c in zip(whole, choices, strict=True)
+                ]
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -448,10 +475,8 @@ class Gateway:
         self.metrics.responses["200"].inc()
         answer = Completion(
             reply=reply,
-            choices=tuple(choice.whole(echo) for choice, echo in zip(choices, echoes, strict=True)),
-            usage=self._usage(lives, sum(choice.count for choice in choices)),
-            prompt_logprobs=listed,
-            prompt_token_ids=tuple(first.tokens) if parsed.output.return_token_ids else None,
+            choices=tuple(whole),
+            usage=self._usage(lives, sum(choice.count for choice in choices), parsed.n),
         )
         return web.json_response(answer.to_json(), headers=_route_headers(lives))
 
@@ -464,7 +489,12 @@ class Gateway:
                 break
 
     async def _stream(
-        self, request: web.Request, lives: list[LiveRequest], reply: Reply, parsed: CompletionRequest | ChatRequest
+        self,
+        request: web.Request,
+        lives: list[LiveRequest],
+        reply: Reply,
+        parsed: CompletionRequest | ChatRequest,
+        asked: list[CompletionRequest | ChatRequest],
     ) -> web.StreamResponse:
         streams = [self.dispatcher.tokens(live) for live in lives]
         try:
@@ -480,17 +510,17 @@ class Gateway:
         )
         await response.prepare(request)
         self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
-        choices = [self._choice(live, index, reply, parsed) for index, live in enumerate(lives)]
+        choices = self._choices(lives, reply, asked)
 
         def so_far(choice: _Choice) -> Usage | None:
-            """The usage so far of `choice` (continuous_usage_stats: the prompt and its own tokens, as vLLM's)."""
-            return self._usage(lives, choice.count) if parsed.continuous_usage else None
+            """The usage so far of `choice` (continuous_usage_stats: its prompt and its own tokens, as vLLM's)."""
+            return self._usage([choice.live], choice.count, 1) if parsed.continuous_usage else None
 
         events: asyncio.Queue[Chunk | None] = asyncio.Queue()
 
         async def pump(choice: _Choice, first: wire.Token | None, tokens: AsyncIterator[wire.Token]) -> None:
             """One choice's chunks into the queue, in order; None once it ended."""
-            echoed = self._echoed(parsed, choice.live)
+            echoed = self._echoed(asked[choice.index], choice.live)
             if echoed:  # the prompt first, as vLLM's stream echoes it, with its log-probabilities
                 events.put_nowait(choice.echo_chunk(echoed, so_far(choice)))
             async for token in _following(first, tokens):
@@ -541,7 +571,7 @@ class Gateway:
                 await response.write(chunk.to_sse())
             if parsed.include_usage:
                 total = sum(choice.count for choice in choices)
-                await response.write(reply.usage_chunk(self._usage(lives, total)).to_sse())
+                await response.write(reply.usage_chunk(self._usage(lives, total, parsed.n)).to_sse())
         except ApiError as error:
             self._withdraw(lives)
             await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
@@ -643,6 +673,7 @@ class _Choice:
             stop_reason=stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs.take(entries),
             token_ids=None if self.prompt_ids is None else tuple(token for token, _ in self.generated),
+            prompt_token_ids=self.prompt_ids,
         )
 
 

@@ -583,6 +583,40 @@ def test_vllms_output_options_answer_as_vllm_answers(
     assert echoed.text.startswith(tokenizer.decode(long[-7:]))  # the ids the engines got, not the whole prompt
 
 
+def test_a_batch_of_prompts_answers_each_as_its_own_request(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """OpenAI's array `prompt` (texts and token ids): prompt i's choice j is index i * n + j and answers what
+    a request of that prompt alone answers with the same seed (its choice j), echo and `return_token_ids` each
+    its own prompt's, the usage every prompt once plus every choice's tokens; a stream's chunks carry those
+    indexes and join to the whole answer; one bad prompt refuses the batch with a 400."""
+    _, _, tokenizer = checkpoint
+    api = client(cluster)
+    batch = [PROMPTS[0], tokenizer(PROMPTS[2]).input_ids, PROMPTS[3]]
+    common = {"model": "tiny-llama", "max_tokens": 5, "temperature": 0.8, "seed": 7, "n": 2, "echo": True}
+    extra = {"return_token_ids": True}
+    whole = api.completions.create(prompt=batch, extra_body=extra, **common)
+    assert [c.index for c in whole.choices] == list(range(6))
+    alone = [
+        api.completions.create(prompt=[p] if isinstance(p, list) else p, extra_body=extra, **common) for p in batch
+    ]
+    for i, answer in enumerate(alone):
+        for j in range(2):
+            got, wanted = whole.choices[2 * i + j], answer.choices[j]
+            assert (got.text, got.finish_reason) == (wanted.text, wanted.finish_reason), (i, j)
+            assert got.model_extra["prompt_token_ids"] == wanted.model_extra["prompt_token_ids"]
+    assert whole.choices[2].text.startswith(tokenizer.decode(batch[1]))  # ids echoed as decoded
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = [""] * 6
+    for chunk in api.completions.create(prompt=batch, stream=True, extra_body=extra, **common):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(prompt=[PROMPTS[0], [VOCAB]], **common)
+
+
 def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:
