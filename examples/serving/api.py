@@ -99,6 +99,7 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`, OpenAI's chat limit
 MAX_CHOICES = 16  # a request's `n`: each choice is a request of the cluster's (its own prefill and decode)
 MAX_PROMPTS = 64  # a completion's batch of prompts (OpenAI's array `prompt`): each prompt's `n` choices
+MAX_ANSWER_CHOICES = 64  # prompts x n: the cluster requests one body may make (and route headers list)
 LOGPROB_FLOOR = -9999.0  # a log-probability of -inf as OpenAI and vLLM write it (JSON has no infinity)
 CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -882,6 +883,13 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
     if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
         # The engine scores the prompt then, as vLLM's does (an explicit `prompt_logprobs` count wins).
         common["sampling"] = attrs.evolve(sampling, prompt_logprobs=sampling.logprobs)
+    if len(batch or [checked]) * common["n"] > MAX_ANSWER_CHOICES:
+        raise ApiError(
+            400,
+            f"{len(batch)} prompts with n = {common['n']} ask for {len(batch) * common['n']} choices, over this "
+            f"server's {MAX_ANSWER_CHOICES} per request",
+            param="n",
+        )
     return CompletionRequest(prompt=checked, echo=echo, echo_only=echo_only, batch=batch, **common)
 
 

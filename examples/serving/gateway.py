@@ -329,13 +329,13 @@ class Gateway:
             self._authorize(request)
             parsed = await self._read(request, chat=chat)
             if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
-                asked = "prompt_logprobs" if parsed.output.prompt_logprobs is not None else "echo"
+                field = "prompt_logprobs" if parsed.output.prompt_logprobs is not None else "echo"
                 raise ApiError(
                     400,
-                    f"{'prompt_logprobs' if asked == 'prompt_logprobs' else 'echo with logprobs'} needs the "
+                    f"{'prompt_logprobs' if field == 'prompt_logprobs' else 'echo with logprobs'} needs the "
                     "prompt's log-probabilities, which a pipelined prefill ([prefill] pipeline_size > 1) does not "
                     "compute",
-                    param=asked,
+                    param=field,
                 )
             prompts = parsed.split() if isinstance(parsed, CompletionRequest) else [parsed]
             # Every prompt tokenized and checked before any is admitted: a bad one refuses the batch at once.

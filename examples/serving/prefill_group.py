@@ -41,6 +41,7 @@ from mooncake.engine.config import ModelConfig
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+from mooncake.errors import Cancelled
 
 __all__ = ["GroupForward", "group_prefill_engine"]
 
@@ -73,6 +74,8 @@ class GroupForward:
     ) -> torch.Tensor:
         """Raises EngineError when a stage fails (the group has failed: every later prefill raises it too), and
         Cancelled when `cancelled` stops it before a chunk (the group goes on)."""
+        if cancelled is not None and cancelled():  # before the prefix is loaded and sent to every stage
+            raise Cancelled(f"prefill cancelled with {io.prefix_tokens} of its {len(ids)} prompt tokens cached")
         for layer in range(self.group.config.num_layers):  # every stage needs its prefix before its first chunk
             io.wait_for_prefix(layer)
         return self.group.prefill(

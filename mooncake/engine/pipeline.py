@@ -119,22 +119,29 @@ def _run_chunks(
 
     `rows` is (p, n, chunk_tokens); `kv` holds this stage's layers' buffers, rows [0, p) filled. Before each
     chunk a go flag travels the pipe ahead of it: stage 0 sets it from `cancelled` (asked there only), each later
-    stage takes it from the stage before and passes it on, so every stage stops at the same chunk.
+    stage takes it from the stage before and passes it on, so every stage stops at the same chunk. A flag that
+    raises stops the stages as a cancel does, then its error is raised (the links stay in step).
     """
     prefix, n, chunk = rows
     sent: list[tuple[Any, torch.Tensor]] = []  # each send with its tensor, alive until it is on its way
     x = torch.empty(0)
     stopped: int | None = None
+    raised: BaseException | None = None
     for start in range(prefix, n, chunk):
         end = min(n, start + chunk)
         if rank == 0:
-            go = torch.tensor([0 if cancelled is not None and cancelled() else 1], device=model.device)
+            try:
+                proceed = not (cancelled is not None and cancelled())
+            except BaseException as error:  # the caller's flag failed: stop every stage first, then say so
+                proceed, raised = False, error
+            go = torch.tensor([int(proceed)], dtype=torch.int64, device=model.device)
         else:
             go = torch.empty(1, dtype=torch.int64, device=model.device)
             links.recv([go], rank - 1, _GO).wait()
+            proceed = bool(go.item())
         if rank < world - 1:
             sent.append((links.send([go], rank + 1, _GO), go))
-        if not int(go.item()):
+        if not proceed:
             stopped = start
             break
         if ids is not None:
@@ -152,6 +159,8 @@ def _run_chunks(
             sent.append((links.send([x], rank + 1, _HIDDEN), x))  # on to the next stage; keep going
     for work, _tensor in sent:
         work.wait()
+    if raised is not None:
+        raise raised
     return x, stopped
 
 
@@ -406,7 +415,7 @@ class PipelineGroup:
                 once their KV has arrived (start = prefix_tokens). Its first error is raised after the group
                 has finished the prefill (the group stays usable).
             cancelled: asked by stage 0 before each chunk; True stops every stage at that chunk (the group stays
-                usable, `kv` holds only the chunks done).
+                usable; of `kv`, stage 0's layers hold the rows of the chunks done).
 
         Raises:
             InvalidRequestError: no tokens, ids outside the vocabulary, a prefix not shorter than the prompt,

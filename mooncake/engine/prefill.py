@@ -37,6 +37,7 @@ error or cancellation; a reserved page is committed only once all its layers are
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -147,8 +148,8 @@ class ForwardPass(Protocol):
     (rows before hold the prefix once `io.wait_for_prefix(layer)` returns), calls `io.store(layer, start,
     end)` for rows as they become final, and returns the last position's float logits on the CPU. It must
     give the bytes one process's forward pass gives. `cancelled` (None: never) is asked before each chunk; True
-    stops the run with `mooncake.errors.Cancelled` (the rows after are not filled). The engine passes it only
-    when its caller gave one, so a forward pass without the parameter serves every other prefill.
+    stops the run with `mooncake.errors.Cancelled` (the rows after are not filled). A forward pass without the
+    parameter still serves: the engine then asks the flag once, before the run.
     """
 
     @property
@@ -170,6 +171,15 @@ class ForwardPass(Protocol):
     ) -> torch.Tensor:
         """Compute the new rows of every layer through `io`; the last position's logits."""
         ...
+
+
+def _takes_keyword(function: Callable[..., object], name: str) -> bool:
+    """Whether `function` accepts the keyword argument `name` (by name, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume the plain call only
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 class ModelForward:
@@ -317,6 +327,8 @@ class PrefillEngine:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self._closed = False
+        # A ForwardPass written before `cancelled` existed takes no flag: it is asked once, before the run, instead.
+        self._run_takes_flag = _takes_keyword(self.forward.run, "cancelled")
 
     def close(self) -> None:
         self._closed = True
@@ -559,8 +571,12 @@ class PrefillEngine:
                 outs = forward.run_many(runs, scores=scores, cancelled=cancelled)
             else:
                 assert len(runs) == 1  # prefill_batch runs others one prompt at a time, unscored
-                # Only with a flag: a ForwardPass written before `cancelled` existed still runs uncancellable work.
-                run = forward.run(*runs[0]) if cancelled is None else forward.run(*runs[0], cancelled=cancelled)
+                if cancelled is not None and self._run_takes_flag:
+                    run = forward.run(*runs[0], cancelled=cancelled)
+                else:
+                    if cancelled is not None and cancelled():
+                        raise Cancelled("prefill cancelled before its forward pass started")
+                    run = forward.run(*runs[0])
                 outs = [(run, None)]
             for _, _, io in runs:
                 io.finish()

@@ -135,3 +135,14 @@ def tcp_nodes(
             node.messenger.close()
             node.engine.close()
             node.cache.close()
+
+
+class CancelAfter:
+    """A caller's cancel flag that turns True at its `asks`-th reading."""
+
+    def __init__(self, asks: int) -> None:
+        self.asks, self.read = asks, 0
+
+    def __call__(self) -> bool:
+        self.read += 1
+        return self.read >= self.asks

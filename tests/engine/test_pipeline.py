@@ -34,6 +34,7 @@ from mooncake.engine.config import PRESETS  # noqa: E402
 from mooncake.engine.model import LlamaModel  # noqa: E402
 from mooncake.engine.pipeline import PARENT_WATCH_S, PipelineGroup, stage_layers  # noqa: E402
 from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError  # noqa: E402
+from tests.engine.support import CancelAfter  # noqa: E402
 from tests.waiting import is_running, stop_process, wait_for  # noqa: E402
 
 TINY = PRESETS["tiny"]
@@ -178,17 +179,6 @@ def test_a_listeners_error_comes_after_the_prefill_and_the_group_stays_usable(gr
     assert group.failure is None
 
 
-class CancelAt:
-    """A caller's cancel flag that turns True at its `asks`-th reading."""
-
-    def __init__(self, asks: int) -> None:
-        self.asks, self.read = asks, 0
-
-    def __call__(self) -> bool:
-        self.read += 1
-        return self.read >= self.asks
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 def test_a_cancel_stops_every_stage_at_the_same_chunk_and_the_group_goes_on(stages: int) -> None:
     """Stage 0 asks the flag before each of the 4 chunks of a 12-token prompt and the go flag travels ahead of the
@@ -204,7 +194,7 @@ def test_a_cancel_stops_every_stage_at_the_same_chunk_and_the_group_goes_on(stag
         rows: list[tuple[int, int, int]] = []
         for asks in (1, 2, 4, 5):
             rows.clear()
-            flag = CancelAt(asks)
+            flag = CancelAfter(asks)
             if asks <= 4:
                 with pytest.raises(Cancelled, match=f"with {3 * (asks - 1)} of its 12 prompt tokens"):
                     running.prefill(tokens, on_rows=lambda *row: rows.append(row), cancelled=flag)
@@ -213,6 +203,17 @@ def test_a_cancel_stops_every_stage_at_the_same_chunk_and_the_group_goes_on(stag
                 logits = running.prefill(tokens, cancelled=flag)
                 assert flag.read == 4 and torch.allclose(logits, wanted, **TOLERANCE)
             assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
+
+        def failing() -> bool:  # a caller's flag that breaks at its second reading
+            failing.read += 1  # type: ignore[attr-defined]
+            if failing.read == 2:  # type: ignore[attr-defined]
+                raise KeyError("the flag's table is gone")
+            return False
+
+        failing.read = 0  # type: ignore[attr-defined]
+        with pytest.raises(KeyError):  # its error, once every stage has stopped: the links stay in step
+            running.prefill(tokens, cancelled=failing)
+        assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
         running.check_invariants()
         assert running.failure is None
 

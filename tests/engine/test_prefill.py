@@ -40,6 +40,7 @@ from mooncake.types import BlockKey, Tier
 from tests.engine.support import (
     TINY,
     TOLERANCE,
+    CancelAfter,
     assert_nothing_held,
     block_sizes,
     dram_cache,
@@ -373,17 +374,6 @@ def test_a_prefill_failing_mid_stream_releases_the_pins_of_its_push() -> None:
         assert all(decode_node.cache.location(key) is None for key in hasher(4).block_keys(PROMPT))
 
 
-class CancelAfter:
-    """A caller's cancel flag that turns True at its `asks`-th reading."""
-
-    def __init__(self, asks: int) -> None:
-        self.asks, self.read = asks, 0
-
-    def __call__(self) -> bool:
-        self.read += 1
-        return self.read >= self.asks
-
-
 class AbortingSink(RecordingSink):
     def abort(self) -> None:
         self.calls.append("abort")
@@ -639,3 +629,24 @@ def test_concurrent_readers_do_not_disturb_a_prefill() -> None:
     for result in results:
         assert_like_the_model(result, PROMPT)
     assert_nothing_held(cache, results[0].keys)
+
+
+class PlainForward(OtherForward):
+    """A `ForwardPass` written before the flag existed: `run` takes no `cancelled`."""
+
+    def run(self, ids: torch.Tensor, kv: KvBuffers, io: Any) -> torch.Tensor:  # type: ignore[override]
+        self.runs += 1
+        return self.inner.run(ids, kv, io)
+
+
+def test_a_forward_pass_without_the_flag_is_cancelled_before_it_runs_only() -> None:
+    forward = PlainForward()
+    cache = dram_cache(4)
+    with PrefillEngine(forward, cache, hasher(4)) as engine:
+        with pytest.raises(Cancelled, match="before its forward pass started"):
+            engine.prefill(PROMPT, cancelled=lambda: True)
+        assert forward.runs == 0 and len(cache) == 0
+        flag = CancelAfter(2)
+        assert_like_the_model(engine.prefill(PROMPT, cancelled=flag), PROMPT)
+        assert flag.read == 1  # asked once, before the run
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT))

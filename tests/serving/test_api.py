@@ -151,6 +151,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": [[1], [256]]}, "prompt"),
         ({"prompt": [[1], []]}, "prompt"),
         ({"prompt": ["a"] * 65}, "prompt"),
+        ({"prompt": ["a"] * 5, "n": 13}, "n"),
         ({"prompt": [1, 256]}, "prompt"),
         ({"prompt": [1, "2"]}, "prompt"),
         ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
