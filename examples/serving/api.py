@@ -419,6 +419,8 @@ class ChatRequest:
     continuous_usage: bool = False
     # vLLM's `chat_template_kwargs`: more variables for the chat template (`enable_thinking`, say).
     template_variables: Mapping[str, Any] = attrs.field(factory=dict)
+    add_generation_prompt: bool = True  # vLLM's: the prompt opens the assistant's turn
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the final message, which the model continues
 
 
 def _absent(value: Any) -> bool:
@@ -469,8 +471,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "structured_outputs": _absent,
     "logits_processors": _absent,
     "chat_template": _absent,
-    "continue_final_message": _off,
-    "add_generation_prompt": lambda v: v is None or v is True,
 }
 # Parameters that change nothing here (bookkeeping for the client), checked for their type only.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -514,7 +514,9 @@ SHARED = (
     "return_token_ids",
 )
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
-CHAT_FIELDS = frozenset({*SHARED, "messages", "chat_template_kwargs", "top_logprobs"})
+CHAT_FIELDS = frozenset(
+    {*SHARED, "messages", "chat_template_kwargs", "top_logprobs", "add_generation_prompt", "continue_final_message"}
+)
 
 
 def _param(name: str) -> str:
@@ -962,9 +964,19 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
         if content is None and message["role"] == "assistant":  # an assistant turn that only called tools
             content = ""
         checked.append(ChatMessage(role=message["role"], content=_content(content, f"{where}.content")))
+    add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    continue_final_message = _flag(body, "continue_final_message", default=False)
+    if add_generation_prompt and continue_final_message:  # vLLM's 400
+        raise ApiError(
+            400,
+            "Cannot set both continue_final_message and add_generation_prompt to true",
+            param="continue_final_message",
+        )
     return ChatRequest(
         messages=tuple(checked),
         template_variables=_template_variables(body.get("chat_template_kwargs")),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         **_common(body, CHAT_FIELDS, served, chat=True),
     )
 
@@ -1002,6 +1014,8 @@ def encoded(request: CompletionRequest | ChatRequest, tokenizer: ServingTokenize
                 [(m.role, m.content) for m in request.messages],
                 variables=request.template_variables,
                 add_special_tokens=request.sampling.add_special_tokens,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
             )
         except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
             raise ApiError(400, str(error), param="messages") from error

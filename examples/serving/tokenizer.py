@@ -66,6 +66,8 @@ class ServingTokenizer(Protocol):
         *,
         variables: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]: ...
 
     def token_text(self, token: int) -> str: ...
@@ -100,9 +102,15 @@ class ByteTokenizer:
         *,
         variables: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """`chat_prompt`'s text as bytes (a fixed template: it has no variables to set)."""
-        return self.encode(chat_prompt(messages))
+        return self.encode(
+            chat_prompt(
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+            )
+        )
 
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -148,6 +156,8 @@ class CheckpointTokenizer:
         *,
         variables: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The ids of the rendered chat template, with the request's `variables` for it; the special tokens the
         tokenizer adds only with `add_special_tokens` (the template writes its own: vLLM's chat default).
@@ -156,7 +166,10 @@ class CheckpointTokenizer:
             InvalidRequestError: the template refused the messages.
         """
         text = self.tokenizer.render_chat(
-            [{"role": role, "content": content} for role, content in messages], **(variables or {})
+            [{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(variables or {}),
         )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -204,10 +217,15 @@ class _Utf8Decoder:
         return str(self._decoder.decode(b"", final=True))
 
 
-def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
-    """`<|role|>\\ncontent\\n` per (role, content) message, then `<|assistant|>\\n` for the reply."""
+def chat_prompt(
+    messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> str:
+    """`<|role|>\\ncontent\\n` per (role, content) message, then `<|assistant|>\\n` for the reply (with
+    `add_generation_prompt`); `continue_final_message`: ending right after the final message's text instead."""
     parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
-    return "".join(parts) + "<|assistant|>\n"
+    if continue_final_message and parts:
+        return "".join(parts)[:-1]
+    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 class TextStream:

@@ -69,6 +69,7 @@ from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
 
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of a message to continue
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 SPACE_MARK = "▁"  # SentencePiece's mark for a space within a piece
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -260,20 +261,30 @@ class Tokenizer:
         return Detokenizer(self, skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> str:
         """The chat template applied to `messages`: the prompt text of a chat completion.
 
         Args:
             messages: `{"role": ..., "content": ...}` objects, in order.
             add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end inside the final message, right after its text, so the model goes on
+                with it (a reply begun by the client). As transformers does it: the text gets a marker, the
+                template renders, and the prompt is cut at the marker (and its trailing space, where the
+                template trimmed the text).
             extra: more variables for the template (`tools`, `documents`, ...).
 
         Raises:
             ConfigError: the checkpoint has no chat template.
             InvalidRequestError: the template refused the messages (its `raise_exception`), failed on them or on a
                 variable of `extra` (a value of the wrong kind), or `extra` sets one of the template's own inputs
-                (`raise_exception`, the special tokens).
+                (`raise_exception`, the special tokens); `continue_final_message` with `add_generation_prompt`,
+                or with a final message whose text the rendered prompt does not hold.
         """
         if self._compiled is None:
             raise ConfigError(f"{self.source}: the tokenizer has no chat template")
@@ -283,25 +294,49 @@ class Tokenizer:
         if own:
             raise InvalidRequestError(f"chat template variables may not set {', '.join(own)} (the template's own)")
         variables = {"tools": None, "documents": None, **self.special.tokens, **extra}
+        chat = [dict(m) for m in messages]
+        final = None
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
+            final = chat[-1].get("content") if chat else None
+            if not isinstance(final, str) or "content" not in (self.chat_template or ""):
+                raise InvalidRequestError("continue_final_message needs a final message with text to continue")
+            chat[-1]["content"] = final + _CONTINUE_MARK
         try:
-            return str(
-                self._compiled.render(
-                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
-                )
+            rendered = str(
+                self._compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
             )
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template refused the messages: {error}") from error
         except (TypeError, ValueError, AttributeError, LookupError) as error:  # a value of the wrong kind in them
             raise InvalidRequestError(f"the chat template failed on the messages or variables: {error}") from error
+        if final is None:
+            return rendered
+        mark = _CONTINUE_MARK.strip()
+        if final.strip() not in rendered or mark not in rendered:
+            raise InvalidRequestError("continue_final_message: the chat template does not render the final message")
+        at = rendered.rindex(mark)
+        # The template kept the text as given: cut at the mark; it trimmed the text's end: cut and trim.
+        return rendered[:at] if rendered[at : at + len(_CONTINUE_MARK)] == _CONTINUE_MARK else rendered[:at].rstrip()
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> list[int]:
         """The ids of the rendered chat (`render_chat`, `extra` its variables); no special tokens are added (the
         template writes them), as transformers."""
-        return self.encode(
-            self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra), add_special_tokens=False
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
         )
+        return self.encode(text, add_special_tokens=False)
 
 
 @attrs.define(eq=False)

@@ -221,6 +221,31 @@ def test_the_chat_template_renders_what_transformers_renders(
         assert ours.encode_chat(messages, add_generation_prompt=generation_prompt) == list(ids)
 
 
+@pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+def test_a_final_message_is_continued_as_transformers_continues_it(tmp_path: Path, template: str) -> None:
+    """`continue_final_message`: the prompt ends right after the final message's text, as
+    `apply_chat_template(continue_final_message=True)` renders it, a text with trailing spaces too (LLAMA3 trims
+    it: the cut is then trimmed); with `add_generation_prompt` too, or a template that renders no final message
+    text, an `InvalidRequestError`."""
+    theirs = save_tokenizer(tmp_path, template)
+    ours = load_tokenizer(tmp_path)
+    for final in ("The answer is", "The answer is  ", "4."):
+        messages = [*MESSAGES[:2], {"role": "assistant", "content": final}]
+        options = {"add_generation_prompt": False, "continue_final_message": True}
+        expected = theirs.apply_chat_template(messages, tokenize=False, **options)
+        assert ours.render_chat(messages, **options) == expected, final
+        ids = theirs.apply_chat_template(messages, tokenize=True, **options)
+        assert ours.encode_chat(messages, **options) == list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        ours.render_chat(MESSAGES, continue_final_message=True)
+    silent = save_tokenizer(tmp_path / "silent", "{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
+    assert silent is not None
+    with pytest.raises(InvalidRequestError, match="final message"):
+        load_tokenizer(tmp_path / "silent").render_chat(
+            MESSAGES, add_generation_prompt=False, continue_final_message=True
+        )
+
+
 def test_a_requests_template_variables_render_as_transformers_renders_them(tmp_path: Path) -> None:
     """Extra variables (vLLM's chat_template_kwargs) reach the template as apply_chat_template's keyword arguments
     do; one setting the template's own inputs, or of a kind the template fails on, is an InvalidRequestError."""

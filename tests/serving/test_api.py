@@ -446,7 +446,9 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
     seen: list[object] = []
 
     class Recording(ByteTokenizer):
-        def encode_chat(self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False) -> list[int]:
+        def encode_chat(
+            self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False, **_: Any
+        ) -> list[int]:
             seen.append(variables)
             return super().encode_chat(messages)
 
@@ -478,7 +480,9 @@ def test_what_benchmark_clients_send_is_taken_as_vllm_takes_it() -> None:
             asked.append(add_special_tokens)
             return super().encode(text)
 
-        def encode_chat(self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False) -> list[int]:
+        def encode_chat(
+            self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False, **_: Any
+        ) -> list[int]:
             asked.append(add_special_tokens)
             return [1]
 
@@ -868,6 +872,20 @@ def test_prompt_logprobs_parse_as_vllm_reads_them() -> None:
     assert (echoed.sampling.logprobs, echoed.sampling.prompt_logprobs, echoed.output.prompt_logprobs) == (5, 2, 2)
     echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 5}, SERVED)
     assert (echoed.sampling.prompt_logprobs, echoed.output.prompt_logprobs) == (5, None)
+
+
+def test_a_chats_rendering_options_parse_as_vllm_reads_them() -> None:
+    """`add_generation_prompt` (default true) and `continue_final_message` (default false) reach the chat's
+    prompt; both true is vLLM's 400; continuing ends the byte template's prompt right after the final text."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    plain = parse_chat({"messages": messages}, SERVED)
+    assert (plain.add_generation_prompt, plain.continue_final_message) == (True, False)
+    go_on = parse_chat({"messages": messages, "add_generation_prompt": False, "continue_final_message": True}, SERVED)
+    assert TOKENIZER.decode(prompt_tokens(go_on, TOKENIZER, SERVED)).endswith("<|assistant|>\nHello")
+    closed = parse_chat({"messages": messages, "add_generation_prompt": False}, SERVED)
+    assert TOKENIZER.decode(prompt_tokens(closed, TOKENIZER, SERVED)).endswith("Hello\n")
+    error = refused(parse_chat, {"messages": messages, "continue_final_message": True}, SERVED)
+    assert error.param == "continue_final_message" and "Cannot set both" in error.message
 
 
 def test_vllms_output_options_parse_as_vllm_reads_them() -> None:

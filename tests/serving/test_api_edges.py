@@ -313,7 +313,7 @@ def test_a_chat_template_refusal_is_a_400_naming_the_messages() -> None:
     both the prompt check and /tokenize."""
 
     class Refusing(ByteTokenizer):
-        def encode_chat(self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False) -> list[int]:
+        def encode_chat(self, messages: Any, **_: Any) -> list[int]:
             raise InvalidRequestError("roles must alternate user/assistant")
 
     chat = parse_chat({"messages": USER}, SERVED)

@@ -583,6 +583,31 @@ def test_vllms_output_options_answer_as_vllm_answers(
     assert echoed.text.startswith(tokenizer.decode(long[-7:]))  # the ids the engines got, not the whole prompt
 
 
+def test_a_chats_final_message_is_continued_as_vllm_continues_it(
+    cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
+) -> None:
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`): the prompt is transformers'
+    `apply_chat_template(continue_final_message=True)`, ending inside the assistant's begun reply, and greedy
+    goes on from there as transformers' model does."""
+    _, model, tokenizer = checkpoint
+    api = client(cluster)
+    messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True}
+    answer = api.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=3, temperature=0, extra_body=extra
+    )
+    expected = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=False, continue_final_message=True
+    )
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert answer.model_extra["prompt_token_ids"] == expected
+    context = list(expected)
+    for token in answer.choices[0].model_extra["token_ids"]:
+        with torch.inference_mode():
+            assert token == int(model(torch.tensor([context])).logits[0, -1].argmax())
+        context.append(token)
+
+
 def test_a_batch_of_prompts_answers_each_as_its_own_request(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:
