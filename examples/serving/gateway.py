@@ -458,16 +458,19 @@ class Gateway:
         try:
             await _together([self._read_tokens(choice) for choice in choices])
             # After the tokens: the prompt's log-probabilities came before them.
-            whole = [choice.whole(self._echoed(one, choice.live)) for choice, one in zip(choices, asked, strict=True)]
             k = parsed.output.prompt_logprobs
-            if k is not None:  # each choice's prefill scored its prompt
-                text = self.tokenizer.token_text
-                whole = [
-                    attrs.evolve(
-                        one, prompt_logprobs=prompt_logprobs_json(c.live.tokens, self._scored(c.live), k, text)
-                    )
-                    for one, c in zip(whole, choices, strict=True)
-                ]
+            whole = [
+                choice.whole(
+                    self._echoed(one, choice.live),
+                    # Each choice's prefill scored its own prompt.
+                    None
+                    if k is None
+                    else prompt_logprobs_json(
+                        choice.live.tokens, self._scored(choice.live), k, self.tokenizer.token_text
+                    ),
+                )
+                for choice, one in zip(choices, asked, strict=True)
+            ]
         except ApiError as error:
             self._withdraw(lives)
             self.metrics.responses[str(error.status)].inc()
@@ -663,8 +666,13 @@ class _Choice:
         rest, finish, stop_reason = self._ending()
         return self._chunk(rest or None, usage, finish_reason=finish, stop_reason=stop_reason)
 
-    def whole(self, echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]] | None) -> Choice:
-        """The choice whole, once its tokens are in (the echoed prompt before them)."""
+    def whole(
+        self,
+        echoed: tuple[str, list[tuple[int, TokenLogprobs | None]]] | None,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> Choice:
+        """The choice whole, once its tokens are in (the echoed prompt before them; `prompt_logprobs`: its prompt's
+        listing, where asked)."""
         rest, finish, stop_reason = self._ending()
         entries = [*(echoed[1] if echoed else []), *self.generated]
         return Choice(
@@ -674,6 +682,7 @@ class _Choice:
             logprobs=None if self.logprobs is None else self.logprobs.take(entries),
             token_ids=None if self.prompt_ids is None else tuple(token for token, _ in self.generated),
             prompt_token_ids=self.prompt_ids,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -17,9 +17,8 @@ token always belongs, tokens tied at the boundary all belong or none does, and
 `top_p = 1` keeps every token of non-zero probability (the draws are then the
 plain temperature sampler's, bit for bit: the filter is skipped).
 
-The order is vLLM's: `allowed_token_ids` (every other token's logit -inf); the `min_tokens` mask; `logit_bias`;
-the penalties, on the logits (a
-token of the prompt or of the output so far has a positive logit divided by
+The order is vLLM's: `allowed_token_ids` (every other token's logit -inf); the
+`min_tokens` mask; `logit_bias`; the penalties, on the logits (a token of the prompt or of the output so far has a positive logit divided by
 `repetition_penalty` and a negative one multiplied; each output token's logit
 loses `frequency_penalty` times its count and `presence_penalty` once); then
 greedy takes the argmax, and sampling divides by the temperature, drops the

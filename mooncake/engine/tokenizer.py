@@ -420,9 +420,11 @@ def _transformers_class(model_type: str | None, declared: str | None, byte_level
     return declared if declared in _CLASS_DEFAULTS else _AS_WRITTEN
 
 
-def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping[str, Any], path: Path) -> Any:
-    """The backend transformers v5's `klass` (Llama, Code Llama, Qwen2 or GPT-2) builds from `backend`'s vocabulary
-    and merges: the class's own model options, normalizer, pre-tokenizer and decoder (the module's docstring says
+def _rebuilt(
+    backend: Any, data: Mapping[str, Any], klass: str, config: Mapping[str, Any], named: Mapping[str, Any], path: Path
+) -> Any:
+    """The backend transformers v5's `klass` (Llama, Code Llama, Qwen2 or GPT-2) builds from the vocabulary and
+    merges of `data` (the tokenizer.json `backend` was loaded from): the class's own model options, normalizer, pre-tokenizer and decoder (the module's docstring says
     Llama's; Code Llama's prepends "▁" to the first piece whatever `legacy` says, and adds its infilling tokens),
     the file's post-processor, and the added tokens of `added_tokens_decoder` (else the file's).
 
@@ -433,7 +435,6 @@ def _rebuilt(backend: Any, klass: str, config: Mapping[str, Any], named: Mapping
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
 
-    data = json.loads(backend.to_str())
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise ConfigError(
@@ -524,9 +525,10 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     path = Path(directory).resolve()
-    try:
-        backend = Backend.from_file(str(path / "tokenizer.json"))
-    except Exception as error:  # tokenizers raises a bare Exception for a missing or malformed file
+    try:  # read once: the backend, the class choice and a rebuild all take this text
+        text = (path / "tokenizer.json").read_text(encoding="utf-8")
+        backend = Backend.from_str(text)
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed file; OSError: none there
         raise ConfigError(
             f"{path / 'tokenizer.json'} is not a readable tokenizer: {' '.join(str(error).split())}"
         ) from error
@@ -535,7 +537,6 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     config = _read_json(path / "tokenizer_config.json")
     legacy = _read_json(path / "special_tokens_map.json")
     model = _read_json(path / "config.json")
-    text = (path / "tokenizer.json").read_text(encoding="utf-8", errors="replace")
     declared = config.get("tokenizer_class") or model.get("tokenizer_class")
     klass = _transformers_class(
         model.get("model_type"), declared if isinstance(declared, str) else None, '"ByteLevel"' in text
@@ -549,7 +550,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         if named[name] is not None and not isinstance(named[name], str):
             raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not a token")
     if klass != _AS_WRITTEN:
-        backend = _rebuilt(backend, klass, config, named, path)
+        backend = _rebuilt(backend, json.loads(text), klass, config, named, path)
     tokens = {name: value for name, value in named.items() if value is not None}
     _add_special(backend, list(tokens.values()))
     bos = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
