@@ -13,11 +13,13 @@ reads the payload). With a host in its endpoint vLLM *connects*, so the
 subscriber *binds* (with ``*`` vLLM binds; then pass ``--connect``). PUB/SUB
 drops what a subscriber misses (a slow joiner loses the first batches), so the
 subscriber watches the sequence: on a jump it asks the replay endpoint, a ROUTER
-socket, for the batches from the first missing one. A request is one frame, the
+socket, for the batches from the first missing one, and it asks the same after
+each quiet second (a lost last batch shows no jump). A request is one frame, the
 start seq (8 bytes big-endian); the answer is one message per buffered batch,
 [seq, payload] (recent vLLM puts the topic first), then [-1 as 8 signed bytes,
 b""]. vLLM's own example asks with a REQ socket, which keeps only the first
-reply; the subscriber uses DEALER and writes the empty delimiter frame itself.
+reply; the subscriber uses DEALER and writes the empty delimiter frame itself,
+and reads the answer over its next polls (its caller's loop never waits on it).
 Batches the replay cannot supply are lost: the decoder starts a new epoch and the
 index forgets the source's holdings (they refill as vLLM stores blocks).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import signal
 import threading
@@ -70,8 +73,33 @@ class SubscriberStats:
     last_error: str = ""  # what the last unreadable batch said (a block size other than the hasher's, ...)
 
 
+@attrs.define
+class _Ask:
+    """A replay request in flight: the seq it asked from, the last live seq received before it was sent
+    (every batch up to that one was published, so the answer holds it unless the buffer dropped it), and
+    when its answer last moved."""
+
+    start: int
+    upto: int
+    heard_at: float
+
+
 class KvEventSubscriber:
-    """Receives one vLLM instance's batches and applies them to `index` in order.
+    """Receives one vLLM instance's batches and applies them to `index` in order, without blocking its caller.
+
+    Algorithm. Live batches in order are applied at once. A live batch past a gap is held and the replay
+    socket is asked for the batches from the next expected one; its answer streams in over later `poll`
+    calls and is applied as it comes, the held batches slotted in by number. When the answer ends (or is
+    silent for `replay_timeout_s`), what is still missing is lost: counted, a new epoch, the source's
+    holdings forgotten (they refill as vLLM stores blocks). Unless `catch_up_s` is None, the subscriber also
+    asks the replay socket after every quiet `catch_up_s` (and at its first poll): PUB/SUB drops what it
+    sends before a subscription arrives or while a connection is down, and a lost *last* batch shows no gap
+    until the server's next batch, so without the ask an idle server's newest blocks stayed unknown to the
+    index for as long as it stayed idle. An ask that finds nothing new is one short message each way.
+
+    Invariants: at most one replay request is in flight (a new socket replaces one whose answer timed
+    out, so a late answer cannot end the next); held batches are all above the next expected seq; a
+    batch is applied once (a replay overlapping what came live is a redelivery the decoder ignores).
 
     Args:
         endpoint: where vLLM publishes (bound unless `bind` is False; port ``*`` picks one).
@@ -82,6 +110,8 @@ class KvEventSubscriber:
         replay_timeout_s: how long a replay's answer may stay silent (it streams one message per batch: a long
             one, thousands of batches from a server that ran before this subscriber, is not cut off while its
             batches keep coming, which would lose them and forget the server's holdings).
+        catch_up_s: after this long with no live batch and no ask, ask the replay socket for what came
+            since (None: only on a gap).
     """
 
     def __init__(
@@ -94,17 +124,26 @@ class KvEventSubscriber:
         topic: str = "",
         bind: bool = True,
         replay_timeout_s: float = 2.0,
+        catch_up_s: float | None = 1.0,
     ) -> None:
         import zmq  # lazy: the library does not depend on pyzmq
 
         self._zmq = zmq
-        self.decoder, self.index, self.replay_timeout_s = decoder, index, replay_timeout_s
+        self.decoder, self.index = decoder, index
+        self.replay_timeout_s, self.catch_up_s = replay_timeout_s, catch_up_s
         self.stats = SubscriberStats()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._poller = zmq.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
         self._replay: zmq.Socket[bytes] | None = None
+        self._replay_endpoints: list[str] = []
+        self._ask: _Ask | None = None
+        self._held: dict[int, bytes] = {}  # live batches past a gap, by seq, waiting for the replay's answer
+        self._last_live = -1  # the seq of the last live batch (vLLM numbers its batches in publishing order)
+        self._quiet_since = -math.inf  # when the last live batch came or the last ask ended
         try:
             if bind:
                 self._sub.bind(endpoint)
@@ -120,27 +159,20 @@ class KvEventSubscriber:
 
     def connect_replay(self, replay_endpoint: str) -> None:
         """Ask `replay_endpoint` for missed batches from now on."""
+        self._replay_endpoints.append(replay_endpoint)
         if self._replay is None:
-            self._replay = self._ctx.socket(self._zmq.DEALER)
-            self._replay.setsockopt(self._zmq.LINGER, 0)
-        self._replay.connect(replay_endpoint)
+            self._open_replay()
+        else:
+            self._replay.connect(replay_endpoint)
 
     def poll(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for batches and handle every one waiting; returns how many."""
-        if not self._sub.poll(int(timeout_s * 1000)):
-            return 0
+        """Wait up to `timeout_s` for batches and handle every one waiting, live or replayed; returns how many."""
+        self._maybe_catch_up(time.monotonic())
         handled = 0
-        while True:
-            try:
-                frames = self._sub.recv_multipart(self._zmq.NOBLOCK)
-            except self._zmq.Again:
-                return handled
-            handled += 1
-            if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning("dropping a message of %d frames: not [topic, seq, payload]", len(frames))
-                self.stats.num_errors += 1
-                continue
-            self._feed(int.from_bytes(frames[1], "big"), frames[2], live=True)
+        if self._poller.poll(int(timeout_s * 1000)):
+            handled = self._read_replay() + self._read_live()
+        self._expire(time.monotonic())
+        return handled
 
     @property
     def closed(self) -> bool:
@@ -162,7 +194,127 @@ class KvEventSubscriber:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _feed(self, seq: int, payload: bytes, *, live: bool) -> None:
+    def _open_replay(self) -> None:
+        """A fresh DEALER connected to every replay endpoint (what an abandoned request's answer went to is gone)."""
+        if self._replay is not None:
+            self._poller.unregister(self._replay)
+            self._replay.close(linger=0)
+        self._replay = self._ctx.socket(self._zmq.DEALER)
+        self._replay.setsockopt(self._zmq.LINGER, 0)
+        for replay_endpoint in self._replay_endpoints:
+            self._replay.connect(replay_endpoint)
+        self._poller.register(self._replay, self._zmq.POLLIN)
+
+    def _read_live(self) -> int:
+        handled = 0
+        while True:
+            try:
+                frames = self._sub.recv_multipart(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return handled
+            handled += 1
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning("dropping a message of %d frames: not [topic, seq, payload]", len(frames))
+                self.stats.num_errors += 1
+                continue
+            self._quiet_since = time.monotonic()
+            self._receive(int.from_bytes(frames[1], "big"), frames[2])
+
+    def _receive(self, seq: int, payload: bytes) -> None:
+        """A live batch: applied if it is next (or below: a redelivery or a restart), else held for a replay."""
+        expected, after = self.decoder.expected_seq, self._last_live + 1
+        self._last_live = seq
+        if seq > expected and seq > after:
+            self.stats.num_gaps += 1  # a jump in the live numbers (not a batch behind one already held)
+        if seq > expected and self._replay is not None and (self._ask is not None or self._send_ask(expected)):
+            self._held[seq] = payload
+            return
+        epoch = self.decoder.epoch
+        self._apply(seq, payload)
+        if self.decoder.epoch != epoch and seq < expected:
+            self._held.clear()  # vLLM restarted: what was held is numbered as before the restart
+        self._release()
+
+    def _read_replay(self) -> int:
+        """Apply the replay answers waiting; the end marker ends the ask."""
+        if self._replay is None:
+            return 0
+        handled = 0
+        while True:
+            try:
+                frames = self._replay.recv_multipart(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return handled
+            if self._ask is None:
+                continue  # cannot happen: a timed-out ask's socket is replaced
+            self._ask.heard_at = time.monotonic()
+            if frames and frames[0] == b"":
+                frames = frames[1:]  # the delimiter DEALER leaves in
+            if len(frames) == 3:
+                frames = frames[1:]  # the topic recent vLLM sends first
+            if len(frames) != 2 or len(frames[0]) != 8:
+                continue
+            seq = int.from_bytes(frames[0], "big", signed=True)
+            if seq < 0 or not frames[1]:
+                self._end_ask(timed_out=False)
+                continue
+            if seq < self.decoder.expected_seq:
+                continue  # applied already (it came live, or the ask started below it)
+            handled += 1
+            if seq not in self._held:
+                self.stats.num_replayed += 1
+            self._held[seq] = frames[1]
+            # The answer comes in seq order: what is below `seq` and still missing is not in the buffer.
+            for below in sorted(held for held in self._held if held <= seq):
+                self._apply(below, self._held.pop(below))
+            self._release()
+
+    def _maybe_catch_up(self, now: float) -> None:
+        if self.catch_up_s is None or self._replay is None or self._ask is not None:
+            return
+        if now - self._quiet_since >= self.catch_up_s:
+            self._send_ask(self.decoder.expected_seq)
+
+    def _send_ask(self, start: int) -> bool:
+        """Ask the replay socket for the batches from `start`; False when the request cannot be queued."""
+        assert self._replay is not None
+        try:
+            self._replay.send_multipart([b"", start.to_bytes(8, "big")], self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            return False
+        self._ask = _Ask(start=start, upto=self._last_live, heard_at=time.monotonic())
+        return True
+
+    def _expire(self, now: float) -> None:
+        if self._ask is not None and now - self._ask.heard_at > self.replay_timeout_s:
+            # Only a loss is worth a warning: an idle server that is down leaves every catch-up ask unanswered.
+            level = logging.WARNING if self._held else logging.DEBUG
+            log.log(level, "the replay socket of %s was silent for %.1f s", self.decoder.source, self.replay_timeout_s)
+            self._open_replay()
+            self._end_ask(timed_out=True)
+
+    def _end_ask(self, *, timed_out: bool) -> None:
+        """The answer is whole (or abandoned): held batches past what it supplied follow a loss, unless they
+        were published after the ask was sent; then the replay is asked again."""
+        ask, self._ask = self._ask, None
+        assert ask is not None
+        self._quiet_since = time.monotonic()
+        self._release()
+        while self._held:
+            first = min(self._held)
+            if first > ask.upto and not timed_out and self._send_ask(self.decoder.expected_seq):
+                return
+            self._apply(first, self._held.pop(first))
+            self._release()
+
+    def _release(self) -> None:
+        """Apply the held batches that are next in order."""
+        while (seq := self.decoder.expected_seq) in self._held:
+            self._apply(seq, self._held.pop(seq))
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        """Apply one batch; one past a gap first counts the batches before it lost."""
+        redelivered = self.decoder.num_redelivered
         try:
             result = self.decoder.decode(payload, seq=seq)
         except (VllmEventError, UnknownBlockError) as error:
@@ -172,16 +324,12 @@ class KvEventSubscriber:
             self._lose(seq + 1)
             return
         if isinstance(result, SequenceGap):
-            self.stats.num_gaps += 1
-            if live and self._replay is not None:
-                for replay_seq, replay_payload in self._fetch_replay(result.expected_seq, seq):
-                    self.stats.num_replayed += 1
-                    self._feed(replay_seq, replay_payload, live=False)
-            if self.decoder.expected_seq != seq:
-                self.stats.num_lost += seq - self.decoder.expected_seq
-                self._lose(seq)
-            self._feed(seq, payload, live=False)
+            self.stats.num_lost += seq - self.decoder.expected_seq
+            self._lose(seq)
+            self._apply(seq, payload)
             return
+        if self.decoder.num_redelivered != redelivered:
+            return  # applied before (a replay overlapped what came live)
         for event in result:
             if self.index.apply(event) is not None:  # cannot happen: the decoder numbers events in order
                 self._lose(seq + 1)
@@ -193,30 +341,7 @@ class KvEventSubscriber:
         """Accept that batches before `next_seq` are gone: a new epoch, and the source's holdings forgotten."""
         self.decoder.skip_to(next_seq)
         self.index.resync(self.decoder.source, {}, epoch=self.decoder.epoch, seq=-1)
-
-    def _fetch_replay(self, start: int, stop: int) -> list[tuple[int, bytes]]:
-        """Batches start <= seq < stop from the replay socket, in order (those it still buffers)."""
-        assert self._replay is not None
-        while self._replay.poll(0):  # answers to an earlier request that timed out
-            self._replay.recv_multipart()
-        self._replay.send_multipart([b"", start.to_bytes(8, "big")])
-        found: dict[int, bytes] = {}
-        deadline = time.monotonic() + self.replay_timeout_s
-        while (left := deadline - time.monotonic()) > 0 and self._replay.poll(max(1, int(left * 1000))):
-            frames = self._replay.recv_multipart()
-            deadline = time.monotonic() + self.replay_timeout_s  # a silence ends it, not a long answer
-            if frames and frames[0] == b"":
-                frames = frames[1:]  # the delimiter DEALER leaves in
-            if len(frames) == 3:
-                frames = frames[1:]  # the topic recent vLLM sends first
-            if len(frames) != 2 or len(frames[0]) != 8:
-                continue
-            replay_seq = int.from_bytes(frames[0], "big", signed=True)
-            if replay_seq < 0 or not frames[1]:
-                break  # the end marker
-            if start <= replay_seq < stop:
-                found[replay_seq] = frames[1]
-        return sorted(found.items())
+        self._held = {seq: payload for seq, payload in self._held.items() if seq >= next_seq}
 
 
 class KvEventPublisher:

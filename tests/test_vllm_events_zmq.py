@@ -80,10 +80,10 @@ def setup() -> Iterator[Callable[..., tuple[Any, Any, BlockIndex, BlockIndex, An
     """Makes (publisher, subscriber, direct index, fed index, cache) and closes them afterwards."""
     opened: list[Any] = []
 
-    def make(*, replay: bool = True) -> tuple[Any, Any, BlockIndex, BlockIndex, Any]:
+    def make(*, replay: bool = True, catch_up_s: float | None = None) -> tuple[Any, Any, BlockIndex, BlockIndex, Any]:
         fed, direct = BlockIndex(), BlockIndex()
         subscriber = example.KvEventSubscriber(
-            LOOPBACK, decoder=VllmEventDecoder(HASHER, SOURCE, strict=False), index=fed
+            LOOPBACK, decoder=VllmEventDecoder(HASHER, SOURCE, strict=False), index=fed, catch_up_s=catch_up_s
         )
         opened.append(subscriber)
         publisher = LossyPublisher(
@@ -153,6 +153,18 @@ def test_without_replay_a_loss_forgets_the_source(setup: Callable[..., Any]) -> 
     assert all(f <= d for f, d in zip(answers(fed, SOURCE, chains), answers(direct, cache.source, chains), strict=True))
 
 
+def test_an_idle_servers_lost_last_batch_comes_by_catching_up(setup: Callable[..., Any]) -> None:
+    """The wire drops a server's last batch and the server then stays idle: no later batch shows the gap, so
+    the subscriber's ask after a quiet `catch_up_s` brings the batch from the replay socket; nothing is lost
+    and the fed index answers as the cache's own does (without the ask it waited for the next request)."""
+    publisher, subscriber, direct, fed, cache = setup(catch_up_s=0.2)
+    connect(publisher, subscriber)
+    publisher.drop_ahead(2)  # the last of three
+    chains = publish_prompts(publisher, subscriber, cache, direct, num_prompts=3)
+    assert (subscriber.stats.num_gaps, subscriber.stats.num_lost, subscriber.stats.num_errors) == (0, 0, 0)
+    assert answers(fed, SOURCE, chains) == answers(direct, cache.source, chains)
+
+
 def test_the_replay_socket_answers_as_vllms_does(setup: Callable[..., Any]) -> None:
     """A request [b"", start seq] gets [b"", seq, payload] for each buffered batch from start on, then
     [b"", -1 as 8 signed bytes, b""]."""
@@ -180,16 +192,20 @@ def test_the_replay_socket_answers_as_vllms_does(setup: Callable[..., Any]) -> N
 
 
 @contextlib.contextmanager
-def driven_by_hand(index: BlockIndex, serve: Callable[[Any], None], **options: Any) -> Iterator[tuple[Any, Any]]:
+def driven_by_hand(
+    index: BlockIndex, serve: Callable[[Any, threading.Event], None], **options: Any
+) -> Iterator[tuple[Any, Any]]:
     """A subscriber fed `index` as vLLM would feed it: from an XPUB socket (so the test sees the subscription
-    arrive) and a ROUTER replay socket that `serve(router)` answers on a thread; yields (subscriber, xpub) once
-    the subscription shows. `options` go to the subscriber (its `topic`, its `replay_timeout_s`)."""
+    arrive) and a ROUTER replay socket that `serve(router, stop)` answers on a thread until `stop` is set;
+    yields (subscriber, xpub) once the subscription shows. `options` go to the subscriber (its `topic`, its
+    `replay_timeout_s`; `catch_up_s` is None unless given, so that only a gap asks the replay socket)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     xpub = ctx.socket(zmq.XPUB)
+    stop = threading.Event()
     try:
         router.bind(LOOPBACK)
-        server = threading.Thread(target=serve, args=(router,))
+        server = threading.Thread(target=serve, args=(router, stop))
         server.start()
         try:
             with example.KvEventSubscriber(
@@ -197,7 +213,7 @@ def driven_by_hand(index: BlockIndex, serve: Callable[[Any], None], **options: A
                 decoder=VllmEventDecoder(HASHER, SOURCE),
                 index=index,
                 replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
-                **options,
+                **{"catch_up_s": None, **options},
             ) as subscriber:
                 xpub.connect(subscriber.endpoint)
                 # A bound SUB takes a new peer while its owner calls into it: poll both until the subscription shows.
@@ -205,6 +221,7 @@ def driven_by_hand(index: BlockIndex, serve: Callable[[Any], None], **options: A
                 assert xpub.recv() == b"\x01" + options.get("topic", "").encode()
                 yield subscriber, xpub
         finally:
+            stop.set()
             server.join(timeout=10)
     finally:
         for socket in (router, xpub):
@@ -223,7 +240,7 @@ def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
     requests: list[int] = []
     index = BlockIndex()
 
-    def serve_one(router: Any) -> None:
+    def serve_one(router: Any, _stop: threading.Event) -> None:
         if router.poll(10_000):
             identity, _, start = router.recv_multipart()
             requests.append(int.from_bytes(start, "big"))
@@ -252,7 +269,7 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
     ]
     index = BlockIndex()
 
-    def serve_slowly(router: Any) -> None:
+    def serve_slowly(router: Any, _stop: threading.Event) -> None:
         if router.poll(10_000):
             identity, _, _start = router.recv_multipart()
             for seq in (0, 1, 2):
@@ -266,6 +283,104 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
         wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 4, "the batches")
         assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
     assert index.match(keys).length(SOURCE) == len(keys) >= 3  # batches 0-2 stored one block each
+
+
+def answering(
+    batches: dict[int, bytes], asked: list[int], *, first_waits_for: threading.Event | None = None
+) -> Callable[[Any, threading.Event], None]:
+    """A replay socket as vLLM's: each request's answer is the batches of `batches` from its start seq as they
+    stand when it comes (a test may add later ones), then the end marker; each start seq goes to `asked`. With
+    `first_waits_for`, the first answer is sent only once that is set (its content is fixed before)."""
+
+    def serve(router: Any, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            identity, _, start = router.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            answer = [(seq, batches[seq]) for seq in sorted(batches) if seq >= asked[-1]]
+            if first_waits_for is not None and len(asked) == 1:
+                while not first_waits_for.wait(0.02):
+                    if stop.is_set():
+                        return
+            for seq, payload in answer:
+                router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+            router.send_multipart([identity, b"", example.END_SEQ, b""])
+
+    return serve
+
+
+def one_block_batches(count: int, seed: int) -> tuple[list[Any], list[bytes]]:
+    """A prompt's keys and `count` batches, batch i storing block i."""
+    encoder = VllmEventEncoder(HASHER)
+    keys = encoder.register(example.synthetic_prompts(1, seed=seed)[0])
+    assert len(keys) >= count
+    batches = [
+        encoder.encode([BlockStored(source=SOURCE, seq=i, keys=keys[i : i + 1], tier=Tier.VRAM)], ts=float(i))
+        for i in range(count)
+    ]
+    return keys[:count], batches
+
+
+def test_a_subscriber_started_late_learns_what_the_server_holds_before_its_next_batch() -> None:
+    """The server published batches 0 and 1 before the subscriber started and publishes nothing after: the
+    subscriber's first poll asks the replay socket, and both reach the index with no gap seen."""
+    keys, batches = one_block_batches(2, seed=4)
+    asked: list[int] = []
+    index = BlockIndex()
+    with driven_by_hand(index, answering(dict(enumerate(batches)), asked), catch_up_s=5.0) as (subscriber, _xpub):
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "the history")
+        assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (0, 2, 0)
+    assert asked == [0]
+    assert index.match(keys).length(SOURCE) == len(keys)
+
+
+def test_a_gap_never_blocks_the_poll() -> None:
+    """Batch 0 is lost on the wire and the replay socket answers only when the test lets it: meanwhile every
+    poll returns at once (a router's event loop goes on serving), batches 1 and 2 wait, and once the answer
+    comes all three apply in order."""
+    keys, batches = one_block_batches(3, seed=5)
+    asked: list[int] = []
+    go = threading.Event()
+    index = BlockIndex()
+    with driven_by_hand(index, answering({0: batches[0]}, asked, first_waits_for=go)) as (subscriber, xpub):
+        for seq in (1, 2):
+            xpub.send_multipart([b"", seq.to_bytes(8, "big"), batches[seq]])
+        slowest, end = 0.0, time.monotonic() + 0.5
+        while time.monotonic() < end or subscriber.stats.num_gaps == 0:
+            started = time.monotonic()
+            subscriber.poll(0)
+            slowest = max(slowest, time.monotonic() - started)
+            assert time.monotonic() < end + 10, "the gap was never seen"
+        assert slowest < 0.25 and subscriber.decoder.expected_seq == 0  # nothing applied out of order
+        go.set()
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 3, "the batches")
+        assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
+        assert subscriber.stats.num_batches == 3
+    assert asked == [0]
+    assert index.match(keys).length(SOURCE) == 3
+
+
+def test_a_gap_seen_while_an_ask_is_out_is_asked_for_again() -> None:
+    """The subscriber's first ask reaches the server before batch 0 is published, and its answer comes after
+    batch 1 arrived live past the lost batch 0: that answer could not hold batch 0, so the subscriber asks
+    again rather than count it lost."""
+    keys, batches = one_block_batches(2, seed=6)
+    asked: list[int] = []
+    published: dict[int, bytes] = {}
+    go = threading.Event()
+    index = BlockIndex()
+    serve = answering(published, asked, first_waits_for=go)
+    with driven_by_hand(index, serve, catch_up_s=5.0) as (subscriber, xpub):
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [0], "the first ask")
+        published[0] = batches[0]  # lost on the wire
+        xpub.send_multipart([b"", (1).to_bytes(8, "big"), batches[1]])
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.stats.num_gaps == 1, "the gap")
+        go.set()
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
+        assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 0)
+    assert asked == [0, 0]
+    assert index.match(keys).length(SOURCE) == 2
 
 
 def test_loopback_command(capsys: pytest.CaptureFixture[str]) -> None:

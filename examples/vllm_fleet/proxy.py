@@ -235,7 +235,7 @@ class VllmRouter:
                 self.fleet.close()
 
     async def _event_loop(self) -> None:
-        """Apply the servers' KV events as they come (every few ms; a replay blocks the loop at most its timeout)."""
+        """Apply the servers' KV events as they come (every few ms; a replay's answer is read over later polls, never waited on)."""
         assert self.fleet is not None
         while True:
             if not self.fleet.poll_events():

@@ -5,7 +5,8 @@ to the router, run for the module (`vllm_fleet.servers`: loopback only, every pr
 end). Each test starts its own router in front of them (it binds the events endpoints; a new router rebuilds
 its index from the servers' replay sockets). They prove: the router's index mirrors each server's cache
 (the prefix it expects each request to find is what the server reports as cached, and the sums agree with
-the servers' own `vllm:prefix_cache_hits_total`); requests sharing a long prefix go to the server holding
+the servers' own `vllm:prefix_cache_hits_total`); a router started after a server served knows that server's
+cache before any request passes through it; requests sharing a long prefix go to the server holding
 it; the `openai` client streams completions and chats through the router; a burst beyond the TTFT
 objective is answered 429 with Retry-After; bad configuration (another block size, another tokenizer, a
 server that is not there) stops the start with a message naming it; the routing benchmark measures each
@@ -102,6 +103,20 @@ def test_the_index_mirrors_each_servers_cache(servers: VllmFleet, model: Path) -
     assert all(held[instance] > 0 for instance in served)  # the blocks of the prompts each server took
     for url, hits in expected.items():
         assert server_hits(url) - before[url] == hits
+
+
+def test_a_router_started_after_a_server_served_knows_its_cache_before_any_request(
+    servers: VllmFleet, model: Path
+) -> None:
+    """A prompt served straight by a server while no router runs (its KV events go nowhere): the router's first
+    polls ask each server's replay socket, so its index holds the prompt's blocks on that server with no request
+    through the router (before, a router learnt a server's earlier cache only from the server's next batch)."""
+    server = next(iter(servers))
+    prompt = words(300, seed=4000)
+    answer = complete(server.url, prompt)
+    assert answer.status_code == 200, answer.text
+    with RunningRouter(config(servers, model)) as running:
+        assert index_holds(running, "vllm-0", prompt, answer.json()["usage"]["prompt_tokens"] // BLOCK - 1)
 
 
 def index_holds(running: RunningRouter, instance: str, prompt: str, blocks: int, timeout_s: float = 15.0) -> bool:
