@@ -100,12 +100,21 @@ def test_sampling_benchmark_prints_its_figures() -> None:
     """The sampling benchmark (a small vocabulary) prints each case's cost per token and its ratio to the plain
     draw, all positive."""
     result = run_json("benchmarks/sampling.py", "--vocab", "2000", "--prompt-tokens", "100", "--tokens", "3")
-    cases = {"greedy", "plain", "top_k_min_p", "penalties", "logprobs_5", "logprobs_5_sorted_peer"}
+    cases = {
+        "greedy",
+        "plain",
+        "top_k_min_p",
+        "penalties",
+        "plain_previous_peer",
+        "logprobs_5",
+        "logprobs_5_sorted_peer",
+    }
     for key in ("ms_per_token", "ratio_to_plain"):
         figures = result[key]
         assert isinstance(figures, dict) and set(figures) == cases, key
         assert all(isinstance(v, float) and v > 0 for v in figures.values()), key
     assert isinstance(result["logprobs_speedup_over_sorted_peer"], float)
+    assert isinstance(result["plain_speedup_over_previous_peer"], float)
 
 
 def test_demo_runs(tmp_path: Path) -> None:

@@ -5,14 +5,18 @@ token sequence, whatever other samplers draw in between (a request's tokens do
 not depend on its batch); a token of zero probability is never drawn; a very
 low temperature is greedy; no stop token is drawn before `min_tokens`. Nucleus sampling: the mask equals its definition
 (the mass strictly above a token is below top_p) computed by brute force, a draw
-never leaves the nucleus, top_p = 1 draws exactly what plain sampling draws.
+never leaves the nucleus, top_p = 1 draws exactly what plain sampling draws. A draw is
+the token at a uniform of the cumulative distribution (`invert`, by brute force in
+exact fractions); seeded draws over 64 tokens follow their probabilities.
 Log-probabilities: the float32 log-softmax of the raw logits, the rank and the
 k most probable by their definitions; asking for them changes no draw.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from fractions import Fraction
 
 import attrs
 import pytest
@@ -28,6 +32,7 @@ from mooncake.engine.sampling import (
     MAX_SEED,
     Sampler,
     SamplingParams,
+    invert,
     nucleus,
     rows_logprobs,
     stream_seed,
@@ -208,7 +213,7 @@ def mass_above(probabilities: list[float], token: int) -> float:
 def test_nucleus_is_its_definition(values: list[int], top_p: float) -> None:
     """The mask keeps token i iff the mass strictly above it is below top_p, by brute force; small integer logits
     give ties, which are kept or dropped together; the most probable token is always kept. Vocabularies past
-    the 32 tokens the nucleus is first looked for among, with flat logits, make it look further (doubling)."""
+    one octave of probability, with flat logits, put many candidates in the octave where the nucleus ends."""
     probabilities = torch.softmax(torch.tensor(values, dtype=torch.float32), dim=-1)
     mask = nucleus(probabilities, top_p).tolist()
     exact = probabilities.double().tolist()
@@ -279,15 +284,51 @@ def test_the_largest_seed_is_accepted() -> None:
 
 
 def test_output_token_k_is_drawn_from_a_generator_seeded_with_stream_seed_of_k() -> None:
-    """The documented stream: token k is torch.multinomial over softmax(logits / T) with a generator seeded
-    stream_seed(seed, k). Over uniform logits of 1,024 tokens a stream shifted by one position disagrees."""
+    """The documented stream: token k is the token at u of the cumulative softmax(logits / T), u the first
+    float64 uniform of a generator seeded stream_seed(seed, k); over uniform logits of 1,024 tokens that is
+    floor(1024 u). A stream shifted by one position disagrees."""
     seed = 1234
     uniform = torch.zeros(1024)
     sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
     for k in range(4):
         generator = torch.Generator().manual_seed(stream_seed(seed, k))
-        expected = int(torch.multinomial(torch.full((1024,), 1 / 1024, dtype=torch.float64), 1, generator=generator))
+        expected = math.floor(1024 * float(torch.rand((), dtype=torch.float64, generator=generator)))
         assert sampler.next_token(uniform) == expected
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 0.0, 1e-300, 0.5, 1.0, 3.0, 1e6]), min_size=1, max_size=40).filter(any),
+    st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+)
+def test_invert_is_the_first_token_whose_cumulative_mass_exceeds_u_of_the_total(
+    masses: list[float], uniform: float
+) -> None:
+    """By brute force in exact fractions (away from a boundary, where rounding may tip it): the first token
+    whose cumulative mass exceeds u times the total; never a token of zero mass, at u = 0 the first of
+    non-zero mass, and the draw never moves back as u grows."""
+    probabilities = torch.tensor(masses, dtype=torch.float64)
+    token = invert(probabilities, uniform)
+    assert masses[token] > 0
+    boundaries = list(itertools.accumulate(Fraction(mass) for mass in masses))
+    target = Fraction(uniform) * boundaries[-1]
+    if all(abs(boundary - target) > boundaries[-1] / 10**9 for boundary in boundaries):
+        assert token == next(index for index, boundary in enumerate(boundaries) if boundary > target)
+    assert invert(probabilities, 0.0) == next(index for index, mass in enumerate(masses) if mass > 0)
+    assert invert(probabilities, min(uniform * 2, math.nextafter(1.0, 0.0))) >= token
+
+
+def test_draws_follow_the_distribution_over_a_wide_vocabulary() -> None:
+    """4,000 seeded draws over 64 tokens of unequal probability (and 64 of zero): every count within 5
+    standard deviations of its expectation, and no zero-probability token drawn."""
+    logits = torch.cat((torch.linspace(0.0, 3.0, 64), torch.full((64,), -math.inf)))
+    probabilities = torch.softmax(logits.double(), dim=-1)
+    counts = [0] * 128
+    for seed in range(4000):
+        counts[Sampler(SamplingParams(temperature=1.0, seed=seed)).next_token(logits)] += 1
+    assert sum(counts[64:]) == 0
+    for token in range(64):
+        mean = 4000 * float(probabilities[token])
+        assert abs(counts[token] - mean) <= 5 * math.sqrt(mean * (1 - float(probabilities[token]))), token
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324])
