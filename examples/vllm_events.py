@@ -12,16 +12,19 @@ frames, [topic, seq as 8 bytes big-endian, payload] (`mooncake.cache.vllm_wire`
 reads the payload). With a host in its endpoint vLLM *connects*, so the
 subscriber *binds* (with ``*`` vLLM binds; then pass ``--connect``). PUB/SUB
 drops what a subscriber misses (a slow joiner loses the first batches), so the
-subscriber watches the sequence: on a jump it asks the replay endpoint, a ROUTER
-socket, for the batches from the first missing one, and it asks the same after
-each quiet second (a lost last batch shows no jump). A request is one frame, the
+subscriber watches the sequence: when batches wait behind a missing one it asks
+the replay endpoint, a ROUTER socket, for the batches from the missing one on,
+and it asks the same at its first poll and after each quiet second (a lost last
+batch leaves nothing waiting). A request is one frame, the
 start seq (8 bytes big-endian); the answer is one message per buffered batch,
 [seq, payload] (recent vLLM puts the topic first), then [-1 as 8 signed bytes,
 b""]. vLLM's own example asks with a REQ socket, which keeps only the first
 reply; the subscriber uses DEALER and writes the empty delimiter frame itself,
-and reads the answer over its next polls (its caller's loop never waits on it).
-Batches the replay cannot supply are lost: the decoder starts a new epoch and the
-index forgets the source's holdings (they refill as vLLM stores blocks).
+and reads the answer over its next polls, a bounded share each (its caller's
+loop never waits on it). A batch that an answer beginning past it shows the
+buffer no longer has, or that three asks did not bring, is lost: the decoder
+starts a new epoch and the index forgets the source's holdings (they refill as
+vLLM stores blocks).
 
 Subcommands:
 
@@ -62,7 +65,14 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 @attrs.define
 class SubscriberStats:
-    """What the subscriber has seen: batches applied, events, gaps, replayed and lost batches, bad ones."""
+    """What the subscriber has seen.
+
+    num_batches/num_events: batches applied (live or replayed) and the events they made; num_gaps: batches
+    found missing behind later ones (each asked of the replay socket, or counted lost without one);
+    num_replayed: batches applied from replay answers (a gap filled, a catch-up, a running server's
+    history); num_lost: batches given up (their numbers skipped: a new epoch, the source's holdings
+    forgotten); num_errors/last_error: unreadable messages and batches.
+    """
 
     num_batches: int = 0
     num_events: int = 0
@@ -73,33 +83,50 @@ class SubscriberStats:
     last_error: str = ""  # what the last unreadable batch said (a block size other than the hasher's, ...)
 
 
+MAX_ASKS = 3  # asks for one missing batch before it is given up (an answer can lose messages on the way)
+APPLY_BUDGET_S = 0.005  # how long one poll applies batches (one at least): a long history spreads over polls
+READ_PER_POLL = 256  # replay messages one poll reads at most (the rest wait in the socket's unbounded queue)
+
+
 @attrs.define
 class _Ask:
-    """A replay request in flight: the seq it asked from, the last live seq received before it was sent
-    (every batch up to that one was published, so the answer holds it unless the buffer dropped it), and
-    when its answer last moved."""
+    """A replay request: when its answer last moved, which try it is for the batch missing, and what its
+    answer brought (the first and last seq, whether it skipped one: a message dropped on the way)."""
 
-    start: int
-    upto: int
     heard_at: float
+    tries: int = 1
+    first: int | None = None
+    last: int | None = None
+    broken: bool = False
+    ended: bool = False
 
 
 class KvEventSubscriber:
-    """Receives one vLLM instance's batches and applies them to `index` in order, without blocking its caller.
+    """Receives one vLLM instance's batches and applies them to `index` in order, a bounded amount per poll.
 
-    Algorithm. Live batches in order are applied at once. A live batch past a gap is held and the replay
-    socket is asked for the batches from the next expected one; its answer streams in over later `poll`
-    calls and is applied as it comes, the held batches slotted in by number. When the answer ends (or is
-    silent for `replay_timeout_s`), what is still missing is lost: counted, a new epoch, the source's
-    holdings forgotten (they refill as vLLM stores blocks). Unless `catch_up_s` is None, the subscriber also
-    asks the replay socket after every quiet `catch_up_s` (and at its first poll): PUB/SUB drops what it
-    sends before a subscription arrives or while a connection is down, and a lost *last* batch shows no gap
-    until the server's next batch, so without the ask an idle server's newest blocks stayed unknown to the
-    index for as long as it stayed idle. An ask that finds nothing new is one short message each way.
+    Algorithm. Every batch received, live or from a replay answer, waits in `pending` by its seq; a poll
+    applies those next in order (for at most `APPLY_BUDGET_S` past the first, so a long history never
+    stalls the caller's loop) after reading every message waiting on both sockets (unread, vLLM's ROUTER drops what its send
+    buffer cannot hold). When batches wait behind a missing one, the replay socket is asked for the
+    batches from the missing one on; its answer streams in over later polls. Once the answer has ended
+    (or stayed silent for `replay_timeout_s`: abandoned, on a fresh socket so that a late answer cannot
+    end the next) without the missing batch, the batch is given up (counted lost, a new epoch, the
+    source's holdings forgotten; they refill as vLLM stores blocks) if the answer began past it (the
+    buffer no longer has it), else asked for again, up to `MAX_ASKS` tries (it was published after the
+    answer, or a message was dropped on the way). Unless `catch_up_s` is None the subscriber also asks
+    after every quiet `catch_up_s` and at its first poll: PUB/SUB drops what it sends before a
+    subscription arrives or while a connection is down, and a lost *last* batch shows no gap until the
+    server's next batch, so an idle server's newest blocks stayed unknown to the index for as long as it
+    stayed idle. An ask that finds nothing new is one short message each way.
 
-    Invariants: at most one replay request is in flight (a new socket replaces one whose answer timed
-    out, so a late answer cannot end the next); held batches are all above the next expected seq; a
-    batch is applied once (a replay overlapping what came live is a redelivery the decoder ignores).
+    A decoder that starts a new epoch behind the subscriber's back (the fleet's `decoder.restart()` when a
+    server goes down; a live batch below the expected seq that is no redelivery: vLLM restarted) makes
+    everything pending and any ask in flight stale: they are dropped and the replay socket is asked at once
+    from the new expected seq (a server that only blipped gives its batches back).
+
+    Invariants: every pending batch is numbered at or above the decoder's expected seq in its current
+    epoch; at most one ask is in flight; a batch is applied once (a replayed copy of one applied is
+    dropped, a live one is a redelivery the decoder ignores).
 
     Args:
         endpoint: where vLLM publishes (bound unless `bind` is False; port ``*`` picks one).
@@ -109,9 +136,9 @@ class KvEventSubscriber:
         topic: the topic subscribed to ("" is every topic).
         replay_timeout_s: how long a replay's answer may stay silent (it streams one message per batch: a long
             one, thousands of batches from a server that ran before this subscriber, is not cut off while its
-            batches keep coming, which would lose them and forget the server's holdings).
-        catch_up_s: after this long with no live batch and no ask, ask the replay socket for what came
-            since (None: only on a gap).
+            batches keep coming).
+        catch_up_s: after this long with no live batch, nothing pending and no ask, ask the replay socket for
+            what came since (None: only for a gap).
     """
 
     def __init__(
@@ -141,8 +168,9 @@ class KvEventSubscriber:
         self._replay: zmq.Socket[bytes] | None = None
         self._replay_endpoints: list[str] = []
         self._ask: _Ask | None = None
-        self._held: dict[int, bytes] = {}  # live batches past a gap, by seq, waiting for the replay's answer
-        self._last_live = -1  # the seq of the last live batch (vLLM numbers its batches in publishing order)
+        self._pending: dict[int, tuple[bytes, bool]] = {}  # seq → (payload, whether a replay brought it)
+        self._epoch = decoder.epoch  # the decoder's epoch that `_pending` and `_ask` are numbered in
+        self._missing: int | None = None  # the seq last found missing behind pending batches (counted once)
         self._quiet_since = -math.inf  # when the last live batch came or the last ask ended
         try:
             if bind:
@@ -166,13 +194,17 @@ class KvEventSubscriber:
             self._replay.connect(replay_endpoint)
 
     def poll(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for batches and handle every one waiting, live or replayed; returns how many."""
+        """Wait up to `timeout_s` for messages (not at all while batches are ready), read every one waiting,
+        and apply the batches next in order; returns how many batches it applied or dropped unread."""
+        if self.decoder.epoch != self._epoch:
+            self._forget_numbering()
         self._maybe_catch_up(time.monotonic())
+        ready = self.decoder.expected_seq in self._pending
         handled = 0
-        if self._poller.poll(int(timeout_s * 1000)):
-            handled = self._read_replay() + self._read_live()
-        self._expire(time.monotonic())
-        return handled
+        if self._poller.poll(0 if ready else int(timeout_s * 1000)):
+            self._read_replay()
+            handled = self._read_live()
+        return handled + self._settle(time.monotonic())
 
     @property
     def closed(self) -> bool:
@@ -195,59 +227,66 @@ class KvEventSubscriber:
         self.close()
 
     def _open_replay(self) -> None:
-        """A fresh DEALER connected to every replay endpoint (what an abandoned request's answer went to is gone)."""
+        """A fresh DEALER connected to every replay endpoint (an abandoned ask's answer goes to the old one)."""
         if self._replay is not None:
             self._poller.unregister(self._replay)
             self._replay.close(linger=0)
         self._replay = self._ctx.socket(self._zmq.DEALER)
         self._replay.setsockopt(self._zmq.LINGER, 0)
+        self._replay.setsockopt(self._zmq.RCVHWM, 0)  # a long answer queues here rather than being dropped
         for replay_endpoint in self._replay_endpoints:
             self._replay.connect(replay_endpoint)
         self._poller.register(self._replay, self._zmq.POLLIN)
 
+    def _forget_numbering(self) -> None:
+        """The decoder's numbering changed under `_pending` and the ask: drop both, and ask again at once."""
+        self._epoch = self.decoder.epoch
+        self._pending.clear()
+        self._missing = None
+        if self._replay is not None:
+            if self._ask is not None:
+                self._open_replay()
+            self._send_ask(tries=1)
+
     def _read_live(self) -> int:
+        """Take every live batch waiting: those below the expected seq to the decoder at once (a redelivery, or
+        vLLM restarted), the others into `_pending`; returns how many were applied or dropped."""
         handled = 0
         while True:
             try:
                 frames = self._sub.recv_multipart(self._zmq.NOBLOCK)
             except self._zmq.Again:
                 return handled
-            handled += 1
             if len(frames) != 3 or len(frames[1]) != 8:
                 log.warning("dropping a message of %d frames: not [topic, seq, payload]", len(frames))
                 self.stats.num_errors += 1
+                handled += 1
                 continue
             self._quiet_since = time.monotonic()
-            self._receive(int.from_bytes(frames[1], "big"), frames[2])
+            seq, payload = int.from_bytes(frames[1], "big"), frames[2]
+            if seq >= self.decoder.expected_seq:
+                self._pending[seq] = (payload, False)
+                continue
+            handled += 1
+            applied = self._apply(seq, payload)
+            if self.decoder.epoch != self._epoch:  # a restart: batch `seq` of the new numbering
+                self._forget_numbering()
+                if not applied:  # its batches before it were lost on the wire: they are asked for
+                    self._pending[seq] = (payload, False)
 
-    def _receive(self, seq: int, payload: bytes) -> None:
-        """A live batch: applied if it is next (or below: a redelivery or a restart), else held for a replay."""
-        expected, after = self.decoder.expected_seq, self._last_live + 1
-        self._last_live = seq
-        if seq > expected and seq > after:
-            self.stats.num_gaps += 1  # a jump in the live numbers (not a batch behind one already held)
-        if seq > expected and self._replay is not None and (self._ask is not None or self._send_ask(expected)):
-            self._held[seq] = payload
-            return
-        epoch = self.decoder.epoch
-        self._apply(seq, payload)
-        if self.decoder.epoch != epoch and seq < expected:
-            self._held.clear()  # vLLM restarted: what was held is numbered as before the restart
-        self._release()
-
-    def _read_replay(self) -> int:
-        """Apply the replay answers waiting; the end marker ends the ask."""
+    def _read_replay(self) -> None:
+        """Take up to `READ_PER_POLL` replay messages waiting into `_pending` (read, not applied)."""
         if self._replay is None:
-            return 0
-        handled = 0
-        while True:
+            return
+        for _ in range(READ_PER_POLL):
             try:
                 frames = self._replay.recv_multipart(self._zmq.NOBLOCK)
             except self._zmq.Again:
-                return handled
-            if self._ask is None:
-                continue  # cannot happen: a timed-out ask's socket is replaced
-            self._ask.heard_at = time.monotonic()
+                return
+            ask = self._ask
+            if ask is None or ask.ended:
+                continue  # cannot happen: an abandoned ask's socket is replaced
+            ask.heard_at = time.monotonic()
             if frames and frames[0] == b"":
                 frames = frames[1:]  # the delimiter DEALER leaves in
             if len(frames) == 3:
@@ -256,64 +295,76 @@ class KvEventSubscriber:
                 continue
             seq = int.from_bytes(frames[0], "big", signed=True)
             if seq < 0 or not frames[1]:
-                self._end_ask(timed_out=False)
+                ask.ended = True
                 continue
-            if seq < self.decoder.expected_seq:
-                continue  # applied already (it came live, or the ask started below it)
-            handled += 1
-            if seq not in self._held:
-                self.stats.num_replayed += 1
-            self._held[seq] = frames[1]
-            # The answer comes in seq order: what is below `seq` and still missing is not in the buffer.
-            for below in sorted(held for held in self._held if held <= seq):
-                self._apply(below, self._held.pop(below))
-            self._release()
+            ask.broken |= ask.last is not None and seq != ask.last + 1
+            ask.first = seq if ask.first is None else ask.first
+            ask.last = seq
+            if seq >= self.decoder.expected_seq and seq not in self._pending:
+                self._pending[seq] = (frames[1], True)
+
+    def _settle(self, now: float) -> int:
+        """Apply what is next in order (for `APPLY_BUDGET_S`), then decide about a missing batch: wait for
+        the answer, ask (again), or give it up; returns how many batches were applied."""
+        applied, deadline = 0, now + APPLY_BUDGET_S
+        while True:
+            while (seq := self.decoder.expected_seq) in self._pending and (applied == 0 or time.monotonic() < deadline):
+                payload, replayed = self._pending.pop(seq)
+                self._apply(seq, payload)
+                self.stats.num_replayed += replayed
+                applied += 1
+            if self.decoder.expected_seq in self._pending:
+                return applied  # the rest at the next poll
+            ask = self._ask
+            if ask is not None and not ask.ended and now - ask.heard_at > self.replay_timeout_s:
+                # Only a loss is worth a warning: an idle server that is down leaves every catch-up ask unanswered.
+                level = logging.WARNING if self._pending else logging.DEBUG
+                log.log(
+                    level, "the replay socket of %s was silent for %.1f s", self.decoder.source, self.replay_timeout_s
+                )
+                self._open_replay()
+                ask.ended = True
+            if not self._pending:
+                if ask is not None and ask.ended:
+                    self._ask, self._quiet_since = None, now
+                return applied
+            expected = self.decoder.expected_seq  # missing, with later batches waiting
+            if self._missing != expected:
+                self._missing = expected
+                self.stats.num_gaps += 1
+            if self._replay is not None:
+                if ask is None:
+                    self._send_ask(tries=1)
+                    return applied
+                if not ask.ended:
+                    return applied
+                self._ask = None
+                if (ask.first is None or ask.first <= expected) and ask.tries < MAX_ASKS:
+                    self._send_ask(tries=ask.tries + 1)  # published after the answer, or dropped on the way
+                    return applied
+            self._lose(min(self._pending))
 
     def _maybe_catch_up(self, now: float) -> None:
-        if self.catch_up_s is None or self._replay is None or self._ask is not None:
+        if self.catch_up_s is None or self._replay is None or self._ask is not None or self._pending:
             return
         if now - self._quiet_since >= self.catch_up_s:
-            self._send_ask(self.decoder.expected_seq)
+            self._send_ask(tries=1)
 
-    def _send_ask(self, start: int) -> bool:
-        """Ask the replay socket for the batches from `start`; False when the request cannot be queued."""
+    def _send_ask(self, *, tries: int) -> None:
+        """Ask the replay socket for the batches from the expected one on (an ask that cannot be queued ends at
+        once, with no try left)."""
         assert self._replay is not None
+        start = self.decoder.expected_seq.to_bytes(8, "big")
         try:
-            self._replay.send_multipart([b"", start.to_bytes(8, "big")], self._zmq.NOBLOCK)
+            self._replay.send_multipart([b"", start], self._zmq.NOBLOCK)
         except self._zmq.Again:
-            return False
-        self._ask = _Ask(start=start, upto=self._last_live, heard_at=time.monotonic())
-        return True
+            self._ask = _Ask(heard_at=time.monotonic(), tries=MAX_ASKS, ended=True)
+        else:
+            self._ask = _Ask(heard_at=time.monotonic(), tries=tries)
 
-    def _expire(self, now: float) -> None:
-        if self._ask is not None and now - self._ask.heard_at > self.replay_timeout_s:
-            # Only a loss is worth a warning: an idle server that is down leaves every catch-up ask unanswered.
-            level = logging.WARNING if self._held else logging.DEBUG
-            log.log(level, "the replay socket of %s was silent for %.1f s", self.decoder.source, self.replay_timeout_s)
-            self._open_replay()
-            self._end_ask(timed_out=True)
-
-    def _end_ask(self, *, timed_out: bool) -> None:
-        """The answer is whole (or abandoned): held batches past what it supplied follow a loss, unless they
-        were published after the ask was sent; then the replay is asked again."""
-        ask, self._ask = self._ask, None
-        assert ask is not None
-        self._quiet_since = time.monotonic()
-        self._release()
-        while self._held:
-            first = min(self._held)
-            if first > ask.upto and not timed_out and self._send_ask(self.decoder.expected_seq):
-                return
-            self._apply(first, self._held.pop(first))
-            self._release()
-
-    def _release(self) -> None:
-        """Apply the held batches that are next in order."""
-        while (seq := self.decoder.expected_seq) in self._held:
-            self._apply(seq, self._held.pop(seq))
-
-    def _apply(self, seq: int, payload: bytes) -> None:
-        """Apply one batch; one past a gap first counts the batches before it lost."""
+    def _apply(self, seq: int, payload: bytes) -> bool:
+        """Apply batch `seq`; False (nothing applied) when it is past the expected one, which only a live batch
+        that told the decoder of a restart can be."""
         redelivered = self.decoder.num_redelivered
         try:
             result = self.decoder.decode(payload, seq=seq)
@@ -321,27 +372,29 @@ class KvEventSubscriber:
             log.warning("batch %d of %s is unreadable, counted as lost: %s", seq, self.decoder.source, error)
             self.stats.num_errors += 1
             self.stats.last_error = str(error)
-            self._lose(seq + 1)
-            return
+            if seq >= self.decoder.expected_seq:  # (a bad copy of a batch applied before changes nothing)
+                self._lose(seq + 1, count=False)
+            return True
         if isinstance(result, SequenceGap):
-            self.stats.num_lost += seq - self.decoder.expected_seq
-            self._lose(seq)
-            self._apply(seq, payload)
-            return
+            return False
         if self.decoder.num_redelivered != redelivered:
-            return  # applied before (a replay overlapped what came live)
+            return True  # applied before (a replay overlapped what came live)
         for event in result:
             if self.index.apply(event) is not None:  # cannot happen: the decoder numbers events in order
-                self._lose(seq + 1)
-                return
+                self._lose(seq + 1, count=False)
+                return True
         self.stats.num_batches += 1
         self.stats.num_events += len(result)
+        return True
 
-    def _lose(self, next_seq: int) -> None:
-        """Accept that batches before `next_seq` are gone: a new epoch, and the source's holdings forgotten."""
+    def _lose(self, next_seq: int, *, count: bool = True) -> None:
+        """Give up the batches before `next_seq`: a new epoch, and the source's holdings forgotten."""
+        if count:
+            self.stats.num_lost += next_seq - self.decoder.expected_seq
         self.decoder.skip_to(next_seq)
+        self._epoch = self.decoder.epoch
         self.index.resync(self.decoder.source, {}, epoch=self.decoder.epoch, seq=-1)
-        self._held = {seq: payload for seq, payload in self._held.items() if seq >= next_seq}
+        self._pending = {seq: batch for seq, batch in self._pending.items() if seq >= next_seq}
 
 
 class KvEventPublisher:

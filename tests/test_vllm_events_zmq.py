@@ -286,11 +286,16 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
 
 
 def answering(
-    batches: dict[int, bytes], asked: list[int], *, first_waits_for: threading.Event | None = None
+    batches: dict[int, bytes],
+    asked: list[int],
+    *,
+    first_waits_for: threading.Event | None = None,
+    first_drops: frozenset[int] = frozenset(),
 ) -> Callable[[Any, threading.Event], None]:
     """A replay socket as vLLM's: each request's answer is the batches of `batches` from its start seq as they
     stand when it comes (a test may add later ones), then the end marker; each start seq goes to `asked`. With
-    `first_waits_for`, the first answer is sent only once that is set (its content is fixed before)."""
+    `first_waits_for`, the first answer is sent only once that is set (its content is fixed before); the seqs
+    in `first_drops` are left out of the first answer (lost on the way, as a full send buffer drops them)."""
 
     def serve(router: Any, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -298,7 +303,8 @@ def answering(
                 continue
             identity, _, start = router.recv_multipart()
             asked.append(int.from_bytes(start, "big"))
-            answer = [(seq, batches[seq]) for seq in sorted(batches) if seq >= asked[-1]]
+            dropped = first_drops if len(asked) == 1 else frozenset()
+            answer = [(seq, batches[seq]) for seq in sorted(batches) if seq >= asked[-1] and seq not in dropped]
             if first_waits_for is not None and len(asked) == 1:
                 while not first_waits_for.wait(0.02):
                     if stop.is_set():
@@ -310,13 +316,13 @@ def answering(
     return serve
 
 
-def one_block_batches(count: int, seed: int) -> tuple[list[Any], list[bytes]]:
-    """A prompt's keys and `count` batches, batch i storing block i."""
+def one_block_batches(count: int, seed: int, ts: float = 0.0) -> tuple[list[Any], list[bytes]]:
+    """A prompt's keys and `count` batches, batch i storing block i (published at `ts` + i)."""
     encoder = VllmEventEncoder(HASHER)
     keys = encoder.register(example.synthetic_prompts(1, seed=seed)[0])
     assert len(keys) >= count
     batches = [
-        encoder.encode([BlockStored(source=SOURCE, seq=i, keys=keys[i : i + 1], tier=Tier.VRAM)], ts=float(i))
+        encoder.encode([BlockStored(source=SOURCE, seq=i, keys=keys[i : i + 1], tier=Tier.VRAM)], ts=ts + i)
         for i in range(count)
     ]
     return keys[:count], batches
@@ -381,6 +387,82 @@ def test_a_gap_seen_while_an_ask_is_out_is_asked_for_again() -> None:
         assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 0)
     assert asked == [0, 0]
     assert index.match(keys).length(SOURCE) == 2
+
+
+def test_a_message_dropped_from_an_answer_is_asked_for_again() -> None:
+    """The first answer (a running server's history of five batches, asked at the first poll) loses batch 2 on
+    the way: the answer began at or before it, so the buffer still has it; the subscriber asks again from 2
+    instead of giving it up, and nothing is lost."""
+    keys, batches = one_block_batches(5, seed=10)
+    asked: list[int] = []
+    index = BlockIndex()
+    serve = answering(dict(enumerate(batches)), asked, first_drops=frozenset({2}))
+    with driven_by_hand(index, serve, catch_up_s=5.0) as (subscriber, _xpub):
+        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 5, "the history")
+        assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 5, 0)
+    assert asked == [0, 2]
+    assert index.match(keys).length(SOURCE) == 5
+
+
+def test_a_long_history_is_applied_over_many_polls() -> None:
+    """A history of 2,000 batches, asked at the first poll, is applied in order over many polls (each reads and
+    applies a bounded share, so a router's event loop goes on between them) and wholly."""
+    encoder = VllmEventEncoder(HASHER)
+    history = {seq: encoder.encode([], ts=float(seq)) for seq in range(2000)}
+    asked: list[int] = []
+    applied: list[int] = []
+    with driven_by_hand(BlockIndex(), answering(history, asked), catch_up_s=5.0) as (subscriber, _xpub):
+        wait_for(
+            lambda: applied.append(subscriber.poll(0.01)) is None and subscriber.decoder.expected_seq == 2000,
+            "the history",
+        )
+        assert (subscriber.stats.num_batches, subscriber.stats.num_lost) == (2000, 0)
+    assert asked == [0] and 0 < max(applied) < 1000 and sum(map(bool, applied)) > 2
+
+
+def test_a_decoder_restarted_while_an_ask_is_out_asks_again_from_its_start() -> None:
+    """The fleet restarts the decoder (it marked the server down) while an ask for the lost batch 1 is out:
+    the ask is dropped, its answer unread, and the replay socket asked again from batch 0, so a server that only
+    blipped is whole again in the index and nothing is counted lost."""
+    keys, batches = one_block_batches(3, seed=7)
+    asked: list[int] = []
+    go = threading.Event()
+    index = BlockIndex()
+    serve = answering(dict(enumerate(batches)), asked, first_waits_for=go)
+    with driven_by_hand(index, serve) as (subscriber, xpub):
+        xpub.send_multipart([b"", (0).to_bytes(8, "big"), batches[0]])
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 1, "batch 0")
+        xpub.send_multipart([b"", (2).to_bytes(8, "big"), batches[2]])  # batch 1 is lost on the wire
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [1], "the ask for batch 1")
+        index.remove_instance(SOURCE)  # what the fleet's set_up(down) does
+        subscriber.decoder.restart()
+        go.set()
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 3, "the batches again")
+        assert (subscriber.stats.num_lost, subscriber.stats.num_replayed) == (0, 3)
+    assert asked == [1, 0]
+    assert index.match(keys).length(SOURCE) == 3
+
+
+def test_a_restarted_servers_lost_first_batch_is_asked_for() -> None:
+    """vLLM restarts (its numbers start again) and its new batch 0 is lost on the wire: new batch 1, below the
+    expected seq and no redelivery, tells the decoder of the restart, and batch 0 comes from the replay socket
+    rather than being counted lost."""
+    _, old = one_block_batches(3, seed=11)
+    new_keys, new = one_block_batches(2, seed=9, ts=100.0)
+    asked: list[int] = []
+    buffered: dict[int, bytes] = {}  # the restarted server's replay buffer
+    index = BlockIndex()
+    with driven_by_hand(index, answering(buffered, asked)) as (subscriber, xpub):
+        for seq, payload in enumerate(old):
+            xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 3, "the old batches")
+        epoch = subscriber.decoder.epoch
+        buffered.update(enumerate(new))
+        xpub.send_multipart([b"", (1).to_bytes(8, "big"), new[1]])
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 2, "the new batches")
+        assert subscriber.decoder.epoch == epoch + 1 and subscriber.stats.num_lost == 0
+    assert asked == [0]
+    assert index.match(new_keys).length(SOURCE) == 2
 
 
 def test_loopback_command(capsys: pytest.CaptureFixture[str]) -> None:
