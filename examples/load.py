@@ -58,7 +58,7 @@ from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
-from mooncake.sim.report import write_json
+from mooncake.sim.report import summary_table, write_json
 from mooncake.types import Request
 
 
@@ -270,12 +270,8 @@ def main() -> None:
         print(json.dumps(result, indent=2, sort_keys=True))
         return
     s = summary
-    print(
-        f"{url}: {s.num_requests} requests, completed {s.completed}, rejected before prefill "
-        f"{s.rejected_before_prefill}, after prefill {s.rejected_after_prefill}, failed {failed}"
-    )
-    for name, values, scale, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
-        print(f"{name:<5}{unit:>3}" + "".join(f"{k} {values[k] * scale:9.3f}  " for k in ("mean", "p50", "p90", "p99")))
+    print(f"{url}: {failed} requests failed (no answer)" if failed else url)
+    print("\n".join(summary_table(s)))
     print(
         f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
         f"cache hit ratio {s.cache_hit_ratio:.3f}   wall {s.sim_wall_s:.1f} s"

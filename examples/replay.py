@@ -43,7 +43,7 @@ from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
-from mooncake.sim.report import plot_cdfs, plot_load, write_json, write_records_csv
+from mooncake.sim.report import plot_cdfs, plot_load, summary_table, write_json, write_records_csv
 from mooncake.sim.spec import build_conductor
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
@@ -140,15 +140,7 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
 def print_table(result: ReplayResult, title: str) -> None:
     s = result.summary
     print(title)
-    print(
-        f"requests {s.num_requests:,}: completed {s.completed:,}, rejected before prefill "
-        f"{s.rejected_before_prefill:,}, after prefill {s.rejected_after_prefill:,} "
-        f"(wasted prefill {s.wasted_prefill_s:,.1f} s)"
-    )
-    print(f"{'':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name, values, factor, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
-        row = "".join(f"{values[k] * factor:>10.3f}" for k in ("mean", "p50", "p90", "p99"))
-        print(f"{name:<5}{unit:>3}{row}")
+    print("\n".join(summary_table(s)))
     print(
         f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
         f"cache hit ratio {s.cache_hit_ratio:.3f}   mean prefill {s.mean_prefill_s:.3f} s   "

@@ -185,7 +185,9 @@ def _check_plot(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:
-        raise ConfigError("--plot needs matplotlib: pip install 'mooncake[dev]'") from error
+        raise ConfigError(
+            "--plot needs matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)"
+        ) from error
     folder = Path(path).parent
     if not folder.is_dir():
         raise ConfigError(f"--plot {path}: there is no folder {folder}")

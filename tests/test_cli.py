@@ -133,7 +133,7 @@ def test_trace_capacity_on_the_synthetic_trace(
 
 def test_capacity_plot_writes_a_png(small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--plot writes a PNG file (checked by its signature) and the text table still prints."""
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
     plot = tmp_path / "out.png"
     status, out, err = run(
         capsys, "trace", "capacity", str(small_trace), "--capacity-blocks", "10,100,1000", "--plot", str(plot)
@@ -521,7 +521,7 @@ def test_plot_into_a_missing_folder_fails_before_the_sweep(
     small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A plot that could not be written is refused before the sweep, not after it."""
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
     plot = tmp_path / "missing" / "out.png"
     status, out, err = run(capsys, "trace", "capacity", str(small_trace), "--plot", str(plot))
     assert (status, out) == (2, "")

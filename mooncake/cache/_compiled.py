@@ -67,7 +67,9 @@ def use_compiled(enabled: bool | None) -> bool | None:
         ConfigError: `enabled` is True but numba does not import.
     """
     if enabled and not numba_available():
-        raise ConfigError(f"use_compiled({enabled!r}): numba is not installed (pip install 'mooncake[accel]')")
+        raise ConfigError(
+            f"use_compiled({enabled!r}): numba is not installed (the accel extra: pip install -e '.[accel]' in the checkout)"
+        )
     previous = _forced[0]
     _forced[0] = enabled
     return previous

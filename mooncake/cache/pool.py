@@ -290,7 +290,9 @@ def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     try:
         import torch
     except ImportError as error:
-        raise ConfigError("pinned=True needs torch: pip install 'mooncake[engine]'") from error
+        raise ConfigError(
+            "pinned=True needs torch: the engine extra (pip install -e '.[engine]' in the checkout)"
+        ) from error
     if not torch.cuda.is_available():
         raise ConfigError("pinned=True needs CUDA: page-locked memory only helps transfers to a GPU")
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return,unused-ignore]
@@ -309,7 +311,9 @@ class VramPagePool(AllocatingPool):
         try:
             import torch
         except ImportError as error:
-            raise ConfigError("a VRAM pool needs torch: pip install 'mooncake[engine]'") from error
+            raise ConfigError(
+                "a VRAM pool needs torch: the engine extra (pip install -e '.[engine]' in the checkout)"
+            ) from error
         if not torch.cuda.is_available():
             raise ConfigError("a VRAM pool needs CUDA, and torch sees no CUDA device here")
         self._torch = torch

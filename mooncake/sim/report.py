@@ -4,7 +4,8 @@ Files are written whole or not at all (to a temporary sibling of a name of its
 own, then renamed), so an interrupted run never leaves a half-written result,
 and two runs writing one folder never share a temporary; an error names the
 file asked for. Plots need matplotlib
-(the `dev` extra); it is imported only when a plot is drawn.
+(the `plot` extra); it is imported only when a plot is drawn. `summary_table`
+is the text table every command prints of a run's summary, simulated or real.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from mooncake._files import atomic_path
 from mooncake.errors import ConfigError
-from mooncake.sim.metrics import LoadSample, RequestRecord
+from mooncake.sim.metrics import LoadSample, RequestRecord, Summary
 
 __all__ = [
     "ProgressBar",
@@ -34,6 +35,7 @@ __all__ = [
     "plot_lines",
     "plot_load",
     "shows_progress",
+    "summary_table",
     "write_json",
     "write_records_csv",
 ]
@@ -101,6 +103,23 @@ def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> Non
             )
 
 
+def summary_table(summary: Summary) -> list[str]:
+    """The lines of a run's text table: its outcomes (completed, rejected before and after prefill, the prefill
+    spent on the latter), then TTFT in s and TBT in ms, mean, p50, p90 and p99, under a header. A caller adds
+    its own line of run figures (SLO attainment, goodput, wall time)."""
+    s = summary
+    lines = [
+        f"requests {s.num_requests:,}: completed {s.completed:,}, rejected before prefill "
+        f"{s.rejected_before_prefill:,}, after prefill {s.rejected_after_prefill:,} "
+        f"(wasted prefill {s.wasted_prefill_s:,.1f} s)",
+        f"{'':8}" + "".join(f" {column:>10}" for column in ("mean", "p50", "p90", "p99")),
+    ]
+    for name, values, factor, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):
+        figures = (values[column] * factor for column in ("mean", "p50", "p90", "p99"))
+        lines.append(f"{name:<5}{unit:>3}" + "".join(f" {figure:>10.3f}" for figure in figures))  # apart however wide
+    return lines
+
+
 def json_safe(data: Any) -> Any:
     """`data` with every float that is not finite (a ratio over nothing, an infinite one) as None: JSON has no
     NaN or Infinity, and strict parsers refuse Python's extension."""
@@ -127,7 +146,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:  # pragma: no cover - matplotlib is in the dev extra
-        raise ConfigError("plots need matplotlib: pip install 'mooncake[dev]'") from error
+        raise ConfigError("plots need matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)") from error
     return plt
 
 

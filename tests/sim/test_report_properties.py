@@ -14,6 +14,7 @@ import csv
 import errno
 import json
 import math
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.sched.outcome import Outcome, Reason
-from mooncake.sim.metrics import RequestRecord
-from mooncake.sim.report import RECORD_COLUMNS, write_json, write_records_csv
-from mooncake.types import InstanceId, RequestId
+from mooncake.sim.metrics import RequestRecord, summarize
+from mooncake.sim.report import RECORD_COLUMNS, summary_table, write_json, write_records_csv
+from mooncake.types import InstanceId, RequestId, Slo
 
 times_s = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
 # Ids as a trace or a client may write them: separators, quotes and line breaks that CSV must quote.
@@ -54,6 +55,34 @@ def records(draw: st.DrawFn) -> RequestRecord:
         finish_s=draw(st.none() | times_s.map(lambda t: arrival + t)),
         tbt_s=draw(times_s),
     )
+
+
+@given(rows=st.lists(records(), max_size=12, unique_by=lambda record: record.request_id))
+def test_the_summary_table_shows_the_summarys_figures(rows: list[RequestRecord]) -> None:
+    """The text table reads back as the summary: its outcome counts, and TTFT (s) and TBT (ms) mean, p50, p90
+    and p99 to the printed precision, under a header naming the columns."""
+    summary = summarize(rows, Slo(ttft_s=1.0, tbt_s=0.1))
+    outcomes, header, ttft, tbt = summary_table(summary)
+    shown = re.fullmatch(
+        r"requests ([\d,]+): completed ([\d,]+), rejected before prefill ([\d,]+), after prefill ([\d,]+) "
+        r"\(wasted prefill ([\d,.]+) s\)",
+        outcomes,
+    )
+    assert shown is not None, outcomes
+    counts = [int(n.replace(",", "")) for n in shown.groups()[:4]]
+    assert counts == [
+        summary.num_requests,
+        summary.completed,
+        summary.rejected_before_prefill,
+        summary.rejected_after_prefill,
+    ]
+    assert float(shown[5].replace(",", "")) == pytest.approx(summary.wasted_prefill_s, abs=0.05)
+    assert header.split() == ["mean", "p50", "p90", "p99"]
+    for line, unit, values, factor in ((ttft, "s", summary.ttft_s, 1.0), (tbt, "ms", summary.tbt_s, 1000.0)):
+        name, printed_unit, *figures = line.split()
+        assert printed_unit == unit and name in ("TTFT", "TBT")
+        for printed, key in zip(figures, ("mean", "p50", "p90", "p99"), strict=True):
+            assert float(printed) == pytest.approx(values[key] * factor, abs=0.0005, rel=1e-9)
 
 
 def microseconds(text: str, value: float | None) -> bool:
