@@ -79,6 +79,7 @@ __all__ = [
     "models_body",
     "parse_chat",
     "parse_completion",
+    "parse_tokenize",
     "prompt_logprobs_json",
     "prompt_tokens",
     "rejection_error",
@@ -1044,18 +1045,37 @@ def _truncated(
     return tokens[-k:]
 
 
+def parse_tokenize(body: Mapping[str, Any], served: ServedModel) -> tuple[CompletionRequest | ChatRequest, bool]:
+    """`POST /tokenize`'s body: a completion's, or with `messages` a chat's, and vLLM's `return_token_strs`.
+
+    Raises:
+        ApiError: 400 for what the completion or chat parser refuses, or a `return_token_strs` not a boolean.
+    """
+    body = dict(body)
+    token_strs = body.pop("return_token_strs", None)  # /tokenize's own field, unknown to the generation parsers
+    if token_strs is not None and not isinstance(token_strs, bool):
+        raise ApiError(400, f"return_token_strs must be a boolean, got {_shown(token_strs)}", param="return_token_strs")
+    parsed = parse_chat(body, served) if "messages" in body else parse_completion(body, served)
+    return parsed, bool(token_strs)
+
+
 def tokenize_body(
-    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, served: ServedModel
+    request: CompletionRequest | ChatRequest,
+    tokenizer: ServingTokenizer,
+    served: ServedModel,
+    *,
+    token_strs: bool = False,
 ) -> dict[str, Any]:
     """`POST /tokenize`, as vLLM answers it: the prompt's (or the templated chat's) tokens, their count and the
-    length a prompt plus its `max_tokens` may take (`/v1/models`' `max_model_len`). A prompt over the limits is
-    tokenized all the same: a client asks in order to measure it. A batch of prompts is a 400 (one at a time,
-    as vLLM's)."""
+    length a prompt plus its `max_tokens` may take (`/v1/models`' `max_model_len`); with `token_strs` (vLLM's
+    `return_token_strs`) each token's vocabulary string too, else null. A prompt over the limits is tokenized
+    all the same: a client asks in order to measure it. A batch of prompts is a 400 (one at a time, as vLLM's)."""
     if isinstance(request, CompletionRequest) and request.batch:
         raise ApiError(400, "/tokenize takes one prompt, not a batch", param="prompt")
     tokens, _param = encoded(request, tokenizer)
     max_model_len = models_body(served)["data"][0]["max_model_len"]
-    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+    pieces = [tokenizer.piece(token) for token in tokens] if token_strs else None
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": pieces}
 
 
 def detokenize_body(body: Mapping[str, Any], tokenizer: ServingTokenizer, served: ServedModel) -> dict[str, Any]:

@@ -72,6 +72,7 @@ from serving.api import (
     models_body,
     parse_chat,
     parse_completion,
+    parse_tokenize,
     prompt_logprobs_json,
     prompt_tokens,
     tokenize_body,
@@ -262,9 +263,8 @@ class Gateway:
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template."""
         self._authorize(request)
-        body = await self._body(request)
-        parsed = parse_chat(body, self.served) if "messages" in body else parse_completion(body, self.served)
-        return web.json_response(tokenize_body(parsed, self.tokenizer, self.served))
+        parsed, token_strs = parse_tokenize(await self._body(request), self.served)
+        return web.json_response(tokenize_body(parsed, self.tokenizer, self.served, token_strs=token_strs))
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         self._authorize(request)

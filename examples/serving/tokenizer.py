@@ -72,6 +72,8 @@ class ServingTokenizer(Protocol):
 
     def token_text(self, token: int) -> str: ...
 
+    def piece(self, token: int) -> str: ...
+
     def decode(self, tokens: Sequence[int]) -> str: ...
 
     def stream(
@@ -118,6 +120,10 @@ class ByteTokenizer:
     def token_text(self, token: int) -> str:
         """The lone byte's text (U+FFFD for a byte that only begins or continues a character)."""
         return self.decode([token])
+
+    def piece(self, token: int) -> str:
+        """The vocabulary's string for the byte: its text (a byte has no piece of its own)."""
+        return self.token_text(token)
 
     def stream(
         self,
@@ -176,6 +182,10 @@ class CheckpointTokenizer:
     def token_text(self, token: int) -> str:
         """The lone token's text as vLLM shows it (`Tokenizer.token_text`)."""
         return self.tokenizer.token_text(token)
+
+    def piece(self, token: int) -> str:
+        """The vocabulary's string for the token (`Tokenizer.piece`: transformers' `convert_ids_to_tokens`)."""
+        return self.tokenizer.piece(token)
 
     def decode(self, tokens: Sequence[int]) -> str:
         """The text of `tokens`, special tokens included (transformers' `decode` default, as vLLM echoes a prompt

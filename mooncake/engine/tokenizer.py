@@ -243,6 +243,11 @@ class Tokenizer:
         """
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary's string for `token_id` (transformers' `convert_ids_to_tokens`: "▁Hello", "Ġhello",
+        "<0x0A>"), as vLLM's /tokenize lists with `return_token_strs`; "" for an id outside the vocabulary."""
+        return str(self.backend.id_to_token(token_id) or "")
+
     def token_text(self, token_id: int) -> str:
         """One token's text as vLLM shows it beside its log-probability: `decode([token_id])`, special tokens
         included, with the leading spaces a SentencePiece piece's "▁" marks stand for (decoding a lone piece

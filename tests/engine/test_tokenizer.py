@@ -422,6 +422,7 @@ def test_a_checkpoints_tokenizer_is_the_one_autotokenizer_loads(tmp_path: Path, 
         assert ids == theirs(text).input_ids, text
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+        assert [ours.piece(t) for t in ids] == theirs.convert_ids_to_tokens(ids), text
     for key in _SPECIAL_NAMES:
         assert ours.special.tokens.get(key) == getattr(theirs, key), key
     assert (ours.special.bos_token_id, ours.special.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
@@ -471,6 +472,9 @@ def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path
     assert [ours.token_text(t) for t in range(ours.vocab_size)] == [theirs.decode([t]) for t in range(ours.vocab_size)]
     llama = load_tokenizer(write_llama_files(tmp_path / "llama"))
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "llama")
+    for tokenizer, transformers_one in ((ours, theirs), (llama, reference)):  # the pieces /tokenize lists
+        every = list(range(tokenizer.vocab_size))
+        assert [tokenizer.piece(t) for t in every] == transformers_one.convert_ids_to_tokens(every)
     restored = 0
     for t in range(llama.vocab_size):
         piece, text = reference.convert_ids_to_tokens(t), reference.decode([t])

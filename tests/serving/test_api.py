@@ -38,6 +38,7 @@ from serving.api import (
     models_body,
     parse_chat,
     parse_completion,
+    parse_tokenize,
     prompt_logprobs_json,
     prompt_tokens,
     rejection_error,
@@ -378,6 +379,26 @@ def test_tokenize_measures_a_prompt_over_the_limits_and_detokenize_undoes_it() -
     for bad in ({"tokens": [256]}, {"tokens": "hi"}, {"tokens": [True]}, {}):
         assert refused(detokenize_body, bad, TOKENIZER, SERVED).param == "tokens"
     assert refused(detokenize_body, {"tokens": [1], "model": "other"}, TOKENIZER, SERVED).status == 404
+
+
+def test_tokenize_lists_each_tokens_string_when_asked() -> None:
+    """vLLM's `return_token_strs`: each token's vocabulary string beside the ids (null when not asked, or false); a
+    value not a boolean is a 400 naming it; a chat's `messages` are tokenized through the template all the same."""
+    request, asked = parse_tokenize({"prompt": "hé", "return_token_strs": True}, SERVED)
+    answer = tokenize_body(request, TOKENIZER, SERVED, token_strs=asked)
+    assert answer["tokens"] == list("hé".encode()) and answer["token_strs"] == [
+        TOKENIZER.piece(t) for t in answer["tokens"]
+    ]
+    for body in (
+        {"prompt": "h"},
+        {"prompt": "h", "return_token_strs": False},
+        {"prompt": "h", "return_token_strs": None},
+    ):
+        request, asked = parse_tokenize(body, SERVED)
+        assert tokenize_body(request, TOKENIZER, SERVED, token_strs=asked)["token_strs"] is None
+    assert refused(parse_tokenize, {"prompt": "h", "return_token_strs": "yes"}, SERVED).param == "return_token_strs"
+    chat, asked = parse_tokenize({"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}, SERVED)
+    assert isinstance(chat, ChatRequest) and asked
 
 
 def test_prompt_tokens_checks_the_limit() -> None:

@@ -248,7 +248,9 @@ def test_vllms_side_routes_answer_as_vllms_do() -> None:
         assert status == 200 and before <= models["data"][0]["created"] <= int(time.time())
         status, _headers, tokens = ask(port, post("/tokenize", b'{"prompt": "hi"}'))
         assert status == 200 and (tokens["count"], tokens["tokens"]) == (2, [104, 105])  # the tiny model's bytes
-        assert tokens["max_model_len"] == models["data"][0]["max_model_len"]
+        assert tokens["max_model_len"] == models["data"][0]["max_model_len"] and tokens["token_strs"] is None
+        pieces = ask(port, post("/tokenize", b'{"prompt": "hi", "return_token_strs": true}'))[2]
+        assert pieces["token_strs"] == ["h", "i"]
         chat = ask(port, post("/tokenize", b'{"messages": [{"role": "user", "content": "hi"}]}'))[2]
         assert chat["count"] > 2 and bytes(chat["tokens"]).endswith(b"<|assistant|>\n")  # the chat template's
         assert ask(port, post("/detokenize", b'{"tokens": [104, 105]}'))[2] == {"prompt": "hi"}
