@@ -30,7 +30,7 @@ writes into must not meanwhile hold other blocks. (A pusher stopped for good,
 or one whose slices never settle, keeps its pages until its process is gone.)
 Each lease names its owner, the engine address of the peer that opened it.
 `lease_s` should exceed how long a pusher's slice can take
-(`EngineConfig.slice_deadline_s`; 36 s with the default engine settings), else
+(`EngineConfig.slice_deadline_s`; 66 s with the default engine settings), else
 a slow push outlives its lease and is refused at its commit: by default it is
 twice that, and at least 30 s. A peer opens a lease with any id it likes, so the table of
 leases is bounded: ids of at most 64 characters, at most `max_leases` open at

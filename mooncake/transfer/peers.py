@@ -177,6 +177,8 @@ class Peers:
 
         Raises:
             ConfigError: not "host:port". TransferError: `close` came first, or the peer's descriptor is malformed.
+            PeerUnavailable: the peer cannot be reached, or dropped or stalled the connection before it described
+                itself (or before its transports were set up).
         """
         host, _, port_text = address.rpartition(":")
         if not host or _PORT.fullmatch(port_text) is None or not 0 < int(port_text) < 65536:
@@ -188,8 +190,11 @@ class Peers:
         control = tcp.connect(host, port, secret=self.secret, config=self.config)
         transports: dict[str, Transport] = {}
         try:
-            descriptor = PeerDescriptor.from_json(tcp.call(control, "describe", None))
-            transports = self._transports_for(host, port, key, descriptor, transport, control)
+            try:
+                descriptor = PeerDescriptor.from_json(tcp.call(control, "describe", None))
+                transports = self._transports_for(host, port, key, descriptor, transport, control)
+            except OSError as error:  # (a timeout among them) the peer died or went silent mid-handshake
+                raise PeerUnavailable(f"{key} dropped the connection before it was set up: {error!r}") from error
         except BaseException:
             for built in transports.values():
                 built.close()

@@ -200,9 +200,10 @@ class EngineConfig:
 
     @property
     def slice_deadline_s(self) -> float:
-        """The longest one slice can take before it fails for good: each try connects and waits on its socket,
-        `(max_retries + 1) · (connect_timeout_s + io_timeout_s)`."""
-        return (self.max_retries + 1) * (self.connect_timeout_s + self.io_timeout_s)
+        """The longest one slice can take before it fails for good: each try connects, sends (a WRITE's payload
+        within the io timeout) and then waits for the answer's header and a READ's payload, each within the io
+        timeout: `(max_retries + 1) · (connect_timeout_s + 2 · io_timeout_s)`."""
+        return (self.max_retries + 1) * (self.connect_timeout_s + 2 * self.io_timeout_s)
 
     def __attrs_post_init__(self) -> None:
         if self.slice_bytes > self.max_frame_bytes:

@@ -6,9 +6,12 @@ large request travel over several connections at once. A WRITE sends the header
 and then the payload straight from the registered region (`sendall` of a
 memoryview); a READ receives straight into it (`recv_into`). A slice is done
 only when the peer has acknowledged it (WRITE) or every byte has arrived and,
-with checksums on, verified (READ). A connection that drops or times out is
-replaced and the slice retried, `max_retries` times; a peer that cannot be
-reached fails the slice with `PeerUnavailable`.
+with checksums on, verified (READ). The answer's header, and a READ's payload,
+are each due within `io_timeout_s` (a peer sending a byte at a time cannot hold
+a slice). A connection that drops or times out is replaced and the slice
+retried, `max_retries` times; a peer that cannot be reached fails the slice
+with `PeerUnavailable`. `close` shuts every connection down first: a slice in
+flight fails at once and is not retried, so no byte lands after `close`.
 
 Server side (`serve_connection`): one thread per authenticated connection
 (the `listener` authenticates) serves frames, checking every region, offset
@@ -134,12 +137,14 @@ def call(sock: socket.socket, method: str, args: object) -> Json:
         send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
     except OSError as error:
         raise CallNotSent(str(error)) from error
-    # A reply is a control payload: bounded as one, and its kind checked before its body is read.
-    reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES)
+    # A reply is a control payload: bounded as one, and its kind checked before its body is read. The header, then
+    # the body, are each due within the socket's timeout (a peer answering a byte at a time cannot hold the call).
+    timeout = sock.gettimeout()
+    reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES, deadline=_within(timeout))
     if reply.kind not in (Kind.REPLY, Kind.ERROR) or reply.tag != 0:
         raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name} (tag {reply.tag})")
     body = bytearray(reply.length)
-    recv_exact(sock, memoryview(body))
+    recv_exact(sock, memoryview(body), deadline=_within(timeout))
     if reply.kind == Kind.ERROR:
         raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
     try:
@@ -149,13 +154,29 @@ def call(sock: socket.socket, method: str, args: object) -> Json:
     return decoded
 
 
+def _within(timeout_s: float | None, deadline: float | None = None) -> float | None:
+    """The deadline (time.monotonic) of a wait of at most `timeout_s` that must also end by `deadline`."""
+    if timeout_s is None:
+        return deadline
+    end = time.monotonic() + timeout_s
+    return end if deadline is None else min(end, deadline)
+
+
 class TcpTransport:
-    """Slices to and from one peer over `config.streams_per_peer` connections."""
+    """Slices to and from one peer over `config.streams_per_peer` connections.
+
+    `close` shuts down every connection the transport holds before it joins the workers, so a slice in flight
+    fails at once, and no worker retries, reconnects or writes into a region once the transport is closed: a
+    slice reported failed never lands later.
+    """
 
     name = "tcp"
 
     def __init__(self, host: str, port: int, *, secret: bytes, config: EngineConfig) -> None:
         self._host, self._port, self._secret, self._config = host, port, secret, config
+        self._closing = False
+        self._open: set[socket.socket] = set()  # every connection a worker or the inline path holds
+        self._open_lock = threading.Lock()
         # Small batches run in the caller's thread over a connection of their own.
         self._inline_lock = threading.Lock()
         self._inline_sock: socket.socket | None = None
@@ -183,16 +204,38 @@ class TcpTransport:
                 self._inline_sock, error = self._move(self._inline_sock, piece, deadline=deadline)
             except Exception as unexpected:
                 if self._inline_sock is not None:
-                    self._inline_sock.close()
+                    self._drop(self._inline_sock)
                 self._inline_sock, error = None, TransferError(f"slice failed: {unexpected!r}")
             return error
 
     def close(self) -> None:
+        with self._open_lock:
+            self._closing = True
+            for sock in self._open:  # a blocked send or receive fails now, and its worker stops (below)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed by its peer
         self._workers.close()
         with self._inline_lock:
             if self._inline_sock is not None:
-                self._inline_sock.close()
+                self._drop(self._inline_sock)
                 self._inline_sock = None
+
+    def _connect(self) -> socket.socket:
+        """A new connection, held in `_open` (refused once the transport is closing)."""
+        sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+        with self._open_lock:
+            if not self._closing:
+                self._open.add(sock)
+                return sock
+        sock.close()
+        raise self._workers.closed_error()
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._open_lock:
+            self._open.discard(sock)
+        sock.close()
 
     # ------------------------------------------------------------------ one stream
 
@@ -200,7 +243,7 @@ class TcpTransport:
         sock: socket.socket | None = None
         try:
             # Connect now, so that the first slices do not pay for the handshake.
-            sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+            sock = self._connect()
         except TransferError:
             sock = None  # retried when the first slice comes
         try:
@@ -212,29 +255,33 @@ class TcpTransport:
                     sock, error = self._move(sock, piece)
                 except Exception as unexpected:  # a worker must never die with a slice unanswered
                     if sock is not None:
-                        sock.close()
+                        self._drop(sock)
                     sock, error = None, TransferError(f"slice failed: {unexpected!r}")
                 piece.on_done(error)
         finally:
             if sock is not None:
-                sock.close()
+                self._drop(sock)
 
     def _move(
         self, sock: socket.socket | None, piece: Slice, *, deadline: float | None = None
     ) -> tuple[socket.socket | None, TransferError | None]:
-        """Move one slice, reconnecting and retrying on a dropped connection (until `deadline`)."""
+        """Move one slice, reconnecting and retrying on a dropped connection (until `deadline`; never once the
+        transport is closing: a slice it answers as failed does not land later)."""
         last: TransferError | None = None
         for attempt in range(self._config.max_retries + 1):
             if deadline is not None and attempt and time.monotonic() >= deadline:
                 break
+            if self._closing:
+                last = self._workers.closed_error()
+                break
             try:
                 if sock is None:
-                    sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+                    sock = self._connect()
                 timeout = self._config.io_timeout_s
                 if deadline is not None:
                     timeout = max(0.001, min(timeout, deadline - time.monotonic()))
                 sock.settimeout(timeout)
-                self._exchange(sock, piece)
+                self._exchange(sock, piece, deadline=deadline)
                 return sock, None
             except (PeerUnavailable, AuthenticationError) as error:
                 return None, error  # a fresh connection failed: no point retrying at once
@@ -248,11 +295,17 @@ class TcpTransport:
             except TransferError as error:  # the peer refused this slice (bounds, checksum): final
                 return sock, error
             if sock is not None:
-                sock.close()
+                self._drop(sock)
                 sock = None
+            if self._closing:  # `close` shut the connection down: the slice ends here, unmoved, not retried
+                return None, self._workers.closed_error()
+        if sock is not None:
+            self._drop(sock)
         return None, last
 
-    def _exchange(self, sock: socket.socket, piece: Slice) -> None:
+    def _exchange(self, sock: socket.socket, piece: Slice, *, deadline: float | None = None) -> None:
+        """One slice on `sock`: its header (and a WRITE's payload) out, then the reply's header and a READ's
+        payload each due within the io timeout (and by `deadline`), whatever pace the peer sends at."""
         self._tag = (self._tag + 1) & 0xFFFFFFFFFFFFFFFF
         tag = self._tag
         length = piece.local.nbytes
@@ -281,10 +334,11 @@ class TcpTransport:
             )
             send_frame(sock, header)
         spin_until_readable(sock, self._config.spin_us / 1e6)
-        reply = recv_frame(sock, max_length=self._config.max_frame_bytes)
+        io_timeout = self._config.io_timeout_s
+        reply = recv_frame(sock, max_length=self._config.max_frame_bytes, deadline=_within(io_timeout, deadline))
         if reply.kind == Kind.ERROR:
             message = bytearray(reply.length)
-            recv_exact(sock, memoryview(message))
+            recv_exact(sock, memoryview(message), deadline=_within(io_timeout, deadline))
             raise TransferError(f"{self._host}:{self._port} refused: {message.decode(errors='replace')}")
         if reply.kind != Kind.OK:
             raise ProtocolError(f"expected OK, got {reply.kind.name}")
@@ -293,7 +347,7 @@ class TcpTransport:
         if piece.op == TransferOp.READ:
             if reply.length != length:
                 raise ProtocolError(f"asked for {length} bytes, the peer announced {reply.length}")
-            recv_exact(sock, piece.local)
+            recv_exact(sock, piece.local, deadline=_within(io_timeout, deadline))
             if reply.checksum is not None and xxhash.xxh3_64_intdigest(piece.local) != reply.checksum:
                 raise ProtocolError("a READ slice failed its end-to-end checksum")
 
@@ -412,10 +466,13 @@ def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame, scra
         if verified:
             target[:] = staged
     else:
-        buffer = context.staging.try_allocate(frame.length, deadline=deadline)
+        # Half the io timeout for memory, so that the payload can still be drained in step (by a deadline of its
+        # own) and the refusal reach the client, rather than the connection dropping like a dead peer's.
+        wait_s = context.config.io_timeout_s / 2
+        buffer = context.staging.try_allocate(frame.length, deadline=min(deadline, time.monotonic() + wait_s))
         if buffer is None:
-            _drain(sock, frame.length, deadline)
-            _refuse(sock, context, frame, f"no staging memory for {frame.length} bytes within the io timeout")
+            _drain(sock, frame.length, _payload_deadline(context))
+            _refuse(sock, context, frame, f"no staging memory for {frame.length} bytes within {wait_s:g} s")
             return
         try:
             recv_exact(sock, buffer.data[: frame.length], deadline=deadline)

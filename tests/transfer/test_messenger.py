@@ -353,8 +353,10 @@ def test_a_peer_looping_on_lookups_cannot_grow_the_lease_table() -> None:
 def test_the_default_lease_outlasts_the_longest_slice_and_bad_settings_are_refused_before_anything_is_made() -> None:
     """By default a lease lasts twice the engine's slice deadline, at least 30 s; a lease or sweep interval
     that is no finite positive number is a ConfigError naming it, raised before the pool is registered."""
-    for config, lease in ((EngineConfig(), 72.0), (EngineConfig(io_timeout_s=1.0, max_retries=0), 30.0)):
-        assert config.slice_deadline_s == (config.max_retries + 1) * (config.connect_timeout_s + config.io_timeout_s)
+    for config, lease in ((EngineConfig(), 132.0), (EngineConfig(io_timeout_s=1.0, max_retries=0), 30.0)):
+        assert config.slice_deadline_s == (config.max_retries + 1) * (
+            config.connect_timeout_s + 2 * config.io_timeout_s
+        )
         engine = TransferEngine(secret=SECRET, config=config)
         try:
             messenger = Messenger(engine, TieredCache([DramPagePool(PAGE, 4)]), sweep_interval_s=0)

@@ -189,6 +189,57 @@ def test_free_memory_is_not_dropped_when_the_request_cannot_fit_anyway() -> None
     pool.check_invariants()
 
 
+@attrs.define
+class _Serving:
+    """What `tcp.serve_connection` needs: a config, a staging pool and one region (id 1)."""
+
+    config: EngineConfig
+    staging: StagingPool
+    target: Region
+
+    def region(self, region_id: int) -> Region | None:
+        return self.target if region_id == 1 else None
+
+    def handle_call(self, method: str, args: Any) -> Any:
+        raise TransferError(f"no calls here ({method})")
+
+
+def test_a_write_finding_no_staging_memory_is_refused_to_the_client_with_the_reason() -> None:
+    """A checksummed 96 KiB WRITE while another connection holds the staging pool: the server waits half its io
+    timeout for memory, drains the payload (the stream stays in step) and answers an ERROR naming the staging
+    memory, which the client reads; the region is unchanged. (It used to drain by the deadline the wait had
+    spent, so the connection dropped and the client saw a dead peer.)"""
+    size = 96 * KIB
+    config = EngineConfig(max_staging_bytes=128 * KIB, max_frame_bytes=size, slice_bytes=size, io_timeout_s=0.5)
+    target = np.zeros(size, np.uint8)
+    serving = _Serving(
+        config, StagingPool(config.max_staging_bytes), Region(RegionDescriptor(region_id=1, length=size), target.data)
+    )
+    held = serving.staging.try_allocate(size, deadline=time.monotonic())  # in use by another connection
+    assert held is not None
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    served, _ = listener.accept()
+    listener.close()
+    server = threading.Thread(target=tcp.serve_connection, args=(served, serving), daemon=True)
+    server.start()
+    try:
+        payload = bytes([7]) * size
+        header = Frame(Kind.WRITE, tag=9, region=1, offset=0, length=size, checksum=xxhash.xxh3_64_intdigest(payload))
+        send_frame(client, header, payload)
+        client.settimeout(5)
+        reply = recv_frame(client, max_length=MAX_CONTROL_BYTES)
+        reason = bytearray(reply.length)
+        recv_exact(client, memoryview(reason))
+        assert (reply.kind, reply.tag) == (Kind.ERROR, 9) and b"no staging memory" in reason, bytes(reason)
+        assert not target.any()
+    finally:
+        client.close()
+        server.join(timeout=10)
+        served.close()
+        serving.staging.free(held)
+
+
 # --------------------------------------------------------------------------- two engines in this process
 
 FAST = EngineConfig(
@@ -255,7 +306,8 @@ def test_closing_an_engine_stops_its_transport_threads(transport: str) -> None:
 
 Behaviour = str  # after the first frame, "silent": never answers; "drop": closes the connection; otherwise
 # every READ is answered with DATA (with its checksum when asked for): "corrupt" with a byte flipped after the
-# checksum was taken, "held" once `gate` is set, "good" at once; "refuse" answers every frame with an ERROR
+# checksum was taken, "held" once `gate` is set, "good" at once, "trickle" a byte every 0.1 s; "refuse" answers
+# every frame with an ERROR
 READ_BYTES = 4096
 DATA = bytes(range(256)) * (READ_BYTES // 256)
 
@@ -323,6 +375,13 @@ class ScriptedPeer:
                     self.gate.wait(30)
                 checksum = None if frame.checksum is None else xxhash.xxh3_64_intdigest(DATA)
                 sent = DATA if behaviour != "corrupt" else bytes([DATA[0] ^ 1]) + DATA[1:]
+                if behaviour == "trickle":  # each byte well within the io timeout, the whole far beyond it
+                    connection.sendall(Frame(Kind.OK, tag=frame.tag, length=len(DATA), checksum=checksum).pack())
+                    for byte in sent:
+                        if self._stop.wait(0.1):
+                            return
+                        connection.sendall(bytes([byte]))
+                    continue
                 send_frame(connection, Frame(Kind.OK, tag=frame.tag, length=len(DATA), checksum=checksum), sent)
 
     def close(self) -> None:
@@ -392,6 +451,35 @@ def test_a_peer_that_drops_every_connection_fails_the_slice_unavailable() -> Non
         assert peer.connections == 3 and bytes(target) == bytes(READ_BYTES)
 
 
+def test_a_peer_trickling_its_answer_times_the_slice_out_within_its_bounds() -> None:
+    """A peer that sends a READ's bytes one every 0.1 s (each receive well within the 0.5 s io timeout, the whole
+    answer 400 s) fails the slice TransferTimeout within its bound (slice_deadline_s), not when the last byte
+    comes: the answer's header and its payload are each due within the io timeout."""
+    with scripted_transport("trickle", io_timeout_s=0.5, max_retries=1) as (peer, transport):
+        start = time.monotonic()
+        error, _target = read_once(transport, within_s=20)
+        assert isinstance(error, TransferTimeout), error
+        assert time.monotonic() - start <= transport._config.slice_deadline_s + 1.0
+        assert peer.connections == 2  # the retry, on a fresh connection
+
+
+@pytest.mark.parametrize("behaviour", ["drop", "silent"])
+def test_a_peer_lost_before_it_describes_itself_is_unavailable(behaviour: Behaviour) -> None:
+    """A peer that authenticates, then drops the connection or goes silent before answering `describe`: the
+    engine's connect raises PeerUnavailable naming it (a MooncakeError, not a bare socket error), within the io
+    timeout, and keeps no peer."""
+    peer = ScriptedPeer(behaviour)
+    config = EngineConfig(transports=("tcp",), io_timeout_s=0.5, connect_timeout_s=2.0, spin_us=0)
+    try:
+        with TransferEngine(secret=SECRET, config=config) as engine:
+            start = time.monotonic()
+            with pytest.raises(PeerUnavailable, match=f"127.0.0.1:{peer.port}"):
+                engine.connect(f"127.0.0.1:{peer.port}")
+            assert time.monotonic() - start < 5
+    finally:
+        peer.close()
+
+
 def test_an_inline_slice_is_not_retried_past_its_deadline() -> None:
     """A slice run inline against a peer that never answers gets one try once its deadline has passed, however
     many retries the config allows (each would make a connection and wait again)."""
@@ -407,9 +495,11 @@ def test_an_inline_slice_is_not_retried_past_its_deadline() -> None:
         assert bytes(target) == bytes(READ_BYTES)
 
 
-def test_slices_a_stream_takes_after_the_close_began_fail_closed_and_move_nothing() -> None:
-    """Slices queued behind one in flight when the transport closes end PeerUnavailable ("closed") without
-    moving a byte, even those the stream takes after finishing the one in flight."""
+def test_closing_fails_the_slice_in_flight_and_those_queued_and_moves_nothing_after() -> None:
+    """The transport closes while a slice waits on its peer with three queued behind it: the close shuts the
+    connection down, so the slice in flight ends PeerUnavailable ("closed") at once, without its retries, and
+    the queued ones too; when the peer answers after, nothing lands in any target (a slice reported failed
+    never lands later)."""
     with scripted_transport("held", io_timeout_s=10.0, max_retries=0) as (peer, transport):
         outcomes: dict[int, list[TransferError | None]] = {i: [] for i in range(4)}
         targets = [bytearray(READ_BYTES) for _ in range(4)]
@@ -424,8 +514,8 @@ def test_slices_a_stream_takes_after_the_close_began_fail_closed_and_move_nothin
             peer.gate.set()  # the slice in flight completes now
             closer.join(timeout=20)
         assert not closer.is_alive()
-        assert outcomes[0] == [None] and bytes(targets[0]) == DATA
-        for i in range(1, 4):
+        time.sleep(0.2)  # the peer's answer to the first slice, had anything still read it
+        for i in range(4):
             assert len(outcomes[i]) == 1 and isinstance(outcomes[i][0], PeerUnavailable), outcomes[i]
             assert "closed" in str(outcomes[i][0]) and bytes(targets[i]) == bytes(READ_BYTES)
 
