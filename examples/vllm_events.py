@@ -67,8 +67,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class SubscriberStats:
     """What the subscriber has seen.
 
-    num_batches/num_events: batches applied (live or replayed) and the events they made; num_gaps: batches
-    found missing behind later ones (each asked of the replay socket, or counted lost without one);
+    num_batches/num_events: batches applied (live or replayed) and the events they made; num_gaps: times a
+    batch was found missing behind later ones (a run of missing batches counts once; each missing batch is
+    asked of the replay socket, or counted lost without one);
     num_replayed: batches applied from replay answers (a gap filled, a catch-up, a running server's
     history); num_lost: batches given up (their numbers skipped: a new epoch, the source's holdings
     forgotten); num_errors/last_error: unreadable messages and batches.
@@ -90,14 +91,13 @@ READ_PER_POLL = 256  # replay messages one poll reads at most (the rest wait in 
 
 @attrs.define
 class _Ask:
-    """A replay request: when its answer last moved, which try it is for the batch missing, and what its
-    answer brought (the first and last seq, whether it skipped one: a message dropped on the way)."""
+    """A replay request: the seq it asked from, which ask it is for that batch, when its answer last moved, the
+    first seq its answer brought, and whether the answer has ended."""
 
+    start: int
     heard_at: float
     tries: int = 1
     first: int | None = None
-    last: int | None = None
-    broken: bool = False
     ended: bool = False
 
 
@@ -105,24 +105,28 @@ class KvEventSubscriber:
     """Receives one vLLM instance's batches and applies them to `index` in order, a bounded amount per poll.
 
     Algorithm. Every batch received, live or from a replay answer, waits in `pending` by its seq; a poll
-    applies those next in order (for at most `APPLY_BUDGET_S` past the first, so a long history never
-    stalls the caller's loop) after reading every message waiting on both sockets (unread, vLLM's ROUTER drops what its send
-    buffer cannot hold). When batches wait behind a missing one, the replay socket is asked for the
+    reads the live messages waiting and up to `READ_PER_POLL` replay messages (the rest wait in the replay
+    socket's unbounded queue, so vLLM's ROUTER does not drop them for a full send buffer), then applies the
+    batches next in order for at most `APPLY_BUDGET_S` past the first (a long history spreads over polls of
+    a few milliseconds each). When batches wait behind a missing one, the replay socket is asked for the
     batches from the missing one on; its answer streams in over later polls. Once the answer has ended
     (or stayed silent for `replay_timeout_s`: abandoned, on a fresh socket so that a late answer cannot
     end the next) without the missing batch, the batch is given up (counted lost, a new epoch, the
     source's holdings forgotten; they refill as vLLM stores blocks) if the answer began past it (the
-    buffer no longer has it), else asked for again, up to `MAX_ASKS` tries (it was published after the
-    answer, or a message was dropped on the way). Unless `catch_up_s` is None the subscriber also asks
-    after every quiet `catch_up_s` and at its first poll: PUB/SUB drops what it sends before a
+    buffer no longer has it), else asked for again, up to `MAX_ASKS` asks for that batch (it was published
+    after the answer, or a message was dropped on the way). Unless `catch_up_s` is None the subscriber also
+    asks after every quiet `catch_up_s` and at its first poll: PUB/SUB drops what it sends before a
     subscription arrives or while a connection is down, and a lost *last* batch shows no gap until the
     server's next batch, so an idle server's newest blocks stayed unknown to the index for as long as it
     stayed idle. An ask that finds nothing new is one short message each way.
 
-    A decoder that starts a new epoch behind the subscriber's back (the fleet's `decoder.restart()` when a
-    server goes down; a live batch below the expected seq that is no redelivery: vLLM restarted) makes
-    everything pending and any ask in flight stale: they are dropped and the replay socket is asked at once
-    from the new expected seq (a server that only blipped gives its batches back).
+    A decoder put in a new epoch behind the subscriber's back (the fleet's `skip_to(0)` when a server goes
+    down; a live batch below the expected seq that is no redelivery: vLLM restarted) makes everything
+    pending and any ask in flight stale: they are dropped and the replay socket is asked at once from the
+    new expected seq (a server that only blipped gives back what its replay buffer still holds: vLLM keeps
+    the last 10,000 batches). Not detected: a vLLM that restarts, loses every new batch on the wire and
+    then stays idle (its new numbers never reach the expected one, so catch-up asks find nothing); the
+    fleet's health checks mark such a server down, which starts it afresh.
 
     Invariants: every pending batch is numbered at or above the decoder's expected seq in its current
     epoch; at most one ask is in flight; a batch is applied once (a replayed copy of one applied is
@@ -194,8 +198,9 @@ class KvEventSubscriber:
             self._replay.connect(replay_endpoint)
 
     def poll(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for messages (not at all while batches are ready), read every one waiting,
-        and apply the batches next in order; returns how many batches it applied or dropped unread."""
+        """Wait up to `timeout_s` for messages (not at all while batches are ready), read the live ones waiting
+        and up to `READ_PER_POLL` replay answers, and apply the batches next in order; returns how many batches
+        it applied or dropped unread."""
         if self.decoder.epoch != self._epoch:
             self._forget_numbering()
         self._maybe_catch_up(time.monotonic())
@@ -297,9 +302,7 @@ class KvEventSubscriber:
             if seq < 0 or not frames[1]:
                 ask.ended = True
                 continue
-            ask.broken |= ask.last is not None and seq != ask.last + 1
             ask.first = seq if ask.first is None else ask.first
-            ask.last = seq
             if seq >= self.decoder.expected_seq and seq not in self._pending:
                 self._pending[seq] = (frames[1], True)
 
@@ -339,8 +342,9 @@ class KvEventSubscriber:
                 if not ask.ended:
                     return applied
                 self._ask = None
-                if (ask.first is None or ask.first <= expected) and ask.tries < MAX_ASKS:
-                    self._send_ask(tries=ask.tries + 1)  # published after the answer, or dropped on the way
+                tries = ask.tries if ask.start == expected else 0  # the asks are counted for one missing batch
+                if (ask.first is None or ask.first <= expected) and tries < MAX_ASKS:
+                    self._send_ask(tries=tries + 1)  # published after the answer, or dropped on the way
                     return applied
             self._lose(min(self._pending))
 
@@ -354,13 +358,13 @@ class KvEventSubscriber:
         """Ask the replay socket for the batches from the expected one on (an ask that cannot be queued ends at
         once, with no try left)."""
         assert self._replay is not None
-        start = self.decoder.expected_seq.to_bytes(8, "big")
+        start = self.decoder.expected_seq
         try:
-            self._replay.send_multipart([b"", start], self._zmq.NOBLOCK)
+            self._replay.send_multipart([b"", start.to_bytes(8, "big")], self._zmq.NOBLOCK)
         except self._zmq.Again:
-            self._ask = _Ask(heard_at=time.monotonic(), tries=MAX_ASKS, ended=True)
+            self._ask = _Ask(start, time.monotonic(), tries=MAX_ASKS, ended=True)
         else:
-            self._ask = _Ask(heard_at=time.monotonic(), tries=tries)
+            self._ask = _Ask(start, time.monotonic(), tries=tries)
 
     def _apply(self, seq: int, payload: bytes) -> bool:
         """Apply batch `seq`; False (nothing applied) when it is past the expected one, which only a live batch
@@ -369,7 +373,7 @@ class KvEventSubscriber:
         try:
             result = self.decoder.decode(payload, seq=seq)
         except (VllmEventError, UnknownBlockError) as error:
-            log.warning("batch %d of %s is unreadable, counted as lost: %s", seq, self.decoder.source, error)
+            log.warning("batch %d of %s is unreadable, skipped (a new epoch): %s", seq, self.decoder.source, error)
             self.stats.num_errors += 1
             self.stats.last_error = str(error)
             if seq >= self.decoder.expected_seq:  # (a bad copy of a batch applied before changes nothing)

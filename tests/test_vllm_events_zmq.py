@@ -16,7 +16,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -289,12 +289,12 @@ def answering(
     batches: dict[int, bytes],
     asked: list[int],
     *,
-    first_waits_for: threading.Event | None = None,
+    waits_for: Sequence[threading.Event] = (),
     first_drops: frozenset[int] = frozenset(),
 ) -> Callable[[Any, threading.Event], None]:
     """A replay socket as vLLM's: each request's answer is the batches of `batches` from its start seq as they
     stand when it comes (a test may add later ones), then the end marker; each start seq goes to `asked`. With
-    `first_waits_for`, the first answer is sent only once that is set (its content is fixed before); the seqs
+    `waits_for`, answer i is sent only once event i is set (its content is fixed when the request comes); the seqs
     in `first_drops` are left out of the first answer (lost on the way, as a full send buffer drops them)."""
 
     def serve(router: Any, stop: threading.Event) -> None:
@@ -305,8 +305,8 @@ def answering(
             asked.append(int.from_bytes(start, "big"))
             dropped = first_drops if len(asked) == 1 else frozenset()
             answer = [(seq, batches[seq]) for seq in sorted(batches) if seq >= asked[-1] and seq not in dropped]
-            if first_waits_for is not None and len(asked) == 1:
-                while not first_waits_for.wait(0.02):
+            if len(asked) <= len(waits_for):
+                while not waits_for[len(asked) - 1].wait(0.02):
                     if stop.is_set():
                         return
             for seq, payload in answer:
@@ -349,7 +349,7 @@ def test_a_gap_never_blocks_the_poll() -> None:
     asked: list[int] = []
     go = threading.Event()
     index = BlockIndex()
-    with driven_by_hand(index, answering({0: batches[0]}, asked, first_waits_for=go)) as (subscriber, xpub):
+    with driven_by_hand(index, answering({0: batches[0]}, asked, waits_for=[go])) as (subscriber, xpub):
         for seq in (1, 2):
             xpub.send_multipart([b"", seq.to_bytes(8, "big"), batches[seq]])
         slowest, end = 0.0, time.monotonic() + 0.5
@@ -376,7 +376,7 @@ def test_a_gap_seen_while_an_ask_is_out_is_asked_for_again() -> None:
     published: dict[int, bytes] = {}
     go = threading.Event()
     index = BlockIndex()
-    serve = answering(published, asked, first_waits_for=go)
+    serve = answering(published, asked, waits_for=[go])
     with driven_by_hand(index, serve, catch_up_s=5.0) as (subscriber, xpub):
         wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [0], "the first ask")
         published[0] = batches[0]  # lost on the wire
@@ -428,7 +428,7 @@ def test_a_decoder_restarted_while_an_ask_is_out_asks_again_from_its_start() -> 
     asked: list[int] = []
     go = threading.Event()
     index = BlockIndex()
-    serve = answering(dict(enumerate(batches)), asked, first_waits_for=go)
+    serve = answering(dict(enumerate(batches)), asked, waits_for=[go])
     with driven_by_hand(index, serve) as (subscriber, xpub):
         xpub.send_multipart([b"", (0).to_bytes(8, "big"), batches[0]])
         wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 1, "batch 0")
@@ -463,6 +463,63 @@ def test_a_restarted_servers_lost_first_batch_is_asked_for() -> None:
         assert subscriber.decoder.epoch == epoch + 1 and subscriber.stats.num_lost == 0
     assert asked == [0]
     assert index.match(new_keys).length(SOURCE) == 2
+
+
+def test_each_missing_batch_gets_its_own_asks() -> None:
+    """Batches 1, 3, 5 and 7 are lost on the wire, each just after the ask for the one before was answered (so no
+    answer could hold it): each is asked for in turn and brought back. The asks are counted per missing batch; a
+    count carried from one to the next gave batch 7 up unasked, the source's holdings forgotten."""
+    encoder = VllmEventEncoder(HASHER)
+    batches = [encoder.encode([], ts=float(seq)) for seq in range(9)]
+    published: dict[int, bytes] = {}
+    asked: list[int] = []
+    answers = [threading.Event() for _ in range(4)]
+    serve = answering(published, asked, waits_for=answers)
+    with driven_by_hand(BlockIndex(), serve, replay_timeout_s=30.0) as (subscriber, xpub):
+
+        def publish(seq: int, *, lost: bool = False) -> None:
+            published[seq] = batches[seq]
+            if not lost:
+                xpub.send_multipart([b"", seq.to_bytes(8, "big"), batches[seq]])
+
+        publish(0)
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 1, "batch 0")
+        publish(1, lost=True)
+        publish(2)
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [1], "the ask for batch 1")
+        for turn, missing in enumerate((3, 5, 7)):
+            publish(missing, lost=True)  # after the ask out read the buffer: its answer cannot hold it
+            publish(missing + 1)
+            # The batch after it waits (in `_pending`) when the answer to the ask out ends.
+            wait_for(lambda m=missing: subscriber.poll(0.02) >= 0 and m + 1 in subscriber._pending, "the next batch")
+            answers[turn].set()
+            wait_for(lambda t=turn: subscriber.poll(0.02) >= 0 and len(asked) == t + 2, "the next ask")
+        answers[3].set()
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 9, "every batch")
+        assert subscriber.stats.num_lost == 0
+    assert asked == [1, 3, 5, 7]
+
+
+def test_a_server_marked_down_gets_back_what_its_buffer_holds_understood() -> None:
+    """Batches 0-4 store a chain of five blocks, one each; the fleet marks the server down (`skip_to(0)`, its
+    holdings out of the index) and the replay buffer now holds batches 3 and 4 only: batches 0-2 are given up,
+    and 3 and 4, whose parents were stored before the buffer's window, are understood (the decoder kept its hash
+    translations), so the index holds their blocks again."""
+    keys, batches = one_block_batches(5, seed=12)  # block i's parent is block i - 1
+    asked: list[int] = []
+    index = BlockIndex()
+    with driven_by_hand(index, answering({3: batches[3], 4: batches[4]}, asked)) as (subscriber, xpub):
+        for seq, payload in enumerate(batches):
+            xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 5, "the chain")
+        assert index.num_blocks(SOURCE) == 5
+        index.remove_instance(SOURCE)  # what the fleet's set_up(down) does
+        subscriber.decoder.skip_to(0)
+        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 5, "the replay")
+        assert (subscriber.stats.num_lost, subscriber.decoder.num_skipped) == (3, 0)
+    assert asked == [0]
+    assert index.num_blocks(SOURCE) == 2 and index.match(keys[3:]).length(SOURCE) == 2  # blocks 3 and 4
+    assert index.match(keys).length(SOURCE) == 0  # a prefix from block 0 is not held: 0-2 were given up
 
 
 def test_loopback_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -350,14 +350,23 @@ def test_reconcile_counts_each_foreign_request_and_only_on_prefill_servers(tmp_p
 
 
 def test_a_server_down_starts_a_new_epoch_of_its_events(tmp_path: Path) -> None:
-    """Marking a server down restarts its decoder (its next events are a new epoch); the other's is
-    untouched; marking it down again does nothing."""
+    """Marking a server down starts its decoder on a new epoch from batch 0 (its next events, a restarted
+    server's or a replay's, are a new epoch) and keeps its hash translations (a replayed block whose parent came
+    before the replay buffer's window is still understood); the other's is untouched; marking it down again
+    does nothing."""
     fleet = Fleet(fleet_config(tmp_path), [INFO, INFO], subscribe=_subscriber)
     try:
         decoders = {i: x.subscriber.decoder for i, x in fleet.instances.items()}
+        encoder = VllmEventEncoder(fleet.hasher)
+        keys = encoder.register(list(range(1, 101)))
+        stored_batch = encoder.encode(
+            [BlockStored(source=InstanceId("vllm-0"), seq=0, keys=keys[:2], tier=Tier.VRAM)], ts=1.0
+        )
+        assert len(decoders["vllm-0"].decode(stored_batch, seq=0)) == 1
         before = {i: d.epoch for i, d in decoders.items()}
         fleet.set_up(InstanceId("vllm-0"), False, 1.0)
         assert decoders["vllm-0"].epoch == before["vllm-0"] + 1 and decoders["vllm-1"].epoch == before["vllm-1"]
+        assert decoders["vllm-0"].expected_seq == 0 and decoders["vllm-0"].key_of(keys[1]) == keys[1]
         assert fleet.set_up(InstanceId("vllm-0"), False, 2.0) == ()
         assert decoders["vllm-0"].epoch == before["vllm-0"] + 1
     finally:
