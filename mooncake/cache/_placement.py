@@ -372,8 +372,10 @@ class BlockPlacement:
             self._counts["corrupt_blocks"] += 1
             return False
         except BaseException:
-            self.pools[target].free(page)
+            # The policy entry first: the page's release can fail too (an SSD whose writes fail), and the block,
+            # still where it was, must stay evictable.
             self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            self.pools[target].free(page)
             raise
         self.pools[source_level].free(entry.page)
         self._rehome(key, entry, target, page)

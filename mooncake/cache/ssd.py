@@ -19,6 +19,11 @@ key this pool wrote there. Stale pages that survive a crash are harmless: keys
 are content hashes, so a page valid for its key holds the right bytes. A pool
 holds an exclusive `flock` on its file: a second pool on a file in use, in this
 process or another, is refused (both would hand out the same free pages).
+A new file gets its superblock (fsynced) before it is preallocated, and a file
+found shorter than its pages (a process killed while preallocating, a cut file)
+is preallocated again on opening: no page write later meets a full disk. A
+page whose header cannot be zeroed (a write error) is raised and released all
+the same, so a failing disk never shrinks the pool.
 
 fsync policy: `fsync_every=N` calls fdatasync after every N page writes (0:
 leave it to the OS; a killed process loses nothing the kernel has, a power cut
@@ -140,8 +145,10 @@ class SsdPagePool(AllocatingPool):
             if os.fstat(self._fd).st_size > 0:  # read under the lock: what the last holder left
                 self.recovered = self._recover()
             else:
-                self._create()
+                self._write_superblock()
                 self.recovered = ()
+            if os.fstat(self._fd).st_size < self.file_bytes:  # new, or cut short (by a crash while it was made)
+                self._preallocate()
         except BaseException:
             os.close(self._fd)
             if created:  # leave nothing half-made behind (never a file, or a device, that was there before)
@@ -151,11 +158,19 @@ class SsdPagePool(AllocatingPool):
     # ------------------------------------------------------------------ pool protocol
 
     def free(self, page: int) -> None:
-        """Invalidate `page`'s header on disk, then release it (never handed out while its old header stands)."""
+        """Invalidate `page`'s header on disk, then release it.
+
+        A failed invalidation (an I/O error) is raised, and the page is released all the same: a page lost for
+        good would shrink the pool. Its old header may then stand until the page is written again; reads check
+        the key this pool wrote (it has none now), and a recovery that finds the header finds the block's own
+        verified bytes (a key names its tokens' content).
+        """
         self._check_allocated(page)
         self._keys.pop(page, None)
-        self._pwrite(self._zeros, self._slot(page))
-        super().free(page)
+        try:
+            self._pwrite(self._zeros, self._slot(page))
+        finally:
+            super().free(page)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
         """Write `data` with its header in one call; `checksum` is computed when not given."""
@@ -294,7 +309,19 @@ class SsdPagePool(AllocatingPool):
         if os.pwrite(self._fd, view, offset) != view.nbytes:
             raise OSError(errno.EIO, f"short write to {self.path}")
 
-    def _create(self) -> None:
+    def _write_superblock(self) -> None:
+        """Mark a new file as a pool of this shape, durably, before it is preallocated: a process killed while
+        preallocating leaves a file that the next pool recovers (and preallocates), not one it must refuse."""
+        fields = _SUPER.pack(_SUPER_MAGIC, 1, self.page_bytes, self.num_pages)
+        superblock = aligned_buffer(HEADER_BYTES)
+        superblock[: _SUPER.size + _CHECK.size] = np.frombuffer(
+            fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields)), dtype=np.uint8
+        )
+        self._pwrite(superblock, 0)
+        os.fsync(self._fd)
+
+    def _preallocate(self) -> None:
+        """Reserve the whole file on disk, so that a page write never meets a full disk."""
         try:
             os.posix_fallocate(self._fd, 0, self.file_bytes)
         except OverflowError as error:  # beyond the largest file offset
@@ -305,13 +332,6 @@ class SsdPagePool(AllocatingPool):
                     f"cannot preallocate {self.file_bytes:,} bytes for {self.path}: {error.strerror}"
                 ) from error
             raise
-        fields = _SUPER.pack(_SUPER_MAGIC, 1, self.page_bytes, self.num_pages)
-        superblock = aligned_buffer(HEADER_BYTES)
-        superblock[: _SUPER.size + _CHECK.size] = np.frombuffer(
-            fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields)), dtype=np.uint8
-        )
-        self._pwrite(superblock, 0)
-        os.fsync(self._fd)
 
     def _recover(self) -> tuple[RecoveredPage, ...]:
         header = self._header_buffer()

@@ -574,10 +574,24 @@ def test_a_truncated_file_loses_only_the_cut_pages(tmp_path: Path) -> None:
     with SsdPagePool(path, 4096, 4) as pool:
         assert [(p.page, p.key) for p in pool.recovered] == [(pages[0], 0), (pages[1], 1)]
         assert bytes(pool.read(pages[0], 4096)) == block(0, 4096)
-        with pytest.raises(IntegrityError, match="short read"):
+        with pytest.raises(IntegrityError, match="checksum"):  # its cut part reads as the zeros preallocated
             pool.read(pages[1], 4096)
         page = write_new(pool, 9, b"past the cut")
         assert bytes(pool.read(page, 12)) == b"past the cut"
+        assert os.path.getsize(path) == pool.file_bytes  # preallocated again: no later write meets a full disk
+
+
+def test_a_pool_file_cut_short_while_it_was_made_opens_as_an_empty_pool(tmp_path: Path) -> None:
+    """A process killed while it preallocated a new pool file leaves the superblock it wrote first and little
+    else: the next pool opens it (not 'not a mooncake SSD pool file'), empty, preallocated whole, and serves."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 4) as pool:
+        file_bytes = pool.file_bytes
+    os.truncate(path, HEADER_BYTES)  # as the kill left it: the superblock, then nothing
+    with SsdPagePool(path, 4096, 4) as pool:
+        assert pool.recovered == () and os.path.getsize(path) == file_bytes
+        page = write_new(pool, 3, block(3, 4096))
+        assert bytes(pool.read(page, 4096)) == block(3, 4096)
 
 
 # --------------------------------------------------------------------------- chunked reads

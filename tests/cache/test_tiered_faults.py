@@ -17,6 +17,7 @@ these tests depend on the file format only through `HEADER_BYTES`.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
 import select
@@ -273,6 +274,35 @@ def test_a_write_failing_during_a_promotion_loses_only_the_promoted_block(failin
     assert index.holders(BlockKey(1)) == ()
     assert index.holders(BlockKey(2)) == (Holder(SOURCE, cache.tier_of(BlockKey(2))),)  # type: ignore[arg-type]
     cache.put(BlockKey(3), block(3))  # every page is usable again
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("failing", ["pwritev", "pwritev and pwrite"])
+def test_a_disk_refusing_writes_during_a_demotion_loses_no_page_and_no_eviction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """The SSD file refuses writes (ENOSPC) while a put demotes a victim into it: the put raises the error, the
+    victims stay in DRAM and evictable, every SSD page is free again (the failed page's release cannot fail
+    with it), the invariants hold; once the disk takes writes again, later puts evict and demote as before."""
+
+    def refuse(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 4)])
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))
+    for name in failing.split(" and "):
+        monkeypatch.setattr(os, name, refuse)
+    with pytest.raises(OSError, match="injected"):
+        cache.put(BlockKey(3), block(3))
+    monkeypatch.undo()
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.DRAM, Tier.DRAM, None]
+    assert cache.pools[1].num_free == 4
+    cache.check_invariants()
+    for key in range(10, 20):
+        cache.put(BlockKey(key), block(key))
+    assert cache.tier_of(BlockKey(1)) is None and cache.pools[1].num_free == 0  # evicted, the SSD used whole
     cache.check_invariants()
     cache.close()
 

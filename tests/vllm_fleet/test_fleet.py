@@ -331,7 +331,7 @@ class FleetMachine(RuleBasedStateMachine):
             assert not any(f.instance_id == instance for f in self.live.values())
         else:
             assert ends == ()
-            if not self.up[instance]:  # back: its events start a new epoch (as the subscriber's decoder, put on one at batch 0, gives them)
+            if not self.up[instance]:  # back: its events are a new epoch (its decoder is put on one)
                 self.epoch[instance] += 1
                 self.seq[instance] = 0
         self.up[instance] = up
