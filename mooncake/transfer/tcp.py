@@ -195,9 +195,13 @@ class TcpTransport:
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Move `piece` now, in the calling thread (no hand-off: the latency path).
 
-        `deadline` (time.monotonic) stops retries once passed and caps each socket wait.
+        `deadline` (time.monotonic) stops retries once passed and caps each socket wait, and the wait for another
+        thread's inline slice to this peer (it holds the one inline connection): past it, `TransferTimeout`.
         """
-        with self._inline_lock:
+        wait_s = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._inline_lock.acquire(timeout=wait_s):
+            return TransferTimeout(f"not started by its deadline: another inline slice to {self._host}:{self._port}")
+        try:
             if self._workers.is_closed:
                 return self._workers.closed_error()
             try:
@@ -207,6 +211,8 @@ class TcpTransport:
                     self._drop(self._inline_sock)
                 self._inline_sock, error = None, TransferError(f"slice failed: {unexpected!r}")
             return error
+        finally:
+            self._inline_lock.release()
 
     def close(self) -> None:
         with self._open_lock:

@@ -480,6 +480,26 @@ def test_a_peer_lost_before_it_describes_itself_is_unavailable(behaviour: Behavi
         peer.close()
 
 
+def test_an_inline_slice_waits_for_another_ones_connection_only_until_its_deadline() -> None:
+    """A thread's inline slice holds the one inline connection to a peer that never answers: another thread's
+    inline slice with a deadline 0.3 s away returns TransferTimeout by then (not once the first gives up), moving
+    nothing."""
+    with scripted_transport("silent", io_timeout_s=2.0, max_retries=0) as (_peer, transport):
+        first = threading.Thread(
+            target=transport.run_inline, args=(Slice(TransferOp.READ, memoryview(bytearray(READ_BYTES)), 1, 0, print),)
+        )
+        first.start()
+        time.sleep(0.2)  # the first holds the inline connection, waiting on the peer
+        target = bytearray(READ_BYTES)
+        start = time.monotonic()
+        error = transport.run_inline(
+            Slice(TransferOp.READ, memoryview(target), 1, 0, lambda _error: None), deadline=start + 0.3
+        )
+        assert isinstance(error, TransferTimeout) and "deadline" in str(error), error
+        assert time.monotonic() - start < 1.5 and bytes(target) == bytes(READ_BYTES)
+        first.join(timeout=10)
+
+
 def test_an_inline_slice_is_not_retried_past_its_deadline() -> None:
     """A slice run inline against a peer that never answers gets one try once its deadline has passed, however
     many retries the config allows (each would make a connection and wait again)."""
