@@ -69,22 +69,27 @@ def host_id() -> str:
 
 @attrs.frozen(kw_only=True)
 class PeerDescriptor:
-    """What the handshake tells about a peer: its segment descriptor."""
+    """What the handshake tells about a peer: its segment descriptor, and the largest frame it reads
+    (`max_frame_bytes`; None from a peer that does not say)."""
 
     name: str
     host_id: str
     pid: int
     regions: tuple[RegionDescriptor, ...]
     rdma: bool = False
+    max_frame_bytes: int | None = None
 
     def to_json(self) -> dict[str, Json]:
-        return {
+        described: dict[str, Json] = {
             "name": self.name,
             "host_id": self.host_id,
             "pid": self.pid,
             "regions": [region.to_json() for region in self.regions],
             "rdma": self.rdma,
         }
+        if self.max_frame_bytes is not None:
+            described["max_frame_bytes"] = self.max_frame_bytes
+        return described
 
     @classmethod
     def from_json(cls, data: Any) -> PeerDescriptor:
@@ -104,12 +109,16 @@ class PeerDescriptor:
                 raise TransferError(f"malformed segment descriptor: pid={pid!r}")
             if type(regions) is not list:
                 raise TransferError(f"malformed segment descriptor: regions={regions!r} is not a list")
+            frame = data.get("max_frame_bytes")
+            if frame is not None and (type(frame) is not int or not 0 < frame < 2**63):
+                raise TransferError(f"malformed segment descriptor: max_frame_bytes={frame!r}")
             return cls(
                 name=name,
                 host_id=host,
                 pid=pid,
                 regions=tuple(_checked_region(r, pid) for r in regions),
                 rdma=rdma,
+                max_frame_bytes=frame,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TransferError(f"malformed segment descriptor: {error}") from error
@@ -176,7 +185,9 @@ class Peers:
             The peer's key: the address dialled.
 
         Raises:
-            ConfigError: not "host:port". TransferError: `close` came first, or the peer's descriptor is malformed.
+            ConfigError: not "host:port", or the peer reads frames smaller than this engine's `slice_bytes` (its
+                `max_frame_bytes` named: every slice would be refused). TransferError: `close` came first, or the
+                peer's descriptor is malformed.
             PeerUnavailable: the peer cannot be reached, or dropped or stalled the connection before it described
                 itself (or before its transports were set up).
         """
@@ -192,6 +203,12 @@ class Peers:
         try:
             try:
                 descriptor = PeerDescriptor.from_json(tcp.call(control, "describe", None))
+                frame = descriptor.max_frame_bytes
+                if frame is not None and frame < self.config.slice_bytes:
+                    raise ConfigError(
+                        f"{key} reads frames of at most {frame} bytes (its max_frame_bytes), this engine sends slices"
+                        f" of {self.config.slice_bytes} (slice_bytes): set slice_bytes <= {frame} on this engine"
+                    )
                 transports = self._transports_for(host, port, key, descriptor, transport, control)
             except OSError as error:  # (a timeout among them) the peer died or went silent mid-handshake
                 raise PeerUnavailable(f"{key} dropped the connection before it was set up: {error!r}") from error
@@ -327,7 +344,12 @@ class Peers:
 
     def _describe_self(self) -> Json:
         own = PeerDescriptor(
-            name=self.name, host_id=self.host_id, pid=os.getpid(), regions=self._regions(), rdma=self._rdma is not None
+            name=self.name,
+            host_id=self.host_id,
+            pid=os.getpid(),
+            regions=self._regions(),
+            rdma=self._rdma is not None,
+            max_frame_bytes=self.config.max_frame_bytes,
         )
         return own.to_json()
 

@@ -80,6 +80,7 @@ def peer_descriptors(draw: st.DrawFn, *, min_regions: int = 0) -> PeerDescriptor
         pid=pid,
         regions=tuple(draw(st.lists(region_descriptors(pid), min_size=min_regions, max_size=4))),
         rdma=draw(st.booleans()),
+        max_frame_bytes=draw(st.none() | st.integers(1, 2**63 - 1)),
     )
 
 
@@ -273,6 +274,7 @@ class Engine:
             pid=os.getpid(),
             regions=tuple(region.descriptor for region in self.regions.values()),
             rdma=self.verbs is not None,
+            max_frame_bytes=self.peers.config.max_frame_bytes,
         )
 
 

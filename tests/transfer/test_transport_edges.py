@@ -35,7 +35,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.errors import MooncakeError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import Region, RegionDescriptor, attach_shared, create_shared
@@ -498,6 +498,30 @@ def test_an_inline_slice_waits_for_another_ones_connection_only_until_its_deadli
         assert isinstance(error, TransferTimeout) and "deadline" in str(error), error
         assert time.monotonic() - start < 1.5 and bytes(target) == bytes(READ_BYTES)
         first.join(timeout=10)
+
+
+def test_a_peer_reading_smaller_frames_than_this_engines_slices_is_refused_at_connect() -> None:
+    """A peer whose max_frame_bytes (64 KiB) is under this engine's slice_bytes (1 MiB) would refuse every slice,
+    and its connection drop looked like a dead peer, retried: connect raises ConfigError naming both settings
+    instead, keeping no peer; with slices of 64 KiB the same peers move bytes."""
+    small = EngineConfig(transports=("tcp",), max_frame_bytes=64 * KIB, slice_bytes=64 * KIB, io_timeout_s=2.0)
+    big = attrs.evolve(small, max_frame_bytes=MIB, slice_bytes=MIB)
+    with TransferEngine(secret=SECRET, config=small) as remote:
+        target = np.zeros(MIB, np.uint8)
+        region = remote.register_memory(target)
+        with (
+            TransferEngine(secret=SECRET, config=big) as local,
+            pytest.raises(ConfigError, match=r"at most 65536 bytes \(its max_frame_bytes\).*1048576 \(slice_bytes\)"),
+        ):
+            local.connect(remote.address, transport="tcp")
+        with TransferEngine(secret=SECRET, config=attrs.evolve(big, slice_bytes=64 * KIB)) as local:
+            mine, source = local.allocate_shared(MIB)
+            source[:] = 5
+            peer = local.connect(remote.address, transport="tcp")
+            (status,) = local.transfer_sync(
+                [request(TransferOp.WRITE, mine.region_id, peer, region.region_id, MIB)], timeout=20
+            )
+            assert status.state == RequestState.DONE and (target == 5).all()
 
 
 def test_an_inline_slice_is_not_retried_past_its_deadline() -> None:
