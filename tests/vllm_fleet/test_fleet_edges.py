@@ -830,6 +830,19 @@ def test_the_instances_toml_is_a_router_config(tmp_path: Path) -> None:
         )
 
 
+def test_the_example_router_config_parses_as_documented(tmp_path: Path) -> None:
+    """examples/configs/router.toml, with its tokenizer pointed at a directory that exists, is a valid router
+    config: two servers on this host, each with its own events and replay endpoints, both roles."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "configs" / "router.toml"
+    data = tomllib.loads(path.read_text())
+    (tmp_path / "tokenizer.json").write_text("{}")
+    data["router"]["tokenizer"] = str(tmp_path)
+    config = parse_router_config(data, str(path))
+    assert config.router.block_size == 32 and [i.role for i in config.instances] == ["both", "both"]
+    endpoints = [(i.url, i.kv_events, i.replay) for i in config.instances]
+    assert len({endpoint for triple in endpoints for endpoint in triple}) == 6  # no two servers share one
+
+
 def test_close_ends_the_routers_background_tasks_at_once(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
     """The router's own loops (KV events, health) run until cancelled: `close` cancels them and returns at once,
     instead of waiting for loops that never end (BackgroundRouter's 30 s limit would be all that ended it)."""
