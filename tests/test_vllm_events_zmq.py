@@ -358,7 +358,7 @@ def test_a_gap_never_blocks_the_poll() -> None:
             subscriber.poll(0)
             slowest = max(slowest, time.monotonic() - started)
             assert time.monotonic() < end + 10, "the gap was never seen"
-        assert slowest < 0.25 and subscriber.decoder.expected_seq == 0  # nothing applied out of order
+        assert slowest < 0.5 and subscriber.decoder.expected_seq == 0  # nothing applied out of order (blocked: 2 s)
         go.set()
         wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 3, "the batches")
         assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
