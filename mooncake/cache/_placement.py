@@ -389,8 +389,16 @@ class BlockPlacement:
         self._policies[target].access(key, parent=entry.parent, position=entry.position)
 
     def _read_host(self, entry: Entry) -> memoryview | None:
-        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool)."""
-        data = self.pools[entry.level].read(entry.page, entry.length)
+        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool).
+
+        Raises:
+            IntegrityError: they fail verification, or their page cannot be read (an I/O error: a bad sector, as
+                good as corrupt, since reading it again will not help).
+        """
+        try:
+            data = self.pools[entry.level].read(entry.page, entry.length)
+        except OSError as error:
+            raise IntegrityError(f"the {self.pools[entry.level].tier.name} page cannot be read: {error}") from error
         if data is None or isinstance(data, memoryview):
             return data
         return data.cpu().numpy().data  # a VRAM page, copied to the host

@@ -23,7 +23,8 @@ one tier at a time:
 - Every page written to SSD carries an XXH3-64 checksum, verified on every SSD
   read; `put(..., checksum=...)` verifies blocks imported from a peer. A block
   that fails verification is dropped and reported as a miss (counted in
-  `stats.corrupt_blocks`), never returned.
+  `stats.corrupt_blocks`), never returned; so is one whose page cannot be
+  read (an I/O error: a bad sector, which reading again will not mend).
 - The cache publishes `BlockStored` / `BlockRemoved` events (with tier) for the
   global index: `take_events()` drains them, numbered in one sequence per epoch,
   the changes since the last call grouped by kind and tier (a full cache taking
@@ -375,7 +376,7 @@ class TieredCache(BlockPlacement):
         A DRAM hit is a zero-copy view of the page, valid while the block is
         pinned (or until the cache next changes); an SSD hit is a verified copy,
         or a view of the first tier when the read promotes it. A block that fails
-        its checksum is dropped and reported as a miss.
+        its checksum, or whose page cannot be read (an I/O error), is dropped and reported as a miss.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -398,7 +399,7 @@ class TieredCache(BlockPlacement):
         data = None
         try:
             data = self.pools[entry.level].read(entry.page, entry.length)
-        except IntegrityError:
+        except (IntegrityError, OSError):  # an unreadable page (a bad sector) is as good as corrupt
             pass
         finally:
             with self._lock:

@@ -307,6 +307,36 @@ def test_a_disk_refusing_writes_during_a_demotion_loses_no_page_and_no_eviction(
     cache.close()
 
 
+@pytest.mark.parametrize("promote_after", [0, 1])
+def test_a_page_that_cannot_be_read_is_a_reported_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, promote_after: int
+) -> None:
+    """An SSD read failing with EIO (a bad sector), read in place or as it is promoted: `get` answers a miss, as
+    for a corrupt page (it used to drop the block and raise the OSError as well); the block is dropped and counted
+    corrupt, its removal published, and the cache keeps its invariants and serves the others."""
+    cache = TieredCache(
+        [DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "pool", PAGE, 4)], source=SOURCE, promote_after=promote_after
+    )
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
+    cache.take_events()
+    real = os.preadv
+
+    def bad_sector(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if offset > 0:  # a page (the superblock at 0 reads fine)
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", bad_sector)
+    assert cache.get(BlockKey(1)) is None
+    monkeypatch.undo()
+    assert cache.tier_of(BlockKey(1)) is None and cache.stats.corrupt_blocks == 1 and cache.stats.misses == 1
+    assert any(isinstance(e, BlockRemoved) and BlockKey(1) in e.keys for e in cache.take_events())
+    assert bytes(cache.get(BlockKey(2))) == block(2)
+    cache.check_invariants()
+    cache.close()
+
+
 def test_flipped_bytes_in_a_live_cache_are_a_reported_miss(tmp_path: Path) -> None:
     """A block demoted to SSD and then damaged on disk is a miss when read back, never its bad bytes."""
     path = tmp_path / "ssd.pool"
