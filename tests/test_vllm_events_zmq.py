@@ -70,6 +70,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) 
     assert example.wait_until(condition, timeout_s=timeout_s), f"timed out after {timeout_s} s waiting for {what}"
 
 
+def poll_until(subscriber: Any, condition: Callable[[], bool], what: str) -> None:
+    """Poll `subscriber` (20 ms at a time) until `condition` holds (the test fails after 10 s)."""
+    wait_for(lambda: subscriber.poll(0.02) >= 0 and condition(), what)
+
+
 def connect(publisher: Any, subscriber: Any) -> None:
     """Send empty batches until one arrives: PUB drops what it sends before the subscription reaches it."""
     wait_for(lambda: publisher.publish([]) >= 0 and subscriber.poll(0.05) > 0, "the subscription")
@@ -249,7 +254,7 @@ def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
 
     with driven_by_hand(index, serve_one, topic="kv") as (subscriber, xpub):
         xpub.send_multipart([b"kv", (1).to_bytes(8, "big"), second])
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 2, "both batches")
         assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
     assert requests == [0]
     assert index.match(keys).length(SOURCE) == len(keys)
@@ -280,7 +285,7 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
 
     with driven_by_hand(index, serve_slowly, replay_timeout_s=2.0) as (subscriber, xpub):
         xpub.send_multipart([b"", (3).to_bytes(8, "big"), batches[3]])
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 4, "the batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 4, "the batches")
         assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
     assert index.match(keys).length(SOURCE) == len(keys) >= 3  # batches 0-2 stored one block each
 
@@ -335,7 +340,7 @@ def test_a_subscriber_started_late_learns_what_the_server_holds_before_its_next_
     asked: list[int] = []
     index = BlockIndex()
     with driven_by_hand(index, answering(dict(enumerate(batches)), asked), catch_up_s=5.0) as (subscriber, _xpub):
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "the history")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 2, "the history")
         assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (0, 2, 0)
     assert asked == [0]
     assert index.match(keys).length(SOURCE) == len(keys)
@@ -360,7 +365,7 @@ def test_a_gap_never_blocks_the_poll() -> None:
             assert time.monotonic() < end + 10, "the gap was never seen"
         assert slowest < 0.5 and subscriber.decoder.expected_seq == 0  # nothing applied out of order (blocked: 2 s)
         go.set()
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 3, "the batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 3, "the batches")
         assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 1, 0)
         assert subscriber.stats.num_batches == 3
     assert asked == [0]
@@ -378,12 +383,12 @@ def test_a_gap_seen_while_an_ask_is_out_is_asked_for_again() -> None:
     index = BlockIndex()
     serve = answering(published, asked, waits_for=[go])
     with driven_by_hand(index, serve, catch_up_s=5.0) as (subscriber, xpub):
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [0], "the first ask")
+        poll_until(subscriber, lambda: asked == [0], "the first ask")
         published[0] = batches[0]  # lost on the wire
         xpub.send_multipart([b"", (1).to_bytes(8, "big"), batches[1]])
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.stats.num_gaps == 1, "the gap")
+        poll_until(subscriber, lambda: subscriber.stats.num_gaps == 1, "the gap")
         go.set()
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 2, "both batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 2, "both batches")
         assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 0)
     assert asked == [0, 0]
     assert index.match(keys).length(SOURCE) == 2
@@ -398,7 +403,7 @@ def test_a_message_dropped_from_an_answer_is_asked_for_again() -> None:
     index = BlockIndex()
     serve = answering(dict(enumerate(batches)), asked, first_drops=frozenset({2}))
     with driven_by_hand(index, serve, catch_up_s=5.0) as (subscriber, _xpub):
-        wait_for(lambda: subscriber.poll(0.05) >= 0 and subscriber.decoder.expected_seq == 5, "the history")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 5, "the history")
         assert (subscriber.stats.num_gaps, subscriber.stats.num_replayed, subscriber.stats.num_lost) == (1, 5, 0)
     assert asked == [0, 2]
     assert index.match(keys).length(SOURCE) == 5
@@ -431,13 +436,13 @@ def test_a_decoder_restarted_while_an_ask_is_out_asks_again_from_its_start() -> 
     serve = answering(dict(enumerate(batches)), asked, waits_for=[go])
     with driven_by_hand(index, serve) as (subscriber, xpub):
         xpub.send_multipart([b"", (0).to_bytes(8, "big"), batches[0]])
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 1, "batch 0")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 1, "batch 0")
         xpub.send_multipart([b"", (2).to_bytes(8, "big"), batches[2]])  # batch 1 is lost on the wire
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [1], "the ask for batch 1")
+        poll_until(subscriber, lambda: asked == [1], "the ask for batch 1")
         index.remove_instance(SOURCE)  # what the fleet's set_up(down) does
         subscriber.decoder.restart()
         go.set()
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 3, "the batches again")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 3, "the batches again")
         assert (subscriber.stats.num_lost, subscriber.stats.num_replayed) == (0, 3)
     assert asked == [1, 0]
     assert index.match(keys).length(SOURCE) == 3
@@ -455,11 +460,11 @@ def test_a_restarted_servers_lost_first_batch_is_asked_for() -> None:
     with driven_by_hand(index, answering(buffered, asked)) as (subscriber, xpub):
         for seq, payload in enumerate(old):
             xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 3, "the old batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 3, "the old batches")
         epoch = subscriber.decoder.epoch
         buffered.update(enumerate(new))
         xpub.send_multipart([b"", (1).to_bytes(8, "big"), new[1]])
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 2, "the new batches")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 2, "the new batches")
         assert subscriber.decoder.epoch == epoch + 1 and subscriber.stats.num_lost == 0
     assert asked == [0]
     assert index.match(new_keys).length(SOURCE) == 2
@@ -483,19 +488,19 @@ def test_each_missing_batch_gets_its_own_asks() -> None:
                 xpub.send_multipart([b"", seq.to_bytes(8, "big"), batches[seq]])
 
         publish(0)
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 1, "batch 0")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 1, "batch 0")
         publish(1, lost=True)
         publish(2)
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and asked == [1], "the ask for batch 1")
+        poll_until(subscriber, lambda: asked == [1], "the ask for batch 1")
         for turn, missing in enumerate((3, 5, 7)):
             publish(missing, lost=True)  # after the ask out read the buffer: its answer cannot hold it
             publish(missing + 1)
             # The batch after it waits (in `_pending`) when the answer to the ask out ends.
-            wait_for(lambda m=missing: subscriber.poll(0.02) >= 0 and m + 1 in subscriber._pending, "the next batch")
+            poll_until(subscriber, lambda m=missing: m + 1 in subscriber._pending, "the next batch")
             answers[turn].set()
-            wait_for(lambda t=turn: subscriber.poll(0.02) >= 0 and len(asked) == t + 2, "the next ask")
+            poll_until(subscriber, lambda t=turn: len(asked) == t + 2, "the next ask")
         answers[3].set()
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 9, "every batch")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 9, "every batch")
         assert subscriber.stats.num_lost == 0
     assert asked == [1, 3, 5, 7]
 
@@ -511,11 +516,11 @@ def test_a_server_marked_down_gets_back_what_its_buffer_holds_understood() -> No
     with driven_by_hand(index, answering({3: batches[3], 4: batches[4]}, asked)) as (subscriber, xpub):
         for seq, payload in enumerate(batches):
             xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 5, "the chain")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 5, "the chain")
         assert index.num_blocks(SOURCE) == 5
         index.remove_instance(SOURCE)  # what the fleet's set_up(down) does
         subscriber.decoder.skip_to(0)
-        wait_for(lambda: subscriber.poll(0.02) >= 0 and subscriber.decoder.expected_seq == 5, "the replay")
+        poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 5, "the replay")
         assert (subscriber.stats.num_lost, subscriber.decoder.num_skipped) == (3, 0)
     assert asked == [0]
     assert index.num_blocks(SOURCE) == 2 and index.match(keys[3:]).length(SOURCE) == 2  # blocks 3 and 4

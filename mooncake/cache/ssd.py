@@ -142,12 +142,13 @@ class SsdPagePool(AllocatingPool):
                 "give each pool its own file"
             ) from error
         try:
-            if os.fstat(self._fd).st_size > 0:  # read under the lock: what the last holder left
+            size = os.fstat(self._fd).st_size  # read under the lock: what the last holder left
+            if size > 0:
                 self.recovered = self._recover()
             else:
                 self._write_superblock()
                 self.recovered = ()
-            if os.fstat(self._fd).st_size < self.file_bytes:  # new, or cut short (by a crash while it was made)
+            if size < self.file_bytes:  # new, or cut short (by a crash while it was made)
                 self._preallocate()
         except BaseException:
             os.close(self._fd)
