@@ -206,6 +206,9 @@ def driven_by_hand(
     `replay_timeout_s`; `catch_up_s` is None unless given, so that only a gap asks the replay socket)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    # No high-water mark: a ROUTER drops what passes it, so a long answer would lose messages whenever the
+    # machine is slow to read them; the tests that want a message lost say which (`first_drops`).
+    router.setsockopt(zmq.SNDHWM, 0)
     xpub = ctx.socket(zmq.XPUB)
     stop = threading.Event()
     try:
