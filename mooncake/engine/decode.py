@@ -6,9 +6,13 @@ into a free slot and emits the first token (the prefill's). Each `step()`
 decodes one token for every active request: embeds their last tokens, and per
 layer writes the new K and V at each request's own position and attends over
 each request's own context (`decode_attention` over the slots, ragged lengths);
-then samples, reports every token to the request's callback, and retires the
-requests that reached their `max_new_tokens` or sampled one of their
-`SamplingParams.stop_token_ids` (the model's EOS; emitted as the last token).
+then samples, retires the requests that reached their `max_new_tokens` or
+sampled one of their `SamplingParams.stop_token_ids` (the model's EOS; emitted
+as the last token), and only then reports every token to its request's
+callback: the batch is whole whatever a callback does. A callback may `cancel`
+any request (one not yet called back gets no token of that step); a callback
+that raises has its request dropped, as a cancelled one (its consumer failed),
+the other callbacks still run, and its error is raised after them.
 
 KV lives in per-layer slot tensors `[max_batch_size, kv_heads, max_context_tokens,
 head_dim]`; active requests occupy slots 0 … B − 1 (a retired request's slot is
@@ -101,6 +105,7 @@ class _Active:
     stop_token_ids: frozenset[int]
     emitted: int = 1
     done: bool = False  # its last token is out: `max_new_tokens` reached or a stop token sampled
+    dropped: bool = False  # cancelled, or its callback failed: it gets no further token
 
     def ends_with(self, token: int) -> bool:
         """Whether `token`, just emitted as the `emitted`-th, is the request's last (the one rule)."""
@@ -213,6 +218,8 @@ class DecodeEngine:
         needed only by a repetition penalty (`SamplingParams.needs_prompt`). A
         request with `max_new_tokens == 1`, or whose first token is one of its stop
         tokens, is then already finished and takes no slot (so only its context is checked).
+        If `on_token` raises on the first token, the request is dropped again (it holds no slot) and the
+        error raised.
 
         Raises:
             InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, keys
@@ -264,7 +271,10 @@ class DecodeEngine:
         if not active.done:
             self._copy_kv(len(self._active), keys, prompt_tokens)
             self._active.append(active)
-        self._emit(active, first_token, finished=active.done, logprobs=first_logprobs)
+        event = TokenEvent(
+            request_id=request_id, token=first_token, index=0, finished=active.done, logprobs=first_logprobs
+        )
+        self._deliver([(active, event)])
         return verdict
 
     def _copy_kv(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
@@ -325,16 +335,25 @@ class DecodeEngine:
 
             x = layer(x, cos, sin, attend)
         logits = model.logits(x)
-        events = []
+        emitted = []
         for a, row in zip(active, logits, strict=True):
             token = a.sampler.next_token(row)
             a.last_token = token
             a.emitted += 1
             a.done = a.ends_with(token)
-            events.append(self._emit(a, token, finished=a.done, logprobs=a.sampler.logprobs_of(row, token)))
+            logprobs = a.sampler.logprobs_of(row, token)
+            emitted.append(
+                (
+                    a,
+                    TokenEvent(
+                        request_id=a.request_id, token=token, index=a.emitted - 1, finished=a.done, logprobs=logprobs
+                    ),
+                )
+            )
         self._retire()
         self.last_step_s = time.perf_counter() - started
-        return events
+        self._deliver(emitted)
+        return [event for _, event in emitted]
 
     def run(self, *, max_steps: int) -> list[TokenEvent]:
         """Step until no request is active or `max_steps` steps ran; every token emitted."""
@@ -345,20 +364,36 @@ class DecodeEngine:
             events.extend(self.step())
         return events
 
-    def _emit(
-        self, active: _Active, token: int, *, finished: bool, logprobs: TokenLogprobs | None = None
-    ) -> TokenEvent:
-        event = TokenEvent(
-            request_id=active.request_id, token=token, index=active.emitted - 1, finished=finished, logprobs=logprobs
-        )
-        if active.on_token is not None:
-            active.on_token(event)
-        return event
+    def _deliver(self, emitted: Sequence[tuple[_Active, TokenEvent]]) -> None:
+        """Call back each request with its token, in order, once the batch is whole: a request dropped by an
+        earlier callback is skipped; one whose callback raises is dropped, and the first such error is raised
+        once every other callback ran."""
+        failure: Exception | None = None
+        for active, event in emitted:
+            if active.on_token is None or active.dropped:
+                continue
+            try:
+                active.on_token(event)
+            except Exception as error:  # its consumer failed: it takes no further token, the others go on
+                self._drop(active)
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def cancel(self, request_id: RequestId) -> bool:
-        """Drop an active request without another token (its client went away); False if it is not active."""
-        for slot, active in enumerate(self._active):
+        """Drop an active request without another token (its client went away); False if it is not active.
+        A callback may call it during `step` (for any request: one not called back yet gets no token of
+        that step)."""
+        for active in self._active:
             if active.request_id == request_id:
+                return self._drop(active)
+        return False
+
+    def _drop(self, active: _Active) -> bool:
+        """End `active` without another token, freeing its slot if it holds one; False if it held none."""
+        active.dropped = True
+        for slot, held in enumerate(self._active):
+            if held is active:
                 self._remove(slot)
                 return True
         return False

@@ -31,7 +31,10 @@ Failures: every tensor moves with the group's timeout, so a stage that dies
 fails the driver's next transfer at once (its connection closes) and one that
 stops answering fails it after `timeout_s`; either is an `EngineError`, and the
 group is failed from then on (its streams are out of step) and ends its
-stages. A watch thread notices a stage process that exits, ends the others (a
+stages. So is an error of stage 0's own work mid-job (its layers, an
+interrupt): the other stages are left waiting mid-job. The caller's own code
+is not the group's failure: `on_rows` errors are raised once the job is done,
+and a failing cancel flag stops every stage in step, as a cancel does. A watch thread notices a stage process that exits, ends the others (a
 transfer the driver is waiting on fails at once) and calls `on_failure` — after
 a failed transfer too, whose ended stages it sees exit. A stage exits when its
 job channel or its connections to the driver break, and a parent watch ends
@@ -103,6 +106,14 @@ def _process_group(store: Any, rank: int, world: int, device: str, timeout_s: fl
     return dist.ProcessGroupGloo(store, rank, world, options)
 
 
+class _FlagFailed(Exception):
+    """The caller's cancel flag raised `error`; every stage stopped at the same chunk (the links are in step)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
 def _run_chunks(
     model: LlamaModel,
     links: Any,
@@ -120,7 +131,8 @@ def _run_chunks(
     `rows` is (p, n, chunk_tokens); `kv` holds this stage's layers' buffers, rows [0, p) filled. Before each
     chunk a go flag travels the pipe ahead of it: stage 0 sets it from `cancelled` (asked there only), each later
     stage takes it from the stage before and passes it on, so every stage stops at the same chunk. A flag that
-    raises stops the stages as a cancel does, then its error is raised (the links stay in step).
+    raises stops the stages as a cancel does, then its error is raised as `_FlagFailed` (the links stay in
+    step: not a link's failure).
     """
     prefix, n, chunk = rows
     sent: list[tuple[Any, torch.Tensor]] = []  # each send with its tensor, alive until it is on its way
@@ -160,7 +172,7 @@ def _run_chunks(
     for work, _tensor in sent:
         work.wait()
     if raised is not None:
-        raise raised
+        raise _FlagFailed(raised)
     return x, stopped
 
 
@@ -453,10 +465,17 @@ class PipelineGroup:
                 raise EngineError(f"the pipeline group has failed: {self._failure}")
             try:
                 logits = self._drive(ids, prefix_tokens, kv, listen, cancelled)
+            except _FlagFailed as failed:  # the caller's flag: every stage stopped in step, the group is sound
+                raise failed.error from None
+            except Cancelled:
+                raise
             except (RuntimeError, OSError) as error:  # a link closed or timed out, or a stage's pipe broke
                 self._fail(f"a transfer between stages failed: {error}")
                 reason = self._stage_error() or self._failure
                 raise EngineError(f"the pipeline group failed: {reason}") from error
+            except BaseException as error:  # stage 0's own work failed mid-job: the other stages wait mid-job
+                self._fail(f"stage 0 failed mid-job: {error!r}")
+                raise
         if errors:
             raise errors[0]
         return logits.float().cpu()

@@ -859,3 +859,98 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_decode_as_before(pr
     assert got[RequestId("r3")] == expected[RequestId("r3")][:2]  # the first token and one step, then nothing
     assert got[RequestId("r5")] == expected[RequestId("r5")] and got[RequestId("r8")] == expected[RequestId("r8")]
     assert engine.num_active == 0
+
+
+def three_decoding(
+    cache: TieredCache, r: dict[RequestId, PrefillResult], on_token: Callable[[TokenEvent], None]
+) -> DecodeEngine:
+    """An engine decoding r3, r5 and r8 (in slots 0, 1, 2) for 6 tokens each, every token to `on_token`."""
+    engine = DecodeEngine(
+        tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(max_batch_size=4, max_context_tokens=32)
+    )
+    for name in ("r3", "r5", "r8"):
+        assert join(engine, r[RequestId(name)], name, 6, on_token=on_token).accepted
+    return engine
+
+
+def alone(cache: TieredCache, r: dict[RequestId, PrefillResult]) -> dict[RequestId, list[int]]:
+    """Each request's tokens when nothing interferes."""
+    tokens: dict[RequestId, list[int]] = {}
+    three_decoding(cache, r, lambda e: tokens.setdefault(e.request_id, []).append(e.token)).run(max_steps=20)
+    return tokens
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_a_callback_that_raises_drops_its_request_and_the_batch_goes_on(prefilled_cache: Any, final: bool) -> None:
+    """r5's consumer fails at its third token (its last, with `final`): the step raises that error once every
+    other request has its token, r5 is dropped (no slot, no later token: it ends once at most), and r3 and r8
+    decode as they would alone."""
+    cache, r = prefilled_cache
+    expected = alone(cache, r)
+    got: dict[RequestId, list[TokenEvent]] = {}
+    failing_index = 5 if final else 2
+
+    def on_token(event: TokenEvent) -> None:
+        got.setdefault(event.request_id, []).append(event)
+        if event.request_id == "r5" and event.index == failing_index:
+            raise ConnectionError("r5's client went away")
+
+    engine = three_decoding(cache, r, on_token)
+    failures = 0
+    for _ in range(20):
+        try:
+            engine.step()
+        except ConnectionError:
+            failures += 1
+        engine.check_invariants()
+        if not engine.num_active:
+            break
+    assert failures == 1 and engine.num_active == 0
+    assert [e.token for e in got[RequestId("r5")]] == expected[RequestId("r5")][: failing_index + 1]
+    assert sum(e.finished for e in got[RequestId("r5")]) == int(final)
+    for name in ("r3", "r8"):
+        events = got[RequestId(name)]
+        assert [e.token for e in events] == expected[RequestId(name)]
+        assert [e.finished for e in events] == [False] * 5 + [True]
+
+
+@pytest.mark.parametrize("victim", ["r3", "r5", "r8"])
+def test_a_callback_may_cancel_any_request_during_a_step(prefilled_cache: Any, victim: str) -> None:
+    """r5's callback cancels `victim` at r5's second token (itself, a request called back before it, or one
+    after): the victim gets no token once cancelled, every other token is the one it would be alone, in order."""
+    cache, r = prefilled_cache
+    expected = alone(cache, r)
+    got: dict[RequestId, list[int]] = {}
+    engine: DecodeEngine | None = None
+
+    def on_token(event: TokenEvent) -> None:
+        got.setdefault(event.request_id, []).append(event.token)
+        if event.request_id == "r5" and event.index == 1:
+            assert engine is not None and engine.cancel(RequestId(victim))
+
+    engine = three_decoding(cache, r, on_token)
+    engine.run(max_steps=20)
+    engine.check_invariants()
+    assert engine.num_active == 0
+    order = ["r3", "r5", "r8"]  # the slot order of the step that cancels
+    kept = 2 if order.index(victim) <= order.index("r5") else 1  # its first token, and that step's if called back
+    for name in order:
+        assert got[RequestId(name)] == expected[RequestId(name)][: kept if name == victim else None]
+
+
+def test_a_join_whose_first_callback_raises_holds_nothing(prefilled_cache: Any) -> None:
+    """A consumer that fails on the first token: try_join raises its error, the request holds no slot and no
+    KV budget, and the same id joins again."""
+    cache, r = prefilled_cache
+    engine = DecodeEngine(
+        tiny_model(), cache, block_tokens=BLOCK, config=DecodeConfig(max_batch_size=2, max_context_tokens=32)
+    )
+
+    def gone(_event: TokenEvent) -> None:
+        raise ConnectionError("the client left")
+
+    with pytest.raises(ConnectionError):
+        join(engine, r[RequestId("r5")], "r5", 6, on_token=gone)
+    engine.check_invariants()
+    assert engine.num_active == 0 and engine.reserved_tokens == 0
+    assert join(engine, r[RequestId("r5")], "r5", 6).accepted and engine.active_ids == (RequestId("r5"),)

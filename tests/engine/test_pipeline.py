@@ -204,18 +204,22 @@ def test_a_cancel_stops_every_stage_at_the_same_chunk_and_the_group_goes_on(stag
                 assert flag.read == 4 and torch.allclose(logits, wanted, **TOLERANCE)
             assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
 
-        def failing() -> bool:  # a caller's flag that breaks at its second reading
-            failing.read += 1  # type: ignore[attr-defined]
-            if failing.read == 2:  # type: ignore[attr-defined]
-                raise KeyError("the flag's table is gone")
-            return False
+        # A caller's flag that breaks at its second reading: its error, once every stage has stopped (the links
+        # stay in step), whatever its type; a RuntimeError is no failed link.
+        for kind in (KeyError, RuntimeError):
+            readings = iter((False, kind("the flag's table is gone")))
 
-        failing.read = 0  # type: ignore[attr-defined]
-        with pytest.raises(KeyError):  # its error, once every stage has stopped: the links stay in step
-            running.prefill(tokens, cancelled=failing)
-        assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
+            def failing(readings: Iterator[object] = readings) -> bool:
+                reading = next(readings)
+                if isinstance(reading, Exception):
+                    raise reading
+                return bool(reading)
+
+            with pytest.raises(kind, match="table is gone"):
+                running.prefill(tokens, cancelled=failing)
+            assert running.failure is None
+            assert torch.allclose(running.prefill(tokens), wanted, **TOLERANCE)
         running.check_invariants()
-        assert running.failure is None
 
 
 def test_bad_arguments_are_refused_before_any_stage_is_asked(group: PipelineGroup) -> None:
@@ -320,6 +324,36 @@ def test_a_stage_killed_while_the_driver_waits_fails_the_prefill_at_once_and_the
             doomed.prefill(tokens)
         doomed.check_invariants()
     assert not is_running(pid)
+
+
+class Interrupt(BaseException):
+    """What a KeyboardInterrupt is to the driver: no Exception, raised from the middle of its own work."""
+
+
+def test_stage_0_failing_mid_job_fails_the_group_at_once() -> None:
+    """Stage 0's own work raises mid-job (here the caller's listener, with an interrupt no listener error is
+    held back for): the other stage is left waiting for chunks that never come, so the group fails at once (its
+    error raised, `failure` set, the stage ended) rather than sending the next prefill down links out of step,
+    where it would wait out the timeout."""
+    tokens = list(range(12))
+    exits: list[str] = []
+    with PipelineGroup(
+        TINY, num_stages=2, chunk_tokens=CHUNK, seed=SEED, threads_per_stage=1, timeout_s=60.0, on_failure=exits.append
+    ) as broken:
+        (pid,) = broken.pids
+
+        def interrupted(layer: int, start: int, _end: int) -> None:
+            if start == CHUNK:  # the second chunk: the stage has the first and waits for more
+                raise Interrupt
+
+        with pytest.raises(Interrupt):
+            broken.prefill(tokens, on_rows=interrupted)
+        assert broken.failure is not None and "stage 0 failed mid-job" in broken.failure
+        with pytest.raises(EngineError, match="has failed"):
+            broken.prefill(tokens)
+        wait_for(lambda: not is_running(pid), timeout=10.0, what="the stage to be ended")
+        wait_for(lambda: bool(exits), timeout=10.0, what="on_failure")
+        broken.check_invariants()
 
 
 def test_a_stage_that_stops_answering_fails_the_prefill_at_the_timeout() -> None:
