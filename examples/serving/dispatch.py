@@ -206,13 +206,17 @@ class Dispatcher:
             secret=secret,
             config=EngineConfig(transports=("tcp",), io_timeout_s=PROBE_TIMEOUT_S, spin_us=0, host=host),
         )
-        for cls in REPORTS:
-            self.engine.register_handler(cls.METHOD, self._receiver(cls))
-        self._addresses = {w["instance_id"]: w["address"] for w in workers}
-        self.peers = {w["instance_id"]: self.engine.connect(w["address"], transport="tcp") for w in workers}
-        connect = wire.Connect(gateway=self.engine.address, peers=self._addresses)
-        for instance in self.peers:
-            self.engine.call(self.peers[instance], *wire.encode(connect))
+        try:  # a worker gone before it heard of the gateway: the engine (its listener, its threads) goes too
+            for cls in REPORTS:
+                self.engine.register_handler(cls.METHOD, self._receiver(cls))
+            self._addresses = {w["instance_id"]: w["address"] for w in workers}
+            self.peers = {w["instance_id"]: self.engine.connect(w["address"], transport="tcp") for w in workers}
+            connect = wire.Connect(gateway=self.engine.address, peers=self._addresses)
+            for instance in self.peers:
+                self.engine.call(self.peers[instance], *wire.encode(connect))
+        except BaseException:
+            self.engine.close()
+            raise
         self.live: dict[RequestId, LiveRequest] = {}
         self._ids = itertools.count(1)
         self._started = time.monotonic()

@@ -311,6 +311,7 @@ class LocalBackend:
         self.plan: CorePlan | None = None
         self._pinned: tuple[int, set[int]] | None = None  # the thread pinned to the plan's rest, its own set before
         self._processes: dict[str, Any] = {}
+        self._pids: dict[str, int] = {}
         self._shm: dict[str, list[str]] = {}
         self._lifelines: list[Any] = []  # write ends, never written: they close when this process dies
 
@@ -350,27 +351,33 @@ class LocalBackend:
             watched.close()
             self._lifelines.append(lifeline)
             self._processes[spec.instance_id] = process
+            self._pids[spec.instance_id] = int(process.pid)
             pipes[spec.instance_id] = parent
         infos = []
-        for instance_id, pipe in pipes.items():
-            if not pipe.poll(START_TIMEOUT_S):
-                self.stop()
-                raise EngineError(f"worker {instance_id} did not start within {START_TIMEOUT_S} s")
-            try:
-                info = pipe.recv()
-            except EOFError:
-                self.stop()
-                raise EngineError(f"worker {instance_id} died while starting") from None
-            self._shm[instance_id] = info["shm"]
-            infos.append(info)
+        try:
+            for instance_id, pipe in pipes.items():
+                if not pipe.poll(START_TIMEOUT_S):
+                    self.stop()
+                    raise EngineError(f"worker {instance_id} did not start within {START_TIMEOUT_S} s")
+                try:
+                    info = pipe.recv()
+                except EOFError:
+                    self.stop()
+                    raise EngineError(f"worker {instance_id} died while starting") from None
+                self._shm[instance_id] = info["shm"]
+                infos.append(info)
+        finally:  # each worker speaks once on its start pipe
+            for pipe in pipes.values():
+                pipe.close()
         return infos
 
     def is_alive(self, instance_id: str) -> bool:
-        return bool(self._processes[instance_id].is_alive())
+        process = self._processes.get(instance_id)  # none once `stop` has reaped it
+        return process is not None and bool(process.is_alive())
 
     def pid(self, instance_id: str) -> int:
-        """The worker's process id."""
-        return int(self._processes[instance_id].pid)
+        """The worker's process id (also once it is stopped)."""
+        return self._pids[instance_id]
 
     def kill(self, instance_id: str) -> None:
         """SIGKILL a worker (to test failures); its shared memory is unlinked at `stop`."""
@@ -389,6 +396,10 @@ class LocalBackend:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+        for instance_id, process in list(self._processes.items()):
+            if not process.is_alive():  # its sentinel pipe goes with it; one that outlived its kill stays listed
+                process.close()
+                del self._processes[instance_id]
         _unlink([name for names in self._shm.values() for name in names])  # what killed workers left
         for lifeline in self._lifelines:
             lifeline.close()

@@ -50,6 +50,7 @@ pytest.importorskip("aiohttp")
 
 from serving import launch
 from serving.config import ClusterConfig, load_config
+from serving.dispatch import Dispatcher
 from serving.launch import (
     PARENT_DEATH_SIGNAL,
     PID_MAX,
@@ -65,7 +66,7 @@ from serving.protocol import LOGGERS, ConnectionGuard, EdgeLimits, JsonRequestHa
 from serving.tokenizer import ByteTokenizer, TextStream
 from serving.worker import WorkerSpec
 
-from mooncake.errors import ConfigError, EngineError
+from mooncake.errors import ConfigError, EngineError, PeerUnavailable
 from mooncake.transfer.region import create_shared
 from mooncake.types import Request, RequestId
 from tests.serving.test_api import cut
@@ -466,6 +467,56 @@ def test_a_worker_that_dies_while_starting_stops_the_others_and_leaves_no_segmen
         backend.stop()
         for pid in pids:
             unlink_segments_of(pid)
+
+
+def open_fds() -> list[str]:
+    """What this process's file descriptors point at, sorted."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(links)
+
+
+def test_starting_and_stopping_workers_leaves_no_descriptor_behind() -> None:
+    """Local workers started and stopped twice: the second round leaves this process the descriptors the first
+    left (the first may start multiprocessing's resource tracker once); each worker's start pipe and the
+    process's sentinel used to stay open, two descriptors per worker and round. A stopped worker reads as dead
+    and keeps its pid."""
+    config = tiny(num_prefill=1, num_decode=1)
+    secret = secrets.token_bytes(32)
+    specs = [
+        WorkerSpec(role=role, instance_id=f"{role}-0", config=config, secret=secret) for role in ("prefill", "decode")
+    ]
+    after: list[list[str]] = []
+    for _ in range(2):
+        backend = LocalBackend()
+        try:
+            backend.start(specs)
+            pids = [backend.pid(spec.instance_id) for spec in specs]
+        finally:
+            backend.stop()
+        assert [backend.pid(spec.instance_id) for spec in specs] == pids
+        assert not any(backend.is_alive(spec.instance_id) for spec in specs)
+        after.append([link for link in open_fds() if link.startswith("pipe:")])
+    assert after[1] == after[0]
+
+
+def test_a_dispatcher_whose_worker_cannot_be_reached_closes_its_engine() -> None:
+    """A worker gone before the gateway's Connect: the Dispatcher raises, and its transfer engine (a listening
+    socket and its threads) is closed, not left to a process that starts clusters again and again."""
+    config = tiny(num_prefill=1, num_decode=1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"  # closed again: nothing listens there
+    workers = [{"instance_id": f"{role}-0", "role": role, "address": nobody} for role in ("prefill", "decode")]
+    threads, fds = threading.active_count(), open_fds()
+    with pytest.raises(PeerUnavailable):
+        Dispatcher(
+            config, build_conductor(config), secret=b"s" * 32, workers=workers, is_alive=lambda _: True, block_bytes=1
+        )
+    wait_for(lambda: threading.active_count() == threads, timeout=EXIT_S, what="the engine's threads to end")
+    assert open_fds() == fds
 
 
 def test_close_stops_workers_gracefully_and_unlinks_what_a_killed_one_left(
