@@ -8,7 +8,9 @@ reader goes by the file's first bytes, the writer by a `.gz` name):
 `timestamp` is the arrival in milliseconds from the trace start (`time_unit`
 reads traces that keep these fields but count seconds, as Alibaba's Qwen-Bailian
 traces do, or microseconds; a millisecond trace whose timestamps have fractions
-of a millisecond gets one warning that it may be timed in seconds); `hash_ids` are
+of a millisecond gets one warning that it may be timed in seconds, and one with
+a field neither format defines, as a misspelt `Timestamp` or `hash_id` would
+be read as absent, one warning naming it); `hash_ids` are
 the chained ids of the prompt's blocks of `block_size_tokens` (512 in the
 published traces), the last partial block included, so there are exactly
 ceil(input_length / block_size) of them.
@@ -71,7 +73,9 @@ from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
 from mooncake.workload.trace_record import (
+    AIPERF_FIELDS,
     ARRAY_HINT,
+    MOONCAKE_FIELDS,
     TIME_UNITS,
     TimeUnit,
     check_block_count,
@@ -91,6 +95,8 @@ __all__ = [
     "text_request",
     "write_trace",
 ]
+
+_KNOWN_FIELDS = frozenset(MOONCAKE_FIELDS + AIPERF_FIELDS)
 
 TRACE_BLOCK_SIZE_TOKENS = 512
 """Block size of the published Mooncake traces."""
@@ -220,8 +226,9 @@ def iter_trace(
         strict: raise at the first unusable line (the default), or skip it.
         on_skip: told of each line a lenient read skips (default: a warning each).
         time_unit: what `timestamp` and `delay` count: "ms" (the Mooncake format), "s" or "us".
-        on_caution: told, once, that a millisecond trace has timestamps with fractions of a millisecond (the
-            first, by file and line), as a trace timed in seconds has (default: a warning).
+        on_caution: told, once each, that a millisecond trace has timestamps with fractions of a millisecond
+            (the first, by file and line), as a trace timed in seconds has, and of the first line with a field
+            neither format defines (ignored: a misspelt field reads as absent) (default: a warning).
 
     Yields:
         Requests with ids "0", "1", ... in arrival order (file order among equal
@@ -266,6 +273,7 @@ def _read(
     held: list[tuple[float, int, Turn]] = []
     index = 0
     cautioned = time_unit != "ms"
+    strange = False  # a field neither format defines was cautioned about
     for number, raw in _lines(path):
         record: Any = None
         try:
@@ -280,6 +288,13 @@ def _read(
             assembler.lose(session_of(record), number)
             on_skip(SkippedLine(os.fspath(path), number, str(error)))
             continue
+        if not strange and (unknown := record.keys() - _KNOWN_FIELDS):
+            strange = True
+            on_caution(
+                f"{os.fspath(path)}:{number}: not a trace field: {', '.join(map(repr, sorted(unknown)))} (the Mooncake "
+                f"format has {', '.join(MOONCAKE_FIELDS)}; aiperf adds {', '.join(AIPERF_FIELDS)}): ignored, so a "
+                "misspelt field reads as absent"
+            )
         stamp = parsed.timestamp_ms
         if not cautioned and isinstance(stamp, float) and not stamp.is_integer():
             cautioned = True  # Mooncake's traces count whole milliseconds; Qwen-Bailian's seconds, to the ms

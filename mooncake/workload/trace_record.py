@@ -50,6 +50,7 @@ __all__ = [
     "AIPERF_FIELDS",
     "MAX_LINE_MS",
     "MAX_LINE_TOKENS",
+    "MOONCAKE_FIELDS",
     "TIME_UNITS",
     "TimeUnit",
     "TraceRecord",
@@ -57,6 +58,9 @@ __all__ = [
     "parse_record",
     "session_of",
 ]
+
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+"""The fields of the Mooncake format."""
 
 AIPERF_FIELDS = ("session_id", "delay", "text_input")
 """The fields aiperf adds to the Mooncake format."""

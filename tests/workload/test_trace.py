@@ -391,12 +391,15 @@ def test_empty_file_is_an_empty_trace(tmp_path: Path) -> None:
 
 
 def test_unknown_fields_are_ignored(tmp_path: Path) -> None:
-    """Fields the format does not define are ignored."""
+    """Fields the format does not define are ignored (with one caution naming them)."""
     plain = write_lines(tmp_path / "plain.jsonl", [line()])
     extra = write_lines(
         tmp_path / "extra.jsonl", [line(session_id="s-1", tags=["a"], nested={"hash_ids": "no"}, timestamp_ms=5)]
     )
-    assert load_trace(extra, block_size_tokens=BLOCK) == load_trace(plain, block_size_tokens=BLOCK)
+    cautions: list[str] = []
+    read = load_trace(extra, block_size_tokens=BLOCK, on_caution=cautions.append)
+    assert read == load_trace(plain, block_size_tokens=BLOCK)
+    assert len(cautions) == 1 and "'nested', 'tags', 'timestamp_ms'" in cautions[0]
 
 
 def test_fields_become_request_fields(tmp_path: Path) -> None:

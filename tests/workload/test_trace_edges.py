@@ -286,6 +286,24 @@ def test_whole_float_timestamps_read_without_a_caution(tmp_path: Path) -> None:
     assert [str(w.message) for w in caught] == cautions
 
 
+def test_a_field_neither_format_defines_gets_one_caution_naming_it(tmp_path: Path) -> None:
+    """A misspelt `Timestamp` reads as absent (the line arrives with the one above, as aiperf's rule has it) and
+    a `hash_id` leaves the prompt unkeyed: the first such line gets one caution naming its file, line and fields;
+    the Mooncake fields and aiperf's get none."""
+    known = {**GOOD, "session_id": "s", "delay": 5}
+    clean = write_lines(tmp_path / "clean.jsonl", [GOOD, known])
+    cautions: list[str] = []
+    load_trace(clean, block_size_tokens=BLOCK, on_caution=cautions.append)
+    assert cautions == []
+    misspelt = write_lines(
+        tmp_path / "misspelt.jsonl",
+        [GOOD, {**GOOD, "Timestamp": 60_000, "hash_id": [1]}, {**GOOD, "arrival_time": 1}],
+    )
+    read = load_trace(misspelt, block_size_tokens=BLOCK, on_caution=cautions.append)
+    assert len(read) == 3 and len(cautions) == 1
+    assert cautions[0].startswith(f"{misspelt}:2: not a trace field: 'Timestamp', 'hash_id' (")
+
+
 # --------------------------------------------------------------------------- writing
 
 
