@@ -148,7 +148,10 @@ def parser() -> argparse.ArgumentParser:
 UNUSED: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "scheduling": ((("router",), "to scheduling: it compares --routers"),),
     "rejection": ((("admission",), "to rejection: it compares every admission policy"),),
-    "overload": ((("admission",), "to overload: it compares every admission policy"),),
+    "overload": (
+        (("admission",), "to overload: it compares every admission policy"),
+        (("speedup",), "to overload: it replays at each of --speedups"),
+    ),
 }
 
 

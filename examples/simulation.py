@@ -157,6 +157,10 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
         return requests
     if args.skip_invalid:  # given anyway, it would look like a setting the results were made with
         raise ConfigError("--skip-invalid reads around a --trace's malformed lines; a generated workload has none")
+    if args.time_unit != "ms":
+        raise ConfigError(
+            f"--time-unit {args.time_unit} says what a --trace's timestamps count; a generated workload has none"
+        )
     spec = attrs.evolve(preset(args.preset or DEFAULT_PRESET), block_size_tokens=block)  # as `trace generate` does
     requests = generate_requests(
         spec,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 from mooncake.errors import ConfigError
 
@@ -20,9 +21,12 @@ __all__ = [
     "plain_int",
     "require_bool",
     "require_int",
+    "require_iterable",
     "require_number",
     "require_str",
 ]
+
+T = TypeVar("T")
 
 
 def is_int(value: object) -> bool:
@@ -78,6 +82,15 @@ def require_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def require_iterable(name: str, value: Iterable[T], *, error: type[Exception] = ConfigError) -> Iterator[T]:
+    """An iterator over `value`, or `error` naming `name` and the value (None, a number): else a bare TypeError
+    from the loop."""
+    try:
+        return iter(value)
+    except TypeError:
+        raise error(f"{name} must be an iterable, got {value!r}") from None
 
 
 def require_str(name: str, value: Any, *, what: str = "string", empty: bool = False) -> str:

@@ -114,6 +114,7 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path, name: str) -> None:
         ([*SMALL, "--threshold", "0.5"], "--threshold must be a number >= 1"),
         ([*SMALL, "--block-size", "0"], "--block-size must be >= 1, got 0"),
         ([*SMALL, "--skip-invalid"], "--skip-invalid reads around a --trace's malformed lines"),
+        ([*SMALL, "--time-unit", "s"], "--time-unit s says what a --trace's timestamps count"),
         (["--trace", "AT_ONCE"], "its 3 arrivals span 0 s; give --prefill and --decode"),  # sized 1.7e11 nodes
     ],
 )
@@ -523,6 +524,7 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
         (("replay.py", "--config", "examples/configs/tiny.toml", "--tbt-slo", "0.5"), "--tbt-slo does not apply"),
         (("experiments.py", "scheduling", "--router", "random"), "--router does not apply to scheduling"),
         (("experiments.py", "rejection", "--admission", "baseline"), "--admission does not apply to rejection"),
+        (("experiments.py", "overload", "--speedup", "-5"), "--speedup does not apply to overload"),
         (
             ("replay.py", "--predictor", "expected_output"),
             "--predictor does not apply to --admission early_rejection",

@@ -37,6 +37,7 @@ from mooncake._checks import int_at_least, require_int, require_number
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
+from mooncake.workload.trace_record import MAX_LINE_TOKENS
 
 __all__ = [
     "ARRIVAL_RANGE",
@@ -138,7 +139,7 @@ class WorkloadSpec:
     with exponent `popularity_skew`. An arrival continues a random open session
     with probability `continue_probability` (when one is open); a session ends
     after its number of turns (1 + Poisson, mean `mean_turns`) or when its next
-    prompt would exceed `max_input_tokens`.
+    prompt would exceed `max_input_tokens` (at most 2**24, what a trace line holds).
     """
 
     name: str = attrs.field(default="custom")
@@ -158,7 +159,8 @@ class WorkloadSpec:
     output_tokens: LengthDistribution = LengthDistribution(mean_tokens=300, sigma=1.0, max_tokens=8192)
     mean_turns: float = attrs.field(default=3.0, validator=_number_in(1, 10_000))
     continue_probability: float = attrs.field(default=0.6, validator=_number_at_least(0))
-    max_input_tokens: int = attrs.field(default=131072, validator=int_at_least(1))
+    # At most what a trace line holds: a generated workload can always be written as a trace.
+    max_input_tokens: int = attrs.field(default=131072, validator=int_at_least(1, below=MAX_LINE_TOKENS + 1))
 
     def __attrs_post_init__(self) -> None:
         weights = (self.chat_weight, self.document_weight, self.agent_weight)
@@ -421,7 +423,7 @@ def fixed_length_requests(
 
     Raises:
         ConfigError: a length, prefix count or block size below 1, a negative request count or seed,
-            or `cache_ratio` outside [0, 1).
+            `cache_ratio` outside [0, 1), or `arrivals` no `ArrivalProcess`.
     """
     input_tokens = require_int("input_tokens", input_tokens, minimum=1)
     output_tokens = require_int("output_tokens", output_tokens, minimum=1)
@@ -432,6 +434,8 @@ def fixed_length_requests(
     cache_ratio = require_number("cache_ratio", cache_ratio, minimum=0)
     if cache_ratio >= 1:
         raise ConfigError(f"cache_ratio must be in [0, 1), got {cache_ratio}")
+    if not isinstance(arrivals, ArrivalProcess):
+        raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
     ids = _BlockIds(block_size_tokens)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from mooncake._checks import require_iterable
 from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, Request
 
@@ -49,7 +50,7 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
     seen: set[BlockKey] = set()
     count = total_input = total_output = max_input = num_blocks = reused = 0
     earliest, latest = math.inf, -math.inf
-    for request in requests:
+    for request in require_iterable("requests", requests, error=InvalidRequestError):
         if not isinstance(request, Request):
             raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
         earliest = min(earliest, request.arrival_s)

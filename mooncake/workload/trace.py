@@ -67,7 +67,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from mooncake._checks import require_int, require_number
+from mooncake._checks import require_int, require_iterable, require_number
 from mooncake._files import atomic_path, names_a_file
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
@@ -75,6 +75,7 @@ from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
 from mooncake.workload.trace_record import (
     AIPERF_FIELDS,
     ARRAY_HINT,
+    MAX_LINE_MS,
     MOONCAKE_FIELDS,
     TIME_UNITS,
     TimeUnit,
@@ -161,6 +162,10 @@ def _hint(line: str) -> str:
         return f" (a {packed}-compressed file? only plain and gzip traces are read)"
     if text.startswith("["):
         return ARRAY_HINT
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return " (a UTF-16 file? a trace is UTF-8)"
+    if text.startswith("\ufeff"):
+        return " (a byte-order mark past line 1: files joined with cat? only the file's first line may have one)"
     if text == "{":
         return " (a trace is JSON Lines: each request's object on one line, not pretty-printed)"
     if "," in text and not text.startswith("{"):
@@ -413,6 +418,11 @@ def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str
             f"{block_size_tokens}-token blocks: write each block size's requests to a trace of their own"
         )
     timestamp = round(request.arrival_s * 1000)
+    if timestamp > MAX_LINE_MS:  # said here: the reader's message would guess at a trace timed in microseconds
+        raise InvalidRequestError(
+            f"request {request.request_id} arrives at {request.arrival_s:.6g} s, past the {MAX_LINE_MS} ms (2**43) "
+            "a trace's timestamp holds"
+        )
     if form == "aiperf" and (text := _text_of(request, block_size_tokens)) is not None:
         line: dict[str, Any] = {"timestamp": timestamp, "text_input": text, "output_length": request.output_length}
     else:
@@ -437,7 +447,7 @@ def _write_lines(
 ) -> int:
     count = 0
     previous = -float("inf")
-    for request in requests:
+    for request in require_iterable("requests", requests, error=InvalidRequestError):
         if not isinstance(request, Request):
             raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
         if block_size_tokens is None:  # the first request's, as it was keyed

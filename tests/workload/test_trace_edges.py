@@ -27,10 +27,12 @@ from mooncake.workload import (
     ArrivalProcess,
     LengthDistribution,
     WorkloadSpec,
+    fixed_length_requests,
     generate_requests,
     iter_trace,
     load_trace,
     text_request,
+    trace_stats,
     write_trace,
 )
 from mooncake.workload.trace_record import check_block_count, parse_record
@@ -266,6 +268,48 @@ def test_a_compressed_file_is_named_by_its_format(tmp_path: Path, magic: bytes, 
     with pytest.raises(TraceFormatError, match=f"a {name}-compressed file") as caught:
         load_trace(path)
     assert caught.value.line == 1
+
+
+def test_a_utf16_file_and_a_byte_order_mark_past_line_1_are_named(tmp_path: Path) -> None:
+    """A UTF-16 file (Windows' "Unicode" save) and two traces joined with cat (the second's BOM on a later line)
+    were told they looked like CSV; each hint now says what they are."""
+    text = json.dumps(GOOD) + "\n"
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes(text.encode("utf-16"))
+    with pytest.raises(TraceFormatError, match=r"a UTF-16 file\? a trace is UTF-8") as caught:
+        load_trace(utf16, block_size_tokens=BLOCK)
+    assert caught.value.line == 1
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes(("\ufeff" + text).encode() * 2)  # the first line's BOM is read past
+    with pytest.raises(TraceFormatError, match="a byte-order mark past line 1: files joined with cat") as caught:
+        load_trace(joined, block_size_tokens=BLOCK)
+    assert caught.value.line == 2
+
+
+def test_a_request_past_a_traces_timestamps_is_refused_as_such(tmp_path: Path) -> None:
+    """A request arriving past 2**43 ms cannot be written: the error says so (it used to ask whether the trace was
+    timed in microseconds, a reader's question), and no file is left."""
+    path = tmp_path / "late.jsonl"
+    with pytest.raises(
+        InvalidRequestError, match=r"request 1 arrives at 8.8e\+09 s, past the 8796093022208 ms"
+    ) as caught:
+        write_trace(path, [a_request(0, 0.0), a_request(1, 8.8e9)], block_size_tokens=BLOCK)
+    assert "microseconds" not in str(caught.value) and not path.exists()
+
+
+def test_what_is_no_workload_is_a_clear_error(tmp_path: Path) -> None:
+    """None where requests or an arrival process belong, and a generated prompt longer than a trace line holds,
+    are errors naming the argument (they were an AttributeError, a TypeError, and a workload `write_trace` then
+    refused)."""
+    with pytest.raises(InvalidRequestError, match="requests must be an iterable, got None"):
+        write_trace(tmp_path / "none.jsonl", None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="requests must be an iterable, got None"):
+        trace_stats(None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="arrivals must be an ArrivalProcess, got None"):
+        fixed_length_requests(input_tokens=8, output_tokens=1, num_requests=2, arrivals=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_input_tokens must be an integer in"):
+        WorkloadSpec(max_input_tokens=2**24 + 1)
+    assert not list(tmp_path.iterdir())
 
 
 def test_whole_float_timestamps_read_without_a_caution(tmp_path: Path) -> None:
