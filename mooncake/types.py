@@ -179,8 +179,8 @@ class Request:
             ⌈input_length / block_size_tokens⌉, the partial last block included.
         reuses_prefix: whether its prefill may start from a cached prefix (the default); False for a prompt
             whose every position's logits are wanted (prompt log-probabilities, as vLLM scores them): the
-            Conductor then routes and estimates it as computed whole, planning no prefix transfer. (The
-            simulators replay traces, whose requests all reuse.)
+            Conductor then routes and estimates it as computed whole, planning no prefix transfer, and the
+            simulated instances compute it whole.
     """
 
     request_id: RequestId = attrs.field()
@@ -217,6 +217,25 @@ class Request:
                 f"request {self.request_id}: {len(self.block_keys)} block keys for {self.input_length} tokens in "
                 f"{block}-token blocks (one key per block, the partial last one included: "
                 f"{ceil_div(self.input_length, block)})"
+            )
+
+    def check_block_size(self, block_size_tokens: int) -> None:
+        """Check that the request's keys are blocks of `block_size_tokens` (a scheduler's or a simulated cluster's):
+        one key per block, the partial last one included, and made with that block size where it is known.
+
+        Raises:
+            InvalidRequestError: naming both block sizes, or the key count against the one expected.
+        """
+        if self.block_size_tokens is not None and self.block_size_tokens != block_size_tokens:
+            raise InvalidRequestError(
+                f"request {self.request_id} was keyed in {self.block_size_tokens}-token blocks, this "
+                f"cluster's blocks are {block_size_tokens} tokens: key requests with the hasher whose block size it has"
+            )
+        expected = ceil_div(self.input_length, block_size_tokens)
+        if len(self.block_keys) != expected:
+            raise InvalidRequestError(
+                f"request {self.request_id} has {len(self.block_keys)} block keys, but {self.input_length} "
+                f"tokens in this cluster's {block_size_tokens}-token blocks make {expected}"
             )
 
     @tokens.validator

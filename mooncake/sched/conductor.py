@@ -50,7 +50,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, require_bool, require_int, require_number, require_str
+from mooncake._checks import require_bool, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
@@ -545,18 +545,7 @@ class Conductor:
 
     def _check_geometry(self, request: Request) -> None:
         """The request's keys must be this Conductor's blocks: one key per block, the partial last one included."""
-        block = self.block_size_tokens
-        if request.block_size_tokens is not None and request.block_size_tokens != block:
-            raise InvalidRequestError(
-                f"request {request.request_id} was keyed in {request.block_size_tokens}-token blocks, this "
-                f"Conductor's blocks are {block} tokens: key requests with the hasher whose block size it has"
-            )
-        expected = ceil_div(request.input_length, block)
-        if len(request.block_keys) != expected:
-            raise InvalidRequestError(
-                f"request {request.request_id} has {len(request.block_keys)} block keys, but {request.input_length} "
-                f"tokens in this Conductor's {block}-token blocks make {expected}"
-            )
+        request.check_block_size(self.block_size_tokens)
 
     def _transfers_in_flight(self, source: InstanceId, now: float) -> int:
         finishes = self._transfers.get(source)

@@ -187,6 +187,7 @@ class CoupledCluster:
         return prefill, sum(len(i.node.batch) for i in self._instances)
 
     def _arrive(self, now: float, request: Request) -> None:
+        request.check_block_size(self.spec.block_size_tokens)  # as the disaggregated cluster's Conductor does
         record = self.replay.open(now, request)
         alone = self._verdict(DecodeLoad(0, 0, 0), request)
         if not alone.accepted:  # it could never run: it does not fit an idle instance
@@ -214,7 +215,7 @@ class CoupledCluster:
             return None
         waiting = instance.waiting.popleft()
         request = waiting.request
-        cached = instance.cache.prefix_match(request.block_keys)
+        cached = instance.cache.prefix_match(request.block_keys) if request.reuses_prefix else 0
         waiting.done_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         waiting.record.prefix_tokens = waiting.done_tokens
         return waiting

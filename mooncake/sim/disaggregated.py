@@ -280,14 +280,14 @@ class DisaggregatedCluster:
         node.queue.popleft()
         request, record, decision = head.request, head.record, head.decision
         moved = 0  # blocks the transfer brought (the holder's prefix when it arrived)
-        if decision.transfer is not None and self.spec.global_pool:
+        if decision.transfer is not None and self.spec.global_pool:  # never planned for a prompt computed whole
             holder = self._prefill.get(decision.transfer.source)
             if holder is not None:
                 moved = holder.cache.prefix_match(request.block_keys)
                 if decision.transfer.keep_local_copy:  # hot-spot replication
                     self._store(node, request, moved)
         # The prefix counts as used when the prefill ends and stores the whole chain (`_store`).
-        cached = max(node.cache.prefix_match(request.block_keys), moved)
+        cached = max(node.cache.prefix_match(request.block_keys), moved) if request.reuses_prefix else 0
         record.prefix_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
@@ -344,7 +344,8 @@ class DisaggregatedCluster:
         inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
         verdict = self._check(side, record, now, tbt_slo_s=None)
         step_s = verdict.predicted_tbt_s
-        if not verdict.accepted or step_s is None or step_s + inline_s > self.slo.tbt_s:
+        stalled_s = sum(joiner.inline_s for joiner in side.joining)  # the inline prefills the same step carries
+        if not verdict.accepted or step_s is None or step_s + stalled_s + inline_s > self.slo.tbt_s:
             return False
         # It never reaches the prefill instance the Conductor queued it on.
         self.conductor.handle(

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import AdmissionDecision, BaselineAdmission, EarlyRejection
 from mooncake.sched.join import DecodeLimits, DecodeLoad
 from mooncake.sched.outcome import Outcome, Reason
@@ -156,6 +157,43 @@ def test_inline_prefill_takes_a_prompt_of_exactly_the_limit_and_never_a_one_toke
     assert one_token.outcome == Outcome.COMPLETED and not one_token.inline_prefill
     assert one_token.prefill_instance is not None and one_token.finish_s == one_token.first_token_s
     assert one_token.intervals.count == 0
+
+
+def test_inline_prefills_waiting_for_one_step_keep_its_tbt_together() -> None:
+    """Six short prompts arrive at once beside a long decode: each inline prefill is checked with those already
+    waiting for the same step (the step stalls for all of them), so no token interval passes the TBT objective;
+    checked alone, each fit and the step carrying them took 245 ms against 100. Those that do not fit go to a
+    prefill node, and every request completes."""
+    slo = Slo(ttft_s=30.0, tbt_s=0.1)
+    requests = [make_request("long", 0.0, 2000, 400, range(4))]
+    requests += [make_request(f"short{i}", 1.0, 400, 5, [100 * i]) for i in range(1, 7)]
+    records = replay(make_spec(num_prefill=4, inline_prefill_tokens=500), requests, slo=slo).records
+    assert all(r.outcome == Outcome.COMPLETED for r in records)
+    inline = [r for r in records if r.inline_prefill]
+    assert 1 <= len(inline) < 6
+    assert max(max(r.intervals.listed()) for r in records) <= slo.tbt_s
+
+
+def test_a_prompt_computed_whole_is_simulated_whole() -> None:
+    """A request that does not reuse a prefix (prompt log-probabilities) is routed and estimated as computed whole
+    by the Conductor; the simulated instance computes it whole too, in both clusters, though the prefix is cached."""
+    shared = list(range(30))
+    requests = [make_request("first", 0.0, 15_360, 2, shared)]
+    requests.append(attrs.evolve(make_request("again", 100.0, 15_360, 2, shared), reuses_prefix=False))
+    first, again = replay(make_spec(), requests, slo=PATIENT).records
+    assert again.prefix_tokens == 0 and again.prefill_s == pytest.approx(first.prefill_s)
+    _, again = CoupledCluster(coupled_spec()).run(requests).records
+    assert again.prefix_tokens == 0
+
+
+def test_the_coupled_baseline_refuses_requests_keyed_in_another_block_size() -> None:
+    """Keys of 64-token blocks given to a cluster of 512-token blocks: the disaggregated cluster's Conductor
+    refuses them, and so does the coupled baseline (it used to match them as 512-token blocks: a hit ratio
+    nearly twice the true one)."""
+    request = attrs.evolve(make_request("small", 0.0, 640, 2, range(10)), block_size_tokens=64)
+    for run in (lambda: replay(make_spec(), [request]), lambda: CoupledCluster(coupled_spec()).run([request])):
+        with pytest.raises(InvalidRequestError, match="keyed in 64-token blocks, this cluster's blocks are 512"):
+            run()
 
 
 def test_a_decode_node_frees_the_kv_of_the_requests_that_ended() -> None:
