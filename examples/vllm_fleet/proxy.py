@@ -10,9 +10,13 @@ prefill server, then the body with the parameters it answered to the decode
 server, as vLLM's disaggregated-serving proxy does); its answer streams back as it comes (SSE
 passed through line by line), with the headers `X-Mooncake-Prefill-Instance`,
 `X-Mooncake-Decode-Instance` and `X-Mooncake-Cached-Tokens` (the prefix the
-router expected the server to hold). A stream's usage is asked of the server
+router expected the server to hold). The client's end-to-end headers go to the
+server (`Authorization`, `X-Request-Id`...) and the server's come back, on a
+stream too. A stream's usage is asked of the server
 (`stream_options.include_usage`) to count the tokens; the client sees the usage
-chunk only if it asked for it.
+chunk only if it asked for it (and the usage in every chunk only if it asked for
+that with it). A chat that sets no `max_tokens` runs to the context's end in vLLM
+and is planned for `default_max_tokens`, or the room its prompt leaves if less.
 
 Failures: a server that cannot be reached, or answers 502/503/504, before
 anything was streamed is marked down (it leaves routing; its requests end) and
@@ -25,12 +29,15 @@ slow rather than gone, stays up. Each server's
 that answers again is marked up (its KV events start a new epoch). A client
 that leaves aborts its request on the server (the upstream connection closes).
 
-`GET /v1/models` (the servers' model), `/health` (200 while a server is up,
+`GET /v1/models` (the servers' model, as a server lists it), `POST /tokenize` and
+`/detokenize` (passed to a server that is up), `/health` (200 while a server is up,
 with each one's state), `/metrics` (the router's own, `serving.metrics`'s
 families: responses by status, rejections by reason, TTFT, prefix hits as
 each server reports them in its usage, `prompt_tokens_details.cached_tokens`,
 else as the router expected them; `engine` is the instance id; each server's
-`vllm:` counters are in its own `/metrics`).
+`vllm:` counters are in its own `/metrics`). Requests and health checks have
+sessions of their own, with no cap on connections: a burst of requests never
+makes a health check wait for a connection and time out.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ from mooncake.sched import Outcome, Reason, http_status
 from mooncake.types import InstanceId
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, Flight
-from vllm_fleet.upstream import PROBE_TEXT, calibrate, probe, scrape
+from vllm_fleet.upstream import PROBE_TEXT, calibrate, lines, probe, scrape
 
 __all__ = ["CACHED_HEADER", "VllmRouter"]
 
@@ -130,6 +137,9 @@ class VllmRouter:
         self.url = ""
         self.model = ""
         self._session: aiohttp.ClientSession | None = None
+        self._checks: aiohttp.ClientSession | None = None  # health checks': never queued behind requests
+        self._cards: list[dict[str, Any]] = []
+        self._max_model_len = 0
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -138,7 +148,12 @@ class VllmRouter:
     async def start(self) -> str:
         """Probe every server (a ConfigError names the first that cannot serve), bind the KV-event endpoints,
         start serving; returns the URL."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        # aiohttp's default connector holds 100 connections: the 101st request would wait for one, counted as
+        # queued on its server, and so would the health checks, which then time out and mark healthy servers down.
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
+        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         try:
             infos = await asyncio.gather(
                 *(
@@ -157,6 +172,8 @@ class VllmRouter:
             if len(models) > 1:
                 raise ConfigError(f"{self.config.source}: the instances serve different models: {sorted(models)}")
             self.model = infos[0].model
+            self._cards = [info.card for info in infos]
+            self._max_model_len = max(info.max_model_len for info in infos)
             self.fleet = Fleet(self.config, infos, subscribe=_subscriber)
             fleet = self.fleet
             fleet.hasher.block_keys(self.tokenizer.encode(PROBE_TEXT))  # compiles the hashing kernel before traffic
@@ -197,6 +214,8 @@ class VllmRouter:
             app.router.add_post("/v1/completions", self._completions)
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/tokenize", self._pass)
+            app.router.add_post("/detokenize", self._pass)
             app.router.add_get("/health", self._health)
             app.router.add_get("/metrics", self._metrics)
             self._runner = web.AppRunner(
@@ -227,9 +246,10 @@ class VllmRouter:
             if self._runner is not None:
                 await self._runner.cleanup()
                 self._runner = None
-            if self._session is not None:
-                await self._session.close()
-                self._session = None
+            for session in (self._session, self._checks):
+                if session is not None:
+                    await session.close()
+            self._session = self._checks = None
         finally:
             if self.fleet is not None:
                 self.fleet.close()
@@ -244,7 +264,7 @@ class VllmRouter:
                 await asyncio.sleep(0)
 
     async def _health_loop(self) -> None:
-        assert self.fleet is not None and self._session is not None
+        assert self.fleet is not None and self._checks is not None
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
         while True:
             # First the interval: `start` has just probed every server. (A pass at once raced the first requests:
@@ -252,14 +272,17 @@ class VllmRouter:
             await asyncio.sleep(self.settings.health_interval_s)
             for instance in list(self.fleet.instances.values()):
                 try:
-                    async with self._session.get(f"{instance.url}/health", timeout=timeout) as answer:
+                    async with self._checks.get(f"{instance.url}/health", timeout=timeout) as answer:
                         healthy = answer.status == 200
                     if healthy:
                         asked = self.fleet.unprefilled(instance.instance_id)  # answers may come during the scrape
-                        async with self._session.get(f"{instance.url}/metrics", timeout=timeout) as answer:
-                            instance.state = scrape(await answer.text())
+                        async with self._checks.get(f"{instance.url}/metrics", timeout=timeout) as answer:
+                            instance.state = scrape(await answer.text(errors="replace"))
                         self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic(), asked=asked)
                 except (aiohttp.ClientError, TimeoutError, OSError):
+                    healthy = False
+                except Exception:  # whatever one answer does, the loop goes on: it alone marks servers up again
+                    log.exception("checking instance %s (%s) failed", instance.instance_id, instance.url)
                     healthy = False
                 if healthy != instance.up:
                     log.warning(
@@ -290,9 +313,33 @@ class VllmRouter:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The served model as the first server lists it (its `max_model_len`, `root`, `permission`...)."""
         self._authorize(request)
-        body = {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]}
-        return web.json_response(body)
+        card = self._cards[0] if self._cards else {}
+        entry = {**card, "id": self.model} if card else {"id": self.model, "object": "model", "owned_by": "vllm"}
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def _pass(self, request: web.Request) -> web.Response:
+        """`/tokenize` and `/detokenize`: the same tokenizer on every server, so the first that is up answers."""
+        assert self.fleet is not None and self._session is not None
+        self._authorize(request)
+        body = await request.read()
+        for instance in self.fleet.instances.values():
+            if not instance.up:
+                continue
+            try:
+                async with self._session.post(
+                    f"{instance.url}{request.path}",
+                    data=body,
+                    headers=_forwarded(request.headers),
+                    timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
+                ) as answer:
+                    data = await answer.read()
+                    kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+                    return web.Response(body=data, status=answer.status, headers=kept)
+            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                log.warning("instance %s failed %s: %s; trying another", instance.instance_id, request.path, error)
+        raise ApiError(503, "no vLLM server is up")
 
     async def _health(self, _request: web.Request) -> web.Response:
         assert self.fleet is not None
@@ -371,13 +418,16 @@ class VllmRouter:
         # sees it); a completion that sets none gets vLLM's 16, a chat runs to the context's end in vLLM and is
         # planned for `default_max_tokens`.
         max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
-        if max_tokens is None:
-            max_tokens = self.settings.default_max_tokens
+        if max_tokens is None:  # at most the room the prompt leaves: vLLM stops at the context's end
+            max_tokens = max(1, min(self.settings.default_max_tokens, self._max_model_len - len(tokens)))
         stream = bool(body.get("stream"))
         wants_usage, _ = stream_usage(body)  # vLLM's reading, so that the answer is the one vLLM would give
         upstream_body = dict(body)
         if stream:
-            upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            options = {**(body.get("stream_options") or {}), "include_usage": True}
+            if not wants_usage:  # asked for the count only: no usage in the chunks the client reads
+                options["continuous_usage_stats"] = False
+            upstream_body["stream_options"] = options
         payload = json.dumps(upstream_body).encode()
         path = "/v1/chat/completions" if chat else "/v1/completions"
         for _attempt in range(self.settings.max_retries + 1):
@@ -416,7 +466,7 @@ class VllmRouter:
                     return await self._forward(
                         request, flight, path, payload, stream, wants_usage, received, overhead_us
                     )
-                prefilled = await self._prefill(flight, path, upstream_body, received)
+                prefilled = await self._prefill(request, flight, path, upstream_body, received)
                 if isinstance(prefilled, web.Response):
                     return prefilled
                 return await self._forward(request, flight, path, prefilled, stream, wants_usage, received, overhead_us)
@@ -436,6 +486,9 @@ class VllmRouter:
             except (asyncio.CancelledError, ConnectionResetError):
                 self.fleet.failed(flight, time.monotonic(), Reason.CLIENT_GONE)
                 raise
+            except BaseException:  # anything else: the request ends here all the same, never left in flight
+                self.fleet.failed(flight, time.monotonic(), Reason.FAILED)
+                raise
         raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
 
     def _timeout_message(self, instance_id: InstanceId) -> str:
@@ -449,7 +502,9 @@ class VllmRouter:
             raise _TimedOut(instance_id)
         return aiohttp.ClientTimeout(total=left, sock_connect=self.settings.connect_timeout_s)
 
-    async def _prefill(self, flight: Flight, path: str, body: dict[str, Any], received: float) -> bytes | web.Response:
+    async def _prefill(
+        self, request: web.Request, flight: Flight, path: str, body: dict[str, Any], received: float
+    ) -> bytes | web.Response:
         """Step one of the disaggregated flow (that of vLLM's disaggregated-serving proxy): the prompt with
         `max_tokens` 1 on the prefill server, asking it to keep the KV for a decode elsewhere (`REMOTE_DECODE`).
 
@@ -468,6 +523,7 @@ class VllmRouter:
             async with self._session.post(
                 f"{self.fleet.instances[instance_id].url}{path}",
                 json=prefill,
+                headers=_forwarded(request.headers),
                 timeout=self._upstream_timeout(received, instance_id),
             ) as upstream:
                 data = await upstream.read()
@@ -510,7 +566,7 @@ class VllmRouter:
         fleet, metrics = self.fleet, self.metrics
         instance_id = flight.decode_instance_id  # the instance itself when coupled
         instance = fleet.instances[instance_id]
-        headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
+        headers = {**_forwarded(request.headers), "Content-Type": "application/json"}
         route_headers = {
             PREFILL_HEADER: flight.instance_id,
             DECODE_HEADER: flight.decode_instance_id,
@@ -556,13 +612,14 @@ class VllmRouter:
                 done = True
                 kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
                 return web.Response(body=data, status=upstream.status, headers={**kept, **route_headers})
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **route_headers}
+                headers={**kept, "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **route_headers}
             )
             first_s: float | None = None
             prepared = skip_blank = False
             try:
-                async for line in upstream.content:
+                async for line in lines(upstream.content):
                     if skip_blank and not line.strip():
                         skip_blank = False
                         continue  # the blank line that ended a usage chunk the client did not ask for
@@ -588,6 +645,8 @@ class VllmRouter:
                         metrics.responses["200"].inc()
                     await response.write(line)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
+                if isinstance(error, ConnectionResetError):  # writing to the client failed: it left
+                    raise
                 if not prepared:
                     raise _failure(instance_id, error) from error
                 timed_out = _ran_out(error)
@@ -644,6 +703,23 @@ class VllmRouter:
                 max_tokens=request.output_length,
             )
         )
+
+
+# What is not the client's to pass on: the connection's own headers, and those the router sets or recomputes.
+_NOT_FORWARDED = HOP_BY_HOP | {
+    "host",
+    "content-type",
+    "accept-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+}
+
+
+def _forwarded(headers: Any) -> dict[str, str]:
+    """The client's end-to-end headers, as a server should see them (`Authorization`, `X-Request-Id`...)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
 
 
 def _subscriber(section: InstanceSection, decoder: Any, index: BlockIndex) -> KvEventSubscriber:

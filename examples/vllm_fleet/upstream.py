@@ -27,7 +27,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
@@ -35,7 +35,7 @@ import attrs
 from mooncake.errors import ConfigError
 from mooncake.sched import PrefillSample
 
-__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "calibrate", "probe", "scrape"]
+__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "calibrate", "lines", "probe", "scrape"]
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog: 0123456789, naïve café."
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -48,6 +48,7 @@ class InstanceInfo:
 
     model: str
     max_model_len: int
+    card: dict[str, Any] = attrs.field(factory=dict, eq=False)  # its /v1/models entry, as the server gave it
     block_size: int
     prefix_caching: bool
     kv_capacity_tokens: int
@@ -113,7 +114,7 @@ async def probe(
             models = (await answer.json())["data"]
         async with session.get(f"{url}/metrics", timeout=timeout) as answer:
             answer.raise_for_status()
-            metrics = await answer.text()
+            metrics = await answer.text(errors="replace")  # a stray byte costs one sample, not the server
         model = str(models[0]["id"])
         async with session.post(
             f"{url}/tokenize", json={"model": model, "prompt": PROBE_TEXT}, timeout=timeout
@@ -149,10 +150,28 @@ async def probe(
     return InstanceInfo(
         model=model,
         max_model_len=int(models[0].get("max_model_len") or 0),
+        card=dict(models[0]),
         block_size=served_block,
         prefix_caching=prefix_caching,
         kv_capacity_tokens=kv_tokens,
     )
+
+
+async def lines(content: Any) -> AsyncIterator[bytes]:
+    """An aiohttp answer's lines (`content`: its StreamReader), each with its newline, however long: aiohttp's own
+    line reader refuses a line past its buffer (an SSE chunk with a long prompt's log-probabilities, or an echoed
+    long prompt, is one line)."""
+    pending = bytearray()
+    async for chunk in content.iter_any():
+        start = len(pending)
+        pending += chunk
+        begin = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield bytes(pending[begin : end + 1])
+            begin = start = end + 1
+        del pending[:begin]
+    if pending:
+        yield bytes(pending)
 
 
 async def calibrate(
@@ -182,7 +201,7 @@ async def calibrate(
                         f"{url}: a calibration prefill of {length} tokens answered {answer.status}: "
                         f"{(await answer.text())[:200]}"
                     )
-                async for line in answer.content:
+                async for line in lines(answer.content):
                     if first is None and line.startswith(b"data:"):
                         first = time.monotonic()
         except (aiohttp.ClientError, TimeoutError) as error:

@@ -35,6 +35,10 @@ class FakeVllm:
         self.waiting = 0
         self.cached_tokens: int | None = None
         self.received: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # each completion's request headers
+        self.first_text = " x"  # the first chunk's text (a long one stands for prompt log-probabilities)
+        self.metrics_tail = b""  # bytes after the counters (not UTF-8, say)
+        self.active = self.peak = 0  # completions being answered now, and the most at once
         self.aborted = 0
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,6 +62,7 @@ class FakeVllm:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         self._runner = web.AppRunner(app, handler_cancellation=True)
@@ -86,7 +91,7 @@ class FakeVllm:
             'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
             f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {self.waiting}.0\n'
         )
-        return web.Response(text=info)
+        return web.Response(body=info.encode() + self.metrics_tail)
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -95,9 +100,23 @@ class FakeVllm:
         body = await request.json()
         return web.json_response({"tokens": self.tokenizer.encode(body["prompt"])})
 
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"prompt": self.tokenizer.decode(body["tokens"])})
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            return await self._complete(request)
+        finally:
+            self.active -= 1
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.headers.append(dict(request.headers))
+        echoed = {"X-Request-Id": request.headers["X-Request-Id"]} if "X-Request-Id" in request.headers else {}
         if self.status != 200:
             return web.json_response({"error": {"message": "failing on purpose"}}, status=self.status)
         prompt = body.get("prompt", "")
@@ -122,12 +141,13 @@ class FakeVllm:
                         "remote_host": "127.0.0.1",
                         "remote_port": self.port,
                     }
-                return web.json_response(answer)
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                return web.json_response(answer, headers=echoed)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **echoed})
             await response.prepare(request)
             for number in range(count):
                 finish = "length" if number == count - 1 else None
-                chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}
+                text = self.first_text if number == 0 else " x"
+                chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 await asyncio.sleep(self.seconds_between_tokens)
             if (body.get("stream_options") or {}).get("include_usage"):

@@ -73,7 +73,8 @@ def test_streams_and_whole_answers_pass_through(fakes: list[FakeVllm], tokenizer
         upstream = (
             fakes[0].received[-1] if fakes[0].received[-1].get("prompt") == "bada keli" else fakes[1].received[-1]
         )
-        assert upstream["stream_options"] == {"include_usage": True}
+        # The usage, for the router's count; not in every chunk (the client asked for none).
+        assert upstream["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
         _, _, asked = post(
             f"{router.url}/v1/completions",
             {
@@ -272,6 +273,115 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
             key,
         )
         assert status == 400
+
+
+def test_a_line_past_aiohttps_buffer_streams_whole_and_the_request_ends(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """A 700 kB chunk (what prompt log-probabilities of a long prompt are in one SSE line) passes through whole;
+    aiohttp's line reader refused it, and the request stayed in flight in the router for good."""
+    for fake in fakes:
+        fake.first_text = "y" * 700_000
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        status, _, body = post(
+            f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada keli", "max_tokens": 3, "stream": True}
+        )
+        assert status == 200 and body.count(b"y" * 700_000) == 1 and body.endswith(b"data: [DONE]\n\n")
+        assert router.read(lambda r: (len(r.fleet.flights), len(r.fleet.conductor.in_flight))) == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_headers_pass_both_ways(fakes: list[FakeVllm], tokenizer_dir: Path, stream: bool) -> None:
+    """The client's end-to-end headers reach the server (a server's API key, a request id) and the server's come
+    back, on a stream too; the connection's own do not pass."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        sent = {"Authorization": "Bearer server-key", "X-Request-Id": "req-7", "Connection": "close"}
+        status, headers, _ = post(
+            f"{router.url}/v1/completions",
+            {"model": "tiny", "prompt": "bada keli", "max_tokens": 2, "stream": stream},
+            headers=sent,
+        )
+        assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "req-7"
+        (seen,) = [{k.lower(): v for k, v in h.items()} for fake in fakes for h in fake.headers if "X-Request-ID" in h]
+        assert seen["authorization"] == "Bearer server-key" and seen["x-request-id"] == "req-7"
+        assert seen.get("connection", "").lower() != "close"
+
+
+def test_usage_in_every_chunk_only_with_the_usage_asked_for(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """vLLM reads `continuous_usage_stats` only beside `include_usage`: a client asking for it without the usage
+    gets none, as from vLLM itself (the router asks for the usage for its count, and not in every chunk)."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        options = {"include_usage": False, "continuous_usage_stats": True}
+        body = {"model": "tiny", "prompt": "bada", "max_tokens": 3, "stream": True, "stream_options": options}
+        status, _, answer = post(f"{router.url}/v1/completions", body)
+        assert status == 200 and b"usage" not in answer
+        (upstream,) = [b for fake in fakes for b in fake.received if b["prompt"] == "bada"]
+        assert upstream["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+
+
+def test_a_chat_without_max_tokens_is_planned_for_the_room_its_prompt_leaves(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """vLLM runs a chat that sets no max_tokens to the context's end: one whose prompt leaves less room than
+    `default_max_tokens` is served (it was refused as too long); one with no room at all is not."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, default_max_tokens=256)) as router:
+
+        def chat_tokens(text: str) -> int:
+            return len(router.read(lambda r: r.tokenizer.encode_chat([{"role": "user", "content": text}])))
+
+        text = next(t for n in range(600, 1000, 4) if 2048 - 256 < chat_tokens(t := words(n, seed=3)) < 2040)
+        status, _, _ = post(
+            f"{router.url}/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+        )
+        assert status == 200
+        (upstream,) = [b for fake in fakes for b in fake.received if "messages" in b]
+        assert "max_tokens" not in upstream  # the body goes as the client sent it
+        long = {"model": "tiny", "messages": [{"role": "user", "content": words(2100, seed=4)}]}
+        assert post(f"{router.url}/v1/chat/completions", long)[0] == 400
+
+
+def test_tokenize_detokenize_and_models_are_the_servers(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """/tokenize and /detokenize go to a server that is up; /v1/models lists the model as a server does (with
+    its max_model_len)."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        fakes[0].stop()
+        router.read(lambda r: r._mark("vllm-0", False))
+        status, _, tokens = post(f"{router.url}/tokenize", {"model": "tiny", "prompt": "bada keli"})
+        assert status == 200
+        ids = json.loads(tokens)["tokens"]
+        status, _, text = post(f"{router.url}/detokenize", {"model": "tiny", "tokens": ids})
+        assert status == 200 and json.loads(text)["prompt"].endswith("bada keli")
+        models = fetch(f"{router.url}/v1/models").json()["data"]
+        assert models == [{"id": "tiny", "max_model_len": 2048}]
+        router.read(lambda r: r._mark("vllm-1", False))
+        assert post(f"{router.url}/tokenize", {"model": "tiny", "prompt": "x"})[0] == 503
+
+
+def test_a_burst_past_a_hundred_connections_reaches_the_servers_and_keeps_them_up(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """120 streams at once reach the servers together (aiohttp's default pool held 100, the rest waited there,
+    counted as queued) and no health check waits behind them (they timed out and marked healthy servers down)."""
+    for fake in fakes:
+        fake.seconds_between_tokens = 0.1  # ten tokens: about a second a stream
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, ttft_slo_s=1000.0)) as router:
+        body = {"model": "tiny", "max_tokens": 10, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(120) as pool:
+            answers = list(
+                pool.map(lambda i: post(f"{router.url}/v1/completions", {**body, "prompt": f"bada {i}"})[0], range(120))
+            )
+        assert answers == [200] * 120
+        assert sum(fake.peak for fake in fakes) > 100
+        assert router.read(lambda r: all(x.up for x in r.fleet.instances.values()))
+
+
+def test_an_unreadable_metrics_page_does_not_stop_the_health_checks(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """A /metrics page that is not UTF-8 once ended the health loop, so a server marked down never came back."""
+    for fake in fakes:
+        fake.metrics_tail = b"\xff\xfe broken\n"
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        router.read(lambda r: r._mark("vllm-0", False))
+        wait_until(lambda: router.read(lambda r: r.fleet.instances["vllm-0"].up))
 
 
 def test_a_client_that_leaves_aborts_its_request_upstream(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
