@@ -33,6 +33,7 @@ predictor's mean absolute error, so predictors are compared on what happened.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -194,13 +195,20 @@ class OutputLengthPredictor:
         """
         bisect.insort(self.lengths, require_int("output_tokens", output_tokens, minimum=0, error=InvalidRequestError))
 
-    def survival(self, produced: float, horizon: float) -> float:
-        """P(output > produced + horizon | output > produced) under the observed lengths."""
+    def survival(self, produced: float, horizon: float, cap: float = math.inf) -> float:
+        """P(output > produced + horizon | output > produced) under the observed lengths, for a request known to
+        be running with `produced` tokens out and at most `cap` in all (its max_tokens): 1 at horizon 0 (it is
+        running); 0 once `cap` is reached; for one that outlived every observed length, 1 while below its cap
+        (its own bound is all that is known of it; before, such a running request was predicted gone at once)."""
+        if horizon <= 0:
+            return 1.0
+        if produced + horizon >= cap:
+            return 0.0
         if not self.lengths:
             return 1.0
         alive_now = len(self.lengths) - bisect.bisect_right(self.lengths, produced)
         if alive_now == 0:
-            return 0.0
+            return 1.0 if cap < math.inf else 0.0
         alive_then = len(self.lengths) - bisect.bisect_right(self.lengths, produced + horizon)
         return alive_then / alive_now
 
@@ -213,7 +221,7 @@ class OutputLengthPredictor:
         for request in active:
             produced = max(0.0, (now - request.start_s) / self.step_s)
             horizon = max(0.0, (at_s - now) / self.step_s)
-            alive = self.survival(produced, horizon)
+            alive = self.survival(produced, horizon, request.output_tokens)
             batch += alive
             tokens += alive * (request.context_tokens + produced + horizon)
             kv += alive * (request.context_tokens + request.output_tokens)
@@ -221,7 +229,7 @@ class OutputLengthPredictor:
             if queued.finish_s > at_s or not takes_slot(queued.output_tokens):
                 continue  # it joins after t, or never (it ends at its first token)
             decoded = (at_s - queued.finish_s) / self.step_s
-            alive = self.survival(0.0, decoded)
+            alive = self.survival(0.0, decoded, queued.output_tokens)
             batch += alive
             tokens += alive * (queued.input_tokens + decoded)
             kv += alive * (queued.input_tokens + queued.output_tokens)

@@ -85,14 +85,19 @@ def states(draw: st.DrawFn) -> State:
     return active, incoming, now, at_s
 
 
-def reference_survival(observed: list[int], produced: float, horizon: float) -> float:
-    """Of the observed requests that were longer than `produced`, the share longer than `produced + horizon`
-    (1 with nothing observed; 0 when none was that long)."""
+def reference_survival(observed: list[int], produced: float, horizon: float, cap: float) -> float:
+    """1 at horizon 0 (it is running); 0 once the request's cap is reached; 1 with nothing observed; of the
+    observed requests that were longer than `produced`, the share longer than `produced + horizon`, and when none
+    was that long, 1 below a cap (0 with none)."""
+    if horizon <= 0:
+        return 1.0
+    if produced + horizon >= cap:
+        return 0.0
     if not observed:
         return 1.0
     longer_now = [length for length in observed if length > produced]
     if not longer_now:
-        return 0.0
+        return 1.0 if cap < math.inf else 0.0
     return len([length for length in longer_now if length > produced + horizon]) / len(longer_now)
 
 
@@ -114,7 +119,7 @@ def reference_predict(
     for request in active:
         produced = max(0.0, (now - request.start_s) / step_s)
         horizon = max(0.0, (at_s - now) / step_s)
-        alive = reference_survival(observed, produced, horizon)
+        alive = reference_survival(observed, produced, horizon, request.output_tokens)
         terms.append(
             (
                 alive,
@@ -125,7 +130,7 @@ def reference_predict(
     for queued in incoming:
         if joins_by(queued, at_s):
             decoded = (at_s - queued.finish_s) / step_s
-            alive = reference_survival(observed, 0.0, decoded)
+            alive = reference_survival(observed, 0.0, decoded, queued.output_tokens)
             terms.append(
                 (alive, alive * (queued.input_tokens + decoded), alive * (queued.input_tokens + queued.output_tokens))
             )
@@ -196,14 +201,17 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
         with pytest.raises(ConfigError, match="output length"):
             self.predictor.lengths = [*good, bad]  # type: ignore[list-item]
 
-    @rule(produced=st.integers(0, MAX_LENGTH + 2) | st.floats(0, 100), horizon=st.integers(0, 40) | st.floats(0, 100))
-    def survival(self, produced: float, horizon: float) -> None:
-        got = self.predictor.survival(produced, horizon)
-        assert got == reference_survival(self.observed, produced, horizon)
+    @rule(
+        produced=st.integers(0, MAX_LENGTH + 2) | st.floats(0, 100),
+        horizon=st.integers(0, 40) | st.floats(0, 100),
+        cap=st.integers(1, MAX_LENGTH + 50) | st.just(math.inf),
+    )
+    def survival(self, produced: float, horizon: float, cap: float) -> None:
+        got = self.predictor.survival(produced, horizon, cap)
+        assert got == reference_survival(self.observed, produced, horizon, cap)
         assert 0.0 <= got <= 1.0
-        assert self.predictor.survival(produced, horizon + 1.0) <= got
-        if not self.observed or max(self.observed) > produced:
-            assert self.predictor.survival(produced, 0.0) == 1.0
+        assert self.predictor.survival(produced, horizon + 1.0, cap) <= got
+        assert self.predictor.survival(produced, 0.0, cap) == 1.0  # a running request is there now
 
     @rule(state=states())
     def predict(self, state: State) -> None:
@@ -225,8 +233,14 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
         reserved += sum(q.input_tokens + q.output_tokens for q in incoming if joins_by(q, at_s))
         assert 0.0 <= load.batch_size <= present + 1e-9
         assert load.context_tokens >= 0.0 and 0.0 <= load.kv_tokens <= reserved * (1 + 1e-9)
-        if not self.observed:
-            assert load.batch_size == present
+        if not self.observed:  # nothing observed: each is there unless it ran past its own cap by then
+            step = self.predictor.step_s
+            gone = sum(
+                at_s > now and max(0.0, (now - a.start_s) / step) + (at_s - now) / step >= a.output_tokens
+                for a in active
+            )
+            gone += sum(joins_by(q, at_s) and (at_s - q.finish_s) / step >= q.output_tokens for q in incoming)
+            assert load.batch_size == present - gone
 
     @rule(
         snapshots=st.lists(

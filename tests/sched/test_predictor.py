@@ -193,8 +193,22 @@ def test_survival_hand_cases() -> None:
     assert predictor.survival(0, 15) == 3 / 4
     assert predictor.survival(15, 10) == 2 / 3
     assert predictor.survival(10, 0) == 1.0
-    assert predictor.survival(40, 1) == 0.0  # no observed request was ever this long
+    assert predictor.survival(40, 1) == 0.0  # no observed request was ever this long, and it has no cap
     assert OutputLengthPredictor(step_s=1.0).survival(5, 100) == 1.0  # nothing observed: assume alive
+    # A running request is there now, however long it ran; past every observed length, its cap is all that is known.
+    assert predictor.survival(50, 0) == 1.0
+    assert predictor.survival(50, 10, cap=100) == 1.0 and predictor.survival(50, 50, cap=100) == 0.0
+    assert predictor.survival(0, 15, cap=15) == 0.0  # it cannot outlive its max_tokens
+
+
+def test_a_request_running_past_every_observed_length_is_still_in_the_batch() -> None:
+    """The Conductor knows it decodes: predicted now, and on to its cap, it counts (it was predicted gone, so
+    predictive admission put a second request onto a one-slot instance already full)."""
+    predictor = OutputLengthPredictor(step_s=0.1, lengths=[10, 20])
+    running = ActiveDecode(request_id=RequestId("r"), context_tokens=100, output_tokens=200, start_s=0.0)
+    assert predictor.predict((running,), (), 5.0, 5.0).batch_size == 1.0  # 50 tokens out: past 10 and 20
+    assert predictor.predict((running,), (), 5.0, 10.0).batch_size == 1.0  # 100 tokens: below its 200
+    assert predictor.predict((running,), (), 5.0, 30.0).batch_size == 0.0  # 300: past its cap
 
 
 def test_observe_keeps_lengths_sorted() -> None:
