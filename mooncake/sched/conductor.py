@@ -87,6 +87,10 @@ from mooncake.types import InstanceId, Request, RequestId, Slo
 
 __all__ = ["Conductor", "ScheduleDecision"]
 
+REMEMBERED_REMOVALS = 1024
+"""How many removed instance ids a Conductor remembers, to ignore their late reports (bounded: instances come
+and go on a long-running server)."""
+
 
 @attrs.frozen(kw_only=True)
 class ScheduleDecision:
@@ -212,6 +216,8 @@ class Conductor:
         self._owner_of_slot = np.zeros(0, dtype=np.int64)
         self._pending_of: dict[RequestId, tuple[int, npt.NDArray[np.uint64]]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
+        # The ids removed last (`remove_instance`), so that their reports still on the way are ignored, not refused.
+        self._removed: collections.OrderedDict[InstanceId, None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ instances
 
@@ -266,7 +272,7 @@ class Conductor:
             UnknownInstanceError: no instance has that id.
             InvalidRequestError: `now` is not a finite number.
         """
-        if instance_id not in self._prefill and instance_id not in self._decode:
+        if not isinstance(instance_id, str) or (instance_id not in self._prefill and instance_id not in self._decode):
             raise UnknownInstanceError(f"no instance {instance_id!r} to remove")
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         ends = self._instance(InstanceDown(instance_id=instance_id, now=now))
@@ -279,6 +285,10 @@ class Conductor:
             assert not self._incoming.pop(instance_id), "a request bound for a removed instance outlived it"
             self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._coupled.discard(instance_id)
+        self._removed[instance_id] = None
+        self._removed.move_to_end(instance_id)
+        if len(self._removed) > REMEMBERED_REMOVALS:
+            self._removed.popitem(last=False)
         return ends
 
     def set_decode_limits(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
@@ -291,7 +301,7 @@ class Conductor:
             UnknownInstanceError: no decode instance has that id.
         """
         _check_limits(limits)
-        view = self._decode.get(instance_id)
+        view = self._decode.get(instance_id) if isinstance(instance_id, str) else None
         if view is None:
             raise UnknownInstanceError(f"no decode instance {instance_id!r}")
         view.limits = limits
@@ -311,7 +321,7 @@ class Conductor:
         Raises:
             UnknownInstanceError: no decode instance has that id.
         """
-        routed = self._incoming.get(decode_instance)
+        routed = self._incoming.get(decode_instance) if isinstance(decode_instance, str) else None
         if routed is None:
             raise UnknownInstanceError(f"no decode instance {decode_instance!r}")
         return tuple(routed.values())
@@ -557,7 +567,8 @@ class Conductor:
         """Apply a progress event; returns the requests it ended.
 
         Events about a request that already ended (or was never accepted) are ignored: reports race
-        with ends. An event from the wrong instance is a misuse.
+        with ends; so are those from an instance removed since (the last `REMEMBERED_REMOVALS`), whose
+        requests ended with it. An event from the wrong instance is a misuse.
 
         Raises:
             UnknownInstanceError: the event names an instance never added, or one of the wrong kind
@@ -570,13 +581,14 @@ class Conductor:
         if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
         if isinstance(event, PrefillBacklog):
-            self._check_instance(event)
+            if not self._check_instance(event):
+                return ()
             view = self._prefill[event.instance_id]
             view.backlog_until_s = event.until_s if event.until_s > event.now else -math.inf
             self._prefill_board.refresh(self._prefill_board.slot[event.instance_id])
             return ()
-        if not isinstance(event, RequestAborted):
-            self._check_instance(event)
+        if not isinstance(event, RequestAborted) and not self._check_instance(event):
+            return ()  # a late report from an instance removed since: its requests ended with it
         flight = self._in_flight.get(event.request_id)
         if flight is None:
             return ()  # already ended (or never accepted): nothing to do
@@ -726,10 +738,13 @@ class Conductor:
         | DecodeJoined
         | DecodeFinished
         | RequestRejected,
-    ) -> None:
+    ) -> bool:
+        """Whether the event's instance is one of the kind the event names: False for one removed since."""
         prefill = isinstance(event, (PrefillBacklog, PrefillStarted, PrefillFinished))
         known = self._prefill if prefill else self._decode
         if event.instance_id not in known:
+            if event.instance_id in self._removed:
+                return False
             kind = "prefill" if prefill else "decode"
             other = " (it is a decode instance)" if prefill and event.instance_id in self._decode else ""
             other = other or (
@@ -739,6 +754,7 @@ class Conductor:
                 f"{type(event).__name__} names {event.instance_id}, which is not a {kind} instance of this "
                 f"Conductor{other}: add it with add_{kind}_instance first"
             )
+        return True
 
     @staticmethod
     def _new_ids(instance_ids: Iterable[InstanceId]) -> tuple[InstanceId, ...]:

@@ -112,9 +112,11 @@ class AdmissionQueue(Generic[T]):
         """A request arrives: its decision, or None while it waits in line.
 
         Raises:
-            InvalidRequestError: `item`, or a request with this id, already waits; or the scheduler refuses the
-                request as invalid (one already in flight, say), nothing changed.
+            InvalidRequestError: `request` is no `Request`; `item`, or a request with this id, already waits; or the
+                scheduler refuses the request as invalid (one already in flight, say), nothing changed.
         """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"arrive takes a mooncake.types.Request, got {type(request).__name__}")
         if id(item) in self._entries:
             raise InvalidRequestError(f"{item!r} already waits for room")
         if request.request_id in self._request_ids:

@@ -333,6 +333,8 @@ def test_an_item_waits_once() -> None:
         queue.deadline("b")
     assert queue.clear() == ["a"] and len(queue) == 0 and not queue.remove("a")
     assert queue.arrive("b", request(1, 0.0, 1, 10), 0.0) is None  # its id free again
+    with pytest.raises(InvalidRequestError, match=r"arrive takes a mooncake\.types\.Request, got str"):
+        queue.arrive("c", "r9", 0.0)  # type: ignore[arg-type]
 
 
 def test_a_decision_made_before_a_try_that_raises_comes_with_the_next_pump() -> None:
