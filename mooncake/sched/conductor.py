@@ -126,7 +126,7 @@ class _InFlight:
     prefill_instance: InstanceId
     decode_instance: InstanceId
     scheduled_s: float
-    ttft_s: float
+    prefill_estimate_s: float  # from scheduling to the prefill's end, as estimated: what PrefillFinished measures
     had_transfer: bool
     stage: _Stage = _Stage.QUEUED
     # (source, estimated finish) of the transfer its prefill waits for: counted in the source's congestion
@@ -447,7 +447,7 @@ class Conductor:
                 route.prefill_instance,
                 decode.decode_instance,
                 now,
-                ttft_s,
+                route.wait_s + route.prefill_s,  # the TTFT less the first token's overhead, which comes after
                 route.transfer is not None,
                 transfer=(route.transfer.source, now + route.transfer_s) if route.transfer is not None else None,
             )
@@ -610,7 +610,7 @@ class Conductor:
             self._remove_from_queue(flight, event.request_id, event.now)
             self.router.observe(
                 had_transfer=flight.had_transfer,
-                estimated_ttft_s=flight.ttft_s,
+                estimated_ttft_s=flight.prefill_estimate_s,
                 observed_ttft_s=event.now - flight.scheduled_s,
             )
         elif isinstance(event, PrefilledInline):

@@ -338,8 +338,8 @@ class Router(Protocol):
         """A decision among `candidates` (instances that are up), or None when there are none."""
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
-        """A request it routed finished its prefill: the TTFT it estimated and the one observed
-        (a router that does not learn ignores it)."""
+        """A request it routed finished its prefill: the time from its scheduling to that end as estimated (the
+        TTFT less the first token's overhead) and as observed (a router that does not learn ignores it)."""
 
 
 @attrs.define
@@ -347,10 +347,13 @@ class AdaptiveThreshold:
     """Online tuning of `kvcache_balancing_threshold` from observed TTFT.
 
     Keeps an exponentially weighted mean of observed / estimated TTFT for
-    decisions with a transfer and without; after each observation moves the
-    threshold by ``exp(rate · (transfer_ratio − local_ratio))``, clamped to
-    [minimum, maximum]. Transfers that run late push the threshold up (fewer
-    transfers); transfers that beat their estimate bring it down.
+    decisions with a transfer and without; once both kinds have been observed,
+    moves the threshold after each observation by
+    ``exp(rate · (transfer_ratio − local_ratio))``, clamped to [minimum,
+    maximum]. Transfers that run late push the threshold up (fewer transfers);
+    transfers that beat their estimate bring it down. (Before both kinds are
+    seen, one ratio is only its prior: a drift of the other would move the
+    threshold with no evidence about transfers at all.)
     """
 
     value: float = DEFAULT_THRESHOLD
@@ -360,6 +363,8 @@ class AdaptiveThreshold:
     maximum: float = 64.0
     transfer_ratio: float = 1.0
     local_ratio: float = 1.0
+    transfers_observed: int = 0
+    locals_observed: int = 0
 
     def __attrs_post_init__(self) -> None:
         for name in ("rate", "smoothing"):
@@ -381,8 +386,12 @@ class AdaptiveThreshold:
         ratio = min(observed_ttft_s / estimated_ttft_s, 100.0)
         if had_transfer:
             self.transfer_ratio += self.smoothing * (ratio - self.transfer_ratio)
+            self.transfers_observed += 1
         else:
             self.local_ratio += self.smoothing * (ratio - self.local_ratio)
+            self.locals_observed += 1
+        if not (self.transfers_observed and self.locals_observed):
+            return
         # Clamped: one wildly late request must neither overflow nor swing the threshold to a bound.
         factor = math.exp(max(-1.0, min(1.0, self.rate * (self.transfer_ratio - self.local_ratio))))
         self.value = min(self.maximum, max(self.minimum, self.value * factor))

@@ -1032,9 +1032,25 @@ def test_prefill_finished_teaches_the_adaptive_threshold() -> None:
     decision = conductor.schedule(request("r", DOC), 0.0)
     prefill, _ = placement(decision)
     assert decision.transfer is not None and decision.ttft_s is not None
+    router.adaptive.observe(had_transfer=False, estimated_ttft_s=1.0, observed_ttft_s=1.0)  # a local one, on time
     before = router.adaptive.value
     conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=3 * decision.ttft_s))
     assert router.adaptive.value > before
+
+
+def test_a_router_learns_the_prefill_end_it_estimated_without_the_first_tokens_overhead() -> None:
+    """PrefillFinished comes at the prefill's end, before the first token's overhead: the estimate a router
+    learns against is the TTFT less that overhead, so a prefill ending as estimated reads as on time (it read as
+    early by the overhead, and an adaptive threshold climbed on that bias alone)."""
+    router = RecordingRouter(attrs.evolve(ESTIMATOR, first_token_overhead_s=0.5))
+    conductor = make_conductor(router=router)
+    decision = conductor.schedule(request("r", DOC), 1.0)
+    prefill, _ = placement(decision)
+    assert decision.ttft_s is not None and decision.ttft_s > 0.5
+    end = 1.0 + decision.ttft_s - 0.5
+    conductor.handle(PrefillFinished(request_id=RequestId("r"), instance_id=prefill, now=end))
+    ((_, estimated, observed),) = router.observed
+    assert estimated == pytest.approx(observed) and estimated == pytest.approx(decision.ttft_s - 0.5)
 
 
 @attrs.define

@@ -556,9 +556,31 @@ def test_round_robin_takes_the_instances_up_in_id_order(steps: list[tuple[int, b
 # ---------------------------------------------------------------------------- adaptive threshold
 
 
+def on_time(adaptive: AdaptiveThreshold, *, had_transfer: bool) -> AdaptiveThreshold:
+    """`adaptive` after one decision of the kind on time (the threshold moves only once both kinds were seen)."""
+    adaptive.observe(had_transfer=had_transfer, estimated_ttft_s=1.0, observed_ttft_s=1.0)
+    return adaptive
+
+
+def test_adaptive_threshold_moves_only_once_both_kinds_were_seen() -> None:
+    """Local decisions alone say nothing about transfers (the transfer mean is only its prior): late or early,
+    they leave the threshold where it is, however many (it climbed to its maximum on a bias of the local
+    estimates alone, and with no transfers from then on, never came down)."""
+    adaptive = AdaptiveThreshold()
+    for _ in range(50):
+        adaptive.observe(had_transfer=False, estimated_ttft_s=1.0, observed_ttft_s=0.1)
+    assert adaptive.value == 1.5
+    adaptive = AdaptiveThreshold()
+    for _ in range(50):
+        adaptive.observe(had_transfer=True, estimated_ttft_s=1.0, observed_ttft_s=5.0)
+    assert adaptive.value == 1.5
+    adaptive.observe(had_transfer=False, estimated_ttft_s=1.0, observed_ttft_s=1.0)
+    assert adaptive.value > 1.5  # now transfers are known to run later than local decisions
+
+
 def test_adaptive_threshold_rises_when_transfers_run_late() -> None:
     """Transfers slower than estimated push the threshold up (fewer transfers)."""
-    adaptive = AdaptiveThreshold()
+    adaptive = on_time(AdaptiveThreshold(), had_transfer=False)
     before = adaptive.value
     adaptive.observe(had_transfer=True, estimated_ttft_s=1.0, observed_ttft_s=3.0)
     assert adaptive.value > before
@@ -569,14 +591,14 @@ def test_adaptive_threshold_rises_when_transfers_run_late() -> None:
 
 def test_adaptive_threshold_falls_when_transfers_beat_estimates() -> None:
     """Transfers faster than estimated bring the threshold down (more transfers)."""
-    adaptive = AdaptiveThreshold(value=8.0)
+    adaptive = on_time(AdaptiveThreshold(value=8.0), had_transfer=False)
     adaptive.observe(had_transfer=True, estimated_ttft_s=2.0, observed_ttft_s=0.5)
     assert adaptive.value < 8.0
 
 
 def test_adaptive_threshold_compares_with_local_decisions() -> None:
     """Local decisions running late (transfers on time) also lower the threshold: transfers look better."""
-    adaptive = AdaptiveThreshold(value=8.0)
+    adaptive = on_time(AdaptiveThreshold(value=8.0), had_transfer=True)
     adaptive.observe(had_transfer=False, estimated_ttft_s=1.0, observed_ttft_s=4.0)
     assert adaptive.value < 8.0
 
@@ -612,13 +634,15 @@ def test_adaptive_threshold_stays_within_bounds(
 class AdaptiveThresholdMachine(RuleBasedStateMachine):
     """`AdaptiveThreshold` against its documented update written out: an exponentially weighted mean of
     observed / estimated TTFT (capped at 100) per kind of decision, the threshold multiplied by
-    exp(rate · (transfer mean − local mean)) clamped to one e-fold, then to [minimum, maximum]; observations
-    that teach nothing (an estimate <= 0, an observation negative or not finite) change nothing."""
+    exp(rate · (transfer mean − local mean)) clamped to one e-fold, then to [minimum, maximum], once both kinds
+    were observed; observations that teach nothing (an estimate <= 0, an observation negative or not finite)
+    change nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.adaptive = AdaptiveThreshold(value=4.0, minimum=1.0, maximum=32.0, rate=0.5, smoothing=0.25)
         self.value, self.ratios = 4.0, {True: 1.0, False: 1.0}
+        self.seen: set[bool] = set()
 
     @rule(
         had_transfer=st.booleans(),
@@ -630,6 +654,9 @@ class AdaptiveThresholdMachine(RuleBasedStateMachine):
         if not (estimated > 0 and 0 <= observed < math.inf):
             return
         self.ratios[had_transfer] += 0.25 * (min(observed / estimated, 100.0) - self.ratios[had_transfer])
+        self.seen.add(had_transfer)
+        if len(self.seen) < 2:
+            return
         step = min(1.0, max(-1.0, 0.5 * (self.ratios[True] - self.ratios[False])))
         self.value = min(32.0, max(1.0, self.value * math.exp(step)))
 
@@ -644,7 +671,7 @@ TestAdaptiveThresholdMachine = AdaptiveThresholdMachine.TestCase
 
 def test_adaptive_threshold_survives_a_wildly_late_request() -> None:
     """A 0.1 ms estimate observed at 2 s (ratio 20,000) raises the threshold by a bounded step instead of overflowing."""
-    adaptive = AdaptiveThreshold()
+    adaptive = on_time(AdaptiveThreshold(), had_transfer=False)
     before = adaptive.value
     adaptive.observe(had_transfer=True, estimated_ttft_s=1e-4, observed_ttft_s=2.0)
     assert before < adaptive.value <= before * math.e  # at most one e-fold per observation
