@@ -388,8 +388,20 @@ class Conductor:
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
         self._check_route(route, request.input_length)
+        decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s, now)
+        if decode.decode_instance is None and self._coupled:
+            # A mixed fleet: a coupled instance decodes only what it prefills, and the others only on the decode
+            # instances. The route was chosen by TTFT alone; where its decode side has no room, the best route of
+            # the other kind may (else the request was refused though an instance could take it).
+            coupled = route.prefill_instance in self._coupled
+            others = [view for view in candidates if (view.instance_id in self._coupled) != coupled]
+            other = self.router.route(PrefillBoard(others), query, now, self._rng) if others else None
+            if other is not None:
+                self._check_route(other, request.input_length)
+                elsewhere = self._choose_decode(request, other.prefill_instance, now + other.ttft_s, now)
+                if elsewhere.decode_instance is not None:
+                    route, decode = other, elsewhere
         ttft_s = route.ttft_s
-        decode = self._choose_decode(request, route.prefill_instance, now + ttft_s, now)
         verdict = self.admission.admit(route, decode, self.slo)
         if type(verdict) is not AdmissionDecision or (
             (decode.decode_instance is None or verdict.reason is not None)

@@ -37,6 +37,7 @@ from mooncake.sched.view import (
     DecodeJoined,
     DecodeView,
     InstanceDown,
+    InstanceUp,
     PrefillBacklog,
     PrefilledInline,
     PrefillFinished,
@@ -321,6 +322,49 @@ def test_a_coupled_instances_id_added_back_as_decode_only_serves_the_prefill_ins
     decision = conductor.schedule(request("r", DOC), 0.0)
     assert decision.accepted and (decision.prefill_instance, decision.decode_instance) == (C0, D0)
     conductor.check_invariants()
+
+
+def busy(conductor: Conductor, instance: InstanceId, other: InstanceId) -> None:
+    """Two uncached 8,192-token prompts queued on `instance` (`other` down meanwhile), ended on the decode side at
+    once: `instance`'s queue is long, every decode slot free."""
+    conductor.handle(InstanceDown(instance_id=other, now=0.0))
+    for i in range(2):
+        name = f"filler-{instance}-{i}"
+        assert conductor.schedule(request(name, range(10_000 * (i + 1), 10_000 * (i + 1) + 32)), 0.0).accepted
+    conductor.handle(InstanceUp(instance_id=other, now=0.0))
+
+
+@pytest.mark.parametrize("full", ["context", "batch"])
+def test_in_a_mixed_fleet_a_request_the_coupled_instance_cannot_take_goes_the_other_way(full: str) -> None:
+    """A coupled instance that is idle is the fastest route, but it cannot hold the prompt (its context is too
+    short) or its one slot is taken: the request goes to a prefill instance and a decode instance instead of
+    being refused (as too long for every instance, though the decode instance could hold it, or for a full
+    batch while the decode instance sat idle); and the reverse, a decode side with no room, goes coupled."""
+    small = DecodeLimits(kv_capacity_tokens=10**6, max_context_tokens=8 * BLOCK, max_batch_size=1)
+    conductor = make(prefill=(P0,), decode=(D0,), admission=EarlyRejection())  # it checks the decode side's room
+    conductor.add_coupled_instance(C0, small)
+    busy(conductor, P0, C0)  # the prefill instance is busy: the coupled one would be faster
+    if full == "batch":
+        taken = conductor.schedule(request("taken", range(900, 904)), 0.0)
+        assert (taken.prefill_instance, taken.decode_instance) == (C0, C0)
+    keys = range(100, 104) if full == "batch" else range(100, 112)  # 12 blocks: past its 8-block context
+    decision = conductor.schedule(request("r", keys), 0.0)
+    assert decision.accepted and (decision.prefill_instance, decision.decode_instance) == (P0, D0)
+    assert conductor.lasting_refusal(request("again", keys)) is None
+    conductor.check_invariants()
+
+    reverse = make(
+        prefill=(P0,),
+        decode=(D0,),
+        limits=DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1),
+        admission=EarlyRejection(),
+    )
+    reverse.add_coupled_instance(C0, DecodeLimits(kv_capacity_tokens=10**6))
+    busy(reverse, C0, P0)  # slower than the prefill instance now
+    assert reverse.schedule(request("first", range(10, 14)), 0.0).decode_instance == D0  # its one slot
+    second = reverse.schedule(request("second", range(20, 24)), 0.0)
+    assert second.accepted and second.decode_instance == C0
+    reverse.check_invariants()
 
 
 # ---------------------------------------------------------------------------- what the decode side is checked on
