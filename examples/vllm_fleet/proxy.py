@@ -518,6 +518,7 @@ class VllmRouter:
         prefill["max_tokens"] = 1
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
+        prefill.pop("min_tokens", None)  # the decode step's: above 1 it would be vLLM's 400 here
         prefill["kv_transfer_params"] = REMOTE_DECODE
         try:
             async with self._session.post(

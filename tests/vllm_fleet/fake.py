@@ -119,6 +119,9 @@ class FakeVllm:
         echoed = {"X-Request-Id": request.headers["X-Request-Id"]} if "X-Request-Id" in request.headers else {}
         if self.status != 200:
             return web.json_response({"error": {"message": "failing on purpose"}}, status=self.status)
+        if int(body.get("min_tokens") or 0) > int(body.get("max_completion_tokens") or body.get("max_tokens") or 16):
+            message = "min_tokens must be less than or equal to max_tokens"  # vLLM's SamplingParams check
+            return web.json_response({"error": {"message": message}}, status=400)
         prompt = body.get("prompt", "")
         tokens = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(str(prompt)))
         count = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)

@@ -175,6 +175,9 @@ def test_a_disaggregated_pair_prefills_then_decodes_with_the_transfer_parameters
         status, _, text = post(f"{router.url}/v1/chat/completions", chat)
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3
         assert prefill.received[-1]["max_completion_tokens"] == 1 and decode.received[-1]["max_completion_tokens"] == 3
+        # A floor on the output is the decode step's: the prefill step of one token would be vLLM's 400.
+        status, _, _ = post(f"{router.url}/v1/completions", {**body, "stream": False, "min_tokens": 4})
+        assert status == 200 and "min_tokens" not in prefill.received[-1] and decode.received[-1]["min_tokens"] == 4
         prefill.status = 400  # the prefill server's own refusal is the client's answer; no decode is asked
         asked = len(decode.received)
         status, _, _ = post(f"{router.url}/v1/completions", {**body, "stream": False})
