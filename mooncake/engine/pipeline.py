@@ -34,7 +34,8 @@ group is failed from then on (its streams are out of step) and ends its
 stages. So is an error of stage 0's own work mid-job (its layers, an
 interrupt): the other stages are left waiting mid-job. The caller's own code
 is not the group's failure: `on_rows` errors are raised once the job is done,
-and a failing cancel flag stops every stage in step, as a cancel does. A watch thread notices a stage process that exits, ends the others (a
+and a failing cancel flag stops every stage in step, as a cancel does. A watch
+thread notices a stage process that exits, ends the others (a
 transfer the driver is waiting on fails at once) and calls `on_failure` — after
 a failed transfer too, whose ended stages it sees exit. A stage exits when its
 job channel or its connections to the driver break, and a parent watch ends

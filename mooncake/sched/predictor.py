@@ -199,7 +199,7 @@ class OutputLengthPredictor:
         """P(output > produced + horizon | output > produced) under the observed lengths, for a request known to
         be running with `produced` tokens out and at most `cap` in all (its max_tokens): 1 at horizon 0 (it is
         running); 0 once `cap` is reached; for one that outlived every observed length, 1 while below its cap
-        (its own bound is all that is known of it; before, such a running request was predicted gone at once)."""
+        (its own bound is all that is known of it)."""
         if horizon <= 0:
             return 1.0
         if produced + horizon >= cap:
