@@ -331,7 +331,10 @@ class VllmRouter:
                 async with self._session.post(
                     f"{instance.url}{request.path}",
                     data=body,
-                    headers=_forwarded(request.headers),
+                    headers={
+                        **_forwarded(request.headers),
+                        "Content-Type": request.headers.get("Content-Type", "application/json"),
+                    },
                     timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
                 ) as answer:
                     data = await answer.read()

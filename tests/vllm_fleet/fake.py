@@ -97,10 +97,14 @@ class FakeVllm:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
+        if request.content_type != "application/json":  # as FastAPI reads a body: JSON only when it says so
+            return web.json_response({"detail": "not JSON"}, status=422)
         body = await request.json()
         return web.json_response({"tokens": self.tokenizer.encode(body["prompt"])})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
+        if request.content_type != "application/json":
+            return web.json_response({"detail": "not JSON"}, status=422)
         body = await request.json()
         return web.json_response({"prompt": self.tokenizer.decode(body["tokens"])})
 

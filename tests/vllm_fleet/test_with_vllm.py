@@ -172,6 +172,19 @@ def test_the_openai_client_streams_through_the_router(servers: VllmFleet, model:
         chunks = list(chat)
         assert all(chunk.usage is None for chunk in chunks)  # not asked for: the router's own request is hidden
         assert chunks[-1].choices[0].finish_reason == "length"
+        # /tokenize and /detokenize are the servers', and /v1/models lists the model as they do.
+        text, first = words(12, seed=4002), next(iter(servers)).url
+        tokens = fetch(f"{running.url}/tokenize", {"model": "tiny", "prompt": text}).json()["tokens"]
+        direct = fetch(f"{first}/tokenize", {"model": "tiny", "prompt": text}).json()["tokens"]
+        assert tokens == direct
+        back = fetch(f"{running.url}/detokenize", {"model": "tiny", "tokens": tokens}).json()["prompt"]
+        assert text in back
+        (listed,) = fetch(f"{running.url}/v1/models").json()["data"]
+        (card,) = fetch(f"{first}/v1/models").json()["data"]
+        stamped = ("created", "permission")  # made afresh at each call
+        assert {k: v for k, v in listed.items() if k not in stamped} == {
+            k: v for k, v in card.items() if k not in stamped
+        }
 
 
 def test_a_burst_over_the_ttft_objective_is_answered_429(servers: VllmFleet, model: Path) -> None:
