@@ -9,6 +9,7 @@
     tokenizer = "/models/x"   # a directory with the served model's tokenizer
     ttft_slo_s = 2.0          # estimated TTFT above this: 429 with Retry-After
     api_key = ""              # "": none; else clients send `Authorization: Bearer KEY`
+    server_api_key = ""       # the servers' --api-key ("": none; else sent to them in place of the client's)
     ...                       # timeouts and the rest: `RouterSection`
 
     [[instances]]
@@ -102,6 +103,7 @@ class RouterSection:
     tokenizer: str = _setting("", text=_directory)
     ttft_slo_s: float = _seconds(Slo().ttft_s)  # the library's objective
     api_key: str = _setting("", text=_api_key)
+    server_api_key: str = _setting("", text=_api_key)
     health_interval_s: float = _seconds(1.0)
     request_timeout_s: float = _seconds(600.0)
     connect_timeout_s: float = _seconds(2.0)

@@ -150,10 +150,12 @@ class VllmRouter:
         start serving; returns the URL."""
         # aiohttp's default connector holds 100 connections: the 101st request would wait for one, counted as
         # queued on its server, and so would the health checks, which then time out and mark healthy servers down.
+        key = self.settings.server_api_key  # the servers' own --api-key, on every call the router makes itself
+        keyed = {"Authorization": f"Bearer {key}"} if key else None
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0), headers=keyed
         )
-        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=keyed)
         try:
             infos = await asyncio.gather(
                 *(
@@ -308,6 +310,15 @@ class VllmRouter:
                 self.metrics.responses[str(error.status)].inc()
             return web.json_response(error.body(), status=error.status, headers=error.headers)
 
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The client's end-to-end headers for a server; with `server_api_key`, the servers' key in place of the
+        client's `Authorization` (which was the router's to check)."""
+        headers = _forwarded(request.headers)
+        if self.settings.server_api_key:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = f"Bearer {self.settings.server_api_key}"
+        return headers
+
     def _authorize(self, request: web.Request) -> None:
         if not authorized(request.headers.get("Authorization"), self.settings.api_key):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
@@ -332,7 +343,7 @@ class VllmRouter:
                     f"{instance.url}{request.path}",
                     data=body,
                     headers={
-                        **_forwarded(request.headers),
+                        **self._upstream_headers(request),
                         "Content-Type": request.headers.get("Content-Type", "application/json"),
                     },
                     timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
@@ -527,7 +538,7 @@ class VllmRouter:
             async with self._session.post(
                 f"{self.fleet.instances[instance_id].url}{path}",
                 json=prefill,
-                headers=_forwarded(request.headers),
+                headers=self._upstream_headers(request),
                 timeout=self._upstream_timeout(received, instance_id),
             ) as upstream:
                 data = await upstream.read()
@@ -570,7 +581,7 @@ class VllmRouter:
         fleet, metrics = self.fleet, self.metrics
         instance_id = flight.decode_instance_id  # the instance itself when coupled
         instance = fleet.instances[instance_id]
-        headers = {**_forwarded(request.headers), "Content-Type": "application/json"}
+        headers = {**self._upstream_headers(request), "Content-Type": "application/json"}
         route_headers = {
             PREFILL_HEADER: flight.instance_id,
             DECODE_HEADER: flight.decode_instance_id,

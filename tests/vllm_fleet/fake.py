@@ -39,6 +39,7 @@ class FakeVllm:
         self.first_text = " x"  # the first chunk's text (a long one stands for prompt log-probabilities)
         self.metrics_tail = b""  # bytes after the counters (not UTF-8, say)
         self.active = self.peak = 0  # completions being answered now, and the most at once
+        self.api_key = ""  # as `vllm serve --api-key`: the /v1 routes need it
         self.aborted = 0
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,8 +57,15 @@ class FakeVllm:
         asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
         return self
 
+    @web.middleware
+    async def _keyed(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        wanted = f"Bearer {self.api_key}"
+        if self.api_key and request.path.startswith("/v1") and request.headers.get("Authorization") != wanted:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
+
     async def _serve(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._keyed])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)

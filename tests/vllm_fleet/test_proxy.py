@@ -310,6 +310,21 @@ def test_headers_pass_both_ways(fakes: list[FakeVllm], tokenizer_dir: Path, stre
         assert seen.get("connection", "").lower() != "close"
 
 
+def test_servers_started_with_an_api_key_get_theirs(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """Servers started with `--api-key`: with `server_api_key` the router probes and calibrates them, and sends them
+    their key in place of the client's (which was the router's own to check)."""
+    for fake in fakes:
+        fake.api_key = "server-key"
+    settings = {"api_key": "client-key", "server_api_key": "server-key"}
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, **settings)) as router:
+        body = {"model": "tiny", "prompt": "bada keli", "max_tokens": 2}
+        assert post(f"{router.url}/v1/completions", body)[0] == 401  # no key for the router
+        status, _, _ = post(f"{router.url}/v1/completions", body, headers={"Authorization": "Bearer client-key"})
+        assert status == 200
+        sent = [h for fake in fakes for h in fake.headers]  # the calibration's requests and the client's
+        assert len(sent) > 1 and all(h["Authorization"] == "Bearer server-key" for h in sent)
+
+
 def test_usage_in_every_chunk_only_with_the_usage_asked_for(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
     """vLLM reads `continuous_usage_stats` only beside `include_usage`: a client asking for it without the usage
     gets none, as from vLLM itself (the router asks for the usage for its count, and not in every chunk)."""
