@@ -170,7 +170,10 @@ def test_inline_prefills_waiting_for_one_step_keep_its_tbt_together() -> None:
     records = replay(make_spec(num_prefill=4, inline_prefill_tokens=500), requests, slo=slo).records
     assert all(r.outcome == Outcome.COMPLETED for r in records)
     inline = [r for r in records if r.inline_prefill]
-    assert 1 <= len(inline) < 6
+    # Exactly as many as fit one step's objective together: the plain step plus k stalls within it, one more past it.
+    (long,) = [r for r in records if r.request_id == "long"]
+    step_s, stall_s = min(long.intervals.listed()), inline[0].prefill_s
+    assert step_s + len(inline) * stall_s <= slo.tbt_s < step_s + (len(inline) + 1) * stall_s
     assert max(max(r.intervals.listed()) for r in records) <= slo.tbt_s
 
 
