@@ -349,7 +349,7 @@ class VllmRouter:
                     timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
                 ) as answer:
                     data = await answer.read()
-                    kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+                    kept = _passed_back(answer.headers)
                     return web.Response(body=data, status=answer.status, headers=kept)
             except (aiohttp.ClientError, TimeoutError, OSError) as error:
                 log.warning("instance %s failed %s: %s; trying another", instance.instance_id, request.path, error)
@@ -551,7 +551,7 @@ class VllmRouter:
         if status != 200:
             self.fleet.failed(flight, now, Reason.FAILED)
             self.metrics.responses[str(status)].inc()
-            kept = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+            kept = _passed_back(headers)
             return web.Response(body=data, status=status, headers=kept)
         answer: Any = None
         with contextlib.suppress(ValueError, TypeError):
@@ -605,6 +605,7 @@ class VllmRouter:
         try:
             if upstream.status in FAILOVER_STATUSES:
                 raise _ServerFailed(instance_id, f"HTTP {upstream.status}")
+            kept = _passed_back(upstream.headers)
             if upstream.status != 200 or not stream:
                 try:
                     data = await upstream.read()
@@ -625,9 +626,7 @@ class VllmRouter:
                     fleet.failed(flight, now, Reason.FAILED)
                 metrics.responses[str(upstream.status)].inc()
                 done = True
-                kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
                 return web.Response(body=data, status=upstream.status, headers={**kept, **route_headers})
-            kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             response = web.StreamResponse(
                 headers={**kept, "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **route_headers}
             )
@@ -730,6 +729,11 @@ _NOT_FORWARDED = HOP_BY_HOP | {
     "trailer",
     "proxy-authorization",
 }
+
+
+def _passed_back(headers: Any) -> dict[str, str]:
+    """A server's end-to-end headers, as the client should see them (not the connection's own)."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 def _forwarded(headers: Any) -> dict[str, str]:
