@@ -52,6 +52,7 @@ import numpy.typing as npt
 
 from mooncake._checks import require_bool, require_int, require_number, require_str
 from mooncake.cache.events import CacheEvent, SequenceGap
+from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
@@ -368,12 +369,30 @@ class Conductor:
         best = None
         best_blocks = best_holders = 0
         held = lengths.tolist()  # a few dozen numbers: list operations beat numpy's per-call cost
+        congestion = 0
         if held:
             best_blocks = max(held)
             if best_blocks:
-                best_holders = held.count(best_blocks)
-                # The longest prefix; slots go in id order, so ties go to the smallest id.
-                best = board.instance_ids[held.index(best_blocks)] if self.transfers else None
+                # Holders of as many blocks as a prefill reuses (never the last token's block) are alike to it:
+                # a copy of the whole prompt and one lacking only its last block are both replicas.
+                bs = self.block_size_tokens
+                enough = reusable_prefix_tokens(request.input_length, best_blocks, bs) // bs or best_blocks
+                if enough == best_blocks:  # the common case, in C
+                    best_holders, first = held.count(enough), held.index(enough)
+                else:
+                    holders = [slot for slot, blocks in enumerate(held) if blocks >= enough]
+                    best_holders, first = len(holders), holders[0]
+                if self.transfers:
+                    best = board.instance_ids[first]  # slots go in id order: the smallest id
+                    congestion = self._transfers_in_flight(best, now)
+                    if best_holders > 1 and congestion:
+                        # A hot prefix has replicas: its transfers leave the one with the fewest already leaving
+                        # (ties: the smallest id), not all the first.
+                        congestion, best = min(
+                            (self._transfers_in_flight(instance, now), instance)
+                            for instance, blocks in zip(board.instance_ids, held, strict=True)
+                            if blocks >= enough
+                        )
         query = RouteQuery(
             input_tokens=request.input_length,
             block_size_tokens=self.block_size_tokens,
@@ -381,7 +400,7 @@ class Conductor:
             best_instance=best,
             best_blocks=best_blocks,
             best_holders=best_holders,
-            best_transfers_in_flight=self._transfers_in_flight(best, now) if best is not None else 0,
+            best_transfers_in_flight=congestion,
             block_keys=keys,
         )
         route = self.router.route(candidates, query, now, self._rng)

@@ -182,8 +182,10 @@ class RouteQuery:
         input_tokens: prompt length.
         block_size_tokens: tokens per block key.
         prefix_blocks: instance → leading blocks of the prompt it holds (from the index).
-        best_instance, best_blocks: the longest holder and its prefix.
-        best_holders: instances (up) holding that prefix, the best holder included.
+        best_instance, best_blocks: the instance a transfer would come from and the longest prefix
+            any instance holds. The Conductor names, of the instances holding as much of that prefix as
+            a prefill reuses, the one with the fewest transfers already leaving it (ties: the smallest id).
+        best_holders: instances (up) holding as much of that prefix as a prefill reuses, the best holder included.
         best_transfers_in_flight: transfers already leaving the best holder (congestion).
         block_keys: the prompt's block keys (the tie-break's: `spread_weights`; none: ties go by id).
     """

@@ -250,6 +250,44 @@ def test_plans_a_transfer_from_the_best_holder_when_the_threshold_allows() -> No
     conductor.check_invariants()
 
 
+def test_a_hot_prefixs_transfers_leave_the_replica_with_the_fewest_leaving() -> None:
+    """Two busy instances hold the prefix and two idle ones lack it: the first transfer comes from the smallest
+    id, the second from the other replica, which has none leaving it (all from the first, the second was estimated
+    at twice the transfer time, and one replica carried a hot prefix's every copy)."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    for busy in (P0, P1):
+        conductor.handle(PrefillBacklog(instance_id=busy, now=0.0, until_s=3.0))
+    conductor.add_prefill_instance(InstanceId("prefill-3"))
+    caches.store(conductor, P0, DOC)
+    caches.store(conductor, P1, DOC)
+    first = conductor.schedule(request("first", DOC), 0.0)
+    second = conductor.schedule(request("second", DOC), 0.0)
+    assert first.transfer is not None and second.transfer is not None
+    assert {first.prefill_instance, second.prefill_instance} == {P2, InstanceId("prefill-3")}
+    assert (first.transfer.source, second.transfer.source) == (P0, P1)
+    assert second.transfer.transfer_s == pytest.approx(first.transfer.transfer_s)  # neither shares its link
+    conductor.check_invariants()
+
+
+def test_holders_of_all_a_prefill_reuses_are_replicas_alike() -> None:
+    """A prompt of 32 whole blocks reuses 31 (the last token's block is computed): an instance holding all 32
+    and one holding 31 are two replicas of what moves, so with three instances the receiver of a transfer does
+    not keep a third copy (it did, counting only the holder of all 32)."""
+    conductor, caches = make_conductor(threshold=1.5), Caches()
+    for busy in (P0, P1):
+        conductor.handle(PrefillBacklog(instance_id=busy, now=0.0, until_s=3.0))
+    caches.store(conductor, P0, DOC)
+    caches.store(conductor, P1, DOC[:31])
+    decision = conductor.schedule(request("r", DOC), 0.0)
+    assert decision.prefill_instance == P2 and decision.transfer is not None
+    assert (decision.transfer.source, decision.transfer.num_blocks, decision.transfer.keep_local_copy) == (
+        P0,
+        31,
+        False,
+    )
+    conductor.check_invariants()
+
+
 def test_a_transfer_counts_against_its_source_only_while_its_request_waits_for_it() -> None:
     """Concurrent transfers from one source slow each other (the estimate's congestion); one whose request
     ended, or left its prefill queue, no longer counts: an aborted request's transfer doubled the next
@@ -1482,7 +1520,15 @@ class ConductorMachine(RuleBasedStateMachine):
         )
         self.next_id += 1
         up_prefill = [p for p in PREFILL_IDS if p not in self.down]
-        best, best_blocks = self.caches.holdings.best(up_prefill, r.block_keys)
+        _longest, best_blocks = self.caches.holdings.best(up_prefill, r.block_keys)
+        usable = (r.input_length - 1) // MACHINE_BLOCK  # blocks before the one holding the last token
+        # The replicas: holders of as much as a prefill reuses; the source is the one with the fewest transfers
+        # still leaving it for waiting prefills (ties: the smallest id).
+        enough = min(best_blocks, usable) or best_blocks
+        holders = [
+            p for p in up_prefill if best_blocks and self.caches.holdings.prefix_blocks(p, r.block_keys) >= enough
+        ]
+        best = min(holders, key=lambda p: (self._leaving(p), p)) if holders else None
         decision = self.conductor.schedule(r, self.now)
         event(
             f"{decision.reason.value if decision.reason else 'accepted'}{' with transfer' if decision.transfer else ''}"
@@ -1509,15 +1555,13 @@ class ConductorMachine(RuleBasedStateMachine):
         if self.admission_name != "baseline":
             assert decision.tbt_s <= self.slo.tbt_s
         own = self._own_prefix(prefill, r.block_keys)
-        usable = (r.input_length - 1) // MACHINE_BLOCK  # blocks before the one holding the last token
         if decision.transfer is None:
             assert decision.prefix_tokens == min(own, usable) * MACHINE_BLOCK
         else:
             assert self.router_name in ("kvcache_centric", "adaptive", "local_cache_aware")
             assert decision.transfer.source == best and best not in self.down and best != prefill
             assert decision.transfer.num_blocks == min(best_blocks, usable) - min(own, usable) > 0
-            holders = sum(self.caches.holdings.prefix_blocks(p, r.block_keys) >= best_blocks for p in up_prefill)
-            assert decision.transfer.keep_local_copy == (holders < max(2, math.ceil(len(up_prefill) / 2)))
+            assert decision.transfer.keep_local_copy == (len(holders) < max(2, math.ceil(len(up_prefill) / 2)))
             assert decision.prefix_tokens == min(best_blocks, usable) * MACHINE_BLOCK
         keeps = decision.transfer is None or decision.transfer.keep_local_copy
         view = next(v for v in self.conductor.prefill_views if v.instance_id == prefill)
@@ -1640,21 +1684,25 @@ class ConductorMachine(RuleBasedStateMachine):
         )
         assert self.conductor.handle(event) == ()  # a removed instance's late report too: ignored
 
-    def _doomed(self, instance: InstanceId) -> set[RequestId]:
+    def _waiting_on(self, source: InstanceId) -> set[RequestId]:
+        """The queued prefills still waiting (by the estimate) for blocks from `source` (a started one has them)."""
         return {
             rid
             for rid, t in self.tracked.items()
-            # A prefill instance takes down what it has not finished; finished KV is on its way to decode. A
-            # source takes down the prefills still waiting (by the estimate) for its blocks.
-            if (t.prefill == instance and t.stage in ("queued", "started"))
-            or t.decode == instance
-            or (
-                t.stage == "queued"  # a started prefill has its blocks
-                and t.transfer is not None
-                and t.transfer[0] == instance
-                and t.transfer[1] > self.now
-            )
+            if t.stage == "queued" and t.transfer is not None and t.transfer[0] == source and t.transfer[1] > self.now
         }
+
+    def _leaving(self, source: InstanceId) -> int:
+        return len(self._waiting_on(source))
+
+    def _doomed(self, instance: InstanceId) -> set[RequestId]:
+        # A prefill instance takes down what it has not finished; finished KV is on its way to decode. A
+        # source takes down the prefills still waiting for its blocks.
+        return {
+            rid
+            for rid, t in self.tracked.items()
+            if (t.prefill == instance and t.stage in ("queued", "started")) or t.decode == instance
+        } | self._waiting_on(instance)
 
     def _ended_by(self, instance: InstanceId, doomed: set[RequestId], ends: tuple[RequestEnd, ...]) -> None:
         assert len(ends) == len(doomed)
