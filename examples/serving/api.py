@@ -285,9 +285,12 @@ class ServedModel:
 
     A request's prompt and `max_tokens` together fit a decode engine's context (`max_context_tokens`), as in
     vLLM, where they fit the model's `max_model_len`; `vocab_size` bounds the ids of a prompt given as tokens.
-    A request without `temperature`, `top_p`, `top_k`, `min_p` or `repetition_penalty` gets its `default_...`:
-    as in vLLM, the checkpoint's `generation_config.json` where it sets them, else 1.0, 1.0, 0 (all), 0 and 1
-    (OpenAI's defaults: sampling from the whole distribution).
+    A request without `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty` or
+    `frequency_penalty` gets its `default_...`: as in vLLM, the checkpoint's `generation_config.json` where it sets
+    them, else 1.0, 1.0, 0 (all), 0, 1, 0 and 0 (OpenAI's defaults: sampling from the whole distribution). A chat
+    without `max_tokens` generates what the context leaves after its prompt, at most `default_chat_max_tokens`
+    where the file sets one (its `max_new_tokens`, as vLLM applies it; a completion's default is
+    `default_max_tokens`, as vLLM's is its request's 16).
     """
 
     name: str
@@ -300,6 +303,9 @@ class ServedModel:
     default_top_k: int = 0
     default_min_p: float = 0.0
     default_repetition_penalty: float = 1.0
+    default_presence_penalty: float = 0.0
+    default_frequency_penalty: float = 0.0
+    default_chat_max_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -648,8 +654,10 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         repetition_penalty=_number(
             body, "repetition_penalty", served.default_repetition_penalty, 0.0, math.inf, open_low=True
         ),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, open_low=False),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, open_low=False),
+        presence_penalty=_number(body, "presence_penalty", served.default_presence_penalty, -2.0, 2.0, open_low=False),
+        frequency_penalty=_number(
+            body, "frequency_penalty", served.default_frequency_penalty, -2.0, 2.0, open_low=False
+        ),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", served),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", default=False),
         logit_bias=_logit_bias(body.get("logit_bias"), served),
@@ -1128,8 +1136,10 @@ def prompt_tokens(
 
 def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
     """`sampling` with its `max_tokens` settled: a chat that set none may generate what the context leaves after
-    its prompt of `num_prompt_tokens` (vLLM's chat default: `max_model_len` minus the prompt). At least
-    `default_max_tokens`, since the config keeps the longest prompt and that default within the context.
+    its prompt of `num_prompt_tokens` (vLLM's chat default: `max_model_len` minus the prompt), at most
+    `served.default_chat_max_tokens` where the checkpoint's generation config sets one (vLLM's `get_max_tokens`).
+    What the context leaves is at least `default_max_tokens`, since the config keeps the longest prompt and that
+    default within it.
 
     Raises:
         ApiError: 400, a `min_tokens` over what the context leaves (vLLM's answer).
@@ -1137,6 +1147,8 @@ def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: 
     if sampling.max_tokens is not None:
         return sampling
     left = served.max_context_tokens - num_prompt_tokens
+    if served.default_chat_max_tokens is not None:
+        left = min(left, served.default_chat_max_tokens)
     if sampling.min_tokens > left:
         raise ApiError(400, _min_over_max(sampling.min_tokens, left), param="min_tokens")
     return attrs.evolve(sampling, max_tokens=left)

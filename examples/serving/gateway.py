@@ -115,13 +115,16 @@ class Gateway:
         self.config = config
         self.edge = edge or EdgeLimits.from_config(config.limits)
         self.tokenizer = serving_tokenizer(config)
+        defaults = generation_defaults(config)
+        chat_max_tokens = defaults.pop("max_tokens", None)  # a completion's default stays vLLM's 16: the config's
         self.served = ServedModel(
             name=config.model.served_name,
             max_prompt_tokens=config.limits.max_prompt_tokens,
             default_max_tokens=config.limits.default_max_tokens,
             max_context_tokens=config.decode.max_context_tokens,
             vocab_size=config.model.config.vocab_size,
-            **{f"default_{name}": value for name, value in generation_defaults(config).items()},
+            default_chat_max_tokens=None if chat_max_tokens is None else int(chat_max_tokens),
+            **{f"default_{name}": value for name, value in defaults.items()},
         )
         self.metrics = ServingMetrics.for_config(config, workers)
         self.dispatcher = Dispatcher(

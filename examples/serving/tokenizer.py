@@ -337,8 +337,8 @@ class TextStream:
 
 
 def generation_defaults(config: ClusterConfig) -> dict[str, float]:
-    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p, top_k, min_p,
-    repetition_penalty), {} for the random preset: what a request without them gets, as from vLLM
+    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p, top_k, min_p, the
+    penalties, max_tokens), {} for the random preset: what a request without them gets, as from vLLM
     (`mooncake.engine.tokenizer.sampling_defaults`)."""
     if config.model.checkpoint is None:
         return {}

@@ -139,24 +139,28 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
+    where = f"{source}: {key}"
     if kind == "linear":
-        return float(theta), RopeScaling(kind="linear", factor=_number(params, "factor", f"{source}: {key}"))
-    if kind == "llama3":
-        where = f"{source}: {key}"
-        return float(theta), RopeScaling(
-            kind="llama3",
-            factor=_number(params, "factor", where),
-            low_freq_factor=_number(params, "low_freq_factor", where),
-            high_freq_factor=_number(params, "high_freq_factor", where),
+        fields = {"factor": _number(params, "factor", where)}
+    elif kind == "llama3":
+        fields = {
+            "factor": _number(params, "factor", where),
+            "low_freq_factor": _number(params, "low_freq_factor", where),
+            "high_freq_factor": _number(params, "high_freq_factor", where),
             # as transformers: a top-level value first (Phi3's place), then the parameters', then the model's context
-            original_max_position_embeddings=_count(
+            "original_max_position_embeddings": _count(
                 raw,
                 "original_max_position_embeddings",
                 source,
                 params.get("original_max_position_embeddings") or raw.get("max_position_embeddings"),
             ),
-        )
-    raise ConfigError(f"{source}: {key}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+        }
+    else:
+        raise ConfigError(f"{where}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+    try:  # how the values fit together (a factor > 0, high above low) is RopeScaling's check: named with the file
+        return float(theta), RopeScaling(kind=kind, **fields)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> None:
@@ -253,8 +257,18 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
             out_bias=not qwen2 and attention_bias,
             tie_word_embeddings=tie_word_embeddings,
         )
-    except ConfigError as error:
-        raise ConfigError(f"{source}: {error}") from None
+    except ConfigError as error:  # named as the file names them
+        raise ConfigError(f"{source}: {_HF_KEY.sub(lambda name: _HF_KEYS[name[0]], str(error))}") from None
+
+
+# ModelConfig's fields under the names transformers' config.json gives them, for its messages.
+_HF_KEYS = {
+    "num_kv_heads": "num_key_value_heads",
+    "num_heads": "num_attention_heads",
+    "num_layers": "num_hidden_layers",
+    "norm_eps": "rms_norm_eps",
+}
+_HF_KEY = re.compile(r"\b(" + "|".join(_HF_KEYS) + r")\b")
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:

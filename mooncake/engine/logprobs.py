@@ -14,7 +14,8 @@ class TokenLogprobs:
 
     Attributes:
         logprob: the token's log-probability (<= 0; -inf where the model gives it none).
-        rank: 1 + the number of tokens strictly more probable (1: the most probable; ties share a rank).
+        rank: the number of tokens at least as probable, itself included, as vLLM counts it (1: the most
+            probable alone; tokens of equal probability all take the last of their places).
         top: (token, log-probability) of the k most probable tokens, most probable first; equal ones by id.
     """
 

@@ -65,6 +65,11 @@ def _pairs(value: Any) -> Any:
         return value
 
 
+def _all_tokens(value: Any) -> Any:
+    """An attrs converter: vLLM's top_k -1 ("all tokens") is 0 here (anything else is left for the validator)."""
+    return 0 if type(value) is int and value == -1 else value
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How a request picks its tokens.
@@ -81,7 +86,8 @@ class SamplingParams:
             (or every token of the vocabulary is a stop token: then nothing else could be drawn, and none is held).
         logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
             and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
-        top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default): all.
+        top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default) or -1 (vLLM's
+            spelling, kept as 0): all.
         min_p: sample only tokens at least this share of the most probable one's probability, in [0, 1].
         repetition_penalty: > 0; a token already in the prompt or the output has its logit divided by it when
             positive, multiplied when not (1, the default: none; > 1 discourages repeats). Needs the prompt.
@@ -104,7 +110,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     min_tokens: int = attrs.field(default=0)
     logprobs: int | None = attrs.field(default=None)
-    top_k: int = attrs.field(default=0)
+    top_k: int = attrs.field(default=0, converter=_all_tokens)
     min_p: float = attrs.field(default=0.0)
     repetition_penalty: float = attrs.field(default=1.0)
     presence_penalty: float = attrs.field(default=0.0)
@@ -184,6 +190,8 @@ class SamplingParams:
 
     @top_k.validator
     def _check_top_k(self, _attribute: object, value: int) -> None:
+        if type(value) is int and value < 0:  # -1 became 0 above
+            raise ConfigError(f"top_k must be an integer >= 0, or -1 (all tokens), got {value!r}")
         require_int("top_k", value, minimum=0)
 
     @min_p.validator
@@ -227,7 +235,8 @@ def rows_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[T
         raise InvalidRequestError(f"one token in [0, {vocab}) per row of logits is needed, got {len(tokens)}")
     logprobs = torch.log_softmax(logits.detach().float(), dim=-1)  # on the logits' device: only k values move
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    # vLLM's count (`batched_count_greater_than`): the tokens at least as probable, itself included.
+    ranks = (logprobs >= chosen).sum(dim=1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
     if k:
         # The k-th largest per row (O(vocab), not a sort of the vocabulary), then the tokens at or above it in

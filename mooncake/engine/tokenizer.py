@@ -103,14 +103,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-HF_DEFAULT_TOP_K = 50  # transformers' GenerationConfig default, which vLLM does not apply (it takes the file's diff)
-
-
 def sampling_defaults(directory: str | Path) -> dict[str, float]:
-    """The sampling settings a checkpoint's `generation_config.json` sets (`temperature`, `top_p`, `top_k`, `min_p`,
-    `repetition_penalty`), which vLLM's server applies to a request that leaves them out (its `--generation-config
-    auto`); {} without the file. As vLLM reads the file's difference from transformers' defaults, a `top_k` of 50
-    (that default) is not applied; the others' defaults (1.0, 1.0, none, 1.0) change nothing anyway.
+    """The sampling settings a checkpoint's `generation_config.json` sets, which vLLM's server applies to a request
+    that leaves them out (its `--generation-config auto`, `ModelConfig.get_diff_sampling_param`): `temperature`,
+    `top_p`, `top_k` (-1, all tokens, as 0), `min_p`, `repetition_penalty`, `presence_penalty`,
+    `frequency_penalty`, and `max_new_tokens` as `max_tokens` (the most a request that sets none generates, within
+    what the context leaves); {} without the file. Every value the file sets counts, a `top_k` of 50 too: vLLM
+    takes the file's difference from transformers' defaults, which since transformers 5 are unset (4 had top_k 50,
+    so that value was dropped).
 
     Raises:
         ConfigError: the file is not JSON, or a setting is out of its range (named with the file).
@@ -123,6 +123,8 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
         "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
         "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "repetition_penalty": (lambda v: v > 0, "a finite number > 0"),
+        "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     }
     for name, (ok, bound) in ranges.items():
         value = raw.get(name)
@@ -135,8 +137,12 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
     if top_k is not None:
         if not is_int(top_k) or top_k < -1:
             raise ConfigError(f"{path}: top_k must be an integer >= -1, got {top_k!r}")
-        if top_k != HF_DEFAULT_TOP_K:
-            found["top_k"] = max(0, int(top_k))  # -1 is all tokens, as 0 (vLLM's and a request's reading)
+        found["top_k"] = max(0, int(top_k))  # -1 is all tokens, as 0 (vLLM's and a request's reading)
+    max_new_tokens = raw.get("max_new_tokens")
+    if max_new_tokens is not None:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ConfigError(f"{path}: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        found["max_tokens"] = int(max_new_tokens)
     return found
 
 

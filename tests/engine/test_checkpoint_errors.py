@@ -306,7 +306,22 @@ def test_an_index_pointing_outside_the_directory_is_refused(checkpoint: Path) ->
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window=64"),
         ({"vocab_size": "many"}, "vocab_size"),
-        ({"num_key_value_heads": 3}, "num_kv_heads=3"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3"),  # the file's key, not ModelConfig's field
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be"),
+        # RoPE values that fit no scaling (RopeScaling's own checks), named with the key they sit under
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0}}, "rope_parameters: factor"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e4,
+                    "factor": 8.0,
+                    "low_freq_factor": 4.0,
+                    "high_freq_factor": 2.0,
+                }
+            },
+            "rope_parameters: llama3 RoPE scaling needs high_freq_factor > low_freq_factor",
+        ),
         # strings where transformers wants a bool or a size (it refuses them too): "false" read as true
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
         ({"attention_bias": "false"}, "attention_bias must be true or false"),

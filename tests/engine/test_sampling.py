@@ -351,17 +351,24 @@ def test_a_temperature_down_to_the_smallest_float_is_greedy(temperature: float) 
 def test_token_logprobs_are_the_log_softmax_its_rank_and_the_k_most_probable(
     values: list[float], k: int, data: st.DataObject
 ) -> None:
-    """For any logits, token and k: the token's log-probability is the float32 log-softmax's entry; its rank is 1 +
-    the tokens strictly more probable; `top` has min(k, vocab) entries, the k largest, most probable first and
+    """For any logits, token and k: the token's log-probability is the float32 log-softmax's entry; its rank is the
+    count of tokens at least as probable, itself included (vLLM's); `top` has min(k, vocab) entries, the k largest, most probable first and
     equal ones by id (ties are common here: the logits repeat)."""
     logits = torch.tensor(values).round()  # rounded: many equal logits, so the tie rules are exercised
     token = data.draw(st.integers(min_value=0, max_value=len(values) - 1))
     got = token_logprobs(logits, token, k)
     reference = torch.log_softmax(logits.float(), dim=-1).tolist()
     assert got.logprob == reference[token] <= 0.0
-    assert got.rank == 1 + sum(value > reference[token] for value in reference)
+    assert got.rank == sum(value >= reference[token] for value in reference)
     expected = sorted(range(len(values)), key=lambda t: (-reference[t], t))[:k]
     assert got.top == tuple((t, reference[t]) for t in expected)
+
+
+def test_a_tied_tokens_rank_counts_the_tokens_it_ties_as_vllm_does() -> None:
+    """vLLM ranks a sampled token by the tokens at least as probable (`(x >= value).sum()`): of three equal
+    tokens behind a more probable one, each is 4th, where counting only the strictly more probable gave 2nd."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5])
+    assert [token_logprobs(logits, token, 0).rank for token in range(5)] == [1, 4, 4, 4, 5]
 
 
 @given(st.integers(min_value=1, max_value=6), st.integers(min_value=0, max_value=40), seeds, st.data())
@@ -458,9 +465,12 @@ def test_greedy_with_penalties_takes_the_argmax_of_vllms_penalized_logits(
 
 
 def test_neutral_filters_and_penalties_draw_exactly_what_the_plain_sampler_draws() -> None:
-    """top_k 0 or >= the vocabulary, min_p 0, penalties 0 and repetition 1: the same tokens, seed for seed."""
+    """top_k 0, -1 (vLLM's "all") or >= the vocabulary, min_p 0, penalties 0 and repetition 1: the same tokens, seed
+    for seed."""
+    assert SamplingParams(top_k=-1) == SamplingParams()
     for neutral in (
         {"top_k": 0},
+        {"top_k": -1},
         {"top_k": 32},
         {"min_p": 0.0},
         {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
@@ -508,7 +518,8 @@ def test_a_repetition_penalty_needs_the_prompt_and_the_penalties_the_output_so_f
         Sampler(SamplingParams(presence_penalty=0.5), position=1)
     Sampler(SamplingParams(presence_penalty=0.5), position=1, output=[3])
     for bad in (
-        {"top_k": -1},
+        {"top_k": -2},
+        {"top_k": 1.5},
         {"min_p": 1.5},
         {"repetition_penalty": 0.0},
         {"presence_penalty": 2.5},

@@ -294,6 +294,22 @@ def test_without_max_tokens_a_completion_gets_16_and_a_chat_the_rest_of_the_cont
         assert generation_limit(given, len(tokens), SERVED).max_tokens == 5
 
 
+def test_a_chat_without_max_tokens_generates_at_most_the_generation_configs_max_new_tokens() -> None:
+    """vLLM's `get_max_tokens`: a chat that sets no max_tokens gets what the context leaves, capped by the
+    checkpoint's `max_new_tokens`; a given max_tokens (above it too) and a completion's 16 are not capped; a
+    min_tokens over the cap is vLLM's 400."""
+    served = attrs.evolve(SERVED, default_chat_max_tokens=20)
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, served)
+    assert generation_limit(chat.sampling, 10, served).max_tokens == 20
+    assert generation_limit(chat.sampling, 120, served).max_tokens == 129 - 120  # the context leaves less
+    given = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}, served).sampling
+    assert generation_limit(given, 10, served).max_tokens == 50
+    assert parse_completion({"prompt": "hi"}, attrs.evolve(served, default_chat_max_tokens=8)).sampling.max_tokens == 16
+    eager = parse_chat({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 21}, served).sampling
+    with pytest.raises(ApiError, match="min_tokens must be less than or equal to max_tokens=20, got 21"):
+        generation_limit(eager, 10, served)
+
+
 def test_a_chat_message_as_the_sdk_dumps_an_answer_is_accepted() -> None:
     """A client appending `choices[0].message.model_dump()` sends OpenAI's assistant fields at null (function_call,
     audio, annotations, refusal, tool_calls); vLLM's `reasoning_content` and a part's `cache_control` are ignored
@@ -987,8 +1003,8 @@ def test_logprobs_take_the_openai_shapes_across_parts(data: st.DataObject, k: in
 
 def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
     """top_k (-1 and 0: all tokens), min_p, and the three penalties land in the sampling options; a request
-    without top_k, min_p or repetition_penalty gets the served model's defaults (its generation_config.json's,
-    as vLLM applies them); the penalties default to none."""
+    without them gets the served model's defaults (its generation_config.json's, as vLLM applies them), else
+    none."""
     body = {"prompt": "hi", "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1}
     body |= {"presence_penalty": -2, "frequency_penalty": 2.0}
     sampling = parse_completion(body, SERVED).sampling
@@ -1000,6 +1016,11 @@ def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (20, 0.05, 1.05)
     assert parse_completion({"prompt": "hi", "top_k": 0}, qwen).sampling.top_k == 0  # asked for all: all
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.0, 0.0)
+    penalized = attrs.evolve(SERVED, default_presence_penalty=1.5, default_frequency_penalty=-0.5)
+    sampling = parse_completion({"prompt": "hi"}, penalized).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -0.5)
+    given = parse_completion({"prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0}, penalized).sampling
+    assert (given.presence_penalty, given.frequency_penalty) == (0.0, 0.0)
 
 
 def test_stop_token_ids_include_stop_str_and_logit_bias_parse_as_vllm_reads_them() -> None:
