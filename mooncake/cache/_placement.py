@@ -15,7 +15,11 @@ counters of `CacheStats`. Every move runs with the lock held:
   a full hierarchy it loses nothing; when every first-tier page is pinned, the
   block is read in place;
 - a move copies the bytes (verified when they come from SSD) and re-homes the
-  entry; bytes that fail verification make the block a miss and drop it.
+  entry; bytes that fail verification make the block a miss and drop it;
+- an I/O error (a write refused, a page whose release fails) goes on to the
+  caller from any depth of a cascade, each block being moved left whole where
+  it was (back in its policy) or where it went, or dropped; a page is released
+  only after the last record of its block, so no block outlives its page.
 
 Each change is logged as (`STORED` or `REMOVED`, tier level, key), in order;
 `group_changes` folds a log into one group of keys per kind and tier wherever
@@ -171,11 +175,11 @@ class BlockPlacement:
         entry.pins -= 1
         if self._entries.get(key) is not entry:  # set aside: out of every policy, it holds only its page
             if entry.pins == 0:
-                self.pools[entry.level].free(entry.page)
                 copies = self._aside[key]
                 copies.remove(entry)
                 if not copies:
                     del self._aside[key]
+                self.pools[entry.level].free(entry.page)  # last: see `_drop`
             return
         self._policies[entry.level].unpin(key)
         if entry.corrupt and entry.pins == 0:
@@ -259,17 +263,27 @@ class BlockPlacement:
 
     def _demote(self, key: BlockKey, entry: Entry) -> None:
         """Move an evicted block (already out of its policy) to the nearest lower tier that has room or can make
-        it (one whose pages are all pinned cannot), or drop it."""
-        for target in range(entry.level + 1, len(self.pools)):
+        it (one whose pages are all pinned cannot), or drop it.
+
+        Where making that room raises (an I/O error anywhere down the cascade), the block is still where it was,
+        whole: it rejoins its tier's policy before the error goes on, or nothing could ever evict it again (its
+        tier would look all pinned to every later put). A failed move restores it the same way (`_move`).
+        """
+        try:
+            room = self._room_below(entry.level)
+        except BaseException:
+            self._policies[entry.level].access(key, parent=entry.parent, position=entry.position)
+            raise
+        if room is None or not self._move(key, entry, *room):
+            self._drop(key, entry)
+
+    def _room_below(self, level: int) -> tuple[int, int] | None:
+        """(tier, free page) in the nearest tier below `level` that has room or can make it; None if none can."""
+        for target in range(level + 1, len(self.pools)):
             page = self._try_make_room(target)
             if page is not None:
-                break
-        else:
-            page = None
-        if page is None or not self._move(key, entry, target, page):
-            self._drop(key, entry)
-            return
-        self._counts["demotions"] += 1
+                return target, page
+        return None
 
     def _promote(self, key: BlockKey, entry: Entry) -> PageBytes | None:
         """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt).
@@ -298,12 +312,11 @@ class BlockPlacement:
                 self._found_corrupt(entry)
                 self._drop(key, entry)
                 return None
-            self._counts["promotions"] += 1
-            return self.pools[0].read(page, entry.length)
+            return self.pools[0].read(page, entry.length, key=key)
         # The first tier is all pinned: serve it from where it is.
         self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
         try:
-            return self._read_host(entry) if self.pools[source_level].holds_bytes else None
+            return self._read_host(key, entry) if self.pools[source_level].holds_bytes else None
         except IntegrityError:
             self._found_corrupt(entry)
             self._policies[source_level].remove(key)
@@ -321,7 +334,7 @@ class BlockPlacement:
         key, entry = leaving
         self._leaving = None  # one page per promotion
         try:
-            data = self._read_host(entry) if self.pools[0].holds_bytes else None
+            data = self._read_host(key, entry) if self.pools[0].holds_bytes else None
         except IntegrityError:
             self._found_corrupt(entry)
             self._forget(key, entry)
@@ -348,12 +361,11 @@ class BlockPlacement:
         try:
             self.pools[0].write(page, carried[0], key=key, checksum=entry.checksum)
         except BaseException:  # nowhere left for `key`
-            self.pools[0].free(page)
             self._forget(key, entry)
+            self.pools[0].free(page)  # last: see `_drop`
             raise
         self._rehome(key, entry, 0, page)
-        self._counts["promotions"] += 1
-        return self.pools[0].read(page, entry.length)
+        return self.pools[0].read(page, entry.length, key=key)
 
     def _move(self, key: BlockKey, entry: Entry, target: int, page: int) -> bool:
         """Copy a block (out of every policy) into `page` of tier `target` and re-home it there.
@@ -361,9 +373,9 @@ class BlockPlacement:
         Returns False, with `page` given back and the block untouched, when its bytes
         fail verification (the caller drops it); other errors restore its policy entry.
         """
-        source_level = entry.level
+        source_level, source_page = entry.level, entry.page
         try:
-            data = self._read_host(entry) if self.pools[target].holds_bytes else None
+            data = self._read_host(key, entry) if self.pools[target].holds_bytes else None
             if data is not None and entry.checksum is None:
                 entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
             self.pools[target].write(page, data, key=key, checksum=entry.checksum)
@@ -377,43 +389,51 @@ class BlockPlacement:
             self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
             self.pools[target].free(page)
             raise
-        self.pools[source_level].free(entry.page)
         self._rehome(key, entry, target, page)
+        self.pools[source_level].free(source_page)  # last: see `_drop`
         return True
 
     def _rehome(self, key: BlockKey, entry: Entry, target: int, page: int) -> None:
-        """The block now lives in `page` of tier `target` (its bytes are there): its entry, its new tier's policy
-        and the change log say so."""
+        """The block now lives in `page` of tier `target` (its bytes are there): its entry, its new tier's policy,
+        the change log and the counters say so."""
         self._log += [(REMOVED, entry.level, key), (STORED, target, key)]
+        self._counts["demotions" if target > entry.level else "promotions"] += 1
         entry.level, entry.page, entry.lower_reads = target, page, 0
         self._policies[target].access(key, parent=entry.parent, position=entry.position)
 
-    def _read_host(self, entry: Entry) -> memoryview | None:
-        """The block's bytes in host memory (verified when they come from SSD; None from a metadata pool).
+    def _read_host(self, key: BlockKey, entry: Entry) -> memoryview | None:
+        """Block `key`'s bytes in host memory (verified when they come from SSD, the page's label included; None
+        from a metadata pool).
 
         Raises:
             IntegrityError: they fail verification, or their page cannot be read (an I/O error: a bad sector, as
                 good as corrupt, since reading it again will not help).
         """
         try:
-            data = self.pools[entry.level].read(entry.page, entry.length)
+            data = self.pools[entry.level].read(entry.page, entry.length, key=key)
         except OSError as error:
             raise IntegrityError(f"the {self.pools[entry.level].tier.name} page cannot be read: {error}") from error
         if data is None or isinstance(data, memoryview):
             return data
         return data.cpu().numpy().data  # a VRAM page, copied to the host
 
-    def _digest(self, entry: Entry) -> int:
-        """XXH3-64 of the block's bytes; ConfigError where its tier holds none (metadata only)."""
-        data = self._read_host(entry)
+    def _digest(self, key: BlockKey, entry: Entry) -> int:
+        """XXH3-64 of block `key`'s bytes; ConfigError where its tier holds none (metadata only)."""
+        data = self._read_host(key, entry)
         if data is None:
             raise ConfigError(f"the {self.pools[entry.level].tier.name} tier holds no bytes to hash")
         return xxhash.xxh3_64_intdigest(data)
 
     def _drop(self, key: BlockKey, entry: Entry) -> None:
-        """Forget `key` everywhere (its policy entry is already gone)."""
-        self.pools[entry.level].free(entry.page)
+        """Forget `key` everywhere (its policy entry is already gone).
+
+        The page goes back last, after every record of the block is gone: releasing it can raise (an SSD pool
+        whose header write fails) with the page released all the same, and a block still cached on a page handed
+        to the next block would serve that block's bytes. (Every release of a page that a block leaves comes last
+        for the same reason.)
+        """
         self._forget(key, entry)
+        self.pools[entry.level].free(entry.page)
 
     def _forget(self, key: BlockKey, entry: Entry) -> None:
         """`_drop` where `key`'s page is no longer its own (`_vacate` gave it away)."""

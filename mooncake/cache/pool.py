@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
+from mooncake._checks import is_int, require_int
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
@@ -87,9 +88,10 @@ class PagePool(Protocol):
         """Store `data` (at most `page_bytes`) in `page`; `key` and `checksum`
         label it where the medium keeps labels (SSD)."""
 
-    def read(self, page: int, length: int) -> PageBytes | None:
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> PageBytes | None:
         """The first `length` bytes of `page`: a zero-copy view where the medium allows
-        (None where the pool holds no bytes)."""
+        (None where the pool holds no bytes); `key`, the block expected there, is checked
+        where the medium keeps labels (SSD)."""
 
     def close(self) -> None:
         """Release the pool's resources."""
@@ -181,6 +183,11 @@ def as_bytes_view(data: Buffer, page_bytes: int) -> memoryview:
     return view
 
 
+def check_checksum(checksum: object) -> int:
+    """`checksum` as an XXH3-64 value (an integer in [0, 2**64)), or InvalidRequestError naming it."""
+    return require_int("checksum (an XXH3-64 value)", checksum, minimum=0, below=1 << 64, error=InvalidRequestError)
+
+
 def aligned_buffer(num_bytes: int, *, prefault: bool = False) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A zeroed uint8 array whose first byte is `ALIGNMENT_BYTES`-aligned."""
     raw = np.zeros(num_bytes + ALIGNMENT_BYTES, dtype=np.uint8)
@@ -231,11 +238,18 @@ class AllocatingPool:
         if not self.allocator.is_allocated(page):
             raise InvalidRequestError(f"{self.tier.name} page {page!r} is not allocated")
 
+    def _check_length(self, length: int) -> int:
+        """`length` as a byte count that one page holds, or InvalidRequestError naming it (a float or a
+        str would otherwise fail deep in a slice or a buffer allocation, and a count past the page would
+        read the next page's bytes)."""
+        if not is_int(length) or not 0 <= length <= self.page_bytes:
+            raise InvalidRequestError(f"length must be an integer in [0, {self.page_bytes}], got {length!r}")
+        return int(length)
+
     def _span(self, page: int, length: int) -> slice:
         """Where `page`'s first `length` bytes lie in a buffer of all pages (page and length checked)."""
         self._check_allocated(page)
-        if not 0 <= length <= self.page_bytes:
-            raise InvalidRequestError(f"length must be in [0, {self.page_bytes}], got {length}")
+        length = self._check_length(length)
         start = page * self.page_bytes
         return slice(start, start + length)
 
@@ -282,7 +296,7 @@ class DramPagePool(AllocatingPool):
         start = page * self.page_bytes
         self._view[start : start + source.nbytes] = source
 
-    def read(self, page: int, length: int) -> memoryview:
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> memoryview:
         return self._view[self._span(page, length)]
 
 
@@ -332,7 +346,7 @@ class VramPagePool(AllocatingPool):
             raise CapacityError(f"{source.numel()} bytes do not fit a page of {self.page_bytes} bytes")
         self.buffer[start : start + source.numel()].copy_(source)
 
-    def read(self, page: int, length: int) -> torch.Tensor:
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> torch.Tensor:
         return self.buffer[self._span(page, length)]
 
 
@@ -347,6 +361,6 @@ class MetadataPagePool(AllocatingPool):
         if data is not None:
             as_bytes_view(data, self.page_bytes)
 
-    def read(self, page: int, length: int) -> None:
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> None:
         self._check_allocated(page)
         return None

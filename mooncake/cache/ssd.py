@@ -15,10 +15,11 @@ slot header and adopts the valid ones (for a key found twice, the newest
 generation wins); data is verified on every read, so a torn or corrupted page
 raises `IntegrityError` and is never returned, and so is a valid page of another
 key in the slot (a misdirected write): a read checks that the header holds the
-key this pool wrote there. Stale pages that survive a crash are harmless: keys
-are content hashes, so a page valid for its key holds the right bytes. A pool
-holds an exclusive `flock` on its file: a second pool on a file in use, in this
-process or another, is refused (both would hand out the same free pages).
+key this pool wrote there, and the key the caller asks for, where it names one.
+Stale pages that survive a crash are harmless: keys are content hashes, so a
+page valid for its key holds the right bytes. A pool holds an exclusive `flock`
+on its file: a second pool on a file in use, in this process or another, is
+refused (both would hand out the same free pages).
 A new file gets its superblock (fsynced) before it is preallocated, and a file
 found shorter than its pages (a process killed while preallocating, a cut file)
 is preallocated again on opening: no page write later meets a full disk. A
@@ -45,7 +46,14 @@ import numpy as np
 import xxhash
 
 from mooncake._checks import require_bool
-from mooncake.cache.pool import ALIGNMENT_BYTES, AllocatingPool, Buffer, aligned_buffer, as_bytes_view
+from mooncake.cache.pool import (
+    ALIGNMENT_BYTES,
+    AllocatingPool,
+    Buffer,
+    aligned_buffer,
+    as_bytes_view,
+    check_checksum,
+)
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
@@ -174,16 +182,21 @@ class SsdPagePool(AllocatingPool):
             super().free(page)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
-        """Write `data` with its header in one call; `checksum` is computed when not given."""
+        """Write `data` with its header in one call; `checksum` is computed when not given.
+
+        Raises:
+            InvalidRequestError: `page` is not allocated, `data` is None, `key` is not in [0, 2**256), or
+                `checksum` not in [0, 2**64) (each before anything changes).
+        """
         self._check_allocated(page)
         if data is None:
             raise InvalidRequestError("an SSD pool stores bytes: data must not be None")
         source = as_bytes_view(data, self.page_bytes)
-        digest = xxhash.xxh3_64_intdigest(source) if checksum is None else checksum
+        digest = xxhash.xxh3_64_intdigest(source) if checksum is None else check_checksum(checksum)
         offset = self._slot(page)
         with self._write_lock:  # the generation counter and the O_DIRECT bounce buffer are shared
+            header = self._pack_header(source.nbytes, digest, self._generation + 1, key)  # checks the key first
             self._generation += 1
-            header = self._pack_header(source.nbytes, digest, self._generation, key)
             if self._bounce is not None:
                 length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
                 self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
@@ -200,26 +213,41 @@ class SsdPagePool(AllocatingPool):
         if sync:
             self.flush()
 
-    def read(self, page: int, length: int) -> memoryview:
-        """The page's bytes in a new buffer, verified against its header.
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> memoryview:
+        """The page's bytes in a new buffer, verified against its header (and `key`, the block expected there,
+        where given).
 
         Raises:
-            IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
+            IntegrityError: the header is invalid, holds another key, its length disagrees, or the checksum fails.
+            InvalidRequestError: `page` is not allocated, or `length` is not an integer in [0, page_bytes].
         """
+        self._check_allocated(page)
+        length = self._check_length(length)  # before it sizes a buffer
         out = np.empty(_round_up(length, ALIGNMENT_BYTES) if self.o_direct else length, dtype=np.uint8)
         if self.o_direct and out.ctypes.data % ALIGNMENT_BYTES:
             out = aligned_buffer(out.size)
-        self.read_into(page, length, out)
+        self.read_into(page, length, out, key=key)
         return out.data[:length]
 
-    def read_into(self, page: int, length: int, out: np.ndarray[Any, Any] | bytearray | memoryview) -> int:
+    def read_into(
+        self,
+        page: int,
+        length: int,
+        out: np.ndarray[Any, Any] | bytearray | memoryview,
+        *,
+        key: BlockKey | None = None,
+    ) -> int:
         """Read the page into `out` (a writable buffer of at least `length` bytes,
         4 KiB-aligned and a multiple of 4 KiB long with O_DIRECT); returns the checksum.
 
         Raises:
-            IntegrityError: the header is invalid, its length disagrees, or the checksum fails.
+            IntegrityError: the header is invalid, holds another key than this pool wrote there (or than `key`,
+                where given), its length disagrees, or the checksum fails.
+            InvalidRequestError: `page` is not allocated, `length` is not an integer in [0, page_bytes], or `out`
+                is too small.
         """
         self._check_allocated(page)
+        length = self._check_length(length)  # one past the page would read the next slot's header
         if isinstance(out, np.ndarray):  # any shape and dtype: its bytes
             target = out.data if out.dtype == np.uint8 and out.ndim == 1 else out.data.cast("B")
         else:
@@ -236,14 +264,16 @@ class SsdPagePool(AllocatingPool):
         got = os.preadv(self._fd, [header.data, target[:first]], offset)
         if got < HEADER_BYTES + min(first, length):
             raise IntegrityError(f"{self.path} page {page}: short read of {got} bytes")
-        stored_length, digest, _generation, key = self._unpack_header(header, page)
+        stored_length, digest, _generation, found = self._unpack_header(header, page)
         expected = self._keys.get(page)
-        if key != expected:
+        if found != expected:
             wanted = "nothing" if expected is None else f"block {expected:#x}"
             raise IntegrityError(
-                f"{self.path} page {page}: holds block {key:#x}, but this pool wrote {wanted} there "
+                f"{self.path} page {page}: holds block {found:#x}, but this pool wrote {wanted} there "
                 "(a misdirected write, or another writer of the file)"
             )
+        if key is not None and found != key:  # the caller's map of blocks to pages is wrong: never serve another's
+            raise IntegrityError(f"{self.path} page {page}: holds block {found:#x}, not block {key:#x} as asked")
         if stored_length != length:
             raise IntegrityError(f"{self.path} page {page}: holds {stored_length} bytes, expected {length}")
         if first == size:

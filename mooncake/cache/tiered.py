@@ -53,7 +53,7 @@ from mooncake._checks import require_int, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
-from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view
+from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view, check_checksum
 from mooncake.errors import (
     BlockPinnedError,
     CapacityError,
@@ -177,14 +177,15 @@ class TieredCache(BlockPlacement):
         Raises:
             IntegrityError: `data` does not match `checksum`.
             CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
-            InvalidRequestError: `key` or `parent` is not a non-negative integer.
+            InvalidRequestError: `key`, `parent`, `position` or `length` is not a non-negative integer, or
+                `checksum` not in [0, 2**64).
         """
         key = check_block_key(key)
         if parent is not None:
             parent = check_block_key(parent)
         _check_position(position)
         if checksum is not None:
-            _check_checksum(checksum)
+            check_checksum(checksum)
         if data is not None:
             view = as_bytes_view(data, self.page_bytes)
             size = view.nbytes
@@ -194,13 +195,7 @@ class TieredCache(BlockPlacement):
             if self.pools[0].holds_bytes:
                 raise ConfigError(f"the {self.pools[0].tier.name} tier stores bytes: put needs data")
             view = None
-            size = (
-                self.page_bytes
-                if length is None
-                else require_int("length", length, minimum=0, error=InvalidRequestError)
-            )
-            if not 0 <= size <= self.page_bytes:
-                raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
+            size = self._length_without_data(length)
         with self._lock:
             entry = self._unless_corrupt(key, self._entries.get(key))
             if entry is not None:
@@ -215,6 +210,20 @@ class TieredCache(BlockPlacement):
             raise
         self._publish(key, entry, checksum)
         return self.pools[0].tier
+
+    def _length_without_data(self, length: int | None) -> int:
+        """The size of a block stored without data (`put`, `put_chain`): `length`, or a whole page where None.
+
+        Raises:
+            InvalidRequestError: `length` is not an integer >= 0 (a float, a bool, a str).
+            CapacityError: it exceeds a page.
+        """
+        if length is None:
+            return self.page_bytes
+        size = require_int("length", length, minimum=0, error=InvalidRequestError)
+        if size > self.page_bytes:
+            raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
+        return size
 
     def _room_beside(self, parent: BlockKey | None, *, needed_for: BlockKey) -> int | None:
         """A first-tier page for the chain's next block, `parent`'s child, made without evicting `parent` where
@@ -249,16 +258,14 @@ class TieredCache(BlockPlacement):
         Raises:
             ConfigError: the first tier stores bytes.
             CapacityError: `length` exceeds a page, or every block of the first tier is pinned.
-            InvalidRequestError: a key is not a non-negative integer (nothing is stored).
+            InvalidRequestError: a key, or `length`, is not a non-negative integer (nothing is stored).
         """
         if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
             keys = [check_block_key(key) for key in keys]
         pool = self.pools[0]
         if pool.holds_bytes:
             raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
-        size = self.page_bytes if length is None else length
-        if not 0 <= size <= self.page_bytes:
-            raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
+        size = self._length_without_data(length)
         entries, log = self._entries, self._log
         accesses = [policy.access for policy in self._policies]
         access, allocate = accesses[0], pool.try_allocate
@@ -326,13 +333,13 @@ class TieredCache(BlockPlacement):
             IntegrityError: the bytes do not match `checksum` (the reservation is dropped).
         """
         if checksum is not None:
-            _check_checksum(checksum)
+            check_checksum(checksum)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.ready:
                 raise UnknownBlockError(f"block {key} is not reserved")
         if checksum is not None:
-            actual = self._digest(entry)
+            actual = self._digest(key, entry)
             if actual != checksum:
                 self.abort(key)
                 raise IntegrityError(f"block {key}: bytes hash to {actual:#018x}, the sender said {checksum:#018x}")
@@ -388,7 +395,7 @@ class TieredCache(BlockPlacement):
             self._policies[entry.level].access(key)
             self._counts["hits"] += 1
             if entry.level == 0 and self.pools[0].zero_copy:
-                return self.pools[0].read(entry.page, entry.length)
+                return self.pools[0].read(entry.page, entry.length, key=key)
             if entry.level:
                 entry.lower_reads += 1
                 if self._should_promote(entry):
@@ -398,7 +405,7 @@ class TieredCache(BlockPlacement):
             self._policies[entry.level].pin(key)
         data = None
         try:
-            data = self.pools[entry.level].read(entry.page, entry.length)
+            data = self.pools[entry.level].read(entry.page, entry.length, key=key)
         except (IntegrityError, OSError):  # an unreadable page (a bad sector) is as good as corrupt
             pass
         finally:
@@ -433,7 +440,7 @@ class TieredCache(BlockPlacement):
         with self._lock:
             entry = self._ready_entry(key)
             if entry.checksum is None:
-                entry.checksum = self._digest(entry)
+                entry.checksum = self._digest(key, entry)
             return entry.checksum
 
     # ------------------------------------------------------------------ pins
@@ -521,7 +528,3 @@ def _check_position(position: object) -> None:
     """A block's index in its request: checked before a page is claimed (a policy refusing it afterwards
     would leave a block that is cached but no policy can evict)."""
     require_int("position", position, minimum=0, error=InvalidRequestError)
-
-
-def _check_checksum(checksum: object) -> None:
-    require_int("checksum (an XXH3-64 value)", checksum, minimum=0, below=1 << 64, error=InvalidRequestError)

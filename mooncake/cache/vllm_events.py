@@ -7,9 +7,11 @@ Re-keying. A vLLM block hash is not this library's key, so `VllmEventDecoder`
 re-derives keys from the token ids with a `BlockHasher` (the parent's key comes
 from the parent hash), which makes prefixes match across engines and across this
 library's own caches. It keeps, per source, a map vLLM hash → key: `BlockRemoved`
-carries hashes only. The map holds every hash some tier holds, plus the
-`max_retired_hashes` most recently dropped ones, so a block stored just after its
-parent was evicted still finds its parent. LoRA blocks hash under a salt naming
+carries hashes only, and so does the `BlockStored` of vLLM's offloading connector
+(no token ids: a copy to CPU of blocks the GPU stored), whose keys are looked up.
+The map holds every hash some tier holds, plus the `max_retired_hashes` most
+recently dropped ones, so a block stored just after its parent was evicted still
+finds its parent. LoRA blocks hash under a salt naming
 the adapter (vLLM also writes the adapter's name, or id, as each block's
 ``extra_keys``: those say nothing more); blocks with other ``extra_keys``
 (multimodal inputs, cache salts) cannot be re-derived from tokens and are refused; only KV-cache group `kv_group`
@@ -176,10 +178,14 @@ class VllmEventDecoder:
             batch concerns the index, or for a redelivery); or, for a batch above
             `expected_seq`, a `SequenceGap` in vLLM batch numbers, with nothing applied.
 
+        A `BlockStored` without token ids (vLLM's offloading connector copying blocks to
+        CPU) names blocks by hash alone: each must be a hash the decoder knows (from the
+        GPU's store), whose key gains the event's tier; its block size is not checked.
+
         Raises:
             VllmEventError: a block size other than the hasher's, a block count that
-                does not fit the tokens, an unknown medium, or extra keys (strict).
-            UnknownBlockError: a parent or removed hash never seen (strict only).
+                does not fit the tokens (token ids given), an unknown medium, or extra keys (strict).
+            UnknownBlockError: a parent, removed or token-less stored hash never seen (strict only).
             Either way the batch is not applied.
         """
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
@@ -291,12 +297,32 @@ class VllmEventDecoder:
                 self._set(block_hash, key, mask or None)
                 removed.append(key)
             return (BlockRemoved, tuple(removed), tier) if removed else None
-        keys = self._stored_keys(event)
-        if keys is None:
+        stored = self._copied(event) if not event.token_ids else self._stored(event)
+        if stored is None:
             return None
-        for block_hash, key in zip(event.block_hashes, keys, strict=True):
+        for block_hash, key in stored:
             self._set(block_hash, key, self._held.get(block_hash, 0) | bit)
+        keys = tuple(key for _, key in stored)
         return (BlockStored, keys, tier) if keys else None
+
+    def _copied(self, event: VllmBlockStored) -> list[tuple[ExternalHash, BlockKey]]:
+        """(hash, key) of each block that a BlockStored without token ids names: vLLM's offloading connector
+        announces the blocks it copies to CPU by hash alone (its block size, if any, the offloaded block's), each
+        a block the decoder met when the GPU stored it. A hash it does not know goes as in a BlockRemoved."""
+        known = []
+        for block_hash in event.block_hashes:
+            key = self._keys.get(block_hash)
+            if key is None:
+                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {block_hash!r}, never stored")
+                continue
+            known.append((block_hash, key))
+        return known
+
+    def _stored(self, event: VllmBlockStored) -> list[tuple[ExternalHash, BlockKey]] | None:
+        """(hash, key) of each block a BlockStored with token ids names, its key re-derived from the tokens; None
+        where the event is skipped."""
+        keys = self._stored_keys(event)
+        return None if keys is None else list(zip(event.block_hashes, keys, strict=True))
 
     def _stored_keys(self, event: VllmBlockStored) -> tuple[BlockKey, ...] | None:
         hasher = self.hasher

@@ -24,8 +24,10 @@ published a positional batch of map events, ``extra_keys`` a list of nils and
 the tests). A block hash is an int
 (negative ones too: older vLLM used Python's ``hash``) or bytes (SHA-256 block
 hashing); ``token_ids`` are the stored blocks' tokens, concatenated (vLLM stores
-full blocks only); ``parent_block_hash`` is the hash of the block before the
-first one (nil at the start of a sequence). Reading (`decode_batch`) is lenient
+full blocks only), or none at all where vLLM's offloading connector announces
+blocks copied to CPU by hash alone (``block_size`` then may be 0);
+``parent_block_hash`` is the hash of the block before the first one (nil at the
+start of a sequence). Reading (`decode_batch`) is lenient
 about versions: a trailing field an older producer lacks reads as nil and a field
 a newer one adds is ignored. `encode_batch` writes exactly what msgspec writes for
 those structs. On the wire a batch is the third frame of ``[topic, seq as 8 bytes
@@ -242,8 +244,11 @@ def _read_event(index: int, raw: object) -> VllmEvent:
     if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t <= _INT32_MAX for t in tokens):
         raise VllmEventError(f"{where}: token_ids must be an array of token ids in [0, 2**31), got {tokens!r:.80}")
     block_size = values["block_size"]
-    if not is_int(block_size) or block_size < 1:
-        raise VllmEventError(f"{where}: block_size must be an integer >= 1, got {block_size!r}")
+    # Without tokens, 0 too: vLLM's offloading connector announces blocks by hash alone, some versions with size 0.
+    if not is_int(block_size) or block_size < (1 if tokens else 0):
+        raise VllmEventError(
+            f"{where}: block_size must be an integer >= 1 (>= 0 without token ids), got {block_size!r}"
+        )
     lora_name, spec_kind = values.get("lora_name"), values.get("kv_cache_spec_kind")
     for name, value in (("lora_name", lora_name), ("kv_cache_spec_kind", spec_kind)):
         if value is not None and not isinstance(value, str):

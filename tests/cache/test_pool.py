@@ -377,6 +377,16 @@ def test_dram_rejects_none_non_contiguous_data_and_bad_lengths() -> None:
     assert bytes(pool.read(page, 0)) == b""
 
 
+@pytest.mark.parametrize("length", [2.0, "8", True, None])
+def test_dram_refuses_a_length_that_is_no_integer_by_name(length: object) -> None:
+    """A read length that is no integer (a float, a str, a bool, None) is an InvalidRequestError naming it, as
+    a negative one is (a float was a bare TypeError from the slice, and True read one byte)."""
+    pool = DramPagePool(64, 1)
+    page = allocated_page(pool)
+    with pytest.raises(InvalidRequestError, match=rf"length must be an integer in \[0, 64\], got {length!r}"):
+        pool.read(page, length)  # type: ignore[arg-type]
+
+
 def test_dram_empty_multidimensional_array_writes_zero_bytes() -> None:
     """An empty 2-D array is a contiguous buffer of zero bytes: writing it stores nothing and does not raise."""
     pool = DramPagePool(64, 1)

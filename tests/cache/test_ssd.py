@@ -145,6 +145,52 @@ def test_read_with_the_wrong_length_raises_integrity_error(tmp_path: Path) -> No
             pool.read(page, 11)
 
 
+@pytest.mark.parametrize("length", [-1, 101, 2.0, "10", True])
+def test_a_length_that_is_no_byte_count_of_a_page_is_refused_by_name(tmp_path: Path, length: object) -> None:
+    """read and read_into of a length that is no integer in [0, page_bytes] raise the InvalidRequestError the
+    DRAM pool raises, naming it (a negative one was a bare ValueError, a float a TypeError, one past the page
+    a read into the next slot); the page still reads back."""
+    with SsdPagePool(tmp_path / "pool", 100, 2) as pool:
+        page = write_new(pool, 1, b"x" * 10)
+        with pytest.raises(InvalidRequestError, match=r"length must be an integer in \[0, 100\], got"):
+            pool.read(page, length)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match=r"length must be an integer in \[0, 100\], got"):
+            pool.read_into(page, length, bytearray(8192))  # type: ignore[arg-type]
+        assert bytes(pool.read(page, 10)) == b"x" * 10
+
+
+def test_a_bad_checksum_or_key_is_refused_before_the_write_changes_anything(tmp_path: Path) -> None:
+    """A checksum outside [0, 2**64) (or no integer) is the InvalidRequestError the cache raises for it, not a
+    struct.error; neither it nor a bad key uses up a generation or touches the page: the next write is
+    generation 2, and the page keeps its bytes."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 100, 2) as pool:
+        first = write_new(pool, 1, b"a" * 10)  # generation 1
+        second = pool.try_allocate()
+        assert second is not None
+        for checksum in (-1, 1 << 64, 1.5, "0"):
+            with pytest.raises(InvalidRequestError, match=r"checksum \(an XXH3-64 value\) must be an integer in"):
+                pool.write(second, b"b" * 10, key=BlockKey(2), checksum=checksum)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="key"):
+            pool.write(second, b"b" * 10, key=-1)  # type: ignore[arg-type]
+        pool.write(second, b"b" * 10, key=BlockKey(2))
+        assert bytes(pool.read(first, 10)) == b"a" * 10
+    with SsdPagePool(path, 100, 2) as pool:
+        assert [(found.key, found.generation) for found in pool.recovered] == [(1, 1), (2, 2)]
+
+
+def test_a_read_naming_another_key_than_the_page_holds_raises_integrity_error(tmp_path: Path) -> None:
+    """A read that names the block it expects (`key`) raises IntegrityError naming both where the page holds
+    another, valid block: a caller whose map of blocks to pages went wrong never gets another block's bytes."""
+    with SsdPagePool(tmp_path / "pool", 100, 1) as pool:
+        page = write_new(pool, 7, b"x" * 10)
+        with pytest.raises(IntegrityError, match="holds block 0x7, not block 0x8 as asked"):
+            pool.read(page, 10, key=BlockKey(8))
+        with pytest.raises(IntegrityError, match="not block 0x8"):
+            pool.read_into(page, 10, bytearray(10), key=BlockKey(8))
+        assert bytes(pool.read(page, 10, key=BlockKey(7))) == b"x" * 10
+
+
 def test_reading_a_page_never_written_raises_integrity_error(tmp_path: Path) -> None:
     """An allocated page with no data yet has no valid header: read raises IntegrityError."""
     with SsdPagePool(tmp_path / "pool", 100, 1) as pool:

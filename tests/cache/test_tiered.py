@@ -22,7 +22,7 @@ from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
 from mooncake.cache.ssd import SsdPagePool
-from mooncake.cache.tiered import TieredCache
+from mooncake.cache.tiered import BlockLocation, TieredCache
 from mooncake.errors import (
     BlockPinnedError,
     CapacityError,
@@ -729,9 +729,24 @@ def test_put_chain_needs_a_metadata_first_tier(tmp_path: Path) -> None:
     metadata = metadata_cache(dram_pages=2, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
     with pytest.raises(CapacityError, match=str(PAGE + 1)):
         metadata.put_chain([BlockKey(1)], length=PAGE + 1)
-    with pytest.raises(CapacityError):
-        metadata.put_chain([BlockKey(1)], length=-1)
     assert len(metadata) == 0
+
+
+@pytest.mark.parametrize("bad", ["64", 1.5, True, -1, math.nan])
+def test_put_chain_checks_length_as_put_does(bad: object) -> None:
+    """A length that is no integer >= 0 (a str, a float, a bool, a negative) is the InvalidRequestError put
+    raises, word for word, from put_chain too (it used to be a bare TypeError, or stored blocks of 1.5 or True
+    bytes); nothing is stored, and a whole-number length still works."""
+    errors = []
+    for store in (lambda c: c.put(BlockKey(1), length=bad), lambda c: c.put_chain([BlockKey(1)], length=bad)):
+        metadata = metadata_cache(dram_pages=2, ssd_pages=0, policy=LruPolicy, prefix_aware=True)
+        with pytest.raises(InvalidRequestError, match="length must be an integer >= 0") as raised:
+            store(metadata)
+        errors.append(str(raised.value))
+        assert len(metadata) == 0 and metadata.take_events() == []
+        metadata.put_chain([BlockKey(1)], length=64)
+        assert metadata.location(BlockKey(1)) == BlockLocation(Tier.DRAM, 0, 64, True)
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize(

@@ -539,12 +539,12 @@ def test_a_block_put_again_during_the_read_that_finds_it_damaged_is_stored(tmp_p
     seen: list[int] = []
     real_read = ssd.read
 
-    def read_while_put(page: int, length: int) -> Any:
+    def read_while_put(page: int, length: int, *, key: BlockKey | None = None) -> Any:
         ssd.read = real_read  # type: ignore[method-assign]
         assert cache.get(BlockKey(1)) is None  # the first read, ending before this one
         cache.put(BlockKey(1), block(1))  # the writer, while this read is under way
         seen.append(ssd.num_free)
-        return real_read(page, length)
+        return real_read(page, length, key=key)
 
     ssd.read = read_while_put  # type: ignore[method-assign]
     assert cache.get(BlockKey(1)) is None

@@ -10,6 +10,9 @@
   construction and `put`.
 - A block imported from a peer with a wrong checksum raises IntegrityError and
   stores nothing.
+- I/O errors during moves: page writes and page releases failing at any tier of
+  a three-tier hierarchy, in any put or get (a state machine), leave every key on
+  a page of its own holding its own bytes, and later puts working.
 
 Damaged bytes are found by searching the file for a block's (unique) bytes, so
 these tests depend on the file format only through `HEADER_BYTES`.
@@ -32,8 +35,9 @@ from typing import Any
 
 import pytest
 import xxhash
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex, Holder
@@ -279,32 +283,200 @@ def test_a_write_failing_during_a_promotion_loses_only_the_promoted_block(failin
 
 
 @pytest.mark.parametrize("failing", ["pwritev", "pwritev and pwrite"])
+@pytest.mark.parametrize("memory_tiers", [1, 2], ids=["dram+ssd", "vram+dram+ssd"])
 def test_a_disk_refusing_writes_during_a_demotion_loses_no_page_and_no_eviction(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str, memory_tiers: int
 ) -> None:
-    """The SSD file refuses writes (ENOSPC) while a put demotes a victim into it: the put raises the error, the
-    victims stay in DRAM and evictable, every SSD page is free again (the failed page's release cannot fail
-    with it), the invariants hold; once the disk takes writes again, later puts evict and demote as before."""
+    """The SSD file refuses writes (ENOSPC) while a put demotes a victim into it, directly (DRAM, then SSD) or at
+    the end of a cascade (VRAM's victim goes to DRAM, whose victim goes to the SSD): the put raises the error,
+    every victim stays where it was and evictable (the outer one used to stay out of VRAM's policy, so that no
+    later put could evict it), every SSD page is free again (the failed page's release cannot fail with it),
+    the invariants hold; once the disk takes writes again, later puts evict and demote as before."""
 
     def refuse(*_args: Any, **_kwargs: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 4)])
+    memory = (
+        [DramPagePool(PAGE, 2)] if memory_tiers == 1 else [DramPagePool(PAGE, 1, tier=Tier.VRAM), DramPagePool(PAGE, 1)]
+    )
+    cache = TieredCache([*memory, SsdPagePool(tmp_path / "pool", PAGE, 4)])
+    ssd = cache.pools[-1]
     cache.put(BlockKey(1), block(1))
     cache.put(BlockKey(2), block(2))
+    before = [cache.tier_of(BlockKey(k)) for k in (1, 2)]
+    assert before == ([Tier.DRAM, Tier.DRAM] if memory_tiers == 1 else [Tier.DRAM, Tier.VRAM])
     for name in failing.split(" and "):
         monkeypatch.setattr(os, name, refuse)
     with pytest.raises(OSError, match="injected"):
         cache.put(BlockKey(3), block(3))
     monkeypatch.undo()
-    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.DRAM, Tier.DRAM, None]
-    assert cache.pools[1].num_free == 4
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [*before, None]
+    assert ssd.num_free == 4
     cache.check_invariants()
+    for key in (1, 2):
+        assert bytes(cache.get(BlockKey(key))) == block(key)
     for key in range(10, 20):
-        cache.put(BlockKey(key), block(key))
-    assert cache.tier_of(BlockKey(1)) is None and cache.pools[1].num_free == 0  # evicted, the SSD used whole
+        assert cache.put(BlockKey(key), block(key)) == memory[0].tier
+    assert cache.tier_of(BlockKey(1)) is None and ssd.num_free == 0  # evicted, the SSD used whole
     cache.check_invariants()
     cache.close()
+
+
+def test_an_ssd_victim_whose_page_cannot_be_released_is_dropped_not_served_as_another_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both tiers full, a put evicts SSD's victim while the SSD refuses the write that releases its page (zeroing
+    the header: `SsdPagePool.free` raises, and releases the page all the same). The put raises the error; the
+    SSD victim is gone (it used to stay cached on the released page, and once the next block took that page, a
+    get of it returned that block's bytes); DRAM's victim, already taken out of its policy, is back in it, where
+    it was; the invariants hold, and later puts and gets work, each block serving its own bytes."""
+    cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 2)], promote_after=0)
+    for key in (1, 2, 3, 4):
+        cache.put(BlockKey(key), block(key))
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3, 4)] == [Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+
+    def refuse(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "pwrite", refuse)  # only a free writes with pwrite (a page goes in with pwritev)
+    with pytest.raises(OSError, match="injected"):
+        cache.put(BlockKey(5), block(5))
+    monkeypatch.undo()
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3, 4, 5)] == [None, Tier.SSD, Tier.DRAM, Tier.DRAM, None]
+    assert cache.pools[1].num_free == 1
+    cache.check_invariants()
+    for key in (6, 7, 8):
+        cache.put(BlockKey(key), block(key))
+    cache.check_invariants()
+    assert cache.get(BlockKey(1)) is None
+    for key in range(2, 9):
+        data = cache.get(BlockKey(key))
+        assert data is None or bytes(data) == block(key), f"block {key} served another block's bytes"
+    assert sum(cache.get(BlockKey(key)) is not None for key in range(2, 9)) == 4  # both tiers full again
+    cache.close()
+
+
+def test_a_promoted_block_whose_ssd_page_cannot_be_released_lives_on_in_dram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read promotes a block from the SSD into a DRAM page, and releasing its SSD page fails (the header cannot
+    be zeroed). The read raises the error, but the block has moved: it is cached in DRAM with its bytes (it used
+    to stay cached on the released SSD page, out of every policy, with its new DRAM page lost), the invariants
+    hold, and the SSD page is free for the next block."""
+    cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 4)], promote_after=1)
+    for key in (1, 2, 3):
+        cache.put(BlockKey(key), block(key))
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD
+
+    def refuse(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "pwrite", refuse)
+    with pytest.raises(OSError, match="injected"):
+        cache.get(BlockKey(1))  # DRAM's victim (2) goes down to a free SSD page, then 1 comes up
+    monkeypatch.undo()
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.DRAM, Tier.SSD, Tier.DRAM]
+    assert cache.pools[1].num_free == 3
+    cache.check_invariants()
+    for key in (1, 2, 3):
+        assert bytes(cache.get(BlockKey(key))) == block(key)
+    cache.check_invariants()
+    cache.close()
+
+
+class FaultyPool(DramPagePool):
+    """A host pool whose writes, or page releases, fail while armed: a write raises before it stores anything
+    (a device error, a full disk); a free releases the page and then raises, as `SsdPagePool.free` does when it
+    cannot zero the page's header."""
+
+    faults: frozenset[str] = frozenset()
+
+    def write(self, page: int, data: Any, *, key: BlockKey, checksum: int | None = None) -> None:
+        if "write" in self.faults:
+            raise OSError("injected write failure")
+        super().write(page, data, key=key, checksum=checksum)
+
+    def free(self, page: int) -> None:
+        super().free(page)
+        if "free" in self.faults:
+            raise OSError("injected free failure")
+
+
+KEYS = st.integers(0, 11)  # more than the hierarchy's 7 pages: puts evict, demote and drop
+FAULTS = st.one_of(st.none(), st.tuples(st.integers(0, 2), st.sampled_from([("write",), ("free",), ("write", "free")])))
+
+
+class FaultyHierarchyMachine(RuleBasedStateMachine):
+    """Three tiers (VRAM 2, DRAM 2, SSD 3 pages; a lower block promoted on its first read), whose writes or page
+    releases fail, at any tier, during a put or a get: an I/O error anywhere in a cascade of demotions, in a
+    promotion, or in a drop. Whatever failed, after every step the invariants hold, each cached key has a page
+    of its own that holds its own bytes, the events mirror the cache, and a put or get with nothing failing
+    succeeds (nothing is pinned, so nothing can be stuck): a get returns the block's own bytes exactly when it
+    is cached, a put stores it in VRAM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pools = [FaultyPool(PAGE, 2, tier=Tier.VRAM), FaultyPool(PAGE, 2), FaultyPool(PAGE, 3, tier=Tier.SSD)]
+        self.cache = TieredCache(self.pools, source=SOURCE, promote_after=1)  # type: ignore[arg-type]
+        self.index = BlockIndex()
+
+    def attempt(self, fault: tuple[int, tuple[str, ...]] | None, action: Any) -> tuple[bool, Any]:
+        """(raised, result) of `action()` with `fault` armed (None: nothing fails, and nothing may raise)."""
+        if fault is None:
+            return False, action()
+        level, ops = fault
+        self.pools[level].faults = frozenset(ops)
+        try:
+            return False, action()
+        except OSError as error:
+            assert "injected" in str(error), error
+            return True, None
+        finally:
+            self.pools[level].faults = frozenset()
+
+    @rule(key=KEYS, fault=FAULTS)
+    def put(self, key: int, fault: tuple[int, tuple[str, ...]] | None) -> None:
+        was = self.cache.tier_of(BlockKey(key))
+        raised, tier = self.attempt(fault, lambda: self.cache.put(BlockKey(key), block(key)))
+        if not raised:
+            assert tier == (was or Tier.VRAM) == self.cache.tier_of(BlockKey(key))
+        elif was is None:
+            assert self.cache.tier_of(BlockKey(key)) is None, "a put that failed stored its block"
+
+    @rule(key=KEYS, fault=FAULTS)
+    def get(self, key: int, fault: tuple[int, tuple[str, ...]] | None) -> None:
+        was = self.cache.tier_of(BlockKey(key))
+        raised, data = self.attempt(fault, lambda: self.cache.get(BlockKey(key)))
+        if not raised:
+            assert (data is None) == (was is None), f"block {key}: cached in {was}, read {data!r:.40}"
+            assert data is None or bytes(data) == block(key), f"block {key}: another block's bytes"
+
+    @invariant()
+    def each_key_has_a_page_of_its_own_holding_its_bytes(self) -> None:
+        self.cache.check_invariants()
+        for pool in self.pools:
+            pool.allocator.check_invariants()
+        pages = {}
+        for key in range(12):
+            location = self.cache.location(BlockKey(key))
+            if location is None:
+                continue
+            (pool,) = [pool for pool in self.pools if pool.tier == location.tier]
+            assert bytes(pool.read(location.page, location.length)) == block(key), f"block {key}: wrong bytes"
+            pages[(location.tier, location.page)] = key
+        assert len(pages) == len(self.cache), "two keys share a page"
+
+    @invariant()
+    def the_events_mirror_the_cache(self) -> None:
+        for event in self.cache.take_events():
+            assert self.index.apply(event) is None
+        for key in range(12):
+            tier = self.cache.tier_of(BlockKey(key))
+            assert self.index.holders(BlockKey(key)) == (() if tier is None else (Holder(SOURCE, tier),))
+
+
+FaultyHierarchyMachine.TestCase.settings = settings(stateful_step_count=40)
+TestFaultyHierarchy = FaultyHierarchyMachine.TestCase
 
 
 @pytest.mark.parametrize("promote_after", [0, 1])

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap
 from mooncake.cache.hashing import BlockHasher
-from mooncake.cache.index import BlockIndex
+from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
@@ -487,6 +487,60 @@ def test_lenient_mode_skips_what_it_cannot_translate() -> None:
     key = HASHER.block_keys([1, 2, 3, 4])
     assert [e.keys for e in out] == [key, key]  # type: ignore[union-attr]
     assert d.num_skipped == 3
+
+
+def offloaded_wire(hashes: Sequence[Any], *, block_size: int = BLOCK) -> dict[str, Any]:
+    """A BlockStored as vLLM's offloading connector publishes it (`OffloadingConnectorScheduler.take_events`):
+    the hashes of blocks copied to CPU, with no token ids, no parent and no LoRA."""
+    return stored_wire(hashes, None, [], medium="CPU", block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, 4 * BLOCK, 0], ids=["gpu-size", "offloaded-size", "zero"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_offloaded_copy_without_tokens_adds_the_cpu_tier_to_known_blocks(block_size: int, strict: bool) -> None:
+    """vLLM's offloading connector announces blocks it copied to CPU by hash alone (no token ids, no parent; the
+    block size its own, or 0). Each hash is one the GPU's store taught the decoder: its key gains the DRAM tier
+    (it used to be refused, strict or not, and every later batch was a gap); the stream goes on, and an index
+    fed the events holds the blocks in both tiers, then in DRAM alone once the GPU drops them."""
+    tokens = list(range(8))
+    keys = HASHER.block_keys(tokens)
+    d, index = decoder(strict=strict), BlockIndex()
+    batches = [
+        [stored_wire([11, 22], None, tokens)],
+        [offloaded_wire([11, 22], block_size=block_size)],
+        [removed_wire([11, 22])],
+        [removed_wire([22], "CPU")],
+    ]
+    out = []
+    for seq, events in enumerate(batches):
+        out.append(decoded(d.decode(payload(events), seq=seq)))
+        for event in out[-1]:
+            assert index.apply(event) is None
+        d.check_invariants()
+    assert out[1] == (BlockStored(source=SOURCE, seq=1, keys=keys, tier=Tier.DRAM),)
+    assert out[2] == (BlockRemoved(source=SOURCE, seq=2, keys=keys, tier=Tier.VRAM),)
+    assert index.match(keys).length(SOURCE) == 1  # block 11 still in DRAM, 22 gone from both tiers
+    assert index.holders(keys[0]) == (Holder(SOURCE, Tier.DRAM),)
+    assert (d.key_of(11), d.key_of(22), d.expected_seq, d.num_skipped) == (keys[0], keys[1], 4, 0)
+
+
+def test_an_offloaded_hash_never_stored_goes_the_way_of_unknown_hashes() -> None:
+    """A hash in a token-less BlockStored that the decoder never met raises UnknownBlockError naming it
+    (strict; the batch is not applied), or is skipped and counted while the known ones apply (lenient)."""
+    tokens = [1, 2, 3, 4]
+    key = HASHER.block_keys(tokens)
+    strict, lenient = decoder(), decoder(strict=False)
+    for d in (strict, lenient):
+        decoded(d.decode(payload([stored_wire([1], None, tokens)]), seq=0))
+    with pytest.raises(UnknownBlockError, match="hash 99"):
+        strict.decode(payload([offloaded_wire([1, 99])]), seq=1)
+    assert strict.expected_seq == 1
+    assert decoded(lenient.decode(payload([offloaded_wire([1, 99])]), seq=1)) == (
+        BlockStored(source=SOURCE, seq=1, keys=key, tier=Tier.DRAM),
+    )
+    assert lenient.num_skipped == 1
+    for d in (strict, lenient):
+        d.check_invariants()
 
 
 def test_lora_blocks_and_other_groups() -> None:
