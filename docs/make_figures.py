@@ -190,7 +190,7 @@ def overload_table(trace: Path) -> str:
         for key, what in (("slo_attainment", "attainment"), ("goodput_rps", "goodput")):
             values = [at(key, p, speedup) for p in policies]
             if speedup == "2.0":  # the decode side barely binds: the prose says the three are close
-                claim(min(values) >= 0.96 * max(values), f"the three policies' {what} are within 4 % at 2×")
+                claim(min(values) >= 0.95 * max(values), f"the three policies' {what} are within 5 % at 2×")
             else:
                 claim(at(key, "early_rejection", speedup) == max(values), f"early rejection has the best {what} at 4×")
         swing = min(at("oscillation", p, speedup) for p in policies)
