@@ -25,15 +25,15 @@ loses `frequency_penalty` times its count and `presence_penalty` once); then
 greedy takes the argmax, and sampling divides by the temperature, drops the
 tokens less probable than `min_p` times the most probable, keeps the `top_k`
 largest logits (ties with the k-th kept), renormalizes and applies the nucleus.
-Each filter at its neutral value (`min_p` 0, `top_k` 0, penalties 0 and 1) is
+Each filter at its neutral value (`min_p` 0, `top_k` 0 or -1, penalties 0 and 1) is
 skipped, so the draws are then bit for bit those without it.
 
 Log-probabilities (`SamplingParams.logprobs`, as vLLM's and OpenAI's) are of
 the model's own distribution: the log-softmax of the raw logits in float32,
 before temperature, nucleus or `min_tokens` shape the draw (vLLM's default
 `raw_logprobs`), so they do not depend on how a token was chosen. With them a
-token comes with its log-probability, its rank (1 + the tokens strictly more
-probable) and the `k` most probable tokens.
+token comes with its log-probability, its rank (the tokens at least as probable,
+itself included, as vLLM counts it) and the `k` most probable tokens.
 """
 
 from __future__ import annotations
