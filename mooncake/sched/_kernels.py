@@ -18,6 +18,8 @@ paths give the same answers; the plain one is slower on large boards.
   `sched.join.refusal`, the decode rule's structural checks, compiled from that
   one definition.
 - `shortest_by_length`: the router's shortlist (`sched.router`).
+- `rendezvous_weights`: the router's tie-break weights (`sched.router.spread_weights`): splitmix64's
+  finalizer per instance, a dozen array operations as numpy.
 - `pending_*`: the compiled path of `sched.pending.PendingBlocks`, a table (add, remove, grow)
   and its walk along a prompt from each instance's cached prefix (its plain path keeps a Counter
   per instance instead: the table's probing as Python would cost more than it saves).
@@ -38,6 +40,7 @@ __all__ = [
     "pending_remove",
     "pending_walk",
     "refusal",
+    "rendezvous_weights",
     "roofline_step",
     "shortest_by_length",
 ]
@@ -167,6 +170,25 @@ def shortest_by_length(own, busy_until_s, now, weight):
             if weighed and weight[slot] > weight[slots[j]]:
                 slots[j] = slot
     return slots[:found], shared[:found].any()
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_UNIT = 1.0 / 9007199254740992.0  # 2**-53
+
+
+@jit
+def rendezvous_weights(keys, own, seeds):
+    # Per instance i: splitmix64's finalizer of (keys[min(own[i], last)] xor seeds[i]) plus the golden gamma,
+    # its top 53 bits as a fraction of 1 (exact: a float64 holds 53 bits). keys is not empty.
+    weights = np.empty(own.size, dtype=np.float64)
+    last = keys.size - 1
+    for i in range(own.size):
+        x = (keys[min(own[i], last)] ^ seeds[i]) + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x = x ^ (x >> np.uint64(31))
+        weights[i] = np.float64(x >> np.uint64(11)) * _UNIT
+    return weights
 
 
 # ---------------------------------------------------------------- pending blocks (`sched.pending`)

@@ -133,9 +133,6 @@ class PrefixBlocks(Mapping[InstanceId, int]):
         return int(np.count_nonzero(self.blocks))
 
 
-_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
 @functools.lru_cache(maxsize=256)
 def _seeds(instances: tuple[InstanceId, ...]) -> npt.NDArray[np.uint64]:
     """Each instance's id hash, in order (a board's ids are one tuple for its lifetime: computed once)."""
@@ -155,14 +152,10 @@ def spread_weights(
     Keys wider than 64 bits weigh as the index stores them (`key_array`)."""
     if not len(keys):
         return np.zeros(len(instances))
-    where = np.minimum(own, len(keys) - 1)
-    chosen = key_array(keys)[where]
-    x = chosen ^ _seeds(tuple(instances))
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    weights: npt.NDArray[np.float64] = kernels(_KERNELS).rendezvous_weights(
+        key_array(keys), np.asarray(own, dtype=np.int64), _seeds(tuple(instances))
+    )
+    return weights
 
 
 def _blocks_of(held: Mapping[InstanceId, int], board: PrefillBoard) -> npt.NDArray[np.int64]:

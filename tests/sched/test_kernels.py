@@ -5,7 +5,7 @@ the same functions as plain Python otherwise) against the rule it stands for
 written out in plain Python: `roofline_step` against `RooflineStep.step_s` to
 the bit, `best_decode_slot` against `check_join` and `step_s` instance by
 instance, `shortest_by_length` against a sort of the instances by (prefix,
-queue, weight, slot).
+queue, weight, slot), `rendezvous_weights` against splitmix64 in Python integers.
 """
 
 from __future__ import annotations
@@ -179,6 +179,31 @@ def test_shortest_by_length_is_the_first_of_each_length_in_sorted_order(
     assert got_tied == tied
 
 
+def _splitmix64_weight(key: int, seed: int) -> float:
+    """The rendezvous weight written out in Python integers: splitmix64's finalizer of (key xor seed) plus the
+    golden gamma, its top 53 bits as a fraction of 1."""
+    mask = 2**64 - 1
+    x = ((key ^ seed) + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return ((x ^ (x >> 31)) >> 11) / 2**53
+
+
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6),
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2**64 - 1)), max_size=5),
+)
+def test_rendezvous_weights_are_splitmix64_of_the_first_missing_key_xor_the_seed(
+    scans: Any, keys: list[int], instances: list[tuple[int, int]]
+) -> None:
+    """Each instance weighs the key of the first block it lacks (the last key when it holds them all) xor its seed,
+    bit for bit on both paths (the integers wrap at 64 bits as splitmix64's do)."""
+    own = np.array([held for held, _ in instances], dtype=np.int64)
+    seeds = np.array([seed for _, seed in instances], dtype=np.uint64)
+    got = scans.rendezvous_weights(np.array(keys, dtype=np.uint64), own, seeds).tolist()
+    assert got == [_splitmix64_weight(keys[min(held, len(keys) - 1)], seed) for held, seed in instances]
+
+
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed: nothing to compile")
 def test_warm_up_compiles_every_scan() -> None:
     """`python -m mooncake.sched.warm_up` (what make runs after installing) leaves each scan the
@@ -187,6 +212,7 @@ def test_warm_up_compiles_every_scan() -> None:
 
     with compiled_path(True):
         warm_up.main()
-    called = ("best_decode_slot", "shortest_by_length", "pending_add", "pending_remove", "pending_rehash")
+    called = ("best_decode_slot", "shortest_by_length", "rendezvous_weights", "pending_add", "pending_remove")
+    called += ("pending_rehash",)
     for name in (*called, "pending_find", "pending_walk"):
         assert getattr(_kernels, name).signatures, f"{name} was not compiled"
