@@ -250,16 +250,27 @@ class PrefillCostModel:
     mfu: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
     overhead_s: float = attrs.field(default=0.0, validator=non_negative)
     prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
+    # The shape's figures, read once: routing asks prefill_s for every decision, and each attribute chain and
+    # property (a product) cost about as much as the arithmetic.
+    _shape: tuple[int, int, int, float, float] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        model, hardware = self.model, self.hardware
+        shape = (model.num_layers, model.hidden_size, model.kv_bytes_per_token, hardware.peak_flops * self.mfu)
+        object.__setattr__(self, "_shape", (*shape, hardware.host_to_device_bytes_per_s))
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
         """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached."""
         if num_tokens <= prefix_tokens:
             return 0.0
-        compute = prefill_flops(self.model, num_tokens, prefix_tokens) / (self.hardware.peak_flops * self.mfu)
+        layers, d, kv_bytes_per_token, flops_per_s, host_to_device_bytes_per_s = self._shape
+        n, p = num_tokens, prefix_tokens
+        # `prefill_flops` (p < n here), inlined: the same operations in the same order.
+        flops = layers * (ATTENTION_COEFFICIENT * (n * n - p * p) * d + LINEAR_COEFFICIENT * (n - p) * d * d)
+        compute = flops / flops_per_s
         if prefix_tokens <= 0 or self.prefix_tier is Tier.VRAM:
             return self.overhead_s + compute
-        load = prefix_tokens * self.model.kv_bytes_per_token / self.hardware.host_to_device_bytes_per_s
-        layers = self.model.num_layers
+        load = prefix_tokens * kv_bytes_per_token / host_to_device_bytes_per_s
         return self.overhead_s + max(load / layers + compute, load + compute / layers)
 
 
