@@ -26,9 +26,13 @@ Invariants:
   acknowledged by the peer, or received and verified).
 - Each request ends exactly once (DONE or FAILED); `wait` never blocks past its timeout.
 - Every access is bounds-checked before a byte moves: the local range here,
-  before anything of its batch starts; the remote range over TCP by the side
-  that owns the memory, over shm and RDMA by the initiator against the peer's
-  descriptor (validated when received), and for RDMA by the NIC again.
+  and the remote range against the peer's descriptor where it lists the region
+  (it does once connected, or refreshed after the peer registered it), both
+  before anything of its batch starts; then the remote range per slice, over
+  TCP by the side that owns the memory, over shm and RDMA by the initiator
+  against the peer's descriptor (validated when received), and for RDMA by the
+  NIC again. So a request that crosses the end of a region the peer described
+  is refused whole, and none of its slices lands.
 """
 
 from __future__ import annotations
@@ -46,12 +50,12 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_int, require_number
+from mooncake._checks import require_int, require_iterable, require_number
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
 from mooncake.transfer.rdma import Verbs, buffer_address, open_device
-from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, create_shared
+from mooncake.transfer.region import Region, RegionDescriptor, as_writable_bytes, bounds_error, create_shared
 from mooncake.transfer.request import EngineConfig, RequestState, RequestStatus, Slice, TransferRequest, Transport
 from mooncake.transfer.wire import Json
 
@@ -147,6 +151,10 @@ class TransferEngine:
         Returns:
             Its descriptor and a uint8 numpy array over it. The segment is
             unlinked when the engine closes.
+
+        Raises:
+            ConfigError: `nbytes` is not an integer >= 0.
+            TransferError: the system would not create a segment of `nbytes` (named in the message).
         """
         self._check_open()
         require_int("nbytes", nbytes, minimum=0)
@@ -161,7 +169,13 @@ class TransferEngine:
 
     def unregister_memory(self, region_id: int) -> None:
         """Stop serving a region, over every transport (RDMA included: its memory region is
-        deregistered); requests already in flight against it may still complete."""
+        deregistered); requests already in flight against it may still complete. A region that is
+        not registered (any more) is left alone.
+
+        Raises:
+            ConfigError: `region_id` is not an integer >= 0.
+        """
+        region_id = require_int("region_id", region_id, minimum=0)
         with self._lock:
             region = self._regions.pop(region_id, None)
             address = region.descriptor.rdma_address if region is not None else None
@@ -217,6 +231,7 @@ class TransferEngine:
 
         Raises:
             PeerUnavailable: nobody answers there. AuthenticationError: the secrets differ.
+            ConfigError: `address` is not "host:port".
         """
         self._check_open()
         return self._peers.connect(address, transport=transport)
@@ -226,7 +241,12 @@ class TransferEngine:
         return self._peers.descriptor(peer).regions
 
     def refresh(self, peer: str) -> PeerDescriptor:
-        """Fetch `peer`'s current segment descriptor (after it registers more memory)."""
+        """Fetch `peer`'s current segment descriptor (after it registers more memory).
+
+        Raises:
+            PeerUnavailable: it cannot be reached, or it restarted since `connect` (whose regions this engine does
+                not know: `connect` to it again).
+        """
         return self._peers.refresh(peer)
 
     def transport_names(self, peer: str) -> tuple[str, ...]:
@@ -234,7 +254,11 @@ class TransferEngine:
         return self._peers.transport_names(peer)
 
     def register_handler(self, method: str, handler: Handler) -> None:
-        """Serve control calls named `method` (JSON in, JSON out) to authenticated peers."""
+        """Serve control calls named `method` (JSON in, JSON out) to authenticated peers.
+
+        Raises:
+            ConfigError: `method` is not a non-empty string, or `handler` is not callable.
+        """
         self._peers.register_handler(method, handler)
 
     def handle_call(self, method: str, args: Any) -> Json:
@@ -249,6 +273,12 @@ class TransferEngine:
 
         Returns:
             The peer's reply, decoded.
+
+        Raises:
+            ConfigError: `args` is not JSON-encodable (nothing is sent).
+            PeerUnavailable: the peer cannot be reached, the call failed midway, or the peer restarted since
+                `connect` (`connect` to it again).
+            TransferError: the peer refused the call.
         """
         return self._peers.call(peer, method, args)
 
@@ -258,11 +288,13 @@ class TransferEngine:
         """Start moving `requests`; returns a batch id for `status` and `wait`.
 
         Raises:
+            ConfigError: `requests` is not an iterable of `TransferRequest`s.
             TransferError: a request names an unknown peer or region or is out of its
-                local bounds (nothing of the batch is started then).
+                local bounds, or of its remote region's as the peer described it (nothing
+                of the batch is started then).
         """
         self._check_open()
-        requests = tuple(requests)
+        requests = _requests(requests)
         plans = [self._plan(request) for request in requests]  # validates all before starting any
         with self._lock:
             if self._closed:  # closed since the check above: no close would fail this batch
@@ -296,16 +328,16 @@ class TransferEngine:
         The latency path (like the upstream engine's `transfer_sync_*`): requests of
         one slice each move in this thread, with no hand-off to a transport's
         threads; those not started by `timeout` seconds fail with `TransferTimeout`
-        (one in flight is bounded by the connection's io timeout). Larger requests
+        (one in flight, connecting included, is cut at the deadline too). Larger requests
         go through `submit` and `wait`, so their slices use every stream; those
         not done by `timeout` are reported FAILED with `TransferTimeout`.
 
         Raises:
-            TransferError: as `submit`, before anything moves.
+            ConfigError, TransferError: as `submit`, before anything moves.
         """
         self._check_open()
         limit = _timeout(timeout)
-        requests = tuple(requests)
+        requests = _requests(requests)
         plans = [self._plan(request) for request in requests]
         if any(len(pieces) > 1 for _, pieces in plans):
             # Requests of several slices gain more from the transports' parallel
@@ -341,7 +373,13 @@ class TransferEngine:
         return tuple(statuses)
 
     def status(self, batch_id: int) -> tuple[RequestStatus, ...]:
-        """Where each request of the batch stands."""
+        """Where each request of the batch stands.
+
+        Raises:
+            TransferError: no such batch (never submitted, or forgotten).
+            ConfigError: `batch_id` is not an integer >= 0.
+        """
+        batch_id = require_int("batch_id", batch_id, minimum=0)
         with self._lock:
             batch = self._batches.get(batch_id)
             if batch is None:
@@ -357,8 +395,10 @@ class TransferEngine:
         Raises:
             TransferTimeout: requests were still moving after `timeout` seconds
                 (they go on; `status` tells how they end).
-            ConfigError: `timeout` is negative or NaN.
+            TransferError: no such batch.
+            ConfigError: `timeout` is negative or NaN, or `batch_id` is not an integer >= 0.
         """
+        batch_id = require_int("batch_id", batch_id, minimum=0)
         limit = _timeout(timeout)
         with self._finished:
             batch = self._batches.get(batch_id)
@@ -375,7 +415,12 @@ class TransferEngine:
             raise TransferError(f"transfer engine {self.address} is closed")
 
     def forget(self, batch_id: int) -> None:
-        """Drop a finished batch's record."""
+        """Drop a finished batch's record (none there: nothing to do).
+
+        Raises:
+            ConfigError: `batch_id` is not an integer >= 0.
+        """
+        batch_id = require_int("batch_id", batch_id, minimum=0)
         with self._lock:
             self._batches.pop(batch_id, None)
 
@@ -425,6 +470,7 @@ class TransferEngine:
             raise TransferError(f"no local region {request.local_region}")
         view = local.slice(request.local_offset, request.length)
         transport = self._peers.transport_for(request.peer, request.remote_region)
+        self._check_remote_range(request)
         step = self.config.slice_bytes
         # A zero-length request is one empty slice, so that the peer still checks its region and offset.
         pieces = [
@@ -432,6 +478,20 @@ class TransferEngine:
             for start in range(0, max(request.length, 1), step)
         ]
         return transport, pieces
+
+    def _check_remote_range(self, request: TransferRequest) -> None:
+        """Refuse a request that crosses the end of its remote region, where the peer's descriptor lists it:
+        refused whole here, before its first slices could land (each slice is checked again where it moves,
+        but only for itself). A region the descriptor does not list (registered since) is left to the peer."""
+        remote = self._peers.remote_region(request.peer, request.remote_region)
+        if remote is None:
+            return
+        problem = bounds_error(request.remote_offset, request.length, remote.length)
+        if problem is not None:
+            raise TransferError(
+                f"remote region {request.remote_region} of {request.peer}: remote_offset {request.remote_offset} +"
+                f" length {request.length} is past its end ({problem}); nothing of the batch was started"
+            )
 
     def _slice_done_callback(self, batch_id: int, index: int) -> Callable[[TransferError | None], None]:
         def done(error: TransferError | None) -> None:
@@ -457,6 +517,15 @@ def _timeout(value: Any) -> float | None:
         return None
     seconds = require_number("timeout", value, minimum=0)
     return None if seconds > threading.TIMEOUT_MAX else seconds  # longer than a lock wait can take: no limit
+
+
+def _requests(value: Any) -> tuple[TransferRequest, ...]:
+    """`value` as a tuple of requests, or a ConfigError naming what is not one (None, a number, a dict of fields)."""
+    requests = tuple(require_iterable("requests", value))
+    for index, one in enumerate(requests):
+        if not isinstance(one, TransferRequest):
+            raise ConfigError(f"requests[{index}] must be a TransferRequest, got {one!r}")
+    return requests
 
 
 def _ignore(_error: TransferError | None) -> None:

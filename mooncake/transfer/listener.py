@@ -13,9 +13,12 @@ the flood comes from as many addresses as the budget. In each pass the gate
 reads the answers that arrived before it accepts new connections, so an
 answer already received is decided, not dropped. A connection
 that proves the secret is counted against `max_connections` and served on a
-thread of its own; past that limit it is told "busy" (`wire.BUSY`) and closed.
+thread of its own, with what its client settled in the handshake
+(`wire.Agreement`); past that limit it is told "busy" (`wire.BUSY`) and closed.
+The verdict tells the client this listener's incarnation id, so that a client
+reconnecting to the address can tell a restarted engine from the one it knew.
 
-The gate never blocks on a peer: the hello (43 bytes) and the verdict (34
+The gate never blocks on a peer: the hello (43 bytes) and the verdict (50
 bytes) go into an empty send buffer of a fresh connection, and a send that
 would block ends that connection instead.
 
@@ -38,9 +41,18 @@ from collections.abc import Callable
 
 import attrs
 
-from mooncake.errors import AuthenticationError
+from mooncake.errors import AuthenticationError, ConfigError
 from mooncake.transfer.request import EngineConfig
-from mooncake.transfer.wire import ANSWER_BYTES, BUSY, REFUSED, server_hello, server_verdict
+from mooncake.transfer.wire import (
+    ANSWER_BYTES,
+    BUSY,
+    INCARNATION_BYTES,
+    REFUSED,
+    Agreement,
+    new_incarnation,
+    server_hello,
+    server_verdict,
+)
 
 __all__ = ["Listener"]
 
@@ -58,20 +70,31 @@ class _Pending:
 
 
 class Listener:
-    """Listens on `config.host`, `config.port`; calls `serve(sock)` on a thread per authenticated connection.
+    """Listens on `config.host`, `config.port`; calls `serve(sock, agreement)` on a thread per authenticated
+    connection.
 
     Args:
         secret: the shared secret peers must prove.
         config: address, budgets and deadlines.
         serve: serves one authenticated connection until it ends (the listener
-            closes the socket afterwards).
+            closes the socket afterwards), given what its client settled in the handshake.
         name: a prefix for thread names.
+        incarnation: the id told to every client (`wire.INCARNATION_BYTES`; by default a fresh one): its engine's.
     """
 
     def __init__(
-        self, *, secret: bytes, config: EngineConfig, serve: Callable[[socket.socket], None], name: str
+        self,
+        *,
+        secret: bytes,
+        config: EngineConfig,
+        serve: Callable[[socket.socket, Agreement], None],
+        name: str,
+        incarnation: bytes | None = None,
     ) -> None:
         self._secret, self._config, self._serve, self._name = secret, config, serve, name
+        self.incarnation = new_incarnation() if incarnation is None else incarnation
+        if len(self.incarnation) != INCARNATION_BYTES:  # checked here: the gate thread must not fail on it
+            raise ConfigError(f"incarnation must be {INCARNATION_BYTES} bytes, got {self.incarnation!r}")
         self._sock = socket.create_server((config.host, config.port), backlog=1024)
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
@@ -200,7 +223,9 @@ class Listener:
         if pending.received < ANSWER_BYTES:
             return
         try:
-            verdict = server_verdict(self._secret, pending.nonce, bytes(pending.answer))
+            verdict, agreement = server_verdict(
+                self._secret, pending.nonce, bytes(pending.answer), incarnation=self.incarnation
+            )
         except AuthenticationError:
             self._drop(pending, farewell=REFUSED)
             return
@@ -219,7 +244,9 @@ class Listener:
         except OSError:
             self._end(sock)
             return
-        threading.Thread(target=self._serve_then_close, args=(sock,), name=f"{self._name}-serve", daemon=True).start()
+        threading.Thread(
+            target=self._serve_then_close, args=(sock, agreement), name=f"{self._name}-serve", daemon=True
+        ).start()
 
     def _expire(self, now: float) -> None:
         while self._pending:
@@ -245,10 +272,10 @@ class Listener:
 
     # ------------------------------------------------------------------ served connections
 
-    def _serve_then_close(self, sock: socket.socket) -> None:
+    def _serve_then_close(self, sock: socket.socket, agreement: Agreement) -> None:
         try:
             sock.setblocking(True)
-            self._serve(sock)
+            self._serve(sock, agreement)
         except Exception:
             pass  # the connection ends; the engine keeps serving others
         finally:

@@ -17,10 +17,19 @@ control calls go to the handlers registered by method name ("describe" and
 "rdma_connect" are built in). Checksummed WRITEs are staged in one
 `StagingPool` of `max_staging_bytes` shared by every served connection.
 
+Each engine draws a random incarnation id when it starts and tells it in every
+handshake it serves (`wire`). `connect` keeps the id of the engine that
+described itself beside its descriptor, and every later connection to the peer
+(the TCP transport's, the control connection's) must reach that same engine:
+one restarted on the address has regions of its own under the same ids, so
+it is refused with `PeerUnavailable` until `connect` is called again.
+
 Invariants:
 - A stored descriptor was validated when received: its integers are in range
   and its shared segments are mooncake segments of the peer's own process
   (the shm and RDMA transports trust it for bounds).
+- Every connection to a peer after `connect` reaches the engine incarnation
+  that sent its stored descriptor, or is refused.
 - A control call is sent again only when it provably did not reach the peer.
 - After `close` no connection is accepted or served, and every peer's
   transports and control connection are closed.
@@ -37,6 +46,7 @@ from typing import Any, cast
 
 import attrs
 
+from mooncake._checks import require_str
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError
 from mooncake.transfer import tcp
 from mooncake.transfer.listener import Listener
@@ -45,7 +55,7 @@ from mooncake.transfer.region import Region, RegionDescriptor
 from mooncake.transfer.request import EngineConfig, Transport
 from mooncake.transfer.shm import ShmTransport
 from mooncake.transfer.staging import StagingPool
-from mooncake.transfer.wire import Json, ProtocolError
+from mooncake.transfer.wire import Json, ProtocolError, new_incarnation
 
 __all__ = ["Handler", "PeerDescriptor", "Peers", "host_id"]
 
@@ -129,6 +139,7 @@ class _Peer:
     host: str
     port: int
     descriptor: PeerDescriptor
+    incarnation: bytes  # of the engine that sent `descriptor`: every connection must reach it
     transports: dict[str, Transport]
     control: socket.socket | None = None
     control_lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -170,8 +181,13 @@ class Peers:
         self._lock = threading.Lock()
         self.staging = StagingPool(config.max_staging_bytes)
         self.host_id = host_id()
+        self.incarnation = new_incarnation()  # told in every handshake: peers notice when this engine restarts
         self._listener = Listener(
-            secret=secret, config=config, serve=lambda sock: tcp.serve_connection(sock, self), name="engine"
+            secret=secret,
+            config=config,
+            serve=lambda sock, agreement: tcp.serve_connection(sock, self, agreement),
+            name="engine",
+            incarnation=self.incarnation,
         )
         self.host, self.port = self._listener.host, self._listener.port
         self.name = name or f"{self.host}:{self.port}"
@@ -191,6 +207,7 @@ class Peers:
             PeerUnavailable: the peer cannot be reached, or dropped or stalled the connection before it described
                 itself (or before its transports were set up).
         """
+        require_str("address", address, what='peer address ("host:port")')
         host, _, port_text = address.rpartition(":")
         if not host or _PORT.fullmatch(port_text) is None or not 0 < int(port_text) < 65536:
             raise ConfigError(f"a peer address is host:port (a TCP port, 1 to 65535), got {address!r}")
@@ -198,7 +215,7 @@ class Peers:
         key = f"{host}:{port}"
         if self._closed:
             raise TransferError(f"{self.name} is closed: no peer is kept")
-        control = tcp.connect(host, port, secret=self.secret, config=self.config)
+        control, incarnation = tcp.open_connection(host, port, secret=self.secret, config=self.config)
         transports: dict[str, Transport] = {}
         try:
             try:
@@ -209,7 +226,7 @@ class Peers:
                         f"{key} reads frames of at most {frame} bytes (its max_frame_bytes), this engine sends slices"
                         f" of {self.config.slice_bytes} (slice_bytes): set slice_bytes <= {frame} on this engine"
                     )
-                transports = self._transports_for(host, port, key, descriptor, transport, control)
+                transports = self._transports_for(host, port, key, descriptor, transport, control, incarnation)
             except OSError as error:  # (a timeout among them) the peer died or went silent mid-handshake
                 raise PeerUnavailable(f"{key} dropped the connection before it was set up: {error!r}") from error
         except BaseException:
@@ -217,7 +234,7 @@ class Peers:
                 built.close()
             control.close()
             raise
-        peer = _Peer(host, port, descriptor, transports, control)
+        peer = _Peer(host, port, descriptor, incarnation, transports, control)
         with self._lock:
             closed = self._closed  # under close()'s lock: a connect racing it keeps nothing
             if not closed:
@@ -235,7 +252,11 @@ class Peers:
         return self._peer(peer).descriptor
 
     def refresh(self, peer: str) -> PeerDescriptor:
-        """Fetch and keep `peer`'s current descriptor."""
+        """Fetch and keep `peer`'s current descriptor.
+
+        Raises:
+            PeerUnavailable: as `call`; a peer restarted since `connect` among them (`connect` to it again).
+        """
         state = self._peer(peer)
         descriptor = PeerDescriptor.from_json(self.call(peer, "describe", None))
         state.descriptor = descriptor
@@ -251,7 +272,7 @@ class Peers:
             TransferError: `peer` is unknown, or none of its transports reaches the region.
         """
         state = self._peer(peer)
-        remote = self._remote_region(peer, region_id)
+        remote = self.remote_region(peer, region_id)
         for name, candidate in state.transports.items():
             if name == "shm" and (remote is None or remote.shm_name is None):
                 continue  # shm reaches shared regions only
@@ -261,12 +282,19 @@ class Peers:
         raise TransferError(f"no transport reaches region {region_id} of {peer}")
 
     def call(self, peer: str, method: str, args: object) -> Json:
-        """Run `method` on `peer` over its control connection, reconnected once if it provably did not get the call."""
+        """Run `method` on `peer` over its control connection, reconnected once if it provably did not get the call.
+
+        Raises:
+            PeerUnavailable: the peer cannot be reached, the call failed midway, or the peer restarted since
+                `connect` (another incarnation answers: `connect` to it again).
+        """
         state = self._peer(peer)
         with state.control_lock:
             for attempt in range(2):
                 if state.control is None:
-                    state.control = tcp.connect(state.host, state.port, secret=self.secret, config=self.config)
+                    state.control = tcp.connect(
+                        state.host, state.port, secret=self.secret, config=self.config, incarnation=state.incarnation
+                    )
                 try:
                     return tcp.call(state.control, method, args)
                 except tcp.CallNotSent as error:
@@ -287,6 +315,14 @@ class Peers:
     # ------------------------------------------------------------------ the peers that dial us
 
     def register_handler(self, method: str, handler: Handler) -> None:
+        """Serve control calls named `method` with `handler`.
+
+        Raises:
+            ConfigError: `method` is not a non-empty string, or `handler` is not callable.
+        """
+        require_str("method", method)
+        if not callable(handler):
+            raise ConfigError(f"handler must be callable, got {handler!r}")
         self._handlers[method] = handler
 
     def handle_call(self, method: str, args: Any) -> Json:
@@ -335,7 +371,8 @@ class Peers:
             raise TransferError(f"unknown peer {name!r}: connect() to it first")
         return peer
 
-    def _remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
+    def remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
+        """`peer`'s region `region_id` as of the last handshake or refresh, or None if it did not list it."""
         state = self._peer(peer)
         for descriptor in state.descriptor.regions:
             if descriptor.region_id == region_id:
@@ -391,12 +428,13 @@ class Peers:
         descriptor: PeerDescriptor,
         forced: str | None,
         control: socket.socket,
+        incarnation: bytes,
     ) -> dict[str, Transport]:
         allowed = (forced,) if forced else self.config.transports
         transports: dict[str, Transport] = {}
 
         def describe(region_id: int) -> RegionDescriptor | None:
-            return self._remote_region(peer_name, region_id)
+            return self.remote_region(peer_name, region_id)
 
         try:
             for name in allowed:
@@ -413,7 +451,9 @@ class Peers:
                         queue_pair, local_key=self._local_key, describe=describe, config=self.config
                     )
                 elif name == "tcp":
-                    transports["tcp"] = tcp.TcpTransport(host, port, secret=self.secret, config=self.config)
+                    transports["tcp"] = tcp.TcpTransport(
+                        host, port, secret=self.secret, config=self.config, incarnation=incarnation
+                    )
         except BaseException:
             for built in transports.values():
                 built.close()

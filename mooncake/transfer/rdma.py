@@ -251,7 +251,9 @@ class RdmaTransport:
             piece.on_done(error)  # a posted slice ends when its completion is polled; an empty one posts nothing
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
-        """Post `piece` and wait for its completion in the calling thread."""
+        """Post `piece` and wait for its completion in the calling thread, until `deadline` (time.monotonic) at
+        the latest: past it, `TransferTimeout` (the work request may still complete later, as one that outlives
+        twice the io timeout may)."""
         outcome: list[TransferError | None] = []
         done = threading.Event()
 
@@ -260,8 +262,11 @@ class RdmaTransport:
             done.set()
 
         self.submit(Slice(piece.op, piece.local, piece.remote_region, piece.remote_offset, finished))
-        if not done.wait(self._config.io_timeout_s * 2):
-            return TransferTimeout("an RDMA work request did not complete")
+        wait_s, cut = self._config.io_timeout_s * 2, False
+        if deadline is not None and deadline - time.monotonic() < wait_s:
+            wait_s, cut = max(0.0, deadline - time.monotonic()), True
+        if not done.wait(wait_s):
+            return TransferTimeout("an RDMA work request did not complete" + (" by its deadline" if cut else ""))
         return outcome[0]
 
     def close(self) -> None:

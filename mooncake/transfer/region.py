@@ -90,9 +90,12 @@ def as_writable_bytes(buffer: Any) -> memoryview:
     """`buffer` as a flat, writable byte view (numpy arrays of any dtype included).
 
     Raises:
-        TransferError: `buffer` exposes no bytes (a list, a str), or they are read-only or not contiguous.
+        TransferError: `buffer` exposes no bytes (a list, a str, an array of Python objects), or they are read-only
+            or not contiguous.
     """
     if isinstance(buffer, np.ndarray):
+        if buffer.dtype.hasobject:  # its items are pointers to Python objects: no bytes a peer may read or write
+            raise TransferError(f"a registered buffer must hold plain data, got a numpy array of dtype {buffer.dtype}")
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise TransferError("a registered buffer must be contiguous and writable")
         return buffer.reshape(-1).view(np.uint8).data
@@ -111,9 +114,16 @@ def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memo
     """A new shared-memory segment of `nbytes` and a uint8 array over it.
 
     Names carry the creating pid, so leftovers of a crashed process can be found in /dev/shm.
+
+    Raises:
+        TransferError: the system would not create (size or map) it: too large, no memory, no /dev/shm. Nothing
+            is left behind (`SharedMemory` unlinks a segment it could not size or map).
     """
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-    segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+    try:
+        segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+    except OSError as error:
+        raise TransferError(f"cannot create a shared segment of nbytes={nbytes}: {error}") from error
     _CREATED_HERE.add(segment.name)
     return segment, shared_array(segment, nbytes)
 

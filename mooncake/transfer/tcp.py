@@ -10,8 +10,19 @@ with checksums on, verified (READ). The answer's header, and a READ's payload,
 are each due within `io_timeout_s` (a peer sending a byte at a time cannot hold
 a slice). A connection that drops or times out is replaced and the slice
 retried, `max_retries` times; a peer that cannot be reached fails the slice
-with `PeerUnavailable`. `close` shuts every connection down first: a slice in
+with `PeerUnavailable`, and so does one restarted at its address: every
+connection checks the incarnation id the server tells in its handshake
+against the one the peer had when the engine connected to it (a new engine's
+region ids start again at 1: a WRITE meant for the old one would land in an
+unrelated region of the new one). A slice run inline with a deadline connects
+(and authenticates) by that deadline too: cut short, it is a
+`TransferTimeout`. `close` shuts every connection down first: a slice in
 flight fails at once and is not retried, so no byte lands after `close`.
+
+With `checksums` on, the client says so in each connection's handshake
+(`wire.Agreement`): then a READ answered without a checksum is a
+`ProtocolError` (never taken unverified), and the serving side refuses a
+WRITE that comes without one and answers every READ with one.
 
 Server side (`serve_connection`): one thread per authenticated connection
 (the `listener` authenticates) serves frames, checking every region, offset
@@ -41,12 +52,13 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from mooncake.errors import AuthenticationError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.region import Region
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
 from mooncake.transfer.staging import StagingPool
 from mooncake.transfer.wire import (
     MAX_CONTROL_BYTES,
+    Agreement,
     Frame,
     Json,
     Kind,
@@ -58,7 +70,7 @@ from mooncake.transfer.wire import (
 )
 from mooncake.transfer.workers import Workers
 
-__all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "serve_connection"]
+__all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "open_connection", "serve_connection"]
 
 _DRAIN_CHUNK = 1 << 20
 _SMALL_FRAME_BYTES = 64 << 10  # staged in the connection's own buffer
@@ -80,31 +92,85 @@ def spin_until_readable(sock: socket.socket, budget_s: float) -> None:
         pass
 
 
-def connect(host: str, port: int, *, secret: bytes, config: EngineConfig) -> socket.socket:
-    """An authenticated connection to a peer engine.
+def open_connection(
+    host: str, port: int, *, secret: bytes, config: EngineConfig, deadline: float | None = None
+) -> tuple[socket.socket, bytes]:
+    """An authenticated connection to a peer engine, and the incarnation id of the engine that answered.
+
+    Connecting and the whole handshake end within `config.connect_timeout_s`, and by `deadline`
+    (time.monotonic) if one is given. The handshake tells the server whether `config.checksums` is on.
 
     Raises:
-        PeerUnavailable: nothing accepts connections there (or it timed out).
+        PeerUnavailable: nothing accepts connections there, or it did not authenticate within
+            `connect_timeout_s`, or it dropped the connection.
+        TransferTimeout: `deadline` came before `connect_timeout_s` would have, and cut the attempt short.
         AuthenticationError: the secrets differ.
     """
+    start = time.monotonic()
+    end = start + config.connect_timeout_s
+    cut = deadline is not None and deadline < end  # the caller's deadline, not ours, bounds this attempt
+    if deadline is not None:
+        end = min(end, deadline)
+    if end <= start:
+        raise TransferTimeout(f"{host}:{port}: the deadline passed before connecting")
     try:
-        sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
+        sock = socket.create_connection((host, port), timeout=end - start)
+    except TimeoutError as error:
+        raise _connect_timed_out(host, port, config, cut=cut) from error
     except OSError as error:
         raise PeerUnavailable(f"cannot connect to {host}:{port}: {error}") from error
     try:
         _tune(sock, config)
         # One deadline for the whole handshake: a server cannot stall us a byte at a time.
-        client_handshake(sock, secret, deadline=time.monotonic() + config.connect_timeout_s)
+        incarnation = client_handshake(sock, secret, deadline=end, checksums=config.checksums)
         sock.settimeout(config.io_timeout_s)
     except TimeoutError as error:
         sock.close()
-        raise PeerUnavailable(f"{host}:{port} did not authenticate within {config.connect_timeout_s}s") from error
+        raise _connect_timed_out(host, port, config, cut=cut) from error
     except (OSError, ConnectionError) as error:
         sock.close()
         raise PeerUnavailable(f"{host}:{port} dropped the connection during authentication: {error}") from error
     except BaseException:
         sock.close()
         raise
+    return sock, incarnation
+
+
+def _connect_timed_out(host: str, port: int, config: EngineConfig, *, cut: bool) -> TransferError:
+    """The error of a connection attempt that ran out of time: the caller's deadline's, or the peer's fault."""
+    if cut:
+        return TransferTimeout(f"{host}:{port}: connecting and authenticating did not finish by the deadline")
+    return PeerUnavailable(f"{host}:{port} did not authenticate within {config.connect_timeout_s}s")
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    secret: bytes,
+    config: EngineConfig,
+    incarnation: bytes | None = None,
+    deadline: float | None = None,
+) -> socket.socket:
+    """An authenticated connection to a peer engine (`open_connection`), to the engine `incarnation` if given.
+
+    Args:
+        incarnation: the incarnation id the peer had when this engine connected to it: another engine answering
+            there (the peer restarted since) is refused.
+
+    Raises:
+        PeerUnavailable: as `open_connection`, or another incarnation of the peer answers (a restarted peer's
+            regions are not the ones this engine knows of it: `connect()` to it again).
+        TransferTimeout: `deadline` cut the attempt short.
+        AuthenticationError: the secrets differ.
+    """
+    sock, answered = open_connection(host, port, secret=secret, config=config, deadline=deadline)
+    if incarnation is not None and answered != incarnation:
+        sock.close()
+        raise PeerUnavailable(
+            f"{host}:{port} restarted: another engine answers there than the one this engine connected to, and its"
+            " regions are not the ones described; connect() to it again"
+        )
     return sock
 
 
@@ -126,13 +192,23 @@ def call(sock: socket.socket, method: str, args: object) -> Json:
     `args` is any value `json.dumps` encodes; the result is the decoded reply.
 
     Raises:
-        CallNotSent: the connection failed while sending (the peer did not get the call).
+        CallNotSent: the connection failed while sending, or the peer had closed it (the peer did not get the
+            call).
+        ConfigError: `args` is not JSON-encodable (nothing is sent).
         TransferError: the peer reported an error.
         OSError: the connection failed after the call was sent (it may have run).
     """
-    payload = json.dumps({"method": method, "args": args}).encode()
+    try:
+        payload = json.dumps({"method": method, "args": args}).encode()
+    except (TypeError, ValueError) as error:  # an object JSON has no form for, or a cycle
+        raise ConfigError(
+            f"the args of control call {method!r} must be JSON-encodable, got {args!r}: {error}"
+        ) from None
     if len(payload) > MAX_CONTROL_BYTES:
         raise TransferError(f"control call {method} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+    if _has_unasked_input(sock):
+        # The peer closed this connection (it went away, or restarted) while it was idle: nothing is sent on it.
+        raise CallNotSent("the peer closed the connection (or sent what no call asked for) while it was idle")
     try:
         send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
     except OSError as error:
@@ -154,6 +230,17 @@ def call(sock: socket.socket, method: str, args: object) -> Json:
     return decoded
 
 
+def _has_unasked_input(sock: socket.socket) -> bool:
+    """Whether `sock`, with no call outstanding, has something to read: an end of stream, or bytes no call asked
+    for. (poll, not select: a process serving many connections has descriptors past select's 1024.)"""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+    except (OSError, ValueError):  # closed here: nothing can be sent on it either
+        return True
+    return bool(poller.poll(0))
+
+
 def _within(timeout_s: float | None, deadline: float | None = None) -> float | None:
     """The deadline (time.monotonic) of a wait of at most `timeout_s` that must also end by `deadline`."""
     if timeout_s is None:
@@ -165,6 +252,8 @@ def _within(timeout_s: float | None, deadline: float | None = None) -> float | N
 class TcpTransport:
     """Slices to and from one peer over `config.streams_per_peer` connections.
 
+    `incarnation` is the peer's incarnation id when the engine connected to it (None: whichever engine answers):
+    a connection that reaches another (the peer restarted) is refused, and the slice fails with `PeerUnavailable`.
     `close` shuts down every connection the transport holds before it joins the workers, so a slice in flight
     fails at once, and no worker retries, reconnects or writes into a region once the transport is closed: a
     slice reported failed never lands later.
@@ -172,8 +261,11 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, host: str, port: int, *, secret: bytes, config: EngineConfig) -> None:
+    def __init__(
+        self, host: str, port: int, *, secret: bytes, config: EngineConfig, incarnation: bytes | None = None
+    ) -> None:
         self._host, self._port, self._secret, self._config = host, port, secret, config
+        self._incarnation = incarnation
         self._closing = False
         self._open: set[socket.socket] = set()  # every connection a worker or the inline path holds
         self._open_lock = threading.Lock()
@@ -195,8 +287,9 @@ class TcpTransport:
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Move `piece` now, in the calling thread (no hand-off: the latency path).
 
-        `deadline` (time.monotonic) stops retries once passed and caps each socket wait, and the wait for another
-        thread's inline slice to this peer (it holds the one inline connection): past it, `TransferTimeout`.
+        `deadline` (time.monotonic) stops retries once passed and caps each socket wait, connecting (and
+        authenticating) included, and the wait for another thread's inline slice to this peer (it holds the one
+        inline connection): past it, `TransferTimeout`.
         """
         wait_s = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._inline_lock.acquire(timeout=wait_s):
@@ -228,9 +321,17 @@ class TcpTransport:
                 self._drop(self._inline_sock)
                 self._inline_sock = None
 
-    def _connect(self) -> socket.socket:
-        """A new connection, held in `_open` (refused once the transport is closing)."""
-        sock = connect(self._host, self._port, secret=self._secret, config=self._config)
+    def _connect(self, deadline: float | None = None) -> socket.socket:
+        """A new connection to the peer's incarnation, made by `deadline` if given, held in `_open` (refused once
+        the transport is closing)."""
+        sock = connect(
+            self._host,
+            self._port,
+            secret=self._secret,
+            config=self._config,
+            incarnation=self._incarnation,
+            deadline=deadline,
+        )
         with self._open_lock:
             if not self._closing:
                 self._open.add(sock)
@@ -282,15 +383,16 @@ class TcpTransport:
                 break
             try:
                 if sock is None:
-                    sock = self._connect()
+                    sock = self._connect(deadline)
                 timeout = self._config.io_timeout_s
                 if deadline is not None:
                     timeout = max(0.001, min(timeout, deadline - time.monotonic()))
                 sock.settimeout(timeout)
                 self._exchange(sock, piece, deadline=deadline)
                 return sock, None
-            except (PeerUnavailable, AuthenticationError) as error:
-                return None, error  # a fresh connection failed: no point retrying at once
+            except (PeerUnavailable, AuthenticationError, TransferTimeout) as error:
+                # A fresh connection failed (or the deadline cut it: raised by connecting alone): no point retrying.
+                return None, error
             except ProtocolError as error:
                 last = error
             except TimeoutError as error:
@@ -353,6 +455,10 @@ class TcpTransport:
         if piece.op == TransferOp.READ:
             if reply.length != length:
                 raise ProtocolError(f"asked for {length} bytes, the peer announced {reply.length}")
+            if self._config.checksums and reply.checksum is None:
+                # The connection agreed on checksums: an answer without one lost it on the way; its bytes are not
+                # taken unverified (nor received into the region at all).
+                raise ProtocolError("a READ reply came without the checksum its connection agreed on")
             recv_exact(sock, piece.local, deadline=_within(io_timeout, deadline))
             if reply.checksum is not None and xxhash.xxh3_64_intdigest(piece.local) != reply.checksum:
                 raise ProtocolError("a READ slice failed its end-to-end checksum")
@@ -371,12 +477,15 @@ class ServerContext(Protocol):
         """Run a control call (raise TransferError to refuse it)."""
 
 
-def serve_connection(sock: socket.socket, context: ServerContext) -> None:
+def serve_connection(sock: socket.socket, context: ServerContext, agreement: Agreement | None = None) -> None:
     """Serve frames on an authenticated connection until the peer leaves, idles out or breaks the protocol.
 
+    `agreement` is what the client settled in the handshake (None: nothing); with checksums agreed, a WRITE
+    without one is refused (its payload drained, the region unchanged) and every READ is answered with one.
     Returns when the connection is done with (the caller closes it); failed I/O
     and protocol violations end it quietly, so the engine keeps serving others.
     """
+    checksums = agreement is not None and agreement.checksums
     config = context.config
     try:
         _tune(sock, config)
@@ -390,9 +499,9 @@ def serve_connection(sock: socket.socket, context: ServerContext) -> None:
             # The frame has started: the rest of its header is due within the io timeout.
             frame = recv_frame(sock, max_length=config.max_frame_bytes, deadline=time.monotonic() + config.io_timeout_s)
             if frame.kind == Kind.WRITE:
-                _serve_write(sock, context, frame, scratch)
+                _serve_write(sock, context, frame, scratch, checksums=checksums)
             elif frame.kind == Kind.READ:
-                _serve_read(sock, context, frame)
+                _serve_read(sock, context, frame, checksums=checksums)
             elif frame.kind == Kind.CALL:
                 _serve_call(sock, context, frame)
             else:
@@ -453,9 +562,14 @@ def _drain(sock: socket.socket, length: int, deadline: float) -> None:
         left -= step
 
 
-def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame, scratch: memoryview) -> None:
+def _serve_write(
+    sock: socket.socket, context: ServerContext, frame: Frame, scratch: memoryview, *, checksums: bool
+) -> None:
     deadline = _payload_deadline(context)
     target, reason = _target(context, frame)
+    if target is not None and checksums and frame.checksum is None:
+        # Its checksum flag lost on the way: landing it unverified is what the client asked never to happen.
+        target, reason = None, "a WRITE without the checksum its connection agreed on; the region is unchanged"
     if target is None:
         _drain(sock, frame.length, deadline)
         _refuse(sock, context, frame, reason)
@@ -493,12 +607,12 @@ def _serve_write(sock: socket.socket, context: ServerContext, frame: Frame, scra
     _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
 
 
-def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame) -> None:
+def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame, *, checksums: bool) -> None:
     source, reason = _target(context, frame)
     if source is None:
         _refuse(sock, context, frame, reason)
         return
-    checksum = xxhash.xxh3_64_intdigest(source) if frame.checksum is not None else None
+    checksum = xxhash.xxh3_64_intdigest(source) if checksums or frame.checksum is not None else None
     _reply(sock, context, Frame(Kind.OK, tag=frame.tag, length=frame.length, checksum=checksum), source)
 
 

@@ -3,16 +3,23 @@
 Every connection starts with a mutual HMAC-SHA256 challenge over a shared secret:
 
     server → client   "MCTE-HELLO" version  server_nonce(32)
-    client → server   client_nonce(32)  HMAC(secret, "client" || server_nonce || client_nonce)
-    server → client   "OK" HMAC(secret, "server" || client_nonce || server_nonce)
+    client → server   client_nonce(32)  flags(1)  HMAC(secret, "client" || server_nonce || client_nonce || flags)
+    server → client   "OK" incarnation(16)  HMAC(secret, "server" || client_nonce || server_nonce || incarnation)
                       (or "NO": the client failed; or "BY": the server serves as many
                       authenticated connections as it may; then close)
 
 so no byte of data moves before both sides proved they know the secret, and a
-client never talks to an impostor. The server side is two steps (`server_hello`,
-`server_verdict`) so that one thread can drive many handshakes without blocking
-(`listener`); the client side is `client_handshake`, all within one deadline.
-Then frames follow, each a 44-byte header:
+client never talks to an impostor. Both MACs cover what their sender settles
+for the connection. The client's flags (bit 0: `HANDSHAKE_CHECKSUMS`) say that
+every data frame on it carries a checksum, so a frame that lost its checksum
+flag is refused rather than taken unverified (`Agreement`). The server's
+incarnation is a random id its engine drew at start-up: a client that
+reconnects to an address learns whether the same engine answers, and not one
+restarted there since (whose region ids start again at 1). The server side is
+two steps (`server_hello`, `server_verdict`) so that one thread can drive many
+handshakes without blocking (`listener`); the client side is
+`client_handshake`, all within one deadline. Then frames follow, each a
+44-byte header:
 
     magic "MCTE" | version u8 | kind u8 | flags u16 | region u32 | tag u64 | offset u64 | length u64 | checksum u64
 
@@ -40,19 +47,23 @@ from typing import TypeAlias
 
 import attrs
 
-from mooncake.errors import AuthenticationError, PeerUnavailable, TransferError
+from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError
 
 __all__ = [
     "ANSWER_BYTES",
+    "Agreement",
     "BUSY",
     "Frame",
+    "HANDSHAKE_CHECKSUMS",
     "HEADER",
+    "INCARNATION_BYTES",
     "Json",
     "Kind",
     "MAX_CONTROL_BYTES",
     "ProtocolError",
     "REFUSED",
     "client_handshake",
+    "new_incarnation",
     "recv_exact",
     "recv_frame",
     "send_frame",
@@ -61,7 +72,7 @@ __all__ = [
 ]
 
 MAGIC = b"MCTE"
-VERSION = 1
+VERSION = 2  # 2: the client's flags and the server's incarnation in the handshake
 HEADER = struct.Struct("<4sBBHIQQQQ")
 MAX_CONTROL_BYTES = 1 << 20
 FLAG_CHECKSUM = 1
@@ -72,7 +83,10 @@ _HELLO = b"MCTE-HELLO"
 _DEADLINE_SLACK_S = 0.05
 _NONCE_BYTES = 32
 _MAC_BYTES = 32
-ANSWER_BYTES = _NONCE_BYTES + _MAC_BYTES  # what a client sends after the hello
+_FLAGS_BYTES = 1
+ANSWER_BYTES = _NONCE_BYTES + _FLAGS_BYTES + _MAC_BYTES  # what a client sends after the hello
+INCARNATION_BYTES = 16  # random: two engines (or one engine restarted) never share one
+HANDSHAKE_CHECKSUMS = 1  # a client's handshake flag: every data frame on this connection carries a checksum
 REFUSED = b"NO"  # the client failed the challenge
 BUSY = b"BY"  # authenticated, but the server is at its connection limit
 
@@ -171,8 +185,26 @@ def send_frame(sock: socket.socket, frame: Frame, payload: memoryview | bytes | 
         sock.sendall(payload)
 
 
-def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
+    # Every part has a fixed length (nonces, flags, incarnation): their concatenation is unambiguous.
+    return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
+
+
+@attrs.frozen
+class Agreement:
+    """What the client of one connection settled in its handshake.
+
+    Attributes:
+        checksums: every data frame on the connection carries a checksum: a WRITE without one is refused, and
+            every READ is answered with one.
+    """
+
+    checksums: bool = False
+
+
+def new_incarnation() -> bytes:
+    """A fresh incarnation id, drawn once per engine when it starts (`INCARNATION_BYTES` random bytes)."""
+    return os.urandom(INCARNATION_BYTES)
 
 
 def server_hello() -> tuple[bytes, bytes]:
@@ -181,25 +213,45 @@ def server_hello() -> tuple[bytes, bytes]:
     return server_nonce, _HELLO + bytes([VERSION]) + server_nonce
 
 
-def server_verdict(secret: bytes, server_nonce: bytes, answer: bytes) -> bytes:
+def server_verdict(secret: bytes, server_nonce: bytes, answer: bytes, *, incarnation: bytes) -> tuple[bytes, Agreement]:
     """The server's second step: check the client's `answer` (ANSWER_BYTES) to the hello.
 
+    Args:
+        incarnation: the serving engine's incarnation id (`INCARNATION_BYTES`), told to the client.
+
     Returns:
-        What to send back: "OK" and the server's own proof of the secret.
+        What to send back ("OK", the incarnation and the server's own proof of the secret), and what the client
+        asked of the connection.
 
     Raises:
-        AuthenticationError: the client does not know the secret (send REFUSED, then close).
+        AuthenticationError: the client does not know the secret, or sets a flag this version does not know (send
+            REFUSED, then close).
     """
     if len(answer) != ANSWER_BYTES:
         raise AuthenticationError(f"a handshake answer is {ANSWER_BYTES} bytes, got {len(answer)}")
-    client_nonce, client_mac = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
-    if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce)):
+    if len(incarnation) != INCARNATION_BYTES:
+        raise ConfigError(f"incarnation must be {INCARNATION_BYTES} bytes, got {len(incarnation)}")
+    client_nonce = answer[:_NONCE_BYTES]
+    flags = answer[_NONCE_BYTES : _NONCE_BYTES + _FLAGS_BYTES]
+    client_mac = answer[_NONCE_BYTES + _FLAGS_BYTES :]
+    if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce, flags)):
         raise AuthenticationError("a peer failed the shared-secret challenge")
-    return b"OK" + _mac(secret, b"server", client_nonce, server_nonce)
+    if flags[0] & ~HANDSHAKE_CHECKSUMS:  # a flag whose meaning this version cannot honour
+        raise AuthenticationError(f"unknown handshake flags {flags[0]:#04x}")
+    reply = b"OK" + incarnation + _mac(secret, b"server", client_nonce, server_nonce, incarnation)
+    return reply, Agreement(checksums=bool(flags[0] & HANDSHAKE_CHECKSUMS))
 
 
-def client_handshake(sock: socket.socket, secret: bytes, *, deadline: float | None = None) -> None:
+def client_handshake(
+    sock: socket.socket, secret: bytes, *, deadline: float | None = None, checksums: bool = False
+) -> bytes:
     """Authenticate to the server on `sock`, and check that it knows the secret too, all by `deadline`.
+
+    Args:
+        checksums: tell the server that every data frame on this connection carries a checksum.
+
+    Returns:
+        The server's incarnation id (`INCARNATION_BYTES`, proven with the secret): equal ids, the same engine.
 
     Raises:
         AuthenticationError: either side failed the challenge.
@@ -215,7 +267,8 @@ def client_handshake(sock: socket.socket, secret: bytes, *, deadline: float | No
         raise ProtocolError("the peer is not a mooncake transfer engine of this version")
     server_nonce = bytes(hello[len(_HELLO) + 1 :])
     client_nonce = os.urandom(_NONCE_BYTES)
-    sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+    flags = bytes([HANDSHAKE_CHECKSUMS if checksums else 0])
+    sock.sendall(client_nonce + flags + _mac(secret, b"client", server_nonce, client_nonce, flags))
     verdict = bytearray(2)
     try:
         recv_exact(sock, memoryview(verdict), deadline=deadline)
@@ -225,7 +278,9 @@ def client_handshake(sock: socket.socket, secret: bytes, *, deadline: float | No
         raise PeerUnavailable("the peer serves as many connections as it may (max_connections)")
     if bytes(verdict) != b"OK":
         raise AuthenticationError("the peer refused our shared secret")
-    server_mac = bytearray(_MAC_BYTES)
-    recv_exact(sock, memoryview(server_mac), deadline=deadline)
-    if not hmac.compare_digest(bytes(server_mac), _mac(secret, b"server", client_nonce, server_nonce)):
+    proof = bytearray(INCARNATION_BYTES + _MAC_BYTES)
+    recv_exact(sock, memoryview(proof), deadline=deadline)
+    incarnation, server_mac = bytes(proof[:INCARNATION_BYTES]), bytes(proof[INCARNATION_BYTES:])
+    if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, incarnation)):
         raise AuthenticationError("the peer failed the shared-secret challenge")
+    return incarnation

@@ -38,6 +38,19 @@ def request(
     )
 
 
+def engine_on(port: int, config: EngineConfig, *, timeout_s: float = 10.0) -> TransferEngine:
+    """An engine listening on `port`, which another engine has just given up (tried again, for at most
+    `timeout_s`, while the port is still held)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return TransferEngine(secret=SECRET, config=attrs.evolve(config, port=port))
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 @attrs.define
 class PeerProcess:
     process: subprocess.Popen[str]

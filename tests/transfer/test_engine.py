@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,9 +22,10 @@ from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, T
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
-from mooncake.transfer.wire import Frame, Kind, recv_frame, send_frame
-from tests.transfer.conftest import SECRET, PeerProcess, request, start_peer
+from mooncake.transfer.wire import ANSWER_BYTES, Frame, Kind, recv_frame, send_frame
+from tests.transfer.conftest import SECRET, PeerProcess, engine_on, request, start_peer
 from tests.transfer.peer_process import pattern
+from tests.transfer.test_engine_machine import own_segments
 from tests.waiting import stop_process
 
 SIZE = 1 << 23
@@ -249,7 +251,7 @@ def test_wrong_secret_is_refused(peers: Callable[..., PeerProcess]) -> None:
     host, port = remote.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:
         raw.recv(64)  # the hello
-        raw.sendall(bytes(64))  # a made-up answer
+        raw.sendall(bytes(ANSWER_BYTES))  # a made-up answer
         assert raw.recv(2) == b"NO"
         assert raw.recv(1) == b""  # and the peer hangs up
 
@@ -344,7 +346,7 @@ operations = st.lists(
         st.sampled_from([TransferOp.READ, TransferOp.WRITE]),
         st.integers(0, 1 << 16),
         st.integers(0, 1 << 16),
-        st.integers(0, (1 << 17) + 1000),  # past the remote region sometimes: both must refuse alike
+        st.integers(0, (1 << 17) + 1000),  # past the remote region sometimes: both must refuse it whole, alike
     ),
     min_size=1,
     max_size=12,
@@ -361,6 +363,8 @@ def test_shm_and_tcp_in_lockstep(
     The shm initiator works on the peer's shared region, the tcp one on its plain region; both
     regions and both local buffers start from the same pattern. Each request is its own batch, in
     order: a batch's requests run concurrently, so overlapping ones within one batch have no order.
+    A request past the end of the remote region is refused by `submit` (the peer described the region), over
+    both, before any byte moves.
     """
     via_shm, via_tcp, remote = lockstep
     size = 1 << 17
@@ -383,6 +387,11 @@ def test_shm_and_tcp_in_lockstep(
                 local_offset=local_offset,
                 remote_offset=remote_offset,
             )
+            if one.remote_offset + one.length > size:
+                with pytest.raises(TransferError, match="past its end"):
+                    initiator.submit([one])
+                seen.append(("refused", None))
+                continue
             (status,) = initiator.wait(initiator.submit([one]), timeout=30)
             seen.append((status.state, type(status.error).__name__ if status.error else None))
         outcomes.append(seen)
@@ -494,21 +503,23 @@ def test_engine_config_fields_are_checked_by_name(field: str, value: object) -> 
 def test_a_zero_length_request_is_checked_by_the_peer(
     engine: TransferEngine, peers: Callable[..., PeerProcess], transport: str
 ) -> None:
-    """Moving nothing still names a real place: in bounds (the region's end included) it is DONE, past
-    the region's end or in an unknown region it FAILS, through submit and transfer_sync alike."""
+    """Moving nothing still names a real place: in bounds (the region's end included) it is DONE; past the end of
+    a region the peer described it is refused before anything starts; in a region the peer did not describe it
+    goes to the peer, which FAILS it; through submit and transfer_sync alike."""
     remote = peers(SIZE)
     name = engine.connect(remote.address, transport=transport)
     local, _ = engine.allocate_shared(4096)
     for op in TransferOp:
-        for region, offset, state in [
-            (remote.shared, 0, RequestState.DONE),
-            (remote.shared, SIZE, RequestState.DONE),
-            (remote.shared, SIZE + 1, RequestState.FAILED),
-            (remote.shared, 10**9, RequestState.FAILED),
-        ]:
-            zero = request(op, local.region_id, name, region, 0, remote_offset=offset)
-            assert engine.transfer_sync([zero], timeout=5)[0].state == state, (op, offset)
-            assert engine.wait(engine.submit([zero]), timeout=5)[0].state == state, (op, offset)
+        for offset in (0, SIZE):
+            zero = request(op, local.region_id, name, remote.shared, 0, remote_offset=offset)
+            assert engine.transfer_sync([zero], timeout=5)[0].state == RequestState.DONE, (op, offset)
+            assert engine.wait(engine.submit([zero]), timeout=5)[0].state == RequestState.DONE, (op, offset)
+        for offset in (SIZE + 1, 10**9):
+            zero = request(op, local.region_id, name, remote.shared, 0, remote_offset=offset)
+            with pytest.raises(TransferError, match="past its end"):
+                engine.transfer_sync([zero], timeout=5)
+            with pytest.raises(TransferError, match="past its end"):
+                engine.submit([zero])
     if transport == "tcp":  # shm refuses an unknown region before anything starts (no transport reaches it)
         zero = request(TransferOp.READ, local.region_id, name, 999, 0)
         assert engine.transfer_sync([zero], timeout=5)[0].state == RequestState.FAILED
@@ -588,3 +599,143 @@ def test_closing_an_engine_ends_its_open_batches(peers: Callable[..., PeerProces
         assert statuses[0].state == RequestState.FAILED
     finally:
         os.kill(remote.pid, signal.SIGCONT)
+
+
+# --------------------------------------------------------------------------- a restarted peer, deadlines, bad input
+
+
+def test_a_peer_restarted_on_its_address_is_unavailable_until_connected_again() -> None:
+    """A peer engine closed and started again on its port (its region ids start again at 1) is not the engine
+    this one described: a WRITE meant for the old region 1 (through submit, whose streams were connected to the
+    old engine, and through transfer_sync, which connects anew) fails with PeerUnavailable naming the restart and
+    lands nowhere; control calls and `refresh` fail alike, and `peer_regions` still shows what was described.
+    `connect` again learns the new engine, and a WRITE then lands in its region. (The handshake proved only the
+    secret: the WRITE was reported DONE into the new engine's unrelated region 1.)"""
+    config = EngineConfig(transports=("tcp",), io_timeout_s=5.0)
+    with TransferEngine(secret=SECRET, config=config) as here:
+        source = np.full(4096, 0xAB, np.uint8)
+        local = here.register_memory(source)
+        first = TransferEngine(secret=SECRET, config=config)
+        try:
+            old = first.register_memory(np.zeros(4096, np.uint8))
+            peer = here.connect(first.address)
+            write = request(TransferOp.WRITE, local.region_id, peer, old.region_id, 4096)
+            assert here.wait(here.submit([write]), timeout=10)[0].state == RequestState.DONE
+            described = here.peer_regions(peer)
+        finally:
+            first.close()
+        with engine_on(first.port, config) as second:
+            victim = np.zeros(4096, np.uint8)
+            assert second.register_memory(victim).region_id == old.region_id  # the same id, another region
+            (queued,) = here.wait(here.submit([write]), timeout=30)
+            (inline,) = here.transfer_sync([write], timeout=10)
+            for status in (queued, inline):
+                assert status.state == RequestState.FAILED and type(status.error) is PeerUnavailable, status
+                assert "restarted" in str(status.error), status.error
+            with pytest.raises(PeerUnavailable, match="restarted"):
+                here.call(peer, "describe", None)
+            with pytest.raises(PeerUnavailable, match="restarted"):
+                here.refresh(peer)
+            assert here.peer_regions(peer) == described
+            assert not victim.any(), "a WRITE meant for the old engine landed in the new one"
+            assert here.connect(second.address) == peer
+            assert here.wait(here.submit([write]), timeout=10)[0].state == RequestState.DONE
+            assert np.array_equal(victim, source)
+
+
+def test_transfer_sync_connects_by_its_deadline(peers: Callable[..., PeerProcess]) -> None:
+    """transfer_sync(timeout=0.5) to a peer that stopped (SIGSTOP) before the inline connection was made: the
+    connection's handshake is cut at the call's deadline, not at connect_timeout_s (20 s here), and the request
+    fails with TransferTimeout, each time. (It took connect_timeout_s and failed with PeerUnavailable.)"""
+    remote = peers(SIZE)
+    config = EngineConfig(transports=("tcp",), connect_timeout_s=20.0, io_timeout_s=20.0)
+    with TransferEngine(secret=SECRET, config=config) as local_engine:
+        local = local_engine.register_memory(np.zeros(4096, np.uint8))
+        name = local_engine.connect(remote.address)
+        stop_process(remote.pid)
+        try:
+            for _ in range(2):
+                start = time.monotonic()
+                (status,) = local_engine.transfer_sync(
+                    [request(TransferOp.READ, local.region_id, name, remote.plain, 4096)], timeout=0.5
+                )
+                elapsed = time.monotonic() - start
+                assert status.state == RequestState.FAILED and isinstance(status.error, TransferTimeout), status
+                assert elapsed < 0.5 + 5.0, elapsed  # a loaded machine's margin; well before the old 20 s
+        finally:
+            os.kill(remote.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_write_crossing_the_remote_end_is_refused_whole(transport: str) -> None:
+    """A WRITE of four slices whose last two cross the end of the peer's region is refused by `submit` (a
+    TransferError naming the region, remote_offset and length) and its first slices do not land: the peer's
+    bytes are all unchanged. (It failed, yet its first slices overwrote the peer's region, over tcp and shm.)"""
+    config = EngineConfig(slice_bytes=1 << 16)
+    with TransferEngine(secret=SECRET, config=config) as here, TransferEngine(secret=SECRET, config=config) as there:
+        local, source = here.allocate_shared(1 << 20)
+        source[:] = 0xCD
+        remote, target = there.allocate_shared(1 << 20)
+        peer = here.connect(there.address, transport=transport)
+        offset, length = (1 << 20) - (3 << 16) + 100, 4 << 16
+        crossing = request(TransferOp.WRITE, local.region_id, peer, remote.region_id, length, remote_offset=offset)
+        expected = f"remote region {remote.region_id} of {peer}: remote_offset {offset} \\+ length {length}"
+        with pytest.raises(TransferError, match=expected):
+            here.submit([crossing])
+        with pytest.raises(TransferError, match=expected):
+            here.transfer_sync([crossing], timeout=10)
+        assert not target.any(), "a refused WRITE changed the peer's region"
+
+
+@pytest.fixture
+def connected() -> Iterator[tuple[TransferEngine, str]]:
+    """An engine connected to another over tcp: (engine, peer key)."""
+    config = EngineConfig(transports=("tcp",))
+    with TransferEngine(secret=SECRET, config=config) as here, TransferEngine(secret=SECRET, config=config) as there:
+        yield here, here.connect(there.address)
+
+
+# (name, the call, its message); the engine is Any: the calls pass what its signatures do not allow.
+BAD_CALLS: list[tuple[str, Callable[[Any, str], object], str]] = [
+    ("connect int", lambda e, _p: e.connect(123), r"^address must be .*, got 123$"),
+    ("connect None", lambda e, _p: e.connect(None), r"^address must be .*, got None$"),
+    ("submit None", lambda e, _p: e.submit(None), r"^requests must be an iterable, got None$"),
+    ("submit [None]", lambda e, _p: e.submit([None]), r"^requests\[0\] must be a TransferRequest, got None$"),
+    ("sync None", lambda e, _p: e.transfer_sync(None, timeout=1), r"^requests must be an iterable, got None$"),
+    ("status list", lambda e, _p: e.status([1]), r"^batch_id must be an integer >= 0, got \[1\]$"),
+    ("wait list", lambda e, _p: e.wait([1], 1), r"^batch_id must be an integer >= 0, got \[1\]$"),
+    ("forget list", lambda e, _p: e.forget([1]), r"^batch_id must be an integer >= 0, got \[1\]$"),
+    ("unregister list", lambda e, _p: e.unregister_memory([1]), r"^region_id must be an integer >= 0, got \[1\]$"),
+    ("unregister str", lambda e, _p: e.unregister_memory("x"), r"^region_id must be an integer >= 0, got 'x'$"),
+    ("handler method", lambda e, _p: e.register_handler(1, lambda _a: None), r"^method must be .*, got 1$"),
+    ("handler None", lambda e, _p: e.register_handler("m", None), r"^handler must be callable, got None$"),
+    ("call args", lambda e, p: e.call(p, "describe", object()), r"^the args of control call 'describe' must"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), [(c, m) for _n, c, m in BAD_CALLS], ids=[n for n, _c, _m in BAD_CALLS])
+def test_bad_arguments_are_config_errors_naming_them(
+    connected: tuple[TransferEngine, str], call: Callable[[Any, str], object], message: str
+) -> None:
+    """An address that is no string, requests that are no iterable of TransferRequest, a batch or region id that
+    is no integer (a list among them: unhashable), a handler that is no callable or args JSON cannot encode are a
+    ConfigError naming the argument and the value (they were AttributeError and TypeError), and the engine goes
+    on: its peer still answers."""
+    engine, peer = connected
+    with pytest.raises(ConfigError, match=message):
+        call(engine, peer)
+    assert engine.call(peer, "describe", None) is not None
+
+
+def test_memory_that_cannot_be_registered_or_allocated_is_a_transfer_error() -> None:
+    """A numpy array of Python objects (no bytes to expose) cannot be registered, and a shared segment the system
+    will not create (4 EiB) is a TransferError naming nbytes; nothing is left in /dev/shm. (They were a bare
+    TypeError and OSError.)"""
+    with TransferEngine(secret=SECRET) as engine:
+        with pytest.raises(TransferError, match="dtype object"):
+            engine.register_memory(np.array([None] * 4, dtype=object))
+        before = own_segments()
+        with pytest.raises(TransferError, match=f"nbytes={2**62}"):
+            engine.allocate_shared(2**62)
+        assert own_segments() == before
+        assert engine.regions() == ()

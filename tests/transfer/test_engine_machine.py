@@ -2,8 +2,9 @@
 
 `EngineMachine` runs two or three engines in this process, each connected to the others over a drawn
 transport (tcp or shm), and keeps a bytearray model of every region they registered. Its rules register,
-allocate and unregister regions, write into them as a user would, refresh peers, and move random
-batches (zero-length requests, edge offsets, ranges past either end, unknown regions and peers) with
+allocate and unregister regions, write into them as a user would, refresh peers, restart an engine on its
+address (and connect to it again), and move random batches (zero-length requests, edge offsets, ranges
+past either end, unknown regions and peers, peers restarted since they were described) with
 `submit`/`wait` and `transfer_sync`, sometimes with their slices held back so that a wait must time out.
 
 Between the engine and its transports sits a `Gate`: it records every slice the engine hands over (so a
@@ -11,9 +12,14 @@ refused batch provably started nothing), holds submitted slices while closed, an
 outcome has not come back (so every rule ends with nothing in flight and the model is exact).
 
 The requests of one batch never overlap where one writes (a batch's requests have no order), so what a
-DONE batch leaves is well defined. A request that fails on a remote range past its region's end may have
-delivered the slices inside it: its destination is unknown to the model until read back, every other byte
-is still checked.
+DONE batch leaves is well defined. A request past the end of a remote region its engine knows (the peer
+described it) is refused whole by `submit`, before any slice starts. Only one past the end of a region the
+peer registered since it was last described fails slice by slice at the peer, so it may have delivered the
+slices inside the region: its destination is unknown to the model until read back, every other byte is
+still checked. A request to a peer restarted since it was described moves nothing: over tcp it fails with
+PeerUnavailable naming the restart (the new engine's region ids start at 1 again, and it must never receive
+bytes meant for the old one's), over shm (the engines share this process: the pid check cannot tell) with the
+old engine's segments gone.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from mooncake.transfer.request import (
     TransferRequest,
     Transport,
 )
-from tests.transfer.conftest import ROOT, SECRET, request
+from tests.transfer.conftest import ROOT, SECRET, engine_on, request
 from tests.waiting import wait_for
 
 T = TypeVar("T")
@@ -241,7 +247,8 @@ class Expected:
     transport: str
     source: Span | None
     target: Span | None  # the bytes it writes (clipped to its region); None when it can write nothing
-    unsure: bool  # FAILED past the remote end: the slices inside it may have landed
+    unsure: bool  # FAILED past the end of a region not yet described: the slices inside it may have landed
+    restarted: bool = False  # FAILED, moving nothing: the peer restarted since it was described
 
     def spans(self) -> list[Span]:
         return [span for span in (self.source, self.target) if span is not None and span.end > span.start]
@@ -262,6 +269,7 @@ class Node:
     gate: Gate
     transports: dict[int, str] = attrs.field(factory=dict)  # peer index -> the transport forced at connect
     known: dict[int, dict[int, RegionDescriptor]] = attrs.field(factory=dict)  # peer index -> its regions as learnt
+    stale: set[int] = attrs.field(factory=set)  # peers restarted since this engine connected to them
     dead: list[int] = attrs.field(factory=list)  # region ids unregistered here
     last_region_id: int = 0
 
@@ -292,6 +300,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.regions: dict[Key, ModelRegion] = {}
         self.finished: list[tuple[int, int, tuple[RequestStatus, ...]]] = []  # (engine, batch, final statuses)
         self.slice_bytes = 0
+        self.config = EngineConfig()
 
     # ------------------------------------------------------------------ set-up
 
@@ -303,23 +312,36 @@ class EngineMachine(RuleBasedStateMachine):
     )
     def start(self, num_engines: int, slice_bytes: int, streams: int, data: st.DataObject) -> None:
         self.slice_bytes = slice_bytes
-        config = EngineConfig(slice_bytes=slice_bytes, streams_per_peer=streams, io_timeout_s=10.0)
+        self.config = EngineConfig(slice_bytes=slice_bytes, streams_per_peer=streams, io_timeout_s=10.0)
         for index in range(num_engines):
-            engine = TransferEngine(secret=SECRET, config=config)
-            gate = Gate()
-            install_gate(engine, gate)
-            self.nodes.append(Node(engine, gate))
-            self.addresses[engine.address] = index
-            self._allocate(index, data.draw(SIZES, label="shared region"), seed=index)
-            self._register(index, data.draw(SIZES, label="plain region"), "bytearray", seed=index + 10)
-        for i, node in enumerate(self.nodes):
-            for j, peer in enumerate(self.nodes):
+            self._start_engine(index, data, engine=TransferEngine(secret=SECRET, config=self.config))
+        for i in range(num_engines):
+            for j in range(num_engines):
                 if i != j:
-                    transport = data.draw(st.sampled_from(["tcp", "shm"]), label=f"transport {i}->{j}")
-                    assert node.engine.connect(peer.engine.address, transport=transport) == peer.engine.address
-                    assert node.engine.transport_names(peer.engine.address) == (transport,)
-                    node.transports[j] = transport
-                    node.known[j] = {d.region_id: d for d in node.engine.peer_regions(peer.engine.address)}
+                    self._connect(i, j, data.draw(st.sampled_from(["tcp", "shm"]), label=f"transport {i}->{j}"))
+
+    def _start_engine(self, index: int, data: st.DataObject, *, engine: TransferEngine) -> None:
+        """`engine` as engine `index`, seen through a gate, with a shared and a plain region."""
+        gate = Gate()
+        install_gate(engine, gate)
+        node = Node(engine, gate)
+        if index < len(self.nodes):
+            self.nodes[index] = node
+        else:
+            self.nodes.append(node)
+        self.addresses[engine.address] = index
+        self._allocate(index, data.draw(SIZES, label="shared region"), seed=index)
+        self._register(index, data.draw(SIZES, label="plain region"), "bytearray", seed=index + 10)
+
+    def _connect(self, i: int, j: int, transport: str) -> None:
+        """Engine `i` connects to engine `j` over `transport` alone, and learns its regions as they are now."""
+        node, address = self.nodes[i], self.nodes[j].engine.address
+        assert node.engine.connect(address, transport=transport) == address
+        assert node.engine.transport_names(address) == (transport,)
+        node.transports[j] = transport
+        node.known[j] = {d.region_id: d for d in node.engine.peer_regions(address)}
+        assert node.known[j] == {d.region_id: d for d in self.nodes[j].engine.regions()}
+        node.stale.discard(j)
 
     def teardown(self) -> None:
         try:
@@ -402,6 +424,12 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _refresh(self, i: int, j: int) -> None:
         node, peer = self.nodes[i], self.nodes[j]
+        if j in node.stale:  # another engine answers there now: what it has is no news about the one described
+            described = node.engine.peer_regions(peer.engine.address)
+            with pytest.raises(PeerUnavailable, match="restarted"):
+                node.engine.refresh(peer.engine.address)
+            assert node.engine.peer_regions(peer.engine.address) == described
+            return
         descriptor = node.engine.refresh(peer.engine.address)
         learnt = {d.region_id: d for d in descriptor.regions}
         assert learnt == {d.region_id: d for d in peer.engine.regions()}
@@ -427,7 +455,48 @@ class EngineMachine(RuleBasedStateMachine):
         payload = data.draw(st.binary(min_size=1, max_size=region.descriptor.length - offset), label="bytes")
         region.write(offset, payload)
 
+    # ------------------------------------------------------------------ restarts
+
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """An engine closes and a new one starts on its address, with regions of its own whose ids start at 1
+        again: requests its peers aimed at the old one move nothing (see `_expect`) until they connect again.
+        The new engine connects to the others."""
+        j = data.draw(st.integers(0, len(self.nodes) - 1), label="restarted engine")
+        event("restart")
+        old = self.nodes[j].engine
+        old.close()
+        for index, batch, statuses in self.finished:  # closing ends only what was still moving
+            if index == j:
+                assert old.status(batch) == statuses
+        self.finished = [entry for entry in self.finished if entry[0] != j]
+        for key in [key for key in self.regions if key[0] == j]:
+            del self.regions[key]  # never touched again: the memory may be unmapped
+        self._start_engine(j, data, engine=engine_on(old.port, self.config))
+        for i in range(len(self.nodes)):
+            if i != j:
+                self.nodes[i].stale.add(j)
+                self._connect(j, i, data.draw(st.sampled_from(["tcp", "shm"]), label=f"transport {j}->{i}"))
+
+    @rule(data=st.data())
+    def reconnect(self, data: st.DataObject) -> None:
+        """Connecting again to a peer learns the engine that answers now, restarted or not: its regions, as they
+        are (and its connections replace the old ones)."""
+        pairs = [(i, j) for i in range(len(self.nodes)) for j in range(len(self.nodes)) if i != j]
+        i, j = data.draw(st.sampled_from(pairs), label="engine, peer")
+        event(f"reconnect to a {'restarted' if j in self.nodes[i].stale else 'known'} peer")
+        self._connect(i, j, data.draw(st.sampled_from(["tcp", "shm"]), label=f"transport {i}->{j}"))
+
     # ------------------------------------------------------------------ requests
+
+    def _remote_view(self, i: int, j: int) -> tuple[list[int], list[int], dict[int, int]]:
+        """Engine `j`'s regions as engine `i` should aim at them: the live ones, the dead ones, and their sizes
+        (for a peer restarted since `i` connected, those `i` was told of: the new engine's are out of its reach)."""
+        if j in self.nodes[i].stale:
+            described = self.nodes[i].known[j]
+            return sorted(described), [], {r: d.length for r, d in described.items()}
+        live = {r: region.descriptor.length for (owner, r), region in self.regions.items() if owner == j}
+        return sorted(live), self.nodes[j].dead, live
 
     def _draw_request(self, data: st.DataObject, i: int) -> TransferRequest:
         node = self.nodes[i]
@@ -437,20 +506,20 @@ class EngineMachine(RuleBasedStateMachine):
         # Mostly a request that fits both regions; one in four breaks one thing.
         anomaly = data.draw(st.integers(0, 23), label="anomaly") - 17
         local_ids = sorted(r for (owner, r) in self.regions if owner == i)
-        live = sorted(r for (owner, r) in self.regions if owner == j)
+        live, dead, sizes = self._remote_view(i, j)
         reachable = live if node.transports[j] == "tcp" else [r for r in live if self._over_shm(i, j, r)]
         local = data.draw(st.sampled_from(local_ids), label="local") if local_ids else UNKNOWN_REGION
         remote = data.draw(st.sampled_from(reachable), label="remote") if reachable else UNKNOWN_REGION
         if anomaly == 1:
             local = data.draw(st.sampled_from([*node.dead, UNKNOWN_REGION]), label="unknown local")
         elif anomaly == 2:
-            remote = data.draw(st.sampled_from([*self.nodes[j].dead, UNKNOWN_REGION]), label="unknown remote")
+            remote = data.draw(st.sampled_from([*dead, UNKNOWN_REGION]), label="unknown remote")
         elif anomaly == 3 and live:  # over shm: a plain region, or one allocated since the last refresh
             remote = data.draw(st.sampled_from(live), label="any remote")
         elif anomaly == 4:
             peer = data.draw(st.sampled_from([UNKNOWN_PEER, node.engine.address]), label="unknown peer")
         local_size = self._size(i, local)
-        remote_size = self._size(j, remote)
+        remote_size = sizes.get(remote, 0)
         if anomaly == 5:  # past the local end
             length = data.draw(st.integers(0, local_size + 3), label="length")
             local_offset = data.draw(beyond(local_size, length), label="local offset")
@@ -481,7 +550,7 @@ class EngineMachine(RuleBasedStateMachine):
         if local is None:
             return "no local region"
         if request.local_offset + request.length > local.descriptor.length:
-            return "outside"
+            return r"^region [0-9]+: bytes \[[0-9]+, [0-9]+\) are outside"
         j = self.addresses.get(request.peer)
         if j is None or j == i:
             return "unknown peer"
@@ -489,19 +558,31 @@ class EngineMachine(RuleBasedStateMachine):
         transport = node.transports[j]
         if transport == "shm" and not self._over_shm(i, j, request.remote_region):
             return "no transport reaches"
+        end = request.remote_offset + request.length
+        described = node.known[j].get(request.remote_region)
+        if described is not None and end > described.length:
+            # The peer described the region: refused whole, before any slice starts (none lands).
+            return r"^remote region [0-9]+ of .*: remote_offset [0-9]+ \+ length [0-9]+ is past its end"
         local_span = Span((i, request.local_region), request.local_offset, request.local_offset + request.length)
+        if j in node.stale:  # another engine answers there now: nothing moves, in either direction
+            target = local_span if request.op == TransferOp.READ else None
+            source = local_span if request.op == TransferOp.WRITE else None
+            return Expected(RequestState.FAILED, transport, source, target, unsure=False, restarted=True)
         remote = self.regions.get((j, request.remote_region))
         if remote is None:  # unregistered (the tcp peer refuses it) or never there
             assert transport == "tcp", "shm peers refresh on every unregister"
             target = local_span if request.op == TransferOp.READ else None
             source = local_span if request.op == TransferOp.WRITE else None
             return Expected(RequestState.FAILED, transport, source, target, unsure=False)
-        end = request.remote_offset + request.length
         size = remote.descriptor.length
         remote_span = Span((j, request.remote_region), min(request.remote_offset, size), min(end, size))
         source, target = (local_span, remote_span) if request.op == TransferOp.WRITE else (remote_span, local_span)
-        state = RequestState.DONE if end <= size else RequestState.FAILED
-        return Expected(state, transport, source, target, unsure=state == RequestState.FAILED)
+        if end <= size:
+            return Expected(RequestState.DONE, transport, source, target, unsure=False)
+        # Past the end of a region registered since the peer was described (over tcp: shm reaches described ones
+        # only): the peer refuses it slice by slice, and the slices inside the region may have landed.
+        assert transport == "tcp" and described is None
+        return Expected(RequestState.FAILED, transport, source, target, unsure=True)
 
     def _draw_batch(
         self, data: st.DataObject, i: int, *, min_size: int = 0
@@ -545,7 +626,8 @@ class EngineMachine(RuleBasedStateMachine):
         }
         for n, (status, outcome) in enumerate(zip(statuses, outcomes, strict=True)):
             assert (status.state, status.transport) == (outcome.state, outcome.transport), (n, status, outcome)
-            event(f"{status.transport} {status.state.value}{' past the end' if outcome.unsure else ''}")
+            note = " past the end" if outcome.unsure else " (restarted peer)" if outcome.restarted else ""
+            event(f"{status.transport} {status.state.value}{note}")
             if status.state == RequestState.DONE:
                 assert status.error is None
                 if outcome.target is not None:
@@ -553,6 +635,8 @@ class EngineMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(status.error, TransferError)
                 assert not isinstance(status.error, TransferTimeout), status.error
+                if outcome.restarted and outcome.transport == "tcp":  # (over shm: the old engine's segments are gone)
+                    assert type(status.error) is PeerUnavailable and "restarted" in str(status.error), status.error
                 self._forget_target(outcome)
         self.nodes[i].gate.drain()
 
@@ -747,12 +831,14 @@ class HeldTransport:
 
 @contextlib.contextmanager
 def engine_with_twin(slice_bytes: int) -> Iterator[tuple[TransferEngine, HeldTransport]]:
-    """An engine whose every request goes to one `HeldTransport` (no peer needed)."""
+    """An engine whose every request goes to one `HeldTransport` (no peer needed, nor any remote region described:
+    the remote ranges are the transport's to check)."""
     twin = HeldTransport()
     frame = max(slice_bytes, 64 << 20)
     config = EngineConfig(slice_bytes=slice_bytes, max_frame_bytes=frame, max_staging_bytes=max(frame, 256 << 20))
     with TransferEngine(secret=SECRET, config=config) as engine:
         engine._peers.transport_for = lambda _peer, _region: twin  # type: ignore[method-assign]
+        engine._peers.remote_region = lambda _peer, _region: None  # type: ignore[method-assign]
         yield engine, twin
 
 

@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.request import EngineConfig
-from mooncake.transfer.wire import ANSWER_BYTES, BUSY, REFUSED
+from mooncake.transfer.wire import ANSWER_BYTES, BUSY, INCARNATION_BYTES, REFUSED, Agreement
 from tests.transfer.conftest import SECRET
 from tests.transfer.test_listener import closed_by_peer, other_loopback_address
 from tests.waiting import wait_for
 
 HELLO_BYTES = 43  # "MCTE-HELLO", the version byte, the server's 32-byte nonce
-VERDICT_BYTES = 34  # "OK" and the server's 32-byte proof
+VERDICT_BYTES = 50  # "OK", the server's 16-byte incarnation id and its 32-byte proof
 NONCE_BYTES = 32
 
 secrets_ = st.binary(min_size=16, max_size=64)
@@ -43,10 +43,12 @@ class Recorder:
         self._lock = threading.Lock()
         self.num_started = 0
         self.received: list[bytes] = []
+        self.agreements: list[Agreement] = []
 
-    def serve(self, sock: socket.socket) -> None:
+    def serve(self, sock: socket.socket, agreement: Agreement) -> None:
         with self._lock:
             self.num_started += 1
+            self.agreements.append(agreement)
         chunks = []
         try:
             # The listener may have closed the socket already (its close raced this thread's start).
@@ -120,14 +122,19 @@ def recv_to_end(sock: socket.socket) -> bytes:
     return data
 
 
-def answer_to(hello: bytes, secret: bytes) -> tuple[bytes, bytes]:
-    """The client's answer to `hello` (its nonce and HMAC(secret, "client" || server nonce || client nonce)),
-    and the verdict an honest server sends back, as the `wire` module documents them."""
+def answer_to(
+    hello: bytes, secret: bytes, *, checksums: bool = False, incarnation: bytes = bytes(INCARNATION_BYTES)
+) -> tuple[bytes, bytes]:
+    """The client's answer to `hello` (its nonce, its flags byte and HMAC(secret, "client" || server nonce ||
+    client nonce || flags)), and the verdict an honest server of `incarnation` sends back ("OK", the
+    incarnation and HMAC(secret, "server" || client nonce || server nonce || incarnation)), as the `wire` module
+    documents them."""
     server_nonce = hello[-NONCE_BYTES:]
     client_nonce = os.urandom(NONCE_BYTES)
-    mac = hmac.new(secret, b"client" + server_nonce + client_nonce, hashlib.sha256).digest()
-    proof = hmac.new(secret, b"server" + client_nonce + server_nonce, hashlib.sha256).digest()
-    return client_nonce + mac, b"OK" + proof
+    flags = bytes([1 if checksums else 0])
+    mac = hmac.new(secret, b"client" + server_nonce + client_nonce + flags, hashlib.sha256).digest()
+    proof = hmac.new(secret, b"server" + client_nonce + server_nonce + incarnation, hashlib.sha256).digest()
+    return client_nonce + flags + mac, b"OK" + incarnation + proof
 
 
 def authenticate(client: Client, secret: bytes = SECRET) -> bytes:
@@ -147,19 +154,21 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     secret=secrets_,
     payload=st.binary(max_size=2048),
     cuts=st.lists(st.integers(min_value=1, max_value=ANSWER_BYTES + 64), max_size=4),
+    checksums=st.booleans(),
 )
 def test_an_authenticated_connection_reaches_serve_with_every_byte_after_its_answer(
-    secret: bytes, payload: bytes, cuts: list[int]
+    secret: bytes, payload: bytes, cuts: list[int], checksums: bool
 ) -> None:
     """Whatever the secret, however the answer is cut into pieces, and whatever the client sends right
-    behind it (without waiting for the verdict), the client gets "OK" and the server's proof of the secret,
-    and `serve` receives exactly the bytes after the answer: the gate reads no byte of a frame before
-    the connection authenticated, and loses none of a partial answer."""
+    behind it (without waiting for the verdict), the client gets "OK", the listener's incarnation id and the
+    server's proof of the secret, and `serve` receives what the client asked of the connection (checksums or
+    not) and exactly the bytes after the answer: the gate reads no byte of a frame before the connection
+    authenticated, and loses none of a partial answer."""
     recorder = Recorder()
     with listening(EngineConfig(), recorder, secret=secret) as listener, clients() as opened:
         client = dial(listener, opened)
         sock = client.sock
-        answer, verdict = answer_to(client.hello, secret)
+        answer, verdict = answer_to(client.hello, secret, checksums=checksums, incarnation=listener.incarnation)
         for piece in split(answer + payload, cuts):
             sock.sendall(piece)
             # Spreads the pieces over several passes of the gate. Not synchronisation: the
@@ -169,6 +178,7 @@ def test_an_authenticated_connection_reaches_serve_with_every_byte_after_its_ans
         assert recv_up_to(sock, VERDICT_BYTES) == verdict
         wait_for(lambda: recorder.num_finished == 1, timeout=10, what="serve to read the connection to its end")
         assert recorder.received == [payload]
+        assert recorder.agreements == [Agreement(checksums=checksums)]
 
 
 @st.composite

@@ -45,12 +45,17 @@ from mooncake.transfer.wire import (
     ANSWER_BYTES,
     BUSY,
     HEADER,
+    INCARNATION_BYTES,
     MAX_CONTROL_BYTES,
     REFUSED,
+    VERSION,
+    Agreement,
     Frame,
+    Json,
     Kind,
     ProtocolError,
     client_handshake,
+    new_incarnation,
     recv_exact,
     recv_frame,
     send_frame,
@@ -151,7 +156,7 @@ def good_hello() -> bytes:
 # What a "server" that does not know the client's nonce in advance can send: a hello (this protocol's, or
 # bytes of another one), then a verdict and proof of any bytes, then it hangs up.
 server_streams = st.one_of(
-    st.builds(lambda proof: good_hello() + b"OK" + proof, st.binary(min_size=32, max_size=32)),  # an impostor
+    st.builds(lambda proof: good_hello() + b"OK" + proof, st.binary(min_size=48, max_size=48)),  # an impostor
     st.builds(lambda rest: good_hello() + rest, st.binary(max_size=40)),
     st.builds(
         lambda verdict, rest: good_hello() + verdict + rest,
@@ -160,7 +165,7 @@ server_streams = st.one_of(
     ),
     st.builds(
         lambda version, rest: good_hello()[:10] + bytes([version]) + os.urandom(32) + rest,
-        st.integers(0, 255).filter(lambda v: v != 1),
+        st.integers(0, 255).filter(lambda v: v != VERSION),
         st.binary(max_size=40),
     ),
     st.binary(max_size=HELLO_BYTES + 40),
@@ -172,20 +177,21 @@ def expected_handshake_error(stream: bytes) -> tuple[type[BaseException], ...]:
     hello, verdict = stream[:HELLO_BYTES], stream[HELLO_BYTES : HELLO_BYTES + 2]
     if len(hello) < HELLO_BYTES:
         return (ConnectionError,)  # it hung up before it said what it is
-    if hello[:10] != b"MCTE-HELLO" or hello[10] != 1:
+    if hello[:10] != b"MCTE-HELLO" or hello[10] != VERSION:
         return (ProtocolError,)
     if verdict == BUSY:
         return (PeerUnavailable,)
-    if verdict == b"OK" and len(stream) < HELLO_BYTES + 2 + 32:
-        return (AuthenticationError, ConnectionError)  # hung up before its proof
+    if verdict == b"OK" and len(stream) < HELLO_BYTES + 2 + INCARNATION_BYTES + 32:
+        return (AuthenticationError, ConnectionError)  # hung up before its incarnation and proof
     return (AuthenticationError,)  # refused, cut in the verdict, another verdict, or a proof it cannot make
 
 
 @given(stream=server_streams)
-@example(stream=b"MCTE-HELLO" + bytes([2]) + bytes(32) + b"OK")  # another version
-@example(stream=b"MCTE-HELLO" + bytes([1]) + bytes(32))  # hangs up after its hello
-@example(stream=b"MCTE-HELLO" + bytes([1]) + bytes(32) + BUSY)
-@example(stream=b"MCTE-HELLO" + bytes([1]) + bytes(32) + b"OK" + bytes(32))  # an impostor
+@example(stream=b"MCTE-HELLO" + bytes([1]) + bytes(32) + b"OK")  # another version (the one before this)
+@example(stream=b"MCTE-HELLO" + bytes([VERSION]) + bytes(32))  # hangs up after its hello
+@example(stream=b"MCTE-HELLO" + bytes([VERSION]) + bytes(32) + BUSY)
+@example(stream=b"MCTE-HELLO" + bytes([VERSION]) + bytes(32) + b"OK" + bytes(48))  # an impostor
+@example(stream=b"MCTE-HELLO" + bytes([VERSION]) + bytes(32) + b"OK" + bytes(16))  # hangs up before its proof
 def test_a_server_that_cannot_prove_the_secret_never_lets_a_client_through(stream: bytes) -> None:
     """Whatever a server sends without knowing the secret, `client_handshake` fails within its deadline, and
     the way it failed tells what happened: ProtocolError for another protocol or version, PeerUnavailable for
@@ -208,6 +214,7 @@ def test_a_server_that_knows_the_secret_lets_the_client_through(pair: tuple[sock
     failures above are failures of the server, not of the client)."""
     server, client = pair
     outcome: list[object] = []
+    incarnation = new_incarnation()
 
     def serve() -> None:
         nonce, hello = server_hello()
@@ -218,17 +225,19 @@ def test_a_server_that_knows_the_secret_lets_the_client_through(pair: tuple[sock
             if not chunk:
                 break
             answer += chunk
-        outcome.append(server_verdict(SECRET, nonce, bytes(answer)))
-        server.sendall(outcome[0])  # type: ignore[arg-type]
+        reply, _agreement = server_verdict(SECRET, nonce, bytes(answer), incarnation=incarnation)
+        outcome.append(reply)
+        server.sendall(reply)
 
     server.settimeout(5)
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        client_handshake(client, SECRET, deadline=time.monotonic() + 5)
+        told = client_handshake(client, SECRET, deadline=time.monotonic() + 5)
     finally:
         thread.join(timeout=10)
     assert not thread.is_alive() and len(outcome) == 1
+    assert told == incarnation
 
 
 @given(answer=st.binary(max_size=2 * ANSWER_BYTES).filter(lambda a: len(a) != ANSWER_BYTES))
@@ -237,7 +246,7 @@ def test_a_handshake_answer_of_another_length_is_refused_naming_both_lengths(ans
     how long an answer is and how long this one was."""
     nonce, _hello = server_hello()
     with pytest.raises(AuthenticationError, match=f"{ANSWER_BYTES} bytes, got {len(answer)}$"):
-        server_verdict(SECRET, nonce, answer)
+        server_verdict(SECRET, nonce, answer, incarnation=new_incarnation())
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -502,7 +511,7 @@ class OffProtocolPeer:
         self.address = f"{self.listener.host}:{self.listener.port}"
 
     @staticmethod
-    def _serve(sock: socket.socket) -> None:
+    def _serve(sock: socket.socket, _agreement: Agreement) -> None:
         sock.settimeout(10)
         while True:
             frame = recv_frame(sock, max_length=MAX_CONTROL_BYTES)
@@ -554,7 +563,7 @@ def test_a_call_to_a_peer_that_closed_is_peer_unavailable_and_stays_so(
 def test_a_closed_listener_holds_no_socket_and_no_thread() -> None:
     """`close` ends the gate thread and closes the listening socket and both ends of the wake-up pair
     (nothing of the listener is left for the collector), and a second `close` is harmless."""
-    listener = Listener(secret=SECRET, config=TCP_ONLY, serve=lambda _sock: None, name="edge")
+    listener = Listener(secret=SECRET, config=TCP_ONLY, serve=lambda _sock, _agreement: None, name="edge")
     with socket.create_connection((listener.host, listener.port), timeout=5):
         wait_for(lambda: listener.num_pending == 1, timeout=10, what="the connection pending")
     listener.close()
@@ -644,14 +653,14 @@ def test_a_reservation_answered_for_other_keys_is_refused_and_unpins_what_it_pin
 def test_a_block_whose_bytes_never_arrived_is_not_committed_even_if_its_page_matches(
     nodes: tuple[Node, Node, str], parts: int
 ) -> None:
-    """A fetch whose READ fails (the peer points it past its region) commits nothing, even where the page
-    here happens to hold bytes that match the peer's checksum (a fresh page of zeros): the page goes back."""
+    """A fetch whose READ fails (the peer points it at a region it does not have: it refuses the READ) commits
+    nothing, even where the page here happens to hold bytes that match the peer's checksum (a fresh page of
+    zeros): the page goes back."""
     a, b, peer = nodes
     length = 100
     zeros_checksum = xxhash.xxh3_64_intdigest(bytes(length))
     b.engine.register_handler(
-        "blocks.lookup",
-        lambda _args: {"region": b.messenger.region.region_id, "blocks": [[1, 1 << 40, length, zeros_checksum]]},
+        "blocks.lookup", lambda _args: {"region": 4_000_000, "blocks": [[1, 0, length, zeros_checksum]]}
     )
     free = free_pages(a)
     fetch = a.messenger.fetch([BlockKey(1)], peer, parts=parts)
@@ -661,6 +670,32 @@ def test_a_block_whose_bytes_never_arrived_is_not_committed_even_if_its_page_mat
     assert fetch.finish(timeout=10) == ()
     assert BlockKey(1) not in a.cache and a.cache.location(BlockKey(1)) is None
     assert free_pages(a) == free
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_fetch_pointed_past_the_peers_region_is_refused_and_reserves_nothing(
+    nodes: tuple[Node, Node, str], parts: int
+) -> None:
+    """A lookup answer that points past the end of the region the peer described fails the fetch at once (the
+    engine refuses the READ whole): no page stays reserved here, nothing is cached, and the peer's pins are
+    released."""
+    a, b, peer = nodes
+    length = 100
+    leases: list[str] = []
+
+    def lookup(args: Any) -> Json:
+        leases.append(args["lease"])
+        return {"region": b.messenger.region.region_id, "blocks": [[1, 1 << 40, length, 0]]}
+
+    released: list[str] = []
+    b.engine.register_handler("blocks.lookup", lookup)
+    b.engine.register_handler("blocks.release", lambda args: released.append(args["lease"]))
+    free = free_pages(a)
+    with pytest.raises(TransferError, match="past its end"):
+        a.messenger.fetch([BlockKey(1)], peer, parts=parts)
+    assert BlockKey(1) not in a.cache and a.cache.location(BlockKey(1)) is None
+    assert free_pages(a) == free
+    assert released == leases and len(leases) == 1
 
 
 def test_a_commit_without_a_checksum_for_a_reserved_block_gives_its_page_back(
@@ -800,7 +835,7 @@ class SlowBlockPeer:
         self.released.append(args["lease"])
         return None
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, _agreement: Agreement) -> None:
         sock.settimeout(10)
         while True:
             frame = recv_frame(sock, max_length=1 << 20)

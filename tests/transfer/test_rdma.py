@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from mooncake.errors import PeerUnavailable
+from mooncake.errors import PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.rdma import RdmaTransport, open_device
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
@@ -56,15 +57,14 @@ def test_rdma_is_preferred_and_moves_bytes(pair: tuple[FakeFabric, TransferEngin
 
 
 def test_remote_bounds_are_checked_before_posting(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
-    """An offset past the peer's region fails the request without posting a work request."""
+    """An offset past the peer's region refuses the request without posting a work request (refused whole by
+    `submit`: the peer described the region; the transport's own check of each slice is RdmaMachine's)."""
     fabric, a, b = pair
     local = a.register_memory(np.zeros(SIZE, np.uint8))
     remote = b.register_memory(np.zeros(100, np.uint8))
     peer = a.connect(b.address)
-    statuses = a.wait(
-        a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 50, remote_offset=60)]), timeout=10
-    )
-    assert statuses[0].state == RequestState.FAILED and "outside" in str(statuses[0].error)
+    with pytest.raises(TransferError, match="outside"):
+        a.submit([request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 50, remote_offset=60)])
     assert fabric.posted == 0
 
 
@@ -117,6 +117,29 @@ def test_closing_ends_posted_work_that_never_completed(
     a.close()
     (status,) = a.wait(batch, timeout=5)
     assert status.state == RequestState.FAILED and isinstance(status.error, PeerUnavailable)
+
+
+def test_transfer_sync_over_rdma_waits_no_longer_than_its_deadline() -> None:
+    """A work request the NIC never completes: transfer_sync(timeout=0.3) returns at its deadline, the request
+    FAILED with TransferTimeout, not after the io timeout (10 s here) its inline wait used to take."""
+    fabric = FakeFabric()
+    config = EngineConfig(transports=("rdma", "tcp"), io_timeout_s=10.0)
+    with (
+        TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric)) as a,
+        TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric)) as b,
+    ):
+        local = a.register_memory(np.zeros(4096, np.uint8))
+        remote = b.register_memory(np.zeros(4096, np.uint8))
+        peer = a.connect(b.address)
+        fabric.stall = True
+        start = time.monotonic()
+        (status,) = a.transfer_sync(
+            [request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 4096)], timeout=0.3
+        )
+        elapsed = time.monotonic() - start
+        assert status.transport == "rdma" and status.state == RequestState.FAILED, status
+        assert isinstance(status.error, TransferTimeout), status.error
+        assert elapsed < 0.3 + 4.0, elapsed  # a loaded machine's margin; well before the old 10 s
 
 
 def test_unregistered_remote_memory_goes_over_tcp(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:

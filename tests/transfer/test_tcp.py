@@ -20,27 +20,30 @@ from hypothesis import strategies as st
 from mooncake.errors import PeerUnavailable
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.request import EngineConfig, Slice, TransferOp
+from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from mooncake.transfer.wire import (
     ANSWER_BYTES,
+    INCARNATION_BYTES,
     MAX_CONTROL_BYTES,
     Frame,
     Kind,
     ProtocolError,
     client_handshake,
+    new_incarnation,
     recv_exact,
     recv_frame,
     send_frame,
     server_hello,
     server_verdict,
 )
-from tests.transfer.conftest import SECRET
+from tests.transfer.conftest import SECRET, request
 from tests.transfer.peer_process import pattern
 
 SIZE = 1 << 20
 CONFIG = EngineConfig(io_timeout_s=0.5, idle_timeout_s=60.0, max_frame_bytes=4 << 20, slice_bytes=1 << 20)
 # For the tests that show an error comes at once, not after a wait: an I/O timeout no pause of a busy machine reaches.
 PATIENT = attrs.evolve(CONFIG, io_timeout_s=3.0)
+INCARNATION = new_incarnation()  # the scripted server's
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +284,7 @@ class ScriptedServer:
                     connection.sendall(hello)
                 answer = bytearray(ANSWER_BYTES)
                 recv_exact(connection, memoryview(answer))
-                connection.sendall(server_verdict(SECRET, nonce, bytes(answer)))
+                connection.sendall(server_verdict(SECRET, nonce, bytes(answer), incarnation=INCARNATION)[0])
                 frame = recv_frame(connection, max_length=MAX_CONTROL_BYTES)
                 if frame.kind in (Kind.WRITE, Kind.CALL):  # a READ's length is what it asks for: nothing follows
                     recv_exact(connection, memoryview(bytearray(frame.length)))
@@ -335,12 +338,14 @@ DATA = bytes(range(256)) * (READ_BYTES // 256)
         ),
         (lambda c: send_frame(c, Frame(Kind.OK, tag=7, length=READ_BYTES), DATA), "a reply for slice 7"),
         (lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=16), DATA[:16]), "asked for 4096 bytes"),
+        (lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=READ_BYTES), DATA), "without the checksum"),
     ],
-    ids=["bad-checksum", "wrong-tag", "wrong-length"],
+    ids=["bad-checksum", "wrong-tag", "wrong-length", "no-checksum"],
 )
 def test_a_read_reply_is_checked(answer: Callable[[socket.socket], None], error: str) -> None:
-    """A READ answered with bytes failing their end-to-end checksum, for another slice, or of another length is a
-    ProtocolError for that slice: its bytes are never taken as the region's."""
+    """A READ answered with bytes failing their end-to-end checksum, for another slice, of another length, or
+    (checksums on) without a checksum at all is a ProtocolError for that slice: its bytes are never taken as the
+    region's. (One without a checksum was taken unverified.)"""
     scripted = ScriptedServer(answer)
     config = attrs.evolve(PATIENT, checksums=True, max_retries=0, streams_per_peer=1)
     transport = tcp.TcpTransport("127.0.0.1", scripted.port, secret=SECRET, config=config)  # its one stream connects
@@ -399,3 +404,83 @@ def test_a_deadline_already_past_never_passes_off_a_slice_as_moved(
         assert error is not None or bytes(target[4096 : 4096 + len(data)]) == data
     finally:
         transport.close()
+
+
+# --------------------------------------------------------------------------- what a connection's handshake settles
+
+
+def test_every_connection_tells_the_incarnation_of_the_engine_that_answers(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """Each handshake tells the serving engine's incarnation id: the same on every connection to one engine,
+    another for another engine; a connection that expects another one is refused as a restart."""
+    engine, _target, _region = server
+    ids = []
+    for _ in range(2):
+        sock, incarnation = tcp.open_connection(engine.host, engine.port, secret=SECRET, config=CONFIG)
+        sock.close()
+        ids.append(incarnation)
+    with TransferEngine(secret=SECRET, config=CONFIG) as other:
+        sock, elsewhere = tcp.open_connection(other.host, other.port, secret=SECRET, config=CONFIG)
+        sock.close()
+    assert ids[0] == ids[1] and len(ids[0]) == INCARNATION_BYTES and elsewhere != ids[0]
+    tcp.connect(engine.host, engine.port, secret=SECRET, config=CONFIG, incarnation=ids[0]).close()
+    with pytest.raises(PeerUnavailable, match="restarted"):
+        tcp.connect(engine.host, engine.port, secret=SECRET, config=CONFIG, incarnation=elsewhere)
+
+
+def test_a_connection_that_agreed_on_checksums_takes_no_unverified_write(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """On a connection whose client said in its handshake that every data frame carries a checksum, a WRITE that
+    comes without one (its flag lost on the way) is refused and leaves the region unchanged, a READ asked without
+    one is answered with one, and the connection stays in step: a checksummed WRITE on it then lands. (The WRITE
+    was received straight into the region.)"""
+    engine, target, region = server
+    before = target.copy()
+    payload = bytes(pattern(4096, 5))
+    with contextlib.closing(
+        tcp.connect(engine.host, engine.port, secret=SECRET, config=attrs.evolve(CONFIG, checksums=True))
+    ) as sock:
+        send_frame(sock, *write_frame(region, 0, payload, None))
+        reply = recv_frame(sock, max_length=SIZE)
+        message = bytearray(reply.length)
+        recv_exact(sock, memoryview(message))
+        assert (reply.kind, reply.tag) == (Kind.ERROR, 7) and b"without the checksum" in message, bytes(message)
+        assert np.array_equal(target, before), "an unverified WRITE reached the region"
+        send_frame(sock, Frame(Kind.READ, tag=8, region=region, offset=0, length=4096))
+        reply = recv_frame(sock, max_length=SIZE)
+        answered = bytearray(reply.length)
+        recv_exact(sock, memoryview(answered))
+        assert reply.kind == Kind.OK and reply.checksum == xxhash.xxh3_64_intdigest(answered)
+        assert bytes(answered) == bytes(before[:4096])
+        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload)))
+        assert recv_frame(sock, max_length=SIZE).kind == Kind.OK
+    assert bytes(target[:4096]) == payload
+    target[:] = before
+
+
+def test_a_read_reply_that_lost_its_checksum_fails_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines with checksums on, the serving one answering READs without the checksum flag and with a byte flipped
+    (a frame damaged on the way): the request FAILS with a ProtocolError, on every retry, and the local buffer is
+    untouched. (It was reported DONE with the flipped byte in place.)"""
+
+    def damaged_read(sock: socket.socket, context: tcp.ServerContext, frame: Frame, **_options: object) -> None:
+        source, _reason = tcp._target(context, frame)
+        assert source is not None
+        payload = bytearray(source)
+        payload[0] ^= 0xFF
+        tcp._reply(sock, context, Frame(Kind.OK, tag=frame.tag, length=frame.length), bytes(payload))
+
+    monkeypatch.setattr(tcp, "_serve_read", damaged_read)  # only the serving side calls it
+    config = EngineConfig(transports=("tcp",), checksums=True, io_timeout_s=5.0)
+    with TransferEngine(secret=SECRET, config=config) as here, TransferEngine(secret=SECRET, config=config) as there:
+        mine = np.zeros(4096, np.uint8)
+        local = here.register_memory(mine)
+        remote = there.register_memory(np.full(4096, 7, np.uint8))
+        peer = here.connect(there.address)
+        read = request(TransferOp.READ, local.region_id, peer, remote.region_id, 4096)
+        for status in (here.wait(here.submit([read]), timeout=30)[0], here.transfer_sync([read], timeout=30)[0]):
+            assert status.state == RequestState.FAILED and isinstance(status.error, ProtocolError), status
+            assert "without the checksum" in str(status.error)
+        assert not mine.any(), "the damaged READ reached the local buffer"

@@ -46,6 +46,7 @@ from mooncake.transfer.wire import (
     MAX_CONTROL_BYTES,
     Frame,
     Kind,
+    new_incarnation,
     recv_exact,
     recv_frame,
     send_frame,
@@ -355,7 +356,7 @@ class ScriptedPeer:
             connection.sendall(hello)
             answer = bytearray(ANSWER_BYTES)
             recv_exact(connection, memoryview(answer))
-            connection.sendall(server_verdict(SECRET, nonce, bytes(answer)))
+            connection.sendall(server_verdict(SECRET, nonce, bytes(answer), incarnation=new_incarnation())[0])
             while not self._stop.is_set():
                 frame = recv_frame(connection, max_length=MAX_CONTROL_BYTES)
                 with self._lock:
@@ -816,9 +817,9 @@ def test_a_remote_range_out_of_bounds_is_refused_by_name_and_moves_nothing(
     excess: int,
     data: st.DataObject,
 ) -> None:
-    """A one-slice request whose remote range passes its region's end fails with a TransferError (not a
-    timeout or an unavailable peer) naming the remote region and the range, over tcp and shm alike, and
-    neither its local nor its remote bytes change."""
+    """A one-slice request whose remote range passes the end of a region the peer described is refused with a
+    TransferError (not a timeout or an unavailable peer) naming the remote region and the range, over tcp and
+    shm alike, and neither its local nor its remote bytes change."""
     local, peer, region, remote_array = reachable[transport]
     length = max(0, REMOTE_BYTES - offset) + excess
     mine, local_array = local.allocate_shared(length)
@@ -826,11 +827,12 @@ def test_a_remote_range_out_of_bounds_is_refused_by_name_and_moves_nothing(
         local_array[:] = np.arange(length) % 241 + 1
         remote_array[:] = data.draw(st.integers(0, 255), label="remote fill")
         before_local, before_remote = local_array.copy(), remote_array.copy()
-        (status,) = local.transfer_sync(
-            [request(op, mine.region_id, peer, region.region_id, length, remote_offset=offset)], timeout=10
-        )
-        assert status.state == RequestState.FAILED and type(status.error) is TransferError, status
-        message = str(status.error)
+        with pytest.raises(TransferError) as refused:
+            local.transfer_sync(
+                [request(op, mine.region_id, peer, region.region_id, length, remote_offset=offset)], timeout=10
+            )
+        assert type(refused.value) is TransferError, refused.value
+        message = str(refused.value)
         assert f"region {region.region_id}" in message and f"[{offset}, {offset + length})" in message, message
         assert np.array_equal(local_array, before_local) and np.array_equal(remote_array, before_remote)
     finally:

@@ -15,7 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.transfer.region import bounds_error
-from mooncake.transfer.wire import HEADER, MAX_CONTROL_BYTES, Frame, Kind, ProtocolError, recv_frame, send_frame
+from mooncake.transfer.wire import (
+    HEADER,
+    MAX_CONTROL_BYTES,
+    VERSION,
+    Frame,
+    Kind,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+)
 
 MAX_DATA = 1 << 16
 U64 = st.integers(0, 2**64 - 1)
@@ -91,8 +100,8 @@ def test_the_checksum_flag_says_whether_a_checksum_is_carried() -> None:
     """Flag bit 0 set: the checksum field is the frame's, even 0; clear: there is none, whatever the field holds."""
     a, b = socket.socketpair()
     try:
-        a.sendall(HEADER.pack(b"MCTE", 1, Kind.WRITE, 1, 0, 0, 0, 0, 0))
-        a.sendall(HEADER.pack(b"MCTE", 1, Kind.WRITE, 0, 0, 0, 0, 0, 99))
+        a.sendall(HEADER.pack(b"MCTE", VERSION, Kind.WRITE, 1, 0, 0, 0, 0, 0))
+        a.sendall(HEADER.pack(b"MCTE", VERSION, Kind.WRITE, 0, 0, 0, 0, 0, 99))
         assert recv_frame(b, max_length=MAX_DATA).checksum == 0
         assert recv_frame(b, max_length=MAX_DATA).checksum is None
     finally:
