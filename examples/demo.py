@@ -43,7 +43,8 @@ CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo: 0, or 2 and one line on stderr for an error, 130 after Ctrl-C (`run_interruptible`)."""
+    """Run the demo: 0, or 2 and one line on stderr for an error, 130 after Ctrl-C, 141 when stdout's reader left
+    (`run_interruptible`)."""
     return run_interruptible("demo", lambda: demo(argv))
 
 
@@ -60,6 +61,8 @@ def demo(argv: list[str] | None) -> int:
                 raise ConfigError(f"{option} must be >= 0, got {value}")
         simulation.check_out_dir(args.out)
         tour(args)
+    except BrokenPipeError:  # stdout's reader left: run_interruptible ends quietly
+        raise
     except (MooncakeError, OSError) as error:
         print(one_line(f"demo: {error}"), file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, write_json
+from mooncake.workload.trace_record import MAX_ARRIVAL_S
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
 
@@ -52,10 +53,14 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
 }
 
 
-def _number(kind: Callable[[str], Any], *, least: float = -math.inf, above: float = -math.inf) -> Callable[[str], Any]:
-    """An option's value as `kind`, finite, >= `least` and > `above`: argparse then names the option and
-    the value it refuses, before anything runs (an unbounded value could loop forever: --sample-every 0)."""
+def _number(
+    kind: Callable[[str], Any], *, least: float = -math.inf, above: float = -math.inf, most: float = math.inf
+) -> Callable[[str], Any]:
+    """An option's value as `kind`, finite, >= `least`, > `above` and <= `most`: argparse then names the option
+    and the value it refuses, before anything runs (an unbounded value could loop forever: --sample-every 0)."""
     bound = f">= {least:g}" if least > -math.inf else f"> {above:g}"
+    if most < math.inf:
+        bound += f" and <= {most:.4g}"
 
     def parse(text: str) -> Any:
         try:
@@ -63,7 +68,7 @@ def _number(kind: Callable[[str], Any], *, least: float = -math.inf, above: floa
             finite = math.isfinite(value)
         except (ValueError, OverflowError):  # not a number, or an integer past any float
             value, finite = math.nan, False
-        if not (finite and value >= least and value > above):
+        if not (finite and least <= value <= most and value > above):
             noun = "an integer" if kind is int else "a finite number"
             raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
         return value
@@ -137,7 +142,12 @@ def parser() -> argparse.ArgumentParser:
         if name == "overload":
             q.add_argument("--speedups", type=_numbers(_number(float, above=0)))
         if name == "predictors":
-            q.add_argument("--horizons", type=_numbers(_number(float, least=0)))
+            q.add_argument(
+                "--horizons",
+                # a snapshot is settled this far past its time: no later than the latest arrival a replay times
+                type=_numbers(_number(float, least=0, most=MAX_ARRIVAL_S)),
+                help=f"seconds ahead each prediction is scored, comma-separated (at most {MAX_ARRIVAL_S:.4g}: 2**43 ms)",
+            )
             q.add_argument(
                 "--sample-every", type=_number(float, above=0), default=5.0, help="seconds between snapshots"
             )
@@ -151,6 +161,11 @@ UNUSED: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "overload": (
         (("admission",), "to overload: it compares every admission policy"),
         (("speedup",), "to overload: it replays at each of --speedups"),
+    ),
+    "threshold": ((("router", "threshold"), "to threshold: it replays kvcache_centric at each of --thresholds"),),
+    "cache": (
+        (("cache_blocks",), "to cache: it replays each of --capacities"),
+        (("global_pool",), "to cache: it replays both the global pool and local caches"),
     ),
 }
 

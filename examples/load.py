@@ -32,7 +32,12 @@ kind is printed to stderr. Requests name the model
 the server lists at `/v1/models` (or `--model`). The summary is
 `mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
 `sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`
-are not visible to a client and stay 0.
+are not visible to a client and stay 0; `failed` counts the requests that got
+no answer, which the table's outcomes line shows too.
+
+Exit status: 0; 1 when no request completed; 2 with one line on stderr for an
+error found before or instead of the run (an option, the config, `--out` naming
+a file, a `--url` that is no URL, does not answer or lists no model).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import asyncio
 import json
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +61,7 @@ from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
 from mooncake.cli import one_line, run_interruptible
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import summary_table, write_json
@@ -159,10 +165,21 @@ async def one(
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model the server lists at `/v1/models`."""
-    async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as answer:
-        answer.raise_for_status()
-        return str((await answer.json())["data"][0]["id"])
+    """The first model the server lists at `/v1/models`.
+
+    Raises:
+        PeerUnavailable: nothing answers at `url`, or it answers with no model list (not a gateway, or a wrong path).
+    """
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as answer:
+            answer.raise_for_status()
+            return str((await answer.json(content_type=None))["data"][0]["id"])
+    except aiohttp.ClientResponseError as error:
+        raise PeerUnavailable(f"{url}/v1/models answered {error.status} {error.message}: is it a gateway?") from error
+    except (aiohttp.ClientError, TimeoutError) as error:  # refused, unresolved, no answer in time
+        raise PeerUnavailable(f"cannot reach {url}/v1/models: {str(error) or type(error).__name__}") from error
+    except (ValueError, LookupError, TypeError) as error:  # JSON, but not an OpenAI model list
+        raise PeerUnavailable(f"{url}/v1/models lists no model: {type(error).__name__}: {error}") from error
 
 
 async def replay_http(
@@ -206,82 +223,94 @@ async def replay_http(
     return records, wall
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    simulation.add_workload_options(parser, num_requests=100)
-    parser.add_argument("--url", help="a running cluster's gateway (default: start --config's)")
-    parser.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
-    parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
-    parser.add_argument("--profile", type=Path, help="the cluster's fitted cost models (its [prefill] profile)")
-    add_scaling_options(parser)
-    parser.add_argument("--ttft-slo", type=float, help="seconds (default: --config's [slo] ttft_s)")
-    parser.add_argument("--tbt-slo", type=float, help="seconds (default: --config's [slo] tbt_s)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    try:
-        scaling_of(args)
-        requests = simulation.load_workload(args)
-    except (MooncakeError, OSError) as error:
-        sys.exit(one_line(f"error: {error}"))
-    from serving.config import load_config
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    simulation.add_workload_options(p, num_requests=100)
+    p.add_argument("--url", help="a running cluster's gateway, http://HOST:PORT (default: start --config's)")
+    p.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
+    p.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
+    p.add_argument("--profile", type=Path, help="the cluster's fitted cost models (its [prefill] profile)")
+    add_scaling_options(p)
+    p.add_argument("--ttft-slo", type=float, help="seconds (default: --config's [slo] ttft_s)")
+    p.add_argument("--tbt-slo", type=float, help="seconds (default: --config's [slo] tbt_s)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="write summary.json here")
+    return p
 
+
+def check_url(url: str) -> None:
+    """`--url` names an HTTP server (aiohttp would refuse another at the first request, in a traceback).
+
+    Raises:
+        ConfigError: `url` is not an http:// or https:// URL with a host.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--url must be an http:// or https:// URL, such as http://127.0.0.1:8000, got {url!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line: 0; 1 when no request completed; 2 and one line on stderr for an error; 130 after
+    Ctrl-C; SIGTERM stops a cluster it started, too (`run_interruptible`)."""
+    return run_interruptible("load", lambda: load(argv))
+
+
+def load(argv: list[str] | None) -> int:
+    args = parser().parse_args(argv)
+    cluster = None
     try:
+        if args.out is not None:  # found before the run, not after it
+            simulation.check_out_dir(args.out)
+        if args.url is not None:
+            check_url(args.url)
+        scaling = scaling_of(args)
+        requests = simulation.load_workload(args)
+        from serving.config import load_config
+
         config = load_config(args.config)
         # Scored against the objectives the cluster admits against, unless the command line names others.
-        slo = attrs.evolve(
-            config.slo.objectives(),
-            **{
-                name: value for name, value in (("ttft_s", args.ttft_slo), ("tbt_s", args.tbt_slo)) if value is not None
-            },
-        )
-    except MooncakeError as error:
-        sys.exit(one_line(f"error: {error}"))
-    cluster = None
-    url = args.url
-    if url is None:
-        from serving.launch import start_cluster
+        objectives = (("ttft_s", args.ttft_slo), ("tbt_s", args.tbt_slo))
+        slo = attrs.evolve(config.slo.objectives(), **{name: value for name, value in objectives if value is not None})
+        url = args.url
+        if url is None:
+            from serving.launch import start_cluster
 
-        try:
             config = config.with_overrides("cluster", port=0)
             if args.profile is not None:
                 config = config.with_overrides("prefill", profile=str(args.profile))
             config = config.with_overrides(
                 "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
             )
-            cluster = start_cluster(config)
-        except MooncakeError as error:  # a config (or --max-prompt-tokens) this cluster cannot serve
-            sys.exit(one_line(f"error: {error}"))
-        url = cluster.url
-    try:
-        records, wall = asyncio.run(
-            replay_http(url, requests, scaling_of(args), model=args.model, timeout_s=args.timeout)
-        )
+            cluster = start_cluster(config)  # a config (or --max-prompt-tokens) it cannot serve: a MooncakeError
+            url = cluster.url
+        records, wall = asyncio.run(replay_http(url, requests, scaling, model=args.model, timeout_s=args.timeout))
+        summary = summarize(records, slo, sim_wall_s=wall)
+        failed = sum(1 for r in records if r.outcome is None)
+        result = {**summary.to_json(), "failed": failed}
+        if args.out:
+            write_json(result, args.out / "summary.json")
+    except (MooncakeError, OSError) as error:
+        print(one_line(f"load: {error}"), file=sys.stderr)
+        return 2
     finally:
         if cluster is not None:
             cluster.close()
-    summary = summarize(records, slo, sim_wall_s=wall)
-    failed = sum(1 for r in records if r.outcome is None)
-    result = {**summary.to_json(), "failed": failed}
-    if args.out:
-        write_json(result, args.out / "summary.json")
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
-        return
-    s = summary
-    print(f"{url}: {failed} requests failed (no answer)" if failed else url)
-    print("\n".join(summary_table(s)))
-    print(
-        f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
-        f"cache hit ratio {s.cache_hit_ratio:.3f}   wall {s.sim_wall_s:.1f} s"
-    )
-
-
-def _run() -> int:
-    main()
+    else:
+        s = summary
+        print(url)
+        print("\n".join(summary_table(s, failed=failed)))
+        print(
+            f"SLO attainment {s.slo_attainment:.3f}   goodput {s.goodput_rps:.3f} req/s   "
+            f"cache hit ratio {s.cache_hit_ratio:.3f}   wall {s.sim_wall_s:.1f} s"
+        )
+    if not summary.completed:  # a run that served nothing is no measurement, whatever its table says
+        print(f"load: no request completed ({failed:,} of {summary.num_requests:,} failed)", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_interruptible("load", _run))  # Ctrl-C: one line; SIGTERM stops a cluster it started, too
+    sys.exit(main())

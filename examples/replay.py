@@ -19,6 +19,7 @@ as `examples/load.py` sends it to the real cluster (`examples/scaling.py`:
 `--max-output-tokens`), tokenized by the cluster's tokenizer and keyed by its
 hasher, so both see the same blocks; the cluster options and `--router`,
 `--admission`, `--threshold`, `--ttft-slo`, `--tbt-slo` are then the config's.
+Without `--config` nothing is scaled, and the scaling options are refused.
 
 Prints a summary table (or, with --json, the summary as JSON). With --out DIR it
 writes requests.csv (one row per request), summary.json, ttft_cdf.png,
@@ -32,8 +33,9 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import simulation
-from scaling import add_scaling_options, scaling_of
+from scaling import Scaling, add_scaling_options, scaling_of
 from serving import registry
 
 from mooncake.cli import one_line, run_interruptible
@@ -76,6 +78,7 @@ COUPLED_UNUSED = (
     "inline_prefill",
     "admission_wait",
 )
+SCALING = tuple(attrs.fields_dict(Scaling))  # the options of add_scaling_options, by dest
 CONFIG_UNUSED = ("prefill", "decode", "model", "hardware", "ttft_slo", "tbt_slo", *COUPLED_UNUSED)
 
 
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     simulation.refuse_unpredicted(parser(), args)
     if args.profile is not None:
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
+    simulation.refuse_unused(parser(), args, SCALING, "without --config (it scales a workload to the example cluster)")
     requests = simulation.load_workload(args)
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":

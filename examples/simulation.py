@@ -56,6 +56,7 @@ from mooncake.workload import (
     generate_requests,
     preset,
 )
+from mooncake.workload.trace_record import MAX_ARRIVAL_S
 
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
@@ -122,11 +123,17 @@ def progress(args: argparse.Namespace, total: int, label: str) -> ProgressBar:
     return ProgressBar(total, label=label, enabled=not args.no_progress and shows_progress())
 
 
-def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> list[Request]:
-    """The requests the options describe, at `speedup` (default: `--speedup`)."""
+def load_workload(
+    args: argparse.Namespace, *, speedup: float | None = None, option: str = "--speedup"
+) -> list[Request]:
+    """The requests the options describe, at `speedup` (default: `--speedup`; `option` names the one it is).
+
+    Raises:
+        ConfigError: an option out of its range, or arrivals a replay cannot time (past `MAX_ARRIVAL_S`).
+        TraceFormatError: a malformed --trace line, or one that `speedup` puts past `MAX_ARRIVAL_S`.
+    """
     speed = args.speedup if speedup is None else speedup
-    if not (speed > 0 and math.isfinite(speed)):
-        raise ConfigError(f"--speedup must be a finite number > 0, got {speed}")
+    check_positive(option, speed)
     count = args.num_requests
     if count is not None and (isinstance(count, bool) or count < 1):
         raise ConfigError(f"--num-requests must be >= 1, got {count}")
@@ -136,8 +143,8 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
     if block < 1:
         raise ConfigError(f"--block-size must be >= 1, got {block}")
     rate = args.rate
-    if rate is not None and not (rate > 0 and math.isfinite(rate)):
-        raise ConfigError(f"--rate must be a finite number > 0, got {rate}")
+    if rate is not None:
+        check_positive("--rate", rate)
     if args.trace is not None:
         if rate is not None:  # a trace's own timestamps are its arrivals
             raise ConfigError("--rate sets a generated workload's arrivals; a --trace keeps its own (see --speedup)")
@@ -162,13 +169,20 @@ def load_workload(args: argparse.Namespace, *, speedup: float | None = None) -> 
             f"--time-unit {args.time_unit} says what a --trace's timestamps count; a generated workload has none"
         )
     spec = attrs.evolve(preset(args.preset or DEFAULT_PRESET), block_size_tokens=block)  # as `trace generate` does
+    rate = getattr(args, "default_rate", DEFAULT_RATE) if rate is None else rate
     requests = generate_requests(
         spec,
         num_requests=DEFAULT_REQUESTS if count is None else count,
-        arrivals=ArrivalProcess(rate_per_s=getattr(args, "default_rate", DEFAULT_RATE) if rate is None else rate),
+        arrivals=ArrivalProcess(rate_per_s=rate),
         seed=args.seed,
     )
-    return [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
+    requests = [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
+    if not requests[-1].arrival_s <= MAX_ARRIVAL_S:  # as the trace reader bounds a --trace's (they come in order)
+        raise ConfigError(
+            f"{option} {speed:g} puts the last of {len(requests):,} arrivals (--rate {rate:g}) at "
+            f"{requests[-1].arrival_s:.3g} s, past the {MAX_ARRIVAL_S:.4g} s (2**43 ms) a replay can time"
+        )
+    return requests
 
 
 def _program() -> str:
@@ -429,8 +443,7 @@ def cluster_requests(config: ClusterConfig, requests: Sequence[Request], scaling
 def slo(args: argparse.Namespace) -> Slo:
     """The `--ttft-slo` / `--tbt-slo` objectives (named by their options when they are not positive)."""
     for option, value in (("--ttft-slo", args.ttft_slo), ("--tbt-slo", args.tbt_slo)):
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{option} must be a finite number > 0, got {value}")
+        check_positive(option, value)
     return Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
 
 
@@ -445,5 +458,10 @@ def describe(spec: ClusterSpec) -> str:
 
 
 def check_positive(name: str, value: float) -> None:
+    """`value`, the option `name`, is a finite number > 0 (a speed-up, a rate, an objective).
+
+    Raises:
+        ConfigError: naming the option and the value.
+    """
     if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{name} must be a positive number, got {value}")
+        raise ConfigError(f"{name} must be a finite number > 0, got {value}")

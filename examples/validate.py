@@ -515,26 +515,28 @@ def validate(argv: list[str] | None) -> int:
             raise ConfigError(
                 f"--overload-batch must be a batch size, or 0 for the config's, got {args.overload_batch}"
             )
+        # Both workloads before any work (profiling and a real cluster take minutes): their options are named.
+        workloads = {"serviceable": simulation.load_workload(args)}
+        if not args.no_overload:
+            simulation.check_positive("--overload-speedup", args.overload_speedup)
+            speedup = args.speedup * args.overload_speedup
+            workloads["overload"] = simulation.load_workload(
+                args, speedup=speedup, option="--speedup × --overload-speedup"
+            )
+        serviceable = workloads["serviceable"]
         config = load_config(args.config)
         with tempfile.TemporaryDirectory(prefix="mooncake-validate-") as scratch:
             out = args.out if args.out is not None else Path(scratch)
             fitted = args.profile or profile(args.config, config, out / "profile.json")
             config = config.with_overrides("prefill", profile=str(fitted))
-            runs = {"serviceable": 1.0} | ({} if args.no_overload else {"overload": args.overload_speedup})
             results: dict[str, Comparison] = {}
             repeat: Comparison | None = None
-            serviceable = simulation.load_workload(args, speedup=args.speedup)
-            for name, speedup in runs.items():
+            for name, requests in workloads.items():
                 run_config, unloaded = config, None
                 if name == "overload":  # the paper's overload: refused at once, not held for decode room
                     run_config = config.with_overrides("limits", admission_wait_s=0.0)
                     if args.overload_batch:
                         run_config = run_config.with_overrides("decode", max_batch_size=args.overload_batch)
-                requests = (
-                    serviceable
-                    if name == "serviceable"
-                    else simulation.load_workload(args, speedup=args.speedup * speedup)
-                )
                 real, calibration = run_real(run_config, requests, args)
                 sim = run_sim(run_config, requests, args, calibration)
                 if name == "overload" and args.overload_batch:  # what the limit alone refuses, at the serviceable pace

@@ -19,7 +19,8 @@ by default; `s` for Alibaba's Qwen-Bailian traces); a millisecond trace with
 fractions of a millisecond gets one `PROG: warning: ...` line on stderr saying so.
 Ctrl-C ends a command with status 130 and one line on stderr; SIGTERM with
 status 143. Either way an output being written is left as it was, no temporary
-file behind.
+file behind. Output piped into a reader that exits early (`| head`) ends the
+command quietly with status 141, as SIGPIPE would.
 A capacity sweep draws a progress bar on stderr when stdout and stderr are both
 terminals (not when the output is piped or redirected) unless `--no-progress`.
 """
@@ -30,6 +31,7 @@ import argparse
 import concurrent.futures
 import io
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -160,6 +162,9 @@ def _capacities(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {_shown(text)}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"capacities must be positive integers, got {_shown(text)}")
+    # The JSON is keyed by capacity: a repeat would be a row of the table and no key of the JSON.
+    if repeated := next((value for index, value in enumerate(values) if value in values[:index]), None):
+        raise argparse.ArgumentTypeError(f"capacity {repeated} is given twice in {_shown(text)}")
     return values
 
 
@@ -245,7 +250,14 @@ def _stats(args: argparse.Namespace) -> None:
     print(f"max input tokens     {stats.max_input_length:,}")
     print(f"blocks (unique)      {stats.num_blocks:,} ({stats.num_unique_blocks:,})")
     print(f"prefix reuse ratio   {stats.prefix_reuse_ratio:.4f}")
-    print(f"duration             {stats.duration_s:,.1f} s ({stats.mean_rate_per_s:.2f} req/s)")
+    print(f"duration             {_seconds(stats.duration_s)} s ({stats.mean_rate_per_s:.2f} req/s)")
+
+
+def _seconds(value: float) -> str:
+    """`value` to three significant figures at least (a 10 ms trace's 0.0100, not 0.0, beside its 100 req/s),
+    to a tenth of a second past 100 (1,800.0), never in exponent form."""
+    decimals = 1 if value <= 0 else max(1, 2 - math.floor(math.log10(value)))
+    return f"{value:,.{decimals}f}"
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -433,6 +445,22 @@ def _terminate(signum: int, frame: object) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
+EXIT_READER_LEFT = 141  # 128 + SIGPIPE (13): the status of a program the signal ends, as `yes | head` leaves it
+
+
+def _reader_left() -> int:
+    """stdout's reader has gone (`| head`, `| true`): as Python's signal docs advise for SIGPIPE, point stdout at
+    /dev/null, so that the flush at exit writes nowhere (instead of a second BrokenPipeError, reported as
+    "Exception ignored"), and end quietly: the output was not wanted."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # stdout replaced by something with no file descriptor
+        pass
+    return EXIT_READER_LEFT
+
+
 def run_interruptible(prog: str, command: Callable[[], int]) -> int:
     """Run a command line's body so that stopping it cleans up and says so in one line.
 
@@ -440,11 +468,14 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
     and an atomic write (`write_trace`, the simulator's reports) removes its
     temporary file instead of leaving it behind. Ctrl-C (KeyboardInterrupt)
     ends it with status 130 and `PROG: interrupted` on stderr, not a traceback.
-    The SIGTERM handler is installed for the call only, and only from the main
+    A reader of stdout that exits early (`| head`) ends it quietly with status
+    141 (`EXIT_READER_LEFT`), as SIGPIPE would: stdout is flushed here, so
+    that the broken pipe shows here and not at the interpreter's exit. The
+    SIGTERM handler is installed for the call only, and only from the main
     thread (the one Python runs signal handlers in).
 
     Returns:
-        `command()`'s exit status, or 130 after Ctrl-C.
+        `command()`'s exit status, 130 after Ctrl-C, or 141 when stdout's reader left.
 
     Raises:
         SystemExit: 143 (128 + SIGTERM) on SIGTERM.
@@ -452,7 +483,11 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
-        return command()
+        status = command()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:  # from a print, or the flush (a command's own I/O errors are its to report)
+        return _reader_left()
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -462,8 +497,8 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0, 2 for a usage or input error, 130 after Ctrl-C;
-    SIGTERM exits with 143, removing what was half written: see `run_interruptible`)."""
+    """Run the command line; returns the exit status (0, 2 for a usage or input error, 130 after Ctrl-C, 141 when
+    stdout's reader left; SIGTERM exits with 143, removing what was half written: see `run_interruptible`)."""
     return run_interruptible("mooncake", lambda: _main(argv))
 
 
@@ -477,6 +512,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except MooncakeError as error:
         print(one_line(f"mooncake: error: {error}"), file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left: no error of the input (run_interruptible ends quietly)
+        raise
     except OSError as error:
         print(one_line(f"mooncake: error: {_os_error(error)}"), file=sys.stderr)
         return 2

@@ -96,6 +96,22 @@ def test_trace_stats_text(synthetic_trace: Path, capsys: pytest.CaptureFixture[s
     assert "prefix reuse ratio   0.6396" in out
 
 
+@pytest.mark.parametrize(
+    ("stamps", "shown"),
+    [((0, 10), "0.0100 s (100.00 req/s)"), ((0, 1500), "1.50 s (0.67 req/s)"), ((0, 3_599_940), "3,599.9 s")],
+)
+def test_trace_stats_text_shows_a_short_duration_to_three_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stamps: tuple[int, ...], shown: str
+) -> None:
+    """A 10 ms trace's duration was "0.0 s" beside its rate of 100 req/s: at least three significant figures
+    now, and long durations as before, to a tenth of a second."""
+    path = tmp_path / "short.jsonl"
+    path.write_text("".join(GOOD_LINE.replace('"timestamp": 0', f'"timestamp": {t}') + "\n" for t in stamps))
+    status, out, err = run(capsys, "trace", "stats", str(path), "--block-size", "4")
+    assert (status, err) == (0, "")
+    assert f"duration             {shown}" in out, out
+
+
 # --------------------------------------------------------------------------- trace capacity
 
 
@@ -164,6 +180,18 @@ def test_bad_capacity_blocks_is_an_argparse_error(
         main(["trace", "capacity", str(tmp_path / "t.jsonl"), "--capacity-blocks", blocks])
     assert caught.value.code == 2
     assert "--capacity-blocks" in capsys.readouterr().err
+
+
+def test_a_capacity_given_twice_is_an_argparse_error_naming_it(
+    small_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A repeated capacity was a row of the table twice and one key of the JSON (keyed by capacity): refused, named."""
+    for extra in ((), ("--json",)):
+        status, out, err = run(
+            capsys, "trace", "capacity", str(small_trace), "--capacity-blocks", "1000,100,1000", *extra
+        )
+        assert (status, out) == (2, "")
+        assert "argument --capacity-blocks: capacity 1000 is given twice in '1000,100,1000'" in err
 
 
 def test_unknown_policy_is_an_argparse_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -634,6 +662,34 @@ def test_the_installed_command_prints_no_traceback(tmp_path: Path, argv: list[st
 
 
 # --------------------------------------------------------------------------- stopped by a signal
+
+
+def test_output_into_a_reader_that_left_ends_quietly_with_141(small_trace: Path) -> None:
+    """stdout a pipe whose reader has exited (`| head`): status 141, as SIGPIPE gives, and nothing on stderr (it
+    was `mooncake: error: [Errno 32] Broken pipe`, status 2). The read end is closed before the command starts,
+    so its first write fails, whenever that comes."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "mooncake", "trace", "stats", str(small_trace)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")
+
+
+def test_a_broken_pipe_in_a_command_is_status_141(capsys: pytest.CaptureFixture[str]) -> None:
+    """run_interruptible, which every command line runs in, takes a BrokenPipeError for stdout's reader gone."""
+
+    def piped() -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert run_interruptible("tool", piped) == 141
+    assert capsys.readouterr() == ("", "")
 
 
 def test_ctrl_c_is_status_130_and_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import http.server
 import json
 import os
 import pty
 import signal
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -116,17 +120,46 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path, name: str) -> None:
         ([*SMALL, "--skip-invalid"], "--skip-invalid reads around a --trace's malformed lines"),
         ([*SMALL, "--time-unit", "s"], "--time-unit s says what a --trace's timestamps count"),
         (["--trace", "AT_ONCE"], "its 3 arrivals span 0 s; give --prefill and --decode"),  # sized 1.7e11 nodes
+        # Arrivals past 2**43 ms, the bound on a trace's timestamps: the replay once hung in its load sampling.
+        ([*SMALL, "--speedup", "1e-100"], "--speedup 1e-100 puts the last of 150 arrivals (--rate 2) at 8.26e+101 s"),
+        (["--trace", "LATER", "--speedup", "1e-100"], "later.jsonl:2: arrival 3000 ms at speedup 1e-100 is 3e+100 s"),
     ],
 )
 def test_replay_refuses_bad_options_by_name(args: list[str], message: str, tmp_path: Path) -> None:
     """One line naming the option, exit status 2, and nothing run (an empty trace once printed a table of zeros)."""
-    traces = {"EMPTY": tmp_path / "empty.jsonl", "ONE": tmp_path / "one.jsonl", "AT_ONCE": tmp_path / "at_once.jsonl"}
+    traces = {name: tmp_path / f"{name.lower()}.jsonl" for name in ("EMPTY", "ONE", "AT_ONCE", "LATER")}
     traces["EMPTY"].write_text("")
     line = '{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}\n'
     traces["ONE"].write_text(line)
     traces["AT_ONCE"].write_text(line * 3)
-    done = run("replay.py", *[str(traces[arg]) if arg in traces else arg for arg in args], check=False)
+    traces["LATER"].write_text(line + line.replace('"timestamp": 0', '"timestamp": 3000'))
+    done = run("replay.py", *[str(traces[arg]) if arg in traces else arg for arg in args], check=False, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("replay.py", *SMALL, "--prefill", "2", "--decode", "2", "--no-progress"),
+        ("experiments.py", "threshold", *SMALL, "--thresholds", "1.5", "--no-plots", "--no-progress", "--out", "OUT"),
+        ("demo.py", "--num-requests", "50", "--out", "OUT"),
+    ],
+    ids=["replay", "experiments", "demo"],
+)
+def test_output_into_a_reader_that_left_ends_quietly_with_141(argv: tuple[str, ...], tmp_path: Path) -> None:
+    """stdout a pipe whose reader has exited (`| head`): status 141, as SIGPIPE gives, and nothing on stderr
+    (replay.py and experiments.py printed a BrokenPipeError traceback, demo.py an error line with status 2). The
+    read end is closed before the program starts, so its first write fails, whenever that comes."""
+    script, *rest = (str(tmp_path) if arg == "OUT" else arg for arg in argv)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / script), *rest], stdout=write, stderr=subprocess.PIPE, timeout=300
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")
 
 
 def test_experiments_refuse_an_output_path_that_is_a_file_before_running(tmp_path: Path) -> None:
@@ -308,7 +341,9 @@ def test_the_examples_stop_on_a_signal_in_one_line(
     ("argv", "message"),
     [
         (("predictors", "--sample-every", "0"), "argument --sample-every: must be a finite number > 0, got '0'"),
-        (("predictors", "--horizons=1,-1"), "argument --horizons: must be a finite number >= 0, got '-1'"),
+        (("predictors", "--horizons=1,-1"), "argument --horizons: must be a finite number >= 0 and <= 8.796e+09"),
+        # Past 2**43 ms, the latest arrival a replay times: the replay once hung in its load sampling.
+        (("predictors", "--horizons=1e300"), "argument --horizons: must be a finite number >= 0 and <= 8.796e+09"),
         (("predictors", "--sample-every", "1e-9"), "snapshots of the"),
         (("cache", "--nodes", "2,0"), "argument --nodes: must be an integer >= 1, got '0'"),
         (("cache", "--nodes", "1" + "0" * 400), "argument --nodes: must be an integer >= 1, got '1000"),
@@ -320,7 +355,7 @@ def test_the_examples_stop_on_a_signal_in_one_line(
 def test_experiments_refuse_out_of_range_values_by_name(argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
     """An experiment's own options are bounded before anything runs: --sample-every 0 once sampled until the
     kernel killed the process, a negative horizon was a traceback, a negative factor silently meant another SLO."""
-    done = run("experiments.py", *argv, *SMALL, "--out", str(tmp_path), "--no-progress", check=False)
+    done = run("experiments.py", *argv, *SMALL, "--out", str(tmp_path), "--no-progress", check=False, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not any(tmp_path.iterdir())
 
@@ -401,6 +436,39 @@ def test_cache_says_so_when_no_cell_has_a_hit_to_compare(tmp_path: Path) -> None
     done = run("experiments.py", *argv)
     assert "no comparison" in done.stdout and "<- largest" not in done.stdout and "nan" not in done.stdout
     assert json.loads(run("experiments.py", *argv, "--json").stdout)["largest_ratio"] is None
+
+
+@pytest.mark.parametrize(
+    ("router", "named"),
+    [("kvcache_centric", "(local caches: local_cache_aware)"), ("random", "(local caches: random, no transfers)")],
+)
+def test_cache_names_the_router_its_local_caches_run(router: str, named: str, tmp_path: Path) -> None:
+    """Both modes run --router, the local caches with no transfers, which makes the default router the
+    local-cache-aware one; the header says so (it said local_cache_aware whatever --router was), and its
+    cluster line leaves the swept prefill nodes and capacities to the rows."""
+    argv = ["cache", *SMALL, "--router", router, "--nodes", "1", "--capacities", "100", "--no-plots"]
+    lines = run("experiments.py", *argv, "--out", str(tmp_path)).stdout.splitlines()
+    assert lines[2] == f"router {router} {named}"
+    assert "decode nodes" in lines[1] and "cache blocks per node as below" in lines[1] and "10,000" not in lines[1]
+
+
+def test_throughput_labels_each_length_exactly_and_marks_the_rates_at_the_searchs_cap(tmp_path: Path) -> None:
+    """Column labels are exact (1000 was "0K", 1536 "1K"); every cell stands apart however wide (65536.0000 ran
+    into its neighbour); a rate that is the search's cap is marked a lower bound (>=), its JSON left a number."""
+    lengths = (1000, 1536, 16384)
+    argv = ["throughput", *SMALL, "--lengths", ",".join(map(str, lengths)), "--throughput-requests", "5"]
+    done = run("experiments.py", *argv, "--tbt-thresholds", "0.1", "--no-plots", "--out", str(tmp_path))
+    lines = done.stdout.splitlines()
+    assert lines[1].split()[1:4] == ["1000", "1.5K", "16K"], lines[1]
+    report = json.loads((tmp_path / "throughput.json").read_text())["max_rps"]
+    for config, row in zip(("3P+1D", "2P+2D", "vllm-4", "vllm-4-chunked"), lines[2:6], strict=True):
+        name, *cells = row.split()
+        assert name == config and len(cells) == len(lengths), row
+        for cell, length in zip(cells, lengths, strict=True):
+            rate = report[config][str(length)]
+            assert cell == (">=65536" if rate == 65536 else f"{rate:.4f}"), (row, rate)
+    assert any(">=65536" in row for row in lines[2:6])  # 5 requests: some configuration meets the SLOs at any rate
+    assert "(>=: the SLOs held even at the highest rate tried, 65536 req/s" in done.stdout
 
 
 def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
@@ -535,6 +603,14 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
         (("replay.py", "--config", "examples/configs/tiny.toml", "--admission-wait", "5"), "--admission-wait does"),
         (("replay.py", "--admission-wait", "-1"), "--admission-wait must be a finite number of seconds >= 0, got -1"),
         (("experiments.py", "cache", "--admission-wait", "nan"), "--admission-wait must be a finite number"),
+        # Swept by the experiment, so accepted and ignored (the cache header even printed the blocks given).
+        # Only a --config cluster's workload is scaled: without one they were accepted, even invalid, and ignored.
+        (("replay.py", "--length-scale", "nan"), "--length-scale does not apply without --config"),
+        (("replay.py", "--max-output-tokens", "-3"), "--max-output-tokens does not apply without --config"),
+        (("experiments.py", "threshold", "--router", "random"), "--router does not apply to threshold"),
+        (("experiments.py", "threshold", "--threshold", "7"), "--threshold does not apply to threshold"),
+        (("experiments.py", "cache", "--cache-blocks", "7"), "--cache-blocks does not apply to cache"),
+        (("experiments.py", "cache", "--local-cache"), "--local-cache does not apply to cache"),
     ],
 )
 def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:
@@ -692,6 +768,23 @@ def test_validate_refuses_an_overload_batch_that_is_not_one() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "validate: --overload-speedup must be a finite number > 0, got 0.0"),
+        ("nan", "validate: --overload-speedup must be a finite number > 0, got nan"),
+        ("1e-100", "validate: --speedup × --overload-speedup 1e-100 puts the last of 5 arrivals (--rate 10) at"),
+    ],
+)
+def test_validate_refuses_an_overload_speedup_before_any_work(value: str, message: str) -> None:
+    """--overload-speedup is checked, by its name, before profiling and the real serviceable run (minutes): it
+    was checked after them, as a --speedup of the product the user never gave."""
+    done = run(
+        "validate.py", "--overload-speedup", value, "--num-requests", "5", "--rate", "10", check=False, timeout=60
+    )
+    assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+
+
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
     """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
     pytest.importorskip("torch")
@@ -719,6 +812,80 @@ def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) 
     ):
         assert key in summary
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
+
+
+class _NotFound(http.server.SimpleHTTPRequestHandler):
+    """Serves an empty folder: 404 to every GET, 501 to a POST; quiet."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def no_gateway(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """URLs load.py cannot use: one nothing listens at (a port just freed), one without a scheme, and an HTTP
+    server answering 404 (stopped after the test)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_NotFound, directory=str(tmp_path / "empty"))
+    )
+    (tmp_path / "empty").mkdir()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {
+            "refused": f"http://127.0.0.1:{port}",
+            "no scheme": f"127.0.0.1:{port}",
+            "404": f"http://127.0.0.1:{server.server_address[1]}",
+        }
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+LOAD_FEW = ("--num-requests", "3", "--rate", "1000", "--timeout", "20")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("refused", "load: cannot reach http://127.0.0.1:"),
+        ("no scheme", "load: --url must be an http:// or https:// URL, such as http://127.0.0.1:8000, got '127.0.0.1:"),
+        ("404", "/v1/models answered 404 File not found: is it a gateway?"),
+    ],
+)
+def test_load_says_in_one_line_that_its_url_is_no_gateway(no_gateway: dict[str, str], url: str, message: str) -> None:
+    """A --url nothing listens at, one without a scheme, and one answering 404 for the model list: one line naming
+    the URL and status 2 (each was an aiohttp traceback)."""
+    done = run("load.py", "--url", no_gateway[url], *LOAD_FEW, check=False, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_load_refuses_an_output_path_that_is_a_file_before_sending(no_gateway: dict[str, str], tmp_path: Path) -> None:
+    """--out naming a file is found before any request is sent (it was a FileExistsError after the whole run)."""
+    out = tmp_path / "taken"
+    out.write_text("mine")
+    done = run("load.py", "--url", no_gateway["refused"], "--model", "m", *LOAD_FEW, "--out", str(out), check=False)
+    assert done.returncode == 2 and done.stderr == f"load: --out {out} is a file, not a directory\n"
+    assert out.read_text() == "mine"
+
+
+@pytest.mark.parametrize("form", ["table", "--json"])
+def test_load_counts_failed_requests_and_exits_1_when_none_completed(no_gateway: dict[str, str], form: str) -> None:
+    """Requests that get no answer are counted in the outcomes (the table's line once added up to fewer than the
+    arrivals), and a run that completed none exits 1, saying so (it exited 0)."""
+    extra = ["--json"] if form == "--json" else []
+    done = run("load.py", "--url", no_gateway["refused"], "--model", "m", *LOAD_FEW, *extra, check=False, timeout=60)
+    assert done.returncode == 1 and "load: no request completed (3 of 3 failed)" in done.stderr, done.stderr
+    if extra:
+        summary = json.loads(done.stdout)
+        assert (summary["num_requests"], summary["completed"], summary["failed"]) == (3, 0, 3)
+    else:
+        assert "requests 3: completed 0, rejected before prefill 0, after prefill 0 " in done.stdout
+        assert "failed 3 (no answer)" in done.stdout
 
 
 def test_the_predictor_option_chooses_the_predictive_policys_predictor() -> None:

@@ -1,9 +1,10 @@
 """The global KV pool against local caches, over cluster sizes and cache capacities (FAST'25 Fig. 10).
 
 For each number of prefill nodes and each per-node capacity, the same
-workload runs once with a global pool (any node fetches any block; the
-KV-cache-centric router) and once with local caches (the local-cache-aware
-router), and the hit ratios are compared. A global pool gains most where the
+workload runs once with a global pool (any node fetches any block) and once
+with local caches (no fetches), both under `--router`, and the hit ratios are
+compared. Without fetches the KV-cache-centric router (the default) is the
+local-cache-aware one. A global pool gains most where the
 workload's reusable prefixes outgrow one node's cache but fit the cluster's:
 many nodes with small caches. The table marks where the ratio is largest.
 """
@@ -52,7 +53,15 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
     # none where no cell has both (a workload that shares no prefix hits in neither).
     finite = [(n, b) for n in node_counts for b in capacities if math.isfinite(ratio(n, b))]
     largest = max(finite, key=lambda nb: ratio(*nb)) if finite else None
-    lines = [header(args, requests, spec), f"router {args.router} (local caches: local_cache_aware)", ""]
+    # The local caches' runs are the same router's with transfers off (build_conductor): say what that makes it.
+    local = "local_cache_aware" if args.router == "kvcache_centric" else f"{args.router}, no transfers"
+    groups = f", CPP groups of {spec.cpp_group_size}" if spec.cpp_group_size > 1 else ""
+    cluster = f"{spec.num_decode} decode nodes, {spec.model.name} on {spec.prefill_hardware.name}{groups}"
+    lines = [
+        header(args, requests, spec, cluster=f"{cluster}, prefill nodes and cache blocks per node as below"),
+        f"router {args.router} (local caches: {local})",
+        "",
+    ]
     lines.append(
         f"{'nodes':>6}{'blocks/node':>12}{'global hit':>11}{'local hit':>10}{'ratio':>7}"
         f"{'global prefill':>15}{'local prefill':>14}"

@@ -59,11 +59,14 @@ def replay(
     return DisaggregatedCluster(spec, conductor).run(requests, progress=simulation.progress(args, len(requests), label))
 
 
-def header(args: argparse.Namespace, requests: Sequence[Request], spec: ClusterSpec) -> str:
+def header(
+    args: argparse.Namespace, requests: Sequence[Request], spec: ClusterSpec, *, cluster: str | None = None
+) -> str:
+    """The workload, the cluster (`cluster`, where the experiment sweeps what `simulation.describe` says) and SLOs."""
     slo = simulation.slo(args)
     return (
         f"workload: {simulation.workload_name(args)}, {len(requests):,} requests\n"
-        f"cluster: {simulation.describe(spec)}; SLOs: TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s * 1000:g} ms"
+        f"cluster: {cluster or simulation.describe(spec)}; SLOs: TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s * 1000:g} ms"
     )
 
 

@@ -80,7 +80,7 @@ def overload(args: argparse.Namespace) -> tuple[Report, str]:
     runs: dict[str, dict[str, ReplayResult]] = {p: {} for p in ADMISSIONS}
     swing: dict[str, dict[str, float]] = {p: {} for p in ADMISSIONS}
     for speedup in speedups:
-        requests = simulation.load_workload(args, speedup=speedup)
+        requests = simulation.load_workload(args, speedup=speedup, option="--speedups")
         for policy in ADMISSIONS:
             result = replay(spec, requests, args, admission=policy)
             runs[policy][str(speedup)] = result

@@ -20,6 +20,7 @@ import array
 import heapq
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -472,6 +473,7 @@ class LoadTrace:
     """
 
     MAX_GAP_SAMPLES = 3600
+    EXACT_INDICES = 2**50  # below it, sample times k · interval_s are distinct floats, increasing with k
 
     def __init__(self, interval_s: float, counts: Callable[[], tuple[int, int]]) -> None:
         self.interval_s = interval_s
@@ -482,7 +484,12 @@ class LoadTrace:
 
     def _last_index(self, now: float) -> int:
         """The index of the last sample time at or before `now`."""
-        last = math.floor(now / self.interval_s)
+        quotient = now / self.interval_s
+        if not quotient < self.EXACT_INDICES:
+            # Neighbouring sample times round to one float out here: stepping along the grid might never pass
+            # `now` (an endless loop), and the quotient is as exact as the grid can be.
+            return math.floor(min(quotient, sys.float_info.max))
+        last = math.floor(quotient)
         while last * self.interval_s > now:  # the division rounded up
             last -= 1
         while (last + 1) * self.interval_s <= now:  # or down

@@ -103,15 +103,16 @@ def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> Non
             )
 
 
-def summary_table(summary: Summary) -> list[str]:
+def summary_table(summary: Summary, *, failed: int = 0) -> list[str]:
     """The lines of a run's text table: its outcomes (completed, rejected before and after prefill, the prefill
-    spent on the latter), then TTFT in s and TBT in ms, mean, p50, p90 and p99, under a header. A caller adds
-    its own line of run figures (SLO attainment, goodput, wall time)."""
+    spent on the latter, and with `failed` the requests that got no answer, which a real run has), then TTFT in s
+    and TBT in ms, mean, p50, p90 and p99, under a header. A caller adds its own line of run figures (SLO
+    attainment, goodput, wall time)."""
     s = summary
     lines = [
         f"requests {s.num_requests:,}: completed {s.completed:,}, rejected before prefill "
         f"{s.rejected_before_prefill:,}, after prefill {s.rejected_after_prefill:,} "
-        f"(wasted prefill {s.wasted_prefill_s:,.1f} s)",
+        f"(wasted prefill {s.wasted_prefill_s:,.1f} s)" + (f", failed {failed:,} (no answer)" if failed else ""),
         f"{'':8}" + "".join(f" {column:>10}" for column in ("mean", "p50", "p90", "p99")),
     ]
     for name, values, factor, unit in (("TTFT", s.ttft_s, 1.0, "s"), ("TBT", s.tbt_s, 1000.0, "ms")):

@@ -54,7 +54,6 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
-import math
 import os
 import sys
 import warnings
@@ -75,6 +74,7 @@ from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
 from mooncake.workload.trace_record import (
     AIPERF_FIELDS,
     ARRAY_HINT,
+    MAX_ARRIVAL_S,
     MAX_LINE_MS,
     MOONCAKE_FIELDS,
     TIME_UNITS,
@@ -241,7 +241,7 @@ def iter_trace(
 
     Raises:
         TraceFormatError: at the first unusable line when strict, at a broken gzip stream, and at the first
-            arrival that `speedup` makes overflow a float.
+            arrival that `speedup` puts past `MAX_ARRIVAL_S` (2**43 ms, the bound on a timestamp).
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
@@ -321,8 +321,13 @@ def _request(
     path: str | os.PathLike[str], number: int, turn: Turn, index: int, speedup: float, block_size_tokens: int
 ) -> Request:
     arrival_s = turn.arrival_ms / 1000.0 / speedup
-    if arrival_s == math.inf:  # a tiny speedup: an options problem, but said where it first shows
-        raise TraceFormatError(path, number, f"arrival {turn.arrival_ms} ms at speedup {speedup!r} overflows a float")
+    if not arrival_s <= MAX_ARRIVAL_S:  # a tiny speedup: an options problem, but said where it first shows
+        raise TraceFormatError(
+            path,
+            number,
+            f"arrival {turn.arrival_ms} ms at speedup {speedup!r} is {arrival_s:.3g} s, past the {MAX_ARRIVAL_S:.4g} s "
+            "(2**43 ms) a replay can time: a larger speedup",
+        )
     return Request(
         request_id=RequestId(str(index)),
         arrival_s=arrival_s,

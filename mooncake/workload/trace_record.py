@@ -48,6 +48,7 @@ from mooncake._checks import ceil_div
 
 __all__ = [
     "AIPERF_FIELDS",
+    "MAX_ARRIVAL_S",
     "MAX_LINE_MS",
     "MAX_LINE_TOKENS",
     "MOONCAKE_FIELDS",
@@ -71,6 +72,10 @@ UNSUPPORTED_PROMPTS = ("messages", "payload")
 MAX_LINE_MS = 2**43
 """Largest `timestamp` or `delay` (ms, 279 years): as float seconds, a time up to it keeps microseconds (2**-19 s
 apart at most), and an integer count of ms is exact."""
+
+MAX_ARRIVAL_S = MAX_LINE_MS / 1000
+"""Latest arrival (s) a replay takes, however a speed-up, a generator or a horizon puts it: `MAX_LINE_MS`'s, so
+simulated times keep microseconds (past ~2**53 intervals a step added to the clock leaves it where it was)."""
 
 TimeUnit = Literal["ms", "s", "us"]
 """What a trace's `timestamp` and `delay` count: milliseconds (the Mooncake format), seconds or microseconds."""

@@ -40,6 +40,7 @@ from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.metrics import RequestRecord, Summary, summarize
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import InstanceId, Request, RequestId, Slo
+from mooncake.workload.trace_record import MAX_ARRIVAL_S
 from tests.sim.test_coupled import coupled_specs, small_hbm
 from tests.sim.test_disaggregated import (
     A800,
@@ -197,6 +198,17 @@ def test_the_coupled_baseline_refuses_requests_keyed_in_another_block_size() -> 
     for run in (lambda: replay(make_spec(), [request]), lambda: CoupledCluster(coupled_spec()).run([request])):
         with pytest.raises(InvalidRequestError, match="keyed in 64-token blocks, this cluster's blocks are 512"):
             run()
+
+
+def test_both_clusters_refuse_an_arrival_past_what_a_replay_times() -> None:
+    """An arrival past 2**43 ms (MAX_ARRIVAL_S, the bound on a trace's timestamps) is refused by name: out there a
+    step added to the clock barely moves it, and a replay once ran on, its figures of no meaning (goodput 0)."""
+    late = make_request("late", 1e12, 640, 2, range(2))
+    for run in (lambda: replay(make_spec(), [late]), lambda: CoupledCluster(coupled_spec()).run([late])):
+        with pytest.raises(InvalidRequestError, match=r"request late arrives at 1e\+12 s, past the 8.796e\+09 s"):
+            run()
+    on_time = attrs.evolve(late, arrival_s=MAX_ARRIVAL_S)  # the bound itself is a time a replay takes
+    assert replay(make_spec(), [on_time]).records[0].outcome is Outcome.COMPLETED
 
 
 def test_a_decode_node_frees_the_kv_of_the_requests_that_ended() -> None:

@@ -12,6 +12,7 @@ equal) and the columnar `summarize` against the record-by-record reference of
 from __future__ import annotations
 
 import math
+import signal
 
 import numpy as np
 import pytest
@@ -381,6 +382,27 @@ def test_load_trace_has_one_sample_per_interval_up_to_the_last_event(
         before = [n for n, t in enumerate(times, start=1) if t < sample.time_s]  # an event at the time: not yet
         assert sample.prefill_requests == (before[-1] if before else 0)
         assert sample.decode_requests == -sample.prefill_requests
+
+
+@pytest.mark.parametrize(("interval_s", "now"), [(1.0, 1e98), (1e-300, 1.0), (1.0, 2.0**60), (5e-324, 1.0)])
+def test_load_trace_places_a_time_past_its_exact_grid_at_once(interval_s: float, now: float) -> None:
+    """An event 2**50 intervals or more in (a time far out, or a tiny interval) is placed by the quotient: there
+    neighbouring sample times round to one float, and stepping along the grid to pass it never ended (a replay at
+    --speedup 1e-100 hung there). One sample is taken, once."""
+
+    def hung(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"LoadTrace({interval_s}) at {now} did not return")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        trace = LoadTrace(interval_s, lambda: (1, 0))
+        trace(now)
+        trace(now)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [(sample.prefill_requests, sample.decode_requests) for sample in trace.samples] == [(1, 0)]
 
 
 def test_load_trace_memory_follows_the_events_not_the_idle_time() -> None:

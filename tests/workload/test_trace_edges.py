@@ -35,7 +35,7 @@ from mooncake.workload import (
     trace_stats,
     write_trace,
 )
-from mooncake.workload.trace_record import check_block_count, parse_record
+from mooncake.workload.trace_record import MAX_ARRIVAL_S, check_block_count, parse_record
 
 BLOCK = 4
 GOOD: dict[str, Any] = {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [1, 2]}
@@ -489,13 +489,19 @@ def test_sessions_that_share_only_the_system_prompt_share_no_later_key(seed: int
             assert owner.setdefault(key, request.request_id) == request.request_id, f"key {key} is shared"
 
 
-def test_an_arrival_that_a_tiny_speedup_overflows_names_its_line(tmp_path: Path) -> None:
-    """A speedup so small that an arrival overflows a float is a TraceFormatError at the first line it
-    overflows (the earlier ones are read), not an InvalidRequestError about `arrival_s` naming no line."""
-    records = [{"timestamp": t, "input_length": 4, "output_length": 1} for t in (0, 1, 2**43)]
+@pytest.mark.parametrize(("speedup", "line"), [(1e-308, 2), (1e-100, 2), (0.5, 3)])
+def test_an_arrival_that_a_speedup_puts_past_the_timestamps_bound_names_its_line(
+    tmp_path: Path, speedup: float, line: int
+) -> None:
+    """A speedup that puts an arrival past 2**43 ms (MAX_ARRIVAL_S: the bound on a timestamp, what a replay can
+    time) is a TraceFormatError at the first line it does so (the earlier ones are read), overflowing a float or
+    not: a replay of arrivals at 1e98 s once hung. At speedup 1 the bound itself is read."""
+    stamps = (0, 1, 2**43)
+    records = [{"timestamp": t, "input_length": 4, "output_length": 1} for t in stamps]
     path = write_lines(tmp_path / "t.jsonl", records)
     read: list[Request] = []
-    with pytest.raises(TraceFormatError, match=r"t\.jsonl:3: .*speedup 1e-308") as caught:
-        read.extend(iter_trace(path, block_size_tokens=BLOCK, speedup=1e-308))
-    assert caught.value.line == 3 and [r.arrival_s for r in read] == [0.0, 0.001 / 1e-308]
-    assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK, speedup=1e-290)][-1] > 1e299
+    message = rf"t\.jsonl:{line}: arrival {stamps[line - 1]} ms at speedup {speedup!r} is .* past the 8.796e\+09 s"
+    with pytest.raises(TraceFormatError, match=message) as caught:
+        read.extend(iter_trace(path, block_size_tokens=BLOCK, speedup=speedup))
+    assert caught.value.line == line and [r.arrival_s for r in read] == [t / 1000 / speedup for t in stamps[: line - 1]]
+    assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK)][-1] == MAX_ARRIVAL_S
