@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,6 +49,28 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def listen_port(attempts: int = 200) -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range, for a listener its peers connect to
+    before it binds: vLLM's event publisher connects from its server's start, retrying every 100 ms, and a port in
+    the ephemeral range can meanwhile become the source port of one of those very attempts (TCP's simultaneous
+    open connects a socket to itself) or of any other connection, and the listener then finds it taken. The
+    kernel's pick where no port below the range is free."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    draw = random.Random()  # a fresh seed: parallel test runs do not race for the same ports
+    for _ in range(attempts if low > 11_000 else 0):
+        port = draw.randrange(10_000, low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 @attrs.define(eq=False)
@@ -238,7 +261,7 @@ def _launch(
     core: int,
     memory_share: float = 0.2,
 ) -> VllmServer:
-    port, events_port, replay_port = free_port(), free_port(), free_port()
+    port, events_port, replay_port = free_port(), listen_port(), free_port()
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -360,3 +361,19 @@ class FleetMachine(RuleBasedStateMachine):
 
 TestFleetMachine = FleetMachine.TestCase
 TestFleetMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_an_events_port_lies_below_the_ephemeral_range_and_is_free() -> None:
+    """The port a server's event publisher connects to before the router binds it is drawn below the kernel's
+    ephemeral range, where no connection's source port (one of the publisher's own retries, connected to itself
+    by TCP's simultaneous open) can take it meanwhile; it is free to bind."""
+    import socket
+
+    from vllm_fleet.servers import listen_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = listen_port()
+        assert 10_000 <= port < low
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
