@@ -37,7 +37,8 @@ no answer, which the table's outcomes line shows too.
 
 Exit status: 0; 1 when no request completed; 2 with one line on stderr for an
 error found before or instead of the run (an option, the config, `--out` naming
-a file, a `--url` that is no URL, does not answer or lists no model).
+a file, a `--url` that is no URL, does not answer or lists no model); 130 after
+Ctrl-C, 143 after SIGTERM, 141 when stdout's reader has gone (`run_interruptible`).
 """
 
 from __future__ import annotations
@@ -251,8 +252,8 @@ def check_url(url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line: 0; 1 when no request completed; 2 and one line on stderr for an error; 130 after
-    Ctrl-C; SIGTERM stops a cluster it started, too (`run_interruptible`)."""
+    """Run the command line (the exit statuses of the module's docstring); SIGTERM stops a cluster it started,
+    too (`run_interruptible`)."""
     return run_interruptible("load", lambda: load(argv))
 
 

@@ -579,7 +579,12 @@ class Push:
         self.keys = tuple(entry[0] for entry, _ in targets)
 
     def send_part(self, part: int) -> None:
-        """Ship byte range `part` of every block (once its bytes are final locally)."""
+        """Ship byte range `part` of every block (once its bytes are final locally).
+
+        Raises:
+            TransferError: the engine refused the part whole before a byte moved (a range past the region the
+                peer described): the push is aborted (`abort`).
+        """
         if part in self._batches or self._done is not None:
             return
         messenger = self._messenger
@@ -598,7 +603,13 @@ class Push:
                         length=end - start,
                     )
                 )
-        self._batches[part] = messenger.engine.submit(requests)
+        try:
+            self._batches[part] = messenger.engine.submit(requests)
+        except TransferError:
+            # Refused whole before a byte moved (a range past the region the peer described): the push cannot
+            # complete, so the peer's reservation is released now rather than left to expire into quarantine.
+            self.abort()
+            raise
 
     def finish(self, timeout: float) -> tuple[BlockKey, ...]:
         """Ship what is left, then have the peer verify and commit; returns the keys it committed (once).
@@ -606,7 +617,8 @@ class Push:
         Raises:
             TransferTimeout: a slice did not settle (nothing is committed: the peer keeps the pages it reserved, as a
                 late slice may still land).
-            TransferError: the peer refused the commit (its lease expired: the pages are then free again).
+            TransferError: the peer refused the commit (its lease expired: the pages are then free again), or the
+                engine refused a part whole before a byte moved (`send_part`: the push is aborted).
         """
         if self._done is not None:
             return self._done
@@ -642,13 +654,14 @@ class Push:
             )
             committed = tuple(BlockKey(k) for k in reply["committed"])
         finally:
-            messenger._settle(list(self._batches.values()))
-            for key, _offset, _length, _pinned in self._pinned:
-                try:
-                    messenger.cache.unpin(key)
-                except (UnknownBlockError, BlockPinnedError):
-                    pass
-            self._done = committed
+            if self._done is None:  # else a refused part aborted the push: its pins are already dropped
+                messenger._settle(list(self._batches.values()))
+                for key, _offset, _length, _pinned in self._pinned:
+                    try:
+                        messenger.cache.unpin(key)
+                    except (UnknownBlockError, BlockPinnedError):
+                        pass
+                self._done = committed
         return committed
 
     def abort(self) -> None:

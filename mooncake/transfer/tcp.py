@@ -116,7 +116,7 @@ def open_connection(
     try:
         sock = socket.create_connection((host, port), timeout=end - start)
     except TimeoutError as error:
-        raise _connect_timed_out(host, port, config, cut=cut) from error
+        raise _connect_timed_out(host, port, config, cut=cut, doing="connect") from error
     except OSError as error:
         raise PeerUnavailable(f"cannot connect to {host}:{port}: {error}") from error
     try:
@@ -126,7 +126,7 @@ def open_connection(
         sock.settimeout(config.io_timeout_s)
     except TimeoutError as error:
         sock.close()
-        raise _connect_timed_out(host, port, config, cut=cut) from error
+        raise _connect_timed_out(host, port, config, cut=cut, doing="authenticate") from error
     except (OSError, ConnectionError) as error:
         sock.close()
         raise PeerUnavailable(f"{host}:{port} dropped the connection during authentication: {error}") from error
@@ -136,11 +136,12 @@ def open_connection(
     return sock, incarnation
 
 
-def _connect_timed_out(host: str, port: int, config: EngineConfig, *, cut: bool) -> TransferError:
-    """The error of a connection attempt that ran out of time: the caller's deadline's, or the peer's fault."""
+def _connect_timed_out(host: str, port: int, config: EngineConfig, *, cut: bool, doing: str) -> TransferError:
+    """The error of a connection attempt that ran out of time while it did `doing` (connect, authenticate): the
+    caller's deadline's, or the peer's fault."""
     if cut:
         return TransferTimeout(f"{host}:{port}: connecting and authenticating did not finish by the deadline")
-    return PeerUnavailable(f"{host}:{port} did not authenticate within {config.connect_timeout_s}s")
+    return PeerUnavailable(f"{host}:{port} did not {doing} within {config.connect_timeout_s}s")
 
 
 def connect(

@@ -39,6 +39,7 @@ from mooncake.sched.cost import (
     transfers_in_flight,
 )
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel, RooflineStep, StepBranch
+from mooncake.types import Tier
 
 LLAMA3 = MODELS["llama3-70b"]
 VIDUR_PREFILL_8192_ON_8XA100_S = 0.99  # Vidur's profile-based prediction for a 70B model, 8,192 tokens, 8×A100
@@ -106,6 +107,36 @@ def test_prefill_flops_hand_example() -> None:
     shape = ModelShape(name="tiny", num_layers=2, hidden_size=3, gqa=1, num_params=1.0)
     assert prefill_flops(shape, 5, 2) == 2 * (4 * (25 - 4) * 3 + 22 * 3 * 9)
     assert prefill_flops(shape, 5) == 2 * (4 * 25 * 3 + 22 * 5 * 9)
+
+
+@given(
+    st.sampled_from(sorted(MODELS)),
+    st.sampled_from(sorted(HARDWARE)),
+    st.floats(0.05, 1.0),
+    st.floats(0.0, 0.1),
+    st.sampled_from([Tier.DRAM, Tier.VRAM]),
+    st.integers(1, 2**20),
+    st.integers(-4, 2**20 + 4),
+)
+def test_prefill_s_is_its_formula_bit_for_bit(
+    model: str, hardware: str, mfu: float, overhead_s: float, tier: Tier, n: int, p: int
+) -> None:
+    """`prefill_s` (which reads the shape's figures once) is `prefill_flops` / (peak · MFU), with the cached
+    prefix's load overlapped layer by layer, to the bit: no edit of `prefill_flops` can leave it behind."""
+    cost = PrefillCostModel(
+        model=MODELS[model], hardware=HARDWARE[hardware], mfu=mfu, overhead_s=overhead_s, prefix_tier=tier
+    )
+    shape, gpus = MODELS[model], HARDWARE[hardware]
+    if n <= p:
+        assert cost.prefill_s(n, p) == 0.0
+        return
+    compute = prefill_flops(shape, n, p) / (gpus.peak_flops * mfu)
+    expected = overhead_s + compute
+    if p > 0 and tier is not Tier.VRAM:
+        load = p * shape.kv_bytes_per_token / gpus.host_to_device_bytes_per_s
+        layers = shape.num_layers
+        expected = overhead_s + max(load / layers + compute, load + compute / layers)
+    assert cost.prefill_s(n, p) == expected
 
 
 def test_token_flops_hand_example() -> None:

@@ -698,6 +698,32 @@ def test_a_fetch_pointed_past_the_peers_region_is_refused_and_reserves_nothing(
     assert released == leases and len(leases) == 1
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_push_pointed_past_the_peers_region_is_refused_and_releases_its_reservation(
+    nodes: tuple[Node, Node, str], parts: int
+) -> None:
+    """A reservation answer that points past the end of the region the peer described: the engine refuses the
+    WRITE whole, the push fails with that error, the peer is told to release the lease at once (its pages were
+    left reserved until the lease expired into quarantine), and the local pin is gone."""
+    a, b, peer = nodes
+    a.cache.put(BlockKey(1), block(1))
+    leases: list[str] = []
+
+    def reserve(args: Any) -> Json:
+        leases.append(args["lease"])
+        return {"region": b.messenger.region.region_id, "blocks": [[1, 1 << 40]]}
+
+    released: list[str] = []
+    b.engine.register_handler("blocks.reserve", reserve)
+    b.engine.register_handler("blocks.release", lambda args: released.append(args["lease"]))
+    push = a.messenger.push([BlockKey(1)], peer, parts=parts)
+    with pytest.raises(TransferError, match="past its end"):
+        push.finish(timeout=10)
+    assert push.finish(timeout=10) == ()
+    assert released == leases and len(leases) == 1
+    a.cache.remove(BlockKey(1))  # unpinned: BlockPinnedError otherwise
+
+
 def test_a_commit_without_a_checksum_for_a_reserved_block_gives_its_page_back(
     nodes: tuple[Node, Node, str],
 ) -> None:

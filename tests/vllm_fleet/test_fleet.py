@@ -371,7 +371,10 @@ def test_an_events_port_lies_below_the_ephemeral_range_and_is_free() -> None:
 
     from vllm_fleet.servers import listen_port
 
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    if low <= 11_000:
+        pytest.skip(f"this host's ephemeral range starts at {low}: no room below it, the kernel picks")
     for _ in range(20):
         port = listen_port()
         assert 10_000 <= port < low
