@@ -93,6 +93,11 @@ def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
         values = [kind(part) for part in text.split(",") if part]
         if not values:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        seen: set[Any] = set()
+        for value in values:  # the JSON is keyed by value: a repeat would be a row of the table and no key
+            if value in seen:
+                raise argparse.ArgumentTypeError(f"{value!r} is given twice in {text!r}")
+            seen.add(value)
         return values
 
     return parse

@@ -350,6 +350,9 @@ def test_the_examples_stop_on_a_signal_in_one_line(
         (("throughput", "--ttft-slo-factor", "-1"), "argument --ttft-slo-factor: must be a finite number >= 0"),
         (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),
         (("overload", "--speedups=2,nan"), "argument --speedups: must be a finite number > 0, got 'nan'"),
+        # The JSON is keyed by value: a repeat was a row of the table and no key of the JSON.
+        (("overload", "--speedups=2,3,2.0"), "argument --speedups: 2.0 is given twice in '2,3,2.0'"),
+        (("cache", "--capacities", "0,100,0"), "argument --capacities: 0 is given twice in '0,100,0'"),
     ],
 )
 def test_experiments_refuse_out_of_range_values_by_name(argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
