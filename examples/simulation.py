@@ -56,7 +56,7 @@ from mooncake.workload import (
     generate_requests,
     preset,
 )
-from mooncake.workload.trace_record import MAX_ARRIVAL_S
+from mooncake.workload.trace_record import arrival_problem
 
 if TYPE_CHECKING:  # the example cluster's config, read only for --config (it needs the cluster's modules)
     from serving.config import ClusterConfig
@@ -177,10 +177,10 @@ def load_workload(
         seed=args.seed,
     )
     requests = [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
-    if not requests[-1].arrival_s <= MAX_ARRIVAL_S:  # as the trace reader bounds a --trace's (they come in order)
+    if (problem := arrival_problem(requests[-1].arrival_s)) is not None:  # they come in order
         raise ConfigError(
             f"{option} {speed:g} puts the last of {len(requests):,} arrivals (--rate {rate:g}) at "
-            f"{requests[-1].arrival_s:.3g} s, past the {MAX_ARRIVAL_S:.4g} s (2**43 ms) a replay can time"
+            f"{requests[-1].arrival_s:.3g} s, {problem}"
         )
     return requests
 

@@ -23,7 +23,7 @@ from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
 from mooncake.types import Request, Slo
-from mooncake.workload.trace_record import MAX_ARRIVAL_S
+from mooncake.workload.trace_record import arrival_problem
 
 __all__ = ["Progress", "ReplayContext"]
 
@@ -33,11 +33,8 @@ Progress = Callable[[int], None]  # told the count of requests arrived so far
 def _arrival_s(request: Request) -> float:
     if not isinstance(request, Request):
         raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(request).__name__}")
-    if request.arrival_s > MAX_ARRIVAL_S:  # later, a step added to the clock could leave it where it was
-        raise InvalidRequestError(
-            f"request {request.request_id} arrives at {request.arrival_s:.6g} s, past the {MAX_ARRIVAL_S:.4g} s "
-            "(2**43 ms) a replay can time"
-        )
+    if (problem := arrival_problem(request.arrival_s)) is not None:  # later, a clock step could be lost
+        raise InvalidRequestError(f"request {request.request_id} arrives at {request.arrival_s:.6g} s, {problem}")
     return request.arrival_s
 
 

@@ -74,11 +74,11 @@ from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
 from mooncake.workload.trace_record import (
     AIPERF_FIELDS,
     ARRAY_HINT,
-    MAX_ARRIVAL_S,
     MAX_LINE_MS,
     MOONCAKE_FIELDS,
     TIME_UNITS,
     TimeUnit,
+    arrival_problem,
     check_block_count,
     parse_record,
     session_of,
@@ -321,12 +321,11 @@ def _request(
     path: str | os.PathLike[str], number: int, turn: Turn, index: int, speedup: float, block_size_tokens: int
 ) -> Request:
     arrival_s = turn.arrival_ms / 1000.0 / speedup
-    if not arrival_s <= MAX_ARRIVAL_S:  # a tiny speedup: an options problem, but said where it first shows
+    if (problem := arrival_problem(arrival_s)) is not None:  # a tiny speedup: said where it first shows
         raise TraceFormatError(
             path,
             number,
-            f"arrival {turn.arrival_ms} ms at speedup {speedup!r} is {arrival_s:.3g} s, past the {MAX_ARRIVAL_S:.4g} s "
-            "(2**43 ms) a replay can time: a larger speedup",
+            f"arrival {turn.arrival_ms} ms at speedup {speedup!r} is {arrival_s:.3g} s, {problem}: a larger speedup",
         )
     return Request(
         request_id=RequestId(str(index)),

@@ -55,6 +55,7 @@ __all__ = [
     "TIME_UNITS",
     "TimeUnit",
     "TraceRecord",
+    "arrival_problem",
     "check_block_count",
     "parse_record",
     "session_of",
@@ -76,6 +77,16 @@ apart at most), and an integer count of ms is exact."""
 MAX_ARRIVAL_S = MAX_LINE_MS / 1000
 """Latest arrival (s) a replay takes, however a speed-up, a generator or a horizon puts it: `MAX_LINE_MS`'s, so
 simulated times keep microseconds (past ~2**53 intervals a step added to the clock leaves it where it was)."""
+
+
+def arrival_problem(arrival_s: float) -> str | None:
+    """None if a replay can time an arrival at `arrival_s` seconds (up to `MAX_ARRIVAL_S`, the bound itself
+    included), else the phrase saying why not. The one check of that bound: the trace reader (after a speed-up),
+    the replay and the examples' generated workloads each say which arrival and when, then this."""
+    if arrival_s <= MAX_ARRIVAL_S:  # NaN fails this too
+        return None
+    return f"past the {MAX_ARRIVAL_S:.4g} s (2**43 ms) a replay can time"
+
 
 TimeUnit = Literal["ms", "s", "us"]
 """What a trace's `timestamp` and `delay` count: milliseconds (the Mooncake format), seconds or microseconds."""
