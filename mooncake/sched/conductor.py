@@ -179,7 +179,7 @@ class Conductor:
             raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
         for name, part, methods in (
             ("router", router, ("route", "observe")),
-            ("step_model", step_model, ("step_s",)),
+            ("step_model", step_model, ("step_s", "roofline")),  # decode selection reads its roofline
             ("admission", admission, ("admit",)),
             ("predictor", predictor, ("predict", "observe")),
         ):
@@ -420,6 +420,18 @@ class Conductor:
                 elsewhere = self._choose_decode(request, other.prefill_instance, now + other.ttft_s, now)
                 if elsewhere.decode_instance is not None:
                     route, decode = other, elsewhere
+            if decode.decode_instance is None and decode.verdict.reason is Reason.CONTEXT_TOO_LONG:
+                # Too long for the kind routed to, not for the fleet: an instance of the other kind could hold
+                # it once its prefill side is up (`lasting_refusal`'s answer: a 503, not the 400 of a request
+                # never served here).
+                whole = lasting_decode_refusal(
+                    self._decode_board.slot_views,
+                    prompt_tokens=request.input_length,
+                    output_tokens=request.output_length,
+                )
+                if whole is not Reason.CONTEXT_TOO_LONG:
+                    reason = whole or Reason.NO_PREFILL_INSTANCE
+                    decode = attrs.evolve(decode, verdict=attrs.evolve(decode.verdict, reason=reason))
         ttft_s = route.ttft_s
         verdict = self.admission.admit(route, decode, self.slo)
         if type(verdict) is not AdmissionDecision or (
@@ -639,6 +651,7 @@ class Conductor:
                 return ()  # a repeated report: learn from each request once
             flight.stage = _Stage.PREFILLED
             self._remove_from_queue(flight, event.request_id, event.now)
+            self._prefilled_at(flight, event.request_id, event.now)
             self.router.observe(
                 had_transfer=flight.had_transfer,
                 estimated_ttft_s=flight.prefill_estimate_s,
@@ -648,6 +661,7 @@ class Conductor:
             if flight.stage is _Stage.QUEUED:
                 flight.stage = _Stage.PREFILLED  # no prefill instance ran it: nothing for the router to learn
                 self._remove_from_queue(flight, event.request_id, event.now)
+                self._prefilled_at(flight, event.request_id, event.now)
         elif isinstance(event, DecodeJoined):
             if flight.stage is not _Stage.DECODING:
                 self._join(flight, event)
@@ -843,6 +857,18 @@ class Conductor:
         if len(kept) != len(view.queue):
             view.queue = kept
             self._retime(view, now=now)
+
+    def _prefilled_at(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
+        """The decode side's picture of a request whose prefill ended at `now`: its first token came then, not
+        when it was predicted (a prefill that ran long would otherwise look, to a predictor, as if it had already
+        decoded for a while and left; one that ended early, as if it had not come yet)."""
+        incoming = self._incoming.get(flight.decode_instance) if flight.decode_instance is not None else None
+        entry = incoming.get(request_id) if incoming is not None else None
+        if entry is not None and entry.finish_s != now:
+            assert incoming is not None
+            incoming[request_id] = attrs.evolve(
+                entry, start_s=min(entry.start_s, now), frees_s=min(entry.frees_s, now), finish_s=now
+            )
 
     def _retime(
         self, view: PrefillView, *, now: float | None = None, started: tuple[RequestId, float] | None = None

@@ -345,6 +345,13 @@ def test_a_backlog_that_ends_now_is_no_backlog() -> None:
     assert view.backlog_until_s == -math.inf and view.queue_s(5.0) == 0.0
 
 
+class _StepOnly:
+    """A step model with a step time and no roofline (`sched.step.StepModel` without `AnalyticStepModel`)."""
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        return 0.01
+
+
 @pytest.mark.parametrize(
     ("part", "value", "named"),
     [
@@ -353,6 +360,8 @@ def test_a_backlog_that_ends_now_is_no_backlog() -> None:
         ("router", None, "router must"),
         ("admission", EarlyRejection, "the class EarlyRejection"),
         ("router", attrs.make_class("RouteOnly", {}, bases=(), slots=True)(), "router must have a route"),
+        # A step model without its roofline: decode selection failed at the first request.
+        ("step_model", _StepOnly(), "step_model must have a roofline"),
         ("admission", attrs.evolve(BaselineAdmission(), load_at="later"), "load_at must be one of none, now, arrival"),
         ("seed", "a", "seed"),
     ],

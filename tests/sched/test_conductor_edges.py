@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockStored, SequenceGap
 from mooncake.errors import ConfigError, InvalidRequestError, SequenceGapError, UnknownInstanceError
-from mooncake.sched.admission import BaselineAdmission, EarlyRejection
+from mooncake.sched.admission import BaselineAdmission, EarlyRejection, predictive_early_rejection
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.decode import choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad
@@ -367,6 +367,29 @@ def test_in_a_mixed_fleet_a_request_the_coupled_instance_cannot_take_goes_the_ot
     reverse.check_invariants()
 
 
+def test_in_a_mixed_fleet_a_request_too_long_for_the_kind_up_waits_for_the_other() -> None:
+    """The prefill instance is down and the coupled instance's context is too short for the prompt, which the
+    decode instance could hold: the cluster is unavailable for it (a 503), as `lasting_refusal` says, not the
+    request wrong (the 400 of CONTEXT_TOO_LONG); once the prefill instance is back it is served."""
+    conductor = make(
+        prefill=(P0,),
+        decode=(D0,),
+        admission=EarlyRejection(),
+        limits=DecodeLimits(kv_capacity_tokens=10**6, max_context_tokens=64 * BLOCK),
+    )
+    conductor.add_coupled_instance(C0, DecodeLimits(kv_capacity_tokens=10**6, max_context_tokens=8 * BLOCK))
+    conductor.handle(InstanceDown(instance_id=P0, now=0.0))
+    keys = range(100, 112)  # 12 blocks: past the coupled instance's 8-block context
+    assert conductor.lasting_refusal(request("probe", keys)) is None
+    decision = conductor.schedule(request("r", keys), 0.0)
+    assert not decision.accepted and decision.reason is Reason.NO_PREFILL_INSTANCE
+    conductor.handle(InstanceUp(instance_id=P0, now=1.0))
+    assert conductor.schedule(request("again", keys), 1.0).accepted
+    too_long = range(1000, 1100)  # past every instance: never served here
+    assert conductor.schedule(request("huge", too_long), 1.0).reason is Reason.CONTEXT_TOO_LONG
+    conductor.check_invariants()
+
+
 # ---------------------------------------------------------------------------- what the decode side is checked on
 
 
@@ -521,6 +544,34 @@ def test_the_incoming_prefills_carry_the_queues_current_times(
         if queue:
             conductor.handle(RequestAborted(request_id=queue[index % len(queue)].request_id, now=1.0))
             assert_incoming_follows_the_queues(conductor)
+    conductor.check_invariants()
+
+
+@given(early=st.booleans(), off=st.sampled_from([0.05, 0.5, 10.0]), inline=st.booleans())
+@settings(max_examples=20)
+def test_a_finished_prefill_reaches_the_decode_side_when_it_ended(early: bool, off: float, inline: bool) -> None:
+    """A prefill that ended earlier or later than predicted is, to the decode side's predictors, a first token
+    that came when it ended: its incoming entry finishes then (it kept the estimate, so a prefill that ran long
+    looked decoded and gone). On a one-slot instance that request still holds the slot: the next one is refused."""
+    conductor = make(
+        prefill=(P0,),
+        decode=(D0,),
+        admission=predictive_early_rejection(),
+        limits=DecodeLimits(kv_capacity_tokens=10**7, max_batch_size=1),
+    )
+    conductor.predictor = UniformDecodePredictor(decode_s=1.0)
+    first = conductor.schedule(request("r0", range(1000, 1016)), 0.0)
+    assert first.accepted
+    conductor.handle(PrefillStarted(request_id=RequestId("r0"), instance_id=P0, now=0.0))
+    ended = max(first.ttft_s - off, 0.0) if early else first.ttft_s + off
+    if inline:
+        conductor.handle(PrefilledInline(request_id=RequestId("r0"), instance_id=D0, now=ended))
+    else:
+        conductor.handle(PrefillFinished(request_id=RequestId("r0"), instance_id=P0, now=ended))
+    (entry,) = conductor.incoming(D0)
+    assert entry.finish_s == ended and entry.start_s <= entry.frees_s <= entry.finish_s
+    later = conductor.schedule(request("r1", range(2000, 2004)), ended + 0.5)
+    assert not later.accepted and later.reason is Reason.BATCH_FULL
     conductor.check_invariants()
 
 
