@@ -36,6 +36,7 @@ import heapq
 import itertools
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -43,9 +44,19 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import fraction, int_at_least, non_negative, positive, require_number
+from mooncake._checks import (
+    fraction,
+    int_at_least,
+    is_finite_number,
+    is_int,
+    non_negative,
+    positive,
+    require_int,
+    require_iterable,
+    require_number,
+)
 from mooncake.errors import ConfigError
-from mooncake.types import Tier
+from mooncake.types import MAX_TOKENS, Tier
 
 __all__ = [
     "ChunkedPipelineCost",
@@ -66,6 +77,7 @@ __all__ = [
     "transfers_in_flight",
 ]
 
+_INF, _NAN = math.inf, math.nan  # module globals: read faster than math's on the router's path
 ATTENTION_COEFFICIENT = 4  # the paper's a
 LINEAR_COEFFICIENT = 22  # the paper's b
 TOKEN_ATTENTION_FLOPS = 4  # per context token, layer and hidden unit: q·k and Σ p·v, a multiply-add each
@@ -249,10 +261,18 @@ class PrefillCostModel:
     hardware: Hardware
     mfu: float = attrs.field(default=DEFAULT_MFU, validator=fraction)
     overhead_s: float = attrs.field(default=0.0, validator=non_negative)
-    prefix_tier: Tier = Tier.DRAM  # where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing
+    # Where a cached prefix waits: VRAM (a coupled instance's prefix cache) loads nothing.
+    prefix_tier: Tier = attrs.field(default=Tier.DRAM)
     # The shape's figures, read once: routing asks prefill_s for every decision, and each attribute chain and
     # property (a product) cost about as much as the arithmetic.
     _shape: tuple[int, int, int, float, float] = attrs.field(init=False, repr=False, eq=False)
+
+    @prefix_tier.validator
+    def _check_tier(self, _attribute: object, value: Any) -> None:
+        # Checked once here, not per prefill_s: anything but Tier.VRAM (a string from a config, None) would
+        # silently price as a load from DRAM.
+        if not isinstance(value, Tier):
+            raise ConfigError(f"PrefillCostModel.prefix_tier must be a mooncake.types.Tier, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         model, hardware = self.model, self.hardware
@@ -377,13 +397,40 @@ def occupancy_s(
     return model.prefill_s(num_tokens, prefix_tokens) if prefill_s is None else prefill_s
 
 
+def _sample_tokens(minimum: int) -> Any:
+    """An attrs validator: a token count in [minimum, MAX_TOKENS] (the fit squares it: past that, its features
+    leave a float's range)."""
+
+    def check(_instance: object, attribute: Any, value: Any) -> None:
+        if not is_int(value) or not minimum <= value <= MAX_TOKENS:
+            raise ConfigError(
+                f"PrefillSample.{attribute.name} must be an integer in [{minimum}, MAX_TOKENS = 2**40], got {value!r}"
+            )
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class PrefillSample:
-    """One measured prefill: `num_tokens` with `prefix_tokens` cached took `seconds`."""
+    """One measured prefill: `num_tokens` with `prefix_tokens` cached took `seconds`.
 
-    num_tokens: int
-    prefix_tokens: int
-    seconds: float
+    Raises:
+        ConfigError: a token count that is not an integer in range (a bool is none), or `seconds` that are not a
+            finite time >= 0 (a sample the fit cannot use, with nothing computed or no time, is its to refuse).
+    """
+
+    num_tokens: int = attrs.field(validator=_sample_tokens(1))
+    prefix_tokens: int = attrs.field(validator=_sample_tokens(0))
+    seconds: float = attrs.field()
+
+    @seconds.validator
+    def _check_seconds(self, attribute: Any, value: Any) -> None:
+        require_number(f"PrefillSample.{attribute.name}", value, minimum=0)
+
+
+_TERMS = ("c0", "c1 · (n - p)", "c2 · (n² - p²)")  # FittedPrefillModel's, by coefficient
+_LARGEST_FEATURES = (1.0, float(MAX_TOKENS), float(MAX_TOKENS) ** 2)
+_TERM_LIMIT = sys.float_info.max / 4
 
 
 def _features(num_tokens: np.ndarray, prefix_tokens: np.ndarray) -> np.ndarray:
@@ -402,13 +449,23 @@ class FittedPrefillModel:
     """
 
     coefficients: tuple[float, float, float] = attrs.field()
-    mean_relative_error: float = 0.0
-    max_relative_error: float = 0.0
+    mean_relative_error: float = attrs.field(default=0.0, validator=non_negative)
+    max_relative_error: float = attrs.field(default=0.0, validator=non_negative)
 
     @coefficients.validator
     def _check_coefficients(self, _attribute: object, value: Any) -> None:
-        # A NaN coefficient would time every prefill at 0 s (max(0, NaN) is 0).
+        # A NaN coefficient would time every prefill at 0 s (max(0, NaN) is 0). A finite one too large for its
+        # feature would time a prompt at inf, or at 0 s where an inf term meets a -inf one (inf - inf is NaN): a
+        # chunked pipeline over it then times a chunk at inf - inf, and the router finds no instance. Each term
+        # stays below a quarter of float's range up to MAX_TOKENS tokens, so the three add up finite.
         require_coefficients(value)
+        for name, c, term, largest in zip(("c0", "c1", "c2"), value, _TERMS, _LARGEST_FEATURES, strict=True):
+            if abs(c) * largest > _TERM_LIMIT:
+                raise ConfigError(
+                    f"coefficient {name}={c!r} is too large: {term} up to MAX_TOKENS = 2**40 tokens must stay within"
+                    f" a quarter of a float's range (|{name}| <= {_TERM_LIMIT / largest:.3g}), else a prefill takes"
+                    " inf or NaN seconds"
+                )
 
     @classmethod
     def fit(cls, samples: Sequence[PrefillSample]) -> FittedPrefillModel:
@@ -416,8 +473,14 @@ class FittedPrefillModel:
         (not absolute) error is minimised.
 
         Raises:
-            ConfigError: fewer than three samples, or not enough distinct ones to fit.
+            ConfigError: an item that is no `PrefillSample`, fewer than three samples, not enough distinct ones to
+                fit, times too far apart to weigh in floats, or a fit whose coefficients would time a prompt
+                beyond a float's range (naming the coefficient).
         """
+        samples = list(require_iterable("samples", samples))
+        for sample in samples:
+            if not isinstance(sample, PrefillSample):
+                raise ConfigError(f"samples must be PrefillSample items, got {sample!r}")
         if len(samples) < 3:
             raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
         n = np.array([s.num_tokens for s in samples])
@@ -426,17 +489,28 @@ class FittedPrefillModel:
         if not np.all(np.isfinite(y)) or np.any(y <= 0) or np.any(n <= p):
             raise ConfigError("every sample needs finite seconds > 0 and num_tokens > prefix_tokens")
         x = _features(n, p)
-        weights = 1.0 / y
         if int(np.linalg.matrix_rank(x)) < x.shape[1]:
             raise ConfigError("the samples do not vary enough (in n - p and n² - p²) to fit the model")
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            weights = 1.0 / y
+            weighted_x, weighted_y = x * weights[:, None], y * weights
+        # A time of a few 1e-309 s weighs inf (1 / y), and least squares on it fails in LAPACK.
+        if not (np.all(np.isfinite(weighted_x)) and np.all(np.isfinite(weighted_y))):
+            raise ConfigError(
+                f"the samples' seconds (down to {float(y.min())!r}) are too small to weigh in floats: cannot fit"
+            )
         # Every coefficient >= 0: a cached prefix never makes a prefill slower, nor a longer prompt faster
         # (a few noisy timings fit exactly, as the vLLM router's start-up calibration does, can tilt the
         # unconstrained curve so that the server holding a prompt's prefix looks the slower one).
-        solution = nonnegative_least_squares(x * weights[:, None], y * weights, lambda c: bool(np.any(c > 0)))
+        try:
+            solution = nonnegative_least_squares(weighted_x, weighted_y, lambda c: bool(np.any(c > 0)))
+        except np.linalg.LinAlgError as error:
+            raise ConfigError(f"the samples cannot be fitted: {error}") from error
         if solution is None:
             raise ConfigError("no prefill in the samples takes time: cannot fit a prefill model")
-        predicted = x @ solution
-        relative = np.abs(predicted - y) / y
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing fit is refused by its coefficient
+            predicted = x @ solution
+            relative = np.abs(predicted - y) / y
         return cls(
             coefficients=(float(solution[0]), float(solution[1]), float(solution[2])),
             mean_relative_error=float(relative.mean()),
@@ -482,6 +556,20 @@ def transfers_in_flight(finishes: list[float], now: float) -> int:
     return len(finishes)
 
 
+def _refuse_transfer(num_bytes: Any, in_flight_from_source: Any, seconds: float) -> float:
+    """`seconds` if `transfer_s`'s arguments hold after all (a numpy count), else the ConfigError naming the one
+    that does not."""
+    require_int("in_flight_from_source", in_flight_from_source, minimum=0)
+    if not is_finite_number(num_bytes):
+        raise ConfigError(f"num_bytes must be a finite number, got {num_bytes!r}")
+    if not seconds < _INF:
+        raise ConfigError(
+            f"moving {num_bytes!r} bytes with {in_flight_from_source!r} other transfers in flight takes longer than"
+            " a float holds"
+        )
+    return seconds
+
+
 @attrs.frozen(kw_only=True)
 class TransferCostModel:
     """KV transfer time between instances, with congestion at the source."""
@@ -490,7 +578,23 @@ class TransferCostModel:
     latency_s: float = attrs.field(default=1e-4, validator=non_negative)
 
     def transfer_s(self, num_bytes: float, *, in_flight_from_source: int = 0) -> float:
-        """Seconds to move `num_bytes` while `in_flight_from_source` other transfers share the source's link."""
-        if num_bytes <= 0:
-            return 0.0
-        return self.latency_s + num_bytes * (1 + in_flight_from_source) / self.bandwidth_bytes_per_s
+        """Seconds to move `num_bytes` while `in_flight_from_source` other transfers share the source's link
+        (nothing to move, or fewer than no bytes, takes none).
+
+        Raises:
+            ConfigError: `num_bytes` that are no finite number (a NaN timed the transfer at NaN, and the router then
+                found no fastest instance), an `in_flight_from_source` that is no integer >= 0, or a time past
+                float's range.
+        """
+        # The router asks this per candidate, so the common case is checked by its answer: a finite time (NaN
+        # and inf bytes fail that) from a plain int count >= 0; anything else is looked into by `_refuse_transfer`.
+        try:
+            if num_bytes <= 0:
+                seconds = 0.0 if num_bytes > -_INF else _NAN
+            else:
+                seconds = self.latency_s + num_bytes * (1 + in_flight_from_source) / self.bandwidth_bytes_per_s
+        except (TypeError, OverflowError):  # a string, None; a count past float's range
+            seconds = _NAN
+        if seconds < _INF and type(in_flight_from_source) is int and in_flight_from_source >= 0:
+            return seconds
+        return _refuse_transfer(num_bytes, in_flight_from_source, seconds)

@@ -77,7 +77,11 @@ class CoupledSpec:
 
     def __attrs_post_init__(self) -> None:
         # Every field, as ClusterSpec checks its twins: a bad sampling interval hung a replay, a negative cache
-        # silently held nothing.
+        # silently held nothing, a model or hardware of the wrong kind failed deep in the cost models.
+        for name, kind in (("model", ModelShape), ("hardware", Hardware)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ConfigError(f"CoupledSpec.{name} must be a {kind.__name__}, got {value!r}")
         for name in ("num_instances", "block_size_tokens", "token_budget"):
             require_int(f"CoupledSpec.{name}", getattr(self, name), minimum=1)
         for name, minimum in (("cache_capacity_tokens", 0), ("max_batch_size", 1)):  # None: as the HBM holds
@@ -148,11 +152,20 @@ class _Instance:
 
 class CoupledCluster:
     """Replays requests through coupled instances (no Conductor: a load balancer spreads them),
-    in `context` (by default its own)."""
+    in `context` (by default its own).
+
+    Raises:
+        ConfigError: a `spec` that is no `CoupledSpec`, an `slo` that is no `Slo` (else only the summary, after the
+            whole replay, finds it out), or an instance whose HBM the weights fill.
+    """
 
     def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None, context: ReplayContext | None = None) -> None:
+        if not isinstance(spec, CoupledSpec):
+            raise ConfigError(f"spec must be a CoupledSpec, got {spec!r}")
+        if slo is not None and not isinstance(slo, Slo):
+            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
         self.spec = spec
-        self.slo = slo or Slo()
+        self.slo = Slo() if slo is None else slo
         self.replay = (
             context if context is not None else ReplayContext(self.slo, sample_interval_s=spec.sample_interval_s)
         )

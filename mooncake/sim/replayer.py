@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from mooncake._checks import require_number
-from mooncake.errors import InvalidRequestError
+from mooncake._checks import require_bool, require_number
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
@@ -44,9 +44,14 @@ class ReplayContext:
     Args:
         slo: what the summary measures attainment against.
         sample_interval_s: how often load over time is sampled.
+
+    Raises:
+        ConfigError: an `slo` that is no `Slo`, or a `sample_interval_s` that is no time > 0.
     """
 
     def __init__(self, slo: Slo, *, sample_interval_s: float) -> None:
+        if not isinstance(slo, Slo):  # else only the summary, after the whole replay, finds it out
+            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
         self.slo = slo
         # Checked here: a replay with an interval that is no time > 0 hung sampling, or divided by zero.
         self.sample_interval_s = require_number("sample_interval_s", sample_interval_s, minimum=0, strict=True)
@@ -69,6 +74,7 @@ class ReplayContext:
         Raises:
             InvalidRequestError: an item that is not a `Request`, one arriving past `MAX_ARRIVAL_S` (2**43 ms), or
                 no request at all.
+            ConfigError: a `keep_intervals` that is not True or False.
 
         Args:
             arrive: the cluster's arrival handler, called at each request's arrival time.
@@ -79,7 +85,7 @@ class ReplayContext:
         """
         started = time.perf_counter()
         self._progress = progress
-        self.records.keep_intervals = keep_intervals
+        self.records.keep_intervals = require_bool("keep_intervals", keep_intervals)
         load = LoadTrace(self.sample_interval_s, counts)
         self.loop.feed(requests, _arrival_s, arrive)
         self.loop.run(load)

@@ -76,7 +76,8 @@ class ClusterSpec:
             is in place of the analytic model of `model`, the prefill hardware and `mfu` (for a CPP
             group, the group's time).
         step_model: a decode node's step time fitted to real engines (`FittedStepModel`), in place of
-            the analytic `DecodeCostModel`.
+            the analytic `DecodeCostModel`: an `AnalyticStepModel`, with a `roofline()` beside its `step_s`
+            (the simulator's analytic batch runs on it).
         decode_node_limits: what one decode node holds (its engine's KV budget and batch slots), in
             place of its HBM beside the weights and `max_decode_batch_size`.
         first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token
@@ -128,10 +129,12 @@ class ClusterSpec:
         for name, kind in kinds:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"ClusterSpec.{name} has the wrong type: {getattr(self, name)!r}")
-        for name, method in (("prefill_model", "prefill_s"), ("step_model", "step_s")):
+        # The simulator asks a step model for its roofline too (the analytic batch), not only its step_s.
+        for name, methods in (("prefill_model", ("prefill_s",)), ("step_model", ("step_s", "roofline"))):
             model = getattr(self, name)
-            if model is not None and not callable(getattr(model, method, None)):
-                raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
+            for method in methods:
+                if model is not None and not callable(getattr(model, method, None)):
+                    raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
         if self.num_prefill % self.cpp_group_size:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} must divide num_prefill={self.num_prefill}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import math
 import random
 from typing import Any
@@ -209,6 +210,17 @@ def test_prefill_cost_model_rejects_bad_fields(field: str) -> None:
         PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], **{field: -1.0})
 
 
+@pytest.mark.parametrize("tier", ["vram", "VRAM", None, 3, 0.0])
+def test_a_prefix_tier_that_is_no_tier_is_refused(tier: object) -> None:
+    """A tier from a config file or a CLI ("vram"), None or a number is no `Tier`: a ConfigError naming the field
+    and showing the value (it once priced as a load from DRAM, silently)."""
+    with pytest.raises(ConfigError, match=r"PrefillCostModel\.prefix_tier") as caught:
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], prefix_tier=tier)  # type: ignore[arg-type]
+    assert repr(tier) in str(caught.value)
+    for valid in Tier:
+        assert PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], prefix_tier=valid).prefix_tier is valid
+
+
 @pytest.mark.parametrize(
     ("make", "field"),
     [
@@ -375,14 +387,87 @@ def test_fitted_model_rejects_degenerate_samples(samples: list[PrefillSample]) -
     [
         PrefillSample(num_tokens=100, prefix_tokens=100, seconds=0.1),
         PrefillSample(num_tokens=100, prefix_tokens=0, seconds=0.0),
-        PrefillSample(num_tokens=100, prefix_tokens=0, seconds=-1.0),
     ],
-    ids=["nothing-computed", "zero-time", "negative-time"],
+    ids=["nothing-computed", "zero-time"],
 )
 def test_fitted_model_rejects_impossible_samples(bad: PrefillSample) -> None:
-    """A sample with nothing computed or a non-positive time is a ConfigError."""
+    """A measurement the fit cannot use (nothing computed, no time) is a ConfigError from the fit."""
     with pytest.raises(ConfigError):
         FittedPrefillModel.fit([*synthetic_samples(TRUE_COEFFICIENTS, noise=0.0, seed=0), bad])
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"num_tokens": True}, "num_tokens"),
+        ({"num_tokens": 0}, "num_tokens"),
+        ({"num_tokens": 100.0}, "num_tokens"),
+        ({"num_tokens": 2**40 + 1}, "num_tokens"),
+        ({"prefix_tokens": -4096}, "prefix_tokens"),
+        ({"prefix_tokens": None}, "prefix_tokens"),
+        ({"seconds": math.nan}, "seconds"),
+        ({"seconds": math.inf}, "seconds"),
+        ({"seconds": -1.0}, "seconds"),
+        ({"seconds": "0.1"}, "seconds"),
+    ],
+    ids=repr,
+)
+def test_a_sample_that_is_no_measurement_is_refused(fields: dict[str, object], named: str) -> None:
+    """A bool or negative token count, or seconds that are not a finite time >= 0, is no measured prefill: a
+    ConfigError naming `PrefillSample.<field>` and showing the value at construction (the fit once took a NaN
+    time and a negative prefix as data)."""
+    with pytest.raises(ConfigError, match=rf"PrefillSample\.{named}\b") as caught:
+        PrefillSample(**{"num_tokens": 100, "prefix_tokens": 0, "seconds": 0.1, **fields})  # type: ignore[arg-type]
+    assert repr(next(iter(fields.values()))) in str(caught.value)
+    numpy_sample = PrefillSample(num_tokens=np.int64(100), prefix_tokens=np.int64(0), seconds=0.1)  # type: ignore[arg-type]
+    assert numpy_sample.num_tokens == 100  # a measurement read from an array is one
+
+
+@pytest.mark.parametrize(
+    ("samples", "message"),
+    [
+        ([(1000, 0, 0.1), (2000, 0, 0.3), (4000, 0, 0.9)], "PrefillSample items"),
+        ([PrefillSample(num_tokens=n, prefix_tokens=0, seconds=5e-324 * n) for n in (1, 2, 4, 8)], "too small"),
+        ([PrefillSample(num_tokens=n, prefix_tokens=0, seconds=1.7e308) for n in (1, 2, 4, 8)], "coefficient c0="),
+    ],
+    ids=["tuples", "subnormal-seconds", "overflowing-fit"],
+)
+def test_a_fit_that_floats_cannot_hold_is_refused(samples: list[Any], message: str) -> None:
+    """Items that are no samples, times so small that their weight (1 / seconds) is inf (LAPACK once failed on
+    them with a bare LinAlgError), or a fit whose coefficient would time a long prompt past float's range: a
+    ConfigError saying which."""
+    with pytest.raises(ConfigError, match=message):
+        FittedPrefillModel.fit(samples)
+
+
+@pytest.mark.parametrize(
+    ("coefficients", "named"),
+    [
+        ((1e308, 0.0, 0.0), "c0"),
+        ((0.0, 1e300, 0.0), "c1"),
+        ((0.0, -1e300, 0.0), "c1"),
+        ((0.0, 0.0, 1e300), "c2"),
+        ((0.0, 1e300, -1e300), "c1"),
+    ],
+)
+def test_a_fitted_model_that_would_time_a_prompt_past_floats_is_refused(
+    coefficients: tuple[float, float, float], named: str
+) -> None:
+    """Finite coefficients too large for their feature (c2 = 1e300 at 10^5 tokens) timed a prompt at inf, or at
+    0 s where an inf term met a -inf one (max(0, NaN) is 0), and a chunked pipeline over such a model timed a
+    chunk at inf - inf = NaN, on which the router found no instance: a ConfigError naming the coefficient, at
+    construction and from JSON. Any accepted model times every prompt up to MAX_TOKENS finitely."""
+    with pytest.raises(ConfigError, match=f"coefficient {named}="):
+        FittedPrefillModel(coefficients=coefficients)
+    text = json.dumps({"coefficients": coefficients, "mean_relative_error": 0.0, "max_relative_error": 0.0})
+    with pytest.raises(ConfigError, match=f"coefficient {named}="):
+        FittedPrefillModel.from_json(text)
+    largest = (4.4e307, 4.0e295, 3.7e283)  # each just under its bound
+    edge = FittedPrefillModel(coefficients=largest)
+    for n, p in ((2**40, 0), (2**40, 2**39), (1, 0)):
+        assert math.isfinite(edge.prefill_s(n, p))
+    pipelined = ChunkedPipelineCost(base=edge, group_size=2, chunk_tokens=2**38)
+    assert math.isfinite(pipelined.prefill_s(2**40))
 
 
 # ---------------------------------------------------------------------------- transfer
@@ -413,6 +498,36 @@ def test_transfer_time_grows_linearly_with_congestion(
 def test_transfer_of_nothing_is_free() -> None:
     """Zero bytes take zero seconds, latency and congestion notwithstanding."""
     assert TransferCostModel(bandwidth_bytes_per_s=1e9, latency_s=0.5).transfer_s(0, in_flight_from_source=9) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "in_flight", "named"),
+    [
+        (math.nan, 0, "num_bytes"),
+        (math.inf, 0, "num_bytes"),
+        (-math.inf, 0, "num_bytes"),
+        ("1e9", 0, "num_bytes"),
+        (None, 0, "num_bytes"),
+        (1e9, -1, "in_flight_from_source"),
+        (0, -1, "in_flight_from_source"),
+        (1e9, True, "in_flight_from_source"),
+        (1e9, 1.5, "in_flight_from_source"),
+        (1e9, None, "in_flight_from_source"),
+        (1e300, 10**10, "takes longer than a float holds"),
+    ],
+    ids=repr,
+)
+def test_a_transfer_of_no_size_or_congestion_is_refused(num_bytes: Any, in_flight: Any, named: str) -> None:
+    """A NaN size timed a transfer at NaN (and the router then found no fastest instance); -1 transfers in
+    flight made a transfer cheaper than alone: a ConfigError naming the argument and showing the value. A numpy
+    count is a count."""
+    model = TransferCostModel(bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ConfigError, match=named) as caught:
+        model.transfer_s(num_bytes, in_flight_from_source=in_flight)
+    assert repr(num_bytes if named == "num_bytes" else in_flight) in str(caught.value)
+    count: Any = np.int64(1)
+    assert model.transfer_s(1e9, in_flight_from_source=count) == model.transfer_s(1e9, in_flight_from_source=1)
+    assert model.transfer_s(-5.0, in_flight_from_source=count) == 0.0  # fewer than no bytes take none
 
 
 def test_transfer_model_rejects_zero_bandwidth() -> None:

@@ -218,6 +218,13 @@ def test_equal_specs_decide_as_the_hand_assembly(
     assert decisions(by_hand(spec, options), stream) == first
 
 
+class StepOnly:
+    """A step model with a `step_s` but no `roofline` (which the simulator's analytic batch asks for)."""
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        return 0.01
+
+
 NOT_COUNTS = [-1, 0.5, 2.0, "2", None, True, math.nan]
 NOT_RATES = [0, -1.0, math.nan, math.inf, -math.inf, "1", True]
 NOT_SECONDS = [-1e-9, -1.0, math.nan, math.inf, "0", True, None]
@@ -242,7 +249,7 @@ BAD_FIELDS: dict[str, list[Any]] = {
     "analytic_decode": ["yes", 0, None],
     "decode_node_limits": [{"kv_capacity_tokens": 10}, 10],
     "prefill_model": ["fitted", 3, FITTED_STEP],
-    "step_model": ["fitted", 3, FITTED_PREFILL],
+    "step_model": ["fitted", 3, FITTED_PREFILL, StepOnly()],
 }
 
 

@@ -371,6 +371,10 @@ BAD_COUPLED_FIELDS = [
     ("max_batch_size", 0),
     ("mfu", 2.0),
     ("chunked_prefill", "yes"),
+    ("model", "llama3-70b"),
+    ("model", None),
+    ("hardware", None),
+    ("hardware", "8xA800"),
 ]
 
 
@@ -389,6 +393,30 @@ def test_a_replay_context_refuses_a_sampling_interval_that_is_no_positive_time(i
     it, when the context is made (not a hang or a crash inside a replay)."""
     with pytest.raises(ConfigError, match="sample_interval_s"):
         ReplayContext(Slo(), sample_interval_s=interval_s)
+
+
+@pytest.mark.parametrize("slo", ["x", 30, (30.0, 0.1)])
+def test_an_slo_that_is_no_slo_is_refused_before_the_replay(slo: object) -> None:
+    """The summary measures attainment against the `slo` after the whole replay: one that is no `Slo` is a
+    ConfigError naming it when the context or the coupled cluster is made (the cluster checks it even when handed
+    a context of its own), not an AttributeError after the replay."""
+    with pytest.raises(ConfigError, match=r"slo must be a mooncake\.types\.Slo") as caught:
+        ReplayContext(slo, sample_interval_s=1.0)  # type: ignore[arg-type]
+    assert repr(slo) in str(caught.value)
+    context = ReplayContext(Slo(), sample_interval_s=1.0)
+    for options in ({}, {"context": context}):
+        with pytest.raises(ConfigError, match=r"slo must be a mooncake\.types\.Slo"):
+            CoupledCluster(coupled_spec(), slo=slo, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("keep", ["no", 0, 1, None])
+def test_keep_intervals_must_be_a_switch(keep: object) -> None:
+    """`keep_intervals="no"` would read as true: anything but True or False is a ConfigError naming it, before a
+    request arrives."""
+    cluster = CoupledCluster(coupled_spec())
+    with pytest.raises(ConfigError, match="keep_intervals") as caught:
+        cluster.run([make_request("a", 0.0, 1000, 4)], keep_intervals=keep)  # type: ignore[arg-type]
+    assert repr(keep) in str(caught.value) and not cluster.replay.records
 
 
 # --------------------------------------------------------------------------- cost and step models
