@@ -24,6 +24,11 @@ Lifecycle of a local worker (`_worker_main` around `run_worker`):
     The worker then stops as on SIGTERM (closing its engine unlinks its
     segments); if it has not exited within `EXIT_GRACE_S`, its watch unlinks
     the segments named with its pid and ends the process.
+    A worker stays in the launcher's process group (and so goes with it in a
+    terminal's job control) but ignores SIGINT, as do the pipeline stages it
+    starts (`run_worker`): a terminal's Ctrl-C, sent to the whole foreground
+    group, is the launcher's alone, whose `close()` lets requests in flight
+    end before it stops the workers.
 
 Invariants:
     - a segment is named `mooncake-<creator pid>-<12 hex digits>` (the rule of

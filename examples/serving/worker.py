@@ -34,8 +34,10 @@ same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
 request whose KV is missing or does not match its prompt is `decode.failed`.
 It holds one attempt of a request at a time: a hand-off of a later attempt
 replaces the one it holds, a hand-off of an earlier one (from a prefill engine
-that was presumed dead and resumed) is dropped. A hand-off some of whose blocks
-another prefill's push is still filling here (requests sharing a prefix, sent
+that was presumed dead and resumed) is dropped, and so, for `TIMEOUT_S`, is one
+of an attempt that ended here or of a request cancelled before its hand-off came
+(its client left after the prefill's last check: `_EndedAttempts`). A hand-off
+some of whose blocks another prefill's push is still filling here (requests sharing a prefix, sent
 at once: each push fills only the blocks no other is filling) waits for them,
 at most `TIMEOUT_S`, pinning the blocks already there, without holding up the
 batch; blocks that push gave up on are then missing, a KV refusal as
@@ -55,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,7 @@ from serving.reporter import Reporter
 __all__ = ["Worker", "WorkerSpec", "build_model", "run_worker"]
 
 TIMEOUT_S = 30.0
+MAX_ENDED = 65_536  # requests a decode node remembers it is done with (for TIMEOUT_S at most): `_EndedAttempts`
 LOG = logging.getLogger("serving.worker")
 
 
@@ -122,6 +126,60 @@ class _Arriving:
     job: wire.DecodeJob
     deadline: float
     pinned: list[BlockKey] = attrs.field(factory=list)
+
+
+EVERY_ATTEMPT = sys.maxsize
+
+
+@attrs.define(eq=False)
+class _EndedAttempts:
+    """The attempts of requests a decode node is done with, lately: a hand-off of one that comes late is dropped,
+    not decoded for nobody until a health probe cancels it.
+
+    A request's entry is the latest attempt of it that must not join here, and when that was noted: one that ended
+    here (finished, or replaced by a later attempt) or was cancelled while held or waiting for blocks. A
+    `decode.cancel` that finds nothing of the request here makes every attempt of it ended, unless the request has
+    an entry already: the message names no attempt, and the gateway cancels a request it still serves elsewhere
+    only when this node listed it as held (its health answer), which leaves an entry; so such a cancel is the
+    gateway ending the request (its client left, a stop string) before the prefill's hand-off came, and no attempt
+    of it is ever sent again. Entries are forgotten after `keep_s`, and the oldest beyond `max_entries`: a hand-off
+    later than that joins, and the next health probe cancels it.
+
+    Invariants: entries are in the order they were noted, times not decreasing; at most `max_entries` of them.
+    """
+
+    keep_s: float
+    max_entries: int
+    _entries: OrderedDict[RequestId, tuple[int, float]] = attrs.field(init=False, factory=OrderedDict)
+
+    def end(self, request_id: RequestId, attempt: int, now: float) -> None:
+        """No attempt of `request_id` up to `attempt` may join from now on."""
+        latest = max(attempt, self._entries.pop(request_id, (attempt, now))[0])
+        self._entries[request_id] = (latest, now)
+        self._forget(now)
+
+    def cancel(self, request_id: RequestId, held: int | None, now: float) -> None:
+        """`decode.cancel` of `request_id`, of which this node held (or awaited the blocks of) attempt `held`."""
+        if held is not None:
+            self.end(request_id, held, now)
+        elif request_id not in self._entries:
+            self.end(request_id, EVERY_ATTEMPT, now)
+
+    def has_ended(self, request_id: RequestId, attempt: int, now: float) -> bool:
+        self._forget(now)
+        entry = self._entries.get(request_id)
+        return entry is not None and attempt <= entry[0]
+
+    def _forget(self, now: float) -> None:
+        while self._entries and (
+            len(self._entries) > self.max_entries or next(iter(self._entries.values()))[1] < now - self.keep_s
+        ):
+            self._entries.popitem(last=False)
+
+    def check_invariants(self) -> None:
+        times = [when for _attempt, when in self._entries.values()]
+        assert times == sorted(times), "entries out of the order they were noted"
+        assert len(self._entries) <= self.max_entries, "more entries than the bound"
 
 
 class _DecodeStream(MessengerSink):
@@ -207,6 +265,7 @@ class Worker:
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
         # Hand-offs waiting for blocks another push is filling here (decode loop only)
         self._arriving: dict[RequestId, _Arriving] = {}
+        self._ended = _EndedAttempts(keep_s=TIMEOUT_S, max_entries=MAX_ENDED)  # (decode loop only)
         self._active: tuple[int, ...] = ()  # a snapshot of _attempts' keys for the health answer (another thread)
         self._generated = 0
         self._decode_kv_usage = 0.0  # the decode batch's share of its KV budget, set by the decode loop
@@ -487,11 +546,14 @@ class Worker:
             for job in jobs:
                 if isinstance(job, wire.CancelDecode):
                     cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
+                    self._ended.cancel(cancelled, self._held_attempt(cancelled), time.monotonic())
                     self._stop_waiting(cancelled)
                     decode.cancel(cancelled)
                     self._attempts.pop(cancelled, None)
                 elif isinstance(job, wire.DecodeJob):
                     request_id = RequestId(job.request_id)  # type: ignore[arg-type]
+                    if self._ended.has_ended(request_id, job.attempt, time.monotonic()):
+                        continue  # a late hand-off: its request was cancelled, or this attempt ended here
                     waiting = self._arriving.get(request_id)
                     if waiting is None or waiting.job.attempt < job.attempt:  # else a stale hand-off
                         self._stop_waiting(request_id)
@@ -504,6 +566,12 @@ class Worker:
             tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
             self._publish_health(decode)
             self._report(tokens)
+
+    def _held_attempt(self, request_id: RequestId) -> int | None:
+        """The latest attempt of the request this node decodes or awaits the blocks of, if any."""
+        arriving = self._arriving.get(request_id)
+        held = (self._attempts.get(request_id), arriving.job.attempt if arriving is not None else None)
+        return max((attempt for attempt in held if attempt is not None), default=None)
 
     def _publish_health(self, decode: DecodeEngine) -> None:
         """The batch and KV a health answer gives (read on another thread): snapshots of the decode loop's."""
@@ -520,7 +588,11 @@ class Worker:
         self._tell_gateway(wire.DecodeTokens(instance_id=self.spec.instance_id, tokens=tuple(tokens), step_s=step_s))
 
     def _token(self, event: TokenEvent) -> wire.Token:
-        attempt = self._attempts.pop(event.request_id, 0) if event.finished else self._attempts.get(event.request_id, 0)
+        if event.finished:
+            attempt = self._attempts.pop(event.request_id, 0)
+            self._ended.end(event.request_id, attempt, time.monotonic())
+        else:
+            attempt = self._attempts.get(event.request_id, 0)
         return wire.Token(int(event.request_id), attempt, event.token, event.index, event.finished, event.logprobs)
 
     def _join_arrived(self, first_token: Callable[[wire.Token], None]) -> None:
@@ -586,6 +658,7 @@ class Worker:
                 return  # a stale hand-off (its prefill engine was presumed dead): the later attempt decodes
             self._decode.cancel(request_id)
             del self._attempts[request_id]
+            self._ended.end(request_id, held, time.monotonic())
         try:
             joined = self._decode.try_join(
                 request_id,
@@ -617,6 +690,8 @@ class Worker:
         decoding = request_id in self._decode.active_ids
         if decoding:
             self._attempts[request_id] = job.attempt
+        else:
+            self._ended.end(request_id, job.attempt, time.monotonic())
         # The prefill's token is the request's first output token (the engine does not report it without on_token).
         first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, not decoding, job.first_logprobs))
 
@@ -631,10 +706,15 @@ def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
 
 
 def run_worker(spec: WorkerSpec, connection: Any) -> None:
-    """A worker process's main: start, report how to reach it, serve until stopped (or SIGTERM/SIGINT)."""
+    """A worker process's main: start, report how to reach it, serve until stopped (SIGTERM).
+
+    SIGINT is ignored, from before the worker starts its pipeline stages, which inherit that (an ignored signal
+    stays ignored across their spawn): a terminal's Ctrl-C reaches every process of its foreground group, and only
+    the launcher may act on it, stopping the gateway (requests in flight end first) before the workers.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(spec)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
     try:
         connection.send(worker.start())
         while not worker.wait(0.5):

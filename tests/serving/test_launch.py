@@ -4,7 +4,9 @@ Orphans: the launcher (`examples/cluster.py`) runs in a subprocess and is
 killed with SIGKILL; its workers must exit and unlink their segments within a
 bound. A second launcher removes the segments of dead mooncake processes (and
 only those), and a worker whose spawning thread ends (the parent-death signal
-fires then too) keeps serving.
+fires then too) keeps serving. Ctrl-C (SIGINT to the launcher's whole process
+group, a pipeline group's stages included) lets a stream in flight end, then
+leaves no process and no segment.
 
 Ray: one launcher with `--backend ray` per module; every listening socket of
 its processes (read from /proc/net/tcp and tcp6, each socket's inode mapped to
@@ -327,6 +329,59 @@ def test_workers_exit_and_unlink_when_the_launcher_is_killed() -> None:
         )
         assert not segments_of(workers | {running.process.pid}), "leftover shared memory"
         assert not any("Traceback" in line for line in running.stderr), "".join(running.stderr)
+
+
+def test_ctrl_c_lets_a_stream_in_flight_end_and_leaves_nothing(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C is SIGINT to the launcher's whole process group — its workers and a pipeline group's
+    stage process too: only the launcher acts on it, so a stream in flight runs to its end (the gateway stops
+    before the workers), then the launcher exits with status 0, every process of it exits, no traceback is
+    written and no segment is left."""
+    text = TINY.read_text().replace("num_prefill = 2", "num_prefill = 1")
+    text = text.replace("pipeline_size = 1 ", "pipeline_size = 2 ")  # one prefill instance of two processes
+    assert "num_prefill = 1" in text and "pipeline_size = 2 " in text
+    config = tmp_path / "ctrl-c.toml"
+    config.write_text(text)
+    max_tokens = 200
+    body = {
+        "model": "tiny",
+        "prompt": "Ctrl-C",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with launcher("--config", str(config)) as running:
+        url = running.ready_url()
+        spawned = running.children()  # a prefill worker, its stage, a decode worker (and the resource tracker)
+        assert len(spawned) >= 3
+        assert len(segments_of(spawned)) == 2  # one DRAM pool per worker
+        request = urllib.request.Request(
+            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        events: list[str] = []
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 1:  # its first token is out: the decode runs
+                        os.killpg(running.process.pid, signal.SIGINT)  # the launcher leads its group
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert not [chunk for chunk in chunks if "error" in chunk], chunks[-2:]
+        assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+        assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]] == ["length"]
+
+        assert exit_status(running) == 0
+        wait_for(
+            lambda: not any(is_running(pid) for pid in spawned),
+            timeout=EXIT_S,
+            what=f"the launcher's processes {sorted(spawned)} to exit (no orphans)",
+        )
+        assert not segments_of(spawned | {running.process.pid}), "leftover shared memory"
+        assert any(line.startswith("stopping") for line in running.lines)
+        assert not any("Traceback" in line or "; stopping" in line for line in running.stderr), "".join(running.stderr)
 
 
 def test_a_new_launcher_removes_stale_segments_of_dead_processes_only() -> None:

@@ -14,8 +14,10 @@ own tests leave unchecked.
   instead), a failure after a fetch still carrying its events; a failed hand-off names the decode node only when
   it did not answer.
 - Decode: a cancel stops a request at once and drops a hand-off still waiting for blocks; a waiting hand-off gives
-  way to a later attempt only, and a later attempt replaces the one decoding; a request's sampling options (stop
-  ids, min_tokens, max_tokens = 1, temperature and top_p) reach the engines.
+  way to a later attempt only, and a later attempt replaces the one decoding; a hand-off that comes after its
+  request's cancel, or of an attempt that ended there, is dropped, a later attempt still joins (and the node's
+  memory of what ended keeps to its bounds, and to a reference model within them); a request's sampling options
+  (stop ids, min_tokens, max_tokens = 1, temperature and top_p) reach the engines.
 - Lifecycle: closing removes the SSD folder (named for the launcher's sweep) and closes its pool and the prefill
   engine's threads; SIGTERM stops a worker process cleanly; the decode engine applies the config's TBT objective.
 - `serving.machine`: a port in TIME_WAIT is free; a hard file limit below the reserve still grants one connection;
@@ -69,7 +71,15 @@ from serving.machine import (
     check_port_free,
 )
 from serving.prefill_group import GroupForward, group_prefill_engine
-from serving.worker import Worker, WorkerSpec, _DecodeStream, _sampling_params, run_worker
+from serving.worker import (
+    EVERY_ATTEMPT,
+    Worker,
+    WorkerSpec,
+    _DecodeStream,
+    _EndedAttempts,
+    _sampling_params,
+    run_worker,
+)
 
 from mooncake.cache.events import BlockStored
 from mooncake.engine.kv import KvLayout
@@ -84,7 +94,7 @@ from mooncake.errors import (
 )
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
-from mooncake.types import BlockKey, Tier
+from mooncake.types import BlockKey, RequestId, Tier
 from tests.engine.support import TINY as TINY_MODEL
 from tests.engine.support import dram_cache
 from tests.engine.support import hasher as support_hasher
@@ -557,6 +567,110 @@ def test_a_later_attempt_replaces_the_one_decoding_and_a_repeat_changes_nothing(
     assert decode._decode is not None and decode._decode.num_active == 1
     assert health(decode).active == (1,)
     control(decode, wire.CancelDecode(request_id=1))
+
+
+def test_a_hand_off_after_its_cancel_or_of_an_ended_attempt_is_dropped_and_a_later_attempt_joins(pair: Pair) -> None:
+    """A client that leaves after the prefill's last cancellation check, before its hand-off reaches the decode node:
+    the `decode.cancel` comes first and finds nothing there; the hand-off that follows is dropped (never joined nor
+    refused), not decoded for nobody until a health probe. A request that finished there drops a repeat of its
+    attempt and joins a later one (rerouted back to this node)."""
+    prefill, decode, _told, decoded = pair
+    decode.start()
+    prefill.start()
+    control(
+        prefill,
+        wire.PrefillJob(request_id=1, attempt=0, tokens=PROMPT, decode="decode-0", fetch=None, sampling=SAMPLING),
+    )
+    wait_for(lambda: finished(decoded) == 1, timeout=30.0, what="the first request to finish")
+    keys = tuple(prefill.hasher.block_keys(list(PROMPT)))  # on the decode node now: a hand-off of them joins
+
+    def hand_off(request_id: int, attempt: int) -> None:
+        control(
+            decode,
+            wire.DecodeJob(
+                request_id=request_id, attempt=attempt, keys=keys, prompt_tokens=64, first_token=5, sampling=SAMPLING
+            ),
+        )
+
+    def taken_in(marker_id: int) -> None:
+        """Wait until the decode loop has taken in what was sent before: a marker it refuses at once."""
+        marker = wire.DecodeJob(
+            request_id=marker_id, attempt=0, keys=(12345,), prompt_tokens=16, first_token=5, sampling=SAMPLING
+        )
+        control(decode, marker)
+        wait_for(lambda: marker_id in reported(decoded, wire.DecodeRejected), timeout=30.0, what="a marker's refusal")
+
+    def joined() -> list[tuple[int, int]]:
+        return [(m.request_id, m.attempt) for m in list(decoded) if isinstance(m, wire.DecodeJoined)]
+
+    control(decode, wire.CancelDecode(request_id=2))
+    hand_off(2, 1)
+    taken_in(90)
+    hand_off(1, 0)  # a repeat of the attempt that finished here
+    taken_in(91)
+    assert joined() == [(1, 0)]
+    hand_off(1, 1)
+    wait_for(lambda: finished(decoded) == 2, timeout=30.0, what="the later attempt to finish")
+    assert joined() == [(1, 0), (1, 1)]
+    assert reported(decoded, wire.DecodeRejected) == [90, 91]
+    assert 2 not in {t.request_id for m in list(decoded) if isinstance(m, wire.DecodeTokens) for t in m.tokens}
+
+
+def rid(number: int) -> RequestId:
+    """A request id as the gateway's wire carries it (an integer)."""
+    return RequestId(number)  # type: ignore[arg-type]
+
+
+def test_what_a_decode_node_remembers_ending_keeps_to_its_bounds() -> None:
+    """Entries go after `keep_s`, and the oldest beyond `max_entries`; a cancel of a request held nowhere ends every
+    attempt of it, one of a request that ended here keeps its attempt, and a later end never lowers it."""
+    ended = _EndedAttempts(keep_s=10.0, max_entries=3)
+    ended.end(rid(1), 2, now=0.0)
+    assert ended.has_ended(rid(1), 2, now=1.0) and not ended.has_ended(rid(1), 3, now=1.0)
+    ended.cancel(rid(1), None, now=2.0)  # it ended here: its later attempts may still come
+    ended.end(rid(1), 0, now=2.0)
+    assert not ended.has_ended(rid(1), 3, now=2.0) and ended.has_ended(rid(1), 2, now=2.0)
+    ended.cancel(rid(2), None, now=3.0)  # never here: gone in every attempt
+    assert ended.has_ended(rid(2), EVERY_ATTEMPT, now=3.0)
+    ended.cancel(rid(3), 1, now=4.0)
+    assert ended.has_ended(rid(3), 1, now=4.0) and not ended.has_ended(rid(3), 2, now=4.0)
+    ended.end(rid(4), 0, now=5.0)  # a fourth: the oldest (request 1) goes
+    ended.check_invariants()
+    assert not ended.has_ended(rid(1), 0, now=5.0) and ended.has_ended(rid(2), 0, now=5.0)
+    assert not ended.has_ended(rid(2), 0, now=13.5)  # noted at 3 s: forgotten after 10 s
+    assert ended.has_ended(rid(3), 0, now=13.5)
+    ended.check_invariants()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["end", "cancel", "ask"]), st.integers(0, 3), st.none() | st.integers(0, 3)),
+        max_size=40,
+    )
+)
+def test_what_a_decode_node_remembers_ending_follows_a_reference_within_its_bounds(
+    steps: list[tuple[str, int, int | None]],
+) -> None:
+    """Within its bounds (no entry old or many enough to go), the memory answers as a dict of each request's
+    latest ended attempt, where a cancel of a request held nowhere and never ended ends every attempt."""
+    ended = _EndedAttempts(keep_s=1000.0, max_entries=4)
+    reference: dict[int, int] = {}
+    for now, (kind, request_id, attempt) in enumerate(steps):
+        if kind == "end":
+            ended.end(rid(request_id), attempt or 0, float(now))
+            reference[request_id] = max(reference.get(request_id, -1), attempt or 0)
+        elif kind == "cancel":
+            ended.cancel(rid(request_id), attempt, float(now))
+            if attempt is not None:
+                reference[request_id] = max(reference.get(request_id, -1), attempt)
+            elif request_id not in reference:
+                reference[request_id] = EVERY_ATTEMPT
+        else:
+            for asked in range(5):
+                expected = asked <= reference.get(request_id, -1)
+                assert ended.has_ended(rid(request_id), asked, float(now)) == expected
+        ended.check_invariants()
 
 
 def test_a_requests_sampling_options_reach_both_engines(pair: Pair) -> None:
