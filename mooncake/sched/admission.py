@@ -3,7 +3,14 @@
 Every policy needs an estimated TTFT within its SLO and a decode instance the
 decode rule (`sched.join`) lets the request into, against the load the policy
 asks about (`load_at`); the refusal names the bound (context, batch slots, KV,
-TBT).
+TBT). Every policy checks in one order, so that the reason does not depend on
+what else is short: a refusal no wait lifts first (no decode instance up that
+could hold the request, a context none holds: like a missing prefill
+instance, it is the cluster's or the request's, whatever the load), then the
+TTFT estimate (TTFT_SLO), then the decode side's room (`WAITS_FOR_ROOM`: a
+batch, KV or TBT refusal). A request that misses its TTFT objective is
+rejected as TTFT_SLO however full the decode side is, as the Conductor
+rejects one whose wait used up what its TTFT objective left.
 
 - `baseline`: asks about no decode load: only a request that could never fit
   an instance is refused. The decode instance checks for itself when the
@@ -35,6 +42,8 @@ from typing import Literal, Protocol
 
 import attrs
 
+from mooncake._checks import require_number
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision
@@ -63,6 +72,10 @@ class AdmissionDecision:
 LoadAt = Literal["none", "now", "arrival"]
 LOAD_AT: tuple[LoadAt, ...] = typing.get_args(LoadAt)
 
+WAITS_FOR_ROOM = frozenset({Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.TBT_SLO})
+"""The rejections that the decode side's requests ending can lift: batch slots, KV room, a step within the TBT
+objective. The others cannot (no instance up, a context no instance holds) or grow worse with waiting (TTFT)."""
+
 
 class AdmissionPolicy(Protocol):
     """Decides on a routed request."""
@@ -78,11 +91,18 @@ class AdmissionPolicy(Protocol):
         """Accept or reject, given the routes chosen and the SLOs."""
 
 
-def _room_and_ttft(route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
+def _ttft_and_room(route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
+    """The checks every policy makes, in the module's order: a refusal no wait lifts, then TTFT, then room."""
+    room = None  # the decode selection's refusal, where a wait could lift it
     if decode.decode_instance is None:
-        return AdmissionDecision(False, decode.verdict.reason or Reason.NO_DECODE_INSTANCE)
+        reason = decode.verdict.reason or Reason.NO_DECODE_INSTANCE
+        if reason not in WAITS_FOR_ROOM:
+            return AdmissionDecision(False, reason)
+        room = reason
     if route.ttft_s > slo.ttft_s:
         return AdmissionDecision(False, Reason.TTFT_SLO)
+    if room is not None:
+        return AdmissionDecision(False, room)
     return AdmissionDecision(True)
 
 
@@ -94,7 +114,7 @@ class BaselineAdmission:
     load_at: LoadAt = "none"
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
-        return _room_and_ttft(route, decode, slo)
+        return _ttft_and_room(route, decode, slo)
 
 
 @attrs.frozen
@@ -112,7 +132,7 @@ class EarlyRejection:
         return "arrival" if self.predictive else "now"
 
     def admit(self, route: RouteDecision, decode: DecodeChoice, slo: Slo) -> AdmissionDecision:
-        decision = _room_and_ttft(route, decode, slo)
+        decision = _ttft_and_room(route, decode, slo)
         if decision.accepted and not decode.verdict.accepted:
             return AdmissionDecision(False, decode.verdict.reason)
         return decision
@@ -121,11 +141,6 @@ class EarlyRejection:
 def predictive_early_rejection() -> EarlyRejection:
     """The predictive variant of `EarlyRejection`."""
     return EarlyRejection(predictive=True)
-
-
-WAITS_FOR_ROOM = frozenset({Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.TBT_SLO})
-"""The rejections that the decode side's requests ending can lift: batch slots, KV room, a step within the TBT
-objective. The others cannot (no instance up, a context no instance holds) or grow worse with waiting (TTFT)."""
 
 
 def room_wait_deadline(
@@ -137,7 +152,16 @@ def room_wait_deadline(
     with the time waited counted (`arrival_s` + the objective - the TTFT the rejection estimated), and at most
     `max_wait_s` after its arrival (0: never, the paper's early rejection). The request is never prefilled
     while it waits, so a wait that ends in a rejection wastes nothing.
+
+    Raises:
+        InvalidRequestError: an `estimated_ttft_s` that is neither None nor a finite number >= 0, or an `arrival_s`
+            that is not a finite number (checked whatever the reason).
+        ConfigError: a `max_wait_s` that is not a finite number >= 0 (a bool is none).
     """
+    if estimated_ttft_s is not None:
+        require_number("estimated_ttft_s", estimated_ttft_s, minimum=0.0, error=InvalidRequestError)
+    require_number("arrival_s", arrival_s, minimum=-math.inf, error=InvalidRequestError)
+    require_number("max_wait_s", max_wait_s, minimum=0.0)
     if reason not in WAITS_FOR_ROOM or estimated_ttft_s is None or not max_wait_s > 0:
         return -math.inf
     return min(arrival_s + max_wait_s, arrival_s + slo.ttft_s - estimated_ttft_s)

@@ -112,11 +112,14 @@ class AdmissionQueue(Generic[T]):
         """A request arrives: its decision, or None while it waits in line.
 
         Raises:
-            InvalidRequestError: `request` is no `Request`; `item`, or a request with this id, already waits; or the
-                scheduler refuses the request as invalid (one already in flight, say), nothing changed.
+            InvalidRequestError: `request` is no `Request`; `now` is not a finite number; `item`, or a request with this
+                id, already waits; or the scheduler refuses the request as invalid (one already in flight, say),
+                nothing changed.
         """
         if not isinstance(request, Request):
             raise InvalidRequestError(f"arrive takes a mooncake.types.Request, got {type(request).__name__}")
+        # Checked here, whoever waits: behind others the request is not tried now, so no scheduler would see it.
+        require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         if id(item) in self._entries:
             raise InvalidRequestError(f"{item!r} already waits for room")
         if request.request_id in self._request_ids:
@@ -234,8 +237,13 @@ class AdmissionQueue(Generic[T]):
         )
 
     def _keeps_place(self, entry: _Entry[T], decision: ScheduleDecision, now: float) -> bool:
-        """After a try: whether `entry` still waits (its deadline set anew from the try)."""
-        deadline = self._deadline(entry.request, decision)
+        """After a try: whether `entry` still waits (its deadline set anew from the try). A decision no deadline can
+        be set from (an estimate that is no time) leaves the line, as a try that raises does."""
+        try:
+            deadline = self._deadline(entry.request, decision)
+        except BaseException:
+            self._leave(entry)
+            raise
         if not now < deadline:
             return False
         if deadline != entry.deadline_s:

@@ -133,9 +133,10 @@ def reference_decode(
     now: float | None = None,
 ) -> DecodeChoice:
     """Brute force: the decode rule on each instance that is up, one at a time, against the load asked
-    about (`loads`, rounded; default: what it is committed to); among those it lets in (TBT aside), the
-    lowest step time on the committed load with the request added, ties by id, with the rule's verdict
-    on the asked load; none: the reason most instances up give (ties: the earlier check) leaving out
+    about (`loads`, rounded; default: what it is committed to); among those it lets in, TBT included, the
+    lowest step time on the committed load with the request added, ties by id; where the TBT check refuses
+    it on every instance the other checks let it into, the lowest of those, with the rule's verdict on the
+    asked load (the TBT refusal); none: the reason most instances up give (ties: the earlier check) leaving out
     CONTEXT_TOO_LONG; with no other reason, NO_DECODE_INSTANCE when some instance, up or down, could hold the
     request alone or none is up, else CONTEXT_TOO_LONG. With `now`, the committed context (ranked, and asked about by
     default) counts the tokens the decoding requests generated: their decoding seconds over the step
@@ -158,7 +159,15 @@ def reference_decode(
             asked = DecodeLoad(asked.batch_size, asked.context_tokens + generated, asked.kv_tokens)
         context = int(committed.context_tokens) + generated
         step = step_model.step_s(int(committed.batch_size) + 1, context + prompt_tokens)
-        options.append((step, view.instance_id, view.limits, asked))
+        verdict = check_join(
+            view.limits,
+            asked,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            step_model=step_model,
+            tbt_slo_s=tbt_slo_s,
+        )
+        options.append((not verdict.accepted, step, view.instance_id, verdict))
     if not options:
         reasons.pop(Reason.CONTEXT_TOO_LONG, None)  # the reasons of those that could take it once room frees
         order = list(Reason)
@@ -173,15 +182,7 @@ def reference_decode(
             up = any(v.is_up for v in views)
             reason = Reason.NO_DECODE_INSTANCE if ever or not up else Reason.CONTEXT_TOO_LONG
         return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
-    _, instance, limits, asked = min(options, key=lambda option: (option[0], option[1]))
-    verdict = check_join(
-        limits,
-        asked,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        step_model=step_model,
-        tbt_slo_s=tbt_slo_s,
-    )
+    _, _, instance, verdict = min(options, key=lambda option: option[:3])
     return DecodeChoice(decode_instance=instance, verdict=verdict)
 
 

@@ -16,7 +16,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockStored
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import (
     WAITS_FOR_ROOM,
     AdmissionPolicy,
@@ -153,6 +153,38 @@ def test_no_decode_instance_is_refused_with_its_bound(policy: AdmissionPolicy) -
     assert policy.admit(route(0.1), nobody, Slo()).reason is Reason.BATCH_FULL
 
 
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=lambda p: p.name)
+def test_ttft_is_checked_before_the_decode_sides_room(policy: AdmissionPolicy) -> None:
+    """A request that misses its TTFT objective is rejected as TTFT_SLO whether or not the decode side has room (the
+    reason depends on neither what else is short nor a wait); a refusal no wait lifts (no instance up that could
+    hold it, a context none holds) comes first, as a missing prefill instance does."""
+    slo = Slo(ttft_s=2.0, tbt_s=0.1)
+    lasting = (Reason.CONTEXT_TOO_LONG, Reason.NO_DECODE_INSTANCE)
+    for reason in (*sorted(WAITS_FOR_ROOM, key=lambda r: r.value), *lasting):
+        nobody = DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))
+        assert policy.admit(route(1.0), nobody, slo).reason is reason
+        late = policy.admit(route(3.0), nobody, slo)
+        assert (late.accepted, late.reason) == (False, reason if reason in lasting else Reason.TTFT_SLO)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_late_request_meeting_a_full_batch_is_a_ttft_rejection_waited_or_not(name: str) -> None:
+    """Through the Conductor: a request whose TTFT estimate misses the objective while the only decode instance's
+    batch is full is TTFT_SLO, as it is with room, and as it is when it has waited (it was BATCH_FULL unless it
+    had waited)."""
+    slo = Slo(ttft_s=0.5, tbt_s=0.1)
+    for full in (False, True):
+        c = conductor(POLICIES[name], slo=slo, decode=0)
+        c.add_decode_instance(InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=10**7, max_batch_size=1))
+        if full:
+            assert c.schedule(request("first", 1000), 0.0).accepted
+        late = request("late", 8000, first_key=10**6)
+        decision = c.schedule(late, 0.0)
+        assert decision.ttft_s is not None and decision.ttft_s > slo.ttft_s
+        assert (decision.accepted, decision.reason) == (False, Reason.TTFT_SLO), full
+        assert c.schedule(late, 0.0, waited_s=1e-9).reason is Reason.TTFT_SLO
+
+
 slos = st.builds(Slo, ttft_s=st.floats(min_value=0.01, max_value=60), tbt_s=st.floats(min_value=0.001, max_value=1))
 seconds = st.floats(min_value=0.0, max_value=100.0)
 
@@ -236,6 +268,32 @@ def test_requests_still_in_prefill_count_toward_the_decode_batch() -> None:
     assert verdicts["baseline"].accepted
     assert verdicts["early_rejection"].reason is Reason.TBT_SLO
     assert verdicts["predictive_early_rejection"].reason is Reason.TBT_SLO
+
+
+def test_predictive_rejection_takes_an_instance_predicted_empty_when_the_least_committed_fails_tbt() -> None:
+    """decode-1 holds eight requests that joined at t = 0, decode-0 two that joined at t = 95 (t_d 10 s). At t =
+    100 decode-0 is committed to less and ranks first, but at the probe's arrival it still holds its two, and its
+    step with the probe would exceed the TBT objective; decode-1's eight will have left by then. The predictive
+    policy sends the probe to decode-1 (it refused it for TBT, judging decode-0 alone); early rejection, on what
+    each holds now, refuses it."""
+    slo = Slo(ttft_s=30.0, tbt_s=0.017)
+    assert DECODE_COST.step_s(3, 104_000) > slo.tbt_s > DECODE_COST.step_s(1, 4000)  # decode-0 fails, empty passes
+    assert DECODE_COST.step_s(3, 104_000) < DECODE_COST.step_s(9, 404_000)  # decode-0 ranks first now
+    c = conductor(BaselineAdmission(), slo=slo, decode=0)  # the baseline places the fillers unchecked
+    c.add_decode_instance(InstanceId("decode-1"), LIMITS)
+    for i in range(8):
+        run_to_decode(c, request(f"old-{i}", 50_000, first_key=10**6 * (i + 1)), 0.0)
+    c.add_decode_instance(InstanceId("decode-0"), LIMITS)
+    for i in range(2):
+        run_to_decode(c, request(f"new-{i}", 50_000, first_key=10**6 * (i + 20)), 95.0)
+    assert {view.instance_id: len(view.active) for view in c.decode_views} == {"decode-0": 2, "decode-1": 8}
+    probe = request("probe", 4000, first_key=10**8)
+    c.admission = EarlyRejection()
+    assert c.schedule(probe, 100.0).reason is Reason.TBT_SLO
+    c.admission = predictive_early_rejection()
+    predictive = c.schedule(probe, 100.0)
+    assert (predictive.accepted, predictive.decode_instance) == (True, InstanceId("decode-1"))
+    assert predictive.tbt_s == DECODE_COST.step_s(1, 4000)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -388,3 +446,25 @@ def test_only_a_rejection_for_room_waits_and_never_past_its_ttft_objective(
     assert deadline - arrival_s + estimated_ttft_s <= slo.ttft_s + 1e-9 * max(1.0, arrival_s)
     # and no earlier than both bounds allow: it waits as long as it may
     assert deadline >= min(arrival_s + max_wait_s, arrival_s + slo.ttft_s - estimated_ttft_s)
+
+
+@pytest.mark.parametrize("reason", [Reason.BATCH_FULL, Reason.TTFT_SLO], ids=["waits", "never-waits"])
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("estimated_ttft_s", math.nan, InvalidRequestError),
+        ("estimated_ttft_s", -100.0, InvalidRequestError),
+        ("estimated_ttft_s", "1", InvalidRequestError),
+        ("arrival_s", math.inf, InvalidRequestError),
+        ("max_wait_s", True, ConfigError),
+        ("max_wait_s", -1.0, ConfigError),
+        ("max_wait_s", math.nan, ConfigError),
+    ],
+)
+def test_a_wait_deadline_from_no_time_is_named(reason: Reason, field: str, value: object, error: type) -> None:
+    """`room_wait_deadline` takes times: a NaN or negative estimate (which gave a deadline of 5 s, or one 100 s past
+    the objective), an arrival that is no time, or a wait bound that is a bool or negative is an error naming the
+    argument and its value, whatever the reason (the bad value was ignored when the reason could not wait)."""
+    arguments: dict[str, object] = {"estimated_ttft_s": 1.0, "arrival_s": 0.0, "max_wait_s": 5.0, field: value}
+    with pytest.raises(error, match=f"{field} must be a finite number.*got {value!r}"):
+        room_wait_deadline(reason, slo=Slo(), **arguments)  # type: ignore[arg-type]

@@ -180,14 +180,15 @@ def route(ttft_s: float) -> RouteDecision:
 @pytest.mark.parametrize("reason", list(Reason), ids=lambda r: r.value)
 def test_exactly_the_rejections_for_room_the_decode_side_frees_may_wait(reason: Reason) -> None:
     """A full batch, no KV room and the TBT objective wait (their requests ending frees what they lack); nothing
-    else does. A `max_wait_s` of 0 (the paper's early rejection) or NaN waits for nothing: the deadline is -inf,
-    not the arrival."""
+    else does. A `max_wait_s` of 0 (the paper's early rejection) waits for nothing: the deadline is -inf, not the
+    arrival; a NaN one is no bound at all, a ConfigError naming it (as `AdmissionQueue` refuses it)."""
     room = {Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.TBT_SLO}
     assert room == WAITS_FOR_ROOM
     waits = room_wait_deadline(reason, estimated_ttft_s=0.5, arrival_s=10.0, slo=SLO, max_wait_s=5.0)
     assert waits == (11.5 if reason in room else -math.inf)
-    for never in (0.0, math.nan):
-        assert room_wait_deadline(reason, estimated_ttft_s=0.5, arrival_s=10.0, slo=SLO, max_wait_s=never) == -math.inf
+    assert room_wait_deadline(reason, estimated_ttft_s=0.5, arrival_s=10.0, slo=SLO, max_wait_s=0.0) == -math.inf
+    with pytest.raises(ConfigError, match=r"max_wait_s must be a finite number >= 0\.0, got nan"):
+        room_wait_deadline(reason, estimated_ttft_s=0.5, arrival_s=10.0, slo=SLO, max_wait_s=math.nan)
 
 
 @pytest.mark.parametrize("reason", [*STRUCTURAL, Reason.TBT_SLO], ids=lambda r: r.value)

@@ -188,6 +188,34 @@ def test_the_verdict_carries_the_tbt_check() -> None:
     assert choice.verdict == JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=COST.step_s(9, 901_000))
 
 
+def test_a_predicted_load_is_refused_for_tbt_only_where_no_instance_passes() -> None:
+    """Predictive admission: D0, committed to less, ranks first, but is predicted to still hold its batch when the
+    request arrives, where its step would exceed the TBT objective; D1, committed to more, is predicted empty by
+    then and passes. The request goes to D1 (it was refused for TBT on D0's load while D1 would take it). Only
+    when every instance fails does the choice carry the TBT refusal, on the one ranked first."""
+    views = [committed(D0, decoding=2, context=200_000), committed(D1, decoding=8, context=800_000)]
+    emptied = {D0: DecodeLoad(2, 200_000, 200_020), D1: DecodeLoad(0, 0, 0)}
+    assert COST.step_s(3, 204_000) > 0.02 > COST.step_s(1, 4000)  # D0 fails with its predicted batch, D1 passes
+    assert COST.step_s(3, 204_000) < COST.step_s(9, 804_000)  # D0 ranks first on what it is committed to
+    assert choose(views, emptied, prompt=4000, slo=0.02) == chosen(D1, 1, 4000)
+    both_busy = {**emptied, D1: DecodeLoad(2, 300_000, 300_020)}
+    refused = choose(views, both_busy, prompt=4000, slo=0.02)
+    assert refused.decode_instance == D0
+    assert refused.verdict == JoinVerdict(
+        accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=COST.step_s(3, 204_000)
+    )
+
+
+def test_instances_that_pass_the_tbt_check_spread_by_their_committed_load() -> None:
+    """Among the instances whose predicted load passes the TBT check, what each is committed to still ranks them:
+    of two predicted empty, the one with less on its way wins (arrivals do not pile onto one)."""
+    views = [committed(D0, reserved=3, context=3000), committed(D1, reserved=1, context=1000)]
+    views.append(committed(D2, decoding=1, context=100))
+    empty = DecodeLoad(0, 0, 0)
+    loads = {D0: empty, D1: empty, D2: DecodeLoad(1, 900_000, 900_010)}  # D2 ranks first but fails TBT
+    assert choose(views, loads, slo=0.02) == chosen(D1, 1, 1000)
+
+
 _loads = st.builds(
     DecodeLoad,
     st.sampled_from([0, 1, 2, 8]) | st.floats(0, 64),
@@ -226,13 +254,13 @@ def test_choice_is_the_brute_force_minimum(
     case: tuple[list[DecodeView], dict[InstanceId, DecodeLoad], int, int], slo: float
 ) -> None:
     """With loads asked about: the lowest committed step time among the instances up that the decode
-    rule lets in on those loads (ties: id), with the rule's verdict there; none: the reason most give."""
+    rule lets in on those loads, TBT included (ties: id); where its TBT check refuses it on every instance its
+    other checks let it into, the lowest among those, with the rule's verdict there; none: the reason most give."""
     views, loads, prompt, output = case
     got = choose(views, loads, prompt=prompt, output=output, slo=slo)
-    want = reference_decode(
+    assert got == reference_decode(
         views, prompt_tokens=prompt, output_tokens=output, step_model=COST, tbt_slo_s=slo, loads=loads
     )
-    assert got == want
 
 
 @given(decode_cases(), st.sampled_from([0.02, 0.1, 0.3]), st.none() | st.sampled_from([60.0]) | st.floats(0.0, 120.0))

@@ -114,23 +114,25 @@ def reference_predict(
     now: float,
     at_s: float,
 ) -> tuple[float, float, float]:
-    """The expected (batch, context, KV) at `at_s`: each request weighted by its chance to be generating then."""
+    """The expected (batch, context, KV) at `at_s`: each request weighted by its chance to be generating then, its
+    output so far counted with the prefill's first token (as observed lengths and caps count it): 1 + the tokens
+    decoded since it joined."""
     terms: list[tuple[float, float, float]] = []
     for request in active:
-        produced = max(0.0, (now - request.start_s) / step_s)
+        decoded = max(0.0, (now - request.start_s) / step_s)
         horizon = max(0.0, (at_s - now) / step_s)
-        alive = reference_survival(observed, produced, horizon, request.output_tokens)
+        alive = reference_survival(observed, 1.0 + decoded, horizon, request.output_tokens)
         terms.append(
             (
                 alive,
-                alive * (request.context_tokens + produced + horizon),
+                alive * (request.context_tokens + decoded + horizon),
                 alive * (request.context_tokens + request.output_tokens),
             )
         )
     for queued in incoming:
         if joins_by(queued, at_s):
             decoded = (at_s - queued.finish_s) / step_s
-            alive = reference_survival(observed, 0.0, decoded, queued.output_tokens)
+            alive = reference_survival(observed, 1.0, decoded, queued.output_tokens)
             terms.append(
                 (alive, alive * (queued.input_tokens + decoded), alive * (queued.input_tokens + queued.output_tokens))
             )
@@ -236,10 +238,10 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
         if not self.observed:  # nothing observed: each is there unless it ran past its own cap by then
             step = self.predictor.step_s
             gone = sum(
-                at_s > now and max(0.0, (now - a.start_s) / step) + (at_s - now) / step >= a.output_tokens
+                at_s > now and 1.0 + max(0.0, (now - a.start_s) / step) + (at_s - now) / step >= a.output_tokens
                 for a in active
             )
-            gone += sum(joins_by(q, at_s) and (at_s - q.finish_s) / step >= q.output_tokens for q in incoming)
+            gone += sum(joins_by(q, at_s) and 1.0 + (at_s - q.finish_s) / step >= q.output_tokens for q in incoming)
             assert load.batch_size == present - gone
 
     @rule(

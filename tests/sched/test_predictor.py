@@ -120,6 +120,16 @@ def test_workload_decode_time_is_mean_output_at_the_objective(lengths: list[int]
         assert uniform_decode_s([*lengths, extra], tbt_s) > t_d
 
 
+@pytest.mark.parametrize("bad", [-50, 0, True, 2.5, "3", None])
+def test_workload_output_lengths_must_be_counts_of_at_least_one(bad: object) -> None:
+    """An output length is a request's `output_length`, an integer >= 1: anything else (a negative one made t_d
+    negative, a bool passed as 1) is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=f"output length must be an integer >= 1, got {bad!r}"):
+        uniform_decode_s([100, bad], 0.1)  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="output_lengths"):
+        uniform_decode_s(None, 0.1)  # type: ignore[arg-type]
+
+
 def test_workload_decode_time_without_requests_or_with_a_bad_objective() -> None:
     """No requests: the default t_d. A TBT objective that is not a positive number: a ConfigError naming it."""
     assert uniform_decode_s([], 0.1) == DEFAULT_DECODE_S
@@ -129,6 +139,18 @@ def test_workload_decode_time_without_requests_or_with_a_bad_objective() -> None
 
 
 # ---------------------------------------------------------------------------- expected output (t_d per request)
+
+
+def test_expected_output_keeps_a_request_for_its_decode_steps_only() -> None:
+    """Output includes the prefill's first token: a request of output 2 decodes one step, of output 11 ten. Each is
+    predicted there until that many steps have passed, not one step more."""
+    predictor = ExpectedOutputPredictor(step_s=0.1)
+    one_step = ActiveDecode(request_id=RequestId("a"), start_s=0.0, context_tokens=1000, output_tokens=2)
+    assert predictor.predict((one_step,), (), 0.0, 0.05).batch_size == 1  # its one step ends at 0.1
+    assert predictor.predict((one_step,), (), 0.0, 0.15) == DecodeLoad(0, 0.0, 0)
+    queued = incoming("b", 1.0, 1000, output=11)  # its first token at 1.0, ten steps: it ends at 2.0
+    assert predictor.predict((), (queued,), 0.0, 1.95).batch_size == 1
+    assert predictor.predict((), (queued,), 0.0, 2.05) == DecodeLoad(0, 0.0, 0)
 
 
 def test_expected_output_keeps_each_request_for_its_own_output() -> None:
@@ -163,18 +185,19 @@ def test_expected_output_with_equal_outputs_is_the_uniform_rule(
     now: float,
     ahead_s: float,
 ) -> None:
-    """The reference model: with every expected output equal to n, each request's t_d is n x step_s, and the
-    batch and KV predicted are the paper's uniform rule's with that t_d, exactly; the context is its (prompts
-    only) plus fewer than n generated tokens per member."""
+    """The reference model: with every expected output equal to n, each request's t_d is (n - 1) x step_s (its
+    decode: the prefill made its first token), and the batch and KV predicted are the paper's uniform rule's with
+    that t_d, exactly; the context is its (prompts only) plus fewer than n - 1 generated tokens per member."""
     batch = [
         ActiveDecode(request_id=RequestId(f"a{i}"), start_s=start, context_tokens=context, output_tokens=output)
         for i, (start, context) in enumerate(decoding)
     ]
     queue = [incoming(f"q{i}", finish, tokens, output=output) for i, (finish, tokens) in enumerate(queued)]
     own = ExpectedOutputPredictor(step_s=step_s).predict(batch, queue, now, now + ahead_s)
-    uniform = UniformDecodePredictor(decode_s=output * step_s).predict(batch, queue, now, now + ahead_s)
+    uniform = UniformDecodePredictor(decode_s=(output - 1) * step_s).predict(batch, queue, now, now + ahead_s)
     assert (own.batch_size, own.kv_tokens) == (uniform.batch_size, uniform.kv_tokens)
-    assert uniform.context_tokens <= own.context_tokens <= uniform.context_tokens + own.batch_size * output * (1 + 1e-9)
+    most = own.batch_size * (output - 1) * (1 + 1e-9)
+    assert uniform.context_tokens <= own.context_tokens <= uniform.context_tokens + most
 
 
 def test_expected_output_requires_positive_step() -> None:
@@ -231,6 +254,22 @@ def test_output_length_predict_hand_case() -> None:
     # A prefill finishing at t has joined by t, as with the uniform rule: it counts, with nothing decoded yet.
     at_t = predictor.predict([], [incoming("d", 15.0, 40)], 5.0, 15.0)
     assert (at_t.batch_size, at_t.context_tokens, at_t.kv_tokens) == (1.0, 40.0, 1040.0)
+
+
+def test_output_length_counts_the_prefills_token_as_produced() -> None:
+    """Observed lengths and caps count the prefill's first token: where every request seen had output 2 (one decode
+    step), a request that has decoded one step is predicted done, as is one whose cap of 2 it has reached; one
+    that has decoded half a step is not."""
+    predictor = OutputLengthPredictor(step_s=1.0, lengths=[2, 2, 2])
+    joined = incoming("b", 10.0, 50, output=1000)
+    assert predictor.predict([], [joined], 10.0, 10.5).batch_size == 1.0
+    assert predictor.predict([], [joined], 10.0, 11.0).batch_size == 0.0
+    running = attrs.evolve(active("a", 0.0, 100), output_tokens=1000)
+    assert predictor.predict([running], [], 0.5, 0.5).batch_size == 1.0  # there now, half a step decoded
+    assert predictor.predict([running], [], 0.5, 1.0).batch_size == 0.0
+    capped = OutputLengthPredictor(step_s=1.0)  # nothing observed: only the cap ends it
+    assert capped.predict([], [incoming("c", 10.0, 50, output=2)], 10.0, 10.5).batch_size == 1.0
+    assert capped.predict([], [incoming("c", 10.0, 50, output=2)], 10.0, 11.0).batch_size == 0.0
 
 
 def test_output_length_requires_positive_step() -> None:
@@ -320,7 +359,8 @@ def decode_replay(
     known_outputs: bool = False,
     against: bool = False,
 ) -> list[LoadSnapshot]:
-    """Simulate one decode instance (Poisson arrivals, a prefill each, then STEP_S per token) and record,
+    """Simulate one decode instance (Poisson arrivals, a prefill making the first token each, then STEP_S per
+    token for the rest) and record,
     every second, its state and the load it really had `horizon_s` later. Each request's expected output
     is 2000 tokens, or with `known_outputs` its own; `against`: long answers come to short prompts (as in
     the synthetic trace), else prompt and output are independent."""
@@ -340,7 +380,7 @@ def decode_replay(
         decoding = tuple(
             ActiveDecode(request_id=rid, start_s=start, context_tokens=prompt, output_tokens=expected[rid])
             for rid, _, start, length, prompt in requests
-            if start <= now < start + length * STEP_S
+            if start <= now < start + (length - 1) * STEP_S
         )
         prefilling = tuple(
             QueuedPrefill(
@@ -353,7 +393,7 @@ def decode_replay(
         alive = [
             (at_s - start, prompt)
             for rid, _, start, length, prompt in requests
-            if rid in known and start <= at_s < start + length * STEP_S
+            if rid in known and start <= at_s < start + (length - 1) * STEP_S
         ]
         actual = DecodeLoad(len(alive), sum(prompt + age / STEP_S for age, prompt in alive))
         snapshots.append(LoadSnapshot(active=decoding, incoming=prefilling, now=now, at_s=at_s, actual=actual))
@@ -364,7 +404,7 @@ def test_output_length_predictor_beats_uniform_on_a_replay() -> None:
     """With widely varying output lengths, the survival predictor's MAEs are lower than the uniform rule's."""
     history = random.Random(1)
     observed = [output_length(history) for _ in range(2000)]
-    uniform = UniformDecodePredictor(decode_s=statistics.mean(observed) * STEP_S)  # t_d: the mean decode time
+    uniform = UniformDecodePredictor(decode_s=(statistics.mean(observed) - 1) * STEP_S)  # t_d: the mean decode time
     survival = OutputLengthPredictor(step_s=STEP_S, lengths=observed)
     snapshots = decode_replay(seed=2)
     uniform_score, survival_score = score_predictor(uniform, snapshots), score_predictor(survival, snapshots)
@@ -379,7 +419,9 @@ def test_expected_output_is_exact_where_outputs_are_known_and_the_pace_is_its_ow
     answers to short prompts, the prediction is the load the instance really had, batch and context; the uniform
     t_d (the mean decode time) keeps short answers to long prompts as long as the rest and is far off."""
     history = random.Random(1)
-    uniform = UniformDecodePredictor(decode_s=statistics.mean(output_length(history) for _ in range(2000)) * STEP_S)
+    uniform = UniformDecodePredictor(
+        decode_s=(statistics.mean(output_length(history) for _ in range(2000)) - 1) * STEP_S
+    )
     snapshots = decode_replay(seed=2, known_outputs=True, against=True)
     uniform_score = score_predictor(uniform, snapshots)
     own_score = score_predictor(ExpectedOutputPredictor(step_s=STEP_S), snapshots)

@@ -378,14 +378,15 @@ def test_a_smoothing_of_one_follows_the_newest_observation() -> None:
 
 
 def test_expected_output_drops_a_request_exactly_when_its_output_is_done() -> None:
-    """A request decoding for exactly its output × step_s by t has left (the uniform rule's strict bound, per
-    request), whether it was decoding now or joins from its prefill; a step earlier it is there."""
+    """A request decoding for exactly its output less the prefill's first token, × step_s, by t has left (the
+    uniform rule's strict bound, per request), whether it was decoding now or joins from its prefill; a step
+    earlier it is there."""
     predictor = ExpectedOutputPredictor(step_s=0.25)
     decoding = [ActiveDecode(request_id=RequestId("a"), start_s=0.0, context_tokens=100, output_tokens=20)]
     joining = [QueuedPrefill(request_id=RequestId("q"), start_s=0.0, finish_s=1.0, input_tokens=50, output_tokens=16)]
-    assert predictor.predict(decoding, joining, now=0.0, at_s=5.0) == DecodeLoad(0, 0.0, 0)
-    assert predictor.predict(decoding, [], now=0.0, at_s=4.75) == DecodeLoad(1, 100 + 19, 120)
-    assert predictor.predict([], joining, now=0.0, at_s=4.75) == DecodeLoad(1, 50 + 15, 66)
+    assert predictor.predict(decoding, joining, now=0.0, at_s=4.75) == DecodeLoad(0, 0.0, 0)  # 19 and 15 steps
+    assert predictor.predict(decoding, [], now=0.0, at_s=4.5) == DecodeLoad(1, 100 + 18, 120)
+    assert predictor.predict([], joining, now=0.0, at_s=4.5) == DecodeLoad(1, 50 + 14, 66)
 
 
 def test_expected_output_never_counts_a_request_ending_at_its_first_token() -> None:

@@ -433,3 +433,40 @@ def test_a_first_try_whose_wait_would_end_at_once_is_decided_at_once() -> None:
     decision = queue.arrive("a", request(1, 0.0, 1, 75), 0.0)  # estimate 7.5 + 2.5 = 10.0 s, the objective
     assert decision is not None and decision.reason is Reason.BATCH_FULL
     assert len(queue) == 0 and queue.next_deadline() == math.inf
+
+
+@pytest.mark.parametrize("now", [math.nan, math.inf, "soon", None])
+@pytest.mark.parametrize("behind", [False, True], ids=["nobody-waits", "behind-a-waiter"])
+def test_an_arrival_at_no_time_is_refused_whoever_waits(now: object, behind: bool) -> None:
+    """`now` is checked on every arrival: behind a waiter the request is not tried, so no scheduler would see a NaN
+    or a string there (it was taken, and the line went on as if nothing were wrong). Nothing changes."""
+    conductor = FakeConductor(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    if behind:
+        assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
+    calls = list(conductor.calls)
+    with pytest.raises(InvalidRequestError, match=f"now must be a finite number, got {now!r}"):
+        queue.arrive("b", request(2, 0.0, 1, 10), now)  # type: ignore[arg-type]
+    assert list(queue) == (["a"] if behind else []) and conductor.calls == calls
+
+
+def test_a_try_whose_estimate_is_no_time_leaves_the_line() -> None:
+    """A rejection for room whose TTFT estimate is no time (a broken scheduler) sets no deadline: `pump` raises
+    the InvalidRequestError naming it, and the request leaves the line as a try that raises does (else it would
+    stay at the head and raise at every pump)."""
+
+    @attrs.define
+    class Broken(FakeConductor):
+        broken: bool = False
+
+        def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+            decision = super().schedule(req, now, waited_s=waited_s)
+            return attrs.evolve(decision, ttft_s=math.nan) if self.broken else decision
+
+    conductor = Broken(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    assert queue.arrive("a", request(1, 0.0, 1, 10), 0.0) is None
+    conductor.broken = True
+    with pytest.raises(InvalidRequestError, match="estimated_ttft_s"):
+        queue.pump(1.0)
+    assert len(queue) == 0 and queue.pump(2.0) == []
