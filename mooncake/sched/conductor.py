@@ -56,7 +56,7 @@ from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import BlockIndex, key_array
 from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import LOAD_AT, WAITS_FOR_ROOM, AdmissionDecision, AdmissionPolicy
-from mooncake.sched.cost import transfers_in_flight
+from mooncake.sched.cost import prefill_end_s, transfers_in_flight
 from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, load_problem
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd
@@ -462,11 +462,14 @@ class Conductor:
         if verdict.accepted:
             assert decode.decode_instance is not None  # checked above
             start = now + route.wait_s
+            ahead_end = self._prefill[route.prefill_instance].drained_s()
             queued = QueuedPrefill(
                 request_id=request.request_id,
                 start_s=start,
-                finish_s=start + route.prefill_s,
+                finish_s=prefill_end_s(start, route.prefill_s, route.occupancy_s, ahead_end),
                 frees_s=start + route.occupancy_s,
+                prefill_s=route.prefill_s,
+                occupancy_s=route.occupancy_s,
                 decode_instance=decode.decode_instance,
                 input_tokens=request.input_length,
                 output_tokens=request.output_length,
@@ -490,7 +493,7 @@ class Conductor:
                 route.prefill_instance,
                 decode.decode_instance,
                 now,
-                route.wait_s + route.prefill_s,  # the TTFT less the first token's overhead, which comes after
+                route.prefill_end_s,  # the TTFT less the first token's overhead, which comes after
                 route.transfer is not None,
                 transfer=(route.transfer.source, now + route.transfer_s) if route.transfer is not None else None,
             )
@@ -537,6 +540,7 @@ class Conductor:
             and 0.0 <= route.ttft_s < math.inf
             and 0.0 <= route.occupancy_s < math.inf
             and 0.0 <= route.overhead_s < math.inf
+            and 0.0 <= route.drain_s < math.inf
         ):
             problem = "a time that is negative or not finite"
         elif type(route.prefix_tokens) is not int or not 0 <= route.prefix_tokens <= prompt_tokens:
@@ -873,30 +877,29 @@ class Conductor:
     def _retime(
         self, view: PrefillView, *, now: float | None = None, started: tuple[RequestId, float] | None = None
     ) -> None:
-        """Re-predict the queue's times after a start or an end: each entry keeps its durations (to its
-        first token, and until it frees the instance) and starts no earlier than its predecessor frees
-        the instance; one not yet reported started also no earlier than `now` (a running one keeps its
-        start: that time has passed)."""
+        """Re-predict the queue's times after a start or an end: each entry keeps its durations (its prefill,
+        and until it frees the instance) and starts no earlier than its predecessor frees the instance; one not
+        yet reported started also no earlier than `now` (a running one keeps its start: that time has passed);
+        it ends by `prefill_end_s` after the one ahead."""
         not_before = now if now is not None else -math.inf
-        previous_frees = -math.inf
+        previous_frees, previous_end = -math.inf, view.backlog_until_s
         retimed = []
         for entry in view.queue:
-            duration, hold = entry.finish_s - entry.start_s, entry.frees_s - entry.start_s
+            hold = entry.occupancy_s
             if started is not None and entry.request_id == started[0]:
                 start, is_started = max(started[1], previous_frees), True
             elif entry.started:
                 start, is_started = max(entry.start_s, previous_frees), True
             else:
                 start, is_started = max(entry.start_s, previous_frees, not_before), False
-            if start != entry.start_s or is_started != entry.started:
-                entry = attrs.evolve(
-                    entry, start_s=start, finish_s=start + duration, frees_s=start + hold, started=is_started
-                )
+            end = prefill_end_s(start, entry.prefill_s, hold, previous_end)
+            if start != entry.start_s or end != entry.finish_s or is_started != entry.started:
+                entry = attrs.evolve(entry, start_s=start, finish_s=end, frees_s=start + hold, started=is_started)
                 incoming = self._incoming.get(entry.decode_instance) if entry.decode_instance is not None else None
                 if incoming is not None and entry.request_id in incoming:  # the decode side's picture follows
                     incoming[entry.request_id] = entry
             retimed.append(entry)
-            previous_frees = start + hold
+            previous_frees, previous_end = start + hold, end
         view.queue = retimed
         self._prefill_board.refresh(self._prefill_board.slot[view.instance_id])
 

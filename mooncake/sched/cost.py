@@ -72,6 +72,7 @@ __all__ = [
     "PrefillSample",
     "TransferCostModel",
     "occupancy_s",
+    "prefill_end_s",
     "prefill_flops",
     "reuse_bandwidth_bytes_per_s",
     "transfers_in_flight",
@@ -395,6 +396,22 @@ def occupancy_s(
     if isinstance(model, ChunkedPipelineCost):
         return model.occupancy_s(num_tokens, prefix_tokens)
     return model.prefill_s(num_tokens, prefix_tokens) if prefill_s is None else prefill_s
+
+
+def prefill_end_s(start_s: float, prefill_s: float, occupancy_s: float, ahead_end_s: float) -> float:
+    """When a prefill that starts at `start_s` ends, on an instance whose work ahead of it ends at `ahead_end_s`:
+    max(start + prefill, ahead end + occupancy). The simulator times a prefill, and the Conductor predicts it
+    (the estimate of TTFT and the queue's times), by this one answer.
+
+    On a chunked-pipeline group a prefill enters the first stage once the one ahead has left it (`occupancy_s`),
+    but it cannot leave the last stage before the one ahead has: a short prompt behind a long one waits for it
+    there. Exact for the group (`ChunkedPipelineCost`: each chunk takes the same time on every stage, a
+    proportionate flow shop): the work ahead leaves stage s at a time convex in s, so the latest of the new
+    prefill's paths through the stages begins on the first stage (start + its own makespan, `prefill_s`) or on
+    the last (the work ahead's end + its chunks there, `occupancy_s`). Elsewhere a prefill
+    starts once the one ahead has ended and holds the instance throughout (occupancy = prefill): start + prefill.
+    """
+    return max(start_s + prefill_s, ahead_end_s + occupancy_s)
 
 
 def _sample_tokens(minimum: int) -> Any:

@@ -64,7 +64,7 @@ from mooncake.cache._compiled import kernels
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError
-from mooncake.sched.cost import PrefillModel, TransferCostModel, occupancy_s
+from mooncake.sched.cost import ChunkedPipelineCost, PrefillModel, TransferCostModel, occupancy_s, prefill_end_s
 from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import BlockKey, InstanceId
 
@@ -234,6 +234,8 @@ class RouteDecision:
     # How long the prefill holds the instance before the next may start (a chunked-pipeline group's first
     # stage; the whole prefill elsewhere): `sched.cost.occupancy_s`.
     occupancy_s: float = attrs.field(default=attrs.Factory(lambda self: self.prefill_s, takes_self=True))
+    # Until the work queued ahead has ended (on a chunked-pipeline group: left its last stage), from now.
+    drain_s: float = 0.0
 
     @property
     def wait_s(self) -> float:
@@ -241,8 +243,14 @@ class RouteDecision:
         return max(self.transfer_s, self.queue_s)
 
     @property
+    def prefill_end_s(self) -> float:
+        """Until the prefill ends, from now (`sched.cost.prefill_end_s`: a chunked-pipeline group's prefill
+        also leaves its last stage no sooner than its occupancy after the work ahead; elsewhere that binds never)."""
+        return prefill_end_s(self.wait_s, self.prefill_s, self.occupancy_s, self.drain_s)
+
+    @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.prefill_s + self.overhead_s
+        return self.prefill_end_s + self.overhead_s
 
 
 def _require_method(name: str, part: object, method: str) -> None:
@@ -321,6 +329,8 @@ class TtftEstimator:
             prefill_s=prefill_s,
             overhead_s=self.first_token_overhead_s,
             occupancy_s=occupancy_s(self.prefill, query.input_tokens, prefix, prefill_s=prefill_s),
+            # Only a pipeline's prefill can start before the work ahead has ended.
+            drain_s=view.drain_s(now) if isinstance(self.prefill, ChunkedPipelineCost) else 0.0,
         )
 
 
@@ -440,24 +450,30 @@ class KvCacheCentricRouter:
         # queue grows), so one scan finds the shortest queue (ties: the highest weight, then id)
         # per length, and only those few are planned and compared. The weights are computed only
         # where a tie needs them (a busy cluster's queues seldom tie; idle instances always do).
+        # Chunked-pipeline groups are all planned: there the work ahead's end counts too
+        # (`RouteDecision.prefill_end_s`), which the queue alone does not order (and groups are few).
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
         own = _blocks_of(query.prefix_blocks, board)
         busy = board.busy_until_s
+        estimator = self.estimator
+        pipelined = isinstance(estimator.prefill, ChunkedPipelineCost)
         scan = kernels(_KERNELS)
         weight: npt.NDArray[np.float64] | None = None
-        shortest, shared = scan.shortest_by_length(own, busy, now, _UNWEIGHED)
-        if shared:
-            weight = spread_weights(query.block_keys, own, board.instance_ids)
-            shortest, _ = scan.shortest_by_length(own, busy, now, weight)
+        if pipelined:
+            shortest = np.arange(len(board))
+        else:
+            shortest, shared = scan.shortest_by_length(own, busy, now, _UNWEIGHED)
+            if shared:
+                weight = spread_weights(query.block_keys, own, board.instance_ids)
+                shortest, _ = scan.shortest_by_length(own, busy, now, weight)
         threshold = self.current_threshold
         # Prefixes count as far as a prefill reuses them (never the block of the prompt's last token), so
         # that a holder of the whole prompt and one lacking only its last block tie, and nothing moves for it.
         usable = query.reusable_tokens // query.block_size_tokens
         best, best_blocks = query.best_instance, min(query.best_blocks, usable)
         best_tokens = query.prefix_tokens(best_blocks)
-        estimator = self.estimator
         # Each planned instance holds a different prefix length, so its own prefill and transfer are
         # computed once; the prefill from the best holder's prefix, which several may use (the best
         # holder itself and those that fetch it), once per request.
@@ -489,11 +505,21 @@ class KvCacheCentricRouter:
                     moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                 )
             waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s(now), from the board
-            key = (max(moving, waiting) + prefill, waiting)
+            end = max(moving, waiting) + prefill
+            if pipelined:  # RouteDecision.prefill_end_s, from the board
+                drain = max(float(board.drained_s[slot]) - now, 0.0)
+                hold = occupancy_s(estimator.prefill, query.input_tokens, query.prefix_tokens(blocks))
+                end = prefill_end_s(max(moving, waiting), prefill, hold, drain)
+            key = (end, waiting)
             if key < fastest:
                 fastest, tied = key, [(slot, blocks, moves, moving, prefill)]
             elif key == fastest:
                 tied.append((slot, blocks, moves, moving, prefill))
+        if not tied:  # every estimate was NaN (no comparison holds): a model's fault, said here, not an IndexError
+            raise ConfigError(
+                f"the estimator timed no instance as a number (prefill model {estimator.prefill!r}, transfer model"
+                f" {estimator.transfer!r}): a model returned NaN"
+            )
         if len(tied) > 1:  # equal TTFT and queue: the longest own prefix, the heaviest weight, the smallest id
             if weight is None:
                 weight = spread_weights(query.block_keys, own, board.instance_ids)

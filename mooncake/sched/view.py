@@ -67,13 +67,17 @@ __all__ = [
 class QueuedPrefill:
     """A request waiting for or running its prefill on an instance: it starts at `start_s`, the instance
     may start the next at `frees_s` (a chunked-pipeline group takes it once this one's chunks have left
-    the first stage; any other instance when this one ends) and its first token comes at `finish_s`.
+    the first stage; any other instance when this one ends) and its first token comes at `finish_s`
+    (`sched.cost.prefill_end_s`: on a group, no sooner than the one ahead of it has left the last stage).
+    `prefill_s` and `occupancy_s`: its own times (`RouteDecision`'s), which the others are retimed from.
     `started`: its start was reported (it keeps that start whatever happens ahead of it)."""
 
     request_id: RequestId
     start_s: float
     finish_s: float
     frees_s: float = attrs.field(default=attrs.Factory(lambda self: self.finish_s, takes_self=True))
+    prefill_s: float = attrs.field(default=attrs.Factory(lambda self: self.finish_s - self.start_s, takes_self=True))
+    occupancy_s: float = attrs.field(default=attrs.Factory(lambda self: self.frees_s - self.start_s, takes_self=True))
     started: bool = False
     decode_instance: InstanceId | None = None
     input_tokens: int = 0
@@ -111,6 +115,15 @@ class PrefillView:
     def queue_s(self, now: float) -> float:
         """Predicted wait before a new request could start."""
         return self.busy_until_s(now) - now
+
+    def drained_s(self) -> float:
+        """When the work queued or reported ends: the last queued prefill's first token (on a chunked-pipeline
+        group, when it leaves the last stage), or the backlog's end (−inf with neither)."""
+        return max(self.queue[-1].finish_s if self.queue else -math.inf, self.backlog_until_s)
+
+    def drain_s(self, now: float) -> float:
+        """Predicted time until the work queued or reported ends (0 if it has)."""
+        return max(self.drained_s() - now, 0.0)
 
     def check_invariants(self) -> None:
         previous = float("-inf")
@@ -296,25 +309,30 @@ class _Board(Sequence[_V]):
 
 class PrefillBoard(_Board["PrefillView"]):
     """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
-    view in slot s is predicted to free it or its backlog ends (−inf with neither), `is_up[s]`
-    whether it is up."""
+    view in slot s is predicted to free it or its backlog ends (−inf with neither), `drained_s[s]`
+    when its work ends (`PrefillView.drained_s`), `is_up[s]` whether it is up."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
         super().__init__(views)
         self.busy_until_s = np.full(len(self.views), -math.inf)
+        self.drained_s = np.full(len(self.views), -math.inf)
         self.refresh_all()
 
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after its queue or state changed)."""
         view = self.slot_views[slot]
-        self.busy_until_s[slot] = max(view.queue[-1].frees_s if view.queue else -math.inf, view.backlog_until_s)
+        if view.queue:
+            last = view.queue[-1]
+            self.busy_until_s[slot] = max(last.frees_s, view.backlog_until_s)
+            self.drained_s[slot] = max(last.finish_s, view.backlog_until_s)
+        else:
+            self.busy_until_s[slot] = self.drained_s[slot] = view.backlog_until_s
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
         views = self.slot_views
-        assert self.busy_until_s.tolist() == [
-            max(v.queue[-1].frees_s if v.queue else -math.inf, v.backlog_until_s) for v in views
-        ]
+        assert self.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in views]
+        assert self.drained_s.tolist() == [v.drained_s() for v in views]
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
 

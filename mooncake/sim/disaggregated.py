@@ -43,17 +43,17 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.cost import PrefillCostModel, occupancy_s, transfers_in_flight
+from mooncake.sched.cost import PrefillCostModel, occupancy_s, prefill_end_s, transfers_in_flight
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.predictor import LoadPredictor, uniform_decode_s
@@ -72,9 +72,19 @@ from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
-from mooncake.types import InstanceId, Request, Slo, Tier
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 
 __all__ = ["DisaggregatedCluster", "replay"]
+
+
+def _common_prefix(keys: Sequence[BlockKey], other: Sequence[BlockKey]) -> int:
+    """How many leading blocks two chains share."""
+    count = 0
+    for key, theirs in zip(keys, other, strict=False):
+        if key != theirs:
+            break
+        count += 1
+    return count
 
 
 @attrs.define(eq=False)
@@ -83,6 +93,7 @@ class _Queued:
     record: RequestRecord
     decision: ScheduleDecision
     ready_s: float  # when its planned transfer has arrived
+    moved: int | None = None  # blocks the transfer brought (None: not arrived yet)
 
 
 @attrs.define(eq=False)
@@ -91,6 +102,10 @@ class _PrefillNode:
     cache: TieredCache
     queue: deque[_Queued] = attrs.field(factory=deque)
     busy: bool = False
+    drained_s: float = -math.inf  # when the prefills started so far have all ended (left a group's last stage)
+    # The blocks of prompts started and not yet ended that the node will keep (a group's next prompt may start
+    # before they are stored, and reuse them stage by stage: the Conductor counts them as its pending blocks).
+    in_pipeline: dict[RequestId, Sequence[BlockKey]] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -140,9 +155,11 @@ def replay(
     do); the requests are then read into a list first.
 
     Raises:
-        ConfigError: both a `decode_s` and a `predictor`.
+        ConfigError: both a `decode_s` and a `predictor`, or an `slo` that is no `Slo`.
         InvalidRequestError: an item that is not a `Request`, or no request at all.
     """
+    if slo is not None and not isinstance(slo, Slo):  # read below before the Conductor would refuse it
+        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
     if decode_s is None and predictor is None:
         requests = list(requests)
         for item in requests:
@@ -265,9 +282,21 @@ class DisaggregatedCluster:
             congestion = transfers_in_flight(ends, now)
             ready = now + self.transfer_cost.transfer_s(plan.num_bytes, in_flight_from_source=congestion)
             heapq.heappush(ends, ready)
-        node.queue.append(_Queued(request, record, decision, ready))
+        queued = _Queued(request, record, decision, ready)
+        node.queue.append(queued)
         self._prefill_count += 1
+        if ready > now:
+            self.loop.at(ready, self._transfer_arrived, queued)
         self._start_next(now, node)
+
+    def _transfer_arrived(self, _now: float, queued: _Queued) -> None:
+        """What the planned transfer brought: the holder's prefix as it arrived, no more than the plan reuses
+        (the holder may have cached more of the prompt, or evicted some, since the plan)."""
+        plan = queued.decision.transfer
+        assert plan is not None
+        holder = self._prefill.get(plan.source)
+        matched = holder.cache.prefix_match(queued.request.block_keys) if holder is not None else 0
+        queued.moved = min(matched, queued.decision.prefix_tokens // self.spec.block_size_tokens)
 
     def _start_next(self, now: float, node: _PrefillNode) -> None:
         if node.busy or not node.queue:
@@ -279,24 +308,34 @@ class DisaggregatedCluster:
             return
         node.queue.popleft()
         request, record, decision = head.request, head.record, head.decision
-        moved = 0  # blocks the transfer brought (the holder's prefix when it arrived)
-        if decision.transfer is not None and self.spec.global_pool:  # never planned for a prompt computed whole
-            holder = self._prefill.get(decision.transfer.source)
-            if holder is not None:
-                moved = holder.cache.prefix_match(request.block_keys)
-                if decision.transfer.keep_local_copy:  # hot-spot replication
-                    self._store(node, request, moved)
+        moved = 0  # blocks the transfer brought
+        plan = decision.transfer
+        if plan is not None and self.spec.global_pool:  # never planned for a prompt computed whole
+            if head.moved is None:  # it arrives now: its event has not come yet
+                self._transfer_arrived(now, head)
+            assert head.moved is not None
+            moved = head.moved
+            if plan.keep_local_copy:  # hot-spot replication
+                self._store(node, request, moved)
         # The prefix counts as used when the prefill ends and stores the whole chain (`_store`).
-        cached = max(node.cache.prefix_match(request.block_keys), moved) if request.reuses_prefix else 0
+        keys = request.block_keys
+        cached = 0
+        if request.reuses_prefix:
+            cached = max(node.cache.prefix_match(keys), moved)
+            for ahead in node.in_pipeline.values():
+                cached = max(cached, _common_prefix(keys, ahead))
         record.prefix_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))
         hold = occupancy_s(self.prefill_cost, request.input_length, record.prefix_tokens, prefill_s=record.prefill_s)
-        if hold < record.prefill_s:  # a CPP group takes the next prompt before this one's KV is done
-            self.loop.at(now + record.prefill_s, self._prefill_done, node, head, False)
+        end = node.drained_s = prefill_end_s(now, record.prefill_s, hold, node.drained_s)
+        if now + hold < end:  # a CPP group takes the next prompt before this one's KV is done
+            if plan is None or plan.keep_local_copy or not self.spec.global_pool:  # what `_prefill_done` stores
+                node.in_pipeline[request.request_id] = keys
+            self.loop.at(end, self._prefill_done, node, head, False)
             self.loop.at(now + hold, self._free, node)
         else:
-            self.loop.at(now + record.prefill_s, self._prefill_done, node, head, True)
+            self.loop.at(end, self._prefill_done, node, head, True)
 
     def _free(self, now: float, node: _PrefillNode) -> None:
         node.busy = False
@@ -314,6 +353,7 @@ class DisaggregatedCluster:
     def _prefill_done(self, now: float, node: _PrefillNode, queued: _Queued, frees_node: bool) -> None:
         request, record = queued.request, queued.record
         plan = queued.decision.transfer
+        node.in_pipeline.pop(request.request_id, None)
         if plan is None or plan.keep_local_copy or not self.spec.global_pool:
             self._store(node, request, len(request.block_keys))
         # else: the moved prefix was dropped after use, and the blocks computed after it are no use alone
@@ -411,6 +451,7 @@ class DisaggregatedCluster:
         for joiner in joiners:
             if joiner.inline_s:  # its prefill runs in the batch, before the next step
                 batch.stall(joiner.inline_s)
+                # No hand-off: the decode instance prefilled it itself (the first-token overhead is a hand-off's).
                 joiner.member.record.first_token_s = batch.start_s
         for joiner in joiners:
             member = joiner.member

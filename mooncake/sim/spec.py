@@ -82,7 +82,8 @@ class ClusterSpec:
             place of its HBM beside the weights and `max_decode_batch_size`.
         first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token
             at the client, beyond the modelled KV transfer (reports, the decode join, the gateway),
-            measured on a real cluster (0: none); the request joins its decode batch then too.
+            measured on a real cluster (0: none); the request joins its decode batch then too. An inline
+            prefill, run in the decode batch itself, has no hand-off and pays none of it.
         admission_wait_s: how long a request rejected for room the decode side frees may wait for it before
             its prefill, in line (`sched.waiting.AdmissionQueue`, as the example cluster's gateway with its
             `[limits] admission_wait_s`); 0 (the paper's early rejection): rejected at once.

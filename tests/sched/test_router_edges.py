@@ -59,6 +59,25 @@ A, B, C = InstanceId("prefill-a"), InstanceId("prefill-b"), InstanceId("prefill-
 # ---------------------------------------------------------------------------- the estimate, from its formula
 
 
+class _NanPrefill:
+    """A prefill model that times nothing as a number."""
+
+    def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        return math.nan
+
+
+def test_an_estimate_that_is_no_number_is_refused_by_name() -> None:
+    """A plug-in prefill model returning NaN: no instance's estimate compares, and the router says so (naming the
+    model) where it raised a bare IndexError."""
+    views = [PrefillView(instance_id=InstanceId(f"p{i}")) for i in range(2)]
+    estimator = TtftEstimator(
+        prefill=_NanPrefill(), transfer=TransferCostModel(bandwidth_bytes_per_s=1e9), kv_bytes_per_token=1
+    )
+    query = RouteQuery(input_tokens=600, block_size_tokens=512, prefix_blocks={}, block_keys=(BlockKey(1), BlockKey(2)))
+    with pytest.raises(ConfigError, match="_NanPrefill"):
+        KvCacheCentricRouter(estimator).route(views, query, NOW, random.Random(0))
+
+
 @st.composite
 def estimators(draw: st.DrawFn) -> TtftEstimator:
     """LLaMA3-70B on a preset, sometimes as a chunked-pipeline group (whose prefill frees the instance before
@@ -112,9 +131,12 @@ def documented_ttft(
     estimator: TtftEstimator, view: PrefillView, query: RouteQuery, threshold: float
 ) -> tuple[float, bool]:
     """docs/scheduling.md, written out: the instance moves the best holder's prefix iff best / own > threshold
-    (own 0: always, unless the threshold is infinite); TTFT = max(T_transfer, T_queue) + T_prefill + overhead,
-    T_transfer = latency + bytes · (1 + transfers leaving the source) / bandwidth, T_queue until the last queued
-    request frees the instance or the backlog ends. Returns (TTFT, whether it moves)."""
+    (own 0: always, unless the threshold is infinite); TTFT = max(max(T_transfer, T_queue) + T_prefill,
+    T_drain + T_occupancy) + overhead, T_transfer = latency + bytes · (1 + transfers leaving the source) /
+    bandwidth, T_queue until the last queued request frees the instance or the backlog ends, T_drain until the
+    last queued request's first token or the backlog's end on a chunked-pipeline group (0 elsewhere: a prefill
+    starts there once the one ahead has ended), T_occupancy the group's first stage (T_prefill elsewhere).
+    Returns (TTFT, whether it moves)."""
     own = usable(query, query.prefix_blocks.get(view.instance_id, 0))
     best = usable(query, query.best_blocks)
     ratio = math.inf if own == 0 else best / own
@@ -129,7 +151,20 @@ def documented_ttft(
     frees = view.queue[-1].frees_s if view.queue else -math.inf
     queue_s = max(NOW, frees, view.backlog_until_s) - NOW
     prefill_s = estimator.prefill.prefill_s(query.input_tokens, prefix_tokens)
-    return max(transfer_s, queue_s) + prefill_s + estimator.first_token_overhead_s, moves
+    model = estimator.prefill
+    occupancy = (
+        model.occupancy_s(query.input_tokens, prefix_tokens) if isinstance(model, ChunkedPipelineCost) else prefill_s
+    )
+    end = max(max(transfer_s, queue_s) + prefill_s, documented_drain(estimator, view) + occupancy)
+    return end + estimator.first_token_overhead_s, moves
+
+
+def documented_drain(estimator: TtftEstimator, view: PrefillView) -> float:
+    """On a chunked-pipeline group, until the last queued request's first token, or the backlog's end (0 if
+    both have passed); 0 elsewhere."""
+    if not isinstance(estimator.prefill, ChunkedPipelineCost):
+        return 0.0
+    return max(NOW, view.queue[-1].finish_s if view.queue else -math.inf, view.backlog_until_s) - NOW
 
 
 def assert_is_the_documented_estimate(
@@ -166,7 +201,9 @@ def assert_is_the_documented_estimate(
     assert decision.occupancy_s == (decision.prefill_s if first_stage is None else first_stage)
     assert decision.overhead_s == estimator.first_token_overhead_s
     wait = max(decision.transfer_s, decision.queue_s)
-    assert decision.ttft_s == wait + decision.prefill_s + estimator.first_token_overhead_s
+    assert decision.drain_s == documented_drain(estimator, view)
+    end = max(wait + decision.prefill_s, decision.drain_s + decision.occupancy_s)
+    assert decision.ttft_s == end + estimator.first_token_overhead_s
 
 
 @settings(max_examples=80)
@@ -197,11 +234,14 @@ def test_the_kvcache_centric_estimate_is_the_documented_formula_and_the_least(
     assert (decision.transfer is not None) == moves
     assert math.isclose(decision.ttft_s, ttft, rel_tol=1e-12)
     assert decision.ttft_s <= min(t for t, _ in every.values()) * (1 + 1e-12)
-    if decision.transfer is not None:  # hot-spot replication: only away from holders busier than the receiver
+    if decision.transfer is not None:  # hot-spot replication: only away from holders slower (then busier)
         best = usable(query, query.best_blocks)
         for view in views:
             if usable(query, query.prefix_blocks.get(view.instance_id, 0)) >= best:
-                assert view.queue_s(NOW) > decision.queue_s
+                holder_ttft = every[view.instance_id][0]
+                assert holder_ttft > decision.ttft_s or (
+                    math.isclose(holder_ttft, decision.ttft_s, rel_tol=1e-12) and view.queue_s(NOW) > decision.queue_s
+                )
 
 
 @settings(max_examples=40)

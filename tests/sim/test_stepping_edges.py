@@ -42,8 +42,10 @@ from mooncake.sched.step import DecodeCostModel, FittedStepModel, RooflineStep, 
 from mooncake.sim.batch import ContinuousBatch, Member
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.disaggregated import replay
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.replayer import ReplayContext
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import RequestId, Slo
 from tests.sim.test_coupled import make_request
 
@@ -407,6 +409,17 @@ def test_an_slo_that_is_no_slo_is_refused_before_the_replay(slo: object) -> None
     for options in ({}, {"context": context}):
         with pytest.raises(ConfigError, match=r"slo must be a mooncake\.types\.Slo"):
             CoupledCluster(coupled_spec(), slo=slo, **options)  # type: ignore[arg-type]
+    # `replay` reads the SLO's TBT for the workload's t_d before it builds the Conductor (an AttributeError).
+    spec = ClusterSpec(
+        num_prefill=1,
+        num_decode=1,
+        model=MODELS["llama3-70b"],
+        prefill_hardware=HARDWARE["8xA800"],
+        decode_hardware=HARDWARE["8xA800"],
+    )
+    for options in ({}, {"decode_s": 1.0}):
+        with pytest.raises(ConfigError, match=r"slo must be a mooncake\.types\.Slo"):
+            replay(spec, [make_request("r", 0.0, 100, 2)], slo=slo, **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("keep", ["no", 0, 1, None])

@@ -1,0 +1,85 @@
+"""Prefill timing that the simulator and the Conductor must agree on (found by a review, each pinned here):
+
+- a chunked-pipeline group: a short prompt that entered behind a long one cannot leave the last stage first
+  (`sched.cost.prefill_end_s`), and a prompt repeating one still in the group reuses its blocks stage by stage
+  (the Conductor's pending blocks);
+- a moved prefix: what the transfer brought when it arrived, no more than the plan reuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mooncake.sim.disaggregated import DisaggregatedCluster, replay
+from mooncake.sim.spec import build_conductor
+from mooncake.types import Request
+from tests.sim.test_cluster_edges import PATIENT, scripted
+from tests.sim.test_disaggregated import BLOCK, INFINITE_CACHE_TOKENS, make_request, make_spec
+
+
+def estimates_and_records(spec: Any, requests: list[Request], **options: Any) -> tuple[list[float], list[Any]]:
+    """The Conductor's TTFT estimate of each request as it was scheduled in the replay, and the records."""
+    conductor = build_conductor(spec, slo=PATIENT, **options)
+    estimates: dict[str, float] = {}
+    schedule = conductor.schedule
+
+    def spying(request: Request, now: float, *args: Any, **kwargs: Any) -> Any:
+        decision = schedule(request, now, *args, **kwargs)
+        estimates[request.request_id] = decision.ttft_s
+        return decision
+
+    conductor.schedule = spying  # type: ignore[method-assign]
+    records = list(DisaggregatedCluster(spec, conductor).run(requests).records)
+    return [estimates[r.request_id] for r in records], records
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+@pytest.mark.parametrize("lengths", [(4096, 512), (32_768, 20_000, 9_000, 600), (20_000, 300, 20_000, 300)])
+def test_in_a_pipeline_no_prompt_overtakes_the_one_ahead(group_size: int, lengths: tuple[int, ...]) -> None:
+    """Prompts arriving together on one group, long ones ahead of short ones: each leaves the group (its first
+    token) no sooner than the one ahead of it, and the Conductor's estimates are the TTFTs the simulator gives.
+    A short prompt behind a long one used to end first, timed as if the pipeline were empty, on both sides."""
+    spec = make_spec(num_prefill=group_size, cpp_group_size=group_size, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    requests = [
+        make_request(f"r{i}", 0.0, tokens, 4, range(1000 * i, 1000 * i + -(-tokens // BLOCK)))
+        for i, tokens in enumerate(lengths)
+    ]
+    estimates, records = estimates_and_records(spec, requests)
+    firsts = [r.first_token_s for r in records]
+    assert all(f is not None for f in firsts)
+    assert firsts == sorted(firsts)
+    assert [r.ttft_s for r in records] == pytest.approx(estimates, rel=1e-9)
+
+
+def test_a_prompt_repeating_one_still_in_the_pipeline_reuses_its_blocks() -> None:
+    """Two identical 40-block prompts at once on one group: the second enters once the first has left the first
+    stage, whose KV of the prompt is computed by then (and so on, stage by stage): it reuses all but its last
+    block, as the Conductor counted (the first's blocks pending there), and its TTFT is the estimate. It used to
+    be charged the whole prompt, though estimated at the cached one."""
+    spec = make_spec(num_prefill=2, cpp_group_size=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    requests = [make_request(name, 0.0, 40 * BLOCK, 4, range(40)) for name in ("first", "again")]
+    estimates, (first, again) = estimates_and_records(spec, requests)
+    assert (first.prefix_tokens, again.prefix_tokens) == (0, 39 * BLOCK)
+    assert [first.ttft_s, again.ttft_s] == pytest.approx(estimates, rel=1e-9)
+
+
+def test_a_moved_prefix_is_what_the_transfer_brought() -> None:
+    """B is planned to fetch the 4 blocks node 0 holds of its prompt while it waits behind a long prompt on node 1;
+    meanwhile node 0 computes the whole of B's prompt for another request. B reuses the 4 blocks moved (and its
+    estimate's prefill), not the 39 node 0 holds when B starts: the plan moved 4."""
+    spec = make_spec(num_prefill=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    prompt = list(range(5000, 5040))
+    requests = [
+        make_request("a", 0.0, 4 * BLOCK, 2, prompt[:4]),  # node 0 holds 4 blocks of the prompt
+        make_request("long", 10.0, 60 * BLOCK, 2, range(9000, 9060)),  # node 1 is busy for seconds
+        make_request("b", 10.01, 40 * BLOCK, 2, prompt),  # on node 1, moving node 0's 4 blocks
+        make_request("whole", 10.02, 40 * BLOCK - 1, 2, prompt),  # node 0 computes the whole prompt meanwhile
+    ]
+    routes = [(0, None, True, 0), (1, None, True, 0), (1, 0, True, 0), (0, None, True, 0)]
+    records = {r.request_id: r for r in replay(spec, requests, router=scripted(routes), slo=PATIENT).records}
+    assert records["whole"].first_token_s is not None and records["b"].first_token_s is not None
+    assert records["whole"].first_token_s < records["b"].first_token_s - records["b"].prefill_s  # done before B starts
+    assert records["b"].prefix_tokens == 4 * BLOCK
+    assert records["b"].prefill_s == spec.prefill_cost.prefill_s(40 * BLOCK, 4 * BLOCK)
