@@ -185,7 +185,8 @@ def _finish(
     axes.grid(color="0.85", **grid)  # opaque, as the legends: PostScript has no transparency
     if legend:
         axes.legend(framealpha=1)
-    _fit(axes.set_title(title), figure)
+    # A title is a name (a trace file, a run): `$` in it is text, not mathtext that may not parse.
+    _fit(axes.set_title(title, parse_math=False), figure)
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)
@@ -243,12 +244,12 @@ def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, ti
         axis.plot(times, [s.prefill_requests for s in samples], label="prefill (queued + running)", lw=0.9)
         axis.plot(times, [s.decode_requests for s in samples], label="decoding", lw=0.9)
         axis.set_ylabel("requests")
-        _fit(axis.set_title(name, fontsize=9), figure)
+        _fit(axis.set_title(name, fontsize=9, parse_math=False), figure)
         axis.grid(color="0.85")
     axes[0, 0].legend(fontsize=8, loc="upper right", framealpha=1)
     axes[-1, 0].set_xlabel("simulated time (s)" if start == 0 else f"simulated time (s) since {start:,.3f} s")
     if title:
-        _fit(figure.suptitle(title), figure)
+        _fit(figure.suptitle(title, parse_math=False), figure)
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)

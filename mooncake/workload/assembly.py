@@ -39,6 +39,9 @@ turn nor before the latest start above it. Sessions may thus be written
 grouped, in start order (as aiperf's writers do), or line by line in arrival
 order.
 
+A line's arrival may not pass 2**43 ms (`MAX_LINE_MS`), the bound on a
+timestamp, however `delay` puts it there.
+
 Invariant: no line still to come arrives before `mark_ms`, the latest start.
 """
 
@@ -54,7 +57,7 @@ import xxhash
 
 from mooncake._checks import ceil_div
 from mooncake.types import BlockKey
-from mooncake.workload.trace_record import MAX_LINE_TOKENS, TraceRecord
+from mooncake.workload.trace_record import MAX_LINE_MS, MAX_LINE_TOKENS, TraceRecord
 
 __all__ = ["TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
 
@@ -103,7 +106,8 @@ class TraceAssembler:
 
     Invariants:
         `mark_ms` is the arrival of the latest start (0 before any) and never
-        decreases; every turn placed arrived at or after the mark of its time.
+        decreases; every turn placed arrived at or after the mark of its time,
+        and at most `MAX_LINE_MS`.
         Each session's latest turn has ceil(input_length / block size) keys and,
         for a lost session, lies above the skipped line.
     """
@@ -118,7 +122,7 @@ class TraceAssembler:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the class docstring fails."""
-        assert self.mark_ms >= 0, f"mark {self.mark_ms} ms"
+        assert 0 <= self.mark_ms <= MAX_LINE_MS, f"mark {self.mark_ms} ms"
         assert self._mark_line is None or self._mark_line <= (self._last_line or 0), "the mark is below no line"
         for session_id, turn in self._sessions.items():
             assert len(turn.block_keys) == ceil_div(turn.input_length, self.block_size_tokens), session_id
@@ -154,6 +158,12 @@ class TraceAssembler:
     def _start(self, record: TraceRecord, line: int) -> Turn:
         if record.timestamp_ms is None:
             arrival = self.mark_ms + (record.delay_ms or 0)
+            if arrival > MAX_LINE_MS:
+                after = "the top" if self._mark_line is None else f"the latest start (line {self._mark_line})"
+                raise ValueError(
+                    f"line arrives at {arrival} ms, {after} at {self.mark_ms} ms + its delay "
+                    f"{record.delay_ms} ms, past 2**43 ms (the bound on a timestamp)"
+                )
         else:
             arrival = record.timestamp_ms
             if arrival < self.mark_ms:
@@ -183,6 +193,12 @@ class TraceAssembler:
         arrival = record.timestamp_ms
         if arrival is None:
             arrival = previous.arrival_ms + (record.delay_ms or 0)
+            if arrival > MAX_LINE_MS:
+                raise ValueError(
+                    f"turn of session {session_id!r} arrives at {arrival} ms, its previous turn (line "
+                    f"{previous.line}) at {previous.arrival_ms} ms + its delay {record.delay_ms} ms, past 2**43 ms "
+                    "(the bound on a timestamp)"
+                )
         if arrival < previous.arrival_ms:
             raise ValueError(
                 f"turn of session {session_id!r} arrives at {arrival} ms, before its previous turn "

@@ -14,10 +14,22 @@ every block up to the previous turn's last full block.
 
 Block ids are chained like real keys: a block's id is determined by its parent's
 id and the segment pieces it covers, so equal ids mean equal prefixes, the last
-(partial) block included. Arrivals come from a Poisson or a bursty (gamma
-inter-arrival, coefficient of variation > 1) process; each arrival continues an
-open session or opens a new one. Everything is drawn from one seeded numpy
-Generator: the same spec, count and seed give the same workload.
+(partial) block included.
+
+Arrivals come from a Poisson or a bursty (gamma inter-arrival, coefficient of
+variation > 1) process. After each turn a session thinks (an exponential time,
+mean `think_time_s`) unless it has used all its turns, when it ends at once. An
+arrival is the next turn of the session whose think time ended first, if one
+has; otherwise it opens a new session. So the workload is stationary: a
+session has its turns (mean `mean_session_turns`), a share
+1 - 1/mean_session_turns of arrivals continue a session, and a turn follows its
+session's previous one after the think time (longer only while arrivals lull),
+whatever the number of requests. Only the edges differ: the first think time
+opens sessions only, and sessions still thinking at the end are cut short, so a
+workload a few think times long continues sessions a little less often.
+
+Everything is drawn from one seeded numpy Generator: the same spec, count and
+seed give the same workload.
 
 The presets reproduce the average input/output lengths published with the
 Mooncake traces (FAST'25): conversation 12,035 / 343, tool&agent 8,596 / 182,
@@ -26,6 +38,7 @@ synthetic 15,325 / 149 (within a few percent at a few thousand requests).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -136,10 +149,15 @@ class WorkloadSpec:
 
     Session kinds are mixed by weight. Shared segments (system prompts,
     documents, agent preambles) are drawn from pools whose popularity is Zipf
-    with exponent `popularity_skew`. An arrival continues a random open session
-    with probability `continue_probability` (when one is open); a session ends
-    after its number of turns (1 + Poisson, mean `mean_turns`) or when its next
-    prompt would exceed `max_input_tokens` (at most 2**24, what a trace line holds).
+    with exponent `popularity_skew`. A session has 1 + Poisson turns, mean
+    `mean_session_turns`: `mean_turns`, or 1 / (1 - `continue_probability`) where
+    that is fewer (a session of m turns continues m - 1 arrivals in m, so the two
+    say one thing; `continue_probability` None, the default, leaves `mean_turns`
+    alone). Between its turns it thinks for an exponential time, mean
+    `think_time_s`; an arrival is the next turn of the session whose think time
+    ended first, or opens a session when none has. A session ends after its
+    turns, at once, or when its next prompt would exceed `max_input_tokens` (at
+    most 2**24, what a trace line holds, as `output_tokens.max_tokens` is).
     """
 
     name: str = attrs.field(default="custom")
@@ -158,7 +176,10 @@ class WorkloadSpec:
     observation_tokens: LengthDistribution = LengthDistribution(mean_tokens=600, sigma=1.0)
     output_tokens: LengthDistribution = LengthDistribution(mean_tokens=300, sigma=1.0, max_tokens=8192)
     mean_turns: float = attrs.field(default=3.0, validator=_number_in(1, 10_000))
-    continue_probability: float = attrs.field(default=0.6, validator=_number_at_least(0))
+    continue_probability: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_number_at_least(0))
+    )
+    think_time_s: float = attrs.field(default=60.0, validator=_number_in(0, 1e9))
     # At most what a trace line holds: a generated workload can always be written as a trace.
     max_input_tokens: int = attrs.field(default=131072, validator=int_at_least(1, below=MAX_LINE_TOKENS + 1))
 
@@ -175,8 +196,26 @@ class WorkloadSpec:
                 value = getattr(self, field.name)
                 if not isinstance(value, LengthDistribution):
                     raise ConfigError(f"{field.name} must be a LengthDistribution, got {value!r}")
-        if self.continue_probability >= 1:
+        if self.output_tokens.max_tokens > MAX_LINE_TOKENS:
+            # Refused, not clipped: a clip would move the distribution's mean from what the spec says.
+            raise ConfigError(
+                f"output_tokens.max_tokens must be at most {MAX_LINE_TOKENS} (2**24, what a trace line holds), "
+                f"got {self.output_tokens.max_tokens}"
+            )
+        if self.continue_probability is not None and self.continue_probability >= 1:
             raise ConfigError(f"continue_probability must be < 1, got {self.continue_probability!r}")
+
+    @property
+    def mean_session_turns(self) -> float:
+        """Mean turns of a session: `mean_turns`, or 1 / (1 - `continue_probability`) where that is fewer."""
+        if self.continue_probability is None:
+            return self.mean_turns
+        return min(self.mean_turns, 1.0 / (1.0 - self.continue_probability))
+
+    @property
+    def continuation_share(self) -> float:
+        """The share of arrivals that continue a session, over a long workload: 1 - 1 / `mean_session_turns`."""
+        return 1.0 - 1.0 / self.mean_session_turns
 
 
 PRESETS: dict[str, WorkloadSpec] = {
@@ -186,10 +225,9 @@ PRESETS: dict[str, WorkloadSpec] = {
         document_weight=0.25,
         system_prompt_tokens=LengthDistribution(mean_tokens=2000, sigma=0.3),
         document_tokens=LengthDistribution(mean_tokens=17500, sigma=0.4),
-        user_message_tokens=LengthDistribution(mean_tokens=2550, sigma=0.6),
+        user_message_tokens=LengthDistribution(mean_tokens=2670, sigma=0.6),
         output_tokens=LengthDistribution(mean_tokens=343, sigma=1.0, max_tokens=8192),
-        mean_turns=4.0,
-        continue_probability=0.7,
+        mean_turns=2.4,
     ),
     "toolagent": WorkloadSpec(
         name="toolagent",
@@ -198,10 +236,9 @@ PRESETS: dict[str, WorkloadSpec] = {
         system_prompt_tokens=LengthDistribution(mean_tokens=1500, sigma=0.3),
         agent_preamble_tokens=LengthDistribution(mean_tokens=5900, sigma=0.3),
         user_message_tokens=LengthDistribution(mean_tokens=1000, sigma=0.6),
-        observation_tokens=LengthDistribution(mean_tokens=1650, sigma=0.6),
+        observation_tokens=LengthDistribution(mean_tokens=2110, sigma=0.6),
         output_tokens=LengthDistribution(mean_tokens=182, sigma=0.9, max_tokens=4096),
-        mean_turns=5.0,
-        continue_probability=0.7,
+        mean_turns=2.6,
     ),
     "synthetic": WorkloadSpec(
         name="synthetic",
@@ -211,14 +248,15 @@ PRESETS: dict[str, WorkloadSpec] = {
         system_prompt_tokens=LengthDistribution(mean_tokens=1500, sigma=0.3),
         document_tokens=LengthDistribution(mean_tokens=22000, sigma=0.4),
         agent_preamble_tokens=LengthDistribution(mean_tokens=6000, sigma=0.3),
-        user_message_tokens=LengthDistribution(mean_tokens=1600, sigma=0.6),
+        user_message_tokens=LengthDistribution(mean_tokens=1760, sigma=0.6),
         observation_tokens=LengthDistribution(mean_tokens=1000, sigma=0.6),
         output_tokens=LengthDistribution(mean_tokens=149, sigma=0.9, max_tokens=4096),
-        mean_turns=3.0,
-        continue_probability=0.6,
+        mean_turns=1.85,
     ),
 }
-"""Presets named after the published Mooncake traces."""
+"""Presets named after the published Mooncake traces. Their sessions have 2.4, 2.6 and 1.85 turns on average
+(continuation shares 0.58, 0.62 and 0.46: the presets' workloads at 4,000 requests kept as they were), and their
+message lengths are tuned, with those turns, to the published mean input."""
 
 
 def preset(name: str) -> WorkloadSpec:
@@ -307,7 +345,7 @@ class _Generator:
     def new_session(self) -> _Session:
         spec = self.spec
         kind = ("chat", "document", "agent")[int(self.rng.choice(3, p=self.kind_weights))]
-        turns = 1 + int(self.rng.poisson(spec.mean_turns - 1.0))
+        turns = 1 + int(self.rng.poisson(spec.mean_session_turns - 1.0))
         if kind == "agent":
             prompt = [self.shared("preamble"), self.segment(spec.user_message_tokens.sample(self.rng))]
         else:
@@ -318,12 +356,13 @@ class _Generator:
         return _Session(prompt=prompt, kind=kind, turns_left=turns)
 
     def next_turn(self, session: _Session) -> bool:
-        """Extend `session` by its last output and a new message; False if it must end."""
-        assert session.last_output is not None
+        """Extend `session` by its last output and a new message; False if that passes `max_input_tokens` (the
+        session then ends)."""
+        assert session.last_output is not None and session.turns_left > 0
         lengths = self.spec.observation_tokens if session.kind == "agent" else self.spec.user_message_tokens
         message = self.segment(lengths.sample(self.rng))
         extended = [*session.prompt, session.last_output, message]
-        if session.turns_left <= 0 or sum(length for _, length in extended) > self.spec.max_input_tokens:
+        if sum(length for _, length in extended) > self.spec.max_input_tokens:
             return False
         session.prompt = extended
         return True
@@ -374,24 +413,25 @@ def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, s
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
     generator = _Generator(spec, rng)
-    open_sessions: list[_Session] = []
+    # Sessions with turns left, by when their think time ends (then by when they thought: ties go first come).
+    # A session that used its turns is in no list: a finished session never takes an arrival.
+    thinking: list[tuple[float, int, _Session]] = []
     for index in range(num_requests):
+        now = float(times[index])
         session = None
-        if open_sessions and rng.random() < spec.continue_probability:
-            position = int(rng.integers(len(open_sessions)))
-            candidate = open_sessions[position]
+        while session is None and thinking and thinking[0][0] <= now:
+            candidate = heapq.heappop(thinking)[2]
             if generator.next_turn(candidate):
                 session = candidate
-            else:
-                open_sessions[position] = open_sessions[-1]
-                open_sessions.pop()
         if session is None:
             session = generator.new_session()
             generator.clip(session)
-            open_sessions.append(session)
         session.turns_left -= 1
         output = spec.output_tokens.sample(rng)
         session.last_output = generator.segment(output)
+        if session.turns_left > 0:
+            ready_s = now + float(rng.exponential(spec.think_time_s))
+            heapq.heappush(thinking, (ready_s, index, session))
         yield Request(
             request_id=RequestId(str(index)),
             arrival_s=float(times[index]),
@@ -416,10 +456,14 @@ def fixed_length_requests(
     """Requests of one prompt and output length whose prompts share prefixes (the arXiv
     paper's long-context workloads: 16 K to 128 K-token prompts, 512 outputs, 50 % cache ratio).
 
-    Each prompt starts with one of `num_prefixes` shared prefixes of
-    `cache_ratio · input_tokens` tokens (chosen uniformly), then a part of its
-    own; with a cache that holds the prefixes, the share of prompt tokens found
-    cached tends to `cache_ratio`.
+    Each prompt starts with one of `num_prefixes` shared prefixes (chosen
+    uniformly) of `cache_ratio · input_tokens` tokens rounded down to whole
+    blocks, then a part of its own; with a cache that holds the prefixes, the
+    share of prompt tokens found cached tends to that rounded share,
+    `floor(cache_ratio · input_tokens / block_size_tokens) · block_size_tokens / input_tokens`:
+    `cache_ratio` itself where it falls on a block boundary (the paper's
+    prompts at 50 %), less by under a block otherwise (nothing for a prompt
+    whose share is under one block).
 
     Raises:
         ConfigError: a length, prefix count or block size below 1, a negative request count or seed,
@@ -439,7 +483,8 @@ def fixed_length_requests(
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
     ids = _BlockIds(block_size_tokens)
-    prefix_tokens = int(cache_ratio * input_tokens)
+    # Whole blocks: the tokens of a partial last block are keyed with the prompt's own, so a cache could not share them.
+    prefix_tokens = int(cache_ratio * input_tokens) // block_size_tokens * block_size_tokens
     prefixes = [(-1 - i, prefix_tokens) for i in range(num_prefixes)]  # negative ids: never a unique part's
     requests = []
     for index in range(num_requests):

@@ -17,7 +17,8 @@ every line as this parser does:
 - a field given as `null` is absent (as Dynamo's trace writer leaves a field it
   has no value for, and aiperf reads it);
 - a whole-number float is that integer (`6758.0`, as pandas writes a column
-  that held a gap).
+  that held a gap), below 2**53: a float `hash_ids` element of 2**53 or more is
+  refused, since it names no one integer and distinct ids would merge.
 
 `output_length` is required: aiperf lets the server choose, but a request here
 has a known output. A field present with a wrong type is an error naming it and
@@ -199,12 +200,23 @@ def _text(record: dict[str, Any]) -> bytes:
 # blocks.
 _BLOCK_SIZES = tuple(2**k for k in range(13))
 
+_EXACT_FLOAT_IDS = 2.0**53
+"""Whole floats below this are exact integers; a `hash_ids` float of it or more is refused."""
+
 
 def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
         raise ValueError(f"field 'hash_ids' must be a list of integers, got {_shown(hash_ids)}")
     if not all(type(h) is int for h in hash_ids):  # converted only when needed: every line of a trace passes here
+        for h in hash_ids:
+            # From 2**53 on a float is no one integer (2**53 + 1 reads as 2**53): distinct 64-bit ids, as a float
+            # column writes them, would merge into one key and share a prefix they do not.
+            if type(h) is float and h >= _EXACT_FLOAT_IDS:
+                raise ValueError(
+                    f"field 'hash_ids' holds the float {_shown(h)}, at least 2**53, where a float names no one integer "
+                    "(distinct ids would merge): write the ids as integers"
+                )
         hash_ids = [_whole(h) for h in hash_ids]
         for h in hash_ids:
             if type(h) is not int:  # None too (a JSON null)

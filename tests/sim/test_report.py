@@ -228,3 +228,40 @@ def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_th
     (axes,) = figures[2].axes
     assert [line.get_xdata()[0] for line in axes.lines] == [0.0, 0.0]
     assert "1,733,000,000.000" in axes.get_xlabel()
+
+
+@pytest.mark.parametrize("title", ["run$\\q$.jsonl", "cost $5 to $6", "a_$x^2$_b.jsonl"])
+def test_a_title_with_dollar_signs_is_drawn_as_written(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, title: str
+) -> None:
+    """Titles are names (`trace capacity --plot` titles a plot with the trace's file name): `$...$` in one is
+    text, not mathtext. `run$\\q$.jsonl` was a ParseFatalException and a traceback from the command line."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    import mooncake.sim.report as report
+    from mooncake.cache.capacity import CapacityPoint
+    from mooncake.cli import plot_capacity
+    from mooncake.sim.metrics import LoadSample
+
+    figures: list[Any] = []
+    real_save = report._save
+
+    def keep(figure: Any, path: str | Path) -> None:
+        figures.append(figure)
+        real_save(figure, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    samples = [LoadSample(time_s=float(t), prefill_requests=t % 3, decode_requests=t % 5) for t in range(4)]
+    points = [CapacityPoint(capacity_blocks=c, hit_blocks=c // 2, total_blocks=100) for c in (10, 100)]
+    plot_cdfs({"TTFT": [1.0, 2.0]}, tmp_path / "cdf.png", xlabel="TTFT (s)", title=title)
+    plot_load({title: samples}, tmp_path / "load.png", title=title)
+    plot_capacity({"lru": points}, tmp_path / "capacity.png", title=title)
+    assert len(figures) == 3
+    for figure in figures:
+        renderer = FigureCanvasAgg(figure).get_renderer()
+        texts = [figure._suptitle] if figure._suptitle is not None else []
+        texts += [axes.title for axes in figure.axes]
+        for text in texts:
+            text.get_window_extent(renderer)  # drawn: a parsed title would fail here too
+            assert text.get_text() == title and not text.get_parse_math()  # `$x^2$` shown as typed

@@ -163,6 +163,20 @@ ORDER_ERRORS: dict[str, tuple[list[dict[str, Any]], str]] = {
         [keyed(timestamp=0, session_id="a"), keyed(timestamp=10, session_id="b"), keyed(session_id="a", delay=1)],
         "turn of session 'a' arrives at 1 ms, before the session started on line 2 (10 ms)",
     ),
+    "turn delayed past 2**43 ms": (
+        [keyed(timestamp=2**43, session_id="a"), keyed(session_id="a", delay=1000)],
+        "turn of session 'a' arrives at 8796093023208 ms, its previous turn (line 1) at 8796093022208 ms + its "
+        "delay 1000 ms, past 2**43 ms",
+    ),
+    "start delayed past 2**43 ms": (
+        [keyed(timestamp=2**43 - 1), keyed(delay=2)],
+        "line arrives at 8796093022209 ms, the latest start (line 1) at 8796093022207 ms + its delay 2 ms, "
+        "past 2**43 ms",
+    ),
+    "first line delayed past 2**43 ms": (  # two delays of 2**43 each, from the top
+        [keyed(delay=2**43), keyed(delay=2**43)],
+        "line arrives at 17592186044416 ms, the latest start (line 1) at 8796093022208 ms + its delay",
+    ),
 }
 
 
@@ -177,6 +191,15 @@ def test_order_rules_raise_and_change_nothing(lines: list[dict[str, Any]], reaso
         place(assembler, len(lines), **lines[-1])
     assert reason in str(caught.value)
     assert assembler.mark_ms == mark
+    assembler.check_invariants()
+
+
+def test_a_delay_may_reach_2_43_ms_exactly() -> None:
+    """The bound on a timestamp is inclusive for an arrival made of a delay too."""
+    assembler = TraceAssembler(BLOCK)
+    assert place(assembler, 1, session_id="a", **keyed(timestamp=2**43 - 5)).arrival_ms == 2**43 - 5
+    assert place(assembler, 2, session_id="a", **keyed(delay=5)).arrival_ms == 2**43
+    assert place(assembler, 3, **keyed(delay=5)).arrival_ms == 2**43
     assembler.check_invariants()
 
 

@@ -54,8 +54,10 @@ def traces(draw: st.DrawFn) -> tuple[int, list[dict[str, Any] | str | None]]:
             fields["timestamp"] = clock if draw(st.booleans()) else clock + 0.25
         elif timing == "any":
             fields["timestamp"] = draw(st.integers(0, 60))
+        if timing == "any" and draw(st.integers(0, 5)) == 0:
+            fields["timestamp"] = 2**43 - draw(st.integers(0, 8))  # at the bound: a delay may pass it
         if draw(st.booleans()):
-            fields["delay"] = draw(st.integers(0, 8) | st.sampled_from([0.5, 1.25]))
+            fields["delay"] = draw(st.integers(0, 8) | st.sampled_from([0.5, 1.25, 2**43]))
         prompt = draw(st.sampled_from(["hash_ids", "text", "length"]))
         if prompt == "text":
             fields["text_input"] = draw(st.text(st.sampled_from("ab\u00e9\u4e2d"), min_size=1, max_size=3 * 4))
@@ -114,6 +116,8 @@ class Reference:
         own = len(fields["text_input"].encode()) if "text_input" in fields else fields["input_length"]
         if previous is None:
             arrival = self.mark_ms + delay if timestamp is None else timestamp
+            if arrival > 2**43:
+                return Expected(refused=rf"line arrives at {arrival} ms, .*\+ its delay {delay} ms, past 2\*\*43 ms")
             if arrival < self.mark_ms:
                 return Expected(refused=rf"timestamp {timestamp} is earlier than .*{self.mark_ms}")
             expected = Expected(arrival_ms=arrival, input_length=own, output_length=output)
@@ -128,6 +132,11 @@ class Reference:
         else:
             before_ms, before_input, before_output, before_keys, before_line = previous
             arrival = before_ms + delay if timestamp is None else timestamp
+            if arrival > 2**43:
+                return Expected(
+                    refused=rf"arrives at {arrival} ms, its previous turn \(line {before_line}\) at {before_ms} ms "
+                    rf"\+ its delay {delay} ms, past 2\*\*43 ms"
+                )
             if arrival < before_ms:
                 return Expected(refused=rf"arrives at {arrival} ms, before its previous turn \(line {before_line}")
             if arrival < self.mark_ms:
@@ -176,7 +185,7 @@ def replay(block: int, lines: list[dict[str, Any] | str | None]) -> list[tuple[E
 
 def refusal_kind(pattern: str | None) -> str:
     """A label for Hypothesis' statistics: which rule refused a line, if one did."""
-    kinds = ("lost", "earlier than", "past 2", "previous turn", "session started")
+    kinds = ("lost", "earlier than", r"past 2\*\*43", "past 2", "previous turn", "session started")
     return next((f"refused: {kind}" for kind in kinds if pattern and kind in pattern), "placed")
 
 
@@ -184,8 +193,9 @@ def refusal_kind(pattern: str | None) -> str:
 @given(trace=traces())
 def test_arrivals_and_refusals_follow_the_documented_rules(trace: tuple[int, list[Any]]) -> None:
     """Each line arrives by the three rules (timestamp; previous turn + delay; latest start + delay), a line
-    breaking an order rule, growing a conversation past 2**24 or continuing a lost session is refused with a
-    ValueError naming it, and a refused line changes nothing (the lines after it place as if it were absent)."""
+    breaking an order rule, arriving past 2**43 ms by its delay, growing a conversation past 2**24 or continuing
+    a lost session is refused with a ValueError naming it, and a refused line changes nothing (the lines after it
+    place as if it were absent)."""
     for expected, outcome in replay(*trace):
         event(refusal_kind(expected.refused))
         if expected.refused is not None:

@@ -27,6 +27,7 @@ from mooncake.workload import (
     fixed_length_requests,
     generate_requests,
     preset,
+    write_trace,
 )
 from tests.strategies import workload_specs
 
@@ -189,6 +190,7 @@ def test_a_turn_that_reaches_max_input_tokens_exactly_is_kept(seed: int, turns: 
         output_tokens=fixed,
         mean_turns=10_000,  # sessions end at the limit, not by their turn count
         continue_probability=0.99,
+        think_time_s=0.0,  # the next arrival is the session's next turn: a session runs to the limit at once
         max_input_tokens=200 * turns,  # system prompt and first message, then 200 more per turn
     )
     lengths = {r.input_length for r in generate_requests(spec, num_requests=60, seed=seed)}
@@ -204,6 +206,74 @@ def test_inputs_never_exceed_max_input_tokens(seed: int, max_input: int) -> None
     workload = generate(spec, 80, seed)
     assert max(r.input_length for r in workload) <= max_input
     assert_keys_are_chained(workload, spec.block_size_tokens)
+
+
+# --------------------------------------------------------------------------- sessions over time
+
+SESSIONS = WorkloadSpec(
+    block_size_tokens=16,
+    system_prompt_tokens=LengthDistribution(mean_tokens=1, sigma=0),  # the first block is the session's own message
+    user_message_tokens=LengthDistribution(mean_tokens=24, sigma=0.3, min_tokens=16, max_tokens=64),
+    output_tokens=LengthDistribution(mean_tokens=8, sigma=0.5, max_tokens=32),
+)
+"""Chat sessions whose first block is their first message (unique to the session): a request's session is its first
+key. Short segments in small blocks, so that 40,000 requests generate in a second or two."""
+
+
+def session_statistics(workload: Sequence[Request]) -> tuple[float, float, float]:
+    """(mean turns of the sessions that start in the first half of the workload, continuation share, median gap
+    between a session's turns in seconds). Sessions started in the first half have had time to finish."""
+    arrivals: dict[BlockKey, list[float]] = {}
+    for r in workload:
+        arrivals.setdefault(r.block_keys[0], []).append(r.arrival_s)
+    half = workload[-1].arrival_s / 2
+    turns = statistics.fmean(len(times) for times in arrivals.values() if times[0] <= half)
+    gaps = [later - earlier for times in arrivals.values() for earlier, later in itertools.pairwise(times)]
+    return turns, 1 - len(arrivals) / len(workload), statistics.median(gaps)
+
+
+@settings(max_examples=2)
+@given(seed=seeds, mean_turns=st.sampled_from([2.0, 4.0]), cv=st.sampled_from([1.0, 3.0]))
+def test_sessions_are_stationary_in_the_number_of_requests(seed: int, mean_turns: float, cv: float) -> None:
+    """Turns per session, the share of arrivals that continue a session and the gap between a session's turns are
+    the same at 4,000 and 40,000 requests, and what the spec says: mean_session_turns, continuation_share, and the
+    think time's median (exponential: ln 2 of its mean), a little longer for waiting on the next arrival. A
+    finished session once stayed open until a random pick landed on it: at 40,000 requests turns were ten times
+    further apart than at 4,000, and sessions had 2.4 turns of a mean_turns of 4."""
+    spec = attrs.evolve(SESSIONS, mean_turns=mean_turns)
+    short, long = (generate(spec, n, seed, rate_per_s=4.0, cv=cv) for n in (4_000, 40_000))
+    (short_turns, short_share, short_gap), (long_turns, long_share, long_gap) = map(session_statistics, (short, long))
+    assert short_turns == pytest.approx(long_turns, rel=0.08)
+    assert short_gap == pytest.approx(long_gap, rel=0.15)
+    assert long_turns == pytest.approx(spec.mean_session_turns, rel=0.05)
+    assert long_share == pytest.approx(spec.continuation_share, abs=0.02)
+    assert short_share == pytest.approx(spec.continuation_share, abs=0.05)  # the first think time opens sessions only
+    median_think_s = spec.think_time_s * math.log(2)
+    for gap in (short_gap, long_gap):
+        assert median_think_s * 0.85 < gap < median_think_s * 1.3
+
+
+@pytest.mark.parametrize(
+    ("mean_turns", "continue_probability", "session_turns"),
+    [(3.0, None, 3.0), (4.0, 0.5, 2.0), (2.0, 0.9, 2.0), (6.0, 0.0, 1.0), (1.0, 0.9, 1.0)],
+)
+def test_continue_probability_caps_the_turns(
+    mean_turns: float, continue_probability: float | None, session_turns: float
+) -> None:
+    """mean_turns and continue_probability say one thing (a session of m turns continues m - 1 arrivals of m): a
+    session has the fewer turns of the two."""
+    spec = WorkloadSpec(mean_turns=mean_turns, continue_probability=continue_probability)
+    assert spec.mean_session_turns == pytest.approx(session_turns)
+    assert spec.continuation_share == pytest.approx(1 - 1 / session_turns)
+
+
+def test_sessions_with_no_think_time_run_turn_after_turn() -> None:
+    """think_time_s=0: each arrival continues the session before it until that session has used its turns."""
+    workload = generate(attrs.evolve(SESSIONS, think_time_s=0.0, mean_turns=3.0), 300)
+    firsts = [r.block_keys[0] for r in workload]
+    runs = [len(list(group)) for _, group in itertools.groupby(firsts)]
+    assert len(runs) == len(set(firsts))  # each session's turns are one run of consecutive requests
+    assert statistics.fmean(runs) == pytest.approx(3.0, rel=0.15)
 
 
 # --------------------------------------------------------------------------- presets
@@ -274,6 +344,17 @@ def test_a_spec_out_of_its_range_or_type_is_refused_by_name(options: dict[str, A
         WorkloadSpec(**options)
     with pytest.raises(ConfigError, match="sigma"):
         LengthDistribution(mean_tokens=10, sigma=1e200)
+
+
+def test_outputs_past_what_a_trace_line_holds_are_refused_at_the_spec(tmp_path: Any) -> None:
+    """A spec whose outputs may pass 2**24 tokens (MAX_LINE_TOKENS) is refused, naming the field and the value:
+    its workload once generated and then failed at `write_trace`. Outputs of up to 2**24 are written."""
+    with pytest.raises(ConfigError, match=r"output_tokens\.max_tokens must be at most 16777216 .*got 16777217"):
+        WorkloadSpec(output_tokens=LengthDistribution(mean_tokens=2**25, sigma=0, max_tokens=2**24 + 1))
+    spec = WorkloadSpec(output_tokens=LengthDistribution(mean_tokens=2**25, sigma=0, max_tokens=2**24))
+    workload = generate(spec, 3)
+    assert {r.output_length for r in workload} == {2**24}
+    assert write_trace(tmp_path / "out.jsonl", workload) == 3
 
 
 def test_a_huge_draw_is_clipped_not_overflowed() -> None:
@@ -361,6 +442,9 @@ INVALID: list[tuple[type, dict[str, Any], str]] = [
     (WorkloadSpec, {"mean_turns": 0.5}, "mean_turns"),
     (WorkloadSpec, {"continue_probability": 1.0}, "continue_probability"),
     (WorkloadSpec, {"continue_probability": -0.1}, "continue_probability"),
+    (WorkloadSpec, {"think_time_s": -1.0}, "think_time_s"),
+    (WorkloadSpec, {"think_time_s": math.inf}, "think_time_s"),
+    (WorkloadSpec, {"think_time_s": math.nan}, "think_time_s"),
     (WorkloadSpec, {"max_input_tokens": 0}, "max_input_tokens"),
 ]
 
@@ -522,6 +606,21 @@ def test_fixed_length_hit_ratio_tends_to_the_cache_ratio(input_tokens: int, rati
     assert hit == pytest.approx(ratio, abs=0.03)
     firsts = {r.block_keys[0] for r in workload}
     assert len(firsts) == (8 if ratio else 400)  # every prefix is drawn; without one, no two prompts share
+
+
+@pytest.mark.parametrize("input_tokens", [1000, 3000, 16_500, 100_000])
+def test_fixed_length_hit_ratio_tends_to_the_cache_ratio_in_whole_blocks(input_tokens: int) -> None:
+    """Off a block boundary the cached share tends to cache_ratio rounded down to whole blocks, as documented
+    (the docstring promised cache_ratio: 0.33 at 3,000 tokens, nothing at 1,000)."""
+    workload = fixed_length_requests(
+        input_tokens=input_tokens, output_tokens=1, num_requests=400, cache_ratio=0.5, num_prefixes=8, seed=3
+    )
+    block = TRACE_BLOCK_SIZE_TOKENS
+    whole = math.floor(0.5 * input_tokens / block) * block / input_tokens
+    hit = infinite_cache_hit_ratio(workload, block)
+    assert hit <= whole
+    assert hit == pytest.approx(whole, abs=0.03)
+    assert len({r.block_keys[0] for r in workload}) == (8 if whole else 400)  # a sub-block prefix shares nothing
 
 
 def test_fixed_length_requests_are_seeded() -> None:

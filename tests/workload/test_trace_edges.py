@@ -505,3 +505,25 @@ def test_an_arrival_that_a_speedup_puts_past_the_timestamps_bound_names_its_line
         read.extend(iter_trace(path, block_size_tokens=BLOCK, speedup=speedup))
     assert caught.value.line == line and [r.arrival_s for r in read] == [t / 1000 / speedup for t in stamps[: line - 1]]
     assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK)][-1] == MAX_ARRIVAL_S
+    assert str(caught.value).endswith(": a larger speedup")  # only a slow-down can put an arrival past the bound
+
+
+@pytest.mark.parametrize("speedup", [1.0, 2.0])
+def test_a_delay_past_the_timestamps_bound_names_the_line_s_fields_not_the_speedup(
+    tmp_path: Path, speedup: float
+) -> None:
+    """A later turn whose previous turn's arrival + delay passes 2**43 ms is refused at its line, naming both
+    (it once advised "a larger speedup" at speedup 1, from a command, `trace stats`, that has none)."""
+    records = [
+        {"session_id": "a", "timestamp": 2**43, "input_length": 10, "output_length": 5},
+        {"session_id": "a", "delay": 1000, "input_length": 10, "output_length": 5},
+    ]
+    path = write_lines(tmp_path / "t.jsonl", records)
+    with pytest.raises(TraceFormatError) as caught:
+        list(iter_trace(path, block_size_tokens=BLOCK, speedup=speedup))
+    assert caught.value.line == 2
+    assert caught.value.reason == (
+        "turn of session 'a' arrives at 8796093023208 ms, its previous turn (line 1) at 8796093022208 ms + its "
+        "delay 1000 ms, past 2**43 ms (the bound on a timestamp)"
+    )
+    assert "speedup" not in str(caught.value)
