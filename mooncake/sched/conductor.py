@@ -350,7 +350,7 @@ class Conductor:
             raise InvalidRequestError(f"schedule takes a mooncake.types.Request, got {type(request).__name__}")
         if type(now) is not float or not math.isfinite(now):  # the common case, a finite float, is one test
             require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
-        if waited_s:
+        if waited_s or type(waited_s) is not float:  # the common 0.0 unchecked; False and None are no time
             require_number("waited_s", waited_s, minimum=0.0, error=InvalidRequestError)
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")

@@ -313,7 +313,7 @@ def test_a_request_that_waited_is_held_to_what_its_wait_left_of_the_ttft_objecti
     assert never.reason is Reason.CONTEXT_TOO_LONG
 
 
-@pytest.mark.parametrize("waited_s", [-1.0, math.nan, math.inf, "1"])
+@pytest.mark.parametrize("waited_s", [-1.0, math.nan, math.inf, "1", False, None])
 def test_a_wait_that_is_no_time_is_named(waited_s: object) -> None:
     c = conductor(BaselineAdmission())
     with pytest.raises(InvalidRequestError, match="waited_s"):
