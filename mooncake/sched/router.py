@@ -236,21 +236,21 @@ class RouteDecision:
     occupancy_s: float = attrs.field(default=attrs.Factory(lambda self: self.prefill_s, takes_self=True))
     # Until the work queued ahead has ended (on a chunked-pipeline group: left its last stage), from now.
     drain_s: float = 0.0
+    # Until the prefill ends, from now (`sched.cost.prefill_end_s`: a chunked-pipeline group's prefill also
+    # leaves its last stage no sooner than its occupancy after the work ahead; elsewhere that never binds);
+    # and the estimated TTFT, that plus the overhead. Worked out once: a decision reads them several times.
+    prefill_end_s: float = attrs.field(init=False)
+    ttft_s: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        end = prefill_end_s(self.wait_s, self.prefill_s, self.occupancy_s, self.drain_s)
+        object.__setattr__(self, "prefill_end_s", end)
+        object.__setattr__(self, "ttft_s", end + self.overhead_s)
 
     @property
     def wait_s(self) -> float:
         """Until the prefill can start: the transfer runs while the request waits in the queue."""
         return max(self.transfer_s, self.queue_s)
-
-    @property
-    def prefill_end_s(self) -> float:
-        """Until the prefill ends, from now (`sched.cost.prefill_end_s`: a chunked-pipeline group's prefill
-        also leaves its last stage no sooner than its occupancy after the work ahead; elsewhere that binds never)."""
-        return prefill_end_s(self.wait_s, self.prefill_s, self.occupancy_s, self.drain_s)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.prefill_end_s + self.overhead_s
 
 
 def _require_method(name: str, part: object, method: str) -> None:
