@@ -407,7 +407,7 @@ class Conductor:
         if route is None:
             return ScheduleDecision(request_id=request.request_id, accepted=False, reason=Reason.NO_PREFILL_INSTANCE)
         self._check_route(route, request.input_length)
-        decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s, now)
+        decode = self._choose_decode(request, route.prefill_instance, now + route.ttft_s + route.handoff_s, now)
         if decode.decode_instance is None and self._coupled:
             # A mixed fleet: a coupled instance decodes only what it prefills, and the others only on the decode
             # instances. The route was chosen by TTFT alone; where its decode side has no room, the best route of
@@ -417,7 +417,9 @@ class Conductor:
             other = self.router.route(PrefillBoard(others), query, now, self._rng) if others else None
             if other is not None:
                 self._check_route(other, request.input_length)
-                elsewhere = self._choose_decode(request, other.prefill_instance, now + other.ttft_s, now)
+                elsewhere = self._choose_decode(
+                    request, other.prefill_instance, now + other.ttft_s + other.handoff_s, now
+                )
                 if elsewhere.decode_instance is not None:
                     route, decode = other, elsewhere
             if decode.decode_instance is None and decode.verdict.reason is Reason.CONTEXT_TOO_LONG:
@@ -540,6 +542,7 @@ class Conductor:
             and 0.0 <= route.ttft_s < math.inf
             and 0.0 <= route.occupancy_s < math.inf
             and 0.0 <= route.overhead_s < math.inf
+            and 0.0 <= route.handoff_s < math.inf
             and 0.0 <= route.drain_s < math.inf
         ):
             problem = "a time that is negative or not finite"

@@ -615,3 +615,10 @@ class TransferCostModel:
         if seconds < _INF and type(in_flight_from_source) is int and in_flight_from_source >= 0:
             return seconds
         return _refuse_transfer(num_bytes, in_flight_from_source, seconds)
+
+    def handoff_s(self, num_bytes: float, prefill_s: float) -> float:
+        """How long after a prefill of `prefill_s` seconds its `num_bytes` of KV reach the decode instance: they
+        stream layer by layer while it runs, so only what the prefill did not hide remains, and at least one
+        latency. The simulator delivers a prefilled request to its decode instance by this, and the router
+        predicts that arrival (`RouteDecision.handoff_s`) by it too."""
+        return max(self.latency_s, self.transfer_s(num_bytes) - prefill_s)

@@ -241,6 +241,9 @@ class RouteDecision:
     # and the estimated TTFT, that plus the overhead. Worked out once: a decision reads them several times.
     prefill_end_s: float = attrs.field(init=False)
     ttft_s: float = attrs.field(init=False)
+    # From the first token until the request reaches its decode instance: the KV stream's tail that the prefill
+    # did not hide (`TransferCostModel.handoff_s`). The decode side is asked about the load then.
+    handoff_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         end = prefill_end_s(self.wait_s, self.prefill_s, self.occupancy_s, self.drain_s)
@@ -331,6 +334,7 @@ class TtftEstimator:
             occupancy_s=occupancy_s(self.prefill, query.input_tokens, prefix, prefill_s=prefill_s),
             # Only a pipeline's prefill can start before the work ahead has ended.
             drain_s=view.drain_s(now) if isinstance(self.prefill, ChunkedPipelineCost) else 0.0,
+            handoff_s=self.transfer.handoff_s(query.input_tokens * self.kv_bytes_per_token, prefill_s),
         )
 
 

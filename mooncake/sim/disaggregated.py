@@ -367,8 +367,8 @@ class DisaggregatedCluster:
             self.loop.at(record.first_token_s, self._finish, record)
             return
         # The KV streamed layer by layer during the prefill: only what the prefill did not hide remains.
-        kv_s = self.transfer_cost.transfer_s(request.input_length * self.kv_bytes_per_token)
-        arrival = now + max(self.transfer_cost.latency_s, kv_s - record.prefill_s) + overhead
+        handoff = self.transfer_cost.handoff_s(request.input_length * self.kv_bytes_per_token, record.prefill_s)
+        arrival = now + overhead + handoff
         assert record.decode_instance is not None
         self.loop.at(arrival, self._decode_arrive, self._decode[record.decode_instance], record)
 

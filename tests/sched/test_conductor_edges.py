@@ -412,8 +412,10 @@ class _RecordingPredictor:
 @settings(max_examples=25)
 def test_the_predicted_load_is_asked_for_the_requests_arrival(now: float, backlog: float) -> None:
     """With a predictive policy, each decode instance's load is predicted at the request's arrival there: the
-    decision's time plus its estimated TTFT (the queue ahead of it included), with what it decodes and what is
-    routed to it."""
+    decision's time plus its estimated TTFT (the queue ahead of it included) plus the KV stream's tail, here one
+    latency (the prefill hides the rest: `TransferCostModel.handoff_s`), with what it decodes and what is routed
+    to it."""
+    tail = ESTIMATOR.transfer.latency_s
     predictor = _RecordingPredictor()
     conductor = make(admission=EarlyRejection(predictive=True), slo=Slo(ttft_s=100.0, tbt_s=1.0))
     conductor.predictor = predictor
@@ -422,12 +424,12 @@ def test_the_predicted_load_is_asked_for_the_requests_arrival(now: float, backlo
     first = conductor.schedule(request("first", DOC), now)
     assert first.accepted and first.ttft_s is not None
     assert first.ttft_s >= backlog
-    assert predictor.calls == [(0, 0, now, now + first.ttft_s)] * 2
+    assert predictor.calls == [(0, 0, now, now + first.ttft_s + tail)] * 2
     predictor.calls.clear()
     second = conductor.schedule(request("second", range(500, 532)), now)
     assert second.ttft_s is not None
     routed = {d: int(first.decode_instance == d) for d in (D0, D1)}
-    assert predictor.calls == [(0, routed[d], now, now + second.ttft_s) for d in (D0, D1)]
+    assert predictor.calls == [(0, routed[d], now, now + second.ttft_s + tail) for d in (D0, D1)]
 
 
 def test_a_decode_instance_may_report_its_cache() -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from mooncake.sched.admission import predictive_early_rejection
+from mooncake.sched.predictor import UniformDecodePredictor
+from mooncake.sched.view import DecodeJoined
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.spec import build_conductor
 from mooncake.types import Request
@@ -83,3 +86,42 @@ def test_a_moved_prefix_is_what_the_transfer_brought() -> None:
     assert records["whole"].first_token_s < records["b"].first_token_s - records["b"].prefill_s  # done before B starts
     assert records["b"].prefix_tokens == 4 * BLOCK
     assert records["b"].prefill_s == spec.prefill_cost.prefill_s(40 * BLOCK, 4 * BLOCK)
+
+
+@pytest.mark.parametrize("network_bytes_per_s", [2e9, 100e9])
+def test_the_decode_load_is_asked_for_when_the_request_reaches_its_decode_instance(network_bytes_per_s: float) -> None:
+    """A 20 k-token prompt on a slow link: its KV, streamed during the prefill, is still arriving after it. The
+    Conductor asks the predictor about the decode load at the moment the simulator delivers the request to its
+    (idle) decode instance, the KV's tail included (`TransferCostModel.handoff_s`); it asked at the first token."""
+    spec = make_spec(network_bytes_per_s=network_bytes_per_s, first_token_overhead_s=0.01)
+    asked: list[float] = []
+    inner = UniformDecodePredictor(decode_s=10.0)
+
+    class Recording:
+        def predict(self, active: Any, incoming: Any, now: float, at_s: float) -> Any:
+            asked.append(at_s)
+            return inner.predict(active, incoming, now, at_s)
+
+        def observe(self, output_tokens: int) -> None:
+            inner.observe(output_tokens)
+
+    conductor = build_conductor(
+        spec,
+        admission=predictive_early_rejection(),
+        predictor=Recording(),
+        slo=PATIENT,  # type: ignore[arg-type]
+    )
+    joined: list[float] = []
+    handle = conductor.handle
+
+    def spying(event: Any) -> Any:
+        if isinstance(event, DecodeJoined):
+            joined.append(event.now)
+        return handle(event)
+
+    conductor.handle = spying  # type: ignore[method-assign]
+    (record,) = DisaggregatedCluster(spec, conductor).run([make_request("r", 0.0, 40 * BLOCK, 8, range(40))]).records
+    assert record.first_token_s is not None and joined and asked
+    assert asked[0] == pytest.approx(joined[0], rel=1e-9)
+    if network_bytes_per_s < 1e10:  # the tail shows
+        assert joined[0] > record.first_token_s + 0.1
