@@ -49,6 +49,7 @@ __all__ = [
     "load_problem",
     "refusal",
     "takes_slot",
+    "tbt_refused",
     "tbt_verdict",
 ]
 
@@ -227,10 +228,17 @@ def check_join(
     return tbt_verdict(load.batch_size, output_tokens, predicted, tbt_slo_s)
 
 
+def tbt_refused(batch_size: float, output_tokens: int, predicted_tbt_s: float, tbt_slo_s: float) -> bool:
+    """The TBT check: refused when the step predicted with the request in the batch (`predicted_tbt_s`) exceeds
+    the objective, unless the batch is empty or the request takes no slot. Written in the subset numba
+    compiles: `sched._kernels` compiles this one definition for the decode selection's scan, which ranks the
+    instances it does not refuse first."""
+    return output_tokens > 1 and batch_size > 0 and predicted_tbt_s > tbt_slo_s  # output > 1: `takes_slot`
+
+
 def tbt_verdict(batch_size: float, output_tokens: int, predicted_tbt_s: float, tbt_slo_s: float | None) -> JoinVerdict:
-    """The last check of the rule, for a request the structural checks let in: refused when the step
-    predicted with it in the batch (`predicted_tbt_s`) exceeds the objective, unless the batch is empty
-    or the request takes no slot (no objective: never)."""
-    if tbt_slo_s is not None and takes_slot(output_tokens) and batch_size > 0 and predicted_tbt_s > tbt_slo_s:
+    """The last check of the rule, for a request the structural checks let in: `tbt_refused` (no objective:
+    never)."""
+    if tbt_slo_s is not None and tbt_refused(batch_size, output_tokens, predicted_tbt_s, tbt_slo_s):
         return JoinVerdict(accepted=False, reason=Reason.TBT_SLO, predicted_tbt_s=predicted_tbt_s)
     return JoinVerdict(accepted=True, predicted_tbt_s=predicted_tbt_s)
