@@ -76,10 +76,19 @@ __all__ = [
     "VllmEventEncoder",
 ]
 
-DEFAULT_TIERS: Mapping[str | None, Tier] = {None: Tier.VRAM, "GPU": Tier.VRAM, "CPU": Tier.DRAM, "DISK": Tier.SSD}
-"""vLLM medium → tier (no medium: vLLM before mediums, which published GPU blocks only)."""
+DEFAULT_TIERS: Mapping[str | None, Tier] = {
+    None: Tier.VRAM,
+    "GPU": Tier.VRAM,
+    "CPU": Tier.DRAM,
+    "STORAGE": Tier.SSD,
+    "DISK": Tier.SSD,
+}
+"""vLLM medium → tier (no medium: vLLM before mediums, which published GPU blocks only). vLLM's names
+(`vllm.distributed.kv_events`: GPU, CPU, STORAGE, the last its offloading connector's disk tier), and DISK,
+which this library's encoder wrote before vLLM named that medium. Mediums are read case-blind: vLLM's Mooncake
+store connector writes "cpu"."""
 
-DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}
+DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "STORAGE"}
 """Tier → the medium the encoder writes."""
 
 REDELIVERY_WINDOW = 1 << 14
@@ -88,6 +97,11 @@ than vLLM's replay buffer holds (`buffer_steps`, 10,000 by default)."""
 
 _Change = tuple[type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared], tuple[BlockKey, ...], Tier]
 """What one vLLM event does to a source's holdings: the kind of event of ours, its keys, its tier."""
+
+
+def _medium_name(medium: str | None) -> str | None:
+    """A medium as the decoder's map keys it: case-blind."""
+    return medium.upper() if isinstance(medium, str) else medium
 
 
 class VllmEventDecoder:
@@ -128,7 +142,12 @@ class VllmEventDecoder:
         self.source = InstanceId(require_str("source", source, what="instance id string"))
         if not isinstance(tiers, Mapping) or not all(isinstance(m, str | None) for m in tiers):
             raise ConfigError(f"tiers must map vLLM mediums (strings, or None) to tiers, got {tiers!r}")
-        self.tiers = {medium: parse_tier(tier) for medium, tier in tiers.items()}
+        self.tiers: dict[str | None, Tier] = {}
+        for medium, tier in tiers.items():
+            named = _medium_name(medium)
+            if named in self.tiers and self.tiers[named] != parse_tier(tier):
+                raise ConfigError(f"tiers maps medium {medium!r} twice (mediums are case-blind), to different tiers")
+            self.tiers[named] = parse_tier(tier)
         self.kv_group = require_int("kv_group", kv_group, minimum=0)
         self.strict = require_bool("strict", strict)
         self.max_retired_hashes = require_int("max_retired_hashes", max_retired_hashes, minimum=0)
@@ -280,11 +299,11 @@ class VllmEventDecoder:
             return (AllBlocksCleared, (), Tier.VRAM)
         if event.group_idx not in (None, self.kv_group):
             return None
-        if event.medium not in self.tiers:
+        tier = self.tiers.get(_medium_name(event.medium))
+        if tier is None:
             raise VllmEventError(
                 f"{self.source}: unknown medium {event.medium!r}, known {sorted(map(str, self.tiers))}"
             )
-        tier = self.tiers[event.medium]
         bit = 1 << tier
         if isinstance(event, VllmBlockRemoved):
             removed: list[BlockKey] = []

@@ -28,7 +28,7 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
+from mooncake.cache.vllm_events import DEFAULT_MEDIUMS, VllmEventDecoder, VllmEventEncoder
 from mooncake.cache.vllm_wire import (
     VllmAllBlocksCleared,
     VllmBlockRemoved,
@@ -625,7 +625,7 @@ def test_the_encoder_needs_registered_tokens() -> None:
 
 PROPERTY_HASHER = BlockHasher(model="test-model", block_size_tokens=3)
 SOURCES = (InstanceId("engine-0"), InstanceId("engine-1"), InstanceId("engine-2"))
-MEDIUM = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}
+MEDIUM = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "STORAGE"}
 
 
 @st.composite
@@ -857,3 +857,22 @@ class DecoderSequencingMachine(RuleBasedStateMachine):
 
 
 TestDecoderSequencingMachine = DecoderSequencingMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [("STORAGE", Tier.SSD), ("DISK", Tier.SSD), ("cpu", Tier.DRAM), ("Gpu", Tier.VRAM), (None, Tier.VRAM)],
+)
+def test_vllms_mediums_are_read_case_blind(medium: str | None, tier: Tier) -> None:
+    """vLLM's own names (STORAGE: its offloading connector's disk tier; "cpu": its Mooncake store connector) map
+    to their tiers: each used to be an unknown medium, a batch refused even by a lenient decoder, and with it every
+    batch after it (a gap). The encoder writes vLLM's names."""
+    (event,) = decoded(decoder().decode(payload([stored_wire([1], None, [1, 2, 3, 4], medium=medium)]), seq=0))
+    assert event.tier is tier  # type: ignore[union-attr]
+    assert DEFAULT_MEDIUMS[Tier.SSD] == "STORAGE"
+
+
+def test_a_tiers_map_naming_one_medium_twice_is_refused() -> None:
+    """Mediums are case-blind, so "cpu" and "CPU" are one medium: mapped to two tiers, the map is refused."""
+    with pytest.raises(ConfigError, match="twice"):
+        VllmEventDecoder(HASHER, SOURCE, tiers={"cpu": Tier.DRAM, "CPU": Tier.SSD})

@@ -83,7 +83,7 @@ def test_a_malformed_field_is_a_vllm_event_error_naming_it(wire: bytes, field: s
 # ---------------------------------------------------------------------- the decoder's holdings, against a model
 
 NUM_ROOTS = 3
-MEDIUMS: list[str | None] = ["GPU", "CPU", "DISK", None]
+MEDIUMS: list[str | None] = ["GPU", "CPU", "STORAGE", "DISK", "cpu", None]
 
 
 def external(i: int) -> int | bytes:
@@ -167,7 +167,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         if parent is not None and not self._known(parent):
             self._refused([store_of(i, medium)], layout, UnknownBlockError)
             return
-        tier = DEFAULT_TIERS[medium]
+        tier = DEFAULT_TIERS[medium.upper() if medium else medium]  # mediums are case-blind
         out = self._deliver([store_of(i, medium)], layout)
         assert [(type(e), e.keys, e.tier) for e in out] == [(BlockStored, (KEYS[i],), tier)]  # type: ignore[union-attr]
         if i in self.retired:
@@ -180,7 +180,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         """A root and its child in one event: two hashes, their tokens concatenated."""
         child = root + NUM_ROOTS
         event = stored_wire([external(root), external(child)], None, tokens_of(root) + tokens_of(child), medium=medium)
-        tier = DEFAULT_TIERS[medium]
+        tier = DEFAULT_TIERS[medium.upper() if medium else medium]  # mediums are case-blind
         out = self._deliver([event], "map")
         assert [(type(e), e.keys, e.tier) for e in out] == [(BlockStored, (KEYS[root], KEYS[child]), tier)]  # type: ignore[union-attr]
         for i in (root, child):
@@ -196,7 +196,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
     )
     def remove(self, blocks: list[int], medium: str | None, layout: WireLayout) -> None:
         """Hashes are removed in order: one retired may push out one named after it, which is then unknown."""
-        tier = DEFAULT_TIERS[medium]
+        tier = DEFAULT_TIERS[medium.upper() if medium else medium]  # mediums are case-blind
         held, retired = {i: set(t) for i, t in self.held.items()}, list(self.retired)
         for i in blocks:
             if not self._known(i):
@@ -340,7 +340,7 @@ def test_the_default_mediums_and_tiers_are_inverse(tier: Tier) -> None:
     encoder = VllmEventEncoder(HASHER)
     keys = encoder.register([1, 2, 3, 4, 5, 6, 7, 8])
     wire = encoder.encode([BlockStored(source=SOURCE, seq=0, keys=keys, tier=tier)], ts=1.0)
-    assert decode_batch(wire).events[0].medium == {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "DISK"}[tier]  # type: ignore[union-attr]
+    assert decode_batch(wire).events[0].medium == {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "STORAGE"}[tier]  # type: ignore[union-attr]
     out = decoded(VllmEventDecoder(HASHER, SOURCE).decode(wire, seq=0))
     assert [(e.keys, e.tier) for e in out] == [(keys, tier)]  # type: ignore[union-attr]
 
