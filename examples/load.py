@@ -28,8 +28,12 @@ tokens; the usage in every chunk tells how many tokens each event carried
 A rejection is an error whose body says so (`outcome`: before or after prefill,
 as the gateway answers with `sched.outcome.http_status`), or any 429; its
 reason is the error's `code`; other errors count as failed and the first of each
-kind is printed to stderr. Requests name the model
-the server lists at `/v1/models` (or `--model`). The summary is
+kind is printed to stderr (a stream with a line that is no completion chunk
+fails as a "malformed stream"; a usage without `prompt_tokens_details`, vLLM's
+without `--enable-prompt-tokens-details`, counts no prefix hit, and stderr says
+so once). The client's connections are not capped (aiohttp's default is 100): a
+request never waits in the client, where the wait would count in its TTFT.
+Requests name the model the server lists at `/v1/models` (or `--model`). The summary is
 `mooncake.sim.metrics.summarize`'s, as for a simulated replay, with
 `sim_wall_s` the wall time of the run; `mean_prefill_s` and `wasted_prefill_s`
 are not visible to a client and stay 0; `failed` counts the requests that got
@@ -75,6 +79,8 @@ class ClientRecord(RequestRecord):
     per interval; from the usage in every chunk), empty when the server did not send that usage."""
 
     event_tokens: list[int] = attrs.field(factory=list)
+    # Its usage said what the server found cached (vLLM: with --enable-prompt-tokens-details).
+    has_cached_tokens: bool = False
 
 
 _REJECTIONS = {Outcome.REJECTED_BEFORE_PREFILL.value, Outcome.REJECTED_AFTER_PREFILL.value}
@@ -129,30 +135,38 @@ async def one(
             record.prefill_instance = answer.headers.get(PREFILL_HEADER)  # type: ignore[assignment]
             record.decode_instance = answer.headers.get(DECODE_HEADER)  # type: ignore[assignment]
             async for raw in answer.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
-                data = json.loads(line[6:])
+                data = _chunk(line[5:])
+                if data is None:
+                    failed("malformed stream", f"a data line that is no completion chunk: {line[:200]}")
+                    return
                 if "error" in data:
-                    failed("stream error", data["error"]["message"])
+                    error = data["error"]
+                    failed("stream error", str(error.get("message", error) if isinstance(error, dict) else error))
                     return
                 now = time.perf_counter() - started
-                usage = data.get("usage")
-                if not data["choices"]:  # the last chunk, the usage alone
-                    if usage:
-                        record.input_tokens = usage["prompt_tokens"]
-                        record.prefix_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                        record.output_tokens = usage["completion_tokens"]  # what was generated (a stop ends early)
+                usage, choices = data.get("usage") or {}, data["choices"]
+                generated = _count(usage.get("completion_tokens"))
+                if not choices:  # the last chunk, the usage alone
+                    details = usage.get("prompt_tokens_details")  # vLLM: with --enable-prompt-tokens-details
+                    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+                    record.input_tokens = _count(usage.get("prompt_tokens"), record.input_tokens)
+                    record.prefix_tokens = cached if cached is not None else record.prefix_tokens
+                    record.has_cached_tokens = cached is not None
+                    if generated is not None:  # what was generated (a stop ends early)
+                        record.output_tokens = generated
                     continue
-                if not data["choices"][0].get("text"):  # no text (the finish of a stream that ended on one): no event
-                    continue
+                if not (isinstance(choices[0], dict) and choices[0].get("text")):
+                    continue  # no text (the finish of a stream that ended on one): no event
                 if last is None:
                     record.first_token_s = now
                 else:
                     record.intervals.add(now - last, 0.0, 1)
-                    if carried is not None and usage:
-                        record.event_tokens.append(usage["completion_tokens"] - carried)
-                carried = usage["completion_tokens"] if carried is not None and usage else None
+                    if carried is not None and generated is not None:
+                        record.event_tokens.append(generated - carried)
+                carried = generated if carried is not None else None
                 last = now
             if carried is None:
                 record.event_tokens.clear()
@@ -163,6 +177,27 @@ async def one(
         failed("timeout", f"no answer within {timeout_s} s", Reason.TIMEOUT)
     except aiohttp.ClientError as error:
         failed(type(error).__name__, str(error))
+
+
+def _chunk(text: str) -> dict[str, Any] | None:
+    """A stream's `data:` payload as a completion chunk (an object with a list of `choices`, its `usage` an object
+    or null), or an error event (an object with `error`); None for anything else (not JSON, say)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if "error" in data:
+        return data
+    if not isinstance(data.get("choices"), list) or not isinstance(data.get("usage") or {}, dict):
+        return None
+    return data
+
+
+def _count(value: Any, default: int | None = None) -> Any:
+    """A token count from a usage object: a non-negative integer, else `default`."""
+    return value if type(value) is int and value >= 0 else default
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -191,7 +226,9 @@ async def replay_http(
     records: list[ClientRecord] = []
     first_arrival = requests[0].arrival_s if requests else 0.0
     failures: dict[str, str] = {}
-    async with aiohttp.ClientSession() as session:
+    # No cap on connections (aiohttp's default is 100): a request past it would wait here for one, and that wait
+    # would count in its TTFT.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         model = model or await served_model(session, url)
         started = time.perf_counter()
         tasks = []
@@ -221,6 +258,13 @@ async def replay_http(
     wall = time.perf_counter() - started
     for kind, message in failures.items():
         print(one_line(f"load.py: failed ({kind}): {message}"), file=sys.stderr)
+    completed = [record for record in records if record.outcome is Outcome.COMPLETED]
+    if completed and not any(record.has_cached_tokens for record in completed):
+        print(
+            "load.py: no answer's usage said what was cached (prompt_tokens_details.cached_tokens; a vLLM server "
+            "needs --enable-prompt-tokens-details): the cache hit ratio counts none",
+            file=sys.stderr,
+        )
     return records, wall
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import attrs
 
+from mooncake.engine.chat import content_text
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, http_status
@@ -930,13 +931,12 @@ MESSAGE_UNRENDERED: dict[str, Callable[[Any], bool]] = {
 def _content(value: Any, param: str) -> str:
     """A message's content: a string, or a list of text parts (their other keys, `cache_control` say, ignored)."""
     if isinstance(value, list):
-        texts = []
         for j, part in enumerate(value):
             where = f"{param}[{j}]"
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise ApiError(400, f'{where} must be {{"type": "text", "text": <string>}}', param=where)
-            texts.append(_text(part.get("text"), where))
-        return "\n".join(texts)  # as vLLM renders a message's text parts
+            _text(part.get("text"), where)
+        return content_text(value)  # as vLLM reads a message's text parts
     return _text(value, param)
 
 

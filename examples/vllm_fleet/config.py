@@ -19,7 +19,9 @@
     role = "both"                      # both | prefill | decode
 
 Checked as `serving.config` checks the cluster's (the same field rules): an
-unknown key, a value of the wrong type or out of range, two instances with one
+unknown key, a value of the wrong type or out of range, a `kv_events` without a
+port or a `replay` without a host and port (`*`: only vLLM's side binds there),
+two instances with one
 URL or one events endpoint, a role mix that cannot serve (a prefill instance
 without a decode one), a tokenizer directory without a tokenizer: a one-line
 `ConfigError` naming the file, the table and key, and the value.
@@ -59,13 +61,28 @@ def _url(text: str) -> str | None:
 
 
 def _endpoint(text: str) -> str | None:
-    if not _ZMQ.fullmatch(text):
+    """`kv_events`: an endpoint the router binds (host `*`: every interface), at the port vLLM connects to."""
+    match = _ZMQ.fullmatch(text)
+    if match is None:
         return "must be a ZeroMQ TCP endpoint, tcp://HOST:PORT (the address vLLM's kv-events-config names)"
+    if match[2] == "*":
+        return "needs a port: vLLM connects to the one its kv-events-config endpoint names (`*` binds a random one)"
     return None
 
 
-def _optional_endpoint(text: str) -> str | None:
-    return None if not text else _endpoint(text)
+def _replay_endpoint(text: str) -> str | None:
+    """`replay`: the server's replay socket, which the router connects to: a host and a port, not `*`."""
+    if not text:
+        return None
+    match = _ZMQ.fullmatch(text)
+    if match is None:
+        return 'must be a ZeroMQ TCP endpoint, tcp://HOST:PORT (the server\'s replay socket), or "" for none'
+    if "*" in (match[1], match[2]):
+        return (
+            "names where the router connects to the server's replay socket: its host and port (vLLM's "
+            "replay_endpoint tcp://*:PORT is where vLLM binds; here write tcp://SERVER_HOST:PORT)"
+        )
+    return None
 
 
 def _directory(text: str) -> str | None:
@@ -120,7 +137,7 @@ class InstanceSection:
     NAME: ClassVar[str] = "instances"
     url: str = _setting("", text=_url)
     kv_events: str = _setting("", text=_endpoint)
-    replay: str = _setting("", text=_optional_endpoint)
+    replay: str = _setting("", text=_replay_endpoint)
     role: str = _setting("both", allowed=ROLES)
 
     @property

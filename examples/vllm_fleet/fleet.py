@@ -85,6 +85,7 @@ class FleetInstance:
     up: bool = True
     state: InstanceState = attrs.field(factory=InstanceState)
     event_errors: int = 0
+    refused: str = ""  # why it stays down though its /health answers (it came back unlike its start-up probe)
 
     @property
     def url(self) -> str:
@@ -324,6 +325,15 @@ class Fleet:
         for end in ends:
             self.flights.pop(end.request_id, None)
         return ends
+
+    def refresh(self, instance_id: InstanceId, info: InstanceInfo) -> None:
+        """An instance's probe again (a server restarted with another `--max-model-len` or KV budget): the
+        Conductor checks its new requests against the new limits; what it already holds stays."""
+        instance = self.instances[instance_id]
+        instance.info = info
+        if instance.section.role != "prefill":
+            limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
+            self.conductor.set_decode_limits(instance_id, limits)
 
     def poll_events(self) -> int:
         """Apply every KV-event batch waiting on the subscribers' sockets; returns how many."""

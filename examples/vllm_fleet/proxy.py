@@ -1,7 +1,9 @@
 """The router's HTTP side: an OpenAI-compatible proxy in front of the fleet.
 
 `POST /v1/completions` and `/v1/chat/completions`: the prompt is tokenized with
-the servers' tokenizer (a chat through its template), the `Fleet` schedules it
+the servers' tokenizer (a chat through its template, as vLLM renders it:
+`vllm_fleet.prompt`; one the router cannot render is routed by its texts and
+left to the server to answer), the `Fleet` schedules it
 (429 with `Retry-After` when the Conductor rejects it: the estimated TTFT
 misses `[router] ttft_slo_s`, or no server can hold it), and the body goes
 unchanged to the chosen server (a disaggregated pair: first the prompt with
@@ -26,7 +28,10 @@ past `[router] request_timeout_s` (aiohttp's total limit, not a socket's
 connect or read timeout) is a 504, or a stream's error event, and its server,
 slow rather than gone, stays up. Each server's
 `/health` and `/metrics` are read every `health_interval_s`: a down server
-that answers again is marked up (its KV events start a new epoch). A client
+that answers again is probed as at start-up and marked up (its KV events start
+a new epoch) unless it came back unlike itself (another model, block size or
+tokenizer: it stays down, the reason logged once); its limits follow a new
+`max_model_len` or KV capacity. A client
 that leaves aborts its request on the server (the upstream connection closes).
 
 `GET /v1/models` (the servers' model, as a server lists it), `POST /tokenize` and
@@ -71,8 +76,9 @@ from mooncake.errors import ConfigError
 from mooncake.sched import Outcome, Reason, http_status
 from mooncake.types import InstanceId
 from vllm_fleet.config import InstanceSection, RouterConfig
-from vllm_fleet.fleet import Fleet, Flight
-from vllm_fleet.upstream import PROBE_TEXT, calibrate, lines, probe, scrape
+from vllm_fleet.fleet import Fleet, FleetInstance, Flight
+from vllm_fleet.prompt import prompt_of
+from vllm_fleet.upstream import PROBE_TEXT, calibrate, lines, probe, reprobe, scrape
 
 __all__ = ["CACHED_HEADER", "VllmRouter"]
 
@@ -286,11 +292,41 @@ class VllmRouter:
                 except Exception:  # whatever one answer does, the loop goes on: it alone marks servers up again
                     log.exception("checking instance %s (%s) failed", instance.instance_id, instance.url)
                     healthy = False
+                if healthy and not instance.up:  # back, perhaps restarted with other flags: probed again first
+                    healthy = await self._reprobe(instance)
                 if healthy != instance.up:
                     log.warning(
                         "instance %s (%s) is %s", instance.instance_id, instance.url, "up" if healthy else "down"
                     )
                     self._mark(instance.instance_id, healthy)
+
+    async def _reprobe(self, instance: FleetInstance) -> bool:
+        """Probe a down server that answers `/health` again (`upstream.reprobe`): whether it may be marked up. A
+        refusal or a failed probe keeps it down, its line logged once per reason and shown in `/health`; a new
+        `max_model_len` or KV capacity is logged and becomes its limits."""
+        assert self.fleet is not None and self._checks is not None
+        try:
+            info, changes = await reprobe(
+                self._checks,
+                instance.instance_id,
+                instance.url,
+                before=instance.info,
+                block_size=self.settings.block_size,
+                tokenizer=self.tokenizer,
+                timeout_s=max(self.settings.connect_timeout_s, 5.0),
+            )
+        except ConfigError as error:
+            if str(error) != instance.refused:
+                log.error("%s; it stays down until it serves as at start-up", error)
+                instance.refused = str(error)
+            return False
+        instance.refused = ""
+        if changes:
+            log.warning("instance %s (%s) came back with %s", instance.instance_id, instance.url, ", ".join(changes))
+        self.fleet.refresh(instance.instance_id, info)
+        self._cards[list(self.fleet.instances).index(instance.instance_id)] = info.card
+        self._max_model_len = max(other.info.max_model_len for other in self.fleet.instances.values())
+        return True
 
     def _mark(self, instance_id: InstanceId, up: bool) -> None:
         assert self.fleet is not None and self.metrics is not None
@@ -366,6 +402,7 @@ class VllmRouter:
                 "running": instance.state.running,
                 "waiting": instance.state.waiting,
                 "event_errors": instance.event_errors,
+                **({"refused": instance.refused} if instance.refused else {}),
             }
             for instance_id, instance in self.fleet.instances.items()
         }
@@ -398,25 +435,6 @@ class VllmRouter:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _prompt(self, body: dict[str, Any], *, chat: bool) -> list[int]:
-        """The prompt's token ids as the servers will see them (the first prompt of a batch)."""
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(400, "messages must be a non-empty list", param="messages")
-            try:
-                return self.tokenizer.encode_chat(messages)
-            except Exception as error:  # the template refused them: the server would too
-                raise ApiError(400, f"the chat template refused the messages: {error}", param="messages") from error
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-            prompt = prompt[0]  # a batch: routed by its first prompt
-        if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return [int(p) for p in prompt]
-        raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
-
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         assert self.fleet is not None and self.metrics is not None and self._session is not None
         received = time.monotonic()
@@ -427,10 +445,11 @@ class VllmRouter:
             content_encoding=request.headers.get("Content-Encoding"),
             max_bytes=MAX_BODY_BYTES,
         )
-        tokens = self._prompt(body, chat=chat)
+        prompt = prompt_of(self.tokenizer, body, chat=chat)
+        tokens = prompt.tokens
         # What vLLM will generate at most, read as vLLM reads it (a bad value is vLLM's 400, before any server
-        # sees it); a completion that sets none gets vLLM's 16, a chat runs to the context's end in vLLM and is
-        # planned for `default_max_tokens`.
+        # sees it); a completion that sets none gets vLLM's 16 (a null too: vLLM 0.32's `CompletionRequest` reads
+        # it as unset), a chat runs to the context's end in vLLM and is planned for `default_max_tokens`.
         max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
         if max_tokens is None:  # at most the room the prompt leaves: vLLM stops at the context's end
             max_tokens = max(1, min(self.settings.default_max_tokens, self._max_model_len - len(tokens)))
@@ -474,6 +493,8 @@ class VllmRouter:
                 decision.ttft_s or 0.0,
             )
             flight = self.fleet.flights[decision.request_id]
+            if prompt.approximate:  # its TTFT is of a prompt the router did not see: it teaches nothing
+                flight.idle = False
             overhead_us = round((time.monotonic() - received) * 1e6)
             try:
                 if flight.instance_id == flight.decode_instance_id:
@@ -742,17 +763,26 @@ def _forwarded(headers: Any) -> dict[str, str]:
 
 
 def _subscriber(section: InstanceSection, decoder: Any, index: BlockIndex) -> KvEventSubscriber:
-    """The KV-event subscriber of one server: bound at its `kv_events` endpoint, its replay socket if any."""
+    """The KV-event subscriber of one server: bound at its `kv_events` endpoint, connected to its replay socket if
+    any.
+
+    Raises:
+        ConfigError: naming the instance and the key whose endpoint ZeroMQ refused.
+    """
+    where = f"instance {decoder.source} ({section.base_url})"
     try:
-        return KvEventSubscriber(
-            section.kv_events,
-            decoder=decoder,
-            index=index,
-            replay_endpoint=section.replay or None,
-            replay_timeout_s=1.0,
-        )
+        subscriber = KvEventSubscriber(section.kv_events, decoder=decoder, index=index, replay_timeout_s=1.0)
     except Exception as error:  # zmq.ZMQError: the endpoint cannot be bound here
-        raise ConfigError(f"kv_events = {section.kv_events!r} cannot be bound on this host: {error}") from error
+        raise ConfigError(
+            f"{where}: kv_events = {section.kv_events!r} cannot be bound on this host: {error}"
+        ) from error
+    if section.replay:
+        try:
+            subscriber.connect_replay(section.replay)
+        except Exception as error:  # zmq.ZMQError: no endpoint ZeroMQ can connect to
+            subscriber.close()
+            raise ConfigError(f"{where}: replay = {section.replay!r} cannot be connected to: {error}") from error
+    return subscriber
 
 
 def _cached_tokens(usage: Any) -> int | None:

@@ -4,7 +4,9 @@
 (`vllm:cache_config_info`: block size, prefix caching, KV capacity) and
 `/tokenize` (a probe text, to compare with the router's tokenizer), and refuses
 what would make the router's index or estimates wrong, each in a line that
-names the instance, the value it serves and what to change:
+names the instance, the value it serves and what to change (`reprobe`, for a
+server that answers again, refuses another model than it served at start-up
+too, and says what else changed):
 
 - a block size other than `[router] block_size` (the router's block keys would
   never match the server's blocks);
@@ -35,7 +37,7 @@ import attrs
 from mooncake.errors import ConfigError
 from mooncake.sched import PrefillSample
 
-__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "calibrate", "lines", "probe", "scrape"]
+__all__ = ["PROBE_TEXT", "InstanceInfo", "InstanceState", "calibrate", "lines", "probe", "reprobe", "scrape"]
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog: 0123456789, naïve café."
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -155,6 +157,39 @@ async def probe(
         prefix_caching=prefix_caching,
         kv_capacity_tokens=kv_tokens,
     )
+
+
+async def reprobe(
+    session: Any,
+    instance_id: str,
+    url: str,
+    *,
+    before: InstanceInfo,
+    block_size: int,
+    tokenizer: Any,
+    timeout_s: float,
+) -> tuple[InstanceInfo, list[str]]:
+    """Probe a server that answers again (restarted, perhaps with other flags) against its start-up probe.
+
+    Returns:
+        Its probe, and what changed that the router follows (`max_model_len`, `kv_capacity_tokens`), each as
+        "name old -> new".
+
+    Raises:
+        ConfigError: `probe`'s refusals (another block size, prefix caching off, another tokenizer, no answer),
+            or another model than `before`'s.
+    """
+    info = await probe(session, instance_id, url, block_size=block_size, tokenizer=tokenizer, timeout_s=timeout_s)
+    if info.model != before.model:
+        raise ConfigError(
+            f"instance {instance_id} ({url}) came back serving model {info.model!r}, the fleet serves "
+            f"{before.model!r} (start it with --served-model-name {before.model})"
+        )
+    names = ("max_model_len", "kv_capacity_tokens")
+    changes = [
+        f"{n} {getattr(before, n)} -> {getattr(info, n)}" for n in names if getattr(before, n) != getattr(info, n)
+    ]
+    return info, changes
 
 
 async def lines(content: Any) -> AsyncIterator[bytes]:

@@ -52,6 +52,8 @@ immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
 `tojson` that keeps non-ASCII, `raise_exception`, `strftime_now` and a no-op
 `{% generation %}` block, given `messages`, `add_generation_prompt`, `tools`,
 `documents` and the special tokens by name (`bos_token`, `eos_token`, ...).
+The messages are first read as vLLM's server reads them (`engine.chat`), so
+that a prompt is the one a vLLM server builds.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from typing import Any
 import attrs
 
 from mooncake._checks import is_finite_number, is_int
+from mooncake.engine.chat import chat_conversation, loops_over_content
 from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
@@ -224,13 +227,19 @@ class Tokenizer:
     def __init__(self, backend: Any, *, special: SpecialTokens, chat_template: str | None, source: str = "") -> None:
         self.backend, self.special, self.chat_template, self.source = backend, special, chat_template, source
         self._compiled: Any = None
+        # How vLLM reads a chat for this template (`chat_conversation`): contents as lists of parts where it
+        # loops over them, developer messages as system ones where it never names the role.
+        self.content_parts, self.developer_role = False, True
         if chat_template is not None:
             import jinja2
 
             try:
-                self._compiled = _environment().from_string(chat_template)
+                environment = _environment()
+                self._compiled = environment.from_string(chat_template)
             except jinja2.TemplateError as error:
                 raise ConfigError(f"{source}: the chat template does not compile: {error}") from error
+            self.content_parts = loops_over_content(environment.parse(chat_template))
+            self.developer_role = '"developer"' in chat_template or "'developer'" in chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -279,10 +288,12 @@ class Tokenizer:
         continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """The chat template applied to `messages`: the prompt text of a chat completion.
+        """The chat template applied to `messages`: the prompt text of a chat completion, as vLLM's server renders
+        it: the messages read as vLLM reads them (`chat_conversation`: a content of text parts joined, developer
+        messages as system ones where the template never names that role), then rendered as transformers does.
 
         Args:
-            messages: `{"role": ..., "content": ...}` objects, in order.
+            messages: `{"role": ..., "content": ...}` objects, in order (a content: a string, text parts or null).
             add_generation_prompt: end with the template's opening of an assistant turn.
             continue_final_message: end inside the final message, right after its text, so the model goes on
                 with it (a reply begun by the client). As transformers does it: the text gets a marker, the
@@ -292,7 +303,8 @@ class Tokenizer:
 
         Raises:
             ConfigError: the checkpoint has no chat template.
-            InvalidRequestError: the template refused the messages (its `raise_exception`), failed on them or on a
+            InvalidRequestError: `chat_conversation` refused the messages (a part without text: an image); the
+                template refused them (its `raise_exception`), failed on them or on a
                 variable of `extra` (a value of the wrong kind), or `extra` sets one of the template's own inputs
                 (`raise_exception`, the special tokens); `continue_final_message` with `add_generation_prompt`,
                 or with a final message whose text the rendered prompt does not hold.
@@ -305,15 +317,21 @@ class Tokenizer:
         if own:
             raise InvalidRequestError(f"chat template variables may not set {', '.join(own)} (the template's own)")
         variables = {"tools": None, "documents": None, **self.special.tokens, **extra}
-        chat = [dict(m) for m in messages]
+        chat = chat_conversation(messages, content_parts=self.content_parts, developer_role=self.developer_role)
         final = None
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
-            final = chat[-1].get("content") if chat else None
+            content = chat[-1]["content"] if chat else None
+            # A content of parts: transformers continues its last text part.
+            holder = next((p for p in reversed(content) if "text" in p), None) if isinstance(content, list) else None
+            final = holder["text"] if holder is not None else content
             if not isinstance(final, str) or "content" not in (self.chat_template or ""):
                 raise InvalidRequestError("continue_final_message needs a final message with text to continue")
-            chat[-1]["content"] = final + _CONTINUE_MARK
+            if holder is not None:
+                holder["text"] = final + _CONTINUE_MARK
+            else:
+                chat[-1]["content"] = final + _CONTINUE_MARK
         try:
             rendered = str(
                 self._compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)

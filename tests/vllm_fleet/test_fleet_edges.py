@@ -24,6 +24,7 @@ import subprocess
 import threading
 import time
 import tomllib
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,10 @@ def _instance(**fields: Any) -> dict[str, Any]:
         ({}, [_instance(url="http://x:99999")], r"url = 'http://x:99999': has a port that is not a number"),
         ({}, [_instance(kv_events="tcp://a:123456")], r"kv_events = 'tcp://a:123456': must be a ZeroMQ"),
         ({}, [_instance(replay="a:1")], r"replay = 'a:1': must be a ZeroMQ"),
+        # `*` is where only vLLM binds: the router connects to a replay socket, and vLLM to its events port.
+        ({}, [_instance(replay="tcp://*:5558")], r"router.toml: \[\[instances\]\] 0 replay = 'tcp://\*:5558': names"),
+        ({}, [_instance(replay="tcp://a:*")], r"0 replay = 'tcp://a:\*': names where the router connects"),
+        ({}, [_instance(kv_events="tcp://*:*")], r"0 kv_events = 'tcp://\*:\*': needs a port"),
         ({}, [_instance(), _instance(url="http://y:1")], r"1 kv_events = 'tcp://a:1': the same as instance 0's"),
         ({}, [_instance(role="decode")], r"roles \['decode'\]: prefill and decode instances come in pairs"),
         ({}, [{"url": "http://x:1"}], r"\[\[instances\]\] 0: kv_events is required"),
@@ -189,7 +194,8 @@ def _instance(**fields: Any) -> dict[str, Any]:
 def test_more_bad_configs_are_one_line_naming_the_key(
     tmp_path: Path, router: Any, instances: list[Any], message: str
 ) -> None:
-    """A URL with a path or a bad port, an endpoint with a port of six digits, a bad replay endpoint, two
+    """A URL with a path or a bad port, an endpoint with a port of six digits, a bad replay endpoint (`*` for its
+    host or port too), an events endpoint with port `*`, two
     servers sharing an events endpoint, a decode server without a prefill one, a missing events endpoint, a
     `[router]` or `instances` of the wrong shape: each a ConfigError of one line naming it."""
     (tmp_path / "tokenizer.json").write_text("{}")
@@ -198,6 +204,31 @@ def test_more_bad_configs_are_one_line_naming_the_key(
     with pytest.raises(ConfigError, match=message) as caught:
         parse_router_config({"router": router, "instances": instances}, "router.toml")
     assert "\n" not in str(caught.value)
+
+
+def test_the_subscriber_names_the_key_whose_endpoint_zeromq_refuses() -> None:
+    """A replay endpoint ZeroMQ cannot connect to is named as `replay` (it was blamed on `kv_events`), with its
+    instance; the events port the subscriber had bound is let go of."""
+    from mooncake.cache import BlockHasher, BlockIndex
+    from mooncake.cache.vllm_events import VllmEventDecoder
+
+    decoder = VllmEventDecoder(BlockHasher(model="m", block_size_tokens=32), InstanceId("vllm-0"))
+    # Past the config's check (which refuses this endpoint first), as a section the router could be given.
+    section = types.SimpleNamespace(
+        base_url="http://x:1", kv_events=f"tcp://127.0.0.1:{free_port()}", replay="tcp://*:5558"
+    )
+    with pytest.raises(ConfigError, match=r"^instance vllm-0 \(http://x:1\): replay = 'tcp://\*:5558' cannot be conn"):
+        _subscriber(section, decoder, BlockIndex())
+    section.replay = ""
+    _subscriber(section, decoder, BlockIndex()).close()  # its port is free again
+    taken = _subscriber(section, decoder, BlockIndex())
+    try:
+        with pytest.raises(
+            ConfigError, match=r"^instance vllm-0 \(http://x:1\): kv_events = 'tcp://127.0.0.1:\d+' cannot be b"
+        ):
+            _subscriber(section, decoder, BlockIndex())
+    finally:
+        taken.close()
 
 
 def test_the_tokenizer_may_be_sentencepiece_but_not_a_file(tmp_path: Path) -> None:
@@ -608,6 +639,42 @@ def test_health_follows_the_servers_and_the_metrics_say_so(fakes: list[FakeVllm]
             what="both up again",
         )
         assert sample(router, "mooncake:engine_up", {"engine": "vllm-0"}) == 1.0
+
+
+def test_a_server_that_comes_back_is_probed_again(tokenizer_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A down server that answers /health again is probed as at start-up (it was marked up with its start-up
+    limits): restarted with another block size, then serving another model, it stays down, each reason's
+    ConfigError line logged once and shown in /health; restarted with another max_model_len it comes back and
+    the router plans by it (a prompt over the new context is refused before the server sees it)."""
+    caplog.set_level(logging.WARNING, logger="vllm_router")
+    server = ConfiguredVllm(load_tokenizer(tokenizer_dir))
+    with serving(server), BackgroundRouter(proxy_config([server], tokenizer_dir, health_interval_s=0.05)) as router:
+
+        def state() -> tuple[bool, str]:
+            return router.read(lambda r: (r.fleet.instances["vllm-0"].up, r.fleet.instances["vllm-0"].refused))
+
+        server.healthy = False
+        wait_for(lambda: not state()[0], timeout=10, what="vllm-0 down")
+        server.block_size, server.healthy = 16, True
+        wait_for(lambda: "blocks of 16 tokens" in state()[1], timeout=10, what="the block size refused")
+        assert state()[0] is False
+        assert "blocks of 16 tokens" in fetch(f"{router.url}/health").json()["instances"]["vllm-0"]["refused"]
+        server.model = "other"  # still refused for its blocks until these are right again
+        server.block_size = BLOCK
+        wait_for(lambda: "serving model 'other'" in state()[1], timeout=10, what="the model refused")
+        assert state()[0] is False
+        server.max_model_len, server.model = 64, MODEL
+        wait_for(lambda: state() == (True, ""), timeout=10, what="vllm-0 up again")
+        assert router.read(lambda r: r.fleet.instances["vllm-0"].info.max_model_len) == 64
+        assert fetch(f"{router.url}/v1/models").json()["data"][0]["max_model_len"] == 64
+        status, _, text = post(
+            f"{router.url}/v1/completions", {"model": MODEL, "prompt": list(range(60)), "max_tokens": 8}
+        )
+        assert status == 400 and "maximum context" in text and not server.received
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("blocks of 16 tokens" in line for line in lines) == 1, lines
+    assert sum("serving model 'other'" in line for line in lines) == 1, lines
+    assert any("max_model_len 2048 -> 64" in line for line in lines), lines
 
 
 def test_responses_are_counted_by_status(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:

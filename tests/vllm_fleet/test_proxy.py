@@ -358,6 +358,24 @@ def test_a_chat_without_max_tokens_is_planned_for_the_room_its_prompt_leaves(
         assert post(f"{router.url}/v1/chat/completions", long)[0] == 400
 
 
+def test_a_chat_of_content_parts_is_served(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
+    """The OpenAI SDK's `content: [{"type": "text", "text": ...}]` is read as vLLM reads it (the texts joined,
+    the prompt that of the same string: the router answered 400, "can only concatenate str (not "list") to
+    str"); a part that is no text (an image, for a multimodal model) is routed by the texts, for the server to
+    answer. Both bodies go to the server unchanged."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, calibration_tokens=0)) as router:
+        text = words(40, seed=5)
+        parts = [{"type": "text", "text": text}]
+        image = [*parts, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        for content in (parts, image):
+            body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+            status, _, answer = post(f"{router.url}/v1/chat/completions", body)
+            assert status == 200, answer
+            assert body["messages"] in [b.get("messages") for f in fakes for b in f.received]
+        same = router.read(lambda r: r.tokenizer.encode_chat([{"role": "user", "content": text}]))
+        assert router.read(lambda r: r.tokenizer.encode_chat([{"role": "user", "content": parts}])) == same
+
+
 def test_tokenize_detokenize_and_models_are_the_servers(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
     """/tokenize and /detokenize go to a server that is up; /v1/models lists the model as a server does (with
     its max_model_len)."""

@@ -7,7 +7,8 @@ its index from the servers' replay sockets). They prove: the router's index mirr
 (the prefix it expects each request to find is what the server reports as cached, and the sums agree with
 the servers' own `vllm:prefix_cache_hits_total`); a router started after a server served knows that server's
 cache before any request passes through it; requests sharing a long prefix go to the server holding
-it; the `openai` client streams completions and chats through the router; a burst beyond the TTFT
+it; the `openai` client streams completions and chats through the router; a chat's prompt as the router
+renders it is the server's own (content parts, a developer message, a continued final message); a burst beyond the TTFT
 objective is answered 429 with Retry-After; bad configuration (another block size, another tokenizer, a
 server that is not there) stops the start with a message naming it; the routing benchmark measures each
 policy; a killed server is routed around.
@@ -185,6 +186,40 @@ def test_the_openai_client_streams_through_the_router(servers: VllmFleet, model:
         assert {k: v for k, v in listed.items() if k not in stamped} == {
             k: v for k, v in card.items() if k not in stamped
         }
+
+
+def test_a_chats_prompt_is_the_one_the_server_renders(servers: VllmFleet, model: Path) -> None:
+    """The router's prompt of a chat is the server's own (its /tokenize of the same messages): content parts
+    joined, a developer message as a system one (the template lacks the role), a final message continued, a
+    Claude Code billing header dropped; and the `openai` client's content parts are served through the router."""
+    from vllm_fleet.prompt import prompt_of
+
+    header = "x-anthropic-billing-header: cch=1"
+    chats: list[dict[str, Any]] = [
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "bada"}, {"type": "text", "text": "keli"}]}
+            ]
+        },
+        {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "bada"}]},
+        {
+            "messages": [{"role": "user", "content": "bada"}, {"role": "assistant", "content": "keli mo"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        {"messages": [{"role": "system", "content": f"{header}\nbe brief"}, {"role": "user", "content": "bada"}]},
+    ]
+    first = next(iter(servers)).url
+    with RunningRouter(config(servers, model)) as running:
+        for chat in chats:
+            theirs = fetch(f"{first}/tokenize", {"model": "tiny", **chat}).json()["tokens"]
+            ours = running.read(lambda router, chat=chat: prompt_of(router.tokenizer, chat, chat=True))
+            assert not ours.approximate and ours.tokens == theirs, chat
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=60)
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "bada"}]}], max_tokens=2
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
 
 
 def test_a_burst_over_the_ttft_objective_is_answered_429(servers: VllmFleet, model: Path) -> None:

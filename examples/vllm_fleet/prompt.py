@@ -1,0 +1,136 @@
+"""A request's prompt as the vLLM servers will see it: the token ids the router keys and plans it by.
+
+A completion's prompt is its text through the servers' tokenizer, or its token
+ids (a batch: its first prompt). A chat's goes through the chat template with
+the inputs vLLM's server (0.32) gives it (`ChatCompletionRequest.build_chat_params`
+and the renderer's defaults): the messages as vLLM reads them
+(`Tokenizer.render_chat`: text parts joined, developer messages as system ones
+where the template lacks that role), `add_generation_prompt` (true unless the
+body says), `continue_final_message`, `documents`, `reasoning_effort` (and
+`enable_thinking` from it, unless the body's `chat_template_kwargs` sets it),
+`tools` as vLLM's request model writes them back (`type` and `function` with
+its `name`, `description`, `parameters`, and `strict` / `defer_loading` where
+given; other keys dropped), and the body's `chat_template_kwargs` over the
+tools but under the body's own fields. So the router's block keys are the
+server's, and its prefix-cache matches real.
+
+Where the router cannot render a chat the server may accept (a part that is no
+text, for a multimodal model; a template variable the renderer here refuses; a
+template this renderer fails on), the prompt is `approximate`: the messages'
+texts alone. The request is still routed and forwarded, and the server answers
+it (its own 400 where it refuses it too); the router's estimates for it are
+rough and it teaches the prefill model nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from serving.api import ApiError
+
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.errors import MooncakeError
+
+__all__ = ["Prompt", "chat_variables", "prompt_of", "tool_dicts"]
+
+
+@attrs.frozen
+class Prompt:
+    """The prompt's token ids, and whether they are only `approximate` (the chat template could not be applied
+    here)."""
+
+    tokens: list[int]
+    approximate: bool = False
+
+
+def tool_dicts(tools: Any) -> Any:
+    """The body's `tools` as vLLM's request model dumps them for the template (`ChatCompletionToolsParam`):
+    `{"type": "function", "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}
+    [, "defer_loading"]}`, nulls where the client left a field out; a malformed list as given (the server refuses
+    it)."""
+    if not isinstance(tools, list) or not all(
+        isinstance(tool, dict) and isinstance(tool.get("function"), dict) for tool in tools
+    ):
+        return tools
+    dumped = []
+    for tool in tools:
+        given = tool["function"]
+        function = {key: given.get(key) for key in ("name", "description", "parameters")}
+        defer = tool.get("defer_loading")
+        for key in ("strict", "defer_loading"):
+            value = given.get(key, defer if key == "defer_loading" else None)
+            if value is not None:
+                function[key] = value
+        dumped.append(
+            {"type": "function", "function": function, **({"defer_loading": defer} if defer is not None else {})}
+        )
+    return dumped
+
+
+def _merged(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `merge_kwargs`: the overrides that are set (neither null nor "auto") over the defaults."""
+    return defaults | {key: value for key, value in overrides.items() if value is not None and value != "auto"}
+
+
+def chat_variables(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's inputs for a chat body, as vLLM's server merges them (see the module docstring)."""
+    given = body.get("chat_template_kwargs")
+    kwargs = dict(given) if isinstance(given, dict) else {}
+    fields = {
+        "add_generation_prompt": body.get("add_generation_prompt", True),
+        "continue_final_message": body.get("continue_final_message", False),
+        "documents": body.get("documents"),
+        "reasoning_effort": body.get("reasoning_effort"),
+    }
+    if fields["reasoning_effort"] is not None and "enable_thinking" not in kwargs:
+        fields["enable_thinking"] = fields["reasoning_effort"] != "none"
+    tools = tool_dicts(body.get("tools"))
+    return _merged({"tools": tools} if tools is not None else {}, _merged(kwargs, fields))
+
+
+def _texts(messages: list[Any]) -> str:
+    """The text the messages hold, however their parts are shaped (an approximate prompt's)."""
+    texts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                texts.append(text)
+    return "\n".join(texts)
+
+
+def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool) -> Prompt:
+    """The prompt of a completion or chat body as the servers will see it (see the module docstring).
+
+    Raises:
+        ApiError: 400, no prompt (a completion's `prompt` neither a non-empty string nor token ids) or no messages
+            (a chat's `messages` not a non-empty list): vLLM's 400 too.
+    """
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        variables = chat_variables(body)
+        try:
+            return Prompt(
+                tokenizer.encode_chat(
+                    messages,
+                    add_generation_prompt=variables.pop("add_generation_prompt"),
+                    continue_final_message=variables.pop("continue_final_message"),
+                    **variables,
+                )
+            )
+        except (MooncakeError, TypeError):  # not rendered here; the server may render it (a multimodal model)
+            tokens = tokenizer.encode(_texts(messages), add_special_tokens=False)
+            return Prompt(tokens or [0], approximate=True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if isinstance(prompt, str) and prompt:
+        return Prompt(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return Prompt([int(p) for p in prompt])
+    raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")

@@ -1,0 +1,141 @@
+"""examples/load.py's HTTP client (`replay_http`) against small servers of this module's own, in its event loop.
+
+What a server may answer that the client must read tolerantly: a usage without `prompt_tokens_details` (vLLM
+without `--enable-prompt-tokens-details`), a `data:` line that is no JSON or no completion chunk (that request
+fails, of its kind; the others are measured); and more streams at once than aiohttp's default pool of 100
+(every one reaches the server together, none waits in the client, where its wait would count in its TTFT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import load
+from scaling import Scaling
+
+from mooncake.sched.outcome import Outcome, Reason
+from mooncake.types import Request
+
+SCALING = Scaling(length_scale=0.03125, output_scale=1.0, max_prompt_tokens=512, max_output_tokens=4)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def requests(count: int) -> list[Request]:
+    return [
+        Request(
+            request_id=str(i),
+            arrival_s=0.0,
+            input_length=512,
+            output_length=2,
+            block_keys=(i + 1,),
+            block_size_tokens=512,
+        )
+        for i in range(count)
+    ]
+
+
+@asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """`handler` at /v1/completions on a free loopback port; its URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def stream(request: web.Request, lines: list[str]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for line in lines:
+        await response.write(f"data: {line}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def chunk(text: str, usage: dict[str, Any] | None) -> str:
+    return json.dumps({"choices": [{"index": 0, "text": text}] if text else [], "usage": usage})
+
+
+def replay(handler: Handler, count: int) -> list[load.ClientRecord]:
+    async def run() -> list[load.ClientRecord]:
+        async with serving(handler) as url:
+            records, _ = await load.replay_http(url, requests(count), SCALING, model="m", timeout_s=30)
+            return records
+
+    return asyncio.run(run())
+
+
+def test_an_answer_without_cached_tokens_is_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage without `prompt_tokens_details` (vLLM without `--enable-prompt-tokens-details`) completes the
+    request, its prefix counted 0 and a note saying the hit ratio counts none (it raised KeyError, and the run
+    ended in a traceback without its summary)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+        return await stream(
+            request, [chunk(" a", usage), chunk(" b", {**usage, "completion_tokens": 2}), chunk("", usage)]
+        )
+
+    records = replay(handler, 2)
+    assert [r.outcome for r in records] == [Outcome.COMPLETED] * 2
+    assert [(r.input_tokens, r.prefix_tokens, r.output_tokens, r.event_tokens) for r in records] == [(9, 0, 1, [1])] * 2
+    assert "the cache hit ratio counts none" in capsys.readouterr().err
+
+
+def test_a_malformed_stream_fails_that_request_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """A `data:` line that is no JSON, or JSON that is no completion chunk, fails its request as a "malformed
+    stream" (the first shown on stderr); the other requests are measured (it raised out of the run)."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
+    answers = {0: ["{not json"], 1: [json.dumps({"id": "x"})], 2: [chunk(" a", usage), chunk("", usage)]}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await stream(request, answers[(await request.json())["seed"]])
+
+    records = replay(handler, 3)
+    assert [(r.outcome, r.reason) for r in records] == [(None, Reason.FAILED)] * 2 + [(Outcome.COMPLETED, None)]
+    assert records[2].prefix_tokens == 4
+    err = capsys.readouterr().err
+    assert "failed (malformed stream): a data line that is no completion chunk: data: {not json" in err
+    assert "cache hit ratio" not in err
+
+
+def test_more_streams_than_aiohttps_pool_reach_the_server_at_once() -> None:
+    """120 streams at once all reach the server together: aiohttp's default pool holds 100, and the others
+    waited in the client for a connection, their wait counted in their TTFT. The server answers none until all
+    have come (or 10 s have passed: then the client held some back)."""
+    count, arrived, held_back = 120, [], []
+    everyone = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        arrived.append(1)
+        if len(arrived) == count:
+            everyone.set()
+        try:
+            await asyncio.wait_for(everyone.wait(), 10)
+        except TimeoutError:
+            held_back.append(len(arrived))
+        return await stream(request, [chunk(" a", None)])
+
+    records = replay(handler, count)
+    assert not held_back and [r.outcome for r in records] == [Outcome.COMPLETED] * count
