@@ -132,3 +132,25 @@ def test_a_predicted_load_is_checked_as_its_rounding_by_the_rule_and_the_scan_al
     assert (choice.decode_instance is not None) == structural.accepted
     if structural.accepted:
         assert choice.verdict == got
+
+
+def test_a_predicted_load_rounds_to_the_nearest_whole_half_to_even() -> None:
+    """The rule counts a prediction's fractions rounded to the nearest whole request and token (Python's `round`,
+    half to even), written out here (the other tests compare the rule with itself rounded): 2.6 requests are 3,
+    a batch full at 3 slots, and 2.4 are 2; 9.5 KV tokens are 10, 8.5 are 8."""
+    assert DecodeLoad(2.5, 0.5, 9.5).rounded() == DecodeLoad(2, 0, 10)
+    assert DecodeLoad(2.6, 1.4, 8.5).rounded() == DecodeLoad(3, 1, 8)
+    three = DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=3)
+    full = check_join(three, DecodeLoad(2.6, 0, 0), prompt_tokens=10, output_tokens=10)
+    assert full == JoinVerdict(accepted=False, reason=Reason.BATCH_FULL)
+    assert check_join(three, DecodeLoad(2.4, 0, 0), prompt_tokens=10, output_tokens=10).accepted
+
+
+def test_a_step_exactly_at_the_objective_is_in_time() -> None:
+    """The TBT check refuses a step past the objective, not one at it."""
+    load = DecodeLoad(3, 200, 400)
+    at = COST.step_s(4, 200 + 100)
+    verdict = check_join(LIMITS, load, prompt_tokens=100, output_tokens=50, step_model=COST, tbt_slo_s=at)
+    assert verdict.accepted and verdict.predicted_tbt_s == at
+    past = check_join(LIMITS, load, prompt_tokens=100, output_tokens=50, step_model=COST, tbt_slo_s=at * (1 - 1e-12))
+    assert past.reason is Reason.TBT_SLO

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from serving.api import (
     ApiError,
@@ -619,10 +619,37 @@ def test_any_bytes_are_a_request_or_a_4xx(
 
 
 @settings(max_examples=300)
+@st.composite
+def nearly_valid_bodies(draw: st.DrawFn, chat: bool) -> tuple[dict[str, Any], bool]:
+    """A valid body with at most one of the API's keys set to an arbitrary value: most parse, and the value then
+    reaches the checks past parsing (`prompt_tokens`), which bodies of arbitrary values under every key never do."""
+    body: dict[str, Any] = {"model": "tiny"}
+    text = draw(st.text(min_size=1, max_size=40))
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    perturbed = draw(st.booleans())
+    if perturbed:
+        body[draw(st.sampled_from(sorted(API_KEYS)))] = draw(json_values)
+    return body, perturbed
+
+
 @given(json_values | api_bodies, st.booleans())
 def test_any_json_is_a_request_or_a_4xx(value: Any, chat: bool) -> None:
     """Arbitrary JSON values, and objects of arbitrary values under the API's keys, never escape as another error."""
     outcome(json.dumps(value).encode(), chat=chat)
+
+
+@given(st.data(), st.booleans())
+def test_a_valid_body_with_one_arbitrary_value_is_a_request_or_a_4xx(data: st.DataObject, chat: bool) -> None:
+    """A valid body with one key's value arbitrary is a request or a 4xx (the arbitrary bodies above are nearly
+    all refused at parsing); without it, a request."""
+    body, perturbed = data.draw(nearly_valid_bodies(chat))
+    result = outcome(json.dumps(body).encode(), chat=chat)
+    event("a request" if isinstance(result, (CompletionRequest, ChatRequest)) else "a 4xx")
+    if not perturbed:
+        assert isinstance(result, (CompletionRequest, ChatRequest))
 
 
 @settings(max_examples=100)

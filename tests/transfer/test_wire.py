@@ -8,22 +8,32 @@ at or after 0, has a length >= 0 and ends by the region's end.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake.errors import AuthenticationError, ConfigError
 from mooncake.transfer.region import bounds_error
 from mooncake.transfer.wire import (
+    HANDSHAKE_CHECKSUMS,
     HEADER,
+    INCARNATION_BYTES,
     MAX_CONTROL_BYTES,
     VERSION,
     Frame,
     Kind,
     ProtocolError,
+    recv_exact,
     recv_frame,
     send_frame,
+    server_hello,
+    server_verdict,
 )
 
 MAX_DATA = 1 << 16
@@ -58,15 +68,28 @@ def test_a_frame_comes_back_as_it_was_sent(frame: Frame, data: st.DataObject) ->
 
 
 def header(
-    *, magic: bytes = b"MCTE", version: int = 1, kind: int = Kind.WRITE, flags: int = 0, length: int = 0
+    *, magic: bytes = b"MCTE", version: int = VERSION, kind: int = Kind.WRITE, flags: int = 0, length: int = 0
 ) -> bytes:
+    """A header this version writes, but for the field given (each bad one reaches its own check)."""
     return HEADER.pack(magic, version, kind, flags, 0, 7, 0, length, 0)
+
+
+def test_a_header_of_this_version_is_read() -> None:
+    """The header the tests below break one field of is itself one `recv_frame` reads (it was of version 1, which
+    the version check refused before any other check was reached)."""
+    a, b = socket.socketpair()
+    try:
+        a.sendall(header())
+        assert recv_frame(b, max_length=MAX_DATA).kind is Kind.WRITE
+    finally:
+        a.close()
+        b.close()
 
 
 @given(
     bad=st.one_of(
         st.binary(min_size=4, max_size=4).filter(lambda m: m != b"MCTE").map(lambda m: header(magic=m)),
-        st.integers(0, 255).filter(lambda v: v != 1).map(lambda v: header(version=v)),
+        st.integers(0, 255).filter(lambda v: v != VERSION).map(lambda v: header(version=v)),
         st.integers(0, 255).filter(lambda k: k not in set(Kind)).map(lambda k: header(kind=k)),
         st.integers(2, 2**16 - 1).map(lambda f: header(flags=f)),
         st.integers(MAX_DATA + 1, 2**64 - 1).map(lambda n: header(length=n)),
@@ -82,6 +105,41 @@ def test_a_header_this_version_does_not_write_is_a_protocol_error(bad: bytes) ->
     finally:
         a.close()
         b.close()
+
+
+def test_a_deadline_already_passed_is_a_timeout_before_any_read() -> None:
+    """`recv_exact` with a deadline in the past raises at once (the peer has sent nothing: a read would block)."""
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(TimeoutError):
+            recv_exact(b, memoryview(bytearray(1)), deadline=time.monotonic() - 0.5)
+    finally:
+        a.close()
+        b.close()
+
+
+def _answer(secret: bytes, server_nonce: bytes, flags: int) -> bytes:
+    """A client's answer to the hello that knows the secret, with `flags`."""
+    client_nonce, raw = os.urandom(32), bytes([flags])
+    return client_nonce + raw + hmac.new(secret, b"client" + server_nonce + client_nonce + raw, hashlib.sha256).digest()
+
+
+@given(flags=st.integers(0, 255))
+def test_a_handshake_flag_this_version_does_not_know_is_refused(flags: int) -> None:
+    """A client that knows the secret but sets a flag other than checksums' is refused (its meaning cannot be
+    honoured); the checksum flag alone, or none, is agreed as asked. A wrong-sized incarnation is the server's
+    own misuse, a ConfigError."""
+    secret = b"s" * 32
+    nonce, _hello = server_hello()
+    answer = _answer(secret, nonce, flags)
+    if flags & ~HANDSHAKE_CHECKSUMS:
+        with pytest.raises(AuthenticationError, match="flags"):
+            server_verdict(secret, nonce, answer, incarnation=bytes(INCARNATION_BYTES))
+    else:
+        _reply, agreement = server_verdict(secret, nonce, answer, incarnation=bytes(INCARNATION_BYTES))
+        assert agreement.checksums == bool(flags)
+    with pytest.raises(ConfigError, match="incarnation"):
+        server_verdict(secret, nonce, _answer(secret, nonce, 0), incarnation=b"x")
 
 
 @given(cut=st.integers(0, HEADER.size - 1))
