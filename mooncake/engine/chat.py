@@ -173,6 +173,7 @@ def chat_conversation(
     systems = [entry for entry in chat if entry["role"] == "system"]
     if len(systems) == 1 and chat[0] is systems[0]:
         return chat
+    # A string even where the others are lists of parts: vLLM's `_consolidate_system_messages` merges so.
     merged = {"role": "system", "content": "\n\n".join(filter(None, (content_text(e["content"]) for e in systems)))}
     return [merged, *(entry for entry in chat if entry["role"] != "system")]
 

@@ -113,7 +113,7 @@ def best_decode_slot(
     # passes.
     best = -1
     best_step = np.inf
-    best_grown = 0.0
+    best_checked = np.inf
     best_passes = False
     for slot in range(up.size):
         if not up[slot]:
@@ -147,13 +147,9 @@ def best_decode_slot(
         if best < 0 or (passes and not best_passes) or (passes == best_passes and step < best_step):
             best = slot
             best_step = step
-            best_grown = grown
+            best_checked = checked_step
             best_passes = passes
-    if best < 0:
-        return best, np.inf, False
-    context = check_context[best] + (best_grown if grow_checked else 0.0) + prompt_tokens
-    predicted = roofline_step(coefficients, overhead_s, check_batch[best] + 1, context)
-    return best, predicted, best_passes
+    return best, best_checked, best_passes  # -1, inf, False: none
 
 
 @jit

@@ -420,12 +420,13 @@ class Conductor:
                 elsewhere = self._choose_decode(
                     request, other.prefill_instance, now + other.ttft_s + other.handoff_s, now
                 )
-                if elsewhere.decode_instance is not None:
+                if elsewhere.decode_instance is not None or decode.verdict.reason is Reason.CONTEXT_TOO_LONG:
+                    # Taken there; or never held by the kind routed to, so the other kind's answer is the
+                    # request's (its room may free: a wait, not the 400 of a request never served here).
                     route, decode = other, elsewhere
-            if decode.decode_instance is None and decode.verdict.reason is Reason.CONTEXT_TOO_LONG:
-                # Too long for the kind routed to, not for the fleet: an instance of the other kind could hold
-                # it once its prefill side is up (`lasting_refusal`'s answer: a 503, not the 400 of a request
-                # never served here).
+            elif decode.decode_instance is None and decode.verdict.reason is Reason.CONTEXT_TOO_LONG:
+                # Too long for the kind routed to, and the other kind has no prefill instance up: an instance of
+                # that kind could hold it once one is up (`lasting_refusal`'s answer: a 503, not a 400).
                 whole = lasting_decode_refusal(
                     self._decode_board.slot_views,
                     prompt_tokens=request.input_length,
@@ -472,6 +473,7 @@ class Conductor:
                 frees_s=start + route.occupancy_s,
                 prefill_s=route.prefill_s,
                 occupancy_s=route.occupancy_s,
+                joins_after_s=route.overhead_s + route.handoff_s,
                 decode_instance=decode.decode_instance,
                 input_tokens=request.input_length,
                 output_tokens=request.output_length,

@@ -3,8 +3,9 @@
 `UniformDecodePredictor` is the paper's system-level prediction: at time t the
 instance holds the requests decoding now that will not have decoded longer than
 a uniform t_d by then, plus the requests heading to it (accepted, in prefill)
-whose prefill ends before t and that have not been decoding for t_d by t
-(a request that ends at its first token never joins: `join.takes_slot`).
+that join it before t (`QueuedPrefill.joins_s`: the prefill's end, the first
+token's overhead and the KV stream's tail) and have not been decoding for t_d
+by t (a request that ends at its first token never joins: `join.takes_slot`).
 Those make the predicted batch and the context its steps read; their whole
 reservations (prompt + output each) make the predicted KV (`kv_tokens`).
 
@@ -124,7 +125,7 @@ class UniformDecodePredictor:
         for queued in incoming:
             if not takes_slot(queued.output_tokens):
                 continue  # it ends at its first token: it never joins the batch
-            if queued.finish_s <= at_s and at_s - queued.finish_s < self.decode_s:
+            if queued.joins_s <= at_s and at_s - queued.joins_s < self.decode_s:
                 batch += 1
                 tokens += queued.input_tokens
                 kv += queued.input_tokens + queued.output_tokens
@@ -170,8 +171,9 @@ class ExpectedOutputPredictor:
         for queued in incoming:
             if not takes_slot(queued.output_tokens):
                 continue  # it ends at its first token: it never joins the batch
-            decoded_s = at_s - queued.finish_s
-            if queued.finish_s <= at_s and decoded_s < (queued.output_tokens - 1) * step:
+            joins = queued.joins_s
+            decoded_s = at_s - joins
+            if joins <= at_s and decoded_s < (queued.output_tokens - 1) * step:
                 batch += 1
                 tokens += queued.input_tokens + decoded_s / step
                 kv += queued.input_tokens + queued.output_tokens
@@ -248,9 +250,9 @@ class OutputLengthPredictor:
             tokens += alive * (request.context_tokens + decoded + horizon)
             kv += alive * (request.context_tokens + request.output_tokens)
         for queued in incoming:
-            if queued.finish_s > at_s or not takes_slot(queued.output_tokens):
+            if queued.joins_s > at_s or not takes_slot(queued.output_tokens):
                 continue  # it joins after t, or never (it ends at its first token)
-            decoded = (at_s - queued.finish_s) / self.step_s
+            decoded = (at_s - queued.joins_s) / self.step_s
             alive = self.survival(1.0, decoded, queued.output_tokens)
             batch += alive
             tokens += alive * (queued.input_tokens + decoded)

@@ -10,7 +10,9 @@ own prefix prefix_len:
         use prefix_len, no transfer
     TTFT = max(T_transfer, T_queue) + T_prefill(input, prefix)
 
-and pick the instance with the smallest TTFT (ties: the shorter queue, then the
+(on a chunked-pipeline group also no less than T_drain + T_occupancy, the work ahead's end on its last
+stage plus the prompt's first-stage time: `sched.cost.prefill_end_s`; every group is then planned, as the
+queue alone does not order them) and pick the instance with the smallest TTFT (ties: the shorter queue, then the
 longer prefix of its own, then the highest rendezvous weight of the prompt's
 first block the tied instances lack, then id). Algorithm 1 leaves ties open. A
 prefill model that says a cached prefix saves nothing (a flat fit) ties its
@@ -246,7 +248,8 @@ class RouteDecision:
     handoff_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        end = prefill_end_s(self.wait_s, self.prefill_s, self.occupancy_s, self.drain_s)
+        wait = self.transfer_s if self.transfer_s > self.queue_s else self.queue_s  # `wait_s`, without its call
+        end = prefill_end_s(wait, self.prefill_s, self.occupancy_s, self.drain_s)
         object.__setattr__(self, "prefill_end_s", end)
         object.__setattr__(self, "ttft_s", end + self.overhead_s)
 

@@ -70,6 +70,8 @@ class QueuedPrefill:
     the first stage; any other instance when this one ends) and its first token comes at `finish_s`
     (`sched.cost.prefill_end_s`: on a group, no sooner than the one ahead of it has left the last stage).
     `prefill_s` and `occupancy_s`: its own times (`RouteDecision`'s), which the others are retimed from.
+    `joins_after_s`: from its first token until it joins its decode instance (the first token's overhead and
+    the KV stream's tail, `RouteDecision.overhead_s` + `handoff_s`), so it joins at `joins_s`.
     `started`: its start was reported (it keeps that start whatever happens ahead of it)."""
 
     request_id: RequestId
@@ -78,12 +80,18 @@ class QueuedPrefill:
     frees_s: float = attrs.field(default=attrs.Factory(lambda self: self.finish_s, takes_self=True))
     prefill_s: float = attrs.field(default=attrs.Factory(lambda self: self.finish_s - self.start_s, takes_self=True))
     occupancy_s: float = attrs.field(default=attrs.Factory(lambda self: self.frees_s - self.start_s, takes_self=True))
+    joins_after_s: float = 0.0
     started: bool = False
     decode_instance: InstanceId | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     transfer_source: InstanceId | None = None
     transfer_finish_s: float = 0.0
+
+    @property
+    def joins_s(self) -> float:
+        """When it joins its decode instance: what a decode load predictor counts it from."""
+        return self.finish_s + self.joins_after_s
 
 
 @attrs.frozen(kw_only=True)

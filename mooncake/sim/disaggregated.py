@@ -330,7 +330,7 @@ class DisaggregatedCluster:
         hold = occupancy_s(self.prefill_cost, request.input_length, record.prefix_tokens, prefill_s=record.prefill_s)
         end = node.drained_s = prefill_end_s(now, record.prefill_s, hold, node.drained_s)
         if now + hold < end:  # a CPP group takes the next prompt before this one's KV is done
-            if plan is None or plan.keep_local_copy or not self.spec.global_pool:  # what `_prefill_done` stores
+            if self._keeps_blocks(decision):
                 node.in_pipeline[request.request_id] = keys
             self.loop.at(end, self._prefill_done, node, head, False)
             self.loop.at(now + hold, self._free, node)
@@ -350,13 +350,18 @@ class DisaggregatedCluster:
         for event in cache.take_events():
             self.conductor.apply_cache_event(event)
 
+    def _keeps_blocks(self, decision: ScheduleDecision) -> bool:
+        """Whether the prefill instance keeps the prompt's blocks once it is prefilled (as the Conductor counts
+        them pending there): not after a moved prefix the plan drops after use (the blocks computed after it
+        are no use alone)."""
+        plan = decision.transfer
+        return plan is None or plan.keep_local_copy or not self.spec.global_pool
+
     def _prefill_done(self, now: float, node: _PrefillNode, queued: _Queued, frees_node: bool) -> None:
         request, record = queued.request, queued.record
-        plan = queued.decision.transfer
         node.in_pipeline.pop(request.request_id, None)
-        if plan is None or plan.keep_local_copy or not self.spec.global_pool:
+        if self._keeps_blocks(queued.decision):
             self._store(node, request, len(request.block_keys))
-        # else: the moved prefix was dropped after use, and the blocks computed after it are no use alone
         overhead = self.spec.first_token_overhead_s
         record.first_token_s = now + overhead
         self._prefill_count -= 1

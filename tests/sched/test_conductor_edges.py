@@ -390,6 +390,26 @@ def test_in_a_mixed_fleet_a_request_too_long_for_the_kind_up_waits_for_the_other
     conductor.check_invariants()
 
 
+def test_in_a_mixed_fleet_a_request_too_long_for_one_kind_waits_for_room_on_the_other() -> None:
+    """The coupled instance's context is too short for the prompt; the decode instance could hold it, but its
+    one slot is taken: the request is refused for the room it waits for (BATCH_FULL, which an admission line
+    holds), not as too long (a 400) nor as if no prefill instance were up (a 503)."""
+    conductor = make(
+        prefill=(P0,),
+        decode=(D0,),
+        admission=EarlyRejection(),
+        limits=DecodeLimits(kv_capacity_tokens=10**6, max_context_tokens=64 * BLOCK, max_batch_size=1),
+    )
+    conductor.add_coupled_instance(C0, DecodeLimits(kv_capacity_tokens=10**6, max_context_tokens=8 * BLOCK))
+    filler = conductor.schedule(request("filler", range(5000, 5060)), 0.0)
+    assert filler.accepted and filler.decode_instance == D0
+    keys = range(100, 112)  # 12 blocks: past the coupled instance's 8-block context
+    assert conductor.lasting_refusal(request("probe", keys)) is None
+    decision = conductor.schedule(request("r", keys), 0.0)
+    assert not decision.accepted and decision.reason is Reason.BATCH_FULL
+    conductor.check_invariants()
+
+
 # ---------------------------------------------------------------------------- what the decode side is checked on
 
 
@@ -682,3 +702,29 @@ def test_a_lost_cache_event_is_returned_when_not_strict() -> None:
     assert isinstance(gap, SequenceGap) and gap.source == P0
     with pytest.raises(SequenceGapError):
         conductor.apply_cache_event(BlockStored(source=P1, seq=3, keys=DOC[:2], tier=Tier.VRAM))
+
+
+@pytest.mark.parametrize("later", [0.5, 0.95])
+def test_a_request_routed_ahead_counts_from_when_it_joins_its_decode_instance(later: float) -> None:
+    """With a first-token overhead of 0.5 s and a t_d of 1 s on a one-slot decode instance, A (accepted first)
+    joins at its prefill's end plus the overhead and the KV's tail, and decodes for 1 s from then: B, whose own
+    arrival there falls in that second, is refused for the slot (the predictors counted A from its prefill's
+    end, so B at 0.95 was accepted and then refused by the instance after its prefill)."""
+    estimator = attrs.evolve(ESTIMATOR, first_token_overhead_s=0.5)
+    conductor = Conductor(
+        router=KvCacheCentricRouter(estimator, threshold=1.5),
+        step_model=DECODE_COST,
+        admission=predictive_early_rejection(),
+        predictor=UniformDecodePredictor(decode_s=1.0),
+        slo=Slo(),
+        block_size_tokens=BLOCK,
+        transfers=True,
+    )
+    conductor.add_prefill_instances([P0])
+    conductor.add_decode_instances([D0], DecodeLimits(kv_capacity_tokens=10**7, max_batch_size=1))
+    assert conductor.schedule(request("a", range(1000, 1016)), 0.0).accepted
+    (entry,) = conductor.incoming(D0)
+    assert entry.joins_s == entry.finish_s + 0.5 + ESTIMATOR.transfer.latency_s  # the prefill hides the KV
+    b = conductor.schedule(request("b", range(2000, 2001), tokens=16), later)
+    assert later + b.ttft_s < entry.joins_s + 1.0  # B would arrive while A decodes
+    assert not b.accepted and b.reason is Reason.BATCH_FULL
