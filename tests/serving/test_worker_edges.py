@@ -494,10 +494,8 @@ def test_a_cancelled_decode_stops_and_a_waiting_hand_off_is_dropped(pair: Pair) 
     assert 2 not in reported(decoded, wire.DecodeJoined) + reported(decoded, wire.DecodeRejected)
 
 
-def test_a_waiting_hand_off_gives_way_to_a_later_attempt_only(pair: Pair) -> None:
-    """A hand-off waiting for blocks another push is filling holds its place against an earlier attempt's (from a
-    prefill engine presumed dead that resumed): once the blocks land, the later attempt is joined, the earlier
-    never."""
+def serve_a_first_request(pair: Pair) -> None:
+    """Start both workers and serve request 1 (attempt 0) of `PROMPT` to its end: its blocks are then on both."""
     prefill, decode, _told, decoded = pair
     decode.start()
     prefill.start()
@@ -506,6 +504,14 @@ def test_a_waiting_hand_off_gives_way_to_a_later_attempt_only(pair: Pair) -> Non
         wire.PrefillJob(request_id=1, attempt=0, tokens=PROMPT, decode="decode-0", fetch=None, sampling=SAMPLING),
     )
     wait_for(lambda: finished(decoded) == 1, timeout=30.0, what="the first request to finish")
+
+
+def test_a_waiting_hand_off_gives_way_to_a_later_attempt_only(pair: Pair) -> None:
+    """A hand-off waiting for blocks another push is filling holds its place against an earlier attempt's (from a
+    prefill engine presumed dead that resumed): once the blocks land, the later attempt is joined, the earlier
+    never."""
+    prefill, decode, _told, decoded = pair
+    serve_a_first_request(pair)
     keys = [BlockKey(k) for k in prefill.hasher.block_keys(list(PROMPT))]
     for key in keys[1:]:
         decode.cache.remove(key)
@@ -575,13 +581,7 @@ def test_a_hand_off_after_its_cancel_or_of_an_ended_attempt_is_dropped_and_a_lat
     refused), not decoded for nobody until a health probe. A request that finished there drops a repeat of its
     attempt and joins a later one (rerouted back to this node)."""
     prefill, decode, _told, decoded = pair
-    decode.start()
-    prefill.start()
-    control(
-        prefill,
-        wire.PrefillJob(request_id=1, attempt=0, tokens=PROMPT, decode="decode-0", fetch=None, sampling=SAMPLING),
-    )
-    wait_for(lambda: finished(decoded) == 1, timeout=30.0, what="the first request to finish")
+    serve_a_first_request(pair)
     keys = tuple(prefill.hasher.block_keys(list(PROMPT)))  # on the decode node now: a hand-off of them joins
 
     def hand_off(request_id: int, attempt: int) -> None:

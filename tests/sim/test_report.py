@@ -187,18 +187,9 @@ LONG = (
 )
 
 
-def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_the_first_sample(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A run's description as a title (the replay's is ~150 characters) is broken into lines that lie inside the
-    figure: one line was clipped at both edges. A load trace stamped in epoch seconds is drawn from 0 s."""
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
+def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The figures the report's plots save from now on (each still written), in order."""
     import mooncake.sim.report as report
-    from mooncake.cache.capacity import CapacityPoint
-    from mooncake.cli import plot_capacity
-    from mooncake.sim.metrics import LoadSample
 
     figures: list[Any] = []
     real_save = report._save
@@ -208,6 +199,28 @@ def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_th
         real_save(figure, path)
 
     monkeypatch.setattr(report, "_save", keep)
+    return figures
+
+
+def title_texts(figure: Any) -> list[Any]:
+    """A figure's title texts: its suptitle, if any, and each axes' title."""
+    texts = [figure._suptitle] if figure._suptitle is not None else []
+    return texts + [axes.title for axes in figure.axes]
+
+
+def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_the_first_sample(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run's description as a title (the replay's is ~150 characters) is broken into lines that lie inside the
+    figure: one line was clipped at both edges. A load trace stamped in epoch seconds is drawn from 0 s."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from mooncake.cache.capacity import CapacityPoint
+    from mooncake.cli import plot_capacity
+    from mooncake.sim.metrics import LoadSample
+
+    figures = saved_figures(monkeypatch)
     epoch = 1_733_000_000.0
     samples = [LoadSample(time_s=epoch + t, prefill_requests=t % 3, decode_requests=t % 5) for t in range(10)]
     points = [CapacityPoint(capacity_blocks=c, hit_blocks=c // 2, total_blocks=100) for c in (10, 100)]
@@ -217,8 +230,7 @@ def test_every_plot_keeps_a_long_title_inside_the_figure_and_counts_time_from_th
     plot_capacity({"lru": points}, tmp_path / "capacity.png", title=LONG)
     for figure in figures:
         renderer = FigureCanvasAgg(figure).get_renderer()
-        texts = [figure._suptitle] if figure._suptitle is not None else []
-        texts += [axes.title for axes in figure.axes]
+        texts = title_texts(figure)
         assert any("global pool" in text.get_text() for text in texts)
         for text in texts:
             box = text.get_window_extent(renderer)
@@ -239,19 +251,11 @@ def test_a_title_with_dollar_signs_is_drawn_as_written(
     pytest.importorskip("matplotlib", reason="plots need matplotlib (the dev extra)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    import mooncake.sim.report as report
     from mooncake.cache.capacity import CapacityPoint
     from mooncake.cli import plot_capacity
     from mooncake.sim.metrics import LoadSample
 
-    figures: list[Any] = []
-    real_save = report._save
-
-    def keep(figure: Any, path: str | Path) -> None:
-        figures.append(figure)
-        real_save(figure, path)
-
-    monkeypatch.setattr(report, "_save", keep)
+    figures = saved_figures(monkeypatch)
     samples = [LoadSample(time_s=float(t), prefill_requests=t % 3, decode_requests=t % 5) for t in range(4)]
     points = [CapacityPoint(capacity_blocks=c, hit_blocks=c // 2, total_blocks=100) for c in (10, 100)]
     plot_cdfs({"TTFT": [1.0, 2.0]}, tmp_path / "cdf.png", xlabel="TTFT (s)", title=title)
@@ -260,8 +264,7 @@ def test_a_title_with_dollar_signs_is_drawn_as_written(
     assert len(figures) == 3
     for figure in figures:
         renderer = FigureCanvasAgg(figure).get_renderer()
-        texts = [figure._suptitle] if figure._suptitle is not None else []
-        texts += [axes.title for axes in figure.axes]
+        texts = title_texts(figure)
         for text in texts:
             text.get_window_extent(renderer)  # drawn: a parsed title would fail here too
             assert text.get_text() == title and not text.get_parse_math()  # `$x^2$` shown as typed
