@@ -7,12 +7,15 @@
         [--peers-only]
 
 Sections 1-4 in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh);
-`--threads` (default: torch's, all cores) holds for every section.
+`--threads` (default: torch's, all cores) holds for every section (section 4
+splits them between its stages).
 
 1. `prefill_tokens_per_s`: the prefill engine on a `--prefill-tokens` prompt of
-   the `--model` preset (no cached prefix, KV stored layer-wise). The peer is the
-   roofline: the model's FLOPs per token (mean context n/2) against the FLOP/s
-   of a plain matmul of the model's MLP shape measured in the same run
+   the `--model` preset (no cached prefix: the warm-up prefills another prompt;
+   KV stored layer-wise). The peer is the roofline: the prefill's FLOPs (each
+   token's forward at the mean context n/2, the LM head once, as a prefill
+   computes the last position's logits only) against the FLOP/s of a plain
+   matmul of the model's MLP shape measured in the same run
    (`roofline_tokens_per_s`); `prefill_vs_roofline` is their ratio (goal ≥ 0.6).
 2. `decode_step_ms` at each batch size with `--decode-context` tokens of context
    per request, ours (grouped matmul) and torch SDPA (`decode_step_ms_sdpa`); and
@@ -22,10 +25,14 @@ Sections 1-4 in fp32 on the CPU (the GPU figures come from benchmarks/gpu.sh);
    wait for its KV stores) when storing after the forward pass ÷ the same with
    layer-wise stores, at each `--layerwise-tokens` length (goal ≥ 3 at the
    longest). This runs the `tiny` preset (its prefill at 32 K tokens takes
-   seconds here; `small` would take minutes) with 4 K-token chunks.
-4. `cpp_speedup`: one prefill of `--cpp-tokens` in one process (all CPU threads)
-   ÷ the same prompt through a 2-stage chunked pipeline (threads split between
-   the stages). On 2 cores the pipeline has no spare hardware to win with:
+   seconds here; `small` would take minutes) with 4 K-token chunks. The exposed
+   waits are in `layerwise_exposed_store_s` at every length; the ratio only
+   where the layer-wise wait is at least 1 ms: a prompt of one chunk leaves a
+   wait of microseconds, and a ratio to that is timer noise.
+4. `cpp_speedup`: one prefill of `--cpp-tokens` in one process (`--threads`
+   threads) ÷ the same prompt through a 2-stage chunked pipeline, each stage on
+   half of them (`cpp_threads_per_stage`; at least one, so `--threads 1` gives
+   the pipeline two). On 2 cores the pipeline has no spare hardware to win with:
    the figure says what 2 cores allow.
 5. `peers`: one checkpoint (`--checkpoint`, default a random LlamaForCausalLM
    of about 16 M parameters that transformers generates and saves in a
@@ -71,6 +78,7 @@ from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.types import BlockKey, RequestId
 
 BLOCK_TOKENS = 16
+LAYERWISE_MIN_WAIT_S = 1e-3  # a layer-wise exposed wait below this is timer noise: no ratio is taken to it
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -93,16 +101,33 @@ def matmul_flops_per_s(config: ModelConfig, rows: int) -> float:
     return 2.0 * rows * config.hidden_size * 2 * config.intermediate_size * runs / (time.perf_counter() - started)
 
 
+def prefill_flops(config: ModelConfig, n: int) -> float:
+    """FLOPs of an `n`-token prefill: each token's forward at the mean context n/2 (`flops_per_token`), but the
+    LM head once, since a prefill computes the logits of its last position only."""
+    head = 2.0 * config.vocab_size * config.hidden_size
+    return n * (config.flops_per_token(n // 2) - head) + head
+
+
+def layerwise_speedup(waits: dict[str, float]) -> float | None:
+    """Exposed store time serialized ÷ layer-wise, or None where the layer-wise wait is below
+    `LAYERWISE_MIN_WAIT_S` (a ratio to timer noise)."""
+    if waits["layerwise"] < LAYERWISE_MIN_WAIT_S:
+        return None
+    return waits["serialized"] / waits["layerwise"]
+
+
 def bench_prefill(config: ModelConfig, n: int) -> dict[str, float]:
     model = LlamaModel(config, seed=0)
     hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
     layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS)
     tokens = prompt(n, config.vocab_size)
     with PrefillEngine(model, cache_for(layout, 2 * n), hasher) as engine:
-        engine.prefill(tokens[:64])  # warm-up
+        # Warm up on another prompt: one sharing this prompt's first blocks would leave them cached for it.
+        engine.prefill(prompt(64, config.vocab_size, seed=1))
         result = engine.prefill(tokens)
+    assert result.prefix_tokens == 0, result.prefix_tokens
     measured = n / result.seconds
-    roofline = matmul_flops_per_s(config, min(n, 4096)) / config.flops_per_token(n // 2)
+    roofline = matmul_flops_per_s(config, min(n, 4096)) / (prefill_flops(config, n) / n)
     return {
         "prefill_tokens_per_s": measured,
         "roofline_tokens_per_s": roofline,
@@ -179,7 +204,8 @@ def bench_layerwise(lengths: list[int]) -> dict[str, Any]:
                 result = engine.prefill(tokens)
             waits["layerwise" if layerwise else "serialized"] = result.store_wait_s
         exposed[str(n)] = waits
-        speedup[str(n)] = waits["serialized"] / max(waits["layerwise"], 1e-6)
+        if (ratio := layerwise_speedup(waits)) is not None:
+            speedup[str(n)] = ratio
     return {"layerwise_exposed_store_s": exposed, "layerwise_speedup": speedup}
 
 
@@ -192,12 +218,25 @@ def bench_cpp(config: ModelConfig, n: int, chunk: int = 256) -> dict[str, float]
         engine.prefill(tokens[:64])
         single = engine.prefill(tokens).seconds
     del model
-    with PipelineGroup(config, num_stages=2, chunk_tokens=chunk, seed=0) as group:
-        group.prefill(tokens[:64])
-        started = time.perf_counter()
-        group.prefill(tokens)
-        piped = time.perf_counter() - started
-    return {"cpp_single_s": single, "cpp_pipeline_s": piped, "cpp_speedup": single / piped}
+    # The single process's threads, split between the stages: stage 0 runs on this process's threads, stage 1 in
+    # its own process (which would otherwise take half the CPUs, whatever --threads says).
+    threads = torch.get_num_threads()
+    per_stage = max(1, threads // 2)
+    torch.set_num_threads(per_stage)
+    try:
+        with PipelineGroup(config, num_stages=2, chunk_tokens=chunk, seed=0, threads_per_stage=per_stage) as group:
+            group.prefill(tokens[:64])
+            started = time.perf_counter()
+            group.prefill(tokens)
+            piped = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)  # the peers' section runs on all of them again
+    return {
+        "cpp_single_s": single,
+        "cpp_pipeline_s": piped,
+        "cpp_speedup": single / piped,
+        "cpp_threads_per_stage": per_stage,
+    }
 
 
 # --------------------------------------------------------------------------- peers on one checkpoint
@@ -445,7 +484,12 @@ def main() -> None:
     parser.add_argument("--cpp-tokens", type=int, default=2048)
     parser.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint (default: generate one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the peer comparison")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, for all")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads, for every section (the CPP pipeline's stages get half each)",
+    )
     parser.add_argument("--peer-batches", default="1,8,32")
     parser.add_argument("--peer-prompt-tokens", type=int, default=128)
     parser.add_argument("--peer-new-tokens", type=int, default=32)
@@ -489,14 +533,16 @@ def print_engine(result: dict[str, Any]) -> None:
             f"sdpa/ours {result['decode_sdpa_over_ours'][batch]:.2f}   attention alone (one layer): ours "
             f"{result['decode_attention_ms'][batch]:.2f} ms, sdpa {result['decode_attention_ms_sdpa'][batch]:.2f} ms"
         )
-    for n, ratio in result["layerwise_speedup"].items():
-        waits = result["layerwise_exposed_store_s"][n]
+    for n, waits in result["layerwise_exposed_store_s"].items():
+        ratio = result["layerwise_speedup"].get(n)
+        shown = f"speedup {ratio:.1f}" if ratio is not None else "speedup n/a (layer-wise wait < 1 ms)"
         print(
             f"layerwise {int(n):>6} tokens  exposed store {waits['serialized'] * 1e3:8.1f} ms serialized, "
-            f"{waits['layerwise'] * 1e3:6.1f} ms layer-wise  speedup {ratio:.1f} (goal >= 3 at the longest)"
+            f"{waits['layerwise'] * 1e3:6.3f} ms layer-wise  {shown} (goal >= 3 at the longest)"
         )
     print(
-        f"cpp       X=2  single {result['cpp_single_s']:.2f} s  pipeline {result['cpp_pipeline_s']:.2f} s  "
+        f"cpp       X=2  single {result['cpp_single_s']:.2f} s ({result['threads']} threads)  pipeline "
+        f"{result['cpp_pipeline_s']:.2f} s ({result['cpp_threads_per_stage']} per stage)  "
         f"speedup {result['cpp_speedup']:.2f}"
     )
 

@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    for option in ("requests", "blocks_per_request", "block_size", "repeats"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
 
     rng = np.random.default_rng(0)
     tokens_per_request = args.blocks_per_request * args.block_size
@@ -57,7 +60,8 @@ def main() -> None:
             "the compiled path is unavailable here: numba is not installed (the accel extra) or xxhash's C symbols were not found"
         )
 
-    hasher.hash_batch(tokens[: offsets[2]], offsets[:3])  # compile outside the timing
+    warm = min(2, args.requests)
+    hasher.hash_batch(tokens[: offsets[warm]], offsets[: warm + 1])  # compile outside the timing
     hasher.block_keys(requests[0])
     batch_s = best_seconds(lambda: hasher.hash_batch(tokens, offsets), args.repeats)
     per_request_s = best_seconds(lambda: [hasher.block_keys(r) for r in requests], args.repeats)

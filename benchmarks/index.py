@@ -96,6 +96,15 @@ def main() -> None:
     parser.add_argument("--plain-keys", type=int, default=32_000, help="keys of the index timed without numba")
     parser.add_argument("--plain-queries", type=int, default=500)
     args = parser.parse_args()
+    if args.blocks_per_request < 1:
+        parser.error(f"--blocks-per-request must be at least 1, got {args.blocks_per_request}")
+    if args.keys < args.blocks_per_request:
+        parser.error(
+            f"--keys must be at least --blocks-per-request ({args.blocks_per_request}: one chain), got {args.keys}"
+        )
+    for option in ("queries", "plain_queries"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     length = args.blocks_per_request
     num_chains = args.keys // length
     plan = holdings(1, num_chains, length, args.instances)

@@ -83,7 +83,7 @@ def dram(page_bytes: int, total_bytes: int, repeats: int) -> dict[str, float]:
 
     put_s, get_s, copy_s = best([(put, fresh), (get, None), (memcpy, None)], repeats)
     assert bytes(outs[-1][:64]) == bytes(pages[-1][:64])
-    gb = total_bytes / 1e9
+    gb = count * page_bytes / 1e9  # the bytes moved: whole pages
     return {"dram_put_gbps": gb / put_s, "dram_get_gbps": gb / get_s, "memcpy_gbps": gb / copy_s}
 
 
@@ -145,7 +145,7 @@ def ssd(page_bytes: int, total_bytes: int, repeats: int, directory: Path) -> dic
         state["cache"].close()
         pool_path.unlink(missing_ok=True)
         raw_path.unlink(missing_ok=True)
-    gb = total_bytes / 1e9
+    gb = count * page_bytes / 1e9  # the bytes moved: whole pages
     return {
         "ssd_write_gbps": gb / write_s,
         "ssd_read_gbps": gb / read_s,
@@ -180,10 +180,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", help="where the SSD files go (default: a temporary folder)")
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
+    parser.add_argument(
+        "--total-mib", type=int, default=256, help="MiB moved per measurement: a multiple of 16, the larger page"
+    )
     parser.add_argument("--small-ops", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.total_mib < 16 or args.total_mib % 16:
+        parser.error(f"--total-mib must be a positive multiple of 16 (whole 16 MiB pages), got {args.total_mib}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mooncake-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     total = args.total_mib * MIB

@@ -127,7 +127,9 @@ def ours(repeats: int, samples: int) -> dict[str, dict[str, float]]:
                     assert all(s.state == RequestState.DONE for s in statuses), statuses
 
                 figures = {
-                    f"{size // MIB}MiB_gbps": size / median_time(lambda size=size: write(size), repeats) / 1e9
+                    f"{size // MIB}MiB_gbps": size
+                    / median_time(lambda size=size: write(size), repeats, calls=calls_for(size))
+                    / 1e9
                     for size in SIZES
                 }
                 figures["batch_32x1mib_gbps"] = 32 * MIB / median_time(lambda: write(MIB, 32), repeats, calls=2) / 1e9
@@ -174,9 +176,14 @@ def raw_socket(repeats: int) -> dict[str, float]:
                 connection.recv(1)
 
             return {
-                f"{size // MIB}MiB_gbps": size / median_time(lambda size=size: send(size), repeats) / 1e9
+                f"{size // MIB}MiB_gbps": size
+                / median_time(lambda size=size: send(size), repeats, calls=calls_for(size))
+                / 1e9
                 for size in SIZES
             }
+    except BaseException:
+        receiver.kill()  # it may still be blocked in accept(): nothing connected
+        raise
     finally:
         receiver.wait(timeout=30)
 
@@ -186,7 +193,7 @@ def memcpy(repeats: int) -> dict[str, float]:
     target = np.zeros_like(source)
     return {
         f"{size // MIB}MiB_gbps": size
-        / median_time(lambda size=size: np.copyto(target[:size], source[:size]), repeats)
+        / median_time(lambda size=size: np.copyto(target[:size], source[:size]), repeats, calls=calls_for(size))
         / 1e9
         for size in SIZES
     }
@@ -310,18 +317,23 @@ def checksum_paths(repeats: int) -> dict[str, dict[str, float]]:
             text=True,
             cwd=ROOT,
         )
-        connections = [listener.accept()[0] for _ in range(2)]
-        servers = [
-            threading.Thread(target=tcp.serve_connection, args=(connections[0], served), daemon=True),
-            threading.Thread(target=_serve_in_place, args=(connections[1], served), daemon=True),
-        ]
-        for server in servers:
-            server.start()
-        out, _ = sender.communicate(timeout=600)
-        for connection in connections:
-            connection.close()
-        for server in servers:
-            server.join(timeout=30)
+        try:
+            connections = _accept(listener, 2, sender)
+            servers = [
+                threading.Thread(target=tcp.serve_connection, args=(connections[0], served), daemon=True),
+                threading.Thread(target=_serve_in_place, args=(connections[1], served), daemon=True),
+            ]
+            for server in servers:
+                server.start()
+            out, _ = sender.communicate(timeout=600)
+            for connection in connections:
+                connection.close()
+            for server in servers:
+                server.join(timeout=30)
+        finally:
+            if sender.poll() is None:  # failed here or timed out: leave no sender behind
+                sender.kill()
+                sender.wait()
     if sender.returncode != 0:
         raise RuntimeError(f"the checksum sender failed with {sender.returncode}")
     measured = {int(size): figures for size, figures in json.loads(out).items()}
@@ -329,6 +341,29 @@ def checksum_paths(repeats: int) -> dict[str, dict[str, float]]:
         name: {_size_key(size): figures[name] for size, figures in measured.items()}
         for name in ("staged", "in_place", "ratio")
     }
+
+
+def _accept(
+    listener: socket.socket, count: int, sender: subprocess.Popen[str], timeout_s: float = 60
+) -> list[socket.socket]:
+    """`count` connections from `sender`, or RuntimeError as soon as it exits without making them (or after
+    `timeout_s`): accept() alone would wait for a dead sender forever."""
+    listener.settimeout(1.0)
+    deadline = time.monotonic() + timeout_s
+    accepted: list[socket.socket] = []
+    while len(accepted) < count:
+        try:
+            accepted.append(listener.accept()[0])
+        except TimeoutError:
+            if sender.poll() is None and time.monotonic() < deadline:
+                continue
+            for connection in accepted:
+                connection.close()
+            why = (
+                f"it exited with {sender.returncode}" if sender.returncode is not None else f"{timeout_s:.0f} s passed"
+            )
+            raise RuntimeError(f"the checksum sender made {len(accepted)} of {count} connections: {why}") from None
+    return accepted
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -351,6 +386,9 @@ def main() -> None:
     parser.add_argument("--no-upstream", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="whole measurement rounds; medians are reported")
     args = parser.parse_args()
+    for option in ("repeats", "latency_samples", "rounds"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     # Whole rounds, each measuring every peer once, and medians over rounds: a
     # shared machine's slow minutes then hit all of them alike.
     rounds = []

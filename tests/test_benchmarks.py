@@ -37,6 +37,11 @@ SIGNED = {"index_share"}  # 1 - (decisions/s with the index) / (without it)
                 "plain_batch_blocks_per_s",
             ],
         ),
+        (  # one request: the warm-up hashed two
+            "benchmarks/hashing.py",
+            ["--requests", "1", "--blocks-per-request", "2", "--repeats", "1"],
+            ["batch_blocks_per_s", "sha256_chain_blocks_per_s", "plain_batch_blocks_per_s"],
+        ),
         (
             "benchmarks/conductor.py",
             ["--keys", "6400", "--decisions", "200"],
@@ -45,6 +50,8 @@ SIGNED = {"index_share"}  # 1 - (decisions/s with the index) / (without it)
                 "accepted_fraction",
                 "decisions_per_s_without_index",
                 "accepted_fraction_without_index",
+                "decisions_per_s_without_ttft_objective",
+                "accepted_fraction_without_ttft_objective",
                 "decisions_per_s_512_instances",
                 "index_share",
             ],
@@ -71,6 +78,7 @@ SIGNED = {"index_share"}  # 1 - (decisions/s with the index) / (without it)
             ],
         ),
     ],
+    ids=["hashing", "hashing one request", "conductor", "index", "tiered_cache"],
 )
 def test_benchmark_prints_its_figures(script: str, args: list[str], keys: list[str], tmp_path: Path) -> None:
     """Each benchmark runs with --json and prints every figure its docstring names, all positive."""
@@ -201,9 +209,15 @@ def test_engine_benchmark_prints_its_figures() -> None:
     )
     for key in ("prefill_tokens_per_s", "roofline_tokens_per_s", "prefill_vs_roofline", "cpp_speedup"):
         assert isinstance(result[key], float) and result[key] > 0, key
-    for key in ("decode_step_ms", "decode_step_ms_sdpa", "layerwise_speedup"):
+    for key in ("decode_step_ms", "decode_step_ms_sdpa"):
         values = result[key]
         assert isinstance(values, dict) and values and all(v > 0 for v in values.values()), key
+    # The waits at every length; a ratio only where the layer-wise wait is at least 1 ms (at 64 tokens, likely none).
+    waits = result["layerwise_exposed_store_s"]["64"]
+    assert waits["serialized"] > 0 and waits["layerwise"] >= 0
+    speedups = result["layerwise_speedup"]
+    assert set(speedups) <= {"64"} and all(v > 0 for v in speedups.values())
+    assert result["cpp_threads_per_stage"] == max(1, result["threads"] // 2)
     peers = result["peers"]
     assert peers["prefill_vs_transformers"]["1"] > 0 and peers["decode_vs_transformers"]["1"] > 0
 
@@ -216,3 +230,41 @@ def test_gateway_benchmark_prints_its_figures() -> None:
     for key in ("engine_ms", "request_ms_p50", "request_ms_p90", "sustained_rps"):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["overhead_ms"] == pytest.approx(result["request_ms_p50"] - result["engine_ms"])
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("conductor.py", ["--keys", "10"]),  # fewer than one 64-block chain
+        ("conductor.py", ["--decisions", "1"]),
+        ("index.py", ["--keys", "10"]),
+        ("index.py", ["--blocks-per-request", "0"]),
+        ("index.py", ["--queries", "0"]),
+        ("index.py", ["--plain-queries", "0"]),
+        ("hashing.py", ["--requests", "0"]),
+        ("hashing.py", ["--blocks-per-request", "0"]),
+        ("hashing.py", ["--block-size", "0"]),
+        ("hashing.py", ["--repeats", "0"]),
+        ("transfer.py", ["--rounds", "0"]),
+        ("transfer.py", ["--repeats", "0"]),
+        ("transfer.py", ["--latency-samples", "0"]),
+        ("sampling.py", ["--vocab", "0"]),
+        ("sampling.py", ["--tokens", "0"]),
+        ("sampling.py", ["--repeats", "0"]),
+        ("tiered_cache.py", ["--total-mib", "8"]),  # under one 16 MiB page
+        ("tiered_cache.py", ["--total-mib", "24"]),  # one 16 MiB page moved, 24 MiB counted
+        ("tiered_cache.py", ["--repeats", "0"]),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else value,
+)
+def test_benchmark_bad_option_is_a_usage_error(script: str, argv: list[str]) -> None:
+    """A bad option ends in argparse's usage error, status 2, naming the option and its value, before any work.
+    Most were tracebacks; hashing's zero counts printed zero rates, and --total-mib 24 rates over 24 MiB of which
+    16 moved."""
+    option, value = argv
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert f"error: {option} " in done.stderr and f"got {value}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
