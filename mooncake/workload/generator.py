@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -271,11 +271,24 @@ Segment = tuple[int, int]  # (segment id, tokens)
 
 
 class _BlockIds:
-    """Chained ids for prompts made of segments: id = f(parent id, pieces of the block)."""
+    """Chained ids for prompts made of segments: id = f(parent id, pieces of the block), numbered in the order
+    blocks are first seen.
 
-    def __init__(self, block_size_tokens: int) -> None:
+    A block's id is kept while its content can recur. With `owned_from`, segments numbered from it on belong to
+    one session each (a message, an answer): once `forget` is told that session's segments, its blocks can never
+    recur (a block holding a piece of one of them is in no other prompt), so their entries go and the table holds
+    only the shared prefixes' blocks and the live sessions'. A generated workload then streams in bounded memory;
+    the ids are the same as if nothing were forgotten.
+    """
+
+    def __init__(self, block_size_tokens: int, *, owned_from: int | None = None) -> None:
         self._block_size = require_int("block_size_tokens", block_size_tokens, minimum=1)
         self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
+        self._next = 0  # not len(self._ids): forgotten entries keep their ids spent
+        self._owned_from = owned_from
+        # A session's segment -> the entries whose last piece is of it (every block that holds a piece of an owned
+        # segment ends in one: a session's prompt has its shared segments first).
+        self._owned: dict[int, list[tuple[int, tuple[tuple[int, int, int], ...]]]] = {}
 
     def of(self, segments: list[Segment]) -> tuple[BlockKey, ...]:
         keys: list[BlockKey] = []
@@ -298,7 +311,22 @@ class _BlockIds:
         return tuple(keys)
 
     def _id(self, parent: int, pieces: list[tuple[int, int, int]]) -> int:
-        return self._ids.setdefault((parent, tuple(pieces)), len(self._ids))
+        key = (parent, tuple(pieces))
+        known = self._ids.get(key)
+        if known is not None:
+            return known
+        self._ids[key] = new = self._next
+        self._next += 1
+        last_segment = pieces[-1][0]
+        if self._owned_from is not None and last_segment >= self._owned_from:
+            self._owned.setdefault(last_segment, []).append(key)
+        return new
+
+    def forget(self, segments: Iterable[Segment]) -> None:
+        """Drop the entries of blocks holding a piece of `segments`, a finished session's (see the class)."""
+        for segment_id, _ in segments:
+            for key in self._owned.pop(segment_id, ()):
+                del self._ids[key]
 
 
 @attrs.define
@@ -314,7 +342,6 @@ class _Generator:
         self.spec = spec
         self.rng = rng
         self.next_segment = 0
-        self.ids = _BlockIds(spec.block_size_tokens)
         # Shared pools are drawn up front and rescaled so that their popularity-
         # weighted mean length is the distribution's mean: otherwise the one draw
         # that the most popular member gets would swing the workload's mean.
@@ -333,6 +360,8 @@ class _Generator:
             self.pools[kind] = ([self.segment(int(n)) for n in scaled], weights)
         kinds = np.array([spec.chat_weight, spec.document_weight, spec.agent_weight])
         self.kind_weights = kinds / kinds.sum()
+        # Every segment made from here on is a session's own: the pools above are all that sessions share.
+        self.ids = _BlockIds(spec.block_size_tokens, owned_from=self.next_segment + 1)
 
     def segment(self, length: int) -> Segment:
         self.next_segment += 1
@@ -423,21 +452,26 @@ def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, s
             candidate = heapq.heappop(thinking)[2]
             if generator.next_turn(candidate):
                 session = candidate
+            else:  # past the context limit: the session ends, its blocks with it
+                generator.ids.forget(candidate.prompt)
         if session is None:
             session = generator.new_session()
             generator.clip(session)
         session.turns_left -= 1
         output = spec.output_tokens.sample(rng)
         session.last_output = generator.segment(output)
+        block_keys = generator.ids.of(session.prompt)
         if session.turns_left > 0:
             ready_s = now + float(rng.exponential(spec.think_time_s))
             heapq.heappush(thinking, (ready_s, index, session))
+        else:  # its last turn: no prompt will hold its own blocks again
+            generator.ids.forget(session.prompt)
         yield Request(
             request_id=RequestId(str(index)),
             arrival_s=float(times[index]),
             input_length=sum(length for _, length in session.prompt),
             output_length=output,
-            block_keys=generator.ids.of(session.prompt),
+            block_keys=block_keys,
             block_size_tokens=spec.block_size_tokens,
         )
 
