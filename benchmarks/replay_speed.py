@@ -16,11 +16,10 @@
    memory `peak_rss_gb` (10^9 bytes). The replay's decode-time prediction,
    which it would otherwise take from a list of the whole workload (mean output
    × TBT objective), is computed first, untimed, in a pass over the same
-   generated requests, so the replay never holds them all. The peak still
-   holds the generator's own state beside the simulator's: its table of block
-   ids grows with the requests drawn (about 2 KB each on this preset, more
-   than the requests themselves). Goal: under 10 minutes
-   and 4 GB for 1 M requests on 512 instances. `--large-requests 0` skips it.
+   generated requests, so the replay never holds them all (the generator keeps
+   the blocks of shared prefixes and of live sessions only). Goal: under 10
+   minutes and 4 GB for 1 M requests on 512 instances. `--large-requests 0`
+   skips it.
 
 Interpreter start-up, imports and the first (JIT-loading) replay are outside
 the timings: a small warm-up replay runs first.
