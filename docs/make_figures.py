@@ -21,6 +21,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,13 +53,26 @@ class Figure:
 
 
 def _experiment(*argv: str) -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "experiments.py"), *argv, "--json", "--no-plots", "--no-progress"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
+    """An experiment's JSON report, as it prints it. The file it also writes goes to a folder of this run's own,
+    removed after: its default, build/experiments, holds the user's runs, which a figure (even a --check) would
+    replace."""
+    with tempfile.TemporaryDirectory(prefix="make_figures-") as out:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "experiments.py"),
+                *argv,
+                "--json",
+                "--no-plots",
+                "--no-progress",
+                "--out",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
     report: dict[str, object] = json.loads(done.stdout)
     return report
 

@@ -37,7 +37,7 @@ from serving.registry import ROUTERS
 from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
-from mooncake.sim.report import json_safe, write_json
+from mooncake.sim.report import _pyplot, json_safe, write_json
 from mooncake.workload.trace_record import MAX_ARRIVAL_S
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
@@ -125,11 +125,19 @@ def parser() -> argparse.ArgumentParser:
             q.set_defaults(tbt_slo=DECODE_BOUND_TBT_SLO_S)  # the decode-bound regime (paper/overload.py)
         if name == "rejection":
             q.set_defaults(speedup=2.0)
+        if name == "throughput":
+            # A highest rate within the SLOs, against coupled instances that admit everything: Mooncake admits
+            # everything too, unless --admission says otherwise (a rejection counts as a miss of both SLOs).
+            q.set_defaults(admission="baseline")
         if name == "cache":
             q.add_argument(
                 "--capacities", type=_numbers(_number(int, least=0)), help="blocks per node, comma-separated"
             )
-            q.add_argument("--nodes", type=_numbers(_number(int, least=1)), help="prefill node counts, comma-separated")
+            q.add_argument(
+                "--nodes",
+                type=_numbers(_number(int, least=1, most=simulation.MAX_NODES)),
+                help="prefill node counts, comma-separated",
+            )
         if name == "throughput":
             q.add_argument("--lengths", type=_numbers(_number(int, least=1)), help="prompt lengths, comma-separated")
             q.add_argument(
@@ -159,7 +167,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# Options an experiment sets itself (it compares or sweeps them): given anyway, they are an error, not ignored.
+# Options an experiment sets itself (it compares or sweeps them): given anyway, even at their default values, they
+# are an error, not ignored.
 UNUSED: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "scheduling": ((("router",), "to scheduling: it compares --routers"),),
     "rejection": ((("admission",), "to rejection: it compares every admission policy"),),
@@ -193,10 +202,15 @@ def experiment(argv: Sequence[str] | None) -> int:
     started = time.perf_counter()
     try:
         simulation.check_out_dir(out_dir)  # found before the run, not after it
+        if plots_dir is not None:
+            # The plots are drawn after every replay, and before the JSON is written: without matplotlib a run
+            # would be lost whole, so its absence is found now, by the check (and message) the plots would meet.
+            _pyplot()
+        given = simulation.given_options(parser, argv)
         for dests, why in UNUSED.get(args.experiment, ()):
-            simulation.refuse_unused(_subparser(args.experiment), args, dests, why)
+            simulation.refuse_unused(_subparser(args.experiment), args, dests, why, given=given)
         if args.experiment not in ("rejection", "overload"):  # those run every admission policy, predictive too
-            simulation.refuse_unpredicted(_subparser(args.experiment), args)
+            simulation.refuse_unpredicted(_subparser(args.experiment), args, given=given)
         report, table = EXPERIMENTS[args.experiment](args)
         report["wall_s"] = time.perf_counter() - started
         write_json(report, out_dir / f"{args.experiment}.json")

@@ -30,7 +30,7 @@ import itertools
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,7 +64,9 @@ if TYPE_CHECKING:  # the example cluster's config, read only for --config (it ne
 # Generated without --preset, --num-requests, --rate.
 DEFAULT_PRESET, DEFAULT_REQUESTS, DEFAULT_RATE = attrs.astuple(DEFAULT_WORKLOAD)
 SIZING_LOAD = 0.8
-MAX_SIZED_NODES = 1024  # of a role: past it a trace's rate is no basis for sizing (arrivals nearly at once)
+# Nodes of a role, given or sized: past it a trace's rate is no basis for sizing (arrivals nearly at once), and a
+# given count (an extra zero, say) would build a list of instance names that takes every byte of memory.
+MAX_NODES = 1024
 
 
 def add_workload_options(
@@ -249,19 +251,60 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, dests: Sequence[str], why: str) -> None:
+def given_options(make_parser: Callable[[], argparse.ArgumentParser], argv: Sequence[str] | None) -> dict[str, str]:
+    """The options `argv` gives (a subcommand's too), each dest mapped to the option as the parser names it:
+    `refuse_unused` then refuses an option given with its default value, which comparing values cannot see.
+
+    `make_parser` builds a fresh parser: it is parsed again with every default suppressed and every option's dest
+    its own name (--global-pool and --local-cache share one dest; the one given is the one to name). `argv` has
+    been parsed by a parser from `make_parser` already, so this parse cannot fail.
+    """
+    probe = make_parser()
+    dests: dict[str, str] = {}  # option name -> its real dest
+    parsers = [probe]
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings:
+                name = action.option_strings[-1]
+                dests[name] = action.dest
+                action.dest, action.default = name, argparse.SUPPRESS
+    given = vars(probe.parse_args(argv))
+    return {dests[name]: name for name in given if name in dests}
+
+
+def refuse_unused(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    dests: Sequence[str],
+    why: str,
+    *,
+    given: Mapping[str, str] | None = None,
+) -> None:
     """Options the run will not use, given anyway: each would look like a setting the results were made with.
 
+    Args:
+        given: the options the command line gave (`given_options`): each of `dests` among them is refused, its
+            default value too. Without it, an option set to other than its default is.
+
     Raises:
-        ConfigError: the first of `dests` set to other than its default, naming its option and `why`.
+        ConfigError: the first of `dests` given (without `given`: set to other than its default), naming its option
+            and `why`.
     """
     options = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
     for dest in dests:
-        if getattr(args, dest) != parser.get_default(dest):
+        if given is not None:
+            if dest in given:
+                raise ConfigError(f"{given[dest]} does not apply {why}")
+        elif getattr(args, dest) != parser.get_default(dest):
             raise ConfigError(f"{options.get(dest, dest)} does not apply {why}")
 
 
-def refuse_unpredicted(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def refuse_unpredicted(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, given: Mapping[str, str] | None = None
+) -> None:
     """--predictor given to a run whose admission policy predicts nothing (all but predictive_early_rejection).
 
     Raises:
@@ -269,7 +312,7 @@ def refuse_unpredicted(parser: argparse.ArgumentParser, args: argparse.Namespace
     """
     if args.admission != "predictive_early_rejection":
         why = f"to --admission {args.admission}: only predictive_early_rejection predicts the decode load"
-        refuse_unused(parser, args, ("predictor",), why)
+        refuse_unused(parser, args, ("predictor",), why, given=given)
 
 
 def arrival_span_s(requests: Sequence[Request]) -> float:
@@ -279,7 +322,7 @@ def arrival_span_s(requests: Sequence[Request]) -> float:
 
 def sized(role: str, nodes: float, requests: Sequence[Request]) -> int:
     """`nodes` of `role` as a count, or a ConfigError where the trace's arrival rate is no basis for sizing."""
-    if not nodes <= MAX_SIZED_NODES:  # inf (all at once) too
+    if not nodes <= MAX_NODES:  # inf (all at once) too
         raise ConfigError(
             f"sizing the {role} pool by this workload's demand asks for {nodes:,.0f} nodes: its "
             f"{len(requests):,} arrivals span {arrival_span_s(requests):.3g} s; give --prefill and --decode"
@@ -308,8 +351,11 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
     for option, value, least in options:
         if value < least:
             raise ConfigError(f"{option} must be >= {least}, got {value}")
-    if args.prefill > 0 and args.prefill % args.cpp:
-        raise ConfigError(f"--cpp {args.cpp} must divide --prefill {args.prefill} (whole groups of prefill nodes)")
+    for option, value in (("--prefill", args.prefill), ("--decode", args.decode), ("--cpp", args.cpp)):
+        if value > MAX_NODES:
+            raise ConfigError(f"{option} must be <= {MAX_NODES} (nodes of a role), got {value}")
+    if args.prefill > 0:
+        check_cpp_divides(args.cpp, args.prefill, f"--prefill {args.prefill}")
     threshold = getattr(args, "threshold", None)
     if threshold is not None and not is_threshold(threshold):
         raise ConfigError(f"--threshold must be a number >= 1 (inf: never transfer), got {threshold}")
@@ -320,6 +366,16 @@ def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[
         prefill = max(args.cpp, prefill - prefill % args.cpp)  # whole CPP groups
     decode = args.decode if args.decode > 0 else prefill
     return prefill, decode
+
+
+def check_cpp_divides(cpp: int, nodes: int, what: str) -> None:
+    """`nodes` prefill nodes (`what` names where the count comes from) form whole CPP groups of `cpp`.
+
+    Raises:
+        ConfigError: naming --cpp and `what`, before a `ClusterSpec` names its own fields.
+    """
+    if nodes % cpp:
+        raise ConfigError(f"--cpp {cpp} must divide {what} (whole groups of prefill nodes)")
 
 
 def decode_capacity(spec: ClusterSpec, requests: Sequence[Request], tbt_slo_s: float) -> int:

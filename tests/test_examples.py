@@ -345,8 +345,8 @@ def test_the_examples_stop_on_a_signal_in_one_line(
         # Past 2**43 ms, the latest arrival a replay times: the replay once hung in its load sampling.
         (("predictors", "--horizons=1e300"), "argument --horizons: must be a finite number >= 0 and <= 8.796e+09"),
         (("predictors", "--sample-every", "1e-9"), "snapshots of the"),
-        (("cache", "--nodes", "2,0"), "argument --nodes: must be an integer >= 1, got '0'"),
-        (("cache", "--nodes", "1" + "0" * 400), "argument --nodes: must be an integer >= 1, got '1000"),
+        (("cache", "--nodes", "2,0"), "argument --nodes: must be an integer >= 1 and <= 1024, got '0'"),
+        (("cache", "--nodes", "1" + "0" * 400), "argument --nodes: must be an integer >= 1 and <= 1024, got '1000"),
         (("throughput", "--ttft-slo-factor", "-1"), "argument --ttft-slo-factor: must be a finite number >= 0"),
         (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),
         (("overload", "--speedups=2,nan"), "argument --speedups: must be a finite number > 0, got 'nan'"),
@@ -443,14 +443,29 @@ def test_cache_says_so_when_no_cell_has_a_hit_to_compare(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     ("router", "named"),
-    [("kvcache_centric", "(local caches: local_cache_aware)"), ("random", "(local caches: random, no transfers)")],
+    [
+        ("kvcache_centric", "(local caches: local_cache_aware)"),
+        # a named router that never transfers is refused (tests/test_experiment_options.py); a file's is run
+        (
+            "examples/policies/two_choices.py:TwoChoices",
+            "(local caches: examples/policies/two_choices.py:TwoChoices, no transfers)",
+        ),
+    ],
 )
 def test_cache_names_the_router_its_local_caches_run(router: str, named: str, tmp_path: Path) -> None:
     """Both modes run --router, the local caches with no transfers, which makes the default router the
     local-cache-aware one; the header says so (it said local_cache_aware whatever --router was), and its
     cluster line leaves the swept prefill nodes and capacities to the rows."""
     argv = ["cache", *SMALL, "--router", router, "--nodes", "1", "--capacities", "100", "--no-plots"]
-    lines = run("experiments.py", *argv, "--out", str(tmp_path)).stdout.splitlines()
+    done = subprocess.run(
+        [sys.executable, "examples/experiments.py", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=ROOT,
+    )
+    lines = done.stdout.splitlines()
     assert lines[2] == f"router {router} {named}"
     assert "decode nodes" in lines[1] and "cache blocks per node as below" in lines[1] and "10,000" not in lines[1]
 

@@ -6,7 +6,15 @@ with local caches (no fetches), both under `--router`, and the hit ratios are
 compared. Without fetches the KV-cache-centric router (the default) is the
 local-cache-aware one. A global pool gains most where the
 workload's reusable prefixes outgrow one node's cache but fit the cluster's:
-many nodes with small caches. The table marks where the ratio is largest.
+many nodes with small caches. The table marks where the ratio is largest, if
+it is above 1 anywhere.
+
+The global pool matters only through the transfers the router plans, so a
+router that never plans one (`what_stops_transfers`: random, round_robin,
+load_balancing, local_cache_aware, kvcache_centric at --threshold inf) is
+refused: both modes would replay alike. In the JSON, a cell's `ratio` is null
+where it is not a number: infinite where only the global pool hit (such cells
+are listed in `infinite_ratio`), none where neither did.
 """
 
 from __future__ import annotations
@@ -17,19 +25,32 @@ import math
 import attrs
 import simulation
 
+from mooncake.errors import ConfigError
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
-from paper.common import Report, header, replay
+from paper.common import Report, header, replay, what_stops_transfers
 
 __all__ = ["cache"]
 
 
 def cache(args: argparse.Namespace) -> tuple[Report, str]:
     """Global pool vs local caches at equal per-node capacity, over node counts (FAST'25 Fig. 10: up to 2.36×)."""
+    stopped = what_stops_transfers(router=args.router, threshold=args.threshold, global_pool=True)
+    if stopped is not None:
+        option, why = stopped
+        raise ConfigError(
+            f"{option} does not apply to cache: {why}, so the global pool and the local caches would replay alike"
+        )
     requests = simulation.load_workload(args)
     capacities = args.capacities or [500, 1000, 2000, 5000, 10000, 20000]
     spec = simulation.cluster_spec(requests, args)
-    node_counts = args.nodes or sorted({max(1, spec.num_prefill // 2), spec.num_prefill, spec.num_prefill * 2})
+    cpp = spec.cpp_group_size
+    for nodes in args.nodes or ():
+        simulation.check_cpp_divides(cpp, nodes, f"--nodes {nodes}")
+    # Half, as many and twice the sized pool, each rounded down to whole CPP groups (half of 6 nodes in groups of 2,
+    # 3, would be no cluster: it becomes 2), at least one group.
+    pool = spec.num_prefill
+    node_counts = args.nodes or sorted({max(cpp, n - n % cpp) for n in (pool // 2, pool, pool * 2)})
     rows: dict[tuple[int, int, str], ReplayResult] = {}
     for nodes in node_counts:
         for blocks in capacities:
@@ -47,12 +68,14 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         shared = rows[nodes, blocks, "global"].summary.cache_hit_ratio
         if local:
             return shared / local
-        return math.inf if shared else math.nan  # no local hit: infinite gain, or none to compare (JSON: null)
+        return math.inf if shared else math.nan  # no local hit: infinite gain, or none to compare
 
     # The largest gain among the cells where both caches hit (an infinite one says only that local caches missed);
-    # none where no cell has both (a workload that shares no prefix hits in neither).
+    # none where no cell has both (a workload that shares no prefix hits in neither), and none where no ratio is
+    # above 1: a tie marked "largest" would read as a finding (a router file's router that transfers nothing).
     finite = [(n, b) for n in node_counts for b in capacities if math.isfinite(ratio(n, b))]
-    largest = max(finite, key=lambda nb: ratio(*nb)) if finite else None
+    best = max(finite, key=lambda nb: ratio(*nb)) if finite else None
+    largest = best if best is not None and ratio(*best) > 1 else None
     # The local caches' runs are the same router's with transfers off (build_conductor): say what that makes it.
     local = "local_cache_aware" if args.router == "kvcache_centric" else f"{args.router}, no transfers"
     groups = f", CPP groups of {spec.cpp_group_size}" if spec.cpp_group_size > 1 else ""
@@ -82,6 +105,11 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
             f"the global pool's gain is largest at {largest[0]} nodes of {largest[1]:,} blocks: "
             f"{ratio(*largest):.2f}x the local caches' hit ratio"
         )
+    elif best is not None:
+        lines.append(
+            "the global pool gained nothing: wherever both hit, its hit ratio is at most the local caches' "
+            f"(a router that plans no transfer, as --router {args.router} may, gains nothing from it)"
+        )
     elif any(math.isinf(ratio(n, b)) for n in node_counts for b in capacities):
         lines.append("the local caches never hit where the global pool did: there is no finite ratio to compare")
     else:
@@ -101,6 +129,8 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
             for mode in ("global", "local")
         },
         "ratio": {f"{n}x{b}": ratio(n, b) for n in node_counts for b in capacities},
+        # JSON has no infinity: an infinite ratio (null in "ratio") is told from none to compare (null as well).
+        "infinite_ratio": [f"{n}x{b}" for n in node_counts for b in capacities if math.isinf(ratio(n, b))],
         "mean_prefill_s": {
             mode: {f"{n}x{b}": rows[n, b, mode].summary.mean_prefill_s for n in node_counts for b in capacities}
             for mode in ("global", "local")

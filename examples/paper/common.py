@@ -1,4 +1,5 @@
-"""What the paper's experiments share: the replay, the table header, the outcome columns, the load swing.
+"""What the paper's experiments share: the replay, the table header, the outcome columns, the load swing, and
+what keeps a run from transferring.
 
 Every table that reports TTFT or TBT also reports what happened to all
 arrivals (`OUTCOME_COLUMNS`): completed, rejected before and after prefill,
@@ -14,6 +15,7 @@ go); `expected_output` keeps each request for its own output at that pace.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,19 +23,23 @@ import numpy as np
 import simulation
 from serving import registry
 
+from mooncake.sched.conductor import Conductor
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import LoadSample, ReplayResult, Summary
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
 
 __all__ = [
+    "NO_TRANSFER_ROUTERS",
     "OUTCOME_COLUMNS",
     "Report",
     "header",
     "oscillation",
     "outcome_cells",
     "outcomes_json",
+    "policy_conductor",
     "replay",
+    "what_stops_transfers",
 ]
 
 Report = dict[str, Any]
@@ -41,13 +47,31 @@ Report = dict[str, Any]
 OUTCOME_COLUMNS = f"{'completed':>10}{'rej. before':>12}{'after':>7}{'wasted s':>10}{'SLO att.':>9}{'goodput':>9}"
 
 
-def replay(
-    spec: ClusterSpec, requests: Sequence[Request], args: argparse.Namespace, *, slo: Slo | None = None, **policy: Any
-) -> ReplayResult:
-    """Replay on a fresh cluster with the options' policies, `policy` overriding them (a progress bar names them)."""
-    slo = slo or simulation.slo(args)
+# The routers of `registry.ROUTERS` that never plan a transfer: only KvCacheCentricRouter at a finite threshold
+# does (local_cache_aware is it at an infinite one). A FILE.py:FACTORY router may: it is not presumed either way.
+NO_TRANSFER_ROUTERS = frozenset({"random", "round_robin", "load_balancing", "local_cache_aware"})
+
+
+def what_stops_transfers(*, router: str, threshold: float, global_pool: bool) -> tuple[str, str] | None:
+    """The option (with its value) that keeps every replay from transferring a block, and why; None if none does.
+    An experiment that varies what only a transfer makes matter (the global pool, the threshold) refuses it:
+    its replays would all be alike."""
+    if not global_pool:
+        return "--local-cache", "without a global pool nothing is transferred"
+    if router in NO_TRANSFER_ROUTERS:
+        return f"--router {router}", "it never plans a transfer"
+    if router == "kvcache_centric" and math.isinf(threshold):
+        return "--threshold inf", "kvcache_centric then never plans a transfer"
+    return None
+
+
+def policy_conductor(
+    spec: ClusterSpec, requests: Sequence[Request], args: argparse.Namespace, slo: Slo, **policy: Any
+) -> Conductor:
+    """A fresh Conductor for `spec` with the options' policies (router, threshold, admission, predictor),
+    `policy` overriding the first three by name."""
     names = {"router": args.router, "admission": args.admission, "threshold": args.threshold, **policy}
-    conductor = build_conductor(
+    return build_conductor(
         spec,
         router=registry.router(names["router"], threshold=names["threshold"]),
         admission=registry.admission(names["admission"]),
@@ -55,8 +79,17 @@ def replay(
         seed=args.seed,
         predictor=registry.predictor(args.predictor, requests, slo),
     )
+
+
+def replay(
+    spec: ClusterSpec, requests: Sequence[Request], args: argparse.Namespace, *, slo: Slo | None = None, **policy: Any
+) -> ReplayResult:
+    """Replay on a fresh cluster with the options' policies, `policy` overriding them (a progress bar names them)."""
+    slo = slo or simulation.slo(args)
     label = ", ".join(f"{key} {value}" for key, value in policy.items()) or "replay"
-    return DisaggregatedCluster(spec, conductor).run(requests, progress=simulation.progress(args, len(requests), label))
+    return DisaggregatedCluster(spec, policy_conductor(spec, requests, args, slo, **policy)).run(
+        requests, progress=simulation.progress(args, len(requests), label)
+    )
 
 
 def header(

@@ -40,6 +40,7 @@ DECODE_BOUND_TBT_SLO_S = 0.025
 
 def _decode_bound_cluster(args: argparse.Namespace) -> tuple[list[Request], ClusterSpec]:
     """The workload at its own pace and the cluster sized for it (see the module docstring)."""
+    simulation.slo(args)  # the sizing divides by --tbt-slo: a bad one is named here, not blamed on the workload
     base = simulation.load_workload(args, speedup=1.0)
     spec = simulation.cluster_spec(base, args)
     return base, attrs.evolve(spec, num_decode=simulation.decode_sized(base, args, spec))

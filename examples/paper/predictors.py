@@ -2,7 +2,11 @@
 
 A replay records, every `--sample-every` seconds, each decode instance's
 state (decoding, incoming) and, some horizons later, the load it really had;
-each predictor is scored by its mean absolute error on those snapshots.
+each predictor is scored by its mean absolute error on those snapshots: the
+current load (no prediction), fixed uniform decode times, a learnt output
+length, each request's expected output, and the predictor the predictive
+policy uses (`--predictor`: by default the paper's uniform t_d, the workload's
+mean output times the TBT objective), in the row named "(policy's)".
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from mooncake.sched.step import DecodeCostModel
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.report import plot_lines
-from mooncake.sim.spec import build_conductor
-from paper.common import Report, header
+from paper.common import Report, header, policy_conductor
 
 __all__ = ["CurrentLoad", "predictors"]
 
@@ -59,14 +62,8 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     """Mean absolute error of each decode-load predictor against what the replay really did."""
     requests = simulation.load_workload(args)
     spec = simulation.cluster_spec(requests, args)
-    conductor = build_conductor(
-        spec,
-        router=registry.router(args.router, threshold=args.threshold),
-        admission=registry.admission(args.admission),
-        slo=simulation.slo(args),
-        predictor=registry.predictor(args.predictor, requests, simulation.slo(args)),
-        seed=args.seed,
-    )
+    slo = simulation.slo(args)
+    conductor = policy_conductor(spec, requests, args, slo)
     cluster = DisaggregatedCluster(spec, conductor)
     horizons = args.horizons or [1.0, 5.0, 10.0, 30.0]
     snapshots: dict[float, list[LoadSnapshot]] = {h: [] for h in horizons}
@@ -96,26 +93,36 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     cluster.run(requests, progress=simulation.progress(args, len(requests), "replay"))
     step = DecodeCostModel(model=spec.model, hardware=spec.decode_hardware).step_s(1, 0)
     learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]])
+    in_use = registry.predictor(args.predictor, requests, slo)  # what predictive_early_rejection would consult
+    policy = f"{args.predictor} (policy's)"
     candidates: dict[str, LoadPredictor] = {
         "current_load": CurrentLoad(),
         "uniform_td_10s": UniformDecodePredictor(decode_s=10.0),
         "uniform_td_5s": UniformDecodePredictor(decode_s=5.0),
         "output_length": learnt,
-        "expected_output": ExpectedOutputPredictor(step_s=simulation.slo(args).tbt_s),
+        "expected_output": ExpectedOutputPredictor(step_s=slo.tbt_s),
+        policy: in_use,
     }
     mae = {
         name: {str(h): attrs.asdict(score_predictor(p, snapshots[h])) for h in horizons}
         for name, p in candidates.items()
     }
-    lines = [header(args, requests, spec), f"snapshots every {args.sample_every} s per decode instance", ""]
-    lines.append(f"{'predictor':<18}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of batch size)")
+    t_d = f", t_d = {in_use.decode_s:.3g} s" if isinstance(in_use, UniformDecodePredictor) else ""
+    lines = [
+        header(args, requests, spec),
+        f"snapshots every {args.sample_every} s per decode instance; the predictive policy's predictor: "
+        f"--predictor {args.predictor}{t_d}",
+        "",
+    ]
+    width = max(18, *(len(name) + 2 for name in candidates))
+    lines.append(f"{'predictor':<{width}}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of batch size)")
     for name in candidates:
-        lines.append(f"{name:<18}" + "".join(f"{mae[name][str(h)]['batch_size_mae']:>10.2f}" for h in horizons))
+        lines.append(f"{name:<{width}}" + "".join(f"{mae[name][str(h)]['batch_size_mae']:>10.2f}" for h in horizons))
     # The context a step reads is what the TBT check weighs: a predictor can get the batch right and this wrong.
-    lines.append(f"{'':<18}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of context, k tokens)")
+    lines.append(f"{'':<{width}}" + "".join(f"{f'+{h:g}s':>10}" for h in horizons) + "   (MAE of context, k tokens)")
     for name in candidates:
         lines.append(
-            f"{name:<18}" + "".join(f"{mae[name][str(h)]['context_tokens_mae'] / 1e3:>10.1f}" for h in horizons)
+            f"{name:<{width}}" + "".join(f"{mae[name][str(h)]['context_tokens_mae'] / 1e3:>10.1f}" for h in horizons)
         )
     if args.out:
         plot_lines(
@@ -125,4 +132,4 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
             ylabel="batch-size MAE",
             title="decode load prediction error",
         )
-    return {"mae": mae}, "\n".join(lines)
+    return {"mae": mae, "policy_predictor": policy}, "\n".join(lines)

@@ -7,7 +7,6 @@ by goodput and by SLO attainment over all arrivals.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 
 import simulation
@@ -19,14 +18,22 @@ from paper.common import OUTCOME_COLUMNS, Report, header, outcome_cells, outcome
 __all__ = ["scheduling"]
 
 
+def tiers(order: list[str], values: dict[str, float]) -> list[list[str]]:
+    """Routers in `order` (best first) grouped where their figures tie: the JSON's ranking, so that a consumer
+    reading its first entry gets every router that tied for first, not whichever `--routers` named first."""
+    groups: list[list[str]] = []
+    for router in order:
+        if groups and math.isclose(values[groups[-1][-1]], values[router], rel_tol=1e-9, abs_tol=1e-12):
+            groups[-1].append(router)
+        else:
+            groups.append([router])
+    return groups
+
+
 def ranked(order: list[str], values: dict[str, float], better: str) -> str:
-    """Routers in `order` joined by `better` (" < ", " > "), and by " = " where their figures tie, so that a tie
-    never reads as an order."""
-    text = order[0] if order else ""
-    for previous, router in itertools.pairwise(order):
-        tie = math.isclose(values[previous], values[router], rel_tol=1e-9, abs_tol=1e-12)
-        text += (" = " if tie else better) + router
-    return text
+    """Routers in `order` joined by `better` (" < ", " > "), and by " = " where their figures tie (`tiers`), so that
+    a tie never reads as an order."""
+    return better.join(" = ".join(group) for group in tiers(order, values))
 
 
 def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
@@ -50,10 +57,10 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
         "goodput": ({r: results[r].summary.goodput_rps for r in results}, -1.0, " > "),
         "slo_attainment": ({r: results[r].summary.slo_attainment for r in results}, -1.0, " > "),
     }
-    ranking = {by: sorted(values, key=lambda r: sign * values[r]) for by, (values, sign, _) in figures.items()}
+    order = {by: sorted(values, key=lambda r: sign * values[r]) for by, (values, sign, _) in figures.items()}
     lines.append("")
     for by, (values, _sign, better) in figures.items():
-        lines.append(f"ranked by {by.replace('_', ' ')}: {ranked(ranking[by], values, better)}")
+        lines.append(f"ranked by {by.replace('_', ' ')}: {ranked(order[by], values, better)}")
     if len(timed) < len(results):
         lines.append(f"not ranked by mean TTFT (completed nothing): {', '.join(r for r in results if r not in timed)}")
     if args.out:
@@ -69,7 +76,8 @@ def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
         "p99_ttft_s": {router: r.summary.ttft_s["p99"] for router, r in results.items()},
         "cache_hit_ratio": {router: r.summary.cache_hit_ratio for router, r in results.items()},
         **outcomes_json(results),
-        "ranking": ranking,
+        # Best first, each entry the routers tied there: [["a", "b"], ["c"]] is a = b > c.
+        "ranking": {by: tiers(order[by], values) for by, (values, _sign, _better) in figures.items()},
         "cluster": simulation.describe(spec),
     }
     return report, "\n".join(lines)

@@ -5,7 +5,9 @@ exceeds the threshold. The table shows mean TTFT, the cache hit ratio and the
 outcomes per threshold; where TTFT hardly moves between finite thresholds, the
 reason is in the workload: an instance mostly holds either a request's whole
 matched prefix (the ratio is 1) or none of it (the ratio is infinite), so no
-finite threshold falls between the ratios that occur.
+finite threshold falls between the ratios that occur. That needs two finite
+thresholds to say; and local caches (`--local-cache`) are refused, since
+without a global pool nothing is transferred and no threshold decides anything.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import math
 
 import simulation
 
+from mooncake.errors import ConfigError
 from mooncake.sim.report import plot_lines
-from paper.common import OUTCOME_COLUMNS, Report, header, outcome_cells, replay
+from paper.common import OUTCOME_COLUMNS, Report, header, outcome_cells, replay, what_stops_transfers
 
 __all__ = ["threshold"]
 
 
 def threshold(args: argparse.Namespace) -> tuple[Report, str]:
     """TTFT and outcomes against kvcache_balancing_threshold (the KV-cache-centric router)."""
+    # The router and its (finite) thresholds are the experiment's own: only the options' pool can stop transfers.
+    stopped = what_stops_transfers(router="kvcache_centric", threshold=1.0, global_pool=args.global_pool)
+    if stopped is not None:
+        option, why = stopped
+        raise ConfigError(f"{option} does not apply to threshold: {why}, so no threshold decides anything")
     requests = simulation.load_workload(args)
     spec = simulation.cluster_spec(requests, args)
     values = args.thresholds or [1.0, 1.25, 1.5, 2.0, 3.0, 5.0, math.inf]
@@ -37,7 +45,7 @@ def threshold(args: argparse.Namespace) -> tuple[Report, str]:
         )
     finite = [t for t in values if math.isfinite(t)]
     means = [results[t].summary.ttft_s["mean"] for t in finite]
-    if means and max(means) - min(means) <= 0.01 * max(means):
+    if len(means) > 1 and max(means) - min(means) <= 0.01 * max(means):  # one threshold is flat on its own
         lines.append("")
         lines.append(
             "flat across the finite thresholds (within 1 %): an instance holds a request's whole matched prefix "

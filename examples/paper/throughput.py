@@ -6,33 +6,44 @@ disaggregated clusters (3P+1D, 2P+2D) and four coupled vLLM-style instances
 with and without chunked prefill. On the workload itself, the requests served
 within both SLOs by Mooncake and by the stronger coupled baseline on as many
 GPUs, for each TBT objective.
+
+Both parts run Mooncake with the options' policies (`--router`, `--threshold`,
+`--admission`, `--predictor`) and cluster options (`--cache-blocks`,
+`--local-cache`, `--cpp`, `--inline-prefill`, `--admission-wait`, `--model`,
+`--hardware`, `--block-size`); the long-context clusters keep their own node
+counts (3P+1D, 2P+2D: any `--cpp` above 1 divides one of them not, and is
+refused), and their prompts must fit a decode node with their output. Every
+option is checked, against the workload too, before the long-context search.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import attrs
 import numpy as np
 import simulation
 
-from mooncake.sched.admission import BaselineAdmission
+from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
-from mooncake.sim.spec import ClusterSpec, build_conductor
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
-from paper.common import Report, header, replay
+from paper.common import Report, header, policy_conductor, replay
 
 __all__ = ["THROUGHPUT_CONFIGS", "throughput"]
 
 THROUGHPUT_CONFIGS = ("3P+1D", "2P+2D", "vllm-4", "vllm-4-chunked")
 VLLM = ("vllm-4", "vllm-4-chunked")
+DISAGGREGATED = {"3P+1D": (3, 1), "2P+2D": (2, 2)}  # (prefill, decode) nodes
+OUTPUT_TOKENS = 512  # of every long-context request
 
 
 def _p90_within(result: ReplayResult, slo: Slo) -> bool:
@@ -43,30 +54,54 @@ def _p90_within(result: ReplayResult, slo: Slo) -> bool:
     return bool(np.percentile(ttft, 90, **p90) <= slo.ttft_s and np.percentile(tbt, 90, **p90) <= slo.tbt_s)
 
 
-def _run_config(config: str, requests: Sequence[Request], args: argparse.Namespace, slo: Slo) -> ReplayResult:
-    model, hardware = MODELS[args.model], HARDWARE[args.hardware]
-    if config.startswith("vllm"):
+def _run_config(
+    config: str, requests: Sequence[Request], args: argparse.Namespace, slo: Slo, clusters: Mapping[str, ClusterSpec]
+) -> ReplayResult:
+    """One replay of `config`: a coupled one, or Mooncake on `clusters[config]` with the options' policies."""
+    if config in VLLM:
         spec = CoupledSpec(
             num_instances=4,
-            model=model,
-            hardware=hardware,
+            model=MODELS[args.model],
+            hardware=HARDWARE[args.hardware],
             chunked_prefill=config.endswith("chunked"),
             block_size_tokens=args.block_size,
         )
         return CoupledCluster(spec, slo=slo).run(requests)
-    prefill, decode = int(config[0]), int(config[3])
-    cluster = ClusterSpec(
-        num_prefill=prefill,
-        num_decode=decode,
-        model=model,
-        prefill_hardware=hardware,
-        decode_hardware=hardware,
-        cache_capacity_tokens=args.cache_blocks * args.block_size,
-        block_size_tokens=args.block_size,
-        admission_wait_s=args.admission_wait,
-    )
-    conductor = build_conductor(cluster, admission=BaselineAdmission(), slo=slo, seed=args.seed)
-    return DisaggregatedCluster(cluster, conductor).run(requests)
+    cluster = clusters[config]
+    return DisaggregatedCluster(cluster, policy_conductor(cluster, requests, args, slo)).run(requests)
+
+
+def _long_context_clusters(spec: ClusterSpec, lengths: Sequence[int]) -> dict[str, ClusterSpec]:
+    """The workload's cluster `spec` (every cluster option) at each long-context configuration's node counts.
+
+    Raises:
+        ConfigError: a --cpp that divides a configuration's prefill nodes not, or one of `lengths` that no decode
+            node holds with its output (every request of it would be refused: no rate to find, and its block keys
+            could fill the memory).
+    """
+    limits = spec.decode_limits
+    holds = min(limits.kv_capacity_tokens, limits.max_context_tokens or limits.kv_capacity_tokens)
+    for length in lengths:
+        if length + OUTPUT_TOKENS > holds:
+            raise ConfigError(
+                f"--lengths must be at most {holds - OUTPUT_TOKENS:,} tokens (with the {OUTPUT_TOKENS} output "
+                f"tokens, what one decode node of {spec.model.name} on {spec.decode_hardware.name} holds), got {length}"
+            )
+    clusters = {}
+    for config, (prefill, decode) in DISAGGREGATED.items():
+        simulation.check_cpp_divides(spec.cpp_group_size, prefill, f"{config}'s {prefill} prefill nodes")
+        clusters[config] = attrs.evolve(spec, num_prefill=prefill, num_decode=decode)
+    return clusters
+
+
+def _policies(args: argparse.Namespace) -> dict[str, object]:
+    """The Mooncake policies both parts run (`policy_conductor`'s), as the header and the JSON state them."""
+    policies: dict[str, object] = {"router": args.router, "admission": args.admission}
+    if args.router == "kvcache_centric":
+        policies["threshold"] = args.threshold
+    if args.admission == "predictive_early_rejection":
+        policies["predictor"] = args.predictor
+    return policies
 
 
 def _max_rate(
@@ -104,7 +139,12 @@ def _length_label(tokens: int) -> str:
 
 def throughput(args: argparse.Namespace) -> tuple[Report, str]:
     """Max Poisson rate within the P90 SLOs (arXiv Fig. 12) and effective capacity vs the TBT SLO (FAST'25)."""
+    # Every option, the workload's too, is checked before the long-context search: it takes minutes.
+    requests = simulation.load_workload(args)
+    spec = simulation.cluster_spec(requests, args)
+    simulation.slo(args)
     lengths = args.lengths or [16384, 32768, 65536, 131072]
+    clusters = _long_context_clusters(spec, lengths)
     model, hardware = MODELS[args.model], HARDWARE[args.hardware]
     lone = PrefillCostModel(model=model, hardware=hardware)
     max_rps: dict[str, dict[str, float]] = {config: {} for config in THROUGHPUT_CONFIGS}
@@ -119,16 +159,16 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
         slos[str(length)] = {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}
 
         def meets(rate: float, config: str, length: int = length, slo: Slo = slo) -> bool:
-            requests = fixed_length_requests(
+            fixed = fixed_length_requests(
                 input_tokens=length,
-                output_tokens=512,
+                output_tokens=OUTPUT_TOKENS,
                 num_requests=args.throughput_requests,
                 cache_ratio=0.5,
                 arrivals=ArrivalProcess(rate_per_s=rate),
                 seed=args.seed,
                 block_size_tokens=args.block_size,
             )
-            return _p90_within(_run_config(config, requests, args, slo), slo)
+            return _p90_within(_run_config(config, fixed, args, slo, clusters), slo)
 
         for config in THROUGHPUT_CONFIGS:
             max_rps[config][str(length)], at_cap = _max_rate(lambda rate, c=config: meets(rate, c))
@@ -137,8 +177,6 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
 
     # Effective request capacity on the workload: requests within both SLOs, Mooncake vs the stronger
     # coupled baseline (with or without chunked prefill, whichever serves more) on as many GPUs.
-    requests = simulation.load_workload(args)
-    spec = simulation.cluster_spec(requests, args)
     effective: dict[str, dict[str, int]] = {}
     for tbt in args.tbt_thresholds:
         slo = Slo(ttft_s=args.ttft_slo, tbt_s=tbt)
@@ -164,7 +202,12 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
             "coupled_chunked": round(coupled[True].summary.slo_attainment * len(requests)),
         }
 
-    lines = [f"long-context: {args.throughput_requests} requests per point, 512 output tokens, 50 % cache ratio"]
+    policies = _policies(args)
+    lines = [
+        f"long-context: {args.throughput_requests} requests per point, {OUTPUT_TOKENS} output tokens, 50 % cache "
+        f"ratio; {simulation.describe(clusters['3P+1D'])}, and 2P+2D alike; Mooncake's policies (both parts): "
+        + ", ".join(f"{key} {value}" for key, value in policies.items())
+    ]
     lines.append(
         f"{'config':<16}{_cells(_length_label(n) for n in lengths)}   (max req/s within P90 SLOs; prompt tokens, K = 1024)"
     )
@@ -209,4 +252,12 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
             title="long-context throughput",
             logx=True,
         )
-    return {"max_rps": max_rps, "slo": slos, "effective_requests": effective}, "\n".join(lines)
+    report: Report = {
+        "max_rps": max_rps,
+        "slo": slos,
+        "effective_requests": effective,
+        "policies": policies,
+        "clusters": {config: simulation.describe(cluster) for config, cluster in clusters.items()}
+        | {"workload": simulation.describe(spec)},
+    }
+    return report, "\n".join(lines)
