@@ -41,6 +41,7 @@ import logging
 import math
 import random
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -52,7 +53,8 @@ import attrs
 from mooncake.cache import BlockHasher, BlockIndex, CacheEvent, MetadataPagePool, SequenceGap, TieredCache
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
 from mooncake.cache.vllm_wire import WireLayout
-from mooncake.errors import UnknownBlockError, VllmEventError
+from mooncake.cli import one_line, run_interruptible
+from mooncake.errors import MooncakeError, UnknownBlockError, VllmEventError
 from mooncake.types import InstanceId, Tier
 
 if TYPE_CHECKING:
@@ -628,13 +630,44 @@ def wait_until(condition: Callable[[], bool], *, timeout_s: float) -> bool:
     return False
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _integer(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(*, positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 if `positive`, else >= 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm_events", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("subscribe", "publish", "loopback"):
         sub = commands.add_parser(name)
         sub.add_argument("--model", default="demo-model", help="the model (part of the block-key namespace)")
-        sub.add_argument("--block-size", type=int, default=16, help="vLLM's block size in tokens")
+        sub.add_argument("--block-size", type=_integer(1), default=16, help="vLLM's block size in tokens")
         sub.add_argument("--salt", default="")
         sub.add_argument("--algorithm", choices=["xxh3_64", "xxh3_128", "sha256"], default="xxh3_64")
         sub.add_argument("--topic", default="")
@@ -645,24 +678,47 @@ def main(argv: Sequence[str] | None = None) -> None:
             sub.add_argument("--connect", action="store_true", help="connect (vLLM's endpoint has '*')")
             sub.add_argument("--source", default="vllm-0", help="the instance's id in the index")
             sub.add_argument("--strict", action="store_true", help="stop on hashes never seen")
-            sub.add_argument("--duration", type=float, default=0.0, help="seconds (0: until interrupted)")
-            sub.add_argument("--report-every", type=float, default=5.0, help="seconds between counter lines")
+            sub.add_argument(
+                "--duration", type=_seconds(positive=False), default=0.0, help="seconds (0: until interrupted)"
+            )
+            sub.add_argument(
+                "--report-every", type=_seconds(positive=True), default=5.0, help="seconds between counter lines"
+            )
         else:
-            sub.add_argument("--num-prompts", type=int, default=200)
-            sub.add_argument("--seed", type=int, default=0)
-            sub.add_argument("--vram-blocks", type=int, default=64)
-            sub.add_argument("--dram-blocks", type=int, default=128)
+            sub.add_argument("--num-prompts", type=_integer(1), default=200)
+            sub.add_argument("--seed", type=_integer(0), default=0)
+            sub.add_argument("--vram-blocks", type=_integer(1), default=64)
+            sub.add_argument("--dram-blocks", type=_integer(1), default=128)
         if name == "publish":
-            sub.add_argument("--interval-s", type=float, default=0.05)
-    args = parser.parse_args(argv)
+            sub.add_argument("--interval-s", type=_seconds(positive=False), default=0.05)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line: 0; 1 when `loopback`'s two indexes disagree; 2 and one line on stderr for a bad
+    option, an endpoint ZeroMQ refuses or a missing kv-events extra; 130 after Ctrl-C (`run_interruptible`)."""
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "replay", None) == "":
         args.replay = None
-    summary = {"subscribe": subscribe, "publish": publish, "loopback": loopback}[args.command](args)
+    return run_interruptible("vllm_events", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import msgpack  # noqa: F401 - the wire format; checked here so that its absence is one line too
+        import zmq
+    except ImportError as error:
+        print(f"vllm_events: needs {error.name}: the kv-events extra (pip install -e '.[kv-events]')", file=sys.stderr)
+        return 2
+    try:
+        summary = {"subscribe": subscribe, "publish": publish, "loopback": loopback}[args.command](args)
+    except (MooncakeError, zmq.ZMQError) as error:  # ZeroMQ's names the endpoint: Invalid argument (addr='x')
+        print(one_line(f"vllm_events: error: {error}"), file=sys.stderr)
+        return 2
     print(json.dumps(summary))
-    if args.command == "loopback" and not summary["match"]:
-        raise SystemExit(1)
+    return 1 if args.command == "loopback" and not summary["match"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

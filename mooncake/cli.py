@@ -8,19 +8,26 @@
 
 Traces may be plain or gzip (`.jsonl.gz`), in the Mooncake form or aiperf's
 (see `mooncake.workload.trace`); an output whose name ends in `.gz` is
-compressed. Errors in the input print one line naming the problem and exit
+compressed. An output of `-` is stdout; there, as into a FIFO or /dev/stdout,
+the trace is written as it goes, and the line saying what was written goes to
+stderr. An output that is a symbolic link stays one: the file it leads to is
+replaced. Errors in the input print one line naming the problem and exit
 with status 2, nothing written: a malformed trace line (`file:line: reason`), a
 file that cannot be read or written (`file: reason`), an option out of its range
 (`argument --seed: ...`; `--rate` and `--cv` lie in `ARRIVAL_RANGE`, [1e-6, 1e6], `--plot` names
 an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
-With `--skip-invalid` a malformed line is left out instead and named on stderr.
+With `--skip-invalid` a malformed line is left out instead and named on stderr,
+except that a line which the 10 lines after it all arrive before is an error
+naming it (its timestamp is likely wrong: skipping on would lose the rest).
 `--time-unit` says what a trace's timestamps count (ms, the Mooncake format's,
 by default; `s` for Alibaba's Qwen-Bailian traces); a millisecond trace with
 fractions of a millisecond gets one `PROG: warning: ...` line on stderr saying so.
 Ctrl-C ends a command with status 130 and one line on stderr; SIGTERM with
-status 143. Either way an output being written is left as it was, no temporary
-file behind. Output piped into a reader that exits early (`| head`) ends the
-command quietly with status 141, as SIGPIPE would.
+status 143, SIGHUP (its terminal or ssh session closed) with 129 and SIGQUIT
+(Ctrl-\\) with 131, silently. Either way an output being written is left as it
+was, no temporary file behind. A signal the command was started ignoring
+(`nohup`'s SIGHUP) stays ignored. Output piped into a reader that exits early
+(`| head`) ends the command quietly with status 141, as SIGPIPE would.
 A capacity sweep draws a progress bar on stderr when stdout and stderr are both
 terminals (not when the output is piped or redirected) unless `--no-progress`.
 """
@@ -39,7 +46,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 
@@ -212,7 +219,8 @@ def read_trace(
     its caution about the time unit as `PROG: warning: ...`.
 
     Raises:
-        TraceFormatError: at the first malformed line unless `skip_invalid`, and at a broken gzip stream.
+        TraceFormatError: at the first malformed line unless `skip_invalid`, at a broken gzip stream, and with
+            `skip_invalid` at a line the 10 lines after it all arrive before (see `iter_trace`).
         ConfigError: for invalid options.
     """
 
@@ -250,12 +258,12 @@ def _stats(args: argparse.Namespace) -> None:
     print(f"max input tokens     {stats.max_input_length:,}")
     print(f"blocks (unique)      {stats.num_blocks:,} ({stats.num_unique_blocks:,})")
     print(f"prefix reuse ratio   {stats.prefix_reuse_ratio:.4f}")
-    print(f"duration             {_seconds(stats.duration_s)} s ({stats.mean_rate_per_s:.2f} req/s)")
+    print(f"duration             {_figures(stats.duration_s)} s ({_figures(stats.mean_rate_per_s)} req/s)")
 
 
-def _seconds(value: float) -> str:
-    """`value` to three significant figures at least (a 10 ms trace's 0.0100, not 0.0, beside its 100 req/s),
-    to a tenth of a second past 100 (1,800.0), never in exponent form."""
+def _figures(value: float) -> str:
+    """`value` to three significant figures at least (a 10 ms trace's 0.0100 s, not 0.0, beside its 100.0 req/s;
+    an hour-long trace's 0.00413 req/s, not 0.00), to a tenth past 100 (1,800.0), never in exponent form."""
     decimals = 1 if value <= 0 else max(1, 2 - math.floor(math.log10(value)))
     return f"{value:,.{decimals}f}"
 
@@ -265,8 +273,23 @@ def _generate(args: argparse.Namespace) -> None:
     requests = generate_requests(
         spec, num_requests=args.num_requests, arrivals=ArrivalProcess(rate_per_s=args.rate, cv=args.cv), seed=args.seed
     )
-    count = write_trace(args.out, requests, block_size_tokens=args.block_size)
-    print(f"wrote {count:,} requests ({args.preset}, seed {args.seed}) to {args.out}")
+    count = write_trace(_destination(args.out), requests, block_size_tokens=args.block_size)
+    _wrote(args.out, f"wrote {count:,} requests ({args.preset}, seed {args.seed}) to {args.out}")
+
+
+def _destination(text: str) -> str:
+    """The path an output option names: `-` is stdout, by its name /dev/stdout (written as it goes)."""
+    return "/dev/stdout" if text == "-" else text
+
+
+def _wrote(text: str, message: str) -> None:
+    """Say what a command wrote to output `text`: on stderr when that is stdout (`-`, /dev/stdout, or the file
+    stdout is redirected to), where the line would otherwise end up inside the trace."""
+    try:
+        is_stdout = os.path.samestat(os.stat(_destination(text)), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):  # gone since, or stdout has no descriptor (replaced, closed): not the same
+        is_stdout = False
+    print(message, file=sys.stderr if is_stdout else sys.stdout)
 
 
 # The workload of a parallel capacity sweep: forked workers inherit it instead of unpickling it.
@@ -351,8 +374,9 @@ def _capacity(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    count = write_trace(args.target, _read(args, args.source), block_size_tokens=args.block_size, form=args.to)
-    print(f"wrote {count:,} requests from {args.source} to {args.target} ({args.to} form)")
+    requests = _read(args, args.source)
+    count = write_trace(_destination(args.target), requests, block_size_tokens=args.block_size, form=args.to)
+    _wrote(args.target, f"wrote {count:,} requests from {args.source} to {args.target} ({args.to} form)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -382,7 +406,12 @@ def _parser() -> argparse.ArgumentParser:
         "--cv", type=_ranged, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
     )
     generate.add_argument("--seed", type=_integer(0), default=0)
-    generate.add_argument("--out", type=_output_path, required=True)
+    generate.add_argument(
+        "--out",
+        type=_output_path,
+        required=True,
+        help="the trace to write (gzip when the name ends in .gz; - for stdout)",
+    )
     generate.set_defaults(run=_generate)
 
     capacity = sub.add_parser("capacity", help="prefix hit ratio against cache capacity")
@@ -407,7 +436,10 @@ def _parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="rewrite a trace in the Mooncake form or aiperf's, plain or gzip")
     convert.add_argument("source", metavar="IN", type=_input_path, help="a trace in either form, plain or gzip")
     convert.add_argument(
-        "target", metavar="OUT", type=_output_path, help="the trace to write (gzip when the name ends in .gz)"
+        "target",
+        metavar="OUT",
+        type=_output_path,
+        help="the trace to write (gzip when the name ends in .gz; - for stdout)",
     )
     convert.add_argument(
         "--to", choices=TRACE_FORMS, default="mooncake", help="the form to write (default mooncake; aiperf keeps text)"
@@ -423,7 +455,10 @@ def _parser() -> argparse.ArgumentParser:
         )
     for command in (stats, capacity, convert):
         command.add_argument(
-            "--skip-invalid", action="store_true", help="leave out malformed lines (named on stderr) instead of failing"
+            "--skip-invalid",
+            action="store_true",
+            help="leave out malformed lines (named on stderr) instead of failing; a line that the 10 after it all "
+            "arrive before still fails, named",
         )
         command.add_argument(
             "--time-unit",
@@ -443,6 +478,11 @@ def _os_error(error: OSError) -> str:
 
 def _terminate(signum: int, frame: object) -> NoReturn:
     raise SystemExit(128 + signum)
+
+
+# Signals that stop a command as SIGTERM does: its terminal or ssh session closed (SIGHUP), Ctrl-\ (SIGQUIT).
+# Their default actions end the process at once, leaving a half-written temporary file behind.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
 
 
 EXIT_READER_LEFT = 141  # 128 + SIGPIPE (13): the status of a program the signal ends, as `yes | head` leaves it
@@ -466,22 +506,27 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
 
     SIGTERM raises SystemExit(143) inside `command`, so `finally` blocks run
     and an atomic write (`write_trace`, the simulator's reports) removes its
-    temporary file instead of leaving it behind. Ctrl-C (KeyboardInterrupt)
+    temporary file instead of leaving it behind; so do the other
+    `STOP_SIGNALS`, SIGHUP (129) and SIGQUIT (131), unless the process ignores
+    one (`nohup` ignores SIGHUP, which must stay so). Ctrl-C (KeyboardInterrupt)
     ends it with status 130 and `PROG: interrupted` on stderr, not a traceback.
     A reader of stdout that exits early (`| head`) ends it quietly with status
     141 (`EXIT_READER_LEFT`), as SIGPIPE would: stdout is flushed here, so
     that the broken pipe shows here and not at the interpreter's exit. The
-    SIGTERM handler is installed for the call only, and only from the main
-    thread (the one Python runs signal handlers in).
+    handlers are installed for the call only, and only from the main thread
+    (the one Python runs signal handlers in).
 
     Returns:
         `command()`'s exit status, 130 after Ctrl-C, or 141 when stdout's reader left.
 
     Raises:
-        SystemExit: 143 (128 + SIGTERM) on SIGTERM.
+        SystemExit: 128 + the signal on one of `STOP_SIGNALS` (143 on SIGTERM).
     """
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, _terminate)
     try:
         status = command()
         sys.stdout.flush()
@@ -492,13 +537,14 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     finally:
-        if in_main_thread:  # None: a handler not installed from Python, which cannot be put back
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for signum, handler in previous.items():  # None: a handler not installed from Python, which cannot be put back
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0, 2 for a usage or input error, 130 after Ctrl-C, 141 when
-    stdout's reader left; SIGTERM exits with 143, removing what was half written: see `run_interruptible`)."""
+    stdout's reader left; SIGTERM exits with 143, SIGHUP 129, SIGQUIT 131, removing what was half written: see
+    `run_interruptible`)."""
     return run_interruptible("mooncake", lambda: _main(argv))
 
 

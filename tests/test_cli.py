@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,18 @@ def test_trace_stats_text(synthetic_trace: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.mark.parametrize(
     ("stamps", "shown"),
-    [((0, 10), "0.0100 s (100.00 req/s)"), ((0, 1500), "1.50 s (0.67 req/s)"), ((0, 3_599_940), "3,599.9 s")],
+    [
+        ((0, 10), "0.0100 s (100.0 req/s)"),
+        ((0, 1500), "1.50 s (0.667 req/s)"),
+        ((0, 3_599_940), "3,599.9 s"),
+        ((0, 4_840_000), "4,840.0 s (0.000207 req/s)"),
+    ],
 )
 def test_trace_stats_text_shows_a_short_duration_to_three_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], stamps: tuple[int, ...], shown: str
 ) -> None:
-    """A 10 ms trace's duration was "0.0 s" beside its rate of 100 req/s: at least three significant figures
-    now, and long durations as before, to a tenth of a second."""
+    """A 10 ms trace's duration was "0.0 s" beside its rate of 100 req/s, and a slow trace's rate "0.00 req/s":
+    both to at least three significant figures now, and long durations as before, to a tenth of a second."""
     path = tmp_path / "short.jsonl"
     path.write_text("".join(GOOD_LINE.replace('"timestamp": 0', f'"timestamp": {t}') + "\n" for t in stamps))
     status, out, err = run(capsys, "trace", "stats", str(path), "--block-size", "4")
@@ -459,6 +465,79 @@ def test_skip_invalid_reads_around_bad_lines(tmp_path: Path, capsys: pytest.Capt
         assert json.loads(out)["num_requests"] == 2
 
 
+def test_skip_invalid_names_a_spiked_timestamp_instead_of_dropping_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One timestamp typo on line 2 of a 20-line trace: --skip-invalid kept it and dropped the 18 lines after it
+    (`requests 2`, status 0). Now the ten lines after it are named, then one error names line 2: status 2."""
+    source = tmp_path / "spike.jsonl"
+    stamps = [0, 999_999, *range(100, 1900, 100)]
+    source.write_text("".join(GOOD_LINE.replace('"timestamp": 0', f'"timestamp": {t}') + "\n" for t in stamps))
+    status, out, err = run(capsys, "trace", "stats", str(source), "--block-size", "4", "--skip-invalid")
+    lines = err.splitlines()
+    assert (status, out, len(lines)) == (2, "", 11), err
+    assert all(
+        text.startswith(f"mooncake: skipped {source}:{n}: ") for n, text in zip(range(3, 13), lines, strict=False)
+    )
+    assert lines[-1].startswith(f"mooncake: error: {source}:2: arrives at 999999 ms, but the 10 lines after it ")
+
+
+# --------------------------------------------------------------------------- where the output goes
+
+
+def test_an_output_of_dash_is_stdout_and_the_report_goes_to_stderr(tmp_path: Path) -> None:
+    """`trace convert IN -` and `trace generate --out -` write the trace to stdout (a pipe here) and say what they
+    wrote on stderr, not inside the trace; no file named `-` is made."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(f"{GOOD_LINE}\n{GOOD_LINE}\n", encoding="utf-8")
+    for argv, said in (
+        (["trace", "convert", str(source), "-", "--block-size", "4"], f"wrote 2 requests from {source} to - "),
+        (["trace", "generate", "--num-requests", "3", "--out", "-"], "wrote 3 requests (synthetic, seed 0) to -"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "mooncake", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0 and done.stderr.startswith(said), done.stderr
+        assert [json.loads(text)["timestamp"] >= 0 for text in done.stdout.splitlines()] == [True] * int(said[6])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+@pytest.mark.parametrize("mode", ["wb", "ab"], ids=[">", ">>"])
+def test_dash_redirected_to_a_file_writes_as_the_shell_redirection_says(tmp_path: Path, mode: str) -> None:
+    """`trace convert IN - > out.jsonl` leaves exactly the trace in out.jsonl (the report on stderr, not over the
+    trace's first line); `- >> log.jsonl` adds it after what the log held, as `>>` asks, not truncating it."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(f"{GOOD_LINE}\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    out.write_text("held\n")
+    with out.open(mode) as stdout:
+        done = subprocess.run(
+            [sys.executable, "-m", "mooncake", "trace", "convert", str(source), "-", "--block-size", "4"],
+            cwd=tmp_path,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 0 and done.stderr.startswith("wrote 1 requests"), done.stderr
+    assert out.read_text() == ("held\n" if mode == "ab" else "") + f"{GOOD_LINE}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "t.jsonl"]
+
+
+def test_convert_through_a_symlink_keeps_the_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OUT a link to a file elsewhere: the link was replaced by a regular file and its file kept the old trace; now
+    the link stays and its file holds the new trace."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(f"{GOOD_LINE}\n", encoding="utf-8")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "target.jsonl").write_text("OLD\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to("real/target.jsonl")
+    status, out, err = run(capsys, "trace", "convert", str(source), str(link), "--block-size", "4")
+    assert (status, err) == (0, "") and out.startswith("wrote 1 requests")
+    assert link.is_symlink() and (tmp_path / "real" / "target.jsonl").read_text() == f"{GOOD_LINE}\n"
+
+
 def test_a_trace_timed_in_seconds_converts_with_time_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A trace whose timestamps count seconds (Qwen-Bailian's): read as milliseconds it gets one warning line
     naming the first fraction and `--time-unit s`; with `--time-unit s`, no warning, and `convert` writes it in
@@ -703,44 +782,84 @@ def test_ctrl_c_is_status_130_and_one_line(capsys: pytest.CaptureFixture[str]) -
     assert run_interruptible("tool", lambda: 7) == 7
 
 
-@pytest.mark.usefixtures("sigterm_fails_the_test")
-def test_sigterm_unwinds_the_command_as_system_exit_143() -> None:
-    """SIGTERM raises SystemExit(143) inside the command, so its `finally` blocks run; the handler is the
-    command's only: the one before it is back afterwards."""
-    before = signal.getsignal(signal.SIGTERM)
+STOPS = [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGQUIT, 131)]
+
+
+@pytest.fixture
+def stop_fails_the_test(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The signal of a test that sends itself one: unless the code under test handles it, the test fails (with
+    the default action the signal would end the whole run)."""
+    signum = request.param
+
+    def unhandled(*_: object) -> None:
+        pytest.fail(f"{signal.Signals(signum).name} reached no handler of the code under test")
+
+    previous = signal.signal(signum, unhandled)
+    yield signum
+    signal.signal(signum, previous)
+
+
+@pytest.mark.parametrize(
+    ("stop_fails_the_test", "status"), STOPS, indirect=["stop_fails_the_test"], ids=["TERM", "HUP", "QUIT"]
+)
+def test_a_stop_signal_unwinds_the_command_as_system_exit(stop_fails_the_test: int, status: int) -> None:
+    """SIGTERM, SIGHUP (a closed terminal or ssh session) and SIGQUIT raise SystemExit(128 + the signal) inside
+    the command, so its `finally` blocks run (SIGHUP used to end it at once, leaving its temporary file); the
+    handler is the command's only: the one before it is back afterwards."""
+    signum = stop_fails_the_test
+    before = signal.getsignal(signum)
     unwound = []
 
     def command() -> int:
         try:
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signum)
             return 0
         finally:
             unwound.append(True)
 
     with pytest.raises(SystemExit) as caught:
         run_interruptible("tool", command)
-    assert caught.value.code == 143 and unwound == [True]
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert caught.value.code == status and unwound == [True]
+    assert signal.getsignal(signum) is before
+
+
+def test_a_signal_ignored_at_the_start_stays_ignored() -> None:
+    """Under `nohup` SIGHUP is ignored: the command must not take it back, or closing the terminal would stop it."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        seen = []
+        assert run_interruptible("tool", lambda: seen.append(signal.getsignal(signal.SIGHUP)) or 0) == 0
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 # A terminal's Ctrl-C reaches a foreground process with SIGINT handled; a test run in the background (SIGINT
 # ignored, which a child inherits) must not make the child ignore it too.
+# Likewise a run under nohup (SIGHUP ignored) must not pass that on to the child that stands for a terminal's.
 INTERRUPTIBLE = (
     "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
     "from mooncake.cli import main; sys.exit(main())"
 )
 
 
 @pytest.mark.parametrize(
     ("signum", "status", "stderr"),
-    [(signal.SIGTERM, 143, ""), (signal.SIGINT, 130, "mooncake: interrupted\n")],
-    ids=["SIGTERM", "SIGINT"],
+    [
+        (signal.SIGTERM, 143, ""),
+        (signal.SIGINT, 130, "mooncake: interrupted\n"),
+        (signal.SIGHUP, 129, ""),
+        (signal.SIGQUIT, 131, ""),
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"],
 )
 def test_a_write_stopped_by_a_signal_leaves_nothing_and_no_traceback(
     tmp_path: Path, signum: int, status: int, stderr: str
 ) -> None:
-    """`trace generate` stopped while it writes: SIGTERM left its hidden temporary file behind, Ctrl-C printed
-    a KeyboardInterrupt traceback. Now: status 128 + the signal, at most one line, the folder left empty.
+    """`trace generate` stopped while it writes: SIGTERM (and later SIGHUP, a closed terminal) left its hidden
+    temporary file behind, Ctrl-C printed a KeyboardInterrupt traceback. Now: status 128 + the signal, at most one
+    line, the folder left empty.
 
     Python drops an exception its signal handler raises inside a finalizer (saying "Exception ignored"): a
     stop landing there is lost, as a user's first Ctrl-C may be, so the signal is sent again every 5 s, as

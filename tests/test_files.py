@@ -1,4 +1,6 @@
-"""`mooncake._files.atomic_path`: a file is replaced whole or not at all, and its errors name it.
+"""`mooncake._files.atomic_path`: a file is replaced whole or not at all, and its errors name it; a link stays
+(the file it leads to is replaced), a stream (a FIFO, a device, a descriptor's name) is written in place, a folder is
+refused.
 
 The writers built on it are tested with it: `write_trace` in tests/workload/test_trace.py, the simulator's
 reports in tests/sim/test_report.py.
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -96,3 +100,135 @@ def test_a_name_longer_than_the_system_takes_is_refused_before_anything_is_writt
         ran = True
     assert raised.value.errno == errno.ENAMETOOLONG and raised.value.filename == str(target)
     assert not ran and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- what is already at the target
+
+
+def test_a_symlink_stays_and_the_file_it_leads_to_is_replaced_whole(tmp_path: Path) -> None:
+    """A link at the target was replaced by a regular file, its file never written: now the link stays and the
+    file it leads to is replaced, by a sibling written beside that file (a rename stays within its folder)."""
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "target.jsonl"
+    real.write_text("old")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to("real/target.jsonl")
+    with atomic_path(link) as temporary:
+        assert temporary.parent == real.parent and temporary.name.startswith(".target.jsonl.")
+        temporary.write_text("new")
+        assert real.read_text() == "old"
+    assert os.readlink(link) == "real/target.jsonl" and real.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real"]
+    assert [p.name for p in real.parent.iterdir()] == ["target.jsonl"]
+
+
+@given(
+    writes=st.lists(st.tuples(st.binary(max_size=64), st.booleans()), min_size=1, max_size=4),
+    hops=st.integers(1, 3),
+    absolute=st.booleans(),
+    file_there=st.booleans(),
+)
+def test_writing_through_links_keeps_every_link_and_fills_the_file_at_their_end(
+    writes: list[tuple[bytes, bool]], hops: int, absolute: bool, file_there: bool
+) -> None:
+    """Through a chain of links (relative or absolute, to a file or to none yet), any writes, some stopped
+    midway: every link stays as it was, the file at the chain's end holds the last whole write (or what it held),
+    and no temporary sibling is left in either folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        (base / "data").mkdir()
+        real = base / "data" / "trace.jsonl"
+        last: bytes | None = None
+        if file_there:
+            last = b"as it was"
+            real.write_bytes(last)
+        links = [base / f"link{hop}" for hop in range(hops)]
+        for hop, link in enumerate(links):  # link0 -> link1 -> ... -> data/trace.jsonl
+            after = links[hop + 1] if hop + 1 < hops else real
+            link.symlink_to(after if absolute else after.relative_to(base))
+        before = {link: os.readlink(link) for link in links}
+        for content, stopped in writes:
+            with contextlib.suppress(KeyboardInterrupt), atomic_path(links[0]) as temporary:
+                temporary.write_bytes(content[: len(content) // 2])
+                if stopped:
+                    raise KeyboardInterrupt
+                temporary.write_bytes(content)
+            if not stopped:
+                last = content
+            assert {link: os.readlink(link) for link in links} == before
+            assert (real.read_bytes() if real.exists() else None) == last
+            assert sorted(p.name for p in base.iterdir()) == sorted(["data", *(link.name for link in links)])
+            assert [p.name for p in real.parent.iterdir()] == ([real.name] if last is not None else [])
+
+
+def test_a_fifo_is_written_in_place(tmp_path: Path) -> None:
+    """A FIFO at the target was replaced by a regular file, its reader getting nothing: now the block writes the
+    FIFO itself (a stream cannot be replaced whole), and it stays a FIFO."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open before the writer, so that its open does not block
+    try:
+        with atomic_path(fifo) as temporary:
+            assert temporary == fifo
+            temporary.write_bytes(b"line 1\nline 2\n")
+        assert os.read(reader, 1024) == b"line 1\nline 2\n"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and list(tmp_path.iterdir()) == [fifo]
+
+
+def test_a_device_is_written_in_place(tmp_path: Path) -> None:
+    """A character device (/dev/null's numbers, made here) stays a device: written, never replaced by a rename,
+    which as root turned /dev/stdout and would turn /dev/null into regular files."""
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, OSError) as error:
+        pytest.skip(f"cannot make a device node here: {error}")
+    with atomic_path(device) as temporary:
+        assert temporary == device
+        temporary.write_bytes(b"gone")
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and list(tmp_path.iterdir()) == [device]
+
+
+@pytest.mark.parametrize("held", ["a deleted file", "a pipe"])
+def test_a_descriptors_name_is_written_through_the_descriptor(tmp_path: Path, held: str) -> None:
+    """A link to /proc/self/fd/N (as /dev/stdout is to fd 1) leads to what the descriptor holds: a pipe (`| head`)
+    or a file a shell opened (`> out.jsonl`), deleted since here, whose path is no longer a file to replace. It is
+    written through, and the link stays."""
+    read: int | None = None
+    if held == "a pipe":
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+    else:
+        write = os.open(tmp_path / "held.jsonl", os.O_RDWR | os.O_CREAT)
+        os.unlink(tmp_path / "held.jsonl")
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(f"/proc/self/fd/{write}")
+    try:
+        with atomic_path(link) as temporary:
+            assert temporary == link
+            temporary.write_bytes(b"whole\n")
+        written = os.read(read, 1024) if read is not None else os.pread(write, 1024, 0)
+        assert written == b"whole\n"
+    finally:
+        for descriptor in (read, write):
+            if descriptor is not None:
+                os.close(descriptor)
+    assert link.is_symlink() and list(tmp_path.iterdir()) == [link]
+
+
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_a_folder_is_refused_before_anything_is_written(tmp_path: Path, through_a_link: bool) -> None:
+    """A folder at the target (or a link to one) is an IsADirectoryError naming the target before the block runs,
+    not after the whole file was written for a rename that must fail."""
+    (tmp_path / "folder").mkdir()
+    target = tmp_path / "folder"
+    if through_a_link:
+        target = tmp_path / "link"
+        target.symlink_to("folder")
+    ran = False
+    with pytest.raises(IsADirectoryError) as raised, atomic_path(target):
+        ran = True
+    assert raised.value.filename == str(target) and not ran
+    assert list((tmp_path / "folder").iterdir()) == []

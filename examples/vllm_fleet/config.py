@@ -21,10 +21,11 @@
 Checked as `serving.config` checks the cluster's (the same field rules): an
 unknown key, a value of the wrong type or out of range, a `kv_events` without a
 port or a `replay` without a host and port (`*`: only vLLM's side binds there),
-two instances with one
-URL or one events endpoint, a role mix that cannot serve (a prefill instance
-without a decode one), a tokenizer directory without a tokenizer: a one-line
-`ConfigError` naming the file, the table and key, and the value.
+a ZeroMQ port outside 1..65535 (ZeroMQ would bind or reach another one), two
+instances with one URL or one events endpoint, a role mix that cannot serve (a
+prefill instance without a decode one), a tokenizer directory without a
+tokenizer: a one-line `ConfigError` naming the file, the table and key, and the
+value.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _endpoint(text: str) -> str | None:
         return "must be a ZeroMQ TCP endpoint, tcp://HOST:PORT (the address vLLM's kv-events-config names)"
     if match[2] == "*":
         return "needs a port: vLLM connects to the one its kv-events-config endpoint names (`*` binds a random one)"
-    return None
+    return _port(match[2])
 
 
 def _replay_endpoint(text: str) -> str | None:
@@ -82,6 +83,14 @@ def _replay_endpoint(text: str) -> str | None:
             "names where the router connects to the server's replay socket: its host and port (vLLM's "
             "replay_endpoint tcp://*:PORT is where vLLM binds; here write tcp://SERVER_HOST:PORT)"
         )
+    return _port(match[2])
+
+
+def _port(digits: str) -> str | None:
+    """A ZeroMQ endpoint's port must be one a server can have: ZeroMQ binds 0 to a random port, as `*`, and takes
+    a larger number modulo 65536 (99999 binds 34463), so either would be a port other than the one named."""
+    if not 1 <= int(digits) <= 65_535:
+        return f"has port {digits}: must be in 1..65535 (ZeroMQ would use another port than the one named)"
     return None
 
 

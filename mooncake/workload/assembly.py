@@ -42,6 +42,13 @@ order.
 A line's arrival may not pass 2**43 ms (`MAX_LINE_MS`), the bound on a
 timestamp, however `delay` puts it there.
 
+A reader that skips refused lines (`--skip-invalid`) asks `doubtful_start`
+after each: once `MAX_LINES_BEHIND` (10) lines in a row, none placed between,
+were refused for arriving before the latest start, that start is the likelier
+fault (a timestamp typo or unit slip raises the mark, and every later line would
+be refused against it), or the trace is not in arrival order; either way
+skipping on would lose the rest of the trace, so the reader stops there.
+
 Invariant: no line still to come arrives before `mark_ms`, the latest start.
 """
 
@@ -59,7 +66,11 @@ from mooncake._checks import ceil_div
 from mooncake.types import BlockKey
 from mooncake.workload.trace_record import MAX_LINE_MS, MAX_LINE_TOKENS, TraceRecord
 
-__all__ = ["TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
+__all__ = ["MAX_LINES_BEHIND", "TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
+
+MAX_LINES_BEHIND = 10
+"""Lines in a row refused for arriving before one start after which `TraceAssembler.doubtful_start` blames it:
+more than a few bad lines in a row (a truncated write, a seam of two logs) and far fewer than a trace would lose."""
 
 
 def _h(data: bytes) -> BlockKey:
@@ -110,6 +121,9 @@ class TraceAssembler:
         and at most `MAX_LINE_MS`.
         Each session's latest turn has ceil(input_length / block size) keys and,
         for a lost session, lies above the skipped line.
+        The lines refused for arriving before the mark since the last placed
+        line, if any, lie below the mark's line, the first of them on
+        `_first_behind`.
     """
 
     block_size_tokens: int
@@ -119,6 +133,9 @@ class TraceAssembler:
     _sessions: dict[str, Turn] = attrs.field(factory=dict)
     _turns: dict[str, int] = attrs.field(factory=dict)
     _lost: dict[str, int] = attrs.field(factory=dict)
+    _num_behind: int = 0  # lines refused for arriving before the mark since the last line placed
+    _first_behind: int = 0  # the first of them
+    _last_behind: int = 0  # and the last
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the class docstring fails."""
@@ -127,18 +144,33 @@ class TraceAssembler:
         for session_id, turn in self._sessions.items():
             assert len(turn.block_keys) == ceil_div(turn.input_length, self.block_size_tokens), session_id
             assert turn.line < self._lost.get(session_id, turn.line + 1), f"session {session_id!r} grew after a loss"
+        if self._num_behind:
+            assert self._mark_line is not None and self._mark_line < self._first_behind, "refused before no start"
 
     def lose(self, session_id: str | None, line: int) -> None:
         """A line of `session_id` was skipped: its later turns cannot be built."""
         if session_id is not None and session_id not in self._lost:
             self._lost[session_id] = line
 
+    def doubtful_start(self) -> tuple[int, str] | None:
+        """The latest start's line and why its arrival looks wrong, once `MAX_LINES_BEHIND` lines after it, none
+        placed between, were refused for arriving before it; else None."""
+        if self._num_behind < MAX_LINES_BEHIND or self._mark_line is None:
+            return None
+        return self._mark_line, (
+            f"arrives at {self.mark_ms} ms, but the {self._num_behind} lines after it (lines {self._first_behind} "
+            f"to {self._last_behind}, none read between) all arrive before it and were left out: its arrival looks "
+            "wrong, or the trace is not in arrival order; fix or remove this line, or sort the trace by timestamp "
+            "(a lenient read stops here rather than leave out every line after it)"
+        )
+
     def place(self, record: TraceRecord, line: int) -> Turn:
         """The record's turn.
 
         Raises:
             ValueError: the record breaks an order rule, or belongs to a session
-                whose earlier line was skipped; nothing changes.
+                whose earlier line was skipped; nothing changes but the count of
+                lines refused for arriving before the mark (`doubtful_start`).
         """
         session_id = record.session_id
         if session_id is not None and session_id in self._lost:
@@ -153,7 +185,15 @@ class TraceAssembler:
             self._sessions[session_id] = turn
             self._turns[session_id] = self._turns.get(session_id, 0) + 1
         self._last_line = line
+        self._num_behind = 0
         return turn
+
+    def _behind(self, line: int) -> None:
+        """`line` is refused for arriving before the mark."""
+        if not self._num_behind:
+            self._first_behind = line
+        self._num_behind += 1
+        self._last_behind = line
 
     def _start(self, record: TraceRecord, line: int) -> Turn:
         if record.timestamp_ms is None:
@@ -167,7 +207,10 @@ class TraceAssembler:
         else:
             arrival = record.timestamp_ms
             if arrival < self.mark_ms:
-                where = "the previous line's" if self._mark_line == self._last_line else f"line {self._mark_line}'s"
+                self._behind(line)
+                # The previous line read, unless lines between were refused against it too.
+                is_previous = self._mark_line == self._last_line and self._num_behind == 1
+                where = "the previous line's" if is_previous else f"line {self._mark_line}'s"
                 raise ValueError(f"timestamp {arrival} is earlier than {where} {self.mark_ms}")
         tokens = None
         if record.text is not None:
@@ -199,6 +242,8 @@ class TraceAssembler:
                     f"{previous.line}) at {previous.arrival_ms} ms + its delay {record.delay_ms} ms, past 2**43 ms "
                     "(the bound on a timestamp)"
                 )
+        if arrival < self.mark_ms:
+            self._behind(line)  # whichever rule below refuses it
         if arrival < previous.arrival_ms:
             raise ValueError(
                 f"turn of session {session_id!r} arrives at {arrival} ms, before its previous turn "

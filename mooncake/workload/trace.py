@@ -38,15 +38,20 @@ default, raises `TraceFormatError` naming file and line at the first bad one:
 invalid JSON, a missing or wrongly typed field, a non-positive length, a wrong
 `hash_ids` count, an arrival out of order. With `strict=False` such lines are
 skipped instead, each reported as a `SkippedLine` (file, line, why); a session
-turn after a skipped one of its session is skipped too. Blank lines are
-ignored, as are fields neither format defines.
+turn after a skipped one of its session is skipped too. A lenient read still
+stops, naming the line, at a start that `MAX_LINES_BEHIND` (10) lines in a row
+after it arrive before (`TraceAssembler.doubtful_start`): one timestamp typo
+would otherwise cost every line after it. Blank lines are ignored, as are
+fields neither format defines.
 
 `iter_trace` streams: it holds a request back only until no later line can
 arrive before it (a trace without sessions holds none; sessions written
 grouped hold their later turns until the trace's other sessions catch up) and
 remembers each session's latest turn. `load_trace` returns nothing unless the
 whole file reads. Writing goes to a temporary file renamed into place, so a
-trace is written whole or not at all; gzip output is byte-for-byte repeatable.
+trace is written whole or not at all (through a symbolic link, to the file it
+leads to; a FIFO or /dev/stdout, a stream, is written as it goes: see
+`mooncake._files.atomic_path`); gzip output is byte-for-byte repeatable.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import codecs
 import gzip
 import json
 import os
+import stat
 import sys
 import warnings
 import zlib
@@ -228,7 +234,7 @@ def iter_trace(
         path: the JSONL trace, plain or gzip.
         block_size_tokens: tokens per hash id.
         speedup: replay speed; 2.0 halves every arrival.
-        strict: raise at the first unusable line (the default), or skip it.
+        strict: raise at the first unusable line (the default), or skip it (but see Raises).
         on_skip: told of each line a lenient read skips (default: a warning each).
         time_unit: what `timestamp` and `delay` count: "ms" (the Mooncake format), "s" or "us".
         on_caution: told, once each, that a millisecond trace has timestamps with fractions of a millisecond
@@ -240,8 +246,11 @@ def iter_trace(
         arrivals) and ``arrival_s = arrival_ms / 1000 / speedup``.
 
     Raises:
-        TraceFormatError: at the first unusable line when strict, at a broken gzip stream, and at the first
-            arrival that `speedup` puts past `MAX_ARRIVAL_S` (2**43 ms, the bound on a timestamp).
+        TraceFormatError: at the first unusable line when strict, at a broken gzip stream, at the first
+            arrival that `speedup` puts past `MAX_ARRIVAL_S` (2**43 ms, the bound on a timestamp), and, lenient,
+            naming a line whose arrival the `MAX_LINES_BEHIND` (10) lines after it, none read between, are all
+            left out for preceding (its timestamp is likely wrong, or the trace unsorted; skipping on would lose
+            the rest of the trace).
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
@@ -292,6 +301,8 @@ def _read(
                 raise TraceFormatError(path, number, str(error)) from error
             assembler.lose(session_of(record), number)
             on_skip(SkippedLine(os.fspath(path), number, str(error)))
+            if (doubt := assembler.doubtful_start()) is not None:  # one bad line must not cost the rest
+                raise TraceFormatError(path, *doubt) from error
             continue
         if not strange and (unknown := record.keys() - _KNOWN_FIELDS):
             strange = True
@@ -475,6 +486,10 @@ def write_trace(
 ) -> int:
     """Write requests as a trace, atomically; gzip-compressed when `path` ends in `.gz`.
 
+    Atomically as `mooncake._files.atomic_path` writes: a regular file (or the
+    file a symbolic link leads to) whole or not at all; a stream (a FIFO,
+    /dev/stdout) as it goes.
+
     Timestamps are written as whole milliseconds. Requests must arrive in
     non-decreasing order and carry ceil(input_length / block_size) keys, in the
     trace's block size (`block_size_tokens`; None: the first request's, as it
@@ -503,7 +518,9 @@ def write_trace(
     target = Path(path)
     if not names_a_file(path):
         raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
-    with atomic_path(target) as temporary, open(temporary, "wb") as raw:
+    # Appending: the temporary sibling is empty, and a descriptor's file (`- >> log.jsonl`, /dev/stdout) keeps what
+    # its shell's `>>` kept, where "wb" would truncate it (a shell's `>` has already emptied it).
+    with atomic_path(target) as temporary, open(temporary, "ab") as raw:
         if target.name.endswith(".gz"):
             # No name and mtime 0 in the gzip header: the same requests give the same bytes.
             with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as packed:
@@ -511,5 +528,6 @@ def write_trace(
         else:
             count = _write_lines(raw.write, requests, block_size_tokens, form)
         raw.flush()
-        os.fsync(raw.fileno())
+        if stat.S_ISREG(os.fstat(raw.fileno()).st_mode):  # a pipe or terminal (`-`, a FIFO) has nothing to sync
+            os.fsync(raw.fileno())
     return count

@@ -64,6 +64,19 @@ def router_config(tmp_path: Any, *, roles: tuple[str, ...] = ("both", "both"), *
             r"kv_events = '127.0.0.1:1': must be a ZeroMQ",
         ),
         ("[[instances]]\nkv_events = 'tcp://127.0.0.1:1'\n", r"\[\[instances\]\] 0: url is required"),
+        # ZeroMQ binds port 0 at random and 99999 as 34463 (modulo 65536): neither is the port named.
+        *(
+            (
+                f"[[instances]]\nurl = 'http://x:1'\n{key} = 'tcp://{host}:{port}'\n",
+                rf"\[\[instances\]\] 0 {key} = 'tcp://{host}:{port}': has port {port}: must be in 1\.\.65535",
+            )
+            for key, host, port in [
+                ("kv_events", "127.0.0.1", "99999"),
+                ("kv_events", "0.0.0.0", "0"),
+                ("replay", "10.0.0.5", "70000"),
+                ("replay", "10.0.0.5", "00000"),
+            ]
+        ),
         ("[[instances]]\nurl = 'http://x:1'\nkv_events = 'tcp://a:1'\nrole = 'prefill'\n", "come in pairs"),
         (
             "[[instances]]\nurl = 'http://x:1'\nkv_events = 'tcp://a:1'\n[[instances]]\nurl = 'http://x:1/'\n"
