@@ -149,20 +149,27 @@ def rejection_error(
     ttft_slo_s: float | None = None,
     waited_s: float = 0.0,
     param: str | None = None,
+    failure: str | None = None,
 ) -> ApiError:
     """The answer to a request the scheduler refused, one for every server here: the status `http_status` gives
     the reason, the reason as the error's code, whether the prefill ran (`outcome`), and `Retry-After` (none
     with a 400: no retry can help). A TTFT refusal with its estimate waits what the estimate overshot the
     objective by (the queue ahead drains about that much meanwhile), at least 1 s; any other wait 1 s.
     `detail` (default: the TTFT estimate against its objective for a TTFT refusal, with `waited_s` the request
-    waited for room before it, else a word of advice) follows the reason in the message."""
+    waited for room before it, else a word of advice) follows the reason in the message. `failure`: the request
+    had been accepted, and this refusal is of scheduling it again after that failure (an engine of its went down),
+    which the message says first (`waited_s` then counts from its arrival)."""
     status = http_status(reason)
     where = "the decode engine refused the request" if outcome is Outcome.REJECTED_AFTER_PREFILL else "rejected"
+    if failure is not None:
+        where = f"{failure}; scheduling the request again was rejected"
     advice = {503: "no engine of a role is up", 400: "no engine could ever take it", 429: "retry later"}[status]
     wait = 1
     if reason is Reason.TTFT_SLO and ttft_s is not None and ttft_slo_s is not None and math.isfinite(ttft_s):
         wait = max(1, math.ceil(ttft_s - ttft_slo_s))
         waited = f" after {waited_s:.3f} s waited for room" if waited_s > 0 else ""
+        if failure is not None:
+            waited = f" {waited_s:.3f} s after its arrival"
         advice = f"estimated TTFT {ttft_s:.3f} s{waited}, objective {ttft_slo_s:g} s"
     return ApiError(
         status,
@@ -589,10 +596,21 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings", param="stop")
-    for stop in stops:
+        got = f"a list of {len(stops)}" if isinstance(stops, list) else _shown(value)
+        raise ApiError(
+            400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings, got {got}", param="stop"
+        )
+    for i, stop in enumerate(stops):
+        where = "stop" if isinstance(value, str) else f"stop[{i}]"
+        if not isinstance(stop, str):
+            raise ApiError(400, f"stop must hold strings, got {where} = {_shown(stop)}", param="stop")
         if not 0 < len(_text(stop, "stop")) <= MAX_STOP_CHARS:
-            raise ApiError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+            raise ApiError(
+                400,
+                f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {where} = {_shown(stop)} "
+                f"({len(stop)} characters)",
+                param="stop",
+            )
     return tuple(stops)
 
 
@@ -691,11 +709,26 @@ def _token_ids(value: Any, param: str, served: ServedModel, *, empty: bool = Tru
     list is refused (vLLM's `allowed_token_ids`: one that allows nothing)."""
     if value is None:
         return ()
-    if type(value) is not list or not all(type(t) is int and 0 <= t < served.vocab_size for t in value):
-        raise ApiError(400, f"{param} must be a list of token ids in [0, {served.vocab_size})", param=param)
+    value = _check_ids(value, param, served)
     if not value and not empty:
         raise ApiError(400, f"{param} must name at least one token", param=param)
     return tuple(sorted(set(value)))
+
+
+def _check_ids(value: Any, param: str, served: ServedModel) -> list[int]:
+    """`value`, a list of token ids of the vocabulary.
+
+    Raises:
+        ApiError: 400 naming `param` and what it got: not a list, or the first element that is no such id (its
+            index and value).
+    """
+    expected = f"{param} must be a list of token ids in [0, {served.vocab_size})"
+    if type(value) is not list:
+        raise ApiError(400, f"{expected}, got {_shown(value)}", param=param)
+    for i, token in enumerate(value):
+        if type(token) is not int or not 0 <= token < served.vocab_size:
+            raise ApiError(400, f"{expected}, got {param}[{i}] = {_shown(token)}", param=param)
+    return value
 
 
 def _truncation(body: Mapping[str, Any], served: ServedModel) -> int | None:
@@ -908,8 +941,13 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
 def _one_prompt(prompt: Any, served: ServedModel) -> str | tuple[int, ...]:
     """A prompt: a string, or a non-empty list of token ids of the vocabulary."""
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        if not all(0 <= t < served.vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must lie in [0, {served.vocab_size})", param="prompt")
+        for i, token in enumerate(prompt):
+            if not 0 <= token < served.vocab_size:
+                raise ApiError(
+                    400,
+                    f"prompt token ids must lie in [0, {served.vocab_size}), got {_shown(token)} at index {i}",
+                    param="prompt",
+                )
         return tuple(prompt)
     if isinstance(prompt, str):
         return _text(prompt, "prompt")
@@ -961,7 +999,8 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content", param=where)
+            got = f"role {_shown(message.get('role'))}" if isinstance(message, dict) else _shown(message)
+            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content, got {got}", param=where)
         if message.get("name") is not None:
             _text(message["name"], f"{where}.name")
         for key, neutral in MESSAGE_UNRENDERED.items():  # tools are not served (`tools` is refused), nor audio
@@ -1010,28 +1049,47 @@ def _template_variables(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def encoded(request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer) -> tuple[list[int], str]:
-    """The request's prompt as tokens and the field it came from, no limit checked (a chat through the chat
-    template; token ids as they are).
+def encoded(
+    request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, *, max_prompt_tokens: int | None = None
+) -> tuple[list[int], str]:
+    """The request's prompt as tokens and the field it came from (a chat's text rendered by the chat template, then
+    tokenized; token ids as they are). With `max_prompt_tokens`, a text that certainly has more tokens
+    (`ServingTokenizer.fewest_tokens`) is refused before it is tokenized, which takes seconds for megabytes; else no
+    limit is checked.
 
     Raises:
-        ApiError: 400 for messages the chat template refuses.
+        ApiError: 400 for messages the chat template refuses; 400 `context_length_exceeded` for a text over
+            `max_prompt_tokens`.
     """
     if isinstance(request, ChatRequest):
         try:
-            tokens = tokenizer.encode_chat(
+            text = tokenizer.render_chat(
                 [(m.role, m.content) for m in request.messages],
                 variables=request.template_variables,
-                add_special_tokens=request.sampling.add_special_tokens,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
             )
         except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
             raise ApiError(400, str(error), param="messages") from error
-        return tokens, "messages"
-    if isinstance(request.prompt, tuple):
+        param = "messages"
+    elif isinstance(request.prompt, tuple):
         return list(request.prompt), "prompt"
-    return tokenizer.encode(request.prompt, add_special_tokens=request.sampling.add_special_tokens), "prompt"
+    else:
+        text, param = request.prompt, "prompt"
+    if max_prompt_tokens is not None and (fewest := tokenizer.fewest_tokens(text)) > max_prompt_tokens:
+        raise _over_prompt_limit(fewest, max_prompt_tokens, param, at_least=True)
+    return tokenizer.encode(text, add_special_tokens=request.sampling.add_special_tokens), param
+
+
+def _over_prompt_limit(num_tokens: int, max_prompt_tokens: int, param: str, *, at_least: bool = False) -> ApiError:
+    """The answer to a prompt of `num_tokens` tokens (`at_least`: or more) over the limit."""
+    has = f"at least {num_tokens}" if at_least else str(num_tokens)
+    return ApiError(
+        400,
+        f"the prompt has {has} tokens, over this server's limit of {max_prompt_tokens}",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def _truncated(
@@ -1087,17 +1145,16 @@ def tokenize_body(
 
 
 def detokenize_body(body: Mapping[str, Any], tokenizer: ServingTokenizer, served: ServedModel) -> dict[str, Any]:
-    """`POST /detokenize`, as vLLM answers it: `{"prompt": text}` of `body["tokens"]` (special tokens kept).
+    """`POST /detokenize`, as vLLM answers it: `{"prompt": text}` of every id of `body["tokens"]`, special ones
+    and stop ids (a checkpoint's EOS) included, as the tokenizer's `decode` renders them (vLLM's
+    `tokenizer.decode(tokens)`). Not a generation's `TextStream`: that one ends at the first stop id.
 
     Raises:
-        ApiError: 400 when `tokens` is not a list of ids of the vocabulary; 404 for another model.
+        ApiError: 400 when `tokens` is not a list of ids of the vocabulary (naming the first that is not); 404 for
+            another model.
     """
     _check_model(body, served)
-    ids = body.get("tokens")
-    if type(ids) is not list or not all(type(t) is int and 0 <= t < served.vocab_size for t in ids):
-        raise ApiError(400, f"tokens must be a list of token ids in [0, {served.vocab_size})", param="tokens")
-    text = tokenizer.stream((), skip_special_tokens=False)
-    return {"prompt": "".join(text.feed(t) for t in ids) + text.finish()}
+    return {"prompt": tokenizer.decode(_check_ids(body.get("tokens"), "tokens", served))}
 
 
 def prompt_tokens(
@@ -1107,27 +1164,25 @@ def prompt_tokens(
 
     Raises:
         ApiError: 400 for an empty prompt or messages the chat template refuses; 400 `context_length_exceeded`
-            over `max_prompt_tokens`, or when the prompt and `max_tokens` exceed the context (vLLM's answers).
+            over `max_prompt_tokens` (a text certainly over it before it is tokenized: `encoded`), or when the prompt
+            and `max_tokens` exceed the context (vLLM's answer, which names `max_tokens` whichever of the two
+            fields set it).
     """
-    tokens, param = encoded(request, tokenizer)
+    k = request.output.truncate_prompt_tokens
+    # A truncated prompt may be any length: only its last k tokens count, which needs them all.
+    tokens, param = encoded(request, tokenizer, max_prompt_tokens=served.max_prompt_tokens if k is None else None)
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=param)
-    k = request.output.truncate_prompt_tokens
     if k is not None and len(tokens) > k:  # before any bound, as vLLM truncates
         tokens = _truncated(request, tokenizer, tokens, k)
     n, asked, context = len(tokens), request.sampling.max_tokens, served.max_context_tokens
     if n > served.max_prompt_tokens:
-        raise ApiError(
-            400,
-            f"the prompt has {n} tokens, over this server's limit of {served.max_prompt_tokens}",
-            param=param,
-            code="context_length_exceeded",
-        )
+        raise _over_prompt_limit(n, served.max_prompt_tokens, param)
     if asked is not None and n + asked > context:
         raise ApiError(
             400,
-            f"This model's maximum context length is {context} tokens. However, you requested {n + asked} tokens "
-            f"({n} in the prompt, {asked} in the completion). Please reduce the length of the prompt or completion.",
+            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum context length is "
+            f"{context} tokens and your request has {n} input tokens ({asked} > {context} - {n}).",
             param="max_tokens",
             code="context_length_exceeded",
         )

@@ -38,8 +38,14 @@ the decode engine, joined but not yet stepped) are scheduled again on the
 engines still up (twice at most, each time as the next attempt, so a resumed
 engine's reports about an earlier attempt are ignored); the earlier attempt's prefill job is cancelled on its prefill
 engine (at once, or when a down one answers again), so a stopped decode node
-holds up a prefill engine's queue for the job running there at most. Requests
-whose tokens have begun end with a 503. A prefill engine that reports its
+holds up a prefill engine's queue for the job running there at most. Scheduled
+again as `admit` schedules a request, keeping its arrival (its TTFT objective
+and longest wait count from it): one refused for room waits in the admission
+line ahead of every request that arrived after it (`_Line.arrive_again`: it was
+accepted before them); one refused for good, or whose wait ends, gets the
+refusal, its message saying which engine failed first and its `outcome`
+whether a prefill of it had run for nothing (`REJECTED_AFTER_PREFILL`).
+Requests whose tokens have begun end with a 503. A prefill engine that reports its
 decode node did not answer (`PrefillFailed.peer`) has that node probed at
 once: marked down if it does not answer (the request rerouted with the
 others), else the request alone is scheduled again.
@@ -47,7 +53,8 @@ others), else the request alone is scheduled again.
 Every Conductor call happens on the event loop's thread: it is the Conductor's
 only user.
 
-Invariants: a request is in `live` from its acceptance until it ends; the
+Invariants: a request is in `live` from its acceptance until it ends, but while,
+rerouted, it waits in the line again (`_rerouted` holds it then); the
 Conductor learns of each end once (from `end`, a no-op for a request no longer
 live, or by itself when an instance goes down); tokens reach a request's queue
 only while it is live, from the decode engine and attempt it is routed to, in
@@ -70,7 +77,7 @@ import attrs
 import numpy as np
 
 from mooncake.engine.logprobs import TokenLogprobs
-from mooncake.errors import MooncakeError
+from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, reason_named
 from mooncake.sched.view import (
@@ -127,6 +134,7 @@ class LiveRequest:
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
     generated: int = 0
     cached_tokens: int = 0
+    has_prefilled: bool = False  # a prefill of some attempt of it finished (a refusal after that wasted it)
     # The prompt's log-probabilities (tokens 1..n-1), from its prefill, where it asked for them (echo and logprobs).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # When each phase began, on the dispatcher's clock (None: not yet), for the metrics and the engines' loads;
@@ -140,10 +148,52 @@ class LiveRequest:
 
 @attrs.define(eq=False)
 class _Waiter:
-    """A request in the admission line; `decided` is settled when it leaves (live, or its rejection)."""
+    """A request in the admission line. A new one's `admit` waits for `decided`, settled when it leaves (live, or its
+    rejection). One rerouted after an engine of its failed (`failure`: that engine's 503) has no `admit` waiting for
+    it: admitted, it is sent on at once; refused, the refusal goes to its token queue."""
 
     live: LiveRequest
-    decided: asyncio.Future[None]
+    decided: asyncio.Future[None] | None = None
+    failure: ApiError | None = None
+
+
+class _Line(AdmissionQueue[_Waiter]):
+    """The admission line (`sched.waiting.AdmissionQueue`), which also takes back a request it admitted once and that
+    lost its engine (`arrive_again`).
+
+    The queue has no way to put a request anywhere but at its end; this one does it with the queue's internals
+    (`_enter`, `_line`, `_try`, `_deadline`), which `tests/serving/test_reroute_wait.py` pins, until
+    `AdmissionQueue` offers it itself.
+    """
+
+    def arrive_again(self, item: _Waiter, request: Request, now: float) -> ScheduleDecision | None:
+        """A request admitted before whose engine failed arrives again, its arrival kept (its TTFT objective and its
+        longest wait count from it): its decision, or None while it waits in line, ahead of every waiting request
+        that arrived after it (all of them, but for one the line let in out of turn meanwhile). At the head, it
+        is tried at once, as `arrive` tries a request that finds no line; behind an earlier arrival, it waits
+        untried until its deadline (`arrive`'s rule: nobody overtakes), unless no wait could help it.
+
+        Raises:
+            InvalidRequestError: `item`, or a request with this id, already waits; what the scheduler raises.
+        """
+        if id(item) in self._entries or request.request_id in self._request_ids:
+            raise InvalidRequestError(f"request {request.request_id} already waits for room")
+        waiting = [entry for entry in self._line if entry.waiting]
+        if any(entry.request.arrival_s <= request.arrival_s for entry in waiting):
+            reason = self.scheduler.lasting_refusal(request)
+            if reason is not None:
+                return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
+            deadline = request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s)
+        else:
+            decision = self._try(request, now)
+            deadline = self._deadline(request, decision)
+            if not now < deadline:
+                return decision
+        later = next((entry for entry in waiting if entry.request.arrival_s > request.arrival_s), None)
+        self._enter(item, request, deadline)  # at the end of the line ...
+        if later is not None:  # ... moved ahead of the first that arrived after it
+            self._line.insert(self._line.index(later), self._line.pop())
+        return None
 
 
 @attrs.define(eq=False)
@@ -235,7 +285,8 @@ class Dispatcher:
         self._probes: set[asyncio.Task[None]] = set()
         # Requests waiting for room on the decode side (`admit`), first come, first served, within the Conductor's
         # TTFT objective (capped at the request timeout: `ClusterConfig.objectives`).
-        self._waiting = AdmissionQueue[_Waiter](conductor, max_wait_s=config.limits.admission_wait_s)
+        self._waiting = _Line(conductor, max_wait_s=config.limits.admission_wait_s)
+        self._rerouted: dict[RequestId, _Waiter] = {}  # rerouted requests waiting in the line (none of them live)
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._closed = False  # shut down: nothing is admitted or sent any more
 
@@ -264,7 +315,12 @@ class Dispatcher:
         for live in list(self.live.values()):
             live.events.put_nowait(("error", ApiError(503, "the cluster is shutting down")))
         for waiter in self._waiting.clear():
-            waiter.decided.set_exception(ApiError(503, "the cluster is shutting down"))
+            error = ApiError(503, "the cluster is shutting down")
+            if waiter.decided is not None:
+                waiter.decided.set_exception(error)
+            else:
+                waiter.live.events.put_nowait(("error", error))
+        self._rerouted.clear()
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         self.metrics.admission_waiting.set(0)
@@ -327,7 +383,8 @@ class Dispatcher:
             reuses_prefix=sampling.prompt_logprobs is None,  # a scored prompt is computed whole (the engine's rule)
         )
         live = LiveRequest(request_id, tokens, request, sampling, arrival)
-        waiter = _Waiter(live, asyncio.get_running_loop().create_future())
+        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(live, decided)
         decision = self._waiting.arrive(waiter, request, self.now())
         if decision is not None:
             self._decided(waiter, decision, waited=False)
@@ -336,9 +393,8 @@ class Dispatcher:
         try:
             # Shielded: the client leaving cancels this wait, not the decision, which the line may settle before
             # this handler runs.
-            await asyncio.shield(waiter.decided)  # at once when decided above
+            await asyncio.shield(decided)  # at once when decided above
         except asyncio.CancelledError:  # the client left
-            decided = waiter.decided
             if self._waiting.remove(waiter):
                 self._room_freed()  # the head leaving lets the next try
             elif decided.done() and decided.exception() is None and self.live.get(live.request_id) is live:
@@ -348,15 +404,25 @@ class Dispatcher:
 
     def _decided(self, waiter: _Waiter, decision: ScheduleDecision, *, waited: bool = True) -> None:
         """Settle a request's admission: live, or its rejection for its `admit` to raise (saying how long it
-        `waited` in line, if it did)."""
+        `waited` in line, if it did); a rerouted one's is sent on, or its rejection ends it."""
+        live = waiter.live
+        if waiter.failure is not None:
+            self._rerouted.pop(live.request_id, None)
         if decision.accepted:
-            self._accepted(waiter.live, decision)
-            waiter.decided.set_result(None)
+            self._accepted(live, decision)
+            if waiter.decided is not None:
+                waiter.decided.set_result(None)
+            else:
+                self.submit(live)
             return
         assert decision.reason is not None
         self.metrics.rejections[decision.reason.value].inc()
-        waited_s = self.now() - waiter.live.request.arrival_s if waited else 0.0
-        waiter.decided.set_exception(self._rejection(decision, waited_s=waited_s))
+        waited_s = self.now() - live.request.arrival_s if waited else 0.0
+        error = self._rejection(decision, waiter, waited_s=waited_s)
+        if waiter.decided is not None:
+            waiter.decided.set_exception(error)
+        else:
+            live.events.put_nowait(("error", error))
 
     def _room_freed(self) -> None:
         """A request ended, an engine came up or went down, or a wait's deadline came: the line is tried
@@ -378,30 +444,24 @@ class Dispatcher:
             delay = max(0.0, deadline - self.now())
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._room_freed)
 
-    def _rejection(self, decision: ScheduleDecision, *, waited_s: float = 0.0) -> ApiError:
-        """The answer to the Conductor's rejection of a request before its prefill (`rejection_error`), after
-        `waited_s` in the admission line (a TTFT estimate under the objective is then refused for the wait)."""
+    def _rejection(self, decision: ScheduleDecision, waiter: _Waiter, *, waited_s: float) -> ApiError:
+        """The answer to the Conductor's rejection of `waiter`'s request (`rejection_error`), `waited_s` after its
+        arrival (a TTFT estimate under the objective is then refused for the wait). A new request's is before its
+        prefill; a rerouted one's (`failure` set: an engine of its failed) says so first, and whether a prefill of
+        it had run, for nothing now (`REJECTED_AFTER_PREFILL`), or not."""
         assert decision.reason is not None
+        failure, live = waiter.failure, waiter.live
+        outcome = Outcome.REJECTED_BEFORE_PREFILL
+        if failure is not None and live.has_prefilled:
+            outcome = Outcome.REJECTED_AFTER_PREFILL
         return rejection_error(
             decision.reason,
-            Outcome.REJECTED_BEFORE_PREFILL,
+            outcome,
             ttft_s=decision.ttft_s,
             ttft_slo_s=self.conductor.slo.ttft_s,
             waited_s=waited_s,
+            failure=None if failure is None else failure.message,
         )
-
-    def _schedule(self, live: LiveRequest) -> None:
-        """Schedule a request again at once (after an engine of its went down): no wait, it has waited once.
-
-        Raises:
-            ApiError: the Conductor's rejection (`_rejection`).
-        """
-        decision = self.conductor.schedule(live.request, self.now())
-        if not decision.accepted:
-            assert decision.reason is not None
-            self.metrics.rejections[decision.reason.value].inc()
-            raise self._rejection(decision)
-        self._accepted(live, decision)
 
     def _accepted(self, live: LiveRequest, decision: ScheduleDecision) -> None:
         assert decision.prefill_instance is not None and decision.decode_instance is not None
@@ -500,6 +560,7 @@ class Dispatcher:
         `at_stop_id`: a completed request's last token is a stop id (the decode engine stopped at the model's EOS).
         """
         if self.live.pop(live.request_id, None) is None:
+            self._leave_line(live, reason)
             return ()
         now = self.now()
         if outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
@@ -528,6 +589,18 @@ class Dispatcher:
         ends = self.conductor.handle(event)
         self._room_freed()
         return ends
+
+    def _leave_line(self, live: LiveRequest, reason: Reason | None) -> None:
+        """A rerouted request waiting in the line again ends (its client left, it timed out): it leaves the line,
+        counted as ended (the Conductor ended it when its engine failed, and its abandoned attempt was cancelled
+        then); the line is tried, its head may have left. Nothing for any other request that is not live."""
+        waiter = self._rerouted.get(live.request_id)
+        if waiter is None or waiter.live is not live:
+            return
+        del self._rerouted[live.request_id]
+        self._waiting.remove(waiter)
+        self._finished(live, "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error", self.now())
+        self._room_freed()
 
     def _finished(self, live: LiveRequest, reason: str, now: float) -> None:
         record = FinishedRequest(
@@ -665,6 +738,7 @@ class Dispatcher:
         live.cached_tokens = done.prefix_tokens
         live.prompt_logprobs = done.prompt_logprobs
         live.prefill_done_s = now
+        live.has_prefilled = True
         self.metrics.prefilled(
             live.prefill,
             prompt_tokens=len(live.tokens),
@@ -818,9 +892,13 @@ class Dispatcher:
             return
         live.attempt += 1
         live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
-        try:  # schedule it again on the engines up (a prefix it had prefilled is cached there now)
-            self._schedule(live)
-        except ApiError as error:
-            live.events.put_nowait(("error", error))
-            return
-        self.submit(live)
+        # Scheduled again on the engines up (a prefix it had prefilled is cached there now) as `admit` schedules a
+        # request, arrival kept: refused for room, it waits in line, ahead of those that came after it (an immediate
+        # 429 would treat it worse than a newcomer, whom the line lets wait).
+        waiter = _Waiter(live, failure=failure)
+        decision = self._waiting.arrive_again(waiter, live.request, self.now())
+        if decision is None:
+            self._rerouted[live.request_id] = waiter
+            self._waited()
+        else:
+            self._decided(waiter, decision)

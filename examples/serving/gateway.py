@@ -2,7 +2,8 @@
 
 Per request: check the API key (401 without it when one is set), read the body
 within its deadline and decode and check it (`serving.api`: 400 naming the
-field, 404 `model_not_found`, 413 over the prompt limit) and let the
+field, 404 `model_not_found`, 400 `context_length_exceeded` over the prompt
+limit, as vLLM answers) and let the
 dispatcher admit it (`serving.dispatch`: one the decode side has no room
 for waits for it up to `[limits] admission_wait_s`; a rejection is a 429 with
 `Retry-After`, no engine up a 503). An accepted request goes to its prefill
@@ -17,6 +18,14 @@ text ends before a stop string or at a stop id such as the checkpoint's EOS
 (finish reason "stop"; the decode is cancelled), or at `max_tokens` ("length"). A request that fails mid-stream ends its stream with
 an error event; a client that hangs up, streaming or not, is cancelled on its
 decode engine (aiohttp cancels the handler when its connection is lost).
+Decoding, checking, chat rendering and tokenizing a body (and /tokenize's and
+/detokenize's work) run on a few threads of their own (`PREPARE_THREADS`), never
+on the event loop: tokenizing megabytes of text takes seconds, during which the
+loop would deliver no token of any stream, admit nothing and answer no probe. A
+text certainly over the prompt limit is refused before it is tokenized
+(`api.encoded`). A client that leaves meanwhile cancels its handler: the work
+is pure (nothing is admitted before it ends), so what a thread still computes is
+dropped, and work not yet begun never runs.
 `/metrics` serves the metrics (`serving.metrics`: vLLM's families under the
 prefix `mooncake:`), `/health` (and vLLM's `/ping`) the engines up, `/v1/models`
 the served model, `/version` this version, `/tokenize` and `/detokenize`
@@ -37,12 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import attrs
 from aiohttp import HttpVersion11, web
@@ -88,6 +100,10 @@ from serving.tokenizer import TextStream, generation_defaults, serving_tokenizer
 __all__ = ["Gateway"]
 
 LOG = logging.getLogger("serving.gateway")
+# Threads that decode and tokenize bodies: a few, so that a burst of large bodies queues here instead of taking every
+# core from the engines beside the gateway (the tokenizers' work releases the GIL: these threads run in parallel).
+PREPARE_THREADS = max(1, min(4, os.cpu_count() or 1))
+T = TypeVar("T")
 
 
 class Gateway:
@@ -139,6 +155,7 @@ class Gateway:
             stop_token_ids=self.tokenizer.stop_token_ids,
         )
         self.site: GuardedSite | None = None
+        self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="gateway-prepare")
         self._health_task: asyncio.Task[None] | None = None
         self._uninstall_log_limits: Callable[[], None] | None = None
 
@@ -193,6 +210,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         self.dispatcher.close()
+        # Not waited for: a thread still tokenizing a body ends by itself, and nothing reads what it computes.
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         if self._uninstall_log_limits is not None:
             self._uninstall_log_limits()
 
@@ -266,12 +285,22 @@ class Gateway:
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template."""
         self._authorize(request)
-        parsed, token_strs = parse_tokenize(await self._body(request), self.served)
-        return web.json_response(tokenize_body(parsed, self.tokenizer, self.served, token_strs=token_strs))
+        body = await self._body(request)
+
+        def tokenized() -> str:  # the answer's JSON too: a million ids take a tenth of a second to write
+            parsed, token_strs = parse_tokenize(body(), self.served)
+            return json.dumps(tokenize_body(parsed, self.tokenizer, self.served, token_strs=token_strs))
+
+        return web.json_response(text=await self._off_loop(tokenized))
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        return web.json_response(detokenize_body(await self._body(request), self.tokenizer, self.served))
+        body = await self._body(request)
+
+        def detokenized() -> str:
+            return json.dumps(detokenize_body(body(), self.tokenizer, self.served))
+
+        return web.json_response(text=await self._off_loop(detokenized))
 
     async def _version(self, _request: web.Request) -> web.Response:
         return web.json_response({"version": mooncake.__version__})
@@ -299,24 +328,52 @@ class Gateway:
         if not authorized(request.headers.get("Authorization"), self.config.cluster.api_key):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
-    async def _read(self, request: web.Request, *, chat: bool) -> CompletionRequest | ChatRequest:
-        """The request's body, read within its deadline, decoded and checked."""
-        body = await self._body(request)
-        return parse_chat(body, self.served) if chat else parse_completion(body, self.served)
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """`work()`'s result, computed on a preparing thread (the module's docstring says why). Cancelled (the
+        client left), work not yet begun is dropped and work under way runs out unread: it must change nothing."""
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, work)
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        """The request's body, read within its deadline, decoded: a JSON object (`decode_body`)."""
+    async def _body(self, request: web.Request) -> Callable[[], dict[str, Any]]:
+        """The request's body, read within its deadline, and its decoding into a JSON object (`decode_body`), to be
+        called off the loop: it reads nothing of `request`."""
         try:
             async with asyncio.timeout(self.edge.body_timeout_s):
                 raw = await request.read()
         except TimeoutError:
             raise ApiError(408, f"the body did not arrive within {self.edge.body_timeout_s:g} s") from None
-        return decode_body(
+        return functools.partial(
+            decode_body,
             raw,
             content_type=request.headers.get("Content-Type"),
             content_encoding=request.headers.get("Content-Encoding"),
             max_bytes=self.edge.max_body_bytes,
         )
+
+    def _prepared(
+        self, body: Callable[[], dict[str, Any]], *, chat: bool
+    ) -> tuple[CompletionRequest | ChatRequest, list[CompletionRequest | ChatRequest], list[list[int]]]:
+        """A completion's body decoded and checked: the request, its prompts (a batch's each) and their tokens, every
+        prompt tokenized and checked before any is admitted (a bad one refuses the batch at once). Pure: run off the
+        loop (`_off_loop`).
+
+        Raises:
+            ApiError: what `serving.api` refuses.
+        """
+        decoded = body()
+        parsed = parse_chat(decoded, self.served) if chat else parse_completion(decoded, self.served)
+        if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
+            field = "prompt_logprobs" if parsed.output.prompt_logprobs is not None else "echo"
+            raise ApiError(
+                400,
+                f"{'prompt_logprobs' if field == 'prompt_logprobs' else 'echo with logprobs'} needs the "
+                "prompt's log-probabilities, which a pipelined prefill ([prefill] pipeline_size > 1) does not "
+                "compute",
+                param=field,
+            )
+        prompts: list[CompletionRequest | ChatRequest] = (
+            [*parsed.split()] if isinstance(parsed, CompletionRequest) else [parsed]
+        )
+        return parsed, prompts, [prompt_tokens(one, self.tokenizer, self.served) for one in prompts]
 
     # ------------------------------------------------------------------ completions
 
@@ -330,19 +387,8 @@ class Gateway:
         asked: list[CompletionRequest | ChatRequest] = []  # each choice's request: its prompt's (a batch's one)
         try:
             self._authorize(request)
-            parsed = await self._read(request, chat=chat)
-            if parsed.sampling.prompt_logprobs is not None and self.config.prefill.pipeline_size > 1:
-                field = "prompt_logprobs" if parsed.output.prompt_logprobs is not None else "echo"
-                raise ApiError(
-                    400,
-                    f"{'prompt_logprobs' if field == 'prompt_logprobs' else 'echo with logprobs'} needs the "
-                    "prompt's log-probabilities, which a pipelined prefill ([prefill] pipeline_size > 1) does not "
-                    "compute",
-                    param=field,
-                )
-            prompts = parsed.split() if isinstance(parsed, CompletionRequest) else [parsed]
-            # Every prompt tokenized and checked before any is admitted: a bad one refuses the batch at once.
-            tokenized = [prompt_tokens(one, self.tokenizer, self.served) for one in prompts]
+            body = await self._body(request)
+            parsed, prompts, tokenized = await self._off_loop(functools.partial(self._prepared, body, chat=chat))
             for one, tokens in zip(prompts, tokenized, strict=True):
                 sampling = generation_limit(one.sampling, len(tokens), self.served)
                 for index in range(one.n):

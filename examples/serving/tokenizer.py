@@ -8,6 +8,14 @@ ids ≥ 256, which decode to nothing), its chat template `chat_prompt`.
 config's). The gateway holds the one `serving_tokenizer(config)` gives and never
 asks which.
 
+`fewest_tokens(text)` is a lower bound of a text's tokens that costs no
+tokenizing (a BPE takes seconds over megabytes): the gateway refuses a prompt
+that certainly exceeds its limit before tokenizing it. Bytes: the count itself.
+A checkpoint's: a token stands for at most its vocabulary string's characters of
+the text, so a text of c characters has at least c / (the longest string)
+tokens, where its `tokenizer.json` proves that no character is dropped or
+merged away (`_text_floor` states the conditions); 0 (no bound) otherwise.
+
 `TextStream` turns a request's tokens into the text its client may see,
 decoded incrementally (whole characters only): the text ends just before the
 stop string that completes first (as generation would stop there; of several
@@ -24,6 +32,7 @@ it on the decode engine ("length").
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,24 +60,26 @@ class Decoder(Protocol):
 
 
 class ServingTokenizer(Protocol):
-    """What the gateway asks of a tokenizer: a prompt's ids, a chat's ids, a generation's text stream, a lone
-    token's text (shown beside its log-probability), the text of ids (an echoed prompt), and the token ids that
-    end a generation (the decode engine stops at them too)."""
+    """What the gateway asks of a tokenizer: a prompt's ids, a chat's prompt text (its ids are that text's), a
+    lower bound of a text's tokens, a generation's text stream, a lone token's text (shown beside its
+    log-probability), the text of ids (an echoed prompt, /detokenize), and the token ids that end a generation
+    (the decode engine stops at them too)."""
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(
+    def render_chat(
         self,
         messages: Sequence[tuple[str, str]],
         *,
         variables: Mapping[str, Any] | None = None,
-        add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-    ) -> list[int]: ...
+    ) -> str: ...
+
+    def fewest_tokens(self, text: str) -> int: ...
 
     def token_text(self, token: int) -> str: ...
 
@@ -98,21 +109,22 @@ class ByteTokenizer:
         """The text's bytes (there are no special tokens to add)."""
         return list(text.encode("utf-8"))
 
-    def encode_chat(
+    def render_chat(
         self,
         messages: Sequence[tuple[str, str]],
         *,
         variables: Mapping[str, Any] | None = None,
-        add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-    ) -> list[int]:
-        """`chat_prompt`'s text as bytes (a fixed template: it has no variables to set)."""
-        return self.encode(
-            chat_prompt(
-                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
-            )
+    ) -> str:
+        """`chat_prompt`'s text (a fixed template: it has no variables to set)."""
+        return chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
         )
+
+    def fewest_tokens(self, text: str) -> int:
+        """The tokens `encode(text)` gives, exactly (one a byte), counted without making them."""
+        return len(text.encode("utf-8"))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -147,37 +159,52 @@ class CheckpointTokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        try:
+            spec = json.loads(tokenizer.backend.to_str())
+        except Exception:  # a component tokenizers cannot write out (a custom one): no bound, nothing refused early
+            spec = {}
+        self._floor = _text_floor(spec)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
         return self.tokenizer.special.stop_token_ids
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`, with the tokenizer's special tokens (a BOS, say) unless `add_special_tokens` is false."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """The ids of `text`, with the tokenizer's special tokens (a BOS, say) unless `add_special_tokens` is false:
+        `Tokenizer.encode`'s, through `encode_batch`, which lets go of the GIL while it works (`encode` holds it:
+        the seconds a long prompt takes would stall the gateway's event loop, whatever thread it ran on)."""
+        return list(self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def encode_chat(
+    def render_chat(
         self,
         messages: Sequence[tuple[str, str]],
         *,
         variables: Mapping[str, Any] | None = None,
-        add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-    ) -> list[int]:
-        """The ids of the rendered chat template, with the request's `variables` for it; the special tokens the
-        tokenizer adds only with `add_special_tokens` (the template writes its own: vLLM's chat default).
+    ) -> str:
+        """The chat template rendered with the request's `variables` for it: the prompt text, whose ids `encode`
+        gives (with `add_special_tokens` false by vLLM's chat default: the template writes its own).
 
         Raises:
             InvalidRequestError: the template refused the messages.
         """
-        text = self.tokenizer.render_chat(
+        return self.tokenizer.render_chat(
             [{"role": role, "content": content} for role, content in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **(variables or {}),
         )
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound of `len(encode(text, add_special_tokens=False))`, computed without tokenizing (`_text_floor`:
+        the characters that count over the longest vocabulary string); 0 where the tokenizer's pipeline proves
+        none."""
+        if self._floor is None:
+            return 0
+        longest, ascii_only = self._floor
+        counted = len(text) if not ascii_only or text.isascii() else len(text.encode("ascii", "ignore"))
+        return -(-counted // longest)
 
     def token_text(self, token: int) -> str:
         """The lone token's text as vLLM shows it (`Tokenizer.token_text`)."""
@@ -189,8 +216,8 @@ class CheckpointTokenizer:
 
     def decode(self, tokens: Sequence[int]) -> str:
         """The text of `tokens`, special tokens included (transformers' `decode` default, as vLLM echoes a prompt
-        given as ids)."""
-        return self.tokenizer.decode(tokens)
+        given as ids): `Tokenizer.decode`'s, through `decode_batch`, which lets go of the GIL (as `encode`)."""
+        return str(self.tokenizer.backend.decode_batch([list(tokens)], skip_special_tokens=False)[0])
 
     def stream(
         self,
@@ -334,6 +361,72 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop):
                 return length
         return 0
+
+
+# The normalizers and pre-tokenizers of a tokenizer.json that keep every character of the text: each maps a character
+# to one or more and adds, never drops one or merges two.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
+
+
+def _text_floor(spec: Mapping[str, Any]) -> tuple[int, bool] | None:
+    """How a text's tokens are bounded below, from its tokenizer.json (`spec`): (the longest vocabulary string's
+    characters, whether only the text's ASCII characters count), or None where the pipeline proves no bound.
+
+    The bound: every character that counts becomes at least one character of the pieces the model covers with
+    tokens, and a token covers at most its own string's characters (a byte-level token one character a byte, a
+    byte-fallback token `<0x41>` one byte); so a text has at least (characters that count) / (longest string)
+    tokens. It holds where:
+    - no normalizer, or only `Prepend` and `Replace` of one character by a non-empty string (each character stays
+      one or more), or `NFC` before any `Replace`: NFC may merge a letter and its combining marks into one
+      character (a text's length may shrink), but never an ASCII character into another one, so then only the
+      ASCII characters count;
+    - pre-tokenizers that split but never remove (`_KEEPING_PRE_TOKENIZERS`, `Split` and `Punctuation` unless
+      their behaviour is `Removed`: `Whitespace`, `BertPreTokenizer` and the like drop spaces);
+    - a BPE model that never drops a character nor covers a run of them with one token: byte-level (the last
+      pre-tokenizer, every byte's character in the vocabulary), byte fallback (every `<0xNN>` in it), or an
+      unknown token per unknown character (`fuse_unk` false);
+    - no added token that strips the spaces beside it (`lstrip`, `rstrip`: a run of any length), no truncation.
+    """
+    if spec.get("truncation") is not None:
+        return None
+    ascii_only = False
+    normalizer = spec.get("normalizer")
+    steps = (
+        []
+        if normalizer is None
+        else normalizer.get("normalizers", [])
+        if normalizer.get("type") == "Sequence"
+        else [normalizer]
+    )
+    replaced = False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "NFC" and not replaced:
+            ascii_only = True
+        elif kind == "Replace" and len(step.get("pattern", {}).get("String") or "") == 1 and step.get("content"):
+            replaced = True
+        elif kind != "Prepend":
+            return None
+    pre = spec.get("pre_tokenizer")
+    pres = [] if pre is None else pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed" for p in pres):
+        return None
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, Mapping):
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_level = bool(pres) and pres[-1].get("type") == "ByteLevel" and all(c in vocab for c in ByteLevel.alphabet())
+    fallback = bool(model.get("byte_fallback")) and all(f"<0x{b:02X}>" in vocab for b in range(256))
+    unknown = model.get("unk_token") in vocab and not model.get("fuse_unk")
+    if not (byte_level or fallback or unknown):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    longest = max([*map(len, vocab), *(len(token.get("content", "")) for token in added)], default=0)
+    return (longest, ascii_only) if longest > 0 else None
 
 
 def generation_defaults(config: ClusterConfig) -> dict[str, float]:

@@ -433,11 +433,14 @@ def test_prompt_tokens_checks_the_limit() -> None:
     assert len(prompt_tokens(parse_completion({"prompt": "x" * 60, "max_tokens": 69}, SERVED), TOKENIZER, SERVED)) == 60
     over = refused(prompt_tokens, parse_completion({"prompt": "x" * 60, "max_tokens": 70}, SERVED), TOKENIZER, SERVED)
     assert (over.status, over.code, over.param) == (400, "context_length_exceeded", "max_tokens")
-    assert "maximum context length is 129 tokens" in over.message and "(60 in the prompt, 70 in" in over.message
+    assert over.message == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 70. This model's maximum context length is 129 tokens "
+        "and your request has 60 input tokens (70 > 129 - 60)."
+    )
     # A max_tokens past the context itself is the same answer (once a range error vLLM's clients did not know).
     huge = refused(prompt_tokens, parse_completion({"prompt": "x" * 2, "max_tokens": 5000}, SERVED), TOKENIZER, SERVED)
     assert (huge.status, huge.code, huge.param) == (400, "context_length_exceeded", "max_tokens")
-    assert "you requested 5002 tokens" in huge.message
+    assert "too large: 5000." in huge.message and "(5000 > 129 - 2)" in huge.message
     for ids in ([72, 105], [[72, 105]]):
         assert prompt_tokens(parse_completion({"prompt": ids}, SERVED), TOKENIZER, SERVED) == [72, 105]
 
@@ -483,11 +486,9 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
     seen: list[object] = []
 
     class Recording(ByteTokenizer):
-        def encode_chat(
-            self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False, **_: Any
-        ) -> list[int]:
+        def render_chat(self, messages: Any, *, variables: Any = None, **_: Any) -> str:
             seen.append(variables)
-            return super().encode_chat(messages)
+            return super().render_chat(messages)
 
     prompt_tokens(chat, Recording(), SERVED)
     assert seen == [{"enable_thinking": False}]
@@ -514,14 +515,8 @@ def test_what_benchmark_clients_send_is_taken_as_vllm_takes_it() -> None:
 
     class Recording(ByteTokenizer):
         def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-            asked.append(add_special_tokens)
+            asked.append(add_special_tokens)  # a chat's rendered text too
             return super().encode(text)
-
-        def encode_chat(
-            self, messages: Any, *, variables: Any = None, add_special_tokens: bool = False, **_: Any
-        ) -> list[int]:
-            asked.append(add_special_tokens)
-            return [1]
 
     for body, parse in (
         ({"prompt": "hi"}, parse_completion),

@@ -8,7 +8,8 @@ exactly `max_bytes`; a token-id prompt is taken iff every id is an integer of th
 max_tokens are served iff they fit both limits, and a refusal names the one that did not; answer bodies have
 OpenAI's (and vLLM's) shapes for any field values; `LogLimiter` passes and counts as a dict of kinds does; the
 refusals of `_Guarded` connections linger up to `MAX_LINGERING` and are forgotten when lost (a state machine).
-Examples pin the boundaries of the field checks (stop lengths, neutral values, message keys, template variables).
+Examples pin the boundaries of the field checks (stop lengths, neutral values, message keys, template variables),
+the value a refusal shows beside its field, and vLLM's words for a context overflow and /detokenize.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import types
 import zlib
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -313,7 +315,7 @@ def test_a_chat_template_refusal_is_a_400_naming_the_messages() -> None:
     both the prompt check and /tokenize."""
 
     class Refusing(ByteTokenizer):
-        def encode_chat(self, messages: Any, **_: Any) -> list[int]:
+        def render_chat(self, messages: Any, **_: Any) -> str:
             raise InvalidRequestError("roles must alternate user/assistant")
 
     chat = parse_chat({"messages": USER}, SERVED)
@@ -322,17 +324,49 @@ def test_a_chat_template_refusal_is_a_400_naming_the_messages() -> None:
         assert (error.status, error.param) == (400, "messages") and "alternate" in error.message
 
 
-def test_detokenize_keeps_special_tokens_as_vllm_does() -> None:
-    """vLLM's /detokenize turns every id into its text, special ones included."""
-    asked: list[bool] = []
+@pytest.mark.parametrize(
+    ("body", "param", "shown"),
+    [
+        ({"prompt": "hi", "stop": ["a", ""]}, "stop", "got stop[1] = '' (0 characters)"),
+        ({"prompt": "hi", "stop": 5}, "stop", "got 5"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop", "got a list of 5"),
+        ({"prompt": "hi", "stop": ["a", 3]}, "stop", "got stop[1] = 3"),
+        ({"prompt": "hi", "stop_token_ids": [1, 99999]}, "stop_token_ids", "got stop_token_ids[1] = 99999"),
+        ({"prompt": "hi", "allowed_token_ids": "x"}, "allowed_token_ids", "got 'x'"),
+        ({"prompt": [1, 2, 70000]}, "prompt", "got 70000 at index 2"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "got role 'robot'"),
+        ({"messages": [5]}, "messages[0]", "got 5"),
+    ],
+)
+def test_a_refusal_shows_the_value_it_refused(body: dict[str, Any], param: str, shown: str) -> None:
+    """A refused value is named with its field and shown (the first offending element and where it is)."""
+    parse = parse_chat if "messages" in body else parse_completion
+    error = refused(parse, body, SERVED)
+    assert (error.status, error.param) == (400, param) and error.message.endswith(shown), error.message
 
-    class Recording(ByteTokenizer):
-        def stream(self, stop: Any = (), *, skip_special_tokens: bool = True, **kwargs: Any) -> Any:
-            asked.append(skip_special_tokens)
-            return super().stream(stop, skip_special_tokens=skip_special_tokens, **kwargs)
 
-    assert detokenize_body({"tokens": [104, 105]}, Recording(), SERVED) == {"prompt": "hi"}
-    assert asked == [False]
+def test_a_context_overflow_names_both_output_fields_as_vllm_does() -> None:
+    """A prompt and its output over the context: vLLM's message, which names `max_tokens` and
+    `max_completion_tokens` (either sets the output) with the value asked, and vLLM's `param`, `max_tokens`,
+    whichever field the client used."""
+    chat = parse_chat({"messages": USER, "max_completion_tokens": 5000}, SERVED)
+    error = refused(prompt_tokens, chat, TOKENIZER, SERVED)
+    n = len(prompt_tokens(parse_chat({"messages": USER}, SERVED), TOKENIZER, SERVED))
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "max_tokens")
+    assert error.message == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum context length is 129 "
+        f"tokens and your request has {n} input tokens (5000 > 129 - {n})."
+    )
+
+
+def test_detokenize_decodes_every_id_as_vllm_does() -> None:
+    """vLLM's /detokenize is the tokenizer's `decode` of every id (test_prompt_text checks a checkpoint's stop ids
+    and special tokens); the byte tokenizer's ids past the bytes decode to nothing. Ids out of the vocabulary are a
+    400 naming the first and where it is."""
+    larger = attrs.evolve(SERVED, vocab_size=512)  # a model that may generate ids past the bytes
+    assert detokenize_body({"tokens": [104, 105, 300]}, ByteTokenizer(), larger) == {"prompt": "hi"}
+    error = refused(detokenize_body, {"tokens": [104, -1]}, ByteTokenizer(), SERVED)
+    assert (error.status, error.param) == (400, "tokens") and "tokens[1] = -1" in error.message
 
 
 # ---------------------------------------------------------------------------------------------- answers
