@@ -41,7 +41,7 @@ engine (at once, or when a down one answers again), so a stopped decode node
 holds up a prefill engine's queue for the job running there at most. Scheduled
 again as `admit` schedules a request, keeping its arrival (its TTFT objective
 and longest wait count from it): one refused for room waits in the admission
-line ahead of every request that arrived after it (`_Line.arrive_again`: it was
+line ahead of every request that arrived after it (`AdmissionQueue.arrive(again=True)`: it was
 accepted before them); one refused for good, or whose wait ends, gets the
 refusal, its message saying which engine failed first and its `outcome`
 whether a prefill of it had run for nothing (`REJECTED_AFTER_PREFILL`).
@@ -77,7 +77,7 @@ import attrs
 import numpy as np
 
 from mooncake.engine.logprobs import TokenLogprobs
-from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason, RequestEnd, reason_named
 from mooncake.sched.view import (
@@ -155,45 +155,6 @@ class _Waiter:
     live: LiveRequest
     decided: asyncio.Future[None] | None = None
     failure: ApiError | None = None
-
-
-class _Line(AdmissionQueue[_Waiter]):
-    """The admission line (`sched.waiting.AdmissionQueue`), which also takes back a request it admitted once and that
-    lost its engine (`arrive_again`).
-
-    The queue has no way to put a request anywhere but at its end; this one does it with the queue's internals
-    (`_enter`, `_line`, `_try`, `_deadline`), which `tests/serving/test_reroute_wait.py` pins, until
-    `AdmissionQueue` offers it itself.
-    """
-
-    def arrive_again(self, item: _Waiter, request: Request, now: float) -> ScheduleDecision | None:
-        """A request admitted before whose engine failed arrives again, its arrival kept (its TTFT objective and its
-        longest wait count from it): its decision, or None while it waits in line, ahead of every waiting request
-        that arrived after it (all of them, but for one the line let in out of turn meanwhile). At the head, it
-        is tried at once, as `arrive` tries a request that finds no line; behind an earlier arrival, it waits
-        untried until its deadline (`arrive`'s rule: nobody overtakes), unless no wait could help it.
-
-        Raises:
-            InvalidRequestError: `item`, or a request with this id, already waits; what the scheduler raises.
-        """
-        if id(item) in self._entries or request.request_id in self._request_ids:
-            raise InvalidRequestError(f"request {request.request_id} already waits for room")
-        waiting = [entry for entry in self._line if entry.waiting]
-        if any(entry.request.arrival_s <= request.arrival_s for entry in waiting):
-            reason = self.scheduler.lasting_refusal(request)
-            if reason is not None:
-                return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
-            deadline = request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s)
-        else:
-            decision = self._try(request, now)
-            deadline = self._deadline(request, decision)
-            if not now < deadline:
-                return decision
-        later = next((entry for entry in waiting if entry.request.arrival_s > request.arrival_s), None)
-        self._enter(item, request, deadline)  # at the end of the line ...
-        if later is not None:  # ... moved ahead of the first that arrived after it
-            self._line.insert(self._line.index(later), self._line.pop())
-        return None
 
 
 @attrs.define(eq=False)
@@ -285,7 +246,7 @@ class Dispatcher:
         self._probes: set[asyncio.Task[None]] = set()
         # Requests waiting for room on the decode side (`admit`), first come, first served, within the Conductor's
         # TTFT objective (capped at the request timeout: `ClusterConfig.objectives`).
-        self._waiting = _Line(conductor, max_wait_s=config.limits.admission_wait_s)
+        self._waiting: AdmissionQueue[_Waiter] = AdmissionQueue(conductor, max_wait_s=config.limits.admission_wait_s)
         self._rerouted: dict[RequestId, _Waiter] = {}  # rerouted requests waiting in the line (none of them live)
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._closed = False  # shut down: nothing is admitted or sent any more
@@ -896,7 +857,7 @@ class Dispatcher:
         # request, arrival kept: refused for room, it waits in line, ahead of those that came after it (an immediate
         # 429 would treat it worse than a newcomer, whom the line lets wait).
         waiter = _Waiter(live, failure=failure)
-        decision = self._waiting.arrive_again(waiter, live.request, self.now())
+        decision = self._waiting.arrive(waiter, live.request, self.now(), again=True)
         if decision is None:
             self._rerouted[live.request_id] = waiter
             self._waited()

@@ -170,10 +170,10 @@ class CheckpointTokenizer:
         return self.tokenizer.special.stop_token_ids
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`, with the tokenizer's special tokens (a BOS, say) unless `add_special_tokens` is false:
-        `Tokenizer.encode`'s, through `encode_batch`, which lets go of the GIL while it works (`encode` holds it:
-        the seconds a long prompt takes would stall the gateway's event loop, whatever thread it ran on)."""
-        return list(self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        """The ids of `text`, with the tokenizer's special tokens (a BOS, say) unless `add_special_tokens` is false
+        (`Tokenizer.encode`, which lets go of the GIL: the seconds a long prompt takes do not stall the gateway's
+        event loop while a thread of its own tokenizes)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
         self,
@@ -216,8 +216,8 @@ class CheckpointTokenizer:
 
     def decode(self, tokens: Sequence[int]) -> str:
         """The text of `tokens`, special tokens included (transformers' `decode` default, as vLLM echoes a prompt
-        given as ids): `Tokenizer.decode`'s, through `decode_batch`, which lets go of the GIL (as `encode`)."""
-        return str(self.tokenizer.backend.decode_batch([list(tokens)], skip_special_tokens=False)[0])
+        given as ids; `Tokenizer.decode`, which lets go of the GIL as `encode` does)."""
+        return self.tokenizer.decode(tokens)
 
     def stream(
         self,

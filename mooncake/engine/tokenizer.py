@@ -247,16 +247,20 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`; with `add_special_tokens` the post-processor's (a BOS, say), as transformers' `encode`."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The ids of `text`; with `add_special_tokens` the post-processor's (a BOS, say), as transformers' `encode`.
+
+        Through the backend's `encode_batch`, whose ids are `encode`'s: it lets go of the GIL while it works, where
+        `encode` holds it, and a long prompt takes seconds (a server's other threads and its event loop run on)."""
+        return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """The text of `ids`, as transformers' `decode`.
 
         `clean_up_tokenization_spaces` is never applied (vLLM's detokenizer does not either): transformers 5
         ignores it for BPE tokenizers, every LLaMA-family one among them, because it strips real spaces.
+        Through `decode_batch`, which lets go of the GIL (as `encode`).
         """
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return str(self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0])
 
     def piece(self, token_id: int) -> str:
         """The vocabulary's string for `token_id` (transformers' `convert_ids_to_tokens`: "▁Hello", "Ġhello",

@@ -24,8 +24,13 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
   read its body first) can be due before the head: a deadline is at most arrival plus the same bound.
 - Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
   counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.
+- A request that arrives again (`arrive(..., again=True)`: it was accepted, and the instance it went to
+  failed) keeps its arrival and takes its place by it: ahead of every waiting request that arrived after it
+  (it was accepted before them), behind those that arrived before it, untried while one of those waits, else
+  tried at once as a request that finds no line.
 
-Invariants: the line is in the order requests joined it; a request's deadline is at most `max_wait_s` and the TTFT
+Invariants: the line is in the order requests joined it, but that a request arriving again stands ahead of every
+waiting one that arrived after it; a request's deadline is at most `max_wait_s` and the TTFT
 objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
 decision is handed back once, even when a later try in the same `pump` raises (the decisions made before it
 come with the next `pump`); no two waiting requests share a request id; with `max_wait_s` 0 nothing waits.
@@ -108,8 +113,11 @@ class AdmissionQueue(Generic[T]):
         """The items waiting, in the order they joined the line."""
         return (entry.item for entry in self._line if entry.waiting)
 
-    def arrive(self, item: T, request: Request, now: float) -> ScheduleDecision | None:
+    def arrive(self, item: T, request: Request, now: float, *, again: bool = False) -> ScheduleDecision | None:
         """A request arrives: its decision, or None while it waits in line.
+
+        `again`: the request was accepted before and arrives again, its arrival kept (its instance failed): it
+        takes its place by its arrival, ahead of the waiting requests that arrived after it (the module docstring).
 
         Raises:
             InvalidRequestError: `request` is no `Request`; `now` is not a finite number; `item`, or a request with this
@@ -124,18 +132,26 @@ class AdmissionQueue(Generic[T]):
             raise InvalidRequestError(f"{item!r} already waits for room")
         if request.request_id in self._request_ids:
             raise InvalidRequestError(f"request {request.request_id} already waits for room")
-        if self._entries:  # behind those already waiting, untried, unless no wait could help it
+        later = None  # the first waiting request it goes ahead of (only a request arriving again goes ahead)
+        behind = bool(self._entries)  # whether it stands behind a waiting one
+        if again and behind:
+            waiting = [entry for entry in self._line if entry.waiting]
+            later = next((entry for entry in waiting if entry.request.arrival_s > request.arrival_s), None)
+            behind = later is not waiting[0]
+        if behind:  # untried, unless no wait could help it
             reason = self.scheduler.lasting_refusal(request)
             if reason is not None:
                 return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
-            self._enter(item, request, request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s))
-            return None
-        decision = self._try(request, now)
-        deadline = self._deadline(request, decision)
-        if now < deadline:
-            self._enter(item, request, deadline)
-            return None
-        return decision
+            deadline = request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s)
+        else:
+            decision = self._try(request, now)
+            deadline = self._deadline(request, decision)
+            if not now < deadline:
+                return decision
+        self._enter(item, request, deadline)
+        if later is not None:  # arriving again: moved from the end ahead of the first that arrived after it
+            self._line.insert(self._line.index(later), self._line.pop())
+        return None
 
     def pump(self, now: float) -> list[tuple[T, ScheduleDecision]]:
         """Room may have appeared, or a deadline come: try the line (the module's discipline); the decisions of

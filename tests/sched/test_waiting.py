@@ -103,15 +103,20 @@ class LineModel:
         )
         return decision, deadline
 
-    def arrive(self, item: int, req: Request, now: float) -> ScheduleDecision | None:
-        if self.line and req.input_length > CAPACITY:  # no wait could get it in: refused at once
+    def arrive(self, item: int, req: Request, now: float, *, again: bool = False) -> ScheduleDecision | None:
+        # At the end; arriving again, ahead of the first waiting one that arrived after it.
+        position = len(self.line)
+        if again:
+            later = (i for i, row in enumerate(self.line) if row.request.arrival_s > req.arrival_s)
+            position = next(later, len(self.line))
+        if position and req.input_length > CAPACITY:  # behind others, and no wait could get it in: refused at once
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG)
-        if self.line:
-            self.line.append(_Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s)))
+        if position:  # behind others: untried
+            self.line.insert(position, _Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s)))
             return None
         decision, deadline = self._try(req, now)
         if now < deadline:
-            self.line.append(_Row(item, req, deadline))
+            self.line.insert(0, _Row(item, req, deadline))
             return None
         return decision
 
@@ -156,6 +161,8 @@ class LineMachine(RuleBasedStateMachine):
         self.decided: set[int] = set()
         self.removed: set[int] = set()
         self.accepted: list[RequestId] = []
+        self.requests: dict[int, Request] = {}
+        self.arrived_again = False
 
     @initialize(max_wait_s=st.sampled_from([0.0, 2.0, 7.5, 30.0]))
     def start(self, max_wait_s: float) -> None:
@@ -182,11 +189,31 @@ class LineMachine(RuleBasedStateMachine):
         arrival = max(0.0, self.now - late_s)
         req = request(self.number, arrival, size, ttft_tenths)
         self.arrivals[self.number] = arrival
+        self.requests[self.number] = req
         got = self.queue.arrive(self.number, req, self.now)
         want = self.model.arrive(self.number, req, self.now)
         assert (got is None) == (want is None)
         if got is not None and want is not None:
             self._record([(self.number, got)], [(self.number, want)])
+
+    @precondition(lambda self: self.queue is not None and self.accepted)
+    @rule(data=st.data())
+    def arrive_again(self, data: st.DataObject) -> None:
+        """An accepted request's instance fails: its room is freed and it arrives again, its arrival kept, to stand
+        ahead of the waiting requests that arrived after it."""
+        assert self.queue is not None and self.model is not None
+        request_id = self.accepted.pop(data.draw(st.integers(0, len(self.accepted) - 1)))
+        self.real.release(request_id)
+        self.model.conductor.release(request_id)
+        item = int(request_id[1:])
+        self.decided.discard(item)
+        self.arrived_again = True
+        req = self.requests[item]
+        got = self.queue.arrive(item, req, self.now, again=True)
+        want = self.model.arrive(item, req, self.now, again=True)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            self._record([(item, got)], [(item, want)])
 
     @precondition(lambda self: self.queue is not None)
     @rule(dt=st.floats(0.0, 6.0))
@@ -227,7 +254,8 @@ class LineMachine(RuleBasedStateMachine):
             return
         waiting = list(self.queue)
         assert waiting == [row.item for row in self.model.line]
-        assert waiting == sorted(waiting), "the line is in arrival order"
+        if not self.arrived_again:
+            assert waiting == sorted(waiting), "the line is in the order requests joined it"
         assert len(self.queue) == len(waiting)
         for row in self.model.line:
             assert self.queue.deadline(row.item) == row.deadline_s

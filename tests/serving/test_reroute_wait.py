@@ -7,8 +7,8 @@ KV room, the TBT objective), it waits in the admission line ahead of every reque
 accepted before them), is admitted before them when room frees, and its deadline counts from its arrival. Its wait
 ending, or a refusal no wait could lift, ends it with the refusal, whose message says which engine failed first and
 whose `outcome` says whether a prefill of it had run for nothing. A client that leaves while it waits takes it out
-of the line; shutting down answers it with a 503. `_Line.arrive_again`, which puts a request ahead of later
-arrivals with `AdmissionQueue`'s internals, is pinned against a scripted scheduler.
+of the line; shutting down answers it with a 503. `AdmissionQueue.arrive(again=True)`, which puts a request ahead of
+later arrivals, is pinned against a scripted scheduler here too (its model test: tests/sched/test_waiting.py).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ pytest.importorskip("aiohttp")
 
 from serving import wire
 from serving.api import ApiError
-from serving.dispatch import Dispatcher, LiveRequest, _Line, _Waiter
+from serving.dispatch import Dispatcher, LiveRequest, _Waiter
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.conductor import ScheduleDecision
 from mooncake.sched.outcome import Outcome, Reason
+from mooncake.sched.waiting import AdmissionQueue
 from mooncake.types import InstanceId, Request, RequestId, Slo
 from tests.serving.test_dispatch_edges import (
     admitted,
@@ -220,27 +221,27 @@ def waiter(request_id: int, arrival_s: float) -> tuple[_Waiter, Request]:
     return _Waiter(live), request
 
 
-def test_arrive_again_puts_a_request_ahead_of_later_arrivals_only() -> None:
+def test_arriving_again_puts_a_request_ahead_of_later_arrivals_only() -> None:
     """A (arrival 1) and B (3) wait for room. R (arrival 2) arrives again: an earlier arrival (A) waits, so R is
     not tried and waits between A and B until arrival + the longest wait; R0 (arrival 0) is the earliest: tried at
     once, refused for room, it heads the line. One whose refusal is lasting is refused at once; one already waiting
     cannot arrive again. The pumps then try the line in that order."""
     scheduler = Scripted(refusals=dict.fromkeys([1, 3, 2, 10, 5], Reason.BATCH_FULL))
-    line = _Line(scheduler, max_wait_s=10.0)
+    line: AdmissionQueue[_Waiter] = AdmissionQueue(scheduler, max_wait_s=10.0)
     a, b, r, r0 = waiter(1, 1.0), waiter(3, 3.0), waiter(2, 2.0), waiter(10, 0.0)
     assert line.arrive(*a, now=4.0) is None and line.arrive(*b, now=4.0) is None
-    assert line.arrive_again(*r, now=4.0) is None
+    assert line.arrive(*r, now=4.0, again=True) is None
     assert list(line) == [a[0], r[0], b[0]] and line.deadline(r[0]) == 2.0 + 10.0
     assert scheduler.tried == [1]  # A alone: B and R wait behind it untried
-    assert line.arrive_again(*r0, now=4.0) is None
+    assert line.arrive(*r0, now=4.0, again=True) is None
     assert list(line) == [r0[0], a[0], r[0], b[0]] and scheduler.tried == [1, 10]
     assert line.deadline(r0[0]) == min(0.0 + 10.0, 0.0 + 30.0 - 1.0)  # room_wait_deadline, from its arrival
     lasting = waiter(5, 2.5)
     scheduler.lasting[5] = Reason.CONTEXT_TOO_LONG
-    decision = line.arrive_again(*lasting, now=4.0)
+    decision = line.arrive(*lasting, now=4.0, again=True)
     assert decision is not None and (decision.accepted, decision.reason) == (False, Reason.CONTEXT_TOO_LONG)
     with pytest.raises(InvalidRequestError):
-        line.arrive_again(*r, now=4.0)
+        line.arrive(*r, now=4.0, again=True)
     scheduler.refusals.update({10: None, 1: None})  # room for R0 and A, not for R
     decided: list[Any] = line.pump(5.0)
     assert [(item, d.accepted) for item, d in decided] == [(r0[0], True), (a[0], True)]
