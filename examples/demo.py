@@ -12,8 +12,11 @@ replayed through a simulated cluster under each router.)
 
     python examples/demo.py [--out build/demo] [--preset synthetic] [--num-requests 4000] [--seed 0]
 
-An error (an option out of range, an --out that is a file) is one line on
-stderr and exit status 2; Ctrl-C exits with 130.
+The trace and the plot go to --out as one set (`simulation.output_set`: the
+plot last, there only beside the trace of its run); --out and matplotlib are
+checked before any work. An error (an option out of range, an --out that is a
+file or cannot be written, no matplotlib) is one line on stderr and exit status
+2; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import simulation
 
 from mooncake.cli import POLICIES, capacity_sweep, one_line, plot_capacity, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.sim.report import require_pyplot
 from mooncake.workload import (
     DEFAULT_WORKLOAD,
     PRESETS,
@@ -40,6 +44,7 @@ from mooncake.workload import (
 )
 
 CAPACITIES_BLOCKS = [1_000, 2_000, 5_000, 10_000, 20_000, 50_000]
+PLOT = "capacity.png"  # the last of the --out set: its marker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +64,10 @@ def demo(argv: list[str] | None) -> int:
         for option, value in (("--num-requests", args.num_requests), ("--seed", args.seed)):
             if value < 0:
                 raise ConfigError(f"{option} must be >= 0, got {value}")
-        simulation.check_out_dir(args.out)
-        tour(args)
+        require_pyplot()  # the plot comes last: without matplotlib the whole tour would be for nothing
+        with simulation.output_set(args.out, (f"{args.preset}.jsonl", PLOT)) as staging:  # --out checked now
+            tour(args, staging)
+        print(f"\nplot written to {args.out / PLOT}")
     except BrokenPipeError:  # stdout's reader left: run_interruptible ends quietly
         raise
     except (MooncakeError, OSError) as error:
@@ -69,10 +76,8 @@ def demo(argv: list[str] | None) -> int:
     return 0
 
 
-def tour(args: argparse.Namespace) -> None:
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-
+def tour(args: argparse.Namespace, out: Path) -> None:
+    """The tour, its files written in the folder `out` (`output_set`'s, put into --out when it ends)."""
     trace = out / f"{args.preset}.jsonl"
     requests = generate_requests(
         preset(args.preset),
@@ -83,7 +88,7 @@ def tour(args: argparse.Namespace) -> None:
     write_trace(trace, requests)
     workload = load_trace(trace)
     stats = trace_stats(workload)
-    print(f"== workload: preset '{args.preset}', seed {args.seed} -> {trace}")
+    print(f"== workload: preset '{args.preset}', seed {args.seed} -> {args.out / trace.name}")
     print(
         f"requests {stats.num_requests:,}   mean input {stats.mean_input_length:,.0f} tokens   "
         f"mean output {stats.mean_output_length:,.0f} tokens   max input {stats.max_input_length:,}"
@@ -107,9 +112,7 @@ def tour(args: argparse.Namespace) -> None:
         print(f"{name:<14}{row}   {time.perf_counter() - start:7.2f}")
     print(f"{'(infinite)':<14}" + f"{stats.prefix_reuse_ratio:>10.4f}" * len(CAPACITIES_BLOCKS))
 
-    plot = out / "capacity.png"
-    plot_capacity(curves, plot, title=f"{args.preset} workload, {stats.num_requests:,} requests")
-    print(f"\nplot written to {plot}")
+    plot_capacity(curves, out / PLOT, title=f"{args.preset} workload, {stats.num_requests:,} requests")
 
 
 if __name__ == "__main__":

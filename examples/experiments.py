@@ -7,8 +7,12 @@
     python examples/experiments.py threshold | overload | predictors
 
 Every subcommand takes the workload and cluster options of replay.py, writes
-<out>/<name>.json and <name>*.png (default out: build/experiments) and prints
-its table; --json prints the JSON instead. Nothing is tuned toward the paper's
+<out>/<name>.json and its plots (`PLOTS`; default out: build/experiments) as one
+set (`simulation.output_set`: the JSON last, there only beside the rest of its
+run; --no-plots removes an older run's plots of the subcommand) and prints its
+table; --json prints the JSON instead. --out and matplotlib are checked before
+the run; should the files still fail to be written after it, the table is
+printed all the same, then the error, with status 2. Nothing is tuned toward the paper's
 numbers: clusters are sized by fixed rules (see simulation.py) before any run.
 The experiments themselves live in `paper/`, a module each.
 """
@@ -37,7 +41,7 @@ from serving.registry import ROUTERS
 from mooncake.cli import one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
-from mooncake.sim.report import _pyplot, json_safe, write_json
+from mooncake.sim.report import json_safe, require_pyplot, write_json
 from mooncake.workload.trace_record import MAX_ARRIVAL_S
 
 PAPER_ROUTERS = ("random", "load_balancing", "local_cache_aware", "kvcache_centric")  # the paper's Fig. 5
@@ -50,6 +54,18 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace], tuple[Report, str]]] = {
     "threshold": threshold,
     "overload": overload,
     "predictors": predictors,
+}
+
+
+# The plots each experiment can draw (paper/), by file name: with its JSON, the set it writes to --out.
+PLOTS: dict[str, tuple[str, ...]] = {
+    "scheduling": ("scheduling_ttft_cdf.png", "scheduling_load.png"),
+    "rejection": ("rejection_load.png",),
+    "cache": ("cache_hit_ratio.png",),
+    "throughput": ("throughput.png",),
+    "threshold": ("threshold.png",),
+    "overload": ("overload_rejected.png", "overload_wasted_prefill_s.png", "overload_oscillation.png"),
+    "predictors": ("predictors.png",),
 }
 
 
@@ -196,33 +212,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def experiment(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
-    plots_dir = None if args.no_plots else args.out
-    out_dir: Path = args.out
-    args.out = plots_dir
+    name, out_dir = args.experiment, args.out
     started = time.perf_counter()
+    done: tuple[Report, str] | None = None
     try:
-        simulation.check_out_dir(out_dir)  # found before the run, not after it
-        if plots_dir is not None:
+        if not args.no_plots:
             # The plots are drawn after every replay, and before the JSON is written: without matplotlib a run
             # would be lost whole, so its absence is found now, by the check (and message) the plots would meet.
-            _pyplot()
+            require_pyplot()
         given = simulation.given_options(parser, argv)
-        for dests, why in UNUSED.get(args.experiment, ()):
-            simulation.refuse_unused(_subparser(args.experiment), args, dests, why, given=given)
-        if args.experiment not in ("rejection", "overload"):  # those run every admission policy, predictive too
-            simulation.refuse_unpredicted(_subparser(args.experiment), args, given=given)
-        report, table = EXPERIMENTS[args.experiment](args)
-        report["wall_s"] = time.perf_counter() - started
-        write_json(report, out_dir / f"{args.experiment}.json")
+        for dests, why in UNUSED.get(name, ()):
+            simulation.refuse_unused(_subparser(name), args, dests, why, given=given)
+        if name not in ("rejection", "overload"):  # those run every admission policy, predictive too
+            simulation.refuse_unpredicted(_subparser(name), args, given=given)
+        with simulation.output_set(out_dir, (*PLOTS[name], f"{name}.json")) as staging:  # --out checked now
+            args.out = None if args.no_plots else staging  # where the experiment draws its plots
+            report, table = EXPERIMENTS[name](args)
+            report["wall_s"] = time.perf_counter() - started
+            done = report, table
+            write_json(report, staging / f"{name}.json")
     except (MooncakeError, OSError) as error:
+        if done is not None:  # the run is done and its files could not be written: its results are not lost
+            print_results(*done, as_json=args.json)
         print(one_line(f"experiments: {error}"), file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(json_safe(report), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        print(table)
-        print(f"\n{args.experiment}: {report['wall_s']:.1f} s; JSON and plots in {out_dir}")
+    print_results(report, table, as_json=args.json)
+    if not args.json:
+        print(f"\n{name}: {report['wall_s']:.1f} s; JSON{'' if args.no_plots else ' and plots'} in {out_dir}")
     return 0
+
+
+def print_results(report: Report, table: str, *, as_json: bool) -> None:
+    """An experiment's results on stdout: its table, or with `as_json` its report as JSON."""
+    print(json.dumps(json_safe(report), indent=2, sort_keys=True, allow_nan=False) if as_json else table)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ Without `--config` nothing is scaled, and the scaling options are refused.
 
 Prints a summary table (or, with --json, the summary as JSON). With --out DIR it
 writes requests.csv (one row per request), summary.json, ttft_cdf.png,
-tbt_cdf.png and load.png (prefill and decode load over time).
+tbt_cdf.png and load.png (prefill and decode load over time), as one set
+(`simulation.output_set`: summary.json last, there only beside the rest of its
+run); DIR and matplotlib are checked before the run. Should the files still
+fail to be written after it, the summary is printed all the same, then the
+error, with status 2.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -45,10 +50,12 @@ from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
-from mooncake.sim.report import plot_cdfs, plot_load, summary_table, write_json, write_records_csv
+from mooncake.sim.report import plot_cdfs, plot_load, require_pyplot, summary_table, write_json, write_records_csv
 from mooncake.sim.spec import build_conductor
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
+# The --out set (`write_outputs`), its marker last.
+OUT_FILES = ("requests.csv", "ttft_cdf.png", "tbt_cdf.png", "load.png", "summary.json")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -82,16 +89,23 @@ SCALING = tuple(attrs.fields_dict(Scaling))  # the options of add_scaling_option
 CONFIG_UNUSED = ("prefill", "decode", "model", "hardware", "ttft_slo", "tbt_slo", *COUPLED_UNUSED)
 
 
-def run(args: argparse.Namespace) -> tuple[ReplayResult, str]:
+def run(args: argparse.Namespace, given: Mapping[str, str]) -> tuple[ReplayResult, str]:
+    """The replay the options describe: (its result, a title naming the cluster and policies).
+
+    Args:
+        given: the options the command line gave (`simulation.given_options`): one the run would not use is
+            refused even at its default value.
+    """
     if args.config is not None:
-        simulation.refuse_unused(parser(), args, CONFIG_UNUSED, "with --config (the config sets it)")
+        simulation.refuse_unused(parser(), args, CONFIG_UNUSED, "with --config (the config sets it)", given=given)
         return run_config(args)
     if args.engine != "disaggregated":
-        simulation.refuse_unused(parser(), args, COUPLED_UNUSED, f"to --engine {args.engine}")
-    simulation.refuse_unpredicted(parser(), args)
+        simulation.refuse_unused(parser(), args, COUPLED_UNUSED, f"to --engine {args.engine}", given=given)
+    simulation.refuse_unpredicted(parser(), args, given=given)
     if args.profile is not None:
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
-    simulation.refuse_unused(parser(), args, SCALING, "without --config (it scales a workload to the example cluster)")
+    why = "without --config (it scales a workload to the example cluster)"
+    simulation.refuse_unused(parser(), args, SCALING, why, given=given)
     requests = simulation.load_workload(args)
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
@@ -141,8 +155,12 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
     return result, title
 
 
-def print_table(result: ReplayResult, title: str) -> None:
+def print_results(result: ReplayResult, title: str, *, as_json: bool) -> None:
+    """The summary on stdout: a table under `title`, or with `as_json` the summary as JSON."""
     s = result.summary
+    if as_json:
+        print(json.dumps(s.to_json(), indent=2, sort_keys=True))
+        return
     print(title)
     print("\n".join(summary_table(s)))
     print(
@@ -152,7 +170,8 @@ def print_table(result: ReplayResult, title: str) -> None:
     )
 
 
-def write_outputs(result: ReplayResult, out: Path, title: str) -> None:
+def write_outputs(result: ReplayResult, title: str, out: Path) -> None:
+    """The --out set (`OUT_FILES`) into the folder `out`."""
     write_records_csv(result.records, out / "requests.csv")
     write_json(result.summary.to_json(), out / "summary.json")
     completed = [r for r in result.records if r.outcome == Outcome.COMPLETED]
@@ -168,21 +187,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
+    done: tuple[ReplayResult, str] | None = None
     try:
-        if args.out is not None:  # found before the run, not after it
-            simulation.check_out_dir(args.out)
-        result, title = run(args)
-        if args.out is not None:
-            write_outputs(result, args.out, title)
+        given = simulation.given_options(parser, argv)
+        if args.out is None:
+            done = run(args, given)
+        else:
+            # The plots are drawn after the run: without matplotlib it would be lost, so that is found now.
+            require_pyplot()
+            with simulation.output_set(args.out, OUT_FILES) as staging:  # --out checked before the run
+                done = run(args, given)
+                write_outputs(*done, staging)
     except (MooncakeError, OSError) as error:
+        if done is not None:  # the run is done and its files could not be written: its summary is not lost
+            print_results(*done, as_json=args.json)
         print(one_line(f"replay: {error}"), file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result.summary.to_json(), indent=2, sort_keys=True))
-    else:
-        print_table(result, title)
-        if args.out is not None:
-            print(f"results written to {args.out}")
+    print_results(*done, as_json=args.json)
+    if args.out is not None and not args.json:
+        print(f"results written to {args.out}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""What replay.py and experiments.py share: workload and cluster options, the paper-like sizing.
+"""What replay.py and experiments.py share: workload and cluster options, the paper-like sizing, the --out set.
 
 A workload is a Mooncake-format trace (`--trace`) or a generated preset
 (`--preset`, so nothing needs a data file), in blocks of `--block-size` tokens
@@ -21,16 +21,27 @@ slowest an accepted request is meant to go) and N the requests of the mean
 lengths one decode node holds within the TBT objective and its HBM
 (`decode_capacity`). Both pools then run near saturation at the workload's own
 pace, and overload finds whichever binds first.
+
+A run's files in `--out` (replay.py's requests.csv, summary.json and plots, an
+experiment's JSON and plots, demo.py's trace and plot) are one set: checked
+writable before the run, written aside, and put in place together after it,
+the marker (summary.json, the JSON) last (`output_set`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import itertools
 import math
+import os
+import shutil
+import stat
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +49,7 @@ import attrs
 from scaling import Scaling, scale
 from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
+from mooncake._files import atomic_path
 from mooncake.cli import read_trace
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
@@ -193,16 +205,146 @@ def _program() -> str:
 
 
 def check_out_dir(out: Path) -> None:
-    """`--out` names a folder, or one that can be made: checked before a run, not found wrong after it.
+    """`--out` names a folder, or one that can be made, in which files can be written: checked before a run, not
+    found wrong after it. It leaves nothing behind: the folders it makes to check, and its probe, are removed.
 
     Raises:
-        ConfigError: `out`, or the nearest of its parents that exists, is no folder.
+        ConfigError: `out`, or the nearest of its parents that exists, is no folder; or `out` cannot be made or
+            written in (no permission, a read-only file system, /proc), with the reason.
     """
-    for folder in (out, *out.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(f"--out {out}{'' if folder == out else f': {folder}'} is a file, not a directory")
-            return
+    with _scratch_folder(out):
+        pass
+
+
+@contextlib.contextmanager
+def output_set(out: Path, names: Sequence[str]) -> Iterator[Path]:
+    """The folder to write one run's output files in (its set), put into `out` as a whole when the block ends.
+
+    Entered before the run: `out` is checked as `check_out_dir` checks it, and made. The block writes the set into
+    the folder yielded, a hidden one inside `out` (`.PROGRAM.PID.UUID.tmp`: a rename within one file system).
+    When the block ends without an error the set is put in place, by name, in this order: `out`'s old file of the
+    set's marker, the last of `names` (summary.json), is removed; each file written but the marker replaces its
+    namesake; the files of `names` the run did not write (plots with --no-plots) are removed, so nothing of an
+    older run passes for this one's; the marker comes last. The marker is there only when every file of the set
+    beside it is from its run. A file of another name in `out` (the user's own, another command's) is never
+    touched, and a link or stream at a set's name is written through, as every writer here does
+    (`mooncake._files.atomic_path`); only regular files are removed. When the block raises (an error, Ctrl-C,
+    SIGTERM's SystemExit) nothing in `out` is changed: the hidden folder is removed, and so is a folder made for
+    the set that is still empty. Only a kill (SIGKILL) leaves the hidden folder behind.
+
+    Why a folder to stage in and renames at the end: the files take the run's time to write (the plots of a long
+    replay take seconds, an experiment draws its plots as it goes), the renames microseconds, so an interruption
+    almost always falls where nothing in `out` has changed yet. One that falls among the renames (or a failed
+    rename: a full disk, a folder at a set's name) leaves a set without its marker, plainly not whole, never one
+    that passes for a single run. Deferring SIGINT over the renames would close that gap, but a set's name may be
+    a FIFO with no reader, which no Ctrl-C could then leave.
+
+    Args:
+        out: the `--out` folder.
+        names: every file the set can hold, the marker last.
+
+    Yields:
+        The folder to write the set's files in.
+
+    Raises:
+        ConfigError: `out` is no folder or cannot be written (`check_out_dir`), before the block runs.
+        OSError: a file could not be put in place, named by its path in `out`; the block's own errors pass as raised.
+    """
+    with _scratch_folder(out) as staging:
+        yield staging
+        _publish(staging, out, names)
+
+
+@contextlib.contextmanager
+def _scratch_folder(out: Path) -> Iterator[Path]:
+    """A new hidden folder inside `out` (made with its missing parents), removed with whatever it holds when the
+    block ends, however it ends, and so are the folders made for it that are still empty. Making it is the probe
+    of `out`: an entry that can be made there is one a file can be written to (the same permission, file system
+    and space), and it is the entry the writes need anyway.
+
+    Raises:
+        ConfigError: as `check_out_dir`.
+    """
+    missing: list[Path] = []  # `out`, then its parents, up to the nearest that exists
+    made: list[Path] = []
+    scratch = out / f".{_program()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    try:
+        for folder in (out, *out.parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    where = "" if folder == out else f": {folder}"
+                    raise ConfigError(f"--out {out}{where} is a file, not a directory")
+                break
+            missing.append(folder)
+        for folder in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by another run meanwhile: not this one's to remove
+                folder.mkdir()
+                made.append(folder)
+        scratch.mkdir()
+    except OSError as error:  # the name itself (too long), no permission, a read-only file system, /proc
+        where = "" if error.filename in (None, os.fspath(out), os.fspath(scratch)) else f" (making {error.filename})"
+        _remove_folders(made)
+        raise ConfigError(f"--out {out} cannot be written: {error.strerror}{where}") from error
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        _remove_folders(made)
+
+
+def _remove_folders(made: Sequence[Path]) -> None:
+    """Remove the folders of `made` (parents first in it) that are empty, deepest first: one a set was put in stays."""
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _publish(staging: Path, out: Path, names: Sequence[str]) -> None:
+    """Put the files written in `staging` into `out`, in `output_set`'s order (its docstring)."""
+    marker = names[-1]
+    written = sorted(path.name for path in staging.iterdir())
+    _remove_file(out / marker)
+    for name in written:
+        if name != marker:
+            _place(staging / name, out / name)
+    for name in names:
+        if name not in written:
+            _remove_file(out / name)
+    if marker in written:
+        _place(staging / marker, out / marker)
+
+
+def _remove_file(path: Path) -> None:
+    """Remove `path` if it is a regular file: a link, a stream or a folder there is the user's arrangement."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _place(staged: Path, target: Path) -> None:
+    """Move `staged` onto `target` whole: by a rename onto `atomic_path`'s temporary, or, where that yields a stream
+    to write as it goes or a link's file lies on another file system, by copying its bytes.
+
+    Raises:
+        OSError: named by `target` (the staged file's hidden name means nothing to the user).
+    """
+    try:
+        with atomic_path(target) as place:
+            if place != target:
+                try:
+                    os.replace(staged, place)
+                    return
+                except OSError as error:
+                    if error.errno != errno.EXDEV:
+                        raise
+            with staged.open("rb") as source, place.open("wb") as sink:
+                shutil.copyfileobj(source, sink)
+    except OSError as error:
+        if error.filename == os.fspath(target):
+            raise
+        raise type(error)(error.errno, error.strerror, os.fspath(target)) from error
 
 
 def workload_name(args: argparse.Namespace) -> str:

@@ -335,6 +335,7 @@ def test_the_examples_stop_on_a_signal_in_one_line(
         with pytest.raises(SystemExit) as caught:
             module.main(argv)
         assert caught.value.code == 143
+    assert list(tmp_path.iterdir()) == []  # the --out folder made to write the set in is gone with it
 
 
 @pytest.mark.parametrize(
@@ -423,7 +424,9 @@ def test_experiment_prints_json_and_writes_plots(experiment: str, extra: list[st
     report = json.loads(done.stdout)
     assert key in report
     assert json.loads((tmp_path / f"{experiment}.json").read_text())[key] == report[key]
-    assert list(tmp_path.glob("*.png")), "no plot written"
+    # The set experiments.py puts in place, and removes an older run's files of: the names it declares (PLOTS).
+    written = {path.name for path in tmp_path.iterdir()}
+    assert written == {f"{experiment}.json", *example("experiments").PLOTS[experiment]}
 
 
 def test_cache_says_so_when_no_cell_has_a_hit_to_compare(tmp_path: Path) -> None:
@@ -636,6 +639,24 @@ def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], name
     with a setting they were not; they are a one-line error naming the option."""
     script, *rest = argv
     done = run(script, *rest, *SMALL, "--no-progress", check=False)
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("--engine", "coupled", "--router", "kvcache_centric"), "--router does not apply to --engine coupled"),
+        (("--engine", "coupled-chunked", "--global-pool"), "--global-pool does not apply to --engine coupled-chunked"),
+        (("--engine", "coupled", "--admission-wait", "0"), "--admission-wait does not apply to --engine coupled"),
+        (("--config", "examples/configs/tiny.toml", "--prefill", "0"), "--prefill does not apply with --config"),
+        (("--predictor", "uniform"), "--predictor does not apply to --admission early_rejection"),
+        (("--length-scale", "0.03125"), "--length-scale does not apply without --config"),  # 1/32
+    ],
+)
+def test_replay_refuses_an_option_it_would_not_use_at_its_default_value_too(argv: tuple[str, ...], named: str) -> None:
+    """replay.py compared values with the defaults, so an option given with its default value passed and was
+    ignored; it is refused as experiments.py refuses it (`simulation.given_options`)."""
+    done = run("replay.py", *argv, *SMALL, "--no-progress", check=False, timeout=60)
     assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -4,7 +4,9 @@ Files are written whole or not at all (to a temporary sibling of a name of its
 own, then renamed), so an interrupted run never leaves a half-written result,
 and two runs writing one folder never share a temporary; an error names the
 file asked for. Plots need matplotlib
-(the `plot` extra); it is imported only when a plot is drawn. `summary_table`
+(the `plot` extra); it is imported only when a plot is drawn, or when a command
+asks first (`require_pyplot`), so that a run whose plots could not be drawn is
+refused before it starts. `summary_table`
 is the text table every command prints of a run's summary, simulated or real.
 """
 
@@ -34,6 +36,7 @@ __all__ = [
     "plot_cdfs",
     "plot_lines",
     "plot_load",
+    "require_pyplot",
     "shows_progress",
     "summary_table",
     "write_json",
@@ -140,7 +143,16 @@ def write_json(data: Any, path: str | Path) -> None:
         stream.write("\n")
 
 
-def _pyplot() -> Any:
+def require_pyplot() -> Any:
+    """matplotlib's `pyplot` on the file-only Agg backend, as every plot here draws with it. A command that plots
+    after its work calls it before that work, so a run whose plots could not be drawn is refused at once.
+
+    Returns:
+        The `matplotlib.pyplot` module.
+
+    Raises:
+        ConfigError: matplotlib is not installed (the `plot` extra), naming how to install it.
+    """
     try:
         import matplotlib
 
@@ -194,7 +206,7 @@ def _finish(
 
 def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, *, xlabel: str, title: str = "") -> None:
     """Empirical CDFs, one line per series (empty series are skipped)."""
-    plt = _pyplot()
+    plt = require_pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for name, values in series.items():
         if len(values):
@@ -217,7 +229,7 @@ def plot_lines(
 ) -> None:
     """One marked line per series of (xs, ys); `logx` puts x on a base-2 scale (minor grid lines too), `legend`
     names the series (default: where there is more than one)."""
-    plt = _pyplot()
+    plt = require_pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for name, (xs, ys) in series.items():
         axes.plot(list(xs), list(ys), marker="o", label=name)
@@ -235,7 +247,7 @@ def plot_load(loads: Mapping[str, Sequence[LoadSample]], path: str | Path, *, ti
 
     Time is counted from the earliest sample of any run: a trace stamped in epoch milliseconds is plotted from
     0 s, not as offsets from 1.7e9 that matplotlib writes in a corner."""
-    plt = _pyplot()
+    plt = require_pyplot()
     rows = max(1, len(loads))
     figure, axes = plt.subplots(rows, 1, figsize=(7.5, 2.4 * rows), sharex=True, squeeze=False)
     start = min((samples[0].time_s for samples in loads.values() if samples), default=0.0)
