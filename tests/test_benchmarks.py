@@ -212,11 +212,11 @@ def test_engine_benchmark_prints_its_figures() -> None:
     for key in ("decode_step_ms", "decode_step_ms_sdpa"):
         values = result[key]
         assert isinstance(values, dict) and values and all(v > 0 for v in values.values()), key
-    # The waits at every length; a ratio only where the layer-wise wait is at least 1 ms (at 64 tokens, likely none).
+    # The waits and a ratio at every length; a lower bound (to 1 ms) where the layer-wise wait is under 1 ms.
     waits = result["layerwise_exposed_store_s"]["64"]
     assert waits["serialized"] > 0 and waits["layerwise"] >= 0
-    speedups = result["layerwise_speedup"]
-    assert set(speedups) <= {"64"} and all(v > 0 for v in speedups.values())
+    assert set(result["layerwise_speedup"]) == {"64"} and result["layerwise_speedup"]["64"] > 0
+    assert result["layerwise_speedup_bounds"] == (["64"] if waits["layerwise"] < 1e-3 else [])
     assert result["cpp_threads_per_stage"] == max(1, result["threads"] // 2)
     peers = result["peers"]
     assert peers["prefill_vs_transformers"]["1"] > 0 and peers["decode_vs_transformers"]["1"] > 0
