@@ -41,8 +41,8 @@ engine (at once, or when a down one answers again), so a stopped decode node
 holds up a prefill engine's queue for the job running there at most. Scheduled
 again as `admit` schedules a request, keeping its arrival (its TTFT objective
 and longest wait count from it): one refused for room waits in the admission
-line ahead of every request that arrived after it (`AdmissionQueue.arrive(again=True)`: it was
-accepted before them); one refused for good, or whose wait ends, gets the
+line by its arrival, right behind the last waiting request that arrived before it and so ahead
+of the later ones (`AdmissionQueue.arrive(again=True)`: it was accepted before them); one refused for good, or whose wait ends, gets the
 refusal, its message saying which engine failed first and its `outcome`
 whether a prefill of it had run for nothing (`REJECTED_AFTER_PREFILL`).
 Requests whose tokens have begun end with a 503. A prefill engine that reports its

@@ -25,12 +25,14 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 - Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
   counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.
 - A request that arrives again (`arrive(..., again=True)`: it was accepted, and the instance it went to
-  failed) keeps its arrival and takes its place by it: ahead of every waiting request that arrived after it
-  (it was accepted before them), behind those that arrived before it, untried while one of those waits, else
-  tried at once as a request that finds no line.
+  failed) keeps its arrival and takes its place by it: right behind the last waiting request that arrived
+  before it (or at the same time), so it overtakes no earlier arrival and goes ahead of the later ones behind
+  that one (it was accepted before them; a line joined late may hold a later arrival ahead of an earlier
+  one, which stays ahead). Untried while it stands behind one, else tried at once as a request that finds
+  no line.
 
-Invariants: the line is in the order requests joined it, but that a request arriving again stands ahead of every
-waiting one that arrived after it; a request's deadline is at most `max_wait_s` and the TTFT
+Invariants: the line is in the order requests joined it, but that a request arriving again stands right behind the
+last waiting one that arrived no later than it; a request's deadline is at most `max_wait_s` and the TTFT
 objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
 decision is handed back once, even when a later try in the same `pump` raises (the decisions made before it
 come with the next `pump`); no two waiting requests share a request id; with `max_wait_s` 0 nothing waits.
@@ -117,7 +119,8 @@ class AdmissionQueue(Generic[T]):
         """A request arrives: its decision, or None while it waits in line.
 
         `again`: the request was accepted before and arrives again, its arrival kept (its instance failed): it
-        takes its place by its arrival, ahead of the waiting requests that arrived after it (the module docstring).
+        takes its place by its arrival, right behind the last waiting request that arrived no later than it (the
+        module docstring).
 
         Raises:
             InvalidRequestError: `request` is no `Request`; `now` is not a finite number; `item`, or a request with this
@@ -132,12 +135,15 @@ class AdmissionQueue(Generic[T]):
             raise InvalidRequestError(f"{item!r} already waits for room")
         if request.request_id in self._request_ids:
             raise InvalidRequestError(f"request {request.request_id} already waits for room")
-        later = None  # the first waiting request it goes ahead of (only a request arriving again goes ahead)
+        later = None  # the waiting request it goes ahead of (only a request arriving again goes ahead)
         behind = bool(self._entries)  # whether it stands behind a waiting one
         if again and behind:
             waiting = [entry for entry in self._line if entry.waiting]
-            later = next((entry for entry in waiting if entry.request.arrival_s > request.arrival_s), None)
-            behind = later is not waiting[0]
+            # Right behind the last that arrived no later than it: it overtakes no earlier arrival.
+            earlier = [i for i, entry in enumerate(waiting) if entry.request.arrival_s <= request.arrival_s]
+            behind = bool(earlier)
+            position = earlier[-1] + 1 if earlier else 0
+            later = waiting[position] if position < len(waiting) else None
         if behind:  # untried, unless no wait could help it
             reason = self.scheduler.lasting_refusal(request)
             if reason is not None:
@@ -149,7 +155,7 @@ class AdmissionQueue(Generic[T]):
             if not now < deadline:
                 return decision
         self._enter(item, request, deadline)
-        if later is not None:  # arriving again: moved from the end ahead of the first that arrived after it
+        if later is not None:  # arriving again: moved from the end to its place
             self._line.insert(self._line.index(later), self._line.pop())
         return None
 

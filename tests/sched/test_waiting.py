@@ -104,11 +104,11 @@ class LineModel:
         return decision, deadline
 
     def arrive(self, item: int, req: Request, now: float, *, again: bool = False) -> ScheduleDecision | None:
-        # At the end; arriving again, ahead of the first waiting one that arrived after it.
+        # At the end; arriving again, right behind the last waiting one that arrived no later than it.
         position = len(self.line)
         if again:
-            later = (i for i, row in enumerate(self.line) if row.request.arrival_s > req.arrival_s)
-            position = next(later, len(self.line))
+            earlier = [i for i, row in enumerate(self.line) if row.request.arrival_s <= req.arrival_s]
+            position = earlier[-1] + 1 if earlier else 0
         if position and req.input_length > CAPACITY:  # behind others, and no wait could get it in: refused at once
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG)
         if position:  # behind others: untried
@@ -498,3 +498,21 @@ def test_a_try_whose_estimate_is_no_time_leaves_the_line() -> None:
     with pytest.raises(InvalidRequestError, match="estimated_ttft_s"):
         queue.pump(1.0)
     assert len(queue) == 0 and queue.pump(2.0) == []
+
+
+def test_a_request_arriving_again_overtakes_no_earlier_arrival() -> None:
+    """A line joined late may hold a later arrival (B, 5.0) ahead of an earlier one (C, 2.0). R (3.0) arriving
+    again stands right behind the last waiting one that arrived before it (C), never ahead of an earlier arrival;
+    before any of them (its arrival the earliest), it heads the line, tried at once."""
+    conductor = FakeConductor()
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    first = queue.arrive("hog", request(0, 0.0, CAPACITY, 1), 0.0)  # takes all the room
+    assert first is not None and first.accepted
+    assert queue.arrive("A", request(1, 1.0, 5, 1), 1.0) is None
+    assert queue.arrive("B", request(2, 5.0, 5, 1), 5.0) is None
+    assert queue.arrive("C", request(3, 2.0, 5, 1), 6.0) is None  # arrived at 2.0, its body read slowly
+    assert queue.arrive("R", request(4, 3.0, 5, 1), 7.0, again=True) is None
+    assert list(queue) == ["A", "B", "C", "R"]
+    tried = len(conductor.calls)
+    assert queue.arrive("E", request(5, 0.5, 5, 1), 7.0, again=True) is None
+    assert list(queue) == ["E", "A", "B", "C", "R"] and len(conductor.calls) == tried + 1  # the head: tried

@@ -3,8 +3,8 @@
 calls recorded).
 
 The contract: scheduled again as `admit` schedules a request, its arrival kept. Refused for room (a full batch, no
-KV room, the TBT objective), it waits in the admission line ahead of every request that arrived after it (it was
-accepted before them), is admitted before them when room frees, and its deadline counts from its arrival. Its wait
+KV room, the TBT objective), it waits in the admission line by its arrival, ahead of the requests that arrived after
+it (it was accepted before them), is admitted before them when room frees, and its deadline counts from its arrival. Its wait
 ending, or a refusal no wait could lift, ends it with the refusal, whose message says which engine failed first and
 whose `outcome` says whether a prefill of it had run for nothing. A client that leaves while it waits takes it out
 of the line; shutting down answers it with a 503. `AdmissionQueue.arrive(again=True)`, which puts a request ahead of
