@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ class CheckpointTokenizer:
             spec = json.loads(tokenizer.backend.to_str())
         except Exception:  # a component tokenizers cannot write out (a custom one): no bound, nothing refused early
             spec = {}
-        self._floor = _text_floor(spec)
+        normalizer = tokenizer.backend.normalizer
+        self._floor = _text_floor(spec, normalizer.normalize_str if normalizer is not None else None)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -368,7 +369,7 @@ class TextStream:
 _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
 
 
-def _text_floor(spec: Mapping[str, Any]) -> tuple[int, bool] | None:
+def _text_floor(spec: Mapping[str, Any], normalize: Callable[[str], str] | None = None) -> tuple[int, bool] | None:
     """How a text's tokens are bounded below, from its tokenizer.json (`spec`): (the longest vocabulary string's
     characters, whether only the text's ASCII characters count), or None where the pipeline proves no bound.
 
@@ -386,6 +387,9 @@ def _text_floor(spec: Mapping[str, Any]) -> tuple[int, bool] | None:
       pre-tokenizer, every byte's character in the vocabulary), byte fallback (every `<0xNN>` in it), or an
       unknown token per unknown character (`fuse_unk` false);
     - no added token that strips the spaces beside it (`lstrip`, `rstrip`: a run of any length), no truncation.
+    An added token marked `normalized` is matched in the normalized text, as its content normalized (`normalize`,
+    the tokenizer's normalizer: a `Prepend` or a lengthening `Replace` makes it longer), so it counts at that
+    length.
     """
     if spec.get("truncation") is not None:
         return None
@@ -425,8 +429,16 @@ def _text_floor(spec: Mapping[str, Any]) -> tuple[int, bool] | None:
     added = spec.get("added_tokens") or []
     if any(token.get("lstrip") or token.get("rstrip") for token in added):
         return None
-    longest = max([*map(len, vocab), *(len(token.get("content", "")) for token in added)], default=0)
+    longest = max([*map(len, vocab), *(_added_length(token, normalize) for token in added)], default=0)
     return (longest, ascii_only) if longest > 0 else None
+
+
+def _added_length(token: Mapping[str, Any], normalize: Callable[[str], str] | None) -> int:
+    """The most characters of the text an added token covers: its content's, or a normalized one's normalized."""
+    content = str(token.get("content", ""))
+    if token.get("normalized") and normalize is not None:
+        return max(len(content), len(normalize(content)))
+    return len(content)
 
 
 def generation_defaults(config: ClusterConfig) -> dict[str, float]:

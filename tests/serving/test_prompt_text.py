@@ -40,9 +40,12 @@ BYTES = [f"<0x{b:02X}>" for b in range(256)]
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-def trained(*, normalizer: Any = None, pre_tokenizer: Any = None, byte_fallback: bool = False) -> CheckpointTokenizer:
+def trained(
+    *, normalizer: Any = None, pre_tokenizer: Any = None, byte_fallback: bool = False, added: tuple[str, ...] = ()
+) -> CheckpointTokenizer:
     """A BPE trained on CORPUS with the given pipeline (byte-level ones get every byte's character, byte-fallback
-    ones every `<0xNN>` piece), wrapped as the gateway wraps a checkpoint's."""
+    ones every `<0xNN>` piece), and `added` tokens as transformers' `add_tokens` adds them (normalized: matched in
+    the normalized text), wrapped as the gateway wraps a checkpoint's."""
     backend = Backend(BPE(byte_fallback=byte_fallback, fuse_unk=byte_fallback, unk_token=None))
     backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizer
@@ -51,6 +54,7 @@ def trained(*, normalizer: Any = None, pre_tokenizer: Any = None, byte_fallback:
         vocab_size=400, special_tokens=SPECIALS + (BYTES if byte_fallback else []), initial_alphabet=alphabet
     )
     backend.train_from_iterator(CORPUS, trainer)
+    backend.add_tokens([AddedToken(token, normalized=True) for token in added])
     return wrapped(backend)
 
 
@@ -81,14 +85,27 @@ PIPELINES = {
         normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
         byte_fallback=True,
     ),
+    # An added token longer than every piece, which the normalizer lengthens (the legacy Prepend; a Replace of
+    # one character by several): it covers its normalized content's characters, more than its own.
+    "llama legacy normalizer + a normalized added token": lambda: trained(
+        normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+        byte_fallback=True,
+        added=("<|start_header_id|>",),
+    ),
+    "lengthening replace + a normalized added token": lambda: trained(
+        normalizer=normalizers.Replace("x", "abcdefghijklmnopqrstuvwxyz"),
+        byte_fallback=True,
+        added=("x",),
+    ),
 }
 TOKENIZERS = {name: make() for name, make in PIPELINES.items()}
 
 # Text that stresses a bound: long runs a token may cover, combining marks NFC merges, Hangul jamo NFC composes
 # three to one, characters outside the corpus (byte fallback, byte-level), the special tokens' own text.
+PIECES = ["a", " ", "  ", "e\u0301", "\u1100\u1161\u11a8", "日", "🙂", "\n", "0", "The", *SPECIALS]
+ADDED_TEXTS = [" <|start_header_id|>", "abcdefghijklmnopqrstuvwxyz", "x"]  # the added tokens' pipelines'
 texts = st.lists(
-    st.sampled_from(["a", " ", "  ", "e\u0301", "\u1100\u1161\u11a8", "日", "🙂", "\n", "0", "The", *SPECIALS])
-    | st.text(max_size=8),
+    st.sampled_from([*PIECES, *ADDED_TEXTS]) | st.text(max_size=8),
     max_size=60,
 ).map("".join)
 
@@ -100,6 +117,8 @@ texts = st.lists(
 @example(text="e\u0301" * 100)
 @example(text="\u1100\u1161\u11a8" * 50)
 @example(text="<|im_end|>" * 20)
+@example(text=" <|start_header_id|>" * 24)
+@example(text="abcdefghijklmnopqrstuvwxyz" * 20)
 def test_fewest_tokens_bounds_a_texts_tokens_from_below(name: str, text: str) -> None:
     """On every pipeline of PIPELINES, for any text: `fewest_tokens` never exceeds the tokens `encode` gives (a
     prompt that fits is never refused by it), and it is a bound that bites: a long ASCII text's is positive."""
