@@ -47,9 +47,14 @@ def main() -> None:
     parser.add_argument("--ray-dashboard", action="store_true", help="start Ray's dashboard (on [cluster] host)")
     parser.add_argument("--port", type=int, default=None, help="override [cluster] port (0: any free port)")
     args = parser.parse_args()
+    if args.backend != "ray":  # the local backend would ignore them: a launch here, not the one asked for
+        for option, value in (("--ray-address", args.ray_address), ("--ray-dashboard", args.ray_dashboard)):
+            if value:
+                parser.error(f"{option} needs --backend ray")
     try:
         # Against a Ray cluster elsewhere, this machine's memory and files bound nothing: check the config alone.
-        config = load_config(args.config, machine=Machine() if args.ray_address else None)
+        remote = args.backend == "ray" and args.ray_address
+        config = load_config(args.config, machine=Machine() if remote else None)
         if args.port is not None:
             config = config.with_overrides("cluster", port=args.port)
         stop = threading.Event()

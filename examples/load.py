@@ -5,7 +5,10 @@
         [--length-scale 0.03125] [--output-scale 0.0625] [--speedup 20] [--json] [--out DIR]
 
 Without `--url` it starts the cluster of `--config` itself (and stops it after),
-its Conductor on the cost models `--profile` names if given (`examples/profile_engine.py`).
+its Conductor on the cost models `--profile` names if given (`examples/profile_engine.py`),
+its `[limits] max_prompt_tokens` raised to `--max-prompt-tokens`, the whole
+checked against this machine before it starts. With `--url` the config gives
+only the objectives (not checked against this machine) and `--profile` is refused.
 The workload options are replay.py's (`simulation.add_workload_options`: a
 trace, or a generated preset at `--rate`, `--num-requests` of them, arrival
 times divided by `--speedup`), so both replay the same requests.
@@ -29,7 +32,8 @@ A rejection is an error whose body says so (`outcome`: before or after prefill,
 as the gateway answers with `sched.outcome.http_status`), or any 429; its
 reason is the error's `code`; other errors count as failed and the first of each
 kind is printed to stderr (a stream with a line that is no completion chunk
-fails as a "malformed stream"; a usage without `prompt_tokens_details`, vLLM's
+fails as a "malformed stream", one that ends without `[DONE]` or its final
+usage as a "truncated stream"; `--timeout` must be > 0; a usage without `prompt_tokens_details`, vLLM's
 without `--enable-prompt-tokens-details`, counts no prefix hit, and stderr says
 so once). The client's connections are not capped (aiohttp's default is 100): a
 request never waits in the client, where the wait would count in its TTFT.
@@ -54,7 +58,7 @@ import sys
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -71,6 +75,9 @@ from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import summary_table, write_json
 from mooncake.types import Request
+
+if TYPE_CHECKING:
+    from serving.config import ClusterConfig
 
 
 @attrs.define(eq=False)
@@ -115,6 +122,7 @@ async def one(
 ) -> None:
     """Send one request and fill `record`; a failure's message goes to `failures` under its kind."""
     last: float | None = None
+    ended = False  # the stream said it was whole: `[DONE]`, or the usage-only chunk `include_usage` asked for
     carried: int | None = 0  # the completion tokens the events so far carried (None: a chunk had no usage)
 
     def failed(kind: str, message: str, reason: Reason = Reason.FAILED) -> None:
@@ -136,7 +144,10 @@ async def one(
             record.decode_instance = answer.headers.get(DECODE_HEADER)  # type: ignore[assignment]
             async for raw in answer.content:
                 line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                if not line.startswith("data:"):
+                    continue
+                if line[5:].strip() == "[DONE]":
+                    ended = True
                     continue
                 data = _chunk(line[5:])
                 if data is None:
@@ -157,6 +168,7 @@ async def one(
                     record.has_cached_tokens = cached is not None
                     if generated is not None:  # what was generated (a stop ends early)
                         record.output_tokens = generated
+                    ended = True
                     continue
                 if not (isinstance(choices[0], dict) and choices[0].get("text")):
                     continue  # no text (the finish of a stream that ended on one): no event
@@ -168,6 +180,11 @@ async def one(
                         record.event_tokens.append(generated - carried)
                 carried = generated if carried is not None else None
                 last = now
+            if not ended:
+                # A connection closed early ends the stream cleanly too: without either end mark the answer may be
+                # cut short, its output count the one asked for and its TBT from a few intervals.
+                failed("truncated stream", "the stream ended without [DONE] or its final usage")
+                return
             if carried is None:
                 record.event_tokens.clear()
             record.finish_s = time.perf_counter() - started
@@ -268,9 +285,49 @@ async def replay_http(
     return records, wall
 
 
+def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """replay.py's workload options (`simulation.add_workload_options`), as a cluster over HTTP takes them: the
+    Conductor keeps its own seed (the config's cluster builds it), so `--seed` seeds the workload alone."""
+    simulation.add_workload_options(p, **defaults)
+    for action in p._actions:
+        if action.dest == "seed":
+            action.help = "seed of the generated workload (default %(default)s)"
+
+
+def check_options(p: argparse.ArgumentParser, args: argparse.Namespace, program: str) -> None:
+    """The options load.py and validate.py share, checked before any work.
+
+    Raises:
+        ConfigError: `--timeout` not a finite number > 0 (aiohttp takes 0, a negative or nan as no timeout at all,
+            and a stalled stream would then hold the run for ever); `--no-progress`, given to a program that draws
+            no progress bar.
+    """
+    simulation.check_positive("--timeout", args.timeout)
+    simulation.refuse_unused(p, args, ("no_progress",), f"to {program}: it draws no progress bar")
+
+
+def served_config(config: ClusterConfig, *, profile: Path | None, max_prompt_tokens: int) -> ClusterConfig:
+    """The config of a cluster started here for a workload: any free port, `profile` (if given) as its `[prefill]
+    profile`, its `[limits] max_prompt_tokens` raised to the workload's (a longer prompt would get a 400 and count
+    as failed, not measured); checked against this machine as `load_config` checks a file, which `with_overrides`
+    does not.
+
+    Raises:
+        ConfigError: a profile that cannot be read, a limit the config cannot hold, a cluster the machine cannot.
+    """
+    from serving.machine import Machine, check_machine
+
+    config = config.with_overrides("cluster", port=0)
+    if profile is not None:
+        config = config.with_overrides("prefill", profile=str(profile))
+    config = config.with_overrides("limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, max_prompt_tokens))
+    check_machine(config, Machine.here())
+    return config
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    simulation.add_workload_options(p, num_requests=100)
+    add_workload_options(p, num_requests=100)
     p.add_argument("--url", help="a running cluster's gateway, http://HOST:PORT (default: start --config's)")
     p.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
     p.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
@@ -302,31 +359,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(argv: list[str] | None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     cluster = None
     try:
+        check_options(p, args, "load.py")
         if args.out is not None:  # found before the run, not after it
             simulation.check_out_dir(args.out)
         if args.url is not None:
             check_url(args.url)
+            if args.profile is not None:
+                raise ConfigError("--profile does not apply with --url: the running cluster has its own profile")
         scaling = scaling_of(args)
         requests = simulation.load_workload(args)
         from serving.config import load_config
+        from serving.machine import Machine
 
-        config = load_config(args.config)
+        # With --url the config gives the objectives alone: the cluster runs elsewhere, so this machine bounds nothing.
+        config = load_config(args.config, machine=Machine() if args.url is not None else None)
         # Scored against the objectives the cluster admits against, unless the command line names others.
-        objectives = (("ttft_s", args.ttft_slo), ("tbt_s", args.tbt_slo))
-        slo = attrs.evolve(config.slo.objectives(), **{name: value for name, value in objectives if value is not None})
+        objectives = (("ttft_s", "--ttft-slo", args.ttft_slo), ("tbt_s", "--tbt-slo", args.tbt_slo))
+        for _, option, value in objectives:
+            if value is not None:
+                simulation.check_positive(option, value)
+        slo = attrs.evolve(
+            config.slo.objectives(), **{name: value for name, _, value in objectives if value is not None}
+        )
         url = args.url
         if url is None:
             from serving.launch import start_cluster
 
-            config = config.with_overrides("cluster", port=0)
-            if args.profile is not None:
-                config = config.with_overrides("prefill", profile=str(args.profile))
-            config = config.with_overrides(
-                "limits", max_prompt_tokens=max(config.limits.max_prompt_tokens, args.max_prompt_tokens)
-            )
+            config = served_config(config, profile=args.profile, max_prompt_tokens=args.max_prompt_tokens)
             cluster = start_cluster(config)  # a config (or --max-prompt-tokens) it cannot serve: a MooncakeError
             url = cluster.url
         records, wall = asyncio.run(replay_http(url, requests, scaling, model=args.model, timeout_s=args.timeout))

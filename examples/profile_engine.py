@@ -22,14 +22,19 @@ The JSON written holds both fits, each as its `to_json` writes it, and every
 sample: `FittedPrefillModel.from_json` reads its "prefill" entry back and
 `FittedStepModel.from_json` its "decode" entry (`json.dumps(data["decode"])`);
 the example cluster's gateway reads both (`[prefill] profile`).
+
+Exit status: 0; 2 with one line on stderr for bad input (an option, the
+config, `--out`, a grid the fits cannot use), found before profiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +42,46 @@ import torch
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
+from mooncake.cli import one_line
 from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel, PrefillSample
 from mooncake.sched.step import FittedStepModel
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId
 
 BLOCK_TOKENS = 16  # without --config
+MIN_SAMPLES = 3  # each fit's least (`FittedPrefillModel.fit`, `FittedStepModel.fit`): found before profiling
+
+
+def _grid(kind: Callable[[str], float], check: Callable[[float], bool], what: str) -> Callable[[str], list[float]]:
+    """An argparse type: a comma-separated list of `kind`, each passing `check`, sorted without repeats (a repeat
+    would time the same point twice and weigh it double in the fit)."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [kind(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list of {what}, got {text!r}") from None
+        if not all(check(value) for value in values):
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list of {what}, got {text!r}")
+        return sorted(set(values))
+
+    return parse
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def main() -> None:
@@ -58,32 +91,59 @@ def main() -> None:
     source.add_argument("--config", type=Path, help="profile this example cluster's engines (module docstring)")
     parser.add_argument("--dtype", default="float32", help="without --config")
     parser.add_argument("--out", type=Path, default=None, help="default build/profile/MODEL.json (or CONFIG.json)")
-    parser.add_argument("--lengths", default="64,128,256,512")
-    parser.add_argument("--prefix-fractions", default="0,0.25,0.5,0.75")
-    parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--repeats", type=int, default=3)
+    positive = _grid(int, lambda n: n >= 1, "integers >= 1")
+    parser.add_argument("--lengths", type=positive, default="64,128,256,512")
+    fractions = _grid(float, lambda f: 0 <= f < 1, "fractions in [0, 1)")
+    parser.add_argument("--prefix-fractions", type=fractions, default="0,0.25,0.5,0.75")
+    parser.add_argument("--batches", type=positive, default="1,2,4,8")
+    parser.add_argument("--repeats", type=_at_least_one, default=3)
     args = parser.parse_args()
-    lengths = [int(n) for n in args.lengths.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        run(args)
+    except (MooncakeError, OSError) as error:
+        print(one_line(f"profile_engine: {error}"), file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Profile and fit (module docstring), every input checked first.
+
+    Raises:
+        ConfigError: the config, the dtype, `--out`, or a grid too small for a fit.
+        OSError: the file could not be written.
+    """
+    lengths: list[int] = args.lengths
+    batches: list[int] = args.batches
     if args.config is not None:
         from serving.config import load_config
         from serving.machine import Machine
         from serving.worker import build_model
 
-        try:
-            cluster = load_config(args.config, machine=Machine())
-            model = build_model(cluster)
-        except MooncakeError as error:
-            sys.exit(f"error: {error}")
-        torch.set_num_threads(1)  # as each worker runs (many engines share the machine's cores)
+        cluster = load_config(args.config, machine=Machine())
         dtype, block, chunk = cluster.model.dtype, cluster.model.block_tokens, cluster.prefill.chunk_tokens
         lengths = [n for n in lengths if n <= cluster.limits.max_prompt_tokens]
         batches = [b for b in batches if b <= cluster.decode.max_batch_size]
         name, default_out = cluster.model.namespace, Path("build/profile") / f"{args.config.stem}.json"
     else:
         dtype, block, chunk = args.dtype, BLOCK_TOKENS, PrefillConfig().chunk_tokens
-        model = LlamaModel(PRESETS[args.model], seed=0, dtype=dtype)
         name, default_out = args.model, Path("build/profile") / f"{args.model}.json"
+    out = args.out or default_out
+    prefill_samples = len(lengths) * len(args.prefix_fractions)
+    if prefill_samples < MIN_SAMPLES or len(batches) * len(lengths) < MIN_SAMPLES:
+        kept = " (of those the config takes)" if args.config is not None else ""
+        raise ConfigError(
+            f"--lengths {','.join(map(str, lengths)) or '(none)'}{kept}, --prefix-fractions "
+            f"{','.join(map(str, args.prefix_fractions))}, --batches {','.join(map(str, batches)) or '(none)'}: "
+            f"each fit needs at least {MIN_SAMPLES} samples (lengths × fractions, and batches × lengths)"
+        )
+    import simulation  # examples/, beside this script
+
+    simulation.check_out_dir(out.parent)  # found before the profiling, not after it
+    if args.config is not None:
+        model = build_model(cluster)
+        torch.set_num_threads(1)  # as each worker runs (many engines share the machine's cores)
+    else:
+        model = LlamaModel(PRESETS[args.model], seed=0, dtype=dtype)
     config = model.config
     hasher = BlockHasher(model=name, block_size_tokens=block)
     layout = KvLayout(config=config, block_tokens=block, dtype=dtype)
@@ -96,7 +156,7 @@ def main() -> None:
     samples: list[PrefillSample] = []
     for n in lengths:
         tokens = rng.integers(0, config.vocab_size, size=n).tolist()
-        for fraction in (float(f) for f in args.prefix_fractions.split(",")):
+        for fraction in args.prefix_fractions:
             prefix = int(n * fraction) // block * block
             times = []
             for _ in range(args.repeats):
@@ -113,7 +173,9 @@ def main() -> None:
     print(f"prefill fit: c = {prefill.coefficients}, mean relative error {prefill.mean_relative_error:.1%}")
 
     steps: list[tuple[int, int, float]] = []
-    cache = fresh_cache(max(lengths))
+    # Every length's prompt stays cached at once (the decoders join them all): room for each, two pages of slack
+    # apiece, so that none is evicted before its decoder joins it.
+    cache = TieredCache([DramPagePool(layout.page_bytes, sum(math.ceil(n / block) + 2 for n in lengths))])
     with PrefillEngine(model, cache, hasher, options) as engine:
         prompts = {n: engine.prefill(rng.integers(0, config.vocab_size, size=n).tolist()) for n in lengths}
     for batch in batches:
@@ -138,7 +200,6 @@ def main() -> None:
     step_model = FittedStepModel.fit(steps)
     print(f"decode fit: c = {step_model.coefficients}")
 
-    out = args.out or default_out
     write_json(
         {
             "model": name,

@@ -45,7 +45,18 @@
    `by_prompt_tokens`): each band's mean TBT in both runs and median signed
    TTFT error, which show where a mean's agreement comes from.
    With `--out`, CDF plots of both runs' TTFT and TBT (`ttft_cdf_RUN.png`,
-   `tbt_cdf_RUN.png`) and `validate.json`.
+   `tbt_cdf_RUN.png`; the simulated TBTs those the table compares) and
+   `validate.json`, with the profile, written as one set
+   (`simulation.output_set`: validate.json last, there only beside the rest of
+   its run); `--out` is checked before any work. Without `--out` a profile
+   fitted now is removed after the run (the JSON's `profile` is null).
+
+Prompts are cut at `--max-prompt-tokens`, which may not exceed the config's
+`[limits] max_prompt_tokens`. Requests the real cluster answered with an error
+or not in time are `failed_real` (they are in neither summary's outcomes).
+Exit status: 0; 1 when a run compared no request (none completed in both); 2
+with one line on stderr for an error found before or instead of the run; 130
+after Ctrl-C, 143 after SIGTERM.
 
 `--json` prints `ttft_median_rel_error`, `ttft_p90_rel_error`,
 `tbt_mean_rel_error`, `same_route_fraction`, `hit_ratio_real`, `hit_ratio_sim`,
@@ -58,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -75,6 +87,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, scaling_of
 from serving.config import ClusterConfig, load_config
 from serving.launch import start_cluster
+from serving.machine import Machine, check_machine
 from serving.models import cost_models
 
 from mooncake.cli import one_line, run_interruptible
@@ -84,7 +97,7 @@ from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import AnalyticStepModel, FittedStepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import RequestRecord, Summary, summarize, top_mean_of
-from mooncake.sim.report import plot_cdfs, write_json
+from mooncake.sim.report import plot_cdfs, require_pyplot, write_json
 from mooncake.types import Request, RequestId, Slo
 from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
@@ -109,6 +122,13 @@ OVERLOAD_SPEEDUP = 4.0
 # TBT is the longest of its few intervals, a long one's the tail of many; long prompts prefill longest.
 OUTPUT_BANDS = (1, 5, 10, 20, 40)
 PROMPT_BANDS = (1, 128, 512, 1024)
+# The files of `--out`'s set, validate.json (the marker) last. The overload plots are in it with --no-overload too:
+# a previous run's are then removed, not left beside this run's JSON as if from it.
+OUT_FILES = (
+    "profile.json",
+    *(f"{kind}_cdf_{name}.png" for name in ("serviceable", "overload") for kind in ("ttft", "tbt")),
+    "validate.json",
+)
 
 
 @attrs.frozen
@@ -174,6 +194,10 @@ class Comparison:
     rejected_sim_unloaded: int | None = None  # the simulated rejections of the serviceable workload, same config
     by_output_tokens: tuple[Band, ...] = ()
     by_prompt_tokens: tuple[Band, ...] = ()
+    failed_real: int = 0  # real requests that got no answer (an HTTP error, a timeout): in neither summary's outcomes
+    # The simulated records as compared, their TBTs those a client would measure: what the plots draw, so that they
+    # show the figures the table does (not in the JSON).
+    sim_records: tuple[RequestRecord, ...] = attrs.field(default=(), repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,6 +209,7 @@ class Comparison:
             "hit_ratio_sim": self.sim.cache_hit_ratio,
             "rejected_real": self.real.rejected,
             "rejected_sim": self.sim.rejected,
+            "failed_real": self.failed_real,
             "compared_requests": self.compared,
             "ttft_slo_s": self.slo.ttft_s,
             "decode_max_batch": self.decode_max_batch,
@@ -238,6 +263,8 @@ def compare(
         decode_max_batch=decode_max_batch,
         by_output_tokens=bands([r.output_tokens for r, _ in pairs], pairs, OUTPUT_BANDS),
         by_prompt_tokens=bands([r.input_tokens for r, _ in pairs], pairs, PROMPT_BANDS),
+        failed_real=sum(1 for r in real if r.outcome is None),
+        sim_records=tuple(sim),
     )
 
 
@@ -248,7 +275,10 @@ def profile(config_path: Path, config: ClusterConfig, out: Path) -> Path:
     command = [sys.executable, str(HERE / "profile_engine.py"), "--config", str(config_path), "--out", str(out)]
     command += ["--lengths", ",".join(map(str, lengths)), "--batches", ",".join(map(str, batches))]
     command += ["--prefix-fractions", "0,0.5", "--repeats", "3"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:  # its last line says why (the whole command line would bury it)
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise EngineError(f"profiling failed: {lines[-1]}")
     return out
 
 
@@ -314,6 +344,22 @@ def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: i
     return requests
 
 
+def fit_overheads(profiled: np.ndarray, ttft: np.ndarray) -> tuple[float, float]:
+    """The line TTFT = scale · profiled + fixed, least squares, with scale >= 1 and fixed >= 0. A bound that binds
+    fixes that coefficient and the other is fitted again with it (clamping one of a joint fit alone leaves the
+    other fitted to the slope or intercept given up, and biases every simulated TTFT)."""
+    if len(set(profiled.tolist())) > 1:
+        scale, fixed = (float(c) for c in np.polyfit(profiled, ttft, 1))
+    else:  # one length: no slope to fit
+        scale, fixed = 1.0, float(np.median(ttft - profiled))
+    if scale < 1.0:
+        scale, fixed = 1.0, float(np.median(ttft - profiled))
+    if fixed < 0.0:  # through the origin
+        fixed = 0.0
+        scale = max(1.0, float(np.dot(profiled, ttft) / np.dot(profiled, profiled))) if profiled.any() else 1.0
+    return scale, fixed
+
+
 def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: float) -> Calibration:
     """Warm the cluster up (its first requests pay for first connections and first calls), then time lone
     requests against the fitted models the simulator charges."""
@@ -332,13 +378,13 @@ def calibrate(url: str, config: ClusterConfig, scaling: Scaling, timeout_s: floa
         raise EngineError("no calibration request completed: the cluster does not serve")
     profiled = np.array([prefill.prefill_s(r.input_tokens, 0) for r in done])
     ttft = np.array([r.ttft_s or 0.0 for r in done])
-    scale, fixed = np.polyfit(profiled, ttft, 1) if len(set(profiled)) > 1 else (1.0, float(np.median(ttft - profiled)))
+    scale, fixed = fit_overheads(profiled, ttft)
     excess, carried = event_excess(done, step)
     single = excess[carried == 1]
     typical = max(0.0, float(np.median(single))) if single.size else 0.0
     return Calibration(
-        first_token_s=max(0.0, float(fixed)),
-        prefill_scale=max(1.0, float(scale)),
+        first_token_s=fixed,
+        prefill_scale=scale,
         step_s=typical,
         jitter_s=tuple((excess - typical * carried).tolist()),
         event_sizes=tuple(carried.tolist()) or (1,),
@@ -440,11 +486,12 @@ def print_comparison(name: str, result: Comparison) -> None:
     print(f"{name}: {result.real.num_requests} requests, {result.compared} completed in both")
     print(
         f"  {'':10}{'TTFT mean':>10}{'p50':>8}{'p90':>8} s {'TBT mean':>10}{'p50':>8}{'p90':>8} ms  hit ratio  rejected"
+        "  failed"
     )
-    for label, s in (("real", result.real), ("simulated", result.sim)):
+    for label, s, failed in (("real", result.real, result.failed_real), ("simulated", result.sim, 0)):
         ttft = "".join(f"{s.ttft_s[k]:>{w}.3f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
         tbt = "".join(f"{s.tbt_s[k] * 1000:>{w}.2f}" for k, w in (("mean", 10), ("p50", 8), ("p90", 8)))
-        print(f"  {label:<10}{ttft}   {tbt}    {s.cache_hit_ratio:>9.3f} {s.rejected:>9}")
+        print(f"  {label:<10}{ttft}   {tbt}    {s.cache_hit_ratio:>9.3f} {s.rejected:>9} {failed:>7}")
     print(
         f"  per request: TTFT error median {result.ttft_median_rel_error:.1%}, p90 {result.ttft_p90_rel_error:.1%}; "
         f"mean TBT error {result.tbt_mean_rel_error:.1%}; same route {result.same_route_fraction:.1%}"
@@ -467,11 +514,17 @@ def print_comparison(name: str, result: Comparison) -> None:
 
 
 def plot(name: str, real: Sequence[RequestRecord], sim: Sequence[RequestRecord], out: Path) -> None:
+    """The CDFs of both runs' TTFT and TBT into `out`; `sim` the records as compared (`Comparison.sim_records`)."""
+
     def done(records: Sequence[RequestRecord]) -> list[RequestRecord]:
         return [r for r in records if r.outcome is Outcome.COMPLETED and r.ttft_s is not None]
 
+    def tbt_ms(records: Sequence[RequestRecord]) -> list[float]:
+        # A one-token answer has no interval (its TBT is 0): left out, as `summarize` leaves it out of the table's TBT.
+        return [r.tbt_s * 1000 for r in done(records) if r.output_tokens > 1]
+
     ttft = {"real": [r.ttft_s or 0.0 for r in done(real)], "simulated": [r.ttft_s or 0.0 for r in done(sim)]}
-    tbt = {"real": [r.tbt_s * 1000 for r in done(real)], "simulated": [r.tbt_s * 1000 for r in done(sim)]}
+    tbt = {"real": tbt_ms(real), "simulated": tbt_ms(sim)}
     plot_cdfs(ttft, out / f"ttft_cdf_{name}.png", xlabel="TTFT (s)", title=f"TTFT, {name}")
     plot_cdfs(tbt, out / f"tbt_cdf_{name}.png", xlabel="TBT (ms)", title=f"TBT, {name}")
 
@@ -480,7 +533,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
     p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
-    simulation.add_workload_options(p, preset="conversation", num_requests=200, rate=2.0)
+    load.add_workload_options(p, preset="conversation", num_requests=200, rate=2.0)
     add_scaling_options(p)
     p.add_argument(
         "--overload-speedup", type=float, default=OVERLOAD_SPEEDUP, help="the overload run's arrivals, this much faster"
@@ -507,13 +560,31 @@ def main(argv: list[str] | None = None) -> int:
     return run_interruptible("validate", lambda: validate(argv))
 
 
+def run_config(config: ClusterConfig, name: str, args: argparse.Namespace) -> ClusterConfig:
+    """The cluster config of run `name`, checked against this machine (`with_overrides` does not check it, and an
+    overload batch too large to allocate would otherwise kill a worker after the serviceable run's minutes)."""
+    if name == "overload":  # the paper's overload: refused at once, not held for decode room
+        config = config.with_overrides("limits", admission_wait_s=0.0)
+        if args.overload_batch:
+            config = config.with_overrides("decode", max_batch_size=args.overload_batch)
+    check_machine(config, Machine.here())
+    return config
+
+
 def validate(argv: list[str] | None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     try:
+        load.check_options(p, args, "validate.py")
         scaling_of(args)
         if args.overload_batch < 0:
             raise ConfigError(
                 f"--overload-batch must be a batch size, or 0 for the config's, got {args.overload_batch}"
+            )
+        if args.no_overload:
+            given = simulation.given_options(parser, argv)
+            simulation.refuse_unused(
+                p, args, ("overload_speedup", "overload_batch"), "with --no-overload (no overload run)", given=given
             )
         # Both workloads before any work (profiling and a real cluster take minutes): their options are named.
         workloads = {"serviceable": simulation.load_workload(args)}
@@ -525,63 +596,83 @@ def validate(argv: list[str] | None) -> int:
             )
         serviceable = workloads["serviceable"]
         config = load_config(args.config)
-        with tempfile.TemporaryDirectory(prefix="mooncake-validate-") as scratch:
-            out = args.out if args.out is not None else Path(scratch)
+        if args.max_prompt_tokens > config.limits.max_prompt_tokens:
+            # The profile is fitted up to the config's limit, and the real cluster answers a longer prompt with a
+            # 400 (a failure) where the simulated twin would serve it: the two runs would compare different requests.
+            raise ConfigError(
+                f"--max-prompt-tokens {args.max_prompt_tokens} is over {args.config}'s [limits] max_prompt_tokens = "
+                f"{config.limits.max_prompt_tokens}: its cluster refuses longer prompts (raise the limit there)"
+            )
+        # Every run's config before any work, the profile (if given) read now: not found wrong by a worker later.
+        config = load.served_config(config, profile=args.profile, max_prompt_tokens=args.max_prompt_tokens)
+        for name in workloads:
+            run_config(config, name, args)
+        with contextlib.ExitStack() as files:
+            if args.out is not None:
+                require_pyplot()  # the plots come last: without matplotlib the whole run would be for nothing
+                out = files.enter_context(simulation.output_set(args.out, OUT_FILES))  # --out checked now
+            else:
+                out = Path(files.enter_context(tempfile.TemporaryDirectory(prefix="mooncake-validate-")))
             fitted = args.profile or profile(args.config, config, out / "profile.json")
             config = config.with_overrides("prefill", profile=str(fitted))
             results: dict[str, Comparison] = {}
             repeat: Comparison | None = None
             for name, requests in workloads.items():
-                run_config, unloaded = config, None
-                if name == "overload":  # the paper's overload: refused at once, not held for decode room
-                    run_config = config.with_overrides("limits", admission_wait_s=0.0)
-                    if args.overload_batch:
-                        run_config = run_config.with_overrides("decode", max_batch_size=args.overload_batch)
-                real, calibration = run_real(run_config, requests, args)
-                sim = run_sim(run_config, requests, args, calibration)
+                unloaded = None
+                this = run_config(config, name, args)
+                real, calibration = run_real(this, requests, args)
+                sim = run_sim(this, requests, args, calibration)
                 if name == "overload" and args.overload_batch:  # what the limit alone refuses, at the serviceable pace
-                    unloaded = summarize(run_sim(run_config, serviceable, args, calibration), Slo()).rejected
-                slo = run_config.slo.objectives()
+                    unloaded = summarize(run_sim(this, serviceable, args, calibration), Slo()).rejected
+                slo = this.slo.objectives()
                 results[name] = attrs.evolve(
-                    compare(real, sim, slo, run_config.decode.max_batch_size, calibration),
+                    compare(real, sim, slo, this.decode.max_batch_size, calibration),
                     rejected_sim_unloaded=unloaded,
                 )
                 if name == "serviceable" and args.repeat_real:
-                    again, _ = run_real(run_config, requests, args)
+                    again, _ = run_real(this, requests, args)
                     repeat = compare(
                         real,
                         again,
                         slo,
-                        run_config.decode.max_batch_size,
+                        this.decode.max_batch_size,
                         Calibration(first_token_s=0.0, prefill_scale=1.0, step_s=0.0),
                     )
                 if args.out is not None:
-                    plot(name, real, sim, args.out)
+                    plot(name, real, results[name].sim_records, out)
+            summary = results["serviceable"].to_json()
+            if "overload" in results:
+                summary["overload"] = results["overload"].to_json()
+            if repeat is not None:
+                summary["real_repeat"] = {
+                    key: getattr(repeat, key)
+                    for key in ("ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error")
+                }
+            # Where the profile is once the run is over: one fitted without --out is removed with its scratch folder.
+            kept = args.profile or (args.out / "profile.json" if args.out is not None else None)
+            summary["profile"] = None if kept is None else str(kept)
+            if args.out is not None:
+                write_json(summary, out / "validate.json")
     except (MooncakeError, OSError, subprocess.CalledProcessError) as error:
         print(one_line(f"validate: {error}"), file=sys.stderr)
         return 2
-    summary = results["serviceable"].to_json()
-    if "overload" in results:
-        summary["overload"] = results["overload"].to_json()
-    if repeat is not None:
-        summary["real_repeat"] = {
-            key: getattr(repeat, key) for key in ("ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error")
-        }
-    summary["profile"] = str(fitted)
-    if args.out is not None:
-        write_json(summary, args.out / "validate.json")
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
-        return 0
-    print(f"validate: {args.config}, {simulation.workload_name(args)}, profile {fitted}")
-    for name, result in results.items():
-        print_comparison(name, result)
-    if repeat is not None:
-        print(
-            f"real against real (a second cluster, the same workload): TTFT error median "
-            f"{repeat.ttft_median_rel_error:.1%}, p90 {repeat.ttft_p90_rel_error:.1%}; "
-            f"mean TBT error {repeat.tbt_mean_rel_error:.1%}"
-        )
+    else:
+        shown = kept if kept is not None else "fitted now (temporary, removed: --out keeps it)"
+        print(f"validate: {args.config}, {simulation.workload_name(args)}, profile {shown}")
+        for name, result in results.items():
+            print_comparison(name, result)
+        if repeat is not None:
+            print(
+                f"real against real (a second cluster, the same workload): TTFT error median "
+                f"{repeat.ttft_median_rel_error:.1%}, p90 {repeat.ttft_p90_rel_error:.1%}; "
+                f"mean TBT error {repeat.tbt_mean_rel_error:.1%}"
+            )
+    empty = [name for name, result in results.items() if not result.compared]
+    if empty:  # errors of nothing are no measurement, whatever the table says
+        print(f"validate: no request completed in both runs of {', '.join(empty)}: nothing compared", file=sys.stderr)
+        return 1
     return 0
 
 

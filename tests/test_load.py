@@ -139,3 +139,24 @@ def test_more_streams_than_aiohttps_pool_reach_the_server_at_once() -> None:
 
     records = replay(handler, count)
     assert not held_back and [r.outcome for r in records] == [Outcome.COMPLETED] * count
+
+
+def test_a_stream_cut_short_fails_as_truncated(capsys: pytest.CaptureFixture[str]) -> None:
+    """A stream that closes without `[DONE]` or its final usage-only chunk may be cut short: it fails as a
+    "truncated stream" (it counted as completed, its output the tokens asked for, its TBT from an interval or
+    two). Either end mark alone completes it."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+    texts = [chunk(" a", usage), chunk(" b", {**usage, "completion_tokens": 2})]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seed = (await request.json())["seed"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        ends = {0: [], 1: ["[DONE]"], 2: [chunk("", {**usage, "completion_tokens": 2})]}[seed]
+        for line in [*texts, *ends]:
+            await response.write(f"data: {line}\n\n".encode())
+        return response
+
+    records = replay(handler, 3)
+    assert [(r.outcome, r.reason) for r in records] == [(None, Reason.FAILED)] + [(Outcome.COMPLETED, None)] * 2
+    assert "failed (truncated stream)" in capsys.readouterr().err

@@ -464,14 +464,19 @@ class ClusterConfig:
         return attrs.evolve(slo, ttft_s=min(slo.ttft_s, self.limits.request_timeout_s))
 
     def with_overrides(self, section: str, **values: Any) -> ClusterConfig:
-        """A copy with some keys of `section` replaced (checked like the file's, without the machine).
+        """A copy with some keys of `section` replaced (checked like the file's, without the machine: a caller
+        that starts the cluster here checks it with `check_machine`).
 
         Raises:
-            ConfigError: an unknown section or key, or a value out of bounds.
+            ConfigError: an unknown section or key, a value out of bounds, or a `[prefill] profile` given that
+                cannot be read (found now, not by a worker at start).
         """
         data: dict[str, Any] = {name: attrs.asdict(getattr(self, name)) for name in SECTIONS}
         data[section] = {**data.get(section, {}), **values}  # an unknown section is parse's ConfigError
-        return parse(data, self.source)
+        config = parse(data, self.source)
+        if section == "prefill" and "profile" in values:
+            _check_profile(config)
+        return config
 
 
 def parse(data: Mapping[str, Any], source: str) -> ClusterConfig:
