@@ -504,9 +504,9 @@ def test_scheduling_json_has_one_entry_per_router(tmp_path: Path) -> None:
     assert "\r" not in done.stderr  # piped: no progress bar
 
 
-def test_a_router_that_completes_nothing_is_not_ranked_fastest(tmp_path: Path) -> None:
-    """Its mean TTFT over no request (0) ranked a router that rejected everything first."""
-    router = tmp_path / "reject_all.py"
+def reject_all_router(folder: Path) -> str:
+    """A router file in `folder` whose router routes nothing (every request rejected), as --router names it."""
+    router = folder / "reject_all.py"
     router.write_text(
         "class RejectAll:\n"
         "    def __init__(self, estimator):\n"
@@ -516,11 +516,17 @@ def test_a_router_that_completes_nothing_is_not_ranked_fastest(tmp_path: Path) -
         "    def observe(self, *, had_transfer, estimated_ttft_s, observed_ttft_s):\n"
         "        pass\n"
     )
-    routers = f"kvcache_centric,{router}:RejectAll"
+    return f"{router}:RejectAll"
+
+
+def test_a_router_that_completes_nothing_is_not_ranked_fastest(tmp_path: Path) -> None:
+    """Its mean TTFT over no request (0) ranked a router that rejected everything first."""
+    reject_all = reject_all_router(tmp_path)
+    routers = f"kvcache_centric,{reject_all}"
     done = run("experiments.py", "scheduling", *SMALL, "--routers", routers, "--no-plots", "--no-progress")
     ranking = next(line for line in done.stdout.splitlines() if line.startswith("ranked by mean ttft"))
     assert "RejectAll" not in ranking
-    assert f"not ranked by mean TTFT (completed nothing): {router}:RejectAll" in done.stdout
+    assert f"not ranked by mean TTFT (completed nothing): {reject_all}" in done.stdout
 
 
 def test_a_ranking_shows_ties_as_ties(monkeypatch: pytest.MonkeyPatch) -> None:

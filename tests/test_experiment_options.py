@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.test_examples import reject_all_router
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SMALL = ["--preset", "synthetic", "--num-requests", "150", "--rate", "2"]
@@ -198,17 +200,7 @@ def test_the_decode_bound_experiments_name_a_bad_tbt_slo(experiment: str, value:
 def test_throughput_runs_its_long_context_clusters_with_the_options_policies(tmp_path: Path) -> None:
     """The long-context part ran a fixed router, admission and global pool whatever the options said: a router
     that rejects every request now finds no rate, and the header and the JSON name what ran."""
-    router = tmp_path / "reject_all.py"
-    router.write_text(
-        "class RejectAll:\n"
-        "    def __init__(self, estimator):\n"
-        "        pass\n"
-        "    def route(self, candidates, query, now, rng):\n"
-        "        return None\n"
-        "    def observe(self, *, had_transfer, estimated_ttft_s, observed_ttft_s):\n"
-        "        pass\n"
-    )
-    name = f"{router}:RejectAll"
+    name = reject_all_router(tmp_path)
     argv = ["throughput", *SMALL, "--lengths", "16384", "--throughput-requests", "5", "--tbt-thresholds", "0.1"]
     argv += ["--router", name, "--admission", "baseline", "--local-cache", "--no-plots", "--json"]
     report = json.loads(experiments(*argv, out=tmp_path / "out").stdout)

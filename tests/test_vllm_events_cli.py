@@ -12,9 +12,10 @@ from types import ModuleType
 import pytest
 
 
-def load_example() -> ModuleType:
+def load_example(name: str = "vllm_events_cli_example") -> ModuleType:
+    """examples/vllm_events.py as a module called `name` (tests/test_vllm_events_zmq.py loads it too)."""
     path = Path(__file__).resolve().parents[1] / "examples" / "vllm_events.py"
-    spec = importlib.util.spec_from_file_location("vllm_events_cli_example", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # attrs classes look their module up

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,6 +24,7 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
 from mooncake.types import InstanceId, Tier
+from tests.test_vllm_events_cli import load_example
 
 zmq = pytest.importorskip("zmq", reason="pyzmq (the kv-events extra) is not installed: the ZMQ example is not tested")
 pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
@@ -37,17 +34,7 @@ HASHER = BlockHasher(model="zmq-test", block_size_tokens=16)
 SOURCE = InstanceId("vllm-0")
 
 
-def load_example() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "examples" / "vllm_events.py"
-    spec = importlib.util.spec_from_file_location("vllm_events_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # attrs classes look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-example = load_example()
+example = load_example("vllm_events_example")
 
 
 class LossyPublisher(example.KvEventPublisher):  # type: ignore[misc, name-defined]
