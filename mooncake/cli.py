@@ -54,7 +54,7 @@ from mooncake._files import names_a_file
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sim.report import ProgressBar, plot_lines, shows_progress
+from mooncake.sim.report import ProgressBar, plot_lines, require_pyplot, shows_progress
 from mooncake.types import BlockKey
 from mooncake.workload import (
     ARRIVAL_RANGE,
@@ -193,13 +193,12 @@ def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, 
 
 
 def _check_plot(path: str) -> None:
-    """The plot can be written: matplotlib is installed and the folder exists."""
+    """The plot can be written: matplotlib is installed (`require_pyplot`, every command's check) and the folder
+    exists."""
     try:
-        import matplotlib  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(
-            "--plot needs matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)"
-        ) from error
+        require_pyplot()
+    except ConfigError as error:
+        raise ConfigError(f"--plot: {error}") from error
     folder = Path(path).parent
     if not folder.is_dir():
         raise ConfigError(f"--plot {path}: there is no folder {folder}")

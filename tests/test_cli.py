@@ -165,6 +165,20 @@ def test_capacity_plot_writes_a_png(small_trace: Path, tmp_path: Path, capsys: p
     assert "capacity (blocks)" in out and "1,000" in out
 
 
+def test_capacity_plot_without_matplotlib_is_refused_before_the_sweep(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without matplotlib, --plot is one line naming it and the plot extra (every command's check,
+    `sim.report.require_pyplot`), before any sweep: no table, nothing written."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    plot = tmp_path / "out.png"
+    status, out, err = run(
+        capsys, "trace", "capacity", str(small_trace), "--capacity-blocks", "10", "--plot", str(plot)
+    )
+    assert (status, out) == (2, "") and not plot.exists()
+    assert err.startswith("mooncake: error: --plot: plots need matplotlib: the plot extra") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("policy", ["lfu", "length_aware", "sieve"])
 def test_capacity_other_policies(small_trace: Path, capsys: pytest.CaptureFixture[str], policy: str) -> None:
     """Every listed policy runs; hit ratios lie in [0, 1] and the largest cache reaches the reuse ratio."""

@@ -30,7 +30,6 @@ from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import Request, Slo
 
 __all__ = [
-    "NO_TRANSFER_ROUTERS",
     "OUTCOME_COLUMNS",
     "Report",
     "header",
@@ -47,18 +46,13 @@ Report = dict[str, Any]
 OUTCOME_COLUMNS = f"{'completed':>10}{'rej. before':>12}{'after':>7}{'wasted s':>10}{'SLO att.':>9}{'goodput':>9}"
 
 
-# The routers of `registry.ROUTERS` that never plan a transfer: only KvCacheCentricRouter at a finite threshold
-# does (local_cache_aware is it at an infinite one). A FILE.py:FACTORY router may: it is not presumed either way.
-NO_TRANSFER_ROUTERS = frozenset({"random", "round_robin", "load_balancing", "local_cache_aware"})
-
-
 def what_stops_transfers(*, router: str, threshold: float, global_pool: bool) -> tuple[str, str] | None:
     """The option (with its value) that keeps every replay from transferring a block, and why; None if none does.
     An experiment that varies what only a transfer makes matter (the global pool, the threshold) refuses it:
     its replays would all be alike."""
     if not global_pool:
         return "--local-cache", "without a global pool nothing is transferred"
-    if router in NO_TRANSFER_ROUTERS:
+    if router in registry.NO_TRANSFER_ROUTERS:
         return f"--router {router}", "it never plans a transfer"
     if router == "kvcache_centric" and math.isinf(threshold):
         return "--threshold inf", "kvcache_centric then never plans a transfer"

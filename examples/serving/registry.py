@@ -32,7 +32,7 @@ from mooncake.sched.router import (
 )
 from mooncake.types import Request, Slo
 
-__all__ = ["ADMISSIONS", "PREDICTORS", "ROUTERS", "admission", "predictor", "router"]
+__all__ = ["ADMISSIONS", "NO_TRANSFER_ROUTERS", "PREDICTORS", "ROUTERS", "admission", "predictor", "router"]
 
 # name → the router factory, given the KV-cache-centric router's kvcache_balancing_threshold
 ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
@@ -42,6 +42,9 @@ ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
     "local_cache_aware": lambda _threshold: local_cache_aware_router,
     "kvcache_centric": lambda threshold: functools.partial(KvCacheCentricRouter, threshold=threshold),
 }
+# Those that never plan a transfer: only KvCacheCentricRouter at a finite threshold does (local_cache_aware is it at
+# an infinite one). A FILE.py:FACTORY router may: it is not presumed either way.
+NO_TRANSFER_ROUTERS = frozenset({"random", "round_robin", "load_balancing", "local_cache_aware"})
 
 ADMISSIONS: dict[str, Callable[[], AdmissionPolicy]] = {
     "baseline": BaselineAdmission,
