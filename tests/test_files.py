@@ -54,6 +54,15 @@ def test_an_error_about_another_file_passes_unchanged(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def write_or_stop(path: Path, content: bytes, stopped: bool) -> None:
+    """Write `content` whole through `atomic_path(path)`, or half of it and stop there (Ctrl-C) when `stopped`."""
+    with contextlib.suppress(KeyboardInterrupt), atomic_path(path) as temporary:
+        temporary.write_bytes(content[: len(content) // 2])
+        if stopped:
+            raise KeyboardInterrupt
+        temporary.write_bytes(content)
+
+
 @given(writes=st.lists(st.tuples(st.binary(max_size=64), st.booleans()), max_size=8))
 def test_the_file_is_always_the_last_write_that_finished(writes: list[tuple[bytes, bool]]) -> None:
     """Over any sequence of writes, some stopped midway: the target holds the last whole write's bytes (or does
@@ -62,11 +71,7 @@ def test_the_file_is_always_the_last_write_that_finished(writes: list[tuple[byte
         target = Path(folder) / "out.json"
         last: bytes | None = None
         for content, stopped in writes:
-            with contextlib.suppress(KeyboardInterrupt), atomic_path(target) as temporary:
-                temporary.write_bytes(content[: len(content) // 2])
-                if stopped:
-                    raise KeyboardInterrupt
-                temporary.write_bytes(content)
+            write_or_stop(target, content, stopped)
             if not stopped:
                 last = content
             assert (target.read_bytes() if target.exists() else None) == last
@@ -148,11 +153,7 @@ def test_writing_through_links_keeps_every_link_and_fills_the_file_at_their_end(
             link.symlink_to(after if absolute else after.relative_to(base))
         before = {link: os.readlink(link) for link in links}
         for content, stopped in writes:
-            with contextlib.suppress(KeyboardInterrupt), atomic_path(links[0]) as temporary:
-                temporary.write_bytes(content[: len(content) // 2])
-                if stopped:
-                    raise KeyboardInterrupt
-                temporary.write_bytes(content)
+            write_or_stop(links[0], content, stopped)
             if not stopped:
                 last = content
             assert {link: os.readlink(link) for link in links} == before

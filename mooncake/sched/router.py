@@ -246,17 +246,15 @@ class RouteDecision:
     # From the first token until the request reaches its decode instance: the KV stream's tail that the prefill
     # did not hide (`TransferCostModel.handoff_s`). The decode side is asked about the load then.
     handoff_s: float = 0.0
+    # Until the prefill can start: the transfer runs while the request waits in the queue.
+    wait_s: float = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        wait = self.transfer_s if self.transfer_s > self.queue_s else self.queue_s  # `wait_s`, without its call
+        wait = self.transfer_s if self.transfer_s > self.queue_s else self.queue_s  # max(), without its call
         end = prefill_end_s(wait, self.prefill_s, self.occupancy_s, self.drain_s)
+        object.__setattr__(self, "wait_s", wait)
         object.__setattr__(self, "prefill_end_s", end)
         object.__setattr__(self, "ttft_s", end + self.overhead_s)
-
-    @property
-    def wait_s(self) -> float:
-        """Until the prefill can start: the transfer runs while the request waits in the queue."""
-        return max(self.transfer_s, self.queue_s)
 
 
 def _require_method(name: str, part: object, method: str) -> None:
