@@ -5,7 +5,8 @@ vLLM server builds (the example cluster's gateway and the vLLM router render cha
 A message's content of text parts is joined by "\\n" (`content_text`), or, for a template that loops over a
 message's content (vLLM's "openai" content format, found in its syntax tree as vLLM finds it:
 `loops_over_content`), given as a list of `{"type": "text", "text": ...}` parts; the keys vLLM keeps (`name`, an
-assistant's `tool_calls` with their arguments as objects and `reasoning`, a tool's `tool_call_id`); developer
+assistant's `tool_calls` with their arguments as objects and `reasoning`, also as `reasoning_content` and
+`thinking` as transformers then gives it, a tool's `tool_call_id`); developer
 messages as system ones, merged into one at the start, where the template never names the developer role
 (`chat_conversation`). Torch-free; jinja2 only to read a template's syntax tree.
 """
@@ -119,13 +120,29 @@ def _tool_calls(calls: Any) -> list[Any]:
     return copied
 
 
+# transformers' (5.25) names of a message's reasoning, in its order of precedence (`_REASONING_FIELDS`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its reasoning under the names templates read, as transformers' `apply_chat_template` gives
+    every message (`_alias_reasoning_fields`): the first of `reasoning_content`, `thinking`, `reasoning` that is
+    not None becomes `reasoning_content` (overwritten, in its place) and `thinking` (first, unless the message
+    has one: gpt-oss's templates read it); the message as it is without any."""
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def chat_conversation(
     messages: Sequence[Mapping[str, Any]], *, content_parts: bool = False, developer_role: bool = True
 ) -> list[dict[str, Any]]:
     """The messages as vLLM's server hands them to a chat template.
 
     Each message keeps its role and content, its `name` (a string), an assistant's `tool_calls` (empty: none;
-    each function's `arguments` an object) and `reasoning` (also as `reasoning_content`), a tool's
+    each function's `arguments` an object) and `reasoning` (also as `reasoning_content`, as vLLM gives it, and as
+    `thinking`, first, as transformers' `apply_chat_template` adds it before rendering), a tool's
     `tool_call_id`, a developer's `tools`; every other key is dropped. The content is read by `content_text`
     (a system message's Claude Code billing header line dropped): as that string, or with `content_parts`
     (the template loops over a message's content) as a list of `{"type": "text", "text": ...}` parts (a tool's
@@ -153,6 +170,7 @@ def chat_conversation(
                 entry["tool_calls"] = calls
             if message.get("reasoning") is not None:
                 entry["reasoning"] = entry["reasoning_content"] = message["reasoning"]
+                entry = _alias_reasoning(entry)
         elif role == "tool":
             entry["content"] = joined
             if "tool_call_id" in message:

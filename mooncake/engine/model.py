@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
@@ -327,11 +328,15 @@ def token_ids(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
     pipeline group take their prompts through this one check.
 
     Raises:
-        InvalidRequestError: no tokens, not integers, or an id outside [0, vocab_size).
+        InvalidRequestError: no tokens, not integers, or an id outside [0, vocab_size) (the first such id and its
+            position named).
     """
     array = as_token_array(tokens)
     if not array.size:
         raise InvalidRequestError("a prompt needs at least one token")
     if int(array.min()) < 0 or int(array.max()) >= vocab_size:
-        raise InvalidRequestError(f"token ids must lie in [0, {vocab_size})")
+        position = int(np.flatnonzero((array < 0) | (array >= vocab_size))[0])  # the error path only: a second pass
+        raise InvalidRequestError(
+            f"token ids must lie in [0, {vocab_size}), got {int(array[position])} at position {position}"
+        )
     return torch.from_numpy(array.astype("int64"))

@@ -355,7 +355,7 @@ class PrefillEngine:
 
         Raises:
             InvalidRequestError: no tokens, or ids outside the vocabulary.
-            EngineError: the engine is closed.
+            EngineError: the engine is closed, or the last logits hold a NaN (no block is committed).
             Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
         """
         return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled)[0]
@@ -375,8 +375,12 @@ class PrefillEngine:
         `chunk_tokens` (`ModelForward.run_many`), so short prompts share their matrix
         products as a batched server's prefill does; other forward passes run them one
         after another. A prompt whose prefix another prompt of the batch computes does not
-        reuse it (its blocks are committed at the end). The batch succeeds or fails as one;
-        each result's `seconds` is the batch's.
+        reuse it (its blocks are committed at the end). Every prompt and its params are checked
+        before anything runs, so a bad one anywhere leaves the batch undone, whatever the forward
+        pass. With a `ModelForward` the batch then succeeds or fails as one; one prompt at a time,
+        a failure while running (a pipeline stage's, a full cache, a cancellation) keeps the prompts
+        done before it, committed and streamed. Each result's `seconds` is the batch's (one at a
+        time: its own prompt's).
 
         Cancellation: `cancelled` (a caller's flag, read on this thread) is asked by the forward pass before each
         chunk (a `ModelForward`'s pass of `chunk_tokens`; a pipeline group's chunk, at stage 0). True stops the
@@ -384,8 +388,10 @@ class PrefillEngine:
         is committed.
 
         Raises:
-            InvalidRequestError: a prompt with no tokens or ids outside the vocabulary (nothing is done).
-            EngineError: the engine is closed (its loader and store threads are gone; nothing is done).
+            InvalidRequestError: a prompt with no tokens or ids outside the vocabulary, or params naming a token
+                outside it (nothing is done, for any forward pass).
+            EngineError: the engine is closed (its loader and store threads are gone; nothing is done), or a
+                prompt's last logits hold a NaN (`Sampler.next_token`; nothing of the batch is kept).
             Cancelled: `cancelled` answered True (nothing of the batch is kept; where the forward pass runs the
                 prompts one at a time, those done before are kept, committed and streamed).
         """
@@ -406,12 +412,14 @@ class PrefillEngine:
                 "prompt log-probabilities need the whole model in this process (a pipeline's last stage returns the "
                 "last position's logits only)"
             )
+        # Every prompt checked before any runs: one at a time, a bad last prompt would come after the others were
+        # committed and streamed.
+        ids = [self._ids(tokens) for tokens in prompts]
         if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
             return [
                 self.prefill(p, sampling=sp, sink=sk, cancelled=cancelled)
                 for p, sp, sk in zip(prompts, params, outs, strict=True)
             ]
-        ids = [self._ids(tokens) for tokens in prompts]
         block = self.layout.block_tokens
         keys = [self.hasher.block_keys(one.numpy()) for one in ids]
         prefixes: list[int] = []  # blocks pinned, per prompt so far
@@ -439,6 +447,13 @@ class PrefillEngine:
                 scores,
                 cancelled,
             )
+            # Drawn before anything is committed or ends its stream: a draw that fails (a model's NaN logits, whose
+            # KV is NaN too) then fails the batch as a failed pass does, leaving no block of it in the cache.
+            samplers, firsts = [], []
+            for one, sp, (logits, *_) in zip(ids, params, runs, strict=True):
+                sp = sp or SamplingParams()
+                samplers.append(Sampler(sp, prompt=one.tolist() if sp.needs_prompt else None))
+                firsts.append(samplers[-1].next_token(logits))
             for key in reserved:
                 self.cache.commit(key)
             reserved = []
@@ -457,13 +472,10 @@ class PrefillEngine:
                     self._unpin(key)
         seconds = time.perf_counter() - started
         results = []
-        for one, ks, prefix_blocks, ps, sp, (logits, scored, load_wait, store_wait) in zip(
-            ids, keys, prefixes, pages, params, runs, strict=True
+        for one, ks, prefix_blocks, ps, sampler, first, (logits, scored, load_wait, store_wait) in zip(
+            ids, keys, prefixes, pages, samplers, firsts, runs, strict=True
         ):
             prefix = prefix_blocks * block
-            sp = sp or SamplingParams()
-            sampler = Sampler(sp, prompt=one.tolist() if sp.needs_prompt else None)
-            first = sampler.next_token(logits)
             results.append(
                 PrefillResult(
                     keys=ks,

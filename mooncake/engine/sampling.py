@@ -28,6 +28,16 @@ largest logits (ties with the k-th kept), renormalizes and applies the nucleus.
 Each filter at its neutral value (`min_p` 0, `top_k` 0 or -1, penalties 0 and 1) is
 skipped, so the draws are then bit for bit those without it.
 
+Invariant: every draw is a token in [0, vocab), or a named error. A bias is
+clamped to [-100, 100] (vLLM's and OpenAI's range), so it cannot overflow a
+logit; a repetition penalty may still (1e-40 divides a positive logit past
+float32's range): +inf logits take all the probability, shared equally (the
+limit of softmax as they grow; greedy takes the first). A NaN among the logits
+the draw sees (a model fault), or nothing but -inf, has no token: an
+`EngineError` naming the tokens (an `InvalidRequestError` where finite logits
+were taken to -inf by the params). The check is one scalar per draw (the
+largest logit, NaN where any is; greedy reads its argmax's logit), not a scan.
+
 Log-probabilities (`SamplingParams.logprobs`, as vLLM's and OpenAI's) are of
 the model's own distribution: the log-softmax of the raw logits in float32,
 before temperature, nucleus or `min_tokens` shape the draw (vLLM's default
@@ -47,22 +57,34 @@ import attrs
 import torch
 import xxhash
 
-from mooncake._checks import plain_int, require_int, require_number
+from mooncake._checks import is_finite_number, plain_int, require_int, require_number
 from mooncake.engine.logprobs import TokenLogprobs
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, EngineError, InvalidRequestError, MooncakeError
 
 __all__ = ["Sampler", "SamplingParams", "invert", "nucleus", "rows_logprobs", "token_logprobs"]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_LOGIT_BIAS = 100.0  # a bias's magnitude, clamped to it: OpenAI's logit_bias range, [-100, 100], as vLLM's
+
+
+def _clamped(bias: Any) -> Any:
+    """A finite bias clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (anything else is left for the validator)."""
+    if not is_finite_number(bias) or abs(bias) <= MAX_LOGIT_BIAS:
+        return bias
+    return math.copysign(MAX_LOGIT_BIAS, bias)
 
 
 def _pairs(value: Any) -> Any:
-    """An attrs converter: a dict or pairs of (token, bias) become pairs sorted by token (anything else is left
-    for the validator)."""
+    """An attrs converter: a dict or pairs of (token, bias) become pairs sorted by token, each finite bias clamped
+    to [-100, 100] (anything else is left for the validator)."""
     try:
-        return tuple(sorted(dict(value).items()))
+        pairs = sorted(dict(value).items())
     except (TypeError, ValueError):
         return value
+    # Clamped, not refused: vLLM's `SamplingParams.from_optional` (which its OpenAI server builds every request
+    # with) and the example server's HTTP layer both clamp, so a client's 1e39 means "always" there and here. A
+    # bias past float32's range would otherwise make its logit +inf, and inf - inf a NaN, in the draw.
+    return tuple((token, _clamped(bias)) for token, bias in pairs)
 
 
 def _all_tokens(value: Any) -> Any:
@@ -89,12 +111,15 @@ class SamplingParams:
         top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default) or -1 (vLLM's
             spelling, kept as 0): all.
         min_p: sample only tokens at least this share of the most probable one's probability, in [0, 1].
-        repetition_penalty: > 0; a token already in the prompt or the output has its logit divided by it when
-            positive, multiplied when not (1, the default: none; > 1 discourages repeats). Needs the prompt.
+        repetition_penalty: finite and > 0 (vLLM's bounds); a token already in the prompt or the output has its
+            logit divided by it when positive, multiplied when not (1, the default: none; > 1 discourages
+            repeats). Needs the prompt. A tiny one can overflow a logit to +inf: such tokens then share all the
+            probability (the limit of their logits growing without bound), and greedy takes the first.
         presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of each token the output
             holds, once / per occurrence (OpenAI's definitions; 0, the default: none).
         logit_bias: (token, bias) pairs (or a dict) added to those tokens' logits before anything else shapes
-            them but the `min_tokens` mask (OpenAI's `logit_bias`; vLLM's order); a token outside the
+            them but the `min_tokens` mask (OpenAI's `logit_bias`; vLLM's order); each finite bias is clamped to
+            [-100, 100] as vLLM and OpenAI clamp it (a non-finite one is refused); a token outside the
             vocabulary is refused where the logits are known (`check_vocabulary`).
         allowed_token_ids: the only tokens that may be drawn (vLLM's `allowed_token_ids`: every other logit is
             -inf before anything else shapes them); empty (the default): every token. A token outside the
@@ -291,13 +316,46 @@ def nucleus(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
     return exact >= threshold
 
 
+def _no_token(raw: torch.Tensor, shaped: torch.Tensor, params: SamplingParams) -> MooncakeError:
+    """The error of a draw that found no token in the `shaped` logits (made from the model's `raw` ones): the
+    model's fault where its logits hold a NaN, a +inf (which a -inf mask turns into NaN) or nothing but -inf (the
+    tokens named), else the params'. Only on the error path: the scans here cost O(vocab)."""
+    vocab = raw.shape[-1]
+
+    def named(mask: torch.Tensor) -> str:
+        ids = torch.nonzero(mask).squeeze(1).tolist()
+        return f"{ids[:8]}{' and more' if len(ids) > 8 else ''}"
+
+    nan, positive = torch.isnan(raw), raw == math.inf
+    faults = [f"NaN at tokens {named(nan)}"] if bool(nan.any()) else []
+    faults += [f"+inf at tokens {named(positive)}"] if bool(positive.any()) else []
+    if not faults and not bool((raw > -math.inf).any()):
+        faults = ["every one -inf"]
+    if faults:
+        return EngineError(f"the model's {vocab} logits are not finite ({'; '.join(faults)}): no token can be drawn")
+    if bool(torch.isnan(shaped).any()):  # not made from finite logits by any params: named should it ever be
+        return EngineError(f"shaping the logits by {params!r} made NaN at tokens {named(torch.isnan(shaped))}")
+    return InvalidRequestError(f"the sampling params leave every one of the {vocab} logits -inf: {params!r}")
+
+
 def invert(probabilities: torch.Tensor, uniform: float) -> int:
     """The token at `uniform` (in [0, 1)) of the cumulative distribution of `probabilities` [vocab] (float64,
     >= 0, not all 0): the first whose cumulative mass exceeds `uniform` times the total. A token of zero
     probability is never the one. One prefix sum and a binary search: 0.1 ms at 128 k tokens on one core,
-    where `torch.multinomial` takes 4 ms."""
+    where `torch.multinomial` takes 4 ms.
+
+    Returns:
+        a token in [0, vocab).
+
+    Raises:
+        InvalidRequestError: the total is not finite and > 0 (a NaN or an inf among the probabilities, or all
+            0): no token is the one, where the search would give `vocab` (outside the vocabulary).
+    """
     cumulative = torch.cumsum(probabilities, dim=0)
     total = cumulative[-1]
+    # One check of a scalar: a NaN anywhere makes the total NaN, an inf makes it inf.
+    if not 0.0 < float(total) < math.inf:
+        raise InvalidRequestError(f"probabilities must sum to a finite number > 0 to draw from, got {float(total)}")
     token = int(torch.searchsorted(cumulative, total * uniform, right=True))
     if token == len(cumulative):  # uniform * total rounded up to the total: the last token of non-zero mass
         token = int(torch.searchsorted(cumulative, total))
@@ -349,7 +407,18 @@ class Sampler:
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
-        `min_tokens` on)."""
+        `min_tokens` on).
+
+        Returns:
+            a token in [0, vocab).
+
+        Raises:
+            EngineError: the logits hold a NaN (or +inf and -inf that the params' masks meet): a model fault;
+                the message names the tokens.
+            InvalidRequestError: finite logits that the params leave no token to draw from (every one -inf: a
+                huge repetition penalty over a vocabulary the prompt holds whole).
+        """
+        raw = logits
         allowed = self.params.allowed_token_ids
         if allowed:
             if self._allowed is None:  # [vocab] once, on the logits' device
@@ -371,6 +440,8 @@ class Sampler:
         if self.params.penalized:
             logits = self._penalize(logits)
         token = self._draw(logits)
+        if token is None:
+            raise _no_token(raw, logits, self.params)
         if self._seen is not None and self._counts is not None:
             self._seen[token] = True
             self._counts[token] += 1
@@ -389,7 +460,9 @@ class Sampler:
             self._counts.index_add_(0, output.to(logits.device), ones)
             self._seen |= self._counts > 0
         if params.repetition_penalty != 1.0:
-            rp = params.repetition_penalty
+            # Capped at the dtype's largest: torch casts the factor to the logits' dtype, where a penalty past it
+            # (1e300 in float32) is inf, and a logit of 0 times inf is NaN; a penalty within the range is as given.
+            rp = min(params.repetition_penalty, torch.finfo(logits.dtype).max)
             logits = torch.where(self._seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
         if params.frequency_penalty or params.presence_penalty:
             logits = logits - (params.frequency_penalty * self._counts + params.presence_penalty * (self._counts > 0))
@@ -401,16 +474,28 @@ class Sampler:
         k = self.params.logprobs
         return None if k is None else token_logprobs(logits, token, k)
 
-    def _draw(self, logits: torch.Tensor) -> int:
+    def _draw(self, logits: torch.Tensor) -> int | None:
+        """The token drawn from the shaped `logits`, or None where they hold no largest value to draw by (a NaN,
+        or every one -inf). Greedy's argmax is its token; sampling's the token at the position's uniform."""
         position = self.position
         self.position += 1
         if self._generator is None:
-            return int(torch.argmax(logits))
+            token = int(torch.argmax(logits))  # a NaN is the argmax where there is one; all -inf: token 0
+            # One scalar read, not a scan: NaN fails every comparison, and the argmax is -inf only if all are.
+            return token if float(logits[token]) > -math.inf else None
         self._generator.manual_seed(stream_seed(self._seed, position))
-        # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
-        # (probability 0), never inf - inf = nan.
         logits = logits.double().cpu()  # float64: a temperature as small as 1e-300 is not 0 there
-        scaled = (logits - logits.max()) / self.params.temperature
+        top = float(logits.max())  # NaN where any logit is (torch's max propagates it)
+        if not top > -math.inf:
+            return None
+        if top == math.inf:
+            # +inf logits (a positive logit divided by a tiny repetition penalty overflows float32): the limit of
+            # softmax as they grow without bound puts all the mass on them, equally; `logits - top` would be NaN.
+            scaled = torch.where(logits == math.inf, 0.0, -math.inf).to(torch.float64)
+        else:
+            # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
+            # (probability 0), never inf - inf = nan.
+            scaled = (logits - top) / self.params.temperature
         probabilities = torch.softmax(scaled, dim=-1)
         if self.params.min_p > 0.0 or 0 < self.params.top_k < scaled.shape[-1]:
             if self.params.min_p > 0.0:

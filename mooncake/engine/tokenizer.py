@@ -2,7 +2,8 @@
 
 `load_tokenizer(directory)` reads what transformers reads from a Hugging Face
 checkpoint: `tokenizer.json` (through `tokenizers`), the special tokens of
-`tokenizer_config.json` (BOS, EOS, UNK, PAD; a string or an AddedToken object),
+`tokenizer_config.json` (BOS, EOS, UNK, SEP, PAD, CLS and MASK, transformers' named special tokens; a string or
+an AddedToken object),
 the stop ids of `generation_config.json` (or `config.json`) and the chat
 template (`chat_template.jinja`, else the `chat_template` field). `encode` and
 `decode` are transformers' (v5) for the same files; the example cluster's byte
@@ -26,7 +27,8 @@ own default special tokens:
 - `CodeLlamaTokenizer`: Llama's, "▁" before the first piece whatever `legacy`
   says, and its infilling tokens (`▁<PRE>`, ..., `<FILL_ME>`) made special.
 Then the added tokens of `added_tokens_decoder`. Whatever the class, the named
-special tokens missing from the added tokens become special ones. The BOS and EOS an encoding gets are the file's
+special tokens missing from the added tokens become special ones, in transformers' order (BOS, EOS, UNK, SEP,
+PAD, CLS, MASK), so a new one gets the id transformers gives it. The BOS and EOS an encoding gets are the file's
 post-processor's: transformers (5.25) does not apply `add_bos_token` or
 `add_eos_token`, with or without one. So does `load_tokenizer`.
 
@@ -51,7 +53,8 @@ The chat template is rendered the way transformers renders it: jinja2's
 immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
 `tojson` that keeps non-ASCII, `raise_exception`, `strftime_now` and a no-op
 `{% generation %}` block, given `messages`, `add_generation_prompt`, `tools`,
-`documents` and the special tokens by name (`bos_token`, `eos_token`, ...).
+`documents` and the special tokens it has by name (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
+`pad_token`, `cls_token`, `mask_token`).
 The messages are first read as vLLM's server reads them (`engine.chat`), so
 that a prompt is the one a vLLM server builds.
 """
@@ -75,7 +78,9 @@ __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampl
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of a message to continue
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 SPACE_MARK = "▁"  # SentencePiece's mark for a space within a piece
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order: the names a chat template is given, and the order in which
+# those missing from the vocabulary are added (so the ids they get are transformers').
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @attrs.frozen(kw_only=True)
@@ -83,7 +88,8 @@ class SpecialTokens:
     """A tokenizer's special tokens.
 
     Attributes:
-        tokens: the named special tokens' text (`bos_token`, `eos_token`, ...), as a chat template sees them.
+        tokens: the named special tokens' text (those of `bos_token`, `eos_token`, `unk_token`, `sep_token`,
+            `pad_token`, `cls_token` and `mask_token` that the tokenizer has), as a chat template sees them.
         bos_token_id, eos_token_id: their ids (None: the tokenizer has none).
         stop_token_ids: the ids that end a generation: the EOS and every `eos_token_id` of the generation config.
     """

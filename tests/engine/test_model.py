@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,8 +25,8 @@ import torch
 
 from mooncake.engine.attention import prefill_attention
 from mooncake.engine.config import ModelConfig
-from mooncake.engine.model import LlamaModel, dtype_of, rms_norm, rope_tables
-from mooncake.errors import ConfigError
+from mooncake.engine.model import LlamaModel, dtype_of, rms_norm, rope_tables, token_ids
+from mooncake.errors import ConfigError, InvalidRequestError
 from tests.engine.strategies import model_configs
 from tests.engine.support import TINY, TOLERANCE, prompts, reference_logits, tiny_model
 
@@ -149,6 +150,29 @@ def test_dtypes_and_vocabulary_are_checked() -> None:
         tiny_model().embed(torch.tensor([0, TINY.vocab_size]))
     with pytest.raises(ConfigError, match="token ids"):
         tiny_model().embed(torch.tensor([-1]))
+
+
+@given(
+    st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), min_size=1, max_size=12),
+    st.integers(min_value=1, max_value=64),
+    st.booleans(),
+)
+def test_a_prompts_token_ids_are_checked_and_the_first_bad_one_named(
+    tokens: list[int], vocab: int, as_int32: bool
+) -> None:
+    """`token_ids` of ids all in [0, vocab) is them as int64; else an InvalidRequestError naming the first id
+    outside and its position (an int32 array included, which `as_token_array` passes on unread). The message named
+    only the range before, leaving a long prompt's bad id to be searched for."""
+    given_tokens = np.array(tokens, dtype=np.int32) if as_int32 else tokens
+    bad = [i for i, token in enumerate(tokens) if not 0 <= token < vocab]
+    if not bad:
+        assert token_ids(given_tokens, vocab).tolist() == tokens
+        return
+    negative_list = not as_int32 and any(token < 0 for token in tokens)  # refused by `as_token_array` first
+    with pytest.raises(InvalidRequestError) as raised:
+        token_ids(given_tokens, vocab)
+    if not negative_list:
+        assert str(raised.value) == f"token ids must lie in [0, {vocab}), got {tokens[bad[0]]} at position {bad[0]}"
 
 
 def test_rms_norm_matches_its_formula() -> None:

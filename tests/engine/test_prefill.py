@@ -11,7 +11,8 @@ sink hears every layer once, in order, after its bytes are final; and the
 error contracts — bad tokens, a full cache, a failing sink — leave no pin, no
 reservation and no running helper behind. A batch (`prefill_batch`, the
 prompts packed into shared passes) gives each prompt what prefilling it alone
-gives, streams each to its own sink, and fails as one, holding nothing.
+gives, streams each to its own sink, and fails as one, holding nothing; a bad prompt anywhere runs nothing,
+whatever the forward pass, and NaN logits commit nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mooncake.cache.tiered import TieredCache
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.prefill import KvBuffers, MessengerSink, ModelForward, PrefillConfig, PrefillEngine, PrefillResult
 from mooncake.engine.sampling import Sampler, SamplingParams
-from mooncake.errors import Cancelled, CapacityError, ConfigError, InvalidRequestError
+from mooncake.errors import Cancelled, CapacityError, ConfigError, EngineError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 from tests.engine.support import (
     TINY,
@@ -522,6 +523,58 @@ def test_a_batch_that_fails_holds_nothing_and_stores_nothing() -> None:
             engine.prefill_batch([PROMPT[:12], PROMPT[::-1]])  # 1 + 6 new blocks in 3 free pages
         assert len(cache) == 2 and cache.pools[0].num_free == 3
     assert_nothing_held(cache, hasher(4).block_keys(PROMPT) + prefix.keys)
+
+
+@pytest.mark.parametrize("packs", [True, False], ids=["ModelForward", "one-at-a-time"])
+def test_a_bad_prompt_anywhere_in_a_batch_runs_and_commits_nothing(packs: bool) -> None:
+    """Every prompt is checked before any runs, whatever the forward pass: one that takes the prompts one at a
+    time (a pipeline group's) once prefilled, committed and streamed the good prompts before the bad last one
+    raised. The error names the bad id and its position."""
+    forward: Any = ModelForward(tiny_model(), chunk_tokens=4096) if packs else OtherForward()
+    cache = dram_cache(4)
+    sink = RecordingSink(cache, 4, len(PROMPT))
+    with PrefillEngine(forward, cache, hasher(4)) as engine:
+        with pytest.raises(InvalidRequestError, match=f"got {TINY.vocab_size} at position 2"):
+            engine.prefill_batch([PROMPT, [1, 2, TINY.vocab_size, 3]], sinks=[sink, None])
+        assert len(cache) == 0 and sink.calls == []
+        assert packs or forward.runs == 0
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT))
+
+
+class NanForward(OtherForward):
+    """A forward pass whose model fails numerically: its last logits hold a NaN (its KV would be NaN too)."""
+
+    def run(self, ids: torch.Tensor, kv: KvBuffers, io: Any, *, cancelled: Any = None) -> torch.Tensor:
+        logits = super().run(ids, kv, io, cancelled=cancelled).clone()
+        logits[7] = math.nan
+        return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_fail_the_prefill_before_anything_is_committed(temperature: float) -> None:
+    """A NaN among the last logits is an EngineError naming the token (greedy's argmax once returned the NaN's
+    token, sampling the vocabulary's size, an id outside it): raised before the blocks commit or the stream
+    ends, so no block of the failed model's KV is left in the cache and the sink aborts."""
+    cache = dram_cache(4)
+    sink = AbortingSink(cache, 4, len(PROMPT))
+    params = SamplingParams(temperature=temperature, seed=1)
+    with (
+        PrefillEngine(NanForward(), cache, hasher(4)) as engine,
+        pytest.raises(EngineError, match=r"NaN at tokens \[7\]"),
+    ):
+        engine.prefill(PROMPT, sampling=params, sink=sink)
+    assert len(cache) == 0 and sink.calls[-1] == "abort"
+    assert_nothing_held(cache, hasher(4).block_keys(PROMPT))
+
+
+def test_a_bias_or_a_repetition_penalty_that_overflows_still_draws_a_token_of_the_vocabulary() -> None:
+    """A logit bias of 1e39 (past float32's range: clamped to 100, as vLLM clamps it) makes its token the first;
+    a repetition penalty of 1e-40 (its quotient overflows to +inf) draws one of the prompt's tokens."""
+    with PrefillEngine(tiny_model(), dram_cache(4), hasher(4)) as engine:
+        biased = engine.prefill(PROMPT[:5], sampling=SamplingParams(temperature=1.0, seed=0, logit_bias={7: 1e39}))
+        assert biased.first_token == 7
+        tiny = SamplingParams(temperature=1.0, seed=0, repetition_penalty=1e-40)
+        assert engine.prefill(PROMPT[:5], sampling=tiny).first_token in PROMPT[:5]
 
 
 # --------------------------------------------------------------------------- prompt log-probabilities

@@ -10,6 +10,9 @@ the token at a uniform of the cumulative distribution (`invert`, by brute force 
 exact fractions); seeded draws over 64 tokens follow their probabilities.
 Log-probabilities: the float32 log-softmax of the raw logits, the rank and the
 k most probable by their definitions; asking for them changes no draw.
+Non-finite logits: from finite logits any params draw a token of the vocabulary
+(biases clamped, a repetition penalty that overflows leaves the +inf tokens);
+a model's NaN is an EngineError naming it, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from mooncake.engine.sampling import (
     stream_seed,
     token_logprobs,
 )
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, EngineError, InvalidRequestError
 
 seeds = st.integers(min_value=0, max_value=2**32)
 temperatures = st.sampled_from([0.5, 1.0, 2.0]) | st.floats(min_value=0.05, max_value=10.0)
@@ -617,3 +620,116 @@ def test_allowed_token_ids_are_checked_against_the_vocabulary() -> None:
         SamplingParams(allowed_token_ids=[3, 32]).check_vocabulary(32)
     with pytest.raises(ConfigError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[-1])
+
+
+# ---------------------------------------------------------------------------------------------- non-finite logits
+
+finite_logits = st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=24)
+# Every params the draw may see: biases past float32's range (clamped), repetition penalties whose division or
+# multiplication overflows float32, and the filters.
+drawing_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 1e-300, 0.7, 1.0, 5.0]),
+    seed=seeds,
+    top_p=st.sampled_from([1.0, 0.9, 0.3]),
+    top_k=st.sampled_from([0, 1, 3]),
+    min_p=st.sampled_from([0.0, 0.1]),
+    repetition_penalty=st.sampled_from([1.0, 1.3, 1e-40, 1e-300, 5e-324, 1e38, 1e300]),
+    frequency_penalty=st.sampled_from([0.0, 2.0]),
+    presence_penalty=st.sampled_from([0.0, -2.0]),
+    logit_bias=st.dictionaries(
+        st.integers(min_value=0, max_value=23), st.floats(allow_nan=False, allow_infinity=False), max_size=4
+    ),
+)
+
+
+@settings(max_examples=200)
+@given(finite_logits, drawing_params, st.lists(st.integers(min_value=0, max_value=23), max_size=8))
+def test_a_draw_from_finite_logits_is_a_token_of_the_vocabulary(
+    values: list[float], params: SamplingParams, prompt: list[int]
+) -> None:
+    """Whatever the params do to finite float32 logits (a bias of 1e39, a repetition penalty of 1e-40 that
+    overflows a logit to +inf or of 1e300 that takes one to -inf), every draw is a token in [0, vocab): never
+    `vocab` (the search's end, once a NaN made the cumulative sum NaN), never a bare IndexError. The one refusal
+    is a named InvalidRequestError where the params leave every logit -inf, and then the model is not blamed."""
+    vocab = len(values)
+    params = attrs.evolve(params, logit_bias=[(t, b) for t, b in params.logit_bias if t < vocab])  # as checked
+    logits = torch.tensor(values, dtype=torch.float32)
+    sampler = Sampler(params, prompt=[t for t in prompt if t < vocab])
+    for _ in range(3):
+        try:
+            token = sampler.next_token(logits)
+        except InvalidRequestError as error:
+            assert "leave every one" in str(error)
+            return
+        assert 0 <= token < vocab
+
+
+@settings(max_examples=100)
+@given(
+    finite_logits,
+    st.data(),
+    st.sampled_from([math.nan, math.inf, -math.inf]),
+    st.sampled_from([0.0, 1.0]),
+    st.sampled_from([1.0, 0.5]),
+)
+def test_non_finite_model_logits_are_an_engine_error_naming_them_or_a_token_of_the_vocabulary(
+    values: list[float], data: st.DataObject, bad: float, temperature: float, top_p: float
+) -> None:
+    """A model's NaN logit, greedy or sampled, is an EngineError that names the token (greedy's argmax once
+    returned it, sampling `vocab`); so are logits that are all -inf. A +inf logit is the limit of a growing
+    one: the draw is among the +inf tokens (greedy the first). A -inf one has probability 0."""
+    spoiled = data.draw(st.sets(st.integers(min_value=0, max_value=len(values) - 1), min_size=1))
+    logits = torch.tensor(values, dtype=torch.float32)
+    logits[sorted(spoiled)] = bad
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=1))
+    if math.isnan(bad) or (len(spoiled) == len(values) and bad < 0):
+        with pytest.raises(EngineError, match=r"logits are not finite \((NaN at tokens \[\d|every one -inf)"):
+            sampler.next_token(logits)
+        return
+    for _ in range(3):
+        token = sampler.next_token(logits)
+        assert 0 <= token < len(values)
+        if bad > 0:
+            assert token in spoiled
+            if temperature == 0:
+                assert token == min(spoiled)
+        else:
+            assert token not in spoiled
+
+
+def test_a_bias_past_the_float32_range_is_clamped_as_vllm_clamps_it() -> None:
+    """OpenAI's and vLLM's [-100, 100]: 1e39 (past float32's largest, so its logit was +inf, and the shifted
+    logits inf - inf = NaN, drawing token `vocab`) is 100 and always drawn; -1e39 is -100; a bias within the
+    range is kept exactly; a non-finite one is still refused."""
+    assert SamplingParams(logit_bias={5: 1e39, 6: -1e39, 7: 3, 8: -99.5}).logit_bias == (
+        (5, 100.0),
+        (6, -100.0),
+        (7, 3),
+        (8, -99.5),
+    )
+    logits = logits_of(0)
+    for temperature in (0.0, 1.0):
+        up = Sampler(SamplingParams(temperature=temperature, seed=1, logit_bias={5: 1e39}))
+        assert [up.next_token(logits) for _ in range(8)] == [5] * 8
+        down = Sampler(SamplingParams(temperature=temperature, seed=1, logit_bias={5: -1e39}))
+        assert 5 not in [down.next_token(logits) for _ in range(8)]
+    with pytest.raises(ConfigError, match="logit_bias"):
+        SamplingParams(logit_bias={5: math.nan})
+
+
+def test_a_tiny_repetition_penalty_draws_among_the_overflowed_tokens() -> None:
+    """vLLM accepts any finite repetition penalty > 0; 1e-40 divides the prompt's positive logits past float32's
+    range (+inf). Those tokens then share all the mass, so draws are among them (it once raised a bare
+    IndexError), greedy the first; the prompt's negative logits shrink towards 0 and stay drawable."""
+    logits = torch.tensor([-0.5, 0.8, 2.0, 0.3, 5.0])
+    for temperature, expected in ((0.0, {1}), (0.7, {1, 3})):
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=3, repetition_penalty=1e-40), prompt=[0, 1, 3])
+        assert {sampler.next_token(logits) for _ in range(40)} == expected
+
+
+def test_invert_refuses_a_total_that_is_not_finite_and_positive() -> None:
+    """The search of a NaN, infinite or zero total would give `vocab`, a token outside the vocabulary."""
+    for total in ([0.5, math.nan], [math.inf, 1.0], [0.0, 0.0]):
+        with pytest.raises(InvalidRequestError, match="probabilities must sum to a finite number > 0"):
+            invert(torch.tensor(total, dtype=torch.float64), 0.5)

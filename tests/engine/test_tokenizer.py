@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -203,6 +204,63 @@ def test_special_tokens_and_stop_ids(pair: tuple[Tokenizer, Any]) -> None:
     assert special.stop_token_ids == {theirs.eos_token_id, end}
     assert ours.is_stop(end) and not ours.is_stop(special.bos_token_id)
     assert ours.encode("hi")[0] == special.bos_token_id
+
+
+# transformers' named special tokens (its reference list, not ours), each with the text a config gives it.
+NAMED = {
+    name: f"<{name.removesuffix('_token')}>" for name in transformers.PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES
+}
+NAMING = (  # prints every named token the template is given, and says which are defined
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ sep_token }}{% endfor %}"
+    "[{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ sep_token }}|{{ pad_token }}|{{ cls_token }}|{{ mask_token }}]"
+    "{% if cls_token is defined %}cls{% endif %}{% if mask_token is defined %}mask{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def named_backend() -> Any:
+    """A byte-level BPE whose vocabulary holds `<s>`, `</s>` and `<sep>` as special tokens, none of the others."""
+    backend = Backend(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<sep>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(TEXT, trainer)
+    return backend
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sets(st.sampled_from(sorted(NAMED))), st.permutations(sorted(NAMED)))
+def test_every_named_special_token_is_read_added_and_given_to_the_template_as_transformers_does(
+    named_backend: Any, names: set[str], order: list[str]
+) -> None:
+    """Whichever of transformers' seven named special tokens (bos, eos, unk, sep, pad, cls, mask) the config
+    names, in whatever order it lists them: ours has the same ones, adds those the vocabulary lacks as special
+    tokens with the same ids (transformers' order, whatever the file's), encodes a text holding them to the same
+    ids, and the chat template sees the same variables. A sep, cls or mask token was once neither added (its
+    text split into pieces) nor given to the template."""
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder)
+        named_backend.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": NAMING}
+        config |= {name: NAMED[name] for name in order if name in names}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        theirs = transformers.AutoTokenizer.from_pretrained(directory)
+        ours = load_tokenizer(directory)
+        assert ours.special.tokens == theirs.special_tokens_map
+        assert ours.vocab_size == len(theirs)
+        for name in names:
+            assert ours.backend.token_to_id(NAMED[name]) == theirs.convert_tokens_to_ids(NAMED[name]), name
+        text = "Hello " + " world ".join(NAMED.values())
+        assert ours.encode(text) == theirs(text)["input_ids"]
+        for skip in (True, False):
+            ids = ours.encode(text)
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+        messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "world"}]
+        assert ours.render_chat(messages) == theirs.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
 
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])

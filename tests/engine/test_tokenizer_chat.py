@@ -5,7 +5,8 @@ The expected values are what vLLM's `parse_chat_messages` and `_detect_content_f
 (checked against vLLM itself when these were written; the suite does not import vLLM): text parts joined by
 "\\n" for a template that takes a string content, kept as parts for one that loops over it; developer messages
 as one system message where the template never names the role; the message keys vLLM keeps, a tool call's
-arguments as an object.
+arguments as an object. Then what transformers adds before rendering (a message's reasoning also as `thinking`),
+checked against transformers' own functions where it is installed.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("jinja2")
 
-from mooncake.engine.chat import chat_conversation, content_text
+from mooncake.engine.chat import _alias_reasoning, chat_conversation, content_text
 from mooncake.engine.tokenizer import SpecialTokens, Tokenizer
 from mooncake.errors import InvalidRequestError
 
@@ -111,7 +114,7 @@ def test_developer_messages_are_system_ones_where_the_template_lacks_the_role(te
 def test_messages_keep_the_keys_vllm_keeps() -> None:
     """Each message keeps its role, content, name; an assistant its tool calls (each function's `arguments` an
     object: JSON text parsed, anything else `{}`; an empty list dropped) and `reasoning` (also as
-    `reasoning_content`); a tool its `tool_call_id`; a developer its `tools`; nothing else. The messages given are
+    `reasoning_content`, and as `thinking` as transformers adds it); a tool its `tool_call_id`; a developer its `tools`; nothing else. The messages given are
     not changed."""
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "q", "name": "bob", "extra": 1},
@@ -144,6 +147,7 @@ def test_messages_keep_the_keys_vllm_keeps() -> None:
             ],
             "reasoning": "because",
             "reasoning_content": "because",
+            "thinking": "because",
         },
         {"role": "tool", "content": "r", "tool_call_id": "1"},
         {"role": "assistant", "content": "done"},
@@ -210,3 +214,67 @@ def test_the_content_format_is_found_as_vllm_finds_it(template: str, loops: bool
     over a `messages` loop variable's content (filtered, sliced, through an assignment or a macro's parameter),
     over a variable named `content`; an unpacking loop makes vLLM give up and take the string, as here."""
     assert chat_tokenizer(template).content_parts is loops
+
+
+# A gpt-oss-style template (it reads `thinking`), then each message's keys and values in their order.
+THINKING = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.thinking %}<|channel|>analysis {{ m.thinking }}<|end|>{% endif %}"
+    "{{ m.content }}|{% for key, value in m.items() %}{{ key }}={{ value }};{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+REASONED = [
+    {"role": "user", "content": "2+2?", "reasoning": "not kept"},
+    {"role": "assistant", "content": "4", "reasoning": "add them"},
+    {"role": "assistant", "content": "", "reasoning": "", "tool_calls": [{"function": {"name": "f"}}]},
+    {"role": "assistant", "content": "ok", "reasoning": None, "reasoning_content": "dropped by vLLM"},
+    {"role": "user", "content": "ok"},
+]
+# vLLM 0.32's conversation of REASONED (`_parse_chat_message_content`: an assistant's `reasoning` kept, also as
+# `reasoning_content`; a user's dropped; a client's `reasoning_content` dropped), as it hands it to transformers.
+VLLM_REASONED = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning": "add them", "reasoning_content": "add them"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+        "reasoning": "",
+        "reasoning_content": "",
+    },
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": "ok"},
+]
+
+
+def test_reasoning_renders_under_every_name_transformers_gives_it() -> None:
+    """transformers (5.25, which vLLM renders through) gives an assistant's reasoning to the template as
+    `thinking` too (gpt-oss's templates read that name), first among its keys; `render_chat` renders what
+    transformers renders from vLLM's conversation: the thinking channel and the keys, in order. It rendered no
+    channel before."""
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    expected = render_jinja_template([VLLM_REASONED], chat_template=THINKING, add_generation_prompt=True)[0][0]
+    rendered = chat_tokenizer(THINKING).render_chat(REASONED)
+    assert rendered == expected
+    assert "<|channel|>analysis add them<|end|>4|thinking=add them;role=assistant;" in rendered
+
+
+reasoning_values = st.none() | st.text(max_size=3)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["reasoning_content", "thinking", "reasoning", "role", "content", "name"]),
+        reasoning_values,
+    )
+)
+def test_reasoning_is_aliased_as_transformers_aliases_it(message: dict[str, Any]) -> None:
+    """Any message, with any of `reasoning_content`, `thinking` and `reasoning` (None, empty or text, in any
+    order): `_alias_reasoning` gives what transformers' `_alias_reasoning_fields` gives, keys in the same order
+    (precedence: the first not None of reasoning_content, thinking, reasoning; `thinking` added first unless
+    present; `reasoning_content` overwritten in place)."""
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    theirs = utils._alias_reasoning_fields([copy.deepcopy(message)])[0]
+    ours = _alias_reasoning(copy.deepcopy(message))
+    assert list(ours.items()) == list(theirs.items())
