@@ -93,8 +93,8 @@ class BlockPlacement:
     """Blocks → (tier, page) across `pools`, fastest first, with one eviction policy per tier.
 
     Args:
-        pools: page pools, fastest first, with equal `page_bytes` and distinct tiers;
-            pages a pool recovered (an SSD pool reopened) are adopted as cached blocks.
+        pools: page pools, fastest first, with equal `page_bytes` and distinct tiers, all holding bytes or all
+            metadata-only; pages a pool recovered (an SSD pool reopened) are adopted as cached blocks.
         policy: makes one eviction policy per tier.
         promote_after: promote a block to the first tier on this many reads in a
             lower tier (0: never).
@@ -109,6 +109,14 @@ class BlockPlacement:
         tiers = [pool.tier for pool in pools]
         if len(set(tiers)) != len(tiers):
             raise ConfigError(f"tiers must be distinct, got {[t.name for t in tiers]}")
+        # A block moves between tiers whole: a demotion into a metadata tier would drop its bytes while the block
+        # stays cached (and announced), and one out of it would have no bytes to write.
+        if len({pool.holds_bytes for pool in pools}) != 1:
+            holding = [pool.tier.name for pool in pools if pool.holds_bytes]
+            metadata = [pool.tier.name for pool in pools if not pool.holds_bytes]
+            raise ConfigError(
+                f"every tier must hold bytes, or none: {holding} hold bytes, {metadata} are metadata-only"
+            )
         if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 0:
             raise ConfigError(f"promote_after must be an integer >= 0, got {promote_after!r}")
         self.pools = tuple(pools)

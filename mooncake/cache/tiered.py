@@ -8,7 +8,8 @@ one tier at a time:
   tier (past one whose pages are all pinned), which may in turn demote its own
   victim; a victim that no lower tier can take is dropped. `put` of a key
   already cached only records a use: keys are content hashes, so the bytes are
-  the same (and a pinned block is never overwritten). A copy that failed
+  the same (and a pinned block is never overwritten); `put` of a key being
+  filled (`reserve`d, not yet committed) is refused. A copy that failed
   verification is not cached: a `put` of its key stores the new bytes, even
   while a reader still pins the damaged copy (whose page is freed at its last
   pin; an `unpin` of the key releases that copy's pins first).
@@ -177,6 +178,8 @@ class TieredCache(BlockPlacement):
         Raises:
             IntegrityError: `data` does not match `checksum`.
             CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
+            BlockPinnedError: `key` is being filled (reserved, not yet committed): its bytes are the filler's to
+                commit or abort, and a put that stored nothing would be lost with an abort.
             InvalidRequestError: `key`, `parent`, `position` or `length` is not a non-negative integer, or
                 `checksum` not in [0, 2**64).
         """
@@ -199,10 +202,17 @@ class TieredCache(BlockPlacement):
         with self._lock:
             entry = self._unless_corrupt(key, self._entries.get(key))
             if entry is not None:
-                if entry.ready:
-                    self._policies[entry.level].access(key)
+                if not entry.ready:
+                    raise BlockPinnedError(
+                        f"block {key} is being filled (reserved, not yet committed): commit or abort it first"
+                    )
+                self._policies[entry.level].access(key)
                 return self.pools[entry.level].tier
             entry = self._claim(key, size, parent, position)
+        if checksum is None and view is not None and not self.pools[0].zero_copy:
+            # A pool that copies (SSD) would hash the bytes for its page header: hashed here instead, the digest is
+            # kept as the block's, so `checksum(key)` never reads the page back.
+            checksum = xxhash.xxh3_64_intdigest(view)
         try:
             self.pools[0].write(entry.page, view, key=key, checksum=checksum)
         except BaseException:
@@ -225,39 +235,23 @@ class TieredCache(BlockPlacement):
             raise CapacityError(f"{size} bytes do not fit a page of {self.page_bytes} bytes")
         return size
 
-    def _room_beside(self, parent: BlockKey | None, *, needed_for: BlockKey) -> int | None:
-        """A first-tier page for the chain's next block, `parent`'s child, made without evicting `parent` where
-        an eviction drops (a single tier: with a lower one, `parent` would be demoted, not lost); None if it
-        cannot. (`parent` is the only block of the chain that can be a victim: every earlier one has a cached
-        child, under a prefix-aware policy; a policy that ranks blocks alone evicts the chain's head first.)
-
-        Raises:
-            CapacityError: the chain's first block, and every first-tier page holds a pinned block.
-        """
-        entry = None if parent is None else self._entries.get(parent)
-        if parent is None or entry is None or entry.level != 0 or not entry.ready or len(self.pools) > 1:
-            return self._make_room(0, needed_for=needed_for)
-        policy = self._policies[0]
-        policy.pin(parent)
-        try:
-            return self._try_make_room(0)
-        finally:
-            policy.unpin(parent)
-
     def put_chain(self, keys: Sequence[BlockKey], *, length: int | None = None) -> None:
         """Record a request's chain of blocks without data (metadata-only first tier).
 
         Equivalent to `put(key, parent=previous key, position=i, length=length)`
         for each key in order (cached ones count as used), under one lock: the
         simulator stores every prefill's chain this way. Except that the chain
-        stops where room for a block could only be made by dropping its parent
-        (a chain longer than an unpinned single tier): the head stays cached and
-        the rest is not stored, where storing it would have evicted the whole
-        head (leaf first) and kept a tail that no prompt can match.
+        never makes room for a block by evicting one of its own earlier blocks
+        (a chain longer than the first tier can hold): it stops there, its head
+        cached and the rest not stored, where storing on would have evicted the
+        head (leaf first, or, under a policy that ranks blocks alone, oldest
+        first) and kept a tail that no prompt can match. So, whatever the policy,
+        the chain's blocks this call stores all lie in its cached prefix.
 
         Raises:
             ConfigError: the first tier stores bytes.
-            CapacityError: `length` exceeds a page, or every block of the first tier is pinned.
+            CapacityError: `length` exceeds a page, or the chain's first block needs a page and every first-tier
+                page holds a pinned block (a later block finding no room ends the chain instead).
             InvalidRequestError: a key, or `length`, is not a non-negative integer (nothing is stored).
         """
         if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
@@ -271,6 +265,9 @@ class TieredCache(BlockPlacement):
         access, allocate = accesses[0], pool.try_allocate
         parent = None
         puts = 0
+        # The chain's blocks so far, pinned in their tiers' policies from the first time room must be made (until
+        # then nothing is evicted, so all of them are still cached): the victims that make room are never its own.
+        protected: list[tuple[int, BlockKey]] | None = None
         with self._lock:
             try:
                 for position, key in enumerate(keys):
@@ -280,19 +277,38 @@ class TieredCache(BlockPlacement):
                     if entry is not None:
                         if entry.ready:
                             accesses[entry.level](key)
+                            if protected is not None:
+                                self._protect(protected, key, entry)
                     else:
                         page = allocate()
                         if page is None:
-                            page = self._room_beside(parent, needed_for=key)
-                            if page is None:
-                                break  # only its own prefix could make room: the rest of the chain stays out
-                        entries[key] = Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
+                            if not position:
+                                page = self._make_room(0, needed_for=key)
+                            else:
+                                if protected is None:
+                                    protected = []
+                                    for earlier in keys[:position]:
+                                        self._protect(protected, earlier, entries.get(earlier))
+                                page = self._try_make_room(0)
+                                if page is None:
+                                    break  # only the chain's own blocks could make room: the rest stays out
+                        entry = entries[key] = Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
                         access(key, parent=parent, position=position)
                         log.append((STORED, 0, key))
                         puts += 1
+                        if protected is not None:
+                            self._protect(protected, key, entry)
                     parent = key
             finally:
+                for level, key in protected or ():
+                    self._policies[level].unpin(key)
                 self._counts["puts"] += puts
+
+    def _protect(self, protected: list[tuple[int, BlockKey]], key: BlockKey, entry: Entry | None) -> None:
+        """Pin a cached block of `put_chain`'s chain in its tier's policy, noting where to unpin it (lock held)."""
+        if entry is not None and entry.ready:
+            self._policies[entry.level].pin(key)
+            protected.append((entry.level, key))
 
     def reserve(
         self, key: BlockKey, length: int, *, parent: BlockKey | None = None, position: int = 0
@@ -432,16 +448,37 @@ class TieredCache(BlockPlacement):
             return self.pools[entry.level].tier if key in self._entries else None
 
     def checksum(self, key: BlockKey) -> int:
-        """XXH3-64 of the block's bytes (computed once, then remembered), for exporting it to a peer.
+        """XXH3-64 of the block's bytes, for exporting it to a peer (which verifies the bytes it gets against it).
+
+        The digest the block was stored or verified with (every block on SSD has one: its page header's), else
+        computed once from its bytes and remembered. Bytes that fail verification as they are read (or a page
+        that cannot be read) make the block a miss, as in `get`: it is dropped (at its last unpin, if pinned),
+        counted in `stats.corrupt_blocks` and announced removed, and the call raises UnknownBlockError.
 
         Raises:
-            UnknownBlockError: `key` is not cached. ConfigError: its tier holds no bytes.
+            UnknownBlockError: `key` is not cached, or its bytes failed verification.
+            ConfigError: its tier holds no bytes.
         """
         with self._lock:
             entry = self._ready_entry(key)
+            if entry.corrupt:
+                raise UnknownBlockError(f"block {key} is not cached (it failed verification)")
             if entry.checksum is None:
-                entry.checksum = self._digest(key, entry)
+                try:
+                    entry.checksum = self._digest(key, entry)
+                except IntegrityError as error:
+                    self._found_corrupt_unread(key, entry)
+                    raise UnknownBlockError(f"block {key} is not cached: its bytes failed verification") from error
             return entry.checksum
+
+    def _found_corrupt_unread(self, key: BlockKey, entry: Entry) -> None:
+        """`entry`'s bytes failed verification outside a read that counts as a hit (lock held): dropped now, or
+        at its last unpin (which counts it), as `get` drops a block it finds corrupt."""
+        entry.corrupt = True
+        if entry.pins == 0:
+            self._policies[entry.level].remove(key)
+            self._drop(key, entry)
+            self._counts["corrupt_blocks"] += 1
 
     # ------------------------------------------------------------------ pins
 

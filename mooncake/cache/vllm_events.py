@@ -6,16 +6,33 @@ module gives them this library's keys and sequence numbers.
 Re-keying. A vLLM block hash is not this library's key, so `VllmEventDecoder`
 re-derives keys from the token ids with a `BlockHasher` (the parent's key comes
 from the parent hash), which makes prefixes match across engines and across this
-library's own caches. It keeps, per source, a map vLLM hash → key: `BlockRemoved`
-carries hashes only, and so does the `BlockStored` of vLLM's offloading connector
-(no token ids: a copy to CPU of blocks the GPU stored), whose keys are looked up.
-The map holds every hash some tier holds, plus the `max_retired_hashes` most
-recently dropped ones, so a block stored just after its parent was evicted still
-finds its parent. LoRA blocks hash under a salt naming
-the adapter (vLLM also writes the adapter's name, or id, as each block's
-``extra_keys``: those say nothing more); blocks with other ``extra_keys``
-(multimodal inputs, cache salts) cannot be re-derived from tokens and are refused; only KV-cache group `kv_group`
-is read (a hybrid model's other groups repeat the same prefixes).
+library's own caches. vLLM stores and publishes full blocks only, so a
+`BlockStored` must carry exactly `block_size` tokens per hash. The decoder keeps,
+per source, a map vLLM hash → key: `BlockRemoved` carries hashes only, and so does
+the `BlockStored` of vLLM's offloading connector (no token ids: a copy to CPU of
+blocks the GPU stored), whose keys are looked up. Hashes are looked up in one form
+(`index_hash`: their low 64 bits), because vLLM writes one block's hash in
+several: its GPU pool as an int (`maybe_convert_block_hash`, by default), some
+versions of its offloading connector as the raw bytes. The map holds every hash
+some tier holds, plus the `max_retired_hashes` most recently dropped ones, so a
+block stored just after its parent was evicted still finds its parent. LoRA
+blocks hash under a salt naming the adapter (vLLM also writes the adapter's name,
+or id, as each block's ``extra_keys``: those say nothing more); blocks with other
+``extra_keys`` (multimodal inputs, cache salts) cannot be re-derived from tokens
+and are refused; only KV-cache group `kv_group` is read (a hybrid model's other
+groups repeat the same prefixes).
+
+Copies. vLLM does not de-duplicate its cache: two requests that computed the same
+block at once hold two physical copies of it under one hash, each announced by its
+own `BlockStored` and retracted by its own `BlockRemoved` (`BlockPool`,
+`BlockHashToBlockMap`), and the offloading connector's chunks re-announce the blocks
+they share. The decoder therefore counts copies per hash and tier, and a tier gives
+up a block (our `BlockRemoved`) when its last copy goes. Requests sent with
+``kv_cache_report_mode="full"`` make vLLM re-announce the cached blocks they reuse,
+which are no new copies: `report_mode="full"` reads a parentless GPU `BlockStored` of
+a block the GPU holds already as such. The offloading connector names each chunk of
+`blocks_per_chunk` GPU blocks by its last block's hash alone: the decoder counts
+the chunk's every block (found through their parents).
 
 Sequencing. vLLM numbers batches 0, 1, 2, ... per process. The decoder turns
 batch ``seq`` into this library's events of one source, numbered one by one in
@@ -29,14 +46,18 @@ which starts a new, empty epoch. Each batch is applied whole or not at all.
 Writing. `VllmEventEncoder` turns this library's events into vLLM batches. vLLM
 events carry token ids, which this library's events do not, so the encoder needs
 each stored block's tokens and parent: `register(tokens)` records them for every
-block of a token sequence (call it when a request's blocks are cached);
+full block of a token sequence (call it when a request's blocks are cached);
 `forget(keys)` drops them. Keys serve as the block hashes (64-bit keys as ints,
 wider ones as big-endian bytes); a `BlockStored` becomes one vLLM event per run of
-chained keys, parents first.
+chained keys, parents first. What vLLM never publishes, a partial last block, is
+left out: `register` returns the full blocks' keys, and the key of a partial block
+it met is left out of the events.
 
 Invariants (`VllmEventDecoder.check_invariants`):
 - a hash is mapped to a key iff some tier holds it or it is retired, not both;
-- held hashes have a non-empty set of tiers; at most `max_retired_hashes` are retired;
+- held hashes have a count of copies >= 0 per tier, some of them positive (all zero only after `skip_to`, whose
+  losses make the counts unknown); at most `max_retired_hashes` are retired; a hash whose parent is recorded is
+  mapped; a chunk stored without tokens is recorded, per tier, with its blocks (its naming hash last) and copies;
 - the held are kept in the order they came to be held (a clear retires them so), the retired in the order
   they were retired (the oldest goes first); a refused batch puts every hash back in its place.
 """
@@ -72,8 +93,10 @@ __all__ = [
     "DEFAULT_MEDIUMS",
     "DEFAULT_TIERS",
     "REDELIVERY_WINDOW",
+    "REPORT_MODES",
     "VllmEventDecoder",
     "VllmEventEncoder",
+    "index_hash",
 ]
 
 DEFAULT_TIERS: Mapping[str | None, Tier] = {
@@ -94,6 +117,30 @@ DEFAULT_MEDIUMS: Mapping[Tier, str] = {Tier.VRAM: "GPU", Tier.DRAM: "CPU", Tier.
 REDELIVERY_WINDOW = 1 << 14
 """How many applied batches (number → timestamp) a decoder remembers to tell a redelivery from a restart: more
 than vLLM's replay buffer holds (`buffer_steps`, 10,000 by default)."""
+
+REPORT_MODES = ("incremental", "full")
+"""vLLM's `kv_cache_report_mode`s a decoder reads (see `VllmEventDecoder`'s `report_mode`)."""
+
+_LOW_64 = (1 << 64) - 1
+_NO_COPIES: tuple[int, ...] = (0,) * len(Tier)
+_MISSING: Any = object()  # what the undo log records for an entry a table did not have
+
+
+def index_hash(block_hash: ExternalHash) -> int:
+    """The form in which a decoder looks up a vLLM block hash of any form: its low 64 bits.
+
+    vLLM names one block in several forms. Its GPU pool publishes `maybe_convert_block_hash(h)` (vLLM's
+    `vllm/v1/core/kv_cache_utils.py`): by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`) the int
+    `int.from_bytes(h, "big") & (2**64 - 1)`, else the bytes `h`; the offloading connector of some releases
+    published the raw bytes `get_offload_block_hash(key)` (`key[:-4]`, the same `h`) whatever that setting, and
+    vLLM 0.32's converts them as the pool does (`OffloadingEventsTracker._placeholder_stored`). The low 64 bits
+    of the big-endian bytes are that int, so every form of a block meets in one; older vLLM's signed ints (Python's
+    `hash`) map one to one too.
+    """
+    if isinstance(block_hash, bytes):
+        return int.from_bytes(block_hash, "big") & _LOW_64
+    return block_hash & _LOW_64
+
 
 _Change = tuple[type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared], tuple[BlockKey, ...], Tier]
 """What one vLLM event does to a source's holdings: the kind of event of ours, its keys, its tier."""
@@ -116,11 +163,20 @@ class VllmEventDecoder:
         strict: raise on a hash never seen (True), or skip what cannot be translated
             and count it in `num_skipped` (for a subscriber that joined late).
         max_retired_hashes: dropped hashes whose keys are kept, most recent first.
+        blocks_per_chunk: GPU blocks per chunk of vLLM's offloading connector (its
+            ``kv_connector_extra_config`` ``blocks_per_chunk``, or ``block_size`` over the
+            GPU block size), for its announcements that give no block size; one that
+            does (some releases: the chunk's tokens) is read instead.
+        report_mode: vLLM's ``kv_cache_report_mode`` of the requests: "incremental"
+            (vLLM's default: each `BlockStored` is a new copy) or "full" (vLLM also
+            re-announces the cached blocks a request reuses: a GPU `BlockStored` with no
+            parent of a block the GPU holds already adds no copy, so a copy computed
+            twice at once from the first block is then taken for one).
 
     Raises:
-        ConfigError: `epoch`, `kv_group` or `max_retired_hashes` is not an integer >= 0; `hasher` is no
-            `BlockHasher`, `source` no instance id string, `tiers` no map of mediums to tiers (or their names),
-            `strict` no bool.
+        ConfigError: `epoch`, `kv_group` or `max_retired_hashes` is not an integer >= 0, `blocks_per_chunk` not
+            one >= 1, `report_mode` not one of `REPORT_MODES`; `hasher` is no `BlockHasher`, `source` no instance id
+            string, `tiers` no map of mediums to tiers (or their names), `strict` no bool.
 
     Not thread-safe. Invariants: see the module docstring; `check_invariants` verifies them.
     """
@@ -135,6 +191,8 @@ class VllmEventDecoder:
         kv_group: int = 0,
         strict: bool = True,
         max_retired_hashes: int = 1 << 16,
+        blocks_per_chunk: int = 1,
+        report_mode: str = "incremental",
     ) -> None:
         if not isinstance(hasher, BlockHasher):
             raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
@@ -151,17 +209,24 @@ class VllmEventDecoder:
         self.kv_group = require_int("kv_group", kv_group, minimum=0)
         self.strict = require_bool("strict", strict)
         self.max_retired_hashes = require_int("max_retired_hashes", max_retired_hashes, minimum=0)
+        self.blocks_per_chunk = require_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
+        if report_mode not in REPORT_MODES:
+            raise ConfigError(f"report_mode must be one of {REPORT_MODES}, got {report_mode!r}")
+        self.report_mode = report_mode
         self.num_skipped = 0
         self._epoch = require_int("epoch", epoch, minimum=0)
         self._expected = 0  # the next vLLM batch seq
         self._seq = 0  # the next event seq of ours
-        self._keys: dict[ExternalHash, BlockKey] = {}
-        self._held: dict[ExternalHash, int] = {}  # hash → bit mask of the tiers holding it, oldest held first
-        self._held_at: dict[ExternalHash, int] = {}  # hash → when it came to be held (its place in `_held`)
-        self._retired: OrderedDict[ExternalHash, int] = OrderedDict()  # hash → when it was retired, oldest first
+        # Every table is keyed by `index_hash`.
+        self._keys: dict[int, BlockKey] = {}
+        self._held: dict[int, tuple[int, ...]] = {}  # hash → copies per tier, oldest held first
+        self._held_at: dict[int, int] = {}  # hash → when it came to be held (its place in `_held`)
+        self._retired: OrderedDict[int, int] = OrderedDict()  # hash → when it was retired, oldest first
+        self._parents: dict[int, int] = {}  # hash → its parent's (a hash that starts a sequence has none)
+        self._chunks: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}  # (hash, tier) → (its chunk, copies)
         self._clock = 0  # stamps the moves above, so that a refused batch can put each hash back in its place
         self._lora_hashers: dict[str, BlockHasher] = {}
-        self._undo: list[tuple[ExternalHash, BlockKey | None, int | None, int | None, int | None]] | None = None
+        self._undo: list[tuple[dict[Any, Any], Any, Any]] | None = None  # (table, key, value before)
         self._applied: OrderedDict[int, float] = OrderedDict()  # the last batches applied: seq → publisher's ts
         self.num_redelivered = 0
 
@@ -176,8 +241,14 @@ class VllmEventDecoder:
         return self._expected
 
     def key_of(self, block_hash: ExternalHash) -> BlockKey | None:
-        """This library's key for a vLLM hash the decoder knows (held or retired), else None."""
-        return self._keys.get(block_hash)
+        """This library's key for a vLLM hash (in any of its forms) the decoder knows (held or retired), else None."""
+        if not isinstance(block_hash, int | bytes):
+            return None
+        return self._keys.get(index_hash(block_hash))
+
+    def num_copies(self, block_hash: ExternalHash, tier: Tier | int | str) -> int:
+        """How many copies of a block (a vLLM hash, in any form) `tier` holds, as the events counted them."""
+        return self._held.get(index_hash(block_hash), _NO_COPIES)[parse_tier(tier)]
 
     def decode(self, payload: bytes, *, seq: int) -> tuple[CacheEvent, ...] | SequenceGap:
         """`translate` of `decode_batch(payload)`."""
@@ -197,13 +268,19 @@ class VllmEventDecoder:
             batch concerns the index, or for a redelivery); or, for a batch above
             `expected_seq`, a `SequenceGap` in vLLM batch numbers, with nothing applied.
 
-        A `BlockStored` without token ids (vLLM's offloading connector copying blocks to
-        CPU) names blocks by hash alone: each must be a hash the decoder knows (from the
-        GPU's store), whose key gains the event's tier; its block size is not checked.
+        Each `BlockStored` is a copy more of its blocks in its tier (see `report_mode`),
+        each `BlockRemoved` one fewer; our `BlockStored` names them all, our
+        `BlockRemoved` those whose last copy in the tier went. A `BlockStored` without
+        token ids (vLLM's offloading connector copying blocks to CPU) names blocks by
+        hash alone: each must be a hash the decoder knows (from the GPU's store), and
+        stands for its chunk: itself and the blocks before it, `blocks_per_chunk` in
+        all (or its block size over the hasher's, where it gives one), each of which
+        gains a copy in the event's tier; a removal of it takes them back.
 
         Raises:
-            VllmEventError: a block size other than the hasher's, a block count that
-                does not fit the tokens (token ids given), an unknown medium, or extra keys (strict).
+            VllmEventError: a block size other than the hasher's (a token-less event's: not a multiple of it),
+                token ids other than `block_size` per hash (vLLM stores full blocks only), an unknown medium, or
+                extra keys (strict).
             UnknownBlockError: a parent, removed or token-less stored hash never seen (strict only).
             Either way the batch is not applied.
         """
@@ -254,12 +331,17 @@ class VllmEventDecoder:
 
         A consumer's holdings for this source are unknown from here; a `BlockIndex`
         drops them on the new epoch's first event (or `resync` it to empty at once).
-        Hash translations are kept: a hash always stands for the same tokens.
+        Hash translations are kept: a hash always stands for the same tokens. The
+        counts of copies are not (the lost batches changed them): they start again
+        from zero, so the next removal of a block held before publishes its removal,
+        and a block stored again is not held up by copies already gone.
         """
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         self._epoch += 1
         self._seq = 0
         self._expected = seq
+        self._held = dict.fromkeys(self._held, _NO_COPIES)
+        self._chunks = {}
 
     def restart(self, *, epoch: int | None = None) -> None:
         """Forget everything (vLLM restarted): expect batch 0 next, in `epoch` (default: the next)."""
@@ -268,10 +350,22 @@ class VllmEventDecoder:
         self._expected = 0
         # New containers, not cleared ones: `translate` keeps the old to undo a restart whose batch is refused.
         self._keys, self._held, self._held_at, self._retired = {}, {}, {}, OrderedDict()
+        self._parents, self._chunks = {}, {}
         self._applied = OrderedDict()
 
     # What a restart replaces: kept by `translate` to undo a restart whose batch is refused.
-    _RESTARTED = ("_epoch", "_seq", "_expected", "_keys", "_held", "_held_at", "_retired", "_applied")
+    _RESTARTED = (
+        "_epoch",
+        "_seq",
+        "_expected",
+        "_keys",
+        "_held",
+        "_held_at",
+        "_retired",
+        "_parents",
+        "_chunks",
+        "_applied",
+    )
 
     def _state(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self._RESTARTED)
@@ -287,8 +381,13 @@ class VllmEventDecoder:
         assert list(self._held) == sorted(self._held, key=self._held_at.__getitem__), "held out of order"
         assert list(self._retired.values()) == sorted(self._retired.values()), "retired out of order"
         assert not set(self._held) & set(self._retired), "a hash is both held and retired"
-        assert all(0 < mask < 1 << len(Tier) for mask in self._held.values()), "a held hash has no tier"
+        assert all(len(counts) == len(Tier) and min(counts) >= 0 for counts in self._held.values()), (
+            "a held hash's copies are not counted per tier"
+        )
         assert len(self._retired) <= self.max_retired_hashes, f"{len(self._retired)} retired hashes"
+        assert set(self._parents) <= set(self._keys), "a parent link of a hash no longer mapped"
+        for (block_hash, tier), (chunk, copies) in self._chunks.items():
+            assert copies > 0 and chunk[-1] == block_hash and 0 <= tier < len(Tier), f"chunk {block_hash}: {chunk}"
 
     # ------------------------------------------------------------------ internals
 
@@ -296,6 +395,8 @@ class VllmEventDecoder:
         if isinstance(event, VllmAllBlocksCleared):
             for block_hash in list(self._held):
                 self._set(block_hash, self._keys[block_hash], None)
+            for chunk in list(self._chunks):
+                self._write(self._chunks, chunk, _MISSING)
             return (AllBlocksCleared, (), Tier.VRAM)
         if event.group_idx not in (None, self.kv_group):
             return None
@@ -304,44 +405,110 @@ class VllmEventDecoder:
             raise VllmEventError(
                 f"{self.source}: unknown medium {event.medium!r}, known {sorted(map(str, self.tiers))}"
             )
-        bit = 1 << tier
         if isinstance(event, VllmBlockRemoved):
             removed: list[BlockKey] = []
-            for block_hash in event.block_hashes:
-                key = self._keys.get(block_hash)
-                if key is None:
-                    self._unknown(f"{self.source}: BlockRemoved names hash {block_hash!r}, never stored (or retired)")
+            for raw in event.block_hashes:
+                block_hash = index_hash(raw)
+                if block_hash not in self._keys:
+                    self._unknown(f"{self.source}: BlockRemoved names hash {raw!r}, never stored (or retired)")
                     continue
-                mask = self._held.get(block_hash, 0) & ~bit
-                self._set(block_hash, key, mask or None)
-                removed.append(key)
+                for covered in self._uncopy_chunk(block_hash, tier):
+                    key = self._keys.get(covered)
+                    # The tier's last copy went (or none was counted: a copy stored before a loss).
+                    if key is not None and self._add_copies(covered, key, tier, -1) == 0:
+                        removed.append(key)
             return (BlockRemoved, tuple(removed), tier) if removed else None
-        stored = self._copied(event) if not event.token_ids else self._stored(event)
+        stored = self._copied(event, tier) if not event.token_ids else self._stored(event)
         if stored is None:
             return None
+        # The GPU pool re-announces reused blocks (report mode "full") from the sequence's first block, no parent
+        # (`BlockPool.emit_cached_block_events`); the offloading connector's chunks are copies, parent or not.
+        reannounces = (
+            self.report_mode == "full"
+            and event.parent_block_hash is None
+            and bool(event.token_ids)
+            and tier == self.tiers.get("GPU")
+        )
         for block_hash, key in stored:
-            self._set(block_hash, key, self._held.get(block_hash, 0) | bit)
-        keys = tuple(key for _, key in stored)
+            if not (reannounces and self._held.get(block_hash, _NO_COPIES)[tier]):
+                self._add_copies(block_hash, key, tier, 1)
+        keys = tuple(dict.fromkeys(key for _, key in stored))  # chunks sharing blocks name them once
         return (BlockStored, keys, tier) if keys else None
 
-    def _copied(self, event: VllmBlockStored) -> list[tuple[ExternalHash, BlockKey]]:
-        """(hash, key) of each block that a BlockStored without token ids names: vLLM's offloading connector
-        announces the blocks it copies to CPU by hash alone (its block size, if any, the offloaded block's), each
-        a block the decoder met when the GPU stored it. A hash it does not know goes as in a BlockRemoved."""
-        known = []
-        for block_hash in event.block_hashes:
-            key = self._keys.get(block_hash)
-            if key is None:
-                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {block_hash!r}, never stored")
+    def _add_copies(self, block_hash: int, key: BlockKey, tier: Tier, delta: int) -> int:
+        """Count `delta` copies more of block `key` (`block_hash`) in `tier` (never below zero: a removal of a copy
+        never counted, after a loss, leaves none); the copies it has there now. A hash with none anywhere is
+        retired."""
+        counts = list(self._held.get(block_hash, _NO_COPIES))
+        counts[tier] = max(0, counts[tier] + delta)
+        self._set(block_hash, key, tuple(counts) if any(counts) else None)
+        return counts[tier]
+
+    def _uncopy_chunk(self, block_hash: int, tier: Tier) -> tuple[int, ...]:
+        """The hashes a removal of `block_hash` from `tier` takes a copy of: the chunk it named when stored there
+        without tokens (one copy of that chunk fewer), else itself."""
+        recorded = self._chunks.get((block_hash, tier))
+        if recorded is None:
+            return (block_hash,)
+        chunk, copies = recorded
+        self._write(self._chunks, (block_hash, tier), (chunk, copies - 1) if copies > 1 else _MISSING)
+        return chunk
+
+    def _copied(self, event: VllmBlockStored, tier: Tier) -> list[tuple[int, BlockKey]]:
+        """(hash, key) of each block that a BlockStored without token ids stands for, parents first. vLLM's
+        offloading connector announces the chunks it copies to CPU by the hash of each chunk's last GPU block
+        alone (`RequestOffloadState.update_offload_keys`, `OffloadingEventsTracker._placeholder_stored`), each a
+        block the decoder met when the GPU stored it; the chunk's other blocks are that block's parents. A hash
+        it does not know goes as in a BlockRemoved."""
+        per_chunk = self._blocks_in_chunk(event)
+        known: list[tuple[int, BlockKey]] = []
+        for raw in event.block_hashes:
+            block_hash = index_hash(raw)
+            if block_hash not in self._keys:
+                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {raw!r}, never stored")
                 continue
-            known.append((block_hash, key))
+            chunk = [block_hash]
+            while len(chunk) < per_chunk and (parent := self._parents.get(chunk[-1])) is not None:
+                if parent not in self._keys:  # retired and pushed out since its child was stored
+                    self._unknown(
+                        f"{self.source}: BlockStored (no token ids) names hash {raw!r}, whose chunk's"
+                        f" block {parent:#x} was never stored (or retired)"
+                    )
+                    break
+                chunk.append(parent)
+            chunk.reverse()
+            if len(chunk) > 1:
+                copies = self._chunks.get((block_hash, tier), ((), 0))[1]
+                self._write(self._chunks, (block_hash, tier), (tuple(chunk), copies + 1))
+            known.extend((covered, self._keys[covered]) for covered in chunk)
         return known
 
-    def _stored(self, event: VllmBlockStored) -> list[tuple[ExternalHash, BlockKey]] | None:
-        """(hash, key) of each block a BlockStored with token ids names, its key re-derived from the tokens; None
-        where the event is skipped."""
+    def _blocks_in_chunk(self, event: VllmBlockStored) -> int:
+        """How many GPU blocks each hash of a token-less BlockStored stands for: its block size (some releases write
+        the chunk's tokens) over the hasher's, or `blocks_per_chunk` where it gives none (vLLM 0.32 writes 0)."""
+        if not event.block_size:
+            return self.blocks_per_chunk
+        per_chunk, rest = divmod(event.block_size, self.hasher.block_size_tokens)
+        if rest or not per_chunk:
+            raise VllmEventError(
+                f"{self.source}: BlockStored (no token ids) has block_size {event.block_size}, not a multiple of the"
+                f" hasher's {self.hasher.block_size_tokens}"
+            )
+        return per_chunk
+
+    def _stored(self, event: VllmBlockStored) -> list[tuple[int, BlockKey]] | None:
+        """(hash, key) of each block a BlockStored with token ids names, its key re-derived from the tokens (and
+        its parent recorded); None where the event is skipped."""
         keys = self._stored_keys(event)
-        return None if keys is None else list(zip(event.block_hashes, keys, strict=True))
+        if keys is None:
+            return None
+        hashes = [index_hash(raw) for raw in event.block_hashes]
+        parent = None if event.parent_block_hash is None else index_hash(event.parent_block_hash)
+        for block_hash in hashes:  # for the offloading connector's chunks, named by their last block
+            if parent is not None and self._parents.get(block_hash) != parent:
+                self._write(self._parents, block_hash, parent)
+            parent = block_hash
+        return list(zip(hashes, keys, strict=True))
 
     def _stored_keys(self, event: VllmBlockStored) -> tuple[BlockKey, ...] | None:
         hasher = self.hasher
@@ -349,11 +516,13 @@ class VllmEventDecoder:
             raise VllmEventError(
                 f"{self.source}: BlockStored has block_size {event.block_size}, the hasher {hasher.block_size_tokens}"
             )
-        num_blocks = hasher.num_blocks(len(event.token_ids))
-        if num_blocks != len(event.block_hashes):
+        # vLLM caches and publishes full blocks only (`BlockPool.cache_full_blocks`): a partial block's key would
+        # stand for tokens that no full block of the prompt has, and its children would chain off it.
+        expected = len(event.block_hashes) * event.block_size
+        if len(event.token_ids) != expected:
             raise VllmEventError(
-                f"{self.source}: BlockStored has {len(event.block_hashes)} hashes for {len(event.token_ids)} tokens"
-                f" ({num_blocks} blocks of {event.block_size})"
+                f"{self.source}: BlockStored has {len(event.token_ids)} token ids for {len(event.block_hashes)} hashes"
+                f" of {event.block_size}-token blocks: {expected} expected (full blocks only)"
             )
         adapter = event.lora_name if event.lora_name is not None else event.lora_id
         if event.extra_keys is not None and any(not _names_adapter(extra, event) for extra in event.extra_keys):
@@ -366,7 +535,7 @@ class VllmEventDecoder:
             return None
         parent = None
         if event.parent_block_hash is not None:
-            parent = self._keys.get(event.parent_block_hash)
+            parent = self._keys.get(index_hash(event.parent_block_hash))
             if parent is None:
                 self._unknown(
                     f"{self.source}: BlockStored's parent hash {event.parent_block_hash!r} was never stored (or retired)"
@@ -389,48 +558,45 @@ class VllmEventDecoder:
             raise UnknownBlockError(message)
         self.num_skipped += 1
 
-    def _set(self, block_hash: ExternalHash, key: BlockKey, mask: int | None) -> None:
-        """Map `block_hash` to `key`, held in `mask`'s tiers (None: retired), recording the undo."""
+    def _write(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        """`table[key] = value` (`_MISSING`: remove it), recording what was there for `_rollback`."""
         if self._undo is not None:
-            self._undo.append(
-                (
-                    block_hash,
-                    self._keys.get(block_hash),
-                    self._held.get(block_hash),
-                    self._held_at.get(block_hash),
-                    self._retired.get(block_hash),
-                )
-            )
-        self._keys[block_hash] = key
+            self._undo.append((table, key, table.get(key, _MISSING)))
+        if value is _MISSING:
+            table.pop(key, None)
+        else:
+            table[key] = value
+
+    def _set(self, block_hash: int, key: BlockKey, counts: tuple[int, ...] | None) -> None:
+        """Map `block_hash` to `key`, held with `counts` copies per tier (None: retired)."""
+        self._write(self._keys, block_hash, key)
         self._clock += 1
-        if mask is not None:
+        if counts is not None:
             if block_hash not in self._held:
-                self._held_at[block_hash] = self._clock
-            self._held[block_hash] = mask
-            self._retired.pop(block_hash, None)
+                self._write(self._held_at, block_hash, self._clock)
+            self._write(self._held, block_hash, counts)
+            if block_hash in self._retired:
+                self._write(self._retired, block_hash, _MISSING)
             return
-        self._held.pop(block_hash, None)
-        self._held_at.pop(block_hash, None)
-        self._retired.pop(block_hash, None)
-        self._retired[block_hash] = self._clock
+        leaving: tuple[dict[int, Any], ...] = (self._held, self._held_at, self._retired)
+        for table in leaving:  # retired again: it becomes the newest
+            if block_hash in table:
+                self._write(table, block_hash, _MISSING)
+        self._write(self._retired, block_hash, self._clock)
         while len(self._retired) > self.max_retired_hashes:
-            oldest, stamp = next(iter(self._retired.items()))
-            if self._undo is not None:
-                self._undo.append((oldest, self._keys[oldest], None, None, stamp))
-            del self._retired[oldest], self._keys[oldest]
+            oldest = next(iter(self._retired))
+            forgotten: tuple[dict[int, Any], ...] = (self._retired, self._keys, self._parents)
+            for table in forgotten:
+                if oldest in table:
+                    self._write(table, oldest, _MISSING)
 
     def _rollback(self) -> None:
-        """Undo the batch's `_set`s, each hash back in its place among the held and the retired (by its stamp:
+        """Undo the batch's writes, each hash back in its place among the held and the retired (by its stamp:
         the order decides which retired hash goes first and in which order a clear retires the held)."""
-        for block_hash, key, mask, held_at, retired_at in reversed(self._undo or []):
-            for table in (self._keys, self._held, self._held_at, self._retired):
-                table.pop(block_hash, None)
-            if key is not None:
-                self._keys[block_hash] = key
-            if mask is not None and held_at is not None:
-                self._held[block_hash], self._held_at[block_hash] = mask, held_at
-            if retired_at is not None:
-                self._retired[block_hash] = retired_at
+        for table, key, value in reversed(self._undo or []):
+            table.pop(key, None)
+            if value is not _MISSING:
+                table[key] = value
         self._held = {h: self._held[h] for h in sorted(self._held, key=self._held_at.__getitem__)}
         self._retired = OrderedDict(sorted(self._retired.items(), key=lambda item: item[1]))
 
@@ -475,29 +641,36 @@ class VllmEventEncoder:
             raise ConfigError(f"mediums must map tiers to vLLM medium strings, got {mediums!r}")
         self.mediums = {parse_tier(tier): medium for tier, medium in mediums.items()}
         self._blocks: dict[BlockKey, _Block] = {}
+        self._partial: set[BlockKey] = set()  # partial last blocks `register` met: left out of every event
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def register(self, tokens: Any) -> tuple[BlockKey, ...]:
-        """Remember every block of `tokens` (its tokens and parent) so that it can be encoded.
+        """Remember every full block of `tokens` (its tokens and parent) so that it can be encoded.
+
+        vLLM caches and publishes full blocks only, so a partial last block is not one of them: its key (of
+        `hasher.block_keys(tokens)`) is left out of the events (`to_vllm`), where a cache stores it anyway.
 
         Returns:
-            The blocks' keys, as `hasher.block_keys(tokens)`.
+            The full blocks' keys: `hasher.block_keys(tokens)` up to the last full block.
         """
         array = as_token_array(tokens)
         keys = self.hasher.block_keys(array)
         size = self.hasher.block_size_tokens
-        for i, key in enumerate(keys):
+        num_full = len(array) // size
+        for i, key in enumerate(keys[:num_full]):
             if key not in self._blocks:
                 chunk = array[i * size : (i + 1) * size].copy()
                 self._blocks[key] = _Block(keys[i - 1] if i else None, chunk, i)
-        return keys
+        self._partial.update(keys[num_full:])
+        return keys[:num_full]
 
     def forget(self, keys: Iterable[BlockKey]) -> None:
         """Drop what `register` recorded for `keys` (keys it did not record are ignored)."""
         for key in keys:
             self._blocks.pop(key, None)
+            self._partial.discard(key)
 
     def external_hash(self, key: BlockKey) -> ExternalHash:
         """`key` as a vLLM block hash: an int when it fits 64 bits, else big-endian bytes."""
@@ -505,7 +678,7 @@ class VllmEventEncoder:
         return int(key) if width == 8 else int(key).to_bytes(width, "big")
 
     def to_vllm(self, event: CacheEvent) -> tuple[VllmEvent, ...]:
-        """`event` as vLLM events: one per run of chained keys for a `BlockStored`.
+        """`event` as vLLM events: one per run of chained keys for a `BlockStored`, partial blocks left out.
 
         Raises:
             UnknownBlockError: a stored key that `register` did not record.
@@ -519,7 +692,7 @@ class VllmEventEncoder:
                 f"no vLLM medium for tier {event.tier.name}, known {sorted(t.name for t in self.mediums)}"
             )
         if isinstance(event, BlockRemoved):
-            hashes = tuple(self.external_hash(k) for k in event.keys)
+            hashes = tuple(self.external_hash(k) for k in event.keys if k not in self._partial)
             return (VllmBlockRemoved(block_hashes=hashes, medium=medium),) if hashes else ()
         return tuple(
             VllmBlockStored(
@@ -549,8 +722,8 @@ class VllmEventEncoder:
         return encode_batch(batch, event_layout=event_layout, batch_layout=batch_layout)
 
     def _runs(self, keys: Iterable[BlockKey]) -> list[list[BlockKey]]:
-        """`keys` as chains, parents before children: each run's keys follow one another."""
-        unique = list(dict.fromkeys(keys))
+        """`keys` (but partial blocks) as chains, parents before children: each run's keys follow one another."""
+        unique = [key for key in dict.fromkeys(keys) if key not in self._partial]
         for key in unique:
             if key not in self._blocks:
                 raise UnknownBlockError(f"block {key} was not registered: its tokens are unknown")

@@ -32,6 +32,7 @@ from mooncake.errors import (
     UnknownBlockError,
 )
 from mooncake.types import BlockKey, InstanceId, Tier
+from tests.cache.policies import ALL_POLICIES, POLICIES
 from tests.strategies import block_keys
 
 PAGE = 64
@@ -582,30 +583,26 @@ def metadata_cache(*, dram_pages: int, ssd_pages: int, policy: type, prefix_awar
 
 
 def put_one_by_one(cache: TieredCache, keys: list[BlockKey], length: int | None) -> None:
-    """What put_chain stands for: put each key with the previous one as parent and its index as position; in a
-    single tier, a new key's parent pinned while it is put, and the chain ended where only the parent could have
-    made room (storing on would have dropped the head and kept a tail no prompt matches)."""
+    """What put_chain stands for: put each key with the previous one as parent and its index as position, every
+    earlier block of the chain pinned while a new one is put (in whichever tier it is), and the chain ended at a
+    block for which no room could be made then (only the chain's own blocks could have made it: storing on would
+    have evicted the head and kept a tail no prompt matches); the first block's CapacityError goes to the caller."""
     parent = None
     for position, key in enumerate(keys):
-        guard = (
-            parent is not None
-            and len(cache.pools) == 1
-            and cache.location(key) is None
-            and cache.location(parent) is not None
-        )
-        if guard:
-            assert parent is not None
-            cache.pin(parent)
+        earlier = []
+        if position and cache.location(key) is None:
+            earlier = [k for k in keys[:position] if (where := cache.location(k)) is not None and where.ready]
+        for k in earlier:
+            cache.pin(k)
         try:
             cache.put(key, parent=parent, position=position, length=length)
         except CapacityError:
-            if guard:
+            if position:
                 break
             raise
         finally:
-            if guard:
-                assert parent is not None
-                cache.unpin(parent)
+            for k in earlier:
+                cache.unpin(k)
         parent = key
 
 
@@ -803,17 +800,60 @@ def test_invalid_keys_are_refused_before_anything_is_stored(tmp_path: Path, bad:
     assert bytes(cache.get(BlockKey(7))) == b"fine"  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("policy", [LruPolicy, LfuPolicy, SievePolicy, LengthAwarePolicy])
-def test_a_chain_longer_than_a_single_tier_keeps_its_head(policy: type) -> None:
-    """A prompt of 8 blocks into 4 unpinned pages (prefix-aware): its first 4 blocks stay cached and a repeat of
-    it matches them, where storing on evicted the head leaf first and kept blocks 4..7, which nothing matches. A
-    later chain still takes the room, leaf first, as before."""
-    cache = metadata_cache(dram_pages=4, ssd_pages=0, policy=policy, prefix_aware=True)
+@pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
+@pytest.mark.parametrize("ssd_pages", [0, 2])
+def test_a_chain_longer_than_the_first_tier_keeps_its_head(kind: str, prefix_aware: bool, ssd_pages: int) -> None:
+    """A prompt of 8 blocks into 4 unpinned first-tier pages, under every policy (those that rank blocks alone
+    too), with or without a tier below: its first 4 blocks stay cached and a repeat of it matches them, where
+    storing on evicted the head (leaf first, or oldest first under a plain policy, which kept blocks 4..7 and
+    matched none) and kept a tail that nothing matches. A later chain still takes the room."""
+    cache = metadata_cache(dram_pages=4, ssd_pages=ssd_pages, policy=POLICIES[kind], prefix_aware=prefix_aware)
     first = [BlockKey(k) for k in range(8)]
     cache.put_chain(first, length=10)
     assert cache.prefix_match(first) == 4 and [cache.location(k) is not None for k in first] == [True] * 4 + [False] * 4
     assert [(type(e).__name__, e.keys) for e in cache.take_events()] == [("BlockStored", (0, 1, 2, 3))]
     second = [BlockKey(k) for k in range(100, 103)]
     cache.put_chain(second, length=10)
-    assert cache.prefix_match(second) == 3 and cache.prefix_match(first) == 1
+    assert cache.prefix_match(second) == 3
+    cache.check_invariants()
+
+
+@settings(max_examples=150)
+@given(
+    st.sampled_from(sorted(POLICIES)),
+    st.booleans(),
+    st.integers(min_value=1, max_value=5),
+    st.sampled_from([0, 1, 3]),
+    st.lists(st.tuples(st.lists(st.integers(100, 115).map(BlockKey), max_size=6), st.booleans()), max_size=6),
+    st.lists(st.integers(0, 9).map(BlockKey) | st.integers(100, 115).map(BlockKey), unique=True, max_size=12),
+)
+def test_what_put_chain_stores_lies_in_the_chains_cached_prefix(
+    kind: str,
+    prefix_aware: bool,
+    dram_pages: int,
+    ssd_pages: int,
+    before: list[tuple[list[BlockKey], bool]],
+    chain: list[BlockKey],
+) -> None:
+    """Whatever the policy (prefix-aware or ranking blocks alone), the tiers and the blocks cached or pinned before:
+    every block `put_chain` stores lies in the chain's cached prefix (`prefix_match`), and of a chain of blocks not
+    cached before, what is cached afterwards is a prefix of it. (A plain LRU or SIEVE used to evict the chain's
+    head to make room for its tail, and kept blocks that no prompt can match.)"""
+    cache = metadata_cache(dram_pages=dram_pages, ssd_pages=ssd_pages, policy=POLICIES[kind], prefix_aware=prefix_aware)
+    for keys, pin_last in before:
+        if outcome(cache.put_chain, keys) == "ok" and pin_last and keys and keys[-1] in cache:
+            cache.pin(keys[-1])
+    was_cached = {key for key in chain if key in cache}
+    cache.take_events()
+    if outcome(cache.put_chain, chain) != "ok":  # the first block found every first-tier page pinned
+        assert not cache.take_events() and all(key in cache for key in was_cached)
+        return
+    matched = cache.prefix_match(chain)
+    events = cache.take_events()  # the first tier's stores are the chain's (a lower tier's, demotions)
+    stored = {
+        key for event in events if isinstance(event, BlockStored) and event.tier is Tier.DRAM for key in event.keys
+    }
+    assert stored <= set(chain[:matched])
+    if not was_cached:
+        assert [key in cache for key in chain] == [True] * matched + [False] * (len(chain) - matched)
     cache.check_invariants()

@@ -16,6 +16,10 @@ Each test here kills a mutant of `tiered`, `_placement`, `ssd` or `pool` that th
   header claiming more than a page is never adopted; a short SSD write fails the put and leaves
   nothing behind; buffer and length checks at their exact bounds; wide-item buffers are bytes.
 
+- Construction and the review's findings: tiers that do not all hold bytes are refused; a `put` of a key being
+  filled is refused (it stored nothing and answered a tier); `checksum` answers an SSD block's stored digest
+  and, where it must read bytes that fail, drops the block as `get` does and raises UnknownBlockError.
+
 A numpy integer key is a key in every tier (it broke the SSD tier's page headers). A block put again after
 it failed verification, while a reader still pins the damaged copy or reads it, is stored; the damaged
 copy's page is held until its last pin, and a pin never unprotects the new copy.
@@ -36,12 +40,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.cache.events import BlockStored
+from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex, Holder
-from mooncake.cache.pool import DramPagePool
+from mooncake.cache.pool import DramPagePool, MetadataPagePool
 from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import BlockPinnedError, ConfigError, IntegrityError, InvalidRequestError, UnknownBlockError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.cache.damage import flip_byte
 from tests.cache.test_tiered_faults import FailingPool
@@ -646,3 +650,102 @@ def test_a_buffer_of_wider_items_is_stored_as_its_bytes() -> None:
     cache = TieredCache([DramPagePool(PAGE, 1)], source=SOURCE)
     cache.put(BlockKey(1), items)
     assert bytes(cache.get(BlockKey(1))) == items.tobytes()  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- mixed tiers, puts while filling, checksums
+
+
+@pytest.mark.parametrize("byte_tier_first", [True, False])
+def test_tiers_that_do_not_all_hold_bytes_are_refused(tmp_path: Path, byte_tier_first: bool) -> None:
+    """A byte tier over a metadata-only one (or under it) is a ConfigError naming both kinds of tier: demoting into
+    the metadata tier dropped the block's bytes while it stayed cached and announced (`get` then refused it, `touch`
+    failed promoting it), and demoting out of one has no bytes to write."""
+    pools: list[Any] = [DramPagePool(PAGE, 2), MetadataPagePool(Tier.SSD, PAGE, 8)]
+    named = r"\['DRAM'\] hold bytes, \['SSD'\] are metadata-only"
+    if not byte_tier_first:
+        pools = [MetadataPagePool(Tier.DRAM, PAGE, 2), SsdPagePool(tmp_path / "ssd.pool", PAGE, 8)]
+        named = r"\['SSD'\] hold bytes, \['DRAM'\] are metadata-only"
+    with pytest.raises(ConfigError, match=named):
+        TieredCache(pools, source=SOURCE)
+    for pool in pools:
+        pool.close()
+
+
+def test_a_put_of_a_key_being_filled_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """`put` of a key whose reservation is open (a peer's push filling it) raises BlockPinnedError saying it is
+    being filled, where it used to store nothing and answer a tier, and the block was gone once the push failed
+    (`abort`); the reservation is untouched and commits; once aborted instead, a put stores the block."""
+    cache = make_cache(tmp_path)
+    for commits in (True, False):
+        key = BlockKey(11 if commits else 12)
+        view = cache.reserve(key, PAGE)
+        assert isinstance(view, memoryview)  # a DRAM page
+        with pytest.raises(BlockPinnedError, match=f"block {key} is being filled"):
+            cache.put(key, block(key))
+        location = cache.location(key)
+        assert location is not None and (location.length, location.ready) == (PAGE, False)
+        assert cache.stats.puts == (0 if commits else 1)
+        view[:] = bytes(PAGE)
+        if commits:
+            cache.commit(key)
+            assert bytes(cache.get(key)) == bytes(PAGE)  # type: ignore[arg-type]
+        else:
+            cache.abort(key)
+            assert cache.put(key, block(key)) is Tier.DRAM
+            assert bytes(cache.get(key)) == block(key)  # type: ignore[arg-type]
+        cache.check_invariants()
+    cache.close()
+
+
+def test_checksum_of_a_damaged_ssd_block_is_the_digest_it_was_stored_with(tmp_path: Path) -> None:
+    """An SSD first tier's block keeps the digest its page header holds: `checksum` answers it without reading the
+    damaged page back (it used to raise an IntegrityError its docstring did not name, and left the block cached);
+    the peer the block goes to verifies the bytes against it, and a `get` finds the damage: a miss, counted."""
+    cache = TieredCache([SsdPagePool(tmp_path / "ssd.pool", PAGE, 4)], source=SOURCE)
+    try:
+        data = bytes(range(PAGE))
+        cache.put(BlockKey(5), data)
+        damage(cache, BlockKey(5))
+        assert cache.checksum(BlockKey(5)) == xxhash.xxh3_64_intdigest(data)
+        assert cache.get(BlockKey(5)) is None
+        assert BlockKey(5) not in cache and cache.stats.corrupt_blocks == 1
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+class UnreadablePool(DramPagePool):
+    """A host pool whose reads raise OSError once `failing` is set (a bad sector, as good as corrupt)."""
+
+    failing = False
+
+    def read(self, page: int, length: int, *, key: BlockKey | None = None) -> Any:
+        if self.failing:
+            raise OSError("injected read failure")
+        return super().read(page, length, key=key)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_checksum_of_a_block_whose_bytes_cannot_be_read_is_a_miss(pinned: bool) -> None:
+    """A block whose digest must be computed and whose bytes cannot be read back goes the way `get` sends it: the
+    call raises UnknownBlockError (not the pool's IntegrityError), the block is dropped, counted in
+    `stats.corrupt_blocks` and announced removed; a pinned one is a miss at once and goes at its last unpin."""
+    pool = UnreadablePool(PAGE, 2)
+    cache = TieredCache([pool], source=SOURCE)
+    cache.put(BlockKey(3), block(3))
+    cache.take_events()
+    if pinned:
+        cache.pin(BlockKey(3))
+    pool.failing = True
+    with pytest.raises(UnknownBlockError, match="block 3 is not cached"):
+        cache.checksum(BlockKey(3))
+    assert BlockKey(3) not in cache and cache.prefix_match([BlockKey(3)]) == 0
+    with pytest.raises(UnknownBlockError):
+        cache.checksum(BlockKey(3))
+    if pinned:
+        assert cache.stats.corrupt_blocks == 0 and cache.take_events() == []  # its page held for the pin
+        cache.unpin(BlockKey(3))
+    assert cache.stats.corrupt_blocks == 1 and cache.location(BlockKey(3)) is None
+    assert [(type(e), e.keys) for e in cache.take_events()] == [(BlockRemoved, (3,))]  # type: ignore[union-attr]
+    assert pool.num_free == 2
+    cache.check_invariants()

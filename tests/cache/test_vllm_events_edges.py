@@ -2,7 +2,7 @@
 
 Layers: malformed fields a vLLM (or a broken producer) might send, each refused with a
 `VllmEventError` naming the field and nothing applied; a state machine of one decoder's
-holdings (tiers per hash, the bounded list of retired hashes, other KV groups, refused
+holdings (copies per hash and tier, the bounded list of retired hashes, other KV groups, refused
 batches) against a plain model; the redelivery window's bound; defaults, LoRA salts and
 the encoder's copies; and the defects this round found (a refused batch that reordered the held and retired
 hashes, restarted the decoder or kept its skips; LoRA blocks as vLLM publishes them refused).
@@ -111,9 +111,11 @@ def store_of(i: int, medium: str | None) -> dict[str, Any]:
 
 
 class DecoderHoldingsMachine(RuleBasedStateMachine):
-    """One strict decoder's holdings against a model: per block, the tiers holding it (in the order blocks were
-    first held) and the retired blocks, oldest first, at most `max_retired_hashes`. A store adds a tier; a
-    removal takes one away and retires a block left in none (again, for a retired one: it becomes the newest);
+    """One strict decoder's holdings against a model: per block, the copies each tier holds (in the order blocks
+    were first held) and the retired blocks, oldest first, at most `max_retired_hashes`. A store adds a copy in its
+    tier (vLLM announces each physical copy of a block); a removal takes one away (none below zero), is published
+    when the tier has none left, and retires a block left in no tier (again, for a retired one: it becomes the
+    newest);
     AllBlocksCleared retires every held block; a stored child needs its parent known (held or retired), a removal
     known hashes, else UnknownBlockError and nothing applied; events of another KV group change nothing but use
     their number; a batch with a refused event at its end leaves no trace. Each applied batch gives exactly the
@@ -123,7 +125,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         super().__init__()
         self.decoder: VllmEventDecoder | None = None
         self.bound = 0
-        self.held: dict[int, set[Tier]] = {}
+        self.held: dict[int, dict[Tier, int]] = {}  # block → copies per tier, a tier with none left out
         self.retired: list[int] = []
         self.expected, self.ours = 0, 0
 
@@ -170,9 +172,13 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         tier = DEFAULT_TIERS[medium.upper() if medium else medium]  # mediums are case-blind
         out = self._deliver([store_of(i, medium)], layout)
         assert [(type(e), e.keys, e.tier) for e in out] == [(BlockStored, (KEYS[i],), tier)]  # type: ignore[union-attr]
+        self._add_copy(i, tier)
+
+    def _add_copy(self, i: int, tier: Tier) -> None:
         if i in self.retired:
             self.retired.remove(i)
-        self.held.setdefault(i, set()).add(tier)
+        copies = self.held.setdefault(i, {})
+        copies[tier] = copies.get(tier, 0) + 1
 
     @precondition(lambda self: self.decoder is not None)
     @rule(root=st.integers(1, NUM_ROOTS), medium=st.sampled_from(MEDIUMS))
@@ -184,9 +190,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         out = self._deliver([event], "map")
         assert [(type(e), e.keys, e.tier) for e in out] == [(BlockStored, (KEYS[root], KEYS[child]), tier)]  # type: ignore[union-attr]
         for i in (root, child):
-            if i in self.retired:
-                self.retired.remove(i)
-            self.held.setdefault(i, set()).add(tier)
+            self._add_copy(i, tier)
 
     @precondition(lambda self: self.decoder is not None)
     @rule(
@@ -195,21 +199,26 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         layout=st.sampled_from(["array", "map"]),
     )
     def remove(self, blocks: list[int], medium: str | None, layout: WireLayout) -> None:
-        """Hashes are removed in order: one retired may push out one named after it, which is then unknown."""
+        """Hashes are removed in order: one retired may push out one named after it, which is then unknown. A block
+        the tier still has a copy of is not published."""
         tier = DEFAULT_TIERS[medium.upper() if medium else medium]  # mediums are case-blind
-        held, retired = {i: set(t) for i, t in self.held.items()}, list(self.retired)
+        held, retired = {i: dict(t) for i, t in self.held.items()}, list(self.retired)
+        gone = []
         for i in blocks:
             if not self._known(i):
                 self.held, self.retired = held, retired  # refused whole: every hash back in its place
                 self._refused([removed_wire([external(b) for b in blocks], medium)], layout, UnknownBlockError)
                 return
-            tiers = self.held.get(i, set()) - {tier}
-            if tiers:
-                self.held[i] = tiers
+            copies = self.held.get(i, {})
+            left = max(0, copies.pop(tier, 0) - 1)
+            if left:
+                copies[tier] = left
             else:
+                gone.append(i)
+            if not copies:
                 self._retire(i)
         out = self._deliver([removed_wire([external(i) for i in blocks], medium)], layout)
-        expected = [(BlockRemoved, tuple(KEYS[i] for i in blocks), tier)] if blocks else []
+        expected = [(BlockRemoved, tuple(KEYS[i] for i in gone), tier)] if gone else []
         assert [(type(e), e.keys, e.tier) for e in out] == expected  # type: ignore[union-attr]
 
     @precondition(lambda self: self.decoder is not None)
@@ -260,6 +269,8 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         assert (self.decoder.expected_seq, self.decoder.epoch) == (self.expected, 0)
         for i in BLOCKS:
             assert self.decoder.key_of(external(i)) == (KEYS[i] if self._known(i) else None), (i, self.retired)
+            for tier in Tier:
+                assert self.decoder.num_copies(external(i), tier) == self.held.get(i, {}).get(tier, 0), (i, tier)
 
 
 DecoderHoldingsMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

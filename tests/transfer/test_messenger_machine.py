@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import CapacityError, TransferError
+from mooncake.errors import BlockPinnedError, CapacityError, TransferError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Fetch, Messenger, Push, _owner, part_range, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
@@ -257,8 +257,11 @@ class MessengerMachine(RuleBasedStateMachine):
             except CapacityError:
                 assert node.has_no_room(), f"node {n} refused a put with room to spare"
                 break
-            if key not in reserved:  # a put of a block being filled changes nothing
-                added.append(key)
+            except BlockPinnedError:  # a put of a block being filled is refused and changes nothing
+                assert key in reserved, f"node {n} refused a put of block {key}, which is not being filled"
+                parent = BlockKey(key)
+                continue
+            added.append(key)
             parent = BlockKey(key)
         self.observe(n, added)
         assert not added or added[-1] in self.held[n], "the block put last is gone already"
