@@ -9,22 +9,35 @@ Usage (both sides run an engine with the same secret):
     batch = engine.submit([TransferRequest(op=TransferOp.WRITE, local_region=local.region_id,
         local_offset=0, peer=peer, remote_region=remote.region_id, remote_offset=0, length=1 << 20)])
     statuses = engine.wait(batch, timeout=5.0)            # or engine.transfer_sync([...], timeout=5.0)
+    engine.forget(batch)                                  # its record is kept until then
+    engine.disconnect(peer)                               # when done with the peer (or engine.close())
 
 The engine owns the registered regions (each also registered with the RDMA
 device, when there is one) and the batches. Everything about peers (the
 handshake, their segment descriptors and transports, control calls, the
 accept loop that serves them) is `peers.Peers`, which the engine composes and
-whose public calls it passes through. A request goes to the first of its
+whose public calls it passes through (`disconnect` drops one peer: its
+connections and threads). A request goes to the first of its
 peer's transports that reaches the remote region (`Peers.transport_for`), cut
 into slices of at most `slice_bytes` spread over the transport's streams; a
 request is done when all its slices are, and fails with the first slice
 error. The requests of a batch move concurrently: requests that overlap (a
 write and a read of the same bytes) have no order.
 
+Batches follow the upstream engine's explicit model: `submit` makes a record,
+`status` and `wait` read it, and `forget` (upstream's freeBatchID) drops it,
+once none of its requests is pending (one still moving is refused, so a thread
+waiting on it is never left without the record it waits on). Until then the
+record is kept: a caller that submits forgets too. `close` ends every pending
+request (FAILED) and wakes every waiter.
+
 Invariants:
 - A request is reported DONE only after every byte of it was delivered (and
   acknowledged by the peer, or received and verified).
 - Each request ends exactly once (DONE or FAILED); `wait` never blocks past its timeout.
+- A batch record exists from `submit` until `forget`, which only a batch with
+  no pending request may get (`transfer_sync`'s own batches are dropped when
+  they end). After `close` no request is pending and no `wait` blocks.
 - Every access is bounds-checked before a byte moves: the local range here,
   and the remote range against the peer's descriptor where it lists the region
   (it does once connected, or refreshed after the peer registered it), both
@@ -70,6 +83,7 @@ class _Batch:
     errors: list[TransferError | None]
     transports: list[str]
     open_requests: int
+    dropped_when_ended: bool = False  # no caller holds its id: its record goes once its last request ends
 
 
 class TransferEngine:
@@ -100,7 +114,10 @@ class TransferEngine:
         if rdma is None and "rdma" in config.transports:
             rdma = open_device()
         self._rdma = rdma if "rdma" in config.transports else None
-        self._rdma_keys: list[tuple[int, int, int]] = []  # (start address, end address, lkey) per region
+        # Per region id: (start address, end address, lkey). Keyed by region, never by address: two regions may
+        # start at the same address (a buffer and a view of its head, or one buffer registered twice), each with a
+        # memory region of its own, and unregistering one must leave the other's.
+        self._rdma_keys: dict[int, tuple[int, int, int]] = {}
         self._batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -128,9 +145,15 @@ class TransferEngine:
         return self._peers.listener
 
     def check_invariants(self) -> None:
-        """The listener's and the staging pool's invariants (what tests check after an attack)."""
+        """The listener's and the staging pool's invariants (what tests check after an attack), and the batches':
+        each counts as open exactly its requests with slices still moving, and one kept only until it ends is
+        still open."""
         self._peers.listener.check_invariants()
         self._peers.staging.check_invariants()
+        with self._lock:
+            for batch_id, batch in self._batches.items():
+                assert batch.open_requests == sum(1 for left in batch.remaining if left), batch_id
+                assert batch.open_requests or not batch.dropped_when_ended, batch_id
 
     @property
     def num_accepted_queue_pairs(self) -> int:
@@ -168,9 +191,10 @@ class TransferEngine:
         return descriptor, array
 
     def unregister_memory(self, region_id: int) -> None:
-        """Stop serving a region, over every transport (RDMA included: its memory region is
-        deregistered); requests already in flight against it may still complete. A region that is
-        not registered (any more) is left alone.
+        """Stop serving a region, over every transport (RDMA included: its own memory region is
+        deregistered, not another region's at the same address); requests already in flight against it
+        may still complete (a checksummed WRITE over TCP that is still being verified is refused). A region
+        that is not registered (any more) is left alone.
 
         Raises:
             ConfigError: `region_id` is not an integer >= 0.
@@ -178,13 +202,11 @@ class TransferEngine:
         region_id = require_int("region_id", region_id, minimum=0)
         with self._lock:
             region = self._regions.pop(region_id, None)
-            address = region.descriptor.rdma_address if region is not None else None
-            if address is not None:
-                self._rdma_keys = [entry for entry in self._rdma_keys if entry[0] != address]
+            keys = self._rdma_keys.pop(region_id, None)
         if region is None:
             return
-        if address is not None and self._rdma is not None:
-            self._rdma.deregister(address)
+        if keys is not None and self._rdma is not None:
+            self._rdma.deregister(keys[2])  # this region's memory region only (by its lkey)
         _release(region)
 
     def regions(self) -> tuple[RegionDescriptor, ...]:
@@ -202,7 +224,7 @@ class TransferEngine:
         with self._lock:
             if self._closed:  # closed since the caller's check: nothing would release the region
                 if self._rdma is not None and rdma_address is not None:
-                    self._rdma.deregister(rdma_address)
+                    self._rdma.deregister(lkey)
                 raise TransferError(f"transfer engine {self.address} is closed")
             descriptor = RegionDescriptor(
                 region_id=next(self._region_ids),
@@ -213,7 +235,7 @@ class TransferEngine:
             )
             self._regions[descriptor.region_id] = Region(descriptor, view, keepalive)
             if rdma_address is not None:
-                self._rdma_keys.append((rdma_address, rdma_address + view.nbytes, lkey))
+                self._rdma_keys[descriptor.region_id] = (rdma_address, rdma_address + view.nbytes, lkey)
         return descriptor
 
     # ------------------------------------------------------------------ peers
@@ -235,6 +257,18 @@ class TransferEngine:
         """
         self._check_open()
         return self._peers.connect(address, transport=transport)
+
+    def disconnect(self, peer: str) -> None:
+        """Drop `peer` (a key `connect` returned): its connections close and its transports' threads end. Requests
+        still moving to or from it fail with `PeerUnavailable` (their batches end; none hangs). A peer that went
+        away for good (scaled in, or restarted on another address) holds threads and sockets here until it is
+        disconnected; `connect` to it again to use it.
+
+        Raises:
+            ConfigError: `peer` is not a string.
+            TransferError: `peer` is not connected (never was, or was disconnected already).
+        """
+        self._peers.disconnect(peer)
 
     def peer_regions(self, peer: str) -> tuple[RegionDescriptor, ...]:
         """The regions `peer` had registered at the last handshake or refresh."""
@@ -354,7 +388,7 @@ class TransferEngine:
                     for status in self.status(batch)
                 )
             finally:
-                self.forget(batch)
+                self._drop_when_ended(batch)  # no caller knows its id: its slices may still be moving
         deadline = time.monotonic() + limit if limit is not None else None
         statuses = []
         for request, (transport, pieces) in zip(requests, plans, strict=True):
@@ -373,7 +407,7 @@ class TransferEngine:
         return tuple(statuses)
 
     def status(self, batch_id: int) -> tuple[RequestStatus, ...]:
-        """Where each request of the batch stands.
+        """Where each request of the batch stands (PENDING until it ended).
 
         Raises:
             TransferError: no such batch (never submitted, or forgotten).
@@ -388,6 +422,9 @@ class TransferEngine:
 
     def wait(self, batch_id: int, timeout: float | None) -> tuple[RequestStatus, ...]:
         """Block until every request of the batch has ended, then return their statuses.
+
+        The record stays: `forget` it once its outcome is read. `close` ends the requests still pending (FAILED,
+        `PeerUnavailable`), so a wait returns then too.
 
         Args:
             timeout: seconds (None or math.inf: until they end).
@@ -410,40 +447,81 @@ class TransferEngine:
                 )
             return tuple(_status(batch, i) for i in range(len(batch.requests)))
 
+    @property
+    def num_batches(self) -> int:
+        """Batch records held: submitted and not yet forgotten (`forget`), and `transfer_sync`'s own while they
+        move."""
+        with self._lock:
+            return len(self._batches)
+
     def _check_open(self) -> None:
         if self._closed:  # a region or connection made now would outlive close(): nothing would release it
             raise TransferError(f"transfer engine {self.address} is closed")
 
     def forget(self, batch_id: int) -> None:
-        """Drop a finished batch's record (none there: nothing to do).
+        """Drop the record of a batch whose requests have all ended (as upstream's freeBatchID); an id with no
+        record (never submitted, or forgotten already) is left alone.
+
+        Every submitted batch is kept until it is forgotten (or the engine is collected): call this once its
+        statuses are read (`wait`, `status`), so that a long-lived engine does not accumulate them.
 
         Raises:
+            TransferError: a request of the batch is still pending (its id and how many named): `wait` for it first,
+                or `close` the engine, which ends it. A batch still moving is never dropped, so that a thread waiting
+                on it is woken when it ends.
             ConfigError: `batch_id` is not an integer >= 0.
         """
         batch_id = require_int("batch_id", batch_id, minimum=0)
         with self._lock:
-            self._batches.pop(batch_id, None)
+            batch = self._batches.get(batch_id)
+            if batch is None:
+                return
+            if batch.open_requests:
+                raise TransferError(
+                    f"batch {batch_id} still has {batch.open_requests} of {len(batch.requests)} requests pending:"
+                    " wait for it (or close the engine) before forgetting it"
+                )
+            del self._batches[batch_id]
+
+    def _drop_when_ended(self, batch_id: int) -> None:
+        """Drop the record of a batch no caller will read: now if it has ended, else when its last request ends."""
+        with self._lock:
+            batch = self._batches.get(batch_id)
+            if batch is None:
+                return
+            if batch.open_requests:
+                batch.dropped_when_ended = True
+            else:
+                del self._batches[batch_id]
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Stop listening, close every connection and transport, unlink owned shared memory."""
+        """Stop listening, close every connection and transport, unlink owned shared memory.
+
+        Waits (up to `io_timeout_s`) for the threads serving peers' connections, so that no byte a peer sent lands
+        in a region after `close` returned; then fails every request still pending (`PeerUnavailable`) and wakes
+        every `wait`. Batch records stay until forgotten.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            # Let go of the regions first: a serving thread that has staged a WRITE finds its region gone and
+            # refuses it, and `Peers.close` waits for those threads, so nothing lands after this returns.
             regions = list(self._regions.values())
             self._regions.clear()
         self._peers.close()
         for region in regions:
             _release(region)
-        with self._finished:  # nothing moves any more: no batch may stay pending
+        with self._finished:  # nothing moves any more: no batch may stay pending, and every waiter wakes
             for batch in self._batches.values():
                 for index, remaining in enumerate(batch.remaining):
                     if remaining:
                         batch.remaining[index] = 0
                         batch.errors[index] = batch.errors[index] or PeerUnavailable("the engine closed")
                         batch.open_requests -= 1
+            self._batches = {key: batch for key, batch in self._batches.items() if not batch.dropped_when_ended}
             self._finished.notify_all()
         self._peers.close_queue_pairs()
         if self._rdma is not None:
@@ -459,7 +537,7 @@ class TransferEngine:
 
     def _local_key(self, view: memoryview) -> tuple[int, int]:
         address = buffer_address(view)
-        for start, end, lkey in self._rdma_keys:
+        for start, end, lkey in list(self._rdma_keys.values()):  # a copy: regions come and go meanwhile
             if start <= address and address + view.nbytes <= end:
                 return address, lkey
         raise TransferError("the local bytes are not in RDMA-registered memory")
@@ -505,6 +583,8 @@ class TransferEngine:
                 if batch.remaining[index] == 0:
                     batch.open_requests -= 1
                     if batch.open_requests == 0:
+                        if batch.dropped_when_ended:
+                            del self._batches[batch_id]
                         self._finished.notify_all()
 
         return done

@@ -27,7 +27,13 @@ Invariants:
   most `auth_timeout_s` (plus one pass of the gate) old.
 - At most `max_connections` authenticated connections are served at once.
 - No byte of a frame is read from a connection before it authenticated.
-- After `close`, nothing is accepted and every connection is closed.
+- The gate runs until `close`: an unexpected error ends only the connection
+  it arose on (counted in `num_gate_errors`), and it never waits longer than
+  select can (`_MAX_WAIT_S`).
+- After `close`, nothing is accepted and every connection is closed, and no
+  serving thread runs any more (`close` waits for them, at most `io_timeout_s`
+  in all: a thread that had received a WRITE when its connection was shut down
+  finishes with it before `close` returns, never after).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from mooncake.transfer.wire import (
 __all__ = ["Listener"]
 
 _ACCEPTS_PER_PASS = 256  # so that pending handshakes are served between bursts of connects
+_MAX_WAIT_S = 3600.0  # the gate wakes at least this often: a wait longer than select can take would kill it
 
 
 @attrs.define(eq=False)
@@ -107,10 +114,17 @@ class Listener:
         self._pending: dict[socket.socket, _Pending] = {}
         self._by_address: dict[str, dict[socket.socket, _Pending]] = {}
         self._served: set[socket.socket] = set()
-        self._lock = threading.Lock()  # guards _served and _closed
+        self._serving: set[threading.Thread] = set()  # the threads serving `_served`, joined by `close`
+        self._lock = threading.Lock()  # guards _served, _serving and _closed
         self._closed = False
+        self._gate_errors = 0
         self._gate = threading.Thread(target=self._run, name=f"{name}-gate", daemon=True)
         self._gate.start()
+
+    @property
+    def num_gate_errors(self) -> int:
+        """Connections the gate dropped on an unexpected error (a bug, or the system refusing a call): it went on."""
+        return self._gate_errors
 
     @property
     def num_pending(self) -> int:
@@ -124,7 +138,13 @@ class Listener:
             return len(self._served)
 
     def close(self) -> None:
-        """Stop accepting; close every pending and served connection; wait for the gate."""
+        """Stop accepting; close every pending and served connection; wait for the gate and the serving threads.
+
+        A serving thread may be past the last byte of a WRITE when its connection is shut down (hashing or copying
+        it): `close` waits for it (for every serving thread, `io_timeout_s` in all), so that no byte a peer sent
+        lands in a region after `close` returned. A thread that outlives the wait (a control call's handler that
+        does not return) is left to end on its own; its connection is closed.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -136,7 +156,14 @@ class Listener:
         for sock in served:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes its serving thread, which closes it
-            sock.close()
+        # The gate has stopped: no serving thread starts after this snapshot.
+        with self._lock:
+            serving = [thread for thread in self._serving if thread is not threading.current_thread()]
+        deadline = time.monotonic() + self._config.io_timeout_s
+        for thread in serving:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for sock in served:
+            sock.close()  # closed by its thread already, unless that thread outlived the wait
         self._wake_write.close()
 
     def check_invariants(self) -> None:
@@ -149,12 +176,14 @@ class Listener:
     # ------------------------------------------------------------------ the gate thread
 
     def _run(self) -> None:
+        # One connection's unexpected error (a bug, or a system call failing in a way not foreseen) ends that
+        # connection, counted in `num_gate_errors`, never the gate: a gate that died would accept no one again.
         try:
             while not self._closed:
-                timeout = None
+                timeout = _MAX_WAIT_S
                 if self._pending:
                     oldest = next(iter(self._pending.values()))
-                    timeout = max(0.0, oldest.deadline - time.monotonic())
+                    timeout = min(timeout, max(0.0, oldest.deadline - time.monotonic()))
                 ready = {key.fileobj for key, _events in self._selector.select(timeout)}
                 if self._wake_read in ready:
                     return
@@ -162,7 +191,10 @@ class Listener:
                 for sock in ready:
                     pending = self._pending.get(sock)  # type: ignore[call-overload]
                     if pending is not None:
-                        self._advance(pending)
+                        try:
+                            self._advance(pending)
+                        except Exception:
+                            self._fail(pending)
                 if self._sock in ready:
                     self._accept()
                 self._expire(time.monotonic())
@@ -181,20 +213,45 @@ class Listener:
                 return
             except OSError:
                 return  # e.g. out of descriptors: the connection waits in the backlog
-            if len(self._pending) >= self._config.max_unauthenticated_connections:
-                self._make_room(str(address[0]))
-            sock.setblocking(False)
-            nonce, hello = server_hello()
             try:
-                if sock.send(hello) != len(hello):
-                    raise BlockingIOError
-            except OSError:
-                sock.close()
-                continue
-            pending = _Pending(sock, str(address[0]), nonce, time.monotonic() + self._config.auth_timeout_s)
-            self._pending[sock] = pending
-            self._by_address.setdefault(pending.address, {})[sock] = pending
-            self._selector.register(sock, selectors.EVENT_READ)
+                self._admit(sock, str(address[0]))
+            except Exception:
+                pending = self._pending.get(sock)
+                if pending is not None:
+                    self._fail(pending)
+                else:
+                    self._gate_errors += 1
+                    sock.close()
+
+    def _admit(self, sock: socket.socket, address: str) -> None:
+        """Greet a new connection and make it pending (or close it if the greeting cannot go out at once)."""
+        if len(self._pending) >= self._config.max_unauthenticated_connections:
+            self._make_room(address)
+        sock.setblocking(False)
+        nonce, hello = server_hello()
+        try:
+            if sock.send(hello) != len(hello):
+                raise BlockingIOError
+        except OSError:
+            sock.close()
+            return
+        pending = _Pending(sock, address, nonce, time.monotonic() + self._config.auth_timeout_s)
+        self._pending[sock] = pending
+        self._by_address.setdefault(pending.address, {})[sock] = pending
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _fail(self, pending: _Pending) -> None:
+        """End a pending connection whose handling raised unexpectedly (counted), whatever state it was left in."""
+        self._gate_errors += 1
+        if self._pending.get(pending.sock) is pending:
+            with contextlib.suppress(Exception):
+                self._forget(pending)
+        with self._lock:
+            served = pending.sock in self._served
+        if served:
+            self._end(pending.sock)
+        else:
+            pending.sock.close()
 
     def _make_room(self, arriving: str) -> None:
         """Drop the oldest pending connection of the address that holds the most, counting the connection
@@ -244,9 +301,12 @@ class Listener:
         except OSError:
             self._end(sock)
             return
-        threading.Thread(
+        thread = threading.Thread(
             target=self._serve_then_close, args=(sock, agreement), name=f"{self._name}-serve", daemon=True
-        ).start()
+        )
+        with self._lock:
+            self._serving.add(thread)
+        thread.start()
 
     def _expire(self, now: float) -> None:
         while self._pending:
@@ -280,8 +340,10 @@ class Listener:
             pass  # the connection ends; the engine keeps serving others
         finally:
             self._end(sock)
+            with self._lock:
+                self._serving.discard(threading.current_thread())
 
     def _end(self, sock: socket.socket) -> None:
+        sock.close()  # first: a connection no longer counted in `num_served` is closed (its client can tell)
         with self._lock:
             self._served.discard(sock)
-        sock.close()

@@ -9,6 +9,9 @@ transports that reach the peer, by preference: `shm` when it runs on this host,
 "rdma_connect" control call), `tcp` always. A peer is known by the address
 dialled. `transport_for` picks, per remote region, the first of a peer's
 transports that reaches it (shm only shared regions, rdma only registered ones).
+A peer is kept until `disconnect` (or `close`): its transports hold threads and
+connections, so a peer that went away for good (scaled in, or restarted on
+another address) should be disconnected.
 
 The other side is the `listener`: it authenticates incoming connections under
 a budget and deadline of their own, then serves each authenticated one on a
@@ -32,11 +35,13 @@ Invariants:
   that sent its stored descriptor, or is refused.
 - A control call is sent again only when it provably did not reach the peer.
 - After `close` no connection is accepted or served, and every peer's
-  transports and control connection are closed.
+  transports and control connection are closed; after `disconnect(peer)`,
+  that peer's are, and it is unknown until connected again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -143,6 +148,7 @@ class _Peer:
     transports: dict[str, Transport]
     control: socket.socket | None = None
     control_lock: threading.Lock = attrs.field(factory=threading.Lock)
+    closed: bool = False  # disconnected (or the engine closed): no control connection is opened to it again
 
 
 class Peers:
@@ -219,7 +225,9 @@ class Peers:
         transports: dict[str, Transport] = {}
         try:
             try:
-                descriptor = PeerDescriptor.from_json(tcp.call(control, "describe", None))
+                descriptor = PeerDescriptor.from_json(
+                    tcp.call(control, "describe", None, timeout_s=self.config.io_timeout_s)
+                )
                 frame = descriptor.max_frame_bytes
                 if frame is not None and frame < self.config.slice_bytes:
                     raise ConfigError(
@@ -247,6 +255,21 @@ class Peers:
             _close_peer(old)
         return key
 
+    def disconnect(self, peer: str) -> None:
+        """Forget `peer`: close its transports (their threads end; slices in flight or queued to it fail with
+        `PeerUnavailable`) and its control connection. `connect` to it again to use it.
+
+        Raises:
+            ConfigError: `peer` is not a string.
+            TransferError: `peer` is not a connected peer (never connected, or disconnected already).
+        """
+        require_str("peer", peer, what='peer key (the "host:port" connect returned)')
+        with self._lock:
+            state = self._peers.pop(peer, None)
+        if state is None:
+            raise TransferError(f"unknown peer {peer!r}: not connected (or disconnected already)")
+        _close_peer(state)
+
     def descriptor(self, peer: str) -> PeerDescriptor:
         """`peer`'s descriptor as of the last handshake or refresh."""
         return self._peer(peer).descriptor
@@ -260,6 +283,9 @@ class Peers:
         state = self._peer(peer)
         descriptor = PeerDescriptor.from_json(self.call(peer, "describe", None))
         state.descriptor = descriptor
+        shm = state.transports.get("shm")
+        if isinstance(shm, ShmTransport):  # segments the peer no longer lists were unregistered: unmap them
+            shm.retain({region.shm_name for region in descriptor.regions if region.shm_name is not None})
         return descriptor
 
     def transport_names(self, peer: str) -> tuple[str, ...]:
@@ -292,11 +318,13 @@ class Peers:
         with state.control_lock:
             for attempt in range(2):
                 if state.control is None:
+                    if state.closed:  # disconnected since `_peer`: a connection opened now would be kept by no one
+                        raise PeerUnavailable(f"{peer} was disconnected")
                     state.control = tcp.connect(
                         state.host, state.port, secret=self.secret, config=self.config, incarnation=state.incarnation
                     )
                 try:
-                    return tcp.call(state.control, method, args)
+                    return tcp.call(state.control, method, args, timeout_s=self.config.io_timeout_s)
                 except tcp.CallNotSent as error:
                     # Nothing reached the peer (a stale connection): safe to retry once, fresh.
                     state.control.close()
@@ -444,7 +472,9 @@ class Peers:
                     )
                 elif name == "rdma" and self._rdma is not None and descriptor.rdma:
                     queue_pair = self._rdma.create_queue_pair()
-                    remote = tcp.call(control, "rdma_connect", queue_pair.endpoint())
+                    remote = tcp.call(
+                        control, "rdma_connect", queue_pair.endpoint(), timeout_s=self.config.io_timeout_s
+                    )
                     # The peer's endpoint as it sent it: connect reads the fields it needs.
                     queue_pair.connect(cast(dict[str, Any], remote))
                     transports["rdma"] = RdmaTransport(
@@ -484,7 +514,13 @@ def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:
 
 
 def _close_peer(peer: _Peer) -> None:
+    """Close `peer`'s transports and control connection. A call in flight on the control connection (it holds the
+    control lock, so it is not taken here) fails at once: the connection is shut down under it."""
+    peer.closed = True
     for transport in peer.transports.values():
         transport.close()
-    if peer.control is not None:
-        peer.control.close()
+    control = peer.control
+    if control is not None:
+        with contextlib.suppress(OSError):
+            control.shutdown(socket.SHUT_RDWR)
+        control.close()

@@ -1,7 +1,8 @@
 """The RDMA transport: reliable-connection queue pairs, one-sided RDMA WRITE and READ.
 
 Each engine with an RDMA device registers every region with it (a memory region
-per registered buffer: address, lkey, rkey) and advertises address and rkey in
+per registered region: address, lkey, rkey; deregistered by its lkey, so two
+regions at one address never share one) and advertises address and rkey in
 its region descriptors. When two such engines connect, the initiator creates a
 reliable-connection (RC) queue pair, sends its endpoint (QP number, LID, GID,
 PSN) in an "rdma_connect" control call, and gets the peer's back; both move their
@@ -72,10 +73,12 @@ class Verbs(Protocol):
     """An RDMA device, opened."""
 
     def register(self, view: memoryview) -> tuple[int, int, int]:
-        """Register memory for local and remote access; returns (address, lkey, rkey)."""
+        """Register memory for local and remote access; returns (address, lkey, rkey). Each call makes a memory
+        region of its own, with keys of its own, even for memory registered already."""
 
-    def deregister(self, address: int) -> None:
-        """Revoke the registration made at `address`: its rkey stops working."""
+    def deregister(self, lkey: int) -> None:
+        """Revoke the registration whose local key is `lkey`: its rkey stops working; another registration of the
+        same memory (or of memory at the same address) keeps working."""
 
     def create_queue_pair(self) -> QueuePair: ...
 
@@ -119,7 +122,7 @@ class PyverbsDevice:
         self.pd = PD(self.context)
         self.port = port
         self.gid_index = gid_index
-        self._regions: dict[int, tuple[Any, memoryview]] = {}
+        self._regions: dict[int, tuple[Any, memoryview]] = {}  # by lkey: unique per memory region, unlike addresses
 
     def register(self, view: memoryview) -> tuple[int, int, int]:
         from pyverbs.mr import MR
@@ -128,11 +131,11 @@ class PyverbsDevice:
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         address = buffer_address(view)
         region = MR(self.pd, view.nbytes, access, address=address)
-        self._regions[address] = (region, view)  # the view keeps the memory alive while registered
+        self._regions[region.lkey] = (region, view)  # the view keeps the memory alive while registered
         return address, region.lkey, region.rkey
 
-    def deregister(self, address: int) -> None:
-        entry = self._regions.pop(address, None)
+    def deregister(self, lkey: int) -> None:
+        entry = self._regions.pop(lkey, None)
         if entry is not None:
             entry[0].close()
 

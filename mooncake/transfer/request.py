@@ -121,8 +121,14 @@ def _default_streams() -> int:
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
-def _positive_number(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=0, strict=True)
+MAX_TIMEOUT_S = 1e6  # about 11.6 days: poll() takes at most 2**31 - 1 ms (24.8 days); past it, OverflowError
+
+
+def _timeout_s(_instance: object, attribute: Any, value: Any) -> None:
+    """A positive, finite number of seconds that every wait the engine makes with it can take (poll, select and
+    socket timeouts overflow far below what a float holds)."""
+    if require_number(attribute.name, value, minimum=0, strict=True) > MAX_TIMEOUT_S:
+        raise ConfigError(f"{attribute.name} must be at most {MAX_TIMEOUT_S:g} s, got {value!r}")
 
 
 def _port(_instance: object, attribute: Any, value: Any) -> None:
@@ -178,6 +184,9 @@ class EngineConfig:
         spin_us: how long a connection polls for an answer (or the next request)
             before it blocks; CPU spent for latency. 0 blocks at once.
         transports: allowed transports in order of preference.
+
+    Every timeout (`io_timeout_s`, `idle_timeout_s`, `auth_timeout_s`, `connect_timeout_s`) is a positive number
+    of seconds of at most `MAX_TIMEOUT_S` (1e6): the system's waits cannot take longer ones.
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host)
@@ -185,13 +194,13 @@ class EngineConfig:
     streams_per_peer: int = attrs.field(factory=lambda: _default_streams(), validator=int_at_least(1))
     slice_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(1))
     max_frame_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
-    io_timeout_s: float = attrs.field(default=10.0, validator=_positive_number)
-    idle_timeout_s: float = attrs.field(default=600.0, validator=_positive_number)
+    io_timeout_s: float = attrs.field(default=10.0, validator=_timeout_s)
+    idle_timeout_s: float = attrs.field(default=600.0, validator=_timeout_s)
     max_connections: int = attrs.field(default=1024, validator=int_at_least(1))
     max_unauthenticated_connections: int = attrs.field(default=64, validator=int_at_least(1))
-    auth_timeout_s: float = attrs.field(default=3.0, validator=_positive_number)
+    auth_timeout_s: float = attrs.field(default=3.0, validator=_timeout_s)
     max_staging_bytes: int = attrs.field(default=256 << 20, validator=int_at_least(1))
-    connect_timeout_s: float = attrs.field(default=2.0, validator=_positive_number)
+    connect_timeout_s: float = attrs.field(default=2.0, validator=_timeout_s)
     max_retries: int = attrs.field(default=2, validator=int_at_least(0))
     checksums: bool = attrs.field(default=False, validator=_flag)
     spin_us: int = attrs.field(default=200, validator=int_at_least(0))

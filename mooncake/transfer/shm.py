@@ -11,13 +11,27 @@ one). A region the peer unregistered (its segment unlinked) fails the slice with
 where it was mapped before: a mapping outlives the name, and copying into it
 would deliver to no one either. (A slice already
 running when the peer unregisters may still complete, as over every transport.)
+
+Mappings are let go once their segment is: each one holds two descriptors and
+the segment's memory (an unlinked segment is freed only when its last mapping
+goes). `retain` drops the mappings of segments the peer no longer lists (the
+engine calls it whenever it installs a fresh descriptor), and mapping a new
+segment first drops those whose names are gone from /dev/shm, so the mappings
+held are about the segments the peer still shares, not every one it ever did.
+
+Invariants:
+- Each mapped segment has one array over it and one handle (`check_invariants`);
+  after `retain(listed)`, every mapped segment is in `listed` until a copy maps
+  another.
+- A copy holds its own view of the mapping: dropping one never unmaps memory
+  a copy is using (`region.shared_array`).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -70,6 +84,23 @@ class ShmTransport:
             self._arrays.clear()
             self._segments.clear()
 
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert set(self._arrays) == set(self._segments), (sorted(self._arrays), sorted(self._segments))
+
+    @property
+    def mapped(self) -> tuple[str, ...]:
+        """The names of the segments mapped now."""
+        with self._lock:
+            return tuple(self._segments)
+
+    def retain(self, listed: Collection[str]) -> None:
+        """Let go of the mappings of every segment not in `listed` (the shm names of the peer's current
+        descriptor): the peer unregistered those regions, and a later copy to them fails anyway."""
+        with self._lock:
+            for name in [name for name in self._segments if name not in listed]:
+                self._forget(name)
+
     def _work(self, workers: Workers) -> None:
         while (piece := workers.take()) is not None:
             piece.on_done(attempt(self._copy, piece, action="shm copy"))
@@ -100,11 +131,14 @@ class ShmTransport:
             if not _unlinked(name):
                 return array
             with self._lock:  # let the mapping go (once no copy holds a view of it)
-                self._arrays.pop(name, None)
-                self._segments.pop(name, None)
+                self._forget(name)
         with self._lock:
             array = self._arrays.get(name)
             if array is None:
+                # A new mapping: first let go of those whose segments the peer has unlinked since (one stat each),
+                # so that a peer that keeps allocating and unregistering regions does not pile them up here.
+                for other in [other for other in self._segments if _unlinked(other)]:
+                    self._forget(other)
                 try:
                     segment = self._segments[name] = attach_shared(name)
                 except FileNotFoundError as error:
@@ -113,6 +147,11 @@ class ShmTransport:
                     raise TransferError(f"the peer's region {region_id} is no longer shared (unregistered)") from error
                 array = self._arrays[name] = shared_array(segment, segment.size)
             return array
+
+    def _forget(self, name: str) -> None:
+        """Drop the mapping of `name` (the caller holds the lock); it is unmapped once no copy holds a view of it."""
+        self._arrays.pop(name, None)
+        self._segments.pop(name, None)
 
 
 # Where Linux keeps POSIX shared memory by name (elsewhere an unlinked segment mapped before is still copied into).

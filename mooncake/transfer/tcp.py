@@ -9,7 +9,9 @@ only when the peer has acknowledged it (WRITE) or every byte has arrived and,
 with checksums on, verified (READ). The answer's header, and a READ's payload,
 are each due within `io_timeout_s` (a peer sending a byte at a time cannot hold
 a slice). A connection that drops or times out is replaced and the slice
-retried, `max_retries` times; a peer that cannot be reached fails the slice
+retried, `max_retries` times (a kept connection is checked before each slice: one the peer
+closed while it idled, at its `idle_timeout_s`, is replaced without spending a
+retry); a peer that cannot be reached fails the slice
 with `PeerUnavailable`, and so does one restarted at its address: every
 connection checks the incarnation id the server tells in its handshake
 against the one the peer had when the engine connected to it (a new engine's
@@ -32,7 +34,9 @@ header must be complete within `io_timeout_s` of its first byte and its
 payload within `io_timeout_s` of the header, so a peer cannot hold a thread
 with half a frame. A WRITE that carries a checksum is received into staging
 memory, verified there, and only then copied into the region: a payload that
-fails its checksum leaves the region as it was. Small payloads (up to 64 KiB)
+fails its checksum leaves the region as it was, and so does one whose region
+was unregistered, or whose engine began closing, while it arrived (the
+listener's `close` waits for a copy already under way). Small payloads (up to 64 KiB)
 are staged in a buffer of the connection's own (beside its socket buffers of
 megabytes, and free of the pool's lock), larger ones in the engine's
 `staging.StagingPool`. A
@@ -42,6 +46,7 @@ dropped connection may leave part of it there, which the retry overwrites).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
@@ -187,10 +192,13 @@ def _tune(sock: socket.socket, config: EngineConfig) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
 
 
-def call(sock: socket.socket, method: str, args: object) -> Json:
+def call(sock: socket.socket, method: str, args: object, *, timeout_s: float | None = None) -> Json:
     """One control call on an authenticated connection: JSON in, JSON out.
 
-    `args` is any value `json.dumps` encodes; the result is the decoded reply.
+    `args` is any value `json.dumps` encodes; the result is the decoded reply. The reply's header, then its body,
+    are each due within `timeout_s` (by default the socket's timeout when the call began; an engine passes its
+    `io_timeout_s`), and the socket keeps that timeout afterwards: every call on a connection gets the whole
+    budget, however long the previous one took.
 
     Raises:
         CallNotSent: the connection failed while sending, or the peer had closed it (the peer did not get the
@@ -210,18 +218,25 @@ def call(sock: socket.socket, method: str, args: object) -> Json:
     if _has_unasked_input(sock):
         # The peer closed this connection (it went away, or restarted) while it was idle: nothing is sent on it.
         raise CallNotSent("the peer closed the connection (or sent what no call asked for) while it was idle")
+    # Taken once, and put back at the end: `recv_exact` leaves the socket at what was left of its deadline, and a
+    # budget read back from the socket would shrink with every call (a call the peer ran, reported failed).
+    timeout = sock.gettimeout() if timeout_s is None else timeout_s
     try:
-        send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
-    except OSError as error:
-        raise CallNotSent(str(error)) from error
-    # A reply is a control payload: bounded as one, and its kind checked before its body is read. The header, then
-    # the body, are each due within the socket's timeout (a peer answering a byte at a time cannot hold the call).
-    timeout = sock.gettimeout()
-    reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES, deadline=_within(timeout))
-    if reply.kind not in (Kind.REPLY, Kind.ERROR) or reply.tag != 0:
-        raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name} (tag {reply.tag})")
-    body = bytearray(reply.length)
-    recv_exact(sock, memoryview(body), deadline=_within(timeout))
+        sock.settimeout(timeout)
+        try:
+            send_frame(sock, Frame(Kind.CALL, length=len(payload)), payload)
+        except OSError as error:
+            raise CallNotSent(str(error)) from error
+        # A reply is a control payload: bounded as one, and its kind checked before its body is read. The header,
+        # then the body, are each due within the timeout (a peer answering a byte at a time cannot hold the call).
+        reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES, deadline=_within(timeout))
+        if reply.kind not in (Kind.REPLY, Kind.ERROR) or reply.tag != 0:
+            raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name} (tag {reply.tag})")
+        body = bytearray(reply.length)
+        recv_exact(sock, memoryview(body), deadline=_within(timeout))
+    finally:
+        with contextlib.suppress(OSError):  # closed meanwhile: nothing to put back
+            sock.settimeout(timeout)
     if reply.kind == Kind.ERROR:
         raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
     try:
@@ -383,6 +398,11 @@ class TcpTransport:
                 last = self._workers.closed_error()
                 break
             try:
+                if sock is not None and _has_unasked_input(sock):
+                    # A reused connection the peer closed while it idled (its idle_timeout_s), or on which it sent
+                    # what no slice asked for: nothing was sent on it yet, so a fresh one costs no attempt.
+                    self._drop(sock)
+                    sock = None
                 if sock is None:
                     sock = self._connect(deadline)
                 timeout = self._config.io_timeout_s
@@ -472,7 +492,7 @@ class ServerContext(Protocol):
     staging: StagingPool
 
     def region(self, region_id: int) -> Region | None:
-        """The registered region, or None."""
+        """The registered region, or None (none once the engine has begun to close)."""
 
     def handle_call(self, method: str, args: Any) -> Json:
         """Run a control call (raise TransferError to refuse it)."""
@@ -580,11 +600,12 @@ def _serve_write(
         _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
         return
     # Stage, verify, then copy: the region never holds bytes that failed their checksum.
+    gone = ""
     if frame.length <= scratch.nbytes:
         staged = scratch[: frame.length]
         recv_exact(sock, staged, deadline=deadline)
         verified = xxhash.xxh3_64_intdigest(staged) == frame.checksum
-        if verified:
+        if verified and not (gone := _gone(context, frame)):
             target[:] = staged
     else:
         # Half the io timeout for memory, so that the payload can still be drained in step (by a deadline of its
@@ -598,14 +619,30 @@ def _serve_write(
         try:
             recv_exact(sock, buffer.data[: frame.length], deadline=deadline)
             verified = xxhash.xxh3_64_intdigest(buffer.data[: frame.length]) == frame.checksum
-            if verified:
+            if verified and not (gone := _gone(context, frame)):
                 np.copyto(np.frombuffer(target, dtype=np.uint8), buffer[: frame.length])  # GIL released
         finally:
             context.staging.free(buffer)
     if not verified:
         _refuse(sock, context, frame, "WRITE payload failed its end-to-end checksum; the region is unchanged")
         return
+    if gone:
+        _refuse(sock, context, frame, gone)
+        return
     _reply(sock, context, Frame(Kind.OK, tag=frame.tag))
+
+
+def _gone(context: ServerContext, frame: Frame) -> str:
+    """Why a staged WRITE may no longer be copied into its region ("" if it may): receiving and hashing it took
+    time, in which the owner may have unregistered the region or begun closing the engine (which lets go of every
+    region first, then waits for the serving threads); either way it believes the memory is no longer served, and
+    a copy now would land behind its back."""
+    if context.region(frame.region) is None:
+        return (
+            f"region {frame.region} was unregistered (or its engine began closing) while the WRITE arrived;"
+            " it is unchanged"
+        )
+    return ""
 
 
 def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame, *, checksums: bool) -> None:

@@ -34,18 +34,22 @@ class FakeVerbs:
     def __init__(self, fabric: FakeFabric) -> None:
         self.fabric = fabric
         self.closed = False
+        self.rkeys: dict[int, int] = {}  # lkey -> rkey of each memory region registered here
 
     def register(self, view: memoryview) -> tuple[int, int, int]:
         address = buffer_address(view)
         lkey, rkey = next(self.fabric.keys), next(self.fabric.keys)
         self.fabric.local[lkey] = (address, view.nbytes)
         self.fabric.memory[rkey] = (address, view.nbytes, view)
+        self.rkeys[lkey] = rkey
         return address, lkey, rkey
 
-    def deregister(self, address: int) -> None:
-        for table in (self.fabric.local, self.fabric.memory):
-            for key in [k for k, v in table.items() if v[0] == address]:
-                del table[key]
+    def deregister(self, lkey: int) -> None:
+        """Revoke one memory region (by its lkey), as a NIC does: others over the same memory keep working."""
+        self.fabric.local.pop(lkey, None)
+        rkey = self.rkeys.pop(lkey, None)
+        if rkey is not None:
+            self.fabric.memory.pop(rkey, None)
 
     def create_queue_pair(self) -> FakeQueuePair:
         return FakeQueuePair(self.fabric)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from mooncake.errors import ConfigError, PeerUnavailable
+from mooncake.errors import ConfigError, PeerUnavailable, TransferError
+from mooncake.transfer import listener as listener_module
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
@@ -237,3 +240,60 @@ def test_the_new_limits_are_validated() -> None:
     with pytest.raises(ConfigError, match="max_staging_bytes"):
         EngineConfig(max_frame_bytes=64 << 20, max_staging_bytes=1 << 20)
     assert EngineConfig().auth_timeout_s <= 5.0
+
+
+@pytest.mark.parametrize("field", ["io_timeout_s", "idle_timeout_s", "auth_timeout_s", "connect_timeout_s"])
+def test_timeouts_are_bounded_by_what_the_system_can_wait(field: str) -> None:
+    """A timeout is at most 1e6 s (11.6 days), a ConfigError naming the field and value past it: poll() takes at
+    most 2**31 - 1 ms, so a finite 3e6 s used to be accepted and then overflow where it was waited on (every
+    served connection dropped at once for idle_timeout_s, the gate thread dead for good for auth_timeout_s)."""
+    with pytest.raises(ConfigError, match=rf"^{field} must be at most 1e\+06 s, got 3000000.0$"):
+        EngineConfig(**{field: 3e6})  # type: ignore[arg-type]
+    assert getattr(EngineConfig(**{field: 1e6}), field) == 1e6  # type: ignore[arg-type]
+
+
+def test_an_engine_waits_as_long_as_its_largest_timeouts_allow() -> None:
+    """At the bounds (1e6 s to idle and to authenticate), served connections are kept between frames and the gate
+    keeps admitting peers while a connection is pending."""
+    config = EngineConfig(idle_timeout_s=1e6, auth_timeout_s=1e6, spin_us=0, io_timeout_s=5.0)
+    with (
+        TransferEngine(secret=SECRET, config=config) as server,
+        TransferEngine(secret=SECRET, config=EngineConfig(max_retries=0, io_timeout_s=5.0)) as client,
+        socket.create_connection(address_of(server), timeout=5) as pending,
+    ):
+        pending.recv(64)  # the hello: the gate now waits on a pending handshake with a deadline 1e6 s away
+        remote = server.register_memory(np.zeros(4096, np.uint8))
+        local = client.register_memory(pattern(4096, 2).copy())
+        peer = client.connect(server.address, transport="tcp")
+        for _ in range(2):  # the second on the connection the first left waiting between frames
+            (status,) = client.transfer_sync(
+                [request(TransferOp.WRITE, local.region_id, peer, remote.region_id, 4096)], timeout=10
+            )
+            assert status.state is RequestState.DONE, status
+        assert server.listener.num_gate_errors == 0
+
+
+@pytest.mark.parametrize("step", ["server_hello", "server_verdict"])
+def test_the_gate_survives_an_unexpected_error_on_one_connection(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception while the gate greets or decides one connection ends that connection (counted in
+    `num_gate_errors`), not the gate: the next peer gets in. (It used to end the gate thread, and the listening
+    socket with it: the engine accepted no one again, and nothing said so.)"""
+    real = getattr(listener_module, step)
+    failures = iter([True])
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        if next(failures, False):
+            raise RuntimeError(f"an unforeseen failure in {step}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(listener_module, step, failing_once)
+    with (
+        TransferEngine(secret=SECRET, config=EngineConfig(io_timeout_s=5.0)) as server,
+        TransferEngine(secret=SECRET, config=EngineConfig(io_timeout_s=5.0)) as client,
+    ):
+        with pytest.raises(TransferError):
+            client.connect(server.address, transport="tcp")
+        peer = client.connect(server.address, transport="tcp")
+        assert client.refresh(peer).pid == os.getpid()
+        assert server.listener.num_gate_errors == 1
+        server.listener.check_invariants()

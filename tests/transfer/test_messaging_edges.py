@@ -900,6 +900,36 @@ def test_a_part_that_timed_out_is_not_committed_when_its_bytes_come_late() -> No
         peer_engine.listener.close()
 
 
+def test_a_batch_that_did_not_settle_is_forgotten_once_it_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch that gives up while its READ is still held by the peer: settling it times out (its bound, the
+    slice deadline plus a second, cut to one second here), and the engine refuses to forget a batch still moving,
+    so the messenger keeps it aside; once the READ has ended, a sweep forgets it and the engine holds no record
+    of it."""
+    monkeypatch.setattr(EngineConfig, "slice_deadline_s", property(lambda _config: 0.0))
+    data = block(1)
+    peer_engine = SlowBlockPeer(data)
+    a = make_node(8, "tcp")
+    try:
+        peer = a.engine.connect(peer_engine.address)
+        before = a.engine.num_batches
+        fetch = a.messenger.fetch([BlockKey(1)], peer)
+        with pytest.raises(TransferTimeout):
+            fetch.wait_part(0, timeout=0.2)
+        assert fetch.finish(timeout=0.2) == ()  # its READ is still held: the batch did not settle
+        assert a.engine.num_batches == before + 1
+        peer_engine.gate.set()
+
+        def swept() -> bool:
+            a.messenger.sweep()
+            return a.engine.num_batches == before
+
+        wait_for(swept, timeout=20, what="the unsettled batch to be forgotten once it ended")
+    finally:
+        peer_engine.gate.set()
+        a.engine.close()
+        peer_engine.listener.close()
+
+
 def test_close_stops_the_sweeper_thread() -> None:
     """A messenger with a sweeper runs exactly one sweeper thread, and `close` ends it (bounded)."""
     before = set(threading.enumerate())

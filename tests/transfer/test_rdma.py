@@ -7,6 +7,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 
@@ -98,6 +99,33 @@ def test_a_slice_is_posted_under_the_registration_that_holds_all_of_it(
     statuses = a.wait(a.submit([request(TransferOp.WRITE, whole.region_id, peer, remote.region_id, SIZE)]), timeout=10)
     assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
     assert np.array_equal(source, target)
+
+
+@pytest.mark.parametrize("second", ["head-view", "same-buffer"])
+def test_unregistering_one_of_two_regions_at_one_address_leaves_the_other(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine], second: str
+) -> None:
+    """Two regions that start at one address (a buffer and a view of its head, or one buffer registered twice),
+    on both sides: unregistering one deregisters its own memory region only, so the other still moves bytes over
+    RDMA, as the initiator's source and as the target, at any offset; the unregistered one's rkey is revoked.
+    (Registrations were keyed by start address: unregistering one took the other's lkey and memory region too,
+    so its next RDMA write failed and took the queue pair down for good.)"""
+    fabric, a, b = pair
+    chunk = 1 << 16
+    source = pattern(SIZE, 5)
+    local = a.register_memory(source)
+    a.unregister_memory(a.register_memory(source[:chunk] if second == "head-view" else source).region_id)
+    pool = np.zeros(SIZE, np.uint8)
+    whole = b.register_memory(pool)
+    other = b.register_memory(pool[:chunk] if second == "head-view" else pool)
+    peer = a.connect(b.address)
+    b.unregister_memory(other.region_id)
+    assert other.rdma_rkey not in fabric.memory and whole.rdma_rkey in fabric.memory
+    for offset in (0, SIZE - chunk):
+        write = request(TransferOp.WRITE, local.region_id, peer, whole.region_id, chunk, local_offset=offset)
+        (status,) = a.wait(a.submit([attrs.evolve(write, remote_offset=offset)]), timeout=10)
+        assert status.state is RequestState.DONE and status.transport == "rdma", status
+        assert np.array_equal(pool[offset : offset + chunk], source[offset : offset + chunk])
 
 
 @pytest.mark.parametrize("transport_fails_them", [True, False])

@@ -1,4 +1,5 @@
-"""The shared-memory transport on its own: a peer whose process is gone, and a descriptor that overstates its segment.
+"""The shared-memory transport on its own: a peer whose process is gone, a descriptor that overstates its segment,
+and the mappings of segments the peer let go.
 
 The engine-level tests (tests/transfer/test_engine.py) run it between processes; these pin its own checks, which
 those reach only when nothing else notices first.
@@ -6,17 +7,24 @@ those reach only when nothing else notices first.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake.errors import PeerUnavailable, TransferError
+from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import RegionDescriptor, create_shared
-from mooncake.transfer.request import Slice, TransferOp
+from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from mooncake.transfer.shm import ShmTransport
+from tests.transfer.conftest import SECRET, request
 
 SIZE = 1 << 16
 
@@ -75,3 +83,104 @@ def test_a_segment_gone_is_an_unregistered_region_unless_the_peer_is_gone_too(
         assert isinstance(error, PeerUnavailable), error
     else:
         assert type(error) is TransferError and "no longer shared" in str(error), error
+
+
+def mapped_here(name: str) -> bool:
+    """Whether this process maps the shared segment `name` (or holds a descriptor of it)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        if any(f"/dev/shm/{name}" in line for line in maps):
+            return True
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/dev/shm/{name}"):
+                return True
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="reads which segments are mapped from /proc and /dev/shm")
+def test_mapping_a_new_segment_lets_go_of_those_the_peer_unlinked() -> None:
+    """A segment the peer unlinked (it unregistered the region) is unmapped, and its descriptors closed, when the
+    transport maps another: the memory of an unlinked segment is freed only with its last mapping. (Mappings
+    used to stay until a copy named that very segment again, which none does: two descriptors and the
+    segment's memory per region the peer ever let go.)"""
+    first, first_array = create_shared(SIZE)
+    second, second_array = create_shared(SIZE)
+    descriptors = {
+        1: RegionDescriptor(region_id=1, length=SIZE, shm_name=first.name),
+        2: RegionDescriptor(region_id=2, length=SIZE, shm_name=second.name),
+    }
+    del first_array, second_array  # only the transport maps them now
+    first.close()
+    second.close()
+    transport = ShmTransport(descriptors.get, peer_pid=os.getpid(), workers=1)
+    try:
+        assert transport.run_inline(Slice(TransferOp.WRITE, memoryview(bytes(64)), 1, 0, lambda _e: None)) is None
+        assert mapped_here(first.name)
+        first.unlink()  # the peer unregistered region 1
+        assert transport.run_inline(Slice(TransferOp.WRITE, memoryview(bytes(64)), 2, 0, lambda _e: None)) is None
+        gc.collect()
+        assert not mapped_here(first.name)
+        assert transport.mapped == (second.name,)
+        transport.retain([])  # the peer lists no segment now
+        transport.check_invariants()
+        gc.collect()
+        assert transport.mapped == () and not mapped_here(second.name)
+    finally:
+        transport.close()
+        second.unlink()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="reads which segments are mapped from /proc and /dev/shm")
+def test_the_initiator_lets_go_of_segments_its_peer_unregistered() -> None:
+    """A same-host peer allocates regions, is written to over shm, and unregisters them: once the initiator has
+    refreshed the peer's descriptor, it maps none of their segments any more."""
+    config = EngineConfig(io_timeout_s=5.0)
+    with TransferEngine(secret=SECRET, config=config) as here, TransferEngine(secret=SECRET, config=config) as there:
+        local, _ = here.allocate_shared(SIZE)
+        peer = here.connect(there.address, transport="shm")
+        names = []
+        for _ in range(3):
+            remote, array = there.allocate_shared(SIZE)
+            here.refresh(peer)
+            (status,) = here.transfer_sync(
+                [request(TransferOp.WRITE, local.region_id, peer, remote.region_id, SIZE)], timeout=10
+            )
+            assert status.state is RequestState.DONE, status
+            assert remote.shm_name is not None
+            names.append(remote.shm_name)
+            del array
+            there.unregister_memory(remote.region_id)
+        here.refresh(peer)
+        gc.collect()
+        assert [name for name in names if mapped_here(name)] == []
+
+
+@pytest.fixture(scope="module")
+def four_segments() -> Iterator[list[str]]:
+    """Four shared segments of 256 bytes (their names), unlinked at the end."""
+    made = [create_shared(256) for _ in range(4)]
+    yield [segment.name for segment, _array in made]
+    for segment, _array in made:
+        segment.unlink()
+
+
+@settings(max_examples=30, deadline=None)
+@given(copied=st.sets(st.integers(0, 3)), listed=st.sets(st.integers(0, 3)))
+def test_retain_keeps_exactly_the_mappings_still_listed(
+    four_segments: list[str], copied: set[int], listed: set[int]
+) -> None:
+    """Against a model (the segments copied into): the transport maps exactly those, and after `retain(listed)`
+    exactly those of them still listed."""
+    descriptors = {i: RegionDescriptor(region_id=i, length=256, shm_name=name) for i, name in enumerate(four_segments)}
+    transport = ShmTransport(descriptors.get, peer_pid=os.getpid(), workers=1)
+    try:
+        for region in sorted(copied):
+            assert (
+                transport.run_inline(Slice(TransferOp.WRITE, memoryview(bytes(8)), region, 0, lambda _e: None)) is None
+            )
+        assert set(transport.mapped) == {four_segments[i] for i in copied}
+        transport.retain({four_segments[i] for i in listed})
+        transport.check_invariants()
+        assert set(transport.mapped) == {four_segments[i] for i in copied & listed}
+    finally:
+        transport.close()

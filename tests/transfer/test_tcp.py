@@ -484,3 +484,97 @@ def test_a_read_reply_that_lost_its_checksum_fails_its_request(monkeypatch: pyte
             assert status.state == RequestState.FAILED and isinstance(status.error, ProtocolError), status
             assert "without the checksum" in str(status.error)
         assert not mine.any(), "the damaged READ reached the local buffer"
+
+
+# --------------------------------------------------------------------------- budgets that stay whole
+
+
+def test_a_call_gets_its_whole_timeout_however_long_the_previous_reply_took() -> None:
+    """A reply whose body comes in three pieces over 0.7 s of a 1 s budget, then a call answered 0.75 s after it
+    came: both succeed. (`call` read its budget back from the socket, which the previous reply's deadline had
+    left at what was left of it when its last piece was awaited, 0.5 s: the second call, which the peer ran,
+    failed, and every later one had less.)"""
+    client, server = socket.socketpair()
+    client.settimeout(1.0)
+    body = json.dumps("x" * 1000).encode()
+
+    def serve() -> None:  # a slow peer: the pauses are its pace, not synchronisation
+        with contextlib.suppress(OSError):
+            frame = recv_frame(server, max_length=MAX_CONTROL_BYTES)
+            recv_exact(server, memoryview(bytearray(frame.length)))
+            send_frame(server, Frame(Kind.REPLY, length=len(body)), body[:10])
+            time.sleep(0.5)
+            server.sendall(body[10:20])
+            time.sleep(0.2)
+            server.sendall(body[20:])
+            frame = recv_frame(server, max_length=MAX_CONTROL_BYTES)
+            recv_exact(server, memoryview(bytearray(frame.length)))
+            time.sleep(0.75)
+            send_frame(server, Frame(Kind.REPLY, length=4), b'"ok"')
+
+    peer = threading.Thread(target=serve, daemon=True)
+    peer.start()
+    try:
+        assert tcp.call(client, "big", None) == "x" * 1000
+        assert tcp.call(client, "slowish", None) == "ok"
+        assert client.gettimeout() == 1.0
+    finally:
+        client.close()
+        server.close()
+        peer.join(timeout=10)
+
+
+def test_an_explicit_call_timeout_stands_whatever_the_socket_holds() -> None:
+    """`timeout_s` is the call's budget (the engine passes its io timeout), not the socket's current timeout, and
+    the socket keeps it afterwards."""
+    client, server = socket.socketpair()
+    client.settimeout(0.05)  # what a previous deadline may have left
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            frame = recv_frame(server, max_length=MAX_CONTROL_BYTES)
+            recv_exact(server, memoryview(bytearray(frame.length)))
+            time.sleep(0.3)  # the peer's pace
+            send_frame(server, Frame(Kind.REPLY, length=4), b'"ok"')
+
+    peer = threading.Thread(target=serve, daemon=True)
+    peer.start()
+    try:
+        assert tcp.call(client, "slowish", None, timeout_s=2.0) == "ok"
+        assert client.gettimeout() == 2.0
+    finally:
+        client.close()
+        server.close()
+        peer.join(timeout=10)
+
+
+@pytest.mark.parametrize("path", ["inline", "streams"])
+def test_a_connection_the_peer_closed_while_idle_is_replaced_without_spending_a_retry(path: str) -> None:
+    """The serving side closes connections idle past its `idle_timeout_s`. The next slice on a kept connection
+    (the inline one of `transfer_sync`, a stream's of `submit`) finds it closed before sending and reconnects,
+    so with no retries at all it still succeeds. (A kept connection used to be sent on as it was: the first
+    slice after an idle spell failed, or spent one of its retries.)"""
+    server_config = EngineConfig(idle_timeout_s=0.3, spin_us=0, io_timeout_s=5.0)
+    client_config = EngineConfig(max_retries=0, streams_per_peer=1, slice_bytes=64 << 10, io_timeout_s=5.0)
+    length = 4096 if path == "inline" else 128 << 10  # one slice moves inline, two go to the stream
+
+    def write(engine: TransferEngine, peer: str, local: int, remote: int) -> RequestState:
+        requests = [request(TransferOp.WRITE, local, peer, remote, length)]
+        if path == "inline":
+            return engine.transfer_sync(requests, timeout=10)[0].state
+        batch = engine.submit(requests)
+        try:
+            return engine.wait(batch, timeout=10)[0].state
+        finally:
+            engine.forget(batch)
+
+    with (
+        TransferEngine(secret=SECRET, config=server_config) as server,
+        TransferEngine(secret=SECRET, config=client_config) as client,
+    ):
+        remote = server.register_memory(np.zeros(length, np.uint8))
+        local = client.register_memory(pattern(length, 3).copy())
+        peer = client.connect(server.address, transport="tcp")
+        assert write(client, peer, local.region_id, remote.region_id) is RequestState.DONE
+        assert wait_for(lambda: server.listener.num_served == 0, timeout_s=20), "connections did not idle out"
+        assert write(client, peer, local.region_id, remote.region_id) is RequestState.DONE
