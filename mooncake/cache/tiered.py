@@ -391,6 +391,31 @@ class TieredCache(BlockPlacement):
             self._policies[entry.level].remove(key)
             self._drop(key, entry)
 
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to `num_blocks` unpinned blocks from the first tier, chosen by its eviction policy and moved
+        down (or dropped) as a put that needs their pages would: for an owner whose pages this cache shares
+        with other uses (a simulated vLLM instance's HBM, whose running requests take pages from its prefix
+        cache). O(blocks evicted).
+
+        Returns:
+            The blocks evicted: fewer than `num_blocks` only when every other first-tier block is pinned.
+
+        Raises:
+            InvalidRequestError: `num_blocks` is not a non-negative integer.
+        """
+        require_int("num_blocks", num_blocks, minimum=0, error=InvalidRequestError)
+        with self._lock:
+            policy, last = self._policies[0], len(self.pools) == 1
+            for evicted in range(num_blocks):
+                victim = policy.evict()
+                if victim is None:
+                    return evicted
+                if last:  # no tier to demote to: what `_demote` would do
+                    self._drop(victim, self._entries[victim])
+                else:
+                    self._demote(victim, self._entries[victim])
+            return num_blocks
+
     # ------------------------------------------------------------------ reads
 
     def get(self, key: BlockKey) -> PageBytes | None:

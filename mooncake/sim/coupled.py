@@ -1,8 +1,8 @@
 """The coupled baseline: vLLM-style instances that prefill and decode on the same GPUs.
 
 Each instance runs iterations back to back over one `ContinuousBatch`, with
-prefix caching in its own HBM only (a metadata-only `TieredCache` of the KV
-tokens its HBM holds, LRU, prefix-aware), and requests are spread over the
+prefix caching in its own HBM only (a metadata-only `TieredCache`, LRU,
+prefix-aware), and requests are spread over the
 instances by least outstanding requests (ties: the lowest index), as a load
 balancer in front of vLLM replicas does. No request is rejected, except one
 that could never run on an idle instance (the decode rule, `sched.join`).
@@ -19,21 +19,33 @@ An iteration, at a step boundary, is chosen as vLLM's scheduler does:
   the rest of the `token_budget`, and takes the decode step's time plus the
   chunk's prefill time (the chunk attends to everything before it).
 
+The prefix cache shares the instance's one KV pool with the running
+requests, as vLLM's block pool does: a running request's prompt blocks are
+cached and pinned (in use: later requests share them, nothing evicts them)
+and counted in its reservation (prompt + output, as the decode rule counts
+it); the other cached blocks are the free part, evicted least recently used
+first whenever they no longer fit beside the reservations. A prompt is cached
+when its prefill ends and used again when its request ends (its blocks, freed,
+stay cached and become evictable, as vLLM's do); the decode rule counts only
+reservations, since unpinned blocks give way. Invariant at every step boundary:
+unpinned cached blocks × block size + reservations <= KV capacity.
+
 Times come from the same cost models as the disaggregated simulator, so the
 two are compared on equal terms.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
 from mooncake._checks import require_bool, require_int, require_number
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import ConfigError
+from mooncake.errors import CapacityError, ConfigError
 from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, PrefillCostModel
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.outcome import Outcome
@@ -42,7 +54,7 @@ from mooncake.sim.batch import Member
 from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache
 from mooncake.sim.replayer import Progress, ReplayContext
-from mooncake.types import InstanceId, Request, Slo, Tier
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = ["CoupledCluster", "CoupledSpec"]
@@ -55,7 +67,8 @@ class CoupledSpec:
     Attributes:
         num_instances: instances, each `hardware`.
         block_size_tokens: tokens per block key.
-        cache_capacity_tokens: each instance's HBM prefix cache (default: its KV capacity).
+        cache_capacity_tokens: the most each instance's HBM prefix cache holds (default: its KV capacity); it
+            holds less while running requests' reservations take the rest of the HBM.
         chunked_prefill: Sarathi-style chunked prefill under `token_budget` tokens per iteration.
         max_batch_size: requests an instance runs at once (None: as many as its HBM holds).
         mfu: model FLOPs utilisation of prefill.
@@ -127,6 +140,10 @@ class _Instance:
     prefilling: _Waiting | None = None
     plan: _Plan | None = None
     kv_tokens: int = 0  # the decoding members' reservations (prompt + output each)
+    # Each running request's prompt chain and the blocks of it it pins in the cache (its own blocks, in use: never
+    # evicted while it runs, as vLLM's blocks with a reference are not), and how many running requests pin each.
+    running: dict[RequestId, tuple[Sequence[BlockKey], list[BlockKey]]] = attrs.field(factory=dict)
+    held: dict[BlockKey, int] = attrs.field(factory=dict)
 
     @property
     def instance_id(self) -> InstanceId:
@@ -153,6 +170,9 @@ class _Instance:
 class CoupledCluster:
     """Replays requests through coupled instances (no Conductor: a load balancer spreads them),
     in `context` (by default its own).
+
+    Invariants (`check_invariants`, at every step boundary): on each instance, cached KV + reserved KV <= its
+    KV capacity (one pool, as vLLM's).
 
     Raises:
         ConfigError: a `spec` that is no `CoupledSpec`, an `slo` that is no `Slo` (else only the summary, after the
@@ -280,19 +300,81 @@ class CoupledCluster:
         assert plan is not None
         for member in node.end_stretch(now):
             instance.kv_tokens -= member.record.input_tokens + member.record.output_tokens
+            self._release(instance, member.record.request_id)
             self.replay.complete(now, member.record)
         done = plan.completes
         if done is not None:
             record = done.record
             record.first_token_s = now
-            if self._caches:
-                instance.cache.put_chain(done.request.block_keys, length=self.page_bytes)
-                instance.cache.take_events()  # nobody indexes a coupled instance's HBM cache
             if record.output_tokens <= 1:
+                self._cache(instance, done.request.block_keys)
                 self.replay.complete(now, record)
             else:
                 batch = node.batch
                 batch.start_s = now
                 batch.join(Member(record, record.output_tokens - 1, record.input_tokens))
                 instance.kv_tokens += record.input_tokens + record.output_tokens
+                self._cache(instance, done.request.block_keys, running=record.request_id)
         self._decide(now, instance)
+
+    def _cache(self, instance: _Instance, keys: Sequence[BlockKey], *, running: RequestId | None = None) -> None:
+        """Cache a prompt's chain (a use, where cached), pinned while its request `running` runs, then evict
+        least-recently-used blocks until the evictable ones fit beside the reservations: called whenever either
+        grows, so the pool never holds more than the HBM."""
+        if not self._caches:
+            return
+        cache = instance.cache
+        with contextlib.suppress(CapacityError):  # every page pinned by running requests: nothing more is cached
+            cache.put_chain(keys, length=self.page_bytes)
+        if running is not None:
+            pinned = []
+            for key in keys:  # the chain's cached prefix (put_chain stops where it finds no room)
+                if cache.location(key) is None:
+                    break
+                cache.pin(key)
+                pinned.append(key)
+                instance.held[key] = instance.held.get(key, 0) + 1
+            instance.running[running] = (keys, pinned)
+        self._fit(instance)
+
+    def _release(self, instance: _Instance, request_id: RequestId) -> None:
+        """A running request ended: its blocks are no longer in use, and stay cached (a use, as vLLM frees a
+        finished request's blocks to the end of its free queue), evictable again."""
+        if not self._caches:
+            return
+        keys, pinned = instance.running.pop(request_id)
+        for key in pinned:
+            instance.cache.unpin(key)
+            left = instance.held[key] - 1
+            if left:
+                instance.held[key] = left
+            else:
+                del instance.held[key]
+        self._cache(instance, keys)
+
+    def _fit(self, instance: _Instance) -> None:
+        """Evict least-recently-used unpinned blocks until they fit in the HBM the reservations leave. The blocks
+        running requests pin are their prompts', which their reservations count already."""
+        cache = instance.cache
+        room_blocks = max(0, self.capacity_tokens - instance.kv_tokens) // self.spec.block_size_tokens
+        excess = cache.used_bytes(Tier.VRAM) // self.page_bytes - len(instance.held) - room_blocks
+        if excess > 0:
+            cache.evict(excess)
+        cache.take_events()  # nobody indexes a coupled instance's HBM cache
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless, on every instance, the cached blocks no running request pins (whole blocks
+        of `block_size_tokens`) and the running requests' reservations fit its KV capacity together (true at every
+        step boundary), and the pins counted are the running requests'."""
+        block = self.spec.block_size_tokens
+        for instance in self._instances:
+            evictable = instance.cache.used_bytes(Tier.VRAM) // self.page_bytes - len(instance.held)
+            assert evictable * block + instance.kv_tokens <= self.capacity_tokens, (
+                f"{instance.instance_id}: {evictable * block} evictable cached + {instance.kv_tokens} reserved KV"
+                f" tokens > capacity {self.capacity_tokens}"
+            )
+            pins: dict[BlockKey, int] = {}
+            for _keys, pinned in instance.running.values():
+                for key in pinned:
+                    pins[key] = pins.get(key, 0) + 1
+            assert pins == instance.held, f"{instance.instance_id}: pinned blocks miscounted"

@@ -387,10 +387,11 @@ class DisaggregatedCluster:
         assert decision.decode_instance is not None and decision.prefill_instance is not None
         side = self._decode[decision.decode_instance]
         inline_s = self.decode_prefill_cost.prefill_s(request.input_length)
+        # Checked even when the batch is empty (the rule waives TBT for a lone request; its own stall is not
+        # waived): the step carrying this prefill must fit what the step's other inline prefills leave.
         verdict = self._check(side, record, now, tbt_slo_s=None)
         step_s = verdict.predicted_tbt_s
-        stalled_s = sum(joiner.inline_s for joiner in side.joining)  # the inline prefills the same step carries
-        if not verdict.accepted or step_s is None or step_s + stalled_s + inline_s > self.slo.tbt_s:
+        if not verdict.accepted or step_s is None or step_s + inline_s > self._tbt_budget_s(side):
             return False
         # It never reaches the prefill instance the Conductor queued it on.
         self.conductor.handle(
@@ -401,6 +402,12 @@ class DisaggregatedCluster:
         record.prefill_s = inline_s
         self._enqueue(now, side, _Joiner(Member(record, request.output_length - 1, request.input_length), inline_s))
         return True
+
+    def _tbt_budget_s(self, side: _DecodeSide) -> float:
+        """What the TBT objective leaves for the decode step at the instance's next boundary: the objective less
+        the inline prefills already joining there, which stall that same step (may be negative: then no one
+        more joins that step with a batch to slow)."""
+        return self.slo.tbt_s - sum(joiner.inline_s for joiner in side.joining)
 
     def _check(self, side: _DecodeSide, record: RequestRecord, now: float, *, tbt_slo_s: float | None) -> JoinVerdict:
         """The decode rule on the instance's batch as it stands at `now`."""
@@ -414,7 +421,10 @@ class DisaggregatedCluster:
         )
 
     def _decode_arrive(self, now: float, side: _DecodeSide, record: RequestRecord) -> None:
-        verdict = self._check(side, record, now, tbt_slo_s=self.slo.tbt_s)
+        """A prefilled request reaches its decode instance: the decode rule decides, against the step it would
+        join, whose time is the TBT objective less the inline prefills that step carries (as `_try_inline`
+        counts them: every step stays within the objective, whichever of the two came first)."""
+        verdict = self._check(side, record, now, tbt_slo_s=self._tbt_budget_s(side))
         if not verdict.accepted:  # the instance's own check: the prefill was wasted
             assert verdict.reason is not None and record.decode_instance is not None
             self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, verdict.reason)

@@ -857,3 +857,40 @@ def test_what_put_chain_stores_lies_in_the_chains_cached_prefix(
     if not was_cached:
         assert [key in cache for key in chain] == [True] * matched + [False] * (len(chain) - matched)
     cache.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    count=st.integers(1, 12),
+    pinned=st.sets(st.integers(0, 11), max_size=12),
+    touched=st.lists(st.integers(0, 11), max_size=12),
+    evict=st.integers(0, 16),
+)
+def test_evict_takes_the_least_recently_used_unpinned_blocks(
+    count: int, pinned: set[int], touched: list[int], evict: int
+) -> None:
+    """`evict(n)` drops (one tier: no lower one to take them) the n least recently used unpinned blocks, or all of
+    them where fewer are unpinned; pinned blocks stay, and the count evicted is returned."""
+    cache = TieredCache([MetadataPagePool(Tier.VRAM, 64, 16)], policy=LruPolicy)
+    order = list(range(count))
+    for key in order:
+        cache.put(BlockKey(key), None, length=64)
+    for key in touched:
+        if key < count:
+            cache.put(BlockKey(key), None, length=64)  # a use
+            order.remove(key)
+            order.append(key)
+    held = {key for key in pinned if key < count}
+    for key in held:
+        cache.pin(BlockKey(key))
+    unpinned = [key for key in order if key not in held]
+    assert cache.evict(evict) == min(evict, len(unpinned))
+    gone = set(unpinned[:evict])
+    assert {key for key in range(count) if cache.location(BlockKey(key)) is None} == gone
+
+
+def test_evict_refuses_a_count_that_is_not_a_non_negative_integer() -> None:
+    cache = TieredCache([MetadataPagePool(Tier.VRAM, 64, 4)], policy=LruPolicy)
+    for bad in (-1, 1.5, "2", None):
+        with pytest.raises(InvalidRequestError, match="num_blocks"):
+            cache.evict(bad)  # type: ignore[arg-type]

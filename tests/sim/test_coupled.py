@@ -126,6 +126,69 @@ def test_analytic_decode_matches_stepping(requests: list[Request], spec: Coupled
     assert_same_records(analytic.records, stepped.records)
 
 
+@settings(deadline=None)
+@given(workloads(max_requests=8, max_output_tokens=60), coupled_specs())
+def test_cache_and_reservations_share_the_hbm(requests: list[Request], spec: CoupledSpec) -> None:
+    """One KV pool, as vLLM's: at every step boundary each instance's cached blocks plus its running requests'
+    reservations fit its KV capacity (cached blocks are evicted, least recently used first, as reservations
+    grow)."""
+    cluster = CoupledCluster(spec)
+    boundary = cluster._boundary
+
+    def checked(now: float, instance: Any, version: int) -> None:
+        boundary(now, instance, version)
+        cluster.check_invariants()
+
+    cluster._boundary = checked  # type: ignore[method-assign]
+    assert_all_served(requests, cluster.run(requests), cluster.capacity_tokens)
+
+
+def test_prefix_cache_gives_way_to_running_requests() -> None:
+    """A small HBM: a long prompt cached, then a request whose reservation needs most of the HBM. The cache
+    shrinks to what is left (it used to stay whole beside the reservation: up to twice the HBM), and a repeat
+    of the evicted prompt misses."""
+    spec = make_spec(hardware=small_hbm())
+    cluster = CoupledCluster(spec)
+    capacity = cluster.capacity_tokens
+    first = make_request("cached", 0.0, 20_000, 2)
+    big = make_request("big", 10.0, capacity - 5_000, 1_000, first_key=1_000)
+    repeat = make_request("repeat", 10.5, 20_000, 2)
+    boundary = cluster._boundary
+
+    def checked(now: float, instance: Any, version: int) -> None:
+        boundary(now, instance, version)
+        cluster.check_invariants()
+
+    cluster._boundary = checked  # type: ignore[method-assign]
+    records = {r.request_id: r for r in cluster.run([first, big, repeat]).records}
+    assert all(r.outcome == Outcome.COMPLETED for r in records.values())
+    assert records[RequestId("repeat")].prefix_tokens < 20_000 - BLOCK
+
+
+def test_a_running_requests_prompt_stays_cached_for_requests_sharing_it() -> None:
+    """Two long-running requests whose reservations leave the HBM less room than their two prompts: their prompts'
+    blocks are in use (pinned, as vLLM's referenced blocks) and counted once, in the reservations, so a request
+    sharing the older one's prompt while both run hits all of it (counted twice, in the reservations and again in
+    the cache, the older prompt's blocks were evicted to fit)."""
+    spec = make_spec(hardware=small_hbm())
+    cluster = CoupledCluster(spec)
+    assert cluster.capacity_tokens == 40_000  # the sizes below: 16,192 + 12,192 reserved, 11,616 tokens left
+    first = make_request("first", 0.0, 16 * BLOCK, 8_000, first_key=1_000)
+    second = make_request("second", 0.1, 16 * BLOCK, 4_000, first_key=5_000)
+    sharing = make_request("sharing", 5.0, 17 * BLOCK, 2, first_key=1_000)
+    boundary = cluster._boundary
+
+    def checked(now: float, instance: Any, version: int) -> None:
+        boundary(now, instance, version)
+        cluster.check_invariants()
+
+    cluster._boundary = checked  # type: ignore[method-assign]
+    records = {r.request_id: r for r in cluster.run([first, second, sharing]).records}
+    assert all(r.outcome == Outcome.COMPLETED for r in records.values())
+    assert records[RequestId("sharing")].first_token_s < records[RequestId("second")].finish_s  # while both ran
+    assert records[RequestId("sharing")].prefix_tokens == 16 * BLOCK
+
+
 @settings(max_examples=15, deadline=None)
 @given(workloads(max_requests=8), coupled_specs())
 def test_replays_are_deterministic(requests: list[Request], spec: CoupledSpec) -> None:

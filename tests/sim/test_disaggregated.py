@@ -412,6 +412,78 @@ def test_inline_prefill_only_within_the_tbt_slo() -> None:
     assert not over_slo.inline_prefill and over_slo.prefill_instance is not None
 
 
+def _inline_then_prefilled(
+    *, running_tokens: int, inline_tokens: int, prefilled_tokens: int, after_s: float, slack_s: float
+) -> tuple[list[Request], Slo]:
+    """A running request A; a short prompt I inlined into A's batch at t = 60 s; a prefilled request R reaching
+    the decode instance `after_s` later (before the boundary where I joins, for small `after_s`); A's and R's
+    prompts over the inline limit (4096) when I's is within it; a TBT SLO
+    `slack_s` above the step carrying A, I and I's prefill, so that R's step alone fits but not with I's stall."""
+    spec = make_spec(inline_prefill_tokens=4096, cache_capacity_tokens=0)
+    inline_s = PrefillCostModel(model=LLAMA3, hardware=A800, mfu=spec.mfu).prefill_s(inline_tokens)
+    # A's context grows by one per step: its prompt plus a few thousand tokens by t = 60 s.
+    tbt_s = spec.decode_cost.step_s(2, running_tokens + 3000 + inline_tokens) + inline_s + slack_s
+    inline_at_s = 60.0  # after the longest prefill R may need
+    prefill_s = spec.prefill_cost.prefill_s(prefilled_tokens)
+    handoff_s = spec.transfer_cost.handoff_s(prefilled_tokens * LLAMA3.kv_bytes_per_token, prefill_s)
+    requests = [
+        make_request("A", 0.0, running_tokens, 8000, range(num_blocks(running_tokens))),
+        make_request(
+            "R",
+            inline_at_s + after_s - prefill_s - handoff_s,
+            prefilled_tokens,
+            50,
+            range(10_000, 10_000 + num_blocks(prefilled_tokens)),
+        ),
+        make_request("I", inline_at_s, inline_tokens, 50, range(20_000, 20_000 + num_blocks(inline_tokens))),
+    ]
+    return sorted(requests, key=lambda r: r.arrival_s), Slo(ttft_s=60.0, tbt_s=tbt_s)
+
+
+def test_a_prefilled_request_joining_with_an_inline_prefill_counts_its_stall() -> None:
+    """The reviewer's case: R reaches the decode instance 0.5 ms after I was inlined, before the boundary where
+    both would join. R's step fits the SLO alone, not with I's prefill stalling it: the decode rule (given the
+    objective less the stalls that step carries) rejects R, and A's intervals stay within the SLO."""
+    requests, slo = _inline_then_prefilled(
+        running_tokens=4096, inline_tokens=2000, prefilled_tokens=100_000, after_s=0.0005, slack_s=0.0005
+    )
+    spec = make_spec(inline_prefill_tokens=4096, cache_capacity_tokens=0)
+    records = {r.request_id: r for r in replay(spec, requests, admission=BaselineAdmission(), slo=slo).records}
+    assert records[RequestId("I")].inline_prefill
+    assert records[RequestId("R")].outcome == Outcome.REJECTED_AFTER_PREFILL
+    assert records[RequestId("R")].reason == Reason.TBT_SLO
+    assert max(records[RequestId("A")].intervals.values()) <= slo.tbt_s
+
+
+@REPLAY_SETTINGS
+@given(
+    running_tokens=st.integers(4097, 8000),  # over the inline limit, 4096: only I is inlined
+    inline_tokens=st.integers(500, 4096),
+    prefilled_tokens=st.integers(4097, 120_000),
+    after_s=st.floats(0.0, 0.02),
+    slack_s=st.floats(0.0, 0.01),
+)
+def test_every_interval_within_the_tbt_slo_with_inline_prefills_and_joiners(
+    running_tokens: int, inline_tokens: int, prefilled_tokens: int, after_s: float, slack_s: float
+) -> None:
+    """Whichever comes first, an inline prefill or a prefilled request joining the same step, every decode
+    step stays within the TBT objective (to rounding of the clock's sums): all of the running request's
+    intervals, and every other request's after its first (a prefilled request's first interval also holds
+    its hand-off and its wait for the boundary, which no decode rule bounds)."""
+    requests, slo = _inline_then_prefilled(
+        running_tokens=running_tokens,
+        inline_tokens=inline_tokens,
+        prefilled_tokens=prefilled_tokens,
+        after_s=after_s,
+        slack_s=slack_s,
+    )
+    spec = make_spec(inline_prefill_tokens=4096, cache_capacity_tokens=0)
+    for record in replay(spec, requests, admission=BaselineAdmission(), slo=slo).records:
+        event(f"{record.request_id}: {record.outcome.name}{' inline' if record.inline_prefill else ''}")
+        steps = record.intervals.values()[0 if record.request_id == "A" else 1 :]
+        assert all(steps <= slo.tbt_s * (1 + 1e-12))
+
+
 # --------------------------------------------------------------------------- analytic decode = stepping
 
 
