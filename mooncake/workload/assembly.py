@@ -48,6 +48,10 @@ were refused for arriving before the latest start, that start is the likelier
 fault (a timestamp typo or unit slip raises the mark, and every later line would
 be refused against it), or the trace is not in arrival order; either way
 skipping on would lose the rest of the trace, so the reader stops there.
+A refused line whose session cannot be told (cut short before its
+`session_id` shows) is `lose_unknown`; once any line names a session, that
+line may have been a turn of any of them, whose later turns would be built
+without it, so `doubtful_loss` names it and the reader stops there too.
 
 Invariant: no line still to come arrives before `mark_ms`, the latest start.
 """
@@ -124,6 +128,8 @@ class TraceAssembler:
         The lines refused for arriving before the mark since the last placed
         line, if any, lie below the mark's line, the first of them on
         `_first_behind`.
+        A line of a session seen, placed or lost, is on `_first_session` or
+        below it.
     """
 
     block_size_tokens: int
@@ -136,6 +142,8 @@ class TraceAssembler:
     _num_behind: int = 0  # lines refused for arriving before the mark since the last line placed
     _first_behind: int = 0  # the first of them
     _last_behind: int = 0  # and the last
+    _first_session: int | None = None  # the first line naming a session, placed or lost
+    _unknown: tuple[int, str] | None = None  # the first line lost to a session that cannot be told, and why
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the class docstring fails."""
@@ -146,11 +154,37 @@ class TraceAssembler:
             assert turn.line < self._lost.get(session_id, turn.line + 1), f"session {session_id!r} grew after a loss"
         if self._num_behind:
             assert self._mark_line is not None and self._mark_line < self._first_behind, "refused before no start"
+        lines = [turn.line for turn in self._sessions.values()] + list(self._lost.values())
+        first = self._first_session
+        assert (first is not None and first <= min(lines)) if lines else first is None, f"first session line {first}"
 
     def lose(self, session_id: str | None, line: int) -> None:
         """A line of `session_id` was skipped: its later turns cannot be built."""
         if session_id is not None and session_id not in self._lost:
             self._lost[session_id] = line
+            self._seen(line)
+
+    def lose_unknown(self, line: int, reason: str) -> None:
+        """A line was skipped (for `reason`) that may have been a turn of any session: see `doubtful_loss`."""
+        if self._unknown is None:
+            self._unknown = line, reason
+
+    def doubtful_loss(self) -> tuple[int, str] | None:
+        """The first line `lose_unknown` was told of and why it stops a lenient read, once a line names a session
+        (above or below it); else None."""
+        if self._unknown is None or self._first_session is None:
+            return None
+        line, reason = self._unknown
+        return line, (
+            f"{reason}, and the line breaks off before a session_id shows, in a trace with sessions (line "
+            f"{self._first_session}): it may be a turn of any session, whose later turns would be built without it; "
+            "fix or remove this line (a lenient read stops here rather than build them)"
+        )
+
+    def _seen(self, line: int) -> None:
+        """`line` names a session."""
+        if self._first_session is None or line < self._first_session:
+            self._first_session = line
 
     def doubtful_start(self) -> tuple[int, str] | None:
         """The latest start's line and why its arrival looks wrong, once `MAX_LINES_BEHIND` lines after it, none
@@ -184,6 +218,7 @@ class TraceAssembler:
         if session_id is not None:
             self._sessions[session_id] = turn
             self._turns[session_id] = self._turns.get(session_id, 0) + 1
+            self._seen(line)
         self._last_line = line
         self._num_behind = 0
         return turn

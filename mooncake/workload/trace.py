@@ -38,11 +38,17 @@ default, raises `TraceFormatError` naming file and line at the first bad one:
 invalid JSON, a missing or wrongly typed field, a non-positive length, a wrong
 `hash_ids` count, an arrival out of order. With `strict=False` such lines are
 skipped instead, each reported as a `SkippedLine` (file, line, why); a session
-turn after a skipped one of its session is skipped too. A lenient read still
-stops, naming the line, at a start that `MAX_LINES_BEHIND` (10) lines in a row
-after it arrive before (`TraceAssembler.doubtful_start`): one timestamp typo
-would otherwise cost every line after it. Blank lines are ignored, as are
-fields neither format defines.
+turn after a skipped one of its session is skipped too. A line that is no JSON
+(a truncated write) is tied to its session by its text
+(`trace_record.session_in_text`): its top-level fields as far as they read. A
+lenient read still stops, naming the line, at a start that `MAX_LINES_BEHIND`
+(10) lines in a row after it arrive before (`TraceAssembler.doubtful_start`):
+one timestamp typo would otherwise cost every line after it; and at a line that
+is no JSON whose session cannot be told, though the trace has sessions: its
+`session_id` is cut short, or it breaks off before one shows while some line,
+above or below, names a session (`TraceAssembler.doubtful_loss`): some
+session's later turns would be built without it. Blank lines are ignored, as
+are fields neither format defines.
 
 `iter_trace` streams: it holds a request back only until no later line can
 arrive before it (a trace without sessions holds none; sessions written
@@ -87,6 +93,7 @@ from mooncake.workload.trace_record import (
     arrival_problem,
     check_block_count,
     parse_record,
+    session_in_text,
     session_of,
 )
 
@@ -150,6 +157,7 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
 
 
 _BLANK = object()
+_UNREAD = object()  # a line's record before `_record` returns
 
 
 def _not_json(name: str) -> Any:
@@ -289,9 +297,10 @@ def _read(
     cautioned = time_unit != "ms"
     strange = False  # a field neither format defines was cautioned about
     for number, raw in _lines(path):
-        record: Any = None
+        data = raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw  # Windows' BOM
+        record: Any = _UNREAD
         try:
-            record = _record(raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw)  # Windows' BOM
+            record = _record(data)
             if record is _BLANK:
                 continue
             parsed = parse_record(record, block_size_tokens, time_unit=time_unit)
@@ -299,11 +308,15 @@ def _read(
         except ValueError as error:
             if strict:
                 raise TraceFormatError(path, number, str(error)) from error
-            assembler.lose(session_of(record), number)
+            _lose(assembler, path, number, data, record, error)
+            if (loss := assembler.doubtful_loss()) is not None:
+                raise TraceFormatError(path, *loss) from error
             on_skip(SkippedLine(os.fspath(path), number, str(error)))
             if (doubt := assembler.doubtful_start()) is not None:  # one bad line must not cost the rest
                 raise TraceFormatError(path, *doubt) from error
             continue
+        if (loss := assembler.doubtful_loss()) is not None:
+            raise TraceFormatError(path, *loss)
         if not strange and (unknown := record.keys() - _KNOWN_FIELDS):
             strange = True
             on_caution(
@@ -326,6 +339,34 @@ def _read(
     while held:
         yield _request(path, *heappop(held)[1:], index, speedup, block_size_tokens)
         index += 1
+
+
+def _lose(
+    assembler: TraceAssembler, path: str | os.PathLike[str], number: int, data: bytes, record: Any, error: ValueError
+) -> None:
+    """Tell `assembler` whose turn the skipped line `number` was: its `session_id`, read from its text when it is
+    no JSON (a truncated write), or that this cannot be told.
+
+    Raises:
+        TraceFormatError: the line names a session_id that cannot be read whole.
+    """
+    if record is not _UNREAD:
+        assembler.lose(session_of(record), number)
+        return
+    found = session_in_text(data.decode("utf-8", "surrogateescape"))
+    if found.doubt == "cut":
+        # Not a guess at the id: a session lost this turn, and as no one can tell which, any session's later turn
+        # could be built without it; skipping on would hand out such prompts as whole conversations.
+        raise TraceFormatError(
+            path,
+            number,
+            f"{error}, and its session_id cannot be read whole: a session lost this turn, but which cannot be told, "
+            "so its later turns would be built without it; fix or remove this line (a lenient read stops here "
+            "rather than build them)",
+        ) from error
+    if found.doubt == "unread":
+        assembler.lose_unknown(number, str(error))
+    assembler.lose(found.session_id, number)
 
 
 def _request(

@@ -40,7 +40,9 @@ and, when it has `hash_ids`, exactly ceil(input_length / block_size) of them.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any, Literal
 
 import attrs
@@ -54,11 +56,13 @@ __all__ = [
     "MAX_LINE_TOKENS",
     "MOONCAKE_FIELDS",
     "TIME_UNITS",
+    "TextSession",
     "TimeUnit",
     "TraceRecord",
     "arrival_problem",
     "check_block_count",
     "parse_record",
+    "session_in_text",
     "session_of",
 ]
 
@@ -255,6 +259,99 @@ def session_of(record: object) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+@attrs.frozen
+class TextSession:
+    """What the text of a line that is no JSON (cut short, as a truncated write leaves it) shows of its session.
+
+    Attributes:
+        session_id: its `session_id` as `session_of` would read it, when the text holds it whole and usable.
+        doubt: None when the text shows the line's session, or that it has none; else why it does not:
+            "cut": it names a session_id that cannot be read whole (cut short, or with a byte that is no UTF-8),
+            or holds one past where it stops reading (a line run into the next);
+            "unread": it breaks off before its end, and before any session_id shows.
+    """
+
+    session_id: str | None
+    doubt: Literal["cut", "unread"] | None
+
+
+# A key, not the words in a string (escaped quotes), without its closing quote: a line may break off there.
+_SESSION_KEY = re.compile(r'(?<!\\)"session_id')
+_DECODER = json.JSONDecoder()
+_BLANKS = " \t\n\r\ufeff"  # JSON's whitespace, and a byte-order mark (files joined with cat)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _value_at(text: str, position: int) -> tuple[Any, int] | None:
+    """The JSON value at `position` and the index past it, or None when none can be read there."""
+    try:
+        return _DECODER.raw_decode(text, position)
+    except (ValueError, RecursionError):  # a JSONDecodeError, too many digits, nesting too deep
+        return None
+
+
+def _skip_blanks(text: str, position: int) -> int:
+    blanks = _WHITESPACE.match(text, position)  # a match everywhere: `*`
+    return position if blanks is None else blanks.end()
+
+
+def session_in_text(text: str) -> TextSession:
+    """The session of a line that is no JSON, read from its text as far as it is a JSON object.
+
+    The line's top-level fields are read one by one, as `json.loads` would, up to where the text breaks off; the
+    last whole `session_id` wins, as in `json.loads`. A text that is no object (CSV, an array) names no session
+    unless it holds a `"session_id"` key.
+
+    Returns:
+        The session it names, or why that cannot be told (`TextSession.doubt`).
+    """
+    text = text.lstrip(_BLANKS)
+    if not text.startswith("{"):
+        return TextSession(None, "cut" if _SESSION_KEY.search(text) else None)
+    session_id: str | None = None
+    named = False  # a session_id showed, usable or not
+    position = 1
+    while True:
+        position = unread = _skip_blanks(text, position)
+        if text.startswith("}", position):  # read to its end: anything after it is another line run into it
+            if _SESSION_KEY.search(text, position + 1):
+                return TextSession(None, "cut")
+            return TextSession(session_id, None)
+        key = _value_at(text, position)
+        if key is None or not isinstance(key[0], str):
+            break
+        name, position = key
+        position = _skip_blanks(text, position)
+        if not text.startswith(":", position):
+            if name == "session_id":
+                return TextSession(None, "cut")
+            break
+        position = unread = _skip_blanks(text, position + 1)
+        value = _value_at(text, position)
+        if name == "session_id":
+            if position == len(text) or (text[position] == '"' and value is None):
+                return TextSession(None, "cut")
+            if value is not None and isinstance(value[0], str):
+                # A byte that is no UTF-8 reads as a lone surrogate (surrogateescape), which the text of no valid
+                # line holds (an escaped one is ASCII there): the id read is not the id written.
+                if any("\udc80" <= c <= "\udcff" for c in text[position : value[1]]):
+                    return TextSession(None, "cut")
+                session_id = value[0] or None
+            else:
+                session_id = None  # null, a number...: no session, as `session_of` reads it
+            named = True
+        if value is None:
+            break
+        position = unread = _skip_blanks(text, value[1])
+        if text.startswith(",", position):
+            position += 1
+        elif not text.startswith("}", position):
+            break
+    if _SESSION_KEY.search(text, unread):  # past what was read (a key read as "inp{" included): one it holds
+        return TextSession(None, "cut")
+    return TextSession(session_id, None if named else "unread")
 
 
 def parse_record(record: object, block_size_tokens: int, *, time_unit: TimeUnit = "ms") -> TraceRecord:

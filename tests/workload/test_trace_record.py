@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.workload.trace_record import AIPERF_FIELDS, TraceRecord, parse_record, session_of
+from mooncake.workload.trace_record import (
+    AIPERF_FIELDS,
+    TextSession,
+    TraceRecord,
+    parse_record,
+    session_in_text,
+    session_of,
+)
 
 BLOCK = 4
 MOONCAKE: dict[str, Any] = {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [1, 2]}
@@ -167,6 +174,37 @@ def test_bad_aiperf_fields_are_value_errors(fields: dict[str, Any], reason: str)
 def test_session_of_reads_a_usable_session_id_from_any_line(record: object, expected: str | None) -> None:
     """session_of finds a line's session even when the rest of the line is unusable."""
     assert session_of(record) == expected
+
+
+TEXT_SESSIONS: dict[str, tuple[str, TextSession]] = {
+    # id: (a line that is no JSON, what its text shows of its session)
+    "cut after the id": ('{"session_id": "s1", "delay": 1000, "output_len', TextSession("s1", None)),
+    "cut right after its quote": ('{"input_length": 5, "session_id": "s1"', TextSession("s1", None)),
+    "escaped key and id": ('{"session\\u005fid": "s\\u00e9", "x": [1,', TextSession("s\u00e9", None)),
+    "a NaN elsewhere": ('\ufeff{"session_id": "q", "timestamp": NaN}', TextSession("q", None)),
+    "the last of two ids": ('{"session_id": "a", "session_id": "b", "x": ', TextSession("b", None)),
+    "the words in a text": ('{"session_id": "a", "text_input": "its \\"session_id\\" is', TextSession("a", None)),
+    "cut inside the id": ('{"session_id": "s1', TextSession(None, "cut")),
+    "cut after the colon": ('{"session_id": ', TextSession(None, "cut")),
+    "cut inside the key": ('{"x": 1, "session_id', TextSession(None, "cut")),
+    "a byte no UTF-8 in the id": ('{"session_id": "a\udcff", "x": 1', TextSession(None, "cut")),
+    "a line run into it": ('{"session_id": "a", "x": 1}{"session_id": "b"}', TextSession(None, "cut")),
+    "a line run into a key": ('{"session_id": "a", "inp{"session_id": "b"}', TextSession(None, "cut")),
+    "no object, with an id": ('[{"session_id": "a"},', TextSession(None, "cut")),
+    "cut before a field shows": ('{"timestamp": 0, "sess', TextSession(None, "unread")),
+    "a nested id": ('{"meta": {"session_id": "n"}, "x": 1', TextSession(None, "unread")),
+    "read to its end": ('{"timestamp": NaN, "input_length": 5}', TextSession(None, None)),
+    "a null id": ('{"session_id": null, "x": [1,', TextSession(None, None)),
+    "a number id, cut": ('{"session_id": 7', TextSession(None, None)),
+    "no object": ("timestamp=0,5,3", TextSession(None, None)),
+}
+
+
+@pytest.mark.parametrize(("text", "expected"), TEXT_SESSIONS.values(), ids=TEXT_SESSIONS.keys())
+def test_session_in_text_reads_a_whole_id_and_guesses_none(text: str, expected: TextSession) -> None:
+    """A line that is no JSON names the session whose id it holds whole, as `json.loads` would read it; an id cut
+    short, unreadable or past where the reading stops is "cut"; a line cut before any session_id shows, "unread"."""
+    assert session_in_text(text) == expected
 
 
 @given(
