@@ -126,13 +126,8 @@ def test_analytic_decode_matches_stepping(requests: list[Request], spec: Coupled
     assert_same_records(analytic.records, stepped.records)
 
 
-@settings(deadline=None)
-@given(workloads(max_requests=8, max_output_tokens=60), coupled_specs())
-def test_cache_and_reservations_share_the_hbm(requests: list[Request], spec: CoupledSpec) -> None:
-    """One KV pool, as vLLM's: at every step boundary each instance's cached blocks plus its running requests'
-    reservations fit its KV capacity (cached blocks are evicted, least recently used first, as reservations
-    grow)."""
-    cluster = CoupledCluster(spec)
+def checked_at_every_boundary(cluster: CoupledCluster) -> None:
+    """Make `cluster` check its invariants after every step boundary it handles."""
     boundary = cluster._boundary
 
     def checked(now: float, instance: Any, version: int) -> None:
@@ -140,6 +135,16 @@ def test_cache_and_reservations_share_the_hbm(requests: list[Request], spec: Cou
         cluster.check_invariants()
 
     cluster._boundary = checked  # type: ignore[method-assign]
+
+
+@settings(deadline=None)
+@given(workloads(max_requests=8, max_output_tokens=60), coupled_specs())
+def test_cache_and_reservations_share_the_hbm(requests: list[Request], spec: CoupledSpec) -> None:
+    """One KV pool, as vLLM's: at every step boundary each instance's unpinned cached blocks plus its running
+    requests' reservations fit its KV capacity (unpinned blocks are evicted, least recently used first, as
+    reservations grow)."""
+    cluster = CoupledCluster(spec)
+    checked_at_every_boundary(cluster)
     assert_all_served(requests, cluster.run(requests), cluster.capacity_tokens)
 
 
@@ -153,13 +158,7 @@ def test_prefix_cache_gives_way_to_running_requests() -> None:
     first = make_request("cached", 0.0, 20_000, 2)
     big = make_request("big", 10.0, capacity - 5_000, 1_000, first_key=1_000)
     repeat = make_request("repeat", 10.5, 20_000, 2)
-    boundary = cluster._boundary
-
-    def checked(now: float, instance: Any, version: int) -> None:
-        boundary(now, instance, version)
-        cluster.check_invariants()
-
-    cluster._boundary = checked  # type: ignore[method-assign]
+    checked_at_every_boundary(cluster)
     records = {r.request_id: r for r in cluster.run([first, big, repeat]).records}
     assert all(r.outcome == Outcome.COMPLETED for r in records.values())
     assert records[RequestId("repeat")].prefix_tokens < 20_000 - BLOCK
@@ -176,13 +175,7 @@ def test_a_running_requests_prompt_stays_cached_for_requests_sharing_it() -> Non
     first = make_request("first", 0.0, 16 * BLOCK, 8_000, first_key=1_000)
     second = make_request("second", 0.1, 16 * BLOCK, 4_000, first_key=5_000)
     sharing = make_request("sharing", 5.0, 17 * BLOCK, 2, first_key=1_000)
-    boundary = cluster._boundary
-
-    def checked(now: float, instance: Any, version: int) -> None:
-        boundary(now, instance, version)
-        cluster.check_invariants()
-
-    cluster._boundary = checked  # type: ignore[method-assign]
+    checked_at_every_boundary(cluster)
     records = {r.request_id: r for r in cluster.run([first, second, sharing]).records}
     assert all(r.outcome == Outcome.COMPLETED for r in records.values())
     assert records[RequestId("sharing")].first_token_s < records[RequestId("second")].finish_s  # while both ran
