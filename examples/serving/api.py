@@ -77,6 +77,8 @@ __all__ = [
     "encoded",
     "error_body",
     "generation_limit",
+    "lax_flag",
+    "max_tokens_within",
     "models_body",
     "parse_chat",
     "parse_completion",
@@ -85,6 +87,7 @@ __all__ = [
     "prompt_tokens",
     "rejection_error",
     "requested_max_tokens",
+    "stream_flag",
     "stream_usage",
     "tokenize_body",
 ]
@@ -583,12 +586,42 @@ def _as_float(value: int | float) -> float:
 
 
 def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    """A boolean field as vLLM reads it (`lax_flag`), `default` where absent or null."""
+    value = lax_flag(body, name)
+    return default if value is None else value
+
+
+# pydantic's lax reading of a bool field from JSON (vLLM's request models): these strings, any case.
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_flag(body: Mapping[str, Any], name: str) -> bool | None:
+    """A `bool | None` field as vLLM's pydantic models read it (lax mode): a boolean; 0 or 1 (int or float); one of
+    the strings "true"/"false", "yes"/"no", "on"/"off", "t"/"f", "y"/"n", "1"/"0" in any case; None where absent
+    or null.
+
+    Raises:
+        ApiError: 400 naming the field and the value, for anything else (vLLM's validation error).
+    """
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a boolean, got {_shown(value)}", param=name)
-    return value
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value) in (int, float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _LAX_TRUE | _LAX_FALSE:
+        return value.lower() in _LAX_TRUE
+    raise ApiError(400, f"{name} must be a boolean, got {_shown(value)}", param=name)
+
+
+def stream_flag(body: Mapping[str, Any]) -> bool:
+    """Whether a body asks for a stream, as vLLM 0.32 reads `stream` (`lax_flag`: `"false"` is false, a null is
+    the default, false).
+
+    Raises:
+        ApiError: 400 naming `stream` and the value, where it is no boolean pydantic reads.
+    """
+    return _flag(body, "stream", default=False)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -871,9 +904,9 @@ def requested_max_tokens(body: Mapping[str, Any], *, default: int | None) -> int
 
 def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
     """What a body's `stream_options` asks for, by vLLM's rules: (a last chunk with the usage, the usage so far
-    in every chunk). Once `stream_options` is given, `include_usage` defaults to true and
-    `continuous_usage_stats` to false (an explicit null is false); the usage in every chunk comes only with
-    the last chunk's. Other keys (OpenAI's `include_obfuscation`) are ignored, as vLLM ignores them; an empty
+    in every chunk). Both default to false, given `stream_options` or not (vLLM 0.32's `StreamOptions`, read by
+    its `should_include_usage`: `{}` asks for no usage; an explicit null is false); the usage in every chunk
+    comes only with the last chunk's. Other keys (OpenAI's `include_obfuscation`) are ignored, as vLLM ignores them; an empty
     object is taken without `stream` too (vLLM refuses only options that say something).
 
     Raises:
@@ -893,7 +926,7 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
         if options:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return False, False
-    flags = {"include_usage": True, "continuous_usage_stats": False}
+    flags = {"include_usage": False, "continuous_usage_stats": False}
     for name in flags.keys() & options.keys():
         value = options[name]
         if not isinstance(value, bool | None):
@@ -1164,9 +1197,8 @@ def prompt_tokens(
 
     Raises:
         ApiError: 400 for an empty prompt or messages the chat template refuses; 400 `context_length_exceeded`
-            over `max_prompt_tokens` (a text certainly over it before it is tokenized: `encoded`), or when the prompt
-            and `max_tokens` exceed the context (vLLM's answer, which names `max_tokens` whichever of the two
-            fields set it).
+            over `max_prompt_tokens` (a text certainly over it before it is tokenized: `encoded`). A `max_tokens`
+            past what the context leaves is trimmed, not refused (`generation_limit`, as vLLM 0.32).
     """
     k = request.output.truncate_prompt_tokens
     # A truncated prompt may be any length: only its last k tokens count, which needs them all.
@@ -1175,32 +1207,43 @@ def prompt_tokens(
         raise ApiError(400, "the prompt is empty", param=param)
     if k is not None and len(tokens) > k:  # before any bound, as vLLM truncates
         tokens = _truncated(request, tokenizer, tokens, k)
-    n, asked, context = len(tokens), request.sampling.max_tokens, served.max_context_tokens
-    if n > served.max_prompt_tokens:
-        raise _over_prompt_limit(n, served.max_prompt_tokens, param)
-    if asked is not None and n + asked > context:
-        raise ApiError(
-            400,
-            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum context length is "
-            f"{context} tokens and your request has {n} input tokens ({asked} > {context} - {n}).",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    if len(tokens) > served.max_prompt_tokens:
+        raise _over_prompt_limit(len(tokens), served.max_prompt_tokens, param)
     return tokens
 
 
+def max_tokens_within(max_tokens: int, num_prompt_tokens: int, max_context_tokens: int) -> int:
+    """`max_tokens` trimmed to what a prompt of `num_prompt_tokens` leaves of the context, as vLLM 0.32 trims it
+    (`get_max_tokens`: a prompt that fits is served, its output cut at the context's end with finish_reason
+    "length"), rather than refused: the one rule of the example cluster's gateway and the vLLM router.
+
+    Raises:
+        ApiError: 400 where the prompt leaves no room for a token (vLLM's `SamplingParams` answer to the
+            `max_tokens` 0 it then computes).
+    """
+    room = max_context_tokens - num_prompt_tokens
+    if room <= 0:
+        raise ApiError(400, "max_tokens must be at least 1, got 0.", param="max_tokens")
+    return min(max_tokens, room)
+
+
 def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
-    """`sampling` with its `max_tokens` settled: a chat that set none may generate what the context leaves after
-    its prompt of `num_prompt_tokens` (vLLM's chat default: `max_model_len` minus the prompt), at most
-    `served.default_chat_max_tokens` where the checkpoint's generation config sets one (vLLM's `get_max_tokens`).
-    What the context leaves is at least `default_max_tokens`, since the config keeps the longest prompt and that
-    default within it.
+    """`sampling` with its `max_tokens` settled: one given is trimmed to what the context leaves after the prompt
+    of `num_prompt_tokens` (`max_tokens_within`); a chat that set none may generate what the context leaves (vLLM's
+    chat default: `max_model_len` minus the prompt), at most `served.default_chat_max_tokens` where the
+    checkpoint's generation config sets one (vLLM's `get_max_tokens`). What the context leaves is at least
+    `default_max_tokens`, since the config keeps the longest prompt and that default within it.
 
     Raises:
         ApiError: 400, a `min_tokens` over what the context leaves (vLLM's answer).
     """
     if sampling.max_tokens is not None:
-        return sampling
+        trimmed = max_tokens_within(sampling.max_tokens, num_prompt_tokens, served.max_context_tokens)
+        if trimmed == sampling.max_tokens:
+            return sampling
+        if sampling.min_tokens > trimmed:  # vLLM's SamplingParams check, on the trimmed value
+            raise ApiError(400, _min_over_max(sampling.min_tokens, trimmed), param="min_tokens")
+        return attrs.evolve(sampling, max_tokens=trimmed)
     left = served.max_context_tokens - num_prompt_tokens
     if served.default_chat_max_tokens is not None:
         left = min(left, served.default_chat_max_tokens)

@@ -51,13 +51,19 @@ _ZMQ = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\*|\d{1,5})")
 
 
 def _url(text: str) -> str | None:
+    """`url`: a server's root, to which the router appends its paths (`/v1/completions`): a query, a fragment or
+    credentials would end up before them or be dropped, and port 0 names no server."""
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
         return "must be an http:// or https:// URL of a server (http://HOST:PORT, no path)"
+    if parts.query or parts.fragment or text.endswith(("?", "#")) or parts.username is not None:
+        return "must be the server's root, http://HOST:PORT: no query (?), fragment (#) or user@"
     try:
-        parts.port  # noqa: B018 - it raises on a bad port
+        port = parts.port
     except ValueError:
-        return "has a port that is not a number in 0..65535"
+        return "has a port that is not a number in 1..65535"
+    if port == 0:
+        return "has port 0, which names no server: the port must be in 1..65535"
     return None
 
 

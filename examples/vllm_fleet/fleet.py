@@ -157,7 +157,12 @@ class Fleet:
                     self.conductor.add_prefill_instance(instance_id)
                 else:
                     self.conductor.add_decode_instance(instance_id, limits)
-                decoder = VllmEventDecoder(self.hasher, instance_id, strict=False)
+                # "full": a client may send `vllm_xargs: {"kv_cache_report_mode": "full"}`, and vLLM then
+                # re-announces the cached blocks each such request reuses. Read as new copies (the "incremental"
+                # reading), they would outlive the evictions that remove the real ones: blocks believed cached for
+                # ever. "full" reads a parentless GPU BlockStored of a block already held as no copy; it may
+                # under-count a copy two requests computed at once, which only drops a block from the index early.
+                decoder = VllmEventDecoder(self.hasher, instance_id, strict=False, report_mode="full")
                 subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
                 self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
         except BaseException:

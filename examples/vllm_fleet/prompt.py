@@ -14,6 +14,13 @@ given; other keys dropped), and the body's `chat_template_kwargs` over the
 tools but under the body's own fields. So the router's block keys are the
 server's, and its prefix-cache matches real.
 
+`add_special_tokens` is read as vLLM reads it (a BOS and the like around the
+prompt: true by default for a completion, false for a chat, whose template
+writes its own), and `truncate_prompt_tokens` keeps the prompt's last k tokens
+(-1: the `max_model_len - 1` vLLM truncates to); a text truncated so is
+`approximate` (vLLM's tokenizer truncates around the special tokens it adds,
+which a cut of the ids here need not match), token ids are cut exactly.
+
 Where the router cannot render a chat the server may accept (a part that is no
 text, for a multimodal model; a template variable the renderer here refuses; a
 template this renderer fails on), the prompt is `approximate`: the messages'
@@ -27,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from serving.api import ApiError
+from serving.api import ApiError, lax_flag
 
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.errors import MooncakeError
@@ -102,27 +109,49 @@ def _texts(messages: list[Any]) -> str:
     return "\n".join(texts)
 
 
-def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool) -> Prompt:
-    """The prompt of a completion or chat body as the servers will see it (see the module docstring).
+def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool, max_model_len: int | None = None) -> Prompt:
+    """The prompt of a completion or chat body as the servers will see it (see the module docstring):
+    `max_model_len` is what `truncate_prompt_tokens: -1` truncates to, less one (None: no truncation for -1).
 
     Raises:
         ApiError: 400, no prompt (a completion's `prompt` neither a non-empty string nor token ids) or no messages
-            (a chat's `messages` not a non-empty list): vLLM's 400 too.
+            (a chat's `messages` not a non-empty list), an `add_special_tokens` that is no boolean or a
+            `truncate_prompt_tokens` that is no integer >= -1: vLLM's 400 too.
     """
+    whole = _whole_prompt(tokenizer, body, chat=chat)
+    limit = body.get("truncate_prompt_tokens")
+    if limit is None:
+        return whole
+    if type(limit) is not int or limit < -1:
+        raise ApiError(
+            400, f"truncate_prompt_tokens must be an integer >= -1, got {limit!r}", param="truncate_prompt_tokens"
+        )
+    if limit == -1:
+        if max_model_len is None:
+            return whole
+        limit = max_model_len - 1  # vLLM's `max_truncation_tokens`: one token kept for the output
+    if len(whole.tokens) <= limit:
+        return whole
+    ids = not chat and isinstance(body.get("prompt"), list) and all(type(t) is int for t in body["prompt"])
+    return Prompt(whole.tokens[len(whole.tokens) - limit :], approximate=whole.approximate or not ids)
+
+
+def _whole_prompt(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool) -> Prompt:
+    """`prompt_of` before any truncation."""
+    special = lax_flag(body, "add_special_tokens")  # vLLM's defaults: true for a completion, false for a chat
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         variables = chat_variables(body)
         try:
-            return Prompt(
-                tokenizer.encode_chat(
-                    messages,
-                    add_generation_prompt=variables.pop("add_generation_prompt"),
-                    continue_final_message=variables.pop("continue_final_message"),
-                    **variables,
-                )
+            text = tokenizer.render_chat(
+                messages,
+                add_generation_prompt=variables.pop("add_generation_prompt"),
+                continue_final_message=variables.pop("continue_final_message"),
+                **variables,
             )
+            return Prompt(tokenizer.encode(text, add_special_tokens=bool(special)))
         except (MooncakeError, TypeError):  # not rendered here; the server may render it (a multimodal model)
             tokens = tokenizer.encode(_texts(messages), add_special_tokens=False)
             return Prompt(tokens or [0], approximate=True)
@@ -130,7 +159,7 @@ def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool) -> Prom
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, str) and prompt:
-        return Prompt(tokenizer.encode(prompt))
+        return Prompt(tokenizer.encode(prompt, add_special_tokens=special is not False))
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return Prompt([int(p) for p in prompt])
     raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")

@@ -63,8 +63,12 @@ from serving.api import (
     ApiError,
     authorized,
     decode_body,
+    error_body,
+    lax_flag,
+    max_tokens_within,
     rejection_error,
     requested_max_tokens,
+    stream_flag,
     stream_usage,
 )
 from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
@@ -445,17 +449,23 @@ class VllmRouter:
             content_encoding=request.headers.get("Content-Encoding"),
             max_bytes=MAX_BODY_BYTES,
         )
-        prompt = prompt_of(self.tokenizer, body, chat=chat)
+        prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
         tokens = prompt.tokens
         # What vLLM will generate at most, read as vLLM reads it (a bad value is vLLM's 400, before any server
         # sees it); a completion that sets none gets vLLM's 16 (a null too: vLLM 0.32's `CompletionRequest` reads
         # it as unset), a chat runs to the context's end in vLLM and is planned for `default_max_tokens`.
-        max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
-        if max_tokens is None:  # at most the room the prompt leaves: vLLM stops at the context's end
-            max_tokens = max(1, min(self.settings.default_max_tokens, self._max_model_len - len(tokens)))
-        stream = bool(body.get("stream"))
-        wants_usage, _ = stream_usage(body)  # vLLM's reading, so that the answer is the one vLLM would give
+        if not chat and _echo_only(body):
+            # lm-eval-harness's loglikelihood: vLLM scores the prompt and draws one token it neither shows nor
+            # counts (`CompletionRequest.to_sampling_params`: `echo_without_generation`).
+            max_tokens: int | None = 1
+        else:
+            max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
+        max_tokens = self._trimmed(len(tokens), max_tokens)
+        stream = stream_flag(body)
         upstream_body = dict(body)
+        if "stream" in body:
+            upstream_body["stream"] = stream  # the server reads it as the router did; no other reading to diverge
+        wants_usage, _ = stream_usage(upstream_body)  # vLLM's reading, so that the answer is the one vLLM gives
         if stream:
             options = {**(body.get("stream_options") or {}), "include_usage": True}
             if not wants_usage:  # asked for the count only: no usage in the chunks the client reads
@@ -472,7 +482,7 @@ class VllmRouter:
                 status = http_status(decision.reason)
                 detail = {
                     503: "no vLLM server is up",
-                    # no server could ever take it: vLLM's own 400
+                    # The prompt fits the longest context (`_trimmed`), but no server up has one that long.
                     400: f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
                     "maximum context",
                 }.get(status)
@@ -525,6 +535,29 @@ class VllmRouter:
                 self.fleet.failed(flight, time.monotonic(), Reason.FAILED)
                 raise
         raise ApiError(502, f"the request failed on {self.settings.max_retries + 1} servers")
+
+    def _trimmed(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """What the request is planned for: `max_tokens` (a chat's None: `default_max_tokens`) trimmed to the
+        room the prompt leaves in the longest `max_model_len` of the fleet, as vLLM 0.32 trims it
+        (`get_max_tokens`: a prompt that fits is served, its output cut at the context's end; a server with less
+        room than that is the Conductor's to rule out).
+
+        Raises:
+            ApiError: 400, vLLM's answers: a prompt longer than `max_model_len` (`input_tokens`, the renderer's
+                message), or one that leaves no room for a token (`max_tokens` 0, `SamplingParams`' message).
+        """
+        limit = self._max_model_len
+        if num_prompt_tokens > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{num_prompt_tokens} input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt.",
+                param="input_tokens",
+            )
+        return max_tokens_within(
+            self.settings.default_max_tokens if max_tokens is None else max_tokens, num_prompt_tokens, limit
+        )
 
     def _timeout_message(self, instance_id: InstanceId) -> str:
         return f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s) on {instance_id}"
@@ -686,15 +719,14 @@ class VllmRouter:
                     raise _failure(instance_id, error) from error
                 timed_out = _ran_out(error)
                 fleet.failed(flight, time.monotonic(), Reason.TIMEOUT if timed_out else Reason.FAILED)
-                message = {
-                    "error": {
-                        "message": self._timeout_message(instance_id)
-                        if timed_out
-                        else f"the server failed mid-stream: {error}",
-                        "type": "timeout_error" if timed_out else "server_error",
-                    }
-                }
-                await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
+                # The shape vLLM ends a failed stream with (`create_streaming_error_response`: OpenAI's error with
+                # `param` and the status as `code`, then `[DONE]`), so that a client reading to `[DONE]` ends.
+                message = error_body(
+                    self._timeout_message(instance_id) if timed_out else f"the server failed mid-stream: {error}",
+                    kind="timeout_error" if timed_out else "server_error",
+                    code=504 if timed_out else 502,
+                )
+                await response.write(b"data: " + json.dumps(message).encode() + b"\n\ndata: [DONE]\n\n")
                 await response.write_eof()
                 return response
             if not prepared:
@@ -760,6 +792,15 @@ def _passed_back(headers: Any) -> dict[str, str]:
 def _forwarded(headers: Any) -> dict[str, str]:
     """The client's end-to-end headers, as a server should see them (`Authorization`, `X-Request-Id`...)."""
     return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+
+
+def _echo_only(body: dict[str, Any]) -> bool:
+    """Whether a completion body asks for its prompt back and nothing generated (`echo` with `max_tokens` 0), as
+    vLLM reads it: pydantic's lax booleans and integers (`"true"`, `0.0`); a bool is no max_tokens."""
+    with contextlib.suppress(ApiError):
+        tokens = body.get("max_tokens")
+        return lax_flag(body, "echo") is True and type(tokens) in (int, float) and tokens == 0
+    return False
 
 
 def _subscriber(section: InstanceSection, decoder: Any, index: BlockIndex) -> KvEventSubscriber:

@@ -43,6 +43,7 @@ from serving.api import (
     prompt_tokens,
     rejection_error,
     requested_max_tokens,
+    stream_flag,
     tokenize_body,
 )
 from serving.tokenizer import ByteTokenizer, TextStream
@@ -129,7 +130,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "logprobs": -1}, "logprobs"),
         ({"prompt": "hi", "logprobs": True}, "logprobs"),
-        ({"prompt": "hi", "echo": 1}, "echo"),
+        ({"prompt": "hi", "echo": 2}, "echo"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
@@ -142,7 +143,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "logit_bias": [5, 1]}, "logit_bias"),
         ({"prompt": "hi", "stop_token_ids": [256]}, "stop_token_ids"),
         ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
-        ({"prompt": "hi", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"prompt": "hi", "include_stop_str_in_output": 2}, "include_stop_str_in_output"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
         ({"prompt": "hi", "top_k": 2.5}, "top_k"),
         ({"prompt": "hi", "min_p": 1.5}, "min_p"),
@@ -157,10 +158,10 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": [1, "2"]}, "prompt"),
         ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
-        ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
-        ({"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
-        ({"prompt": "hi", "return_token_ids": 1}, "return_token_ids"),
-        ({"prompt": "hi", "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+        ({"prompt": "hi", "ignore_eos": "maybe"}, "ignore_eos"),
+        ({"prompt": "hi", "add_special_tokens": 2}, "add_special_tokens"),
+        ({"prompt": "hi", "return_token_ids": 2}, "return_token_ids"),
+        ({"prompt": "hi", "return_tokens_as_token_ids": "maybe"}, "return_tokens_as_token_ids"),
         ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "hi", "allowed_token_ids": [256]}, "allowed_token_ids"),
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
@@ -169,7 +170,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": "1.2"}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": 10**400}, "repetition_penalty"),
-        ({"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"prompt": "hi", "skip_special_tokens": "nope"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
@@ -189,7 +190,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "stream": False, "stream_options": {"other": True}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
-        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "stream": "maybe"}, "stream"),
     ],
 )
 def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
@@ -211,7 +212,7 @@ def test_a_completion_field_out_of_bounds_is_a_400_naming_it(body: dict[str, Any
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -429,18 +430,12 @@ def test_prompt_tokens_checks_the_limit() -> None:
     assert bytes(prompt_tokens(chat, TOKENIZER, SERVED)) == b"<|user|>\nhi\n<|assistant|>\n"
     many = {"messages": [{"role": "user", "content": ""}] * 65}
     assert refused(parse_chat, many, SERVED).code == "context_length_exceeded"
-    # 60 prompt tokens + 69 = the 129-token context: served; one more is over it, named as vLLM names it.
-    assert len(prompt_tokens(parse_completion({"prompt": "x" * 60, "max_tokens": 69}, SERVED), TOKENIZER, SERVED)) == 60
-    over = refused(prompt_tokens, parse_completion({"prompt": "x" * 60, "max_tokens": 70}, SERVED), TOKENIZER, SERVED)
-    assert (over.status, over.code, over.param) == (400, "context_length_exceeded", "max_tokens")
-    assert over.message == (
-        "'max_tokens' or 'max_completion_tokens' is too large: 70. This model's maximum context length is 129 tokens "
-        "and your request has 60 input tokens (70 > 129 - 60)."
-    )
-    # A max_tokens past the context itself is the same answer (once a range error vLLM's clients did not know).
-    huge = refused(prompt_tokens, parse_completion({"prompt": "x" * 2, "max_tokens": 5000}, SERVED), TOKENIZER, SERVED)
-    assert (huge.status, huge.code, huge.param) == (400, "context_length_exceeded", "max_tokens")
-    assert "too large: 5000." in huge.message and "(5000 > 129 - 2)" in huge.message
+    # 60 prompt tokens + 69 = the 129-token context: served as asked; more is trimmed to the 69 left, as vLLM 0.32
+    # trims it (`get_max_tokens`), not refused; a max_tokens past the context itself too.
+    for asked, planned in ((69, 69), (70, 69), (5000, 69)):
+        request = parse_completion({"prompt": "x" * 60, "max_tokens": asked}, SERVED)
+        assert len(prompt_tokens(request, TOKENIZER, SERVED)) == 60
+        assert generation_limit(request.sampling, 60, SERVED).max_tokens == planned
     for ids in ([72, 105], [[72, 105]]):
         assert prompt_tokens(parse_completion({"prompt": ids}, SERVED), TOKENIZER, SERVED) == [72, 105]
 
@@ -678,18 +673,19 @@ def test_valid_values_parse_back(
     ("options", "include_usage", "continuous_usage"),
     [
         (None, False, False),
-        ({}, True, False),  # vLLM's defaults once stream_options is given
+        ({}, False, False),  # vLLM 0.32's defaults (`StreamOptions`): no usage unless asked for
         ({"include_usage": False}, False, False),
-        ({"continuous_usage_stats": True}, True, True),
+        ({"include_usage": True}, True, False),
+        ({"continuous_usage_stats": True}, False, False),  # without include_usage: none (`should_include_usage`)
         ({"include_usage": True, "continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),  # vLLM: only with the last chunk
         ({"include_usage": None, "continuous_usage_stats": True}, False, False),  # an explicit null is false
-        ({"include_obfuscation": False, "other": 1}, True, False),  # keys vLLM does not know are ignored
+        ({"include_obfuscation": False, "other": 1}, False, False),  # keys vLLM does not know are ignored
     ],
 )
 def test_stream_options_follow_vllm(options: Any, include_usage: bool, continuous_usage: bool) -> None:
-    """stream_options as vLLM reads it: include_usage defaults to true once the object is given, and the usage
-    in every chunk (continuous_usage_stats) comes only with the last chunk's."""
+    """stream_options as vLLM 0.32 reads it: include_usage defaults to false, the object given or not, and the
+    usage in every chunk (continuous_usage_stats) comes only with the last chunk's."""
     body = {"prompt": "hi", "stream": True} | ({} if options is None else {"stream_options": options})
     parsed = parse_completion(body, SERVED)
     assert (parsed.include_usage, parsed.continuous_usage) == (include_usage, continuous_usage)
@@ -1055,3 +1051,15 @@ def test_stop_token_ids_include_stop_str_and_logit_bias_parse_as_vllm_reads_them
     assert sampling.logit_bias == ((3, -100.0), (7, 100.0), (12, 0.5))
     neutral = parse_completion({"prompt": "hi", "logit_bias": None, "stop_token_ids": None}, SERVED).sampling
     assert (neutral.logit_bias, neutral.stop_token_ids, neutral.include_stop_str_in_output) == ((), (), False)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, True), ("false", False), ("True", True), ("yes", True), ("off", False), (1, True), (0.0, False)],
+)
+def test_boolean_fields_are_read_as_vllms_pydantic_reads_them(value: Any, expected: bool) -> None:
+    """vLLM's request models read booleans in pydantic's lax mode: "false" is false (not a truthy string), 1 is
+    true; the gateway and the vLLM router read every boolean field so (`_flag`, `lax_flag`, `stream_flag`)."""
+    parsed = parse_completion({"prompt": "hi", "stream": value, "ignore_eos": value}, SERVED)
+    assert parsed.stream is expected and parsed.sampling.ignore_eos is expected
+    assert stream_flag({"stream": value}) is expected

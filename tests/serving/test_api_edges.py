@@ -40,6 +40,7 @@ from serving.api import (
     Usage,
     decode_body,
     detokenize_body,
+    generation_limit,
     models_body,
     parse_chat,
     parse_completion,
@@ -286,21 +287,22 @@ def test_a_token_prompt_is_taken_iff_every_id_lies_in_the_vocabulary(ids: list[A
     num_tokens=st.integers(min_value=1, max_value=SERVED.max_prompt_tokens + 6),
     max_tokens=st.none() | st.integers(min_value=1, max_value=SERVED.max_context_tokens + 3),
 )
-def test_a_prompt_is_served_iff_it_fits_both_limits(num_tokens: int, max_tokens: int | None) -> None:
-    """A completion's prompt of n tokens and its max_tokens (16 when unset) are served iff n <= max_prompt_tokens
-    and n + max_tokens <= max_context_tokens; a refusal is `context_length_exceeded` naming the prompt when it is
-    over its own limit, else max_tokens."""
+def test_a_prompt_is_served_iff_it_fits_its_limit_and_max_tokens_is_trimmed_to_the_context(
+    num_tokens: int, max_tokens: int | None
+) -> None:
+    """A completion's prompt of n tokens is served iff n <= max_prompt_tokens (a refusal is
+    `context_length_exceeded` naming the prompt); its max_tokens (16 when unset) is then trimmed to what the context
+    leaves, as vLLM 0.32 trims it, never refused for it."""
     body: dict[str, Any] = {"prompt": "x" * num_tokens} | ({} if max_tokens is None else {"max_tokens": max_tokens})
     asked = SERVED.default_max_tokens if max_tokens is None else max_tokens
     request = parse_completion(body, SERVED)
     if num_tokens > SERVED.max_prompt_tokens:
         error = refused(prompt_tokens, request, TOKENIZER, SERVED)
         assert (error.code, error.param) == ("context_length_exceeded", "prompt")
-    elif num_tokens + asked > SERVED.max_context_tokens:
-        error = refused(prompt_tokens, request, TOKENIZER, SERVED)
-        assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
     else:
         assert len(prompt_tokens(request, TOKENIZER, SERVED)) == num_tokens
+        planned = generation_limit(request.sampling, num_tokens, SERVED).max_tokens
+        assert planned == min(asked, SERVED.max_context_tokens - num_tokens) >= 1
 
 
 @pytest.mark.parametrize("count", [SERVED.max_prompt_tokens - 1, SERVED.max_prompt_tokens])
@@ -345,18 +347,13 @@ def test_a_refusal_shows_the_value_it_refused(body: dict[str, Any], param: str, 
     assert (error.status, error.param) == (400, param) and error.message.endswith(shown), error.message
 
 
-def test_a_context_overflow_names_both_output_fields_as_vllm_does() -> None:
-    """A prompt and its output over the context: vLLM's message, which names `max_tokens` and
-    `max_completion_tokens` (either sets the output) with the value asked, and vLLM's `param`, `max_tokens`,
-    whichever field the client used."""
-    chat = parse_chat({"messages": USER, "max_completion_tokens": 5000}, SERVED)
-    error = refused(prompt_tokens, chat, TOKENIZER, SERVED)
-    n = len(prompt_tokens(parse_chat({"messages": USER}, SERVED), TOKENIZER, SERVED))
-    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "max_tokens")
-    assert error.message == (
-        f"'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum context length is 129 "
-        f"tokens and your request has {n} input tokens (5000 > 129 - {n})."
-    )
+def test_an_output_over_the_context_is_trimmed_whichever_field_asked_for_it() -> None:
+    """A prompt and its output over the context: the output is trimmed to what the context leaves, as vLLM 0.32
+    trims it (`get_max_tokens`), whether `max_tokens` or `max_completion_tokens` asked for it."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        chat = parse_chat({"messages": USER, field: 5000}, SERVED)
+        n = len(prompt_tokens(chat, TOKENIZER, SERVED))
+        assert generation_limit(chat.sampling, n, SERVED).max_tokens == SERVED.max_context_tokens - n
 
 
 def test_detokenize_decodes_every_id_as_vllm_does() -> None:

@@ -12,6 +12,7 @@ server is idle.
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,20 @@ def router_config(tmp_path: Any, *, roles: tuple[str, ...] = ("both", "both"), *
             r"kv_events = '127.0.0.1:1': must be a ZeroMQ",
         ),
         ("[[instances]]\nkv_events = 'tcp://127.0.0.1:1'\n", r"\[\[instances\]\] 0: url is required"),
+        # The router appends its paths to the url: a query or fragment would swallow them; port 0 is no server.
+        *(
+            (
+                f"[[instances]]\nurl = '{url}'\nkv_events = 'tcp://127.0.0.1:1'\n",
+                rf"\[\[instances\]\] 0 url = '{re.escape(url)}': {message}",
+            )
+            for url, message in [
+                ("http://x:8000?token=1", "must be the server's root"),
+                ("http://x:8000/#frag", "must be the server's root"),
+                ("http://x:8000?", "must be the server's root"),
+                ("http://u:p@x:8000", "must be the server's root"),
+                ("http://x:0", "has port 0, which names no server"),
+            ]
+        ),
         # ZeroMQ binds port 0 at random and 99999 as 34463 (modulo 65536): neither is the port named.
         *(
             (
@@ -393,3 +408,35 @@ def test_an_events_port_lies_below_the_ephemeral_range_and_is_free() -> None:
         assert 10_000 <= port < low
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+
+
+def test_a_clients_full_report_mode_leaves_no_evicted_block_believed_cached(tmp_path: Any) -> None:
+    """A client may ask vLLM for `kv_cache_report_mode: "full"` (`vllm_xargs`): vLLM then re-announces the cached
+    blocks each of its requests reuses, from block 0 with no parent. Those are no new copies: once vLLM evicts the
+    one copy it holds (one BlockRemoved), the router's index holds the blocks no more."""
+    pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
+    from tests.cache.test_vllm_events import BLOCK as WIRE_BLOCK
+    from tests.cache.test_vllm_events import payload, removed_wire
+    from tests.cache.test_vllm_events_copies import gpu_stored, maybe_convert_block_hash, vllm_hashes
+
+    decoders: list[Any] = []
+    fleet = Fleet(
+        router_config(tmp_path, block_size=WIRE_BLOCK),
+        [attrs.evolve(INFO, block_size=WIRE_BLOCK)] * 2,
+        subscribe=lambda _section, decoder, _index: decoders.append(decoder),
+    )
+    decoder = decoders[0]
+    tokens = list(range(100, 100 + 3 * WIRE_BLOCK))
+
+    def send(*events: dict[str, Any]) -> None:
+        batch = decoder.decode(payload(list(events)), seq=decoder.expected_seq)
+        for event in batch:
+            fleet.conductor.apply_cache_event(event)
+
+    send(gpu_stored(tokens, 0, 3))  # the first request computes three blocks
+    send(gpu_stored(tokens, 0, 3, parent=False))  # a second, "full" mode, reuses them: re-announced
+    send(gpu_stored(tokens, 0, 3, parent=False))  # and a third
+    assert fleet.cached_blocks(InstanceId("vllm-0")) == 3
+    send(removed_wire([maybe_convert_block_hash(h) for h in vllm_hashes(tokens)]))  # vLLM evicts its one copy
+    assert fleet.cached_blocks(InstanceId("vllm-0")) == 0
+    fleet.conductor.check_invariants()

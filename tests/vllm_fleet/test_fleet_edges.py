@@ -838,6 +838,9 @@ def test_a_stream_over_its_timeout_ends_with_a_timeout_event_and_its_server_stay
     events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["text"] == " x" and len(events) < 30
     assert events[-1]["error"]["type"] == "timeout_error" and "request_timeout_s" in events[-1]["error"]["message"]
+    # vLLM's shape of a failed stream's end (`create_streaming_error_response`): param and code, then [DONE].
+    assert events[-1]["error"]["param"] is None and events[-1]["error"]["code"] == 504
+    assert text.endswith("data: [DONE]\n\n"), text
 
 
 # ---------------------------------------------------------------------------------------------- servers

@@ -123,3 +123,33 @@ def test_a_chat_not_rendered_here_is_routed_by_its_texts(tokenizer_dir: Path) ->
     for bad, chat in (({"messages": []}, True), ({"prompt": ""}, False), ({"prompt": [True]}, False)):
         with pytest.raises(ApiError):
             prompt_of(tokenizer, bad, chat=chat)
+
+
+def test_add_special_tokens_and_truncation_are_read_as_vllm_reads_them(tokenizer_dir: Path) -> None:
+    """A completion's `add_special_tokens` (default true) and a chat's (default false) decide the BOS and the like
+    the server adds, so the router's block keys are the server's; `truncate_prompt_tokens` keeps the last k
+    tokens (-1: `max_model_len - 1`), exactly for token ids, `approximate` for a text."""
+    loaded = load_tokenizer(tokenizer_dir)
+    tokenizer = Tokenizer(loaded.backend, special=loaded.special, chat_template=CHATML)
+    for special in (True, False):
+        text = tokenizer.encode("bada keli sunu", add_special_tokens=special)
+        body = {"prompt": "bada keli sunu", "add_special_tokens": special}
+        assert prompt_of(tokenizer, body, chat=False) == Prompt(text)
+        rendered = tokenizer.render_chat(MESSAGES, add_generation_prompt=True)
+        chat = {"messages": MESSAGES, "add_special_tokens": special}
+        assert prompt_of(tokenizer, chat, chat=True) == Prompt(tokenizer.encode(rendered, add_special_tokens=special))
+    assert prompt_of(tokenizer, {"prompt": "x", "add_special_tokens": "no"}, chat=False) == Prompt(
+        tokenizer.encode("x", add_special_tokens=False)
+    )
+    ids = list(range(10, 30))
+    assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": 5}, chat=False) == Prompt(ids[-5:])
+    assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": -1}, chat=False, max_model_len=8) == Prompt(
+        ids[-7:]
+    )
+    assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": 50}, chat=False) == Prompt(ids)
+    cut = prompt_of(tokenizer, {"prompt": "bada keli sunu " * 10, "truncate_prompt_tokens": 4}, chat=False)
+    assert len(cut.tokens) == 4 and cut.approximate
+    with pytest.raises(ApiError, match="truncate_prompt_tokens must be an integer >= -1, got -2"):
+        prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": -2}, chat=False)
+    with pytest.raises(ApiError, match="add_special_tokens must be a boolean, got 'maybe'"):
+        prompt_of(tokenizer, {"prompt": "x", "add_special_tokens": "maybe"}, chat=False)

@@ -86,11 +86,12 @@ def test_streams_and_whole_answers_pass_through(fakes: list[FakeVllm], tokenizer
             },
         )
         assert b'"usage"' in asked
-        _, _, defaulted = post(  # vLLM's default once stream_options is given: the usage chunk
-            f"{router.url}/v1/completions",
-            {"model": "tiny", "prompt": "bada", "max_tokens": 2, "stream": True, "stream_options": {}},
-        )
-        assert b'"usage"' in defaulted
+        for options in ({}, {"continuous_usage_stats": True}):  # vLLM 0.32's defaults: no usage chunk for these
+            _, _, defaulted = post(
+                f"{router.url}/v1/completions",
+                {"model": "tiny", "prompt": "bada", "max_tokens": 2, "stream": True, "stream_options": options},
+            )
+            assert b'"usage"' not in defaulted and defaulted.endswith(b"data: [DONE]\n\n")
         status, _, refused = post(
             f"{router.url}/v1/completions",
             {"model": "tiny", "prompt": "bada", "max_tokens": 2, "stream_options": {"include_usage": True}},
@@ -254,28 +255,75 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
         assert status == 401
         key = {"Authorization": "Bearer secret"}
         status, _, text = post(
-            f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2000)), "max_tokens": 100}, key
+            f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2049)), "max_tokens": 1}, key
         )
-        assert status == 400 and "maximum context" in json.loads(text)["error"]["message"]
+        error = json.loads(text)["error"]
+        assert (status, error["param"]) == (400, "input_tokens")
+        assert error["message"].startswith("This model's maximum context length is 2048 tokens. However, your prompt")
         status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": ""}, key)
         assert status == 400
         for bad in ({"max_tokens": 0}, {"max_tokens": "8"}, {"max_completion_tokens": 1.5}):  # vLLM's 400s
             status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", **bad}, key)
             assert status == 400 and json.loads(text)["error"]["param"] in bad
-        assert sum(len(f.received) for f in fakes) == before
-        # max_tokens as vLLM reads it: a completion that sets none gets 16, so a prompt 20 tokens short of the
-        # context is served; a null max_completion_tokens leaves max_tokens in force.
-        for extra in ({}, {"max_completion_tokens": None, "max_tokens": 20}):
-            status, _, _ = post(
-                f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2028)), **extra}, key
+        for bad_stream in ("maybe", 2, [True]):  # no boolean pydantic reads: vLLM's 400, naming the value
+            status, _, text = post(
+                f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", "stream": bad_stream}, key
             )
-            assert status == 200
-        status, _, _ = post(
-            f"{router.url}/v1/completions",
-            {"model": "tiny", "prompt": list(range(2028)), "max_completion_tokens": None, "max_tokens": 21},
-            key,
-        )
-        assert status == 400
+            error = json.loads(text)["error"]
+            assert (status, error["param"]) == (400, "stream") and repr(bad_stream) in error["message"]
+        assert sum(len(f.received) for f in fakes) == before
+
+
+def test_a_prompt_that_fits_is_served_with_max_tokens_trimmed_as_vllm_trims_it(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """vLLM 0.32 refuses only a prompt longer than `max_model_len`; any other is served, its `max_tokens` (or the
+    default) trimmed to the room the prompt leaves (`get_max_tokens`): so is it through the router, which
+    plans it for that room and forwards the body unchanged."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        for prompt, extra in (
+            (list(range(2000)), {"max_tokens": 100}),  # 48 tokens of room: served, 48 at most
+            (list(range(2040)), {}),  # a completion's default 16, over the room of 8
+            (list(range(2028)), {"max_completion_tokens": None, "max_tokens": 21}),
+            (list(range(2047)), {"max_tokens": 2000}),  # one token of room
+        ):
+            body = {"model": "tiny", "prompt": prompt, **extra}
+            status, _, text = post(f"{router.url}/v1/completions", body)
+            assert status == 200, text
+            (upstream,) = [b for fake in fakes for b in fake.received if b.get("prompt") == prompt]
+            assert upstream == body  # unchanged: the server trims it itself
+            for fake in fakes:
+                fake.received.clear()
+        assert router.read(lambda r: len(r.fleet.flights)) == 0
+        # A prompt that leaves no room at all: vLLM's SamplingParams refuses max_tokens 0.
+        status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2048))})
+        assert (status, json.loads(text)["error"]["param"]) == (400, "max_tokens")
+
+
+def test_echo_with_max_tokens_zero_and_a_string_stream_are_read_as_vllm_reads_them(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """`echo: true, max_tokens: 0` (lm-eval-harness's loglikelihood requests) is served, as vLLM serves it (the
+    prompt scored, nothing generated); without echo, max_tokens 0 is vLLM's 400. `"stream": "false"` is no
+    stream in vLLM (pydantic's lax bool): a whole answer, and the server is sent a boolean."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        body = {"model": "tiny", "prompt": "bada keli", "echo": True, "max_tokens": 0, "logprobs": 1}
+        status, _, text = post(f"{router.url}/v1/completions", body)
+        assert status == 200, text
+        assert [b for fake in fakes for b in fake.received if b.get("prompt") == "bada keli"] == [body]
+        status, _, text = post(f"{router.url}/v1/completions", {**body, "echo": False})
+        assert (status, json.loads(text)["error"]["param"]) == (400, "max_tokens")
+        for text_flag, streamed in (("false", False), ("True", True), (0, False)):
+            status, headers, answer = post(
+                f"{router.url}/v1/completions",
+                {"model": "tiny", "prompt": "sunu", "max_tokens": 2, "stream": text_flag},
+            )
+            assert status == 200 and headers["Content-Type"].startswith("text/event-stream") is streamed
+            assert answer.endswith(b"data: [DONE]\n\n") is streamed
+            (upstream,) = [b for fake in fakes for b in fake.received if b.get("prompt") == "sunu"]
+            assert upstream["stream"] is streamed
+            for fake in fakes:
+                fake.received.clear()
 
 
 def test_a_line_past_aiohttps_buffer_streams_whole_and_the_request_ends(
@@ -435,6 +483,39 @@ def test_a_client_that_leaves_aborts_its_request_upstream(fakes: list[FakeVllm],
             assert client.recv(1024).startswith(b"HTTP/1.1 200")
         wait_until(lambda: sum(f.aborted for f in fakes) == 1)
         wait_until(lambda: router.read(lambda r: len(r.fleet.flights)) == 0)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "close"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_first_byte_aborts_its_request_upstream(
+    fakes: list[FakeVllm], tokenizer_dir: Path, stream: bool, how: str
+) -> None:
+    """A client that closes its socket (or only its write side: a FIN) while the server is still prefilling, a
+    whole answer or a stream's first byte, aborts the request upstream, as vLLM aborts it for a client gone; the
+    flight ends. aiohttp does not cancel a handler on a FIN, so a whole answer was waited for to its end."""
+    import socket
+
+    for fake in fakes:
+        fake.seconds_per_token = 1.0  # a prefill of seconds: the client leaves long before it ends
+    with BackgroundRouter(router_config(fakes, tokenizer_dir, calibration_tokens=0)) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "tiny", "prompt": "bada keli sunu", "max_tokens": 5, "stream": stream}).encode()
+        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            wait_until(lambda: sum(f.active for f in fakes) == 1)
+            if how == "shutdown":
+                client.shutdown(socket.SHUT_WR)
+            else:
+                client.close()
+            wait_until(lambda: sum(f.aborted for f in fakes) == 1, timeout_s=2.5)
+            wait_until(lambda: router.read(lambda r: len(r.fleet.flights)) == 0, timeout_s=2.5)
+        finally:
+            client.close()
 
 
 def test_the_command_line_serves_until_sigterm_and_reports_bad_config(
