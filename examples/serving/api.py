@@ -922,16 +922,18 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
             f'stream_options must be an object such as {{"include_usage": <bool>}}, got {_shown(options)}',
             param="stream_options",
         )
-    if body.get("stream") is not True:
+    if not _flag(body, "stream", default=False):
         if options:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return False, False
     flags = {"include_usage": False, "continuous_usage_stats": False}
     for name in flags.keys() & options.keys():
-        value = options[name]
-        if not isinstance(value, bool | None):
-            raise ApiError(400, f"stream_options.{name} must be a boolean, got {_shown(value)}", param="stream_options")
-        flags[name] = bool(value)
+        try:
+            flags[name] = bool(lax_flag(options, name))
+        except ApiError:
+            raise ApiError(
+                400, f"stream_options.{name} must be a boolean, got {_shown(options[name])}", param="stream_options"
+            ) from None
     return flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
 
 
@@ -1151,11 +1153,10 @@ def parse_tokenize(body: Mapping[str, Any], served: ServedModel) -> tuple[Comple
         ApiError: 400 for what the completion or chat parser refuses, or a `return_token_strs` not a boolean.
     """
     body = dict(body)
-    token_strs = body.pop("return_token_strs", None)  # /tokenize's own field, unknown to the generation parsers
-    if token_strs is not None and not isinstance(token_strs, bool):
-        raise ApiError(400, f"return_token_strs must be a boolean, got {_shown(token_strs)}", param="return_token_strs")
+    token_strs = _flag(body, "return_token_strs", default=False)  # as every boolean: vLLM's lax reading
+    body.pop("return_token_strs", None)  # /tokenize's own field, unknown to the generation parsers
     parsed = parse_chat(body, served) if "messages" in body else parse_completion(body, served)
-    return parsed, bool(token_strs)
+    return parsed, token_strs
 
 
 def tokenize_body(

@@ -186,9 +186,9 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "stop": [3]}, "stop"),
         ({"prompt": "hi", "stop": "x" * 257}, "stop"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 2}}, "stream_options"),
         ({"prompt": "hi", "stream": False, "stream_options": {"other": True}}, "stream_options"),
-        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "maybe"}}, "stream_options"),
         ({"prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
         ({"prompt": "hi", "stream": "maybe"}, "stream"),
     ],
@@ -413,7 +413,7 @@ def test_tokenize_lists_each_tokens_string_when_asked() -> None:
     ):
         request, asked = parse_tokenize(body, SERVED)
         assert tokenize_body(request, TOKENIZER, SERVED, token_strs=asked)["token_strs"] is None
-    assert refused(parse_tokenize, {"prompt": "h", "return_token_strs": "yes"}, SERVED).param == "return_token_strs"
+    assert refused(parse_tokenize, {"prompt": "h", "return_token_strs": "maybe"}, SERVED).param == "return_token_strs"
     chat, asked = parse_tokenize({"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}, SERVED)
     assert isinstance(chat, ChatRequest) and asked
 
