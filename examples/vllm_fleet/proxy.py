@@ -32,7 +32,9 @@ that answers again is probed as at start-up and marked up (its KV events start
 a new epoch) unless it came back unlike itself (another model, block size or
 tokenizer: it stays down, the reason logged once); its limits follow a new
 `max_model_len` or KV capacity. A client
-that leaves aborts its request on the server (the upstream connection closes).
+that leaves closes the request's upstream connection. (Against a real vLLM 0.32
+that did not stop the generation in a probe: it ran to max_tokens, streamed or
+not, where a client leaving vLLM directly stops it; not resolved yet.)
 
 `GET /v1/models` (the servers' model, as a server lists it), `POST /tokenize` and
 `/detokenize` (passed to a server that is up), `/health` (200 while a server is up,
