@@ -10,7 +10,8 @@ One protocol, four policies:
   that sweeps from oldest to newest, clearing visited bits and evicting the
   first unvisited block. In prefix-aware mode the hand steps over every block
   that still has a cached child, so an eviction costs O(chain length): SIEVE
-  is slower there than the heap policies (about 3x in `make demo`).
+  is slower there than the heap policies (`mooncake trace capacity TRACE
+  --prefix-aware` with `--policy sieve` against `--policy lru` shows it).
 
 The caller owns capacity: it calls `access` for every use of a block (inserting
 it when new) and `evict` until what it holds fits. Time is logical (one tick per
