@@ -49,6 +49,7 @@ import attrs
 from scaling import Scaling, scale
 from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
+from mooncake._checks import range_problem
 from mooncake._files import atomic_path
 from mooncake.cli import read_trace
 from mooncake.errors import ConfigError
@@ -60,6 +61,7 @@ from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
 from mooncake.workload import (
+    ARRIVAL_RANGE,
     DEFAULT_WORKLOAD,
     PRESETS,
     TIME_UNITS,
@@ -157,8 +159,9 @@ def load_workload(
     if block < 1:
         raise ConfigError(f"--block-size must be >= 1, got {block}")
     rate = args.rate
-    if rate is not None:
-        check_positive("--rate", rate)
+    # The range `ArrivalProcess` takes, named as `mooncake trace generate` names it: not as its field, rate_per_s.
+    if rate is not None and (problem := range_problem(rate, *ARRIVAL_RANGE)) is not None:
+        raise ConfigError(f"--rate {problem}, got {rate:g}")
     if args.trace is not None:
         if rate is not None:  # a trace's own timestamps are its arrivals
             raise ConfigError("--rate sets a generated workload's arrivals; a --trace keeps its own (see --speedup)")

@@ -19,6 +19,7 @@ __all__ = [
     "is_finite_number",
     "is_int",
     "plain_int",
+    "range_problem",
     "require_bool",
     "require_int",
     "require_iterable",
@@ -74,6 +75,15 @@ def require_number(
         bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
         raise error(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)
+
+
+def range_problem(value: float, low: float, high: float) -> str | None:
+    """What is wrong with `value` as a number in [`low`, `high`] ("must be a number in [1e-06, 1e+06]"; nan and
+    the infinities are out), or None: one wording for an option's range, whether an argparse type, whose error
+    argparse prefixes with the option, or a ConfigError that names the option itself reports it."""
+    if is_finite_number(value) and low <= value <= high:
+        return None
+    return f"must be a number in [{low:g}, {high:g}]"
 
 
 def require_bool(name: str, value: Any) -> bool:

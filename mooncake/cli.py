@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 
 import attrs
 
+from mooncake._checks import range_problem
 from mooncake._files import names_a_file
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
@@ -120,8 +121,8 @@ def _ranged(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
-    if not low <= value <= high:  # nan fails too
-        raise argparse.ArgumentTypeError(f"must be a number in [{low:g}, {high:g}], got {_shown(text)}")
+    if (problem := range_problem(value, low, high)) is not None:  # as examples/simulation.py words --rate's
+        raise argparse.ArgumentTypeError(f"{problem}, got {_shown(text)}")
     return value
 
 

@@ -112,7 +112,7 @@ def test_replay_reports_a_bad_trace_by_name(tmp_path: Path, name: str) -> None:
         ([*SMALL, "--speedup", "inf"], "--speedup must be a finite number > 0"),
         ([*SMALL, "--cache-blocks", "-3"], "--cache-blocks must be >= 0, got -3"),
         ([*SMALL, "--ttft-slo", "-1"], "--ttft-slo must be a finite number > 0, got -1.0"),
-        ([*SMALL[:-1], "-5"], "--rate must be a finite number > 0, got -5.0"),
+        ([*SMALL[:-1], "-5"], "--rate must be a number in [1e-06, 1e+06], got -5"),
         (["--trace", "ONE", "--rate", "2"], "--rate sets a generated workload's arrivals"),  # it was ignored
         ([*SMALL, "--cpp", "4", "--prefill", "6"], "--cpp 4 must divide --prefill 6"),
         ([*SMALL, "--threshold", "0.5"], "--threshold must be a number >= 1"),

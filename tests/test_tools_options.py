@@ -1,6 +1,7 @@
 """The options of the real-cluster tools (examples/validate.py, load.py, profile_engine.py, cluster.py): bad input
-is refused in one line, exit 2, before any cluster starts or any profiling runs; and validate.py's comparison
-plots, counts and exits on the figures it compares.
+is refused in one line, exit 2, before any cluster starts or any profiling runs (--rate as replay.py and
+`mooncake trace generate` refuse it); and validate.py's comparison plots, counts and exits on the figures it
+compares.
 
 Every run here exits before a cluster starts, or replaces the clusters with records of its own (in-process).
 """
@@ -22,9 +23,11 @@ if str(EXAMPLES) not in sys.path:
 
 pytest.importorskip("aiohttp")
 
+from mooncake.cli import main as cli_main  # noqa: E402
 from mooncake.sched.outcome import Outcome  # noqa: E402
 from mooncake.sim.metrics import RequestRecord  # noqa: E402
 from mooncake.types import RequestId, Slo  # noqa: E402
+from mooncake.workload import ARRIVAL_RANGE  # noqa: E402
 
 PROFILE = {
     "prefill": {"coefficients": [0.0014, 4.9e-06, 7.5e-09], "mean_relative_error": 0.1, "max_relative_error": 0.5},
@@ -58,6 +61,25 @@ def test_a_timeout_that_is_no_timeout_is_refused(script: str, value: str) -> Non
     done = run(script, "--timeout", value)
     refused(done, f"--timeout must be a finite number > 0, got {float(value)}")
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("script", ["load.py", "validate.py", "replay.py"])
+@pytest.mark.parametrize("value", ["1e7", "1e-9"])
+def test_a_rate_out_of_the_generators_range_is_refused_as_trace_generate_refuses_it(
+    script: str, value: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--rate beyond ARRIVAL_RANGE, which all three read through simulation.load_workload, was refused naming
+    rate_per_s, ArrivalProcess's field, where `mooncake trace generate` names --rate: both now say one thing,
+    the option, the range and the value."""
+    low, high = ARRIVAL_RANGE
+    problem = f"must be a number in [{low:g}, {high:g}], got "
+    done = run(script, "--rate", value)
+    refused(done, f"--rate {problem}{float(value):g}")
+    assert done.stderr.count("\n") == 1 and "rate_per_s" not in done.stderr
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["trace", "generate", "--rate", value, "--out", str(tmp_path / "t.jsonl")])
+    assert exit.value.code == 2
+    assert f"argument --rate: {problem}{value!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", ["load.py", "validate.py"])

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import io
 import json
 import os
 import stat
@@ -135,6 +136,26 @@ class SkippedLine:
         return f"{self.path}:{self.line}: {self.reason}"
 
 
+class _Prefixed(io.RawIOBase):
+    """A stream that reads `head`, then the rest of `rest`: the bytes read to tell the format, put back in front
+    (a pipe cannot seek back to them)."""
+
+    def __init__(self, head: bytes, rest: io.BufferedReader) -> None:
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        if not self._head:
+            return self._rest.readinto(buffer)
+        count = min(len(buffer), len(self._head))
+        memoryview(buffer)[:count] = self._head[:count]
+        self._head = self._head[count:]
+        return count
+
+
 def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
     """(1-based number, raw line) of a plain or gzip file; a broken gzip stream is a TraceFormatError.
 
@@ -144,7 +165,11 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
     with open(path, "rb") as raw:
         number = 0
         try:
-            stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == _GZIP_MAGIC else raw
+            # read() waits for both bytes (or the end); peek() gives what has come so far, from a pipe perhaps 1 byte,
+            # and a gzip stream whose first write is one byte would be read as text.
+            head = raw.read(len(_GZIP_MAGIC))
+            data = io.BufferedReader(_Prefixed(head, raw))
+            stream: Iterable[bytes] = gzip.GzipFile(fileobj=data, mode="rb") if head == _GZIP_MAGIC else data
             for number, line in enumerate(stream, start=1):
                 yield number, line
         except (EOFError, zlib.error, gzip.BadGzipFile) as error:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,6 +21,7 @@ from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request
 from mooncake.workload import (
     ARRIVAL_RANGE,
+    DEFAULT_WORKLOAD,
     PRESETS,
     TRACE_BLOCK_SIZE_TOKENS,
     ArrivalProcess,
@@ -27,6 +30,7 @@ from mooncake.workload import (
     fixed_length_requests,
     generate_requests,
     preset,
+    trace_stats,
     write_trace,
 )
 from tests.strategies import workload_specs
@@ -34,8 +38,9 @@ from tests.strategies import workload_specs
 PUBLISHED = {"conversation": (12035, 343), "toolagent": (8596, 182), "synthetic": (15325, 149)}
 """Mean input / output tokens of the Mooncake traces (FAST'25)."""
 
-PRESET_SEEDS = range(4)
+PRESET_SEEDS = range(6)
 PRESET_REQUESTS = 4000
+WORKLOADS_DOC = Path(__file__).parents[2] / "docs" / "workloads.md"
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 preset_names = st.sampled_from(sorted(PRESETS))
 
@@ -46,8 +51,13 @@ def generate(spec: WorkloadSpec, num_requests: int, seed: int = 0, **arrivals: f
 
 @pytest.fixture(scope="module")
 def preset_workloads() -> dict[str, list[list[Request]]]:
-    """Each preset at 4,000 requests for seeds 0..3 (about 4 s in all, shared by this module)."""
-    return {name: [generate(preset(name), PRESET_REQUESTS, seed) for seed in PRESET_SEEDS] for name in PUBLISHED}
+    """Each preset at 4,000 requests, at the default workload's rate, for seeds 0..5 (about 5 s in all, shared by
+    this module): what docs/workloads.md's preset table states."""
+    rate = DEFAULT_WORKLOAD.rate_per_s
+    return {
+        name: [generate(preset(name), PRESET_REQUESTS, seed, rate_per_s=rate) for seed in PRESET_SEEDS]
+        for name in PUBLISHED
+    }
 
 
 def assert_valid(workload: Sequence[Request], spec: WorkloadSpec) -> None:
@@ -281,7 +291,7 @@ def test_sessions_with_no_think_time_run_turn_after_turn() -> None:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_means_match_the_published_traces(preset_workloads: dict[str, list[list[Request]]], name: str) -> None:
-    """Mean input/output at 4,000 requests: within 3% of the published figures over seeds 0..3, 6% per seed."""
+    """Mean input/output at 4,000 requests: within 3% of the published figures over seeds 0..5, 6% per seed."""
     published_input, published_output = PUBLISHED[name]
     inputs = [statistics.fmean(r.input_length for r in w) for w in preset_workloads[name]]
     outputs = [statistics.fmean(r.output_length for r in w) for w in preset_workloads[name]]
@@ -290,6 +300,64 @@ def test_preset_means_match_the_published_traces(preset_workloads: dict[str, lis
     for mean_input, mean_output in zip(inputs, outputs, strict=True):
         assert mean_input == pytest.approx(published_input, rel=0.06)
         assert mean_output == pytest.approx(published_output, rel=0.06)
+
+
+def documented(pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern`'s one match in docs/workloads.md (spaces there may be line breaks)."""
+    found = re.findall(pattern.replace(" ", r"\s+"), WORKLOADS_DOC.read_text(encoding="utf-8"))
+    assert len(found) == 1, pattern
+    return tuple(found[0])
+
+
+def figure(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def test_the_documented_preset_table_is_what_the_generator_gives(
+    preset_workloads: dict[str, list[list[Request]]],
+) -> None:
+    """docs/workloads.md's preset table, at the count, rate and seeds it states (the default workload's, as
+    `mooncake trace generate` and replay.py generate it), holds the published means and, to its rounding, the
+    generated means, prefix reuse and turns per session. It once held the figures of 1 request/s, ArrivalProcess's
+    own default: sessions cut short at the end of a workload four times shorter lower them 0.5-2 %."""
+    count, rate, first, last = documented(
+        r"at ([\d,]+) requests arriving at ([\d.]+) per second \(`DEFAULT_WORKLOAD`'s rate[\s\S]*?averaged over seeds "
+        r"(\d+)-(\d+)"
+    )
+    assert (figure(count), figure(rate)) == (PRESET_REQUESTS, DEFAULT_WORKLOAD.rate_per_s)
+    assert range(int(first), int(last) + 1) == PRESET_SEEDS
+    cell = r"([\d,.]+)"
+    for name in PRESETS:
+        row = documented(rf"\n\| `{name}` \| {cell} / {cell} \| {cell} / {cell} \| {cell} \| {cell} \|\n")
+        published_input, published_output, mean_input, mean_output, reuse, turns = map(figure, row)
+        assert (published_input, published_output) == PUBLISHED[name]
+        stats = [trace_stats(workload) for workload in preset_workloads[name]]
+        assert statistics.fmean(s.mean_input_length for s in stats) == pytest.approx(mean_input, abs=1)
+        assert statistics.fmean(s.mean_output_length for s in stats) == pytest.approx(mean_output, abs=1)
+        assert statistics.fmean(s.prefix_reuse_ratio for s in stats) == pytest.approx(reuse, abs=0.006)
+        assert preset(name).mean_session_turns == pytest.approx(turns)
+
+
+def test_the_documented_edge_effect_is_what_the_generator_gives(
+    preset_workloads: dict[str, list[list[Request]]],
+) -> None:
+    """docs/workloads.md's example of a workload's edges: 4,000 conversation requests average the input it states at
+    4 requests/s (the table's), and more at 1 request/s, where they last four times as many think times."""
+    fast, slow = map(
+        figure,
+        documented(
+            r"last about 17 think times and average ([\d,]+) input tokens; at 1 per "
+            r"second \(`ArrivalProcess`'s own default\), 67 think times, ([\d,]+)\."
+        ),
+    )
+    spec = preset("conversation")
+    for rate, think_times, tokens in ((DEFAULT_WORKLOAD.rate_per_s, 17, fast), (1.0, 67, slow)):
+        workloads = [generate(spec, PRESET_REQUESTS, seed, rate_per_s=rate) for seed in PRESET_SEEDS]
+        assert statistics.fmean(w[-1].arrival_s for w in workloads) / spec.think_time_s == pytest.approx(
+            think_times, rel=0.05
+        )
+        assert statistics.fmean(trace_stats(w).mean_input_length for w in workloads) == pytest.approx(tokens, abs=1)
+    assert fast < slow
 
 
 def test_preset_lookup() -> None:

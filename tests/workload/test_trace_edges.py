@@ -5,13 +5,19 @@ unit, the microseconds hint (and that its advice works), file order among equal 
 hints, the column of a non-UTF-8 byte, zstd files, whole-float timestamps, `.gz` names; the generator's rate at
 any cv, session prompts in documented order, constant lengths, and ids unique past a thousand segments. The
 last four are argument checks that `write_trace`, `iter_trace` and `text_request` had left to Python's own
-errors (and "out/" wrote a file named out)."""
+errors (and "out/" wrote a file named out). A gzip trace on a pipe whose first write is one byte."""
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import math
+import os
+import struct
+import termios
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -375,6 +381,46 @@ def test_every_gz_name_and_only_one_is_written_compressed(tmp_path: Path, name: 
     text = gzip.decompress(data) if packed else data
     assert text.decode("utf-8").count("\n") == 2
     assert [r.arrival_s for r in load_trace(path, block_size_tokens=BLOCK)] == [0.0, 0.5]
+
+
+def pending_bytes(fd: int) -> int:
+    """Bytes written to the pipe of `fd` and not yet read."""
+    count: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    return count
+
+
+@pytest.mark.skipif(not Path("/dev/fd").is_dir(), reason="opens a pipe by its /dev/fd name")
+@pytest.mark.parametrize("packed", [True, False], ids=["gzip", "plain"])
+def test_a_trace_on_a_pipe_is_told_by_its_first_two_bytes_when_the_first_write_is_one(
+    tmp_path: Path, packed: bool
+) -> None:
+    """A trace whose first byte comes through a pipe alone, the rest once the reader has taken it, reads as the file
+    does: the reader waits for gzip's two magic bytes. It peeked, which from a pipe gives what has come so far, and
+    read such a gzip stream as text ("not UTF-8: byte 0x8b")."""
+    path = tmp_path / ("t.jsonl.gz" if packed else "t.jsonl")
+    write_trace(path, [a_request(0, 0.0), a_request(1, 0.5)], block_size_tokens=BLOCK)
+    data = path.read_bytes()
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        try:
+            os.write(write_end, data[:1])
+            deadline = time.monotonic() + 10
+            while pending_bytes(write_end) and time.monotonic() < deadline:  # the reader's first read has its byte
+                time.sleep(0.001)
+            os.write(write_end, data[1:])  # a few hundred bytes: the pipe holds them whether or not they are read
+        finally:
+            os.close(write_end)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        read = load_trace(f"/dev/fd/{read_end}", block_size_tokens=BLOCK)
+    finally:
+        writer.join(timeout=10)
+        os.close(read_end)
+    assert not writer.is_alive()
+    assert read == load_trace(path, block_size_tokens=BLOCK)
 
 
 @pytest.mark.parametrize("path", [3, None, b"t.jsonl", "t\0.jsonl"])
