@@ -43,7 +43,7 @@ from typing import Literal, Protocol
 import attrs
 
 from mooncake._checks import require_number
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision
@@ -154,10 +154,15 @@ def room_wait_deadline(
     while it waits, so a wait that ends in a rejection wastes nothing.
 
     Raises:
-        InvalidRequestError: an `estimated_ttft_s` that is neither None nor a finite number >= 0, or an `arrival_s`
-            that is not a finite number (checked whatever the reason).
-        ConfigError: a `max_wait_s` that is not a finite number >= 0 (a bool is none).
+        InvalidRequestError: a `reason` that is no `Reason` (a string would never wait), an `estimated_ttft_s` that
+            is neither None nor a finite number >= 0, or an `arrival_s` that is not a finite number (checked
+            whatever the reason).
+        ConfigError: an `slo` that is no `Slo`, or a `max_wait_s` that is not a finite number >= 0 (a bool is none).
     """
+    if not isinstance(reason, Reason):
+        raise InvalidRequestError(f"reason must be a mooncake.sched.Reason, got {reason!r}")
+    if not isinstance(slo, Slo):
+        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
     if estimated_ttft_s is not None:
         require_number("estimated_ttft_s", estimated_ttft_s, minimum=0.0, error=InvalidRequestError)
     require_number("arrival_s", arrival_s, minimum=-math.inf, error=InvalidRequestError)

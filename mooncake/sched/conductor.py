@@ -465,7 +465,8 @@ class Conductor:
         if verdict.accepted:
             assert decode.decode_instance is not None  # checked above
             start = now + route.wait_s
-            ahead_end = self._prefill[route.prefill_instance].drained_s()
+            view = self._prefill[route.prefill_instance]
+            ahead_end = view.drained_s()
             queued = QueuedPrefill(
                 request_id=request.request_id,
                 start_s=start,
@@ -479,8 +480,11 @@ class Conductor:
                 output_tokens=request.output_length,
                 transfer_source=route.transfer.source if route.transfer else None,
                 transfer_finish_s=now + route.transfer_s,
+                # What holds it back but the queue ahead (which may yet end sooner than predicted): its transfer,
+                # and the backlog it was routed behind (a later report leaves it as it is, as its times).
+                earliest_s=max(now + route.transfer_s, view.backlog_until_s),
             )
-            self._prefill[route.prefill_instance].queue.append(queued)
+            view.queue.append(queued)
             if route.transfer is None or route.transfer.keep_local_copy:
                 owner = self._owner[route.prefill_instance]
                 self._pending.add(owner, keys)
@@ -654,7 +658,7 @@ class Conductor:
                 )
         if isinstance(event, PrefillStarted):
             self._release_transfer(flight)  # the prefill runs: the blocks it fetched are there
-            self._retime(self._prefill[flight.prefill_instance], started=(event.request_id, event.now))
+            self._retime(self._prefill[flight.prefill_instance], now=event.now, started=(event.request_id, event.now))
         elif isinstance(event, PrefillFinished):
             if flight.stage is not _Stage.QUEUED:
                 return ()  # a repeated report: learn from each request once
@@ -883,23 +887,34 @@ class Conductor:
         self, view: PrefillView, *, now: float | None = None, started: tuple[RequestId, float] | None = None
     ) -> None:
         """Re-predict the queue's times after a start or an end: each entry keeps its durations (its prefill,
-        and until it frees the instance) and starts no earlier than its predecessor frees the instance; one not
-        yet reported started also no earlier than `now` (a running one keeps its start: that time has passed);
-        it ends by `prefill_end_s` after the one ahead."""
+        and until it frees the instance) and starts as soon as its predecessor frees the instance, from its
+        `earliest_s` on (its transfer done and the backlog it was routed behind over; a started one's reported
+        start); one not yet reported started also no earlier than `now` (a running one keeps its start: that time
+        has passed); it ends by `prefill_end_s` after the one ahead. A start may move earlier: a request ahead that
+        ended early or was aborted leaves no time behind. The backlog is not the work ahead of any entry (those
+        routed behind it start after it by their `earliest_s`; those routed before keep their times)."""
         not_before = now if now is not None else -math.inf
-        previous_frees, previous_end = -math.inf, view.backlog_until_s
+        previous_frees = previous_end = -math.inf
         retimed = []
         for entry in view.queue:
-            hold = entry.occupancy_s
+            hold, earliest = entry.occupancy_s, entry.earliest_s
             if started is not None and entry.request_id == started[0]:
-                start, is_started = max(started[1], previous_frees), True
+                earliest, is_started = started[1], True
+                start = max(earliest, previous_frees)
             elif entry.started:
-                start, is_started = max(entry.start_s, previous_frees), True
+                start, is_started = max(earliest, previous_frees), True
             else:
-                start, is_started = max(entry.start_s, previous_frees, not_before), False
+                start, is_started = max(earliest, previous_frees, not_before), False
             end = prefill_end_s(start, entry.prefill_s, hold, previous_end)
-            if start != entry.start_s or end != entry.finish_s or is_started != entry.started:
-                entry = attrs.evolve(entry, start_s=start, finish_s=end, frees_s=start + hold, started=is_started)
+            if (
+                start != entry.start_s
+                or end != entry.finish_s
+                or is_started != entry.started
+                or earliest != entry.earliest_s
+            ):
+                entry = attrs.evolve(
+                    entry, start_s=start, finish_s=end, frees_s=start + hold, started=is_started, earliest_s=earliest
+                )
                 incoming = self._incoming.get(entry.decode_instance) if entry.decode_instance is not None else None
                 if incoming is not None and entry.request_id in incoming:  # the decode side's picture follows
                     incoming[entry.request_id] = entry

@@ -242,13 +242,19 @@ clusters'), counted in the paper's prefill FLOPs (`prefill_flops`). Those are 0.
 
 
 def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:
-    """FLOPs to compute tokens [prefix_tokens, num_tokens) with the prefix's KV cached."""
-    n, p, d = num_tokens, min(prefix_tokens, num_tokens), model.hidden_size
+    """FLOPs to compute tokens [prefix_tokens, num_tokens) with the prefix's KV cached (a prefix is read within
+    [0, num_tokens]: fewer than no tokens cached is none)."""
+    n, p, d = num_tokens, min(max(prefix_tokens, 0), num_tokens), model.hidden_size
     return model.num_layers * (ATTENTION_COEFFICIENT * (n * n - p * p) * d + LINEAR_COEFFICIENT * (n - p) * d * d)
 
 
 def reuse_bandwidth_bytes_per_s(model: ModelShape, hardware: Hardware, prefix_tokens: int) -> float:
-    """The paper's Eq. 2: above this bandwidth, loading a cached prefix beats recomputing it (at peak)."""
+    """The paper's Eq. 2: above this bandwidth, loading a cached prefix beats recomputing it (at peak).
+
+    Raises:
+        ConfigError: a `prefix_tokens` that is not an integer >= 1 (no prefix takes no time to recompute).
+    """
+    require_int("prefix_tokens", prefix_tokens, minimum=1)
     compute_s = prefill_flops(model, prefix_tokens) / hardware.peak_flops
     return prefix_tokens * model.kv_bytes_per_token / compute_s
 
@@ -281,7 +287,10 @@ class PrefillCostModel:
         object.__setattr__(self, "_shape", (*shape, hardware.host_to_device_bytes_per_s))
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
-        """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached."""
+        """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached (as `prefill_flops` reads
+        it: fewer than no tokens cached is none)."""
+        if prefix_tokens < 0:  # priced as is, it would add compute for tokens before the prompt's first
+            prefix_tokens = 0
         if num_tokens <= prefix_tokens:
             return 0.0
         layers, d, kv_bytes_per_token, flops_per_s, host_to_device_bytes_per_s = self._shape
@@ -330,6 +339,7 @@ class ChunkedPipelineCost:
 
     def _stages(self, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
         """(Σ chunk times on one stage, the longest chunk time)."""
+        prefix_tokens = max(prefix_tokens, 0)  # as `prefill_flops` reads it: fewer than no tokens cached is none
         total, longest, done, before = 0.0, 0.0, prefix_tokens, 0.0
         while done < num_tokens:
             end = min(num_tokens, done + self.chunk_tokens)
@@ -538,7 +548,8 @@ class FittedPrefillModel:
         if num_tokens <= prefix_tokens:
             return 0.0
         c0, c1, c2 = self.coefficients
-        n, p = float(num_tokens), float(min(prefix_tokens, num_tokens))
+        # The prefix as `prefill_flops` reads it: fewer than no tokens cached is none.
+        n, p = float(num_tokens), float(min(max(prefix_tokens, 0), num_tokens))
         return max(0.0, c0 + c1 * (n - p) + c2 * (n * n - p * p))
 
     def to_json(self) -> str:

@@ -46,7 +46,7 @@ import numpy as np
 from mooncake._checks import require_number
 from mooncake.cache._compiled import kernels
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.join import DecodeLoad, JoinVerdict, check_join, check_tokens, tbt_verdict
+from mooncake.sched.join import DecodeLoad, JoinVerdict, check_join, check_tbt_slo, check_tokens, tbt_verdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sched.view import BoardLoads, DecodeBoard, DecodeView
@@ -93,9 +93,12 @@ def choose_decode(
             none counted, as at the instant they joined).
 
     Raises:
-        InvalidRequestError: a token count that is not an integer >= 1, or a `now` that is not a finite number.
+        InvalidRequestError: a token count that is not an integer >= 1, a `now` that is not a finite number, or a
+            `tbt_slo_s` that is no number (`sched.join.check_tbt_slo`: a NaN objective would pass every step).
     """
     check_tokens(prompt_tokens, output_tokens)
+    if type(tbt_slo_s) is not float or tbt_slo_s != tbt_slo_s:  # a float that is no NaN passes in one test
+        check_tbt_slo(tbt_slo_s)
     if now is not None and (type(now) is not float or not math.isfinite(now)):  # a finite float passes in one test
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)

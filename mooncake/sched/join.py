@@ -27,13 +27,14 @@ definition for the decode selection's scan over a board of instances.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import attrs
 import numpy as np
 
 from mooncake._checks import int_at_least
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import StepModel
 from mooncake.types import check_token_count
@@ -45,6 +46,7 @@ __all__ = [
     "REFUSALS",
     "UNLIMITED",
     "check_join",
+    "check_tbt_slo",
     "check_tokens",
     "load_problem",
     "refusal",
@@ -203,13 +205,19 @@ def check_join(
         step_model, tbt_slo_s: the TBT check needs both; without them it is skipped.
 
     Raises:
-        InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS], or a `load` that
-            `load_problem` finds wrong (a negative or NaN count, say).
+        InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS], a `load` that
+            `load_problem` finds wrong (a negative or NaN count, say), or a `tbt_slo_s` that is neither None nor
+            a number (`check_tbt_slo`: a NaN would pass every step).
+        ConfigError: `limits` that are no `DecodeLimits`, or a step model that predicts a NaN step.
     """
     check_tokens(prompt_tokens, output_tokens)
+    if not isinstance(limits, DecodeLimits):
+        raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
     problem = load_problem(load)
     if problem is not None:
         raise InvalidRequestError(problem)
+    if tbt_slo_s is not None:
+        check_tbt_slo(tbt_slo_s)
     load = load.rounded()
     code = refusal(
         prompt_tokens,
@@ -225,7 +233,30 @@ def check_join(
     if step_model is None:
         return JoinVerdict(accepted=True)
     predicted = step_model.step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
+    if predicted != predicted:  # NaN: it fails every comparison, so the TBT check would pass it
+        raise ConfigError(
+            f"step model {step_model!r} predicted NaN seconds for a step of {int(load.batch_size) + 1} requests"
+            f" holding {int(load.context_tokens) + prompt_tokens} tokens"
+        )
     return tbt_verdict(load.batch_size, output_tokens, predicted, tbt_slo_s)
+
+
+def check_tbt_slo(tbt_slo_s: float) -> None:
+    """A TBT objective as the rule takes it: a number a float holds, infinities included (inf bounds nothing; a
+    negative one, a budget already spent, refuses every step with a batch to slow).
+
+    Raises:
+        InvalidRequestError: anything else, naming tbt_slo_s (a NaN would pass every step, silently).
+    """
+    if type(tbt_slo_s) is float and tbt_slo_s == tbt_slo_s:  # the common case, a float that is no NaN: one test
+        return
+    number = isinstance(tbt_slo_s, numbers.Real) and not isinstance(tbt_slo_s, bool)
+    try:
+        number = number and not math.isnan(tbt_slo_s)
+    except OverflowError:  # an int past a float's range
+        number = False
+    if not number:
+        raise InvalidRequestError(f"tbt_slo_s must be a number (not NaN), got {tbt_slo_s!r}")
 
 
 def tbt_refused(batch_size: float, output_tokens: int, predicted_tbt_s: float, tbt_slo_s: float) -> bool:

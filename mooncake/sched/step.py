@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from mooncake._checks import fraction, non_negative, require_number
+from mooncake._checks import fraction, non_negative, require_iterable, require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, nonnegative_least_squares, require_coefficients
 
@@ -45,6 +46,7 @@ __all__ = [
     "AnalyticStepModel",
     "DecodeCostModel",
     "FittedStepModel",
+    "MAX_STEP_FEATURE",
     "RooflineStep",
     "StepBranch",
     "StepModel",
@@ -58,18 +60,48 @@ class StepModel(Protocol):
     def step_s(self, batch_size: int, context_tokens: int) -> float: ...
 
 
-def _finite(_instance: object, attribute: Any, value: Any) -> None:
-    require_number(attribute.name, value, minimum=-math.inf)
+MAX_STEP_FEATURE = 2.0**63
+"""The largest batch size or context (in tokens) a step is timed for: what the decode selection's int64 arrays
+hold. Each term of a branch stays within a quarter of a float's range up to it, so a branch is finite and a step
+never NaN."""
+_TERM_LIMIT = sys.float_info.max / 4
+_LARGEST_FEATURES = (1.0, MAX_STEP_FEATURE, MAX_STEP_FEATURE)  # of a branch's fixed, per-sequence, per-token terms
+
+
+def _term_problem(name: str, value: float, largest: float, feature: str, *, what: str = "") -> str | None:
+    """Why a coefficient's term (`value` times a feature up to `largest`) could leave a float's range, or None.
+    Past it, a step takes inf seconds, or NaN where an inf term meets a -inf one; `RooflineStep.step_s` (Python's
+    max) and the compiled scan (`sched._kernels.roofline_step`, which skips a NaN) would then disagree."""
+    if abs(value) * largest <= _TERM_LIMIT:
+        return None
+    return (
+        f"{what}{name}={value!r} is too large: {feature} must stay within a quarter of a float's range"
+        f" (|{name}| <= {_TERM_LIMIT / largest:.3g}), else a step takes inf or NaN seconds"
+    )
+
+
+def _term(largest: float, feature: str) -> Any:
+    """An attrs validator: a finite coefficient whose term stays finite (`_term_problem`)."""
+
+    def check(_instance: object, attribute: Any, value: Any) -> None:
+        require_number(attribute.name, value, minimum=-math.inf)
+        problem = _term_problem(attribute.name, value, largest, feature)
+        if problem is not None:
+            raise ConfigError(problem)
+
+    return check
 
 
 @attrs.frozen
 class StepBranch:
     """One resource's time for a decode step: `fixed_s + per_sequence_s · B + per_context_token_s · C`
-    seconds for B requests holding C tokens of KV (any finite coefficients: a fitted one may be negative)."""
+    seconds for B requests holding C tokens of KV (any finite coefficients, a fitted one may be negative, whose
+    terms stay within a quarter of a float's range for B and C up to `MAX_STEP_FEATURE`: a step is then finite,
+    never NaN)."""
 
-    fixed_s: float = attrs.field(validator=_finite)
-    per_sequence_s: float = attrs.field(validator=_finite)
-    per_context_token_s: float = attrs.field(validator=_finite)
+    fixed_s: float = attrs.field(validator=_term(1.0, "the fixed term"))
+    per_sequence_s: float = attrs.field(validator=_term(MAX_STEP_FEATURE, "per_sequence_s · B up to 2**63"))
+    per_context_token_s: float = attrs.field(validator=_term(MAX_STEP_FEATURE, "per_context_token_s · C up to 2**63"))
 
 
 def _branch_tuple(branches: Iterable[StepBranch]) -> tuple[StepBranch, ...]:
@@ -203,6 +235,10 @@ class FittedStepModel:
     A `StepModel` for the TBT check, fitted by `examples/profile_engine.py`, and
     an `AnalyticStepModel`: its roofline has the fitted plane and the zero plane
     as branches and no overhead, and gives the same step on every input.
+
+    Raises:
+        ConfigError: coefficients that are not three finite numbers, or one whose term could leave a float's
+            range for a batch or context up to `MAX_STEP_FEATURE` (naming it: the step would be inf or NaN).
     """
 
     coefficients: tuple[float, float, float]
@@ -211,6 +247,13 @@ class FittedStepModel:
 
     def __attrs_post_init__(self) -> None:
         require_coefficients(self.coefficients)
+        features = ("c0", "c1 · batch_size up to 2**63", "c2 · context_tokens up to 2**63")
+        for name, c, largest, feature in zip(
+            ("c0", "c1", "c2"), self.coefficients, _LARGEST_FEATURES, features, strict=True
+        ):
+            problem = _term_problem(name, c, largest, feature, what="coefficient ")
+            if problem is not None:
+                raise ConfigError(problem)
         c0, c1, c2 = self.coefficients
         roofline = RooflineStep((StepBranch(c0, c1, c2), StepBranch(0.0, 0.0, 0.0)))
         object.__setattr__(self, "_roofline", roofline)
@@ -225,8 +268,13 @@ class FittedStepModel:
         planes whose coefficients are all >= 0 (`cost.nonnegative_least_squares`, exact in 3 unknowns).
 
         Raises:
-            ConfigError: fewer than three samples, too little variety to fit, or no step taking time.
+            ConfigError: samples that are no iterable, an item that is no (batch_size, context_tokens, seconds)
+                of numbers, a batch size below 1, a context below 0 or either past `MAX_STEP_FEATURE`, seconds
+                that are not finite and > 0 (a measured step takes time), fewer than three samples, too little
+                variety to fit, no step taking time, or a fit whose coefficients would time a step beyond a
+                float's range.
         """
+        samples = list(require_iterable("samples", samples))
         if len(samples) < 3:
             raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
         try:
@@ -236,6 +284,14 @@ class FittedStepModel:
             raise ConfigError(f"samples must be (batch_size, context_tokens, seconds) numbers: {error}") from error
         if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
             raise ConfigError("samples must be finite numbers")
+        sizes, contexts = x[:, 1], x[:, 2]
+        if np.any(sizes < 1) or np.any(contexts < 0) or np.any(np.maximum(sizes, contexts) > MAX_STEP_FEATURE):
+            raise ConfigError(
+                "every sample needs a batch_size >= 1 and context_tokens >= 0 (both up to 2**63): a step of no"
+                " request, or fewer than no tokens, is no step"
+            )
+        if np.any(y <= 0):
+            raise ConfigError(f"every sample needs seconds > 0 (a measured step takes time), got {float(y.min())!r}")
         if int(np.linalg.matrix_rank(x)) < 3:
             raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
         best = nonnegative_least_squares(x, y, lambda c: bool(c[0] + c[1] > 0))

@@ -72,7 +72,10 @@ class QueuedPrefill:
     `prefill_s` and `occupancy_s`: its own times (`RouteDecision`'s), which the others are retimed from.
     `joins_after_s`: from its first token until it joins its decode instance (the first token's overhead and
     the KV stream's tail, `RouteDecision.overhead_s` + `handoff_s`), so it joins at `joins_s`.
-    `started`: its start was reported (it keeps that start whatever happens ahead of it)."""
+    `started`: its start was reported. `earliest_s`: it never starts before then (`Conductor._retime` starts it
+    as early as that, the one ahead and the present allow, however late it was predicted before): when it could
+    start as it was routed (its transfer done, the instance's reported backlog over, no sooner than it was
+    routed), or once its start is reported, that time."""
 
     request_id: RequestId
     start_s: float
@@ -87,6 +90,7 @@ class QueuedPrefill:
     output_tokens: int = 0
     transfer_source: InstanceId | None = None
     transfer_finish_s: float = 0.0
+    earliest_s: float = attrs.field(default=attrs.Factory(lambda self: self.start_s, takes_self=True))
 
     @property
     def joins_s(self) -> float:
@@ -136,6 +140,7 @@ class PrefillView:
     def check_invariants(self) -> None:
         previous = float("-inf")
         for queued in self.queue:
+            assert queued.earliest_s <= queued.start_s, f"{queued.request_id}: starts before it can"
             assert queued.start_s <= queued.frees_s <= queued.finish_s, f"{queued.request_id}: times out of order"
             assert queued.frees_s >= previous, f"{self.instance_id}: queue out of order"
             previous = queued.frees_s
@@ -421,8 +426,19 @@ class DecodeBoard(_Board["DecodeView"]):
         assert self.active_output.tolist() == [v.output_tokens for v in views], "outputs out of sync"
         assert self.started_s_sum.tolist() == [v.started_s_sum for v in views], "start times out of sync"
         assert self.kv_capacity_tokens.tolist() == [v.capacity_tokens for v in views], "capacities out of sync"
+        assert self.max_batch_size.tolist() == [_limit(v.limits.max_batch_size) for v in views], (
+            "batch limits out of sync"
+        )
+        assert self.max_context_tokens.tolist() == [_limit(v.limits.max_context_tokens) for v in views], (
+            "context limits out of sync"
+        )
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
+
+
+def _limit(value: int | None) -> int:
+    """A limit as the board holds it: `UNLIMITED` where none is set."""
+    return UNLIMITED if value is None else value
 
 
 def _finite_time(_instance: object, attribute: Any, value: Any) -> None:

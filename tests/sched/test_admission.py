@@ -468,3 +468,14 @@ def test_a_wait_deadline_from_no_time_is_named(reason: Reason, field: str, value
     arguments: dict[str, object] = {"estimated_ttft_s": 1.0, "arrival_s": 0.0, "max_wait_s": 5.0, field: value}
     with pytest.raises(error, match=f"{field} must be a finite number.*got {value!r}"):
         room_wait_deadline(reason, slo=Slo(), **arguments)  # type: ignore[arg-type]
+
+
+def test_a_wait_deadline_for_no_reason_or_no_objective_is_named() -> None:
+    """A reason given as a string was never one that waits (a wait the caller meant was silently refused), and
+    no `Slo` failed as an AttributeError: each is an error naming the argument."""
+    arguments: dict[str, object] = {"estimated_ttft_s": 1.0, "arrival_s": 0.0, "max_wait_s": 5.0}
+    with pytest.raises(InvalidRequestError, match=r"reason must be a mooncake\.sched\.Reason, got 'batch_full'"):
+        room_wait_deadline("batch_full", slo=Slo(), **arguments)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"slo must be a mooncake\.types\.Slo, got None"):
+        room_wait_deadline(Reason.BATCH_FULL, slo=None, **arguments)  # type: ignore[arg-type]
+    assert room_wait_deadline(Reason.BATCH_FULL, slo=Slo(ttft_s=3.0), **arguments) == 2.0  # type: ignore[arg-type]

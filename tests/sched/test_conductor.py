@@ -570,6 +570,66 @@ def test_prefill_started_late_pushes_the_queue_back() -> None:
     assert view.queue[1].start_s == pytest.approx(view.queue[0].finish_s)
 
 
+def test_a_request_ahead_that_is_aborted_or_ends_early_leaves_no_time_behind() -> None:
+    """The queue behind a request that leaves it sooner than predicted (aborted before it ran, or finished early)
+    starts as soon as the instance is free, not when the request was predicted to free it: each then starts
+    when the one ahead frees it (or now) and keeps its own duration, however long the queue stays busy."""
+    conductor = make_conductor()
+    occupy(conductor, P2, count=4)
+    view = next(v for v in conductor.prefill_views if v.instance_id == P2)
+    ids = [q.request_id for q in view.queue]
+    durations = {q.request_id: q.prefill_s for q in view.queue}
+    conductor.handle(RequestAborted(request_id=ids[0], now=0.0))  # the head, before it ran
+    assert [q.start_s for q in view.queue] == pytest.approx([0.0, durations[ids[1]], durations[ids[1]] * 2])
+    assert view.busy_until_s(0.0) == pytest.approx(3 * durations[ids[1]])
+    conductor.handle(RequestAborted(request_id=ids[2], now=0.0))  # one in the middle
+    assert [q.request_id for q in view.queue] == [ids[1], ids[3]]
+    assert view.queue[1].start_s == pytest.approx(view.queue[0].finish_s)
+    assert view.queue[1].finish_s == pytest.approx(2 * durations[ids[1]])
+    conductor.handle(PrefillStarted(request_id=ids[1], instance_id=P2, now=0.0))
+    conductor.handle(PrefillFinished(request_id=ids[1], instance_id=P2, now=0.1))  # far sooner than predicted
+    (last,) = view.queue
+    assert (last.start_s, last.finish_s) == pytest.approx((0.1, 0.1 + durations[ids[3]]))
+    conductor.check_invariants()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "chunked_pipeline"])
+def test_a_backlog_reported_after_requests_were_queued_keeps_their_times(pipelined: bool) -> None:
+    """A backlog is work routed elsewhere: what was queued before its report keeps its times (a start reported
+    then ends it its prefill later, on a chunked-pipeline group too), and what is routed after it starts after it,
+    also when the requests ahead leave the queue early."""
+    prefill = ESTIMATOR.prefill
+    if pipelined:
+        prefill = ChunkedPipelineCost(base=prefill, group_size=4, chunk_tokens=1024)
+    estimator = TtftEstimator(
+        prefill=prefill, transfer=ESTIMATOR.transfer, kv_bytes_per_token=LLAMA3.kv_bytes_per_token
+    )
+    conductor = Conductor(
+        router=LoadBalancingRouter(estimator),
+        step_model=DECODE_COST,
+        admission=make_admission("baseline"),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=Slo(ttft_s=1e6),
+        block_size_tokens=BLOCK,
+    )
+    conductor.add_prefill_instance(P0)
+    conductor.add_decode_instance(D0, DecodeLimits(kv_capacity_tokens=10**7))
+    for i in range(2):
+        assert conductor.schedule(request(f"r{i}", range(100 * i, 100 * i + 32)), 0.0).accepted
+    (view,) = conductor.prefill_views
+    before = [(q.start_s, q.frees_s, q.finish_s) for q in view.queue]
+    conductor.handle(PrefillBacklog(instance_id=P0, now=0.0, until_s=100.0))
+    conductor.handle(PrefillStarted(request_id=RequestId("r0"), instance_id=P0, now=0.0))
+    assert [(q.start_s, q.frees_s, q.finish_s) for q in view.queue] == before
+    assert [q.finish_s for q in conductor.incoming(D0)] == [finish for _, _, finish in before]  # predictors read
+    late = conductor.schedule(request("late", range(1000, 1032)), 0.0)
+    assert late.accepted and view.queue[-1].start_s == 100.0
+    for name in ("r0", "r1"):
+        conductor.handle(RequestAborted(request_id=RequestId(name), now=1.0))
+    assert view.queue[0].start_s == 100.0  # behind the backlog still
+    conductor.check_invariants()
+
+
 # ---------------------------------------------------------------------------- down instances
 
 
@@ -1441,6 +1501,13 @@ class ConductorMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.next_fresh_key = 10**6
         self.backlog: dict[InstanceId, float] = {}  # the backlog each prefill instance's owner last reported
+        # The queue timing's reference: when each queued request could start as routed (its transfer done, the
+        # backlog it was routed behind over), when its start was reported, and per prefill instance the queue
+        # (ids, started) last seen and when it was last retimed (a start reported, a request leaving it).
+        self.earliest: dict[RequestId, float] = {}
+        self.started_at: dict[RequestId, float] = {}
+        self.seen_queues: dict[InstanceId, list[tuple[RequestId, bool]]] = {}
+        self.retimed_at: dict[InstanceId, float] = {}
 
     @initialize(
         router=st.sampled_from(ROUTERS),
@@ -1578,6 +1645,8 @@ class ConductorMachine(RuleBasedStateMachine):
         assert view.queue[-1].start_s >= self.backlog.get(prefill, self.now)  # it starts after the backlog
         entry = view.queue[-1]
         transfer = (entry.transfer_source, entry.transfer_finish_s) if entry.transfer_source is not None else None
+        transfer_done = self.now + (decision.transfer.transfer_s if decision.transfer is not None else 0.0)
+        self.earliest[r.request_id] = max(transfer_done, self.backlog.get(prefill, -math.inf))
         self.tracked[r.request_id] = Tracked(r, prefill, decode, self.now, "queued", keeps, transfer)
 
     def _own_prefix(self, instance: InstanceId, keys: Sequence[BlockKey]) -> int:
@@ -1612,6 +1681,7 @@ class ConductorMachine(RuleBasedStateMachine):
             == ()
         )
         t.stage = "started"
+        self.started_at[t.request.request_id] = self.now
 
     @precondition(lambda self: self._in_stage("queued", "started"))
     @rule(data=st.data())
@@ -1808,6 +1878,30 @@ class ConductorMachine(RuleBasedStateMachine):
     def a_new_request_would_start_after_the_backlog(self) -> None:
         for view in self.conductor.prefill_views:
             assert view.queue_s(self.now) >= self.backlog.get(view.instance_id, self.now) - self.now
+
+    @invariant()
+    def queued_prefills_start_as_soon_as_they_can(self) -> None:
+        """Each queued prefill starts when the one ahead frees the instance, from the time it could start on
+        (reported started: then; else: its transfer done, the backlog it was routed behind over, and not before
+        the queue was last retimed), however late it was predicted before; on the plain prefill model it ends
+        its own prefill after its start."""
+        for view in self.conductor.prefill_views:
+            seen = [(q.request_id, q.started) for q in view.queue]
+            before = self.seen_queues.get(view.instance_id, [])
+            if not {rid for rid, _ in before} <= {rid for rid, _ in seen} or any(
+                started and (rid, False) in before for rid, started in seen
+            ):  # a request left the queue, or started: the Conductor retimed it now
+                self.retimed_at[view.instance_id] = self.now
+            self.seen_queues[view.instance_id] = seen
+            previous_frees = -math.inf
+            for q in view.queue:
+                if q.started:
+                    floor = self.started_at[q.request_id]
+                else:
+                    floor = max(self.earliest[q.request_id], self.retimed_at.get(view.instance_id, -math.inf))
+                assert math.isclose(q.start_s, max(floor, previous_frees), rel_tol=1e-9, abs_tol=1e-9), (q, floor)
+                assert math.isclose(q.finish_s, q.start_s + q.prefill_s, rel_tol=1e-9, abs_tol=1e-9), q
+                previous_frees = q.frees_s
 
     @invariant()
     def in_flight_matches_the_model(self) -> None:

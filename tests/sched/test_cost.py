@@ -254,6 +254,15 @@ def test_a_prefix_tier_that_is_no_tier_is_refused(tier: object) -> None:
         ),
         (lambda: FittedStepModel(coefficients=(1.0, 1.0)), "coefficients"),  # type: ignore[arg-type]
         (lambda: FittedStepModel.fit([(1, 2, "x"), (2, 3, 1.0), (3, 5, 2.0)]), "numbers"),  # type: ignore[list-item]
+        (lambda: FittedStepModel.fit(None), "samples must be an iterable"),  # type: ignore[arg-type]
+        (lambda: FittedStepModel.fit([(0, 10, 1.0), (1, 20, 2.0), (2, 5, 3.0)]), "batch_size >= 1"),
+        (lambda: FittedStepModel.fit([(1, -10, 1.0), (1, 20, 2.0), (2, 5, 3.0)]), "context_tokens >= 0"),
+        (lambda: FittedStepModel.fit([(1, 10, -1.0), (2, 20, -2.0), (3, 5, -3.0)]), "seconds > 0"),
+        (lambda: FittedStepModel.fit([(1, 10, 0.0), (2, 20, 2.0), (3, 5, 3.0)]), "seconds > 0"),
+        (lambda: FittedStepModel(coefficients=(0.0, -1e308, 1e308)), "coefficient c1=-1e\\+308 is too large"),
+        (lambda: FittedStepModel.from_json('{"coefficients": [1e308, 1e308, 0.0]}'), "coefficient c0"),
+        (lambda: StepBranch(0.0, 0.0, 1e300), "per_context_token_s"),
+        (lambda: reuse_bandwidth_bytes_per_s(LLAMA3, HARDWARE["8xA800"], 0), "prefix_tokens"),
     ],
 )
 def test_out_of_range_shapes_fractions_and_coefficients_are_refused(make: Any, field: str) -> None:
@@ -261,6 +270,26 @@ def test_out_of_range_shapes_fractions_and_coefficients_are_refused(make: Any, f
     once), or a coefficient or sample that is not a finite number: a ConfigError naming it."""
     with pytest.raises(ConfigError, match=field):
         make()
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"]),
+        PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"], prefix_tier=Tier.VRAM),
+        ChunkedPipelineCost(
+            base=PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"]), group_size=2, chunk_tokens=64
+        ),
+        FittedPrefillModel(coefficients=(0.0, 1e-3, 1e-7)),
+    ],
+    ids=["analytic", "analytic_vram", "chunked_pipeline", "fitted"],
+)
+@given(st.integers(1, 20_000), st.integers(-(10**6), -1))
+def test_fewer_than_no_tokens_cached_is_none(model: Any, num_tokens: int, prefix_tokens: int) -> None:
+    """A negative prefix is read as `prefill_flops` reads one, as none: it adds no compute for tokens before the
+    prompt's first (priced as is, (n - p) and n² - p² counted tokens that do not exist)."""
+    assert model.prefill_s(num_tokens, prefix_tokens) == model.prefill_s(num_tokens, 0)
+    assert prefill_flops(LLAMA3, num_tokens, prefix_tokens) == prefill_flops(LLAMA3, num_tokens)
 
 
 # ---------------------------------------------------------------------------- fitted model

@@ -7,11 +7,13 @@ compiled scan over many instances is checked against it in `test_kernels.py`.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.decode import choose_decode
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, JoinVerdict, check_join
@@ -154,3 +156,49 @@ def test_a_step_exactly_at_the_objective_is_in_time() -> None:
     assert verdict.accepted and verdict.predicted_tbt_s == at
     past = check_join(LIMITS, load, prompt_tokens=100, output_tokens=50, step_model=COST, tbt_slo_s=at * (1 - 1e-12))
     assert past.reason is Reason.TBT_SLO
+
+
+@pytest.mark.parametrize("slo", [math.nan, "0.1", None, True, 10**400], ids=["nan", "str", "none", "bool", "huge"])
+def test_a_tbt_objective_that_is_no_number_is_named(slo: object) -> None:
+    """A NaN objective would pass every step (no comparison with it holds) and a string failed as a bare
+    ValueError: both the rule and the decode selection refuse it naming tbt_slo_s (None is no objective to
+    `check_join` alone, which may skip the TBT check; the decode selection always makes it)."""
+    with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
+        choose_decode(
+            [DecodeView(InstanceId("d"), LIMITS)], prompt_tokens=1, output_tokens=2, step_model=COST, tbt_slo_s=slo
+        )  # type: ignore[arg-type]
+    if slo is not None:
+        with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
+            check_join(LIMITS, DecodeLoad(1, 1, 1), prompt_tokens=1, output_tokens=2, step_model=COST, tbt_slo_s=slo)  # type: ignore[arg-type]
+
+
+def test_any_other_tbt_objective_is_one() -> None:
+    """An infinite objective bounds nothing; a negative one (a budget already spent) refuses every step with a
+    batch to slow."""
+    load = DecodeLoad(1, 1, 1)
+    assert check_join(LIMITS, load, prompt_tokens=1, output_tokens=2, step_model=COST, tbt_slo_s=math.inf).accepted
+    spent = check_join(LIMITS, load, prompt_tokens=1, output_tokens=2, step_model=COST, tbt_slo_s=-0.01)
+    assert spent.reason is Reason.TBT_SLO
+    assert check_join(LIMITS, load, prompt_tokens=1, output_tokens=2, step_model=COST, tbt_slo_s=1).accepted
+
+
+def test_limits_that_are_none_are_named() -> None:
+    """Limits that are no `DecodeLimits` are a ConfigError naming them, not an AttributeError from inside."""
+    with pytest.raises(ConfigError, match="DecodeLimits, got None"):
+        check_join(None, DecodeLoad(0, 0, 0), prompt_tokens=1, output_tokens=2)  # type: ignore[arg-type]
+
+
+class NotANumber:
+    """A step model (a plugged-in one) whose step comes out NaN."""
+
+    def step_s(self, batch_size: int, context_tokens: int) -> float:
+        return math.nan
+
+
+def test_a_step_model_predicting_nan_is_named() -> None:
+    """A NaN step fails every comparison, so the TBT check passed it: the rule refuses to answer, naming the
+    model, rather than accept a request whose TBT it does not know."""
+    with pytest.raises(ConfigError, match="predicted NaN seconds"):
+        check_join(
+            LIMITS, DecodeLoad(1, 1, 1), prompt_tokens=1, output_tokens=2, step_model=NotANumber(), tbt_slo_s=0.1
+        )

@@ -11,6 +11,7 @@ queue, weight, slot), `rendezvous_weights` against splitmix64 in Python integers
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.cache._compiled import compiled_path, kernels, numba_available
+from mooncake.errors import ConfigError
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, check_join
 from mooncake.sched.step import RooflineStep, StepBranch
 
@@ -42,6 +44,34 @@ def test_roofline_step_is_step_s_to_the_bit(scans: Any, roofline: RooflineStep, 
     assert scans.roofline_step(roofline.coefficients, roofline.overhead_s, batch, context) == roofline.step_s(
         batch, context
     )
+
+
+QUARTER = sys.float_info.max / 4  # what each term of a branch may reach
+FEATURE = 2**63 - 1  # the largest batch size or context an int64 array holds
+extreme = st.floats(-2.0, 2.0) | st.sampled_from([-1.0, 1.0, 1.0 - 2**-52, 1.0 + 2**-52])  # of the largest allowed
+
+
+@given(
+    st.lists(st.tuples(extreme, extreme, extreme), min_size=1, max_size=3),
+    st.integers(1, FEATURE) | st.just(FEATURE),
+    st.integers(0, FEATURE) | st.just(FEATURE),
+)
+def test_a_branch_that_could_overflow_is_refused_and_any_other_steps_finitely_and_alike(
+    scans: Any, scales: list[tuple[float, float, float]], batch: int, context: int
+) -> None:
+    """A branch whose terms could leave a quarter of a float's range (for a batch or context up to 2**63) is
+    refused, naming the coefficient; with every other, a step is finite, and the scan's equals `step_s` (a NaN
+    step, where an inf term met a -inf one, is what Python's max and the scan's comparison disagreed on)."""
+    rows = [(QUARTER * a, QUARTER / 2.0**63 * b, QUARTER / 2.0**63 * c) for a, b, c in scales]
+    fits = all(abs(a) <= 1 and abs(b) <= 1 and abs(c) <= 1 for a, b, c in scales)
+    if not fits:
+        with pytest.raises(ConfigError, match="is too large"):
+            RooflineStep([StepBranch(*row) for row in rows])
+        return
+    roofline = RooflineStep([StepBranch(*row) for row in rows])
+    step = roofline.step_s(batch, context)
+    assert math.isfinite(step)
+    assert scans.roofline_step(roofline.coefficients, roofline.overhead_s, batch, context) == step
 
 
 limits = st.builds(

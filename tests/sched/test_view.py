@@ -102,6 +102,7 @@ class DecodeBoardMachine(RuleBasedStateMachine):
         self.views = {i: DecodeView(i, DecodeLimits(kv_capacity_tokens=10**6)) for i in self.ids}
         self.board = DecodeBoard(list(self.views.values()))
         self.reserved: dict[InstanceId, dict[RequestId, tuple[int, int]]] = {i: {} for i in self.ids}
+        self.limits = {i: (UNLIMITED, UNLIMITED) for i in self.ids}  # (batch slots, a request's context) set last
         self.active: dict[InstanceId, dict[RequestId, tuple[float, int, int]]] = {i: {} for i in self.ids}
         self.numbers = iter(range(10**6))
 
@@ -147,12 +148,21 @@ class DecodeBoardMachine(RuleBasedStateMachine):
         del self.active[instance][request]
 
     @rule(
-        index=st.integers(0, 2), up=st.booleans(), capacity=st.integers(1, 10**7), batch=st.none() | st.integers(1, 64)
+        index=st.integers(0, 2),
+        up=st.booleans(),
+        capacity=st.integers(1, 10**7),
+        batch=st.none() | st.integers(1, 64),
+        context=st.none() | st.integers(1, 10**6),
     )
-    def set_state(self, index: int, up: bool, capacity: int, batch: int | None) -> None:
+    def set_state(self, index: int, up: bool, capacity: int, batch: int | None, context: int | None) -> None:
         view = self.views[self.ids[index]]
-        view.is_up, view.limits = up, DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=batch)
+        limits = DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=batch, max_context_tokens=context)
+        view.is_up, view.limits = up, limits
         self.board.refresh(self.board.slot[view.instance_id])
+        self.limits[view.instance_id] = (
+            UNLIMITED if batch is None else batch,
+            UNLIMITED if context is None else context,
+        )
 
     @invariant()
     def loads_are_what_the_reference_counts(self) -> None:
@@ -166,6 +176,10 @@ class DecodeBoardMachine(RuleBasedStateMachine):
             )
             assert view.load() == expected == self.board.committed.at(self.board.slot[instance])
             assert view.started_s_sum == pytest.approx(sum(s for s, _, _ in active), abs=1e-6)
+            slot = self.board.slot[instance]  # the limits the decode selection decides on: those set last
+            assert (int(self.board.max_batch_size[slot]), int(self.board.max_context_tokens[slot])) == self.limits[
+                instance
+            ]
         assert list(self.board.instance_ids) == sorted(self.ids) and list(self.board) == list(self.views.values())
         self.board.check_invariants()
         for view in self.views.values():
@@ -173,6 +187,29 @@ class DecodeBoardMachine(RuleBasedStateMachine):
 
 
 TestDecodeBoardMachine = DecodeBoardMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        (DecodeLimits(kv_capacity_tokens=10**6), "batch limits"),  # both unset now: the batch limit is checked first
+        (DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1), "context limits"),
+        (DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1, max_context_tokens=101), "context limits"),
+    ],
+)
+def test_a_board_whose_limits_are_stale_fails_its_check(limits: DecodeLimits, named: str) -> None:
+    """A view's batch or context limit changed without the board's refresh: the decode selection would decide
+    on the old one (and fail in its own consistency check), so the board's check says which is out of sync."""
+    view = DecodeView(
+        InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1, max_context_tokens=100)
+    )
+    board = DecodeBoard([view])
+    board.check_invariants()
+    view.limits = limits
+    with pytest.raises(AssertionError, match=named):
+        board.check_invariants()
+    board.refresh(0)
+    board.check_invariants()
 
 
 def test_a_decoding_batch_is_its_prompts_outputs_and_start_times_summed() -> None:
