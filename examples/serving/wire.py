@@ -129,9 +129,16 @@ def _load_bool(value: Any, where: str) -> bool:
     return value
 
 
+_U64_END = 1 << 64  # every list of integers on the wire is of ids (tokens, requests, block keys): in [0, 2**64)
+
+
+def _is_id(item: Any) -> bool:
+    return type(item) is int and 0 <= item < _U64_END
+
+
 def _load_ints(value: Any, where: str) -> tuple[int, ...]:
-    if type(value) is not list or not all(type(item) is int for item in value):
-        raise _bad(where, "a list of integers", value)
+    if type(value) is not list or not all(_is_id(item) for item in value):
+        raise _bad(where, "a list of integers in [0, 2**64)", value)
     return tuple(value)
 
 
@@ -197,10 +204,14 @@ def _load_tokens(value: Any, where: str) -> tuple[Token, ...]:
         if (
             type(item) is not list
             or len(item) not in (5, 6)
-            or not all(type(x) is int for x in item[:4])
+            or not all(_is_id(x) for x in item[:4])
             or type(item[4]) is not bool
         ):
-            raise _bad(f"{where}[{i}]", "[request_id, attempt, token, index, finished(, logprobs)]", item)
+            raise _bad(
+                f"{where}[{i}]",
+                "[request_id, attempt, token, index (integers in [0, 2**64)), finished(, logprobs)]",
+                item,
+            )
         logprobs = _load_logprobs(item[5], f"{where}[{i}][5]") if len(item) == 6 else None
         tokens.append(Token(item[0], item[1], item[2], item[3], item[4], logprobs))
     return tuple(tokens)

@@ -24,13 +24,24 @@ ints = st.integers(min_value=0, max_value=2**63 - 1)
 names = st.text(max_size=12)
 floats = st.floats(allow_nan=False, allow_infinity=False)
 keys = st.lists(ints, max_size=5).map(tuple)
+block_keys = st.integers(min_value=0, max_value=2**64 - 1)  # 64-bit hashes, all of them
 sources = st.sampled_from([InstanceId("prefill-0"), InstanceId("prefill-1")])
 events = st.one_of(
     st.builds(
-        BlockStored, source=sources, seq=ints, keys=st.lists(ints, max_size=4), tier=st.sampled_from(Tier), epoch=ints
+        BlockStored,
+        source=sources,
+        seq=ints,
+        keys=st.lists(block_keys, max_size=4),
+        tier=st.sampled_from(Tier),
+        epoch=ints,
     ),
     st.builds(
-        BlockRemoved, source=sources, seq=ints, keys=st.lists(ints, max_size=4), tier=st.sampled_from(Tier), epoch=ints
+        BlockRemoved,
+        source=sources,
+        seq=ints,
+        keys=st.lists(block_keys, max_size=4),
+        tier=st.sampled_from(Tier),
+        epoch=ints,
     ),
     st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
 )
@@ -171,6 +182,8 @@ def test_a_broken_message_is_an_error_naming_its_field(message: wire.Message, da
         ("decode.tokens", [], "decode.tokens"),
         ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0]], "step_s": 0.1}, "tokens[0]"),
         ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, 1]], "step_s": 0.1}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, -5, 0, True]], "step_s": 0.1}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[2**64, 0, 5, 0, True]], "step_s": 0.1}, "tokens[0]"),
         ("decode.tokens", {"instance_id": "d", "tokens": [], "step_s": float("nan")}, "step_s"),
         ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [0.5, 1, []]]], "step_s": 0}, "[5][0]"),
         (
@@ -210,6 +223,9 @@ def test_malformed_calls_are_named(method: str, args: Any, named: str) -> None:
         ["stored", "p", 0, 1, 9, [5]],  # no such tier
         ["stored", "p", -1, 1, 0, [5]],
         ["removed", "p", 0, 1, 0, ["5"]],
+        ["stored", "p", 0, 1, 0, [2**64]],  # a key is 64 bits
+        ["stored", "p", 0, 1, 0, [2**64 - 1]],  # valid: the largest key
+        ["removed", "p", 0, 1, 0, [-1]],
         ["cleared", "p", 0],
         ["flushed", "p", 0, 1],
         "stored",
