@@ -20,6 +20,7 @@ a path without NUL). `ClusterConfig` holds one record per section and the file
 it came from, and checks the rules across sections:
 
     max_prompt_tokens + default_max_tokens <= max_context_tokens   (a longest prompt and its default output fit)
+    max_context_tokens <= the model's max_context_tokens            (a checkpoint's bound, where it sets one)
     pipeline_size <= the layers of the model                        (a stage holds at least one layer)
     ceil(max_prompt_tokens / block_tokens) <= dram_blocks          (a node's cache holds a longest prompt pinned)
     health_interval_s <= health_probe_backoff_max_s
@@ -407,6 +408,7 @@ class ClusterConfig:
 
     Invariants (the rules across sections, checked at construction):
         `limits.max_prompt_tokens + limits.default_max_tokens <= decode.max_context_tokens`;
+        `decode.max_context_tokens <= model.config.max_context_tokens` where a checkpoint sets one;
         `prefill.pipeline_size <= model.config.num_layers`;
         `ceil(limits.max_prompt_tokens / model.block_tokens) <= cache.dram_blocks`;
         `limits.health_interval_s <= limits.health_probe_backoff_max_s`.
@@ -435,6 +437,13 @@ class ClusterConfig:
             raise ConfigError(
                 f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
                 f"{limits.default_max_tokens} exceed [decode] max_context_tokens = {decode.max_context_tokens}"
+            )
+        bound = self.model.config.max_context_tokens  # a checkpoint's, whose sliding window slides past it
+        if bound is not None and decode.max_context_tokens > bound:
+            raise ConfigError(
+                f"{source}: [decode] max_context_tokens = {decode.max_context_tokens} exceeds the "
+                f"max_context_tokens = {bound} of [model] {self.model.source} (its max_position_embeddings: past "
+                "them its sliding window would slide, which is not supported)"
             )
         layers = self.model.config.num_layers
         if self.prefill.pipeline_size > layers:

@@ -10,6 +10,9 @@ Loading is three steps:
    the model does not compute (another architecture or activation, a RoPE
    scaling other than linear and llama3, a sliding window in effect, a
    quantized checkpoint): each a one-line `ConfigError` naming the key and file.
+   A window no shorter than `max_position_embeddings` is accepted, and bounds
+   the model's context to `max_position_embeddings` (`max_context_tokens`,
+   which the engines enforce): within it the window never slides.
    This step needs neither torch nor safetensors, so a process that only
    schedules can read a checkpoint's shape.
 2. `SafetensorsWeights` is the model's `WeightSource`: each model weight is
@@ -163,11 +166,14 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
         raise ConfigError(f"{where}: {error}") from None
 
 
-def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> None:
-    """Refuse the config values that would make this model compute something else than transformers'.
+def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> int | None:
+    """Refuse the config values that would make this model compute something else than transformers'; the context
+    bound an accepted sliding window relies on (None: none).
 
     Only what the architecture reads counts: LLaMA has no sliding window (a `sliding_window` key is ignored, as
-    transformers ignores it), Mistral and Qwen2 have no `attention_bias` or `mlp_bias` switch."""
+    transformers ignores it), Mistral and Qwen2 have no `attention_bias` or `mlp_bias` switch. A window no shorter
+    than `max_position_embeddings` is accepted because it never slides within that many tokens: so that many is
+    the bound, and the model's `max_context_tokens`."""
     activation = raw.get("hidden_act", "silu")
     if activation not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise ConfigError(f"{source}: hidden_act={activation!r} is not supported (only 'silu')")
@@ -184,7 +190,7 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
             f"{source}: head_dim={head_dim!r} is not hidden_size / num_attention_heads = {implied} (not supported)"
         )
     if architecture == "LlamaForCausalLM":
-        return
+        return None
     # A sliding window changes attention only for contexts longer than the window.
     window = _optional_count(raw, "sliding_window", source)
     max_positions = _optional_count(raw, "max_position_embeddings", source)
@@ -207,6 +213,9 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
             f"{source}: sliding_window={window!r} is in effect below max_position_embeddings={max_positions!r} "
             "(sliding-window attention is not supported)"
         )
+    # Full attention equals the window's only while a context is no longer than the window: the accepted window
+    # holds the model to max_position_embeddings (<= the window), which the engines then enforce.
+    return None if window is None else max_positions
 
 
 def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CONFIG_FILE) -> ModelConfig:
@@ -229,7 +238,7 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
     architecture = architectures[0]
     # A key the file leaves out has the value of the architecture's transformers config class.
     raw = {**CLASS_DEFAULTS[architecture], **raw}
-    _check_supported(raw, architecture, source)
+    max_context_tokens = _check_supported(raw, architecture, source)
     theta, scaling = _rope(raw, source)
     num_heads = _count(raw, "num_attention_heads", source)
     # LLaMA's switch for every attention projection; Mistral has none; Qwen2: q, k and v always, the output never.
@@ -256,6 +265,7 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
             qkv_bias=qwen2 or attention_bias,
             out_bias=not qwen2 and attention_bias,
             tie_word_embeddings=tie_word_embeddings,
+            max_context_tokens=max_context_tokens,
         )
     except ConfigError as error:  # named as the file names them
         raise ConfigError(f"{source}: {_HF_KEY.sub(lambda name: _HF_KEYS[name[0]], str(error))}") from None

@@ -11,6 +11,11 @@ what the config says: biases on the q/k/v projections (Qwen2) or on every
 attention projection (LLaMA's `attention_bias`), a RoPE frequency scaling
 (`RopeScaling`: Llama 3's and linear), and an LM head tied to the token
 embedding. Their defaults are LLaMA's, which is the random model's shape.
+A checkpoint may also bound the context (`max_context_tokens`): Mistral's and
+Qwen2's sliding window is computed as full attention, which is exact only while
+the window never slides, so a window accepted because it is no shorter than
+`max_position_embeddings` holds every context to that many tokens; the engines
+refuse longer prompts and decode slots (`check_context_tokens`).
 
 Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 `num_heads`, and the head dimension is even (RoPE rotates pairs).
@@ -23,7 +28,7 @@ from typing import Any
 import attrs
 
 from mooncake._checks import int_at_least, non_negative, positive, require_bool
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import ModelShape
 
 __all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeScaling"]
@@ -84,6 +89,11 @@ class ModelConfig:
         qkv_bias: the q, k and v projections have biases (Qwen2).
         out_bias: the attention's output projection has a bias (LLaMA's `attention_bias` sets both).
         tie_word_embeddings: the LM head is the token embedding matrix.
+        max_context_tokens: the longest context (prompt + output tokens) the model computes as its checkpoint
+            does (None: no bound). A Mistral or Qwen2 checkpoint's `max_position_embeddings` when its sliding
+            window (no shorter) was accepted as one that never slides: past it the window would slide, and this
+            model computes full attention. The engines refuse a longer prompt (`check_context_tokens`) and a
+            decode slot longer than it, as vLLM caps `max_model_len` at what the positions allow.
     """
 
     name: str
@@ -99,6 +109,7 @@ class ModelConfig:
     qkv_bias: bool = attrs.field(default=False, validator=_switch)
     out_bias: bool = attrs.field(default=False, validator=_switch)
     tie_word_embeddings: bool = attrs.field(default=False, validator=_switch)
+    max_context_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -107,6 +118,19 @@ class ModelConfig:
             raise ConfigError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if (self.hidden_size // self.num_heads) % 2:
             raise ConfigError(f"head_dim={self.hidden_size // self.num_heads} must be even for RoPE")
+
+    def check_context_tokens(self, num_tokens: int) -> None:
+        """Refuse a prompt longer than `max_context_tokens` (no bound: nothing is refused).
+
+        Raises:
+            InvalidRequestError: `num_tokens` > `max_context_tokens`, naming both and where the bound comes from.
+        """
+        if self.max_context_tokens is not None and num_tokens > self.max_context_tokens:
+            raise InvalidRequestError(
+                f"a prompt of {num_tokens} tokens is longer than model {self.name!r} computes: its max_context_tokens="
+                f"{self.max_context_tokens} (the checkpoint's max_position_embeddings; past it its sliding window "
+                "would slide, which is not supported)"
+            )
 
     @property
     def head_dim(self) -> int:

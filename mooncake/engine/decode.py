@@ -21,7 +21,7 @@ filled by moving the last one in), so a step works on one contiguous prefix.
 The check on join (paper §5: the decode instance's own check, after which a
 rejection wastes the prefill) is the decode rule every scheduler and simulator
 asks, `sched.join.check_join`, on the engine's `limits` (a slot's
-`max_context_tokens`, `max_batch_size` slots, the KV budget) and its `load()`
+`max_context_tokens`, never above the model's, `max_batch_size` slots, the KV budget) and its `load()`
 (active requests, the KV a step reads, Σ prompt + max_new_tokens reserved):
 context too long, batch full, KV budget, and with a TBT SLO and a step model
 the predicted step time with the request added. A request whose only token is
@@ -123,11 +123,17 @@ class DecodeEngine:
         model: the whole model.
         cache: the node's tiered cache, where prefill puts the requests' KV pages.
         block_tokens: tokens per KV page (the block hasher's block size).
-        config: options.
+        config: options (default: `DecodeConfig()`, its slot no longer than the model's `max_context_tokens`).
         step_model: predicts step times for the TBT check (required when `config.tbt_slo_s` is set).
 
     `limits` is what the engine holds, as the decode rule (`sched.join`) reads it:
-    the KV budget, its slots and a slot's context.
+    the KV budget, its slots and a slot's context. A slot is never longer than the
+    model's `ModelConfig.max_context_tokens` (a checkpoint's bound), so the rule's
+    context check holds every request to it.
+
+    Raises:
+        ConfigError: a pipeline stage for a model, `tbt_slo_s` without a step model, or a
+            `config.max_context_tokens` above the model's `max_context_tokens`.
 
     Not thread-safe: one thread calls `try_join` and `step`.
     """
@@ -144,7 +150,17 @@ class DecodeEngine:
         if not (model.has_embedding and model.has_head):
             raise ConfigError("the decode engine needs the whole model, not a pipeline stage")
         self.model, self.cache = model, cache
-        self.config = config or DecodeConfig()
+        bound = model.config.max_context_tokens  # a checkpoint's (its accepted sliding window's): None for most
+        if config is None:  # as vLLM derives max_model_len: the default slot, no longer than the model computes
+            default = DecodeConfig().max_context_tokens
+            config = DecodeConfig() if bound is None else DecodeConfig(max_context_tokens=min(default, bound))
+        if bound is not None and config.max_context_tokens > bound:  # as vLLM refuses a max_model_len above it
+            raise ConfigError(
+                f"max_context_tokens={config.max_context_tokens} exceeds model {model.config.name!r}'s "
+                f"max_context_tokens={bound} (the checkpoint's max_position_embeddings; past it its sliding window "
+                "would slide, which is not supported)"
+            )
+        self.config = config
         if self.config.tbt_slo_s is not None and step_model is None:
             raise ConfigError("tbt_slo_s needs a step_model to predict step times")
         self.step_model = step_model

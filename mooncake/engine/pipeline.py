@@ -431,13 +431,14 @@ class PipelineGroup:
                 usable; of `kv`, stage 0's layers hold the rows of the chunks done).
 
         Raises:
-            InvalidRequestError: no tokens, ids outside the vocabulary, a prefix not shorter than the prompt,
-                or buffers of the wrong shape.
+            InvalidRequestError: no tokens, ids outside the vocabulary, more tokens than the model's
+                `max_context_tokens`, a prefix not shorter than the prompt, or buffers of the wrong shape.
             EngineError: a stage failed or did not answer within the timeout; the group has failed.
             Cancelled: `cancelled` answered True.
         """
         ids = token_ids(tokens, self.config.vocab_size)
         n = len(ids)
+        self.model.config.check_context_tokens(n)  # the loaded checkpoint's bound, before any stage hears of the job
         # An integer, checked before any stage hears of the job (a float would fail them in `range`).
         prefix_tokens = require_int("prefix_tokens", prefix_tokens, minimum=0, error=InvalidRequestError)
         if not 0 <= prefix_tokens < n or (kv is None and prefix_tokens):

@@ -354,7 +354,8 @@ class PrefillEngine:
         """Prefill `tokens`, reusing cached prefix KV and storing the new KV.
 
         Raises:
-            InvalidRequestError: no tokens, or ids outside the vocabulary.
+            InvalidRequestError: no tokens, ids outside the vocabulary, or more tokens than the model's
+                `max_context_tokens`.
             EngineError: the engine is closed, or the last logits hold a NaN (no block is committed).
             Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
         """
@@ -388,8 +389,9 @@ class PrefillEngine:
         is committed.
 
         Raises:
-            InvalidRequestError: a prompt with no tokens or ids outside the vocabulary, or params naming a token
-                outside it (nothing is done, for any forward pass).
+            InvalidRequestError: a prompt with no tokens, ids outside the vocabulary or more tokens than the
+                model's `max_context_tokens`, or params naming a token outside it (nothing is done, for any forward
+                pass).
             EngineError: the engine is closed (its loader and store threads are gone; nothing is done), or a
                 prompt's last logits hold a NaN (`Sampler.next_token`; nothing of the batch is kept).
             Cancelled: `cancelled` answered True (nothing of the batch is kept; where the forward pass runs the
@@ -415,6 +417,8 @@ class PrefillEngine:
         # Every prompt checked before any runs: one at a time, a bad last prompt would come after the others were
         # committed and streamed.
         ids = [self._ids(tokens) for tokens in prompts]
+        for one in ids:  # a checkpoint's bound (its accepted sliding window's): past it the logits would be wrong
+            self.forward.model_config.check_context_tokens(one.shape[0])
         if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
             return [
                 self.prefill(p, sampling=sp, sink=sk, cancelled=cancelled)

@@ -308,26 +308,29 @@ def rope_variants(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return variants
 
 
-def unread_variants(architecture: str, num_layers: int, raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """Keys `architecture` does not read, or reads to nothing: windows that never slide (Qwen2's only with
-    `use_sliding_window` and from layer `max_window_layers` on), LLaMA's window, Mistral's attention_bias."""
+def unread_variants(architecture: str, num_layers: int, raw: dict[str, Any]) -> list[tuple[dict[str, Any], int | None]]:
+    """Keys `architecture` does not read, or reads to nothing but a context bound, each with the bound it gives
+    (`ModelConfig.max_context_tokens`): windows that never slide (Qwen2's only with `use_sliding_window` and from
+    layer `max_window_layers` on), bounding a Mistral to its positions; LLaMA's window, Mistral's attention_bias."""
     positions = raw["max_position_embeddings"]
-    if architecture == "MistralForCausalLM":  # a window as long as the positions never slides
+    if architecture == "MistralForCausalLM":  # a window as long as the positions never slides within them
         return [
-            {"sliding_window": window, "attention_bias": bias}
+            ({"sliding_window": window, "attention_bias": bias}, None if window is None else positions)
             for window in (None, positions, positions + 1)
             for bias in (True, False, None)
         ]
     if architecture == "Qwen2ForCausalLM":
+        assert num_layers <= 28  # so the class default max_window_layers (28) nulls the last variant's window
         return [
-            {},  # the class default window, but use_sliding_window defaults to false
-            {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0},
-            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": num_layers},
-            {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"] * num_layers},
-            {"use_sliding_window": True, "sliding_window": positions},
-            {"attention_bias": True, "mlp_bias": True},  # Qwen2 has no such switches
+            ({}, None),  # the class default window, but use_sliding_window defaults to false
+            ({"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0}, None),
+            ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": num_layers}, None),
+            ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"] * num_layers}, None),
+            ({"use_sliding_window": True, "sliding_window": positions}, None),
+            ({"use_sliding_window": True, "sliding_window": positions, "max_window_layers": 0}, positions),
+            ({"attention_bias": True, "mlp_bias": True}, None),  # Qwen2 has no such switches
         ]
-    return [{"sliding_window": window} for window in (None, 1, 8)]  # LLaMA has no window
+    return [({"sliding_window": window}, None) for window in (None, 1, 8)]  # LLaMA has no window
 
 
 @st.composite
@@ -363,7 +366,9 @@ def hf_forms(draw: st.DrawFn) -> tuple[ModelConfig, dict[str, Any]]:
         raw["head_dim"] = None if head_dim == "null" else config.hidden_size // config.num_heads
     if config.norm_eps == 1e-6 and draw(st.booleans(), label="default eps"):
         del raw["rms_norm_eps"]
-    raw.update(draw(st.sampled_from(unread_variants(architecture, config.num_layers, raw)), label="unread keys"))
+    unread, bound = draw(st.sampled_from(unread_variants(architecture, config.num_layers, raw)), label="unread keys")
+    raw.update(unread)
+    config = attrs.evolve(config, max_context_tokens=bound)
     raw.update(
         {key: IGNORED_KEYS[key] for key in draw(st.sets(st.sampled_from(sorted(IGNORED_KEYS))), label="ignored")}
     )
@@ -379,7 +384,8 @@ def test_every_form_transformers_reads_as_the_model_gives_its_config(
     """v4 or v5 RoPE keys (`type` or `rope_type`), llama3's original positions in its parameters, at the top
     level or taken from the context, keys left to the class defaults or given as null, "swish" for SiLU, a
     consistent head_dim, Mistral for LLaMA without biases, windows that never slide, keys no model reads, any
-    key order: all read as the one `ModelConfig` (named as asked)."""
+    key order: all read as the one `ModelConfig` (named as asked; a window that never slides bounds the context
+    to the positions)."""
     config, raw = form
     assert model_config_from_hf(raw, name=name) == attrs.evolve(config, name=name)
 
@@ -399,15 +405,17 @@ def test_keys_an_architecture_does_not_read_change_nothing(config: ModelConfig) 
     """Each of the keys the config's architectures ignore or read to nothing (every variant, every example:
     LLaMA's window, Qwen2's windows that never slide and its absent bias switches, and for a LLaMA without
     biases, Mistral with any attention_bias and a window at least as long as the positions) gives the config
-    itself: reading one would refuse or change a model transformers runs as this one."""
+    itself, but for the context bound such a window gives (the positions): reading one would refuse or change a
+    model transformers runs as this one."""
     raw = hf_config(config)
     architectures = [raw["architectures"][0]]
     if architectures == ["LlamaForCausalLM"] and not config.qkv_bias:
         architectures.append("MistralForCausalLM")
     for architecture in architectures:
         as_it = {**raw, "architectures": [architecture]}
-        for variant in unread_variants(architecture, config.num_layers, raw):
-            assert model_config_from_hf({**as_it, **variant}, name=config.name) == config, (architecture, variant)
+        for variant, bound in unread_variants(architecture, config.num_layers, raw):
+            expected = attrs.evolve(config, max_context_tokens=bound)
+            assert model_config_from_hf({**as_it, **variant}, name=config.name) == expected, (architecture, variant)
 
 
 not_counts = st.one_of(

@@ -109,6 +109,7 @@ def test_presets_are_valid_llama_shapes() -> None:
         ({"norm_eps": math.nan}, "norm_eps"),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be True or False"),
         ({"qkv_bias": 1}, "qkv_bias"),
+        ({"max_context_tokens": 0}, "max_context_tokens"),
     ],
 )
 def test_config_rejects_invalid_shapes(fields: dict[str, object], named: str) -> None:

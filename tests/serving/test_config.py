@@ -124,6 +124,28 @@ def test_an_impossible_value_is_one_line_naming_file_section_key_value(
         assert part in message, (part, message)
 
 
+def test_a_decode_slot_past_a_checkpoints_context_bound_is_refused(tmp_path: Path) -> None:
+    """A Mistral checkpoint whose window (64) is no shorter than its max_position_embeddings (64) computes as
+    transformers only within them (`ModelConfig.max_context_tokens`): a decode slot of 2048 is refused at load,
+    naming both, not when a worker builds its engine."""
+    model = tmp_path / "mistral"
+    model.mkdir()
+    shape = {
+        "architectures": ["MistralForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "sliding_window": 64,
+        "max_position_embeddings": 64,
+    }
+    (model / "config.json").write_text(json.dumps(shape), encoding="utf-8")
+    message = refusal(tmp_path, f'[model]\npath = "{model}"\n[decode]\nmax_context_tokens = 2048\n')
+    assert "[decode] max_context_tokens = 2048" in message and "max_context_tokens = 64" in message
+
+
 def test_a_cache_larger_than_shared_memory_names_the_bytes_asked_and_free(tmp_path: Path) -> None:
     """dram_blocks = 4,000,000 asks 3 nodes × 4e6 pages × 8 KiB of /dev/shm: refused with both figures."""
     message = refusal(tmp_path, "[cache]\ndram_blocks = 4000000\n")
