@@ -254,7 +254,11 @@ class JsonRequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         reason = getattr(exc, "message", None) or message or (type(exc).__name__ if exc else "")
         reason = (str(reason).strip().splitlines() or [""])[0].rstrip(":")  # the parser adds the line and a caret
-        if status >= 500:
+        if isinstance(exc, ConnectionResetError):
+            # A write to a client that left, before aiohttp noticed and cancelled the handler: its request was ended
+            # (aborted) on the way out, as a cancellation ends it, and nothing failed here.
+            LOG.debug("client %s left mid-answer", request.remote)
+        elif status >= 500:
             LOG.error("error handling a request from %s", request.remote, exc_info=exc)
         else:
             LOG.warning("unreadable request from %s: %s %s", request.remote, status, ascii(reason)[:200])
