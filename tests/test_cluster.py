@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import queue
 import re
@@ -225,7 +226,7 @@ BAD_BODIES = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"max_tokens": 4}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("completions", {"prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "8.5"}, "max_tokens"),  # "8" is 8, as vLLM reads it
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # over the context: test_api.py
     ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
@@ -279,6 +280,23 @@ def test_prompt_over_the_limit_is_a_context_length_error(cluster: RunningCluster
     assert api.completions.create(model="tiny", prompt="x" * limit, max_tokens=1).usage.prompt_tokens == limit
 
 
+def test_a_batch_refused_on_a_later_prompt_admits_none_of_it(cluster: RunningCluster) -> None:
+    """A batch whose second prompt leaves less of the context than its `min_tokens` is a 400 naming `min_tokens`
+    before any of it is admitted (vLLM builds every prompt's sampling parameters before it runs any): the first
+    prompt's choices were never sent to prefill, so none is counted as aborted."""
+    context = cluster.config.decode.max_context_tokens
+    # The first prompt (900 tokens) leaves 48 tokens more than min_tokens, the second (1000) 52 fewer.
+    min_tokens = context - 900 - 48
+    body = {"prompt": ["a" * 900, "b" * 1000], "max_tokens": context, "min_tokens": min_tokens, "n": 4}
+    before = metrics(cluster)
+    status, _headers, text = http(f"{cluster.url}/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "min_tokens"
+    after = metrics(cluster)
+    aborted = [key for key in after if key.startswith("mooncake:request_success_total{") and '"abort"' in key]
+    assert aborted and all(after[key] == before.get(key, 0.0) for key in aborted)
+    assert not cluster.gateway.dispatcher.live
+
+
 def test_a_browser_page_may_call_the_api_as_on_vllms_server(cluster: RunningCluster) -> None:
     """CORS as vLLM's default: a preflight (no key needed) is a 200 allowing the method and the headers asked for;
     answers to a request with an Origin, a stream's and an error's included, allow any origin."""
@@ -305,7 +323,8 @@ def test_a_browser_page_may_call_the_api_as_on_vllms_server(cluster: RunningClus
 
 
 def test_api_key_is_required(cluster: RunningCluster) -> None:
-    """With [cluster] api_key set, a wrong or missing key is a 401 on every API route; /health stays open."""
+    """With [cluster] api_key set, a wrong or missing key is a 401 on every route under /v1; /health, /tokenize and
+    /detokenize stay open, as on vLLM's server (its key guards the paths under /v1 only)."""
     with pytest.raises(openai.AuthenticationError):
         client(cluster, api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=1)
     for path, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": []})):
@@ -320,6 +339,11 @@ def test_api_key_is_required(cluster: RunningCluster) -> None:
     limits, context = cluster.config.limits, cluster.config.decode.max_context_tokens
     assert model.id == "tiny" and model.max_model_len == min(limits.max_prompt_tokens, context)
     assert http(f"{cluster.url}/health")[0] == 200
+    status, _headers, text = http(f"{cluster.url}/tokenize", {"prompt": "hi"})
+    assert status == 200 and json.loads(text)["tokens"] == [104, 105]
+    assert (
+        http(f"{cluster.url}/detokenize", {"tokens": [104, 105]}, headers={"Authorization": "Bearer wrong"})[0] == 200
+    )
 
 
 def test_a_client_gone_mid_stream_stops_its_decode(cluster: RunningCluster) -> None:
@@ -350,7 +374,8 @@ def test_a_client_gone_mid_stream_stops_every_choice_and_leaves_no_task(
 ) -> None:
     """A client that hangs up a stream of 1 or 3 choices: every choice is cancelled on the decode engine, the
     gateway forgets them, and no task of the stream is left pending for the collector (its event loop would log
-    "Task was destroyed but it is pending")."""
+    "Task was destroyed but it is pending"); nothing is logged as an error (a write to the client that failed
+    before aiohttp noticed it leave had been logged with its traceback)."""
     dispatcher = cluster.gateway.dispatcher
     decode = next(i for i, role in dispatcher.roles.items() if role == "decode")
     for n in (1, 3):
@@ -369,6 +394,7 @@ def test_a_client_gone_mid_stream_stops_every_choice_and_leaves_no_task(
             gc.collect()
             time.sleep(0.2)  # the loop's handler runs on its own thread
     assert not [r for r in caplog.records if "was destroyed but it is pending" in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_a_choice_refused_at_admission_withdraws_the_others() -> None:

@@ -6,7 +6,10 @@ NaN, its depth and numbers bounded by the parser); `parse_completion` and
 `parse_chat` check every field into a `CompletionRequest` or `ChatRequest`
 with its `SamplingOptions` and `Output` (vLLM's options of what the answer
 shows); `prompt_tokens` tokenizes one (cut to `truncate_prompt_tokens`, as
-vLLM cuts it) under the prompt limit. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
+vLLM cuts it) under the prompt limit. Numbers and booleans are read as vLLM's
+pydantic models read them, in lax mode (`lax_integer`, `lax_number`,
+`lax_flag`: "7" is 7, true is 1); `parse_tokenize` reads /tokenize's own
+fields only, as vLLM's tokenize requests hold them. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
 tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
 warning, as vLLM does (its clients send extras other servers do not know).
@@ -43,6 +46,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -78,6 +82,8 @@ __all__ = [
     "error_body",
     "generation_limit",
     "lax_flag",
+    "lax_integer",
+    "lax_number",
     "max_tokens_within",
     "models_body",
     "parse_chat",
@@ -450,11 +456,11 @@ def _off(value: Any) -> bool:
 
 
 def _zero(value: Any) -> bool:
-    return value is None or (type(value) in (int, float) and value == 0)
+    return value is None or lax_number(value) == 0
 
 
 def _one(value: Any) -> bool:
-    return value is None or (type(value) in (int, float) and value == 1)
+    return value is None or lax_number(value) == 1
 
 
 def _empty(value: Any) -> bool:
@@ -498,13 +504,12 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "service_tier": lambda v: v is None or isinstance(v, str),
     "request_id": lambda v: v is None or isinstance(v, str),
-    "priority": lambda v: v is None or type(v) is int,
-    "spaces_between_special_tokens": lambda v: v is None or isinstance(v, bool),
+    "priority": lambda v: v is None or _reads_int64(v),
+    "spaces_between_special_tokens": lambda v: _reads_flag(v),  # read as vLLM reads a boolean
 }
 SHARED = (
     "model",
     "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "seed",
@@ -531,9 +536,18 @@ SHARED = (
     "return_tokens_as_token_ids",
     "return_token_ids",
 )
+# A completion has no `max_completion_tokens` (vLLM's `CompletionRequest` has none: it is ignored, as any unknown field).
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset(
-    {*SHARED, "messages", "chat_template_kwargs", "top_logprobs", "add_generation_prompt", "continue_final_message"}
+    {
+        *SHARED,
+        "max_completion_tokens",
+        "messages",
+        "chat_template_kwargs",
+        "top_logprobs",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
 )
 
 
@@ -554,35 +568,145 @@ def _text(value: Any, param: str) -> str:
 
 
 def _integer(body: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+    """An integer field as vLLM reads it (`lax_integer`) within [low, high], `default` where absent or null."""
     value = body.get(name)
     if value is None:
         return default
-    if type(value) is float and value.is_integer():  # 5.0 is 5, as vLLM's pydantic models read it
-        value = int(value)
-    if type(value) is not int or not low <= value <= high:
+    number = lax_integer(value)
+    if number is None or not low <= number <= high:
         raise ApiError(400, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}", param=name)
-    return value
+    return number
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool) -> float:
+    """A number field as vLLM reads it (`lax_number`) within its bounds and finite (pydantic reads "inf" and
+    "nan"; no sampling option here takes them), `default` where absent or null."""
     value = body.get(name)
     if value is None:
         return default
-    # An int may have thousands of digits (no float holds it): compare it exactly, never convert it first.
-    ok = type(value) is int or (type(value) is float and math.isfinite(value))
-    # An int past float's range (10**400) passes an infinite bound but has no float: out of range all the same.
-    if not ok or not (low < value if open_low else low <= value) or value > high or not math.isfinite(_as_float(value)):
+    number = lax_number(value)
+    if (
+        number is None
+        or not math.isfinite(number)
+        or not (low < number if open_low else low <= number)
+        or number > high
+    ):
         bounds = f"{'(' if open_low else '['}{low}, {high}]"
         raise ApiError(400, f"{name} must be a number in {bounds}, got {_shown(value)}", param=name)
-    return float(value)
+    return number
 
 
-def _as_float(value: int | float) -> float:
-    """`value` as a float, inf where an int is past float's range."""
+# pydantic's lax reading of numbers (vLLM's request models validate a body in lax mode), as pydantic-core reads a
+# string: an int field's is a JSON integer, or else is cleaned (`_cleaned_integer`) into one; a float field's is Rust's
+# `f64::from_str` of it cut of whitespace (an exponent, "inf", "infinity", "nan" in any case), or else of it with
+# its underscores removed where it has none leading, trailing or doubled. The whitespace cut is Rust's `str::trim`
+# (Unicode White_Space: not Python's `str.strip`, which cuts \x1c-\x1f too).
+_RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(
+    map(chr, range(0x2000, 0x200B))
+)
+_JSON_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_RUST_FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
+_MAX_INT_DIGITS = 4300  # the most digits pydantic reads in an int (Python's default `int_max_str_digits`)
+_I64 = 2.0**63  # a whole float strictly within (-2**63, 2**63) is an int field's value; pydantic refuses the rest
+
+
+def lax_integer(value: Any) -> int | None:
+    """An `int` field's value as vLLM's pydantic models read a JSON value (lax mode): an integer; a boolean (1 or
+    0); a whole float within (-2**63, 2**63); a string pydantic reads (" 7 ", "+7", "007", "1_000", "7.0"; never
+    "7.", "7.5", "1e3", "0x10", "٣"), of at most 4300 digits. None for anything else, which vLLM refuses. No
+    range is checked here."""
+    if type(value) is int or type(value) is bool:
+        return int(value)
+    if type(value) is float:
+        return int(value) if value.is_integer() and -_I64 < value < _I64 else None
+    if not isinstance(value, str):
+        return None
+    text = value if _JSON_INT.fullmatch(value) else _cleaned_integer(value)
+    if text is None or not _JSON_INT.fullmatch(text) or len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        return None
+    return int(text)
+
+
+def _cleaned_integer(text: str) -> str | None:
+    """pydantic-core's `clean_int_str`: `text` cut of whitespace, of a "+" (not before "-"), of leading zeros
+    (underscores among them too; one zero is kept before a "." or alone), of a "." and zeros ending it, and of
+    underscores (where none leads, trails or is doubled); None where nothing was cut (`text` was no JSON integer,
+    and this makes none of it)."""
+    length = len(text)
+    text = text.strip(_RUST_WHITESPACE)
+    if text.startswith("+"):
+        if text.startswith("+-"):
+            return None
+        text = text[1:]
+    negative = text.startswith("-")
+    if negative:
+        if text.startswith(("--", "-+")):
+            return None
+        text = text[1:]
+    digits = _without_leading_zeros(text)
+    if digits is None:
+        return None
+    dot = digits.find(".")
+    if dot >= 0 and digits[dot + 1 :] and not digits[dot + 1 :].strip("0"):
+        digits = digits[:dot]
+    sign = "-" if negative else ""
+    if "_" in digits and not digits.startswith("_") and not digits.endswith("_") and "__" not in digits:
+        return sign + digits.replace("_", "")
+    return None if len(digits) == length else sign + digits
+
+
+def _without_leading_zeros(text: str) -> str | None:
+    """pydantic-core's `strip_leading_zeros`: `text` from its first digit 1-9 or "-" after its leading zeros and
+    underscores (from the last of them before a "."; the last of them where nothing follows); None where it opens
+    with neither a digit nor "-", or a character but those follows the zeros."""
+    if not text or text[0] not in "0123456789-":
+        return None
+    if text[0] != "0":
+        return text
+    for i, char in enumerate(text[1:], start=1):
+        if char in "123456789-":
+            return text[i:]
+        if char == ".":
+            return text[i - 1 :]
+        if char not in "0_":
+            return None
+    return text[-1]
+
+
+def lax_number(value: Any) -> float | None:
+    """A `float` field's value as vLLM's pydantic models read a JSON value (lax mode): a number (an int past float's
+    range is none); a boolean (1.0 or 0.0); a string as pydantic reads one ("0.5", " 1e3 ", ".5", "1_0.5", "inf",
+    "NaN"; never "0x10", "1,5"). None for anything else, which vLLM refuses. No range is checked here: the value
+    may be infinite or NaN."""
+    if type(value) in (int, bool, float):
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    if not isinstance(value, str):
+        return None
+    trimmed = value.strip(_RUST_WHITESPACE)
+    if _RUST_FLOAT.fullmatch(trimmed):
+        return float(trimmed)
+    if "_" not in value or value.startswith("_") or value.endswith("_") or "__" in value:
+        return None
+    bare = value.replace("_", "")
+    return float(bare) if _RUST_FLOAT.fullmatch(bare) else None
+
+
+def _reads_int64(value: Any) -> bool:
+    """Whether `value` is a 64-bit signed integer as vLLM reads one (`lax_integer`)."""
+    number = lax_integer(value)
+    return number is not None and -MAX_SEED - 1 <= number <= MAX_SEED
+
+
+def _reads_flag(value: Any) -> bool:
+    """Whether `value` is a boolean as vLLM reads one (`lax_flag`), or null."""
     try:
-        return float(value)
-    except OverflowError:
-        return math.inf
+        lax_flag({"value": value}, "value")
+    except ApiError:
+        return False
+    return True
 
 
 def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
@@ -675,8 +799,8 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         if name in UNSUPPORTED:
             if UNSUPPORTED[name](value):
                 continue
-            whole = type(value) is int or (type(value) is float and value.is_integer())  # 10**4000 too
-            if name in COUNTS and not (whole and value >= 1):
+            count = lax_integer(value)
+            if name in COUNTS and not (count is not None and count >= 1):
                 raise ApiError(400, f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
             raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
         ignored.append(_param(name))
@@ -685,7 +809,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     _check_model(body, served)
     # No bound of the context's here: a prompt and max_tokens over it get vLLM's context_length_exceeded, once
     # the prompt is tokenized (`prompt_tokens`).
-    max_tokens = requested_max_tokens(body, default=None if chat else served.default_max_tokens)
+    max_tokens = requested_max_tokens(body, default=None if chat else served.default_max_tokens, completion=not chat)
     min_tokens = _integer(body, "min_tokens", 0, 0, MAX_SEED)
     if max_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, _min_over_max(min_tokens, max_tokens), param="min_tokens")
@@ -758,10 +882,13 @@ def _check_ids(value: Any, param: str, served: ServedModel) -> list[int]:
     expected = f"{param} must be a list of token ids in [0, {served.vocab_size})"
     if type(value) is not list:
         raise ApiError(400, f"{expected}, got {_shown(value)}", param=param)
+    ids = []
     for i, token in enumerate(value):
-        if type(token) is not int or not 0 <= token < served.vocab_size:
+        read = lax_integer(token)  # a list of ints as vLLM reads one: "5" is 5
+        if read is None or not 0 <= read < served.vocab_size:
             raise ApiError(400, f"{expected}, got {param}[{i}] = {_shown(token)}", param=param)
-    return value
+        ids.append(read)
+    return ids
 
 
 def _truncation(body: Mapping[str, Any], served: ServedModel) -> int | None:
@@ -806,9 +933,10 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
                 f"logit_bias keys must be token ids in [0, {served.vocab_size}), got {_shown(key)}",
                 param="logit_bias",
             )
-        if not (type(bias) is int or (type(bias) is float and math.isfinite(bias))) or math.isinf(_as_float(bias)):
+        number = lax_number(bias)  # as vLLM reads its values (floats)
+        if number is None or not math.isfinite(number):
             raise ApiError(400, f"logit_bias[{key!r}] must be a number, got {_shown(bias)}", param="logit_bias")
-        biases[token] = min(100.0, max(-100.0, float(bias)))
+        biases[token] = min(100.0, max(-100.0, number))
     return tuple(sorted(biases.items()))
 
 
@@ -824,11 +952,24 @@ def _choices(body: Mapping[str, Any]) -> int:
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
-    """A completion's `logprobs`: the most probable tokens to list beside each token (0: only its own), None
-    (or false, as clients that want none send) for none."""
-    if body.get("logprobs") is None or body.get("logprobs") is False:  # not `in (None, False)`: 0 == False
+    """A completion's `logprobs`: the most probable tokens to list beside each token (0: only its own), None for
+    none. A number read as vLLM's int field reads it (`lax_integer`: true is 1, and false 0, each token's own, as
+    vLLM answers it); a string is refused, as vLLM's own check refuses it (`_no_string`)."""
+    if body.get("logprobs") is None:
         return None
+    _no_string(body, "logprobs")
     return _integer(body, "logprobs", 0, 0, MAX_LOGPROBS)
+
+
+def _no_string(body: Mapping[str, Any], name: str) -> None:
+    """vLLM's own check of its log-probability counts (`logprobs`, `top_logprobs`, `prompt_logprobs`), before its
+    int fields read them: a string is refused (a number, true and 5.0 too, is then read as an int field).
+
+    Raises:
+        ApiError: 400 naming the field, for a string.
+    """
+    if isinstance(body.get(name), str):
+        raise ApiError(400, f"{name} must be an integer, got {_shown(body[name])}", param=name)
 
 
 def _prompt_logprobs(body: Mapping[str, Any], served: ServedModel, *, stream: bool) -> int | None:
@@ -836,13 +977,13 @@ def _prompt_logprobs(body: Mapping[str, Any], served: ServedModel, *, stream: bo
     own), None for none. vLLM's refusals: a negative count but -1 (the whole vocabulary, over the most this server
     lists, as over vLLM's default `--max-logprobs`), and a count with `stream` (a stream carries no prompt
     log-probabilities: 0 with it is taken, and lists nothing)."""
-    value = body.get("prompt_logprobs")
-    if value is None:
+    given = body.get("prompt_logprobs")
+    if given is None:
         return None
-    if type(value) is float and value.is_integer():
-        value = int(value)
-    if type(value) is not int:
-        raise ApiError(400, f"prompt_logprobs must be an integer, got {_shown(value)}", param="prompt_logprobs")
+    _no_string(body, "prompt_logprobs")
+    value = lax_integer(given)
+    if value is None:
+        raise ApiError(400, f"prompt_logprobs must be an integer, got {_shown(given)}", param="prompt_logprobs")
     if value < -1:
         raise ApiError(400, f"prompt_logprobs must be a positive value or -1, got {value}", param="prompt_logprobs")
     if stream and value != 0:
@@ -882,21 +1023,24 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """A chat's `logprobs` (a flag) and `top_logprobs` (how many of the most probable tokens beside each one), as
     one count; vLLM's 400 for a `top_logprobs` above 0 without `logprobs: true`."""
     wanted = _flag(body, "logprobs", default=False)
+    _no_string(body, "top_logprobs")
     top = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     if top and not wanted:
         raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     return top if wanted else None
 
 
-def requested_max_tokens(body: Mapping[str, Any], *, default: int | None) -> int | None:
-    """The output a body asks for, as vLLM reads it: `max_completion_tokens` (OpenAI's newer name) where it is not
-    null, else `max_tokens`; `default` where neither is set (None: the context decides, vLLM's rule for a chat;
-    a completion's default is 16 in vLLM).
+def requested_max_tokens(body: Mapping[str, Any], *, default: int | None, completion: bool) -> int | None:
+    """The output a body asks for, as vLLM reads it: a chat's `max_completion_tokens` (OpenAI's newer name) where it
+    is not null, else `max_tokens`; a `completion`'s `max_tokens` only (vLLM's `CompletionRequest` has no
+    `max_completion_tokens` and ignores one); `default` where none is set (None: the context decides, vLLM's rule
+    for a chat; a completion's default is 16 in vLLM).
 
     Raises:
-        ApiError: 400, a value that is not an integer >= 1 (a whole float is its integer).
+        ApiError: 400, a value that is not an integer >= 1 as vLLM reads one (`lax_integer`).
     """
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    chat_limit = not completion and body.get("max_completion_tokens") is not None
+    limit = "max_completion_tokens" if chat_limit else "max_tokens"
     if body.get(limit) is None:
         return default
     return _integer(body, limit, 0, 1, MAX_SEED)
@@ -954,10 +1098,9 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
     else:
         checked = _one_prompt(prompt, served)
     echo = _flag(body, "echo", default=False)
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    echo_only = echo and type(body.get(limit)) in (int, float) and body[limit] == 0  # not False: a type error
+    echo_only = echo and body.get("max_tokens") is not None and lax_integer(body["max_tokens"]) == 0  # false too
     if echo_only:
-        body = {**body, limit: 1}
+        body = {**body, "max_tokens": 1}
     common = _common(body, COMPLETION_FIELDS, served, chat=False)
     sampling = common["sampling"]
     if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
@@ -1021,15 +1164,23 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
             the prompt limit could hold); 404 `model_not_found`.
     """
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", param="messages")
-    if len(messages) > served.max_prompt_tokens:  # each message adds tokens: checking them all would be wasted
+    if isinstance(messages, list) and len(messages) > served.max_prompt_tokens:
+        # Each message adds tokens: checking them all would be wasted.
         raise ApiError(
             400,
             f"{len(messages)} messages exceed the prompt limit of {served.max_prompt_tokens} tokens",
             param="messages",
             code="context_length_exceeded",
         )
+    return ChatRequest(**_chat_rendering(body), **_common(body, CHAT_FIELDS, served, chat=True))
+
+
+def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What renders a chat's prompt, checked: its `messages` and vLLM's `chat_template_kwargs`,
+    `add_generation_prompt` and `continue_final_message` (a generation's and /tokenize's alike)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
     checked = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -1055,13 +1206,12 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
             "Cannot set both continue_final_message and add_generation_prompt to true",
             param="continue_final_message",
         )
-    return ChatRequest(
-        messages=tuple(checked),
-        template_variables=_template_variables(body.get("chat_template_kwargs")),
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        **_common(body, CHAT_FIELDS, served, chat=True),
-    )
+    return {
+        "messages": tuple(checked),
+        "template_variables": _template_variables(body.get("chat_template_kwargs")),
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
 
 
 def _template_variables(value: Any) -> dict[str, Any]:
@@ -1146,17 +1296,33 @@ def _truncated(
     return tokens[-k:]
 
 
+# /tokenize's fields beside `model`, `add_special_tokens` and `return_token_strs` (vLLM's `TokenizeCompletionRequest`
+# and `TokenizeChatRequest`); a chat's that this server does not render are refused but at their neutral value.
+TOKENIZE_UNRENDERED = ("tools", "chat_template")
+
+
 def parse_tokenize(body: Mapping[str, Any], served: ServedModel) -> tuple[CompletionRequest | ChatRequest, bool]:
-    """`POST /tokenize`'s body: a completion's, or with `messages` a chat's, and vLLM's `return_token_strs`.
+    """`POST /tokenize`'s body as vLLM's `TokenizeCompletionRequest` (`prompt`, a string) or, with `messages`, its
+    `TokenizeChatRequest` reads it (the messages and what renders them, as a chat's: `_chat_rendering`), each with
+    `model`, `add_special_tokens` (vLLM's defaults: true for a prompt, false for a chat) and `return_token_strs`.
+    Only those fields are read: a generation's (`max_tokens`...) are ignored, and no prompt limit applies (a client
+    asks in order to measure its prompt). The request is returned with its sampling options at their defaults.
 
     Raises:
-        ApiError: 400 for what the completion or chat parser refuses, or a `return_token_strs` not a boolean.
+        ApiError: 400 naming the field, for a `prompt` that is no string, messages a chat refuses, a boolean field
+            that is no boolean, `tools` or `chat_template` set; 404 `model_not_found`.
     """
-    body = dict(body)
-    token_strs = _flag(body, "return_token_strs", default=False)  # as every boolean: vLLM's lax reading
-    body.pop("return_token_strs", None)  # /tokenize's own field, unknown to the generation parsers
-    parsed = parse_chat(body, served) if "messages" in body else parse_completion(body, served)
-    return parsed, token_strs
+    _check_model(body, served)
+    token_strs = _flag(body, "return_token_strs", default=False)
+    chat = "messages" in body
+    sampling = SamplingOptions(max_tokens=None, add_special_tokens=_flag(body, "add_special_tokens", default=not chat))
+    if not chat:
+        prompt = _text(body.get("prompt"), "prompt")
+        return CompletionRequest(model=served.name, prompt=prompt, sampling=sampling), token_strs
+    for name in TOKENIZE_UNRENDERED:
+        if not UNSUPPORTED[name](body.get(name)):
+            raise ApiError(400, f"{name} = {_shown(body[name])} is not supported by this server", param=name)
+    return ChatRequest(model=served.name, sampling=sampling, **_chat_rendering(body)), token_strs
 
 
 def tokenize_body(

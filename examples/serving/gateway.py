@@ -29,7 +29,8 @@ dropped, and work not yet begun never runs.
 `/metrics` serves the metrics (`serving.metrics`: vLLM's families under the
 prefix `mooncake:`), `/health` (and vLLM's `/ping`) the engines up, `/v1/models`
 the served model, `/version` this version, `/tokenize` and `/detokenize`
-vLLM's token views; every GET route answers HEAD too.
+vLLM's token views; every GET route answers HEAD too. The API key guards the
+routes under /v1 only, as vLLM's does (its middleware's guarded prefixes).
 
 Every answer but a stream's is JSON: a middleware turns aiohttp's own errors
 (404 for an unknown route, 405, 413 for a body over the cap) and anything
@@ -283,8 +284,8 @@ class Gateway:
         return web.json_response(models_body(self.served, created=int(time.time())))
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's `/tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template."""
-        self._authorize(request)
+        """vLLM's `/tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template. Open without
+        the API key, as vLLM's (its key guards only the paths under /v1)."""
         body = await self._body(request)
 
         def tokenized() -> str:  # the answer's JSON too: a million ids take a tenth of a second to write
@@ -294,7 +295,7 @@ class Gateway:
         return web.json_response(text=await self._off_loop(tokenized))
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        """vLLM's `/detokenize`, open without the API key as `/tokenize` is."""
         body = await self._body(request)
 
         def detokenized() -> str:
@@ -351,10 +352,16 @@ class Gateway:
 
     def _prepared(
         self, body: Callable[[], dict[str, Any]], *, chat: bool
-    ) -> tuple[CompletionRequest | ChatRequest, list[CompletionRequest | ChatRequest], list[list[int]]]:
-        """A completion's body decoded and checked: the request, its prompts (a batch's each) and their tokens, every
-        prompt tokenized and checked before any is admitted (a bad one refuses the batch at once). Pure: run off the
-        loop (`_off_loop`).
+    ) -> tuple[
+        CompletionRequest | ChatRequest,
+        list[CompletionRequest | ChatRequest],
+        list[list[int]],
+        list[SamplingOptions],
+    ]:
+        """A completion's body decoded and checked: the request, its prompts (a batch's each), their tokens and their
+        sampling options with `max_tokens` settled (`generation_limit`), every prompt tokenized and checked before
+        any is admitted (a bad one, its `min_tokens` over what its context leaves too, refuses the batch at once,
+        as vLLM builds every prompt's sampling parameters before it runs any). Pure: run off the loop (`_off_loop`).
 
         Raises:
             ApiError: what `serving.api` refuses.
@@ -373,7 +380,12 @@ class Gateway:
         prompts: list[CompletionRequest | ChatRequest] = (
             [*parsed.split()] if isinstance(parsed, CompletionRequest) else [parsed]
         )
-        return parsed, prompts, [prompt_tokens(one, self.tokenizer, self.served) for one in prompts]
+        tokenized = [prompt_tokens(one, self.tokenizer, self.served) for one in prompts]
+        settled = [
+            generation_limit(one.sampling, len(tokens), self.served)
+            for one, tokens in zip(prompts, tokenized, strict=True)
+        ]
+        return parsed, prompts, tokenized, settled
 
     # ------------------------------------------------------------------ completions
 
@@ -388,9 +400,9 @@ class Gateway:
         try:
             self._authorize(request)
             body = await self._body(request)
-            parsed, prompts, tokenized = await self._off_loop(functools.partial(self._prepared, body, chat=chat))
-            for one, tokens in zip(prompts, tokenized, strict=True):
-                sampling = generation_limit(one.sampling, len(tokens), self.served)
+            prepared = await self._off_loop(functools.partial(self._prepared, body, chat=chat))
+            parsed, prompts, tokenized, settled = prepared
+            for one, tokens, sampling in zip(prompts, tokenized, settled, strict=True):
                 for index in range(one.n):
                     live = await dispatcher.admit(tokens, _choice_sampling(sampling, index), arrival)
                     lives.append(live)

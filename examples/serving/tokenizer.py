@@ -273,8 +273,11 @@ class TextStream:
     appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string, or the
     request's stop token id (None at one of the model's: vLLM's `stop_reason` for its EOS); `finish()` returns
     what was held back, at the end. Neither ends the text before its token `min_tokens` + 1 (vLLM's
-    `min_tokens`: a stop string found earlier is text; the engine's sampler never draws a stop id there). The
-    text ends before the stop string or the stop token's text, or after it with `include_stop` (vLLM's
+    `min_tokens`: a stop string found earlier is text; the engine's sampler never draws a stop id there). A stop
+    string counts as vLLM's `check_stop_strings` counts one: only where it ends in the text a token (or piece)
+    just added, so one completed within the first `min_tokens` tokens never ends the text later, even inside a
+    longer stop string; of several ending in the same new text, the first to end, and of those the first listed.
+    The text ends before the stop string or the stop token's text, or after it with `include_stop` (vLLM's
     `include_stop_str_in_output`).
 
     Args:
@@ -344,11 +347,15 @@ class TextStream:
         if not self.stop:
             return piece
         held = self._held + piece
-        # Every occurrence here ends in `piece` (the held tail holds none, or only one found before `min_tokens`
-        # had passed, which stays text): the first to end stops the text.
-        found = [(i + len(s), i, s) for s in self.stop if (i := held.find(s)) >= 0]
+        # Only an occurrence ending in `piece`: the held tail may hold one completed before `min_tokens` had passed,
+        # which stays text (vLLM searches from where the new text's first character could close a stop string).
+        found = []
+        for rank, stop in enumerate(self.stop):
+            start = held.find(stop, max(0, len(self._held) - len(stop) + 1))
+            if start >= 0:
+                found.append((start + len(stop), rank, start, stop))
         if found and self._may_stop:
-            end, start, self.stop_reason = min(found)
+            end, _rank, start, self.stop_reason = min(found)
             self.stopped, self._held = True, ""
             return held[:end] if self.include_stop else held[:start]
         keep = self._open_tail(held)

@@ -67,6 +67,7 @@ from serving.api import (
     decode_body,
     error_body,
     lax_flag,
+    lax_integer,
     max_tokens_within,
     rejection_error,
     requested_max_tokens,
@@ -373,9 +374,9 @@ class VllmRouter:
         return web.json_response({"object": "list", "data": [entry]})
 
     async def _pass(self, request: web.Request) -> web.Response:
-        """`/tokenize` and `/detokenize`: the same tokenizer on every server, so the first that is up answers."""
+        """`/tokenize` and `/detokenize`: the same tokenizer on every server, so the first that is up answers. No
+        API key is asked for, as vLLM 0.32 asks for one only under `/v1` (its servers' own keys are passed on)."""
         assert self.fleet is not None and self._session is not None
-        self._authorize(request)
         body = await request.read()
         for instance in self.fleet.instances.values():
             if not instance.up:
@@ -461,7 +462,9 @@ class VllmRouter:
             # counts (`CompletionRequest.to_sampling_params`: `echo_without_generation`).
             max_tokens: int | None = 1
         else:
-            max_tokens = requested_max_tokens(body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS)
+            max_tokens = requested_max_tokens(
+                body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS, completion=not chat
+            )
         max_tokens = self._trimmed(len(tokens), max_tokens)
         stream = stream_flag(body)
         upstream_body = dict(body)
@@ -803,10 +806,9 @@ def _forwarded(headers: Any) -> dict[str, str]:
 
 def _echo_only(body: dict[str, Any]) -> bool:
     """Whether a completion body asks for its prompt back and nothing generated (`echo` with `max_tokens` 0), as
-    vLLM reads it: pydantic's lax booleans and integers (`"true"`, `0.0`); a bool is no max_tokens."""
+    vLLM reads it: pydantic's lax booleans and integers (`"true"`, `0.0`, `"0"`, `false`)."""
     with contextlib.suppress(ApiError):
-        tokens = body.get("max_tokens")
-        return lax_flag(body, "echo") is True and type(tokens) in (int, float) and tokens == 0
+        return lax_flag(body, "echo") is True and lax_integer(body.get("max_tokens")) == 0
     return False
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from serving.api import (
     ApiError,
@@ -129,7 +129,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "best_of": 2}, "best_of"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "logprobs": -1}, "logprobs"),
-        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "logprobs": "true"}, "logprobs"),  # an int field: true is 1, but "true" is no int
         ({"prompt": "hi", "echo": 2}, "echo"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
@@ -139,7 +139,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "logit_bias": {"5.0": 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"256": 1}}, "logit_bias"),
-        ({"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": "one"}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": [5, 1]}, "logit_bias"),
         ({"prompt": "hi", "stop_token_ids": [256]}, "stop_token_ids"),
         ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
@@ -168,12 +168,12 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
-        ({"prompt": "hi", "repetition_penalty": "1.2"}, "repetition_penalty"),
+        ({"prompt": "hi", "repetition_penalty": "1,2"}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": 10**400}, "repetition_penalty"),
         ({"prompt": "hi", "skip_special_tokens": "nope"}, "skip_special_tokens"),
         ({"prompt": "hi", "model": 5}, "model"),
         ({"prompt": "hi", "max_tokens": 10**4000}, "max_tokens"),
-        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "7.5"}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 5.5}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": math.inf}, "max_tokens"),
         ({"prompt": "hi", "temperature": 10**4000}, "temperature"),
@@ -365,10 +365,10 @@ def test_left_out_temperature_and_top_p_are_the_served_models_defaults() -> None
         (17, "n must be an integer in [1, 16], got 17"),
         (0, "n must be an integer in [1, 16], got 0"),
         (-1, "n must be an integer in [1, 16], got -1"),
-        ("1", "n must be an integer in [1, 16], got '1'"),
+        ("1.5", "n must be an integer in [1, 16], got '1.5'"),
         (1.5, "n must be an integer in [1, 16], got 1.5"),
         (10**4000, "n must be an integer in [1, 16]"),
-        (True, "n must be an integer in [1, 16], got True"),
+        (False, "n must be an integer in [1, 16], got False"),  # 0, as vLLM reads it
     ],
 )
 def test_a_choice_count_out_of_its_range_is_a_400_naming_n(n: object, message: str) -> None:
@@ -393,7 +393,7 @@ def test_tokenize_measures_a_prompt_over_the_limits_and_detokenize_undoes_it() -
     answer = tokenize_body(long, TOKENIZER, SERVED)
     assert (answer["count"], answer["max_model_len"]) == (200, 64) and answer["tokens"] == [120] * 200
     assert detokenize_body({"tokens": answer["tokens"]}, TOKENIZER, SERVED) == {"prompt": "x" * 200}
-    for bad in ({"tokens": [256]}, {"tokens": "hi"}, {"tokens": [True]}, {}):
+    for bad in ({"tokens": [256]}, {"tokens": "hi"}, {"tokens": ["x"]}, {}):
         assert refused(detokenize_body, bad, TOKENIZER, SERVED).param == "tokens"
     assert refused(detokenize_body, {"tokens": [1], "model": "other"}, TOKENIZER, SERVED).status == 404
 
@@ -454,7 +454,7 @@ def test_vllm_clients_extras_are_accepted_at_their_neutral_values_and_unknown_fi
         "ignore_eos": False,
         "skip_special_tokens": True,
         "chat_template_kwargs": {"enable_thinking": False},
-        "max_completion_tokens": 5,
+        "max_tokens": 5,
         "some_new_field": 1,
     }
     with caplog.at_level("WARNING", logger="serving.api"):
@@ -740,18 +740,19 @@ def test_answer_bodies_have_openai_shapes() -> None:
 # ---------------------------------------------------------------------------------------------- stop strings
 
 
-def cut(text: str, stops: list[str]) -> tuple[str, bool, str | None]:
-    """The reference: `text` cut before the first stop string to complete, read character by character (of
-    several completing at one character, the longest), whether it was, and that stop string."""
-    for end in range(1, len(text) + 1):
+def cut(text: str, stops: list[str], *, after: int = 0) -> tuple[str, bool, str | None]:
+    """The reference (vLLM's `check_stop_strings`): `text` cut before the first stop string to complete after its
+    first `after` characters, read character by character (of several completing at one character, the first
+    listed), whether it was, and that stop string."""
+    for end in range(after + 1, len(text) + 1):
         ending = [s for s in stops if text[:end].endswith(s)]
         if ending:
-            longest = max(ending, key=len)
-            return text[: end - len(longest)], True, longest
+            return text[: end - len(ending[0])], True, ending[0]
     return text, False, None
 
 
 @settings(max_examples=300)
+@example("abc", ["bc", "abc"], [], False)  # completing at one character: the first listed, as vLLM's
 @given(
     st.text(alphabet="abcé\n", max_size=40),
     st.lists(st.text(alphabet="abcé\n", min_size=1, max_size=4), max_size=4),
@@ -775,6 +776,30 @@ def test_a_text_stream_cuts_before_the_earliest_stop(
     if include and reason is not None:
         kept += reason
     assert ("".join(given_out), stream.stopped, stream.stop_reason) == (kept, stopped, reason)
+
+
+@settings(max_examples=300)
+@example(text="abxyz", stops=["abc", "b"], min_tokens=2, include=False)  # "b" completed within min_tokens
+@example(text="abc", stops=["bc", "abc"], min_tokens=0, include=False)  # a tie: the first listed
+@given(
+    st.text(alphabet="abé", max_size=20),
+    st.lists(st.text(alphabet="abé", min_size=1, max_size=3), max_size=3),
+    st.integers(min_value=0, max_value=8),
+    st.booleans(),
+)
+def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_after_them(
+    text: str, stops: list[str], min_tokens: int, include: bool
+) -> None:
+    """Fed a byte a token, a stream with `min_tokens` m ends before the first stop string to complete in the text
+    after its first m tokens' (vLLM's `check_stop_strings` window): one completed within them stays text and
+    never ends the text later, even where a longer stop string holds it (vLLM goes on)."""
+    data = text.encode()
+    stream = TextStream(stops, min_tokens=min_tokens, include_stop=include)
+    given_out = "".join(stream.feed(token) for token in data) + stream.finish()
+    kept, stopped, reason = cut(text, stops, after=len(data[:min_tokens].decode("utf-8", "ignore")))
+    if include and reason is not None:
+        kept += reason
+    assert (given_out, stream.stopped, stream.stop_reason) == (kept, stopped, reason)
 
 
 def test_a_requests_stop_token_ids_end_the_text_naming_the_id() -> None:
@@ -832,16 +857,21 @@ def test_the_api_key_is_checked_as_vllm_checks_it(key: str, other: str, scheme: 
 def test_the_requested_output_is_read_as_vllm_reads_it(
     body: dict[str, Any], default: int | None, expected: int | None
 ) -> None:
-    """`max_completion_tokens` wins where it is not null; neither set: the default (None: the context decides)."""
-    assert requested_max_tokens(body, default=default) == expected
+    """A chat's `max_completion_tokens` wins where it is not null; neither set: the default (None: the context
+    decides). A completion reads `max_tokens` only (vLLM's `CompletionRequest` ignores `max_completion_tokens`)."""
+    assert requested_max_tokens(body, default=default, completion=False) == expected
+    ignored = {key: value for key, value in body.items() if key != "max_completion_tokens"}
+    assert requested_max_tokens(body, default=default, completion=True) == requested_max_tokens(
+        ignored, default=default, completion=True
+    )
 
 
 @pytest.mark.parametrize(
-    "body", [{"max_tokens": 0}, {"max_tokens": "8"}, {"max_completion_tokens": 1.5}, {"max_tokens": True}]
+    "body", [{"max_tokens": 0}, {"max_tokens": "8.5"}, {"max_completion_tokens": 1.5}, {"max_tokens": "0x8"}]
 )
 def test_a_requested_output_that_is_no_count_is_a_400_naming_it(body: dict[str, Any]) -> None:
     with pytest.raises(ApiError) as raised:
-        requested_max_tokens(body, default=16)
+        requested_max_tokens(body, default=16, completion=False)
     assert raised.value.status == 400 and raised.value.param in body
 
 
@@ -882,11 +912,13 @@ def test_a_ttft_refusal_after_a_wait_says_how_long_the_request_waited() -> None:
 
 
 def test_logprobs_options_parse_as_vllm_reads_them() -> None:
-    """A completion's `logprobs` is the count beside each token (false or null: none); a chat's is `logprobs:
-    true` with `top_logprobs` (default 0), and `top_logprobs` without `logprobs: true` is vLLM's 400."""
+    """A completion's `logprobs` is the count beside each token (null: none), an int field as vLLM reads it (false
+    is 0, true 1); a chat's is `logprobs: true` with `top_logprobs` (default 0), and `top_logprobs` without
+    `logprobs: true` is vLLM's 400."""
     assert parse_completion({"prompt": "hi", "logprobs": 0}, SERVED).sampling.logprobs == 0
     assert parse_completion({"prompt": "hi", "logprobs": 20.0}, SERVED).sampling.logprobs == 20
-    assert parse_completion({"prompt": "hi", "logprobs": False}, SERVED).sampling.logprobs is None
+    assert parse_completion({"prompt": "hi", "logprobs": False}, SERVED).sampling.logprobs == 0
+    assert parse_completion({"prompt": "hi", "logprobs": True}, SERVED).sampling.logprobs == 1
     assert parse_completion({"prompt": "hi"}, SERVED).sampling.logprobs is None
     messages = [{"role": "user", "content": "hi"}]
     assert parse_chat({"messages": messages, "logprobs": True}, SERVED).sampling.logprobs == 0
@@ -915,8 +947,8 @@ def test_prompt_logprobs_parse_as_vllm_reads_them() -> None:
             (-2, "positive value or -1"),
             (21, "[0, 20]"),
             (1.5, "an integer"),
-            (True, "an integer"),
-            ("1", "an integer"),
+            ("1.5", "an integer"),
+            ("one", "an integer"),
         ]:
             error = refused(parse, {**body, "prompt_logprobs": bad}, SERVED)
             assert error.param == "prompt_logprobs" and words in error.message, (bad, error.message)

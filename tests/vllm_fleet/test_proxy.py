@@ -262,7 +262,7 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
         assert error["message"].startswith("This model's maximum context length is 2048 tokens. However, your prompt")
         status, _, _ = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": ""}, key)
         assert status == 400
-        for bad in ({"max_tokens": 0}, {"max_tokens": "8"}, {"max_completion_tokens": 1.5}):  # vLLM's 400s
+        for bad in ({"max_tokens": 0}, {"max_tokens": "8.5"}, {"max_tokens": "1e3"}):  # vLLM's 400s
             status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", **bad}, key)
             assert status == 400 and json.loads(text)["error"]["param"] in bad
         for bad_stream in ("maybe", 2, [True]):  # no boolean pydantic reads: vLLM's 400, naming the value
@@ -272,6 +272,13 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
             error = json.loads(text)["error"]
             assert (status, error["param"]) == (400, "stream") and repr(bad_stream) in error["message"]
         assert sum(len(f.received) for f in fakes) == before
+        # What vLLM's pydantic takes: "8" is 8; a completion has no max_completion_tokens, and ignores one.
+        for taken in ({"max_tokens": "8"}, {"max_tokens": 2, "max_completion_tokens": 1.5}):
+            status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", **taken}, key)
+            assert status == 200, (taken, text)
+        # vLLM asks for the key under /v1 only: /tokenize and /detokenize answer without it.
+        assert post(f"{router.url}/tokenize", {"model": "tiny", "prompt": "bada"})[0] == 200
+        assert post(f"{router.url}/detokenize", {"model": "tiny", "tokens": [1, 2]})[0] == 200
 
 
 def test_a_prompt_that_fits_is_served_with_max_tokens_trimmed_as_vllm_trims_it(
@@ -313,6 +320,9 @@ def test_echo_with_max_tokens_zero_and_a_string_stream_are_read_as_vllm_reads_th
         assert [b for fake in fakes for b in fake.received if b.get("prompt") == "bada keli"] == [body]
         status, _, text = post(f"{router.url}/v1/completions", {**body, "echo": False})
         assert (status, json.loads(text)["error"]["param"]) == (400, "max_tokens")
+        for zero in ("0", False, 0.0):  # pydantic's lax int: each is 0
+            status, _, text = post(f"{router.url}/v1/completions", {**body, "max_tokens": zero})
+            assert status == 200, (zero, text)
         for text_flag, streamed in (("false", False), ("True", True), (0, False)):
             status, headers, answer = post(
                 f"{router.url}/v1/completions",
