@@ -133,6 +133,21 @@ def make_conductor(
     return conductor
 
 
+def one_pair(estimator: TtftEstimator) -> Conductor:
+    """P0 and D0 (room for any request), routed by load on `estimator`, every request admitted."""
+    conductor = Conductor(
+        router=LoadBalancingRouter(estimator),
+        step_model=DECODE_COST,
+        admission=make_admission("baseline"),
+        predictor=UniformDecodePredictor(decode_s=10.0),
+        slo=Slo(ttft_s=1e6),
+        block_size_tokens=BLOCK,
+    )
+    conductor.add_prefill_instance(P0)
+    conductor.add_decode_instance(D0, DecodeLimits(kv_capacity_tokens=10**7))
+    return conductor
+
+
 def request(name: str, keys: Sequence[int], *, tokens: int | None = None, output: int = 100) -> Request:
     """A request over `keys`, filling its last block unless `tokens` says otherwise."""
     return Request(
@@ -604,16 +619,7 @@ def test_a_backlog_reported_after_requests_were_queued_keeps_their_times(pipelin
     estimator = TtftEstimator(
         prefill=prefill, transfer=ESTIMATOR.transfer, kv_bytes_per_token=LLAMA3.kv_bytes_per_token
     )
-    conductor = Conductor(
-        router=LoadBalancingRouter(estimator),
-        step_model=DECODE_COST,
-        admission=make_admission("baseline"),
-        predictor=UniformDecodePredictor(decode_s=10.0),
-        slo=Slo(ttft_s=1e6),
-        block_size_tokens=BLOCK,
-    )
-    conductor.add_prefill_instance(P0)
-    conductor.add_decode_instance(D0, DecodeLimits(kv_capacity_tokens=10**7))
+    conductor = one_pair(estimator)
     for i in range(2):
         assert conductor.schedule(request(f"r{i}", range(100 * i, 100 * i + 32)), 0.0).accepted
     (view,) = conductor.prefill_views
@@ -1339,16 +1345,7 @@ def test_a_queue_is_retimed_by_occupancy_and_never_in_the_past() -> None:
         transfer=ESTIMATOR.transfer,
         kv_bytes_per_token=LLAMA3.kv_bytes_per_token,
     )
-    conductor = Conductor(
-        router=LoadBalancingRouter(cpp),
-        step_model=DECODE_COST,
-        admission=make_admission("baseline"),
-        predictor=UniformDecodePredictor(decode_s=10.0),
-        slo=Slo(ttft_s=1e6),
-        block_size_tokens=BLOCK,
-    )
-    conductor.add_prefill_instance(P0)
-    conductor.add_decode_instance(D0, DecodeLimits(kv_capacity_tokens=10**7))
+    conductor = one_pair(cpp)
     for i in range(3):
         assert conductor.schedule(request(f"r{i}", range(100 * i, 100 * i + 32)), 0.0).accepted
     hold = cpp.prefill.occupancy_s(32 * BLOCK)
