@@ -240,7 +240,6 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "n": 17}, "n"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "hi", "echo": "maybe"}, "echo"),
-    ("completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("completions", {"prompt": "hi", "top_k": -5}, "top_k"),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),

@@ -9,10 +9,11 @@ shows); `prompt_tokens` tokenizes one (cut to `truncate_prompt_tokens`, as
 vLLM cuts it) under the prompt limit. Numbers and booleans are read as vLLM's
 pydantic models read them, in lax mode (`lax_integer`, `lax_number`,
 `lax_flag`: "7" is 7, true is 1); `parse_tokenize` reads /tokenize's own
-fields only, as vLLM's tokenize requests hold them. A parameter this server does not implement (`best_of` > 1, a chat's `echo`,
+fields only, as vLLM's tokenize requests hold them. A parameter this server does not implement (a chat's `echo`,
 tools, `response_format`, ...) is refused unless it
 has the value that changes nothing; one it does not know is ignored with a
-warning, as vLLM does (its clients send extras other servers do not know).
+warning, as vLLM does (its clients send extras other servers do not know;
+`best_of` is one: vLLM 0.32's requests have no such field).
 
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
@@ -467,11 +468,8 @@ def _empty(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
-COUNTS = frozenset({"best_of"})  # a count of choices: a type or range error is said as such, not "unsupported"
-
 # Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "best_of": _one,
     "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,  # a chat's (a completion's is served): vLLM's chat echo repeats the last message
     "suffix": lambda v: v is None or v == "",
@@ -799,9 +797,6 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         if name in UNSUPPORTED:
             if UNSUPPORTED[name](value):
                 continue
-            count = lax_integer(value)
-            if name in COUNTS and not (count is not None and count >= 1):
-                raise ApiError(400, f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
             raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
         ignored.append(_param(name))
     if ignored:
@@ -941,14 +936,9 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
 
 
 def _choices(body: Mapping[str, Any]) -> int:
-    """`n`, 1 to `MAX_CHOICES`; vLLM's 400 where a `best_of` is below it (`best_of` itself is served only at 1)."""
-    n = _integer(body, "n", 1, 1, MAX_CHOICES)
-    best_of = body.get("best_of")
-    if type(best_of) in (int, float) and n > best_of:
-        raise ApiError(
-            400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}", param="best_of"
-        )
-    return n
+    """`n`, 1 to `MAX_CHOICES` (a `best_of` is ignored as any unknown field, as vLLM 0.32's request models have
+    none: they draw `n` choices whatever it says)."""
+    return _integer(body, "n", 1, 1, MAX_CHOICES)
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
