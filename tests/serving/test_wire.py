@@ -27,21 +27,16 @@ keys = st.lists(ints, max_size=5).map(tuple)
 block_keys = st.integers(min_value=0, max_value=2**64 - 1)  # 64-bit hashes, all of them
 sources = st.sampled_from([InstanceId("prefill-0"), InstanceId("prefill-1")])
 events = st.one_of(
-    st.builds(
-        BlockStored,
-        source=sources,
-        seq=ints,
-        keys=st.lists(block_keys, max_size=4),
-        tier=st.sampled_from(Tier),
-        epoch=ints,
-    ),
-    st.builds(
-        BlockRemoved,
-        source=sources,
-        seq=ints,
-        keys=st.lists(block_keys, max_size=4),
-        tier=st.sampled_from(Tier),
-        epoch=ints,
+    *(
+        st.builds(
+            kind,
+            source=sources,
+            seq=ints,
+            keys=st.lists(block_keys, max_size=4),
+            tier=st.sampled_from(Tier),
+            epoch=ints,
+        )
+        for kind in (BlockStored, BlockRemoved)
     ),
     st.builds(AllBlocksCleared, source=sources, seq=ints, epoch=ints),
 )

@@ -8,9 +8,10 @@ every run, not by luck of timing. Everything runs in this process on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -56,6 +57,34 @@ def held(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Ite
     monkeypatch.setattr(tcp, "xxhash", hashing)
     yield hashing
     hashing.release.set()
+
+
+class HeldWrite(NamedTuple):
+    server: TransferEngine
+    client: TransferEngine
+    region_id: int
+    peer: str
+    write: Any
+    batch: int
+
+
+@contextlib.contextmanager
+def held_write(held: HeldHashing, target: np.ndarray) -> Iterator[HeldWrite]:
+    """A server with `target` registered and a client connected to it over TCP (both closed at the end), and a
+    checksummed WRITE of `held.nbytes` sevens from the client into `target`, submitted and held in the server's
+    hash."""
+    with (
+        TransferEngine(secret=SECRET, config=SERVER) as server,
+        TransferEngine(secret=SECRET, config=CLIENT) as client,
+    ):
+        region = server.register_memory(target)
+        local, source = client.allocate_shared(held.nbytes)
+        source[:] = 7
+        peer = client.connect(server.address, transport="tcp")
+        write = request(TransferOp.WRITE, local.region_id, peer, region.region_id, held.nbytes)
+        batch = client.submit([write])
+        assert held.hashing.wait(timeout=20), "the WRITE never reached the serving side's hash"
+        yield HeldWrite(server, client, region.region_id, peer, write, batch)
 
 
 def serving_threads() -> set[threading.Thread]:
@@ -110,21 +139,12 @@ def test_a_write_whose_region_is_unregistered_while_it_arrives_is_refused(held: 
     """The owner unregisters the target region while a checksummed WRITE to it is being verified: the WRITE is
     refused (naming the region) and the memory is left as it was, not copied into after the owner let it go."""
     target = np.zeros(held.nbytes, np.uint8)
-    with (
-        TransferEngine(secret=SECRET, config=SERVER) as server,
-        TransferEngine(secret=SECRET, config=CLIENT) as client,
-    ):
-        region = server.register_memory(target)
-        local, source = client.allocate_shared(held.nbytes)
-        source[:] = 7
-        peer = client.connect(server.address, transport="tcp")
-        batch = client.submit([request(TransferOp.WRITE, local.region_id, peer, region.region_id, held.nbytes)])
-        assert held.hashing.wait(timeout=20), "the WRITE never reached the serving side's hash"
-        server.unregister_memory(region.region_id)
+    with held_write(held, target) as (server, client, region_id, _, _, batch):
+        server.unregister_memory(region_id)
         held.release.set()
         (status,) = client.wait(batch, timeout=20)
         client.forget(batch)
-    assert status.state is RequestState.FAILED and f"region {region.region_id} was unregistered" in str(status.error)
+    assert status.state is RequestState.FAILED and f"region {region_id} was unregistered" in str(status.error)
     assert not target.any()
 
 
@@ -133,15 +153,7 @@ def test_forget_refuses_a_batch_still_moving_and_close_wakes_its_waiter(held: He
     refuses it too), and keeps the record, so a thread waiting on it still has what it waits on: `close` ends
     the request and that waiter returns. (`forget` used to drop it: the waiter then never returned, not even
     after `close`.)"""
-    with (
-        TransferEngine(secret=SECRET, config=SERVER) as server,
-        TransferEngine(secret=SECRET, config=CLIENT) as client,
-    ):
-        region = server.register_memory(np.zeros(held.nbytes, np.uint8))
-        local, _ = client.allocate_shared(held.nbytes)
-        peer = client.connect(server.address, transport="tcp")
-        batch = client.submit([request(TransferOp.WRITE, local.region_id, peer, region.region_id, held.nbytes)])
-        assert held.hashing.wait(timeout=20), "the WRITE never reached the serving side's hash"
+    with held_write(held, np.zeros(held.nbytes, np.uint8)) as (_, client, _, _, _, batch):
         outcome: list[Any] = []
         waiter = threading.Thread(target=lambda: outcome.append(client.wait(batch, None)), daemon=True)
         waiter.start()
@@ -232,16 +244,7 @@ def test_disconnect_fails_what_is_in_flight_and_lets_the_peer_go(held: HeldHashi
     the peer's transport threads end, the peer is unknown afterwards (a second `disconnect` is refused naming it),
     and `connect` to it again works. (There was no way to drop a peer short of closing the engine: peers that
     went away kept their threads and sockets for good.)"""
-    with (
-        TransferEngine(secret=SECRET, config=SERVER) as server,
-        TransferEngine(secret=SECRET, config=CLIENT) as client,
-    ):
-        region = server.register_memory(np.zeros(held.nbytes, np.uint8))
-        local, _ = client.allocate_shared(held.nbytes)
-        peer = client.connect(server.address, transport="tcp")
-        write = request(TransferOp.WRITE, local.region_id, peer, region.region_id, held.nbytes)
-        batch = client.submit([write])
-        assert held.hashing.wait(timeout=20), "the WRITE never reached the serving side's hash"
+    with held_write(held, np.zeros(held.nbytes, np.uint8)) as (server, client, _, peer, write, batch):
         prefix = f"tcp-{server.host}:{server.port}"
         assert any(thread.name.startswith(prefix) for thread in threading.enumerate())
         client.disconnect(peer)
