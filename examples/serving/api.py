@@ -79,6 +79,7 @@ __all__ = [
     "authorized",
     "decode_body",
     "detokenize_body",
+    "echo_only",
     "encoded",
     "error_body",
     "generation_limit",
@@ -608,6 +609,20 @@ _MAX_INT_DIGITS = 4300  # the most digits pydantic reads in an int (Python's def
 _I64 = 2.0**63  # a whole float strictly within (-2**63, 2**63) is an int field's value; pydantic refuses the rest
 
 
+def echo_only(body: Mapping[str, Any]) -> bool:
+    """Whether a completion asks for its prompt back and nothing generated (`echo` with `max_tokens` 0, as vLLM
+    reads both: lm-eval-harness's loglikelihood request).
+
+    Raises:
+        ApiError: 400, an `echo` that is no boolean as vLLM reads one.
+    """
+    return _flag(body, "echo", default=False) and _generates_nothing(body)
+
+
+def _generates_nothing(body: Mapping[str, Any]) -> bool:
+    return lax_integer(body.get("max_tokens")) == 0  # "0", 0.0 and false too
+
+
 def lax_integer(value: Any) -> int | None:
     """An `int` field's value as vLLM's pydantic models read a JSON value (lax mode): an integer; a boolean (1 or
     0); a whole float within (-2**63, 2**63); a string pydantic reads (" 7 ", "+7", "007", "1_000", "7.0"; never
@@ -834,7 +849,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         logit_bias=_logit_bias(body.get("logit_bias"), served),
         allowed_token_ids=_token_ids(body.get("allowed_token_ids"), "allowed_token_ids", served, empty=False),
     )
-    stream = _flag(body, "stream", default=False)
+    stream = stream_flag(body)
     include_usage, continuous_usage = stream_usage(body)
     prompt_logprobs = _prompt_logprobs(body, served, stream=stream)
     if prompt_logprobs is not None:  # the prefill computes them
@@ -1056,7 +1071,7 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
             f'stream_options must be an object such as {{"include_usage": <bool>}}, got {_shown(options)}',
             param="stream_options",
         )
-    if not _flag(body, "stream", default=False):
+    if not stream_flag(body):
         if options:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return False, False
@@ -1088,7 +1103,7 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> CompletionReq
     else:
         checked = _one_prompt(prompt, served)
     echo = _flag(body, "echo", default=False)
-    echo_only = echo and body.get("max_tokens") is not None and lax_integer(body["max_tokens"]) == 0  # false too
+    echo_only = echo and _generates_nothing(body)
     if echo_only:
         body = {**body, "max_tokens": 1}
     common = _common(body, COMPLETION_FIELDS, served, chat=False)

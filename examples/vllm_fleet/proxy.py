@@ -65,9 +65,8 @@ from serving.api import (
     ApiError,
     authorized,
     decode_body,
+    echo_only,
     error_body,
-    lax_flag,
-    lax_integer,
     max_tokens_within,
     rejection_error,
     requested_max_tokens,
@@ -805,10 +804,9 @@ def _forwarded(headers: Any) -> dict[str, str]:
 
 
 def _echo_only(body: dict[str, Any]) -> bool:
-    """Whether a completion body asks for its prompt back and nothing generated (`echo` with `max_tokens` 0), as
-    vLLM reads it: pydantic's lax booleans and integers (`"true"`, `0.0`, `"0"`, `false`)."""
+    """`api.echo_only`, a bad `echo` read as none (vLLM's 400 comes from the server)."""
     with contextlib.suppress(ApiError):
-        return lax_flag(body, "echo") is True and lax_integer(body.get("max_tokens")) == 0
+        return echo_only(body)
     return False
 
 

@@ -256,18 +256,23 @@ class BlockPlacement:
         page = pool.try_allocate()
         if page is None:
             page = self._vacate(level)
-        if page is None:
-            policy, last = self._policies[level], level + 1 == len(self.pools)
-            while page is None:
-                victim = policy.evict()
-                if victim is None:
-                    return None
-                if last:  # no tier to demote to: what _demote would do
-                    self._drop(victim, self._entries[victim])
-                else:
-                    self._demote(victim, self._entries[victim])
-                page = pool.try_allocate()
+        while page is None:
+            if not self._evict_one(level):
+                return None
+            page = pool.try_allocate()
         return page
+
+    def _evict_one(self, level: int) -> bool:
+        """Evict the block `level`'s policy chooses, moved down a tier (dropped from the last); False if every
+        block there is protected."""
+        victim = self._policies[level].evict()
+        if victim is None:
+            return False
+        if level + 1 == len(self.pools):  # no tier to demote to: what _demote would do
+            self._drop(victim, self._entries[victim])
+        else:
+            self._demote(victim, self._entries[victim])
+        return True
 
     def _demote(self, key: BlockKey, entry: Entry) -> None:
         """Move an evicted block (already out of its policy) to the nearest lower tier that has room or can make

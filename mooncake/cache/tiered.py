@@ -405,15 +405,9 @@ class TieredCache(BlockPlacement):
         """
         require_int("num_blocks", num_blocks, minimum=0, error=InvalidRequestError)
         with self._lock:
-            policy, last = self._policies[0], len(self.pools) == 1
             for evicted in range(num_blocks):
-                victim = policy.evict()
-                if victim is None:
+                if not self._evict_one(0):
                     return evicted
-                if last:  # no tier to demote to: what `_demote` would do
-                    self._drop(victim, self._entries[victim])
-                else:
-                    self._demote(victim, self._entries[victim])
             return num_blocks
 
     # ------------------------------------------------------------------ reads

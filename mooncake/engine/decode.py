@@ -152,8 +152,9 @@ class DecodeEngine:
         self.model, self.cache = model, cache
         bound = model.config.max_context_tokens  # a checkpoint's (its accepted sliding window's): None for most
         if config is None:  # as vLLM derives max_model_len: the default slot, no longer than the model computes
-            default = DecodeConfig().max_context_tokens
-            config = DecodeConfig() if bound is None else DecodeConfig(max_context_tokens=min(default, bound))
+            config = DecodeConfig()
+            if bound is not None and config.max_context_tokens > bound:
+                config = attrs.evolve(config, max_context_tokens=bound)
         if bound is not None and config.max_context_tokens > bound:  # as vLLM refuses a max_model_len above it
             raise ConfigError(
                 f"max_context_tokens={config.max_context_tokens} exceeds model {model.config.name!r}'s "

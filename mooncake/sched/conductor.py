@@ -897,14 +897,11 @@ class Conductor:
         previous_frees = previous_end = -math.inf
         retimed = []
         for entry in view.queue:
-            hold, earliest = entry.occupancy_s, entry.earliest_s
+            hold, earliest, is_started = entry.occupancy_s, entry.earliest_s, entry.started
             if started is not None and entry.request_id == started[0]:
                 earliest, is_started = started[1], True
-                start = max(earliest, previous_frees)
-            elif entry.started:
-                start, is_started = max(earliest, previous_frees), True
-            else:
-                start, is_started = max(earliest, previous_frees, not_before), False
+            # A started one keeps a start that has passed; one not yet started is not before the present.
+            start = max(earliest, previous_frees) if is_started else max(earliest, previous_frees, not_before)
             end = prefill_end_s(start, entry.prefill_s, hold, previous_end)
             if (
                 start != entry.start_s

@@ -411,9 +411,9 @@ class DecodeBoard(_Board["DecodeView"]):
         self.refresh_load(slot)
         view = self.slot_views[slot]
         limits = view.limits
-        self.max_batch_size[slot] = UNLIMITED if limits.max_batch_size is None else limits.max_batch_size
+        self.max_batch_size[slot] = _limit(limits.max_batch_size)
         self.kv_capacity_tokens[slot] = limits.kv_capacity_tokens
-        self.max_context_tokens[slot] = UNLIMITED if limits.max_context_tokens is None else limits.max_context_tokens
+        self.max_context_tokens[slot] = _limit(limits.max_context_tokens)
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
