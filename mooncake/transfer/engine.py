@@ -388,7 +388,7 @@ class TransferEngine:
                     for status in self.status(batch)
                 )
             finally:
-                self._drop_when_ended(batch)  # no caller knows its id: its slices may still be moving
+                self.forget_when_ended(batch)  # no caller knows its id: its slices may still be moving
         deadline = time.monotonic() + limit if limit is not None else None
         statuses = []
         for request, (transport, pieces) in zip(requests, plans, strict=True):
@@ -483,8 +483,15 @@ class TransferEngine:
                 )
             del self._batches[batch_id]
 
-    def _drop_when_ended(self, batch_id: int) -> None:
-        """Drop the record of a batch no caller will read: now if it has ended, else when its last request ends."""
+    def forget_when_ended(self, batch_id: int) -> None:
+        """`forget` a batch now if its requests have all ended, else as soon as its last request ends: for a batch
+        whose statuses no caller will read (a wait that timed out while a slice may still be moving). A thread
+        already waiting on it is still woken when it ends; a later `wait` or `status` finds no record.
+
+        Raises:
+            ConfigError: `batch_id` is not an integer >= 0.
+        """
+        batch_id = require_int("batch_id", batch_id, minimum=0)
         with self._lock:
             batch = self._batches.get(batch_id)
             if batch is None:

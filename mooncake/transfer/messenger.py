@@ -151,9 +151,6 @@ class Messenger:
         self._leases: dict[str, _Lease] = {}
         # Expired leases with reservations: their pages stay reserved until the owner commits, releases or is gone.
         self._quarantine: dict[str, _Lease] = {}
-        # Batches that had not ended when settled (the engine refuses to forget one still moving): `sweep` forgets
-        # each once it has ended, so that their records do not pile up in the engine.
-        self._unsettled: set[int] = set()
         self._lock = threading.Lock()
         engine.register_handler("blocks.lookup", self._serve_lookup)
         engine.register_handler("blocks.release", self._serve_release)
@@ -167,7 +164,6 @@ class Messenger:
     def close(self) -> None:
         """Stop the sweeper and release every lease (the engine is closed by its owner)."""
         self._stop.set()
-        self._forget_ended()
         with self._lock:
             leases = [*self._leases.values(), *self._quarantine.values()]
             self._leases.clear()
@@ -310,19 +306,6 @@ class Messenger:
                 if lease.reserved:  # its pusher may only be paused: the pages wait for it (module docstring)
                     self._quarantine[lease_id] = lease
         self._unpin(pins)
-        self._forget_ended()
-
-    def _forget_ended(self) -> None:
-        """Forget the batches `_settle` left behind that have ended since."""
-        with self._lock:
-            batches = list(self._unsettled)
-        for batch in batches:
-            try:
-                self.engine.forget(batch)
-            except TransferError:
-                continue  # still moving: a later sweep forgets it
-            with self._lock:
-                self._unsettled.discard(batch)
 
     # ------------------------------------------------------------------ serving peers
 
@@ -480,8 +463,7 @@ class Messenger:
                 self.engine.wait(batch, timeout=bound)
             except TransferTimeout:
                 settled = False
-                with self._lock:
-                    self._unsettled.add(batch)  # the engine keeps a batch still moving: forgotten once it ended
+                self.engine.forget_when_ended(batch)  # its record goes when its last slice ends
                 continue
             except TransferError:
                 pass  # unknown batch: nothing in flight

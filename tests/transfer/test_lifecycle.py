@@ -191,6 +191,19 @@ def test_transfer_sync_drops_the_batch_it_made_once_that_ends(held: HeldHashing)
         wait_for(lambda: client.num_batches == 0, timeout=20, what="transfer_sync's batch to be dropped as it ended")
 
 
+def test_forget_when_ended_drops_a_batch_as_its_last_request_ends(held: HeldHashing) -> None:
+    """`forget_when_ended` of a batch still moving keeps its record (a waiter is still woken) and drops it the
+    moment its last request ends; of an ended batch it drops it at once; a bad id is refused by name."""
+    with held_write(held, np.zeros(held.nbytes, np.uint8)) as (_, client, _, _, _, batch):
+        client.forget_when_ended(batch)
+        assert client.status(batch)[0].state is RequestState.PENDING and client.num_batches == 1
+        held.release.set()
+        wait_for(lambda: client.num_batches == 0, timeout=20, what="the batch to be dropped as it ended")
+        client.forget_when_ended(batch)  # no record any more: left alone, as forget
+        with pytest.raises(ConfigError, match=r"^batch_id must be an integer >= 0, got -1$"):
+            client.forget_when_ended(-1)
+
+
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[TransferEngine, TransferEngine, str, int, int]]:
     """Two engines on 127.0.0.1, the first connected to the second over TCP: (client, server, peer, local region,

@@ -903,8 +903,7 @@ def test_a_part_that_timed_out_is_not_committed_when_its_bytes_come_late() -> No
 def test_a_batch_that_did_not_settle_is_forgotten_once_it_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetch that gives up while its READ is still held by the peer: settling it times out (its bound, the
     slice deadline plus a second, cut to one second here), and the engine refuses to forget a batch still moving,
-    so the messenger keeps it aside; once the READ has ended, a sweep forgets it and the engine holds no record
-    of it."""
+    so the messenger has it forgotten when it ends: once the READ has ended, the engine holds no record of it."""
     monkeypatch.setattr(EngineConfig, "slice_deadline_s", property(lambda _config: 0.0))
     data = block(1)
     peer_engine = SlowBlockPeer(data)
@@ -918,12 +917,7 @@ def test_a_batch_that_did_not_settle_is_forgotten_once_it_has_ended(monkeypatch:
         assert fetch.finish(timeout=0.2) == ()  # its READ is still held: the batch did not settle
         assert a.engine.num_batches == before + 1
         peer_engine.gate.set()
-
-        def swept() -> bool:
-            a.messenger.sweep()
-            return a.engine.num_batches == before
-
-        wait_for(swept, timeout=20, what="the unsettled batch to be forgotten once it ended")
+        wait_for(lambda: a.engine.num_batches == before, timeout=20, what="the unsettled batch to be forgotten")
     finally:
         peer_engine.gate.set()
         a.engine.close()
