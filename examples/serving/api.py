@@ -91,6 +91,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_tokenize",
+    "prompt_truncation",
     "prompt_logprobs_json",
     "prompt_tokens",
     "rejection_error",
@@ -390,13 +391,16 @@ class Output:
         return_token_ids: add the prompt's token ids (`prompt_token_ids`) and each choice's (`token_ids`; a
             stream's chunks, those of the tokens since the choice's last chunk, the prompt's in the first).
         tokens_as_ids: `return_tokens_as_token_ids`: a log-probability's token is written "token_id:{id}".
-        truncate_prompt_tokens: keep only the prompt's last k tokens (None: all of it).
+        truncate_prompt_tokens: keep only k of the prompt's tokens (None: all of it).
+        truncation_side: which k (`prompt_truncation`): "left" the last, "right" the first; None the last, as the
+            tokenizer's own truncation keeps them (the special tokens it adds stay).
     """
 
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -532,6 +536,7 @@ SHARED = (
     "prompt_logprobs",
     "allowed_token_ids",
     "truncate_prompt_tokens",
+    "truncation_side",
     "return_tokens_as_token_ids",
     "return_token_ids",
 )
@@ -854,11 +859,16 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     prompt_logprobs = _prompt_logprobs(body, served, stream=stream)
     if prompt_logprobs is not None:  # the prefill computes them
         sampling = attrs.evolve(sampling, prompt_logprobs=prompt_logprobs)
+    bound = min(served.max_prompt_tokens, served.max_context_tokens)  # the max_model_len `models_body` advertises
+    k, side = prompt_truncation(body, bound)
     output = Output(
         prompt_logprobs=prompt_logprobs,
         return_token_ids=_flag(body, "return_token_ids", default=False),
         tokens_as_ids=_flag(body, "return_tokens_as_token_ids", default=False),
-        truncate_prompt_tokens=_truncation(body, served),
+        # -1: the longest prompt served, which leaves room for output already (max_prompt_tokens + default_max_tokens
+        # fit the context), where vLLM's -1 keeps one token of its max_model_len back.
+        truncate_prompt_tokens=bound if k == -1 else k,
+        truncation_side=side,
     )
     return {
         "model": served.name,
@@ -901,25 +911,35 @@ def _check_ids(value: Any, param: str, served: ServedModel) -> list[int]:
     return ids
 
 
-def _truncation(body: Mapping[str, Any], served: ServedModel) -> int | None:
-    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens, k at most the model length this server
-    advertises (`models_body`'s `max_model_len`; -1: that length); None: no truncation."""
+def prompt_truncation(body: Mapping[str, Any], max_model_len: int | None) -> tuple[int | None, str | None]:
+    """vLLM 0.32's `truncate_prompt_tokens` and `truncation_side`, as its request models read them: k, an integer
+    (`lax_integer`) >= 1 and at most `max_model_len` (None: no bound), or -1 (as long as the server allows: its
+    caller says how long), None where absent or null; and the side, "left" (keep the last k), "right" (keep the
+    first k) or None (the tokenizer's own truncation: the last k, the special tokens it adds kept). The one
+    reading of the example cluster's gateway and the vLLM router.
+
+    Raises:
+        ApiError: 400 naming the field: k no integer, below -1, 0 (vLLM truncates to an empty prompt and refuses
+            that) or over `max_model_len` (vLLM's message); a side other than "left" or "right".
+    """
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise ApiError(400, f"truncation_side must be 'left' or 'right', got {_shown(side)}", param="truncation_side")
     if body.get("truncate_prompt_tokens") is None:
-        return None
-    bound = min(served.max_prompt_tokens, served.max_context_tokens)
+        return None, side
     k = _integer(body, "truncate_prompt_tokens", 0, -1, MAX_SEED)
     if k == 0:
         raise ApiError(
             400, "truncate_prompt_tokens must be -1 or an integer >= 1, got 0", param="truncate_prompt_tokens"
         )
-    if k > bound:
+    if max_model_len is not None and k > max_model_len:
         raise ApiError(
             400,
-            f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({bound}). Please, select a smaller "
-            "truncation size.",
+            f"truncate_prompt_tokens={k} cannot be greater than max_model_len = {max_model_len}. Please request a "
+            "smaller truncation size.",
             param="truncate_prompt_tokens",
         )
-    return bound if k == -1 else k
+    return k, side
 
 
 def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...]:
@@ -1285,11 +1305,15 @@ def _over_prompt_limit(num_tokens: int, max_prompt_tokens: int, param: str, *, a
 def _truncated(
     request: CompletionRequest | ChatRequest, tokenizer: ServingTokenizer, tokens: list[int], k: int
 ) -> list[int]:
-    """The prompt's last `k` tokens, as vLLM truncates it: a text the tokenizer added special tokens to (a BOS)
-    keeps them and loses its own tokens from the left, as a tokenizer's left truncation does; token ids, or a text
-    whose specials leave no room, are cut plainly."""
+    """`k` of the prompt's tokens, as vLLM truncates it. With a `truncation_side` the tokens are cut plainly: the
+    last k ("left") or the first k ("right"). Without one the tokenizer truncates (vLLM's tokenizers truncate on the
+    left for generation): a text the tokenizer added special tokens to (a BOS) keeps them and loses its own tokens
+    from the left; token ids, or a text whose specials leave no room, are cut plainly."""
+    side = request.output.truncation_side
+    if side == "right":
+        return tokens[:k]
     ids = isinstance(request, CompletionRequest) and isinstance(request.prompt, tuple)
-    if request.sampling.add_special_tokens and not ids:
+    if side is None and request.sampling.add_special_tokens and not ids:
         bare = attrs.evolve(request, sampling=attrs.evolve(request.sampling, add_special_tokens=False))
         text, _ = encoded(bare, tokenizer)
         added = len(tokens) - len(text)

@@ -16,10 +16,12 @@ server's, and its prefix-cache matches real.
 
 `add_special_tokens` is read as vLLM reads it (a BOS and the like around the
 prompt: true by default for a completion, false for a chat, whose template
-writes its own), and `truncate_prompt_tokens` keeps the prompt's last k tokens
-(-1: the `max_model_len - 1` vLLM truncates to); a text truncated so is
-`approximate` (vLLM's tokenizer truncates around the special tokens it adds,
-which a cut of the ids here need not match), token ids are cut exactly.
+writes its own), and `truncate_prompt_tokens` keeps k of the prompt's tokens,
+the last ones, or the first with `truncation_side: "right"` (-1: vLLM's
+`max_truncation_tokens`, `max_model_len` less the one token it keeps back for
+a request that asks for output); a text truncated so is `approximate` (vLLM's
+tokenizer truncates around the special tokens it adds, which a cut of the ids
+here need not match), token ids, or any prompt with a side, are cut exactly.
 
 Where the router cannot render a chat the server may accept (a part that is no
 text, for a multimodal model; a template variable the renderer here refuses; a
@@ -34,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from serving.api import ApiError, lax_flag
+from serving.api import ApiError, lax_flag, lax_integer, prompt_truncation
 
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.errors import MooncakeError
@@ -111,29 +113,34 @@ def _texts(messages: list[Any]) -> str:
 
 def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool, max_model_len: int | None = None) -> Prompt:
     """The prompt of a completion or chat body as the servers will see it (see the module docstring):
-    `max_model_len` is what `truncate_prompt_tokens: -1` truncates to, less one (None: no truncation for -1).
+    `max_model_len` bounds `truncate_prompt_tokens` and is what -1 truncates to (less one where the request asks
+    for output tokens; None: no bound, and no truncation for -1).
 
     Raises:
         ApiError: 400, no prompt (a completion's `prompt` neither a non-empty string nor token ids) or no messages
-            (a chat's `messages` not a non-empty list), an `add_special_tokens` that is no boolean or a
-            `truncate_prompt_tokens` that is no integer >= -1: vLLM's 400 too.
+            (a chat's `messages` not a non-empty list), an `add_special_tokens` that is no boolean, or a truncation
+            vLLM refuses (`prompt_truncation`, the gateway's reading): vLLM's 400 too.
     """
+    limit, side = prompt_truncation(body, max_model_len)
     whole = _whole_prompt(tokenizer, body, chat=chat)
-    limit = body.get("truncate_prompt_tokens")
-    if limit is None:
-        return whole
-    if type(limit) is not int or limit < -1:
-        raise ApiError(
-            400, f"truncate_prompt_tokens must be an integer >= -1, got {limit!r}", param="truncate_prompt_tokens"
-        )
-    if limit == -1:
-        if max_model_len is None:
-            return whole
-        limit = max_model_len - 1  # vLLM's `max_truncation_tokens`: one token kept for the output
-    if len(whole.tokens) <= limit:
+    if limit == -1:  # vLLM's `max_truncation_tokens`
+        limit = None if max_model_len is None else max_model_len - _asks_for_output(body, chat=chat)
+    if limit is None or len(whole.tokens) <= limit:
         return whole
     ids = not chat and isinstance(body.get("prompt"), list) and all(type(t) is int for t in body["prompt"])
-    return Prompt(whole.tokens[len(whole.tokens) - limit :], approximate=whole.approximate or not ids)
+    kept = whole.tokens[:limit] if side == "right" else whole.tokens[len(whole.tokens) - limit :]
+    # With a side vLLM cuts the whole prompt's tokens as here; without, its tokenizer cuts a text around its specials.
+    return Prompt(kept, approximate=whole.approximate or (side is None and not ids))
+
+
+def _asks_for_output(body: dict[str, Any], *, chat: bool) -> bool:
+    """Whether vLLM counts the request as asking for output tokens when it truncates (its `max_output_tokens`,
+    nonzero): a chat's `max_completion_tokens` or else `max_tokens`, a completion's `max_tokens` (16 where absent);
+    null or 0 asks for none. A value it cannot read counts as none: vLLM refuses the request anyway."""
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if not chat and name not in body:
+        return True
+    return bool(lax_integer(body.get(name)))
 
 
 def _whole_prompt(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool) -> Prompt:

@@ -166,6 +166,7 @@ def test_encodings_and_charsets_decode() -> None:
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
+        ({"prompt": "hi", "truncation_side": "both"}, "truncation_side"),
         ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": "1,2"}, "repetition_penalty"),
         ({"prompt": "hi", "repetition_penalty": 10**400}, "repetition_penalty"),

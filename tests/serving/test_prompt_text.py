@@ -267,3 +267,31 @@ def test_detokenize_decodes_the_eos_and_what_follows_as_vllm_does(
     answer = detokenize_body({"tokens": ids}, ours, served)
     assert answer == {"prompt": reference.decode(ids)}
     assert answer["prompt"] == "<s>Hello world</s><|im_end|> The quick fox"
+
+
+def test_a_text_is_truncated_on_the_side_asked_as_vllm_truncates_it(
+    checkpoint_tokenizer: tuple[CheckpointTokenizer, Any],
+) -> None:
+    """`truncate_prompt_tokens: k` on a text the tokenizer adds a BOS to. Without `truncation_side` the tokenizer
+    truncates (vLLM's generation tokenizers truncate on the left): the BOS stays, the text loses its first tokens,
+    as transformers' left truncation. With a side vLLM cuts the whole prompt's tokens: "left" keeps the last k (the
+    BOS goes), "right" the first k. A side that is neither is a 400 naming it."""
+    ours, reference = checkpoint_tokenizer
+    served = ServedModel(name="m", max_prompt_tokens=64, default_max_tokens=4, max_context_tokens=128, vocab_size=300)
+    text = "The quick brown fox jumps over the lazy dog"
+    whole = reference(text)["input_ids"]
+    assert whole[0] == reference.bos_token_id and len(whole) > 6
+    reference.truncation_side = "left"
+    cases = [
+        ({}, reference(text, truncation=True, max_length=5)["input_ids"]),
+        ({"truncation_side": "left"}, whole[-5:]),
+        ({"truncation_side": "right"}, whole[:5]),
+    ]
+    for side, expected in cases:
+        request = parse_completion({"prompt": text, "truncate_prompt_tokens": "5", **side}, served)
+        assert prompt_tokens(request, ours, served) == expected, side
+    assert cases[0][1][0] == reference.bos_token_id and cases[0][1] != whole[-5:]
+    for side in ("middle", "LEFT", 1):
+        with pytest.raises(ApiError, match=r"^truncation_side must be 'left' or 'right', got ") as refused:
+            parse_completion({"prompt": text, "truncation_side": side}, served)
+        assert refused.value.param == "truncation_side"

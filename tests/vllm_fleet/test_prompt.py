@@ -128,7 +128,9 @@ def test_a_chat_not_rendered_here_is_routed_by_its_texts(tokenizer_dir: Path) ->
 def test_add_special_tokens_and_truncation_are_read_as_vllm_reads_them(tokenizer_dir: Path) -> None:
     """A completion's `add_special_tokens` (default true) and a chat's (default false) decide the BOS and the like
     the server adds, so the router's block keys are the server's; `truncate_prompt_tokens` keeps the last k
-    tokens (-1: `max_model_len - 1`), exactly for token ids, `approximate` for a text."""
+    tokens (-1: `max_model_len - 1`, or all of it for a request that asks for no output), the first k with
+    `truncation_side: "right"`; exactly for token ids or with a side, `approximate` for a text without one; k read
+    as vLLM reads an integer ("5" is 5)."""
     loaded = load_tokenizer(tokenizer_dir)
     tokenizer = Tokenizer(loaded.backend, special=loaded.special, chat_template=CHATML)
     for special in (True, False):
@@ -146,10 +148,29 @@ def test_add_special_tokens_and_truncation_are_read_as_vllm_reads_them(tokenizer
     assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": -1}, chat=False, max_model_len=8) == Prompt(
         ids[-7:]
     )
+    for silent in ({"max_tokens": 0}, {"max_tokens": None}):  # vLLM keeps no token back for no output
+        body = {"prompt": ids, "truncate_prompt_tokens": -1, **silent}
+        assert prompt_of(tokenizer, body, chat=False, max_model_len=8) == Prompt(ids[-8:])
+    chat = {"messages": [{"role": "user", "content": "bada keli sunu " * 5}], "truncate_prompt_tokens": -1}
+    assert len(prompt_of(tokenizer, chat, chat=True, max_model_len=8).tokens) == 8
+    assert len(prompt_of(tokenizer, {**chat, "max_completion_tokens": 3}, chat=True, max_model_len=8).tokens) == 7
     assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": 50}, chat=False) == Prompt(ids)
-    cut = prompt_of(tokenizer, {"prompt": "bada keli sunu " * 10, "truncate_prompt_tokens": 4}, chat=False)
+    right = {"prompt": ids, "truncate_prompt_tokens": "5", "truncation_side": "right"}
+    assert prompt_of(tokenizer, right, chat=False) == Prompt(ids[:5])
+    text = "bada keli sunu " * 10
+    cut = prompt_of(tokenizer, {"prompt": text, "truncate_prompt_tokens": 4}, chat=False)
     assert len(cut.tokens) == 4 and cut.approximate
-    with pytest.raises(ApiError, match="truncate_prompt_tokens must be an integer >= -1, got -2"):
-        prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": -2}, chat=False)
+    whole = tokenizer.encode(text, add_special_tokens=True)
+    for side, kept in (("left", whole[-4:]), ("right", whole[:4])):
+        body = {"prompt": text, "truncate_prompt_tokens": 4.0, "truncation_side": side}
+        assert prompt_of(tokenizer, body, chat=False) == Prompt(kept), side
+    for k in (-2, 0, "x"):
+        with pytest.raises(ApiError, match=r"^truncate_prompt_tokens must be") as refused:
+            prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": k}, chat=False)
+        assert refused.value.param == "truncate_prompt_tokens"
+    with pytest.raises(ApiError, match=r"^truncate_prompt_tokens=9 cannot be greater than max_model_len = 8\."):
+        prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": 9}, chat=False, max_model_len=8)
+    with pytest.raises(ApiError, match=r"^truncation_side must be 'left' or 'right', got 'up'$"):
+        prompt_of(tokenizer, {"prompt": ids, "truncation_side": "up"}, chat=False)
     with pytest.raises(ApiError, match="add_special_tokens must be a boolean, got 'maybe'"):
         prompt_of(tokenizer, {"prompt": "x", "add_special_tokens": "maybe"}, chat=False)

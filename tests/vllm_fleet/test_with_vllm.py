@@ -223,6 +223,35 @@ def test_a_chats_prompt_is_the_one_the_server_renders(servers: VllmFleet, model:
         assert answer.usage is not None and answer.usage.completion_tokens == 2
 
 
+def test_a_truncated_prompt_is_the_one_the_server_keeps(servers: VllmFleet, model: Path) -> None:
+    """`truncate_prompt_tokens` with each `truncation_side` (none, left, right) and -1 (the server's
+    `max_model_len` less one), on token ids and on a text, with lax numbers: the router's prompt is the one the
+    server answers with (`return_token_ids`), exactly where the router says it is."""
+    from vllm_fleet.prompt import prompt_of
+
+    ids = list(range(10, 40))
+    text, long = words(60, seed=1), words(2100, seed=2)
+    bodies: list[dict[str, Any]] = [
+        {"prompt": ids, "truncate_prompt_tokens": 5},
+        {"prompt": ids, "truncate_prompt_tokens": "5", "truncation_side": "right"},
+        {"prompt": text, "truncate_prompt_tokens": 7.0, "truncation_side": "left"},
+        {"prompt": text, "truncate_prompt_tokens": 7, "truncation_side": "right"},
+        {"prompt": text, "truncate_prompt_tokens": 7},
+        {"prompt": long, "truncate_prompt_tokens": -1},
+    ]
+    first = next(iter(servers)).url
+    with RunningRouter(config(servers, model)) as running:
+        for body in bodies:
+            asked = {"model": "tiny", "max_tokens": 1, "return_token_ids": True, **body}
+            answer = fetch(f"{first}/v1/completions", asked).json()
+            assert "choices" in answer, (body, answer)
+            theirs = answer["choices"][0]["prompt_token_ids"]
+            ours = running.read(lambda router, b=asked: prompt_of(router.tokenizer, b, chat=False, max_model_len=2048))
+            assert len(ours.tokens) == len(theirs), body
+            assert ours.tokens == theirs or ours.approximate, body
+            assert ours.approximate == (isinstance(body["prompt"], str) and "truncation_side" not in body), body
+
+
 def test_a_burst_over_the_ttft_objective_is_answered_429(servers: VllmFleet, model: Path) -> None:
     """A burst of 48 prompts (24 queued per server) under an objective of three lone prefills of them, as the
     router's calibrated model estimates one: the first requests on each server fit it and the rest do not,
