@@ -4,11 +4,13 @@ An engine finds its peers peer to peer, with no metadata service. `Peers.connect
 opens an authenticated control connection (mutual HMAC challenge, see `wire`),
 fetches the peer's segment descriptor with a "describe" control call (its
 regions, host, process and whether it has RDMA), validates it, and builds the
-transports that reach the peer, by preference: `shm` when it runs on this host,
-`rdma` where both ends have a device (the queue pairs meet through an
-"rdma_connect" control call), `tcp` always. A peer is known by the address
-dialled. `transport_for` picks, per remote region, the first of a peer's
-transports that reaches it (shm only shared regions, rdma only registered ones).
+transports that reach the peer, by preference: `shm` when it runs on this host
+and shares its /dev/shm and PID namespace (equal `host_id`; a container with
+its own is reached over the others), `rdma` where both ends have a device (the
+queue pairs meet through an "rdma_connect" control call), `tcp` always. A peer
+is known by the address dialled. `transport_for` picks, per remote region, the
+first of a peer's transports that reaches it (shm only shared regions, rdma only
+registered ones).
 A peer is kept until `disconnect` (or `close`): its transports hold threads and
 connections, so a peer that went away for good (scaled in, or restarted on
 another address) should be disconnected.
@@ -72,14 +74,30 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _SHM_NAME = re.compile(r"mooncake-([1-9][0-9]*)-[0-9a-f]+")  # ASCII digits only, no leading zero: one name per pid
 
 
-def host_id() -> str:
-    """Identifies this machine (hostname and boot id): equal ids mean shared memory is shared."""
+def host_id(*, shm_folder: str = "/dev/shm", pid_namespace: str = "/proc/self/ns/pid") -> str:
+    """Identifies where this process's shared memory lives: equal ids mean shared memory is shared.
+
+    Hostname and boot id name the machine; a container on it (host networking, so the same hostname) may
+    still have a /dev/shm of its own, or a PID namespace of its own where the pids peers tell mean nothing
+    here. So the id also holds the device of `shm_folder` (each tmpfs mount has its own) and the inode of
+    `pid_namespace` (each namespace has its own), each empty where it cannot be read: peers that differ in
+    either are not taken for same-host, and reach each other over the other transports.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
             boot_id = boot.read().strip()
     except OSError:
         boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+    shm_device, namespace = _stat_field(shm_folder, "st_dev"), _stat_field(pid_namespace, "st_ino")
+    return f"{socket.gethostname()}/{boot_id}/shm:{shm_device}/pid:{namespace}"
+
+
+def _stat_field(path: str, field: str) -> str:
+    """`field` of os.stat(path), or "" where it cannot be read (no /dev/shm, no /proc)."""
+    try:
+        return str(getattr(os.stat(path), field))
+    except OSError:
+        return ""
 
 
 @attrs.frozen(kw_only=True)

@@ -13,6 +13,19 @@ enforces the memory region's bounds too). A poller thread turns completions
 into slice outcomes; a failed completion puts an RC queue pair in the error
 state, so every outstanding slice then fails with `PeerUnavailable`.
 
+A send queue holds at most `max_send_wr` work requests whose completions have
+not been polled (ibv_post_send refuses the next with ENOMEM), and one request
+can be thousands of slices. So, as Mooncake's endpoints do, each transport
+posts at most that many and keeps the rest in a FIFO of slices waiting for a
+slot: the submitting thread posts while slots are free, the poller posts more
+as completions free them. A waiting slice ends as a posted one would: with
+`PeerUnavailable` when the transport closes or the queue pair breaks, and with
+`TransferTimeout` when no slot has been freed for `io_timeout_s` (a wedged NIC).
+
+Invariants (`RdmaTransport.check_invariants`): work requests posted and not
+yet polled never exceed `max_send_wr` (one that expired still holds its slot
+until its completion comes), and every posted slice not yet ended is among them.
+
 The device sits behind two small protocols (`Verbs`, `QueuePair`): `PyverbsDevice`
 implements them with pyverbs (Debian's python3-pyverbs; the PyPI build does not
 compile), and tests drive the transport logic with an in-memory double. What was
@@ -23,6 +36,7 @@ elsewhere, saying so).
 
 from __future__ import annotations
 
+import collections
 import importlib
 import importlib.util
 import itertools
@@ -32,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
@@ -42,6 +57,7 @@ from mooncake.transfer.workers import attempt
 __all__ = ["PyverbsDevice", "QueuePair", "RdmaTransport", "Verbs", "buffer_address", "open_device"]
 
 _DEBIAN_PACKAGES = "/usr/lib/python3/dist-packages"
+MAX_SEND_WR = 1024  # the send-queue depth each queue pair is created with
 
 
 def buffer_address(view: memoryview) -> int:
@@ -50,7 +66,12 @@ def buffer_address(view: memoryview) -> int:
 
 
 class QueuePair(Protocol):
-    """One connected reliable-connection queue pair."""
+    """One connected reliable-connection queue pair.
+
+    `max_send_wr`: how many work requests may be posted and not yet polled; `post` refuses one past it.
+    """
+
+    max_send_wr: int
 
     def endpoint(self) -> dict[str, Any]:
         """What the peer needs to connect to this QP (JSON-able)."""
@@ -61,7 +82,7 @@ class QueuePair(Protocol):
     def post(
         self, wr_id: int, op: TransferOp, address: int, length: int, lkey: int, remote_address: int, rkey: int
     ) -> None:
-        """Post one signalled RDMA WRITE or READ."""
+        """Post one signalled RDMA WRITE or READ; raises (ENOMEM) when `max_send_wr` are posted and not polled."""
 
     def poll(self) -> list[tuple[int, str | None]]:
         """Completed work requests: (wr_id, None) or (wr_id, error text)."""
@@ -159,7 +180,8 @@ class _PyverbsQueuePair:
         e = device._enums
         self._device, self._enums = device, e
         self.cq = CQ(device.context, 4096)
-        capacity = QPCap(max_send_wr=1024, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        self.max_send_wr = MAX_SEND_WR  # the device may round it up: the transport keeps to what was asked
+        capacity = QPCap(max_send_wr=MAX_SEND_WR, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
         self.qp = QP(device.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=capacity))
         self.psn = random.getrandbits(24)
 
@@ -216,8 +238,20 @@ class _PyverbsQueuePair:
         self.cq.close()
 
 
+@attrs.frozen
+class _Work:
+    """A slice checked and resolved to a work request, waiting for a send-queue slot since `queued_at`."""
+
+    piece: Slice
+    address: int
+    lkey: int
+    remote_address: int
+    rkey: int
+    queued_at: float
+
+
 class RdmaTransport:
-    """Slices to and from one peer over one RC queue pair.
+    """Slices to and from one peer over one RC queue pair, at most `queue_pair.max_send_wr` posted at once.
 
     Args:
         queue_pair: connected to the peer.
@@ -241,7 +275,10 @@ class RdmaTransport:
         self._describe = describe
         self._config = config
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[Slice, float]] = {}
+        self._pending: dict[int, tuple[Slice, float]] = {}  # posted slices not yet ended, by wr_id
+        self._waiting: collections.deque[_Work] = collections.deque()  # checked slices waiting for a slot, FIFO
+        self._in_flight: set[int] = set()  # wr_ids posted and not yet polled: each holds a send-queue slot
+        self._freed_at = time.monotonic()  # when a slot was last freed (a completion polled)
         self._lock = threading.Lock()
         self._broken: TransferError | None = None
         self._closed = threading.Event()
@@ -249,9 +286,11 @@ class RdmaTransport:
         self._poller.start()
 
     def submit(self, piece: Slice) -> None:
-        error = attempt(self._post, piece, action="RDMA post")
+        error = attempt(self._enqueue, piece, action="RDMA post")
         if error is not None or not piece.local.nbytes:
             piece.on_done(error)  # a posted slice ends when its completion is polled; an empty one posts nothing
+            return
+        self._post_waiting()
 
     def run_inline(self, piece: Slice, *, deadline: float | None = None) -> TransferError | None:
         """Post `piece` and wait for its completion in the calling thread, until `deadline` (time.monotonic) at
@@ -278,11 +317,16 @@ class RdmaTransport:
         self._fail_all(PeerUnavailable("the RDMA transport is closed"))
         self._qp.close()
 
-    def _post(self, piece: Slice) -> None:
-        if self._broken is not None:
-            raise self._broken
-        if self._closed.is_set():
-            raise PeerUnavailable("the RDMA transport is closed")
+    def check_invariants(self) -> None:
+        """Work requests posted and not yet polled are at most `max_send_wr`, and every posted slice not yet
+        ended is among them."""
+        with self._lock:
+            assert len(self._in_flight) <= self._qp.max_send_wr, (len(self._in_flight), self._qp.max_send_wr)
+            assert set(self._pending) <= self._in_flight, sorted(set(self._pending) - self._in_flight)
+
+    def _enqueue(self, piece: Slice) -> None:
+        """Check `piece` against the peer's descriptor and queue it for posting (an empty one only checked)."""
+        self._raise_if_down()
         remote = self._describe(piece.remote_region)
         if remote is None:
             raise TransferError(f"the peer has no RDMA-registered region {piece.remote_region}")
@@ -295,17 +339,41 @@ class RdmaTransport:
         if remote.rdma_address is None or remote.rdma_rkey is None:
             raise TransferError(f"the peer has no RDMA-registered region {piece.remote_region}")
         address, lkey = self._local_key(piece.local)
-        wr_id = next(self._ids)
-        with self._lock:
-            self._pending[wr_id] = (piece, time.monotonic())
-        try:
-            self._qp.post(
-                wr_id, piece.op, address, length, lkey, remote.rdma_address + piece.remote_offset, remote.rdma_rkey
-            )
-        except Exception as error:
-            with self._lock:
-                self._pending.pop(wr_id, None)
-            raise TransferError(f"posting an RDMA {piece.op.value} failed: {error}") from error
+        work = _Work(
+            piece, address, lkey, remote.rdma_address + piece.remote_offset, remote.rdma_rkey, time.monotonic()
+        )
+        with self._lock:  # checked again under the lock `_fail_all` takes: nothing is queued after it drained
+            self._raise_if_down()
+            self._waiting.append(work)
+
+    def _raise_if_down(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed.is_set():
+            raise PeerUnavailable("the RDMA transport is closed")
+
+    def _post_waiting(self) -> None:
+        """Post waiting slices, oldest first, while the send queue has free slots; a refused post ends its slice
+        with a TransferError (the queue pair is still up)."""
+        refused: list[tuple[Slice, TransferError]] = []
+        with self._lock:  # held across each post: a slot is taken and its work request posted as one step
+            while self._waiting and len(self._in_flight) < self._qp.max_send_wr:
+                if self._broken is not None or self._closed.is_set():
+                    break  # `_fail_all` ends the waiting ones
+                work = self._waiting.popleft()
+                piece = work.piece
+                wr_id = next(self._ids)
+                try:
+                    self._qp.post(
+                        wr_id, piece.op, work.address, piece.local.nbytes, work.lkey, work.remote_address, work.rkey
+                    )
+                except Exception as error:
+                    refused.append((piece, TransferError(f"posting an RDMA {piece.op.value} failed: {error}")))
+                    continue
+                self._in_flight.add(wr_id)
+                self._pending[wr_id] = (piece, time.monotonic())
+        for piece, failure in refused:
+            piece.on_done(failure)
 
     def _poll(self) -> None:
         while not self._closed.is_set():
@@ -317,6 +385,9 @@ class RdmaTransport:
                 return
             for wr_id, failure in completions:
                 with self._lock:
+                    if wr_id in self._in_flight:  # its slot is free again, even where the slice expired before
+                        self._in_flight.discard(wr_id)
+                        self._freed_at = time.monotonic()
                     entry = self._pending.pop(wr_id, None)
                 if entry is None:
                     continue
@@ -327,21 +398,34 @@ class RdmaTransport:
                     self._broken = PeerUnavailable(f"RDMA work request failed ({failure}); the queue pair is down")
                     entry[0].on_done(self._broken)
                     self._fail_all(self._broken)
+            if completions:
+                self._post_waiting()
             self._expire()
             if not completions:
                 time.sleep(0.0002)  # completions arrive by polling; keep the idle loop cheap
 
     def _expire(self) -> None:
+        """End posted slices older than the io timeout, and waiting ones when no slot has freed for as long."""
         deadline = time.monotonic() - self._config.io_timeout_s
         with self._lock:
             late = [wr_id for wr_id, (_, posted) in self._pending.items() if posted < deadline]
-            pieces = [self._pending.pop(wr_id)[0] for wr_id in late]
+            pieces = [self._pending.pop(wr_id)[0] for wr_id in late]  # their slots stay taken until polled
+            stuck: list[Slice] = []
+            full = len(self._in_flight) >= self._qp.max_send_wr
+            while full and self._waiting and max(self._waiting[0].queued_at, self._freed_at) < deadline:
+                stuck.append(self._waiting.popleft().piece)
         for piece in pieces:
             piece.on_done(TransferTimeout(f"an RDMA work request took over {self._config.io_timeout_s}s"))
+        for piece in stuck:
+            piece.on_done(
+                TransferTimeout(f"no RDMA send-queue slot was freed for {self._config.io_timeout_s}s (the NIC stalls)")
+            )
 
     def _fail_all(self, error: TransferError) -> None:
+        """End every posted and every waiting slice with `error`."""
         with self._lock:
-            pieces = [piece for piece, _ in self._pending.values()]
+            pieces = [piece for piece, _ in self._pending.values()] + [work.piece for work in self._waiting]
             self._pending.clear()
+            self._waiting.clear()
         for piece in pieces:
             piece.on_done(error)

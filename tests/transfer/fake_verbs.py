@@ -4,28 +4,38 @@ Registration remembers each buffer's real address and hands out keys; a work
 request posted on a connected queue pair copies real bytes with ctypes.memmove
 after checking the rkey and the remote bounds (as a NIC would), and its
 completion appears at the next poll. `fail_next` injects failed completions;
-`stall` makes work requests vanish (posted, never completed: a wedged NIC).
+`stall` makes work requests vanish (posted, never completed: a wedged NIC);
+`hold` keeps completions back from polls until it is cleared (a busy NIC).
+Each queue pair's send queue holds `max_send_wr` work requests (the fabric's,
+by default what a real queue pair is created with): a work request takes a slot
+when posted and frees it when its completion is polled (a swallowed one never
+does), and a post with no slot free is refused with ENOMEM, as ibv_post_send
+refuses it. `peak_outstanding` is the most a queue pair ever held.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import threading
 from typing import Any
 
-from mooncake.transfer.rdma import buffer_address
+from mooncake.transfer.rdma import MAX_SEND_WR, buffer_address
 from mooncake.transfer.request import TransferOp
 
 
 class FakeFabric:
-    def __init__(self) -> None:
+    def __init__(self, *, max_send_wr: int = MAX_SEND_WR) -> None:
+        self.max_send_wr = max_send_wr
+        self.peak_outstanding = 0
         self.memory: dict[int, tuple[int, int, memoryview]] = {}  # rkey -> (address, length, keepalive)
         self.local: dict[int, tuple[int, int]] = {}  # lkey -> (address, length)
         self.queue_pairs: dict[int, FakeQueuePair] = {}
         self.keys = itertools.count(100)
         self.fail_next = 0
         self.stall = False
+        self.hold = False
         self.posted = 0
         self.lock = threading.Lock()
 
@@ -65,6 +75,8 @@ class FakeQueuePair:
         fabric.queue_pairs[self.number] = self
         self.remote: FakeQueuePair | None = None
         self.completions: list[tuple[int, str | None]] = []
+        self.max_send_wr = fabric.max_send_wr
+        self.outstanding = 0  # posted, completion not yet polled: the send-queue slots taken
         self.lock = threading.Lock()
 
     def endpoint(self) -> dict[str, Any]:
@@ -77,8 +89,14 @@ class FakeQueuePair:
         self, wr_id: int, op: TransferOp, address: int, length: int, lkey: int, remote_address: int, rkey: int
     ) -> None:
         assert self.remote is not None, "post on an unconnected queue pair"
+        with self.lock:
+            if self.outstanding >= self.max_send_wr:
+                raise OSError(errno.ENOMEM, f"ibv_post_send: send queue full ({self.max_send_wr} outstanding)")
+            self.outstanding += 1
+            held = self.outstanding
         fabric = self.fabric
         with fabric.lock:
+            fabric.peak_outstanding = max(fabric.peak_outstanding, held)
             fabric.posted += 1
             failing = fabric.fail_next > 0
             fabric.fail_next -= failing
@@ -103,8 +121,11 @@ class FakeQueuePair:
         return None
 
     def poll(self) -> list[tuple[int, str | None]]:
+        if self.fabric.hold:
+            return []
         with self.lock:
             done, self.completions = self.completions, []
+            self.outstanding -= len(done)
         return done
 
     def close(self) -> None:

@@ -43,13 +43,39 @@ U64 = 2**64
 
 def test_host_id_is_stable_and_names_this_host() -> None:
     """Equal ids must mean shared memory is shared: the id is the same on every call (Peers compares its own
-    with each peer's, so one that varied would never offer shm) and begins with this machine's hostname."""
+    with each peer's, so one that varied would never offer shm) and is this machine's hostname and boot id, then
+    the device of its /dev/shm and the inode of its PID namespace."""
     first = host_id()
     assert all(host_id() == first for _ in range(5))
-    hostname, _, boot_id = first.partition("/")
+    hostname, boot_id, shm, pid = first.split("/")
     assert hostname == socket.gethostname()
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
         assert boot_id == boot.read().strip()
+    with contextlib.suppress(OSError):
+        assert shm == f"shm:{os.stat('/dev/shm').st_dev}"
+    with contextlib.suppress(OSError):
+        assert pid == f"pid:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+@pytest.mark.skipif(
+    not (os.path.isdir("/proc/self/ns") and os.path.isdir("/dev/shm")),
+    reason="reads /dev/shm and /proc/self/ns (Linux)",
+)
+def test_host_id_differs_with_the_shm_folder_or_the_pid_namespace() -> None:
+    """Two processes of one machine whose /dev/shm are different mounts (a tmpfs device of its own), or whose PID
+    namespaces differ, get different ids, so neither takes the other for same-host (the shm transport would fail
+    every copy: the segments or the pids it is told are not its own). A path that cannot be read leaves its field
+    empty, and the id stable. (Namespaces for real: tests/transfer/test_shm.py.)"""
+    other_shm, other_pid = "/proc", "/proc/self/ns/mnt"  # another filesystem; a namespace inode of another kind
+    assert os.stat(other_shm).st_dev != os.stat("/dev/shm").st_dev
+    assert os.stat(other_pid).st_ino != os.stat("/proc/self/ns/pid").st_ino
+    assert host_id(shm_folder=other_shm) != host_id()
+    assert host_id(pid_namespace=other_pid) != host_id()
+    assert host_id(shm_folder="/dev/shm", pid_namespace="/proc/self/ns/pid") == host_id()
+    missing = host_id(shm_folder="/nonexistent/shm", pid_namespace="/nonexistent/ns")
+    assert missing.endswith("/shm:/pid:") and missing == host_id(
+        shm_folder="/nonexistent/shm", pid_namespace="/nonexistent/ns"
+    )
 
 
 # --------------------------------------------------------------------------- PeerDescriptor

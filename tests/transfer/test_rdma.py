@@ -13,11 +13,12 @@ import pytest
 
 from mooncake.errors import PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.rdma import RdmaTransport, open_device
+from mooncake.transfer.rdma import MAX_SEND_WR, RdmaTransport, open_device
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
 from tests.transfer.conftest import SECRET, request
 from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
 from tests.transfer.peer_process import pattern
+from tests.waiting import wait_for
 
 SIZE = 1 << 20
 
@@ -55,6 +56,45 @@ def test_rdma_is_preferred_and_moves_bytes(pair: tuple[FakeFabric, TransferEngin
     )
     assert statuses[0].state == RequestState.DONE
     assert np.array_equal(back, source[5000:9096])
+
+
+@pytest.mark.parametrize(("max_send_wr", "num_requests", "slices_per_request"), [(None, 1, 1100), (8, 48, 12)])
+def test_more_work_requests_than_the_send_queue_holds_all_complete(
+    max_send_wr: int | None, num_requests: int, slices_per_request: int
+) -> None:
+    """One request of more slices than a real queue pair's depth (1024), and many requests over a shallow one
+    (the fake refuses a post past max_send_wr with ENOMEM, as ibv_post_send does): every request is DONE over
+    rdma with its bytes in place, every slice posted exactly once, never more than the depth outstanding.
+    (Every slice was posted at once: the 1025th was refused and its request FAILED.)"""
+    fabric = FakeFabric() if max_send_wr is None else FakeFabric(max_send_wr=max_send_wr)
+    slice_bytes = 4096
+    size = num_requests * slices_per_request * slice_bytes
+    config = EngineConfig(transports=("rdma", "tcp"), slice_bytes=slice_bytes, io_timeout_s=10.0)
+    with (
+        TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric)) as a,
+        TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric)) as b,
+    ):
+        source = pattern(size, 9)
+        local = a.register_memory(source)
+        target = np.zeros(size, np.uint8)
+        remote = b.register_memory(target)
+        peer = a.connect(b.address)
+        length = slices_per_request * slice_bytes
+        requests = [
+            request(TransferOp.WRITE, local.region_id, peer, remote.region_id, length, local_offset=i * length)
+            for i in range(num_requests)
+        ]
+        depth = max_send_wr or MAX_SEND_WR
+        fabric.hold = True  # the NIC completes nothing until the send queue is full
+        batch = a.submit([attrs.evolve(r, remote_offset=r.local_offset) for r in requests])
+        wait_for(lambda: fabric.posted >= depth, timeout=30, what="the send queue to fill")
+        assert fabric.posted == depth, fabric.posted
+        fabric.hold = False
+        statuses = a.wait(batch, timeout=60)
+        assert all(s.state is RequestState.DONE and s.transport == "rdma" for s in statuses), statuses
+        assert np.array_equal(source, target)
+        assert fabric.posted == num_requests * slices_per_request
+        assert fabric.peak_outstanding == depth
 
 
 def test_remote_bounds_are_checked_before_posting(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:

@@ -13,6 +13,11 @@ is outstanding; at teardown every slice has ended exactly once.
 
 Two more: a slice whose completion never comes ends once with `TransferTimeout` and a completion
 arriving after that is ignored; and a zero-length request over RDMA (an engine-level check).
+
+The send queue's depth: over a fabric whose queue pairs hold a few work requests (the fake refuses
+one past `max_send_wr` with ENOMEM, as a device does), any number of slices all move, in submission
+order, with never more than the depth outstanding; slices waiting for a slot end as posted ones do
+when the transport closes or the queue pair fails, and with `TransferTimeout` when no slot frees.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mooncake.errors import PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.rdma import RdmaTransport, buffer_address
+from mooncake.transfer.rdma import MAX_SEND_WR, RdmaTransport, buffer_address
 from mooncake.transfer.region import RegionDescriptor
 from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from tests.transfer.conftest import SECRET, request
@@ -77,8 +82,8 @@ class Rig:
         self.transport.close()
 
 
-def make_rig(config: EngineConfig) -> Rig:
-    fabric = FakeFabric()
+def make_rig(config: EngineConfig, *, max_send_wr: int = MAX_SEND_WR) -> Rig:
+    fabric = FakeFabric(max_send_wr=max_send_wr)
     verbs = FakeVerbs(fabric)
     local = np.zeros(LOCAL, np.uint8)
     _address, lkey, _rkey = verbs.register(local.data)
@@ -294,6 +299,10 @@ class RdmaMachine(RuleBasedStateMachine):
         assert self.rig.fabric.posted == self.posts
 
     @invariant()
+    def the_transport_keeps_its_invariants(self) -> None:
+        self.rig.transport.check_invariants()
+
+    @invariant()
     def every_slice_ends_at_most_once(self) -> None:
         outstanding = {id(tracked) for tracked in self.outstanding}
         for tracked in self.slices:
@@ -364,3 +373,107 @@ def test_a_zero_length_request_in_bounds_is_done_over_rdma(op: TransferOp) -> No
         assert a.transport_names(peer)[0] == "rdma"
         (status,) = a.wait(a.submit([request(op, local.region_id, peer, remote.region_id, 0, remote_offset=10)]), 10)
         assert status.state == RequestState.DONE, status
+
+
+# --------------------------------------------------------------------------- the send queue's depth
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    depth=st.integers(1, 6),
+    moves=st.lists(st.tuples(st.sampled_from(TransferOp), reachable_ranges(), st.integers(0, LOCAL)), max_size=40),
+)
+def test_slices_past_the_send_queue_depth_wait_for_a_slot_and_all_move(
+    depth: int, moves: list[tuple[TransferOp, tuple[int, int, int], int]]
+) -> None:
+    """More slices than the send queue holds, submitted at once: every one is posted (none refused with ENOMEM),
+    in submission order (the bytes equal a model applying them one after another), each ends once with success,
+    and the queue pair never held more than its depth."""
+    rig = make_rig(PATIENT, max_send_wr=depth)
+    try:
+        rng = np.random.default_rng(depth)
+        rig.local[:] = rng.integers(0, 256, LOCAL, dtype=np.uint8)
+        local = bytearray(rig.local.tobytes())
+        remote = {region: bytearray(array.tobytes()) for region, array in rig.remote.items()}
+        slices = [Tracked() for _ in moves]
+        for tracked, (op, (region, remote_offset, length), start) in zip(slices, moves, strict=True):
+            local_offset = min(start, LOCAL - length)
+            view = rig.local.data[local_offset : local_offset + length]
+            rig.transport.submit(Slice(op, view, region, remote_offset, tracked.done))
+            target = remote[region]
+            if op == TransferOp.WRITE:
+                target[remote_offset : remote_offset + length] = local[local_offset : local_offset + length]
+            else:
+                local[local_offset : local_offset + length] = target[remote_offset : remote_offset + length]
+            rig.transport.check_invariants()
+        for tracked in slices:
+            assert ended(tracked, what="a slice past the send queue's depth") is None
+        assert rig.fabric.posted == len(moves)
+        assert rig.fabric.peak_outstanding <= depth
+        assert rig.local.tobytes() == bytes(local)
+        for region, array in rig.remote.items():
+            assert array.tobytes() == bytes(remote[region]), f"region {region}"
+        assert all(tracked.count == 1 for tracked in slices)
+    finally:
+        rig.close()
+
+
+def stall_past_the_depth(rig: Rig, depth: int, waiting: int) -> list[Tracked]:
+    """With the NIC stalled, `depth` slices fill the send queue (posted, never completed) and `waiting` more
+    wait for a slot: none has ended, and only the first `depth` were posted."""
+    rig.fabric.stall = True
+    slices = [Tracked() for _ in range(depth + waiting)]
+    for tracked in slices:
+        rig.transport.submit(Slice(TransferOp.WRITE, rig.local.data[:16], 1, 0, tracked.done))
+    rig.transport.check_invariants()
+    assert rig.fabric.posted == depth
+    assert [tracked.count for tracked in slices] == [0] * len(slices), [t.outcomes for t in slices]
+    return slices
+
+
+@pytest.mark.parametrize("how", ["close", "failed completion"])
+def test_slices_waiting_for_a_slot_end_as_posted_ones_do(how: str) -> None:
+    """Slices waiting for a send-queue slot end, each once, with the posted ones' PeerUnavailable when the
+    transport closes or a failed completion takes the queue pair down; none of them is posted after that."""
+    depth, waiting = 3, 5
+    rig = make_rig(PATIENT, max_send_wr=depth)
+    try:
+        slices = stall_past_the_depth(rig, depth, waiting)
+        if how == "close":
+            rig.transport.close()
+        else:
+            with rig.queue_pair.lock:  # the NIC fails the first work request: the RC queue pair is in error
+                rig.queue_pair.completions.append((rig.queue_pair.wr_ids[0], "injected failure"))
+        for tracked in slices:
+            assert isinstance(ended(tracked, what=f"a slice to fail at {how}"), PeerUnavailable)
+        assert rig.fabric.posted == depth
+        assert all(tracked.count == 1 for tracked in slices), [t.outcomes for t in slices]
+    finally:
+        rig.close()
+    assert all(tracked.count == 1 for tracked in slices), [t.outcomes for t in slices]
+
+
+def test_slices_waiting_behind_a_stalled_nic_time_out_then_the_queue_moves_again() -> None:
+    """The send queue full of work requests the NIC swallowed: they end with TransferTimeout at the io timeout,
+    and so do the slices waiting behind them (no slot freed for as long), each once; the expired work requests
+    hold their slots until their completions come, then slices are posted again and move bytes."""
+    rig = make_rig(EngineConfig(io_timeout_s=0.5), max_send_wr=2)
+    try:
+        slices = stall_past_the_depth(rig, 2, 3)
+        for tracked in slices:
+            assert isinstance(ended(tracked, what="a stalled or waiting slice to expire"), TransferTimeout)
+        assert rig.queue_pair.outstanding == 2  # every slot is still held by a swallowed work request
+        rig.transport.check_invariants()
+        rig.fabric.stall = False
+        with rig.queue_pair.lock:  # the NIC completes the swallowed ones after all
+            rig.queue_pair.completions += [(wr_id, None) for wr_id in rig.queue_pair.wr_ids[:2]]
+        wait_for(lambda: rig.queue_pair.outstanding == 0, timeout=10, what="the late completions to be polled")
+        rig.local[:16] = 42
+        late = Tracked()
+        rig.transport.submit(Slice(TransferOp.WRITE, rig.local.data[:16], 1, 0, late.done))
+        assert ended(late, what="a slice posted once slots freed") is None
+        assert rig.fabric.posted == 3
+        assert bytes(rig.remote[1][:16]) == bytes([42] * 16)
+        assert all(tracked.count == 1 for tracked in [*slices, late]), [t.outcomes for t in slices]
+    finally:
+        rig.close()

@@ -1,5 +1,6 @@
 """The shared-memory transport on its own: a peer whose process is gone, a descriptor that overstates its segment,
-and the mappings of segments the peer let go.
+and the mappings of segments the peer let go; and which same-host peers it is chosen for (not one in a container
+with a /dev/shm or PID namespace of its own, started here with `unshare`).
 
 The engine-level tests (tests/transfer/test_engine.py) run it between processes; these pin its own checks, which
 those reach only when nothing else notices first.
@@ -8,23 +9,30 @@ those reach only when nothing else notices first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import json
 import os
+import select
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import PeerUnavailable, TransferError
 from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.peers import host_id
 from mooncake.transfer.region import RegionDescriptor, create_shared
 from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from mooncake.transfer.shm import ShmTransport
-from tests.transfer.conftest import SECRET, request
+from tests.transfer.conftest import ROOT, SECRET, request
+from tests.transfer.peer_process import pattern
 
 SIZE = 1 << 16
 
@@ -184,3 +192,105 @@ def test_retain_keeps_exactly_the_mappings_still_listed(
         assert set(transport.mapped) == {four_segments[i] for i in copied & listed}
     finally:
         transport.close()
+
+
+# --------------------------------------------------------------------------- peers in other namespaces
+
+# How a peer is started on this host, and whether it shares this process's shared memory: unshare's arguments,
+# then a shell command run inside before the peer's own (`exec "$@"` runs the peer as that process).
+NAMESPACES = {
+    "own /dev/shm (mount + ipc namespace, a tmpfs of its own)": (
+        ["--mount", "--ipc"],
+        "mount -t tmpfs tmpfs /dev/shm",
+        False,
+    ),
+    "own pid namespace (the same /dev/shm)": (["--pid", "--fork", "--kill-child"], "true", False),
+    "own mount namespace only (the same /dev/shm, bound through)": (["--mount"], "true", True),
+}
+
+
+@functools.cache
+def unshare_refusal() -> str | None:
+    """Why peers cannot be started in namespaces of their own here, or None when they can."""
+    if shutil.which("unshare") is None or not os.path.isdir("/dev/shm"):
+        return "no unshare(1) or no /dev/shm here"
+    probe = ["unshare", "--mount", "--ipc", "--pid", "--fork", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
+    try:
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return "unshare did not return within 30 s"
+    if result.returncode != 0:
+        return f"unshare is not permitted here (needs CAP_SYS_ADMIN): {result.stderr.strip()}"
+    return None
+
+
+def in_namespace(setup: str, command: list[str]) -> list[str]:
+    """`command` run as a process of its own namespaces, as `setup` names them."""
+    flags, prepare, _shared = NAMESPACES[setup]
+    return ["unshare", *flags, "sh", "-c", f'{prepare} && exec "$@"', "sh", *command]
+
+
+@pytest.mark.parametrize("setup", list(NAMESPACES))
+def test_host_id_tells_apart_a_process_with_its_own_shm_or_pid_namespace(setup: str) -> None:
+    """A process on this host (same hostname and boot id) with a /dev/shm of its own, or a PID namespace of its
+    own, has another host id, so an engine there is not offered shm; one in another mount namespace that still
+    sees this /dev/shm has the same id. (The id was hostname and boot id alone: equal in all three.)"""
+    refusal = unshare_refusal()
+    if refusal is not None:
+        pytest.skip(refusal)
+    code = "from mooncake.transfer.peers import host_id; print(host_id())"
+    child = subprocess.run(
+        in_namespace(setup, [sys.executable, "-c", code]), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr
+    theirs = child.stdout.strip()
+    assert theirs.split("/")[:2] == host_id().split("/")[:2]  # the same machine
+    assert (theirs == host_id()) is NAMESPACES[setup][2], (theirs, host_id())
+
+
+@pytest.mark.parametrize("setup", list(NAMESPACES))
+def test_a_peer_that_does_not_share_our_shared_memory_is_reached_over_tcp(setup: str) -> None:
+    """A same-host peer in a container with its own /dev/shm (or its own PID namespace) is connected with tcp
+    only, and reading and writing its shared region work; one that shares our /dev/shm and pids still gets shm.
+    (It got shm, and every copy to its shared region failed: "no longer shared (unregistered)" for a
+    /dev/shm of its own, "peer process N is gone" for pids of its own; auto never fell back to tcp.)"""
+    refusal = unshare_refusal()
+    if refusal is not None:
+        pytest.skip(refusal)
+    command = [sys.executable, "-m", "tests.transfer.peer_process", SECRET.hex(), str(SIZE)]
+    process = subprocess.Popen(
+        in_namespace(setup, command), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        assert ready, "the peer in its namespace did not start within 60 s"
+        line = process.stdout.readline()
+        assert line, f"the peer in its namespace exited with {process.poll()}"
+        info = json.loads(line)
+        expected = ("shm", "tcp") if NAMESPACES[setup][2] else ("tcp",)
+        with TransferEngine(secret=SECRET, config=EngineConfig(io_timeout_s=5.0)) as engine:
+            memory = np.zeros(SIZE, np.uint8)
+            local = engine.register_memory(memory)
+            peer = engine.connect(info["address"])
+            assert engine.transport_names(peer) == expected
+            (status,) = engine.transfer_sync(
+                [request(TransferOp.READ, local.region_id, peer, info["shared"], SIZE)], timeout=10
+            )
+            assert status.state is RequestState.DONE and status.transport == expected[0], status
+            assert np.array_equal(memory, pattern(SIZE, 1))
+            memory[:] = pattern(SIZE, 5)
+            (status,) = engine.transfer_sync(
+                [request(TransferOp.WRITE, local.region_id, peer, info["shared"], SIZE)], timeout=10
+            )
+            assert status.state is RequestState.DONE and status.transport == expected[0], status
+            digest = engine.call(peer, "digest", {"region": info["shared"], "offset": 0, "length": SIZE})
+            assert digest == f"{xxhash.xxh3_64_intdigest(memory.data):016x}"
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()  # the peer closes its engine and exits
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=20)
