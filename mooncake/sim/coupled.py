@@ -7,17 +7,36 @@ instances by least outstanding requests (ties: the lowest index), as a load
 balancer in front of vLLM replicas does. No request is rejected, except one
 that could never run on an idle instance (the decode rule, `sched.join`).
 
-An iteration, at a step boundary, is chosen as vLLM's scheduler does:
+An iteration, at a step boundary, is chosen as vLLM's v1 scheduler does (an
+idle instance chooses once every request arriving at that instant is in):
 
 - without chunked prefill, a waiting request that the decode rule's
   structural checks let in (batch slots, KV: reservations of prompt + output)
   is prefilled alone, and the whole batch stalls for it (prefill first); otherwise the
   batch decodes, a stretch at a time between membership changes, until a new
-  request arrives (it is taken at the next step boundary);
-- with chunked prefill (Sarathi style), every iteration carries one decode
-  token per running request plus a chunk of the prefill in progress that fills
-  the rest of the `token_budget`, and takes the decode step's time plus the
-  chunk's prefill time (the chunk attends to everything before it).
+  request arrives (it is taken at the next step boundary). Prompts waiting
+  together are prefilled back to back, with no decode step between them: the
+  time vLLM's one batch of them takes (prefill times add up here), though the
+  earlier ones get their first token sooner;
+- with chunked prefill (Sarathi style), every iteration spends `token_budget`
+  tokens in vLLM v1's order: one decode token per running request, then the
+  prefill left partial by the last iteration, then waiting requests taken in
+  order while budget is left, each through the decode rule beside the batch
+  and those taken before it, each given what its prompt still needs or what
+  is left of the budget (only the last taken can be left partial). The
+  iteration takes the decode step's time plus its chunks' prefill times (each
+  chunk attends to its own prompt's tokens before it); it may finish several
+  prefills. A request taken after others in one iteration reuses their
+  prompts' blocks as well as the cache's, since vLLM caches blocks when it
+  schedules them.
+
+Deliberate differences from vLLM v1: a request is let in on a reservation of
+its whole prompt + output (the decode rule), where vLLM allocates blocks for
+the tokens it schedules and preempts a request when it runs out; so nothing
+is ever preempted here. Decodes beyond `token_budget` still run (vLLM would
+defer them). Without chunked prefill a prefill stalls the running requests
+(vLLM v0's prefill-first scheduling), where v1 would give them their token in
+the same iteration.
 
 The prefix cache shares the instance's one KV pool with the running
 requests, as vLLM's block pool does: a running request's prompt blocks are
@@ -47,7 +66,7 @@ from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import CapacityError, ConfigError
 from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, PrefillCostModel
-from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join, takes_slot
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sim.batch import Member
@@ -70,6 +89,10 @@ class CoupledSpec:
         cache_capacity_tokens: the most each instance's HBM prefix cache holds (default: its KV capacity); it
             holds less while running requests' reservations take the rest of the HBM.
         chunked_prefill: Sarathi-style chunked prefill under `token_budget` tokens per iteration.
+        token_budget: tokens an iteration schedules with chunked prefill (vLLM's max_num_batched_tokens): 2048,
+            vLLM 0.32's OpenAI-server default for A100s (larger budgets cost A100s throughput, vLLM PR #17885).
+            The A800s of the paper's testbed are the A100's chip, though vLLM's device check, by the name
+            "a100", would give them its H100/H200 default, 8192.
         max_batch_size: requests an instance runs at once (None: as many as its HBM holds).
         mfu: model FLOPs utilisation of prefill.
         analytic_decode: advance decode stretches analytically (False: step by step).
@@ -82,7 +105,7 @@ class CoupledSpec:
     block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS
     cache_capacity_tokens: int | None = None
     chunked_prefill: bool = False
-    token_budget: int = 512  # vLLM's max_num_batched_tokens with chunked prefill
+    token_budget: int = 2048  # vLLM 0.32's max_num_batched_tokens for an OpenAI server on A100s
     max_batch_size: int | None = None  # vLLM's max_num_seqs (None: as many as the HBM holds)
     mfu: float = DEFAULT_MFU
     analytic_decode: bool = True
@@ -116,6 +139,16 @@ class CoupledSpec:
         return DecodeCostModel(model=self.model, hardware=self.hardware)
 
 
+def _shared_blocks(keys: Sequence[BlockKey], other: Sequence[BlockKey]) -> int:
+    """How many blocks two prompts' chains share from their start (a key names its whole prefix)."""
+    shared = 0
+    for key, other_key in zip(keys, other, strict=False):
+        if key != other_key:
+            break
+        shared += 1
+    return shared
+
+
 @attrs.define(eq=False)
 class _Waiting:
     request: Request
@@ -128,7 +161,7 @@ class _Plan:
     """An iteration (or a stretch of decode steps) in progress; its stall and steps are the node's plan."""
 
     steps: int  # decode steps it runs
-    completes: _Waiting | None  # the request whose prefill it finishes
+    completes: tuple[_Waiting, ...]  # the requests whose prefills it finishes, in the order they were taken
     interruptible: bool  # a pure decode stretch: an arrival cuts it at the next step boundary
 
 
@@ -137,7 +170,7 @@ class _Instance:
     cache: TieredCache
     node: DecodeNode
     waiting: deque[_Waiting] = attrs.field(factory=deque)
-    prefilling: _Waiting | None = None
+    prefilling: _Waiting | None = None  # a prefill the last iteration left partial (only the last taken can be)
     plan: _Plan | None = None
     kv_tokens: int = 0  # the decoding members' reservations (prompt + output each)
     # Each running request's prompt chain and the blocks of it it pins in the cache (its own blocks, in use: never
@@ -151,20 +184,26 @@ class _Instance:
 
     @property
     def prefills(self) -> int:
-        """Requests waiting for or in prefill (the one the current iteration completes included)."""
-        completing = self.plan is not None and self.plan.completes is not None
+        """Requests waiting for or in prefill (those the current iteration completes included)."""
+        completing = len(self.plan.completes) if self.plan is not None else 0
         return len(self.waiting) + (self.prefilling is not None) + completing
 
     @property
     def outstanding(self) -> int:
         return self.prefills + len(self.node.batch)
 
-    def load(self) -> DecodeLoad:
-        """What the instance holds for the decode rule: its batch (asked only when no request is in prefill:
-        one is taken at a time)."""
-        assert self.prefilling is None, "the next request is taken once the one in prefill has joined"
+    def load(self, taken: Sequence[_Waiting] = ()) -> DecodeLoad:
+        """What the instance holds for the decode rule: its batch and the requests `taken` for the iteration
+        being chosen, which join the batch when their prefills end (asked only when no prefill is left partial:
+        a request is taken only while budget is left, after the partial one)."""
+        assert self.prefilling is None, "the next request is taken once the partial prefill is scheduled whole"
         batch = self.node.batch
-        return DecodeLoad(len(batch), batch.context, self.kv_tokens)
+        joining = [w.request for w in taken if takes_slot(w.request.output_length)]
+        return DecodeLoad(
+            len(batch) + len(joining),
+            batch.context + sum(r.input_length for r in joining),
+            self.kv_tokens + sum(r.input_length + r.output_length for r in joining),
+        )
 
 
 class CoupledCluster:
@@ -231,24 +270,32 @@ class CoupledCluster:
         record.prefill_instance = record.decode_instance = instance.instance_id
         instance.waiting.append(_Waiting(request, record))
         plan = instance.plan
-        if plan is None:
-            self._decide(now, instance)
+        if plan is None:  # idle: choose at a boundary now, after every request arriving now (arrivals go first)
+            instance.node.batch.start_s = now
+            self._start(instance, _Plan(0, (), interruptible=False))
         elif plan.interruptible:  # take it at the next step boundary
             steps = instance.node.steps_to_next_boundary(now)
             if steps < plan.steps:
-                self._start(instance, _Plan(steps, None, interruptible=False))
+                self._start(instance, _Plan(steps, (), interruptible=False))
 
     def _verdict(self, load: DecodeLoad, request: Request) -> JoinVerdict:
         """The decode rule's structural checks (the coupled scheduler has no TBT check)."""
         return check_join(self.limits, load, prompt_tokens=request.input_length, output_tokens=request.output_length)
 
-    def _take(self, instance: _Instance) -> _Waiting | None:
-        """The head of the queue if the decode rule lets it in, with its cached prefix looked up."""
-        if not instance.waiting or not self._verdict(instance.load(), instance.waiting[0].request).accepted:
+    def _take(self, instance: _Instance, taken: Sequence[_Waiting] = ()) -> _Waiting | None:
+        """The head of the queue if the decode rule lets it in beside the batch and the requests `taken` for this
+        iteration before it, with its cached prefix looked up: in the cache, or among the prompts of `taken`
+        (vLLM caches a prompt's blocks as it schedules them; each of `taken` finishes its prefill in the
+        iteration, as only the last taken can be left partial)."""
+        if not instance.waiting or not self._verdict(instance.load(taken), instance.waiting[0].request).accepted:
             return None
         waiting = instance.waiting.popleft()
         request = waiting.request
-        cached = instance.cache.prefix_match(request.block_keys) if request.reuses_prefix else 0
+        cached = 0
+        if request.reuses_prefix and self._caches:
+            cached = instance.cache.prefix_match(request.block_keys)
+            for other in taken:
+                cached = max(cached, _shared_blocks(request.block_keys, other.request.block_keys))
         waiting.done_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         waiting.record.prefix_tokens = waiting.done_tokens
         return waiting
@@ -258,31 +305,37 @@ class CoupledCluster:
         batch = instance.node.batch
         batch.start_s = now
         if self.spec.chunked_prefill:
-            if instance.prefilling is None:
-                instance.prefilling = self._take(instance)
-            current = instance.prefilling
-            if current is not None:
-                chunk = min(current.request.input_length - current.done_tokens, self.spec.token_budget - len(batch))
-                if chunk > 0:
-                    chunk_s = self.prefill_cost.prefill_s(current.done_tokens + chunk, current.done_tokens)
-                    current.record.prefill_s += chunk_s
-                    current.done_tokens += chunk
-                    completes = current if current.done_tokens >= current.request.input_length else None
-                    if completes is not None:
-                        instance.prefilling = None
-                    self._start(instance, _Plan(1 if len(batch) else 0, completes, interruptible=False), chunk_s)
-                    return
-                self._start(instance, _Plan(1, None, interruptible=False))  # the budget went to decodes
+            # vLLM v1's order within the budget: the decodes' tokens, the partial prefill, then waiting requests.
+            budget = self.spec.token_budget - len(batch)
+            taken: list[_Waiting] = []
+            stall_s = 0.0
+            while budget > 0:
+                current = instance.prefilling if instance.prefilling is not None else self._take(instance, taken)
+                if current is None:
+                    break
+                chunk = min(current.request.input_length - current.done_tokens, budget)
+                # One forward pass; the prefill cost model has no fixed cost here (overhead_s 0), so the chunks'
+                # times add up to the pass's, and each request is charged its own chunk's.
+                chunk_s = self.prefill_cost.prefill_s(current.done_tokens + chunk, current.done_tokens)
+                current.record.prefill_s += chunk_s
+                stall_s += chunk_s
+                current.done_tokens += chunk
+                budget -= chunk
+                taken.append(current)
+                instance.prefilling = current if current.done_tokens < current.request.input_length else None
+            if taken:
+                completes = tuple(w for w in taken if w is not instance.prefilling)
+                self._start(instance, _Plan(1 if len(batch) else 0, completes, interruptible=False), stall_s)
                 return
         else:
             head = self._take(instance)
             if head is not None:
                 head.record.prefill_s = self.prefill_cost.prefill_s(head.request.input_length, head.done_tokens)
-                self._start(instance, _Plan(0, head, interruptible=False), head.record.prefill_s)
+                self._start(instance, _Plan(0, (head,), interruptible=False), head.record.prefill_s)
                 return
         if len(batch):
             steps = batch.min_remaining() if self.spec.analytic_decode else 1
-            self._start(instance, _Plan(steps, None, interruptible=not instance.waiting))
+            self._start(instance, _Plan(steps, (), interruptible=not instance.waiting))
         else:
             instance.plan = None
 
@@ -302,8 +355,7 @@ class CoupledCluster:
             instance.kv_tokens -= member.record.input_tokens + member.record.output_tokens
             self._release(instance, member.record.request_id)
             self.replay.complete(now, member.record)
-        done = plan.completes
-        if done is not None:
+        for done in plan.completes:
             record = done.record
             record.first_token_s = now
             if record.output_tokens <= 1:

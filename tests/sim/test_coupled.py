@@ -1,9 +1,11 @@
 """Tests for `mooncake.sim.coupled`: the vLLM-style baseline, prefill and decode on the same GPUs.
 
 Properties over small random workloads and specs (chunked prefill or not,
-small HBM that makes requests wait for room): every request ends, and
-analytic decode gives the times of stepping one by one. Examples: a lone
-request's TTFT is the cost model's, chunked prefill lowers TBT on long
+small HBM that makes requests wait for room): every request ends, analytic
+decode gives the times of stepping one by one, and a chunked iteration leaves
+none of its token budget unused while the decode rule would take a waiting
+request. Examples: a lone request's TTFT is the cost model's, prompts arriving
+together share an iteration's budget, chunked prefill lowers TBT on long
 prompts, a request larger than HBM is refused, KV never overflows HBM.
 """
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, Hardware
+from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.metrics import ReplayResult, top_mean
@@ -182,6 +185,52 @@ def test_a_running_requests_prompt_stays_cached_for_requests_sharing_it() -> Non
     assert records[RequestId("sharing")].prefix_tokens == 16 * BLOCK
 
 
+def budget_left_with_a_takeable_head(cluster: CoupledCluster) -> list[str]:
+    """Make `cluster` note each chunked iteration it chooses that spends fewer than `token_budget` tokens (one per
+    decoding request, plus the prompt tokens its chunks compute) while the head of the queue waits though the
+    decode rule lets it in beside the batch and the requests the iteration prefills (as vLLM v1 takes waiting
+    requests while budget is left). Measured from the instance's state around each choice."""
+    decide = cluster._decide
+    budget = cluster.spec.token_budget
+    found: list[str] = []
+
+    def watched(now: float, instance: Any) -> None:
+        partial = instance.prefilling
+        partial_done = partial.done_tokens if partial is not None else 0
+        before = ([partial] if partial is not None else []) + list(instance.waiting)
+        decide(now, instance)
+        taken = [w for w in before if not any(w is left for left in instance.waiting)]
+        computed = sum(w.done_tokens - (partial_done if w is partial else w.record.prefix_tokens) for w in taken)
+        batch = instance.node.batch
+        spent = len(batch) + computed
+        if spent >= budget or not instance.waiting:
+            return
+        joining = [w.request for w in taken if w.request.output_length > 1]
+        load = DecodeLoad(
+            len(batch) + len(joining), 0, instance.kv_tokens + sum(r.input_length + r.output_length for r in joining)
+        )
+        head = instance.waiting[0].request
+        verdict = check_join(cluster.limits, load, prompt_tokens=head.input_length, output_tokens=head.output_length)
+        if verdict.accepted:
+            found.append(f"at {now}: {spent} of {budget} tokens spent while {head.request_id} could be taken")
+
+    cluster._decide = watched  # type: ignore[method-assign]
+    return found
+
+
+@settings(deadline=None)
+@given(workloads(max_requests=8, max_output_tokens=60), coupled_specs())
+def test_no_iteration_leaves_budget_a_waiting_request_could_use(requests: list[Request], spec: CoupledSpec) -> None:
+    """With chunked prefill, an iteration spends its whole token budget whenever the head of the queue is one the
+    decode rule lets in: waiting requests are taken while budget is left, as in vLLM v1's scheduler (it used to
+    take one prefill per iteration and leave the rest of the budget unused)."""
+    cluster = CoupledCluster(attrs.evolve(spec, chunked_prefill=True))
+    found = budget_left_with_a_takeable_head(cluster)
+    checked_at_every_boundary(cluster)
+    assert_all_served(requests, cluster.run(requests), cluster.capacity_tokens)
+    assert found == []
+
+
 @settings(max_examples=15, deadline=None)
 @given(workloads(max_requests=8), coupled_specs())
 def test_replays_are_deterministic(requests: list[Request], spec: CoupledSpec) -> None:
@@ -213,6 +262,41 @@ def test_repeated_prompt_hits_the_instance_prefix_cache() -> None:
     assert (first.prefix_tokens, repeat.prefix_tokens) == (0, 4096 - spec.block_size_tokens)
     assert repeat.ttft_s is not None
     assert math.isclose(repeat.ttft_s, spec.prefill_cost.prefill_s(4096, repeat.prefix_tokens), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2, 8])
+def test_prompts_arriving_together_share_the_first_iteration(num_prompts: int) -> None:
+    """Short prompts arriving together at an idle instance, `num_prompts` × 64 tokens within the 512-token
+    budget, are all prefilled in its first iteration: each gets its first token when that iteration ends, after
+    the time of all their prefills (it used to prefill one per iteration, a decode step between each)."""
+    spec = make_spec(chunked_prefill=True, token_budget=512)
+    requests = [make_request(str(i), 1.0, 64, 4, first_key=100 * i) for i in range(num_prompts)]
+    records = CoupledCluster(spec).run(requests).records
+    one_s = spec.prefill_cost.prefill_s(64)
+    for record in records:
+        assert record.outcome == Outcome.COMPLETED and record.ttft_s is not None
+        assert math.isclose(record.ttft_s, num_prompts * one_s, rel_tol=1e-9)
+        assert math.isclose(record.prefill_s, one_s, rel_tol=1e-9)
+
+
+def test_a_request_taken_beside_another_reuses_its_prompt() -> None:
+    """Two prompts sharing their first 4 blocks arrive together within one budget: both are prefilled in the first
+    iteration, and the second reuses the first's shared blocks (vLLM caches blocks as it schedules them) as it
+    did when it waited an iteration for the first's prompt to be cached."""
+    spec = make_spec(chunked_prefill=True, token_budget=8192)
+    first = make_request("first", 0.0, 4 * BLOCK, 3)
+    second = make_request("second", 0.0, 6 * BLOCK, 3)
+    records = {r.request_id: r for r in CoupledCluster(spec).run([first, second]).records}
+    one, two = records[RequestId("first")], records[RequestId("second")]
+    assert one.first_token_s == two.first_token_s
+    assert (one.prefix_tokens, two.prefix_tokens) == (0, 4 * BLOCK)
+    assert math.isclose(two.prefill_s, spec.prefill_cost.prefill_s(6 * BLOCK, 4 * BLOCK), rel_tol=1e-9)
+
+
+def test_default_token_budget_is_vllms_a100_server_default() -> None:
+    """`token_budget` defaults to vLLM 0.32's max_num_batched_tokens for an OpenAI server on A100s (arg_utils:
+    2048; 8192 on H100/H200), not the 512 it used to be."""
+    assert make_spec().token_budget == 2048
 
 
 @pytest.mark.parametrize(
