@@ -146,7 +146,6 @@ def capacity_table(trace: Path) -> str:
     rows = [("LRU", "lru", False), ("LRU, prefix-aware", "lru", True), ("LFU", "lfu", False)]
     rows += [("length-aware", "length_aware", False), ("SIEVE", "sieve", False), ("SIEVE, prefix-aware", "sieve", True)]
     ratios = {label: _hit_ratios(trace, policy, aware, capacities) for label, policy, aware in rows}
-    claim(ratios["LFU"] == ratios["SIEVE"], "plain LFU and plain SIEVE score the same hits on this trace")
     claim(len({r[-1] for r in ratios.values()}) == 1, "every policy reaches the reuse ratio at 50 k blocks")
     lines = ["| capacity (blocks) | " + " | ".join(f"{c:,}" for c in capacities) + " |"]
     lines.append("| --- |" + " --- |" * len(capacities))

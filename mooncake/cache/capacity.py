@@ -2,13 +2,24 @@
 
 Replays requests (their chained block keys, in arrival order) through a cache of
 `capacity_blocks` blocks run by an eviction policy, with a `BlockIndex` fed by
-the cache's events answering the hit question, exactly as in serving:
+the cache's events answering the hit question, exactly as in serving (a
+`TieredCache` whose first tier has `capacity_blocks` pages, asked `prefix_match`
+and then given the request's chain by `put_chain`):
 
 1. hit = the contiguous prefix of the request's keys the cache holds on arrival
    (the index's `match`);
-2. then each key, in request order, is refreshed if cached or inserted if not,
-   evicting by the policy while the cache is full; a key is not admitted when
-   nothing can be evicted (every block protected).
+2. then each key, in request order, is refreshed if cached or inserted if not
+   (its parent the request's previous key), evicting by the policy while the
+   cache is full. As `put_chain` does, the chain never makes room by evicting
+   its own earlier blocks: from the first time room is needed for a block past
+   its head, the chain's cached blocks are pinned in the policy (each later one
+   as it is reached) until the request is stored, and where nothing else can be
+   evicted the chain stops there, its head cached and the rest not stored (a
+   tail without its prefix could never be matched). A chain whose first block
+   finds no room stores nothing (`put_chain` raises `CapacityError` there).
+
+Invariant: the blocks a request stores all lie in the cached prefix of its
+chain, so hits equal those of that `TieredCache`, for every policy.
 
 hit_ratio = hit blocks / all blocks. This is the paper's Table 1 and FAST'25
 Fig. 9 measure; with an unbounded cache it equals the trace's prefix_reuse_ratio.
@@ -53,6 +64,10 @@ def simulate_prefix_hits(
 ) -> CapacityPoint:
     """Replay `requests` (block key lists) through a `capacity_blocks` cache run by `policy`.
 
+    Each request is stored as `TieredCache.put_chain` stores it into a first tier
+    of `capacity_blocks` pages (see the module docstring), so the hits equal
+    those of that cache driven by `prefix_match` then `put_chain`.
+
     Args:
         requests: each request's chained keys, in arrival order.
         policy: a fresh policy; it decides what to evict (and is consumed).
@@ -63,28 +78,43 @@ def simulate_prefix_hits(
     seq = 0
     hits = total = 0
     size = len(policy)  # tracked here: the policy changes size only when we insert or evict
-    access, evict = policy.access, policy.evict
+    access, evict, pin, unpin = policy.access, policy.evict, policy.pin, policy.unpin
     for keys in requests:
         hits += index.match(keys).length(_SOURCE)
         total += len(keys)
         stored: list[BlockKey] = []
         evicted: list[BlockKey] = []
         parent = None
-        for position, key in enumerate(keys):
-            if key not in policy:
-                while size >= capacity_blocks:
-                    victim = evict()
-                    if victim is None:
-                        break
-                    evicted.append(victim)
-                    size -= 1
-                if size >= capacity_blocks:
-                    parent = key
-                    continue  # nothing evictable: the block is not admitted
-                stored.append(key)
-                size += 1
-            access(key, parent=parent, position=position)
-            parent = key
+        # The chain's cached blocks, pinned from the first time room must be made for a block past its head
+        # (until then nothing was evicted, so all of them are still cached): its victims are never its own.
+        protected: list[BlockKey] | None = None
+        try:
+            for position, key in enumerate(keys):
+                if key in policy:
+                    access(key)  # a use: put_chain passes no parent or position for a cached block
+                else:
+                    while size >= capacity_blocks:
+                        if position and protected is None:
+                            protected = [earlier for earlier in keys[:position] if earlier in policy]
+                            for earlier in protected:
+                                pin(earlier)
+                        victim = evict()
+                        if victim is None:
+                            break
+                        evicted.append(victim)
+                        size -= 1
+                    if size >= capacity_blocks:
+                        break  # nothing evictable but the chain's own blocks: the rest of it stays out
+                    stored.append(key)
+                    size += 1
+                    access(key, parent=parent, position=position)
+                if protected is not None:
+                    pin(key)
+                    protected.append(key)
+                parent = key
+        finally:
+            for key in protected or ():
+                unpin(key)
         # At most one event of each kind per request, net of what happened inside
         # it: only the final state matters, since the next match comes after it.
         removed = [key for key in evicted if key not in policy] if evicted else None

@@ -1,7 +1,9 @@
-"""Tests of mooncake.cache.capacity: examples, a brute-force replay, and the synthetic trace's curves."""
+"""Tests of mooncake.cache.capacity: examples, a brute-force replay, the serving cache it stands for
+(`TieredCache.put_chain`), and the synthetic trace's curves."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,10 @@ from hypothesis import strategies as st
 
 from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_prefix_hits
 from mooncake.cache.policy import LruPolicy, SievePolicy
-from mooncake.errors import ConfigError
-from mooncake.types import BlockKey, Request, RequestId
+from mooncake.cache.pool import MetadataPagePool
+from mooncake.cache.tiered import TieredCache
+from mooncake.errors import CapacityError, ConfigError
+from mooncake.types import BlockKey, Request, RequestId, Tier
 from mooncake.workload import load_trace, trace_stats
 from tests.cache.policies import ALL_POLICIES, POLICIES
 from tests.reference.policy import ReferencePolicy, reference_prefix_hits
@@ -58,6 +62,31 @@ def test_flat_lru_evicts_a_shared_head_before_its_tail() -> None:
     assert leaf_first.hit_blocks == 1  # 3 evicted leaf 2; r2 hits 1
 
 
+@pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
+def test_a_chain_longer_than_the_cache_keeps_its_head(kind: str, prefix_aware: bool) -> None:
+    """A 5-block prompt in a 3-block cache stores its first 3 blocks and stops, under every policy, as
+    put_chain does: evicting its own head to store its tail would keep blocks no prompt can match."""
+    chain = keys(11, 12, 13, 14, 15)
+    policy = POLICIES[kind](prefix_aware=prefix_aware)
+    point = simulate_prefix_hits([chain, chain], policy, capacity_blocks=3)
+    assert (point.hit_blocks, point.total_blocks) == (3, 10)
+    assert [key for key in chain if key in policy] == [11, 12, 13]
+    policy.check_invariants()  # the chain's pins were all released
+    assert not any(policy.is_pinned(key) for key in chain)
+
+
+def test_a_chain_evicts_other_blocks_but_never_its_own() -> None:
+    """Room for a chain's later blocks comes from other requests' blocks, least recent first; once only the
+    chain's own blocks are left the chain stops, even where LRU would rank its head as the victim."""
+    requests = [keys(1), keys(2, 3, 4, 5), keys(2, 3, 4, 5)]
+    flat = LruPolicy(prefix_aware=False)
+    point = simulate_prefix_hits(requests, flat, capacity_blocks=3)
+    # r0 holds {1}.  r1 stores 2, 3; 4 replaces 1; 5 finds only 2, 3, 4 (its own): the chain stops.
+    # r2 hits 2, 3, 4, then stops at 5 again.
+    assert (point.hit_blocks, point.total_blocks) == (3, 9)
+    assert [key for key in keys(1, 2, 3, 4, 5) if key in flat] == [2, 3, 4]
+
+
 def test_empty_workload_has_zero_hit_ratio() -> None:
     """No requests, or only empty ones, give zero hits, zero blocks and a hit ratio of 0.0."""
     assert simulate_prefix_hits([], LruPolicy(), capacity_blocks=4).hit_ratio == 0.0
@@ -99,6 +128,12 @@ class CapacityWatch:
     def evict(self) -> BlockKey | None:
         return self.policy.evict()  # type: ignore[no-any-return]
 
+    def pin(self, key: BlockKey) -> None:
+        self.policy.pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        self.policy.unpin(key)
+
     def __len__(self) -> int:
         return len(self.policy)
 
@@ -128,6 +163,44 @@ def test_simulation_matches_reference_replay(
     expected = reference_prefix_hits(workload, ReferencePolicy(kind, prefix_aware=prefix_aware), capacity)
     assert (point.hit_blocks, point.total_blocks) == expected
     assert point.capacity_blocks == capacity
+
+
+def put_chain_hits(workload: list[tuple[BlockKey, ...]], kind: str, prefix_aware: bool, capacity: int) -> int:
+    """Hit blocks of a TieredCache with one metadata-only DRAM tier of `capacity` pages, driven as the simulator
+    drives it: `prefix_match` on arrival, then `put_chain` of the prompt (a chain whose first block finds nothing
+    evictable stores nothing: CapacityError, suppressed as the coupled simulator does)."""
+    cache = TieredCache(
+        [MetadataPagePool(Tier.DRAM, 64, capacity)], policy=lambda: POLICIES[kind](prefix_aware=prefix_aware)
+    )
+    hits = 0
+    for block_keys in workload:
+        hits += cache.prefix_match(block_keys)
+        with contextlib.suppress(CapacityError):
+            cache.put_chain(block_keys)
+        cache.check_invariants()
+    return hits
+
+
+# Any key lists: keys repeat within a request and follow different parents, so prefix-aware parent links can
+# form cycles (nothing evictable) and a request's own block may be its later block's only possible victim.
+any_key_workloads = st.lists(st.lists(st.integers(0, 7).map(BlockKey), max_size=7).map(tuple), max_size=10)
+
+
+@pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
+@given(
+    workload=st.one_of(chained_workloads(max_blocks=10), any_key_workloads),
+    capacity=st.integers(min_value=1, max_value=8),
+)
+def test_hits_equal_a_tiered_cache_driven_by_put_chain(
+    kind: str, prefix_aware: bool, workload: list[tuple[BlockKey, ...]], capacity: int
+) -> None:
+    """The analysis is the serving cache: its hits, request by request, equal those of a TieredCache of
+    `capacity` pages under the same policy fed each prompt by prefix_match then put_chain."""
+    for end in range(len(workload) + 1):  # every prefix of the stream: the hits of each request agree
+        point = simulate_prefix_hits(
+            workload[:end], POLICIES[kind](prefix_aware=prefix_aware), capacity_blocks=capacity
+        )
+        assert point.hit_blocks == put_chain_hits(workload[:end], kind, prefix_aware, capacity)
 
 
 @pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)

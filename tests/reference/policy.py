@@ -156,8 +156,12 @@ def reference_prefix_hits(
     """(hit blocks, total blocks) of a replay, by the capacity module's rules, with a set for hits.
 
     Per request: hit = leading keys cached on arrival; then each key in order is
-    refreshed if cached, else inserted after evicting while full, or skipped when
-    nothing can be evicted. Each key's parent is the request's previous key.
+    refreshed if cached, else inserted after evicting while full, its parent the
+    request's previous key. The chain never evicts its own blocks (`put_chain`'s
+    rule): the first time a key past the head finds the cache full, the keys
+    before it that are cached are pinned, and every key from there on once it is
+    cached, until the request ends; a key for which nothing can be evicted ends
+    the request's chain.
     """
     hits = total = 0
     for keys in requests:
@@ -167,14 +171,27 @@ def reference_prefix_hits(
                 break
             hits += 1
         total += len(keys)
+        protecting = False
+        pinned: list[BlockKey] = []
         parent = None
         for position, key in enumerate(keys):
-            if key not in policy:
+            if key in policy:
+                policy.access(key)
+            else:
+                if len(policy) >= capacity_blocks and position and not protecting:
+                    protecting = True
+                    pinned += [earlier for earlier in keys[:position] if earlier in policy]
+                    for earlier in pinned:
+                        policy.pin(earlier)
                 while len(policy) >= capacity_blocks and policy.evict() is not None:
                     pass
                 if len(policy) >= capacity_blocks:
-                    parent = key
-                    continue
-            policy.access(key, parent=parent, position=position)
+                    break
+                policy.access(key, parent=parent, position=position)
+            if protecting:
+                policy.pin(key)
+                pinned.append(key)
             parent = key
+        for key in pinned:
+            policy.unpin(key)
     return hits, total

@@ -216,6 +216,12 @@ class RefusingPolicy:
     def evict(self) -> BlockKey | None:
         return None
 
+    def pin(self, key: BlockKey) -> None:
+        self.policy.pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        self.policy.unpin(key)
+
     def __len__(self) -> int:
         return len(self.policy)
 
@@ -231,10 +237,11 @@ class RefusingPolicy:
 def test_a_cache_that_cannot_evict_admits_no_more_than_its_capacity(
     workload: list[tuple[BlockKey, ...]], capacity: int
 ) -> None:
-    """When nothing can be evicted a key is not admitted: the cache holds the first `capacity` distinct keys
-    ever met and no more, hits are the leading keys among them, and each key is accessed with the request's
-    previous key as its parent (even when that one was not admitted) at its own position. Keys here are any
-    lists, so a cached key may follow one that was refused."""
+    """When nothing can be evicted a key is not admitted and ends its request's chain (put_chain's rule): the
+    cache holds the first `capacity` distinct keys ever met and no more, hits are the leading keys among them, a
+    cached key is accessed as a use (no parent, position 0) and a new one with the request's previous key as its
+    parent at its own position, and no key after a refused one is accessed. Keys here are any lists, so a key
+    already cached may follow one that was refused."""
     policy = RefusingPolicy()
     point = simulate_prefix_hits(workload, policy, capacity_blocks=capacity)  # type: ignore[arg-type]
     held: list[BlockKey] = []
@@ -246,10 +253,13 @@ def test_a_cache_that_cannot_evict_admits_no_more_than_its_capacity(
                 break
             hits += 1
         for position, key in enumerate(keys):
-            if key not in held and len(held) < capacity:
-                held.append(key)
             if key in held:
+                expected_accesses.append((key, None, 0))
+            elif len(held) < capacity:
+                held.append(key)
                 expected_accesses.append((key, keys[position - 1] if position else None, position))
+            else:
+                break
     assert (point.hit_blocks, point.total_blocks) == (hits, sum(map(len, workload)))
     assert len(policy) == len(held) <= capacity
     assert policy.accesses == expected_accesses
