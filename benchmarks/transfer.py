@@ -54,7 +54,7 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import Region, RegionDescriptor
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp, TransferRequest
 from mooncake.transfer.staging import StagingPool
-from mooncake.transfer.wire import Frame, Json, Kind, recv_exact, recv_frame, send_frame
+from mooncake.transfer.wire import Frame, Json, Kind, bind_checksum, recv_exact, recv_frame, send_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -240,7 +240,7 @@ CHECKSUM_SIZES = [4096, 64 << 10, MIB, 4 * MIB, 64 * MIB]  # 4 MiB: the default 
 _SENDER = """
 import json, socket, statistics, sys, time
 import numpy as np, xxhash
-from mooncake.transfer.wire import Frame, Kind, recv_exact, recv_frame, send_frame
+from mooncake.transfer.wire import Frame, Kind, bind_checksum, recv_exact, recv_frame, send_frame
 port, pairs, sizes = int(sys.argv[1]), int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
 connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # accepted in this order
 for sock in connections:
@@ -248,7 +248,8 @@ for sock in connections:
 figures = {}
 for size in sizes:
     payload = memoryview(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).data)
-    frame = Frame(Kind.WRITE, region=1, length=size, checksum=xxhash.xxh3_64_intdigest(payload))
+    header = Frame(Kind.WRITE, region=1, length=size)
+    frame = Frame(Kind.WRITE, region=1, length=size, checksum=bind_checksum(header, xxhash.xxh3_64_intdigest(payload)))
     calls = max(1, (16 << 20) // size)
     def sample(sock):
         start = time.perf_counter()
@@ -296,7 +297,7 @@ def _serve_in_place(sock: socket.socket, served: _Served) -> None:
             frame = recv_frame(sock, max_length=served.config.max_frame_bytes)
             target = served._region.slice(frame.offset, frame.length)
             recv_exact(sock, target)
-            if frame.checksum is not None and xxhash.xxh3_64_intdigest(target) != frame.checksum:
+            if frame.checksum is not None and bind_checksum(frame, xxhash.xxh3_64_intdigest(target)) != frame.checksum:
                 message = b"WRITE payload failed its end-to-end checksum"
                 send_frame(sock, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
                 continue

@@ -158,7 +158,12 @@ class Listener:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes its serving thread, which closes it
         # The gate has stopped: no serving thread starts after this snapshot.
         with self._lock:
-            serving = [thread for thread in self._serving if thread is not threading.current_thread()]
+            # One not started yet (a gate that outlived its join, between adding and starting it) cannot be joined.
+            serving = [
+                thread
+                for thread in self._serving
+                if thread is not threading.current_thread() and thread.ident is not None
+            ]
         deadline = time.monotonic() + self._config.io_timeout_s
         for thread in serving:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -305,8 +310,15 @@ class Listener:
             target=self._serve_then_close, args=(sock, agreement), name=f"{self._name}-serve", daemon=True
         )
         with self._lock:
-            self._serving.add(thread)
-        thread.start()
+            self._serving.add(thread)  # before it starts: a thread that ends at once still finds itself there
+        try:
+            thread.start()
+        except BaseException:
+            # The system refused a thread (a pids limit, say): this connection is not served, and `close` must not
+            # wait for a thread that never ran. The gate ends the connection (`_fail`).
+            with self._lock:
+                self._serving.discard(thread)
+            raise
 
     def _expire(self, now: float) -> None:
         while self._pending:

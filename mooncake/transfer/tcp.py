@@ -12,7 +12,12 @@ a slice). A connection that drops or times out is replaced and the slice
 retried, `max_retries` times (a kept connection is checked before each slice: one the peer
 closed while it idled, at its `idle_timeout_s`, is replaced without spending a
 retry); a peer that cannot be reached fails the slice
-with `PeerUnavailable`, and so does one restarted at its address: every
+with `PeerUnavailable` and is taken for down for `connect_timeout_s`: the
+slices that meet it then fail at once with that error rather than each waiting
+out a connect timeout of its own (a batch to a stopped peer ends within its
+slices' bound, `EngineConfig.slice_deadline_s`), and the first one after it
+dials again. A peer restarted at its address fails its slices with
+`PeerUnavailable` too: every
 connection checks the incarnation id the server tells in its handshake
 against the one the peer had when the engine connected to it (a new engine's
 region ids start again at 1: a WRITE meant for the old one would land in an
@@ -24,7 +29,12 @@ flight fails at once and is not retried, so no byte lands after `close`.
 With `checksums` on, the client says so in each connection's handshake
 (`wire.Agreement`): then a READ answered without a checksum is a
 `ProtocolError` (never taken unverified), and the serving side refuses a
-WRITE that comes without one and answers every READ with one.
+WRITE that comes without one and answers every READ with one. A checksum is
+bound to its request's header (`wire.bind_checksum`), so a WRITE whose
+region, offset, length or tag changed on the way is refused, and a READ
+served for other ones fails its check. A WRITE is acknowledged by an OK that
+carries nothing: any other OK (the answer to a READ its WRITE was corrupted
+into, say) is a `ProtocolError`, never taken as the acknowledgement.
 
 Server side (`serve_connection`): one thread per authenticated connection
 (the `listener` authenticates) serves frames, checking every region, offset
@@ -54,6 +64,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 import xxhash
 
@@ -68,6 +79,7 @@ from mooncake.transfer.wire import (
     Json,
     Kind,
     ProtocolError,
+    bind_checksum,
     client_handshake,
     recv_exact,
     recv_frame,
@@ -79,6 +91,11 @@ __all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "o
 
 _DRAIN_CHUNK = 1 << 20
 _SMALL_FRAME_BYTES = 64 << 10  # staged in the connection's own buffer
+
+
+def _checksum(request: Frame, payload: memoryview | bytes) -> int:
+    """The checksum of `payload` as a data frame of `request` carries it (`wire.bind_checksum`)."""
+    return bind_checksum(request, xxhash.xxh3_64_intdigest(payload))
 
 
 def spin_until_readable(sock: socket.socket, budget_s: float) -> None:
@@ -289,6 +306,9 @@ class TcpTransport:
         self._inline_lock = threading.Lock()
         self._inline_sock: socket.socket | None = None
         self._tag = 0
+        # The last fresh connection's failure, and until when (time.monotonic) it stands for the peer: see `_connect`.
+        self._down: PeerUnavailable | None = None
+        self._down_until = 0.0
         self._workers = Workers(
             self._stream,
             count=config.streams_per_peer,
@@ -339,16 +359,36 @@ class TcpTransport:
 
     def _connect(self, deadline: float | None = None) -> socket.socket:
         """A new connection to the peer's incarnation, made by `deadline` if given, held in `_open` (refused once
-        the transport is closing)."""
-        sock = connect(
-            self._host,
-            self._port,
-            secret=self._secret,
-            config=self._config,
-            incarnation=self._incarnation,
-            deadline=deadline,
-        )
+        the transport is closing).
+
+        A connection that fails with `PeerUnavailable` (refused, not connected or authenticated within
+        `connect_timeout_s`, busy, restarted) marks the peer down for `connect_timeout_s`: until then every
+        connection asked for fails at once with that error, undialled. Otherwise each slice queued to a stopped
+        or unreachable peer would wait out a connect timeout of its own, one after another, and a batch would end
+        long after its slices' bound (`EngineConfig.slice_deadline_s`); after the window the next slice dials
+        again (the peer may be back).
+        """
         with self._open_lock:
+            down, down_until = self._down, self._down_until
+        if down is not None and time.monotonic() < down_until:
+            raise PeerUnavailable(
+                f"{down} (within {self._config.connect_timeout_s:g} s of that failure: not dialled again yet)"
+            )
+        try:
+            sock = connect(
+                self._host,
+                self._port,
+                secret=self._secret,
+                config=self._config,
+                incarnation=self._incarnation,
+                deadline=deadline,
+            )
+        except PeerUnavailable as error:
+            with self._open_lock:
+                self._down, self._down_until = error, time.monotonic() + self._config.connect_timeout_s
+            raise
+        with self._open_lock:
+            self._down = None  # reached: whatever failed before does not stand for the peer any more
             if not self._closing:
                 self._open.add(sock)
                 return sock
@@ -438,18 +478,10 @@ class TcpTransport:
         self._tag = (self._tag + 1) & 0xFFFFFFFFFFFFFFFF
         tag = self._tag
         length = piece.local.nbytes
-        checksum = (
-            xxhash.xxh3_64_intdigest(piece.local) if self._config.checksums and piece.op == TransferOp.WRITE else None
-        )
         if piece.op == TransferOp.WRITE:
-            header = Frame(
-                Kind.WRITE,
-                tag=tag,
-                region=piece.remote_region,
-                offset=piece.remote_offset,
-                length=length,
-                checksum=checksum,
-            )
+            header = Frame(Kind.WRITE, tag=tag, region=piece.remote_region, offset=piece.remote_offset, length=length)
+            if self._config.checksums:
+                header = attrs.evolve(header, checksum=_checksum(header, piece.local))
             send_frame(sock, header, piece.local)
         else:
             wants_checksum = 0 if self._config.checksums else None
@@ -473,7 +505,15 @@ class TcpTransport:
             raise ProtocolError(f"expected OK, got {reply.kind.name}")
         if reply.tag != tag:
             raise ProtocolError(f"a reply for slice {reply.tag} came while waiting for {tag}")
-        if piece.op == TransferOp.READ:
+        if piece.op == TransferOp.WRITE:
+            if reply.length or reply.checksum is not None:
+                # An OK with bytes answers a READ (a WRITE whose kind was corrupted on the way, say): it does not
+                # say that this WRITE landed.
+                raise ProtocolError(
+                    f"a WRITE's acknowledgement carries nothing; got one of {reply.length} bytes"
+                    f"{'' if reply.checksum is None else ' with a checksum'}"
+                )
+        else:
             if reply.length != length:
                 raise ProtocolError(f"asked for {length} bytes, the peer announced {reply.length}")
             if self._config.checksums and reply.checksum is None:
@@ -481,7 +521,8 @@ class TcpTransport:
                 # taken unverified (nor received into the region at all).
                 raise ProtocolError("a READ reply came without the checksum its connection agreed on")
             recv_exact(sock, piece.local, deadline=_within(io_timeout, deadline))
-            if reply.checksum is not None and xxhash.xxh3_64_intdigest(piece.local) != reply.checksum:
+            # Bound to the READ as sent here: bytes served for another region, offset or length fail it too.
+            if reply.checksum is not None and _checksum(header, piece.local) != reply.checksum:
                 raise ProtocolError("a READ slice failed its end-to-end checksum")
 
 
@@ -604,7 +645,7 @@ def _serve_write(
     if frame.length <= scratch.nbytes:
         staged = scratch[: frame.length]
         recv_exact(sock, staged, deadline=deadline)
-        verified = xxhash.xxh3_64_intdigest(staged) == frame.checksum
+        verified = _checksum(frame, staged) == frame.checksum
         if verified and not (gone := _gone(context, frame)):
             target[:] = staged
     else:
@@ -618,7 +659,7 @@ def _serve_write(
             return
         try:
             recv_exact(sock, buffer.data[: frame.length], deadline=deadline)
-            verified = xxhash.xxh3_64_intdigest(buffer.data[: frame.length]) == frame.checksum
+            verified = _checksum(frame, buffer.data[: frame.length]) == frame.checksum
             if verified and not (gone := _gone(context, frame)):
                 np.copyto(np.frombuffer(target, dtype=np.uint8), buffer[: frame.length])  # GIL released
         finally:
@@ -650,7 +691,8 @@ def _serve_read(sock: socket.socket, context: ServerContext, frame: Frame, *, ch
     if source is None:
         _refuse(sock, context, frame, reason)
         return
-    checksum = xxhash.xxh3_64_intdigest(source) if checksums or frame.checksum is not None else None
+    # Bound to the READ as read here: a client that asked for other bytes than these rejects them.
+    checksum = _checksum(frame, source) if checksums or frame.checksum is not None else None
     _reply(sock, context, Frame(Kind.OK, tag=frame.tag, length=frame.length, checksum=checksum), source)
 
 

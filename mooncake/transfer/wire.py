@@ -25,6 +25,14 @@ handshakes without blocking (`listener`); the client side is
 
 (flag bit 0: the checksum field is set; any other bit is refused)
 
+A checksum covers the request as well as the bytes (`bind_checksum`): it is
+the XXH3-64 of the request's kind, region, tag, offset and length followed by
+the payload's own XXH3-64 (the request is a WRITE's own header; for the
+payload an OK carries, the READ it answers, as the server read it). So a
+header corrupted on the way (a WRITE sent elsewhere, a READ served from
+elsewhere, a WRITE taken for a READ) fails its check as a corrupted payload
+does: the fields the receiver acted on are not the ones the sender hashed.
+
 WRITE carries `length` payload bytes for `region` at `offset`; READ asks for
 them; OK / ERROR answer a tag (ERROR and CALL / REPLY carry a short UTF-8 or
 JSON payload). Data frames are bounded by the engine's `max_frame_bytes`,
@@ -46,6 +54,7 @@ import time
 from typing import TypeAlias
 
 import attrs
+import xxhash
 
 from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError
 
@@ -62,6 +71,7 @@ __all__ = [
     "MAX_CONTROL_BYTES",
     "ProtocolError",
     "REFUSED",
+    "bind_checksum",
     "client_handshake",
     "new_incarnation",
     "recv_exact",
@@ -72,8 +82,10 @@ __all__ = [
 ]
 
 MAGIC = b"MCTE"
-VERSION = 2  # 2: the client's flags and the server's incarnation in the handshake
+# 2: the client's flags and the server's incarnation in the handshake; 3: checksums bound to their request
+VERSION = 3
 HEADER = struct.Struct("<4sBBHIQQQQ")
+_BOUND = struct.Struct("<BIQQQQ")  # a checksum's request (kind, region, tag, offset, length) and payload digest
 MAX_CONTROL_BYTES = 1 << 20
 FLAG_CHECKSUM = 1
 
@@ -120,6 +132,19 @@ class Frame:
         return HEADER.pack(
             MAGIC, VERSION, self.kind, flags, self.region, self.tag, self.offset, self.length, self.checksum or 0
         )
+
+
+def bind_checksum(request: Frame, digest: int) -> int:
+    """The checksum a data frame carries for a payload whose XXH3-64 is `digest`, bound to `request`.
+
+    `request` is the WRITE that carries the payload, or the READ that an OK's payload answers (its checksum field
+    aside). The result is the XXH3-64 of the request's kind, region, tag, offset and length and of `digest`:
+    each side computes it from the header as it sent or read it, so the check fails when any of those changed on
+    the way, as when a payload byte did (one more hash of 37 bytes per frame, well under a microsecond).
+    """
+    return xxhash.xxh3_64_intdigest(
+        _BOUND.pack(request.kind, request.region, request.tag, request.offset, request.length, digest)
+    )
 
 
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:

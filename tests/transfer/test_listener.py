@@ -297,3 +297,38 @@ def test_the_gate_survives_an_unexpected_error_on_one_connection(step: str, monk
         assert client.refresh(peer).pid == os.getpid()
         assert server.listener.num_gate_errors == 1
         server.listener.check_invariants()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm to see the segment unlinked")
+def test_a_serving_thread_the_system_refuses_ends_its_connection_and_close_still_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting the thread that would serve an authenticated connection fails once (the system refuses a thread:
+    a pids limit, say): that connection ends (its client's connect fails, counted in `num_gate_errors`), the next
+    peer is served, and the engine's close finishes: it unlinks its shared segments. (The thread that never
+    started stayed among those `close` joins: close raised RuntimeError halfway and left the segment behind.)"""
+    real_start = threading.Thread.start
+    refusals = iter([True])
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.endswith("-serve") and next(refusals, False):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    config = EngineConfig(io_timeout_s=5.0)
+    server = TransferEngine(secret=SECRET, config=config)
+    try:
+        shared, _array = server.allocate_shared(4096)
+        segment = f"/dev/shm/{shared.shm_name}"
+        assert os.path.exists(segment)
+        with TransferEngine(secret=SECRET, config=config) as client:
+            with pytest.raises(TransferError):
+                client.connect(server.address, transport="tcp")
+            assert server.listener.num_gate_errors == 1
+            peer = client.connect(server.address, transport="tcp")
+            assert client.refresh(peer).pid == os.getpid()
+        assert wait_until(lambda: server.listener.num_served == 0, timeout_s=10)
+    finally:
+        server.close()
+    assert not os.path.exists(segment), "close stopped before it unlinked the engine's segment"

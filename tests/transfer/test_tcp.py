@@ -1,4 +1,5 @@
-"""The TCP wire under misbehaving peers: staged checksums, started frames, bounded lengths, peers that stall."""
+"""The TCP wire under misbehaving peers: staged checksums, started frames, bounded lengths, peers that stall,
+headers damaged on the way."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from mooncake.transfer.wire import (
     ANSWER_BYTES,
+    HEADER,
     INCARNATION_BYTES,
     MAX_CONTROL_BYTES,
     Frame,
     Kind,
     ProtocolError,
+    bind_checksum,
     client_handshake,
     new_incarnation,
     recv_exact,
@@ -83,6 +86,16 @@ def write_frame(region: int, offset: int, payload: bytes, checksum: int | None) 
     return Frame(Kind.WRITE, tag=7, region=region, offset=offset, length=len(payload), checksum=checksum), payload
 
 
+def checksum_of(request: Frame, payload: bytes | bytearray) -> int:
+    """The checksum a data frame of `request` carries for `payload`: the wire's, bound to the request."""
+    return bind_checksum(request, xxhash.xxh3_64_intdigest(payload))
+
+
+def bound_checksum(region: int, offset: int, payload: bytes) -> int:
+    """The checksum of `payload` in the WRITE `write_frame` makes of it (bound to that header)."""
+    return checksum_of(write_frame(region, offset, payload, None)[0], payload)
+
+
 # --------------------------------------------------------------------------- checksums before visibility
 
 
@@ -97,13 +110,13 @@ def test_a_write_failing_its_checksum_leaves_the_region_unchanged(
     before = target.copy()
     payload = bytes(pattern(length, 2))
     with authenticated(engine) as sock:
-        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload) ^ 1))
+        send_frame(sock, *write_frame(region, 0, payload, bound_checksum(region, 0, payload) ^ 1))
         reply = recv_frame(sock, max_length=SIZE)
         message = bytearray(reply.length)
         recv_exact(sock, memoryview(message))
         assert reply.kind == Kind.ERROR and b"checksum" in message
         assert np.array_equal(target, before), "a refused WRITE must not touch the region"
-        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload)))
+        send_frame(sock, *write_frame(region, 0, payload, bound_checksum(region, 0, payload)))
         assert recv_frame(sock, max_length=SIZE).kind == Kind.OK
     assert bytes(target[:length]) == payload
     target[:] = before
@@ -117,7 +130,7 @@ def test_a_checksummed_write_cut_midway_leaves_the_region_unchanged(
     before = target.copy()
     payload = bytes(pattern(SIZE, 3))
     with authenticated(engine) as sock:
-        frame, _ = write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload))
+        frame, _ = write_frame(region, 0, payload, bound_checksum(region, 0, payload))
         sock.sendall(frame.pack() + payload[: SIZE // 2])
     assert wait_for(lambda: engine.listener.num_served == 0, timeout_s=5)
     assert np.array_equal(target, before)
@@ -139,7 +152,7 @@ def test_only_verified_writes_become_visible(
     length = min(length, SIZE - offset)
     model = target.copy()
     payload = bytearray(pattern(length, seed))
-    checksum = xxhash.xxh3_64_intdigest(payload)
+    checksum = bound_checksum(region, offset, bytes(payload))
     if flip is not None:
         payload[flip % length] ^= 0xFF
     else:
@@ -332,7 +345,14 @@ DATA = bytes(range(256)) * (READ_BYTES // 256)
     [
         (
             lambda c: send_frame(
-                c, Frame(Kind.OK, tag=1, length=READ_BYTES, checksum=xxhash.xxh3_64_intdigest(DATA) ^ 1), DATA
+                c,
+                Frame(
+                    Kind.OK,
+                    tag=1,
+                    length=READ_BYTES,
+                    checksum=checksum_of(Frame(Kind.READ, tag=1, length=READ_BYTES), DATA) ^ 1,
+                ),
+                DATA,
             ),
             "checksum",
         ),
@@ -448,13 +468,14 @@ def test_a_connection_that_agreed_on_checksums_takes_no_unverified_write(
         recv_exact(sock, memoryview(message))
         assert (reply.kind, reply.tag) == (Kind.ERROR, 7) and b"without the checksum" in message, bytes(message)
         assert np.array_equal(target, before), "an unverified WRITE reached the region"
-        send_frame(sock, Frame(Kind.READ, tag=8, region=region, offset=0, length=4096))
+        read = Frame(Kind.READ, tag=8, region=region, offset=0, length=4096)
+        send_frame(sock, read)
         reply = recv_frame(sock, max_length=SIZE)
         answered = bytearray(reply.length)
         recv_exact(sock, memoryview(answered))
-        assert reply.kind == Kind.OK and reply.checksum == xxhash.xxh3_64_intdigest(answered)
+        assert reply.kind == Kind.OK and reply.checksum == checksum_of(read, answered)
         assert bytes(answered) == bytes(before[:4096])
-        send_frame(sock, *write_frame(region, 0, payload, xxhash.xxh3_64_intdigest(payload)))
+        send_frame(sock, *write_frame(region, 0, payload, bound_checksum(region, 0, payload)))
         assert recv_frame(sock, max_length=SIZE).kind == Kind.OK
     assert bytes(target[:4096]) == payload
     target[:] = before
@@ -578,3 +599,171 @@ def test_a_connection_the_peer_closed_while_idle_is_replaced_without_spending_a_
         assert write(client, peer, local.region_id, remote.region_id) is RequestState.DONE
         assert wait_for(lambda: server.listener.num_served == 0, timeout_s=20), "connections did not idle out"
         assert write(client, peer, local.region_id, remote.region_id) is RequestState.DONE
+
+
+# --------------------------------------------------------------------------- headers damaged on the way
+
+
+class HeaderFlippingRelay:
+    """A relay on 127.0.0.1 to a server: it passes the bytes of every connection both ways, and flips
+    `header[byte] ^= mask` in the first frame of kind `kind` a client sends (once over all connections)."""
+
+    def __init__(self, target: tuple[str, int], *, kind: Kind, byte: int, mask: int) -> None:
+        self.target, self.kind, self.byte, self.mask = target, kind, byte, mask
+        self.flipped = False
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            server.settimeout(None)
+            with self._lock:
+                self._sockets += [client, server]
+                for run, args in ((self._relay_frames, (client, server)), (self._relay, (server, client))):
+                    thread = threading.Thread(target=run, args=args, daemon=True)
+                    self._threads.append(thread)
+                    thread.start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        self._end(source, sink)
+
+    def _relay_frames(self, client: socket.socket, server: socket.socket) -> None:
+        """Client to server, frame by frame (after the handshake answer), so that a header can be found."""
+        with contextlib.suppress(OSError, ConnectionError):
+            server.sendall(self._read(client, ANSWER_BYTES))
+            while True:
+                header = self._read(client, HEADER.size)
+                _magic, _version, kind, _flags, _region, _tag, _offset, length, _checksum = HEADER.unpack(header)
+                with self._lock:
+                    if kind == self.kind and not self.flipped:
+                        self.flipped = True
+                        header[self.byte] ^= self.mask
+                server.sendall(header)
+                if kind in (Kind.WRITE, Kind.CALL):  # the payload as the client sent it, its length unchanged
+                    server.sendall(self._read(client, length))
+        self._end(client, server)
+
+    @staticmethod
+    def _read(sock: socket.socket, nbytes: int) -> bytearray:
+        data = bytearray(nbytes)
+        recv_exact(sock, memoryview(data))
+        return data
+
+    @staticmethod
+    def _end(*ends: socket.socket) -> None:
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                self._end(sock)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for sock in self._sockets:
+            sock.close()
+
+
+FLIP_LENGTH = 12 << 10  # 0x3000: bit 12 of its length flipped, a header announces 8 KiB
+# Where each field sits in a header (`wire.HEADER`), and the flip: region 1 <-> 2, offset +4 KiB, length -4 KiB,
+# kind WRITE <-> READ.
+FLIPS = {"kind": (5, 0x03), "region": (8, 0x03), "offset": (21, 0x10), "length": (29, 0x10)}
+
+
+@pytest.mark.parametrize("field", sorted(FLIPS))
+@pytest.mark.parametrize("op", [TransferOp.WRITE, TransferOp.READ])
+def test_a_header_damaged_on_the_way_fails_its_checksummed_request(op: TransferOp, field: str) -> None:
+    """With checksums on and no retries, a bit of a data frame's header flipped between the engines (the region,
+    the offset, the length, or the kind: WRITE <-> READ) fails the request: a WRITE lands nowhere (neither the
+    region it named nor the one the damaged header names), a READ is never DONE with bytes of another place.
+    (A WRITE landed 4 KiB off, or in the other region, or was taken as done when the peer answered it as a READ;
+    a READ returned the neighbouring bytes: all DONE. The checksum covered the payload only.)"""
+    byte, mask = FLIPS[field]
+    config = EngineConfig(
+        transports=("tcp",), checksums=True, max_retries=0, spin_us=0, io_timeout_s=1.0, streams_per_peer=1
+    )
+    size = 64 << 10
+    with TransferEngine(secret=SECRET, config=config) as here, TransferEngine(secret=SECRET, config=config) as there:
+        mine = pattern(size, 11).copy()
+        local = here.register_memory(mine)
+        theirs = [pattern(size, 12).copy(), pattern(size, 13).copy()]
+        remote = [there.register_memory(array) for array in theirs]
+        assert [r.region_id for r in remote] == [1, 2]  # what the region flip turns into each other
+        before = [array.copy() for array in theirs]
+        relay = HeaderFlippingRelay(
+            (there.host, there.port), kind=Kind.WRITE if op is TransferOp.WRITE else Kind.READ, byte=byte, mask=mask
+        )
+        try:
+            peer = here.connect(f"127.0.0.1:{relay.port}")
+            (status,) = here.transfer_sync(
+                [request(op, local.region_id, peer, remote[0].region_id, FLIP_LENGTH)], timeout=10
+            )
+            assert relay.flipped
+            assert status.state is RequestState.FAILED, (status, bytes(mine[:8]), bytes(theirs[0][:8]))
+            if op is TransferOp.WRITE:
+                assert all(np.array_equal(now, was) for now, was in zip(theirs, before, strict=True))
+        finally:
+            relay.close()
+
+
+def test_a_write_acknowledged_with_bytes_is_not_done() -> None:
+    """An OK that carries a payload (the answer to a READ) is no WRITE's acknowledgement: the WRITE fails with a
+    ProtocolError. (Any OK with the slice's tag was taken for one.)"""
+    scripted = ScriptedServer(lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=16), bytes(16)))
+    config = attrs.evolve(PATIENT, max_retries=0, streams_per_peer=1)
+    transport = tcp.TcpTransport("127.0.0.1", scripted.port, secret=SECRET, config=config)
+    try:
+        outcomes: list[Exception | None] = []
+        done = threading.Event()
+        data = bytes(16)
+        transport.submit(Slice(TransferOp.WRITE, memoryview(data), 0, 0, lambda e: (outcomes.append(e), done.set())))
+        assert done.wait(10)
+        assert isinstance(outcomes[0], ProtocolError) and "acknowledgement" in str(outcomes[0]), outcomes
+    finally:
+        transport.close()
+        scripted.close()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    fields=st.tuples(
+        st.sampled_from([Kind.WRITE, Kind.READ]),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+    ),
+    index=st.integers(0, 4),
+    bit=st.integers(0, 63),
+    payload=st.binary(max_size=64),
+)
+def test_a_checksum_changes_with_every_field_of_its_request(
+    fields: tuple[Kind, int, int, int, int], index: int, bit: int, payload: bytes
+) -> None:
+    """`wire.bind_checksum` of a payload differs between two requests that differ in one bit of one field (kind,
+    region, tag, offset, length), and equals itself for the same request (the checksum field aside)."""
+    kind, region, tag, offset, length = fields
+    widths = [2, 32, 64, 64, 64]
+    changed = list(fields)
+    changed[index] = Kind(3 - kind) if index == 0 else changed[index] ^ (1 << (bit % widths[index]))
+    frame = Frame(kind, tag=tag, region=region, offset=offset, length=length)
+    other = Frame(changed[0], tag=changed[2], region=changed[1], offset=changed[3], length=changed[4])
+    digest = xxhash.xxh3_64_intdigest(payload)
+    assert bind_checksum(frame, digest) == bind_checksum(attrs.evolve(frame, checksum=5), digest)
+    assert bind_checksum(frame, digest) != bind_checksum(other, digest)

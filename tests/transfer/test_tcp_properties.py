@@ -48,6 +48,7 @@ from mooncake.transfer.wire import (
     Frame,
     Kind,
     ProtocolError,
+    bind_checksum,
     recv_exact,
     recv_frame,
     send_frame,
@@ -373,12 +374,15 @@ def test_a_raw_connection_changes_the_region_only_by_verified_in_bounds_writes(
                 payload = bytearray(
                     np.random.default_rng(frame.seed).integers(0, 256, frame.length, np.uint8).tobytes()
                 )
-                checksum = None if frame.checksum == "none" else xxhash.xxh3_64_intdigest(payload)
+                header = Frame(Kind.WRITE, tag, frame.region, frame.offset, frame.length)
+                checksum = (
+                    None if frame.checksum == "none" else bind_checksum(header, xxhash.xxh3_64_intdigest(payload))
+                )
                 if frame.checksum == "wrong":
                     checksum = (checksum or 0) ^ 1
                 elif frame.checksum == "corrupted":
                     payload[frame.seed % frame.length] ^= 0xFF
-                header = Frame(Kind.WRITE, tag, frame.region, frame.offset, frame.length, checksum)
+                header = attrs.evolve(header, checksum=checksum)
                 send_frame(sock, header, bytes(payload))
                 accepted = inside and frame.checksum in ("none", "good")
                 reply = recv_frame(sock, max_length=MAX_FRAME)
@@ -394,7 +398,8 @@ def test_a_raw_connection_changes_the_region_only_by_verified_in_bounds_writes(
                     assert expected in message, (frame, message)
             else:
                 asked = 0 if frame.checksum == "asked" else None
-                send_frame(sock, Frame(Kind.READ, tag, frame.region, frame.offset, frame.length, asked))
+                read = Frame(Kind.READ, tag, frame.region, frame.offset, frame.length, asked)
+                send_frame(sock, read)
                 reply = recv_frame(sock, max_length=MAX_FRAME)
                 assert reply.tag == tag
                 body = bytearray(reply.length)
@@ -402,7 +407,8 @@ def test_a_raw_connection_changes_the_region_only_by_verified_in_bounds_writes(
                 if inside:
                     expected_bytes = bytes(model[frame.region][frame.offset : frame.offset + frame.length])
                     assert reply.kind == Kind.OK and bytes(body) == expected_bytes
-                    assert reply.checksum == (None if asked is None else xxhash.xxh3_64_intdigest(expected_bytes))
+                    expected_checksum = bind_checksum(read, xxhash.xxh3_64_intdigest(expected_bytes))
+                    assert reply.checksum == (None if asked is None else expected_checksum)
                 else:
                     assert reply.kind == Kind.ERROR, frame
             server.assert_equals(model)
@@ -505,9 +511,10 @@ def test_a_malformed_or_cut_frame_ends_its_connection_and_the_server_serves_the_
     server.assert_equals(model)
     server.engine.check_invariants()
     with authenticated(server) as sock:
-        send_frame(sock, Frame(Kind.READ, tag=1, region=region, offset=0, length=size, checksum=0))
+        read = Frame(Kind.READ, tag=1, region=region, offset=0, length=size, checksum=0)
+        send_frame(sock, read)
         reply = recv_frame(sock, max_length=MAX_FRAME)
         body = bytearray(reply.length)
         recv_exact(sock, memoryview(body))
         assert reply.kind == Kind.OK and bytes(body) == bytes(model[region])
-        assert reply.checksum == xxhash.xxh3_64_intdigest(body)
+        assert reply.checksum == bind_checksum(read, xxhash.xxh3_64_intdigest(body))

@@ -10,7 +10,8 @@
 - TCP against a scripted peer (`ScriptedPeer`): a READ failing its checksum is retried, a peer's refusal is
   not; a silent peer is a `TransferTimeout`, a peer dropping every connection a `PeerUnavailable`, both
   bounded; an inline slice is not retried past its deadline; slices taken after the close began fail closed;
-  a closed transport closes every connection it made.
+  a closed transport closes every connection it made. A real peer process stopped (SIGSTOP) fails a batch
+  within one slice's bound, and is dialled again once it is back.
 - The engine: closing it stops its transports' threads and wakes a blocked `wait`; `transfer_sync` starts
   nothing after its timeout.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import socket
 import sys
 import threading
@@ -46,6 +48,7 @@ from mooncake.transfer.wire import (
     MAX_CONTROL_BYTES,
     Frame,
     Kind,
+    bind_checksum,
     new_incarnation,
     recv_exact,
     recv_frame,
@@ -53,11 +56,16 @@ from mooncake.transfer.wire import (
     server_hello,
     server_verdict,
 )
-from tests.transfer.conftest import SECRET, request
-from tests.waiting import wait_for
+from tests.transfer.conftest import SECRET, request, start_peer
+from tests.waiting import stop_process, wait_for
 
 MIB = 1 << 20
 KIB = 1 << 10
+
+
+def checksum_of(request: Frame, payload: bytes) -> int:
+    """The checksum a data frame of `request` carries for `payload`: the wire's, bound to the request."""
+    return bind_checksum(request, xxhash.xxh3_64_intdigest(payload))
 
 
 # --------------------------------------------------------------------------- regions
@@ -226,7 +234,8 @@ def test_a_write_finding_no_staging_memory_is_refused_to_the_client_with_the_rea
     server.start()
     try:
         payload = bytes([7]) * size
-        header = Frame(Kind.WRITE, tag=9, region=1, offset=0, length=size, checksum=xxhash.xxh3_64_intdigest(payload))
+        header = Frame(Kind.WRITE, tag=9, region=1, offset=0, length=size)
+        header = attrs.evolve(header, checksum=checksum_of(header, payload))
         send_frame(client, header, payload)
         client.settimeout(5)
         reply = recv_frame(client, max_length=MAX_CONTROL_BYTES)
@@ -374,7 +383,7 @@ class ScriptedPeer:
                     continue
                 if behaviour == "held":
                     self.gate.wait(30)
-                checksum = None if frame.checksum is None else xxhash.xxh3_64_intdigest(DATA)
+                checksum = None if frame.checksum is None else checksum_of(frame, DATA)
                 sent = DATA if behaviour != "corrupt" else bytes([DATA[0] ^ 1]) + DATA[1:]
                 if behaviour == "trickle":  # each byte well within the io timeout, the whole far beyond it
                     connection.sendall(Frame(Kind.OK, tag=frame.tag, length=len(DATA), checksum=checksum).pack())
@@ -837,3 +846,53 @@ def test_a_remote_range_out_of_bounds_is_refused_by_name_and_moves_nothing(
         assert np.array_equal(local_array, before_local) and np.array_equal(remote_array, before_remote)
     finally:
         local.unregister_memory(mine.region_id)
+
+
+# --------------------------------------------------------------------------- a peer that stops
+
+
+def test_a_stopped_peer_fails_a_batch_within_its_slices_bound_and_is_dialled_again_after() -> None:
+    """A real peer process stopped (SIGSTOP) before a batch of 64 slices over 2 streams: the batch ends, every
+    request FAILED with PeerUnavailable, within `slice_deadline_s` (one slice's bound): once a fresh connection
+    failed, the slices queued behind it fail at once instead of each dialling and waiting out a connect timeout of
+    its own. Resumed (SIGCONT), the peer is dialled again once `connect_timeout_s` has passed, and a WRITE lands.
+    (The batch ended only after every slice had dialled: 64 / 2 connect timeouts, far past its bound.)"""
+    size = 4 * MIB
+    config = EngineConfig(
+        transports=("tcp",),
+        io_timeout_s=1.0,
+        connect_timeout_s=0.5,
+        slice_bytes=64 * KIB,
+        streams_per_peer=2,
+        spin_us=0,
+    )
+    process = start_peer(size)
+    try:
+        with TransferEngine(secret=SECRET, config=config) as engine:
+            source = np.arange(size, dtype=np.uint64).view(np.uint8)[:size].copy()
+            local = engine.register_memory(source)
+            peer = engine.connect(process.address, transport="tcp")
+            write = request(TransferOp.WRITE, local.region_id, peer, process.plain, size)
+            stop_process(process.pid)
+            start = time.monotonic()
+            batch = engine.submit([write])
+            (status,) = engine.wait(batch, timeout=config.slice_deadline_s + 5)
+            took = time.monotonic() - start
+            engine.forget(batch)
+            assert status.state is RequestState.FAILED and isinstance(status.error, PeerUnavailable), status
+            assert took <= config.slice_deadline_s, f"{took:.1f} s, past the bound of {config.slice_deadline_s} s"
+            os.kill(process.pid, signal.SIGCONT)
+            # Within the window the peer is still taken for down; after it, it is dialled again.
+            moved = RequestState.FAILED
+            deadline = time.monotonic() + 20 * config.connect_timeout_s
+            while moved is not RequestState.DONE and time.monotonic() < deadline:
+                (status,) = engine.transfer_sync([attrs.evolve(write, length=64 * KIB)], timeout=10)
+                moved = status.state
+                assert moved is RequestState.DONE or isinstance(status.error, PeerUnavailable), status
+            assert moved is RequestState.DONE
+            expected = f"{xxhash.xxh3_64_intdigest(source[: 64 * KIB].data):016x}"
+            assert engine.call(peer, "digest", {"region": process.plain, "offset": 0, "length": 64 * KIB}) == expected
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        process.kill()
