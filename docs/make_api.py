@@ -1,5 +1,6 @@
-"""Write the reference tables of docs/api.md from the code: each subpackage's `__all__`, in order,
-with each name's kind and the first sentence of its docstring.
+"""Write the reference tables of docs/api.md from the code: the `__all__` of each package or module
+it has a section for (`mooncake`, its subpackages, `mooncake.errors`, `mooncake.types`), in order,
+with each name's kind and the first sentence of its docstring (a constant: its value, or its type).
 
     python docs/make_api.py          # rewrite the tables in docs/api.md
     python docs/make_api.py --check  # exit 1 if they are not what the code says (tests/test_docs.py)
@@ -53,7 +54,8 @@ def summary_of(value: Any) -> str:
         shown = re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", repr(value))  # names without their modules
         return f"`{shown}`" if len(shown) <= 100 else f"a union of {len(typing.get_args(value))} types"
     if kind_of(value) == "constant":
-        return f"`{value!r}`" if len(repr(value)) <= 60 else f"a `{type(value).__name__}`"
+        kind = type(value).__name__
+        return f"`{value!r}`" if len(repr(value)) <= 60 else f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} `{kind}`"
     doc = inspect.getdoc(value) or ""
     first = " ".join(doc.split("\n\n", 1)[0].split())
     return re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s", first, maxsplit=1)[0]  # "e.g." ends no sentence

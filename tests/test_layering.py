@@ -22,6 +22,7 @@ ROOT = Path(mooncake.__file__).resolve().parent
 # (STYLE.md: values -> cache -> transfer | sched -> engine -> examples).
 LAYERS = {
     "mooncake._checks": 0,
+    "mooncake._extras": 0,
     "mooncake._files": 0,
     "mooncake.errors": 0,
     "mooncake.types": 0,

@@ -36,7 +36,8 @@ publisher); `mooncake.cache.vllm_events` turns the records into this library's
 events and back.
 
 msgpack (the ``kv-events`` extra) is imported on the first encode or decode, so
-``import mooncake.cache`` does not need it.
+``import mooncake.cache`` does not need it; without it, that first call raises a ``ConfigError`` naming
+the extra.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any, Literal, cast
 import attrs
 
 from mooncake._checks import is_int
+from mooncake._extras import needs_extra
 from mooncake.errors import VllmEventError
 
 __all__ = [
@@ -147,8 +149,12 @@ def encode_batch(
         batch: the batch.
         event_layout: "map" (vLLM after 0.23) or "array" (vLLM up to 0.23).
         batch_layout: "array", as vLLM's batches are on the wire, or "map".
+
+    Raises:
+        ConfigError: msgpack (the kv-events extra) is not installed.
     """
-    import msgpack  # type: ignore[import-untyped]  # lazy: `import mooncake.cache` stays light
+    with needs_extra("encode_batch"):  # lazy: `import mooncake.cache` stays light
+        import msgpack  # type: ignore[import-untyped]
 
     events = [_event_wire(event, event_layout) for event in batch.events]
     rank = batch.data_parallel_rank
@@ -176,8 +182,10 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
 
     Raises:
         VllmEventError: not msgpack, or a batch or event breaks the layout (the message says where).
+        ConfigError: msgpack (the kv-events extra) is not installed.
     """
-    import msgpack
+    with needs_extra("decode_batch"):
+        import msgpack
 
     try:
         body = msgpack.unpackb(payload, raw=False)

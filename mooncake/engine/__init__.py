@@ -3,13 +3,17 @@
 Every public name is listed here, but loaded on first use (`from
 mooncake.engine import PrefillEngine` imports torch then): `import
 mooncake.engine` imports nothing heavy, and `mooncake.engine.config` (the
-model presets) needs no torch at all.
+model presets) needs no torch at all. A name whose module needs a missing
+extra's package raises a `ConfigError` naming the package and the extra
+(`from mooncake.engine import LlamaModel` without torch: the engine extra).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from mooncake._extras import needs_extra
 
 _HOMES = {
     "DTYPE_BYTES": "config",
@@ -51,4 +55,6 @@ def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'mooncake.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"mooncake.engine.{home}"), name)
+    with needs_extra(f"mooncake.engine.{name}"):
+        module = importlib.import_module(f"mooncake.engine.{home}")
+    return getattr(module, name)

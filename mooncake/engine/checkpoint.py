@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mooncake._checks import is_finite_number
+from mooncake._extras import needs_extra
 from mooncake.engine.config import ModelConfig, RopeScaling
 from mooncake.errors import ConfigError
 
@@ -373,7 +374,8 @@ class SafetensorsWeights:
     def _file(self, path: Path) -> Any:
         handle = self._open.get(path)
         if handle is None:
-            from safetensors import SafetensorError, safe_open
+            with needs_extra("a safetensors checkpoint"):
+                from safetensors import SafetensorError, safe_open
 
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
@@ -437,9 +439,10 @@ def load_model(
 
     Raises:
         ConfigError: what `read_model_config` and `SafetensorsWeights` refuse, each naming the key or
-            tensor and the file.
+            tensor and the file; a missing torch or safetensors, naming the extra that installs it.
     """
-    from mooncake.engine.model import LlamaModel
+    with needs_extra("load_model"):
+        from mooncake.engine.model import LlamaModel
 
     config = read_model_config(directory)
     weights = SafetensorsWeights(directory, config)

@@ -70,6 +70,7 @@ from typing import Any
 import attrs
 
 from mooncake._checks import is_finite_number, is_int
+from mooncake._extras import needs_extra
 from mooncake.engine.chat import chat_conversation, loops_over_content
 from mooncake.errors import ConfigError, InvalidRequestError
 
@@ -227,7 +228,7 @@ class Tokenizer:
         source: where it came from, for messages.
 
     Raises:
-        ConfigError: a chat template that does not compile.
+        ConfigError: a chat template that does not compile, or jinja2 (the hf extra) is not installed.
     """
 
     def __init__(self, backend: Any, *, special: SpecialTokens, chat_template: str | None, source: str = "") -> None:
@@ -237,7 +238,8 @@ class Tokenizer:
         # loops over them, developer messages as system ones where it never names the role.
         self.content_parts, self.developer_role = False, True
         if chat_template is not None:
-            import jinja2
+            with needs_extra(f"{source}: the chat template" if source else "a chat template"):
+                import jinja2
 
             try:
                 environment = _environment()
@@ -559,9 +561,11 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
     Raises:
         ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token that is not a
-            string; stop ids that are not ids; a chat template that does not compile.
+            string; stop ids that are not ids; a chat template that does not compile; tokenizers (or, for a
+            chat template, jinja2) is not installed: the hf extra.
     """
-    from tokenizers import Tokenizer as Backend
+    with needs_extra("load_tokenizer"):
+        from tokenizers import Tokenizer as Backend
 
     path = Path(directory).resolve()
     try:  # read once: the backend, the class choice and a rebuild all take this text

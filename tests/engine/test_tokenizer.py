@@ -620,14 +620,15 @@ WITHOUT_HF = textwrap.dedent(
     from mooncake.engine import read_model_config
     from mooncake.engine.checkpoint import model_config_from_hf
     from mooncake.engine.tokenizer import load_tokenizer
+    from mooncake.errors import ConfigError
 
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
            "num_attention_heads": 2, "intermediate_size": 4}
     try:
         load_tokenizer(".")
         missing = None
-    except ModuleNotFoundError as error:
-        missing = error.name
+    except ConfigError as error:  # naming the hf extra, caused by the failed import
+        missing = error.__cause__.name
     print(json.dumps({
         "layers": model_config_from_hf(raw, name="m").num_layers,
         "missing": missing,
