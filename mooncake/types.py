@@ -21,6 +21,7 @@ from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int
 from mooncake.errors import InvalidRequestError
 
 __all__ = [
+    "BLOCK_KEY_LIMIT",
     "BlockKey",
     "InstanceId",
     "MAX_TOKENS",
@@ -39,6 +40,10 @@ _INT32 = np.iinfo(np.int32)
 
 BlockKey = NewType("BlockKey", int)
 """Chained key of one block; equal keys imply equal token prefixes."""
+
+BLOCK_KEY_LIMIT = 2**256
+"""Block keys lie in [0, BLOCK_KEY_LIMIT): the widest key a `BlockHasher` makes (SHA-256's) and the widest an SSD
+page's header labels; a wider key would be cached in memory and then fail every demotion to SSD."""
 
 InstanceId = NewType("InstanceId", str)
 """Identifies an engine instance (a holder of blocks, a prefill or decode node)."""
@@ -111,8 +116,8 @@ def check_request_id(name: str, value: object) -> None:
 
 
 def check_block_key(key: object) -> BlockKey:
-    """`key` as a block key: a non-negative Python int (a numpy integer is one, converted; a bool, a float or a
-    string is none, rather than coerced into another block's key).
+    """`key` as a block key: a Python int in [0, 2**256) (`BLOCK_KEY_LIMIT`; a numpy integer is one, converted; a
+    bool, a float or a string is none, rather than coerced into another block's key).
 
     Raises:
         InvalidRequestError: anything else, naming the value.
@@ -121,8 +126,8 @@ def check_block_key(key: object) -> BlockKey:
         value = operator.index(key)  # type: ignore[arg-type]
     except TypeError:
         value = -1
-    if value < 0 or isinstance(key, bool):
-        raise InvalidRequestError(f"a block key must be a non-negative integer, got {key!r}")
+    if not 0 <= value < BLOCK_KEY_LIMIT or isinstance(key, bool):
+        raise InvalidRequestError(f"a block key must be a non-negative integer below 2**256, got {key!r}")
     return BlockKey(value)
 
 
@@ -130,7 +135,8 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
     """`keys` as a tuple of block keys (`check_block_key`'s rule, in one pass: the converter of key fields).
 
     Raises:
-        InvalidRequestError: a key is not an integer (numpy integers are; bools are not) or is negative.
+        InvalidRequestError: a key is not an integer (numpy integers are; bools are not), is negative, or is not
+            below 2**256.
     """
     if iter(keys) is keys:  # a one-shot iterator: read twice below
         keys = tuple(keys)
@@ -141,6 +147,8 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
     least = min(converted, default=2)
     if least < 0:
         raise InvalidRequestError(f"block keys must be non-negative integers, got {least}")
+    if converted and max(converted) >= BLOCK_KEY_LIMIT:
+        raise InvalidRequestError(f"block keys must be below 2**256, got {max(converted)}")
     if least <= 1 and bool in map(type, keys):  # a bool reads as 0 or 1: only then can one be there
         raise InvalidRequestError("block keys must be integers, not bools")
     return cast("tuple[BlockKey, ...]", converted)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import xxhash
 
+from mooncake._checks import require_iterable
 from mooncake.cache.events import parse_tier
 from mooncake.cache.policy import EvictionPolicy
 from mooncake.cache.pool import PageBytes, PagePool
@@ -53,6 +54,19 @@ __all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_
 
 STORED, REMOVED = 0, 1  # the kinds of change in the log
 _CORRUPT: tuple[None] = (None,)  # what a promotion carries when its block failed verification as it left
+# What the cache uses of a `PagePool` and an `EvictionPolicy` (checked once, at construction).
+_POOL_ATTRIBUTES = (
+    "tier",
+    "page_bytes",
+    "num_pages",
+    "holds_bytes",
+    "zero_copy",
+    "try_allocate",
+    "free",
+    "write",
+    "read",
+)
+_POLICY_METHODS = ("access", "remove", "pin", "unpin", "evict")
 
 
 @attrs.frozen(kw_only=True)
@@ -101,8 +115,14 @@ class BlockPlacement:
     """
 
     def __init__(self, pools: Sequence[PagePool], *, policy: Callable[[], EvictionPolicy], promote_after: int) -> None:
+        pools = tuple(require_iterable("pools", () if pools is None else pools))
         if not pools:
             raise ConfigError("pools must name at least one tier")
+        for pool in pools:  # else an AttributeError from the first use of whatever it is
+            if not all(hasattr(pool, name) for name in _POOL_ATTRIBUTES):
+                raise ConfigError(f"pools must be page pools (DramPagePool, SsdPagePool, ...), got {pool!r}")
+        if not callable(policy):
+            raise ConfigError(f"policy must make an eviction policy (LruPolicy, a function of none), got {policy!r}")
         sizes = {pool.page_bytes for pool in pools}
         if len(sizes) != 1:
             raise ConfigError(f"every tier must use one page size, got {sorted(sizes)}")
@@ -123,6 +143,8 @@ class BlockPlacement:
         self.page_bytes = pools[0].page_bytes
         self.promote_after = promote_after
         self._policies = [policy() for _ in pools]
+        if not all(hasattr(self._policies[0], name) for name in _POLICY_METHODS):
+            raise ConfigError(f"policy must make an eviction policy, but it made {self._policies[0]!r}")
         self._entries: dict[BlockKey, Entry] = {}
         # Copies that failed verification while pinned and were then replaced by a new copy of their key: out of
         # the cache, each holds its page until its last pin goes.
@@ -311,7 +333,9 @@ class BlockPlacement:
         try:
             page = self._try_make_room(0)
         except BaseException:
-            if self._carried is not None:  # its page went to the cascade: its bytes are nowhere now
+            if self._carried is _CORRUPT:  # `_vacate` forgot it as it gave its page to the cascade
+                pass
+            elif self._carried is not None:  # its page went to the cascade: its bytes are nowhere now
                 self._forget(key, entry)
             elif key in self._entries and entry.level == source_level:  # not dropped or moved meanwhile
                 self._policies[source_level].access(key, parent=entry.parent, position=entry.position)

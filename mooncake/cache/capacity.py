@@ -31,10 +31,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from mooncake._checks import require_int
+from mooncake._checks import require_int, require_iterable
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.policy import EvictionPolicy
+from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["CapacityPoint", "hit_ratio_curve", "simulate_prefix_hits"]
@@ -74,6 +75,7 @@ def simulate_prefix_hits(
         capacity_blocks: blocks the cache holds at most (>= 1).
     """
     capacity_blocks = require_int("capacity_blocks", capacity_blocks, minimum=1)
+    requests = require_iterable("requests", requests, error=InvalidRequestError)
     index = BlockIndex()
     seq = 0
     hits = total = 0

@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div, int_at_least, is_int, plain_int, require_int, require_str
+from mooncake._checks import ceil_div, int_at_least, is_int, plain_int, require_int, require_iterable, require_str
 from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
@@ -61,8 +61,13 @@ def reusable_prefix_tokens(num_tokens: int, cached_blocks: int, block_size_token
     simulators charge it.
 
     Raises:
-        InvalidRequestError: a negative token or block count, or a block size below 1.
+        InvalidRequestError: a count that is not an integer (a float would make a fractional token count), a
+            negative token or block count, or a block size below 1.
     """
+    if type(num_tokens) is not int or type(cached_blocks) is not int or type(block_size_tokens) is not int:
+        num_tokens = require_int("num_tokens", num_tokens, minimum=0, error=InvalidRequestError)  # numpy's: to int
+        cached_blocks = require_int("cached_blocks", cached_blocks, minimum=0, error=InvalidRequestError)
+        block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1, error=InvalidRequestError)
     if num_tokens < 0 or cached_blocks < 0 or block_size_tokens < 1:  # comparisons only: routing asks per request
         raise InvalidRequestError(
             f"reusable_prefix_tokens needs num_tokens >= 0, cached_blocks >= 0 and block_size_tokens >= 1, got "
@@ -167,7 +172,13 @@ class BlockHasher:
         return _KEY_BYTES[self.algorithm]
 
     def num_blocks(self, num_tokens: int) -> int:
-        """Blocks (the partial last one included) that `num_tokens` tokens make."""
+        """Blocks (the partial last one included) that `num_tokens` tokens make.
+
+        Raises:
+            InvalidRequestError: `num_tokens` is not an integer >= 0.
+        """
+        if type(num_tokens) is not int or num_tokens < 0:
+            num_tokens = require_int("num_tokens", num_tokens, minimum=0, error=InvalidRequestError)
         return ceil_div(num_tokens, self.block_size_tokens)
 
     def block_keys(self, tokens: Any, *, parent: BlockKey | None = None) -> tuple[BlockKey, ...]:
@@ -239,8 +250,12 @@ class BlockHasher:
         return KeyBatch(out, key_offsets)
 
     def block_keys_many(self, requests: Sequence[Any]) -> list[tuple[BlockKey, ...]]:
-        """`block_keys` of each token sequence in `requests`, through the batch path."""
-        arrays = [as_token_array(t) for t in requests]
+        """`block_keys` of each token sequence in `requests`, through the batch path.
+
+        Raises:
+            InvalidRequestError: `requests` is not iterable, or one of them is no token sequence (`block_keys`).
+        """
+        arrays = [as_token_array(t) for t in require_iterable("requests", requests, error=InvalidRequestError)]
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum([a.size for a in arrays], out=offsets[1:])
         flat = np.concatenate(arrays) if arrays else np.empty(0, np.int32)

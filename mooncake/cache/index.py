@@ -139,7 +139,8 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
     `types.key_tuple` converted), so the check that numpy truncated no non-integer is skipped.
 
     Raises:
-        InvalidRequestError: a key that is not a non-negative integer.
+        InvalidRequestError: a key that is not a non-negative integer; bytes or a mapping for `keys` (whose items,
+            small ints or a dict's keys, are no request's keys).
     """
     if isinstance(keys, np.ndarray):
         if keys.ndim != 1:  # the key table's loops take one flat run
@@ -149,6 +150,12 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         if keys.dtype.kind in "iu" and (keys.size == 0 or keys.min() >= 0):
             return keys.astype(np.uint64)
         keys = keys.tolist()
+    if (
+        type(keys) is not tuple
+        and type(keys) is not list
+        and isinstance(keys, bytes | bytearray | memoryview | Mapping)
+    ):
+        raise InvalidRequestError(f"block keys must be a sequence of non-negative integers, got {keys!r:.80}")
     try:
         values = keys if integers and isinstance(keys, tuple) else list(keys)
     except TypeError:  # None, a number: no keys at all
@@ -210,7 +217,13 @@ class BlockIndex:
         return tuple(sorted(s for s, state in self._sources.items() if state.is_stale))
 
     def num_blocks(self, instance_id: InstanceId) -> int:
-        """Keys `instance_id` holds in at least one tier."""
+        """Keys `instance_id` holds in at least one tier.
+
+        Raises:
+            InvalidRequestError: `instance_id` is not a string.
+        """
+        if not isinstance(instance_id, str):  # an unhashable one would be a bare TypeError
+            raise InvalidRequestError(f"instance_id must be an instance id string, got {instance_id!r}")
         state = self._sources.get(instance_id)
         return 0 if state is None else int(self._table.counts[state.slot])
 
@@ -240,6 +253,9 @@ class BlockIndex:
 
         Returns:
             A `PrefixMatch`; an instance holding none of the leading keys is absent.
+
+        Raises:
+            InvalidRequestError: `keys` is not a sequence of non-negative integers (bytes and mappings are none).
         """
         per_slot = self._table.match(key_array(keys))
         instance_of = cast("list[InstanceId]", self._instance_of)  # matched slots are live
@@ -256,10 +272,20 @@ class BlockIndex:
         does not know): `match` as an array, for a caller that asks about the same instances
         every time (the slot lookup is kept while the tuple and the slots stay the same; a list,
         which may change in place, is looked up anew each time).
+
+        Raises:
+            InvalidRequestError: a key is not a non-negative integer, or `instances` is not a sequence of instance
+                id strings.
         """
         per_slot = self._table.match(key_array(keys))
         gather = self._gather
         if gather is None or gather[0] is not instances or gather[1] != self._layout or type(instances) is not tuple:
+            if (
+                isinstance(instances, str)
+                or not isinstance(instances, Sequence)
+                or not all(isinstance(i, str) for i in instances)
+            ):
+                raise InvalidRequestError(f"instances must be a sequence of instance id strings, got {instances!r:.80}")
             slots = [self._sources[i].slot if i in self._sources else -1 for i in instances]
             unknown = np.array([slot < 0 for slot in slots], dtype=bool)
             gather = (

@@ -34,7 +34,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, ClassVar, Protocol
 
-from mooncake.errors import BlockPinnedError, UnknownBlockError
+from mooncake._checks import require_int
+from mooncake.errors import BlockPinnedError, InvalidRequestError, UnknownBlockError
 from mooncake.types import BlockKey
 
 __all__ = ["EvictionPolicy", "LengthAwarePolicy", "LfuPolicy", "LruPolicy", "SievePolicy"]
@@ -45,7 +46,8 @@ class EvictionPolicy(Protocol):
 
     def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
         """Record a use of `key` (inserting it if new); `parent` is its chain predecessor,
-        `position` its block index in the request."""
+        `position` its block index in the request (a policy that ranks by it refuses one that is not an
+        integer >= 0 with InvalidRequestError, inserting nothing)."""
 
     def remove(self, key: BlockKey) -> None:
         """Forget `key`, dropped by the caller (raises if unknown or pinned)."""
@@ -209,7 +211,12 @@ class _HeapPolicy(_PolicyBase):
         if key in current:
             priority = current[key] = tick if self._ranked_by_tick else self._rank(key, None)
         else:
-            priority = current[key] = tick if self._ranked_by_tick else self._rank(key, position)
+            if self._ranked_by_tick:
+                priority = current[key] = tick
+            else:
+                if type(position) is not int or position < 0:  # ranked by it: None would read as a re-access
+                    position = require_int("position", position, minimum=0, error=InvalidRequestError)
+                priority = current[key] = self._rank(key, position)
             if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
                 self._parent[key] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import numpy as np
 
 from mooncake._checks import is_int, require_int
+from mooncake._extras import needs_extra
+from mooncake.cache.events import parse_tier
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
@@ -212,7 +214,7 @@ class AllocatingPool:
 
     def __init__(self, tier: Tier, page_bytes: int, num_pages: int) -> None:
         check_geometry(page_bytes, num_pages)
-        self.tier = Tier(tier)
+        self.tier = parse_tier(tier)  # ConfigError naming the tiers, not Tier's bare ValueError
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.allocator = PageAllocator(num_pages)
@@ -278,15 +280,27 @@ class DramPagePool(AllocatingPool):
     ) -> None:
         super().__init__(tier, page_bytes, num_pages)
         if buffer is not None:
-            if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size != page_bytes * num_pages:
+            if (
+                not isinstance(buffer, np.ndarray)
+                or buffer.dtype != np.uint8
+                or buffer.ndim != 1
+                or buffer.size != page_bytes * num_pages
+            ):
                 raise ConfigError(
-                    f"buffer must be a flat uint8 array of {page_bytes * num_pages} bytes, got {buffer.dtype} {buffer.shape}"
+                    f"buffer must be a flat uint8 array of {page_bytes * num_pages} bytes, got "
+                    + (f"{buffer.dtype} {buffer.shape}" if isinstance(buffer, np.ndarray) else type(buffer).__name__)
                 )
             self.buffer = buffer
         elif pinned:
             self.buffer = _pinned_buffer(page_bytes * num_pages)
         else:
-            self.buffer = aligned_buffer(page_bytes * num_pages, prefault=prefault)
+            try:
+                self.buffer = aligned_buffer(page_bytes * num_pages, prefault=prefault)
+            except (ValueError, MemoryError) as error:  # numpy's "maximum allowed dimension exceeded", or no memory
+                raise ConfigError(
+                    f"cannot allocate {num_pages} DRAM pages of {page_bytes} bytes ({page_bytes * num_pages} bytes): "
+                    f"{error}"
+                ) from error
         self._view = self.buffer.data
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
@@ -302,12 +316,8 @@ class DramPagePool(AllocatingPool):
 
 
 def _pinned_buffer(num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    try:
+    with needs_extra("pinned=True"):
         import torch
-    except ImportError as error:
-        raise ConfigError(
-            "pinned=True needs torch: the engine extra (pip install -e '.[engine]' in the checkout)"
-        ) from error
     if not torch.cuda.is_available():
         raise ConfigError("pinned=True needs CUDA: page-locked memory only helps transfers to a GPU")
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()  # type: ignore[no-any-return,unused-ignore]
@@ -323,12 +333,8 @@ class VramPagePool(AllocatingPool):
 
     def __init__(self, page_bytes: int, num_pages: int, *, device: str = "cuda") -> None:
         super().__init__(Tier.VRAM, page_bytes, num_pages)
-        try:
+        with needs_extra("a VRAM pool"):
             import torch
-        except ImportError as error:
-            raise ConfigError(
-                "a VRAM pool needs torch: the engine extra (pip install -e '.[engine]' in the checkout)"
-            ) from error
         if not torch.cuda.is_available():
             raise ConfigError("a VRAM pool needs CUDA, and torch sees no CUDA device here")
         self._torch = torch

@@ -18,6 +18,11 @@ one tier at a time:
   `promote_after`-th read there (0: never); into a full first tier, the
   demotions it causes end in the page the block leaves (from the second tier,
   the two swap pages), so that a promotion in a full hierarchy loses no block.
+- Keys are block keys (`types.check_block_key`): every call taking one
+  refuses anything else with InvalidRequestError, and takes a numpy integer
+  as the Python int it equals; `key in cache` answers False for a non-key.
+  (An object that merely hashes and compares equal to a key, 1.0 or True,
+  would otherwise find block 1, and be stored in its policy as that block.)
 - `pin` / `unpin` (reference counted): a pinned block is never evicted,
   demoted, promoted or overwritten, so a view of it stays valid. Engines pin
   the blocks they read; `pinned(key)` does it as a context manager.
@@ -50,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import attrs
 import xxhash
 
-from mooncake._checks import require_int, require_str
+from mooncake._checks import require_int, require_iterable, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
 from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
@@ -63,7 +68,7 @@ from mooncake.errors import (
     InvalidRequestError,
     UnknownBlockError,
 )
-from mooncake.types import BlockKey, InstanceId, Tier, check_block_key
+from mooncake.types import BLOCK_KEY_LIMIT, BlockKey, InstanceId, Tier, check_block_key
 
 __all__ = ["BlockLocation", "CacheStats", "TieredCache"]
 
@@ -116,22 +121,42 @@ class TieredCache(BlockPlacement):
             return sum(1 for entry in self._entries.values() if entry.is_live)
 
     def __contains__(self, key: object) -> bool:
+        """Whether block `key` is cached; False for anything that is no block key (as a dict answers for a key of
+        another type, but without a TypeError for an unhashable one, nor True for 1.0 where block 1 is cached)."""
+        if type(key) is not int:
+            try:
+                key = check_block_key(key)
+            except InvalidRequestError:
+                return False
         entry = self._entries.get(key)  # type: ignore[call-overload]
         return entry is not None and entry.is_live
 
     def tier_of(self, key: BlockKey) -> Tier | None:
-        """The tier holding `key`, or None."""
-        entry = self._entries.get(key)
+        """The tier holding `key`, or None.
+
+        Raises:
+            InvalidRequestError: `key` is no block key.
+        """
+        entry = self._entries.get(_key(key))
         return self.pools[entry.level].tier if entry is not None and entry.is_live else None
 
     def prefix_match(self, keys: Iterable[BlockKey]) -> int:
-        """How many leading `keys` the cache holds (in any tier)."""
+        """How many leading `keys` the cache holds (in any tier).
+
+        Raises:
+            InvalidRequestError: `keys` is not iterable, or one of the keys read (up to the first not held) is no
+                block key.
+        """
         count = 0
         entries = self._entries
+        keys = require_iterable("keys", keys, error=InvalidRequestError)
         with self._lock:
             for key in keys:
+                if type(key) is not int:  # the range of an int matters only where it misses: checked there
+                    key = check_block_key(key)
                 entry = entries.get(key)
                 if entry is None or not entry.ready or entry.corrupt:  # not is_live
+                    _key(key)
                     break
                 count += 1
         return count
@@ -252,9 +277,12 @@ class TieredCache(BlockPlacement):
             ConfigError: the first tier stores bytes.
             CapacityError: `length` exceeds a page, or the chain's first block needs a page and every first-tier
                 page holds a pinned block (a later block finding no room ends the chain instead).
-            InvalidRequestError: a key, or `length`, is not a non-negative integer (nothing is stored).
+            InvalidRequestError: `keys` is not iterable, a key is no block key, or `length` is not a non-negative
+                integer (nothing is stored).
         """
-        if not all(type(key) is int and key >= 0 for key in keys):  # checked before a block is stored
+        if type(keys) is not list and type(keys) is not tuple:  # sliced below; None is refused by name
+            keys = list(require_iterable("keys", keys, error=InvalidRequestError))
+        if not all(type(key) is int and 0 <= key < BLOCK_KEY_LIMIT for key in keys):  # before a block is stored
             keys = [check_block_key(key) for key in keys]
         pool = self.pools[0]
         if pool.holds_bytes:
@@ -347,7 +375,9 @@ class TieredCache(BlockPlacement):
         Raises:
             UnknownBlockError: `key` is not reserved.
             IntegrityError: the bytes do not match `checksum` (the reservation is dropped).
+            InvalidRequestError: `key` is no block key, or `checksum` not in [0, 2**64).
         """
+        key = _key(key)
         if checksum is not None:
             check_checksum(checksum)
         with self._lock:
@@ -362,7 +392,12 @@ class TieredCache(BlockPlacement):
         self._publish(key, entry, checksum)
 
     def abort(self, key: BlockKey) -> None:
-        """Give back the page of a reserved block (no effect if `key` is not reserved)."""
+        """Give back the page of a reserved block (no effect if `key` is not reserved).
+
+        Raises:
+            InvalidRequestError: `key` is no block key.
+        """
+        key = _key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and not entry.ready:
@@ -371,7 +406,12 @@ class TieredCache(BlockPlacement):
 
     def location(self, key: BlockKey) -> BlockLocation | None:
         """Where a cached or reserved block lives, or None; pin a cached block first if
-        the answer must stay true (a reserved one stays put until committed)."""
+        the answer must stay true (a reserved one stays put until committed).
+
+        Raises:
+            InvalidRequestError: `key` is no block key.
+        """
+        key = _key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.corrupt:
@@ -383,7 +423,9 @@ class TieredCache(BlockPlacement):
 
         Raises:
             UnknownBlockError: it is not cached. BlockPinnedError: it is pinned.
+            InvalidRequestError: `key` is no block key.
         """
+        key = _key(key)
         with self._lock:
             entry = self._ready_entry(key)
             if entry.pins:
@@ -419,7 +461,13 @@ class TieredCache(BlockPlacement):
         pinned (or until the cache next changes); an SSD hit is a verified copy,
         or a view of the first tier when the read promotes it. A block that fails
         its checksum, or whose page cannot be read (an I/O error), is dropped and reported as a miss.
+
+        Raises:
+            InvalidRequestError: `key` is no block key.
+            ConfigError: its tier holds no bytes (use `touch`).
         """
+        if type(key) is not int or not 0 <= key < BLOCK_KEY_LIMIT:  # the common case in one test
+            key = check_block_key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.is_live:
@@ -439,20 +487,27 @@ class TieredCache(BlockPlacement):
             entry.reads += 1
             self._policies[entry.level].pin(key)
         data = None
+        failed = False  # the page failed verification or could not be read; not any other error (an interrupt)
         try:
             data = self.pools[entry.level].read(entry.page, entry.length, key=key)
         except (IntegrityError, OSError):  # an unreadable page (a bad sector) is as good as corrupt
-            pass
+            failed = True
         finally:
             with self._lock:
-                if data is None:
+                if failed:
                     self._found_corrupt(entry)
                 entry.reads -= 1
                 self._unpin_entry(key, entry)
         return data
 
     def touch(self, key: BlockKey) -> Tier | None:
-        """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None."""
+        """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None.
+
+        Raises:
+            InvalidRequestError: `key` is no block key.
+        """
+        if type(key) is not int or not 0 <= key < BLOCK_KEY_LIMIT:  # the common case in one test
+            key = check_block_key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.is_live:
@@ -477,7 +532,9 @@ class TieredCache(BlockPlacement):
         Raises:
             UnknownBlockError: `key` is not cached, or its bytes failed verification.
             ConfigError: its tier holds no bytes.
+            InvalidRequestError: `key` is no block key.
         """
+        key = _key(key)
         with self._lock:
             entry = self._ready_entry(key)
             if entry.corrupt:
@@ -502,7 +559,12 @@ class TieredCache(BlockPlacement):
     # ------------------------------------------------------------------ pins
 
     def pin(self, key: BlockKey) -> None:
-        """Protect `key` from eviction, demotion, promotion and overwrite (reference counted)."""
+        """Protect `key` from eviction, demotion, promotion and overwrite (reference counted).
+
+        Raises:
+            UnknownBlockError: it is not cached. InvalidRequestError: `key` is no block key.
+        """
+        key = _key(key)
         with self._lock:
             entry = self._ready_entry(key)
             if entry.corrupt:
@@ -512,7 +574,12 @@ class TieredCache(BlockPlacement):
 
     def unpin(self, key: BlockKey) -> None:
         """Release one pin of `key`: first one taken before its copy failed verification and was replaced (that
-        copy's page is freed at its last pin), so the new copy's pins never fall below its holders'."""
+        copy's page is freed at its last pin), so the new copy's pins never fall below its holders'.
+
+        Raises:
+            UnknownBlockError: it is not pinned. InvalidRequestError: `key` is no block key.
+        """
+        key = _key(key)
         with self._lock:
             for copy in self._aside.get(key, ()):
                 if copy.pins > copy.reads:  # a holder's pin, not a read's in progress
@@ -529,7 +596,11 @@ class TieredCache(BlockPlacement):
 
         A read that promotes the block (its `promote_after`-th in a lower tier) promotes it first and
         pins it where it lands: a pinned block never moves, so reads under a pin alone would never promote.
+
+        Raises:
+            InvalidRequestError: `key` is no block key (on entering the block).
         """
+        key = _key(key)
         with self._lock:
             entry = self._entries.get(key)
             promotes = (
@@ -578,6 +649,12 @@ class TieredCache(BlockPlacement):
         """Close every pool."""
         for pool in self.pools:
             pool.close()
+
+
+def _key(key: object) -> BlockKey:
+    """`key` as a block key (`check_block_key`: a numpy integer becomes the int it equals), an int in range in one
+    test; InvalidRequestError for anything else."""
+    return key if type(key) is int and 0 <= key < BLOCK_KEY_LIMIT else check_block_key(key)  # type: ignore[return-value]
 
 
 def _check_position(position: object) -> None:

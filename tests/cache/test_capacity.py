@@ -15,7 +15,7 @@ from mooncake.cache.capacity import CapacityPoint, hit_ratio_curve, simulate_pre
 from mooncake.cache.policy import LruPolicy, SievePolicy
 from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import CapacityError, ConfigError
+from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, Request, RequestId, Tier
 from mooncake.workload import load_trace, trace_stats
 from tests.cache.policies import ALL_POLICIES, POLICIES
@@ -249,3 +249,8 @@ def test_synthetic_trace_lru_curve(
         trace_keys, lambda: LruPolicy(prefix_aware=prefix_aware), capacities_blocks=[1_000, 10_000, 50_000]
     )
     assert tuple(round(point.hit_ratio, 4) for point in curve) == expected
+
+
+def test_requests_that_are_not_iterable_are_refused_by_name() -> None:
+    with pytest.raises(InvalidRequestError, match="requests"):
+        simulate_prefix_hits(None, LruPolicy(), capacity_blocks=2)  # type: ignore[arg-type]

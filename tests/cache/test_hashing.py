@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -284,3 +285,42 @@ def test_batch_rejects_bad_offsets(offsets: list[int]) -> None:
     """Offsets must rise from 0 to len(tokens)."""
     with pytest.raises(InvalidRequestError, match="offsets"):
         hasher().hash_batch(np.arange(4), offsets)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda hasher: hasher.block_keys_many(None),
+        lambda hasher: hasher.block_keys_many(5),
+        lambda hasher: hasher.num_blocks("a"),
+        lambda hasher: hasher.num_blocks(-5),
+        lambda hasher: hasher.num_blocks(1.5),
+        lambda hasher: hasher.num_blocks(True),
+        lambda hasher: reusable_prefix_tokens("a", 1, 1),
+        lambda hasher: reusable_prefix_tokens(None, 1, 1),
+        lambda hasher: reusable_prefix_tokens(10, 1.5, 4),
+        lambda hasher: reusable_prefix_tokens(10.5, 2, 4),
+        lambda hasher: reusable_prefix_tokens(10, 2, 4.0),
+        lambda hasher: reusable_prefix_tokens(10, True, 4),
+        lambda hasher: reusable_prefix_tokens(np.int64(-1), 1, 4),
+    ],
+    ids=[
+        "many-None", "many-int", "num_blocks-str", "num_blocks-negative", "num_blocks-float", "num_blocks-bool",
+        "reusable-str", "reusable-None", "reusable-float-blocks", "reusable-float-tokens", "reusable-float-size",
+        "reusable-bool", "reusable-numpy-negative",
+    ],
+)  # fmt: skip
+def test_counts_that_are_no_integers_are_refused_by_name(call: Any) -> None:
+    """A count that is not an integer (or is negative) is an InvalidRequestError, not a bare TypeError, a negative
+    block count (-5 tokens made -1 blocks) or a fractional token count (1.5 cached blocks reused 6.0 tokens)."""
+    with pytest.raises(InvalidRequestError):
+        call(BlockHasher(model="m", block_size_tokens=4))
+
+
+@given(st.integers(0, 10_000), st.integers(0, 100), st.integers(1, 64))
+def test_reusable_prefix_tokens_takes_numpy_counts_as_the_ints_they_equal(tokens: int, blocks: int, size: int) -> None:
+    """Counts read from numpy arrays (an index's prefix lengths) give the same int as Python ints."""
+    expected = reusable_prefix_tokens(tokens, blocks, size)
+    got = reusable_prefix_tokens(np.int64(tokens), np.int32(blocks), np.uint16(size))  # type: ignore[arg-type]
+    assert type(got) is int and got == expected
+    assert BlockHasher(model="m", block_size_tokens=size).num_blocks(np.int64(tokens)) == -(-tokens // size)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ imports); nothing here depends on which.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -299,3 +300,43 @@ def test_a_key_batch_indexes_from_the_end_like_a_sequence() -> None:
     for outside in (2, -3):
         with pytest.raises(IndexError):
             batch[outside]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda index: index.match(b"abc"),
+        lambda index: index.match(bytearray(b"abc")),
+        lambda index: index.match(memoryview(b"abc")),
+        lambda index: index.match({1: 2}),
+        lambda index: index.prefix_lengths([1], None),
+        lambda index: index.prefix_lengths([1], "p0"),
+        lambda index: index.prefix_lengths([1], [["p0"]]),
+        lambda index: index.prefix_lengths([1], 3),
+        lambda index: index.num_blocks([1]),
+        lambda index: index.num_blocks(None),
+    ],
+    ids=[
+        "match-bytes", "match-bytearray", "match-memoryview", "match-dict", "lengths-None", "lengths-str",
+        "lengths-nested", "lengths-int", "num_blocks-list", "num_blocks-None",
+    ],
+)  # fmt: skip
+def test_queries_refuse_what_is_no_key_sequence_or_instance_by_name(call: Any) -> None:
+    """Bytes (read as their small ints: block 97...) and a mapping (read as its keys) are no key sequence; None, a
+    string or a nested list is no sequence of instances; a list is no instance id: each an InvalidRequestError,
+    not an answer about other keys nor a bare TypeError. The index is unchanged."""
+    index = BlockIndex()
+    index.apply(BlockStored(source=InstanceId("p0"), seq=0, keys=(97, 98, 99, 1), tier=Tier.DRAM))
+    with pytest.raises(InvalidRequestError):
+        call(index)
+    assert index.match([97, 98, 99]).lengths == {"p0": 3} and index.num_blocks(InstanceId("p0")) == 4
+    index.check_invariants()
+
+
+def test_prefix_lengths_still_answers_for_a_tuple_or_a_list_of_instances() -> None:
+    """The check on `instances` refuses only what is none: a tuple (kept) and a list (looked up anew) answer."""
+    index = BlockIndex()
+    index.apply(BlockStored(source=InstanceId("p0"), seq=0, keys=(1, 2), tier=Tier.DRAM))
+    for instances in (("p1", "p0"), ["p0", "p1"]):
+        lengths = index.prefix_lengths([1, 2, 3], instances)  # type: ignore[arg-type]
+        assert lengths.tolist() == [2 if name == "p0" else 0 for name in instances]

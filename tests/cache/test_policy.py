@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
-from mooncake.errors import BlockPinnedError, MooncakeError, UnknownBlockError
+from mooncake.errors import BlockPinnedError, InvalidRequestError, MooncakeError, UnknownBlockError
 from mooncake.types import BlockKey
 from tests.cache.policies import ALL_POLICIES, POLICIES
 from tests.reference.policy import ReferencePolicy
@@ -558,3 +559,28 @@ def test_every_candidate_keeps_an_entry_across_a_heap_rebuild(kind: str) -> None
     for step in range(2500):  # past 4 * 2 + 1024 entries: at least two rebuilds
         policy.access(K(step % 2), position=0)
         policy.check_invariants()
+
+
+@pytest.mark.parametrize("policy_class", [LfuPolicy, LengthAwarePolicy], ids=["lfu", "length_aware"])
+@pytest.mark.parametrize("position", [None, "x", -1, 1.5, True])
+def test_a_policy_ranking_by_position_refuses_one_that_is_no_index(policy_class: Any, position: Any) -> None:
+    """A new block's position is part of an LFU or length-aware rank: None (which the rank read as a re-access of
+    a block it had never seen: a bare KeyError), a string (a bare TypeError at the next eviction), a negative, a
+    float or a bool is an InvalidRequestError naming it, and nothing is inserted."""
+    policy = policy_class()
+    policy.access(K(1), position=0)
+    with pytest.raises(InvalidRequestError, match="position"):
+        policy.access(K(2), parent=K(1), position=position)
+    assert K(2) not in policy and len(policy) == 1
+    policy.check_invariants()
+    assert policy.evict() == K(1)
+
+
+@POLICY_CLASSES
+def test_a_numpy_position_is_the_int_it_equals(policy_class: Any) -> None:
+    """A position read from a numpy array ranks a block as the same int does (the evictions agree)."""
+    numpy_positions, int_positions = policy_class(), policy_class()
+    for key, position in [(1, 3), (2, 1), (3, 2)]:
+        numpy_positions.access(K(key), position=np.int64(position))
+        int_positions.access(K(key), position=position)
+    assert [numpy_positions.evict() for _ in range(3)] == [int_positions.evict() for _ in range(3)]

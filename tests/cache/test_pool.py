@@ -670,3 +670,29 @@ class SsdPoolMachine(PoolMachine):
 TestDramPoolMachine = DramPoolMachine.TestCase
 TestMetadataPoolMachine = MetadataPoolMachine.TestCase
 TestSsdPoolMachine = SsdPoolMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda folder: DramPagePool(64, 2**62), "cannot allocate"),
+        (lambda folder: DramPagePool(64, 1, buffer=[0] * 64), "buffer must be a flat uint8 array"),
+        (lambda folder: DramPagePool(64, 1, buffer=bytearray(64)), "buffer must be a flat uint8 array"),
+        (lambda folder: DramPagePool(64, 1, tier="x"), "tier must be one of"),
+        (lambda folder: MetadataPagePool(None, 64, 1), "tier must be one of"),  # type: ignore[arg-type]
+        (lambda folder: MetadataPagePool(True, 64, 1), "tier must be one of"),  # type: ignore[arg-type]
+        (lambda folder: SsdPagePool(folder / "pool", 64, 1, tier="x"), "tier must be one of"),  # type: ignore[arg-type]
+    ],
+    ids=["dram-too-big", "buffer-list", "buffer-bytearray", "dram-tier", "metadata-tier-none", "tier-bool", "ssd-tier"],
+)
+def test_bad_pool_arguments_are_config_errors_naming_them(tmp_path: Path, make: Any, named: str) -> None:
+    """A pool too big to allocate, a buffer that is no uint8 array, a tier that is none (a bool would read as
+    DRAM) are ConfigErrors naming what is wrong, not numpy's ValueError, an AttributeError or Tier's ValueError."""
+    with pytest.raises(ConfigError, match=named):
+        make(tmp_path)
+
+
+def test_a_tier_may_be_named() -> None:
+    """A pool's tier is a `Tier`, its value or its name, as everywhere else in the cache."""
+    assert DramPagePool(64, 1, tier="VRAM").tier is Tier.VRAM  # type: ignore[arg-type]
+    assert MetadataPagePool(2, 64, 1).tier is Tier.SSD  # type: ignore[arg-type]

@@ -20,6 +20,11 @@ Each test here kills a mutant of `tiered`, `_placement`, `ssd` or `pool` that th
   filled is refused (it stored nothing and answered a tier); `checksum` answers an SSD block's stored digest
   and, where it must read bytes that fail, drops the block as `get` does and raises UnknownBlockError.
 
+- Keys and arguments at the boundary: every call taking a key refuses a non-key (1.0, True, a list, a
+  negative int, 2**256) by name, `in` answers False for one; numpy keys (a `KeyBatch`'s) work everywhere and
+  act as the ints they equal (a property runs the same calls with both); bad pools, policies and key
+  iterables are the library's errors.
+
 A numpy integer key is a key in every tier (it broke the SSD tier's page headers). A block put again after
 it failed verification, while a reader still pins the damaged copy or reads it, is stored; the damaged
 copy's page is held until its last pin, and a pin never unprotects the new copy.
@@ -37,11 +42,13 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mooncake.cache.events import BlockRemoved, BlockStored
+from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.index import BlockIndex, Holder
+from mooncake.cache.policy import LruPolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
 from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
 from mooncake.cache.tiered import TieredCache
@@ -749,3 +756,168 @@ def test_checksum_of_a_block_whose_bytes_cannot_be_read_is_a_miss(pinned: bool) 
     assert [(type(e), e.keys) for e in cache.take_events()] == [(BlockRemoved, (3,))]  # type: ignore[union-attr]
     assert pool.num_free == 2
     cache.check_invariants()
+
+
+# --------------------------------------------------------------------------- keys and arguments at the boundary
+
+
+def test_numpy_keys_from_a_key_batch_work_in_every_call_and_every_tier(tmp_path: Path) -> None:
+    """`hash_batch(...).keys` is a uint64 array: its items are keys to every call taking one, each read as the
+    int it equals. (A `get` with one used to leave the numpy integer in the DRAM policy as the newest block's
+    key; its demotion then failed in the SSD page header, naming another block's key, and so did later puts.)"""
+    keys = BlockHasher(model="m", block_size_tokens=4).hash_batch(list(range(32)), [0, 32]).keys
+    assert keys.dtype == np.uint64
+    cache = make_cache(tmp_path, dram_pages=2, ssd_pages=8)
+    try:
+        cache.put(keys[0], block(0))
+        cache.put(keys[1], block(1), parent=keys[0])
+        assert bytes(cache.get(keys[1])) == block(1)  # type: ignore[arg-type]
+        assert cache.touch(keys[0]) == Tier.DRAM
+        cache.pin(keys[1])
+        with cache.pinned(keys[1]) as view:
+            assert view is not None and bytes(view) == block(1)
+        cache.unpin(keys[1])
+        for i in range(2, 8):
+            cache.put(keys[i], block(i), parent=keys[i - 1], position=i)  # demotes to SSD, every time
+        assert all(cache.tier_of(key) is not None for key in keys)
+        assert cache.prefix_match(keys) == len(keys) and all(key in cache for key in keys)
+        assert cache.checksum(keys[0]) == xxhash.xxh3_64_intdigest(block(0))
+        location = cache.location(keys[0])
+        assert location is not None and location.tier == Tier.SSD
+        assert bytes(cache.get(int(keys[0]))) == block(0)  # type: ignore[arg-type]
+        cache.remove(keys[7])
+        assert keys[7] not in cache
+        assert {type(key) for event in cache.take_events() for key in event.keys} == {int}  # type: ignore[union-attr]
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+BAD_KEYS = [1.0, True, [1], "1", None, -1, 2**256, np.float64(1.0), np.bool_(True)]
+KEY_CALLS: dict[str, Any] = {
+    "get": lambda cache, key: cache.get(key),
+    "touch": lambda cache, key: cache.touch(key),
+    "pin": lambda cache, key: cache.pin(key),
+    "unpin": lambda cache, key: cache.unpin(key),
+    "remove": lambda cache, key: cache.remove(key),
+    "checksum": lambda cache, key: cache.checksum(key),
+    "location": lambda cache, key: cache.location(key),
+    "tier_of": lambda cache, key: cache.tier_of(key),
+    "commit": lambda cache, key: cache.commit(key),
+    "abort": lambda cache, key: cache.abort(key),
+    "pinned": lambda cache, key: cache.pinned(key).__enter__(),
+    "prefix_match": lambda cache, key: cache.prefix_match([key]),
+    "prefix_match-second": lambda cache, key: cache.prefix_match([BlockKey(1), key]),
+    "put": lambda cache, key: cache.put(key, block(1)),
+    "put_chain": lambda cache, key: cache.put_chain([key]),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS, ids=lambda key: repr(key)[:16])
+@pytest.mark.parametrize("name", list(KEY_CALLS))
+def test_a_non_key_is_refused_by_name_by_every_call_taking_a_key(bad: object, name: str) -> None:
+    """Every call taking a key refuses what is no block key (a float or a bool equal to block 1's key, a list, a
+    string, None, a negative int, one of 2**256 or more) with InvalidRequestError naming it, and changes nothing:
+    block 1 is never found by 1.0 or True (they used to read it, and leave themselves in its policy), an
+    unhashable key is no bare TypeError. `in` answers False for all of them."""
+    metadata = name == "put_chain"  # a chain goes into a metadata-only tier
+    pool = MetadataPagePool(Tier.DRAM, PAGE, 2) if metadata else DramPagePool(PAGE, 2)
+    cache = TieredCache([pool], source=SOURCE)
+    if metadata:
+        cache.put_chain([BlockKey(1)])
+    else:
+        cache.put(BlockKey(1), block(1))
+    cache.take_events()
+    with pytest.raises(InvalidRequestError, match="block key"):
+        KEY_CALLS[name](cache, bad)
+    assert bad not in cache
+    assert cache.take_events() == [] and cache.stats.hits == 0 and len(cache) == 1
+    cache.check_invariants()
+
+
+def test_a_key_must_lie_below_2_to_the_256(tmp_path: Path) -> None:
+    """The widest key is SHA-256's: 2**256 - 1 is a key in every tier (demoted to SSD and read back), 2**256 is
+    none, refused by `put` and `put_chain` before anything is stored (it used to be cached in DRAM, then fail
+    every demotion to SSD and, chosen as the victim again each time, every later put)."""
+    widest = BlockKey(2**256 - 1)
+    cache = make_cache(tmp_path, dram_pages=1, ssd_pages=4)
+    try:
+        with pytest.raises(InvalidRequestError, match="below 2\\*\\*256"):
+            cache.put(2**256, block(5))  # type: ignore[arg-type]
+        assert len(cache) == 0 and cache.take_events() == []
+        cache.put(widest, block(5))
+        for key in (2, 3):
+            assert cache.put(BlockKey(key), block(key)) == Tier.DRAM
+        assert cache.tier_of(widest) == Tier.SSD
+        assert bytes(cache.get(widest)) == block(5)  # type: ignore[arg-type]
+        cache.check_invariants()
+    finally:
+        cache.close()
+    metadata = TieredCache([MetadataPagePool(Tier.DRAM, PAGE, 4)], source=SOURCE)
+    with pytest.raises(InvalidRequestError, match="block key"):
+        metadata.put_chain([BlockKey(1), BlockKey(2**256)])
+    assert len(metadata) == 0 and metadata.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "named"),
+    [
+        (lambda: TieredCache([DramPagePool(PAGE, 2)]).prefix_match(None), InvalidRequestError, "keys"),  # type: ignore[arg-type]
+        (lambda: TieredCache([MetadataPagePool(Tier.DRAM, PAGE, 2)]).put_chain(None), InvalidRequestError, "keys"),  # type: ignore[arg-type]
+        (lambda: TieredCache([1]), ConfigError, "page pools"),  # type: ignore[list-item]
+        (lambda: TieredCache(["DRAM"]), ConfigError, "page pools"),  # type: ignore[list-item]
+        (lambda: TieredCache(5), ConfigError, "pools"),  # type: ignore[arg-type]
+        (lambda: TieredCache([DramPagePool(PAGE, 2)], policy=None), ConfigError, "policy"),  # type: ignore[arg-type]
+        (lambda: TieredCache([DramPagePool(PAGE, 2)], policy=LruPolicy()), ConfigError, "policy"),  # type: ignore[arg-type]
+        (lambda: TieredCache([DramPagePool(PAGE, 2)], policy=int), ConfigError, "policy"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_arguments_to_the_cache_are_refused_by_name(call: Any, error: type[Exception], named: str) -> None:
+    """Arguments that are not what the cache takes (no iterable of keys; no page pools; no policy maker) are the
+    library's errors naming them, not a bare TypeError or AttributeError from deep inside."""
+    with pytest.raises(error, match=named):
+        call()
+
+
+def test_a_generator_of_keys_is_a_chain_to_put_chain() -> None:
+    """`put_chain` takes any iterable of keys, numpy's and a generator's included, as the chain they are."""
+    cache = TieredCache([MetadataPagePool(Tier.DRAM, PAGE, 4)], source=SOURCE)
+    cache.put_chain(BlockKey(k) for k in (1, 2, 3))
+    cache.put_chain(np.array([1, 2, 4], dtype=np.uint64))  # type: ignore[arg-type]
+    assert cache.prefix_match([BlockKey(1), BlockKey(2), BlockKey(3)]) == 3 and BlockKey(4) in cache
+    cache.check_invariants()
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "touch", "pinned"]), st.integers(0, 7), st.booleans())))
+@example([("put", 1, False), ("put", 2, False), ("get", 2, True), ("put", 3, False), ("put", 4, False)])
+@settings(max_examples=40)
+def test_numpy_and_python_keys_are_one_and_the_same(ops: list[tuple[str, int, bool]]) -> None:
+    """Any sequence of puts and reads, each naming its key as a Python int or as a numpy uint64, leaves the cache
+    (DRAM 2 pages over SSD 3: reads promote, puts demote and drop) as the same sequence with Python ints: the same
+    tiers, the same bytes, the same events, and every demotion to SSD succeeds."""
+    folder = Path(tempfile.mkdtemp())
+    caches = [
+        TieredCache([DramPagePool(PAGE, 2), SsdPagePool(folder / name, PAGE, 3)], source=SOURCE)
+        for name in ("numpy", "python")
+    ]
+    try:
+        for op, number, as_numpy in ops:
+            for cache, key in zip(caches, [np.uint64(number) if as_numpy else number, number], strict=True):
+                if op == "put":
+                    cache.put(key, block(number))
+                elif op == "pinned":
+                    with cache.pinned(key) as view:
+                        assert view is None or bytes(view) == block(number)
+                else:
+                    getattr(cache, op)(key)
+        numpy_cache, python_cache = caches
+        assert [numpy_cache.tier_of(BlockKey(k)) for k in range(8)] == [
+            python_cache.tier_of(BlockKey(k)) for k in range(8)
+        ]
+        assert numpy_cache.take_events() == python_cache.take_events()
+        for cache in caches:
+            cache.check_invariants()
+    finally:
+        for cache in caches:
+            cache.close()
+        shutil.rmtree(folder)

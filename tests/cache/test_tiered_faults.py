@@ -12,7 +12,10 @@
   stores nothing.
 - I/O errors during moves: page writes and page releases failing at any tier of
   a three-tier hierarchy, in any put or get (a state machine), leave every key on
-  a page of its own holding its own bytes, and later puts working.
+  a page of its own holding its own bytes, and later puts working; also where the
+  block a get promotes is found damaged as the victim's demotion fails.
+- Any other error in an SSD read (MemoryError, KeyboardInterrupt) leaves the block
+  cached: only a failed verification or an unreadable page drops it.
 
 Damaged bytes are found by searching the file for a block's (unique) bytes, so
 these tests depend on the file format only through `HEADER_BYTES`.
@@ -781,3 +784,82 @@ def test_any_wrong_checksum_is_refused(data: bytes, wrong: int) -> None:
     assert len(cache) == 0 and cache.take_events() == []
     cache.put(BlockKey(1), data, checksum=right)
     assert bytes(cache.get(BlockKey(1))) == data
+
+
+@pytest.mark.parametrize("memory_tiers", [1, 2], ids=["dram+ssd", "vram+dram+ssd"])
+def test_a_corrupt_block_promoted_while_the_victims_demotion_fails_raises_the_disk_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_tiers: int
+) -> None:
+    """A full hierarchy promotes a block whose SSD page is damaged, and the SSD refuses the write that would demote
+    the first tier's victim into the page the block leaves: the read raises that OSError (docs/cache.md: disk
+    errors reach the caller; it used to be a bare KeyError, the damaged block being forgotten twice), the damaged
+    block is gone, counted corrupt and announced removed, every victim is where it was with its bytes, the SSD
+    page is free, and once the disk takes writes again the cache works as before."""
+    path = tmp_path / "ssd.pool"
+    memory = (
+        [DramPagePool(PAGE, 1)] if memory_tiers == 1 else [DramPagePool(PAGE, 1, tier=Tier.VRAM), DramPagePool(PAGE, 1)]
+    )
+    cache = TieredCache([*memory, SsdPagePool(path, PAGE, 1)], source=SOURCE, promote_after=1)
+    index = BlockIndex()
+    keys = [BlockKey(k) for k in range(1, memory_tiers + 2)]
+    for key in keys:
+        cache.put(key, block(key))
+    assert cache.tier_of(keys[0]) == Tier.SSD
+    before = [cache.tier_of(key) for key in keys[1:]]
+    flip_byte(path, data_offset(path, keys[0]) + 1)
+
+    def refuse(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "pwritev", refuse)  # a page goes in with pwritev (a free zeroes a header with pwrite)
+    with pytest.raises(OSError, match="injected"):
+        cache.get(keys[0])
+    monkeypatch.undo()
+    assert cache.tier_of(keys[0]) is None and cache.stats.corrupt_blocks == 1
+    assert [cache.tier_of(key) for key in keys[1:]] == before
+    assert cache.pools[-1].num_free == 1
+    cache.check_invariants()
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    assert index.holders(keys[0]) == ()
+    assert [index.holders(key) for key in keys[1:]] == [(Holder(SOURCE, tier),) for tier in before]  # type: ignore[arg-type]
+    for key in keys[1:]:
+        assert bytes(cache.get(key)) == block(key)  # type: ignore[arg-type]
+    cache.put(BlockKey(9), block(9))  # demotes into the free SSD page
+    assert cache.pools[-1].num_free == 0 and bytes(cache.get(BlockKey(9))) == block(9)  # type: ignore[arg-type]
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("promote_after", [0, 1], ids=["read-in-place", "promoted"])
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+def test_an_error_other_than_a_failed_read_leaves_a_healthy_ssd_block_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, promote_after: int, error: type[BaseException]
+) -> None:
+    """An SSD read interrupted by something that says nothing of the page (no memory for the copy, a Ctrl-C)
+    raises it, and the block stays cached with its bytes: only a page that fails verification or cannot be read
+    (IntegrityError, OSError) is dropped as corrupt (it used to be dropped whatever the error)."""
+    cache = TieredCache(
+        [DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "pool", PAGE, 4)], source=SOURCE, promote_after=promote_after
+    )
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
+    cache.take_events()
+    real = os.preadv
+
+    def interrupted(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if offset > 0:  # a page (the superblock at 0 reads fine)
+            raise error("injected")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", interrupted)
+    with pytest.raises(error):
+        cache.get(BlockKey(1))
+    monkeypatch.undo()
+    assert cache.tier_of(BlockKey(1)) == Tier.SSD and cache.stats.corrupt_blocks == 0
+    assert not any(isinstance(e, BlockRemoved) and BlockKey(1) in e.keys for e in cache.take_events())
+    cache.check_invariants()
+    assert bytes(cache.get(BlockKey(1))) == block(1)  # type: ignore[arg-type]
+    assert bytes(cache.get(BlockKey(2))) == block(2)  # type: ignore[arg-type]
+    cache.check_invariants()
+    cache.close()
