@@ -77,6 +77,7 @@ __all__ = [
     "ServedModel",
     "Usage",
     "authorized",
+    "cache_salt",
     "decode_body",
     "detokenize_body",
     "echo_only",
@@ -420,6 +421,7 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
     batch: tuple[str | tuple[int, ...], ...] = ()  # a batch of prompts (OpenAI's array `prompt`); () for one
+    cache_salt: str | None = None  # vLLM's: the prefix cache's namespace for this request (`cache_salt`)
 
     def split(self) -> list[CompletionRequest]:
         """One request per prompt of a batch (itself alone when it has one prompt): their choices are the
@@ -447,7 +449,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
-    # vLLM's `chat_template_kwargs`: more variables for the chat template (`enable_thinking`, say).
+    cache_salt: str | None = None  # as a completion's
+    # vLLM's `chat_template_kwargs`: more variables for the chat template (`enable_thinking`, say), and its
+    # `documents`.
     template_variables: Mapping[str, Any] = attrs.field(factory=dict)
     add_generation_prompt: bool = True  # vLLM's: the prompt opens the assistant's turn
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final message, which the model continues
@@ -498,6 +502,23 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "structured_outputs": _absent,
     "logits_processors": _absent,
     "chat_template": _absent,
+    # vLLM 0.32's request fields beside those: multimodal and disaggregation plumbing, watermarks, reasoning budgets,
+    # at their defaults (`test_every_vllm_field_is_read_refused_or_neutral` checks the list against vLLM's models).
+    "watermarking": _absent,
+    "logprob_token_ids": _empty,
+    "prompt_embeds": _absent,
+    "routed_experts_prompt_start": _zero,
+    "return_token_offsets": _off,
+    "mm_payload": lambda v: v is None or v == "tensors",
+    "return_mm_kwargs": _off,
+    "kv_transfer_params": _empty,
+    "ec_transfer_params": _empty,
+    "vllm_xargs": _empty,
+    "repetition_detection": _absent,
+    "thinking_token_budget": _absent,
+    "media_io_kwargs": _empty,
+    "mm_processor_kwargs": _empty,
+    "return_prompt_text": _off,
 }
 # Parameters that change nothing here (bookkeeping for the client), checked for their type only.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -509,6 +530,10 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "request_id": lambda v: v is None or isinstance(v, str),
     "priority": lambda v: v is None or _reads_int64(v),
     "spaces_between_special_tokens": lambda v: _reads_flag(v),  # read as vLLM reads a boolean
+    "include_reasoning": lambda v: _reads_flag(v),  # no reasoning parser here: nothing to include or leave out
+    "session_id": lambda v: v is None or isinstance(v, str),
+    # How many tokens a stream's chunk gathers at most (vLLM's): each token is its own chunk here, which it allows.
+    "stream_interval": lambda v: v is None or ((n := lax_integer(v)) is not None and n >= 1),
 }
 SHARED = (
     "model",
@@ -539,6 +564,7 @@ SHARED = (
     "truncation_side",
     "return_tokens_as_token_ids",
     "return_token_ids",
+    "cache_salt",
 )
 # A completion has no `max_completion_tokens` (vLLM's `CompletionRequest` has none: it is ignored, as any unknown field).
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
@@ -551,6 +577,7 @@ CHAT_FIELDS = frozenset(
         "top_logprobs",
         "add_generation_prompt",
         "continue_final_message",
+        "documents",
     }
 )
 
@@ -878,7 +905,31 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
+        "cache_salt": cache_salt(body),
     }
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM 0.32's `cache_salt`: the request's blocks are keyed in a namespace of their own (`BlockHasher.salted`),
+    so that only requests of the same salt share cached prefixes (a tenant cannot learn from a cache hit that
+    another sent a prompt); None where absent or null. The one reading of the gateway and the vLLM router.
+
+    Raises:
+        ApiError: 400 naming `cache_salt` (vLLM's message): no string, empty, over 128 characters, or holding '@',
+            '/', '\\' or NUL.
+    """
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    if len(salt) > 128 or any(char in "@/\\\0" for char in salt):
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            param="cache_salt",
+        )
+    return salt
 
 
 def _token_ids(value: Any, param: str, served: ServedModel, *, empty: bool = True) -> tuple[int, ...]:
@@ -1197,7 +1248,23 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
             param="messages",
             code="context_length_exceeded",
         )
-    return ChatRequest(**_chat_rendering(body), **_common(body, CHAT_FIELDS, served, chat=True))
+    rendering = _chat_rendering(body)
+    documents = _documents(body.get("documents"))
+    if documents is not None:  # over a `chat_template_kwargs` one, as vLLM merges them
+        rendering["template_variables"] = {**rendering["template_variables"], "documents": documents}
+    return ChatRequest(**rendering, **_common(body, CHAT_FIELDS, served, chat=True))
+
+
+def _documents(value: Any) -> list[dict[str, str]] | None:
+    """vLLM's `documents` (a chat's, for retrieval-augmented templates): a list of objects of strings, handed to
+    the chat template as its `documents` variable; None where absent or null."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(one, dict) and all(isinstance(v, str) for v in one.values()) for one in value
+    ):
+        raise ApiError(400, f"documents must be a list of objects of strings, got {_shown(value)}", param="documents")
+    return [dict(one) for one in value]
 
 
 def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -1249,7 +1316,8 @@ def _template_variables(value: Any) -> dict[str, Any]:
             400, f"chat_template_kwargs must be an object, got {_shown(value)}", param="chat_template_kwargs"
         )
     # The request's own inputs, and tools (refused at the top level: they would be rendered but never called).
-    taken = sorted({"messages", "add_generation_prompt", "tools", "documents"} & set(value))
+    # `documents` may come this way, as vLLM merges them (a top-level `documents` wins).
+    taken = sorted({"messages", "add_generation_prompt", "tools"} & set(value))
     if taken:
         raise ApiError(
             400,

@@ -129,6 +129,7 @@ class LiveRequest:
     prefill: InstanceId = UNROUTED
     decode: InstanceId = UNROUTED
     fetch: wire.Fetch | None = None
+    cache_salt: str | None = None  # vLLM's: the namespace of its blocks' keys
     attempt: int = 0  # rises each time the request is scheduled again after an engine of its went down
     sent_attempt: int = -1  # the attempt last sent to a prefill worker (`submit`)
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
@@ -308,8 +309,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ scheduling
 
-    async def admit(self, tokens: list[int], sampling: SamplingOptions, arrival: float) -> LiveRequest:
+    async def admit(
+        self, tokens: list[int], sampling: SamplingOptions, arrival: float, *, cache_salt: str | None = None
+    ) -> LiveRequest:
         """Schedule a request (its `max_tokens` settled: `api.generation_limit`); it is live once this returns.
+        With a `cache_salt` (vLLM's) its blocks are keyed in that salt's namespace, here and in the engines.
 
         A request the Conductor rejects for room the decode side frees as its requests end (a full batch, no KV
         room, a step over the TBT objective) waits for it, before any prefill, in the line `sched.waiting`'s
@@ -333,7 +337,7 @@ class Dispatcher:
         if sampling.seed is None:  # drawn once: a retry on another engine samples the same stream
             sampling = attrs.evolve(sampling, seed=secrets.randbelow(MAX_SEED + 1))
         request_id = RequestId(next(self._ids))  # type: ignore[arg-type]
-        keys = self.hasher.block_keys(np.asarray(tokens, dtype=np.int32))
+        keys = self.hasher.salted(cache_salt).block_keys(np.asarray(tokens, dtype=np.int32))
         request = Request(
             request_id=request_id,
             arrival_s=arrival,
@@ -343,7 +347,7 @@ class Dispatcher:
             block_size_tokens=self.hasher.block_size_tokens,
             reuses_prefix=sampling.prompt_logprobs is None,  # a scored prompt is computed whole (the engine's rule)
         )
-        live = LiveRequest(request_id, tokens, request, sampling, arrival)
+        live = LiveRequest(request_id, tokens, request, sampling, arrival, cache_salt=cache_salt)
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(live, decided)
         decision = self._waiting.arrive(waiter, request, self.now())
@@ -449,6 +453,7 @@ class Dispatcher:
             tokens=tuple(live.tokens),
             decode=live.decode,
             fetch=live.fetch,
+            cache_salt=live.cache_salt,
             # The request's options by name (each wire field is one of them); the stop ids are `_stop_ids_of`'s.
             sampling=wire.Sampling(
                 stop_ids=self._stop_ids_of(live),

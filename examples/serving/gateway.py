@@ -404,7 +404,9 @@ class Gateway:
             parsed, prompts, tokenized, settled = prepared
             for one, tokens, sampling in zip(prompts, tokenized, settled, strict=True):
                 for index in range(one.n):
-                    live = await dispatcher.admit(tokens, _choice_sampling(sampling, index), arrival)
+                    live = await dispatcher.admit(
+                        tokens, _choice_sampling(sampling, index), arrival, cache_salt=one.cache_salt
+                    )
                     lives.append(live)
                     asked.append(one)
                     dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it

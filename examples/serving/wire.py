@@ -242,7 +242,7 @@ def _optional(codec: _Codec) -> _Codec:
     )
 
 
-OPTIONAL_INT, OPTIONAL_LOGPROBS = _optional(INT), _optional(LOGPROBS)
+OPTIONAL_INT, OPTIONAL_LOGPROBS, OPTIONAL_STR = _optional(INT), _optional(LOGPROBS), _optional(STR)
 OPTIONAL_LOGPROBS_LIST = _optional(_Codec(_load_logprobs_list, lambda entries: [_dump_logprobs(e) for e in entries]))
 
 
@@ -359,6 +359,7 @@ class PrefillJob:
     decode: str = _field(STR)
     fetch: Fetch | None = _field(_optional(_record(Fetch)))  # noqa: RUF009 (an attrs field)
     sampling: Sampling = _field(_record(Sampling))  # noqa: RUF009 (an attrs field)
+    cache_salt: str | None = _field(OPTIONAL_STR, default=None)  # the blocks' namespace (`BlockHasher.salted`)
 
 
 @attrs.frozen(kw_only=True)

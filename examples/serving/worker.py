@@ -497,14 +497,16 @@ class Worker:
         tokens = list(job.tokens)
         fetched = 0
         if job.fetch is not None:  # the transfer plan: bring the prefix from its holder first, and keep the copy
-            keys = self.hasher.block_keys(tokens)[: job.fetch.blocks]
+            keys = self.hasher.salted(job.cache_salt).block_keys(tokens)[: job.fetch.blocks]
             try:
                 fetched = len(self.messenger.fetch(keys, self._peer(job.fetch.source)).finish(TIMEOUT_S))
             except (MooncakeError, OSError):
                 fetched = 0  # the holder is gone or busy: compute the prefix instead
         sampling = _sampling_params(job.sampling)
         key = (job.request_id, job.attempt)
-        result = self._prefill.prefill(tokens, sampling=sampling, sink=sink, cancelled=lambda: self._cancel_asked(key))
+        result = self._prefill.prefill(
+            tokens, sampling=sampling, sink=sink, cancelled=lambda: self._cancel_asked(key), cache_salt=job.cache_salt
+        )
         join = wire.DecodeJob(
             request_id=job.request_id,
             attempt=job.attempt,

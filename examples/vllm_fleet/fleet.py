@@ -177,14 +177,20 @@ class Fleet:
 
     # ------------------------------------------------------------------ requests
 
-    def schedule(self, tokens: Sequence[int], max_tokens: int, now: float) -> tuple[Request, ScheduleDecision]:
-        """Key the prompt's blocks and ask the Conductor; an accepted request is in flight from now."""
+    def schedule(
+        self, tokens: Sequence[int], max_tokens: int, now: float, *, cache_salt: str | None = None
+    ) -> tuple[Request, ScheduleDecision]:
+        """Key the prompt's blocks and ask the Conductor; an accepted request is in flight from now. A request
+        with a `cache_salt` is keyed in its salt's namespace (`BlockHasher.salted`), as the gateway keys it: the
+        servers' salted blocks are not indexed (their events' `extra_keys` cannot be told from a multimodal
+        input's), so its prompt is planned as uncached, which vLLM's salted hash makes it against any unsalted
+        copy."""
         request = Request(
             request_id=RequestId(f"r{next(self._ids)}"),
             arrival_s=0.0,
             input_length=len(tokens),
             output_length=max(1, max_tokens),
-            block_keys=self.hasher.block_keys(tokens),
+            block_keys=self.hasher.salted(cache_salt).block_keys(tokens),
             block_size_tokens=self.hasher.block_size_tokens,
         )
         self._overdue(now)

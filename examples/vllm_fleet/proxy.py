@@ -64,6 +64,7 @@ from serving.api import (
     PREFILL_HEADER,
     ApiError,
     authorized,
+    cache_salt,
     decode_body,
     echo_only,
     error_body,
@@ -453,6 +454,7 @@ class VllmRouter:
         )
         prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
         tokens = prompt.tokens
+        salt = cache_salt(body)  # vLLM's 400 for a bad one, before any server sees it
         # What vLLM will generate at most, read as vLLM reads it (a bad value is vLLM's 400, before any server
         # sees it); a completion that sets none gets vLLM's 16 (a null too: vLLM 0.32's `CompletionRequest` reads
         # it as unset), a chat runs to the context's end in vLLM and is planned for `default_max_tokens`.
@@ -479,7 +481,7 @@ class VllmRouter:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         for _attempt in range(self.settings.max_retries + 1):
             now = time.monotonic()
-            _, decision = self.fleet.schedule(tokens, max_tokens, now)
+            _, decision = self.fleet.schedule(tokens, max_tokens, now, cache_salt=salt)
             if not decision.accepted:
                 assert decision.reason is not None
                 self.metrics.rejections[decision.reason.value].inc()

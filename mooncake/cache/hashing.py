@@ -171,6 +171,21 @@ class BlockHasher:
         """Width of a key in bytes (8, 16 or 32)."""
         return _KEY_BYTES[self.algorithm]
 
+    def salted(self, cache_salt: str | None) -> BlockHasher:
+        """This hasher in the namespace of a request's cache salt (vLLM's `cache_salt`): its keys share no block
+        with this hasher's or another salt's, so only requests of the same salt reuse each other's prefixes.
+        None: this hasher. The gateway, its engines and the vLLM router key a salted request through this one
+        rule, so their keys agree.
+
+        Raises:
+            ConfigError: `cache_salt` is no string.
+        """
+        if cache_salt is None:
+            return self
+        require_str("cache_salt", cache_salt, empty=True)
+        # NUL never occurs in a salt vLLM accepts: the namespace parts cannot run into each other.
+        return attrs.evolve(self, salt=f"{self.salt}\x00cache_salt:{cache_salt}")
+
     def num_blocks(self, num_tokens: int) -> int:
         """Blocks (the partial last one included) that `num_tokens` tokens make.
 

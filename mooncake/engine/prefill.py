@@ -350,8 +350,10 @@ class PrefillEngine:
         sampling: SamplingParams | None = None,
         sink: KvSink | None = None,
         cancelled: Callable[[], bool] | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillResult:
-        """Prefill `tokens`, reusing cached prefix KV and storing the new KV.
+        """Prefill `tokens`, reusing cached prefix KV and storing the new KV; with a `cache_salt` (vLLM's) its
+        blocks are keyed in that salt's namespace (`BlockHasher.salted`): only prompts of the same salt share them.
 
         Raises:
             InvalidRequestError: no tokens, ids outside the vocabulary, or more tokens than the model's
@@ -359,7 +361,9 @@ class PrefillEngine:
             EngineError: the engine is closed, or the last logits hold a NaN (no block is committed).
             Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
         """
-        return self.prefill_batch([tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled)[0]
+        return self.prefill_batch(
+            [tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled, cache_salts=[cache_salt]
+        )[0]
 
     @torch.inference_mode()
     def prefill_batch(
@@ -369,6 +373,7 @@ class PrefillEngine:
         sampling: Sequence[SamplingParams | None] | None = None,
         sinks: Sequence[KvSink | None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        cache_salts: Sequence[str | None] | None = None,
     ) -> list[PrefillResult]:
         """`prefill` of several prompts at once: each as `prefill` would, their uncached tokens sharing passes.
 
@@ -403,8 +408,12 @@ class PrefillEngine:
         count = len(prompts)
         params = list(sampling) if sampling is not None else [None] * count
         outs = list(sinks) if sinks is not None else [None] * count
-        if not count or len(params) != count or len(outs) != count:
-            raise InvalidRequestError("prefill_batch needs one or more prompts, and one sampling and sink per prompt")
+        salts = list(cache_salts) if cache_salts is not None else [None] * count
+        if not count or len(params) != count or len(outs) != count or len(salts) != count:
+            raise InvalidRequestError(
+                "prefill_batch needs one or more prompts, and one sampling, sink and cache salt per prompt"
+            )
+        hashers = [self.hasher.salted(salt) for salt in salts]  # a bad salt refused before anything is held
         for sp in params:
             if sp is not None:
                 sp.check_vocabulary(self.forward.model_config.vocab_size)  # before anything is held
@@ -421,11 +430,11 @@ class PrefillEngine:
             self.forward.model_config.check_context_tokens(one.shape[0])
         if count > 1 and not isinstance(self.forward, ModelForward):  # nothing to share: one at a time
             return [
-                self.prefill(p, sampling=sp, sink=sk, cancelled=cancelled)
-                for p, sp, sk in zip(prompts, params, outs, strict=True)
+                self.prefill(p, sampling=sp, sink=sk, cancelled=cancelled, cache_salt=salt)
+                for p, sp, sk, salt in zip(prompts, params, outs, salts, strict=True)
             ]
         block = self.layout.block_tokens
-        keys = [self.hasher.block_keys(one.numpy()) for one in ids]
+        keys = [hasher.block_keys(one.numpy()) for hasher, one in zip(hashers, ids, strict=True)]
         prefixes: list[int] = []  # blocks pinned, per prompt so far
         reserved: list[BlockKey] = []
         streaming: list[KvSink] = []

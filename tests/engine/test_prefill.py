@@ -156,6 +156,26 @@ def test_layerwise_is_bit_identical_to_serialized(first: list[int], tail: list[i
 # --------------------------------------------------------------------------- examples
 
 
+def test_a_cache_salt_keys_a_prompt_apart() -> None:
+    """vLLM's `cache_salt`: a prompt prefilled under one salt is reused under that salt only (its keys are the
+    salted hasher's); unsalted or another salt computes it whole, with the same logits; `prefill_batch` salts each
+    prompt by its own."""
+    block = 4
+    cache = dram_cache(block)
+    with PrefillEngine(tiny_model(), cache, hasher(block), PrefillConfig()) as engine:
+        first = engine.prefill(PROMPT, cache_salt="alice")
+        assert first.keys == hasher(block).salted("alice").block_keys(PROMPT) and first.prefix_tokens == 0
+        for salt in (None, "bob"):
+            assert engine.prefill(PROMPT, cache_salt=salt).prefix_tokens == 0
+        again = engine.prefill(PROMPT, cache_salt="alice")
+        assert again.prefix_tokens == reusable_prefix_tokens(len(PROMPT), len(first.keys), block) > 0
+        assert torch.allclose(again.logits, first.logits, **TOLERANCE)
+        both = engine.prefill_batch([PROMPT, PROMPT], cache_salts=["carol", "bob"])
+        assert [r.prefix_tokens for r in both] == [0, again.prefix_tokens]
+        with pytest.raises(InvalidRequestError, match="one sampling, sink and cache salt per prompt"):
+            engine.prefill_batch([PROMPT], cache_salts=[])
+
+
 @pytest.mark.parametrize("cached_tokens", [0, 9])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 6, 7, 16])
 def test_chunked_prefill_equals_unchunked(chunk: int, cached_tokens: int) -> None:

@@ -70,6 +70,8 @@ def near_values(codec: Any, value: Any) -> list[Any]:
         return [[["stored", "p", 0, 0, 1, [True]]], [["cleared", 5, 0, 0]], [["stored", "p", 0, 0]]]
     if codec is wire.OPTIONAL_INT:
         return [True, 1.0, "1"]
+    if codec is wire.OPTIONAL_STR:
+        return [["a"], 1, True]
     if codec is wire.OPTIONAL_LOGPROBS:
         return [[-0.5, True, []], [True, 1, []], [-0.5, 1, [[True, -0.1]]], [-0.5, 1, [[1, None]]], [-0.5, 1.0, []]]
     if codec is wire.BIASES:

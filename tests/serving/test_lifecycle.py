@@ -477,3 +477,25 @@ def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
         conductor.check_invariants()
     finally:
         dispatcher.close()
+
+
+def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_requests_of_the_same_salt(cluster: RunningCluster) -> None:
+    """vLLM's `cache_salt`: a prompt cached under one salt is a hit for the same salt only; another salt, or none,
+    computes it whole (`usage.prompt_tokens_details.cached_tokens`), so a tenant cannot learn from a hit that
+    another sent it. A bad salt is vLLM's 400 naming it."""
+    prompt = "Salted prompts share nothing. " * 5
+
+    def cached(**extra: Any) -> int:
+        status, answer = status_of(
+            f"{cluster.url}/v1/completions",
+            json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}).encode(),
+        )
+        assert status == 200, answer
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(cache_salt="alice") == 0
+    assert cached(cache_salt="bob") == 0
+    assert cached() == 0
+    assert cached(cache_salt="alice") > 0 and cached(cache_salt="bob") > 0 and cached() > 0
+    status, answer = status_of(f"{cluster.url}/v1/completions", json.dumps({"prompt": "x", "cache_salt": ""}).encode())
+    assert status == 400 and answer["error"]["param"] == "cache_salt", answer

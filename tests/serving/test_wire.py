@@ -87,6 +87,7 @@ messages = st.one_of(
         decode=names,
         fetch=st.none() | st.builds(wire.Fetch, source=names, blocks=ints),
         sampling=samplings,
+        cache_salt=st.none() | names,
     ),
     st.builds(wire.CancelPrefill, request_id=ints, attempt=ints),
     st.builds(wire.CancelDecode, request_id=ints),

@@ -252,6 +252,37 @@ def test_a_truncated_prompt_is_the_one_the_server_keeps(servers: VllmFleet, mode
             assert ours.approximate == (isinstance(body["prompt"], str) and "truncation_side" not in body), body
 
 
+FIELDS_OF_VLLM = """
+import json
+from pydantic_core import PydanticUndefined
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+def fields(model):
+    out = {}
+    for name, field in model.model_fields.items():
+        if field.default is not PydanticUndefined:
+            out[name] = field.default
+        elif field.default_factory is None:
+            out[name] = "<required>"
+        else:
+            out[name] = "<generated>" if name == "request_id" else field.default_factory()
+    return out
+print(json.dumps({"completion": fields(CompletionRequest), "chat": fields(ChatCompletionRequest)}))
+"""
+
+
+def test_the_gateways_record_of_vllms_request_fields_is_vllms(vllm_python: str) -> None:
+    """`tests/serving/vllm_0_32_request_fields.json` (the fields and defaults the gateway's field lists are held
+    against) is what this vLLM's request models hold."""
+    import subprocess
+
+    answer = subprocess.run([vllm_python, "-c", FIELDS_OF_VLLM], capture_output=True, text=True, timeout=300)
+    assert answer.returncode == 0, answer.stderr[-2000:]
+    record = json.loads((ROOT / "tests" / "serving" / "vllm_0_32_request_fields.json").read_text())
+    live = json.loads(answer.stdout.strip().splitlines()[-1])
+    assert live == {"completion": record["completion"], "chat": record["chat"]}
+
+
 def test_a_burst_over_the_ttft_objective_is_answered_429(servers: VllmFleet, model: Path) -> None:
     """A burst of 48 prompts (24 queued per server) under an objective of three lone prefills of them, as the
     router's calibrated model estimates one: the first requests on each server fit it and the rest do not,
