@@ -56,7 +56,7 @@ def needs_extra(needed_by: str) -> Iterator[None]:
     """
     try:
         yield
-    except ImportError as error:
+    except ModuleNotFoundError as error:  # a package that is there but lacks a name (too old) says so itself
         package = (error.name or "").partition(".")[0]
         if package not in EXTRAS:
             raise

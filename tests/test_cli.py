@@ -176,7 +176,7 @@ def test_capacity_plot_without_matplotlib_is_refused_before_the_sweep(
         capsys, "trace", "capacity", str(small_trace), "--capacity-blocks", "10", "--plot", str(plot)
     )
     assert (status, out) == (2, "") and not plot.exists()
-    assert err.startswith("mooncake: error: --plot: plots need matplotlib: the plot extra") and err.count("\n") == 1
+    assert err.startswith("mooncake: error: --plot: a plot needs matplotlib: the plot extra") and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("policy", ["lfu", "length_aware", "sieve"])

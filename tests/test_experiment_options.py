@@ -232,7 +232,7 @@ def test_plots_without_matplotlib_are_refused_before_any_replay(tmp_path: Path) 
     """The plots are drawn after every replay, before the JSON: without matplotlib the whole run was lost."""
     out = tmp_path / "out"
     done = guarded("overload", *SMALL, "--speedups", "2", out=out, no_matplotlib=True)
-    assert refused(done, "plots need matplotlib"), done.stderr
+    assert refused(done, "a plot needs matplotlib"), done.stderr
     assert not out.exists()
 
 

@@ -124,11 +124,16 @@ def test_an_unknown_engine_name_is_still_an_attribute_error() -> None:
 
 
 def test_an_import_error_of_no_extra_passes_through() -> None:
-    """A module that no extra provides (a typo, a module of this package) fails as Python says, not as an extra."""
+    """A module that no extra provides (a typo, a module of this package), or a name an installed extra's package
+    lacks, fails as Python says, not as a missing extra."""
     with pytest.raises(ModuleNotFoundError, match="mooncake_no_such_module"), needs_extra("a test"):
         import mooncake_no_such_module  # type: ignore[import-not-found]  # noqa: F401
     with pytest.raises(ModuleNotFoundError), needs_extra("a test"):
         import mooncake.no_such_module  # type: ignore[import-not-found]  # noqa: F401
+    # An extra's package that is there but lacks a name (too old, broken) is not blamed on a missing extra.
+    with pytest.raises(ImportError, match="no_such_name") as raised, needs_extra("a test"):
+        from msgpack import no_such_name  # type: ignore[attr-defined]  # noqa: F401
+    assert type(raised.value) is ImportError
 
 
 @given(

@@ -48,7 +48,7 @@ def without_matplotlib(tmp_path: Path) -> dict[str, str]:
     """An environment whose `import matplotlib` fails, as a base install without the plot extra."""
     fake = tmp_path / "fake" / "matplotlib"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('no matplotlib here', name='matplotlib')\n")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))}
 
 
@@ -57,7 +57,7 @@ def test_require_pyplot_names_the_plot_extra(monkeypatch: pytest.MonkeyPatch) ->
     assert "require_pyplot" in report.__all__
     assert report.require_pyplot().__name__ == "matplotlib.pyplot"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ConfigError, match=r"plots need matplotlib: the plot extra"):
+    with pytest.raises(ConfigError, match=r"a plot needs matplotlib: the plot extra"):
         report.require_pyplot()
 
 
@@ -120,7 +120,7 @@ def test_plots_without_matplotlib_are_refused_before_the_run(argv: tuple[str, ..
     assert (done.returncode, done.stdout) == (2, "")
     assert (
         done.stderr
-        == f"{Path(script).stem}: plots need matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)\n"
+        == f"{Path(script).stem}: a plot needs matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)\n"
     )
     assert not out.exists()
 

@@ -92,8 +92,8 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_tokenize",
-    "prompt_truncation",
     "prompt_logprobs_json",
+    "prompt_truncation",
     "prompt_tokens",
     "rejection_error",
     "requested_max_tokens",
@@ -504,13 +504,10 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template": _absent,
     # vLLM 0.32's request fields beside those: multimodal and disaggregation plumbing, watermarks, reasoning budgets,
     # at their defaults (`test_every_vllm_field_is_read_refused_or_neutral` checks the list against vLLM's models).
-    "watermarking": _absent,
+    "watermarking": _off,  # false opts out: what a server without watermarks does
     "logprob_token_ids": _empty,
     "prompt_embeds": _absent,
     "routed_experts_prompt_start": _zero,
-    "return_token_offsets": _off,
-    "mm_payload": lambda v: v is None or v == "tensors",
-    "return_mm_kwargs": _off,
     "kv_transfer_params": _empty,
     "ec_transfer_params": _empty,
     "vllm_xargs": _empty,
@@ -531,6 +528,10 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "priority": lambda v: v is None or _reads_int64(v),
     "spaces_between_special_tokens": lambda v: _reads_flag(v),  # read as vLLM reads a boolean
     "include_reasoning": lambda v: _reads_flag(v),  # no reasoning parser here: nothing to include or leave out
+    # vLLM's render endpoints' options, which its generation endpoints ignore.
+    "return_token_offsets": lambda v: _reads_flag(v),
+    "mm_payload": lambda v: v in (None, "tensors", "none"),
+    "return_mm_kwargs": lambda v: _reads_flag(v),
     "session_id": lambda v: v is None or isinstance(v, str),
     # How many tokens a stream's chunk gathers at most (vLLM's): each token is its own chunk here, which it allows.
     "stream_interval": lambda v: v is None or ((n := lax_integer(v)) is not None and n >= 1),

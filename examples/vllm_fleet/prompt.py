@@ -135,10 +135,11 @@ def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], *, chat: bool, max_mod
 
 def _asks_for_output(body: dict[str, Any], *, chat: bool) -> bool:
     """Whether vLLM counts the request as asking for output tokens when it truncates (its `max_output_tokens`,
-    nonzero): a chat's `max_completion_tokens` or else `max_tokens`, a completion's `max_tokens` (16 where absent);
+    nonzero): a chat's `max_completion_tokens` or else `max_tokens`, a completion's `max_tokens` (16 where absent
+    or null);
     null or 0 asks for none. A value it cannot read counts as none: vLLM refuses the request anyway."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    if not chat and name not in body:
+    if not chat and body.get(name) is None:  # vLLM 0.32 reads a completion's null as unset: its 16
         return True
     return bool(lax_integer(body.get(name)))
 

@@ -65,9 +65,14 @@ def reusable_prefix_tokens(num_tokens: int, cached_blocks: int, block_size_token
             negative token or block count, or a block size below 1.
     """
     if type(num_tokens) is not int or type(cached_blocks) is not int or type(block_size_tokens) is not int:
-        num_tokens = require_int("num_tokens", num_tokens, minimum=0, error=InvalidRequestError)  # numpy's: to int
-        cached_blocks = require_int("cached_blocks", cached_blocks, minimum=0, error=InvalidRequestError)
-        block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1, error=InvalidRequestError)
+        for name, value in (
+            ("num_tokens", num_tokens),
+            ("cached_blocks", cached_blocks),
+            ("block_size_tokens", block_size_tokens),
+        ):
+            if not is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r:.80}")
+        num_tokens, cached_blocks, block_size_tokens = int(num_tokens), int(cached_blocks), int(block_size_tokens)
     if num_tokens < 0 or cached_blocks < 0 or block_size_tokens < 1:  # comparisons only: routing asks per request
         raise InvalidRequestError(
             f"reusable_prefix_tokens needs num_tokens >= 0, cached_blocks >= 0 and block_size_tokens >= 1, got "
@@ -178,11 +183,12 @@ class BlockHasher:
         rule, so their keys agree.
 
         Raises:
-            ConfigError: `cache_salt` is no string.
+            InvalidRequestError: `cache_salt` is no string.
         """
-        if cache_salt is None:
+        if cache_salt is None or cache_salt == "":  # vLLM salts with a non-empty salt only
             return self
-        require_str("cache_salt", cache_salt, empty=True)
+        if not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {cache_salt!r:.80}")
         # NUL never occurs in a salt vLLM accepts: the namespace parts cannot run into each other.
         return attrs.evolve(self, salt=f"{self.salt}\x00cache_salt:{cache_salt}")
 

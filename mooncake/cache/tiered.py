@@ -466,8 +466,7 @@ class TieredCache(BlockPlacement):
             InvalidRequestError: `key` is no block key.
             ConfigError: its tier holds no bytes (use `touch`).
         """
-        if type(key) is not int or not 0 <= key < BLOCK_KEY_LIMIT:  # the common case in one test
-            key = check_block_key(key)
+        key = _key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.is_live:
@@ -506,8 +505,7 @@ class TieredCache(BlockPlacement):
         Raises:
             InvalidRequestError: `key` is no block key.
         """
-        if type(key) is not int or not 0 <= key < BLOCK_KEY_LIMIT:  # the common case in one test
-            key = check_block_key(key)
+        key = _key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.is_live:

@@ -71,7 +71,7 @@ from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import ReplayResult, RequestRecord
-from mooncake.sim.node import DecodeNode, metadata_cache
+from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
@@ -137,16 +137,6 @@ class CoupledSpec:
     @property
     def decode_cost(self) -> DecodeCostModel:
         return DecodeCostModel(model=self.model, hardware=self.hardware)
-
-
-def _shared_blocks(keys: Sequence[BlockKey], other: Sequence[BlockKey]) -> int:
-    """How many blocks two prompts' chains share from their start (a key names its whole prefix)."""
-    shared = 0
-    for key, other_key in zip(keys, other, strict=False):
-        if key != other_key:
-            break
-        shared += 1
-    return shared
 
 
 @attrs.define(eq=False)
@@ -295,7 +285,7 @@ class CoupledCluster:
         if request.reuses_prefix and self._caches:
             cached = instance.cache.prefix_match(request.block_keys)
             for other in taken:
-                cached = max(cached, _shared_blocks(request.block_keys, other.request.block_keys))
+                cached = max(cached, shared_prefix_blocks(request.block_keys, other.request.block_keys))
         waiting.done_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         waiting.record.prefix_tokens = waiting.done_tokens
         return waiting

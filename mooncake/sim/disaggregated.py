@@ -69,22 +69,12 @@ from mooncake.sched.view import (
 from mooncake.sched.waiting import AdmissionQueue
 from mooncake.sim.batch import Member
 from mooncake.sim.metrics import ReplayResult, RequestRecord
-from mooncake.sim.node import DecodeNode, metadata_cache
+from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
 
 __all__ = ["DisaggregatedCluster", "replay"]
-
-
-def _common_prefix(keys: Sequence[BlockKey], other: Sequence[BlockKey]) -> int:
-    """How many leading blocks two chains share."""
-    count = 0
-    for key, theirs in zip(keys, other, strict=False):
-        if key != theirs:
-            break
-        count += 1
-    return count
 
 
 @attrs.define(eq=False)
@@ -323,7 +313,7 @@ class DisaggregatedCluster:
         if request.reuses_prefix:
             cached = max(node.cache.prefix_match(keys), moved)
             for ahead in node.in_pipeline.values():
-                cached = max(cached, _common_prefix(keys, ahead))
+                cached = max(cached, shared_prefix_blocks(keys, ahead))
         record.prefix_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         record.prefill_s = self.prefill_cost.prefill_s(request.input_length, record.prefix_tokens)
         self.conductor.handle(PrefillStarted(request_id=request.request_id, instance_id=node.instance_id, now=now))

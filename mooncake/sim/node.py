@@ -23,6 +23,8 @@ tokens its members gained since then (none while a planned stall lasts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from mooncake.cache.policy import LruPolicy
@@ -30,9 +32,20 @@ from mooncake.cache.pool import MetadataPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.sched.step import AnalyticStepModel
 from mooncake.sim.batch import ContinuousBatch, Member
-from mooncake.types import InstanceId, Tier
+from mooncake.types import BlockKey, InstanceId, Tier
 
-__all__ = ["DecodeNode", "metadata_cache"]
+__all__ = ["DecodeNode", "metadata_cache", "shared_prefix_blocks"]
+
+
+def shared_prefix_blocks(keys: Sequence[BlockKey], other: Sequence[BlockKey]) -> int:
+    """How many leading blocks two prompts' chains share (a key names its whole prefix): what a prompt reuses of
+    one computed beside it in the same batch, whose blocks a node caches as it schedules them."""
+    count = 0
+    for key, theirs in zip(keys, other, strict=False):
+        if key != theirs:
+            break
+        count += 1
+    return count
 
 
 def metadata_cache(source: InstanceId, tier: Tier, *, page_bytes: int, num_pages: int) -> TieredCache:

@@ -26,8 +26,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from mooncake._extras import needs_extra
 from mooncake._files import atomic_path
-from mooncake.errors import ConfigError
 from mooncake.sim.metrics import LoadSample, RequestRecord, Summary
 
 __all__ = [
@@ -153,13 +153,11 @@ def require_pyplot() -> Any:
     Raises:
         ConfigError: matplotlib is not installed (the `plot` extra), naming how to install it.
     """
-    try:
+    with needs_extra("a plot"):
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as error:  # pragma: no cover - matplotlib is in the dev extra
-        raise ConfigError("plots need matplotlib: the plot extra (pip install -e '.[plot]' in the checkout)") from error
     return plt
 
 

@@ -54,7 +54,7 @@ from mooncake.transfer.region import RegionDescriptor, bounds_error
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
 from mooncake.transfer.workers import attempt
 
-__all__ = ["PyverbsDevice", "QueuePair", "RdmaTransport", "Verbs", "buffer_address", "open_device"]
+__all__ = ["MAX_SEND_WR", "PyverbsDevice", "QueuePair", "RdmaTransport", "Verbs", "buffer_address", "open_device"]
 
 _DEBIAN_PACKAGES = "/usr/lib/python3/dist-packages"
 MAX_SEND_WR = 1024  # the send-queue depth each queue pair is created with

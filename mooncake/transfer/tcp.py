@@ -12,11 +12,11 @@ a slice). A connection that drops or times out is replaced and the slice
 retried, `max_retries` times (a kept connection is checked before each slice: one the peer
 closed while it idled, at its `idle_timeout_s`, is replaced without spending a
 retry); a peer that cannot be reached fails the slice
-with `PeerUnavailable` and is taken for down for `connect_timeout_s`: the
-slices that meet it then fail at once with that error rather than each waiting
-out a connect timeout of its own (a batch to a stopped peer ends within its
-slices' bound, `EngineConfig.slice_deadline_s`), and the first one after it
-dials again. A peer restarted at its address fails its slices with
+with `PeerUnavailable`, and one whose dial timed out (a stopped or unreachable
+peer) is taken for down for `connect_timeout_s`: the slices that meet it then
+fail at once with that error rather than each waiting out a connect timeout of
+its own (a batch to a stopped peer ends within its slices' bound,
+`EngineConfig.slice_deadline_s`), and the first one after it dials again. A peer restarted at its address fails its slices with
 `PeerUnavailable` too: every
 connection checks the incarnation id the server tells in its handshake
 against the one the peer had when the engine connected to it (a new engine's
@@ -361,12 +361,13 @@ class TcpTransport:
         """A new connection to the peer's incarnation, made by `deadline` if given, held in `_open` (refused once
         the transport is closing).
 
-        A connection that fails with `PeerUnavailable` (refused, not connected or authenticated within
-        `connect_timeout_s`, busy, restarted) marks the peer down for `connect_timeout_s`: until then every
-        connection asked for fails at once with that error, undialled. Otherwise each slice queued to a stopped
-        or unreachable peer would wait out a connect timeout of its own, one after another, and a batch would end
-        long after its slices' bound (`EngineConfig.slice_deadline_s`); after the window the next slice dials
-        again (the peer may be back).
+        A connection that fails with `PeerUnavailable` after spending the whole `connect_timeout_s` (not connected
+        or authenticated in time: a stopped or unreachable peer) marks the peer down for `connect_timeout_s`:
+        until then every connection asked for fails at once with that error, undialled. Otherwise each slice
+        queued to such a peer would wait out a connect timeout of its own, one after another, and a batch would
+        end long after its slices' bound (`EngineConfig.slice_deadline_s`); after the window the next slice dials
+        again (the peer may be back). A quick failure (refused, reset, busy, restarted) marks nothing: it costs
+        each slice no wait, and the next dial may find a peer restarting meanwhile, and say so.
         """
         with self._open_lock:
             down, down_until = self._down, self._down_until
@@ -374,6 +375,7 @@ class TcpTransport:
             raise PeerUnavailable(
                 f"{down} (within {self._config.connect_timeout_s:g} s of that failure: not dialled again yet)"
             )
+        dialled = time.monotonic()
         try:
             sock = connect(
                 self._host,
@@ -384,8 +386,10 @@ class TcpTransport:
                 deadline=deadline,
             )
         except PeerUnavailable as error:
-            with self._open_lock:
-                self._down, self._down_until = error, time.monotonic() + self._config.connect_timeout_s
+            failed = time.monotonic()
+            if failed - dialled >= self._config.connect_timeout_s:  # timed out: the peer stopped or is unreachable
+                with self._open_lock:
+                    self._down, self._down_until = error, failed + self._config.connect_timeout_s
             raise
         with self._open_lock:
             self._down = None  # reached: whatever failed before does not stand for the peer any more

@@ -329,11 +329,14 @@ def test_reusable_prefix_tokens_takes_numpy_counts_as_the_ints_they_equal(tokens
 @given(st.text(max_size=20), st.text(max_size=20), st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40))
 def test_a_salted_hasher_shares_keys_with_its_own_salt_only(one: str, other: str, tokens: list[int]) -> None:
     """`salted(s)` keys the same tokens alike for the same s, apart from the plain hasher's and from another salt's
-    (every block: the root differs); None is the hasher itself."""
+    (every block: the root differs); None or "" is the hasher itself; a salt that is no string is refused."""
     hasher = BlockHasher(model="m", block_size_tokens=4)
     plain = hasher.block_keys(tokens)
-    assert hasher.salted(None) is hasher
+    assert hasher.salted(None) is hasher and hasher.salted("") is hasher  # vLLM salts with a non-empty salt only
     assert hasher.salted(one).block_keys(tokens) == hasher.salted(one).block_keys(tokens)
-    assert not set(hasher.salted(one).block_keys(tokens)) & set(plain)
-    if one != other:
+    if one:
+        assert not set(hasher.salted(one).block_keys(tokens)) & set(plain)
+    if one and other and one != other:
         assert not set(hasher.salted(one).block_keys(tokens)) & set(hasher.salted(other).block_keys(tokens))
+    with pytest.raises(InvalidRequestError, match=r"^cache_salt must be a string, got 5$"):
+        hasher.salted(5)  # type: ignore[arg-type]

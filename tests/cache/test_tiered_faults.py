@@ -482,6 +482,29 @@ FaultyHierarchyMachine.TestCase.settings = settings(stateful_step_count=40)
 TestFaultyHierarchy = FaultyHierarchyMachine.TestCase
 
 
+def block_1_on_ssd(tmp_path: Path, promote_after: int) -> TieredCache:
+    """A one-page DRAM tier over a four-page SSD tier holding block 1 (block 2 in DRAM), its events taken."""
+    cache = TieredCache(
+        [DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "pool", PAGE, 4)], source=SOURCE, promote_after=promote_after
+    )
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
+    cache.take_events()
+    return cache
+
+
+def fail_page_reads(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    """Every read of an SSD page raises `error` (the superblock, at offset 0, still reads)."""
+    real = os.preadv
+
+    def failing(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if offset > 0:
+            raise error
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", failing)
+
+
 @pytest.mark.parametrize("promote_after", [0, 1])
 def test_a_page_that_cannot_be_read_is_a_reported_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, promote_after: int
@@ -489,20 +512,8 @@ def test_a_page_that_cannot_be_read_is_a_reported_miss(
     """An SSD read failing with EIO (a bad sector), read in place or as it is promoted: `get` answers a miss, as
     for a corrupt page (it used to drop the block and raise the OSError as well); the block is dropped and counted
     corrupt, its removal published, and the cache keeps its invariants and serves the others."""
-    cache = TieredCache(
-        [DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "pool", PAGE, 4)], source=SOURCE, promote_after=promote_after
-    )
-    cache.put(BlockKey(1), block(1))
-    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
-    cache.take_events()
-    real = os.preadv
-
-    def bad_sector(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if offset > 0:  # a page (the superblock at 0 reads fine)
-            raise OSError(errno.EIO, "Input/output error (injected)")
-        return real(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", bad_sector)
+    cache = block_1_on_ssd(tmp_path, promote_after)
+    fail_page_reads(monkeypatch, OSError(errno.EIO, "Input/output error (injected)"))
     assert cache.get(BlockKey(1)) is None
     monkeypatch.undo()
     assert cache.tier_of(BlockKey(1)) is None and cache.stats.corrupt_blocks == 1 and cache.stats.misses == 1
@@ -839,20 +850,8 @@ def test_an_error_other_than_a_failed_read_leaves_a_healthy_ssd_block_cached(
     """An SSD read interrupted by something that says nothing of the page (no memory for the copy, a Ctrl-C)
     raises it, and the block stays cached with its bytes: only a page that fails verification or cannot be read
     (IntegrityError, OSError) is dropped as corrupt (it used to be dropped whatever the error)."""
-    cache = TieredCache(
-        [DramPagePool(PAGE, 1), SsdPagePool(tmp_path / "pool", PAGE, 4)], source=SOURCE, promote_after=promote_after
-    )
-    cache.put(BlockKey(1), block(1))
-    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
-    cache.take_events()
-    real = os.preadv
-
-    def interrupted(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if offset > 0:  # a page (the superblock at 0 reads fine)
-            raise error("injected")
-        return real(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", interrupted)
+    cache = block_1_on_ssd(tmp_path, promote_after)
+    fail_page_reads(monkeypatch, error("injected"))
     with pytest.raises(error):
         cache.get(BlockKey(1))
     monkeypatch.undo()

@@ -56,7 +56,7 @@ def test_every_vllm_field_is_read_refused_or_neutral(kind: str, known: frozenset
         ("vllm_xargs", {"processor": 1}),
         ("thinking_token_budget", 10),
         ("logprob_token_ids", [3]),
-        ("return_token_offsets", True),
+        ("watermarking", True),
         ("mm_processor_kwargs", {"fps": 1}),
         ("prompt_embeds", "AAAA"),
     ],
@@ -70,9 +70,19 @@ def test_a_vllm_field_this_server_does_not_implement_is_refused_by_name(name: st
 
 
 def test_neutral_vllm_fields_are_accepted_at_any_value_of_their_type() -> None:
-    """`session_id`, `stream_interval` (each token is a chunk of its own here, which any interval allows) and
-    `include_reasoning` (no reasoning parser) change nothing here; a wrong type is still a 400."""
-    for body in ({"session_id": "s-1"}, {"stream_interval": "4"}, {"include_reasoning": "false"}):
+    """`session_id`, `stream_interval` (each token is a chunk of its own here, which any interval allows),
+    `include_reasoning` (no reasoning parser), the render endpoints' options (vLLM's generation endpoints ignore
+    them) and `watermarking: false` (an opt-out) change nothing here; a wrong type is still a 400."""
+    neutral = (
+        {"session_id": "s-1"},
+        {"stream_interval": "4"},
+        {"include_reasoning": "false"},
+        {"return_token_offsets": True},
+        {"mm_payload": "none"},
+        {"return_mm_kwargs": True},
+        {"watermarking": False},
+    )
+    for body in neutral:
         parse_chat({"messages": MESSAGES, **body}, SERVED)
     with pytest.raises(ApiError, match=r"^stream_interval = 0 has the wrong type$"):
         parse_chat({"messages": MESSAGES, "stream_interval": 0}, SERVED)

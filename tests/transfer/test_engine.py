@@ -643,6 +643,30 @@ def test_a_peer_restarted_on_its_address_is_unavailable_until_connected_again() 
             assert np.array_equal(victim, source)
 
 
+
+def test_a_refused_dial_leaves_the_next_free_to_find_the_peer_restarted() -> None:
+    """A peer closed: a WRITE to it fails at once (refused), and that quick failure does not mark the peer down,
+    so a WRITE right after the peer started again on its port dials it and names the restart, rather than
+    repeating the stale refusal (only a dial that timed out takes a peer for down, for connect_timeout_s)."""
+    config = EngineConfig(transports=("tcp",), io_timeout_s=5.0, connect_timeout_s=30.0, max_retries=0)
+    with TransferEngine(secret=SECRET, config=config) as here:
+        local = here.register_memory(np.full(4096, 0xAB, np.uint8))
+        first = TransferEngine(secret=SECRET, config=config)
+        try:
+            old = first.register_memory(np.zeros(4096, np.uint8))
+            peer = here.connect(first.address)
+        finally:
+            first.close()
+        write = request(TransferOp.WRITE, local.region_id, peer, old.region_id, 4096)
+        start = time.monotonic()
+        (refused,) = here.wait(here.submit([write]), timeout=30)
+        assert refused.state == RequestState.FAILED and type(refused.error) is PeerUnavailable, refused
+        assert time.monotonic() - start < 10 and "restarted" not in str(refused.error)
+        with engine_on(first.port, config) as second:
+            second.register_memory(np.zeros(4096, np.uint8))
+            (status,) = here.wait(here.submit([write]), timeout=30)
+            assert status.state == RequestState.FAILED and "restarted" in str(status.error), status.error
+
 def test_transfer_sync_connects_by_its_deadline(peers: Callable[..., PeerProcess]) -> None:
     """transfer_sync(timeout=0.5) to a peer that stopped (SIGSTOP) before the inline connection was made: the
     connection's handshake is cut at the call's deadline, not at connect_timeout_s (20 s here), and the request

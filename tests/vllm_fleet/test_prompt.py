@@ -148,9 +148,10 @@ def test_add_special_tokens_and_truncation_are_read_as_vllm_reads_them(tokenizer
     assert prompt_of(tokenizer, {"prompt": ids, "truncate_prompt_tokens": -1}, chat=False, max_model_len=8) == Prompt(
         ids[-7:]
     )
-    for silent in ({"max_tokens": 0}, {"max_tokens": None}):  # vLLM keeps no token back for no output
-        body = {"prompt": ids, "truncate_prompt_tokens": -1, **silent}
-        assert prompt_of(tokenizer, body, chat=False, max_model_len=8) == Prompt(ids[-8:])
+    body = {"prompt": ids, "truncate_prompt_tokens": -1, "max_tokens": 0}  # vLLM keeps no token back for no output
+    assert prompt_of(tokenizer, body, chat=False, max_model_len=8) == Prompt(ids[-8:])
+    body = {"prompt": ids, "truncate_prompt_tokens": -1, "max_tokens": None}  # vLLM's 16: one token kept back
+    assert prompt_of(tokenizer, body, chat=False, max_model_len=8) == Prompt(ids[-7:])
     chat = {"messages": [{"role": "user", "content": "bada keli sunu " * 5}], "truncate_prompt_tokens": -1}
     assert len(prompt_of(tokenizer, chat, chat=True, max_model_len=8).tokens) == 8
     assert len(prompt_of(tokenizer, {**chat, "max_completion_tokens": 3}, chat=True, max_model_len=8).tokens) == 7
