@@ -643,7 +643,6 @@ def test_a_peer_restarted_on_its_address_is_unavailable_until_connected_again() 
             assert np.array_equal(victim, source)
 
 
-
 def test_a_refused_dial_leaves_the_next_free_to_find_the_peer_restarted() -> None:
     """A peer closed: a WRITE to it fails at once (refused), and that quick failure does not mark the peer down,
     so a WRITE right after the peer started again on its port dials it and names the restart, rather than
@@ -666,6 +665,7 @@ def test_a_refused_dial_leaves_the_next_free_to_find_the_peer_restarted() -> Non
             second.register_memory(np.zeros(4096, np.uint8))
             (status,) = here.wait(here.submit([write]), timeout=30)
             assert status.state == RequestState.FAILED and "restarted" in str(status.error), status.error
+
 
 def test_transfer_sync_connects_by_its_deadline(peers: Callable[..., PeerProcess]) -> None:
     """transfer_sync(timeout=0.5) to a peer that stopped (SIGSTOP) before the inline connection was made: the
