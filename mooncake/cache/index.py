@@ -375,7 +375,13 @@ class BlockIndex:
             self._table.add(keys, state.slot, tier)
 
     def remove_instance(self, instance_id: InstanceId) -> None:
-        """Forget `instance_id` entirely (it is gone); its next event must start an epoch or resync."""
+        """Forget `instance_id` entirely (it is gone); its next event must start an epoch or resync.
+
+        Raises:
+            InvalidRequestError: `instance_id` is not a string.
+        """
+        if not isinstance(instance_id, str):  # an unhashable one would be a bare TypeError
+            raise InvalidRequestError(f"instance_id must be an instance id string, got {instance_id!r}")
         state = self._sources.pop(instance_id, None)
         if state is not None:
             self._table.clear_slot(state.slot)

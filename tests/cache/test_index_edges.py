@@ -315,10 +315,12 @@ def test_a_key_batch_indexes_from_the_end_like_a_sequence() -> None:
         lambda index: index.prefix_lengths([1], 3),
         lambda index: index.num_blocks([1]),
         lambda index: index.num_blocks(None),
+        lambda index: index.remove_instance([1]),
+        lambda index: index.remove_instance(None),
     ],
     ids=[
         "match-bytes", "match-bytearray", "match-memoryview", "match-dict", "lengths-None", "lengths-str",
-        "lengths-nested", "lengths-int", "num_blocks-list", "num_blocks-None",
+        "lengths-nested", "lengths-int", "num_blocks-list", "num_blocks-None", "remove-list", "remove-None",
     ],
 )  # fmt: skip
 def test_queries_refuse_what_is_no_key_sequence_or_instance_by_name(call: Any) -> None:
