@@ -89,6 +89,7 @@ __all__ = [
     "lax_number",
     "max_tokens_within",
     "models_body",
+    "output_limit_field",
     "parse_chat",
     "parse_completion",
     "parse_tokenize",
@@ -1116,11 +1117,16 @@ def requested_max_tokens(body: Mapping[str, Any], *, default: int | None, comple
     Raises:
         ApiError: 400, a value that is not an integer >= 1 as vLLM reads one (`lax_integer`).
     """
-    chat_limit = not completion and body.get("max_completion_tokens") is not None
-    limit = "max_completion_tokens" if chat_limit else "max_tokens"
+    limit = output_limit_field(body, completion=completion)
     if body.get(limit) is None:
         return default
     return _integer(body, limit, 0, 1, MAX_SEED)
+
+
+def output_limit_field(body: Mapping[str, Any], *, completion: bool) -> str:
+    """The field holding a body's output limit, as vLLM reads it: a chat's `max_completion_tokens` where it is not
+    null, else `max_tokens` (a completion's only)."""
+    return "max_completion_tokens" if not completion and body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:

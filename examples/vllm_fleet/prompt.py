@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from serving.api import ApiError, lax_flag, lax_integer, prompt_truncation
+from serving.api import ApiError, lax_flag, lax_integer, output_limit_field, prompt_truncation
 
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.errors import MooncakeError
@@ -138,7 +138,7 @@ def _asks_for_output(body: dict[str, Any], *, chat: bool) -> bool:
     nonzero): a chat's `max_completion_tokens` or else `max_tokens`, a completion's `max_tokens` (16 where absent
     or null);
     null or 0 asks for none. A value it cannot read counts as none: vLLM refuses the request anyway."""
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    name = output_limit_field(body, completion=not chat)
     if not chat and body.get(name) is None:  # vLLM 0.32 reads a completion's null as unset: its 16
         return True
     return bool(lax_integer(body.get(name)))
