@@ -61,9 +61,9 @@ class Decoder(Protocol):
 
 class ServingTokenizer(Protocol):
     """What the gateway asks of a tokenizer: a prompt's ids, a chat's prompt text (its ids are that text's), a
-    lower bound of a text's tokens, a generation's text stream, a lone token's text (shown beside its
-    log-probability), the text of ids (an echoed prompt, /detokenize), and the token ids that end a generation
-    (the decode engine stops at them too)."""
+    lower bound of a text's tokens, a generation's text stream (after its prompt's ids), a lone token's text
+    (shown beside its log-probability), the text of ids (an echoed prompt, /detokenize), and the token ids that
+    end a generation (the decode engine stops at them too)."""
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...
@@ -96,6 +96,7 @@ class ServingTokenizer(Protocol):
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         include_stop: bool = False,
+        prompt: Sequence[int] = (),
     ) -> TextStream: ...
 
 
@@ -146,8 +147,10 @@ class ByteTokenizer:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         include_stop: bool = False,
+        prompt: Sequence[int] = (),
     ) -> TextStream:
-        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special; only the request's ids stop)."""
+        """A `TextStream` decoding this tokenizer's tokens (bytes: none is special; only the request's ids stop; a
+        byte's text needs no `prompt` before it)."""
         return TextStream(
             stop, min_tokens=min_tokens, stop_token_ids=frozenset(stop_token_ids), include_stop=include_stop
         )
@@ -229,12 +232,15 @@ class CheckpointTokenizer:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         include_stop: bool = False,
+        prompt: Sequence[int] = (),
     ) -> TextStream:
-        """A `TextStream` of this tokenizer's streamed detokenization, ended at the checkpoint's stop ids (none
-        with `ignore_eos`) and the request's."""
+        """A `TextStream` of this tokenizer's streamed detokenization after `prompt` (the request's ids: its
+        tail is the context of the first token's text, as vLLM's stream starts from the prompt: a SentencePiece
+        "▁Hello" streams as " Hello"), ended at the checkpoint's stop ids (none with `ignore_eos`) and the
+        request's."""
         return TextStream(
             stop,
-            decoder=self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
+            decoder=self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens, prompt=prompt),
             stop_ids=frozenset() if ignore_eos else self.stop_token_ids,
             min_tokens=min_tokens,
             stop_token_ids=frozenset(stop_token_ids),

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from mooncake._checks import require_int
 from mooncake.engine.config import ModelConfig
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import as_token_array
@@ -236,7 +237,7 @@ class LlamaModel(nn.Module):
 
     Args:
         config: its shape.
-        seed: the weights' seed.
+        seed: the weights' seed, an integer >= 0.
         dtype: "float32", "bfloat16" or "float16".
         device: where the weights live.
         layers: the layer indices this instance holds (default: all). The embedding
@@ -245,7 +246,7 @@ class LlamaModel(nn.Module):
             instead of drawing them from `seed`.
 
     Raises:
-        ConfigError: bad layers or dtype; a weight the source lacks or holds in another shape.
+        ConfigError: bad layers, seed or dtype; a weight the source lacks or holds in another shape.
     """
 
     def __init__(
@@ -259,6 +260,7 @@ class LlamaModel(nn.Module):
         weights: WeightSource | None = None,
     ) -> None:
         super().__init__()
+        seed = require_int("seed", seed, minimum=0)  # torch's manual_seed would fail on 1.5 with a bare error
         self.config, self.dtype, self.device = config, dtype_of(dtype), torch.device(device)
         indices = list(range(config.num_layers) if layers is None else layers)
         if (

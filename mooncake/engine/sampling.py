@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -76,7 +76,9 @@ def _clamped(bias: Any) -> Any:
 
 def _pairs(value: Any) -> Any:
     """An attrs converter: a dict or pairs of (token, bias) become pairs sorted by token, each finite bias clamped
-    to [-100, 100] (anything else is left for the validator)."""
+    to [-100, 100]; None (vLLM's default: not set) becomes no pairs (anything else is left for the validator)."""
+    if value is None:
+        return ()
     try:
         pairs = sorted(dict(value).items())
     except (TypeError, ValueError):
@@ -85,6 +87,17 @@ def _pairs(value: Any) -> Any:
     # with) and the example server's HTTP layer both clamp, so a client's 1e39 means "always" there and here. A
     # bias past float32's range would otherwise make its logit +inf, and inf - inf a NaN, in the draw.
     return tuple((token, _clamped(bias)) for token, bias in pairs)
+
+
+def _token_set(value: Any) -> Any:
+    """An attrs converter: token ids become a frozenset; None (vLLM's default: not set) becomes the empty one
+    (anything else, an int say, is left for the validator)."""
+    if value is None:
+        return frozenset()
+    try:
+        return frozenset(value)
+    except TypeError:  # not iterable, or unhashable items
+        return value
 
 
 def _all_tokens(value: Any) -> Any:
@@ -102,7 +115,7 @@ class SamplingParams:
         seed: the request's random stream (temperature > 0), in [0, 2**64); None (the default): a fresh random
             stream for each `Sampler`, as vLLM samples without a seed (a fixed default repeated one text).
         stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
-            vLLM's `stop_token_ids`): the token is emitted, as the request's last.
+            vLLM's `stop_token_ids`): the token is emitted, as the request's last. None: none (vLLM's default).
         min_tokens: the output positions before it that never draw a stop token (their logits are -inf there),
             as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first
             (or every token of the vocabulary is a stop token: then nothing else could be drawn, and none is held).
@@ -120,10 +133,10 @@ class SamplingParams:
         logit_bias: (token, bias) pairs (or a dict) added to those tokens' logits before anything else shapes
             them but the `min_tokens` mask (OpenAI's `logit_bias`; vLLM's order); each finite bias is clamped to
             [-100, 100] as vLLM and OpenAI clamp it (a non-finite one is refused); a token outside the
-            vocabulary is refused where the logits are known (`check_vocabulary`).
+            vocabulary is refused where the logits are known (`check_vocabulary`). None: none (vLLM's default).
         allowed_token_ids: the only tokens that may be drawn (vLLM's `allowed_token_ids`: every other logit is
-            -inf before anything else shapes them); empty (the default): every token. A token outside the
-            vocabulary is refused where the logits are known (`check_vocabulary`).
+            -inf before anything else shapes them); empty (the default) or None (vLLM's default): every token. A
+            token outside the vocabulary is refused where the logits are known (`check_vocabulary`).
         prompt_logprobs: None (the default): none; k >= 0: the prefill scores every prompt token after the first
             (its log-probability given the tokens before it, and the k most probable there), as vLLM's
             `prompt_logprobs`; the whole prompt is then computed, no cached prefix reused.
@@ -132,7 +145,7 @@ class SamplingParams:
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
     seed: int | None = attrs.field(default=None, converter=plain_int)
-    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
     min_tokens: int = attrs.field(default=0)
     logprobs: int | None = attrs.field(default=None)
     top_k: int = attrs.field(default=0, converter=_all_tokens)
@@ -142,7 +155,7 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0)
     prompt_logprobs: int | None = attrs.field(default=None)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_pairs)
-    allowed_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    allowed_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
 
     @property
     def needs_prompt(self) -> bool:
@@ -171,6 +184,8 @@ class SamplingParams:
     @stop_token_ids.validator
     @allowed_token_ids.validator
     def _check_token_ids(self, attribute: attrs.Attribute[frozenset[int]], value: frozenset[int]) -> None:
+        if not isinstance(value, frozenset):
+            raise ConfigError(f"{attribute.name} must be a collection of token ids, got {value!r}")
         for token in value:
             require_int(attribute.name, token, minimum=0)
 
@@ -338,6 +353,18 @@ def _no_token(raw: torch.Tensor, shaped: torch.Tensor, params: SamplingParams) -
     return InvalidRequestError(f"the sampling params leave every one of the {vocab} logits -inf: {params!r}")
 
 
+def _within(name: str, ids: Iterable[int], vocab: int) -> None:
+    """That every one of `ids` (the params' field `name`) is below `vocab`: the mask made of them indexes a
+    [vocab] tensor, where a larger id would be a bare IndexError.
+
+    Raises:
+        InvalidRequestError: naming the field and the largest id, as `SamplingParams.check_vocabulary` does.
+    """
+    largest = max(ids)
+    if largest >= vocab:
+        raise InvalidRequestError(f"{name}: token {largest} is outside the {vocab}-token vocabulary")
+
+
 def invert(probabilities: torch.Tensor, uniform: float) -> int:
     """The token at `uniform` (in [0, 1)) of the cumulative distribution of `probabilities` [vocab] (float64,
     >= 0, not all 0): the first whose cumulative mass exceeds `uniform` times the total. A token of zero
@@ -416,12 +443,15 @@ class Sampler:
             EngineError: the logits hold a NaN (or +inf and -inf that the params' masks meet): a model fault;
                 the message names the tokens.
             InvalidRequestError: finite logits that the params leave no token to draw from (every one -inf: a
-                huge repetition penalty over a vocabulary the prompt holds whole).
+                huge repetition penalty over a vocabulary the prompt holds whole); a token of `allowed_token_ids`
+                or `logit_bias` outside the logits' vocabulary (checked at the first draw, where their masks are
+                made; the engines refuse it before, `SamplingParams.check_vocabulary`).
         """
         raw = logits
         allowed = self.params.allowed_token_ids
         if allowed:
             if self._allowed is None:  # [vocab] once, on the logits' device
+                _within("allowed_token_ids", allowed, logits.shape[-1])
                 self._allowed = torch.full((logits.shape[-1],), -math.inf, dtype=logits.dtype, device=logits.device)
                 self._allowed[sorted(allowed)] = 0.0
             logits = logits + self._allowed
@@ -433,8 +463,9 @@ class Sampler:
                 logits[banned] = -math.inf
         if self.params.logit_bias:
             if self._bias is None:  # [vocab] once, on the logits' device
-                self._bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
                 ids, biases = zip(*self.params.logit_bias, strict=True)
+                _within("logit_bias", ids, logits.shape[-1])
+                self._bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
                 self._bias[list(ids)] = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             logits = logits + self._bias
         if self.params.penalized:

@@ -38,12 +38,22 @@ Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
 the tokens since `prefix` (already emitted, kept as context) and the tokens
 since `read` (not yet emitted); the new text is the window's decode minus the
 decode of its context, and it is emitted only when it grew and does not end in
-U+FFFD (an incomplete character). `finish()` emits what is left.
+U+FFFD (an incomplete character). `finish()` emits what is left. A stream
+starts with the prompt's tail as its context (`detokenizer(prompt=...)`), never
+emitted, as vLLM seeds its stream with the prompt's ids: so the first generated
+piece decodes as it does after the prompt (a SentencePiece "▁Hello" as
+" Hello", where a decode that starts with it strips the space). The tail is the
+prompt from its last `CONTEXT_TOKENS` tokens that are not special (those a
+decode may skip), so a stream's first step costs the same whatever the
+prompt's length; the whole prompt where the tail's decode ends in U+FFFD (a
+run of fallback bytes the tail cuts), and no context where the whole prompt's
+does too (the prompt ends inside a character: vLLM's stream would emit the
+prompt's text then).
 
-Invariants: the pieces a `Detokenizer` emits join to `decode` of all its
-tokens; while every token completes what came before, no piece holds U+FFFD.
-One exception, kept as tokenizers' own `DecodeStream` (vLLM's streaming) keeps
-it: a byte-fallback decoder (`<0xE6>` tokens) shows a run of byte tokens that
+Invariants: the pieces a `Detokenizer` emits join to `decode` of its context and
+its tokens, less `decode` of its context; while every token completes what came
+before, no piece holds U+FFFD. One exception, kept as tokenizers' own
+`DecodeStream` (vLLM's streaming) keeps it: a byte-fallback decoder (`<0xE6>` tokens) shows a run of byte tokens that
 is not valid UTF-8 as one U+FFFD per byte, also the bytes of characters in it
 that were already emitted whole; the stream keeps what it emitted (a stray
 byte after "日" streams as "日" and then, at `finish`, the rest of the run's
@@ -78,6 +88,10 @@ __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampl
 
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of a message to continue
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
+# The prompt's tokens (not special) a stream starts from as context, as vLLM's slow detokenizer's window
+# (`INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET`): a decoder changes a token's text by what precedes it only at the
+# text's start (a stripped space), which any token of text before it rules out.
+CONTEXT_TOKENS = 5
 SPACE_MARK = "▁"  # SentencePiece's mark for a space within a piece
 # transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order: the names a chat template is given, and the order in which
 # those missing from the vocabulary are added (so the ids they get are transformers').
@@ -234,6 +248,7 @@ class Tokenizer:
     def __init__(self, backend: Any, *, special: SpecialTokens, chat_template: str | None, source: str = "") -> None:
         self.backend, self.special, self.chat_template, self.source = backend, special, chat_template, source
         self._compiled: Any = None
+        self._special_ids: frozenset[int] | None = None  # the added tokens marked special, read on first use
         # How vLLM reads a chat for this template (`chat_conversation`): contents as lists of parts where it
         # loops over them, developer messages as system ones where it never names the role.
         self.content_parts, self.developer_role = False, True
@@ -288,9 +303,31 @@ class Tokenizer:
         """Whether `token_id` ends a generation."""
         return token_id in self.special.stop_token_ids
 
-    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer:
-        """A fresh streaming decoder of one generation's tokens."""
-        return Detokenizer(self, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, *, skip_special_tokens: bool = True, prompt: Sequence[int] = ()) -> Detokenizer:
+        """A fresh streaming decoder of one generation's tokens, after `prompt` (the ids the generation continues).
+
+        The prompt's tail is the stream's context, never emitted (the module's docstring says which tail): vLLM's
+        stream starts from the prompt's ids, so the first generated token decodes as it does after the prompt.
+        """
+        context = self._context(prompt, skip_special_tokens)
+        return Detokenizer(
+            self, skip_special_tokens=skip_special_tokens, ids=context, read=len(context), start=len(context)
+        )
+
+    def _context(self, prompt: Sequence[int], skip_special_tokens: bool) -> list[int]:
+        """The ids a stream after `prompt` starts from: from the last `CONTEXT_TOKENS` non-special ones on, else
+        the whole prompt where that tail's decode ends in U+FFFD, else none where the prompt's does too."""
+        if self._special_ids is None:
+            added = self.backend.get_added_tokens_decoder()
+            self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        start, found = len(prompt), 0
+        while start > 0 and found < CONTEXT_TOKENS:
+            start -= 1
+            found += prompt[start] not in self._special_ids
+        for context in ([int(i) for i in prompt[start:]], [int(i) for i in prompt] if start else []):
+            if not self.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
+                return context
+        return []
 
     def render_chat(
         self,
@@ -384,8 +421,8 @@ class Tokenizer:
 class Detokenizer:
     """Streams one generation's text as whole characters (the algorithm is in the module's docstring).
 
-    Invariants (`check_invariants`): prefix ≤ read ≤ the tokens pushed; `text` (everything
-    emitted) is the decode of the tokens before `read`.
+    Invariants (`check_invariants`): prefix ≤ read ≤ the tokens held, start ≤ read; `text` (everything
+    emitted) is the decode of the tokens before `read` less the decode of the context (those before `start`).
     """
 
     tokenizer: Tokenizer
@@ -393,7 +430,8 @@ class Detokenizer:
     ids: list[int] = attrs.field(factory=list)
     text: str = ""
     prefix: int = 0  # tokens before this are context no longer needed
-    read: int = 0  # tokens before this are emitted
+    read: int = 0  # tokens before this are emitted (or the prompt's context)
+    start: int = 0  # tokens before this are the prompt's context, never emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -419,9 +457,11 @@ class Detokenizer:
         return piece
 
     def check_invariants(self) -> None:
-        assert 0 <= self.prefix <= self.read <= len(self.ids)
+        assert 0 <= self.prefix <= self.read <= len(self.ids) and 0 <= self.start <= self.read
         decoded = self._decode(self.ids[: self.read])
-        assert self.text == decoded or REPLACEMENT in decoded  # (invalid fallback bytes: the module's exception)
+        context = self._decode(self.ids[: self.start])
+        # (invalid fallback bytes: the module's exception)
+        assert context + self.text == decoded or REPLACEMENT in decoded
 
 
 # The classes of transformers (v5) that rebuild a tokenizer.json's pipeline around its vocabulary and merges; any

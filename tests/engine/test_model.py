@@ -152,6 +152,15 @@ def test_dtypes_and_vocabulary_are_checked() -> None:
         tiny_model().embed(torch.tensor([-1]))
 
 
+def test_the_seed_is_an_integer_at_least_0() -> None:
+    """A seed that is no integer >= 0 (1.5, -1, True) is a ConfigError naming it, where torch's `manual_seed` would
+    raise a bare RuntimeError (or take -1 as a seed); a numpy integer is its value."""
+    for seed in (1.5, -1, True):
+        with pytest.raises(ConfigError, match="seed"):
+            LlamaModel(TINY, seed=seed)  # type: ignore[arg-type]
+    assert torch.equal(LlamaModel(TINY, seed=np.int64(3)).embedding, LlamaModel(TINY, seed=3).embedding)
+
+
 @given(
     st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), min_size=1, max_size=12),
     st.integers(min_value=1, max_value=64),

@@ -622,6 +622,31 @@ def test_allowed_token_ids_are_checked_against_the_vocabulary() -> None:
         SamplingParams(allowed_token_ids=[-1])
 
 
+def test_none_means_not_set_for_stop_ids_allowed_ids_and_logit_bias_as_in_vllm() -> None:
+    """vLLM's `SamplingParams` defaults `stop_token_ids`, `allowed_token_ids` and `logit_bias` to None, "not
+    set": each is then this one's empty default (no stop id, every token allowed, no bias), all three alike; ids
+    that are no collection of ids (a lone int, a list of lists) are a ConfigError naming the field."""
+    assert SamplingParams(stop_token_ids=None, allowed_token_ids=None, logit_bias=None) == SamplingParams()
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        for bad in (5, [[1]]):
+            with pytest.raises(ConfigError, match=field):
+                SamplingParams(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_a_samplers_allowed_or_biased_token_past_the_logits_is_a_named_error() -> None:
+    """A `Sampler` used without an engine's `check_vocabulary` names an allowed or biased id past the logits'
+    vocabulary (the field and the id) at its first draw, where its mask is made, instead of an IndexError; the
+    vocabulary's last id is still one to draw."""
+    logits = torch.zeros(10)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(InvalidRequestError, match="allowed_token_ids: token 50 is outside the 10-token"):
+            Sampler(SamplingParams(allowed_token_ids=[3, 50], temperature=temperature, seed=1)).next_token(logits)
+        with pytest.raises(InvalidRequestError, match="logit_bias: token 10 is outside the 10-token"):
+            Sampler(SamplingParams(logit_bias={2: 1.0, 10: 1.0}, temperature=temperature, seed=1)).next_token(logits)
+    assert Sampler(SamplingParams(allowed_token_ids=[9])).next_token(logits) == 9
+    assert Sampler(SamplingParams(logit_bias={9: 5.0})).next_token(logits) == 9
+
+
 # ---------------------------------------------------------------------------------------------- non-finite logits
 
 finite_logits = st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=24)

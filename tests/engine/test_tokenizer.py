@@ -206,6 +206,104 @@ def test_special_tokens_and_stop_ids(pair: tuple[Tokenizer, Any]) -> None:
     assert ours.encode("hi")[0] == special.bos_token_id
 
 
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A Llama 2 style tokenizer ("▁" spaces, stripped at the very start; byte fallback), Zephyr's template."""
+    return load_tokenizer(write_llama_files(tmp_path_factory.mktemp("llama"), chat_template=ZEPHYR))
+
+
+def seeded_stream(tokenizer: Tokenizer, prompt: list[int], ids: list[int], *, skip: bool) -> list[str]:
+    """The pieces a detokenizer started after `prompt` emits for `ids` (one per push, then `finish`), invariants
+    checked."""
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip, prompt=prompt)
+    detokenizer.check_invariants()
+    pieces = []
+    for token in ids:
+        pieces.append(detokenizer.push(token))
+        detokenizer.check_invariants()
+    pieces.append(detokenizer.finish())
+    detokenizer.check_invariants()
+    return pieces
+
+
+def test_a_sentencepiece_streams_first_piece_keeps_the_space_it_has_after_the_prompt(
+    sentencepiece: Tokenizer, pair: tuple[Tokenizer, Any]
+) -> None:
+    """vLLM starts its stream from the prompt's ids (tokenizers' `DecodeStream(ids=prompt)`), so the first
+    generated "▁Hello" streams as " Hello", as it reads after the prompt: the prompt's decode and the stream's text
+    make the decode of the whole sequence (an echo of the prompt's ids and the completion read as one text). A
+    decode that starts with "▁Hello" strips its space; a byte-level BPE, whose decoder strips nothing, streams
+    the same text with or without the prompt."""
+    from tokenizers.decoders import DecodeStream
+
+    prompt = sentencepiece.encode_chat([{"role": "user", "content": "Hi there"}])
+    ids = sentencepiece.encode("Hello there! 日本語 🙂", add_special_tokens=False)
+    assert sentencepiece.piece(ids[0]).startswith("▁")
+    for skip in (True, False):
+        pieces = seeded_stream(sentencepiece, prompt, ids, skip=skip)
+        peer = DecodeStream(ids=prompt, skip_special_tokens=skip)
+        assert pieces[:-1] == [peer.step(sentencepiece.backend, token) or "" for token in ids]
+        assert "".join(pieces) == " Hello there! 日本語 🙂"
+        whole = sentencepiece.decode(prompt + ids, skip_special_tokens=skip)
+        assert sentencepiece.decode(prompt, skip_special_tokens=skip) + "".join(pieces) == whole
+    assert "".join(stream(sentencepiece, ids, skip=True)) == "Hello there! 日本語 🙂"  # no prompt: none before it
+    assert sentencepiece.detokenizer(prompt=prompt * 20).start < len(prompt)  # a tail of the prompt, not all of it
+    byte_level, _ = pair
+    prompt = byte_level.encode_chat([{"role": "user", "content": "Hi there"}])
+    ids = byte_level.encode(" Hello there! 日本語 🙂", add_special_tokens=False)
+    assert "".join(seeded_stream(byte_level, prompt, ids, skip=True)) == "".join(stream(byte_level, ids, skip=True))
+    assert "".join(stream(byte_level, ids, skip=True)) == " Hello there! 日本語 🙂"
+
+
+# Prompt and generated texts: words and spaces, specials, characters the vocabularies lack (byte fallback or split
+# byte tokens), and runs of them at a prompt's end (the context's tail may cut a run of fallback bytes).
+stream_texts = st.lists(
+    st.sampled_from(["Hello", " world", "  ", " ", "\n", "</s>", "<s>", "<|im_end|>", "日", "🦀", "龘", "é", "x", "!"]),
+    max_size=12,
+).map("".join) | st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.booleans(), st.booleans(), stream_texts, stream_texts)
+def test_a_stream_after_a_prompt_steps_as_vllms_stream_seeded_with_it(
+    sentencepiece: Tokenizer,
+    pair: tuple[Tokenizer, Any],
+    data: st.DataObject,
+    use_sentencepiece: bool,
+    skip: bool,
+    prompt_text: str,
+    text: str,
+) -> None:
+    """For any prompt and generated text (specials anywhere, characters spelled in fallback bytes or split byte
+    tokens, a prompt of specials alone or of none), each push emits what tokenizers' `DecodeStream` seeded with
+    the whole prompt (vLLM's fast detokenizer) emits at that step, though the stream holds only the prompt's
+    tail: the text never depends on how far back the prompt's context reaches."""
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = sentencepiece if use_sentencepiece else pair[0]
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=data.draw(st.booleans()))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = seeded_stream(tokenizer, prompt, ids, skip=skip)
+    peer = DecodeStream(ids=prompt, skip_special_tokens=skip)
+    assert pieces[:-1] == [peer.step(tokenizer.backend, token) or "" for token in ids]
+    assert pieces[-1] == ""  # the tokens of a text end on a whole character
+    whole = tokenizer.decode(prompt + ids, skip_special_tokens=skip)
+    assert tokenizer.decode(prompt, skip_special_tokens=skip) + "".join(pieces) == whole
+
+
+def test_a_prompt_that_ends_inside_a_character_is_no_context(sentencepiece: Tokenizer) -> None:
+    """A prompt (ids) cut inside a character decodes to U+FFFD at its end, which no stream could strip off the
+    text after it: the stream starts without context and emits the generated text alone (vLLM's stream would
+    emit the prompt's text too, as its own prefix then is empty). A prompt whose tail cuts a run of fallback
+    bytes decodes whole, so the first piece still keeps its space."""
+    fallback = [sentencepiece.backend.token_to_id(f"<0x{byte:02X}>") for byte in "龘".encode()]
+    cut = [*sentencepiece.encode("x"), *fallback[:2]]
+    ids = sentencepiece.encode("Hello", add_special_tokens=False)
+    assert "".join(seeded_stream(sentencepiece, cut, ids, skip=True)) == "Hello"
+    run = sentencepiece.encode("x") + fallback * 3  # the last five tokens cut the first character of the run
+    assert "".join(seeded_stream(sentencepiece, run, ids, skip=True)) == " Hello"
+
+
 # transformers' named special tokens (its reference list, not ours), each with the text a config gives it.
 NAMED = {
     name: f"<{name.removesuffix('_token')}>" for name in transformers.PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES
