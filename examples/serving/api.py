@@ -78,6 +78,7 @@ __all__ = [
     "Usage",
     "authorized",
     "cache_salt",
+    "check_output_limit",
     "decode_body",
     "detokenize_body",
     "echo_only",
@@ -423,6 +424,9 @@ class CompletionRequest:
     continuous_usage: bool = False  # ... and continuous_usage_stats: the usage so far in every chunk
     batch: tuple[str | tuple[int, ...], ...] = ()  # a batch of prompts (OpenAI's array `prompt`); () for one
     cache_salt: str | None = None  # vLLM's: the prefix cache's namespace for this request (`cache_salt`)
+    # vLLM's `request_id`: the answer's id is `cmpl-` and it, unless the `X-Request-Id` header gives one (the
+    # gateway's `_answer_id`); None: none given. Only the answer shows it: the cluster's own ids stay unique.
+    request_id: str | None = None
 
     def split(self) -> list[CompletionRequest]:
         """One request per prompt of a batch (itself alone when it has one prompt): their choices are the
@@ -451,6 +455,7 @@ class ChatRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     cache_salt: str | None = None  # as a completion's
+    request_id: str | None = None  # as a completion's (the answer's id is `chatcmpl-` and it)
     # vLLM's `chat_template_kwargs`: more variables for the chat template (`enable_thinking`, say), and its
     # `documents`.
     template_variables: Mapping[str, Any] = attrs.field(factory=dict)
@@ -525,7 +530,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "metadata": lambda v: v is None or isinstance(v, dict),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "service_tier": lambda v: v is None or isinstance(v, str),
-    "request_id": lambda v: v is None or isinstance(v, str),
     "priority": lambda v: v is None or _reads_int64(v),
     "spaces_between_special_tokens": lambda v: _reads_flag(v),  # read as vLLM reads a boolean
     "include_reasoning": lambda v: _reads_flag(v),  # no reasoning parser here: nothing to include or leave out
@@ -567,6 +571,7 @@ SHARED = (
     "return_tokens_as_token_ids",
     "return_token_ids",
     "cache_salt",
+    "request_id",
 )
 # A completion has no `max_completion_tokens` (vLLM's `CompletionRequest` has none: it is ignored, as any unknown field).
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
@@ -851,18 +856,19 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     if ignored:
         LOG.warning("ignored request fields this server does not know: %s", ", ".join(ignored))
     _check_model(body, served)
-    # No bound of the context's here: a prompt and max_tokens over it get vLLM's context_length_exceeded, once
-    # the prompt is tokenized (`prompt_tokens`).
+    # A max_tokens over the whole context is refused here, before the prompt is tokenized, as vLLM refuses it; one
+    # within it is trimmed to what the prompt leaves once the prompt is tokenized (`generation_limit`).
     max_tokens = requested_max_tokens(body, default=None if chat else served.default_max_tokens, completion=not chat)
     min_tokens = _integer(body, "min_tokens", 0, 0, MAX_SEED)
+    if max_tokens is not None:
+        check_output_limit(max_tokens, served.max_context_tokens, output_limit_field(body, completion=not chat))
     if max_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, _min_over_max(min_tokens, max_tokens), param="min_tokens")
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", served.default_temperature, 0.0, 2.0, open_low=False),
         top_p=_number(body, "top_p", served.default_top_p, 0.0, 1.0, open_low=True),
-        # vLLM takes any 64-bit signed seed; the sampler's streams are unsigned: the same bits.
-        seed=None if body.get("seed") is None else _integer(body, "seed", 0, -MAX_SEED - 1, MAX_SEED) % (1 << 64),
+        seed=_seed(body),
         stop=_stop(body.get("stop")),
         skip_special_tokens=_flag(body, "skip_special_tokens", default=True),
         ignore_eos=_flag(body, "ignore_eos", default=False),
@@ -908,7 +914,17 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         "include_usage": include_usage,
         "continuous_usage": continuous_usage,
         "cache_salt": cache_salt(body),
+        "request_id": None if "request_id" not in body else _text(body["request_id"], "request_id"),
     }
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+    """A body's `seed` as the sampler's unsigned 64-bit stream: vLLM takes any signed 64-bit seed (the same bits
+    here) and reads -1 as none (`SamplingParams`), as null or no seed: a fresh stream per request."""
+    if body.get("seed") is None:
+        return None
+    seed = _integer(body, "seed", 0, -MAX_SEED - 1, MAX_SEED)
+    return None if seed == -1 else seed % (1 << 64)
 
 
 def cache_salt(body: Mapping[str, Any]) -> str | None:
@@ -1469,7 +1485,8 @@ def prompt_tokens(
     Raises:
         ApiError: 400 for an empty prompt or messages the chat template refuses; 400 `context_length_exceeded`
             over `max_prompt_tokens` (a text certainly over it before it is tokenized: `encoded`). A `max_tokens`
-            past what the context leaves is trimmed, not refused (`generation_limit`, as vLLM 0.32).
+            within the context but past what the prompt leaves of it is trimmed, not refused (`generation_limit`,
+            as vLLM 0.32); one over the whole context was refused when the body was parsed (`check_output_limit`).
     """
     k = request.output.truncate_prompt_tokens
     # A truncated prompt may be any length: only its last k tokens count, which needs them all.
@@ -1483,10 +1500,31 @@ def prompt_tokens(
     return tokens
 
 
+def check_output_limit(max_tokens: int, max_model_len: int, param: str) -> None:
+    """vLLM 0.32's refusal of an output longer than the whole context (`TokenizeParams`, checked before the prompt is
+    rendered): a `max_tokens` over `max_model_len` fits beside no prompt, so it is a 400 naming the field that asked
+    for it (`output_limit_field`), never trimmed; one at most `max_model_len` is trimmed to what the prompt leaves
+    (`max_tokens_within`). The gateway's `max_model_len` is `[decode] max_context_tokens`, the bound of a prompt
+    and its output together as vLLM's is (the prompt's own bound, `max_prompt_tokens`, is checked apart, as vLLM
+    checks a prompt against its context); the vLLM router's, its servers' longest.
+
+    Raises:
+        ApiError: 400, `max_tokens > max_model_len`, with vLLM's message.
+    """
+    if max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param=param,
+        )
+
+
 def max_tokens_within(max_tokens: int, num_prompt_tokens: int, max_context_tokens: int) -> int:
     """`max_tokens` trimmed to what a prompt of `num_prompt_tokens` leaves of the context, as vLLM 0.32 trims it
     (`get_max_tokens`: a prompt that fits is served, its output cut at the context's end with finish_reason
-    "length"), rather than refused: the one rule of the example cluster's gateway and the vLLM router.
+    "length"), rather than refused: the one rule of the example cluster's gateway and the vLLM router. A
+    `max_tokens` over the whole context is vLLM's 400 before this (`check_output_limit`).
 
     Raises:
         ApiError: 400 where the prompt leaves no room for a token (vLLM's `SamplingParams` answer to the
@@ -1499,8 +1537,9 @@ def max_tokens_within(max_tokens: int, num_prompt_tokens: int, max_context_token
 
 
 def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
-    """`sampling` with its `max_tokens` settled: one given is trimmed to what the context leaves after the prompt
-    of `num_prompt_tokens` (`max_tokens_within`); a chat that set none may generate what the context leaves (vLLM's
+    """`sampling` with its `max_tokens` settled: one given (at most the context: parsing refused more,
+    `check_output_limit`) is trimmed to what the context leaves after the prompt of `num_prompt_tokens`
+    (`max_tokens_within`); a chat that set none may generate what the context leaves (vLLM's
     chat default: `max_model_len` minus the prompt), at most `served.default_chat_max_tokens` where the
     checkpoint's generation config sets one (vLLM's `get_max_tokens`). What the context leaves is at least
     `default_max_tokens`, since the config keeps the longest prompt and that default within it.

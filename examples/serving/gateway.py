@@ -53,7 +53,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -418,7 +418,7 @@ class Gateway:
             self._withdraw(lives)
             raise
         reply = Reply(
-            name=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",  # unique across restarts, as vLLM's
+            name=f"{'chatcmpl' if chat else 'cmpl'}-{_answer_id(request, parsed)}",
             created=int(time.time()),
             model=self.served.name,
             chat=chat,
@@ -437,8 +437,8 @@ class Gateway:
         for live in lives:
             self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
 
-    def _text_stream(self, sampling: SamplingOptions) -> TextStream:
-        """The request's text as its tokens come, ended as its sampling options say."""
+    def _text_stream(self, sampling: SamplingOptions, prompt: Sequence[int]) -> TextStream:
+        """The request's text as its tokens come after `prompt`, ended as its sampling options say."""
         return self.tokenizer.stream(
             sampling.stop,
             skip_special_tokens=sampling.skip_special_tokens,
@@ -446,6 +446,7 @@ class Gateway:
             min_tokens=sampling.min_tokens,
             stop_token_ids=sampling.stop_token_ids,
             include_stop=sampling.include_stop_str_in_output,
+            prompt=prompt,
         )
 
     def _echoed(
@@ -507,7 +508,13 @@ class Gateway:
         echo_only = isinstance(parsed, CompletionRequest) and parsed.echo_only
         prompt_ids = tuple(live.tokens) if output.return_token_ids else None
         return _Choice(
-            live, index, reply, self._text_stream(sampling), logprobs, echo_only=echo_only, prompt_ids=prompt_ids
+            live,
+            index,
+            reply,
+            self._text_stream(sampling, live.tokens),
+            logprobs,
+            echo_only=echo_only,
+            prompt_ids=prompt_ids,
         )
 
     async def _whole(
@@ -808,6 +815,17 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
     """Every answer to a request from a page (an Origin header), streams included, may be read by it."""
     if "Origin" in request.headers:
         response.headers["Access-Control-Allow-Origin"] = "*"
+
+
+def _answer_id(request: web.Request, parsed: CompletionRequest | ChatRequest) -> str:
+    """The answer's id after its `cmpl-` or `chatcmpl-`, as vLLM 0.32 takes it (`_base_request_id`): the client's
+    `X-Request-Id` header, else the body's `request_id`, else a fresh uuid (unique across restarts). Only the answer
+    shows it: the dispatcher numbers the cluster's requests itself, so two requests sending the same id (vLLM
+    appends a random suffix to its internal ids for the same reason) never meet on an engine or in the Conductor."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None:
+        return given
+    return uuid.uuid4().hex if parsed.request_id is None else parsed.request_id
 
 
 def _route_headers(lives: list[LiveRequest]) -> dict[str, str]:

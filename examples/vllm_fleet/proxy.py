@@ -65,10 +65,12 @@ from serving.api import (
     ApiError,
     authorized,
     cache_salt,
+    check_output_limit,
     decode_body,
     echo_only,
     error_body,
     max_tokens_within,
+    output_limit_field,
     rejection_error,
     requested_max_tokens,
     stream_flag,
@@ -452,9 +454,6 @@ class VllmRouter:
             content_encoding=request.headers.get("Content-Encoding"),
             max_bytes=MAX_BODY_BYTES,
         )
-        prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
-        tokens = prompt.tokens
-        salt = cache_salt(body)  # vLLM's 400 for a bad one, before any server sees it
         # What vLLM will generate at most, read as vLLM reads it (a bad value is vLLM's 400, before any server
         # sees it); a completion that sets none gets vLLM's 16 (a null too: vLLM 0.32's `CompletionRequest` reads
         # it as unset), a chat runs to the context's end in vLLM and is planned for `default_max_tokens`.
@@ -466,6 +465,13 @@ class VllmRouter:
             max_tokens = requested_max_tokens(
                 body, default=None if chat else VLLM_COMPLETION_MAX_TOKENS, completion=not chat
             )
+            if max_tokens is not None:
+                # Over every server's context: each would refuse it (before rendering the prompt), so the router
+                # does, with vLLM's 400, rather than plan a trimmed output no server would run.
+                check_output_limit(max_tokens, self._max_model_len, output_limit_field(body, completion=not chat))
+        prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
+        tokens = prompt.tokens
+        salt = cache_salt(body)  # vLLM's 400 for a bad one, before any server sees it
         max_tokens = self._trimmed(len(tokens), max_tokens)
         stream = stream_flag(body)
         upstream_body = dict(body)
@@ -546,7 +552,8 @@ class VllmRouter:
         """What the request is planned for: `max_tokens` (a chat's None: `default_max_tokens`) trimmed to the
         room the prompt leaves in the longest `max_model_len` of the fleet, as vLLM 0.32 trims it
         (`get_max_tokens`: a prompt that fits is served, its output cut at the context's end; a server with less
-        room than that is the Conductor's to rule out).
+        room than that is the Conductor's to rule out). A `max_tokens` over that `max_model_len` itself was
+        refused before (`check_output_limit`, vLLM's 400), never trimmed.
 
         Raises:
             ApiError: 400, vLLM's answers: a prompt longer than `max_model_len` (`input_tokens`, the renderer's

@@ -429,9 +429,9 @@ def test_prompt_tokens_checks_the_limit() -> None:
     assert bytes(prompt_tokens(chat, TOKENIZER, SERVED)) == b"<|user|>\nhi\n<|assistant|>\n"
     many = {"messages": [{"role": "user", "content": ""}] * 65}
     assert refused(parse_chat, many, SERVED).code == "context_length_exceeded"
-    # 60 prompt tokens + 69 = the 129-token context: served as asked; more is trimmed to the 69 left, as vLLM 0.32
-    # trims it (`get_max_tokens`), not refused; a max_tokens past the context itself too.
-    for asked, planned in ((69, 69), (70, 69), (5000, 69)):
+    # 60 prompt tokens + 69 = the 129-token context: served as asked; more, up to the context itself, is trimmed to
+    # the 69 left, as vLLM 0.32 trims it (`get_max_tokens`), not refused (past the context: test_api_edges).
+    for asked, planned in ((69, 69), (70, 69), (129, 69)):
         request = parse_completion({"prompt": "x" * 60, "max_tokens": asked}, SERVED)
         assert len(prompt_tokens(request, TOKENIZER, SERVED)) == 60
         assert generation_limit(request.sampling, 60, SERVED).max_tokens == planned
@@ -464,10 +464,11 @@ def test_vllm_clients_extras_are_accepted_at_their_neutral_values_and_unknown_fi
 
 
 def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them() -> None:
-    """A negative 64-bit seed (vLLM takes any) is the same bits unsigned; n / best_of 1.0 and top_logprobs 0 are
-    neutral; skip_special_tokens reaches the text stream; chat_template_kwargs reach the chat template (never
+    """A negative 64-bit seed (vLLM takes any) is the same bits unsigned, but -1, which vLLM reads as no seed (a
+    fresh stream per request, as null); n / best_of 1.0 and top_logprobs 0 are neutral; skip_special_tokens reaches the text stream; chat_template_kwargs reach the chat template (never
     its own inputs)."""
-    assert parse_completion({"prompt": "hi", "seed": -1}, SERVED).sampling.seed == 2**64 - 1
+    assert parse_completion({"prompt": "hi", "seed": -1}, SERVED).sampling.seed is None
+    assert parse_completion({"prompt": "hi", "seed": -2}, SERVED).sampling.seed == 2**64 - 2
     assert parse_completion({"prompt": "hi", "seed": -(2**63)}, SERVED).sampling.seed == 2**63
     assert refused(parse_completion, {"prompt": "hi", "seed": -(2**63) - 1}, SERVED).param == "seed"
     parsed = parse_completion({"prompt": "hi", "n": 1.0, "best_of": 1, "top_logprobs": 0, "logprobs": False}, SERVED)

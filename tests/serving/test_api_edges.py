@@ -283,6 +283,8 @@ def test_a_token_prompt_is_taken_iff_every_id_lies_in_the_vocabulary(ids: list[A
 
 @example(num_tokens=SERVED.max_prompt_tokens, max_tokens=None)  # the limits are inclusive
 @example(num_tokens=SERVED.max_prompt_tokens, max_tokens=SERVED.max_context_tokens - SERVED.max_prompt_tokens)
+@example(num_tokens=1, max_tokens=SERVED.max_context_tokens)  # the whole context: trimmed, not refused
+@example(num_tokens=1, max_tokens=SERVED.max_context_tokens + 1)  # over it: refused, whatever the prompt
 @given(
     num_tokens=st.integers(min_value=1, max_value=SERVED.max_prompt_tokens + 6),
     max_tokens=st.none() | st.integers(min_value=1, max_value=SERVED.max_context_tokens + 3),
@@ -290,11 +292,15 @@ def test_a_token_prompt_is_taken_iff_every_id_lies_in_the_vocabulary(ids: list[A
 def test_a_prompt_is_served_iff_it_fits_its_limit_and_max_tokens_is_trimmed_to_the_context(
     num_tokens: int, max_tokens: int | None
 ) -> None:
-    """A completion's prompt of n tokens is served iff n <= max_prompt_tokens (a refusal is
-    `context_length_exceeded` naming the prompt); its max_tokens (16 when unset) is then trimmed to what the context
-    leaves, as vLLM 0.32 trims it, never refused for it."""
+    """A completion's max_tokens over the whole context is refused when the body is parsed, naming max_tokens, as
+    vLLM 0.32 refuses it (before the prompt); else its prompt of n tokens is served iff n <= max_prompt_tokens (a
+    refusal is `context_length_exceeded` naming the prompt); its max_tokens (16 when unset) is then trimmed to what
+    the context leaves, as vLLM 0.32 trims it."""
     body: dict[str, Any] = {"prompt": "x" * num_tokens} | ({} if max_tokens is None else {"max_tokens": max_tokens})
     asked = SERVED.default_max_tokens if max_tokens is None else max_tokens
+    if asked > SERVED.max_context_tokens:
+        assert refused(parse_completion, body, SERVED).param == "max_tokens"
+        return
     request = parse_completion(body, SERVED)
     if num_tokens > SERVED.max_prompt_tokens:
         error = refused(prompt_tokens, request, TOKENIZER, SERVED)
@@ -347,13 +353,63 @@ def test_a_refusal_shows_the_value_it_refused(body: dict[str, Any], param: str, 
     assert (error.status, error.param) == (400, param) and error.message.endswith(shown), error.message
 
 
-def test_an_output_over_the_context_is_trimmed_whichever_field_asked_for_it() -> None:
-    """A prompt and its output over the context: the output is trimmed to what the context leaves, as vLLM 0.32
-    trims it (`get_max_tokens`), whether `max_tokens` or `max_completion_tokens` asked for it."""
+def test_an_output_over_what_the_prompt_leaves_is_trimmed_whichever_field_asked_for_it() -> None:
+    """A prompt and its output over the context, the output within it: the output is trimmed to what the context
+    leaves, as vLLM 0.32 trims it (`get_max_tokens`), whether `max_tokens` or `max_completion_tokens` asked for it."""
     for field in ("max_tokens", "max_completion_tokens"):
-        chat = parse_chat({"messages": USER, field: 5000}, SERVED)
+        chat = parse_chat({"messages": USER, field: SERVED.max_context_tokens}, SERVED)
         n = len(prompt_tokens(chat, TOKENIZER, SERVED))
         assert generation_limit(chat.sampling, n, SERVED).max_tokens == SERVED.max_context_tokens - n
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": "x" * 65, "max_tokens": 130}, "max_tokens"),  # before the prompt's own 400, as vLLM checks
+        ({"prompt": "hi", "max_tokens": 130, "echo": True, "logprobs": 1}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 130}, "max_tokens"),
+        ({"messages": USER, "max_completion_tokens": 130, "max_tokens": 5}, "max_completion_tokens"),
+        ({"messages": USER, "max_completion_tokens": None, "max_tokens": 130}, "max_tokens"),
+    ],
+)
+def test_an_output_over_the_whole_context_is_refused_naming_its_field_as_vllm_refuses_it(
+    body: dict[str, Any], field: str
+) -> None:
+    """vLLM 0.32's `TokenizeParams`: an output longer than the context (`max_context_tokens`, 129 here, the bound of
+    a prompt and its output as vLLM's `max_model_len` is) fits beside no prompt and is a 400 with vLLM's words,
+    naming the field that asked for it (a chat's `max_completion_tokens` where it is set), when the body is
+    parsed: before the prompt is tokenized, as vLLM checks it before it renders the prompt."""
+    parse = parse_chat if "messages" in body else parse_completion
+    error = refused(parse, body, SERVED)
+    asked = body[field]
+    assert (error.status, error.param) == (400, field)
+    assert error.message == (
+        f"{field}={asked} cannot be greater than max_model_len=129. Please request fewer output tokens."
+    )
+
+
+def test_a_body_request_id_is_read_as_a_string_as_vllm_reads_it() -> None:
+    """vLLM's `request_id` (the answer's id: the gateway's test_gateway_request_id) travels in the parsed request,
+    a chat's and each prompt's of a batch; vLLM's pydantic takes a string only (null and numbers are its 400)."""
+    assert parse_completion({"prompt": "hi"}, SERVED).request_id is None
+    batch = parse_completion({"prompt": ["a", "b"], "request_id": "mine"}, SERVED)
+    assert [one.request_id for one in batch.split()] == ["mine", "mine"]
+    assert parse_chat({"messages": USER, "request_id": ""}, SERVED).request_id == ""
+    for bad in (None, 7, True, ["x"]):
+        for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": USER})):
+            error = refused(parse, {**body, "request_id": bad}, SERVED)
+            assert (error.status, error.param) == (400, "request_id")
+
+
+@pytest.mark.parametrize("seed", [-1, "-1", -1.0])
+def test_a_seed_of_minus_one_is_no_seed_as_vllm_reads_it(seed: Any) -> None:
+    """vLLM's `SamplingParams` reads seed -1 as none: each request draws a fresh stream at admission (two sampled
+    requests are not forced to the same text, as the fixed seed 2**64 - 1 forced them); any other negative seed is
+    its 64-bit pattern."""
+    for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": USER})):
+        assert parse({**body, "temperature": 1.0, "seed": seed}, SERVED).sampling.seed is None
+    assert parse_completion({"prompt": "hi", "seed": -3}, SERVED).sampling.seed == 2**64 - 3
 
 
 def test_detokenize_decodes_every_id_as_vllm_does() -> None:

@@ -284,15 +284,16 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
 def test_a_prompt_that_fits_is_served_with_max_tokens_trimmed_as_vllm_trims_it(
     fakes: list[FakeVllm], tokenizer_dir: Path
 ) -> None:
-    """vLLM 0.32 refuses only a prompt longer than `max_model_len`; any other is served, its `max_tokens` (or the
-    default) trimmed to the room the prompt leaves (`get_max_tokens`): so is it through the router, which
-    plans it for that room and forwards the body unchanged."""
+    """vLLM 0.32 refuses a prompt longer than `max_model_len` and a `max_tokens` over it (test below); any other
+    request is served, its `max_tokens` (or the default) trimmed to the room the prompt leaves (`get_max_tokens`):
+    so is it through the router, which plans it for that room and forwards the body unchanged."""
     with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
         for prompt, extra in (
             (list(range(2000)), {"max_tokens": 100}),  # 48 tokens of room: served, 48 at most
             (list(range(2040)), {}),  # a completion's default 16, over the room of 8
             (list(range(2028)), {"max_completion_tokens": None, "max_tokens": 21}),
             (list(range(2047)), {"max_tokens": 2000}),  # one token of room
+            (list(range(2047)), {"max_tokens": 2048}),  # the whole context: not over it, so trimmed too
         ):
             body = {"model": "tiny", "prompt": prompt, **extra}
             status, _, text = post(f"{router.url}/v1/completions", body)
@@ -305,6 +306,39 @@ def test_a_prompt_that_fits_is_served_with_max_tokens_trimmed_as_vllm_trims_it(
         # A prompt that leaves no room at all: vLLM's SamplingParams refuses max_tokens 0.
         status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": list(range(2048))})
         assert (status, json.loads(text)["error"]["param"]) == (400, "max_tokens")
+
+
+def test_max_tokens_over_the_whole_context_is_refused_as_vllm_refuses_it(
+    fakes: list[FakeVllm], tokenizer_dir: Path
+) -> None:
+    """vLLM 0.32's `TokenizeParams`: a `max_tokens` (a chat's `max_completion_tokens` where set) over
+    `max_model_len` (2048, the fleet's longest) fits beside no prompt and every server would refuse it, so the
+    router does, with vLLM's 400 naming that field, before any server sees it or the Conductor plans it: never
+    a refusal turned into a trimmed, served request."""
+    with BackgroundRouter(router_config(fakes, tokenizer_dir)) as router:
+        before = sum(len(f.received) for f in fakes)  # the router's calibration at start
+        for path, body, field in (
+            ("/v1/completions", {"prompt": "bada", "max_tokens": 2049}, "max_tokens"),
+            ("/v1/completions", {"prompt": list(range(4000)), "max_tokens": 2049}, "max_tokens"),  # before the prompt
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
+                "max_tokens",
+            ),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 2049},
+                "max_completion_tokens",
+            ),
+        ):
+            status, _, text = post(f"{router.url}{path}", {"model": "tiny", **body})
+            error = json.loads(text)["error"]
+            assert (status, error["param"]) == (400, field), text
+            assert error["message"] == (
+                f"{field}={body[field]} cannot be greater than max_model_len=2048. Please request fewer output tokens."
+            )
+        assert sum(len(f.received) for f in fakes) == before
+        assert router.read(lambda r: len(r.fleet.flights)) == 0
 
 
 def test_echo_with_max_tokens_zero_and_a_string_stream_are_read_as_vllm_reads_them(
