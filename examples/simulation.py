@@ -118,6 +118,12 @@ def add_workload_options(
         help="what a --trace's timestamps count (default ms, the Mooncake format's; s for Qwen-Bailian's traces)",
     )
     parser.add_argument(
+        "--sort",
+        action="store_true",
+        help="read the whole --trace and sort its lines by timestamp first, for one slightly out of order (merged "
+        "logs); not for a trace with sessions",
+    )
+    parser.add_argument(
         "--num-requests",
         type=int,
         help=f"requests generated (default {DEFAULT_REQUESTS}), or the first of a trace (default: all of it)"
@@ -173,8 +179,9 @@ def load_workload(
             skip_invalid=args.skip_invalid,
             prog=_program(),
             time_unit=args.time_unit,
+            sort=args.sort,
         )
-        # Only the first `count` are read (and checked): the lines come in arrival order.
+        # Only the first `count` are read (and checked), the lines coming in arrival order; --sort reads them all.
         requests = list(itertools.islice(lines, count))
         if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
             raise ConfigError(f"--trace {args.trace} has no requests")
@@ -185,6 +192,8 @@ def load_workload(
         raise ConfigError(
             f"--time-unit {args.time_unit} says what a --trace's timestamps count; a generated workload has none"
         )
+    if args.sort:
+        raise ConfigError("--sort puts a --trace's lines in timestamp order; a generated workload comes in order")
     spec = attrs.evolve(preset(args.preset or DEFAULT_PRESET), block_size_tokens=block)  # as `trace generate` does
     rate = getattr(args, "default_rate", DEFAULT_RATE) if rate is None else rate
     requests = generate_requests(

@@ -1,10 +1,10 @@
 """The `mooncake` command line.
 
-    mooncake trace stats PATH [--json] [--block-size N] [--time-unit ms|s|us] [--skip-invalid]
+    mooncake trace stats PATH [--json] [--block-size N] [--time-unit ms|s|us] [--skip-invalid] [--sort]
     mooncake trace generate --preset NAME --num-requests N --out PATH [--rate R] [--cv C] [--seed S]
     mooncake trace capacity PATH --policy lru --capacity-blocks 1000,10000,50000 [--prefix-aware] [--json]
-                            [--plot out.png] [--no-progress] [--skip-invalid]
-    mooncake trace convert IN OUT [--to mooncake|aiperf] [--skip-invalid]
+                            [--plot out.png] [--no-progress] [--skip-invalid] [--sort]
+    mooncake trace convert IN OUT [--to mooncake|aiperf] [--skip-invalid] [--sort]
 
 Traces may be plain or gzip (`.jsonl.gz`), in the Mooncake form or aiperf's
 (see `mooncake.workload.trace`); an output whose name ends in `.gz` is
@@ -19,6 +19,10 @@ an image: .png, .pdf, .svg, ...). No input makes it print a traceback.
 With `--skip-invalid` a malformed line is left out instead and named on stderr,
 except that a line which the 10 lines after it all arrive before is an error
 naming it (its timestamp is likely wrong: skipping on would lose the rest).
+With `--sort` a trace slightly out of order (logs merged with jitter) is read
+whole and its lines sorted by timestamp first (`convert --sort` writes a sorted
+copy); lines are still named by their place in the file, and a trace with
+sessions or a line without a timestamp is refused, naming the line.
 `--time-unit` says what a trace's timestamps count (ms, the Mooncake format's,
 by default; `s` for Alibaba's Qwen-Bailian traces); a millisecond trace with
 fractions of a millisecond gets one `PROG: warning: ...` line on stderr saying so.
@@ -213,14 +217,16 @@ def read_trace(
     skip_invalid: bool = False,
     prog: str = "mooncake",
     time_unit: TimeUnit = "ms",
+    sort: bool = False,
 ) -> Iterator[Request]:
-    """A trace as the command lines read it (`--block-size`, `--skip-invalid`, `--time-unit`): `iter_trace`, strict,
-    or with `skip_invalid` each malformed line left out and named on stderr as `PROG: skipped FILE:LINE: reason`;
-    its caution about the time unit as `PROG: warning: ...`.
+    """A trace as the command lines read it (`--block-size`, `--skip-invalid`, `--time-unit`, `--sort`): `iter_trace`,
+    strict, or with `skip_invalid` each malformed line left out and named on stderr as `PROG: skipped FILE:LINE:
+    reason`; its caution about the time unit as `PROG: warning: ...`.
 
     Raises:
         TraceFormatError: at the first malformed line unless `skip_invalid`, at a broken gzip stream, and with
-            `skip_invalid` at a line the 10 lines after it all arrive before (see `iter_trace`).
+            `skip_invalid` at a line the 10 lines after it all arrive before (see `iter_trace`); with `sort`, at a line
+            that names a session or has no timestamp.
         ConfigError: for invalid options.
     """
 
@@ -238,12 +244,20 @@ def read_trace(
         on_skip=report,
         time_unit=time_unit,
         on_caution=caution,
+        sort=sort,
     )
 
 
 def _read(args: argparse.Namespace, path: str) -> Iterator[Request]:
-    """The trace at `path` with the command's block size and time unit, strict unless --skip-invalid."""
-    return read_trace(path, block_size_tokens=args.block_size, skip_invalid=args.skip_invalid, time_unit=args.time_unit)
+    """The trace at `path` with the command's block size and time unit, strict unless --skip-invalid, sorted with
+    --sort."""
+    return read_trace(
+        path,
+        block_size_tokens=args.block_size,
+        skip_invalid=args.skip_invalid,
+        time_unit=args.time_unit,
+        sort=args.sort,
+    )
 
 
 def _stats(args: argparse.Namespace) -> None:
@@ -465,6 +479,12 @@ def _parser() -> argparse.ArgumentParser:
             choices=TIME_UNITS,
             default="ms",
             help="what the trace's timestamps count (default ms, the Mooncake format's; s for Qwen-Bailian's traces)",
+        )
+        command.add_argument(
+            "--sort",
+            action="store_true",
+            help="read the whole trace and sort its lines by timestamp first, for one slightly out of order (merged "
+            "logs); not for a trace with sessions",
         )
     return parser
 

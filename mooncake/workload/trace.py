@@ -50,6 +50,12 @@ above or below, names a session (`TraceAssembler.doubtful_loss`): some
 session's later turns would be built without it. Blank lines are ignored, as
 are fields neither format defines.
 
+A trace slightly out of order (logs merged with jitter) reads with `sort=True`
+(`--sort`): the whole file is read, its lines stable-sorted by timestamp, then
+placed as above, each still named by its line in the file. It refuses a line
+that names a session or has no timestamp: the order of the lines decides which
+turn of its session a line is, and when a line without a timestamp arrives.
+
 `iter_trace` streams: it holds a request back only until no later line can
 arrive before it (a trace without sessions holds none; sessions written
 grouped hold their later turns until the trace's other sessions catch up) and
@@ -91,6 +97,7 @@ from mooncake.workload.trace_record import (
     MOONCAKE_FIELDS,
     TIME_UNITS,
     TimeUnit,
+    TraceRecord,
     arrival_problem,
     check_block_count,
     parse_record,
@@ -233,7 +240,9 @@ def _record(raw: bytes) -> Any:
     except json.JSONDecodeError as error:
         # A JSON array of requests (pretty-printed), a pretty-printed object, a CSV trace or a compressed file fail
         # on their first line: say what a trace is.
-        raise ValueError(f"invalid JSON: {error.msg} at column {error.colno}{_hint(line)}") from error
+        # Some of json's messages end in "at" ("Unterminated string starting at"), for a place to follow.
+        message = error.msg.removesuffix(" at")
+        raise ValueError(f"invalid JSON: {message} at column {error.colno}{_hint(line)}") from error
     except RecursionError as error:
         raise ValueError("invalid JSON: arrays or objects nested too deeply") from error
     except ValueError as error:
@@ -260,6 +269,7 @@ def iter_trace(
     on_skip: Callable[[SkippedLine], object] | None = None,
     time_unit: TimeUnit = "ms",
     on_caution: Callable[[str], object] | None = None,
+    sort: bool = False,
 ) -> Iterator[Request]:
     """Stream the requests of a trace in arrival order, validating each line as it is read.
 
@@ -273,6 +283,9 @@ def iter_trace(
         on_caution: told, once each, that a millisecond trace has timestamps with fractions of a millisecond
             (the first, by file and line), as a trace timed in seconds has, and of the first line with a field
             neither format defines (ignored: a misspelt field reads as absent) (default: a warning).
+        sort: read the whole file, then take its lines in timestamp order (file order among equal timestamps):
+            for a trace slightly out of order, as merged logs are. What is said of a line still names its line
+            in the file. Only for a trace without sessions whose every line has a timestamp.
 
     Yields:
         Requests with ids "0", "1", ... in arrival order (file order among equal
@@ -283,7 +296,8 @@ def iter_trace(
             arrival that `speedup` puts past `MAX_ARRIVAL_S` (2**43 ms, the bound on a timestamp), and, lenient,
             naming a line whose arrival the `MAX_LINES_BEHIND` (10) lines after it, none read between, are all
             left out for preceding (its timestamp is likely wrong, or the trace unsorted; skipping on would lose
-            the rest of the trace).
+            the rest of the trace); with `sort`, at a line that names a session or has no timestamp (its place in
+            the file decides its turn or arrival).
         ConfigError: for invalid options.
     """
     # Checked here, not in the generator, so that bad options fail at the call.
@@ -293,11 +307,15 @@ def iter_trace(
             raise ConfigError(f"{name} must be a callable or None, got {callback!r}")
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
-    if not isinstance(strict, bool):
-        raise ConfigError(f"strict must be a bool, got {strict!r}")
+    for name, flag in (("strict", strict), ("sort", sort)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be a bool, got {flag!r}")
     if not isinstance(time_unit, str) or time_unit not in TIME_UNITS:
         raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
-    return _read(path, block_size_tokens, speedup, strict, on_skip or _warn, time_unit, on_caution or _caution)
+    entries = _entries(path, block_size_tokens, time_unit)
+    if sort:
+        entries = _sorted(path, entries)
+    return _read(path, entries, block_size_tokens, speedup, strict, on_skip or _warn, time_unit, on_caution or _caution)
 
 
 def _check_path(path: object) -> None:
@@ -307,8 +325,92 @@ def _check_path(path: object) -> None:
         raise ConfigError(f"a trace path cannot hold a NUL byte, got {os.fspath(path)!r}")
 
 
+_Entry = tuple[int, bytes, Any, TraceRecord | ValueError]
+"""A line that is not blank: its number, its bytes, its JSON (`_UNREAD` if it is none), its record or why none."""
+
+_UNSORTED_HINT = " (is the trace unsorted? sort=True / --sort reads it sorted by timestamp)"
+
+
+def _entries(path: str | os.PathLike[str], block_size_tokens: int, time_unit: TimeUnit) -> Iterator[_Entry]:
+    """The lines that are not blank, in file order, each read as far as it goes."""
+    for number, raw in _lines(path):
+        data = raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw  # Windows' BOM
+        record: Any = _UNREAD
+        try:
+            record = _record(data)
+            if record is _BLANK:
+                continue
+            parsed: TraceRecord | ValueError = parse_record(record, block_size_tokens, time_unit=time_unit)
+        except ValueError as error:
+            parsed = error
+        yield number, data, record, parsed
+
+
+def _sorted(path: str | os.PathLike[str], entries: Iterable[_Entry]) -> Iterator[_Entry]:
+    """`entries`, those with no record as they come, then those with one stable-sorted by timestamp.
+
+    The whole file is read, its records held, before the first of them comes out; each keeps its line number.
+
+    Raises:
+        TraceFormatError: a line names a session (the order of its lines decides each session's turns) or has no
+            timestamp (its place in the file decides its arrival): sorting would change what the trace says.
+    """
+    keyed: list[tuple[float, _Entry]] = []
+    for number, data, record, parsed in entries:
+        if isinstance(parsed, ValueError):
+            if record is not _UNREAD:
+                named = session_of(record) is not None
+            else:  # no JSON (a truncated write): its session, if its text shows one
+                found = session_in_text(data.decode("utf-8", "surrogateescape"))
+                named = found.session_id is not None or found.doubt == "cut"
+            if named:
+                raise _unsortable(path, number, "the line names a session")
+            yield number, data, record, parsed  # skipped (or raised) where it is read
+        elif parsed.session_id is not None:
+            raise _unsortable(path, number, f"the line names session {parsed.session_id!r}")
+        elif parsed.timestamp_ms is None:
+            raise TraceFormatError(
+                path,
+                number,
+                "the line has no timestamp: it arrives by its place in the file (its delay after the latest line "
+                "above), which sorting would change; a trace read sorted (sort=True / --sort) needs one on each line",
+            )
+        else:
+            keyed.append((parsed.timestamp_ms, (number, b"", record, parsed)))  # its bytes: read for no record
+    keyed.sort(key=lambda item: item[0])  # stable: file order among equal timestamps
+    for _, entry in keyed:
+        yield entry
+
+
+def _unsortable(path: str | os.PathLike[str], number: int, what: str) -> TraceFormatError:
+    return TraceFormatError(
+        path,
+        number,
+        f"{what}: a trace with sessions cannot be read sorted (sort=True / --sort), since the order of its lines "
+        "decides which turn of its session each line is",
+    )
+
+
+def _place(assembler: TraceAssembler, record: TraceRecord, number: int, *, has_sessions: bool) -> Turn:
+    """`assembler.place`, whose refusal of a start before the latest one, in a trace without sessions (the
+    Mooncake rule that timestamps never decrease), says that a sorted read takes the trace.
+
+    Raises:
+        ValueError: as `assembler.place`.
+    """
+    stamp = record.timestamp_ms
+    unsorted = not has_sessions and stamp is not None and stamp < assembler.mark_ms
+    try:
+        return assembler.place(record, number)
+    except ValueError as error:
+        if unsorted:
+            raise ValueError(f"{error}{_UNSORTED_HINT}") from error
+        raise
+
+
 def _read(
     path: str | os.PathLike[str],
+    entries: Iterable[_Entry],
     block_size_tokens: int,
     speedup: float,
     strict: bool,
@@ -321,15 +423,13 @@ def _read(
     index = 0
     cautioned = time_unit != "ms"
     strange = False  # a field neither format defines was cautioned about
-    for number, raw in _lines(path):
-        data = raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw  # Windows' BOM
-        record: Any = _UNREAD
+    has_sessions = False  # a line read named a session: a sorted read, which refuses them, is no help
+    for number, data, record, parsed in entries:
         try:
-            record = _record(data)
-            if record is _BLANK:
-                continue
-            parsed = parse_record(record, block_size_tokens, time_unit=time_unit)
-            turn = assembler.place(parsed, number)
+            if isinstance(parsed, ValueError):
+                raise parsed
+            has_sessions = has_sessions or parsed.session_id is not None
+            turn = _place(assembler, parsed, number, has_sessions=has_sessions)
         except ValueError as error:
             if strict:
                 raise TraceFormatError(path, number, str(error)) from error
@@ -424,6 +524,7 @@ def load_trace(
     on_skip: Callable[[SkippedLine], object] | None = None,
     time_unit: TimeUnit = "ms",
     on_caution: Callable[[str], object] | None = None,
+    sort: bool = False,
 ) -> list[Request]:
     """All requests of a trace, or an error and nothing (see `iter_trace`)."""
     return list(
@@ -435,6 +536,7 @@ def load_trace(
             on_skip=on_skip,
             time_unit=time_unit,
             on_caution=on_caution,
+            sort=sort,
         )
     )
 
