@@ -277,12 +277,14 @@ class ModelSection:
 
     @property
     def namespace(self) -> str:
-        """The block-key namespace's model: the preset's name, or for a checkpoint its served name and a digest
-        of its config.json and weight files (names, sizes, first and last MiB), so the caches of two models never
-        mix. The gateway and every worker ask this one property."""
-        if self.checkpoint is None:
-            return self.preset
-        return f"{self.served_name}@{_checkpoint_digest(self.checkpoint)}"
+        """The block-key namespace's model: the preset's name and its weights' seed, or for a checkpoint its
+        served name and a digest of its config.json and weight files (names, sizes, first and last MiB); and the
+        dtype the KV is computed in. So the caches of two models never mix, not even through an SSD pool a
+        restarted cluster reopens (another seed is another model's KV). The gateway and every worker ask this one
+        property."""
+        weights = f"seed={self.seed}" if self.checkpoint is None else _checkpoint_digest(self.checkpoint)
+        model = self.preset if self.checkpoint is None else self.served_name
+        return f"{model}@{weights}/{self.dtype}"
 
     def hasher(self) -> BlockHasher:
         """The cluster's block keys: in this namespace, of `block_tokens` tokens. The gateway, every worker, the

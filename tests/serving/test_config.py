@@ -25,7 +25,7 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving.config import SECTIONS, ClusterConfig, LimitsSection, load_config
+from serving.config import SECTIONS, ClusterConfig, LimitsSection, ModelSection, load_config
 from serving.machine import FD_RESERVE, Machine
 
 from mooncake.errors import ConfigError
@@ -402,3 +402,19 @@ def test_the_launcher_prints_one_line_and_no_traceback(tmp_path: Path, content: 
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert done.stderr.startswith(f"error: {config}: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+@given(
+    seeds=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    dtypes=st.tuples(st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["float32", "bfloat16"])),
+)
+def test_presets_of_other_weights_or_dtypes_key_blocks_apart(seeds: tuple[int, int], dtypes: tuple[str, str]) -> None:
+    """A preset's weights are its seed's, and the KV is the dtype's: two models share a block-key namespace (so a
+    cache, an SSD pool reopened after a restart included, serves one's KV to the other) iff both are the same."""
+    from mooncake.cache.hashing import BlockHasher
+
+    first, second = (ModelSection(seed=s, dtype=d) for s, d in zip(seeds, dtypes, strict=True))
+    same = seeds[0] == seeds[1] and dtypes[0] == dtypes[1]
+    assert (first.namespace == second.namespace) == same
+    keys = [BlockHasher(model=c.namespace, block_size_tokens=16).block_keys(list(range(32))) for c in (first, second)]
+    assert (keys[0] == keys[1]) == same
