@@ -206,9 +206,10 @@ class LayerwiseKvIo:
         if not self._prefix_pages:  # pinned: DRAM pages are zero-copy views, lower tiers one verified read
             # Kept only once all were read: a read that fails must fail every later layer's load too.
             read = [self.cache.get(key) for key in self._prefix_keys]
+            missing = [key for key, page in zip(self._prefix_keys, read, strict=True) if page is None]
+            if missing:
+                raise IntegrityError(f"pinned prefix block {missing[0]} failed verification while loading")
             pages = [page for page in read if page is not None]
-            if len(pages) < len(read):
-                raise IntegrityError("a pinned prefix block failed verification while loading")
             self._prefix_pages = pages
         if not self._prefix_views:  # one view per page, not one per page and layer (this runs per layer)
             self._prefix_views.extend(self.layout.page_kv(page) for page in self._prefix_pages)

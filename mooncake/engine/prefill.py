@@ -19,7 +19,15 @@ One `prefill(tokens)`:
 5. An optional `KvSink` hears of each layer once its bytes are final in every
    page of the request, so the KV can stream to a decode node while later
    layers still compute (`MessengerSink` pushes them through the node's
-   `Messenger`, one layer per part).
+   `Messenger`, one layer per part). A push ships first-tier pages only, so in a
+   batch that streams every block of a prompt is brought there: a prefix block
+   that its read left on a lower tier (`promote_after` other than 1, say) is
+   copied up (removed there, reserved and committed in the first tier), and a
+   block the prefill computes that is cached on a lower tier is overwritten (a
+   fresh reservation its computation fills: the bytes are the same, so no read is
+   needed); one cached in the first tier, and each new one once committed, is
+   pinned until the push ends. (A lower-tier block another holder pins cannot
+   move: its push still fails.)
 6. A caller's `cancelled` flag (its client left) is asked before each chunk: a
    cancelled prefill stops there, within one chunk's time, as a failed one
    does (the stream aborts, nothing is committed).
@@ -57,7 +65,15 @@ from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import Attend, LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams, rows_logprobs
-from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import (
+    BlockPinnedError,
+    Cancelled,
+    ConfigError,
+    EngineError,
+    InvalidRequestError,
+    TransferError,
+    UnknownBlockError,
+)
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
 from mooncake.types import BlockKey
@@ -73,6 +89,8 @@ __all__ = [
     "PrefillResult",
 ]
 
+
+_NAMED_KEYS = 8  # blocks an error names (a long prompt's push has thousands)
 
 # One prompt's (K, V) buffers, one pair per layer, each [tokens, kv_heads, head_dim].
 KvBuffers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -360,6 +378,7 @@ class PrefillEngine:
                 `max_context_tokens`.
             EngineError: the engine is closed, or the last logits hold a NaN (no block is committed).
             Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
+            TransferError: the sink's `end` failed (`MessengerSink`: the peer did not commit a block the push sent).
         """
         return self.prefill_batch(
             [tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled, cache_salts=[cache_salt]
@@ -401,6 +420,8 @@ class PrefillEngine:
                 prompt's last logits hold a NaN (`Sampler.next_token`; nothing of the batch is kept).
             Cancelled: `cancelled` answered True (nothing of the batch is kept; where the forward pass runs the
                 prompts one at a time, those done before are kept, committed and streamed).
+            TransferError: a sink's `end` failed (`MessengerSink`: the peer did not commit a block the push sent);
+                the blocks stay committed here, and the streams after it abort.
         """
         if self._closed:  # else executor's RuntimeError, once the prefix is pinned and pages reserved
             raise EngineError("the prefill engine is closed")
@@ -437,15 +458,21 @@ class PrefillEngine:
         keys = [hasher.block_keys(one.numpy()) for hasher, one in zip(hashers, ids, strict=True)]
         prefixes: list[int] = []  # blocks pinned, per prompt so far
         reserved: list[BlockKey] = []
+        held: list[BlockKey] = []  # cached first-tier blocks the prompts compute, pinned for their pushes
         streaming: list[KvSink] = []
+        # A push ships first-tier pages only: in a batch that streams, every block it pins or computes is brought
+        # there (the whole batch's, so that no prompt's pin holds a block another's push needs on a lower tier).
+        lift = any(sink is not None for sink in outs)
         try:
             for one, ks, k in zip(ids, keys, scores, strict=True):
                 # A scored prompt is computed whole: its prefix positions' logits are needed, not only their KV.
                 reusable = 0 if k is not None else reusable_prefix_tokens(one.shape[0], len(ks), block) // block
-                prefixes.append(self._pin_prefix(ks, max_blocks=reusable))
+                prefixes.append(self._pin_prefix(ks, max_blocks=reusable, lift=lift))
             pages = []
             for one, ks, prefix_blocks in zip(ids, keys, prefixes, strict=True):
-                prompt_pages, prompt_reserved = self._reserve(ks, prefix_blocks, one.shape[0])
+                prompt_pages, prompt_reserved = self._reserve(
+                    ks, prefix_blocks, one.shape[0], held=held if lift else None
+                )
                 pages.append(prompt_pages)
                 reserved += prompt_reserved
             for sink, ks in zip(outs, keys, strict=True):
@@ -469,6 +496,10 @@ class PrefillEngine:
                 firsts.append(samplers[-1].next_token(logits))
             for key in reserved:
                 self.cache.commit(key)
+                if lift:  # the commit ends the reservation's pin: held where the push reads it until the push ends
+                    with contextlib.suppress(UnknownBlockError):
+                        self.cache.pin(key)
+                        held.append(key)
             reserved = []
             while streaming:
                 streaming.pop(0).end()  # end() finishes or cleans up by itself
@@ -483,6 +514,8 @@ class PrefillEngine:
             for ks, prefix_blocks in zip(keys, prefixes, strict=False):
                 for key in ks[:prefix_blocks]:
                     self._unpin(key)
+            for key in held:
+                self._unpin(key)
         seconds = time.perf_counter() - started
         results = []
         for one, ks, prefix_blocks, ps, sampler, first, (logits, scored, load_wait, store_wait) in zip(
@@ -509,15 +542,21 @@ class PrefillEngine:
     def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
         return token_ids(tokens, self.forward.model_config.vocab_size)
 
-    def _pin_prefix(self, keys: tuple[BlockKey, ...], *, max_blocks: int) -> int:
-        """Pin the longest cached run of leading blocks (at most `max_blocks`); its length."""
+    def _pin_prefix(self, keys: tuple[BlockKey, ...], *, max_blocks: int, lift: bool = False) -> int:
+        """Pin the longest cached run of leading blocks (at most `max_blocks`); its length. With `lift` (the KV
+        streams) each is first brought to the first tier (`_lift`), and the run ends at one that cannot be."""
         count = 0
         try:
-            for key in keys[:max_blocks]:
-                self.cache.touch(key)  # a read: promotes a lower-tier block to DRAM (so it can stream)
+            for i, key in enumerate(keys[:max_blocks]):
+                self.cache.touch(key)  # a read: promotes a lower-tier block by the cache's policy
+                if lift and not self._lift(key, parent=keys[i - 1] if i else None, position=i):
+                    break
                 try:
                     self.cache.pin(key)
                 except UnknownBlockError:
+                    break
+                if lift and not self._in_first_tier(key):  # demoted between its lift and the pin: computed instead
+                    self._unpin(key)
                     break
                 count += 1
         except BaseException:  # a failed read (SSD I/O): give back the pins taken so far
@@ -532,8 +571,57 @@ class PrefillEngine:
         except UnknownBlockError:
             pass
 
-    def _reserve(self, keys: tuple[BlockKey, ...], first: int, n: int) -> tuple[list[Buffer | None], list[BlockKey]]:
-        """A writable page (or None: not ours to fill) per block from `first` on, and the keys reserved."""
+    def _in_first_tier(self, key: BlockKey) -> bool:
+        location = self.cache.location(key)
+        return location is not None and location.tier == self.cache.pools[0].tier
+
+    def _lift(self, key: BlockKey, *, parent: BlockKey | None, position: int) -> bool:
+        """Whether cached `key` is in the first tier, copied up from a lower tier if need be (a push ships
+        first-tier pages only, and the cache's own promotion follows its `promote_after`).
+
+        The copy replaces the block: its verified bytes are read, the lower-tier copy removed, and a first-tier
+        page reserved, filled and committed, so the cache holds one copy throughout (its usual invariants) and
+        announces the move as a removal and a store. False where the block is not cached (or fails verification),
+        or another holder pins it where it is (a pinned block never moves).
+        """
+        location = self.cache.location(key)
+        if location is None or not location.ready:
+            return False
+        if location.tier == self.cache.pools[0].tier:
+            return True
+        data = self.cache.get(key)  # a verified copy (or, where this read promotes it, the first-tier page)
+        if data is None:
+            return False
+        if self._in_first_tier(key):
+            return True
+        try:
+            self.cache.remove(key)
+        except BlockPinnedError:
+            return False
+        except UnknownBlockError:
+            pass  # evicted meanwhile: the bytes read are still its own
+        page = self.cache.reserve(key, location.length, parent=parent, position=position)
+        if page is None:  # cached or being filled again meanwhile, by another writer
+            return self._in_first_tier(key)
+        try:
+            self.layout.page_kv(page).copy_(self.layout.page_kv(data))
+        except BaseException:
+            self.cache.abort(key)
+            raise
+        self.cache.commit(key)
+        return True
+
+    def _reserve(
+        self, keys: tuple[BlockKey, ...], first: int, n: int, *, held: list[BlockKey] | None = None
+    ) -> tuple[list[Buffer | None], list[BlockKey]]:
+        """A writable page (or None: not ours to fill) per block from `first` on, and the keys reserved.
+
+        With `held` (the KV streams: its push ships first-tier pages only), a block already cached is pinned where
+        it is if that is the first tier (its key appended to `held`; the caller unpins it), and overwritten if it
+        is lower: removed there and reserved again, as the computation that fills the page gives the same bytes
+        (cheaper than copying it up, and the cache keeps one copy). One being filled by another writer is left to
+        it (its page is in the first tier).
+        """
         pages: list[Buffer | None] = []
         reserved: list[BlockKey] = []
         if not self.config.store:
@@ -542,9 +630,10 @@ class PrefillEngine:
         try:
             for i in range(first, len(keys)):
                 tokens = min(block, n - i * block)
-                page = self.cache.reserve(
-                    keys[i], self.layout.block_bytes(tokens), parent=keys[i - 1] if i else None, position=i
-                )
+                length, parent = self.layout.block_bytes(tokens), keys[i - 1] if i else None
+                page = self.cache.reserve(keys[i], length, parent=parent, position=i)
+                if page is None and held is not None:
+                    page = self._overwrite_if_lower(keys[i], length, parent=parent, position=i, held=held)
                 pages.append(page)
                 if page is not None:
                     reserved.append(keys[i])
@@ -553,6 +642,27 @@ class PrefillEngine:
                 self.cache.abort(key)
             raise
         return pages, reserved
+
+    def _overwrite_if_lower(
+        self, key: BlockKey, length: int, *, parent: BlockKey | None, position: int, held: list[BlockKey]
+    ) -> Buffer | None:
+        """For a block `reserve` found cached: pinned (appended to `held`) if in the first tier and None, else a
+        fresh first-tier reservation in place of its lower-tier copy (None if another holder pins that)."""
+        try:
+            self.cache.pin(key)
+        except UnknownBlockError:
+            return None  # being filled by another writer, in a first-tier page (or gone meanwhile)
+        if self._in_first_tier(key):
+            held.append(key)
+            return None
+        self.cache.unpin(key)
+        try:
+            self.cache.remove(key)
+        except BlockPinnedError:
+            return None  # another holder reads it where it is: it cannot move
+        except UnknownBlockError:
+            pass
+        return self.cache.reserve(key, length, parent=parent, position=position)
 
     # ------------------------------------------------------------------ the forward pass
 
@@ -622,6 +732,10 @@ class MessengerSink:
         peer: the decode node's peer name.
         num_layers: the model's layers (the number of parts each block is cut into).
         timeout_s: for the final commit at the peer.
+
+    `end` raises `TransferError` unless the peer committed every block the push sent (`Push.keys`: those it
+    reserved; one it held already or had no room for is not sent): a part that failed mid-stream, or a block that
+    failed the peer's checksum, would otherwise pass as streamed and be found missing at the hand-off.
     """
 
     def __init__(self, messenger: Messenger, peer: str, *, num_layers: int, timeout_s: float = 30.0) -> None:
@@ -637,8 +751,21 @@ class MessengerSink:
         self._push.send_part(layer)
 
     def end(self) -> None:
+        """Finish the push; `committed` is what the peer committed.
+
+        Raises:
+            TransferError: a block the push sent was not committed (named, with the count), or `Push.finish`'s.
+        """
         assert self._push is not None, "end before begin"
         self.committed = self._push.finish(self.timeout_s)
+        committed = set(self.committed)
+        missing = [key for key in self._push.keys if key not in committed]
+        if missing:
+            named = ", ".join(map(str, missing[:_NAMED_KEYS])) + (" ..." if len(missing) > _NAMED_KEYS else "")
+            raise TransferError(
+                f"the KV push to {self.peer} committed {len(self._push.keys) - len(missing)} of the"
+                f" {len(self._push.keys)} blocks it sent; not committed: {named}"
+            )
 
     def abort(self) -> None:
         if self._push is not None:

@@ -562,7 +562,11 @@ class Fetch:
 
 
 class Push:
-    """Blocks on their way out; `send_part` ships a byte range, `finish` commits them at the peer, `abort` gives up."""
+    """Blocks on their way out; `send_part` ships a byte range, `finish` commits them at the peer, `abort` gives up.
+
+    `keys` are the blocks it sends: those the peer reserved (not one it held already, nor one it had no room
+    for). `finish` returns those the peer committed, so a caller that needs them all compares the two.
+    """
 
     def __init__(
         self,
