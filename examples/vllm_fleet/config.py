@@ -17,6 +17,15 @@
     kv_events = "tcp://0.0.0.0:5557"   # where the router binds for its KV events (vLLM connects)
     replay = "tcp://10.0.0.5:5558"     # its replay socket ("": none: a missed batch is lost)
     role = "both"                      # both | prefill | decode
+    kv_group = 0                       # the KV-cache group whose events are read: a full-attention one
+
+`kv_group`: vLLM publishes each KV-cache group's blocks; a hybrid model with
+sliding-window layers has several groups, which lose blocks independently, and
+only a full-attention group's say which prefixes vLLM can reuse. vLLM numbers
+the groups in the order of each layer kind's first layer: 0 for a model of one
+kind, 1 for gpt-oss and Gemma 2 (layer 0 slides), 5 for Gemma-3-12B and 6 for
+Gemma 3's 1B, 4B and 27B (docs/vllm.md says how to find it for another model;
+the router logs the group to set when the one read is not full attention).
 
 Checked as `serving.config` checks the cluster's (the same field rules): an
 unknown key, a value of the wrong type or out of range, a `kv_events` without a
@@ -147,13 +156,14 @@ class RouterSection:
 @attrs.frozen(kw_only=True)
 class InstanceSection:
     """One `[[instances]]` table: a vLLM server, the endpoint the router binds for its KV events, its replay
-    socket and its role."""
+    socket, its role and the KV-cache group whose events are read (see the module docstring)."""
 
     NAME: ClassVar[str] = "instances"
     url: str = _setting("", text=_url)
     kv_events: str = _setting("", text=_endpoint)
     replay: str = _setting("", text=_replay_endpoint)
     role: str = _setting("both", allowed=ROLES)
+    kv_group: int = _setting(0, minimum=0, maximum=1023)
 
     @property
     def base_url(self) -> str:

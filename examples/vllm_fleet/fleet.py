@@ -71,6 +71,7 @@ __all__ = ["Fleet", "FleetInstance", "Flight"]
 log = logging.getLogger("vllm_router")
 DAY_S = 86_400.0
 TYPICAL_PROMPT_TOKENS = 512  # a foreign request's prompt before the router has seen any
+FULL_ATTENTION = "full_attention"  # vLLM's kv_cache_spec_kind of a full-attention group
 HASH_MODEL = "vllm-fleet"  # the block keys' namespace: the router hashes both the prompts and the servers' blocks
 
 
@@ -86,6 +87,7 @@ class FleetInstance:
     state: InstanceState = attrs.field(factory=InstanceState)
     event_errors: int = 0
     refused: str = ""  # why it stays down though its /health answers (it came back unlike its start-up probe)
+    group_warned: bool = False  # its events said the KV-cache group read is not full attention (logged once)
 
     @property
     def url(self) -> str:
@@ -162,7 +164,9 @@ class Fleet:
                 # reading), they would outlive the evictions that remove the real ones: blocks believed cached for
                 # ever. "full" reads a parentless GPU BlockStored of a block already held as no copy; it may
                 # under-count a copy two requests computed at once, which only drops a block from the index early.
-                decoder = VllmEventDecoder(self.hasher, instance_id, strict=False, report_mode="full")
+                decoder = VllmEventDecoder(
+                    self.hasher, instance_id, kv_group=section.kv_group, strict=False, report_mode="full"
+                )
                 subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
                 self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
         except BaseException:
@@ -178,19 +182,27 @@ class Fleet:
     # ------------------------------------------------------------------ requests
 
     def schedule(
-        self, tokens: Sequence[int], max_tokens: int, now: float, *, cache_salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        now: float,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> tuple[Request, ScheduleDecision]:
         """Key the prompt's blocks and ask the Conductor; an accepted request is in flight from now. A request
-        with a `cache_salt` is keyed in its salt's namespace (`BlockHasher.salted`), as the gateway keys it: the
-        servers' salted blocks are not indexed (their events' `extra_keys` cannot be told from a multimodal
-        input's), so its prompt is planned as uncached, which vLLM's salted hash makes it against any unsalted
-        copy."""
+        of a LoRA adapter (`lora`: its name) is keyed in the adapter's namespace (`BlockHasher.for_lora`), where
+        the decoders key the servers' blocks of that adapter: it reuses that adapter's prefixes only, as in vLLM.
+        A request with a `cache_salt` is keyed in its salt's namespace (`BlockHasher.salted`), as the gateway
+        keys it: the servers' salted blocks are not indexed (their events' `extra_keys` cannot be told from a
+        multimodal input's), so its prompt is planned as uncached, which vLLM's salted hash makes it against
+        any unsalted copy."""
         request = Request(
             request_id=RequestId(f"r{next(self._ids)}"),
             arrival_s=0.0,
             input_length=len(tokens),
             output_length=max(1, max_tokens),
-            block_keys=self.hasher.salted(cache_salt).block_keys(tokens),
+            block_keys=self.hasher.for_lora(lora).salted(cache_salt).block_keys(tokens),
             block_size_tokens=self.hasher.block_size_tokens,
         )
         self._overdue(now)
@@ -359,6 +371,7 @@ class Fleet:
                 subscriber.stats.num_errors += 1
                 subscriber.stats.last_error = str(error)
                 subscriber.decoder.restart()
+            self._check_group(instance)
             errors = subscriber.stats.num_errors
             if errors > instance.event_errors:
                 instance.event_errors = errors
@@ -370,6 +383,28 @@ class Fleet:
                     subscriber.stats.last_error,
                 )
         return handled
+
+    def _check_group(self, instance: FleetInstance) -> None:
+        """Log once if the server's events say the KV-cache group read is not full attention while another is
+        (a hybrid model's sliding-window group loses blocks its full-attention group keeps: the index would
+        disagree with the server's hits), naming the `kv_group` to set."""
+        decoder = instance.subscriber.decoder
+        kind = decoder.group_kinds.get(decoder.kv_group)
+        if instance.group_warned or kind in (None, FULL_ATTENTION):
+            return
+        full = sorted(group for group, named in decoder.group_kinds.items() if named == FULL_ATTENTION)
+        if not full:
+            return
+        instance.group_warned = True
+        log.error(
+            "instance %s (%s): kv_group = %d is a %s group, whose blocks the server drops apart from the prefix; "
+            "set kv_group = %d in its [[instances]] table (the full-attention group)",
+            instance.instance_id,
+            instance.url,
+            decoder.kv_group,
+            kind,
+            full[0],
+        )
 
     def cached_blocks(self, instance_id: InstanceId) -> int:
         """The blocks the index holds for `instance_id`."""

@@ -3,7 +3,8 @@
 `POST /v1/completions` and `/v1/chat/completions`: the prompt is tokenized with
 the servers' tokenizer (a chat through its template, as vLLM renders it:
 `vllm_fleet.prompt`; one the router cannot render is routed by its texts and
-left to the server to answer), the `Fleet` schedules it
+left to the server to answer), the `Fleet` schedules it (keyed in a LoRA
+adapter's namespace when its `model` is not the served one: `_adapter`)
 (429 with `Retry-After` when the Conductor rejects it: the estimated TTFT
 misses `[router] ttft_slo_s`, or no server can hold it), and the body goes
 unchanged to the chosen server (a disaggregated pair: first the prompt with
@@ -472,6 +473,7 @@ class VllmRouter:
         prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
         tokens = prompt.tokens
         salt = cache_salt(body)  # vLLM's 400 for a bad one, before any server sees it
+        lora = _adapter(body, self.model)
         max_tokens = self._trimmed(len(tokens), max_tokens)
         stream = stream_flag(body)
         upstream_body = dict(body)
@@ -487,7 +489,7 @@ class VllmRouter:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         for _attempt in range(self.settings.max_retries + 1):
             now = time.monotonic()
-            _, decision = self.fleet.schedule(tokens, max_tokens, now, cache_salt=salt)
+            _, decision = self.fleet.schedule(tokens, max_tokens, now, cache_salt=salt, lora=lora)
             if not decision.accepted:
                 assert decision.reason is not None
                 self.metrics.rejections[decision.reason.value].inc()
@@ -810,6 +812,18 @@ def _passed_back(headers: Any) -> dict[str, str]:
 def _forwarded(headers: Any) -> dict[str, str]:
     """The client's end-to-end headers, as a server should see them (`Authorization`, `X-Request-Id`...)."""
     return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+
+
+def _adapter(body: dict[str, Any], served: str) -> str | None:
+    """The LoRA adapter a request names, as vLLM reads its `model` (`_maybe_get_adapters`): every name a server
+    accepts is its model's (`served`, the probe's) or an adapter's, listed in its /v1/models with the model as
+    `parent`, or loaded since (`/v1/load_lora_adapter`), so any other name is taken for an adapter's. None: the
+    served model (no `model`, or not a string: vLLM's 400 comes from the server). A name no server serves is
+    keyed as an adapter no server has cached: planned uncached, then vLLM's 404."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model or model == served:
+        return None
+    return model
 
 
 def _echo_only(body: dict[str, Any]) -> bool:

@@ -192,6 +192,23 @@ class BlockHasher:
         # NUL never occurs in a salt vLLM accepts: the namespace parts cannot run into each other.
         return attrs.evolve(self, salt=f"{self.salt}\x00cache_salt:{cache_salt}")
 
+    def for_lora(self, adapter: str | None) -> BlockHasher:
+        """This hasher in the namespace of a LoRA adapter (vLLM's `lora_name`, the `model` a request names): an
+        adapter's KV differs from the base model's, so its keys share no block with this hasher's or another
+        adapter's (vLLM keys an adapter's blocks with ``("lora", name, path)``). None: this hasher. The vLLM event
+        decoder keys an adapter's blocks and the vLLM router an adapter's prompts through this one rule; a salted
+        request of an adapter is `for_lora(name).salted(salt)`.
+
+        Raises:
+            InvalidRequestError: `adapter` is no string, or is empty.
+        """
+        if adapter is None:
+            return self
+        if not isinstance(adapter, str) or not adapter:
+            raise InvalidRequestError(f"a LoRA adapter's name must be a non-empty string, got {adapter!r:.80}")
+        # NUL never occurs in a name vLLM serves: the namespace parts cannot run into each other.
+        return attrs.evolve(self, salt=f"{self.salt}\x00lora:{adapter}")
+
     def num_blocks(self, num_tokens: int) -> int:
         """Blocks (the partial last one included) that `num_tokens` tokens make.
 

@@ -16,11 +16,18 @@ several: its GPU pool as an int (`maybe_convert_block_hash`, by default), some
 versions of its offloading connector as the raw bytes. The map holds every hash
 some tier holds, plus the `max_retired_hashes` most recently dropped ones, so a
 block stored just after its parent was evicted still finds its parent. LoRA
-blocks hash under a salt naming the adapter (vLLM also writes the adapter's name,
+blocks are keyed in their adapter's namespace (`BlockHasher.for_lora`, where a
+router keys a request naming that adapter; vLLM also writes the adapter's name,
 or id, as each block's ``extra_keys``: those say nothing more); blocks with other
 ``extra_keys`` (multimodal inputs, cache salts) cannot be re-derived from tokens
-and are refused; only KV-cache group `kv_group` is read (a hybrid model's other
-groups repeat the same prefixes).
+and are refused. Only KV-cache group `kv_group` is read: a hybrid model's groups
+hold the same prefixes but lose blocks independently (a sliding-window group frees
+a request's blocks that slide out of its window while it runs, so they are evicted
+first), and vLLM's hit needs every group; read a full-attention group, whose blocks
+go only when the whole prefix is unused (vLLM numbers groups in the order of each
+kind's first layer, so a model whose layer 0 slides has it at 1 or later). The
+`kv_cache_spec_kind` that vLLM's `BlockStored` names is recorded per group
+(`group_kinds`) to tell which one that is.
 
 Copies. vLLM does not de-duplicate its cache: two requests that computed the same
 block at once hold two physical copies of it under one hash, each announced by its
@@ -159,7 +166,8 @@ class VllmEventDecoder:
         source: the instance the events are about.
         epoch: the first epoch (a later one starts on each restart or `skip_to`).
         tiers: vLLM medium → tier (default `DEFAULT_TIERS`).
-        kv_group: the KV-cache group read (events of other groups are ignored).
+        kv_group: the KV-cache group read (events of other groups are ignored): for a hybrid model, a
+            full-attention group (see the module docstring; `group_kinds` tells the groups' kinds).
         strict: raise on a hash never seen (True), or skip what cannot be translated
             and count it in `num_skipped` (for a subscriber that joined late).
         max_retired_hashes: dropped hashes whose keys are kept, most recent first.
@@ -229,6 +237,9 @@ class VllmEventDecoder:
         self._undo: list[tuple[dict[Any, Any], Any, Any]] | None = None  # (table, key, value before)
         self._applied: OrderedDict[int, float] = OrderedDict()  # the last batches applied: seq → publisher's ts
         self.num_redelivered = 0
+        # The kv_cache_spec_kind each group's BlockStored named, the last one seen (kept across restarts: a fact
+        # of the server's model, which a later BlockStored corrects; vLLM before 0.32 names none).
+        self.group_kinds: dict[int, str] = {}
 
     @property
     def epoch(self) -> int:
@@ -398,6 +409,8 @@ class VllmEventDecoder:
             for chunk in list(self._chunks):
                 self._write(self._chunks, chunk, _MISSING)
             return (AllBlocksCleared, (), Tier.VRAM)
+        if isinstance(event, VllmBlockStored) and event.group_idx is not None and event.kv_cache_spec_kind:
+            self.group_kinds[event.group_idx] = event.kv_cache_spec_kind
         if event.group_idx not in (None, self.kv_group):
             return None
         tier = self.tiers.get(_medium_name(event.medium))
@@ -548,8 +561,8 @@ class VllmEventDecoder:
     def _lora_hasher(self, adapter: str) -> BlockHasher:
         hasher = self._lora_hashers.get(adapter)
         if hasher is None:
-            # An adapter's KV differs from the base model's: a salt keeps their keys apart.
-            hasher = attrs.evolve(self.hasher, salt=f"{self.hasher.salt}\x00lora:{adapter}")
+            # The one LoRA namespace: the vLLM router keys an adapter's prompts through it too.
+            hasher = self.hasher.for_lora(adapter)
             self._lora_hashers[adapter] = hasher
         return hasher
 

@@ -190,7 +190,9 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
     try:
         body = msgpack.unpackb(payload, raw=False)
     except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise VllmEventError(f"payload is not one msgpack value ({len(payload)} bytes): {error}") from error
+        # msgpack's own errors often have no text (`FormatError()`, `StackError()`): their name is the reason.
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise VllmEventError(f"payload is not one msgpack value ({len(payload)} bytes): {reason}") from error
     if isinstance(body, list):
         if len(body) < 2:
             raise VllmEventError(f"batch array needs [ts, events], got {len(body)} elements")
