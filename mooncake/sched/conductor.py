@@ -18,7 +18,9 @@
 
 It returns a frozen `ScheduleDecision`; the caller carries it out (moves KV per
 the transfer plan, runs prefill, ...) and reports progress with events, which
-keep the views and the index current (`handle`, `apply_cache_event`). The
+keep the views and the index current (`handle`, `apply_cache_event`). Before
+routing, a queue whose started prefill ran past its predicted end is predicted again from the present
+(`PrefillView.stale_s`): it ends no sooner, and those behind it start no sooner. The
 Conductor never routes to an instance marked down. It reads no clock and draws
 randomness only from its seeded generator, so a replay is reproducible. The
 views also sit on boards (`PrefillBoard`, `DecodeBoard`), refreshed at each
@@ -355,6 +357,7 @@ class Conductor:
         if request.request_id in self._in_flight:
             raise InvalidRequestError(f"request {request.request_id} is already scheduled")
         self._check_geometry(request)
+        self._catch_up(now)
         board = self._prefill_board
         candidates: Sequence[PrefillView] = board
         keys = key_array(request.block_keys, integers=True)  # once, for the index and the tie-break
@@ -608,6 +611,17 @@ class Conductor:
             return BoardLoads.of(loads)
         empty = np.zeros(len(board), dtype=np.int64)
         return BoardLoads(empty, empty, empty)
+
+    def _catch_up(self, now: float) -> None:
+        """Retime the queues whose times went stale by `now` (`PrefillView.stale_s`): a started request not
+        reported ended ends no sooner than the present, the first not reported started behind it starts no sooner,
+        and those behind follow. Else a queue would drain by prediction while its instance runs past the estimate:
+        routing would see it idle, admission a TTFT too short, the decode side its requests joined and gone."""
+        board = self._prefill_board
+        if now > board.stale_s:  # one comparison while no queue can have gone stale
+            for slot in np.flatnonzero(board.stale_at_s < now).tolist():
+                self._retime(board.slot_views[slot], now=now)
+            board.restale()
 
     def _check_geometry(self, request: Request) -> None:
         """The request's keys must be this Conductor's blocks: one key per block, the partial last one included."""
@@ -903,20 +917,27 @@ class Conductor:
             # A started one keeps a start that has passed; one not yet started is not before the present.
             start = max(earliest, previous_frees) if is_started else max(earliest, previous_frees, not_before)
             end = prefill_end_s(start, entry.prefill_s, hold, previous_end)
+            frees = start + hold
+            if end < not_before and is_started:
+                # Running past its estimate (its end not reported): it ends no sooner than the present, and frees
+                # the instance as much later.
+                frees += not_before - end
+                end = not_before
             if (
                 start != entry.start_s
                 or end != entry.finish_s
+                or frees != entry.frees_s
                 or is_started != entry.started
                 or earliest != entry.earliest_s
             ):
                 entry = attrs.evolve(
-                    entry, start_s=start, finish_s=end, frees_s=start + hold, started=is_started, earliest_s=earliest
+                    entry, start_s=start, finish_s=end, frees_s=frees, started=is_started, earliest_s=earliest
                 )
                 incoming = self._incoming.get(entry.decode_instance) if entry.decode_instance is not None else None
                 if incoming is not None and entry.request_id in incoming:  # the decode side's picture follows
                     incoming[entry.request_id] = entry
             retimed.append(entry)
-            previous_frees, previous_end = start + hold, end
+            previous_frees, previous_end = frees, end
         view.queue = retimed
         self._prefill_board.refresh(self._prefill_board.slot[view.instance_id])
 

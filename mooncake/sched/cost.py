@@ -55,8 +55,8 @@ from mooncake._checks import (
     require_iterable,
     require_number,
 )
-from mooncake.errors import ConfigError
-from mooncake.types import MAX_TOKENS, Tier
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.types import MAX_TOKENS, Tier, check_token_count
 
 __all__ = [
     "ChunkedPipelineCost",
@@ -259,6 +259,22 @@ def reuse_bandwidth_bytes_per_s(model: ModelShape, hardware: Hardware, prefix_to
     return prefix_tokens * model.kv_bytes_per_token / compute_s
 
 
+def _prefill_tokens(num_tokens: Any, prefix_tokens: Any) -> tuple[int, int]:
+    """A prefill's token counts as Python ints (numpy's squared would wrap): `num_tokens` a token count
+    (`types.check_token_count`) or 0 (nothing to compute), `prefix_tokens` an integer (fewer than none cached is
+    none: `prefill_flops`). The prefill models call it where the common case, two plain ints, fails their one
+    inline test.
+
+    Raises:
+        InvalidRequestError: naming the count and its value (a NaN, a float, a negative prompt: each was timed
+            silently, at NaN or 0 s, and the router then found no instance or a free one).
+    """
+    num_tokens = 0 if is_int(num_tokens) and num_tokens == 0 else check_token_count("num_tokens", num_tokens)
+    if not is_int(prefix_tokens):
+        raise InvalidRequestError(f"prefix_tokens must be an integer, got {prefix_tokens!r}")
+    return num_tokens, int(prefix_tokens)
+
+
 @attrs.frozen(kw_only=True)
 class PrefillCostModel:
     """Analytic prefill time: FLOPs / (G · peak · MFU), with the cached prefix's KV loaded from DRAM
@@ -288,7 +304,15 @@ class PrefillCostModel:
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
         """Seconds to prefill `num_tokens` tokens with `prefix_tokens` of them cached (as `prefill_flops` reads
-        it: fewer than no tokens cached is none)."""
+        it: fewer than no tokens cached is none).
+
+        Raises:
+            InvalidRequestError: a count that is no integer, or a `num_tokens` outside [0, MAX_TOKENS]
+                (`_prefill_tokens`).
+        """
+        # Routing asks this per candidate: two plain ints in range are one test, anything else is looked into.
+        if type(num_tokens) is not int or type(prefix_tokens) is not int or not 0 <= num_tokens <= MAX_TOKENS:
+            num_tokens, prefix_tokens = _prefill_tokens(num_tokens, prefix_tokens)
         if prefix_tokens < 0:  # priced as is, it would add compute for tokens before the prompt's first
             prefix_tokens = 0
         if num_tokens <= prefix_tokens:
@@ -339,6 +363,7 @@ class ChunkedPipelineCost:
 
     def _stages(self, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
         """(Σ chunk times on one stage, the longest chunk time)."""
+        num_tokens, prefix_tokens = _prefill_tokens(num_tokens, prefix_tokens)  # a NaN would time no chunk: 0 s
         prefix_tokens = max(prefix_tokens, 0)  # as `prefill_flops` reads it: fewer than no tokens cached is none
         total, longest, done, before = 0.0, 0.0, prefix_tokens, 0.0
         while done < num_tokens:
@@ -545,6 +570,14 @@ class FittedPrefillModel:
         )
 
     def prefill_s(self, num_tokens: int, prefix_tokens: int = 0) -> float:
+        """c0 + c1·(n − p) + c2·(n² − p²) seconds, never below 0; 0 with the whole prompt cached.
+
+        Raises:
+            InvalidRequestError: a count that is no integer, or a `num_tokens` outside [0, MAX_TOKENS]
+                (`_prefill_tokens`).
+        """
+        if type(num_tokens) is not int or type(prefix_tokens) is not int or not 0 <= num_tokens <= MAX_TOKENS:
+            num_tokens, prefix_tokens = _prefill_tokens(num_tokens, prefix_tokens)
         if num_tokens <= prefix_tokens:
             return 0.0
         c0, c1, c2 = self.coefficients

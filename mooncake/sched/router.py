@@ -575,7 +575,10 @@ class LoadBalancingRouter:
 
 @attrs.define
 class RandomRouter:
-    """A uniformly random instance (drawn from the caller's seeded generator)."""
+    """A uniformly random instance (drawn from the caller's seeded generator).
+
+    The draw indexes the candidates in id order, so the same draw picks the same instance whatever order they
+    were added in."""
 
     estimator: TtftEstimator
 
@@ -584,7 +587,12 @@ class RandomRouter:
     ) -> RouteDecision | None:
         if not candidates:
             return None
-        return self.estimator.decide_local(candidates[rng.randrange(len(candidates))], query, now)
+        ordered = (
+            candidates.slot_views  # a board's slots are in id order already
+            if isinstance(candidates, PrefillBoard)
+            else sorted(candidates, key=lambda view: view.instance_id)
+        )
+        return self.estimator.decide_local(ordered[rng.randrange(len(ordered))], query, now)
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """Nothing to learn."""

@@ -137,6 +137,19 @@ class PrefillView:
         """Predicted time until the work queued or reported ends (0 if it has)."""
         return max(self.drained_s() - now, 0.0)
 
+    def stale_s(self) -> float:
+        """When the queue's times go stale unless an event comes first (+inf if they never do): a request reported
+        started is predicted to end then (it runs until its end is reported), or the first one not reported
+        started behind it to start (it starts no sooner than the present). The walk stops at that one: those
+        behind it start after it. A queue where no start was reported never goes stale (its owner may report
+        none: a server that tells only of first tokens; its queue drains by prediction)."""
+        stale = math.inf
+        for queued in self.queue:
+            if not queued.started:
+                return stale if stale == math.inf else min(stale, queued.start_s)
+            stale = min(stale, queued.finish_s)
+        return stale
+
     def check_invariants(self) -> None:
         previous = float("-inf")
         for queued in self.queue:
@@ -323,13 +336,22 @@ class _Board(Sequence[_V]):
 class PrefillBoard(_Board["PrefillView"]):
     """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
     view in slot s is predicted to free it or its backlog ends (−inf with neither), `drained_s[s]`
-    when its work ends (`PrefillView.drained_s`), `is_up[s]` whether it is up."""
+    when its work ends (`PrefillView.drained_s`), `stale_at_s[s]` when its times go stale
+    (`PrefillView.stale_s`), `is_up[s]` whether it is up. `stale_s` is at most the least of
+    `stale_at_s` (lowered as views change, raised only by `restale`): one comparison tells that no
+    view has gone stale by a time."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
         super().__init__(views)
         self.busy_until_s = np.full(len(self.views), -math.inf)
         self.drained_s = np.full(len(self.views), -math.inf)
+        self.stale_at_s = np.full(len(self.views), math.inf)
+        self.stale_s = math.inf
         self.refresh_all()
+
+    def restale(self) -> None:
+        """`stale_s` raised to the least of `stale_at_s` again (after the stale views were retimed)."""
+        self.stale_s = float(self.stale_at_s.min()) if len(self.views) else math.inf
 
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after its queue or state changed)."""
@@ -338,14 +360,21 @@ class PrefillBoard(_Board["PrefillView"]):
             last = view.queue[-1]
             self.busy_until_s[slot] = max(last.frees_s, view.backlog_until_s)
             self.drained_s[slot] = max(last.finish_s, view.backlog_until_s)
+            # Most queues have no start reported (a head waits): never stale, known without the walk.
+            stale = self.stale_at_s[slot] = view.stale_s() if view.queue[0].started else math.inf
+            if stale < self.stale_s:
+                self.stale_s = stale
         else:
             self.busy_until_s[slot] = self.drained_s[slot] = view.backlog_until_s
+            self.stale_at_s[slot] = math.inf
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
         views = self.slot_views
         assert self.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in views]
         assert self.drained_s.tolist() == [v.drained_s() for v in views]
+        assert self.stale_at_s.tolist() == [v.stale_s() for v in views], "stale times out of sync"
+        assert not views or self.stale_s <= min(v.stale_s() for v in views), "a stale view would go unseen"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
 

@@ -1602,6 +1602,13 @@ class ConductorMachine(RuleBasedStateMachine):
             p for p in up_prefill if best_blocks and self.caches.holdings.prefix_blocks(p, r.block_keys) >= enough
         ]
         best = min(holders, key=lambda p: (self._leaving(p), p)) if holders else None
+        # A queue whose times went stale (one started was to end before now, or the first not reported started
+        # behind a started one was to start before now) is retimed now, before the request is routed.
+        for view in self.conductor.prefill_views:
+            running = list(itertools.takewhile(lambda q: q.started, view.queue))
+            waiting = view.queue[len(running)] if running and len(running) < len(view.queue) else None
+            if any(q.finish_s < self.now for q in running) or (waiting is not None and waiting.start_s < self.now):
+                self.retimed_at[view.instance_id] = self.now
         decision = self.conductor.schedule(r, self.now)
         event(
             f"{decision.reason.value if decision.reason else 'accepted'}{' with transfer' if decision.transfer else ''}"
@@ -1881,7 +1888,8 @@ class ConductorMachine(RuleBasedStateMachine):
         """Each queued prefill starts when the one ahead frees the instance, from the time it could start on
         (reported started: then; else: its transfer done, the backlog it was routed behind over, and not before
         the queue was last retimed), however late it was predicted before; on the plain prefill model it ends
-        its own prefill after its start."""
+        its own prefill after its start, a started one no sooner than the queue was last retimed (it runs until
+        its end is reported)."""
         for view in self.conductor.prefill_views:
             seen = [(q.request_id, q.started) for q in view.queue]
             before = self.seen_queues.get(view.instance_id, [])
@@ -1897,7 +1905,10 @@ class ConductorMachine(RuleBasedStateMachine):
                 else:
                     floor = max(self.earliest[q.request_id], self.retimed_at.get(view.instance_id, -math.inf))
                 assert math.isclose(q.start_s, max(floor, previous_frees), rel_tol=1e-9, abs_tol=1e-9), (q, floor)
-                assert math.isclose(q.finish_s, q.start_s + q.prefill_s, rel_tol=1e-9, abs_tol=1e-9), q
+                end = q.start_s + q.prefill_s
+                if q.started:
+                    end = max(end, self.retimed_at.get(view.instance_id, -math.inf))
+                assert math.isclose(q.finish_s, end, rel_tol=1e-9, abs_tol=1e-9), q
                 previous_frees = q.frees_s
 
     @invariant()
