@@ -950,7 +950,7 @@ def test_the_predictor_option_chooses_the_predictive_policys_predictor() -> None
         for n in (100, 300)
     ]
     slo = Slo(tbt_s=0.05)
-    assert registry.predictor("uniform", requests, slo) == UniformDecodePredictor(decode_s=200 * 0.05)
+    assert registry.predictor("uniform", requests, slo) == UniformDecodePredictor(decode_s=200 * 0.05, step_s=0.05)
     assert registry.predictor("expected_output", requests, slo) == ExpectedOutputPredictor(step_s=0.05)
     with pytest.raises(ConfigError, match="predictor must be one of uniform, expected_output"):
         registry.predictor("oracle", requests, slo)

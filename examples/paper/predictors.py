@@ -97,8 +97,8 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
     policy = f"{args.predictor} (policy's)"
     candidates: dict[str, LoadPredictor] = {
         "current_load": CurrentLoad(),
-        "uniform_td_10s": UniformDecodePredictor(decode_s=10.0),
-        "uniform_td_5s": UniformDecodePredictor(decode_s=5.0),
+        "uniform_td_10s": UniformDecodePredictor(decode_s=10.0, step_s=slo.tbt_s),
+        "uniform_td_5s": UniformDecodePredictor(decode_s=5.0, step_s=slo.tbt_s),
         "output_length": learnt,
         "expected_output": ExpectedOutputPredictor(step_s=slo.tbt_s),
         policy: in_use,

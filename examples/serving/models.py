@@ -115,6 +115,7 @@ def build_conductor(
     """
     prefill, step_model = cost_models(config)
     policy = config.policy
+    slo = config.objectives()
     return build(
         model=model_shape(config),
         hardware=CPU,
@@ -123,8 +124,9 @@ def build_conductor(
         hasher=config.model.hasher(),
         router=registry.router(policy.router, threshold=policy.threshold),
         admission=registry.admission(policy.admission),
-        predictor=UniformDecodePredictor(decode_s=PREDICTED_DECODE_S),
-        slo=config.objectives(),
+        # contexts grown at the TBT objective's pace, as the check the predicted load meets counts them
+        predictor=UniformDecodePredictor(decode_s=PREDICTED_DECODE_S, step_s=slo.tbt_s),
+        slo=slo,
         prefill=prefill,
         step_model=step_model,
         decode_limits=decode_limits(config),

@@ -55,9 +55,10 @@ ADMISSIONS: dict[str, Callable[[], AdmissionPolicy]] = {
 
 # name → the decode load predictor of `predictive_early_rejection`, given the workload and the SLOs
 PREDICTORS: dict[str, Callable[[Sequence[Request], Slo], LoadPredictor]] = {
-    # the paper's: every request decodes for t_d = the workload's mean output x TBT objective
+    # the paper's: every request decodes for t_d = the workload's mean output x TBT objective, its context growing
+    # a token per TBT objective (as expected_output's)
     "uniform": lambda requests, slo: UniformDecodePredictor(
-        decode_s=uniform_decode_s((r.output_length for r in requests), slo.tbt_s)
+        decode_s=uniform_decode_s((r.output_length for r in requests), slo.tbt_s), step_s=slo.tbt_s
     ),
     # each request for its own output x TBT objective
     "expected_output": lambda _requests, slo: ExpectedOutputPredictor(step_s=slo.tbt_s),

@@ -143,7 +143,7 @@ class Fleet:
             # No TBT objective: the router does not model the servers' decode steps (a zero step model).
             step_model=FittedStepModel(coefficients=(0.0, 0.0, 0.0)),
             admission=registry.admission(settings.admission),
-            predictor=UniformDecodePredictor(decode_s=DEFAULT_DECODE_S),
+            predictor=UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=DAY_S),  # the objective's pace
             slo=Slo(ttft_s=settings.ttft_slo_s, tbt_s=DAY_S),
             block_size_tokens=settings.block_size,
             transfers=False,

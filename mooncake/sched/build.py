@@ -14,7 +14,8 @@ your own:
     router          `KvCacheCentricRouter` (Algorithm 1, threshold 1.5): any callable making a
                     `Router` from the `TtftEstimator` (a router class, `functools.partial(...)`)
     admission       `EarlyRejection()`
-    predictor       `UniformDecodePredictor(decode_s=DEFAULT_DECODE_S)` (the paper's t_d)
+    predictor       `UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=slo.tbt_s)` (the paper's t_d;
+                    contexts grow at the TBT objective's pace)
     slo             `Slo()`: TTFT 30 s, TBT 100 ms
     cost models     `PrefillCostModel` and `DecodeCostModel` of the model on its hardware, the
                     transfer model at the hardware's NIC; `decode_hardware` when decode runs on
@@ -36,7 +37,7 @@ from mooncake.sched.admission import AdmissionPolicy, EarlyRejection
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import Hardware, ModelShape, PrefillCostModel, PrefillModel, TransferCostModel
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import DEFAULT_DECODE_S, LoadPredictor, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, DEFAULT_STEP_S, LoadPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, Router, TtftEstimator
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import InstanceId, Slo
@@ -150,6 +151,12 @@ def build_conductor(
     _check_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
+    slo = slo if slo is not None else Slo()
+    if predictor is None:
+        # Contexts grow at the pace the TBT check holds a batch to, so the prediction counts them as the check does
+        # (a slo that is no Slo has none: the Conductor refuses it below, naming it).
+        pace = slo.tbt_s if isinstance(slo, Slo) else DEFAULT_STEP_S
+        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=pace)
     conductor = Conductor(
         router=router(
             ttft_estimator(
@@ -158,8 +165,8 @@ def build_conductor(
         ),
         step_model=step_model if step_model is not None else decode_cost,
         admission=admission if admission is not None else EarlyRejection(),
-        predictor=predictor if predictor is not None else UniformDecodePredictor(decode_s=DEFAULT_DECODE_S),
-        slo=slo if slo is not None else Slo(),
+        predictor=predictor,
+        slo=slo,
         block_size_tokens=block,
         transfers=transfers,
         seed=seed,

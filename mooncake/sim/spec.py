@@ -34,7 +34,7 @@ from mooncake.sched.cost import (
     TransferCostModel,
 )
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import DEFAULT_DECODE_S, LoadPredictor, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, DEFAULT_STEP_S, LoadPredictor, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
@@ -203,7 +203,7 @@ def build_conductor(
         router: makes the `Router` from the spec's estimator (default: Algorithm 1, threshold 1.5).
         admission: default `EarlyRejection()`.
         decode_s: the uniform decode duration t_d of the paper's load predictor (default `DEFAULT_DECODE_S`;
-            `sched.predictor.uniform_decode_s` gives a workload's).
+            `sched.predictor.uniform_decode_s` gives a workload's), its contexts grown at the TBT objective's pace.
         predictor: the decode load predictor instead of the paper's (then no `decode_s`).
 
     Raises:
@@ -212,7 +212,10 @@ def build_conductor(
     if predictor is not None and decode_s is not None:
         raise ConfigError("give a decode_s (the paper's uniform predictor's t_d) or a predictor, not both")
     if predictor is None:
-        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S if decode_s is None else decode_s)
+        # Contexts grow at the pace the TBT check holds a batch to, as the check counts them (no slo: the default
+        # objective's, DEFAULT_STEP_S; one that is no Slo the Conductor refuses, naming it).
+        pace = slo.tbt_s if isinstance(slo, Slo) else DEFAULT_STEP_S
+        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S if decode_s is None else decode_s, step_s=pace)
     return build(
         model=spec.model,
         hardware=spec.prefill_hardware,

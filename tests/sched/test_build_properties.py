@@ -99,7 +99,9 @@ def by_hand(options: dict[str, Any]) -> Conductor:
         router=factory(estimator),
         step_model=DecodeCostModel(model=model, hardware=decode_hardware),
         admission=options.get("admission", EarlyRejection()),
-        predictor=UniformDecodePredictor(decode_s=DEFAULT_DECODE_S),
+        predictor=UniformDecodePredictor(
+            decode_s=DEFAULT_DECODE_S, step_s=options.get("slo", Slo(ttft_s=30.0, tbt_s=0.1)).tbt_s
+        ),
         slo=options.get("slo", Slo(ttft_s=30.0, tbt_s=0.1)),
         block_size_tokens=hasher.block_size_tokens if hasher is not None else options["block_size_tokens"],
         transfers=options.get("transfers", True),
@@ -141,7 +143,7 @@ def test_a_built_conductor_reads_back_as_its_documented_assembly(options: dict[s
         assert conductor.admission is options["admission"]
     else:
         assert conductor.admission == EarlyRejection()
-    assert conductor.predictor == UniformDecodePredictor(decode_s=DEFAULT_DECODE_S)
+    assert conductor.predictor == UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=conductor.slo.tbt_s)
     assert conductor.slo == options.get("slo", Slo(ttft_s=30.0, tbt_s=0.1))
     hasher = options.get("hasher")
     assert conductor.block_size_tokens == (

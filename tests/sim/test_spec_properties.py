@@ -132,7 +132,12 @@ def by_hand(spec: ClusterSpec, options: dict[str, Any]) -> Conductor:
         kv_bytes_per_token=spec.model.kv_bytes_per_token,
         first_token_overhead_s=spec.first_token_overhead_s,
     )
-    predictor = options.get("predictor", UniformDecodePredictor(decode_s=options.get("decode_s", DEFAULT_DECODE_S)))
+    predictor = options.get(
+        "predictor",
+        UniformDecodePredictor(
+            decode_s=options.get("decode_s", DEFAULT_DECODE_S), step_s=options.get("slo", Slo()).tbt_s
+        ),
+    )
     conductor = Conductor(
         router=options.get("router", KvCacheCentricRouter)(estimator),
         step_model=spec.step_model or DecodeCostModel(model=spec.model, hardware=spec.decode_hardware),
@@ -171,7 +176,10 @@ def test_a_specs_conductor_carries_every_field(spec: ClusterSpec, options: dict[
     assert spec.decode_limits == expected_limits(spec)
     assert all(view.limits == expected_limits(spec) for view in conductor.decode_views)
     assert conductor.predictor == options.get(
-        "predictor", UniformDecodePredictor(decode_s=options.get("decode_s", DEFAULT_DECODE_S))
+        "predictor",
+        UniformDecodePredictor(
+            decode_s=options.get("decode_s", DEFAULT_DECODE_S), step_s=options.get("slo", Slo()).tbt_s
+        ),
     )
     assert conductor.slo == options.get("slo", Slo(ttft_s=30.0, tbt_s=0.1))
     assert conductor.admission == options.get("admission", EarlyRejection())
