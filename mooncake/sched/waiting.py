@@ -20,7 +20,8 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 - `pump` tries the head: accepted, it leaves and the next is tried; rejected for room before its deadline, it
   keeps its place and the line waits; rejected otherwise, it leaves rejected and the next is tried. Then each
   request whose deadline has come is tried once, out of turn (the head has just failed, so only room the head
-  cannot use is taken), and leaves, admitted or rejected. Only one that joined the line late (its caller
+  cannot use is taken), by deadline (equal ones in the order they joined the line: one arriving again joined
+  last), and leaves, admitted or rejected. Only one that joined the line late (its caller
   read its body first) can be due before the head: a deadline is at most arrival plus the same bound.
 - Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
   counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.

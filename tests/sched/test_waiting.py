@@ -79,6 +79,7 @@ class _Row:
     item: int
     request: Request
     deadline_s: float
+    joined: int  # when it joined the line (ties between equal deadlines go in this order)
 
 
 @attrs.define
@@ -88,6 +89,7 @@ class LineModel:
     conductor: FakeConductor
     max_wait_s: float
     line: list[_Row] = attrs.field(factory=list)
+    joins: int = 0
 
     def _try(self, row_request: Request, now: float) -> tuple[ScheduleDecision, float]:
         decision = self.conductor.schedule(row_request, now, waited_s=max(0.0, now - row_request.arrival_s))
@@ -112,11 +114,13 @@ class LineModel:
         if position and req.input_length > CAPACITY:  # behind others, and no wait could get it in: refused at once
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG)
         if position:  # behind others: untried
-            self.line.insert(position, _Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s)))
+            self.joins += 1
+            self.line.insert(position, _Row(item, req, req.arrival_s + min(self.max_wait_s, SLO.ttft_s), self.joins))
             return None
         decision, deadline = self._try(req, now)
         if now < deadline:
-            self.line.insert(0, _Row(item, req, deadline))
+            self.joins += 1
+            self.line.insert(0, _Row(item, req, deadline, self.joins))
             return None
         return decision
 
@@ -130,7 +134,7 @@ class LineModel:
                 break
             self.line.pop(0)
             out.append((head.item, decision))
-        for row in sorted((r for r in self.line if r.deadline_s <= now), key=lambda r: (r.deadline_s, r.item)):
+        for row in sorted((r for r in self.line if r.deadline_s <= now), key=lambda r: (r.deadline_s, r.joined)):
             self.line.remove(row)
             out.append((row.item, self._try(row.request, now)[0]))
         return out
@@ -516,3 +520,27 @@ def test_a_request_arriving_again_overtakes_no_earlier_arrival() -> None:
     tried = len(conductor.calls)
     assert queue.arrive("E", request(5, 0.5, 5, 1), 7.0, again=True) is None
     assert list(queue) == ["E", "A", "B", "C", "R"] and len(conductor.calls) == tried + 1  # the head: tried
+
+
+def test_equal_deadlines_go_in_the_order_their_requests_joined_the_line() -> None:
+    """Hypothesis's case (CI): r5 joins late behind the head, r1 arrives again at r5's arrival time and stands
+    behind it, both due at once: r5 (joined first) is tried before r1, in the queue and in the model alike."""
+    machine = LineMachine()
+    machine.start(max_wait_s=2.0)
+    machine.arrive(late_s=0.0, size=1, ttft_tenths=1)  # r1, accepted
+    machine.advance_to_a_deadline_or_by(dt=1.0)
+    machine.arrive(late_s=0.0, size=1, ttft_tenths=1)  # r2, accepted
+    machine.arrive(late_s=0.0, size=1, ttft_tenths=1)  # r3, accepted
+    machine.arrive(late_s=0.0, size=9, ttft_tenths=1)  # r4, waits for room at the head
+    machine.arrive(late_s=1.5, size=1, ttft_tenths=1)  # r5, joins late behind it, due at 2.0
+    assert machine.queue is not None
+    request_id = machine.accepted.pop(0)  # r1's instance fails: it arrives again, due at 2.0 as well
+    machine.real.release(request_id)
+    machine.model.conductor.release(request_id)
+    machine.decided.discard(1)
+    machine.arrived_again = True
+    assert machine.queue.arrive(1, machine.requests[1], machine.now, again=True) is None
+    assert machine.model.arrive(1, machine.requests[1], machine.now, again=True) is None
+    decided = machine.queue.pump(2.0)
+    assert [item for item, _ in decided] == [5, 1]
+    assert summary(decided) == summary(machine.model.pump(2.0))
