@@ -219,9 +219,7 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids),
         )
         for name, ids in named:
-            for token in ids:
-                if token >= vocab:
-                    raise InvalidRequestError(f"{name}: token {token} is outside the {vocab}-token vocabulary")
+            _within(name, ids, vocab)
 
     @prompt_logprobs.validator
     def _check_prompt_logprobs(self, _attribute: object, value: int | None) -> None:
@@ -354,13 +352,13 @@ def _no_token(raw: torch.Tensor, shaped: torch.Tensor, params: SamplingParams) -
 
 
 def _within(name: str, ids: Iterable[int], vocab: int) -> None:
-    """That every one of `ids` (the params' field `name`) is below `vocab`: the mask made of them indexes a
-    [vocab] tensor, where a larger id would be a bare IndexError.
+    """That every one of `ids` (the params' field `name`) is below `vocab` (`SamplingParams.check_vocabulary`'s
+    rule, and the `Sampler`'s where it makes a [vocab] mask of them: a larger id would be a bare IndexError).
 
     Raises:
-        InvalidRequestError: naming the field and the largest id, as `SamplingParams.check_vocabulary` does.
+        InvalidRequestError: naming the field and the largest id.
     """
-    largest = max(ids)
+    largest = max(ids, default=-1)
     if largest >= vocab:
         raise InvalidRequestError(f"{name}: token {largest} is outside the {vocab}-token vocabulary")
 

@@ -147,9 +147,11 @@ def test_clean_up_tokenization_spaces_is_not_applied_to_a_bpe_tokenizer(tmp_path
     assert ours.decode(ids) == theirs.decode(ids) == text
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool) -> list[str]:
-    """The pieces a fresh detokenizer emits for `ids` (one per push, then `finish`), invariants checked."""
-    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip)
+def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool, prompt: list[int] | None = None) -> list[str]:
+    """The pieces a fresh detokenizer (started after `prompt`, if given) emits for `ids` (one per push, then
+    `finish`), invariants checked."""
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip, prompt=prompt or ())
+    detokenizer.check_invariants()
     pieces = []
     for token in ids:
         pieces.append(detokenizer.push(token))
@@ -212,20 +214,6 @@ def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return load_tokenizer(write_llama_files(tmp_path_factory.mktemp("llama"), chat_template=ZEPHYR))
 
 
-def seeded_stream(tokenizer: Tokenizer, prompt: list[int], ids: list[int], *, skip: bool) -> list[str]:
-    """The pieces a detokenizer started after `prompt` emits for `ids` (one per push, then `finish`), invariants
-    checked."""
-    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip, prompt=prompt)
-    detokenizer.check_invariants()
-    pieces = []
-    for token in ids:
-        pieces.append(detokenizer.push(token))
-        detokenizer.check_invariants()
-    pieces.append(detokenizer.finish())
-    detokenizer.check_invariants()
-    return pieces
-
-
 def test_a_sentencepiece_streams_first_piece_keeps_the_space_it_has_after_the_prompt(
     sentencepiece: Tokenizer, pair: tuple[Tokenizer, Any]
 ) -> None:
@@ -240,7 +228,7 @@ def test_a_sentencepiece_streams_first_piece_keeps_the_space_it_has_after_the_pr
     ids = sentencepiece.encode("Hello there! 日本語 🙂", add_special_tokens=False)
     assert sentencepiece.piece(ids[0]).startswith("▁")
     for skip in (True, False):
-        pieces = seeded_stream(sentencepiece, prompt, ids, skip=skip)
+        pieces = stream(sentencepiece, ids, skip=skip, prompt=prompt)
         peer = DecodeStream(ids=prompt, skip_special_tokens=skip)
         assert pieces[:-1] == [peer.step(sentencepiece.backend, token) or "" for token in ids]
         assert "".join(pieces) == " Hello there! 日本語 🙂"
@@ -251,7 +239,7 @@ def test_a_sentencepiece_streams_first_piece_keeps_the_space_it_has_after_the_pr
     byte_level, _ = pair
     prompt = byte_level.encode_chat([{"role": "user", "content": "Hi there"}])
     ids = byte_level.encode(" Hello there! 日本語 🙂", add_special_tokens=False)
-    assert "".join(seeded_stream(byte_level, prompt, ids, skip=True)) == "".join(stream(byte_level, ids, skip=True))
+    assert "".join(stream(byte_level, ids, skip=True, prompt=prompt)) == "".join(stream(byte_level, ids, skip=True))
     assert "".join(stream(byte_level, ids, skip=True)) == " Hello there! 日本語 🙂"
 
 
@@ -283,7 +271,7 @@ def test_a_stream_after_a_prompt_steps_as_vllms_stream_seeded_with_it(
     tokenizer = sentencepiece if use_sentencepiece else pair[0]
     prompt = tokenizer.encode(prompt_text, add_special_tokens=data.draw(st.booleans()))
     ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces = seeded_stream(tokenizer, prompt, ids, skip=skip)
+    pieces = stream(tokenizer, ids, skip=skip, prompt=prompt)
     peer = DecodeStream(ids=prompt, skip_special_tokens=skip)
     assert pieces[:-1] == [peer.step(tokenizer.backend, token) or "" for token in ids]
     assert pieces[-1] == ""  # the tokens of a text end on a whole character
@@ -299,9 +287,9 @@ def test_a_prompt_that_ends_inside_a_character_is_no_context(sentencepiece: Toke
     fallback = [sentencepiece.backend.token_to_id(f"<0x{byte:02X}>") for byte in "龘".encode()]
     cut = [*sentencepiece.encode("x"), *fallback[:2]]
     ids = sentencepiece.encode("Hello", add_special_tokens=False)
-    assert "".join(seeded_stream(sentencepiece, cut, ids, skip=True)) == "Hello"
+    assert "".join(stream(sentencepiece, ids, skip=True, prompt=cut)) == "Hello"
     run = sentencepiece.encode("x") + fallback * 3  # the last five tokens cut the first character of the run
-    assert "".join(seeded_stream(sentencepiece, run, ids, skip=True)) == " Hello"
+    assert "".join(stream(sentencepiece, ids, skip=True, prompt=run)) == " Hello"
 
 
 # transformers' named special tokens (its reference list, not ours), each with the text a config gives it.

@@ -213,6 +213,12 @@ def test_expected_output_with_equal_outputs_is_the_uniform_rule(
     prompts = sum(r.context_tokens for r in batch if at_s - r.start_s < decode_s)
     prompts += sum(q.input_tokens for q in queue if q.joins_s <= at_s and at_s - q.joins_s < decode_s)
     assert prompts <= own.context_tokens <= (prompts + own.batch_size * (output - 1)) * (1 + 1e-9)
+    # Grown, not the prompts alone: strictly more once anyone present has decoded a step.
+    decoded_a_step = any(step_s <= at_s - r.start_s < decode_s for r in batch) or any(
+        q.joins_s <= at_s and step_s <= at_s - q.joins_s < decode_s for q in queue
+    )
+    if decoded_a_step:
+        assert own.context_tokens > prompts
 
 
 def test_expected_output_requires_positive_step() -> None:

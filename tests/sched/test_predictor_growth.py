@@ -6,16 +6,13 @@ count that growth (`sched._kernels.grown_tokens`), and `ExpectedOutputPredictor`
 counts it at its pace. The paper's uniform predictor counted prompts only, so
 predictive admission saw a lighter batch than the one the request would join and
 accepted requests the instance then refused, after their prefill. An end-to-end
-example reproduces that; a property pins the uniform rule's context to the
-expected-output rule's where the two agree on who is there.
+example reproduces that; tests/sched/test_predictor.py's equal-outputs property
+pins the uniform rule's context to the expected-output rule's, grown.
 """
 
 from __future__ import annotations
 
 import math
-
-from hypothesis import assume, given
-from hypothesis import strategies as st
 
 from mooncake.cache.hashing import BlockHasher
 from mooncake.sched.admission import EarlyRejection, predictive_early_rejection
@@ -24,9 +21,9 @@ from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.join import DecodeLimits, DecodeLoad, check_join
 from mooncake.sched.outcome import Reason
-from mooncake.sched.predictor import DEFAULT_STEP_S, ExpectedOutputPredictor, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_STEP_S, UniformDecodePredictor
 from mooncake.sched.step import DecodeCostModel
-from mooncake.sched.view import ActiveDecode, DecodeJoined, PrefillFinished, PrefillStarted, QueuedPrefill
+from mooncake.sched.view import DecodeJoined, PrefillFinished, PrefillStarted
 from mooncake.sim.spec import ClusterSpec
 from mooncake.sim.spec import build_conductor as build_simulated_conductor
 from mooncake.types import InstanceId, Request, RequestId, Slo
@@ -117,58 +114,3 @@ def test_every_default_uniform_predictor_grows_at_its_conductors_objective() -> 
     )
     assert build_simulated_conductor(spec).predictor == UniformDecodePredictor(decode_s=10.0, step_s=DEFAULT_STEP_S)
     assert UniformDecodePredictor(decode_s=10.0).step_s == DEFAULT_STEP_S
-
-
-ages = st.floats(0.0, 1.0, exclude_max=True)  # as a fraction of t_d: nobody has decoded t_d by t
-prompts = st.integers(1, 100_000)
-
-
-@given(
-    st.lists(st.tuples(ages, prompts), max_size=20),
-    st.lists(st.tuples(ages, prompts), max_size=20),
-    st.integers(2, 5000),
-    st.floats(0.001, 1.0),
-    st.floats(-100.0, 100.0),
-    st.floats(0.0, 100.0),
-)
-def test_uniform_context_is_the_prompts_grown_as_the_expected_output_rule_grows_them(
-    decoding: list[tuple[float, int]],
-    queued: list[tuple[float, int]],
-    output: int,
-    step_s: float,
-    now: float,
-    ahead_s: float,
-) -> None:
-    """With every output n and t_d = (n - 1) x step_s, and nobody gone by t (every request decoding, or joining
-    by t, for less than t_d): the uniform rule's context is at least the prompts, and is the expected-output rule's
-    at the same pace, exactly (its prompts plus what each generated); strictly more than the prompts once anyone
-    has decoded a step."""
-    at_s = now + ahead_s
-    decode_s = (output - 1) * step_s
-    batch = [
-        ActiveDecode(
-            request_id=RequestId(f"a{i}"), start_s=at_s - age * decode_s, context_tokens=prompt, output_tokens=output
-        )
-        for i, (age, prompt) in enumerate(decoding)
-    ]
-    queue = [
-        QueuedPrefill(
-            request_id=RequestId(f"q{i}"),
-            start_s=at_s - age * decode_s - 1.0,
-            finish_s=at_s - age * decode_s,
-            input_tokens=prompt,
-            output_tokens=output,
-        )
-        for i, (age, prompt) in enumerate(queued)
-    ]
-    assume(all(at_s - r.start_s < decode_s for r in batch))  # float rounding of at_s - age x t_d aside
-    assume(all(q.joins_s <= at_s and at_s - q.joins_s < decode_s for q in queue))
-    uniform = UniformDecodePredictor(decode_s=decode_s, step_s=step_s).predict(batch, queue, now, at_s)
-    own = ExpectedOutputPredictor(step_s=step_s).predict(batch, queue, now, at_s)
-    prompt_sum = sum(prompt for _, prompt in decoding) + sum(prompt for _, prompt in queued)
-    assert uniform.batch_size == len(batch) + len(queue)
-    assert uniform.context_tokens >= prompt_sum
-    assert uniform == own
-    decoded_a_step = [r for r in batch if at_s - r.start_s >= step_s] + [q for q in queue if at_s - q.joins_s >= step_s]
-    if decoded_a_step:
-        assert uniform.context_tokens > prompt_sum
