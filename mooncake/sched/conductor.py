@@ -620,8 +620,7 @@ class Conductor:
         board = self._prefill_board
         if now > board.stale_s:  # one comparison while no queue can have gone stale
             for slot in np.flatnonzero(board.stale_at_s < now).tolist():
-                self._retime(board.slot_views[slot], now=now)
-            board.restale()
+                self._retime(board.slot_views[slot], now=now)  # its refresh keeps the board's least time
 
     def _check_geometry(self, request: Request) -> None:
         """The request's keys must be this Conductor's blocks: one key per block, the partial last one included."""
@@ -920,8 +919,8 @@ class Conductor:
             frees = start + hold
             if end < not_before and is_started:
                 # Running past its estimate (its end not reported): it ends no sooner than the present, and frees
-                # the instance as much later.
-                frees += not_before - end
+                # the instance as much later (never past its end, which rounding alone could do).
+                frees = min(frees + (not_before - end), not_before)
                 end = not_before
             if (
                 start != entry.start_s

@@ -337,9 +337,10 @@ class PrefillBoard(_Board["PrefillView"]):
     """Prefill views side by side: `busy_until_s[s]` is when the last request queued on the
     view in slot s is predicted to free it or its backlog ends (−inf with neither), `drained_s[s]`
     when its work ends (`PrefillView.drained_s`), `stale_at_s[s]` when its times go stale
-    (`PrefillView.stale_s`), `is_up[s]` whether it is up. `stale_s` is at most the least of
-    `stale_at_s` (lowered as views change, raised only by `restale`): one comparison tells that no
-    view has gone stale by a time."""
+    (`PrefillView.stale_s`), `is_up[s]` whether it is up. `stale_s` is the least of
+    `stale_at_s`, kept as views change (the array is read again only when the least time was the
+    refreshed view's own and moved later, as when the prefill it timed ends): one comparison tells
+    that no view has gone stale by a time."""
 
     def __init__(self, views: Sequence[PrefillView]) -> None:
         super().__init__(views)
@@ -349,24 +350,25 @@ class PrefillBoard(_Board["PrefillView"]):
         self.stale_s = math.inf
         self.refresh_all()
 
-    def restale(self) -> None:
-        """`stale_s` raised to the least of `stale_at_s` again (after the stale views were retimed)."""
-        self.stale_s = float(self.stale_at_s.min()) if len(self.views) else math.inf
-
     def refresh(self, slot: int) -> None:
         """Read the view in `slot` again (after its queue or state changed)."""
         view = self.slot_views[slot]
+        was = self.stale_at_s[slot]
         if view.queue:
             last = view.queue[-1]
             self.busy_until_s[slot] = max(last.frees_s, view.backlog_until_s)
             self.drained_s[slot] = max(last.finish_s, view.backlog_until_s)
             # Most queues have no start reported (a head waits): never stale, known without the walk.
             stale = self.stale_at_s[slot] = view.stale_s() if view.queue[0].started else math.inf
-            if stale < self.stale_s:
-                self.stale_s = stale
         else:
             self.busy_until_s[slot] = self.drained_s[slot] = view.backlog_until_s
-            self.stale_at_s[slot] = math.inf
+            stale = self.stale_at_s[slot] = math.inf
+        if stale < self.stale_s:
+            self.stale_s = stale
+        elif was == self.stale_s and stale > was:
+            # The least time was this view's and moved later (its timed prefill ended). Left low, the bound would
+            # send every decision until the next retime down the stale path to find nothing.
+            self.stale_s = float(self.stale_at_s.min())
         self._refresh_up(slot, view.is_up)
 
     def check_invariants(self) -> None:
@@ -374,7 +376,7 @@ class PrefillBoard(_Board["PrefillView"]):
         assert self.busy_until_s.tolist() == [v.busy_until_s(-math.inf) for v in views]
         assert self.drained_s.tolist() == [v.drained_s() for v in views]
         assert self.stale_at_s.tolist() == [v.stale_s() for v in views], "stale times out of sync"
-        assert not views or self.stale_s <= min(v.stale_s() for v in views), "a stale view would go unseen"
+        assert self.stale_s == min((v.stale_s() for v in views), default=math.inf), "the least stale time drifted"
         assert self.is_up.tolist() == [v.is_up for v in views], "up states out of sync"
         assert self.all_up == all(v.is_up for v in views)
 

@@ -545,6 +545,8 @@ def assert_incoming_follows_the_queues(conductor: Conductor) -> None:
     ),
     aborts=st.lists(st.integers(min_value=0, max_value=5), max_size=3),
 )
+# A start reported late behind an overrun: the overrun's instance-free time, extended by rounding, passed its end.
+@example(starts=[(0, 0.3), (1, 0.3), (3, 0.3)], aborts=[])
 @settings(max_examples=30)
 def test_the_incoming_prefills_carry_the_queues_current_times(
     starts: list[tuple[int, float]], aborts: list[int]
