@@ -25,9 +25,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -75,7 +77,8 @@ def listen_port(attempts: int = 200) -> int:
 
 @attrs.define(eq=False)
 class VllmServer:
-    """One server: its process, HTTP port, the events endpoint it connects to, its replay port and log."""
+    """One server: its process, HTTP port, the events endpoint it connects to, its replay port and log, and the
+    folder of its processes' ZeroMQ sockets (`VLLM_RPC_BASE_PATH`; None: vLLM's default, the temporary folder)."""
 
     process: subprocess.Popen[bytes]
     port: int
@@ -83,6 +86,7 @@ class VllmServer:
     replay_port: int
     log: Path
     core: int
+    rpc_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -124,8 +128,9 @@ class VllmServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to the process group, SIGKILL to what is left of it after `grace_s`; then the shared memory
-        its processes mapped is unlinked. A process killed cannot unlink what it created: without this a
-        killed server's queues stayed in /dev/shm (about 400 MB of it per server) until the machine restarted."""
+        its processes mapped is unlinked, and the folder of its sockets removed. A process killed cannot unlink
+        what it created: without this a killed server's queues stayed in /dev/shm (about 400 MB of it per server)
+        until the machine restarted, and its sockets in /tmp (two per server) for good."""
         segments = self.shared_memory()
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -137,6 +142,8 @@ class VllmServer:
         for path in segments:  # a group's own: nothing outside it maps vLLM's queues
             with contextlib.suppress(OSError):
                 path.unlink()
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def _wait_for_group(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -235,9 +242,12 @@ class VllmFleet:
         return iter(self.servers)
 
 
-def _environment(core: int) -> dict[str, Any]:
+def _environment(core: int, rpc_dir: Path) -> dict[str, Any]:
     return {
         **os.environ,
+        # vLLM's API server and engine core talk over sockets it names in this folder (the temporary folder by
+        # default); a folder of the server's own is removed with it, sockets a killed process left included.
+        "VLLM_RPC_BASE_PATH": str(rpc_dir),
         # vLLM pins every server's compute threads to core 0 by default: two servers would then share one
         # core, spinning in each other's way (multi-second stalls); each gets a core of its own.
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
@@ -300,8 +310,14 @@ def _launch(
         json.dumps(events),
         *extra_args,
     ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=_environment(core), start_new_session=True
-        )
-    return VllmServer(process, port, events_port, replay_port, log, core)
+    # Short (a socket's path has at most 107 bytes, and a test's log folder can be long), in the temporary folder.
+    rpc_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-"))
+    try:
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=_environment(core, rpc_dir), start_new_session=True
+            )
+    except BaseException:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        raise
+    return VllmServer(process, port, events_port, replay_port, log, core, rpc_dir)
