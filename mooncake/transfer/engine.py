@@ -243,6 +243,10 @@ class TransferEngine:
     def connect(self, address: str, *, transport: str | None = None) -> str:
         """Authenticate to the engine at "host:port" and learn its regions.
 
+        Idempotent for a connected peer: the same engine (incarnation), reached over the same transports, is
+        kept with the transfers moving to it, only its descriptor refreshed; a restarted one, or another choice
+        of transports, is built anew and the old transports closed (see `Peers.connect`).
+
         Args:
             address: the peer's listening address.
             transport: force one transport ("tcp", "shm", "rdma") instead of choosing.
@@ -312,6 +316,8 @@ class TransferEngine:
             ConfigError: `args` is not JSON-encodable (nothing is sent).
             PeerUnavailable: the peer cannot be reached, the call failed midway, or the peer restarted since
                 `connect` (`connect` to it again).
+            TransferTimeout: other threads' calls to the peer held its control connection (calls to one peer go
+                one at a time) for `io_timeout_s`: this one was not sent.
             TransferError: the peer refused the call.
         """
         return self._peers.call(peer, method, args)
@@ -329,7 +335,7 @@ class TransferEngine:
         """
         self._check_open()
         requests = _requests(requests)
-        plans = [self._plan(request) for request in requests]  # validates all before starting any
+        plans = [self._plan(index, request) for index, request in enumerate(requests)]  # validates all first
         with self._lock:
             if self._closed:  # closed since the check above: no close would fail this batch
                 raise TransferError(f"transfer engine {self.address} is closed")
@@ -372,7 +378,7 @@ class TransferEngine:
         self._check_open()
         limit = _timeout(timeout)
         requests = _requests(requests)
-        plans = [self._plan(request) for request in requests]
+        plans = [self._plan(index, request) for index, request in enumerate(requests)]
         if any(len(pieces) > 1 for _, pieces in plans):
             # Requests of several slices gain more from the transports' parallel
             # streams than they lose to the hand-off.
@@ -549,10 +555,15 @@ class TransferEngine:
                 return address, lkey
         raise TransferError("the local bytes are not in RDMA-registered memory")
 
-    def _plan(self, request: TransferRequest) -> tuple[Transport, list[tuple[memoryview, int]]]:
+    def _plan(self, index: int, request: TransferRequest) -> tuple[Transport, list[tuple[memoryview, int]]]:
+        """`requests[index]`'s transport and its slices (local view, remote offset); a local refusal names the
+        request's index and says it is local (the remote region may be fine)."""
         local = self._regions.get(request.local_region)
         if local is None:
-            raise TransferError(f"no local region {request.local_region}")
+            raise TransferError(f"requests[{index}]: no local region {request.local_region}")
+        problem = bounds_error(request.local_offset, request.length, local.descriptor.length)
+        if problem is not None:
+            raise TransferError(f"requests[{index}]: local region {request.local_region}: {problem}")
         view = local.slice(request.local_offset, request.length)
         transport = self._peers.transport_for(request.peer, request.remote_region)
         self._check_remote_range(request)

@@ -50,7 +50,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import xxhash
@@ -71,7 +71,7 @@ from mooncake.errors import (
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.region import RegionDescriptor
 from mooncake.transfer.request import RequestState, TransferOp, TransferRequest
-from mooncake.transfer.wire import Json
+from mooncake.transfer.wire import Json, ProtocolError
 from mooncake.types import BlockKey, key_tuple
 
 __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
@@ -79,6 +79,8 @@ __all__ = ["Fetch", "Messenger", "Push", "part_range", "shared_dram_pool"]
 _MAX_LEASE_ID = 64  # characters; ours are 16 hex digits
 MIN_LEASE_S = 30.0  # the default lease's floor: a vanished peer's pins go within a minute or so
 _MAX_OWNER = 256  # characters of an owner's engine address (host:port)
+_MAX_SHOWN = 200  # characters of a malformed reply quoted in its error
+_T = TypeVar("_T")
 
 
 def shared_dram_pool(engine: TransferEngine, page_bytes: int, num_pages: int) -> tuple[DramPagePool, RegionDescriptor]:
@@ -202,21 +204,19 @@ class Messenger:
         self.sweep()
         lease = secrets.token_hex(8)
         wanted = list(key_tuple(keys))  # checked before any call: int() made 1.5, "1" and True block 1
-        # Replies are read by the block protocol; a malformed one raises as it is read.
         reply: Any = self.engine.call(
             from_peer, "blocks.lookup", {"lease": lease, "keys": wanted, "owner": self.engine.address}
         )
         reserved: list[tuple[BlockKey, int, int, int, int]] = []  # key, remote offset, length, checksum, local offset
         batches: list[int] = []
         try:
-            remote_region, found = int(reply["region"]), reply["blocks"]
+            remote_region, found = _read_reply(from_peer, "blocks.lookup", reply, _lookup_answer)
             if [entry[0] for entry in found] != wanted[: len(found)]:
                 raise TransferError(f"{from_peer} answered a lookup with keys it was not asked for")
             parent: BlockKey | None = None
-            for raw_key, remote_offset, length, checksum in found:
-                key = BlockKey(raw_key)
+            for key, remote_offset, length, checksum in found:
                 try:
-                    view = self.cache.reserve(key, int(length), parent=parent)
+                    view = self.cache.reserve(key, length, parent=parent)
                 except CapacityError:
                     break  # no room left here: fetch what fits
                 parent = key
@@ -224,7 +224,7 @@ class Messenger:
                     continue  # we hold it already
                 location = self.cache.location(key)
                 assert location is not None
-                reserved.append((key, int(remote_offset), int(length), int(checksum), location.page * self.page_bytes))
+                reserved.append((key, remote_offset, length, checksum, location.page * self.page_bytes))
             for part in range(parts):
                 requests = []
                 for _key, remote_offset, length, _checksum, local_offset in reserved:
@@ -278,16 +278,21 @@ class Messenger:
             reply: Any = self.engine.call(
                 to_peer, "blocks.reserve", {"lease": lease, "blocks": wanted, "owner": self.engine.address}
             )
-            remote_region, places = int(reply["region"]), reply["blocks"]
-            if [entry[0] for entry in places] != [int(key) for key, *_ in local]:
-                raise TransferError(f"{to_peer} answered a reservation for other keys")
+            try:
+                remote_region, places = _read_reply(to_peer, "blocks.reserve", reply, _reserve_answer)
+                if [entry[0] for entry in places] != [int(key) for key, *_ in local]:
+                    raise TransferError(f"{to_peer} answered a reservation for other keys")
+            except TransferError:
+                # Nothing was written into what the peer may have reserved: let it go now, not at quarantine.
+                self._release_remote(to_peer, lease)
+                raise
         except BaseException:
             for key, _offset, _length, pinned in local:
                 if pinned:
                     self.cache.unpin(key)
             raise
         targets = tuple(
-            (entry, int(offset)) for entry, (_key, offset) in zip(local, places, strict=True) if offset is not None
+            (entry, offset) for entry, (_key, offset) in zip(local, places, strict=True) if offset is not None
         )
         return Push(self, to_peer, lease, remote_region, targets, parts, tuple(e for e in local if e[3]))
 
@@ -477,6 +482,60 @@ class Messenger:
             pass  # the peer's lease expires on its own
 
 
+def _read_reply(peer: str, method: str, reply: Any, read: Callable[[Any], _T]) -> _T:
+    """`read(reply)`: a peer's answer to `method`, by the block protocol.
+
+    Raises:
+        ProtocolError: the reply is malformed (not the shape `read` takes, a field missing, of another type or
+            negative); the message names the peer, the method and the reply (cut short).
+    """
+    try:
+        return read(reply)
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        shown = repr(reply)
+        if len(shown) > _MAX_SHOWN:
+            shown = shown[:_MAX_SHOWN] + "..."
+        raise ProtocolError(f"{peer} answered {method} with a malformed reply ({error!r}): {shown}") from error
+
+
+def _count(value: Any) -> int:
+    """An integer >= 0 as a peer sent it, never coerced (1.5, "1" and true are not block keys or offsets)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not an integer >= 0")
+    return value
+
+
+def _entries(value: Any, width: int) -> list[list[Any]]:
+    """A list of lists of `width` fields each."""
+    if type(value) is not list or any(type(entry) is not list or len(entry) != width for entry in value):
+        raise ValueError(f"not a list of {width}-field entries")
+    return value
+
+
+def _lookup_answer(reply: Any) -> tuple[int, list[tuple[BlockKey, int, int, int]]]:
+    """The answer to "blocks.lookup": the peer's region, and per block found its key, offset, length, checksum."""
+    found = [
+        (BlockKey(_count(key)), _count(offset), _count(length), _count(checksum))
+        for key, offset, length, checksum in _entries(reply["blocks"], 4)
+    ]
+    return _count(reply["region"]), found
+
+
+def _reserve_answer(reply: Any) -> tuple[int, list[tuple[int, int | None]]]:
+    """The answer to "blocks.reserve": the peer's region, and per block its key and the offset reserved for it
+    (None: none)."""
+    places = [(_count(key), None if offset is None else _count(offset)) for key, offset in _entries(reply["blocks"], 2)]
+    return _count(reply["region"]), places
+
+
+def _commit_answer(reply: Any) -> tuple[BlockKey, ...]:
+    """The answer to "blocks.commit": the keys the peer committed."""
+    committed = reply["committed"]
+    if type(committed) is not list:
+        raise ValueError("committed is not a list")
+    return tuple(BlockKey(_count(key)) for key in committed)
+
+
 def _owner(args: Any) -> str:
     """The engine address a peer's call names as the lease's owner ("" if none)."""
     owner = args.get("owner", "") if isinstance(args, dict) else ""
@@ -511,14 +570,17 @@ class Fetch:
         """Return once byte range `part` of every block has arrived.
 
         Raises:
-            TransferError: a piece of it failed, or it did not arrive in time
-                (`finish` then commits nothing).
+            TransferTimeout: it did not arrive within `timeout` seconds (`finish` then commits nothing); the message
+                names the peer.
+            TransferError: a piece of it failed.
         """
         try:
             statuses = self._messenger.engine.wait(self._batches[part], timeout=timeout)
-        except TransferTimeout:
+        except TransferTimeout as error:
             self._failed.add(part)
-            raise
+            raise TransferTimeout(
+                f"part {part} of the fetch from {self._peer} did not arrive within {timeout}s: {error}"
+            ) from error
         failures = [s.error for s in statuses if s.state == RequestState.FAILED]
         if failures:
             self._failed.add(part)
@@ -526,6 +588,14 @@ class Fetch:
 
     def finish(self, timeout: float) -> tuple[BlockKey, ...]:
         """Wait for every part, commit the blocks that verify, release the peer's pins (once).
+
+        `timeout` bounds the wait for each part not yet waited out, one after another, not the call: a fetch that
+        does not complete can take, in all, up to `parts` · `timeout` (the parts), then `parts` ·
+        (`slice_deadline_s` + 1 s) for its slices still moving to end (its pages are not given back while a late
+        slice may write into them: one that outlasts that keeps them reserved), then the "blocks.release" call
+        (bounded as `TransferEngine.call`: its wait behind other calls to the peer and its reply, `io_timeout_s`
+        each, plus `connect_timeout_s` per dial). A fetch whose parts all arrived takes the parts' wait and that
+        call only.
 
         Returns:
             The keys now cached here (a block whose bytes fail the peer's checksum is dropped).
@@ -658,7 +728,7 @@ class Push:
             reply: Any = messenger.engine.call(
                 self._peer, "blocks.commit", {"lease": self._lease, "checksums": checksums}
             )
-            committed = tuple(BlockKey(k) for k in reply["committed"])
+            committed = _read_reply(self._peer, "blocks.commit", reply, _commit_answer)
         finally:
             if self._done is None:  # else a refused part aborted the push: its pins are already dropped
                 messenger._settle(list(self._batches.values()))

@@ -13,7 +13,14 @@ first of a peer's transports that reaches it (shm only shared regions, rdma only
 registered ones).
 A peer is kept until `disconnect` (or `close`): its transports hold threads and
 connections, so a peer that went away for good (scaled in, or restarted on
-another address) should be disconnected.
+another address) should be disconnected. Connecting again to a peer that is
+connected and finding the same engine incarnation (below), to be reached over
+the same transports, keeps the peer as it is, only its descriptor refreshed (as
+upstream's openSegment returns the cached segment): its transports, and the
+transfers moving on them, are untouched. Only another incarnation (a restart),
+another set of transports (`connect(..., transport=...)` forcing another, say)
+or a broken RDMA queue pair has `connect` build new transports and close the
+old ones (failing what moves on them).
 
 The other side is the `listener`: it authenticates incoming connections under
 a budget and deadline of their own, then serves each authenticated one on a
@@ -36,6 +43,10 @@ Invariants:
 - Every connection to a peer after `connect` reaches the engine incarnation
   that sent its stored descriptor, or is refused.
 - A control call is sent again only when it provably did not reach the peer.
+- A control call waits at most `io_timeout_s` for the calls to the same peer
+  ahead of it (they share one control connection), then is refused unsent.
+- `connect` to a peer connected to the same incarnation, over the same
+  transports, none of them broken, closes nothing of it.
 - After `close` no connection is accepted or served, and every peer's
   transports and control connection are closed; after `disconnect(peer)`,
   that peer's are, and it is unknown until connected again.
@@ -54,7 +65,7 @@ from typing import Any, cast
 import attrs
 
 from mooncake._checks import require_str
-from mooncake.errors import ConfigError, PeerUnavailable, TransferError
+from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer import tcp
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs
@@ -221,6 +232,14 @@ class Peers:
     def connect(self, address: str, *, transport: str | None = None) -> str:
         """Authenticate to the engine at "host:port", learn its regions, build its transports.
 
+        Connecting to a peer that is connected already and finding the same engine incarnation there, to be
+        reached over the same transports, keeps that peer: its descriptor is refreshed (as `refresh`), the new
+        control connection is closed, and its transports, with every transfer moving on them, are left alone, so
+        connecting twice (two components each making sure) is harmless. Another incarnation (the peer restarted),
+        another set of transports (`transport` forcing another, or no longer forcing one), or an RDMA queue
+        pair that broke builds new transports and closes the old ones: transfers still moving on them fail with
+        `PeerUnavailable`.
+
         Returns:
             The peer's key: the address dialled.
 
@@ -241,6 +260,7 @@ class Peers:
             raise TransferError(f"{self.name} is closed: no peer is kept")
         control, incarnation = tcp.open_connection(host, port, secret=self.secret, config=self.config)
         transports: dict[str, Transport] = {}
+        kept: _Peer | None = None
         try:
             try:
                 descriptor = PeerDescriptor.from_json(
@@ -252,7 +272,9 @@ class Peers:
                         f"{key} reads frames of at most {frame} bytes (its max_frame_bytes), this engine sends slices"
                         f" of {self.config.slice_bytes} (slice_bytes): set slice_bytes <= {frame} on this engine"
                     )
-                transports = self._transports_for(host, port, key, descriptor, transport, control, incarnation)
+                kept = self._connected(key, incarnation, self._usable(descriptor, transport))
+                if kept is None:
+                    transports = self._transports_for(host, port, key, descriptor, transport, control, incarnation)
             except OSError as error:  # (a timeout among them) the peer died or went silent mid-handshake
                 raise PeerUnavailable(f"{key} dropped the connection before it was set up: {error!r}") from error
         except BaseException:
@@ -260,18 +282,53 @@ class Peers:
                 built.close()
             control.close()
             raise
+        if kept is not None:  # connected to this very engine already: nothing of it is replaced
+            control.close()
+            self._keep_descriptor(kept, descriptor)
+            return key
         peer = _Peer(host, port, descriptor, incarnation, transports, control)
         with self._lock:
             closed = self._closed  # under close()'s lock: a connect racing it keeps nothing
+            old = None
             if not closed:
-                old = self._peers.pop(key, None)
-                self._peers[key] = peer
+                # Another connect to the same engine may have been kept since the check above (two threads each
+                # making sure they are connected): the first one stays, this one's transports go.
+                kept = self._connected(key, incarnation, tuple(transports), locked=True)
+                if kept is None:
+                    old = self._peers.pop(key, None)
+                    self._peers[key] = peer
         if closed:
             _close_peer(peer)
             raise TransferError(f"{self.name} is closed: no peer is kept")
+        if kept is not None:
+            _close_peer(peer)
+            self._keep_descriptor(kept, descriptor)
         if old is not None:
             _close_peer(old)
         return key
+
+    def _connected(self, key: str, incarnation: bytes, names: tuple[str, ...], *, locked: bool = False) -> _Peer | None:
+        """The peer kept under `key` if a new connection to it would change nothing: it reached the same engine
+        `incarnation`, has the transports `names` (in order), and none of them is broken for good (an RDMA queue
+        pair that failed stays down: connecting again is how it is rebuilt)."""
+        if locked:
+            state = self._peers.get(key)
+        else:
+            with self._lock:
+                state = self._peers.get(key)
+        if state is None or state.incarnation != incarnation or tuple(state.transports) != names:
+            return None
+        for built in state.transports.values():
+            if isinstance(built, RdmaTransport) and built.is_broken:
+                return None
+        return state
+
+    def _keep_descriptor(self, state: _Peer, descriptor: PeerDescriptor) -> None:
+        """Install `descriptor`, fresh from `state`'s peer, and let go of the shm segments it no longer lists."""
+        state.descriptor = descriptor
+        shm = state.transports.get("shm")
+        if isinstance(shm, ShmTransport):  # segments the peer no longer lists were unregistered: unmap them
+            shm.retain({region.shm_name for region in descriptor.regions if region.shm_name is not None})
 
     def disconnect(self, peer: str) -> None:
         """Forget `peer`: close its transports (their threads end; slices in flight or queued to it fail with
@@ -300,10 +357,7 @@ class Peers:
         """
         state = self._peer(peer)
         descriptor = PeerDescriptor.from_json(self.call(peer, "describe", None))
-        state.descriptor = descriptor
-        shm = state.transports.get("shm")
-        if isinstance(shm, ShmTransport):  # segments the peer no longer lists were unregistered: unmap them
-            shm.retain({region.shm_name for region in descriptor.regions if region.shm_name is not None})
+        self._keep_descriptor(state, descriptor)
         return descriptor
 
     def transport_names(self, peer: str) -> tuple[str, ...]:
@@ -328,12 +382,23 @@ class Peers:
     def call(self, peer: str, method: str, args: object) -> Json:
         """Run `method` on `peer` over its control connection, reconnected once if it provably did not get the call.
 
+        The calls to one peer share its control connection, one at a time: a call waits for those ahead of it for
+        at most `io_timeout_s`, then is refused unsent. So a call ends within about `io_timeout_s` (its wait for
+        the connection) + `connect_timeout_s` (dialling a fresh one, twice if the first provably lost the call)
+        + `io_timeout_s` (the reply), however many calls to the peer other threads make.
+
         Raises:
             PeerUnavailable: the peer cannot be reached, the call failed midway, or the peer restarted since
                 `connect` (another incarnation answers: `connect` to it again).
+            TransferTimeout: the calls ahead of it held the control connection for `io_timeout_s` (nothing sent).
         """
         state = self._peer(peer)
-        with state.control_lock:
+        if not state.control_lock.acquire(timeout=self.config.io_timeout_s):
+            raise TransferTimeout(
+                f"{peer}: the control call {method} waited {self.config.io_timeout_s}s (io_timeout_s) behind other"
+                " control calls to it, which share its control connection, and was not sent"
+            )
+        try:
             for attempt in range(2):
                 if state.control is None:
                     if state.closed:  # disconnected since `_peer`: a connection opened now would be kept by no one
@@ -356,6 +421,8 @@ class Peers:
                     if isinstance(error, TransferError) and not isinstance(error, ProtocolError):
                         raise
                     raise PeerUnavailable(f"{peer}: the control call {method} failed midway: {error}") from error
+        finally:
+            state.control_lock.release()
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------ the peers that dial us
@@ -483,12 +550,12 @@ class Peers:
             return self.remote_region(peer_name, region_id)
 
         try:
-            for name in allowed:
-                if name == "shm" and descriptor.host_id == self.host_id:
+            for name in self._usable(descriptor, forced):
+                if name == "shm":
                     transports["shm"] = ShmTransport(
-                        describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer
+                        describe, peer_pid=descriptor.pid, workers=self.config.streams_per_peer, peer=peer_name
                     )
-                elif name == "rdma" and self._rdma is not None and descriptor.rdma:
+                elif name == "rdma" and self._rdma is not None:
                     queue_pair = self._rdma.create_queue_pair()
                     remote = tcp.call(
                         control, "rdma_connect", queue_pair.endpoint(), timeout_s=self.config.io_timeout_s
@@ -511,6 +578,18 @@ class Peers:
                 built.close()
             raise ConfigError(f"no usable transport to {peer_name} among {allowed}")
         return transports
+
+    def _usable(self, descriptor: PeerDescriptor, forced: str | None) -> tuple[str, ...]:
+        """The transports `connect` builds to the peer `descriptor` describes, in preference order: shm to a peer
+        that shares this host's shared memory, rdma where both ends have a device, tcp always."""
+        allowed = (forced,) if forced else self.config.transports
+        return tuple(
+            name
+            for name in allowed
+            if name == "tcp"
+            or (name == "shm" and descriptor.host_id == self.host_id)
+            or (name == "rdma" and self._rdma is not None and descriptor.rdma)
+        )
 
 
 def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:

@@ -285,6 +285,11 @@ class RdmaTransport:
         self._poller = threading.Thread(target=self._poll, name="rdma-poll", daemon=True)
         self._poller.start()
 
+    @property
+    def is_broken(self) -> bool:
+        """Whether the queue pair failed for good (every slice on it fails: connecting again rebuilds it)."""
+        return self._broken is not None
+
     def submit(self, piece: Slice) -> None:
         error = attempt(self._enqueue, piece, action="RDMA post")
         if error is not None or not piece.local.nbytes:

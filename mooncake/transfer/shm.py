@@ -51,13 +51,18 @@ class ShmTransport:
         describe: the peer's descriptor of a region (refreshed by the engine), or None.
         peer_pid: the peer's process id, to notice that it is gone.
         workers: copy threads.
+        peer: the peer's address ("host:port"), named in every error ("": not known).
     """
 
     name = "shm"
 
-    def __init__(self, describe: Callable[[int], RegionDescriptor | None], *, peer_pid: int, workers: int) -> None:
+    def __init__(
+        self, describe: Callable[[int], RegionDescriptor | None], *, peer_pid: int, workers: int, peer: str = ""
+    ) -> None:
         self._describe = describe
         self._peer_pid = peer_pid
+        # Who the errors are about: the address where known, and the process either way.
+        self._who = f"peer {peer} (process {peer_pid})" if peer else f"peer process {peer_pid}"
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._arrays: dict[str, np.ndarray] = {}  # one view per mapped segment
         self._lock = threading.Lock()
@@ -65,7 +70,7 @@ class ShmTransport:
             self._work,
             count=workers,
             name=f"shm-{peer_pid}",
-            closed_message="the shm transport is closed",
+            closed_message=f"the shm transport to {self._who} is closed",
             join_timeout_s=10,
         )
 
@@ -76,7 +81,7 @@ class ShmTransport:
         """Copy `piece` now, in the calling thread."""
         if self._workers.is_closed:
             return self._workers.closed_error()
-        return attempt(self._copy, piece, action="shm copy")
+        return attempt(self._copy, piece, action=f"shm copy with {self._who}")
 
     def close(self) -> None:
         self._workers.close()
@@ -103,21 +108,21 @@ class ShmTransport:
 
     def _work(self, workers: Workers) -> None:
         while (piece := workers.take()) is not None:
-            piece.on_done(attempt(self._copy, piece, action="shm copy"))
+            piece.on_done(attempt(self._copy, piece, action=f"shm copy with {self._who}"))
 
     def _copy(self, piece: Slice) -> None:
         if not _alive(self._peer_pid):
-            raise PeerUnavailable(f"peer process {self._peer_pid} is gone")
+            raise PeerUnavailable(f"{self._who} is gone")
         descriptor = self._describe(piece.remote_region)
         if descriptor is None or descriptor.shm_name is None:
-            raise TransferError(f"the peer has no shared region {piece.remote_region}")
+            raise TransferError(f"{self._who} has no shared region {piece.remote_region}")
         length = piece.local.nbytes
         problem = bounds_error(piece.remote_offset, length, descriptor.length)
         if problem is not None:
-            raise TransferError(f"region {piece.remote_region}: {problem}")
+            raise TransferError(f"region {piece.remote_region} of {self._who}: {problem}")
         mapped = self._map(descriptor.shm_name, piece.remote_region)
         if descriptor.length > mapped.size:
-            raise TransferError(f"the peer describes region {piece.remote_region} larger than its segment")
+            raise TransferError(f"{self._who} describes region {piece.remote_region} larger than its segment")
         remote = mapped[piece.remote_offset : piece.remote_offset + length]
         local = np.frombuffer(piece.local, dtype=np.uint8)
         if piece.op == TransferOp.WRITE:
@@ -143,8 +148,10 @@ class ShmTransport:
                     segment = self._segments[name] = attach_shared(name)
                 except FileNotFoundError as error:
                     if not _alive(self._peer_pid):  # it exited since the check: its segments went with it
-                        raise PeerUnavailable(f"peer process {self._peer_pid} is gone") from error
-                    raise TransferError(f"the peer's region {region_id} is no longer shared (unregistered)") from error
+                        raise PeerUnavailable(f"{self._who} is gone") from error
+                    raise TransferError(
+                        f"region {region_id} of {self._who} is no longer shared (unregistered)"
+                    ) from error
                 array = self._arrays[name] = shared_array(segment, segment.size)
             return array
 

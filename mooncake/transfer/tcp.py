@@ -338,7 +338,7 @@ class TcpTransport:
             except Exception as unexpected:
                 if self._inline_sock is not None:
                     self._drop(self._inline_sock)
-                self._inline_sock, error = None, TransferError(f"slice failed: {unexpected!r}")
+                self._inline_sock, error = None, TransferError(f"{self._where(piece)}: slice failed: {unexpected!r}")
             return error
         finally:
             self._inline_lock.release()
@@ -399,6 +399,10 @@ class TcpTransport:
         sock.close()
         raise self._workers.closed_error()
 
+    def _where(self, piece: Slice) -> str:
+        """The peer and the place a slice goes to or comes from, for its errors."""
+        return f"{self._host}:{self._port} region {piece.remote_region} offset {piece.remote_offset}"
+
     def _drop(self, sock: socket.socket) -> None:
         with self._open_lock:
             self._open.discard(sock)
@@ -423,7 +427,7 @@ class TcpTransport:
                 except Exception as unexpected:  # a worker must never die with a slice unanswered
                     if sock is not None:
                         self._drop(sock)
-                    sock, error = None, TransferError(f"slice failed: {unexpected!r}")
+                    sock, error = None, TransferError(f"{self._where(piece)}: slice failed: {unexpected!r}")
                 piece.on_done(error)
         finally:
             if sock is not None:
@@ -459,7 +463,9 @@ class TcpTransport:
                 # A fresh connection failed (or the deadline cut it: raised by connecting alone): no point retrying.
                 return None, error
             except ProtocolError as error:
-                last = error
+                # Named here, where the peer and the slice are known (a bad header, a checksum or size mismatch).
+                last = ProtocolError(f"{self._where(piece)}: {error}")
+                last.__cause__ = error
             except TimeoutError as error:
                 last = TransferTimeout(f"{self._host}:{self._port} timed out after {self._config.io_timeout_s}s")
                 last.__cause__ = error
@@ -504,7 +510,7 @@ class TcpTransport:
         if reply.kind == Kind.ERROR:
             message = bytearray(reply.length)
             recv_exact(sock, memoryview(message), deadline=_within(io_timeout, deadline))
-            raise TransferError(f"{self._host}:{self._port} refused: {message.decode(errors='replace')}")
+            raise TransferError(f"{self._where(piece)}: the peer refused: {message.decode(errors='replace')}")
         if reply.kind != Kind.OK:
             raise ProtocolError(f"expected OK, got {reply.kind.name}")
         if reply.tag != tag:

@@ -763,3 +763,23 @@ def test_memory_that_cannot_be_registered_or_allocated_is_a_transfer_error() -> 
             engine.allocate_shared(2**62)
         assert own_segments() == before
         assert engine.regions() == ()
+
+
+def test_a_local_refusal_names_the_request_and_says_the_region_is_local(connected: tuple[TransferEngine, str]) -> None:
+    """A request past the end of its local region, or naming no local region, is refused by `submit` and
+    `transfer_sync` with a message that starts with the request's index in the batch and says "local", so it
+    does not read as the peer's region's fault. (It read "region 1: bytes [...) are outside ...".)"""
+    engine, peer = connected
+    local, _buffer = engine.allocate_shared(4096)
+    remote = 1  # the peer has no region: refused locally first, it is never asked
+    fine = request(TransferOp.WRITE, local.region_id, peer, remote, 16)
+    past_end = request(TransferOp.WRITE, local.region_id, peer, remote, 16, local_offset=4090)
+    no_region = request(TransferOp.WRITE, local.region_id + 100, peer, remote, 16)
+    expected_past = rf"^requests\[1\]: local region {local.region_id}: bytes \[4090, 4106\) are outside"
+    expected_none = rf"^requests\[2\]: no local region {local.region_id + 100}$"
+    for move in (engine.submit, lambda requests: engine.transfer_sync(requests, timeout=10)):
+        with pytest.raises(TransferError, match=expected_past):
+            move([fine, past_end])
+        with pytest.raises(TransferError, match=expected_none):
+            move([fine, fine, no_region])
+    assert engine.num_batches == 0  # refused whole: nothing started

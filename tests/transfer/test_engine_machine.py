@@ -550,7 +550,7 @@ class EngineMachine(RuleBasedStateMachine):
         if local is None:
             return "no local region"
         if request.local_offset + request.length > local.descriptor.length:
-            return r"^region [0-9]+: bytes \[[0-9]+, [0-9]+\) are outside"
+            return r"^requests\[[0-9]+\]: local region [0-9]+: bytes \[[0-9]+, [0-9]+\) are outside"
         j = self.addresses.get(request.peer)
         if j is None or j == i:
             return "unknown peer"

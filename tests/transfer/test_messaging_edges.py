@@ -379,19 +379,25 @@ def served(engine: TransferEngine | Listener, count: int, what: str) -> None:
 
 
 def test_reconnecting_and_closing_leave_no_connection_behind(two: tuple[TransferEngine, TransferEngine]) -> None:
-    """A peer dialled again replaces the old one, whose control connection and streams close (the peer
-    serves one set, not one per connect); closing the engine closes the last set too."""
+    """A peer dialled again (the same engine, over the same transports) is kept, and the control connection the
+    new dial opened is closed; one dialled over other transports is replaced, its control connection and streams
+    closed (the peer serves one set, not one per connect); closing the engine closes the last set too."""
     a, b = two
-    # Each replaced peer's record is kept alive here: its connections must be closed, not merely dropped for
-    # the collector to close.
-    replaced = [a._peers._peers[a.connect(b.address)]]
+    # Each peer record is kept alive here: its connections must be closed, not merely dropped for the collector
+    # to close.
+    records = [a._peers._peers[a.connect(b.address)]]
     served(b, 2, "a control connection and a stream")
     for _ in range(3):
-        replaced.append(a._peers._peers[a.connect(b.address)])
-    served(b, 2, "only the newest peer's connections")
+        records.append(a._peers._peers[a.connect(b.address)])
+    served(b, 2, "only the first peer's connections")
+    assert all(record is records[0] for record in records)
+    records.append(a._peers._peers[a.connect(b.address, transport="shm")])
+    served(b, 1, "only the newest peer's control connection (shm needs no stream)")
+    assert records[-1] is not records[0]
+    assert records[0].control is None or records[0].control.fileno() == -1
     a.close()
     served(b, 0, "nothing after the dialler closed")
-    assert all(peer.control is None or peer.control.fileno() == -1 for peer in replaced)
+    assert all(peer.control is None or peer.control.fileno() == -1 for peer in records)
 
 
 @pytest.mark.parametrize("how", ["malformed-descriptor", "no-usable-transport"])
@@ -878,7 +884,8 @@ class SlowBlockPeer:
 
 
 def test_a_part_that_timed_out_is_not_committed_when_its_bytes_come_late() -> None:
-    """Once `wait_part` has said a part did not arrive in time, `finish` commits nothing, even when the bytes
+    """Once `wait_part` has said a part did not arrive in time (naming the peer), `finish` commits nothing, even
+    when the bytes
     come afterwards and verify: it waits for the late slice to end, gives the page back and releases the
     peer's lease."""
     data = block(1)
@@ -888,7 +895,7 @@ def test_a_part_that_timed_out_is_not_committed_when_its_bytes_come_late() -> No
         peer = a.engine.connect(peer_engine.address)
         free = free_pages(a)
         fetch = a.messenger.fetch([BlockKey(1)], peer)
-        with pytest.raises(TransferTimeout):
+        with pytest.raises(TransferTimeout, match=f"part 0 of the fetch from {peer} did not arrive within 0.2s"):
             fetch.wait_part(0, timeout=0.2)
         peer_engine.gate.set()  # the bytes arrive now, and match the checksum
         assert fetch.finish(timeout=10) == ()

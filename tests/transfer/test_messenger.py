@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -13,10 +13,18 @@ from hypothesis import strategies as st
 
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import BlockPinnedError, ConfigError, PeerUnavailable, TransferError, UnknownBlockError
+from mooncake.errors import (
+    BlockPinnedError,
+    ConfigError,
+    MooncakeError,
+    PeerUnavailable,
+    TransferError,
+    UnknownBlockError,
+)
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, part_range, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
+from mooncake.transfer.wire import ProtocolError
 from mooncake.types import BlockKey
 from tests.transfer.conftest import SECRET
 
@@ -373,3 +381,62 @@ def test_the_default_lease_outlasts_the_longest_slice_and_bad_settings_are_refus
                 assert len(engine.regions()) == registered
         finally:
             engine.close()
+
+
+# Ways a peer (version skew, a bug) can garble the answers of the block protocol: each takes the real answer.
+_MALFORMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "lookup-none": ("blocks.lookup", lambda _real: None),
+    "lookup-a-list": ("blocks.lookup", lambda real: [real]),
+    "lookup-no-blocks": ("blocks.lookup", lambda real: {"region": real["region"]}),
+    "lookup-three-fields": ("blocks.lookup", lambda real: {**real, "blocks": [e[:3] for e in real["blocks"]]}),
+    "lookup-region-text": ("blocks.lookup", lambda real: {**real, "region": "x"}),
+    "lookup-region-true": ("blocks.lookup", lambda real: {**real, "region": True}),
+    "lookup-offset-fraction": (
+        "blocks.lookup",
+        lambda real: {**real, "blocks": [[*e[:1], 0.5, *e[2:]] for e in real["blocks"]]},
+    ),
+    "reserve-a-list": ("blocks.reserve", lambda _real: []),
+    "reserve-one-field": ("blocks.reserve", lambda real: {**real, "blocks": [e[:1] for e in real["blocks"]]}),
+    "reserve-region-none": ("blocks.reserve", lambda real: {**real, "region": None}),
+    "reserve-offset-negative": (
+        "blocks.reserve",
+        lambda real: {**real, "blocks": [[e[0], -1] for e in real["blocks"]]},
+    ),
+    "commit-empty": ("blocks.commit", lambda _real: {}),
+    "commit-text": ("blocks.commit", lambda _real: {"committed": "12"}),
+    "commit-none-key": ("blocks.commit", lambda real: {**real, "committed": [None]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MALFORMED))
+def test_a_malformed_reply_is_a_protocol_error_and_everything_is_cleaned_up(
+    nodes: tuple[Node, Node, str], case: str
+) -> None:
+    """A reply to "blocks.lookup", "blocks.reserve" or "blocks.commit" of the wrong shape (None, a list, a field
+    missing, of another type or negative, an entry of the wrong arity) is a ProtocolError (a MooncakeError, as a
+    worker's fallback catches) naming the peer, the method and the reply; the fetch or push cleans up as after
+    any failure: no page stays reserved on either side and no pin on either side is left (every block can be
+    removed). (It was a bare TypeError, KeyError or ValueError.)"""
+    a, b, peer = nodes
+    method, garble = _MALFORMED[case]
+    for key in (1, 2):
+        (b if method == "blocks.lookup" else a).cache.put(BlockKey(key), block(key))
+    serve = {"blocks.lookup": b.messenger._serve_lookup, "blocks.reserve": b.messenger._serve_reserve}.get(
+        method, b.messenger._serve_commit
+    )
+    b.engine.register_handler(method, lambda args: garble(serve(args)))  # the real answer (its pins taken), garbled
+    free_a, free_b = a.cache.pools[0].num_free, b.cache.pools[0].num_free
+    with pytest.raises(ProtocolError) as raised:
+        if method == "blocks.lookup":
+            a.messenger.fetch([BlockKey(1), BlockKey(2)], peer).finish(timeout=10)
+        else:
+            a.messenger.push([BlockKey(1), BlockKey(2)], peer).finish(timeout=10)
+    assert isinstance(raised.value, MooncakeError)
+    assert peer in str(raised.value) and method in str(raised.value), raised.value
+    assert a.cache.pools[0].num_free == free_a
+    if method != "blocks.commit":  # (a commit that was answered did commit the blocks at the peer)
+        assert b.cache.pools[0].num_free == free_b
+    for node in (a, b):
+        for key in (BlockKey(1), BlockKey(2)):
+            if key in node.cache:
+                node.cache.remove(key)  # BlockPinnedError if a pin was left behind

@@ -336,6 +336,14 @@ def probe(transport: Transport) -> TransferError | None:
     return transport.run_inline(Slice(TransferOp.READ, memoryview(bytearray(1)), 1, 0, lambda _error: None))
 
 
+def assert_open(transports: list[Transport]) -> None:
+    for transport in transports:
+        if transport.name == "rdma":
+            continue  # a probe's failed completion would take the queue pair down; its kept one is counted instead
+        error = probe(transport)
+        assert error is None or "closed" not in str(error), (transport.name, error)
+
+
 def assert_closed(transports: list[Transport]) -> None:
     for transport in transports:
         error = probe(transport)
@@ -354,7 +362,8 @@ class PeersMachine(RuleBasedStateMachine):
     dialled (or forgotten by `close`) is an unknown-peer TransferError; accepted queue pairs beyond
     `max_connections` are closed, oldest first, the rest open; every region holds exactly the bytes the
     reference says (a refused slice moves nothing); the listener's and staging pool's invariants hold.
-    On reconnect and on close, every transport handed out for the old connection is closed.
+    On a reconnect over other transports, and on close, every transport handed out for the old connection is
+    closed; on one over the same transports, none is.
     """
 
     def __init__(self) -> None:
@@ -428,8 +437,10 @@ class PeersMachine(RuleBasedStateMachine):
 
     def connect(self, source: int, node: int, forced: str | None) -> None:
         """Dial an engine. A closed target is PeerUnavailable, a forced transport the pair cannot use a
-        ConfigError, and either way what was known of that address stays; otherwise the new connection
-        replaces the old, whose transports are closed."""
+        ConfigError, and either way what was known of that address stays. Otherwise a peer known over the same
+        transports (the same engine: none restarts here) is kept, only its descriptor fresh, and the transports
+        handed out for it stay open (no queue pair is accepted for it again); one known over others is replaced,
+        its transports closed."""
         engine, other = self.engines[source], self.engines[node]
         names = self.usable_transports(source, node, forced)
         created_before = len(other.verbs.created) if other.verbs is not None else 0
@@ -443,6 +454,12 @@ class PeersMachine(RuleBasedStateMachine):
             return
         assert engine.peers.connect(other.address, transport=forced) == other.address
         old = self.known[source].pop(other.address, None)
+        if old is not None and old.transports == names:
+            self.known[source][other.address] = Known(node, other.descriptor(), names, old.issued)
+            if other.verbs is not None:
+                assert len(other.verbs.created) == created_before, "no queue pair for a peer kept"
+            assert_open(old.issued)
+            return
         self.known[source][other.address] = Known(node, other.descriptor(), names)
         if "rdma" in names:
             assert other.verbs is not None

@@ -359,13 +359,15 @@ DATA = bytes(range(256)) * (READ_BYTES // 256)
         (lambda c: send_frame(c, Frame(Kind.OK, tag=7, length=READ_BYTES), DATA), "a reply for slice 7"),
         (lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=16), DATA[:16]), "asked for 4096 bytes"),
         (lambda c: send_frame(c, Frame(Kind.OK, tag=1, length=READ_BYTES), DATA), "without the checksum"),
+        (lambda c: c.sendall(b"\0" * HEADER.size), "bad frame header"),
     ],
-    ids=["bad-checksum", "wrong-tag", "wrong-length", "no-checksum"],
+    ids=["bad-checksum", "wrong-tag", "wrong-length", "no-checksum", "bad-header"],
 )
 def test_a_read_reply_is_checked(answer: Callable[[socket.socket], None], error: str) -> None:
     """A READ answered with bytes failing their end-to-end checksum, for another slice, of another length, or
-    (checksums on) without a checksum at all is a ProtocolError for that slice: its bytes are never taken as the
-    region's. (One without a checksum was taken unverified.)"""
+    (checksums on) without a checksum at all, or with a header that is none, is a ProtocolError for that slice:
+    its bytes are never taken as the region's. The error names the peer (host:port) and the slice's region and
+    offset. (One without a checksum was taken unverified; the errors named neither peer nor place.)"""
     scripted = ScriptedServer(answer)
     config = attrs.evolve(PATIENT, checksums=True, max_retries=0, streams_per_peer=1)
     transport = tcp.TcpTransport("127.0.0.1", scripted.port, secret=SECRET, config=config)  # its one stream connects
@@ -376,6 +378,7 @@ def test_a_read_reply_is_checked(answer: Callable[[socket.socket], None], error:
         transport.submit(Slice(TransferOp.READ, memoryview(target), 0, 0, lambda e: (failures.append(e), done.set())))
         assert done.wait(10)
         assert isinstance(failures[0], ProtocolError) and error in str(failures[0])
+        assert str(failures[0]).startswith(f"127.0.0.1:{scripted.port} region 0 offset 0: "), failures[0]
     finally:
         transport.close()
         scripted.close()

@@ -276,8 +276,9 @@ def transfer_threads() -> set[threading.Thread]:
 
 
 def test_a_region_unregistered_after_it_was_mapped_is_not_written_over_shm() -> None:
-    """Over shm, a write to a region its peer has unregistered fails with TransferError even though the
-    segment is still mapped here from an earlier copy (the bytes would reach no one), and moves nothing."""
+    """Over shm, a write to a region its peer has unregistered fails with TransferError, naming the peer's
+    address, even though the segment is still mapped here from an earlier copy (the bytes would reach no one),
+    and moves nothing."""
     with two_engines() as (local, remote):
         shared, remote_array = remote.allocate_shared(4 * KIB)
         mine, local_array = local.allocate_shared(4 * KIB)
@@ -292,7 +293,7 @@ def test_a_region_unregistered_after_it_was_mapped_is_not_written_over_shm() -> 
         write = request(TransferOp.WRITE, mine.region_id, peer, shared.region_id, 100)
         (status,) = local.transfer_sync([write], timeout=10)
         assert status.state == RequestState.FAILED and isinstance(status.error, TransferError)
-        assert "unregistered" in str(status.error)
+        assert "unregistered" in str(status.error) and f"peer {peer} " in str(status.error), status.error
         assert remote_array.tolist() == [3] * (4 * KIB)
 
 
@@ -613,10 +614,12 @@ def test_a_checksummed_write_cut_midway_gives_its_staging_memory_back() -> None:
 
 def test_a_slice_the_peer_refuses_is_not_retried() -> None:
     """A refusal from the peer (bounds, checksum) is the slice's final outcome: a TransferError carrying the
-    peer's reason, after one frame on the one connection (a retry could only be refused again)."""
+    peer's reason and naming the peer (host:port) and the slice's region and offset, after one frame on the one
+    connection (a retry could only be refused again)."""
     with scripted_transport("refuse", io_timeout_s=5.0, max_retries=2) as (peer, transport):
         error, target = read_once(transport, within_s=10)
         assert type(error) is TransferError and "outside the region" in str(error), error
+        assert str(error).startswith(f"127.0.0.1:{peer.port} region 1 offset 0: "), error
         assert peer.frames == 1 and peer.connections == 1
         assert bytes(target) == bytes(READ_BYTES)
 
