@@ -20,6 +20,7 @@ gap instead of raising it).
     ├── BlockPinnedError                  an operation would drop a pinned block
     ├── UnknownBlockError(KeyError)       a block key is not where it must be
     ├── IntegrityError                    a checksum does not match
+    ├── DiskError(OSError)                a read or write of a pool file failed (file, page, block)
     ├── EngineError                       an engine process failed or stopped answering
     ├── Cancelled                         work its caller cancelled stopped early, all it held given back
     ├── TransferError                     moving bytes failed
@@ -39,6 +40,7 @@ __all__ = [
     "Cancelled",
     "CapacityError",
     "ConfigError",
+    "DiskError",
     "EngineError",
     "IntegrityError",
     "InvalidRequestError",
@@ -56,7 +58,15 @@ __all__ = [
 
 
 class MooncakeError(Exception):
-    """Base of every error `mooncake` raises on purpose."""
+    """Base of every error `mooncake` raises on purpose.
+
+    Attributes:
+        request_id: the request the error concerns, where one request's failure is raised among others' work
+            (`DecodeEngine.step`: the request whose token draw failed, dropped while the rest of the batch went
+            on), so its caller ends that request alone; None where the error names no one request.
+    """
+
+    request_id: str | None = None
 
 
 class ConfigError(MooncakeError, ValueError):
@@ -145,6 +155,12 @@ class UnknownBlockError(MooncakeError, KeyError):
 
 class IntegrityError(MooncakeError):
     """Stored or received bytes do not match their checksum."""
+
+
+class DiskError(MooncakeError, OSError):
+    """A read or write of a pool file failed (a device error, a full disk): the message names the file, the page,
+    the block and the cause's text, and `errno` is the cause's. An OSError too, so a caller that handles failed
+    I/O as OSError handles it as before."""
 
 
 class TransferError(MooncakeError):

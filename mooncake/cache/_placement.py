@@ -15,7 +15,9 @@ counters of `CacheStats`. Every move runs with the lock held:
   a full hierarchy it loses nothing; when every first-tier page is pinned, the
   block is read in place;
 - a move copies the bytes (verified when they come from SSD) and re-homes the
-  entry; bytes that fail verification make the block a miss and drop it;
+  entry; bytes that fail verification make the block a miss and drop it (with
+  a warning on the `mooncake.cache` logger naming tier, block and reason: the
+  caller sees only a miss);
 - an I/O error (a write refused, a page whose release fails) goes on to the
   caller from any depth of a cascade, each block being moved left whole where
   it was (back in its policy) or where it went, or dropped; a page is released
@@ -37,6 +39,7 @@ Invariants (`check_invariants`):
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -52,6 +55,7 @@ from mooncake.types import BlockKey, Tier
 
 __all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_changes"]
 
+LOG = logging.getLogger("mooncake.cache")
 STORED, REMOVED = 0, 1  # the kinds of change in the log
 _CORRUPT: tuple[None] = (None,)  # what a promotion carries when its block failed verification as it left
 # What the cache uses of a `PagePool` and an `EvictionPolicy` (checked once, at construction).
@@ -224,6 +228,13 @@ class BlockPlacement:
         self._counts["misses"] += 1
         entry.corrupt = True
 
+    def _warn_corrupt(self, key: BlockKey, level: int, reason: BaseException) -> None:
+        """Log that block `key` of tier `level` failed verification (`reason`) and is dropped: callers see only a
+        miss (serving recomputes the block), so this is where a failing disk shows."""
+        LOG.warning(
+            "block %#x in the %s tier failed verification and is dropped: %s", key, self.pools[level].tier.name, reason
+        )
+
     def _unless_corrupt(self, key: BlockKey, entry: Entry | None) -> Entry | None:
         """`key`'s entry as a new copy of the block must respect it (lock held): None where there is none, or where
         it failed verification and a reader still pins it. That copy is no longer cached, so the new one takes its
@@ -354,7 +365,8 @@ class BlockPlacement:
         self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
         try:
             return self._read_host(key, entry) if self.pools[source_level].holds_bytes else None
-        except IntegrityError:
+        except IntegrityError as error:
+            self._warn_corrupt(key, source_level, error)
             self._found_corrupt(entry)
             self._policies[source_level].remove(key)
             self._drop(key, entry)
@@ -372,7 +384,8 @@ class BlockPlacement:
         self._leaving = None  # one page per promotion
         try:
             data = self._read_host(key, entry) if self.pools[0].holds_bytes else None
-        except IntegrityError:
+        except IntegrityError as error:
+            self._warn_corrupt(key, level, error)
             self._found_corrupt(entry)
             self._forget(key, entry)
             self._counts["corrupt_blocks"] += 1
@@ -416,7 +429,8 @@ class BlockPlacement:
             if data is not None and entry.checksum is None:
                 entry.checksum = xxhash.xxh3_64_intdigest(data)  # lower tiers (SSD) store it with the page
             self.pools[target].write(page, data, key=key, checksum=entry.checksum)
-        except IntegrityError:
+        except IntegrityError as error:
+            self._warn_corrupt(key, source_level, error)
             self.pools[target].free(page)
             self._counts["corrupt_blocks"] += 1
             return False

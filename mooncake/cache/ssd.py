@@ -2,7 +2,8 @@
 
 File layout (all integers little-endian):
 
-    offset 0            superblock, 4 KiB: magic "MCSSD\\0v1", page_bytes, num_pages, xxh3 of the fields
+    offset 0            superblock, 4 KiB: magic "MCSSD\\0v1", format version (2), page_bytes, num_pages,
+                        the label (length, UTF-8 bytes), xxh3 of the fields
     4096 + i * slot     slot i: a 4 KiB header, then the page (page_bytes rounded up to 4 KiB)
 
     slot header: magic "MCPG", data length, xxh3-64 of the data, generation,
@@ -17,14 +18,24 @@ raises `IntegrityError` and is never returned, and so is a valid page of another
 key in the slot (a misdirected write): a read checks that the header holds the
 key this pool wrote there, and the key the caller asks for, where it names one.
 Stale pages that survive a crash are harmless: keys are content hashes, so a
-page valid for its key holds the right bytes. A pool holds an exclusive `flock`
-on its file: a second pool on a file in use, in this process or another, is
-refused (both would hand out the same free pages).
+page valid for its key holds the right bytes, as long as the bytes mean what
+the reader takes them to mean. That is the pool's `label` (the hasher's
+namespace, the KV dtype and layout), kept in the superblock: a file written
+under another label is refused on opening (the same tokens' KV in bf16 and in
+fp16 has one key where the namespace omits the dtype, and one page size). A
+file of format version 1 (before labels) reads as label "".
+A pool holds an exclusive `flock` on its file: a second pool on a file in use,
+in this process or another, is refused (both would hand out the same free
+pages). The lock belongs to the open file, so a child forked without exec
+holds it too: after the parent dies the file stays refused until that child
+exits or closes it.
 A new file gets its superblock (fsynced) before it is preallocated, and a file
 found shorter than its pages (a process killed while preallocating, a cut file)
-is preallocated again on opening: no page write later meets a full disk. A
-page whose header cannot be zeroed (a write error) is raised and released all
-the same, so a failing disk never shrinks the pool.
+is preallocated again on opening: no page write later meets a full disk (a
+file system without the room raises CapacityError, at any step). A failed
+page read or write raises DiskError (an OSError) naming the file, page and
+block. A page whose header cannot be zeroed (a write error) is raised and
+released all the same, so a failing disk never shrinks the pool.
 
 fsync policy: `fsync_every=N` calls fdatasync after every N page writes (0:
 leave it to the OS; a killed process loses nothing the kernel has, a power cut
@@ -45,7 +56,7 @@ import attrs
 import numpy as np
 import xxhash
 
-from mooncake._checks import require_bool
+from mooncake._checks import require_bool, require_str
 from mooncake.cache.pool import (
     ALIGNMENT_BYTES,
     AllocatingPool,
@@ -54,13 +65,17 @@ from mooncake.cache.pool import (
     as_bytes_view,
     check_checksum,
 )
-from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
+from mooncake.errors import CapacityError, ConfigError, DiskError, IntegrityError, InvalidRequestError
 from mooncake.types import BlockKey, Tier
 
-__all__ = ["RecoveredPage", "SsdPagePool"]
+__all__ = ["MAX_LABEL_BYTES", "RecoveredPage", "SsdPagePool"]
 
 _SUPER = struct.Struct("<8sIQQ")
 _SUPER_MAGIC = b"MCSSD\0v1"
+_SUPER_VERSION = 2  # 1: no label (read as label ""); 2: a label after the geometry
+_LABEL_LENGTH = struct.Struct("<I")
+MAX_LABEL_BYTES = 1024  # of UTF-8; the superblock's 4 KiB would hold more, no label needs it
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _HEADER = struct.Struct("<4sIQQQ32s")
 _HEADER_MAGIC = b"MCPG"
 _CHECK = struct.Struct("<Q")
@@ -95,11 +110,16 @@ class SsdPagePool(AllocatingPool):
     Args:
         path: the pool file; created if missing, reopened (and recovered) if it exists.
         page_bytes, num_pages: the geometry; must match an existing file's.
+        label: what the pages' bytes mean: the block hasher's namespace plus the KV dtype and layout (at most
+            `MAX_LABEL_BYTES` of UTF-8); must match an existing file's. A key names tokens, not the bytes their KV
+            takes, so pages written under another label (bf16 KV read as fp16, of the same page size) must not
+            come back as valid.
         o_direct: bypass the page cache (O_DIRECT; aligned bounce buffers are used).
         fsync_every: fdatasync after this many page writes (0: never by itself).
 
     Raises:
-        ConfigError: the file exists but is not a pool file, or has another geometry.
+        ConfigError: the file exists but is not a pool file, or has another geometry or label; `label` is not
+            a string of at most MAX_LABEL_BYTES bytes.
         CapacityError: the file system cannot hold the file.
     """
 
@@ -111,6 +131,7 @@ class SsdPagePool(AllocatingPool):
         page_bytes: int,
         num_pages: int,
         *,
+        label: str = "",
         o_direct: bool = False,
         fsync_every: int = 0,
         tier: Tier = Tier.SSD,
@@ -119,6 +140,14 @@ class SsdPagePool(AllocatingPool):
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
             raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
         require_bool("o_direct", o_direct)
+        require_str("label", label, empty=True)
+        try:
+            encoded = label.encode()
+        except UnicodeEncodeError as error:  # a lone surrogate
+            raise ConfigError(f"label must be encodable as UTF-8, got {label!r}") from error
+        if len(encoded) > MAX_LABEL_BYTES:
+            raise ConfigError(f"label must take at most {MAX_LABEL_BYTES} bytes of UTF-8, got {len(encoded)}")
+        self.label = label
         self.path = os.fspath(path)
         self.slot_bytes = HEADER_BYTES + _round_up(page_bytes, ALIGNMENT_BYTES)
         self.file_bytes = HEADER_BYTES + num_pages * self.slot_bytes
@@ -140,6 +169,7 @@ class SsdPagePool(AllocatingPool):
             except FileExistsError:
                 self._fd, created = os.open(self.path, flags), False
         except OSError as error:
+            self._raise_if_no_space(error, f"create a pool file of {self.file_bytes:,} bytes")
             raise ConfigError(f"cannot open SSD pool file {self.path}: {error.strerror}") from error
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one pool per file: two would share free pages
@@ -175,9 +205,11 @@ class SsdPagePool(AllocatingPool):
         verified bytes (a key names its tokens' content).
         """
         self._check_allocated(page)
-        self._keys.pop(page, None)
+        key = self._keys.pop(page, None)
         try:
             self._pwrite(self._zeros, self._slot(page))
+        except OSError as error:
+            raise self._disk_error(error, "zeroing the header to free it", page, key) from error
         finally:
             super().free(page)
 
@@ -197,16 +229,19 @@ class SsdPagePool(AllocatingPool):
         with self._write_lock:  # the generation counter and the O_DIRECT bounce buffer are shared
             header = self._pack_header(source.nbytes, digest, self._generation + 1, key)  # checks the key first
             self._generation += 1
-            if self._bounce is not None:
-                length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
-                self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-                self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
-                self._bounce[HEADER_BYTES + source.nbytes : length] = 0
-                self._pwrite(self._bounce.data[:length], offset)
-            else:
-                written = os.pwritev(self._fd, [header, source], offset)
-                if written != len(header) + source.nbytes:
-                    raise OSError(errno.EIO, f"short write to {self.path}: {written} bytes")
+            try:
+                if self._bounce is not None:
+                    length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
+                    self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+                    self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
+                    self._bounce[HEADER_BYTES + source.nbytes : length] = 0
+                    self._pwrite(self._bounce.data[:length], offset)
+                else:
+                    written = os.pwritev(self._fd, [header, source], offset)
+                    if written != len(header) + source.nbytes:
+                        raise OSError(errno.EIO, f"short write: {written} bytes")
+            except OSError as error:
+                raise self._disk_error(error, "writing the page", page, key) from error
             self._keys[page] = key
             self._writes_since_sync += 1
             sync = self.fsync_every and self._writes_since_sync >= self.fsync_every
@@ -261,11 +296,11 @@ class SsdPagePool(AllocatingPool):
         # CPU's cache: hashing it whole after the read takes a second trip through memory (16 MiB pages:
         # 0.70 of a raw read whole, 0.85 in chunks). The streamed XXH3 equals the one-shot digest.
         first = size if size <= 2 * READ_CHUNK_BYTES else READ_CHUNK_BYTES
-        got = os.preadv(self._fd, [header.data, target[:first]], offset)
-        if got < HEADER_BYTES + min(first, length):
-            raise IntegrityError(f"{self.path} page {page}: short read of {got} bytes")
-        stored_length, digest, _generation, found = self._unpack_header(header, page)
         expected = self._keys.get(page)
+        got = self._preadv([header.data, target[:first]], offset, page, expected)
+        if got < HEADER_BYTES + min(first, length):
+            raise IntegrityError(f"{self._where(page, expected)}: short read of {got} bytes")
+        stored_length, digest, _generation, found = self._unpack_header(header, page, expected)
         if found != expected:
             wanted = "nothing" if expected is None else f"block {expected:#x}"
             raise IntegrityError(
@@ -275,25 +310,32 @@ class SsdPagePool(AllocatingPool):
         if key is not None and found != key:  # the caller's map of blocks to pages is wrong: never serve another's
             raise IntegrityError(f"{self.path} page {page}: holds block {found:#x}, not block {key:#x} as asked")
         if stored_length != length:
-            raise IntegrityError(f"{self.path} page {page}: holds {stored_length} bytes, expected {length}")
+            raise IntegrityError(f"{self._where(page, expected)}: holds {stored_length} bytes, expected {length}")
         if first == size:
             actual = xxhash.xxh3_64_intdigest(target[:length])
         else:
             hasher = xxhash.xxh3_64(target[:first])
             for start in range(first, size, READ_CHUNK_BYTES):
                 chunk = target[start : min(start + READ_CHUNK_BYTES, size)]
-                got = os.preadv(self._fd, [chunk], offset + HEADER_BYTES + start)
+                got = self._preadv([chunk], offset + HEADER_BYTES + start, page, expected)
                 if got < min(chunk.nbytes, length - start):
-                    raise IntegrityError(f"{self.path} page {page}: short read at byte {start}: {got} bytes")
+                    raise IntegrityError(f"{self._where(page, expected)}: short read at byte {start}: {got} bytes")
                 hasher.update(chunk[: length - start])
             actual = hasher.intdigest()
         if actual != digest:
-            raise IntegrityError(f"{self.path} page {page}: checksum {actual:#018x} != stored {digest:#018x}")
+            raise IntegrityError(f"{self._where(page, expected)}: checksum {actual:#018x} != stored {digest:#018x}")
         return digest
 
     def flush(self) -> None:
-        """Make every write so far durable (fdatasync)."""
-        os.fdatasync(self._fd)
+        """Make every write so far durable (fdatasync).
+
+        Raises:
+            DiskError: the file system failed to sync (naming the file).
+        """
+        try:
+            os.fdatasync(self._fd)
+        except OSError as error:
+            raise self._disk_error(error, "syncing", None, None) from error
         self._writes_since_sync = 0
 
     def close(self) -> None:
@@ -318,16 +360,44 @@ class SsdPagePool(AllocatingPool):
         fields = _HEADER.pack(_HEADER_MAGIC, 1, length, digest, generation, key.to_bytes(_KEY_BYTES, "little"))
         return (fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))).ljust(HEADER_BYTES, b"\0")
 
-    def _unpack_header(self, header: Any, page: int) -> tuple[int, int, int, BlockKey]:
+    def _unpack_header(
+        self, header: Any, page: int, expected: BlockKey | None = None
+    ) -> tuple[int, int, int, BlockKey]:
+        """The header's (length, checksum, generation, key); IntegrityError naming the page, and `expected` (the
+        block meant to be there) where given, if it is invalid."""
         magic, _version, length, digest, generation, key = _HEADER.unpack_from(header)
         (check,) = _CHECK.unpack_from(header, _HEADER.size)
         if magic != _HEADER_MAGIC or check != xxhash.xxh3_64_intdigest(header.data[: _HEADER.size]):
-            raise IntegrityError(f"{self.path} page {page}: invalid page header")
+            raise IntegrityError(f"{self._where(page, expected)}: invalid page header")
         if length > self.page_bytes:
             raise IntegrityError(
-                f"{self.path} page {page}: header claims {length} bytes in a {self.page_bytes}-byte page"
+                f"{self._where(page, expected)}: header claims {length} bytes in a {self.page_bytes}-byte page"
             )
         return length, digest, generation, BlockKey(int.from_bytes(key, "little"))
+
+    def _where(self, page: int | None, key: BlockKey | None) -> str:
+        """The file, page and block an error is about, for its message."""
+        where = self.path if page is None else f"{self.path} page {page}"
+        return where if key is None else f"{where} (block {key:#x})"
+
+    def _disk_error(self, error: OSError, doing: str, page: int | None, key: BlockKey | None) -> DiskError:
+        """`error` (from a page's read or write) as a DiskError naming the file, page and block; raise it from
+        `error`. A full disk stays a DiskError with errno ENOSPC here: the file was preallocated, so this is a
+        file system that broke that promise (copy-on-write, thin provisioning), not a pool too large."""
+        message = f"{self._where(page, key)}: {doing} failed: {error.strerror or error}"
+        return DiskError(error.errno, message) if error.errno is not None else DiskError(message)
+
+    def _raise_if_no_space(self, error: OSError, doing: str) -> None:
+        """Raise CapacityError from `error` where it says the file system has no room for the file (full, a
+        quota, a file too large)."""
+        if error.errno in _NO_SPACE:
+            raise CapacityError(f"cannot {doing} for {self.path}: {error.strerror}") from error
+
+    def _preadv(self, buffers: list[Any], offset: int, page: int, key: BlockKey | None) -> int:
+        try:
+            return os.preadv(self._fd, buffers, offset)
+        except OSError as error:
+            raise self._disk_error(error, "reading the page", page, key) from error
 
     def _header_buffer(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
         buffer = getattr(self._scratch, "header", None)
@@ -341,15 +411,23 @@ class SsdPagePool(AllocatingPool):
             raise OSError(errno.EIO, f"short write to {self.path}")
 
     def _write_superblock(self) -> None:
-        """Mark a new file as a pool of this shape, durably, before it is preallocated: a process killed while
-        preallocating leaves a file that the next pool recovers (and preallocates), not one it must refuse."""
-        fields = _SUPER.pack(_SUPER_MAGIC, 1, self.page_bytes, self.num_pages)
+        """Mark a new file as a pool of this shape and label, durably, before it is preallocated: a process killed
+        while preallocating leaves a file that the next pool recovers (and preallocates), not one it must refuse.
+        (The checksum follows the label, so a reader of version 1, which expects it after the geometry, refuses
+        the file rather than ignore its label.)"""
+        label = self.label.encode()
+        fields = _SUPER.pack(_SUPER_MAGIC, _SUPER_VERSION, self.page_bytes, self.num_pages)
+        fields += _LABEL_LENGTH.pack(len(label)) + label
         superblock = aligned_buffer(HEADER_BYTES)
-        superblock[: _SUPER.size + _CHECK.size] = np.frombuffer(
+        superblock[: len(fields) + _CHECK.size] = np.frombuffer(
             fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields)), dtype=np.uint8
         )
-        self._pwrite(superblock, 0)
-        os.fsync(self._fd)
+        try:
+            self._pwrite(superblock, 0)
+            os.fsync(self._fd)
+        except OSError as error:  # a full disk meets the superblock before the preallocation
+            self._raise_if_no_space(error, f"write the superblock of a pool file of {self.file_bytes:,} bytes")
+            raise
 
     def _preallocate(self) -> None:
         """Reserve the whole file on disk, so that a page write never meets a full disk."""
@@ -358,21 +436,38 @@ class SsdPagePool(AllocatingPool):
         except OverflowError as error:  # beyond the largest file offset
             raise CapacityError(f"cannot preallocate {self.file_bytes:,} bytes for {self.path}: too large") from error
         except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise CapacityError(
-                    f"cannot preallocate {self.file_bytes:,} bytes for {self.path}: {error.strerror}"
-                ) from error
+            self._raise_if_no_space(error, f"preallocate {self.file_bytes:,} bytes")
             raise
 
     def _recover(self) -> tuple[RecoveredPage, ...]:
         header = self._header_buffer()
-        if os.preadv(self._fd, [header.data], 0) < _SUPER.size + _CHECK.size:
+        got = os.preadv(self._fd, [header.data], 0)
+        if got < _SUPER.size + _CHECK.size:
             raise ConfigError(f"{self.path} is not a mooncake SSD pool file (too short)")
-        raw = bytes(header[: _SUPER.size + _CHECK.size])
-        magic, _version, page_bytes, num_pages = _SUPER.unpack_from(raw)
-        (check,) = _CHECK.unpack_from(raw, _SUPER.size)
-        if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[: _SUPER.size]):
+        raw = bytes(header[:got])
+        magic, version, page_bytes, num_pages = _SUPER.unpack_from(raw)
+        if magic == _SUPER_MAGIC and version not in (1, _SUPER_VERSION):
+            raise ConfigError(
+                f"{self.path} is not a mooncake SSD pool file of a format this version reads (version {version})"
+            )
+        label = b""  # version 1: written before labels, read as label ""
+        end = _SUPER.size
+        if version == _SUPER_VERSION:
+            (size,) = _LABEL_LENGTH.unpack_from(raw, end)
+            if size <= MAX_LABEL_BYTES:
+                label = raw[end + _LABEL_LENGTH.size : end + _LABEL_LENGTH.size + size]
+                end += _LABEL_LENGTH.size + size
+        (check,) = _CHECK.unpack_from(raw, end) if end + _CHECK.size <= len(raw) else (None,)
+        if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(raw[:end]):
             raise ConfigError(f"{self.path} is not a mooncake SSD pool file (bad superblock)")
+        file_label = label.decode(errors="replace")  # checksummed: written by `_write_superblock`, valid UTF-8
+        if file_label != self.label:
+            before = " (format version 1, from before labels)" if version == 1 else ""
+            raise ConfigError(
+                f"{self.path} holds pages labelled {file_label!r}{before}, but this pool is labelled {self.label!r}: "
+                "their bytes mean something else (another hasher namespace, KV dtype or layout); give this pool "
+                "another file, or remove that one"
+            )
         if (page_bytes, num_pages) != (self.page_bytes, self.num_pages):
             raise ConfigError(
                 f"{self.path} holds {num_pages} pages of {page_bytes} bytes; asked for "
@@ -399,7 +494,10 @@ class SsdPagePool(AllocatingPool):
                 stale.append(page)
             self._generation = max(self._generation, generation)
         for page in stale:  # an older copy of a key: invalidate it so it never comes back
-            self._pwrite(self._zeros, self._slot(page))
+            try:
+                self._pwrite(self._zeros, self._slot(page))
+            except OSError as error:
+                raise self._disk_error(error, "invalidating an older copy", page, None) from error
         pages = tuple(sorted(newest.values(), key=lambda p: p.page))
         for found in pages:
             self.allocator.claim(found.page)

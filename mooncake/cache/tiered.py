@@ -29,8 +29,9 @@ one tier at a time:
 - Every page written to SSD carries an XXH3-64 checksum, verified on every SSD
   read; `put(..., checksum=...)` verifies blocks imported from a peer. A block
   that fails verification is dropped and reported as a miss (counted in
-  `stats.corrupt_blocks`), never returned; so is one whose page cannot be
-  read (an I/O error: a bad sector, which reading again will not mend).
+  `stats.corrupt_blocks`, and logged as a warning on the `mooncake.cache`
+  logger, naming tier, block and reason), never returned; so is one whose page
+  cannot be read (an I/O error: a bad sector, which reading again will not mend).
 - The cache publishes `BlockStored` / `BlockRemoved` events (with tier) for the
   global index: `take_events()` drains them, numbered in one sequence per epoch,
   the changes since the last call grouped by kind and tier (a full cache taking
@@ -486,14 +487,15 @@ class TieredCache(BlockPlacement):
             entry.reads += 1
             self._policies[entry.level].pin(key)
         data = None
-        failed = False  # the page failed verification or could not be read; not any other error (an interrupt)
+        failure: Exception | None = None  # the page failed verification or could not be read; not an interrupt
         try:
             data = self.pools[entry.level].read(entry.page, entry.length, key=key)
-        except (IntegrityError, OSError):  # an unreadable page (a bad sector) is as good as corrupt
-            failed = True
+        except (IntegrityError, OSError) as error:  # an unreadable page (a bad sector) is as good as corrupt
+            failure = error
         finally:
             with self._lock:
-                if failed:
+                if failure is not None:
+                    self._warn_corrupt(key, entry.level, failure)
                     self._found_corrupt(entry)
                 entry.reads -= 1
                 self._unpin_entry(key, entry)
@@ -541,6 +543,7 @@ class TieredCache(BlockPlacement):
                 try:
                     entry.checksum = self._digest(key, entry)
                 except IntegrityError as error:
+                    self._warn_corrupt(key, entry.level, error)
                     self._found_corrupt_unread(key, entry)
                     raise UnknownBlockError(f"block {key} is not cached: its bytes failed verification") from error
             return entry.checksum
@@ -640,6 +643,22 @@ class TieredCache(BlockPlacement):
             )
             for i, ((kind, level), keys) in enumerate(groups)
         ]
+
+    def announce_all(self, epoch: int) -> None:
+        """Start event epoch `epoch` with everything the cache holds: the next `take_events` begins at seq 0 of
+        `epoch` with one `BlockStored` per tier of the blocks it holds (what every event so far, applied in order,
+        would leave), and changes not yet taken are folded into it. For a consumer that lost this cache's events
+        (an index that forgot the source while it did not answer, a subscriber that joined late): an index applies
+        an epoch's seq 0 whatever it knew of the source, replacing it.
+
+        Raises:
+            InvalidRequestError: `epoch` is not an integer above the current epoch (a consumer drops an event of
+                an epoch it has passed).
+        """
+        with self._lock:
+            require_int("epoch", epoch, minimum=self.epoch + 1, error=InvalidRequestError)
+            self.epoch, self._seq = epoch, 0
+            self._log = [(STORED, entry.level, key) for key, entry in self._entries.items() if entry.is_live]
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -1,7 +1,7 @@
 """Tests of mooncake.cache.ssd: checksummed pages in a preallocated file, recovered after a crash.
 
-Examples cover the edge contracts (geometry and format errors, out of space,
-O_DIRECT, the fsync policy) and the damage a crash or a bad disk leaves behind
+Examples cover the edge contracts (geometry, label and format errors, out of
+space, disk errors naming file, page and block, O_DIRECT, the fsync policy) and the damage a crash or a bad disk leaves behind
 (flipped data or header bytes, torn and truncated pages). A property drives a
 pool through random writes, frees and reopens against a model of the live
 pages: after every reopen the recovered pages are exactly the newest live page
@@ -15,6 +15,7 @@ import itertools
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from mooncake.cache import ssd
 from mooncake.cache.pool import ALIGNMENT_BYTES, aligned_buffer
 from mooncake.cache.ssd import HEADER_BYTES, RecoveredPage, SsdPagePool
-from mooncake.errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
+from mooncake.errors import CapacityError, ConfigError, DiskError, IntegrityError, InvalidRequestError, MooncakeError
 from mooncake.types import BlockKey, Tier
 from tests.cache.damage import flip_byte, overwrite, read_file
 from tests.strategies import page_pool_ops, page_sizes
@@ -432,6 +433,28 @@ def test_a_failure_never_removes_a_file_that_was_there_before(tmp_path: Path, mo
     assert path.exists()
 
 
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT], ids=errno.errorcode.get)
+@pytest.mark.parametrize("failing", ["pwrite", "fsync"])
+def test_a_full_file_system_refusing_the_superblock_raises_capacity_error_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error_number: int, failing: str
+) -> None:
+    """A new file's superblock is written (and synced) before the file is preallocated, so on a full disk that
+    write is the first to fail: CapacityError as for the preallocation (it used to be a bare OSError), and the
+    new file is removed."""
+
+    def full(*_args: Any) -> None:
+        raise OSError(error_number, os.strerror(error_number))
+
+    monkeypatch.setattr(os, failing, full)
+    path = tmp_path / "pool"
+    with pytest.raises(
+        CapacityError, match=rf"cannot write the superblock .* for .*pool: {os.strerror(error_number)}"
+    ) as raised:
+        SsdPagePool(path, 4096, 2)
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == error_number
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_invalid_options_raise_config_error(tmp_path: Path) -> None:
     """Bad geometry or fsync_every raise ConfigError before any file is made."""
     path = tmp_path / "pool"
@@ -503,6 +526,157 @@ def test_fsync_every_is_honoured(
             assert len(calls) == expected_syncs + 2
 
 
+# --------------------------------------------------------------------------- labels
+
+BF16 = "llama3-8b@seed=0/16 tokens/kv bfloat16 [layers, k|v, tokens, width]"
+FP16 = "llama3-8b@seed=0/16 tokens/kv float16 [layers, k|v, tokens, width]"
+
+
+def test_a_file_written_under_another_label_is_refused_naming_both(tmp_path: Path) -> None:
+    """Pages written for one meaning of their bytes (bf16 KV) are refused by a pool of another (fp16 KV of the same
+    model and page size, so the same keys and geometry): ConfigError naming the file and both labels, the file
+    untouched (it used to be adopted, its bf16 bytes served as fp16 and announced as stored). The same label
+    recovers the pages."""
+    path = tmp_path / "kv.pool"
+    with SsdPagePool(path, 4096, 4, label=BF16) as pool:
+        page = write_new(pool, 0xABC, block(0xABC, 4096))
+    before = path.read_bytes()
+    with pytest.raises(ConfigError) as raised:
+        SsdPagePool(path, 4096, 4, label=FP16)
+    assert f"{path} holds pages labelled {BF16!r}, but this pool is labelled {FP16!r}" in str(raised.value)
+    with pytest.raises(ConfigError, match="labelled ''"):
+        SsdPagePool(path, 4096, 4)  # the default label is a label too
+    assert path.read_bytes() == before
+    with SsdPagePool(path, 4096, 4, label=BF16) as pool:
+        assert [(p.page, p.key) for p in pool.recovered] == [(page, 0xABC)]
+        assert bytes(pool.read(page, 4096)) == block(0xABC, 4096)
+
+
+@pytest.mark.parametrize("label", ["", "x", "ü" * (ssd.MAX_LABEL_BYTES // 2)], ids=["empty", "short", "longest"])
+def test_a_label_is_kept_checksummed_in_the_superblock(tmp_path: Path, label: str) -> None:
+    """A label of any length up to the limit comes back from the superblock, and a flipped byte of it makes the
+    file foreign, not a pool of another label. A reader of format version 1 (which finds the superblock's
+    checksum right after the geometry) refuses the file instead of ignoring its label."""
+    path = tmp_path / "pool"
+    SsdPagePool(path, 4096, 2, label=label).close()
+    SsdPagePool(path, 4096, 2, label=label).close()
+    raw = read_file(path, 0, 36)
+    assert xxhash.xxh3_64_intdigest(raw[:28]) != int.from_bytes(raw[28:36], "little")
+    if label:
+        flip_byte(path, 32)  # the label's first byte
+        with pytest.raises(ConfigError, match="bad superblock"):
+            SsdPagePool(path, 4096, 2, label=label)
+
+
+def write_version_1_superblock(path: Path, page_bytes: int, num_pages: int) -> None:
+    """Give the pool file at `path` the superblock of format version 1 (before labels): magic, version, geometry,
+    and the XXH3 of those 28 bytes; the rest of its 4 KiB zero."""
+    fields = (
+        b"MCSSD\0v1" + (1).to_bytes(4, "little") + page_bytes.to_bytes(8, "little") + num_pages.to_bytes(8, "little")
+    )
+    superblock = fields + xxhash.xxh3_64_intdigest(fields).to_bytes(8, "little")
+    overwrite(path, 0, superblock.ljust(HEADER_BYTES, b"\0"))
+
+
+def test_a_file_of_format_version_1_reads_as_label_empty(tmp_path: Path) -> None:
+    """A file written before labels (format version 1) is a pool of label "": opened with the default label it
+    recovers its pages as before; opened with another label it is refused, the message saying why."""
+    path = tmp_path / "old.pool"
+    with SsdPagePool(path, 4096, 3) as pool:
+        page = write_new(pool, 7, block(7, 100))
+    write_version_1_superblock(path, 4096, 3)
+    with pytest.raises(ConfigError, match=r"labelled '' \(format version 1, from before labels\), .* labelled 'x'"):
+        SsdPagePool(path, 4096, 3, label="x")
+    with SsdPagePool(path, 4096, 3) as pool:
+        assert [(p.page, p.key) for p in pool.recovered] == [(page, 7)]
+        assert bytes(pool.read(page, 100)) == block(7, 100)
+
+
+def test_a_superblock_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
+    """A superblock of a format version this code does not know (a newer one) is refused by name."""
+    path = tmp_path / "pool"
+    SsdPagePool(path, 4096, 2).close()
+    overwrite(path, 8, (3).to_bytes(4, "little"))
+    with pytest.raises(ConfigError, match=r"not a mooncake SSD pool file of a format this version reads \(version 3\)"):
+        SsdPagePool(path, 4096, 2)
+
+
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [
+        (None, "label must be a string, got None"),
+        (b"bytes", "label must be a string"),
+        ("\udc80", "label must be encodable as UTF-8"),
+        ("x" * (ssd.MAX_LABEL_BYTES + 1), f"at most {ssd.MAX_LABEL_BYTES} bytes of UTF-8, got 1025"),
+        ("é" * (ssd.MAX_LABEL_BYTES // 2 + 1), "at most 1024 bytes of UTF-8, got 1026"),
+    ],
+    ids=["none", "bytes", "surrogate", "too-long", "too-long-in-utf-8"],
+)
+def test_a_label_that_cannot_be_stored_is_refused_before_any_file_is_made(
+    tmp_path: Path, label: object, message: str
+) -> None:
+    """A label that is no string, or does not fit the superblock, raises ConfigError naming it; no file is made."""
+    with pytest.raises(ConfigError, match=message):
+        SsdPagePool(tmp_path / "pool", 4096, 2, label=label)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- disk errors
+
+
+def test_verification_errors_name_the_block(tmp_path: Path) -> None:
+    """Each way a read fails verification names the file, the page and the block meant to be there (the key this
+    pool wrote), so that a log line says which block was lost (they used to name the page alone)."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, 4096, 2) as pool:
+        page = write_new(pool, 0xABC, block(0xABC, 100))
+        where = rf"{path} page {page} \(block 0xabc\)"
+        with pytest.raises(IntegrityError, match=rf"{where}: holds 100 bytes, expected 99"):
+            pool.read(page, 99)
+        flip_byte(path, data_offset(pool, page) + 3)
+        with pytest.raises(IntegrityError, match=rf"{where}: checksum"):
+            pool.read(page, 100)
+        flip_byte(path, header_offset(pool, page) + 5)
+        with pytest.raises(IntegrityError, match=rf"{where}: invalid page header"):
+            pool.read(page, 100)
+
+
+@pytest.mark.parametrize("operation", ["write", "free", "read", "flush"])
+def test_a_failing_disk_raises_disk_error_naming_file_page_and_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """An I/O error under a page's write, release, read or sync raises DiskError: a MooncakeError, and an OSError
+    with the cause's errno (so `except OSError` still catches it), whose message names the file, the page and
+    block (where there is one) and the cause's text, raised from the cause (it used to be the bare OSError)."""
+    path = tmp_path / "pool"
+    pool = SsdPagePool(path, 4096, 2)
+    page = write_new(pool, 0xABC, block(0xABC, 100))
+    cause = OSError(errno.EIO, "Input/output error (injected)")
+
+    def refuse(*_args: Any) -> None:
+        raise cause
+
+    call = {
+        "write": ("pwritev", lambda: pool.write(page, b"again", key=BlockKey(0xABC))),
+        "free": ("pwrite", lambda: pool.free(page)),
+        "read": ("preadv", lambda: pool.read(page, 100)),
+        "flush": ("fdatasync", pool.flush),
+    }
+    name, action = call[operation]
+    monkeypatch.setattr(os, name, refuse)
+    with pytest.raises(OSError) as raised:
+        action()
+    monkeypatch.undo()
+    error = raised.value
+    assert isinstance(error, MooncakeError) and isinstance(error, DiskError)
+    assert error.errno == errno.EIO and error.__cause__ is cause
+    where = f"{path}" if operation == "flush" else f"{path} page {page} (block 0xabc)"
+    assert where in str(error) and "Input/output error (injected)" in str(error)
+    if operation == "free":  # released all the same
+        assert not pool.allocator.is_allocated(page)
+    pool.close()
+
+
 # --------------------------------------------------------------------------- damage
 
 
@@ -515,7 +689,7 @@ def test_a_flipped_data_byte_makes_read_raise_integrity_error(tmp_path: Path, wh
     with SsdPagePool(path, 8192, 3) as pool:
         pages = [write_new(pool, key, block(key, length)) for key in range(3)]
         flip_byte(path, data_offset(pool, pages[1]) + at)
-        with pytest.raises(IntegrityError, match=f"page {pages[1]}: checksum"):
+        with pytest.raises(IntegrityError, match=rf"page {pages[1]} \(block 0x1\): checksum"):
             pool.read(pages[1], length)
         with pytest.raises(IntegrityError):
             pool.read_into(pages[1], length, bytearray(length))
@@ -608,6 +782,31 @@ def test_one_pool_per_file(tmp_path: Path) -> None:
         assert bytes(pool.read(page, 4)) == b"kept"
     with SsdPagePool(path, 4096, 2) as pool:
         assert [(p.page, p.key) for p in pool.recovered] == [(page, 7)]
+
+
+def test_a_child_forked_without_exec_holds_the_pool_lock_until_it_exits(tmp_path: Path) -> None:
+    """The pool's flock belongs to the open file, which a child forked without exec shares: with the parent's
+    pool closed (as a parent killed with SIGKILL leaves it), the file is refused while the child lives, and opens
+    once it exits (docs/cache.md, crash safety: the documented caveat, pinned here)."""
+    path = tmp_path / "pool"
+    pool = SsdPagePool(path, 4096, 2)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits for the test to close the pipe (or to die), then exits
+        try:
+            os.close(write_end)
+            os.read(read_end, 1)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    try:
+        pool.close()
+        with pytest.raises(ConfigError, match="in use by another pool"):
+            SsdPagePool(path, 4096, 2)
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)
+    SsdPagePool(path, 4096, 2).close()
 
 
 def test_a_truncated_file_loses_only_the_cut_pages(tmp_path: Path) -> None:

@@ -417,6 +417,14 @@ class TieredMachine(RuleBasedStateMachine):
         self.reference[key] = block(key)
         assert key in self.cache
 
+    @rule(forget=st.booleans())
+    def announce_all(self, forget: bool) -> None:
+        """A consumer that lost the events (an index that forgot the source, or not) is brought back by a new
+        epoch announcing everything held: the invariant below applies it and compares."""
+        if forget:
+            self.index.remove_instance(SOURCE)
+        self.cache.announce_all(self.cache.epoch + 1)
+
     @rule(key=keys, good=st.booleans(), abort=st.booleans())
     def reserve_fill_commit(self, key: BlockKey, good: bool, abort: bool) -> None:
         self.may_evict = True
@@ -894,3 +902,26 @@ def test_evict_refuses_a_count_that_is_not_a_non_negative_integer() -> None:
     for bad in (-1, 1.5, "2", None):
         with pytest.raises(InvalidRequestError, match="num_blocks"):
             cache.evict(bad)  # type: ignore[arg-type]
+
+
+def test_announce_all_starts_an_epoch_holding_what_the_cache_holds(tmp_path: Path) -> None:
+    """The index that forgot the source (a dispatcher marked it down, then up) gets every block back by tier, the
+    changes not yet taken folded in; a stale or equal epoch is refused by name."""
+    cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "ssd.pool", PAGE, 4)], source=SOURCE, epoch=5)
+    index = BlockIndex()
+    for key in (1, 2, 3):
+        cache.put(BlockKey(key), block(key))
+    for event in cache.take_events():
+        assert index.apply(event) is None
+    index.remove_instance(SOURCE)
+    cache.put(BlockKey(4), block(4))  # not taken yet: folded into the announcement
+    cache.announce_all(6)
+    events = cache.take_events()
+    assert [(e.seq, e.epoch, type(e)) for e in events] == [(0, 6, BlockStored), (1, 6, BlockStored)]
+    for event in events:
+        assert index.apply(event) is None
+    for key in (1, 2, 3, 4):
+        assert index.holders(BlockKey(key)) == (Holder(SOURCE, cache.tier_of(BlockKey(key))),)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="epoch"):
+        cache.announce_all(6)
+    cache.close()

@@ -16,6 +16,9 @@
   block a get promotes is found damaged as the victim's demotion fails.
 - Any other error in an SSD read (MemoryError, KeyboardInterrupt) leaves the block
   cached: only a failed verification or an unreadable page drops it.
+- A disk error under `put`, `remove`, `evict` or `unpin` reaches the caller as a
+  DiskError (an OSError) naming the file, page and block; a block dropped as
+  corrupt is logged as a warning naming tier, block and reason.
 
 Damaged bytes are found by searching the file for a block's (unique) bytes, so
 these tests depend on the file format only through `HEADER_BYTES`.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import logging
 import os
 import select
 import signal
@@ -47,7 +51,7 @@ from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.pool import DramPagePool
 from mooncake.cache.ssd import HEADER_BYTES, SsdPagePool
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import CapacityError, ConfigError, IntegrityError
+from mooncake.errors import CapacityError, ConfigError, DiskError, IntegrityError, MooncakeError
 from mooncake.types import BlockKey, InstanceId, Tier
 from tests.cache.damage import flip_byte
 from tests.strategies import page_payloads
@@ -860,5 +864,94 @@ def test_an_error_other_than_a_failed_read_leaves_a_healthy_ssd_block_cached(
     cache.check_invariants()
     assert bytes(cache.get(BlockKey(1))) == block(1)  # type: ignore[arg-type]
     assert bytes(cache.get(BlockKey(2))) == block(2)  # type: ignore[arg-type]
+    cache.check_invariants()
+    cache.close()
+
+
+# --------------------------------------------------------------------------- what a failing disk tells
+
+
+def ssd_page_of(cache: TieredCache, key: int) -> int:
+    location = cache.location(BlockKey(key))
+    assert location is not None and location.tier == Tier.SSD
+    return location.page
+
+
+@pytest.mark.parametrize("operation", ["put", "evict", "remove", "unpin"])
+def test_a_disk_error_under_a_cache_call_names_file_page_and_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """The SSD refuses a write (ENOSPC for a page's write: a put or an evict demoting a block into it; EIO for
+    the header zeroed to free a page: a remove, or the last unpin of a block found corrupt): the call raises a
+    DiskError, an OSError with the cause's errno and a MooncakeError, whose message names the pool file, the page
+    and the block, raised from the cause (it used to be the bare OSError, naming none of them); the cache keeps
+    its invariants."""
+    path = tmp_path / "pool"
+    cache = block_1_on_ssd(tmp_path, promote_after=0)  # block 1 on SSD, block 2 in DRAM
+    error_number = errno.ENOSPC if operation in ("put", "evict") else errno.EIO
+    cause = OSError(error_number, os.strerror(error_number))
+
+    def refuse(*_args: Any) -> int:
+        raise cause
+
+    if operation in ("put", "evict"):
+        page, key = 1, 2  # block 1 took SSD page 0; DRAM's block 2 goes into the next
+        action = (lambda: cache.put(BlockKey(3), block(3))) if operation == "put" else (lambda: cache.evict(1))
+        monkeypatch.setattr(os, "pwritev", refuse)
+    else:
+        page, key = ssd_page_of(cache, 1), 1
+        if operation == "remove":
+            action = lambda: cache.remove(BlockKey(1))  # noqa: E731
+        else:
+            cache.pin(BlockKey(1))
+            flip_byte(path, data_offset(path, 1) + 1)
+            assert cache.get(BlockKey(1)) is None  # corrupt: dropped at the last unpin
+            action = lambda: cache.unpin(BlockKey(1))  # noqa: E731
+        monkeypatch.setattr(os, "pwrite", refuse)
+    with pytest.raises(OSError) as raised:
+        action()
+    monkeypatch.undo()
+    error = raised.value
+    assert isinstance(error, MooncakeError) and isinstance(error, DiskError), repr(error)
+    assert error.errno == error_number and error.__cause__ is cause
+    assert f"{path} page {page} (block {key:#x})" in str(error) and os.strerror(error_number) in str(error)
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("how", ["read in place", "promoted", "swapped up", "read under a pinned first tier"])
+@pytest.mark.parametrize("damage", ["flipped byte", "unreadable page"])
+def test_a_block_dropped_as_corrupt_is_logged_naming_tier_block_and_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, how: str, damage: str
+) -> None:
+    """`get` answers a miss for a block that fails verification (serving recomputes it), however the read goes (in
+    place, promoted into a free page, swapped with the first tier's victim, in place because the first tier is all
+    pinned): the cache also logs one warning on the `mooncake.cache` logger naming the tier, the block and why,
+    with the pool file and page (it used to say nothing, the loss seen only as `stats.corrupt_blocks` rising)."""
+    path = tmp_path / "pool"
+    cache = TieredCache(
+        [DramPagePool(PAGE, 1), SsdPagePool(path, PAGE, 1 if how == "swapped up" else 4)],
+        promote_after=0 if how == "read in place" else 1,
+    )
+    cache.put(BlockKey(1), block(1))
+    cache.put(BlockKey(2), block(2))  # 1 goes down to the SSD
+    page = ssd_page_of(cache, 1)
+    if how == "read under a pinned first tier":
+        cache.pin(BlockKey(2))
+    if damage == "flipped byte":
+        flip_byte(path, data_offset(path, 1) + 1)
+        reason = "checksum"
+    else:
+        fail_page_reads(monkeypatch, OSError(errno.EIO, "Input/output error (injected)"))
+        reason = "reading the page failed: Input/output error (injected)"
+    with caplog.at_level(logging.WARNING, logger="mooncake.cache"):
+        assert cache.get(BlockKey(1)) is None
+    monkeypatch.undo()
+    assert cache.stats.corrupt_blocks == 1 and BlockKey(1) not in cache
+    records = [r for r in caplog.records if r.name == "mooncake.cache"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert "block 0x1 in the SSD tier failed verification and is dropped" in message, message
+    assert f"{path} page {page} (block 0x1)" in message and reason in message, message
     cache.check_invariants()
     cache.close()
