@@ -6,17 +6,29 @@ into a free slot and emits the first token (the prefill's). Each `step()`
 decodes one token for every active request: embeds their last tokens, and per
 layer writes the new K and V at each request's own position and attends over
 each request's own context (`decode_attention` over the slots, ragged lengths);
-then samples, retires the requests that reached their `max_new_tokens` or
-sampled one of their `SamplingParams.stop_token_ids` (the model's EOS; emitted
-as the last token), and only then reports every token to its request's
-callback: the batch is whole whatever a callback does. A callback may `cancel`
-any request (one not yet called back gets no token of that step); a callback
-that raises has its request dropped, as a cancelled one (its consumer failed),
-the other callbacks still run, and its error is raised after them.
+then draws every request's token before any request moves on, retires the
+requests that reached their `max_new_tokens` or sampled one of their
+`SamplingParams.stop_token_ids` (the model's EOS; emitted as the last token),
+and only then reports every token to its request's callback: the batch is whole
+whatever a draw or a callback does (as vLLM applies a step's output as a whole).
+A request whose draw fails (NaN logits, params that leave no token) is dropped
+as a cancelled one, the others take their tokens, and the error, naming the
+request, is raised after the callbacks. A callback may `cancel` any request of
+the step (one not yet called back gets no token of that step, its last
+included); a callback that raises has its request dropped, as a cancelled one
+(its consumer failed), the other callbacks still run, and its error is raised
+after them.
 
 KV lives in per-layer slot tensors `[max_batch_size, kv_heads, max_context_tokens,
 head_dim]`; active requests occupy slots 0 … B − 1 (a retired request's slot is
 filled by moving the last one in), so a step works on one contiguous prefix.
+Attention reads every slot up to the batch's longest context: a slot's rows past
+its own are masked, yet V's are still multiplied (by weight 0, and 0 × NaN is
+NaN), so they must be finite. A slot's rows at or past `_filled[slot]` are kept
+zero: a request that leaves zeroes the rows it wrote past its successor's
+context when that one moves in, a join those past its prompt, so the cost is
+that of rows once written, never a pass over the slot per step (as masking V in
+the kernel would be, and in each kernel).
 
 The check on join (paper §5: the decode instance's own check, after which a
 rejection wastes the prefill) is the decode rule every scheduler and simulator
@@ -30,8 +42,10 @@ finished at join and takes no slot, so only its context is checked.
 
 Invariants: slots 0 … B − 1 hold exactly the active requests; each request's
 context length = prompt + tokens emitted − 1; reserved tokens = Σ (prompt +
-max_new_tokens) ≤ budget; every request ends exactly once (its last token has
-`finished=True`).
+max_new_tokens) ≤ budget; every slot's K and V rows from `_filled[slot]` on are
+zero, and an active request's context ≤ `_filled` ≤ context + 1 (its slot's row
+at its context is written by a step that then failed); every request ends at
+most once (its last token has `finished=True`), exactly once unless dropped.
 """
 
 from __future__ import annotations
@@ -43,17 +57,17 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, require_int
+from mooncake._checks import ceil_div, int_at_least, is_int, non_negative
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
-from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError
+from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownBlockError
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.step import StepModel
-from mooncake.types import BlockKey, RequestId
+from mooncake.types import BlockKey, RequestId, check_token_count
 
 __all__ = ["DecodeConfig", "DecodeEngine", "TokenEvent", "TokenStream"]
 
@@ -177,6 +191,9 @@ class DecodeEngine:
         self._k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(mc.num_layers)]
         self._v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(mc.num_layers)]
         self._active: list[_Active] = []
+        self._filled = [0] * c.max_batch_size  # per slot: rows from here on are zero in every layer's K and V
+        # The finished requests of the delivery under way not yet called back (retired: `cancel` finds them here).
+        self._finishing: dict[RequestId, _Active] = {}
         self.last_step_s = 0.0
 
     # ------------------------------------------------------------------ state
@@ -209,6 +226,11 @@ class DecodeEngine:
         for a in self._active:
             assert 1 <= a.emitted < a.max_new_tokens, "a finished request is still active"
             assert a.context < self.config.max_context_tokens
+        for slot, filled in enumerate(self._filled):
+            if slot < len(self._active):
+                assert self._active[slot].context <= filled <= self._active[slot].context + 1
+            for kc, vc in zip(self._k, self._v, strict=True):
+                assert not (kc[slot, :, filled:].any() or vc[slot, :, filled:].any()), f"slot {slot} holds stale KV"
 
     # ------------------------------------------------------------------ joining
 
@@ -239,22 +261,30 @@ class DecodeEngine:
         error raised.
 
         Raises:
-            InvalidRequestError: bad counts, a first token outside the vocabulary, a duplicate id, keys
-                that do not cover the prompt, or a `prompt` missing where the sampling needs it or of another length.
+            InvalidRequestError: counts that are not integers in [1, 2**40], a first token outside the vocabulary,
+                a duplicate id, keys that are no sequence or do not cover the prompt, `sampling` that is no
+                `SamplingParams`, or a `prompt` missing where the sampling needs it or of another length (each
+                naming the field and the value).
             UnknownBlockError: a KV block of the prompt is not in the local cache.
         """
-        require_int("prompt_tokens", prompt_tokens, minimum=1, error=InvalidRequestError)
-        require_int("max_new_tokens", max_new_tokens, minimum=1, error=InvalidRequestError)
+        prompt_tokens = check_token_count("prompt_tokens", prompt_tokens)
+        max_new_tokens = check_token_count("max_new_tokens", max_new_tokens)
         vocab = self.model.config.vocab_size
         if not is_int(first_token) or not 0 <= first_token < vocab:  # checked here, or every later step fails
             raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {first_token!r}")
         if any(a.request_id == request_id for a in self._active):
             raise InvalidRequestError(f"request {request_id} is already decoding")
         block = self.layout.block_tokens
-        if len(keys) != ceil_div(prompt_tokens, block):
+        try:
+            num_keys = len(keys)
+        except TypeError:  # None, or an iterator (the copy reads the keys twice)
+            raise InvalidRequestError(f"keys must be a sequence of block keys, got {keys!r}") from None
+        if num_keys != ceil_div(prompt_tokens, block):
             raise InvalidRequestError(
-                f"{len(keys)} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
+                f"{num_keys} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
+        if sampling is not None and not isinstance(sampling, SamplingParams):  # a dict would fail at its first use
+            raise InvalidRequestError(f"sampling must be a SamplingParams, got {sampling!r}")
         sampling = sampling or SamplingParams()
         sampling.check_vocabulary(vocab)
         if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):
@@ -295,7 +325,10 @@ class DecodeEngine:
         return verdict
 
     def _copy_kv(self, slot: int, keys: Sequence[BlockKey], prompt_tokens: int) -> None:
+        """Copy the prompt's KV pages into the free `slot`, then zero what an earlier occupant left past them."""
         block = self.layout.block_tokens
+        stale = self._filled[slot]
+        self._filled[slot] = max(stale, prompt_tokens)  # first: a copy that fails midway leaves the rows it wrote
         pinned: list[BlockKey] = []
         try:
             for key in keys:
@@ -318,18 +351,36 @@ class DecodeEngine:
         finally:
             for key in pinned:
                 self.cache.unpin(key)
+        self._clear(slot, prompt_tokens, stale)
+        self._filled[slot] = prompt_tokens
+
+    def _clear(self, slot: int, start: int, end: int) -> None:
+        """Zero rows [start, end) of `slot` in every layer's K and V (see the module's docstring: why)."""
+        if start < end:
+            for kc, vc in zip(self._k, self._v, strict=True):
+                kc[slot, :, start:end] = 0
+                vc[slot, :, start:end] = 0
 
     # ------------------------------------------------------------------ stepping
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
-        """Decode one token for every active request; the tokens, in slot order."""
+        """Decode one token for every active request; the tokens, in slot order.
+
+        Raises:
+            MooncakeError: a request's draw failed (`Sampler.next_token`: an `EngineError` for NaN logits, an
+                `InvalidRequestError` for params that leave no token), the first such, its message prefixed
+                `request <id>: ` and its `request_id` that id, raised once every callback ran: that request is
+                dropped (its slot freed, no token of this step, never `finished`), the others took their tokens.
+                Else the first error a callback raised (its request dropped).
+        """
         if not self._active:
             return []
         started = time.perf_counter()
         model, active = self.model, self._active
         b = len(active)
         device = model.device
+        self._filled[:b] = [a.context + 1 for a in active]  # the rows this step writes, before it writes them
         positions = torch.tensor([a.context for a in active], device=device)
         lengths = positions + 1
         width = int(lengths.max())
@@ -352,24 +403,35 @@ class DecodeEngine:
 
             x = layer(x, cos, sin, attend)
         logits = model.logits(x)
-        emitted = []
+        # Every row is drawn before any request moves on: a draw that fails drops its request alone (as a failing
+        # callback does), where advancing the others first would leave them past their last token, unretired.
+        drawn: list[tuple[_Active, int, TokenLogprobs | None]] = []
+        failed: list[_Active] = []
+        failure: MooncakeError | None = None
         for a, row in zip(active, logits, strict=True):
-            token = a.sampler.next_token(row)
+            try:
+                token = a.sampler.next_token(row)
+                drawn.append((a, token, a.sampler.logprobs_of(row, token)))
+            except MooncakeError as error:
+                # Named, type kept: its caller ends that request's stream (it is dropped: no `finished` token).
+                error.args = (f"request {a.request_id}: {error}", *error.args[1:])
+                error.request_id = a.request_id  # and by value: its caller need not parse the message
+                failed.append(a)
+                failure = failure or error
+        emitted = []
+        for a, token, logprobs in drawn:
             a.last_token = token
             a.emitted += 1
             a.done = a.ends_with(token)
-            logprobs = a.sampler.logprobs_of(row, token)
-            emitted.append(
-                (
-                    a,
-                    TokenEvent(
-                        request_id=a.request_id, token=token, index=a.emitted - 1, finished=a.done, logprobs=logprobs
-                    ),
-                )
+            event = TokenEvent(
+                request_id=a.request_id, token=token, index=a.emitted - 1, finished=a.done, logprobs=logprobs
             )
+            emitted.append((a, event))
+        for a in failed:
+            self._drop(a)
         self._retire()
         self.last_step_s = time.perf_counter() - started
-        self._deliver(emitted)
+        self._deliver(emitted, failure)
         return [event for _, event in emitted]
 
     def run(self, *, max_steps: int) -> list[TokenEvent]:
@@ -381,30 +443,42 @@ class DecodeEngine:
             events.extend(self.step())
         return events
 
-    def _deliver(self, emitted: Sequence[tuple[_Active, TokenEvent]]) -> None:
-        """Call back each request with its token, in order, once the batch is whole: a request dropped by an
-        earlier callback is skipped; one whose callback raises is dropped, and the first such error is raised
-        once every other callback ran."""
-        failure: Exception | None = None
-        for active, event in emitted:
-            if active.on_token is None or active.dropped:
-                continue
-            try:
-                active.on_token(event)
-            except Exception as error:  # its consumer failed: it takes no further token, the others go on
-                self._drop(active)
-                failure = failure or error
+    def _deliver(self, emitted: Sequence[tuple[_Active, TokenEvent]], failure: Exception | None = None) -> None:
+        """Call back each request with its token, in order, once the batch is whole: a request dropped (by an
+        earlier callback, say) is skipped; one whose callback raises is dropped, and the first error (`failure`,
+        the step's own, before any callback's) is raised once every other callback ran. Meanwhile `cancel` finds
+        the finished requests not yet called back (retired, they hold no slot) in `_finishing`."""
+        outer = self._finishing  # a callback that joins a request delivers its first token inside this delivery
+        self._finishing = {active.request_id: active for active, event in emitted if event.finished}
+        try:
+            for active, event in emitted:
+                self._finishing.pop(active.request_id, None)  # called back now: too late to cancel its token
+                if active.on_token is None or active.dropped:
+                    continue
+                try:
+                    active.on_token(event)
+                except Exception as error:  # its consumer failed: it takes no further token, the others go on
+                    self._drop(active)
+                    failure = failure or error
+        finally:
+            self._finishing = outer
         if failure is not None:
             raise failure
 
     def cancel(self, request_id: RequestId) -> bool:
         """Drop an active request without another token (its client went away); False if it is not active.
-        A callback may call it during `step` (for any request: one not called back yet gets no token of
-        that step)."""
+        A callback may call it during `step` for any request of the step: one not called back yet gets no token
+        of that step, even one the step finished (retired, it is no longer active, yet its last token is still
+        held back: it then never gets `finished=True`); one already called back with its last token is over
+        (False)."""
         for active in self._active:
             if active.request_id == request_id:
                 return self._drop(active)
-        return False
+        finishing = self._finishing.pop(request_id, None)
+        if finishing is None:
+            return False
+        finishing.dropped = True
+        return True
 
     def _drop(self, active: _Active) -> bool:
         """End `active` without another token, freeing its slot if it holds one; False if it held none."""
@@ -424,12 +498,16 @@ class DecodeEngine:
             self._remove(slot)
 
     def _remove(self, slot: int) -> None:
+        """Free `slot`, moving the last slot's request into it; the rows left behind are zeroed once another
+        request's context would cover them (here for the hole's, at a join for the freed last slot)."""
         last = len(self._active) - 1
         if slot != last:  # fill the hole with the last slot, so active slots stay 0 … B − 1
-            width = self._active[last].context
+            stale, width = self._filled[slot], self._filled[last]
             for kc, vc in zip(self._k, self._v, strict=True):
                 kc[slot, :, :width] = kc[last, :, :width]
                 vc[slot, :, :width] = vc[last, :, :width]
+            self._clear(slot, width, stale)
+            self._filled[slot] = width
             self._active[slot] = self._active[last]
         self._active.pop()
 

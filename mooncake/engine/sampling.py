@@ -444,6 +444,7 @@ class Sampler:
                 huge repetition penalty over a vocabulary the prompt holds whole); a token of `allowed_token_ids`
                 or `logit_bias` outside the logits' vocabulary (checked at the first draw, where their masks are
                 made; the engines refuse it before, `SamplingParams.check_vocabulary`).
+            Either way the sampler is as before the call: its position and the penalties' counts do not move.
         """
         raw = logits
         allowed = self.params.allowed_token_ids
@@ -471,6 +472,9 @@ class Sampler:
         token = self._draw(logits)
         if token is None:
             raise _no_token(raw, logits, self.params)
+        # Only a drawn token takes its position: a failed draw leaves the sampler as it was, so the next draw at
+        # this position (retried, say) is the one a sampler that never failed makes.
+        self.position += 1
         if self._seen is not None and self._counts is not None:
             self._seen[token] = True
             self._counts[token] += 1
@@ -505,9 +509,9 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor) -> int | None:
         """The token drawn from the shaped `logits`, or None where they hold no largest value to draw by (a NaN,
-        or every one -inf). Greedy's argmax is its token; sampling's the token at the position's uniform."""
+        or every one -inf). Greedy's argmax is its token; sampling's the token at the position's uniform (the
+        position is `next_token`'s to advance, once a token is drawn)."""
         position = self.position
-        self.position += 1
         if self._generator is None:
             token = int(torch.argmax(logits))  # a NaN is the argmax where there is one; all -inf: token 0
             # One scalar read, not a scan: NaN fails every comparison, and the argmax is -inf only if all are.

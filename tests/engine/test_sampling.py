@@ -723,6 +723,38 @@ def test_non_finite_model_logits_are_an_engine_error_naming_them_or_a_token_of_t
             assert token not in spoiled
 
 
+@settings(max_examples=25, deadline=None)
+@given(seeds, st.sampled_from([0.0, 1.0]), st.sampled_from(["nan", "no token"]))
+def test_a_failed_draw_leaves_the_sampler_as_it_was(seed: int, temperature: float, failure: str) -> None:
+    """A draw that fails (the model's NaN logits, an EngineError; params that leave no token, an
+    InvalidRequestError) takes no position and counts no token: with a failure before each draw, the draws
+    (a stop token held back by `min_tokens`, a frequency penalty counting the output, the seeded stream's
+    positions) are those of a sampler that never failed, and both end at the same position."""
+    rows = [logits_of(seed + i) for i in range(4)]
+    stop = int(torch.argmax(rows[1]))  # greedy's second draw, were `min_tokens` not holding it back
+    params = SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        stop_token_ids=[stop],
+        min_tokens=3,
+        frequency_penalty=1.5,
+        allowed_token_ids=[0, 1, 2, stop],
+    )
+    # Finite logits but -inf at every allowed token: the params leave nothing to draw.
+    hopeless = torch.zeros(32)
+    hopeless[[0, 1, 2, stop]] = -math.inf
+    spoiled, error = (torch.full((32,), math.nan), EngineError) if failure == "nan" else (hopeless, InvalidRequestError)
+    steady, failing = Sampler(params), Sampler(params)
+    expected = [steady.next_token(row) for row in rows]
+    got = []
+    for row in rows:
+        with pytest.raises(error):
+            failing.next_token(spoiled)
+        assert failing.position == len(got)
+        got.append(failing.next_token(row))
+    assert got == expected and failing.position == steady.position == len(rows)
+
+
 def test_a_bias_past_the_float32_range_is_clamped_as_vllm_clamps_it() -> None:
     """OpenAI's and vLLM's [-100, 100]: 1e39 (past float32's largest, so its logit was +inf, and the shifted
     logits inf - inf = NaN, drawing token `vocab`) is 100 and always drawn; -1e39 is -100; a bias within the
