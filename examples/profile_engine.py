@@ -7,6 +7,11 @@ With `--config` the engines are the example cluster's as its workers build
 them: its model (preset and seed, or checkpoint) and dtype, its block size and
 prefill chunk, one torch thread each; lengths above `[limits]
 max_prompt_tokens` and batches above `[decode] max_batch_size` are left out.
+With `[prefill] pipeline_size` X > 1 a prefill instance is a chunked pipeline
+group, and so is the profiled one: this process as stage 0 and X − 1 stage
+processes (one thread each), its prefills timed through the group's engine
+(`serving.prefill_group`), so the prefill fit is the group's time (as
+`ClusterSpec.prefill_model` takes it). Decode is one process either way.
 Name the written file as the config's `[prefill] profile` (or pass it to
 replay.py's `--profile`) and both the cluster's Conductor and its simulation
 use these fits.
@@ -18,8 +23,9 @@ use these fits.
 2. Decode: step times at each batch size and context length; `FittedStepModel`
    (c0 + c1·batch + c2·tokens) is fitted for the decode rule's TBT check.
 
-The JSON written holds both fits, each as its `to_json` writes it, and every
-sample: `FittedPrefillModel.from_json` reads its "prefill" entry back and
+The JSON written holds both fits, each as its `to_json` writes it, every
+sample, and `pipeline_size` (the processes each prefill ran on):
+`FittedPrefillModel.from_json` reads its "prefill" entry back and
 `FittedStepModel.from_json` its "decode" entry (`json.dumps(data["decode"])`);
 the example cluster's gateway reads both (`[prefill] profile`).
 
@@ -30,6 +36,7 @@ config, `--out`, a grid the fits cannot use), found before profiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -47,6 +54,7 @@ from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
+from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel, PrefillSample
@@ -56,6 +64,7 @@ from mooncake.types import RequestId
 
 BLOCK_TOKENS = 16  # without --config
 MIN_SAMPLES = 3  # each fit's least (`FittedPrefillModel.fit`, `FittedStepModel.fit`): found before profiling
+GROUP_TIMEOUT_S = 120.0  # a CPP group's stages: to start, and for any one transfer (the worker's is at least 60 s)
 
 
 def _grid(kind: Callable[[str], float], check: Callable[[float], bool], what: str) -> Callable[[str], list[float]]:
@@ -139,9 +148,11 @@ def run(args: argparse.Namespace) -> None:
     import simulation  # examples/, beside this script
 
     simulation.check_out_dir(out.parent)  # found before the profiling, not after it
+    stages = 1
     if args.config is not None:
         model = build_model(cluster)
         torch.set_num_threads(1)  # as each worker runs (many engines share the machine's cores)
+        stages = cluster.prefill.pipeline_size
     else:
         model = LlamaModel(PRESETS[args.model], seed=0, dtype=dtype)
     config = model.config
@@ -153,22 +164,48 @@ def run(args: argparse.Namespace) -> None:
     def fresh_cache(tokens: int) -> TieredCache:
         return TieredCache([DramPagePool(layout.page_bytes, 2 * (tokens // block + 2))])
 
-    samples: list[PrefillSample] = []
-    for n in lengths:
-        tokens = rng.integers(0, config.vocab_size, size=n).tolist()
-        for fraction in args.prefix_fractions:
-            prefix = int(n * fraction) // block * block
-            times = []
-            for _ in range(args.repeats):
-                with PrefillEngine(model, fresh_cache(n), hasher, options) as engine:
-                    if prefix:
-                        engine.prefill([*tokens[:prefix], 0])  # stores the prefix's blocks
-                    result = engine.prefill(tokens)
-                times.append(result.seconds)
-            samples.append(
-                PrefillSample(num_tokens=n, prefix_tokens=result.prefix_tokens, seconds=statistics.median(times))
+    with contextlib.ExitStack() as resources:
+        if stages > 1:  # the prefill instance's engine as its worker builds it (`Worker._start_group`)
+            from serving.prefill_group import group_prefill_engine
+
+            print(f"prefill through a chunked pipeline group of {stages} processes")
+            group = resources.enter_context(
+                PipelineGroup(
+                    cluster.model.config,
+                    num_stages=stages,
+                    chunk_tokens=chunk,
+                    seed=cluster.model.seed,
+                    dtype=dtype,
+                    checkpoint=cluster.model.checkpoint,
+                    threads_per_stage=1,
+                    timeout_s=GROUP_TIMEOUT_S,
+                    start_timeout_s=GROUP_TIMEOUT_S,
+                )
             )
-            print(f"prefill n={n:>6} prefix={result.prefix_tokens:>6}  {samples[-1].seconds * 1e3:9.2f} ms")
+
+            def prefill_engine(cache: TieredCache) -> PrefillEngine:
+                return group_prefill_engine(group, cache, hasher)
+        else:
+
+            def prefill_engine(cache: TieredCache) -> PrefillEngine:
+                return PrefillEngine(model, cache, hasher, options)
+
+        samples: list[PrefillSample] = []
+        for n in lengths:
+            tokens = rng.integers(0, config.vocab_size, size=n).tolist()
+            for fraction in args.prefix_fractions:
+                prefix = int(n * fraction) // block * block
+                times = []
+                for _ in range(args.repeats):
+                    with prefill_engine(fresh_cache(n)) as engine:
+                        if prefix:
+                            engine.prefill([*tokens[:prefix], 0])  # stores the prefix's blocks
+                        result = engine.prefill(tokens)
+                    times.append(result.seconds)
+                samples.append(
+                    PrefillSample(num_tokens=n, prefix_tokens=result.prefix_tokens, seconds=statistics.median(times))
+                )
+                print(f"prefill n={n:>6} prefix={result.prefix_tokens:>6}  {samples[-1].seconds * 1e3:9.2f} ms")
     prefill = FittedPrefillModel.fit(samples)
     print(f"prefill fit: c = {prefill.coefficients}, mean relative error {prefill.mean_relative_error:.1%}")
 
@@ -205,6 +242,7 @@ def run(args: argparse.Namespace) -> None:
             "model": name,
             "dtype": dtype,
             "block_tokens": block,
+            "pipeline_size": stages,  # the processes each prefill sample ran on (its fit is that group's time)
             "prefill": json.loads(prefill.to_json()),
             "decode": json.loads(step_model.to_json()),
             "prefill_samples": [[s.num_tokens, s.prefix_tokens, s.seconds] for s in samples],

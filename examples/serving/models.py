@@ -2,7 +2,8 @@
 simulation of the cluster (no torch).
 
 Without a profile they are the analytic models on `CPU`, a rough idea of one
-CPU engine; with `[prefill] profile` (the JSON `examples/profile_engine.py`
+CPU engine (a prefill instance of `pipeline_size` > 1 priced as a chunked
+pipeline of that many, `ChunkedPipelineCost`); with `[prefill] profile` (the JSON `examples/profile_engine.py`
 writes) they are the models fitted to this machine's engines: its "prefill"
 section (`FittedPrefillModel`) for the router's TTFT estimates and its "decode"
 section (`FittedStepModel`) as the Conductor's step model, which its decode
@@ -21,7 +22,14 @@ from collections.abc import Iterable
 from mooncake.errors import ConfigError
 from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
-from mooncake.sched.cost import FittedPrefillModel, Hardware, ModelShape, PrefillCostModel, PrefillModel
+from mooncake.sched.cost import (
+    ChunkedPipelineCost,
+    FittedPrefillModel,
+    Hardware,
+    ModelShape,
+    PrefillCostModel,
+    PrefillModel,
+)
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import UniformDecodePredictor
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel, FittedStepModel
@@ -100,7 +108,11 @@ def cost_models(config: ClusterConfig) -> tuple[PrefillModel, AnalyticStepModel]
     if config.prefill.profile:
         return read_profile(config.prefill.profile)
     shape = model_shape(config)
-    return PrefillCostModel(model=shape, hardware=CPU), DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0)
+    prefill: PrefillModel = PrefillCostModel(model=shape, hardware=CPU)
+    stages = config.prefill.pipeline_size
+    if stages > 1:  # its stages pipeline the chunks (a profile times the group itself: profile_engine.py)
+        prefill = ChunkedPipelineCost(base=prefill, group_size=stages, chunk_tokens=config.prefill.chunk_tokens)
+    return prefill, DecodeCostModel(model=shape, hardware=CPU, overhead_s=0.0)
 
 
 def build_conductor(

@@ -32,7 +32,13 @@ fails the driver's next transfer at once (its connection closes) and one that
 stops answering fails it after `timeout_s`; either is an `EngineError`, and the
 group is failed from then on (its streams are out of step) and ends its
 stages. So is an error of stage 0's own work mid-job (its layers, an
-interrupt): the other stages are left waiting mid-job. The caller's own code
+interrupt): the other stages are left waiting mid-job. The failure names its
+cause, not whoever noticed it first: a stage process that a signal ended or
+stopped, else the stage at the end of a chain of timeouts (a stage's report
+names the peer it waited on: "stage 2 timed out receiving from stage 1"), else
+a stage's own error. A stage that fails or exits while the stages start or
+connect fails the group's construction at once, naming it and its error
+(torch's own rendezvous would wait `timeout_s` for it). The caller's own code
 is not the group's failure: `on_rows` errors are raised once the job is done,
 and a failing cancel flag stops every stage in step, as a cancel does. A watch
 thread notices a stage process that exits, ends the others (a
@@ -65,6 +71,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
@@ -86,7 +93,16 @@ OnRows = Callable[[int, int, int], None]
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
-    """The contiguous layers of `stage` when `num_layers` are split as evenly as possible."""
+    """The contiguous layers of `stage` when `num_layers` are split as evenly as possible: the first
+    `num_layers % num_stages` stages hold one layer more (ceil), the rest floor(num_layers / num_stages).
+
+    Raises:
+        ConfigError: `num_layers` < 1, `num_stages` outside [1, num_layers] (a stage holds at least one layer),
+            or `stage` outside [0, num_stages), naming the field and its value.
+    """
+    require_int("num_layers", num_layers, minimum=1)
+    require_int("num_stages", num_stages, minimum=1, below=num_layers + 1)
+    require_int("stage", stage, minimum=0, below=num_stages)
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
@@ -105,6 +121,24 @@ def _process_group(store: Any, rank: int, world: int, device: str, timeout_s: fl
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # links on loopback only
     return dist.ProcessGroupGloo(store, rank, world, options)
+
+
+class _LinkError(RuntimeError):
+    """A transfer between stage `rank` and stage `peer` failed; `timed_out`: it waited the group's whole timeout
+    (the peer stopped answering), else the link broke (the peer's process ended, say)."""
+
+    def __init__(self, rank: int, peer: int, action: str, error: BaseException) -> None:
+        # gloo says "Timed out waiting …" when a wait ran out; a closed or reset connection says so instead.
+        self.peer, self.timed_out = peer, "timed out" in str(error).lower()
+        super().__init__(f"stage {rank} {'timed out' if self.timed_out else 'failed'} {action} stage {peer}: {error}")
+
+
+def _wait(work: Any, rank: int, peer: int, action: str) -> None:
+    """Wait for a transfer of stage `rank`'s with stage `peer`; its failure a `_LinkError` naming both."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        raise _LinkError(rank, peer, action, error) from error
 
 
 class _FlagFailed(Exception):
@@ -150,7 +184,7 @@ def _run_chunks(
             go = torch.tensor([int(proceed)], dtype=torch.int64, device=model.device)
         else:
             go = torch.empty(1, dtype=torch.int64, device=model.device)
-            links.recv([go], rank - 1, _GO).wait()
+            _wait(links.recv([go], rank - 1, _GO), rank, rank - 1, "receiving from")
             proceed = bool(go.item())
         if rank < world - 1:
             sent.append((links.send([go], rank + 1, _GO), go))
@@ -161,7 +195,7 @@ def _run_chunks(
             x = model.embed(ids[start:end])
         else:
             x = torch.empty((end - start, model.config.hidden_size), dtype=model.dtype, device=model.device)
-            links.recv([x], rank - 1, _HIDDEN).wait()
+            _wait(links.recv([x], rank - 1, _HIDDEN), rank, rank - 1, "receiving from")
         cos, sin = model.rope(torch.arange(start, end))
         for index, (layer, (k_all, v_all)) in enumerate(zip(model.layers, kv, strict=True)):
             x = layer(x, cos, sin, prefill_attention_into(k_all, v_all, start, end))
@@ -171,10 +205,19 @@ def _run_chunks(
             x = x.contiguous()
             sent.append((links.send([x], rank + 1, _HIDDEN), x))  # on to the next stage; keep going
     for work, _tensor in sent:
-        work.wait()
+        _wait(work, rank, rank + 1, "sending to")
     if raised is not None:
         raise _FlagFailed(raised)
     return x, stopped
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped by a signal (Linux's /proc; False where there is none to read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state follows the name
+    except (OSError, IndexError):
+        return False
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -204,7 +247,7 @@ def _serve_job(model: LlamaModel, links: Any, rank: int, world: int, job: tuple[
         given = torch.empty(
             (len(kv), 2, prefix, config.num_kv_heads, config.head_dim), dtype=model.dtype, device=model.device
         )
-        links.recv([given], 0, _PREFIX).wait()
+        _wait(links.recv([given], 0, _PREFIX), rank, 0, "receiving from")
         for (k_all, v_all), (k_prefix, v_prefix) in zip(kv, given, strict=True):
             k_all[:prefix] = k_prefix
             v_all[:prefix] = v_prefix
@@ -217,7 +260,7 @@ def _serve_job(model: LlamaModel, links: Any, rank: int, world: int, job: tuple[
         logits = model.logits(x[-1:])[0].contiguous()
         sends.append(links.send([logits], 0, _LOGITS))
     for work in sends:
-        work.wait()
+        _wait(work, rank, 0, "sending to")
 
 
 def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, Any], inbox: Any, outbox: Any) -> None:
@@ -242,7 +285,7 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
         links = _process_group(store, rank, world, options["device"], options["timeout_s"])
     except BaseException as error:  # report, so the driver does not wait for a dead stage
         with contextlib.suppress(OSError):
-            outbox.send(("error", f"stage {rank} failed to start: {error!r}"))
+            outbox.send(("error", f"stage {rank} failed to start: {error!r}", None, False))
         return
     with torch.inference_mode():
         while True:
@@ -256,8 +299,14 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
                 _serve_job(model, links, rank, world, job)
             except BaseException as error:
                 # Leaving closes this stage's links: whoever waits on it fails at once rather than at the timeout.
+                # A link's failure names the peer, so that the driver can blame a stalled stage, not this one.
+                report: tuple[str, str, int | None, bool]
+                if isinstance(error, _LinkError):
+                    report = ("error", str(error), error.peer, error.timed_out)
+                else:
+                    report = ("error", f"stage {rank} failed: {error!r}", None, False)
                 with contextlib.suppress(OSError):
-                    outbox.send(("error", f"stage {rank} failed: {error!r}"))
+                    outbox.send(report)
                 os._exit(1)
 
 
@@ -283,11 +332,11 @@ class PipelineGroup:
         seed, dtype: the weights (as `LlamaModel`).
         checkpoint: a checkpoint directory (`config` is its `read_model_config`): each stage reads its own
             layers' tensors with `load_model` instead of drawing seeded weights (`seed` is then unused).
-        device: "cpu" (gloo) or "cuda" (NCCL, stage s on GPU s).
-        threads_per_stage: torch threads in each started stage (default: the CPUs shared out);
+        device: "cpu" (gloo) or "cuda" (NCCL, stage s on GPU s: at least `num_stages` GPUs).
+        threads_per_stage: torch threads in each started stage, at least 1 (default: the CPUs shared out);
             stage 0 runs on the caller's threads.
         timeout_s: how long any one transfer between stages may wait.
-        start_timeout_s: how long to wait for the stages to start.
+        start_timeout_s: how long to wait for the stages to build their layers, and then to connect.
         on_failure: called once, from a watch thread, with the reason, when the group fails while open: a
             stage process exited, or a transfer failed (and the group ended its stages).
 
@@ -296,7 +345,8 @@ class PipelineGroup:
         failed every stage process runs; once closed, none does.
 
     Raises:
-        ConfigError: bad options. EngineError: a stage failed to start.
+        ConfigError: bad options, naming the field and value. EngineError: a stage failed or exited while the
+            stages started or connected (naming it and its error), or they did not within `start_timeout_s`.
     """
 
     def __init__(
@@ -320,6 +370,13 @@ class PipelineGroup:
             raise ConfigError(f"num_stages={num_stages} exceeds the model's {config.num_layers} layers")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and torch.cuda.device_count() < num_stages:  # stage s runs on GPU s
+            raise ConfigError(
+                f"device='cuda' puts stage s on GPU s: num_stages={num_stages} needs as many GPUs, "
+                f"torch finds {torch.cuda.device_count()}"
+            )
+        if threads_per_stage is not None:  # checked here, not by a stage process seconds after it was spawned
+            threads_per_stage = require_int("threads_per_stage", threads_per_stage, minimum=1)
         # Finite: an infinite wait overflows the store's timedelta once its socket is open (and hangs otherwise).
         timeout_s = require_number("timeout_s", timeout_s, minimum=0, strict=True)
         start_timeout_s = require_number("start_timeout_s", start_timeout_s, minimum=0, strict=True)
@@ -330,6 +387,12 @@ class PipelineGroup:
         self._closing = threading.Event()
         self._failure: str | None = None
         self._failed = threading.Lock()  # makes the first failure the one recorded and reported
+        # Each stage's account of its failure: (text, the peer whose link failed or None, whether it timed out).
+        self._reports: dict[int, tuple[str, int | None, bool]] = {}
+        # The watch thread and a failed prefill both read the stages' reports and reap exited stages: one at a
+        # time, else one reaps a stage (waitpid) while the other reads no exit code for it.
+        self._reading = threading.RLock()
+        self._gone: set[int] = set()  # stages whose report pipe has closed: they are exiting
         self._processes: list[Any] = []
         self._inboxes: list[Any] = []  # the driver's ends of the pipes to and from each stage
         self._outboxes: list[Any] = []
@@ -356,9 +419,11 @@ class PipelineGroup:
             master_listen_fd=listener.detach(),
             use_libuv=True,
         )
+        if threads_per_stage is None:
+            threads_per_stage = max(1, (os.cpu_count() or 1) // num_stages)
         options |= {
             "device": device,
-            "threads": threads_per_stage or max(1, (os.cpu_count() or 1) // num_stages),
+            "threads": threads_per_stage,
             "port": port,
             "timeout_s": timeout_s,
             "start_timeout_s": start_timeout_s,
@@ -386,7 +451,7 @@ class PipelineGroup:
                 for end in ends:
                     end.close()  # the stage's now: its death closes them
             self._await_built()  # a stage that cannot start says so before the rendezvous
-            self._links = _process_group(self._store, 0, num_stages, device, timeout_s)
+            self._links = self._connect(device, timeout_s)
         except BaseException:
             self.close()
             raise
@@ -472,9 +537,9 @@ class PipelineGroup:
             except Cancelled:
                 raise
             except (RuntimeError, OSError) as error:  # a link closed or timed out, or a stage's pipe broke
-                self._fail(f"a transfer between stages failed: {error}")
-                reason = self._stage_error() or self._failure
-                raise EngineError(f"the pipeline group failed: {reason}") from error
+                own = error if isinstance(error, _LinkError) else None
+                self._fail(self._blame(f"a transfer between stages failed: {error}", own))
+                raise EngineError(f"the pipeline group failed: {self._failure}") from error
             except BaseException as error:  # stage 0's own work failed mid-job: the other stages wait mid-job
                 self._fail(f"stage 0 failed mid-job: {error!r}")
                 raise
@@ -504,16 +569,16 @@ class PipelineGroup:
         """Stage 0's part: start the job on every stage, run its chunks, gather the other stages' KV and the logits."""
         n, world, links = ids.shape[0], self.num_stages, self._links
         job = (prefix, n, self.chunk_tokens)
-        sent: list[tuple[Any, torch.Tensor]] = []
+        sent: list[tuple[Any, int, torch.Tensor]] = []
         for rank in range(1, world):
             self._inboxes[rank - 1].send(job)
             if prefix:
                 given = torch.stack([torch.stack((k[:prefix], v[:prefix])) for k, v in self._of_stage(kv, rank)])
-                sent.append((links.send([given], rank, _PREFIX), given))
+                sent.append((links.send([given], rank, _PREFIX), rank, given))
         mine = stage_layers(self.config.num_layers, world, 0)
         x, stopped = _run_chunks(self.model, links, 0, world, ids, job, kv[mine.start : mine.stop], on_rows, cancelled)
-        for work, _tensor in sent:
-            work.wait()
+        for work, rank, _tensor in sent:
+            _wait(work, 0, rank, "sending to")
         if stopped is not None:
             raise Cancelled(f"prefill cancelled with {stopped} of its {n} prompt tokens computed or cached")
         if world == 1:
@@ -522,13 +587,13 @@ class PipelineGroup:
             layers = stage_layers(self.config.num_layers, world, rank)
             k0 = kv[0][0]
             new = torch.empty((len(layers), 2, n - prefix, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
-            links.recv([new], rank, _KV).wait()
+            _wait(links.recv([new], rank, _KV), 0, rank, "receiving from")
             for (k_all, v_all), (k_new, v_new), layer in zip(self._of_stage(kv, rank), new, layers, strict=True):
                 k_all[prefix:] = k_new
                 v_all[prefix:] = v_new
                 on_rows(layer, prefix, n)
         logits = torch.empty(self.config.vocab_size, dtype=torch.float32, device=self.model.device)
-        links.recv([logits], world - 1, _LOGITS).wait()
+        _wait(links.recv([logits], world - 1, _LOGITS), 0, world - 1, "receiving from")
         return logits
 
     def _of_stage(
@@ -550,23 +615,116 @@ class PipelineGroup:
             for reader in [r for r in self._outboxes if r in ready]:
                 process = pending.pop(reader)
                 try:
-                    kind, payload = reader.recv()
+                    kind, payload, *_ = reader.recv()
                 except (EOFError, OSError):
                     process.join(timeout=1.0)
                     raise EngineError(f"{process.name} exited while starting (exit code {process.exitcode})") from None
                 if kind != "built":
                     raise EngineError(str(payload))
 
-    def _stage_error(self) -> str | None:
-        """A stage's own account of its failure, if it sent one (waits briefly for it)."""
-        ready = wait_for_sentinels(self._outboxes, timeout=0.5)
-        for reader in self._outboxes:
-            if reader in ready:
-                with contextlib.suppress(EOFError, OSError, ValueError):
-                    kind, payload = reader.recv()
+    def _connect(self, device: str, timeout_s: float) -> Any:
+        """Stage 0's end of the links, once every stage has joined them; a stage that fails or exits meanwhile,
+        or a rendezvous not done within `start_timeout_s`, is an EngineError at once.
+
+        torch's rendezvous cannot be interrupted and would wait for a dead stage until `timeout_s`, so it runs on
+        a helper thread while this one watches the stages. Abandoned, that thread ends by itself once its wait
+        runs out (it holds the store until then).
+        """
+        done_reader, done_writer = multiprocessing.Pipe(duplex=False)
+        outcome: list[Any] = []
+
+        def connect() -> None:
+            try:
+                outcome.append(_process_group(self._store, 0, self.num_stages, device, timeout_s))
+            except BaseException as error:
+                outcome.append(error)
+            finally:
+                done_writer.close()  # wakes the watch below (end of file)
+
+        threading.Thread(target=connect, name="cpp-connect", daemon=True).start()
+        try:
+            deadline = time.monotonic() + self.start_timeout_s
+            watched = [done_reader, *self._outboxes, *(p.sentinel for p in self._processes)]
+            while not outcome:
+                ready = wait_for_sentinels(watched, timeout=max(0.0, deadline - time.monotonic()))
+                if done_reader in ready:
+                    break
+                if ready:  # a stage reported a failure, or exited
+                    fallback = "a stage failed while the stages connected"
+                    for process in self._processes:
+                        if process.sentinel in ready:
+                            process.join(timeout=1.0)
+                            fallback = f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
+                    raise EngineError(f"a pipeline stage failed to start: {self._blame(fallback)}")
+                raise EngineError(
+                    f"the pipeline stages did not connect within start_timeout_s={self.start_timeout_s} s"
+                )
+        finally:
+            done_reader.close()
+        if isinstance(outcome[0], BaseException):
+            raise EngineError(f"the pipeline stages failed to connect: {outcome[0]}") from outcome[0]
+        return outcome[0]
+
+    def _collect_reports(self, wait_s: float) -> None:
+        """Read every report the stages have sent, waiting up to `wait_s` for those still running to send one."""
+        with self._reading:
+            deadline = time.monotonic() + wait_s
+            open_ = [reader for reader in self._outboxes if not reader.closed]
+            while open_:
+                ready = wait_for_sentinels(open_, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    return
+                for reader in ready:
+                    assert isinstance(reader, Connection)  # only the stages' report pipes are waited on
+                    rank = self._outboxes.index(reader) + 1
+                    try:
+                        kind, text, *rest = reader.recv()
+                    except (EOFError, OSError, ValueError):  # the stage is gone: it will send nothing more
+                        self._gone.add(rank)
+                        open_.remove(reader)
+                        continue
                     if kind == "error":
-                        return str(payload)
-        return None
+                        peer, timed_out = rest if rest else (None, False)
+                        self._reports.setdefault(rank, (str(text), peer, bool(timed_out)))
+                        open_.remove(reader)
+
+    def _blame(self, fallback: str, own: _LinkError | None = None) -> str:
+        """The group's failure, told by its cause rather than by whoever noticed it first.
+
+        In order: a stage process that a signal ended (its peers' broken links follow from it) or stopped
+        (SIGSTOP: whoever waits on it times out, maybe before the stage next to it does); the stage at the end of
+        a chain of timeouts (stage 0 timed out on 2, 2 on 1: 1 stopped answering); a stage's own error; a
+        stage's broken link; else `fallback`. `own` is stage 0's failed transfer.
+        """
+        with self._reading:
+            self._collect_reports(0.5)  # a stage reports just before it exits: give the others a moment to send theirs
+            for rank, process in enumerate(self._processes, start=1):
+                # Its sockets may close (its peers' errors) a moment before the process can be reaped: if it is
+                # exiting, wait for its exit code.
+                if process.exitcode is None and (
+                    rank in self._gone or wait_for_sentinels([process.sentinel], timeout=0)
+                ):
+                    process.join(timeout=1.0)
+                if process.exitcode is not None and process.exitcode < 0:
+                    return f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
+            reports = dict(self._reports)
+            if own is not None:
+                reports[0] = (str(own), own.peer, own.timed_out)
+            for rank, process in enumerate(self._processes, start=1):
+                if process.exitcode is None and _is_stopped(process.pid):
+                    noticed = next((text for text, _peer, timed_out in reports.values() if timed_out), fallback)
+                    return f"stage {rank} stopped answering ({process.name}, pid {process.pid}, is stopped): {noticed}"
+            waiting = [rank for rank in sorted(reports) if reports[rank][2]]
+            if waiting:
+                last, seen = waiting[0], {waiting[0]}
+                stalled = reports[last][1]
+                while stalled in reports and reports[stalled][2] and stalled not in seen:  # it waited on another
+                    seen.add(stalled)
+                    last, stalled = stalled, reports[stalled][1]
+                return f"stage {stalled} stopped answering: {reports[last][0]}"
+            if reports:  # a stage's own error before a broken link, which is a peer's doing
+                return min(reports.values(), key=lambda report: report[1] is not None)[0]
+            return fallback
 
     def _watch_stages(self) -> None:
         """Fail the group as soon as a stage process exits while it is open."""
@@ -575,8 +733,11 @@ class PipelineGroup:
             ready = wait_for_sentinels(list(by_sentinel), timeout=0.2)
             if ready and not self._closing.is_set():
                 process = by_sentinel[ready[0]]
-                process.join(timeout=1.0)
-                self._fail(f"{process.name} (pid {process.pid}) exited with code {process.exitcode}")
+                with self._reading:
+                    process.join(timeout=1.0)
+                    if self._failure is None:  # else the group ended its stages: that is what the watch sees
+                        exited = f"{process.name} (pid {process.pid}) exited with code {process.exitcode}"
+                        self._fail(self._blame(exited))
                 if self._on_failure is not None:
                     self._on_failure(str(self._failure))  # a transfer's failure, if it came first
                 return

@@ -8,7 +8,7 @@ library's `mooncake.sched.build.build_conductor`), with the router and the
 admission policy given as objects, and registers the spec's instances with it.
 
 Invariants: a spec is valid once built (every field checked, `cpp_group_size`
-divides `num_prefill`), and never changes.
+divides `num_prefill` and is at most the model's layers), and never changes.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class ClusterSpec:
         global_pool: any node may fetch any block (Mooncake Store); False: each node only its own cache.
         mfu: model FLOPs utilisation of prefill.
         network_bytes_per_s: KV transfer bandwidth (default: the prefill hardware's NIC).
-        cpp_group_size: prefill nodes per chunked-pipeline group (1: no CPP); divides num_prefill.
+        cpp_group_size: prefill nodes per chunked-pipeline group (1: no CPP); divides num_prefill, and is at
+            most the model's layers (a stage holds at least one).
         cpp_chunk_tokens: the CPP chunk.
         inline_prefill_tokens: prompts up to this long may be prefilled inside a decode batch (0: never).
         max_decode_batch_size: requests a decode node decodes at once (None: as many as its HBM holds).
@@ -136,6 +137,11 @@ class ClusterSpec:
             for method in methods:
                 if model is not None and not callable(getattr(model, method, None)):
                     raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
+        if self.cpp_group_size > self.model.num_layers:
+            raise ConfigError(
+                f"ClusterSpec.cpp_group_size={self.cpp_group_size} exceeds the model's num_layers="
+                f"{self.model.num_layers}: a stage holds at least one layer"
+            )
         if self.num_prefill % self.cpp_group_size:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} must divide num_prefill={self.num_prefill}"

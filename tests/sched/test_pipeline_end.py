@@ -19,13 +19,13 @@ BASE = PrefillCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])
 
 
 def chunk_stage_times(group: ChunkedPipelineCost, num_tokens: int, prefix_tokens: int) -> list[float]:
-    """Each chunk's time on one stage, as the group's docstring defines it (the base model's added time, split
-    evenly over the stages)."""
+    """Each chunk's time on one stage, as the group's docstring defines it (the base model's added time, at the
+    slowest stage's share of the layers, `stage_share`)."""
     times, done, before = [], prefix_tokens, 0.0
     while done < num_tokens:
         end = min(num_tokens, done + group.chunk_tokens)
         upto = BASE.prefill_s(end, prefix_tokens)
-        times.append((upto - before) / group.group_size)
+        times.append((upto - before) * group.stage_share)
         done, before = end, upto
     return times
 

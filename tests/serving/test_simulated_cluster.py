@@ -128,10 +128,17 @@ def test_the_spec_and_conductor_are_the_configs() -> None:
 
 
 def test_a_cpp_cluster_is_simulated_as_groups() -> None:
+    """Its stages count as nodes, and without a profile its prefills are priced as a chunked pipeline of its
+    stages (one process's analytic model, as before, ignored the group) by the gateway and the twin alike."""
     config = load_config(TINY, machine=Machine()).with_overrides("prefill", pipeline_size=2)
     spec = simulation.config_spec(config)
     assert (spec.num_prefill, spec.cpp_group_size, spec.num_prefill_instances) == (4, 2, 2)
     assert spec.cache_capacity_tokens * 2 == config.cache.dram_blocks * config.model.block_tokens
+    prefill, _ = cost_models(config)
+    single, _ = cost_models(load_config(TINY, machine=Machine()))
+    assert spec.prefill_cost == prefill and prefill != single
+    tokens = 4 * config.prefill.chunk_tokens
+    assert prefill.prefill_s(tokens) < single.prefill_s(tokens)  # four chunks pipelined over two stages
 
 
 def record(name: str, ttft: float | None, tbt: float, route: tuple[str, str] | None, outcome: Outcome) -> RequestRecord:

@@ -3,14 +3,18 @@
 A property: the Conductor built on a spec has one prefill instance per CPP group and one decode instance per
 decode node, each holding the spec's decode limits; its estimator charges the spec's prefill cost (a CPP group's
 when grouped, a fitted model as given), its transfer model the spec's bandwidth (the NIC's by default), and its
-decode selection the spec's step model.
+decode selection the spec's step model. Examples: a CPP group larger than the model's layers is refused naming
+both; an analytic group is priced by its largest stage's share of the layers.
 """
 
 from __future__ import annotations
 
+import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, ChunkedPipelineCost, FittedPrefillModel, PrefillCostModel
 from mooncake.sched.join import DecodeLimits
 from mooncake.sched.step import DecodeCostModel, FittedStepModel
@@ -64,3 +68,34 @@ def test_a_specs_conductor_is_the_spec(spec: ClusterSpec) -> None:
     bandwidth = spec.network_bytes_per_s or spec.prefill_hardware.nic_bytes_per_s
     assert estimator.transfer.bandwidth_bytes_per_s == bandwidth
     assert estimator.kv_bytes_per_token == spec.model.kv_bytes_per_token
+
+
+def test_a_cpp_group_larger_than_the_models_layers_is_refused_naming_both() -> None:
+    """A CPP stage holds at least one layer (the engine refuses more stages than layers): a spec whose
+    cpp_group_size exceeds the model's layers is a ConfigError naming both, not a group priced as if it ran."""
+    shape = attrs.evolve(MODELS["llama3-70b"], name="4-layer", num_layers=4)
+    with pytest.raises(ConfigError, match=r"cpp_group_size=5 exceeds the model's num_layers=4"):
+        ClusterSpec(
+            num_prefill=5,
+            num_decode=1,
+            model=shape,
+            prefill_hardware=HARDWARE["8xA800"],
+            decode_hardware=HARDWARE["8xH800"],
+            cpp_group_size=5,
+        )
+
+
+def test_a_cpp_groups_price_is_paced_by_its_largest_stage() -> None:
+    """The spec's CPP group prices the model's own layers split as the engine splits them: 80 layers on 6
+    stages are paced by a 14-layer stage."""
+    spec = ClusterSpec(
+        num_prefill=6,
+        num_decode=1,
+        model=MODELS["llama3-70b"],
+        prefill_hardware=HARDWARE["8xA800"],
+        decode_hardware=HARDWARE["8xH800"],
+        cpp_group_size=6,
+    )
+    cost = spec.prefill_cost
+    assert isinstance(cost, ChunkedPipelineCost)
+    assert cost.num_layers == 80 and cost.stage_share == 14 / 80
