@@ -37,6 +37,23 @@ from serving.machine import Machine
 from mooncake.errors import MooncakeError
 
 STOP_REPORT_S = 40.0  # longer than a stop takes by design (RunningCluster.close: 15 s + 15 s + 5 s)
+MAX_PORT = 65_535
+
+
+def port(text: str) -> int:
+    """`--port`'s value: a TCP port, 0 (any free one) to `MAX_PORT`, refused here as the option's (checked as the
+    config's `[cluster] port`, the error would name the config file, which says something else).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer in that range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to {MAX_PORT})")
+    return value
 
 
 def main() -> None:
@@ -45,7 +62,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("local", "ray"), default="local")
     parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local one)")
     parser.add_argument("--ray-dashboard", action="store_true", help="start Ray's dashboard (on [cluster] host)")
-    parser.add_argument("--port", type=int, default=None, help="override [cluster] port (0: any free port)")
+    parser.add_argument("--port", type=port, default=None, help="override [cluster] port (0: any free port)")
     args = parser.parse_args()
     if args.backend != "ray":  # the local backend would ignore them: a launch here, not the one asked for
         for option, value in (("--ray-address", args.ray_address), ("--ray-dashboard", args.ray_dashboard)):

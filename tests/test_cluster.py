@@ -689,6 +689,53 @@ def test_decode_killed_mid_stream(two_by_two: RunningCluster) -> None:
         assert last.usage.completion_tokens == 64
 
 
+def test_decode_killed_mid_whole_answer_is_generated_again(two_by_two: RunningCluster) -> None:
+    """SIGKILL the decode engine generating a whole (not streamed) answer, of which its client has had nothing yet:
+    the request is scheduled again on the survivor and answered in full, 200 with the very text and tokens of an
+    undisturbed run of the same seed, its usage counting the retry alone (it was a 503 naming the dead engine)."""
+    cluster = two_by_two
+    url = f"{cluster.url}/v1/completions"
+    max_tokens = 1500  # seconds of decoding: the kill lands long before the end
+    body = {
+        "model": "tiny",
+        "prompt": "A story told twice.",
+        "max_tokens": max_tokens,
+        "seed": 1234,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    status, _headers, text = http(url, body)
+    assert status == 200, text
+    undisturbed = json.loads(text)
+    answered: list[tuple[int, Any, str]] = []
+    request = threading.Thread(target=lambda: answered.append(http(url, body)))
+    request.start()
+    try:
+        dispatcher = cluster.gateway.dispatcher
+        wait_for(
+            lambda: any(live.generated >= 8 for live in list(dispatcher.live.values())),
+            timeout=TIMEOUT_S,
+            what="the request to decode",
+        )
+        live = the_live_request(cluster)
+        killed = live.decode
+        cluster.backend.kill(killed)
+        at_kill = live.generated
+    finally:
+        request.join(timeout=2 * TIMEOUT_S)
+    assert not request.is_alive() and at_kill < max_tokens
+    ((status, headers, text),) = answered
+    assert status == 200, text
+    answer = json.loads(text)
+    survivor = ({"decode-0", "decode-1"} - {killed}).pop()
+    assert headers["X-Mooncake-Decode-Instance"] == survivor and live.attempt == 1
+    assert answer["usage"]["completion_tokens"] == max_tokens
+    (choice,), (first,) = answer["choices"], undisturbed["choices"]
+    assert len(choice["token_ids"]) == max_tokens
+    assert (choice["text"], choice["token_ids"]) == (first["text"], first["token_ids"])
+    assert choice["finish_reason"] == first["finish_reason"] == "length"
+
+
 def test_prefill_killed_requests_rerouted() -> None:
     """SIGKILL prefill-0 unnoticed by the health loop: requests sent to it are scheduled again on prefill-1.
 
@@ -822,6 +869,21 @@ def test_launcher_reports_a_bad_config(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert str(config) in done.stderr and "[decode] max_batch_size = 0" in done.stderr
+
+
+@pytest.mark.parametrize(("value", "said"), [("70000", "70000 is not a port"), ("-1", "-1 is not a port")])
+def test_launcher_blames_a_bad_port_on_the_option_not_the_file(value: str, said: str) -> None:
+    """A `--port` out of range is the command line's error (argparse's: exit 2, the option named), not the config
+    file's, whose port is fine (it was reported as `tiny.toml: [cluster] port = 70000`)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cluster.py"), "--config", str(TINY), f"--port={value}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"argument --port: {said}" in done.stderr and str(TINY) not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # ---------------------------------------------------------------------------------------------- config

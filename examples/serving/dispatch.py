@@ -34,8 +34,10 @@ stops answering delays no other worker's calls or probes; its prefill jobs not
 sent yet are dropped when it is marked down. When an engine goes down, the
 requests routed to it of which no token has reached the client (waiting for
 or in their prefill, prefilled there but not yet handed on, on their way to
-the decode engine, joined but not yet stepped) are scheduled again on the
-engines still up (twice at most, each time as the next attempt, so a resumed
+the decode engine, joined but not yet stepped, or decoding for a whole, not
+streamed, answer, whose client gets its tokens only at its end: those tokens
+are dropped, and the retry, its seed fixed at admission, draws them again)
+are scheduled again on the engines still up (twice at most, each time as the next attempt, so a resumed
 engine's reports about an earlier attempt are ignored); the earlier attempt's prefill job is cancelled on its prefill
 engine (at once, or when a down one answers again), so a stopped decode node
 holds up a prefill engine's queue for the job running there at most. Scheduled
@@ -45,7 +47,7 @@ line by its arrival, right behind the last waiting request that arrived before i
 of the later ones (`AdmissionQueue.arrive(again=True)`: it was accepted before them); one refused for good, or whose wait ends, gets the
 refusal, its message saying which engine failed first and its `outcome`
 whether a prefill of it had run for nothing (`REJECTED_AFTER_PREFILL`).
-Requests whose tokens have begun end with a 503. A prefill engine that reports its
+Streamed requests whose tokens have begun end with a 503. A prefill engine that reports its
 decode node did not answer (`PrefillFailed.peer`) has that node probed at
 once: marked down if it does not answer (the request rerouted with the
 others), else the request alone is scheduled again.
@@ -58,7 +60,8 @@ rerouted, it waits in the line again (`_rerouted` holds it then); the
 Conductor learns of each end once (from `end`, a no-op for a request no longer
 live, or by itself when an instance goes down); tokens reach a request's queue
 only while it is live, from the decode engine and attempt it is routed to, in
-order.
+order (a whole answer's scheduled again: those of its earlier attempt still
+queued are dropped).
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ __all__ = ["Dispatcher", "LiveRequest", "WorkerState"]
 
 LOG = logging.getLogger("serving.dispatch")
 PROBE_TIMEOUT_S = 5.0  # a health answer's deadline: the control calls' own I/O timeout
+# A worker asked to announce its cache (after a gap in its events) is asked again after this long if its events
+# still leave gaps: the ask (or the report carrying the announcement) may have been lost.
+ANNOUNCE_AGAIN_S = 5.0
 MAX_REROUTES = 2
 UNROUTED = InstanceId("")
 REPORTS = (
@@ -130,6 +136,9 @@ class LiveRequest:
     decode: InstanceId = UNROUTED
     fetch: wire.Fetch | None = None
     cache_salt: str | None = None  # vLLM's: the namespace of its blocks' keys
+    # Its tokens reach the client as they come (a stream); a whole answer's only at its end, so one whose decode
+    # engine fails mid-generation can still be scheduled again (`_reroute`).
+    is_streamed: bool = True
     attempt: int = 0  # rises each time the request is scheduled again after an engine of its went down
     sent_attempt: int = -1  # the attempt last sent to a prefill worker (`submit`)
     events: asyncio.Queue[tuple[str, Any]] = attrs.field(factory=asyncio.Queue)
@@ -242,6 +251,9 @@ class Dispatcher:
         self._unsent: dict[str, set[asyncio.Future[Any]]] = {i: set() for i in self.peers}
         # Cancellations of abandoned prefill attempts for each worker that was down: sent when it answers again.
         self._stale: dict[str, list[wire.CancelPrefill]] = {i: [] for i in self.peers}
+        # Workers asked to announce their caches (a gap in their events), and when: until an event of theirs
+        # applies without a gap.
+        self._announcing: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._block_bytes = block_bytes
         self._probes: set[asyncio.Task[None]] = set()
@@ -310,10 +322,18 @@ class Dispatcher:
     # ------------------------------------------------------------------ scheduling
 
     async def admit(
-        self, tokens: list[int], sampling: SamplingOptions, arrival: float, *, cache_salt: str | None = None
+        self,
+        tokens: list[int],
+        sampling: SamplingOptions,
+        arrival: float,
+        *,
+        cache_salt: str | None = None,
+        streamed: bool = True,
     ) -> LiveRequest:
         """Schedule a request (its `max_tokens` settled: `api.generation_limit`); it is live once this returns.
         With a `cache_salt` (vLLM's) its blocks are keyed in that salt's namespace, here and in the engines.
+        Not `streamed` (a whole answer), its tokens reach its client only at its end: an engine of its failing
+        mid-generation schedules it again, and its reader sees the tokens start again (`_reroute`).
 
         A request the Conductor rejects for room the decode side frees as its requests end (a full batch, no KV
         room, a step over the TBT objective) waits for it, before any prefill, in the line `sched.waiting`'s
@@ -347,7 +367,7 @@ class Dispatcher:
             block_size_tokens=self.hasher.block_size_tokens,
             reuses_prefix=sampling.prompt_logprobs is None,  # a scored prompt is computed whole (the engine's rule)
         )
-        live = LiveRequest(request_id, tokens, request, sampling, arrival, cache_salt=cache_salt)
+        live = LiveRequest(request_id, tokens, request, sampling, arrival, cache_salt=cache_salt, is_streamed=streamed)
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(live, decided)
         decision = self._waiting.arrive(waiter, request, self.now())
@@ -635,10 +655,18 @@ class Dispatcher:
             self._on_tokens(message)
             return
         if isinstance(message, wire.PrefillDone | wire.PrefillFailed):
+            gap = False
             for event in message.events:
-                # A worker restarted or a message was lost: count it; the index catches up on the next epoch.
+                # The index forgot the worker (marked down, then up) or a report was lost: count it, and ask the
+                # worker to announce its cache, a new epoch the index takes whole (else it stays blind to that
+                # cache, its events all gaps, for as long as the worker runs).
                 if self.conductor.apply_cache_event(event, strict=False) is not None:
                     self.metrics.index_gaps[message.instance_id].inc()
+                    gap = True
+            if gap:
+                self._ask_announce(message.instance_id)
+            elif message.events:
+                self._announcing.pop(message.instance_id, None)
         assert not isinstance(message, wire.DecodeTokens)
         live = self.live.get(RequestId(message.request_id))  # type: ignore[union-attr, arg-type]
         if live is None or live.attempt != message.attempt:  # type: ignore[union-attr]
@@ -724,8 +752,9 @@ class Dispatcher:
             if live is None or live.decode != instance or live.attempt != token.attempt:
                 continue
             if token.index == 0:
+                if live.first_token_s is None:  # once per request: a whole answer's retry begins again (`_reroute`)
+                    self.metrics.ttft[live.prefill].observe(now - live.arrival)
                 live.first_token_s = now
-                self.metrics.ttft[live.prefill].observe(now - live.arrival)
             elif live.last_token_s is not None:
                 inter_token.observe(now - live.last_token_s)
             live.last_token_s = now
@@ -772,7 +801,12 @@ class Dispatcher:
         limits = self.config.limits
         if health is None or not health.ok:
             state.failures += 1
-            backoff = min(limits.health_probe_backoff_max_s, limits.health_interval_s * 2.0**state.failures)
+            # The doubling stops once past the cap (the config keeps cap >= interval): 2.0**failures itself
+            # overflows after 1023 failures (85 minutes down at the default cap), and the probe then raised before
+            # setting its next time, on every health tick.
+            cap_s, interval_s = limits.health_probe_backoff_max_s, limits.health_interval_s
+            doublings = min(state.failures, math.ceil(math.log2(cap_s / interval_s)) + 1)
+            backoff = min(cap_s, interval_s * 2.0**doublings)
             state.next_probe_s = self.now() + backoff
             if state.up:
                 LOG.warning("worker %s does not answer: marked down", instance)
@@ -784,6 +818,8 @@ class Dispatcher:
             LOG.warning("worker %s answers again: marked up", instance)
             state.up = True
             self.conductor.handle(InstanceUp(instance_id=instance, now=self.now()))
+            if state.role != "decode":  # marked down, its cache was forgotten: its next report brings it back
+                self._ask_announce(instance)
             self._room_freed()
             for job in self._stale[instance]:  # jobs still queued there that were rerouted while it was down
                 self._calls[instance].submit(self._tell, instance, job)
@@ -809,6 +845,13 @@ class Dispatcher:
 
     def _gone_message(self, state: WorkerState) -> wire.PeerGone:
         return wire.PeerGone(address=self._addresses[state.instance_id])
+
+    def _ask_announce(self, instance: str) -> None:
+        """Ask `instance` to announce its cache (`wire.Announce`), unless asked within `ANNOUNCE_AGAIN_S`."""
+        now = time.monotonic()
+        if now - self._announcing.get(instance, -math.inf) >= ANNOUNCE_AGAIN_S:
+            self._announcing[instance] = now
+            self._calls[instance].submit(self._tell, instance, wire.Announce())
 
     def _tell(self, instance: str, message: wire.Message) -> None:
         """`call`, for a message whose answer nobody waits for (a worker that does not answer is the health
@@ -850,12 +893,23 @@ class Dispatcher:
     def _reroute(self, live: LiveRequest, failure: ApiError) -> None:
         """A request the Conductor has ended (no longer live) because an engine of its failed: scheduled again as
         its next attempt while nothing of it has reached its client and it has attempts left, else ended with
-        `failure`. Its abandoned attempt is cancelled on its prefill engine either way."""
+        `failure`. Its abandoned attempt is cancelled on its prefill engine either way.
+
+        A whole (not streamed) answer's tokens reach its client only at its end: one with tokens is scheduled
+        again too, those tokens forgotten (the ones still queued dropped, the count back to 0), so that its reader,
+        seeing a token of the next attempt, starts the answer again; its seed, fixed at admission, draws the same
+        tokens again."""
         self._abandon(live)
-        if self._closed or live.generated or live.attempt >= MAX_REROUTES:  # shut down: it has its 503
+        began = live.generated > 0 and live.is_streamed
+        if self._closed or began or live.attempt >= MAX_REROUTES:  # shut down: it has its 503
             self._finished(live, "error", self.now())
             live.events.put_nowait(("error", failure))
             return
+        if live.generated:  # its reader must see none of them after the retry's (a stop string there would end it)
+            queued = [live.events.get_nowait() for _ in range(live.events.qsize())]
+            for kept in (event for event in queued if event[0] != "token"):
+                live.events.put_nowait(kept)
+            live.generated = 0
         live.attempt += 1
         live.prefill_started_s = live.prefill_done_s = live.joined_s = None  # prefilled again
         # Scheduled again on the engines up (a prefix it had prefilled is cached there now) as `admit` schedules a

@@ -16,7 +16,8 @@ encoded, chats rendered and text decoded by the served model's tokenizer
 (`serving.tokenizer`: a checkpoint's, or bytes for the random preset). The
 text ends before a stop string or at a stop id such as the checkpoint's EOS
 (finish reason "stop"; the decode is cancelled), or at `max_tokens` ("length"). A request that fails mid-stream ends its stream with
-an error event; a client that hangs up, streaming or not, is cancelled on its
+an error event; a whole answer whose decode engine fails mid-generation is generated again on another
+(`Dispatcher._reroute`: its client has had none of it), the answer holding the retry's tokens alone; a client that hangs up, streaming or not, is cancelled on its
 decode engine (aiohttp cancels the handler when its connection is lost).
 Decoding, checking, chat rendering and tokenizing a body (and /tokenize's and
 /detokenize's work) run on a few threads of their own (`PREPARE_THREADS`), never
@@ -405,7 +406,11 @@ class Gateway:
             for one, tokens, sampling in zip(prompts, tokenized, settled, strict=True):
                 for index in range(one.n):
                     live = await dispatcher.admit(
-                        tokens, _choice_sampling(sampling, index), arrival, cache_salt=one.cache_salt
+                        tokens,
+                        _choice_sampling(sampling, index),
+                        arrival,
+                        cache_salt=one.cache_salt,
+                        streamed=parsed.stream,  # a whole answer's request may start again (`Dispatcher._reroute`)
                     )
                     lives.append(live)
                     asked.append(one)
@@ -526,7 +531,7 @@ class Gateway:
     ) -> web.StreamResponse:
         choices = self._choices(lives, reply, asked)
         try:
-            await _together([self._read_tokens(choice) for choice in choices])
+            await _together([self._read_tokens(choice, one) for choice, one in zip(choices, asked, strict=True)])
             # After the tokens: the prompt's log-probabilities came before them.
             k = parsed.output.prompt_logprobs
             whole = [
@@ -553,9 +558,13 @@ class Gateway:
         )
         return web.json_response(answer.to_json(), headers=_route_headers(lives))
 
-    async def _read_tokens(self, choice: _Choice) -> None:
-        """Feed a choice its tokens until it ends (a stop string ends its request here)."""
+    async def _read_tokens(self, choice: _Choice, parsed: CompletionRequest | ChatRequest) -> None:
+        """Feed a choice its tokens until it ends (a stop string ends its request here). A token of another attempt
+        than the ones before it (the request was scheduled again after its decode engine failed: `_reroute`) starts
+        the choice again: the answer holds the last attempt's tokens only."""
         async for token in self.dispatcher.tokens(choice.live):
+            if choice.attempt is not None and token.attempt != choice.attempt:
+                choice.restart(self._text_stream(parsed.sampling, choice.live.tokens))
             choice.feed(token)
             if choice.text.stopped:
                 self.dispatcher.finish(choice.live)
@@ -678,17 +687,26 @@ class _Choice:
         echo_only: bool = False,
         prompt_ids: tuple[int, ...] | None = None,
     ) -> None:
-        self.live, self.index, self.reply, self.text, self.logprobs = live, index, reply, text, logprobs
+        self.live, self.index, self.reply, self.logprobs = live, index, reply, logprobs
         self.echo_only, self.prompt_ids = echo_only, prompt_ids
+        self._opened = False  # a chunk of this choice went out
+        self.restart(text)
+
+    def restart(self, text: TextStream) -> None:
+        """Forget the tokens fed so far (those of an attempt abandoned after its decode engine failed: a whole
+        answer, of which no chunk went out), to be fed again from the first, the text read by `text`."""
+        assert not self._opened, "a choice whose chunks went out cannot start again"
+        self.text = text
+        self.attempt: int | None = None  # the attempt of the tokens fed
         self.count = 0  # tokens generated, as the usage counts them
         self.pieces: list[str] = []
         self.generated: list[tuple[int, TokenLogprobs | None]] = []
         self._unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
         self._unshown_ids: list[int] = []  # of them, the generated ones (`return_token_ids`)
-        self._opened = False  # a chunk of this choice went out
 
     def feed(self, token: wire.Token) -> str:
         """Take the next token; the text it lets out (none for an echo-only choice)."""
+        self.attempt = token.attempt
         if self.echo_only:
             return ""
         self.count += 1

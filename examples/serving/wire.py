@@ -340,6 +340,15 @@ class Stop:
 
 
 @attrs.frozen(kw_only=True)
+class Announce:
+    """Announce everything your cache holds: start a new epoch of its events (`TieredCache.announce_all`), which
+    the next report carrying events brings. The gateway's index lost track of this worker's cache (a gap in its
+    events: it was marked down, which forgets its cache, and came back, or a report was lost)."""
+
+    METHOD: ClassVar[str] = "worker.announce"
+
+
+@attrs.frozen(kw_only=True)
 class PeerGone:
     """The worker at `address` (its engine's) is gone, its process dead: end every lease it holds here, its pins
     and its reservations (`Messenger.release_owner`), since nothing of it can still write into them."""
@@ -483,6 +492,7 @@ Message = (
     | HealthCheck
     | Health
     | Stop
+    | Announce
     | PeerGone
     | PrefillJob
     | CancelPrefill
@@ -503,6 +513,7 @@ MESSAGES: dict[str, type[Any]] = {
         HealthCheck,
         Health,
         Stop,
+        Announce,
         PeerGone,
         PrefillJob,
         CancelPrefill,

@@ -1,7 +1,8 @@
 """An engine worker: one prefill or decode engine with its node's cache and block service.
 
 A worker owns a tiny world: the model, a `TieredCache` (DRAM pages in shared
-memory, optionally an SSD tier), a `TransferEngine` listening on its spec's
+memory, optionally an SSD tier in a file labelled and named for what its pages
+mean: `ssd_label`, `ssd_file_name`), a `TransferEngine` listening on its spec's
 host (127.0.0.1; on a multi-node Ray cluster its node's address) and
 the `Messenger` serving its blocks. The gateway drives it with control calls
 over the same authenticated transport, each carrying one `serving.wire`
@@ -31,7 +32,10 @@ worker does, however it dies.
 A decode node joins a request by the decode rule (`DecodeEngine.try_join`, the
 same `sched.join` rule the gateway's Conductor asks): a refusal is reported as
 `decode.rejected` with the rule's reason (a `sched.outcome.Reason` value); a
-request whose KV is missing or does not match its prompt is `decode.failed`.
+request whose KV is missing or does not match its prompt is `decode.failed`, and
+so is one whose token draw fails in a step (its sampling params leave no token,
+its logits are NaN): the engine drops it alone, the others' tokens of that step
+are reported, and the batch decodes on.
 It holds one attempt of a request at a time: a hand-off of a later attempt
 replaces the one it holds, a hand-off of an earlier one (from a prefill engine
 that was presumed dead and resumed) is dropped, and so, for `TIMEOUT_S`, is one
@@ -64,6 +68,7 @@ from typing import Any
 
 import attrs
 import torch
+import xxhash
 
 from mooncake.cache import TieredCache
 from mooncake.cache.pool import PagePool
@@ -95,7 +100,7 @@ from serving.models import cost_models, decode_limits
 from serving.prefill_group import group_prefill_engine
 from serving.reporter import Reporter
 
-__all__ = ["Worker", "WorkerSpec", "build_model", "run_worker"]
+__all__ = ["Worker", "WorkerSpec", "build_model", "run_worker", "ssd_file_name", "ssd_label"]
 
 TIMEOUT_S = 30.0
 MAX_ENDED = 65_536  # requests a decode node remembers it is done with (for TIMEOUT_S at most): `_EndedAttempts`
@@ -217,6 +222,25 @@ def build_model(config: ClusterConfig) -> LlamaModel:
     return LlamaModel(PRESETS[model.preset], seed=model.seed, dtype=model.dtype)
 
 
+def ssd_label(config: ClusterConfig, layout: KvLayout) -> str:
+    """What the pages of a node's SSD pool mean (`SsdPagePool`'s label): the block keys' namespace (the model, its
+    weights and the dtype: `ModelSection.namespace`), the block size and the KV page layout. A key names tokens,
+    not the bytes their KV takes, so a pool file written under another label must never be adopted."""
+    model = layout.config
+    return (
+        f"{config.model.namespace} {layout.block_tokens}-token blocks of KV [{model.num_layers} layers][K, V]"
+        f"[tokens][{model.num_kv_heads} heads][{model.head_dim}] {layout.dtype}"
+    )
+
+
+def ssd_file_name(instance_id: str, label: str) -> str:
+    """A node's SSD pool file in `[cache] ssd_dir`: `<instance>-<xxh3 of the label, 16 hex digits>.pool`. A cluster
+    restarted with the same config reopens its pages; one with another model, dtype or block size gets files of its
+    own (as vLLM keys its offload folders by model, dtype and parallel config) instead of failing to start on the
+    old ones, which stay until deleted; the label in the file is the guard against a collision of the names."""
+    return f"{instance_id}-{xxhash.xxh3_64_intdigest(label.encode()):016x}.pool"
+
+
 class Worker:
     """One engine node; `start()` returns how to reach it, `wait()` blocks until it is told to stop."""
 
@@ -249,8 +273,9 @@ class Worker:
                 # Named with our pid: a launcher removes it if we are killed before we can (`launch.SSD_FOLDER_NAME`).
                 self._ssd_dir = tempfile.TemporaryDirectory(prefix=f"mooncake-ssd-{os.getpid()}-")
                 folder = self._ssd_dir.name
-            path = Path(folder) / f"{spec.instance_id}.pool"
-            pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache.ssd_blocks))
+            label = ssd_label(config, self.layout)
+            path = Path(folder) / ssd_file_name(spec.instance_id, label)
+            pools.append(SsdPagePool(path, self.layout.page_bytes, config.cache.ssd_blocks, label=label))
         self.cache = TieredCache(pools, source=self.instance_id, epoch=time.time_ns())
         self.messenger = Messenger(self.engine, self.cache, region=region)
         self._jobs: queue.Queue[Job] = queue.Queue()
@@ -263,6 +288,7 @@ class Worker:
         self._prefill: PrefillEngine | None = None
         self._decode: DecodeEngine | None = None
         self._attempts: dict[RequestId, int] = {}  # the decode batch's requests → the attempt held (decode loop only)
+        self._stepped: list[TokenEvent] = []  # the tokens the decode engine called back (decode loop only)
         # Hand-offs waiting for blocks another push is filling here (decode loop only)
         self._arriving: dict[RequestId, _Arriving] = {}
         self._ended = _EndedAttempts(keep_s=TIMEOUT_S, max_entries=MAX_ENDED)  # (decode loop only)
@@ -297,6 +323,7 @@ class Worker:
             wire.Connect: self._on_connect,
             wire.HealthCheck: self._on_health,
             wire.Stop: self._on_stop,
+            wire.Announce: self._on_announce,
             wire.PeerGone: self._on_peer_gone,
             wire.PrefillJob: self._on_job,
             wire.CancelPrefill: self._on_cancel_prefill,
@@ -364,6 +391,11 @@ class Worker:
 
     def _on_stop(self, _message: wire.Stop) -> None:
         self._stop.set()
+
+    def _on_announce(self, _message: wire.Announce) -> None:
+        # A new epoch above every one used (the cache's starts at its start time in ns), announcing all it holds:
+        # the gateway's index takes an epoch's first event whatever it knew of us, so its gap is mended.
+        self.cache.announce_all(max(self.cache.epoch + 1, time.time_ns()))
 
     def _on_peer_gone(self, message: wire.PeerGone) -> None:
         self.messenger.release_owner(message.address)
@@ -565,9 +597,50 @@ class Worker:
             # token, then leaves, would otherwise find the engine idle while the step runs).
             self._publish_health(decode)
             self._report(first)  # not held back by a step: its client's TTFT would carry one
-            tokens = [self._token(event) for event in decode.step()] if decode.num_active else []
+            tokens, failed = self._step(decode) if decode.num_active else ([], [])
             self._publish_health(decode)
             self._report(tokens)
+            for message in failed:
+                self._tell_gateway(message)
+
+    def _step(self, decode: DecodeEngine) -> tuple[list[wire.Token], list[wire.DecodeFailed]]:
+        """One decode step: its tokens, and the failure reports of the requests it dropped.
+
+        The tokens are those the engine called back (`on_token`), not `step`'s answer: a step where one request's
+        draw fails (params that leave no token, its NaN logits) raises, once the others took and were called back
+        with their tokens, and those tokens must still reach their clients. Every request the step dropped, the
+        one its error names (`MooncakeError.request_id`) and any other whose draw failed too (the step raises only
+        the first), ends here as failed; the batch decodes on. Any other error (the engine's own, naming no one
+        request: its state is in doubt) ends the loop, and so the worker, as before: the gateway finds it down.
+        """
+        self._stepped.clear()  # the joins' first tokens, reported by `_join` with their attempts
+        failure: MooncakeError | None = None
+        try:
+            decode.step()
+        except MooncakeError as error:
+            if error.request_id is None:
+                raise
+            failure = error
+        tokens = [self._token(event) for event in self._stepped]
+        self._stepped.clear()
+        if failure is None:
+            return tokens, []
+        failed: list[wire.DecodeFailed] = []
+        now = time.monotonic()
+        decoding = set(decode.active_ids)
+        for request_id in [r for r in self._attempts if r not in decoding]:  # neither finished nor decoding: dropped
+            attempt = self._attempts.pop(request_id)
+            self._ended.end(request_id, attempt, now)
+            reason = str(failure)
+            if request_id != failure.request_id:
+                reason = f"request {request_id}: its token draw failed in the step that raised {reason}"
+            LOG.warning("decode failed: %s", reason)
+            failed.append(
+                wire.DecodeFailed(
+                    instance_id=self.spec.instance_id, request_id=int(request_id), attempt=attempt, error=reason
+                )
+            )
+        return tokens, failed
 
     def _held_attempt(self, request_id: RequestId) -> int | None:
         """The latest attempt of the request this node decodes or awaits the blocks of, if any."""
@@ -669,7 +742,7 @@ class Worker:
                 first_token=job.first_token,
                 max_new_tokens=job.sampling.max_tokens,
                 sampling=_sampling_params(job.sampling),
-                on_token=None,
+                on_token=self._stepped.append,  # the first token's call is dropped: the one below reports it
                 prompt=job.prompt_ids or None,
             )
         except MooncakeError as error:
@@ -694,7 +767,7 @@ class Worker:
             self._attempts[request_id] = job.attempt
         else:
             self._ended.end(request_id, job.attempt, time.monotonic())
-        # The prefill's token is the request's first output token (the engine does not report it without on_token).
+        # The prefill's token is the request's first output token, reported with its attempt.
         first_token(wire.Token(job.request_id, job.attempt, job.first_token, 0, not decoding, job.first_logprobs))
 
 

@@ -8,7 +8,8 @@ pass. Properties against small references: a request's end reports one finish re
 prefill exactly when the rules say so, and counts once; the engines' loads follow the phases the reports reached;
 the probe's backoff doubles up to its cap. Examples: the prefill job carries the request's sampling, decode node
 and stop ids; a failed send marks its worker down and reroutes; a worker marked down cancels its unsent jobs; the
-reroute limit's boundary; the request timeout bounds each wait for a token, from arrival for the first; a probe
+reroute limit's boundary; a whole answer's request rerouted mid-generation starts again from its first token; a
+worker down for good is probed at the cap, its backoff never overflowing; the request timeout bounds each wait for a token, from arrival for the first; a probe
 that finds a worker answering again marks it up, tells it the abandoned jobs and the deaths it missed, cancels the
 requests it decodes for nobody; a dead worker is announced once, to the others that are up; the health loop
 probes only the workers due and not already being probed.
@@ -436,7 +437,7 @@ def test_a_request_is_rerouted_while_it_has_attempts_left(attempt: int) -> None:
 
 
 def test_a_request_whose_tokens_began_is_not_rerouted() -> None:
-    """A request whose decode engine fails after a token reached its client ends with a 503 (a reroute would
+    """A streamed request (`admit`'s default) whose decode engine fails after a token reached its client ends with a 503 (a reroute would
     send the client a second stream); one that was prefilled but not yet joined there starts again from scratch
     (its phases forgotten)."""
 
@@ -460,6 +461,41 @@ def test_a_request_whose_tokens_began_is_not_rerouted() -> None:
             assert d.live[waiting.request_id] is waiting and waiting.attempt == 1
             assert (waiting.prefill_started_s, waiting.prefill_done_s, waiting.joined_s) == (None, None, None)
             assert d.loads()[waiting.prefill] == (0, 1)  # waiting for its prefill again
+
+    asyncio.run(run())
+
+
+def test_a_whole_answers_request_whose_tokens_began_is_rerouted_from_its_first_token() -> None:
+    """A request for a whole (not streamed) answer, whose client gets nothing before its end: its decode engine
+    fails after two tokens (one read, one still queued), and it is scheduled again as its next attempt on the other
+    engine, the queued token dropped and its count back to 0; its reader then gets the retry's tokens from the
+    first, and the end counts the retry's tokens and one time to first token."""
+
+    async def run() -> None:
+        async with dispatching(num_decode=2) as d:
+            d._worker_failed(InstanceId("decode-1"))  # it goes to decode-0 ...
+            live = await d.admit(list(range(40)), SamplingOptions(max_tokens=4), d.now(), streamed=False)
+            d.submit(live)
+            prefilled(d, live)
+            joined(d, live)
+            d._dispatch(tokens(live, (5, 0, False), (6, 1, False)))
+            assert live.events.get_nowait()[1].token == 5 and live.generated == 2
+            await d._probe(d.workers["decode-1"])  # ... and decode-1 answers again
+            d._worker_failed(InstanceId("decode-0"))
+            assert d.live[live.request_id] is live and (live.attempt, live.decode) == (1, "decode-1")
+            assert live.events.empty() and live.generated == 0
+            job = sent(d, live.prefill)[-1]
+            assert isinstance(job, wire.PrefillJob) and (job.attempt, job.decode) == (1, "decode-1")
+            prefilled(d, live)
+            joined(d, live)
+            d._dispatch(tokens(live, (5, 0, False), (6, 1, False), (7, 2, False), (8, 3, True)))
+            read = [(t.attempt, t.token, t.index) async for t in d.tokens(live)]
+            assert read == [(1, 5, 0), (1, 6, 1), (1, 7, 2), (1, 8, 3)]
+            assert live.request_id not in d.live and finished(d, "decode-1", "length") == 1
+            assert sample(d, "request_generation_tokens_count", engine="decode-1") == 1
+            assert sample(d, "request_generation_tokens_sum", engine="decode-1") == 4
+            assert sample(d, "time_to_first_token_seconds_count", engine="prefill-0") == 1
+            d.conductor.check_invariants()
 
     asyncio.run(run())
 
@@ -638,6 +674,29 @@ def test_a_probe_backs_off_doubling_up_to_its_cap(interval_s: float, cap_s: floa
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("num_failures", [1022, 1023, 100_000])
+def test_a_worker_down_for_good_is_probed_at_the_cap_without_end(num_failures: int) -> None:
+    """A worker that has failed `num_failures` probes in a row (1,023 is 85 minutes at the default 5 s cap) is
+    probed next at the cap after each further failure, its count going on; the doubling once overflowed there
+    (2.0**1024), and each probe then raised before setting its next time."""
+
+    async def run() -> None:
+        async with dispatching(health_interval_s=0.5, health_probe_backoff_max_s=5.0) as d:
+            state = d.workers["decode-0"]
+            answers(d).health["decode-0"] = None
+            state.failures = num_failures
+            for n in range(1, 4):
+                before = d.now()
+                await d._probe(state)
+                assert state.failures == num_failures + n and not state.up and not state.probing
+                assert 5.0 - 1e-6 <= state.next_probe_s - before <= 5.5
+            answers(d).health["decode-0"] = healthy()
+            await d._probe(state)
+            assert state.up and state.failures == 0
+
+    asyncio.run(run())
+
+
 def test_a_worker_that_answers_not_ok_is_marked_down() -> None:
     """A health answer that says not ok counts as a failed probe: the worker is marked down."""
 
@@ -680,6 +739,7 @@ def test_a_worker_answering_again_is_marked_up_told_what_it_missed_and_wakes_the
             await d._probe(d.workers[victim])
             assert d.workers[victim].up and d._stale[victim] == []
             assert sent(d, victim)[before:] == [
+                wire.Announce(),  # marked down, its cache was forgotten
                 abandoned,
                 gone,
                 wire.CancelDecode(request_id=int(live.request_id)),
@@ -931,9 +991,10 @@ def test_a_probe_that_gets_no_answer_in_time_marks_the_worker_down(monkeypatch: 
     asyncio.run(run())
 
 
-def test_a_gap_in_a_prefill_engines_cache_events_is_counted() -> None:
+def test_a_gap_in_a_prefill_engines_cache_events_is_counted_and_mended() -> None:
     """The cache events a prefill report carries reach the index, even for a request that has ended; one out of
-    sequence is counted as a gap of that engine."""
+    sequence is counted as a gap of that engine, which is asked to announce its cache (once while its gaps go on,
+    again after `ANNOUNCE_AGAIN_S`); the announcement, a new epoch, gives the index the engine's cache back."""
 
     async def run() -> None:
         async with dispatching() as d:
@@ -950,6 +1011,20 @@ def test_a_gap_in_a_prefill_engines_cache_events_is_counted() -> None:
             skipped = BlockStored(source=source, seq=5, keys=(BlockKey(13),), tier=Tier.VRAM)
             d._dispatch(wire.PrefillDone(**ids(live, "prefill-0"), **done, events=(skipped,)))
             assert sample(d, "cache_index_gaps_total", engine="prefill-0") == 1
+            assert sent(d, "prefill-0").count(wire.Announce()) == 1
+            after = BlockStored(source=source, seq=6, keys=(BlockKey(14),), tier=Tier.VRAM)
+            d._dispatch(wire.PrefillDone(**ids(live, "prefill-0"), **done, events=(after,)))  # still a gap
+            assert sample(d, "cache_index_gaps_total", engine="prefill-0") == 2
+            assert sent(d, "prefill-0").count(wire.Announce()) == 1, "asked again at once"
+            d._announcing["prefill-0"] -= dispatch.ANNOUNCE_AGAIN_S  # the ask, or its answer, was lost
+            d._dispatch(wire.PrefillDone(**ids(live, "prefill-0"), **done, events=(after,)))
+            assert sent(d, "prefill-0").count(wire.Announce()) == 2
+            held = (BlockKey(11), BlockKey(12), BlockKey(13))
+            announced = BlockStored(source=source, seq=0, keys=held, tier=Tier.DRAM, epoch=1)
+            d._dispatch(wire.PrefillDone(**ids(live, "prefill-0"), **done, events=(announced,)))
+            assert sample(d, "cache_index_gaps_total", engine="prefill-0") == 3
+            assert "prefill-0" not in d._announcing
+            assert all(d.conductor.index.holders(key) for key in held)
 
     asyncio.run(run())
 

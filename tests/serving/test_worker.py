@@ -223,6 +223,40 @@ def test_the_gateway_cancels_the_prefill_of_a_request_that_left_or_was_rerouted(
         asyncio.run(scenario())
 
 
+def test_a_prefill_worker_marked_down_and_up_announces_its_cache_and_the_index_sees_it_again() -> None:
+    """Marking a worker down forgets its cache in the index; the worker answering again is asked to announce what
+    it holds (`wire.Announce`), and its next report's events, a new epoch, give the index every block back. Before,
+    each later event was a gap and the index stayed blind to that cache for as long as the worker ran."""
+    with dispatching(num_prefill=1, num_decode=1) as (dispatcher, workers):
+        worker, source = workers["prefill-0"], InstanceId("prefill-0")
+        index = dispatcher.conductor.index
+
+        def report(keys: list[BlockKey]) -> None:
+            """The worker's next report: blocks it stored, with the events its cache logged since the last."""
+            for key in keys:
+                worker.cache.put(key, bytes(worker.cache.pools[0].page_bytes))
+            done = {"prefix_tokens": 0, "computed_tokens": 24, "fetched_blocks": 0, "streamed_blocks": 0}
+            ids = {"instance_id": source, "request_id": 999, "attempt": 0}  # a request long ended: events only
+            dispatcher._dispatch(wire.PrefillDone(**ids, **done, events=tuple(worker.cache.take_events())))
+
+        def indexed() -> set[BlockKey]:
+            return {key for key in map(BlockKey, range(1, 7)) if index.holders(key)}
+
+        async def scenario() -> None:
+            report([BlockKey(1), BlockKey(2)])
+            assert indexed() == {1, 2}
+            dispatcher._worker_failed(source)
+            assert indexed() == set()
+            epoch = worker.cache.epoch
+            await dispatcher._probe(dispatcher.workers[source])  # it answers: marked up, and asked to announce
+            assert dispatcher.workers[source].up
+            wait_for(lambda: worker.cache.epoch > epoch, timeout=10.0, what="the announcement")
+            report([BlockKey(3)])
+            assert indexed() == {1, 2, 3} and source not in index.stale_sources
+
+        asyncio.run(scenario())
+
+
 def test_a_request_prefilled_but_not_handed_on_is_rerouted_when_its_prefill_worker_goes_down() -> None:
     """A prefill worker reports PrefillDone, then calls the decode node: one that dies or stops in between never
     hands the request on. When it is marked down, such a request is scheduled again on the other prefill worker as

@@ -79,6 +79,8 @@ from serving.worker import (
     _EndedAttempts,
     _sampling_params,
     run_worker,
+    ssd_file_name,
+    ssd_label,
 )
 
 from mooncake.cache.events import BlockStored
@@ -432,7 +434,7 @@ def test_close_removes_the_ssd_folder_and_closes_its_pool(tmp_path: Path, monkey
     try:
         info = worker.start()
         [folder] = list(tmp_path.iterdir())
-        assert (folder / "prefill-0.pool").is_file() and info["shm"]
+        assert (folder / ssd_file_name("prefill-0", ssd_label(config, worker.layout))).is_file() and info["shm"]
         named = SSD_FOLDER_NAME.fullmatch(folder.name)  # a launcher removes it by its pid if this process is killed
         assert named and int(named["pid"]) == os.getpid(), folder.name
         assert worker._prefill is not None
