@@ -29,7 +29,7 @@ from pathlib import Path
 
 import simulation
 
-from mooncake.cli import POLICIES, capacity_sweep, one_line, plot_capacity, run_interruptible
+from mooncake.cli import POLICIES, capacity_sweep, error_message, one_line, plot_capacity, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sim.report import require_pyplot
 from mooncake.workload import (
@@ -71,7 +71,7 @@ def demo(argv: list[str] | None) -> int:
     except BrokenPipeError:  # stdout's reader left: run_interruptible ends quietly
         raise
     except (MooncakeError, OSError) as error:
-        print(one_line(f"demo: {error}"), file=sys.stderr)
+        print(one_line(f"demo: {error_message(error)}"), file=sys.stderr)
         return 2
     return 0
 

@@ -38,7 +38,7 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.cli import one_line, run_interruptible
+from mooncake.cli import comma_separated, error_message, one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, require_pyplot, write_json
@@ -102,23 +102,6 @@ def _threshold(text: str) -> float:
     return value
 
 
-def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    """A comma-separated list of `kind` (`_number(...)` for a bounded one)."""
-
-    def parse(text: str) -> list[Any]:
-        values = [kind(part) for part in text.split(",") if part]
-        if not values:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        seen: set[Any] = set()
-        for value in values:  # the JSON is keyed by value: a repeat would be a row of the table and no key
-            if value in seen:
-                raise argparse.ArgumentTypeError(f"{value!r} is given twice in {text!r}")
-            seen.add(value)
-        return values
-
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="experiment", required=True)
@@ -133,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "scheduling":
             q.add_argument(
                 "--routers",
-                type=_numbers(str),
+                type=comma_separated(str),
                 default=list(PAPER_ROUTERS),
                 help=f"comma-separated, of {', '.join(ROUTERS)}; FILE.py:FACTORY too",
             )
@@ -147,15 +130,17 @@ def parser() -> argparse.ArgumentParser:
             q.set_defaults(admission="baseline")
         if name == "cache":
             q.add_argument(
-                "--capacities", type=_numbers(_number(int, least=0)), help="blocks per node, comma-separated"
+                "--capacities", type=comma_separated(_number(int, least=0)), help="blocks per node, comma-separated"
             )
             q.add_argument(
                 "--nodes",
-                type=_numbers(_number(int, least=1, most=simulation.MAX_NODES)),
+                type=comma_separated(_number(int, least=1, most=simulation.MAX_NODES)),
                 help="prefill node counts, comma-separated",
             )
         if name == "throughput":
-            q.add_argument("--lengths", type=_numbers(_number(int, least=1)), help="prompt lengths, comma-separated")
+            q.add_argument(
+                "--lengths", type=comma_separated(_number(int, least=1)), help="prompt lengths, comma-separated"
+            )
             q.add_argument(
                 "--throughput-requests", type=_number(int, least=1), default=300, help="requests per rate tried"
             )
@@ -165,16 +150,16 @@ def parser() -> argparse.ArgumentParser:
                 default=10.0,
                 help="TTFT SLO = factor x a lone request's (0: --ttft-slo for every length)",
             )
-            q.add_argument("--tbt-thresholds", type=_numbers(_number(float, above=0)), default=[0.1, 0.2, 0.3])
+            q.add_argument("--tbt-thresholds", type=comma_separated(_number(float, above=0)), default=[0.1, 0.2, 0.3])
         if name == "threshold":
-            q.add_argument("--thresholds", type=_numbers(_threshold))
+            q.add_argument("--thresholds", type=comma_separated(_threshold))
         if name == "overload":
-            q.add_argument("--speedups", type=_numbers(_number(float, above=0)))
+            q.add_argument("--speedups", type=comma_separated(_number(float, above=0)))
         if name == "predictors":
             q.add_argument(
                 "--horizons",
                 # a snapshot is settled this far past its time: no later than the latest arrival a replay times
-                type=_numbers(_number(float, least=0, most=MAX_ARRIVAL_S)),
+                type=comma_separated(_number(float, least=0, most=MAX_ARRIVAL_S)),
                 help=f"seconds ahead each prediction is scored, comma-separated (at most {MAX_ARRIVAL_S:.4g}: 2**43 ms)",
             )
             q.add_argument(
@@ -234,7 +219,7 @@ def experiment(argv: Sequence[str] | None) -> int:
     except (MooncakeError, OSError) as error:
         if done is not None:  # the run is done and its files could not be written: its results are not lost
             print_results(*done, as_json=args.json)
-        print(one_line(f"experiments: {error}"), file=sys.stderr)
+        print(one_line(f"experiments: {error_message(error)}"), file=sys.stderr)
         return 2
     print_results(report, table, as_json=args.json)
     if not args.json:

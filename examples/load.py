@@ -69,7 +69,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
-from mooncake.cli import one_line, run_interruptible
+from mooncake.cli import error_message, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -399,7 +399,7 @@ def load(argv: list[str] | None) -> int:
         if args.out:
             write_json(result, args.out / "summary.json")
     except (MooncakeError, OSError) as error:
-        print(one_line(f"load: {error}"), file=sys.stderr)
+        print(one_line(f"load: {error_message(error)}"), file=sys.stderr)
         return 2
     finally:
         if cluster is not None:

@@ -43,7 +43,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, scaling_of
 from serving import registry
 
-from mooncake.cli import one_line, run_interruptible
+from mooncake.cli import error_message, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -201,7 +201,7 @@ def replay(argv: list[str] | None) -> int:
     except (MooncakeError, OSError) as error:
         if done is not None:  # the run is done and its files could not be written: its summary is not lost
             print_results(*done, as_json=args.json)
-        print(one_line(f"replay: {error}"), file=sys.stderr)
+        print(one_line(f"replay: {error_message(error)}"), file=sys.stderr)
         return 2
     print_results(*done, as_json=args.json)
     if args.out is not None and not args.json:

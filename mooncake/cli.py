@@ -50,7 +50,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 
@@ -83,6 +83,8 @@ __all__ = [
     "PLOT_FORMATS",
     "POLICIES",
     "capacity_sweep",
+    "comma_separated",
+    "error_message",
     "main",
     "one_line",
     "plot_capacity",
@@ -98,6 +100,8 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
 }
 """Eviction policies by command-line name."""
 
+
+T = TypeVar("T")
 
 PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "png", "ps", "svg", "svgz", "tif", "tiff", "webp")
 """Suffixes `--plot` accepts: the image formats matplotlib writes with its own backends and Pillow."""
@@ -167,17 +171,29 @@ def _shown(text: str, limit: int = 60) -> str:
     return shown if len(shown) <= limit else f"{shown[: limit - 4]}...{shown[-1]}"
 
 
-def _capacities(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]  # an empty item (1,,2) is an error, not skipped
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {_shown(text)}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"capacities must be positive integers, got {_shown(text)}")
-    # The JSON is keyed by capacity: a repeat would be a row of the table and no key of the JSON.
-    if repeated := next((value for index, value in enumerate(values) if value in values[:index]), None):
-        raise argparse.ArgumentTypeError(f"capacity {repeated} is given twice in {_shown(text)}")
-    return values
+def comma_separated(kind: Callable[[str], T], *, noun: str = "") -> Callable[[str], list[T]]:
+    """An argparse type: a comma-separated list of `kind` (an argparse type, which refuses a bad item), each
+    value once, refusing an empty item (`1,,2`, `100,`) rather than skipping it. Every command line's lists are
+    read by this one rule.
+
+    A value given twice is refused, named (as `NOUN VALUE`): outputs are keyed by value, so a repeat would be a
+    row of a table and no key of its JSON.
+    """
+
+    def parse(text: str) -> list[T]:
+        parts = text.split(",")
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list with no empty item, got {_shown(text)}")
+        values = [kind(part) for part in parts]
+        seen: set[T] = set()
+        for value in values:
+            if value in seen:
+                named = f"{noun} {value!r}" if noun else repr(value)
+                raise argparse.ArgumentTypeError(f"{named} is given twice in {_shown(text)}")
+            seen.add(value)
+        return values
+
+    return parse
 
 
 def plot_capacity(curves: dict[str, Sequence[CapacityPoint]], path: str | Path, *, title: str = "") -> None:
@@ -330,6 +346,8 @@ def capacity_sweep(
     Capacities are independent replays, so a sweep parallelises perfectly;
     with one job (or one capacity, or no fork) it runs in this process.
     `progress` is told how many capacities are done each time one finishes.
+    Stopped (Ctrl-C, SIGTERM, a worker's error), it kills the workers at
+    once instead of waiting for the capacities they are replaying.
     """
     global _SWEEP
     if jobs <= 1 or len(capacities_blocks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
@@ -343,16 +361,24 @@ def capacity_sweep(
     _SWEEP = (keys, policy, prefix_aware)
     try:
         context = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context) as pool:
+        pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context)
+        try:  # from the first submit, which forks the workers
             futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
-            try:
-                for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
-                    if progress is not None:
-                        progress(done)
-            except BaseException:  # Ctrl-C or SIGTERM: stop at the capacities running, start no more
-                pool.shutdown(cancel_futures=True)
-                raise
-            return tuple(future.result() for future in futures)
+            for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
+                if progress is not None:
+                    progress(done)
+            points = [future.result() for future in futures]
+        except BaseException:  # Ctrl-C, SIGTERM, a worker's error: stop now, the capacities running too
+            # shutdown() alone waits for the running capacities, minutes each on a big trace. The workers hold
+            # nothing to clean up, so they are killed first; not terminated: a forked worker inherits the handler
+            # that makes SIGTERM a SystemExit, which the executor's worker loop catches (and may print a traceback
+            # for). The executor names its workers only privately before Python 3.14's kill_workers().
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return tuple(points)
     finally:
         _SWEEP = None
 
@@ -431,7 +457,9 @@ def _parser() -> argparse.ArgumentParser:
     capacity = sub.add_parser("capacity", help="prefix hit ratio against cache capacity")
     capacity.add_argument("path", type=_input_path)
     capacity.add_argument("--policy", choices=sorted(POLICIES), default="lru")
-    capacity.add_argument("--capacity-blocks", type=_capacities, default=[1000, 10000, 50000])
+    capacity.add_argument(
+        "--capacity-blocks", type=comma_separated(_integer(1), noun="capacity"), default=[1000, 10000, 50000]
+    )
     capacity.add_argument(
         "--prefix-aware",
         action=argparse.BooleanOptionalAction,
@@ -489,11 +517,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _os_error(error: OSError) -> str:
-    """`file: reason` for a failed read or write (its errno and repr left out)."""
-    if error.filename is not None and error.strerror:
-        return f"{os.fsdecode(error.filename)}: {error.strerror}"
-    return " ".join(str(error).split())
+def error_message(error: Exception) -> str:
+    """What a command line prints for an error it reports: a failed read or write as `file: reason` (its errno
+    and repr left out); any other error as its own text, a MooncakeError too where it is also an OSError (its
+    message names the file). Every command line words a file's errors through this: `mooncake` and the examples.
+    """
+    if isinstance(error, OSError) and not isinstance(error, MooncakeError):
+        if error.filename is not None and error.strerror:
+            return f"{os.fsdecode(error.filename)}: {error.strerror}"
+        return " ".join(str(error).split())
+    return str(error)
 
 
 def _terminate(signum: int, frame: object) -> NoReturn:
@@ -581,7 +614,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:  # stdout's reader left: no error of the input (run_interruptible ends quietly)
         raise
     except OSError as error:
-        print(one_line(f"mooncake: error: {_os_error(error)}"), file=sys.stderr)
+        print(one_line(f"mooncake: error: {error_message(error)}"), file=sys.stderr)
         return 2
     return 0
 

@@ -7,10 +7,12 @@ import contextlib
 import io
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 from mooncake.cli import main, run_interruptible
 from mooncake.workload import load_trace
-from tests.waiting import wait_for
+from tests.waiting import is_running, wait_for
 from tests.workload.test_trace import ANY_LINES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -899,3 +901,68 @@ def test_a_write_stopped_by_a_signal_leaves_nothing_and_no_traceback(
     assert child.returncode == status
     assert err == stderr or (sent > 1 and err.endswith(stderr) and "Exception ignored" in err), err
     assert list(tmp_path.iterdir()) == []
+
+
+def _children(pid: int) -> set[int]:
+    """The processes `pid`'s threads have started and not yet seen end (from /proc)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            found.update(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def test_sigterm_stops_a_parallel_sweep_at_once(tmp_path: Path) -> None:
+    """SIGTERM to a `trace capacity --jobs 2` waited for the capacities its workers were replaying (seconds here,
+    minutes on a real trace) before the command ended: the executor's shutdown waits for them. Now the workers
+    are killed and the command ends with 143 at once, no worker left behind."""
+    rng = random.Random(0)
+    trace = tmp_path / "slow.jsonl"
+    with trace.open("w") as out:  # 1.2 million blocks over 100,000 keys: a capacity of 1,000 churns for seconds
+        for arrival in range(12_000):
+            first = rng.randrange(100_000)
+            line = {"timestamp": arrival, "input_length": 512 * 100, "output_length": 1}
+            out.write(f"{json.dumps({**line, 'hash_ids': list(range(first, first + 100))})}\n")
+    argv = ["trace", "capacity", str(trace), "--capacity-blocks", "1000,1001", "--jobs", "2", "--no-progress"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTIBLE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    workers: set[int] = set()
+
+    def forked() -> bool:
+        workers.update(_children(child.pid))
+        return len(workers) >= 2
+
+    try:
+        wait_for(forked, timeout=60, what="the sweep's two worker processes")
+        child.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = child.communicate(timeout=60)
+        took_s = time.monotonic() - sent
+    finally:
+        child.kill()
+        child.wait()
+        for pid in workers:  # the old code's, had the test failed before they ended
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert (child.returncode, err) == (143, "")
+    assert took_s < 2, f"the command took {took_s:.1f} s to end after SIGTERM"
+    wait_for(lambda: not any(is_running(pid) for pid in workers), timeout=2, what="the workers to end")
+
+
+def test_error_message_words_a_file_error_as_file_and_reason() -> None:
+    """The one wording every command line prints a failed read or write in; other errors keep their own text (a
+    MooncakeError that is an OSError too, as a pool file's DiskError, names its file in its message)."""
+    from mooncake.cli import error_message
+    from mooncake.errors import ConfigError, MooncakeError
+
+    class FileFault(MooncakeError, OSError):
+        pass
+
+    assert error_message(FileNotFoundError(2, "No such file or directory", "/x")) == "/x: No such file or directory"
+    assert error_message(ConnectionRefusedError(111, "Connection refused")) == "[Errno 111] Connection refused"
+    assert (
+        error_message(FileFault("pool file /p: page 3: Input/output error"))
+        == "pool file /p: page 3: Input/output error"
+    )
+    assert error_message(ConfigError("--seed must be >= 0, got -1")) == "--seed must be >= 0, got -1"

@@ -742,6 +742,23 @@ def test_profile_engine_profiles_a_cluster_configs_engines(tmp_path: Path) -> No
     assert {b for b, _, _ in data["decode_samples"]} == {1, 2}  # 64 > max_batch_size
 
 
+def test_profile_engine_profiles_a_cpp_clusters_prefill_through_its_group(tmp_path: Path) -> None:
+    """--config with `[prefill] pipeline_size = 2`: the prefill instance is a chunked pipeline group, and so is
+    the profiled engine (this process and one stage process), so the prefill fit is the group's time; the
+    JSON says on how many processes its prefills ran."""
+    pytest.importorskip("torch")
+    config = tmp_path / "cpp.toml"
+    text = (ROOT / "examples" / "configs" / "tiny.toml").read_text()
+    assert "pipeline_size = 1" in text
+    config.write_text(text.replace("pipeline_size = 1", "pipeline_size = 2"))
+    out = tmp_path / "profile.json"
+    args = ["--lengths", "32,64", "--prefix-fractions", "0,0.5", "--batches", "1,2", "--repeats", "1"]
+    done = run("profile_engine.py", "--config", str(config), *args, "--out", str(out))
+    assert "chunked pipeline group of 2 processes" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["pipeline_size"] == 2 and len(data["prefill_samples"]) == 4
+
+
 def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> None:
     """replay.py --config: the example cluster's twin replays the scaled workload on the profile's models."""
     pytest.importorskip("aiohttp")  # the cluster's config reader lives beside its gateway
@@ -977,3 +994,29 @@ def test_help_states_the_defaults_each_program_runs_with(argv: tuple[str, ...], 
     text = " ".join(run(*argv, "--help").stdout.split())  # argparse wraps help lines at the terminal's width
     for phrase in stated:
         assert " ".join(phrase.split()) in text, phrase
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("replay.py", ["--trace", "MISSING"]),
+        ("experiments.py", ["threshold", "--trace", "MISSING", "--no-plots", "--out", "OUT"]),
+        ("load.py", ["--trace", "MISSING"]),
+        # demo.py reads no file of the user's: its plot's name taken by a folder fails the write
+        ("demo.py", ["--num-requests", "2", "--out", "OUT"]),
+    ],
+    ids=["replay", "experiments", "load", "demo"],
+)
+def test_a_file_error_is_worded_as_the_mooncake_command_words_it(
+    script: str, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`file: reason`, as `mooncake` prints it (`mooncake.cli.error_message`): the examples printed Python's
+    `[Errno 2] No such file or directory: 'MISSING'` for the same error."""
+    missing, out = tmp_path / "missing.jsonl", tmp_path / "out"
+    (out / "capacity.png").mkdir(parents=True)
+    argv = [str(missing) if arg == "MISSING" else str(out) if arg == "OUT" else arg for arg in argv]
+    done = run(script, *argv, check=False, timeout=120)
+    reason = f"{missing}: No such file or directory" if "--trace" in argv else f"{out / 'capacity.png'}: Is a directory"
+    assert (done.returncode, done.stderr) == (2, f"{Path(script).stem}: {reason}\n")
+    status = mooncake_main(["trace", "stats", str(missing)])
+    assert (status, capsys.readouterr().err) == (2, f"mooncake: error: {missing}: No such file or directory\n")

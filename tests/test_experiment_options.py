@@ -289,3 +289,73 @@ def test_threshold_says_flat_only_across_two_finite_thresholds(thresholds: str, 
     """One finite threshold is flat on its own: the conclusion, which blames the workload, was printed anyway."""
     done = experiments("threshold", *SMALL, "--thresholds", thresholds, "--no-plots", out=tmp_path)
     assert "flat across" not in done.stdout, done.stdout
+
+
+def test_cache_json_names_the_clusters_its_rows_ran(tmp_path: Path) -> None:
+    """The JSON's `cluster` described the options' cluster (5P+5D, 10,000 blocks per node, global pool here), which
+    no row ran: the rows sweep prefill nodes and capacities in both modes. It now says what the header says and the
+    nodes and capacities swept, as the table's rows and the JSON's keys have them."""
+    argv = ["cache", "--preset", "synthetic", "--num-requests", "40", "--rate", "2", "--prefill", "5"]
+    argv += ["--decode", "5", "--nodes", "1,2", "--capacities", "0,100", "--no-plots"]
+    table = experiments(*argv, out=tmp_path).stdout.splitlines()
+    report = json.loads(experiments(*argv, "--json", out=tmp_path).stdout)
+    header = table[1].removeprefix("cluster: ").split(", prefill nodes and cache blocks per node as below")[0]
+    assert header == "5 decode nodes, llama3-70b on 8xA800", table[1]
+    cells = [key.split("x") for key in report["ratio"]]
+    nodes = ", ".join(dict.fromkeys(n for n, _ in cells))
+    blocks = ", ".join(dict.fromkeys(b for _, b in cells))
+    assert (nodes, blocks) == ("1, 2", "0, 100")
+    swept = f"prefill nodes {nodes} x cache blocks per node {blocks}, each with a global pool and with local caches"
+    assert report["cluster"] == f"{header}; {swept}"
+
+
+def test_cache_names_a_capacity_of_0_not_the_workload_where_nothing_hit(tmp_path: Path) -> None:
+    """With every capacity 0 nothing can hit, whatever the workload: the note blamed the workload ("shares no
+    prefix") for what the options did. A workload that does share prefixes (the synthetic preset) shows it."""
+    argv = ["cache", *SMALL, "--nodes", "1,2", "--capacities", "0", "--no-plots"]
+    done = experiments(*argv, out=tmp_path)
+    assert "shares no prefix" not in done.stdout, done.stdout
+    assert "neither the global pool nor the local caches hit (every capacity is 0 blocks)" in done.stdout
+    argv[argv.index("0")] = "100"  # the same workload hits once a cache holds anything
+    assert json.loads(experiments(*argv, "--json", out=tmp_path).stdout)["hit_ratio"]["global"]["1x100"] > 0
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "alike"),
+    # on SMALL, 1 and 2 route some requests differently (the hit ratios differ); 1 and 1.25 route all alike
+    [("1,2,inf", False), ("1,1.25", True)],
+)
+def test_threshold_states_why_it_is_flat_only_where_the_replays_show_it(
+    thresholds: str, alike: bool, tmp_path: Path
+) -> None:
+    """The flat note stated as fact that best_len / prefix_len is 1 or infinite, so that no finite threshold falls
+    between, beside a table whose 1.0 and 2.0 rows differ. It now states a cause only where every request was
+    routed alike at every finite threshold, and otherwise says that the thresholds did change decisions."""
+    argv = ["threshold", *SMALL, "--thresholds", thresholds, "--no-plots"]
+    done = experiments(*argv, out=tmp_path)
+    report = json.loads(experiments(*argv, "--json", out=tmp_path).stdout)
+    finite = [key for key in report["cache_hit_ratio"] if key != "inf"]
+    assert (len({report["cache_hit_ratio"][key] for key in finite}) == 1) == alike, report  # the premise
+    assert "flat across the finite thresholds (within 1 %)" in done.stdout, done.stdout
+    assert "is 1 or infinite" not in done.stdout
+    if alike:
+        assert "every request was routed alike at each" in done.stdout
+        assert f"between {float(finite[0]):g} and {float(finite[-1]):g}" in done.stdout
+    else:
+        assert "though they routed requests differently" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["1000,,5000", "1000,", ",1000"])
+def test_an_empty_item_of_a_list_is_refused_by_name_as_the_cli_refuses_it(value: str, tmp_path: Path) -> None:
+    """experiments.py dropped empty items ("1000,,5000" ran 1000 and 5000) where `mooncake trace capacity` refused
+    them: one rule (`mooncake.cli.comma_separated`) for both, the same words."""
+    message = f"expected a comma-separated list with no empty item, got {value!r}"
+    assert refused(guarded("cache", *SMALL, "--capacities", value, out=tmp_path), f"argument --capacities: {message}")
+    cli = subprocess.run(
+        [sys.executable, "-m", "mooncake", "trace", "capacity", "t.jsonl", "--capacity-blocks", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused(cli, f"argument --capacity-blocks: {message}")

@@ -14,7 +14,9 @@ router that never plans one (`what_stops_transfers`: random, round_robin,
 load_balancing, local_cache_aware, kvcache_centric at --threshold inf) is
 refused: both modes would replay alike. In the JSON, a cell's `ratio` is null
 where it is not a number: infinite where only the global pool hit (such cells
-are listed in `infinite_ratio`), none where neither did.
+are listed in `infinite_ratio`), none where neither did; its `cluster` names
+what the rows ran: the header's cluster and the prefill nodes and capacities
+swept, each in both modes.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
     local = "local_cache_aware" if args.router == "kvcache_centric" else f"{args.router}, no transfers"
     groups = f", CPP groups of {spec.cpp_group_size}" if spec.cpp_group_size > 1 else ""
     cluster = f"{spec.num_decode} decode nodes, {spec.model.name} on {spec.prefill_hardware.name}{groups}"
+    # The JSON's cluster is the one the rows ran, not the options' (`simulation.describe`): what its keys sweep.
+    swept = (
+        f"prefill nodes {', '.join(map(str, node_counts))} x cache blocks per node {', '.join(map(str, capacities))}"
+        ", each with a global pool and with local caches"
+    )
     lines = [
         header(args, requests, spec, cluster=f"{cluster}, prefill nodes and cache blocks per node as below"),
         f"router {args.router} (local caches: {local})",
@@ -112,6 +119,8 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         )
     elif any(math.isinf(ratio(n, b)) for n in node_counts for b in capacities):
         lines.append("the local caches never hit where the global pool did: there is no finite ratio to compare")
+    elif not any(capacities):  # no cache holds a block: the workload is not to blame
+        lines.append("neither the global pool nor the local caches hit (every capacity is 0 blocks): no comparison")
     else:
         lines.append("neither the global pool nor the local caches hit (the workload shares no prefix): no comparison")
     if args.out:
@@ -138,6 +147,6 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         "largest_ratio": None
         if largest is None
         else {"nodes": largest[0], "blocks": largest[1], "ratio": ratio(*largest)},
-        "cluster": simulation.describe(spec),
+        "cluster": f"{cluster}; {swept}",
     }
     return report, "\n".join(lines)
