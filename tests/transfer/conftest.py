@@ -18,6 +18,7 @@ import pytest
 
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, TransferOp, TransferRequest
+from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
 
 SECRET = bytes(range(32))
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,3 +116,15 @@ def engine() -> Iterator[TransferEngine]:
     """A local engine with small slices, so requests split over streams."""
     with TransferEngine(secret=SECRET, config=EngineConfig(slice_bytes=1 << 18, io_timeout_s=5.0)) as local:
         yield local
+
+
+@pytest.fixture
+def rdma_pair() -> Iterator[tuple[FakeFabric, TransferEngine, TransferEngine]]:
+    """Two engines preferring rdma over a fake fabric (`fake_verbs`), tcp beside it; closed at the end."""
+    fabric = FakeFabric()
+    config = EngineConfig(transports=("rdma", "tcp"), slice_bytes=1 << 16, io_timeout_s=2.0)
+    a = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
+    b = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
+    yield fabric, a, b
+    a.close()
+    b.close()

@@ -21,7 +21,7 @@ from mooncake.errors import PeerUnavailable, TransferTimeout
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
 from tests.transfer.conftest import SECRET, request
-from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
+from tests.transfer.fake_verbs import FakeFabric
 from tests.waiting import wait_for
 
 MIB = 1 << 20
@@ -127,17 +127,6 @@ def test_a_peer_reached_over_other_transports_is_replaced(two: tuple[TransferEng
     local, _buffer = a.allocate_shared(4096)
     (status,) = a.transfer_sync([request(TransferOp.READ, local.region_id, peer, remote.region_id, 4096)], timeout=10)
     assert status.state == RequestState.DONE and status.transport == "shm"
-
-
-@pytest.fixture
-def rdma_pair() -> Iterator[tuple[FakeFabric, TransferEngine, TransferEngine]]:
-    fabric = FakeFabric()
-    config = EngineConfig(transports=("rdma", "tcp"), slice_bytes=1 << 16, io_timeout_s=2.0)
-    a = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
-    b = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
-    yield fabric, a, b
-    a.close()
-    b.close()
 
 
 def test_connecting_again_keeps_a_healthy_queue_pair_and_rebuilds_a_broken_one(

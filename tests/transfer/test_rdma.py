@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -24,14 +23,10 @@ SIZE = 1 << 20
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[FakeFabric, TransferEngine, TransferEngine]]:
-    fabric = FakeFabric()
-    config = EngineConfig(transports=("rdma", "tcp"), slice_bytes=1 << 16, io_timeout_s=2.0)
-    a = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
-    b = TransferEngine(secret=SECRET, config=config, rdma=FakeVerbs(fabric))
-    yield fabric, a, b
-    a.close()
-    b.close()
+def pair(
+    rdma_pair: tuple[FakeFabric, TransferEngine, TransferEngine],
+) -> tuple[FakeFabric, TransferEngine, TransferEngine]:
+    return rdma_pair
 
 
 def test_rdma_is_preferred_and_moves_bytes(pair: tuple[FakeFabric, TransferEngine, TransferEngine]) -> None:
