@@ -27,7 +27,7 @@ gap instead of raising it).
     │   ├── TransferTimeout
     │   ├── PeerUnavailable
     │   └── AuthenticationError
-    └── RejectedError                     admission control refused a request
+    └── RejectedError                     admission control refused a request (for callers that raise on one)
 """
 
 from __future__ import annotations
@@ -180,4 +180,5 @@ class AuthenticationError(TransferError):
 
 
 class RejectedError(MooncakeError):
-    """Admission control refused a request (the HTTP layer maps it to 429)."""
+    """Admission control refused a request: for callers that raise on a rejected `ScheduleDecision` (the Conductor
+    returns rejections as decisions, never raises this; the example gateway answers 429 from the decision)."""
