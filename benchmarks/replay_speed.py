@@ -1,13 +1,19 @@
 """Simulator speed: how fast a trace replays through the simulated cluster.
 
-    python benchmarks/replay_speed.py [--json] [--trace PATH] [--large-requests 1000000] [--large-instances 512]
+    python benchmarks/replay_speed.py [--json] [--trace PATH] [--repeats 3] [--large-requests 1000000]
+        [--large-instances 512]
 
 1. The trace (default: ../shared/traces/synthetic_trace.jsonl, or a generated
    workload of the same size when it is absent) on 8 prefill + 8 decode
-   instances, KV-cache-centric routing and early rejection: `sim_wall_s` and
-   `requests_per_s`. Goal: under 1 s. The peer in the same run is
-   the same replay stepping decode iteration by iteration (`analytic_decode=
-   False`): `analytic_speedup` is what advancing whole stretches buys.
+   instances, KV-cache-centric routing and early rejection, replayed
+   `--repeats` times: `sim_wall_s` is the fastest replay (the goal's figure:
+   the machine's noise only ever adds time), `sim_wall_s_median` the median,
+   `requests_per_s` from the fastest. Goal: under 1 s. The peer in the same run
+   is the same replay stepping decode iteration by iteration (`analytic_decode=
+   False`), its replays alternating with ours: `stepwise_sim_wall_s` (fastest)
+   and `stepwise_sim_wall_s_median`, and `analytic_speedup`, the median over
+   the alternating pairs of stepwise / analytic time, is what advancing whole
+   stretches buys.
 2. `--large-requests` generated requests (synthetic preset) on
    `--large-instances` instances (half prefill, half decode), arriving at the
    per-instance rate of (1), streamed into the replay as they are generated
@@ -22,7 +28,13 @@
    skips it.
 
 Interpreter start-up, imports and the first (JIT-loading) replay are outside
-the timings: a small warm-up replay runs first.
+the timings: a small warm-up replay runs first. The large replay runs once.
+
+JSON keys: source, num_requests, repeats, sim_wall_s, sim_wall_s_median,
+requests_per_s, stepwise_sim_wall_s, stepwise_sim_wall_s_median,
+analytic_speedup; with the large replay also large_num_requests,
+large_instances, large_generate_s, large_sim_wall_s, large_requests_per_s and
+peak_rss_gb. Times in seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -73,7 +86,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3993, help="generated requests when the trace is absent")
     parser.add_argument("--large-requests", type=int, default=1_000_000)
     parser.add_argument("--large-instances", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="replays of the trace, ours alternating with the peer's")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     if args.trace.exists():
         workload, source = load_trace(args.trace), str(args.trace)
@@ -83,15 +99,22 @@ def main() -> None:
         )
         source = f"generated synthetic preset ({args.requests} requests; {args.trace} absent)"
     timed(spec(2, 2), workload[:200])  # warm-up: imports, numba kernels
-    wall = timed(spec(8, 8), workload)
-    stepped = timed(spec(8, 8, analytic_decode=False), workload)
+    # Ours and the peer alternate, so that a shared machine's slow moments hit both alike.
+    pairs = [
+        (timed(spec(8, 8), workload), timed(spec(8, 8, analytic_decode=False), workload)) for _ in range(args.repeats)
+    ]
+    walls, steps = [p[0] for p in pairs], [p[1] for p in pairs]
+    wall, stepped = min(walls), min(steps)
     result: dict[str, object] = {
         "source": source,
         "num_requests": len(workload),
-        "sim_wall_s": wall,
+        "repeats": args.repeats,
+        "sim_wall_s": wall,  # the fastest replay
+        "sim_wall_s_median": statistics.median(walls),
         "requests_per_s": len(workload) / wall,
         "stepwise_sim_wall_s": stepped,
-        "analytic_speedup": stepped / wall,
+        "stepwise_sim_wall_s_median": statistics.median(steps),
+        "analytic_speedup": statistics.median(s / w for w, s in pairs),
     }
     if args.large_requests > 0:
         duration = max(workload[-1].arrival_s - workload[0].arrival_s, 1.0)
@@ -138,10 +161,16 @@ def main() -> None:
         json.dump(result, sys.stdout, indent=2)
         print()
         return
-    print(f"{source}: {len(workload):,} requests on 8P+8D")
-    print(f"  analytic decode   {wall:7.3f} s  {len(workload) / wall:>10,.0f} requests/s   (goal: < 1 s)")
-    print(f"  step by step      {stepped:7.3f} s  {len(workload) / stepped:>10,.0f} requests/s")
-    print(f"  analytic_speedup  {stepped / wall:7.2f}x")
+    print(f"{source}: {len(workload):,} requests on 8P+8D, fastest of {args.repeats} replays (median)")
+    print(
+        f"  analytic decode   {wall:7.3f} s ({result['sim_wall_s_median']:.3f})  "
+        f"{len(workload) / wall:>10,.0f} requests/s   (goal: < 1 s)"
+    )
+    print(
+        f"  step by step      {stepped:7.3f} s ({result['stepwise_sim_wall_s_median']:.3f})  "
+        f"{len(workload) / stepped:>10,.0f} requests/s"
+    )
+    print(f"  analytic_speedup  {result['analytic_speedup']:7.2f}x   (median of paired replays)")
     if "large_sim_wall_s" in result:
         print(
             f"{result['large_num_requests']:,} generated requests on {result['large_instances']} instances "

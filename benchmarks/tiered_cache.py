@@ -15,6 +15,18 @@
 
 Goals: dram_vs_memcpy >= 0.7, ssd_vs_raw >= 0.7 (the cache costs at most 30 % over
 the bare copy or file I/O it wraps).
+
+JSON keys (GB/s are 10^9 bytes per second; DRAM and SSD figures the best of
+`--repeats`, the small operations timed once):
+- dram_put_gbps, dram_get_gbps, memcpy_gbps, dram_vs_memcpy (the lower of
+  put and get over memcpy): at the page size where that ratio is lower;
+- ssd_write_gbps, ssd_read_gbps, raw_file_write_gbps, raw_file_read_gbps,
+  ssd_vs_raw (the lower of write and read over raw): at the page size where
+  that ratio is lower;
+- small_put_ops_per_s, small_get_ops_per_s, small_ops_per_s (both together);
+- by_page_size: {"1MiB": ..., "16MiB": ...}, the nine DRAM and SSD figures
+  above at each page size;
+- dir: where the SSD files went.
 """
 
 from __future__ import annotations
