@@ -219,6 +219,10 @@ class Conductor:
         self._owner_of_slot = np.zeros(0, dtype=np.int64)
         self._pending_of: dict[RequestId, tuple[int, npt.NDArray[np.uint64]]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
+        # Per prefill instance, when the last prefill reported finished at the head of its queue ended: all those
+        # queued there were behind it, and on a chunked-pipeline group leave the last stage no sooner than that
+        # plus their time there (`prefill_end_s`), as they were predicted to while it was queued (`_retime`).
+        self._ended_s: dict[InstanceId, float] = {}
         # The ids removed last (`remove_instance`), so that their reports still on the way are ignored, not refused.
         self._removed: collections.OrderedDict[InstanceId, None] = collections.OrderedDict()
 
@@ -281,6 +285,7 @@ class Conductor:
         ends = self._instance(InstanceDown(instance_id=instance_id, now=now))
         if self._prefill.pop(instance_id, None) is not None:
             del self._owner[instance_id]
+            self._ended_s.pop(instance_id, None)
             self._transfers.pop(instance_id, None)  # what is left was estimated done: nothing waits on it
             self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
             self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
@@ -676,7 +681,7 @@ class Conductor:
             if flight.stage is not _Stage.QUEUED:
                 return ()  # a repeated report: learn from each request once
             flight.stage = _Stage.PREFILLED
-            self._remove_from_queue(flight, event.request_id, event.now)
+            self._remove_from_queue(flight, event.request_id, event.now, ended=True)
             self._prefilled_at(flight, event.request_id, event.now)
             self.router.observe(
                 had_transfer=flight.had_transfer,
@@ -778,6 +783,7 @@ class Conductor:
                 )
         assert set(queued) | set(decoding) <= set(self._in_flight), "a view holds a request that ended"
         assert len(set(self._owner.values())) == len(self._owner), "two prefill instances share an owner number"
+        assert set(self._ended_s) <= set(self._prefill), "an end is noted for an instance that is no prefill instance"
         pending: collections.Counter[tuple[int, int]] = collections.Counter()
         for request_id, (owner, keys) in self._pending_of.items():
             assert request_id in queued, f"{request_id} left its queue but its blocks still count as coming"
@@ -871,7 +877,10 @@ class Conductor:
         if not finishes:
             self._transfers.pop(source, None)
 
-    def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float) -> None:
+    def _remove_from_queue(self, flight: _InFlight, request_id: RequestId, now: float, *, ended: bool = False) -> None:
+        """The request leaves its prefill queue at `now`, and those behind it are retimed. `ended`: its prefill
+        ended then (reported finished); at the head, that end holds back those behind it as its prediction did
+        (`_ended_s`). Any other departure (aborted, prefilled elsewhere, joined unreported) leaves no time behind."""
         self._release_transfer(flight)
         pending = self._pending_of.pop(request_id, None)
         if pending is not None:
@@ -881,6 +890,8 @@ class Conductor:
             return
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):
+            if ended and view.queue[0].request_id == request_id:
+                self._ended_s[view.instance_id] = max(self._ended_s.get(view.instance_id, -math.inf), now)
             view.queue = kept
             self._retime(view, now=now)
 
@@ -903,11 +914,14 @@ class Conductor:
         and until it frees the instance) and starts as soon as its predecessor frees the instance, from its
         `earliest_s` on (its transfer done and the backlog it was routed behind over; a started one's reported
         start); one not yet reported started also no earlier than `now` (a running one keeps its start: that time
-        has passed); it ends by `prefill_end_s` after the one ahead. A start may move earlier: a request ahead that
-        ended early or was aborted leaves no time behind. The backlog is not the work ahead of any entry (those
-        routed behind it start after it by their `earliest_s`; those routed before keep their times)."""
+        has passed); it ends by `prefill_end_s` after the one ahead (the first, after the last one reported ended
+        at the head, `_ended_s`: on a chunked-pipeline group it still waits for that one to leave the last stage,
+        as when that one was queued). A start may move earlier: a request ahead that ended early or was aborted
+        leaves no time behind. The backlog is not the work ahead of any entry (those routed behind it start after
+        it by their `earliest_s`; those routed before keep their times)."""
         not_before = now if now is not None else -math.inf
-        previous_frees = previous_end = -math.inf
+        previous_frees = -math.inf
+        previous_end = self._ended_s.get(view.instance_id, -math.inf)
         retimed = []
         for entry in view.queue:
             hold, earliest, is_started = entry.occupancy_s, entry.earliest_s, entry.started

@@ -1,8 +1,8 @@
 """Prefill timing that the simulator and the Conductor must agree on (found by a review, each pinned here):
 
 - a chunked-pipeline group: a short prompt that entered behind a long one cannot leave the last stage first
-  (`sched.cost.prefill_end_s`), and a prompt repeating one still in the group reuses its blocks stage by stage
-  (the Conductor's pending blocks);
+  (`sched.cost.prefill_end_s`), still so once the one ahead has left the Conductor's queue, and a prompt
+  repeating one still in the group reuses its blocks stage by stage (the Conductor's pending blocks);
 - a moved prefix: what the transfer brought when it arrived, no more than the plan reuses.
 """
 
@@ -11,15 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from mooncake.sched.admission import predictive_early_rejection
+from mooncake.sched.cost import occupancy_s
 from mooncake.sched.predictor import UniformDecodePredictor
-from mooncake.sched.view import DecodeJoined
+from mooncake.sched.view import DecodeJoined, PrefillFinished, PrefillStarted, RequestAborted
 from mooncake.sim.disaggregated import DisaggregatedCluster, replay
 from mooncake.sim.spec import build_conductor
-from mooncake.types import Request
+from mooncake.types import InstanceId, Request
 from tests.sim.test_cluster_edges import PATIENT, scripted
-from tests.sim.test_disaggregated import BLOCK, INFINITE_CACHE_TOKENS, make_request, make_spec
+from tests.sim.test_disaggregated import BLOCK, INFINITE_CACHE_TOKENS, REPLAY_SETTINGS, make_request, make_spec
 
 
 def estimates_and_records(spec: Any, requests: list[Request], **options: Any) -> tuple[list[float], list[Any]]:
@@ -54,6 +57,124 @@ def test_in_a_pipeline_no_prompt_overtakes_the_one_ahead(group_size: int, length
     assert all(f is not None for f in firsts)
     assert firsts == sorted(firsts)
     assert [r.ttft_s for r in records] == pytest.approx(estimates, rel=1e-9)
+
+
+def predicted_and_actual_ends(
+    spec: Any, requests: list[Request]
+) -> tuple[list[tuple[str, str, float]], dict[str, float], list[float], list[Any]]:
+    """Replay `requests`, and after each event the Conductor handles note each queued prefill's predicted end
+    (event, request, end); also each prefill's simulated end (its PrefillFinished), the TTFT estimates and the
+    records."""
+    conductor = build_conductor(spec, slo=PATIENT)
+    estimates: dict[str, float] = {}
+    predicted: list[tuple[str, str, float]] = []
+    ended: dict[str, float] = {}
+    schedule, handle = conductor.schedule, conductor.handle
+
+    def scheduling(request: Request, now: float, *args: Any, **kwargs: Any) -> Any:
+        decision = schedule(request, now, *args, **kwargs)
+        estimates[request.request_id] = decision.ttft_s
+        return decision
+
+    def handling(event: Any) -> Any:
+        ends = handle(event)
+        if isinstance(event, PrefillFinished):
+            ended[event.request_id] = event.now
+        label = f"{type(event).__name__}({getattr(event, 'request_id', '')}) at {event.now}"
+        predicted.extend((label, q.request_id, q.finish_s) for view in conductor.prefill_views for q in view.queue)
+        return ends
+
+    conductor.schedule = scheduling  # type: ignore[method-assign]
+    conductor.handle = handling  # type: ignore[method-assign]
+    records = list(DisaggregatedCluster(spec, conductor).run(requests).records)
+    return predicted, ended, [estimates[r.request_id] for r in records], records
+
+
+def test_the_one_ahead_still_holds_back_the_next_once_it_has_left() -> None:
+    """A 32 k and a 16 k prompt at once on a group of two, and a 1 k one arriving just after the first has left
+    (while the second is still in the group). The second leaves the last stage when the first left it plus its
+    own time there, as predicted while the first was queued; the Conductor keeps that once the first reported its
+    end (and at each event after, the third's start among them), and the third's TTFT estimate (behind the second) is the TTFT simulated. The Conductor used to retime the
+    second as if the group had been empty (its end 0.14 s early), and estimated the third as much too soon."""
+    spec = make_spec(num_prefill=2, cpp_group_size=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    first = make_request("first", 0.0, 32_768, 2, range(64))
+    second = make_request("second", 0.0, 16_384, 2, range(1000, 1032))
+    _, ended, _, _ = predicted_and_actual_ends(spec, [first, second])
+    # The second is held back at the last stage: it leaves when the first has, plus its own time there.
+    assert ended["second"] == pytest.approx(ended["first"] + occupancy_s(spec.prefill_cost, 16_384), rel=1e-12)
+    third = make_request("third", round(ended["first"] + 0.01, 3), 1024, 2, range(2000, 2002))
+    predicted, ended, estimates, records = predicted_and_actual_ends(spec, [first, second, third])
+    assert [r.ttft_s for r in records] == pytest.approx(estimates, rel=1e-9)
+    left = next(i for i, (label, _, _) in enumerate(predicted) if label.startswith("PrefillFinished(first)"))
+    seconds = [(label, end) for label, request_id, end in predicted[left:] if request_id == "second"]
+    assert len(seconds) > 1  # the third's start retimed the queue too, the second still at its head
+    assert seconds == [(label, pytest.approx(ended["second"], rel=1e-12)) for label, _ in seconds]
+
+
+@pytest.mark.parametrize("leaves", ["finished", "aborted"])
+def test_the_head_s_end_holds_back_the_next_only_if_it_ended(leaves: str) -> None:
+    """Two prompts running together on a group, the long one ahead. Reported finished on time, the long one
+    leaves the short one's predicted end as it was (the long one's end plus the short one's time on the last
+    stage), through later retimes too (a repeated start report). Aborted at the same moment, it leaves no time
+    behind: the short one is alone in the group and ends its own prefill after its start (an engine drops an
+    aborted prompt's chunks; the simulator aborts none)."""
+    spec = make_spec(num_prefill=2, cpp_group_size=2, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    conductor = build_conductor(spec, slo=PATIENT)
+    group = InstanceId("prefill-0")
+    for name, tokens, base in (("long", 32_768, 0), ("short", 16_384, 1000)):
+        decision = conductor.schedule(make_request(name, 0.0, tokens, 2, range(base, base + tokens // BLOCK)), 0.0)
+        assert decision.accepted and decision.prefill_instance == group
+    (view,) = conductor.prefill_views
+    long, short = view.queue
+    assert short.finish_s == long.finish_s + short.occupancy_s > short.start_s + short.prefill_s  # held back
+    conductor.handle(PrefillStarted(request_id=long.request_id, instance_id=group, now=long.start_s))
+    conductor.handle(PrefillStarted(request_id=short.request_id, instance_id=group, now=short.start_s))
+    if leaves == "finished":
+        conductor.handle(PrefillFinished(request_id=long.request_id, instance_id=group, now=long.finish_s))
+        expected = long.finish_s + short.occupancy_s
+    else:
+        conductor.handle(RequestAborted(request_id=long.request_id, now=long.finish_s))
+        expected = short.start_s + short.prefill_s
+    assert [q.finish_s for q in view.queue] == [expected]
+    conductor.handle(PrefillStarted(request_id=short.request_id, instance_id=group, now=short.start_s))
+    assert [q.finish_s for q in view.queue] == [expected]
+    conductor.check_invariants()
+
+
+@st.composite
+def pipeline_workloads(draw: st.DrawFn) -> tuple[int, int, list[Request]]:
+    """Prefill nodes, their group size (one or two groups) and a few requests: prompts of 1 to 80 blocks, distinct
+    or repeating the one before (a prefix reused in the group), arriving together or apart."""
+    group_size = draw(st.sampled_from([2, 3, 4]))
+    num_groups = draw(st.integers(1, 2))
+    requests: list[Request] = []
+    now = 0.0
+    for i in range(draw(st.integers(2, 7))):
+        now += draw(st.sampled_from([0.0, 0.0, 0.05, 0.3, 1.0, 3.0]))
+        blocks = draw(st.integers(1, 80))
+        tokens = blocks * BLOCK - draw(st.integers(0, BLOCK - 1))
+        repeats = draw(st.booleans()) and requests
+        base = int(requests[-1].block_keys[0]) if repeats else 1000 * i
+        requests.append(make_request(f"r{i}", now, tokens, draw(st.integers(2, 6)), range(base, base + blocks)))
+    return group_size * num_groups, group_size, requests
+
+
+@REPLAY_SETTINGS
+@given(pipeline_workloads())
+@example(
+    (2, 2, [make_request("a", 0.0, 32_768, 2, range(64)), make_request("b", 0.0, 16_384, 2, range(1000, 1032))])
+).via("a short prompt behind a long one, retimed once the long one has left")
+def test_on_a_pipeline_the_predicted_ends_are_the_simulated_ones(workload: tuple[int, int, list[Request]]) -> None:
+    """On chunked-pipeline groups, after every event the Conductor handles, each queued prefill's predicted end is
+    the end the simulator gives it, and each TTFT estimate is the TTFT simulated (the two time prefills by one
+    rule, `prefill_end_s`). They drifted once a prefill ahead left the Conductor's queue."""
+    num_prefill, group_size, requests = workload
+    spec = make_spec(num_prefill=num_prefill, cpp_group_size=group_size, cache_capacity_tokens=INFINITE_CACHE_TOKENS)
+    predicted, ended, estimates, records = predicted_and_actual_ends(spec, requests)
+    assert [r.ttft_s for r in records] == pytest.approx(estimates, rel=1e-9)
+    for label, request_id, end in predicted:
+        if request_id in ended:  # else never prefilled there (rejected before its prefill)
+            assert end == pytest.approx(ended[request_id], rel=1e-12), f"{request_id} after {label}"
 
 
 def test_a_prompt_repeating_one_still_in_the_pipeline_reuses_its_blocks() -> None:
