@@ -17,9 +17,14 @@ The prefill's KV streams to the decode instance layer by layer while the
 prefill runs; what the prefill does not hide delays the arrival. There the
 instance's own check runs (its TBT with the request added within the SLO, its
 HBM not overflowing), else the request is rejected after prefill: wasted work.
-Accepted requests join the `ContinuousBatch` at the next step boundary; the
-batch advances a whole stretch between membership changes analytically
-(`analytic_decode=False` steps one by one instead, for checking).
+As the example cluster's decode worker does, the check runs between steps: a
+request whose KV arrives while a step runs waits for that step's end, where the
+members it finished have left, and the requests waiting there are checked in
+their order of arrival (an idle instance checks at once). Accepted requests
+join the `ContinuousBatch` at that step boundary; the batch advances a whole
+stretch between membership changes analytically, cut at the next step boundary
+when a request arrives (`analytic_decode=False` steps one by one instead, for
+checking).
 
 With `inline_prefill_tokens` n > 0, a request of at most n prompt tokens is
 prefilled inside its decode instance's batch (paper §5) when the step carrying
@@ -106,13 +111,15 @@ class _Joiner:
 
 @attrs.define(eq=False)
 class _DecodeSide:
-    """A decode instance: its node, its limits, and the requests joining at the next boundary.
+    """A decode instance: its node, its limits, the requests whose KV arrived during the running step (checked at
+    its end, in their order of arrival), and the requests joining at the next boundary.
 
     `kv_tokens` is every member's and joiner's reservation (prompt + output), as the decode rule counts it.
     """
 
     node: DecodeNode
     limits: DecodeLimits
+    arrived: list[RequestRecord] = attrs.field(factory=list)
     joining: list[_Joiner] = attrs.field(factory=list)
     joining_tokens: int = 0
     kv_tokens: int = 0
@@ -411,12 +418,24 @@ class DisaggregatedCluster:
         )
 
     def _decode_arrive(self, now: float, side: _DecodeSide, record: RequestRecord) -> None:
-        """A prefilled request reaches its decode instance: the decode rule decides, against the step it would
-        join, whose time is the TBT objective less the inline prefills that step carries (as `_try_inline`
-        counts them: every step stays within the objective, whichever of the two came first)."""
+        """A prefilled request reaches its decode instance. An idle instance decides at once (`_decide`); a busy
+        one at the end of the step it runs, after the members that step finishes have left (`_boundary`), as the
+        example cluster's decode worker joins its hand-offs between steps: the stretch is cut there."""
+        if side.node.batch.members:
+            side.arrived.append(record)
+            self._cut(now, side)
+        elif self._decide(now, side, record):
+            self._wake(now, side)
+
+    def _decide(self, now: float, side: _DecodeSide, record: RequestRecord) -> bool:
+        """The decode rule decides on a prefilled request at a step boundary (or an idle instance), against the
+        step it would join, whose time is the TBT objective less the inline prefills that step carries (as
+        `_try_inline` counts them: every step stays within the objective, whichever of the two came first).
+        Returns whether it joins (at this boundary)."""
         verdict = self._check(side, record, now, tbt_slo_s=self._tbt_budget_s(side))
         if not verdict.accepted:  # the instance's own check: the prefill was wasted
             assert verdict.reason is not None and record.decode_instance is not None
+            record.first_token_s = None  # its client never gets the prefill's token: the refusal comes instead
             self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, verdict.reason)
             self.conductor.handle(
                 RequestRejected(
@@ -425,20 +444,33 @@ class DisaggregatedCluster:
             )
             if self._waiting:
                 self.loop.at(now, self._room_freed)
-            return
-        self._enqueue(now, side, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
+            return False
+        self._add_joiner(side, _Joiner(Member(record, record.output_tokens - 1, record.input_tokens)))
+        return True
 
-    def _enqueue(self, now: float, side: _DecodeSide, joiner: _Joiner) -> None:
-        """`joiner` joins at the batch's next step boundary (now, if the batch is idle)."""
+    def _add_joiner(self, side: _DecodeSide, joiner: _Joiner) -> None:
         side.joining.append(joiner)
         side.joining_tokens += joiner.member.context
         side.kv_tokens += joiner.member.record.input_tokens + joiner.member.record.output_tokens
+
+    def _enqueue(self, now: float, side: _DecodeSide, joiner: _Joiner) -> None:
+        """`joiner` joins at the batch's next step boundary (now, if the batch is idle)."""
+        self._add_joiner(side, joiner)
+        if side.node.batch.members:
+            self._cut(now, side)
+        else:
+            self._wake(now, side)
+
+    def _wake(self, now: float, side: _DecodeSide) -> None:
+        """An idle batch's joiners join now: one boundary for all those joining at this instant."""
+        if len(side.joining) == 1:
+            side.node.void_plans()
+            self.loop.at(now, self._boundary, side, side.node.version)
+
+    def _cut(self, now: float, side: _DecodeSide) -> None:
+        """The batch's current stretch ends at its first step boundary after `now` (a membership change waits
+        there)."""
         node = side.node
-        if not node.batch.members:
-            if len(side.joining) == 1:
-                node.void_plans()
-                self.loop.at(now, self._boundary, side, node.version)
-            return
         steps = min(node.planned_steps, node.steps_to_next_boundary(now))
         if steps < node.planned_steps:
             self.loop.at(node.plan(steps), self._boundary, side, node.version)
@@ -451,6 +483,9 @@ class DisaggregatedCluster:
             self._decode_count -= 1
             side.kv_tokens -= member.record.input_tokens + member.record.output_tokens
             self._finish(now, member.record)
+        arrived, side.arrived = side.arrived, []
+        for record in arrived:  # the worker's join: after the step, in their order of arrival
+            self._decide(now, side, record)
         batch = node.batch
         joiners, side.joining, side.joining_tokens = side.joining, [], 0
         for joiner in joiners:

@@ -150,7 +150,7 @@ class RequestRecord:
     prefix_tokens: int = 0
     prefill_s: float = 0.0
     inline_prefill: bool = False
-    first_token_s: float | None = None
+    first_token_s: float | None = None  # None: no token reached its client (rejected before or after prefill)
     finish_s: float | None = None
     tbt_s: float = 0.0
     intervals: IntervalRuns = attrs.field(factory=IntervalRuns)
@@ -423,7 +423,8 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
     completed = outcome == table.outcome_code(Outcome.COMPLETED)
     after_prefill = outcome == table.outcome_code(Outcome.REJECTED_AFTER_PREFILL)
     arrival, first_token = table.column("arrival_s"), table.column("first_token_s")
-    prefilled = ~np.isnan(first_token)
+    # A request refused after its prefill has no first token (its client never got one), but was prefilled.
+    prefilled = ~np.isnan(first_token) | after_prefill
     ttft = first_token - arrival  # NaN where there is no first token
     tbt, prefill_s = table.column("tbt_s"), table.column("prefill_s")
     within = completed & (np.where(prefilled, ttft, 0.0) <= slo.ttft_s) & (tbt <= slo.tbt_s)

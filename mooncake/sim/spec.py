@@ -8,7 +8,8 @@ library's `mooncake.sched.build.build_conductor`), with the router and the
 admission policy given as objects, and registers the spec's instances with it.
 
 Invariants: a spec is valid once built (every field checked, `cpp_group_size`
-divides `num_prefill` and is at most the model's layers), and never changes.
+divides `num_prefill` and is at most the model's layers, a decode node holds
+some KV, its batch slots given once), and never changes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class ClusterSpec:
             most the model's layers (a stage holds at least one).
         cpp_chunk_tokens: the CPP chunk.
         inline_prefill_tokens: prompts up to this long may be prefilled inside a decode batch (0: never).
-        max_decode_batch_size: requests a decode node decodes at once (None: as many as its HBM holds).
+        max_decode_batch_size: requests a decode node decodes at once (None: as many as its HBM holds); not with
+            `decode_node_limits`, whose `max_batch_size` says it.
         analytic_decode: advance decode batches analytically (False: step by step).
         sample_interval_s: how often load over time is sampled.
         prefill_model: a prefill instance's time fitted to real engines (`FittedPrefillModel`), used as
@@ -80,11 +82,17 @@ class ClusterSpec:
             the analytic `DecodeCostModel`: an `AnalyticStepModel`, with a `roofline()` beside its `step_s`
             (the simulator's analytic batch runs on it).
         decode_node_limits: what one decode node holds (its engine's KV budget and batch slots), in
-            place of its HBM beside the weights and `max_decode_batch_size`.
+            place of its HBM beside the weights and `max_decode_batch_size` (then None). Without it, the decode
+            hardware's HBM must hold some of the model's KV beside its weights.
         first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token
             at the client, beyond the modelled KV transfer (reports, the decode join, the gateway),
-            measured on a real cluster (0: none); the request joins its decode batch then too. An inline
-            prefill, run in the decode batch itself, has no hand-off and pays none of it.
+            measured on a real cluster (0: none). A request's simulated first token, the end of its TTFT, is
+            its prefill's end plus this; its KV reaches the decode node this plus what the prefill did not
+            hide of the KV stream after the prefill, and it joins the batch at the next step boundary. The
+            example cluster's client gets the first token at that join (the decode worker sends it as it
+            joins the request): a few ms later (the stream's unhidden part and the rest of the running step).
+            An inline prefill, run in the decode batch itself, has no hand-off and pays none of it: its first
+            token comes when its stall ends.
         admission_wait_s: how long a request rejected for room the decode side frees may wait for it before
             its prefill, in line (`sched.waiting.AdmissionQueue`, as the example cluster's gateway with its
             `[limits] admission_wait_s`); 0 (the paper's early rejection): rejected at once.
@@ -137,6 +145,21 @@ class ClusterSpec:
             for method in methods:
                 if model is not None and not callable(getattr(model, method, None)):
                     raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
+        if self.decode_node_limits is not None and self.max_decode_batch_size is not None:
+            raise ConfigError(
+                f"ClusterSpec.max_decode_batch_size={self.max_decode_batch_size} and "
+                f"decode_node_limits={self.decode_node_limits!r} are both set: the limits' max_batch_size is a "
+                "decode node's batch slots, give only one"
+            )
+        if self.decode_node_limits is None and self.decode_limits.kv_capacity_tokens <= 0:
+            # Every request would be refused as too long for it (the coupled baseline refuses the same hardware).
+            hardware = self.decode_hardware
+            raise ConfigError(
+                f"ClusterSpec.decode_hardware={hardware.name!r} (num_gpus={hardware.num_gpus}, "
+                f"{hardware.hbm_bytes / 1e9:g} GB of HBM each) leaves no HBM for the KV of "
+                f"model={self.model.name!r} beside its {self.model.weight_bytes / 1e9:g} GB of weights: give more "
+                "GPUs or decode_node_limits"
+            )
         if self.cpp_group_size > self.model.num_layers:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} exceeds the model's num_layers="

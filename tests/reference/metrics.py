@@ -27,7 +27,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def reference_summary(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float = 0.0) -> Summary:
     completed = [r for r in records if r.outcome == Outcome.COMPLETED]
-    prefilled = [r for r in records if r.first_token_s is not None]
+    # Refused after its prefill: no first token (its client got none), but prefilled.
+    prefilled = [r for r in records if r.first_token_s is not None or r.outcome == Outcome.REJECTED_AFTER_PREFILL]
     within = [r for r in completed if (r.ttft_s or 0.0) <= slo.ttft_s and r.tbt_s <= slo.tbt_s]
     arrivals = [r.arrival_s for r in records]
     ends = [r.finish_s for r in completed if r.finish_s is not None]

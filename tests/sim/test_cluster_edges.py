@@ -9,7 +9,9 @@ that some plausible slip in the code broke unnoticed by the other tests.
   overlaps the queue wait; prefill instances are FIFO (a property); inline
   prefill at exactly its limit, never for one output token; a CPP group caches
   X nodes' worth; a decode node frees the KV of ended requests and counts its
-  joiners' batch slots; a rejection after prefill tries the waiting line; load
+  joiners' batch slots; it checks a KV arriving mid-step at that step's end,
+  after the members it finished left, in order of arrival, and cuts a stretch
+  there; a rejection after prefill tries the waiting line; load
   samples and `decode_load` count what the cluster holds; `replay`'s default
   t_d comes from the SLO it is given.
 - Coupled: `cache_capacity_tokens` and `max_batch_size` bind; a chunked prefill
@@ -240,6 +242,73 @@ def test_joiners_count_against_the_batch_slots() -> None:
     assert (b.outcome, b.reason) == (Outcome.REJECTED_AFTER_PREFILL, Reason.BATCH_FULL)
 
 
+def kv_arriving_at(spec: ClusterSpec, name: str, arrives_s: float, keys: Sequence[int]) -> Request:
+    """A request of 1,000 prompt tokens whose KV reaches its decode node at `arrives_s`, when it is prefilled at once
+    (an idle prefill node, nothing cached): its prefill and what the prefill does not hide of the KV stream."""
+    prefill_s = spec.prefill_cost.prefill_s(1000, 0)
+    handoff_s = spec.transfer_cost.handoff_s(1000 * spec.model.kv_bytes_per_token, prefill_s)
+    return make_request(name, arrives_s - prefill_s - handoff_s, 1000, 10, keys)
+
+
+@pytest.mark.parametrize("limit", ["batch slots", "kv"])
+@pytest.mark.parametrize("analytic", [True, False])
+def test_kv_arriving_mid_step_is_checked_after_the_members_that_step_finishes(limit: str, analytic: bool) -> None:
+    """A decode node with room for one of A and B (one batch slot, or KV for one reservation). B's KV arrives in
+    the middle of A's last step: the node decides between steps, as the example cluster's decode worker does
+    (`DecodeEngine.try_join` after `step()` retired its finished requests), so B joins when A leaves, and its
+    first decode token comes one step of B alone later; stepping one by one gives the same."""
+    limits = (
+        DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1)
+        if limit == "batch slots"
+        else DecodeLimits(kv_capacity_tokens=(1000 + 20) + (1000 + 10) - 1)
+    )
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS, decode_node_limits=limits, analytic_decode=analytic)
+    first = make_request("a", 0.0, 1000, 20, [1, 2])
+    (alone,) = replay(spec, [first], admission=BaselineAdmission(), slo=PATIENT).records
+    before_last, last = token_times(alone)[-2:]
+    second = kv_arriving_at(spec, "b", (before_last + last) / 2, [10, 11])
+    a, b = replay(spec, [first, second], admission=BaselineAdmission(), slo=PATIENT).records
+    assert a.outcome == b.outcome == Outcome.COMPLETED, (b.outcome, b.reason)
+    assert a.finish_s == pytest.approx(last, rel=1e-12)
+    assert token_times(b)[0] == pytest.approx(last + spec.decode_cost.step_s(1, 1000), rel=1e-9)
+
+
+def test_kvs_waiting_for_a_step_boundary_are_checked_in_their_order_of_arrival() -> None:
+    """One batch slot; the KV of B, then of C, arrives during A's last step (from two prefill nodes): at the step's
+    end A has left, B takes the slot, and C, checked after B, finds it full: refused after its prefill."""
+    spec = make_spec(
+        num_prefill=2,
+        cache_capacity_tokens=INFINITE_CACHE_TOKENS,
+        decode_node_limits=DecodeLimits(kv_capacity_tokens=10**6, max_batch_size=1),
+    )
+    first = make_request("a", 0.0, 1000, 20, [1, 2])
+    (alone,) = replay(spec, [first], admission=BaselineAdmission(), slo=PATIENT).records
+    before_last, last = token_times(alone)[-2:]
+    step_s = last - before_last
+    second = kv_arriving_at(spec, "b", before_last + step_s / 3, [10, 11])
+    third = kv_arriving_at(spec, "c", before_last + 2 * step_s / 3, [20, 21])
+    a, b, c = replay(spec, [first, second, third], admission=BaselineAdmission(), slo=PATIENT).records
+    assert b.prefill_instance != c.prefill_instance  # both prefilled at once, as `kv_arriving_at` times them
+    assert a.outcome == b.outcome == Outcome.COMPLETED
+    assert (c.outcome, c.reason) == (Outcome.REJECTED_AFTER_PREFILL, Reason.BATCH_FULL)
+    assert token_times(b)[0] == pytest.approx(last + spec.decode_cost.step_s(1, 1000), rel=1e-9)
+
+
+@pytest.mark.parametrize("analytic", [True, False])
+def test_kv_arriving_mid_stretch_joins_at_the_next_step_boundary(analytic: bool) -> None:
+    """A decodes a long stretch alone; B's KV arrives in the middle of one of its steps: the stretch is cut at that
+    step's end, where B joins, so B's first decode token comes with A's token of the next step."""
+    spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS, analytic_decode=analytic)
+    first = make_request("a", 0.0, 1000, 400, [1, 2])
+    (alone,) = replay(spec, [first], admission=BaselineAdmission(), slo=PATIENT).records
+    times = token_times(alone)
+    second = kv_arriving_at(spec, "b", (times[200] + times[201]) / 2, [10, 11])
+    a, b = replay(spec, [first, second], admission=BaselineAdmission(), slo=PATIENT).records
+    assert a.outcome == b.outcome == Outcome.COMPLETED
+    assert np.allclose(token_times(a)[:202], times[:202], rtol=1e-12)  # alone until B joins
+    assert token_times(b)[0] == pytest.approx(token_times(a)[202], rel=1e-12)
+
+
 def test_a_chunked_pipeline_group_caches_what_all_its_nodes_hold() -> None:
     """With `cpp_group_size` X, a prefill instance is X nodes, and its cache holds X nodes' `cache_capacity_tokens`:
     a prompt of 12 blocks fits a group of two nodes of 8 blocks each, and its repeat reuses all but its last block."""
@@ -332,7 +401,8 @@ def test_a_rejection_after_prefill_lets_the_line_in() -> None:
     """A decodes a long context; R is admitted and prefilled, then refused by its decode node (with R, A's batch
     breaks the TBT objective); W, refused for room while R was in flight, waits in line. R's refusal may have made
     room, so W is tried then (not when A ends, tens of seconds later, nor at its deadline): its first token comes
-    within a second of R's refusal."""
+    within a second of R's refusal (at the decode step boundary after R's KV arrived, within a second of R's
+    prefill; R has no first token: its client got none)."""
     spec = make_spec(cache_capacity_tokens=INFINITE_CACHE_TOKENS, admission_wait_s=100.0)
     slo = Slo(ttft_s=1000.0, tbt_s=spec.decode_cost.step_s(1, 8500))
     requests = [
@@ -343,8 +413,9 @@ def test_a_rejection_after_prefill_lets_the_line_in() -> None:
     a, r, w = replay(spec, requests, admission=_RefuseThird(), slo=slo).records  # type: ignore[arg-type]
     assert a.outcome == Outcome.COMPLETED and a.first_token_s is not None and a.first_token_s < 3.0
     assert (r.outcome, r.reason) == (Outcome.REJECTED_AFTER_PREFILL, Reason.TBT_SLO)
-    assert r.first_token_s is not None and w.first_token_s is not None
-    assert r.first_token_s < w.first_token_s < r.first_token_s + 1.0
+    assert r.first_token_s is None and w.first_token_s is not None
+    prefilled_s = r.arrival_s + r.prefill_s  # its prefill node was idle: A's prefill ended before 3 s
+    assert prefilled_s < w.first_token_s < prefilled_s + 1.0
 
 
 # --------------------------------------------------------------------------- coupled

@@ -10,10 +10,13 @@ chunked-pipeline groups, inline prefill) and the spec's validation.
 
 from __future__ import annotations
 
+import csv
 import functools
 import math
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -206,7 +209,7 @@ def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) ->
             assert record.intervals.count == 0
         else:
             assert record.outcome == Outcome.REJECTED_AFTER_PREFILL
-            assert record.first_token_s is not None and record.finish_s is None
+            assert record.first_token_s is None and record.finish_s is None, "its client got no token"
             assert record.reason in DECODE_RULE_REASONS, "the decode instance's own check names its bound"
             assert request.output_length > 1 and record.intervals.count == 0
     summary = result.summary
@@ -760,17 +763,38 @@ def busy_decode_scenario() -> tuple[ClusterSpec, Slo, list[Request]]:
 
 
 def test_decode_side_rejection_wastes_the_prefill() -> None:
-    """Without early rejection, B is prefilled, then refused by its decode instance: wasted prefill."""
+    """Without early rejection, B is prefilled, then refused by its decode instance: wasted prefill. B's client
+    never got a token (the refusal came instead of the prefill's): B has no first token, no TTFT."""
     spec, slo, requests = busy_decode_scenario()
     conductor = build_conductor(spec, admission=BaselineAdmission(), slo=slo)
     result = DisaggregatedCluster(spec, conductor).run(requests)
     a, b = result.records
     assert a.outcome == Outcome.COMPLETED
     assert b.outcome == Outcome.REJECTED_AFTER_PREFILL and b.reason is Reason.TBT_SLO
-    assert b.first_token_s is not None and b.prefill_s > 0
+    assert b.first_token_s is None and b.ttft_s is None and b.prefill_s > 0
     assert result.summary.wasted_prefill_s == pytest.approx(b.prefill_s)
     assert conductor.in_flight == ()
     conductor.check_invariants()
+
+
+def test_a_request_refused_after_prefill_has_no_ttft_in_its_records() -> None:
+    """B, refused by its decode node after its prefill, has an empty TTFT in requests.csv (its client got no token);
+    its prefill still counts as done: wasted, and in the mean prefill time beside A's."""
+    from mooncake.sim.report import write_records_csv
+
+    spec, slo, requests = busy_decode_scenario()
+    result = replay(spec, requests, admission=BaselineAdmission(), slo=slo)
+    a, b = result.records
+    assert b.outcome == Outcome.REJECTED_AFTER_PREFILL and a.ttft_s is not None
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "requests.csv"
+        write_records_csv(result.records, path)
+        rows = {row["request_id"]: row for row in csv.DictReader(path.open())}
+    assert rows["b"]["outcome"] == Outcome.REJECTED_AFTER_PREFILL.value and rows["b"]["ttft_s"] == ""
+    assert float(rows["a"]["ttft_s"]) == pytest.approx(a.ttft_s, abs=1e-6)
+    assert result.summary.wasted_prefill_s == b.prefill_s > 0
+    assert result.summary.mean_prefill_s == pytest.approx((a.prefill_s + b.prefill_s) / 2)
+    assert result.summary.ttft_s["mean"] == pytest.approx(a.ttft_s)
 
 
 @pytest.mark.parametrize("admission", ["early_rejection", "predictive_early_rejection"])

@@ -32,7 +32,7 @@ specs = st.builds(
         prefill_model=FittedPrefillModel(coefficients=(0.01, 1e-4, 1e-9)) if fitted else None,
         step_model=FittedStepModel(coefficients=(0.001, 2e-4, 3e-7)) if fitted else None,
         decode_node_limits=DecodeLimits(kv_capacity_tokens=limits, max_batch_size=batch) if limits else None,
-        max_decode_batch_size=batch,
+        max_decode_batch_size=None if limits else batch,  # the limits hold the batch slots: given once
     ),
     st.integers(1, 4),
     st.integers(1, 3),

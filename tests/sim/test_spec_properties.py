@@ -39,6 +39,7 @@ from mooncake.sched.join import DecodeLimits
 from mooncake.sched.predictor import DEFAULT_DECODE_S, UniformDecodePredictor
 from mooncake.sched.router import KvCacheCentricRouter, LoadBalancingRouter, RandomRouter, TtftEstimator
 from mooncake.sched.step import DecodeCostModel, FittedStepModel
+from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec, build_conductor
 from mooncake.types import InstanceId, Slo
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
@@ -78,6 +79,8 @@ def specs(draw: st.DrawFn) -> ClusterSpec:
     for name, values in optional.items():
         if draw(st.booleans()):
             fields[name] = draw(values)
+    if "decode_node_limits" in fields and "max_decode_batch_size" in fields:  # the batch slots are given once
+        del fields[draw(st.sampled_from(["decode_node_limits", "max_decode_batch_size"]))]
     return ClusterSpec(**fields)
 
 
@@ -278,6 +281,60 @@ def test_a_bad_field_is_refused_and_the_spec_never_changes(spec: ClusterSpec, fi
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             setattr(spec, field, value)
     assert attrs.asdict(spec, recurse=False) == before
+
+
+@given(st.sampled_from(sorted(MODELS)), st.sampled_from(sorted(HARDWARE)), st.integers(1, 4), st.floats(10e9, 80e9))
+def test_a_decode_node_must_hold_some_kv(model: str, hardware: str, num_gpus: int, hbm_bytes: float) -> None:
+    """Decode hardware whose HBM holds no KV beside the model's weights (every request would be refused as too long)
+    is a ConfigError naming `ClusterSpec.decode_hardware` and the model, as the coupled baseline refuses the same
+    hardware; one that holds some is a spec whose decode node holds that; with `decode_node_limits` a node holds
+    what they say, whatever its hardware."""
+    decode = attrs.evolve(HARDWARE[hardware], num_gpus=num_gpus, hbm_bytes=hbm_bytes)
+    capacity = DecodeCostModel(model=MODELS[model], hardware=decode).capacity_tokens()
+    fields: dict[str, Any] = {
+        "num_prefill": 1,
+        "num_decode": 1,
+        "model": MODELS[model],
+        "prefill_hardware": HARDWARE["8xA800"],
+        "decode_hardware": decode,
+    }
+    if capacity == 0:
+        with pytest.raises(ConfigError) as caught:
+            ClusterSpec(**fields)
+        assert "ClusterSpec.decode_hardware" in str(caught.value) and repr(model) in str(caught.value)
+        with pytest.raises(ConfigError):
+            CoupledCluster(CoupledSpec(num_instances=1, model=MODELS[model], hardware=decode))
+    else:
+        assert ClusterSpec(**fields).decode_limits == DecodeLimits(kv_capacity_tokens=capacity)
+    limits = DecodeLimits(kv_capacity_tokens=1000, max_batch_size=4)
+    assert ClusterSpec(**fields, decode_node_limits=limits).decode_limits == limits
+
+
+def test_one_a800_leaves_llama3_70b_no_kv() -> None:
+    """The case that built a cluster refusing every request: one A800 of 80 GB under 141 GB of LLaMA3-70B weights."""
+    one = attrs.evolve(HARDWARE["8xA800"], num_gpus=1)
+    with pytest.raises(ConfigError, match=r"ClusterSpec\.decode_hardware='8xA800' \(num_gpus=1.*'llama3-70b'"):
+        ClusterSpec(
+            num_prefill=1, num_decode=1, model=MODELS["llama3-70b"], prefill_hardware=HARDWARE["8xA800"],
+            decode_hardware=one,
+        )  # fmt: skip
+
+
+@given(
+    specs(),
+    st.integers(1, 64),
+    st.builds(DecodeLimits, kv_capacity_tokens=st.integers(0, 50_000), max_batch_size=st.none() | st.integers(1, 8)),
+)
+def test_the_batch_slots_are_given_once(spec: ClusterSpec, batch: int, limits: DecodeLimits) -> None:
+    """`max_decode_batch_size` beside `decode_node_limits` (whose `max_batch_size` is a node's batch slots) is a
+    ConfigError naming both, not one of them silently dropped; either alone is a spec."""
+    with pytest.raises(ConfigError) as caught:
+        attrs.evolve(spec, max_decode_batch_size=batch, decode_node_limits=limits)
+    message = str(caught.value)
+    assert f"ClusterSpec.max_decode_batch_size={batch}" in message and f"decode_node_limits={limits!r}" in message
+    assert attrs.evolve(spec, max_decode_batch_size=None, decode_node_limits=limits).decode_limits == limits
+    alone = attrs.evolve(spec, max_decode_batch_size=batch, decode_node_limits=None)
+    assert alone.decode_limits.max_batch_size == batch
 
 
 @given(specs(), st.integers(1, 4), st.integers(1, 3))
