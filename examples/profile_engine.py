@@ -54,7 +54,6 @@ from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.model import LlamaModel
-from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel, PrefillSample
@@ -64,7 +63,7 @@ from mooncake.types import RequestId
 
 BLOCK_TOKENS = 16  # without --config
 MIN_SAMPLES = 3  # each fit's least (`FittedPrefillModel.fit`, `FittedStepModel.fit`): found before profiling
-GROUP_TIMEOUT_S = 120.0  # a CPP group's stages: to start, and for any one transfer (the worker's is at least 60 s)
+GROUP_TIMEOUT_S = 120.0  # a CPP group's transfers between stages (the worker's bound is at least 60 s)
 
 
 def _grid(kind: Callable[[str], float], check: Callable[[float], bool], what: str) -> Callable[[str], list[float]]:
@@ -165,23 +164,11 @@ def run(args: argparse.Namespace) -> None:
         return TieredCache([DramPagePool(layout.page_bytes, 2 * (tokens // block + 2))])
 
     with contextlib.ExitStack() as resources:
-        if stages > 1:  # the prefill instance's engine as its worker builds it (`Worker._start_group`)
-            from serving.prefill_group import group_prefill_engine
+        if stages > 1:  # the prefill instance's engine as its worker builds it
+            from serving.prefill_group import group_prefill_engine, start_group
 
             print(f"prefill through a chunked pipeline group of {stages} processes")
-            group = resources.enter_context(
-                PipelineGroup(
-                    cluster.model.config,
-                    num_stages=stages,
-                    chunk_tokens=chunk,
-                    seed=cluster.model.seed,
-                    dtype=dtype,
-                    checkpoint=cluster.model.checkpoint,
-                    threads_per_stage=1,
-                    timeout_s=GROUP_TIMEOUT_S,
-                    start_timeout_s=GROUP_TIMEOUT_S,
-                )
-            )
+            group = resources.enter_context(start_group(cluster, timeout_s=GROUP_TIMEOUT_S))
 
             def prefill_engine(cache: TieredCache) -> PrefillEngine:
                 return group_prefill_engine(group, cache, hasher)

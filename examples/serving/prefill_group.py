@@ -32,6 +32,7 @@ forward pass).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.pipeline import PipelineGroup
 from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.errors import Cancelled
+
+if TYPE_CHECKING:
+    from serving.config import ClusterConfig
 
 __all__ = ["GroupForward", "group_prefill_engine"]
 
@@ -81,6 +85,25 @@ class GroupForward:
         return self.group.prefill(
             ids.tolist(), kv=kv, prefix_tokens=io.prefix_tokens, on_rows=io.store, cancelled=cancelled
         )
+
+
+def start_group(
+    config: ClusterConfig, *, timeout_s: float, on_failure: Callable[[str], None] | None = None
+) -> PipelineGroup:
+    """This process as stage 0 of a chunked pipeline group of the config's `[prefill] pipeline_size` processes, as
+    a prefill worker runs it (and `profile_engine.py --config` times it): each stage reads its own layers' tensors,
+    on one thread (many engines share the machine's cores); `timeout_s` bounds any one transfer between stages."""
+    return PipelineGroup(
+        config.model.config,
+        num_stages=config.prefill.pipeline_size,
+        chunk_tokens=config.prefill.chunk_tokens,
+        seed=config.model.seed,
+        dtype=config.model.dtype,
+        checkpoint=config.model.checkpoint,
+        threads_per_stage=1,
+        timeout_s=timeout_s,
+        on_failure=on_failure,
+    )
 
 
 def group_prefill_engine(

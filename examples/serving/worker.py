@@ -97,7 +97,7 @@ from mooncake.types import BlockKey, InstanceId, RequestId, Tier
 from serving import wire
 from serving.config import ClusterConfig
 from serving.models import cost_models, decode_limits
-from serving.prefill_group import group_prefill_engine
+from serving.prefill_group import group_prefill_engine, start_group
 from serving.reporter import Reporter
 
 __all__ = ["Worker", "WorkerSpec", "build_model", "run_worker", "ssd_file_name", "ssd_label"]
@@ -455,16 +455,8 @@ class Worker:
     def _start_group(self) -> PipelineGroup:
         """This worker as stage 0 of a chunked pipeline group of `[prefill] pipeline_size` processes."""
         config = self.spec.config
-        return PipelineGroup(
-            config.model.config,
-            num_stages=config.prefill.pipeline_size,
-            chunk_tokens=config.prefill.chunk_tokens,
-            seed=config.model.seed,
-            dtype=config.model.dtype,
-            checkpoint=config.model.checkpoint,  # each stage reads its own layers' tensors
-            threads_per_stage=1,  # many engines share this machine's cores
-            timeout_s=max(TIMEOUT_S, config.limits.request_timeout_s),  # any one transfer between stages
-            on_failure=self._group_failed,
+        return start_group(
+            config, timeout_s=max(TIMEOUT_S, config.limits.request_timeout_s), on_failure=self._group_failed
         )
 
     def _group_failed(self, reason: str) -> None:
