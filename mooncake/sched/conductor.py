@@ -890,7 +890,10 @@ class Conductor:
             return
         kept = [q for q in view.queue if q.request_id != request_id]
         if len(kept) != len(view.queue):
-            if ended and view.queue[0].request_id == request_id:
+            head = view.queue[0]
+            # Only a pipelined prefill (it frees the first stage before it ends) holds those behind it at the last
+            # stage; on a plain instance one reported started beside it runs beside it (a batched prefill).
+            if ended and head.request_id == request_id and head.occupancy_s < head.prefill_s:
                 self._ended_s[view.instance_id] = max(self._ended_s.get(view.instance_id, -math.inf), now)
             view.queue = kept
             self._retime(view, now=now)
