@@ -135,6 +135,7 @@ class TraceAssembler:
     block_size_tokens: int
     mark_ms: float = 0
     _mark_line: int | None = None
+    _mark_session: str | None = None  # the latest start's session (None: a line without session_id), for messages
     _last_line: int | None = None
     _sessions: dict[str, Turn] = attrs.field(factory=dict)
     _turns: dict[str, int] = attrs.field(factory=dict)
@@ -214,7 +215,7 @@ class TraceAssembler:
         previous = self._sessions.get(session_id) if session_id is not None else None
         turn = self._start(record, line) if previous is None else self._continue(record, line, previous)
         if previous is None:
-            self.mark_ms, self._mark_line = turn.arrival_ms, line
+            self.mark_ms, self._mark_line, self._mark_session = turn.arrival_ms, line, session_id
         if session_id is not None:
             self._sessions[session_id] = turn
             self._turns[session_id] = self._turns.get(session_id, 0) + 1
@@ -285,10 +286,13 @@ class TraceAssembler:
                 f"(line {previous.line}, {previous.arrival_ms} ms)"
             )
         if arrival < self.mark_ms:
+            # The latest start is another line's: were it this session's own, the previous turn would be at or after
+            # it, and the check above would have refused the turn.
+            start = "a line without session_id" if self._mark_session is None else f"session {self._mark_session!r}"
             raise ValueError(
-                f"turn of session {session_id!r} arrives at {arrival} ms, before the session started on "
-                f"line {self._mark_line} ({self.mark_ms} ms): write sessions grouped in start order, "
-                "or lines in arrival order"
+                f"turn of session {session_id!r} arrives at {arrival} ms, before the latest start above it "
+                f"({start}, line {self._mark_line}, {self.mark_ms} ms): no turn may arrive before a start above it; "
+                "write sessions grouped in start order, or lines in arrival order"
             )
         input_length = previous.input_length + previous.output_length + record.input_length
         if input_length > MAX_LINE_TOKENS:

@@ -497,6 +497,14 @@ def _lose(
 def _request(
     path: str | os.PathLike[str], number: int, turn: Turn, index: int, speedup: float, block_size_tokens: int
 ) -> Request:
+    """The request of line `number`'s turn, the `index`-th the trace yields.
+
+    Raises:
+        TraceFormatError: naming the line, for an arrival past `MAX_ARRIVAL_S` after the speed-up, or for a turn
+            `Request` refuses. `parse_record` bounds every field as `Request` does, so the latter is a backstop:
+            no error from line data leaves the reader without its file and line. Both stop a lenient read too: the
+            turn is placed already, and later turns of its session may be built on it.
+    """
     arrival_s = turn.arrival_ms / 1000.0 / speedup
     if (problem := arrival_problem(arrival_s)) is not None:  # a speedup below 1: said where it first shows
         # The assembler keeps every arrival within 2**43 ms, so only a slow-down puts one past it.
@@ -504,15 +512,18 @@ def _request(
         raise TraceFormatError(
             path, number, f"arrival {turn.arrival_ms} ms at speedup {speedup!r} is {arrival_s:.3g} s, {problem}{hint}"
         )
-    return Request(
-        request_id=RequestId(str(index)),
-        arrival_s=arrival_s,
-        input_length=turn.input_length,
-        output_length=turn.output_length,
-        block_keys=turn.block_keys,
-        tokens=turn.tokens,
-        block_size_tokens=block_size_tokens,  # what its keys are of (scaling cuts text blocks this long)
-    )
+    try:
+        return Request(
+            request_id=RequestId(str(index)),
+            arrival_s=arrival_s,
+            input_length=turn.input_length,
+            output_length=turn.output_length,
+            block_keys=turn.block_keys,
+            tokens=turn.tokens,
+            block_size_tokens=block_size_tokens,  # what its keys are of (scaling cuts text blocks this long)
+        )
+    except InvalidRequestError as error:
+        raise TraceFormatError(path, number, str(error)) from error
 
 
 def load_trace(

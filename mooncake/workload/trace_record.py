@@ -31,7 +31,8 @@ held to a microsecond as float seconds, and sums of them stay exact; epoch
 microseconds read as milliseconds would be past it, and are refused, not
 replayed a thousand times too slowly),
 lengths in [1, 2**24] tokens (past any model's context; a line without
-`hash_ids` makes the reader invent a key per block). JSON's NaN and Infinity
+`hash_ids` makes the reader invent a key per block), `hash_ids` in
+[0, 2**256) (a `Request`'s keys, `mooncake.types.BLOCK_KEY_LIMIT`). JSON's NaN and Infinity
 never reach here (the reader refuses them as not JSON).
 
 Invariant: a parsed record has `0 < input_length <= MAX_LINE_TOKENS` tokens
@@ -48,6 +49,7 @@ from typing import Any, Literal
 import attrs
 
 from mooncake._checks import ceil_div
+from mooncake.types import BLOCK_KEY_LIMIT
 
 __all__ = [
     "AIPERF_FIELDS",
@@ -227,6 +229,9 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
                 raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(h)}")
     if hash_ids and min(hash_ids) < 0:
         raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
+    # A Request's keys lie below 2**256 (the widest an SSD page labels): refused here, where the line is named.
+    if hash_ids and max(hash_ids) >= BLOCK_KEY_LIMIT:
+        raise ValueError(f"field 'hash_ids' must hold ids below 2**256, got {_shown(max(hash_ids))}")
     check_block_count(len(hash_ids), input_length, block_size_tokens)
     return tuple(hash_ids)
 

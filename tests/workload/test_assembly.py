@@ -161,7 +161,7 @@ ORDER_ERRORS: dict[str, tuple[list[dict[str, Any]], str]] = {
     ),
     "turn before a later session's start": (
         [keyed(timestamp=0, session_id="a"), keyed(timestamp=10, session_id="b"), keyed(session_id="a", delay=1)],
-        "turn of session 'a' arrives at 1 ms, before the session started on line 2 (10 ms)",
+        "turn of session 'a' arrives at 1 ms, before the latest start above it (session 'b', line 2, 10 ms)",
     ),
     "turn delayed past 2**43 ms": (
         [keyed(timestamp=2**43, session_id="a"), keyed(session_id="a", delay=1000)],

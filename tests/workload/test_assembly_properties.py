@@ -140,7 +140,7 @@ class Reference:
             if arrival < before_ms:
                 return Expected(refused=rf"arrives at {arrival} ms, before its previous turn \(line {before_line}")
             if arrival < self.mark_ms:
-                return Expected(refused=rf"arrives at {arrival} ms, before the session started")
+                return Expected(refused=rf"arrives at {arrival} ms, before the latest start above it")
             length = before_input + before_output + own
             if length > MAX_LINE_TOKENS:
                 return Expected(
