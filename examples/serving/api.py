@@ -11,9 +11,11 @@ pydantic models read them, in lax mode (`lax_integer`, `lax_number`,
 `lax_flag`: "7" is 7, true is 1); `parse_tokenize` reads /tokenize's own
 fields only, as vLLM's tokenize requests hold them. A parameter this server does not implement (a chat's `echo`,
 tools, `response_format`, ...) is refused unless it
-has the value that changes nothing; one it does not know is ignored with a
-warning, as vLLM does (its clients send extras other servers do not know;
-`best_of` is one: vLLM 0.32's requests have no such field).
+has the value that changes nothing (a flag: any value `lax_flag` reads as false); one it does not know is ignored
+with a warning, as vLLM does (its clients send extras other servers do not know;
+`best_of` and a completion's `top_logprobs` are such: vLLM 0.32's requests have no such field). A chat's
+messages are kept as given and read by `mooncake.engine.chat.chat_conversation` when rendered, the vLLM
+router's reader too, so both render one chat to one prompt.
 
 Out: a `Reply` (one request's id, time, model, kind) makes its `Completion`
 (the whole answer) or its `Chunk`s (server-sent events; a chat's first text
@@ -436,10 +438,18 @@ class CompletionRequest:
 
 @attrs.frozen(kw_only=True)
 class ChatMessage:
-    """One message of a chat: its role and its text."""
+    """One message of a chat as the client gave it: its role, its content (a string, a list of text parts, or null)
+    and its other keys. What its chat template sees of it (the text of its parts, `name`, a tool's `tool_call_id`,
+    an assistant's `reasoning` and `tool_calls`) is `mooncake.engine.chat.chat_conversation`'s choice, the vLLM
+    router's too, so that the two render one chat alike (`as_message` is what it reads)."""
 
     role: str
-    content: str
+    content: Any  # str | list of text parts | None, as given (JSON values)
+    fields: Mapping[str, Any] = attrs.field(factory=dict)  # the message's keys beside role and content
+
+    def as_message(self) -> dict[str, Any]:
+        """The message as a chat template's reader (`chat_conversation`) takes it: the object the client sent."""
+        return {**self.fields, "role": self.role, "content": self.content}
 
 
 @attrs.frozen(kw_only=True)
@@ -468,7 +478,8 @@ def _absent(value: Any) -> bool:
 
 
 def _off(value: Any) -> bool:
-    return value is None or value is False
+    """Null, or a boolean that vLLM's pydantic reads as false (`lax_flag`: false, 0, "false", "no"...)."""
+    return _reads_flag(value) and lax_flag({"value": value}, "value") is not True
 
 
 def _zero(value: Any) -> bool:
@@ -485,7 +496,6 @@ def _empty(value: Any) -> bool:
 
 # Parameters OpenAI defines that this server does not implement: accepted only at their neutral value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "top_logprobs": _zero,  # a completion's (a chat's is served): none, vLLM's default
     "echo": _off,  # a chat's (a completion's is served): vLLM's chat echo repeats the last message
     "suffix": lambda v: v is None or v == "",
     "tools": _empty,
@@ -573,7 +583,8 @@ SHARED = (
     "cache_salt",
     "request_id",
 )
-# A completion has no `max_completion_tokens` (vLLM's `CompletionRequest` has none: it is ignored, as any unknown field).
+# A completion has no `max_completion_tokens` nor `top_logprobs` (vLLM's `CompletionRequest` has neither: each is
+# ignored, as any unknown field).
 COMPLETION_FIELDS = frozenset({*SHARED, "prompt", "echo"})
 CHAT_FIELDS = frozenset(
     {
@@ -861,7 +872,12 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     max_tokens = requested_max_tokens(body, default=None if chat else served.default_max_tokens, completion=not chat)
     min_tokens = _integer(body, "min_tokens", 0, 0, MAX_SEED)
     if max_tokens is not None:
-        check_output_limit(max_tokens, served.max_context_tokens, output_limit_field(body, completion=not chat))
+        check_output_limit(
+            max_tokens,
+            served.max_context_tokens,
+            output_limit_field(body, completion=not chat),
+            limit_name="the context: [decode] max_context_tokens",
+        )
     if max_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, _min_over_max(min_tokens, max_tokens), param="min_tokens")
     sampling = SamplingOptions(
@@ -1231,28 +1247,16 @@ def _one_prompt(prompt: Any, served: ServedModel) -> str | tuple[int, ...]:
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
 
-# A chat message's keys beside role, content and name: those asking for what this server cannot render (tools,
-# audio) are refused but at their neutral value, which clients send when they append an answer's message to the
-# conversation as the SDK dumps it (`function_call: null`, `audio: null`); any other key (OpenAI's `refusal`,
-# `annotations`, `tool_call_id`, vLLM's `reasoning_content`, a client's own) is ignored, as vLLM's message types
-# ignore keys they do not render.
+# A chat message's keys that ask for what this server cannot render (tools, audio): refused but at their neutral
+# value, which clients send when they append an answer's message to the conversation as the SDK dumps it
+# (`function_call: null`, `audio: null`). Every other key goes to the chat template's reader (`chat_conversation`),
+# which keeps those vLLM hands a template (`name`, a tool's `tool_call_id`, an assistant's `reasoning`) and drops
+# the rest (OpenAI's `refusal`, `annotations`, a client's own), as vLLM's message types do.
 MESSAGE_UNRENDERED: dict[str, Callable[[Any], bool]] = {
     "tool_calls": _empty,
     "function_call": _absent,
     "audio": _absent,
 }
-
-
-def _content(value: Any, param: str) -> str:
-    """A message's content: a string, or a list of text parts (their other keys, `cache_control` say, ignored)."""
-    if isinstance(value, list):
-        for j, part in enumerate(value):
-            where = f"{param}[{j}]"
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(400, f'{where} must be {{"type": "text", "text": <string>}}', param=where)
-            _text(part.get("text"), where)
-        return content_text(value)  # as vLLM reads a message's text parts
-    return _text(value, param)
 
 
 def parse_chat(body: dict[str, Any], served: ServedModel) -> ChatRequest:
@@ -1301,7 +1305,7 @@ def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             got = f"role {_shown(message.get('role'))}" if isinstance(message, dict) else _shown(message)
-            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}) and a content, got {got}", param=where)
+            raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}), got {got}", param=where)
         if message.get("name") is not None:
             _text(message["name"], f"{where}.name")
         for key, neutral in MESSAGE_UNRENDERED.items():  # tools are not served (`tools` is refused), nor audio
@@ -1310,9 +1314,13 @@ def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
                     400, f"{where}.{key} = {_shown(message[key])} is not supported by this server", param=where
                 )
         content = message.get("content")
-        if content is None and message["role"] == "assistant":  # an assistant turn that only called tools
-            content = ""
-        checked.append(ChatMessage(role=message["role"], content=_content(content, f"{where}.content")))
+        try:  # what counts as a message's text is the reader's (vLLM's) rule, the vLLM router's too
+            text = content_text(content)
+        except InvalidRequestError as error:  # a content that is no text (an image part, a number)
+            raise ApiError(400, f"{where}.{error}", param=f"{where}.content") from None
+        _text(text, f"{where}.content")  # text UTF-8 can encode (no lone surrogate)
+        fields = {key: value for key, value in message.items() if key not in ("role", "content")}
+        checked.append(ChatMessage(role=message["role"], content=content, fields=fields))
     add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
     continue_final_message = _flag(body, "continue_final_message", default=False)
     if add_generation_prompt and continue_final_message:  # vLLM's 400
@@ -1365,7 +1373,7 @@ def encoded(
     if isinstance(request, ChatRequest):
         try:
             text = tokenizer.render_chat(
-                [(m.role, m.content) for m in request.messages],
+                [m.as_message() for m in request.messages],
                 variables=request.template_variables,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -1373,6 +1381,7 @@ def encoded(
         except InvalidRequestError as error:  # the checkpoint's chat template refused the messages
             raise ApiError(400, str(error), param="messages") from error
         param = "messages"
+        _text(text, param)  # a message's `name` or `tool_call_id` may hold a lone surrogate, which cannot be encoded
     elif isinstance(request.prompt, tuple):
         return list(request.prompt), "prompt"
     else:
@@ -1500,22 +1509,25 @@ def prompt_tokens(
     return tokens
 
 
-def check_output_limit(max_tokens: int, max_model_len: int, param: str) -> None:
+def check_output_limit(max_tokens: int, max_model_len: int, param: str, *, limit_name: str | None = None) -> None:
     """vLLM 0.32's refusal of an output longer than the whole context (`TokenizeParams`, checked before the prompt is
     rendered): a `max_tokens` over `max_model_len` fits beside no prompt, so it is a 400 naming the field that asked
     for it (`output_limit_field`), never trimmed; one at most `max_model_len` is trimmed to what the prompt leaves
-    (`max_tokens_within`). The gateway's `max_model_len` is `[decode] max_context_tokens`, the bound of a prompt
-    and its output together as vLLM's is (the prompt's own bound, `max_prompt_tokens`, is checked apart, as vLLM
-    checks a prompt against its context); the vLLM router's, its servers' longest.
+    (`max_tokens_within`). The vLLM router's bound is its servers' longest `max_model_len`, named so in vLLM's words.
+    The gateway's is `[decode] max_context_tokens`, the bound of a prompt and its output together (the prompt's own
+    bound, `max_prompt_tokens`, is checked apart, as vLLM checks a prompt against its context), which it names by
+    `limit_name`: the `max_model_len` it advertises (`models_body`) is the smaller of the two, and no error may call
+    another number by that name.
 
     Raises:
-        ApiError: 400, `max_tokens > max_model_len`, with vLLM's message.
+        ApiError: 400, `max_tokens > max_model_len`, with vLLM's message (naming the bound `limit_name`, where given,
+            and its value).
     """
     if max_tokens > max_model_len:
+        bound = f"max_model_len={max_model_len}" if limit_name is None else f"{limit_name}={max_model_len}"
         raise ApiError(
             400,
-            f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            "Please request fewer output tokens.",
+            f"{param}={max_tokens} cannot be greater than {bound}. Please request fewer output tokens.",
             param=param,
         )
 

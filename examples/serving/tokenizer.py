@@ -36,6 +36,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mooncake.engine.chat import chat_conversation
+
 if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
     from serving.config import ClusterConfig
@@ -60,7 +62,8 @@ class Decoder(Protocol):
 
 
 class ServingTokenizer(Protocol):
-    """What the gateway asks of a tokenizer: a prompt's ids, a chat's prompt text (its ids are that text's), a
+    """What the gateway asks of a tokenizer: a prompt's ids, a chat's prompt text (of its messages as the client sent
+    them, read as vLLM reads them: `chat_conversation`; its ids are that text's), a
     lower bound of a text's tokens, a generation's text stream (after its prompt's ids), a lone token's text
     (shown beside its log-probability), the text of ids (an echoed prompt, /detokenize), and the token ids that
     end a generation (the decode engine stops at them too)."""
@@ -72,7 +75,7 @@ class ServingTokenizer(Protocol):
 
     def render_chat(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         variables: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
@@ -112,15 +115,23 @@ class ByteTokenizer:
 
     def render_chat(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         variables: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> str:
-        """`chat_prompt`'s text (a fixed template: it has no variables to set)."""
+        """`chat_prompt`'s text (a fixed template: it has no variables to set) of the messages as vLLM reads them
+        (`chat_conversation`: a content's text parts joined by newlines, null as "").
+
+        Raises:
+            InvalidRequestError: `chat_conversation` refused the messages (a content that is no text).
+        """
+        chat = chat_conversation(messages)
         return chat_prompt(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+            [(m["role"], m["content"]) for m in chat],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
 
     def fewest_tokens(self, text: str) -> int:
@@ -181,20 +192,22 @@ class CheckpointTokenizer:
 
     def render_chat(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         variables: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> str:
         """The chat template rendered with the request's `variables` for it: the prompt text, whose ids `encode`
-        gives (with `add_special_tokens` false by vLLM's chat default: the template writes its own).
+        gives (with `add_special_tokens` false by vLLM's chat default: the template writes its own). `messages` are
+        the objects the client sent; `Tokenizer.render_chat` reads them as vLLM does (`chat_conversation`), as the
+        vLLM router renders them.
 
         Raises:
             InvalidRequestError: the template refused the messages.
         """
         return self.tokenizer.render_chat(
-            [{"role": role, "content": content} for role, content in messages],
+            messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **(variables or {}),

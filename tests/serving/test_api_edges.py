@@ -234,18 +234,20 @@ def test_values_past_the_boundaries_are_refused_naming_the_parameter(body: dict[
 
 
 def test_a_chat_messages_keys_are_checked_as_documented() -> None:
-    """`tool_calls: []` is the neutral value an SDK dump sends (accepted); a `name` must be a string (a 400 naming
-    `messages[i].name`); a tool's answer needs a content; a content part must be of type "text", even one carrying
-    a text."""
+    """`tool_calls: []` is the neutral value an SDK dump sends (accepted, kept with the message's other keys for
+    the chat's reader); a `name` must be a string (a 400 naming `messages[i].name`); a content may be null, and its
+    parts any of vLLM's text kinds (`input_text`...), as vLLM reads them; a part without text (an image) is a 400
+    naming the message's content."""
     message = {"role": "assistant", "content": "ok", "tool_calls": [], "name": "bot"}
-    assert parse_chat({"messages": [message]}, SERVED).messages == (ChatMessage(role="assistant", content="ok"),)
+    assert parse_chat({"messages": [message]}, SERVED).messages == (
+        ChatMessage(role="assistant", content="ok", fields={"tool_calls": [], "name": "bot"}),
+    )
     error = refused(parse_chat, {"messages": [{**USER[0], "name": 5}]}, SERVED)
     assert (error.status, error.param) == (400, "messages[0].name")
-    error = refused(parse_chat, {"messages": [{"role": "tool", "tool_call_id": "c", "content": None}]}, SERVED)
-    assert (error.status, error.param) == (400, "messages[0].content")  # only an assistant turn may have none
-    part = {"type": "input_text", "text": "hi"}
-    error = refused(parse_chat, {"messages": [{"role": "user", "content": [part]}]}, SERVED)
-    assert (error.status, error.param) == (400, "messages[0].content[0]")
+    parse_chat({"messages": [{"role": "tool", "tool_call_id": "c", "content": None}]}, SERVED)
+    parse_chat({"messages": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, SERVED)
+    error = refused(parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, SERVED)
+    assert (error.status, error.param) == (400, "messages[0].content")
 
 
 def test_an_openai_stream_option_this_server_does_not_know_is_ignored_as_vllm_ignores_it() -> None:
@@ -377,15 +379,17 @@ def test_an_output_over_the_whole_context_is_refused_naming_its_field_as_vllm_re
     body: dict[str, Any], field: str
 ) -> None:
     """vLLM 0.32's `TokenizeParams`: an output longer than the context (`max_context_tokens`, 129 here, the bound of
-    a prompt and its output as vLLM's `max_model_len` is) fits beside no prompt and is a 400 with vLLM's words,
-    naming the field that asked for it (a chat's `max_completion_tokens` where it is set), when the body is
+    a prompt and its output as vLLM's `max_model_len` is) fits beside no prompt and is a 400 with vLLM's words
+    (the bound named for what it is, never `max_model_len`: /v1/models advertises the prompt limit, 64, by that
+    name), naming the field that asked for it (a chat's `max_completion_tokens` where it is set), when the body is
     parsed: before the prompt is tokenized, as vLLM checks it before it renders the prompt."""
     parse = parse_chat if "messages" in body else parse_completion
     error = refused(parse, body, SERVED)
     asked = body[field]
     assert (error.status, error.param) == (400, field)
     assert error.message == (
-        f"{field}={asked} cannot be greater than max_model_len=129. Please request fewer output tokens."
+        f"{field}={asked} cannot be greater than the context: [decode] max_context_tokens=129. "
+        "Please request fewer output tokens."
     )
 
 

@@ -108,8 +108,8 @@ def test_a_seed_of_minus_one_samples_a_fresh_stream_per_request(cluster: Running
 
 
 def test_an_output_over_the_whole_context_is_vllms_400(cluster: RunningCluster) -> None:
-    """`max_tokens` over `[decode] max_context_tokens` (2048 in tiny.toml) is refused with vLLM's words, naming
-    the field a chat used (test_api_edges checks that the whole context itself is trimmed instead)."""
+    """`max_tokens` over `[decode] max_context_tokens` (2048 in tiny.toml) is refused with vLLM's words (the bound
+    named as the context, not as the `max_model_len` /v1/models advertises), naming the field a chat used (test_api_edges checks that the whole context itself is trimmed instead)."""
     context = cluster.config.decode.max_context_tokens
     for body, field in (
         ({"prompt": "hi", "max_tokens": context + 1}, "max_tokens"),
@@ -118,5 +118,6 @@ def test_an_output_over_the_whole_context_is_vllms_400(cluster: RunningCluster) 
         error = ask(cluster, body).json()["error"]
         assert (error["code"], error["param"]) == (400, field)
         assert error["message"] == (
-            f"{field}={context + 1} cannot be greater than max_model_len={context}. Please request fewer output tokens."
+            f"{field}={context + 1} cannot be greater than the context: [decode] max_context_tokens={context}. "
+            "Please request fewer output tokens."
         )

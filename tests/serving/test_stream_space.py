@@ -39,7 +39,7 @@ def test_the_first_token_keeps_the_space_it_has_after_the_prompt(llama: Checkpoi
     """After a chat's prompt, "Hello there!" (its first piece "▁Hello") streams as " Hello there!", vLLM's text;
     the prompt's decode and that text make the decode of the whole sequence (what an echo of the prompt's ids and
     the completion read as). Without the prompt the stream cannot know the space is not the text's start."""
-    prompt = llama.encode(llama.render_chat([("user", "Hi there")]), add_special_tokens=False)
+    prompt = llama.encode(llama.render_chat([{"role": "user", "content": "Hi there"}]), add_special_tokens=False)
     ids = llama.encode("Hello there!", add_special_tokens=False)
     assert llama.piece(ids[0]).startswith("▁")
     assert text_of(llama.stream(prompt=prompt), ids) == " Hello there!"
@@ -68,7 +68,9 @@ def test_a_byte_level_stream_is_the_same_with_or_without_the_prompt(tmp_path: Pa
     """A byte-level BPE's decoder keeps every space: the prompt changes nothing in its stream."""
     save_tokenizer(tmp_path, CHATML)
     tokenizer = CheckpointTokenizer(load_tokenizer(tmp_path))
-    prompt = tokenizer.encode(tokenizer.render_chat([("user", "Hi there")]), add_special_tokens=False)
+    prompt = tokenizer.encode(
+        tokenizer.render_chat([{"role": "user", "content": "Hi there"}]), add_special_tokens=False
+    )
     ids = tokenizer.encode(" Hello there! 日本語 🙂", add_special_tokens=False)
     assert (
         text_of(tokenizer.stream(prompt=prompt), ids) == text_of(tokenizer.stream(), ids) == " Hello there! 日本語 🙂"
