@@ -62,7 +62,11 @@ _ZMQ = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(\*|\d{1,5})")
 def _url(text: str) -> str | None:
     """`url`: a server's root, to which the router appends its paths (`/v1/completions`): a query, a fragment or
     credentials would end up before them or be dropped, and port 0 names no server."""
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+        parts.hostname  # noqa: B018  (read: a bracketed host that is no IPv6 address raises here)
+    except ValueError as error:  # an unclosed or bad IPv6 bracket: urllib's "Invalid IPv6 URL"
+        return f"is not a URL ({error}): write http://HOST:PORT, an IPv6 host in brackets (http://[::1]:8000)"
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
         return "must be an http:// or https:// URL of a server (http://HOST:PORT, no path)"
     if parts.query or parts.fragment or text.endswith(("?", "#")) or parts.username is not None:
@@ -126,7 +130,10 @@ def _directory(text: str) -> str | None:
 class RouterSection:
     """`[router]`: where it listens, the policies, the instances' block size and tokenizer, the objective.
 
-    `health_interval_s`: how often each instance's `/health` and `/metrics` are read; `request_timeout_s`: the
+    `health_interval_s`: how often each instance's `/health` and `/metrics` are read (each within
+    `connect_timeout_s`); `health_failures`: the consecutive failed `/health` checks that mark an instance down
+    (a `/metrics` that fails or is slow leaves its load as last read: it says nothing of the server's health; a
+    request that cannot reach a server marks it down at once); `request_timeout_s`: the
     longest a request may take end to end, both steps of a disaggregated pair and any retries together (504
     after, and the server stays up: slow is not gone); `connect_timeout_s`: to reach an instance (a failure
     marks it down and the request goes elsewhere if nothing was streamed); `max_retries`: other instances tried;
@@ -146,6 +153,7 @@ class RouterSection:
     api_key: str = _setting("", text=_api_key)
     server_api_key: str = _setting("", text=_api_key)
     health_interval_s: float = _seconds(1.0)
+    health_failures: int = _setting(2, minimum=1, maximum=1000)
     request_timeout_s: float = _seconds(600.0)
     connect_timeout_s: float = _seconds(2.0)
     max_retries: int = _setting(2, minimum=0, maximum=64)

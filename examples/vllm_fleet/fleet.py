@@ -88,6 +88,8 @@ class FleetInstance:
     event_errors: int = 0
     refused: str = ""  # why it stays down though its /health answers (it came back unlike its start-up probe)
     group_warned: bool = False  # its events said the KV-cache group read is not full attention (logged once)
+    failed_checks: int = 0  # consecutive failed /health checks: `[router] health_failures` of them mark it down
+    load_stale: bool = False  # its last /metrics failed: `state` is the scrape before
 
     @property
     def url(self) -> str:

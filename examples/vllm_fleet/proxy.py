@@ -4,7 +4,7 @@
 the servers' tokenizer (a chat through its template, as vLLM renders it:
 `vllm_fleet.prompt`; one the router cannot render is routed by its texts and
 left to the server to answer), the `Fleet` schedules it (keyed in a LoRA
-adapter's namespace when its `model` is not the served one: `_adapter`)
+adapter's namespace when its `model` is none of the served names: `_adapter`)
 (429 with `Retry-After` when the Conductor rejects it: the estimated TTFT
 misses `[router] ttft_slo_s`, or no server can hold it), and the body goes
 unchanged to the chosen server (a disaggregated pair: first the prompt with
@@ -28,8 +28,12 @@ after the first byte ends the stream with an error event. A request that runs
 past `[router] request_timeout_s` (aiohttp's total limit, not a socket's
 connect or read timeout) is a 504, or a stream's error event, and its server,
 slow rather than gone, stays up. Each server's
-`/health` and `/metrics` are read every `health_interval_s`: a down server
-that answers again is probed as at start-up and marked up (its KV events start
+`/health` and `/metrics` are read every `health_interval_s`, all servers at
+once: `/health` alone says whether a server is up (`health_failures` failed
+checks in a row mark it down; a request's failure, above, marks it at once),
+and a `/metrics` that fails or runs past `connect_timeout_s` leaves the load
+as last read (`load_stale` in `/health`), the server up and its cache in the
+index. A down server that answers again is probed as at start-up and marked up (its KV events start
 a new epoch) unless it came back unlike itself (another model, block size or
 tokenizer: it stays down, the reason logged once); its limits follow a new
 `max_model_len` or KV capacity. A client
@@ -37,13 +41,19 @@ that leaves closes the request's upstream connection, and the server aborts the
 request as it would for that client leaving it directly (vLLM 0.32 missed one
 of 20 whole answers so, directly and through the router alike).
 
-`GET /v1/models` (the servers' model, as a server lists it), `POST /tokenize` and
-`/detokenize` (passed to a server that is up), `/health` (200 while a server is up,
-with each one's state), `/metrics` (the router's own, `serving.metrics`'s
-families: responses by status, rejections by reason, TTFT, prefix hits as
-each server reports them in its usage, `prompt_tokens_details.cached_tokens`,
-else as the router expected them; `engine` is the instance id; each server's
-`vllm:` counters are in its own `/metrics`). Requests and health checks have
+`GET /v1/models` (every card the servers list: each served name, each LoRA
+adapter), `POST /tokenize` and `/detokenize` (passed to a server that is up),
+`/health` (200 while the servers up can serve a request: one of role `both`,
+or a prefill one and a decode one; with each one's state), `/metrics` (the
+router's own, `serving.metrics`'s families: responses by status, every answer
+to a completion counted, a 500 too; rejections by reason, TTFT and
+inter-token latency as a stream's chunks arrive (a whole answer's tokens come
+at once: no inter-token latency), generated tokens and finish reasons as each
+answer's usage and `finish_reason` say (vLLM's engine reasons: `tool_calls`
+is its `stop`), prefix hits as each server reports them in its usage,
+`prompt_tokens_details.cached_tokens`, else as the router expected them;
+`engine` is the instance id; each server's `vllm:` counters are in its own
+`/metrics`). Requests and health checks have
 sessions of their own, with no cap on connections: a burst of requests never
 makes a health check wait for a connection and time out.
 """
@@ -54,8 +64,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import aiohttp
@@ -82,9 +93,9 @@ from vllm_events import KvEventSubscriber
 
 from mooncake.cache import BlockIndex
 from mooncake.engine.tokenizer import load_tokenizer
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched import Outcome, Reason, http_status
-from mooncake.types import InstanceId
+from mooncake.types import InstanceId, as_token_array
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, FleetInstance, Flight
 from vllm_fleet.prompt import prompt_of
@@ -101,6 +112,24 @@ HOP_BY_HOP = frozenset(
 MAX_BODY_BYTES = 32 << 20
 VLLM_COMPLETION_MAX_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens for a completion that sets none
 SHUTDOWN_GRACE_S = 5.0  # what a request still in flight gets at `close` before it is cancelled (aiohttp's: 60 s)
+# Set on a request once its streamed answer has begun: no other answer can follow.
+PREPARED = web.RequestKey("mooncake_prepared", bool)
+# A stream's chunks, read without parsing each: one with a choice carries tokens (a usage chunk's choices are
+# empty), unless it is a chat's first, which only names the role; a finish reason, where a chunk gives one.
+_CHOICE = re.compile(rb'"choices":\s*\[\s*\{')
+_ROLE_ONLY = re.compile(rb'"delta":\s*\{\s*"role"')
+_FINISH = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
+# An answer's `finish_reason` as vLLM's engine counts it in `vllm:request_success` (`FinishReason`): the chat
+# layer answers `tool_calls` for the engine's STOP when tools were called (older clients: `function_call`).
+FINISHED_REASONS = {
+    "stop": "stop",
+    "tool_calls": "stop",
+    "function_call": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+    "repetition": "repetition",
+}
 
 
 # What vLLM's disaggregated-serving proxy asks of the prefill server: keep the KV for a decode elsewhere.
@@ -154,7 +183,8 @@ class VllmRouter:
         self.model = ""
         self._session: aiohttp.ClientSession | None = None
         self._checks: aiohttp.ClientSession | None = None  # health checks': never queued behind requests
-        self._cards: list[dict[str, Any]] = []
+        self._cards: list[tuple[dict[str, Any], ...]] = []  # each server's /v1/models cards
+        self._served: frozenset[str] = frozenset()  # the model's names (`--served-model-name a b`): no adapter's
         self._max_model_len = 0
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -190,7 +220,8 @@ class VllmRouter:
             if len(models) > 1:
                 raise ConfigError(f"{self.config.source}: the instances serve different models: {sorted(models)}")
             self.model = infos[0].model
-            self._cards = [info.card for info in infos]
+            self._served = frozenset(name for info in infos for name in info.served_names)
+            self._cards = [info.cards or (info.card,) for info in infos]
             self._max_model_len = max(info.max_model_len for info in infos)
             self.fleet = Fleet(self.config, infos, subscribe=_subscriber)
             fleet = self.fleet
@@ -241,7 +272,13 @@ class VllmRouter:
             )
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as error:  # in use, not this host's address, a privileged port
+                raise ConfigError(
+                    f"{self.config.source}: [router] host = {self.settings.host!r}, port = {self.settings.port}: "
+                    f"the router cannot listen there: {error.strerror or error}"
+                ) from error
             sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
             port = sockets[0].getsockname()[1]
             self.url = f"http://{self.settings.host}:{port}"
@@ -282,33 +319,71 @@ class VllmRouter:
                 await asyncio.sleep(0)
 
     async def _health_loop(self) -> None:
-        assert self.fleet is not None and self._checks is not None
-        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+        assert self.fleet is not None
         while True:
             # First the interval: `start` has just probed every server. (A pass at once raced the first requests:
             # it could mark up again, from a /health asked before, a server a request had just found failing.)
             await asyncio.sleep(self.settings.health_interval_s)
-            for instance in list(self.fleet.instances.values()):
-                try:
-                    async with self._checks.get(f"{instance.url}/health", timeout=timeout) as answer:
-                        healthy = answer.status == 200
-                    if healthy:
-                        asked = self.fleet.unprefilled(instance.instance_id)  # answers may come during the scrape
-                        async with self._checks.get(f"{instance.url}/metrics", timeout=timeout) as answer:
-                            instance.state = scrape(await answer.text(errors="replace"))
-                        self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic(), asked=asked)
-                except (aiohttp.ClientError, TimeoutError, OSError):
-                    healthy = False
-                except Exception:  # whatever one answer does, the loop goes on: it alone marks servers up again
-                    log.exception("checking instance %s (%s) failed", instance.instance_id, instance.url)
-                    healthy = False
-                if healthy and not instance.up:  # back, perhaps restarted with other flags: probed again first
-                    healthy = await self._reprobe(instance)
-                if healthy != instance.up:
-                    log.warning(
-                        "instance %s (%s) is %s", instance.instance_id, instance.url, "up" if healthy else "down"
+            # All at once: one slow server never delays the others' checks.
+            await asyncio.gather(*(self._check(instance) for instance in list(self.fleet.instances.values())))
+
+    async def _check(self, instance: FleetInstance) -> None:
+        """One health check of one server. Its `/health` alone decides whether it is up: `health_failures`
+        failures in a row mark it down (a blip or one slow answer does not empty its cache from the index, which
+        without a replay socket would never come back); one that answers again is probed (`_reprobe`) before it
+        is marked up. Its `/metrics` gives its load (`_scrape`)."""
+        assert self.fleet is not None and self._checks is not None
+        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+        try:
+            try:
+                async with self._checks.get(f"{instance.url}/health", timeout=timeout) as answer:
+                    healthy = answer.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                healthy = False
+            instance.failed_checks = 0 if healthy else instance.failed_checks + 1
+            if not instance.up:
+                if healthy and await self._reprobe(instance):  # back, perhaps restarted with other flags
+                    log.warning("instance %s (%s) is up", instance.instance_id, instance.url)
+                    self._mark(instance.instance_id, True)
+            elif not healthy and instance.failed_checks >= self.settings.health_failures:
+                log.warning(
+                    "instance %s (%s) is down: %d health checks failed in a row",
+                    instance.instance_id,
+                    instance.url,
+                    instance.failed_checks,
+                )
+                self._mark(instance.instance_id, False)
+            if healthy and instance.up:
+                await self._scrape(instance, timeout)
+        except Exception:  # whatever one answer does, the loop goes on: it alone marks servers up again
+            log.exception("checking instance %s (%s) failed", instance.instance_id, instance.url)
+
+    async def _scrape(self, instance: FleetInstance, timeout: aiohttp.ClientTimeout) -> None:
+        """Read a healthy server's `/metrics` and reconcile its queue. One that fails or is slow (a scrape
+        waits behind a busy server's engine) leaves its load as last read, marked stale: it says nothing of the
+        server's health."""
+        assert self.fleet is not None and self._checks is not None
+        asked = self.fleet.unprefilled(instance.instance_id)  # answers may come during the scrape
+        try:
+            async with self._checks.get(f"{instance.url}/metrics", timeout=timeout) as answer:
+                if answer.status != 200:
+                    raise aiohttp.ClientResponseError(
+                        answer.request_info, answer.history, status=answer.status, message=answer.reason or ""
                     )
-                    self._mark(instance.instance_id, healthy)
+                text = await answer.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            if not instance.load_stale:
+                log.warning(
+                    "instance %s (%s): /metrics failed (%s); its load stays as last read",
+                    instance.instance_id,
+                    instance.url,
+                    f"{type(error).__name__}: {error or 'no answer within connect_timeout_s'}",
+                )
+            instance.load_stale = True
+            return
+        instance.load_stale = False
+        instance.state = scrape(text)
+        self.fleet.reconcile(instance.instance_id, instance.state, time.monotonic(), asked=asked)
 
     async def _reprobe(self, instance: FleetInstance) -> bool:
         """Probe a down server that answers `/health` again (`upstream.reprobe`): whether it may be marked up. A
@@ -334,7 +409,7 @@ class VllmRouter:
         if changes:
             log.warning("instance %s (%s) came back with %s", instance.instance_id, instance.url, ", ".join(changes))
         self.fleet.refresh(instance.instance_id, info)
-        self._cards[list(self.fleet.instances).index(instance.instance_id)] = info.card
+        self._cards[list(self.fleet.instances).index(instance.instance_id)] = info.cards or (info.card,)
         self._max_model_len = max(other.info.max_model_len for other in self.fleet.instances.values())
         return True
 
@@ -349,12 +424,30 @@ class VllmRouter:
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        """Every answer to a completion is counted by status: an ApiError's, and a failure's 500 (as OpenAI's
+        error, logged with its traceback), unless a stream had begun (counted as its 200; the connection is
+        closed)."""
+        counted = self.metrics is not None and request.path.startswith("/v1/") and request.method == "POST"
         try:
             return await handler(request)
         except ApiError as error:
-            if self.metrics is not None and request.path.startswith("/v1/") and request.method == "POST":
+            if counted and self.metrics is not None:
                 self.metrics.responses[str(error.status)].inc()
             return web.json_response(error.body(), status=error.status, headers=error.headers)
+        except web.HTTPException as error:  # aiohttp's own (a body over client_max_size: 413)
+            if counted and self.metrics is not None:
+                self.metrics.responses[str(error.status)].inc()
+            raise
+        except ConnectionResetError:  # the client left: no one to answer
+            raise
+        except Exception as error:
+            if request.get(PREPARED):
+                raise
+            log.exception("%s %s failed", request.method, request.path)
+            if counted and self.metrics is not None:
+                self.metrics.responses["500"].inc()
+            message = f"the router failed the request: {type(error).__name__}: {error}"
+            return web.json_response(error_body(message, kind="server_error", code=500), status=500)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """The client's end-to-end headers for a server; with `server_api_key`, the servers' key in place of the
@@ -370,11 +463,15 @@ class VllmRouter:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
     async def _models(self, request: web.Request) -> web.Response:
-        """The served model as the first server lists it (its `max_model_len`, `root`, `permission`...)."""
+        """Every card the servers list, as the first to list it gives it (its `max_model_len`, `root`, `parent`,
+        `permission`...): each of the model's served names, then each LoRA adapter, once."""
         self._authorize(request)
-        card = self._cards[0] if self._cards else {}
-        entry = {**card, "id": self.model} if card else {"id": self.model, "object": "model", "owned_by": "vllm"}
-        return web.json_response({"object": "list", "data": [entry]})
+        entries: dict[str, dict[str, Any]] = {}
+        for cards in self._cards:
+            for card in cards:
+                entries.setdefault(str(card.get("id")), card)
+        data = list(entries.values()) or [{"id": self.model, "object": "model", "owned_by": "vllm"}]
+        return web.json_response({"object": "list", "data": data})
 
     async def _pass(self, request: web.Request) -> web.Response:
         """`/tokenize` and `/detokenize`: the same tokenizer on every server, so the first that is up answers. No
@@ -413,10 +510,13 @@ class VllmRouter:
                 "waiting": instance.state.waiting,
                 "event_errors": instance.event_errors,
                 **({"refused": instance.refused} if instance.refused else {}),
+                **({"load_stale": True} if instance.load_stale else {}),
             }
             for instance_id, instance in self.fleet.instances.items()
         }
-        healthy = any(instance.up for instance in self.fleet.instances.values())
+        # Up as a whole when a request can be served: a coupled server, or a prefill and a decode one.
+        roles = {instance.section.role for instance in self.fleet.instances.values() if instance.up}
+        healthy = "both" in roles or {"prefill", "decode"} <= roles
         body = {
             "status": "ok" if healthy else "unavailable",
             "in_flight": len(self.fleet.flights),
@@ -472,8 +572,13 @@ class VllmRouter:
                 check_output_limit(max_tokens, self._max_model_len, output_limit_field(body, completion=not chat))
         prompt = prompt_of(self.tokenizer, body, chat=chat, max_model_len=self._max_model_len)
         tokens = prompt.tokens
+        if not chat and isinstance(body.get("prompt"), list):  # ids a client gave (a tokenizer's are in range)
+            try:
+                as_token_array(tokens)  # the block keys hash them as int32; vLLM refuses any out of its vocabulary
+            except InvalidRequestError as error:
+                raise ApiError(400, f"prompt: {error}", param="prompt") from None
         salt = cache_salt(body)  # vLLM's 400 for a bad one, before any server sees it
-        lora = _adapter(body, self.model)
+        lora = _adapter(body, self._served)
         max_tokens = self._trimmed(len(tokens), max_tokens)
         stream = stream_flag(body)
         upstream_body = dict(body)
@@ -487,6 +592,7 @@ class VllmRouter:
             upstream_body["stream_options"] = options
         payload = json.dumps(upstream_body).encode()
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        wasted: str | None = None  # a decode server failed after the prefill ran: what a rejection now says
         for _attempt in range(self.settings.max_retries + 1):
             now = time.monotonic()
             _, decision = self.fleet.schedule(tokens, max_tokens, now, cache_salt=salt, lora=lora)
@@ -495,18 +601,19 @@ class VllmRouter:
                 self.metrics.rejections[decision.reason.value].inc()
                 status = http_status(decision.reason)
                 detail = {
-                    503: "no vLLM server is up",
+                    503: self._none_up(decision.reason),
                     # The prompt fits the longest context (`_trimmed`), but no server up has one that long.
                     400: f"the prompt's {len(tokens)} tokens and max_tokens {max_tokens} exceed the servers' "
                     "maximum context",
                 }.get(status)
                 raise rejection_error(
                     decision.reason,
-                    Outcome.REJECTED_BEFORE_PREFILL,
+                    Outcome.REJECTED_BEFORE_PREFILL if wasted is None else Outcome.REJECTED_AFTER_PREFILL,
                     detail=detail,
                     ttft_s=decision.ttft_s,
                     ttft_slo_s=self.settings.ttft_slo_s,
                     param="max_tokens" if status == 400 else None,
+                    failure=wasted,
                 )
             log.debug(
                 "%s: %d tokens, %d cached on %s, estimated TTFT %.3f s",
@@ -542,6 +649,11 @@ class VllmRouter:
                 )
                 self.fleet.failed(flight, time.monotonic(), Reason.INSTANCE_DOWN)
                 self._mark(failure.instance_id, False)
+                if failure.instance_id != flight.instance_id and flight.prefilled_s is not None:
+                    wasted = (
+                        f"decode server {failure.instance_id} failed ({failure}) after the prefill on "
+                        f"{flight.instance_id} ran"
+                    )
             except (asyncio.CancelledError, ConnectionResetError):
                 self.fleet.failed(flight, time.monotonic(), Reason.CLIENT_GONE)
                 raise
@@ -573,6 +685,15 @@ class VllmRouter:
         return max_tokens_within(
             self.settings.default_max_tokens if max_tokens is None else max_tokens, num_prompt_tokens, limit
         )
+
+    def _none_up(self, reason: Reason) -> str:
+        """What a 503 says is missing: the side of a disaggregated fleet that has no server up."""
+        roles = {instance.section.role for instance in self.fleet.instances.values()} if self.fleet else set()
+        if roles <= {"both"}:
+            return "no vLLM server is up"
+        if reason is Reason.NO_DECODE_INSTANCE:
+            return 'no decode server is up (role "decode" or "both")'
+        return 'no prefill server is up (role "prefill" or "both")'
 
     def _timeout_message(self, instance_id: InstanceId) -> str:
         return f"the request ran past request_timeout_s ({self.settings.request_timeout_s:g} s) on {instance_id}"
@@ -668,7 +789,7 @@ class VllmRouter:
                 headers=headers,
                 timeout=self._upstream_timeout(received, instance_id),
             )
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as error:
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:  # unreachable, or an answer not HTTP
             raise _failure(instance_id, error) from error
         log.debug("%s: %s answered %d", flight.request.request_id, instance_id, upstream.status)
         try:
@@ -690,7 +811,7 @@ class VllmRouter:
                     # An answer of one token came at its first token: its time is the prefill's.
                     fleet.first_token(flight, now, timed=flight.request.output_length == 1)
                     fleet.finished(flight, now, generated, cached_tokens=cached)
-                    self._account(flight, now, now, generated, finish)
+                    self._account(flight, now, now, now, generated, finish)
                 else:
                     fleet.failed(flight, now, Reason.FAILED)
                 metrics.responses[str(upstream.status)].inc()
@@ -700,6 +821,9 @@ class VllmRouter:
                 headers={**kept, "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **route_headers}
             )
             first_s: float | None = None
+            last_token_s: float | None = None  # when the last chunk carrying tokens came
+            token_chunks = 0
+            itl = metrics.itl[instance_id]
             prepared = skip_blank = False
             try:
                 async for line in lines(upstream.content):
@@ -707,10 +831,20 @@ class VllmRouter:
                         skip_blank = False
                         continue  # the blank line that ended a usage chunk the client did not ask for
                     skip_blank = False
-                    if first_s is None and line.startswith(b"data:"):
-                        first_s = time.monotonic()
-                        fleet.first_token(flight, first_s)
-                        metrics.ttft[flight.instance_id].observe(first_s - received)
+                    if line.startswith(b"data:"):
+                        if first_s is None:
+                            first_s = time.monotonic()
+                            fleet.first_token(flight, first_s)
+                            metrics.ttft[flight.instance_id].observe(first_s - received)
+                        if _CHOICE.search(line) and not _ROLE_ONLY.search(line):
+                            # vLLM observes the time between a request's engine steps; each chunk is one step's.
+                            arrived = time.monotonic()
+                            if last_token_s is not None:
+                                itl.observe(arrived - last_token_s)
+                            last_token_s = arrived
+                            token_chunks += 1
+                        if (named := _FINISH.search(line)) is not None:
+                            finish = named[1].decode()
                     if line.startswith(b"data:") and b'"usage"' in line:
                         with contextlib.suppress(ValueError, TypeError, KeyError):
                             chunk = json.loads(line[5:])
@@ -720,11 +854,9 @@ class VllmRouter:
                                 if not wants_usage:
                                     skip_blank = True
                                     continue
-                    if b'"finish_reason":"stop"' in line:
-                        finish = "stop"
                     if not prepared:
                         await response.prepare(request)
-                        prepared = True
+                        prepared = request[PREPARED] = True
                         metrics.responses["200"].inc()
                     await response.write(line)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as error:
@@ -750,10 +882,12 @@ class VllmRouter:
                 return response
             if not prepared:
                 await response.prepare(request)
+                request[PREPARED] = True
                 metrics.responses["200"].inc()
             now = time.monotonic()
             fleet.finished(flight, now, generated, cached_tokens=cached)
-            self._account(flight, first_s if first_s is not None else now, now, generated, finish)
+            counted = generated if generated is not None else token_chunks  # a server that gave no usage
+            self._account(flight, first_s if first_s is not None else now, last_token_s or now, now, counted, finish)
             done = True
             with contextlib.suppress(ConnectionResetError):  # the answer is whole: a client leaving now loses nothing
                 await response.write_eof()
@@ -764,9 +898,16 @@ class VllmRouter:
             else:
                 upstream.close()
 
-    def _account(self, flight: Flight, first_s: float, end_s: float, generated: int | None, finish: str) -> None:
+    def _account(
+        self, flight: Flight, first_s: float, last_s: float, end_s: float, generated: int | None, finish: str
+    ) -> None:
+        """Count a completed answer as vLLM's logger counts a finished request: its prompt on its prefill
+        server, its generated tokens (`generation_tokens`, from its usage) and its finish reason as the engine
+        names it (`FINISHED_REASONS`; one the router does not know is counted as `length`) on its decode server.
+        Inter-token latency was observed as the stream came (`_forward`): a whole answer has none."""
         assert self.metrics is not None
         request = flight.request
+        self.metrics.generation_tokens[flight.decode_instance_id].inc(generated or 0)
         self.metrics.prefilled(
             flight.instance_id,
             prompt_tokens=request.input_length,
@@ -778,12 +919,12 @@ class VllmRouter:
             FinishedRequest(
                 prefill_engine=flight.instance_id,
                 decode_engine=flight.decode_instance_id,
-                finished_reason=finish if finish in ("stop", "length") else "length",
+                finished_reason=FINISHED_REASONS.get(finish, "length"),
                 arrival_s=flight.dispatched_s,
                 prefill_started_s=None,
                 prefill_done_s=None,
                 first_token_s=first_s,
-                last_token_s=end_s,
+                last_token_s=last_s,
                 end_s=end_s,
                 prompt_tokens=request.input_length,
                 generation_tokens=generated or 0,
@@ -814,14 +955,17 @@ def _forwarded(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
 
 
-def _adapter(body: dict[str, Any], served: str) -> str | None:
+def _adapter(body: dict[str, Any], served: Collection[str]) -> str | None:
     """The LoRA adapter a request names, as vLLM reads its `model` (`_maybe_get_adapters`): every name a server
-    accepts is its model's (`served`, the probe's) or an adapter's, listed in its /v1/models with the model as
-    `parent`, or loaded since (`/v1/load_lora_adapter`), so any other name is taken for an adapter's. None: the
-    served model (no `model`, or not a string: vLLM's 400 comes from the server). A name no server serves is
-    keyed as an adapter no server has cached: planned uncached, then vLLM's 404."""
+    accepts is one of its model's (`served`: the cards of its /v1/models without a `parent`, every name of
+    `--served-model-name a b`) or an adapter's, listed with the model as `parent`, or loaded since
+    (`/v1/load_lora_adapter`), so any other name is taken for an adapter's. None: the served model (any of its
+    names, no `model`, or not a string: vLLM's 400 comes from the server). A name no server serves is keyed as
+    an adapter no server has cached: planned uncached, then vLLM's 404."""
+    if isinstance(served, str):  # one name, not its letters
+        served = (served,)
     model = body.get("model")
-    if not isinstance(model, str) or not model or model == served:
+    if not isinstance(model, str) or not model or model in served:
         return None
     return model
 

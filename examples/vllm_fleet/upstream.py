@@ -1,6 +1,8 @@
 """What the router reads from a vLLM server: its model and geometry at start-up, its state at each health check.
 
-`probe` asks `/v1/models` (the served name, `max_model_len`), `/metrics`
+`probe` asks `/v1/models` (the served names, `max_model_len`; every card
+without a `parent` is a name of the served model, as `--served-model-name a b`
+lists both, and one with a `parent` is a LoRA adapter's), `/metrics`
 (`vllm:cache_config_info`: block size, prefix caching, KV capacity) and
 `/tokenize` (a probe text, to compare with the router's tokenizer), and refuses
 what would make the router's index or estimates wrong, each in a line that
@@ -46,11 +48,15 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 @attrs.frozen(kw_only=True)
 class InstanceInfo:
-    """A vLLM server as probed at start-up."""
+    """A vLLM server as probed at start-up. `model` is its first served name, `served_names` all of them (the
+    cards of its /v1/models without a `parent`: `--served-model-name a b`), `cards` every card it lists, LoRA
+    adapters' (with their base model as `parent`) included."""
 
     model: str
     max_model_len: int
     card: dict[str, Any] = attrs.field(factory=dict, eq=False)  # its /v1/models entry, as the server gave it
+    cards: tuple[dict[str, Any], ...] = attrs.field(default=(), eq=False)
+    served_names: tuple[str, ...] = ()
     block_size: int
     prefix_caching: bool
     kv_capacity_tokens: int
@@ -117,7 +123,11 @@ async def probe(
         async with session.get(f"{url}/metrics", timeout=timeout) as answer:
             answer.raise_for_status()
             metrics = await answer.text(errors="replace")  # a stray byte costs one sample, not the server
-        model = str(models[0]["id"])
+        cards = tuple(dict(card) for card in models)
+        # vLLM's base-model cards have `parent` None; an adapter's names its base model.
+        served_names = tuple(str(card["id"]) for card in cards if not card.get("parent"))
+        model = served_names[0] if served_names else str(cards[0]["id"])
+        base = next(card for card in cards if str(card["id"]) == model)
         async with session.post(
             f"{url}/tokenize", json={"model": model, "prompt": PROBE_TEXT}, timeout=timeout
         ) as answer:
@@ -151,8 +161,10 @@ async def probe(
     kv_tokens = int(capacity) if capacity and capacity.isdigit() else int(blocks or 0) * served_block
     return InstanceInfo(
         model=model,
-        max_model_len=int(models[0].get("max_model_len") or 0),
-        card=dict(models[0]),
+        max_model_len=int(base.get("max_model_len") or 0),
+        card=base,
+        cards=cards,
+        served_names=served_names or (model,),
         block_size=served_block,
         prefix_caching=prefix_caching,
         kv_capacity_tokens=kv_tokens,
