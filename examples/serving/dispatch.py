@@ -154,6 +154,8 @@ class LiveRequest:
     joined_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
+    # Its last token's step time on its decode worker's clock (`wire.Token.at_s`), for the inter-token latency.
+    last_token_at_s: float | None = None
 
 
 @attrs.define(eq=False)
@@ -742,22 +744,33 @@ class Dispatcher:
         )
 
     def _on_tokens(self, report: wire.DecodeTokens) -> None:
-        """One decode step's tokens: counted at once, each handed to its request (one clock read for all)."""
-        instance, live_requests = report.instance_id, self.live
-        self.metrics.generation_tokens[instance].inc(len(report.tokens))
+        """One decode step's tokens (or several steps', merged while this loop was behind): counted at once, each
+        handed to its request (one clock read for all).
+
+        Timed as the steps ran, not as the report arrived (which would make every merged token's interval 0):
+        a token's inter-token latency is its step's time on its decode worker's monotonic clock (`Token.at_s`)
+        less its request's previous token's, as vLLM times it by its engine core's step times (one attempt's
+        tokens all come from one worker: its first, index 0, starts the intervals again). On this clock (TTFT,
+        a request's first and last token), the report's latest step is placed at its arrival, `now`, and each
+        earlier step as long before it as it ran before on the worker: only differences of one worker's clock
+        are used, never a worker's reading against this one's; an unmerged report lands at `now`."""
+        instance, live_requests, tokens = report.instance_id, self.live, report.tokens
+        self.metrics.generation_tokens[instance].inc(len(tokens))
         inter_token = self.metrics.itl[instance]
         now = self.now()
-        for token in report.tokens:
+        latest_at_s = max((token.at_s for token in tokens), default=0.0)
+        for token in tokens:
             live = live_requests.get(RequestId(token.request_id))  # type: ignore[arg-type]
             if live is None or live.decode != instance or live.attempt != token.attempt:
                 continue
+            placed_s = now - (latest_at_s - token.at_s)
             if token.index == 0:
                 if live.first_token_s is None:  # once per request: a whole answer's retry begins again (`_reroute`)
-                    self.metrics.ttft[live.prefill].observe(now - live.arrival)
-                live.first_token_s = now
-            elif live.last_token_s is not None:
-                inter_token.observe(now - live.last_token_s)
-            live.last_token_s = now
+                    self.metrics.ttft[live.prefill].observe(placed_s - live.arrival)
+                live.first_token_s = placed_s
+            elif live.last_token_at_s is not None:
+                inter_token.observe(token.at_s - live.last_token_at_s)
+            live.last_token_s, live.last_token_at_s = placed_s, token.at_s
             live.generated += 1
             live.events.put_nowait(("token", token))
             if token.finished:

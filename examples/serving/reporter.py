@@ -10,8 +10,11 @@ makes the calls, so:
 - order is kept: the gateway receives a worker's reports in the order `send`
   was called (one thread, one connection);
 - token reports that queue up behind a slow call travel as one: consecutive
-  `DecodeTokens` merge into a single message (their tokens in order), so a
-  gateway that falls behind gets fewer, larger reports, not a growing queue;
+  `DecodeTokens` of one worker merge into a single message (their tokens in
+  order), so a gateway that falls behind gets fewer, larger reports, not a
+  growing queue; each token keeps its own step's time (`Token.at_s`), by
+  which the gateway times it, so merging loses no timing (the merged
+  `step_s` is the latest step's);
 - `flush(timeout)` waits until everything sent so far has been delivered (or
   dropped): the prefill engine flushes `prefill.done` before handing the
   request to a decode node, whose token reports travel on another connection
@@ -21,8 +24,9 @@ makes the calls, so:
 - a call that fails (the gateway is gone: the cluster is shutting down) drops
   that report, as the direct call did.
 
-Invariant: every message given to `send` before `flush` returns True was
-delivered or dropped, in order.
+Invariants: every message given to `send` before `flush` returns True was
+delivered or dropped, in order; a merged report's tokens are its parts'
+tokens, in order, unchanged (their `at_s` included).
 """
 
 from __future__ import annotations

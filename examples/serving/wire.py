@@ -15,11 +15,15 @@ control call that carries it; its fields travel as the call's JSON object:
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error, peer}
                        (also for a job stopped by its cancel: the gateway has forgotten it, and takes its events)
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
-                       decode.tokens  DecodeTokens {instance_id, tokens: [[request_id, attempt, token, index, finished]…]}
+                       decode.tokens  DecodeTokens {instance_id, step_s,
+                                                    tokens: [[request_id, attempt, token, index, finished]…]}
 
 A token whose request asked for log-probabilities carries them as a sixth item,
 `[logprob, rank, [[token, logprob]…]]` (`TokenLogprobs`); a job's first token's
-ride in `DecodeJob.first_logprobs` the same way.
+ride in `DecodeJob.first_logprobs` the same way. A token whose step ended at another
+time (`Token.at_s`) than the token before it carries that time as a seventh item
+(its sixth then null where it has no log-probabilities): once per step of a
+report, not once per token.
 
 Reports name the worker that sends them and the request's `attempt` (a
 request rescheduled after its prefill engine went down is sent again with the
@@ -197,36 +201,58 @@ def _dump_logprobs(logprobs: TokenLogprobs) -> list[Any]:
 
 
 def _load_tokens(value: Any, where: str) -> tuple[Token, ...]:
+    """Tokens from `[request_id, attempt, token, index, finished(, logprobs(, at_s))]` items; an item without
+    `at_s` (a number; its `logprobs` then null where it has none) has its predecessor's (0.0 for the first),
+    and the times given never decrease along the list (a report carries its steps in order, on one clock)."""
     if type(value) is not list:
         raise _bad(where, "a list of tokens", value)
     tokens = []
+    at_s, is_stamped = 0.0, False  # is_stamped: a time was given (the order holds from the first one given)
     for i, item in enumerate(value):
         if (
             type(item) is not list
-            or len(item) not in (5, 6)
+            or len(item) not in (5, 6, 7)
             or not all(_is_id(x) for x in item[:4])
             or type(item[4]) is not bool
         ):
             raise _bad(
                 f"{where}[{i}]",
-                "[request_id, attempt, token, index (integers in [0, 2**64)), finished(, logprobs)]",
+                "[request_id, attempt, token, index (integers in [0, 2**64)), finished(, logprobs(, at_s))]",
                 item,
             )
-        logprobs = _load_logprobs(item[5], f"{where}[{i}][5]") if len(item) == 6 else None
-        tokens.append(Token(item[0], item[1], item[2], item[3], item[4], logprobs))
+        logprobs = None
+        if len(item) > 5 and not (len(item) == 7 and item[5] is None):
+            logprobs = _load_logprobs(item[5], f"{where}[{i}][5]")
+        if len(item) == 7:
+            stepped_s = _load_float(item[6], f"{where}[{i}][6]")
+            if is_stamped and stepped_s < at_s:
+                raise _bad(f"{where}[{i}][6]", f"a step time at or after the token before's ({at_s!r})", item[6])
+            at_s, is_stamped = stepped_s, True
+        tokens.append(Token(item[0], item[1], item[2], item[3], item[4], logprobs, at_s))
     return tuple(tokens)
 
 
-def _dump_token(t: Token) -> list[Any]:
-    item = [t.request_id, t.attempt, t.token, t.index, t.finished]
-    return item if t.logprobs is None else [*item, _dump_logprobs(t.logprobs)]
+def _dump_tokens(tokens: tuple[Token, ...]) -> list[list[Any]]:
+    """The items `_load_tokens` reads: `at_s` only where it changes (once per step, not once per token)."""
+    items = []
+    at_s = 0.0
+    for t in tokens:
+        item: list[Any] = [t.request_id, t.attempt, t.token, t.index, t.finished]
+        logprobs = None if t.logprobs is None else _dump_logprobs(t.logprobs)
+        if t.at_s != at_s:
+            item += [logprobs, t.at_s]
+            at_s = t.at_s
+        elif logprobs is not None:
+            item.append(logprobs)
+        items.append(item)
+    return items
 
 
 INT, FLOAT, STR, BOOL = _Codec(_load_int), _Codec(_load_float), _Codec(_load_str), _Codec(_load_bool)
 INTS = _Codec(_load_ints, list)
 STR_MAP = _Codec(_load_str_map)
 EVENTS = _Codec(_load_events, lambda events: [event_to_wire(e) for e in events])
-TOKENS = _Codec(_load_tokens, lambda tokens: [_dump_token(t) for t in tokens])
+TOKENS = _Codec(_load_tokens, _dump_tokens)
 LOGPROBS = _Codec(_load_logprobs, _dump_logprobs)
 BIASES = _Codec(_load_biases, lambda biases: [list(pair) for pair in biases])
 
@@ -256,7 +282,10 @@ def _field(codec: _Codec, **options: Any) -> Any:
 @attrs.frozen
 class Token:
     """One generated token of a request's attempt: its `index`-th output token, the last when `finished`; its
-    log-probabilities where the request asked for them."""
+    log-probabilities where the request asked for them; `at_s`, when the decode step that made it ended on its
+    worker's monotonic clock (`time.monotonic()`): only differences of one worker's `at_s` mean anything (the
+    gateway times a request's tokens by them, as vLLM does by its engine core's step times; 0.0 where the sender
+    gives none: the tokens of a report then count as one step's)."""
 
     request_id: int
     attempt: int
@@ -264,6 +293,7 @@ class Token:
     index: int
     finished: bool
     logprobs: TokenLogprobs | None = None
+    at_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -479,7 +509,9 @@ class DecodeFailed:
 
 @attrs.frozen(kw_only=True)
 class DecodeTokens:
-    """The tokens of one decode step (the joins' first tokens included) and the step's duration."""
+    """The tokens of one decode step (the joins' first tokens included) and the step's duration; or, merged by
+    the worker's `Reporter` while the gateway was behind, of several consecutive steps, in order, each token
+    with its own step's time (`Token.at_s`) and `step_s` the latest step's."""
 
     METHOD: ClassVar[str] = "decode.tokens"
     instance_id: str = _field(STR)

@@ -646,13 +646,19 @@ class Worker:
         self._decode_kv_usage = decode.reserved_tokens / max(1, decode.config.budget_tokens)
 
     def _report(self, tokens: list[wire.Token]) -> None:
-        """Tell the gateway of `tokens` (nothing when there are none)."""
+        """Tell the gateway of `tokens` (nothing when there are none), stamped with this step's end on this
+        process's monotonic clock: the gateway times them by it, however late (or merged with the next steps'
+        by the reporter) the report reaches it."""
         if not tokens:
             return
         assert self._decode is not None
         self._generated += len(tokens)
-        step_s = self._decode.last_step_s
-        self._tell_gateway(wire.DecodeTokens(instance_id=self.spec.instance_id, tokens=tuple(tokens), step_s=step_s))
+        at_s, step_s = time.monotonic(), self._decode.last_step_s
+        # Built anew rather than `attrs.evolve`d: a third of the time, for a batch's tokens every step.
+        stamped = tuple(
+            wire.Token(t.request_id, t.attempt, t.token, t.index, t.finished, t.logprobs, at_s) for t in tokens
+        )
+        self._tell_gateway(wire.DecodeTokens(instance_id=self.spec.instance_id, tokens=stamped, step_s=step_s))
 
     def _token(self, event: TokenEvent) -> wire.Token:
         if event.finished:
