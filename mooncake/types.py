@@ -138,7 +138,11 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
         InvalidRequestError: a key is not an integer (numpy integers are; bools are not), is negative, or is not
             below 2**256.
     """
-    if iter(keys) is keys:  # a one-shot iterator: read twice below
+    try:
+        is_iterator = iter(keys) is keys
+    except TypeError:  # None, a number: no keys at all
+        raise InvalidRequestError(f"block keys must be an iterable of integers, got {keys!r:.80}") from None
+    if is_iterator:  # a one-shot iterator: read twice below
         keys = tuple(keys)
     try:
         converted = tuple(map(operator.index, keys))

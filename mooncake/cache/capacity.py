@@ -35,7 +35,7 @@ from mooncake._checks import require_int, require_iterable
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.policy import EvictionPolicy
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, InstanceId, Tier
 
 __all__ = ["CapacityPoint", "hit_ratio_curve", "simulate_prefix_hits"]
@@ -70,9 +70,13 @@ def simulate_prefix_hits(
     those of that cache driven by `prefix_match` then `put_chain`.
 
     Args:
-        requests: each request's chained keys, in arrival order.
+        requests: each request's chained keys (a sequence each), in arrival order.
         policy: a fresh policy; it decides what to evict (and is consumed).
         capacity_blocks: blocks the cache holds at most (>= 1).
+
+    Raises:
+        InvalidRequestError: `requests` is no iterable, a request no sequence of block keys.
+        ConfigError: `capacity_blocks` is not an integer >= 1.
     """
     capacity_blocks = require_int("capacity_blocks", capacity_blocks, minimum=1)
     requests = require_iterable("requests", requests, error=InvalidRequestError)
@@ -82,8 +86,12 @@ def simulate_prefix_hits(
     size = len(policy)  # tracked here: the policy changes size only when we insert or evict
     access, evict, pin, unpin = policy.access, policy.evict, policy.pin, policy.unpin
     for keys in requests:
+        try:
+            num_keys = len(keys)  # a sequence: read twice (matched, then stored) and sliced, which an iterator is not
+        except TypeError:
+            raise InvalidRequestError(f"each request must be a sequence of block keys, got {keys!r:.80}") from None
         hits += index.match(keys).length(_SOURCE)
-        total += len(keys)
+        total += num_keys
         stored: list[BlockKey] = []
         evicted: list[BlockKey] = []
         parent = None
@@ -129,12 +137,26 @@ def simulate_prefix_hits(
 
 
 def hit_ratio_curve(
-    requests: Sequence[Sequence[BlockKey]],
+    requests: Iterable[Sequence[BlockKey]],
     make_policy: Callable[[], EvictionPolicy],
     *,
     capacities_blocks: Iterable[int],
 ) -> tuple[CapacityPoint, ...]:
-    """`simulate_prefix_hits` at each capacity, each with a fresh policy."""
-    return tuple(
-        simulate_prefix_hits(requests, make_policy(), capacity_blocks=capacity) for capacity in capacities_blocks
-    )
+    """`simulate_prefix_hits` at each capacity, each with a fresh policy.
+
+    `requests` is replayed once per capacity: an iterable that can be read only once (a generator) is read into a
+    list first, so every point replays all of it.
+
+    Raises:
+        InvalidRequestError: `requests` is no iterable, a request no sequence of keys (see `simulate_prefix_hits`).
+        ConfigError: `capacities_blocks` is no iterable of integers >= 1, or `make_policy` is not callable.
+    """
+    if not isinstance(requests, Sequence):  # a generator would be used up by the first capacity: read it once
+        requests = list(require_iterable("requests", requests, error=InvalidRequestError))
+    capacities = [
+        require_int("capacities_blocks", capacity, minimum=1)
+        for capacity in require_iterable("capacities_blocks", capacities_blocks)
+    ]
+    if not callable(make_policy):
+        raise ConfigError(f"make_policy must be a callable returning a fresh policy, got {make_policy!r}")
+    return tuple(simulate_prefix_hits(requests, make_policy(), capacity_blocks=capacity) for capacity in capacities)

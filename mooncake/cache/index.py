@@ -172,6 +172,10 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         if not kinds <= {int} and not all(kind is not bool and issubclass(kind, numbers.Integral) for kind in kinds):
             bad = next(k for k in values if isinstance(k, bool) or not isinstance(k, numbers.Integral))
             raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
+        # numpy 1.x wraps a negative int to 2**64 - n (numpy 2 raises, and the fold refuses it): -1 would then
+        # match a real key. `integers` callers' keys were checked non-negative already.
+        if values and (least := min(values)) < 0:
+            raise InvalidRequestError(f"block keys must be non-negative integers, got {least!r}")
     return array
 
 

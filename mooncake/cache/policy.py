@@ -66,6 +66,10 @@ class EvictionPolicy(Protocol):
     def __contains__(self, key: object) -> bool: ...
 
 
+def _unhashable(key: object) -> InvalidRequestError:
+    return InvalidRequestError(f"a block key must be hashable (an integer), got {key!r:.80}")
+
+
 class _PolicyBase:
     """Pins and prefix-awareness, shared by every policy.
 
@@ -103,19 +107,30 @@ class _PolicyBase:
 
     # Protocol ---------------------------------------------------------------
     def remove(self, key: BlockKey) -> None:
-        if key not in self:
+        try:
+            is_cached = key in self
+        except TypeError:  # unhashable: what a dict says, as the library's error
+            raise _unhashable(key) from None
+        if not is_cached:
             raise UnknownBlockError(f"block {key} is not cached")
         if key in self._pins:
             raise BlockPinnedError(f"block {key} is pinned {self._pins[key]} time(s); unpin before removing")
         self._forget(key)
 
     def pin(self, key: BlockKey) -> None:
-        if key not in self:
+        try:
+            is_cached = key in self
+        except TypeError:
+            raise _unhashable(key) from None
+        if not is_cached:
             raise UnknownBlockError(f"cannot pin block {key}: not cached")
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: BlockKey) -> None:
-        count = self._pins.get(key)
+        try:
+            count = self._pins.get(key)
+        except TypeError:
+            raise _unhashable(key) from None
         if count is None:
             raise UnknownBlockError(f"cannot unpin block {key}: not pinned")
         if count > 1:
@@ -206,9 +221,13 @@ class _HeapPolicy(_PolicyBase):
     def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
         # One flat method rather than the base's insert/touch hooks: the capacity
         # analysis calls this once per block of a trace.
-        tick = self._tick = self._tick + 1
         current = self._priority
-        if key in current:
+        try:
+            is_cached = key in current
+        except TypeError:  # unhashable: refused before the clock or any table moves
+            raise _unhashable(key) from None
+        tick = self._tick = self._tick + 1
+        if is_cached:
             priority = current[key] = tick if self._ranked_by_tick else self._rank(key, None)
         else:
             if self._ranked_by_tick:
@@ -318,7 +337,11 @@ class SievePolicy(_PolicyBase):
         return len(self._visited)
 
     def access(self, key: BlockKey, *, parent: BlockKey | None = None, position: int = 0) -> None:
-        if key in self._visited:
+        try:
+            is_cached = key in self._visited
+        except TypeError:
+            raise _unhashable(key) from None
+        if is_cached:
             self._visited[key] = True
             return
         self._visited[key] = False

@@ -41,6 +41,15 @@ a block the GPU holds already as such. The offloading connector names each chunk
 `blocks_per_chunk` GPU blocks by its last block's hash alone: the decoder counts
 the chunk's every block (found through their parents).
 
+Clearing. vLLM's `AllBlocksCleared` is its GPU pool's alone (`BlockPool.reset_prefix_cache`, the only place
+vLLM publishes it): the decoder reads it as the removal of every block from the GPU's tier (our `BlockRemoved`
+of the blocks the GPU held, their GPU copies dropped), and the other tiers keep theirs, for vLLM keeps serving
+prefixes from CPU after a ``/reset_prefix_cache``. Resetting the offloading connector too
+(``reset_connector``, ``reset_external``) publishes no event at all, so what the decoder, and an index it
+feeds, hold for the CPU and storage tiers goes stale until those blocks' removals come, or a gap (`skip_to`,
+then a `BlockIndex` drops the source's holdings on the new epoch's first event) or a restart of vLLM starts a
+new epoch. This library's own `AllBlocksCleared` still means the whole source, for the producers that publish it.
+
 Sequencing. vLLM numbers batches 0, 1, 2, ... per process. The decoder turns
 batch ``seq`` into this library's events of one source, numbered one by one in
 its own epoch: a batch above the next expected one is a gap (nothing is applied;
@@ -65,7 +74,7 @@ Invariants (`VllmEventDecoder.check_invariants`):
 - held hashes have a count of copies >= 0 per tier, some of them positive (all zero only after `skip_to`, whose
   losses make the counts unknown); at most `max_retired_hashes` are retired; a hash whose parent is recorded is
   mapped; a chunk stored without tokens is recorded, per tier, with its blocks (its naming hash last) and copies;
-- the held are kept in the order they came to be held (a clear retires them so), the retired in the order
+- the held are kept in the order they came to be held (a GPU clear retires them so), the retired in the order
   they were retired (the oldest goes first); a refused batch puts every hash back in its place.
 """
 
@@ -79,7 +88,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_bool, require_int, require_str
+from mooncake._checks import require_bool, require_int, require_iterable, require_str
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.vllm_wire import (
@@ -93,7 +102,7 @@ from mooncake.cache.vllm_wire import (
     decode_batch,
     encode_batch,
 )
-from mooncake.errors import ConfigError, UnknownBlockError, VllmEventError
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownBlockError, VllmEventError
 from mooncake.types import BlockKey, InstanceId, Tier, as_token_array
 
 __all__ = [
@@ -149,7 +158,7 @@ def index_hash(block_hash: ExternalHash) -> int:
     return block_hash & _LOW_64
 
 
-_Change = tuple[type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared], tuple[BlockKey, ...], Tier]
+_Change = tuple[type[BlockStored] | type[BlockRemoved], tuple[BlockKey, ...], Tier]
 """What one vLLM event does to a source's holdings: the kind of event of ours, its keys, its tier."""
 
 
@@ -221,6 +230,8 @@ class VllmEventDecoder:
         if report_mode not in REPORT_MODES:
             raise ConfigError(f"report_mode must be one of {REPORT_MODES}, got {report_mode!r}")
         self.report_mode = report_mode
+        # The tier vLLM's GPU pool, the publisher of AllBlocksCleared, stores in (vLLM before mediums: no medium).
+        self._gpu_tier = self.tiers.get("GPU", self.tiers.get(None, Tier.VRAM))
         self.num_skipped = 0
         self._epoch = require_int("epoch", epoch, minimum=0)
         self._expected = 0  # the next vLLM batch seq
@@ -258,7 +269,14 @@ class VllmEventDecoder:
         return self._keys.get(index_hash(block_hash))
 
     def num_copies(self, block_hash: ExternalHash, tier: Tier | int | str) -> int:
-        """How many copies of a block (a vLLM hash, in any form) `tier` holds, as the events counted them."""
+        """How many copies of a block (a vLLM hash, in any form) `tier` holds, as the events counted them.
+
+        Raises:
+            VllmEventError: `block_hash` is not an int or bytes.
+            ConfigError: `tier` is no tier.
+        """
+        if not isinstance(block_hash, int | bytes):
+            raise VllmEventError(f"block_hash must be a vLLM block hash (an int or bytes), got {block_hash!r}")
         return self._held.get(index_hash(block_hash), _NO_COPIES)[parse_tier(tier)]
 
     def decode(self, payload: bytes, *, seq: int) -> tuple[CacheEvent, ...] | SequenceGap:
@@ -281,7 +299,9 @@ class VllmEventDecoder:
 
         Each `BlockStored` is a copy more of its blocks in its tier (see `report_mode`),
         each `BlockRemoved` one fewer; our `BlockStored` names them all, our
-        `BlockRemoved` those whose last copy in the tier went. A `BlockStored` without
+        `BlockRemoved` those whose last copy in the tier went. vLLM's `AllBlocksCleared`
+        (its GPU pool's) takes every GPU copy: our `BlockRemoved` from the GPU's tier of
+        the blocks it held there (other tiers keep theirs; see the module docstring). A `BlockStored` without
         token ids (vLLM's offloading connector copying blocks to CPU) names blocks by
         hash alone: each must be a hash the decoder knows (from the GPU's store), and
         stands for its chunk: itself and the blocks before it, `blocks_per_chunk` in
@@ -291,10 +311,12 @@ class VllmEventDecoder:
         Raises:
             VllmEventError: a block size other than the hasher's (a token-less event's: not a multiple of it),
                 token ids other than `block_size` per hash (vLLM stores full blocks only), an unknown medium, or
-                extra keys (strict).
+                extra keys (strict); `batch` is no `VllmEventBatch`, `seq` no integer >= 0.
             UnknownBlockError: a parent, removed or token-less stored hash never seen (strict only).
             Either way the batch is not applied.
         """
+        if not isinstance(batch, VllmEventBatch):
+            raise VllmEventError(f"batch must be a VllmEventBatch (decode_batch reads one), got {batch!r:.80}")
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         before_restart = None
         if seq < self._expected:
@@ -315,6 +337,12 @@ class VllmEventDecoder:
         skipped = self.num_skipped
         try:
             changes = [change for event in batch.events if (change := self._apply(event)) is not None]
+            # Built before anything commits: an event that cannot be made leaves the decoder as it was.
+            source, epoch = self.source, self._epoch
+            events = tuple(
+                kind(source=source, seq=self._seq + i, keys=keys, tier=tier, epoch=epoch)
+                for i, (kind, keys, tier) in enumerate(changes)
+            )
         except BaseException:
             self._rollback()
             self.num_skipped = skipped  # what a refused batch skipped is skipped again when it is replayed
@@ -323,13 +351,6 @@ class VllmEventDecoder:
             raise
         finally:
             self._undo = None
-        source, epoch = self.source, self._epoch
-        events = tuple(
-            AllBlocksCleared(source=source, seq=self._seq + i, epoch=epoch)
-            if issubclass(kind, AllBlocksCleared)
-            else kind(source=source, seq=self._seq + i, keys=keys, tier=tier, epoch=epoch)
-            for i, (kind, keys, tier) in enumerate(changes)
-        )
         self._seq += len(events)
         self._expected = seq + 1
         self._applied[seq] = batch.ts
@@ -355,8 +376,13 @@ class VllmEventDecoder:
         self._chunks = {}
 
     def restart(self, *, epoch: int | None = None) -> None:
-        """Forget everything (vLLM restarted): expect batch 0 next, in `epoch` (default: the next)."""
-        self._epoch = self._epoch + 1 if epoch is None else epoch
+        """Forget everything (vLLM restarted): expect batch 0 next, in `epoch` (default: the next).
+
+        Raises:
+            ConfigError: `epoch` is not an integer >= 0 (as the constructor's); nothing is forgotten then.
+        """
+        epoch = self._epoch + 1 if epoch is None else require_int("epoch", epoch, minimum=0)
+        self._epoch = epoch
         self._seq = 0
         self._expected = 0
         # New containers, not cleared ones: `translate` keeps the old to undo a restart whose batch is refused.
@@ -404,11 +430,7 @@ class VllmEventDecoder:
 
     def _apply(self, event: VllmEvent) -> _Change | None:
         if isinstance(event, VllmAllBlocksCleared):
-            for block_hash in list(self._held):
-                self._set(block_hash, self._keys[block_hash], None)
-            for chunk in list(self._chunks):
-                self._write(self._chunks, chunk, _MISSING)
-            return (AllBlocksCleared, (), Tier.VRAM)
+            return self._clear_gpu()
         if isinstance(event, VllmBlockStored) and event.group_idx is not None and event.kv_cache_spec_kind:
             self.group_kinds[event.group_idx] = event.kv_cache_spec_kind
         if event.group_idx not in (None, self.kv_group):
@@ -447,6 +469,24 @@ class VllmEventDecoder:
                 self._add_copies(block_hash, key, tier, 1)
         keys = tuple(dict.fromkeys(key for _, key in stored))  # chunks sharing blocks name them once
         return (BlockStored, keys, tier) if keys else None
+
+    def _clear_gpu(self) -> _Change | None:
+        """vLLM's AllBlocksCleared: its GPU pool dropped every block (`BlockPool.reset_prefix_cache`, the event's
+        only publisher); the offloading connector's tiers keep theirs (its reset publishes nothing). Every GPU copy
+        goes, in the order the blocks came to be held, and a block left in no tier is retired; the GPU's chunk
+        records go too. Blocks whose copies are unknown (all zero, after `skip_to`) are left as they are: no
+        index holds them in this epoch, and another tier may."""
+        tier = self._gpu_tier
+        removed: list[BlockKey] = []
+        for block_hash, counts in list(self._held.items()):
+            if counts[tier]:
+                key = self._keys[block_hash]
+                self._add_copies(block_hash, key, tier, -counts[tier])
+                removed.append(key)
+        for chunk in [chunk for chunk in self._chunks if chunk[1] == tier]:
+            self._write(self._chunks, chunk, _MISSING)
+        keys = tuple(dict.fromkeys(removed))  # two hashes of one key (a hash in two forms) name it once
+        return (BlockRemoved, keys, tier) if keys else None
 
     def _add_copies(self, block_hash: int, key: BlockKey, tier: Tier, delta: int) -> int:
         """Count `delta` copies more of block `key` (`block_hash`) in `tier` (never below zero: a removal of a copy
@@ -680,7 +720,12 @@ class VllmEventEncoder:
         return keys[:num_full]
 
     def forget(self, keys: Iterable[BlockKey]) -> None:
-        """Drop what `register` recorded for `keys` (keys it did not record are ignored)."""
+        """Drop what `register` recorded for `keys` (keys it did not record are ignored).
+
+        Raises:
+            InvalidRequestError: `keys` is not an iterable of keys.
+        """
+        keys = require_iterable("keys", keys, error=InvalidRequestError)
         for key in keys:
             self._blocks.pop(key, None)
             self._partial.discard(key)
@@ -693,10 +738,18 @@ class VllmEventEncoder:
     def to_vllm(self, event: CacheEvent) -> tuple[VllmEvent, ...]:
         """`event` as vLLM events: one per run of chained keys for a `BlockStored`, partial blocks left out.
 
+        An `AllBlocksCleared` (this library's: the whole source) becomes vLLM's, which only its GPU pool
+        publishes and a decoder reads as the GPU tier's clear: publish the other tiers' removals as well
+        (`BlockRemoved` per tier) for a vLLM consumer to see them go.
+
         Raises:
             UnknownBlockError: a stored key that `register` did not record.
-            VllmEventError: a tier with no medium.
+            VllmEventError: a tier with no medium; `event` is no cache event.
         """
+        if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+            raise VllmEventError(
+                f"to_vllm takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {event!r:.80}"
+            )
         if isinstance(event, AllBlocksCleared):
             return (VllmAllBlocksCleared(),)
         medium = self.mediums.get(event.tier)

@@ -47,9 +47,9 @@ from typing import Any, Literal, cast
 
 import attrs
 
-from mooncake._checks import is_int
+from mooncake._checks import is_finite_number, is_int
 from mooncake._extras import needs_extra
-from mooncake.errors import VllmEventError
+from mooncake.errors import ConfigError, VllmEventError
 
 __all__ = [
     "ExternalHash",
@@ -68,6 +68,8 @@ ExternalHash = int | bytes
 
 WireLayout = Literal["array", "map"]
 """A msgpack struct as a positional array or as a map of field names."""
+
+_LAYOUTS = ("array", "map")
 
 _STORED, _REMOVED, _CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 _TAG_KEY = "type"
@@ -151,13 +153,24 @@ def encode_batch(
         batch_layout: "array", as vLLM's batches are on the wire, or "map".
 
     Raises:
-        ConfigError: msgpack (the kv-events extra) is not installed.
+        ConfigError: a layout other than "array" or "map"; msgpack (the kv-events extra) is not installed.
+        VllmEventError: `batch` is no `VllmEventBatch`, its ts no finite number, its rank no integer or None, or
+            an event no vLLM event record.
     """
+    for name, layout in (("event_layout", event_layout), ("batch_layout", batch_layout)):
+        if layout not in _LAYOUTS:  # anything else would silently be a map
+            raise ConfigError(f"{name} must be one of {_LAYOUTS}, got {layout!r}")
+    if not isinstance(batch, VllmEventBatch):
+        raise VllmEventError(f"batch must be a VllmEventBatch, got {batch!r:.80}")
+    if not is_finite_number(batch.ts):
+        raise VllmEventError(f"batch ts must be a finite number, got {batch.ts!r}")
+    rank = batch.data_parallel_rank
+    if rank is not None and not is_int(rank):
+        raise VllmEventError(f"batch data_parallel_rank must be an integer or None, got {rank!r}")
     with needs_extra("encode_batch"):  # lazy: `import mooncake.cache` stays light
         import msgpack  # type: ignore[import-untyped]
 
     events = [_event_wire(event, event_layout) for event in batch.events]
-    rank = batch.data_parallel_rank
     body: list[Any] | dict[str, Any]
     if batch_layout == "array":
         body = [float(batch.ts), events, rank]
@@ -167,9 +180,14 @@ def encode_batch(
 
 
 def _event_wire(event: VllmEvent, layout: WireLayout) -> list[Any] | dict[str, Any]:
-    tag = (
-        _STORED if isinstance(event, VllmBlockStored) else _REMOVED if isinstance(event, VllmBlockRemoved) else _CLEARED
-    )
+    if isinstance(event, VllmBlockStored):
+        tag = _STORED
+    elif isinstance(event, VllmBlockRemoved):
+        tag = _REMOVED
+    elif isinstance(event, VllmAllBlocksCleared):
+        tag = _CLEARED
+    else:  # written as a clear, it would drop every block the consumer holds
+        raise VllmEventError(f"batch events must be vLLM event records, got {event!r:.80}")
     values = [(name, getattr(event, name), required) for name, required in _FIELDS[tag]]
     values = [(n, [*v] if isinstance(v, tuple) else v, r) for n, v, r in values]
     if layout == "map":
@@ -184,6 +202,8 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
         VllmEventError: not msgpack, or a batch or event breaks the layout (the message says where).
         ConfigError: msgpack (the kv-events extra) is not installed.
     """
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise VllmEventError(f"payload must be bytes (one msgpack value), got {payload!r:.80}")
     with needs_extra("decode_batch"):
         import msgpack
 

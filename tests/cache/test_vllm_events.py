@@ -238,8 +238,9 @@ def test_records_round_trip_through_every_layout(batch: VllmEventBatch, events: 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_events_round_trip_through_encoder_and_decoder(layout: WireLayout) -> None:
-    """Stored, removed and cleared events come back as they went, keys and tiers alike, renumbered in the decoder's
-    sequence; a partial last block, which vLLM never publishes, is left out of them (its key is no registered
+    """Stored and removed events come back as they went, keys and tiers alike, renumbered in the decoder's
+    sequence; a clear comes back as vLLM's means it, the GPU's: the removal of what VRAM held, DRAM keeping its
+    blocks. A partial last block, which vLLM never publishes, is left out of them (its key is no registered
     block's: `register` returns the full blocks' keys)."""
     encoder = VllmEventEncoder(HASHER)
     a = encoder.register(list(range(10)))  # two full blocks and a partial one
@@ -254,11 +255,14 @@ def test_events_round_trip_through_encoder_and_decoder(layout: WireLayout) -> No
         AllBlocksCleared(source=source, seq=3),
     ]
     back = decoded(decoder().decode(encoder.encode(ours, ts=5.0, event_layout=layout), seq=0))
-    assert back == tuple(
-        e.__class__(
-            **{**{f: getattr(e, f) for f in ("seq", "keys", "tier", "epoch") if hasattr(e, f)}, "source": SOURCE}
-        )
-        for e in ours
+    assert back == (
+        *(
+            e.__class__(
+                **{**{f: getattr(e, f) for f in ("seq", "keys", "tier", "epoch") if hasattr(e, f)}, "source": SOURCE}
+            )
+            for e in ours[:3]
+        ),
+        BlockRemoved(source=SOURCE, seq=3, keys=a[:1], tier=Tier.VRAM),
     )
     with_partial = [
         BlockStored(source=source, seq=0, keys=(*a, partial), tier=Tier.VRAM),
@@ -410,11 +414,12 @@ def test_removed_hashes_translate_and_retire() -> None:
 
 
 def test_all_blocks_cleared_translates_and_keeps_translations() -> None:
-    """AllBlocksCleared becomes this library's AllBlocksCleared; later events may still name old hashes."""
+    """vLLM's AllBlocksCleared (its GPU pool's) becomes the removal of the blocks the GPU held; later events may
+    still name old hashes."""
     d = decoder()
     decoded(d.decode(payload([stored_wire([1], None, [1, 2, 3, 4])]), seq=0))
     assert decoded(d.decode(payload([{"type": "AllBlocksCleared"}]), seq=1)) == (
-        AllBlocksCleared(source=SOURCE, seq=1),
+        BlockRemoved(source=SOURCE, seq=1, keys=HASHER.block_keys([1, 2, 3, 4]), tier=Tier.VRAM),
     )
     d.check_invariants()
     assert (

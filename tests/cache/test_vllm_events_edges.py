@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.vllm_events import (
     DEFAULT_MEDIUMS,
@@ -116,7 +116,8 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
     tier (vLLM announces each physical copy of a block); a removal takes one away (none below zero), is published
     when the tier has none left, and retires a block left in no tier (again, for a retired one: it becomes the
     newest);
-    AllBlocksCleared retires every held block; a stored child needs its parent known (held or retired), a removal
+    AllBlocksCleared (vLLM's GPU pool's) takes every GPU copy, published as one removal from VRAM of the blocks
+    that had one, in the order held, and retires the blocks it leaves in no tier; a stored child needs its parent known (held or retired), a removal
     known hashes, else UnknownBlockError and nothing applied; events of another KV group change nothing but use
     their number; a batch with a refused event at its end leaves no trace. Each applied batch gives exactly the
     events the model says, numbered on; a hash translates to its block's key iff the model knows the block."""
@@ -225,9 +226,13 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
     @rule()
     def clear(self) -> None:
         out = self._deliver([{"type": "AllBlocksCleared"}], "map")
-        assert [type(e) for e in out] == [AllBlocksCleared]
-        for i in list(self.held):
-            self._retire(i)
+        gone = [i for i, copies in self.held.items() if copies.get(Tier.VRAM)]
+        expected = [(BlockRemoved, tuple(KEYS[i] for i in gone), Tier.VRAM)] if gone else []
+        assert [(type(e), e.keys, e.tier) for e in out] == expected  # type: ignore[union-attr]
+        for i in gone:
+            del self.held[i][Tier.VRAM]
+            if not self.held[i]:
+                self._retire(i)
 
     @precondition(lambda self: self.decoder is not None)
     @rule(i=st.sampled_from(BLOCKS), medium=st.sampled_from([*MEDIUMS, "TAPE"]))
@@ -393,7 +398,7 @@ ROLLBACK_SCENARIOS = {
         [removed_wire([external(3)])],
         [[removed_wire([external(3)])], [store_of(2 + NUM_ROOTS, "GPU")]],
     ),
-    # Blocks 1 then 6 held; the refused batch retires 1; AllBlocksCleared must retire 1 then 6, keeping 6.
+    # Blocks 1 then 6 held; the refused batch retires 1; the GPU's clear must retire 1 then 6, keeping 6.
     "held order": (
         1,
         [[store_of(1, "GPU"), store_of(1 + NUM_ROOTS, "GPU")]],
