@@ -440,12 +440,12 @@ class ClusterConfig:
                 f"{source}: [limits] max_prompt_tokens + default_max_tokens = {limits.max_prompt_tokens} + "
                 f"{limits.default_max_tokens} exceed [decode] max_context_tokens = {decode.max_context_tokens}"
             )
-        bound = self.model.config.max_context_tokens  # a checkpoint's, whose sliding window slides past it
+        bound = self.model.config.max_context_tokens  # a checkpoint's: vLLM's max_model_len
         if bound is not None and decode.max_context_tokens > bound:
             raise ConfigError(
                 f"{source}: [decode] max_context_tokens = {decode.max_context_tokens} exceeds the "
-                f"max_context_tokens = {bound} of [model] {self.model.source} (its max_position_embeddings: past "
-                "them its sliding window would slide, which is not supported)"
+                f"max_context_tokens = {bound} of [model] {self.model.source} (from its max_position_embeddings, as "
+                "vLLM refuses a max_model_len above them)"
             )
         layers = self.model.config.num_layers
         if self.prefill.pipeline_size > layers:

@@ -10,16 +10,21 @@ Loading is three steps:
    the model does not compute (another architecture or activation, a RoPE
    scaling other than linear and llama3, a sliding window in effect, a
    quantized checkpoint): each a one-line `ConfigError` naming the key and file.
-   A window no shorter than `max_position_embeddings` is accepted, and bounds
-   the model's context to `max_position_embeddings` (`max_context_tokens`,
-   which the engines enforce): within it the window never slides.
+   Every checkpoint bounds the model's context (`max_context_tokens`, which the
+   engines enforce) as vLLM derives `max_model_len`: `max_position_embeddings`
+   (2048 where it is null), times a linear RoPE scaling's factor. A window no
+   shorter than `max_position_embeddings` is accepted, and then bounds the
+   context to `max_position_embeddings` itself: within it the window never slides.
    This step needs neither torch nor safetensors, so a process that only
    schedules can read a checkpoint's shape.
 2. `SafetensorsWeights` is the model's `WeightSource`: each model weight is
    one checkpoint tensor, or a few concatenated along the rows (q, k, v into
    the fused QKV; gate and up into the fused MLP input). Shards are opened
    with `safe_open` (memory-mapped: only the tensors asked for are read) and
-   only the shards that hold what is asked for are opened.
+   only the shards that hold what is asked for are opened. With no index,
+   `model.safetensors` alone is the model's where it exists (as transformers
+   reads it); else every `*.safetensors` file is, and a tensor in two of them
+   is refused rather than taken from whichever sorts last.
 3. `LlamaModel(config, weights=...)` builds the modules exactly as the random
    model does, so a loaded model runs the one forward pass there is.
 
@@ -68,6 +73,8 @@ changes what the model computes or refuses (a missing `sliding_window` is Mistra
 as null keeps its null (transformers: `num_key_value_heads` null is `num_attention_heads`)."""
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"  # the one file transformers reads where there is no index
+DEFAULT_MAX_CONTEXT_TOKENS = 2048  # vLLM's max_model_len where config.json names no context length
 
 # A model weight of layer i → the checkpoint tensors (under model.layers.{i}.) it concatenates, in row order.
 _LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")  # as `weight_names` writes it: ASCII digits, no leading zero
@@ -169,7 +176,7 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
 
 def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> int | None:
     """Refuse the config values that would make this model compute something else than transformers'; the context
-    bound an accepted sliding window relies on (None: none).
+    bound an accepted sliding window relies on (None: no window, so none beyond `_max_context_tokens`'s).
 
     Only what the architecture reads counts: LLaMA has no sliding window (a `sliding_window` key is ignored, as
     transformers ignores it), Mistral and Qwen2 have no `attention_bias` or `mlp_bias` switch. A window no shorter
@@ -219,6 +226,28 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
     return None if window is None else max_positions
 
 
+def _max_context_tokens(
+    raw: Mapping[str, Any], source: str, scaling: RopeScaling | None, window_bound: int | None
+) -> int:
+    """The model's context bound, as vLLM 0.32 derives `max_model_len` for these architectures (and refuses a longer
+    one it is asked for): `max_position_embeddings` (`DEFAULT_MAX_CONTEXT_TOKENS` where null), times the factor of a
+    linear RoPE scaling (llama3's leaves the positions as they are); no more than an accepted window's bound.
+
+    Raises:
+        ConfigError: a bound under one token (a linear factor below 1 / max_position_embeddings), naming both.
+    """
+    positions = _optional_count(raw, "max_position_embeddings", source)
+    bound = DEFAULT_MAX_CONTEXT_TOKENS if positions is None else positions
+    if scaling is not None and scaling.kind == "linear":
+        bound = int(bound * scaling.factor)  # vLLM scales the positions as a float and truncates
+        if bound < 1:
+            raise ConfigError(
+                f"{source}: max_position_embeddings={positions!r} times the linear RoPE factor={scaling.factor!r} "
+                "leaves no context"
+            )
+    return bound if window_bound is None else min(bound, window_bound)
+
+
 def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CONFIG_FILE) -> ModelConfig:
     """The `ModelConfig` of a transformers config (the parsed `config.json`).
 
@@ -239,8 +268,9 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
     architecture = architectures[0]
     # A key the file leaves out has the value of the architecture's transformers config class.
     raw = {**CLASS_DEFAULTS[architecture], **raw}
-    max_context_tokens = _check_supported(raw, architecture, source)
+    window_bound = _check_supported(raw, architecture, source)
     theta, scaling = _rope(raw, source)
+    max_context_tokens = _max_context_tokens(raw, source, scaling, window_bound)
     num_heads = _count(raw, "num_attention_heads", source)
     # LLaMA's switch for every attention projection; Mistral has none; Qwen2: q, k and v always, the output never.
     attention_bias = architecture == "LlamaForCausalLM" and _flag(raw, "attention_bias", source)
@@ -342,10 +372,13 @@ class SafetensorsWeights:
         directory: the checkpoint.
         config: the model's config (`read_model_config(directory)`), which fixes the shapes.
 
+    The files are those the index names; with no index, `model.safetensors` alone where it exists (as
+    transformers reads it), else every `*.safetensors` file of the directory, each tensor in exactly one.
     `tensors_read` records every checkpoint tensor read, in order.
 
     Raises:
-        ConfigError: no safetensors files, or an index naming a file outside the directory.
+        ConfigError: no safetensors files, an index naming a file outside the directory, or (no index, no
+            `model.safetensors`) a tensor in two files, naming it and both.
     """
 
     def __init__(self, directory: str | Path, config: ModelConfig) -> None:
@@ -359,11 +392,24 @@ class SafetensorsWeights:
             if not isinstance(weight_map, Mapping):
                 raise ConfigError(f"{index}: has no weight_map object")
             self._files = {str(tensor): self._shard(str(file), index) for tensor, file in weight_map.items()}
+        elif (self.directory / WEIGHTS_FILE).exists():
+            # transformers reads only this file where there is no index: another *.safetensors beside it (an older
+            # export, a second copy) is not the model's, whatever tensors it holds.
+            single = self.directory / WEIGHTS_FILE
+            self._files = dict.fromkeys(self._file(single).keys(), single)
         else:
             shards = sorted(self.directory.glob("*.safetensors"))
             if not shards:
                 raise ConfigError(f"{self.directory} holds no *.safetensors file")
-            self._files = {tensor: shard for shard in shards for tensor in self._file(shard).keys()}  # noqa: SIM118
+            self._files = {}
+            for shard in shards:
+                for tensor in self._file(shard).keys():  # noqa: SIM118 (safe_open's handle is no mapping)
+                    other = self._files.setdefault(tensor, shard)
+                    if other != shard:  # no index says which copy is the model's: neither is taken
+                        raise ConfigError(
+                            f"tensor {tensor} is in two shards of {self.directory} with no {INDEX_FILE}: "
+                            f"{other.name} and {shard.name}"
+                        )
 
     def _shard(self, file: str, index: Path) -> Path:
         path = (self.directory / file).resolve()

@@ -11,11 +11,12 @@ what the config says: biases on the q/k/v projections (Qwen2) or on every
 attention projection (LLaMA's `attention_bias`), a RoPE frequency scaling
 (`RopeScaling`: Llama 3's and linear), and an LM head tied to the token
 embedding. Their defaults are LLaMA's, which is the random model's shape.
-A checkpoint may also bound the context (`max_context_tokens`): Mistral's and
-Qwen2's sliding window is computed as full attention, which is exact only while
-the window never slides, so a window accepted because it is no shorter than
-`max_position_embeddings` holds every context to that many tokens; the engines
-refuse longer prompts and decode slots (`check_context_tokens`).
+A checkpoint also bounds the context (`max_context_tokens`), as vLLM derives
+`max_model_len`: its `max_position_embeddings` (times a linear RoPE factor).
+Mistral's and Qwen2's sliding window is computed as full attention, which is
+exact only while the window never slides, so a window is accepted only when it
+is no shorter than `max_position_embeddings`, which then bounds every context;
+the engines refuse longer prompts and decode slots (`check_context_tokens`).
 
 Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 `num_heads`, and the head dimension is even (RoPE rotates pairs).
@@ -89,11 +90,13 @@ class ModelConfig:
         qkv_bias: the q, k and v projections have biases (Qwen2).
         out_bias: the attention's output projection has a bias (LLaMA's `attention_bias` sets both).
         tie_word_embeddings: the LM head is the token embedding matrix.
-        max_context_tokens: the longest context (prompt + output tokens) the model computes as its checkpoint
-            does (None: no bound). A Mistral or Qwen2 checkpoint's `max_position_embeddings` when its sliding
-            window (no shorter) was accepted as one that never slides: past it the window would slide, and this
-            model computes full attention. The engines refuse a longer prompt (`check_context_tokens`) and a
-            decode slot longer than it, as vLLM caps `max_model_len` at what the positions allow.
+        max_context_tokens: the longest context (prompt + output tokens) the model runs (None: no bound, as for
+            the presets, which no checkpoint trained). A checkpoint's (`checkpoint.model_config_from_hf`) is
+            vLLM's `max_model_len`: its `max_position_embeddings`, times a linear RoPE scaling's factor; with a
+            Mistral or Qwen2 sliding window (accepted only when no shorter) `max_position_embeddings` itself,
+            since past it the window would slide and this model computes full attention. The engines refuse a
+            longer prompt (`check_context_tokens`) and a decode slot longer than it, as vLLM refuses a
+            `max_model_len` above what the positions allow.
     """
 
     name: str
@@ -128,8 +131,7 @@ class ModelConfig:
         if self.max_context_tokens is not None and num_tokens > self.max_context_tokens:
             raise InvalidRequestError(
                 f"a prompt of {num_tokens} tokens is longer than model {self.name!r} computes: its max_context_tokens="
-                f"{self.max_context_tokens} (the checkpoint's max_position_embeddings; past it its sliding window "
-                "would slide, which is not supported)"
+                f"{self.max_context_tokens} (from a checkpoint, its max_position_embeddings, as vLLM's max_model_len)"
             )
 
     @property

@@ -164,7 +164,7 @@ class DecodeEngine:
         if not (model.has_embedding and model.has_head):
             raise ConfigError("the decode engine needs the whole model, not a pipeline stage")
         self.model, self.cache = model, cache
-        bound = model.config.max_context_tokens  # a checkpoint's (its accepted sliding window's): None for most
+        bound = model.config.max_context_tokens  # a checkpoint's (vLLM's max_model_len): None for a preset
         if config is None:  # as vLLM derives max_model_len: the default slot, no longer than the model computes
             config = DecodeConfig()
             if bound is not None and config.max_context_tokens > bound:
@@ -172,8 +172,8 @@ class DecodeEngine:
         if bound is not None and config.max_context_tokens > bound:  # as vLLM refuses a max_model_len above it
             raise ConfigError(
                 f"max_context_tokens={config.max_context_tokens} exceeds model {model.config.name!r}'s "
-                f"max_context_tokens={bound} (the checkpoint's max_position_embeddings; past it its sliding window "
-                "would slide, which is not supported)"
+                f"max_context_tokens={bound} (from the checkpoint's max_position_embeddings, as vLLM refuses a "
+                "max_model_len above it)"
             )
         self.config = config
         if self.config.tbt_slo_s is not None and step_model is None:

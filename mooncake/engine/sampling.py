@@ -11,6 +11,9 @@ decode engine, in another process, goes on at token 1 (`Sampler(params,
 position=1)`) with no generator state to hand over; vLLM keeps one generator
 per request for the same effect within one engine.
 
+Temperature 0 is greedy; one in (0, 0.01) is raised to 0.01 with a warning,
+as vLLM 0.32's `SamplingParams` raises it, so no draw is made at a tinier one.
+
 Nucleus (top-p) sampling draws only from the most probable tokens whose mass
 reaches `top_p`. Token i belongs to the nucleus iff the probability mass of
 the tokens strictly more probable than i is below `top_p`: the most probable
@@ -48,6 +51,7 @@ itself included, as vLLM counts it) and the `k` most probable tokens.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from collections.abc import Iterable, Sequence
@@ -65,6 +69,25 @@ __all__ = ["Sampler", "SamplingParams", "invert", "nucleus", "rows_logprobs", "t
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_LOGIT_BIAS = 100.0  # a bias's magnitude, clamped to it: OpenAI's logit_bias range, [-100, 100], as vLLM's
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (0, MIN_TEMPERATURE) is raised to it
+LOG = logging.getLogger(__name__)
+
+
+def _raised_temperature(value: Any) -> Any:
+    """An attrs converter: a temperature in (0, `MIN_TEMPERATURE`) becomes `MIN_TEMPERATURE`, with a warning naming
+    it, as vLLM 0.32's `SamplingParams.__post_init__` raises it (anything else is left as given, for the validator).
+
+    Raised, not sampled at as given: a request then draws here from the distribution it draws from on vLLM, which
+    never samples below 0.01 (tinier ones risk inf and NaN in its float32 kernels); 0 stays greedy, in both."""
+    if is_finite_number(value) and 0 < value < MIN_TEMPERATURE:
+        LOG.warning(
+            "temperature %r is below %r, which may cause numerical errors; raised to %r, as vLLM does",
+            value,
+            MIN_TEMPERATURE,
+            MIN_TEMPERATURE,
+        )
+        return MIN_TEMPERATURE
+    return value
 
 
 def _clamped(bias: Any) -> Any:
@@ -110,7 +133,9 @@ class SamplingParams:
     """How a request picks its tokens.
 
     Attributes:
-        temperature: 0 for greedy (the default), else logits are divided by it.
+        temperature: 0 for greedy (the default), else logits are divided by it. One in (0, 0.01) is raised to
+            0.01 (`MIN_TEMPERATURE`) with a warning on this module's logger, as vLLM 0.32 raises it: the draw is
+            then sampled at 0.01, never at the tiny value, and only 0 is greedy.
         top_p: the nucleus' probability mass, in (0, 1]; 1 (the default) samples from every token.
         seed: the request's random stream (temperature > 0), in [0, 2**64); None (the default): a fresh random
             stream for each `Sampler`, as vLLM samples without a seed (a fixed default repeated one text).
@@ -142,7 +167,7 @@ class SamplingParams:
             `prompt_logprobs`; the whole prompt is then computed, no cached prefix reused.
     """
 
-    temperature: float = attrs.field(default=0.0)
+    temperature: float = attrs.field(default=0.0, converter=_raised_temperature)
     top_p: float = attrs.field(default=1.0)
     seed: int | None = attrs.field(default=None, converter=plain_int)
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
@@ -517,7 +542,11 @@ class Sampler:
             # One scalar read, not a scan: NaN fails every comparison, and the argmax is -inf only if all are.
             return token if float(logits[token]) > -math.inf else None
         self._generator.manual_seed(stream_seed(self._seed, position))
-        logits = logits.double().cpu()  # float64: a temperature as small as 1e-300 is not 0 there
+        # float64 on the CPU, though no temperature is below 0.01 (MIN_TEMPERATURE) any more, which float32 would
+        # hold: the inverse-CDF draw sums the whole vocabulary, and a float32 prefix sum over 128 k tokens drifts by
+        # ~4e-6 (the mass of many whole tokens, so their draws would be biased), and on the CPU a request's draws
+        # are the same bit for bit wherever its logits were computed (its first token in prefill, the rest in decode).
+        logits = logits.double().cpu()
         top = float(logits.max())  # NaN where any logit is (torch's max propagates it)
         if not top > -math.inf:
             return None
@@ -526,8 +555,8 @@ class Sampler:
             # softmax as they grow without bound puts all the mass on them, equally; `logits - top` would be NaN.
             scaled = torch.where(logits == math.inf, 0.0, -math.inf).to(torch.float64)
         else:
-            # Shifted so the largest logit is 0 before dividing: a tiny temperature then gives -inf for the rest
-            # (probability 0), never inf - inf = nan.
+            # Shifted so the largest logit is 0 before dividing: whatever the logits' range, the rest divide to at
+            # worst -inf (probability 0), never inf - inf = nan.
             scaled = (logits - top) / self.params.temperature
         probabilities = torch.softmax(scaled, dim=-1)
         if self.params.min_p > 0.0 or 0 < self.params.top_k < scaled.shape[-1]:

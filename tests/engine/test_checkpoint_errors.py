@@ -41,18 +41,22 @@ from tests.engine.strategies import model_configs
 ROUND_TRIP = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+POSITIONS = 4096  # the max_position_embeddings `hf_config` writes
+
+
 @st.composite
 def relatives(draw: st.DrawFn) -> ModelConfig:
     """Small shapes of every relative: LLaMA with or without attention biases, Qwen2's q/k/v biases, tied heads,
-    linear and llama3 RoPE scaling."""
+    linear and llama3 RoPE scaling; each with the context bound its `hf_config` gives (vLLM's max_model_len: the
+    positions, twice them under the linear factor 2, llama3's leaving them as they are)."""
     base = draw(model_configs())
     variant = draw(st.sampled_from(["llama", "llama-bias", "qwen2"]))
-    scaling = draw(
+    scaling, bound = draw(
         st.sampled_from(
             [
-                None,
-                RopeScaling(kind="linear", factor=2.0),
-                RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=16),
+                (None, POSITIONS),
+                (RopeScaling(kind="linear", factor=2.0), 2 * POSITIONS),
+                (RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=16), POSITIONS),
             ]
         )
     )
@@ -70,11 +74,13 @@ def relatives(draw: st.DrawFn) -> ModelConfig:
         qkv_bias=variant != "llama",
         out_bias=variant == "llama-bias",
         tie_word_embeddings=draw(st.booleans()),
+        max_context_tokens=bound,
     )
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """The transformers config.json of `config` (Qwen2 when only q/k/v have biases, else LLaMA)."""
+    """The transformers config.json of `config` (Qwen2 when only q/k/v have biases, else LLaMA), with `POSITIONS`
+    positions: a `relatives` config is read back from it as itself."""
     qwen2 = config.qkv_bias and not config.out_bias
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
     if config.rope_scaling is not None:
@@ -91,7 +97,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": config.num_kv_heads,
         "rms_norm_eps": config.norm_eps,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": POSITIONS,
         "tie_word_embeddings": config.tie_word_embeddings,
         "rope_parameters": rope,
     }

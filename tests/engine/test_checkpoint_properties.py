@@ -282,36 +282,40 @@ IGNORED_KEYS = {
 }
 
 
-def rope_variants(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """`raw` with its v5 `rope_parameters` written every way transformers reads as the same RoPE: as they are,
-    or as v4's top-level `rope_theta` and a `rope_scaling` (`type` or `rope_type`; none, null or empty for
-    plain RoPE; beside a stale plain `rope_parameters`, which it wins over); llama3's original positions in
-    the parameters, at the top level (Phi3's place) or left to the model's context."""
+def rope_variants(raw: dict[str, Any], bound: int | None) -> list[tuple[dict[str, Any], int | None]]:
+    """`raw` (whose context bound is `bound`) with its v5 `rope_parameters` written every way transformers reads as
+    the same RoPE, each with its context bound: as they are, or as v4's top-level `rope_theta` and a `rope_scaling`
+    (`type` or `rope_type`; none, null or empty for plain RoPE; beside a stale plain `rope_parameters`, which it
+    wins over); llama3's original positions in the parameters, at the top level (Phi3's place) or left to the
+    model's context (whose positions, llama3's original ones then, are its bound: llama3 scales no context)."""
     rope = raw["rope_parameters"]
     base = {key: value for key, value in raw.items() if key != "rope_parameters"}
-    placements: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, rope)]
+    placements: list[tuple[dict[str, Any], dict[str, Any], int | None]] = [({}, rope, bound)]
     if rope["rope_type"] == "llama3":
-        original = {"original_max_position_embeddings": rope["original_max_position_embeddings"]}
+        positions = rope["original_max_position_embeddings"]
+        original = {"original_max_position_embeddings": positions}
         bare = {key: value for key, value in rope.items() if key not in original}
-        placements += [(original, bare), ({"max_position_embeddings": rope["original_max_position_embeddings"]}, bare)]
-    variants = []
-    for top, params in placements:
+        placements += [(original, bare, bound), ({"max_position_embeddings": positions}, bare, positions)]
+    variants: list[tuple[dict[str, Any], int | None]] = []
+    for top, params, context in placements:
         v4 = {**base, **top, "rope_theta": params["rope_theta"]}
         scaling = {key: value for key, value in params.items() if key not in ("rope_theta", "rope_type")}
-        variants.append({**base, **top, "rope_parameters": params})
+        forms = [{**base, **top, "rope_parameters": params}]
         if params["rope_type"] == "default":
-            variants += [v4, {**v4, "rope_scaling": None}, {**v4, "rope_scaling": {}}]
+            forms += [v4, {**v4, "rope_scaling": None}, {**v4, "rope_scaling": {}}]
         else:
-            variants += [{**v4, "rope_scaling": {key: params["rope_type"], **scaling}} for key in ("type", "rope_type")]
+            forms += [{**v4, "rope_scaling": {key: params["rope_type"], **scaling}} for key in ("type", "rope_type")]
             stale = {"rope_type": "default", "rope_theta": params["rope_theta"]}  # v5 reads rope_scaling over it
-            variants.append({**variants[-1], "rope_parameters": stale})
+            forms.append({**forms[-1], "rope_parameters": stale})
+        variants += [(form, context) for form in forms]
     return variants
 
 
 def unread_variants(architecture: str, num_layers: int, raw: dict[str, Any]) -> list[tuple[dict[str, Any], int | None]]:
     """Keys `architecture` does not read, or reads to nothing but a context bound, each with the bound it gives
-    (`ModelConfig.max_context_tokens`): windows that never slide (Qwen2's only with `use_sliding_window` and from
-    layer `max_window_layers` on), bounding a Mistral to its positions; LLaMA's window, Mistral's attention_bias."""
+    (`ModelConfig.max_context_tokens`; None: the one the config has without it): windows that never slide (Qwen2's
+    only with `use_sliding_window` and from layer `max_window_layers` on), bounding a model to its positions even
+    under a linear RoPE factor; LLaMA's window, Mistral's attention_bias."""
     positions = raw["max_position_embeddings"]
     if architecture == "MistralForCausalLM":  # a window as long as the positions never slides within them
         return [
@@ -342,7 +346,8 @@ def hf_forms(draw: st.DrawFn) -> tuple[ModelConfig, dict[str, Any]]:
     if architecture == "LlamaForCausalLM" and not config.qkv_bias and draw(st.booleans(), label="as Mistral"):
         architecture = "MistralForCausalLM"  # LLaMA without biases; Mistral reads no attention_bias
         raw.update(architectures=[architecture], model_type="mistral")
-    raw = draw(st.sampled_from(rope_variants(raw)), label="rope keys")
+    raw, bound = draw(st.sampled_from(rope_variants(raw, config.max_context_tokens)), label="rope keys")
+    config = attrs.evolve(config, max_context_tokens=bound)
     defaults = CLASS_DEFAULTS[architecture]
     if config.num_kv_heads == config.num_heads:
         choice = draw(st.sampled_from(["given", "null", "absent"]))
@@ -368,7 +373,8 @@ def hf_forms(draw: st.DrawFn) -> tuple[ModelConfig, dict[str, Any]]:
         del raw["rms_norm_eps"]
     unread, bound = draw(st.sampled_from(unread_variants(architecture, config.num_layers, raw)), label="unread keys")
     raw.update(unread)
-    config = attrs.evolve(config, max_context_tokens=bound)
+    if bound is not None:
+        config = attrs.evolve(config, max_context_tokens=bound)
     raw.update(
         {key: IGNORED_KEYS[key] for key in draw(st.sets(st.sampled_from(sorted(IGNORED_KEYS))), label="ignored")}
     )
@@ -384,8 +390,8 @@ def test_every_form_transformers_reads_as_the_model_gives_its_config(
     """v4 or v5 RoPE keys (`type` or `rope_type`), llama3's original positions in its parameters, at the top
     level or taken from the context, keys left to the class defaults or given as null, "swish" for SiLU, a
     consistent head_dim, Mistral for LLaMA without biases, windows that never slide, keys no model reads, any
-    key order: all read as the one `ModelConfig` (named as asked; a window that never slides bounds the context
-    to the positions)."""
+    key order: all read as the one `ModelConfig` (named as asked; its context bounded as vLLM bounds it, by the
+    positions, twice them under the linear factor 2, and by the positions under a window that never slides)."""
     config, raw = form
     assert model_config_from_hf(raw, name=name) == attrs.evolve(config, name=name)
 
@@ -394,9 +400,10 @@ def test_every_form_transformers_reads_as_the_model_gives_its_config(
 @given(relatives())
 def test_every_way_of_writing_rope_gives_the_configs_rope(config: ModelConfig) -> None:
     """Each way transformers (v4 or v5) writes the config's RoPE, every one every example, reads as the config:
-    theta and the scaling with its factors and llama3's original positions wherever they are."""
-    for raw in rope_variants(hf_config(config)):
-        assert model_config_from_hf(raw, name=config.name) == config, raw
+    theta and the scaling with its factors and llama3's original positions wherever they are, and the context
+    bound of the positions the form gives."""
+    for raw, bound in rope_variants(hf_config(config), config.max_context_tokens):
+        assert model_config_from_hf(raw, name=config.name) == attrs.evolve(config, max_context_tokens=bound), raw
 
 
 @PURE
@@ -414,7 +421,7 @@ def test_keys_an_architecture_does_not_read_change_nothing(config: ModelConfig) 
     for architecture in architectures:
         as_it = {**raw, "architectures": [architecture]}
         for variant, bound in unread_variants(architecture, config.num_layers, raw):
-            expected = attrs.evolve(config, max_context_tokens=bound)
+            expected = config if bound is None else attrs.evolve(config, max_context_tokens=bound)
             assert model_config_from_hf({**as_it, **variant}, name=config.name) == expected, (architecture, variant)
 
 

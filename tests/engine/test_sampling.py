@@ -128,7 +128,8 @@ def test_a_token_of_zero_probability_is_never_drawn(seed: int, temperature: floa
 @settings(max_examples=30)
 @given(seeds)
 def test_a_tiny_temperature_is_greedy(seed: int) -> None:
-    """With a clear winner, temperature 1e-4 puts all the mass on the argmax."""
+    """With a clear winner, temperature 1e-4 (raised to vLLM's floor, 0.01: the rest then have e^-100 of the
+    winner's probability) puts all the mass on the argmax."""
     logits = logits_of(seed)
     logits[seed % 32] = logits.max() + 1.0
     assert Sampler(SamplingParams(temperature=1e-4, seed=seed)).next_token(logits) == seed % 32
@@ -336,8 +337,9 @@ def test_draws_follow_the_distribution_over_a_wide_vocabulary() -> None:
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324])
 def test_a_temperature_down_to_the_smallest_float_is_greedy(temperature: float) -> None:
-    """float32 logits (as a model gives them) and a temperature so small that a logit divided by it overflows:
-    all the mass on the argmax, no nan (the largest logit is shifted to 0 first, in float64)."""
+    """float32 logits (as a model gives them) and a temperature down to the smallest float, raised to 0.01 as vLLM
+    raises it: a logit 1 below the largest has e^-100 of its probability, so all the mass is on the argmax, and
+    no nan."""
     logits = torch.tensor([1.0, 3.0, 2.0, -1.0], dtype=torch.float32)
     for seed in range(10):
         assert Sampler(SamplingParams(temperature=temperature, seed=seed)).next_token(logits) == 1
