@@ -23,6 +23,7 @@ from serving import registry
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.join import DecodeLoad
 from mooncake.sched.predictor import (
+    DEFAULT_LENGTH_WINDOW,
     ExpectedOutputPredictor,
     LoadPredictor,
     LoadSnapshot,
@@ -92,7 +93,9 @@ def predictors(args: argparse.Namespace) -> tuple[Report, str]:
         cluster.loop.at(start + index * args.sample_every, observe)
     cluster.run(requests, progress=simulation.progress(args, len(requests), "replay"))
     step = DecodeCostModel(model=spec.model, hardware=spec.decode_hardware).step_s(1, 0)
-    learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]])
+    # Its window holds the whole warm-up (a long trace's fifth is past the default), as the paper's learns from it.
+    window = max(DEFAULT_LENGTH_WINDOW, warm_up)
+    learnt = OutputLengthPredictor(step_s=step, lengths=[r.output_length for r in requests[:warm_up]], window=window)
     in_use = registry.predictor(args.predictor, requests, slo)  # what predictive_early_rejection would consult
     policy = f"{args.predictor} (policy's)"
     candidates: dict[str, LoadPredictor] = {

@@ -20,7 +20,8 @@ your own:
     cost models     `PrefillCostModel` and `DecodeCostModel` of the model on its hardware, the
                     transfer model at the hardware's NIC; `decode_hardware` when decode runs on
                     other GPUs; a fitted `prefill` / `step_model` replaces them
-    decode limits   the decode hardware's HBM beside the weights, no batch or context limit
+    decode limits   the decode hardware's HBM beside the weights (a ConfigError where the weights leave no
+                    room for KV), no batch or context limit
 
 Names of policies ("kvcache_centric", "baseline", ...) belong to the command
 lines and configs that read them (`examples/serving/registry.py`), not here.
@@ -125,7 +126,9 @@ def build_conductor(
             or both of `hasher` and `block_size_tokens`, a hasher that is no `BlockHasher`, a block size that is
             not an integer >= 1, an instance list given as one string (or no collection), an instance listed
             twice, a `prefill` or `transfer` model without its method, `transfers` not a bool, a router
-            factory that cannot be called with the TTFT estimator alone, or a class that is no router.
+            factory that cannot be called with the TTFT estimator alone, a class that is no router, or, without
+            `decode_limits`, decode hardware whose HBM leaves no room for the model's KV beside its weights
+            (`DecodeCostModel.require_capacity_tokens`: every request would be refused as too long).
     """
     for name, value, kind, table in (
         ("model", model, ModelShape, "MODELS"),
@@ -151,6 +154,10 @@ def build_conductor(
     _check_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
+    if decode_limits is None:
+        # A node sized by HBM with no room for KV would refuse every request as too long: refuse the config instead.
+        field = "decode_hardware" if decode_hardware is not None else "hardware"
+        decode_limits = DecodeLimits(kv_capacity_tokens=decode_cost.require_capacity_tokens(field))
     slo = slo if slo is not None else Slo()
     if predictor is None:
         # Contexts grow at the pace the TBT check holds a batch to, so the prediction counts them as the check does
@@ -171,9 +178,6 @@ def build_conductor(
         transfers=transfers,
         seed=seed,
     )
-    limits = (
-        decode_limits if decode_limits is not None else DecodeLimits(kv_capacity_tokens=decode_cost.capacity_tokens())
-    )
     conductor.add_prefill_instances(InstanceId(instance) for instance in prefill_instances)
-    conductor.add_decode_instances((InstanceId(instance) for instance in decode_instances), limits)
+    conductor.add_decode_instances((InstanceId(instance) for instance in decode_instances), decode_limits)
     return conductor

@@ -193,12 +193,16 @@ MODELS: dict[str, ModelShape] = {
 """Model shapes by name (LLaMA-2/3-70B: 80 layers, d = 8,192, GQA 8, bf16: 320 KiB of KV per token)."""
 
 _GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+_MIB = 2**20  # bytes in one MiB, the unit nvidia-smi reports memory in
 # Sources, per GPU (SXM modules, NVIDIA's datasheets):
 #   A100 / A800 80GB: 312 TFLOPS dense bf16, 80 GB HBM2e at 2,039 GB/s, PCIe Gen4 x16 (32 GB/s each way);
 #     the A800 is the A100 with NVLink cut to 400 GB/s, which none of these models reads.
 #   H100 / H800: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s, PCIe Gen5 x16 (64 GB/s each way);
 #     the H800 differs in NVLink (400 GB/s) and FP64, neither of which these models reads.
 #   H200: 989 TFLOPS dense bf16 (the H100's compute), 141 GB HBM3e at 4.8 TB/s.
+# HBM size is the device's total as nvidia-smi reports it (MiB x 2**20), not the datasheet's rounded decimal GB:
+# vLLM sizes its KV cache from the device's total bytes x gpu_memory_utilization, as `DecodeCostModel` does with
+# its kv_memory_fraction. A100 / A800 80GB: 81,920 MiB; H100 / H800 80GB HBM3: 81,559 MiB; H200: 143,771 MiB.
 # Per instance: host_to_device 128 GB/s is four PCIe Gen4 x16 host links (HGX A100 boards hang their
 # eight GPUs off four PCIe switches), kept for the Hopper presets as a conservative figure; the
 # prefill model loads cached prefixes from DRAM at that rate. NICs are the Mooncake paper's and its transfer engine's setups: 4 x 200 Gbit/s RDMA
@@ -208,7 +212,7 @@ _A800 = Hardware(
     num_gpus=8,
     peak_flops_per_gpu=312e12,
     hbm_bytes_per_s=2.039e12,
-    hbm_bytes=80e9,
+    hbm_bytes=81_920 * _MIB,
     host_to_device_bytes_per_s=128e9,
     nic_bytes_per_s=800 * _GBPS,
 )
@@ -217,7 +221,7 @@ _H800 = Hardware(
     num_gpus=8,
     peak_flops_per_gpu=989e12,
     hbm_bytes_per_s=3.35e12,
-    hbm_bytes=80e9,
+    hbm_bytes=81_559 * _MIB,
     host_to_device_bytes_per_s=128e9,
     nic_bytes_per_s=3200 * _GBPS,
 )
@@ -228,7 +232,7 @@ HARDWARE: dict[str, Hardware] = {
     "8xA100": attrs.evolve(_A800, name="8xA100"),
     "8xH800": _H800,
     "8xH100": _H100,
-    "8xH200": attrs.evolve(_H100, name="8xH200", hbm_bytes_per_s=4.8e12, hbm_bytes=141e9),
+    "8xH200": attrs.evolve(_H100, name="8xH200", hbm_bytes_per_s=4.8e12, hbm_bytes=143_771 * _MIB),
 }
 """Instances by name (eight GPUs each): dense bf16 peak, HBM bandwidth and size per GPU, PCIe and NIC
 per instance; the sources are in the comment above."""

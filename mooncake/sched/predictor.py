@@ -47,6 +47,7 @@ predictor's mean absolute error, so predictors are compared on what happened.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -62,6 +63,7 @@ from mooncake.types import Slo
 
 __all__ = [
     "DEFAULT_DECODE_S",
+    "DEFAULT_LENGTH_WINDOW",
     "DEFAULT_STEP_S",
     "ExpectedOutputPredictor",
     "LoadPredictor",
@@ -229,33 +231,78 @@ def _step_s(value: float) -> float:
 
 
 def _output_lengths(values: Iterable[int]) -> list[int]:
-    """Observed output lengths as the predictor keeps them: sorted ints, each checked as `observe` checks one."""
-    return sorted(require_int("an output length", value, minimum=0) for value in values)
+    """Observed output lengths in the order given, each checked as `observe` checks one."""
+    return [require_int("an output length", value, minimum=0) for value in require_iterable("lengths", values)]
+
+
+def _window(value: int) -> int:
+    return require_int("OutputLengthPredictor.window", value, minimum=1)
+
+
+DEFAULT_LENGTH_WINDOW = 10_000
+"""How many of the most recent output lengths `OutputLengthPredictor` keeps where none is given."""
 
 
 @attrs.define
 class OutputLengthPredictor:
-    """Survival of each request under the observed output-length distribution.
+    """Survival of each request under the distribution of the last `window` observed output lengths.
+
+    The window bounds memory and each `observe` (O(window), a memmove in a sorted list of at most `window`
+    ints, never a list that grows with the replay), and it follows a drifting workload; with no more than
+    `window` lengths observed, every answer is that of all of them.
 
     Args:
         step_s: seconds per generated token (the decode step time).
-        lengths: output lengths seen so far (more can be `observe`d).
+        lengths: output lengths seen so far, oldest first (more can be `observe`d); of more than `window`, the
+            last `window` are kept. Assigning it replaces them likewise.
+        window: the most lengths kept (default `DEFAULT_LENGTH_WINDOW`); fixed once built.
+
+    Invariants:
+        `lengths` is the kept window, sorted, as plain ints: the last `window` lengths given or observed (the
+        `window` most recent), never more; `_recent` holds the same lengths in the order they came.
 
     Raises:
-        ConfigError: a `step_s` that is not a finite number > 0, or a length that is not an integer >= 0, given or
-            assigned.
+        ConfigError: a `step_s` that is not a finite number > 0, a `window` that is not an integer >= 1, or a
+            length that is not an integer >= 0, given or assigned (naming it).
     """
 
     step_s: float = attrs.field(converter=_step_s)
-    lengths: list[int] = attrs.field(factory=list, converter=_output_lengths)
+    window: int = attrs.field(
+        default=DEFAULT_LENGTH_WINDOW, kw_only=True, converter=_window, on_setattr=attrs.setters.frozen
+    )
+    lengths: list[int] = attrs.field(
+        factory=list,
+        converter=_output_lengths,
+        on_setattr=attrs.setters.pipe(attrs.setters.convert, lambda predictor, _, value: predictor._keep(value)),
+    )
+    # The kept lengths in arrival order, so the oldest is the one the window drops next.
+    _recent: collections.deque[int] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "lengths", self._keep(self.lengths))
+
+    def _keep(self, lengths: list[int]) -> list[int]:
+        """Keep the last `window` of `lengths` (checked, oldest first): remember their order, return them sorted."""
+        self._recent = collections.deque(lengths[-self.window :])  # all of them when no more than window
+        return sorted(self._recent)
 
     def observe(self, output_tokens: int) -> None:
-        """Record a finished request's output length.
+        """Record a finished request's output length, dropping the oldest kept one once `window` are kept.
 
         Raises:
             InvalidRequestError: not an integer >= 0 (one would poison every later prediction), nothing recorded.
         """
-        bisect.insort(self.lengths, require_int("output_tokens", output_tokens, minimum=0, error=InvalidRequestError))
+        length = require_int("output_tokens", output_tokens, minimum=0, error=InvalidRequestError)
+        if len(self._recent) == self.window:
+            del self.lengths[bisect.bisect_left(self.lengths, self._recent.popleft())]
+        self._recent.append(length)
+        bisect.insort(self.lengths, length)
+
+    def check_invariants(self) -> None:
+        """Assert the class invariants (tests call this)."""
+        assert len(self.lengths) == len(self._recent) <= self.window
+        assert self.lengths == sorted(self._recent)
+        assert all(type(length) is int for length in self.lengths)
 
     def survival(self, produced: float, horizon: float, cap: float = math.inf) -> float:
         """P(output > produced + horizon | output > produced) under the observed lengths, for a request known to

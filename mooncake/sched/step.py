@@ -222,9 +222,38 @@ class DecodeCostModel:
         return self._roofline
 
     def capacity_tokens(self) -> int:
-        """KV tokens that fit in the instance's HBM beside the weights."""
-        total = self.hardware.num_gpus * self.hardware.hbm_bytes * self.kv_memory_fraction
-        return max(0, math.floor((total - self.model.weight_bytes) / self.model.kv_bytes_per_token))
+        """KV tokens that fit in the instance's HBM beside the weights: ⌊(G · HBM · kv_memory_fraction − weights)
+        / KV bytes per token⌋, 0 (never negative) where the weights leave no room for one token."""
+        return max(0, math.floor((self._kv_budget_bytes() - self.model.weight_bytes) / self.model.kv_bytes_per_token))
+
+    def require_capacity_tokens(self, field: str) -> int:
+        """`capacity_tokens()`, at least 1: the one check of whether this model's KV fits beside its weights on
+        this hardware, for every caller that sizes a decode node by its HBM.
+
+        Args:
+            field: the caller's name for the hardware (`ClusterSpec.decode_hardware`, say), for the message.
+
+        Raises:
+            ConfigError: no room for one token of KV (every request would be refused as too long for the node),
+                naming `field`, the hardware and the model, with the weights' bytes against G · HBM ·
+                kv_memory_fraction.
+        """
+        capacity = self.capacity_tokens()
+        if capacity <= 0:
+            hardware, model = self.hardware, self.model
+            raise ConfigError(
+                f"{field}={hardware.name!r} (num_gpus={hardware.num_gpus}, {hardware.hbm_bytes / 2**30:.4g} GiB of "
+                f"HBM each) leaves no HBM for the KV of model={model.name!r}: its weights take "
+                f"{model.weight_bytes / 1e9:.4g} GB of the G · HBM · kv_memory_fraction = {hardware.num_gpus} x "
+                f"{hardware.hbm_bytes / 1e9:.4g} GB x {self.kv_memory_fraction:g} = {self._kv_budget_bytes() / 1e9:.4g} "
+                f"GB that hold weights and KV, which need {model.kv_bytes_per_token} bytes more per token: give "
+                "more GPUs, larger ones, or explicit decode limits"
+            )
+        return capacity
+
+    def _kv_budget_bytes(self) -> float:
+        """The HBM the weights and KV may take: G · HBM · kv_memory_fraction."""
+        return self.hardware.num_gpus * self.hardware.hbm_bytes * self.kv_memory_fraction
 
 
 @attrs.frozen(kw_only=True)

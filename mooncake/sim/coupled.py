@@ -221,9 +221,7 @@ class CoupledCluster:
         self.loop = self.replay.loop
         self.prefill_cost = spec.prefill_cost
         decode_cost = spec.decode_cost
-        self.capacity_tokens = decode_cost.capacity_tokens()
-        if self.capacity_tokens <= 0:
-            raise ConfigError(f"{spec.model.name} leaves no HBM for KV on {spec.hardware.name}")
+        self.capacity_tokens = decode_cost.require_capacity_tokens("CoupledSpec.hardware")
         self.limits = DecodeLimits(kv_capacity_tokens=self.capacity_tokens, max_batch_size=spec.max_batch_size)
         cache_tokens = self.capacity_tokens if spec.cache_capacity_tokens is None else spec.cache_capacity_tokens
         self.page_bytes = spec.block_size_tokens * spec.model.kv_bytes_per_token

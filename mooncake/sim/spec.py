@@ -151,15 +151,8 @@ class ClusterSpec:
                 f"decode_node_limits={self.decode_node_limits!r} are both set: the limits' max_batch_size is a "
                 "decode node's batch slots, give only one"
             )
-        if self.decode_node_limits is None and self.decode_limits.kv_capacity_tokens <= 0:
-            # Every request would be refused as too long for it (the coupled baseline refuses the same hardware).
-            hardware = self.decode_hardware
-            raise ConfigError(
-                f"ClusterSpec.decode_hardware={hardware.name!r} (num_gpus={hardware.num_gpus}, "
-                f"{hardware.hbm_bytes / 1e9:g} GB of HBM each) leaves no HBM for the KV of "
-                f"model={self.model.name!r} beside its {self.model.weight_bytes / 1e9:g} GB of weights: give more "
-                "GPUs or decode_node_limits"
-            )
+        if self.decode_node_limits is None:
+            self._hbm_capacity_tokens()  # a node with no KV room would refuse every request as too long: refuse now
         if self.cpp_group_size > self.model.num_layers:
             raise ConfigError(
                 f"ClusterSpec.cpp_group_size={self.cpp_group_size} exceeds the model's num_layers="
@@ -204,8 +197,12 @@ class ClusterSpec:
         batch slots."""
         if self.decode_node_limits is not None:
             return self.decode_node_limits
-        capacity = DecodeCostModel(model=self.model, hardware=self.decode_hardware).capacity_tokens()
-        return DecodeLimits(kv_capacity_tokens=capacity, max_batch_size=self.max_decode_batch_size)
+        return DecodeLimits(kv_capacity_tokens=self._hbm_capacity_tokens(), max_batch_size=self.max_decode_batch_size)
+
+    def _hbm_capacity_tokens(self) -> int:
+        """The KV tokens a decode node's HBM holds beside the weights, at least 1 (else a ConfigError)."""
+        decode = DecodeCostModel(model=self.model, hardware=self.decode_hardware)
+        return decode.require_capacity_tokens("ClusterSpec.decode_hardware")
 
     @property
     def transfer_cost(self) -> TransferCostModel:

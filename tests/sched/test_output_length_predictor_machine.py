@@ -1,10 +1,12 @@
 """`OutputLengthPredictor` as a state machine, against a plain list of the lengths it was told.
 
-The machine builds a predictor (a step time and some first lengths), then
+The machine builds a predictor (a step time, a window of kept lengths, often
+small enough to bind, and some first lengths), then
 observes finished requests' lengths (good ones, numpy integers among them, and
 bad ones it must refuse), replaces its lengths wholesale, and asks it for
 survival probabilities, load predictions and a predictor score. The reference
-keeps the lengths as an unsorted list and recomputes every answer by counting:
+keeps every length told, in order, and recomputes every answer by counting over
+the last `window` of them (all of them while no more were told):
 survival is (lengths > produced + horizon) / (lengths > produced), a load is
 the survival-weighted sum over the requests, a score the mean absolute error of
 those loads. Times are whole quarter seconds and lengths small, so a request
@@ -15,8 +17,10 @@ generating" is hit.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -25,7 +29,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.join import DecodeLoad
-from mooncake.sched.predictor import LoadPredictor, LoadSnapshot, OutputLengthPredictor, score_predictor
+from mooncake.sched.predictor import (
+    DEFAULT_LENGTH_WINDOW,
+    LoadPredictor,
+    LoadSnapshot,
+    OutputLengthPredictor,
+    score_predictor,
+)
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.types import RequestId
 
@@ -44,6 +54,7 @@ bad_lengths = (
     | st.none()
     | st.text(max_size=3)
 )
+bad_windows = st.sampled_from([0, -1, 2.0, True, None, "3", np.int64(0)]) | st.integers(max_value=0)
 bad_step_times = st.sampled_from([0.0, -0.25, math.nan, math.inf, -math.inf, True]) | st.floats(max_value=0.0)
 output_tokens = st.sampled_from([0, 1, 2]) | st.integers(min_value=0, max_value=200)  # around takes_slot's 1
 
@@ -151,30 +162,41 @@ def assert_load(load: DecodeLoad, want: tuple[float, float, float]) -> None:
 class OutputLengthPredictorMachine(RuleBasedStateMachine):
     """Observations, replacements and queries on one predictor, against the list of lengths it was told.
 
-    Invariants: its lengths are the told ones, sorted, as plain ints; survival is the counted share, in [0, 1],
+    Invariants: its lengths are the last `window` told (all of them while no more were told), sorted, as plain
+    ints; survival is the counted share, in [0, 1],
     1 at horizon 0 for a request some observed one outlived, never rising with the horizon; a prediction is the
     reference's, the sum of its one-request predictions, with a batch between 0 and the requests present (all
     of them with nothing observed) and a KV at most their reservations; a score is the reference's mean absolute
-    error; a bad length or step time is refused (InvalidRequestError, ConfigError) and changes nothing.
+    error; a bad length, step time or window is refused (InvalidRequestError, ConfigError) and changes nothing.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.predictor = OutputLengthPredictor(step_s=1.0)
-        self.observed: list[int] = []
+        self.told: list[int] = []  # every length told, oldest first
+        self.window = DEFAULT_LENGTH_WINDOW
 
-    @initialize(step_s=step_times, first=st.lists(lengths, max_size=10))
-    def build(self, step_s: float, first: list[int]) -> None:
+    @property
+    def observed(self) -> list[int]:
+        """The lengths the predictor is to answer from: the last `window` told."""
+        return self.told[-self.window :]
+
+    @initialize(step_s=step_times, window=st.none() | st.integers(1, 12), first=st.lists(lengths, max_size=10))
+    def build(self, step_s: float, window: int | None, first: list[int]) -> None:
         given = list(first)
-        self.predictor = OutputLengthPredictor(step_s=step_s, lengths=given)
-        self.observed = list(first)
+        if window is None:  # the default window: far more than any run here observes
+            self.predictor = OutputLengthPredictor(step_s=step_s, lengths=given)
+        else:
+            self.predictor = OutputLengthPredictor(step_s=step_s, lengths=given, window=window)
+            self.window = window
+        self.told = list(first)
         given.append(MAX_LENGTH + 1)  # the predictor keeps its own sorted copy: the caller's list is not it
-        assert self.predictor.lengths == sorted(first)
+        assert self.predictor.lengths == sorted(first[-self.window :])
 
     @rule(length=good_lengths)
     def observe(self, length: int) -> None:
         self.predictor.observe(length)
-        self.observed.append(int(length))
+        self.told.append(int(length))
 
     @rule(length=bad_lengths)
     def observe_bad(self, length: object) -> None:
@@ -185,7 +207,7 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
     def replace_lengths(self, replacement: list[int]) -> None:
         """The field converts on assignment as at construction."""
         self.predictor.lengths = replacement
-        self.observed = list(replacement)
+        self.told = list(replacement)
 
     @rule(step_s=bad_step_times)
     def build_bad(self, step_s: float) -> None:
@@ -193,6 +215,15 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
             OutputLengthPredictor(step_s=step_s, lengths=list(self.observed))
         with pytest.raises(ConfigError, match="step_s"):
             self.predictor.step_s = step_s
+
+    @rule(window=bad_windows)
+    def build_bad_window(self, window: object) -> None:
+        """A window that is not an integer >= 1 is refused naming the field and the value; a built predictor's
+        window is fixed (its kept lengths would no longer be the last `window`)."""
+        with pytest.raises(ConfigError, match=rf"OutputLengthPredictor\.window .*got {re.escape(repr(window))}"):
+            OutputLengthPredictor(step_s=1.0, lengths=list(self.observed), window=window)  # type: ignore[arg-type]
+        with pytest.raises(attrs.exceptions.FrozenAttributeError):
+            self.predictor.window = 5
 
     @rule(good=st.lists(lengths, max_size=4), bad=bad_lengths)
     def give_bad_lengths(self, good: list[int], bad: object) -> None:
@@ -276,8 +307,10 @@ class OutputLengthPredictorMachine(RuleBasedStateMachine):
         assert close(got.kv_tokens_mae, means[2]), (got, means)
 
     @invariant()
-    def lengths_are_the_observed_ones_sorted(self) -> None:
+    def lengths_are_the_last_window_told_sorted(self) -> None:
         assert self.predictor.lengths == sorted(self.observed)
+        assert len(self.predictor.lengths) <= self.predictor.window == self.window
+        self.predictor.check_invariants()
         assert all(type(length) is int for length in self.predictor.lengths)
 
 
