@@ -13,8 +13,7 @@ makes the calls, so:
   `DecodeTokens` of one worker merge into a single message (their tokens in
   order), so a gateway that falls behind gets fewer, larger reports, not a
   growing queue; each token keeps its own step's time (`Token.at_s`), by
-  which the gateway times it, so merging loses no timing (the merged
-  `step_s` is the latest step's);
+  which the gateway times it, so merging loses no timing;
 - `flush(timeout)` waits until everything sent so far has been delivered (or
   dropped): the prefill engine flushes `prefill.done` before handing the
   request to a decode node, whose token reports travel on another connection

@@ -15,7 +15,7 @@ control call that carries it; its fields travel as the call's JSON object:
     prefill → gateway  prefill.started / prefill.done {prefix_tokens, ..., events} / prefill.failed {error, peer}
                        (also for a job stopped by its cancel: the gateway has forgotten it, and takes its events)
     decode  → gateway  decode.joined / decode.rejected {reason} / decode.failed {error}
-                       decode.tokens  DecodeTokens {instance_id, step_s,
+                       decode.tokens  DecodeTokens {instance_id,
                                                     tokens: [[request_id, attempt, token, index, finished]…]}
 
 A token whose request asked for log-probabilities carries them as a sixth item,
@@ -509,14 +509,13 @@ class DecodeFailed:
 
 @attrs.frozen(kw_only=True)
 class DecodeTokens:
-    """The tokens of one decode step (the joins' first tokens included) and the step's duration; or, merged by
-    the worker's `Reporter` while the gateway was behind, of several consecutive steps, in order, each token
-    with its own step's time (`Token.at_s`) and `step_s` the latest step's."""
+    """The tokens of one decode step (the joins' first tokens included); or, merged by the worker's `Reporter`
+    while the gateway was behind, of several consecutive steps, in order, each token with its own step's time
+    (`Token.at_s`)."""
 
     METHOD: ClassVar[str] = "decode.tokens"
     instance_id: str = _field(STR)
     tokens: tuple[Token, ...] = _field(TOKENS)
-    step_s: float = _field(FLOAT)
 
 
 Message = (

@@ -186,7 +186,7 @@ def joined(d: Dispatcher, live: LiveRequest) -> None:
 def tokens(live: LiveRequest, *tokens: tuple[int, int, bool]) -> wire.DecodeTokens:
     """A decode step's report of (token, index, finished) for `live`, from its decode engine and attempt."""
     step = tuple(wire.Token(int(live.request_id), live.attempt, t, i, f) for t, i, f in tokens)
-    return wire.DecodeTokens(instance_id=live.decode, tokens=step, step_s=0.01)
+    return wire.DecodeTokens(instance_id=live.decode, tokens=step)
 
 
 def sample(d: Dispatcher, name: str, **labels: str) -> float:

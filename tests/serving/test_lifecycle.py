@@ -449,7 +449,6 @@ def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
             return wire.DecodeTokens(
                 instance_id=instance,
                 tokens=tuple(wire.Token(7, attempt, 60 + i, i, i == 1) for i in indexes),
-                step_s=0.01,
             )
 
         ids = {"request_id": 7, "prefix_tokens": 16, "computed_tokens": 4, "fetched_blocks": 0, "streamed_blocks": 2}
@@ -464,7 +463,7 @@ def test_reports_of_another_attempt_or_engine_are_ignored() -> None:
             dispatcher._dispatch(stale)
         assert live.events.empty() and live.cached_tokens == 0 and request_id in dispatcher.live
         with pytest.raises(wire.MessageError, match="tokens"):
-            dispatcher.engine.handle_call("decode.tokens", {"instance_id": decode, "tokens": "oops", "step_s": 0.0})
+            dispatcher.engine.handle_call("decode.tokens", {"instance_id": decode, "tokens": "oops"})
         assert request_id in dispatcher.live
         dispatcher._dispatch(wire.PrefillDone(instance_id=prefill, attempt=1, events=(), **ids))
         dispatcher._dispatch(tokens(decode, 1, 0, 1))

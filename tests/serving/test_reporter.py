@@ -26,7 +26,6 @@ def tokens(instance: str, first: int, count: int) -> wire.DecodeTokens:
             wire.Token(request_id=1, attempt=0, token=first + i, index=first + i, finished=False, at_s=first / 1e3)
             for i in range(count)
         ),
-        step_s=0.001,
     )
 
 
@@ -140,7 +139,7 @@ def test_an_unexpected_error_drops_one_report_and_the_sender_lives_on(capsys: py
 
 def test_merged_reports_keep_each_steps_time_in_order() -> None:
     """Three steps' reports queued behind a slow delivery travel as one, their tokens in order, each with its own
-    step's `at_s` (the gateway times the tokens by them), `step_s` the latest step's; the other worker's report
+    step's `at_s` (the gateway times the tokens by them); the other worker's report
     and a report of another kind are never merged into it."""
     entered, release = threading.Event(), threading.Event()
     delivered: list[Any] = []
@@ -150,19 +149,19 @@ def test_merged_reports_keep_each_steps_time_in_order() -> None:
         release.wait(DEADLINE_S)
         delivered.append(message)
 
-    def step(index: int, at_s: float, step_s: float, instance: str = "decode-0") -> wire.DecodeTokens:
+    def step(index: int, at_s: float, instance: str = "decode-0") -> wire.DecodeTokens:
         token = wire.Token(request_id=1, attempt=0, token=7, index=index, finished=False, at_s=at_s)
-        return wire.DecodeTokens(instance_id=instance, tokens=(token,), step_s=step_s)
+        return wire.DecodeTokens(instance_id=instance, tokens=(token,))
 
     reporter = Reporter(call, capacity=8)
     try:
-        reporter.send(step(0, 10.0, 0.5))
+        reporter.send(step(0, 10.0))
         assert entered.wait(DEADLINE_S)  # the sender holds the first report: the next ones queue behind it
-        for index, at_s, step_s in ((1, 10.02, 0.02), (2, 10.04, 0.021), (3, 10.06, 0.019)):
-            reporter.send(step(index, at_s, step_s))
-        reporter.send(step(9, 10.07, 0.01, instance="decode-1"))
+        for index, at_s in ((1, 10.02), (2, 10.04), (3, 10.06)):
+            reporter.send(step(index, at_s))
+        reporter.send(step(9, 10.07, instance="decode-1"))
         reporter.send(wire.PrefillStarted(instance_id="prefill-0", request_id=2, attempt=0))
-        reporter.send(step(4, 10.08, 0.02))
+        reporter.send(step(4, 10.08))
         release.set()
         assert reporter.flush(DEADLINE_S)
     finally:
@@ -171,6 +170,5 @@ def test_merged_reports_keep_each_steps_time_in_order() -> None:
     assert [type(m).__name__ for m in delivered] == ["DecodeTokens"] * 3 + ["PrefillStarted", "DecodeTokens"]
     merged = delivered[1]
     assert [(t.index, t.at_s) for t in merged.tokens] == [(1, 10.02), (2, 10.04), (3, 10.06)]
-    assert merged.step_s == 0.019
     assert [(t.index, t.at_s) for t in delivered[2].tokens] == [(9, 10.07)]
     assert [(t.index, t.at_s) for t in delivered[4].tokens] == [(4, 10.08)]

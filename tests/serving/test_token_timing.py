@@ -79,7 +79,7 @@ def timed(d: Dispatcher) -> tuple[Clock, Taps, Taps]:
 def report(instance: str, *tokens: tuple[LiveRequest, int, float]) -> wire.DecodeTokens:
     """A decode report of (request, index, worker time) tokens: one step's, or several merged."""
     step = tuple(wire.Token(int(r.request_id), r.attempt, 7, i, False, None, at_s) for r, i, at_s in tokens)
-    return wire.DecodeTokens(instance_id=instance, tokens=step, step_s=0.01)
+    return wire.DecodeTokens(instance_id=instance, tokens=step)
 
 
 def through_the_wire(message: wire.DecodeTokens) -> wire.Message:
@@ -216,7 +216,7 @@ def test_step_times_survive_the_wire_once_per_step(times: list[float], data: st.
         wire.Token(1, 0, 7, i, False, data.draw(logprobs), at_s)
         for i, at_s in enumerate(t for t in times for _ in range(data.draw(st.integers(1, 3))))
     )
-    message = wire.DecodeTokens(instance_id="decode-0", tokens=tokens, step_s=0.01)
+    message = wire.DecodeTokens(instance_id="decode-0", tokens=tokens)
     assert through_the_wire(message) == message
     items = wire.encode(message)[1]["tokens"]
     changes = sum(1 for before, t in zip((0.0, *(t.at_s for t in tokens)), tokens, strict=False) if t.at_s != before)
@@ -236,4 +236,4 @@ def test_step_times_survive_the_wire_once_per_step(times: list[float], data: st.
 def test_a_bad_step_time_is_named(tokens: list[Any], named: str) -> None:
     """A step time that is not a finite number, or earlier than the token before's, is refused naming it."""
     with pytest.raises(wire.MessageError, match=named.replace("[", r"\[").replace("]", r"\]")):
-        wire.decode("decode.tokens", {"instance_id": "d", "tokens": tokens, "step_s": 0.0})
+        wire.decode("decode.tokens", {"instance_id": "d", "tokens": tokens})

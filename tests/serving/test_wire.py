@@ -129,7 +129,7 @@ messages = st.one_of(
     ),
     st.builds(wire.DecodeRejected, instance_id=names, request_id=ints, attempt=ints, reason=names),
     st.builds(wire.DecodeFailed, instance_id=names, request_id=ints, attempt=ints, error=names),
-    st.builds(wire.DecodeTokens, instance_id=names, tokens=st.lists(tokens, max_size=4).map(tuple), step_s=floats),
+    st.builds(wire.DecodeTokens, instance_id=names, tokens=st.lists(tokens, max_size=4).map(tuple)),
 )
 
 
@@ -176,28 +176,27 @@ def test_a_broken_message_is_an_error_naming_its_field(message: wire.Message, da
     [
         ("decode.token", {}, "decode.token"),  # misspelt
         ("decode.tokens", [], "decode.tokens"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0]], "step_s": 0.1}, "tokens[0]"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, 1]], "step_s": 0.1}, "tokens[0]"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, -5, 0, True]], "step_s": 0.1}, "tokens[0]"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[2**64, 0, 5, 0, True]], "step_s": 0.1}, "tokens[0]"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [], "step_s": float("nan")}, "step_s"),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [0.5, 1, []]]], "step_s": 0}, "[5][0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0]]}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, 1]]}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, -5, 0, True]]}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[2**64, 0, 5, 0, True]]}, "tokens[0]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [0.5, 1, []]]]}, "[5][0]"),
         (
             "decode.tokens",
-            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [float("nan"), 1, []]]], "step_s": 0},
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [float("nan"), 1, []]]]},
             "[5][0]",
         ),
         (
             "decode.tokens",
-            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 0, []]]], "step_s": 0},
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 0, []]]]},
             "tokens[0][5]",
         ),
         (
             "decode.tokens",
-            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, [[3]]]]], "step_s": 0},
+            {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, [[3]]]]]},
             "[5][2][0]",
         ),
-        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, {}]]], "step_s": 0}, "[5][2]"),
+        ("decode.tokens", {"instance_id": "d", "tokens": [[1, 0, 5, 0, True, [-0.5, 1, {}]]]}, "[5][2]"),
         (
             "prefill.done",
             {**wire.encode(wire.PrefillStarted(instance_id="p", request_id=1, attempt=0))[1]},
