@@ -585,6 +585,9 @@ class Worker:
                         self._stop_waiting(request_id)
                         self._arriving[request_id] = _Arriving(job, time.monotonic() + TIMEOUT_S)
             self._join_arrived(first.append)
+            # Nobody indexes a decode node's cache (the gateway announces prefill workers only): its change log,
+            # one entry per block the prefills push here, is dropped each round instead of growing for ever.
+            self.cache.take_events()
             # Before the first tokens go out: a health answer must count what joined (a client that has its first
             # token, then leaves, would otherwise find the engine idle while the step runs).
             self._publish_health(decode)

@@ -427,3 +427,20 @@ def test_a_failure_is_blamed_on_the_decode_node_only_when_it_is_that_nodes(pair:
     wait_for(lambda: len(reported(told, wire.PrefillFailed)) == 2, timeout=60.0, what="two failures")
     failed = {m.request_id: m.peer for m in told if isinstance(m, wire.PrefillFailed)}
     assert failed == {2: "decode-0", 3: ""}, told
+
+
+def test_a_decode_worker_drops_its_cache_change_log(pair: Pair) -> None:
+    """A decode node's cache receives every pushed block but nobody takes its events (only prefill workers are
+    indexed): its change log is drained each round of the decode loop, not kept for the worker's lifetime."""
+    prefill, decode, _told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    prefill.start()
+    for request_id in range(1, 7):
+        prefill._on_job(job(request_id))
+    wait_for(
+        lambda: sum(isinstance(m, wire.DecodeTokens) and any(t.finished for t in m.tokens) for m in list(decoded))
+        >= 6,
+        timeout=60.0,
+        what="six requests decoded",
+    )
+    wait_for(lambda: not decode.cache._log, timeout=10.0, what="the decode cache's change log drained")
