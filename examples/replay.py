@@ -176,7 +176,8 @@ def write_outputs(result: ReplayResult, title: str, out: Path) -> None:
     write_json(result.summary.to_json(), out / "summary.json")
     completed = [r for r in result.records if r.outcome == Outcome.COMPLETED]
     plot_cdfs({"TTFT": [r.ttft_s or 0.0 for r in completed]}, out / "ttft_cdf.png", xlabel="TTFT (s)", title=title)
-    plot_cdfs({"TBT": [r.tbt_s * 1000 for r in completed]}, out / "tbt_cdf.png", xlabel="TBT (ms)", title=title)
+    paced = [r.tbt_s * 1000 for r in completed if r.output_tokens > 1]  # as the summary's TBT: one token has no pace
+    plot_cdfs({"TBT": paced}, out / "tbt_cdf.png", xlabel="TBT (ms)", title=title)
     plot_load({title: result.load}, out / "load.png")
 
 

@@ -236,11 +236,11 @@ class RecordTable(Sequence[RequestRecord]):
 
     def seal(self, record: RequestRecord) -> None:
         """`record`'s request has ended: keep it as columns only (the table lets go of the object, and later
-        changes to it, its intervals included, change nothing here). A field no column holds (a count past
-        int64) leaves the record live, as it was.
+        changes to it, its intervals included, change nothing here).
 
         Raises:
-            InvalidRequestError: `record` is not live in this table (sealed already, or never added).
+            InvalidRequestError: `record` is not live in this table (sealed already, or never added); or a count
+                no column holds (past int64, which no `Request` reaches), naming it: the record stays live.
         """
         row = self._row_of.get(id(record))
         if row is None:
@@ -255,9 +255,13 @@ class RecordTable(Sequence[RequestRecord]):
         floats["tbt_s"][row] = record.tbt_s
         floats["first_token_s"][row] = math.nan if record.first_token_s is None else record.first_token_s
         floats["finish_s"][row] = math.nan if record.finish_s is None else record.finish_s
-        ints["input_tokens"][row] = record.input_tokens
-        ints["output_tokens"][row] = record.output_tokens
-        ints["prefix_tokens"][row] = record.prefix_tokens
+        for name in ("input_tokens", "output_tokens", "prefix_tokens"):
+            try:
+                ints[name][row] = getattr(record, name)
+            except OverflowError:
+                raise InvalidRequestError(
+                    f"request {record.request_id!r}: {name}={getattr(record, name)!r} is past what a column holds (int64)"
+                ) from None
         codes["outcome"][row] = _OUTCOME_CODE[record.outcome]
         codes["reason"][row] = _REASON_CODE[record.reason]
         codes["prefill_instance"][row] = code(record.prefill_instance)
@@ -439,7 +443,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
         completed=int(completed.sum()),
         rejected_before_prefill=int((outcome == table.outcome_code(Outcome.REJECTED_BEFORE_PREFILL)).sum()),
         rejected_after_prefill=int(after_prefill.sum()),
-        wasted_prefill_s=sum(prefill_s[after_prefill].tolist()),
+        wasted_prefill_s=sum(prefill_s[after_prefill].tolist(), 0.0),
         ttft_s=_percentiles(ttft[completed & prefilled]),
         # over the requests that have a token interval: one output token has none (its TBT 0 is no pace)
         tbt_s=_percentiles(tbt[completed & (table.column("output_tokens") > 1)]),

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
 from mooncake.sim.metrics import (
@@ -425,3 +426,20 @@ def test_load_trace_memory_follows_the_events_not_the_idle_time() -> None:
         bounded(0.0)  # samples 0; the next is due at 1
         bounded(float(gap + 1))  # the stretch from sample 1 to sample gap + 1
         assert len(bounded.samples) == kept
+
+
+def test_a_count_no_column_holds_is_a_named_error_and_the_record_stays_live() -> None:
+    """No `Request` reaches 2**63 tokens, but a hand-built record may: `seal` names the field, keeps it live."""
+    table = RecordTable()
+    record = RequestRecord(request_id=RequestId("r"), arrival_s=0.0, input_tokens=2**70, output_tokens=1)
+    table.add(record)
+    with pytest.raises(InvalidRequestError, match=r"input_tokens=1180591620717411303424 is past"):
+        table.seal(record)
+    assert table[0] is record
+
+
+def test_no_waste_is_a_float_zero() -> None:
+    """`wasted_prefill_s` is a float even when nothing was wasted (JSON readers see 0.0 beside the floats)."""
+    record = RequestRecord(request_id=RequestId("r"), arrival_s=0.0, input_tokens=4, output_tokens=1)
+    summary = summarize([record], Slo())
+    assert summary.wasted_prefill_s == 0 and isinstance(summary.wasted_prefill_s, float)

@@ -268,3 +268,22 @@ def test_a_title_with_dollar_signs_is_drawn_as_written(
         for text in texts:
             text.get_window_extent(renderer)  # drawn: a parsed title would fail here too
             assert text.get_text() == title and not text.get_parse_math()  # `$x^2$` shown as typed
+
+
+@pytest.mark.parametrize(
+    ("outcome", "output_tokens", "shown"),
+    [
+        (Outcome.COMPLETED, 2, "0.125000"),
+        (Outcome.COMPLETED, 1, ""),  # one token: no interval, as the summary's TBT leaves it out
+        (Outcome.REJECTED_AFTER_PREFILL, 3, ""),
+        (None, 3, ""),  # still running when the run ended
+    ],
+)
+def test_the_csv_gives_a_tbt_only_where_an_interval_was_measured(
+    tmp_path: Path, outcome: Outcome | None, output_tokens: int, shown: str
+) -> None:
+    record = RequestRecord(request_id="r", arrival_s=0.0, input_tokens=8, output_tokens=output_tokens, tbt_s=0.125)
+    record.outcome = outcome
+    write_records_csv([record], tmp_path / "requests.csv")
+    (row,) = csv.DictReader((tmp_path / "requests.csv").open())
+    assert row["tbt_s"] == shown
