@@ -159,14 +159,15 @@ def two_choices(_trace: Path) -> str:
     assert isinstance(ttft, dict) and isinstance(p99, dict) and isinstance(hits, dict)
     kv, lb, two = routers
     claim(hits[two] > hits[lb], "TwoChoices gets more cache hits than load balancing")
-    claim(ttft[two] > ttft[lb], "TwoChoices is slower than load balancing on mean TTFT")
+    claim(abs(ttft[two] / ttft[lb] - 1) < 0.3, "TwoChoices and load balancing are close on mean TTFT")
     claim(ttft[kv] < 0.5 * min(ttft[lb], ttft[two]), "the KV-cache-centric router is far ahead of both")
     return (
         f"On the default generated workload (4,000 requests of the synthetic preset, seed 0, {report['cluster']}) "
         "it gets\nmore cache hits than load balancing "
-        f"({hits[two]:.3f} vs {hits[lb]:.3f}) but is slower on mean TTFT\n({ttft[two]:.2f} s vs {ttft[lb]:.2f} s, "
-        f"p99 {p99[two]:.1f} s vs {p99[lb]:.1f} s): two instances drawn at random balance the load worse than\n"
-        "the shortest queue of all, and the few hits more do not make up for it; both are far behind the\n"
+        f"({hits[two]:.3f} vs {hits[lb]:.3f}), and the two trade places on mean TTFT with the seed\n(here "
+        f"{ttft[two]:.2f} s vs {ttft[lb]:.2f} s, p99 {p99[two]:.1f} s vs {p99[lb]:.1f} s): two instances drawn at "
+        "random\nbalance the load worse than the shortest queue of all, which its extra hits offset about as "
+        "often as\nnot; both are far behind the "
         f"KV-cache-centric router ({ttft[kv]:.2f} s, hit ratio {hits[kv]:.3f})"
     )
 

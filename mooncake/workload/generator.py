@@ -1,7 +1,8 @@
 """Synthetic workloads with the prefix structure of real LLM traffic.
 
 A prompt is a list of segments, each a run of tokens with an identity:
-- a system prompt, shared by every session that uses it (a few, Zipf-popular);
+- a system prompt, shared by every session that uses it (a few, Zipf-popular;
+  a share of chat and document sessions may open without one);
 - a long document, shared by the several users asking about it (Zipf-popular);
 - a tool/agent preamble (tool schemas, instructions), long and fixed;
 - user messages, model outputs and tool observations, unique to a session.
@@ -149,7 +150,10 @@ class WorkloadSpec:
 
     Session kinds are mixed by weight. Shared segments (system prompts,
     documents, agent preambles) are drawn from pools whose popularity is Zipf
-    with exponent `popularity_skew`. A session has 1 + Poisson turns, mean
+    with exponent `popularity_skew`. A share `system_prompt_share` (in [0, 1])
+    of chat and document sessions open with a system prompt; the others open
+    with their document or, a chat, with its first message, so a one-turn chat
+    without one shares no block with any other request. A session has 1 + Poisson turns, mean
     `mean_session_turns`: `mean_turns`, or 1 / (1 - `continue_probability`) where
     that is fewer (a session of m turns continues m - 1 arrivals in m, so the two
     say one thing; `continue_probability` None, the default, leaves `mean_turns`
@@ -166,6 +170,7 @@ class WorkloadSpec:
     document_weight: float = attrs.field(default=0.0, validator=_number_at_least(0))
     agent_weight: float = attrs.field(default=0.0, validator=_number_at_least(0))
     num_system_prompts: int = attrs.field(default=8, validator=int_at_least(1))
+    system_prompt_share: float = attrs.field(default=1.0, validator=_number_in(0, 1))
     system_prompt_tokens: LengthDistribution = LengthDistribution(mean_tokens=1500, sigma=0.5)
     num_documents: int = attrs.field(default=200, validator=int_at_least(1))
     document_tokens: LengthDistribution = LengthDistribution(mean_tokens=20000, sigma=0.6)
@@ -240,23 +245,43 @@ PRESETS: dict[str, WorkloadSpec] = {
         output_tokens=LengthDistribution(mean_tokens=182, sigma=0.9, max_tokens=4096),
         mean_turns=2.6,
     ),
+    # Fitted to the shape of the public synthetic trace, not only its means (see docs/workloads.md for the fit).
     "synthetic": WorkloadSpec(
         name="synthetic",
+        # 28 % of the trace's prompts are under 512 tokens, nearly all with a first block no other request has:
+        # one-off questions, here chats with no system prompt.
         chat_weight=0.3,
-        document_weight=0.45,
-        agent_weight=0.25,
-        system_prompt_tokens=LengthDistribution(mean_tokens=1500, sigma=0.3),
-        document_tokens=LengthDistribution(mean_tokens=22000, sigma=0.4),
-        agent_preamble_tokens=LengthDistribution(mean_tokens=6000, sigma=0.3),
-        user_message_tokens=LengthDistribution(mean_tokens=1760, sigma=0.6),
-        observation_tokens=LengthDistribution(mean_tokens=1000, sigma=0.6),
-        output_tokens=LengthDistribution(mean_tokens=149, sigma=0.9, max_tokens=4096),
-        mean_turns=1.85,
+        # Every other shared prefix in the trace is one long context re-asked by 2-24 requests, all but the last
+        # block shared; nothing like a growing tool transcript, so no agent runs.
+        document_weight=0.7,
+        agent_weight=0.0,
+        # No first block is common across contexts (the most common opens 24 of 3,993 requests): no shared
+        # system prompt in front of them.
+        system_prompt_share=0.0,
+        # About 2,900 long prompts over about 1,100 distinct contexts, the most re-asked 24 times: a large,
+        # nearly flat pool (Zipf 0.3 gives its top document 0.6 % of the draws).
+        num_documents=1000,
+        popularity_skew=0.3,
+        # The re-asked contexts run 3 K to 45 K tokens (10th to 90th percentile), 18 K at the median.
+        document_tokens=LengthDistribution(mean_tokens=21500, sigma=0.8),
+        # Short prompts are a few dozen tokens at the median, with a tail to a few thousand.
+        user_message_tokens=LengthDistribution(mean_tokens=150, sigma=1.4),
+        # Outputs have a median under half their mean and stop under 900 tokens, as a 1 K generation cap
+        # leaves them.
+        output_tokens=LengthDistribution(mean_tokens=162, sigma=1.2, max_tokens=1024),
+        # Re-asks of a context cluster in time (a median 55 s apart, where independent draws over the
+        # 17-minute trace would be minutes apart): a third of arrivals continue a session, asking its context
+        # again, after a think time of 40 s mean. This sets the hit ratio of a cache that holds a minute of
+        # traffic or less.
+        mean_turns=1.5,
+        think_time_s=40.0,
     ),
 }
-"""Presets named after the published Mooncake traces. Their sessions have 2.4, 2.6 and 1.85 turns on average
-(continuation shares 0.58, 0.62 and 0.46: the presets' workloads at 4,000 requests kept as they were), and their
-message lengths are tuned, with those turns, to the published mean input."""
+"""Presets named after the published Mooncake traces. Their sessions have 2.4, 2.6 and 1.5 turns on average
+(continuation shares 0.58, 0.62 and 0.33), and their message lengths are tuned, with those turns, to the published
+mean input. `synthetic`, the default workload, is fitted to the public synthetic trace's shape as well: its share of
+short unshared prompts, its flat pool of re-asked contexts, and its LRU hit ratio at 100 to 20,000 blocks of cache
+(docs/workloads.md gives the figures)."""
 
 
 def preset(name: str) -> WorkloadSpec:
@@ -378,11 +403,19 @@ class _Generator:
         if kind == "agent":
             prompt = [self.shared("preamble"), self.segment(spec.user_message_tokens.sample(self.rng))]
         else:
-            prompt = [self.shared("system")]
+            prompt = [self.shared("system")] if self.opens_with_system_prompt() else []
             if kind == "document":
                 prompt.append(self.shared("document"))
             prompt.append(self.segment(spec.user_message_tokens.sample(self.rng)))
         return _Session(prompt=prompt, kind=kind, turns_left=turns)
+
+    def opens_with_system_prompt(self) -> bool:
+        """Whether a new chat or document session opens with a system prompt (`system_prompt_share`).
+
+        At a share of 0 or 1 nothing is drawn for it: a spec at the default 1 consumes the generator as it did
+        before the share existed, so the other presets' workloads are unchanged by it."""
+        share = self.spec.system_prompt_share
+        return share >= 1 or (share > 0 and float(self.rng.random()) < share)
 
     def next_turn(self, session: _Session) -> bool:
         """Extend `session` by its last output and a new message; False if that passes `max_input_tokens` (the
