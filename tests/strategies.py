@@ -109,6 +109,7 @@ def workload_specs(draw: st.DrawFn) -> WorkloadSpec:
         document_weight=weights[1],
         agent_weight=weights[2],
         num_system_prompts=draw(st.integers(1, 4)),
+        system_prompt_share=draw(st.sampled_from([0.0, 0.5, 1.0])),
         system_prompt_tokens=lengths(100),
         num_documents=draw(st.integers(1, 6)),
         document_tokens=lengths(300),
