@@ -163,3 +163,11 @@ def test_every_package_is_listed_in_its_extra() -> None:
             continue  # not installed here: its distribution's name is unknown
         provided = {name.lower().replace("_", "-") for name in distributions[package]}
         assert provided & listed, f"{package} (from {sorted(provided)}) is not a requirement of extra {extra!r}"
+
+
+def test_dir_of_the_engine_lists_its_lazy_names() -> None:
+    """`dir(mooncake.engine)` (completion, `help`) lists every exported name, the lazily imported ones too."""
+    import mooncake.engine
+
+    assert set(mooncake.engine.__all__) <= set(dir(mooncake.engine))
+    assert "__getattr__" in dir(mooncake.engine)

@@ -58,3 +58,8 @@ def __getattr__(name: str) -> Any:
     with needs_extra(f"mooncake.engine.{name}"):
         module = importlib.import_module(f"mooncake.engine.{home}")
     return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy ones (`__all__`), for completion and `dir()`: they are attributes too."""
+    return sorted({*globals(), *__all__})
