@@ -438,8 +438,7 @@ def test_a_decode_worker_drops_its_cache_change_log(pair: Pair) -> None:
     for request_id in range(1, 7):
         prefill._on_job(job(request_id))
     wait_for(
-        lambda: sum(isinstance(m, wire.DecodeTokens) and any(t.finished for t in m.tokens) for m in list(decoded))
-        >= 6,
+        lambda: sum(isinstance(m, wire.DecodeTokens) and any(t.finished for t in m.tokens) for m in list(decoded)) >= 6,
         timeout=60.0,
         what="six requests decoded",
     )
