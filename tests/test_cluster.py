@@ -236,7 +236,12 @@ BAD_BODIES = [
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"prompt": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, "messages[1].content"),
+    # (a message with no content is vLLM's empty one: CustomChatCompletionMessageParam's content is optional)
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 5}]},
+        "messages[1].content",
+    ),
     ("completions", {"prompt": "hi", "n": 17}, "n"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "hi", "echo": "maybe"}, "echo"),
