@@ -62,7 +62,7 @@ import attrs
 from aiohttp import HttpVersion11, web
 
 import mooncake
-from mooncake.engine.logprobs import TokenLogprobs
+from mooncake.engine.logprobs import CONTEXT_TOKENS, TokenLogprobs
 from mooncake.sched.outcome import Outcome, Reason
 from serving import wire
 from serving.api import (
@@ -97,7 +97,7 @@ from serving.machine import page_bytes
 from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.models import build_conductor
 from serving.protocol import EdgeLimits, GuardedSite, install_log_limits, loop_exception_handler
-from serving.tokenizer import TextStream, generation_defaults, serving_tokenizer
+from serving.tokenizer import ServingTokenizer, TextStream, generation_defaults, serving_tokenizer
 
 __all__ = ["Gateway"]
 
@@ -508,8 +508,13 @@ class Gateway:
         logprobs = None
         if sampling.logprobs is not None:
             # vLLM's `return_tokens_as_token_ids`: a token any client can tell from another, whatever its bytes.
-            text = _token_id_text if output.tokens_as_ids else self.tokenizer.token_text
-            logprobs = Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=text)
+            if output.tokens_as_ids:
+                logprobs = Logprobs(chat=reply.chat, k=sampling.logprobs, token_text=_token_id_text)
+            else:
+                echoed = len(live.tokens) if isinstance(parsed, CompletionRequest) and parsed.echo else 0
+                logprobs = _SequenceLogprobs(
+                    chat=reply.chat, k=sampling.logprobs, tokenizer=self.tokenizer, echoed=echoed
+                )
         echo_only = isinstance(parsed, CompletionRequest) and parsed.echo_only
         prompt_ids = tuple(live.tokens) if output.return_token_ids else None
         return _Choice(
@@ -540,9 +545,7 @@ class Gateway:
                     # Each choice's prefill scored its own prompt.
                     None
                     if k is None
-                    else prompt_logprobs_json(
-                        choice.live.tokens, self._scored(choice.live), k, self.tokenizer.token_text
-                    ),
+                    else _prompt_logprobs(self.tokenizer, choice.live.tokens, self._scored(choice.live), k),
                 )
                 for choice, one in zip(choices, asked, strict=True)
             ]
@@ -772,6 +775,54 @@ class _Choice:
             prompt_token_ids=self.prompt_ids,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+class _SequenceLogprobs(Logprobs):
+    """`Logprobs` whose token texts read as vLLM's do in sequence: a byte of a character shows "" until its last
+    byte, which shows the character (`token_text` after a context). A place's context, for its token and the
+    alternatives beside it alike, is the last tokens before it that have log-probabilities (vLLM's sampled ones);
+    the echoed prompt's (`echoed` tokens, which come first) and the generation's apart, as vLLM keeps its prompt's
+    and its sample's log-probabilities apart (a prompt's first token has none, so it is never context). A token
+    without log-probabilities reads as its lone decode, as vLLM writes one (no space restored, no context)."""
+
+    def __init__(self, *, chat: bool, k: int, tokenizer: ServingTokenizer, echoed: int = 0) -> None:
+        super().__init__(chat=chat, k=k, token_text=self._text)
+        self._tokenizer, self._echoed_left = tokenizer, echoed
+        self._context: list[int] = []  # the tokens before the next place that count
+        self._scored = True  # the place being written has log-probabilities
+
+    def _text(self, token: int) -> str:
+        if not self._scored:
+            return self._tokenizer.decode([token])
+        return self._tokenizer.token_text(token, context=self._context)
+
+    def take(self, tokens: Sequence[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        """As `Logprobs.take`, a place at a time (each with its own context); the parts joined (each field a
+        list, as both shapes have them)."""
+        taken = super().take([])
+        for token, entry in tokens:
+            self._scored = entry is not None
+            for field, values in super().take([(token, entry)]).items():
+                taken[field].extend(values)
+            if entry is not None:
+                self._context = [*self._context, token][-CONTEXT_TOKENS:]
+            if self._echoed_left:
+                self._echoed_left -= 1
+                if not self._echoed_left:
+                    self._context = []  # the generation's context starts after the prompt's, empty
+        return taken
+
+
+def _prompt_logprobs(
+    tokenizer: ServingTokenizer, tokens: Sequence[int], scored: Sequence[TokenLogprobs], k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """`prompt_logprobs_json`, each place's texts read after the prompt's tokens before it as vLLM reads them (its
+    last `CONTEXT_TOKENS`, from the second token on: the first has no log-probabilities, so vLLM never counts it)."""
+    listed: list[dict[str, dict[str, Any]] | None] = [None]
+    for at in range(1, len(tokens)):
+        text = functools.partial(tokenizer.token_text, context=tokens[max(1, at - CONTEXT_TOKENS) : at])
+        listed.append(prompt_logprobs_json(tokens[at - 1 : at + 1], scored[at - 1 : at], k, text)[1])
+    return listed
 
 
 def _token_id_text(token: int) -> str:

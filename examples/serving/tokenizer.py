@@ -19,14 +19,18 @@ merged away (`_text_floor` states the conditions); 0 (no bound) otherwise.
 `TextStream` turns a request's tokens into the text its client may see,
 decoded incrementally (whole characters only): the text ends just before the
 stop string that completes first (as generation would stop there; of several
-completing at the same character, the longest), or at a stop id (the token is
-not shown; what was held back goes out). It holds back the longest tail of the
-text that could still begin a stop string, so nothing of a stop string is ever
-sent. Invariant: what it gives out depends on the text only, never on how the
-text is split into pieces: it is the text cut at the first completed stop
-string or stop id. Both end a generation the one way: `stopped` turns True
-and the gateway cancels the decode (finish reason "stop"); `max_tokens` ends
-it on the decode engine ("length").
+completing at the same character, the first the request lists, as vLLM's
+`check_stop_strings` takes them), or at a stop id (the token is not shown; what
+was held back goes out). It holds back the longest tail of the text that could
+still begin a stop string, so nothing of a stop string is ever sent. A
+generation that ends inside a character ends with the character before it: the
+incomplete bytes are dropped, never shown as U+FFFD (vLLM's output is what its
+stream emitted). Invariant: what it gives out depends on the text only, never
+on how the text is split into pieces: it is the text cut at the first completed
+stop string or stop id, less an incomplete character at its end. Both end a
+generation the one way: `stopped` turns True and the gateway cancels the
+decode (finish reason "stop"); `max_tokens` ends it on the decode engine
+("length").
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mooncake.engine.chat import chat_conversation
+from mooncake.engine.logprobs import completed_text
 
 if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
@@ -54,7 +59,8 @@ __all__ = [
 
 
 class Decoder(Protocol):
-    """An incremental decoder of one generation's tokens: each push gives the text now whole."""
+    """An incremental decoder of one generation's tokens: each push gives the text now whole; `finish` what is
+    left at the end ("" where all that is left is an incomplete character, which is dropped)."""
 
     def push(self, token: int) -> str: ...
 
@@ -84,7 +90,7 @@ class ServingTokenizer(Protocol):
 
     def fewest_tokens(self, text: str) -> int: ...
 
-    def token_text(self, token: int) -> str: ...
+    def token_text(self, token: int, *, context: Sequence[int] = ()) -> str: ...
 
     def piece(self, token: int) -> str: ...
 
@@ -141,13 +147,15 @@ class ByteTokenizer:
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def token_text(self, token: int) -> str:
-        """The lone byte's text (U+FFFD for a byte that only begins or continues a character)."""
-        return self.decode([token])
+    def token_text(self, token: int, *, context: Sequence[int] = ()) -> str:
+        """The lone byte's text; a byte of a character completed after `context` (the tokens sampled before it), as
+        vLLM completes one (`completed_text`: "" until the character's last byte, which shows it whole)."""
+        return completed_text(self.decode([token]), token, context, self.decode)
 
     def piece(self, token: int) -> str:
-        """The vocabulary's string for the byte: its text (a byte has no piece of its own)."""
-        return self.token_text(token)
+        """The vocabulary's string for the byte: its text (a byte has no piece of its own; U+FFFD for one that
+        only begins or continues a character)."""
+        return self.decode([token])
 
     def stream(
         self,
@@ -223,9 +231,10 @@ class CheckpointTokenizer:
         counted = len(text) if not ascii_only or text.isascii() else len(text.encode("ascii", "ignore"))
         return -(-counted // longest)
 
-    def token_text(self, token: int) -> str:
-        """The lone token's text as vLLM shows it (`Tokenizer.token_text`)."""
-        return self.tokenizer.token_text(token)
+    def token_text(self, token: int, *, context: Sequence[int] = ()) -> str:
+        """The lone token's text as vLLM shows it, after `context` (the tokens sampled before it: a byte of a
+        character shows "" until the last, `Tokenizer.token_text`)."""
+        return self.tokenizer.token_text(token, context=context)
 
     def piece(self, token: int) -> str:
         """The vocabulary's string for the token (`Tokenizer.piece`: transformers' `convert_ids_to_tokens`)."""
@@ -271,7 +280,9 @@ class _Utf8Decoder:
         return str(self._decoder.decode(bytes((token,)) if 0 <= token < 256 else b""))
 
     def finish(self) -> str:
-        return str(self._decoder.decode(b"", final=True))
+        """Nothing: an incomplete character at the end is dropped, as a checkpoint's stream drops one (vLLM's)."""
+        self._decoder.reset()
+        return ""
 
 
 def chat_prompt(
@@ -330,7 +341,8 @@ class TextStream:
         self._held = ""  # text not given out yet: a tail that may begin a stop string
 
     def feed(self, token: int) -> str:
-        """The text token `token` completes that may be sent; at a stop id, the rest of the text."""
+        """The text token `token` completes that may be sent; at a stop id, the rest of the text (less an
+        incomplete character, `finish`)."""
         if self.stopped:
             return ""
         self.tokens += 1
@@ -348,7 +360,9 @@ class TextStream:
         return "" if self.stopped else self._push(text)
 
     def finish(self) -> str:
-        """The rest of the text at the end of the generation (an incomplete character as U+FFFD)."""
+        """The rest of the text at the end of the generation: what was held back for a stop string; an incomplete
+        character at the end is dropped (the decoder's `finish` gives nothing of it), as vLLM's output ends with
+        the last whole character its stream emitted."""
         if self.stopped:
             return ""
         text = self._push(self._decoder.finish())

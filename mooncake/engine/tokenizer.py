@@ -28,8 +28,10 @@ own default special tokens:
   says, and its infilling tokens (`▁<PRE>`, ..., `<FILL_ME>`) made special.
 Then the added tokens of `added_tokens_decoder`. Whatever the class, the named
 special tokens missing from the added tokens become special ones, in transformers' order (BOS, EOS, UNK, SEP,
-PAD, CLS, MASK), so a new one gets the id transformers gives it. The BOS and EOS an encoding gets are the file's
-post-processor's: transformers (5.25) does not apply `add_bos_token` or
+PAD, CLS, MASK), then those of `extra_special_tokens` (`additional_special_tokens`, its older name), as
+transformers adds every one of its `all_special_tokens` (`_extra_special` states which lists count), so a new
+one gets the id transformers gives it (an added token that is not special stays so). The BOS and EOS an
+encoding gets are the file's post-processor's: transformers (5.25) does not apply `add_bos_token` or
 `add_eos_token`, with or without one. So does `load_tokenizer`.
 
 Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
@@ -38,7 +40,9 @@ Streaming (`Detokenizer`): a generated token may be half a UTF-8 character
 the tokens since `prefix` (already emitted, kept as context) and the tokens
 since `read` (not yet emitted); the new text is the window's decode minus the
 decode of its context, and it is emitted only when it grew and does not end in
-U+FFFD (an incomplete character). `finish()` emits what is left. A stream
+U+FFFD (an incomplete character). `finish()` emits nothing: what is still held
+at the end is an incomplete character (with any text of its tokens before it),
+dropped as vLLM drops it (its output is what its stream emitted). A stream
 starts with the prompt's tail as its context (`detokenizer(prompt=...)`), never
 emitted, as vLLM seeds its stream with the prompt's ids: so the first generated
 piece decodes as it does after the prompt (a SentencePiece "▁Hello" as
@@ -51,13 +55,16 @@ does too (the prompt ends inside a character: vLLM's stream would emit the
 prompt's text then).
 
 Invariants: the pieces a `Detokenizer` emits join to `decode` of its context and
-its tokens, less `decode` of its context; while every token completes what came
-before, no piece holds U+FFFD. One exception, kept as tokenizers' own
-`DecodeStream` (vLLM's streaming) keeps it: a byte-fallback decoder (`<0xE6>` tokens) shows a run of byte tokens that
-is not valid UTF-8 as one U+FFFD per byte, also the bytes of characters in it
-that were already emitted whole; the stream keeps what it emitted (a stray
-byte after "日" streams as "日" and then, at `finish`, the rest of the run's
-U+FFFD: "日" + 3 × U+FFFD where `decode` gives 4 × U+FFFD).
+its tokens up to `read`, less `decode` of its context; the tokens after `read`
+(an incomplete character) are never emitted; while every token completes what
+came before, no piece holds U+FFFD. One exception: a byte-fallback decoder
+(`<0xE6>` tokens) shows a run of byte tokens that is not valid UTF-8 as one
+U+FFFD per byte, also the bytes of characters in it that were already emitted
+whole. The stream keeps what it emitted and goes on following `decode`: a stray
+byte after "日", then " He", streams as "日" and then 3 × U+FFFD + " He" (where
+`decode` gives 4 × U+FFFD). tokenizers' `DecodeStream` raises there instead, and
+vLLM starts a fresh stream at the token that raised ("日" then "He": the run's
+U+FFFD and the space are lost); this does not follow it.
 
 The chat template is rendered the way transformers renders it: jinja2's
 immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
@@ -82,12 +89,12 @@ import attrs
 from mooncake._checks import is_finite_number, is_int
 from mooncake._extras import needs_extra
 from mooncake.engine.chat import chat_conversation, loops_over_content
+from mooncake.engine.logprobs import REPLACEMENT, completed_text
 from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
 
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of a message to continue
-REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 # The prompt's tokens (not special) a stream starts from as context, as vLLM's slow detokenizer's window
 # (`INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET`): a decoder changes a token's text by what precedes it only at the
 # text's start (a stripped space), which any token of text before it rules out.
@@ -249,6 +256,7 @@ class Tokenizer:
         self.backend, self.special, self.chat_template, self.source = backend, special, chat_template, source
         self._compiled: Any = None
         self._special_ids: frozenset[int] | None = None  # the added tokens marked special, read on first use
+        self._marker: str | None = None  # the pre-tokenizer's Metaspace replacement ("": none), read on first use
         # How vLLM reads a chat for this template (`chat_conversation`): contents as lists of parts where it
         # loops over them, developer messages as system ones where it never names the role.
         self.content_parts, self.developer_role = False, True
@@ -290,14 +298,32 @@ class Tokenizer:
         "<0x0A>"), as vLLM's /tokenize lists with `return_token_strs`; "" for an id outside the vocabulary."""
         return str(self.backend.id_to_token(token_id) or "")
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, *, context: Sequence[int] = ()) -> str:
         """One token's text as vLLM shows it beside its log-probability: `decode([token_id])`, special tokens
-        included, with the leading spaces a SentencePiece piece's "▁" marks stand for (decoding a lone piece
-        strips them, so " Hello" would read "Hello")."""
+        included, with the leading spaces a piece's Metaspace marks ("▁") stand for where the pre-tokenizer is (or
+        holds) a Metaspace (decoding a lone piece strips them, so " Hello" would read "Hello"; vLLM's
+        `get_leading_space_marker`: a Mistral file that marks spaces by its normalizer keeps the decode as is).
+        A text that ends in U+FFFD (a byte of a character) is completed after `context`, the tokens sampled
+        before it (`mooncake.engine.logprobs.completed_text`: "" until the character is whole)."""
         text = self.decode([token_id])
-        piece = self.backend.id_to_token(token_id) or ""
-        missing = (len(piece) - len(piece.lstrip(SPACE_MARK))) - (len(text) - len(text.lstrip(" ")))
-        return " " * missing + text if missing > 0 else text
+        marker = self._space_marker()
+        if marker:
+            piece = self.backend.id_to_token(token_id) or ""
+            missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+            text = " " * missing + text if missing > 0 else text
+        return completed_text(text, token_id, context, self.decode)
+
+    def _space_marker(self) -> str:
+        """The Metaspace replacement of the pre-tokenizer ("▁"), or "" where it has no Metaspace (read once)."""
+        if self._marker is None:
+            try:
+                pre = json.loads(self.backend.to_str()).get("pre_tokenizer") or {}
+            except Exception:  # a component tokenizers cannot write out: no marker, as vLLM reads it then
+                pre = {}
+            steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+            metaspace = next((step for step in steps if step.get("type") == "Metaspace"), None)
+            self._marker = "" if metaspace is None else str(metaspace.get("replacement", SPACE_MARK))
+        return self._marker
 
     def is_stop(self, token_id: int) -> bool:
         """Whether `token_id` ends a generation."""
@@ -449,12 +475,10 @@ class Detokenizer:
         return piece
 
     def finish(self) -> str:
-        """The text still held back (an incomplete character at the end shows as U+FFFD, as `decode` shows it)."""
-        context = self._decode(self.ids[self.prefix : self.read])
-        piece = self._decode(self.ids[self.prefix :])[len(context) :]
-        self.prefix = self.read = len(self.ids)
-        self.text += piece
-        return piece
+        """The text that ends the stream: "", always. The tokens still held are an incomplete character (their
+        decode ends in U+FFFD, or adds nothing): dropped, with any text of the same tokens before it, as vLLM's
+        stream (tokenizers' `DecodeStream`) emits only the whole characters its steps gave and flushes nothing."""
+        return ""
 
     def check_invariants(self) -> None:
         assert 0 <= self.prefix <= self.read <= len(self.ids) and 0 <= self.start <= self.read
@@ -590,18 +614,65 @@ def _add_special(backend: Any, tokens: Sequence[str]) -> None:
             backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
 
 
+def _extra_special(config: Mapping[str, Any], legacy: Mapping[str, Any], path: Path) -> list[str]:
+    """The special tokens beyond the named seven, in transformers' (v5) order (its `all_special_tokens`): the values
+    of an `extra_special_tokens` object (named, model-specific ones), then the entries of an `extra_special_tokens`
+    list, else of `additional_special_tokens` (its older name, read where `extra_special_tokens` is empty or
+    missing), of tokenizer_config.json. Where the config has no `added_tokens_decoder`, special_tokens_map.json's
+    `extra_special_tokens` follow (those not listed yet), and its `additional_special_tokens` count where the
+    config names neither list. An entry is a string or a serialized AddedToken.
+
+    Raises:
+        ConfigError: an entry that is not a token, or a list that is not one (named with its file).
+    """
+    extra = config.get("extra_special_tokens")
+    if not extra and "additional_special_tokens" in config:
+        extra = config["additional_special_tokens"]
+    found = _token_list(extra, path / "tokenizer_config.json")
+    # A list named (even empty) keeps the legacy map's older name out, as transformers' constructor only renames
+    # `additional_special_tokens` where no `extra_special_tokens` came.
+    listed = not isinstance(extra, Mapping) and (
+        "extra_special_tokens" in config or "additional_special_tokens" in config
+    )
+    if "added_tokens_decoder" not in config:  # transformers reads the legacy map only then
+        where = path / "special_tokens_map.json"
+        more = legacy.get("extra_special_tokens")
+        if more is not None:
+            found += [token for token in _token_list(more, where) if token not in found]
+        elif not listed and "additional_special_tokens" in legacy:
+            found += _token_list(legacy["additional_special_tokens"], where)
+    return found
+
+
+def _token_list(value: Any, where: Path) -> list[str]:
+    """The tokens of a list (or the values of an object) of strings and serialized AddedTokens; [] for None."""
+    if value is None:
+        return []
+    entries = list(value.values()) if isinstance(value, Mapping) else value
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: extra_special_tokens={value!r} is not a list of tokens")
+    tokens: list[str] = []
+    for entry in entries:
+        token = entry.get("content") if isinstance(entry, Mapping) else entry  # a serialized AddedToken
+        if not isinstance(token, str):
+            raise ConfigError(f"{where}: extra_special_tokens holds {entry!r}, which is not a token")
+        tokens.append(token)
+    return tokens
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of the checkpoint in `directory`.
 
     The special tokens by name are tokenizer_config.json's, overridden by special_tokens_map.json's where the
     config has no `added_tokens_decoder` (transformers reads that legacy file then only), else the class's
-    defaults; any of them the file does not list as an added token becomes one, special (a new id where the
+    defaults; any of them, and of the extra special tokens (`extra_special_tokens`, `additional_special_tokens`:
+    `_extra_special`), that the file does not list as an added token becomes one, special (a new id where the
     vocabulary lacks it), as transformers adds them. The file's own truncation and padding are off (transformers
     turns them off for each encoding).
 
     Raises:
-        ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token that is not a
-            string; stop ids that are not ids; a chat template that does not compile; tokenizers (or, for a
+        ConfigError: no readable `tokenizer.json`; unreadable JSON beside it; a special token (named or extra)
+            that is not a string; stop ids that are not ids; a chat template that does not compile; tokenizers (or, for a
             chat template, jinja2) is not installed: the hf extra.
     """
     with needs_extra("load_tokenizer"):
@@ -635,7 +706,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if klass != _AS_WRITTEN:
         backend = _rebuilt(backend, json.loads(text), klass, config, named, path)
     tokens = {name: value for name, value in named.items() if value is not None}
-    _add_special(backend, list(tokens.values()))
+    _add_special(backend, [*tokens.values(), *_extra_special(config, legacy, path)])
     bos = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
     eos = backend.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
     generation = _read_json(path / "generation_config.json")

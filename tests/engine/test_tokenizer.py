@@ -166,10 +166,14 @@ def stream(tokenizer: Tokenizer, ids: list[int], *, skip: bool, prompt: list[int
 def test_streamed_pieces_join_to_the_decode_of_any_tokens(
     pair: tuple[Tokenizer, Any], data: st.DataObject, skip: bool
 ) -> None:
-    """Whatever the tokens (bytes that never make a character, specials anywhere), the pieces join to the decode."""
+    """Whatever the tokens (bytes that never make a character, specials anywhere), the pieces join to the decode,
+    less an incomplete character at the end (dropped, as vLLM's stream drops it): a prefix of the decode, all of
+    it where the decode ends on a whole character."""
     ours, _ = pair
     ids = data.draw(st.lists(st.integers(min_value=0, max_value=ours.vocab_size - 1), max_size=40))
-    assert "".join(stream(ours, ids, skip=skip)) == ours.decode(ids, skip_special_tokens=skip)
+    joined, whole = "".join(stream(ours, ids, skip=skip)), ours.decode(ids, skip_special_tokens=skip)
+    assert whole.startswith(joined)
+    assert joined == whole or whole.endswith(REPLACEMENT)
 
 
 @settings(max_examples=200, deadline=None)
@@ -193,7 +197,8 @@ def test_a_split_character_waits_for_its_last_byte(pair: tuple[Tokenizer, Any]) 
     assert detokenizer.finish() == ""
     half = ours.detokenizer()
     assert [half.push(t) for t in byte_tokens[:2]] == ["", ""]
-    assert half.finish() == ours.decode(byte_tokens[:2]) == REPLACEMENT  # as decode shows it, at the end
+    assert ours.decode(byte_tokens[:2]) == REPLACEMENT
+    assert half.finish() == ""  # the unfinished character is dropped at the end, as vLLM's stream drops it
 
 
 def test_special_tokens_and_stop_ids(pair: tuple[Tokenizer, Any]) -> None:
@@ -611,9 +616,15 @@ def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path
     """`token_text` (a token's text beside its log-probability) is transformers' `decode([id])` with the leading
     spaces its piece's "▁" marks stand for, which decoding a lone SentencePiece piece strips (vLLM's
     rule): for a byte-level BPE, whose decoder keeps them, it is `decode([id])` itself; for a Llama tokenizer, a
-    word piece keeps its space (" Hello", not "Hello"), special tokens and byte pieces read as decoded."""
+    word piece keeps its space (" Hello", not "Hello"), special tokens read as decoded. A byte of a character
+    with nothing sampled before it (no context) reads "" (vLLM's, where the decode ends in U+FFFD)."""
+
+    def lone(text: str) -> str:
+        return "" if text.endswith(REPLACEMENT) else text
+
     ours, theirs = pair
-    assert [ours.token_text(t) for t in range(ours.vocab_size)] == [theirs.decode([t]) for t in range(ours.vocab_size)]
+    every = range(ours.vocab_size)
+    assert [ours.token_text(t) for t in every] == [lone(theirs.decode([t])) for t in every]
     llama = load_tokenizer(write_llama_files(tmp_path / "llama"))
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "llama")
     for tokenizer, transformers_one in ((ours, theirs), (llama, reference)):  # the pieces /tokenize lists
@@ -623,7 +634,7 @@ def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path
     for t in range(llama.vocab_size):
         piece, text = reference.convert_ids_to_tokens(t), reference.decode([t])
         marks = len(piece) - len(piece.lstrip("▁"))
-        expected = " " * max(0, marks - (len(text) - len(text.lstrip(" ")))) + text
+        expected = lone(" " * max(0, marks - (len(text) - len(text.lstrip(" ")))) + text)
         assert llama.token_text(t) == expected, (t, piece)
         restored += expected != text
     assert restored > 20  # word pieces whose lone decode lost its space: the case this is about

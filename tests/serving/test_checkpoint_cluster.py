@@ -4,7 +4,8 @@ A small random `LlamaForCausalLM` is saved with a byte-level BPE trained here on
 ChatML template); its head's EOS row is made a copy, a little larger, of the row of a token greedy decoding
 reaches early, so generations end at EOS. One cluster (1 prefill + 1 decode) serves it. Each test proves:
 the `openai` client's greedy text, its token counts and its finish reason equal transformers' `generate`
-decoded without special tokens (EOS ends a generation with "stop", as transformers stops there); a stream
+decoded without special tokens, less a character the generation left incomplete at its end (vLLM's output
+never shows one: `vllm_text`; EOS ends a generation with "stop", as transformers stops there); a stream
 joins to the same text; a chat's prompt is the checkpoint's template as `apply_chat_template` renders it;
 `/v1/models` lists the served name; another checkpoint gets another block-key namespace; and the config
 refuses a missing directory, one without config.json and an unsupported architecture in one line naming
@@ -37,6 +38,7 @@ from serving.launch import RunningCluster, start_cluster  # noqa: E402
 from vllm_fleet.model import make_tokenizer  # noqa: E402
 
 from mooncake.cache.hashing import BlockHasher  # noqa: E402
+from mooncake.engine.logprobs import CONTEXT_TOKENS, completed_text  # noqa: E402
 from mooncake.errors import ConfigError  # noqa: E402
 from tests.engine.checkpoints import VOCAB, hf_model, save  # noqa: E402
 
@@ -94,12 +96,36 @@ def hf_generate(model: Any, ids: list[int], **options: Any) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
+def vllm_text(tokenizer: Any, ids: list[int]) -> str:
+    """transformers' decode of generated `ids` without special tokens as vLLM's output ends it: less a character
+    left incomplete at the end (its stream emits whole characters only, and flushes nothing): the decode of the
+    longest head of `ids` whose decode does not end in U+FFFD."""
+    for count in range(len(ids), 0, -1):
+        text = str(tokenizer.decode(ids[:count], skip_special_tokens=True))
+        if not text.endswith("\ufffd"):
+            return text
+    return ""
+
+
+def vllm_token_text(tokenizer: Any, token: int, sampled: list[int]) -> str:
+    """vLLM's text beside a log-probability, with transformers' decode: the lone decode, or where that ends in
+    U+FFFD the text the token completes after the tokens `sampled` before it ("" while none)."""
+    decode = tokenizer.decode
+    return completed_text(str(decode([token])), token, sampled[-CONTEXT_TOKENS:], lambda ids: str(decode(list(ids))))
+
+
+def vllm_prompt_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """vLLM's texts of an echoed prompt's tokens beside their log-probabilities: the first token's lone decode (it
+    has none), each later one's after the prompt's tokens before it from the second (`vllm_token_text`)."""
+    return [str(tokenizer.decode(ids[:1])), *(vllm_token_text(tokenizer, ids[j], ids[1:j]) for j in range(1, len(ids)))]
+
+
 def hf_answer(model: Any, tokenizer: Any, prompt: str) -> tuple[str, int, int, str]:
-    """transformers' greedy answer: (text without special tokens, prompt tokens, completion tokens, finish)."""
+    """transformers' greedy answer: (text as vLLM shows it, prompt tokens, completion tokens, finish)."""
     ids = tokenizer(prompt).input_ids
     new = hf_generate(model, ids)
     finish = "stop" if new[-1] == tokenizer.eos_token_id else "length"
-    return tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new), finish
+    return vllm_text(tokenizer, new), len(ids), len(new), finish
 
 
 def cluster_config(directory: Path, **model: Any) -> ClusterConfig:
@@ -200,7 +226,7 @@ def test_a_chat_renders_the_checkpoints_template(cluster: RunningCluster, checkp
     ids = tokenizer(rendered, add_special_tokens=False).input_ids
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    reply = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    reply = vllm_text(tokenizer, [int(t) for t in out[0, len(ids) :]])
     answer = client(cluster).chat.completions.create(
         model="tiny-llama", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
     )
@@ -221,7 +247,7 @@ def test_ignore_eos_min_tokens_and_add_special_tokens_generate_as_transformers(
 
     def hf(prompt_ids: list[int], **options: Any) -> tuple[str, int]:
         new = hf_generate(model, prompt_ids, **options)
-        return tokenizer.decode(new, skip_special_tokens=True), len(new)
+        return vllm_text(tokenizer, new), len(new)
 
     def ours(**extra: Any) -> tuple[str, int, int, str]:
         answer = api.completions.create(
@@ -276,7 +302,7 @@ def test_penalties_and_top_k_generate_as_transformers_and_vllm_define_them(
             new = hf_generate(model, ids, eos_token_id=None, repetition_penalty=penalty)
             extra = {"repetition_penalty": penalty, "ignore_eos": True}
             answer = api.completions.create(prompt=prompt, extra_body=extra, **common)
-            assert answer.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), (prompt, penalty)
+            assert answer.choices[0].text == vllm_text(tokenizer, new), (prompt, penalty)
             streamed = api.completions.create(prompt=prompt, extra_body=extra, stream=True, **common)
             assert "".join(c.choices[0].text for c in streamed) == answer.choices[0].text
             prompt_counted |= new != hf_generate(model, ids, eos_token_id=None, logits_processor=output_only(penalty))
@@ -303,7 +329,7 @@ def test_penalties_and_top_k_generate_as_transformers_and_vllm_define_them(
         new = hf_generate(model, ids, eos_token_id=None, logits_processor=openai_penalties(presence, frequency))
         extra = {"presence_penalty": presence, "frequency_penalty": frequency, "ignore_eos": True}
         answer = api.completions.create(prompt=PROMPTS[0], extra_body=extra, **common)
-        assert answer.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), (presence, frequency)
+        assert answer.choices[0].text == vllm_text(tokenizer, new), (presence, frequency)
         changed |= new != hf_generate(model, ids, eos_token_id=None)
     assert changed, "no penalty changed the greedy generation: the test proves nothing"
 
@@ -331,7 +357,7 @@ def test_logit_bias_stop_token_ids_and_include_stop_str_act_as_vllm_defines_them
     assert expected != plain  # the case this test is about
     extra = {"logit_bias": {str(t): b for t, b in bias.items()}, "ignore_eos": True}
     answer = api.completions.create(prompt=PROMPTS[1], extra_body=extra, **common)
-    assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert answer.choices[0].text == vllm_text(tokenizer, expected)
     stop = plain[4]
     cut = plain.index(stop)  # the first time greedy decoding draws it
     for include in (False, True):
@@ -339,7 +365,7 @@ def test_logit_bias_stop_token_ids_and_include_stop_str_act_as_vllm_defines_them
         choice = api.completions.create(prompt=PROMPTS[1], extra_body=extra, logprobs=0, **common).choices[0]
         shown = plain[: cut + 1] if include else plain[:cut]
         assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
-        assert choice.text == tokenizer.decode(shown, skip_special_tokens=True)
+        assert choice.text == vllm_text(tokenizer, shown)
         assert len(choice.logprobs.tokens) == cut + 1  # the stop token was generated, and is counted
     text = api.completions.create(prompt=PROMPTS[1], **common).choices[0].text
     word = text[len(text) // 2 : len(text) // 2 + 2]
@@ -358,35 +384,45 @@ def test_logprobs_equal_transformers_for_greedy_and_sampled_tokens(
     cluster: RunningCluster, checkpoint: tuple[Path, Any, Any]
 ) -> None:
     """A completion's `logprobs: 5` answer, greedy and sampled (temperature 1.3, seeded): each token's text is
-    transformers' `decode([id])` of a token whose log-probability under transformers' forward pass over the
-    prompt and the tokens before it is the one listed, within 1e-4 (the model's own, not the temperature's); its
-    top object holds the token's own and the 5 most probable tokens' log-probabilities; `text_offset` sums the
-    token texts before it; there are as many as the usage counts. Greedy tokens are each the most probable. A
-    chat's `top_logprobs: 3` lists the 3 most probable, most probable first, with each text's UTF-8 bytes."""
+    vLLM's for it (`vllm_token_text`: transformers' `decode([id])`, or for a byte of a character the character
+    at its last byte and "" before, after the tokens sampled before it) of the token (`return_token_ids`) whose
+    log-probability under transformers' forward pass over the prompt and the tokens before it is the one listed,
+    within 1e-4 (the model's own, not the temperature's); its top object holds the token's own and the 5 most
+    probable tokens' log-probabilities, by their texts after the same tokens; `text_offset` sums the token texts
+    before it; there are as many as the usage counts. Greedy tokens are each the most probable. A chat's
+    `top_logprobs: 3` lists the 3 most probable, most probable first, with each text's UTF-8 bytes."""
     _, model, tokenizer = checkpoint
     api = client(cluster)
     ids = tokenizer(PROMPTS[1]).input_ids
-    texts = [tokenizer.decode([t]) for t in range(VOCAB)]
+    completed = 0  # tokens whose text is not their lone decode: the bytes of a character
     for options in ({"temperature": 0}, {"temperature": 1.3, "seed": 11}):
         answer = api.completions.create(
-            model="tiny-llama", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, logprobs=5, **options
+            model="tiny-llama",
+            prompt=PROMPTS[1],
+            max_tokens=MAX_TOKENS,
+            logprobs=5,
+            extra_body={"return_token_ids": True},
+            **options,
         )
         got = answer.choices[0].logprobs
-        assert len(got.tokens) == answer.usage.completion_tokens
+        sampled = answer.choices[0].model_extra["token_ids"]
+        assert len(got.tokens) == len(sampled) == answer.usage.completion_tokens
         context, offset = list(ids), 0
         for i, (text, logprob, top) in enumerate(zip(got.tokens, got.token_logprobs, got.top_logprobs, strict=True)):
             reference = hf_logprobs(model, context)
-            # The answer names a token by its text: of the ids with that text, the one transformers agrees with.
-            token = min((t for t in range(VOCAB) if texts[t] == text), key=lambda t: abs(reference[t] - logprob))
+            token = sampled[i]
+            assert text == vllm_token_text(tokenizer, token, sampled[:i]), (options, i)
+            completed += text != tokenizer.decode([token])
             assert abs(float(reference[token]) - logprob) < 1e-4, (options, i, text)
             best = torch.sort(reference, descending=True, stable=True).indices[:5].tolist()
-            wanted = {texts[t]: float(reference[t]) for t in [token, *best]}
+            wanted = {vllm_token_text(tokenizer, t, sampled[:i]): float(reference[t]) for t in [token, *best]}
             assert top.keys() == wanted.keys() and all(abs(top[k] - v) < 1e-4 for k, v in wanted.items()), i
             assert got.text_offset[i] == offset
             if options["temperature"] == 0:
                 assert token == best[0]
             offset += len(text)
             context.append(token)
+    assert completed > 0  # the case the context is for
     chat = api.chat.completions.create(
         model="tiny-llama", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
     )
@@ -448,10 +484,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
         got = answer.choices[0].logprobs
         assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
         assert len(got.tokens) == len(ids) + 1 == answer.usage.prompt_tokens + answer.usage.completion_tokens
-        assert got.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert got.tokens[: len(ids)] == vllm_prompt_texts(tokenizer, ids)
         assert max(abs(a - b) for a, b in zip(got.token_logprobs[1 : len(ids)], expected, strict=True)) < 1e-4
         greedy = int(reference[-1].argmax())
-        assert got.tokens[-1] == tokenizer.decode([greedy])
+        assert got.tokens[-1] == vllm_token_text(tokenizer, greedy, [])  # the generation's first: no context
         assert answer.choices[0].text.startswith(tokenizer.decode(ids))  # special tokens kept, as vLLM echoes ids
     cached = api.completions.create(prompt=[ids], model="tiny-llama", max_tokens=1, temperature=0)
     assert cached.usage.prompt_tokens_details.cached_tokens > 0  # its blocks are cached ...
@@ -495,7 +531,8 @@ def test_prompt_logprobs_list_the_prompts_scores_as_transformers_gives_them(
         best = torch.sort(row, descending=True, stable=True).indices[:3].tolist()
         assert list(one) == list(dict.fromkeys([str(token), *map(str, best)]))
         own = one[str(token)]
-        assert abs(own["logprob"] - float(row[token])) < 1e-4 and own["decoded_token"] == tokenizer.decode([token])
+        assert abs(own["logprob"] - float(row[token])) < 1e-4
+        assert own["decoded_token"] == vllm_prompt_texts(tokenizer, ids)[position + 1]
         if token not in best:
             assert own["rank"] == int((row >= row[token]).sum())
         for rank, other in enumerate(best, start=1):
@@ -527,7 +564,7 @@ def test_vllms_output_options_answer_as_vllm_answers(
     whole = api.completions.create(prompt=PROMPTS[1], extra_body={"return_token_ids": True}, **common)
     choice = whole.choices[0].model_extra
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == whole.usage.completion_tokens
-    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == whole.choices[0].text
+    assert vllm_text(tokenizer, choice["token_ids"]) == whole.choices[0].text
     stream = list(
         api.completions.create(prompt=PROMPTS[1], stream=True, extra_body={"return_token_ids": True}, **common)
     )
@@ -655,7 +692,7 @@ def test_echo_with_max_tokens_0_is_the_scored_prompt_alone(
     whole = api.completions.create(**body)
     choice = whole.choices[0]
     assert (choice.text, choice.finish_reason, whole.usage.completion_tokens) == (PROMPTS[3], "length", 0)
-    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids] and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.tokens == vllm_prompt_texts(tokenizer, ids) and choice.logprobs.token_logprobs[0] is None
     chunks = [c.choices[0] for c in api.completions.create(stream=True, **body)]
     assert "".join(c.text for c in chunks) == PROMPTS[3]
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == choice.logprobs.tokens
@@ -749,7 +786,7 @@ def test_skip_special_tokens_false_shows_them_as_transformers_decodes_them(check
     for skip in (True, False):
         stream = ours.stream(skip_special_tokens=skip)
         texts.append("".join(stream.feed(token) for token in ids) + stream.finish())
-        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip), skip
+        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip), skip  # whole characters: all of it
     assert "<|im_start|>" in texts[1] and "<|im_start|>" not in texts[0]
 
 
