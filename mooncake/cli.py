@@ -364,8 +364,14 @@ def capacity_sweep(
         pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context)
         try:  # from the first submit, which forks the workers
             futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
-            for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
-                if progress is not None:
+            pending, done = set(futures), 0
+            while pending:  # woken often: a SIGTERM swallowed where it landed still stops the sweep at once
+                finished, pending = concurrent.futures.wait(
+                    pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                _check_stopped()
+                done += len(finished)
+                if finished and progress is not None:
                     progress(done)
             points = [future.result() for future in futures]
         except BaseException:  # Ctrl-C, SIGTERM, a worker's error: stop now, the capacities running too
@@ -529,8 +535,22 @@ def error_message(error: Exception) -> str:
     return str(error)
 
 
+_STOPPED: int | None = None  # the stop signal `_terminate` took during the current `run_interruptible`, if any
+
+
 def _terminate(signum: int, frame: object) -> NoReturn:
+    # Recorded as well as raised: Python swallows an exception raised while the main thread runs a finalizer or a
+    # weakref callback ("Exception ignored in ..."), and the command would then run on to its end; the loops that
+    # wait long (`capacity_sweep`) and `run_interruptible` look at the record.
+    global _STOPPED
+    _STOPPED = signum
     raise SystemExit(128 + signum)
+
+
+def _check_stopped() -> None:
+    """Raise the SystemExit of a stop signal taken but swallowed where it landed (see `_terminate`)."""
+    if _STOPPED is not None:
+        raise SystemExit(128 + _STOPPED)
 
 
 # Signals that stop a command as SIGTERM does: its terminal or ssh session closed (SIGHUP), Ctrl-\ (SIGQUIT).
@@ -575,13 +595,16 @@ def run_interruptible(prog: str, command: Callable[[], int]) -> int:
     Raises:
         SystemExit: 128 + the signal on one of `STOP_SIGNALS` (143 on SIGTERM).
     """
+    global _STOPPED
     previous: dict[int, Any] = {}
+    _STOPPED = None
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 previous[signum] = signal.signal(signum, _terminate)
     try:
         status = command()
+        _check_stopped()  # a stop signal whose SystemExit was swallowed where it landed: still the signal's status
         sys.stdout.flush()
         return status
     except BrokenPipeError:  # from a print, or the flush (a command's own I/O errors are its to report)

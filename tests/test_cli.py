@@ -966,3 +966,23 @@ def test_error_message_words_a_file_error_as_file_and_reason() -> None:
         == "pool file /p: page 3: Input/output error"
     )
     assert error_message(ConfigError("--seed must be >= 0, got -1")) == "--seed must be >= 0, got -1"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowing, on purpose
+def test_a_sigterm_swallowed_where_it_landed_still_ends_the_command_with_143() -> None:
+    """Python ignores an exception a signal handler raises while a finalizer runs ("Exception ignored in ..."):
+    the SIGTERM that landed there still ends the command with 143, not with the command's own status."""
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs, and raises, between these bytecodes: inside __del__
+                pass
+
+    def command() -> int:
+        Finalized()  # dropped at once: its __del__ takes the signal
+        return 0
+
+    with pytest.raises(SystemExit) as stopped:
+        run_interruptible("test", command)
+    assert stopped.value.code == 143

@@ -153,7 +153,9 @@ def test_an_idle_servers_lost_last_batch_comes_by_catching_up(setup: Callable[..
     connect(publisher, subscriber)
     publisher.drop_ahead(2)  # the last of three
     chains = publish_prompts(publisher, subscriber, cache, direct, num_prompts=3)
-    assert (subscriber.stats.num_gaps, subscriber.stats.num_lost, subscriber.stats.num_errors) == (0, 0, 0)
+    # A subscription that lands late on a loaded machine misses the first batch and counts a gap, replayed when
+    # the second arrives; the last batch no later one follows, so only the quiet ask can bring it.
+    assert (subscriber.stats.num_lost, subscriber.stats.num_errors) == (0, 0)
     assert answers(fed, SOURCE, chains) == answers(direct, cache.source, chains)
 
 
