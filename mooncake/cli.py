@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import io
 import json
 import math
@@ -364,14 +365,9 @@ def capacity_sweep(
         pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context)
         try:  # from the first submit, which forks the workers
             futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
-            pending, done = set(futures), 0
-            while pending:  # woken often: a SIGTERM swallowed where it landed still stops the sweep at once
-                finished, pending = concurrent.futures.wait(
-                    pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
-                )
-                _check_stopped()
-                done += len(finished)
-                if finished and progress is not None:
+            _KILL_ON_STOP[:] = list((getattr(pool, "_processes", None) or {}).values())
+            for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
+                if progress is not None:
                     progress(done)
             points = [future.result() for future in futures]
         except BaseException:  # Ctrl-C, SIGTERM, a worker's error: stop now, the capacities running too
@@ -382,11 +378,13 @@ def capacity_sweep(
             for process in list((getattr(pool, "_processes", None) or {}).values()):
                 process.kill()
             pool.shutdown(wait=False, cancel_futures=True)
+            _check_stopped()  # a broken pool after a stop signal killed its workers: the signal's status
             raise
         pool.shutdown()
         return tuple(points)
     finally:
         _SWEEP = None
+        _KILL_ON_STOP.clear()
 
 
 def _capacity(args: argparse.Namespace) -> None:
@@ -536,14 +534,19 @@ def error_message(error: Exception) -> str:
 
 
 _STOPPED: int | None = None  # the stop signal `_terminate` took during the current `run_interruptible`, if any
+_KILL_ON_STOP: list[Any] = []  # processes a stop signal kills at once (a parallel sweep's workers)
 
 
 def _terminate(signum: int, frame: object) -> NoReturn:
     # Recorded as well as raised: Python swallows an exception raised while the main thread runs a finalizer or a
-    # weakref callback ("Exception ignored in ..."), and the command would then run on to its end; the loops that
-    # wait long (`capacity_sweep`) and `run_interruptible` look at the record.
+    # weakref callback ("Exception ignored in ..."), and the command would then run on to its end:
+    # `run_interruptible` looks at the record, and a sweep's workers are killed here, so that its wait ends at once
+    # (a broken pool) whatever became of the SystemExit.
     global _STOPPED
     _STOPPED = signum
+    for process in _KILL_ON_STOP:
+        with contextlib.suppress(Exception):
+            process.kill()
     raise SystemExit(128 + signum)
 
 

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -986,3 +987,17 @@ def test_a_sigterm_swallowed_where_it_landed_still_ends_the_command_with_143() -
     with pytest.raises(SystemExit) as stopped:
         run_interruptible("test", command)
     assert stopped.value.code == 143
+
+
+def test_a_stop_signal_kills_a_sweeps_workers_in_the_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler itself kills the sweep's workers: if its SystemExit is swallowed where it lands, the sweep's
+    wait still ends at once (a broken pool), and ends with the signal's status."""
+    import mooncake.cli as cli
+
+    killed: list[str] = []
+    worker = SimpleNamespace(kill=lambda: killed.append("worker"))
+    monkeypatch.setattr(cli, "_KILL_ON_STOP", [worker])
+    monkeypatch.setattr(cli, "_STOPPED", None)
+    with pytest.raises(SystemExit) as stopped:
+        cli._terminate(signal.SIGTERM, None)
+    assert (stopped.value.code, killed, cli._STOPPED) == (143, ["worker"], signal.SIGTERM)
