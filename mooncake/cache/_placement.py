@@ -9,7 +9,7 @@ counters of `CacheStats`. Every move runs with the lock held:
 - making room in a tier takes a free page, or else evicts the tier's policy
   victim and demotes it to the next tier down, which makes room the same way
   (or, where all its pages are pinned, to the one below it); a victim that no
-  lower tier can take is dropped;
+  lower tier can take is dropped (unless a successor of it is cached: below);
 - promotion moves a block read from a lower tier into the first tier, making
   room there; the demotions it causes end in the page the block leaves, so in
   a full hierarchy it loses nothing; when every first-tier page is pinned, the
@@ -23,7 +23,25 @@ counters of `CacheStats`. Every move runs with the lock held:
   it was (back in its policy) or where it went, or dropped; a page is released
   only after the last record of its block, so no block outlives its page.
 
+Prefix-aware eviction spans the tiers: each tier's policy sees only the chain
+links among its own blocks, so the last tier, whose victims are dropped, would
+drop a block whose successor lives in a faster tier (a suffix block promoted
+alone, or stored after its prefix was demoted), leaving a block no prompt can
+match. There the placement counts each block's cached successors in every
+tier and holds the block in the last tier's policy (`hold`) once per successor
+instead of linking it; a policy without holds ranks blocks by its own links.
+A tier above the last demotes rather than drops, so where its policy finds
+every block protected by a successor it falls back to the policy's order among
+unpinned blocks (`evict_unpinned`), provided a lower tier takes the victim.
+A block being put counts as a successor of its parent, which is kept while
+anything else can go; where nothing else can (a chain fills what eviction
+could free), the parent is the one dropped: it is the deepest cached block of
+its chain, and losing it strands only the new block, so with nothing pinned a
+put always finds room (some cached block always has no cached successor).
+
 Each change is logged as (`STORED` or `REMOVED`, tier level, key), in order;
+a block that fails verification is logged removed when found (it is no longer
+cached, though a pin may keep its page a while), and not again when dropped;
 `group_changes` folds a log into one group of keys per kind and tier wherever
 that keeps the order of changes to each key.
 
@@ -34,7 +52,15 @@ Invariants (`check_invariants`):
   out of every policy, until its last pin);
 - a tier's policy knows exactly the ready keys of that tier; pinned keys are
   pinned in it;
-- used bytes never exceed a tier's capacity (pages are the unit of capacity).
+- used bytes never exceed a tier's capacity (pages are the unit of capacity);
+- with holds (more than one tier, a policy offering them): the successor counts
+  equal a recount of the parent links of cached and claimed blocks (a put
+  drops its block's parent to make room for it only where nothing else can go:
+  `_claim`), and each block of the
+  last tier's policy has one hold per cached successor, so no block is dropped
+  from the last tier by eviction while a successor is cached in any tier; nor
+  from a tier above it, whose victim stays where no lower tier takes it and a
+  successor is cached (another victim goes instead).
 """
 
 from __future__ import annotations
@@ -71,6 +97,7 @@ _POOL_ATTRIBUTES = (
     "read",
 )
 _POLICY_METHODS = ("access", "remove", "pin", "unpin", "evict")
+_HOLD_METHODS = ("hold", "release", "num_holds")  # optional: cross-tier prefix protection in the last tier
 
 
 @attrs.frozen(kw_only=True)
@@ -150,6 +177,16 @@ class BlockPlacement:
         if not all(hasattr(self._policies[0], name) for name in _POLICY_METHODS):
             raise ConfigError(f"policy must make an eviction policy, but it made {self._policies[0]!r}")
         self._entries: dict[BlockKey, Entry] = {}
+        self._last = len(pools) - 1
+        # Cross-tier prefix protection (module docstring): the last tier's policy holds each of its blocks once
+        # per successor cached anywhere; counts kept while a block is not cached, as a policy keeps its links.
+        last = self._policies[-1]
+        self._has_holds = (
+            self._last > 0
+            and getattr(last, "prefix_aware", True)  # one that ranks blocks alone protects no prefix
+            and all(hasattr(last, name) for name in _HOLD_METHODS)
+        )
+        self._successors: dict[BlockKey, int] = {}
         # Copies that failed verification while pinned and were then replaced by a new copy of their key: out of
         # the cache, each holds its page until its last pin goes.
         self._aside: dict[BlockKey, list[Entry]] = {}
@@ -163,8 +200,10 @@ class BlockPlacement:
                 if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
                     pool.free(found.page)
                     continue
-                self._entries[found.key] = Entry(level, found.page, found.length, found.checksum, None, ready=True)
-                self._policies[level].access(found.key)
+                entry = self._entries[found.key] = Entry(
+                    level, found.page, found.length, found.checksum, None, ready=True
+                )
+                self._enter(found.key, entry)
                 self._log.append((STORED, level, found.key))
 
     def check_invariants(self) -> None:
@@ -185,12 +224,59 @@ class BlockPlacement:
                 policy = self._policies[level]
                 assert len(policy) == len(ready) and all(k in policy for k in ready), "policy out of sync"
                 for key, entry in here.items():
-                    assert entry.pins >= 0, f"block {key}: negative pins"
+                    assert entry.pins >= entry.reads >= 0, f"block {key}: pins {entry.pins}, reads {entry.reads}"
                     assert entry.length <= pool.page_bytes
                     if entry.ready:
                         is_pinned = getattr(policy, "is_pinned", None)
                         if is_pinned is not None:
                             assert is_pinned(key) == (entry.pins > 0), f"block {key}: pin state out of sync"
+            if self._has_holds:
+                recount: dict[BlockKey, int] = {}
+                for key, entry in self._entries.items():  # ready or claimed
+                    if entry.parent is not None and entry.parent != key:
+                        recount[entry.parent] = recount.get(entry.parent, 0) + 1
+                assert recount == self._successors, "successor counts disagree with the parent links"
+                last = self._policies[-1]
+                for key, entry in self._entries.items():
+                    if entry.ready and entry.level == self._last:
+                        held, expected = last.num_holds(key), self._successors.get(key, 0)  # type: ignore[attr-defined]
+                        assert held == expected, f"block {key}: {held} holds for {expected} cached successors"
+
+    def _enter(self, key: BlockKey, entry: Entry) -> None:
+        """Insert ready `key` into the policy of its tier (lock held): linked to its parent, or, in the last tier
+        with holds, held once per cached successor instead (module docstring)."""
+        policy = self._policies[entry.level]
+        if self._has_holds and entry.level == self._last:
+            policy.access(key, position=entry.position)
+            successors = self._successors.get(key)
+            if successors:
+                policy.hold(key, successors)  # type: ignore[attr-defined]
+        else:
+            policy.access(key, parent=entry.parent, position=entry.position)
+
+    def _add_successor(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """`key`, child of `parent`, is stored or claimed (lock held): it counts as a cached successor of its
+        parent (with holds); a claimed one already, so that making room for it never drops its parent."""
+        if parent is None or parent == key:
+            return
+        self._successors[parent] = self._successors.get(parent, 0) + 1
+        last = self._policies[-1]
+        if parent in last:
+            last.hold(parent)  # type: ignore[attr-defined]
+
+    def _remove_successor(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """`key`, child of `parent`, leaves the cache or its claim (lock held): its parent has one successor
+        fewer (with holds)."""
+        if parent is None or parent == key:
+            return
+        remaining = self._successors[parent] - 1
+        if remaining:
+            self._successors[parent] = remaining
+        else:
+            del self._successors[parent]
+        last = self._policies[-1]
+        if parent in last:
+            last.release(parent)  # type: ignore[attr-defined]
 
     def _level_of(self, tier: Tier | int | str) -> int:
         tier = parse_tier(tier)
@@ -221,12 +307,19 @@ class BlockPlacement:
             self._drop(key, entry)
             self._counts["corrupt_blocks"] += 1
 
-    def _found_corrupt(self, entry: Entry) -> None:
+    def _found_corrupt(self, key: BlockKey, entry: Entry) -> None:
         """A read of `entry` failed verification (lock held): that read is a miss, and the
         block is dropped now, or when its last pin goes."""
         self._counts["hits"] -= 1
         self._counts["misses"] += 1
-        entry.corrupt = True
+        self._mark_corrupt(key, entry)
+
+    def _mark_corrupt(self, key: BlockKey, entry: Entry) -> None:
+        """`entry` failed verification (lock held): it is no longer cached, so it is logged removed now, even
+        while pins keep its page; dropping it later logs nothing more (`_forget`)."""
+        if not entry.corrupt:
+            entry.corrupt = True
+            self._log.append((REMOVED, entry.level, key))
 
     def _warn_corrupt(self, key: BlockKey, level: int, reason: BaseException) -> None:
         """Log that block `key` of tier `level` failed verification (`reason`) and is dropped: callers see only a
@@ -257,8 +350,29 @@ class BlockPlacement:
         return bool(self.promote_after) and entry.lower_reads + reads_ahead >= self.promote_after and entry.pins == 0
 
     def _claim(self, key: BlockKey, length: int, parent: BlockKey | None, position: int) -> Entry:
-        """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held)."""
-        page = self._make_room(0, needed_for=key)
+        """A first-tier page for a new block, held (pinned, not ready) until `_publish` (lock held).
+
+        With holds the claim counts as a successor of `parent` first, so that making room prefers any other
+        victim to it. Where nothing else can go (its chain fills every page the cascade could free, and the
+        deepest cached block of that chain is `parent` itself), the claim stops protecting it and room is made
+        again: a put whose only obstacle is its own prefix must not fail, as unpinned blocks always make room.
+        """
+        if self._has_holds:
+            self._add_successor(key, parent)
+        try:
+            page = self._try_make_room(0)
+            if page is None and self._has_holds and parent is not None and parent != key:
+                self._remove_successor(key, parent)
+                try:
+                    page = self._try_make_room(0)
+                finally:
+                    self._add_successor(key, parent)
+            if page is None:
+                page = self._make_room(0, needed_for=key)  # raises CapacityError, explaining why
+        except BaseException:
+            if self._has_holds:
+                self._remove_successor(key, parent)
+            raise
         entry = self._entries[key] = Entry(0, page, length, None, parent, pins=1, position=position)
         return entry
 
@@ -270,17 +384,23 @@ class BlockPlacement:
             entry.checksum = checksum if checksum is not None else entry.checksum
             entry.pins -= 1
             entry.ready = True
-            self._policies[0].access(key, parent=entry.parent, position=entry.position)
+            self._enter(key, entry)
             self._log.append((STORED, 0, key))
             self._counts["puts"] += 1
 
     def _make_room(self, level: int, *, needed_for: BlockKey) -> int:
         page = self._try_make_room(level)
         if page is None:
-            raise CapacityError(
-                f"no room for block {needed_for} in {self.pools[level].tier.name}: all "
-                f"{self.pools[level].num_pages} pages hold pinned blocks"
-            )
+            pool = self.pools[level]
+            num_pinned = sum(1 for entry in self._entries.values() if entry.level == level and entry.pins)
+            if num_pinned >= pool.num_pages:
+                why = f"all {pool.num_pages} pages hold pinned blocks"
+            else:  # the rest are protected as prefixes, and no lower tier could take one
+                why = (
+                    f"its {pool.num_pages} pages hold {num_pinned} pinned blocks and "
+                    f"{pool.num_pages - num_pinned} prefixes of pinned or cached blocks that no lower tier can take"
+                )
+            raise CapacityError(f"no room for block {needed_for} in {pool.tier.name}: {why}")
         return page
 
     def _try_make_room(self, level: int) -> int | None:
@@ -297,19 +417,56 @@ class BlockPlacement:
 
     def _evict_one(self, level: int) -> bool:
         """Evict the block `level`'s policy chooses, moved down a tier (dropped from the last); False if every
-        block there is protected."""
-        victim = self._policies[level].evict()
+        block there is protected (above the last tier: pinned, or protected as a prefix with no lower tier to
+        take it)."""
+        policy = self._policies[level]
+        victim = policy.evict()
+        if victim is None:
+            return level < self._last and self._demote_unpinned(level)
+        if level == self._last:  # no tier to demote to: what _demote would do
+            self._drop(victim, self._entries[victim])
+            return True
+        # A victim that no lower tier takes and whose successors are cached stays (pinned in the policy for the
+        # rest of this eviction, so it is not chosen again): the next victim goes in its place.
+        kept: list[BlockKey] = []
+        try:
+            while not self._demote(victim, self._entries[victim]):
+                policy.pin(victim)
+                kept.append(victim)
+                victim = policy.evict()
+                if victim is None:
+                    return False
+            return True
+        finally:
+            for key in kept:
+                policy.unpin(key)
+
+    def _demote_unpinned(self, level: int) -> bool:
+        """Demote the first unpinned block of `level` in its policy's order, prefix protection aside: a tier above
+        the last keeps its victims cached below, so a prefix of pinned blocks moves down rather than filling the
+        tier. False where every block is pinned, the policy has no such order, or no lower tier takes the victim
+        (dropping it would strand its successors)."""
+        evict_unpinned = getattr(self._policies[level], "evict_unpinned", None)
+        victim = evict_unpinned() if evict_unpinned is not None else None
         if victim is None:
             return False
-        if level + 1 == len(self.pools):  # no tier to demote to: what _demote would do
-            self._drop(victim, self._entries[victim])
-        else:
-            self._demote(victim, self._entries[victim])
+        entry = self._entries[victim]
+        try:
+            room = self._room_below(level)
+        except BaseException:
+            self._enter(victim, entry)
+            raise
+        if room is None:
+            self._enter(victim, entry)
+            return False
+        if not self._move(victim, entry, *room):
+            self._drop(victim, entry)
         return True
 
-    def _demote(self, key: BlockKey, entry: Entry) -> None:
+    def _demote(self, key: BlockKey, entry: Entry) -> bool:
         """Move an evicted block (already out of its policy) to the nearest lower tier that has room or can make
-        it (one whose pages are all pinned cannot), or drop it.
+        it (one whose pages are all pinned cannot), or drop it; or, with holds, where no tier takes it and a
+        successor of it is cached, put it back in its policy and return False (dropping it would strand them).
 
         Where making that room raises (an I/O error anywhere down the cascade), the block is still where it was,
         whole: it rejoins its tier's policy before the error goes on, or nothing could ever evict it again (its
@@ -318,10 +475,14 @@ class BlockPlacement:
         try:
             room = self._room_below(entry.level)
         except BaseException:
-            self._policies[entry.level].access(key, parent=entry.parent, position=entry.position)
+            self._enter(key, entry)
             raise
+        if room is None and self._has_holds and self._successors.get(key):
+            self._enter(key, entry)
+            return False
         if room is None or not self._move(key, entry, *room):
             self._drop(key, entry)
+        return True
 
     def _room_below(self, level: int) -> tuple[int, int] | None:
         """(tier, free page) in the nearest tier below `level` that has room or can make it; None if none can."""
@@ -331,8 +492,9 @@ class BlockPlacement:
                 return target, page
         return None
 
-    def _promote(self, key: BlockKey, entry: Entry) -> PageBytes | None:
-        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt).
+    def _promote(self, key: BlockKey, entry: Entry, *, read: bool = True) -> PageBytes | None:
+        """Move `key` (read from a lower tier) to the first tier; returns its bytes (None if corrupt, or with
+        `read` False: a `touch`, which then reads no page where the block cannot move).
 
         Making room in a full first tier demotes its victim, whose tier makes room the same way, down to the
         tier `key` leaves: there the cascade takes `key`'s page (`_vacate`), so a promotion in a full hierarchy
@@ -349,25 +511,28 @@ class BlockPlacement:
             elif self._carried is not None:  # its page went to the cascade: its bytes are nowhere now
                 self._forget(key, entry)
             elif key in self._entries and entry.level == source_level:  # not dropped or moved meanwhile
-                self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+                self._enter(key, entry)
             raise
         finally:
             self._leaving, carried, self._carried = None, self._carried, None
         if carried is not None:
-            return self._land(key, entry, page, carried)
+            data = self._land(key, entry, page, carried)
+            return data if read else None
         if page is not None:
             if not self._move(key, entry, 0, page):
-                self._found_corrupt(entry)
+                self._found_corrupt(key, entry)
                 self._drop(key, entry)
                 return None
-            return self.pools[0].read(page, entry.length, key=key)
+            return self.pools[0].read(page, entry.length, key=key) if read else None
         # The first tier is all pinned: serve it from where it is.
-        self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+        self._enter(key, entry)
+        if not read:  # a touch: the bytes would be thrown away, and an SSD read under the lock stalls every caller
+            return None
         try:
             return self._read_host(key, entry) if self.pools[source_level].holds_bytes else None
         except IntegrityError as error:
             self._warn_corrupt(key, source_level, error)
-            self._found_corrupt(entry)
+            self._found_corrupt(key, entry)
             self._policies[source_level].remove(key)
             self._drop(key, entry)
             self._counts["corrupt_blocks"] += 1
@@ -386,7 +551,7 @@ class BlockPlacement:
             data = self._read_host(key, entry) if self.pools[0].holds_bytes else None
         except IntegrityError as error:
             self._warn_corrupt(key, level, error)
-            self._found_corrupt(entry)
+            self._found_corrupt(key, entry)
             self._forget(key, entry)
             self._counts["corrupt_blocks"] += 1
             self._carried = _CORRUPT
@@ -437,7 +602,7 @@ class BlockPlacement:
         except BaseException:
             # The policy entry first: the page's release can fail too (an SSD whose writes fail), and the block,
             # still where it was, must stay evictable.
-            self._policies[source_level].access(key, parent=entry.parent, position=entry.position)
+            self._enter(key, entry)
             self.pools[target].free(page)
             raise
         self._rehome(key, entry, target, page)
@@ -450,7 +615,7 @@ class BlockPlacement:
         self._log += [(REMOVED, entry.level, key), (STORED, target, key)]
         self._counts["demotions" if target > entry.level else "promotions"] += 1
         entry.level, entry.page, entry.lower_reads = target, page, 0
-        self._policies[target].access(key, parent=entry.parent, position=entry.position)
+        self._enter(key, entry)
 
     def _read_host(self, key: BlockKey, entry: Entry) -> memoryview | None:
         """Block `key`'s bytes in host memory (verified when they come from SSD, the page's label included; None
@@ -487,9 +652,13 @@ class BlockPlacement:
         self.pools[entry.level].free(entry.page)
 
     def _forget(self, key: BlockKey, entry: Entry) -> None:
-        """`_drop` where `key`'s page is no longer its own (`_vacate` gave it away)."""
+        """`_drop` where `key`'s page is no longer its own (`_vacate` gave it away). A corrupt block was logged
+        removed when found (`_mark_corrupt`)."""
         del self._entries[key]
-        self._log.append((REMOVED, entry.level, key))
+        if self._has_holds:
+            self._remove_successor(key, entry.parent)
+        if not entry.corrupt:
+            self._log.append((REMOVED, entry.level, key))
         self._counts["drops"] += 1
 
 

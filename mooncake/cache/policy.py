@@ -20,11 +20,17 @@ access), so a policy is a pure function of its call sequence.
 Prefix-aware mode (default) evicts leaf first: a block is not a candidate while
 a block recorded as its chain successor is still cached, since a successor
 without its prefix can never be matched (vLLM and SGLang evict this way).
-Without it, blocks are ranked alone, as in the paper's Table 1.
+Without it, blocks are ranked alone, as in the paper's Table 1. A caller that
+caches a block's successors where the policy does not see them (another tier)
+protects it with `hold` / `release`, which count as cached children; holds end
+when the block leaves the policy. `evict_unpinned` is the fallback of a tier
+whose victims are kept cached below it (demoted, not dropped): the policy's
+order among unpinned blocks, prefix protection aside.
 
 Invariants:
 - `evict` never returns a pinned block, nor (prefix-aware) a block with a cached child.
 - `evict` returns None only when no cached block is a candidate.
+- `evict_unpinned` never returns a pinned block, and None only when every cached block is pinned.
 - Every candidate is reachable by `evict` (heap policies: it has a current entry,
   in the heap or as the entry of the block accessed last).
 """
@@ -74,7 +80,8 @@ class _PolicyBase:
     """Pins and prefix-awareness, shared by every policy.
 
     Invariants (`check_invariants`): child counts equal a recount of the parent
-    links of cached keys; every pin is on a cached key with a positive count.
+    links of cached keys plus the holds; every pin and every hold is on a cached
+    key with a positive count.
     """
 
     def __init__(self, *, prefix_aware: bool = True) -> None:
@@ -84,6 +91,8 @@ class _PolicyBase:
         # Cached children per key, kept even while the key itself is absent, so a
         # re-inserted parent is protected by children that outlived it.
         self._children: dict[BlockKey, int] = {}
+        # Successors cached elsewhere (`hold`), a part of `_children` while the key is cached.
+        self._holds: dict[BlockKey, int] = {}
 
     # Subclass hooks -------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -104,6 +113,10 @@ class _PolicyBase:
 
     def _became_candidate(self, key: BlockKey) -> None:
         """`key` was unpinned or lost its last child."""
+
+    def _choose_unpinned(self) -> BlockKey | None:
+        """The first unpinned key in the policy's order, prefix protection aside (O(blocks))."""
+        raise NotImplementedError
 
     # Protocol ---------------------------------------------------------------
     def remove(self, key: BlockKey) -> None:
@@ -146,6 +159,57 @@ class _PolicyBase:
             self._forget(victim)
         return victim
 
+    def evict_unpinned(self) -> BlockKey | None:
+        """Choose, forget and return the first unpinned block in the policy's order, ignoring prefix protection;
+        None if every block is pinned. For a tier whose victims stay cached below it (a demotion keeps a prefix
+        matchable) when `evict` finds every block protected. O(blocks)."""
+        victim = self._choose_unpinned()
+        if victim is not None:
+            self._forget(victim)
+        return victim
+
+    def hold(self, key: BlockKey, count: int = 1) -> None:
+        """Protect cached `key` as the chain predecessor of `count` more blocks cached where this policy does not
+        see them (another tier): prefix-aware, it is no candidate while it holds one, as with a cached child.
+        Unlike a pin, a hold does not stop `remove`; the holds of a key end when it leaves the policy.
+
+        Raises:
+            UnknownBlockError: `key` is not cached. InvalidRequestError: `count` is not an integer >= 1.
+        """
+        require_int("count", count, minimum=1, error=InvalidRequestError)
+        try:
+            is_cached = key in self
+        except TypeError:
+            raise _unhashable(key) from None
+        if not is_cached:
+            raise UnknownBlockError(f"cannot hold block {key}: not cached")
+        self._holds[key] = self._holds.get(key, 0) + count
+        self._children[key] = self._children.get(key, 0) + count
+
+    def release(self, key: BlockKey, count: int = 1) -> None:
+        """End `count` holds of `key` (it becomes a candidate with its last child and hold, if unpinned).
+
+        Raises:
+            UnknownBlockError: `key` has fewer than `count` holds. InvalidRequestError: `count` is not an
+                integer >= 1.
+        """
+        require_int("count", count, minimum=1, error=InvalidRequestError)
+        try:
+            held = self._holds.get(key, 0)
+        except TypeError:
+            raise _unhashable(key) from None
+        if held < count:
+            raise UnknownBlockError(f"cannot release {count} hold(s) of block {key}: it has {held}")
+        if held == count:
+            del self._holds[key]
+        else:
+            self._holds[key] = held - count
+        self._drop_children(key, count)
+
+    def num_holds(self, key: BlockKey) -> int:
+        """How many holds `key` has (0 when it has none or is not cached)."""
+        return self._holds.get(key, 0)
+
     # Queries ----------------------------------------------------------------
     def is_pinned(self, key: BlockKey) -> bool:
         return key in self._pins
@@ -163,8 +227,11 @@ class _PolicyBase:
         for key, parent in self._parent.items():
             assert key in self, f"parent link kept for dropped block {key}"
             recount[parent] = recount.get(parent, 0) + 1
-        assert recount == self._children, "child counts disagree with parent links"
+        for key, held in self._holds.items():
+            recount[key] = recount.get(key, 0) + held
+        assert recount == self._children, "child counts disagree with parent links and holds"
         assert all(key in self and n > 0 for key, n in self._pins.items()), "pins on dropped blocks"
+        assert all(key in self and n > 0 for key, n in self._holds.items()), "holds on dropped blocks"
 
     # Shared mechanics -------------------------------------------------------
     def _link(self, key: BlockKey, parent: BlockKey | None) -> None:
@@ -175,16 +242,23 @@ class _PolicyBase:
 
     def _forget(self, key: BlockKey) -> None:
         self._delete(key)
+        if self._holds:
+            held = self._holds.pop(key, 0)
+            if held:
+                self._drop_children(key, held)
         parent = self._parent.pop(key, None)
-        if parent is None:
-            return
-        remaining = self._children[parent] - 1
+        if parent is not None:
+            self._drop_children(parent, 1)
+
+    def _drop_children(self, key: BlockKey, count: int) -> None:
+        """`key` has `count` fewer cached children (or holds)."""
+        remaining = self._children[key] - count
         if remaining:
-            self._children[parent] = remaining
+            self._children[key] = remaining
         else:
-            del self._children[parent]
-            if self.is_candidate(parent):
-                self._became_candidate(parent)
+            del self._children[key]
+            if self.is_candidate(key):
+                self._became_candidate(key)
 
 
 class _HeapPolicy(_PolicyBase):
@@ -277,6 +351,11 @@ class _HeapPolicy(_PolicyBase):
                 self._newest = None
                 return key
         return heapq.heappop(heap)[1] if heap else None
+
+    def _choose_unpinned(self) -> BlockKey | None:
+        pins = self._pins
+        best = min(((priority, key) for key, priority in self._priority.items() if key not in pins), default=None)
+        return None if best is None else best[1]
 
     def check_invariants(self) -> None:
         super().check_invariants()
@@ -382,6 +461,22 @@ class SievePolicy(_PolicyBase):
                 self._visited[node] = False
             node = self._newer[node]
         return None  # nothing evictable: the hand stays where it was
+
+    def _choose_unpinned(self) -> BlockKey | None:
+        """The sweep of `_choose` with every unpinned block a candidate."""
+        node = self._hand
+        for _ in range(2 * len(self._visited) + 1):
+            if node is None:
+                node = self._oldest
+                if node is None:
+                    return None
+            if node not in self._pins:
+                if not self._visited[node]:
+                    self._hand = node
+                    return node
+                self._visited[node] = False
+            node = self._newer[node]
+        return None
 
     def check_invariants(self) -> None:
         super().check_invariants()

@@ -23,6 +23,8 @@ one tier at a time:
   as the Python int it equals; `key in cache` answers False for a non-key.
   (An object that merely hashes and compares equal to a key, 1.0 or True,
   would otherwise find block 1, and be stored in its policy as that block.)
+- Prefix-aware eviction spans the tiers (`_placement`): eviction drops no block
+  while a successor of it is cached in any tier.
 - `pin` / `unpin` (reference counted): a pinned block is never evicted,
   demoted, promoted or overwritten, so a view of it stays valid. Engines pin
   the blocks they read; `pinned(key)` does it as a context manager.
@@ -203,7 +205,8 @@ class TieredCache(BlockPlacement):
 
         Raises:
             IntegrityError: `data` does not match `checksum`.
-            CapacityError: `data` exceeds a page, or every block of the first tier is pinned.
+            CapacityError: `data` exceeds a page, or every block of the first tier is pinned or the prefix of a
+                pinned block that no lower tier can take.
             BlockPinnedError: `key` is being filled (reserved, not yet committed): its bytes are the filler's to
                 commit or abort, and a put that stored nothing would be lost with an abort.
             InvalidRequestError: `key`, `parent`, `position` or `length` is not a non-negative integer, or
@@ -289,7 +292,7 @@ class TieredCache(BlockPlacement):
         if pool.holds_bytes:
             raise ConfigError(f"the {pool.tier.name} tier stores bytes: put_chain needs a metadata-only tier")
         size = self._length_without_data(length)
-        entries, log = self._entries, self._log
+        entries, log, has_holds = self._entries, self._log, self._has_holds
         accesses = [policy.access for policy in self._policies]
         access, allocate = accesses[0], pool.try_allocate
         parent = None
@@ -323,6 +326,8 @@ class TieredCache(BlockPlacement):
                                     break  # only the chain's own blocks could make room: the rest stays out
                         entry = entries[key] = Entry(0, page, size, None, parent, 0, position, True)  # pins 0, ready
                         access(key, parent=parent, position=position)
+                        if has_holds:
+                            self._add_successor(key, parent)
                         log.append((STORED, 0, key))
                         puts += 1
                         if protected is not None:
@@ -403,6 +408,8 @@ class TieredCache(BlockPlacement):
             entry = self._entries.get(key)
             if entry is not None and not entry.ready:
                 del self._entries[key]
+                if self._has_holds:
+                    self._remove_successor(key, entry.parent)
                 self.pools[entry.level].free(entry.page)
 
     def location(self, key: BlockKey) -> BlockLocation | None:
@@ -496,13 +503,14 @@ class TieredCache(BlockPlacement):
             with self._lock:
                 if failure is not None:
                     self._warn_corrupt(key, entry.level, failure)
-                    self._found_corrupt(entry)
+                    self._found_corrupt(key, entry)
                 entry.reads -= 1
                 self._unpin_entry(key, entry)
         return data
 
     def touch(self, key: BlockKey) -> Tier | None:
-        """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None.
+        """Record a read of `key` without its bytes (promoting it as `get` would); its tier, or None. Where every
+        first-tier page is pinned the block stays put and no page is read (`get` would verify its bytes there).
 
         Raises:
             InvalidRequestError: `key` is no block key.
@@ -518,7 +526,7 @@ class TieredCache(BlockPlacement):
             if entry.level:
                 entry.lower_reads += 1
                 if self._should_promote(entry):
-                    self._promote(key, entry)
+                    self._promote(key, entry, read=False)
             return self.pools[entry.level].tier if key in self._entries else None
 
     def checksum(self, key: BlockKey) -> int:
@@ -550,8 +558,8 @@ class TieredCache(BlockPlacement):
 
     def _found_corrupt_unread(self, key: BlockKey, entry: Entry) -> None:
         """`entry`'s bytes failed verification outside a read that counts as a hit (lock held): dropped now, or
-        at its last unpin (which counts it), as `get` drops a block it finds corrupt."""
-        entry.corrupt = True
+        at its last unpin (which counts it), as `get` drops a block it finds corrupt; logged removed now."""
+        self._mark_corrupt(key, entry)
         if entry.pins == 0:
             self._policies[entry.level].remove(key)
             self._drop(key, entry)
@@ -578,7 +586,8 @@ class TieredCache(BlockPlacement):
         copy's page is freed at its last pin), so the new copy's pins never fall below its holders'.
 
         Raises:
-            UnknownBlockError: it is not pinned. InvalidRequestError: `key` is no block key.
+            UnknownBlockError: it is not pinned (a read in progress in another thread holds a pin of its own,
+                which no unpin releases). InvalidRequestError: `key` is no block key.
         """
         key = _key(key)
         with self._lock:
@@ -587,7 +596,7 @@ class TieredCache(BlockPlacement):
                     self._unpin_entry(key, copy)
                     return
             entry = self._ready_entry(key)
-            if entry.pins == 0:
+            if entry.pins == entry.reads:  # the rest are held by reads in progress, which release their own
                 raise UnknownBlockError(f"block {key} is not pinned")
             self._unpin_entry(key, entry)
 
