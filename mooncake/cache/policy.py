@@ -38,6 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from mooncake._checks import require_int
@@ -448,35 +449,30 @@ class SievePolicy(_PolicyBase):
             self._hand = newer
 
     def _choose(self) -> BlockKey | None:
+        return self._sweep(self.is_candidate)
+
+    def _choose_unpinned(self) -> BlockKey | None:
+        """The sweep of `_choose` with every unpinned block a candidate."""
+        pins = self._pins
+        return self._sweep(lambda key: key not in pins)
+
+    def _sweep(self, candidate: Callable[[BlockKey], bool]) -> BlockKey | None:
+        """SIEVE's hand: from where it stopped, towards the newest and round again, the first `candidate` not
+        visited since the hand last passed (each visited one passed is cleared); None, the hand where it was,
+        when two rounds find none."""
         node = self._hand
         for _ in range(2 * len(self._visited) + 1):
             if node is None:
                 node = self._oldest
                 if node is None:
                     return None
-            if self.is_candidate(node):
+            if candidate(node):
                 if not self._visited[node]:
                     self._hand = node
                     return node
                 self._visited[node] = False
             node = self._newer[node]
         return None  # nothing evictable: the hand stays where it was
-
-    def _choose_unpinned(self) -> BlockKey | None:
-        """The sweep of `_choose` with every unpinned block a candidate."""
-        node = self._hand
-        for _ in range(2 * len(self._visited) + 1):
-            if node is None:
-                node = self._oldest
-                if node is None:
-                    return None
-            if node not in self._pins:
-                if not self._visited[node]:
-                    self._hand = node
-                    return node
-                self._visited[node] = False
-            node = self._newer[node]
-        return None
 
     def check_invariants(self) -> None:
         super().check_invariants()
