@@ -120,24 +120,26 @@ class _PolicyBase:
         raise NotImplementedError
 
     # Protocol ---------------------------------------------------------------
-    def remove(self, key: BlockKey) -> None:
+    def _require_cached(self, key: BlockKey, verb: str | None) -> None:
+        """Raise UnknownBlockError (naming `verb`, the call refused) unless `key` is cached; InvalidRequestError for
+        an unhashable key. The message is built only when raised: pins run once per block of a prompt."""
         try:
             is_cached = key in self
         except TypeError:  # unhashable: what a dict says, as the library's error
             raise _unhashable(key) from None
         if not is_cached:
-            raise UnknownBlockError(f"block {key} is not cached")
+            raise UnknownBlockError(
+                f"block {key} is not cached" if verb is None else f"cannot {verb} block {key}: not cached"
+            )
+
+    def remove(self, key: BlockKey) -> None:
+        self._require_cached(key, None)
         if key in self._pins:
             raise BlockPinnedError(f"block {key} is pinned {self._pins[key]} time(s); unpin before removing")
         self._forget(key)
 
     def pin(self, key: BlockKey) -> None:
-        try:
-            is_cached = key in self
-        except TypeError:
-            raise _unhashable(key) from None
-        if not is_cached:
-            raise UnknownBlockError(f"cannot pin block {key}: not cached")
+        self._require_cached(key, "pin")
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: BlockKey) -> None:
@@ -178,12 +180,7 @@ class _PolicyBase:
             UnknownBlockError: `key` is not cached. InvalidRequestError: `count` is not an integer >= 1.
         """
         require_int("count", count, minimum=1, error=InvalidRequestError)
-        try:
-            is_cached = key in self
-        except TypeError:
-            raise _unhashable(key) from None
-        if not is_cached:
-            raise UnknownBlockError(f"cannot hold block {key}: not cached")
+        self._require_cached(key, "hold")
         self._holds[key] = self._holds.get(key, 0) + count
         self._children[key] = self._children.get(key, 0) + count
 
