@@ -63,7 +63,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_int, require_iterable, require_number
+from mooncake._checks import require_int, require_iterable, require_number, require_str
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
@@ -86,6 +86,31 @@ class _Batch:
     dropped_when_ended: bool = False  # no caller holds its id: its record goes once its last request ends
 
 
+# What an RDMA device (`rdma.Verbs`) offers; a Protocol, so checked by its methods.
+_VERBS_METHODS = ("register", "deregister", "create_queue_pair", "close")
+
+
+def _engine_arguments(config: object, name: object, rdma: object) -> EngineConfig:
+    """`config` (the default one for None), once `config`, `name` and `rdma` are checked to be what the engine
+    takes: a value of another type would only fail later, far from here (a peer refuses a descriptor whose
+    name is no string; a falsy dict would pass for the default config).
+
+    Raises:
+        ConfigError: `config` is no EngineConfig, `name` no non-empty string, or `rdma` no RDMA device (each
+            may be None); the message names the argument and what it got.
+    """
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ConfigError(f"config must be an EngineConfig or None, got {type(config).__name__} {config!r:.80}")
+    if name is not None:
+        require_str("name", name, what="string (how peers call this engine)")
+    if rdma is not None and not all(callable(getattr(rdma, method, None)) for method in _VERBS_METHODS):
+        raise ConfigError(
+            f"rdma must be an RDMA device (with {', '.join(_VERBS_METHODS)}) or None,"
+            f" got {type(rdma).__name__} {rdma!r:.80}"
+        )
+    return config if config is not None else EngineConfig()
+
+
 class TransferEngine:
     """Registers memory, talks to peers, and moves batches of bytes.
 
@@ -95,6 +120,9 @@ class TransferEngine:
         name: how peers call this engine (default its "host:port").
         rdma: the RDMA device to use; by default the first one pyverbs finds,
             when "rdma" is among the configured transports (none: no RDMA).
+
+    Raises:
+        ConfigError: `secret` is shorter than 16 bytes, or an argument is of another type (`_engine_arguments`).
     """
 
     def __init__(
@@ -107,8 +135,9 @@ class TransferEngine:
     ) -> None:
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ConfigError("secret must be at least 16 bytes")
+        config = _engine_arguments(config, name, rdma)
         self.secret = secret
-        self.config = config = config or EngineConfig()
+        self.config = config
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
         if rdma is None and "rdma" in config.transports:

@@ -56,7 +56,7 @@ import attrs
 import xxhash
 
 from mooncake._checks import ceil_div, require_int, require_number
-from mooncake.cache.pool import DramPagePool
+from mooncake.cache.pool import DramPagePool, check_checksum
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import (
     BlockPinnedError,
@@ -371,6 +371,9 @@ class Messenger:
 
     def _serve_commit(self, args: Any) -> Json:
         lease_id = str(args["lease"])
+        # Read whole before the lease leaves its table: a malformed commit is refused with the lease kept (it
+        # can be retried, and it still expires), never raised out of a lease that nothing could end any more.
+        checksums = _commit_checksums(args)
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             expired = self._quarantine.pop(lease_id, None) if lease is None else None
@@ -379,22 +382,27 @@ class Messenger:
             raise TransferError("expired lease: its reservations were held for it until now, and are released")
         if lease is None:
             raise TransferError("unknown or expired lease")
-        checksums = {BlockKey(int(k)): int(v) for k, v in args["checksums"]}
         committed: list[Json] = []
         failed: list[Json] = []
-        for key in lease.reserved:
-            if key not in checksums:
-                self.cache.abort(key)
-                continue
-            try:
-                self.cache.commit(key, checksum=checksums[key])
-                committed.append(key)
-            except (IntegrityError, UnknownBlockError):
-                failed.append(key)
-        lease.reserved.clear()
-        for key in lease.pinned:
-            self.cache.touch(key)  # the receiver is about to read it: last to be evicted
-        self._end(lease)
+        settled = 0  # the leading reservations committed or aborted
+        try:
+            for key in lease.reserved:
+                if key not in checksums:
+                    self.cache.abort(key)
+                else:
+                    try:
+                        self.cache.commit(key, checksum=checksums[key])
+                        committed.append(key)
+                    except (IntegrityError, UnknownBlockError):
+                        failed.append(key)
+                settled += 1
+            for key in lease.pinned:
+                self.cache.touch(key)  # the receiver is about to read it: last to be evicted
+        finally:
+            # No table holds the lease now, so whatever went wrong this ends it, aborting the reservations not
+            # settled. Not the settled ones: the key may meanwhile be reserved again, by another lease.
+            del lease.reserved[:settled]
+            self._end(lease)
         return {"committed": committed, "failed": failed}
 
     def _hold(self, lease: _Lease, key: BlockKey) -> None:
@@ -492,10 +500,13 @@ def _read_reply(peer: str, method: str, reply: Any, read: Callable[[Any], _T]) -
     try:
         return read(reply)
     except (KeyError, TypeError, ValueError, IndexError) as error:
-        shown = repr(reply)
-        if len(shown) > _MAX_SHOWN:
-            shown = shown[:_MAX_SHOWN] + "..."
-        raise ProtocolError(f"{peer} answered {method} with a malformed reply ({error!r}): {shown}") from error
+        raise ProtocolError(f"{peer} answered {method} with a malformed reply ({error!r}): {_shown(reply)}") from error
+
+
+def _shown(value: Any) -> str:
+    """What a peer sent, as quoted in an error: its repr, cut short after `_MAX_SHOWN` characters."""
+    shown = repr(value)
+    return shown[:_MAX_SHOWN] + "..." if len(shown) > _MAX_SHOWN else shown
 
 
 def _count(value: Any) -> int:
@@ -534,6 +545,22 @@ def _commit_answer(reply: Any) -> tuple[BlockKey, ...]:
     if type(committed) is not list:
         raise ValueError("committed is not a list")
     return tuple(BlockKey(_count(key)) for key in committed)
+
+
+def _commit_checksums(args: Any) -> dict[BlockKey, int]:
+    """The checksum a "blocks.commit" sends per block: its "checksums", a list of [block key, XXH3-64 value].
+
+    Raises:
+        ProtocolError: they are missing or not of that shape (a key no integer >= 0, a checksum outside
+            [0, 2**64)); the message names them and what was sent (cut short).
+    """
+    raw = args.get("checksums") if isinstance(args, dict) else None
+    try:
+        return {BlockKey(_count(key)): check_checksum(value) for key, value in _entries(raw, 2)}
+    except ValueError as error:  # InvalidRequestError (a checksum out of range) is one
+        raise ProtocolError(
+            f"checksums must be a list of [block key, XXH3-64 value] entries ({error}), got {_shown(raw)}"
+        ) from error
 
 
 def _owner(args: Any) -> str:

@@ -4,13 +4,14 @@ A peer on the same host publishes, for each region it allocated in shared
 memory, the segment's name. The initiator maps the segment once and performs
 every slice as one memory copy (numpy, which releases the GIL, so the worker
 threads copy in parallel). Bounds are checked against the peer's descriptor
-before any byte moves, and a peer whose process has gone fails the slice with
-`PeerUnavailable` (its segment may outlive it; writing there would deliver to no
-one). A region the peer unregistered (its segment unlinked) fails the slice with
-`TransferError`, as over TCP, also (on Linux, where /dev/shm shows the names)
-where it was mapped before: a mapping outlives the name, and copying into it
-would deliver to no one either. (A slice already
-running when the peer unregisters may still complete, as over every transport.)
+before any byte moves, and a peer whose process has gone (exited, reaped by its
+parent or not yet) fails the slice with `PeerUnavailable` (its segment may
+outlive it; writing there would deliver to no one). A region the peer
+unregistered (its segment unlinked) fails the slice with `TransferError`, as
+over TCP, also (on Linux, where /dev/shm shows the names) where it was mapped
+before: a mapping outlives the name, and copying into it would deliver to no
+one either. (A slice already running when the peer unregisters may still
+complete, as over every transport.)
 
 Mappings are let go once their segment is: each one holds two descriptors and
 the segment's memory (an unlinked segment is freed only when its last mapping
@@ -171,6 +172,15 @@ def _unlinked(name: str) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs. One that exited is gone even before its parent reaps it: a zombie,
+    which a signal still reaches, so Linux's /proc is asked first; elsewhere, whether a signal reaches it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]  # the state follows the name (which may hold ")")
+    except (OSError, IndexError):
+        pass  # no such process, or no /proc: the signal tells
+    else:
+        return state not in (b"Z", b"X")  # a zombie, or dead
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

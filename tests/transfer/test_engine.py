@@ -323,6 +323,30 @@ def test_listeners_bind_loopback_and_config_is_validated() -> None:
         EngineConfig(slice_bytes=2 << 20, max_frame_bytes=1 << 20)
 
 
+@pytest.mark.parametrize(
+    ("argument", "value", "named"),
+    [
+        ("name", 5, "5"),
+        ("name", "", "''"),
+        ("name", b"engine", "b'engine'"),
+        ("config", {}, "dict"),
+        ("config", {"port": 0}, "dict"),
+        ("config", "x", "str"),
+        ("rdma", 5, "int"),
+        ("rdma", "mlx5_0", "str"),
+    ],
+    ids=repr,
+)
+def test_an_engine_argument_of_another_type_is_a_config_error_naming_it(
+    argument: str, value: object, named: str
+) -> None:
+    """`name` is a non-empty string (peers refuse any other in its descriptor), `config` an EngineConfig (a falsy
+    dict is never taken for the default) and `rdma` an RDMA device: anything else is a ConfigError naming the
+    argument and what it got."""
+    with pytest.raises(ConfigError, match=rf"^{argument} must be .*{named}"):
+        TransferEngine(secret=SECRET, **{argument: value})  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- differential: shm and tcp in lockstep
 
 

@@ -9,7 +9,8 @@ or lie, configs and descriptors at the ends of their ranges, and the sockets and
   is sent once more on a fresh connection, one cut after it left (or answered out of protocol) is never
   repeated and is PeerUnavailable; reconnecting, a refused connect and `close` leave nothing served.
 - `messenger`: a peer that answers for other keys, or whose bytes never arrive or come late, gets nothing
-  committed and holds nothing here; aborts and `close` end leases (quarantined ones too) and the sweeper.
+  committed and holds nothing here; aborts and `close` end leases (quarantined ones too) and the sweeper; a
+  malformed commit is refused with its lease kept, and one that fails midway still ends its lease.
 """
 
 from __future__ import annotations
@@ -751,6 +752,62 @@ def test_a_commit_without_a_checksum_for_a_reserved_block_gives_its_page_back(
     assert reply == {"committed": [5], "failed": []}
     assert BlockKey(5) in b.cache and b.cache.location(BlockKey(6)) is None
     assert free_pages(b) == free - 1
+
+
+@pytest.mark.parametrize(
+    "checksums",
+    [[[5, -1], [6, 0]], [[5, 1 << 64]], [[5, 1.5]], [[5, True]], [["5", 0]], [[5]], [5], "x", None, {"5": 0}],
+    ids=repr,
+)
+def test_a_malformed_commit_is_refused_and_keeps_its_lease(nodes: tuple[Node, Node, str], checksums: object) -> None:
+    """A "blocks.commit" whose checksums are no list of [block key, XXH3-64 value] entries is refused with a
+    ProtocolError naming them, before its lease is touched: a commit done right still commits, and a lease left
+    to expire is quarantined and freed by `release_owner`; no page stays reserved for good."""
+    a, b, peer = nodes
+    free = free_pages(b)
+    data = block(5)
+    for lease in ("retried", "abandoned"):
+        a.engine.call(
+            peer, "blocks.reserve", {"lease": lease, "blocks": [[5, len(data), None]], "owner": a.engine.address}
+        )
+        location = b.cache.location(BlockKey(5))
+        assert location is not None and free_pages(b) == free - 1
+        with pytest.raises(TransferError, match=r"ProtocolError: checksums must be"):
+            a.engine.call(peer, "blocks.commit", {"lease": lease, "checksums": checksums})
+        if lease == "retried":
+            b.cache.pools[0].buffer[location.page * PAGE : location.page * PAGE + len(data)] = memoryview(data)  # type: ignore[attr-defined]
+            reply = a.engine.call(
+                peer, "blocks.commit", {"lease": lease, "checksums": [[5, xxhash.xxh3_64_intdigest(data)]]}
+            )
+            assert reply == {"committed": [5], "failed": []} and BlockKey(5) in b.cache
+            b.cache.remove(BlockKey(5))
+        else:
+            b.now[0] += 1000  # long expired: quarantined, its pages kept for a pusher that may only be paused
+            b.messenger.sweep()
+            assert b.messenger.quarantined == 1
+            assert b.messenger.release_owner(a.engine.address) == 1
+        assert free_pages(b) == free and b.messenger.quarantined == 0 and not b.messenger._leases
+
+
+def test_a_commit_that_fails_midway_still_ends_its_lease(
+    nodes: tuple[Node, Node, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a commit has taken its lease off the tables, whatever goes wrong ends it there: the blocks it did
+    not commit give their pages back (nothing else could find the lease to release them)."""
+    a, b, peer = nodes
+    free = free_pages(b)
+    a.engine.call(
+        peer, "blocks.reserve", {"lease": "edge", "blocks": [[5, 100, None], [6, 100, 5]], "owner": a.engine.address}
+    )
+    assert free_pages(b) == free - 2
+
+    def broken(_key: BlockKey, *, checksum: int | None = None) -> None:
+        raise OSError("the cache broke")
+
+    monkeypatch.setattr(b.cache, "commit", broken)
+    with pytest.raises(TransferError, match="the cache broke"):
+        a.engine.call(peer, "blocks.commit", {"lease": "edge", "checksums": [[5, 0], [6, 0]]})
+    assert free_pages(b) == free and not b.messenger._leases and b.messenger.quarantined == 0
 
 
 @pytest.mark.parametrize("parts", [0, -1, True, 2.0, "2"])

@@ -73,6 +73,23 @@ def test_a_copy_checks_the_peer_is_alive_and_the_segment_holds_the_region(overst
         segment.unlink()
 
 
+def test_a_peer_that_exited_but_is_not_yet_reaped_is_gone() -> None:
+    """A peer process that has exited is gone even while its parent has not reaped it (a zombie, which a
+    signal still reaches): a copy to it is PeerUnavailable, not a TransferError about an unregistered region."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited; left unreaped (a zombie)
+        descriptor = RegionDescriptor(region_id=7, length=64, shm_name=f"mooncake-{child.pid}-000000000000")
+        transport = ShmTransport(lambda region: descriptor if region == 7 else None, peer_pid=child.pid, workers=1)
+        try:
+            error = transport.run_inline(Slice(TransferOp.WRITE, memoryview(bytes(64)), 7, 0, lambda _e: None))
+        finally:
+            transport.close()
+        assert isinstance(error, PeerUnavailable), error
+    finally:
+        child.wait(timeout=10)
+
+
 @pytest.mark.parametrize("exits_meanwhile", [False, True])
 def test_a_segment_gone_is_an_unregistered_region_unless_the_peer_is_gone_too(
     exits_meanwhile: bool, monkeypatch: pytest.MonkeyPatch
