@@ -7,10 +7,11 @@ decodes one token for every active request: embeds their last tokens, and per
 layer writes the new K and V at each request's own position and attends over
 each request's own context (`decode_attention` over the slots, ragged lengths);
 then draws every request's token before any request moves on, retires the
-requests that reached their `max_new_tokens` or sampled one of their
-`SamplingParams.stop_token_ids` (the model's EOS; emitted as the last token),
-and only then reports every token to its request's callback: the batch is whole
-whatever a draw or a callback does (as vLLM applies a step's output as a whole).
+requests that reached their `max_new_tokens` or, from their `min_tokens` on,
+sampled one of their `SamplingParams.stop_token_ids` (the model's EOS; emitted
+as the last token), and only then reports every token to its request's
+callback: the batch is whole whatever a draw or a callback does (as vLLM
+applies a step's output as a whole).
 A request whose draw fails (NaN logits, params that leave no token) is dropped
 as a cancelled one, the others take their tokens, and the error, naming the
 request, is raised after the callbacks. A callback may `cancel` any request of
@@ -67,7 +68,7 @@ from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownBlockError
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.step import StepModel
-from mooncake.types import BlockKey, RequestId, check_token_count
+from mooncake.types import BlockKey, RequestId, check_request_id, check_token_count
 
 __all__ = ["DecodeConfig", "DecodeEngine", "TokenEvent", "TokenStream"]
 
@@ -116,14 +117,19 @@ class _Active:
     sampler: Sampler
     on_token: Callable[[TokenEvent], None] | None
     last_token: int
-    stop_token_ids: frozenset[int]
     emitted: int = 1
     done: bool = False  # its last token is out: `max_new_tokens` reached or a stop token sampled
     dropped: bool = False  # cancelled, or its callback failed: it gets no further token
 
     def ends_with(self, token: int) -> bool:
-        """Whether `token`, just emitted as the `emitted`-th, is the request's last (the one rule)."""
-        return self.emitted >= self.max_new_tokens or token in self.stop_token_ids
+        """Whether `token`, just emitted as the `emitted`-th, is the request's last (the one rule): `max_new_tokens`
+        reached, or a stop token from `min_tokens` tokens on. As vLLM's `check_stop`, a stop token never ends a
+        request before `min_tokens`, even where the sampler could not hold it back (every allowed token a stop
+        token)."""
+        params = self.sampler.params
+        return self.emitted >= self.max_new_tokens or (
+            self.emitted >= params.min_tokens and token in params.stop_token_ids
+        )
 
     @property
     def context(self) -> int:  # KV positions filled; the next token is fed at this position
@@ -256,19 +262,26 @@ class DecodeEngine:
         `first_logprobs`) is reported at once; `prompt` (the prompt's token ids) is
         needed only by a repetition penalty (`SamplingParams.needs_prompt`). A
         request with `max_new_tokens == 1`, or whose first token is one of its stop
-        tokens, is then already finished and takes no slot (so only its context is checked).
+        tokens (and `min_tokens` at most 1), is then already finished and takes no slot (so
+        only its context is checked).
         If `on_token` raises on the first token, the request is dropped again (it holds no slot) and the
         error raised.
 
         Raises:
-            InvalidRequestError: counts that are not integers in [1, 2**40], a first token outside the vocabulary,
-                a duplicate id, keys that are no sequence or do not cover the prompt, `sampling` that is no
-                `SamplingParams`, or a `prompt` missing where the sampling needs it or of another length (each
-                naming the field and the value).
+            InvalidRequestError: an id that is no request id (`types.check_request_id`) or is decoding already,
+                counts that are not integers in [1, 2**40], a first token outside the vocabulary, keys that are no
+                sequence or do not cover the prompt, `sampling` that is no `SamplingParams`, an `on_token` that
+                cannot be called, `first_logprobs` that is no `TokenLogprobs`, or a `prompt` missing where the
+                sampling needs it or of another length (each naming the field and the value).
             UnknownBlockError: a KV block of the prompt is not in the local cache.
         """
+        check_request_id("request_id", request_id)  # hashable: a step's delivery keys its requests by id
         prompt_tokens = check_token_count("prompt_tokens", prompt_tokens)
         max_new_tokens = check_token_count("max_new_tokens", max_new_tokens)
+        if on_token is not None and not callable(on_token):  # else a bare TypeError at the first token
+            raise InvalidRequestError(f"on_token must be callable or None, got {on_token!r}")
+        if first_logprobs is not None and not isinstance(first_logprobs, TokenLogprobs):
+            raise InvalidRequestError(f"first_logprobs must be a TokenLogprobs or None, got {first_logprobs!r}")
         vocab = self.model.config.vocab_size
         if not is_int(first_token) or not 0 <= first_token < vocab:  # checked here, or every later step fails
             raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {first_token!r}")
@@ -300,7 +313,6 @@ class DecodeEngine:
             Sampler(sampling, position=1, prompt=prompt, output=(first_token,)),
             on_token,
             first_token,
-            sampling.stop_token_ids,
         )
         active.done = active.ends_with(first_token)
         # A request that ends at its first token (a stop token, or max_new_tokens 1) has no other: asked as such,

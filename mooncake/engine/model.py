@@ -297,9 +297,13 @@ class LlamaModel(nn.Module):
                 self.head = _random(matrix, h**-0.5, g, self.dtype, device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [T] → hidden states [T, hidden]."""
+        """Token ids [T] → hidden states [T, hidden].
+
+        Raises:
+            InvalidRequestError: an id outside [0, vocab_size) (a request's input, as `token_ids` refuses it).
+        """
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ConfigError(
+            raise InvalidRequestError(
                 f"token ids must lie in [0, {self.config.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}"
             )
         return functional.embedding(tokens.to(self.device), self.embedding)
@@ -313,7 +317,11 @@ class LlamaModel(nn.Module):
         return functional.linear(rms_norm(x, self.final_norm, self.config.norm_eps), self.head).float()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The plain causal forward pass of a whole prompt: float32 logits [T, vocab] (the reference)."""
+        """The plain causal forward pass of a whole prompt: float32 logits [T, vocab] (the reference).
+
+        Raises:
+            InvalidRequestError: a token id outside the vocabulary (`embed`).
+        """
         from mooncake.engine.attention import prefill_attention
 
         positions = torch.arange(tokens.shape[0], device=self.device)

@@ -211,6 +211,16 @@ def _run_chunks(
     return x, stopped
 
 
+def _shown(value: object) -> str:
+    """A value as an error names it: a tensor by its shape, dtype and device (never its numbers), anything else
+    by its repr (a sequence by its length and kind)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} {value.dtype} tensor on {value.device}"
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return f"a {type(value).__name__} of {len(value)}"
+    return repr(value)
+
+
 def _is_stopped(pid: int | None) -> bool:
     """Whether process `pid` is stopped by a signal (Linux's /proc; False where there is none to read)."""
     try:
@@ -497,7 +507,10 @@ class PipelineGroup:
 
         Raises:
             InvalidRequestError: no tokens, ids outside the vocabulary, more tokens than the model's
-                `max_context_tokens`, a prefix not shorter than the prompt, or buffers of the wrong shape.
+                `max_context_tokens`, a prefix not shorter than the prompt, `kv` that is no sequence of
+                `num_layers` (K, V) pairs of tensors of the shape, dtype and device above, or an `on_rows` or
+                `cancelled` that cannot be called: each naming the argument, before any stage hears of the job
+                (the group stays usable).
             EngineError: a stage failed or did not answer within the timeout; the group has failed.
             Cancelled: `cancelled` answered True.
         """
@@ -508,16 +521,10 @@ class PipelineGroup:
         prefix_tokens = require_int("prefix_tokens", prefix_tokens, minimum=0, error=InvalidRequestError)
         if not 0 <= prefix_tokens < n or (kv is None and prefix_tokens):
             raise InvalidRequestError(f"prefix_tokens={prefix_tokens} must lie in [0, {n}) and come with its KV")
-        kv = self._buffers(n) if kv is None else kv
-        shape = (n, self.config.num_kv_heads, self.config.head_dim)
-        if len(kv) != self.config.num_layers or any(
-            tuple(t.shape) != shape or t.dtype != self.model.dtype or t.device != self.model.device
-            for pair in kv
-            for t in pair
-        ):
-            raise InvalidRequestError(
-                f"kv must hold {self.config.num_layers} (K, V) pairs of {shape} {self.model.dtype} on {self.model.device}"
-            )
+        kv = self._buffers(n) if kv is None else self._checked_kv(kv, n)
+        for name, callback in (("on_rows", on_rows), ("cancelled", cancelled)):
+            if callback is not None and not callable(callback):  # else a TypeError mid-job, which fails the group
+                raise InvalidRequestError(f"{name} must be callable or None, got {callback!r}")
         errors: list[BaseException] = []
 
         def listen(layer: int, start: int, end: int) -> None:
@@ -546,6 +553,27 @@ class PipelineGroup:
         if errors:
             raise errors[0]
         return logits.float().cpu()
+
+    def _checked_kv(self, kv: object, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`kv` as a list of `num_layers` (K, V) pairs of `n`-row buffers (the caller's own tensors, written in
+        place), or an InvalidRequestError naming it and what is wrong: checked whole before any stage hears of the
+        job, where a malformed pair (a triple, a number) would fail stage 0's unpacking mid-job, and the group."""
+        model, layers = self.model, self.config.num_layers
+        shape = (n, self.config.num_kv_heads, self.config.head_dim)
+        wanted = f"kv must be a sequence of {layers} (K, V) pairs of {shape} {model.dtype} tensors on {model.device}"
+        if not isinstance(kv, Sequence) or len(kv) != layers:
+            raise InvalidRequestError(f"{wanted}, got {_shown(kv)}")
+        expected = (shape, model.dtype, model.device)
+        pairs = []
+        for layer, pair in enumerate(kv):
+            tensors = tuple(pair) if isinstance(pair, Sequence) else ()
+            if len(tensors) != 2:
+                raise InvalidRequestError(f"{wanted}, got {_shown(pair)} at layer {layer}")
+            for t in tensors:
+                if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype, t.device) != expected:
+                    raise InvalidRequestError(f"{wanted}, got {_shown(t)} at layer {layer}")
+            pairs.append((tensors[0], tensors[1]))
+        return pairs
 
     def _buffers(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (n, self.config.num_kv_heads, self.config.head_dim)

@@ -142,8 +142,10 @@ class SamplingParams:
         stop_token_ids: tokens that end the generation once sampled (the model's EOS and the like, as
             vLLM's `stop_token_ids`): the token is emitted, as the request's last. None: none (vLLM's default).
         min_tokens: the output positions before it that never draw a stop token (their logits are -inf there),
-            as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first
-            (or every token of the vocabulary is a stop token: then nothing else could be drawn, and none is held).
+            as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first. Where
+            nothing but stop tokens could be drawn (every token of the vocabulary, or every one of
+            `allowed_token_ids`, is a stop token), none is held back and a stop token is drawn; the decode engine
+            still ends a request at a stop token only from `min_tokens` on (vLLM's `check_stop`).
         logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
             and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
         top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default) or -1 (vLLM's
@@ -457,7 +459,7 @@ class Sampler:
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token chosen from float `logits` [vocab], at the next position (a stop token only from
-        `min_tokens` on).
+        `min_tokens` on, unless nothing else could be drawn: see `SamplingParams.min_tokens`).
 
         Returns:
             a token in [0, vocab).

@@ -7,8 +7,10 @@ fail. Non-finite KV that a request leaves in its slot (cancelled, refused
 midway through its copy, failed, or moved out of) never reaches the request
 that takes the slot next, whatever longer request shares its batch. A callback
 that cancels a request finishing in the same step holds its last token back,
-as the docstring says. Malformed joins are InvalidRequestErrors naming the
-field.
+as the docstring says. Malformed joins (an id that is no request id, a callback
+that cannot be called included) are InvalidRequestErrors naming the field. A
+stop token never ends a request before its `min_tokens`, even one the sampler
+cannot hold back (every allowed token a stop token).
 """
 
 from __future__ import annotations
@@ -249,3 +251,61 @@ def test_malformed_joins_are_invalid_requests_naming_the_field(
     assert raised.value.request_id is None  # raised to the caller that named the request: no other's failure
     assert engine.num_active == 0 and engine.reserved_tokens == 0 and engine.step() == []
     assert_nothing_held(cache, r["a"].keys)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "options", "named"),
+    [
+        ([1], {}, r"request_id must be a non-empty string, got \[1\]"),
+        ("", {}, "request_id must be a non-empty string, got ''"),
+        (None, {}, "request_id must be a non-empty string, got None"),
+        ("a", {"on_token": 5}, "on_token must be callable or None, got 5"),
+        ("a", {"first_logprobs": {"logprob": 0.0}}, r"first_logprobs must be a TokenLogprobs or None, got \{"),
+    ],
+)
+def test_a_join_with_a_malformed_id_or_callback_is_refused_by_name(
+    prefilled: tuple[TieredCache, dict[str, PrefillResult]], request_id: object, options: dict[str, Any], named: str
+) -> None:
+    """An id that is no request id (`types.check_request_id`: an unhashable list, an empty string, None), an
+    `on_token` that cannot be called, and `first_logprobs` that is no `TokenLogprobs` are InvalidRequestErrors
+    naming the field and the value, and nothing is held. Accepted, a list id failed the step that finished it
+    with a bare TypeError, after every other request had advanced: their tokens of that step were never called
+    back (a gap in their streams); a number as `on_token` was a bare TypeError at the first token."""
+    cache, r = prefilled
+    engine = new_engine(cache)
+    with pytest.raises(InvalidRequestError, match=named):
+        engine.try_join(
+            request_id,  # type: ignore[arg-type]
+            r["a"].keys,
+            prompt_tokens=PROMPTS["a"],
+            first_token=r["a"].first_token,
+            max_new_tokens=3,
+            **options,
+        )
+    assert engine.num_active == 0 and engine.reserved_tokens == 0 and engine.step() == []
+    assert_nothing_held(cache, r["a"].keys)
+    got: list[TokenEvent] = []
+    join(engine, r["b"], "b", 3, on_token=got.append)  # the engine serves as before (a's blocks were removed)
+    engine.run(max_steps=5)
+    assert [(e.index, e.finished) for e in got] == [(0, False), (1, False), (2, True)]
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 3, 5])
+def test_min_tokens_holds_a_request_whose_every_allowed_token_is_a_stop_token(
+    prefilled: tuple[TieredCache, dict[str, PrefillResult]], min_tokens: int
+) -> None:
+    """A request whose only allowed token is its stop token can draw nothing else, so the sampler's `min_tokens`
+    mask stands aside; the request still runs `min_tokens` tokens (that token each time, the prefill's first
+    included) before the stop token ends it, as vLLM's `check_stop` never stops a request before `min_tokens`
+    output tokens, and `max_new_tokens` ends it first where it is lower. It once ended at its first token."""
+    cache, r = prefilled
+    engine = new_engine(cache)
+    token = r["a"].first_token
+    got: list[TokenEvent] = []
+    sampling = SamplingParams(allowed_token_ids={token}, stop_token_ids={token}, min_tokens=min_tokens)
+    join(engine, r["a"], "a", 4, sampling=sampling, on_token=got.append)
+    engine.run(max_steps=10)
+    engine.check_invariants()
+    count = min(max(min_tokens, 1), 4)
+    assert [(e.index, e.token, e.finished) for e in got] == [(i, token, i == count - 1) for i in range(count)]
+    assert engine.num_active == 0

@@ -140,16 +140,19 @@ def test_a_stage_needs_a_contiguous_range_of_existing_layers(layers: list[int]) 
 
 
 def test_dtypes_and_vocabulary_are_checked() -> None:
-    """Unknown dtypes and token ids outside the vocabulary are ConfigErrors, not index errors."""
+    """Unknown dtypes are ConfigErrors; token ids outside the vocabulary, a request's input, are
+    InvalidRequestErrors (as `token_ids` says) from `embed` and the forward pass alike, not index errors."""
     assert dtype_of("float16") == torch.float16
     with pytest.raises(ConfigError, match="dtype"):
         dtype_of("int8")
     with pytest.raises(ConfigError, match="dtype"):
         LlamaModel(TINY, dtype="float64")
-    with pytest.raises(ConfigError, match="token ids"):
-        tiny_model().embed(torch.tensor([0, TINY.vocab_size]))
-    with pytest.raises(ConfigError, match="token ids"):
-        tiny_model().embed(torch.tensor([-1]))
+    for bad in ([0, TINY.vocab_size], [-1]):
+        with pytest.raises(InvalidRequestError, match=r"token ids must lie in \[0, 256\)") as raised:
+            tiny_model().embed(torch.tensor(bad))
+        assert not isinstance(raised.value, ConfigError)
+        with pytest.raises(InvalidRequestError, match="token ids"):
+            tiny_model()(torch.tensor(bad))
 
 
 def test_the_seed_is_an_integer_at_least_0() -> None:

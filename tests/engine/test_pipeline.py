@@ -4,11 +4,11 @@ Properties: the stages partition the layers; a group of 2 (this process and one 
 after any cached prefix gives the logits and every layer's KV of a single process's forward pass, and reports
 each layer's rows once each, in order, when they are final (stage 0's chunk by chunk, the other stage's when
 its KV arrives). Examples: one stage runs in this process alone; a listener's error waits for the prefill's
-end and leaves the group usable; bad arguments are refused before any stage is asked; the group's sockets
-listen on loopback only, and its stages hold no named semaphore. Failures: a stage killed while the driver
-waits on it fails the prefill at once, not at the timeout, and fails the group (`on_failure` called once,
-every stage ended); a stage that stops answering fails it at the timeout; a stage whose driver process is
-SIGKILLed exits by itself.
+end and leaves the group usable; bad arguments (malformed `kv`, callbacks that cannot be called included) are
+refused by name before any stage is asked, the group unharmed; the group's sockets listen on loopback only, and
+its stages hold no named semaphore. Failures: a stage killed while the driver waits on it fails the prefill at
+once, not at the timeout, and fails the group (`on_failure` called once, every stage ended); a stage that stops
+answering fails it at the timeout; a stage whose driver process is SIGKILLed exits by itself.
 """
 
 from __future__ import annotations
@@ -240,6 +240,31 @@ def test_bad_arguments_are_refused_before_any_stage_is_asked(group: PipelineGrou
         with pytest.raises(InvalidRequestError):
             group.prefill(**arguments)  # type: ignore[arg-type]
     assert torch.allclose(group.prefill(tokens), reference(tokens)[0], **TOLERANCE)
+
+
+def test_malformed_kv_and_callbacks_are_refused_by_name_and_the_group_goes_on(group: PipelineGroup) -> None:
+    """`kv` that is no sequence of (K, V) pairs (a number, a generator, triples, singletons, a pair holding no
+    tensor) and an `on_rows` or `cancelled` that cannot be called are InvalidRequestErrors naming the argument,
+    raised before any stage hears of the job: the group has not failed and serves as before (a triple once
+    reached stage 0's unpacking mid-job and failed the group, killing its stages)."""
+    tokens = [1, 2, 3, 4]
+    good = with_prefix(reference(tokens)[1], 4, 0)
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"kv": 5}, "kv must"),
+        ({"kv": (pair for pair in good)}, "kv must"),
+        ({"kv": [(k, v, v) for k, v in good]}, "kv must"),
+        ({"kv": [(k,) for k, _ in good]}, "kv must"),
+        ({"kv": [(k, v.numpy()) for k, v in good]}, "kv must"),
+        ({"kv": [5] * len(good)}, "kv must"),
+        ({"on_rows": 5}, "on_rows must be callable or None, got 5"),
+        ({"cancelled": "yes"}, "cancelled must be callable or None, got 'yes'"),
+    ]
+    for arguments, named in bad:
+        with pytest.raises(InvalidRequestError, match=named):
+            group.prefill(tokens, **arguments)  # type: ignore[arg-type]
+        assert group.failure is None
+    assert torch.allclose(group.prefill(tokens), reference(tokens)[0], **TOLERANCE)
+    group.check_invariants()
 
 
 def listening_inodes() -> dict[int, str]:
