@@ -239,7 +239,14 @@ class CoupledCluster:
     def run(
         self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
     ) -> ReplayResult:
-        """Replay `requests` (arrival order, streamed) through the instances to the end; summarize."""
+        """Replay `requests` (arrival order, streamed) through the instances to the end; summarize. One cluster
+        replays one workload: a second `run` is refused (build a new cluster for another).
+
+        Raises:
+            InvalidRequestError: this cluster has replayed a workload already, or what `ReplayContext.run` refuses
+                in `requests`.
+            ConfigError: a `progress` or `keep_intervals` that `ReplayContext.run` refuses.
+        """
         return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def _counts(self) -> tuple[int, int]:

@@ -52,9 +52,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from mooncake._checks import require_iterable
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
@@ -152,13 +153,14 @@ def replay(
     do); the requests are then read into a list first.
 
     Raises:
-        ConfigError: both a `decode_s` and a `predictor`, or an `slo` that is no `Slo`.
-        InvalidRequestError: an item that is not a `Request`, or no request at all.
+        ConfigError: both a `decode_s` and a `predictor`, an `slo` that is no `Slo`, or what
+            `DisaggregatedCluster.run` refuses.
+        InvalidRequestError: `requests` that are no iterable, an item that is not a `Request`, or no request at all.
     """
     if slo is not None and not isinstance(slo, Slo):  # read below before the Conductor would refuse it
         raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
     if decode_s is None and predictor is None:
-        requests = list(requests)
+        requests = list(require_iterable("requests", requests, error=InvalidRequestError))
         for item in requests:
             if not isinstance(item, Request):
                 raise InvalidRequestError(f"a replay takes mooncake.types.Request items, got {type(item).__name__}")
@@ -173,8 +175,8 @@ class DisaggregatedCluster:
     """Replays requests through a simulated disaggregated cluster governed by `conductor`.
 
     The conductor must know the prefill and decode instances the spec describes
-    (`build_conductor` makes such a one); one cluster replays one workload, in
-    `context` (by default its own, on the conductor's SLO).
+    (`build_conductor` makes such a one); one cluster replays one workload (a second `run` is refused: build a
+    new cluster, and Conductor, for another), in `context` (by default its own, on the conductor's SLO).
     """
 
     def __init__(self, spec: ClusterSpec, conductor: Conductor, *, context: ReplayContext | None = None) -> None:
@@ -216,16 +218,29 @@ class DisaggregatedCluster:
     def run(
         self, requests: Iterable[Request], *, progress: Progress | None = None, keep_intervals: bool = True
     ) -> ReplayResult:
-        """Replay `requests` (in arrival order; streamed) through the cluster to the end, and summarize."""
+        """Replay `requests` (in arrival order; streamed) through the cluster to the end, and summarize.
+
+        Raises:
+            InvalidRequestError: this cluster has replayed a workload already, or what `ReplayContext.run` refuses
+                in `requests`.
+            ConfigError: a `progress` or `keep_intervals` that `ReplayContext.run` refuses.
+        """
         return self.replay.run(requests, self._arrive, self._counts, progress=progress, keep_intervals=keep_intervals)
 
     def decode_load(self, decode_instance: InstanceId, now: float) -> DecodeLoad:
         """What `decode_instance` really holds at `now` (within the current stretch), for scoring load
         predictors: requests decoding, the KV tokens a step reads (prompts and tokens generated),
-        and their reservations (prompt + output each)."""
-        batch = self._decode[decode_instance].node.batch
+        and their reservations (prompt + output each).
+
+        Raises:
+            UnknownInstanceError: `decode_instance` is no decode instance of this cluster.
+        """
+        side = self._decode.get(decode_instance)
+        if side is None:  # else a bare KeyError
+            raise UnknownInstanceError(f"decode_instance {decode_instance!r} is no decode instance of this cluster")
+        batch = side.node.batch
         kv = sum(m.record.input_tokens + m.record.output_tokens for m in batch.members)
-        return DecodeLoad(len(batch), batch.context + self._decode[decode_instance].node.grown(now), kv)
+        return DecodeLoad(len(batch), batch.context + side.node.grown(now), kv)
 
     def _counts(self) -> tuple[int, int]:
         return self._prefill_count, self._decode_count

@@ -9,7 +9,9 @@ no event is left; then it summarizes. The cluster schedules its own events on
 once: `complete` when its last token is out, `reject` when it is refused.
 
 Invariants: every record opened is in `records`; a record is sealed (ended)
-exactly once, by `complete` or `reject`.
+exactly once, by `complete` or `reject`. A context runs one workload: its clock,
+records and its cluster's state (caches, scheduler) would carry into a second,
+so a second `run` is refused, and a result's `records` stay as they were.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from mooncake._checks import require_bool, require_number
+from mooncake._checks import require_bool, require_iterable, require_number
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
@@ -59,6 +61,7 @@ class ReplayContext:
         self.records = RecordTable()
         self._arrived = 0
         self._progress: Progress | None = None
+        self._has_run = False
 
     def run(
         self,
@@ -72,9 +75,11 @@ class ReplayContext:
         """Replay `requests` (in arrival order; streamed) to the end and summarize.
 
         Raises:
-            InvalidRequestError: an item that is not a `Request`, one arriving past `MAX_ARRIVAL_S` (2**43 ms), or
-                no request at all.
-            ConfigError: a `keep_intervals` that is not True or False.
+            InvalidRequestError: this context (its cluster) has replayed a workload already, `requests` that are
+                no iterable, an item that is not a `Request`, one arriving past `MAX_ARRIVAL_S` (2**43 ms), or no
+                request at all.
+            ConfigError: a `keep_intervals` that is not True or False, or a `progress` that is neither callable
+                nor None.
 
         Args:
             arrive: the cluster's arrival handler, called at each request's arrival time.
@@ -84,10 +89,21 @@ class ReplayContext:
                 its TBT is known: large replays).
         """
         started = time.perf_counter()
+        # Every check before anything changes: a refused call leaves the context as it was.
+        if self._has_run:  # else the second workload's records join the first's (or "arrivals out of order")
+            raise InvalidRequestError(
+                "this cluster has replayed a workload already (its clock, records and scheduler state would carry"
+                " into the next): build a new one to replay another"
+            )
+        keep_intervals = require_bool("keep_intervals", keep_intervals)
+        if progress is not None and not callable(progress):  # else a TypeError at the first arrival
+            raise ConfigError(f"progress must be a callable or None, got {progress!r}")
+        stream = require_iterable("requests", requests, error=InvalidRequestError)
+        self._has_run = True
         self._progress = progress
-        self.records.keep_intervals = require_bool("keep_intervals", keep_intervals)
+        self.records.keep_intervals = keep_intervals
         load = LoadTrace(self.sample_interval_s, counts)
-        self.loop.feed(requests, _arrival_s, arrive)
+        self.loop.feed(stream, _arrival_s, arrive)
         self.loop.run(load)
         if not self.records:
             raise InvalidRequestError(
