@@ -436,7 +436,7 @@ class Conductor:
                 # Too long for the kind routed to, and the other kind has no prefill instance up: an instance of
                 # that kind could hold it once one is up (`lasting_refusal`'s answer: a 503, not a 400).
                 whole = lasting_decode_refusal(
-                    self._decode_board.slot_views,
+                    self._decode_board,
                     prompt_tokens=request.input_length,
                     output_tokens=request.output_length,
                 )
@@ -533,7 +533,7 @@ class Conductor:
         if not any(view.is_up for view in self._prefill_board):
             return Reason.NO_PREFILL_INSTANCE
         return lasting_decode_refusal(
-            self._decode_board.slot_views, prompt_tokens=request.input_length, output_tokens=request.output_length
+            self._decode_board, prompt_tokens=request.input_length, output_tokens=request.output_length
         )
 
     def _check_route(self, route: RouteDecision, prompt_tokens: int) -> None:
@@ -735,12 +735,19 @@ class Conductor:
         """Feed a cache event to the index (`BlockIndex.apply`: a gap raises
         `SequenceGapError`, or with ``strict=False`` is returned).
 
+        An event from an instance removed since (the last `REMEMBERED_REMOVALS`) is a late report: dropped,
+        not applied, as `handle` ignores that instance's reports.
+
         Raises:
-            UnknownInstanceError: the event's source is no instance of this Conductor (a misspelt id would
-                otherwise index blocks no route ever finds); nothing is applied.
+            UnknownInstanceError: the event's source is no instance of this Conductor, nor one removed since (a
+                misspelt id would otherwise index blocks no route ever finds); nothing is applied.
         """
         source = getattr(event, "source", None)
         if source is not None and source not in self._prefill and source not in self._decode:  # None: no event
+            if source in self._removed:
+                # A late report (a prefill that finished as it was removed): applied, it would put the removed
+                # instance's blocks back in the index, where routes would find a cache that is gone.
+                return None
             raise UnknownInstanceError(
                 f"a cache event from {source!r}, which is no instance of this Conductor: add it first "
                 f"(prefill instances: {', '.join(sorted(self._prefill)) or 'none'})"
@@ -838,6 +845,8 @@ class Conductor:
         """A batch of ids as a tuple; one id alone is refused (a string is an iterable of characters)."""
         if isinstance(instance_ids, str):
             raise ConfigError(f"instance_ids must be a collection of instance ids, got the one string {instance_ids!r}")
+        if not isinstance(instance_ids, Iterable):  # None, or one id that is no string: a bare TypeError otherwise
+            raise ConfigError(f"instance_ids must be a collection of instance ids, got {instance_ids!r}")
         return tuple(instance_ids)
 
     def _check_new(self, *instance_ids: InstanceId, decode_limits: tuple[DecodeLimits, ...] = ()) -> None:
@@ -960,6 +969,8 @@ class Conductor:
     def _instance(self, event: InstanceDown | InstanceUp) -> tuple[RequestEnd, ...]:
         instance = event.instance_id
         if instance not in self._prefill and instance not in self._decode:
+            if instance in self._removed:
+                return ()  # a late report: removing it took it down, and it stays forgotten
             raise UnknownInstanceError(
                 f"{type(event).__name__} names {instance}, which this Conductor does not know: add it first"
             )

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -93,15 +93,16 @@ def choose_decode(
             none counted, as at the instant they joined).
 
     Raises:
-        InvalidRequestError: a token count that is not an integer >= 1, a `now` that is not a finite number, or a
-            `tbt_slo_s` that is no number (`sched.join.check_tbt_slo`: a NaN objective would pass every step).
+        InvalidRequestError: a token count that is not an integer >= 1, a `now` that is not a finite number, a
+            `tbt_slo_s` that is no number (`sched.join.check_tbt_slo`: a NaN objective would pass every step), or
+            `views` that are no collection of `DecodeView`s.
     """
     check_tokens(prompt_tokens, output_tokens)
     if type(tbt_slo_s) is not float or tbt_slo_s != tbt_slo_s:  # a float that is no NaN passes in one test
         check_tbt_slo(tbt_slo_s)
     if now is not None and (type(now) is not float or not math.isfinite(now)):  # a finite float passes in one test
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
-    board = views if isinstance(views, DecodeBoard) else DecodeBoard(views)
+    board = views if isinstance(views, DecodeBoard) else DecodeBoard(_decode_views(views))
     checked = board.committed if loads is None else loads
     committed, roofline = board.committed, step_model.roofline()
     slot, predicted, passes = kernels(_KERNELS).best_decode_slot(
@@ -144,9 +145,11 @@ def lasting_decode_refusal(views: Sequence[DecodeView], *, prompt_tokens: int, o
     never served here).
 
     Raises:
-        InvalidRequestError: a token count that is not an integer >= 1.
+        InvalidRequestError: a token count that is not an integer >= 1, or `views` that are no collection of
+            `DecodeView`s.
     """
     check_tokens(prompt_tokens, output_tokens)
+    views = views.slot_views if isinstance(views, DecodeBoard) else _decode_views(views)
     empty = DecodeLoad(0, 0, 0)
     holds = [
         check_join(view.limits, empty, prompt_tokens=prompt_tokens, output_tokens=output_tokens).accepted
@@ -157,6 +160,19 @@ def lasting_decode_refusal(views: Sequence[DecodeView], *, prompt_tokens: int, o
     if any(holds) or not any(view.is_up for view in views):
         return Reason.NO_DECODE_INSTANCE
     return Reason.CONTEXT_TOO_LONG
+
+
+def _decode_views(views: object) -> tuple[DecodeView, ...]:
+    """`views` as a tuple, checked to be decode views: anything else is an InvalidRequestError naming it (not a
+    TypeError or AttributeError from inside the board). A `DecodeBoard`, as the Conductor passes, needs no check:
+    its views were checked when it was made."""
+    if isinstance(views, (str, bytes)) or not isinstance(views, Iterable):
+        raise InvalidRequestError(f"views must be a collection of DecodeViews (or a DecodeBoard), got {views!r}")
+    checked = tuple(views)
+    for view in checked:
+        if not isinstance(view, DecodeView):
+            raise InvalidRequestError(f"views must hold DecodeViews only, got {view!r} among them")
+    return checked
 
 
 def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_tokens: int) -> DecodeChoice:
@@ -174,7 +190,7 @@ def _nobody(board: DecodeBoard, checked: BoardLoads, prompt_tokens: int, output_
         order = list(Reason)
         reason = min(reasons, key=lambda r: (-reasons[r], order.index(r)))
     else:
-        lasting = lasting_decode_refusal(board.slot_views, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        lasting = lasting_decode_refusal(board, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         assert lasting is not None  # every instance up refused it as too long, which an empty one would too
         reason = lasting
     return DecodeChoice(decode_instance=None, verdict=JoinVerdict(accepted=False, reason=reason))

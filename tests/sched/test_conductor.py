@@ -1800,9 +1800,8 @@ class ConductorMachine(RuleBasedStateMachine):
 
     @rule(instance=st.sampled_from(PREFILL_IDS + DECODE_IDS))
     def instance_down(self, instance: InstanceId) -> None:
-        if instance in self.removed:
-            with pytest.raises(UnknownInstanceError):
-                self.conductor.handle(InstanceDown(instance_id=instance, now=self.now))
+        if instance in self.removed:  # a late report, raced by its removal (which took it down): ignored
+            assert self.conductor.handle(InstanceDown(instance_id=instance, now=self.now)) == ()
             return
         doomed = self._doomed(instance)
         self._ended_by(instance, doomed, self.conductor.handle(InstanceDown(instance_id=instance, now=self.now)))
@@ -1836,9 +1835,8 @@ class ConductorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def instance_up(self, data: st.DataObject) -> None:
         instance = data.draw(st.sampled_from(sorted(self.down)))
-        if instance in self.removed:
-            with pytest.raises(UnknownInstanceError):
-                self.conductor.handle(InstanceUp(instance_id=instance, now=self.now))
+        if instance in self.removed:  # a late report: ignored, the instance stays forgotten
+            assert self.conductor.handle(InstanceUp(instance_id=instance, now=self.now)) == ()
             return
         assert self.conductor.handle(InstanceUp(instance_id=instance, now=self.now)) == ()
         self.down.discard(instance)
@@ -1852,6 +1850,18 @@ class ConductorMachine(RuleBasedStateMachine):
         """A cache announces a document's prefix (loaded from a slower tier, say)."""
         if instance not in self.down:
             self.caches.store(self.conductor, instance, [1000 * document + i for i in range(blocks)])
+
+    @precondition(lambda self: self.removed & set(PREFILL_IDS))
+    @rule(data=st.data(), document=st.integers(min_value=0, max_value=3), blocks=st.integers(min_value=1, max_value=12))
+    def late_cache_event_from_removed(self, data: st.DataObject, document: int, blocks: int) -> None:
+        """A removed instance's cache events still on the way (a prefill that finished as it was removed) are
+        dropped: its blocks stay out of the index, which routes as before."""
+        instance = data.draw(st.sampled_from(sorted(self.removed & set(PREFILL_IDS))))
+        keys = tuple(BlockKey(1000 * document + i) for i in range(blocks))
+        stamp = {"source": instance, "seq": data.draw(st.integers(min_value=0, max_value=3)), "epoch": 0}
+        late = data.draw(st.sampled_from([BlockStored(keys=keys, tier=Tier.VRAM, **stamp), AllBlocksCleared(**stamp)]))
+        assert self.conductor.apply_cache_event(late, strict=data.draw(st.booleans())) is None
+        assert instance not in self.conductor.index.instances
 
     @rule(instance=st.sampled_from(PREFILL_IDS))
     def evict_everything(self, instance: InstanceId) -> None:

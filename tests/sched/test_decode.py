@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
-from mooncake.sched.decode import DecodeChoice, choose_decode
+from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
@@ -300,3 +300,23 @@ def test_a_time_that_is_not_a_finite_number_is_an_invalid_request() -> None:
     for bad in (math.nan, math.inf, "1.0"):
         with pytest.raises(InvalidRequestError, match="now"):
             choose_decode([view(D0)], prompt_tokens=10, output_tokens=10, step_model=COST, tbt_slo_s=0.1, now=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("views", [None, 7, "decode-0", [1], [None], (view(D0), "decode-1")])
+def test_views_that_are_no_decode_views_are_an_invalid_request(views: object) -> None:
+    """What is no collection of decode views is an InvalidRequestError naming `views` and the value, from
+    `choose_decode` and `lasting_decode_refusal` alike, never a TypeError or AttributeError from inside."""
+    with pytest.raises(InvalidRequestError, match="views must"):
+        choose_decode(views, prompt_tokens=10, output_tokens=10, step_model=COST, tbt_slo_s=0.1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="views must"):
+        lasting_decode_refusal(views, prompt_tokens=10, output_tokens=10)  # type: ignore[arg-type]
+
+
+def test_a_board_or_any_sequence_of_views_is_taken() -> None:
+    """A board, a list, a tuple or a generator of views: the same answers."""
+    views = [view(D0, capacity=500), view(D1)]
+    for given_views in (DecodeBoard(views), views, tuple(views), (v for v in views)):
+        choice = choose_decode(given_views, prompt_tokens=1000, output_tokens=100, step_model=COST, tbt_slo_s=0.1)
+        assert choice.decode_instance == D1
+    for given_views in (DecodeBoard(views), views, tuple(views), (v for v in views)):
+        assert lasting_decode_refusal(given_views, prompt_tokens=1000, output_tokens=100) is None
