@@ -26,7 +26,8 @@ gap instead of raising it).
     ├── TransferError                     moving bytes failed
     │   ├── TransferTimeout
     │   ├── PeerUnavailable
-    │   └── AuthenticationError
+    │   ├── AuthenticationError
+    │   └── ProtocolError                 a peer sent something the wire protocol does not allow
     └── RejectedError                     admission control refused a request (for callers that raise on one)
 """
 
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidRequestError",
     "MooncakeError",
     "PeerUnavailable",
+    "ProtocolError",
     "RejectedError",
     "SequenceGapError",
     "TraceFormatError",
@@ -177,6 +179,10 @@ class PeerUnavailable(TransferError):
 
 class AuthenticationError(TransferError):
     """A peer failed the shared-secret handshake."""
+
+
+class ProtocolError(TransferError):
+    """The peer sent something the protocol does not allow (a malformed frame, call or reply)."""
 
 
 class RejectedError(MooncakeError):

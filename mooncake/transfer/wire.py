@@ -56,7 +56,7 @@ from typing import TypeAlias
 import attrs
 import xxhash
 
-from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError
+from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, ProtocolError
 
 __all__ = [
     "ANSWER_BYTES",
@@ -101,10 +101,6 @@ INCARNATION_BYTES = 16  # random: two engines (or one engine restarted) never sh
 HANDSHAKE_CHECKSUMS = 1  # a client's handshake flag: every data frame on this connection carries a checksum
 REFUSED = b"NO"  # the client failed the challenge
 BUSY = b"BY"  # authenticated, but the server is at its connection limit
-
-
-class ProtocolError(TransferError):
-    """The peer sent something the protocol does not allow."""
 
 
 class Kind(enum.IntEnum):
