@@ -14,8 +14,9 @@ your own:
     router          `KvCacheCentricRouter` (Algorithm 1, threshold 1.5): any callable making a
                     `Router` from the `TtftEstimator` (a router class, `functools.partial(...)`)
     admission       `EarlyRejection()`
-    predictor       `UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=slo.tbt_s)` (the paper's t_d;
-                    contexts grow at the TBT objective's pace)
+    predictor       `default_predictor(slo)`: `UniformDecodePredictor(decode_s=DEFAULT_DECODE_S,
+                    step_s=slo.tbt_s)` (the paper's t_d; contexts grow at the TBT objective's pace);
+                    `sim.spec.build_conductor` takes the same one, with its `decode_s`
     slo             `Slo()`: TTFT 30 s, TBT 100 ms
     cost models     `PrefillCostModel` and `DecodeCostModel` of the model on its hardware, the
                     transfer model at the hardware's NIC; `decode_hardware` when decode runs on
@@ -43,7 +44,7 @@ from mooncake.sched.router import KvCacheCentricRouter, Router, TtftEstimator
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import InstanceId, Slo
 
-__all__ = ["RouterFactory", "build_conductor", "ttft_estimator"]
+__all__ = ["RouterFactory", "build_conductor", "default_predictor", "ttft_estimator"]
 
 RouterFactory = Callable[[TtftEstimator], Router]  # a router class, or any callable making one from the estimator
 
@@ -67,6 +68,14 @@ def ttft_estimator(
         else TransferCostModel(bandwidth_bytes_per_s=hardware.nic_bytes_per_s),
         kv_bytes_per_token=model.kv_bytes_per_token,
     )
+
+
+def default_predictor(slo: object, decode_s: float = DEFAULT_DECODE_S) -> UniformDecodePredictor:
+    """The paper's uniform decode load predictor, every request decoding for `decode_s` (t_d), its context grown
+    at the pace the TBT check holds a batch to (`slo.tbt_s`), so the prediction counts contexts as the check does.
+    A `slo` that is no `Slo` has no pace: `DEFAULT_STEP_S` (the Conductor refuses such a slo, naming it)."""
+    pace = slo.tbt_s if isinstance(slo, Slo) else DEFAULT_STEP_S
+    return UniformDecodePredictor(decode_s=decode_s, step_s=pace)
 
 
 def _check_factory(router: object) -> None:
@@ -160,10 +169,7 @@ def build_conductor(
         decode_limits = DecodeLimits(kv_capacity_tokens=decode_cost.require_capacity_tokens(field))
     slo = slo if slo is not None else Slo()
     if predictor is None:
-        # Contexts grow at the pace the TBT check holds a batch to, so the prediction counts them as the check does
-        # (a slo that is no Slo has none: the Conductor refuses it below, naming it).
-        pace = slo.tbt_s if isinstance(slo, Slo) else DEFAULT_STEP_S
-        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S, step_s=pace)
+        predictor = default_predictor(slo)
     conductor = Conductor(
         router=router(
             ttft_estimator(

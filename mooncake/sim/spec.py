@@ -21,7 +21,7 @@ import attrs
 from mooncake._checks import require_number
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy
-from mooncake.sched.build import RouterFactory
+from mooncake.sched.build import RouterFactory, default_predictor
 from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import (
@@ -35,7 +35,7 @@ from mooncake.sched.cost import (
     TransferCostModel,
 )
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.predictor import DEFAULT_DECODE_S, DEFAULT_STEP_S, LoadPredictor, UniformDecodePredictor
+from mooncake.sched.predictor import DEFAULT_DECODE_S, LoadPredictor
 from mooncake.sched.router import KvCacheCentricRouter
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import Slo
@@ -238,10 +238,7 @@ def build_conductor(
     if predictor is not None and decode_s is not None:
         raise ConfigError("give a decode_s (the paper's uniform predictor's t_d) or a predictor, not both")
     if predictor is None:
-        # Contexts grow at the pace the TBT check holds a batch to, as the check counts them (no slo: the default
-        # objective's, DEFAULT_STEP_S; one that is no Slo the Conductor refuses, naming it).
-        pace = slo.tbt_s if isinstance(slo, Slo) else DEFAULT_STEP_S
-        predictor = UniformDecodePredictor(decode_s=DEFAULT_DECODE_S if decode_s is None else decode_s, step_s=pace)
+        predictor = default_predictor(slo, DEFAULT_DECODE_S if decode_s is None else decode_s)
     return build(
         model=spec.model,
         hardware=spec.prefill_hardware,
