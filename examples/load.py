@@ -345,11 +345,16 @@ def check_url(url: str) -> None:
     """`--url` names an HTTP server (aiohttp would refuse another at the first request, in a traceback).
 
     Raises:
-        ConfigError: `url` is not an http:// or https:// URL with a host.
+        ConfigError: `url` is not an http:// or https:// URL with a host (and a port in [0, 65535], if any).
     """
-    parts = urllib.parse.urlsplit(url)
+    wanted = f"--url must be an http:// or https:// URL, such as http://127.0.0.1:8000, got {url!r}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - read for its check: urllib raises on a port that is no number in range
+    except ValueError as error:  # a malformed IPv6 host, a port out of range: urllib's own ValueError
+        raise ConfigError(f"{wanted}: {error}") from error
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--url must be an http:// or https:// URL, such as http://127.0.0.1:8000, got {url!r}")
+        raise ConfigError(wanted)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import load
 from scaling import Scaling
 
+from mooncake.errors import ConfigError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.types import Request
 
@@ -160,3 +161,21 @@ def test_a_stream_cut_short_fails_as_truncated(capsys: pytest.CaptureFixture[str
     records = replay(handler, 3)
     assert [(r.outcome, r.reason) for r in records] == [(None, Reason.FAILED)] + [(Outcome.COMPLETED, None)] * 2
     assert "failed (truncated stream)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:99999", "out of range"),
+        ("http://127.0.0.1:abc", "Port could not be cast"),
+        ("ftp://127.0.0.1:8000", ""),
+        ("127.0.0.1:8000", ""),
+    ],
+)
+def test_a_url_that_is_no_http_url_is_a_config_error_naming_it(url: str, why: str) -> None:
+    """`check_url` names the --url and what is wrong with it: a malformed IPv6 host was a bare ValueError from
+    urllib (exit 1, a traceback), a bad port an aiohttp error quoting only the URL."""
+    with pytest.raises(ConfigError, match=r"^--url must be an http:// or https:// URL") as raised:
+        load.check_url(url)
+    assert repr(url) in str(raised.value) and why in str(raised.value)
