@@ -5,7 +5,7 @@
 - DRAM: `put` (copy into a page) and `get` (zero-copy view, then copied out, as
   a consumer would) of 1 MiB and 16 MiB pages, against `np.copyto` of the same
   sizes between the same kinds of buffers (`memcpy_gbps`).
-- SSD: an SSD-only cache's `put` (header + page in one pwritev) and `get`
+- SSD: an SSD-only cache's `put` (the page behind a zeroed header, then its header: two pwritev calls) and `get`
   (pread + XXH3 verification into a new buffer), against raw `os.pwrite` /
   `os.pread` of the same sizes on the same file system; both fdatasync once at
   the end of their write phase. Reads hit the page cache for both.

@@ -130,7 +130,7 @@ class PageAllocator:
 
     def claim(self, page: int) -> None:
         """Mark a specific free page allocated (used when reopening a persistent pool)."""
-        self._check_page(page)
+        page = self._check_page(page)
         if page >= self._next_unused:
             # The pages skipped become free; the claimed one never enters the free list.
             self._free.extend(range(self._next_unused, page))
@@ -143,14 +143,21 @@ class PageAllocator:
         self._allocated[page] = 1
 
     def free(self, page: int) -> None:
-        self._check_page(page)
+        page = self._check_page(page)
         if page >= self._next_unused or not self._allocated[page]:
             raise InvalidRequestError(f"page {page} is not allocated")
         self._allocated[page] = 0
         self._free.append(page)
 
-    def is_allocated(self, page: int) -> bool:
-        return 0 <= page < self._next_unused and bool(self._allocated[page])
+    def is_page(self, page: Any) -> bool:
+        """Whether `page` is one of this allocator's page numbers: an integer in [0, num_pages), as `is_int` has
+        it. The one rule of every page check (a pool's too): a numpy integer is a page number; a bool, which a
+        bytearray index would take as page 0 or 1, is none, nor is a float or a str."""
+        return is_int(page) and 0 <= page < self.num_pages
+
+    def is_allocated(self, page: Any) -> bool:
+        """Whether `page` is a page number (`is_page`) now allocated; never raises."""
+        return self.is_page(page) and page < self._next_unused and bool(self._allocated[page])
 
     def check_invariants(self) -> None:
         assert len(self._allocated) == self._next_unused <= self.num_pages
@@ -158,9 +165,11 @@ class PageAllocator:
         assert all(not self._allocated[p] for p in self._free), "a free page is marked allocated"
         assert sum(self._allocated) + len(self._free) == self._next_unused, "pages lost"
 
-    def _check_page(self, page: int) -> None:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+    def _check_page(self, page: Any) -> int:
+        """`page` as an int (`is_page`), or InvalidRequestError naming it."""
+        if not self.is_page(page):
             raise InvalidRequestError(f"page must be an integer in [0, {self.num_pages}), got {page!r}")
+        return int(page)
 
 
 def as_bytes_view(data: Buffer, page_bytes: int) -> memoryview:
@@ -231,14 +240,18 @@ class AllocatingPool:
         return self.allocator.try_allocate()
 
     def free(self, page: int) -> None:
-        self.allocator.free(page)
+        self.allocator.free(self._check_allocated(page))
 
     def close(self) -> None:
         """Nothing to release beyond memory."""
 
-    def _check_allocated(self, page: int) -> None:
+    def _check_allocated(self, page: Any) -> int:
+        """`page` as the int of an allocated page (`PageAllocator.is_page`), or InvalidRequestError naming it: every
+        pool call checks its page here first, before anything changes."""
         if not self.allocator.is_allocated(page):
-            raise InvalidRequestError(f"{self.tier.name} page {page!r} is not allocated")
+            what = "is not allocated" if is_int(page) else "is no page number (an integer; a bool is none)"
+            raise InvalidRequestError(f"{self.tier.name} page {page!r} {what}")
+        return int(page)
 
     def _check_length(self, length: int) -> int:
         """`length` as a byte count that one page holds, or InvalidRequestError naming it (a float or a
@@ -250,7 +263,7 @@ class AllocatingPool:
 
     def _span(self, page: int, length: int) -> slice:
         """Where `page`'s first `length` bytes lie in a buffer of all pages (page and length checked)."""
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         if type(length) is not int or not 0 <= length <= self.page_bytes:  # the common case in one test: per get
             length = self._check_length(length)
         start = page * self.page_bytes
@@ -304,7 +317,7 @@ class DramPagePool(AllocatingPool):
         self._view = self.buffer.data
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         if data is None:
             raise InvalidRequestError("a DRAM pool stores bytes: data must not be None")
         source = as_bytes_view(data, self.page_bytes)
@@ -341,7 +354,7 @@ class VramPagePool(AllocatingPool):
         self.buffer = torch.empty(page_bytes * num_pages, dtype=torch.uint8, device=device)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         if data is None:
             raise InvalidRequestError("a VRAM pool stores bytes: data must not be None")
         start = page * self.page_bytes

@@ -9,11 +9,18 @@ File layout (all integers little-endian):
     slot header: magic "MCPG", data length, xxh3-64 of the data, generation,
                  key (32 bytes), xxh3-64 of the header fields
 
-A page is written as header + data in one `pwritev` (one aligned `pwrite` with
-O_DIRECT), so a write torn by a crash leaves a header whose checksum or whose
-data checksum fails. Freeing a page zeroes its header. Reopening reads every
-slot header and adopts the valid ones (for a key found twice, the newest
-generation wins); data is verified on every read, so a torn or corrupted page
+A page is written in two calls: its data behind a zeroed header (which
+invalidates whatever header stood there), then, once that call wrote every
+byte, its header. A write that fails (an I/O error, a short write) therefore
+never leaves a header over bytes it did not write, and a page freed is never
+adopted with another block's bytes under its old header. (The kernel may still
+put the two on the disk in either order: a power cut between them, with the
+fsync policy below, can leave a header over torn data, which fails its checksum
+on read.) Freeing a page zeroes its header. Reopening reads every slot header
+and adopts the valid ones without reading their data; for a key found twice (a
+freed copy whose zeroing was lost beside a newer one), it reads both and keeps
+the newest whose data verifies, so a torn newest copy never costs the block its
+good older one. Data is verified on every read, so a torn or corrupted page
 raises `IntegrityError` and is never returned, and so is a valid page of another
 key in the slot (a misdirected write): a read checks that the header holds the
 key this pool wrote there, and the key the caller asks for, where it names one.
@@ -28,7 +35,8 @@ A pool holds an exclusive `flock` on its file: a second pool on a file in use,
 in this process or another, is refused (both would hand out the same free
 pages). The lock belongs to the open file, so a child forked without exec
 holds it too: after the parent dies the file stays refused until that child
-exits or closes it.
+exits or closes it. `close()` releases file and lock; a pool collected without
+it is closed then, with a ResourceWarning (as an unclosed file is).
 A new file gets its superblock (fsynced) before it is preallocated, and a file
 found shorter than its pages (a process killed while preallocating, a cut file)
 is preallocated again on opening: no page write later meets a full disk (a
@@ -50,6 +58,8 @@ import fcntl
 import os
 import struct
 import threading
+import warnings
+import weakref
 from typing import Any
 
 import attrs
@@ -86,6 +96,19 @@ READ_CHUNK_BYTES = 512 * 1024  # half a core's L2 here; a multiple of the O_DIRE
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _close_unclosed(fd: int, path: str) -> None:
+    """Release the file (and its lock) of a pool collected without `close()`, and say so."""
+    os.close(fd)  # first: a warnings filter that raises must not keep the file locked
+    warnings.warn(f"SSD page pool on {path} was never closed", ResourceWarning, stacklevel=1)
+
+
+def _describe(buffer: object) -> str:
+    """A buffer as an error message names it: its type, and a numpy array's dtype and shape."""
+    if isinstance(buffer, np.ndarray):
+        return f"a {buffer.dtype} array of shape {buffer.shape}"
+    return repr(buffer) if isinstance(buffer, int | float) else type(buffer).__name__
 
 
 def checksum(data: Buffer) -> int:
@@ -162,6 +185,9 @@ class SsdPagePool(AllocatingPool):
         # The key this pool wrote to each page: a read checks the header holds it, so a slot overwritten
         # with another valid page (a misdirected write, another writer) is never served as this key.
         self._keys: dict[int, BlockKey] = {}
+        # Per page whose last write failed, that failure: a free that then fails too names both (the caller's
+        # error is the free's, raised while it gave back the page it could not fill).
+        self._failed_writes: dict[int, str] = {}
         flags = os.O_RDWR | (os.O_DIRECT if o_direct else 0)
         try:
             try:  # O_EXCL: whether this call made the file is known for sure (only such a file is removed on failure)
@@ -193,6 +219,10 @@ class SsdPagePool(AllocatingPool):
             if created:  # leave nothing half-made behind (never a file, or a device, that was there before)
                 os.unlink(self.path)
             raise
+        # A pool dropped unclosed would hold its fd and flock until the process exits: no pool could reopen
+        # the file. (At exit the OS releases both; no warning then.)
+        self._finalizer = weakref.finalize(self, _close_unclosed, self._fd, self.path)
+        self._finalizer.atexit = False
 
     # ------------------------------------------------------------------ pool protocol
 
@@ -202,25 +232,36 @@ class SsdPagePool(AllocatingPool):
         A failed invalidation (an I/O error) is raised, and the page is released all the same: a page lost for
         good would shrink the pool. Its old header may then stand until the page is written again; reads check
         the key this pool wrote (it has none now), and a recovery that finds the header finds the block's own
-        verified bytes (a key names its tokens' content).
+        verified bytes (a key names its tokens' content): a header is written only after its data (`write`), and
+        the next write of the page zeroes it before touching the data.
+
+        Raises:
+            InvalidRequestError: `page` is not allocated (before anything changes).
+            DiskError: the header could not be zeroed (naming the page's failed write too, where its last write
+                failed: the error a caller giving back a page it could not fill sees).
         """
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         key = self._keys.pop(page, None)
+        failed_write = self._failed_writes.pop(page, None)
         try:
             self._pwrite(self._zeros, self._slot(page))
         except OSError as error:
-            raise self._disk_error(error, "zeroing the header to free it", page, key) from error
+            raise self._disk_error(error, "zeroing the header to free it", page, key, earlier=failed_write) from error
         finally:
             super().free(page)
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
-        """Write `data` with its header in one call; `checksum` is computed when not given.
+        """Write `data` behind a zeroed header, then, once all of it is written, its header (see the module
+        docstring: a failed write never leaves a header a recovery would adopt); `checksum` is computed when not
+        given.
 
         Raises:
             InvalidRequestError: `page` is not allocated, `data` is None, `key` is not in [0, 2**256), or
                 `checksum` not in [0, 2**64) (each before anything changes).
+            DiskError: a write failed or fell short. The page then serves no block; a restart never finds the
+                block written (its header was not), though it may find the page's old one where nothing landed.
         """
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         if data is None:
             raise InvalidRequestError("an SSD pool stores bytes: data must not be None")
         source = as_bytes_view(data, self.page_bytes)
@@ -229,19 +270,24 @@ class SsdPagePool(AllocatingPool):
         with self._write_lock:  # the generation counter and the O_DIRECT bounce buffer are shared
             header = self._pack_header(source.nbytes, digest, self._generation + 1, key)  # checks the key first
             self._generation += 1
+            self._keys.pop(page, None)  # from here on the page's old block is gone, whatever happens
+            self._failed_writes.pop(page, None)
             try:
                 if self._bounce is not None:
                     length = HEADER_BYTES + _round_up(source.nbytes, ALIGNMENT_BYTES)
-                    self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+                    self._bounce[:HEADER_BYTES] = 0
                     self._bounce[HEADER_BYTES : HEADER_BYTES + source.nbytes] = np.frombuffer(source, dtype=np.uint8)
                     self._bounce[HEADER_BYTES + source.nbytes : length] = 0
                     self._pwrite(self._bounce.data[:length], offset)
+                    self._bounce[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+                    self._pwrite(self._bounce.data[:HEADER_BYTES], offset)
                 else:
-                    written = os.pwritev(self._fd, [header, source], offset)
-                    if written != len(header) + source.nbytes:
-                        raise OSError(errno.EIO, f"short write: {written} bytes")
+                    self._pwritev([self._zeros, source], offset)
+                    self._pwritev([header], offset)
             except OSError as error:
-                raise self._disk_error(error, "writing the page", page, key) from error
+                failure = self._disk_error(error, "writing the page", page, key)
+                self._failed_writes[page] = failure.strerror or str(failure)  # its message, without "[Errno 5]"
+                raise failure from error
             self._keys[page] = key
             self._writes_since_sync += 1
             sync = self.fsync_every and self._writes_since_sync >= self.fsync_every
@@ -256,7 +302,7 @@ class SsdPagePool(AllocatingPool):
             IntegrityError: the header is invalid, holds another key, its length disagrees, or the checksum fails.
             InvalidRequestError: `page` is not allocated, or `length` is not an integer in [0, page_bytes].
         """
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         length = self._check_length(length)  # before it sizes a buffer
         out = np.empty(_round_up(length, ALIGNMENT_BYTES) if self.o_direct else length, dtype=np.uint8)
         if self.o_direct and out.ctypes.data % ALIGNMENT_BYTES:
@@ -272,23 +318,53 @@ class SsdPagePool(AllocatingPool):
         *,
         key: BlockKey | None = None,
     ) -> int:
-        """Read the page into `out` (a writable buffer of at least `length` bytes,
-        4 KiB-aligned and a multiple of 4 KiB long with O_DIRECT); returns the checksum.
+        """Read the page into `out` (a writable, contiguous buffer of at least `length` bytes; with O_DIRECT,
+        4 KiB-aligned and of at least `length` rounded up to 4 KiB); returns the checksum.
 
         Raises:
             IntegrityError: the header is invalid, holds another key than this pool wrote there (or than `key`,
                 where given), its length disagrees, or the checksum fails.
             InvalidRequestError: `page` is not allocated, `length` is not an integer in [0, page_bytes], or `out`
-                is too small.
+                is no such buffer (each before any I/O: a caller's buffer is never blamed on the disk).
         """
-        self._check_allocated(page)
+        page = self._check_allocated(page)
         length = self._check_length(length)  # one past the page would read the next slot's header
+        return self._read_verified(page, length, self._target(out, length), self._keys.get(page), key)
+
+    def _target(self, out: object, length: int) -> memoryview:
+        """`out` as a flat byte view that a read of `length` bytes can fill, or InvalidRequestError naming it."""
         if isinstance(out, np.ndarray):  # any shape and dtype: its bytes
-            target = out.data if out.dtype == np.uint8 and out.ndim == 1 else out.data.cast("B")
+            if not out.flags.writeable or not out.flags.c_contiguous or out.dtype.hasobject:
+                raise InvalidRequestError(
+                    f"out must be a writable, contiguous array of plain values (no Python objects), got {_describe(out)}"
+                )
+            target = out.reshape(-1).view(np.uint8).data
         else:
-            target = memoryview(out).cast("B")
-        if target.nbytes < length:
-            raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {length}")
+            try:
+                target = memoryview(out)  # type: ignore[arg-type]
+            except TypeError:
+                raise InvalidRequestError(
+                    f"out must be a writable buffer (a bytearray, a numpy array, a memoryview), got {_describe(out)}"
+                ) from None
+            if target.readonly or not target.c_contiguous:
+                raise InvalidRequestError(f"out must be a writable, contiguous buffer, got {_describe(out)}")
+            target = target.cast("B")
+        size = _round_up(length, ALIGNMENT_BYTES) if self.o_direct else length
+        if target.nbytes < size:
+            rounded = f" (with O_DIRECT: {length} rounded up to 4 KiB)" if size != length else ""
+            raise InvalidRequestError(f"buffer of {target.nbytes} bytes cannot take {size}{rounded}")
+        if self.o_direct and size and np.frombuffer(target, dtype=np.uint8).ctypes.data % ALIGNMENT_BYTES:
+            raise InvalidRequestError(
+                f"out must start on a {ALIGNMENT_BYTES}-byte boundary with O_DIRECT (see `aligned_buffer`), got "
+                f"{_describe(out)} at address {np.frombuffer(target, dtype=np.uint8).ctypes.data:#x}"
+            )
+        return target
+
+    def _read_verified(
+        self, page: int, length: int, target: memoryview, expected: BlockKey | None, key: BlockKey | None
+    ) -> int:
+        """Read `page` into `target` (checked by `_target`) and verify it: its header, holding `expected` (the
+        block this pool wrote there) and `key` (where given), its length and its checksum, which it returns."""
         offset = self._slot(page)
         size = _round_up(length, ALIGNMENT_BYTES) if self.o_direct else length
         header = self._header_buffer()
@@ -296,7 +372,6 @@ class SsdPagePool(AllocatingPool):
         # CPU's cache: hashing it whole after the read takes a second trip through memory (16 MiB pages:
         # 0.70 of a raw read whole, 0.85 in chunks). The streamed XXH3 equals the one-shot digest.
         first = size if size <= 2 * READ_CHUNK_BYTES else READ_CHUNK_BYTES
-        expected = self._keys.get(page)
         got = self._preadv([header.data, target[:first]], offset, page, expected)
         if got < HEADER_BYTES + min(first, length):
             raise IntegrityError(f"{self._where(page, expected)}: short read of {got} bytes")
@@ -339,7 +414,8 @@ class SsdPagePool(AllocatingPool):
         self._writes_since_sync = 0
 
     def close(self) -> None:
-        if self._fd >= 0:
+        """Release the file and its lock (idempotent)."""
+        if self._finalizer.detach() is not None:
             os.close(self._fd)
             self._fd = -1
 
@@ -380,11 +456,16 @@ class SsdPagePool(AllocatingPool):
         where = self.path if page is None else f"{self.path} page {page}"
         return where if key is None else f"{where} (block {key:#x})"
 
-    def _disk_error(self, error: OSError, doing: str, page: int | None, key: BlockKey | None) -> DiskError:
-        """`error` (from a page's read or write) as a DiskError naming the file, page and block; raise it from
-        `error`. A full disk stays a DiskError with errno ENOSPC here: the file was preallocated, so this is a
-        file system that broke that promise (copy-on-write, thin provisioning), not a pool too large."""
+    def _disk_error(
+        self, error: OSError, doing: str, page: int | None, key: BlockKey | None, *, earlier: str | None = None
+    ) -> DiskError:
+        """`error` (from a page's read or write) as a DiskError naming the file, page and block (and `earlier`, a
+        failure that led to this call); raise it from `error`. A full disk stays a DiskError with errno ENOSPC
+        here: the file was preallocated, so this is a file system that broke that promise (copy-on-write, thin
+        provisioning), not a pool too large."""
         message = f"{self._where(page, key)}: {doing} failed: {error.strerror or error}"
+        if earlier is not None:
+            message += f"; before that, {earlier}"
         return DiskError(error.errno, message) if error.errno is not None else DiskError(message)
 
     def _raise_if_no_space(self, error: OSError, doing: str) -> None:
@@ -409,6 +490,12 @@ class SsdPagePool(AllocatingPool):
         view = memoryview(data)
         if os.pwrite(self._fd, view, offset) != view.nbytes:
             raise OSError(errno.EIO, f"short write to {self.path}")
+
+    def _pwritev(self, buffers: list[Any], offset: int) -> None:
+        written = os.pwritev(self._fd, buffers, offset)
+        expected = sum(memoryview(buffer).nbytes for buffer in buffers)
+        if written != expected:
+            raise OSError(errno.EIO, f"short write: {written} of {expected} bytes")
 
     def _write_superblock(self) -> None:
         """Mark a new file as a pool of this shape and label, durably, before it is preallocated: a process killed
@@ -473,8 +560,7 @@ class SsdPagePool(AllocatingPool):
                 f"{self.path} holds {num_pages} pages of {page_bytes} bytes; asked for "
                 f"{self.num_pages} pages of {self.page_bytes} bytes (page size or count mismatch)"
             )
-        newest: dict[BlockKey, RecoveredPage] = {}
-        stale: list[int] = []
+        copies: dict[BlockKey, list[RecoveredPage]] = {}
         for page in range(self.num_pages):
             if os.preadv(self._fd, [header.data], self._slot(page)) < HEADER_BYTES:
                 break
@@ -485,21 +571,36 @@ class SsdPagePool(AllocatingPool):
             except IntegrityError:
                 continue  # a torn or foreign header: the slot is free
             found = RecoveredPage(page=page, key=key, length=length, checksum=digest, generation=generation)
-            previous = newest.get(key)
-            if previous is None or generation > previous.generation:
-                if previous is not None:
-                    stale.append(previous.page)
-                newest[key] = found
-            else:
-                stale.append(page)
+            copies.setdefault(key, []).append(found)
             self._generation = max(self._generation, generation)
-        for page in stale:  # an older copy of a key: invalidate it so it never comes back
+        kept: list[RecoveredPage] = []
+        stale: list[int] = []
+        for found_copies in copies.values():
+            if len(found_copies) == 1:  # the common case: adopted by its header, its data verified on each read
+                kept += found_copies
+                continue
+            # Rare (a freed copy whose zeroing was lost, beside a newer one): the newest copy whose data verifies
+            # wins, so a newest copy torn by a crash never costs the block its good older one; none, where none does.
+            newest_first = sorted(found_copies, key=lambda p: p.generation, reverse=True)
+            winner = next((p for p in newest_first if self._verifies(p)), None)
+            kept += [] if winner is None else [winner]
+            stale += [p.page for p in found_copies if p is not winner]
+        for page in stale:  # an older or torn copy of a key: invalidate it so it never comes back
             try:
                 self._pwrite(self._zeros, self._slot(page))
             except OSError as error:
                 raise self._disk_error(error, "invalidating an older copy", page, None) from error
-        pages = tuple(sorted(newest.values(), key=lambda p: p.page))
+        pages = tuple(sorted(kept, key=lambda p: p.page))
         for found in pages:
             self.allocator.claim(found.page)
             self._keys[found.page] = found.key
         return pages
+
+    def _verifies(self, found: RecoveredPage) -> bool:
+        """Whether a page found on reopening reads back whole and verified (an unreadable one does not)."""
+        buffer = aligned_buffer(_round_up(found.length, ALIGNMENT_BYTES))  # fit for O_DIRECT too
+        try:
+            self._read_verified(found.page, found.length, buffer.data, found.key, None)
+        except (IntegrityError, OSError):
+            return False
+        return True
