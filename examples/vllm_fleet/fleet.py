@@ -22,6 +22,9 @@ found their instance idle. The index is each server's cache as its KV events
 say (`KvEventSubscriber`: gaps recovered from the replay socket; a restart,
 seen as numbers starting again, empties the server's holdings).
 
+An instance that could not be reached at start-up is added down under another's probe (its stand-in
+limits, which routing never reads while it is down) until `refresh` gives its own.
+
 A `Fleet` reads no clock (times are passed in) and does no network I/O beyond
 its ZeroMQ sockets, polled by `poll_events`. Invariant: every request it
 accepted is in `flights` until exactly one of `finished`, `failed` or an
@@ -40,7 +43,7 @@ from serving import registry
 
 from mooncake.cache import BlockHasher
 from mooncake.cache.vllm_events import VllmEventDecoder
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched import (
     DEFAULT_DECODE_S,
     Conductor,
@@ -86,6 +89,9 @@ class FleetInstance:
     up: bool = True
     state: InstanceState = attrs.field(factory=InstanceState)
     event_errors: int = 0
+    # False while `info` is another server's stand-in: it could not be reached at start-up and has not been
+    # probed since (it is down until then: nothing reads its stand-in limits to route to it).
+    probed: bool = True
     refused: str = ""  # why it stays down though its /health answers (it came back unlike its start-up probe)
     group_warned: bool = False  # its events said the KV-cache group read is not full attention (logged once)
     failed_checks: int = 0  # consecutive failed /health checks: `[router] health_failures` of them mark it down
@@ -127,11 +133,26 @@ class Fleet:
 
     Args:
         config: the router's config.
-        infos: each instance's probe, in config order.
+        infos: each instance's probe, in config order; None for one that could not be reached at start-up: it
+            is added down (`probed` False), under the first probe's info until `refresh` gives its own.
         subscribe: makes an instance's KV-event subscriber from its section and decoder (None: no events).
+        now: when the unreachable ones are marked down.
+
+    Raises:
+        ConfigError: no instance was probed (the fleet's model and limits come from a probe).
     """
 
-    def __init__(self, config: RouterConfig, infos: Sequence[InstanceInfo], *, subscribe: Any = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        infos: Sequence[InstanceInfo | None],
+        *,
+        subscribe: Any = None,
+        now: float = 0.0,
+    ) -> None:
+        stand_in = next((info for info in infos if info is not None), None)
+        if stand_in is None:
+            raise ConfigError(f"{config.source}: no instance was probed: the fleet needs one to learn its model")
         settings = config.router
         self.hasher = BlockHasher(model=HASH_MODEL, block_size_tokens=settings.block_size)
         self.prefill_model = OnlinePrefillModel()
@@ -152,8 +173,9 @@ class Fleet:
         )
         self.instances: dict[InstanceId, FleetInstance] = {}
         try:
-            for name, section, info in zip(config.instance_ids, config.instances, infos, strict=True):
+            for name, section, probed in zip(config.instance_ids, config.instances, infos, strict=True):
                 instance_id = InstanceId(name)
+                info = stand_in if probed is None else probed
                 limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
                 if section.role == "both":
                     self.conductor.add_coupled_instance(instance_id, limits)
@@ -170,7 +192,9 @@ class Fleet:
                     self.hasher, instance_id, kv_group=section.kv_group, strict=False, report_mode="full"
                 )
                 subscriber = subscribe(section, decoder, self.conductor.index) if subscribe is not None else None
-                self.instances[instance_id] = FleetInstance(instance_id, section, info, subscriber)
+                self.instances[instance_id] = FleetInstance(
+                    instance_id, section, info, subscriber, probed=probed is not None
+                )
         except BaseException:
             # The subscribers bound so far are closed here: a ZeroMQ context left to the garbage collector
             # terminates there and waits forever for its sockets (a failed start once hung pytest so).
@@ -180,6 +204,9 @@ class Fleet:
         self.flights: dict[RequestId, Flight] = {}
         self._ids = itertools.count()
         self._prompt_tokens = self._prompts = 0  # what the router has seen: a foreign request is taken as typical
+        for instance_id, instance in self.instances.items():
+            if not instance.probed:
+                self.set_up(instance_id, False, now)
 
     # ------------------------------------------------------------------ requests
 
@@ -353,12 +380,19 @@ class Fleet:
 
     def refresh(self, instance_id: InstanceId, info: InstanceInfo) -> None:
         """An instance's probe again (a server restarted with another `--max-model-len` or KV budget): the
-        Conductor checks its new requests against the new limits; what it already holds stays."""
+        Conductor checks its new requests against the new limits; what it already holds stays. An instance
+        unreachable at start-up takes its own info so, in place of its stand-in."""
         instance = self.instances[instance_id]
         instance.info = info
+        instance.probed = True
         if instance.section.role != "prefill":
             limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
             self.conductor.set_decode_limits(instance_id, limits)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest `max_model_len` of the instances probed (a stand-in's is not a server's)."""
+        return max(instance.info.max_model_len for instance in self.instances.values() if instance.probed)
 
     def poll_events(self) -> int:
         """Apply every KV-event batch waiting on the subscribers' sockets; returns how many."""

@@ -36,7 +36,10 @@ as last read (`load_stale` in `/health`), the server up and its cache in the
 index. A down server that answers again is probed as at start-up and marked up (its KV events start
 a new epoch) unless it came back unlike itself (another model, block size or
 tokenizer: it stays down, the reason logged once); its limits follow a new
-`max_model_len` or KV capacity. A client
+`max_model_len` or KV capacity. A server that cannot be reached at start-up (refused, timed out, not
+HTTP, 502/503/504: still loading its model, or restarting) is logged and starts down, and joins so once
+its health checks pass; the router starts while one server answers (it learns the model from one), and
+only a server that answers what the router cannot use stops the start. A client
 that leaves closes the request's upstream connection, and the server aborts the
 request as it would for that client leaving it directly (vLLM 0.32 missed one
 of 20 whole answers so, directly and through the router alike).
@@ -66,11 +69,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from serving.api import (
     DECODE_HEADER,
     PREFILL_HEADER,
@@ -99,7 +103,7 @@ from mooncake.types import InstanceId, as_token_array
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, FleetInstance, Flight
 from vllm_fleet.prompt import prompt_of
-from vllm_fleet.upstream import PROBE_TEXT, calibrate, lines, probe, reprobe, scrape
+from vllm_fleet.upstream import PROBE_TEXT, InstanceInfo, calibrate, lines, probe, reprobe, scrape
 
 __all__ = ["CACHED_HEADER", "VllmRouter"]
 
@@ -159,6 +163,18 @@ class _TimedOut(Exception):
         self.instance_id = instance_id
 
 
+def _unreachable(error: ConfigError) -> bool:
+    """Whether a start-up probe's refusal is only that its server could not be reached (what `probe` raises
+    from): refused or timed out, an answer that is not HTTP, or one of `FAILOVER_STATUSES` (a gateway in front
+    of a server still loading its model). Any other answer (a 404, a 401, a body that is not vLLM's) is the
+    server's own, refused."""
+    cause = error.__cause__
+    if isinstance(cause, aiohttp.ClientResponseError):
+        # aiohttp raises one for an answer it cannot parse too: its cause is the parser's error, not a status.
+        return cause.status in FAILOVER_STATUSES or isinstance(cause.__cause__, HttpProcessingError)
+    return isinstance(cause, (aiohttp.ClientError, TimeoutError, OSError))
+
+
 def _ran_out(error: BaseException) -> bool:
     """Whether an upstream error is the request's own time running out: aiohttp's total timeout is a plain
     TimeoutError; its socket timeouts (`ServerTimeoutError`: connect, read) are the server's, as the rest are."""
@@ -192,8 +208,14 @@ class VllmRouter:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        """Probe every server (a ConfigError names the first that cannot serve), bind the KV-event endpoints,
-        start serving; returns the URL."""
+        """Probe every server, bind the KV-event endpoints, start serving; returns the URL. A server that cannot
+        be reached (`_unreachable`: one still loading its model, or restarting) is logged and added down: it
+        joins when its health checks pass (`_check`, `_reprobe`).
+
+        Raises:
+            ConfigError: a server answers what the router cannot use (the first, in config order), the servers
+                serve different models, or none can be reached (naming each); the router's address is refused.
+        """
         # aiohttp's default connector holds 100 connections: the 101st request would wait for one, counted as
         # queued on its server, and so would the health checks, which then time out and mark healthy servers down.
         key = self.settings.server_api_key  # the servers' own --api-key, on every call the router makes itself
@@ -203,7 +225,7 @@ class VllmRouter:
         )
         self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=keyed)
         try:
-            infos = await asyncio.gather(
+            probes = await asyncio.gather(
                 *(
                     probe(
                         self._session,
@@ -214,22 +236,27 @@ class VllmRouter:
                         timeout_s=max(self.settings.connect_timeout_s, 5.0),
                     )
                     for name, section in zip(self.config.instance_ids, self.config.instances, strict=True)
-                )
+                ),
+                return_exceptions=True,
             )
+            answered = self._answered(probes)  # None: unreachable
+            infos = [info for info in answered if info is not None]
             models = {info.model for info in infos}
             if len(models) > 1:
                 raise ConfigError(f"{self.config.source}: the instances serve different models: {sorted(models)}")
             self.model = infos[0].model
             self._served = frozenset(name for info in infos for name in info.served_names)
-            self._cards = [info.cards or (info.card,) for info in infos]
-            self._max_model_len = max(info.max_model_len for info in infos)
-            self.fleet = Fleet(self.config, infos, subscribe=_subscriber)
+            # A server unreachable at start-up lists its cards once it joins (`_reprobe`).
+            self._cards = [() if info is None else info.cards or (info.card,) for info in answered]
+            self.fleet = Fleet(self.config, answered, subscribe=_subscriber, now=time.monotonic())
             fleet = self.fleet
+            self._max_model_len = fleet.max_model_len
             fleet.hasher.block_keys(self.tokenizer.encode(PROBE_TEXT))  # compiles the hashing kernel before traffic
             longest = min(self.settings.calibration_tokens, min(info.max_model_len for info in infos) - 1)
             if longest >= 8:
                 lengths = [max(1, longest // 8), longest // 2, longest]
-                for number, instance in enumerate(fleet.instances.values()):
+                answered = [instance for instance in fleet.instances.values() if instance.probed]
+                for number, instance in enumerate(answered):
                     fleet.prefill_model.calibrate(
                         await calibrate(
                             self._session,
@@ -253,12 +280,14 @@ class VllmRouter:
                 model_name=self.model,
                 bounds=HistogramBounds(
                     longest_request_s=self.settings.request_timeout_s,
-                    max_prompt_tokens=max(info.max_model_len for info in infos),
-                    max_output_tokens=max(info.max_model_len for info in infos),
+                    max_prompt_tokens=self._max_model_len,
+                    max_output_tokens=self._max_model_len,
                 ),
                 prefill_engines=fleet.instances,
                 decode_engines=fleet.instances,
             )
+            for instance_id, instance in fleet.instances.items():
+                self.metrics.up[instance_id].set(1 if instance.up else 0)
             app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
             app.router.add_post("/v1/completions", self._completions)
             app.router.add_post("/v1/chat/completions", self._chat)
@@ -287,6 +316,26 @@ class VllmRouter:
             await self.close()
             raise
         return self.url
+
+    def _answered(self, probes: Sequence[InstanceInfo | BaseException]) -> list[InstanceInfo | None]:
+        """Each server's probe, in config order, None for one that could not be reached (logged: it starts down).
+
+        Raises:
+            ConfigError: the first server's (config order) that answered what the router cannot use, or one
+                naming every server when none could be reached.
+            BaseException: any other failure of a probe, as it came.
+        """
+        unreachable: list[str] = []
+        for result in probes:
+            if isinstance(result, ConfigError) and _unreachable(result):
+                unreachable.append(str(result))
+            elif isinstance(result, BaseException):
+                raise result
+        if len(unreachable) == len(probes):
+            raise ConfigError(f"{self.config.source}: no instance can be reached: {'; '.join(unreachable)}")
+        for reason in unreachable:
+            log.warning("%s; it starts down and joins once its health checks pass", reason)
+        return [None if isinstance(result, BaseException) else result for result in probes]
 
     async def close(self) -> None:
         """Stop serving (requests still in flight get `SHUTDOWN_GRACE_S`, then are cancelled) and close the
@@ -388,7 +437,8 @@ class VllmRouter:
     async def _reprobe(self, instance: FleetInstance) -> bool:
         """Probe a down server that answers `/health` again (`upstream.reprobe`): whether it may be marked up. A
         refusal or a failed probe keeps it down, its line logged once per reason and shown in `/health`; a new
-        `max_model_len` or KV capacity is logged and becomes its limits."""
+        `max_model_len` or KV capacity is logged and becomes its limits. A server unreachable at start-up is
+        checked against the fleet's model (its stand-in info's) and takes its own info and card so."""
         assert self.fleet is not None and self._checks is not None
         try:
             info, changes = await reprobe(
@@ -406,11 +456,12 @@ class VllmRouter:
                 instance.refused = str(error)
             return False
         instance.refused = ""
-        if changes:
+        if changes and instance.probed:  # a stand-in's limits were never this server's: nothing changed
             log.warning("instance %s (%s) came back with %s", instance.instance_id, instance.url, ", ".join(changes))
         self.fleet.refresh(instance.instance_id, info)
         self._cards[list(self.fleet.instances).index(instance.instance_id)] = info.cards or (info.card,)
-        self._max_model_len = max(other.info.max_model_len for other in self.fleet.instances.values())
+        self._served |= frozenset(info.served_names)
+        self._max_model_len = self.fleet.max_model_len
         return True
 
     def _mark(self, instance_id: InstanceId, up: bool) -> None:
