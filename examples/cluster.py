@@ -34,6 +34,7 @@ from serving.config import load_config
 from serving.launch import start_cluster
 from serving.machine import Machine
 
+from mooncake.cli import OneLineParser
 from mooncake.errors import MooncakeError
 
 STOP_REPORT_S = 40.0  # longer than a stop takes by design (RunningCluster.close: 15 s + 15 s + 5 s)
@@ -57,7 +58,7 @@ def port(text: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
     parser.add_argument("--backend", choices=("local", "ray"), default="local")
     parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local one)")

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import simulation
 
-from mooncake.cli import POLICIES, capacity_sweep, error_message, one_line, plot_capacity, run_interruptible
+from mooncake.cli import (
+    POLICIES,
+    OneLineParser,
+    capacity_sweep,
+    error_message,
+    one_line,
+    plot_capacity,
+    run_interruptible,
+)
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sim.report import require_pyplot
 from mooncake.workload import (
@@ -54,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("build/demo"), help="output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
     parser.add_argument("--num-requests", type=int, default=DEFAULT_WORKLOAD.num_requests)

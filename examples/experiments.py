@@ -38,7 +38,7 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.cli import comma_separated, error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, comma_separated, error_message, one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, require_pyplot, write_json
@@ -103,7 +103,7 @@ def _threshold(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])  # its subcommands' too: an error is one line
     sub = p.add_subparsers(dest="experiment", required=True)
     for name, function in EXPERIMENTS.items():
         q = sub.add_parser(name, help=(function.__doc__ or "").split("\n")[0])
@@ -208,7 +208,8 @@ def experiment(argv: Sequence[str] | None) -> int:
         given = simulation.given_options(parser, argv)
         for dests, why in UNUSED.get(name, ()):
             simulation.refuse_unused(_subparser(name), args, dests, why, given=given)
-        if name not in ("rejection", "overload"):  # those run every admission policy, predictive too
+        # rejection and overload run every admission policy, predictive too; predictors scores --predictor itself
+        if name not in ("rejection", "overload", "predictors"):
             simulation.refuse_unpredicted(_subparser(name), args, given=given)
         with simulation.output_set(out_dir, (*PLOTS[name], f"{name}.json")) as staging:  # --out checked now
             args.out = None if args.no_plots else staging  # where the experiment draws its plots

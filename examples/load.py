@@ -69,7 +69,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
-from mooncake.cli import error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -326,7 +326,7 @@ def served_config(config: ClusterConfig, *, profile: Path | None, max_prompt_tok
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     add_workload_options(p, num_requests=100)
     p.add_argument("--url", help="a running cluster's gateway, http://HOST:PORT (default: start --config's)")
     p.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")

@@ -43,7 +43,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, scaling_of
 from serving import registry
 
-from mooncake.cli import error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -59,7 +59,7 @@ OUT_FILES = ("requests.csv", "ttft_cdf.png", "tbt_cdf.png", "load.png", "summary
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])  # an error is one line
     simulation.add_workload_options(p)
     simulation.add_cluster_options(p)
     simulation.add_policy_options(p)
@@ -106,10 +106,10 @@ def run(args: argparse.Namespace, given: Mapping[str, str]) -> tuple[ReplayResul
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
     why = "without --config (it scales a workload to the example cluster)"
     simulation.refuse_unused(parser(), args, SCALING, why, given=given)
-    requests = simulation.load_workload(args)
+    requests, spec = simulation.sized_cluster(args)  # sized at speed 1: --speedup loads it
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
-        spec, slo = simulation.cluster_spec(requests, args), simulation.slo(args)
+        slo = simulation.slo(args)
         conductor = build_conductor(
             spec,
             router=registry.router(args.router, threshold=args.threshold),
@@ -120,9 +120,8 @@ def run(args: argparse.Namespace, given: Mapping[str, str]) -> tuple[ReplayResul
         )
         result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)
         return result, f"{simulation.describe(spec)}; router {args.router}, admission {args.admission}"
-    prefill, decode = simulation.paper_sized(requests, args)
     coupled = CoupledSpec(
-        num_instances=prefill + decode,
+        num_instances=spec.num_prefill + spec.num_decode,
         model=MODELS[args.model],
         hardware=HARDWARE[args.hardware],
         chunked_prefill=args.engine == "coupled-chunked",

@@ -12,7 +12,9 @@ D being the trace's cache-less prefill demand (Σ prefill time with nothing
 cached / the trace's duration, in busy instances). A cache-blind router then
 runs the prefill pool near saturation and cache reuse is what relieves it, the
 regime of the paper's experiment (TTFTs of seconds). The rule is fixed
-independently of any router's result.
+independently of any router's result. It reads the workload at its own pace
+(speed 1), whatever `--speedup` (`sized_cluster`, every program's): a speed-up
+loads the cluster sized for the workload instead of sizing a bigger one.
 
 The overload experiments size the decode pool by its own demand instead
 (`decode_sized`): decode nodes = max(1, round(0.8 · R / N)), R being the
@@ -494,7 +496,8 @@ def prefill_demand(requests: Sequence[Request], cost: PrefillCostModel) -> float
 
 
 def paper_sized(requests: Sequence[Request], args: argparse.Namespace) -> tuple[int, int]:
-    """(prefill, decode) nodes: the options', or sized the paper's way (module docstring)."""
+    """(prefill, decode) nodes: the options', or sized the paper's way (module docstring) for `requests` as they
+    arrive, which every program gives at speed 1 (`sized_cluster`), whatever its --speedup."""
     options = (
         ("--prefill", args.prefill, 0),
         ("--decode", args.decode, 0),
@@ -575,8 +578,29 @@ def decode_sized(requests: Sequence[Request], args: argparse.Namespace, spec: Cl
     return sized("decode", SIZING_LOAD * decoding / decode_capacity(spec, requests, args.tbt_slo), requests)
 
 
+def sized_cluster(args: argparse.Namespace, *, decode_bound: bool = False) -> tuple[list[Request], ClusterSpec]:
+    """The workload the options describe, at --speedup, and the cluster they describe, sized (`paper_sized`; with
+    `decode_bound`, its decode pool by `decode_sized`) for the same workload at its own pace, speed 1: the one
+    sizing rule of replay.py and every experiment. --speedup then loads the cluster sized for the workload, as
+    `rejection` and `overload` do, rather than sizing a bigger one (which would keep the load at `SIZING_LOAD`).
+
+    Raises:
+        ConfigError, TraceFormatError: as `load_workload`, `cluster_spec` and (with `decode_bound`) `slo` raise
+            them.
+    """
+    if decode_bound:
+        slo(args)  # the decode sizing divides by --tbt-slo: a bad one is named here, not blamed on the workload
+    requests = load_workload(args)
+    base = requests if args.speedup == 1 else load_workload(args, speedup=1.0)
+    spec = cluster_spec(base, args)
+    if decode_bound:
+        spec = attrs.evolve(spec, num_decode=decode_sized(base, args, spec))
+    return requests, spec
+
+
 def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overrides: object) -> ClusterSpec:
-    """The simulated cluster the options describe (`overrides` replace its fields).
+    """The simulated cluster the options describe (`overrides` replace its fields), sized for `requests` (at
+    the pace they arrive: `sized_cluster` gives them at speed 1).
 
     Raises:
         ConfigError: an --admission-wait that is not a finite number of seconds >= 0.

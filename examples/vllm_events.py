@@ -53,7 +53,7 @@ import attrs
 from mooncake.cache import BlockHasher, BlockIndex, CacheEvent, MetadataPagePool, SequenceGap, TieredCache
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
 from mooncake.cache.vllm_wire import WireLayout
-from mooncake.cli import one_line, run_interruptible
+from mooncake.cli import OneLineParser, one_line, run_interruptible
 from mooncake.errors import MooncakeError, UnknownBlockError, VllmEventError
 from mooncake.types import InstanceId, Tier
 
@@ -662,7 +662,7 @@ def _seconds(*, positive: bool) -> Callable[[str], float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm_events", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="vllm_events", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("subscribe", "publish", "loopback"):
         sub = commands.add_parser(name)

@@ -18,7 +18,6 @@ and served (`vllm_fleet.proxy`): docs/vllm.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_fleet.config import load_router_config
 from vllm_fleet.proxy import VllmRouter
 
+from mooncake.cli import OneLineParser
 from mooncake.errors import MooncakeError
 
 
@@ -54,7 +54,7 @@ async def serve(config_path: Path, port: int | None) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--port", type=int, default=None, help="override [router] port (0: any free port)")
     parser.add_argument("--log-level", default="WARNING")

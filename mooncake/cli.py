@@ -81,6 +81,7 @@ from mooncake.workload import (
 )
 
 __all__ = [
+    "OneLineParser",
     "PLOT_FORMATS",
     "POLICIES",
     "capacity_sweep",
@@ -423,8 +424,10 @@ def _convert(args: argparse.Namespace) -> None:
     _wrote(args.target, f"wrote {count:,} requests from {args.source} to {args.target} ({args.to} form)")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (the usage is one `--help` away)."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line and status 2 (the usage is one `--help` away): the `mooncake`
+    command's parser, and every example command line's that promises one line on stderr. Its subcommands'
+    parsers are of its class too (`add_subparsers` passes it on as `parser_class`)."""
 
     def error(self, message: str) -> NoReturn:
         # An argument may hold line breaks or other control characters: shown escaped, the message stays one line.
@@ -432,7 +435,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = OneLineParser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="group", required=True)
     trace = commands.add_parser("trace", help="inspect, generate and analyse Mooncake-format traces")
     sub = trace.add_subparsers(dest="command", required=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mooncake.sched.join import DecodeLoad
 from tests.test_examples import reject_all_router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,3 +363,93 @@ def test_an_empty_item_of_a_list_is_refused_by_name_as_the_cli_refuses_it(value:
         check=False,
     )
     assert refused(cli, f"argument --capacity-blocks: {message}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("scheduling", "--num-requests", "abc"), "argument --num-requests: invalid int value: 'abc'"),
+        (("scheduling", "--routers", "random,random"), "argument --routers: 'random' is given twice"),
+        (("cache", "--nodes", "2000"), "argument --nodes: must be an integer >= 1 and <= 1024, got '2000'"),
+        (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),
+        (("predictors", "--horizons", "1e20"), "argument --horizons: must be a finite number >= 0"),
+    ],
+)
+def test_a_bad_option_value_is_one_line_on_stderr(argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    """A value argparse refused printed the whole usage block (over 20 lines) where main's docstring and
+    docs/simulation.md promise one line and status 2 (`mooncake.cli.OneLineParser`, the `mooncake` command's)."""
+    done = guarded(*argv, out=tmp_path)
+    assert refused(done, message), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"experiments.py {argv[0]}: error: ") and "--help" in done.stderr
+
+
+def test_predictors_takes_the_predictor_it_scores(tmp_path: Path) -> None:
+    """predictors scores the predictive policy's --predictor in its "(policy's)" row, yet refused the option
+    under the default --admission (early_rejection predicts nothing), so only uniform could ever be scored."""
+    argv = ["predictors", *SMALL, "--predictor", "expected_output", "--horizons", "1", "--no-plots", "--json"]
+    report = json.loads(experiments(*argv, out=tmp_path).stdout)
+    assert report["policy_predictor"] == "expected_output (policy's)"
+    assert report["mae"]["expected_output (policy's)"] == report["mae"]["expected_output"]
+
+
+def test_cache_blames_small_capacities_not_a_workload_that_shares_prefixes(tmp_path: Path) -> None:
+    """With capacities too small to hold a prompt's prefix nothing hits, and the note said "the workload shares no
+    prefix" of the synthetic preset, which shares many: it now says which is true, by the workload's prefix reuse."""
+    argv = ["cache", *SMALL, "--nodes", "1", "--capacities", "0,1", "--no-plots"]
+    done = experiments(*argv, out=tmp_path)
+    assert "shares no prefix" not in done.stdout, done.stdout
+    assert "the capacities may be too small to hold a prefix" in done.stdout, done.stdout
+
+
+def test_current_load_counts_the_tokens_generated_as_decode_selection_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "The load now" summed the prompts only, while the decode rule, the Conductor and the other predictors count
+    the tokens generated too: at a horizon of 0 its context was off by the whole output so far (267 tokens here)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from paper.predictors import CurrentLoad
+
+    from mooncake.sched.cost import HARDWARE, MODELS
+    from mooncake.sched.step import DecodeCostModel
+    from mooncake.sched.view import ActiveDecode
+    from mooncake.types import RequestId
+
+    step = DecodeCostModel(model=MODELS["llama3-70b"], hardware=HARDWARE["8xA800"])
+    active = [ActiveDecode(request_id=RequestId("a"), start_s=0.0, context_tokens=1000, output_tokens=100)]
+    pace = step.step_s(1, 1000)
+    assert CurrentLoad(step_model=step).predict(active, [], 10.5 * pace, 99.0) == DecodeLoad(1, 1010, 1100)
+    assert CurrentLoad(step_model=step).predict(active, [], 1e6, 99.0) == DecodeLoad(
+        1, 1100, 1100
+    )  # at most its output
+    argv = ["predictors", *SMALL, "--horizons", "0", "--no-plots", "--json"]
+    now = json.loads(experiments(*argv, out=tmp_path).stdout)["mae"]["current_load"]["0.0"]
+    assert now["batch_size_mae"] == now["kv_tokens_mae"] == 0
+    assert now["context_tokens_mae"] < 20, now  # the estimate's pace is the batch's step now: close, not exact
+
+
+@pytest.mark.parametrize("engine", ["disaggregated", "coupled"])
+def test_replay_sizes_its_cluster_at_speedup_1(engine: str) -> None:
+    """--speedup sized the automatic cluster from the sped-up arrivals (4P+4D became 7P+7D at 2x): the load stayed
+    at the sizing rule's 0.8 instead of rising, while rejection and overload sped the workload up on the cluster sized
+    for it at its own pace. One rule now (`simulation.sized_cluster`): sized at speed 1, loaded by --speedup."""
+    titles = []
+    for speedup in ("1", "2"):
+        argv = [*SMALL, "--engine", engine, "--speedup", speedup, "--no-progress"]
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "replay.py"), *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        titles.append(done.stdout.splitlines()[0])
+    assert titles[0] == titles[1], titles
+    assert titles[0].startswith("4P+4D " if engine == "disaggregated" else "8 coupled "), titles
+
+
+def test_an_experiment_sizes_its_cluster_at_speedup_1(tmp_path: Path) -> None:
+    """As replay.py: scheduling at --speedup 2 ran on 7P+7D, the cluster sized for the sped-up arrivals."""
+    argv = ["scheduling", *SMALL, "--speedup", "2", "--routers", "random", "--no-plots"]
+    header = experiments(*argv, out=tmp_path).stdout.splitlines()[1]
+    assert header.startswith("cluster: 4P+4D "), header

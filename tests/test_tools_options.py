@@ -45,6 +45,7 @@ def refused(done: subprocess.CompletedProcess[str], message: str) -> None:
     """One line naming the problem, exit 2, no traceback."""
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # argparse's own errors too (its usage block was 20 lines)
 
 
 def profile_file(tmp_path: Path) -> Path:
@@ -261,6 +262,25 @@ def test_validate_counts_failures_and_exits_1_when_nothing_was_compared(
     assert "no request completed in both runs of serviceable: nothing compared" in captured.err
 
 
+def test_validate_repeats_the_real_run_on_a_second_cluster_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--repeat-real runs the serviceable workload on a real cluster twice (not the overload one) and compares the
+    two runs under `real_repeat`, the errors alone (the slow end-to-end test runs real clusters without it)."""
+    validate = pytest.importorskip("validate")
+    _fake_runs(monkeypatch, validate, Outcome.COMPLETED)
+    real_runs: list[int] = []
+    fake_real = validate.run_real
+    monkeypatch.setattr(validate, "run_real", lambda *a: real_runs.append(len(a[1])) or fake_real(*a))
+    argv = ["--profile", str(profile_file(tmp_path)), "--num-requests", "3", "--repeat-real", "--json"]
+    assert validate.validate(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert real_runs == [3, 3, 3]  # serviceable, its repeat, overload
+    assert set(summary["real_repeat"]) == {"ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error"}
+    assert summary["real_repeat"]["ttft_median_rel_error"] == 0.0  # the fake's two runs are equal
+    assert "real_repeat" not in summary["overload"]
+
+
 def test_validate_writes_its_files_as_one_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--out's files are put in place together at the end (a previous run's overload plots, which this run does
     not draw, are removed, not left beside the new validate.json); a profile given is named as given."""
@@ -318,3 +338,10 @@ def test_validate_does_not_name_a_temporary_profile_as_kept(
     assert not fitted[0].exists()
     assert validate.validate(["--num-requests", "3", "--no-overload", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["profile"] is None
+
+
+@pytest.mark.parametrize("argv", [["--num-requests", "abc"], ["--engine", "nope"], ["--no-such-option"]])
+def test_replay_refuses_a_bad_option_in_one_line(argv: list[str]) -> None:
+    """argparse's own errors printed replay.py's whole usage block where its main promises one line on stderr."""
+    done = run("replay.py", *argv)
+    refused(done, "replay.py: error: ")

@@ -30,6 +30,7 @@ import simulation
 from mooncake.errors import ConfigError
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
+from mooncake.workload import trace_stats
 from paper.common import Report, header, replay, what_stops_transfers
 
 __all__ = ["cache"]
@@ -43,9 +44,8 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         raise ConfigError(
             f"{option} does not apply to cache: {why}, so the global pool and the local caches would replay alike"
         )
-    requests = simulation.load_workload(args)
+    requests, spec = simulation.sized_cluster(args)
     capacities = args.capacities or [500, 1000, 2000, 5000, 10000, 20000]
-    spec = simulation.cluster_spec(requests, args)
     cpp = spec.cpp_group_size
     for nodes in args.nodes or ():
         simulation.check_cpp_divides(cpp, nodes, f"--nodes {nodes}")
@@ -121,6 +121,11 @@ def cache(args: argparse.Namespace) -> tuple[Report, str]:
         lines.append("the local caches never hit where the global pool did: there is no finite ratio to compare")
     elif not any(capacities):  # no cache holds a block: the workload is not to blame
         lines.append("neither the global pool nor the local caches hit (every capacity is 0 blocks): no comparison")
+    elif trace_stats(requests).prefix_reuse_ratio > 0:  # a prefix to hit, which no capacity swept kept
+        lines.append(
+            "neither the global pool nor the local caches hit, though the workload reuses prefixes (the capacities "
+            "may be too small to hold a prefix): no comparison"
+        )
     else:
         lines.append("neither the global pool nor the local caches hit (the workload shares no prefix): no comparison")
     if args.out:

@@ -3,11 +3,12 @@
 The paper's claim (arXiv §6, Table 3, Figs. 9-10) is about a cluster whose
 decode side binds under overload, so both experiments default to one: the
 prefill pool sized by its demand as everywhere (`simulation.paper_sized`), the
-decode pool by its own (`simulation.decode_sized`), and a TBT objective of 25
-ms. For LLaMA3-70B on 8×A800 a decode step takes 16 ms at batch 1 and ~50 ms
-with the HBM full of KV, so a 100 ms objective never binds and only the HBM
-would stop a decode node; at 25 ms a node of the synthetic trace's requests
-(15 k tokens in, 150 out) holds about 24 of them, and the TBT check decides.
+decode pool by its own (`simulation.decode_sized`), both at the workload's own
+pace (`simulation.sized_cluster`), and a TBT objective of 25 ms. For LLaMA3-70B
+on 8×A800 a decode step takes 16 ms at batch 1 and ~50 ms with the HBM full of
+KV, so a 100 ms objective never binds and only the HBM would stop a decode
+node; at 25 ms a node of the synthetic trace's requests (15 k tokens in, 150
+out) holds about 24 of them, and the TBT check decides.
 Any workload, cluster or SLO can be given instead (`--trace`, `--prefill`,
 `--decode`, `--tbt-slo`).
 
@@ -23,13 +24,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-import attrs
 import simulation
 from serving.registry import ADMISSIONS
 
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines, plot_load
-from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request
 from paper.common import OUTCOME_COLUMNS, Report, header, oscillation, outcome_cells, outcomes_json, replay
 
@@ -38,22 +37,13 @@ __all__ = ["overload", "rejection"]
 DECODE_BOUND_TBT_SLO_S = 0.025
 
 
-def _decode_bound_cluster(args: argparse.Namespace) -> tuple[list[Request], ClusterSpec]:
-    """The workload at its own pace and the cluster sized for it (see the module docstring)."""
-    simulation.slo(args)  # the sizing divides by --tbt-slo: a bad one is named here, not blamed on the workload
-    base = simulation.load_workload(args, speedup=1.0)
-    spec = simulation.cluster_spec(base, args)
-    return base, attrs.evolve(spec, num_decode=simulation.decode_sized(base, args, spec))
-
-
 def _span(requests: Sequence[Request]) -> tuple[float, float]:
     return (requests[0].arrival_s, requests[-1].arrival_s) if requests else (0.0, 0.0)
 
 
 def rejection(args: argparse.Namespace) -> tuple[Report, str]:
     """Rejections and wasted prefill per admission policy at --speedup (arXiv Table 3, Fig. 9)."""
-    _, spec = _decode_bound_cluster(args)
-    requests = simulation.load_workload(args)
+    requests, spec = simulation.sized_cluster(args, decode_bound=True)  # sized at speed 1, run at --speedup
     results = {policy: replay(spec, requests, args, admission=policy) for policy in ADMISSIONS}
     span = _span(requests)
     lines = [header(args, requests, spec), f"speed-up {args.speedup}, router {args.router}", ""]
@@ -76,7 +66,7 @@ def rejection(args: argparse.Namespace) -> tuple[Report, str]:
 
 def overload(args: argparse.Namespace) -> tuple[Report, str]:
     """Rejections, wasted prefill and decode-load swing per admission policy as the workload speeds up."""
-    base, spec = _decode_bound_cluster(args)
+    base, spec = simulation.sized_cluster(args, decode_bound=True)  # --speedup is refused: 1, its own pace
     speedups = args.speedups or [1.2, 2.0, 3.0, 4.0, 5.0]
     runs: dict[str, dict[str, ReplayResult]] = {p: {} for p in ADMISSIONS}
     swing: dict[str, dict[str, float]] = {p: {} for p in ADMISSIONS}

@@ -38,8 +38,7 @@ def ranked(order: list[str], values: dict[str, float], better: str) -> str:
 
 def scheduling(args: argparse.Namespace) -> tuple[Report, str]:
     """Mean TTFT, outcomes, goodput and SLO attainment per router (FAST'25 Fig. 5)."""
-    requests = simulation.load_workload(args)
-    spec = simulation.cluster_spec(requests, args)
+    requests, spec = simulation.sized_cluster(args)
     results = {router: replay(spec, requests, args, router=router) for router in args.routers}
     lines = [header(args, requests, spec), f"admission {args.admission}", ""]
     width = max(20, *(len(r) + 2 for r in results))

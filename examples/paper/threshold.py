@@ -34,8 +34,7 @@ def threshold(args: argparse.Namespace) -> tuple[Report, str]:
     if stopped is not None:
         option, why = stopped
         raise ConfigError(f"{option} does not apply to threshold: {why}, so no threshold decides anything")
-    requests = simulation.load_workload(args)
-    spec = simulation.cluster_spec(requests, args)
+    requests, spec = simulation.sized_cluster(args)
     values = args.thresholds or [1.0, 1.25, 1.5, 2.0, 3.0, 5.0, math.inf]
     results = {t: replay(spec, requests, args, router="kvcache_centric", threshold=t) for t in values}
     lines = [header(args, requests, spec), ""]

@@ -155,8 +155,7 @@ def _effective_line(tbt_s: float, row: Mapping[str, int]) -> str:
 def throughput(args: argparse.Namespace) -> tuple[Report, str]:
     """Max Poisson rate within the P90 SLOs (arXiv Fig. 12) and effective capacity vs the TBT SLO (FAST'25)."""
     # Every option, the workload's too, is checked before the long-context search: it takes minutes.
-    requests = simulation.load_workload(args)
-    spec = simulation.cluster_spec(requests, args)
+    requests, spec = simulation.sized_cluster(args)
     simulation.slo(args)
     lengths = args.lengths or [16384, 32768, 65536, 131072]
     clusters = _long_context_clusters(spec, lengths)
