@@ -45,18 +45,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
-from mooncake.cli import one_line
+from mooncake.cli import OneLineParser, one_line
 from mooncake.engine.config import PRESETS
-from mooncake.engine.decode import DecodeConfig, DecodeEngine
-from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import LlamaModel
-from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sched.cost import FittedPrefillModel, PrefillSample
+from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS, FittedPrefillModel, PrefillSample
 from mooncake.sched.step import FittedStepModel
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId
@@ -93,7 +88,7 @@ def _at_least_one(text: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     source.add_argument("--config", type=Path, help="profile this example cluster's engines (module docstring)")
@@ -133,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
         batches = [b for b in batches if b <= cluster.decode.max_batch_size]
         name, default_out = cluster.model.namespace, Path("build/profile") / f"{args.config.stem}.json"
     else:
-        dtype, block, chunk = args.dtype, BLOCK_TOKENS, PrefillConfig().chunk_tokens
+        dtype, block, chunk = args.dtype, BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS
         name, default_out = args.model, Path("build/profile") / f"{args.model}.json"
     out = args.out or default_out
     prefill_samples = len(lengths) * len(args.prefix_fractions)
@@ -147,6 +142,14 @@ def run(args: argparse.Namespace) -> None:
     import simulation  # examples/, beside this script
 
     simulation.check_out_dir(out.parent)  # found before the profiling, not after it
+    # The engines (and torch, seconds to import) only now: a run refused above never needs them.
+    import torch
+
+    from mooncake.engine.decode import DecodeConfig, DecodeEngine
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+    from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+
     stages = 1
     if args.config is not None:
         model = build_model(cluster)

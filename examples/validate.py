@@ -86,11 +86,10 @@ import numpy as np
 import simulation
 from scaling import Scaling, add_scaling_options, scaling_of
 from serving.config import ClusterConfig, load_config
-from serving.launch import start_cluster
 from serving.machine import Machine, check_machine
 from serving.models import cost_models
 
-from mooncake.cli import one_line, run_interruptible
+from mooncake.cli import OneLineParser, one_line, run_interruptible
 from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -450,6 +449,10 @@ def run_real(
     """The requests over HTTP through a fresh cluster of `config` (load.py's replay), after its calibration. Its
     engines run on cores of their own where the machine has enough (`[cluster] pin_cores = "auto"`), as the
     profile timed each alone; on this development machine's two cores they share them."""
+    # Imported here, as load.py does: the launcher brings torch (seconds), which a run refused before any work
+    # (a bad option, a config) never needs.
+    from serving.launch import start_cluster
+
     scaling = scaling_of(args)
     with start_cluster(config.with_overrides("cluster", port=0, pin_cores="auto")) as cluster:
         calibration = calibrate(cluster.url, config, scaling, args.timeout)
@@ -530,7 +533,7 @@ def plot(name: str, real: Sequence[RequestRecord], sim: Sequence[RequestRecord],
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
     p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
     load.add_workload_options(p, preset="conversation", num_requests=200, rate=2.0)

@@ -786,12 +786,13 @@ def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> Non
 
 def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) -> None:
     """A shortened validate.py: profiling, the real cluster over HTTP and its simulated twin, the keys the
-    issue names for the serviceable and the overload run, a second real run against the first, the
-    calibration's jitter (the figures themselves are not asserted here)."""
+    issue names for the serviceable and the overload run, the calibration's jitter (the figures themselves are
+    not asserted here)."""
     pytest.importorskip("torch")
     pytest.importorskip("aiohttp")
     out = tmp_path / "out"
-    options = ["--num-requests", "12", "--rate", "4", "--overload-speedup", "4", "--repeat-real", "--json"]
+    # --repeat-real (a third real cluster) is left to test_tools_options, with the runs faked: CI's time.
+    options = ["--num-requests", "12", "--rate", "4", "--overload-speedup", "4", "--json"]
     options += ["--out", str(out)]
     summary = json.loads(run("validate.py", *options).stdout)
     keys = (
@@ -817,7 +818,6 @@ def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) 
     assert summary["ttft_slo_s"] == summary["overload"]["ttft_slo_s"] == 30.0
     assert 0 <= summary["overload"]["rejected_sim_unloaded"] <= 12 and "rejected_sim_unloaded" not in summary
     assert 0 < summary["calibration"]["events_per_token"] <= 1
-    assert set(summary["real_repeat"]) == {"ttft_median_rel_error", "ttft_p90_rel_error", "tbt_mean_rel_error"}
     assert summary["calibration"]["jitter_s"]["intervals"] > 0
     assert json.loads((out / "validate.json").read_text()) == summary
     for name in ("ttft_cdf_serviceable.png", "tbt_cdf_overload.png", "profile.json"):
