@@ -97,7 +97,7 @@ def test_a_segment_gone_is_an_unregistered_region_unless_the_peer_is_gone_too(
     """A live peer's segment that cannot be mapped was unregistered: a TransferError, not PeerUnavailable. A peer
     that exits between the liveness check and the mapping took its segments with it: PeerUnavailable."""
     answers = iter([True, not exits_meanwhile])  # alive at the copy's check; then alive, or exited
-    monkeypatch.setattr("mooncake.transfer.shm._alive", lambda _pid: next(answers))
+    monkeypatch.setattr(ShmTransport, "_peer_alive", lambda _self: next(answers))
     descriptor = RegionDescriptor(region_id=7, length=64, shm_name=f"mooncake-{os.getpid()}-000000000000")
     transport = ShmTransport(lambda region: descriptor if region == 7 else None, peer_pid=os.getpid(), workers=1)
     try:
