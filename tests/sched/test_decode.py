@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.cost import HARDWARE, MODELS
-from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
+from mooncake.sched.decode import DecodeChoice, choose_decode, generated_tokens, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import DecodeCostModel
@@ -320,3 +320,30 @@ def test_a_board_or_any_sequence_of_views_is_taken() -> None:
         assert choice.decode_instance == D1
     for given_views in (DecodeBoard(views), views, tuple(views), (v for v in views)):
         assert lasting_decode_refusal(given_views, prompt_tokens=1000, output_tokens=100) is None
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.0, 50.0), st.integers(1, 8000), st.integers(1, 2000)), max_size=6),
+    st.floats(0.0, 100.0),
+    st.floats(0.0, 10.0),
+)
+def test_generated_tokens_are_the_decoding_seconds_over_the_batch_step(
+    members: list[tuple[float, int, int]], now: float, later: float
+) -> None:
+    """What decode selection counts a batch to have generated: its members' decoding seconds over the step the
+    whole batch runs at, rounded down, at most their outputs, and never fewer at a later `now`."""
+    active = [
+        ActiveDecode(request_id=RequestId(f"r{i}"), start_s=start, context_tokens=context, output_tokens=output)
+        for i, (start, context, output) in enumerate(members)
+    ]
+    got = generated_tokens(COST, active, now)
+    outputs = sum(a.output_tokens for a in active)
+    if not active:
+        assert got == 0
+        return
+    step_s = COST.step_s(len(active), sum(a.context_tokens for a in active))
+    decoded_s = sum(now - a.start_s for a in active)
+    expected = min(math.floor(decoded_s / step_s), outputs) if decoded_s > 0 else 0
+    assert got == pytest.approx(expected, abs=1)  # the sum's rounding may cross an integer
+    assert 0 <= got <= outputs
+    assert generated_tokens(COST, active, now + later) >= got
