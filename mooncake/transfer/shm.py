@@ -64,6 +64,9 @@ class ShmTransport:
         self._describe = describe
         self._peer_pid = peer_pid
         self._pidfd = _open_pidfd(peer_pid)  # -1: none (no pidfd_open here, or the peer is gone already)
+        # Held while the pidfd is asked and while it is closed: a select on a number close() just freed could
+        # ask whatever file took it next. Its own lock, as `_map` asks with `_lock` held.
+        self._pidfd_lock = threading.Lock()
         # Who the errors are about: the address where known, and the process either way.
         self._who = f"peer {peer} (process {peer_pid})" if peer else f"peer process {peer_pid}"
         self._segments: dict[str, shared_memory.SharedMemory] = {}
@@ -91,19 +94,17 @@ class ShmTransport:
         with self._lock:  # each segment is closed when collected: once no copy holds a view of it (`shared_array`)
             self._arrays.clear()
             self._segments.clear()
-            pidfd, self._pidfd = self._pidfd, -1
-        if pidfd >= 0:  # after the workers: none is asking it any more
-            os.close(pidfd)
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
 
     def _peer_alive(self) -> bool:
         """Whether the peer's process still runs: its pidfd turns readable once it exits, reaped or not (a
         select of one descriptor, about a microsecond: asked before every slice); without one, `_alive`."""
-        pidfd = self._pidfd
-        if pidfd >= 0:
-            try:
-                return not select.select([pidfd], [], [], 0)[0]
-            except (OSError, ValueError):  # closed meanwhile (the transport is closing): ask the slow way
-                pass
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                return not select.select([self._pidfd], [], [], 0)[0]
         return _alive(self._peer_pid)
 
     def check_invariants(self) -> None:
