@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from mooncake.errors import ConfigError
@@ -25,9 +25,26 @@ __all__ = [
     "require_iterable",
     "require_number",
     "require_str",
+    "shown",
 ]
 
 T = TypeVar("T")
+
+
+def shown(value: object, *, limit: int = 60, quote: Callable[[object], str] = repr) -> str:
+    """`value` as a one-line error message quotes it: `quote(value)` (repr; ascii for a client's text, lone
+    surrogates and all), cut to `limit` characters with its closing character kept. An integer whose digits
+    would not fit is named by its size in bits (its repr alone would fail past 4,300 digits); a value `quote`
+    cannot render (nested too deep, or holding such an integer) by its type. Every message that quotes what
+    it was given reads through this one rule."""
+    # Past 4 bits a digit an integer is too long for sure (and its repr may fail); below, its repr is cheap.
+    if isinstance(value, int) and (value.bit_length() > 4 * limit or len(repr(value)) > limit):
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = quote(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= limit else f"{text[: limit - 4]}...{text[-1]}"
 
 
 def is_int(value: object) -> bool:

@@ -55,7 +55,7 @@ from typing import Any, NoReturn, TypeVar
 
 import attrs
 
-from mooncake._checks import range_problem
+from mooncake._checks import range_problem, shown
 from mooncake._files import names_a_file
 from mooncake.cache.capacity import CapacityPoint, simulate_prefix_hits
 from mooncake.cache.policy import EvictionPolicy, LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
@@ -116,9 +116,9 @@ def _integer(minimum: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:  # also beyond Python's 4300 digits
-            raise argparse.ArgumentTypeError(f"expected an integer, got {_shown(text)}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {_shown(text)}")
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {shown(text)}")
         return value
 
     return parse
@@ -130,16 +130,16 @@ def _ranged(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
     if (problem := range_problem(value, low, high)) is not None:  # as examples/simulation.py words --rate's
-        raise argparse.ArgumentTypeError(f"{problem}, got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"{problem}, got {shown(text)}")
     return value
 
 
 def _input_path(text: str) -> str:
     """An argparse type: a path to read (open() refuses NUL, and "" names nothing)."""
     if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"expected a file name, got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected a file name, got {shown(text)}")
     return text
 
 
@@ -147,7 +147,7 @@ def _output_path(text: str) -> str:
     """An argparse type: a file to write, which needs a name (not "", "." or "..")."""
     _input_path(text)
     if not names_a_file(text):
-        raise argparse.ArgumentTypeError(f"expected a file name, got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected a file name, got {shown(text)}")
     return text
 
 
@@ -157,7 +157,7 @@ def _plot_path(text: str) -> str:
     suffix = Path(text).suffix.lower().lstrip(".")
     if suffix not in PLOT_FORMATS:
         raise argparse.ArgumentTypeError(
-            f"expected an image file name ending in .{', .'.join(PLOT_FORMATS)}, got {_shown(text)}"
+            f"expected an image file name ending in .{', .'.join(PLOT_FORMATS)}, got {shown(text)}"
         )
     return text
 
@@ -166,11 +166,6 @@ def one_line(text: str) -> str:
     """`text` with every character that is not printable (a line break, a tab, U+2028) escaped as Python writes
     it: a message naming a file whose name holds one stays on one line, as every command line's errors promise."""
     return text if text.isprintable() else "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= limit else f"{shown[: limit - 4]}...{shown[-1]}"
 
 
 def comma_separated(kind: Callable[[str], T], *, noun: str = "") -> Callable[[str], list[T]]:
@@ -185,13 +180,13 @@ def comma_separated(kind: Callable[[str], T], *, noun: str = "") -> Callable[[st
     def parse(text: str) -> list[T]:
         parts = text.split(",")
         if not all(parts):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list with no empty item, got {_shown(text)}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list with no empty item, got {shown(text)}")
         values = [kind(part) for part in parts]
         seen: set[T] = set()
         for value in values:
             if value in seen:
                 named = f"{noun} {value!r}" if noun else repr(value)
-                raise argparse.ArgumentTypeError(f"{named} is given twice in {_shown(text)}")
+                raise argparse.ArgumentTypeError(f"{named} is given twice in {shown(text)}")
             seen.add(value)
         return values
 

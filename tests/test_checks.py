@@ -3,7 +3,8 @@
 Each check accepts exactly its domain and returns the value as the caller uses it; anything else is the
 error it was given, naming the argument and showing the value: integers (never a bool, a float or a
 string) at least a minimum, finite numbers above or at least a minimum (never NaN, an infinity or a
-bool), non-empty strings; `ceil_div` is the exact ceiling for any non-negative integers (no float rounding).
+bool), non-empty strings; `ceil_div` is the exact ceiling for any non-negative integers (no float rounding);
+`shown` quotes any value in one line of at most its limit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mooncake._checks import (
     require_int,
     require_number,
     require_str,
+    shown,
 )
 from mooncake.errors import ConfigError, InvalidRequestError
 
@@ -124,3 +126,34 @@ def test_require_bool_accepts_exactly_the_two_booleans(value: object) -> None:
     else:
         with pytest.raises(ConfigError, match=r"^flag must be True or False, got "):
             require_bool("flag", value)
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(values, st.integers(12, 300), st.sampled_from([repr, ascii]))
+def test_shown_quotes_any_value_in_one_line_within_its_limit(value: object, limit: int, quote: object) -> None:
+    """A value is its quote when that fits, else the quote cut to `limit` characters keeping its last; an integer
+    whose digits would not fit is named by its bits, whose count fits any limit the callers use."""
+    text = shown(value, limit=limit, quote=quote)  # type: ignore[arg-type]
+    full = quote(value)  # type: ignore[operator]
+    assert "\n" not in text
+    if isinstance(value, int) and len(repr(value)) > limit:
+        assert text == f"an integer of {value.bit_length()} bits"
+    elif len(full) <= limit:
+        assert text == full
+    else:
+        assert len(text) == limit and text == full[: limit - 4] + "..." + full[-1]
+
+
+def test_shown_names_what_it_cannot_render_by_its_type() -> None:
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert shown(deep) == "a list too large to show"
+    assert shown(10**5000) == "an integer of 16610 bits"
+    assert shown([10**5000]) == "a list too large to show"  # repr refuses an int past 4,300 digits

@@ -56,6 +56,7 @@ from typing import Any
 
 import attrs
 
+from mooncake._checks import shown
 from mooncake.engine.chat import content_text
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import InvalidRequestError, MooncakeError
@@ -215,12 +216,6 @@ def authorized(authorization: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and matches
 
 
-def _shown(value: Any, limit: int = 60) -> str:
-    """A client's value for a message: ASCII (lone surrogates and all), cut to `limit` characters."""
-    text = ascii(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ---------------------------------------------------------------------------------------------- bytes to JSON
 
 
@@ -238,7 +233,7 @@ def _inflate(data: bytes, coding: str, max_bytes: int) -> bytes:
     elif coding == "deflate":
         candidates = [zlib.MAX_WBITS, -zlib.MAX_WBITS]  # zlib-wrapped, as the RFC says, or raw as some clients send
     else:
-        raise ApiError(415, f"unsupported Content-Encoding {_shown(coding)} (gzip, deflate or identity)")
+        raise ApiError(415, f"unsupported Content-Encoding {shown(coding, quote=ascii)} (gzip, deflate or identity)")
     for wbits in candidates:
         inflater = zlib.decompressobj(wbits)
         try:
@@ -273,7 +268,7 @@ def decode_body(
     """
     codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
     if len(codings) > 2:
-        raise ApiError(415, f"too many Content-Encodings: {_shown(content_encoding)}")
+        raise ApiError(415, f"too many Content-Encodings: {shown(content_encoding, quote=ascii)}")
     for coding in reversed(codings):
         if coding != "identity":
             raw = _inflate(raw, coding, max_bytes)
@@ -283,7 +278,7 @@ def decode_body(
     except (LookupError, ValueError):
         name = ""
     if name not in CHARSETS:
-        raise ApiError(400, f"unsupported charset {_shown(charset)} (use utf-8)")
+        raise ApiError(400, f"unsupported charset {shown(charset, quote=ascii)} (use utf-8)")
     try:
         text = raw.decode("utf-8-sig" if name == "utf-8" else name)
     except UnicodeDecodeError as error:
@@ -295,7 +290,7 @@ def decode_body(
     except RecursionError:
         raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
     except ValueError as error:  # JSONDecodeError, NaN, an integer past Python's digit limit
-        raise ApiError(400, f"the body is not valid JSON: {_shown(str(error), 120)}") from None
+        raise ApiError(400, f"the body is not valid JSON: {shown(str(error), limit=120, quote=ascii)}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, not a JSON {type(body).__name__}")
     return body
@@ -602,13 +597,13 @@ CHAT_FIELDS = frozenset(
 
 def _param(name: str) -> str:
     """A parameter's name as an error names it: as given when short printable ASCII, else escaped and cut."""
-    return name if len(name) <= 40 and name.isascii() and name.isprintable() else _shown(name, 40)
+    return name if len(name) <= 40 and name.isascii() and name.isprintable() else shown(name, limit=40, quote=ascii)
 
 
 def _text(value: Any, param: str) -> str:
     """A string that UTF-8 can encode (JSON's \\ud800 escapes make lone surrogates, which it cannot)."""
     if not isinstance(value, str):
-        raise ApiError(400, f"{param} must be a string, got {_shown(value)}", param=param)
+        raise ApiError(400, f"{param} must be a string, got {shown(value, quote=ascii)}", param=param)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -623,7 +618,9 @@ def _integer(body: Mapping[str, Any], name: str, default: int, low: int, high: i
         return default
     number = lax_integer(value)
     if number is None or not low <= number <= high:
-        raise ApiError(400, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}", param=name)
+        raise ApiError(
+            400, f"{name} must be an integer in [{low}, {high}], got {shown(value, quote=ascii)}", param=name
+        )
     return number
 
 
@@ -641,7 +638,7 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
         or number > high
     ):
         bounds = f"{'(' if open_low else '['}{low}, {high}]"
-        raise ApiError(400, f"{name} must be a number in {bounds}, got {_shown(value)}", param=name)
+        raise ApiError(400, f"{name} must be a number in {bounds}, got {shown(value, quote=ascii)}", param=name)
     return number
 
 
@@ -798,7 +795,7 @@ def lax_flag(body: Mapping[str, Any], name: str) -> bool | None:
         return bool(value)
     if isinstance(value, str) and value.lower() in _LAX_TRUE | _LAX_FALSE:
         return value.lower() in _LAX_TRUE
-    raise ApiError(400, f"{name} must be a boolean, got {_shown(value)}", param=name)
+    raise ApiError(400, f"{name} must be a boolean, got {shown(value, quote=ascii)}", param=name)
 
 
 def stream_flag(body: Mapping[str, Any]) -> bool:
@@ -816,18 +813,18 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
-        got = f"a list of {len(stops)}" if isinstance(stops, list) else _shown(value)
+        got = f"a list of {len(stops)}" if isinstance(stops, list) else shown(value, quote=ascii)
         raise ApiError(
             400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings, got {got}", param="stop"
         )
     for i, stop in enumerate(stops):
         where = "stop" if isinstance(value, str) else f"stop[{i}]"
         if not isinstance(stop, str):
-            raise ApiError(400, f"stop must hold strings, got {where} = {_shown(stop)}", param="stop")
+            raise ApiError(400, f"stop must hold strings, got {where} = {shown(stop, quote=ascii)}", param="stop")
         if not 0 < len(_text(stop, "stop")) <= MAX_STOP_CHARS:
             raise ApiError(
                 400,
-                f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {where} = {_shown(stop)} "
+                f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {where} = {shown(stop, quote=ascii)} "
                 f"({len(stop)} characters)",
                 param="stop",
             )
@@ -838,10 +835,10 @@ def _check_model(body: Mapping[str, Any], served: ServedModel) -> None:
     """A `model` given must be the served one's name (404 `model_not_found` otherwise, as OpenAI answers)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"model must be a string, got {_shown(model)}", param="model")
+        raise ApiError(400, f"model must be a string, got {shown(model, quote=ascii)}", param="model")
     if model is not None and model != served.name:
         raise ApiError(
-            404, f"the model {_shown(model)} does not exist (this server serves {served.name!r})",
+            404, f"the model {shown(model, quote=ascii)} does not exist (this server serves {served.name!r})",
             param="model", code="model_not_found",
         )  # fmt: skip
 
@@ -858,11 +855,11 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         if name in NEUTRAL:
             if NEUTRAL[name](value):
                 continue
-            raise ApiError(400, f"{name} = {_shown(value)} has the wrong type", param=name)
+            raise ApiError(400, f"{name} = {shown(value, quote=ascii)} has the wrong type", param=name)
         if name in UNSUPPORTED:
             if UNSUPPORTED[name](value):
                 continue
-            raise ApiError(400, f"{name} = {_shown(value)} is not supported by this server", param=name)
+            raise ApiError(400, f"{name} = {shown(value, quote=ascii)} is not supported by this server", param=name)
         ignored.append(_param(name))
     if ignored:
         LOG.warning("ignored request fields this server does not know: %s", ", ".join(ignored))
@@ -986,12 +983,12 @@ def _check_ids(value: Any, param: str, served: ServedModel) -> list[int]:
     """
     expected = f"{param} must be a list of token ids in [0, {served.vocab_size})"
     if type(value) is not list:
-        raise ApiError(400, f"{expected}, got {_shown(value)}", param=param)
+        raise ApiError(400, f"{expected}, got {shown(value, quote=ascii)}", param=param)
     ids = []
     for i, token in enumerate(value):
         read = lax_integer(token)  # a list of ints as vLLM reads one: "5" is 5
         if read is None or not 0 <= read < served.vocab_size:
-            raise ApiError(400, f"{expected}, got {param}[{i}] = {_shown(token)}", param=param)
+            raise ApiError(400, f"{expected}, got {param}[{i}] = {shown(token, quote=ascii)}", param=param)
         ids.append(read)
     return ids
 
@@ -1009,7 +1006,9 @@ def prompt_truncation(body: Mapping[str, Any], max_model_len: int | None) -> tup
     """
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
-        raise ApiError(400, f"truncation_side must be 'left' or 'right', got {_shown(side)}", param="truncation_side")
+        raise ApiError(
+            400, f"truncation_side must be 'left' or 'right', got {shown(side, quote=ascii)}", param="truncation_side"
+        )
     if body.get("truncate_prompt_tokens") is None:
         return None, side
     k = _integer(body, "truncate_prompt_tokens", 0, -1, MAX_SEED)
@@ -1034,7 +1033,9 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
         return ()
     if not isinstance(value, dict):
         raise ApiError(
-            400, f"logit_bias must be an object of token ids to numbers, got {_shown(value)}", param="logit_bias"
+            400,
+            f"logit_bias must be an object of token ids to numbers, got {shown(value, quote=ascii)}",
+            param="logit_bias",
         )
     biases = {}
     for key, bias in value.items():
@@ -1045,12 +1046,14 @@ def _logit_bias(value: Any, served: ServedModel) -> tuple[tuple[int, float], ...
         if not 0 <= token < served.vocab_size:
             raise ApiError(
                 400,
-                f"logit_bias keys must be token ids in [0, {served.vocab_size}), got {_shown(key)}",
+                f"logit_bias keys must be token ids in [0, {served.vocab_size}), got {shown(key, quote=ascii)}",
                 param="logit_bias",
             )
         number = lax_number(bias)  # as vLLM reads its values (floats)
         if number is None or not math.isfinite(number):
-            raise ApiError(400, f"logit_bias[{key!r}] must be a number, got {_shown(bias)}", param="logit_bias")
+            raise ApiError(
+                400, f"logit_bias[{key!r}] must be a number, got {shown(bias, quote=ascii)}", param="logit_bias"
+            )
         biases[token] = min(100.0, max(-100.0, number))
     return tuple(sorted(biases.items()))
 
@@ -1079,7 +1082,7 @@ def _no_string(body: Mapping[str, Any], name: str) -> None:
         ApiError: 400 naming the field, for a string.
     """
     if isinstance(body.get(name), str):
-        raise ApiError(400, f"{name} must be an integer, got {_shown(body[name])}", param=name)
+        raise ApiError(400, f"{name} must be an integer, got {shown(body[name], quote=ascii)}", param=name)
 
 
 def _prompt_logprobs(body: Mapping[str, Any], served: ServedModel, *, stream: bool) -> int | None:
@@ -1093,7 +1096,9 @@ def _prompt_logprobs(body: Mapping[str, Any], served: ServedModel, *, stream: bo
     _no_string(body, "prompt_logprobs")
     value = lax_integer(given)
     if value is None:
-        raise ApiError(400, f"prompt_logprobs must be an integer, got {_shown(given)}", param="prompt_logprobs")
+        raise ApiError(
+            400, f"prompt_logprobs must be an integer, got {shown(given, quote=ascii)}", param="prompt_logprobs"
+        )
     if value < -1:
         raise ApiError(400, f"prompt_logprobs must be a positive value or -1, got {value}", param="prompt_logprobs")
     if stream and value != 0:
@@ -1178,7 +1183,7 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if not isinstance(options, dict):
         raise ApiError(
             400,
-            f'stream_options must be an object such as {{"include_usage": <bool>}}, got {_shown(options)}',
+            f'stream_options must be an object such as {{"include_usage": <bool>}}, got {shown(options, quote=ascii)}',
             param="stream_options",
         )
     if not stream_flag(body):
@@ -1191,7 +1196,9 @@ def stream_usage(body: Mapping[str, Any]) -> tuple[bool, bool]:
             flags[name] = bool(lax_flag(options, name))
         except ApiError:
             raise ApiError(
-                400, f"stream_options.{name} must be a boolean, got {_shown(options[name])}", param="stream_options"
+                400,
+                f"stream_options.{name} must be a boolean, got {shown(options[name], quote=ascii)}",
+                param="stream_options",
             ) from None
     return flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
 
@@ -1238,7 +1245,7 @@ def _one_prompt(prompt: Any, served: ServedModel) -> str | tuple[int, ...]:
             if not 0 <= token < served.vocab_size:
                 raise ApiError(
                     400,
-                    f"prompt token ids must lie in [0, {served.vocab_size}), got {_shown(token)} at index {i}",
+                    f"prompt token ids must lie in [0, {served.vocab_size}), got {shown(token, quote=ascii)} at index {i}",
                     param="prompt",
                 )
         return tuple(prompt)
@@ -1290,7 +1297,9 @@ def _documents(value: Any) -> list[dict[str, str]] | None:
     if not isinstance(value, list) or not all(
         isinstance(one, dict) and all(isinstance(v, str) for v in one.values()) for one in value
     ):
-        raise ApiError(400, f"documents must be a list of objects of strings, got {_shown(value)}", param="documents")
+        raise ApiError(
+            400, f"documents must be a list of objects of strings, got {shown(value, quote=ascii)}", param="documents"
+        )
     return [dict(one) for one in value]
 
 
@@ -1304,14 +1313,20 @@ def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
-            got = f"role {_shown(message.get('role'))}" if isinstance(message, dict) else _shown(message)
+            got = (
+                f"role {shown(message.get('role'), quote=ascii)}"
+                if isinstance(message, dict)
+                else shown(message, quote=ascii)
+            )
             raise ApiError(400, f"{where} needs a role ({', '.join(ROLES)}), got {got}", param=where)
         if message.get("name") is not None:
             _text(message["name"], f"{where}.name")
         for key, neutral in MESSAGE_UNRENDERED.items():  # tools are not served (`tools` is refused), nor audio
             if not neutral(message.get(key)):
                 raise ApiError(
-                    400, f"{where}.{key} = {_shown(message[key])} is not supported by this server", param=where
+                    400,
+                    f"{where}.{key} = {shown(message[key], quote=ascii)} is not supported by this server",
+                    param=where,
                 )
         content = message.get("content")
         try:  # what counts as a message's text is the reader's (vLLM's) rule, the vLLM router's too
@@ -1344,7 +1359,9 @@ def _template_variables(value: Any) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise ApiError(
-            400, f"chat_template_kwargs must be an object, got {_shown(value)}", param="chat_template_kwargs"
+            400,
+            f"chat_template_kwargs must be an object, got {shown(value, quote=ascii)}",
+            param="chat_template_kwargs",
         )
     # The request's own inputs, and tools (refused at the top level: they would be rendered but never called).
     # `documents` may come this way, as vLLM merges them (a top-level `documents` wins).
@@ -1450,7 +1467,9 @@ def parse_tokenize(body: Mapping[str, Any], served: ServedModel) -> tuple[Comple
         return CompletionRequest(model=served.name, prompt=prompt, sampling=sampling), token_strs
     for name in TOKENIZE_UNRENDERED:
         if not UNSUPPORTED[name](body.get(name)):
-            raise ApiError(400, f"{name} = {_shown(body[name])} is not supported by this server", param=name)
+            raise ApiError(
+                400, f"{name} = {shown(body[name], quote=ascii)} is not supported by this server", param=name
+            )
     return ChatRequest(model=served.name, sampling=sampling, **_chat_rendering(body)), token_strs
 
 
@@ -1677,10 +1696,10 @@ class Choice:
     prompt_token_ids: tuple[int, ...] | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
-        shown: dict[str, Any] = {"prompt_logprobs": self.prompt_logprobs}
+        fields: dict[str, Any] = {"prompt_logprobs": self.prompt_logprobs}
         if self.prompt_token_ids is not None:
-            shown["prompt_token_ids"] = list(self.prompt_token_ids)
-        return shown
+            fields["prompt_token_ids"] = list(self.prompt_token_ids)
+        return fields
 
 
 @attrs.frozen(kw_only=True)

@@ -56,7 +56,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from mooncake._checks import ceil_div
+from mooncake._checks import ceil_div, shown
 from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.checkpoint import CONFIG_FILE, read_model_config
 from mooncake.engine.config import PRESETS, ModelConfig
@@ -84,24 +84,14 @@ T = TypeVar("T")
 
 MAX_INT = 2**63 - 1  # what torch, numpy and the wire formats hold; no count or size comes near it
 DAY_S = 86_400.0
+_SHOWN = 240  # characters of a value quoted in a message (`mooncake._checks.shown`)
 _SAMPLE_BYTES = 1 << 20  # of each weight file's head and tail, in a checkpoint's namespace digest
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
-def _shown(value: Any, *, limit: int = 240) -> str:
-    """`value` for a one-line message: its repr, shortened; an integer too long to print by its size."""
-    if isinstance(value, int) and value.bit_length() > 200:  # repr fails beyond 4300 digits
-        return f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):  # a nested value holding such an integer, or nested too deep
-        text = f"<a {type(value).__name__}>"
-    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
-
-
 def _name(key: str) -> str:
     """A TOML key as written: bare when it can be, else quoted (so the message stays one line)."""
-    return key if re.fullmatch(r"[A-Za-z0-9_-]{1,60}", key) else _shown(key)
+    return key if re.fullmatch(r"[A-Za-z0-9_-]{1,60}", key) else shown(key, limit=_SHOWN)
 
 
 def _host(text: str) -> str | None:
@@ -214,7 +204,7 @@ class _Rule:
         return value
 
     def validate(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        self.check(f"[{instance.NAME}] {attribute.name} = {_shown(value)}", value)
+        self.check(f"[{instance.NAME}] {attribute.name} = {shown(value, limit=_SHOWN)}", value)
 
 
 def _setting(
@@ -500,12 +490,12 @@ def parse(data: Mapping[str, Any], source: str) -> ClusterConfig:
         if section not in SECTIONS:
             raise ConfigError(f"{source}: unknown section [{_name(section)}] (known: {', '.join(SECTIONS)})")
         if not isinstance(keys, dict):
-            raise ConfigError(f"{source}: [{section}] = {_shown(keys)}: must be a table")
+            raise ConfigError(f"{source}: [{section}] = {shown(keys, limit=_SHOWN)}: must be a table")
         known = [field.name for field in attrs.fields(SECTIONS[section])]
         for key, value in keys.items():
             if key not in known:
                 raise ConfigError(
-                    f"{source}: [{section}] {_name(key)} = {_shown(value)}: unknown key (known: {', '.join(known)})"
+                    f"{source}: [{section}] {_name(key)} = {shown(value, limit=_SHOWN)}: unknown key (known: {', '.join(known)})"
                 )
     records: dict[str, Any] = {}
     for section, record in SECTIONS.items():
@@ -513,7 +503,7 @@ def parse(data: Mapping[str, Any], source: str) -> ClusterConfig:
         values = {
             # Checked here, before the record's own validators, so that the message shows the value as written.
             field.name: field.metadata["rule"].check(
-                f"{source}: [{section}] {field.name} = {_shown(given[field.name])}", given[field.name]
+                f"{source}: [{section}] {field.name} = {shown(given[field.name], limit=_SHOWN)}", given[field.name]
             )
             for field in attrs.fields(record)
             if field.name in given
@@ -559,7 +549,7 @@ def _check_profile(config: ClusterConfig) -> None:
         raise ConfigError(f"{config.source}: {error}") from error
     except RecursionError as error:
         raise ConfigError(
-            f"{config.source}: [prefill] profile = {_shown(config.prefill.profile)}: JSON nested too deeply"
+            f"{config.source}: [prefill] profile = {shown(config.prefill.profile, limit=_SHOWN)}: JSON nested too deeply"
         ) from error
 
 

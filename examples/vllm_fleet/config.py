@@ -46,9 +46,10 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import attrs
-from serving.config import _api_key, _document, _host, _name, _path, _seconds, _setting, _shown
+from serving.config import _SHOWN, _api_key, _document, _host, _name, _path, _seconds, _setting
 from serving.registry import ADMISSIONS, ROUTERS
 
+from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched.router import DEFAULT_THRESHOLD
 from mooncake.types import Slo
@@ -224,10 +225,10 @@ def parse_router_config(data: Mapping[str, Any], source: str) -> RouterConfig:
             raise ConfigError(f"{source}: unknown section [{_name(section)}] (known: router, [[instances]])")
     router = data.get("router", {})
     if not isinstance(router, dict):
-        raise ConfigError(f"{source}: [router] = {_shown(router)}: must be a table")
+        raise ConfigError(f"{source}: [router] = {shown(router, limit=_SHOWN)}: must be a table")
     instances = data.get("instances", [])
     if not isinstance(instances, list) or not all(isinstance(table, dict) for table in instances):
-        raise ConfigError(f"{source}: instances = {_shown(instances)}: must be [[instances]] tables")
+        raise ConfigError(f"{source}: instances = {shown(instances, limit=_SHOWN)}: must be [[instances]] tables")
     return RouterConfig(
         source=source,
         router=_record(RouterSection, router, f"{source}: [router]"),
@@ -243,10 +244,12 @@ def _record(record: Any, given: Mapping[str, Any], where: str) -> Any:
     known = [field.name for field in fields]
     for key, value in given.items():
         if key not in known:
-            raise ConfigError(f"{where} {_name(key)} = {_shown(value)}: unknown key (known: {', '.join(known)})")
+            raise ConfigError(
+                f"{where} {_name(key)} = {shown(value, limit=_SHOWN)}: unknown key (known: {', '.join(known)})"
+            )
     values = {
         field.name: field.metadata["rule"].check(
-            f"{where} {field.name} = {_shown(given[field.name])}", given[field.name]
+            f"{where} {field.name} = {shown(given[field.name], limit=_SHOWN)}", given[field.name]
         )
         for field in fields
         if field.name in given

@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 
-from mooncake._checks import require_int, require_number
+from mooncake._checks import require_int, require_number, shown
 from mooncake.engine.attention import prefill_attention_into
 from mooncake.engine.config import ModelConfig
 from mooncake.engine.model import LlamaModel, token_ids
@@ -218,7 +218,7 @@ def _shown(value: object) -> str:
         return f"a {tuple(value.shape)} {value.dtype} tensor on {value.device}"
     if isinstance(value, Sequence) and not isinstance(value, str):
         return f"a {type(value).__name__} of {len(value)}"
-    return repr(value)
+    return shown(value)
 
 
 def _is_stopped(pid: int | None) -> bool:

@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import attrs
 import xxhash
 
-from mooncake._checks import ceil_div, require_int, require_number
+from mooncake._checks import ceil_div, require_int, require_number, shown
 from mooncake.cache.pool import DramPagePool, check_checksum
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import (
@@ -500,13 +500,9 @@ def _read_reply(peer: str, method: str, reply: Any, read: Callable[[Any], _T]) -
     try:
         return read(reply)
     except (KeyError, TypeError, ValueError, IndexError) as error:
-        raise ProtocolError(f"{peer} answered {method} with a malformed reply ({error!r}): {_shown(reply)}") from error
-
-
-def _shown(value: Any) -> str:
-    """What a peer sent, as quoted in an error: its repr, cut short after `_MAX_SHOWN` characters."""
-    shown = repr(value)
-    return shown[:_MAX_SHOWN] + "..." if len(shown) > _MAX_SHOWN else shown
+        raise ProtocolError(
+            f"{peer} answered {method} with a malformed reply ({error!r}): {shown(reply, limit=_MAX_SHOWN)}"
+        ) from error
 
 
 def _count(value: Any) -> int:
@@ -559,7 +555,7 @@ def _commit_checksums(args: Any) -> dict[BlockKey, int]:
         return {BlockKey(_count(key)): check_checksum(value) for key, value in _entries(raw, 2)}
     except ValueError as error:  # InvalidRequestError (a checksum out of range) is one
         raise ProtocolError(
-            f"checksums must be a list of [block key, XXH3-64 value] entries ({error}), got {_shown(raw)}"
+            f"checksums must be a list of [block key, XXH3-64 value] entries ({error}), got {shown(raw, limit=_MAX_SHOWN)}"
         ) from error
 
 

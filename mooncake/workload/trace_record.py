@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import attrs
 
-from mooncake._checks import ceil_div
+from mooncake._checks import ceil_div, shown
 from mooncake.types import BLOCK_KEY_LIMIT
 
 __all__ = [
@@ -147,7 +147,7 @@ def _field(record: dict[str, Any], name: str, *, integer: bool) -> Any:
     allowed = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"field '{name}' must be {kind}, got {_shown(value)}")
+        raise ValueError(f"field '{name}' must be {kind}, got {shown(value)}")
     return value
 
 
@@ -157,38 +157,27 @@ def _milliseconds(record: dict[str, Any], name: str, unit: TimeUnit) -> float:
     # An int is compared as an int: float() of one past 1e308 would overflow.
     bound = MAX_LINE_MS if unit == "ms" else MAX_LINE_MS / scale
     if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= bound:
-        shown = "2**43" if unit == "ms" else f"{bound:.15g}"
+        upper = "2**43" if unit == "ms" else f"{bound:.15g}"
         # Epoch microseconds (1.7e15 in 2024) read as milliseconds are past the bound: say so.
         micro = unit == "ms" and 0 < value <= 2**64
         hint = " (is the trace timed in microseconds? time_unit / --time-unit us)" if micro else ""
-        raise ValueError(f"field '{name}' must be a number of {unit} in [0, {shown}], got {_shown(value)}{hint}")
+        raise ValueError(f"field '{name}' must be a number of {unit} in [0, {upper}], got {shown(value)}{hint}")
     return value if unit == "ms" else value * scale  # type: ignore[no-any-return]  # ms as written: int or float
-
-
-def _shown(value: object, *, limit: int = 60) -> str:
-    """A JSON value for a one-line message: shortened, big integers by their size."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except RecursionError:  # nested about as deep as the JSON reader allows
-        text = f"a deeply nested {type(value).__name__}"
-    return text if len(text) <= limit else f"{text[: limit - 4]}...{text[-1]}"
 
 
 def _positive(record: dict[str, Any], name: str) -> int:
     value: int = _field(record, name, integer=True)
     if value <= 0:
-        raise ValueError(f"field '{name}' must be positive, got {_shown(value)}")
+        raise ValueError(f"field '{name}' must be positive, got {shown(value)}")
     if value > MAX_LINE_TOKENS:
-        raise ValueError(f"field '{name}' must be at most 2**24 tokens, got {_shown(value)}")
+        raise ValueError(f"field '{name}' must be at most 2**24 tokens, got {shown(value)}")
     return value
 
 
 def _text(record: dict[str, Any]) -> bytes:
     value = record["text_input"]
     if not isinstance(value, str) or not value:
-        raise ValueError(f"field 'text_input' must be a non-empty string, got {_shown(value)}")
+        raise ValueError(f"field 'text_input' must be a non-empty string, got {shown(value)}")
     for other in ("input_length", "hash_ids"):
         if _present(record, other):
             raise ValueError(f"field '{other}' cannot go with 'text_input' (the text gives the prompt)")
@@ -213,25 +202,25 @@ _EXACT_FLOAT_IDS = 2.0**53
 def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int) -> tuple[int, ...]:
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
-        raise ValueError(f"field 'hash_ids' must be a list of integers, got {_shown(hash_ids)}")
+        raise ValueError(f"field 'hash_ids' must be a list of integers, got {shown(hash_ids)}")
     if not all(type(h) is int for h in hash_ids):  # converted only when needed: every line of a trace passes here
         for h in hash_ids:
             # From 2**53 on a float is no one integer (2**53 + 1 reads as 2**53): distinct 64-bit ids, as a float
             # column writes them, would merge into one key and share a prefix they do not.
             if type(h) is float and h >= _EXACT_FLOAT_IDS:
                 raise ValueError(
-                    f"field 'hash_ids' holds the float {_shown(h)}, at least 2**53, where a float names no one integer "
+                    f"field 'hash_ids' holds the float {shown(h)}, at least 2**53, where a float names no one integer "
                     "(distinct ids would merge): write the ids as integers"
                 )
         hash_ids = [_whole(h) for h in hash_ids]
         for h in hash_ids:
             if type(h) is not int:  # None too (a JSON null)
-                raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {_shown(h)}")
+                raise ValueError(f"field 'hash_ids' must be a list of integers, got an element {shown(h)}")
     if hash_ids and min(hash_ids) < 0:
-        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {_shown(min(hash_ids))}")
+        raise ValueError(f"field 'hash_ids' must hold non-negative ids, got {shown(min(hash_ids))}")
     # A Request's keys lie below 2**256 (the widest an SSD page labels): refused here, where the line is named.
     if hash_ids and max(hash_ids) >= BLOCK_KEY_LIMIT:
-        raise ValueError(f"field 'hash_ids' must hold ids below 2**256, got {_shown(max(hash_ids))}")
+        raise ValueError(f"field 'hash_ids' must hold ids below 2**256, got {shown(max(hash_ids))}")
     check_block_count(len(hash_ids), input_length, block_size_tokens)
     return tuple(hash_ids)
 
@@ -377,7 +366,7 @@ def parse_record(record: object, block_size_tokens: int, *, time_unit: TimeUnit 
     if _present(record, "session_id"):
         session_id = session_of(record)
         if session_id is None:
-            raise ValueError(f"field 'session_id' must be a non-empty string, got {_shown(record['session_id'])}")
+            raise ValueError(f"field 'session_id' must be a non-empty string, got {shown(record['session_id'])}")
     timestamp = _milliseconds(record, "timestamp", time_unit) if _present(record, "timestamp") else None
     delay = _milliseconds(record, "delay", time_unit) if _present(record, "delay") else None
     text = _text(record) if _present(record, "text_input") else None

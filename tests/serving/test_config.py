@@ -87,7 +87,7 @@ ATTACKS: dict[str, tuple[str, list[str]]] = {
     "ttft_s = nan": ("[slo]\nttft_s = nan\n", ["[slo] ttft_s = nan", "finite"]),
     "tbt_s = inf": ("[slo]\ntbt_s = inf\n", ["[slo] tbt_s = inf", "finite"]),
     "threshold = -inf": ("[policy]\nthreshold = -inf\n", ["[policy] threshold = -inf"]),
-    "a seed of 10^400 (as hex)": (f"[model]\nseed = {hex(10**400)}\n", ["[model] seed = <an integer of about"]),
+    "a seed of 10^400 (as hex)": (f"[model]\nseed = {hex(10**400)}\n", ["[model] seed = an integer of 1329 bits"]),
     "an int of 5,000 digits": ("[model]\nseed = " + "7" * 5000 + "\n", ["not valid TOML", "4300 digits"]),
     "200,000-deep nesting": ("x = " + "[" * 200_000 + "\n", ["not valid TOML", "nested too deeply"]),
     "a float for an int": ("[decode]\nmax_batch_size = 8.5\n", ["[decode] max_batch_size = 8.5", "int"]),
@@ -271,7 +271,7 @@ def test_overrides_are_checked_like_the_file() -> None:
         config.with_overrides("cache", dram_blocks=4)
     with pytest.raises(ConfigError, match=r"\[limits\] health_interval_s = 0"):
         LimitsSection(health_interval_s=0)
-    with pytest.raises(ConfigError, match=r"\[slo\] ttft_s = <an integer of about 401 digits>"):
+    with pytest.raises(ConfigError, match=r"\[slo\] ttft_s = an integer of 1329 bits"):
         config.with_overrides("slo", ttft_s=10**400)
 
 
