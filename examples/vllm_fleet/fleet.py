@@ -370,8 +370,9 @@ class Fleet:
         if instance.subscriber is not None:
             # Its holdings leave the index; its next events start a new epoch there, from batch 0: a restarted
             # server's, whose numbers start again, or a live one's after a blip, which the subscriber asks its
-            # replay socket for at once. Its hash translations are kept (`skip_to`, not `restart`), so that
-            # replayed blocks whose parents came before the replay buffer's window are still understood.
+            # replay socket for at once. Its most recent hash translations are kept (`skip_to`, not `restart`:
+            # bounded by its retired list), so that replayed blocks whose parents came before the replay
+            # buffer's window are still understood.
             instance.subscriber.decoder.skip_to(0)
         ends = self.conductor.handle(InstanceDown(instance_id=instance_id, now=now))
         for end in ends:

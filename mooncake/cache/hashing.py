@@ -155,7 +155,7 @@ class BlockHasher:
 
     @algorithm.validator
     def _check_algorithm(self, _attribute: object, value: str) -> None:
-        if value not in _KEY_BYTES:
+        if not isinstance(value, str) or value not in _KEY_BYTES:  # a list is unhashable: no dict lookup for it
             raise ConfigError(f"algorithm must be one of {sorted(_KEY_BYTES)}, got {value!r}")
 
     def __attrs_post_init__(self) -> None:

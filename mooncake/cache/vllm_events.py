@@ -15,7 +15,8 @@ blocks the GPU stored), whose keys are looked up. Hashes are looked up in one fo
 several: its GPU pool as an int (`maybe_convert_block_hash`, by default), some
 versions of its offloading connector as the raw bytes. The map holds every hash
 some tier holds, plus the `max_retired_hashes` most recently dropped ones, so a
-block stored just after its parent was evicted still finds its parent. LoRA
+block stored just after its parent was evicted still finds its parent (a loss,
+`skip_to`, drops every hash: their copies are unknown). LoRA
 blocks are keyed in their adapter's namespace (`BlockHasher.for_lora`, where a
 router keys a request naming that adapter; vLLM also writes the adapter's name,
 or id, as each block's ``extra_keys``: those say nothing more); blocks with other
@@ -71,9 +72,10 @@ it met is left out of the events.
 
 Invariants (`VllmEventDecoder.check_invariants`):
 - a hash is mapped to a key iff some tier holds it or it is retired, not both;
-- held hashes have a count of copies >= 0 per tier, some of them positive (all zero only after `skip_to`, whose
-  losses make the counts unknown); at most `max_retired_hashes` are retired; a hash whose parent is recorded is
-  mapped; a chunk stored without tokens is recorded, per tier, with its blocks (its naming hash last) and copies;
+- held hashes have a count of copies >= 0 per tier, some of them positive (a hash whose counts a loss made
+  unknown, at `skip_to`, is retired); at most `max_retired_hashes` are retired, so the map is bounded by them and
+  what some tier holds; a hash whose parent is recorded is mapped; a chunk stored without tokens is recorded, per
+  tier, with its blocks (its naming hash last) and copies;
 - the held are kept in the order they came to be held (a GPU clear retires them so), the retired in the order
   they were retired (the oldest goes first); a refused batch puts every hash back in its place.
 """
@@ -363,16 +365,21 @@ class VllmEventDecoder:
 
         A consumer's holdings for this source are unknown from here; a `BlockIndex`
         drops them on the new epoch's first event (or `resync` it to empty at once).
-        Hash translations are kept: a hash always stands for the same tokens. The
-        counts of copies are not (the lost batches changed them): they start again
-        from zero, so the next removal of a block held before publishes its removal,
-        and a block stored again is not held up by copies already gone.
+        So are the counts of copies (the lost batches changed them): every held hash
+        is retired, in the order they came to be held, as if its last copy went, so
+        the next removal of a block held before publishes its removal, and a block
+        stored again counts its copies from zero. Hash translations are kept as
+        retired ones are (a hash always stands for the same tokens): the
+        `max_retired_hashes` most recent, so that the decoder's memory stays bounded
+        however often batches are lost (the fleet's `skip_to(0)` on every server
+        down); a removal of a hash pushed out since is one never seen.
         """
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         self._epoch += 1
         self._seq = 0
         self._expected = seq
-        self._held = dict.fromkeys(self._held, _NO_COPIES)
+        for block_hash, key in [(h, self._keys[h]) for h in self._held]:  # oldest held first: it retires first
+            self._set(block_hash, key, None)
         self._chunks = {}
 
     def restart(self, *, epoch: int | None = None) -> None:
@@ -421,6 +428,7 @@ class VllmEventDecoder:
         assert all(len(counts) == len(Tier) and min(counts) >= 0 for counts in self._held.values()), (
             "a held hash's copies are not counted per tier"
         )
+        assert all(any(counts) for counts in self._held.values()), "a hash held with no copies (it is retired)"
         assert len(self._retired) <= self.max_retired_hashes, f"{len(self._retired)} retired hashes"
         assert set(self._parents) <= set(self._keys), "a parent link of a hash no longer mapped"
         for (block_hash, tier), (chunk, copies) in self._chunks.items():
@@ -474,8 +482,8 @@ class VllmEventDecoder:
         """vLLM's AllBlocksCleared: its GPU pool dropped every block (`BlockPool.reset_prefix_cache`, the event's
         only publisher); the offloading connector's tiers keep theirs (its reset publishes nothing). Every GPU copy
         goes, in the order the blocks came to be held, and a block left in no tier is retired; the GPU's chunk
-        records go too. Blocks whose copies are unknown (all zero, after `skip_to`) are left as they are: no
-        index holds them in this epoch, and another tier may."""
+        records go too. Blocks retired at `skip_to` (their copies unknown) stay retired: no index holds them in
+        this epoch."""
         tier = self._gpu_tier
         removed: list[BlockKey] = []
         for block_hash, counts in list(self._held.items()):

@@ -29,11 +29,13 @@ blocks copied to CPU by hash alone (``block_size`` then may be 0);
 ``parent_block_hash`` is the hash of the block before the first one (nil at the
 start of a sequence). Reading (`decode_batch`) is lenient
 about versions: a trailing field an older producer lacks reads as nil and a field
-a newer one adds is ignored. `encode_batch` writes exactly what msgspec writes for
-those structs. On the wire a batch is the third frame of ``[topic, seq as 8 bytes
-big-endian, payload]`` (``examples/vllm_events.py`` has the subscriber and
-publisher); `mooncake.cache.vllm_events` turns the records into this library's
-events and back.
+a newer one adds is ignored; values no vLLM writes are refused (an empty
+``lora_name``, a ``lora_id`` below 1, a negative ``group_idx`` or rank).
+`encode_batch` writes exactly what msgspec writes for those structs. On the wire
+a batch is the third frame of ``[topic, seq as 8 bytes big-endian, payload]``
+(``examples/vllm_events.py`` has the subscriber and publisher);
+`mooncake.cache.vllm_events` turns the records into this library's events and
+back.
 
 msgpack (the ``kv-events`` extra) is imported on the first encode or decode, so
 ``import mooncake.cache`` does not need it; without it, that first call raises a ``ConfigError`` naming
@@ -154,8 +156,8 @@ def encode_batch(
 
     Raises:
         ConfigError: a layout other than "array" or "map"; msgpack (the kv-events extra) is not installed.
-        VllmEventError: `batch` is no `VllmEventBatch`, its ts no finite number, its rank no integer or None, or
-            an event no vLLM event record.
+        VllmEventError: `batch` is no `VllmEventBatch`, its ts no finite number, its rank no integer >= 0 or None,
+            or an event no vLLM event record.
     """
     for name, layout in (("event_layout", event_layout), ("batch_layout", batch_layout)):
         if layout not in _LAYOUTS:  # anything else would silently be a map
@@ -164,9 +166,7 @@ def encode_batch(
         raise VllmEventError(f"batch must be a VllmEventBatch, got {batch!r:.80}")
     if not is_finite_number(batch.ts):
         raise VllmEventError(f"batch ts must be a finite number, got {batch.ts!r}")
-    rank = batch.data_parallel_rank
-    if rank is not None and not is_int(rank):
-        raise VllmEventError(f"batch data_parallel_rank must be an integer or None, got {rank!r}")
+    rank = _optional_int("data_parallel_rank", batch.data_parallel_rank, "batch", minimum=0)
     with needs_extra("encode_batch"):  # lazy: `import mooncake.cache` stays light
         import msgpack  # type: ignore[import-untyped]
 
@@ -230,7 +230,7 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
     return VllmEventBatch(
         ts=float(ts),
         events=tuple(_read_event(i, raw) for i, raw in enumerate(events)),
-        data_parallel_rank=_optional_int("data_parallel_rank", rank, "batch"),
+        data_parallel_rank=_optional_int("data_parallel_rank", rank, "batch", minimum=0),
     )
 
 
@@ -264,7 +264,7 @@ def _read_event(index: int, raw: object) -> VllmEvent:
     medium = values.get("medium")
     if medium is not None and not isinstance(medium, str):
         raise VllmEventError(f"{where}: medium must be a string or nil, got {medium!r}")
-    group_idx = _optional_int("group_idx", values.get("group_idx"), where)
+    group_idx = _optional_int("group_idx", values.get("group_idx"), where, minimum=0)
     if tag == _REMOVED:
         return VllmBlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx)
     parent = values["parent_block_hash"]
@@ -283,6 +283,8 @@ def _read_event(index: int, raw: object) -> VllmEvent:
     for name, value in (("lora_name", lora_name), ("kv_cache_spec_kind", spec_kind)):
         if value is not None and not isinstance(value, str):
             raise VllmEventError(f"{where}: {name} must be a string or nil, got {value!r}")
+    if lora_name == "":  # an adapter names its blocks' namespace (`BlockHasher.for_lora`): vLLM serves none unnamed
+        raise VllmEventError(f"{where}: lora_name must be a non-empty string or nil, got {lora_name!r}")
     extra = values.get("extra_keys")
     if extra is not None and not (isinstance(extra, list) and all(e is None or isinstance(e, list) for e in extra)):
         raise VllmEventError(f"{where}: extra_keys must be an array of arrays or nils, got {extra!r:.80}")
@@ -291,7 +293,7 @@ def _read_event(index: int, raw: object) -> VllmEvent:
         parent_block_hash=parent,
         token_ids=tuple(tokens),
         block_size=int(block_size),
-        lora_id=_optional_int("lora_id", values.get("lora_id"), where),
+        lora_id=_optional_int("lora_id", values.get("lora_id"), where, minimum=1),  # vLLM's LoRARequest: id >= 1
         medium=medium,
         lora_name=lora_name,
         extra_keys=None if extra is None else tuple(None if e is None else tuple(e) for e in extra),
@@ -309,7 +311,17 @@ def _hashes(raw: object, where: str) -> tuple[ExternalHash, ...]:
     return tuple(raw)
 
 
-def _optional_int(name: str, value: object, where: str) -> int | None:
-    if value is not None and not is_int(value):
+def _optional_int(name: str, value: object, where: str, *, minimum: int | None = None) -> int | None:
+    """`value`, an integer (>= `minimum`, where given) or nil, as an int or None.
+
+    A bound matters: a negative group index is no group (its events would vanish unread), and vLLM numbers LoRA
+    adapters from 1 and data-parallel ranks from 0.
+    """
+    if value is None:
+        return None
+    if not is_int(value):
         raise VllmEventError(f"{where}: {name} must be an integer or nil, got {value!r}")
-    return None if value is None else int(cast("int", value))
+    number = int(cast("int", value))
+    if minimum is not None and number < minimum:
+        raise VllmEventError(f"{where}: {name} must be an integer >= {minimum} or nil, got {number!r}")
+    return number

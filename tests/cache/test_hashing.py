@@ -264,10 +264,19 @@ def test_batch_handles_long_blocks() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("block_size_tokens", 0), ("block_size_tokens", True), ("seed", -1), ("seed", 2**64), ("algorithm", "md5")],
+    [
+        ("block_size_tokens", 0),
+        ("block_size_tokens", True),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("algorithm", "md5"),
+        ("algorithm", ["xxh3_64"]),  # unhashable: no bare TypeError from the lookup
+        ("algorithm", None),
+    ],
 )
 def test_invalid_config_names_the_field(field: str, value: object) -> None:
-    """Each invalid option raises ConfigError naming the field and value."""
+    """Each invalid option (an algorithm that is no name of one too) raises ConfigError naming the field and
+    value."""
     with pytest.raises(ConfigError, match=field) as caught:
         hasher(**{field: value})
     assert repr(value) in str(caught.value)

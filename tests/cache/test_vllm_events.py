@@ -193,6 +193,8 @@ def test_older_and_newer_producers_read_alike() -> None:
 hashes = st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.binary(min_size=1, max_size=32)
 optional_small = st.none() | st.integers(min_value=0, max_value=1000)
 optional_names = st.none() | st.text(max_size=6)
+lora_ids = st.none() | st.integers(min_value=1, max_value=1000)  # vLLM numbers adapters from 1
+lora_names = st.none() | st.text(min_size=1, max_size=6)  # and names each
 
 
 @st.composite
@@ -207,9 +209,9 @@ def vllm_batches(draw: st.DrawFn) -> VllmEventBatch:
                     parent_block_hash=draw(st.none() | hashes),
                     token_ids=tuple(draw(st.lists(st.integers(0, 2**31 - 1), max_size=4 * num_blocks))),
                     block_size=draw(st.integers(1, 64)),
-                    lora_id=draw(optional_small),
+                    lora_id=draw(lora_ids),
                     medium=draw(optional_names),
-                    lora_name=draw(optional_names),
+                    lora_name=draw(lora_names),
                     extra_keys=draw(st.none() | st.lists(st.none() | st.tuples(st.text(max_size=3))).map(tuple)),
                     group_idx=draw(optional_small),
                     kv_cache_spec_kind=draw(optional_names),

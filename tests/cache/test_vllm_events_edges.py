@@ -117,8 +117,9 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
     when the tier has none left, and retires a block left in no tier (again, for a retired one: it becomes the
     newest);
     AllBlocksCleared (vLLM's GPU pool's) takes every GPU copy, published as one removal from VRAM of the blocks
-    that had one, in the order held, and retires the blocks it leaves in no tier; a stored child needs its parent known (held or retired), a removal
-    known hashes, else UnknownBlockError and nothing applied; events of another KV group change nothing but use
+    that had one, in the order held, and retires the blocks it leaves in no tier; `skip_to` (a loss: copies
+    unknown) retires every held block, in the order held, and starts a new epoch; a stored child needs its parent
+    known (held or retired), a removal known hashes, else UnknownBlockError and nothing applied; events of another KV group change nothing but use
     their number; a batch with a refused event at its end leaves no trace. Each applied batch gives exactly the
     events the model says, numbered on; a hash translates to its block's key iff the model knows the block."""
 
@@ -128,7 +129,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         self.bound = 0
         self.held: dict[int, dict[Tier, int]] = {}  # block → copies per tier, a tier with none left out
         self.retired: list[int] = []
-        self.expected, self.ours = 0, 0
+        self.expected, self.ours, self.epoch = 0, 0, 0
 
     @initialize(bound=st.sampled_from([0, 1, 2, 64]))
     def make(self, bound: int) -> None:
@@ -151,7 +152,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         out = decoded(self.decoder.decode(payload(events, layout=layout), seq=self.expected))
         self.expected += 1
         assert [e.seq for e in out] == list(range(self.ours, self.ours + len(out)))
-        assert all(e.epoch == 0 and e.source == SOURCE for e in out)
+        assert all(e.epoch == self.epoch and e.source == SOURCE for e in out)
         self.ours += len(out)
         return out
 
@@ -235,6 +236,17 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
                 self._retire(i)
 
     @precondition(lambda self: self.decoder is not None)
+    @rule(ahead=st.integers(0, 3))
+    def skipped(self, ahead: int) -> None:
+        """Batches lost (`skip_to`): the copies are unknown, so every held block is retired, in the order held, and
+        the events go on, numbered from 0, in a new epoch."""
+        assert self.decoder is not None
+        self.decoder.skip_to(self.expected + ahead)
+        for i in list(self.held):
+            self._retire(i)
+        self.epoch, self.expected, self.ours = self.epoch + 1, self.expected + ahead, 0
+
+    @precondition(lambda self: self.decoder is not None)
     @rule(i=st.sampled_from(BLOCKS), medium=st.sampled_from([*MEDIUMS, "TAPE"]))
     def another_group(self, i: int, medium: str | None) -> None:
         """Another KV group's store (of any parent, in any medium) and removal (of any hash) are ignored."""
@@ -271,7 +283,7 @@ class DecoderHoldingsMachine(RuleBasedStateMachine):
         if self.decoder is None:
             return
         self.decoder.check_invariants()
-        assert (self.decoder.expected_seq, self.decoder.epoch) == (self.expected, 0)
+        assert (self.decoder.expected_seq, self.decoder.epoch) == (self.expected, self.epoch)
         for i in BLOCKS:
             assert self.decoder.key_of(external(i)) == (KEYS[i] if self._known(i) else None), (i, self.retired)
             for tier in Tier:
