@@ -1149,12 +1149,17 @@ def requested_max_tokens(body: Mapping[str, Any], *, default: int | None, comple
     """The output a body asks for, as vLLM reads it: a chat's `max_completion_tokens` (OpenAI's newer name) where it
     is not null, else `max_tokens`; a `completion`'s `max_tokens` only (vLLM's `CompletionRequest` has no
     `max_completion_tokens` and ignores one); `default` where none is set (None: the context decides, vLLM's rule
-    for a chat; a completion's default is 16 in vLLM).
+    for a chat; a completion's default is 16 in vLLM). A chat's `max_tokens` beside a `max_completion_tokens` sets
+    nothing, but is still typed (vLLM's model declares it `int | None`): any integer, no range.
 
     Raises:
-        ApiError: 400, a value that is not an integer >= 1 as vLLM reads one (`lax_integer`).
+        ApiError: 400, a limit that is not an integer >= 1 as vLLM reads one (`lax_integer`); a chat's `max_tokens`
+            beside `max_completion_tokens` that is no integer.
     """
     limit = output_limit_field(body, completion=completion)
+    shadowed = body.get("max_tokens")
+    if limit != "max_tokens" and shadowed is not None and lax_integer(shadowed) is None:
+        raise ApiError(400, f"max_tokens must be an integer, got {shown(shadowed, quote=ascii)}", param="max_tokens")
     if body.get(limit) is None:
         return default
     return _integer(body, limit, 0, 1, MAX_SEED)

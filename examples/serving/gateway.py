@@ -169,6 +169,7 @@ class Gateway:
             handler_args=self.edge.handler_args(),
         )
         app.on_response_prepare.append(_cors_headers)
+        app.on_response_prepare.append(self._count_answer)
         for method, path, handler in self._routes():
             app.router.add_route(method, path, handler, expect_handler=self._expect)
             if method == "GET":  # as vLLM's server and HTTP want: the headers without the body
@@ -217,11 +218,20 @@ class Gateway:
         if self._uninstall_log_limits is not None:
             self._uninstall_log_limits()
 
+    async def _count_answer(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Count an answer to a completion request by its status as its headers go out: the one place it is counted,
+        so each answer counts once whoever made it (a handler, the error middleware: an ApiError, aiohttp's 413 for
+        a body over the cap, the 500 of a failure; `_expect`'s 417). A stream counts as the 200 it starts with; a
+        client gone before any header got no answer, and counts none."""
+        if request.match_info.handler in (self._completions, self._chat):
+            self.metrics.responses[str(response.status)].inc()
+
     @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every error answer as OpenAI's JSON body: ours, aiohttp's (404, 405, 413...) and the unexpected."""
+        """Every error answer as OpenAI's JSON body: ours, aiohttp's (404, 405, 413...) and the unexpected (a 500,
+        unless a stream had begun: its connection is closed after what it sent)."""
         try:
             return await handler(request)
         except ApiError as error:
@@ -235,6 +245,10 @@ class Gateway:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
+            if request.writer.output_size > 0:
+                # A stream's 200 went out: no answer can follow it. aiohttp's handler (`JsonRequestHandler`) logs the
+                # failure and closes the connection.
+                raise
             LOG.exception("unexpected error serving %s %s", request.method, request.path)
             return _error_response(ApiError(500, "internal error"))
 
@@ -415,9 +429,8 @@ class Gateway:
                     lives.append(live)
                     asked.append(one)
                     dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it
-        except ApiError as error:
+        except ApiError:
             self._withdraw(lives)
-            self.metrics.responses[str(error.status)].inc()
             raise
         except asyncio.CancelledError:
             self._withdraw(lives)
@@ -549,11 +562,9 @@ class Gateway:
                 )
                 for choice, one in zip(choices, asked, strict=True)
             ]
-        except ApiError as error:
+        except ApiError:
             self._withdraw(lives)
-            self.metrics.responses[str(error.status)].inc()
             raise
-        self.metrics.responses["200"].inc()
         answer = Completion(
             reply=reply,
             choices=tuple(whole),
@@ -586,15 +597,13 @@ class Gateway:
             # Headers go out with every choice's first token (a late rejection is still a 429), waited for together:
             # one choice refused ends the wait for the others.
             firsts: list[wire.Token | None] = await _together([_first(tokens) for tokens in streams])
-        except ApiError as error:
+        except ApiError:
             self._withdraw(lives)
-            self.metrics.responses[str(error.status)].inc()
             raise
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(lives)}
         )
-        await response.prepare(request)
-        self.metrics.responses["200"].inc()  # the status went out; a failure later is an error event in the stream
+        await response.prepare(request)  # the 200 is counted (`_count_answer`); a failure later is an error event
         choices = self._choices(lives, reply, asked)
 
         def so_far(choice: _Choice) -> Usage | None:
@@ -888,12 +897,16 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 def _answer_id(request: web.Request, parsed: CompletionRequest | ChatRequest) -> str:
     """The answer's id after its `cmpl-` or `chatcmpl-`, as vLLM 0.32 takes it (`_base_request_id`): the client's
-    `X-Request-Id` header, else the body's `request_id`, else a fresh uuid (unique across restarts). Only the answer
-    shows it: the dispatcher numbers the cluster's requests itself, so two requests sending the same id (vLLM
-    appends a random suffix to its internal ids for the same reason) never meet on an engine or in the Conductor."""
+    `X-Request-Id` header (its bytes as latin-1, as Starlette reads a header), else the body's `request_id`, else a
+    fresh uuid (unique across restarts). Only the answer shows it: the dispatcher numbers the cluster's requests
+    itself, so two requests sending the same id (vLLM appends a random suffix to its internal ids for the same
+    reason) never meet on an engine or in the Conductor."""
     given = request.headers.get("X-Request-Id")
     if given is not None:
-        return given
+        # aiohttp decodes a header's bytes as UTF-8, a byte outside it becoming a lone surrogate, which is no valid
+        # JSON text for a strict client; vLLM's server (Starlette) decodes every byte as latin-1 (0xff is "ÿ"), so
+        # the same bytes give the id vLLM's would.
+        return given.encode("utf-8", "surrogateescape").decode("latin-1")
     return uuid.uuid4().hex if parsed.request_id is None else parsed.request_id
 
 

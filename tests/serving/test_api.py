@@ -882,6 +882,23 @@ def test_a_requested_output_that_is_no_count_is_a_400_naming_it(body: dict[str, 
     assert raised.value.status == 400 and raised.value.param in body
 
 
+@pytest.mark.parametrize("bad", ["abc", [1], {"x": 1}, "7.5", 1.5, "1e3"])
+def test_a_chats_max_tokens_beside_max_completion_tokens_is_still_an_integer(bad: Any) -> None:
+    """vLLM 0.32's `ChatCompletionRequest` types `max_tokens` as `int | None` whatever sets the limit: a value
+    pydantic reads as no integer is its 400 naming `max_tokens`, even where `max_completion_tokens` wins."""
+    body = {"max_completion_tokens": 2, "max_tokens": bad}
+    with pytest.raises(ApiError) as raised:
+        requested_max_tokens(body, default=None, completion=False)
+    assert (raised.value.status, raised.value.param) == (400, "max_tokens")
+
+
+@pytest.mark.parametrize("taken", ["7", 7.0, 0, -3, True, None])
+def test_a_chats_max_tokens_beside_max_completion_tokens_is_typed_not_ranged(taken: Any) -> None:
+    """Beside `max_completion_tokens`, any integer pydantic reads is taken (vLLM ignores its value, so no range
+    applies) and the limit is `max_completion_tokens`'s."""
+    assert requested_max_tokens({"max_completion_tokens": 2, "max_tokens": taken}, default=None, completion=False) == 2
+
+
 @pytest.mark.parametrize(
     ("reason", "ttft_s", "status", "retry_after"),
     [

@@ -10,6 +10,7 @@ The cluster (one prefill, one decode engine) is stopped at the end; every reques
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ pytest.importorskip("aiohttp")
 from serving.config import load_config
 from serving.launch import RunningCluster, start_cluster
 
-from tests.vllm_fleet.http import Answer, fetch
+from tests.vllm_fleet.http import TIMEOUT_S, Answer, fetch
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -71,6 +72,27 @@ def test_an_answers_id_is_the_headers_else_the_bodys_else_a_uuid(cluster: Runnin
     assert len(fresh) == 2 and all(one.startswith("cmpl-") and len(one) == len("cmpl-") + 32 for one in fresh)
     refused = ask(cluster, {**short, "request_id": 7})
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "request_id")
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(b"a\xffb", "a\xffb"), ("\u00e9".encode(), "\u00c3\u00a9")])
+def test_an_x_request_id_header_is_read_as_latin_1_as_vllm_reads_it(
+    cluster: RunningCluster, raw: bytes, expected: str
+) -> None:
+    """A header's bytes are latin-1 to vLLM's server (Starlette): a byte that is no UTF-8 (0xff) is "\u00ff", not a
+    lone surrogate no strict client decodes, and UTF-8's "\u00e9" is its two bytes' "\u00c3\u00a9", as vLLM names
+    the answer."""
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        sock.sendall(head + b"X-Request-Id: " + raw + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+    answer_id = json.loads(data.partition(b"\r\n\r\n")[2])["id"]
+    assert answer_id == f"cmpl-{expected}"
+    answer_id.encode("utf-8")  # no lone surrogate
 
 
 def test_two_requests_with_the_same_request_id_at_once_are_served_apart(cluster: RunningCluster) -> None:

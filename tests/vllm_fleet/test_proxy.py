@@ -271,11 +271,17 @@ def test_bad_requests_are_refused_before_any_server(fakes: list[FakeVllm], token
             )
             error = json.loads(text)["error"]
             assert (status, error["param"]) == (400, "stream") and repr(bad_stream) in error["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}
+        for bad_max in ("abc", [1], {"x": 1}):  # typed by vLLM's chat model though max_completion_tokens sets the limit
+            status, _, text = post(f"{router.url}/v1/chat/completions", {**chat, "max_tokens": bad_max}, key)
+            assert (status, json.loads(text)["error"]["param"]) == (400, "max_tokens"), (bad_max, text)
         assert sum(len(f.received) for f in fakes) == before
         # What vLLM's pydantic takes: "8" is 8; a completion has no max_completion_tokens, and ignores one.
         for taken in ({"max_tokens": "8"}, {"max_tokens": 2, "max_completion_tokens": 1.5}):
             status, _, text = post(f"{router.url}/v1/completions", {"model": "tiny", "prompt": "bada", **taken}, key)
             assert status == 200, (taken, text)
+        status, _, text = post(f"{router.url}/v1/chat/completions", {**chat, "max_tokens": "7"}, key)
+        assert status == 200, text
         # vLLM asks for the key under /v1 only: /tokenize and /detokenize answer without it.
         assert post(f"{router.url}/tokenize", {"model": "tiny", "prompt": "bada"})[0] == 200
         assert post(f"{router.url}/detokenize", {"model": "tiny", "tokens": [1, 2]})[0] == 200
