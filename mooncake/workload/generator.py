@@ -30,7 +30,10 @@ opens sessions only, and sessions still thinking at the end are cut short, so a
 workload a few think times long continues sessions a little less often.
 
 Everything is drawn from one seeded numpy Generator: the same spec, count and
-seed give the same workload.
+seed give the same workload. A workload streams in bounded memory (arrival times
+drawn a chunk at a time, a finished session's block ids dropped) and can always
+be written as a trace (a spec or count that would pass a trace line's bounds is
+refused).
 
 The presets reproduce the average input/output lengths published with the
 Mooncake traces (FAST'25): conversation 12,035 / 343, tool&agent 8,596 / 182,
@@ -51,7 +54,7 @@ from mooncake._checks import int_at_least, require_int, require_number
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
-from mooncake.workload.trace_record import MAX_LINE_TOKENS
+from mooncake.workload.trace_record import MAX_LINE_TOKENS, arrival_problem
 
 __all__ = [
     "ARRIVAL_RANGE",
@@ -78,6 +81,9 @@ class DefaultWorkload:
 
 
 DEFAULT_WORKLOAD = DefaultWorkload()
+
+_ARRIVAL_CHUNK = 1 << 16
+"""Arrival times drawn at a time (512 KiB of them): a streamed workload holds one chunk, not all its times."""
 
 ARRIVAL_RANGE = (1e-6, 1e6)
 """Bounds of `ArrivalProcess.rate_per_s` (per second) and `.cv`: beyond them the gamma gaps underflow or
@@ -138,10 +144,23 @@ class ArrivalProcess:
 
     def times_s(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, np.dtype[np.float64]]:
         """`count` non-decreasing arrival times in seconds, starting at 0, rounded to milliseconds."""
+        return np.concatenate([np.zeros(0), *self._chunks_s(rng, count)])
+
+    def _chunks_s(self, rng: np.random.Generator, count: int) -> Iterator[np.ndarray[Any, np.dtype[np.float64]]]:
+        """`times_s(rng, count)` in consecutive chunks of at most `_ARRIVAL_CHUNK`, drawn as they are asked for.
+
+        The same times to the bit, and the same draws from `rng`, as one gamma draw of `count` gaps and one cumsum:
+        numpy draws a size-n gamma one variate after another, and a cumsum adds left to right, so a chunk whose
+        first gap carries the sum so far continues it exactly."""
         shape = 1.0 / self.cv**2
-        gaps = rng.gamma(shape, 1.0 / (self.rate_per_s * shape), size=count)
-        gaps[:1] = 0.0
-        return np.round(np.cumsum(gaps) * 1000.0) / 1000.0
+        scale = 1.0 / (self.rate_per_s * shape)
+        total = 0.0
+        for start in range(0, count, _ARRIVAL_CHUNK):
+            gaps = rng.gamma(shape, scale, size=min(_ARRIVAL_CHUNK, count - start))
+            gaps[0] = total if start == 0 else gaps[0] + total  # the first arrival is at 0
+            sums = np.cumsum(gaps)
+            total = float(sums[-1])
+            yield np.round(sums * 1000.0) / 1000.0
 
 
 @attrs.frozen(kw_only=True)
@@ -190,7 +209,8 @@ class WorkloadSpec:
 
     def __attrs_post_init__(self) -> None:
         weights = (self.chat_weight, self.document_weight, self.agent_weight)
-        if not 0 < sum(weights) < math.inf:
+        # Summed as the floats they are drawn with: integers each within a float's range may sum past it.
+        if not 0 < sum(float(weight) for weight in weights) < math.inf:
             raise ConfigError(
                 f"session weights (chat, document, agent) must have a positive, finite sum, got {weights}"
             )
@@ -302,8 +322,9 @@ class _BlockIds:
     A block's id is kept while its content can recur. With `owned_from`, segments numbered from it on belong to
     one session each (a message, an answer): once `forget` is told that session's segments, its blocks can never
     recur (a block holding a piece of one of them is in no other prompt), so their entries go and the table holds
-    only the shared prefixes' blocks and the live sessions'. A generated workload then streams in bounded memory;
-    the ids are the same as if nothing were forgotten.
+    only the shared prefixes' blocks and the live sessions'. With its arrival times drawn a chunk at a time
+    (`ArrivalProcess._chunks_s`), a generated workload then streams in bounded memory; the ids are the same as if
+    nothing were forgotten.
     """
 
     def __init__(self, block_size_tokens: int, *, owned_from: int | None = None) -> None:
@@ -376,14 +397,18 @@ class _Generator:
             ("document", spec.num_documents, spec.document_tokens),
             ("preamble", spec.num_agent_preambles, spec.agent_preamble_tokens),
         ):
-            weights = 1.0 / np.arange(1, size + 1) ** spec.popularity_skew
+            # Floats, whatever the spec was given: an int64 power wraps (9 members ** 30 goes negative). A skew
+            # past a float overflows n ** skew to infinity for all but the first member, whose weight 1 then takes
+            # every draw: the Zipf law's limit, not an error.
+            with np.errstate(over="ignore"):
+                weights = 1.0 / np.arange(1, size + 1, dtype=np.float64) ** float(spec.popularity_skew)
             weights /= weights.sum()
             drawn = np.array([lengths.sample(rng) for _ in range(size)], dtype=np.float64)
             scaled = np.clip(
                 np.round(drawn * lengths.mean_tokens / float(weights @ drawn)), lengths.min_tokens, lengths.max_tokens
             )
             self.pools[kind] = ([self.segment(int(n)) for n in scaled], weights)
-        kinds = np.array([spec.chat_weight, spec.document_weight, spec.agent_weight])
+        kinds = np.array([spec.chat_weight, spec.document_weight, spec.agent_weight], dtype=np.float64)
         self.kind_weights = kinds / kinds.sum()
         # Every segment made from here on is a session's own: the pools above are all that sessions share.
         self.ids = _BlockIds(spec.block_size_tokens, owned_from=self.next_segment + 1)
@@ -460,7 +485,8 @@ def generate_requests(
         chained `block_keys` at `spec.block_size_tokens`.
 
     Raises:
-        ConfigError: a spec or arrival process of the wrong type, a negative count or seed.
+        ConfigError: a spec or arrival process of the wrong type, a negative count or seed, or arrivals that run
+            past what a replay can time (`arrival_problem`).
     """
     if not isinstance(spec, WorkloadSpec):
         raise ConfigError(f"spec must be a WorkloadSpec (see workload.preset), got {spec!r}")
@@ -468,18 +494,39 @@ def generate_requests(
         raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
     num_requests = require_int("num_requests", num_requests, minimum=0)
     seed = require_int("seed", seed, minimum=0)
-    return _generate(spec, num_requests, arrivals, seed)  # checked here, not lazily at the first next()
-
-
-def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, seed: int) -> Iterator[Request]:
+    # The arrivals come first from the one generator, the rest of the workload from where they leave it. Drawn
+    # here a chunk at a time, they are checked at the call and leave `rng` there; `_generate` draws them again,
+    # from the seed, as it reaches them: memory for a chunk, not for every request's time.
     rng = np.random.default_rng(seed)
-    times = arrivals.times_s(rng, num_requests)
+    start = 0
+    for times in arrivals._chunks_s(rng, num_requests):
+        _check_arrivals(times, start, num_requests, arrivals)
+        start += len(times)
+    return _generate(spec, arrivals._chunks_s(np.random.default_rng(seed), num_requests), rng)
+
+
+def _check_arrivals(times: np.ndarray[Any, Any], start: int, num_requests: int, arrivals: ArrivalProcess) -> None:
+    """Refuse arrival times (requests `start`, `start + 1`, ..., non-decreasing) of which one passes
+    `arrival_problem`'s bound, naming the first that does: a generated workload can always be written as a
+    trace and replayed."""
+    if len(times) == 0 or arrival_problem(float(times[-1])) is None:
+        return
+    late, problem = next((i, p) for i, arrival_s in enumerate(times.tolist()) if (p := arrival_problem(arrival_s)))
+    raise ConfigError(
+        f"request {start + late} of num_requests={num_requests} would arrive at {times[late]:.6g} s "
+        f"(rate_per_s={arrivals.rate_per_s:g}, cv={arrivals.cv:g}), {problem}: ask fewer requests or a higher rate"
+    )
+
+
+def _generate(
+    spec: WorkloadSpec, arrival_chunks: Iterator[np.ndarray[Any, Any]], rng: np.random.Generator
+) -> Iterator[Request]:
     generator = _Generator(spec, rng)
     # Sessions with turns left, by when their think time ends (then by when they thought: ties go first come).
     # A session that used its turns is in no list: a finished session never takes an arrival.
     thinking: list[tuple[float, int, _Session]] = []
-    for index in range(num_requests):
-        now = float(times[index])
+    arrivals_s = (arrival_s for times in arrival_chunks for arrival_s in times.tolist())  # one per request
+    for index, now in enumerate(arrivals_s):
         session = None
         while session is None and thinking and thinking[0][0] <= now:
             candidate = heapq.heappop(thinking)[2]
@@ -501,7 +548,7 @@ def _generate(spec: WorkloadSpec, num_requests: int, arrivals: ArrivalProcess, s
             generator.ids.forget(session.prompt)
         yield Request(
             request_id=RequestId(str(index)),
-            arrival_s=float(times[index]),
+            arrival_s=now,
             input_length=sum(length for _, length in session.prompt),
             output_length=output,
             block_keys=block_keys,
@@ -533,11 +580,12 @@ def fixed_length_requests(
     whose share is under one block).
 
     Raises:
-        ConfigError: a length, prefix count or block size below 1, a negative request count or seed,
-            `cache_ratio` outside [0, 1), or `arrivals` no `ArrivalProcess`.
+        ConfigError: a length, prefix count or block size below 1, a length past `MAX_LINE_TOKENS` (what a trace
+            line holds), a negative request count or seed, `cache_ratio` outside [0, 1), `arrivals` no
+            `ArrivalProcess`, or arrivals that run past what a replay can time (`arrival_problem`).
     """
-    input_tokens = require_int("input_tokens", input_tokens, minimum=1)
-    output_tokens = require_int("output_tokens", output_tokens, minimum=1)
+    input_tokens = require_int("input_tokens", input_tokens, minimum=1, below=MAX_LINE_TOKENS + 1)
+    output_tokens = require_int("output_tokens", output_tokens, minimum=1, below=MAX_LINE_TOKENS + 1)
     num_requests = require_int("num_requests", num_requests, minimum=0)
     num_prefixes = require_int("num_prefixes", num_prefixes, minimum=1)
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
@@ -549,6 +597,7 @@ def fixed_length_requests(
         raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
+    _check_arrivals(times, 0, num_requests, arrivals)
     ids = _BlockIds(block_size_tokens)
     # Whole blocks: the tokens of a partial last block are keyed with the prompt's own, so a cache could not share them.
     prefix_tokens = int(cache_ratio * input_tokens) // block_size_tokens * block_size_tokens

@@ -1,9 +1,13 @@
 """The workload generator streams in bounded memory: a finished session's blocks leave its id table, and the ids
-it hands out are the same as if nothing were forgotten."""
+it hands out are the same as if nothing were forgotten; arrival times are drawn a chunk at a time, the same times
+as drawn at once."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import attrs
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,9 +17,10 @@ from mooncake.workload import ArrivalProcess, LengthDistribution, generate_reque
 from mooncake.workload import generator as generator_module
 
 
-def _workload(name: str, count: int, *, seed: int, rate: float, **changes: object) -> list[Request]:
+def _workload(name: str, count: int, *, seed: int, rate: float, cv: float = 1.0, **changes: object) -> list[Request]:
     spec = attrs.evolve(preset(name), **changes)
-    return list(generate_requests(spec, num_requests=count, arrivals=ArrivalProcess(rate_per_s=rate), seed=seed))
+    arrivals = ArrivalProcess(rate_per_s=rate, cv=cv)
+    return list(generate_requests(spec, num_requests=count, arrivals=arrivals, seed=seed))
 
 
 @given(
@@ -85,3 +90,44 @@ def test_a_session_ended_at_the_context_limit_is_forgotten_too(monkeypatch: pyte
         max_input_tokens=2_000,
     )
     assert forgotten and set(forgotten) == {2}  # the system prompt and the first message
+
+
+def test_arrival_times_are_drawn_as_the_workload_reaches_them() -> None:
+    """The first request of two million holds no array of two million arrival times (16 MB a copy, three copies
+    while they were drawn at once): they are drawn a chunk at a time, so only the live sessions and the shared
+    prefixes' ids grow with a workload, and they stop growing."""
+    tracemalloc.start()
+    try:
+        next(generate_requests(preset("synthetic"), num_requests=2_000_000))
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 8 << 20, peak_bytes
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    count=st.integers(0, 40),
+    rate=st.floats(0.01, 100.0),
+    cv=st.sampled_from([0.5, 1.0, 3.0]),
+    chunk=st.integers(1, 9),
+)
+@settings(max_examples=40, deadline=None)
+def test_arrival_times_drawn_in_chunks_are_those_drawn_at_once(
+    seed: int, count: int, rate: float, cv: float, chunk: int
+) -> None:
+    """Chunked, the times are one cumsum of one gamma draw's gaps, to the bit, and leave the generator where that
+    draw does; so a workload is the same whatever the chunk."""
+    process = ArrivalProcess(rate_per_s=rate, cv=cv)
+    once = np.random.default_rng(seed)
+    shape = 1.0 / cv**2
+    gaps = once.gamma(shape, 1.0 / (rate * shape), size=count)
+    gaps[:1] = 0.0
+    expected = np.round(np.cumsum(gaps) * 1000.0) / 1000.0
+    chunked = np.random.default_rng(seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generator_module, "_ARRIVAL_CHUNK", chunk)
+        assert np.array_equal(process.times_s(chunked, count), expected)
+        assert chunked.random() == once.random()
+        small = _workload("conversation", count, seed=seed, rate=rate, cv=cv)
+    assert small == _workload("conversation", count, seed=seed, rate=rate, cv=cv)
