@@ -29,8 +29,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/experiments.py scheduling --out $(OUT)
 
+# The tests in two parts (tests/conftest.py says which are serial): the serial ones alone, the rest beside each
+# other on TEST_WORKERS processes (2: this machine's cores; each imports torch, so more cost memory).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not serial and not vllm'
+	$(BIN)/python -m pytest -q -m 'serial and not vllm'
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

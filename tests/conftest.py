@@ -1,7 +1,14 @@
-"""Hypothesis profiles and shared fixtures.
+"""Hypothesis profiles, the serial tests, and shared fixtures.
 
 Profiles: `dev` (default, quick) and `ci` (more examples, no deadline); pick one
 with HYPOTHESIS_PROFILE (`.ci/run` sets ci).
+
+`make test` runs the suite in two parts: the tests marked `serial` one at a
+time, the rest on two workers (pytest-xdist). A serial test starts servers,
+clusters or worker processes, or bounds a wait by the clock: beside another
+worker's load a pass could become a timeout. A module under `SERIAL` is serial
+whole; a test elsewhere is marked `@pytest.mark.serial` itself. A plain `pytest`
+runs everything in one process, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +31,27 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+
+TESTS = Path(__file__).resolve().parent
+# Paths under tests/ (a folder, or a module's name as it starts) whose every test is serial.
+SERIAL = (
+    "serving/",
+    "transfer/",
+    "vllm_fleet/",
+    "engine/test_pipeline",
+    "engine/test_prefill_streaming.py",
+    "test_benchmarks.py",
+    "test_cluster.py",
+    "test_docs.py",
+    "test_load.py",
+    "test_vllm_events_zmq.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(TESTS).as_posix().startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")

@@ -913,6 +913,7 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.serial  # ends within 2 s of the signal
 def test_sigterm_stops_a_parallel_sweep_at_once(tmp_path: Path) -> None:
     """SIGTERM to a `trace capacity --jobs 2` waited for the capacities its workers were replaying (seconds here,
     minutes on a real trace) before the command ended: the executor's shutdown waits for them. Now the workers

@@ -744,6 +744,7 @@ def test_profile_engine_profiles_a_cluster_configs_engines(tmp_path: Path) -> No
     assert {b for b, _, _ in data["decode_samples"]} == {1, 2}  # 64 > max_batch_size
 
 
+@pytest.mark.serial  # a stage process, with timeouts
 def test_profile_engine_profiles_a_cpp_clusters_prefill_through_its_group(tmp_path: Path) -> None:
     """--config with `[prefill] pipeline_size = 2`: the prefill instance is a chunked pipeline group, and so is
     the profiled engine (this process and one stage process), so the prefill fit is the group's time; the
@@ -784,6 +785,7 @@ def test_replay_simulates_a_cluster_config_on_its_profile(tmp_path: Path) -> Non
     assert coupled.returncode == 2 and "--engine coupled" in coupled.stderr
 
 
+@pytest.mark.serial  # two real clusters over HTTP
 def test_validate_compares_the_real_cluster_with_its_simulation(tmp_path: Path) -> None:
     """A shortened validate.py: profiling, the real cluster over HTTP and its simulated twin, the keys the
     issue names for the serviceable and the overload run, the calibration's jitter (the figures themselves are
@@ -849,6 +851,7 @@ def test_validate_refuses_an_overload_speedup_before_any_work(value: str, messag
     assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
 
 
+@pytest.mark.serial  # a real cluster over HTTP
 def test_load_replays_a_trace_over_http_with_the_replay_summary(tmp_path: Path) -> None:
     """load.py starts a tiny cluster, replays trace lines over HTTP and prints replay.py's summary fields."""
     pytest.importorskip("torch")

@@ -110,6 +110,7 @@ def test_a_prompt_within_the_bound_is_transformers_and_one_past_it_is_refused(
         assert len(cache) == stored  # nothing of a refused batch was stored
 
 
+@pytest.mark.serial  # a stage process
 def test_a_pipeline_group_refuses_a_prompt_past_the_bound(windowed: tuple[Path, Any]) -> None:
     """A pipelined prefill over the checkpoint: 64 tokens give transformers' logits, 65 are refused before any
     stage hears of them (the group stays usable)."""
