@@ -55,7 +55,9 @@ tbt_refused = jit(_join.tbt_refused)
 
 @jit
 def roofline_step(coefficients, overhead_s, batch_size, context_tokens):
-    # coefficients[k] = (fixed_s, per_sequence_s, per_context_token_s) of branch k.
+    # coefficients[k] = (fixed_s, per_sequence_s, per_context_token_s) of branch k. The features are counts from
+    # the boards' int64 arrays, never NaN: with one, no branch compares and this gives -inf (`RooflineStep.step_s`
+    # refuses a NaN, so the two never meet one).
     slowest = -np.inf
     for k in range(coefficients.shape[0]):
         seconds = coefficients[k, 0] + coefficients[k, 1] * batch_size + coefficients[k, 2] * context_tokens
@@ -190,7 +192,9 @@ _UNIT = 1.0 / 9007199254740992.0  # 2**-53
 @jit
 def rendezvous_weights(keys, own, seeds):
     # Per instance i: splitmix64's finalizer of (keys[min(own[i], last)] xor seeds[i]) plus the golden gamma,
-    # its top 53 bits as a fraction of 1 (exact: a float64 holds 53 bits). keys is not empty.
+    # its top 53 bits as a fraction of 1 (exact: a float64 holds 53 bits). keys is not empty; own holds one count
+    # >= 0 per seed: compiled, nothing bounds the index from below (a negative count reads before keys, garbage or
+    # a crash), so the callers check the counts first (`sched.router.spread_weights`, `RouteQuery`, `PrefixBlocks`).
     weights = np.empty(own.size, dtype=np.float64)
     last = keys.size - 1
     for i in range(own.size):

@@ -247,7 +247,13 @@ clusters'), counted in the paper's prefill FLOPs (`prefill_flops`). Those are 0.
 
 def prefill_flops(model: ModelShape, num_tokens: int, prefix_tokens: int = 0) -> float:
     """FLOPs to compute tokens [prefix_tokens, num_tokens) with the prefix's KV cached (a prefix is read within
-    [0, num_tokens]: fewer than no tokens cached is none)."""
+    [0, num_tokens]: fewer than no tokens cached is none).
+
+    Raises:
+        InvalidRequestError: counts the prefill models refuse (`_prefill_tokens`: a `num_tokens` that is no
+            integer in [0, 2**40], a `prefix_tokens` that is no integer), naming the count and its value.
+    """
+    num_tokens, prefix_tokens = _prefill_tokens(num_tokens, prefix_tokens)  # Python ints: numpy's n * n wraps
     n, p, d = num_tokens, min(max(prefix_tokens, 0), num_tokens), model.hidden_size
     return model.num_layers * (ATTENTION_COEFFICIENT * (n * n - p * p) * d + LINEAR_COEFFICIENT * (n - p) * d * d)
 
@@ -256,9 +262,13 @@ def reuse_bandwidth_bytes_per_s(model: ModelShape, hardware: Hardware, prefix_to
     """The paper's Eq. 2: above this bandwidth, loading a cached prefix beats recomputing it (at peak).
 
     Raises:
-        ConfigError: a `prefix_tokens` that is not an integer >= 1 (no prefix takes no time to recompute).
+        ConfigError: a `prefix_tokens` that is not a token count, an integer in [1, 2**40] (`types.check_token_count`:
+            no prefix takes no time to recompute), naming it and its value.
     """
-    require_int("prefix_tokens", prefix_tokens, minimum=1)
+    try:
+        prefix_tokens = check_token_count("prefix_tokens", prefix_tokens)  # a Python int: prefill_flops squares it
+    except InvalidRequestError as error:  # an argument of an analysis, as it always raised: no request's
+        raise ConfigError(str(error)) from None
     compute_s = prefill_flops(model, prefix_tokens) / hardware.peak_flops
     return prefix_tokens * model.kv_bytes_per_token / compute_s
 

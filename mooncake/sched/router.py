@@ -54,18 +54,18 @@ import math
 import numbers
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import int_at_least, require_number
+from mooncake._checks import int_at_least, require_int, require_number, shown
 from mooncake.cache._compiled import kernels
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import ChunkedPipelineCost, PrefillModel, TransferCostModel, occupancy_s, prefill_end_s
 from mooncake.sched.view import PrefillBoard, PrefillView
 from mooncake.types import BlockKey, InstanceId
@@ -100,12 +100,49 @@ def is_threshold(value: object) -> bool:
 
 _KERNELS = "mooncake.sched._kernels"
 _UNWEIGHED = np.zeros(0)  # `shortest_by_length` without weights: ties go to the smallest slot
+_INT64 = np.dtype(np.int64)
+_MAX_BLOCKS = 2**63  # block counts live in int64 arrays
+
+
+def _block_counts(name: str, counts: Any, instances: Sequence[object]) -> npt.NDArray[np.int64]:
+    """`counts`, one per instance of `instances` in its order, as an int64 array of block counts: integers in
+    [0, 2**63). The router's kernels index a prompt's keys by them (`rendezvous_weights`), so a negative count
+    would read before the first key (garbage, or a crash, on the compiled path) and a float would be truncated.
+
+    Raises:
+        InvalidRequestError: naming `name[instance]` and the value of the first count that is not one, or `name`
+            and the lengths where there is not one count per instance.
+    """
+    # The Conductor's own int64 array, per request: a few tests and an argmin (a third of min's reduction).
+    if (
+        type(counts) is np.ndarray
+        and counts.dtype == _INT64  # equal, not identical: a numba kernel's arrays carry dtypes of their own
+        and counts.ndim == 1
+        and len(counts) == len(instances)
+        and (not len(counts) or counts.item(counts.argmin()) >= 0)
+    ):
+        return counts
+    try:
+        values = counts.tolist() if isinstance(counts, np.ndarray) and counts.ndim == 1 else list(counts)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be a sequence of block counts, got {shown(counts)}") from None
+    if len(values) != len(instances):
+        raise InvalidRequestError(
+            f"{name} must hold one block count per instance ({len(instances)}), got {len(values)}"
+        )
+    for instance, value in zip(instances, values, strict=True):
+        require_int(f"{name}[{instance!r}]", value, minimum=0, below=_MAX_BLOCKS, error=InvalidRequestError)
+    return np.array(values, dtype=np.int64)
 
 
 class PrefixBlocks(Mapping[InstanceId, int]):
     """Instance → leading blocks of a prompt it holds, kept as an array over a board's
     instances (`blocks[i]` for `instance_ids[i]`, `position` the inverse of `instance_ids`);
-    instances holding none are absent."""
+    instances holding none are absent.
+
+    Raises:
+        InvalidRequestError: `blocks` is not one integer in [0, 2**63) per instance (`_block_counts`).
+    """
 
     def __init__(
         self,
@@ -114,7 +151,7 @@ class PrefixBlocks(Mapping[InstanceId, int]):
         position: Mapping[InstanceId, int] | None = None,
     ) -> None:
         self.instance_ids = instance_ids
-        self.blocks = blocks
+        self.blocks = _block_counts("prefix_blocks", blocks, instance_ids)
         self._position = position if position is not None else {i: n for n, i in enumerate(instance_ids)}
 
     def get(self, instance: InstanceId, default: int | None = None) -> int | None:  # type: ignore[override]
@@ -151,13 +188,36 @@ def spread_weights(
     scaled to [0, 1). Instances that hold the same prefix weigh the same key, so among them the prompt's
     home is the heaviest: a function of the prompt's keys and the instance ids only, uniform over
     instances across prompts, and unchanged for the others when one leaves. No keys: all weigh 0.
-    Keys wider than 64 bits weigh as the index stores them (`key_array`)."""
+    Keys wider than 64 bits weigh as the index stores them (`key_array`).
+
+    Raises:
+        InvalidRequestError: `own` is not one integer in [0, 2**63) per instance, naming `own[instance]` and the
+            value (`_block_counts`); keys that are no block keys (`key_array`).
+    """
+    return _spread_weights(keys, _block_counts("own", own, instances), instances)
+
+
+def _spread_weights(
+    keys: Sequence[BlockKey] | npt.NDArray[np.uint64], own: npt.NDArray[np.int64], instances: Sequence[InstanceId]
+) -> npt.NDArray[np.float64]:
+    """`spread_weights` on counts already checked (a `RouteQuery`'s, which checked them when it was built)."""
     if not len(keys):
         return np.zeros(len(instances))
     weights: npt.NDArray[np.float64] = kernels(_KERNELS).rendezvous_weights(
-        key_array(keys), np.asarray(own, dtype=np.int64), _seeds(tuple(instances))
+        key_array(keys), own, _seeds(tuple(instances))
     )
     return weights
+
+
+def _check_prefix_blocks(value: object) -> None:
+    """`RouteQuery.prefix_blocks`: a mapping of instance → blocks held, each an integer in [0, 2**63) (a
+    `PrefixBlocks` checked its array when it was built)."""
+    if isinstance(value, PrefixBlocks):
+        return
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"prefix_blocks must be a mapping of instance -> blocks held, got {shown(value)}")
+    if value:
+        _block_counts("prefix_blocks", list(value.values()), list(value))
 
 
 def _blocks_of(held: Mapping[InstanceId, int], board: PrefillBoard) -> npt.NDArray[np.int64]:
@@ -171,18 +231,25 @@ def _blocks_of(held: Mapping[InstanceId, int], board: PrefillBoard) -> npt.NDArr
 
 @attrs.frozen(kw_only=True)
 class RouteQuery:
-    """What a router needs to know of one request.
+    """What a router needs to know of one request. Its counts are checked when it is built, once for every router
+    that reads it (the KV-centric router's kernels index by the prefix counts).
 
     Attributes:
         input_tokens: prompt length.
         block_size_tokens: tokens per block key.
-        prefix_blocks: instance → leading blocks of the prompt it holds (from the index).
+        prefix_blocks: instance → leading blocks of the prompt it holds (from the index), each an integer in
+            [0, 2**63).
         best_instance, best_blocks: the instance a transfer would come from and the longest prefix
             any instance holds. The Conductor names, of the instances holding as much of that prefix as
             a prefill reuses, the one with the fewest transfers already leaving it (ties: the smallest id).
         best_holders: instances (up) holding as much of that prefix as a prefill reuses, the best holder included.
         best_transfers_in_flight: transfers already leaving the best holder (congestion).
         block_keys: the prompt's block keys (the tie-break's: `spread_weights`; none: ties go by id).
+
+    Raises:
+        InvalidRequestError: a count that is no integer or is below 0 (prefix_blocks: naming
+            `prefix_blocks[instance]`), prefix_blocks that is no mapping, or token counts `reusable_prefix_tokens`
+            refuses; each naming the field and the value.
     """
 
     input_tokens: int
@@ -203,6 +270,23 @@ class RouteQuery:
             takes_self=True,
         ),
     )
+
+    def __attrs_post_init__(self) -> None:
+        # The Conductor builds one per request: its plain ints and its `PrefixBlocks` (checked when built) pass
+        # one test each (three attrs validators cost as much as the rest of the query); the rest is looked into.
+        blocks, holders, in_flight = self.best_blocks, self.best_holders, self.best_transfers_in_flight
+        if (
+            type(blocks) is not int
+            or type(holders) is not int
+            or type(in_flight) is not int
+            or blocks < 0
+            or holders < 0
+            or in_flight < 0
+        ):
+            for name in ("best_blocks", "best_holders", "best_transfers_in_flight"):
+                require_int(name, getattr(self, name), minimum=0, error=InvalidRequestError)
+        if type(self.prefix_blocks) is not PrefixBlocks:
+            _check_prefix_blocks(self.prefix_blocks)
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks saves (`cache.hashing.reusable_prefix_tokens`: whole
@@ -345,11 +429,34 @@ class Router(Protocol):
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
-        """A decision among `candidates` (instances that are up), or None when there are none."""
+        """A decision among `candidates` (instances that are up), or None when there are none.
+
+        Raises:
+            InvalidRequestError: arguments `_check_route` refuses (each router here calls it first).
+        """
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
         """A request it routed finished its prefill: the time from its scheduling to that end as estimated (the
         TTFT less the first token's overhead) and as observed (a router that does not learn ignores it)."""
+
+
+def _check_route(candidates: object, query: object, now: object) -> None:
+    """What every router's `route` refuses, alike, before it reads anything: a `now` that is no finite time (a NaN
+    timed every instance at a NaN TTFT, which `ttft > slo` lets through), a `query` that is no `RouteQuery` (whose
+    counts were checked when it was built), `candidates` that are no sequence of `PrefillView`s (None too: no
+    instance up is an empty sequence, whose decision is None). O(1) on a `PrefillBoard`, the Conductor's.
+
+    Raises:
+        InvalidRequestError: naming the argument and its value.
+    """
+    if type(now) is not float or not math.isfinite(now):  # the common case, a finite float, is one test
+        require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
+    if not isinstance(query, RouteQuery):
+        raise InvalidRequestError(f"query must be a RouteQuery, got {shown(query)}")
+    if not isinstance(candidates, PrefillBoard) and (
+        not isinstance(candidates, Sequence) or not all(isinstance(view, PrefillView) for view in candidates)
+    ):
+        raise InvalidRequestError(f"candidates must be a sequence of PrefillView, got {shown(candidates)}")
 
 
 @attrs.define
@@ -457,6 +564,7 @@ class KvCacheCentricRouter:
         # where a tie needs them (a busy cluster's queues seldom tie; idle instances always do).
         # Chunked-pipeline groups are all planned: there the work ahead's end counts too
         # (`RouteDecision.prefill_end_s`), which the queue alone does not order (and groups are few).
+        _check_route(candidates, query, now)
         board = candidates if isinstance(candidates, PrefillBoard) else PrefillBoard(candidates)
         if not len(board):
             return None
@@ -471,7 +579,7 @@ class KvCacheCentricRouter:
         else:
             shortest, shared = scan.shortest_by_length(own, busy, now, _UNWEIGHED)
             if shared:
-                weight = spread_weights(query.block_keys, own, board.instance_ids)
+                weight = _spread_weights(query.block_keys, own, board.instance_ids)
                 shortest, _ = scan.shortest_by_length(own, busy, now, weight)
         threshold = self.current_threshold
         # Prefixes count as far as a prefill reuses them (never the block of the prompt's last token), so
@@ -527,7 +635,7 @@ class KvCacheCentricRouter:
             )
         if len(tied) > 1:  # equal TTFT and queue: the longest own prefix, the heaviest weight, the smallest id
             if weight is None:
-                weight = spread_weights(query.block_keys, own, board.instance_ids)
+                weight = _spread_weights(query.block_keys, own, board.instance_ids)
             tied.sort(
                 key=lambda entry: (
                     -min(int(own[entry[0]]), usable),
@@ -564,6 +672,7 @@ class LoadBalancingRouter:
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
+        _check_route(candidates, query, now)
         if not candidates:
             return None
         view = min(candidates, key=lambda v: (v.queue_s(now), v.instance_id))
@@ -585,6 +694,7 @@ class RandomRouter:
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
+        _check_route(candidates, query, now)
         if not candidates:
             return None
         ordered = (
@@ -609,6 +719,7 @@ class RoundRobinRouter:
     def route(
         self, candidates: Sequence[PrefillView], query: RouteQuery, now: float, rng: random.Random
     ) -> RouteDecision | None:
+        _check_route(candidates, query, now)
         if not candidates:
             return None
         ordered = sorted(candidates, key=lambda view: view.instance_id)

@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from mooncake._checks import fraction, non_negative, require_iterable, require_number
-from mooncake.errors import ConfigError
+from mooncake._checks import fraction, is_int, non_negative, require_int, require_iterable, require_number, shown
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, nonnegative_least_squares, require_coefficients
 
 __all__ = [
@@ -66,6 +66,27 @@ hold. Each term of a branch stays within a quarter of a float's range up to it, 
 never NaN."""
 _TERM_LIMIT = sys.float_info.max / 4
 _LARGEST_FEATURES = (1.0, MAX_STEP_FEATURE, MAX_STEP_FEATURE)  # of a branch's fixed, per-sequence, per-token terms
+_FEATURE_BOUND = 2**63  # a feature is below it: what an int64 holds
+
+
+def _step_features(batch_size: Any, context_tokens: Any) -> tuple[int, int]:
+    """A step's features as Python ints, the one rule of every step model (as `cost._prefill_tokens` is of the
+    prefill models'): `batch_size` an integer below 2**63 (one below 1 is an empty batch, which takes no time),
+    `context_tokens` an integer in [0, 2**63). A step model calls it where its one inline test fails.
+
+    Raises:
+        InvalidRequestError: naming the feature and its value: a NaN (timed at NaN, where the compiled
+            `roofline_step` gave -inf), a negative context (timed faster than none), a fraction, text or None (a
+            bare TypeError).
+    """
+    if not is_int(batch_size) or batch_size >= _FEATURE_BOUND:
+        raise InvalidRequestError(
+            f"batch_size must be an integer below 2**63 (below 1: an empty batch), got {shown(batch_size)}"
+        )
+    context_tokens = require_int(
+        "context_tokens", context_tokens, minimum=0, below=_FEATURE_BOUND, error=InvalidRequestError
+    )
+    return int(batch_size), context_tokens
 
 
 def _term_problem(name: str, value: float, largest: float, feature: str, *, what: str = "") -> str | None:
@@ -117,7 +138,7 @@ def _some_branches(_instance: object, _attribute: Any, value: tuple[StepBranch, 
 class RooflineStep:
     """A decode step as a roofline: `overhead_s + max_j (fixed_j + per_sequence_j · B + per_context_token_j · C)`
     seconds for a batch of B > 0 requests holding C tokens (0 for B <= 0), one branch per resource
-    (HBM reads, compute) or per fitted piece.
+    (HBM reads, compute) or per fitted piece. B and C are integers below 2**63, C >= 0 (`_step_features`).
 
     Over a stretch of steps at constant membership each branch grows linearly in
     the step index (C grows by B per step), so the step time is a convex,
@@ -138,6 +159,19 @@ class RooflineStep:
         object.__setattr__(self, "coefficients", coefficients)
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
+        """Seconds for one decode step of `batch_size` requests holding `context_tokens` in all.
+
+        Raises:
+            InvalidRequestError: a feature `_step_features` refuses (a NaN, a negative context, a fraction, text).
+        """
+        # The TBT check asks this per decision: two plain ints in range are one test, anything else is looked into.
+        if (
+            type(batch_size) is not int
+            or type(context_tokens) is not int
+            or batch_size >= _FEATURE_BOUND
+            or not 0 <= context_tokens < _FEATURE_BOUND
+        ):
+            batch_size, context_tokens = _step_features(batch_size, context_tokens)
         if batch_size <= 0:
             return 0.0
         return self.overhead_s + max(
@@ -149,9 +183,21 @@ class RooflineStep:
 
     def step_times(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         """`step_s` of each (batch size, context) pair of two equal-length arrays, element by element
-        (the same float64 operations in the same order, so each equals `step_s` exactly)."""
+        (the same float64 operations in the same order, so each equals `step_s` exactly).
+
+        Raises:
+            InvalidRequestError: what `step_s` refuses, naming the first pair's feature that it refuses.
+        """
         sizes = np.asarray(batch_sizes)
         contexts = np.asarray(context_tokens)
+        # step_s's rule, on whole arrays where they pass; the first pair that fails it raises its error.
+        passes = all(
+            array.dtype.kind in "iu" and (not array.size or least <= array.min() <= array.max() < _FEATURE_BOUND)
+            for array, least in ((sizes, -_FEATURE_BOUND), (contexts, 0))
+        )
+        if not passes:
+            for batch_size, context in zip(sizes.ravel().tolist(), contexts.ravel().tolist(), strict=False):
+                _step_features(batch_size, context)
         slowest: np.ndarray | None = None
         for branch in self.branches:
             seconds = branch.fixed_s + branch.per_sequence_s * sizes + branch.per_context_token_s * contexts
@@ -214,7 +260,8 @@ class DecodeCostModel:
         object.__setattr__(self, "_roofline", RooflineStep((memory, compute), overhead_s=self.overhead_s))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
-        """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all."""
+        """Seconds for one decode iteration of `batch_size` requests holding `context_tokens` in all (its roofline's
+        step: InvalidRequestError on a feature `RooflineStep.step_s` refuses)."""
         return self._roofline.step_s(batch_size, context_tokens)
 
     def roofline(self) -> RooflineStep:
@@ -349,6 +396,8 @@ class FittedStepModel:
         return cls(coefficients=(c0, c1, c2))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
+        """max(c0 + c1·batch_size + c2·context_tokens, 0) seconds, 0 for an empty batch (its roofline's step:
+        InvalidRequestError on a feature `RooflineStep.step_s` refuses)."""
         return self._roofline.step_s(batch_size, context_tokens)
 
     def roofline(self) -> RooflineStep:

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import (
     HARDWARE,
     MODELS,
@@ -108,6 +108,31 @@ def test_prefill_flops_hand_example() -> None:
     shape = ModelShape(name="tiny", num_layers=2, hidden_size=3, gqa=1, num_params=1.0)
     assert prefill_flops(shape, 5, 2) == 2 * (4 * (25 - 4) * 3 + 22 * 3 * 9)
     assert prefill_flops(shape, 5) == 2 * (4 * 25 * 3 + 22 * 5 * 9)
+
+
+def test_prefill_flops_and_reuse_bandwidth_count_numpy_integers_exactly() -> None:
+    """A numpy count squares in Python ints, as `prefill_s`'s does (`_prefill_tokens`): at 2 M tokens of LLaMA3-70B
+    numpy's int64 wrapped, to negative FLOPs and a negative bandwidth."""
+    n = 2_097_152
+    assert prefill_flops(LLAMA3, np.int64(n)) == prefill_flops(LLAMA3, n) > 0
+    assert prefill_flops(LLAMA3, np.int64(n), np.int32(1024)) == prefill_flops(LLAMA3, n, 1024)
+    a800 = HARDWARE["8xA800"]
+    assert reuse_bandwidth_bytes_per_s(LLAMA3, a800, np.int64(n)) == reuse_bandwidth_bytes_per_s(LLAMA3, a800, n) > 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, 1.5, 8.0, -10, "8", None, True, 2**40 + 1], ids=repr)
+def test_prefill_flops_and_reuse_bandwidth_refuse_counts_by_name(bad: Any) -> None:
+    """FLOPs of NaN, 1.5 or -10 tokens were NaN, a fraction or 0: each count is refused naming it and the value, as
+    `prefill_s` refuses it (`_prefill_tokens`); a prefix may still be 0 or negative (none cached). Eq. 2's prefix is
+    a token count too (a ConfigError, as it was for one below 1)."""
+    with pytest.raises(InvalidRequestError, match=r"num_tokens must be an integer in \[1, 2\*\*40\], got"):
+        prefill_flops(LLAMA3, bad)
+    if bad not in (-10, 2**40 + 1):  # fewer than no tokens cached is none; more than the prompt, all of it
+        with pytest.raises(InvalidRequestError, match=r"prefix_tokens must be an integer, got"):
+            prefill_flops(LLAMA3, 100, bad)
+    with pytest.raises(ConfigError, match=r"prefix_tokens must be an integer in \[1, 2\*\*40\], got"):
+        reuse_bandwidth_bytes_per_s(LLAMA3, HARDWARE["8xA800"], bad)
+    assert prefill_flops(LLAMA3, 0) == 0 and prefill_flops(LLAMA3, 100, -10) == prefill_flops(LLAMA3, 100)
 
 
 @given(

@@ -153,8 +153,9 @@ def test_best_decode_slot_is_the_rule_instance_by_instance(
         verdict = check_join(
             limit, checked, prompt_tokens=prompt, output_tokens=output, step_model=roofline, tbt_slo_s=tbt_slo_s
         )
-        step = roofline.step_s(rank_batch + 1, rank_context + extra + prompt)
-        predicted = roofline.step_s(batch + 1, context + (extra if grow_checked else 0.0) + prompt)
+        # The grown tokens are a whole float (rounded down): a count, as step_s takes it.
+        step = roofline.step_s(rank_batch + 1, rank_context + int(extra) + prompt)
+        predicted = roofline.step_s(batch + 1, context + (int(extra) if grow_checked else 0) + prompt)
         options.append((not verdict.accepted, step, slot, predicted, verdict.accepted))
 
     def column(values: list[int]) -> np.ndarray:
