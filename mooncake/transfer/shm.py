@@ -64,8 +64,13 @@ class ShmTransport:
         self._describe = describe
         self._peer_pid = peer_pid
         self._pidfd = _open_pidfd(peer_pid)  # -1: none (no pidfd_open here, or the peer is gone already)
-        # Held while the pidfd is asked and while it is closed: a select on a number close() just freed could
-        # ask whatever file took it next. Its own lock, as `_map` asks with `_lock` held.
+        # Asked by poll, not select: select refuses a descriptor numbered 1024 or more (a busy process has them).
+        self._pidfd_poll = select.poll()
+        if self._pidfd >= 0:
+            self._pidfd_poll.register(self._pidfd, select.POLLIN)
+        # Held while the pidfd is asked and while it is closed (a poll of a number close() just freed would ask
+        # whatever file took it next; and one poll object is asked by one thread at a time). Its own lock, as
+        # `_map` asks with `_lock` held.
         self._pidfd_lock = threading.Lock()
         # Who the errors are about: the address where known, and the process either way.
         self._who = f"peer {peer} (process {peer_pid})" if peer else f"peer process {peer_pid}"
@@ -96,15 +101,16 @@ class ShmTransport:
             self._segments.clear()
         with self._pidfd_lock:
             if self._pidfd >= 0:
+                self._pidfd_poll.unregister(self._pidfd)
                 os.close(self._pidfd)
                 self._pidfd = -1
 
     def _peer_alive(self) -> bool:
         """Whether the peer's process still runs: its pidfd turns readable once it exits, reaped or not (a
-        select of one descriptor, about a microsecond: asked before every slice); without one, `_alive`."""
+        poll of one descriptor, about a microsecond: asked before every slice); without one, `_alive`."""
         with self._pidfd_lock:
             if self._pidfd >= 0:
-                return not select.select([self._pidfd], [], [], 0)[0]
+                return not self._pidfd_poll.poll(0)
         return _alive(self._peer_pid)
 
     def check_invariants(self) -> None:
