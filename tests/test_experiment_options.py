@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 
 from mooncake.sched.join import DecodeLoad
-from tests.test_examples import reject_all_router
+from tests.test_examples import SMALL, reject_all_router, run
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SMALL = ["--preset", "synthetic", "--num-requests", "150", "--rate", "2"]
 REPLAYED = 99  # the guard's exit status: a replay started
 
 # experiments.py with every replay (disaggregated and coupled) an exit, and matplotlib importable or not.
@@ -435,14 +434,7 @@ def test_replay_sizes_its_cluster_at_speedup_1(engine: str) -> None:
     for it at its own pace. One rule now (`simulation.sized_cluster`): sized at speed 1, loaded by --speedup."""
     titles = []
     for speedup in ("1", "2"):
-        argv = [*SMALL, "--engine", engine, "--speedup", speedup, "--no-progress"]
-        done = subprocess.run(
-            [sys.executable, str(EXAMPLES / "replay.py"), *argv],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
+        done = run("replay.py", *SMALL, "--engine", engine, "--speedup", speedup, "--no-progress", timeout=120)
         titles.append(done.stdout.splitlines()[0])
     assert titles[0] == titles[1], titles
     assert titles[0].startswith("4P+4D " if engine == "disaggregated" else "8 coupled "), titles
