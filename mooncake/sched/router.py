@@ -67,7 +67,7 @@ from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import key_array
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import ChunkedPipelineCost, PrefillModel, TransferCostModel, occupancy_s, prefill_end_s
-from mooncake.sched.view import PrefillBoard, PrefillView
+from mooncake.sched.view import PrefillBoard, PrefillView, check_one_view_each
 from mooncake.types import BlockKey, InstanceId
 
 __all__ = [
@@ -248,8 +248,8 @@ class RouteQuery:
 
     Raises:
         InvalidRequestError: a count that is no integer or is below 0 (prefix_blocks: naming
-            `prefix_blocks[instance]`), prefix_blocks that is no mapping, or token counts `reusable_prefix_tokens`
-            refuses; each naming the field and the value.
+            `prefix_blocks[instance]`), prefix_blocks that is no mapping, a best_instance that is no id string,
+            or token counts `reusable_prefix_tokens` refuses; each naming the field and the value.
     """
 
     input_tokens: int
@@ -287,6 +287,9 @@ class RouteQuery:
                 require_int(name, getattr(self, name), minimum=0, error=InvalidRequestError)
         if type(self.prefix_blocks) is not PrefixBlocks:
             _check_prefix_blocks(self.prefix_blocks)
+        best = self.best_instance
+        if best is not None and (type(best) is not str or not best):
+            raise InvalidRequestError(f"best_instance must be None or an instance id string, got {shown(best)}")
 
     def prefix_tokens(self, blocks: int) -> int:
         """Cached tokens a prefix of `blocks` blocks saves (`cache.hashing.reusable_prefix_tokens`: whole
@@ -444,7 +447,8 @@ def _check_route(candidates: object, query: object, now: object) -> None:
     """What every router's `route` refuses, alike, before it reads anything: a `now` that is no finite time (a NaN
     timed every instance at a NaN TTFT, which `ttft > slo` lets through), a `query` that is no `RouteQuery` (whose
     counts were checked when it was built), `candidates` that are no sequence of `PrefillView`s (None too: no
-    instance up is an empty sequence, whose decision is None). O(1) on a `PrefillBoard`, the Conductor's.
+    instance up is an empty sequence, whose decision is None) or that name an instance twice. O(1) on a
+    `PrefillBoard`, the Conductor's.
 
     Raises:
         InvalidRequestError: naming the argument and its value.
@@ -453,10 +457,10 @@ def _check_route(candidates: object, query: object, now: object) -> None:
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
     if not isinstance(query, RouteQuery):
         raise InvalidRequestError(f"query must be a RouteQuery, got {shown(query)}")
-    if not isinstance(candidates, PrefillBoard) and (
-        not isinstance(candidates, Sequence) or not all(isinstance(view, PrefillView) for view in candidates)
-    ):
-        raise InvalidRequestError(f"candidates must be a sequence of PrefillView, got {shown(candidates)}")
+    if not isinstance(candidates, PrefillBoard):  # a board checked its views when it was built
+        if not isinstance(candidates, Sequence) or not all(isinstance(view, PrefillView) for view in candidates):
+            raise InvalidRequestError(f"candidates must be a sequence of PrefillView, got {shown(candidates)}")
+        check_one_view_each([view.instance_id for view in candidates])
 
 
 @attrs.define

@@ -34,7 +34,7 @@ from typing import Any, TypeVar, overload
 import attrs
 import numpy as np
 
-from mooncake._checks import int_at_least, require_number
+from mooncake._checks import int_at_least, require_number, shown
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, takes_slot
 from mooncake.sched.outcome import Reason
@@ -288,15 +288,35 @@ class DecodeView:
 _V = TypeVar("_V", bound="PrefillView | DecodeView")
 
 
+def check_one_view_each(ids: Sequence[InstanceId]) -> None:
+    """Refuse views that name an instance twice: on a board, the second would take a slot that no id names (its
+    load never read, or read for the other), and a router could choose one instance for another's queue.
+
+    Raises:
+        InvalidRequestError: naming the first id seen twice.
+    """
+    seen: set[InstanceId] = set()
+    for instance in ids:
+        if instance in seen:
+            raise InvalidRequestError(f"views must name each instance once, got {shown(instance)} twice")
+        seen.add(instance)
+
+
 class _Board(Sequence[_V]):
     """Views side by side: a sequence of the views in the order given, and per view a slot
-    in the arrays; slots go in id order, so the first of equal values is the smallest id."""
+    in the arrays; slots go in id order, so the first of equal values is the smallest id.
+
+    Raises:
+        InvalidRequestError: two views of one instance.
+    """
 
     def __init__(self, views: Sequence[_V]) -> None:
         self.views: tuple[_V, ...] = tuple(views)
         self.slot_views: tuple[_V, ...] = tuple(sorted(self.views, key=lambda view: view.instance_id))
         self.instance_ids = tuple(view.instance_id for view in self.slot_views)
         self.slot = {instance: slot for slot, instance in enumerate(self.instance_ids)}
+        if len(self.slot) != len(self.instance_ids):
+            check_one_view_each(self.instance_ids)
         self.is_up = np.ones(len(self.views), dtype=bool)
         self.all_up = True
         self._down: set[int] = set()  # slots of views that are down

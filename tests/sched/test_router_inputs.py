@@ -158,3 +158,21 @@ def test_spread_weights_takes_any_integer_counts_alike(path: bool) -> None:
     expected = spread_weights(KEYS, np.array([3, 99], dtype=np.int64), [A, B]).tolist()
     assert spread_weights(KEYS, [3, 99], [A, B]).tolist() == expected
     assert spread_weights(KEYS, np.array([3, 99], dtype=np.int32), [A, B]).tolist() == expected
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_every_router_refuses_two_views_of_one_instance(router: Any) -> None:
+    """A board keeps one slot per id: the second view of an id took a slot no id named, so its queue was never
+    read (or one instance was chosen for another's load). Refused by name, as any board built from them is."""
+    views = [PrefillView(A), PrefillView(B), PrefillView(A)]
+    with pytest.raises(InvalidRequestError, match=r"views must name each instance once, got 'a' twice"):
+        router(estimator=ESTIMATOR).route(views, query(), 0.0, random.Random(0))
+    with pytest.raises(InvalidRequestError, match=r"got 'a' twice"):
+        PrefillBoard(views)
+
+
+@pytest.mark.parametrize("best", [3, b"a", "", ("a",)], ids=repr)
+def test_the_best_instance_is_none_or_an_instance_id(best: Any) -> None:
+    """Any other value matched no candidate, so the query's best prefix silently counted for nothing."""
+    with pytest.raises(InvalidRequestError, match=r"best_instance must be None or an instance id string, got"):
+        query(prefix_blocks={A: 3}, best_instance=best, best_blocks=3)
