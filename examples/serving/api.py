@@ -59,6 +59,7 @@ import attrs
 from mooncake._checks import shown
 from mooncake.engine.chat import content_text
 from mooncake.engine.logprobs import TokenLogprobs
+from mooncake.engine.tokenizer import CHAT_INPUTS
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.sched.outcome import Outcome, Reason, http_status
 from serving.tokenizer import ServingTokenizer
@@ -305,9 +306,10 @@ class ServedModel:
 
     A request's prompt and `max_tokens` together fit a decode engine's context (`max_context_tokens`), as in
     vLLM, where they fit the model's `max_model_len`; `vocab_size` bounds the ids of a prompt given as tokens.
-    A request without `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty` or
-    `frequency_penalty` gets its `default_...`: as in vLLM, the checkpoint's `generation_config.json` where it sets
-    them, else 1.0, 1.0, 0 (all), 0, 1, 0 and 0 (OpenAI's defaults: sampling from the whole distribution). A chat
+    A request without `temperature`, `top_p`, `top_k`, `min_p` or `repetition_penalty` gets its `default_...`: as in
+    vLLM, the checkpoint's `generation_config.json` where it sets them, else 1.0, 1.0, 0 (all), 0 and 1 (OpenAI's
+    defaults: sampling from the whole distribution); one without `presence_penalty` or `frequency_penalty` gets 0,
+    whatever the file says (vLLM takes neither from it: `sampling_defaults`). A chat
     without `max_tokens` generates what the context leaves after its prompt, at most `default_chat_max_tokens`
     where the file sets one (its `max_new_tokens`, as vLLM applies it; a completion's default is
     `default_max_tokens`, as vLLM's is its request's 16).
@@ -323,8 +325,6 @@ class ServedModel:
     default_top_k: int = 0
     default_min_p: float = 0.0
     default_repetition_penalty: float = 1.0
-    default_presence_penalty: float = 0.0
-    default_frequency_penalty: float = 0.0
     default_chat_max_tokens: int | None = None
 
 
@@ -893,10 +893,8 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
         repetition_penalty=_number(
             body, "repetition_penalty", served.default_repetition_penalty, 0.0, math.inf, open_low=True
         ),
-        presence_penalty=_number(body, "presence_penalty", served.default_presence_penalty, -2.0, 2.0, open_low=False),
-        frequency_penalty=_number(
-            body, "frequency_penalty", served.default_frequency_penalty, -2.0, 2.0, open_low=False
-        ),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, open_low=False),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, open_low=False),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", served),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", default=False),
         logit_bias=_logit_bias(body.get("logit_bias"), served),
@@ -1358,7 +1356,9 @@ def _chat_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _template_variables(value: Any) -> dict[str, Any]:
-    """`chat_template_kwargs`: an object of variables for the template, none of them the request's own inputs (the
+    """`chat_template_kwargs`: an object of variables for the template, merged as vLLM merges them: under the
+    request's own `add_generation_prompt` and `continue_final_message`, so a variable of either name is dropped;
+    `messages` (the rest of `CHAT_INPUTS`, what `Tokenizer.render_chat` sets itself) and `tools` are refused (the
     template's own, `raise_exception` and the special tokens, are refused when it renders)."""
     if value is None:
         return {}
@@ -1368,16 +1368,19 @@ def _template_variables(value: Any) -> dict[str, Any]:
             f"chat_template_kwargs must be an object, got {shown(value, quote=ascii)}",
             param="chat_template_kwargs",
         )
-    # The request's own inputs, and tools (refused at the top level: they would be rendered but never called).
-    # `documents` may come this way, as vLLM merges them (a top-level `documents` wins).
-    taken = sorted({"messages", "add_generation_prompt", "tools"} & set(value))
+    # vLLM 0.32 renders with `merge_kwargs(chat_template_kwargs, {add_generation_prompt, continue_final_message,
+    # documents, ...})` (`ChatCompletionRequest.build_chat_params`): a request field that is set wins over a variable
+    # of its name, and these two flags are never null, so they always win. `documents` may come this way (a
+    # top-level one wins: `parse_chat`). Tools are refused here as at the top level (rendered but never called).
+    flags = ("add_generation_prompt", "continue_final_message")
+    taken = sorted(({*CHAT_INPUTS, "tools"} - set(flags)) & set(value))
     if taken:
         raise ApiError(
             400,
             f"chat_template_kwargs may not set {', '.join(taken)} (the request's own)",
             param="chat_template_kwargs",
         )
-    return dict(value)
+    return {name: variable for name, variable in value.items() if name not in flags}
 
 
 def encoded(

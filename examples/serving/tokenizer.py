@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mooncake.engine.chat import chat_conversation
 from mooncake.engine.logprobs import completed_text
+from mooncake.engine.tokenizer import can_stop_at, load_tokenizer, sampling_defaults
 
 if TYPE_CHECKING:
     from mooncake.engine.tokenizer import Tokenizer
@@ -302,11 +303,13 @@ class TextStream:
     `feed(token)` returns the text that may go out now; `stopped` turns True when a stop string
     appeared or a stop id came (later tokens are ignored), and `stop_reason` names the stop string, or the
     request's stop token id (None at one of the model's: vLLM's `stop_reason` for its EOS); `finish()` returns
-    what was held back, at the end. Neither ends the text before its token `min_tokens` + 1 (vLLM's
-    `min_tokens`: a stop string found earlier is text; the engine's sampler never draws a stop id there). A stop
-    string counts as vLLM's `check_stop_strings` counts one: only where it ends in the text a token (or piece)
-    just added, so one completed within the first `min_tokens` tokens never ends the text later, even inside a
-    longer stop string; of several ending in the same new text, the first to end, and of those the first listed.
+    what was held back, at the end. A stop id ends the text from token `min_tokens` on (`can_stop_at`, the decode
+    engine's rule, vLLM's `check_stop`: the sampler holds stop ids back before that unless nothing else may be
+    drawn, and one drawn earlier is text); a stop string from token `min_tokens` + 1 on (vLLM's detokenizer
+    checks strings only past `min_tokens` tokens: one found earlier is text). A stop string counts as vLLM's
+    `check_stop_strings` counts one: only where it ends in the text a token (or piece) just added, so one
+    completed within the first `min_tokens` tokens never ends the text later, even inside a longer stop string;
+    of several ending in the same new text, the first to end, and of those the first listed.
     The text ends before the stop string or the stop token's text, or after it with `include_stop` (vLLM's
     `include_stop_str_in_output`).
 
@@ -346,7 +349,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens += 1
-        if (token in self.stop_ids or token in self.stop_token_ids) and self._may_stop:
+        if (token in self.stop_ids or token in self.stop_token_ids) and can_stop_at(self.tokens, self.min_tokens):
             if self.include_stop:
                 self._held += self._decoder.push(token)  # the stop token's text ends the text
             text = self.finish()
@@ -373,7 +376,8 @@ class TextStream:
 
     @property
     def _may_stop(self) -> bool:
-        """Past `min_tokens` (vLLM checks once the tokens generated exceed it)."""
+        """Whether a stop string may end the text: past `min_tokens` (vLLM's detokenizer checks strings once the
+        tokens generated exceed it)."""
         return self.tokens > self.min_tokens or not self.min_tokens
 
     def _push(self, piece: str) -> str:
@@ -482,13 +486,11 @@ def _added_length(token: Mapping[str, Any], normalize: Callable[[str], str] | No
 
 
 def generation_defaults(config: ClusterConfig) -> dict[str, float]:
-    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p, top_k, min_p, the
-    penalties, max_tokens), {} for the random preset: what a request without them gets, as from vLLM
+    """The sampling defaults of the checkpoint's `generation_config.json` (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens), {} for the random preset: what a request without them gets, as from vLLM
     (`mooncake.engine.tokenizer.sampling_defaults`)."""
     if config.model.checkpoint is None:
         return {}
-    from mooncake.engine.tokenizer import sampling_defaults
-
     return sampling_defaults(config.model.checkpoint)
 
 
@@ -500,6 +502,4 @@ def serving_tokenizer(config: ClusterConfig) -> ServingTokenizer:
     """
     if config.model.checkpoint is None:
         return ByteTokenizer()
-    from mooncake.engine.tokenizer import load_tokenizer
-
     return CheckpointTokenizer(load_tokenizer(config.model.checkpoint))

@@ -65,6 +65,7 @@ from mooncake.engine.kv import KvLayout
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.engine.model import LlamaModel
 from mooncake.engine.sampling import Sampler, SamplingParams
+from mooncake.engine.tokenizer import can_stop_at
 from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownBlockError
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.step import StepModel
@@ -123,12 +124,12 @@ class _Active:
 
     def ends_with(self, token: int) -> bool:
         """Whether `token`, just emitted as the `emitted`-th, is the request's last (the one rule): `max_new_tokens`
-        reached, or a stop token from `min_tokens` tokens on. As vLLM's `check_stop`, a stop token never ends a
-        request before `min_tokens`, even where the sampler could not hold it back (every allowed token a stop
-        token)."""
+        reached, or a stop token where `can_stop_at` lets one end it (from `min_tokens` tokens on, as vLLM's
+        `check_stop`: never before, even where the sampler could not hold it back, every allowed token a stop
+        token). The gateway's text stream applies the same `can_stop_at`, so both see the same end."""
         params = self.sampler.params
         return self.emitted >= self.max_new_tokens or (
-            self.emitted >= params.min_tokens and token in params.stop_token_ids
+            token in params.stop_token_ids and can_stop_at(self.emitted, params.min_tokens)
         )
 
     @property

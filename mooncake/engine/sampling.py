@@ -145,7 +145,8 @@ class SamplingParams:
             as vLLM's `min_tokens`: the generation runs at least that long unless `max_tokens` ends it first. Where
             nothing but stop tokens could be drawn (every token of the vocabulary, or every one of
             `allowed_token_ids`, is a stop token), none is held back and a stop token is drawn; the decode engine
-            still ends a request at a stop token only from `min_tokens` on (vLLM's `check_stop`).
+            (and the gateway's text stream) still end a request at a stop token only from `min_tokens` on
+            (`mooncake.engine.tokenizer.can_stop_at`, vLLM's `check_stop`).
         logprobs: None (the default): no log-probabilities; k >= 0: each token comes with its log-probability
             and the k most probable tokens' (`TokenLogprobs`), as vLLM's `logprobs`.
         top_k: sample among the k largest logits only (ties with the k-th too); 0 (the default) or -1 (vLLM's

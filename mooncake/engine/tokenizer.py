@@ -73,7 +73,8 @@ immutable sandbox with `trim_blocks` and `lstrip_blocks`, loop controls, a
 `documents` and the special tokens it has by name (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
 `pad_token`, `cls_token`, `mask_token`).
 The messages are first read as vLLM's server reads them (`engine.chat`), so
-that a prompt is the one a vLLM server builds.
+that a prompt is the one a vLLM server builds, and a message's keys whose value
+is null dropped, as transformers (5.x) drops them before rendering.
 """
 
 from __future__ import annotations
@@ -92,7 +93,15 @@ from mooncake.engine.chat import chat_conversation, loops_over_content
 from mooncake.engine.logprobs import REPLACEMENT, completed_text
 from mooncake.errors import ConfigError, InvalidRequestError
 
-__all__ = ["Detokenizer", "SpecialTokens", "Tokenizer", "load_tokenizer", "sampling_defaults"]
+__all__ = [
+    "CHAT_INPUTS",
+    "Detokenizer",
+    "SpecialTokens",
+    "Tokenizer",
+    "can_stop_at",
+    "load_tokenizer",
+    "sampling_defaults",
+]
 
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of a message to continue
 # The prompt's tokens (not special) a stream starts from as context, as vLLM's slow detokenizer's window
@@ -103,6 +112,28 @@ SPACE_MARK = "▁"  # SentencePiece's mark for a space within a piece
 # transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order: the names a chat template is given, and the order in which
 # those missing from the vocabulary are added (so the ids they get are transformers').
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The template inputs `render_chat` sets from its own parameters: no variable of its `extra` may name one (a caller
+# that takes variables from a request refuses or overrides these names before: the gateway's `chat_template_kwargs`).
+CHAT_INPUTS = ("messages", "add_generation_prompt", "continue_final_message")
+# The ids tokenizers takes (a u32): one outside is no token id at all. An id inside but past the vocabulary decodes
+# as "" and has no piece, as tokenizers (and so transformers' `decode` and `convert_ids_to_tokens`) gives it.
+_ID_LIMIT = 2**32
+
+
+def can_stop_at(num_output_tokens: int, min_tokens: int) -> bool:
+    """Whether a stop token drawn as a generation's `num_output_tokens`-th output token (counting it) ends the
+    generation: from `min_tokens` on, as vLLM's `check_stop` (which returns early while `num_output_tokens <
+    min_tokens`). The sampler holds stop tokens back before that unless nothing else may be drawn
+    (`SamplingParams.min_tokens`), so one drawn earlier is generated text. The one rule both the decode engine
+    (which ends the request) and the gateway's text stream (which reports `finish_reason`) apply; a stop string
+    counts one token later (vLLM's detokenizer checks strings only past `min_tokens` tokens)."""
+    return num_output_tokens >= min_tokens
+
+
+def _no_token_id(ids: Sequence[int]) -> InvalidRequestError:
+    """The error for ids tokenizers refused as no u32 (named: the first such id)."""
+    bad = next((token for token in ids if not 0 <= token < _ID_LIMIT), None)
+    return InvalidRequestError(f"{bad!r} is not a token id: ids lie in [0, 2**32)")
 
 
 @attrs.frozen(kw_only=True)
@@ -137,9 +168,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 def sampling_defaults(directory: str | Path) -> dict[str, float]:
     """The sampling settings a checkpoint's `generation_config.json` sets, which vLLM's server applies to a request
     that leaves them out (its `--generation-config auto`, `ModelConfig.get_diff_sampling_param`): `temperature`,
-    `top_p`, `top_k` (-1, all tokens, as 0), `min_p`, `repetition_penalty`, `presence_penalty`,
-    `frequency_penalty`, and `max_new_tokens` as `max_tokens` (the most a request that sets none generates, within
-    what the context leaves); {} without the file. Every value the file sets counts, a `top_k` of 50 too: vLLM
+    `top_p`, `top_k` (-1, all tokens, as 0), `min_p`, `repetition_penalty`, and `max_new_tokens` as `max_tokens`
+    (the most a request that sets none generates, within what the context leaves); {} without the file. Only
+    these: vLLM reads no other key of the file (a `presence_penalty` or `frequency_penalty` there is ignored, and
+    a request without one gets 0, OpenAI's default). Every value the file sets counts, a `top_k` of 50 too: vLLM
     takes the file's difference from transformers' defaults, which since transformers 5 are unset (4 had top_k 50,
     so that value was dropped).
 
@@ -154,8 +186,6 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
         "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
         "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "repetition_penalty": (lambda v: v > 0, "a finite number > 0"),
-        "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     }
     for name, (ok, bound) in ranges.items():
         value = raw.get(name)
@@ -289,14 +319,28 @@ class Tokenizer:
 
         `clean_up_tokenization_spaces` is never applied (vLLM's detokenizer does not either): transformers 5
         ignores it for BPE tokenizers, every LLaMA-family one among them, because it strips real spaces.
-        Through `decode_batch`, which lets go of the GIL (as `encode`).
+        Through `decode_batch`, which lets go of the GIL (as `encode`). An id past the vocabulary decodes as ""
+        (transformers' too).
+
+        Raises:
+            InvalidRequestError: an id outside [0, 2**32), which tokenizers cannot take (named).
         """
-        return str(self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0])
+        try:
+            return str(self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0])
+        except OverflowError:  # checked only when tokenizers refused: the common call pays nothing
+            raise _no_token_id(ids) from None
 
     def piece(self, token_id: int) -> str:
         """The vocabulary's string for `token_id` (transformers' `convert_ids_to_tokens`: "▁Hello", "Ġhello",
-        "<0x0A>"), as vLLM's /tokenize lists with `return_token_strs`; "" for an id outside the vocabulary."""
-        return str(self.backend.id_to_token(token_id) or "")
+        "<0x0A>"), as vLLM's /tokenize lists with `return_token_strs`; "" for an id past the vocabulary.
+
+        Raises:
+            InvalidRequestError: an id outside [0, 2**32) (named), as `decode`.
+        """
+        try:
+            return str(self.backend.id_to_token(token_id) or "")
+        except OverflowError:
+            raise _no_token_id([token_id]) from None
 
     def token_text(self, token_id: int, *, context: Sequence[int] = ()) -> str:
         """One token's text as vLLM shows it beside its log-probability: `decode([token_id])`, special tokens
@@ -308,7 +352,7 @@ class Tokenizer:
         text = self.decode([token_id])
         marker = self._space_marker()
         if marker:
-            piece = self.backend.id_to_token(token_id) or ""
+            piece = self.piece(token_id)
             missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
             text = " " * missing + text if missing > 0 else text
         return completed_text(text, token_id, context, self.decode)
@@ -334,6 +378,9 @@ class Tokenizer:
 
         The prompt's tail is the stream's context, never emitted (the module's docstring says which tail): vLLM's
         stream starts from the prompt's ids, so the first generated token decodes as it does after the prompt.
+
+        Raises:
+            InvalidRequestError: an id of the prompt's tail is no token id (`decode`).
         """
         context = self._context(prompt, skip_special_tokens)
         return Detokenizer(
@@ -358,6 +405,7 @@ class Tokenizer:
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -365,7 +413,9 @@ class Tokenizer:
     ) -> str:
         """The chat template applied to `messages`: the prompt text of a chat completion, as vLLM's server renders
         it: the messages read as vLLM reads them (`chat_conversation`: a content of text parts joined, developer
-        messages as system ones where the template never names that role), then rendered as transformers does.
+        messages as system ones where the template never names that role), then rendered as transformers does
+        (which first drops each message's keys whose value is null: a tool's `tool_call_id: null` is left out, not
+        rendered "None").
 
         Args:
             messages: `{"role": ..., "content": ...}` objects, in order (a content: a string, text parts or null).
@@ -374,25 +424,28 @@ class Tokenizer:
                 with it (a reply begun by the client). As transformers does it: the text gets a marker, the
                 template renders, and the prompt is cut at the marker (and its trailing space, where the
                 template trimmed the text).
-            extra: more variables for the template (`tools`, `documents`, ...).
+            extra: more variables for the template (`tools`, `documents`, ...); none may name one of
+                `CHAT_INPUTS` (`messages` is positional-only so that a variable of that name lands here).
 
         Raises:
             ConfigError: the checkpoint has no chat template.
             InvalidRequestError: `chat_conversation` refused the messages (a part without text: an image); the
                 template refused them (its `raise_exception`), failed on them or on a
                 variable of `extra` (a value of the wrong kind), or `extra` sets one of the template's own inputs
-                (`raise_exception`, the special tokens); `continue_final_message` with `add_generation_prompt`,
-                or with a final message whose text the rendered prompt does not hold.
+                (`CHAT_INPUTS`, `raise_exception`, the special tokens: named); `continue_final_message` with
+                `add_generation_prompt`, or with a final message whose text the rendered prompt does not hold.
         """
         if self._compiled is None:
             raise ConfigError(f"{self.source}: the tokenizer has no chat template")
         import jinja2
 
-        own = sorted({"raise_exception", *self.special.tokens} & set(extra))
+        own = sorted({*CHAT_INPUTS, "raise_exception", *self.special.tokens} & set(extra))
         if own:
             raise InvalidRequestError(f"chat template variables may not set {', '.join(own)} (the template's own)")
         variables = {"tools": None, "documents": None, **self.special.tokens, **extra}
-        chat = chat_conversation(messages, content_parts=self.content_parts, developer_role=self.developer_role)
+        read = chat_conversation(messages, content_parts=self.content_parts, developer_role=self.developer_role)
+        # transformers' `_normalize_chat_messages`: a null value is a missing key (templates test `is defined`).
+        chat = [{key: value for key, value in message.items() if value is not None} for message in read]
         final = None
         if continue_final_message:
             if add_generation_prompt:
@@ -427,6 +480,7 @@ class Tokenizer:
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -463,10 +517,18 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
-        """Add one token; the new text that is now whole (often "", for half a character)."""
+        """Add one token; the new text that is now whole (often "", for half a character).
+
+        Raises:
+            InvalidRequestError: `token_id` is no token id (`Tokenizer.decode`); the stream is as before.
+        """
         self.ids.append(int(token_id))
-        context = self._decode(self.ids[self.prefix : self.read])
-        window = self._decode(self.ids[self.prefix :])
+        try:
+            context = self._decode(self.ids[self.prefix : self.read])
+            window = self._decode(self.ids[self.prefix :])
+        except InvalidRequestError:
+            self.ids.pop()
+            raise
         if len(window) <= len(context) or window.endswith(REPLACEMENT):
             return ""
         piece = window[len(context) :]

@@ -642,9 +642,9 @@ def test_a_lone_tokens_text_is_vllms(pair: tuple[Tokenizer, Any], tmp_path: Path
 
 
 def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
-    """temperature, top_p, top_k, min_p, the penalties and max_new_tokens (as max_tokens) of
+    """temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) of
     generation_config.json, as vLLM's server defaults a request to them (Qwen2.5's file sets all but min_p and
-    the last three); a top_k of 50 counts too (transformers 5 has no default of its own that vLLM would leave
+    the last one); a top_k of 50 counts too (transformers 5 has no default of its own that vLLM would leave
     out); nothing without the file or the keys; a value out of range names the file and the key."""
     assert sampling_defaults(tmp_path) == {}
     generation = tmp_path / "generation_config.json"
@@ -655,19 +655,13 @@ def test_sampling_defaults_are_the_generation_configs(tmp_path: Path) -> None:
     assert sampling_defaults(tmp_path) == qwen
     generation.write_text(json.dumps({"top_k": 50, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
     assert sampling_defaults(tmp_path) == {"top_k": 50, "temperature": 0.6, "top_p": 0.9}
-    penalties = {"presence_penalty": 1.5, "frequency_penalty": -0.5, "max_new_tokens": 64}
-    generation.write_text(json.dumps(penalties))
-    assert sampling_defaults(tmp_path) == {"presence_penalty": 1.5, "frequency_penalty": -0.5, "max_tokens": 64}
+    generation.write_text(json.dumps({"max_new_tokens": 64}))
+    assert sampling_defaults(tmp_path) == {"max_tokens": 64}
     generation.write_text(json.dumps({"top_k": -1}))
     assert sampling_defaults(tmp_path) == {"top_k": 0}
     bad_values = [{"temperature": -1}, {"temperature": "0.7"}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": True}]
     bad_values += [{"top_k": -2}, {"top_k": 2.5}, {"min_p": 1.5}, {"repetition_penalty": 0}]
-    bad_values += [
-        {"presence_penalty": 2.5},
-        {"frequency_penalty": "1"},
-        {"max_new_tokens": 0},
-        {"max_new_tokens": 8.5},
-    ]
+    bad_values += [{"max_new_tokens": 0}, {"max_new_tokens": 8.5}]
     for bad in bad_values:
         generation.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=f"generation_config.json: {next(iter(bad))} must be"):

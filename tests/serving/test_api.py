@@ -494,9 +494,11 @@ def test_vllms_value_ranges_and_rendering_options_are_taken_as_vllm_takes_them()
 
     prompt_tokens(chat, Recording(), SERVED)
     assert seen == [{"enable_thinking": False}]
-    for bad in ([1], {"messages": []}, {"add_generation_prompt": False}, {"tools": [{"type": "function"}]}):
+    for bad in ([1], {"messages": []}, {"tools": [{"type": "function"}]}):
         error = refused(parse_chat, {"messages": messages, "chat_template_kwargs": bad}, SERVED)
         assert error.status == 400 and error.param == "chat_template_kwargs"
+    flags = {"add_generation_prompt": False, "continue_final_message": True, "x": 1}  # the request's own win
+    assert parse_chat({"messages": messages, "chat_template_kwargs": flags}, SERVED).template_variables == {"x": 1}
 
 
 def test_what_benchmark_clients_send_is_taken_as_vllm_takes_it() -> None:
@@ -534,12 +536,13 @@ def test_what_benchmark_clients_send_is_taken_as_vllm_takes_it() -> None:
 
 
 def test_min_tokens_holds_off_stops_and_ignore_eos_drops_the_stop_ids() -> None:
-    """A `TextStream` with `min_tokens` m ends at no stop string or stop id within its first m tokens (they are
-    text), and at the first after; `ignore_eos` leaves a checkpoint's stream no stop ids."""
+    """A `TextStream` with `min_tokens` m ends at no stop string within its first m tokens and at no stop id
+    within its first m - 1 (they are text; vLLM's detokenizer and `check_stop`), and at the first after;
+    `ignore_eos` leaves a checkpoint's stream no stop ids."""
     stream = TextStream(["b"], min_tokens=2)
     assert [stream.feed(t) for t in b"abab"] == ["a", "b", "a", ""]
     assert (stream.stopped, stream.stop_reason) == (True, "b")
-    eos = TextStream(stop_ids=frozenset({300}), min_tokens=1)  # an id past the bytes: it decodes to nothing
+    eos = TextStream(stop_ids=frozenset({300}), min_tokens=2)  # an id past the bytes: it decodes to nothing
     assert [eos.feed(t) for t in (300, ord("x"), 300, ord("y"))] == ["", "x", "", ""]
     assert eos.stopped and eos.stop_reason is None
     unheld = TextStream(["b"])
@@ -819,7 +822,7 @@ def test_a_requests_stop_token_ids_end_the_text_naming_the_id() -> None:
         assert (text, stream.stopped, stream.stop_reason) == (expected, True, ord("c"))
     stream = TextStream(stop_ids=frozenset({ord("c")}), stop_token_ids=frozenset({ord("c")}))
     assert "".join(stream.feed(t) for t in b"abc") == "ab" and stream.stop_reason is None  # the EOS check first
-    stream = TextStream(stop_token_ids=frozenset({ord("a")}), min_tokens=2)
+    stream = TextStream(stop_token_ids=frozenset({ord("a")}), min_tokens=3)  # the 3rd ends it, as in the engine
     assert "".join(stream.feed(t) for t in b"aaa") == "aa" and stream.stop_reason == ord("a")
 
 
@@ -1078,7 +1081,7 @@ def test_logprobs_take_the_openai_shapes_across_parts(data: st.DataObject, k: in
 def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
     """top_k (-1 and 0: all tokens), min_p, and the three penalties land in the sampling options; a request
     without them gets the served model's defaults (its generation_config.json's, as vLLM applies them), else
-    none."""
+    none (the presence and frequency penalties none always: vLLM takes neither from the file)."""
     body = {"prompt": "hi", "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1}
     body |= {"presence_penalty": -2, "frequency_penalty": 2.0}
     sampling = parse_completion(body, SERVED).sampling
@@ -1090,11 +1093,6 @@ def test_vllms_sampling_extras_parse_with_the_checkpoints_defaults() -> None:
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (20, 0.05, 1.05)
     assert parse_completion({"prompt": "hi", "top_k": 0}, qwen).sampling.top_k == 0  # asked for all: all
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.0, 0.0)
-    penalized = attrs.evolve(SERVED, default_presence_penalty=1.5, default_frequency_penalty=-0.5)
-    sampling = parse_completion({"prompt": "hi"}, penalized).sampling
-    assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -0.5)
-    given = parse_completion({"prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0}, penalized).sampling
-    assert (given.presence_penalty, given.frequency_penalty) == (0.0, 0.0)
 
 
 def test_stop_token_ids_include_stop_str_and_logit_bias_parse_as_vllm_reads_them() -> None:

@@ -258,9 +258,10 @@ def test_an_openai_stream_option_this_server_does_not_know_is_ignored_as_vllm_ig
     assert (parsed.include_usage, parsed.continuous_usage) == (True, False)
 
 
-@pytest.mark.parametrize("taken", ["messages", "add_generation_prompt", "tools"])
+@pytest.mark.parametrize("taken", ["messages", "tools"])
 def test_template_variables_may_not_set_the_requests_own_inputs(taken: str) -> None:
-    """Each of the request's own template inputs is refused in chat_template_kwargs, naming it."""
+    """`messages` and `tools` are refused in chat_template_kwargs, naming them (the request's own flags are
+    overridden instead: tests/serving/test_api_text_rules.py)."""
     error = refused(parse_chat, {"messages": USER, "chat_template_kwargs": {taken: None, "x": 1}}, SERVED)
     assert (error.param, taken in error.message) == ("chat_template_kwargs", True)
 
