@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import xxhash
@@ -79,7 +79,7 @@ from mooncake.cache.pool import PageBytes, PagePool
 from mooncake.errors import CapacityError, ConfigError, IntegrityError, UnknownBlockError
 from mooncake.types import BlockKey, Tier
 
-__all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_changes"]
+__all__ = ["REMOVED", "STORED", "BlockPlacement", "CacheStats", "Entry", "group_changes", "is_policy"]
 
 LOG = logging.getLogger("mooncake.cache")
 STORED, REMOVED = 0, 1  # the kinds of change in the log
@@ -98,6 +98,12 @@ _POOL_ATTRIBUTES = (
 )
 _POLICY_METHODS = ("access", "remove", "pin", "unpin", "evict")
 _HOLD_METHODS = ("hold", "release", "num_holds")  # optional: cross-tier prefix protection in the last tier
+
+
+def is_policy(value: object, methods: Iterable[str]) -> bool:
+    """Whether `value` is an eviction policy with each of `methods` (those its user calls): an object, not a class,
+    whose methods are there too but unbound (`LruPolicy` where `LruPolicy()` was meant)."""
+    return not isinstance(value, type) and all(hasattr(value, name) for name in methods)
 
 
 @attrs.frozen(kw_only=True)
@@ -174,7 +180,7 @@ class BlockPlacement:
         self.page_bytes = pools[0].page_bytes
         self.promote_after = promote_after
         self._policies = [policy() for _ in pools]
-        if not all(hasattr(self._policies[0], name) for name in _POLICY_METHODS):
+        if not is_policy(self._policies[0], _POLICY_METHODS):
             raise ConfigError(f"policy must make an eviction policy, but it made {self._policies[0]!r}")
         self._entries: dict[BlockKey, Entry] = {}
         self._last = len(pools) - 1

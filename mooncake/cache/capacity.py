@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from mooncake._checks import require_int, require_iterable
+from mooncake.cache._placement import is_policy
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex
 from mooncake.cache.policy import EvictionPolicy
@@ -41,6 +42,14 @@ from mooncake.types import BlockKey, InstanceId, Tier
 __all__ = ["CapacityPoint", "hit_ratio_curve", "simulate_prefix_hits"]
 
 _SOURCE = InstanceId("cache")
+_REPLAY_METHODS = ("access", "evict", "pin", "unpin", "__len__", "__contains__")  # what a replay calls
+
+
+def _require_policy(name: str, policy: object) -> None:
+    """ConfigError naming `name` unless `policy` is an eviction policy a replay can run (checked before it starts,
+    not met as an AttributeError or a TypeError of `len` halfway through it)."""
+    if not is_policy(policy, _REPLAY_METHODS):
+        raise ConfigError(f"{name} must be an EvictionPolicy (an instance, LruPolicy() say), got {policy!r:.80}")
 
 
 @attrs.frozen(kw_only=True)
@@ -76,9 +85,11 @@ def simulate_prefix_hits(
 
     Raises:
         InvalidRequestError: `requests` is no iterable, a request no sequence of block keys.
-        ConfigError: `capacity_blocks` is not an integer >= 1.
+        ConfigError: `capacity_blocks` is not an integer >= 1; `policy` is no eviction policy (a policy class,
+            say, where an instance was meant).
     """
     capacity_blocks = require_int("capacity_blocks", capacity_blocks, minimum=1)
+    _require_policy("policy", policy)
     requests = require_iterable("requests", requests, error=InvalidRequestError)
     index = BlockIndex()
     seq = 0
@@ -149,7 +160,8 @@ def hit_ratio_curve(
 
     Raises:
         InvalidRequestError: `requests` is no iterable, a request no sequence of keys (see `simulate_prefix_hits`).
-        ConfigError: `capacities_blocks` is no iterable of integers >= 1, or `make_policy` is not callable.
+        ConfigError: `capacities_blocks` is no iterable of integers >= 1, or `make_policy` is not callable or
+            makes no eviction policy.
     """
     if not isinstance(requests, Sequence):  # a generator would be used up by the first capacity: read it once
         requests = list(require_iterable("requests", requests, error=InvalidRequestError))
@@ -159,4 +171,9 @@ def hit_ratio_curve(
     ]
     if not callable(make_policy):
         raise ConfigError(f"make_policy must be a callable returning a fresh policy, got {make_policy!r}")
-    return tuple(simulate_prefix_hits(requests, make_policy(), capacity_blocks=capacity) for capacity in capacities)
+    points = []
+    for capacity in capacities:
+        policy = make_policy()
+        _require_policy("make_policy()", policy)  # named as the caller gave it, not as the replay's argument
+        points.append(simulate_prefix_hits(requests, policy, capacity_blocks=capacity))
+    return tuple(points)

@@ -77,6 +77,14 @@ def _unhashable(key: object) -> InvalidRequestError:
     return InvalidRequestError(f"a block key must be hashable (an integer), got {key!r:.80}")
 
 
+def _lookup(table: dict[BlockKey, int], key: object, default: int) -> int:
+    """`table.get(key, default)`; for an unhashable key, what a dict says, as the library's error."""
+    try:
+        return table.get(key, default)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        raise _unhashable(key) from None
+
+
 class _PolicyBase:
     """Pins and prefix-awareness, shared by every policy.
 
@@ -143,11 +151,8 @@ class _PolicyBase:
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: BlockKey) -> None:
-        try:
-            count = self._pins.get(key)
-        except TypeError:
-            raise _unhashable(key) from None
-        if count is None:
+        count = _lookup(self._pins, key, 0)
+        if not count:
             raise UnknownBlockError(f"cannot unpin block {key}: not pinned")
         if count > 1:
             self._pins[key] = count - 1
@@ -192,10 +197,7 @@ class _PolicyBase:
                 integer >= 1.
         """
         require_int("count", count, minimum=1, error=InvalidRequestError)
-        try:
-            held = self._holds.get(key, 0)
-        except TypeError:
-            raise _unhashable(key) from None
+        held = _lookup(self._holds, key, 0)
         if held < count:
             raise UnknownBlockError(f"cannot release {count} hold(s) of block {key}: it has {held}")
         if held == count:
@@ -205,16 +207,21 @@ class _PolicyBase:
         self._drop_children(key, count)
 
     def num_holds(self, key: BlockKey) -> int:
-        """How many holds `key` has (0 when it has none or is not cached)."""
-        return self._holds.get(key, 0)
+        """How many holds `key` has (0 when it has none or is not cached); InvalidRequestError for an unhashable
+        key, as every call taking a key."""
+        return _lookup(self._holds, key, 0)
 
     # Queries ----------------------------------------------------------------
     def is_pinned(self, key: BlockKey) -> bool:
-        return key in self._pins
+        """Whether `key` is pinned; InvalidRequestError for an unhashable key."""
+        return _lookup(self._pins, key, 0) > 0
 
     def is_candidate(self, key: BlockKey) -> bool:
-        """Whether `evict` may choose `key` now."""
-        return key in self and self._is_unprotected(key)
+        """Whether `evict` may choose `key` now; InvalidRequestError for an unhashable key."""
+        try:
+            return key in self and self._is_unprotected(key)
+        except TypeError:
+            raise _unhashable(key) from None
 
     def _is_unprotected(self, key: BlockKey) -> bool:
         return key not in self._pins and not (self.prefix_aware and key in self._children)
@@ -233,10 +240,14 @@ class _PolicyBase:
 
     # Shared mechanics -------------------------------------------------------
     def _link(self, key: BlockKey, parent: BlockKey | None) -> None:
-        """Record `parent` as the chain predecessor of the newly inserted `key`."""
+        """Record `parent` as the chain predecessor of `key`, about to be inserted; InvalidRequestError, recording
+        nothing, for an unhashable `parent` (so `access` calls it before it inserts anything: a key inserted before
+        the refusal would be cached with no parent count to match, and `evict` would fail on it)."""
         if self.prefix_aware and parent is not None and parent != key:
+            children = self._children
+            num_children = _lookup(children, parent, 0)
+            children[parent] = num_children + 1
             self._parent[key] = parent
-            self._children[parent] = self._children.get(parent, 0) + 1
 
     def _forget(self, key: BlockKey) -> None:
         self._delete(key)
@@ -298,19 +309,23 @@ class _HeapPolicy(_PolicyBase):
             is_cached = key in current
         except TypeError:  # unhashable: refused before the clock or any table moves
             raise _unhashable(key) from None
+        if not is_cached:  # the new key's arguments are refused before anything moves, too
+            if not self._ranked_by_tick and (type(position) is not int or position < 0):
+                # Ranked by it: None would read as a re-access.
+                position = require_int("position", position, minimum=0, error=InvalidRequestError)
+            if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
+                children = self._children
+                try:
+                    num_children = children.get(parent, 0)
+                except TypeError:
+                    raise _unhashable(parent) from None
+                children[parent] = num_children + 1
+                self._parent[key] = parent
         tick = self._tick = self._tick + 1
         if is_cached:
             priority = current[key] = tick if self._ranked_by_tick else self._rank(key, None)
         else:
-            if self._ranked_by_tick:
-                priority = current[key] = tick
-            else:
-                if type(position) is not int or position < 0:  # ranked by it: None would read as a re-access
-                    position = require_int("position", position, minimum=0, error=InvalidRequestError)
-                priority = current[key] = self._rank(key, position)
-            if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
-                self._parent[key] = parent
-                self._children[parent] = self._children.get(parent, 0) + 1
+            priority = current[key] = tick if self._ranked_by_tick else self._rank(key, position)
         pins, children, prefix_aware = self._pins, self._children, self.prefix_aware
         newest = self._newest
         if newest is not None:
@@ -421,6 +436,7 @@ class SievePolicy(_PolicyBase):
         if is_cached:
             self._visited[key] = True
             return
+        self._link(key, parent)  # first: it refuses an unhashable parent before anything moves
         self._visited[key] = False
         self._older[key] = self._newest
         self._newer[key] = None
@@ -429,7 +445,6 @@ class SievePolicy(_PolicyBase):
         else:
             self._newer[self._newest] = key
         self._newest = key
-        self._link(key, parent)
 
     def _delete(self, key: BlockKey) -> None:
         older, newer = self._older.pop(key), self._newer.pop(key)
@@ -446,7 +461,7 @@ class SievePolicy(_PolicyBase):
             self._hand = newer
 
     def _choose(self) -> BlockKey | None:
-        return self._sweep(self.is_candidate)
+        return self._sweep(self._is_unprotected)  # the hand passes cached blocks alone
 
     def _choose_unpinned(self) -> BlockKey | None:
         """The sweep of `_choose` with every unpinned block a candidate."""

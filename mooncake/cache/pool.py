@@ -88,7 +88,8 @@ class PagePool(Protocol):
 
     def write(self, page: int, data: Buffer | None, *, key: BlockKey, checksum: int | None = None) -> None:
         """Store `data` (at most `page_bytes`) in `page`; `key` and `checksum`
-        label it where the medium keeps labels (SSD)."""
+        label it where the medium keeps labels (SSD). Every pool takes zero bytes
+        (an empty block), copying nothing."""
 
     def read(self, page: int, length: int, *, key: BlockKey | None = None) -> PageBytes | None:
         """The first `length` bytes of `page`: a zero-copy view where the medium allows
@@ -361,7 +362,14 @@ class VramPagePool(AllocatingPool):
         if isinstance(data, self._torch.Tensor):
             source = data.reshape(-1).view(self._torch.uint8)
         else:
-            source = self._torch.frombuffer(as_bytes_view(data, self.page_bytes), dtype=self._torch.uint8)
+            view = as_bytes_view(data, self.page_bytes)
+            if not view.nbytes:
+                return  # an empty block, as every pool takes it (torch.frombuffer refuses an empty buffer)
+            if view.readonly:
+                # torch borrows only writable memory (else it warns that its tensor could write into `bytes`):
+                # a copy for this host-to-device copy to read.
+                view = memoryview(bytearray(view))
+            source = self._torch.frombuffer(view, dtype=self._torch.uint8)
         if source.numel() > self.page_bytes:
             raise CapacityError(f"{source.numel()} bytes do not fit a page of {self.page_bytes} bytes")
         self.buffer[start : start + source.numel()].copy_(source)

@@ -38,7 +38,8 @@ one tier at a time:
   global index: `take_events()` drains them, numbered in one sequence per epoch,
   the changes since the last call grouped by kind and tier (a full cache taking
   a chain is one removal and one store, not one of each per block).
-  A pool reopened with recovered pages (SSD after a crash) is announced first.
+  A pool reopened with recovered pages (SSD after a crash) is announced first;
+  `announce_all` starts a new epoch with an `AllBlocksCleared`, then every block held.
 
 Threads: one writer and any number of readers. Metadata changes happen under
 one lock; the writer's copy into a freshly reserved page, and SSD reads of a
@@ -60,7 +61,7 @@ import xxhash
 
 from mooncake._checks import require_int, require_iterable, require_str
 from mooncake.cache._placement import STORED, BlockPlacement, CacheStats, Entry, group_changes
-from mooncake.cache.events import BlockRemoved, BlockStored, CacheEvent
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from mooncake.cache.policy import EvictionPolicy, LruPolicy
 from mooncake.cache.pool import Buffer, PageBytes, PagePool, as_bytes_view, check_checksum
 from mooncake.errors import (
@@ -116,6 +117,7 @@ class TieredCache(BlockPlacement):
         self.source = source
         self.epoch = epoch
         self._seq = 0
+        self._announcing = False  # `announce_all` was called: the next `take_events` opens with AllBlocksCleared
 
     # ------------------------------------------------------------------ queries
 
@@ -448,7 +450,9 @@ class TieredCache(BlockPlacement):
         cache). O(blocks evicted).
 
         Returns:
-            The blocks evicted: fewer than `num_blocks` only when every other first-tier block is pinned.
+            The blocks evicted: fewer than `num_blocks` only when every other first-tier block is pinned, or is
+            the prefix of a cached block and no lower tier takes it (dropping it would strand its successors:
+            in a single tier, the prefix of a pinned block stays).
 
         Raises:
             InvalidRequestError: `num_blocks` is not a non-negative integer.
@@ -644,21 +648,28 @@ class TieredCache(BlockPlacement):
         with self._lock:
             log, self._log = self._log, []
             groups = group_changes(log)
+            cleared, self._announcing = self._announcing, False
             first_seq = self._seq
-            self._seq += len(groups)
-        return [
+            self._seq += cleared + len(groups)
+            source, epoch = self.source, self.epoch
+        events: list[CacheEvent] = [AllBlocksCleared(source=source, seq=first_seq, epoch=epoch)] if cleared else []
+        first_seq += cleared
+        events.extend(
             (BlockStored if kind == STORED else BlockRemoved)(
-                source=self.source, seq=first_seq + i, keys=keys, tier=self.pools[level].tier, epoch=self.epoch
+                source=source, seq=first_seq + i, keys=keys, tier=self.pools[level].tier, epoch=epoch
             )
             for i, ((kind, level), keys) in enumerate(groups)
-        ]
+        )
+        return events
 
     def announce_all(self, epoch: int) -> None:
-        """Start event epoch `epoch` with everything the cache holds: the next `take_events` begins at seq 0 of
-        `epoch` with one `BlockStored` per tier of the blocks it holds (what every event so far, applied in order,
-        would leave), and changes not yet taken are folded into it. For a consumer that lost this cache's events
-        (an index that forgot the source while it did not answer, a subscriber that joined late): an index applies
-        an epoch's seq 0 whatever it knew of the source, replacing it.
+        """Start event epoch `epoch` with everything the cache holds: the next `take_events` begins with an
+        `AllBlocksCleared` at seq 0 of `epoch`, then one `BlockStored` per tier of the blocks it holds (what every
+        event so far, applied in order, would leave), and changes not yet taken are folded into it. For a consumer
+        that lost this cache's events (an index that forgot the source while it did not answer, a subscriber that
+        joined late): an index applies an epoch's seq 0 whatever it knew of the source, replacing it. The clear
+        comes first whatever the cache holds, as vLLM's publisher clears on a reset: an empty cache has no store to
+        carry the new epoch, and without an event a consumer would keep every block it last believed held.
 
         Raises:
             InvalidRequestError: `epoch` is not an integer above the current epoch (a consumer drops an event of
@@ -666,7 +677,7 @@ class TieredCache(BlockPlacement):
         """
         with self._lock:
             require_int("epoch", epoch, minimum=self.epoch + 1, error=InvalidRequestError)
-            self.epoch, self._seq = epoch, 0
+            self.epoch, self._seq, self._announcing = epoch, 0, True
             self._log = [(STORED, entry.level, key) for key, entry in self._entries.items() if entry.is_live]
 
     # ------------------------------------------------------------------ lifecycle

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mooncake.cache.events import BlockRemoved, BlockStored
+from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex, Holder
 from mooncake.cache.policy import LengthAwarePolicy, LfuPolicy, LruPolicy, SievePolicy
 from mooncake.cache.pool import DramPagePool, MetadataPagePool
@@ -905,8 +905,8 @@ def test_evict_refuses_a_count_that_is_not_a_non_negative_integer() -> None:
 
 
 def test_announce_all_starts_an_epoch_holding_what_the_cache_holds(tmp_path: Path) -> None:
-    """The index that forgot the source (a dispatcher marked it down, then up) gets every block back by tier, the
-    changes not yet taken folded in; a stale or equal epoch is refused by name."""
+    """The index that forgot the source (a dispatcher marked it down, then up) gets every block back by tier, after
+    the new epoch's clear, the changes not yet taken folded in; a stale or equal epoch is refused by name."""
     cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "ssd.pool", PAGE, 4)], source=SOURCE, epoch=5)
     index = BlockIndex()
     for key in (1, 2, 3):
@@ -917,7 +917,11 @@ def test_announce_all_starts_an_epoch_holding_what_the_cache_holds(tmp_path: Pat
     cache.put(BlockKey(4), block(4))  # not taken yet: folded into the announcement
     cache.announce_all(6)
     events = cache.take_events()
-    assert [(e.seq, e.epoch, type(e)) for e in events] == [(0, 6, BlockStored), (1, 6, BlockStored)]
+    assert [(e.seq, e.epoch, type(e)) for e in events] == [
+        (0, 6, AllBlocksCleared),
+        (1, 6, BlockStored),
+        (2, 6, BlockStored),
+    ]
     for event in events:
         assert index.apply(event) is None
     for key in (1, 2, 3, 4):
