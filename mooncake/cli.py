@@ -358,10 +358,22 @@ def capacity_sweep(
     _SWEEP = (keys, policy, prefix_aware)
     try:
         context = multiprocessing.get_context("fork")
-        pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(capacities_blocks)), mp_context=context)
+        # A stop signal taken while the first submit forks the workers can land in an at-fork callback (logging's
+        # lock release), where Python prints its SystemExit or KeyboardInterrupt as "Exception ignored" and goes
+        # on: held back until the workers are up, it lands in this loop instead. The workers start unblocked.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, signal.SIGINT})
+        pool = concurrent.futures.ProcessPoolExecutor(
+            min(jobs, len(capacities_blocks)),
+            mp_context=context,
+            initializer=signal.pthread_sigmask,
+            initargs=(signal.SIG_SETMASK, unblocked),
+        )
         try:  # from the first submit, which forks the workers
-            futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
-            _KILL_ON_STOP[:] = list((getattr(pool, "_processes", None) or {}).values())
+            try:
+                futures = [pool.submit(_sweep_point, capacity) for capacity in capacities_blocks]
+                _KILL_ON_STOP[:] = list((getattr(pool, "_processes", None) or {}).values())
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
             for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
                 if progress is not None:
                     progress(done)

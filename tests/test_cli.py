@@ -952,6 +952,29 @@ def test_sigterm_stops_a_parallel_sweep_at_once(tmp_path: Path) -> None:
     wait_for(lambda: not any(is_running(pid) for pid in workers), timeout=2, what="the workers to end")
 
 
+@pytest.mark.serial  # sends itself a signal and forks
+def test_a_stop_signal_taken_while_the_sweep_forks_stops_it_quietly(tmp_path: Path) -> None:
+    """A SIGTERM that arrived while the first submit forked the workers was handled inside an at-fork callback
+    (logging's lock release, in the CI run that found it), where Python prints the SystemExit as "Exception
+    ignored" and goes on: the sweep ran to its end and printed its table before the status said 143. The stop
+    signals are now held back while the workers fork. The signal is sent here from an at-fork callback."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {t}, "input_length": 5120, "output_length": 1, "hash_ids": {list(range(t, t + 10))}}}\n'
+            for t in range(200)
+        )
+    )
+    script = (
+        "import os, signal, sys; "
+        "os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM)); "
+        "from mooncake.cli import main; sys.exit(main())"
+    )
+    argv = ["trace", "capacity", str(trace), "--capacity-blocks", "10,11", "--jobs", "2", "--no-progress"]
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (143, "", "")
+
+
 def test_error_message_words_a_file_error_as_file_and_reason() -> None:
     """The one wording every command line prints a failed read or write in; other errors keep their own text (a
     MooncakeError that is an OSError too, as a pool file's DiskError, names its file in its message)."""
