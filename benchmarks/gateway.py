@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import math
 import multiprocessing
 import pstats
 import statistics
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -132,24 +134,40 @@ def client_main(url: str, args: argparse.Namespace, marks: Connection) -> None:
 
 
 def run_clients(url: str, args: argparse.Namespace) -> dict[str, float]:
-    """Run `measure` in a child process; add the gateway process's CPU time per sustained request."""
+    """Run `measure` in a child process; add the gateway process's CPU time per sustained request.
+
+    Raises:
+        SystemExit: the clients' process ended (an error of theirs, on their stderr) or went silent for 600 s,
+            named with the phase it did not reach.
+    """
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     child = context.Process(target=client_main, args=(url, args, theirs), daemon=True)
     child.start()
+    # The child has its own copy of its end now. Ours, held open, kept the pipe open after the child died, and
+    # each wait below ran out its 600 s; closed, the child's death is an EOF at once.
+    theirs.close()
+
+    def receive(phase: str) -> Any:
+        try:
+            if ours.poll(600.0):
+                return ours.recv()
+        except EOFError:
+            child.join(10.0)
+            raise SystemExit(f"the clients' process ended with exit code {child.exitcode} before {phase}") from None
+        raise SystemExit(f"the clients sent nothing for 600 s before {phase}")
+
     try:
-        timeout = 600.0
-        if not ours.poll(timeout) or ours.recv() != "start":
+        if receive("the sustained phase") != "start":
             raise SystemExit("the clients did not reach the sustained phase")
         cpu = time.process_time()  # every thread of this process: the gateway's loop and its call pool
         ours.send("go")
-        if not ours.poll(timeout) or ours.recv() != "end":
+        if receive("the end of the sustained phase") != "end":
             raise SystemExit("the clients did not finish the sustained phase")
         cpu = time.process_time() - cpu
-        if not ours.poll(timeout):
-            raise SystemExit("the clients sent no result")
-        result: dict[str, float] = ours.recv()
+        result: dict[str, float] = receive("their result")
     finally:
+        ours.close()
         child.join(10.0)
         if child.is_alive():
             child.kill()
@@ -166,6 +184,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the gateway's N costliest functions")
     args = parser.parse_args()
+    for option in ("requests", "concurrency", "prompt_tokens"):
+        if getattr(args, option) < 1:  # no request: the clients' percentiles of nothing; no client: 0 requests/s
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if not 0 < args.seconds < math.inf:
+        parser.error(f"--seconds must be a finite number > 0, got {args.seconds:g}")
+    if args.profile < 0:
+        parser.error(f"--profile must be at least 0 (0: no profile), got {args.profile}")
     config = load_config(CONFIG).with_overrides("cluster", port=0, num_prefill=1, num_decode=1)
     result: dict[str, float] = {"engine_ms": engine_ms(args.prompt_tokens)}
     profiler = cProfile.Profile()

@@ -88,8 +88,17 @@ def main() -> None:
     parser.add_argument("--large-instances", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="replays of the trace, ours alternating with the peer's")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    for option in ("requests", "repeats"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if args.large_requests < 0:
+        parser.error(f"--large-requests must be at least 0 (0: no large replay), got {args.large_requests}")
+    # Half prefill, half decode: an odd count was reported as the even one below it while the rate was sized for
+    # the count given.
+    if args.large_instances < 2 or args.large_instances % 2:
+        parser.error(
+            f"--large-instances must be an even number >= 2 (half prefill, half decode), got {args.large_instances}"
+        )
 
     if args.trace.exists():
         workload, source = load_trace(args.trace), str(args.trace)
@@ -144,7 +153,7 @@ def main() -> None:
                     return
                 yield request
 
-        half = max(1, args.large_instances // 2)
+        half = args.large_instances // 2
         large = large_workload(args.large_requests)
         large_wall = timed(spec(half, half), large, keep_intervals=False, decode_s=decode_s) - generate_s
         result.update(

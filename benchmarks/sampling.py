@@ -71,9 +71,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    for option in ("vocab", "tokens", "repeats"):
+    for option in ("vocab", "prompt_tokens", "tokens", "repeats"):  # no prompt: the penalties' case would have none
         if getattr(args, option) < 1:
-            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     torch.set_num_threads(1)  # one decode step's share: the comparison, not the machine's thread count
     logits = torch.randn(args.vocab, generator=torch.Generator().manual_seed(0)) * 4
     prompt = list(range(0, 2 * args.prompt_tokens, 2))

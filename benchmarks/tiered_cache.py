@@ -200,8 +200,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.total_mib < 16 or args.total_mib % 16:
         parser.error(f"--total-mib must be a positive multiple of 16 (whole 16 MiB pages), got {args.total_mib}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    for option in ("small_ops", "repeats"):
+        if getattr(args, option) < 1:  # --small-ops 0 printed 0 put/s
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mooncake-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     total = args.total_mib * MIB

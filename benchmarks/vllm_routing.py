@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import re
 import statistics
 import sys
@@ -193,6 +194,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default=str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python"))
     args = parser.parse_args()
+    for option in ("requests", "documents", "kv_cache_mib", "max_tokens"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if not 0 < args.rate < math.inf:  # the arrivals' mean gap is 1 / rate
+        parser.error(f"--rate must be a finite number > 0, got {args.rate:g}")
+    if args.seed < 0:
+        parser.error(f"--seed must be at least 0, got {args.seed}")
     if not Path(args.vllm_python).exists():
         sys.exit(f"error: no vLLM environment at {args.vllm_python}: `make vllm-env` builds it")
     requests = workload(args.requests, args.documents, args.rate, args.seed)

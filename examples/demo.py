@@ -34,6 +34,7 @@ from mooncake.cli import (
     OneLineParser,
     capacity_sweep,
     error_message,
+    folder_path,
     one_line,
     plot_capacity,
     run_interruptible,
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo(argv: list[str] | None) -> int:
     parser = OneLineParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("build/demo"), help="output folder")
+    parser.add_argument("--out", type=folder_path, default=Path("build/demo"), help="output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
     parser.add_argument("--num-requests", type=int, default=DEFAULT_WORKLOAD.num_requests)
     parser.add_argument("--seed", type=int, default=0)

@@ -38,7 +38,7 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.cli import OneLineParser, comma_separated, error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, comma_separated, error_message, folder_path, one_line, run_interruptible
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, require_pyplot, write_json
@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
         simulation.add_workload_options(q)
         simulation.add_cluster_options(q)
         simulation.add_policy_options(q)
-        q.add_argument("--out", type=Path, default=Path("build/experiments"), help="JSON and plots go here")
+        q.add_argument("--out", type=folder_path, default=Path("build/experiments"), help="JSON and plots go here")
         q.add_argument("--no-plots", action="store_true")
         q.add_argument("--json", action="store_true", help="print the JSON instead of the table")
         if name == "scheduling":

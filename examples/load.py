@@ -69,7 +69,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
-from mooncake.cli import OneLineParser, error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -337,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-slo", type=float, help="seconds (default: --config's [slo] tbt_s)")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", type=Path, help="write summary.json here")
+    p.add_argument("--out", type=folder_path, help="write summary.json here")
     return p
 
 

@@ -43,7 +43,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, scaling_of
 from serving import registry
 
-from mooncake.cli import OneLineParser, error_message, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
         "--profile", type=Path, help="with --config: the fitted cost models (the config's [prefill] profile)"
     )
     add_scaling_options(p)
-    p.add_argument("--out", type=Path, help="write requests.csv, summary.json and plots here")
+    p.add_argument("--out", type=folder_path, help="write requests.csv, summary.json and plots here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 

@@ -89,7 +89,7 @@ from serving.config import ClusterConfig, load_config
 from serving.machine import Machine, check_machine
 from serving.models import cost_models
 
-from mooncake.cli import OneLineParser, one_line, run_interruptible
+from mooncake.cli import OneLineParser, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -552,7 +552,7 @@ def parser() -> argparse.ArgumentParser:
         "--repeat-real", action="store_true", help="run the serviceable workload on a second real cluster and compare"
     )
     p.add_argument("--timeout", type=float, default=120.0, help="per request over HTTP, seconds")
-    p.add_argument("--out", type=Path, help="write validate.json, the profile and CDF plots here")
+    p.add_argument("--out", type=folder_path, help="write validate.json, the profile and CDF plots here")
     p.add_argument("--json", action="store_true")
     return p
 

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import random
+import re
 import signal
 import sys
 import threading
@@ -645,6 +646,25 @@ def _integer(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def zmq_port_problem(digits: str) -> str | None:
+    """Why a ZeroMQ TCP endpoint's port, as written, is not one a server can have, or None. ZeroMQ binds 0 to a
+    random port, as `*`, and takes a larger number modulo 65536 (99999 binds 34463), so either would be a port
+    other than the one named. The one rule for this command line's endpoints and the router's config's
+    (`vllm_fleet.config`)."""
+    if not 1 <= int(digits) <= 65_535:
+        return f"has port {digits}: must be in 1..65535 (ZeroMQ would use another port than the one named)"
+    return None
+
+
+def _endpoint(text: str) -> str:
+    """An argparse type: a ZeroMQ endpoint whose TCP port, where it names one, is one ZeroMQ uses as named
+    (`zmq_port_problem`). The rest (`*`, ipc://, a bad address) is ZeroMQ's to check when it binds or connects."""
+    match = re.fullmatch(r"tcp://.+:(\d+)", text)
+    if match is not None and (problem := zmq_port_problem(match[1])) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
+
+
 def _seconds(*, positive: bool) -> Callable[[str], float]:
     """An argparse type: a finite number of seconds, > 0 if `positive`, else >= 0."""
 
@@ -672,8 +692,10 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--algorithm", choices=["xxh3_64", "xxh3_128", "sha256"], default="xxh3_64")
         sub.add_argument("--topic", default="")
         if name != "loopback":
-            sub.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
-            sub.add_argument("--replay", default="tcp://127.0.0.1:5558", help="replay endpoint ('' for none)")
+            sub.add_argument("--endpoint", type=_endpoint, default="tcp://127.0.0.1:5557")
+            sub.add_argument(
+                "--replay", type=_endpoint, default="tcp://127.0.0.1:5558", help="replay endpoint ('' for none)"
+            )
         if name == "subscribe":
             sub.add_argument("--connect", action="store_true", help="connect (vLLM's endpoint has '*')")
             sub.add_argument("--source", default="vllm-0", help="the instance's id in the index")

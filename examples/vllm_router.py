@@ -33,6 +33,9 @@ from vllm_fleet.proxy import VllmRouter
 from mooncake.cli import OneLineParser
 from mooncake.errors import MooncakeError
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+"""`--log-level`'s choices: logging's level names (basicConfig refuses another, with a traceback)."""
+
 
 async def serve(config_path: Path, port: int | None) -> None:
     config = load_router_config(config_path)
@@ -57,9 +60,11 @@ def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--port", type=int, default=None, help="override [router] port (0: any free port)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="in any case: debug is DEBUG"
+    )
     args = parser.parse_args()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve(args.config, args.port))
     except MooncakeError as error:

@@ -87,6 +87,7 @@ __all__ = [
     "capacity_sweep",
     "comma_separated",
     "error_message",
+    "folder_path",
     "main",
     "one_line",
     "plot_capacity",
@@ -136,11 +137,23 @@ def _ranged(text: str) -> float:
     return value
 
 
-def _input_path(text: str) -> str:
-    """An argparse type: a path to read (open() refuses NUL, and "" names nothing)."""
+def _path_text(text: str, kind: str) -> str:
+    """`text` as a path that names something (open() refuses NUL, and "" names nothing; Path("") is "."), else an
+    argparse error expecting `kind`."""
     if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"expected a file name, got {shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {shown(text)}")
     return text
+
+
+def _input_path(text: str) -> str:
+    """An argparse type: a path to read."""
+    return _path_text(text, "a file name")
+
+
+def folder_path(text: str) -> Path:
+    """An argparse type: an output folder (an example's `--out`). "" is refused (Path("") is the current folder,
+    where a set would be written unasked), as NUL is; "." is a folder and is taken."""
+    return Path(_path_text(text, "a folder name"))
 
 
 def _output_path(text: str) -> str:

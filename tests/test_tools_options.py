@@ -345,3 +345,42 @@ def test_replay_refuses_a_bad_option_in_one_line(argv: list[str]) -> None:
     """argparse's own errors printed replay.py's whole usage block where its main promises one line on stderr."""
     done = run("replay.py", *argv)
     refused(done, "replay.py: error: ")
+
+
+@pytest.mark.parametrize("level", ["LOUD", "", "10"])
+def test_vllm_router_refuses_an_unknown_log_level_in_one_line(level: str) -> None:
+    """logging.basicConfig's ValueError was a traceback, where the router's OneLineParser promises one line."""
+    done = run("vllm_router.py", "--config", "/nonexistent/router.toml", "--log-level", level, timeout=30)
+    refused(done, f"argument --log-level: invalid choice: {level.upper()!r}")
+
+
+def test_vllm_router_takes_a_log_level_in_any_case() -> None:
+    """`--log-level debug` is DEBUG: the run goes on to read its config (absent here: one line, status 1)."""
+    done = run("vllm_router.py", "--config", "/nonexistent/router.toml", "--log-level", "debug", timeout=30)
+    assert done.returncode == 1 and "/nonexistent/router.toml" in done.stderr, done.stderr
+    assert "--log-level" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo.py", "--num-requests", "10"],
+        ["replay.py", "--num-requests", "10"],
+        ["experiments.py", "cache"],
+        ["validate.py"],
+        ["load.py"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_empty_out_folder_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    """`--out ''` was Path(''), the current folder, where the demo's trace and plot were written: every example's
+    output folder is refused empty (`mooncake.cli.folder_path`), as `mooncake trace` refuses an empty path."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / argv[0]), *argv[1:], "--out", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    refused(done, "argument --out: expected a folder name, got ''")
+    assert list(tmp_path.iterdir()) == []

@@ -78,3 +78,36 @@ def test_an_endpoint_zeromq_refuses_is_one_line(capsys: pytest.CaptureFixture[st
     pytest.importorskip("msgpack", reason="msgpack (the kv-events extra) is not installed")
     assert example.main(argv) == 2
     assert capsys.readouterr().err == "vllm_events: error: Invalid argument (addr='bogus')\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "port"),
+    [
+        (
+            ["subscribe", "--endpoint", "tcp://127.0.0.1:99999", "--replay", "", "--duration", "0.1"],
+            "--endpoint",
+            99999,
+        ),
+        (["subscribe", "--endpoint", "tcp://127.0.0.1:0", "--replay", "", "--duration", "0.1"], "--endpoint", 0),
+        (["publish", "--endpoint", "tcp://127.0.0.1:70000", "--replay", "", "--num-prompts", "1"], "--endpoint", 70000),
+        (
+            ["subscribe", "--endpoint", "tcp://127.0.0.1:*", "--replay", "tcp://127.0.0.1:65536", "--duration", "0.1"],
+            "--replay",
+            65536,
+        ),
+        (["publish", "--replay", "tcp://*:99999", "--num-prompts", "1"], "--replay", 99999),
+    ],
+)
+def test_an_endpoint_port_zeromq_would_change_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str, port: int
+) -> None:
+    """ZeroMQ takes a port over 65535 modulo 65536 (99999 bound 34463, where a vLLM told 99999 never connects, and
+    the run exited 0) and 0 as any port: refused by the rule the router's config refuses them by."""
+    with pytest.raises(SystemExit) as caught:
+        example.main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2, err
+    assert (
+        f"vllm_events {argv[0]}: error: argument {option}: " in err and f"has port {port}: must be in 1..65535" in err
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err

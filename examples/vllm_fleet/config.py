@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 import attrs
 from serving.config import _SHOWN, _api_key, _document, _host, _name, _path, _seconds, _setting
 from serving.registry import ADMISSIONS, ROUTERS
+from vllm_events import zmq_port_problem
 
 from mooncake._checks import shown
 from mooncake.errors import ConfigError
@@ -88,7 +89,7 @@ def _endpoint(text: str) -> str | None:
         return "must be a ZeroMQ TCP endpoint, tcp://HOST:PORT (the address vLLM's kv-events-config names)"
     if match[2] == "*":
         return "needs a port: vLLM connects to the one its kv-events-config endpoint names (`*` binds a random one)"
-    return _port(match[2])
+    return zmq_port_problem(match[2])
 
 
 def _replay_endpoint(text: str) -> str | None:
@@ -103,15 +104,7 @@ def _replay_endpoint(text: str) -> str | None:
             "names where the router connects to the server's replay socket: its host and port (vLLM's "
             "replay_endpoint tcp://*:PORT is where vLLM binds; here write tcp://SERVER_HOST:PORT)"
         )
-    return _port(match[2])
-
-
-def _port(digits: str) -> str | None:
-    """A ZeroMQ endpoint's port must be one a server can have: ZeroMQ binds 0 to a random port, as `*`, and takes
-    a larger number modulo 65536 (99999 binds 34463), so either would be a port other than the one named."""
-    if not 1 <= int(digits) <= 65_535:
-        return f"has port {digits}: must be in 1..65535 (ZeroMQ would use another port than the one named)"
-    return None
+    return zmq_port_problem(match[2])
 
 
 def _directory(text: str) -> str | None:
