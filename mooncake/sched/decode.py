@@ -45,11 +45,11 @@ import numpy as np
 
 from mooncake._checks import require_number
 from mooncake.cache._compiled import kernels
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.join import DecodeLoad, JoinVerdict, check_join, check_tbt_slo, check_tokens, tbt_verdict
 from mooncake.sched.outcome import Reason
-from mooncake.sched.step import AnalyticStepModel
-from mooncake.sched.view import ActiveDecode, BoardLoads, DecodeBoard, DecodeView
+from mooncake.sched.step import AnalyticStepModel, RooflineStep
+from mooncake.sched.view import ActiveDecode, BoardLoads, DecodeBoard, DecodeView, board_loads_problem
 from mooncake.types import InstanceId
 
 __all__ = ["DecodeChoice", "choose_decode", "generated_tokens", "lasting_decode_refusal"]
@@ -94,8 +94,10 @@ def choose_decode(
 
     Raises:
         InvalidRequestError: a token count that is not an integer >= 1, a `now` that is not a finite number, a
-            `tbt_slo_s` that is no number (`sched.join.check_tbt_slo`: a NaN objective would pass every step), or
-            `views` that are no collection of `DecodeView`s.
+            `tbt_slo_s` that is no number (`sched.join.check_tbt_slo`: a NaN objective would pass every step),
+            `views` that are no collection of `DecodeView`s, or `loads` that are no `BoardLoads` of one int64 count
+            per slot of the board (`sched.view.board_loads_problem`: the scan would read past them, or pass a NaN).
+        ConfigError: a step model with no `roofline()` giving a `RooflineStep`.
     """
     check_tokens(prompt_tokens, output_tokens)
     if type(tbt_slo_s) is not float or tbt_slo_s != tbt_slo_s:  # a float that is no NaN passes in one test
@@ -103,8 +105,12 @@ def choose_decode(
     if now is not None and (type(now) is not float or not math.isfinite(now)):  # a finite float passes in one test
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
     board = views if isinstance(views, DecodeBoard) else DecodeBoard(_decode_views(views))
+    if loads is not None:  # O(1): a shape (`BoardLoads.of`'s, as the Conductor's predictions: one length)
+        problem = board_loads_problem(loads, len(board))
+        if problem is not None:
+            raise InvalidRequestError(problem)
     checked = board.committed if loads is None else loads
-    committed, roofline = board.committed, step_model.roofline()
+    committed, roofline = board.committed, _roofline(step_model)
     slot, predicted, passes = kernels(_KERNELS).best_decode_slot(
         prompt_tokens,
         output_tokens,
@@ -143,7 +149,7 @@ def generated_tokens(step_model: AnalyticStepModel, active: Sequence[ActiveDecod
     most the sum of their expected outputs; 0 for an empty batch or a `now` before they joined."""
     if not active:
         return 0.0
-    roofline = step_model.roofline()
+    roofline = _roofline(step_model)
     return float(
         kernels(_KERNELS).grown_tokens(
             roofline.coefficients,
@@ -182,6 +188,18 @@ def lasting_decode_refusal(
     if any(holds) or not any(view.is_up for view in views):
         return Reason.NO_DECODE_INSTANCE
     return Reason.CONTEXT_TOO_LONG
+
+
+def _roofline(step_model: AnalyticStepModel) -> RooflineStep:
+    """The roofline the compiled scan evaluates, or a ConfigError naming a step model that has none (an
+    AttributeError from inside, else)."""
+    roofline = getattr(step_model, "roofline", None)
+    step = roofline() if callable(roofline) else None
+    if type(step) is not RooflineStep and not isinstance(step, RooflineStep):
+        raise ConfigError(
+            f"step model must be an AnalyticStepModel (its roofline() a RooflineStep), got {step_model!r}"
+        )
+    return step
 
 
 def _decode_views(views: object) -> tuple[DecodeView, ...]:

@@ -33,7 +33,7 @@ import numbers
 import attrs
 import numpy as np
 
-from mooncake._checks import int_at_least
+from mooncake._checks import int_at_least, shown
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Reason
 from mooncake.sched.step import StepModel
@@ -48,6 +48,7 @@ __all__ = [
     "check_join",
     "check_tbt_slo",
     "check_tokens",
+    "is_load_count",
     "load_problem",
     "refusal",
     "takes_slot",
@@ -128,7 +129,9 @@ class JoinVerdict:
 MAX_LOAD = UNLIMITED
 
 
-def _is_count(value: object) -> bool:
+def is_load_count(value: object) -> bool:
+    """Whether `value` is a count a load may hold: a number (no bool) in [0, 2**61 - 1), fractions allowed (a
+    prediction is an expectation). The one test of `load_problem`'s, and of a board's loads (`sched.view`)."""
     # The exact-type test first: the Conductor asks this per decode instance per predictive decision, and
     # isinstance against an ABC is slow. NaN fails the comparison.
     real = type(value) in (int, float) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
@@ -142,7 +145,7 @@ def load_problem(load: object) -> str | None:
         return f"a load must be a DecodeLoad, got {load!r}"
     for name in ("batch_size", "context_tokens", "kv_tokens"):
         value = getattr(load, name)
-        if not _is_count(value):
+        if not is_load_count(value):
             return f"a load's {name} must be a number in [0, 2**61 - 1), got {value!r}"
     return None
 
@@ -208,7 +211,8 @@ def check_join(
         InvalidRequestError: a token count that is not an integer in [1, MAX_TOKENS], a `load` that
             `load_problem` finds wrong (a negative or NaN count, say), or a `tbt_slo_s` that is neither None nor
             a number (`check_tbt_slo`: a NaN would pass every step).
-        ConfigError: `limits` that are no `DecodeLimits`, or a step model that predicts a NaN step.
+        ConfigError: `limits` that are no `DecodeLimits`, or a step model with no `step_s` method or that predicts
+            no number for the step (None, text, NaN).
     """
     check_tokens(prompt_tokens, output_tokens)
     if not isinstance(limits, DecodeLimits):
@@ -232,13 +236,30 @@ def check_join(
         return JoinVerdict(accepted=False, reason=REFUSALS[code])
     if step_model is None:
         return JoinVerdict(accepted=True)
-    predicted = step_model.step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
-    if predicted != predicted:  # NaN: it fails every comparison, so the TBT check would pass it
+    step_s = getattr(step_model, "step_s", None)
+    if not callable(step_s):
+        raise ConfigError(f"step model must have a step_s(batch_size, context_tokens) method, got {step_model!r}")
+    predicted = step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
+    # The common case, a float that is no NaN, in one test. A NaN fails every comparison, so the TBT check would
+    # pass it; None or text fail it bare.
+    if (type(predicted) is not float or predicted != predicted) and not _is_comparable(predicted):
         raise ConfigError(
-            f"step model {step_model!r} predicted NaN seconds for a step of {int(load.batch_size) + 1} requests"
-            f" holding {int(load.context_tokens) + prompt_tokens} tokens"
+            f"step model {step_model!r} predicted {'NaN' if predicted != predicted else shown(predicted)}"
+            f" seconds for a step of {int(load.batch_size) + 1} requests holding"
+            f" {int(load.context_tokens) + prompt_tokens} tokens: a step time is a number, not NaN"
         )
     return tbt_verdict(load.batch_size, output_tokens, predicted, tbt_slo_s)
+
+
+def _is_comparable(value: object) -> bool:
+    """Whether `value` is what the TBT check compares, an objective or a predicted step: a real number (no bool) a
+    float holds, infinities included, that is no NaN (which would pass every comparison, silently)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return not math.isnan(value)
+    except OverflowError:  # an int past a float's range
+        return False
 
 
 def check_tbt_slo(tbt_slo_s: float) -> None:
@@ -250,12 +271,7 @@ def check_tbt_slo(tbt_slo_s: float) -> None:
     """
     if type(tbt_slo_s) is float and tbt_slo_s == tbt_slo_s:  # the common case, a float that is no NaN: one test
         return
-    number = isinstance(tbt_slo_s, numbers.Real) and not isinstance(tbt_slo_s, bool)
-    try:
-        number = number and not math.isnan(tbt_slo_s)
-    except OverflowError:  # an int past a float's range
-        number = False
-    if not number:
+    if not _is_comparable(tbt_slo_s):
         raise InvalidRequestError(f"tbt_slo_s must be a number (not NaN), got {tbt_slo_s!r}")
 
 

@@ -19,8 +19,9 @@ import enum
 
 import attrs
 
+from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
-from mooncake.types import RequestId
+from mooncake.types import RequestId, check_request_id
 
 __all__ = ["Outcome", "Reason", "RequestEnd", "http_status", "reason_named"]
 
@@ -56,13 +57,25 @@ class Reason(enum.Enum):
 
 @attrs.frozen
 class RequestEnd:
-    """A request left the system: how, and why when it did not complete."""
+    """A request left the system: how, and why when it did not complete.
+
+    Raises:
+        InvalidRequestError: a request id that is none (`types.check_request_id`), an `outcome` that is no
+            `Outcome` or a `reason` that is neither None nor a `Reason` (their values as text included: a string
+            reason would reach every reader of the end as it is), or a reason given a completed request, or none
+            given any other.
+    """
 
     request_id: RequestId
     outcome: Outcome
     reason: Reason | None = None
 
     def __attrs_post_init__(self) -> None:
+        check_request_id("request_id", self.request_id)
+        if not isinstance(self.outcome, Outcome):
+            raise InvalidRequestError(f"outcome must be a mooncake.sched.Outcome, got {shown(self.outcome)}")
+        if self.reason is not None and not isinstance(self.reason, Reason):
+            raise InvalidRequestError(f"reason must be None or a mooncake.sched.Reason, got {shown(self.reason)}")
         if (self.outcome is Outcome.COMPLETED) != (self.reason is None):
             raise InvalidRequestError(
                 f"a {self.outcome.value} request has reason {self.reason}: every outcome but completed has one"
@@ -81,11 +94,21 @@ def reason_named(value: object) -> Reason:
 _UNAVAILABLE = frozenset({Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE})
 
 
-def http_status(reason: Reason) -> int:
+def http_status(reason: Reason | str) -> int:
     """The HTTP status a gateway answers a rejection for `reason` with: 503 when no instance of a role is up
     (the service is unavailable), 400 when the request cannot fit any instance however idle (its prompt and
     max_tokens exceed the context or an empty instance's KV: vLLM's own answer), 429 for the rest (at capacity
-    now: retry later)."""
+    now: retry later). A reason's value, as a peer sends it, is read by `reason_named` (one not known here: a
+    429), so a reason and its wire name answer alike.
+
+    Raises:
+        InvalidRequestError: `reason` that is neither a `Reason` nor a string (None, a number: answering those 429
+            would hide the caller's mistake).
+    """
+    if not isinstance(reason, Reason):
+        if not isinstance(reason, str):
+            raise InvalidRequestError(f"reason must be a mooncake.sched.Reason or its value, got {shown(reason)}")
+        reason = reason_named(reason)
     if reason in _UNAVAILABLE:
         return 503
     if reason is Reason.CONTEXT_TOO_LONG:

@@ -33,6 +33,7 @@ import collections
 import numpy as np
 import numpy.typing as npt
 
+from mooncake._checks import require_int, shown
 from mooncake.cache._compiled import is_compiled, kernels
 from mooncake.errors import InvalidRequestError
 
@@ -40,6 +41,8 @@ __all__ = ["PendingBlocks"]
 
 _KERNELS = "mooncake.sched._kernels"
 _MIN_CAPACITY = 1024
+_KEY_DTYPE = np.dtype(np.uint64)
+_MAX_CAPACITY = 1 << 32  # a first size past this is a mistake (a table of 2**33 slots), not a hint
 
 
 class _Table:
@@ -172,9 +175,17 @@ class _Counters:
 class PendingBlocks:
     """Block keys counted per owner, with the walk along a prompt (see the module docstring); the
     path (compiled table or plain counters) is chosen when it is made, for its lifetime, as a
-    `KeyTable`'s is."""
+    `KeyTable`'s is.
+
+    Args:
+        capacity: (owner, key) pairs the table is first sized for (it grows past them); the plain path ignores it.
+
+    Raises:
+        ConfigError: a `capacity` that is not an integer in [0, 2**32).
+    """
 
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        capacity = require_int("capacity", capacity, minimum=0, below=_MAX_CAPACITY)
         self.is_compiled = is_compiled()
         self._store: _Table | _Counters = _Table(capacity) if self.is_compiled else _Counters()
 
@@ -184,13 +195,24 @@ class PendingBlocks:
 
     def add(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
         """Count each of `keys` (a key twice: twice) once more for `owner` (>= 0: the table marks an empty
-        slot with owner −1, and `walk` reads a negative owner as "nothing is coming")."""
-        _check_owner(owner)
+        slot with owner −1, and `walk` reads a negative owner as "nothing is coming").
+
+        Raises:
+            InvalidRequestError: an owner that is not an integer >= 0, or `keys` that are no 1-D uint64 array
+                (`cache.index.key_array`); nothing counted.
+        """
+        owner = _check_owner(owner)
+        _check_keys(keys)
         self._store.add(owner, keys)
 
     def remove(self, owner: int, keys: npt.NDArray[np.uint64]) -> None:
-        """Count each of `keys` once less for `owner`: what `add` counted for a request that left."""
-        _check_owner(owner)
+        """Count each of `keys` once less for `owner`: what `add` counted for a request that left.
+
+        Raises:
+            InvalidRequestError: as `add`'s; nothing changed.
+        """
+        owner = _check_owner(owner)
+        _check_keys(keys)
         self._store.remove(owner, keys)
 
     def count(self, owner: int, key: int) -> int:
@@ -212,6 +234,16 @@ class PendingBlocks:
         self._store.check_invariants()
 
 
-def _check_owner(owner: int) -> None:
-    if owner < 0:
-        raise InvalidRequestError(f"owner must be an instance slot >= 0, got {owner!r}")
+def _check_owner(owner: int) -> int:
+    """`owner` as a plain int (a numpy integer converted: the kernels take one type), or an InvalidRequestError."""
+    if type(owner) is int and owner >= 0:  # the Conductor's owners: one test each
+        return owner
+    return require_int("owner (an instance slot)", owner, minimum=0, error=InvalidRequestError)
+
+
+def _check_keys(keys: npt.NDArray[np.uint64]) -> None:
+    """`keys` as the index stores them, a 1-D uint64 array; anything else an InvalidRequestError (a list failed
+    deep inside as an AttributeError; int64 keys would compile the kernels anew and count other keys)."""
+    # A native uint64 array's dtype is numpy's one instance of it: `is` passes it without building a dtype to compare.
+    if type(keys) is not np.ndarray or (keys.dtype is not _KEY_DTYPE and keys.dtype != _KEY_DTYPE) or keys.ndim != 1:
+        raise InvalidRequestError(f"keys must be a 1-D uint64 array (cache.index.key_array), got {shown(keys)}")

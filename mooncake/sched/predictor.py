@@ -55,9 +55,9 @@ from typing import Protocol
 
 import attrs
 
-from mooncake._checks import require_int, require_iterable, require_number
+from mooncake._checks import require_int, require_iterable, require_number, shown
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.join import DecodeLoad, takes_slot
+from mooncake.sched.join import DecodeLoad, load_problem, takes_slot
 from mooncake.sched.view import ActiveDecode, QueuedPrefill
 from mooncake.types import Slo
 
@@ -112,6 +112,29 @@ def _generated_tokens(decoded_s: float, output_tokens: int, step_s: float) -> fl
     return min(max(0, output_tokens - 1), max(0.0, decoded_s) / step_s)
 
 
+def _check_inputs(active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float) -> None:
+    """What every predictor here takes: `now` and `at_s` finite numbers, `active` and `incoming` collections of
+    requests (a NaN or infinite time compared false everywhere and predicted an empty batch, quietly).
+
+    Raises:
+        InvalidRequestError: naming the argument and its value.
+    """
+    # The Conductor passes finite floats and tuples: a few tests (a NaN or an infinity in either makes the
+    # difference so; one that overflows is looked into, and passes).
+    if type(now) is not float or type(at_s) is not float or not math.isfinite(at_s - now):
+        require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
+        require_number("at_s", at_s, minimum=-math.inf, error=InvalidRequestError)
+    if type(active) is not tuple:
+        _check_requests("active", active)
+    if type(incoming) is not tuple:
+        _check_requests("incoming", incoming)
+
+
+def _check_requests(name: str, requests: object) -> None:
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise InvalidRequestError(f"{name} must be a collection of requests, got {shown(requests)}")
+
+
 class LoadPredictor(Protocol):
     """Predicts a decode instance's load at a future time, and may learn from finished requests."""
 
@@ -153,6 +176,13 @@ class UniformDecodePredictor:
     def predict(
         self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
     ) -> DecodeLoad:
+        """The load at `at_s` (see the class docstring).
+
+        Raises:
+            InvalidRequestError: a `now` or `at_s` that is no finite number, or `active` or `incoming` that are no
+                collection (`_check_inputs`).
+        """
+        _check_inputs(active, incoming, now, at_s)
         batch = 0
         tokens = 0.0
         kv = 0
@@ -197,6 +227,13 @@ class ExpectedOutputPredictor:
     def predict(
         self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
     ) -> DecodeLoad:
+        """The load at `at_s` (see the class docstring).
+
+        Raises:
+            InvalidRequestError: a `now` or `at_s` that is no finite number, or `active` or `incoming` that are no
+                collection (`_check_inputs`).
+        """
+        _check_inputs(active, incoming, now, at_s)
         # The uniform rule's comparisons, written alike, with t_d per request: equal outputs give its prediction
         # exactly. The prefill made a request's first token, so it decodes the rest, one a step: output - 1 steps
         # (as the simulator's decode instances do). A request present at t has decoded for less than that, so it
@@ -309,7 +346,21 @@ class OutputLengthPredictor:
         be running with `produced` tokens out (its first, the prefill's, included, as an observed length counts
         it) and at most `cap` in all (its max_tokens): 1 at horizon 0 (it is running); 0 once `cap` is reached;
         for one that outlived every observed length, 1 while below its cap (its own bound is all that is known of
-        it)."""
+        it).
+
+        Raises:
+            InvalidRequestError: a `produced` or `horizon` that is no finite number, or a `cap` that is no number (NaN
+                compared false everywhere: `survival(nan, 1)` answered 0).
+        """
+        if type(produced) is not float or type(horizon) is not float or not math.isfinite(produced + horizon):
+            require_number("produced", produced, minimum=-math.inf, error=InvalidRequestError)
+            require_number("horizon", horizon, minimum=-math.inf, error=InvalidRequestError)
+        if cap != math.inf:
+            require_number("cap", cap, minimum=-math.inf, error=InvalidRequestError)
+        return self._survival(produced, horizon, cap)
+
+    def _survival(self, produced: float, horizon: float, cap: float) -> float:
+        """`survival` of checked numbers (`predict` asks it per request, of numbers its checked inputs give)."""
         if horizon <= 0:
             return 1.0
         if produced + horizon >= cap:
@@ -325,6 +376,13 @@ class OutputLengthPredictor:
     def predict(
         self, active: Sequence[ActiveDecode], incoming: Sequence[QueuedPrefill], now: float, at_s: float
     ) -> DecodeLoad:
+        """The expected load at `at_s` (see the class docstring).
+
+        Raises:
+            InvalidRequestError: a `now` or `at_s` that is no finite number, or `active` or `incoming` that are no
+                collection (`_check_inputs`).
+        """
+        _check_inputs(active, incoming, now, at_s)
         batch = 0.0
         tokens = 0.0
         kv = 0.0
@@ -333,7 +391,7 @@ class OutputLengthPredictor:
         for request in active:
             decoded = max(0.0, (now - request.start_s) / self.step_s)
             horizon = max(0.0, (at_s - now) / self.step_s)
-            alive = self.survival(1.0 + decoded, horizon, request.output_tokens)
+            alive = self._survival(1.0 + decoded, horizon, request.output_tokens)
             batch += alive
             tokens += alive * (request.context_tokens + decoded + horizon)
             kv += alive * (request.context_tokens + request.output_tokens)
@@ -341,7 +399,7 @@ class OutputLengthPredictor:
             if queued.joins_s > at_s or not takes_slot(queued.output_tokens):
                 continue  # it joins after t, or never (it ends at its first token)
             decoded = (at_s - queued.joins_s) / self.step_s
-            alive = self.survival(1.0, decoded, queued.output_tokens)
+            alive = self._survival(1.0, decoded, queued.output_tokens)
             batch += alive
             tokens += alive * (queued.input_tokens + decoded)
             kv += alive * (queued.input_tokens + queued.output_tokens)
@@ -350,13 +408,24 @@ class OutputLengthPredictor:
 
 @attrs.frozen(kw_only=True)
 class LoadSnapshot:
-    """A recorded moment: an instance's state at `now` and the load it really had at `at_s`."""
+    """A recorded moment: an instance's state at `now` and the load it really had at `at_s`.
+
+    Raises:
+        InvalidRequestError: a time that is no finite number, or an `actual` load the rule would not take
+            (`load_problem`), naming it: a NaN moment scored against any predictor as an empty batch.
+    """
 
     active: tuple[ActiveDecode, ...]
     incoming: tuple[QueuedPrefill, ...]
     now: float
     at_s: float
     actual: DecodeLoad
+
+    def __attrs_post_init__(self) -> None:
+        _check_inputs(self.active, self.incoming, self.now, self.at_s)
+        problem = load_problem(self.actual)
+        if problem is not None:
+            raise InvalidRequestError(f"actual: {problem}")
 
 
 @attrs.frozen(kw_only=True)
@@ -370,7 +439,15 @@ class PredictorScore:
 
 
 def score_predictor(predictor: LoadPredictor, snapshots: Sequence[LoadSnapshot]) -> PredictorScore:
-    """How far `predictor` was from what happened, over recorded snapshots."""
+    """How far `predictor` was from what happened, over recorded snapshots.
+
+    Raises:
+        InvalidRequestError: `snapshots` that are no collection of `LoadSnapshot`s (None scored as none).
+    """
+    snapshots = tuple(require_iterable("snapshots", snapshots, error=InvalidRequestError))
+    for snapshot in snapshots:
+        if not isinstance(snapshot, LoadSnapshot):
+            raise InvalidRequestError(f"snapshots must hold LoadSnapshots only, got {shown(snapshot)} among them")
     if not snapshots:
         return PredictorScore(batch_size_mae=0.0, context_tokens_mae=0.0, samples=0)
     batch_error = tokens_error = kv_error = 0.0

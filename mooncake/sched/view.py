@@ -34,9 +34,9 @@ from typing import Any, TypeVar, overload
 import attrs
 import numpy as np
 
-from mooncake._checks import int_at_least, require_number, shown
+from mooncake._checks import int_at_least, require_int, require_number, shown
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, takes_slot
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, is_load_count, load_problem, takes_slot
 from mooncake.sched.outcome import Reason
 from mooncake.types import InstanceId, RequestId, check_request_id
 
@@ -60,6 +60,7 @@ __all__ = [
     "RequestRejected",
     "Reservation",
     "SchedulerEvent",
+    "board_loads_problem",
 ]
 
 
@@ -75,7 +76,12 @@ class QueuedPrefill:
     `started`: its start was reported. `earliest_s`: it never starts before then (`Conductor._retime` starts it
     as early as that, the one ahead and the present allow, however late it was predicted before): when it could
     start as it was routed (its transfer done, the instance's reported backlog over, no sooner than it was
-    routed), or once its start is reported, that time."""
+    routed), or once its start is reported, that time.
+
+    Raises:
+        InvalidRequestError: a time that is no finite number or a token count that is no integer >= 0, naming the
+            field and its value (a NaN finish made every time retimed from it NaN, and its queue never drained).
+    """
 
     request_id: RequestId
     start_s: float
@@ -92,20 +98,87 @@ class QueuedPrefill:
     transfer_finish_s: float = 0.0
     earliest_s: float = attrs.field(default=attrs.Factory(lambda self: self.start_s, takes_self=True))
 
+    def __attrs_post_init__(self) -> None:
+        # The Conductor builds one per accepted request and evolves one per entry it retimes (several a decision),
+        # of finite floats and plain ints: one sum and two type tests pass it, as the rest of its making costs (a
+        # NaN or an infinity in any time makes the sum so; text fails to add). Anything else is looked into field
+        # by field, to name it.
+        try:
+            total = (
+                self.start_s
+                + self.finish_s
+                + self.frees_s
+                + self.prefill_s
+                + self.occupancy_s
+                + self.joins_after_s
+                + self.transfer_finish_s
+                + self.earliest_s
+            )
+        except (TypeError, OverflowError):
+            total = math.nan
+        inputs, outputs = self.input_tokens, self.output_tokens
+        # total - total is 0 for a finite total, NaN for NaN or an infinity (one subtraction, no call).
+        if total - total != 0 or type(inputs) is not int or type(outputs) is not int or inputs < 0 or outputs < 0:
+            for name in _QUEUED_TIMES:
+                _check_time(name, getattr(self, name))
+            _check_counts(self, "input_tokens", "output_tokens")
+
     @property
     def joins_s(self) -> float:
         """When it joins its decode instance: what a decode load predictor counts it from."""
         return self.finish_s + self.joins_after_s
 
 
+_QUEUED_TIMES = (
+    "start_s",
+    "finish_s",
+    "frees_s",
+    "prefill_s",
+    "occupancy_s",
+    "joins_after_s",
+    "transfer_finish_s",
+    "earliest_s",
+)
+
+
+def _check_time(name: str, value: object) -> None:
+    """A time: a finite number of seconds, or an InvalidRequestError naming it (a NaN would poison every queue time
+    after it)."""
+    if type(value) is not float or not math.isfinite(value):  # the common case, a finite float, is one test
+        require_number(name, value, minimum=-math.inf, error=InvalidRequestError)
+
+
+def _check_counts(record: object, *names: str) -> None:
+    """A record's token counts: integers >= 0, or an InvalidRequestError naming the first that is not (the records
+    test their plain ints first, and call this for anything else)."""
+    for name in names:
+        require_int(name, getattr(record, name), minimum=0, error=InvalidRequestError)
+
+
 @attrs.frozen(kw_only=True)
 class ActiveDecode:
-    """A request decoding on an instance."""
+    """A request decoding on an instance.
+
+    It decodes since `start_s` (a finite number of seconds), holding `context_tokens` (its prompt), to generate at
+    most `output_tokens` (integers >= 0).
+
+    Raises:
+        InvalidRequestError: a field that is none of these (or a request id that is none), naming it and its value:
+            a NaN start reached the view and failed there, after the view had changed.
+    """
 
     request_id: RequestId
     start_s: float
     context_tokens: int
     output_tokens: int  # expected (the request's max tokens, or a prediction)
+
+    def __attrs_post_init__(self) -> None:
+        # One per request that joins (the Conductor's, from an event already checked): a few tests pass it.
+        start, context, output = self.start_s, self.context_tokens, self.output_tokens
+        _check_time("start_s", start)
+        if type(context) is not int or type(output) is not int or context < 0 or output < 0:
+            _check_counts(self, "context_tokens", "output_tokens")
+        check_request_id("request_id", self.request_id)
 
 
 @attrs.define
@@ -160,7 +233,15 @@ class PrefillView:
 
 
 def _nanoseconds(seconds: float) -> int:
-    return round(seconds * 1e9)
+    """`seconds` in whole nanoseconds (how a view sums start times exactly).
+
+    Raises:
+        InvalidRequestError: seconds past what a float holds in nanoseconds (about 1.8e299), which has no integer.
+    """
+    try:
+        return round(seconds * 1e9)
+    except (OverflowError, ValueError):
+        raise InvalidRequestError(f"start_s must be seconds a float holds in nanoseconds, got {seconds!r}") from None
 
 
 @attrs.frozen
@@ -173,6 +254,13 @@ class Reservation:
 
     prompt_tokens: int
     output_tokens: int
+
+    def __attrs_post_init__(self) -> None:
+        """Counts that are integers >= 0, or an InvalidRequestError naming them (a negative prompt made a negative
+        load; text, a bare TypeError in the view's sums)."""
+        prompt, output = self.prompt_tokens, self.output_tokens
+        if type(prompt) is not int or type(output) is not int or prompt < 0 or output < 0:  # the common case: 4 tests
+            _check_counts(self, "prompt_tokens", "output_tokens")
 
     @property
     def takes_slot(self) -> bool:
@@ -242,6 +330,21 @@ class DecodeView:
         )
 
     def reserve(self, request_id: RequestId, prompt_tokens: int, output_tokens: int) -> None:
+        """Promise `request_id`, routed here and still in prefill or transfer, a slot and its KV (`Reservation`):
+        from now on it counts toward `load()`.
+
+        Invariants: a request is reserved at most once, and never while it decodes here; the reserved totals are
+        the sums over `reserved`.
+
+        Raises:
+            InvalidRequestError: a request id that is none, counts that are not integers >= 0, or a request already
+                reserved or decoding here (counted twice, its release would leave one reservation's tokens and slot
+                behind); nothing changed.
+        """
+        check_request_id("request_id", request_id)
+        if request_id in self.reserved or request_id in self.active:
+            where = "reserved" if request_id in self.reserved else "decoding"
+            raise InvalidRequestError(f"request {shown(request_id)} is already {where} on {self.instance_id}")
         reservation = Reservation(prompt_tokens, output_tokens)
         self.reserved[request_id] = reservation
         self.reserved_tokens += reservation.tokens
@@ -249,6 +352,8 @@ class DecodeView:
         self.reserved_slots += reservation.takes_slot
 
     def release(self, request_id: RequestId) -> None:
+        """Drop `request_id`'s reservation, if it has one here (it joined, or ended before): what it was promised no
+        longer counts. Releasing one not reserved changes nothing (a request ends once, wherever it was)."""
         reservation = self.reserved.pop(request_id, None)
         if reservation is not None:
             self.reserved_tokens -= reservation.tokens
@@ -256,13 +361,29 @@ class DecodeView:
             self.reserved_slots -= reservation.takes_slot
 
     def join(self, request: ActiveDecode) -> None:
+        """`request` starts decoding here: its reservation, if any, is released and it counts as active.
+
+        Invariants: a request is active at most once; `used_tokens`, `context_tokens` and `started_ns_sum` are the
+        sums over `active`.
+
+        Raises:
+            InvalidRequestError: no `ActiveDecode`, a request already decoding here (counted twice, its leave would
+                leave its tokens behind), or a start whose nanoseconds no integer holds; nothing changed.
+        """
+        if type(request) is not ActiveDecode and not isinstance(request, ActiveDecode):
+            raise InvalidRequestError(f"a decoding request must be an ActiveDecode, got {shown(request)}")
+        if request.request_id in self.active:
+            raise InvalidRequestError(f"request {shown(request.request_id)} already decodes on {self.instance_id}")
+        started_ns = _nanoseconds(request.start_s)  # before any change: it is the one step that can still fail
         self.release(request.request_id)
         self.active[request.request_id] = request
         self.used_tokens += request.context_tokens + request.output_tokens
         self.context_tokens += request.context_tokens
-        self.started_ns_sum += _nanoseconds(request.start_s)
+        self.started_ns_sum += started_ns
 
     def leave(self, request_id: RequestId) -> None:
+        """`request_id` stops decoding here (finished, refused, aborted): it no longer counts. Leaving when it is not
+        active changes nothing (a repeated report)."""
         request = self.active.pop(request_id, None)
         if request is not None:
             self.used_tokens -= request.context_tokens + request.output_tokens
@@ -401,27 +522,97 @@ class PrefillBoard(_Board["PrefillView"]):
         assert self.all_up == all(v.is_up for v in views)
 
 
+_LOAD_FIELDS = ("batch_size", "context_tokens", "kv_tokens")
+_COUNT_DTYPE = np.dtype(np.int64)
+
+
 @attrs.frozen
 class BoardLoads:
     """Loads of a board's instances, slot by slot (what the decode rule checks): batch sizes, the
-    KV tokens a step reads, the KV tokens held or promised."""
+    KV tokens a step reads, the KV tokens held or promised.
+
+    What decode selection's compiled scan reads: 1-D int64 arrays of one whole count per slot, each in the rule's
+    range (`load_problem`). `of` makes them so, checking the range; loads made otherwise keep it as their maker does
+    (`board_loads_problem` checks their shape, which the scan's memory safety rests on).
+    """
 
     batch_size: np.ndarray
     context_tokens: np.ndarray
     kv_tokens: np.ndarray
+    # Made by `of`, which checked every count: only their number is left to check against a board.
+    _checked: bool = attrs.field(default=False, init=False, eq=False, repr=False)
 
     def at(self, slot: int) -> DecodeLoad:
         return DecodeLoad(int(self.batch_size[slot]), int(self.context_tokens[slot]), int(self.kv_tokens[slot]))
 
     @classmethod
     def of(cls, loads: Sequence[DecodeLoad]) -> BoardLoads:
-        """From one load per slot (fractional predictions rounded as the rule rounds them: `DecodeLoad.rounded`)."""
-        whole = [load.rounded() for load in loads]
-        return cls(
-            np.array([load.batch_size for load in whole], dtype=np.int64),
-            np.array([load.context_tokens for load in whole], dtype=np.int64),
-            np.array([load.kv_tokens for load in whole], dtype=np.int64),
-        )
+        """From one load per slot (fractional predictions rounded as the rule rounds them: `DecodeLoad.rounded`).
+
+        Raises:
+            InvalidRequestError: a load `load_problem` refuses (no `DecodeLoad`, a NaN, a count out of the rule's
+                range), naming its slot; a rounding that failed bare, or a negative count passed to the scan.
+        """
+        try:
+            whole = [load.rounded() for load in loads]
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            # A load that is none, or a count that rounds to no integer (NaN, an infinity, text): name it.
+            for slot, load in enumerate(loads):
+                problem = load_problem(load)
+                if problem is not None:
+                    raise InvalidRequestError(f"the load for slot {slot}: {problem}") from None
+            raise
+        batch = [load.batch_size for load in whole]
+        context = [load.context_tokens for load in whole]
+        kv = [load.kv_tokens for load in whole]
+        problem = _counts_problem(batch, context, kv)
+        if problem is not None:
+            raise InvalidRequestError(f"the load for {problem}")
+        made = cls(np.array(batch, dtype=np.int64), np.array(context, dtype=np.int64), np.array(kv, dtype=np.int64))
+        object.__setattr__(made, "_checked", True)
+        return made
+
+
+def board_loads_problem(loads: object, slots: int) -> str | None:
+    """What is wrong with `loads` as the loads of a board of `slots` views (None: nothing): they must be a
+    `BoardLoads` of 1-D int64 arrays of one count per slot. Else the compiled scan reads past short arrays, passes a
+    NaN KV count (its comparisons are false) or fails to type. O(1), as decode selection asks it per decision: the
+    counts' range is checked where loads are made (`BoardLoads.of`, from loads `load_problem` passes); arrays made
+    otherwise are their maker's to keep in it (the Conductor's are zeros, or slices of `of`'s)."""
+    if not isinstance(loads, BoardLoads):
+        return f"loads must be None or a BoardLoads (one load per slot: BoardLoads.of), got {shown(loads)}"
+    if loads._checked:  # `of` made them: three int64 arrays of one length
+        if len(loads.batch_size) == slots:
+            return None
+        return f"loads must hold one load per slot of the board ({slots}), got {len(loads.batch_size)}"
+    arrays = (loads.batch_size, loads.context_tokens, loads.kv_tokens)
+    for name, array in zip(_LOAD_FIELDS, arrays, strict=True):
+        # A native int64 array's dtype is numpy's one instance of it: `is` passes it without building one to compare.
+        if (
+            type(array) is not np.ndarray
+            or (array.dtype is not _COUNT_DTYPE and array.dtype != _COUNT_DTYPE)
+            or array.shape != (slots,)
+        ):
+            return (
+                f"loads.{name} must be an int64 array of one count per slot of the board ({slots}; BoardLoads.of"
+                f" makes them from loads), got {shown(array)}"
+            )
+    return None
+
+
+def _counts_problem(batch: list[float], context: list[float], kv: list[float]) -> str | None:
+    """What `load_problem` says of the first slot whose whole counts (one list per count) the rule would not take, as
+    "slot s: ..." (None: every slot passes). The rule's range (`is_load_count`) is one interval for every count, so
+    the least and the greatest of them all are asked first: every slot passes when they do (two C loops, not a check
+    per slot); the slots are read only to name one that fails."""
+    counts = batch + context + kv
+    if not counts or (is_load_count(min(counts)) and is_load_count(max(counts))):
+        return None
+    for slot, whole in enumerate(zip(batch, context, kv, strict=True)):
+        problem = load_problem(DecodeLoad(*whole))
+        if problem is not None:
+            return f"slot {slot}: {problem}"
+    raise AssertionError("the least or greatest count is out of the rule's range, and no slot's is")
 
 
 class DecodeBoard(_Board["DecodeView"]):
@@ -493,9 +684,8 @@ def _limit(value: int | None) -> int:
 
 
 def _finite_time(_instance: object, attribute: Any, value: Any) -> None:
-    """An event's time: a finite number of seconds (a NaN would poison every queue time after it)."""
-    if type(value) is not float or not math.isfinite(value):  # the common case, a finite float, is one test
-        require_number(attribute.name, value, minimum=-math.inf, error=InvalidRequestError)
+    """An event's time: a finite number of seconds (`_check_time`)."""
+    _check_time(attribute.name, value)
 
 
 _count = int_at_least(0, error=InvalidRequestError)
