@@ -605,15 +605,19 @@ class Conductor:
                 predict(tuple(view.active.values()), self.incoming(view.instance_id), now, arrival_s)
                 for view in board.slot_views
             ]
-            for view, load in zip(board.slot_views, loads, strict=True):
-                # A plugged-in predictor's answer is checked here, where it can be named: a NaN, an infinity or a
-                # count past the scan's int64 arrays would otherwise fail in the rounding, as a bare error.
-                problem = load_problem(load)
-                if problem is not None:
-                    raise ConfigError(
-                        f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}: {problem}"
-                    )
-            return BoardLoads.of(loads)
+            try:
+                return BoardLoads.of(loads)  # checks each load as the rule takes it (`load_problem`)
+            except InvalidRequestError:
+                # A plugged-in predictor's answer (a NaN, an infinity, a count past the scan's int64 arrays) is a
+                # configuration's fault: named here with its instance, looked for only once it failed.
+                for view, load in zip(board.slot_views, loads, strict=True):
+                    problem = load_problem(load)
+                    if problem is not None:
+                        raise ConfigError(
+                            f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}:"
+                            f" {problem}"
+                        ) from None
+                raise
         empty = np.zeros(len(board), dtype=np.int64)
         return BoardLoads(empty, empty, empty)
 
