@@ -48,7 +48,6 @@ __all__ = [
     "check_join",
     "check_tbt_slo",
     "check_tokens",
-    "is_load_count",
     "load_problem",
     "refusal",
     "takes_slot",
@@ -129,9 +128,7 @@ class JoinVerdict:
 MAX_LOAD = UNLIMITED
 
 
-def is_load_count(value: object) -> bool:
-    """Whether `value` is a count a load may hold: a number (no bool) in [0, 2**61 - 1), fractions allowed (a
-    prediction is an expectation). The one test of `load_problem`'s, and of a board's loads (`sched.view`)."""
+def _is_count(value: object) -> bool:
     # The exact-type test first: the Conductor asks this per decode instance per predictive decision, and
     # isinstance against an ABC is slow. NaN fails the comparison.
     real = type(value) in (int, float) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
@@ -145,7 +142,7 @@ def load_problem(load: object) -> str | None:
         return f"a load must be a DecodeLoad, got {load!r}"
     for name in ("batch_size", "context_tokens", "kv_tokens"):
         value = getattr(load, name)
-        if not is_load_count(value):
+        if not _is_count(value):
             return f"a load's {name} must be a number in [0, 2**61 - 1), got {value!r}"
     return None
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from mooncake._checks import int_at_least, require_int, require_number, shown
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, is_load_count, load_problem, takes_slot
+from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, load_problem, takes_slot
 from mooncake.sched.outcome import Reason
 from mooncake.types import InstanceId, RequestId, check_request_id
 
@@ -532,7 +532,7 @@ class BoardLoads:
     KV tokens a step reads, the KV tokens held or promised.
 
     What decode selection's compiled scan reads: 1-D int64 arrays of one whole count per slot, each in the rule's
-    range (`load_problem`). `of` makes them so, checking the range; loads made otherwise keep it as their maker does
+    range (`load_problem`). `of` makes them so, checking each load; loads made otherwise keep it as their maker does
     (`board_loads_problem` checks their shape, which the scan's memory safety rests on).
     """
 
@@ -551,24 +551,18 @@ class BoardLoads:
 
         Raises:
             InvalidRequestError: a load `load_problem` refuses (no `DecodeLoad`, a NaN, a count out of the rule's
-                range), naming its slot; a rounding that failed bare, or a negative count passed to the scan.
+                range), naming its slot: else a rounding failed bare, or a negative count reached the scan.
         """
-        try:
-            whole = [load.rounded() for load in loads]
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            # A load that is none, or a count that rounds to no integer (NaN, an infinity, text): name it.
-            for slot, load in enumerate(loads):
-                problem = load_problem(load)
-                if problem is not None:
-                    raise InvalidRequestError(f"the load for slot {slot}: {problem}") from None
-            raise
-        batch = [load.batch_size for load in whole]
-        context = [load.context_tokens for load in whole]
-        kv = [load.kv_tokens for load in whole]
-        problem = _counts_problem(batch, context, kv)
-        if problem is not None:
-            raise InvalidRequestError(f"the load for {problem}")
-        made = cls(np.array(batch, dtype=np.int64), np.array(context, dtype=np.int64), np.array(kv, dtype=np.int64))
+        for slot, load in enumerate(loads):
+            problem = load_problem(load)
+            if problem is not None:
+                raise InvalidRequestError(f"the load for slot {slot}: {problem}")
+        whole = [load.rounded() for load in loads]
+        made = cls(
+            np.array([load.batch_size for load in whole], dtype=np.int64),
+            np.array([load.context_tokens for load in whole], dtype=np.int64),
+            np.array([load.kv_tokens for load in whole], dtype=np.int64),
+        )
         object.__setattr__(made, "_checked", True)
         return made
 
@@ -598,21 +592,6 @@ def board_loads_problem(loads: object, slots: int) -> str | None:
                 f" makes them from loads), got {shown(array)}"
             )
     return None
-
-
-def _counts_problem(batch: list[float], context: list[float], kv: list[float]) -> str | None:
-    """What `load_problem` says of the first slot whose whole counts (one list per count) the rule would not take, as
-    "slot s: ..." (None: every slot passes). The rule's range (`is_load_count`) is one interval for every count, so
-    the least and the greatest of them all are asked first: every slot passes when they do (two C loops, not a check
-    per slot); the slots are read only to name one that fails."""
-    counts = batch + context + kv
-    if not counts or (is_load_count(min(counts)) and is_load_count(max(counts))):
-        return None
-    for slot, whole in enumerate(zip(batch, context, kv, strict=True)):
-        problem = load_problem(DecodeLoad(*whole))
-        if problem is not None:
-            return f"slot {slot}: {problem}"
-    raise AssertionError("the least or greatest count is out of the rule's range, and no slot's is")
 
 
 class DecodeBoard(_Board["DecodeView"]):
