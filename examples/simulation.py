@@ -204,13 +204,19 @@ def load_workload(
         arrivals=ArrivalProcess(rate_per_s=rate),
         seed=args.seed,
     )
-    requests = [attrs.evolve(r, arrival_s=r.arrival_s / speed) for r in requests]
+    requests = at_speed(requests, speed)
     if (problem := arrival_problem(requests[-1].arrival_s)) is not None:  # they come in order
         raise ConfigError(
             f"{option} {speed:g} puts the last of {len(requests):,} arrivals (--rate {rate:g}) at "
             f"{requests[-1].arrival_s:.3g} s, {problem}"
         )
     return requests
+
+
+def at_speed(requests: Sequence[Request], speed: float) -> list[Request]:
+    """`requests`, given at speed 1, replayed `speed` times faster: each arrival divided by it, as the trace reader
+    and `load_workload` divide theirs (x / 1.0 is x), so the times are the same floats as read at `speed`."""
+    return [attrs.evolve(request, arrival_s=request.arrival_s / speed) for request in requests]
 
 
 def _program() -> str:
@@ -590,8 +596,14 @@ def sized_cluster(args: argparse.Namespace, *, decode_bound: bool = False) -> tu
     """
     if decode_bound:
         slo(args)  # the decode sizing divides by --tbt-slo: a bad one is named here, not blamed on the workload
-    requests = load_workload(args)
-    base = requests if args.speedup == 1 else load_workload(args, speedup=1.0)
+    if args.speedup == 1:
+        requests = base = load_workload(args)
+    else:  # read once (a trace's skipped lines and cautions said once), then sped up
+        check_positive("--speedup", args.speedup)
+        base = load_workload(args, speedup=1.0)
+        requests = at_speed(base, args.speedup)
+        if arrival_problem(requests[-1].arrival_s) is not None:  # they come in order
+            load_workload(args)  # raises, naming the arrival past what a replay can time (a trace's by its line)
     spec = cluster_spec(base, args)
     if decode_bound:
         spec = attrs.evolve(spec, num_decode=decode_sized(base, args, spec))

@@ -225,6 +225,18 @@ def test_skip_invalid_replays_around_a_bad_line_naming_it(tmp_path: Path) -> Non
     assert json.loads(done.stdout)["num_requests"] == 150
 
 
+def test_a_sped_up_replay_names_a_skipped_line_once(tmp_path: Path) -> None:
+    """At a --speedup other than 1 the trace was read twice (at its speed, and at speed 1 to size the cluster), and
+    each skipped line was named twice. It is read once: the replay at --speedup is the one read at speed 1, sped up,
+    and its summary what it was."""
+    trace = generated_trace(tmp_path / "t.jsonl")
+    lines = trace.read_text().splitlines(keepends=True)
+    trace.write_text("".join([*lines[:2], "{oops\n", *lines[2:]]))
+    done = run("replay.py", "--trace", str(trace), "--speedup", "2", "--json", "--skip-invalid")
+    assert done.stderr.startswith(f"replay: skipped {trace}:3: invalid JSON") and done.stderr.count("\n") == 1
+    assert json.loads(done.stdout)["num_requests"] == 150
+
+
 def test_num_requests_reads_only_the_first_lines_of_a_trace(tmp_path: Path) -> None:
     """--num-requests N replays the trace's first N requests, reading (and checking) no line past them: a bad
     line after them does not fail the run."""
