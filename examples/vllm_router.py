@@ -3,7 +3,9 @@
     python examples/vllm_router.py --config router.toml
 
 Prints the router's URL once every server has been probed and the KV-event
-endpoints are bound; Ctrl-C or SIGTERM stops it. Point any OpenAI client at
+endpoints are bound; Ctrl-C or SIGTERM stops it (exit status 0), while it
+starts too: the probes and calibration, which can take minutes, are cancelled
+and it never serves. Point any OpenAI client at
 `URL/v1`. Each vLLM server runs with prefix caching and KV events published to
 the endpoint its `[[instances]]` table names (the router binds it; vLLM
 connects):
@@ -22,7 +24,9 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import attrs
 
@@ -35,6 +39,7 @@ from mooncake.errors import MooncakeError
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 """`--log-level`'s choices: logging's level names (basicConfig refuses another, with a traceback)."""
+T = TypeVar("T")
 
 
 async def serve(config_path: Path, port: int | None) -> None:
@@ -46,7 +51,10 @@ async def serve(config_path: Path, port: int | None) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    url = await router.start()
+    url = await unless_stopped(router.start(), stop)
+    if url is None:  # `start` closed what it had opened (a failed start does the same): nothing to close
+        print("stopped while starting", flush=True)
+        return
     try:
         names = ", ".join(f"{i.instance_id}={i.url} ({i.section.role})" for i in router.fleet.instances.values())  # type: ignore[union-attr]
         print(f"vllm router ready: {url}  (model {router.model}; {names}; OpenAI API at {url}/v1)", flush=True)
@@ -54,6 +62,27 @@ async def serve(config_path: Path, port: int | None) -> None:
     finally:
         print("stopping...", flush=True)
         await router.close()
+
+
+async def unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """`work`'s result, or None when `stop` is set first: `work` is then cancelled and waited for.
+
+    Raises:
+        BaseException: whatever `work` raised, but the cancellation asked for here.
+    """
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))  # not `await task`: its CancelledError and this coroutine's own look alike
+    if not task.cancelled():
+        task.result()  # it failed on its way out: that error, not a quiet stop
+    return None
 
 
 def main() -> None:

@@ -31,10 +31,10 @@ Checked as `serving.config` checks the cluster's (the same field rules): an
 unknown key, a value of the wrong type or out of range, a `kv_events` without a
 port or a `replay` without a host and port (`*`: only vLLM's side binds there),
 a ZeroMQ port outside 1..65535 (ZeroMQ would bind or reach another one), two
-instances with one URL or one events endpoint, a role mix that cannot serve (a
-prefill instance without a decode one), a tokenizer directory without a
-tokenizer: a one-line `ConfigError` naming the file, the table and key, and the
-value.
+instances with one URL, one events endpoint or one replay socket (`""`, none,
+may repeat), a role mix that cannot serve (a prefill instance without a decode
+one), a tokenizer directory without a tokenizer: a one-line `ConfigError`
+naming the file, the table and key, and the value.
 """
 
 from __future__ import annotations
@@ -183,10 +183,13 @@ class RouterConfig:
     def __attrs_post_init__(self) -> None:
         if not self.instances:
             raise ConfigError(f"{self.source}: no [[instances]]: the router needs at least one vLLM server")
-        for field in ("base_url", "kv_events"):
+        # A replay socket shared by two tables would fill the second server's index with the first's blocks.
+        for field in ("base_url", "kv_events", "replay"):
             seen: dict[str, int] = {}
             for number, instance in enumerate(self.instances):
                 value = getattr(instance, field)
+                if not value:  # replay "": no socket, which any number of servers may have
+                    continue
                 if value in seen:
                     raise ConfigError(
                         f"{self.source}: [[instances]] {number} {field.replace('base_url', 'url')} = {value!r}: "

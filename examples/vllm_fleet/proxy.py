@@ -216,14 +216,19 @@ class VllmRouter:
             ConfigError: a server answers what the router cannot use (the first, in config order), the servers
                 serve different models, or none can be reached (naming each); the router's address is refused.
         """
-        # aiohttp's default connector holds 100 connections: the 101st request would wait for one, counted as
-        # queued on its server, and so would the health checks, which then time out and mark healthy servers down.
         key = self.settings.server_api_key  # the servers' own --api-key, on every call the router makes itself
         keyed = {"Authorization": f"Bearer {key}"} if key else None
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0), headers=keyed
-        )
-        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=keyed)
+
+        def pool() -> aiohttp.ClientSession:
+            # aiohttp's default connector holds 100 connections: the 101st request would wait for one, counted as
+            # queued on its server, and a fleet of over 100 servers' health checks would wait too, time out and
+            # mark healthy servers down. So neither pool has a cap.
+            return aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0), headers=keyed
+            )
+
+        self._session = pool()
+        self._checks = pool()
         try:
             probes = await asyncio.gather(
                 *(
