@@ -47,6 +47,7 @@ import ctypes
 import ipaddress
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.util  # registers its exit handler now: LocalBackend's must run before it
 import os
 import re
@@ -68,7 +69,7 @@ from mooncake.errors import EngineError
 from serving.config import ClusterConfig
 from serving.gateway import Gateway
 from serving.machine import check_port_free
-from serving.worker import WorkerSpec, run_worker
+from serving.worker import WorkerSpec, run_worker, start_failure
 
 __all__ = [
     "Backend",
@@ -301,6 +302,14 @@ def core_plan(available: Sequence[int], needs: Sequence[int]) -> CorePlan | None
     return CorePlan(engines=tuple(engines), rest=tuple(cores[:end]))
 
 
+def _started(instance_id: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A worker's start message (how to reach it), or the EngineError naming it and why it failed to start
+    (`serving.worker.start_failure`): a backend's error says the cause, not only that a worker is gone."""
+    if "error" in info:
+        raise EngineError(f"worker {instance_id} failed to start: {info['error']}")
+    return info
+
+
 class LocalBackend:
     """Workers as spawned processes of this machine, each watching that this process lives.
 
@@ -339,7 +348,7 @@ class LocalBackend:
                 # does each worker until it is moved to its own cores below.
                 self._pinned = (threading.get_native_id(), os.sched_getaffinity(0))
                 os.sched_setaffinity(0, self.plan.rest)
-        pipes = {}
+        pipes: dict[str, Any] = {}
         for i, spec in enumerate(specs):
             parent, child = context.Pipe(duplex=False)
             watched, lifeline = context.Pipe(duplex=False)
@@ -358,22 +367,36 @@ class LocalBackend:
             self._processes[spec.instance_id] = process
             self._pids[spec.instance_id] = int(process.pid)
             pipes[spec.instance_id] = parent
-        infos = []
         try:
-            for instance_id, pipe in pipes.items():
-                if not pipe.poll(START_TIMEOUT_S):
-                    self.stop()
-                    raise EngineError(f"worker {instance_id} did not start within {START_TIMEOUT_S} s")
-                try:
-                    info = pipe.recv()
-                except EOFError:
-                    self.stop()
-                    raise EngineError(f"worker {instance_id} died while starting") from None
-                self._shm[instance_id] = info["shm"]
-                infos.append(info)
+            infos = self._await_started(pipes)
+        except BaseException:
+            self.stop()
+            raise
         finally:  # each worker speaks once on its start pipe
             for pipe in pipes.values():
                 pipe.close()
+        return [infos[spec.instance_id] for spec in specs]
+
+    def _await_started(self, pipes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each worker's start message, read as they come: the first worker that fails to start (or dies, or the
+        deadline) is the EngineError, without waiting for those before it to start."""
+        infos: dict[str, dict[str, Any]] = {}
+        names = {pipe: instance_id for instance_id, pipe in pipes.items()}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(infos) < len(pipes):
+            waiting = [pipe for pipe, instance_id in names.items() if instance_id not in infos]
+            ready = multiprocessing.connection.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = ", ".join(names[pipe] for pipe in waiting)
+                raise EngineError(f"worker {late} did not start within {START_TIMEOUT_S} s")
+            for readable in ready:
+                instance_id = names[readable]
+                try:
+                    info = pipes[instance_id].recv()
+                except EOFError:  # killed, or failed before it could say why (its stderr says)
+                    raise EngineError(f"worker {instance_id} died while starting") from None
+                infos[instance_id] = _started(instance_id, info)
+                self._shm[instance_id] = info["shm"]  # unlinked by `stop` if the worker is killed
         return infos
 
     def is_alive(self, instance_id: str) -> bool:
@@ -520,8 +543,13 @@ class RayBackend:
             self._actors[spec.instance_id] = actor_class.options(name=None).remote(spec)
         infos = ray.get([actor.start.remote() for actor in self._actors.values()], timeout=START_TIMEOUT_S)
         for info in infos:
-            self._shm[info["instance_id"]] = info["shm"]
-        return list(infos)
+            if "shm" in info:
+                self._shm[info["instance_id"]] = info["shm"]
+        try:
+            return [_started(info["instance_id"], info) for info in infos]
+        except EngineError:
+            self.stop()
+            raise
 
     def is_alive(self, instance_id: str) -> bool:
         try:
@@ -562,7 +590,8 @@ def _reinstall(handlers: dict[int, Any]) -> None:
 
 
 class _RayWorker:
-    """A Ray actor around one `Worker`."""
+    """A Ray actor around one `Worker`. A worker that fails to start is an actor that answers `start` with its
+    `start_failure`, as a local worker's start pipe does (Ray's own error would bury it in a remote traceback)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         from serving.worker import Worker
@@ -571,16 +600,31 @@ class _RayWorker:
             import ray
 
             spec = attrs.evolve(spec, host=ray.util.get_node_ip_address())  # this actor's node
-        self.worker = Worker(spec)
+        self.instance_id = spec.instance_id
+        self.worker: Worker | None = None
+        self.failure: dict[str, str] | None = None
+        try:
+            self.worker = Worker(spec)
+        except Exception as error:
+            self.failure = start_failure(spec.instance_id, error)
 
     def start(self) -> dict[str, Any]:
-        return self.worker.start()
+        if self.worker is None:
+            assert self.failure is not None
+            return self.failure
+        try:
+            return self.worker.start()
+        except Exception as error:
+            self.worker.close()
+            self.worker, self.failure = None, start_failure(self.instance_id, error)
+            return self.failure
 
     def is_alive(self) -> bool:
-        return not self.worker.wait(0)
+        return self.worker is not None and not self.worker.wait(0)
 
     def stop(self) -> None:
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
 
 
 class RunningCluster:

@@ -64,7 +64,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
@@ -73,6 +73,7 @@ import xxhash
 from mooncake.cache import TieredCache
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
+from mooncake.cli import one_line
 from mooncake.engine.checkpoint import load_model
 from mooncake.engine.config import PRESETS
 from mooncake.engine.decode import DecodeConfig, DecodeEngine, TokenEvent
@@ -100,7 +101,7 @@ from serving.models import cost_models, decode_limits
 from serving.prefill_group import group_prefill_engine, start_group
 from serving.reporter import Reporter
 
-__all__ = ["Worker", "WorkerSpec", "build_model", "run_worker", "ssd_file_name", "ssd_label"]
+__all__ = ["Worker", "WorkerSpec", "build_model", "run_worker", "ssd_file_name", "ssd_label", "start_failure"]
 
 TIMEOUT_S = 30.0
 MAX_ENDED = 65_536  # requests a decode node remembers it is done with (for TIMEOUT_S at most): `_EndedAttempts`
@@ -314,7 +315,7 @@ class Worker:
                     max_batch_size=limits.max_batch_size,
                     max_context_tokens=limits.max_context_tokens,
                     kv_budget_tokens=limits.kv_capacity_tokens,
-                    tbt_slo_s=config.slo.tbt_s,
+                    tbt_slo_s=config.objectives().tbt_s,  # the Conductor's objective: one number, both checks
                 ),
                 step_model=cost_models(config)[1],  # the decode rule as the Conductor asks it
             )
@@ -784,16 +785,44 @@ def _sampling_params(sampling: wire.Sampling) -> SamplingParams:
 def run_worker(spec: WorkerSpec, connection: Any) -> None:
     """A worker process's main: start, report how to reach it, serve until stopped (SIGTERM).
 
+    A start that fails reports `start_failure` on `connection` instead, and the process exits with status 1: the
+    launcher's error names the worker and why (a truncated shard's `ConfigError`, the failed pipeline stage's
+    `EngineError`), where an end of the pipe alone would say only that it died.
+
     SIGINT is ignored, from before the worker starts its pipeline stages, which inherit that (an ignored signal
     stays ignored across their spawn): a terminal's Ctrl-C reaches every process of its foreground group, and only
     the launcher may act on it, stopping the gateway (requests in flight end first) before the workers.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker = Worker(spec)
+    try:
+        worker = Worker(spec)
+    except Exception as error:
+        _failed_to_start(spec, error, connection)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     try:
-        connection.send(worker.start())
+        try:
+            info = worker.start()
+        except Exception as error:
+            _failed_to_start(spec, error, connection)
+        connection.send(info)
         while not worker.wait(0.5):
             pass
     finally:
         worker.close()
+
+
+def _failed_to_start(spec: WorkerSpec, error: Exception, connection: Any) -> NoReturn:
+    """Send `start_failure` on the start pipe (the launcher's error then says why), and exit with status 1."""
+    with contextlib.suppress(OSError, ValueError):  # the launcher has gone, or closed its end
+        connection.send(start_failure(spec.instance_id, error))
+    sys.exit(1)
+
+
+def start_failure(instance_id: str, error: Exception) -> dict[str, str]:
+    """What a worker that failed to start sends back instead of how to reach it: its id and `error` in one line
+    (a `MooncakeError`'s message, which names what is wrong; another's type too). The error is logged here: a
+    `MooncakeError` (a bad checkpoint, a pipeline stage that failed) in that line, another with its traceback."""
+    expected = isinstance(error, MooncakeError)
+    reason = one_line(str(error) if expected else f"{type(error).__name__}: {error}")
+    LOG.error("worker %s failed to start: %s", instance_id, reason, exc_info=None if expected else error)
+    return {"instance_id": instance_id, "error": reason}

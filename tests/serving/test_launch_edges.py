@@ -445,7 +445,8 @@ def test_a_gateway_that_cannot_listen_leaves_nothing_running(gateway_leftovers: 
 
 def test_a_worker_that_dies_while_starting_stops_the_others_and_leaves_no_segment(tmp_path: Path) -> None:
     """A decode worker that fails after making its DRAM segment (its SSD folder is a file): the start raises
-    an EngineError naming it, every other worker is stopped, and the dead one's segment is unlinked."""
+    an EngineError naming it and its error, every other worker is stopped, and the dead one's segment is
+    unlinked."""
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     config = tiny(num_prefill=1, num_decode=1)
@@ -458,7 +459,7 @@ def test_a_worker_that_dies_while_starting_stops_the_others_and_leaves_no_segmen
     backend = LocalBackend()
     pids: list[int] = []
     try:
-        with pytest.raises(EngineError, match="worker decode-0 died while starting"):
+        with pytest.raises(EngineError, match="worker decode-0 failed to start: cannot open SSD pool file"):
             backend.start(specs)
         pids = [backend.pid(spec.instance_id) for spec in specs]
         assert not multiprocessing.active_children()
