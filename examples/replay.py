@@ -49,7 +49,7 @@ from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.disaggregated import DisaggregatedCluster
-from mooncake.sim.metrics import ReplayResult
+from mooncake.sim.metrics import ReplayResult, has_tbt
 from mooncake.sim.report import plot_cdfs, plot_load, require_pyplot, summary_table, write_json, write_records_csv
 from mooncake.sim.spec import build_conductor
 
@@ -175,7 +175,7 @@ def write_outputs(result: ReplayResult, title: str, out: Path) -> None:
     write_json(result.summary.to_json(), out / "summary.json")
     completed = [r for r in result.records if r.outcome == Outcome.COMPLETED]
     plot_cdfs({"TTFT": [r.ttft_s or 0.0 for r in completed]}, out / "ttft_cdf.png", xlabel="TTFT (s)", title=title)
-    paced = [r.tbt_s * 1000 for r in completed if r.output_tokens > 1]  # as the summary's TBT: one token has no pace
+    paced = [r.tbt_s * 1000 for r in completed if has_tbt(r)]  # as the summary's TBT: one token has no pace
     plot_cdfs({"TBT": paced}, out / "tbt_cdf.png", xlabel="TBT (ms)", title=title)
     plot_load({title: result.load}, out / "load.png")
 

@@ -95,7 +95,7 @@ from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import AnalyticStepModel, FittedStepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
-from mooncake.sim.metrics import RequestRecord, Summary, summarize, top_mean_of
+from mooncake.sim.metrics import RequestRecord, Summary, has_tbt, summarize, top_mean_of
 from mooncake.sim.report import plot_cdfs, require_pyplot, write_json
 from mooncake.types import Request, RequestId, Slo
 from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
@@ -524,7 +524,7 @@ def plot(name: str, real: Sequence[RequestRecord], sim: Sequence[RequestRecord],
 
     def tbt_ms(records: Sequence[RequestRecord]) -> list[float]:
         # A one-token answer has no interval (its TBT is 0): left out, as `summarize` leaves it out of the table's TBT.
-        return [r.tbt_s * 1000 for r in done(records) if r.output_tokens > 1]
+        return [r.tbt_s * 1000 for r in done(records) if has_tbt(r)]
 
     ttft = {"real": [r.ttft_s or 0.0 for r in done(real)], "simulated": [r.ttft_s or 0.0 for r in done(sim)]}
     tbt = {"real": tbt_ms(real), "simulated": tbt_ms(sim)}

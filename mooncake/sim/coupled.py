@@ -70,7 +70,7 @@ from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_joi
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import ReplayResult, RequestRecord
+from mooncake.sim.metrics import ReplayResult, RequestRecord, require_slo
 from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
@@ -211,10 +211,8 @@ class CoupledCluster:
     def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None, context: ReplayContext | None = None) -> None:
         if not isinstance(spec, CoupledSpec):
             raise ConfigError(f"spec must be a CoupledSpec, got {spec!r}")
-        if slo is not None and not isinstance(slo, Slo):
-            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
         self.spec = spec
-        self.slo = Slo() if slo is None else slo
+        self.slo = Slo() if slo is None else require_slo(slo)
         self.replay = (
             context if context is not None else ReplayContext(self.slo, sample_interval_s=spec.sample_interval_s)
         )
@@ -259,7 +257,7 @@ class CoupledCluster:
         alone = self._verdict(DecodeLoad(0, 0, 0), request)
         if not alone.accepted:  # it could never run: it does not fit an idle instance
             assert alone.reason is not None
-            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, alone.reason)
+            self.replay.reject(now, record, Outcome.REJECTED_BEFORE_PREFILL, alone.reason)
             return
         instance = min(self._instances, key=lambda i: i.outstanding)
         record.prefill_instance = record.decode_instance = instance.instance_id
@@ -353,7 +351,7 @@ class CoupledCluster:
         for done in plan.completes:
             record = done.record
             record.first_token_s = now
-            if record.output_tokens <= 1:
+            if not takes_slot(record.output_tokens):  # the first token was the last
                 self._cache(instance, done.request.block_keys)
                 self.replay.complete(now, record)
             else:

@@ -55,12 +55,12 @@ import attrs
 from mooncake._checks import require_iterable
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
-from mooncake.errors import ConfigError, InvalidRequestError, UnknownInstanceError
+from mooncake.errors import InvalidRequestError, UnknownInstanceError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory
 from mooncake.sched.conductor import Conductor, ScheduleDecision
 from mooncake.sched.cost import PrefillCostModel, occupancy_s, prefill_end_s, transfers_in_flight
-from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
+from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join, takes_slot
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.predictor import LoadPredictor, uniform_decode_s
 from mooncake.sched.router import KvCacheCentricRouter
@@ -74,7 +74,7 @@ from mooncake.sched.view import (
 )
 from mooncake.sched.waiting import AdmissionQueue
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import ReplayResult, RequestRecord
+from mooncake.sim.metrics import ReplayResult, RequestRecord, require_slo
 from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
@@ -157,8 +157,8 @@ def replay(
             `DisaggregatedCluster.run` refuses.
         InvalidRequestError: `requests` that are no iterable, an item that is not a `Request`, or no request at all.
     """
-    if slo is not None and not isinstance(slo, Slo):  # read below before the Conductor would refuse it
-        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+    if slo is not None:  # read below before the Conductor would refuse it
+        require_slo(slo)
     if decode_s is None and predictor is None:
         requests = list(require_iterable("requests", requests, error=InvalidRequestError))
         for item in requests:
@@ -261,7 +261,7 @@ class DisaggregatedCluster:
             self._admit(now, request, record, decision)
         else:
             assert decision.reason is not None
-            self.replay.reject(record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason)
+            self.replay.reject(now, record, Outcome.REJECTED_BEFORE_PREFILL, decision.reason)
 
     def _room_freed(self, now: float) -> None:
         """A request ended, or a wait's deadline came: the line is tried (`AdmissionQueue.pump`)."""
@@ -380,7 +380,7 @@ class DisaggregatedCluster:
         self.conductor.handle(PrefillFinished(request_id=request.request_id, instance_id=node.instance_id, now=now))
         if frees_node:
             self._free(now, node)
-        if request.output_length <= 1:  # the first token was the last
+        if not takes_slot(request.output_length):  # the first token was the last
             self.loop.at(record.first_token_s, self._finish, record)
             return
         # The KV streamed layer by layer during the prefill: only what the prefill did not hide remains.
@@ -394,7 +394,7 @@ class DisaggregatedCluster:
     def _try_inline(self, now: float, request: Request, record: RequestRecord, decision: ScheduleDecision) -> bool:
         """Prefill a short request inside its decode batch when the decode rule takes it and the step
         carrying its prefill stays within the TBT SLO."""
-        if request.input_length > self.spec.inline_prefill_tokens or request.output_length <= 1:
+        if request.input_length > self.spec.inline_prefill_tokens or not takes_slot(request.output_length):
             return False
         assert decision.decode_instance is not None and decision.prefill_instance is not None
         side = self._decode[decision.decode_instance]
@@ -451,7 +451,7 @@ class DisaggregatedCluster:
         if not verdict.accepted:  # the instance's own check: the prefill was wasted
             assert verdict.reason is not None and record.decode_instance is not None
             record.first_token_s = None  # its client never gets the prefill's token: the refusal comes instead
-            self.replay.reject(record, Outcome.REJECTED_AFTER_PREFILL, verdict.reason)
+            self.replay.reject(now, record, Outcome.REJECTED_AFTER_PREFILL, verdict.reason)
             self.conductor.handle(
                 RequestRejected(
                     request_id=record.request_id, instance_id=record.decode_instance, now=now, reason=verdict.reason

@@ -27,7 +27,9 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
-from mooncake.errors import InvalidRequestError
+from mooncake._checks import is_int, require_iterable, shown
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.sched.join import takes_slot
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.types import InstanceId, RequestId, Slo
 
@@ -39,6 +41,8 @@ __all__ = [
     "ReplayResult",
     "RequestRecord",
     "Summary",
+    "has_tbt",
+    "require_slo",
     "summarize",
     "top_mean",
     "top_mean_of",
@@ -151,6 +155,7 @@ class RequestRecord:
     prefill_s: float = 0.0
     inline_prefill: bool = False
     first_token_s: float | None = None  # None: no token reached its client (rejected before or after prefill)
+    # When its client had its answer: the last token, or the refusal (None: in flight, or no answer came).
     finish_s: float | None = None
     tbt_s: float = 0.0
     intervals: IntervalRuns = attrs.field(factory=IntervalRuns)
@@ -158,6 +163,30 @@ class RequestRecord:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+def has_tbt(record: RequestRecord) -> bool:
+    """Whether `record` has a TBT to report: it completed and took a decode slot (`sched.join.takes_slot`: more
+    than one output token). A one-token answer has no token interval; its TBT 0 is no pace, so the summary's
+    TBT, the CSV and the CDF plots all leave it out."""
+    return bool(_has_tbt(record.outcome is Outcome.COMPLETED, record.output_tokens))
+
+
+def _has_tbt(completed: Any, output_tokens: Any) -> Any:
+    # Elementwise on columns too (`summarize`): `&` and takes_slot's `>` work on bools and on arrays alike.
+    return completed & takes_slot(output_tokens)
+
+
+def require_slo(slo: object) -> Slo:
+    """`slo`, checked at the door: a replay's clusters, its context and `summarize` take it here.
+
+    Raises:
+        ConfigError: an `slo` that is no `Slo` (else only the summary, after the whole replay, finds it out, as a
+            bare AttributeError).
+    """
+    if not isinstance(slo, Slo):
+        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+    return slo
 
 
 _OUTCOMES: tuple[Outcome | None, ...] = (None, *Outcome)
@@ -208,9 +237,16 @@ class RecordTable(Sequence[RequestRecord]):
 
     @classmethod
     def of(cls, records: Iterable[RequestRecord], *, keep_intervals: bool = True) -> RecordTable:
-        """A table of `records`, each sealed as it stands."""
+        """A table of `records`, each sealed as it stands.
+
+        Raises:
+            InvalidRequestError: `records` that are no iterable, an item that is no `RequestRecord`, or a record
+                `add` or `seal` refuses (naming the request and the field).
+        """
         table = cls(keep_intervals=keep_intervals)
-        for record in records:
+        for record in require_iterable("records", records, error=InvalidRequestError):
+            if not isinstance(record, RequestRecord):  # else an AttributeError, from wherever it is first read
+                raise InvalidRequestError(f"records must hold RequestRecord items, got {shown(record)}")
             table.add(record)
             table.seal(record)
         return table
@@ -220,9 +256,15 @@ class RecordTable(Sequence[RequestRecord]):
 
         Raises:
             InvalidRequestError: a record of this request id is in the table already (a workload's ids are unique:
-                every outcome is counted by them).
+                every outcome is counted by them), or an id that is unhashable (no set could count it).
         """
-        if record.request_id in self._seen:
+        try:  # free in the common case: a per-request path
+            seen = record.request_id in self._seen
+        except TypeError:
+            raise InvalidRequestError(
+                f"request id {shown(record.request_id)} is unhashable ({type(record.request_id).__name__})"
+            ) from None
+        if seen:
             raise InvalidRequestError(f"request id {record.request_id!r} appears twice in the workload")
         self._seen.add(record.request_id)
         row = len(self._request_ids)
@@ -239,8 +281,9 @@ class RecordTable(Sequence[RequestRecord]):
         changes to it, its intervals included, change nothing here).
 
         Raises:
-            InvalidRequestError: `record` is not live in this table (sealed already, or never added); or a count
-                no column holds (past int64, which no `Request` reaches), naming it: the record stays live.
+            InvalidRequestError: `record` is not live in this table (sealed already, or never added); or a field
+                no column holds (a time that is no number, a count that is no int or past int64, which no `Request`
+                reaches, an outcome or reason that is no `Outcome` or `Reason`), naming it: the record stays live.
         """
         row = self._row_of.get(id(record))
         if row is None:
@@ -250,25 +293,26 @@ class RecordTable(Sequence[RequestRecord]):
             )
         # The columns first: a live row reads from its object, so a write that fails halfway shows nowhere.
         floats, ints, codes, code = self._floats, self._ints, self._codes, self._names.code
-        floats["arrival_s"][row] = record.arrival_s
-        floats["prefill_s"][row] = record.prefill_s
-        floats["tbt_s"][row] = record.tbt_s
-        floats["first_token_s"][row] = math.nan if record.first_token_s is None else record.first_token_s
-        floats["finish_s"][row] = math.nan if record.finish_s is None else record.finish_s
-        for name in ("input_tokens", "output_tokens", "prefix_tokens"):
-            try:
-                ints[name][row] = getattr(record, name)
-            except OverflowError:
-                raise InvalidRequestError(
-                    f"request {record.request_id!r}: {name}={getattr(record, name)!r} is past what a column holds (int64)"
-                ) from None
-        codes["outcome"][row] = _OUTCOME_CODE[record.outcome]
-        codes["reason"][row] = _REASON_CODE[record.reason]
-        codes["prefill_instance"][row] = code(record.prefill_instance)
-        codes["decode_instance"][row] = code(record.decode_instance)
-        codes["inline_prefill"][row] = record.inline_prefill
-        if self.keep_intervals:
-            self._intervals[row] = IntervalRuns(list(record.intervals.runs))
+        try:  # free when every field fits (a per-request path); the slow search for the culprit only on a failure
+            floats["arrival_s"][row] = record.arrival_s
+            floats["prefill_s"][row] = record.prefill_s
+            floats["tbt_s"][row] = record.tbt_s
+            floats["first_token_s"][row] = math.nan if record.first_token_s is None else record.first_token_s
+            floats["finish_s"][row] = math.nan if record.finish_s is None else record.finish_s
+            ints["input_tokens"][row] = record.input_tokens
+            ints["output_tokens"][row] = record.output_tokens
+            ints["prefix_tokens"][row] = record.prefix_tokens
+            codes["outcome"][row] = _OUTCOME_CODE[record.outcome]
+            codes["reason"][row] = _REASON_CODE[record.reason]
+            codes["prefill_instance"][row] = code(record.prefill_instance)
+            codes["decode_instance"][row] = code(record.decode_instance)
+            codes["inline_prefill"][row] = record.inline_prefill
+            if self.keep_intervals:
+                self._intervals[row] = IntervalRuns(list(record.intervals.runs))
+        except (TypeError, KeyError, OverflowError, AttributeError) as error:
+            raise InvalidRequestError(
+                _record_problem(record) or f"request {shown(record.request_id)}: {error}"
+            ) from error
         del self._row_of[id(record)], self._live[row]
 
     def column(self, name: str) -> np.ndarray:
@@ -363,6 +407,49 @@ class RecordTable(Sequence[RequestRecord]):
 _FLOAT_FIELDS = ("arrival_s", "prefill_s", "tbt_s", "first_token_s", "finish_s")
 _INT_FIELDS = ("input_tokens", "output_tokens", "prefix_tokens")
 _CODE_FIELDS = ("outcome", "reason", "prefill_instance", "decode_instance", "inline_prefill")
+_OPTIONAL_TIMES = ("first_token_s", "finish_s")
+
+
+def _record_problem(record: RequestRecord) -> str | None:
+    """What in `record` no column holds, naming the request and the field (None: nothing found). Read in the
+    order `RecordTable.seal` writes, so the field named is the one that failed there."""
+
+    def problem(name: str, what: str) -> str:
+        return f"request {shown(record.request_id)}: {name}={shown(getattr(record, name))} {what}"
+
+    def fits(typecode: str, value: Any) -> bool:
+        try:
+            array.array(typecode, [value])
+        except (TypeError, OverflowError):
+            return False
+        return True
+
+    for name in _FLOAT_FIELDS:
+        optional = name in _OPTIONAL_TIMES
+        value = getattr(record, name)
+        if not (optional and value is None) and not fits("d", value):
+            return problem(name, f"is no time in seconds (a number{' or None' if optional else ''})")
+    for name in _INT_FIELDS:
+        value = getattr(record, name)
+        if not fits("q", value):
+            return problem(name, "is past what a column holds (int64)" if is_int(value) else "is no count (an int)")
+    for name, codes, kind in (("outcome", _OUTCOME_CODE, "Outcome"), ("reason", _REASON_CODE, "Reason")):
+        try:
+            known = getattr(record, name) in codes  # its value as text is no member: the enum itself is
+        except TypeError:
+            known = False
+        if not known:
+            return problem(name, f"is neither None nor a mooncake.sched.{kind}")
+    for name in ("prefill_instance", "decode_instance"):
+        try:
+            hash(getattr(record, name))
+        except TypeError:
+            return problem(name, "is neither None nor an instance id (a string)")
+    if not fits("i", record.inline_prefill):
+        return problem("inline_prefill", "is not True or False")
+    if not isinstance(record.intervals, IntervalRuns):
+        return problem("intervals", "is no IntervalRuns")
+    return None
 
 
 def _as_column_value(name: str, value: object, table: RecordTable) -> float | int:
@@ -380,6 +467,7 @@ def _as_column_value(name: str, value: object, table: RecordTable) -> float | in
 
 
 def _percentiles(values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    # numpy's default method (linear between the nearest two), as vLLM's benchmark's np.percentile calls.
     if not len(values):
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     array = np.asarray(values, dtype=np.float64)
@@ -392,10 +480,13 @@ class Summary:
     """The replay's figures (the `--json` of examples/replay.py).
 
     `ttft_s` and `tbt_s` are over the completed requests (0 when none completed; a ranking leaves such a run
-    out), `tbt_s` over those with more than one output token. `slo_attainment` is over every arrival.
-    `goodput_rps` is the requests completed within both objectives per second from the first arrival to
-    the last completion, as vLLM's benchmark counts it: a policy that finishes its backlog sooner has the
-    shorter span, so goodput can rank two policies against their attainment on the same arrivals.
+    out), `tbt_s` over those with more than one output token (`has_tbt`); their percentiles are numpy's default
+    (linear interpolation between the two nearest values), as vLLM's benchmark takes them. `slo_attainment` is
+    over every arrival. `goodput_rps` is the requests completed within both objectives per second from the
+    first arrival to the last answer of any kind (a completion or a refusal: `RequestRecord.finish_s`), as
+    vLLM's benchmark counts it: a policy that finishes its backlog sooner has the shorter span, so goodput can
+    rank two policies against their attainment on the same arrivals, and one that refuses the tail does not
+    shorten its span by it.
     """
 
     num_requests: int
@@ -421,7 +512,14 @@ class Summary:
 
 
 def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float = 0.0) -> Summary:
-    """Summary of a replay's records (read as columns: a `RecordTable` is summarized without a loop)."""
+    """Summary of a replay's records (read as columns: a `RecordTable` is summarized without a loop).
+
+    Raises:
+        ConfigError: an `slo` that is no `Slo`.
+        InvalidRequestError: `records` that are no iterable of `RequestRecord`s, or a record with a field no
+            summary can read (`RecordTable.seal`: naming the request and the field), or two of one request id.
+    """
+    slo = require_slo(slo)
     table = records if isinstance(records, RecordTable) else RecordTable.of(records, keep_intervals=False)
     outcome = table.column("outcome")
     completed = outcome == table.outcome_code(Outcome.COMPLETED)
@@ -433,7 +531,11 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
     tbt, prefill_s = table.column("tbt_s"), table.column("prefill_s")
     within = completed & (np.where(prefilled, ttft, 0.0) <= slo.ttft_s) & (tbt <= slo.tbt_s)
     num_within = int(within.sum())
-    ends = table.column("finish_s")[completed]
+    # vLLM's benchmark divides by its whole run, until every request was answered, refusals and failures
+    # included (vllm/benchmarks/serve.py: `benchmark_duration` is taken after gathering every request's task,
+    # and `calculate_metrics` gives `request_goodput=good_completed / dur_s`). So the span ends at the last
+    # answer of any kind: ending it at the last completion would let a policy that refuses the tail shorten it.
+    ends = table.column("finish_s")
     ends = ends[~np.isnan(ends)].tolist()
     span = (max(ends) if ends else 0.0) - (min(arrival.tolist()) if len(table) else 0.0)
     # Python sums over lists, in record order: the same floats and ints as summing record by record.
@@ -445,8 +547,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
         rejected_after_prefill=int(after_prefill.sum()),
         wasted_prefill_s=sum(prefill_s[after_prefill].tolist(), 0.0),
         ttft_s=_percentiles(ttft[completed & prefilled]),
-        # over the requests that have a token interval: one output token has none (its TBT 0 is no pace)
-        tbt_s=_percentiles(tbt[completed & (table.column("output_tokens") > 1)]),
+        tbt_s=_percentiles(tbt[_has_tbt(completed, table.column("output_tokens"))]),
         slo_attainment=num_within / len(table) if len(table) else 0.0,
         goodput_rps=num_within / span if span > 0 else 0.0,
         cache_hit_ratio=sum(table.column("prefix_tokens")[prefilled].tolist()) / input_tokens if input_tokens else 0.0,

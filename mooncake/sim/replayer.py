@@ -6,7 +6,8 @@ cluster's `arrive(now, request)` at each arrival and sampling the cluster's
 `counts()` (requests in prefill, in decode) every `sample_interval_s`, until
 no event is left; then it summarizes. The cluster schedules its own events on
 `loop`, opens a record at each arrival (`open`) and ends each record exactly
-once: `complete` when its last token is out, `reject` when it is refused.
+once: `complete` when its last token is out, `reject` when it is refused (both
+stamp `finish_s`, the time its client had its answer).
 
 Invariants: every record opened is in `records`; a record is sealed (ended)
 exactly once, by `complete` or `reject`. A context runs one workload: its clock,
@@ -23,7 +24,15 @@ from mooncake._checks import require_bool, require_iterable, require_number
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
-from mooncake.sim.metrics import LoadTrace, RecordTable, ReplayResult, RequestRecord, summarize, top_mean
+from mooncake.sim.metrics import (
+    LoadTrace,
+    RecordTable,
+    ReplayResult,
+    RequestRecord,
+    require_slo,
+    summarize,
+    top_mean,
+)
 from mooncake.types import Request, Slo
 from mooncake.workload.trace_record import arrival_problem
 
@@ -52,9 +61,7 @@ class ReplayContext:
     """
 
     def __init__(self, slo: Slo, *, sample_interval_s: float) -> None:
-        if not isinstance(slo, Slo):  # else only the summary, after the whole replay, finds it out
-            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
-        self.slo = slo
+        self.slo = require_slo(slo)  # else only the summary, after the whole replay, finds it out
         # Checked here: a replay with an interval that is no time > 0 hung sampling, or divided by zero.
         self.sample_interval_s = require_number("sample_interval_s", sample_interval_s, minimum=0, strict=True)
         self.loop = EventLoop()
@@ -132,8 +139,10 @@ class ReplayContext:
         record.tbt_s = top_mean(record.intervals)
         self.records.seal(record)
 
-    def reject(self, record: RequestRecord, outcome: Outcome, reason: Reason) -> None:
-        """The request was refused (`outcome` says before or after its prefill): its record ends."""
+    def reject(self, now: float, record: RequestRecord, outcome: Outcome, reason: Reason) -> None:
+        """The request was refused at `now` (`outcome` says before or after its prefill): its record ends, its
+        `finish_s` the refusal (its client's answer: the summary's span runs to the last answer of any kind)."""
         record.outcome = outcome
         record.reason = reason
+        record.finish_s = now
         self.records.seal(record)

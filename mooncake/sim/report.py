@@ -28,8 +28,7 @@ import numpy as np
 
 from mooncake._extras import needs_extra
 from mooncake._files import atomic_path
-from mooncake.sched.outcome import Outcome
-from mooncake.sim.metrics import LoadSample, RequestRecord, Summary
+from mooncake.sim.metrics import LoadSample, RequestRecord, Summary, has_tbt
 
 __all__ = [
     "ProgressBar",
@@ -84,7 +83,8 @@ def _atomic(path: str | Path) -> Iterator[TextIO]:
 def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> None:
     """One row per request (`RECORD_COLUMNS`); times in seconds, empty where not reached (`tbt_s` too where no
     token interval was measured: a request that did not complete, or completed with one token, as the summary
-    leaves them out of its TBT)."""
+    leaves them out of its TBT: `has_tbt`). `finish_s` is when its client had its answer, the last token or
+    the refusal."""
     with _atomic(path) as stream:
         writer = csv.writer(stream)
         writer.writerow(RECORD_COLUMNS)
@@ -103,7 +103,7 @@ def write_records_csv(records: Sequence[RequestRecord], path: str | Path) -> Non
                     f"{r.prefill_s:.6f}",
                     int(r.inline_prefill),
                     "" if r.ttft_s is None else f"{r.ttft_s:.6f}",
-                    f"{r.tbt_s:.6f}" if r.outcome == Outcome.COMPLETED and r.output_tokens > 1 else "",
+                    f"{r.tbt_s:.6f}" if has_tbt(r) else "",
                     "" if r.finish_s is None else f"{r.finish_s:.6f}",
                 ]
             )

@@ -31,7 +31,7 @@ def reference_summary(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s:
     prefilled = [r for r in records if r.first_token_s is not None or r.outcome == Outcome.REJECTED_AFTER_PREFILL]
     within = [r for r in completed if (r.ttft_s or 0.0) <= slo.ttft_s and r.tbt_s <= slo.tbt_s]
     arrivals = [r.arrival_s for r in records]
-    ends = [r.finish_s for r in completed if r.finish_s is not None]
+    ends = [r.finish_s for r in records if r.finish_s is not None]  # the last answer of any kind
     span = (max(ends) if ends else 0.0) - (min(arrivals) if arrivals else 0.0)
     input_tokens = sum(r.input_tokens for r in prefilled)
     return Summary(

@@ -204,12 +204,14 @@ def assert_each_ended_once(requests: Sequence[Request], result: ReplayResult) ->
             assert record.tbt_s == top_mean(record.intervals) >= 0
             assert np.all(record.intervals.values() > 0)
         elif record.outcome == Outcome.REJECTED_BEFORE_PREFILL:
-            assert record.first_token_s is None and record.finish_s is None
+            assert record.first_token_s is None, "its client got no token"
+            assert record.finish_s is not None and record.finish_s >= record.arrival_s, "the refusal's time"
             assert record.reason is not None, "a rejection says why"
             assert record.intervals.count == 0
         else:
             assert record.outcome == Outcome.REJECTED_AFTER_PREFILL
-            assert record.first_token_s is None and record.finish_s is None, "its client got no token"
+            assert record.first_token_s is None, "its client got no token"
+            assert record.finish_s is not None and record.finish_s >= record.arrival_s, "the refusal's time"
             assert record.reason in DECODE_RULE_REASONS, "the decode instance's own check names its bound"
             assert request.output_length > 1 and record.intervals.count == 0
     summary = result.summary

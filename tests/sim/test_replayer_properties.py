@@ -92,7 +92,7 @@ class ToyCluster:
         record = self.context.open(now, request)
         fate = self.fates[request.request_id]
         if fate.kind == "rejected before prefill":
-            self.context.reject(record, Outcome.REJECTED_BEFORE_PREFILL, Reason.NO_PREFILL_INSTANCE)
+            self.context.reject(now, record, Outcome.REJECTED_BEFORE_PREFILL, Reason.NO_PREFILL_INSTANCE)
         else:
             self.prefilling += 1
             self.context.loop.at(now + fate.prefill_s, self.prefilled, record, fate)
@@ -103,7 +103,7 @@ class ToyCluster:
         self.prefilling -= 1
         record.prefill_s, record.first_token_s = fate.prefill_s, now
         if fate.kind == "rejected after prefill":
-            self.context.reject(record, Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET)
+            self.context.reject(now, record, Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET)
         elif fate.gaps_s:
             self.decoding += 1
             self.context.loop.at(now + fate.gaps_s[0], self.token, record, fate, 1)
@@ -169,13 +169,13 @@ def test_every_request_has_one_record_ended_once_as_its_cluster_ended_it(
         )
         if fate.kind == "rejected before prefill":
             assert (record.outcome, record.reason) == (Outcome.REJECTED_BEFORE_PREFILL, Reason.NO_PREFILL_INSTANCE)
-            assert record.first_token_s is None and record.finish_s is None
+            assert record.first_token_s is None and record.finish_s == request.arrival_s  # refused on arrival
             continue
         times = list(times_of(request, fate))
         assert record.first_token_s == times[0]
         if fate.kind == "rejected after prefill":
             assert (record.outcome, record.reason) == (Outcome.REJECTED_AFTER_PREFILL, Reason.KV_BUDGET)
-            assert record.finish_s is None
+            assert record.finish_s == times[0]  # the refusal, its client's answer
         else:
             assert (record.outcome, record.reason) == (Outcome.COMPLETED, None)
             assert record.finish_s == times[-1]
