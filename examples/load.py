@@ -127,6 +127,7 @@ async def one(
 
     def failed(kind: str, message: str, reason: Reason = Reason.FAILED) -> None:
         record.reason = reason
+        record.finish_s = time.perf_counter() - started  # answered (as the simulators record a refusal's time)
         failures.setdefault(kind, message)
 
     try:
@@ -136,7 +137,10 @@ async def one(
             if answer.status != 200:
                 rejection = await _rejection(answer)
                 if rejection is not None:
+                    # When it was answered: goodput's span runs to the last answer of any kind, as vLLM's benchmark
+                    # times the whole run (`sim.metrics.summarize`, which the simulated twin's figures come from).
                     record.outcome, record.reason = rejection
+                    record.finish_s = time.perf_counter() - started
                     return
                 failed(f"HTTP {answer.status}", await answer.text())
                 return

@@ -179,3 +179,27 @@ def test_a_url_that_is_no_http_url_is_a_config_error_naming_it(url: str, why: st
     with pytest.raises(ConfigError, match=r"^--url must be an http:// or https:// URL") as raised:
         load.check_url(url)
     assert repr(url) in str(raised.value) and why in str(raised.value)
+
+
+def test_a_refused_or_failed_request_records_when_it_was_answered() -> None:
+    """Goodput's span runs to the last answer of any kind (`sim.metrics.summarize`, as vLLM's benchmark times the
+    whole run): a refusal (a 429 naming its outcome) and a failure now carry the time their answer came, as a
+    completion does; they carried none, so a real run's span ended at its last completion."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seed = (await request.json())["seed"]
+        if seed == 0:
+            error = {"outcome": Outcome.REJECTED_BEFORE_PREFILL.value, "code": Reason.KV_BUDGET.value}
+            return web.json_response({"error": error}, status=429)
+        if seed == 1:
+            return web.Response(status=500, text="boom")
+        usage = {"prompt_tokens": 9, "completion_tokens": 1}
+        return await stream(request, [chunk(" a", usage), chunk("", usage)])
+
+    records = replay(handler, 3)
+    assert [(r.outcome, r.reason) for r in records] == [
+        (Outcome.REJECTED_BEFORE_PREFILL, Reason.KV_BUDGET),
+        (None, Reason.FAILED),
+        (Outcome.COMPLETED, None),
+    ]
+    assert all(r.finish_s is not None and r.finish_s >= r.arrival_s for r in records)

@@ -155,7 +155,7 @@ class RequestRecord:
     prefill_s: float = 0.0
     inline_prefill: bool = False
     first_token_s: float | None = None  # None: no token reached its client (rejected before or after prefill)
-    # When its client had its answer: the last token, or the refusal (None: in flight, or no answer came).
+    # When its client had its answer: the last token, the refusal, or (a real run's) the failure (None: in flight).
     finish_s: float | None = None
     tbt_s: float = 0.0
     intervals: IntervalRuns = attrs.field(factory=IntervalRuns)
@@ -483,7 +483,7 @@ class Summary:
     out), `tbt_s` over those with more than one output token (`has_tbt`); their percentiles are numpy's default
     (linear interpolation between the two nearest values), as vLLM's benchmark takes them. `slo_attainment` is
     over every arrival. `goodput_rps` is the requests completed within both objectives per second from the
-    first arrival to the last answer of any kind (a completion or a refusal: `RequestRecord.finish_s`), as
+    first arrival to the last answer of any kind (a completion, a refusal, a failure: `RequestRecord.finish_s`), as
     vLLM's benchmark counts it: a policy that finishes its backlog sooner has the shorter span, so goodput can
     rank two policies against their attainment on the same arrivals, and one that refuses the tail does not
     shorten its span by it.
