@@ -35,8 +35,10 @@ def shown(value: object, *, limit: int = 60, quote: Callable[[object], str] = re
     """`value` as a one-line error message quotes it: `quote(value)` (repr; ascii for a client's text, lone
     surrogates and all), cut to `limit` characters with its closing character kept. An integer whose digits
     would not fit is named by its size in bits (its repr alone would fail past 4,300 digits); a value `quote`
-    cannot render (nested too deep, or holding such an integer) by its type. Every message that quotes what
-    it was given reads through this one rule."""
+    cannot render (nested too deep, or holding such an integer) by its type. The validators here quote what they
+    were given through it, as do the messages of `types`, `workload.generator`, `sched.cost`, `sched.step`,
+    `cache.hashing`, `cache.vllm_wire` and `cache.vllm_events`; other modules still quote some values with repr
+    (docs/architecture.md)."""
     # Past 4 bits a digit an integer is too long for sure (and its repr may fail); below, its repr is cheap.
     if isinstance(value, int) and (value.bit_length() > 4 * limit or len(repr(value)) > limit):
         return f"an integer of {value.bit_length()} bits"
@@ -64,7 +66,7 @@ def require_int(
     value."""
     if not is_int(value) or value < minimum or (below is not None and value >= below):
         bound = f">= {minimum}" if below is None else f"in [{minimum}, {_power_text(below)})"
-        raise error(f"{name} must be an integer {bound}, got {value!r}")
+        raise error(f"{name} must be an integer {bound}, got {shown(value)}")
     return int(value)
 
 
@@ -90,7 +92,7 @@ def require_number(
     """`value` as a finite float above (`strict`) or at least `minimum`, or `error`."""
     if not is_finite_number(value) or value < minimum or (strict and value == minimum):
         bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum}"  # any finite number
-        raise error(f"{name} must be a finite number{bound}, got {value!r}")
+        raise error(f"{name} must be a finite number{bound}, got {shown(value)}")
     return float(value)
 
 
@@ -107,7 +109,7 @@ def require_bool(name: str, value: Any) -> bool:
     """`value` as a switch, or a ConfigError naming `name` (a string such as "no", or 0, is no switch: one
     would read as true, the other is a typo)."""
     if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
+        raise ConfigError(f"{name} must be True or False, got {shown(value)}")
     return value
 
 
@@ -117,14 +119,14 @@ def require_iterable(name: str, value: Iterable[T], *, error: type[Exception] = 
     try:
         return iter(value)
     except TypeError:
-        raise error(f"{name} must be an iterable, got {value!r}") from None
+        raise error(f"{name} must be an iterable, got {shown(value)}") from None
 
 
 def require_str(name: str, value: Any, *, what: str = "string", empty: bool = False) -> str:
     """`value` as a string (non-empty unless `empty`), or a ConfigError naming `name`, what it must be and the value
     (an instance id, a hash namespace: keys and sort orders would otherwise mix ints, None and text)."""
     if not isinstance(value, str) or (not empty and not value):
-        raise ConfigError(f"{name} must be a {'' if empty else 'non-empty '}{what}, got {value!r}")
+        raise ConfigError(f"{name} must be a {'' if empty else 'non-empty '}{what}, got {shown(value)}")
     return value
 
 
@@ -150,7 +152,7 @@ def non_negative(_instance: object, attribute: Any, value: Any) -> None:
 def fraction(_instance: object, attribute: Any, value: Any) -> None:
     """An attrs validator: a share of a peak (an efficiency, a utilisation), in (0, 1]."""
     if require_number(attribute.name, value, minimum=0, strict=True) > 1:
-        raise ConfigError(f"{attribute.name} is a fraction of a peak, at most 1, got {value!r}")
+        raise ConfigError(f"{attribute.name} is a fraction of a peak, at most 1, got {shown(value)}")
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

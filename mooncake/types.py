@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int
+from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int, shown
 from mooncake.errors import InvalidRequestError
 
 __all__ = [
@@ -65,7 +65,7 @@ def check_token_count(name: str, value: Any) -> int:
     if type(value) is int and 1 <= value <= MAX_TOKENS:  # the common case, one test (schedulers call this per request)
         return value
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value <= MAX_TOKENS:
-        raise InvalidRequestError(f"{name} must be an integer in [1, 2**40], got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer in [1, 2**40], got {shown(value)}")
     return int(value)
 
 
@@ -112,7 +112,7 @@ def check_request_id(name: str, value: object) -> None:
     """
     ok = bool(value) if isinstance(value, str) else isinstance(value, int) and not isinstance(value, bool)
     if not ok:
-        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {shown(value)}")
 
 
 def check_block_key(key: object) -> BlockKey:
@@ -127,7 +127,7 @@ def check_block_key(key: object) -> BlockKey:
     except TypeError:
         value = -1
     if not 0 <= value < BLOCK_KEY_LIMIT or isinstance(key, bool):
-        raise InvalidRequestError(f"a block key must be a non-negative integer below 2**256, got {key!r}")
+        raise InvalidRequestError(f"a block key must be a non-negative integer below 2**256, got {shown(key)}")
     return BlockKey(value)
 
 
@@ -141,7 +141,7 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
     try:
         is_iterator = iter(keys) is keys
     except TypeError:  # None, a number: no keys at all
-        raise InvalidRequestError(f"block keys must be an iterable of integers, got {keys!r:.80}") from None
+        raise InvalidRequestError(f"block keys must be an iterable of integers, got {shown(keys)}") from None
     if is_iterator:  # a one-shot iterator: read twice below
         keys = tuple(keys)
     try:
@@ -150,9 +150,9 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
         raise InvalidRequestError(f"block keys must be integers: {error}") from error
     least = min(converted, default=2)
     if least < 0:
-        raise InvalidRequestError(f"block keys must be non-negative integers, got {least}")
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {shown(least)}")
     if converted and max(converted) >= BLOCK_KEY_LIMIT:
-        raise InvalidRequestError(f"block keys must be below 2**256, got {max(converted)}")
+        raise InvalidRequestError(f"block keys must be below 2**256, got {shown(max(converted))}")
     if least <= 1 and bool in map(type, keys):  # a bool reads as 0 or 1: only then can one be there
         raise InvalidRequestError("block keys must be integers, not bools")
     return cast("tuple[BlockKey, ...]", converted)
@@ -215,20 +215,20 @@ class Request:
     @reuses_prefix.validator
     def _check_reuses_prefix(self, _attribute: object, value: bool) -> None:
         if type(value) is not bool:
-            raise InvalidRequestError(f"reuses_prefix must be a bool, got {value!r}")
+            raise InvalidRequestError(f"reuses_prefix must be a bool, got {shown(value)}")
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:
         if not isinstance(value, int | float) or not is_finite_number(value) or value < 0:
-            raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {value!r}")
+            raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {shown(value)}")
 
     def __attrs_post_init__(self) -> None:
         block = self.block_size_tokens
         if block is not None and len(self.block_keys) != ceil_div(self.input_length, block):
             raise InvalidRequestError(
-                f"request {self.request_id}: {len(self.block_keys)} block keys for {self.input_length} tokens in "
-                f"{block}-token blocks (one key per block, the partial last one included: "
-                f"{ceil_div(self.input_length, block)})"
+                f"request {shown(self.request_id, quote=str)}: {len(self.block_keys)} block keys for "
+                f"{self.input_length} tokens in {shown(block)}-token blocks (one key per block, the partial last one "
+                f"included: {ceil_div(self.input_length, block)})"
             )
 
     def check_block_size(self, block_size_tokens: int) -> None:
@@ -240,21 +240,23 @@ class Request:
         """
         if self.block_size_tokens is not None and self.block_size_tokens != block_size_tokens:
             raise InvalidRequestError(
-                f"request {self.request_id} was keyed in {self.block_size_tokens}-token blocks, this "
-                f"cluster's blocks are {block_size_tokens} tokens: key requests with the hasher whose block size it has"
+                f"request {shown(self.request_id, quote=str)} was keyed in {self.block_size_tokens}-token blocks, "
+                f"this cluster's blocks are {shown(block_size_tokens)} tokens: key requests with the hasher whose "
+                "block size it has"
             )
         expected = ceil_div(self.input_length, block_size_tokens)
         if len(self.block_keys) != expected:
             raise InvalidRequestError(
-                f"request {self.request_id} has {len(self.block_keys)} block keys, but {self.input_length} "
-                f"tokens in this cluster's {block_size_tokens}-token blocks make {expected}"
+                f"request {shown(self.request_id, quote=str)} has {len(self.block_keys)} block keys, but "
+                f"{self.input_length} tokens in this cluster's {shown(block_size_tokens)}-token blocks make {expected}"
             )
 
     @tokens.validator
     def _check_tokens(self, _attribute: object, value: npt.NDArray[np.int32] | None) -> None:
         if value is not None and value.size != self.input_length:
             raise InvalidRequestError(
-                f"request {self.request_id}: {value.size} tokens given for input_length {self.input_length}"
+                f"request {shown(self.request_id, quote=str)}: {value.size} tokens given for input_length "
+                f"{self.input_length}"
             )
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -20,11 +23,14 @@ from hypothesis import strategies as st
 
 from mooncake._checks import (
     ceil_div,
+    fraction,
+    int_at_least,
     is_finite_number,
     is_int,
     plain_int,
     require_bool,
     require_int,
+    require_iterable,
     require_number,
     require_str,
     shown,
@@ -157,3 +163,40 @@ def test_shown_names_what_it_cannot_render_by_its_type() -> None:
     assert shown(deep) == "a list too large to show"
     assert shown(10**5000) == "an integer of 16610 bits"
     assert shown([10**5000]) == "a list too large to show"  # repr refuses an int past 4,300 digits
+
+
+HUGE, LONG = 10**5000, "x" * 500
+VALIDATORS: list[tuple[str, Callable[[Any], object], tuple[object, ...]]] = [
+    ("require_int", lambda v: require_int("count", v, minimum=0, below=10), (HUGE, -HUGE, LONG, [HUGE])),
+    ("require_number", lambda v: require_number("rate", v, minimum=0), (HUGE, -HUGE, LONG, [HUGE])),
+    ("require_bool", lambda v: require_bool("flag", v), (HUGE, -HUGE, LONG, [HUGE])),
+    ("require_str", lambda v: require_str("name", v), (HUGE, -HUGE, [HUGE])),  # a long string is a string
+    ("require_iterable", lambda v: require_iterable("items", v), (HUGE, -HUGE)),
+    ("int_at_least", lambda v: int_at_least(1)(None, attrs.fields(_Field).count, v), (-HUGE, LONG)),
+    ("fraction", lambda v: fraction(None, attrs.fields(_Field).count, v), (HUGE, -HUGE, LONG, 2)),
+]
+
+
+@attrs.define
+class _Field:
+    count: int
+
+
+@pytest.mark.parametrize(
+    ("check", "value"),
+    [
+        pytest.param(check, value, id=f"{name}-{i}")
+        for name, check, refused in VALIDATORS
+        for i, value in enumerate(refused)
+    ],
+)
+def test_every_shared_validator_quotes_what_it_refuses_through_shown(
+    check: Callable[[Any], object], value: object
+) -> None:
+    """An integer past 4,300 digits (whose repr Python refuses: the message escaped as a bare ValueError), a
+    500-character string, a list holding such an integer: each shared validator refusing one raises its
+    ConfigError ending with the value as `shown` quotes it, in a short message."""
+    with pytest.raises(ConfigError) as raised:
+        check(value)
+    message = str(raised.value)
+    assert message.endswith(shown(value)) and len(message) <= 120, message

@@ -41,7 +41,16 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div, int_at_least, is_int, plain_int, require_int, require_iterable, require_str
+from mooncake._checks import (
+    ceil_div,
+    int_at_least,
+    is_int,
+    plain_int,
+    require_int,
+    require_iterable,
+    require_str,
+    shown,
+)
 from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import BlockKey, as_token_array, key_tuple
@@ -71,12 +80,12 @@ def reusable_prefix_tokens(num_tokens: int, cached_blocks: int, block_size_token
             ("block_size_tokens", block_size_tokens),
         ):
             if not is_int(value):
-                raise InvalidRequestError(f"{name} must be an integer, got {value!r:.80}")
+                raise InvalidRequestError(f"{name} must be an integer, got {shown(value)}")
         num_tokens, cached_blocks, block_size_tokens = int(num_tokens), int(cached_blocks), int(block_size_tokens)
     if num_tokens < 0 or cached_blocks < 0 or block_size_tokens < 1:  # comparisons only: routing asks per request
         raise InvalidRequestError(
             f"reusable_prefix_tokens needs num_tokens >= 0, cached_blocks >= 0 and block_size_tokens >= 1, got "
-            f"{num_tokens}, {cached_blocks} and {block_size_tokens}"
+            f"{shown(num_tokens)}, {shown(cached_blocks)} and {shown(block_size_tokens)}"
         )
     return min(cached_blocks, max(num_tokens - 1, 0) // block_size_tokens) * block_size_tokens
 
@@ -156,7 +165,7 @@ class BlockHasher:
     @algorithm.validator
     def _check_algorithm(self, _attribute: object, value: str) -> None:
         if not isinstance(value, str) or value not in _KEY_BYTES:  # a list is unhashable: no dict lookup for it
-            raise ConfigError(f"algorithm must be one of {sorted(_KEY_BYTES)}, got {value!r}")
+            raise ConfigError(f"algorithm must be one of {sorted(_KEY_BYTES)}, got {shown(value)}")
 
     def __attrs_post_init__(self) -> None:
         namespace = json.dumps(
@@ -188,7 +197,7 @@ class BlockHasher:
         if cache_salt is None or cache_salt == "":  # vLLM salts with a non-empty salt only
             return self
         if not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a string, got {cache_salt!r:.80}")
+            raise InvalidRequestError(f"cache_salt must be a string, got {shown(cache_salt)}")
         # NUL never occurs in a salt vLLM accepts: the namespace parts cannot run into each other.
         return attrs.evolve(self, salt=f"{self.salt}\x00cache_salt:{cache_salt}")
 
@@ -205,7 +214,7 @@ class BlockHasher:
         if adapter is None:
             return self
         if not isinstance(adapter, str) or not adapter:
-            raise InvalidRequestError(f"a LoRA adapter's name must be a non-empty string, got {adapter!r:.80}")
+            raise InvalidRequestError(f"a LoRA adapter's name must be a non-empty string, got {shown(adapter)}")
         # NUL never occurs in a name vLLM serves: the namespace parts cannot run into each other.
         return attrs.evolve(self, salt=f"{self.salt}\x00lora:{adapter}")
 
@@ -233,7 +242,7 @@ class BlockHasher:
         if parent is None:
             start = self.root_key
         elif not is_int(parent) or not 0 <= parent < 1 << (8 * self.key_bytes):
-            raise InvalidRequestError(f"parent must be a {8 * self.key_bytes}-bit key, got {parent!r}")
+            raise InvalidRequestError(f"parent must be a {8 * self.key_bytes}-bit key, got {shown(parent)}")
         else:
             start = BlockKey(int(parent))
         kernels = self._kernels()

@@ -90,7 +90,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_bool, require_int, require_iterable, require_str
+from mooncake._checks import require_bool, require_int, require_iterable, require_str, shown
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cache.vllm_wire import (
@@ -214,23 +214,25 @@ class VllmEventDecoder:
         report_mode: str = "incremental",
     ) -> None:
         if not isinstance(hasher, BlockHasher):
-            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
+            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {shown(hasher)}")
         self.hasher = hasher
         self.source = InstanceId(require_str("source", source, what="instance id string"))
         if not isinstance(tiers, Mapping) or not all(isinstance(m, str | None) for m in tiers):
-            raise ConfigError(f"tiers must map vLLM mediums (strings, or None) to tiers, got {tiers!r}")
+            raise ConfigError(f"tiers must map vLLM mediums (strings, or None) to tiers, got {shown(tiers)}")
         self.tiers: dict[str | None, Tier] = {}
         for medium, tier in tiers.items():
             named = _medium_name(medium)
             if named in self.tiers and self.tiers[named] != parse_tier(tier):
-                raise ConfigError(f"tiers maps medium {medium!r} twice (mediums are case-blind), to different tiers")
+                raise ConfigError(
+                    f"tiers maps medium {shown(medium)} twice (mediums are case-blind), to different tiers"
+                )
             self.tiers[named] = parse_tier(tier)
         self.kv_group = require_int("kv_group", kv_group, minimum=0)
         self.strict = require_bool("strict", strict)
         self.max_retired_hashes = require_int("max_retired_hashes", max_retired_hashes, minimum=0)
         self.blocks_per_chunk = require_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
         if report_mode not in REPORT_MODES:
-            raise ConfigError(f"report_mode must be one of {REPORT_MODES}, got {report_mode!r}")
+            raise ConfigError(f"report_mode must be one of {REPORT_MODES}, got {shown(report_mode)}")
         self.report_mode = report_mode
         # The tier vLLM's GPU pool, the publisher of AllBlocksCleared, stores in (vLLM before mediums: no medium).
         self._gpu_tier = self.tiers.get("GPU", self.tiers.get(None, Tier.VRAM))
@@ -278,7 +280,7 @@ class VllmEventDecoder:
             ConfigError: `tier` is no tier.
         """
         if not isinstance(block_hash, int | bytes):
-            raise VllmEventError(f"block_hash must be a vLLM block hash (an int or bytes), got {block_hash!r}")
+            raise VllmEventError(f"block_hash must be a vLLM block hash (an int or bytes), got {shown(block_hash)}")
         return self._held.get(index_hash(block_hash), _NO_COPIES)[parse_tier(tier)]
 
     def decode(self, payload: bytes, *, seq: int) -> tuple[CacheEvent, ...] | SequenceGap:
@@ -318,7 +320,7 @@ class VllmEventDecoder:
             Either way the batch is not applied.
         """
         if not isinstance(batch, VllmEventBatch):
-            raise VllmEventError(f"batch must be a VllmEventBatch (decode_batch reads one), got {batch!r:.80}")
+            raise VllmEventError(f"batch must be a VllmEventBatch (decode_batch reads one), got {shown(batch)}")
         seq = require_int("seq", seq, minimum=0, error=VllmEventError)
         before_restart = None
         if seq < self._expected:
@@ -446,14 +448,14 @@ class VllmEventDecoder:
         tier = self.tiers.get(_medium_name(event.medium))
         if tier is None:
             raise VllmEventError(
-                f"{self.source}: unknown medium {event.medium!r}, known {sorted(map(str, self.tiers))}"
+                f"{self.source}: unknown medium {shown(event.medium)}, known {sorted(map(str, self.tiers))}"
             )
         if isinstance(event, VllmBlockRemoved):
             removed: list[BlockKey] = []
             for raw in event.block_hashes:
                 block_hash = index_hash(raw)
                 if block_hash not in self._keys:
-                    self._unknown(f"{self.source}: BlockRemoved names hash {raw!r}, never stored (or retired)")
+                    self._unknown(f"{self.source}: BlockRemoved names hash {shown(raw)}, never stored (or retired)")
                     continue
                 for covered in self._uncopy_chunk(block_hash, tier):
                     key = self._keys.get(covered)
@@ -526,13 +528,13 @@ class VllmEventDecoder:
         for raw in event.block_hashes:
             block_hash = index_hash(raw)
             if block_hash not in self._keys:
-                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {raw!r}, never stored")
+                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {shown(raw)}, never stored")
                 continue
             chunk = [block_hash]
             while len(chunk) < per_chunk and (parent := self._parents.get(chunk[-1])) is not None:
                 if parent not in self._keys:  # retired and pushed out since its child was stored
                     self._unknown(
-                        f"{self.source}: BlockStored (no token ids) names hash {raw!r}, whose chunk's"
+                        f"{self.source}: BlockStored (no token ids) names hash {shown(raw)}, whose chunk's"
                         f" block {parent:#x} was never stored (or retired)"
                     )
                     break
@@ -589,7 +591,7 @@ class VllmEventDecoder:
         if event.extra_keys is not None and any(not _names_adapter(extra, event) for extra in event.extra_keys):
             if self.strict:
                 raise VllmEventError(
-                    f"{self.source}: BlockStored has extra_keys {event.extra_keys!r:.80}: its keys depend on more"
+                    f"{self.source}: BlockStored has extra_keys {shown(event.extra_keys)}: its keys depend on more"
                     " than token ids"
                 )
             self.num_skipped += 1
@@ -599,7 +601,8 @@ class VllmEventDecoder:
             parent = self._keys.get(index_hash(event.parent_block_hash))
             if parent is None:
                 self._unknown(
-                    f"{self.source}: BlockStored's parent hash {event.parent_block_hash!r} was never stored (or retired)"
+                    f"{self.source}: BlockStored's parent hash {shown(event.parent_block_hash)} was never stored (or "
+                    "retired)"
                 )
                 return None
         if adapter is not None:
@@ -696,10 +699,10 @@ class VllmEventEncoder:
 
     def __init__(self, hasher: BlockHasher, *, mediums: Mapping[Tier, str] = DEFAULT_MEDIUMS) -> None:
         if not isinstance(hasher, BlockHasher):
-            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
+            raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {shown(hasher)}")
         self.hasher = hasher
         if not isinstance(mediums, Mapping) or not all(isinstance(m, str) for m in mediums.values()):
-            raise ConfigError(f"mediums must map tiers to vLLM medium strings, got {mediums!r}")
+            raise ConfigError(f"mediums must map tiers to vLLM medium strings, got {shown(mediums)}")
         self.mediums = {parse_tier(tier): medium for tier, medium in mediums.items()}
         self._blocks: dict[BlockKey, _Block] = {}
         self._partial: set[BlockKey] = set()  # partial last blocks `register` met: left out of every event
@@ -756,7 +759,7 @@ class VllmEventEncoder:
         """
         if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
             raise VllmEventError(
-                f"to_vllm takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {event!r:.80}"
+                f"to_vllm takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {shown(event)}"
             )
         if isinstance(event, AllBlocksCleared):
             return (VllmAllBlocksCleared(),)

@@ -31,7 +31,9 @@ start of a sequence). Reading (`decode_batch`) is lenient
 about versions: a trailing field an older producer lacks reads as nil and a field
 a newer one adds is ignored; values no vLLM writes are refused (an empty
 ``lora_name``, a ``lora_id`` below 1, a negative ``group_idx`` or rank).
-`encode_batch` writes exactly what msgspec writes for those structs. On the wire
+`encode_batch` writes exactly what msgspec writes for those structs, and refuses
+a record the reader would: both check each event by one rule (`_record`), with
+the same message. On the wire
 a batch is the third frame of ``[topic, seq as 8 bytes big-endian, payload]``
 (``examples/vllm_events.py`` has the subscriber and publisher);
 `mooncake.cache.vllm_events` turns the records into this library's events and
@@ -49,7 +51,7 @@ from typing import Any, Literal, cast
 
 import attrs
 
-from mooncake._checks import is_finite_number, is_int
+from mooncake._checks import is_finite_number, is_int, shown
 from mooncake._extras import needs_extra
 from mooncake.errors import ConfigError, VllmEventError
 
@@ -76,6 +78,7 @@ _LAYOUTS = ("array", "map")
 _STORED, _REMOVED, _CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 _TAG_KEY = "type"
 _INT32_MAX = 2**31 - 1
+_WIRE_LOW, _WIRE_HIGH = -(2**63), 2**64  # a msgpack integer is in [low, high)
 
 
 @attrs.frozen(kw_only=True)
@@ -157,20 +160,20 @@ def encode_batch(
     Raises:
         ConfigError: a layout other than "array" or "map"; msgpack (the kv-events extra) is not installed.
         VllmEventError: `batch` is no `VllmEventBatch`, its ts no finite number, its rank no integer >= 0 or None,
-            or an event no vLLM event record.
+            or an event no vLLM event record or one holding a value `decode_batch` refuses (the same message).
     """
     for name, layout in (("event_layout", event_layout), ("batch_layout", batch_layout)):
         if layout not in _LAYOUTS:  # anything else would silently be a map
-            raise ConfigError(f"{name} must be one of {_LAYOUTS}, got {layout!r}")
+            raise ConfigError(f"{name} must be one of {_LAYOUTS}, got {shown(layout)}")
     if not isinstance(batch, VllmEventBatch):
-        raise VllmEventError(f"batch must be a VllmEventBatch, got {batch!r:.80}")
+        raise VllmEventError(f"batch must be a VllmEventBatch, got {shown(batch)}")
     if not is_finite_number(batch.ts):
-        raise VllmEventError(f"batch ts must be a finite number, got {batch.ts!r}")
+        raise VllmEventError(f"batch ts must be a finite number, got {shown(batch.ts)}")
     rank = _optional_int("data_parallel_rank", batch.data_parallel_rank, "batch", minimum=0)
     with needs_extra("encode_batch"):  # lazy: `import mooncake.cache` stays light
         import msgpack  # type: ignore[import-untyped]
 
-    events = [_event_wire(event, event_layout) for event in batch.events]
+    events = [_event_wire(index, event, event_layout) for index, event in enumerate(batch.events)]
     body: list[Any] | dict[str, Any]
     if batch_layout == "array":
         body = [float(batch.ts), events, rank]
@@ -179,7 +182,7 @@ def encode_batch(
     return bytes(msgpack.packb(body, use_bin_type=True))
 
 
-def _event_wire(event: VllmEvent, layout: WireLayout) -> list[Any] | dict[str, Any]:
+def _event_wire(index: int, event: VllmEvent, layout: WireLayout) -> list[Any] | dict[str, Any]:
     if isinstance(event, VllmBlockStored):
         tag = _STORED
     elif isinstance(event, VllmBlockRemoved):
@@ -187,12 +190,13 @@ def _event_wire(event: VllmEvent, layout: WireLayout) -> list[Any] | dict[str, A
     elif isinstance(event, VllmAllBlocksCleared):
         tag = _CLEARED
     else:  # written as a clear, it would drop every block the consumer holds
-        raise VllmEventError(f"batch events must be vLLM event records, got {event!r:.80}")
-    values = [(name, getattr(event, name), required) for name, required in _FIELDS[tag]]
-    values = [(n, [*v] if isinstance(v, tuple) else v, r) for n, v, r in values]
+        raise VllmEventError(f"batch events must be vLLM event records, got {shown(event)}")
+    values = {name: getattr(event, name) for name, _ in _FIELDS[tag]}
+    values = {name: [*value] if isinstance(value, tuple) else value for name, value in values.items()}
+    _record(tag, values, f"event {index} ({tag})")  # the reader's rule: never write what it refuses
     if layout == "map":
-        return {_TAG_KEY: tag} | {n: v for n, v, _ in values if not (n in _DEFAULTED and v is None)}
-    return [tag, *(v for _, v, _ in values)]
+        return {_TAG_KEY: tag} | {n: v for n, v in values.items() if not (n in _DEFAULTED and v is None)}
+    return [tag, *values.values()]
 
 
 def decode_batch(payload: bytes) -> VllmEventBatch:
@@ -203,7 +207,7 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
         ConfigError: msgpack (the kv-events extra) is not installed.
     """
     if not isinstance(payload, bytes | bytearray | memoryview):
-        raise VllmEventError(f"payload must be bytes (one msgpack value), got {payload!r:.80}")
+        raise VllmEventError(f"payload must be bytes (one msgpack value), got {shown(payload)}")
     with needs_extra("decode_batch"):
         import msgpack
 
@@ -224,7 +228,7 @@ def decode_batch(payload: bytes) -> VllmEventBatch:
     else:
         raise VllmEventError(f"batch must be an array or a map, got {type(body).__name__}")
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise VllmEventError(f"batch ts must be a finite number, got {ts!r}")
+        raise VllmEventError(f"batch ts must be a finite number, got {shown(ts)}")
     if not isinstance(events, list):
         raise VllmEventError(f"batch events must be an array, got {type(events).__name__}")
     return VllmEventBatch(
@@ -240,7 +244,7 @@ def _read_event(index: int, raw: object) -> VllmEvent:
         tag = raw[0] if raw else None
         fields = _FIELDS.get(tag) if isinstance(tag, str) else None
         if fields is None:
-            raise VllmEventError(f"{where}: unknown tag {tag!r}, expected one of {sorted(_FIELDS)}")
+            raise VllmEventError(f"{where}: unknown tag {shown(tag)}, expected one of {sorted(_FIELDS)}")
         num_required = sum(required for _, required in fields)
         if len(raw) - 1 < num_required:
             raise VllmEventError(f"{where} ({tag}): needs at least {num_required} fields, got {len(raw) - 1}")
@@ -249,7 +253,7 @@ def _read_event(index: int, raw: object) -> VllmEvent:
         tag = raw.get(_TAG_KEY)
         fields = _FIELDS.get(tag) if isinstance(tag, str) else None
         if fields is None:
-            raise VllmEventError(f"{where}: unknown tag {tag!r}, expected one of {sorted(_FIELDS)}")
+            raise VllmEventError(f"{where}: unknown tag {shown(tag)}, expected one of {sorted(_FIELDS)}")
         # lora_id is positional-required but maps from other producers may leave it out.
         missing = [name for name, required in fields if required and name != "lora_id" and name not in raw]
         if missing:
@@ -257,13 +261,19 @@ def _read_event(index: int, raw: object) -> VllmEvent:
         values = {name: raw.get(name) for name, _ in fields}
     else:
         raise VllmEventError(f"{where}: must be a tagged array or map, got {type(raw).__name__}")
-    where = f"{where} ({tag})"
+    return _record(tag, values, f"{where} ({tag})")
+
+
+def _record(tag: object, values: dict[str, Any], where: str) -> VllmEvent:
+    """The record of the event `tag` with these field values (arrays as lists), or the VllmEventError naming the
+    event (`where`), the field and the value: the one rule of what the wire carries, which `decode_batch` reads
+    by and `encode_batch` writes by (so it never writes what it would refuse)."""
     if tag == _CLEARED:
         return VllmAllBlocksCleared()
     hashes = _hashes(values["block_hashes"], where)
     medium = values.get("medium")
     if medium is not None and not isinstance(medium, str):
-        raise VllmEventError(f"{where}: medium must be a string or nil, got {medium!r}")
+        raise VllmEventError(f"{where}: medium must be a string or nil, got {shown(medium)}")
     group_idx = _optional_int("group_idx", values.get("group_idx"), where, minimum=0)
     if tag == _REMOVED:
         return VllmBlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx)
@@ -272,22 +282,25 @@ def _read_event(index: int, raw: object) -> VllmEvent:
         parent = _hashes([parent], f"{where} parent_block_hash")[0]
     tokens = values["token_ids"]
     if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t <= _INT32_MAX for t in tokens):
-        raise VllmEventError(f"{where}: token_ids must be an array of token ids in [0, 2**31), got {tokens!r:.80}")
+        raise VllmEventError(f"{where}: token_ids must be an array of token ids in [0, 2**31), got {shown(tokens)}")
     block_size = values["block_size"]
     # Without tokens, 0 too: vLLM's offloading connector announces blocks by hash alone, some versions with size 0.
     if not is_int(block_size) or block_size < (1 if tokens else 0):
         raise VllmEventError(
-            f"{where}: block_size must be an integer >= 1 (>= 0 without token ids), got {block_size!r}"
+            f"{where}: block_size must be an integer >= 1 (>= 0 without token ids), got {shown(block_size)}"
         )
     lora_name, spec_kind = values.get("lora_name"), values.get("kv_cache_spec_kind")
     for name, value in (("lora_name", lora_name), ("kv_cache_spec_kind", spec_kind)):
         if value is not None and not isinstance(value, str):
-            raise VllmEventError(f"{where}: {name} must be a string or nil, got {value!r}")
+            raise VllmEventError(f"{where}: {name} must be a string or nil, got {shown(value)}")
     if lora_name == "":  # an adapter names its blocks' namespace (`BlockHasher.for_lora`): vLLM serves none unnamed
-        raise VllmEventError(f"{where}: lora_name must be a non-empty string or nil, got {lora_name!r}")
+        raise VllmEventError(f"{where}: lora_name must be a non-empty string or nil, got {shown(lora_name)}")
     extra = values.get("extra_keys")
-    if extra is not None and not (isinstance(extra, list) and all(e is None or isinstance(e, list) for e in extra)):
-        raise VllmEventError(f"{where}: extra_keys must be an array of arrays or nils, got {extra!r:.80}")
+    # A record's keys are tuples (written as arrays), the wire's lists.
+    if extra is not None and not (
+        isinstance(extra, list) and all(e is None or isinstance(e, list | tuple) for e in extra)
+    ):
+        raise VllmEventError(f"{where}: extra_keys must be an array of arrays or nils, got {shown(extra)}")
     return VllmBlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -307,7 +320,7 @@ def _read_event(index: int, raw: object) -> VllmEvent:
 
 def _hashes(raw: object, where: str) -> tuple[ExternalHash, ...]:
     if not isinstance(raw, list) or not all(is_int(h) or isinstance(h, bytes) for h in raw):
-        raise VllmEventError(f"{where}: block hashes must be integers or bytes, got {raw!r:.80}")
+        raise VllmEventError(f"{where}: block hashes must be integers or bytes, got {shown(raw)}")
     return tuple(raw)
 
 
@@ -315,13 +328,14 @@ def _optional_int(name: str, value: object, where: str, *, minimum: int | None =
     """`value`, an integer (>= `minimum`, where given) or nil, as an int or None.
 
     A bound matters: a negative group index is no group (its events would vanish unread), and vLLM numbers LoRA
-    adapters from 1 and data-parallel ranks from 0.
+    adapters from 1 and data-parallel ranks from 0. An integer msgpack cannot hold (below -2**63, from 2**64) is
+    refused too: the reader never meets one, and the writer would fail on it in msgpack.
     """
     if value is None:
         return None
-    if not is_int(value):
-        raise VllmEventError(f"{where}: {name} must be an integer or nil, got {value!r}")
+    if not is_int(value) or not _WIRE_LOW <= cast("int", value) < _WIRE_HIGH:
+        raise VllmEventError(f"{where}: {name} must be an integer in [-2**63, 2**64) or nil, got {shown(value)}")
     number = int(cast("int", value))
     if minimum is not None and number < minimum:
-        raise VllmEventError(f"{where}: {name} must be an integer >= {minimum} or nil, got {number!r}")
+        raise VllmEventError(f"{where}: {name} must be an integer >= {minimum} or nil, got {shown(number)}")
     return number

@@ -54,6 +54,7 @@ from mooncake._checks import (
     require_int,
     require_iterable,
     require_number,
+    shown,
 )
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import MAX_TOKENS, Tier, check_token_count
@@ -107,11 +108,13 @@ class ModelShape:
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.gqa:
             raise ConfigError(
-                f"ModelShape {self.name}: gqa={self.gqa} query heads per KV head must divide hidden_size={self.hidden_size}"
+                f"ModelShape {shown(self.name, quote=str)}: gqa={shown(self.gqa)} query heads per KV head must divide "
+                f"hidden_size={shown(self.hidden_size)}"
             )
         if self.lookup_params >= self.num_params:
             raise ConfigError(
-                f"ModelShape {self.name}: lookup_params={self.lookup_params} must be below num_params={self.num_params}"
+                f"ModelShape {shown(self.name, quote=str)}: lookup_params={self.lookup_params} must be below "
+                f"num_params={self.num_params}"
             )
 
     @property
@@ -285,7 +288,7 @@ def _prefill_tokens(num_tokens: Any, prefix_tokens: Any) -> tuple[int, int]:
     """
     num_tokens = 0 if is_int(num_tokens) and num_tokens == 0 else check_token_count("num_tokens", num_tokens)
     if not is_int(prefix_tokens):
-        raise InvalidRequestError(f"prefix_tokens must be an integer, got {prefix_tokens!r}")
+        raise InvalidRequestError(f"prefix_tokens must be an integer, got {shown(prefix_tokens)}")
     return num_tokens, int(prefix_tokens)
 
 
@@ -309,7 +312,7 @@ class PrefillCostModel:
         # Checked once here, not per prefill_s: anything but Tier.VRAM (a string from a config, None) would
         # silently price as a load from DRAM.
         if not isinstance(value, Tier):
-            raise ConfigError(f"PrefillCostModel.prefix_tier must be a mooncake.types.Tier, got {value!r}")
+            raise ConfigError(f"PrefillCostModel.prefix_tier must be a mooncake.types.Tier, got {shown(value)}")
 
     def __attrs_post_init__(self) -> None:
         model, hardware = self.model, self.hardware
@@ -403,7 +406,9 @@ class ChunkedPipelineCost:
     def _check_base(self, _attribute: object, value: Any) -> None:
         # Checked here: a base without one built fine and failed at the first prefill_s with an AttributeError.
         if not callable(getattr(value, "prefill_s", None)):
-            raise ConfigError(f"ChunkedPipelineCost.base must have a prefill_s method (a prefill model), got {value!r}")
+            raise ConfigError(
+                f"ChunkedPipelineCost.base must have a prefill_s method (a prefill model), got {shown(value)}"
+            )
 
     def __attrs_post_init__(self) -> None:
         layers, stages = self.num_layers, self.group_size
@@ -459,7 +464,7 @@ def require_coefficients(value: Any) -> None:
         ConfigError: anything else, naming the coefficient.
     """
     if not isinstance(value, tuple) or len(value) != 3:
-        raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {value!r}")
+        raise ConfigError(f"coefficients must be a tuple (c0, c1, c2), got {shown(value)}")
     for name, c in zip(("c0", "c1", "c2"), value, strict=True):
         require_number(f"coefficient {name}", c, minimum=-math.inf)
 
@@ -523,7 +528,8 @@ def _sample_tokens(minimum: int) -> Any:
     def check(_instance: object, attribute: Any, value: Any) -> None:
         if not is_int(value) or not minimum <= value <= MAX_TOKENS:
             raise ConfigError(
-                f"PrefillSample.{attribute.name} must be an integer in [{minimum}, MAX_TOKENS = 2**40], got {value!r}"
+                f"PrefillSample.{attribute.name} must be an integer in [{minimum}, MAX_TOKENS = 2**40], got "
+                f"{shown(value)}"
             )
 
     return check
@@ -581,9 +587,9 @@ class FittedPrefillModel:
         for name, c, term, largest in zip(("c0", "c1", "c2"), value, _TERMS, _LARGEST_FEATURES, strict=True):
             if abs(c) * largest > _TERM_LIMIT:
                 raise ConfigError(
-                    f"coefficient {name}={c!r} is too large: {term} up to MAX_TOKENS = 2**40 tokens must stay within"
-                    f" a quarter of a float's range (|{name}| <= {_TERM_LIMIT / largest:.3g}), else a prefill takes"
-                    " inf or NaN seconds"
+                    f"coefficient {name}={shown(c)} is too large: {term} up to MAX_TOKENS = 2**40 tokens must stay"
+                    f" within a quarter of a float's range (|{name}| <= {_TERM_LIMIT / largest:.3g}), else a prefill"
+                    " takes inf or NaN seconds"
                 )
 
     @classmethod
@@ -599,7 +605,7 @@ class FittedPrefillModel:
         samples = list(require_iterable("samples", samples))
         for sample in samples:
             if not isinstance(sample, PrefillSample):
-                raise ConfigError(f"samples must be PrefillSample items, got {sample!r}")
+                raise ConfigError(f"samples must be PrefillSample items, got {shown(sample)}")
         if len(samples) < 3:
             raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
         n = np.array([s.num_tokens for s in samples])
@@ -689,11 +695,11 @@ def _refuse_transfer(num_bytes: Any, in_flight_from_source: Any, seconds: float)
     that does not."""
     require_int("in_flight_from_source", in_flight_from_source, minimum=0)
     if not is_finite_number(num_bytes):
-        raise ConfigError(f"num_bytes must be a finite number, got {num_bytes!r}")
+        raise ConfigError(f"num_bytes must be a finite number, got {shown(num_bytes)}")
     if not seconds < _INF:
         raise ConfigError(
-            f"moving {num_bytes!r} bytes with {in_flight_from_source!r} other transfers in flight takes longer than"
-            " a float holds"
+            f"moving {shown(num_bytes)} bytes with {shown(in_flight_from_source)} other transfers in flight takes"
+            " longer than a float holds"
         )
     return seconds
 

@@ -96,7 +96,7 @@ def _term_problem(name: str, value: float, largest: float, feature: str, *, what
     if abs(value) * largest <= _TERM_LIMIT:
         return None
     return (
-        f"{what}{name}={value!r} is too large: {feature} must stay within a quarter of a float's range"
+        f"{what}{name}={shown(value)} is too large: {feature} must stay within a quarter of a float's range"
         f" (|{name}| <= {_TERM_LIMIT / largest:.3g}), else a step takes inf or NaN seconds"
     )
 
@@ -131,7 +131,7 @@ def _branch_tuple(branches: Iterable[StepBranch]) -> tuple[StepBranch, ...]:
 
 def _some_branches(_instance: object, _attribute: Any, value: tuple[StepBranch, ...]) -> None:
     if not value or not all(isinstance(branch, StepBranch) for branch in value):
-        raise ConfigError(f"a roofline step needs at least one StepBranch, got {value!r}")
+        raise ConfigError(f"a roofline step needs at least one StepBranch, got {shown(value)}")
 
 
 @attrs.frozen
@@ -289,8 +289,8 @@ class DecodeCostModel:
         if capacity <= 0:
             hardware, model = self.hardware, self.model
             raise ConfigError(
-                f"{field}={hardware.name!r} (num_gpus={hardware.num_gpus}, {hardware.hbm_bytes / 2**30:.4g} GiB of "
-                f"HBM each) leaves no HBM for the KV of model={model.name!r}: its weights take "
+                f"{field}={shown(hardware.name)} (num_gpus={hardware.num_gpus}, {hardware.hbm_bytes / 2**30:.4g} GiB "
+                f"of HBM each) leaves no HBM for the KV of model={shown(model.name)}: its weights take "
                 f"{model.weight_bytes / 1e9:.4g} GB of the G · HBM · kv_memory_fraction = {hardware.num_gpus} x "
                 f"{hardware.hbm_bytes / 1e9:.4g} GB x {self.kv_memory_fraction:g} = {self._kv_budget_bytes() / 1e9:.4g} "
                 f"GB that hold weights and KV, which need {model.kv_bytes_per_token} bytes more per token: give "

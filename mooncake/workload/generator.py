@@ -50,7 +50,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from mooncake._checks import int_at_least, require_int, require_number
+from mooncake._checks import int_at_least, require_int, require_number, shown
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, Request, RequestId
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
@@ -94,7 +94,7 @@ def _number_in(low: float, high: float) -> Any:
     def check(_instance: object, attribute: Any, value: Any) -> None:
         number = require_number(attribute.name, value, minimum=low)
         if number > high:
-            raise ConfigError(f"{attribute.name} must be a number in [{low:g}, {high:g}], got {value!r}")
+            raise ConfigError(f"{attribute.name} must be a number in [{low:g}, {high:g}], got {shown(value)}")
 
     return check
 
@@ -121,7 +121,7 @@ class LengthDistribution:
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+            raise ConfigError(f"min_tokens {shown(self.min_tokens)} exceeds max_tokens {shown(self.max_tokens)}")
 
     def sample(self, rng: np.random.Generator) -> int:
         """One token count drawn from `rng`."""
@@ -212,23 +212,23 @@ class WorkloadSpec:
         # Summed as the floats they are drawn with: integers each within a float's range may sum past it.
         if not 0 < sum(float(weight) for weight in weights) < math.inf:
             raise ConfigError(
-                f"session weights (chat, document, agent) must have a positive, finite sum, got {weights}"
+                f"session weights (chat, document, agent) must have a positive, finite sum, got {shown(weights)}"
             )
         if not isinstance(self.name, str):
-            raise ConfigError(f"name must be a string, got {self.name!r}")
+            raise ConfigError(f"name must be a string, got {shown(self.name)}")
         for field in attrs.fields(WorkloadSpec):
             if field.type in ("LengthDistribution", LengthDistribution):
                 value = getattr(self, field.name)
                 if not isinstance(value, LengthDistribution):
-                    raise ConfigError(f"{field.name} must be a LengthDistribution, got {value!r}")
+                    raise ConfigError(f"{field.name} must be a LengthDistribution, got {shown(value)}")
         if self.output_tokens.max_tokens > MAX_LINE_TOKENS:
             # Refused, not clipped: a clip would move the distribution's mean from what the spec says.
             raise ConfigError(
                 f"output_tokens.max_tokens must be at most {MAX_LINE_TOKENS} (2**24, what a trace line holds), "
-                f"got {self.output_tokens.max_tokens}"
+                f"got {shown(self.output_tokens.max_tokens)}"
             )
         if self.continue_probability is not None and self.continue_probability >= 1:
-            raise ConfigError(f"continue_probability must be < 1, got {self.continue_probability!r}")
+            raise ConfigError(f"continue_probability must be < 1, got {shown(self.continue_probability)}")
 
     @property
     def mean_session_turns(self) -> float:
@@ -309,7 +309,7 @@ def preset(name: str) -> WorkloadSpec:
     try:
         return PRESETS[name]
     except (KeyError, TypeError):  # TypeError: an unhashable name, such as a list
-        raise ConfigError(f"unknown workload preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise ConfigError(f"unknown workload preset {shown(name)}; choose one of {sorted(PRESETS)}") from None
 
 
 Segment = tuple[int, int]  # (segment id, tokens)
@@ -397,9 +397,9 @@ class _Generator:
             ("document", spec.num_documents, spec.document_tokens),
             ("preamble", spec.num_agent_preambles, spec.agent_preamble_tokens),
         ):
-            # Floats, whatever the spec was given: an int64 power wraps (9 members ** 30 goes negative). A skew
-            # past a float overflows n ** skew to infinity for all but the first member, whose weight 1 then takes
-            # every draw: the Zipf law's limit, not an error.
+            # Floats, whatever the spec was given: an int64 power wraps (9 members ** 30 goes negative). A finite
+            # skew large enough (the spec refuses any other) overflows n ** skew to infinity for all but the first
+            # member, whose weight 1 then takes every draw: the Zipf law's limit, not an error.
             with np.errstate(over="ignore"):
                 weights = 1.0 / np.arange(1, size + 1, dtype=np.float64) ** float(spec.popularity_skew)
             weights /= weights.sum()
@@ -489,9 +489,9 @@ def generate_requests(
             past what a replay can time (`arrival_problem`).
     """
     if not isinstance(spec, WorkloadSpec):
-        raise ConfigError(f"spec must be a WorkloadSpec (see workload.preset), got {spec!r}")
+        raise ConfigError(f"spec must be a WorkloadSpec (see workload.preset), got {shown(spec)}")
     if not isinstance(arrivals, ArrivalProcess):
-        raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
+        raise ConfigError(f"arrivals must be an ArrivalProcess, got {shown(arrivals)}")
     num_requests = require_int("num_requests", num_requests, minimum=0)
     seed = require_int("seed", seed, minimum=0)
     # The arrivals come first from the one generator, the rest of the workload from where they leave it. Drawn
@@ -594,7 +594,7 @@ def fixed_length_requests(
     if cache_ratio >= 1:
         raise ConfigError(f"cache_ratio must be in [0, 1), got {cache_ratio}")
     if not isinstance(arrivals, ArrivalProcess):
-        raise ConfigError(f"arrivals must be an ArrivalProcess, got {arrivals!r}")
+        raise ConfigError(f"arrivals must be an ArrivalProcess, got {shown(arrivals)}")
     rng = np.random.default_rng(seed)
     times = arrivals.times_s(rng, num_requests)
     _check_arrivals(times, 0, num_requests, arrivals)
