@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int, shown
-from mooncake.errors import InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = [
     "BLOCK_KEY_LIMIT",
@@ -34,6 +34,7 @@ __all__ = [
     "check_request_id",
     "check_token_count",
     "key_tuple",
+    "require_slo",
 ]
 
 _INT32 = np.iinfo(np.int32)
@@ -276,3 +277,16 @@ class Slo:
 
     ttft_s: float = attrs.field(default=30.0, validator=_positive_seconds)
     tbt_s: float = attrs.field(default=0.1, validator=_positive_seconds)
+
+
+def require_slo(slo: object) -> Slo:
+    """`slo`, checked at the door of whatever takes objectives (the Conductor, admission's wait, a replay's clusters
+    and context, `summarize`): the one check, worded alike everywhere.
+
+    Raises:
+        ConfigError: an `slo` that is no `Slo` (a misplaced argument, an SLO given as 30, would otherwise fail at
+            the first request or after a whole replay, as a bare AttributeError).
+    """
+    if not isinstance(slo, Slo):
+        raise ConfigError(f"slo must be a mooncake.types.Slo, got {shown(slo)}")
+    return slo

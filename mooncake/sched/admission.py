@@ -43,11 +43,11 @@ from typing import Literal, Protocol
 import attrs
 
 from mooncake._checks import require_number
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.outcome import Reason
 from mooncake.sched.router import RouteDecision
-from mooncake.types import Slo
+from mooncake.types import Slo, require_slo
 
 __all__ = [
     "AdmissionDecision",
@@ -161,8 +161,7 @@ def room_wait_deadline(
     """
     if not isinstance(reason, Reason):
         raise InvalidRequestError(f"reason must be a mooncake.sched.Reason, got {reason!r}")
-    if not isinstance(slo, Slo):
-        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+    require_slo(slo)
     if estimated_ttft_s is not None:
         require_number("estimated_ttft_s", estimated_ttft_s, minimum=0.0, error=InvalidRequestError)
     require_number("arrival_s", arrival_s, minimum=-math.inf, error=InvalidRequestError)

@@ -86,7 +86,7 @@ from mooncake.sched.view import (
     RequestRejected,
     SchedulerEvent,
 )
-from mooncake.types import InstanceId, Request, RequestId, Slo
+from mooncake.types import InstanceId, Request, RequestId, Slo, require_slo
 
 __all__ = ["Conductor", "ScheduleDecision"]
 
@@ -177,8 +177,7 @@ class Conductor:
     ) -> None:
         # What each part must be able to do, checked here: a misplaced argument (an SLO given as 30, a policy
         # given by its name) would otherwise fail at the first request, as an AttributeError.
-        if not isinstance(slo, Slo):
-            raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
+        require_slo(slo)
         for name, part, methods in (
             ("router", router, ("route", "observe")),
             ("step_model", step_model, ("step_s", "roofline")),  # decode selection reads its roofline

@@ -70,10 +70,10 @@ from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_joi
 from mooncake.sched.outcome import Outcome
 from mooncake.sched.step import DecodeCostModel
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import ReplayResult, RequestRecord, require_slo
+from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier, require_slo
 from mooncake.workload.trace import TRACE_BLOCK_SIZE_TOKENS
 
 __all__ = ["CoupledCluster", "CoupledSpec"]

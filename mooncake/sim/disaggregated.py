@@ -74,11 +74,11 @@ from mooncake.sched.view import (
 )
 from mooncake.sched.waiting import AdmissionQueue
 from mooncake.sim.batch import Member
-from mooncake.sim.metrics import ReplayResult, RequestRecord, require_slo
+from mooncake.sim.metrics import ReplayResult, RequestRecord
 from mooncake.sim.node import DecodeNode, metadata_cache, shared_prefix_blocks
 from mooncake.sim.replayer import Progress, ReplayContext
 from mooncake.sim.spec import ClusterSpec, build_conductor
-from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier
+from mooncake.types import BlockKey, InstanceId, Request, RequestId, Slo, Tier, require_slo
 
 __all__ = ["DisaggregatedCluster", "replay"]
 

@@ -28,10 +28,10 @@ import attrs
 import numpy as np
 
 from mooncake._checks import is_int, require_iterable, shown
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import takes_slot
 from mooncake.sched.outcome import Outcome, Reason
-from mooncake.types import InstanceId, RequestId, Slo
+from mooncake.types import InstanceId, RequestId, Slo, require_slo
 
 __all__ = [
     "IntervalRuns",
@@ -42,7 +42,6 @@ __all__ = [
     "RequestRecord",
     "Summary",
     "has_tbt",
-    "require_slo",
     "summarize",
     "top_mean",
     "top_mean_of",
@@ -175,18 +174,6 @@ def has_tbt(record: RequestRecord) -> bool:
 def _has_tbt(completed: Any, output_tokens: Any) -> Any:
     # Elementwise on columns too (`summarize`): `&` and takes_slot's `>` work on bools and on arrays alike.
     return completed & takes_slot(output_tokens)
-
-
-def require_slo(slo: object) -> Slo:
-    """`slo`, checked at the door: a replay's clusters, its context and `summarize` take it here.
-
-    Raises:
-        ConfigError: an `slo` that is no `Slo` (else only the summary, after the whole replay, finds it out, as a
-            bare AttributeError).
-    """
-    if not isinstance(slo, Slo):
-        raise ConfigError(f"slo must be a mooncake.types.Slo, got {slo!r}")
-    return slo
 
 
 _OUTCOMES: tuple[Outcome | None, ...] = (None, *Outcome)

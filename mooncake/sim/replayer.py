@@ -29,11 +29,10 @@ from mooncake.sim.metrics import (
     RecordTable,
     ReplayResult,
     RequestRecord,
-    require_slo,
     summarize,
     top_mean,
 )
-from mooncake.types import Request, Slo
+from mooncake.types import Request, Slo, require_slo
 from mooncake.workload.trace_record import arrival_problem
 
 __all__ = ["Progress", "ReplayContext"]

@@ -24,10 +24,10 @@ from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim import coupled, disaggregated
 from mooncake.sim.coupled import CoupledCluster
 from mooncake.sim.disaggregated import replay
-from mooncake.sim.metrics import RecordTable, RequestRecord, has_tbt, require_slo, summarize
+from mooncake.sim.metrics import RecordTable, RequestRecord, has_tbt, summarize
 from mooncake.sim.replayer import ReplayContext
 from mooncake.sim.report import write_records_csv
-from mooncake.types import RequestId, Slo
+from mooncake.types import RequestId, Slo, require_slo
 from tests.sim.test_coupled import make_request as coupled_request
 from tests.sim.test_coupled import make_spec as coupled_spec
 from tests.sim.test_disaggregated import make_request, make_spec, num_blocks
