@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from mooncake._checks import require_int, require_iterable
+from mooncake._checks import require_int, require_iterable, shown
 from mooncake.cache._placement import is_policy
 from mooncake.cache.events import BlockRemoved, BlockStored
 from mooncake.cache.index import BlockIndex
@@ -49,7 +49,7 @@ def _require_policy(name: str, policy: object) -> None:
     """ConfigError naming `name` unless `policy` is an eviction policy a replay can run (checked before it starts,
     not met as an AttributeError or a TypeError of `len` halfway through it)."""
     if not is_policy(policy, _REPLAY_METHODS):
-        raise ConfigError(f"{name} must be an EvictionPolicy (an instance, LruPolicy() say), got {policy!r:.80}")
+        raise ConfigError(f"{name} must be an EvictionPolicy (an instance, LruPolicy() say), got {shown(policy)}")
 
 
 @attrs.frozen(kw_only=True)

@@ -313,14 +313,7 @@ class _HeapPolicy(_PolicyBase):
             if not self._ranked_by_tick and (type(position) is not int or position < 0):
                 # Ranked by it: None would read as a re-access.
                 position = require_int("position", position, minimum=0, error=InvalidRequestError)
-            if self.prefix_aware and parent is not None and parent != key:  # _link, inlined
-                children = self._children
-                try:
-                    num_children = children.get(parent, 0)
-                except TypeError:
-                    raise _unhashable(parent) from None
-                children[parent] = num_children + 1
-                self._parent[key] = parent
+            self._link(key, parent)
         tick = self._tick = self._tick + 1
         if is_cached:
             priority = current[key] = tick if self._ranked_by_tick else self._rank(key, None)
