@@ -139,6 +139,9 @@ than vLLM's replay buffer holds (`buffer_steps`, 10,000 by default)."""
 REPORT_MODES = ("incremental", "full")
 """vLLM's `kv_cache_report_mode`s a decoder reads (see `VllmEventDecoder`'s `report_mode`)."""
 
+# A hash a message names in full: a 32-byte one's repr is up to 131 characters (`shown` cuts at 60 by default).
+_HASH_SHOWN = 140
+
 _LOW_64 = (1 << 64) - 1
 _NO_COPIES: tuple[int, ...] = (0,) * len(Tier)
 _MISSING: Any = object()  # what the undo log records for an entry a table did not have
@@ -455,7 +458,9 @@ class VllmEventDecoder:
             for raw in event.block_hashes:
                 block_hash = index_hash(raw)
                 if block_hash not in self._keys:
-                    self._unknown(f"{self.source}: BlockRemoved names hash {shown(raw)}, never stored (or retired)")
+                    self._unknown(
+                        f"{self.source}: BlockRemoved names hash {shown(raw, limit=_HASH_SHOWN)}, never stored (or retired)"
+                    )
                     continue
                 for covered in self._uncopy_chunk(block_hash, tier):
                     key = self._keys.get(covered)
@@ -528,13 +533,15 @@ class VllmEventDecoder:
         for raw in event.block_hashes:
             block_hash = index_hash(raw)
             if block_hash not in self._keys:
-                self._unknown(f"{self.source}: BlockStored (no token ids) names hash {shown(raw)}, never stored")
+                self._unknown(
+                    f"{self.source}: BlockStored (no token ids) names hash {shown(raw, limit=_HASH_SHOWN)}, never stored"
+                )
                 continue
             chunk = [block_hash]
             while len(chunk) < per_chunk and (parent := self._parents.get(chunk[-1])) is not None:
                 if parent not in self._keys:  # retired and pushed out since its child was stored
                     self._unknown(
-                        f"{self.source}: BlockStored (no token ids) names hash {shown(raw)}, whose chunk's"
+                        f"{self.source}: BlockStored (no token ids) names hash {shown(raw, limit=_HASH_SHOWN)}, whose chunk's"
                         f" block {parent:#x} was never stored (or retired)"
                     )
                     break
@@ -601,7 +608,7 @@ class VllmEventDecoder:
             parent = self._keys.get(index_hash(event.parent_block_hash))
             if parent is None:
                 self._unknown(
-                    f"{self.source}: BlockStored's parent hash {shown(event.parent_block_hash)} was never stored (or "
+                    f"{self.source}: BlockStored's parent hash {shown(event.parent_block_hash, limit=_HASH_SHOWN)} was never stored (or "
                     "retired)"
                 )
                 return None

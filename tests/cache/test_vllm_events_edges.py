@@ -11,6 +11,7 @@ hashes, restarted the decoder or kept its skips; LoRA blocks as vLLM publishes t
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -465,3 +466,11 @@ def test_a_refused_batch_skips_nothing() -> None:
     with pytest.raises(VllmEventError):
         d.decode(payload([removed_wire([5]), stored_wire([9], None, [1, 2, 3, 4], medium="TAPE")]), seq=0)
     assert d.num_skipped == 0
+
+
+def test_an_unknown_hash_is_named_in_full() -> None:
+    """A strict decoder's refusal names the 32-byte hash it never saw whole (a message cut at `shown`'s default 60
+    characters would lose most of it, and with it what to look for in vLLM's log)."""
+    unknown = bytes(range(200, 232))
+    with pytest.raises(UnknownBlockError, match=re.escape(repr(unknown))):
+        VllmEventDecoder(HASHER, SOURCE).decode(payload([removed_wire([unknown])]), seq=0)
