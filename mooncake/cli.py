@@ -198,7 +198,7 @@ def comma_separated(kind: Callable[[str], T], *, noun: str = "") -> Callable[[st
         seen: set[T] = set()
         for value in values:
             if value in seen:
-                named = f"{noun} {value!r}" if noun else repr(value)
+                named = f"{noun} {shown(value)}" if noun else repr(value)
                 raise argparse.ArgumentTypeError(f"{named} is given twice in {shown(text)}")
             seen.add(value)
         return values

@@ -14,11 +14,15 @@ from typing import Any
 import attrs
 import pytest
 
+from mooncake.cache.events import BlockStored
 from mooncake.cache.hashing import BlockHasher, reusable_prefix_tokens
+from mooncake.cache.index import BlockIndex
+from mooncake.cache.pool import DramPagePool
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
 from mooncake.cache.vllm_wire import VllmEventBatch, decode_batch, encode_batch
-from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, VllmEventError
+from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownInstanceError, VllmEventError
 from mooncake.sched import HARDWARE, MODELS
+from mooncake.sched.build import build_conductor
 from mooncake.sched.cost import (
     FittedPrefillModel,
     PrefillCostModel,
@@ -27,7 +31,9 @@ from mooncake.sched.cost import (
     prefill_flops,
     require_coefficients,
 )
+from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sched.step import DecodeCostModel, StepBranch
+from mooncake.sim.spec import ClusterSpec
 from mooncake.types import Request, RequestId, check_block_key, check_token_count, key_tuple
 from mooncake.workload.generator import (
     ArrivalProcess,
@@ -52,6 +58,20 @@ HASHER = BlockHasher(model="m", block_size_tokens=16)
 def request(**fields: Any) -> Request:
     given = {"request_id": RequestId("r"), "arrival_s": 0.0, "input_length": 1, "output_length": 1, "block_keys": ()}
     return Request(**(given | fields))
+
+
+def conductor(**options: Any) -> Any:
+    given = {"model": MODEL, "hardware": GPU, "prefill_instances": ["p"], "decode_instances": ["d"]}
+    return build_conductor(**(given | {"block_size_tokens": 16} | options))
+
+
+def cluster(**fields: Any) -> ClusterSpec:
+    return ClusterSpec(
+        **(
+            {"num_prefill": 1, "num_decode": 1, "model": MODEL, "prefill_hardware": GPU, "decode_hardware": GPU}
+            | fields
+        )
+    )
 
 
 def first(requests: Any) -> Any:
@@ -193,6 +213,19 @@ ENTRIES: list[tuple[str, Callable[[Any], object], type[MooncakeError], tuple[Any
     ),
     ("VllmEventEncoder hasher", VllmEventEncoder, ConfigError, ALL),
     ("VllmEventEncoder mediums", lambda v: VllmEventEncoder(HASHER, mediums=v), ConfigError, ALL),
+    ("BlockIndex.match", lambda v: BlockIndex().match([v]), InvalidRequestError, (NEGATIVE, TEXT)),
+    ("BlockIndex.remove_instance", lambda v: BlockIndex().remove_instance(v), InvalidRequestError, (HUGE, NEGATIVE)),
+    ("BlockStored.tier", lambda v: BlockStored(source="a", tier=v, keys=(1,), seq=0), ConfigError, ALL),
+    ("DramPagePool.free", lambda v: DramPagePool(page_bytes=8, num_pages=2).free(v), InvalidRequestError, ALL),
+    ("build_conductor hardware", lambda v: conductor(hardware=v), ConfigError, ALL),
+    ("Conductor.remove_instance", lambda v: conductor().remove_instance(v, 0.0), UnknownInstanceError, ALL),
+    (
+        "check_join limits",
+        lambda v: check_join(v, DecodeLoad(0, 0), prompt_tokens=1, output_tokens=1),
+        ConfigError,
+        ALL,
+    ),
+    ("ClusterSpec.num_prefill", lambda v: cluster(num_prefill=v), ConfigError, (NEGATIVE, TEXT)),
 ]
 
 

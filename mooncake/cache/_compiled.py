@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from mooncake._checks import shown
 from mooncake._extras import missing_extra
 
 __all__ = ["compiled_path", "is_compiled", "jit", "kernels", "numba_available", "plain_kernels", "use_compiled"]
@@ -67,7 +68,7 @@ def use_compiled(enabled: bool | None) -> bool | None:
         ConfigError: `enabled` is True but numba does not import.
     """
     if enabled and not numba_available():
-        raise missing_extra(f"use_compiled({enabled!r})", "numba")
+        raise missing_extra(f"use_compiled({shown(enabled)})", "numba")
     previous = _forced[0]
     _forced[0] = enabled
     return previous

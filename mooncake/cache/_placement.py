@@ -72,7 +72,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import xxhash
 
-from mooncake._checks import require_iterable
+from mooncake._checks import require_iterable, shown
 from mooncake.cache.events import parse_tier
 from mooncake.cache.policy import EvictionPolicy
 from mooncake.cache.pool import PageBytes, PagePool
@@ -157,9 +157,11 @@ class BlockPlacement:
             raise ConfigError("pools must name at least one tier")
         for pool in pools:  # else an AttributeError from the first use of whatever it is
             if not all(hasattr(pool, name) for name in _POOL_ATTRIBUTES):
-                raise ConfigError(f"pools must be page pools (DramPagePool, SsdPagePool, ...), got {pool!r}")
+                raise ConfigError(f"pools must be page pools (DramPagePool, SsdPagePool, ...), got {shown(pool)}")
         if not callable(policy):
-            raise ConfigError(f"policy must make an eviction policy (LruPolicy, a function of none), got {policy!r}")
+            raise ConfigError(
+                f"policy must make an eviction policy (LruPolicy, a function of none), got {shown(policy)}"
+            )
         sizes = {pool.page_bytes for pool in pools}
         if len(sizes) != 1:
             raise ConfigError(f"every tier must use one page size, got {sorted(sizes)}")
@@ -175,13 +177,13 @@ class BlockPlacement:
                 f"every tier must hold bytes, or none: {holding} hold bytes, {metadata} are metadata-only"
             )
         if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 0:
-            raise ConfigError(f"promote_after must be an integer >= 0, got {promote_after!r}")
+            raise ConfigError(f"promote_after must be an integer >= 0, got {shown(promote_after)}")
         self.pools = tuple(pools)
         self.page_bytes = pools[0].page_bytes
         self.promote_after = promote_after
         self._policies = [policy() for _ in pools]
         if not is_policy(self._policies[0], _POLICY_METHODS):
-            raise ConfigError(f"policy must make an eviction policy, but it made {self._policies[0]!r}")
+            raise ConfigError(f"policy must make an eviction policy, but it made {shown(self._policies[0])}")
         self._entries: dict[BlockKey, Entry] = {}
         self._last = len(pools) - 1
         # Cross-tier prefix protection (module docstring): the last tier's policy holds each of its blocks once

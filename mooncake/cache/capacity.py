@@ -170,7 +170,7 @@ def hit_ratio_curve(
         for capacity in require_iterable("capacities_blocks", capacities_blocks)
     ]
     if not callable(make_policy):
-        raise ConfigError(f"make_policy must be a callable returning a fresh policy, got {make_policy!r}")
+        raise ConfigError(f"make_policy must be a callable returning a fresh policy, got {shown(make_policy)}")
     points = []
     for capacity in capacities:
         policy = make_policy()

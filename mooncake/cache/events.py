@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least, require_str
+from mooncake._checks import int_at_least, require_str, shown
 from mooncake.errors import ConfigError
 from mooncake.types import BlockKey, InstanceId, Tier, key_tuple
 
@@ -41,7 +41,7 @@ def parse_tier(value: Any) -> Tier:
             raise ValueError(value)
         return Tier[value] if isinstance(value, str) else Tier(value)
     except (KeyError, ValueError, TypeError):
-        raise ConfigError(f"tier must be one of {', '.join(t.name for t in Tier)}, got {value!r}") from None
+        raise ConfigError(f"tier must be one of {', '.join(t.name for t in Tier)}, got {shown(value)}") from None
 
 
 @attrs.frozen(kw_only=True)

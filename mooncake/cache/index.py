@@ -52,7 +52,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import require_int, require_str
+from mooncake._checks import require_int, require_str, shown
 from mooncake.cache._key_table import SLOTS_PER_WORD, KeyTable
 from mooncake.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, SequenceGap, parse_tier
 from mooncake.errors import ConfigError, InvalidRequestError, SequenceGapError
@@ -124,7 +124,7 @@ class _SourceState:
 def _fold(key: object) -> int:
     """A key as stored: itself below 2**64, else its XXH3-64."""
     if isinstance(key, bool) or not isinstance(key, SupportsIndex) or operator.index(key) < 0:
-        raise InvalidRequestError(f"block keys must be non-negative integers, got {key!r}")
+        raise InvalidRequestError(f"block keys must be non-negative integers, got {shown(key)}")
     value = operator.index(key)
     if value < _U64:
         return value
@@ -159,7 +159,9 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
     try:
         values = keys if integers and isinstance(keys, tuple) else list(keys)
     except TypeError:  # None, a number: no keys at all
-        raise InvalidRequestError(f"block keys must be a sequence of non-negative integers, got {keys!r}") from None
+        raise InvalidRequestError(
+            f"block keys must be a sequence of non-negative integers, got {shown(keys)}"
+        ) from None
     try:
         array = np.array(values, dtype=np.uint64)
     except (OverflowError, TypeError, ValueError):  # wider than 64 bits, negative, or not integers
@@ -171,11 +173,11 @@ def key_array(keys: Iterable[BlockKey], *, integers: bool = False) -> npt.NDArra
         kinds = set(map(type, values))
         if not kinds <= {int} and not all(kind is not bool and issubclass(kind, numbers.Integral) for kind in kinds):
             bad = next(k for k in values if isinstance(k, bool) or not isinstance(k, numbers.Integral))
-            raise InvalidRequestError(f"block keys must be non-negative integers, got {bad!r}")
+            raise InvalidRequestError(f"block keys must be non-negative integers, got {shown(bad)}")
         # numpy 1.x wraps a negative int to 2**64 - n (numpy 2 raises, and the fold refuses it): -1 would then
         # match a real key. `integers` callers' keys were checked non-negative already.
         if values and (least := min(values)) < 0:
-            raise InvalidRequestError(f"block keys must be non-negative integers, got {least!r}")
+            raise InvalidRequestError(f"block keys must be non-negative integers, got {shown(least)}")
     return array
 
 
@@ -227,7 +229,7 @@ class BlockIndex:
             InvalidRequestError: `instance_id` is not a string.
         """
         if not isinstance(instance_id, str):  # an unhashable one would be a bare TypeError
-            raise InvalidRequestError(f"instance_id must be an instance id string, got {instance_id!r}")
+            raise InvalidRequestError(f"instance_id must be an instance id string, got {shown(instance_id)}")
         state = self._sources.get(instance_id)
         return 0 if state is None else int(self._table.counts[state.slot])
 
@@ -327,7 +329,7 @@ class BlockIndex:
         """
         if not isinstance(event, _EVENT_TYPES):
             raise InvalidRequestError(
-                f"apply takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {event!r}"
+                f"apply takes a cache event (BlockStored, BlockRemoved, AllBlocksCleared), got {shown(event)}"
             )
         source = event.source
         # Keys are converted (and validated) before any state changes.
@@ -372,7 +374,7 @@ class BlockIndex:
         require_int("epoch", epoch, minimum=0)
         require_int("seq", seq, minimum=-1)  # NaN or a float would let any next event in without a gap check
         if not isinstance(holdings, Mapping):
-            raise ConfigError(f"holdings must map tiers to the keys held there, got {holdings!r}")
+            raise ConfigError(f"holdings must map tiers to the keys held there, got {shown(holdings)}")
         arrays = [(parse_tier(tier), key_array(keys)) for tier, keys in holdings.items()]
         state = self._reset_source(source, epoch=epoch, seq=seq)
         for tier, keys in arrays:
@@ -385,7 +387,7 @@ class BlockIndex:
             InvalidRequestError: `instance_id` is not a string.
         """
         if not isinstance(instance_id, str):  # an unhashable one would be a bare TypeError
-            raise InvalidRequestError(f"instance_id must be an instance id string, got {instance_id!r}")
+            raise InvalidRequestError(f"instance_id must be an instance id string, got {shown(instance_id)}")
         state = self._sources.pop(instance_id, None)
         if state is not None:
             self._table.clear_slot(state.slot)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
-from mooncake._checks import is_int, require_int
+from mooncake._checks import is_int, require_int, shown
 from mooncake._extras import needs_extra
 from mooncake.cache.events import parse_tier
 from mooncake.errors import CapacityError, ConfigError, InvalidRequestError
@@ -64,7 +64,7 @@ def check_geometry(page_bytes: int, num_pages: int) -> None:
     """Raise ConfigError unless both are positive integers."""
     for name, value in (("page_bytes", page_bytes), ("num_pages", num_pages)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name} must be a positive integer, got {shown(value)}")
 
 
 class PagePool(Protocol):
@@ -169,7 +169,7 @@ class PageAllocator:
     def _check_page(self, page: Any) -> int:
         """`page` as an int (`is_page`), or InvalidRequestError naming it."""
         if not self.is_page(page):
-            raise InvalidRequestError(f"page must be an integer in [0, {self.num_pages}), got {page!r}")
+            raise InvalidRequestError(f"page must be an integer in [0, {self.num_pages}), got {shown(page)}")
         return int(page)
 
 
@@ -251,7 +251,7 @@ class AllocatingPool:
         pool call checks its page here first, before anything changes."""
         if not self.allocator.is_allocated(page):
             what = "is not allocated" if is_int(page) else "is no page number (an integer; a bool is none)"
-            raise InvalidRequestError(f"{self.tier.name} page {page!r} {what}")
+            raise InvalidRequestError(f"{self.tier.name} page {shown(page)} {what}")
         return int(page)
 
     def _check_length(self, length: int) -> int:
@@ -259,7 +259,7 @@ class AllocatingPool:
         str would otherwise fail deep in a slice or a buffer allocation, and a count past the page would
         read the next page's bytes)."""
         if not is_int(length) or not 0 <= length <= self.page_bytes:
-            raise InvalidRequestError(f"length must be an integer in [0, {self.page_bytes}], got {length!r}")
+            raise InvalidRequestError(f"length must be an integer in [0, {self.page_bytes}], got {shown(length)}")
         return int(length)
 
     def _span(self, page: int, length: int) -> slice:

@@ -66,7 +66,7 @@ import attrs
 import numpy as np
 import xxhash
 
-from mooncake._checks import require_bool, require_str
+from mooncake._checks import require_bool, require_str, shown
 from mooncake.cache.pool import (
     ALIGNMENT_BYTES,
     AllocatingPool,
@@ -161,13 +161,13 @@ class SsdPagePool(AllocatingPool):
     ) -> None:
         super().__init__(tier, page_bytes, num_pages)
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 0:
-            raise ConfigError(f"fsync_every must be an integer >= 0, got {fsync_every!r}")
+            raise ConfigError(f"fsync_every must be an integer >= 0, got {shown(fsync_every)}")
         require_bool("o_direct", o_direct)
         require_str("label", label, empty=True)
         try:
             encoded = label.encode()
         except UnicodeEncodeError as error:  # a lone surrogate
-            raise ConfigError(f"label must be encodable as UTF-8, got {label!r}") from error
+            raise ConfigError(f"label must be encodable as UTF-8, got {shown(label)}") from error
         if len(encoded) > MAX_LABEL_BYTES:
             raise ConfigError(f"label must take at most {MAX_LABEL_BYTES} bytes of UTF-8, got {len(encoded)}")
         self.label = label
@@ -432,7 +432,7 @@ class SsdPagePool(AllocatingPool):
 
     def _pack_header(self, length: int, digest: int, generation: int, key: int) -> bytes:
         if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << (8 * _KEY_BYTES):
-            raise InvalidRequestError(f"an SSD page key must be an integer in [0, 2**256), got {key!r}")
+            raise InvalidRequestError(f"an SSD page key must be an integer in [0, 2**256), got {shown(key)}")
         fields = _HEADER.pack(_HEADER_MAGIC, 1, length, digest, generation, key.to_bytes(_KEY_BYTES, "little"))
         return (fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))).ljust(HEADER_BYTES, b"\0")
 
@@ -551,7 +551,7 @@ class SsdPagePool(AllocatingPool):
         if file_label != self.label:
             before = " (format version 1, from before labels)" if version == 1 else ""
             raise ConfigError(
-                f"{self.path} holds pages labelled {file_label!r}{before}, but this pool is labelled {self.label!r}: "
+                f"{self.path} holds pages labelled {shown(file_label)}{before}, but this pool is labelled {shown(self.label)}: "
                 "their bytes mean something else (another hasher namespace, KV dtype or layout); give this pool "
                 "another file, or remove that one"
             )

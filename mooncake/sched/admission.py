@@ -42,7 +42,7 @@ from typing import Literal, Protocol
 
 import attrs
 
-from mooncake._checks import require_number
+from mooncake._checks import require_number, shown
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.decode import DecodeChoice
 from mooncake.sched.outcome import Reason
@@ -160,7 +160,7 @@ def room_wait_deadline(
         ConfigError: an `slo` that is no `Slo`, or a `max_wait_s` that is not a finite number >= 0 (a bool is none).
     """
     if not isinstance(reason, Reason):
-        raise InvalidRequestError(f"reason must be a mooncake.sched.Reason, got {reason!r}")
+        raise InvalidRequestError(f"reason must be a mooncake.sched.Reason, got {shown(reason)}")
     require_slo(slo)
     if estimated_ttft_s is not None:
         require_number("estimated_ttft_s", estimated_ttft_s, minimum=0.0, error=InvalidRequestError)

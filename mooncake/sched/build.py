@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 
+from mooncake._checks import shown
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, EarlyRejection
@@ -82,7 +83,7 @@ def _check_factory(router: object) -> None:
     """A router factory is called with the TTFT estimator alone: say so before calling it, instead of the
     TypeError a class with another constructor (or a router instance given for its class) would raise."""
     if not callable(router):
-        raise ConfigError(f"router must be a router class or factory taking the TTFT estimator, got {router!r}")
+        raise ConfigError(f"router must be a router class or factory taking the TTFT estimator, got {shown(router)}")
     try:
         signature = inspect.signature(router)
     except (TypeError, ValueError):  # a builtin without a signature: let the call tell
@@ -145,21 +146,23 @@ def build_conductor(
         ("decode_hardware", decode_hardware if decode_hardware is not None else hardware, Hardware, "HARDWARE"),
     ):
         if not isinstance(value, kind):  # a preset's name, most likely: say where the object is
-            raise ConfigError(f"{name} must be a {kind.__name__} (e.g. mooncake.sched.{table}[name]), got {value!r}")
+            raise ConfigError(
+                f"{name} must be a {kind.__name__} (e.g. mooncake.sched.{table}[name]), got {shown(value)}"
+            )
     if (hasher is None) == (block_size_tokens is None):
         raise ConfigError(
-            f"give the block geometry once: a hasher or block_size_tokens, got hasher={hasher!r}, "
-            f"block_size_tokens={block_size_tokens!r}"
+            f"give the block geometry once: a hasher or block_size_tokens, got hasher={shown(hasher)}, "
+            f"block_size_tokens={shown(block_size_tokens)}"
         )
     if hasher is not None and not isinstance(hasher, BlockHasher):
-        raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {hasher!r}")
+        raise ConfigError(f"hasher must be a mooncake.cache.hashing.BlockHasher, got {shown(hasher)}")
     block = hasher.block_size_tokens if hasher is not None else block_size_tokens
     assert block is not None
     for name, instances in (("prefill_instances", prefill_instances), ("decode_instances", decode_instances)):
         if isinstance(instances, str):  # iterating it would add one instance per character
-            raise ConfigError(f"{name} must be a collection of instance ids, got the string {instances!r}")
+            raise ConfigError(f"{name} must be a collection of instance ids, got the string {shown(instances)}")
         if not isinstance(instances, Iterable):
-            raise ConfigError(f"{name} must be a collection of instance ids, got {instances!r}")
+            raise ConfigError(f"{name} must be a collection of instance ids, got {shown(instances)}")
     _check_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)

@@ -52,7 +52,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_bool, require_int, require_number, require_str
+from mooncake._checks import require_bool, require_int, require_number, require_str, shown
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import BlockIndex, key_array
@@ -143,7 +143,7 @@ _EVENT_TYPES = typing.get_args(SchedulerEvent)
 def _check_limits(limits: object) -> None:
     """A decode instance's limits are `DecodeLimits` (ConfigError otherwise)."""
     if not isinstance(limits, DecodeLimits):
-        raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+        raise ConfigError(f"decode limits must be DecodeLimits, got {shown(limits)}")
 
 
 class Conductor:
@@ -188,9 +188,9 @@ class Conductor:
                 raise ConfigError(f"{name} must be an instance, got the class {part.__name__} (call it)")
             for method in methods:
                 if not callable(getattr(part, method, None)):
-                    raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {part!r}")
+                    raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {shown(part)}")
         if getattr(admission, "load_at", None) not in LOAD_AT:
-            raise ConfigError(f"admission's load_at must be one of {', '.join(LOAD_AT)}, got {admission!r}")
+            raise ConfigError(f"admission's load_at must be one of {', '.join(LOAD_AT)}, got {shown(admission)}")
         self.router = router
         self.step_model = step_model
         self.admission = admission
@@ -279,7 +279,7 @@ class Conductor:
             InvalidRequestError: `now` is not a finite number.
         """
         if not isinstance(instance_id, str) or (instance_id not in self._prefill and instance_id not in self._decode):
-            raise UnknownInstanceError(f"no instance {instance_id!r} to remove")
+            raise UnknownInstanceError(f"no instance {shown(instance_id)} to remove")
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         ends = self._instance(InstanceDown(instance_id=instance_id, now=now))
         if self._prefill.pop(instance_id, None) is not None:
@@ -310,7 +310,7 @@ class Conductor:
         _check_limits(limits)
         view = self._decode.get(instance_id) if isinstance(instance_id, str) else None
         if view is None:
-            raise UnknownInstanceError(f"no decode instance {instance_id!r}")
+            raise UnknownInstanceError(f"no decode instance {shown(instance_id)}")
         view.limits = limits
         self._decode_board.refresh(self._decode_board.slot[instance_id])
 
@@ -330,7 +330,7 @@ class Conductor:
         """
         routed = self._incoming.get(decode_instance) if isinstance(decode_instance, str) else None
         if routed is None:
-            raise UnknownInstanceError(f"no decode instance {decode_instance!r}")
+            raise UnknownInstanceError(f"no decode instance {shown(decode_instance)}")
         return tuple(routed.values())
 
     @property
@@ -450,7 +450,7 @@ class Conductor:
             else type(verdict.reason) is not Reason
         ):
             raise ConfigError(
-                f"admission {self.admission!r} answered {verdict!r} (decode instance {decode.decode_instance}): an"
+                f"admission {shown(self.admission)} answered {shown(verdict)} (decode instance {decode.decode_instance}): an"
                 " AdmissionDecision accepts with no reason, only where the decode selection found an instance, or"
                 " rejects with a mooncake.sched.Reason"
             )
@@ -543,7 +543,7 @@ class Conductor:
             ConfigError: naming the router and its decision.
         """
         if type(route) is not RouteDecision:
-            raise ConfigError(f"router {self.router!r} returned {route!r}, not a RouteDecision (or None)")
+            raise ConfigError(f"router {shown(self.router)} returned {shown(route)}, not a RouteDecision (or None)")
         view = self._prefill.get(route.prefill_instance)
         problem = None
         if view is None or not view.is_up:
@@ -564,7 +564,7 @@ class Conductor:
         elif route.transfer is not None and route.transfer.source == route.prefill_instance:
             problem = "a transfer from the instance to itself"
         if problem is not None:
-            raise ConfigError(f"router {self.router!r} chose {problem}: {route!r}")
+            raise ConfigError(f"router {shown(self.router)} chose {problem}: {shown(route)}")
 
     def _choose_decode(self, request: Request, prefill: InstanceId, arrival_s: float, now: float) -> DecodeChoice:
         """`choose_decode` among the instances that can decode what `prefill` prefills: itself if it is
@@ -613,7 +613,7 @@ class Conductor:
                     problem = load_problem(load)
                     if problem is not None:
                         raise ConfigError(
-                            f"predictor {type(self.predictor).__name__} predicted {load!r} for {view.instance_id}:"
+                            f"predictor {type(self.predictor).__name__} predicted {shown(load)} for {view.instance_id}:"
                             f" {problem}"
                         ) from None
                 raise
@@ -654,7 +654,7 @@ class Conductor:
                 scheduler event.
         """
         if not isinstance(event, _EVENT_TYPES):
-            raise InvalidRequestError(f"handle takes a scheduler event (mooncake.sched.view), got {event!r}")
+            raise InvalidRequestError(f"handle takes a scheduler event (mooncake.sched.view), got {shown(event)}")
         if isinstance(event, (InstanceDown, InstanceUp)):
             return self._instance(event)
         if isinstance(event, PrefillBacklog):
@@ -752,7 +752,7 @@ class Conductor:
                 # instance's blocks back in the index, where routes would find a cache that is gone.
                 return None
             raise UnknownInstanceError(
-                f"a cache event from {source!r}, which is no instance of this Conductor: add it first "
+                f"a cache event from {shown(source)}, which is no instance of this Conductor: add it first "
                 f"(prefill instances: {', '.join(sorted(self._prefill)) or 'none'})"
             )
         return self.index.apply(event, strict=strict)
@@ -847,9 +847,11 @@ class Conductor:
     def _new_ids(instance_ids: Iterable[InstanceId]) -> tuple[InstanceId, ...]:
         """A batch of ids as a tuple; one id alone is refused (a string is an iterable of characters)."""
         if isinstance(instance_ids, str):
-            raise ConfigError(f"instance_ids must be a collection of instance ids, got the one string {instance_ids!r}")
+            raise ConfigError(
+                f"instance_ids must be a collection of instance ids, got the one string {shown(instance_ids)}"
+            )
         if not isinstance(instance_ids, Iterable):  # None, or one id that is no string: a bare TypeError otherwise
-            raise ConfigError(f"instance_ids must be a collection of instance ids, got {instance_ids!r}")
+            raise ConfigError(f"instance_ids must be a collection of instance ids, got {shown(instance_ids)}")
         return tuple(instance_ids)
 
     def _check_new(self, *instance_ids: InstanceId, decode_limits: tuple[DecodeLimits, ...] = ()) -> None:

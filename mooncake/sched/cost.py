@@ -622,7 +622,7 @@ class FittedPrefillModel:
         # A time of a few 1e-309 s weighs inf (1 / y), and least squares on it fails in LAPACK.
         if not (np.all(np.isfinite(weighted_x)) and np.all(np.isfinite(weighted_y))):
             raise ConfigError(
-                f"the samples' seconds (down to {float(y.min())!r}) are too small to weigh in floats: cannot fit"
+                f"the samples' seconds (down to {shown(float(y.min()))}) are too small to weigh in floats: cannot fit"
             )
         # Every coefficient >= 0: a cached prefix never makes a prefill slower, nor a longer prompt faster
         # (a few noisy timings fit exactly, as the vLLM router's start-up calibration does, can tilt the

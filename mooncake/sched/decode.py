@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
-from mooncake._checks import require_number
+from mooncake._checks import require_number, shown
 from mooncake.cache._compiled import kernels
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.join import DecodeLoad, JoinVerdict, check_join, check_tbt_slo, check_tokens, tbt_verdict
@@ -197,7 +197,7 @@ def _roofline(step_model: AnalyticStepModel) -> RooflineStep:
     step = roofline() if callable(roofline) else None
     if type(step) is not RooflineStep and not isinstance(step, RooflineStep):
         raise ConfigError(
-            f"step model must be an AnalyticStepModel (its roofline() a RooflineStep), got {step_model!r}"
+            f"step model must be an AnalyticStepModel (its roofline() a RooflineStep), got {shown(step_model)}"
         )
     return step
 
@@ -207,11 +207,11 @@ def _decode_views(views: object) -> tuple[DecodeView, ...]:
     TypeError or AttributeError from inside the board). A `DecodeBoard`, as the Conductor passes, needs no check:
     its views were checked when it was made."""
     if isinstance(views, (str, bytes)) or not isinstance(views, Iterable):
-        raise InvalidRequestError(f"views must be a collection of DecodeViews (or a DecodeBoard), got {views!r}")
+        raise InvalidRequestError(f"views must be a collection of DecodeViews (or a DecodeBoard), got {shown(views)}")
     checked = tuple(views)
     for view in checked:
         if not isinstance(view, DecodeView):
-            raise InvalidRequestError(f"views must hold DecodeViews only, got {view!r} among them")
+            raise InvalidRequestError(f"views must hold DecodeViews only, got {shown(view)} among them")
     return checked
 
 

@@ -139,11 +139,11 @@ def load_problem(load: object) -> str | None:
     """What is wrong with `load` as the rule takes it (None: nothing): it must be a `DecodeLoad` whose batch
     size and token counts are numbers in [0, 2**61 - 1) (fractions allowed: predictions are expectations)."""
     if not isinstance(load, DecodeLoad):
-        return f"a load must be a DecodeLoad, got {load!r}"
+        return f"a load must be a DecodeLoad, got {shown(load)}"
     for name in ("batch_size", "context_tokens", "kv_tokens"):
         value = getattr(load, name)
         if not _is_count(value):
-            return f"a load's {name} must be a number in [0, 2**61 - 1), got {value!r}"
+            return f"a load's {name} must be a number in [0, 2**61 - 1), got {shown(value)}"
     return None
 
 
@@ -213,7 +213,7 @@ def check_join(
     """
     check_tokens(prompt_tokens, output_tokens)
     if not isinstance(limits, DecodeLimits):
-        raise ConfigError(f"decode limits must be DecodeLimits, got {limits!r}")
+        raise ConfigError(f"decode limits must be DecodeLimits, got {shown(limits)}")
     problem = load_problem(load)
     if problem is not None:
         raise InvalidRequestError(problem)
@@ -235,13 +235,13 @@ def check_join(
         return JoinVerdict(accepted=True)
     step_s = getattr(step_model, "step_s", None)
     if not callable(step_s):
-        raise ConfigError(f"step model must have a step_s(batch_size, context_tokens) method, got {step_model!r}")
+        raise ConfigError(f"step model must have a step_s(batch_size, context_tokens) method, got {shown(step_model)}")
     predicted = step_s(int(load.batch_size) + 1, int(load.context_tokens) + prompt_tokens)
     # The common case, a float that is no NaN, in one test. A NaN fails every comparison, so the TBT check would
     # pass it; None or text fail it bare.
     if (type(predicted) is not float or predicted != predicted) and not _is_comparable(predicted):
         raise ConfigError(
-            f"step model {step_model!r} predicted {'NaN' if predicted != predicted else shown(predicted)}"
+            f"step model {shown(step_model)} predicted {'NaN' if predicted != predicted else shown(predicted)}"
             f" seconds for a step of {int(load.batch_size) + 1} requests holding"
             f" {int(load.context_tokens) + prompt_tokens} tokens: a step time is a number, not NaN"
         )
@@ -269,7 +269,7 @@ def check_tbt_slo(tbt_slo_s: float) -> None:
     if type(tbt_slo_s) is float and tbt_slo_s == tbt_slo_s:  # the common case, a float that is no NaN: one test
         return
     if not _is_comparable(tbt_slo_s):
-        raise InvalidRequestError(f"tbt_slo_s must be a number (not NaN), got {tbt_slo_s!r}")
+        raise InvalidRequestError(f"tbt_slo_s must be a number (not NaN), got {shown(tbt_slo_s)}")
 
 
 def tbt_refused(batch_size: float, output_tokens: int, predicted_tbt_s: float, tbt_slo_s: float) -> bool:

@@ -131,7 +131,7 @@ def _block_counts(name: str, counts: Any, instances: Sequence[object]) -> npt.ND
             f"{name} must hold one block count per instance ({len(instances)}), got {len(values)}"
         )
     for instance, value in zip(instances, values, strict=True):
-        require_int(f"{name}[{instance!r}]", value, minimum=0, below=_MAX_BLOCKS, error=InvalidRequestError)
+        require_int(f"{name}[{shown(instance)}]", value, minimum=0, below=_MAX_BLOCKS, error=InvalidRequestError)
     return np.array(values, dtype=np.int64)
 
 
@@ -347,7 +347,7 @@ class RouteDecision:
 def _require_method(name: str, part: object, method: str) -> None:
     """A part given by its name or class (say "fitted") is refused here, not at the first request's AttributeError."""
     if isinstance(part, type) or not callable(getattr(part, method, None)):
-        raise ConfigError(f"{name} must be a model with a {method}() method, got {part!r}")
+        raise ConfigError(f"{name} must be a model with a {method}() method, got {shown(part)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -491,12 +491,12 @@ class AdaptiveThreshold:
         for name in ("rate", "smoothing"):
             require_number(name, getattr(self, name), minimum=0, strict=True)
         if self.smoothing > 1:  # a weight of the newest observation
-            raise ConfigError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+            raise ConfigError(f"smoothing must be in (0, 1], got {shown(self.smoothing)}")
         for name in ("value", "minimum", "maximum"):  # thresholds: ratios of prefix lengths, as the router's
             require_number(name, getattr(self, name), minimum=1)
         if not self.minimum <= self.value <= self.maximum:
             raise ConfigError(
-                f"value must lie in [minimum, maximum] = [{self.minimum}, {self.maximum}], got {self.value!r}"
+                f"value must lie in [minimum, maximum] = [{self.minimum}, {self.maximum}], got {shown(self.value)}"
             )
 
     def observe(self, *, had_transfer: bool, estimated_ttft_s: float, observed_ttft_s: float) -> None:
@@ -530,7 +530,7 @@ class KvCacheCentricRouter:
     @threshold.validator
     def _check_threshold(self, _attribute: object, value: float) -> None:
         if not is_threshold(value):
-            raise ConfigError(f"threshold must be a number >= 1, or math.inf (never transfer), got {value!r}")
+            raise ConfigError(f"threshold must be a number >= 1, or math.inf (never transfer), got {shown(value)}")
 
     @replica_fraction.validator
     def _check_fraction(self, _attribute: object, value: float) -> None:
@@ -539,7 +539,7 @@ class KvCacheCentricRouter:
     def __attrs_post_init__(self) -> None:
         if self.adaptive is not None and self.threshold != DEFAULT_THRESHOLD:
             raise ConfigError(
-                f"threshold {self.threshold!r} is not used with an adaptive threshold, which sets it: start that one"
+                f"threshold {shown(self.threshold)} is not used with an adaptive threshold, which sets it: start that one"
                 " at it instead (AdaptiveThreshold(value=...))"
             )
 
@@ -634,8 +634,8 @@ class KvCacheCentricRouter:
                 tied.append((slot, blocks, moves, moving, prefill))
         if not tied:  # every estimate was NaN (no comparison holds): a model's fault, said here, not an IndexError
             raise ConfigError(
-                f"the estimator timed no instance as a number (prefill model {estimator.prefill!r}, transfer model"
-                f" {estimator.transfer!r}): a model returned NaN"
+                f"the estimator timed no instance as a number (prefill model {shown(estimator.prefill)}, transfer model"
+                f" {shown(estimator.transfer)}): a model returned NaN"
             )
         if len(tied) > 1:  # equal TTFT and queue: the longest own prefix, the heaviest weight, the smallest id
             if weight is None:

@@ -367,7 +367,9 @@ class FittedStepModel:
                 " request, or fewer than no tokens, is no step"
             )
         if np.any(y <= 0):
-            raise ConfigError(f"every sample needs seconds > 0 (a measured step takes time), got {float(y.min())!r}")
+            raise ConfigError(
+                f"every sample needs seconds > 0 (a measured step takes time), got {shown(float(y.min()))}"
+            )
         if int(np.linalg.matrix_rank(x)) < 3:
             raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
         best = nonnegative_least_squares(x, y, lambda c: bool(c[0] + c[1] > 0))

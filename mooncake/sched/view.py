@@ -241,7 +241,9 @@ def _nanoseconds(seconds: float) -> int:
     try:
         return round(seconds * 1e9)
     except (OverflowError, ValueError):
-        raise InvalidRequestError(f"start_s must be seconds a float holds in nanoseconds, got {seconds!r}") from None
+        raise InvalidRequestError(
+            f"start_s must be seconds a float holds in nanoseconds, got {shown(seconds)}"
+        ) from None
 
 
 @attrs.frozen
@@ -673,7 +675,7 @@ _count = int_at_least(0, error=InvalidRequestError)
 def _instance(_instance_obj: object, attribute: Any, value: Any) -> None:
     """An event's instance: an id string (anything else could not be looked up, or would look up nothing)."""
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{attribute.name} must be a non-empty instance id string, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a non-empty instance id string, got {shown(value)}")
 
 
 def _request(_instance_obj: object, attribute: Any, value: Any) -> None:
@@ -684,7 +686,7 @@ def _request(_instance_obj: object, attribute: Any, value: Any) -> None:
 def _reason(_instance: object, attribute: Any, value: Any) -> None:
     """A rejection's or abort's reason: a `Reason` (a string would reach the request's end as it is)."""
     if not isinstance(value, Reason):
-        raise InvalidRequestError(f"{attribute.name} must be a mooncake.sched.Reason, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a mooncake.sched.Reason, got {shown(value)}")
 
 
 @attrs.frozen(kw_only=True)

@@ -50,7 +50,7 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from mooncake._checks import require_number
+from mooncake._checks import require_number, shown
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.admission import room_wait_deadline
 from mooncake.sched.conductor import ScheduleDecision
@@ -133,7 +133,7 @@ class AdmissionQueue(Generic[T]):
         # Checked here, whoever waits: behind others the request is not tried now, so no scheduler would see it.
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
         if id(item) in self._entries:
-            raise InvalidRequestError(f"{item!r} already waits for room")
+            raise InvalidRequestError(f"{shown(item)} already waits for room")
         if request.request_id in self._request_ids:
             raise InvalidRequestError(f"request {request.request_id} already waits for room")
         later = None  # the waiting request it goes ahead of (only a request arriving again goes ahead)
@@ -231,7 +231,7 @@ class AdmissionQueue(Generic[T]):
         """
         entry = self._entries.get(id(item))
         if entry is None:
-            raise InvalidRequestError(f"{item!r} does not wait for room")
+            raise InvalidRequestError(f"{shown(item)} does not wait for room")
         return entry.deadline_s
 
     # ------------------------------------------------------------------ internals

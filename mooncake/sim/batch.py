@@ -46,6 +46,7 @@ import math
 
 import attrs
 
+from mooncake._checks import shown
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.step import RooflineStep
 from mooncake.sim.metrics import RequestRecord
@@ -81,7 +82,7 @@ def _live_lines(step: RooflineStep) -> tuple[_Line, ...]:
     if any(s < 0 or c < 0 for _, s, c in lines) or step.step_s(1, 0) <= 0:
         raise ConfigError(
             f"a simulated decode batch needs steps that take time and never get faster as the batch grows; "
-            f"{step!r} takes {step.step_s(1, 0)} s for one member with no context"
+            f"{shown(step)} takes {step.step_s(1, 0)} s for one member with no context"
         )
     # Branch k never exceeds branch j for B >= 1, C >= 0 when j is no lower at B = 1, C = 0 and no flatter.
     live: list[_Line] = []
@@ -234,7 +235,7 @@ class ContinuousBatch:
         if not self.members or elapsed_s <= 0:
             return 0
         if not elapsed_s < math.inf:  # NaN too; math.floor would raise a bare ValueError or OverflowError
-            raise InvalidRequestError(f"elapsed_s must be a finite number of seconds, got {elapsed_s!r}")
+            raise InvalidRequestError(f"elapsed_s must be a finite number of seconds, got {shown(elapsed_s)}")
         pieces = self._pieces
         if pieces is None:  # _steps_in_piece, inlined: the hot path
             quad = self._rise / 2

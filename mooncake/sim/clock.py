@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
 
 __all__ = ["EventLoop"]
@@ -78,7 +79,7 @@ class EventLoop:
         while heap or item is not _END:
             if item is not _END and (not heap or item_s <= heap[0][0]):
                 if item_s < self.now:
-                    raise InvalidRequestError(f"arrivals out of order: {item!r} at {item_s} after {self.now}")
+                    raise InvalidRequestError(f"arrivals out of order: {shown(item)} at {item_s} after {self.now}")
                 self.now = now = item_s
                 if before_each is not None:
                     before_each(now)

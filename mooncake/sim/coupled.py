@@ -61,7 +61,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from mooncake._checks import require_bool, require_int, require_number
+from mooncake._checks import require_bool, require_int, require_number, shown
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import CapacityError, ConfigError
@@ -117,7 +117,7 @@ class CoupledSpec:
         for name, kind in (("model", ModelShape), ("hardware", Hardware)):
             value = getattr(self, name)
             if not isinstance(value, kind):
-                raise ConfigError(f"CoupledSpec.{name} must be a {kind.__name__}, got {value!r}")
+                raise ConfigError(f"CoupledSpec.{name} must be a {kind.__name__}, got {shown(value)}")
         for name in ("num_instances", "block_size_tokens", "token_budget"):
             require_int(f"CoupledSpec.{name}", getattr(self, name), minimum=1)
         for name, minimum in (("cache_capacity_tokens", 0), ("max_batch_size", 1)):  # None: as the HBM holds
@@ -127,7 +127,7 @@ class CoupledSpec:
             require_bool(f"CoupledSpec.{name}", getattr(self, name))
         require_number("CoupledSpec.sample_interval_s", self.sample_interval_s, minimum=0, strict=True)
         if require_number("CoupledSpec.mfu", self.mfu, minimum=0, strict=True) > 1:
-            raise ConfigError(f"CoupledSpec.mfu is a fraction of the peak, at most 1, got {self.mfu!r}")
+            raise ConfigError(f"CoupledSpec.mfu is a fraction of the peak, at most 1, got {shown(self.mfu)}")
 
     @property
     def prefill_cost(self) -> PrefillCostModel:
@@ -210,7 +210,7 @@ class CoupledCluster:
 
     def __init__(self, spec: CoupledSpec, *, slo: Slo | None = None, context: ReplayContext | None = None) -> None:
         if not isinstance(spec, CoupledSpec):
-            raise ConfigError(f"spec must be a CoupledSpec, got {spec!r}")
+            raise ConfigError(f"spec must be a CoupledSpec, got {shown(spec)}")
         self.spec = spec
         self.slo = Slo() if slo is None else require_slo(slo)
         self.replay = (

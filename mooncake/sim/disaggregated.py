@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from mooncake._checks import require_iterable
+from mooncake._checks import require_iterable, shown
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.tiered import TieredCache
 from mooncake.errors import InvalidRequestError, UnknownInstanceError
@@ -237,7 +237,9 @@ class DisaggregatedCluster:
         """
         side = self._decode.get(decode_instance)
         if side is None:  # else a bare KeyError
-            raise UnknownInstanceError(f"decode_instance {decode_instance!r} is no decode instance of this cluster")
+            raise UnknownInstanceError(
+                f"decode_instance {shown(decode_instance)} is no decode instance of this cluster"
+            )
         batch = side.node.batch
         kv = sum(m.record.input_tokens + m.record.output_tokens for m in batch.members)
         return DecodeLoad(len(batch), batch.context + side.node.grown(now), kv)

@@ -252,7 +252,7 @@ class RecordTable(Sequence[RequestRecord]):
                 f"request id {shown(record.request_id)} is unhashable ({type(record.request_id).__name__})"
             ) from None
         if seen:
-            raise InvalidRequestError(f"request id {record.request_id!r} appears twice in the workload")
+            raise InvalidRequestError(f"request id {shown(record.request_id)} appears twice in the workload")
         self._seen.add(record.request_id)
         row = len(self._request_ids)
         self._request_ids.append(record.request_id)
@@ -275,7 +275,7 @@ class RecordTable(Sequence[RequestRecord]):
         row = self._row_of.get(id(record))
         if row is None:
             raise InvalidRequestError(
-                f"the record of request {record.request_id!r} is not live in this table (sealed already, or an"
+                f"the record of request {shown(record.request_id)} is not live in this table (sealed already, or an"
                 " object never added)"
             )
         # The columns first: a live row reads from its object, so a write that fails halfway shows nowhere.

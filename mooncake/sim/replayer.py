@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from mooncake._checks import require_bool, require_iterable, require_number
+from mooncake._checks import require_bool, require_iterable, require_number, shown
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.clock import EventLoop
@@ -103,7 +103,7 @@ class ReplayContext:
             )
         keep_intervals = require_bool("keep_intervals", keep_intervals)
         if progress is not None and not callable(progress):  # else a TypeError at the first arrival
-            raise ConfigError(f"progress must be a callable or None, got {progress!r}")
+            raise ConfigError(f"progress must be a callable or None, got {shown(progress)}")
         stream = require_iterable("requests", requests, error=InvalidRequestError)
         self._has_run = True
         self._progress = progress

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import attrs
 
-from mooncake._checks import require_number
+from mooncake._checks import require_number, shown
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy
 from mooncake.sched.build import RouterFactory, default_predictor
@@ -50,7 +50,7 @@ DEFAULT_CACHE_BLOCKS = 10_000
 def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
     def check(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"ClusterSpec.{attribute.name} must be an integer >= {minimum}, got {value!r}")
+            raise ConfigError(f"ClusterSpec.{attribute.name} must be an integer >= {minimum}, got {shown(value)}")
 
     return check
 
@@ -138,13 +138,15 @@ class ClusterSpec:
         )
         for name, kind in kinds:
             if not isinstance(getattr(self, name), kind):
-                raise ConfigError(f"ClusterSpec.{name} has the wrong type: {getattr(self, name)!r}")
+                raise ConfigError(f"ClusterSpec.{name} has the wrong type: {shown(getattr(self, name))}")
         # The simulator asks a step model for its roofline too (the analytic batch), not only its step_s.
         for name, methods in (("prefill_model", ("prefill_s",)), ("step_model", ("step_s", "roofline"))):
             model = getattr(self, name)
             for method in methods:
                 if model is not None and not callable(getattr(model, method, None)):
-                    raise ConfigError(f"ClusterSpec.{name} must have a {method} method (a fitted model), got {model!r}")
+                    raise ConfigError(
+                        f"ClusterSpec.{name} must have a {method} method (a fitted model), got {shown(model)}"
+                    )
         if self.decode_node_limits is not None and self.max_decode_batch_size is not None:
             raise ConfigError(
                 f"ClusterSpec.max_decode_batch_size={self.max_decode_batch_size} and "
@@ -167,7 +169,7 @@ class ClusterSpec:
             if value is not None or name != "network_bytes_per_s":  # None: the prefill hardware's NIC
                 require_number(f"ClusterSpec.{name}", value, minimum=0, strict=True)
         if self.mfu > 1:
-            raise ConfigError(f"ClusterSpec.mfu is a fraction of the peak, at most 1, got {self.mfu!r}")
+            raise ConfigError(f"ClusterSpec.mfu is a fraction of the peak, at most 1, got {shown(self.mfu)}")
 
     @property
     def num_prefill_instances(self) -> int:

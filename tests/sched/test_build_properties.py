@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake._checks import shown
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection
@@ -296,7 +297,7 @@ def test_every_bad_argument_is_a_config_error_naming_it(bad: tuple[dict[str, Any
     with pytest.raises(ConfigError) as caught:
         build_conductor(**options)
     message = str(caught.value)
-    assert named in message and (repr(value) in message or str(value) in message), message
+    assert named in message and (shown(value) in message or str(value) in message), message
     if up_front:
         assert factory.calls == 0
 

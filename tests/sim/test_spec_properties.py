@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import BaselineAdmission, EarlyRejection
 from mooncake.sched.build import build_conductor as library_build
@@ -275,7 +276,7 @@ def test_a_bad_field_is_refused_and_the_spec_never_changes(spec: ClusterSpec, fi
         with pytest.raises(ConfigError) as caught:
             attrs.evolve(spec, **{field: value})
         message = str(caught.value)
-        assert f"ClusterSpec.{field}" in message and repr(value) in message, message
+        assert f"ClusterSpec.{field}" in message and shown(value) in message, message
         with pytest.raises(ConfigError, match=rf"ClusterSpec\.{field}\b"):
             ClusterSpec(**{**before, field: value})
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
@@ -301,7 +302,7 @@ def test_a_decode_node_must_hold_some_kv(model: str, hardware: str, num_gpus: in
     if capacity == 0:
         with pytest.raises(ConfigError) as caught:
             ClusterSpec(**fields)
-        assert "ClusterSpec.decode_hardware" in str(caught.value) and repr(model) in str(caught.value)
+        assert "ClusterSpec.decode_hardware" in str(caught.value) and shown(model) in str(caught.value)
         with pytest.raises(ConfigError):
             CoupledCluster(CoupledSpec(num_instances=1, model=MODELS[model], hardware=decode))
     else:
@@ -371,4 +372,4 @@ def test_a_bad_build_option_is_a_config_error_naming_it(options: dict[str, Any],
     )  # fmt: skip
     with pytest.raises(ConfigError) as caught:
         build_conductor(spec, **options)
-    assert named in str(caught.value) and repr(next(iter(options.values()))) in str(caught.value)
+    assert named in str(caught.value) and shown(next(iter(options.values()))) in str(caught.value)
