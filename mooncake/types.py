@@ -94,7 +94,7 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
         tokens = list(tokens)
     array = np.asarray(tokens)
     if array.dtype == object and array.ndim == 1 and all(isinstance(t, int) and not isinstance(t, bool) for t in array):
-        raise InvalidRequestError(f"token ids must fit in int32, got range [{min(array)}, {max(array)}]")
+        raise InvalidRequestError(f"token ids must fit in int32, got range [{shown(min(array))}, {shown(max(array))}]")
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
     if array.dtype != np.int32 and array.size:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from mooncake._checks import shown
 from mooncake._extras import needs_extra
 
 _HOMES = {
@@ -54,7 +55,7 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
-        raise AttributeError(f"module 'mooncake.engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'mooncake.engine' has no attribute {shown(name)}")
     with needs_extra(f"mooncake.engine.{name}"):
         module = importlib.import_module(f"mooncake.engine.{home}")
     return getattr(module, name)

@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
 
 __all__ = ["chat_conversation", "content_text", "loops_over_content"]
@@ -51,7 +52,7 @@ def _text_parts(content: Any, *, system: bool = False) -> list[tuple[str, Mappin
     if isinstance(content, str):
         content = [content]
     if not isinstance(content, list):
-        raise InvalidRequestError(f"a message's content must be a string or a list of parts, got {content!r:.60}")
+        raise InvalidRequestError(f"a message's content must be a string or a list of parts, got {shown(content)}")
     texts: list[tuple[str, Mapping[str, Any]]] = []
     for j, part in enumerate(content):
         if isinstance(part, str):
@@ -59,12 +60,12 @@ def _text_parts(content: Any, *, system: bool = False) -> list[tuple[str, Mappin
             continue
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind not in _TEXT_PARTS:
-            raise InvalidRequestError(f"content[{j}] is no text part (type {kind!r}): only text is rendered here")
+            raise InvalidRequestError(f"content[{j}] is no text part (type {shown(kind)}): only text is rendered here")
         text = part.get(_TEXT_PARTS[kind])
         if text is None and kind in _SKIPPED_WITHOUT_TEXT:
             continue
         if not isinstance(text, str):
-            raise InvalidRequestError(f"content[{j}].{_TEXT_PARTS[kind]} must be a string, got {text!r:.60}")
+            raise InvalidRequestError(f"content[{j}].{_TEXT_PARTS[kind]} must be a string, got {shown(text)}")
         texts.append((text, part))
     if not system:
         return texts
@@ -102,7 +103,7 @@ def _arguments(value: Any) -> dict[str, Any]:
     if isinstance(value, str) and value:
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # no JSON, or JSON Python cannot read (4,300+ digits, deep nesting)
             return {}
     return value if isinstance(value, dict) else {}
 

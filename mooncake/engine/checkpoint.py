@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mooncake._checks import is_finite_number
+from mooncake._checks import is_finite_number, shown
 from mooncake._extras import needs_extra
 from mooncake.engine.config import ModelConfig, RopeScaling
 from mooncake.errors import ConfigError
@@ -94,12 +94,19 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """The JSON value in the file at `path` (a checkpoint's config and index, a tokenizer's files).
+
+    Raises:
+        ConfigError: the file is missing, unreadable, no UTF-8, or no JSON Python reads, naming it.
+    """
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError: an integer past Python's 4,300 digits (JSONDecodeError is one too); RecursionError: arrays or
+    # objects nested past the interpreter's stack.
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ConfigError(f"{path} is not readable JSON: {_one_line(error)}") from error
 
 
@@ -109,7 +116,7 @@ def _read_json(path: Path) -> Any:
 def _number(raw: Mapping[str, Any], key: str, source: str, default: Any = None) -> Any:
     value = raw.get(key, default)
     if not is_finite_number(value):  # 10**400 would overflow float() below it
-        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be a finite number, got {shown(value)}")
     return value
 
 
@@ -119,7 +126,7 @@ def _count(raw: Mapping[str, Any], key: str, source: str, default: Any = None, *
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{source}: {key} must be {what}, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be {what}, got {shown(value)}")
     return value
 
 
@@ -133,7 +140,7 @@ def _flag(raw: Mapping[str, Any], key: str, source: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be true or false, got {shown(value)}")
     return value
 
 
@@ -143,10 +150,12 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
     key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = raw.get(key) or {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"{source}: {key} must be an object, got {params!r}")
+        raise ConfigError(f"{source}: {key} must be an object, got {shown(params)}")
     theta = _number(params, "rope_theta", source, raw.get("rope_theta", 10_000.0))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{source}: {key}.partial_rotary_factor={params['partial_rotary_factor']!r} is not supported")
+        raise ConfigError(
+            f"{source}: {key}.partial_rotary_factor={shown(params['partial_rotary_factor'])} is not supported"
+        )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
@@ -167,7 +176,7 @@ def _rope(raw: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | Non
             ),
         }
     else:
-        raise ConfigError(f"{where}.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+        raise ConfigError(f"{where}.rope_type={shown(kind)} is not supported (supported: default, linear, llama3)")
     try:  # how the values fit together (a factor > 0, high above low) is RopeScaling's check: named with the file
         return float(theta), RopeScaling(kind=kind, **fields)
     except ConfigError as error:
@@ -184,18 +193,18 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
     the bound, and the model's `max_context_tokens`."""
     activation = raw.get("hidden_act", "silu")
     if activation not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
-        raise ConfigError(f"{source}: hidden_act={activation!r} is not supported (only 'silu')")
+        raise ConfigError(f"{source}: hidden_act={shown(activation)} is not supported (only 'silu')")
     if architecture == "LlamaForCausalLM" and _flag(raw, "mlp_bias", source):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
     if raw.get("quantization_config") is not None:
         raise ConfigError(f"{source}: quantization_config is not supported (load unquantized weights)")
     if raw.get("partial_rotary_factor", 1.0) != 1.0:  # transformers v4's place for it (v5: in rope_parameters)
-        raise ConfigError(f"{source}: partial_rotary_factor={raw['partial_rotary_factor']!r} is not supported")
+        raise ConfigError(f"{source}: partial_rotary_factor={shown(raw['partial_rotary_factor'])} is not supported")
     head_dim = _optional_count(raw, "head_dim", source)
     implied = _count(raw, "hidden_size", source) // _count(raw, "num_attention_heads", source)
     if head_dim is not None and head_dim != implied:
         raise ConfigError(
-            f"{source}: head_dim={head_dim!r} is not hidden_size / num_attention_heads = {implied} (not supported)"
+            f"{source}: head_dim={shown(head_dim)} is not hidden_size / num_attention_heads = {shown(implied)} (not supported)"
         )
     if architecture == "LlamaForCausalLM":
         return None
@@ -207,7 +216,7 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
         if layer_types is not None and not (
             isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types)
         ):
-            raise ConfigError(f"{source}: layer_types must be a list of strings, got {layer_types!r}")
+            raise ConfigError(f"{source}: layer_types must be a list of strings, got {shown(layer_types)}")
         if not _flag(raw, "use_sliding_window", source):
             window = None  # the window is nulled: full attention in every layer, whatever layer_types say
         if layer_types is None:  # derived: a window from layer max_window_layers on
@@ -218,7 +227,7 @@ def _check_supported(raw: Mapping[str, Any], architecture: str, source: str) -> 
     window_in_effect = window is not None and (max_positions is None or window < max_positions)
     if window_in_effect:
         raise ConfigError(
-            f"{source}: sliding_window={window!r} is in effect below max_position_embeddings={max_positions!r} "
+            f"{source}: sliding_window={shown(window)} is in effect below max_position_embeddings={shown(max_positions)} "
             "(sliding-window attention is not supported)"
         )
     # Full attention equals the window's only while a context is no longer than the window: the accepted window
@@ -234,17 +243,19 @@ def _max_context_tokens(
     linear RoPE scaling (llama3's leaves the positions as they are); no more than an accepted window's bound.
 
     Raises:
-        ConfigError: a bound under one token (a linear factor below 1 / max_position_embeddings), naming both.
+        ConfigError: a bound under one token (a linear factor below 1 / max_position_embeddings), or one past a
+            float's range, naming both.
     """
     positions = _optional_count(raw, "max_position_embeddings", source)
     bound = DEFAULT_MAX_CONTEXT_TOKENS if positions is None else positions
     if scaling is not None and scaling.kind == "linear":
-        bound = int(bound * scaling.factor)  # vLLM scales the positions as a float and truncates
+        product = f"{source}: max_position_embeddings={shown(positions)} times the linear RoPE factor={scaling.factor}"
+        try:  # vLLM scales the positions as a float and truncates
+            bound = int(bound * scaling.factor)
+        except OverflowError:  # positions or their product past a float's range (int() of inf)
+            raise ConfigError(f"{product} is past a float's range") from None
         if bound < 1:
-            raise ConfigError(
-                f"{source}: max_position_embeddings={positions!r} times the linear RoPE factor={scaling.factor!r} "
-                "leaves no context"
-            )
+            raise ConfigError(f"{product} leaves no context")
     return bound if window_bound is None else min(bound, window_bound)
 
 
@@ -263,7 +274,7 @@ def model_config_from_hf(raw: Mapping[str, Any], *, name: str, source: str = CON
     architectures = raw.get("architectures")
     if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
         raise ConfigError(
-            f"{source}: architectures={architectures!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            f"{source}: architectures={shown(architectures)} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     architecture = architectures[0]
     # A key the file leaves out has the value of the architecture's transformers config class.
@@ -319,7 +330,7 @@ def read_model_config(directory: str | Path) -> ModelConfig:
         ConfigError: no readable `config.json`, or one `model_config_from_hf` refuses.
     """
     path = Path(directory).resolve()
-    raw = _read_json(path / CONFIG_FILE)
+    raw = read_json(path / CONFIG_FILE)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path / CONFIG_FILE}: expected a JSON object, got {type(raw).__name__}")
     return model_config_from_hf(raw, name=path.name, source=str(path / CONFIG_FILE))
@@ -341,15 +352,17 @@ def checkpoint_tensors(config: ModelConfig, name: str) -> tuple[tuple[str, tuple
         return (("model.norm.weight", (h,)),)
     if name == "head":
         return (("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight", (v, h)),)
-    parts = name.split(".")
+    parts = name.split(".") if isinstance(name, str) else []
     if (
         len(parts) != 3
         or parts[0] != "layers"
         or _LAYER_INDEX.fullmatch(parts[1]) is None
+        # more digits than the layer count's is past it, and int() refuses past 4,300 of them
+        or len(parts[1]) > len(str(config.num_layers))
         or int(parts[1]) >= config.num_layers
         or parts[2] not in config.layer_weights
     ):
-        raise ConfigError(f"{name!r} is not a weight of the model")
+        raise ConfigError(f"{shown(name)} is not a weight of the model")
     shapes: dict[str, list[tuple[int, ...]]] = {
         "attn_norm": [(h,)],
         "qkv": [(h, h), (kv, h), (kv, h)],
@@ -387,7 +400,7 @@ class SafetensorsWeights:
         self._open: dict[Path, Any] = {}
         index = self.directory / INDEX_FILE
         if index.exists():
-            raw = _read_json(index)
+            raw = read_json(index)
             weight_map = raw.get("weight_map") if isinstance(raw, Mapping) else None
             if not isinstance(weight_map, Mapping):
                 raise ConfigError(f"{index}: has no weight_map object")
@@ -414,7 +427,7 @@ class SafetensorsWeights:
     def _shard(self, file: str, index: Path) -> Path:
         path = (self.directory / file).resolve()
         if path.parent != self.directory:
-            raise ConfigError(f"{index}: shard {file!r} is not a file of {self.directory}")
+            raise ConfigError(f"{index}: shard {shown(file)} is not a file of {self.directory}")
         return path
 
     def _file(self, path: Path) -> Any:

@@ -19,7 +19,9 @@ is no shorter than `max_position_embeddings`, which then bounds every context;
 the engines refuse longer prompts and decode slots (`check_context_tokens`).
 
 Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
-`num_heads`, and the head dimension is even (RoPE rotates pairs).
+`num_heads`, and the head dimension is even (RoPE rotates pairs); every size
+(vocabulary, hidden, layers, heads, MLP) is below `SIZE_LIMIT`, so the
+parameter count (`num_parameters`) is an int a float holds.
 """
 
 from __future__ import annotations
@@ -28,14 +30,30 @@ from typing import Any
 
 import attrs
 
-from mooncake._checks import int_at_least, non_negative, positive, require_bool
+from mooncake._checks import int_at_least, non_negative, positive, require_bool, shown
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.cost import ModelShape
 
-__all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeScaling"]
+__all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeScaling", "SIZE_LIMIT", "check_dtype"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes the engines run in, by name
 ROPE_SCALING_KINDS = ("linear", "llama3")  # the RoPE scalings the model implements (transformers' rope_type)
+SIZE_LIMIT = 2**31
+"""Every size of a `ModelConfig` is below this: a tensor dimension past int32 is past what the kernels index (and
+no model has one); without a bound, 4 * 2**1100 passed and `shape()` failed converting the parameter count to a
+float."""
+
+
+def check_dtype(name: object) -> str:
+    """`name` as the name of a dtype the engines run in (a key of `DTYPE_BYTES`): the one rule of `ModelConfig.shape`,
+    `model.dtype_of` and `KvLayout`.
+
+    Raises:
+        ConfigError: anything else (a list, which no dict lookup may take, or another dtype's name), naming it.
+    """
+    if not isinstance(name, str) or name not in DTYPE_BYTES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {shown(name)}")
+    return name
 
 
 @attrs.frozen(kw_only=True)
@@ -62,7 +80,7 @@ class RopeScaling:
     @kind.validator
     def _check_kind(self, _attribute: object, value: object) -> None:
         if value not in ROPE_SCALING_KINDS:  # a ConfigError, as every validator's (attrs' in_ raises ValueError)
-            raise ConfigError(f"kind must be one of {', '.join(ROPE_SCALING_KINDS)}, got {value!r}")
+            raise ConfigError(f"kind must be one of {', '.join(ROPE_SCALING_KINDS)}, got {shown(value)}")
 
     def __attrs_post_init__(self) -> None:
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -76,14 +94,17 @@ def _switch(_instance: object, attribute: Any, value: Any) -> None:
     require_bool(attribute.name, value)
 
 
+_size = int_at_least(1, below=SIZE_LIMIT)
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """The shape of a LLaMA-architecture model.
 
     Attributes:
         name: the preset's name (part of the block-key namespace).
-        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the shape;
-            `num_heads` must divide `hidden_size` and be a multiple of `num_kv_heads`.
+        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the shape, each an
+            integer in [1, `SIZE_LIMIT`); `num_heads` must divide `hidden_size` and be a multiple of `num_kv_heads`.
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
         rope_scaling: a rescaling of RoPE's frequencies (None: plain RoPE).
@@ -100,12 +121,12 @@ class ModelConfig:
     """
 
     name: str
-    vocab_size: int = attrs.field(validator=int_at_least(1))
-    hidden_size: int = attrs.field(validator=int_at_least(1))
-    num_layers: int = attrs.field(validator=int_at_least(1))
-    num_heads: int = attrs.field(validator=int_at_least(1))
-    num_kv_heads: int = attrs.field(validator=int_at_least(1))
-    intermediate_size: int = attrs.field(validator=int_at_least(1))
+    vocab_size: int = attrs.field(validator=_size)
+    hidden_size: int = attrs.field(validator=_size)
+    num_layers: int = attrs.field(validator=_size)
+    num_heads: int = attrs.field(validator=_size)
+    num_kv_heads: int = attrs.field(validator=_size)
+    intermediate_size: int = attrs.field(validator=_size)
     rope_theta: float = attrs.field(default=500_000.0, validator=positive)  # a base <= 0 gives NaN angles
     norm_eps: float = attrs.field(default=1e-5, validator=non_negative)  # < 0 can take a root of a negative
     rope_scaling: RopeScaling | None = None
@@ -130,8 +151,9 @@ class ModelConfig:
         """
         if self.max_context_tokens is not None and num_tokens > self.max_context_tokens:
             raise InvalidRequestError(
-                f"a prompt of {num_tokens} tokens is longer than model {self.name!r} computes: its max_context_tokens="
-                f"{self.max_context_tokens} (from a checkpoint, its max_position_embeddings, as vLLM's max_model_len)"
+                f"a prompt of {shown(num_tokens)} tokens is longer than model {shown(self.name)} computes: its "
+                f"max_context_tokens={shown(self.max_context_tokens)} (from a checkpoint, its max_position_embeddings, as "
+                "vLLM's max_model_len)"
             )
 
     @property
@@ -174,16 +196,14 @@ class ModelConfig:
         """The cost models' view of this model with its weights and KV in `dtype`.
 
         Raises:
-            ConfigError: an unknown dtype name.
+            ConfigError: an unknown dtype name (`check_dtype`).
         """
-        if dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         return ModelShape(
             name=self.name,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             gqa=self.num_heads // self.num_kv_heads,
-            bytes_per_element=DTYPE_BYTES[dtype],
+            bytes_per_element=DTYPE_BYTES[check_dtype(dtype)],
             num_params=float(self.num_parameters),
             # The embedding is a lookup; a tied one is also the LM head, a product.
             lookup_params=0.0 if self.tie_word_embeddings else float(self.vocab_size * self.hidden_size),

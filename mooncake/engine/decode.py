@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import ceil_div, int_at_least, is_int, non_negative
+from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, shown
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.kv import KvLayout
@@ -178,7 +178,7 @@ class DecodeEngine:
                 config = attrs.evolve(config, max_context_tokens=bound)
         if bound is not None and config.max_context_tokens > bound:  # as vLLM refuses a max_model_len above it
             raise ConfigError(
-                f"max_context_tokens={config.max_context_tokens} exceeds model {model.config.name!r}'s "
+                f"max_context_tokens={config.max_context_tokens} exceeds model {shown(model.config.name)}'s "
                 f"max_context_tokens={bound} (from the checkpoint's max_position_embeddings, as vLLM refuses a "
                 "max_model_len above it)"
             )
@@ -280,25 +280,25 @@ class DecodeEngine:
         prompt_tokens = check_token_count("prompt_tokens", prompt_tokens)
         max_new_tokens = check_token_count("max_new_tokens", max_new_tokens)
         if on_token is not None and not callable(on_token):  # else a bare TypeError at the first token
-            raise InvalidRequestError(f"on_token must be callable or None, got {on_token!r}")
+            raise InvalidRequestError(f"on_token must be callable or None, got {shown(on_token)}")
         if first_logprobs is not None and not isinstance(first_logprobs, TokenLogprobs):
-            raise InvalidRequestError(f"first_logprobs must be a TokenLogprobs or None, got {first_logprobs!r}")
+            raise InvalidRequestError(f"first_logprobs must be a TokenLogprobs or None, got {shown(first_logprobs)}")
         vocab = self.model.config.vocab_size
         if not is_int(first_token) or not 0 <= first_token < vocab:  # checked here, or every later step fails
-            raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {first_token!r}")
+            raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {shown(first_token)}")
         if any(a.request_id == request_id for a in self._active):
-            raise InvalidRequestError(f"request {request_id} is already decoding")
+            raise InvalidRequestError(f"request {shown(request_id, quote=str)} is already decoding")
         block = self.layout.block_tokens
         try:
             num_keys = len(keys)
         except TypeError:  # None, or an iterator (the copy reads the keys twice)
-            raise InvalidRequestError(f"keys must be a sequence of block keys, got {keys!r}") from None
+            raise InvalidRequestError(f"keys must be a sequence of block keys, got {shown(keys)}") from None
         if num_keys != ceil_div(prompt_tokens, block):
             raise InvalidRequestError(
                 f"{num_keys} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
         if sampling is not None and not isinstance(sampling, SamplingParams):  # a dict would fail at its first use
-            raise InvalidRequestError(f"sampling must be a SamplingParams, got {sampling!r}")
+            raise InvalidRequestError(f"sampling must be a SamplingParams, got {shown(sampling)}")
         sampling = sampling or SamplingParams()
         sampling.check_vocabulary(vocab)
         if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):

@@ -16,26 +16,46 @@ Invariants: `block_bytes(t) == num_layers * layer_bytes(t)`; a view returned by
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 import torch
 
-from mooncake._checks import int_at_least, is_int
+from mooncake._checks import int_at_least, is_int, shown
 from mooncake.cache.pool import Buffer
-from mooncake.engine.config import ModelConfig
+from mooncake.engine.config import ModelConfig, check_dtype
 from mooncake.engine.model import dtype_of
 from mooncake.errors import ConfigError
 
 __all__ = ["KvLayout"]
 
 
+def _model_config(_instance: object, _attribute: object, value: Any) -> None:
+    if not isinstance(value, ModelConfig):  # else the first size asked for is a bare AttributeError
+        raise ConfigError(f"config must be a ModelConfig, got {shown(value)}")
+
+
+def _dtype(_instance: object, _attribute: object, value: Any) -> None:
+    check_dtype(value)
+
+
 @attrs.frozen(kw_only=True)
 class KvLayout:
-    """Page geometry of one model's KV at one block size and dtype."""
+    """Page geometry of one model's KV at one block size and dtype.
 
-    config: ModelConfig
+    Attributes:
+        config: the model (a `ModelConfig`).
+        block_tokens: tokens per block, >= 1.
+        dtype: a name `config.check_dtype` takes ("float32", "bfloat16", "float16").
+
+    Raises:
+        ConfigError: a field that is none of these, naming it.
+    """
+
+    config: ModelConfig = attrs.field(validator=_model_config)
     block_tokens: int = attrs.field(validator=int_at_least(1))
-    dtype: str = "float32"
+    dtype: str = attrs.field(default="float32", validator=_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,7 +86,7 @@ class KvLayout:
         """
         per_token = self.block_bytes(1)
         if not is_int(num_bytes) or num_bytes < 0 or num_bytes % per_token or num_bytes > self.page_bytes:
-            raise ConfigError(f"a KV page of {num_bytes} bytes is not a whole number of {per_token}-byte tokens")
+            raise ConfigError(f"a KV page of {shown(num_bytes)} bytes is not a whole number of {per_token}-byte tokens")
         return num_bytes // per_token
 
     def page_tokens(self, page: Buffer | torch.Tensor) -> int:

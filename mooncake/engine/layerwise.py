@@ -9,7 +9,8 @@ pages (paper §5.2, Fig. 7):
   every prefix block is copied into rows 0 … p − 1 of layer l's buffers.
   Layer-wise, a loader thread copies layer l + 1 while layer l computes, so the
   compute waits only for what the copy has not hidden; serialized, every layer
-  is copied before the first one computes.
+  is copied before the first one computes. A prefix page that fails verification,
+  or holds less than a full block, is an `IntegrityError` for every layer.
 - Stores. Rows [start, end) of layer l, once computed, are copied into the
   reserved pages of the blocks they fall in. Layer-wise, a store thread copies
   them while later layers compute (on a GPU through a side stream that waits
@@ -124,7 +125,8 @@ class LayerwiseKvIo:
         """Return once `layer`'s prefix KV is in the buffers, the next layer's load queued first.
 
         Raises:
-            IntegrityError: a pinned prefix block failed verification when read (or what else the load raised).
+            IntegrityError: a pinned prefix block failed verification when read, or holds less than a full block
+                (or what else the load raised).
         """
         future = self._loads.pop(layer, None)
         if future is None:  # serialized, no prefix, or a later chunk: loaded already
@@ -211,9 +213,18 @@ class LayerwiseKvIo:
                 raise IntegrityError(f"pinned prefix block {missing[0]} failed verification while loading")
             pages = [page for page in read if page is not None]
             self._prefix_pages = pages
-        if not self._prefix_views:  # one view per page, not one per page and layer (this runs per layer)
-            self._prefix_views.extend(self.layout.page_kv(page) for page in self._prefix_pages)
         block = self.layout.block_tokens
+        if not self._prefix_views:  # one view per page, not one per page and layer (this runs per layer)
+            views = [self.layout.page_kv(page) for page in self._prefix_pages]
+            # A prefix block's page is a full block (a peer's push or a damaged tier may hold fewer tokens under its
+            # key, each checksum fine): copy_ would broadcast a 1-token page over the block's rows and fail on 2..
+            # block - 1 with torch's bare error. Kept only once all were checked, as the pages are.
+            for key, kv in zip(self._prefix_keys, views, strict=True):
+                if kv.shape[2] != block:
+                    raise IntegrityError(
+                        f"pinned prefix block {key}'s page holds {kv.shape[2]} of a block's {block} tokens"
+                    )
+            self._prefix_views.extend(views)
         for b, kv in enumerate(self._prefix_views):
             rows = slice(b * block, (b + 1) * block)
             self._k[layer][rows].copy_(kv[layer, 0], non_blocking=True)

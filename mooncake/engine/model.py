@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from mooncake._checks import require_int
-from mooncake.engine.config import ModelConfig
+from mooncake._checks import is_int, require_int, require_iterable, shown
+from mooncake.engine.config import ModelConfig, check_dtype
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import as_token_array
 
@@ -64,11 +64,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """The torch dtype called `name` ("float32", "bfloat16", "float16")."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+    """The torch dtype called `name` ("float32", "bfloat16", "float16").
+
+    Raises:
+        ConfigError: any other name, or no string (`config.check_dtype`).
+    """
+    return _DTYPES[check_dtype(name)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -262,13 +263,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         seed = require_int("seed", seed, minimum=0)  # torch's manual_seed would fail on 1.5 with a bare error
         self.config, self.dtype, self.device = config, dtype_of(dtype), torch.device(device)
-        indices = list(range(config.num_layers) if layers is None else layers)
+        indices = list(range(config.num_layers) if layers is None else require_iterable("layers", layers))
         if (
             not indices
+            or not all(is_int(i) for i in indices)  # else range() below fails with a bare TypeError
             or indices != list(range(indices[0], indices[0] + len(indices)))
             or not 0 <= indices[0] <= indices[-1] < config.num_layers
         ):
-            raise ConfigError(f"layers must be a contiguous range within 0..{config.num_layers - 1}, got {indices}")
+            raise ConfigError(
+                f"layers must be a contiguous range within 0..{config.num_layers - 1}, got {shown(indices)}"
+            )
         self.first_layer = indices[0]
         self.layers = nn.ModuleList(
             DecoderLayer(config, seed=seed, index=i, dtype=self.dtype, device=device, weights=weights) for i in indices

@@ -295,7 +295,7 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
         links = _process_group(store, rank, world, options["device"], options["timeout_s"])
     except BaseException as error:  # report, so the driver does not wait for a dead stage
         with contextlib.suppress(OSError):
-            outbox.send(("error", f"stage {rank} failed to start: {error!r}", None, False))
+            outbox.send(("error", f"stage {rank} failed to start: {shown(error, limit=400)}", None, False))
         return
     with torch.inference_mode():
         while True:
@@ -314,7 +314,7 @@ def _stage_main(rank: int, world: int, config: ModelConfig, options: dict[str, A
                 if isinstance(error, _LinkError):
                     report = ("error", str(error), error.peer, error.timed_out)
                 else:
-                    report = ("error", f"stage {rank} failed: {error!r}", None, False)
+                    report = ("error", f"stage {rank} failed: {shown(error, limit=400)}", None, False)
                 with contextlib.suppress(OSError):
                     outbox.send(report)
                 os._exit(1)
@@ -379,7 +379,7 @@ class PipelineGroup:
         if num_stages > config.num_layers:
             raise ConfigError(f"num_stages={num_stages} exceeds the model's {config.num_layers} layers")
         if device not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {shown(device)}")
         if device == "cuda" and torch.cuda.device_count() < num_stages:  # stage s runs on GPU s
             raise ConfigError(
                 f"device='cuda' puts stage s on GPU s: num_stages={num_stages} needs as many GPUs, "
@@ -524,7 +524,7 @@ class PipelineGroup:
         kv = self._buffers(n) if kv is None else self._checked_kv(kv, n)
         for name, callback in (("on_rows", on_rows), ("cancelled", cancelled)):
             if callback is not None and not callable(callback):  # else a TypeError mid-job, which fails the group
-                raise InvalidRequestError(f"{name} must be callable or None, got {callback!r}")
+                raise InvalidRequestError(f"{name} must be callable or None, got {shown(callback)}")
         errors: list[BaseException] = []
 
         def listen(layer: int, start: int, end: int) -> None:
@@ -548,7 +548,7 @@ class PipelineGroup:
                 self._fail(self._blame(f"a transfer between stages failed: {error}", own))
                 raise EngineError(f"the pipeline group failed: {self._failure}") from error
             except BaseException as error:  # stage 0's own work failed mid-job: the other stages wait mid-job
-                self._fail(f"stage 0 failed mid-job: {error!r}")
+                self._fail(f"stage 0 failed mid-job: {shown(error, limit=400)}")
                 raise
         if errors:
             raise errors[0]

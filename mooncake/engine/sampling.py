@@ -61,7 +61,7 @@ import attrs
 import torch
 import xxhash
 
-from mooncake._checks import is_finite_number, plain_int, require_int, require_number
+from mooncake._checks import is_finite_number, plain_int, require_int, require_number, shown
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import ConfigError, EngineError, InvalidRequestError, MooncakeError
 
@@ -202,7 +202,7 @@ class SamplingParams:
     @top_p.validator
     def _check_top_p(self, _attribute: object, value: float) -> None:
         if require_number("top_p", value, minimum=0.0, strict=True) > 1.0:
-            raise ConfigError(f"top_p must lie in (0, 1], got {value!r}")
+            raise ConfigError(f"top_p must lie in (0, 1], got {shown(value)}")
 
     @seed.validator
     def _check_seed(self, _attribute: object, value: int | None) -> None:
@@ -213,7 +213,7 @@ class SamplingParams:
     @allowed_token_ids.validator
     def _check_token_ids(self, attribute: attrs.Attribute[frozenset[int]], value: frozenset[int]) -> None:
         if not isinstance(value, frozenset):
-            raise ConfigError(f"{attribute.name} must be a collection of token ids, got {value!r}")
+            raise ConfigError(f"{attribute.name} must be a collection of token ids, got {shown(value)}")
         for token in value:
             require_int(attribute.name, token, minimum=0)
 
@@ -229,7 +229,7 @@ class SamplingParams:
     @logit_bias.validator
     def _check_logit_bias(self, _attribute: object, value: tuple[tuple[int, float], ...]) -> None:
         if type(value) is not tuple:
-            raise ConfigError(f"logit_bias must map token ids to biases, got {value!r}")
+            raise ConfigError(f"logit_bias must map token ids to biases, got {shown(value)}")
         for token, bias in value:
             require_int("logit_bias token", token, minimum=0)
             require_number("logit_bias", bias, minimum=-math.inf)
@@ -257,13 +257,13 @@ class SamplingParams:
     @top_k.validator
     def _check_top_k(self, _attribute: object, value: int) -> None:
         if type(value) is int and value < 0:  # -1 became 0 above
-            raise ConfigError(f"top_k must be an integer >= 0, or -1 (all tokens), got {value!r}")
+            raise ConfigError(f"top_k must be an integer >= 0, or -1 (all tokens), got {shown(value)}")
         require_int("top_k", value, minimum=0)
 
     @min_p.validator
     def _check_min_p(self, _attribute: object, value: float) -> None:
         if require_number("min_p", value, minimum=0.0) > 1.0:
-            raise ConfigError(f"min_p must lie in [0, 1], got {value!r}")
+            raise ConfigError(f"min_p must lie in [0, 1], got {shown(value)}")
 
     @repetition_penalty.validator
     def _check_repetition_penalty(self, _attribute: object, value: float) -> None:
@@ -273,7 +273,7 @@ class SamplingParams:
     @frequency_penalty.validator
     def _check_penalty(self, attribute: attrs.Attribute[float], value: float) -> None:
         if abs(require_number(attribute.name, value, minimum=-math.inf)) > 2.0:
-            raise ConfigError(f"{attribute.name} must lie in [-2, 2], got {value!r}")
+            raise ConfigError(f"{attribute.name} must lie in [-2, 2], got {shown(value)}")
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -375,8 +375,12 @@ def _no_token(raw: torch.Tensor, shaped: torch.Tensor, params: SamplingParams) -
     if faults:
         return EngineError(f"the model's {vocab} logits are not finite ({'; '.join(faults)}): no token can be drawn")
     if bool(torch.isnan(shaped).any()):  # not made from finite logits by any params: named should it ever be
-        return EngineError(f"shaping the logits by {params!r} made NaN at tokens {named(torch.isnan(shaped))}")
-    return InvalidRequestError(f"the sampling params leave every one of the {vocab} logits -inf: {params!r}")
+        return EngineError(
+            f"shaping the logits by {shown(params, limit=400)} made NaN at tokens {named(torch.isnan(shaped))}"
+        )
+    return InvalidRequestError(
+        f"the sampling params leave every one of the {vocab} logits -inf: {shown(params, limit=400)}"
+    )
 
 
 def _within(name: str, ids: Iterable[int], vocab: int) -> None:

@@ -87,9 +87,10 @@ from typing import Any
 
 import attrs
 
-from mooncake._checks import is_finite_number, is_int
+from mooncake._checks import is_finite_number, is_int, shown
 from mooncake._extras import needs_extra
 from mooncake.engine.chat import chat_conversation, loops_over_content
+from mooncake.engine.checkpoint import read_json
 from mooncake.engine.logprobs import REPLACEMENT, completed_text
 from mooncake.errors import ConfigError, InvalidRequestError
 
@@ -133,7 +134,7 @@ def can_stop_at(num_output_tokens: int, min_tokens: int) -> bool:
 def _no_token_id(ids: Sequence[int]) -> InvalidRequestError:
     """The error for ids tokenizers refused as no u32 (named: the first such id)."""
     bad = next((token for token in ids if not 0 <= token < _ID_LIMIT), None)
-    return InvalidRequestError(f"{bad!r} is not a token id: ids lie in [0, 2**32)")
+    return InvalidRequestError(f"{shown(bad)} is not a token id: ids lie in [0, 2**32)")
 
 
 @attrs.frozen(kw_only=True)
@@ -156,10 +157,7 @@ class SpecialTokens:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path} is not readable JSON: {' '.join(str(error).split())}") from error
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
@@ -192,17 +190,17 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
         if value is None:
             continue
         if not is_finite_number(value) or not ok(value):
-            raise ConfigError(f"{path}: {name} must be {bound}, got {value!r}")
+            raise ConfigError(f"{path}: {name} must be {bound}, got {shown(value)}")
         found[name] = float(value)
     top_k = raw.get("top_k")
     if top_k is not None:
         if not is_int(top_k) or top_k < -1:
-            raise ConfigError(f"{path}: top_k must be an integer >= -1, got {top_k!r}")
+            raise ConfigError(f"{path}: top_k must be an integer >= -1, got {shown(top_k)}")
         found["top_k"] = max(0, int(top_k))  # -1 is all tokens, as 0 (vLLM's and a request's reading)
     max_new_tokens = raw.get("max_new_tokens")
     if max_new_tokens is not None:
         if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ConfigError(f"{path}: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+            raise ConfigError(f"{path}: max_new_tokens must be an integer >= 1, got {shown(max_new_tokens)}")
         found["max_tokens"] = int(max_new_tokens)
     return found
 
@@ -212,7 +210,7 @@ def _ids(value: Any, where: str) -> set[int]:
         return set()
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ConfigError(f"{where} must be a token id or a list of them, got {value!r}")
+        raise ConfigError(f"{where} must be a token id or a list of them, got {shown(value)}")
     return set(values)
 
 
@@ -226,7 +224,9 @@ def _template(directory: Path, tokenizer_config: Mapping[str, Any]) -> str | Non
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     if template is not None and not isinstance(template, str):
-        raise ConfigError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string, got {template!r}")
+        raise ConfigError(
+            f"{directory / 'tokenizer_config.json'}: chat_template must be a string, got {shown(template)}"
+        )
     return template
 
 
@@ -605,7 +605,7 @@ def _rebuilt(
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise ConfigError(
-            f"{path / 'tokenizer.json'}: a {config.get('tokenizer_class') or klass} with a {model.get('type')!r} "
+            f"{path / 'tokenizer.json'}: a {config.get('tokenizer_class') or klass} with a {shown(model.get('type'))} "
             f"model is not supported (transformers rebuilds it as BPE)"
         )
     merges: list[tuple[str, str]] = []
@@ -646,7 +646,7 @@ def _rebuilt(
     entries = [listed[k] for k in order] if isinstance(listed, Mapping) else data.get("added_tokens", [])
     for entry in entries:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
-            raise ConfigError(f"{path}: an added token must be an object with a content, got {entry!r}")
+            raise ConfigError(f"{path}: an added token must be an object with a content, got {shown(entry)}")
         special = bool(entry.get("special", False))
         token = AddedToken(
             entry["content"],
@@ -712,12 +712,12 @@ def _token_list(value: Any, where: Path) -> list[str]:
         return []
     entries = list(value.values()) if isinstance(value, Mapping) else value
     if not isinstance(entries, list):
-        raise ConfigError(f"{where}: extra_special_tokens={value!r} is not a list of tokens")
+        raise ConfigError(f"{where}: extra_special_tokens={shown(value)} is not a list of tokens")
     tokens: list[str] = []
     for entry in entries:
         token = entry.get("content") if isinstance(entry, Mapping) else entry  # a serialized AddedToken
         if not isinstance(token, str):
-            raise ConfigError(f"{where}: extra_special_tokens holds {entry!r}, which is not a token")
+            raise ConfigError(f"{where}: extra_special_tokens holds {shown(entry)}, which is not a token")
         tokens.append(token)
     return tokens
 
@@ -764,7 +764,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         value = given[name] if name in given else defaults.get(name)
         named[name] = value.get("content") if isinstance(value, Mapping) else value  # a serialized AddedToken
         if named[name] is not None and not isinstance(named[name], str):
-            raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not a token")
+            raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={shown(value)} is not a token")
     if klass != _AS_WRITTEN:
         backend = _rebuilt(backend, json.loads(text), klass, config, named, path)
     tokens = {name: value for name, value in named.items() if value is not None}

@@ -415,6 +415,22 @@ def test_a_directory_without_weights_or_config_is_refused(tmp_path: Path, checkp
     assert "not readable JSON" in refusal(checkpoint)
 
 
+@pytest.mark.parametrize(
+    "value",
+    ["9" * 5000, "-" + "9" * 5000, "[" * 100_000 + "]" * 100_000],
+    ids=["5000-digit integer", "-5000-digit integer", "nested 100000 deep"],
+)
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+def test_json_python_cannot_read_is_refused_naming_the_file(checkpoint: Path, file: str, value: str) -> None:
+    """A number past Python's 4,300 digits (a ValueError from `json`, no JSONDecodeError) or arrays nested past the
+    interpreter's stack (a RecursionError) in config.json or the index: one ConfigError naming the file."""
+    text = (checkpoint / file).read_text()
+    (checkpoint / file).write_text(text[: text.rindex("}")] + f', "extra": {value}}}')
+    message = refusal(checkpoint)
+    assert message.startswith(f"{checkpoint / file} is not readable JSON: "), message
+    assert len(message) - len(str(checkpoint / file)) < 250, message
+
+
 def test_reading_the_config_needs_no_weights(checkpoint: Path) -> None:
     """`read_model_config` reads config.json alone: the shape a scheduler needs, named by the directory."""
     for file in checkpoint.glob("*.safetensors"):

@@ -116,6 +116,18 @@ def test_a_linear_factor_that_leaves_no_context_is_refused() -> None:
     assert "/ckpt/config.json" in message and "max_position_embeddings=16" in message and "0.01" in message
 
 
+@pytest.mark.parametrize(("positions", "factor"), [(10**400, 2.0), (2**31, 1e300)])
+def test_linear_scaled_positions_past_a_floats_range_are_refused(positions: int, factor: float) -> None:
+    """Positions a float cannot hold (10**400, which JSON reads), or a product past its range (int() of inf):
+    a ConfigError naming the file, not a bare OverflowError."""
+    raw = {
+        **config_of("llama", max_position_embeddings=positions),
+        "rope_scaling": {"type": "linear", "factor": factor},
+    }
+    with pytest.raises(ConfigError, match=r"^/ckpt/config\.json: max_position_embeddings=.* past a float's range$"):
+        model_config_from_hf(raw, name="m", source="/ckpt/config.json")
+
+
 # --------------------------------------------------------------------------- with torch: engines and files
 
 torch = pytest.importorskip("torch")

@@ -11,6 +11,7 @@ the module does not load torch (a scheduler or gateway process never pays for it
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.engine.config import DTYPE_BYTES, PRESETS, ModelConfig
+from mooncake.engine.config import DTYPE_BYTES, PRESETS, SIZE_LIMIT, ModelConfig, check_dtype
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import MODELS, ModelShape
 from tests.engine.strategies import model_configs
@@ -67,11 +68,14 @@ def test_the_engines_dtypes_are_the_shapes_dtypes() -> None:
     assert PRESETS["tiny"].shape() == PRESETS["tiny"].shape("bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float64", "int8", "bf16", ""])
-def test_an_unknown_dtype_is_a_config_error_naming_it(dtype: str) -> None:
-    """A dtype the engines do not run in is refused with its name in the message."""
-    with pytest.raises(ConfigError, match=f"got {dtype!r}"):
-        PRESETS["tiny"].shape(dtype)
+@pytest.mark.parametrize("dtype", ["float64", "int8", "bf16", "", ["float32"], {}])
+def test_an_unknown_dtype_is_a_config_error_naming_it(dtype: object) -> None:
+    """A dtype the engines do not run in is refused with its name in the message; a list or a dict (which no
+    dict lookup takes: a bare TypeError once) is no dtype's name, refused alike."""
+    with pytest.raises(ConfigError, match=re.escape(f"got {dtype!r}")):
+        PRESETS["tiny"].shape(dtype)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=re.escape(f"got {dtype!r}")):
+        check_dtype(dtype)
 
 
 @given(model_configs(), st.sampled_from(sorted(ELEMENT_BYTES)))
@@ -117,6 +121,33 @@ def test_config_rejects_invalid_shapes(fields: dict[str, object], named: str) ->
     base = {"name": "x", "vocab_size": 8, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
     with pytest.raises(ConfigError, match=named):
         ModelConfig(intermediate_size=8, **{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "field", ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"]
+)
+def test_a_size_from_the_size_limit_on_is_refused_naming_it(field: str) -> None:
+    """Each size is below `SIZE_LIMIT` (2**31): 4 * 2**1100 used to pass (only a lower bound) and then fail
+    `shape()` with a bare OverflowError converting the parameter count to a float."""
+    base = {"vocab_size": 8, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    for value in (SIZE_LIMIT, 4 * 2**1100):
+        with pytest.raises(ConfigError, match=rf"{field} must be an integer in \[1, 2\*\*31\)"):
+            ModelConfig(name="x", **{**base, "intermediate_size": 8, field: value})  # type: ignore[arg-type]
+
+
+def test_the_largest_sizes_give_a_shape() -> None:
+    """Every size just below the limit: the parameter count is an int a float holds, and `shape()` gives it."""
+    below = SIZE_LIMIT // 2  # an even head_dim with one head
+    config = ModelConfig(
+        name="x",
+        vocab_size=SIZE_LIMIT - 1,
+        hidden_size=below,
+        num_layers=SIZE_LIMIT - 1,
+        num_heads=1,
+        num_kv_heads=1,
+        intermediate_size=SIZE_LIMIT - 1,
+    )
+    assert config.shape().num_params == float(config.num_parameters) < math.inf
 
 
 def test_importing_the_config_does_not_load_torch() -> None:

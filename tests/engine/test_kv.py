@@ -143,7 +143,12 @@ def test_layout_validation() -> None:
     with pytest.raises(ConfigError):
         KvLayout(config=TINY, block_tokens=0)
     with pytest.raises(ConfigError, match="dtype"):
-        _ = KvLayout(config=TINY, block_tokens=4, dtype="int8").page_bytes
+        KvLayout(config=TINY, block_tokens=4, dtype="int8")  # refused as it is made, not at its first size
+    with pytest.raises(ConfigError, match=r"dtype must be one of .*, got \[\]"):
+        KvLayout(config=TINY, block_tokens=4, dtype=[])  # type: ignore[arg-type]
+    for config in (None, "tiny", TINY.shape()):  # once an AttributeError at the first size asked for
+        with pytest.raises(ConfigError, match="config must be a ModelConfig"):
+            KvLayout(config=config, block_tokens=4)  # type: ignore[arg-type]
     config = ModelConfig(
         name="m", vocab_size=4, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1, intermediate_size=4
     )

@@ -280,6 +280,33 @@ def test_a_prefix_block_that_fails_to_load_raises_and_abort_leaves_nothing_runni
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize("short", [1, 2, 3])
+def test_a_prefix_page_shorter_than_a_block_is_an_integrity_error_naming_it(short: int, layerwise: bool) -> None:
+    """A pinned prefix block whose page holds fewer than `block` tokens (a peer pushed it so; its checksum is
+    fine): an IntegrityError naming the block and its token count, for every layer's load, not a 1-token page
+    broadcast over the block's rows (wrong KV, no error) nor torch's bare RuntimeError for 2..block - 1 tokens."""
+    case = Case(block=4, prefix_blocks=2, new_tokens=3, chunk=4096, seed=6)
+    cache, prefix_keys = dram_cache(case.block), (BlockKey(1000), BlockKey(1001))
+    cache.put(prefix_keys[0], case.reference_page(0))
+    cache.put(prefix_keys[1], case.reference_page(1)[: case.layout.block_bytes(short)])
+    message = rf"prefix block {prefix_keys[1]}'s page holds {short} of a block's 4 tokens"
+    with helpers() as threads, torch.inference_mode():
+        io, _k, _v = new_io(
+            case, cache, prefix_keys, threads, pages=case.new_pages(), on_layer_final=None, layerwise=layerwise
+        )
+        if layerwise:
+            io.start_loading()
+            for layer in range(NUM_LAYERS):  # the next layer's load, queued before the wait, fails too
+                with pytest.raises(IntegrityError, match=message):
+                    io.wait_for_prefix(layer)
+        else:
+            with pytest.raises(IntegrityError, match=message):
+                io.start_loading()
+        io.abort()
+    cache.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
 def test_a_failing_listener_raises_from_finish_and_abort_leaves_nothing_running(layerwise: bool) -> None:
     """The listener's error reaches the caller at `finish()`; after `abort()` no store or call is left to run,
     so the caller can give the pages back."""

@@ -218,7 +218,13 @@ def test_a_stop_id_that_is_no_token_id_is_refused_naming_it(tmp_path: Path, valu
 
 @pytest.mark.parametrize(
     ("content", "named"),
-    [("[1, 2]", "expected a JSON object, got list"), ('"text"', "got str"), ("{nope", "not readable JSON")],
+    [
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('"text"', "got str"),
+        ("{nope", "not readable JSON"),
+        ('{"x": ' + "9" * 5000 + "}", "not readable JSON"),  # past Python's 4,300 digits: a ValueError
+        ('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", "not readable JSON"),  # a RecursionError
+    ],
 )
 @pytest.mark.parametrize("file", ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"])
 def test_a_json_file_beside_the_tokenizer_that_is_no_object_is_refused_naming_it(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ pytest.importorskip("torch")
 import torch
 
 from mooncake.engine.attention import prefill_attention
-from mooncake.engine.config import ModelConfig
+from mooncake.engine.config import DTYPE_BYTES, ModelConfig
 from mooncake.engine.model import LlamaModel, dtype_of, rms_norm, rope_tables, token_ids
 from mooncake.errors import ConfigError, InvalidRequestError
 from tests.engine.strategies import model_configs
@@ -147,6 +148,11 @@ def test_dtypes_and_vocabulary_are_checked() -> None:
         dtype_of("int8")
     with pytest.raises(ConfigError, match="dtype"):
         LlamaModel(TINY, dtype="float64")
+    for unhashable in ([], {}, ["float32"]):  # once a bare TypeError from the dict lookup
+        with pytest.raises(ConfigError, match=re.escape(f"dtype must be one of {sorted(DTYPE_BYTES)}")):
+            dtype_of(unhashable)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="dtype"):
+            LlamaModel(TINY, dtype=unhashable)  # type: ignore[arg-type]
     for bad in ([0, TINY.vocab_size], [-1]):
         with pytest.raises(InvalidRequestError, match=r"token ids must lie in \[0, 256\)") as raised:
             tiny_model().embed(torch.tensor(bad))
