@@ -63,7 +63,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_int, require_iterable, require_number, require_str
+from mooncake._checks import require_int, require_iterable, require_number, require_str, shown
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.listener import Listener
 from mooncake.transfer.peers import Handler, PeerDescriptor, Peers, host_id
@@ -100,13 +100,13 @@ def _engine_arguments(config: object, name: object, rdma: object) -> EngineConfi
             may be None); the message names the argument and what it got.
     """
     if config is not None and not isinstance(config, EngineConfig):
-        raise ConfigError(f"config must be an EngineConfig or None, got {type(config).__name__} {config!r:.80}")
+        raise ConfigError(f"config must be an EngineConfig or None, got {type(config).__name__}: {shown(config)}")
     if name is not None:
         require_str("name", name, what="string (how peers call this engine)")
     if rdma is not None and not all(callable(getattr(rdma, method, None)) for method in _VERBS_METHODS):
         raise ConfigError(
             f"rdma must be an RDMA device (with {', '.join(_VERBS_METHODS)}) or None,"
-            f" got {type(rdma).__name__} {rdma!r:.80}"
+            f" got {type(rdma).__name__}: {shown(rdma)}"
         )
     return config if config is not None else EngineConfig()
 
@@ -123,6 +123,9 @@ class TransferEngine:
 
     Raises:
         ConfigError: `secret` is shorter than 16 bytes, or an argument is of another type (`_engine_arguments`).
+        TransferError: it cannot listen on `config.host`, `config.port` (the port is taken, the host does not
+            resolve or is not this machine's), named in the message; nothing is left open (an RDMA device it
+            opened itself is closed again).
     """
 
     def __init__(
@@ -140,7 +143,8 @@ class TransferEngine:
         self.config = config
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
-        if rdma is None and "rdma" in config.transports:
+        opened = rdma is None and "rdma" in config.transports
+        if opened:
             rdma = open_device()
         self._rdma = rdma if "rdma" in config.transports else None
         # Per region id: (start address, end address, lkey). Keyed by region, never by address: two regions may
@@ -153,15 +157,20 @@ class TransferEngine:
         self._finished = threading.Condition(self._lock)
         self._closed = False
         # Last: from here on peers may connect, and what they ask for must exist.
-        self._peers = Peers(
-            secret=secret,
-            config=config,
-            name=name,
-            rdma=self._rdma,
-            regions=self.regions,
-            region=self.region,
-            local_key=self._local_key,
-        )
+        try:
+            self._peers = Peers(
+                secret=secret,
+                config=config,
+                name=name,
+                rdma=self._rdma,
+                regions=self.regions,
+                region=self.region,
+                local_key=self._local_key,
+            )
+        except BaseException:
+            if opened and rdma is not None:  # no engine holds the device it opened: nothing else would close it
+                rdma.close()
+            raise
         self.host, self.port, self.name = self._peers.host, self._peers.port, self._peers.name
 
     @property
@@ -205,12 +214,11 @@ class TransferEngine:
             unlinked when the engine closes.
 
         Raises:
-            ConfigError: `nbytes` is not an integer >= 0.
+            ConfigError: `nbytes` is not an integer in [0, 2**63) (a file's size, as a shared segment is one).
             TransferError: the system would not create a segment of `nbytes` (named in the message).
         """
         self._check_open()
-        require_int("nbytes", nbytes, minimum=0)
-        segment, array = create_shared(nbytes)
+        segment, array = create_shared(nbytes)  # checks nbytes first
         try:
             descriptor = self._add_region(array.data, keepalive=(segment, array), shm_name=segment.name)
         except BaseException:
@@ -287,6 +295,8 @@ class TransferEngine:
         Raises:
             PeerUnavailable: nobody answers there. AuthenticationError: the secrets differ.
             ConfigError: `address` is not "host:port".
+            TransferError: its descriptor is malformed; or the RDMA endpoint it answered with (`ProtocolError`,
+                naming the peer: nothing of it is kept, the queue pair made for it is closed).
         """
         self._check_open()
         return self._peers.connect(address, transport=transport)
@@ -452,7 +462,7 @@ class TransferEngine:
         with self._lock:
             batch = self._batches.get(batch_id)
             if batch is None:
-                raise TransferError(f"unknown batch {batch_id}")
+                raise TransferError(f"unknown batch {shown(batch_id)}")
             return tuple(_status(batch, i) for i in range(len(batch.requests)))
 
     def wait(self, batch_id: int, timeout: float | None) -> tuple[RequestStatus, ...]:
@@ -475,7 +485,7 @@ class TransferEngine:
         with self._finished:
             batch = self._batches.get(batch_id)
             if batch is None:
-                raise TransferError(f"unknown batch {batch_id}")
+                raise TransferError(f"unknown batch {shown(batch_id)}")
             if not self._finished.wait_for(lambda: batch.open_requests == 0, timeout=limit):
                 raise TransferTimeout(
                     f"batch {batch_id}: {batch.open_requests} of {len(batch.requests)} requests still moving after {timeout}s"
@@ -651,7 +661,7 @@ def _requests(value: Any) -> tuple[TransferRequest, ...]:
     requests = tuple(require_iterable("requests", value))
     for index, one in enumerate(requests):
         if not isinstance(one, TransferRequest):
-            raise ConfigError(f"requests[{index}] must be a TransferRequest, got {one!r}")
+            raise ConfigError(f"requests[{index}] must be a TransferRequest, got {shown(one)}")
     return requests
 
 

@@ -47,7 +47,8 @@ from collections.abc import Callable
 
 import attrs
 
-from mooncake.errors import AuthenticationError, ConfigError
+from mooncake._checks import shown
+from mooncake.errors import AuthenticationError, ConfigError, TransferError
 from mooncake.transfer.request import EngineConfig
 from mooncake.transfer.wire import (
     ANSWER_BYTES,
@@ -87,6 +88,12 @@ class Listener:
             closes the socket afterwards), given what its client settled in the handshake.
         name: a prefix for thread names.
         incarnation: the id told to every client (`wire.INCARNATION_BYTES`; by default a fresh one): its engine's.
+
+    Raises:
+        ConfigError: `incarnation` is not `wire.INCARNATION_BYTES` long.
+        TransferError: it cannot listen on `config.host`, `config.port` (the port is taken, the host does not
+            resolve or is not this machine's); host, port and the system's reason are named, and nothing is left
+            open.
     """
 
     def __init__(
@@ -101,8 +108,13 @@ class Listener:
         self._secret, self._config, self._serve, self._name = secret, config, serve, name
         self.incarnation = new_incarnation() if incarnation is None else incarnation
         if len(self.incarnation) != INCARNATION_BYTES:  # checked here: the gate thread must not fail on it
-            raise ConfigError(f"incarnation must be {INCARNATION_BYTES} bytes, got {self.incarnation!r}")
-        self._sock = socket.create_server((config.host, config.port), backlog=1024)
+            raise ConfigError(f"incarnation must be {INCARNATION_BYTES} bytes, got {shown(self.incarnation)}")
+        try:  # create_server closes the socket it could not bind
+            self._sock = socket.create_server((config.host, config.port), backlog=1024)
+        except OSError as error:  # the port is taken, the host does not resolve or is not this machine's
+            # The system's reason quotes the address again, a long host whole: cut short, as the host is.
+            reason = shown(error.strerror or str(error), limit=120, quote=str)
+            raise TransferError(f"cannot listen on {shown(config.host, quote=str)}:{config.port}: {reason}") from error
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
         self._wake_read, self._wake_write = socket.socketpair()

@@ -181,7 +181,7 @@ class Messenger:
             TransferError: `owner` is not a non-empty string.
         """
         if not isinstance(owner, str) or not owner:
-            raise TransferError(f"an owner is a peer's engine address, got {owner!r}")
+            raise TransferError(f"an owner is a peer's engine address, got {shown(owner)}")
         with self._lock:
             leases = []
             for table in (self._leases, self._quarantine):
@@ -382,28 +382,17 @@ class Messenger:
             raise TransferError("expired lease: its reservations were held for it until now, and are released")
         if lease is None:
             raise TransferError("unknown or expired lease")
-        committed: list[Json] = []
-        failed: list[Json] = []
-        settled = 0  # the leading reservations committed or aborted
+        settled: list[BlockKey] = []
         try:
-            for key in lease.reserved:
-                if key not in checksums:
-                    self.cache.abort(key)
-                else:
-                    try:
-                        self.cache.commit(key, checksum=checksums[key])
-                        committed.append(key)
-                    except (IntegrityError, UnknownBlockError):
-                        failed.append(key)
-                settled += 1
+            committed, failed = _commit_reserved(self.cache, lease.reserved, checksums, settled)
             for key in lease.pinned:
                 self.cache.touch(key)  # the receiver is about to read it: last to be evicted
         finally:
             # No table holds the lease now, so whatever went wrong this ends it, aborting the reservations not
-            # settled. Not the settled ones: the key may meanwhile be reserved again, by another lease.
-            del lease.reserved[:settled]
+            # settled (`_commit_reserved`: a settled key is no longer this lease's).
+            del lease.reserved[: len(settled)]
             self._end(lease)
-        return {"committed": committed, "failed": failed}
+        return {"committed": list[Json](committed), "failed": list[Json](failed)}
 
     def _hold(self, lease: _Lease, key: BlockKey) -> None:
         """Pin a block that is cached here for `lease` (not one still being filled: its filler's lease
@@ -508,7 +497,7 @@ def _read_reply(peer: str, method: str, reply: Any, read: Callable[[Any], _T]) -
 def _count(value: Any) -> int:
     """An integer >= 0 as a peer sent it, never coerced (1.5, "1" and true are not block keys or offsets)."""
     if type(value) is not int or value < 0:
-        raise ValueError(f"{value!r} is not an integer >= 0")
+        raise ValueError(f"{shown(value)} is not an integer >= 0")
     return value
 
 
@@ -557,6 +546,34 @@ def _commit_checksums(args: Any) -> dict[BlockKey, int]:
         raise ProtocolError(
             f"checksums must be a list of [block key, XXH3-64 value] entries ({error}), got {shown(raw, limit=_MAX_SHOWN)}"
         ) from error
+
+
+def _commit_reserved(
+    cache: TieredCache, keys: Sequence[BlockKey], checksums: dict[BlockKey, int], settled: list[BlockKey]
+) -> tuple[list[BlockKey], list[BlockKey]]:
+    """Settle `keys`, reservations of one lease (or fetch), in order: commit each against its checksum, abort
+    one that has none. Each key goes into `settled` once it is, so a caller that this interrupts knows which are
+    left: those, and only those, are still its own to abort. A settled key is not: a commit that failed its
+    checksum dropped the reservation itself (`TieredCache.commit`), so the key may at once be reserved again, by
+    another lease, and `TieredCache.abort`, which does not know whose reservation it drops, would free that one.
+
+    Returns:
+        The keys committed, and those whose commit failed (their bytes did not match, or they were no longer
+        reserved).
+    """
+    committed: list[BlockKey] = []
+    failed: list[BlockKey] = []
+    for key in keys:
+        if key not in checksums:
+            cache.abort(key)
+        else:
+            try:
+                cache.commit(key, checksum=checksums[key])
+                committed.append(key)
+            except (IntegrityError, UnknownBlockError):
+                failed.append(key)
+        settled.append(key)
+    return committed, failed
 
 
 def _owner(args: Any) -> str:
@@ -627,6 +644,7 @@ class Fetch:
             return self._done
         messenger, cache = self._messenger, self._messenger.cache
         done: list[BlockKey] = []
+        settled: list[BlockKey] = []
         try:
             for part in range(self.parts):
                 if part not in self._failed:
@@ -635,14 +653,10 @@ class Fetch:
                     except TransferError:
                         pass
             if not self._failed:
-                for key in self.keys:
-                    try:
-                        cache.commit(key, checksum=self._checksums[key])
-                        done.append(key)
-                    except (IntegrityError, UnknownBlockError):
-                        pass
+                done, _failed = _commit_reserved(cache, self.keys, self._checksums, settled)
         finally:
-            leftover = [key for key in self.keys if key not in done]
+            # Only the reservations still this fetch's own (`_commit_reserved`: a settled key may be another's now).
+            leftover = self.keys[len(settled) :]
             if leftover and messenger._settle(self._batches):
                 for key in leftover:
                     cache.abort(key)

@@ -60,15 +60,15 @@ import re
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
-from mooncake._checks import require_str
+from mooncake._checks import require_str, shown
 from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer import tcp
 from mooncake.transfer.listener import Listener
-from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs
+from mooncake.transfer.rdma import QueuePair, RdmaTransport, Verbs, check_endpoint
 from mooncake.transfer.region import Region, RegionDescriptor
 from mooncake.transfer.request import EngineConfig, Transport
 from mooncake.transfer.shm import ShmTransport
@@ -148,14 +148,16 @@ class PeerDescriptor:
             # Taken as sent, never coerced: a pid of "12", 12.9 or true, or rdma "false", is a lie or a bug.
             for field, value, kind in (("name", name, str), ("host_id", host, str), ("rdma", rdma, bool)):
                 if type(value) is not kind:
-                    raise TransferError(f"malformed segment descriptor: {field}={value!r} is not a {kind.__name__}")
+                    raise TransferError(
+                        f"malformed segment descriptor: {field}={shown(value)} is not a {kind.__name__}"
+                    )
             if type(pid) is not int or not 0 < pid < 2**31:  # a process id: positive, and pid_t a signed 32-bit int
-                raise TransferError(f"malformed segment descriptor: pid={pid!r}")
+                raise TransferError(f"malformed segment descriptor: pid={shown(pid)}")
             if type(regions) is not list:
-                raise TransferError(f"malformed segment descriptor: regions={regions!r} is not a list")
+                raise TransferError(f"malformed segment descriptor: regions={shown(regions)} is not a list")
             frame = data.get("max_frame_bytes")
             if frame is not None and (type(frame) is not int or not 0 < frame < 2**63):
-                raise TransferError(f"malformed segment descriptor: max_frame_bytes={frame!r}")
+                raise TransferError(f"malformed segment descriptor: max_frame_bytes={shown(frame)}")
             return cls(
                 name=name,
                 host_id=host,
@@ -164,8 +166,8 @@ class PeerDescriptor:
                 rdma=rdma,
                 max_frame_bytes=frame,
             )
-        except (KeyError, TypeError, ValueError) as error:
-            raise TransferError(f"malformed segment descriptor: {error}") from error
+        except (KeyError, TypeError, ValueError) as error:  # the error may quote what the peer sent: cut short
+            raise TransferError(f"malformed segment descriptor: {shown(str(error), quote=str)}") from error
 
 
 @attrs.define(eq=False)
@@ -246,14 +248,15 @@ class Peers:
         Raises:
             ConfigError: not "host:port", or the peer reads frames smaller than this engine's `slice_bytes` (its
                 `max_frame_bytes` named: every slice would be refused). TransferError: `close` came first, or the
-                peer's descriptor is malformed.
+                peer's descriptor is malformed, or refused or malformed its RDMA endpoint (`ProtocolError`, naming
+                the peer); the queue pair made for it is closed.
             PeerUnavailable: the peer cannot be reached, or dropped or stalled the connection before it described
                 itself (or before its transports were set up).
         """
         require_str("address", address, what='peer address ("host:port")')
         host, _, port_text = address.rpartition(":")
         if not host or _PORT.fullmatch(port_text) is None or not 0 < int(port_text) < 65536:
-            raise ConfigError(f"a peer address is host:port (a TCP port, 1 to 65535), got {address!r}")
+            raise ConfigError(f"a peer address is host:port (a TCP port, 1 to 65535), got {shown(address)}")
         port = int(port_text)
         key = f"{host}:{port}"
         if self._closed:
@@ -342,7 +345,7 @@ class Peers:
         with self._lock:
             state = self._peers.pop(peer, None)
         if state is None:
-            raise TransferError(f"unknown peer {peer!r}: not connected (or disconnected already)")
+            raise TransferError(f"unknown peer {shown(peer)}: not connected (or disconnected already)")
         _close_peer(state)
 
     def descriptor(self, peer: str) -> PeerDescriptor:
@@ -395,7 +398,7 @@ class Peers:
         state = self._peer(peer)
         if not state.control_lock.acquire(timeout=self.config.io_timeout_s):
             raise TransferTimeout(
-                f"{peer}: the control call {method} waited {self.config.io_timeout_s}s (io_timeout_s) behind other"
+                f"{peer}: the control call {shown(method, quote=str)} waited {self.config.io_timeout_s}s (io_timeout_s) behind other"
                 " control calls to it, which share its control connection, and was not sent"
             )
         try:
@@ -420,7 +423,9 @@ class Peers:
                     state.control = None
                     if isinstance(error, TransferError) and not isinstance(error, ProtocolError):
                         raise
-                    raise PeerUnavailable(f"{peer}: the control call {method} failed midway: {error}") from error
+                    raise PeerUnavailable(
+                        f"{peer}: the control call {shown(method, quote=str)} failed midway: {error}"
+                    ) from error
         finally:
             state.control_lock.release()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -435,13 +440,13 @@ class Peers:
         """
         require_str("method", method)
         if not callable(handler):
-            raise ConfigError(f"handler must be callable, got {handler!r}")
+            raise ConfigError(f"handler must be callable, got {shown(handler)}")
         self._handlers[method] = handler
 
     def handle_call(self, method: str, args: Any) -> Json:
         handler = self._handlers.get(method)
         if handler is None:
-            raise TransferError(f"no handler for {method!r}")
+            raise TransferError(f"no handler for {shown(method)}")
         return handler(args)
 
     def region(self, region_id: int) -> Region | None:
@@ -481,7 +486,7 @@ class Peers:
         with self._lock:
             peer = self._peers.get(name)
         if peer is None:
-            raise TransferError(f"unknown peer {name!r}: connect() to it first")
+            raise TransferError(f"unknown peer {shown(name)}: connect() to it first")
         return peer
 
     def remote_region(self, peer: str, region_id: int) -> RegionDescriptor | None:
@@ -515,7 +520,7 @@ class Peers:
             raise TransferError("this engine has no RDMA device")
         queue_pair = self._rdma.create_queue_pair()
         try:
-            queue_pair.connect(endpoint)
+            queue_pair.connect(check_endpoint(endpoint, sender="the caller of rdma_connect"))
         except BaseException:
             queue_pair.close()
             raise
@@ -557,14 +562,17 @@ class Peers:
                     )
                 elif name == "rdma" and self._rdma is not None:
                     queue_pair = self._rdma.create_queue_pair()
-                    remote = tcp.call(
-                        control, "rdma_connect", queue_pair.endpoint(), timeout_s=self.config.io_timeout_s
-                    )
-                    # The peer's endpoint as it sent it: connect reads the fields it needs.
-                    queue_pair.connect(cast(dict[str, Any], remote))
-                    transports["rdma"] = RdmaTransport(
-                        queue_pair, local_key=self._local_key, describe=describe, config=self.config
-                    )
+                    try:  # until the transport holds it, the queue pair is closed here on any failure
+                        remote = tcp.call(
+                            control, "rdma_connect", queue_pair.endpoint(), timeout_s=self.config.io_timeout_s
+                        )
+                        queue_pair.connect(check_endpoint(remote, sender=peer_name))
+                        transports["rdma"] = RdmaTransport(
+                            queue_pair, local_key=self._local_key, describe=describe, config=self.config
+                        )
+                    except BaseException:
+                        queue_pair.close()
+                        raise
                 elif name == "tcp":
                     transports["tcp"] = tcp.TcpTransport(
                         host, port, secret=self.secret, config=self.config, incarnation=incarnation
@@ -599,14 +607,16 @@ def _checked_region(data: Any, peer_pid: int) -> RegionDescriptor:
     copies at another program's shared memory. (Authenticated peers are trusted
     with every region registered in the deployment: that is what the secret grants.)"""
     descriptor = RegionDescriptor.from_json(data)
-    for name in ("region_id", "length", "rdma_address", "rdma_rkey"):
+    for name, optional in (("region_id", False), ("length", False), ("rdma_address", True), ("rdma_rkey", True)):
         value = getattr(descriptor, name)
-        if value is not None and (type(value) is not int or not 0 <= value < 2**64):
-            raise TransferError(f"malformed segment descriptor: {name}={value!r}")
+        # Only a region's ways to reach it may be absent: its id and length are what every bounds check reads.
+        if not (optional and value is None) and (type(value) is not int or not 0 <= value < 2**64):
+            raise TransferError(f"malformed segment descriptor: {name}={shown(value)}")
     if descriptor.shm_name is not None:
-        match = _SHM_NAME.fullmatch(str(descriptor.shm_name))
+        shm_name = descriptor.shm_name
+        match = _SHM_NAME.fullmatch(shm_name) if type(shm_name) is str else None
         if match is None or int(match.group(1)) != peer_pid:
-            raise TransferError(f"malformed segment descriptor: shm_name={descriptor.shm_name!r}")
+            raise TransferError(f"malformed segment descriptor: shm_name={shown(descriptor.shm_name)}")
     return descriptor
 
 

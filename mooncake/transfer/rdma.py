@@ -49,12 +49,22 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from mooncake.errors import ConfigError, PeerUnavailable, TransferError, TransferTimeout
+from mooncake._checks import shown
+from mooncake.errors import ConfigError, PeerUnavailable, ProtocolError, TransferError, TransferTimeout
 from mooncake.transfer.region import RegionDescriptor, bounds_error
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
 from mooncake.transfer.workers import attempt
 
-__all__ = ["MAX_SEND_WR", "PyverbsDevice", "QueuePair", "RdmaTransport", "Verbs", "buffer_address", "open_device"]
+__all__ = [
+    "MAX_SEND_WR",
+    "PyverbsDevice",
+    "QueuePair",
+    "RdmaTransport",
+    "Verbs",
+    "buffer_address",
+    "check_endpoint",
+    "open_device",
+]
 
 _DEBIAN_PACKAGES = "/usr/lib/python3/dist-packages"
 MAX_SEND_WR = 1024  # the send-queue depth each queue pair is created with
@@ -88,6 +98,33 @@ class QueuePair(Protocol):
         """Completed work requests: (wr_id, None) or (wr_id, error text)."""
 
     def close(self) -> None: ...
+
+
+_ENDPOINT_BITS = {"qp_num": 24, "lid": 16, "psn": 24}  # the widths of these fields in the verbs
+
+
+def check_endpoint(value: Any, *, sender: str) -> dict[str, Any]:
+    """`value`, a queue pair's endpoint as `sender` sent it (its `QueuePair.endpoint`), once it has the shape
+    `QueuePair.connect` reads: a JSON object whose qp_num, lid and psn are unsigned integers of their 24, 16 and
+    24 bits (never coerced: "7" or true is a lie or a bug) and whose gid is a string.
+
+    Raises:
+        ProtocolError: it has not; the message names `sender`, the field and what was sent (cut short).
+    """
+    if type(value) is not dict:
+        raise ProtocolError(f"{sender} sent a malformed RDMA endpoint: not a JSON object, got {shown(value)}")
+    for field, bits in _ENDPOINT_BITS.items():
+        number = value.get(field)
+        if type(number) is not int or not 0 <= number < 1 << bits:
+            raise ProtocolError(
+                f"{sender} sent a malformed RDMA endpoint: {field} must be an unsigned {bits}-bit integer,"
+                f" got {shown(number)}"
+            )
+    if type(value.get("gid")) is not str:
+        raise ProtocolError(
+            f"{sender} sent a malformed RDMA endpoint: gid must be a string, got {shown(value.get('gid'))}"
+        )
+    return value
 
 
 class Verbs(Protocol):
@@ -137,7 +174,7 @@ class PyverbsDevice:
             raise ConfigError("no RDMA device")
         chosen = name or names[0]
         if chosen not in names:
-            raise ConfigError(f"no RDMA device {chosen!r}; found {names}")
+            raise ConfigError(f"no RDMA device {shown(chosen)}; found {names}")
         self._enums = enums
         self.context = device.Context(name=chosen)
         self.pd = PD(self.context)

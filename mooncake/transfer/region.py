@@ -27,11 +27,21 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from mooncake._checks import require_int
 from mooncake.errors import TransferError
 
-__all__ = ["Region", "RegionDescriptor", "attach_shared", "bounds_error", "create_shared", "shared_array"]
+__all__ = [
+    "MAX_SEGMENT_BYTES",
+    "Region",
+    "RegionDescriptor",
+    "attach_shared",
+    "bounds_error",
+    "create_shared",
+    "shared_array",
+]
 
 _CREATED_HERE: set[str] = set()
+MAX_SEGMENT_BYTES = 2**63  # a shared segment is a file: its size is an off_t, a signed 64-bit integer
 
 
 @attrs.frozen(kw_only=True)
@@ -116,9 +126,13 @@ def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memo
     Names carry the creating pid, so leftovers of a crashed process can be found in /dev/shm.
 
     Raises:
+        ConfigError: `nbytes` is not an integer in [0, `MAX_SEGMENT_BYTES`) (nothing is made).
         TransferError: the system would not create (size or map) it: too large, no memory, no /dev/shm. Nothing
             is left behind (`SharedMemory` unlinks a segment it could not size or map).
     """
+    # Checked before the segment exists: past off_t, os.ftruncate raises OverflowError, after which SharedMemory
+    # does not unlink the segment it has just created (it does so only on OSError).
+    require_int("nbytes", nbytes, minimum=0, below=MAX_SEGMENT_BYTES)
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     try:
         segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from mooncake._checks import int_at_least, plain_int, require_bool, require_int, require_number, require_str
+from mooncake._checks import int_at_least, plain_int, require_bool, require_int, require_number, require_str, shown
 from mooncake.errors import ConfigError, TransferError
 
 TRANSPORTS = ("shm", "rdma", "tcp")  # the kinds an engine can move bytes by, fastest first
@@ -38,18 +38,18 @@ MAX_OFFSET = 2**62  # far beyond any memory, and safe from overflow in offset + 
 
 def _region_id(_instance: object, attribute: Any, value: Any) -> None:
     if require_int(attribute.name, value, minimum=0) > MAX_REGION_ID:
-        raise ConfigError(f"{attribute.name} must be at most {MAX_REGION_ID}, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be at most {MAX_REGION_ID}, got {shown(value)}")
 
 
 def _offset(_instance: object, attribute: Any, value: Any) -> None:
     if require_int(attribute.name, value, minimum=0) > MAX_OFFSET:
-        raise ConfigError(f"{attribute.name} must be at most 2**62, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be at most 2**62, got {shown(value)}")
 
 
 def _op(_instance: object, attribute: Any, value: Any) -> None:
     # An op that is no TransferOp was sent as a READ whose answer nobody read: DONE with nothing moved.
     if not isinstance(value, TransferOp):
-        raise ConfigError(f"{attribute.name} must be TransferOp.READ or TransferOp.WRITE, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be TransferOp.READ or TransferOp.WRITE, got {shown(value)}")
 
 
 def _peer(_instance: object, attribute: Any, value: Any) -> None:
@@ -128,12 +128,12 @@ def _timeout_s(_instance: object, attribute: Any, value: Any) -> None:
     """A positive, finite number of seconds that every wait the engine makes with it can take (poll, select and
     socket timeouts overflow far below what a float holds)."""
     if require_number(attribute.name, value, minimum=0, strict=True) > MAX_TIMEOUT_S:
-        raise ConfigError(f"{attribute.name} must be at most {MAX_TIMEOUT_S:g} s, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be at most {MAX_TIMEOUT_S:g} s, got {shown(value)}")
 
 
 def _port(_instance: object, attribute: Any, value: Any) -> None:
     if require_int(attribute.name, value, minimum=0) > 65535:
-        raise ConfigError(f"{attribute.name} must be a TCP port, 0 (any free one) to 65535, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be a TCP port, 0 (any free one) to 65535, got {shown(value)}")
 
 
 def _host(_instance: object, attribute: Any, value: Any) -> None:
@@ -149,7 +149,7 @@ def _transports(value: Any) -> tuple[str, ...]:
     field for anything else; a lone "tcp" would read as t, c, p, and None or 5 failed in `tuple`)."""
     names = tuple(value) if isinstance(value, list | tuple) else None
     if not names or not all(isinstance(name, str) and name in TRANSPORTS for name in names):
-        raise ConfigError(f"transports must be a non-empty sequence of {', '.join(TRANSPORTS)}; got {value!r}")
+        raise ConfigError(f"transports must be a non-empty sequence of {', '.join(TRANSPORTS)}; got {shown(value)}")
     return names
 
 
@@ -216,9 +216,12 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.slice_bytes > self.max_frame_bytes:
-            raise ConfigError(f"slice_bytes {self.slice_bytes} exceeds max_frame_bytes {self.max_frame_bytes}")
+            raise ConfigError(
+                f"slice_bytes ({shown(self.slice_bytes)}) exceeds max_frame_bytes ({shown(self.max_frame_bytes)})"
+            )
         if self.max_staging_bytes < self.max_frame_bytes:
             raise ConfigError(
-                f"max_staging_bytes {self.max_staging_bytes} is below max_frame_bytes {self.max_frame_bytes}:"
+                f"max_staging_bytes ({shown(self.max_staging_bytes)}) is below max_frame_bytes"
+                f" ({shown(self.max_frame_bytes)}):"
                 " a checksummed frame could never be staged"
             )

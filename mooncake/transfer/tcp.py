@@ -68,6 +68,7 @@ import attrs
 import numpy as np
 import xxhash
 
+from mooncake._checks import shown
 from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.region import Region
 from mooncake.transfer.request import EngineConfig, Slice, TransferOp
@@ -91,6 +92,7 @@ __all__ = ["CallNotSent", "ServerContext", "TcpTransport", "call", "connect", "o
 
 _DRAIN_CHUNK = 1 << 20
 _SMALL_FRAME_BYTES = 64 << 10  # staged in the connection's own buffer
+_MAX_REFUSAL_BYTES = 4096  # of the reason an ERROR frame gives: what a server sends, and a client reads, at most
 
 
 def _checksum(request: Frame, payload: memoryview | bytes) -> int:
@@ -226,12 +228,16 @@ def call(sock: socket.socket, method: str, args: object, *, timeout_s: float | N
     """
     try:
         payload = json.dumps({"method": method, "args": args}).encode()
-    except (TypeError, ValueError) as error:  # an object JSON has no form for, or a cycle
+    # An object JSON has no form for, a cycle, an int past 4,300 digits (ValueError), or nesting past the encoder's
+    # depth (RecursionError).
+    except (TypeError, ValueError, RecursionError) as error:
         raise ConfigError(
-            f"the args of control call {method!r} must be JSON-encodable, got {args!r}: {error}"
+            f"the args of control call {shown(method)} must be JSON-encodable, got {shown(args)}: {error}"
         ) from None
     if len(payload) > MAX_CONTROL_BYTES:
-        raise TransferError(f"control call {method} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+        raise TransferError(
+            f"control call {shown(method, quote=str)} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}"
+        )
     if _has_unasked_input(sock):
         # The peer closed this connection (it went away, or restarted) while it was idle: nothing is sent on it.
         raise CallNotSent("the peer closed the connection (or sent what no call asked for) while it was idle")
@@ -248,18 +254,20 @@ def call(sock: socket.socket, method: str, args: object, *, timeout_s: float | N
         # then the body, are each due within the timeout (a peer answering a byte at a time cannot hold the call).
         reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES, deadline=_within(timeout))
         if reply.kind not in (Kind.REPLY, Kind.ERROR) or reply.tag != 0:
-            raise ProtocolError(f"expected a REPLY to {method}, got {reply.kind.name} (tag {reply.tag})")
+            raise ProtocolError(
+                f"expected a REPLY to {shown(method, quote=str)}, got {reply.kind.name} (tag {reply.tag})"
+            )
         body = bytearray(reply.length)
         recv_exact(sock, memoryview(body), deadline=_within(timeout))
     finally:
         with contextlib.suppress(OSError):  # closed meanwhile: nothing to put back
             sock.settimeout(timeout)
     if reply.kind == Kind.ERROR:
-        raise TransferError(f"peer refused {method}: {body.decode(errors='replace')}")
+        raise TransferError(f"peer refused {shown(method, quote=str)}: {_refusal_text(body)}")
     try:
         decoded: Json = json.loads(body)
     except (ValueError, RecursionError) as error:  # malformed, or nested past the parser's depth
-        raise ProtocolError(f"the REPLY to {method} is not JSON: {error}") from error
+        raise ProtocolError(f"the REPLY to {shown(method, quote=str)} is not JSON: {error}") from error
     return decoded
 
 
@@ -510,7 +518,7 @@ class TcpTransport:
         if reply.kind == Kind.ERROR:
             message = bytearray(reply.length)
             recv_exact(sock, memoryview(message), deadline=_within(io_timeout, deadline))
-            raise TransferError(f"{self._where(piece)}: the peer refused: {message.decode(errors='replace')}")
+            raise TransferError(f"{self._where(piece)}: the peer refused: {_refusal_text(message)}")
         if reply.kind != Kind.OK:
             raise ProtocolError(f"expected OK, got {reply.kind.name}")
         if reply.tag != tag:
@@ -609,8 +617,13 @@ def _reply(
     send_frame(sock, frame, payload)
 
 
+def _refusal_text(message: bytes | bytearray) -> str:
+    """The reason a peer's ERROR frame gives, cut to what an engine sends (a peer may send up to a frame's bound)."""
+    return bytes(message[:_MAX_REFUSAL_BYTES]).decode(errors="replace")
+
+
 def _refuse(sock: socket.socket, context: ServerContext, frame: Frame, reason: str) -> None:
-    message = reason.encode()[:4096]
+    message = reason.encode()[:_MAX_REFUSAL_BYTES]
     _reply(sock, context, Frame(Kind.ERROR, tag=frame.tag, length=len(message)), message)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from mooncake.errors import TransferError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, TransferOp, TransferRequest
 from tests.transfer.fake_verbs import FakeFabric, FakeVerbs
@@ -46,7 +47,7 @@ def engine_on(port: int, config: EngineConfig, *, timeout_s: float = 10.0) -> Tr
     while True:
         try:
             return TransferEngine(secret=SECRET, config=attrs.evolve(config, port=port))
-        except OSError:
+        except TransferError:  # "cannot listen on ...": the port is still held
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)

@@ -570,7 +570,7 @@ def test_a_closed_engine_refuses_new_work_and_creates_nothing() -> None:
     try:
         region, _ = local_engine.allocate_shared(64)
         name = local_engine.connect(peer.address)
-        with pytest.raises(ConfigError, match="nbytes must be an integer >= 0, got -1"):
+        with pytest.raises(ConfigError, match=r"nbytes must be an integer in \[0, 2\*\*63\), got -1"):
             local_engine.allocate_shared(-1)
         local_engine.close()
         before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -758,7 +758,17 @@ BAD_CALLS: list[tuple[str, Callable[[Any, str], object], str]] = [
     ("handler method", lambda e, _p: e.register_handler(1, lambda _a: None), r"^method must be .*, got 1$"),
     ("handler None", lambda e, _p: e.register_handler("m", None), r"^handler must be callable, got None$"),
     ("call args", lambda e, p: e.call(p, "describe", object()), r"^the args of control call 'describe' must"),
+    ("call args too deep", lambda e, p: e.call(p, "describe", _nested(100_000)), r"^the args of control call 'desc"),
+    ("call args huge int", lambda e, p: e.call(p, "describe", {"n": 10**5000}), r"^the args of control call 'desc"),
 ]
+
+
+def _nested(depth: int) -> list[Any]:
+    """A list nested `depth` deep: past what json.dumps recurses into (RecursionError, not TypeError)."""
+    nested: list[Any] = []
+    for _ in range(depth):
+        nested = [nested]
+    return nested
 
 
 @pytest.mark.parametrize(("call", "message"), [(c, m) for _n, c, m in BAD_CALLS], ids=[n for n, _c, _m in BAD_CALLS])
@@ -787,6 +797,23 @@ def test_memory_that_cannot_be_registered_or_allocated_is_a_transfer_error() -> 
             engine.allocate_shared(2**62)
         assert own_segments() == before
         assert engine.regions() == ()
+
+
+@pytest.mark.parametrize(
+    "nbytes", [2**63 - 1, 2**63, 2**64, 10**30, 10**5000], ids=["2**63-1", "2**63", "2**64", "10**30", "10**5000"]
+)
+def test_a_shared_segment_past_what_a_file_can_hold_is_refused_and_leaves_nothing(nbytes: int) -> None:
+    """A file holds less than 2**63 bytes (off_t): a size from 2**63 up is a ConfigError naming nbytes before any
+    segment is made, and 2**63 - 1 the system's refusal (TransferError); neither leaves a segment in /dev/shm.
+    (From 2**63 os.ftruncate raised OverflowError, which SharedMemory does not clean up after: the bare error
+    escaped and the empty segment stayed in /dev/shm for the life of the host.)"""
+    with TransferEngine(secret=SECRET) as engine:
+        before = own_segments()
+        with pytest.raises(TransferError if nbytes < 2**63 else ConfigError, match="nbytes") as raised:
+            engine.allocate_shared(nbytes)
+        assert own_segments() == before
+        assert engine.regions() == ()
+        assert len(str(raised.value)) < 300
 
 
 def test_a_local_refusal_names_the_request_and_says_the_region_is_local(connected: tuple[TransferEngine, str]) -> None:

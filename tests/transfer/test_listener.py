@@ -242,6 +242,21 @@ def test_the_new_limits_are_validated() -> None:
     assert EngineConfig().auth_timeout_s <= 5.0
 
 
+@pytest.mark.parametrize("where", ["port in use", "no-such-host.invalid", "192.0.2.1"])
+def test_an_address_the_engine_cannot_listen_on_is_a_transfer_error_naming_it(where: str) -> None:
+    """A port another engine holds, a host that does not resolve and one that is not this machine's (TEST-NET-1)
+    are a TransferError naming host and port, and the engine that failed to start leaves no socket or thread
+    behind. (They were a bare OSError from socket.create_server.)"""
+    with TransferEngine(secret=SECRET) as holder:
+        host, port = (holder.host, holder.port) if where == "port in use" else (where, 0)
+        fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+        with pytest.raises(TransferError, match=rf"^cannot listen on {host}:{port}: ") as raised:
+            TransferEngine(secret=SECRET, config=EngineConfig(host=host, port=port))
+        assert isinstance(raised.value.__cause__, OSError)
+        assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+        assert holder.call(holder.connect(holder.address), "describe", None) is not None  # the holder serves on
+
+
 @pytest.mark.parametrize("field", ["io_timeout_s", "idle_timeout_s", "auth_timeout_s", "connect_timeout_s"])
 def test_timeouts_are_bounded_by_what_the_system_can_wait(field: str) -> None:
     """A timeout is at most 1e6 s (11.6 days), a ConfigError naming the field and value past it: poll() takes at

@@ -509,6 +509,39 @@ def test_a_descriptor_integer_is_accepted_exactly_up_to_its_wire_range(field: st
             PeerDescriptor.from_json(data)
 
 
+@pytest.mark.parametrize("field", ["region_id", "length", "shm_name", "rdma_address", "rdma_rkey"])
+def test_only_a_region_s_optional_fields_may_be_null(field: str) -> None:
+    """A region descriptor's shm_name and RDMA address and key may be null (a region not shared, not registered
+    with a device); its id and length may not: a descriptor that gives either as null is refused as malformed
+    at connect. (It was kept as validated, and the next submit or transfer_sync to the region was a bare
+    TypeError, None compared with an int.)"""
+    region: dict[str, Any] = {"region_id": 1, "length": 64, "shm_name": None, "rdma_address": None, "rdma_rkey": None}
+    region[field] = None
+    data = {"name": "p", "host_id": "h", "pid": 7, "regions": [region], "rdma": False}
+    if field in ("region_id", "length"):
+        with pytest.raises(TransferError, match=f"malformed segment descriptor: {field}=None"):
+            PeerDescriptor.from_json(data)
+    else:
+        assert getattr(PeerDescriptor.from_json(data).regions[0], field) is None
+
+
+def test_a_peer_describing_a_region_of_null_length_is_refused_at_connect() -> None:
+    """End to end: a peer (buggy, or of another version) whose descriptor lists a region of length null is
+    refused by connect with a TransferError naming the field, and nothing of it is kept."""
+    with (
+        TransferEngine(secret=SECRET, config=TCP_ONLY) as here,
+        TransferEngine(secret=SECRET, config=TCP_ONLY) as there,
+    ):
+        region = there.register_memory(bytearray(4096))
+        described: Any = there.handle_call("describe", None)
+        described["regions"] = [{"region_id": region.region_id, "length": None}]
+        there.register_handler("describe", lambda _args: described)
+        with pytest.raises(TransferError, match="malformed segment descriptor: length=None"):
+            here.connect(there.address)
+        with pytest.raises(TransferError, match="unknown peer"):
+            here.peer_regions(there.address)
+
+
 class OffProtocolPeer:
     """An engine look-alike on 127.0.0.1: authenticates and answers "describe" as an engine does (no region,
     another host), then answers any other call with a REPLY of another tag (no reply to that call)."""

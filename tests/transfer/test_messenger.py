@@ -180,6 +180,38 @@ def test_a_corrupted_block_is_not_committed(nodes: tuple[Node, Node, str]) -> No
     assert BlockKey(4) not in a.cache
 
 
+def test_a_fetch_leaves_alone_a_reservation_made_after_its_commit_failed(
+    nodes: tuple[Node, Node, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block whose bytes fail the peer's checksum is aborted by the commit itself: the page is free at once, and
+    another lease (a peer's push, served on another thread) may reserve the key before the fetch ends. The fetch
+    then aborts only what is still its own: the push keeps its page and its lease still holds the key. (The fetch
+    aborted every key it had not committed, so it freed the push's page under it.)"""
+    a, b, peer = nodes
+    key = BlockKey(1)
+    b.cache.put(key, block(1))
+    fetch = a.messenger.fetch([key], peer)
+    fetch.wait_part(0, timeout=10)
+    location = a.cache.location(key)
+    assert location is not None
+    a.cache.pools[0].buffer[location.page * PAGE] ^= 0xFF  # type: ignore[attr-defined]
+    commit, pushed = a.cache.commit, []
+
+    def commit_then_a_push_reserves(key: BlockKey, *, checksum: int | None = None) -> None:
+        try:
+            commit(key, checksum=checksum)
+        finally:  # what a serving thread does meanwhile: a push from another node reserves the same key
+            pushed.append(a.messenger._serve_reserve({"lease": "push", "blocks": [[key, len(block(1)), None]]}))
+
+    monkeypatch.setattr(a.cache, "commit", commit_then_a_push_reserves)
+    assert fetch.finish(timeout=10) == ()
+    assert pushed[0]["blocks"][0][1] is not None, pushed  # the push got a page
+    held = a.cache.location(key)
+    assert held is not None and not held.ready, "the fetch gave back the page the push is writing into"
+    assert a.cache.pools[0].num_free == 16 - 1
+    assert a.messenger._leases["push"].reserved == [key]
+
+
 def test_leases_release_pins_of_a_vanished_peer(nodes: tuple[Node, Node, str]) -> None:
     """Pins taken for a peer that never releases them go when its lease expires."""
     a, b, peer = nodes

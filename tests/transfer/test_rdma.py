@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from typing import Any
 
 import attrs
 import numpy as np
 import pytest
 
-from mooncake.errors import PeerUnavailable, TransferError, TransferTimeout
+from mooncake.errors import PeerUnavailable, ProtocolError, TransferError, TransferTimeout
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.rdma import MAX_SEND_WR, RdmaTransport, open_device
 from mooncake.transfer.request import EngineConfig, RequestState, TransferOp
@@ -274,3 +275,56 @@ def test_a_flood_of_rdma_connects_cannot_use_up_the_queue_pairs(
         )
         assert statuses[0].state == RequestState.DONE and statuses[0].transport == "rdma"
         assert np.array_equal(target, pattern(SIZE, 5))
+
+
+def _refuse(_endpoint: object) -> object:
+    raise RuntimeError("no queue pair for you")
+
+
+@pytest.mark.parametrize(
+    ("reply", "error", "message"),
+    [
+        (lambda _endpoint: {}, ProtocolError, "qp_num"),
+        (lambda _endpoint: "x", ProtocolError, "'x'"),
+        (lambda _endpoint: None, ProtocolError, "None"),
+        (lambda _endpoint: {"qp_num": "7", "lid": 1, "gid": "fe80::1", "psn": 0}, ProtocolError, "qp_num"),
+        (lambda _endpoint: {"qp_num": 7, "lid": 1, "gid": "fe80::1", "psn": 2**24}, ProtocolError, "psn"),
+        (lambda _endpoint: {"qp_num": 7, "lid": True, "gid": "fe80::1", "psn": 0}, ProtocolError, "lid"),
+        (lambda _endpoint: {"qp_num": 7, "lid": 1, "gid": None, "psn": 0}, ProtocolError, "gid"),
+        (_refuse, TransferError, "no queue pair for you"),
+    ],
+    ids=["empty", "text", "null", "qp_num-text", "psn-past-24-bits", "lid-bool", "gid-null", "refused"],
+)
+def test_a_malformed_or_refused_rdma_connect_closes_the_new_queue_pair(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine], reply: Any, error: type[TransferError], message: str
+) -> None:
+    """The initiator creates a queue pair, then asks the peer for its endpoint ("rdma_connect"). A reply that is
+    not an endpoint (no dict; qp_num, lid and psn unsigned integers of their 24, 16 and 24 bits, gid a string) is
+    a ProtocolError naming the peer, and a refusal the peer's TransferError: either way the queue pair just
+    created is closed, nothing of the peer is kept, and a later connect (the peer answering again) gets RDMA.
+    (A malformed reply was a bare KeyError or TypeError, and the queue pair stayed open in both cases.)"""
+    fabric, a, b = pair
+    b.register_handler("rdma_connect", reply)
+    before = set(fabric.queue_pairs)
+    with pytest.raises(error, match=message) as raised:
+        a.connect(b.address)
+    assert error is not ProtocolError or b.address in str(raised.value)
+    assert set(fabric.queue_pairs) == before, "the queue pair created for the peer was left open"
+    with pytest.raises(TransferError, match="unknown peer"):
+        a.transport_names(b.address)
+    b.register_handler("rdma_connect", b._peers._accept_rdma)
+    assert a.transport_names(a.connect(b.address)) == ("rdma", "tcp")
+
+
+@pytest.mark.parametrize("endpoint", [{}, "x", None, {"qp_num": -1, "lid": 1, "gid": "fe80::1", "psn": 0}])
+def test_a_malformed_endpoint_sent_to_rdma_connect_is_refused_and_leaves_no_queue_pair(
+    pair: tuple[FakeFabric, TransferEngine, TransferEngine], endpoint: object
+) -> None:
+    """The serving side reads the caller's endpoint by the same rule: one that is not an endpoint is a
+    ProtocolError (the call is refused) and the queue pair it created for it is closed."""
+    fabric, _a, b = pair
+    before = set(fabric.queue_pairs)
+    with pytest.raises(ProtocolError, match="endpoint"):
+        b.handle_call("rdma_connect", endpoint)
+    assert set(fabric.queue_pairs) == before
+    assert b.num_accepted_queue_pairs == 0
