@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import simulation
 from paper.cache import cache
@@ -69,29 +68,6 @@ PLOTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _number(
-    kind: Callable[[str], Any], *, least: float = -math.inf, above: float = -math.inf, most: float = math.inf
-) -> Callable[[str], Any]:
-    """An option's value as `kind`, finite, >= `least`, > `above` and <= `most`: argparse then names the option
-    and the value it refuses, before anything runs (an unbounded value could loop forever: --sample-every 0)."""
-    bound = f">= {least:g}" if least > -math.inf else f"> {above:g}"
-    if most < math.inf:
-        bound += f" and <= {most:.4g}"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-            finite = math.isfinite(value)
-        except (ValueError, OverflowError):  # not a number, or an integer past any float
-            value, finite = math.nan, False
-        if not (finite and least <= value <= most and value > above):
-            noun = "an integer" if kind is int else "a finite number"
-            raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
-        return value
-
-    return parse
-
-
 def _threshold(text: str) -> float:
     try:
         value = float(text)
@@ -116,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "scheduling":
             q.add_argument(
                 "--routers",
-                type=comma_separated(str),
+                type=comma_separated(simulation.router_name),  # each resolved now, before any replay
                 default=list(PAPER_ROUTERS),
                 help=f"comma-separated, of {', '.join(ROUTERS)}; FILE.py:FACTORY too",
             )
@@ -130,40 +106,49 @@ def parser() -> argparse.ArgumentParser:
             q.set_defaults(admission="baseline")
         if name == "cache":
             q.add_argument(
-                "--capacities", type=comma_separated(_number(int, least=0)), help="blocks per node, comma-separated"
+                "--capacities",
+                type=comma_separated(simulation.number(int, least=0)),
+                help="blocks per node, comma-separated",
             )
             q.add_argument(
                 "--nodes",
-                type=comma_separated(_number(int, least=1, most=simulation.MAX_NODES)),
+                type=comma_separated(simulation.number(int, least=1, most=simulation.MAX_NODES)),
                 help="prefill node counts, comma-separated",
             )
         if name == "throughput":
             q.add_argument(
-                "--lengths", type=comma_separated(_number(int, least=1)), help="prompt lengths, comma-separated"
+                "--lengths",
+                type=comma_separated(simulation.number(int, least=1)),
+                help="prompt lengths, comma-separated",
             )
             q.add_argument(
-                "--throughput-requests", type=_number(int, least=1), default=300, help="requests per rate tried"
+                "--throughput-requests",
+                type=simulation.number(int, least=1, most=simulation.MAX_REQUESTS),
+                default=300,
+                help=f"requests per rate tried (at most {simulation.MAX_REQUESTS:,})",
             )
             q.add_argument(
                 "--ttft-slo-factor",
-                type=_number(float, least=0),
+                type=simulation.number(float, least=0),
                 default=10.0,
                 help="TTFT SLO = factor x a lone request's (0: --ttft-slo for every length)",
             )
-            q.add_argument("--tbt-thresholds", type=comma_separated(_number(float, above=0)), default=[0.1, 0.2, 0.3])
+            q.add_argument(
+                "--tbt-thresholds", type=comma_separated(simulation.number(float, above=0)), default=[0.1, 0.2, 0.3]
+            )
         if name == "threshold":
             q.add_argument("--thresholds", type=comma_separated(_threshold))
         if name == "overload":
-            q.add_argument("--speedups", type=comma_separated(_number(float, above=0)))
+            q.add_argument("--speedups", type=comma_separated(simulation.number(float, above=0)))
         if name == "predictors":
             q.add_argument(
                 "--horizons",
                 # a snapshot is settled this far past its time: no later than the latest arrival a replay times
-                type=comma_separated(_number(float, least=0, most=MAX_ARRIVAL_S)),
+                type=comma_separated(simulation.number(float, least=0, most=MAX_ARRIVAL_S)),
                 help=f"seconds ahead each prediction is scored, comma-separated (at most {MAX_ARRIVAL_S:.4g}: 2**43 ms)",
             )
             q.add_argument(
-                "--sample-every", type=_number(float, above=0), default=5.0, help="seconds between snapshots"
+                "--sample-every", type=simulation.number(float, above=0), default=5.0, help="seconds between snapshots"
             )
     return p
 

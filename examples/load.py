@@ -69,7 +69,7 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 from serving.api import DECODE_HEADER, PREFILL_HEADER
 
-from mooncake.cli import OneLineParser, error_message, folder_path, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
@@ -334,8 +334,8 @@ def parser() -> argparse.ArgumentParser:
     add_workload_options(p, num_requests=100)
     p.add_argument("--url", help="a running cluster's gateway, http://HOST:PORT (default: start --config's)")
     p.add_argument("--model", help="the model to name in requests (default: the first at /v1/models)")
-    p.add_argument("--config", type=Path, default=Path(__file__).parent / "configs" / "tiny.toml")
-    p.add_argument("--profile", type=Path, help="the cluster's fitted cost models (its [prefill] profile)")
+    p.add_argument("--config", type=file_path, default=Path(__file__).parent / "configs" / "tiny.toml")
+    p.add_argument("--profile", type=file_path, help="the cluster's fitted cost models (its [prefill] profile)")
     add_scaling_options(p)
     p.add_argument("--ttft-slo", type=float, help="seconds (default: --config's [slo] ttft_s)")
     p.add_argument("--tbt-slo", type=float, help="seconds (default: --config's [slo] tbt_s)")
@@ -379,6 +379,8 @@ def load(argv: list[str] | None) -> int:
             check_url(args.url)
             if args.profile is not None:
                 raise ConfigError("--profile does not apply with --url: the running cluster has its own profile")
+        if args.profile is not None:  # named by its option, before the config's [prefill] profile is blamed for it
+            simulation.check_profile(args.profile)
         scaling = scaling_of(args)
         requests = simulation.load_workload(args)
         from serving.config import load_config

@@ -40,18 +40,16 @@ from pathlib import Path
 
 import attrs
 import simulation
+from paper.common import policy_conductor
 from scaling import Scaling, add_scaling_options, scaling_of
-from serving import registry
 
-from mooncake.cli import OneLineParser, error_message, folder_path, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sched.cost import HARDWARE, MODELS
 from mooncake.sched.outcome import Outcome
-from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.coupled import CoupledCluster
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult, has_tbt
 from mooncake.sim.report import plot_cdfs, plot_load, require_pyplot, summary_table, write_json, write_records_csv
-from mooncake.sim.spec import build_conductor
 
 ENGINES = ("disaggregated", "coupled", "coupled-chunked")
 # The --out set (`write_outputs`), its marker last.
@@ -64,9 +62,11 @@ def parser() -> argparse.ArgumentParser:
     simulation.add_cluster_options(p)
     simulation.add_policy_options(p)
     p.add_argument("--engine", choices=ENGINES, default="disaggregated")
-    p.add_argument("--config", type=Path, help="simulate this example cluster config (its shape, policies, SLOs)")
+    p.add_argument("--config", type=file_path, help="simulate this example cluster config (its shape, policies, SLOs)")
     p.add_argument(
-        "--profile", type=Path, help="with --config: the fitted cost models (the config's [prefill] profile)"
+        "--profile",
+        type=file_path,
+        help="with --config: the fitted cost models (the config's [prefill] profile)",
     )
     add_scaling_options(p)
     p.add_argument("--out", type=folder_path, help="write requests.csv, summary.json and plots here")
@@ -109,24 +109,11 @@ def run(args: argparse.Namespace, given: Mapping[str, str]) -> tuple[ReplayResul
     requests, spec = simulation.sized_cluster(args)  # sized at speed 1: --speedup loads it
     progress = simulation.progress(args, len(requests), f"replay ({args.engine})")
     if args.engine == "disaggregated":
-        slo = simulation.slo(args)
-        conductor = build_conductor(
-            spec,
-            router=registry.router(args.router, threshold=args.threshold),
-            admission=registry.admission(args.admission),
-            slo=slo,
-            predictor=registry.predictor(args.predictor, requests, slo),
-            seed=args.seed,
-        )
+        conductor = policy_conductor(spec, requests, args, simulation.slo(args))  # the experiments' Conductor
         result = DisaggregatedCluster(spec, conductor).run(requests, progress=progress)
         return result, f"{simulation.describe(spec)}; router {args.router}, admission {args.admission}"
-    coupled = CoupledSpec(
-        num_instances=spec.num_prefill + spec.num_decode,
-        model=MODELS[args.model],
-        hardware=HARDWARE[args.hardware],
-        chunked_prefill=args.engine == "coupled-chunked",
-        block_size_tokens=args.block_size,
-    )
+    instances = spec.num_prefill + spec.num_decode
+    coupled = simulation.coupled_spec(args, instances, chunked=args.engine == "coupled-chunked")
     result = CoupledCluster(coupled, slo=simulation.slo(args)).run(requests, progress=progress)
     return result, f"{coupled.num_instances} coupled {args.model} instances on {args.hardware} ({args.engine})"
 
@@ -140,6 +127,7 @@ def run_config(args: argparse.Namespace) -> tuple[ReplayResult, str]:
         raise ConfigError(f"--config simulates the disaggregated example cluster, not --engine {args.engine}")
     config = load_config(args.config, machine=Machine())  # simulated: it need not fit this machine
     if args.profile is not None:
+        simulation.check_profile(args.profile)  # named by its option, not blamed on the config's [prefill] profile
         config = config.with_overrides("prefill", profile=str(args.profile))
     spec = simulation.config_spec(config)
     conductor = simulation.config_conductor(config, spec)

@@ -45,20 +45,22 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from scaling import Scaling, scale
+from serving import registry
 from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
 from mooncake._checks import range_problem
 from mooncake._files import atomic_path
-from mooncake.cli import read_trace
+from mooncake.cli import file_path, read_trace
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sched.router import DEFAULT_THRESHOLD, is_threshold
+from mooncake.sim.coupled import CoupledSpec
 from mooncake.sim.report import ProgressBar, shows_progress
 from mooncake.sim.spec import DEFAULT_CACHE_BLOCKS, ClusterSpec
 from mooncake.types import Request, Slo
@@ -83,6 +85,47 @@ SIZING_LOAD = 0.8
 # Nodes of a role, given or sized: past it a trace's rate is no basis for sizing (arrivals nearly at once), and a
 # given count (an extra zero, say) would build a list of instance names that takes every byte of memory.
 MAX_NODES = 1024
+# Requests of a workload (--num-requests; experiments.py's --throughput-requests, per rate tried): the generator makes
+# about 3,000 a second (fixed-length long prompts 6,000), so this many take it about five minutes, and a replay
+# longer; past it a count is a slip (an extra zero or three), which spun in the generator for hours, or past
+# sys.maxsize failed in a traceback. A whole trace, read without --num-requests, is bounded by its lines instead.
+MAX_REQUESTS = 10**6
+
+
+def number(
+    kind: Callable[[str], Any], *, least: float = -math.inf, above: float = -math.inf, most: float = math.inf
+) -> Callable[[str], Any]:
+    """An argparse type: an option's value as `kind`, finite, >= `least`, > `above` and <= `most`: argparse then
+    names the option and the value it refuses, before anything runs (an unbounded value could loop for ever:
+    --sample-every 0, --num-requests 10**20): the workload's counts and experiments.py's sweeps."""
+    bound = f">= {least:g}" if least > -math.inf else f"> {above:g}"
+    if most < math.inf:
+        bound += f" and <= {most:d}" if kind is int else f" and <= {most:.4g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+            finite = math.isfinite(value)
+        except (ValueError, OverflowError):  # not a number, or an integer past any float
+            value, finite = math.nan, False
+        if not (finite and least <= value <= most and value > above):
+            noun = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def router_name(text: str) -> str:
+    """An argparse type: a router's name (`serving.registry.router`: one of `ROUTERS`, or FILE.py:FACTORY, loaded
+    now), resolved when the command line is read, so that a typo is refused by its option (--router, each of
+    experiments.py's --routers) before any replay, not when its replay starts, after those of the routers before
+    it. The name itself is the value: each replay resolves it again, with its threshold."""
+    try:
+        registry.router(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
 
 
 def add_workload_options(
@@ -97,7 +140,7 @@ def add_workload_options(
     if (preset, num_requests, rate) != (DEFAULT_PRESET, None, DEFAULT_RATE):
         parser.set_defaults(preset=preset, num_requests=num_requests, default_rate=rate)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    source.add_argument("--trace", type=file_path, help="a Mooncake-format JSONL trace")
     source.add_argument("--preset", choices=sorted(PRESETS), help=f"generate this workload (default: {preset})")
     parser.add_argument(
         "--block-size",
@@ -127,10 +170,11 @@ def add_workload_options(
     )
     parser.add_argument(
         "--num-requests",
-        type=int,
-        help=f"requests generated (default {DEFAULT_REQUESTS}), or the first of a trace (default: all of it)"
+        type=number(int, least=1, most=MAX_REQUESTS),
+        help=f"requests generated (default {DEFAULT_REQUESTS}), or the first of a trace (default: all of it); at "
+        f"most {MAX_REQUESTS:,}"
         if num_requests is None
-        else f"requests generated, or the first of a trace (default {num_requests})",
+        else f"requests generated, or the first of a trace (default {num_requests}); at most {MAX_REQUESTS:,}",
     )
     parser.add_argument("--rate", type=float, help=f"generated arrivals per second (default {rate:g})")
     parser.add_argument(
@@ -155,12 +199,11 @@ def load_workload(
     Raises:
         ConfigError: an option out of its range, or arrivals a replay cannot time (past `MAX_ARRIVAL_S`).
         TraceFormatError: a malformed --trace line, or one that `speedup` puts past `MAX_ARRIVAL_S`.
+        OSError: the --trace cannot be read, named as `--trace PATH`.
     """
     speed = args.speedup if speedup is None else speedup
     check_positive(option, speed)
-    count = args.num_requests
-    if count is not None and (isinstance(count, bool) or count < 1):
-        raise ConfigError(f"--num-requests must be >= 1, got {count}")
+    count = args.num_requests  # within [1, MAX_REQUESTS], or None: the parser's type (`number`) decides
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     block = args.block_size
@@ -183,8 +226,13 @@ def load_workload(
             time_unit=args.time_unit,
             sort=args.sort,
         )
-        # Only the first `count` are read (and checked), the lines coming in arrival order; --sort reads them all.
-        requests = list(itertools.islice(lines, count))
+        try:
+            # Only the first `count` are read (and checked), the lines coming in arrival order; --sort reads them all.
+            requests = list(itertools.islice(lines, count))
+        except OSError as error:  # named by its option too: `FILE: Is a directory` did not say which one
+            if not error.strerror:
+                raise
+            raise type(error)(error.errno, error.strerror, f"--trace {args.trace}") from error
         if not requests:  # a valid trace, but nothing to replay: every figure would be a zero
             raise ConfigError(f"--trace {args.trace} has no requests")
         return requests
@@ -210,6 +258,24 @@ def load_workload(
             f"{option} {speed:g} puts the last of {len(requests):,} arrivals (--rate {rate:g}) at "
             f"{requests[-1].arrival_s:.3g} s, {problem}"
         )
+    return requests
+
+
+def sped_up(
+    args: argparse.Namespace, base: Sequence[Request], speedup: float, *, option: str = "--speedup"
+) -> list[Request]:
+    """`base`, the options' workload read at speed 1 (`load_workload(args, speedup=1.0)`), at `speedup` (`option`
+    names it): the same requests as a read at `speedup` gives (`at_speed`), so that every speed of a run comes of
+    one read (a trace's skipped lines and cautions said once, not once a speed).
+
+    Raises:
+        ConfigError, TraceFormatError: as `load_workload` at `speedup` raises them: a speed-up that is no finite
+            number > 0, or arrivals it puts past what a replay can time (a trace's named by its line).
+    """
+    check_positive(option, speedup)
+    requests = at_speed(base, speedup)
+    if requests and arrival_problem(requests[-1].arrival_s) is not None:  # they come in order
+        load_workload(args, speedup=speedup, option=option)  # raises, naming the arrival as a read names it
     return requests
 
 
@@ -400,7 +466,10 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 def add_policy_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--router", default="kvcache_centric", help=f"one of {', '.join(ROUTERS)}, or FILE.py:FACTORY (your own)"
+        "--router",
+        type=router_name,
+        default="kvcache_centric",
+        help=f"one of {', '.join(ROUTERS)}, or FILE.py:FACTORY (your own)",
     )
     parser.add_argument("--admission", choices=list(ADMISSIONS), default="early_rejection")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="kvcache_balancing_threshold")
@@ -601,9 +670,7 @@ def sized_cluster(args: argparse.Namespace, *, decode_bound: bool = False) -> tu
     else:  # read once (a trace's skipped lines and cautions said once), then sped up
         check_positive("--speedup", args.speedup)
         base = load_workload(args, speedup=1.0)
-        requests = at_speed(base, args.speedup)
-        if arrival_problem(requests[-1].arrival_s) is not None:  # they come in order
-            load_workload(args)  # raises, naming the arrival past what a replay can time (a trace's by its line)
+        requests = sped_up(args, base, args.speedup)
     spec = cluster_spec(base, args)
     if decode_bound:
         spec = attrs.evolve(spec, num_decode=decode_sized(base, args, spec))
@@ -635,6 +702,41 @@ def cluster_spec(requests: Sequence[Request], args: argparse.Namespace, **overri
     }
     options.update(overrides)
     return ClusterSpec(**options)  # type: ignore[arg-type]
+
+
+def coupled_spec(
+    args: argparse.Namespace, num_instances: int, *, chunked: bool, token_budget: int | None = None
+) -> CoupledSpec:
+    """The coupled (vLLM-style) baseline the options describe, every program's (replay.py's --engine coupled,
+    throughput's): `num_instances` instances of --model on --hardware caching blocks of --block-size, with chunked
+    prefill if `chunked`, under `token_budget` tokens an iteration (default: `CoupledSpec`'s, vLLM's server
+    default; throughput gives its tuned one)."""
+    budget = {} if token_budget is None else {"token_budget": token_budget}
+    return CoupledSpec(
+        num_instances=num_instances,
+        model=MODELS[args.model],
+        hardware=HARDWARE[args.hardware],
+        chunked_prefill=chunked,
+        block_size_tokens=args.block_size,
+        **budget,
+    )
+
+
+def check_profile(profile: Path) -> None:
+    """`--profile`, the fitted cost models a --config cluster is to take (`serving.models.read_profile`), can be
+    read: refused by its option and value, before the config it goes into (`[prefill] profile`) is blamed for it.
+
+    Raises:
+        ConfigError: naming --profile, the file and why it cannot be read.
+    """
+    from serving.models import read_profile
+
+    try:
+        read_profile(os.fspath(profile))
+    except ConfigError as error:
+        cause = error.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)
+        raise ConfigError(f"--profile {profile}: {reason}") from error
 
 
 def config_spec(config: ClusterConfig) -> ClusterSpec:

@@ -89,7 +89,7 @@ from serving.config import ClusterConfig, load_config
 from serving.machine import Machine, check_machine
 from serving.models import cost_models
 
-from mooncake.cli import OneLineParser, folder_path, one_line, run_interruptible
+from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, EngineError, MooncakeError
 from mooncake.sched.cost import FittedPrefillModel
 from mooncake.sched.outcome import Outcome
@@ -534,8 +534,8 @@ def plot(name: str, real: Sequence[RequestRecord], sim: Sequence[RequestRecord],
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny.toml")
-    p.add_argument("--profile", type=Path, help="fitted cost models to use (default: profile the engines now)")
+    p.add_argument("--config", type=file_path, default=HERE / "configs" / "tiny.toml")
+    p.add_argument("--profile", type=file_path, help="fitted cost models to use (default: profile the engines now)")
     load.add_workload_options(p, preset="conversation", num_requests=200, rate=2.0)
     add_scaling_options(p)
     p.add_argument(
@@ -589,14 +589,14 @@ def validate(argv: list[str] | None) -> int:
             simulation.refuse_unused(
                 p, args, ("overload_speedup", "overload_batch"), "with --no-overload (no overload run)", given=given
             )
-        # Both workloads before any work (profiling and a real cluster take minutes): their options are named.
-        workloads = {"serviceable": simulation.load_workload(args)}
+        # Both workloads before any work (profiling and a real cluster take minutes): their options are named. One
+        # read, sped up for each (a trace's skipped lines named once).
+        base = simulation.load_workload(args, speedup=1.0)
+        workloads = {"serviceable": simulation.sped_up(args, base, args.speedup)}
         if not args.no_overload:
             simulation.check_positive("--overload-speedup", args.overload_speedup)
             speedup = args.speedup * args.overload_speedup
-            workloads["overload"] = simulation.load_workload(
-                args, speedup=speedup, option="--speedup × --overload-speedup"
-            )
+            workloads["overload"] = simulation.sped_up(args, base, speedup, option="--speedup × --overload-speedup")
         serviceable = workloads["serviceable"]
         config = load_config(args.config)
         if args.max_prompt_tokens > config.limits.max_prompt_tokens:
@@ -607,6 +607,8 @@ def validate(argv: list[str] | None) -> int:
                 f"{config.limits.max_prompt_tokens}: its cluster refuses longer prompts (raise the limit there)"
             )
         # Every run's config before any work, the profile (if given) read now: not found wrong by a worker later.
+        if args.profile is not None:
+            simulation.check_profile(args.profile)  # named by its option, not blamed on the config
         config = load.served_config(config, profile=args.profile, max_prompt_tokens=args.max_prompt_tokens)
         for name in workloads:
             run_config(config, name, args)
@@ -657,7 +659,7 @@ def validate(argv: list[str] | None) -> int:
             if args.out is not None:
                 write_json(summary, out / "validate.json")
     except (MooncakeError, OSError, subprocess.CalledProcessError) as error:
-        print(one_line(f"validate: {error}"), file=sys.stderr)
+        print(one_line(f"validate: {error_message(error)}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))

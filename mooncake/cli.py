@@ -87,6 +87,7 @@ __all__ = [
     "capacity_sweep",
     "comma_separated",
     "error_message",
+    "file_path",
     "folder_path",
     "main",
     "one_line",
@@ -148,6 +149,12 @@ def _path_text(text: str, kind: str) -> str:
 def _input_path(text: str) -> str:
     """An argparse type: a path to read."""
     return _path_text(text, "a file name")
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: a file to read (an example's --trace, --config, --profile). "" is refused, as NUL is:
+    Path("") is the current folder, whose read failed as `.: Is a directory`, naming neither option nor value."""
+    return Path(_input_path(text))
 
 
 def folder_path(text: str) -> Path:

@@ -1028,12 +1028,16 @@ def test_a_file_error_is_worded_as_the_mooncake_command_words_it(
     script: str, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`file: reason`, as `mooncake` prints it (`mooncake.cli.error_message`): the examples printed Python's
-    `[Errno 2] No such file or directory: 'MISSING'` for the same error."""
+    `[Errno 2] No such file or directory: 'MISSING'` for the same error. A file an option names is named by it
+    (`--trace FILE: reason`)."""
     missing, out = tmp_path / "missing.jsonl", tmp_path / "out"
     (out / "capacity.png").mkdir(parents=True)
     argv = [str(missing) if arg == "MISSING" else str(out) if arg == "OUT" else arg for arg in argv]
     done = run(script, *argv, check=False, timeout=120)
-    reason = f"{missing}: No such file or directory" if "--trace" in argv else f"{out / 'capacity.png'}: Is a directory"
+    if "--trace" in argv:
+        reason = f"--trace {missing}: No such file or directory"
+    else:
+        reason = f"{out / 'capacity.png'}: Is a directory"
     assert (done.returncode, done.stderr) == (2, f"{Path(script).stem}: {reason}\n")
     status = mooncake_main(["trace", "stats", str(missing)])
     assert (status, capsys.readouterr().err) == (2, f"mooncake: error: {missing}: No such file or directory\n")

@@ -367,7 +367,7 @@ def test_an_empty_item_of_a_list_is_refused_by_name_as_the_cli_refuses_it(value:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("scheduling", "--num-requests", "abc"), "argument --num-requests: invalid int value: 'abc'"),
+        (("scheduling", "--num-requests", "abc"), "argument --num-requests: must be an integer >= 1 and <= 1000000"),
         (("scheduling", "--routers", "random,random"), "argument --routers: 'random' is given twice"),
         (("cache", "--nodes", "2000"), "argument --nodes: must be an integer >= 1 and <= 1024, got '2000'"),
         (("threshold", "--thresholds", "0.5"), "argument --thresholds: must be a number >= 1"),

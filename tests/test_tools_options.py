@@ -83,12 +83,39 @@ def test_a_rate_out_of_the_generators_range_is_refused_as_trace_generate_refuses
     assert f"argument --rate: {problem}{value!r}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script", ["load.py", "validate.py"])
-def test_an_unreadable_profile_is_refused_before_a_cluster_starts(script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        # named by its option, not blamed on the config's [prefill] profile (`simulation.check_profile`)
+        ("load.py", "load: --profile /nonexistent/profile.json: No such file or directory\n"),
+        ("validate.py", "validate: --profile /nonexistent/profile.json: No such file or directory\n"),
+    ],
+)
+def test_an_unreadable_profile_is_refused_before_a_cluster_starts(script: str, message: str) -> None:
     """--profile was checked by a worker only (a worker's traceback, then "worker died while starting")."""
     done = run(script, "--num-requests", "2", "--profile", "/nonexistent/profile.json")
-    refused(done, "[prefill] profile = '/nonexistent/profile.json'")
+    refused(done, message)
     assert "died" not in done.stderr and "Process " not in done.stderr
+
+
+@pytest.mark.parametrize("option", ["--config", "--profile"])
+def test_validate_refuses_an_empty_file_name_by_its_option(option: str) -> None:
+    """`--config ""` read the current folder (`validate: .: cannot read the config: Is a directory`)."""
+    refused(run("validate.py", option, ""), f"argument {option}: expected a file name, got ''")
+
+
+def test_validate_reads_its_trace_once(tmp_path: Path) -> None:
+    """The serviceable and the overload workloads were each read from the trace: --skip-invalid named its skipped
+    line twice. Read once now, the overload sped up from it (`simulation.sped_up`)."""
+    lines = [
+        json.dumps({"timestamp": 500 * i, "input_length": 64, "output_length": 4, "hash_ids": [i]}) for i in range(9)
+    ]
+    lines[4] = "not json"
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    done = run("validate.py", "--trace", str(trace), "--skip-invalid", "--profile", "/nonexistent/profile.json")
+    assert done.returncode == 2 and done.stderr.count("skipped") == 1, done.stderr
+    assert "--profile /nonexistent/profile.json" in done.stderr.splitlines()[-1]
 
 
 def test_validate_checks_the_overload_cluster_before_the_serviceable_run(tmp_path: Path) -> None:

@@ -68,10 +68,11 @@ def overload(args: argparse.Namespace) -> tuple[Report, str]:
     """Rejections, wasted prefill and decode-load swing per admission policy as the workload speeds up."""
     base, spec = simulation.sized_cluster(args, decode_bound=True)  # --speedup is refused: 1, its own pace
     speedups = args.speedups or [1.2, 2.0, 3.0, 4.0, 5.0]
+    # Every speed-up's workload before any replay, each of the one read (its skipped lines named once).
+    workloads = {speedup: simulation.sped_up(args, base, speedup, option="--speedups") for speedup in speedups}
     runs: dict[str, dict[str, ReplayResult]] = {p: {} for p in ADMISSIONS}
     swing: dict[str, dict[str, float]] = {p: {} for p in ADMISSIONS}
-    for speedup in speedups:
-        requests = simulation.load_workload(args, speedup=speedup, option="--speedups")
+    for speedup, requests in workloads.items():
         for policy in ADMISSIONS:
             result = replay(spec, requests, args, admission=policy)
             runs[policy][str(speedup)] = result

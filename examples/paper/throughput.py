@@ -29,7 +29,7 @@ import simulation
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
 from mooncake.sched.outcome import Outcome
-from mooncake.sim.coupled import CoupledCluster, CoupledSpec
+from mooncake.sim.coupled import CoupledCluster
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
@@ -64,14 +64,7 @@ def _run_config(
 ) -> ReplayResult:
     """One replay of `config`: a coupled one, or Mooncake on `clusters[config]` with the options' policies."""
     if config in VLLM:
-        spec = CoupledSpec(
-            num_instances=4,
-            model=MODELS[args.model],
-            hardware=HARDWARE[args.hardware],
-            chunked_prefill=config.endswith("chunked"),
-            token_budget=TUNED_TOKEN_BUDGET,
-            block_size_tokens=args.block_size,
-        )
+        spec = simulation.coupled_spec(args, 4, chunked=config.endswith("chunked"), token_budget=TUNED_TOKEN_BUDGET)
         return CoupledCluster(spec, slo=slo).run(requests)
     cluster = clusters[config]
     return DisaggregatedCluster(cluster, policy_conductor(cluster, requests, args, slo)).run(requests)
@@ -159,8 +152,7 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
     simulation.slo(args)
     lengths = args.lengths or [16384, 32768, 65536, 131072]
     clusters = _long_context_clusters(spec, lengths)
-    model, hardware = MODELS[args.model], HARDWARE[args.hardware]
-    lone = PrefillCostModel(model=model, hardware=hardware)
+    lone = PrefillCostModel(model=MODELS[args.model], hardware=HARDWARE[args.hardware])
     max_rps: dict[str, dict[str, float]] = {config: {} for config in THROUGHPUT_CONFIGS}
     capped: set[tuple[str, int]] = set()  # (config, length) whose rate is the search's cap, a lower bound
     slos: dict[str, dict[str, float]] = {}
@@ -197,13 +189,8 @@ def throughput(args: argparse.Namespace) -> tuple[Report, str]:
         disaggregated = replay(spec, requests, args, slo=slo)
         coupled = {
             chunked: CoupledCluster(
-                CoupledSpec(
-                    num_instances=spec.num_prefill + spec.num_decode,
-                    model=model,
-                    hardware=hardware,
-                    chunked_prefill=chunked,
-                    token_budget=TUNED_TOKEN_BUDGET,
-                    block_size_tokens=spec.block_size_tokens,
+                simulation.coupled_spec(
+                    args, spec.num_prefill + spec.num_decode, chunked=chunked, token_budget=TUNED_TOKEN_BUDGET
                 ),
                 slo=slo,
             ).run(

@@ -86,7 +86,7 @@ def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
     try:
         with open(path) as stream:
             profile = json.load(stream)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: no JSON; RecursionError: nested too deep
         raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
     sections = {}
     for name in ("prefill", "decode"):
