@@ -32,14 +32,15 @@ def key_chains(draw: st.DrawFn, *, max_size: int = 8) -> tuple[BlockKey, ...]:
 
 @st.composite
 def requests(draw: st.DrawFn, *, block_size_tokens: int = 4, max_input: int = 40) -> list[Request]:
-    """Valid requests in arrival order with whole-millisecond arrivals."""
+    """Valid requests in arrival order with whole-millisecond arrivals, each one's keys distinct (chained ids, as a
+    trace's: a trace line that repeats one is refused)."""
     count = draw(st.integers(min_value=0, max_value=8))
     arrival_ms = sorted(draw(st.lists(st.integers(0, 10**9), min_size=count, max_size=count)))
     out = []
     for index, ms in enumerate(arrival_ms):
         input_length = draw(st.integers(1, max_input))
         num_blocks = -(-input_length // block_size_tokens)
-        keys = draw(st.lists(st.integers(0, 2**64 - 1), min_size=num_blocks, max_size=num_blocks))
+        keys = draw(st.lists(st.integers(0, 2**64 - 1), min_size=num_blocks, max_size=num_blocks, unique=True))
         out.append(
             Request(
                 request_id=RequestId(str(index)),

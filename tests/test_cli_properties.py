@@ -146,7 +146,10 @@ def records(draw: st.DrawFn, block_size: int, earliest_ms: int) -> Record:
     input_length = draw(st.integers(1, min(8 * block_size, MAX_LINE_TOKENS)))
     output_length = draw(st.one_of(st.integers(1, 500), st.just(MAX_LINE_TOKENS)))
     count = -(-input_length // block_size)
-    keys = draw(st.lists(st.one_of(st.integers(0, 6), st.integers(0, 2**80)), min_size=count, max_size=count))
+    # Distinct: a line that repeats a chained id is malformed (`trace_record.check_distinct_ids`).
+    keys = draw(
+        st.lists(st.one_of(st.integers(0, 6), st.integers(0, 2**80)), min_size=count, max_size=count, unique=True)
+    )
     return stamp, input_length, output_length, tuple(keys)
 
 

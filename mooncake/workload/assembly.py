@@ -66,7 +66,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div
+from mooncake._checks import ceil_div, shown
 from mooncake.types import BlockKey
 from mooncake.workload.trace_record import MAX_LINE_MS, MAX_LINE_TOKENS, TraceRecord
 
@@ -210,7 +210,7 @@ class TraceAssembler:
         session_id = record.session_id
         if session_id is not None and session_id in self._lost:
             raise ValueError(
-                f"session {session_id!r} lost its turn on line {self._lost[session_id]}, which was skipped"
+                f"session {shown(session_id)} lost its turn on line {self._lost[session_id]}, which was skipped"
             )
         previous = self._sessions.get(session_id) if session_id is not None else None
         turn = self._start(record, line) if previous is None else self._continue(record, line, previous)
@@ -274,7 +274,7 @@ class TraceAssembler:
             arrival = previous.arrival_ms + (record.delay_ms or 0)
             if arrival > MAX_LINE_MS:
                 raise ValueError(
-                    f"turn of session {session_id!r} arrives at {arrival} ms, its previous turn (line "
+                    f"turn of session {shown(session_id)} arrives at {arrival} ms, its previous turn (line "
                     f"{previous.line}) at {previous.arrival_ms} ms + its delay {record.delay_ms} ms, past 2**43 ms "
                     "(the bound on a timestamp)"
                 )
@@ -282,22 +282,24 @@ class TraceAssembler:
             self._behind(line)  # whichever rule below refuses it
         if arrival < previous.arrival_ms:
             raise ValueError(
-                f"turn of session {session_id!r} arrives at {arrival} ms, before its previous turn "
+                f"turn of session {shown(session_id)} arrives at {arrival} ms, before its previous turn "
                 f"(line {previous.line}, {previous.arrival_ms} ms)"
             )
         if arrival < self.mark_ms:
             # The latest start is another line's: were it this session's own, the previous turn would be at or after
             # it, and the check above would have refused the turn.
-            start = "a line without session_id" if self._mark_session is None else f"session {self._mark_session!r}"
+            start = (
+                "a line without session_id" if self._mark_session is None else f"session {shown(self._mark_session)}"
+            )
             raise ValueError(
-                f"turn of session {session_id!r} arrives at {arrival} ms, before the latest start above it "
+                f"turn of session {shown(session_id)} arrives at {arrival} ms, before the latest start above it "
                 f"({start}, line {self._mark_line}, {self.mark_ms} ms): no turn may arrive before a start above it; "
                 "write sessions grouped in start order, or lines in arrival order"
             )
         input_length = previous.input_length + previous.output_length + record.input_length
         if input_length > MAX_LINE_TOKENS:
             raise ValueError(
-                f"turn of session {session_id!r} makes its conversation {input_length} tokens long "
+                f"turn of session {shown(session_id)} makes its conversation {input_length} tokens long "
                 f"(previous turn on line {previous.line}), past 2**24"
             )
         shared = previous.input_length // self.block_size_tokens

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from mooncake._checks import require_iterable
+from mooncake._checks import require_iterable, shown
 from mooncake.errors import InvalidRequestError
 from mooncake.types import BlockKey, Request
 
@@ -52,7 +52,7 @@ def trace_stats(requests: Iterable[Request]) -> TraceStats:
     earliest, latest = math.inf, -math.inf
     for request in require_iterable("requests", requests, error=InvalidRequestError):
         if not isinstance(request, Request):
-            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
+            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {shown(request)}")
         earliest = min(earliest, request.arrival_s)
         latest = max(latest, request.arrival_s)
         count += 1

@@ -35,8 +35,9 @@ instead of `input_length` and `hash_ids`). Here (details in
 
 Reading validates every line (`mooncake.workload.trace_record`) and, strict by
 default, raises `TraceFormatError` naming file and line at the first bad one:
-invalid JSON, a missing or wrongly typed field, a non-positive length, a wrong
-`hash_ids` count, an arrival out of order. With `strict=False` such lines are
+invalid JSON, a missing or wrongly typed field, a field given twice (JSON leaves
+its meaning open; Python's reader keeps the last), a non-positive length, a
+wrong `hash_ids` count or an id repeated in it, an arrival out of order. With `strict=False` such lines are
 skipped instead, each reported as a `SkippedLine` (file, line, why); a session
 turn after a skipped one of its session is skipped too. A line that is no JSON
 (a truncated write) is tied to its session by its text
@@ -85,7 +86,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from mooncake._checks import require_int, require_iterable, require_number
+from mooncake._checks import require_int, require_iterable, require_number, shown
 from mooncake._files import atomic_path, names_a_file
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
@@ -100,6 +101,8 @@ from mooncake.workload.trace_record import (
     TraceRecord,
     arrival_problem,
     check_block_count,
+    check_distinct_ids,
+    check_fields_once,
     parse_record,
     session_in_text,
     session_of,
@@ -219,13 +222,17 @@ def _hint(line: str) -> str:
     return ""
 
 
+_TOO_DEEP = "invalid JSON: arrays or objects nested too deeply"
+
+
 def _record(raw: bytes) -> Any:
     """The line's decoded JSON, or `_BLANK`.
 
     Raises:
         ValueError: whatever the line holds: not UTF-8, not JSON (NaN and
             Infinity, which Python's reader takes, included), a number of more
-            digits than Python converts, nesting deeper than its recursion.
+            digits than Python converts, nesting deeper than its recursion, an
+            object naming a field twice (`check_fields_once`).
     """
     try:
         line = raw.decode("utf-8")
@@ -236,7 +243,8 @@ def _record(raw: bytes) -> Any:
         return _BLANK
     try:
         # Without its line ending: a line cut short is then reported at its end, not at column 1 of the next.
-        return json.loads(line.rstrip("\r\n"), parse_constant=_not_json)
+        text = line.rstrip("\r\n")
+        record = json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as error:
         # A JSON array of requests (pretty-printed), a pretty-printed object, a CSV trace or a compressed file fail
         # on their first line: say what a trace is.
@@ -244,12 +252,18 @@ def _record(raw: bytes) -> Any:
         message = error.msg.removesuffix(" at")
         raise ValueError(f"invalid JSON: {message} at column {error.colno}{_hint(line)}") from error
     except RecursionError as error:
-        raise ValueError("invalid JSON: arrays or objects nested too deeply") from error
+        raise ValueError(_TOO_DEEP) from error
     except ValueError as error:
         if str(error).startswith("invalid JSON"):
             raise
         # int() refuses to read more digits than sys.get_int_max_str_digits().
         raise ValueError(f"invalid JSON: a number of over {sys.get_int_max_str_digits()} digits") from error
+    if isinstance(record, dict):
+        try:
+            check_fields_once(text, record)  # json.loads keeps a repeated field's last value
+        except RecursionError as error:  # read again a frame deeper, a line nested to the very limit may not read
+            raise ValueError(_TOO_DEEP) from error
+    return record
 
 
 def _warn(skipped: SkippedLine) -> None:
@@ -304,14 +318,14 @@ def iter_trace(
     _check_path(path)
     for name, callback in (("on_skip", on_skip), ("on_caution", on_caution)):
         if callback is not None and not callable(callback):  # else a TypeError at the first bad line, hours in
-            raise ConfigError(f"{name} must be a callable or None, got {callback!r}")
+            raise ConfigError(f"{name} must be a callable or None, got {shown(callback)}")
     block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     speedup = require_number("speedup", speedup, minimum=0, strict=True)
     for name, flag in (("strict", strict), ("sort", sort)):
         if not isinstance(flag, bool):
-            raise ConfigError(f"{name} must be a bool, got {flag!r}")
+            raise ConfigError(f"{name} must be a bool, got {shown(flag)}")
     if not isinstance(time_unit, str) or time_unit not in TIME_UNITS:
-        raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
+        raise ConfigError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {shown(time_unit)}")
     entries = _entries(path, block_size_tokens, time_unit)
     if sort:
         entries = _sorted(path, entries)
@@ -320,9 +334,9 @@ def iter_trace(
 
 def _check_path(path: object) -> None:
     if not isinstance(path, str | os.PathLike):  # open() would take an int as a file descriptor
-        raise ConfigError(f"a trace path must be a str or os.PathLike, got {path!r}")
+        raise ConfigError(f"a trace path must be a str or os.PathLike, got {shown(path)}")
     if "\0" in os.fspath(path):  # open() raises a bare ValueError for it
-        raise ConfigError(f"a trace path cannot hold a NUL byte, got {os.fspath(path)!r}")
+        raise ConfigError(f"a trace path cannot hold a NUL byte, got {shown(os.fspath(path))}")
 
 
 _Entry = tuple[int, bytes, Any, TraceRecord | ValueError]
@@ -367,7 +381,7 @@ def _sorted(path: str | os.PathLike[str], entries: Iterable[_Entry]) -> Iterator
                 raise _unsortable(path, number, "the line names a session")
             yield number, data, record, parsed  # skipped (or raised) where it is read
         elif parsed.session_id is not None:
-            raise _unsortable(path, number, f"the line names session {parsed.session_id!r}")
+            raise _unsortable(path, number, f"the line names session {shown(parsed.session_id)}")
         elif parsed.timestamp_ms is None:
             raise TraceFormatError(
                 path,
@@ -445,7 +459,7 @@ def _read(
         if not strange and (unknown := record.keys() - _KNOWN_FIELDS):
             strange = True
             on_caution(
-                f"{os.fspath(path)}:{number}: not a trace field: {', '.join(map(repr, sorted(unknown)))} (the Mooncake "
+                f"{os.fspath(path)}:{number}: not a trace field: {_names(unknown)} (the Mooncake "
                 f"format has {', '.join(MOONCAKE_FIELDS)}; aiperf adds {', '.join(AIPERF_FIELDS)}): ignored, so a "
                 "misspelt field reads as absent"
             )
@@ -464,6 +478,14 @@ def _read(
     while held:
         yield _request(path, *heappop(held)[1:], index, speedup, block_size_tokens)
         index += 1
+
+
+def _names(fields: Iterable[str]) -> str:
+    """A line's `fields` as a caution names them: the first three in sorted order, quoted and cut short together
+    (a line may hold thousands of them, or one a megabyte long), and how many more."""
+    names = sorted(fields)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return shown(", ".join(map(repr, names[:3])), quote=str, limit=80) + more
 
 
 def _lose(
@@ -608,13 +630,13 @@ def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str
     """
     if request.block_size_tokens is not None and request.block_size_tokens != block_size_tokens:
         raise InvalidRequestError(
-            f"request {request.request_id} is keyed in {request.block_size_tokens}-token blocks, the trace in "
+            f"request {shown(request.request_id, quote=str)} is keyed in {request.block_size_tokens}-token blocks, the trace in "
             f"{block_size_tokens}-token blocks: write each block size's requests to a trace of their own"
         )
     timestamp = round(request.arrival_s * 1000)
     if timestamp > MAX_LINE_MS:  # said here: the reader's message would guess at a trace timed in microseconds
         raise InvalidRequestError(
-            f"request {request.request_id} arrives at {request.arrival_s:.6g} s, past the {MAX_LINE_MS} ms (2**43) "
+            f"request {shown(request.request_id, quote=str)} arrives at {request.arrival_s:.6g} s, past the {MAX_LINE_MS} ms (2**43) "
             "a trace's timestamp holds"
         )
     if form == "aiperf" and (text := _text_of(request, block_size_tokens)) is not None:
@@ -627,12 +649,16 @@ def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str
             "hash_ids": list(request.block_keys),
         }
     try:
-        # The fields as the reader checks them; the keys (a Request's are valid ids) by their count alone.
+        # The fields as the reader checks them; the keys (a Request's are valid ids) by their count and that none
+        # repeats.
         parse_record({**line, "hash_ids": None}, block_size_tokens)
         if "hash_ids" in line:
             check_block_count(len(request.block_keys), request.input_length, block_size_tokens)
+            check_distinct_ids(request.block_keys)
     except ValueError as error:
-        raise InvalidRequestError(f"request {request.request_id} cannot be read back from a trace: {error}") from None
+        raise InvalidRequestError(
+            f"request {shown(request.request_id, quote=str)} cannot be read back from a trace: {error}"
+        ) from None
     return line
 
 
@@ -643,12 +669,12 @@ def _write_lines(
     previous = -float("inf")
     for request in require_iterable("requests", requests, error=InvalidRequestError):
         if not isinstance(request, Request):
-            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {request!r}")
+            raise InvalidRequestError(f"request {count}: expected a mooncake.types.Request, got {shown(request)}")
         if block_size_tokens is None:  # the first request's, as it was keyed
             block_size_tokens = request.block_size_tokens or TRACE_BLOCK_SIZE_TOKENS
         if request.arrival_s < previous:
             raise InvalidRequestError(
-                f"request {request.request_id} arrives at {request.arrival_s}s, before the previous one ({previous}s)"
+                f"request {shown(request.request_id, quote=str)} arrives at {request.arrival_s}s, before the previous one ({previous}s)"
             )
         previous = request.arrival_s
         write(json.dumps(_line(request, block_size_tokens, form), separators=(", ", ": ")).encode("utf-8") + b"\n")
@@ -692,11 +718,11 @@ def write_trace(
     if block_size_tokens is not None:
         block_size_tokens = require_int("block_size_tokens", block_size_tokens, minimum=1)
     if form not in TRACE_FORMS:
-        raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {form!r}")
+        raise ConfigError(f"form must be one of {', '.join(TRACE_FORMS)}, got {shown(form)}")
     _check_path(path)
     target = Path(path)
     if not names_a_file(path):
-        raise ConfigError(f"path must name a file, got {os.fspath(path)!r}")
+        raise ConfigError(f"path must name a file, got {shown(os.fspath(path))}")
     # Appending: the temporary sibling is empty, and a descriptor's file (`- >> log.jsonl`, /dev/stdout) keeps what
     # its shell's `>>` kept, where "wb" would truncate it (a shell's `>` has already emptied it).
     with atomic_path(target) as temporary, open(temporary, "ab") as raw:

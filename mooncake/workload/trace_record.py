@@ -21,9 +21,12 @@ every line as this parser does:
   refused, since it names no one integer and distinct ids would merge.
 
 `output_length` is required: aiperf lets the server choose, but a request here
-has a known output. A field present with a wrong type is an error naming it and
-its value; fields neither format defines are ignored, but aiperf's other prompt
-forms (`messages`, `payload`) are refused by name.
+has a known output. A line names each field once (`check_field_once`; the
+reader checks the line's text, `check_fields_once`), and no id twice in its
+`hash_ids` (`check_distinct_ids`: chained ids name whole prefixes). A field
+present with a wrong type is an error naming it and its value; fields neither
+format defines are ignored, but aiperf's other prompt forms (`messages`,
+`payload`) are refused by name.
 
 Values are bounded so that no line can make the reader fail or stall:
 times lie in [0, 2**43] ms (up to the year 2248 as epoch milliseconds, each
@@ -36,7 +39,8 @@ lengths in [1, 2**24] tokens (past any model's context; a line without
 never reach here (the reader refuses them as not JSON).
 
 Invariant: a parsed record has `0 < input_length <= MAX_LINE_TOKENS` tokens
-and, when it has `hash_ids`, exactly ceil(input_length / block_size) of them.
+and, when it has `hash_ids`, exactly ceil(input_length / block_size) of them,
+all distinct.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -63,6 +68,9 @@ __all__ = [
     "TraceRecord",
     "arrival_problem",
     "check_block_count",
+    "check_distinct_ids",
+    "check_field_once",
+    "check_fields_once",
     "parse_record",
     "session_in_text",
     "session_of",
@@ -222,7 +230,28 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_size_tokens: int)
     if hash_ids and max(hash_ids) >= BLOCK_KEY_LIMIT:
         raise ValueError(f"field 'hash_ids' must hold ids below 2**256, got {shown(max(hash_ids))}")
     check_block_count(len(hash_ids), input_length, block_size_tokens)
+    check_distinct_ids(hash_ids)
     return tuple(hash_ids)
+
+
+def check_distinct_ids(hash_ids: Sequence[int]) -> None:
+    """A line's `hash_ids` must all differ (the reader's rule, and the writer's): block i's id names its whole
+    prefix, blocks 0 to i, so no two blocks of one prompt share one. A repeated id would also count as a cache hit
+    on the prompt's own earlier block (`trace_stats`' reuse, a replay's prefix match).
+
+    Raises:
+        ValueError: an id given twice, naming it and its two blocks.
+    """
+    if len(set(hash_ids)) == len(hash_ids):  # one set per line: every line of a trace passes here
+        return
+    first: dict[int, int] = {}
+    for block, key in enumerate(hash_ids):
+        if key in first:
+            raise ValueError(
+                f"field 'hash_ids' repeats id {shown(key)} (blocks {first[key]} and {block}): a chained id names its "
+                "block's whole prefix, so no id repeats within one prompt"
+            )
+        first[key] = block
 
 
 def check_block_count(count: int, input_length: int, block_size_tokens: int) -> None:
@@ -246,6 +275,42 @@ def check_block_count(count: int, input_length: int, block_size_tokens: int) -> 
         )
 
 
+def check_field_once(name: str, seen: set[str]) -> None:
+    """Note a line's top-level field `name`, read after the fields in `seen`: the one rule for a repeated field,
+    which the reader (`check_fields_once`) and `session_in_text` both follow. A line names each field once: JSON
+    leaves a repeated name's meaning open and Python's reader keeps the last, so `{"output_length": 5,
+    "output_length": 5000}` would read as 5000 whatever its writer meant, and a repeated `session_id` names no one
+    session.
+
+    Raises:
+        ValueError: `name` is in `seen` already, naming it.
+    """
+    if name in seen:
+        raise ValueError(f"field {shown(name)} given twice (a line names each field once)")
+    seen.add(name)
+
+
+def check_fields_once(text: str, record: dict[str, Any]) -> None:
+    """Check by `check_field_once` that the JSON object `text`, which read as `record`, names no field twice.
+
+    Cheap for a trace's lines: each field of an object takes a colon of the text, so a text with no more colons
+    than `record` has fields names each once; only a text with more (a `text_input` holding colons, a nested
+    object) is read again, its fields in order. An object_pairs_hook on every line would cost the reader a tenth
+    of its time.
+
+    Raises:
+        ValueError: the first field named twice.
+        RecursionError: `text` is nested so deep that reading it again, a frame deeper than `record` was read,
+            passes the recursion limit.
+    """
+    if text.count(":") <= len(record):
+        return
+    seen: set[str] = set()
+    # The text read as `record` already: it reads again. Its top level is an object, so its pairs come back.
+    for name, _ in json.loads(text, object_pairs_hook=tuple):
+        check_field_once(name, seen)
+
+
 def session_of(record: object) -> str | None:
     """The line's `session_id` when it is a usable one, even if the rest of the line is not."""
     if isinstance(record, dict):
@@ -263,7 +328,7 @@ class TextSession:
         session_id: its `session_id` as `session_of` would read it, when the text holds it whole and usable.
         doubt: None when the text shows the line's session, or that it has none; else why it does not:
             "cut": it names a session_id that cannot be read whole (cut short, or with a byte that is no UTF-8),
-            or holds one past where it stops reading (a line run into the next);
+            names one twice, or holds one past where it stops reading (a line run into the next);
             "unread": it breaks off before its end, and before any session_id shows.
     """
 
@@ -294,9 +359,10 @@ def _skip_blanks(text: str, position: int) -> int:
 def session_in_text(text: str) -> TextSession:
     """The session of a line that is no JSON, read from its text as far as it is a JSON object.
 
-    The line's top-level fields are read one by one, as `json.loads` would, up to where the text breaks off; the
-    last whole `session_id` wins, as in `json.loads`. A text that is no object (CSV, an array) names no session
-    unless it holds a `"session_id"` key.
+    The line's top-level fields are read one by one, as `json.loads` would, up to where the text breaks off; a
+    `session_id` given twice names no session that can be told ("cut"), by the reader's rule for a repeated field
+    (`check_field_once`). A text that is no object (CSV, an array) names no session unless it holds a
+    `"session_id"` key.
 
     Returns:
         The session it names, or why that cannot be told (`TextSession.doubt`).
@@ -306,6 +372,7 @@ def session_in_text(text: str) -> TextSession:
         return TextSession(None, "cut" if _SESSION_KEY.search(text) else None)
     session_id: str | None = None
     named = False  # a session_id showed, usable or not
+    seen: set[str] = set()  # the fields read
     position = 1
     while True:
         position = unread = _skip_blanks(text, position)
@@ -317,6 +384,11 @@ def session_in_text(text: str) -> TextSession:
         if key is None or not isinstance(key[0], str):
             break
         name, position = key
+        try:
+            check_field_once(name, seen)
+        except ValueError:
+            if name == "session_id":  # given twice, it names no one session: whichever of them lost this turn
+                return TextSession(None, "cut")
         position = _skip_blanks(text, position)
         if not text.startswith(":", position):
             if name == "session_id":

@@ -65,7 +65,9 @@ def traces(draw: st.DrawFn) -> tuple[int, list[dict[str, Any] | str | None]]:
             fields["input_length"] = draw(lengths)
             if prompt == "hash_ids":
                 count = -(-fields["input_length"] // block)
-                fields["hash_ids"] = draw(st.lists(st.integers(0, 20), min_size=count, max_size=count))
+                # Distinct, as chained ids are; from a small universe, so that lines share some.
+                ids = st.integers(0, max(20, 2 * count))
+                fields["hash_ids"] = draw(st.lists(ids, min_size=count, max_size=count, unique=True))
         lines.append(fields)
     return block, lines
 

@@ -37,6 +37,9 @@ FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 REQUIRED = ("input_length", "output_length")  # timestamp and hash_ids may be left out (aiperf's reading)
 GOOD: dict[str, Any] = {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [1, 2]}
 
+chained_requests = requests(block_size_tokens=BLOCK)
+"""`requests` of the trace's block size (their keys chained ids, as a trace's are: none repeats within a request)."""
+
 
 def line(**changes: Any) -> str:
     """A trace line: GOOD with `changes` applied; a change to `...` drops the field."""
@@ -66,7 +69,7 @@ def files_in(directory: Path) -> set[str]:
 # --------------------------------------------------------------------------- round trip
 
 
-@given(workload=requests(block_size_tokens=BLOCK))
+@given(workload=chained_requests)
 def test_reader_round_trips_writer_output(tmp_path_factory: pytest.TempPathFactory, workload: list[Request]) -> None:
     """write_trace then load_trace (same block size) gives equal requests; the count is returned."""
     path = tmp_path_factory.mktemp("roundtrip") / "trace.jsonl"
@@ -76,7 +79,7 @@ def test_reader_round_trips_writer_output(tmp_path_factory: pytest.TempPathFacto
     assert list(iter_trace(path, block_size_tokens=BLOCK)) == read
 
 
-@given(workload=requests(block_size_tokens=BLOCK))
+@given(workload=chained_requests)
 def test_rewriting_a_loaded_trace_is_byte_identical(
     tmp_path_factory: pytest.TempPathFactory, workload: list[Request]
 ) -> None:
@@ -445,7 +448,7 @@ def test_speedup_two_halves_arrivals(tmp_path: Path) -> None:
     ]
 
 
-@given(workload=requests(block_size_tokens=BLOCK), speedup=st.floats(0.01, 1000) | st.integers(1, 10))
+@given(workload=chained_requests, speedup=st.floats(0.01, 1000) | st.integers(1, 10))
 def test_speedup_divides_arrivals(
     tmp_path_factory: pytest.TempPathFactory, workload: list[Request], speedup: float
 ) -> None:
@@ -628,7 +631,7 @@ def test_the_reader_goes_by_content_not_name(tmp_path: Path) -> None:
     assert load_trace(disguised, block_size_tokens=BLOCK) == load_trace(plain_gz, block_size_tokens=BLOCK)
 
 
-@given(workload=requests(block_size_tokens=BLOCK))
+@given(workload=chained_requests)
 def test_gz_names_are_written_compressed_and_repeatably(
     tmp_path_factory: pytest.TempPathFactory, workload: list[Request]
 ) -> None:
@@ -668,7 +671,7 @@ def test_a_failed_gz_write_leaves_nothing(tmp_path: Path) -> None:
 @st.composite
 def mixed_requests(draw: st.DrawFn) -> list[Request]:
     """Requests in arrival order, whole-ms arrivals, some keyed by hash ids and some text prompts."""
-    keyed = draw(requests(block_size_tokens=BLOCK))
+    keyed = draw(chained_requests)
     out = []
     for request in keyed:
         if draw(st.booleans()):

@@ -182,7 +182,7 @@ TEXT_SESSIONS: dict[str, tuple[str, TextSession]] = {
     "cut right after its quote": ('{"input_length": 5, "session_id": "s1"', TextSession("s1", None)),
     "escaped key and id": ('{"session\\u005fid": "s\\u00e9", "x": [1,', TextSession("s\u00e9", None)),
     "a NaN elsewhere": ('\ufeff{"session_id": "q", "timestamp": NaN}', TextSession("q", None)),
-    "the last of two ids": ('{"session_id": "a", "session_id": "b", "x": ', TextSession("b", None)),
+    "two ids": ('{"session_id": "a", "session_id": "b", "x": ', TextSession(None, "cut")),  # a field given twice
     "the words in a text": ('{"session_id": "a", "text_input": "its \\"session_id\\" is', TextSession("a", None)),
     "cut inside the id": ('{"session_id": "s1', TextSession(None, "cut")),
     "cut after the colon": ('{"session_id": ', TextSession(None, "cut")),
@@ -203,7 +203,8 @@ TEXT_SESSIONS: dict[str, tuple[str, TextSession]] = {
 @pytest.mark.parametrize(("text", "expected"), TEXT_SESSIONS.values(), ids=TEXT_SESSIONS.keys())
 def test_session_in_text_reads_a_whole_id_and_guesses_none(text: str, expected: TextSession) -> None:
     """A line that is no JSON names the session whose id it holds whole, as `json.loads` would read it; an id cut
-    short, unreadable or past where the reading stops is "cut"; a line cut before any session_id shows, "unread"."""
+    short, unreadable, given twice or past where the reading stops is "cut"; a line cut before any session_id
+    shows, "unread"."""
     assert session_in_text(text) == expected
 
 
@@ -221,7 +222,9 @@ def test_a_record_reads_back_what_its_line_says_and_its_block_count_is_checked(
     """Any line within the bounds reads back field for field (a timestamp in seconds as that many thousand ms);
     hash_ids of any other count than ceil(input_length / block) are refused, naming the count."""
     blocks = -(-input_length // block)
-    hash_ids = data.draw(st.lists(st.integers(0, 2**63), min_size=blocks, max_size=blocks)) if hashed else None
+    hash_ids = (
+        data.draw(st.lists(st.integers(0, 2**63), min_size=blocks, max_size=blocks, unique=True)) if hashed else None
+    )
     line: dict[str, Any] = {"input_length": input_length, "output_length": output_length}
     if timestamp is not None:
         line["timestamp"] = timestamp

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mooncake.errors import ConfigError, TraceFormatError
 from mooncake.types import Request
 from mooncake.workload import SkippedLine, iter_trace, load_trace, write_trace
-from tests.strategies import requests
+from tests.workload.test_trace import chained_requests
 
 BLOCK = 4
 HINT = "sort=True / --sort"
@@ -171,7 +171,7 @@ def test_the_out_of_order_error_says_a_sorted_read_takes_the_trace(tmp_path: Pat
     assert HINT not in caught.value.reason
 
 
-@given(workload=requests(block_size_tokens=BLOCK), order=st.randoms(use_true_random=False))
+@given(workload=chained_requests, order=st.randoms(use_true_random=False))
 def test_a_sorted_read_of_any_permutation_is_the_sorted_file(
     tmp_path_factory: pytest.TempPathFactory, workload: list[Request], order: random.Random
 ) -> None:
