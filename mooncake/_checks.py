@@ -35,10 +35,9 @@ def shown(value: object, *, limit: int = 60, quote: Callable[[object], str] = re
     """`value` as a one-line error message quotes it: `quote(value)` (repr; ascii for a client's text, lone
     surrogates and all), cut to `limit` characters with its closing character kept. An integer whose digits
     would not fit is named by its size in bits (its repr alone would fail past 4,300 digits); a value `quote`
-    cannot render (nested too deep, or holding such an integer) by its type. The validators here quote what they
-    were given through it, as do the messages of `types`, `workload.generator`, `sched.cost`, `sched.step`,
-    `cache.hashing`, `cache.vllm_wire` and `cache.vllm_events`; other modules still quote some values with repr
-    (docs/architecture.md)."""
+    cannot render (nested too deep, or holding such an integer) by its type. Every library module's messages quote
+    what they were given through it (what a peer sent included); `repr` is left to exceptions and values a module
+    built itself (docs/architecture.md)."""
     # Past 4 bits a digit an integer is too long for sure (and its repr may fail); below, its repr is cheap.
     if isinstance(value, int) and (value.bit_length() > 4 * limit or len(repr(value)) > limit):
         return f"an integer of {value.bit_length()} bits"
