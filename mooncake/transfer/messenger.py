@@ -199,8 +199,13 @@ class Messenger:
     # ------------------------------------------------------------------ moving blocks
 
     def fetch(self, keys: Sequence[BlockKey], from_peer: str, *, parts: int = 1) -> Fetch:
-        """Start copying the leading `keys` that `from_peer` holds (and we do not) into the local cache."""
-        parts = require_int("parts", parts, minimum=1)
+        """Start copying the leading `keys` that `from_peer` holds (and we do not) into the local cache, in
+        `parts` byte ranges of each block (`part_range`): an integer in [1, page_bytes].
+
+        Raises:
+            ConfigError: `parts` is not such an integer.
+        """
+        parts = self._parts(parts)
         self.sweep()
         lease = secrets.token_hex(8)
         wanted = list(key_tuple(keys))  # checked before any call: int() made 1.5, "1" and True block 1
@@ -250,13 +255,19 @@ class Messenger:
             raise
         return Fetch(self, from_peer, lease, tuple((b[0], b[3]) for b in reserved), tuple(batches))
 
+    def _parts(self, parts: object) -> int:
+        """`parts`, a transfer's byte ranges of a block: at most a page's bytes, past which every further range is
+        empty (a block fills at most one page) and a count of 10**30 spun through them for ever."""
+        return require_int("parts", parts, minimum=1, below=self.page_bytes + 1)
+
     def push(self, keys: Sequence[BlockKey], to_peer: str, *, parts: int = 1) -> Push:
         """Start streaming local blocks (cached, or reserved and being filled) into `to_peer`'s cache.
 
         Raises:
             UnknownBlockError: a key is neither cached in the first tier nor reserved here.
+            ConfigError: `parts` is not an integer in [1, page_bytes].
         """
-        parts = require_int("parts", parts, minimum=1)
+        parts = self._parts(parts)
         self.sweep()
         local: list[tuple[BlockKey, int, int, bool]] = []  # key, local offset, length, pinned here
         try:

@@ -122,6 +122,9 @@ def _default_streams() -> int:
 
 
 MAX_TIMEOUT_S = 1e6  # about 11.6 days: poll() takes at most 2**31 - 1 ms (24.8 days); past it, OverflowError
+# Counts the system takes as a C int (setsockopt's buffer sizes) or that feed float sums (retries times timeouts,
+# spin microseconds): past it, setsockopt failed at the first connection and the sums overflowed.
+_C_INT = 2**31
 
 
 def _timeout_s(_instance: object, attribute: Any, value: Any) -> None:
@@ -178,9 +181,9 @@ class EngineConfig:
             verified aside before they are copied into the target region; at least
             `max_frame_bytes` (kept for reuse once allocated).
         connect_timeout_s: connecting and authenticating to a peer.
-        max_retries: retries of a slice on a fresh connection after a dropped one.
+        max_retries: retries of a slice on a fresh connection after a dropped one (below 2**31, as the next two).
         checksums: verify every slice end to end with XXH3-64.
-        socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF of every connection (0: the OS default).
+        socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF of every connection (0: the OS default; setsockopt takes a C int).
         spin_us: how long a connection polls for an answer (or the next request)
             before it blocks; CPU spent for latency. 0 blocks at once.
         transports: allowed transports in order of preference.
@@ -201,10 +204,10 @@ class EngineConfig:
     auth_timeout_s: float = attrs.field(default=3.0, validator=_timeout_s)
     max_staging_bytes: int = attrs.field(default=256 << 20, validator=int_at_least(1))
     connect_timeout_s: float = attrs.field(default=2.0, validator=_timeout_s)
-    max_retries: int = attrs.field(default=2, validator=int_at_least(0))
+    max_retries: int = attrs.field(default=2, validator=int_at_least(0, below=_C_INT))
     checksums: bool = attrs.field(default=False, validator=_flag)
-    spin_us: int = attrs.field(default=200, validator=int_at_least(0))
-    socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0))
+    spin_us: int = attrs.field(default=200, validator=int_at_least(0, below=_C_INT))
+    socket_buffer_bytes: int = attrs.field(default=4 << 20, validator=int_at_least(0, below=_C_INT))
     transports: tuple[str, ...] = attrs.field(default=TRANSPORTS, converter=_transports)
 
     @property

@@ -515,10 +515,21 @@ def test_a_request_with_a_bad_op_or_peer_is_refused_by_name(fields: dict[str, ob
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("checksums", "no"), ("checksums", 0), ("port", 70000), ("port", -1), ("host", "")]
+    ("field", "value"),
+    [
+        ("checksums", "no"),
+        ("checksums", 0),
+        ("port", 70000),
+        ("port", -1),
+        ("host", ""),
+        ("socket_buffer_bytes", 2**31),  # setsockopt takes a C int: it failed at the first connection
+        ("spin_us", 2**31),
+        ("max_retries", 2**31),
+    ],
 )
 def test_engine_config_fields_are_checked_by_name(field: str, value: object) -> None:
-    """A string is no switch ("no" is truthy), a port is at most 65535, a host is a non-empty string."""
+    """A string is no switch ("no" is truthy), a port is at most 65535, a host is a non-empty string, the counts
+    the system takes as a C int are below 2**31."""
     with pytest.raises(ConfigError, match=f"^{field} must be"):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
 

@@ -259,9 +259,9 @@ INT_RANGES: dict[str, tuple[int, int | None]] = {
     "streams_per_peer": (1, None),
     "max_connections": (1, None),
     "max_unauthenticated_connections": (1, None),
-    "max_retries": (0, None),
-    "spin_us": (0, None),
-    "socket_buffer_bytes": (0, None),
+    "max_retries": (0, 2**31 - 1),  # counts the system takes as a C int, or that feed float sums
+    "spin_us": (0, 2**31 - 1),
+    "socket_buffer_bytes": (0, 2**31 - 1),
 }
 DURATIONS = ("io_timeout_s", "idle_timeout_s", "auth_timeout_s", "connect_timeout_s")
 
@@ -284,9 +284,9 @@ def config_cases() -> list[tuple[str, object, bool]]:
 
 @pytest.mark.parametrize("case", config_cases(), ids=lambda case: f"{case[0]}={case[1]!r}")
 def test_an_engine_config_field_is_accepted_exactly_in_its_range(case: tuple[str, object, bool]) -> None:
-    """Counts are integers from their least value (a port also at most 65535, retries from 0), durations
-    finite numbers above 0 (a timeout of 0 would fail every socket operation at once); any other value is a
-    ConfigError naming the field."""
+    """Counts are integers from their least value (a port also at most 65535, retries from 0, a C int's counts
+    below 2**31), durations finite numbers above 0 (a timeout of 0 would fail every socket operation at once);
+    any other value is a ConfigError naming the field."""
     field, value, valid = case
     if valid:
         assert getattr(EngineConfig(**{field: value}), field) == value  # type: ignore[arg-type]
@@ -843,13 +843,16 @@ def test_a_commit_that_fails_midway_still_ends_its_lease(
     assert free_pages(b) == free and not b.messenger._leases and b.messenger.quarantined == 0
 
 
-@pytest.mark.parametrize("parts", [0, -1, True, 2.0, "2"])
+@pytest.mark.parametrize(
+    "parts", [0, -1, True, 2.0, "2", 10**30, 10**5000], ids=["0", "-1", "True", "2.0", "text", "1e30", "10**5000"]
+)
 @pytest.mark.parametrize("op", ["fetch", "push"])
 def test_a_part_count_that_is_no_positive_integer_is_refused_before_anything_moves(
     nodes: tuple[Node, Node, str], op: str, parts: object
 ) -> None:
-    """`parts` must be an integer >= 1: anything else is a ConfigError naming it, raised before the peer is
-    asked for anything (no call reaches it) and before a block is pinned here."""
+    """`parts` must be an integer in [1, page_bytes] (more than a page's bytes spun through empty ranges for ever):
+    anything else is a ConfigError naming it, raised before the peer is asked for anything (no call reaches it) and
+    before a block is pinned here."""
     a, b, peer = nodes
     a.cache.put(BlockKey(1), block(1))
     b.cache.put(BlockKey(1), block(1))
