@@ -491,6 +491,10 @@ class PolicyMachine(RuleBasedStateMachine):
     def evict(self) -> None:
         apply_both(self.policy, self.reference, ("evict",))
 
+    @rule()
+    def evict_unpinned(self) -> None:
+        apply_both(self.policy, self.reference, ("evict_unpinned",))
+
     @rule(key=policy_keys)
     def pin(self, key: BlockKey) -> None:
         apply_both(self.policy, self.reference, ("pin", key))

@@ -57,21 +57,20 @@ def test_holds_end_when_the_block_leaves(kind: str, prefix_aware: bool) -> None:
 
 @pytest.mark.parametrize(("kind", "prefix_aware"), ALL_POLICIES)
 def test_evict_unpinned_ignores_prefix_protection_but_never_takes_a_pinned_block(kind: str, prefix_aware: bool) -> None:
-    """Chain 1 → 2 → 3 with 3 pinned: `evict` finds nothing (prefix-aware), `evict_unpinned` takes the policy's
-    first unpinned block, then the next, then nothing."""
+    """Chain 5 → 9 → 2 with 2 pinned and 5 used again: `evict` finds nothing (prefix-aware), `evict_unpinned` takes
+    the policy's first unpinned block, then the next, then nothing. Every policy ranks 9 first (least recent, fewest
+    uses, unvisited by SIEVE's hand), so a choice by key id (5) or by insertion order (5) is caught."""
     policy = POLICIES[kind](prefix_aware=prefix_aware)
-    policy.access(K(1))
-    policy.access(K(2), parent=K(1), position=1)
-    policy.access(K(3), parent=K(2), position=2)
-    policy.pin(K(3))
+    policy.access(K(5))
+    policy.access(K(9), parent=K(5), position=1)
+    policy.access(K(2), parent=K(9), position=2)
+    policy.access(K(5))
+    policy.pin(K(2))
     if prefix_aware:
         assert policy.evict() is None
-    taken = [policy.evict_unpinned(), policy.evict_unpinned()]
-    assert sorted(taken) == [K(1), K(2)]  # type: ignore[type-var]
-    if kind in ("lru", "sieve"):
-        assert taken == [K(1), K(2)]  # the oldest first, as `evict` would rank them alone
+    assert [policy.evict_unpinned(), policy.evict_unpinned()] == [K(9), K(5)]
     assert policy.evict_unpinned() is None
     policy.check_invariants()
-    policy.unpin(K(3))
-    assert policy.evict() == K(3)
+    policy.unpin(K(2))
+    assert policy.evict() == K(2)
     policy.check_invariants()

@@ -463,6 +463,11 @@ class TieredMachine(RuleBasedStateMachine):
         tier = self.cache.touch(key)
         assert (tier is None) == (key not in self.cache)
 
+    # Not with parents: prefix-aware, a put may find no room while the first tier still holds unpinned blocks,
+    # prefixes of pinned or cached blocks that a last tier full of such blocks cannot take (`_make_room`'s
+    # second refusal). `put` here expects a refusal iff every first-tier page is pinned, which holds only for
+    # blocks ranked alone. Pins with prefix awareness are driven by test_tiered_prefix.py's PrefixMachine (LRU,
+    # SIEVE, and LFU on three tiers), whose `put` allows that refusal.
     @precondition(lambda self: not self.with_parents)
     @rule(key=keys)
     def pin(self, key: BlockKey) -> None:

@@ -12,7 +12,9 @@ alone, with no heaps, linked lists or incremental bookkeeping:
 - SIEVE walks the list from the hand (oldest when the hand is None), clearing
   visited bits of candidates, stepping over protected keys, and evicts the first
   unvisited candidate; the hand then rests on the victim's newer neighbour
-  (None at the newest end). A failed evict leaves everything as it was.
+  (None at the newest end). A failed evict leaves everything as it was;
+- `evict_unpinned` is `evict` with every unpinned key a candidate (prefix
+  protection aside): the same rank's `min`, or the same sweep, over them.
 
 `reference_prefix_hits` replays requests through a cache driven by a
 `ReferencePolicy`, counting hits with a plain set instead of an index and events.
@@ -76,6 +78,12 @@ class ReferencePolicy:
             self._forget(victim)
         return victim
 
+    def evict_unpinned(self) -> BlockKey | None:
+        victim = self.choose(unpinned=True)
+        if victim is not None:
+            self._forget(victim)
+        return victim
+
     def remove(self, key: BlockKey) -> None:
         if key not in self.keys:
             raise UnknownBlockError(f"reference: {key} is not cached")
@@ -105,16 +113,20 @@ class ReferencePolicy:
             return False
         return not (self.prefix_aware and self.children(key))
 
-    def candidates(self) -> list[BlockKey]:
+    def candidates(self, *, unpinned: bool = False) -> list[BlockKey]:
+        """The keys `evict` may take; `unpinned`: those `evict_unpinned` may (every key not pinned)."""
+        if unpinned:
+            return [key for key in self.keys if key not in self.pins]
         return [key for key in self.keys if self.is_candidate(key)]
 
-    def choose(self) -> BlockKey | None:
-        """The victim `evict` would take (SIEVE: moves the hand and clears bits, as evict does)."""
-        if self.kind == "sieve":
-            return self._sieve_choose()
-        candidates = self.candidates()
+    def choose(self, *, unpinned: bool = False) -> BlockKey | None:
+        """The victim `evict` (`unpinned`: `evict_unpinned`) would take (SIEVE: moves the hand and clears bits,
+        as they do)."""
+        candidates = self.candidates(unpinned=unpinned)
         if not candidates:
             return None
+        if self.kind == "sieve":
+            return self._sieve_choose(set(candidates))
         return min(candidates, key=self._rank)
 
     # Internals ----------------------------------------------------------------
@@ -125,16 +137,11 @@ class ReferencePolicy:
             return (self.uses[key], self.last_access[key])
         return (self.uses[key], -self.position[key], self.last_access[key])
 
-    def _sieve_choose(self) -> BlockKey | None:
-        if not self.keys:
-            return None
-        start = 0 if self.hand is None else self.keys.index(self.hand)
-        if not self.candidates():
-            return None
-        index = start
+    def _sieve_choose(self, candidates: set[BlockKey]) -> BlockKey:
+        index = 0 if self.hand is None else self.keys.index(self.hand)
         while True:  # ends: a candidate exists, and one lap clears every candidate's bit
             key = self.keys[index]
-            if self.is_candidate(key):
+            if key in candidates:
                 if not self.visited[key]:
                     self.hand = key
                     return key

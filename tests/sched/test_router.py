@@ -17,7 +17,6 @@ import random
 import attrs
 import numpy as np
 import pytest
-import xxhash
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -42,7 +41,14 @@ from mooncake.sched.router import (
 )
 from mooncake.sched.view import PrefillBoard, PrefillView, QueuedPrefill
 from mooncake.types import BlockKey, InstanceId, RequestId
-from tests.reference.sched import reference_local_route, reference_route, should_transfer, usable_blocks
+from tests.reference.sched import (
+    documented_ttft_s,
+    reference_local_route,
+    reference_route,
+    rendezvous_weight,
+    should_transfer,
+    usable_blocks,
+)
 from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries, ttft_estimators
 
 NOW = SCHED_NOW_S
@@ -219,16 +225,6 @@ def test_spread_weights_depend_on_the_first_missing_key_and_the_instance() -> No
     )
 
 
-def _splitmix64_weight(key: int, instance: str) -> float:
-    """The rendezvous weight written out in integers: splitmix64's finalizer of (key xor XXH3-64 of the id)
-    plus the golden gamma, its top 53 bits as a fraction of 1."""
-    mask = 2**64 - 1
-    x = ((key ^ xxhash.xxh3_64_intdigest(instance.encode())) + 0x9E3779B97F4A7C15) & mask
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-    return ((x ^ (x >> 31)) >> 11) / 2**53
-
-
 @given(
     keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6),
     held=st.lists(st.integers(0, 8), min_size=1, max_size=4),
@@ -237,7 +233,7 @@ def test_spread_weights_are_splitmix64_of_the_first_missing_key_and_the_id(keys:
     """Each instance weighs the key of the first block it lacks (the last key when it holds them all)."""
     ids = [InstanceId(f"prefill-{i}") for i in range(len(held))]
     weights = spread_weights(tuple(BlockKey(k) for k in keys), np.array(held), ids).tolist()
-    assert weights == [_splitmix64_weight(keys[min(n, len(keys) - 1)], i) for n, i in zip(held, ids, strict=True)]
+    assert weights == [rendezvous_weight(keys[min(n, len(keys) - 1)], i) for n, i in zip(held, ids, strict=True)]
 
 
 def test_keys_wider_than_64_bits_weigh_as_the_index_stores_them() -> None:
@@ -320,7 +316,7 @@ def test_ties_on_ttft_break_by_queue_then_cache_then_id(
     chosen = KvCacheCentricRouter(EXACT_ESTIMATOR, threshold=threshold).route(views, q, NOW, random.Random(0))
     expected, every = reference_route(EXACT_ESTIMATOR, views, q, NOW, threshold=threshold)
     assert chosen == expected
-    assert chosen is not None
+    assert chosen is not None and chosen.ttft_s == documented_ttft_s(chosen)
     tied = [d for d in every if d.ttft_s == chosen.ttft_s]
     if len({d.queue_s for d in tied}) > 1:
         event("TTFT tie between different queues")
@@ -362,13 +358,14 @@ def test_no_candidates_no_decision(router: Router) -> None:
 def test_choice_minimises_its_own_estimate(
     scenario: tuple[list[PrefillView], RouteQuery], estimator: TtftEstimator, threshold: float
 ) -> None:
-    """The chosen instance has the smallest TTFT estimate of all candidates (brute force, same rule and estimator)."""
+    """The chosen instance has the smallest TTFT estimate of all candidates, the documented one (brute force from
+    the cost models, same rule)."""
     views, q = scenario
     chosen = KvCacheCentricRouter(estimator, threshold=threshold).route(views, q, NOW, random.Random(0))
     expected, every = reference_route(estimator, views, q, NOW, threshold=threshold)
     assert chosen == expected
-    assert chosen is not None
-    assert all(chosen.ttft_s <= other.ttft_s for other in every)
+    assert chosen is not None and chosen.ttft_s == documented_ttft_s(chosen)
+    assert all(chosen.ttft_s <= documented_ttft_s(other) for other in every)
 
 
 def test_prefix_blocks_is_a_mapping_of_the_holders() -> None:

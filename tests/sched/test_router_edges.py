@@ -19,7 +19,6 @@ import random
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -39,7 +38,6 @@ from mooncake.sched.router import (
     TtftEstimator,
     is_threshold,
     local_cache_aware_router,
-    spread_weights,
 )
 from mooncake.sched.view import (
     ActiveDecode,
@@ -49,6 +47,7 @@ from mooncake.sched.view import (
     QueuedPrefill,
 )
 from mooncake.types import BlockKey, InstanceId, RequestId
+from tests.reference.sched import rendezvous_weight
 from tests.strategies import SCHED_NOW_S, finite_thresholds, prefill_views, route_queries
 
 NOW = SCHED_NOW_S
@@ -297,8 +296,8 @@ def test_holders_of_the_whole_prompt_and_of_all_but_its_last_block_tie_to_the_re
         best_holders=1,
         block_keys=block_keys,
     )
-    weights = spread_weights(block_keys, np.array([8, 7]), [A, B]).tolist()
-    home = A if weights[0] > weights[1] else B
+    # Each weighs the key of the first block it lacks: B the 8th, A (holding all) the last, the same key.
+    home = A if rendezvous_weight(keys[7], A) > rendezvous_weight(keys[7], B) else B
     estimator = TtftEstimator(
         prefill=PrefillCostModel(model=LLAMA3, hardware=HARDWARE["8xA800"]),
         transfer=TransferCostModel(bandwidth_bytes_per_s=25e9),
