@@ -551,7 +551,8 @@ class SsdPagePool(AllocatingPool):
         if file_label != self.label:
             before = " (format version 1, from before labels)" if version == 1 else ""
             raise ConfigError(
-                f"{self.path} holds pages labelled {shown(file_label)}{before}, but this pool is labelled {shown(self.label)}: "
+                # Both whole (at most MAX_LABEL_BYTES each, strings): where they differ may be past any cut.
+                f"{self.path} holds pages labelled {file_label!r}{before}, but this pool is labelled {self.label!r}: "
                 "their bytes mean something else (another hasher namespace, KV dtype or layout); give this pool "
                 "another file, or remove that one"
             )

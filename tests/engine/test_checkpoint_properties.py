@@ -34,6 +34,7 @@ import attrs
 import torch
 from safetensors.torch import save_file
 
+from mooncake._checks import shown
 from mooncake.engine.checkpoint import (
     CLASS_DEFAULTS,
     INDEX_FILE,
@@ -248,7 +249,7 @@ def test_a_name_of_no_weight_is_refused_naming_it(config: ModelConfig, names: tu
     for name in names:
         with pytest.raises(ConfigError) as caught:
             checkpoint_tensors(config, name)
-        assert repr(name) in str(caught.value)
+        assert shown(name) in str(caught.value)
 
 
 @PURE
