@@ -547,10 +547,6 @@ def _check_profile(config: ClusterConfig) -> None:
         read_profile(config.prefill.profile)
     except ConfigError as error:
         raise ConfigError(f"{config.source}: {error}") from error
-    except RecursionError as error:
-        raise ConfigError(
-            f"{config.source}: [prefill] profile = {shown(config.prefill.profile, limit=_SHOWN)}: JSON nested too deeply"
-        ) from error
 
 
 def load_config(path: str | Path, *, machine: Machine | None = None) -> ClusterConfig:

@@ -86,8 +86,10 @@ def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
     try:
         with open(path) as stream:
             profile = json.load(stream)
-    except (OSError, ValueError, RecursionError) as error:  # ValueError: no JSON; RecursionError: nested too deep
+    except (OSError, ValueError) as error:  # ValueError: no JSON (or an integer past 4,300 digits)
         raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
+    except RecursionError as error:  # arrays or objects nested past the interpreter's stack
+        raise ConfigError(f"[prefill] profile = {path!r}: JSON nested too deeply") from error
     sections = {}
     for name in ("prefill", "decode"):
         if not isinstance(profile, dict) or name not in profile:
