@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched import PrefillSample
 
@@ -132,7 +133,7 @@ async def probe(
             f"{url}/tokenize", json={"model": model, "prompt": PROBE_TEXT}, timeout=timeout
         ) as answer:
             answer.raise_for_status()
-            served_tokens: Sequence[int] = (await answer.json())["tokens"]
+            served_tokens: Sequence[int] = list((await answer.json())["tokens"])
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise ConfigError(f"{where} is unreachable: {type(error).__name__}: {error}") from error
     except (KeyError, IndexError, TypeError, ValueError) as error:
@@ -140,7 +141,7 @@ async def probe(
     config = next((labels for name, labels, _ in _samples(metrics) if name == "vllm:cache_config_info"), None)
     if config is None:
         raise ConfigError(f"{where}: its /metrics has no vllm:cache_config_info (is it a vLLM server?)")
-    served_block = int(config.get("block_size", "0") or 0)
+    served_block = _count(where, "vllm:cache_config_info block_size", config.get("block_size"))
     if served_block != block_size:
         raise ConfigError(
             f"{where} stores blocks of {served_block} tokens, [router] block_size = {block_size}: set block_size to "
@@ -158,10 +159,14 @@ async def probe(
         )
     capacity = config.get("kv_cache_size_tokens")
     blocks = config.get("num_gpu_blocks")
-    kv_tokens = int(capacity) if capacity and capacity.isdigit() else int(blocks or 0) * served_block
+    kv_tokens = (
+        _count(where, "vllm:cache_config_info kv_cache_size_tokens", capacity)
+        if capacity
+        else _count(where, "vllm:cache_config_info num_gpu_blocks", blocks) * served_block
+    )
     return InstanceInfo(
         model=model,
-        max_model_len=int(base.get("max_model_len") or 0),
+        max_model_len=_count(where, f"model {model!r} max_model_len", base.get("max_model_len")),
         card=base,
         cards=cards,
         served_names=served_names or (model,),
@@ -169,6 +174,21 @@ async def probe(
         prefix_caching=prefix_caching,
         kv_capacity_tokens=kv_tokens,
     )
+
+
+def _count(where: str, field: str, value: object) -> int:
+    """A count a server reports (a metric label's text or a JSON number); absent, null or empty is 0 (unknown).
+
+    Raises:
+        ConfigError: anything else than a whole number >= 0, naming the server, the field and the value.
+    """
+    if value is None or value == "" or value == "None":  # vLLM labels an unset field "None"
+        return 0
+    if type(value) is int and value >= 0:
+        return value
+    if type(value) is str and value.isascii() and value.isdigit() and len(value) <= 18:
+        return int(value)
+    raise ConfigError(f"{where} does not answer as a vLLM server does: {field} is {shown(value)}, not a whole number")
 
 
 async def reprobe(

@@ -529,6 +529,30 @@ def test_the_probe_reads_the_capacity_and_refuses_what_it_cannot_use(tokenizer_d
         probed(given_, tokenizer)
 
 
+def test_the_probe_names_a_count_it_cannot_read(tokenizer_dir: Path) -> None:
+    """A block size, KV capacity or context length that is no whole number is a ConfigError naming the
+    instance, the field and the value (it was int()'s bare ValueError or TypeError, which the router's start
+    and its re-probe of a server coming back do not catch); an unset one (vLLM labels it "None") is unknown, 0."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    unset = ConfiguredVllm(tokenizer, cache_info='num_gpu_blocks="None"')
+    bad_blocks = ConfiguredVllm(tokenizer, cache_info='num_gpu_blocks="many"')
+    bad_capacity = ConfiguredVllm(tokenizer, cache_info='kv_cache_size_tokens="1e6"')
+    bad_block_size = ConfiguredVllm(tokenizer, block_size="sixteen")  # type: ignore[arg-type]
+    bad_length = ConfiguredVllm(tokenizer, max_model_len={"n": 1})  # type: ignore[arg-type]
+    huge_length = ConfiguredVllm(tokenizer, max_model_len="9" * 5000)  # type: ignore[arg-type]
+    with serving(unset, bad_blocks, bad_capacity, bad_block_size, bad_length, huge_length):
+        assert probed(unset, tokenizer).kv_capacity_tokens == 0
+        for server, field, value in (
+            (bad_blocks, "num_gpu_blocks", "'many'"),
+            (bad_capacity, "kv_cache_size_tokens", "'1e6'"),
+            (bad_block_size, "block_size", "'sixteen'"),
+            (bad_length, "max_model_len", "{'n': 1}"),
+            (huge_length, "max_model_len", "'9999"),
+        ):
+            with pytest.raises(ConfigError, match=f"instance vllm-0 .*: .*{field} is {re.escape(value)}"):
+                probed(server, tokenizer, block_size=server.block_size if field != "block_size" else BLOCK)
+
+
 def test_calibration_times_each_length_after_one_warm_up(fakes: list[FakeVllm]) -> None:
     """One streamed request per length, after a warm-up of the first length that is not counted; a server
     that refuses one is a ConfigError."""
