@@ -727,7 +727,11 @@ def _serve_call(sock: socket.socket, context: ServerContext, frame: Frame) -> No
         result = context.handle_call(str(request["method"]), request.get("args"))
         payload = json.dumps(result).encode()
     except Exception as error:
-        _refuse(sock, context, frame, f"{type(error).__name__}: {error}")
+        try:
+            reason = f"{type(error).__name__}: {error}"
+        except Exception:  # a handler's exception whose message itself fails: refused all the same, by its type
+            reason = f"{type(error).__name__} (its message cannot be printed)"
+        _refuse(sock, context, frame, reason)
         return
     if len(payload) > MAX_CONTROL_BYTES:
         _refuse(sock, context, frame, f"reply of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")

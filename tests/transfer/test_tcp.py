@@ -18,7 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.errors import PeerUnavailable
+from mooncake.errors import PeerUnavailable, TransferError
 from mooncake.transfer import tcp
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig, RequestState, Slice, TransferOp
@@ -408,6 +408,29 @@ def test_calls_refused_by_the_handler_keep_the_connection(server: tuple[Transfer
             reply = recv_frame(sock, max_length=MAX_CONTROL_BYTES)
             recv_exact(sock, memoryview(bytearray(reply.length)))
             assert reply.kind == Kind.ERROR
+        assert tcp.call(sock, "describe", None) is not None
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def test_a_handler_error_that_cannot_be_printed_is_refused_by_its_type(
+    server: tuple[TransferEngine, np.ndarray, int],
+) -> None:
+    """A handler's exception whose message itself raises is still answered as a refusal naming its type, on a
+    connection that goes on serving (the refusal's own formatting raised out of the serving loop, and the peer saw
+    only a dropped connection)."""
+    engine, _target, _region = server
+
+    def broken(_args: object) -> None:
+        raise _Unprintable
+
+    engine.register_handler("broken", broken)
+    with authenticated(engine) as sock:
+        with pytest.raises(TransferError, match="_Unprintable"):
+            tcp.call(sock, "broken", None)
         assert tcp.call(sock, "describe", None) is not None
 
 
