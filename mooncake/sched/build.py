@@ -123,11 +123,14 @@ def build_conductor(
     transfers: bool = True,
     first_token_overhead_s: float = 0.0,
     seed: int = 0,
+    prefill_cache_blocks: int | None = None,
 ) -> Conductor:
     """A Conductor with its instances added (defaults in the module docstring).
 
     Args:
         transfers: False when instances cannot fetch each other's blocks (no global pool).
+        prefill_cache_blocks: the most blocks each prefill instance's cache holds (None: no bound;
+            `Conductor.add_prefill_instances`).
         first_token_overhead_s: the serving path's fixed latency from a prefill's end to its first token,
             part of every TTFT estimate.
 
@@ -187,6 +190,8 @@ def build_conductor(
         transfers=transfers,
         seed=seed,
     )
-    conductor.add_prefill_instances(InstanceId(instance) for instance in prefill_instances)
+    conductor.add_prefill_instances(
+        (InstanceId(instance) for instance in prefill_instances), cache_blocks=prefill_cache_blocks
+    )
     conductor.add_decode_instances((InstanceId(instance) for instance in decode_instances), decode_limits)
     return conductor

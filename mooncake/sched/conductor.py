@@ -4,7 +4,8 @@
 1. match the request's block keys in the global index (each prefill instance's
    prefix, the best holder); an instance's prefix continues with the blocks the
    requests queued on it will have stored when this one starts (FIFO), which the
-   prefill will find (`sched.pending`; only the index's holders are transfer sources);
+   prefill will find (`sched.pending`; only the index's holders are transfer sources),
+   as far as its cache holds them (`cache_blocks`, where the instance was added with one);
 2. route it (`router`) among prefill instances that are up;
 3. choose the decode instance (`choose_decode`; a coupled instance, one that
    prefills and decodes, decodes what it prefilled and nothing else): ranked by what each is
@@ -216,6 +217,10 @@ class Conductor:
         self._owner: dict[InstanceId, int] = {}
         self._owners = itertools.count()  # never reused: a removed instance's number stays its own
         self._owner_of_slot = np.zeros(0, dtype=np.int64)
+        # Per prefill instance, the most blocks its cache holds (None: no bound given), and per board slot (None
+        # while no instance has a bound): what the queued prompts leave there is counted only that far.
+        self._cache_blocks: dict[InstanceId, int | None] = {}
+        self._cache_blocks_of_slot: npt.NDArray[np.int64] | None = None
         self._pending_of: dict[RequestId, tuple[int, npt.NDArray[np.uint64]]] = {}
         self._coupled: set[InstanceId] = set()  # instances that are both (`add_coupled_instance`)
         # Per prefill instance, when the last prefill reported finished at the head of its queue ended: all those
@@ -227,19 +232,42 @@ class Conductor:
 
     # ------------------------------------------------------------------ instances
 
-    def add_prefill_instance(self, instance_id: InstanceId) -> None:
-        self.add_prefill_instances((instance_id,))
+    def add_prefill_instance(self, instance_id: InstanceId, *, cache_blocks: int | None = None) -> None:
+        self.add_prefill_instances((instance_id,), cache_blocks=cache_blocks)
 
-    def add_prefill_instances(self, instance_ids: Iterable[InstanceId]) -> None:
+    def add_prefill_instances(self, instance_ids: Iterable[InstanceId], *, cache_blocks: int | None = None) -> None:
         """Prefill instances, all checked before any is added; the board is rebuilt once (a cluster of n
-        instances added one at a time costs O(n²))."""
+        instances added one at a time costs O(n²)).
+
+        `cache_blocks`: the most blocks each one's prefix cache holds (its DRAM and SSD pages; 0: it caches
+        nothing), or None for no bound. The blocks that prompts queued on an instance will leave there count
+        toward a later prompt's prefix only that far (`schedule`): a cache smaller than a queued chain keeps its
+        first blocks, as a prefix-preserving cache does, and what the index holds there now stays counted.
+
+        Raises:
+            ConfigError: an id already known, or `cache_blocks` that is not an integer >= 0 or None.
+        """
+        if cache_blocks is not None:
+            require_int("cache_blocks", cache_blocks, minimum=0, below=2**63)
         new = self._new_ids(instance_ids)
         self._check_new(*new)
         for instance_id in new:
             self._prefill[instance_id] = PrefillView(instance_id)
             self._owner[instance_id] = next(self._owners)
+            self._cache_blocks[instance_id] = cache_blocks
+        self._rebuild_prefill_board()
+
+    def _rebuild_prefill_board(self) -> None:
+        """The prefill board and the per-slot arrays that follow its slots (owners, cache bounds)."""
         self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
-        self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
+        ids = self._prefill_board.instance_ids
+        self._owner_of_slot = np.array([self._owner[i] for i in ids], dtype=np.int64)
+        bounds = [self._cache_blocks[i] for i in ids]
+        self._cache_blocks_of_slot = (
+            None
+            if all(bound is None for bound in bounds)
+            else np.array([np.iinfo(np.int64).max if bound is None else bound for bound in bounds], dtype=np.int64)
+        )
 
     def add_decode_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
         """A decode instance that holds what `limits` say (its KV, batch slots, a request's context)."""
@@ -255,13 +283,15 @@ class Conductor:
             self._incoming[instance_id] = {}
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
 
-    def add_coupled_instance(self, instance_id: InstanceId, limits: DecodeLimits) -> None:
+    def add_coupled_instance(
+        self, instance_id: InstanceId, limits: DecodeLimits, *, cache_blocks: int | None = None
+    ) -> None:
         """An instance that prefills and decodes on the same GPUs (a vLLM or SGLang server without
         disaggregation): a request routed to it decodes there, checked by the decode rule against
         `limits`, and it never decodes what another instance prefilled. Its prefill and decode
-        events name it under the one id."""
+        events name it under the one id. `cache_blocks`: as `add_prefill_instances`'."""
         self._check_new(instance_id, decode_limits=(limits,))
-        self.add_prefill_instance(instance_id)
+        self.add_prefill_instance(instance_id, cache_blocks=cache_blocks)
         self._decode[instance_id] = DecodeView(instance_id, limits)
         self._decode_board = DecodeBoard(tuple(self._decode.values()))
         self._incoming[instance_id] = {}
@@ -286,8 +316,8 @@ class Conductor:
             del self._owner[instance_id]
             self._ended_s.pop(instance_id, None)
             self._transfers.pop(instance_id, None)  # what is left was estimated done: nothing waits on it
-            self._prefill_board = PrefillBoard(tuple(self._prefill.values()))
-            self._owner_of_slot = np.array([self._owner[i] for i in self._prefill_board.instance_ids], dtype=np.int64)
+            del self._cache_blocks[instance_id]
+            self._rebuild_prefill_board()
         if self._decode.pop(instance_id, None) is not None:
             assert not self._incoming.pop(instance_id), "a request bound for a removed instance outlived it"
             self._decode_board = DecodeBoard(tuple(self._decode.values()))
@@ -373,6 +403,10 @@ class Conductor:
             lengths = np.where(board.is_up, lengths, 0)
         # The prefix each will have by its turn (none counts for a prompt computed whole).
         own = self._pending.walk(keys, lengths, self._owner_of_slot) if request.reuses_prefix else lengths
+        bounds = self._cache_blocks_of_slot
+        if bounds is not None and own is not lengths:
+            # A cache keeps no more of the queued chains than it holds (what the index shows there now stands).
+            own = np.minimum(own, np.maximum(bounds, lengths))
         best = None
         best_blocks = best_holders = 0
         held = lengths.tolist()  # a few dozen numbers: list operations beat numpy's per-call cost

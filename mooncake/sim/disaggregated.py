@@ -193,10 +193,9 @@ class DisaggregatedCluster:
         self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
         self.step_model = spec.decode_cost
         self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
-        cache_tokens = spec.cache_capacity_tokens * spec.cpp_group_size
         # A capacity under one block caches nothing (its cache, a page no chain is put into, stays empty).
-        self._caches = cache_tokens >= spec.block_size_tokens
-        pages = max(1, cache_tokens // spec.block_size_tokens)
+        self._caches = spec.prefill_cache_blocks > 0
+        pages = max(1, spec.prefill_cache_blocks)
         self._prefill = {
             view.instance_id: _PrefillNode(
                 view.instance_id,

@@ -177,6 +177,13 @@ class ClusterSpec:
         return self.num_prefill // self.cpp_group_size
 
     @property
+    def prefill_cache_blocks(self) -> int:
+        """Blocks one prefill instance's cache holds (a CPP group pools its nodes' caches): the simulated node's
+        pages, and the bound its Conductor counts queued prompts' blocks to. A capacity under one block caches
+        nothing: 0."""
+        return self.cache_capacity_tokens * self.cpp_group_size // self.block_size_tokens
+
+    @property
     def prefill_cost(self) -> PrefillModel:
         """One prefill instance's prefill time (a CPP group's when grouped)."""
         if self.prefill_model is not None:
@@ -258,5 +265,6 @@ def build_conductor(
         decode_limits=spec.decode_limits,
         transfers=spec.global_pool,  # without a global pool there is nothing to transfer from
         first_token_overhead_s=spec.first_token_overhead_s,  # what the simulator charges, estimated alike
+        prefill_cache_blocks=spec.prefill_cache_blocks,  # what the simulated node keeps, counted alike
         seed=seed,
     )

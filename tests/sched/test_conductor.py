@@ -113,6 +113,7 @@ def make_conductor(
     max_batch_size: int | None = None,
     block_size: int = BLOCK,
     seed: int = 0,
+    cache_blocks: int | None = None,
 ) -> Conductor:
     conductor = Conductor(
         router=make_router(router, threshold=threshold) if isinstance(router, str) else router,
@@ -124,7 +125,7 @@ def make_conductor(
         seed=seed,
     )
     for instance in PREFILL_IDS:
-        conductor.add_prefill_instance(instance)
+        conductor.add_prefill_instance(instance, cache_blocks=cache_blocks)
     for instance in DECODE_IDS:
         capacity = DECODE_COST.capacity_tokens() if capacity_tokens is None else capacity_tokens
         conductor.add_decode_instance(
@@ -536,6 +537,31 @@ def test_a_prefix_queued_ahead_counts_as_cached() -> None:
     conductor.handle(RequestAborted(request_id=second.request_id, now=0.2))
     conductor.handle(RequestAborted(request_id=third.request_id, now=0.2))
     assert conductor.schedule(request("r4", DOC), 0.2).prefix_tokens == 0
+
+
+def test_a_prefix_queued_ahead_counts_only_as_far_as_the_cache_holds() -> None:
+    """An instance whose cache holds 4 blocks keeps no more of a 32-block chain queued on it (a prefix-preserving
+    cache keeps the chain's first blocks), so a request queued behind it is estimated with 4 blocks, not 32; what
+    the index shows the instance holding now counts whole, beyond the bound (the index is what is stored)."""
+    conductor = make_conductor(cache_blocks=4)
+    for other in (P1, P2):
+        conductor.handle(InstanceDown(instance_id=other, now=0.0))
+    first = conductor.schedule(request("r1", DOC), 0.0)
+    assert first.prefix_tokens == 0
+    second = conductor.schedule(request("r2", (*DOC, 999)), 0.0)
+    assert second.prefix_tokens == 4 * BLOCK
+    Caches().store(conductor, P0, list(DOC[:10]))  # what the index says is stored stands
+    third = conductor.schedule(request("r3", (*DOC, 998)), 0.0)
+    assert third.prefix_tokens == 10 * BLOCK
+    nothing = make_conductor(cache_blocks=0)
+    for other in (P1, P2):
+        nothing.handle(InstanceDown(instance_id=other, now=0.0))
+    nothing.schedule(request("r1", DOC), 0.0)
+    assert nothing.schedule(request("r2", (*DOC, 999)), 0.0).prefix_tokens == 0
+    for bad in (-1, 1.5, True, "4", 2**63):
+        with pytest.raises(ConfigError, match="cache_blocks must be an integer"):
+            nothing.add_prefill_instance(InstanceId("prefill-9"), cache_blocks=bad)  # type: ignore[arg-type]
+    assert InstanceId("prefill-9") not in {view.instance_id for view in nothing.prefill_views}
 
 
 def test_a_prompt_computed_whole_counts_no_cached_prefix_and_moves_none() -> None:
@@ -1514,6 +1540,7 @@ class ConductorMachine(RuleBasedStateMachine):
         capacity=st.sampled_from([20_000, 60_000, 400_000]),
         threshold=st.sampled_from([1.0, 1.5, 4.0]),
         seed=st.integers(min_value=0, max_value=2**32 - 1),
+        cache_blocks=st.sampled_from([None, 0, 3, 8]),
         warm=st.lists(
             st.tuples(st.integers(min_value=0, max_value=3), st.sampled_from(PREFILL_IDS), st.integers(1, 12)),
             max_size=4,
@@ -1528,9 +1555,11 @@ class ConductorMachine(RuleBasedStateMachine):
         capacity: int,
         threshold: float,
         seed: int,
+        cache_blocks: int | None,
         warm: list[tuple[int, InstanceId, int]],
     ) -> None:
         self.router_name, self.admission_name, self.slo, self.capacity = router, admission, slo, capacity
+        self.cache_blocks = cache_blocks
         self.conductor = make_conductor(
             router=router,
             threshold=threshold,
@@ -1542,6 +1571,7 @@ class ConductorMachine(RuleBasedStateMachine):
             capacity_tokens=capacity,
             block_size=MACHINE_BLOCK,
             seed=seed,
+            cache_blocks=cache_blocks,
         )
         for document, instance, blocks in warm:  # documents some caches already hold
             self.caches.store(self.conductor, instance, [1000 * document + i for i in range(blocks)])
@@ -1655,15 +1685,17 @@ class ConductorMachine(RuleBasedStateMachine):
 
     def _own_prefix(self, instance: InstanceId, keys: Sequence[BlockKey]) -> int:
         """The instance's cached prefix, continued by the blocks of the requests queued on it before
-        (FIFO: they will have stored them when this one starts)."""
-        own = self.caches.holdings.prefix_blocks(instance, keys)
+        (FIFO: they will have stored them when this one starts), as far as its cache holds them (what it holds
+        now counts whole)."""
+        indexed = own = self.caches.holdings.prefix_blocks(instance, keys)
+        bound = len(keys) if self.cache_blocks is None else min(len(keys), max(self.cache_blocks, indexed))
         pending = {
             key
             for t in self.tracked.values()
             if t.prefill == instance and t.stage in ("queued", "started") and t.keeps
             for key in t.request.block_keys
         }
-        while own < len(keys) and keys[own] in pending:
+        while own < bound and keys[own] in pending:
             own += 1
         return own
 
@@ -1825,7 +1857,7 @@ class ConductorMachine(RuleBasedStateMachine):
         """A new instance under a removed one's id: up, empty, with nothing of the old one."""
         instance = data.draw(st.sampled_from(sorted(self.removed)))
         if instance in PREFILL_IDS:
-            self.conductor.add_prefill_instance(instance)
+            self.conductor.add_prefill_instance(instance, cache_blocks=self.cache_blocks)
         else:
             self.conductor.add_decode_instance(instance, DecodeLimits(kv_capacity_tokens=self.capacity))
         self.removed.discard(instance)

@@ -327,6 +327,24 @@ def test_lone_request_ttft_is_the_cost_model_prefill(input_tokens: int, cpp_grou
     assert math.isclose(record.prefill_s, expected, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("cache_blocks", [0, 4, 40])
+def test_a_prompt_queued_behind_a_chain_longer_than_the_cache_is_estimated_as_the_node_runs_it(
+    cache_blocks: int,
+) -> None:
+    """B queues behind A on one node and extends A's 16-block chain: the node keeps only what its cache holds of
+    A's chain (none, the first 4, all 16), and the Conductor counts A's pending blocks only that far, so its
+    estimate of B's prefix and TTFT is what the simulator charges (it counted all 16 blocks, 42 % early)."""
+    spec = make_spec(cache_capacity_tokens=cache_blocks * BLOCK)
+    a = make_request("a", 0.0, 16 * BLOCK, 2, range(16))
+    b = make_request("b", 0.01, 17 * BLOCK, 2, [*range(16), 99])
+    conductor = build_conductor(spec)
+    estimates = [conductor.schedule(r, r.arrival_s) for r in (a, b)]
+    records = replay(spec, [a, b]).records
+    assert [r.prefix_tokens for r in records] == [0, min(cache_blocks, 16) * BLOCK]
+    assert [d.prefix_tokens for d in estimates] == [r.prefix_tokens for r in records]
+    assert [r.ttft_s for r in records] == pytest.approx([d.ttft_s for d in estimates], rel=1e-9)
+
+
 @pytest.mark.parametrize("cpp_group_size", [1, 4])
 def test_the_conductor_estimates_a_queue_as_the_group_runs_it(cpp_group_size: int) -> None:
     """Three long prompts at once on one instance: a chunked-pipeline group takes the next once the last
