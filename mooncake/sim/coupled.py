@@ -163,8 +163,12 @@ class _Instance:
     prefilling: _Waiting | None = None  # a prefill the last iteration left partial (only the last taken can be)
     plan: _Plan | None = None
     kv_tokens: int = 0  # the decoding members' reservations (prompt + output each)
+    # The reservations of requests taken for prefill that have not joined the batch yet (a partial prefill's, those
+    # the current iteration completes): admitted by the decode rule, so their room is no cache's either.
+    taken_tokens: int = 0
     # Each running request's prompt chain and the blocks of it it pins in the cache (its own blocks, in use: never
-    # evicted while it runs, as vLLM's blocks with a reference are not), and how many running requests pin each.
+    # evicted while it runs, as vLLM's blocks with a reference are not), and how many running requests pin each;
+    # a request taken for prefill pins the cached prefix it was matched with until it joins.
     running: dict[RequestId, tuple[Sequence[BlockKey], list[BlockKey]]] = attrs.field(factory=dict)
     held: dict[BlockKey, int] = attrs.field(factory=dict)
 
@@ -291,6 +295,13 @@ class CoupledCluster:
                 cached = max(cached, shared_prefix_blocks(request.block_keys, other.request.block_keys))
         waiting.done_tokens = reusable_prefix_tokens(request.input_length, cached, self.spec.block_size_tokens)
         waiting.record.prefix_tokens = waiting.done_tokens
+        if takes_slot(request.output_length):
+            instance.taken_tokens += request.input_length + request.output_length
+            if self._caches:
+                # Its cached prefix is in use from now on (vLLM references the computed blocks it schedules with),
+                # and the cache gives way to the reservation the decode rule just admitted.
+                self._pin_prefix(instance, request.request_id, request.block_keys)
+                self._fit(instance)
         return waiting
 
     def _decide(self, now: float, instance: _Instance) -> None:
@@ -359,6 +370,9 @@ class CoupledCluster:
                 batch.start_s = now
                 batch.join(Member(record, record.output_tokens - 1, record.input_tokens))
                 instance.kv_tokens += record.input_tokens + record.output_tokens
+                instance.taken_tokens -= record.input_tokens + record.output_tokens
+                if self._caches:
+                    self._unpin(instance, record.request_id)  # pinned whole below, the prompt now stored
                 self._cache(instance, done.request.block_keys, running=record.request_id)
         self._decide(now, instance)
 
@@ -372,21 +386,23 @@ class CoupledCluster:
         with contextlib.suppress(CapacityError):  # every page pinned by running requests: nothing more is cached
             cache.put_chain(keys, length=self.page_bytes)
         if running is not None:
-            pinned = []
-            for key in keys:  # the chain's cached prefix (put_chain stops where it finds no room)
-                if cache.location(key) is None:
-                    break
-                cache.pin(key)
-                pinned.append(key)
-                instance.held[key] = instance.held.get(key, 0) + 1
-            instance.running[running] = (keys, pinned)
+            self._pin_prefix(instance, running, keys)
         self._fit(instance)
 
-    def _release(self, instance: _Instance, request_id: RequestId) -> None:
-        """A running request ended: its blocks are no longer in use, and stay cached (a use, as vLLM frees a
-        finished request's blocks to the end of its free queue), evictable again."""
-        if not self._caches:
-            return
+    def _pin_prefix(self, instance: _Instance, request_id: RequestId, keys: Sequence[BlockKey]) -> None:
+        """Pin the cached prefix of `keys` (put_chain stops where it finds no room) for `request_id`, which uses it."""
+        cache = instance.cache
+        pinned = []
+        for key in keys:
+            if cache.location(key) is None:
+                break
+            cache.pin(key)
+            pinned.append(key)
+            instance.held[key] = instance.held.get(key, 0) + 1
+        instance.running[request_id] = (keys, pinned)
+
+    def _unpin(self, instance: _Instance, request_id: RequestId) -> Sequence[BlockKey]:
+        """Unpin what `request_id` pinned (it stays cached, evictable again); its prompt's keys."""
         keys, pinned = instance.running.pop(request_id)
         for key in pinned:
             instance.cache.unpin(key)
@@ -395,13 +411,23 @@ class CoupledCluster:
                 instance.held[key] = left
             else:
                 del instance.held[key]
-        self._cache(instance, keys)
+        return keys
+
+    def _release(self, instance: _Instance, request_id: RequestId) -> None:
+        """A running request ended: its blocks are no longer in use, and stay cached (a use, as vLLM frees a
+        finished request's blocks to the end of its free queue), evictable again."""
+        if not self._caches:
+            return
+        self._cache(instance, self._unpin(instance, request_id))
 
     def _fit(self, instance: _Instance) -> None:
-        """Evict least-recently-used unpinned blocks until they fit in the HBM the reservations leave. The blocks
-        running requests pin are their prompts', which their reservations count already."""
+        """Evict least-recently-used unpinned blocks until they fit in the HBM the reservations leave (the running
+        requests' and those taken for prefill, a prefill spanning iterations included: vLLM holds the blocks of
+        the chunks it scheduled). The blocks running requests pin are their prompts', which their reservations
+        count already."""
         cache = instance.cache
-        room_blocks = max(0, self.capacity_tokens - instance.kv_tokens) // self.spec.block_size_tokens
+        reserved = instance.kv_tokens + instance.taken_tokens
+        room_blocks = max(0, self.capacity_tokens - reserved) // self.spec.block_size_tokens
         excess = cache.used_bytes(Tier.VRAM) // self.page_bytes - len(instance.held) - room_blocks
         if excess > 0:
             cache.evict(excess)
@@ -409,15 +435,24 @@ class CoupledCluster:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless, on every instance, the cached blocks no running request pins (whole blocks
-        of `block_size_tokens`) and the running requests' reservations fit its KV capacity together (true at every
-        step boundary), and the pins counted are the running requests'."""
+        of `block_size_tokens`) and the reservations (the running requests' and those taken for prefill) fit its
+        KV capacity together (true at every step boundary), and the pins counted are the running requests'."""
         block = self.spec.block_size_tokens
         for instance in self._instances:
             evictable = instance.cache.used_bytes(Tier.VRAM) // self.page_bytes - len(instance.held)
-            assert evictable * block + instance.kv_tokens <= self.capacity_tokens, (
-                f"{instance.instance_id}: {evictable * block} evictable cached + {instance.kv_tokens} reserved KV"
+            reserved = instance.kv_tokens + instance.taken_tokens
+            assert evictable * block + reserved <= self.capacity_tokens, (
+                f"{instance.instance_id}: {evictable * block} evictable cached + {reserved} reserved KV"
                 f" tokens > capacity {self.capacity_tokens}"
             )
+            taken = [instance.prefilling] if instance.prefilling is not None else []
+            taken += instance.plan.completes if instance.plan is not None else ()
+            assert instance.taken_tokens == sum(
+                w.request.input_length + w.request.output_length
+                for w in {id(w): w for w in taken}.values()
+                if takes_slot(w.request.output_length)
+            ), f"{instance.instance_id}: taken reservations miscounted"
+
             pins: dict[BlockKey, int] = {}
             for _keys, pinned in instance.running.values():
                 for key in pinned:

@@ -25,7 +25,7 @@ from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sched.outcome import Outcome, Reason
 from mooncake.sim.coupled import CoupledCluster, CoupledSpec
 from mooncake.sim.metrics import ReplayResult, top_mean
-from mooncake.types import BlockKey, Request, RequestId, Slo
+from mooncake.types import BlockKey, Request, RequestId, Slo, Tier
 from tests.sim.test_disaggregated import assert_intervals_fill_decoding, assert_same_records, workloads
 
 LLAMA3 = MODELS["llama3-70b"]
@@ -149,6 +149,35 @@ def test_cache_and_reservations_share_the_hbm(requests: list[Request], spec: Cou
     cluster = CoupledCluster(spec)
     checked_at_every_boundary(cluster)
     assert_all_served(requests, cluster.run(requests), cluster.capacity_tokens)
+
+
+def test_a_prefill_spanning_iterations_keeps_its_room_from_the_cache() -> None:
+    """A chunked prefill spans twelve iterations; meanwhile a running request ends and its prompt is cached
+    again. The partial prefill's reservation, admitted by the decode rule, is room no cached block may take:
+    at every step boundary the unpinned cached blocks, the running requests' reservations and the partial
+    prefill's fit the HBM (the cache kept up to 8,192 tokens of it, 25 % over the HBM)."""
+    spec = make_spec(hardware=small_hbm(19_800), chunked_prefill=True, token_budget=512)
+    cluster = CoupledCluster(spec)
+    requests = [
+        make_request("e1", 0.0, 8192, 2, first_key=500),
+        make_request("r1", 1.0, 5120, 400),
+        make_request("x", 1.7, 6144, 5000, first_key=300),
+    ]
+    boundary = cluster._boundary
+    worst: list[int] = []
+
+    def checked(now: float, instance: Any, version: int) -> None:
+        boundary(now, instance, version)
+        partial = instance.prefilling
+        reserved = partial.request.input_length + partial.request.output_length if partial is not None else 0
+        evictable = instance.cache.used_bytes(Tier.VRAM) // cluster.page_bytes - len(instance.held)
+        worst.append(evictable * BLOCK + instance.kv_tokens + reserved - cluster.capacity_tokens)
+        cluster.check_invariants()
+
+    cluster._boundary = checked  # type: ignore[method-assign]
+    records = cluster.run(requests).records
+    assert all(r.outcome == Outcome.COMPLETED for r in records)
+    assert worst and max(worst) <= 0
 
 
 def test_prefix_cache_gives_way_to_running_requests() -> None:
