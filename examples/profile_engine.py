@@ -16,15 +16,24 @@ Name the written file as the config's `[prefill] profile` (or pass it to
 replay.py's `--profile`) and both the cluster's Conductor and its simulation
 use these fits.
 
-1. Prefill: for every (input length, prefix length) of the grid, the prefix is
+1. Prefill: after one untimed warm-up prefill, for every (input length, prefix
+   length) of the grid (the prefix is the fraction rounded down to whole blocks;
+   fractions that round to the same prefix give one point), the prefix is
    first stored in the node's cache by a prefill of its own, then the whole
    prompt is prefilled and timed (the median of `--repeats` runs, each on a
    fresh cache). `FittedPrefillModel` (c0 + c1·(n − p) + c2·(n² − p²)) is fitted.
-2. Decode: step times at each batch size and context length; `FittedStepModel`
-   (c0 + c1·batch + c2·tokens) is fitted for the decode rule's TBT check.
+2. Decode: step times at each batch size and context length (after an untimed
+   step); `FittedStepModel` (c0 + c1·batch + c2·tokens) is fitted for the
+   decode rule's TBT check.
+
+Both fits' checks of their points (`check_prefill_points`, `check_step_points`:
+enough of them, varying enough) run on the grid before anything is timed.
 
 The JSON written holds both fits, each as its `to_json` writes it, every
-sample, and `pipeline_size` (the processes each prefill ran on):
+sample, and what was measured: `model` (the preset's name, or with `--config`
+the cluster's block-key namespace), `dtype`, `block_tokens` and
+`pipeline_size` (the processes each prefill ran on), which the cluster checks
+against its own (`serving.models.check_measured_for`):
 `FittedPrefillModel.from_json` reads its "prefill" entry back and
 `FittedStepModel.from_json` its "decode" entry (`json.dumps(data["decode"])`);
 the example cluster's gateway reads both (`[prefill] profile`).
@@ -51,13 +60,12 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cli import OneLineParser, one_line
 from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS, FittedPrefillModel, PrefillSample
-from mooncake.sched.step import FittedStepModel
+from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS, FittedPrefillModel, PrefillSample, check_prefill_points
+from mooncake.sched.step import FittedStepModel, check_step_points
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId
 
 BLOCK_TOKENS = 16  # without --config
-MIN_SAMPLES = 3  # each fit's least (`FittedPrefillModel.fit`, `FittedStepModel.fit`): found before profiling
 GROUP_TIMEOUT_S = 120.0  # a CPP group's transfers between stages (the worker's bound is at least 60 s)
 
 
@@ -75,6 +83,17 @@ def _grid(kind: Callable[[str], float], check: Callable[[float], bool], what: st
         return sorted(set(values))
 
     return parse
+
+
+def _prefix_tokens(num_tokens: int, fraction: float, block: int) -> int:
+    """The prefix a grid point caches: `fraction` of the prompt, rounded down to whole blocks."""
+    return int(num_tokens * fraction) // block * block
+
+
+def _step_point(batch: int, num_tokens: int) -> tuple[int, int]:
+    """A decode sample's (batch_size, context_tokens) as the decode phase records it: `batch` requests of a
+    `num_tokens` prompt, each counted with two tokens past it."""
+    return batch, batch * (num_tokens + 2)
 
 
 def _at_least_one(text: str) -> int:
@@ -131,14 +150,30 @@ def run(args: argparse.Namespace) -> None:
         dtype, block, chunk = args.dtype, BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS
         name, default_out = args.model, Path("build/profile") / f"{args.model}.json"
     out = args.out or default_out
-    prefill_samples = len(lengths) * len(args.prefix_fractions)
-    if prefill_samples < MIN_SAMPLES or len(batches) * len(lengths) < MIN_SAMPLES:
-        kept = " (of those the config takes)" if args.config is not None else ""
-        raise ConfigError(
-            f"--lengths {','.join(map(str, lengths)) or '(none)'}{kept}, --prefix-fractions "
-            f"{','.join(map(str, args.prefix_fractions))}, --batches {','.join(map(str, batches)) or '(none)'}: "
-            f"each fit needs at least {MIN_SAMPLES} samples (lengths × fractions, and batches × lengths)"
-        )
+    # The points each fit will get, as the profiling below makes them: a prefix rounded down to whole blocks (the
+    # cache holds no partial one), so two fractions can give one prefix, which is then timed once (a repeat would
+    # weigh double in the fit).
+    prefixes = {n: sorted({_prefix_tokens(n, f, block) for f in args.prefix_fractions}) for n in lengths}
+    prefills = [(n, p) for n in lengths for p in prefixes[n]]
+    steps_planned = [_step_point(b, n) for b in batches for n in lengths]
+    planned: list[tuple[str, Callable[[list[int], list[int]], None], list[tuple[int, int]]]] = [
+        (
+            f"prefill (each length, its prefixes rounded down to blocks of {block} tokens)",
+            check_prefill_points,
+            prefills,
+        ),
+        ("decode (each batch at each length)", check_step_points, steps_planned),
+    ]
+    for what, check, points in planned:  # the fits' own checks, before the (possibly long) profiling, not after it
+        try:
+            check([a for a, _ in points], [b for _, b in points])
+        except ConfigError as error:
+            kept = " (of those the config takes)" if args.config is not None else ""
+            raise ConfigError(
+                f"--lengths {','.join(map(str, lengths)) or '(none)'}{kept}, --prefix-fractions "
+                f"{','.join(map(str, args.prefix_fractions))}, --batches {','.join(map(str, batches)) or '(none)'}: "
+                f"{what}: {error}"
+            ) from error
     import simulation  # examples/, beside this script
 
     simulation.check_out_dir(out.parent)  # found before the profiling, not after it
@@ -180,11 +215,16 @@ def run(args: argparse.Namespace) -> None:
             def prefill_engine(cache: TieredCache) -> PrefillEngine:
                 return PrefillEngine(model, cache, hasher, options)
 
+        # Untimed, as decode's first step is: the first prefill pays for the engine's first use (allocations,
+        # kernels chosen, a group's stages connecting), which would otherwise land on the grid's first point. Its
+        # own prompt (another generator), so the grid's prompts are the same with or without it.
+        warm_up = np.random.default_rng(1).integers(0, config.vocab_size, size=lengths[-1]).tolist()
+        with prefill_engine(fresh_cache(lengths[-1])) as engine:
+            engine.prefill(warm_up)
         samples: list[PrefillSample] = []
         for n in lengths:
             tokens = rng.integers(0, config.vocab_size, size=n).tolist()
-            for fraction in args.prefix_fractions:
-                prefix = int(n * fraction) // block * block
+            for prefix in prefixes[n]:
                 times = []
                 for _ in range(args.repeats):
                     with prefill_engine(fresh_cache(n)) as engine:
@@ -222,7 +262,7 @@ def run(args: argparse.Namespace) -> None:
             for _ in range(3):
                 decoder.step()
                 times.append(decoder.last_step_s)
-            steps.append((batch, batch * (n + 2), statistics.median(times)))
+            steps.append((*_step_point(batch, n), statistics.median(times)))
             print(f"decode batch={batch:>3} context={n:>6}  {steps[-1][2] * 1e3:9.3f} ms/step")
     step_model = FittedStepModel.fit(steps)
     print(f"decode fit: c = {step_model.coefficients}")

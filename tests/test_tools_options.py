@@ -193,7 +193,7 @@ def test_workload_seed_help_names_only_the_workload() -> None:
         (["--prefix-fractions", "0,1"], "argument --prefix-fractions: must be a comma-separated list of fractions"),
         (["--repeats", "0"], "argument --repeats: must be an integer >= 1"),
         (["--batches", "0"], "argument --batches: must be a comma-separated list of integers >= 1"),
-        (["--lengths", "64", "--batches", "1"], "each fit needs at least 3 samples"),
+        (["--lengths", "64", "--batches", "1"], "fitting needs at least 3 samples, got 1"),
         (["--dtype", "foo"], "dtype must be one of"),
     ],
 )

@@ -538,13 +538,14 @@ def _document(path: str | Path) -> dict[str, Any]:
 
 
 def _check_profile(config: ClusterConfig) -> None:
-    """The fitted cost models `[prefill] profile` names can be read (the gateway reads them at start)."""
+    """The fitted cost models `[prefill] profile` names can be read, and were measured for this cluster's engines
+    (`serving.models.check_measured_for`; the gateway reads them at start)."""
     if not config.prefill.profile:
         return
     from serving.models import read_profile  # models imports this module
 
     try:
-        read_profile(config.prefill.profile)
+        read_profile(config.prefill.profile, config=config)
     except ConfigError as error:
         raise ConfigError(f"{config.source}: {error}") from error
 

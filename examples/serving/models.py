@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
+from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched.build import build_conductor as build
 from mooncake.sched.conductor import Conductor
@@ -40,6 +42,7 @@ __all__ = [
     "CPU",
     "PREDICTED_DECODE_S",
     "build_conductor",
+    "check_measured_for",
     "cost_models",
     "decode_limits",
     "model_shape",
@@ -77,11 +80,13 @@ def model_shape(config: ClusterConfig) -> ModelShape:
     return config.model.config.shape(config.model.dtype)
 
 
-def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
-    """The prefill and decode models of a profile `examples/profile_engine.py` wrote.
+def read_profile(path: str, *, config: ClusterConfig | None = None) -> tuple[FittedPrefillModel, FittedStepModel]:
+    """The prefill and decode models of a profile `examples/profile_engine.py` wrote; with `config`, only if it
+    was measured for that cluster's engines (`check_measured_for`).
 
     Raises:
-        ConfigError: the file is not JSON, or lacks a valid "prefill" or "decode" section.
+        ConfigError: the file is not JSON, lacks a valid "prefill" or "decode" section, or (with `config`) was
+            measured on other engines; naming `[prefill] profile` and the file.
     """
     try:
         with open(path) as stream:
@@ -95,20 +100,62 @@ def read_profile(path: str) -> tuple[FittedPrefillModel, FittedStepModel]:
         if not isinstance(profile, dict) or name not in profile:
             raise ConfigError(f"[prefill] profile = {path!r} has no {name!r} section")
         sections[name] = json.dumps(profile[name])
+    if config is not None:
+        check_measured_for(profile, config, path=path)
     try:
         return FittedPrefillModel.from_json(sections["prefill"]), FittedStepModel.from_json(sections["decode"])
     except ConfigError as error:
         raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
 
 
+def check_measured_for(profile: dict[str, Any], config: ClusterConfig, *, path: str) -> None:
+    """That the profile at `path` (its parsed JSON) timed the engines of `config`'s cluster: the fields
+    profile_engine.py records of what it ran, each where present equal to the cluster's. A fit of another model,
+    dtype, block size or prefill group is another engine's time (a group's fit is the group's whole prefill, used
+    as it is, where the unprofiled path prices a pipeline).
+
+    - "model": the cluster's block-key namespace (`[model]` preset and seed, or checkpoint digest, and dtype), as
+      `--config` writes it; or, for a cluster of a preset, that preset's bare name, as `--model` writes it (its
+      seed-0 weights: the weights' values do not change the time).
+    - "dtype", "block_tokens": `[model] dtype` and `block_tokens`.
+    - "pipeline_size": `[prefill] pipeline_size`. A profile without it (written before chunked pipelines) timed
+      one process: 1.
+
+    A profile without "model", "dtype" or "block_tokens" (every profile_engine.py file has them: a fit written by
+    hand, say) is taken on trust for those.
+
+    Raises:
+        ConfigError: naming `[prefill] profile`, the file, and each field that differs with both values.
+    """
+    model = config.model
+    names = [model.namespace] + ([model.preset] if model.checkpoint is None else [])
+    expected: list[tuple[str, list[Any], str]] = [
+        ("model", names, f"{model.namespace!r}, [model] {model.source}"),
+        ("dtype", [model.dtype], f"[model] dtype = {model.dtype!r}"),
+        ("block_tokens", [model.block_tokens], f"[model] block_tokens = {model.block_tokens}"),
+        ("pipeline_size", [config.prefill.pipeline_size], f"[prefill] pipeline_size = {config.prefill.pipeline_size}"),
+    ]
+    differences = []
+    for field, allowed, cluster in expected:
+        measured = profile.get(field, 1 if field == "pipeline_size" else None)
+        # type() too: JSON's true is no 1, and 16.0 no block size
+        if measured is not None and not any(type(measured) is type(a) and measured == a for a in allowed):
+            differences.append(f"{field} = {shown(measured)} (this cluster: {cluster})")
+    if differences:
+        raise ConfigError(
+            f"[prefill] profile = {path!r} was measured on other engines: {'; '.join(differences)}"
+            " (profile this cluster's: examples/profile_engine.py --config)"
+        )
+
+
 def cost_models(config: ClusterConfig) -> tuple[PrefillModel, AnalyticStepModel]:
     """The prefill model and the decode step model of the config's engines (see the module docstring).
 
     Raises:
-        ConfigError: a profile that cannot be read (see `read_profile`).
+        ConfigError: a profile that cannot be read, or one measured on other engines (see `read_profile`).
     """
     if config.prefill.profile:
-        return read_profile(config.prefill.profile)
+        return read_profile(config.prefill.profile, config=config)
     shape = model_shape(config)
     prefill: PrefillModel = PrefillCostModel(model=shape, hardware=CPU)
     stages = config.prefill.pipeline_size

@@ -72,6 +72,7 @@ __all__ = [
     "PrefillModel",
     "PrefillSample",
     "TransferCostModel",
+    "check_prefill_points",
     "occupancy_s",
     "prefill_end_s",
     "prefill_flops",
@@ -469,6 +470,48 @@ def require_coefficients(value: Any) -> None:
         require_number(f"coefficient {name}", c, minimum=-math.inf)
 
 
+def fitted_coefficients(
+    value: Any, *, takes_time: Callable[[Sequence[float]], bool], rule: str
+) -> tuple[float, float, float]:
+    """A fitted model's (c0, c1, c2) as its fit makes them and a saved fit (`from_json`) must hold them: three
+    real numbers (a bool or text is none), each finite and >= 0 (a cost never falls as the work grows, the bound
+    `nonnegative_least_squares` fits under), and `takes_time` of them true: the model's own rule, `rule` in
+    words, which its fit also picks its solution by. Each fitted model's one check of its fit and of
+    `from_json`; the constructors take any finite numbers (a caller's own model, a zero one included).
+
+    Raises:
+        ConfigError: naming the coefficient and its value (or the shape, or the rule and the three).
+    """
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ConfigError(f"coefficients must be three numbers [c0, c1, c2], got {shown(value)}")
+    c0, c1, c2 = (
+        require_number(f"coefficient {name}", c, minimum=0) for name, c in zip(("c0", "c1", "c2"), value, strict=True)
+    )
+    if not takes_time((c0, c1, c2)):
+        raise ConfigError(f"coefficients c0={shown(c0)}, c1={shown(c1)}, c2={shown(c2)}: {rule}")
+    return c0, c1, c2
+
+
+def json_object(text: Any, what: str, keys: Sequence[str]) -> dict[str, Any]:
+    """The JSON object `text` holds, with every one of `keys` (a saved fitted model's `from_json`).
+
+    Raises:
+        ConfigError: "not a {what}: ..." when it is no JSON, no object, or lacks a key (naming it).
+    """
+    try:
+        data = json.loads(text)
+    except (ValueError, TypeError) as error:  # ValueError: no JSON; TypeError: no text (None, a number)
+        raise ConfigError(f"not a {what}: {error}") from error
+    except RecursionError as error:  # arrays or objects nested past the interpreter's stack
+        raise ConfigError(f"not a {what}: JSON nested too deeply") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"not a {what}: must be a JSON object, got {shown(data)}")
+    for key in keys:
+        if key not in data:
+            raise ConfigError(f"not a {what}: it has no {key!r}")
+    return data
+
+
 def nonnegative_least_squares(
     x: npt.NDArray[np.float64],
     y: npt.NDArray[np.float64],
@@ -564,6 +607,21 @@ def _features(num_tokens: np.ndarray, prefix_tokens: np.ndarray) -> np.ndarray:
     return np.stack([np.ones_like(n), n - p, n * n - p * p], axis=1)
 
 
+def check_prefill_points(num_tokens: npt.ArrayLike, prefix_tokens: npt.ArrayLike) -> None:
+    """That prefills of these (num_tokens, prefix_tokens) can fit a `FittedPrefillModel`: at least three, varying
+    enough in n − p and n² − p² to separate its three terms (their rank is 3). `FittedPrefillModel.fit`'s check,
+    which examples/profile_engine.py also asks of its grid before it times anything.
+
+    Raises:
+        ConfigError: fewer than three points, or too little variety (saying which).
+    """
+    n, p = np.asarray(num_tokens), np.asarray(prefix_tokens)
+    if len(n) < 3:
+        raise ConfigError(f"fitting needs at least 3 samples, got {len(n)}")
+    if int(np.linalg.matrix_rank(_features(n, p))) < 3:
+        raise ConfigError("the samples do not vary enough (in n - p and n² - p²) to fit the model")
+
+
 @attrs.frozen(kw_only=True)
 class FittedPrefillModel:
     """Prefill time fitted to measured runs: c0 + c1·(n − p) + c2·(n² − p²) seconds.
@@ -606,16 +664,13 @@ class FittedPrefillModel:
         for sample in samples:
             if not isinstance(sample, PrefillSample):
                 raise ConfigError(f"samples must be PrefillSample items, got {shown(sample)}")
-        if len(samples) < 3:
-            raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
         n = np.array([s.num_tokens for s in samples])
         p = np.array([s.prefix_tokens for s in samples])
+        check_prefill_points(n, p)
         y = np.array([s.seconds for s in samples], dtype=np.float64)
         if not np.all(np.isfinite(y)) or np.any(y <= 0) or np.any(n <= p):
             raise ConfigError("every sample needs finite seconds > 0 and num_tokens > prefix_tokens")
         x = _features(n, p)
-        if int(np.linalg.matrix_rank(x)) < x.shape[1]:
-            raise ConfigError("the samples do not vary enough (in n - p and n² - p²) to fit the model")
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             weights = 1.0 / y
             weighted_x, weighted_y = x * weights[:, None], y * weights
@@ -628,7 +683,7 @@ class FittedPrefillModel:
         # (a few noisy timings fit exactly, as the vLLM router's start-up calibration does, can tilt the
         # unconstrained curve so that the server holding a prompt's prefix looks the slower one).
         try:
-            solution = nonnegative_least_squares(weighted_x, weighted_y, lambda c: bool(np.any(c > 0)))
+            solution = nonnegative_least_squares(weighted_x, weighted_y, _a_prompt_takes_time)
         except np.linalg.LinAlgError as error:
             raise ConfigError(f"the samples cannot be fitted: {error}") from error
         if solution is None:
@@ -637,7 +692,7 @@ class FittedPrefillModel:
             predicted = x @ solution
             relative = np.abs(predicted - y) / y
         return cls(
-            coefficients=(float(solution[0]), float(solution[1]), float(solution[2])),
+            coefficients=_fitted_prefill_coefficients([float(c) for c in solution]),
             mean_relative_error=float(relative.mean()),
             max_relative_error=float(relative.max()),
         )
@@ -664,21 +719,35 @@ class FittedPrefillModel:
 
     @classmethod
     def from_json(cls, text: str) -> FittedPrefillModel:
-        """A model `to_json` wrote.
+        """A model `to_json` wrote, its coefficients held to its fit's rule (`_fitted_prefill_coefficients`: a
+        hand-edited c2 < 0 timed a long prompt at 0 s).
 
         Raises:
-            ConfigError: the text is not such a model.
+            ConfigError: "not a fitted prefill model", naming what is wrong: no JSON object, a key missing, a
+                coefficient that is no finite number >= 0 (a bool or text is none), none > 0, or a relative error
+                that is no finite number >= 0.
         """
+        keys = ("coefficients", "mean_relative_error", "max_relative_error")
+        data = json_object(text, "fitted prefill model", keys)
         try:
-            data = json.loads(text)
-            c0, c1, c2 = (float(c) for c in data["coefficients"])
             return cls(
-                coefficients=(c0, c1, c2),
-                mean_relative_error=float(data["mean_relative_error"]),
-                max_relative_error=float(data["max_relative_error"]),
+                coefficients=_fitted_prefill_coefficients(data["coefficients"]),
+                # as floats (JSON's 0 is an int), refused by name as the fields' validators refuse them
+                mean_relative_error=require_number("mean_relative_error", data["mean_relative_error"], minimum=0),
+                max_relative_error=require_number("max_relative_error", data["max_relative_error"], minimum=0),
             )
-        except (ValueError, KeyError, TypeError) as error:  # a ConfigError is a ValueError
+        except ConfigError as error:
             raise ConfigError(f"not a fitted prefill model: {error}") from error
+
+
+def _a_prompt_takes_time(coefficients: Sequence[float] | npt.NDArray[np.float64]) -> bool:
+    """The fitted prefill model's rule beyond c >= 0: some coefficient > 0, so a prompt takes time."""
+    return any(c > 0 for c in coefficients)
+
+
+def _fitted_prefill_coefficients(value: Any) -> tuple[float, float, float]:
+    """`FittedPrefillModel`'s coefficients as its fit and `from_json` take them (`fitted_coefficients`)."""
+    return fitted_coefficients(value, takes_time=_a_prompt_takes_time, rule="one must be > 0 (a prompt takes time)")
 
 
 def transfers_in_flight(finishes: list[float], now: float) -> int:

@@ -37,10 +37,28 @@ from typing import Any, Protocol
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
-from mooncake._checks import fraction, is_int, non_negative, require_int, require_iterable, require_number, shown
+from mooncake._checks import (
+    fraction,
+    is_finite_number,
+    is_int,
+    non_negative,
+    require_int,
+    require_iterable,
+    require_number,
+    shown,
+)
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.sched.cost import DEFAULT_MFU, Hardware, ModelShape, nonnegative_least_squares, require_coefficients
+from mooncake.sched.cost import (
+    DEFAULT_MFU,
+    Hardware,
+    ModelShape,
+    fitted_coefficients,
+    json_object,
+    nonnegative_least_squares,
+    require_coefficients,
+)
 
 __all__ = [
     "AnalyticStepModel",
@@ -50,6 +68,7 @@ __all__ = [
     "RooflineStep",
     "StepBranch",
     "StepModel",
+    "check_step_points",
 ]
 
 
@@ -303,6 +322,22 @@ class DecodeCostModel:
         return self.hardware.num_gpus * self.hardware.hbm_bytes * self.kv_memory_fraction
 
 
+def check_step_points(batch_sizes: Sequence[int], context_tokens: Sequence[int]) -> None:
+    """That steps of these batch sizes and contexts can fit a `FittedStepModel`: at least three, varying enough to
+    separate its per-sequence and per-token costs (the rank of (1, batch_size, context_tokens) is 3; a context
+    that is a fixed multiple of the batch, as one prompt length gives, is not). `FittedStepModel.fit`'s check,
+    which examples/profile_engine.py also asks of its grid before it times anything.
+
+    Raises:
+        ConfigError: fewer than three points, or too little variety (saying which).
+    """
+    if len(batch_sizes) < 3:
+        raise ConfigError(f"fitting needs at least 3 samples, got {len(batch_sizes)}")
+    x = np.array([[1.0, float(b), float(t)] for b, t in zip(batch_sizes, context_tokens, strict=True)])
+    if int(np.linalg.matrix_rank(x)) < 3:
+        raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
+
+
 @attrs.frozen(kw_only=True)
 class FittedStepModel:
     """Decode step time fitted to measured steps: c0 + c1·batch_size + c2·context_tokens seconds,
@@ -345,57 +380,62 @@ class FittedStepModel:
 
         Raises:
             ConfigError: samples that are no iterable, an item that is no (batch_size, context_tokens, seconds)
-                of numbers, a batch size below 1, a context below 0 or either past `MAX_STEP_FEATURE`, seconds
-                that are not finite and > 0 (a measured step takes time), fewer than three samples, too little
-                variety to fit, no step taking time, or a fit whose coefficients would time a step beyond a
-                float's range.
+                tuple or list of two integers and a finite number (a bool, text or a fraction is no count; a
+                dict's keys are no sample), a batch size below 1, a context below 0 or either past
+                `MAX_STEP_FEATURE`, seconds that are not > 0 (a measured step takes time), fewer than three
+                samples, too little variety to fit, no step taking time, or a fit whose coefficients would
+                time a step beyond a float's range.
         """
         samples = list(require_iterable("samples", samples))
-        if len(samples) < 3:
-            raise ConfigError(f"fitting needs at least 3 samples, got {len(samples)}")
-        try:
-            x = np.array([[1.0, b, t] for b, t, _ in samples], dtype=np.float64)
-            y = np.array([s for _, _, s in samples], dtype=np.float64)
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"samples must be (batch_size, context_tokens, seconds) numbers: {error}") from error
-        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
-            raise ConfigError("samples must be finite numbers")
-        sizes, contexts = x[:, 1], x[:, 2]
-        if np.any(sizes < 1) or np.any(contexts < 0) or np.any(np.maximum(sizes, contexts) > MAX_STEP_FEATURE):
-            raise ConfigError(
-                "every sample needs a batch_size >= 1 and context_tokens >= 0 (both up to 2**63): a step of no"
-                " request, or fewer than no tokens, is no step"
-            )
+        for sample in samples:
+            # Checked before numpy sees them: np.array(dtype=float64) reads "1" and True as 1.0, and unpacking a
+            # dict yields its keys.
+            if not (
+                isinstance(sample, (tuple, list))
+                and len(sample) == 3
+                and is_int(sample[0])
+                and is_int(sample[1])
+                and is_finite_number(sample[2])
+            ):
+                raise ConfigError(
+                    "samples must be (batch_size, context_tokens, seconds) numbers: two integers and a finite"
+                    f" number, got {shown(sample)}"
+                )
+            if not (1 <= sample[0] <= MAX_STEP_FEATURE and 0 <= sample[1] <= MAX_STEP_FEATURE):
+                raise ConfigError(
+                    "every sample needs a batch_size >= 1 and context_tokens >= 0 (both up to 2**63): a step of no"
+                    f" request, or fewer than no tokens, is no step; got {shown(sample)}"
+                )
+        y = np.array([float(s) for _, _, s in samples], dtype=np.float64)
         if np.any(y <= 0):
             raise ConfigError(
                 f"every sample needs seconds > 0 (a measured step takes time), got {shown(float(y.min()))}"
             )
-        if int(np.linalg.matrix_rank(x)) < 3:
-            raise ConfigError("the samples do not vary enough in batch size and context to fit the model")
-        best = nonnegative_least_squares(x, y, lambda c: bool(c[0] + c[1] > 0))
+        check_step_points([b for b, _, _ in samples], [t for _, t, _ in samples])
+        x = np.array([[1.0, float(b), float(t)] for b, t, _ in samples], dtype=np.float64)
+        best = nonnegative_least_squares(x, y, _one_request_takes_time)
         if best is None:
             raise ConfigError("no step in the samples takes time: cannot fit a decode step model")
-        c0, c1, c2 = (float(c) for c in best)
-        return cls(coefficients=(c0, c1, c2))
+        return cls(coefficients=_fitted_step_coefficients([float(c) for c in best]))
 
     def to_json(self) -> str:
         return json.dumps({"coefficients": list(self.coefficients)})
 
     @classmethod
     def from_json(cls, text: str) -> FittedStepModel:
-        """A model written by `to_json` (or a profile's "decode" section).
+        """A model written by `to_json` (or a profile's "decode" section), its coefficients held to its fit's rule
+        (`_fitted_step_coefficients`: a hand-edited c1 < 0 timed a large batch at 0 s).
 
         Raises:
-            ConfigError: not JSON, or not three finite coefficients.
+            ConfigError: "not a fitted step model", naming what is wrong: no JSON object, no "coefficients", not
+                three of them, one that is no finite number >= 0 (a bool or text is none), c0 + c1 not > 0, or
+                one too large for its term.
         """
+        data = json_object(text, "fitted step model", ("coefficients",))
         try:
-            data = json.loads(text)
-            c0, c1, c2 = (float(c) for c in data["coefficients"])
-        except (ValueError, KeyError, TypeError) as error:
+            return cls(coefficients=_fitted_step_coefficients(data["coefficients"]))
+        except ConfigError as error:
             raise ConfigError(f"not a fitted step model: {error}") from error
-        if not all(math.isfinite(c) for c in (c0, c1, c2)):
-            raise ConfigError(f"fitted step model coefficients must be finite, got {[c0, c1, c2]}")
-        return cls(coefficients=(c0, c1, c2))
 
     def step_s(self, batch_size: int, context_tokens: int) -> float:
         """max(c0 + c1·batch_size + c2·context_tokens, 0) seconds, 0 for an empty batch (its roofline's step:
@@ -405,3 +445,16 @@ class FittedStepModel:
     def roofline(self) -> RooflineStep:
         """max(c0 + c1·B + c2·C, 0): the fitted plane, clamped by the zero plane."""
         return self._roofline
+
+
+def _one_request_takes_time(coefficients: Sequence[float] | npt.NDArray[np.float64]) -> bool:
+    """The fitted step model's rule beyond c >= 0: c0 + c1 > 0, so a step of one request takes time (what the
+    simulator's analytic batch relies on)."""
+    return bool(coefficients[0] + coefficients[1] > 0)
+
+
+def _fitted_step_coefficients(value: Any) -> tuple[float, float, float]:
+    """`FittedStepModel`'s coefficients as its fit and `from_json` take them (`cost.fitted_coefficients`)."""
+    return fitted_coefficients(
+        value, takes_time=_one_request_takes_time, rule="c0 + c1 must be > 0 (a step of one request takes time)"
+    )
