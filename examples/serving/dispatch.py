@@ -156,6 +156,8 @@ class LiveRequest:
     last_token_s: float | None = None
     # Its last token's step time on its decode worker's clock (`wire.Token.at_s`), for the inter-token latency.
     last_token_at_s: float | None = None
+    # When its last token ended it, while its finish reason waits for its reader's judgement (`Dispatcher.finish`).
+    unjudged_end_s: float | None = None
 
 
 @attrs.define(eq=False)
@@ -522,9 +524,17 @@ class Dispatcher:
                 return
             deadline = self.now() + timeout_s  # from when the reader asks again: a slow client is not a stall
 
-    def finish(self, live: LiveRequest) -> None:
-        """End a request that needs no more tokens (its text reached a stop string): cancel its decode."""
-        self.end(live, Outcome.COMPLETED, cancel=True)
+    def finish(self, live: LiveRequest, finish_reason: str) -> None:
+        """The reader's judgement of a request whose text ended: `finish_reason` is its answer's ("stop" or
+        "length", the gateway's `_Choice.finish_reason`), the one decision the metrics count too, as vLLM sets its
+        finish reason from its detokenizer's stop strings before it counts it. A request still decoding (its text
+        reached a stop string first) ends here, cancelled on its decode engine; one its last token ended is counted
+        now, at that token's end time. Nothing for a request already counted."""
+        if live.request_id in self.live:
+            self.end(live, Outcome.COMPLETED, cancel=True, finish_reason=finish_reason)
+        elif live.unjudged_end_s is not None:
+            end_s, live.unjudged_end_s = live.unjudged_end_s, None
+            self._finished(live, finish_reason, end_s)
 
     def _stop_ids_of(self, live: LiveRequest) -> tuple[int, ...]:
         """The token ids that end `live`'s generation: the model's (none with `ignore_eos`, vLLM's) and the
@@ -539,26 +549,31 @@ class Dispatcher:
         reason: Reason | None = None,
         *,
         cancel: bool = False,
-        at_stop_id: bool = False,
+        finish_reason: str | None = None,
     ) -> tuple[RequestEnd, ...]:
         """Tell the Conductor the request ended (once; later calls do nothing); returns the end it reports.
 
         A request whose client left or timed out, or one ended with `cancel`, is cancelled on its decode engine, and
-        one whose client left or timed out before it joined there, on its prefill engine too.
-        `at_stop_id`: a completed request's last token is a stop id (the decode engine stopped at the model's EOS).
+        one whose client left or timed out before it joined there, on its prefill engine too. A completed one is
+        counted with `finish_reason`, its reader's judgement (`finish`); without one (its last token ended it,
+        before the reader read its text) the count waits for that judgement, or for its end as unread: a request
+        whose reader left or failed before judging its last token counts as the reader's end ("abort", "error"),
+        as its client got no answer of it.
         """
         if self.live.pop(live.request_id, None) is None:
+            if live.unjudged_end_s is not None and outcome is not Outcome.COMPLETED:
+                end_s, live.unjudged_end_s = live.unjudged_end_s, None
+                self._finished(live, _unfinished(reason), end_s)
             self._leave_line(live, reason)
             return ()
         now = self.now()
-        if outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
-            # A completed request ended by `finish` hit a stop string; one ended by its last token stopped at a
-            # stop id or ran to its length (even when that token also completes a stop string: it ended before the
-            # text was read). The finish reasons are the API's (`finish_reason`), as vLLM counts them.
-            finished = "stop" if cancel or at_stop_id else "length"
-            if outcome is not Outcome.COMPLETED:
-                finished = "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"
-            self._finished(live, finished, now)
+        if outcome is Outcome.COMPLETED:
+            if finish_reason is None:
+                live.unjudged_end_s = now
+            else:
+                self._finished(live, finish_reason, now)
+        elif outcome is not Outcome.REJECTED_AFTER_PREFILL:  # a rejection was counted as one
+            self._finished(live, _unfinished(reason), now)
         if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
             self._calls[live.decode].submit(self._cancel, live.decode, live.request_id)
@@ -587,7 +602,7 @@ class Dispatcher:
             return
         del self._rerouted[live.request_id]
         self._waiting.remove(waiter)
-        self._finished(live, "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error", self.now())
+        self._finished(live, _unfinished(reason), self.now())
         self._room_freed()
 
     def _finished(self, live: LiveRequest, reason: str, now: float) -> None:
@@ -773,8 +788,8 @@ class Dispatcher:
             live.last_token_s, live.last_token_at_s = placed_s, token.at_s
             live.generated += 1
             live.events.put_nowait(("token", token))
-            if token.finished:
-                self.end(live, Outcome.COMPLETED, at_stop_id=token.token in self._stop_ids_of(live))
+            if token.finished:  # its finish reason is its reader's to judge, from its text (`finish`)
+                self.end(live, Outcome.COMPLETED)
 
     def _fail(self, live: LiveRequest, error: ApiError, outcome: Outcome, reason: Reason) -> None:
         self.end(live, outcome, reason)
@@ -935,3 +950,9 @@ class Dispatcher:
             self._waited()
         else:
             self._decided(waiter, decision)
+
+
+def _unfinished(reason: Reason | None) -> str:
+    """The finish reason counted for a request that ended without an answer: "abort" where its client left or it
+    timed out, else "error" (an engine failed it)."""
+    return "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"

@@ -429,10 +429,7 @@ class Gateway:
                     lives.append(live)
                     asked.append(one)
                     dispatcher.submit(live)  # at once: a later choice waiting for room waits for these to make it
-        except ApiError:
-            self._withdraw(lives)
-            raise
-        except asyncio.CancelledError:
+        except BaseException:  # a refusal, the client gone, or a bug (the error middleware's 500)
             self._withdraw(lives)
             raise
         reply = Reply(
@@ -445,13 +442,16 @@ class Gateway:
             if parsed.stream:
                 return await self._stream(request, lives, reply, parsed, asked)
             return await self._whole(lives, reply, parsed, asked)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except BaseException:
+            # The client left, or an error ended the answer: a refusal, or a bug raised while reading a choice (the
+            # error middleware's 500), which would otherwise leave its request decoding for nobody.
             self._withdraw(lives)
             raise
 
     def _withdraw(self, lives: list[LiveRequest]) -> None:
         """Abort the choices still live (their client left, or another choice of theirs failed: its answer is
-        the error, and nobody reads theirs), cancelling them on their engines; no-ops for the ones that ended."""
+        the error, and nobody reads theirs), cancelling them on their engines; no-ops for the ones counted already
+        (one whose last token came unread counts as aborted: its client got no answer of it)."""
         for live in lives:
             self.dispatcher.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)
 
@@ -581,8 +581,8 @@ class Gateway:
                 choice.restart(self._text_stream(parsed.sampling, choice.live.tokens))
             choice.feed(token)
             if choice.text.stopped:
-                self.dispatcher.finish(choice.live)
                 break
+        self.dispatcher.finish(choice.live, choice.finish_reason())
 
     async def _stream(
         self,
@@ -622,8 +622,8 @@ class Gateway:
                 if piece:
                     events.put_nowait(choice.chunk(piece, so_far(choice)))
                 if choice.text.stopped:
-                    self.dispatcher.finish(choice.live)
                     break
+            self.dispatcher.finish(choice.live, choice.finish_reason())
             events.put_nowait(choice.last_chunk(so_far(choice)))
             events.put_nowait(None)
 
@@ -715,6 +715,7 @@ class _Choice:
         self.generated: list[tuple[int, TokenLogprobs | None]] = []
         self._unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
         self._unshown_ids: list[int] = []  # of them, the generated ones (`return_token_ids`)
+        self._end: tuple[str, str, str | int | None] | None = None  # `_ending`, once read
 
     def feed(self, token: wire.Token) -> str:
         """Take the next token; the text it lets out (none for an echo-only choice)."""
@@ -757,9 +758,19 @@ class _Choice:
         return self._chunk(piece, usage)
 
     def _ending(self) -> tuple[str, str, str | int | None]:
-        """At the end: the text held back, the finish reason and the stop reason (the one rule of both answers)."""
-        rest = "" if self.echo_only else self.text.finish()
-        return rest, "stop" if self.text.stopped else "length", None if self.echo_only else self.text.stop_reason
+        """At the end: the text held back, the finish reason and the stop reason (the one rule of both answers and
+        of the metrics). Read once: the text's `finish` gives what it held back once, and may itself complete a
+        stop string (a character its last bytes finish), so the reason is known only after it."""
+        if self._end is None:
+            rest = "" if self.echo_only else self.text.finish()
+            stop_reason = None if self.echo_only else self.text.stop_reason
+            self._end = rest, "stop" if self.text.stopped else "length", stop_reason
+        return self._end
+
+    def finish_reason(self) -> str:
+        """The choice's finish reason, once its tokens are in: the answer's, and the one its request is counted
+        with (`Dispatcher.finish`), so the metrics never tell another than the client was told."""
+        return self._ending()[1]
 
     def last_chunk(self, usage: Usage | None) -> Chunk:
         """The choice's last chunk: the text held back, its finish reason, the tokens not shown yet."""

@@ -298,6 +298,22 @@ def test_without_max_tokens_a_completion_gets_16_and_a_chat_the_rest_of_the_cont
         assert generation_limit(given, len(tokens), SERVED).max_tokens == 5
 
 
+def test_a_completions_null_max_tokens_is_the_rest_of_the_context_not_16() -> None:
+    """vLLM's `CompletionRequest.max_tokens: int | None = 16` defaults only a missing field: an explicit null is
+    None, which its `get_max_tokens` reads as unset, so the completion generates what the context leaves after its
+    prompt (at most the checkpoint's `max_new_tokens`), as a chat without max_tokens does; absent is still 16."""
+    assert requested_max_tokens({"max_tokens": None}, default=16, completion=True) is None
+    assert requested_max_tokens({}, default=16, completion=True) == 16
+    assert parse_completion({"prompt": "hi", "max_tokens": None}, SERVED).sampling.max_tokens is None
+    null = parse_completion({"prompt": "hi", "max_tokens": None}, SERVED)
+    tokens = prompt_tokens(null, TOKENIZER, SERVED)
+    assert generation_limit(null.sampling, len(tokens), SERVED).max_tokens == 129 - len(tokens) > 16
+    capped = attrs.evolve(SERVED, default_chat_max_tokens=20)
+    assert generation_limit(null.sampling, len(tokens), capped).max_tokens == 20
+    absent = parse_completion({"prompt": "hi"}, SERVED)
+    assert generation_limit(absent.sampling, len(tokens), SERVED).max_tokens == 16
+
+
 def test_a_chat_without_max_tokens_generates_at_most_the_generation_configs_max_new_tokens() -> None:
     """vLLM's `get_max_tokens`: a chat that sets no max_tokens gets what the context leaves, capped by the
     checkpoint's `max_new_tokens`; a given max_tokens (above it too) and a completion's 16 are not capped; a

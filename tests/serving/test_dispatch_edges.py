@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +34,12 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
 
+from aiohttp.test_utils import make_mocked_request
 from serving import dispatch, wire
 from serving.api import ApiError, SamplingOptions
 from serving.config import load_config
 from serving.dispatch import Dispatcher, LiveRequest, WorkerState
-from serving.gateway import build_conductor
+from serving.gateway import Gateway, build_conductor
 
 from mooncake.cache.events import BlockStored
 from mooncake.errors import PeerUnavailable
@@ -198,18 +200,25 @@ def finished(d: Dispatcher, engine: str, reason: str) -> float:
     return sample(d, "request_success_total", engine=engine, finished_reason=reason)
 
 
+def counted(d: Dispatcher, engine: str) -> dict[str, float]:
+    """The engine's requests counted, by finish reason (those counted only)."""
+    every = {reason: finished(d, engine, reason) for reason in ("stop", "length", "abort", "error")}
+    return {reason: n for reason, n in every.items() if n}
+
+
 # ---------------------------------------------------------------------------------------------- ends
 
 
 REASONS = (None, Reason.CLIENT_GONE, Reason.TIMEOUT, Reason.FAILED, Reason.KV_BUDGET)
 
 
-def expected_finish(outcome: Outcome, reason: Reason | None, cancel: bool, at_stop_id: bool) -> str | None:
-    """The reference: the finish reason a request's end counts (None: not counted, a rejection is counted as one)."""
+def expected_finish(outcome: Outcome, reason: Reason | None, finish_reason: str | None) -> str | None:
+    """The reference: the finish reason a request's end counts (None: not counted, a rejection is counted as one;
+    a completion without its reader's judgement waits for it)."""
     if outcome is Outcome.REJECTED_AFTER_PREFILL:
         return None
     if outcome is Outcome.COMPLETED:
-        return "stop" if cancel or at_stop_id else "length"
+        return finish_reason
     return "abort" if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) else "error"
 
 
@@ -218,7 +227,7 @@ def expected_finish(outcome: Outcome, reason: Reason | None, cancel: bool, at_st
     outcome=st.sampled_from([Outcome.COMPLETED, Outcome.ABORTED, Outcome.REJECTED_AFTER_PREFILL]),
     reason=st.sampled_from(REASONS),
     cancel=st.booleans(),
-    at_stop_id=st.booleans(),
+    finish_reason=st.sampled_from([None, "stop", "length"]),
     has_joined=st.booleans(),
     decode_up=st.booleans(),
     prefill_up=st.booleans(),
@@ -227,13 +236,13 @@ def test_an_end_counts_once_and_cancels_as_the_rules_say(
     outcome: Outcome,
     reason: Reason | None,
     cancel: bool,
-    at_stop_id: bool,
+    finish_reason: str | None,
     has_joined: bool,
     decode_up: bool,
     prefill_up: bool,
 ) -> None:
-    """Any end of a live request: its finish reason is counted once (none for a rejection after prefill); its
-    decode is cancelled iff it was ended with `cancel` or its client left or timed out, and its decode engine is
+    """Any end of a live request: its finish reason is counted once (none for a rejection after prefill; a
+    completion's is its reader's judgement, counted when given, once); its decode is cancelled iff it was ended with `cancel` or its client left or timed out, and its decode engine is
     up; its prefill is cancelled (or kept for when its engine answers again) iff its client left or timed out
     before it joined; the Conductor hears of the end with its reason, and a second end does nothing."""
 
@@ -247,16 +256,21 @@ def test_an_end_counts_once_and_cancels_as_the_rules_say(
                 joined(d, live)
             d.workers[decode].up, d.workers[prefill].up = decode_up, prefill_up
             before_decode, before_prefill = len(sent(d, decode)), len(sent(d, prefill))
-            ends = d.end(live, outcome, reason, cancel=cancel, at_stop_id=at_stop_id)
-            assert d.end(live, outcome, reason, cancel=cancel, at_stop_id=at_stop_id) == ()
+            ends = d.end(live, outcome, reason, cancel=cancel, finish_reason=finish_reason)
+            assert d.end(live, outcome, reason, cancel=cancel, finish_reason=finish_reason) == ()
             assert [(e.request_id, e.outcome) for e in ends] == [(live.request_id, outcome)]
             if outcome is Outcome.ABORTED:
                 assert ends[0].reason is (reason or Reason.FAILED)
             if outcome is Outcome.REJECTED_AFTER_PREFILL:
                 assert ends[0].reason is (reason or Reason.DECODE_REJECTED)
             counted = {r: finished(d, decode, r) for r in ("stop", "length", "abort", "error")}
-            want = expected_finish(outcome, reason, cancel, at_stop_id)
+            want = expected_finish(outcome, reason, finish_reason)
             assert counted == {r: float(r == want) for r in counted}
+            if outcome is Outcome.COMPLETED and finish_reason is None:  # its reader judges it now, once
+                d.finish(live, "length")
+                d.finish(live, "stop")
+                counted = {r: finished(d, decode, r) for r in ("stop", "length", "abort", "error")}
+                assert counted == {r: float(r == "length") for r in counted}
             left = reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)
             cancels_decode = (cancel or left) and decode_up
             assert sent(d, decode)[before_decode:] == (
@@ -278,7 +292,7 @@ def test_finish_cancels_the_decode_and_counts_a_stop() -> None:
     async def run() -> None:
         async with dispatching() as d:
             live = await admitted(d)
-            d.finish(live)
+            d.finish(live, "stop")
             assert sent(d, live.decode) == [wire.CancelDecode(request_id=int(live.request_id))]
             assert finished(d, live.decode, "stop") == 1 and not d.live
 
@@ -286,11 +300,12 @@ def test_finish_cancels_the_decode_and_counts_a_stop() -> None:
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_a_last_token_that_is_a_stop_id_is_a_stop_unless_eos_is_ignored(ignore_eos: bool) -> None:
-    """The decode engine's last token: a stop id ends the request as "stop" (vLLM's), unless the request ignores
-    EOS (then its stop ids are none, sent so to the prefill, and it ran to its length); any other last token is a
-    "length". The tokens reach the request in order, counted, the first observed as its TTFT on its prefill
-    engine."""
+def test_a_last_token_ends_the_request_and_its_reader_judges_its_finish(ignore_eos: bool) -> None:
+    """The decode engine's last token ends the request at once (the Conductor hears of it), a stop id or not, but
+    its finish reason is its reader's judgement of its text (`finish`, the answer's), counted once and timed at that
+    token, never the dispatcher's own guess; one whose reader left before judging it counts as "abort". The stop
+    ids go to the prefill (none with `ignore_eos`); the tokens reach the request in order, counted, the first
+    observed as its TTFT on its prefill engine."""
 
     async def run() -> None:
         async with dispatching(stop_token_ids=frozenset({2, 9})) as d:
@@ -302,8 +317,17 @@ def test_a_last_token_that_is_a_stop_id_is_a_stop_unless_eos_is_ignored(ignore_e
             joined(d, live)
             d._dispatch(report := tokens(live, (5, 0, False), (9, 1, True)))
             assert [live.events.get_nowait() for _ in range(2)] == [("token", step) for step in report.tokens]
-            assert live.generated == 2
-            assert finished(d, live.decode, "length" if ignore_eos else "stop") == 1
+            assert live.generated == 2 and not d.live and d.conductor.in_flight == ()
+            assert counted(d, live.decode) == {}  # not judged yet
+            end_s = live.unjudged_end_s
+            assert end_s is not None
+            await settle()
+            d.finish(live, "length" if ignore_eos else "stop")
+            d.finish(live, "stop")  # once
+            assert counted(d, live.decode) == {"length" if ignore_eos else "stop": 1}
+            assert sample(d, "e2e_request_latency_seconds_sum", engine=live.decode) == pytest.approx(
+                end_s - live.arrival
+            )
             assert sample(d, "request_prompt_tokens_sum", engine=live.prefill) == 40
             assert sample(d, "request_generation_tokens_sum", engine=live.decode) == 2
             assert sample(d, "generation_tokens_total", engine=live.decode) == 2
@@ -314,7 +338,9 @@ def test_a_last_token_that_is_a_stop_id_is_a_stop_unless_eos_is_ignored(ignore_e
             prefilled(d, other)
             joined(d, other)
             d._dispatch(tokens(other, (5, 0, True)))
-            assert finished(d, other.decode, "length") == 1 + ignore_eos
+            d.end(other, Outcome.ABORTED, Reason.CLIENT_GONE)  # its reader left before judging it
+            d.finish(other, "length")  # too late: counted
+            assert counted(d, other.decode) == {"length" if ignore_eos else "stop": 1, "abort": 1}
 
     asyncio.run(run())
 
@@ -491,6 +517,7 @@ def test_a_whole_answers_request_whose_tokens_began_is_rerouted_from_its_first_t
             d._dispatch(tokens(live, (5, 0, False), (6, 1, False), (7, 2, False), (8, 3, True)))
             read = [(t.attempt, t.token, t.index) async for t in d.tokens(live)]
             assert read == [(1, 5, 0), (1, 6, 1), (1, 7, 2), (1, 8, 3)]
+            d.finish(live, "length")  # its reader's judgement of the text
             assert live.request_id not in d.live and finished(d, "decode-1", "length") == 1
             assert sample(d, "request_generation_tokens_count", engine="decode-1") == 1
             assert sample(d, "request_generation_tokens_sum", engine="decode-1") == 4
@@ -1147,3 +1174,96 @@ def test_the_first_choice_to_fail_ends_the_others_reads() -> None:
         assert sorted(done) == ["a", "b"]
 
     asyncio.run(asyncio.wait_for(run(), 10.0))
+
+
+# ---------------------------------------------------------------------------------------------- the gateway's reader
+
+
+@asynccontextmanager
+async def gateway_over(d: Dispatcher) -> AsyncIterator[Gateway]:
+    """A gateway whose dispatcher is `d` (its own, unused, closed)."""
+    gateway = Gateway(d.config, bytes(32), [], lambda _instance: True)
+    own, gateway.dispatcher = gateway.dispatcher, d
+    own.close()
+    try:
+        yield gateway
+    finally:
+        gateway._preparing.shutdown(wait=True)
+
+
+async def serving(gateway: Gateway, d: Dispatcher, body: dict[str, Any]) -> tuple[Any, Any, LiveRequest]:
+    """`body` being served by `gateway` (on a mocked request, whose writer records what goes out), its request
+    prefilled and joined on its decode engine: the serving task, the request and the live request."""
+    request = make_mocked_request("POST", "/v1/completions")
+
+    async def read(_request: Any) -> Any:
+        return lambda: body
+
+    gateway._body = read  # type: ignore[method-assign]
+    task = asyncio.ensure_future(gateway._serve(request, chat=False))
+    for _ in range(1000):
+        if d.live:
+            break
+        await asyncio.sleep(0.005)
+    (live,) = d.live.values()
+    prefilled(d, live)
+    joined(d, live)
+    return task, request, live
+
+
+async def answered(gateway: Gateway, d: Dispatcher, body: dict[str, Any], out: bytes) -> tuple[str, LiveRequest]:
+    """`body` served whole or streamed by `gateway` (its request's tokens `out`, the last ending it on the decode
+    engine); the answer's finish reason and the request."""
+    task, request, live = await serving(gateway, d, body)
+    d._dispatch(tokens(live, *((token, i, i == len(out) - 1) for i, token in enumerate(out))))
+    response = await task
+    if not body.get("stream"):
+        return json.loads(response.body)["choices"][0]["finish_reason"], live
+    out_text = b"".join(call.args[0] for call in request._payload_writer.write.call_args_list).decode()
+    events = [json.loads(line[6:]) for line in out_text.splitlines() if line.startswith("data: {")]
+    return next(e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]), live
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_completed_by_the_last_token_counts_as_the_answer_says(stream: bool) -> None:
+    """The max_tokens-th token completes a stop string: the decode engine ended the request at its length, but its
+    text stopped, and the answer says "stop"; the metrics count the same "stop" (one decision, the reader's: vLLM
+    sets its finish reason from its detokenizer's stop strings before it counts it). A text that ran to its length
+    counts "length", as it answers."""
+
+    async def run() -> None:
+        async with dispatching() as d, gateway_over(d) as gateway:
+            for stop, want in (("cd", "stop"), ("zz", "length")):
+                body = {"prompt": "hi", "max_tokens": 4, "stop": stop, "stream": stream}
+                finish, live = await answered(gateway, d, body, b"abcd")
+                assert finish == want
+                assert counted(d, live.decode) == ({"stop": 1} if want == "stop" else {"stop": 1, "length": 1})
+                assert not d.live and d.conductor.in_flight == ()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bug_while_a_choice_is_read_withdraws_its_request(stream: bool) -> None:
+    """An error other than an API error raised while a choice's tokens are read (a bug: the error middleware's
+    500), whole or in a stream's pump, withdraws the answer's requests as a client leaving does: none decodes on for nobody."""
+
+    async def run() -> None:
+        async with dispatching() as d, gateway_over(d) as gateway:
+
+            class Broken:
+                """A text stream that fails on the first token it reads."""
+
+                def feed(self, _token: int) -> str:
+                    raise RuntimeError("a bug")
+
+            gateway._text_stream = lambda *_args: Broken()  # type: ignore[assignment, method-assign]
+            task, _request, live = await serving(gateway, d, {"prompt": "hi", "max_tokens": 4, "stream": stream})
+            d._dispatch(tokens(live, (97, 0, False)))
+            with pytest.raises(RuntimeError, match="a bug"):
+                await task
+            assert not d.live and d.conductor.in_flight == ()
+            assert sent(d, live.decode)[-1] == wire.CancelDecode(request_id=int(live.request_id))
+            assert counted(d, live.decode) == {"abort": 1}
+
+    asyncio.run(run())
