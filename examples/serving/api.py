@@ -310,9 +310,9 @@ class ServedModel:
     vLLM, the checkpoint's `generation_config.json` where it sets them, else 1.0, 1.0, 0 (all), 0 and 1 (OpenAI's
     defaults: sampling from the whole distribution); one without `presence_penalty` or `frequency_penalty` gets 0,
     whatever the file says (vLLM takes neither from it: `sampling_defaults`). A chat
-    without `max_tokens` (or a completion whose `max_tokens` is an explicit null) generates what the context leaves
-    after its prompt, at most `default_chat_max_tokens` where the file sets one (its `max_new_tokens`, as vLLM
-    applies it; a completion without `max_tokens` gets `default_max_tokens`, as vLLM's is its request's 16).
+    without `max_tokens` generates what the context leaves after its prompt, at most `default_chat_max_tokens`
+    where the file sets one (its `max_new_tokens`, as vLLM applies it; a completion's default is
+    `default_max_tokens`, as vLLM's is its request's 16).
     """
 
     name: str
@@ -333,9 +333,8 @@ class SamplingOptions:
     """How a request's tokens are chosen and when its text ends.
 
     Attributes:
-        max_tokens: the most tokens generated; None, a chat that set none or a completion's explicit null, until
-            its prompt is tokenized (`generation_limit`): then what the context leaves after the prompt, as vLLM's
-            `get_max_tokens` reads an unset limit.
+        max_tokens: the most tokens generated; None, a chat that set none until its prompt is tokenized
+            (`generation_limit`): then what the context leaves after the prompt, as vLLM's chat default.
         temperature: 0 is greedy.
         top_p: the nucleus' probability mass, in (0, 1].
         seed: the random stream of a sampled request; None (no seed in the body): a fresh one per request, drawn
@@ -848,8 +847,7 @@ def _common(body: dict[str, Any], known: frozenset[str], served: ServedModel, *,
     """Check the parameters both APIs share, refusing unimplemented ones at any but their neutral value and
     ignoring unknown ones with a warning, as vLLM does (its clients send extras other servers do not know).
     Without `max_tokens` a completion gets `served.default_max_tokens` (vLLM's 16) and a chat the rest of the
-    context (`generation_limit`, once the prompt's length is known), as vLLM's server defaults them; a completion's
-    explicit null is the rest of the context too (`requested_max_tokens`)."""
+    context (`generation_limit`, once the prompt's length is known), as vLLM's server defaults them."""
     ignored = []
     for name, value in body.items():
         if name in known:
@@ -1148,12 +1146,9 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 def requested_max_tokens(body: Mapping[str, Any], *, default: int | None, completion: bool) -> int | None:
     """The output a body asks for, as vLLM reads it: a chat's `max_completion_tokens` (OpenAI's newer name) where it
     is not null, else `max_tokens`; a `completion`'s `max_tokens` only (vLLM's `CompletionRequest` has no
-    `max_completion_tokens` and ignores one). `default` where the field is absent (None: the context decides,
-    vLLM's rule for a chat; a completion's default is 16 in vLLM); an explicit null is None whatever the default:
-    vLLM's `CompletionRequest.max_tokens: int | None = 16` defaults only a missing field, and its `get_max_tokens`
-    reads a null as unset, generating what the context leaves (`generation_limit`). A chat's `max_tokens` beside a
-    `max_completion_tokens` sets nothing, but is still typed (vLLM's model declares it `int | None`): any integer,
-    no range.
+    `max_completion_tokens` and ignores one); `default` where none is set (None: the context decides, vLLM's rule
+    for a chat; a completion's default is 16 in vLLM). A chat's `max_tokens` beside a `max_completion_tokens` sets
+    nothing, but is still typed (vLLM's model declares it `int | None`): any integer, no range.
 
     Raises:
         ApiError: 400, a limit that is not an integer >= 1 as vLLM reads one (`lax_integer`); a chat's `max_tokens`
@@ -1163,10 +1158,8 @@ def requested_max_tokens(body: Mapping[str, Any], *, default: int | None, comple
     shadowed = body.get("max_tokens")
     if limit != "max_tokens" and shadowed is not None and lax_integer(shadowed) is None:
         raise ApiError(400, f"max_tokens must be an integer, got {shown(shadowed, quote=ascii)}", param="max_tokens")
-    if limit not in body:
+    if body.get(limit) is None:
         return default
-    if body[limit] is None:
-        return None
     return _integer(body, limit, 0, 1, MAX_SEED)
 
 
@@ -1585,9 +1578,8 @@ def max_tokens_within(max_tokens: int, num_prompt_tokens: int, max_context_token
 def generation_limit(sampling: SamplingOptions, num_prompt_tokens: int, served: ServedModel) -> SamplingOptions:
     """`sampling` with its `max_tokens` settled: one given (at most the context: parsing refused more,
     `check_output_limit`) is trimmed to what the context leaves after the prompt of `num_prompt_tokens`
-    (`max_tokens_within`); a chat that set none, or a completion whose `max_tokens` is an explicit null, may
-    generate what the context leaves (vLLM's `get_max_tokens` for an unset limit: `max_model_len` minus the
-    prompt), at most `served.default_chat_max_tokens` where the
+    (`max_tokens_within`); a chat that set none may generate what the context leaves (vLLM's
+    chat default: `max_model_len` minus the prompt), at most `served.default_chat_max_tokens` where the
     checkpoint's generation config sets one (vLLM's `get_max_tokens`). What the context leaves is at least
     `default_max_tokens`, since the config keeps the longest prompt and that default within it.
 
