@@ -31,13 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving.config import load_config
-from serving.launch import start_cluster
+from serving.launch import CLOSE_S, start_cluster
 from serving.machine import Machine
 
 from mooncake.cli import OneLineParser
 from mooncake.errors import MooncakeError
 
-STOP_REPORT_S = 40.0  # longer than a stop takes by design (RunningCluster.close: 15 s + 15 s + 5 s)
+STOP_REPORT_S = CLOSE_S + 10.0  # longer than a stop of local workers takes by design, with a margin
 MAX_PORT = 65_535
 
 

@@ -22,10 +22,12 @@ least 1, at most `--max-output-tokens`).
 
 Each request streams (with `stream_options.include_usage` and
 `continuous_usage_stats`) so that TTFT and every interval between events are
-measured at the client, an event being a chunk with text, as vLLM's benchmark
-counts them; TBT is the paper's (mean of the longest 10 % intervals), the
-output tokens the usage's completion tokens. A detokenized stream sends no
-event for a token that adds no text yet, so a client sees fewer intervals than
+measured at the client, an event being a chunk with a choice, its text empty or
+not (a special token's, a stream's finish), as vLLM's benchmark counts them
+(`async_request_openai_completions`; a stream with no choice fails, as it fails
+there); TBT is the paper's (mean of the longest 10 % intervals), the
+output tokens the usage's completion tokens. The gateway's detokenized stream sends no
+chunk for a token that adds no text yet, so a client sees fewer intervals than
 tokens; the usage in every chunk tells how many tokens each event carried
 (`ClientRecord.event_tokens`, left empty when a server sends no such usage).
 A rejection is an error whose body says so (`outcome`: before or after prefill,
@@ -174,8 +176,8 @@ async def one(
                         record.output_tokens = generated
                     ended = True
                     continue
-                if not (isinstance(choices[0], dict) and choices[0].get("text")):
-                    continue  # no text (the finish of a stream that ended on one): no event
+                # An event even without text (a special token, a lone UTF-8 lead byte, the finish of a stream that
+                # ended on text): vLLM's benchmark times the first token from the first chunk with a choice.
                 if last is None:
                     record.first_token_s = now
                 else:
@@ -188,6 +190,9 @@ async def one(
                 # A connection closed early ends the stream cleanly too: without either end mark the answer may be
                 # cut short, its output count the one asked for and its TBT from a few intervals.
                 failed("truncated stream", "the stream ended without [DONE] or its final usage")
+                return
+            if last is None:  # as vLLM's benchmark fails it: "Never received a valid chunk to calculate TTFT."
+                failed("empty stream", "the stream carried no choice: no first token")
                 return
             if carried is None:
                 record.event_tokens.clear()

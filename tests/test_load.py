@@ -203,3 +203,24 @@ def test_a_refused_or_failed_request_records_when_it_was_answered() -> None:
         (Outcome.COMPLETED, None),
     ]
     assert all(r.finish_s is not None and r.finish_s >= r.arrival_s for r in records)
+
+
+def test_a_choice_with_no_text_is_the_first_token_as_vllms_benchmark_counts_it() -> None:
+    """An answer whose one choice chunk has empty text (the tiny byte model's lone token a UTF-8 lead byte, a
+    special token) has its first token when that chunk came, as vLLM's benchmark times it ("text could be empty
+    here"): it completed with no first token, so it was left out of the TTFT percentiles and met any TTFT
+    objective. Every later choice chunk, with text or not, is an interval; a stream that carries no choice at
+    all fails, as vLLM's benchmark fails it."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seed = (await request.json())["seed"]
+        empty = json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "usage": usage})
+        lines = {0: [empty, chunk("", usage)], 1: [chunk(" a", usage), empty, chunk("", usage)], 2: [chunk("", usage)]}
+        return await stream(request, lines[seed])
+
+    records = replay(handler, 3)
+    assert [(r.outcome, r.reason) for r in records] == [(Outcome.COMPLETED, None)] * 2 + [(None, Reason.FAILED)]
+    assert records[0].first_token_s is not None and records[0].intervals.count == 0
+    assert records[1].first_token_s is not None and records[1].intervals.count == 1
+    assert records[1].event_tokens == [0]

@@ -11,8 +11,8 @@ processes that died without unlinking them (`remove_stale_segments`) and the
 temporary SSD-tier folders of workers killed before removing theirs
 (`remove_stale_ssd_folders`), then
 returns a `RunningCluster` once the gateway answers; `close()` stops the
-gateway, every worker (SIGTERM, then SIGKILL after a grace period) and unlinks
-any shared-memory segment a killed worker left behind.
+gateway, every worker (SIGTERM, then SIGKILL after a grace period), unlinks
+any shared-memory segment a killed worker left behind and removes its SSD folder.
 
 Lifecycle of a local worker (`_worker_main` around `run_worker`):
     a launcher that dies, however it dies (SIGKILL included), takes its workers
@@ -58,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,6 +78,7 @@ __all__ = [
     "RayBackend",
     "RunningCluster",
     "core_plan",
+    "http_url",
     "remove_stale_segments",
     "remove_stale_ssd_folders",
     "start_cluster",
@@ -97,6 +98,12 @@ PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number was never a process
 SSD_FOLDER_NAME = re.compile(r"mooncake-ssd-(?P<pid>[1-9][0-9]{0,6})-[a-z0-9_]{8}")
 WATCH_PERIOD_S = 0.5
 EXIT_GRACE_S = 15.0  # a worker's graceful stop after its launcher died, before it unlinks and exits hard
+# How long a stop waits, step by step (`RunningCluster.close`, then the backend's `stop`):
+CLOSE_GRACE_S = 15.0  # requests in flight end (close's default `grace_s`)
+CLOSE_ANSWER_S = 5.0  # then those still running get their 503 and the gateway's loop ends
+STOP_GRACE_S = 15.0  # the workers' graceful stop after SIGTERM, one period for all (a Ray actor: each)
+STOP_KILL_S = 5.0  # then SIGKILL, the workers reaped
+CLOSE_S = CLOSE_GRACE_S + CLOSE_ANSWER_S + STOP_GRACE_S + STOP_KILL_S  # the longest close of local workers takes
 PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: a spawning thread's exit fires it too, and must not stop us
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -146,8 +153,8 @@ def _is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _named_by_pid(root: Path, pattern: re.Pattern[str], pid: int | None = None) -> list[tuple[str, int]]:
-    """The names in `root` that follow `pattern` (its `pid` group naming the process that made them; of `pid`
+def _named_by_pid(root: Path, pattern: re.Pattern[str], pids: Collection[int] | None = None) -> list[tuple[str, int]]:
+    """The names in `root` that follow `pattern` (its `pid` group naming the process that made them; of `pids`
     only, if given), sorted, each with that pid."""
     try:
         names = os.listdir(root)
@@ -156,14 +163,14 @@ def _named_by_pid(root: Path, pattern: re.Pattern[str], pid: int | None = None) 
     found = []
     for name in names:
         match = pattern.fullmatch(name)
-        if match is not None and (owner := int(match["pid"])) < PID_MAX and (pid is None or owner == pid):
+        if match is not None and (owner := int(match["pid"])) < PID_MAX and (pids is None or owner in pids):
             found.append((name, owner))
     return sorted(found)
 
 
 def _segments(pid: int | None = None) -> list[str]:
     """The names in SHM_DIR that follow the segment rule (of creator `pid` only, if given), sorted."""
-    return [name for name, _owner in _named_by_pid(SHM_DIR, SEGMENT_NAME, pid)]
+    return [name for name, _owner in _named_by_pid(SHM_DIR, SEGMENT_NAME, None if pid is None else (pid,))]
 
 
 def remove_stale_segments() -> list[str]:
@@ -185,8 +192,9 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
-def remove_stale_ssd_folders(root: Path | None = None) -> list[str]:
-    """Remove the SSD-tier folders of workers that are gone; returns their names.
+def remove_stale_ssd_folders(root: Path | None = None, *, pids: Collection[int] | None = None) -> list[str]:
+    """Remove the SSD-tier folders of workers that are gone (of the workers of `pids` only, if given); returns
+    their names.
 
     A worker without `[cache] ssd_dir` keeps its SSD pages in a temporary folder named
     `mooncake-ssd-<its pid>-<tempfile's 8 characters>` (in `root`, the temporary directory by default) and
@@ -195,7 +203,7 @@ def remove_stale_ssd_folders(root: Path | None = None) -> list[str]:
     """
     root = Path(tempfile.gettempdir()) if root is None else root
     removed = []
-    for name, owner in _named_by_pid(root, SSD_FOLDER_NAME):
+    for name, owner in _named_by_pid(root, SSD_FOLDER_NAME, pids):
         if _is_running(owner):
             continue
         path = root / name
@@ -408,7 +416,8 @@ class LocalBackend:
         return self._pids[instance_id]
 
     def kill(self, instance_id: str) -> None:
-        """SIGKILL a worker (to test failures); its shared memory is unlinked at `stop`."""
+        """SIGKILL a worker (to test failures); its shared memory is unlinked and its SSD folder removed at
+        `stop`."""
         self._processes[instance_id].kill()
         self._processes[instance_id].join(timeout=10)
 
@@ -416,19 +425,23 @@ class LocalBackend:
         for process in self._processes.values():
             if process.is_alive():
                 process.terminate()  # SIGTERM: the worker closes its engine, cache and shared memory
-        # One grace period for all (not one each): a stop is bounded by 15 + 5 s however many workers hang.
-        deadline = time.monotonic() + 15.0
+        # One grace period for all (not one each): a stop is bounded by STOP_GRACE_S + STOP_KILL_S however many
+        # workers hang.
+        deadline = time.monotonic() + STOP_GRACE_S
         for process in self._processes.values():
             process.join(timeout=max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + STOP_KILL_S
         for process in self._processes.values():
             if process.is_alive():
                 process.kill()
-                process.join(timeout=5)
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
         for instance_id, process in list(self._processes.items()):
             if not process.is_alive():  # its sentinel pipe goes with it; one that outlived its kill stays listed
                 process.close()
                 del self._processes[instance_id]
         _unlink([name for names in self._shm.values() for name in names])  # what killed workers left
+        # And their SSD folders, now rather than at the next start (a killed worker's may hold gigabytes).
+        remove_stale_ssd_folders(pids={pid for i, pid in self._pids.items() if i not in self._processes})
         for lifeline in self._lifelines:
             lifeline.close()
         self._lifelines.clear()
@@ -541,15 +554,30 @@ class RayBackend:
             if self._multi_node:
                 spec = attrs.evolve(spec, host=NODE_ADDRESS)
             self._actors[spec.instance_id] = actor_class.options(name=None).remote(spec)
-        infos = ray.get([actor.start.remote() for actor in self._actors.values()], timeout=START_TIMEOUT_S)
-        for info in infos:
-            if "shm" in info:
-                self._shm[info["instance_id"]] = info["shm"]
+        refs = {instance_id: actor.start.remote() for instance_id, actor in self._actors.items()}
         try:
-            return [_started(info["instance_id"], info) for info in infos]
-        except EngineError:
+            return self._await_started(refs)
+        except BaseException:  # a late or dead actor, Ctrl-C: no actor, head or variable of ours outlives the start
             self.stop()
             raise
+
+    def _await_started(self, refs: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each worker's start message (of `refs`, its `start` call's), in their order; the EngineError naming the
+        workers not started within START_TIMEOUT_S, or the first that died or failed to start."""
+        ray = self._ray
+        names = {ref: instance_id for instance_id, ref in refs.items()}
+        _ready, waiting = ray.wait(list(refs.values()), num_returns=len(refs), timeout=START_TIMEOUT_S)
+        if waiting:
+            late = ", ".join(names[ref] for ref in waiting)
+            raise EngineError(f"worker {late} did not start within {START_TIMEOUT_S} s")
+        infos = {}
+        for instance_id, ref in refs.items():
+            try:
+                infos[instance_id] = info = ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # its actor's process died (its log says why)
+                raise EngineError(f"worker {instance_id} died while starting: {error}") from error
+            self._shm[instance_id] = info.get("shm", [])  # unlinked by `stop` if the worker is killed
+        return [_started(instance_id, info) for instance_id, info in infos.items()]
 
     def is_alive(self, instance_id: str) -> bool:
         try:
@@ -566,7 +594,7 @@ class RayBackend:
         ray = self._ray
         for actor in self._actors.values():
             with contextlib.suppress(Exception):
-                ray.get(actor.stop.remote(), timeout=15)
+                ray.get(actor.stop.remote(), timeout=STOP_GRACE_S)
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self._actors.clear()
@@ -627,6 +655,12 @@ class _RayWorker:
             self.worker.close()
 
 
+def http_url(host: str, port: int) -> str:
+    """The http:// URL of a server at `host` and `port`: an IPv6 address in brackets (RFC 3986), else a client
+    reads the address's last group as the port."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class RunningCluster:
     """A started cluster: `url`, `gateway`, `backend`, `infos`, `removed_segments`; `close()` stops it all."""
 
@@ -678,12 +712,12 @@ class RunningCluster:
         # The guarded site: connection caps, header and body deadlines, JSON for aiohttp's own errors.
         runner = await self.gateway.start(self.config.cluster.host, self.config.cluster.port)
         port = runner.addresses[0][1]
-        self.url = f"http://{self.config.cluster.host}:{port}"
+        self.url = http_url(self.config.cluster.host, port)
         self._ready.set()
         await self._stopping.wait()
         await runner.cleanup()
 
-    def close(self, grace_s: float = 15.0) -> None:
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
         """Stop serving: requests in flight get `grace_s` to end, then those still running end with a 503 saying
         the cluster is shutting down (before their workers stop: else their clients would read that an engine
         failed), and every worker stops."""
@@ -694,7 +728,7 @@ class RunningCluster:
         if self._thread.is_alive() and self._loop.is_running():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self.gateway.dispatcher.shut_down_requests)
-            self._thread.join(timeout=5.0)  # the handlers write the 503s and the cleanup ends
+            self._thread.join(timeout=CLOSE_ANSWER_S)  # the handlers write the 503s and the cleanup ends
         self.backend.stop()
 
     def __enter__(self) -> RunningCluster:

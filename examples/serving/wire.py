@@ -32,7 +32,8 @@ still reports about a request it no longer serves.
 
 `encode(message)` gives (method, args); `decode(method, args)` the record.
 Decoding checks every field: an unknown method, a missing or extra field, or a
-value of the wrong type is a `MessageError` naming the method and the field,
+value of the wrong type (every integer is an id or a count: in [0, 2**64)) is a
+`MessageError` naming the method and the field,
 never a silent drop (raised in a control call's handler, it goes back to the
 caller as the call's error). Cache events travel inside the prefill reports as
 JSON lists, in order:
@@ -109,9 +110,17 @@ def _bad(where: str, expected: str, value: Any) -> MessageError:
     return MessageError(f"{where}: expected {expected}, got {shown if len(shown) < 80 else shown[:77] + '...'}")
 
 
+_U64_END = 1 << 64  # every integer on the wire is an id (token, request, block key) or a count: in [0, 2**64)
+
+
+def _is_id(item: Any) -> bool:
+    return type(item) is int and 0 <= item < _U64_END
+
+
 def _load_int(value: Any, where: str) -> int:
-    if type(value) is not int:
-        raise _bad(where, "an integer", value)
+    """An id or a count: never negative (a fetch of -2 blocks would take all but the last two of a list)."""
+    if not _is_id(value):
+        raise _bad(where, "an integer" if type(value) is not int else "an integer in [0, 2**64)", value)
     return value
 
 
@@ -131,13 +140,6 @@ def _load_bool(value: Any, where: str) -> bool:
     if type(value) is not bool:
         raise _bad(where, "a boolean", value)
     return value
-
-
-_U64_END = 1 << 64  # every list of integers on the wire is of ids (tokens, requests, block keys): in [0, 2**64)
-
-
-def _is_id(item: Any) -> bool:
-    return type(item) is int and 0 <= item < _U64_END
 
 
 def _load_ints(value: Any, where: str) -> tuple[int, ...]:

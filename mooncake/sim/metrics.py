@@ -469,7 +469,8 @@ class Summary:
     `ttft_s` and `tbt_s` are over the completed requests (0 when none completed; a ranking leaves such a run
     out), `tbt_s` over those with more than one output token (`has_tbt`); their percentiles are numpy's default
     (linear interpolation between the two nearest values), as vLLM's benchmark takes them. `slo_attainment` is
-    over every arrival. `goodput_rps` is the requests completed within both objectives per second from the
+    over every arrival; a completion without a first token (`RequestRecord.first_token_s` None) meets no TTFT
+    objective and is in no TTFT percentile. `goodput_rps` is the requests completed within both objectives per second from the
     first arrival to the last answer of any kind (a completion, a refusal, a failure: `RequestRecord.finish_s`), as
     vLLM's benchmark counts it: a policy that finishes its backlog sooner has the shorter span, so goodput can
     rank two policies against their attainment on the same arrivals, and one that refuses the tail does not
@@ -516,7 +517,8 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s: float =
     prefilled = ~np.isnan(first_token) | after_prefill
     ttft = first_token - arrival  # NaN where there is no first token
     tbt, prefill_s = table.column("tbt_s"), table.column("prefill_s")
-    within = completed & (np.where(prefilled, ttft, 0.0) <= slo.ttft_s) & (tbt <= slo.tbt_s)
+    # A completion with no first token (a client that saw none) has no TTFT to meet: NaN meets no objective.
+    within = completed & (ttft <= slo.ttft_s) & (tbt <= slo.tbt_s)
     num_within = int(within.sum())
     # vLLM's benchmark divides by its whole run, until every request was answered, refusals and failures
     # included (vllm/benchmarks/serve.py: `benchmark_duration` is taken after gathering every request's task,

@@ -29,7 +29,8 @@ def reference_summary(records: Sequence[RequestRecord], slo: Slo, *, sim_wall_s:
     completed = [r for r in records if r.outcome == Outcome.COMPLETED]
     # Refused after its prefill: no first token (its client got none), but prefilled.
     prefilled = [r for r in records if r.first_token_s is not None or r.outcome == Outcome.REJECTED_AFTER_PREFILL]
-    within = [r for r in completed if (r.ttft_s or 0.0) <= slo.ttft_s and r.tbt_s <= slo.tbt_s]
+    # A completion without a first token has no TTFT to meet.
+    within = [r for r in completed if r.ttft_s is not None and r.ttft_s <= slo.ttft_s and r.tbt_s <= slo.tbt_s]
     arrivals = [r.arrival_s for r in records]
     ends = [r.finish_s for r in records if r.finish_s is not None]  # the last answer of any kind
     span = (max(ends) if ends else 0.0) - (min(arrivals) if arrivals else 0.0)

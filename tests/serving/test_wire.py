@@ -268,3 +268,28 @@ def test_cache_events_survive_the_wire() -> None:
         AllBlocksCleared(source=source, seq=2, epoch=7),
     ):
         assert wire.event_from_wire(json.loads(json.dumps(wire.event_to_wire(event)))) == event
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [(("fetch", "blocks"), -2), (("request_id",), -1), (("sampling", "max_tokens"), -3), (("attempt",), 2**64)],
+)
+def test_an_integer_field_out_of_range_is_an_error_naming_it(path: tuple[str, ...], value: int) -> None:
+    """Every integer on the wire is an id or a count, in [0, 2**64) as the lists of ids are: a negative one (a
+    fetch of -2 blocks, which the prefill worker read as all the prompt's blocks but the last two) or a 65-bit
+    one is a MessageError naming the field and the value (it decoded)."""
+    sampling = wire.Sampling(max_tokens=4, temperature=0.0, top_p=1.0, seed=2**64 - 1, stop_ids=())
+    job = wire.PrefillJob(
+        request_id=1, attempt=0, tokens=(1,), decode="d", fetch=wire.Fetch(source="p", blocks=2), sampling=sampling
+    )
+    method, args = wire.encode(job)
+    assert wire.decode(method, args) == job  # the largest seed is in range
+    args = json.loads(json.dumps(args))
+    *outer, last = path
+    inner = args
+    for name in outer:
+        inner = inner[name]
+    inner[last] = value
+    with pytest.raises(wire.MessageError) as raised:
+        wire.decode(method, args)
+    assert str(raised.value).endswith(f"{'.'.join(path)}: expected an integer in [0, 2**64), got {value}")

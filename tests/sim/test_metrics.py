@@ -443,3 +443,12 @@ def test_no_waste_is_a_float_zero() -> None:
     record = RequestRecord(request_id=RequestId("r"), arrival_s=0.0, input_tokens=4, output_tokens=1)
     summary = summarize([record], Slo())
     assert summary.wasted_prefill_s == 0 and isinstance(summary.wasted_prefill_s, float)
+
+
+def test_a_completion_with_no_first_token_meets_no_ttft_objective() -> None:
+    """A completed record without a first token (a client that saw none) has no TTFT to meet: it is outside the
+    objectives, whatever they are, and in no TTFT percentile. It met any TTFT objective (its TTFT read as 0)."""
+    records = [record("none", Outcome.COMPLETED, arrival_s=0.0, finish_s=2.0, tbt_s=0.0)]
+    summary = summarize(records, Slo(ttft_s=0.5, tbt_s=0.1))
+    assert (summary.completed, summary.slo_attainment, summary.goodput_rps) == (1, 0.0, 0.0)
+    assert summary.ttft_s == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
