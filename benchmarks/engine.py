@@ -62,21 +62,24 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
-from mooncake.engine.attention import decode_attention, sdpa_decode_attention
+from mooncake.cli import comma_separated
 from mooncake.engine.config import PRESETS, ModelConfig
-from mooncake.engine.decode import DecodeConfig, DecodeEngine
-from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import LlamaModel, dtype_of
-from mooncake.engine.pipeline import PipelineGroup
-from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.types import BlockKey, RequestId
+
+# torch and the engines (seconds to import) are imported where they are used: options are checked first, and a
+# run refused for a bad one never needs them.
+if TYPE_CHECKING:
+    import torch
+
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
 
 BLOCK_TOKENS = 16
 LAYERWISE_MIN_WAIT_S = 1e-3  # a layer-wise exposed wait below this is timer noise: a ratio is taken to this instead
@@ -92,6 +95,8 @@ def cache_for(layout: KvLayout, tokens: int) -> TieredCache:
 
 
 def matmul_flops_per_s(config: ModelConfig, rows: int) -> float:
+    import torch
+
     a = torch.randn(rows, config.hidden_size)
     b = torch.randn(config.hidden_size, 2 * config.intermediate_size)
     torch.mm(a, b)
@@ -117,6 +122,10 @@ def layerwise_speedup(waits: dict[str, float]) -> tuple[float, bool]:
 
 
 def bench_prefill(config: ModelConfig, n: int) -> dict[str, float]:
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+    from mooncake.engine.prefill import PrefillEngine
+
     model = LlamaModel(config, seed=0)
     hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
     layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS)
@@ -137,6 +146,11 @@ def bench_prefill(config: ModelConfig, n: int) -> dict[str, float]:
 
 def bench_decode(config: ModelConfig, context: int, batches: list[int], steps: int = 5) -> dict[str, Any]:
     """Step times with every request holding `context` tokens of (random) KV loaded from the cache."""
+    from mooncake.engine.attention import sdpa_decode_attention
+    from mooncake.engine.decode import DecodeConfig, DecodeEngine
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+
     model = LlamaModel(config, seed=0)
     layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS)
     cache = cache_for(layout, context)
@@ -174,6 +188,10 @@ def bench_decode(config: ModelConfig, context: int, batches: list[int], steps: i
 
 def attention_ms(config: ModelConfig, context: int, batch: int, repeats: int = 20) -> tuple[float, float]:
     """One layer's decode attention alone, ours and SDPA, over slots shaped as the decode engine's."""
+    import torch
+
+    from mooncake.engine.attention import decode_attention, sdpa_decode_attention
+
     q = torch.randn(batch, config.num_heads, config.head_dim)
     k = torch.randn(batch, config.num_kv_heads, context + 64, config.head_dim)[:, :, :context]
     v = torch.randn_like(k)
@@ -189,6 +207,10 @@ def attention_ms(config: ModelConfig, context: int, batch: int, repeats: int = 2
 
 
 def bench_layerwise(lengths: list[int]) -> dict[str, Any]:
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+    from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+
     config = PRESETS["tiny"]
     model = LlamaModel(config, seed=0)
     hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
@@ -212,6 +234,13 @@ def bench_layerwise(lengths: list[int]) -> dict[str, Any]:
 
 
 def bench_cpp(config: ModelConfig, n: int, chunk: int = 256) -> dict[str, float]:
+    import torch
+
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+    from mooncake.engine.pipeline import PipelineGroup
+    from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+
     tokens = prompt(n, config.vocab_size)
     model = LlamaModel(config, seed=0)
     hasher = BlockHasher(model=config.name, block_size_tokens=BLOCK_TOKENS)
@@ -259,6 +288,7 @@ GENERATED = "generated LlamaForCausalLM (hidden 512, 4 layers, 8 heads / 4 KV he
 
 def generate_checkpoint(directory: str) -> str:
     """A random LlamaForCausalLM of `PEER_SHAPE` saved with transformers' `save_pretrained` under `directory`."""
+    import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -283,6 +313,8 @@ def batch_prompts(batch: int, prompt_tokens: int, vocab: int) -> list[list[int]]
 
 def prefill_prompts(model: LlamaModel, cache: TieredCache, prompts: list[list[int]]) -> list[Any]:
     """The prompts as one `PrefillEngine.prefill_batch` (packed into shared passes), KV stored layer-wise."""
+    from mooncake.engine.prefill import PrefillEngine
+
     hasher = BlockHasher(model=model.config.name, block_size_tokens=BLOCK_TOKENS)
     with PrefillEngine(model, cache, hasher) as engine:
         return engine.prefill_batch(prompts)
@@ -290,6 +322,8 @@ def prefill_prompts(model: LlamaModel, cache: TieredCache, prompts: list[list[in
 
 def decode_steps_s(model: LlamaModel, cache: TieredCache, prefilled: list[Any], new_tokens: int) -> float:
     """The prefilled requests join one `DecodeEngine` (a slot each); the seconds of `new_tokens` steps."""
+    from mooncake.engine.decode import DecodeConfig, DecodeEngine
+
     prompt_tokens = max(len(r.keys) for r in prefilled) * BLOCK_TOKENS
     options = DecodeConfig(max_batch_size=len(prefilled), max_context_tokens=prompt_tokens + new_tokens + 2)
     engine = DecodeEngine(model, cache, block_tokens=BLOCK_TOKENS, config=options)
@@ -312,6 +346,7 @@ def ours(directory: str, dtype: str, prompt_tokens: int, new_tokens: int) -> tup
     layer-wise into a fresh cache. Decode: the prompts' KV joins a `DecodeEngine` of
     `batch` slots and `new_tokens` continuous-batching steps are timed (the joins are not)."""
     from mooncake.engine.checkpoint import load_model
+    from mooncake.engine.kv import KvLayout
 
     model = load_model(directory, dtype=dtype)
     layout = KvLayout(config=model.config, block_tokens=BLOCK_TOKENS, dtype=dtype)
@@ -338,7 +373,10 @@ def transformers_peer(directory: str, dtype: str, prompt_tokens: int, new_tokens
     """transformers. Prefill: one forward of the [batch, prompt] ids keeping its KV cache (the last
     position's logits and the KV, as a server's prefill). Decode: greedy `generate` of new_tokens + 1 tokens; a stopping criterion stamps
     the time as each token lands, and the decode steps are the time from the first token to the last."""
+    import torch
     import transformers
+
+    from mooncake.engine.model import dtype_of
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -412,6 +450,8 @@ def bench_peers(
     The peers' runs interleave (each repeat runs every peer once), so a change in the machine's load
     falls on all of them alike; each figure is the median of `repeats` runs after a warm-up run.
     """
+    import torch
+
     from mooncake.engine.checkpoint import read_model_config
 
     with tempfile.TemporaryDirectory(prefix="mooncake-bench-") as scratch:
@@ -475,7 +515,30 @@ def print_peers(peers: dict[str, Any]) -> None:
         print(f"vllm      skipped: {peers['vllm_skipped']}")
 
 
-def main() -> None:
+def counts(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """`text`, the value of `option`, as comma-separated integers >= 1, each once (the results are keyed by them),
+    read by the command line's one rule for lists (`mooncake.cli.comma_separated`); else `parser`'s usage error
+    naming the option and the value. Before, a bad item was a ValueError traceback once the sections before it ran."""
+    try:
+        return comma_separated(at_least_one)(text)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"{option} must be distinct comma-separated integers >= 1, got {text} ({error})")
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def options() -> argparse.Namespace:
+    """The command line, every option checked before any work (and before torch is imported): a bad one ends in
+    the usage error naming it and its value. The lists are parsed into lists of ints."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--model", default="small", choices=sorted(PRESETS))
@@ -489,8 +552,8 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=torch.get_num_threads(),
-        help="torch threads, for every section (the CPP pipeline's stages get half each)",
+        default=None,
+        help="torch threads, for every section (default: torch's, all cores; the CPP pipeline's stages get half each)",
     )
     parser.add_argument("--peer-batches", default="1,8,32")
     parser.add_argument("--peer-prompt-tokens", type=int, default=128)
@@ -498,8 +561,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="of each peer measurement (the median)")
     parser.add_argument("--peers-only", action="store_true", help="only the comparison with transformers and vLLM")
     args = parser.parse_args()
+    # Each at least 1: --threads 0 was torch's RuntimeError, --repeats 0 the median of nothing (NaN in the JSON),
+    # a prompt or context of 0 tokens nothing to time.
+    for option in (
+        "prefill_tokens",
+        "decode_context",
+        "cpp_tokens",
+        "peer_prompt_tokens",
+        "peer_new_tokens",
+        "repeats",
+    ):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        parser.error(f"--checkpoint must be a checkpoint's directory, got {args.checkpoint}")
+    for option in ("decode_batches", "layerwise_tokens", "peer_batches"):
+        setattr(args, option, counts(parser, f"--{option.replace('_', '-')}", getattr(args, option)))
+    return args
+
+
+def main() -> None:
+    args = options()
+    import torch
+
     config = PRESETS[args.model]
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "model": config.name,
@@ -509,12 +598,11 @@ def main() -> None:
     result["cpus"] = os.cpu_count()
     if not args.peers_only:
         result.update(bench_prefill(config, args.prefill_tokens))
-        result.update(bench_decode(config, args.decode_context, [int(b) for b in args.decode_batches.split(",")]))
-        result.update(bench_layerwise([int(n) for n in args.layerwise_tokens.split(",")]))
+        result.update(bench_decode(config, args.decode_context, args.decode_batches))
+        result.update(bench_layerwise(args.layerwise_tokens))
         result.update(bench_cpp(config, args.cpp_tokens))
-    batches = [int(b) for b in args.peer_batches.split(",")]
     shape = (args.peer_prompt_tokens, args.peer_new_tokens, args.repeats)
-    result["peers"] = bench_peers(args.checkpoint, args.dtype, batches, *shape)
+    result["peers"] = bench_peers(args.checkpoint, args.dtype, args.peer_batches, *shape)
     if args.json:
         print(json.dumps(result, indent=2))
         return

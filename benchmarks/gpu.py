@@ -18,28 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
 import numpy as np
-import torch
-from engine import layerwise_speedup, prefill_flops  # benchmarks/engine.py: one count for the CPU and GPU figures
+from engine import counts, layerwise_speedup, prefill_flops  # benchmarks/engine.py: one count for CPU and GPU figures
 
 from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
-from mooncake.engine.attention import flash_attention_available
 from mooncake.engine.config import PRESETS
-from mooncake.engine.decode import DecodeConfig, DecodeEngine
-from mooncake.engine.kv import KvLayout
-from mooncake.engine.model import LlamaModel
-from mooncake.engine.prefill import PrefillConfig, PrefillEngine
 from mooncake.sched.cost import HARDWARE
 from mooncake.types import BlockKey, RequestId
 
 BLOCK_TOKENS = 256
 
 
-def main() -> None:
+def options() -> argparse.Namespace:
+    """The command line, every option checked before torch is imported and the model built on the GPU (a bad
+    --lengths or --decode-batches was a ValueError only then, or after the prefill section); the lists parsed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     parser.add_argument("--lengths", default="8192,16384,32768")
@@ -47,6 +44,26 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-batches", default="1,8,32")
     args = parser.parse_args()
+    if not 0 < args.peak_tflops < math.inf:  # the MFU's denominator
+        parser.error(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops:g}")
+    if args.decode_context < 1:
+        parser.error(f"--decode-context must be at least 1, got {args.decode_context}")
+    args.lengths = counts(parser, "--lengths", args.lengths)
+    args.decode_batches = counts(parser, "--decode-batches", args.decode_batches)
+    return args
+
+
+def main() -> None:
+    args = options()
+    # torch and the engines (seconds to import) only now: a run refused above never needs them.
+    import torch
+
+    from mooncake.engine.attention import flash_attention_available
+    from mooncake.engine.decode import DecodeConfig, DecodeEngine
+    from mooncake.engine.kv import KvLayout
+    from mooncake.engine.model import LlamaModel
+    from mooncake.engine.prefill import PrefillConfig, PrefillEngine
+
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs CUDA")
     config = PRESETS[args.model]
@@ -64,8 +81,7 @@ def main() -> None:
         "layerwise_speedup": {},
         "layerwise_speedup_bounds": [],
     }
-    lengths = [int(n) for n in args.lengths.split(",")]
-    for n in lengths:
+    for n in args.lengths:
         tokens = rng.integers(0, config.vocab_size, size=n).tolist()
         cache = TieredCache([DramPagePool(layout.page_bytes, n // BLOCK_TOKENS + 2)])
         with PrefillEngine(model, cache, hasher, PrefillConfig(chunk_tokens=n, store=False)) as engine:
@@ -93,7 +109,7 @@ def main() -> None:
         size = layout.block_bytes(min(BLOCK_TOKENS, context - b * BLOCK_TOKENS))
         cache.put(key, (rng.standard_normal(size // 2) * 0.5).astype(np.float16).view(np.uint8))
     result["decode_step_ms"] = {}
-    for batch in (int(b) for b in args.decode_batches.split(",")):
+    for batch in args.decode_batches:
         engine = DecodeEngine(
             model,
             cache,

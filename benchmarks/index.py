@@ -5,12 +5,13 @@
 Indexes `--keys` chained keys (chains of 64, each held in full by one instance
 and as a random prefix by up to two more, in DRAM or SSD) across `--instances`
 (16), then times `match` on 64-block requests drawn from the indexed
-chains. The peer, measured in the same run, is the obvious design: a set of
+chains, a quarter of them diverging halfway (partial hits). The peer, measured in the same run, is the obvious design: a set of
 keys per instance and a per-instance prefix walk (O(keys × holders) per match).
 bytes_per_key is the traced allocation of the index (its key table, as
 measured by tracemalloc) divided by the number of keys; table_bytes_per_key
-counts the table's arrays alone. plain_matches_per_s is the same match on the
-plain-Python kernels (what runs where numba is not installed), on an index of
+counts the table's arrays alone. plain_matches_per_s is the same match, on the
+same mix of requests, on the plain-Python kernels (what runs where numba is
+not installed), on an index of
 the first `--plain-keys` keys, since building one of a million keys without
 numba takes minutes. Goal: >= 50 k matches/s (compiled).
 """
@@ -64,6 +65,19 @@ def build(index_chains: list[list[BlockKey]], plan: list[list[tuple[int, int, in
             )
             seq[owner] += 1
     return index
+
+
+def draw_queries(rng: np.random.Generator, indexed: list[list[BlockKey]], count: int) -> list[list[BlockKey]]:
+    """`count` requests drawn from the `indexed` chains, every fourth diverging halfway (a new user turn: realistic
+    partial hits), the rest whole-chain hits. Every path is timed on such a mix (the plain kernels once timed on
+    whole-chain hits alone)."""
+    length = len(indexed[0])
+    queries = [indexed[i] for i in rng.integers(0, len(indexed), size=count)]
+    for q in range(0, len(queries), 4):
+        queries[q] = queries[q][: length // 2] + [
+            BlockKey(k) for k in rng.integers(0, 2**64 - 1, size=length - length // 2, dtype=np.uint64).tolist()
+        ]
+    return queries
 
 
 class NaiveIndex:
@@ -133,12 +147,7 @@ def main() -> None:
 
     rng = np.random.default_rng(2)
     indexed = chains(0, num_chains, length)
-    queries = [indexed[i] for i in rng.integers(0, num_chains, size=args.queries)]
-    # A quarter of the queries diverge halfway (a new user turn): realistic partial hits.
-    for q in range(0, len(queries), 4):
-        queries[q] = queries[q][: length // 2] + [
-            BlockKey(k) for k in rng.integers(0, 2**64 - 1, size=length - length // 2, dtype=np.uint64).tolist()
-        ]
+    queries = draw_queries(rng, indexed, args.queries)
 
     for query in queries[:100]:
         assert dict(index.match(query).lengths) == naive.match(query)  # same answers
@@ -156,7 +165,7 @@ def main() -> None:
     plain_chains = max(1, min(num_chains, args.plain_keys // length))
     with compiled_path(False):
         plain = build(indexed[:plain_chains], plan[:plain_chains])
-    plain_queries = [indexed[i] for i in rng.integers(0, plain_chains, size=args.plain_queries)]
+    plain_queries = draw_queries(rng, indexed[:plain_chains], args.plain_queries)  # the same mix of hits
     for query in plain_queries[:20]:
         assert plain.match(query) == index.match(query)  # the chains of both share their holders
     start = time.perf_counter()

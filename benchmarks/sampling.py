@@ -25,10 +25,10 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from mooncake.engine.sampling import Sampler, SamplingParams, token_logprobs
+if TYPE_CHECKING:  # torch (seconds to import) only once the options are checked
+    import torch
 
 
 def per_token_ms(draw: Callable[[], object], tokens: int, repeats: int) -> float:
@@ -44,6 +44,8 @@ def per_token_ms(draw: Callable[[], object], tokens: int, repeats: int) -> float
 
 def sorted_top(logits: torch.Tensor, token: int, k: int) -> object:
     """The peer: log-softmax, then the top k by a stable sort of the whole vocabulary."""
+    import torch
+
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.sort(logprobs, descending=True, stable=True)
     return float(logprobs[token]), ids[:k].tolist(), values[:k].tolist()
@@ -52,6 +54,8 @@ def sorted_top(logits: torch.Tensor, token: int, k: int) -> object:
 def previous_draw(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
     """The plain draw's peer: the nucleus among the k largest probabilities (k = 32, doubling), then
     torch.multinomial."""
+    import torch
+
     exact = logits.double()
     probabilities = torch.softmax(exact - exact.max(), dim=-1)
     k = min(32, len(probabilities))
@@ -74,6 +78,10 @@ def main() -> None:
     for option in ("vocab", "prompt_tokens", "tokens", "repeats"):  # no prompt: the penalties' case would have none
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    import torch
+
+    from mooncake.engine.sampling import Sampler, SamplingParams, token_logprobs
+
     torch.set_num_threads(1)  # one decode step's share: the comparison, not the machine's thread count
     logits = torch.randn(args.vocab, generator=torch.Generator().manual_seed(0)) * 4
     prompt = list(range(0, 2 * args.prompt_tokens, 2))
@@ -89,8 +97,11 @@ def main() -> None:
         ms[name] = per_token_ms(lambda s=sampler: s.next_token(logits), args.tokens, args.repeats)
     generator = torch.Generator().manual_seed(1)
     ms["plain_previous_peer"] = per_token_ms(lambda: previous_draw(logits, 0.9, generator), args.tokens, args.repeats)
-    ms["logprobs_5"] = per_token_ms(lambda: token_logprobs(logits, 7, 5), args.tokens, args.repeats)
-    ms["logprobs_5_sorted_peer"] = per_token_ms(lambda: sorted_top(logits, 7, 5), args.tokens, args.repeats)
+    # The token whose log-probability a `logprobs: 5` request reports: the one its draw picked (in the vocabulary
+    # whatever --vocab is; a fixed id 7 was a library error under --vocab 7).
+    token = Sampler(cases["plain"]).next_token(logits)
+    ms["logprobs_5"] = per_token_ms(lambda: token_logprobs(logits, token, 5), args.tokens, args.repeats)
+    ms["logprobs_5_sorted_peer"] = per_token_ms(lambda: sorted_top(logits, token, 5), args.tokens, args.repeats)
     result = {
         "vocab": args.vocab,
         "prompt_tokens": args.prompt_tokens,

@@ -152,11 +152,16 @@ def ssd(page_bytes: int, total_bytes: int, repeats: int, directory: Path) -> dic
         )
         assert bytes(state["cache"].get(BlockKey(0))) == data.tobytes()
     finally:
-        if "fd" in raw:
-            os.close(raw["fd"])
-        state["cache"].close()
-        pool_path.unlink(missing_ok=True)
-        raw_path.unlink(missing_ok=True)
+        # Whatever failed (ENOSPC from posix_fallocate, Ctrl-C), possibly before the first fresh(): close what was
+        # opened and leave neither file behind, so that the error raised is the one that happened.
+        try:
+            if "fd" in raw:
+                os.close(raw.pop("fd"))
+            if "cache" in state:
+                state.pop("cache").close()
+        finally:
+            pool_path.unlink(missing_ok=True)
+            raw_path.unlink(missing_ok=True)
     gb = count * page_bytes / 1e9  # the bytes moved: whole pages
     return {
         "ssd_write_gbps": gb / write_s,
@@ -203,8 +208,16 @@ def main() -> None:
     for option in ("small_ops", "repeats"):
         if getattr(args, option) < 1:  # --small-ops 0 printed 0 put/s
             parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
-    directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mooncake-bench-"))
-    directory.mkdir(parents=True, exist_ok=True)
+    if args.dir:
+        directory = Path(args.dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # exist_ok covers a directory only
+            parser.error(f"--dir must name a directory, got {args.dir}: a file")
+        except OSError as error:  # beneath a file, or not ours to write
+            parser.error(f"--dir must name a directory it can make, got {args.dir}: {error.strerror}")
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="mooncake-bench-"))
     total = args.total_mib * MIB
     by_size: dict[str, dict[str, float]] = {}
     memories: list[dict[str, float]] = []

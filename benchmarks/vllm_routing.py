@@ -162,9 +162,19 @@ def run_policy(
     after = [counters(server.url) for server in fleet]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return summarize(answers, requests[0][0], hits, queries)
+
+
+def summarize(answers: list[dict[str, Any]], first_arrival_s: float, hits: float, queries: float) -> dict[str, Any]:
+    """One policy's figures from its replay's answers (at least one) and the servers' prefix-cache counters.
+
+    The TTFTs and the router's overhead are over the completed requests: where none completed (the router may
+    refuse every one with 429) they are None beside `completed` 0, as is `hit_ratio` where the servers were asked
+    nothing. Before, such a policy ended the whole run in `statistics.fmean` of nothing.
+    """
     done = [a for a in answers if a["status"] == 200 and a["ttft_s"] is not None]
     ttfts = sorted(a["ttft_s"] for a in done)
-    span = max(a["end_s"] for a in answers) - requests[0][0]
+    span = max(a["end_s"] for a in answers) - first_arrival_s
     per_instance: dict[str, int] = {}
     for answer in done:
         per_instance[answer["instance"]] = per_instance.get(answer["instance"], 0) + 1
@@ -172,15 +182,39 @@ def run_policy(
         "completed": len(done),
         "rejected": sum(1 for a in answers if a["status"] == 429),
         "failed": sum(1 for a in answers if a["status"] != 429) - len(done),
-        "hit_ratio": hits / queries if queries else 0.0,
-        "mean_ttft_s": statistics.fmean(ttfts),
-        "median_ttft_s": ttfts[len(ttfts) // 2],
-        "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
-        "max_ttft_s": ttfts[-1],
+        "hit_ratio": hits / queries if queries else None,
+        "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
+        "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
+        "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+        "max_ttft_s": ttfts[-1] if ttfts else None,
         "requests_per_s": len(done) / span,
-        "router_overhead_us": statistics.fmean(a["overhead_us"] for a in done),
+        "router_overhead_us": statistics.fmean(a["overhead_us"] for a in done) if done else None,
         "per_instance": per_instance,
     }
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours ÷ theirs where both sides have a figure (a policy that completed nothing has no TTFT) and theirs is
+    not 0 (no hit at all: no finite ratio); None otherwise."""
+    return None if ours is None or not theirs else ours / theirs
+
+
+def ratios(results: dict[str, Any], bound: float) -> dict[str, float | None]:
+    """kvcache_centric's hit ratio against the LRU bound and both peers', its mean TTFT against theirs."""
+    ours, round_robin, least_loaded = (results[p] for p in ("kvcache_centric", "round_robin", "load_balancing"))
+    return {
+        "hit_ratio_vs_lru_bound": ratio(ours["hit_ratio"], bound),
+        "hit_ratio_vs_round_robin": ratio(ours["hit_ratio"], round_robin["hit_ratio"]),
+        "hit_ratio_vs_least_loaded": ratio(ours["hit_ratio"], least_loaded["hit_ratio"]),
+        "mean_ttft_vs_round_robin": ratio(ours["mean_ttft_s"], round_robin["mean_ttft_s"]),
+        "mean_ttft_vs_least_loaded": ratio(ours["mean_ttft_s"], least_loaded["mean_ttft_s"]),
+    }
+
+
+def shown(value: float | None, spec: str, unit: str = "") -> str:
+    """`value` formatted by `spec`, or "-" (as wide) where there is none."""
+    text = "-" if value is None else f"{value:{spec}}{unit}"
+    return f"{text:>{len(f'{0.0:{spec}}{unit}')}}"
 
 
 def main() -> None:
@@ -222,14 +256,7 @@ def main() -> None:
         kv_bytes_per_token = read_model_config(model).shape(dtype=SERVED_DTYPE).kv_bytes_per_token
         bound = lru_bound(requests, model, 2 * (args.kv_cache_mib << 20) // (kv_bytes_per_token * BLOCK))
     results["lru_bound_hit_ratio"] = bound
-    ours = results["kvcache_centric"]
-    results["ratios"] = {
-        "hit_ratio_vs_lru_bound": ours["hit_ratio"] / max(bound, 1e-9),
-        "hit_ratio_vs_round_robin": ours["hit_ratio"] / max(results["round_robin"]["hit_ratio"], 1e-9),
-        "hit_ratio_vs_least_loaded": ours["hit_ratio"] / max(results["load_balancing"]["hit_ratio"], 1e-9),
-        "mean_ttft_vs_round_robin": ours["mean_ttft_s"] / results["round_robin"]["mean_ttft_s"],
-        "mean_ttft_vs_least_loaded": ours["mean_ttft_s"] / results["load_balancing"]["mean_ttft_s"],
-    }
+    results["ratios"] = ratios(results, bound)
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -241,13 +268,15 @@ def main() -> None:
     for policy in POLICIES:
         r = results[policy]
         print(
-            f"{policy:<16}{r['hit_ratio']:>10.3f}{r['mean_ttft_s']:>10.3f}s{r['median_ttft_s']:>8.3f}s"
-            f"{r['p90_ttft_s']:>8.3f}s{r['max_ttft_s']:>8.2f}s{r['requests_per_s']:>7.2f}{r['rejected']:>5}"
-            f"{r['router_overhead_us'] / 1e3:>8.2f}ms  {r['per_instance']}"
+            f"{policy:<16}{shown(r['hit_ratio'], '>10.3f')}{shown(r['mean_ttft_s'], '>10.3f', 's')}"
+            f"{shown(r['median_ttft_s'], '>8.3f', 's')}{shown(r['p90_ttft_s'], '>8.3f', 's')}"
+            f"{shown(r['max_ttft_s'], '>8.2f', 's')}{r['requests_per_s']:>7.2f}{r['rejected']:>5}"
+            f"{shown(None if r['router_overhead_us'] is None else r['router_overhead_us'] / 1e3, '>8.2f', 'ms')}"
+            f"  {r['per_instance']}"
         )
     print(f"{'LRU bound':<16}{bound:>10.3f}  (one LRU cache of both servers' size, perfectly partitioned)")
     for name, value in results["ratios"].items():
-        print(f"{name}: {value:.2f}x")
+        print(f"{name}: {shown(value, '.2f', 'x')}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from mooncake.workload import ArrivalProcess, generate_requests, preset, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,12 +217,14 @@ def test_demo_errors_are_one_line_and_status_2(tmp_path: Path, argv: list[str], 
 
 def test_replay_speed_benchmark_prints_its_figures(tmp_path: Path) -> None:
     """The simulator benchmark prints the trace replay's and the large replay's figures."""
+    trace = tmp_path / "trace.jsonl"
+    write_trace(
+        trace, generate_requests(preset("synthetic"), num_requests=150, arrivals=ArrivalProcess(rate_per_s=3.9))
+    )
     result = run_json(
         "benchmarks/replay_speed.py",
         "--trace",
-        str(tmp_path / "absent.jsonl"),  # a generated workload stands in
-        "--requests",
-        "150",
+        str(trace),
         "--large-requests",
         "300",
         "--large-instances",
@@ -318,6 +325,26 @@ def test_gateway_benchmark_prints_its_figures() -> None:
         ("tiered_cache.py", ["--total-mib", "8"]),  # under one 16 MiB page
         ("tiered_cache.py", ["--total-mib", "24"]),  # one 16 MiB page moved, 24 MiB counted
         ("tiered_cache.py", ["--repeats", "0"]),
+        # engine.py: --threads 0 was torch's RuntimeError, --peer-batches 1,x a ValueError, --repeats 0 NaN in the
+        # JSON; the lists were read only once the sections before them had run.
+        ("engine.py", ["--threads", "0"]),
+        ("engine.py", ["--peer-batches", "1,x"]),
+        ("engine.py", ["--repeats", "0"]),
+        ("engine.py", ["--decode-batches", "0"]),
+        ("engine.py", ["--layerwise-tokens", "64,x"]),
+        ("engine.py", ["--layerwise-tokens", "64,64"]),  # the results are keyed by length: one would be lost
+        ("engine.py", ["--prefill-tokens", "0"]),
+        ("engine.py", ["--decode-context", "0"]),
+        ("engine.py", ["--cpp-tokens", "0"]),
+        ("engine.py", ["--peer-prompt-tokens", "0"]),
+        ("engine.py", ["--peer-new-tokens", "0"]),
+        ("engine.py", ["--checkpoint", "no-such-checkpoint"]),
+        # gpu.py: checked before CUDA is asked for (so here too) and the model is built on it.
+        ("gpu.py", ["--lengths", "8192,x"]),
+        ("gpu.py", ["--decode-batches", "0"]),
+        ("gpu.py", ["--decode-context", "0"]),
+        ("gpu.py", ["--peak-tflops", "0"]),
+        ("replay_speed.py", ["--trace", "no-such-trace.jsonl"]),  # a generated workload was timed instead
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else value,
 )
@@ -331,4 +358,99 @@ def test_benchmark_bad_option_is_a_usage_error(script: str, argv: list[str]) -> 
     )
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert f"error: {option} " in done.stderr and f"got {value}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py as a module (the folder is no package), for its pure parts."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiered_cache_ssd_failure_is_the_error_raised_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the first raw-file setup (here ENOSPC from posix_fallocate), before the cache was ever made:
+    the `finally` closed a cache that did not exist, so a KeyError masked the error, and bench.raw stayed."""
+    tiered = benchmark("tiered_cache")
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiered.os, "posix_fallocate", no_space)
+    with pytest.raises(OSError) as raised:
+        tiered.ssd(tiered.MIB, tiered.MIB, 1, tmp_path)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("given", "shown"), [("FILE", "FILE: a file"), ("FILE/ssd", "FILE/ssd: Not a directory")])
+def test_tiered_cache_dir_that_is_no_directory_is_a_usage_error(tmp_path: Path, given: str, shown: str) -> None:
+    """--dir naming a file (or a folder beneath one) was a FileExistsError (NotADirectoryError) traceback."""
+    (tmp_path / "FILE").write_text("mine")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tiered_cache.py"), "--dir", given],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert "error: --dir must name a directory" in done.stderr and f"got {shown}" in done.stderr, done.stderr
+    assert (tmp_path / "FILE").read_text() == "mine"
+
+
+def test_vllm_routing_policy_that_completes_nothing_is_reported() -> None:
+    """A policy whose every request the router refused (429) or that failed ended the whole run in
+    statistics.fmean of no TTFT. Now it reports completed 0 and no TTFT, and a ratio only where both sides have
+    a figure."""
+    routing = benchmark("vllm_routing")
+    refused = [{"status": 429, "ttft_s": None, "end_s": 1.0, "overhead_us": 0, "instance": None}] * 2
+    nothing = routing.summarize(refused, 0.0, 0.0, 0.0)
+    assert nothing["completed"] == 0 and nothing["rejected"] == 2 and nothing["failed"] == 0
+    assert nothing["requests_per_s"] == 0.0 and nothing["per_instance"] == {}
+    for key in ("hit_ratio", "mean_ttft_s", "median_ttft_s", "p90_ttft_s", "max_ttft_s", "router_overhead_us"):
+        assert nothing[key] is None, key
+    served = [
+        {"status": 200, "ttft_s": ttft, "end_s": 2.0, "overhead_us": 100, "instance": "vllm-0"} for ttft in (0.1, 0.3)
+    ]
+    some = routing.summarize([*served, refused[0]], 0.0, 30.0, 60.0)
+    assert (some["completed"], some["rejected"], some["hit_ratio"]) == (2, 1, 0.5)
+    assert some["mean_ttft_s"] == pytest.approx(0.2) and some["max_ttft_s"] == 0.3
+    assert some["requests_per_s"] == 1.0 and some["per_instance"] == {"vllm-0": 2}
+    ratios = routing.ratios({"kvcache_centric": some, "round_robin": nothing, "load_balancing": some}, 0.25)
+    assert ratios == {
+        "hit_ratio_vs_lru_bound": 2.0,
+        "hit_ratio_vs_round_robin": None,
+        "hit_ratio_vs_least_loaded": 1.0,
+        "mean_ttft_vs_round_robin": None,
+        "mean_ttft_vs_least_loaded": 1.0,
+    }
+    json.dumps(ratios, allow_nan=False)  # valid JSON: null, never NaN
+
+
+def test_sampling_benchmark_runs_on_a_small_vocabulary() -> None:
+    """--vocab needs only >= 1, but the logprobs case asked for token 7: under 8 tokens, the library's
+    InvalidRequestError traceback. The token is now one the vocabulary holds (the one a draw picks)."""
+    result = run_json(
+        "benchmarks/sampling.py", "--vocab", "5", "--prompt-tokens", "3", "--tokens", "1", "--repeats", "1"
+    )
+    assert result["vocab"] == 5 and result["ms_per_token"]["logprobs_5"] > 0  # type: ignore[index]
+
+
+def test_replay_speed_malformed_trace_is_a_usage_error(tmp_path: Path) -> None:
+    """A --trace with a malformed line was a TraceFormatError traceback; the usage error names the file and line."""
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5\n')
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "replay_speed.py"), "--trace", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert f"error: --trace must be a Mooncake-format trace, got {trace}:1: " in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
