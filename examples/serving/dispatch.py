@@ -101,7 +101,7 @@ from serving import wire
 from serving.api import MAX_SEED, ApiError, SamplingOptions, rejection_error
 from serving.config import ClusterConfig
 from serving.metrics import FinishedRequest, ServingMetrics
-from serving.models import decode_limits
+from serving.models import decode_limits, prefill_cache_blocks
 
 __all__ = ["Dispatcher", "LiveRequest", "WorkerState"]
 
@@ -222,7 +222,9 @@ class Dispatcher:
         limits = decode_limits(config)
         for worker in workers:
             if worker["role"] == "prefill":
-                self.conductor.add_prefill_instance(InstanceId(worker["instance_id"]))
+                self.conductor.add_prefill_instance(
+                    InstanceId(worker["instance_id"]), cache_blocks=prefill_cache_blocks(config)
+                )
             else:
                 self.conductor.add_decode_instance(InstanceId(worker["instance_id"]), limits)
         self.workers = {i: WorkerState(InstanceId(i), role) for i, role in self.roles.items()}

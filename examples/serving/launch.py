@@ -69,6 +69,7 @@ from mooncake.errors import EngineError
 from serving.config import ClusterConfig
 from serving.gateway import Gateway
 from serving.machine import check_port_free
+from serving.protocol import http_url
 from serving.worker import WorkerSpec, run_worker, start_failure
 
 __all__ = [
@@ -78,7 +79,6 @@ __all__ = [
     "RayBackend",
     "RunningCluster",
     "core_plan",
-    "http_url",
     "remove_stale_segments",
     "remove_stale_ssd_folders",
     "start_cluster",
@@ -653,12 +653,6 @@ class _RayWorker:
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.close()
-
-
-def http_url(host: str, port: int) -> str:
-    """The http:// URL of a server at `host` and `port`: an IPv6 address in brackets (RFC 3986), else a client
-    reads the address's last group as the port."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class RunningCluster:

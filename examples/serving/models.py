@@ -45,6 +45,7 @@ __all__ = [
     "check_measured_for",
     "cost_models",
     "decode_limits",
+    "prefill_cache_blocks",
     "model_shape",
     "read_profile",
 ]
@@ -73,6 +74,13 @@ def decode_limits(config: ClusterConfig) -> DecodeLimits:
         max_batch_size=config.decode.max_batch_size,
         max_context_tokens=config.decode.max_context_tokens,
     )
+
+
+def prefill_cache_blocks(config: ClusterConfig) -> int:
+    """The blocks one prefill instance's cache holds: its DRAM and SSD pages (a chunked-pipeline group caches on
+    its first stage). The Conductor counts the blocks queued prompts leave there only that far, and a simulation
+    of the cluster gives each node as many."""
+    return config.cache.dram_blocks + config.cache.ssd_blocks
 
 
 def model_shape(config: ClusterConfig) -> ModelShape:
@@ -192,4 +200,5 @@ def build_conductor(
         step_model=step_model,
         decode_limits=decode_limits(config),
         seed=seed,
+        prefill_cache_blocks=prefill_cache_blocks(config),
     )

@@ -52,11 +52,20 @@ __all__ = [
     "GuardedSite",
     "JsonRequestHandler",
     "LogLimiter",
+    "http_url",
     "install_log_limits",
     "loop_exception_handler",
 ]
 
 LOG = logging.getLogger("serving.protocol")
+
+
+def http_url(host: str, port: int) -> str:
+    """The http:// URL of a server at `host` and `port`: an IPv6 address in brackets (RFC 3986), else a client
+    reads the address's last group as the port."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 LOGGERS = (
     "asyncio",
     "aiohttp.access",
@@ -299,7 +308,7 @@ class GuardedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        return http_url(self._host, self._port)
 
     async def start(self) -> None:
         await super().start()

@@ -177,10 +177,12 @@ class Fleet:
                 instance_id = InstanceId(name)
                 info = stand_in if probed is None else probed
                 limits = DecodeLimits(kv_capacity_tokens=info.kv_capacity_tokens, max_context_tokens=info.max_model_len)
+                # vLLM's prefix cache is its KV blocks: queued prompts' blocks count that far (0: not reported).
+                cache_blocks = info.kv_capacity_tokens // settings.block_size or None
                 if section.role == "both":
-                    self.conductor.add_coupled_instance(instance_id, limits)
+                    self.conductor.add_coupled_instance(instance_id, limits, cache_blocks=cache_blocks)
                 elif section.role == "prefill":
-                    self.conductor.add_prefill_instance(instance_id)
+                    self.conductor.add_prefill_instance(instance_id, cache_blocks=cache_blocks)
                 else:
                     self.conductor.add_decode_instance(instance_id, limits)
                 # "full": a client may send `vllm_xargs: {"kv_cache_report_mode": "full"}`, and vLLM then

@@ -93,6 +93,7 @@ from serving.api import (
     stream_usage,
 )
 from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
+from serving.protocol import http_url
 from vllm_events import KvEventSubscriber
 
 from mooncake.cache import BlockIndex
@@ -315,7 +316,7 @@ class VllmRouter:
                 ) from error
             sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
             port = sockets[0].getsockname()[1]
-            self.url = f"http://{self.settings.host}:{port}"
+            self.url = http_url(self.settings.host, port)
             self._tasks = [asyncio.create_task(self._event_loop()), asyncio.create_task(self._health_loop())]
         except BaseException:
             await self.close()

@@ -59,12 +59,11 @@ from serving.launch import (
     RayBackend,
     RunningCluster,
     core_plan,
-    http_url,
     remove_stale_ssd_folders,
     start_cluster,
 )
 from serving.models import build_conductor, decode_limits, read_profile
-from serving.protocol import LOGGERS, ConnectionGuard, EdgeLimits, JsonRequestHandler
+from serving.protocol import LOGGERS, ConnectionGuard, EdgeLimits, JsonRequestHandler, http_url
 from serving.tokenizer import ByteTokenizer, TextStream
 from serving.worker import WorkerSpec
 
