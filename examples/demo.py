@@ -37,6 +37,7 @@ from mooncake.cli import (
     folder_path,
     one_line,
     plot_capacity,
+    request_count,
     run_interruptible,
 )
 from mooncake.errors import ConfigError, MooncakeError
@@ -66,13 +67,13 @@ def demo(argv: list[str] | None) -> int:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=folder_path, default=Path("build/demo"), help="output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
-    parser.add_argument("--num-requests", type=int, default=DEFAULT_WORKLOAD.num_requests)
+    # `mooncake trace generate`'s rule (this tour runs it): 0 to MAX_REQUESTS, an empty workload included.
+    parser.add_argument("--num-requests", type=request_count(0), default=DEFAULT_WORKLOAD.num_requests)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        for option, value in (("--num-requests", args.num_requests), ("--seed", args.seed)):
-            if value < 0:
-                raise ConfigError(f"{option} must be >= 0, got {value}")
+        if args.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {args.seed}")
         require_pyplot()  # the plot comes last: without matplotlib the whole tour would be for nothing
         with simulation.output_set(args.out, (f"{args.preset}.jsonl", PLOT)) as staging:  # --out checked now
             tour(args, staging)

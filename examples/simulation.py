@@ -54,7 +54,7 @@ from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
 from mooncake._checks import range_problem
 from mooncake._files import atomic_path
-from mooncake.cli import file_path, read_trace
+from mooncake.cli import MAX_REQUESTS, file_path, read_trace, request_count
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
@@ -85,11 +85,9 @@ SIZING_LOAD = 0.8
 # Nodes of a role, given or sized: past it a trace's rate is no basis for sizing (arrivals nearly at once), and a
 # given count (an extra zero, say) would build a list of instance names that takes every byte of memory.
 MAX_NODES = 1024
-# Requests of a workload (--num-requests; experiments.py's --throughput-requests, per rate tried): the generator makes
-# about 3,000 a second (fixed-length long prompts 6,000), so this many take it about five minutes, and a replay
-# longer; past it a count is a slip (an extra zero or three), which spun in the generator for hours, or past
-# sys.maxsize failed in a traceback. A whole trace, read without --num-requests, is bounded by its lines instead.
-MAX_REQUESTS = 10**6
+# Requests of a workload (--num-requests; experiments.py's --throughput-requests, per rate tried) are at most
+# `mooncake.cli.MAX_REQUESTS`, `mooncake trace generate`'s bound too. A whole trace, read without --num-requests, is
+# bounded by its lines instead.
 
 
 def number(
@@ -170,7 +168,7 @@ def add_workload_options(
     )
     parser.add_argument(
         "--num-requests",
-        type=number(int, least=1, most=MAX_REQUESTS),
+        type=request_count(1),  # a replay of nothing has no figures
         help=f"requests generated (default {DEFAULT_REQUESTS}), or the first of a trace (default: all of it); at "
         f"most {MAX_REQUESTS:,}"
         if num_requests is None
@@ -203,7 +201,7 @@ def load_workload(
     """
     speed = args.speedup if speedup is None else speedup
     check_positive(option, speed)
-    count = args.num_requests  # within [1, MAX_REQUESTS], or None: the parser's type (`number`) decides
+    count = args.num_requests  # within [1, MAX_REQUESTS], or None: the parser's type (`request_count`) decides
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     block = args.block_size
@@ -745,19 +743,20 @@ def config_spec(config: ClusterConfig) -> ClusterSpec:
     waits for decode room (`[limits] admission_wait_s`), and the cost models and decode limits its Conductor uses (`serving.models`: the fitted profile when it names one), which
     the simulator then takes as the engines' truth. Its Conductor is `serving.models.build_conductor`'s
     (see `config_conductor`)."""
-    from serving.models import CPU, cost_models, decode_limits, model_shape
+    from serving.models import CPU, cost_models, decode_limits, model_shape, prefill_cache_blocks
 
     prefill, step = cost_models(config)
     stages, block = config.prefill.pipeline_size, config.model.block_tokens
-    return ClusterSpec(
+    spec = ClusterSpec(
         num_prefill=config.cluster.num_prefill * stages,
         num_decode=config.cluster.num_decode,
         model=model_shape(config),
         prefill_hardware=CPU,
         decode_hardware=CPU,
         block_size_tokens=block,
-        # The simulator pools a CPP group's caches; the real group caches on its first stage only.
-        cache_capacity_tokens=(config.cache.dram_blocks + config.cache.ssd_blocks) * block // stages,
+        # The simulator pools a CPP group's caches (the real group caches on its first stage only): its stages'
+        # share, rounded up so that the group holds the instance's blocks (`ClusterSpec.prefill_cache_blocks`).
+        cache_capacity_tokens=-(-prefill_cache_blocks(config) * block // stages),
         cpp_group_size=stages,
         cpp_chunk_tokens=config.prefill.chunk_tokens,
         prefill_model=prefill,
@@ -765,6 +764,12 @@ def config_spec(config: ClusterConfig) -> ClusterSpec:
         decode_node_limits=decode_limits(config),
         admission_wait_s=config.limits.admission_wait_s,  # it waits for decode room as the gateway does
     )
+    if spec.prefill_cache_blocks != prefill_cache_blocks(config):  # the nodes hold what the Conductor counts
+        raise ConfigError(
+            f"{config.source}: [prefill] pipeline_size = {stages} is more than [model] block_tokens = {block}: the "
+            f"simulated group's {stages} nodes cannot share {prefill_cache_blocks(config)} cached blocks exactly"
+        )
+    return spec
 
 
 def config_conductor(config: ClusterConfig, spec: ClusterSpec) -> Conductor:

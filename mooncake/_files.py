@@ -8,6 +8,14 @@ anything is written. The sibling is removed however the write ends (an error, Ct
 lines make of SIGTERM, SIGHUP or SIGQUIT), and a failure to write it is reported against the
 target: the hidden name means nothing to the user who asked for the target.
 
+Whole also after a crash or a power cut: the sibling is synced to the disk
+before the rename, and the folder after it (a rename is an entry of the folder,
+which the file's own sync does not write), so the target is the old file or the
+whole new one, never an empty or torn one. A file replaced keeps its permission
+bits (a 0600 trace stays 0600); a new one gets the umask's, as `open` makes it.
+This is the one place that does it: every writer of a whole file calls
+`atomic_path`.
+
 What is already at the target decides where the bytes go, so that nothing but
 a regular file is ever replaced: a symbolic link stays and the file it leads to
 is replaced (the sibling beside that file, where the rename stays within one
@@ -61,8 +69,14 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     yet): a sibling of the file it leads to, renamed onto that file; the link
     stays. For a stream (a FIFO, a terminal, any file that is not a regular one)
     or an open descriptor's name (/dev/stdout, /dev/fd/N): `path` itself, written
-    as it goes. The sibling is created empty with "x" (not mkstemp), so the final
-    file gets the usual umask permissions rather than 0600; reopen it to write.
+    as it goes. The sibling is created empty with "x" (not mkstemp), so a new
+    file gets the usual umask permissions rather than 0600; a file replaced
+    keeps its own. Reopen it to write, and close it before the block ends.
+
+    When the block ends, what it wrote is synced to the disk (os.fsync) before
+    the rename, and the folder after it; a descriptor's name that leads to a
+    regular file (`- > out.jsonl`) is synced too; a FIFO, a terminal or a
+    device has nothing to sync.
 
     Yields:
         The path to open and write whole.
@@ -76,6 +90,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     if _is_descriptor(target) or _is_stream(target):
         with _named(target, target):
             yield target
+            _sync_if_regular(target)
         return
     # A link stays: its file is replaced, the sibling beside that file (a rename cannot cross file systems).
     real = Path(os.path.realpath(target)) if target.is_symlink() else target
@@ -86,9 +101,51 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             with open(temporary, "xb"):
                 pass
             yield temporary
+            _sync(temporary)
+            _keep_mode(real, temporary)
             os.replace(temporary, real)
+            _sync_folder(real.parent)
     finally:
         _remove(temporary)
+
+
+def _sync(path: Path) -> None:
+    """Write `path`'s data to the disk: the block has closed its own descriptor, and an fsync through any descriptor
+    of the file syncs the file (a read-only one needs no write permission the file may not grant)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_if_regular(target: Path) -> None:
+    """Sync a regular file reached by a descriptor's name (a shell's `> out.jsonl`); a stream is never reopened (a
+    FIFO's open would wait for a writer)."""
+    if stat.S_ISREG(os.stat(target).st_mode):
+        _sync(target)
+
+
+def _keep_mode(real: Path, temporary: Path) -> None:
+    """Give the sibling the permission bits of the file it replaces (as click's atomic write does); a new file keeps
+    the umask's."""
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return
+    os.chmod(temporary, stat.S_IMODE(mode))
+
+
+def _sync_folder(folder: Path) -> None:
+    """Sync the folder's entries, so that the rename itself survives a crash."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno != errno.EINVAL:  # a file system that cannot sync a folder (some network ones) says EINVAL
+            raise
+    finally:
+        os.close(descriptor)
 
 
 @contextlib.contextmanager

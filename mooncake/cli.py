@@ -81,6 +81,7 @@ from mooncake.workload import (
 )
 
 __all__ = [
+    "MAX_REQUESTS",
     "OneLineParser",
     "PLOT_FORMATS",
     "POLICIES",
@@ -93,6 +94,7 @@ __all__ = [
     "one_line",
     "plot_capacity",
     "read_trace",
+    "request_count",
     "run_interruptible",
 ]
 
@@ -107,23 +109,38 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
 
 T = TypeVar("T")
 
+MAX_REQUESTS = 10**6
+"""The most requests a command generates or replays (`trace generate --num-requests`, the demo's, the simulation
+examples' --num-requests and experiments.py's --throughput-requests): the generator makes about 3,000 a second
+(fixed-length long prompts 6,000), so this many take it about five minutes, and a replay longer; past it a count is
+a slip (an extra zero or three), which spun in the generator for hours, or past sys.maxsize failed in a traceback."""
+
 PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "png", "ps", "svg", "svgz", "tif", "tiff", "webp")
 """Suffixes `--plot` accepts: the image formats matplotlib writes with its own backends and Pillow."""
 
 
-def _integer(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum`."""
+def _integer(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum` (and <= `most`, if given)."""
+    bound = f">= {minimum}" if most is None else f">= {minimum} and <= {most}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:  # also beyond Python's 4300 digits
             raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {shown(text)}")
+        if value < minimum or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {shown(text)}")
         return value
 
     return parse
+
+
+def request_count(least: int) -> Callable[[str], int]:
+    """An argparse type: a number of requests, an integer in [`least`, `MAX_REQUESTS`]: every --num-requests's rule,
+    refused by its option before anything runs. `least` is 0 where an empty workload is one (`trace generate` writes
+    an empty trace, a fixture for tools that read traces), 1 where the requests are replayed (a replay of nothing
+    has no figures to show)."""
+    return _integer(least, most=MAX_REQUESTS)
 
 
 def _ranged(text: str) -> float:
@@ -463,9 +480,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mooncake", description=__doc__.split("\n")[0] if __doc__ else None)
-    commands = parser.add_subparsers(dest="group", required=True)
+    # Named for the user ("required: COMMAND"), not by its dest ("required: group"); --help lists the commands.
+    commands = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     trace = commands.add_parser("trace", help="inspect, generate and analyse Mooncake-format traces")
-    sub = trace.add_subparsers(dest="command", required=True)
+    sub = trace.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     stats = sub.add_parser("stats", help="requests, mean lengths and prefix reuse of a trace")
     stats.add_argument("path", type=_input_path)
@@ -474,7 +492,12 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="write a synthetic workload as a trace")
     generate.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_WORKLOAD.preset)
-    generate.add_argument("--num-requests", type=_integer(0), default=DEFAULT_WORKLOAD.num_requests)
+    generate.add_argument(
+        "--num-requests",
+        type=request_count(0),
+        default=DEFAULT_WORKLOAD.num_requests,
+        help=f"requests to generate (0 writes an empty trace); at most {MAX_REQUESTS:,}",
+    )
     generate.add_argument("--rate", type=_ranged, default=DEFAULT_WORKLOAD.rate_per_s, help="mean arrivals per second")
     generate.add_argument(
         "--cv", type=_ranged, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"

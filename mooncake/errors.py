@@ -99,6 +99,11 @@ class TraceFormatError(MooncakeError, ValueError):
         self.reason = reason
         super().__init__(f"{self.path}:{line}: {reason}")
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Exception's own reduce calls the class with `args` (the message alone), which this __init__ cannot take:
+        # a worker's error would fail to cross a process boundary (multiprocessing) as a bare TypeError.
+        return type(self), (self.path, self.line, self.reason), self.__dict__
+
 
 class VllmEventError(MooncakeError, ValueError):
     """A vLLM KV-event payload breaks the layout (or does not fit the decoder's hasher)."""
@@ -129,6 +134,10 @@ class SequenceGapError(MooncakeError):
             f"{what}; resync the source from a snapshot of its holdings (BlockIndex.resync), "
             "or pass strict=False to receive the gap as a value"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Made again from the gap, not from the message in `args` (which this __init__ would read as a gap).
+        return type(self), (self.gap,), self.__dict__
 
 
 class CapacityError(MooncakeError):

@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, NewType, cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import ceil_div, int_at_least, is_finite_number, plain_int, shown
+from mooncake._checks import (
+    ceil_div,
+    int_at_least,
+    is_finite_number,
+    is_int,
+    plain_int,
+    positive,
+    require_int,
+    require_number,
+    shown,
+)
 from mooncake.errors import ConfigError, InvalidRequestError
 
 __all__ = [
@@ -88,13 +99,21 @@ def as_token_array(tokens: Any) -> npt.NDArray[np.int32]:
     it); anything else is checked.
 
     Raises:
-        InvalidRequestError: not a 1-D integer sequence, or a value outside [0, 2**31) (int32 arrays aside).
+        InvalidRequestError: not a 1-D integer sequence, or a value outside [0, 2**31) (int32 arrays aside), naming
+            the range of the values given.
     """
     if isinstance(tokens, Iterator):  # a generator or iterator: its items, not a 0-d object
         tokens = list(tokens)
     array = np.asarray(tokens)
-    if array.dtype == object and array.ndim == 1 and all(isinstance(t, int) and not isinstance(t, bool) for t in array):
-        raise InvalidRequestError(f"token ids must fit in int32, got range [{shown(min(array))}, {shown(max(array))}]")
+    if array.ndim == 1 and array.dtype.kind in "fO":
+        # Integers numpy holds in no integer dtype: an object array, or Python ints of mixed widths that numpy reads
+        # as float64 ([1, 2**63], rounding them). Their own values decide, not the dtype numpy picked.
+        items = array if array.dtype == object else tokens
+        if array.size and all(is_int(t) for t in items):
+            low, high = min(items), max(items)
+            if low < 0 or high > _INT32.max:
+                raise InvalidRequestError(f"token ids must lie in [0, 2**31), got range [{shown(low)}, {shown(high)}]")
+            array = np.array(items, dtype=np.int32)
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise InvalidRequestError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
     if array.dtype != np.int32 and array.size:
@@ -143,12 +162,17 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
         is_iterator = iter(keys) is keys
     except TypeError:  # None, a number: no keys at all
         raise InvalidRequestError(f"block keys must be an iterable of integers, got {shown(keys)}") from None
+    if type(keys) not in (tuple, list) and isinstance(keys, _NOT_KEYS):  # the common types, one test
+        # A set or a dict has no order of its own to give (the chain's order is the prefix); bytes' items are ints,
+        # but a prompt's bytes are no keys.
+        raise InvalidRequestError(f"block keys must be an ordered sequence of integers, got {shown(keys)}")
     if is_iterator:  # a one-shot iterator: read twice below
         keys = tuple(keys)
     try:
         converted = tuple(map(operator.index, keys))
-    except TypeError as error:
-        raise InvalidRequestError(f"block keys must be integers: {error}") from error
+    except TypeError:
+        position, key = next((i, k) for i, k in enumerate(keys) if not _is_index(k))
+        raise InvalidRequestError(f"block keys must be integers, got {shown(key)} at position {position}") from None
     least = min(converted, default=2)
     if least < 0:
         raise InvalidRequestError(f"block keys must be non-negative integers, got {shown(least)}")
@@ -159,6 +183,17 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
     return cast("tuple[BlockKey, ...]", converted)
 
 
+_NOT_KEYS = (AbstractSet, Mapping, bytes, bytearray, memoryview)
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
     if value is None:
         return None
@@ -167,6 +202,12 @@ def _request_tokens(value: Any) -> npt.NDArray[np.int32] | None:
         raise InvalidRequestError(f"token ids must be >= 0, got {tokens.min()}")
     tokens.flags.writeable = False
     return tokens
+
+
+def _seconds(value: Any) -> Any:
+    """An attrs converter: a finite real number (numpy's too) becomes a float; anything else is left for the
+    validator."""
+    return float(value) if is_finite_number(value) else value
 
 
 def _tokens_eq(a: npt.NDArray[np.int32] | None, b: npt.NDArray[np.int32] | None) -> bool:
@@ -197,7 +238,7 @@ class Request:
     """
 
     request_id: RequestId = attrs.field()
-    arrival_s: float = attrs.field()
+    arrival_s: float = attrs.field(converter=_seconds)
     input_length: int = attrs.field(converter=plain_int, validator=_token_count)
     output_length: int = attrs.field(converter=plain_int, validator=_token_count)
     block_keys: tuple[BlockKey, ...] = attrs.field(converter=key_tuple)
@@ -220,25 +261,22 @@ class Request:
 
     @arrival_s.validator
     def _check_arrival(self, _attribute: object, value: float) -> None:
-        if not isinstance(value, int | float) or not is_finite_number(value) or value < 0:
-            raise InvalidRequestError(f"arrival_s must be a finite number >= 0, got {shown(value)}")
+        require_number("arrival_s", value, minimum=0, error=InvalidRequestError)
 
     def __attrs_post_init__(self) -> None:
-        block = self.block_size_tokens
-        if block is not None and len(self.block_keys) != ceil_div(self.input_length, block):
-            raise InvalidRequestError(
-                f"request {shown(self.request_id, quote=str)}: {len(self.block_keys)} block keys for "
-                f"{self.input_length} tokens in {shown(block)}-token blocks (one key per block, the partial last one "
-                f"included: {ceil_div(self.input_length, block)})"
-            )
+        if self.block_size_tokens is not None:  # keys made with a known block size: one per block of it
+            self.check_block_size(self.block_size_tokens)
 
     def check_block_size(self, block_size_tokens: int) -> None:
         """Check that the request's keys are blocks of `block_size_tokens` (a scheduler's or a simulated cluster's):
-        one key per block, the partial last one included, and made with that block size where it is known.
+        one key per block, the partial last one included, and made with that block size where it is known. The one
+        check of the rule: construction calls it with the request's own block size.
 
         Raises:
-            InvalidRequestError: naming both block sizes, or the key count against the one expected.
+            InvalidRequestError: a block size that is no integer >= 1; naming both block sizes, or the key count
+                against the one expected.
         """
+        require_int("block_size_tokens", block_size_tokens, minimum=1, error=InvalidRequestError)
         if self.block_size_tokens is not None and self.block_size_tokens != block_size_tokens:
             raise InvalidRequestError(
                 f"request {shown(self.request_id, quote=str)} was keyed in {self.block_size_tokens}-token blocks, "
@@ -249,7 +287,8 @@ class Request:
         if len(self.block_keys) != expected:
             raise InvalidRequestError(
                 f"request {shown(self.request_id, quote=str)} has {len(self.block_keys)} block keys, but "
-                f"{self.input_length} tokens in this cluster's {shown(block_size_tokens)}-token blocks make {expected}"
+                f"{self.input_length} tokens in {shown(block_size_tokens)}-token blocks make {expected} (one key per "
+                "block, the partial last one included)"
             )
 
     @tokens.validator
@@ -261,12 +300,6 @@ class Request:
             )
 
 
-def _positive_seconds(_instance: object, attribute: Any, value: Any) -> None:
-    from mooncake._checks import require_number
-
-    require_number(attribute.name, value, minimum=0, strict=True)
-
-
 @attrs.frozen(kw_only=True)
 class Slo:
     """Service-level objectives: time to first token and time between tokens, in seconds.
@@ -275,8 +308,8 @@ class Slo:
     TBT is the mean of its longest 10 % token intervals.
     """
 
-    ttft_s: float = attrs.field(default=30.0, validator=_positive_seconds)
-    tbt_s: float = attrs.field(default=0.1, validator=_positive_seconds)
+    ttft_s: float = attrs.field(default=30.0, validator=positive)
+    tbt_s: float = attrs.field(default=0.1, validator=positive)
 
 
 def require_slo(slo: object) -> Slo:

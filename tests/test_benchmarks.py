@@ -194,7 +194,11 @@ def test_demo_runs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-requests", "-3"], "demo: --num-requests must be >= 0, got -3\n"),
+        (
+            ["--num-requests", "-3"],
+            "demo.py: error: argument --num-requests: must be an integer >= 0 and <= 1000000, got '-3' (see demo.py"
+            " --help)\n",
+        ),
         (["--seed", "-1"], "demo: --seed must be >= 0, got -1\n"),
         (["--out", "FILE"], "demo: --out FILE is a file, not a directory\n"),
         (["--out", "FILE/demo"], "demo: --out FILE/demo: FILE is a file, not a directory\n"),

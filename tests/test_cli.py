@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake.cli import main, run_interruptible
+from mooncake.cli import MAX_REQUESTS, main, request_count, run_interruptible
 from mooncake.workload import load_trace
 from tests.waiting import is_running, wait_for
 from tests.workload.test_trace import ANY_LINES
@@ -30,6 +30,7 @@ from tests.workload.test_trace import ANY_LINES
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 GOOD_LINE = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}'
+ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC_STATS = {"num_requests": 3993, "mean_input_length": 15325.5, "mean_output_length": 149.1}
 
 
@@ -346,6 +347,55 @@ def test_incomplete_commands_are_argparse_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(argv)
     assert caught.value.code == 2
+
+
+@pytest.mark.parametrize(("argv", "prog"), [([], "mooncake"), (["trace"], "mooncake trace")])
+def test_a_missing_command_is_named_as_a_command(
+    argv: list[str], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m mooncake` alone said "required: group" (the parser's dest); it names a COMMAND, and its --help
+    lists them."""
+    status, out, err = run(capsys, *argv)
+    assert (status, out) == (2, "")
+    assert err == f"{prog}: error: the following arguments are required: COMMAND (see {prog} --help)\n"
+
+
+def test_num_requests_has_one_bound_for_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`trace generate --num-requests` had no upper bound (an extra zero or three generated for hours), while the
+    simulation examples stopped at 10**6: one bound, `MAX_REQUESTS`, the examples' too; 0 (an empty trace) is still a
+    workload to generate, the bound itself too."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import simulation
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    assert simulation.MAX_REQUESTS is MAX_REQUESTS == 10**6
+    out = tmp_path / "big.jsonl"
+    status, text, err = run(capsys, "trace", "generate", "--num-requests", str(MAX_REQUESTS + 1), "--out", str(out))
+    assert (status, text) == (2, "") and list(tmp_path.iterdir()) == []
+    assert f"argument --num-requests: must be an integer >= 0 and <= {MAX_REQUESTS}, got '{MAX_REQUESTS + 1}'" in err
+    assert request_count(0)(str(MAX_REQUESTS)) == MAX_REQUESTS and request_count(0)("0") == 0
+    empty = tmp_path / "empty.jsonl"
+    assert run(capsys, "trace", "generate", "--num-requests", "0", "--out", str(empty))[0] == 0
+    assert empty.read_bytes() == b"" and load_trace(empty) == []
+
+
+def test_the_demos_num_requests_has_the_same_bound(tmp_path: Path) -> None:
+    """examples/demo.py generates as `trace generate` does, so its --num-requests has the same bound: refused by
+    name at once, where it generated a million requests first."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/demo.py"), "--num-requests", str(MAX_REQUESTS + 1), "--out", "out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"demo.py: error: argument --num-requests: must be an integer >= 0 and <= {MAX_REQUESTS}, got"
+        f" '{MAX_REQUESTS + 1}' (see demo.py --help)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_parallel_capacity_sweep_equals_the_sequential_one() -> None:
@@ -881,7 +931,8 @@ def test_a_write_stopped_by_a_signal_leaves_nothing_and_no_traceback(
     Python drops an exception its signal handler raises inside a finalizer (saying "Exception ignored"): a
     stop landing there is lost, as a user's first Ctrl-C may be, so the signal is sent again every 5 s, as
     the user would press it again (seen once in CI, under load)."""
-    argv = ["trace", "generate", "--num-requests", "3000000", "--out", str(tmp_path / "big.jsonl")]
+    # The most it takes (about five minutes of generating): time enough to be stopped midway.
+    argv = ["trace", "generate", "--num-requests", str(MAX_REQUESTS), "--out", str(tmp_path / "big.jsonl")]
     child = subprocess.Popen(
         [sys.executable, "-c", INTERRUPTIBLE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

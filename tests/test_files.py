@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,141 @@ def test_a_folder_is_refused_before_anything_is_written(tmp_path: Path, through_
         ran = True
     assert raised.value.filename == str(target) and not ran
     assert list((tmp_path / "folder").iterdir()) == []
+
+
+# --------------------------------------------------------------------------- durability and permissions
+
+
+def _spy_fsync(monkeypatch: pytest.MonkeyPatch, target: Path) -> list[tuple[str, int, bytes | None]]:
+    """Record each os.fsync as (what it synced: "file" or "folder", its inode, what `target` held then)."""
+    calls: list[tuple[str, int, bytes | None]] = []
+    real_fsync = os.fsync
+
+    def spy(descriptor: int) -> None:
+        status = os.fstat(descriptor)
+        kind = "folder" if stat.S_ISDIR(status.st_mode) else "file"
+        calls.append((kind, status.st_ino, target.read_bytes() if target.exists() else None))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
+def test_the_file_is_synced_before_the_rename_and_its_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash right after the rename must find the whole new file: its bytes are synced while the target still
+    holds the old ones, then the folder (the rename is an entry of the folder) once it holds the new ones."""
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    calls = _spy_fsync(monkeypatch, target)
+    with atomic_path(target) as temporary:
+        temporary.write_text("new")
+    assert calls == [
+        ("file", os.stat(target).st_ino, b"old"),
+        ("folder", os.stat(tmp_path).st_ino, b"new"),
+    ]
+
+
+def test_a_write_stopped_midway_syncs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync belongs to a finished write: a stopped one is removed, not synced."""
+    calls = _spy_fsync(monkeypatch, tmp_path / "out.json")
+    with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "out.json") as temporary:
+        temporary.write_text("half")
+        raise KeyboardInterrupt
+    assert calls == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_descriptors_regular_file_is_synced_and_a_pipe_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`- > out.jsonl` (a descriptor's name leading to a regular file) is synced as it was written; a pipe has
+    nothing to sync, and is never reopened."""
+    held = os.open(tmp_path / "held.jsonl", os.O_RDWR | os.O_CREAT)
+    read, write = os.pipe()
+    try:
+        for descriptor, expected in ((held, 1), (write, 0)):
+            link = tmp_path / f"fd{descriptor}"
+            link.symlink_to(f"/proc/self/fd/{descriptor}")
+            calls = _spy_fsync(monkeypatch, tmp_path / "held.jsonl")
+            with atomic_path(link) as temporary:
+                temporary.write_bytes(b"whole\n")
+            assert [call[:2] for call in calls] == [("file", os.fstat(held).st_ino)] * expected
+    finally:
+        for descriptor in (held, read, write):
+            os.close(descriptor)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o755])
+def test_a_file_replaced_keeps_its_permissions(tmp_path: Path, mode: int) -> None:
+    """A private 0600 trace stays private when rewritten (the sibling, made with the umask's mode, takes the old
+    file's bits before the rename), through a link too."""
+    target = tmp_path / "private.jsonl"
+    target.write_text("old")
+    os.chmod(target, mode)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target.name)
+    for path in (target, link):
+        with atomic_path(path) as temporary:
+            temporary.write_text("new")
+        assert stat.S_IMODE(os.stat(target).st_mode) == mode and target.read_text() == "new"
+
+
+def test_a_new_file_gets_the_umasks_permissions(tmp_path: Path) -> None:
+    """A new file is made as `open` makes one: 0666 less the umask (not mkstemp's 0600)."""
+    old = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "new.jsonl") as temporary:
+            temporary.write_text("new")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new.jsonl").st_mode) == 0o640
+
+
+def _write_trace(path: Path) -> None:
+    from mooncake.workload import generate_requests, preset, write_trace
+
+    write_trace(path, generate_requests(preset("synthetic"), num_requests=3, seed=0))
+
+
+def _write_json(path: Path) -> None:
+    from mooncake.sim.report import write_json
+
+    write_json({"a": 1}, path)
+
+
+def _write_csv(path: Path) -> None:
+    from mooncake.sim.report import write_records_csv
+
+    write_records_csv([], path)
+
+
+def _plot(path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from mooncake.sim.report import plot_cdfs
+
+    plot_cdfs({"a": [1.0, 2.0]}, path, xlabel="x")
+
+
+@pytest.mark.parametrize(
+    ("write", "name"),
+    [
+        (_write_trace, "t.jsonl"),
+        (_write_trace, "t.jsonl.gz"),
+        (_write_json, "s.json"),
+        (_write_csv, "r.csv"),
+        (_plot, "p.png"),
+    ],
+)
+def test_every_writer_of_a_whole_file_syncs_it_and_keeps_its_permissions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Callable[[Path], None], name: str
+) -> None:
+    """The trace, report and plot writers all go through `atomic_path`: the file synced once before the rename and
+    the folder once after, a replaced file's 0600 kept."""
+    target = tmp_path / name
+    target.write_text("old")
+    os.chmod(target, 0o600)
+    calls = _spy_fsync(monkeypatch, target)
+    write(target)
+    assert [(kind, before) for kind, _, before in calls] == [("file", b"old"), ("folder", target.read_bytes())]
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake._checks import shown
-from mooncake.errors import InvalidRequestError
-from mooncake.types import BlockKey, Request, RequestId, Tier, as_token_array, check_block_key, key_tuple
+from mooncake._checks import positive, shown
+from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.types import BlockKey, Request, RequestId, Slo, Tier, as_token_array, check_block_key, key_tuple
 from tests.strategies import key_chains, token_arrays, token_ids
 
 
@@ -265,7 +265,7 @@ def test_a_keyed_request_has_exactly_one_key_per_block(input_length: int, block:
         assert len(make().block_keys) == math.ceil(input_length / block)
     else:
         with pytest.raises(
-            InvalidRequestError, match=rf"{count} block keys for {input_length} tokens in {block}-token"
+            InvalidRequestError, match=rf"has {count} block keys, but {input_length} tokens in {block}-token"
         ):
             make()
 
@@ -286,3 +286,96 @@ def test_block_keys_may_be_numpy_integers_or_a_generator_and_become_python_ints(
     assert key_tuple(np.array([3, 2**63], dtype=np.uint64)) == (3, 2**63)
     assert key_tuple(k for k in (4, 5)) == (4, 5)
     assert type(check_block_key(np.uint64(7))) is int and check_block_key(np.uint64(7)) == 7
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.float32(2.5), np.float64(7.25), np.uint8(0)])
+def test_a_numpy_arrival_is_a_number_as_everywhere_else(value: Any) -> None:
+    """arrival_s takes what every other number field takes (`numbers.Real`, numpy's included), stored as a float: a
+    numpy int64 or float32 was refused as "must be a finite number", which it is."""
+    arrival = make_request(arrival_s=value).arrival_s
+    assert type(arrival) is float and arrival == float(value)
+
+
+@pytest.mark.parametrize("block", [0, -1, None, "16", True, 16.0])
+def test_check_block_size_refuses_a_block_size_that_is_none(block: Any) -> None:
+    """A block size is an integer >= 1, said so by name: 0 was a bare ZeroDivisionError, None or "16" a bare
+    TypeError, -1 and True a count of -10 or 10 keys."""
+    with pytest.raises(InvalidRequestError, match=rf"block_size_tokens must be an integer >= 1, got {shown(block)}"):
+        make_request().check_block_size(block)
+
+
+def test_the_key_count_rule_is_checked_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Construction with a known block size applies `check_block_size` itself (architecture.md's "the one check"),
+    so the rule and its message are the same whichever side finds a request keyed wrong."""
+    seen: list[int] = []
+    original = Request.check_block_size
+
+    def spy(self: Request, block_size_tokens: int) -> None:
+        seen.append(block_size_tokens)
+        original(self, block_size_tokens)
+
+    monkeypatch.setattr(Request, "check_block_size", spy)
+    make_request(input_length=3, block_size_tokens=2)
+    assert seen == [2]
+    messages = []
+    for build in (
+        lambda: make_request(input_length=5, block_size_tokens=2),
+        lambda: make_request(input_length=5).check_block_size(2),
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            build()
+        messages.append(str(caught.value))
+    assert (
+        messages[0]
+        == messages[1]
+        == (
+            "request r1 has 2 block keys, but 5 tokens in 2-token blocks make 3 (one key per block, the partial last one "
+            "included)"
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "tokens", [np.array([1, 2], dtype=object), np.array([np.int64(1), 2], dtype=object), [0, 2**31 - 1]]
+)
+def test_as_token_array_converts_integers_that_fit_whatever_their_dtype(tokens: Any) -> None:
+    """An object array of small ints (a list numpy kept as objects) holds token ids int32 holds: converted, not
+    refused as "must fit in int32"."""
+    array = as_token_array(tokens)
+    assert array.dtype == np.int32 and array.tolist() == [int(t) for t in tokens]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "low", "high"),
+    [([1, 2**63], 1, 2**63), ([1, 2**63, -1], -1, 2**63), (np.array([5, 2**40], dtype=object), 5, 2**40)],
+)
+def test_as_token_array_names_the_real_range_of_integers_out_of_int32(tokens: Any, low: int, high: int) -> None:
+    """[1, 2**63] (which numpy reads as float64) is refused for its range, named as given, not as "dtype float64"."""
+    with pytest.raises(InvalidRequestError, match=rf"must lie in \[0, 2\*\*31\), got range \[{low}, {high}\]"):
+        as_token_array(tokens)
+
+
+@pytest.mark.parametrize(
+    "keys", [{3, 1, 2}, frozenset({1}), {1: "a"}, {1: "a"}.keys(), b"\x01\x02", bytearray(b"\x01")]
+)
+def test_block_keys_must_come_in_an_order(keys: Any) -> None:
+    """A chain of keys is ordered (its order is the prefix): a set, a dict (or its keys) and bytes, whose items are
+    ints in an order of their own or none, are refused rather than taken as some other prefix."""
+    with pytest.raises(InvalidRequestError, match="block keys must be an ordered sequence of integers, got"):
+        key_tuple(keys)
+    with pytest.raises(InvalidRequestError, match="block keys must be an ordered sequence"):
+        make_request(block_keys=keys)
+
+
+@pytest.mark.parametrize(("keys", "named"), [([1, 2, "3"], "'3' at position 2"), ((1.5,), "1.5 at position 0")])
+def test_a_key_that_is_no_integer_is_named_with_its_position(keys: Any, named: str) -> None:
+    """Which key is wrong, and where: not the TypeError's own text ("'str' object cannot be interpreted...")."""
+    with pytest.raises(InvalidRequestError, match=rf"block keys must be integers, got {named}$"):
+        key_tuple(keys)
+
+
+def test_slo_seconds_are_checked_by_the_shared_validator() -> None:
+    """Slo's objectives are `_checks.positive` itself, not a copy of it in types (one rule, one wording)."""
+    assert all(field.validator is positive for field in attrs.fields(Slo))
+    with pytest.raises(ConfigError, match=r"^ttft_s must be a finite number > 0, got 0$"):
+        Slo(ttft_s=0)

@@ -74,7 +74,6 @@ import gzip
 import io
 import json
 import os
-import stat
 import sys
 import warnings
 import zlib
@@ -692,7 +691,8 @@ def write_trace(
     """Write requests as a trace, atomically; gzip-compressed when `path` ends in `.gz`.
 
     Atomically as `mooncake._files.atomic_path` writes: a regular file (or the
-    file a symbolic link leads to) whole or not at all; a stream (a FIFO,
+    file a symbolic link leads to) whole or not at all, synced to the disk with
+    its folder, keeping the permissions of a file it replaces; a stream (a FIFO,
     /dev/stdout) as it goes.
 
     Timestamps are written as whole milliseconds. Requests must arrive in
@@ -732,7 +732,4 @@ def write_trace(
                 count = _write_lines(packed.write, requests, block_size_tokens, form)
         else:
             count = _write_lines(raw.write, requests, block_size_tokens, form)
-        raw.flush()
-        if stat.S_ISREG(os.fstat(raw.fileno()).st_mode):  # a pipe or terminal (`-`, a FIFO) has nothing to sync
-            os.fsync(raw.fileno())
     return count

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scaling import Scaling, prompt_of, scale
 from serving.config import load_config
 from serving.machine import Machine
-from serving.models import cost_models, decode_limits
+from serving.models import cost_models, decode_limits, prefill_cache_blocks
 from serving.tokenizer import ByteTokenizer
 
 from mooncake.cache.hashing import BlockHasher
@@ -125,6 +125,8 @@ def test_the_spec_and_conductor_are_the_configs() -> None:
     assert [v.instance_id for v in conductor.prefill_views] == [f"prefill-{i}" for i in range(spec.num_prefill)]
     assert [v.limits for v in conductor.decode_views] == [decode_limits(config)] * spec.num_decode
     assert conductor.slo.ttft_s == config.slo.ttft_s and conductor.block_size_tokens == config.model.block_tokens
+    # The nodes hold as many blocks as the Conductor counts queued prompts' blocks to, the gateway's bound too.
+    assert spec.prefill_cache_blocks == prefill_cache_blocks(config) == config.cache.dram_blocks + 128
 
 
 def test_a_cpp_cluster_is_simulated_as_groups() -> None:
@@ -134,6 +136,8 @@ def test_a_cpp_cluster_is_simulated_as_groups() -> None:
     spec = simulation.config_spec(config)
     assert (spec.num_prefill, spec.cpp_group_size, spec.num_prefill_instances) == (4, 2, 2)
     assert spec.cache_capacity_tokens * 2 == config.cache.dram_blocks * config.model.block_tokens
+    odd = config.with_overrides("cache", dram_blocks=config.cache.dram_blocks + 1)  # not shared evenly by 2 stages
+    assert simulation.config_spec(odd).prefill_cache_blocks == prefill_cache_blocks(odd)
     prefill, _ = cost_models(config)
     single, _ = cost_models(load_config(TINY, machine=Machine()))
     assert spec.prefill_cost == prefill and prefill != single
