@@ -54,7 +54,7 @@ import attrs
 from mooncake.cache import BlockHasher, BlockIndex, CacheEvent, MetadataPagePool, SequenceGap, TieredCache
 from mooncake.cache.vllm_events import VllmEventDecoder, VllmEventEncoder
 from mooncake.cache.vllm_wire import WireLayout
-from mooncake.cli import OneLineParser, one_line, run_interruptible
+from mooncake.cli import OneLineParser, integer, one_line, run_interruptible
 from mooncake.errors import MooncakeError, UnknownBlockError, VllmEventError
 from mooncake.types import InstanceId, Tier
 
@@ -631,21 +631,6 @@ def wait_until(condition: Callable[[], bool], *, timeout_s: float) -> bool:
     return False
 
 
-def _integer(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
-
-
 def zmq_port_problem(digits: str) -> str | None:
     """Why a ZeroMQ TCP endpoint's port, as written, is not one a server can have, or None. ZeroMQ binds 0 to a
     random port, as `*`, and takes a larger number modulo 65536 (99999 binds 34463), so either would be a port
@@ -687,7 +672,7 @@ def parser() -> argparse.ArgumentParser:
     for name in ("subscribe", "publish", "loopback"):
         sub = commands.add_parser(name)
         sub.add_argument("--model", default="demo-model", help="the model (part of the block-key namespace)")
-        sub.add_argument("--block-size", type=_integer(1), default=16, help="vLLM's block size in tokens")
+        sub.add_argument("--block-size", type=integer(1), default=16, help="vLLM's block size in tokens")
         sub.add_argument("--salt", default="")
         sub.add_argument("--algorithm", choices=["xxh3_64", "xxh3_128", "sha256"], default="xxh3_64")
         sub.add_argument("--topic", default="")
@@ -707,10 +692,10 @@ def parser() -> argparse.ArgumentParser:
                 "--report-every", type=_seconds(positive=True), default=5.0, help="seconds between counter lines"
             )
         else:
-            sub.add_argument("--num-prompts", type=_integer(1), default=200)
-            sub.add_argument("--seed", type=_integer(0), default=0)
-            sub.add_argument("--vram-blocks", type=_integer(1), default=64)
-            sub.add_argument("--dram-blocks", type=_integer(1), default=128)
+            sub.add_argument("--num-prompts", type=integer(1), default=200)
+            sub.add_argument("--seed", type=integer(0), default=0)
+            sub.add_argument("--vram-blocks", type=integer(1), default=64)
+            sub.add_argument("--dram-blocks", type=integer(1), default=128)
         if name == "publish":
             sub.add_argument("--interval-s", type=_seconds(positive=False), default=0.05)
     return parser

@@ -90,6 +90,7 @@ __all__ = [
     "error_message",
     "file_path",
     "folder_path",
+    "integer",
     "main",
     "one_line",
     "plot_capacity",
@@ -119,15 +120,15 @@ PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "png", "ps", "svg", "svgz", "tif", 
 """Suffixes `--plot` accepts: the image formats matplotlib writes with its own backends and Pillow."""
 
 
-def _integer(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
+def integer(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum` (and <= `most`, if given)."""
     bound = f">= {minimum}" if most is None else f">= {minimum} and <= {most}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
-        except ValueError:  # also beyond Python's 4300 digits
-            raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+        except ValueError:  # also beyond Python's 4300 digits: the rule in full, as for a value out of range
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {shown(text)}") from None
         if value < minimum or (most is not None and value > most):
             raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {shown(text)}")
         return value
@@ -140,7 +141,7 @@ def request_count(least: int) -> Callable[[str], int]:
     refused by its option before anything runs. `least` is 0 where an empty workload is one (`trace generate` writes
     an empty trace, a fixture for tools that read traces), 1 where the requests are replayed (a replay of nothing
     has no figures to show)."""
-    return _integer(least, most=MAX_REQUESTS)
+    return integer(least, most=MAX_REQUESTS)
 
 
 def _ranged(text: str) -> float:
@@ -502,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--cv", type=_ranged, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson, >1 bursty)"
     )
-    generate.add_argument("--seed", type=_integer(0), default=0)
+    generate.add_argument("--seed", type=integer(0), default=0)
     generate.add_argument(
         "--out",
         type=_output_path,
@@ -515,7 +516,7 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("path", type=_input_path)
     capacity.add_argument("--policy", choices=sorted(POLICIES), default="lru")
     capacity.add_argument(
-        "--capacity-blocks", type=comma_separated(_integer(1), noun="capacity"), default=[1000, 10000, 50000]
+        "--capacity-blocks", type=comma_separated(integer(1), noun="capacity"), default=[1000, 10000, 50000]
     )
     capacity.add_argument(
         "--prefix-aware",
@@ -527,7 +528,7 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("--json", action="store_true", help="print JSON")
     capacity.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
     capacity.add_argument(
-        "--jobs", type=_integer(1), default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
+        "--jobs", type=integer(1), default=os.cpu_count() or 1, help="capacities replayed in parallel (default: CPUs)"
     )
     capacity.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     capacity.set_defaults(run=_capacity)
@@ -548,7 +549,7 @@ def _parser() -> argparse.ArgumentParser:
     for command in (stats, generate, capacity, convert):
         command.add_argument(
             "--block-size",
-            type=_integer(1),
+            type=integer(1),
             default=TRACE_BLOCK_SIZE_TOKENS,
             help=f"tokens per block / hash id (default {TRACE_BLOCK_SIZE_TOKENS})",
         )

@@ -31,7 +31,7 @@ example = load_example()
     [
         (["loopback", "--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
         (["loopback", "--vram-blocks", "0"], "argument --vram-blocks: must be an integer >= 1, got '0'"),
-        (["loopback", "--dram-blocks", "x"], "argument --dram-blocks: expected an integer, got 'x'"),
+        (["loopback", "--dram-blocks", "x"], "argument --dram-blocks: must be an integer >= 1, got 'x'"),
         (["loopback", "--num-prompts", "-5"], "argument --num-prompts: must be an integer >= 1, got '-5'"),
         (["publish", "--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
         (["publish", "--interval-s", "-1"], "argument --interval-s: must be a finite number of seconds >= 0"),
