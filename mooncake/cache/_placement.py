@@ -18,10 +18,15 @@ counters of `CacheStats`. Every move runs with the lock held:
   entry; bytes that fail verification make the block a miss and drop it (with
   a warning on the `mooncake.cache` logger naming tier, block and reason: the
   caller sees only a miss);
-- an I/O error (a write refused, a page whose release fails) goes on to the
-  caller from any depth of a cascade, each block being moved left whole where
-  it was (back in its policy) or where it went, or dropped; a page is released
-  only after the last record of its block, so no block outlives its page.
+- an I/O error (a write refused) goes on to the caller from any depth of a
+  cascade, each block being moved left whole where it was (back in its policy)
+  or where it went, or dropped; a page is released only after the last record
+  of its block, so no block outlives its page;
+- a page release never fails a call: a pool's `free` that raises an OSError
+  has released the page all the same (`SsdPagePool.free`, whose header zeroing
+  failed), after the call's changes are made, so the error is counted in
+  `stats.failed_releases` and logged as a warning instead (`_release`): an
+  `unpin` that drops a block must not stop a caller releasing several pins.
 
 Prefix-aware eviction spans the tiers: each tier's policy sees only the chain
 links among its own blocks, so the last tier, whose victims are dropped, would
@@ -117,6 +122,7 @@ class CacheStats:
     promotions: int
     drops: int
     corrupt_blocks: int
+    failed_releases: int  # pages released whose release raised (an SSD header not zeroed): free all the same
 
 
 @attrs.define(eq=False)
@@ -206,7 +212,7 @@ class BlockPlacement:
         for level, pool in enumerate(self.pools):
             for found in getattr(pool, "recovered", ()):
                 if found.key in self._entries:  # the same block recovered in two tiers: keep the faster
-                    pool.free(found.page)
+                    self._release(level, found.page)
                     continue
                 entry = self._entries[found.key] = Entry(
                     level, found.page, found.length, found.checksum, None, ready=True
@@ -307,7 +313,7 @@ class BlockPlacement:
                 copies.remove(entry)
                 if not copies:
                     del self._aside[key]
-                self.pools[entry.level].free(entry.page)  # last: see `_drop`
+                self._release(entry.level, entry.page)  # last: see `_drop`
             return
         self._policies[entry.level].unpin(key)
         if entry.corrupt and entry.pins == 0:
@@ -579,13 +585,13 @@ class BlockPlacement:
         page back where the block was dropped as corrupt."""
         assert page is not None  # the cascade that took the carried block's page demoted a first-tier victim
         if carried is _CORRUPT:
-            self.pools[0].free(page)
+            self._release(0, page)
             return None
         try:
             self.pools[0].write(page, carried[0], key=key, checksum=entry.checksum)
         except BaseException:  # nowhere left for `key`
             self._forget(key, entry)
-            self.pools[0].free(page)  # last: see `_drop`
+            self._release(0, page)  # last: see `_drop`
             raise
         self._rehome(key, entry, 0, page)
         return self.pools[0].read(page, entry.length, key=key)
@@ -604,17 +610,17 @@ class BlockPlacement:
             self.pools[target].write(page, data, key=key, checksum=entry.checksum)
         except IntegrityError as error:
             self._warn_corrupt(key, source_level, error)
-            self.pools[target].free(page)
+            self._release(target, page)
             self._counts["corrupt_blocks"] += 1
             return False
         except BaseException:
-            # The policy entry first: the page's release can fail too (an SSD whose writes fail), and the block,
-            # still where it was, must stay evictable.
+            # The policy entry first: whatever ends the release (an interrupt), the block, still where it was,
+            # must stay evictable.
             self._enter(key, entry)
-            self.pools[target].free(page)
+            self._release(target, page)
             raise
         self._rehome(key, entry, target, page)
-        self.pools[source_level].free(source_page)  # last: see `_drop`
+        self._release(source_level, source_page)  # last: see `_drop`
         return True
 
     def _rehome(self, key: BlockKey, entry: Entry, target: int, page: int) -> None:
@@ -651,13 +657,30 @@ class BlockPlacement:
     def _drop(self, key: BlockKey, entry: Entry) -> None:
         """Forget `key` everywhere (its policy entry is already gone).
 
-        The page goes back last, after every record of the block is gone: releasing it can raise (an SSD pool
-        whose header write fails) with the page released all the same, and a block still cached on a page handed
-        to the next block would serve that block's bytes. (Every release of a page that a block leaves comes last
-        for the same reason.)
+        The page goes back last, after every record of the block is gone: a release can be cut short (an
+        interrupt) with the page released all the same, and a block still cached on a page handed to the next
+        block would serve that block's bytes. (Every release of a page that a block leaves comes last for the
+        same reason.)
         """
         self._forget(key, entry)
-        self.pools[entry.level].free(entry.page)
+        self._release(entry.level, entry.page)
+
+    def _release(self, level: int, page: int) -> None:
+        """Give `page` back to tier `level`'s pool (lock held), the last step of the change that frees it.
+
+        A pool's `free` that raises an OSError has released the page all the same (`SsdPagePool.free`, whose
+        header could not be zeroed: the stale header is harmless, see there), and the change is made: raising
+        would stop the caller part way (a loop of unpins, removes or demotions) for a loss that is the disk's.
+        The failure is counted in `stats.failed_releases` and logged as a warning instead (where a failing disk
+        shows, as with `_warn_corrupt`).
+        """
+        try:
+            self.pools[level].free(page)
+        except OSError as error:
+            self._counts["failed_releases"] += 1
+            LOG.warning(
+                "the %s tier's page %d is released, but not cleanly: %s", self.pools[level].tier.name, page, error
+            )
 
     def _forget(self, key: BlockKey, entry: Entry) -> None:
         """`_drop` where `key`'s page is no longer its own (`_vacate` gave it away). A corrupt block was logged

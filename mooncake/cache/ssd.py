@@ -17,7 +17,9 @@ adopted with another block's bytes under its old header. (The kernel may still
 put the two on the disk in either order: a power cut between them, with the
 fsync policy below, can leave a header over torn data, which fails its checksum
 on read.) Freeing a page zeroes its header. Reopening reads every slot header
-and adopts the valid ones without reading their data; for a key found twice (a
+and adopts the valid ones without reading their data (a header that is torn,
+foreign or unreadable, a bad sector, leaves its page free: an unreadable one is
+logged as a warning); for a key found twice (a
 freed copy whose zeroing was lost beside a newer one), it reads both and keeps
 the newest whose data verifies, so a torn newest copy never costs the block its
 good older one. Data is verified on every read, so a torn or corrupted page
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -79,6 +82,8 @@ from mooncake.errors import CapacityError, ConfigError, DiskError, IntegrityErro
 from mooncake.types import BlockKey, Tier
 
 __all__ = ["MAX_LABEL_BYTES", "RecoveredPage", "SsdPagePool"]
+
+LOG = logging.getLogger("mooncake.cache")
 
 _SUPER = struct.Struct("<8sIQQ")
 _SUPER_MAGIC = b"MCSSD\0v1"
@@ -144,6 +149,8 @@ class SsdPagePool(AllocatingPool):
         ConfigError: the file exists but is not a pool file, or has another geometry or label; `label` is not
             a string of at most MAX_LABEL_BYTES bytes.
         CapacityError: the file system cannot hold the file.
+        DiskError: the superblock of an existing file cannot be read (naming the file; a slot header that cannot
+            be read only leaves its page free).
     """
 
     zero_copy = False
@@ -528,7 +535,10 @@ class SsdPagePool(AllocatingPool):
 
     def _recover(self) -> tuple[RecoveredPage, ...]:
         header = self._header_buffer()
-        got = os.preadv(self._fd, [header.data], 0)
+        try:
+            got = os.preadv(self._fd, [header.data], 0)
+        except OSError as error:
+            raise self._disk_error(error, "reading the superblock", None, None) from error
         if got < _SUPER.size + _CHECK.size:
             raise ConfigError(f"{self.path} is not a mooncake SSD pool file (too short)")
         raw = bytes(header[:got])
@@ -563,8 +573,12 @@ class SsdPagePool(AllocatingPool):
             )
         copies: dict[BlockKey, list[RecoveredPage]] = {}
         for page in range(self.num_pages):
-            if os.preadv(self._fd, [header.data], self._slot(page)) < HEADER_BYTES:
-                break
+            try:
+                if os.preadv(self._fd, [header.data], self._slot(page)) < HEADER_BYTES:
+                    break
+            except OSError as error:  # a bad sector costs its page, as a garbled header does, not the whole file
+                LOG.warning("%s; its page is left free", self._disk_error(error, "reading the header", page, None))
+                continue
             if not header[:4].any():
                 continue
             try:

@@ -27,7 +27,11 @@ one tier at a time:
   while a successor of it is cached in any tier.
 - `pin` / `unpin` (reference counted): a pinned block is never evicted,
   demoted, promoted or overwritten, so a view of it stays valid. Engines pin
-  the blocks they read; `pinned(key)` does it as a context manager.
+  the blocks they read; `pinned(key)` does it as a context manager. An `unpin`
+  of a key that is pinned always succeeds.
+- A failed page write raises `DiskError`; a failed page release (an SSD header
+  that cannot be zeroed) never does: the page is free all the same, so the call
+  completes, counted in `stats.failed_releases` and logged as a warning.
 - Every page written to SSD carries an XXH3-64 checksum, verified on every SSD
   read; `put(..., checksum=...)` verifies blocks imported from a peer. A block
   that fails verification is dropped and reported as a miss (counted in
@@ -412,7 +416,7 @@ class TieredCache(BlockPlacement):
                 del self._entries[key]
                 if self._has_holds:
                     self._remove_successor(key, entry.parent)
-                self.pools[entry.level].free(entry.page)
+                self._release(entry.level, entry.page)
 
     def location(self, key: BlockKey) -> BlockLocation | None:
         """Where a cached or reserved block lives, or None; pin a cached block first if
@@ -588,6 +592,12 @@ class TieredCache(BlockPlacement):
     def unpin(self, key: BlockKey) -> None:
         """Release one pin of `key`: first one taken before its copy failed verification and was replaced (that
         copy's page is freed at its last pin), so the new copy's pins never fall below its holders'.
+
+        Never fails once the pin is found: the last unpin of a block that failed verification drops it and frees
+        its page, and where the disk then refuses to invalidate the page (an SSD header that cannot be zeroed) the
+        page is free all the same, so the unpin completes, counting the failure in `stats.failed_releases` and
+        logging it as a warning. (Raising there, after the pin was released, would stop a caller releasing
+        several pins in a loop, leaving the rest pinned for good.)
 
         Raises:
             UnknownBlockError: it is not pinned (a read in progress in another thread holds a pin of its own,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -157,30 +158,32 @@ def dying_disk(monkeypatch: pytest.MonkeyPatch, landed: int) -> None:
 @pytest.mark.parametrize("landed", [HEADER_BYTES, HEADER_BYTES + PAGE // 2, HEADER_BYTES + PAGE - 1])
 @pytest.mark.parametrize("earlier", ["fresh", "header-left-standing"])
 def test_a_write_the_disk_fails_is_never_adopted_after_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, landed: int, earlier: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, landed: int, earlier: str
 ) -> None:
     """A put whose page write dies part-way (EIO after `landed` bytes), with the free of its page failing too,
-    raises a DiskError naming the write's failure (it used to name only the zeroing's); after a restart the
-    block is not recovered nor announced (the header used to land first, so the torn page came back as stored,
-    and its first get found it corrupt). Also where the page held an older block whose header a failed free had
-    left standing: that header is never adopted over the new bytes."""
+    raises the write's DiskError (it used to name only the zeroing's); the failed free, which released the page
+    all the same, is counted and logged naming both; after a restart the block is not recovered nor announced
+    (the header used to land first, so the torn page came back as stored, and its first get found it corrupt).
+    Also where the page held an older block whose header a failed free had left standing: that header is never
+    adopted over the new bytes."""
     path = tmp_path / "pool"
     cache = TieredCache([SsdPagePool(path, PAGE, 1)])
     if earlier == "header-left-standing":
         cache.put(BlockKey(1), block(1, PAGE))
         monkeypatch.setattr(os, "pwrite", fail_write)
-        with pytest.raises(DiskError, match="zeroing the header"):
-            cache.remove(BlockKey(1))
+        cache.remove(BlockKey(1))  # the page is released, its header not zeroed (counted, logged)
         monkeypatch.undo()
+        assert cache.stats.failed_releases == 1
         assert read_file(path, HEADER_BYTES, 4) == b"MCPG"  # block 1's header stands over its bytes
     cache.take_events()
     dying_disk(monkeypatch, landed)
-    with pytest.raises(DiskError) as raised:
+    with caplog.at_level(logging.WARNING, logger="mooncake.cache"), pytest.raises(DiskError) as raised:
         cache.put(BlockKey(7), block(7, PAGE))
     monkeypatch.undo()
-    message = str(raised.value)
-    assert "zeroing the header to free it failed" in message
-    assert "before that" in message and "(block 0x7): writing the page failed: Input/output error" in message
+    assert "(block 0x7): writing the page failed: Input/output error" in str(raised.value)
+    assert cache.stats.failed_releases == 1 + (earlier == "header-left-standing")
+    (logged,) = [record.getMessage() for record in caplog.records if "(block 0x7)" in record.getMessage()]
+    assert "zeroing the header to free it failed" in logged and "before that" in logged
     assert BlockKey(7) not in cache and cache.take_events() == []
     cache.close()
     restarted = TieredCache([SsdPagePool(path, PAGE, 1)], epoch=1)

@@ -333,10 +333,11 @@ def test_an_ssd_victim_whose_page_cannot_be_released_is_dropped_not_served_as_an
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both tiers full, a put evicts SSD's victim while the SSD refuses the write that releases its page (zeroing
-    the header: `SsdPagePool.free` raises, and releases the page all the same). The put raises the error; the
-    SSD victim is gone (it used to stay cached on the released page, and once the next block took that page, a
-    get of it returned that block's bytes); DRAM's victim, already taken out of its policy, is back in it, where
-    it was; the invariants hold, and later puts and gets work, each block serving its own bytes."""
+    the header: `SsdPagePool.free` raises, and releases the page all the same). The put completes (a release
+    never fails a call: counted in `stats.failed_releases`): the SSD victim is gone (it used to stay cached on
+    the released page, and once the next block took that page, a get of it returned that block's bytes); DRAM's
+    victim went down into that page; the invariants hold, and later puts and gets work, each block serving its
+    own bytes."""
     cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 2)], promote_after=0)
     for key in (1, 2, 3, 4):
         cache.put(BlockKey(key), block(key))
@@ -346,11 +347,10 @@ def test_an_ssd_victim_whose_page_cannot_be_released_is_dropped_not_served_as_an
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     monkeypatch.setattr(os, "pwrite", refuse)  # only a free writes with pwrite (a page goes in with pwritev)
-    with pytest.raises(OSError, match="injected"):
-        cache.put(BlockKey(5), block(5))
+    assert cache.put(BlockKey(5), block(5)) == Tier.DRAM
     monkeypatch.undo()
-    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3, 4, 5)] == [None, Tier.SSD, Tier.DRAM, Tier.DRAM, None]
-    assert cache.pools[1].num_free == 1
+    assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3, 4, 5)] == [None, Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+    assert cache.pools[1].num_free == 0 and cache.stats.failed_releases == 1
     cache.check_invariants()
     for key in (6, 7, 8):
         cache.put(BlockKey(key), block(key))
@@ -367,9 +367,10 @@ def test_a_promoted_block_whose_ssd_page_cannot_be_released_lives_on_in_dram(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read promotes a block from the SSD into a DRAM page, and releasing its SSD page fails (the header cannot
-    be zeroed). The read raises the error, but the block has moved: it is cached in DRAM with its bytes (it used
-    to stay cached on the released SSD page, out of every policy, with its new DRAM page lost), the invariants
-    hold, and the SSD page is free for the next block."""
+    be zeroed). The read returns the block's bytes (a release never fails a call: counted in
+    `stats.failed_releases`), and the block has moved: it is cached in DRAM (it used to stay cached on the
+    released SSD page, out of every policy, with its new DRAM page lost), the invariants hold, and the SSD page is
+    free for the next block."""
     cache = TieredCache([DramPagePool(PAGE, 2), SsdPagePool(tmp_path / "pool", PAGE, 4)], promote_after=1)
     for key in (1, 2, 3):
         cache.put(BlockKey(key), block(key))
@@ -379,11 +380,11 @@ def test_a_promoted_block_whose_ssd_page_cannot_be_released_lives_on_in_dram(
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     monkeypatch.setattr(os, "pwrite", refuse)
-    with pytest.raises(OSError, match="injected"):
-        cache.get(BlockKey(1))  # DRAM's victim (2) goes down to a free SSD page, then 1 comes up
+    data = cache.get(BlockKey(1))  # DRAM's victim (2) goes down to a free SSD page, then 1 comes up
     monkeypatch.undo()
+    assert bytes(data) == block(1)  # type: ignore[arg-type]
     assert [cache.tier_of(BlockKey(k)) for k in (1, 2, 3)] == [Tier.DRAM, Tier.SSD, Tier.DRAM]
-    assert cache.pools[1].num_free == 3
+    assert cache.pools[1].num_free == 3 and cache.stats.failed_releases == 1
     cache.check_invariants()
     for key in (1, 2, 3):
         assert bytes(cache.get(BlockKey(key))) == block(key)
@@ -877,37 +878,25 @@ def ssd_page_of(cache: TieredCache, key: int) -> int:
     return location.page
 
 
-@pytest.mark.parametrize("operation", ["put", "evict", "remove", "unpin"])
+@pytest.mark.parametrize("operation", ["put", "evict"])
 def test_a_disk_error_under_a_cache_call_names_file_page_and_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
 ) -> None:
-    """The SSD refuses a write (ENOSPC for a page's write: a put or an evict demoting a block into it; EIO for
-    the header zeroed to free a page: a remove, or the last unpin of a block found corrupt): the call raises a
+    """The SSD refuses a page's write (ENOSPC: a put or an evict demoting a block into it): the call raises a
     DiskError, an OSError with the cause's errno and a MooncakeError, whose message names the pool file, the page
     and the block, raised from the cause (it used to be the bare OSError, naming none of them); the cache keeps
-    its invariants."""
+    its invariants. (A header that cannot be zeroed to free a page raises nothing: test_disk_failures.)"""
     path = tmp_path / "pool"
     cache = block_1_on_ssd(tmp_path, promote_after=0)  # block 1 on SSD, block 2 in DRAM
-    error_number = errno.ENOSPC if operation in ("put", "evict") else errno.EIO
+    error_number = errno.ENOSPC
     cause = OSError(error_number, os.strerror(error_number))
 
     def refuse(*_args: Any) -> int:
         raise cause
 
-    if operation in ("put", "evict"):
-        page, key = 1, 2  # block 1 took SSD page 0; DRAM's block 2 goes into the next
-        action = (lambda: cache.put(BlockKey(3), block(3))) if operation == "put" else (lambda: cache.evict(1))
-        monkeypatch.setattr(os, "pwritev", refuse)
-    else:
-        page, key = ssd_page_of(cache, 1), 1
-        if operation == "remove":
-            action = lambda: cache.remove(BlockKey(1))  # noqa: E731
-        else:
-            cache.pin(BlockKey(1))
-            flip_byte(path, data_offset(path, 1) + 1)
-            assert cache.get(BlockKey(1)) is None  # corrupt: dropped at the last unpin
-            action = lambda: cache.unpin(BlockKey(1))  # noqa: E731
-        monkeypatch.setattr(os, "pwrite", refuse)
+    page, key = 1, 2  # block 1 took SSD page 0; DRAM's block 2 goes into the next
+    action = (lambda: cache.put(BlockKey(3), block(3))) if operation == "put" else (lambda: cache.evict(1))
+    monkeypatch.setattr(os, "pwritev", refuse)
     with pytest.raises(OSError) as raised:
         action()
     monkeypatch.undo()
