@@ -18,6 +18,14 @@ exact only while the window never slides, so a window is accepted only when it
 is no shorter than `max_position_embeddings`, which then bounds every context;
 the engines refuse longer prompts and decode slots (`check_context_tokens`).
 
+The engines' shared argument checks live here too, so that an argument reads
+and fails alike in each engine that takes it: `check_instance` (a config, a
+cache, a request's `SamplingParams`), `check_callback` (a flag, a callback)
+and the `switch` validator. A request's argument fails with
+InvalidRequestError, an engine's option with ConfigError, each naming the
+argument and the value (a dict for a config, say, is else a bare
+AttributeError at its first use, mid-prefill).
+
 Invariants: `num_heads` divides `hidden_size`, `num_kv_heads` divides
 `num_heads`, and the head dimension is even (RoPE rotates pairs); every size
 (vocabulary, hidden, layers, heads, MLP) is below `SIZE_LIMIT`, so the
@@ -31,10 +39,21 @@ from typing import Any
 import attrs
 
 from mooncake._checks import int_at_least, non_negative, positive, require_bool, shown
-from mooncake.errors import ConfigError, InvalidRequestError
+from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError
 from mooncake.sched.cost import ModelShape
 
-__all__ = ["DTYPE_BYTES", "ModelConfig", "PRESETS", "ROPE_SCALING_KINDS", "RopeScaling", "SIZE_LIMIT", "check_dtype"]
+__all__ = [
+    "DTYPE_BYTES",
+    "ModelConfig",
+    "PRESETS",
+    "ROPE_SCALING_KINDS",
+    "RopeScaling",
+    "SIZE_LIMIT",
+    "check_callback",
+    "check_dtype",
+    "check_instance",
+    "switch",
+]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes the engines run in, by name
 ROPE_SCALING_KINDS = ("linear", "llama3")  # the RoPE scalings the model implements (transformers' rope_type)
@@ -90,8 +109,27 @@ class RopeScaling:
             )
 
 
-def _switch(_instance: object, attribute: Any, value: Any) -> None:
+def switch(_instance: object, attribute: Any, value: Any) -> None:
+    """An attrs validator: the field is True or False (`require_bool`: "no" would read as true)."""
     require_bool(attribute.name, value)
+
+
+def check_instance(name: str, value: object, kind: type, *, error: type[MooncakeError], optional: bool = True) -> None:
+    """Refuse `value` unless it is a `kind` (or None, where `optional`), with `error` naming `name`, the kind and
+    the value: InvalidRequestError for a request's argument, ConfigError for an engine's option.
+
+    A `kind` that is a `typing.runtime_checkable` protocol (`KvSink`) takes any object with its methods.
+    """
+    if not isinstance(value, kind) and not (optional and value is None):
+        either = " or None" if optional else ""
+        raise error(f"{name} must be a {kind.__name__}{either}, got {shown(value)}")
+
+
+def check_callback(name: str, value: object, *, error: type[MooncakeError]) -> None:
+    """Refuse `value` unless it can be called (or is None), with `error` naming `name` and the value: checked where
+    it is given, not found out as a bare TypeError at its first call, mid-job."""
+    if value is not None and not callable(value):
+        raise error(f"{name} must be callable or None, got {shown(value)}")
 
 
 _size = int_at_least(1, below=SIZE_LIMIT)
@@ -130,9 +168,9 @@ class ModelConfig:
     rope_theta: float = attrs.field(default=500_000.0, validator=positive)  # a base <= 0 gives NaN angles
     norm_eps: float = attrs.field(default=1e-5, validator=non_negative)  # < 0 can take a root of a negative
     rope_scaling: RopeScaling | None = None
-    qkv_bias: bool = attrs.field(default=False, validator=_switch)
-    out_bias: bool = attrs.field(default=False, validator=_switch)
-    tie_word_embeddings: bool = attrs.field(default=False, validator=_switch)
+    qkv_bias: bool = attrs.field(default=False, validator=switch)
+    out_bias: bool = attrs.field(default=False, validator=switch)
+    tie_word_embeddings: bool = attrs.field(default=False, validator=switch)
     max_context_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
 
     def __attrs_post_init__(self) -> None:

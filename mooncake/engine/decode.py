@@ -58,12 +58,13 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, shown
+from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, require_int, shown
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
+from mooncake.engine.config import check_callback, check_instance
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.logprobs import TokenLogprobs
-from mooncake.engine.model import LlamaModel
+from mooncake.engine.model import LlamaModel, token_ids
 from mooncake.engine.sampling import Sampler, SamplingParams
 from mooncake.engine.tokenizer import can_stop_at
 from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownBlockError
@@ -153,8 +154,9 @@ class DecodeEngine:
     context check holds every request to it.
 
     Raises:
-        ConfigError: a pipeline stage for a model, `tbt_slo_s` without a step model, or a
-            `config.max_context_tokens` above the model's `max_context_tokens`.
+        ConfigError: a pipeline stage for a model, a `cache` or `config` of another type (naming it),
+            `tbt_slo_s` without a step model, or a `config.max_context_tokens` above the model's
+            `max_context_tokens`.
 
     Not thread-safe: one thread calls `try_join` and `step`.
     """
@@ -170,6 +172,8 @@ class DecodeEngine:
     ) -> None:
         if not (model.has_embedding and model.has_head):
             raise ConfigError("the decode engine needs the whole model, not a pipeline stage")
+        check_instance("cache", cache, TieredCache, error=ConfigError, optional=False)
+        check_instance("config", config, DecodeConfig, error=ConfigError)
         self.model, self.cache = model, cache
         bound = model.config.max_context_tokens  # a checkpoint's (vLLM's max_model_len): None for a preset
         if config is None:  # as vLLM derives max_model_len: the default slot, no longer than the model computes
@@ -272,17 +276,16 @@ class DecodeEngine:
             InvalidRequestError: an id that is no request id (`types.check_request_id`) or is decoding already,
                 counts that are not integers in [1, 2**40], a first token outside the vocabulary, keys that are no
                 sequence or do not cover the prompt, `sampling` that is no `SamplingParams`, an `on_token` that
-                cannot be called, `first_logprobs` that is no `TokenLogprobs`, or a `prompt` missing where the
+                cannot be called, `first_logprobs` that is no `TokenLogprobs`, a `prompt` that is no sequence of
+                token ids in the vocabulary (`model.token_ids`, the prefill's check), or one missing where the
                 sampling needs it or of another length (each naming the field and the value).
             UnknownBlockError: a KV block of the prompt is not in the local cache.
         """
         check_request_id("request_id", request_id)  # hashable: a step's delivery keys its requests by id
         prompt_tokens = check_token_count("prompt_tokens", prompt_tokens)
         max_new_tokens = check_token_count("max_new_tokens", max_new_tokens)
-        if on_token is not None and not callable(on_token):  # else a bare TypeError at the first token
-            raise InvalidRequestError(f"on_token must be callable or None, got {shown(on_token)}")
-        if first_logprobs is not None and not isinstance(first_logprobs, TokenLogprobs):
-            raise InvalidRequestError(f"first_logprobs must be a TokenLogprobs or None, got {shown(first_logprobs)}")
+        check_callback("on_token", on_token, error=InvalidRequestError)  # else a bare TypeError at the first token
+        check_instance("first_logprobs", first_logprobs, TokenLogprobs, error=InvalidRequestError)
         vocab = self.model.config.vocab_size
         if not is_int(first_token) or not 0 <= first_token < vocab:  # checked here, or every later step fails
             raise InvalidRequestError(f"first_token must lie in [0, {vocab}), got {shown(first_token)}")
@@ -297,15 +300,17 @@ class DecodeEngine:
             raise InvalidRequestError(
                 f"{num_keys} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )
-        if sampling is not None and not isinstance(sampling, SamplingParams):  # a dict would fail at its first use
-            raise InvalidRequestError(f"sampling must be a SamplingParams, got {shown(sampling)}")
+        check_instance("sampling", sampling, SamplingParams, error=InvalidRequestError)  # a dict: at its first use
         sampling = sampling or SamplingParams()
         sampling.check_vocabulary(vocab)
+        if prompt is not None:
+            try:
+                prompt = token_ids(prompt, vocab).tolist()
+            except InvalidRequestError as error:
+                raise InvalidRequestError(f"prompt {shown(prompt)}: {error}") from None
         if sampling.needs_prompt and (prompt is None or len(prompt) != prompt_tokens):
             got = "none" if prompt is None else f"{len(prompt)} ids"
             raise InvalidRequestError(f"the repetition penalty needs the prompt's {prompt_tokens} token ids, got {got}")
-        if prompt is not None and not all(is_int(t) and 0 <= t < vocab for t in prompt):
-            raise InvalidRequestError(f"the prompt's token ids must lie in [0, {vocab})")
         active = _Active(
             request_id,
             prompt_tokens,
@@ -448,7 +453,12 @@ class DecodeEngine:
         return [event for _, event in emitted]
 
     def run(self, *, max_steps: int) -> list[TokenEvent]:
-        """Step until no request is active or `max_steps` steps ran; every token emitted."""
+        """Step until no request is active or `max_steps` steps ran; every token emitted.
+
+        Raises:
+            InvalidRequestError: `max_steps` is not a non-negative integer (naming it).
+        """
+        max_steps = require_int("max_steps", max_steps, minimum=0, error=InvalidRequestError)
         events: list[TokenEvent] = []
         for _ in range(max_steps):
             if not self._active:

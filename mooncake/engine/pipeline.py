@@ -79,7 +79,7 @@ import torch
 
 from mooncake._checks import require_int, require_number, shown
 from mooncake.engine.attention import prefill_attention_into
-from mooncake.engine.config import ModelConfig
+from mooncake.engine.config import ModelConfig, check_callback, check_instance
 from mooncake.engine.model import LlamaModel, token_ids
 from mooncake.errors import Cancelled, ConfigError, EngineError, InvalidRequestError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
@@ -355,7 +355,8 @@ class PipelineGroup:
         failed every stage process runs; once closed, none does.
 
     Raises:
-        ConfigError: bad options, naming the field and value. EngineError: a stage failed or exited while the
+        ConfigError: bad options (a `config` that is no `ModelConfig`, an `on_failure` that cannot be called),
+            naming the field and value. EngineError: a stage failed or exited while the
             stages started or connected (naming it and its error), or they did not within `start_timeout_s`.
     """
 
@@ -374,8 +375,10 @@ class PipelineGroup:
         start_timeout_s: float = 120.0,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
+        check_instance("config", config, ModelConfig, error=ConfigError, optional=False)
         require_int("num_stages", num_stages, minimum=1)
         require_int("chunk_tokens", chunk_tokens, minimum=1)
+        check_callback("on_failure", on_failure, error=ConfigError)  # else a TypeError on the watch thread
         if num_stages > config.num_layers:
             raise ConfigError(f"num_stages={num_stages} exceeds the model's {config.num_layers} layers")
         if device not in ("cpu", "cuda"):
@@ -511,9 +514,12 @@ class PipelineGroup:
                 `num_layers` (K, V) pairs of tensors of the shape, dtype and device above, or an `on_rows` or
                 `cancelled` that cannot be called: each naming the argument, before any stage hears of the job
                 (the group stays usable).
-            EngineError: a stage failed or did not answer within the timeout; the group has failed.
+            EngineError: the group is closed (checked first: no failure is recorded), or a stage failed or did not
+                answer within the timeout (the group has failed).
             Cancelled: `cancelled` answered True.
         """
+        if self._closing.is_set():  # else the closed job pipe's OSError, taken for a failed transfer
+            raise EngineError("the pipeline group is closed")
         ids = token_ids(tokens, self.config.vocab_size)
         n = len(ids)
         self.model.config.check_context_tokens(n)  # the loaded checkpoint's bound, before any stage hears of the job
@@ -523,8 +529,7 @@ class PipelineGroup:
             raise InvalidRequestError(f"prefix_tokens={prefix_tokens} must lie in [0, {n}) and come with its KV")
         kv = self._buffers(n) if kv is None else self._checked_kv(kv, n)
         for name, callback in (("on_rows", on_rows), ("cancelled", cancelled)):
-            if callback is not None and not callable(callback):  # else a TypeError mid-job, which fails the group
-                raise InvalidRequestError(f"{name} must be callable or None, got {shown(callback)}")
+            check_callback(name, callback, error=InvalidRequestError)  # else a TypeError mid-job, failing the group
         errors: list[BaseException] = []
 
         def listen(layer: int, start: int, end: int) -> None:

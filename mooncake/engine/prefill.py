@@ -27,7 +27,9 @@ One `prefill(tokens)`:
    fresh reservation its computation fills: the bytes are the same, so no read is
    needed); one cached in the first tier, and each new one once committed, is
    pinned until the push ends. (A lower-tier block another holder pins cannot
-   move: its push still fails.)
+   move: its push still fails.) A block moves up only once a first-tier page is
+   held for it, so a first tier whose every page is pinned leaves the block where
+   it is (the prefill then fails with CapacityError, as for a new block).
 6. A caller's `cancelled` flag (its client left) is asked before each chunk: a
    cancelled prefill stops there, within one chunk's time, as a failed one
    does (the stream aborts, nothing is committed).
@@ -49,17 +51,17 @@ import inspect
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 
-from mooncake._checks import int_at_least
+from mooncake._checks import int_at_least, require_iterable
 from mooncake.cache.hashing import BlockHasher, reusable_prefix_tokens
 from mooncake.cache.pool import Buffer
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import prefill_attention_into
-from mooncake.engine.config import ModelConfig
+from mooncake.engine.config import ModelConfig, check_callback, check_instance, switch
 from mooncake.engine.kv import KvLayout
 from mooncake.engine.layerwise import LayerwiseKvIo
 from mooncake.engine.logprobs import TokenLogprobs
@@ -68,6 +70,7 @@ from mooncake.engine.sampling import Sampler, SamplingParams, rows_logprobs
 from mooncake.errors import (
     BlockPinnedError,
     Cancelled,
+    CapacityError,
     ConfigError,
     EngineError,
     InvalidRequestError,
@@ -76,7 +79,7 @@ from mooncake.errors import (
 )
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
-from mooncake.types import BlockKey
+from mooncake.types import BLOCK_KEY_LIMIT, BlockKey
 
 __all__ = [
     "ForwardPass",
@@ -91,11 +94,15 @@ __all__ = [
 
 
 _NAMED_KEYS = 8  # blocks an error names (a long prompt's push has thousands)
+# The key of the scratch reservation that holds a first-tier page while a block moves up (`_move_up`): invisible,
+# never committed. No 64- or 128-bit hasher makes it; a SHA-256 key equal to it only keeps that block where it is.
+_ROOM_KEY = BlockKey(BLOCK_KEY_LIMIT - 1)
 
 # One prompt's (K, V) buffers, one pair per layer, each [tokens, kv_heads, head_dim].
 KvBuffers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+@runtime_checkable  # the engine refuses, by name, a sink without these methods
 class KvSink(Protocol):
     """Where a prefill streams its KV as layers complete (e.g. a decode node)."""
 
@@ -123,8 +130,8 @@ class PrefillConfig:
     """
 
     chunk_tokens: int = attrs.field(default=DEFAULT_CHUNK_TOKENS, validator=int_at_least(1))
-    layerwise: bool = True
-    store: bool = True
+    layerwise: bool = attrs.field(default=True, validator=switch)
+    store: bool = attrs.field(default=True, validator=switch)
 
 
 @attrs.frozen(kw_only=True)
@@ -189,6 +196,15 @@ class ForwardPass(Protocol):
     ) -> torch.Tensor:
         """Compute the new rows of every layer through `io`; the last position's logits."""
         ...
+
+
+def _check_prompt_options(sampling: object, sink: object, *, index: int | None = None) -> None:
+    """Refuse a prompt's `sampling` that is no `SamplingParams` or `sink` that is no `KvSink` (None is either's
+    default) with an InvalidRequestError naming it (in a batch, as `sampling[i]` or `sinks[i]`): else a bare
+    AttributeError once the prefill holds pins and pages."""
+    at = "" if index is None else f"[{index}]"
+    check_instance(f"sampling{at}", sampling, SamplingParams, error=InvalidRequestError)
+    check_instance("sink" if index is None else f"sinks{at}", sink, KvSink, error=InvalidRequestError)
 
 
 def _takes_keyword(function: Callable[..., object], name: str) -> bool:
@@ -320,6 +336,10 @@ class PrefillEngine:
         hasher: the block keys' namespace; its block size is the KV page's.
         config: options.
 
+    Raises:
+        ConfigError: a `cache`, `hasher` or `config` of another type (naming it), a model that is a pipeline stage,
+            or cache pages too small for a KV block.
+
     One prefill runs at a time per engine (prefill is FIFO on a node); the cache
     may be read and written by other threads meanwhile.
     """
@@ -331,6 +351,9 @@ class PrefillEngine:
         hasher: BlockHasher,
         config: PrefillConfig | None = None,
     ) -> None:
+        check_instance("cache", cache, TieredCache, error=ConfigError, optional=False)
+        check_instance("hasher", hasher, BlockHasher, error=ConfigError, optional=False)
+        check_instance("config", config, PrefillConfig, error=ConfigError)
         self.config = config or PrefillConfig()
         self.forward: ForwardPass = (
             ModelForward(model, chunk_tokens=self.config.chunk_tokens) if isinstance(model, LlamaModel) else model
@@ -374,12 +397,13 @@ class PrefillEngine:
         blocks are keyed in that salt's namespace (`BlockHasher.salted`): only prompts of the same salt share them.
 
         Raises:
-            InvalidRequestError: no tokens, ids outside the vocabulary, or more tokens than the model's
-                `max_context_tokens`.
+            InvalidRequestError: no tokens, ids outside the vocabulary, more tokens than the model's
+                `max_context_tokens`, or a `sampling`, `sink` or `cancelled` of another kind (naming it).
             EngineError: the engine is closed, or the last logits hold a NaN (no block is committed).
             Cancelled: `cancelled` answered True (`prefill_batch` says when it is asked).
             TransferError: the sink's `end` failed (`MessengerSink`: the peer did not commit a block the push sent).
         """
+        _check_prompt_options(sampling, sink)  # named as this call's own arguments, not the batch's lists
         return self.prefill_batch(
             [tokens], sampling=[sampling], sinks=[sink], cancelled=cancelled, cache_salts=[cache_salt]
         )[0]
@@ -414,8 +438,9 @@ class PrefillEngine:
 
         Raises:
             InvalidRequestError: a prompt with no tokens, ids outside the vocabulary or more tokens than the
-                model's `max_context_tokens`, or params naming a token outside it (nothing is done, for any forward
-                pass).
+                model's `max_context_tokens`, params naming a token outside it, lists that are not iterable or of
+                another length than `prompts`, or an element of `sampling` or `sinks`, or `cancelled`, of another
+                kind (each naming it; nothing is done, for any forward pass).
             EngineError: the engine is closed (its loader and store threads are gone; nothing is done), or a
                 prompt's last logits hold a NaN (`Sampler.next_token`; nothing of the batch is kept).
             Cancelled: `cancelled` answered True (nothing of the batch is kept; where the forward pass runs the
@@ -426,14 +451,26 @@ class PrefillEngine:
         if self._closed:  # else executor's RuntimeError, once the prefix is pinned and pages reserved
             raise EngineError("the prefill engine is closed")
         started = time.perf_counter()
+        prompts = list(require_iterable("prompts", prompts, error=InvalidRequestError))
         count = len(prompts)
-        params = list(sampling) if sampling is not None else [None] * count
-        outs = list(sinks) if sinks is not None else [None] * count
-        salts = list(cache_salts) if cache_salts is not None else [None] * count
+        params = (
+            [None] * count
+            if sampling is None
+            else list(require_iterable("sampling", sampling, error=InvalidRequestError))
+        )
+        outs = [None] * count if sinks is None else list(require_iterable("sinks", sinks, error=InvalidRequestError))
+        salts = (
+            [None] * count
+            if cache_salts is None
+            else list(require_iterable("cache_salts", cache_salts, error=InvalidRequestError))
+        )
         if not count or len(params) != count or len(outs) != count or len(salts) != count:
             raise InvalidRequestError(
                 "prefill_batch needs one or more prompts, and one sampling, sink and cache salt per prompt"
             )
+        for i, (sp, sink) in enumerate(zip(params, outs, strict=True)):
+            _check_prompt_options(sp, sink, index=i)
+        check_callback("cancelled", cancelled, error=InvalidRequestError)
         hashers = [self.hasher.salted(salt) for salt in salts]  # a bad salt refused before anything is held
         for sp in params:
             if sp is not None:
@@ -579,10 +616,11 @@ class PrefillEngine:
         """Whether cached `key` is in the first tier, copied up from a lower tier if need be (a push ships
         first-tier pages only, and the cache's own promotion follows its `promote_after`).
 
-        The copy replaces the block: its verified bytes are read, the lower-tier copy removed, and a first-tier
-        page reserved, filled and committed, so the cache holds one copy throughout (its usual invariants) and
-        announces the move as a removal and a store. False where the block is not cached (or fails verification),
-        or another holder pins it where it is (a pinned block never moves).
+        The copy replaces the block: its verified bytes are read, and `_move_up` gives a first-tier page for it
+        in place of the lower-tier copy, filled and committed here, so the cache holds one copy throughout (its
+        usual invariants) and announces the move as a removal and a store. False where the block is not cached
+        (or fails verification), or cannot move: another holder pins it where it is (a pinned block never moves),
+        or every first-tier page is pinned (the block stays where it is; its computation then finds no room).
         """
         location = self.cache.location(key)
         if location is None or not location.ready:
@@ -592,16 +630,18 @@ class PrefillEngine:
         data = self.cache.get(key)  # a verified copy (or, where this read promotes it, the first-tier page)
         if data is None:
             return False
-        if self._in_first_tier(key):
+        try:
+            self.cache.pin(key)  # where it is now: it stays there until `_move_up` has room for it
+        except UnknownBlockError:
+            return False  # evicted meanwhile: computed instead
+        if self._in_first_tier(key):  # promoted by the read
+            self._unpin(key)
             return True
         try:
-            self.cache.remove(key)
-        except BlockPinnedError:
+            page = self._move_up(key, location.length, parent=parent, position=position)
+        except CapacityError:
             return False
-        except UnknownBlockError:
-            pass  # evicted meanwhile: the bytes read are still its own
-        page = self.cache.reserve(key, location.length, parent=parent, position=position)
-        if page is None:  # cached or being filled again meanwhile, by another writer
+        if page is None:  # another holder pins it, or it is cached or being filled again by another writer
             return self._in_first_tier(key)
         try:
             self.layout.page_kv(page).copy_(self.layout.page_kv(data))
@@ -647,7 +687,11 @@ class PrefillEngine:
         self, key: BlockKey, length: int, *, parent: BlockKey | None, position: int, held: list[BlockKey]
     ) -> Buffer | None:
         """For a block `reserve` found cached: pinned (appended to `held`) if in the first tier and None, else a
-        fresh first-tier reservation in place of its lower-tier copy (None if another holder pins that)."""
+        fresh first-tier reservation in place of its lower-tier copy (`_move_up`; None if another holder pins that).
+
+        Raises:
+            CapacityError: every first-tier page is pinned; the lower-tier copy stays cached.
+        """
         try:
             self.cache.pin(key)
         except UnknownBlockError:
@@ -655,13 +699,46 @@ class PrefillEngine:
         if self._in_first_tier(key):
             held.append(key)
             return None
-        self.cache.unpin(key)
+        return self._move_up(key, length, parent=parent, position=position)
+
+    def _move_up(self, key: BlockKey, length: int, *, parent: BlockKey | None, position: int) -> Buffer | None:
+        """A first-tier reservation of `key` in place of its lower-tier copy, which the caller has pinned (this
+        call takes that pin back): the page for the caller to fill and commit, or abort. None, the copy left where
+        it is, where another holder pins it (a pinned block never moves); None too where the block is cached or
+        being filled again meanwhile, by another writer.
+
+        The room comes first: a scratch reservation holds a first-tier page while the copy is removed, and is given
+        back for the block's own. Removed first, a copy whose reservation then found no room (every first-tier
+        page pinned) would be in no tier at all, though only moving. The caller's pin keeps the copy where it is
+        while the room is made (its demotions may evict from the lower tier). (The engine is the cache's one
+        writer; only a reader's promotion, in the instant between the scratch's abort and the block's reserve,
+        could still take that page.)
+
+        Raises:
+            CapacityError: every first-tier page is pinned; the copy stays where it is.
+        """
+        first = self.cache.pools[0].tier.name
+        try:
+            room = self.cache.reserve(_ROOM_KEY, 0)
+        except CapacityError as error:  # its message names the scratch key (the cause, chained, says why)
+            location = self.cache.location(key)
+            where = "" if location is None else f", it stays in {location.tier.name}"
+            raise CapacityError(
+                f"no room to move block {key} up to {first}{where}: every {first} page holds a pinned block (or a"
+                " prefix no lower tier can take)"
+            ) from error
+        finally:
+            self._unpin(key)
+        if room is None:  # the scratch key is a cached block's: it does not move
+            return None
         try:
             self.cache.remove(key)
         except BlockPinnedError:
             return None  # another holder reads it where it is: it cannot move
         except UnknownBlockError:
-            pass
+            pass  # evicted meanwhile: its bytes are still the caller's to write
+        finally:
+            self.cache.abort(_ROOM_KEY)
         return self.cache.reserve(key, length, parent=parent, position=position)
 
     # ------------------------------------------------------------------ the forward pass

@@ -228,7 +228,7 @@ def test_a_callback_may_cancel_a_request_that_finishes_in_the_same_step(
     [
         ({"keys": None}, "keys must be a sequence of block keys, got None"),
         ({"keys": iter([1, 2])}, "keys must be a sequence"),
-        ({"sampling": {"temperature": 1.0}}, r"sampling must be a SamplingParams, got \{'temperature': 1.0\}"),
+        ({"sampling": {"temperature": 1.0}}, r"sampling must be a SamplingParams or None, got \{'temperature': 1.0\}"),
         ({"max_new_tokens": 2**70}, r"max_new_tokens must be an integer in \[1, 2\*\*40\], got 1180591620717411303424"),
         ({"prompt_tokens": 2**70}, r"prompt_tokens must be an integer in \[1, 2\*\*40\], got 1180591620717411303424"),
     ],

@@ -5,7 +5,7 @@ before the transfer timeout) with an EngineError naming the stage and its error,
 a stage SIGKILLed mid-prefill is named by the prefill's error and by `on_failure`, not the stage downstream
 whose link to it broke; a SIGSTOPped stage is named, not whoever timed out waiting on it; stage 0 stalling
 past the timeout is named by the report of the stage that timed out waiting on it ("stage 1 timed out
-receiving from stage 0"). Arguments: `threads_per_stage` that is no positive integer, `device="cuda"` without
+receiving from stage 0"); a closed group refuses a prefill as closed, recording no failure. Arguments: `threads_per_stage` that is no positive integer, `device="cuda"` without
 the GPUs, and `stage_layers` outside its ranges are ConfigErrors naming the field and value.
 """
 
@@ -135,6 +135,24 @@ def test_a_stage_killed_mid_prefill_is_named_not_the_stage_that_lost_its_link(at
         assert failures == [group.failure]
         assert "cpp-stage-1" in failures[0] and "-9" in failures[0]
     assert not any(map(is_running, pids))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_closed_group_refuses_a_prefill_as_closed_not_as_a_failure(num_stages: int) -> None:
+    """After `close` a prefill is an EngineError saying the group is closed (as a closed prefill engine says),
+    and the group records no failure and calls no `on_failure`. With stages it was the closed job pipe's OSError,
+    taken for a failed transfer (the group's `failure`, blaming a transfer); with one stage it ran."""
+    failures: list[str] = []
+    group = PipelineGroup(
+        TINY, num_stages=num_stages, chunk_tokens=3, threads_per_stage=1, timeout_s=10.0, on_failure=failures.append
+    )
+    try:
+        assert group.prefill([1, 2, 3, 4, 5]).shape == (TINY.vocab_size,)
+    finally:
+        group.close()
+    with pytest.raises(EngineError, match=r"^the pipeline group is closed$"):
+        group.prefill([1, 2, 3])
+    assert group.failure is None and failures == []
 
 
 @pytest.mark.parametrize("stopped", [1, 2])

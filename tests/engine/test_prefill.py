@@ -302,6 +302,9 @@ class RecordingSink:
     def end(self) -> None:
         self.calls.append("end")
 
+    def abort(self) -> None:
+        pass  # a `KvSink` has one (the engine refuses a sink without it); nothing was sent to drop
+
     def _layer_bytes(self, index: int, key: BlockKey, layer: int) -> bytes:
         location = self.cache.location(key)
         assert location is not None and location.tier == Tier.DRAM

@@ -5,7 +5,8 @@ to SSD (the last one, which is computed again, and the prefix ones, whatever `pr
 again, each block's bytes at the decode node those of the prefill node; in a batch that streams, a prefix block
 one prompt pins on SSD is brought up for another prompt's push; a push whose parts fail mid-stream fails the
 prefill (`TransferError` naming the blocks) rather than passing as streamed, leaving nothing at the decode node,
-while a block the decode node had no room for is not counted as a failure.
+while a block the decode node had no room for is not counted as a failure; a streamed prompt whose blocks sit on
+SSD while every DRAM page is pinned fails with CapacityError and keeps them there.
 """
 
 from __future__ import annotations
@@ -20,17 +21,28 @@ pytest.importorskip("torch")
 
 import torch
 
+from mooncake.cache.events import BlockRemoved
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.pool import PagePool
 from mooncake.cache.ssd import SsdPagePool
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.prefill import MessengerSink, PrefillEngine
-from mooncake.errors import TransferError
+from mooncake.errors import CapacityError, TransferError
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.messenger import Messenger, shared_dram_pool
 from mooncake.transfer.request import EngineConfig
 from mooncake.types import BlockKey, Tier
-from tests.engine.support import SECRET, TINY, TOLERANCE, Node, assert_nothing_held, hasher, layout, page_bytes
+from tests.engine.support import (
+    SECRET,
+    TINY,
+    TOLERANCE,
+    Node,
+    assert_nothing_held,
+    hasher,
+    layout,
+    page_bytes,
+    tiered_cache,
+)
 from tests.engine.support import tiny_model as model
 
 BLOCK = 4
@@ -158,3 +170,57 @@ def test_a_block_the_decode_node_has_no_room_for_is_not_a_failed_push() -> None:
         assert all(key in decode_node.cache for key in result.keys[:2])
         assert_nothing_held(prefill_node.cache, result.keys)
         assert_nothing_held(decode_node.cache, result.keys)
+
+
+class QuietSink:
+    """A `KvSink` that sends nothing: what a streaming prefill does to the local cache, without a decode node."""
+
+    def begin(self, keys: tuple[BlockKey, ...]) -> None:
+        pass
+
+    def layer_ready(self, layer: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("tokens", "prefix_tokens"),
+    [(list(range(9)), 2 * BLOCK), ([7, 8, 9, 10], 0)],
+    ids=["a prefix block lifted", "a block computed whole"],
+)
+def test_a_streaming_prefill_that_finds_no_first_tier_room_keeps_the_lower_tier_copy(
+    tmp_path: Path, tokens: list[int], prefix_tokens: int
+) -> None:
+    """A streamed prompt whose blocks sit on SSD while another holder pins every DRAM page fails with a
+    CapacityError naming the first block, which stays on SSD with its bytes (no removal announced), and streams
+    once the pins are gone. A block of its cached prefix (`_lift`) or one it computes whole (`_overwrite_if_lower`)
+    lost its SSD copy before: it was removed there, then the first-tier reserve raised, leaving it in no tier."""
+    cache = tiered_cache(BLOCK, tmp_path / "prefill.ssd", dram_pages=3, ssd_pages=16, promote_after=1000)
+    try:
+        with PrefillEngine(model(), cache, hasher(BLOCK)) as engine:
+            keys = engine.prefill(tokens).keys
+            others = engine.prefill(list(range(100, 112))).keys  # three blocks: the prompt's go down to SSD
+            assert all(cache.tier_of(key) == Tier.SSD for key in keys)
+            before = [page_bytes(cache, key) for key in keys]
+            for key in others:  # a decode copy, a push: every DRAM page is pinned
+                cache.pin(key)
+            cache.take_events()
+            with pytest.raises(CapacityError) as raised:
+                engine.prefill(tokens, sink=QuietSink())
+            assert [cache.tier_of(key) for key in keys] == [Tier.SSD] * len(keys)
+            assert [page_bytes(cache, key) for key in keys] == before
+            assert not [event for event in cache.take_events() if isinstance(event, BlockRemoved)]
+            assert str(raised.value).startswith(f"no room to move block {keys[0]} up to DRAM, it stays in SSD")
+            for key in others:
+                cache.unpin(key)
+            again = engine.prefill(tokens, sink=QuietSink())
+        assert again.keys == keys and again.prefix_tokens == prefix_tokens
+        assert all(cache.tier_of(key) == Tier.DRAM for key in keys)
+        assert_nothing_held(cache, keys + others)
+    finally:
+        cache.close()
