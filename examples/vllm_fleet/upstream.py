@@ -159,10 +159,10 @@ async def probe(
         )
     capacity = config.get("kv_cache_size_tokens")
     blocks = config.get("num_gpu_blocks")
+    # The capacity in tokens where the server reports one (unset reads as 0: "None" too), else its blocks.
     kv_tokens = (
         _count(where, "vllm:cache_config_info kv_cache_size_tokens", capacity)
-        if capacity
-        else _count(where, "vllm:cache_config_info num_gpu_blocks", blocks) * served_block
+        or _count(where, "vllm:cache_config_info num_gpu_blocks", blocks) * served_block
     )
     return InstanceInfo(
         model=model,

@@ -150,7 +150,7 @@ class SsdPagePool(AllocatingPool):
             a string of at most MAX_LABEL_BYTES bytes.
         CapacityError: the file system cannot hold the file.
         DiskError: the superblock of an existing file cannot be read (naming the file; a slot header that cannot
-            be read only leaves its page free).
+            be read, or an older duplicate's that cannot be invalidated, only leaves its page free).
     """
 
     zero_copy = False
@@ -604,7 +604,11 @@ class SsdPagePool(AllocatingPool):
             try:
                 self._pwrite(self._zeros, self._slot(page))
             except OSError as error:
-                raise self._disk_error(error, "invalidating an older copy", page, None) from error
+                # Left free all the same: a write to it zeroes its header first, and until then the next reopening
+                # picks the same winner (the newest copy that verifies). One bad sector costs a page, not the tier.
+                LOG.warning(
+                    "%s; its page is left free", self._disk_error(error, "invalidating an older copy", page, None)
+                )
         pages = tuple(sorted(kept, key=lambda p: p.page))
         for found in pages:
             self.allocator.claim(found.page)

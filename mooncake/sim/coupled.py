@@ -42,7 +42,10 @@ The prefix cache shares the instance's one KV pool with the running
 requests, as vLLM's block pool does: a running request's prompt blocks are
 cached and pinned (in use: later requests share them, nothing evicts them)
 and counted in its reservation (prompt + output, as the decode rule counts
-it); the other cached blocks are the free part, evicted least recently used
+it); a request taken for prefill (a chunked prefill spanning iterations
+included) reserves as much and pins the cached prefix it was matched with from
+then until it joins, as vLLM references the blocks it schedules; the other
+cached blocks are the free part, evicted least recently used
 first whenever they no longer fit beside the reservations. A prompt is cached
 when its prefill ends and used again when its request ends (its blocks, freed,
 stay cached and become evictable, as vLLM's do); the decode rule counts only

@@ -200,3 +200,31 @@ def test_reopening_with_an_unreadable_superblock_raises_disk_error_naming_the_fi
     assert str(path) in str(error) and "superblock" in str(error)
     with SsdPagePool(path, PAGE, 4) as pool:
         assert len(pool.recovered) == 4
+
+
+def test_reopening_when_an_older_duplicate_cannot_be_invalidated_keeps_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two copies of one key (a freed copy whose zeroing was lost): reopening keeps the newer and zeroes the older
+    one's header; where that write fails (EIO), the older page is left free with a warning naming file and page (it
+    raised DiskError, losing the whole tier), and the next reopening picks the same winner."""
+    path = tmp_path / "pool"
+    with SsdPagePool(path, PAGE, 4) as pool:
+        first, second = pool.try_allocate(), pool.try_allocate()
+        pool.write(first, block(7), key=BlockKey(7))
+        pool.write(second, block(7), key=BlockKey(7))
+
+    def failing(_self: SsdPagePool, _data: object, _offset: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(SsdPagePool, "_pwrite", failing)
+    with caplog.at_level(logging.WARNING, logger="mooncake.cache"):
+        pool = SsdPagePool(path, PAGE, 4)
+    monkeypatch.undo()
+    assert [(found.page, found.key) for found in pool.recovered] == [(second, 7)]
+    assert pool.num_free == 3
+    (record,) = caplog.records
+    assert f"{path} page {first}" in record.getMessage() and "invalidating an older copy" in record.getMessage()
+    pool.close()
+    with SsdPagePool(path, PAGE, 4) as again:
+        assert [(found.page, found.key) for found in again.recovered] == [(second, 7)]

@@ -535,13 +535,15 @@ def test_the_probe_names_a_count_it_cannot_read(tokenizer_dir: Path) -> None:
     and its re-probe of a server coming back do not catch); an unset one (vLLM labels it "None") is unknown, 0."""
     tokenizer = load_tokenizer(tokenizer_dir)
     unset = ConfiguredVllm(tokenizer, cache_info='num_gpu_blocks="None"')
+    blocks_only = ConfiguredVllm(tokenizer, cache_info='kv_cache_size_tokens="None",num_gpu_blocks="10"')
     bad_blocks = ConfiguredVllm(tokenizer, cache_info='num_gpu_blocks="many"')
     bad_capacity = ConfiguredVllm(tokenizer, cache_info='kv_cache_size_tokens="1e6"')
     bad_block_size = ConfiguredVllm(tokenizer, block_size="sixteen")  # type: ignore[arg-type]
     bad_length = ConfiguredVllm(tokenizer, max_model_len={"n": 1})  # type: ignore[arg-type]
     huge_length = ConfiguredVllm(tokenizer, max_model_len="9" * 5000)  # type: ignore[arg-type]
-    with serving(unset, bad_blocks, bad_capacity, bad_block_size, bad_length, huge_length):
+    with serving(unset, blocks_only, bad_blocks, bad_capacity, bad_block_size, bad_length, huge_length):
         assert probed(unset, tokenizer).kv_capacity_tokens == 0
+        assert probed(blocks_only, tokenizer).kv_capacity_tokens == 10 * blocks_only.block_size
         for server, field, value in (
             (bad_blocks, "num_gpu_blocks", "'many'"),
             (bad_capacity, "kv_cache_size_tokens", "'1e6'"),
