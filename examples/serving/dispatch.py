@@ -351,7 +351,8 @@ class Dispatcher:
 
         Raises:
             ApiError: the Conductor's rejection (`_rejection`), once the request may wait no longer: 503 when no
-                prefill or no decode engine is up, or the cluster is shutting down.
+                prefill or no decode engine is up, or the cluster is shutting down; a 500 when the Conductor raises
+                trying it again in line (`_try_failed`).
         """
         if self._closed:
             raise ApiError(503, "the cluster is shutting down")
@@ -409,18 +410,31 @@ class Dispatcher:
         assert decision.reason is not None
         self.metrics.rejections[decision.reason.value].inc()
         waited_s = self.now() - live.request.arrival_s if waited else 0.0
-        error = self._rejection(decision, waiter, waited_s=waited_s)
+        self._refused(waiter, self._rejection(decision, waiter, waited_s=waited_s))
+
+    def _refused(self, waiter: _Waiter, error: ApiError) -> None:
+        """End a request that left the line unadmitted with `error`: its `admit` raises it, a rerouted one's
+        reader gets it."""
         if waiter.decided is not None:
             waiter.decided.set_exception(error)
         else:
-            live.events.put_nowait(("error", error))
+            waiter.live.events.put_nowait(("error", error))
+
+    def _try_failed(self, waiter: _Waiter, error: Exception) -> None:
+        """The Conductor raised trying `waiter`'s request in line (it left the line undecided): it ends with the
+        500 the gateway answers an error raised at a request's first try with, the error logged; else its client
+        would wait for a decision that never comes."""
+        LOG.error("scheduling request %s in the admission line failed", waiter.live.request_id, exc_info=error)
+        if waiter.failure is not None:
+            self._rerouted.pop(waiter.live.request_id, None)
+        self._refused(waiter, ApiError(500, "internal error"))
 
     def _room_freed(self) -> None:
         """A request ended, an engine came up or went down, or a wait's deadline came: the line is tried
-        (`AdmissionQueue.pump`)."""
+        (`AdmissionQueue.pump`); a request the Conductor raises for fails alone (`_try_failed`)."""
         if self._closed:
             return
-        for waiter, decision in self._waiting.pump(self.now()):
+        for waiter, decision in self._waiting.pump(self.now(), failed=self._try_failed):
             self._decided(waiter, decision)
         self._waited()
 

@@ -18,11 +18,15 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
   Only one that no wait could get in (`Scheduler.lasting_refusal`: no instance up, a context no instance
   holds) is refused at once instead.
 - `pump` tries the head: accepted, it leaves and the next is tried; rejected for room before its deadline, it
-  keeps its place and the line waits; rejected otherwise, it leaves rejected and the next is tried. Then each
-  request whose deadline has come is tried once, out of turn (the head has just failed, so only room the head
-  cannot use is taken), by deadline (equal ones in the order they joined the line: one arriving again joined
-  last), and leaves, admitted or rejected. Only one that joined the line late (its caller
+  keeps its place and the line waits; rejected otherwise, it leaves rejected and the next is tried. Once the
+  head keeps its place, each request behind it that no wait could get in any more (`lasting_refusal`: its
+  instance went down, was removed or shrank since it joined) leaves refused, as an arrival would be, untried.
+  Then each request whose deadline has come is tried once, out of turn (the head has just failed, so only room
+  the head cannot use is taken), by deadline (equal ones in the order they joined the line: one arriving again
+  joined last), and leaves, admitted or rejected. Only one that joined the line late (its caller
   read its body first) can be due before the head: a deadline is at most arrival plus the same bound.
+- A request the scheduler raises for (a try, or `lasting_refusal`) leaves the line undecided: no wait would change
+  that. `pump` hands its item and the error to the caller's `failed`, and goes on; without one, it raises.
 - Every try passes the time waited since arrival (`Scheduler.schedule(..., waited_s=...)`): the Conductor
   counts it against the TTFT objective, so a request accepted after waiting still meets it by its estimate.
 - A request that arrives again (`arrive(..., again=True)`: it was accepted, and the instance it went to
@@ -34,9 +38,10 @@ The discipline (vLLM's FCFS waiting queue, which blocks on its head the same way
 
 Invariants: the line is in the order requests joined it, but that a request arriving again stands right behind the
 last waiting one that arrived no later than it; a request's deadline is at most `max_wait_s` and the TTFT
-objective after its arrival; a request leaves the line once (admitted, rejected or `remove`d) and its
-decision is handed back once, even when a later try in the same `pump` raises (the decisions made before it
-come with the next `pump`); no two waiting requests share a request id; with `max_wait_s` 0 nothing waits.
+objective after its arrival; a request leaves the line once (admitted, rejected, failed or `remove`d) and its
+decision (or failure) is handed back once, even when a later try in the same `pump` raises (the decisions made
+before it come with the next `pump`); after a `pump`, no request behind the head has a lasting refusal (as of
+that pump); no two waiting requests share a request id; with `max_wait_s` 0 nothing waits.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import collections
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 import attrs
@@ -146,9 +151,9 @@ class AdmissionQueue(Generic[T]):
             position = earlier[-1] + 1 if earlier else 0
             later = waiting[position] if position < len(waiting) else None
         if behind:  # untried, unless no wait could help it
-            reason = self.scheduler.lasting_refusal(request)
-            if reason is not None:
-                return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
+            refusal = self._lasting_refusal(request)
+            if refusal is not None:
+                return refusal
             deadline = request.arrival_s + min(self.max_wait_s, self.scheduler.slo.ttft_s)
         else:
             decision = self._try(request, now)
@@ -160,14 +165,20 @@ class AdmissionQueue(Generic[T]):
             self._line.insert(self._line.index(later), self._line.pop())
         return None
 
-    def pump(self, now: float) -> list[tuple[T, ScheduleDecision]]:
+    def pump(
+        self, now: float, *, failed: Callable[[T, Exception], None] | None = None
+    ) -> list[tuple[T, ScheduleDecision]]:
         """Room may have appeared, or a deadline come: try the line (the module's discipline); the decisions of
         those that left it, in the order they were made.
 
+        `failed`: called with the item of a request the scheduler raises for (one scheduled meanwhile by another
+        caller, a scheduler bug) and the error, once it has left the line undecided, for the caller to end it;
+        the pump goes on with the others. It is called during the pump, so it must not use the queue.
+
         Raises:
             InvalidRequestError: `now` is not a finite number (the caller's error: nothing changed).
-            whatever the scheduler raises for a request (one scheduled meanwhile by another caller, say): that
-                request leaves the line undecided, and the decisions made before it come with the next `pump`.
+            whatever the scheduler raises for a request, when no `failed` is given: that request leaves the line
+                undecided, and the decisions made before it come with the next `pump`.
         """
         # Checked here, not left to the scheduler: its refusal would read as the head request's fault and drop it.
         require_number("now", now, minimum=-math.inf, error=InvalidRequestError)
@@ -175,18 +186,28 @@ class AdmissionQueue(Generic[T]):
         try:
             while self._entries:
                 head = self._head()
-                decision = self._try_in_line(head, now)
-                if self._keeps_place(head, decision, now):
-                    break
+                try:
+                    decision = self._try(head.request, now)
+                    if self._keeps_place(head, decision, now):
+                        break
+                except Exception as error:
+                    self._fail(head, error, failed)
+                    continue
                 self._leave(head)
                 decided.append((head.item, decision))
+            if self._entries:  # the head keeps its place: those behind it are not tried, but may be refused for good
+                self._refuse_for_good_behind_head(decided, failed)
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, _, _, entry = heapq.heappop(self._deadlines)
                 if not entry.waiting or deadline != entry.deadline_s:
                     continue  # it left, or a try moved its deadline (a newer row stands for it)
                 # Behind the head, so never tried before: its deadline is the most any wait may be, which no
                 # estimate can extend. Its one try gives its decision a reason.
-                decision = self._try_in_line(entry, now)
+                try:
+                    decision = self._try(entry.request, now)
+                except Exception as error:
+                    self._fail(entry, error, failed)
+                    continue
                 self._leave(entry)
                 decided.append((entry.item, decision))
         except BaseException:
@@ -239,13 +260,40 @@ class AdmissionQueue(Generic[T]):
     def _try(self, request: Request, now: float) -> ScheduleDecision:
         return self.scheduler.schedule(request, now, waited_s=max(0.0, now - request.arrival_s))
 
-    def _try_in_line(self, entry: _Entry[T], now: float) -> ScheduleDecision:
-        """`_try` of a waiting entry; one the scheduler raises for leaves the line (no wait would change that)."""
-        try:
-            return self._try(entry.request, now)
-        except BaseException:
-            self._leave(entry)
-            raise
+    def _lasting_refusal(self, request: Request) -> ScheduleDecision | None:
+        """The refusal of a request no wait could get in (`Scheduler.lasting_refusal`), untried, or None."""
+        reason = self.scheduler.lasting_refusal(request)
+        if reason is None:
+            return None
+        return ScheduleDecision(request_id=request.request_id, accepted=False, reason=reason)
+
+    def _refuse_for_good_behind_head(
+        self, decided: list[tuple[T, ScheduleDecision]], failed: Callable[[T, Exception], None] | None
+    ) -> None:
+        """End each request behind the head (which keeps its place) that no wait could get in any more (a refusal
+        that became lasting after it joined: its instance went down, was removed or shrank), as `arrive` refuses
+        it. One `lasting_refusal` each, which schedules nothing: a pump where the head keeps its place costs one
+        per waiting request, no try."""
+        for entry in itertools.islice(self._line, 1, None):  # the head is the line's first: `_head` dropped those left
+            if not entry.waiting:
+                continue
+            try:
+                refusal = self._lasting_refusal(entry.request)
+            except Exception as error:
+                self._fail(entry, error, failed)
+                continue
+            if refusal is not None:
+                self._leave(entry)
+                decided.append((entry.item, refusal))
+
+    def _fail(self, entry: _Entry[T], error: Exception, failed: Callable[[T, Exception], None] | None) -> None:
+        """The scheduler raised for waiting `entry`: it leaves the line (no wait would change that), its item and
+        the error handed to `failed`, else the error raised again. (An interrupt, a BaseException that is no
+        Exception, is no fault of the request's: it is not caught, and the request keeps its place.)"""
+        self._leave(entry)
+        if failed is None:
+            raise error
+        failed(entry.item, error)
 
     def _deadline(self, request: Request, decision: ScheduleDecision) -> float:
         if decision.accepted:
@@ -261,12 +309,8 @@ class AdmissionQueue(Generic[T]):
 
     def _keeps_place(self, entry: _Entry[T], decision: ScheduleDecision, now: float) -> bool:
         """After a try: whether `entry` still waits (its deadline set anew from the try). A decision no deadline can
-        be set from (an estimate that is no time) leaves the line, as a try that raises does."""
-        try:
-            deadline = self._deadline(entry.request, decision)
-        except BaseException:
-            self._leave(entry)
-            raise
+        be set from (an estimate that is no time) raises, and its request fails as one whose try raises does."""
+        deadline = self._deadline(entry.request, decision)
         if not now < deadline:
             return False
         if deadline != entry.deadline_s:

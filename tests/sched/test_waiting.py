@@ -3,9 +3,10 @@
 A `RuleBasedStateMachine` drives the queue against a plain list that states the discipline directly (try
 the head until one keeps its place, then everyone past a deadline once, by deadline, out of the line), both
 scheduling on their own copy of a room-counting fake of the Conductor: the same decisions in the same order,
-the same line, the same deadlines. Examples: nobody overtakes the head, a wait ends where its TTFT objective
-would be broken, what no wait could help is refused at once, bad input is named. (That the real Conductor
-counts the wait: tests/sched/test_admission.py.)
+the same line, the same deadlines; the decode side may shrink meanwhile, and after each pump no one waits whom no
+wait could get in. Examples: nobody overtakes the head, a wait ends where its TTFT objective would be broken, what
+no wait could help is refused at once, a request the scheduler raises for is handed back alone, bad input is
+named. (That the real Conductor counts the wait: tests/sched/test_admission.py.)
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched.admission import WAITS_FOR_ROOM, room_wait_deadline
+from mooncake.sched.build import build_conductor
 from mooncake.sched.conductor import ScheduleDecision
+from mooncake.sched.cost import HARDWARE, MODELS
+from mooncake.sched.join import DecodeLimits
 from mooncake.sched.outcome import Reason
+from mooncake.sched.view import InstanceDown
 from mooncake.sched.waiting import AdmissionQueue
-from mooncake.types import Request, RequestId, Slo
+from mooncake.types import InstanceId, Request, RequestId, Slo
 
 SLO = Slo(ttft_s=10.0, tbt_s=0.1)
 CAPACITY = 10  # the fake decode side's room, in units a request's input_length takes
@@ -33,9 +38,11 @@ CAPACITY = 10  # the fake decode side's room, in units a request's input_length 
 class FakeConductor:
     """Room for `CAPACITY` units; a request takes `input_length` of them and its estimated TTFT is
     `output_length` tenths of a second plus a quarter second per unit taken. Checks in the Conductor's order:
-    never fits, TTFT with the wait counted, then room."""
+    never fits (over `largest`, what the decode side holds at most: it shrinks as an instance goes down or is
+    resized), TTFT with the wait counted, then room."""
 
     free: int = CAPACITY
+    largest: int = CAPACITY
     slo: Slo = SLO
     held: dict[RequestId, int] = attrs.field(factory=dict)
     calls: list[tuple[RequestId, float, float]] = attrs.field(factory=list)
@@ -45,7 +52,7 @@ class FakeConductor:
         # A busier decode side, a longer estimate (as a prefill queue would grow): room freed moves deadlines.
         size, ttft_s = request.input_length, request.output_length / 10 + 0.25 * (CAPACITY - self.free)
         reason = None
-        if size > CAPACITY:
+        if size > self.largest:
             reason = Reason.CONTEXT_TOO_LONG
         elif waited_s + ttft_s > SLO.ttft_s:
             reason = Reason.TTFT_SLO
@@ -61,7 +68,7 @@ class FakeConductor:
         self.free += self.held.pop(request_id)
 
     def lasting_refusal(self, request: Request) -> Reason | None:
-        return Reason.CONTEXT_TOO_LONG if request.input_length > CAPACITY else None
+        return Reason.CONTEXT_TOO_LONG if request.input_length > self.largest else None
 
 
 def request(number: int, now: float, size: int, ttft_tenths: int) -> Request:
@@ -111,7 +118,7 @@ class LineModel:
         if again:
             earlier = [i for i, row in enumerate(self.line) if row.request.arrival_s <= req.arrival_s]
             position = earlier[-1] + 1 if earlier else 0
-        if position and req.input_length > CAPACITY:  # behind others, and no wait could get it in: refused at once
+        if position and self._refused_for_good(req):  # behind others, and no wait could get it in: refused at once
             return ScheduleDecision(request_id=req.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG)
         if position:  # behind others: untried
             self.joins += 1
@@ -134,10 +141,21 @@ class LineModel:
                 break
             self.line.pop(0)
             out.append((head.item, decision))
+        for row in [row for row in self.line[1:] if self._refused_for_good(row.request)]:  # behind a head that waits
+            self.line.remove(row)
+            out.append(
+                (
+                    row.item,
+                    ScheduleDecision(request_id=row.request.request_id, accepted=False, reason=Reason.CONTEXT_TOO_LONG),
+                )
+            )
         for row in sorted((r for r in self.line if r.deadline_s <= now), key=lambda r: (r.deadline_s, r.joined)):
             self.line.remove(row)
             out.append((row.item, self._try(row.request, now)[0]))
         return out
+
+    def _refused_for_good(self, req: Request) -> bool:
+        return req.input_length > self.conductor.largest
 
     def remove(self, item: int) -> bool:
         for row in self.line:
@@ -252,6 +270,30 @@ class LineMachine(RuleBasedStateMachine):
         self.removed.add(item)
         self._record(self.queue.pump(self.now), self.model.pump(self.now))
 
+    @precondition(lambda self: self.queue is not None and len(self.queue) > 1)
+    @rule(data=st.data())
+    def resize_the_decode_side(self, data: st.DataObject) -> None:
+        """The largest request the decode side holds changes (an instance goes down, comes up, is resized): the
+        line is pumped, as the gateway and the simulator do on such news. Often between the head's size and the
+        largest behind it: a refusal behind the head becomes lasting while the head may keep its place."""
+        assert self.queue is not None and self.model is not None
+        head, *behind = (self.requests[item].input_length for item in self.queue)
+        sizes = st.integers(1, CAPACITY)
+        if behind and max(behind) > head:
+            sizes = st.integers(head, max(behind) - 1) | sizes
+        largest = data.draw(sizes)
+        self.real.largest = self.model.conductor.largest = largest
+        self._record(self.queue.pump(self.now), self.model.pump(self.now))
+
+    @invariant()
+    def no_one_waits_whom_no_wait_could_get_in(self) -> None:
+        """Every rule that changes what the decode side holds pumps the line: a request refused for good (here a
+        context over the largest instance) is not left waiting behind the head until its deadline."""
+        if self.queue is None:
+            return
+        for item in self.queue:
+            assert self.real.lasting_refusal(self.requests[item]) is None, (item, list(self.queue), self.real.largest)
+
     @invariant()
     def same_line_and_deadlines(self) -> None:
         if self.queue is None or self.model is None:
@@ -330,6 +372,96 @@ def test_what_no_wait_could_get_in_is_refused_at_once_even_behind_others() -> No
     decision = queue.arrive("huge", request(2, 0.1, CAPACITY + 1, 10), 0.1)
     assert decision is not None and decision.reason is Reason.CONTEXT_TOO_LONG
     assert list(queue) == ["a"] and [c[0] for c in conductor.calls] == ["r1"]
+
+
+def real_request(number: int, prompt_tokens: int, output_tokens: int) -> Request:
+    """A request of its own blocks (16 tokens each), arrived at 0."""
+    first = number * 100_000
+    return Request(
+        request_id=RequestId(f"r{number}"),
+        arrival_s=0.0,
+        input_length=prompt_tokens,
+        output_length=output_tokens,
+        block_keys=tuple(range(first, first + -(-prompt_tokens // 16))),
+        block_size_tokens=16,
+    )
+
+
+@pytest.mark.parametrize("change", ["instance-down", "instance-shrinks"])
+def test_a_refusal_that_becomes_lasting_behind_the_head_ends_that_wait_at_once(change: str) -> None:
+    """The reviewer's case, on the real Conductor: a request waits behind the head that only the large decode
+    instance can hold; that instance goes down (or is resized too small). The next pump (the head still waits for a
+    batch slot) refuses it at once, for the reason an identical new arrival gets, not at its deadline 30 s on."""
+    conductor = build_conductor(
+        model=MODELS["llama3-70b"],
+        hardware=HARDWARE["8xA800"],
+        prefill_instances=["p0"],
+        decode_instances=["small"],
+        block_size_tokens=16,
+        decode_limits=DecodeLimits(kv_capacity_tokens=20_000, max_batch_size=1),
+        slo=Slo(ttft_s=30.0, tbt_s=10.0),
+    )
+    conductor.add_decode_instance(InstanceId("big"), DecodeLimits(kv_capacity_tokens=200_000, max_batch_size=1))
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    for number, item in enumerate(("a", "b")):  # one batch slot each: both full
+        first = queue.arrive(item, real_request(number, 100, 50), 0.0)
+        assert first is not None and first.accepted
+    assert queue.arrive("head", real_request(2, 100, 50), 0.0) is None
+    assert queue.arrive("large", real_request(3, 50_000, 10_000), 0.0) is None  # only "big" holds it
+    if change == "instance-down":
+        conductor.handle(InstanceDown(instance_id=InstanceId("big"), now=1.0))
+    else:
+        conductor.set_decode_limits(InstanceId("big"), DecodeLimits(kv_capacity_tokens=20_000, max_batch_size=1))
+    arrival = queue.arrive("identical", attrs.evolve(real_request(4, 50_000, 10_000), arrival_s=1.0), 1.0)
+    assert arrival is not None and arrival.reason is not None
+    decided = queue.pump(1.0)
+    assert decided == [("large", ScheduleDecision(request_id=RequestId("r3"), accepted=False, reason=arrival.reason))]
+    assert list(queue) == ["head"]
+
+
+def test_a_request_the_scheduler_raises_for_is_handed_back_alone() -> None:
+    """Given `failed`, a request whose try raises (at the head, or out of turn at its deadline) or whose lasting
+    check raises (behind the head) leaves the line and is handed back with its error, once; the pump goes on:
+    every other request is decided as it would be, none lost."""
+
+    @attrs.define
+    class Raising(FakeConductor):
+        try_raises: set[RequestId] = attrs.field(factory=set)
+        check_raises: set[RequestId] = attrs.field(factory=set)
+
+        def schedule(self, req: Request, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+            if req.request_id in self.try_raises:
+                raise RuntimeError(f"predictor bug for {req.request_id}")
+            return super().schedule(req, now, waited_s=waited_s)
+
+        def lasting_refusal(self, req: Request) -> Reason | None:
+            if req.request_id in self.check_raises:
+                raise InvalidRequestError(f"request {req.request_id} is already scheduled")
+            return super().lasting_refusal(req)
+
+    conductor = Raising(free=0)
+    queue: AdmissionQueue[str] = AdmissionQueue(conductor, max_wait_s=30.0)
+    for n, name in ((1, "a"), (2, "b"), (3, "c")):
+        assert queue.arrive(name, request(n, 5.0, 1, 1), 5.0) is None
+    assert queue.arrive("late", request(4, 0.0, 1, 1), 5.0) is None  # its body read slowly: due at 10.0
+    failed: list[tuple[str, Exception]] = []
+
+    def record(item: str, error: Exception) -> None:
+        failed.append((item, error))
+
+    conductor.check_raises = {RequestId("r3")}  # behind the head: its lasting check raises
+    assert queue.pump(6.0, failed=record) == [] and list(queue) == ["a", "b", "late"]
+    conductor.try_raises = {RequestId("r4")}  # due: its one try, out of turn, raises
+    assert queue.pump(10.0, failed=record) == [] and list(queue) == ["a", "b"]
+    conductor.free, conductor.try_raises = 2, {RequestId("r1")}  # the head's try raises; "b" gets the room
+    assert [(item, d.accepted) for item, d in queue.pump(11.0, failed=record)] == [("b", True)]
+    assert [(item, str(error)) for item, error in failed] == [
+        ("c", "request r3 is already scheduled"),
+        ("late", "predictor bug for r4"),
+        ("a", "predictor bug for r1"),
+    ]
+    assert len(queue) == 0 and queue.next_deadline() == math.inf and queue.pump(12.0, failed=record) == []
+    assert len(failed) == 3
 
 
 def test_with_no_wait_allowed_nothing_waits() -> None:

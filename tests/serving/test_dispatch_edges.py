@@ -1267,3 +1267,42 @@ def test_a_bug_while_a_choice_is_read_withdraws_its_request(stream: bool) -> Non
             assert counted(d, live.decode) == {"abort": 1}
 
     asyncio.run(run())
+
+
+def test_a_waiter_the_conductor_raises_for_in_line_gets_a_500_and_the_line_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Conductor raising when a request waiting for room is tried again (a bug) ends that request's `admit`
+    with a 500, as an error at its first try ends in the error middleware's 500: its client does not wait for a
+    decision that never comes, the `end` that freed the room is not broken off by it, and the one behind it is
+    admitted."""
+
+    async def run() -> None:
+        async with dispatching() as d:
+            d.conductor.set_decode_limits(
+                InstanceId("decode-0"), DecodeLimits(kv_capacity_tokens=10_000, max_batch_size=1)
+            )
+            first = await admitted(d)
+            broken = asyncio.create_task(admitted(d, 100))
+            await settle()
+            behind = asyncio.create_task(admitted(d, 200))
+            await settle()
+            assert not broken.done() and not behind.done() and len(d._waiting) == 2
+            broken_id = next(iter(d._waiting)).live.request_id
+            schedule = d.conductor.schedule
+
+            def raising(request: Any, now: float, *, waited_s: float = 0.0) -> ScheduleDecision:
+                if request.request_id == broken_id:
+                    raise RuntimeError("a predictor bug")
+                return schedule(request, now, waited_s=waited_s)
+
+            monkeypatch.setattr(d.conductor, "schedule", raising)
+            d.end(first, Outcome.ABORTED, Reason.CLIENT_GONE)  # room freed: the line is tried
+            async with asyncio.timeout(5.0):  # bounded: before the fix its `admit` waited until its client left
+                with pytest.raises(ApiError) as failed:
+                    await broken
+                admitted_behind = await behind
+            assert failed.value.status == 500
+            assert len(d._waiting) == 0 and admitted_behind.request_id in d.live
+
+    asyncio.run(run())
