@@ -37,7 +37,15 @@ from paper.threshold import threshold
 from paper.throughput import throughput
 from serving.registry import ROUTERS
 
-from mooncake.cli import OneLineParser, comma_separated, error_message, folder_path, one_line, run_interruptible
+from mooncake.cli import (
+    OneLineParser,
+    comma_separated,
+    error_message,
+    folder_path,
+    one_line,
+    request_count,
+    run_interruptible,
+)
 from mooncake.errors import MooncakeError
 from mooncake.sched.router import is_threshold
 from mooncake.sim.report import json_safe, require_pyplot, write_json
@@ -123,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
             )
             q.add_argument(
                 "--throughput-requests",
-                type=simulation.number(int, least=1, most=simulation.MAX_REQUESTS),
+                type=request_count(1),
                 default=300,
                 help=f"requests per rate tried (at most {simulation.MAX_REQUESTS:,})",
             )

@@ -54,7 +54,7 @@ from serving.registry import ADMISSIONS, PREDICTORS, ROUTERS
 
 from mooncake._checks import range_problem
 from mooncake._files import atomic_path
-from mooncake.cli import MAX_REQUESTS, file_path, read_trace, request_count
+from mooncake.cli import MAX_REQUESTS, file_path, integer, read_trace, request_count
 from mooncake.errors import ConfigError
 from mooncake.sched.conductor import Conductor
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
@@ -95,7 +95,10 @@ def number(
 ) -> Callable[[str], Any]:
     """An argparse type: an option's value as `kind`, finite, >= `least`, > `above` and <= `most`: argparse then
     names the option and the value it refuses, before anything runs (an unbounded value could loop for ever:
-    --sample-every 0, --num-requests 10**20): the workload's counts and experiments.py's sweeps."""
+    --sample-every 0, --num-requests 10**20): the workload's counts and experiments.py's sweeps. An integer is
+    `mooncake.cli.integer`'s (one rule and wording for every integer option)."""
+    if kind is int and above == -math.inf and least > -math.inf:
+        return integer(int(least), most=None if most == math.inf else int(most))
     bound = f">= {least:g}" if least > -math.inf else f"> {above:g}"
     if most < math.inf:
         bound += f" and <= {most:d}" if kind is int else f" and <= {most:.4g}"
