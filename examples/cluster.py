@@ -30,12 +30,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving.config import load_config
-from serving.launch import CLOSE_S, start_cluster
-from serving.machine import Machine
-
+from mooncake._extras import needs_extra
 from mooncake.cli import OneLineParser
-from mooncake.errors import MooncakeError
+from mooncake.errors import ConfigError, MooncakeError
+
+try:
+    with needs_extra("examples/cluster.py"):  # the gateway's aiohttp: the cluster extra, named (not a traceback)
+        from serving.config import load_config
+        from serving.launch import CLOSE_S, start_cluster
+        from serving.machine import Machine
+except ConfigError as missing:
+    raise SystemExit(f"cluster: {missing}") from None
 
 STOP_REPORT_S = CLOSE_S + 10.0  # longer than a stop of local workers takes by design, with a margin
 MAX_PORT = 65_535

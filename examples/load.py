@@ -66,13 +66,19 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiohttp
 import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
-from serving.api import DECODE_HEADER, PREFILL_HEADER
 
+from mooncake._extras import needs_extra
 from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
+
+try:
+    with needs_extra("examples/load.py"):  # its HTTP client: the cluster extra, named (not a traceback)
+        import aiohttp
+        from serving.api import DECODE_HEADER, PREFILL_HEADER
+except ConfigError as missing:
+    raise SystemExit(f"load: {missing}") from None
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import summary_table, write_json

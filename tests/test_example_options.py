@@ -153,3 +153,24 @@ def test_replay_builds_its_conductor_and_coupled_cluster_as_the_experiments_do(
         assert replay.main([*SMALL, "--engine", engine, "--no-progress", "--json"]) == 0
     assert made == ["conductor", "coupled"]
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("script", ["cluster", "load"])
+def test_an_example_client_or_cluster_without_aiohttp_names_the_extra(script: str) -> None:
+    """Without the cluster extra (aiohttp), examples/cluster.py and load.py say which extra to install, in one line
+    with status 1 (a bare ModuleNotFoundError traceback before), as the library's own imports do."""
+    blocked = (
+        "import runpy, sys; sys.modules['aiohttp'] = None; sys.argv = [sys.argv[1], '--help']; "
+        "sys.path.insert(0, 'examples'); runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked, f"examples/{script}.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"{script}: examples/{script}.py needs aiohttp: the cluster extra (pip install -e '.[cluster]' in the checkout)\n"
+    )

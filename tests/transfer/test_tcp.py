@@ -537,12 +537,13 @@ def test_a_read_reply_that_lost_its_checksum_fails_its_request(monkeypatch: pyte
 
 
 def test_a_call_gets_its_whole_timeout_however_long_the_previous_reply_took() -> None:
-    """A reply whose body comes in three pieces over 0.7 s of a 1 s budget, then a call answered 0.75 s after it
+    """A reply whose body comes in three pieces over 2.1 s of a 3 s budget, then a call answered 2.25 s after it
     came: both succeed. (`call` read its budget back from the socket, which the previous reply's deadline had
-    left at what was left of it when its last piece was awaited, 0.5 s: the second call, which the peer ran,
-    failed, and every later one had less.)"""
+    left at what was left of it when its last piece was awaited, 1.5 s: the second call, which the peer ran,
+    failed, and every later one had less.) The times are three times the ratios the test needs, so that a loaded
+    machine's stall of a few tenths of a second does not fail it."""
     client, server = socket.socketpair()
-    client.settimeout(1.0)
+    client.settimeout(3.0)
     body = json.dumps("x" * 1000).encode()
 
     def serve() -> None:  # a slow peer: the pauses are its pace, not synchronisation
@@ -550,13 +551,13 @@ def test_a_call_gets_its_whole_timeout_however_long_the_previous_reply_took() ->
             frame = recv_frame(server, max_length=MAX_CONTROL_BYTES)
             recv_exact(server, memoryview(bytearray(frame.length)))
             send_frame(server, Frame(Kind.REPLY, length=len(body)), body[:10])
-            time.sleep(0.5)
+            time.sleep(1.5)
             server.sendall(body[10:20])
-            time.sleep(0.2)
+            time.sleep(0.6)
             server.sendall(body[20:])
             frame = recv_frame(server, max_length=MAX_CONTROL_BYTES)
             recv_exact(server, memoryview(bytearray(frame.length)))
-            time.sleep(0.75)
+            time.sleep(2.25)
             send_frame(server, Frame(Kind.REPLY, length=4), b'"ok"')
 
     peer = threading.Thread(target=serve, daemon=True)
@@ -564,7 +565,7 @@ def test_a_call_gets_its_whole_timeout_however_long_the_previous_reply_took() ->
     try:
         assert tcp.call(client, "big", None) == "x" * 1000
         assert tcp.call(client, "slowish", None) == "ok"
-        assert client.gettimeout() == 1.0
+        assert client.gettimeout() == 3.0
     finally:
         client.close()
         server.close()
