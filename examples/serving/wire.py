@@ -416,10 +416,15 @@ class CancelPrefill:
 
 @attrs.frozen(kw_only=True)
 class CancelDecode:
-    """Drop the request from the decode batch (whatever its attempt); a request not there is ignored."""
+    """Drop the request from the decode batch (whatever its attempt held there). `every_attempt`: the gateway ended
+    the request (its client left, it timed out, its text ended), so no attempt of it may join that node from now on,
+    a later one whose hand-off is still on its way included; else (a health probe's cancel of a request served
+    elsewhere now) the attempt held there ends, and a request held nowhere is noted as ended in every attempt unless
+    an attempt of it ended there already (the decode node's `_EndedAttempts`)."""
 
     METHOD: ClassVar[str] = "decode.cancel"
     request_id: int = _field(INT)
+    every_attempt: bool = _field(BOOL, default=False)
 
 
 @attrs.frozen(kw_only=True)

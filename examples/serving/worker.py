@@ -164,9 +164,13 @@ class _EndedAttempts:
         self._entries[request_id] = (latest, now)
         self._forget(now)
 
-    def cancel(self, request_id: RequestId, held: int | None, now: float) -> None:
-        """`decode.cancel` of `request_id`, of which this node held (or awaited the blocks of) attempt `held`."""
-        if held is not None:
+    def cancel(self, request_id: RequestId, held: int | None, now: float, *, every_attempt: bool = False) -> None:
+        """`decode.cancel` of `request_id`, of which this node held (or awaited the blocks of) attempt `held`;
+        `every_attempt`: the gateway ended the request, so no attempt of it joins from now on (one held here, or an
+        earlier one's entry, would otherwise let a later attempt's hand-off join and decode for nobody)."""
+        if every_attempt:
+            self.end(request_id, EVERY_ATTEMPT, now)
+        elif held is not None:
             self.end(request_id, held, now)
         elif request_id not in self._entries:
             self.end(request_id, EVERY_ATTEMPT, now)
@@ -573,7 +577,9 @@ class Worker:
             for job in jobs:
                 if isinstance(job, wire.CancelDecode):
                     cancelled = RequestId(job.request_id)  # type: ignore[arg-type]
-                    self._ended.cancel(cancelled, self._held_attempt(cancelled), time.monotonic())
+                    self._ended.cancel(
+                        cancelled, self._held_attempt(cancelled), time.monotonic(), every_attempt=job.every_attempt
+                    )
                     self._stop_waiting(cancelled)
                     decode.cancel(cancelled)
                     self._attempts.pop(cancelled, None)

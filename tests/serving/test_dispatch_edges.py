@@ -66,9 +66,9 @@ class Recorder:
     held: bool = False
     fails: bool = False
 
-    def submit(self, function: Any, _instance: str, message: Any) -> concurrent.futures.Future[None]:
+    def submit(self, function: Any, _instance: str, message: Any, *rest: Any) -> concurrent.futures.Future[None]:
         if function.__name__ == "_cancel":
-            message = wire.CancelDecode(request_id=int(message))
+            message = wire.CancelDecode(request_id=int(message), every_attempt=rest[0])
         self.sent.append(message)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         if self.fails:
@@ -274,7 +274,7 @@ def test_an_end_counts_once_and_cancels_as_the_rules_say(
             left = reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)
             cancels_decode = (cancel or left) and decode_up
             assert sent(d, decode)[before_decode:] == (
-                [wire.CancelDecode(request_id=int(live.request_id))] * cancels_decode
+                [wire.CancelDecode(request_id=int(live.request_id), every_attempt=True)] * cancels_decode
             )
             abandon = wire.CancelPrefill(request_id=int(live.request_id), attempt=0)
             abandons = left and not has_joined
@@ -293,7 +293,7 @@ def test_finish_cancels_the_decode_and_counts_a_stop() -> None:
         async with dispatching() as d:
             live = await admitted(d)
             d.finish(live, "stop")
-            assert sent(d, live.decode) == [wire.CancelDecode(request_id=int(live.request_id))]
+            assert sent(d, live.decode) == [wire.CancelDecode(request_id=int(live.request_id), every_attempt=True)]
             assert finished(d, live.decode, "stop") == 1 and not d.live
 
     asyncio.run(run())
@@ -582,7 +582,7 @@ def test_the_request_timeout_bounds_each_wait_for_a_token() -> None:
                     pass
             assert caught.value.status == 504 and d.now() - started < 0.9  # not the 1 s a wait from now would take
             assert late.request_id not in d.live
-            assert sent(d, late.decode)[-1] == wire.CancelDecode(request_id=int(late.request_id))
+            assert sent(d, late.decode)[-1] == wire.CancelDecode(request_id=int(late.request_id), every_attempt=True)
             assert sent(d, late.prefill)[-1] == wire.CancelPrefill(request_id=int(late.request_id), attempt=0)
             assert finished(d, late.decode, "abort") == 1
 
@@ -769,14 +769,14 @@ def test_a_worker_answering_again_is_marked_up_told_what_it_missed_and_wakes_the
                 wire.Announce(),  # marked down, its cache was forgotten
                 abandoned,
                 gone,
-                wire.CancelDecode(request_id=int(live.request_id)),
-                wire.CancelDecode(request_id=999),
+                wire.CancelDecode(request_id=int(live.request_id)),  # served elsewhere now: the attempt held there
+                wire.CancelDecode(request_id=999, every_attempt=True),  # ended: every attempt
             ]
             before = len(sent(d, victim))
             await d._probe(d.workers[victim])  # up all along: nothing to tell again
             assert sent(d, victim)[before:] == [
-                wire.CancelDecode(request_id=int(live.request_id)),
-                wire.CancelDecode(request_id=999),
+                wire.CancelDecode(request_id=int(live.request_id)),  # served elsewhere now: the attempt held there
+                wire.CancelDecode(request_id=999, every_attempt=True),  # ended: every attempt
             ]
             before_dead = sum(isinstance(m, wire.PeerGone) for m in sent(d, "decode-0"))
             await d._probe(d.workers[dead])  # still dead: announced once
@@ -1263,7 +1263,7 @@ def test_a_bug_while_a_choice_is_read_withdraws_its_request(stream: bool) -> Non
             with pytest.raises(RuntimeError, match="a bug"):
                 await task
             assert not d.live and d.conductor.in_flight == ()
-            assert sent(d, live.decode)[-1] == wire.CancelDecode(request_id=int(live.request_id))
+            assert sent(d, live.decode)[-1] == wire.CancelDecode(request_id=int(live.request_id), every_attempt=True)
             assert counted(d, live.decode) == {"abort": 1}
 
     asyncio.run(run())

@@ -252,7 +252,7 @@ def test_handlers_decode_before_serving() -> None:
     assert wire.decode_as(wire.Health, answer) == wire.Health(
         ok=True, pid=1, queued=0, active=(3,), generated_tokens=9, kv_usage=0.25
     )
-    assert served["decode.cancel"]({"request_id": 4}) is None
+    assert served["decode.cancel"]({"request_id": 4, "every_attempt": False}) is None
     assert seen == [wire.HealthCheck(), wire.CancelDecode(request_id=4)]
     with pytest.raises(wire.MessageError, match=r"decode\.cancel\.request_id"):
         served["decode.cancel"]({"request_id": "4"})

@@ -644,6 +644,21 @@ def test_what_a_decode_node_remembers_ending_keeps_to_its_bounds() -> None:
     ended.check_invariants()
 
 
+def test_a_cancel_of_a_request_the_gateway_ended_ends_every_attempt_held_or_not() -> None:
+    """The gateway ended the request (its client left) while this node held attempt 0, or had ended it here: the
+    cancel says so (`every_attempt`), and attempt 1's hand-off, still on its way, is dropped (the cancel ended only
+    the attempt held, or added nothing to the entry, and attempt 1 joined and decoded for nobody)."""
+    ended = _EndedAttempts(keep_s=10.0, max_entries=8)
+    ended.cancel(rid(1), 0, now=0.0, every_attempt=True)  # held attempt 0
+    assert ended.has_ended(rid(1), 1, now=0.5)
+    ended.end(rid(2), 0, now=1.0)  # attempt 0 ended here (a probe's cancel, a finish)
+    ended.cancel(rid(2), None, now=1.5, every_attempt=True)
+    assert ended.has_ended(rid(2), 1, now=2.0)
+    ended.cancel(rid(3), 0, now=2.0)  # a probe's cancel of a request served elsewhere: its later attempt may come
+    assert not ended.has_ended(rid(3), 1, now=2.5)
+    ended.check_invariants()
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     steps=st.lists(
