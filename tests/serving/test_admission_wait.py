@@ -73,7 +73,7 @@ class Calls:
 
     sent: list[Any] = attrs.field(factory=list)
 
-    def submit(self, function: Any, _instance: str, message: Any) -> concurrent.futures.Future[None]:
+    def submit(self, function: Any, _instance: str, message: Any, *_rest: Any) -> concurrent.futures.Future[None]:
         self.sent.append(function.__name__ if function.__name__ == "_cancel" else type(message).__name__)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)

@@ -378,7 +378,9 @@ def test_a_zero_length_request_in_bounds_is_done_over_rdma(op: TransferOp) -> No
 # --------------------------------------------------------------------------- the send queue's depth
 
 
-@settings(max_examples=40, deadline=None)
+# Up to 40 moves each drawn through `reachable_ranges`' filter: a list now and then has Hypothesis discard more
+# draws than its health check allows (seen once in CI), though every example it keeps is a valid one.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(
     depth=st.integers(1, 6),
     moves=st.lists(st.tuples(st.sampled_from(TransferOp), reachable_ranges(), st.integers(0, LOCAL)), max_size=40),
