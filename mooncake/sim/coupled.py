@@ -448,12 +448,11 @@ class CoupledCluster:
                 f"{instance.instance_id}: {evictable * block} evictable cached + {reserved} reserved KV"
                 f" tokens > capacity {self.capacity_tokens}"
             )
+            # The partial prefill and those the iteration completes (which never include it: `_decide`).
             taken = [instance.prefilling] if instance.prefilling is not None else []
             taken += instance.plan.completes if instance.plan is not None else ()
             assert instance.taken_tokens == sum(
-                w.request.input_length + w.request.output_length
-                for w in {id(w): w for w in taken}.values()
-                if takes_slot(w.request.output_length)
+                w.request.input_length + w.request.output_length for w in taken if takes_slot(w.request.output_length)
             ), f"{instance.instance_id}: taken reservations miscounted"
 
             pins: dict[BlockKey, int] = {}
