@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 
+from mooncake import _json
 from mooncake._extras import needs_extra
 from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
@@ -215,8 +216,8 @@ def _chunk(text: str) -> dict[str, Any] | None:
     """A stream's `data:` payload as a completion chunk (an object with a list of `choices`, its `usage` an object
     or null), or an error event (an object with `error`); None for anything else (not JSON, say)."""
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = _json.loads(text)
+    except ValueError:  # no JSON, or nested too deep
         return None
     if not isinstance(data, dict):
         return None

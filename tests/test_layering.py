@@ -24,6 +24,7 @@ LAYERS = {
     "mooncake._checks": 0,
     "mooncake._extras": 0,
     "mooncake._files": 0,
+    "mooncake._json": 0,
     "mooncake.errors": 0,
     "mooncake.types": 0,
     "mooncake.workload": 0,

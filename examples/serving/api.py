@@ -56,6 +56,7 @@ from typing import Any
 
 import attrs
 
+from mooncake import _json
 from mooncake._checks import shown
 from mooncake.engine.chat import content_text
 from mooncake.engine.logprobs import TokenLogprobs
@@ -287,10 +288,8 @@ def decode_body(
     if not text.strip():
         raise ApiError(400, "the body is empty: expected a JSON object")
     try:
-        body = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
-    except ValueError as error:  # JSONDecodeError, NaN, an integer past Python's digit limit
+        body = _json.loads(text, parse_constant=_no_constant)
+    except ValueError as error:  # JSONDecodeError, NaN, an integer past Python's digit limit, nested too deep
         raise ApiError(400, f"the body is not valid JSON: {shown(str(error), limit=120, quote=ascii)}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, not a JSON {type(body).__name__}")

@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from mooncake import _json
 from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched.build import build_conductor as build
@@ -98,11 +99,10 @@ def read_profile(path: str, *, config: ClusterConfig | None = None) -> tuple[Fit
     """
     try:
         with open(path) as stream:
-            profile = json.load(stream)
-    except (OSError, ValueError) as error:  # ValueError: no JSON (or an integer past 4,300 digits)
+            profile = _json.loads(stream.read())
+    # ValueError: no JSON, an integer past 4,300 digits, nested too deep
+    except (OSError, ValueError) as error:
         raise ConfigError(f"[prefill] profile = {path!r}: {error}") from error
-    except RecursionError as error:  # arrays or objects nested past the interpreter's stack
-        raise ConfigError(f"[prefill] profile = {path!r}: JSON nested too deeply") from error
     sections = {}
     for name in ("prefill", "decode"):
         if not isinstance(profile, dict) or name not in profile:

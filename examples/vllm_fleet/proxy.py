@@ -96,6 +96,7 @@ from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, Serv
 from serving.protocol import http_url
 from vllm_events import KvEventSubscriber
 
+from mooncake import _json
 from mooncake.cache import BlockIndex
 from mooncake.engine.tokenizer import load_tokenizer
 from mooncake.errors import ConfigError, InvalidRequestError
@@ -802,7 +803,7 @@ class VllmRouter:
             return web.Response(body=data, status=status, headers=kept)
         answer: Any = None
         with contextlib.suppress(ValueError, TypeError):
-            answer = json.loads(data)
+            answer = _json.loads(data)
         answer = answer if isinstance(answer, dict) else {}
         # A one-token answer comes when the prefill ends; its usage says what the prefill server found cached.
         self.fleet.prefilled(flight, now, cached_tokens=_cached_tokens(answer.get("usage")))
@@ -861,7 +862,7 @@ class VllmRouter:
                 now = time.monotonic()
                 if upstream.status == 200:
                     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError, IndexError):
-                        answer = json.loads(data)
+                        answer = _json.loads(data)
                         cached = _cached_tokens(answer.get("usage"))
                         generated = int(answer["usage"]["completion_tokens"])
                         finish = str(answer["choices"][0].get("finish_reason") or "length")
@@ -904,7 +905,7 @@ class VllmRouter:
                             finish = named[1].decode()
                     if line.startswith(b"data:") and b'"usage"' in line:
                         with contextlib.suppress(ValueError, TypeError, KeyError):
-                            chunk = json.loads(line[5:])
+                            chunk = _json.loads(line[5:])
                             if chunk.get("usage") and not chunk.get("choices"):
                                 cached = _cached_tokens(chunk["usage"])
                                 generated = int(chunk["usage"]["completion_tokens"])

@@ -13,10 +13,10 @@ messages as system ones, merged into one at the start, where the template never 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mooncake import _json
 from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
 
@@ -102,8 +102,8 @@ def _arguments(value: Any) -> dict[str, Any]:
     """A tool call's `arguments` as vLLM hands them to a template: an object (JSON text parsed; else `{}`)."""
     if isinstance(value, str) and value:
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):  # no JSON, or JSON Python cannot read (4,300+ digits, deep nesting)
+            value = _json.loads(value)
+        except ValueError:  # no JSON, or JSON Python cannot read (4,300+ digits, nested too deep)
             return {}
     return value if isinstance(value, dict) else {}
 

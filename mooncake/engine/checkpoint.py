@@ -36,12 +36,12 @@ has the shape the config implies; the loaded model's logits are transformers'
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mooncake import _json
 from mooncake._checks import is_finite_number, shown
 from mooncake._extras import needs_extra
 from mooncake.engine.config import ModelConfig, RopeScaling
@@ -101,12 +101,11 @@ def read_json(path: Path) -> Any:
         ConfigError: the file is missing, unreadable, no UTF-8, or no JSON Python reads, naming it.
     """
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return _json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist") from None
-    # ValueError: an integer past Python's 4,300 digits (JSONDecodeError is one too); RecursionError: arrays or
-    # objects nested past the interpreter's stack.
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+    # ValueError: no JSON (a JSONDecodeError), an integer past Python's 4,300 digits, nested too deep.
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ConfigError(f"{path} is not readable JSON: {_one_line(error)}") from error
 
 

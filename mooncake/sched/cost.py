@@ -44,6 +44,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from mooncake import _json
 from mooncake._checks import (
     fraction,
     int_at_least,
@@ -499,11 +500,10 @@ def json_object(text: Any, what: str, keys: Sequence[str]) -> dict[str, Any]:
         ConfigError: "not a {what}: ..." when it is no JSON, no object, or lacks a key (naming it).
     """
     try:
-        data = json.loads(text)
-    except (ValueError, TypeError) as error:  # ValueError: no JSON; TypeError: no text (None, a number)
+        data = _json.loads(text)
+    # ValueError: no JSON, or nested too deep (NestingError); TypeError: no text (None, a number)
+    except (ValueError, TypeError) as error:
         raise ConfigError(f"not a {what}: {error}") from error
-    except RecursionError as error:  # arrays or objects nested past the interpreter's stack
-        raise ConfigError(f"not a {what}: JSON nested too deeply") from error
     if not isinstance(data, dict):
         raise ConfigError(f"not a {what}: must be a JSON object, got {shown(data)}")
     for key in keys:

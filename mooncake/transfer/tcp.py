@@ -68,6 +68,7 @@ import attrs
 import numpy as np
 import xxhash
 
+from mooncake import _json
 from mooncake._checks import shown
 from mooncake.errors import AuthenticationError, ConfigError, PeerUnavailable, TransferError, TransferTimeout
 from mooncake.transfer.region import Region
@@ -265,8 +266,8 @@ def call(sock: socket.socket, method: str, args: object, *, timeout_s: float | N
     if reply.kind == Kind.ERROR:
         raise TransferError(f"peer refused {shown(method, quote=str)}: {_refusal_text(body)}")
     try:
-        decoded: Json = json.loads(body)
-    except (ValueError, RecursionError) as error:  # malformed, or nested past the parser's depth
+        decoded: Json = _json.loads(body)
+    except ValueError as error:  # malformed, or nested too deep
         raise ProtocolError(f"the REPLY to {shown(method, quote=str)} is not JSON: {error}") from error
     return decoded
 
@@ -723,7 +724,7 @@ def _serve_call(sock: socket.socket, context: ServerContext, frame: Frame) -> No
     body = bytearray(frame.length)
     recv_exact(sock, memoryview(body), deadline=_payload_deadline(context))
     try:
-        request = json.loads(body)
+        request = _json.loads(body)
         result = context.handle_call(str(request["method"]), request.get("args"))
         payload = json.dumps(result).encode()
     except Exception as error:

@@ -85,8 +85,10 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
+from mooncake import _json
 from mooncake._checks import require_int, require_iterable, require_number, shown
 from mooncake._files import atomic_path, names_a_file
+from mooncake._json import NestingError
 from mooncake.errors import ConfigError, InvalidRequestError, TraceFormatError
 from mooncake.types import Request, RequestId
 from mooncake.workload.assembly import TraceAssembler, Turn, text_block_keys
@@ -221,9 +223,6 @@ def _hint(line: str) -> str:
     return ""
 
 
-_TOO_DEEP = "invalid JSON: arrays or objects nested too deeply"
-
-
 def _record(raw: bytes) -> Any:
     """The line's decoded JSON, or `_BLANK`.
 
@@ -243,25 +242,22 @@ def _record(raw: bytes) -> Any:
     try:
         # Without its line ending: a line cut short is then reported at its end, not at column 1 of the next.
         text = line.rstrip("\r\n")
-        record = json.loads(text, parse_constant=_not_json)
+        record = _json.loads(text, parse_constant=_not_json)
+    except NestingError as error:
+        raise ValueError(f"invalid JSON: {error}") from error
     except json.JSONDecodeError as error:
         # A JSON array of requests (pretty-printed), a pretty-printed object, a CSV trace or a compressed file fail
         # on their first line: say what a trace is.
         # Some of json's messages end in "at" ("Unterminated string starting at"), for a place to follow.
         message = error.msg.removesuffix(" at")
         raise ValueError(f"invalid JSON: {message} at column {error.colno}{_hint(line)}") from error
-    except RecursionError as error:
-        raise ValueError(_TOO_DEEP) from error
     except ValueError as error:
         if str(error).startswith("invalid JSON"):
             raise
         # int() refuses to read more digits than sys.get_int_max_str_digits().
         raise ValueError(f"invalid JSON: a number of over {sys.get_int_max_str_digits()} digits") from error
     if isinstance(record, dict):
-        try:
-            check_fields_once(text, record)  # json.loads keeps a repeated field's last value
-        except RecursionError as error:  # read again a frame deeper, a line nested to the very limit may not read
-            raise ValueError(_TOO_DEEP) from error
+        check_fields_once(text, record)  # json.loads keeps a repeated field's last value
     return record
 
 

@@ -54,6 +54,7 @@ from typing import Any, Literal
 import attrs
 
 from mooncake._checks import ceil_div, shown
+from mooncake._json import check_depth
 from mooncake.types import BLOCK_KEY_LIMIT
 
 __all__ = [
@@ -300,8 +301,6 @@ def check_fields_once(text: str, record: dict[str, Any]) -> None:
 
     Raises:
         ValueError: the first field named twice.
-        RecursionError: `text` is nested so deep that reading it again, a frame deeper than `record` was read,
-            passes the recursion limit.
     """
     if text.count(":") <= len(record):
         return
@@ -346,8 +345,9 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 def _value_at(text: str, position: int) -> tuple[Any, int] | None:
     """The JSON value at `position` and the index past it, or None when none can be read there."""
     try:
+        check_depth(text, position)
         return _DECODER.raw_decode(text, position)
-    except (ValueError, RecursionError):  # a JSONDecodeError, too many digits, nesting too deep
+    except ValueError:  # a JSONDecodeError, too many digits, nested too deep (NestingError)
         return None
 
 

@@ -244,7 +244,7 @@ def test_a_file_that_is_not_a_toml_text(tmp_path: Path) -> None:
     [
         (None, "No such file"),
         ("{", "Expecting"),
-        ("[" * 200_000 + "]" * 200_000, "nested too deeply"),
+        ("[" * 200_000 + "]" * 200_000, "nested deeper than 128 levels"),
         (json.dumps({"prefill": {}}), "no 'decode' section"),
         (json.dumps({"prefill": 5, "decode": 5}), "not a fitted prefill model"),
         (b"\xff\xfe", "codec"),

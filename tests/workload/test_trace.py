@@ -192,7 +192,10 @@ MALFORMED: dict[str, tuple[str, str]] = {
         "must be a number of ms in [0, 2**43], got inf",
     ),
     "a 5,000-digit integer": (line().replace("[1, 2]", f"[1, {'9' * 5000}]"), "a number of over 4300 digits"),
-    "200,000-deep nesting": ("[" * 200_000 + "]" * 200_000, "invalid JSON: arrays or objects nested too deeply"),
+    "200,000-deep nesting": (
+        "[" * 200_000 + "]" * 200_000,
+        "invalid JSON: arrays or objects nested deeper than 128 levels",
+    ),
     "input_length 2**24 + 1": (line(input_length=2**24 + 1), "field 'input_length' must be at most 2**24 tokens"),
     "too few hash_ids": (line(hash_ids=[1]), "1 hash_ids for input_length 5: expected ceil(5/4) = 2"),
     "too many hash_ids": (line(hash_ids=[1, 2, 3]), "3 hash_ids for input_length 5: expected ceil(5/4) = 2"),
