@@ -71,7 +71,7 @@ from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.cli import comma_separated
 from mooncake.engine.config import PRESETS, ModelConfig
-from mooncake.types import BlockKey, RequestId
+from mooncake.types import BlockKey, RequestId, block_count
 
 # torch and the engines (seconds to import) are imported where they are used: options are checked first, and a
 # run refused for a bad one never needs them.
@@ -91,7 +91,7 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 def cache_for(layout: KvLayout, tokens: int) -> TieredCache:
     """A DRAM cache for `tokens`, its pages touched up front as a serving node's are after warm-up."""
-    return TieredCache([DramPagePool(layout.page_bytes, -(-tokens // layout.block_tokens) + 1, prefault=True)])
+    return TieredCache([DramPagePool(layout.page_bytes, block_count(tokens, layout.block_tokens) + 1, prefault=True)])
 
 
 def matmul_flops_per_s(config: ModelConfig, rows: int) -> float:
@@ -154,7 +154,7 @@ def bench_decode(config: ModelConfig, context: int, batches: list[int], steps: i
     model = LlamaModel(config, seed=0)
     layout = KvLayout(config=config, block_tokens=BLOCK_TOKENS)
     cache = cache_for(layout, context)
-    keys = [BlockKey(i + 1) for i in range(-(-context // BLOCK_TOKENS))]
+    keys = [BlockKey(i + 1) for i in range(block_count(context, BLOCK_TOKENS))]
     rng = np.random.default_rng(0)
     for b, key in enumerate(keys):
         tokens = min(BLOCK_TOKENS, context - b * BLOCK_TOKENS)

@@ -29,7 +29,7 @@ from mooncake.cache import DramPagePool, TieredCache
 from mooncake.cache.hashing import BlockHasher
 from mooncake.engine.config import PRESETS
 from mooncake.sched.cost import HARDWARE
-from mooncake.types import BlockKey, RequestId
+from mooncake.types import BlockKey, RequestId, block_count
 
 BLOCK_TOKENS = 256
 
@@ -104,7 +104,7 @@ def main() -> None:
 
     context = args.decode_context
     cache = TieredCache([DramPagePool(layout.page_bytes, context // BLOCK_TOKENS + 2)])
-    keys = [BlockKey(i + 1) for i in range(-(-context // BLOCK_TOKENS))]
+    keys = [BlockKey(i + 1) for i in range(block_count(context, BLOCK_TOKENS))]
     for b, key in enumerate(keys):
         size = layout.block_bytes(min(BLOCK_TOKENS, context - b * BLOCK_TOKENS))
         cache.put(key, (rng.standard_normal(size // 2) * 0.5).astype(np.float16).view(np.uint8))

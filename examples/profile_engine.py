@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from mooncake.errors import ConfigError, MooncakeError
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS, FittedPrefillModel, PrefillSample, check_prefill_points
 from mooncake.sched.step import FittedStepModel, check_step_points
 from mooncake.sim.report import write_json
-from mooncake.types import RequestId
+from mooncake.types import RequestId, block_count
 
 BLOCK_TOKENS = 16  # without --config
 GROUP_TIMEOUT_S = 120.0  # a CPP group's transfers between stages (the worker's bound is at least 60 s)
@@ -242,7 +241,7 @@ def run(args: argparse.Namespace) -> None:
     steps: list[tuple[int, int, float]] = []
     # Every length's prompt stays cached at once (the decoders join them all): room for each, two pages of slack
     # apiece, so that none is evicted before its decoder joins it.
-    cache = TieredCache([DramPagePool(layout.page_bytes, sum(math.ceil(n / block) + 2 for n in lengths))])
+    cache = TieredCache([DramPagePool(layout.page_bytes, sum(block_count(n, block) + 2 for n in lengths))])
     with PrefillEngine(model, cache, hasher, options) as engine:
         prompts = {n: engine.prefill(rng.integers(0, config.vocab_size, size=n).tolist()) for n in lengths}
     for batch in batches:

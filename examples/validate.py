@@ -97,7 +97,7 @@ from mooncake.sched.step import AnalyticStepModel, FittedStepModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import RequestRecord, Summary, has_tbt, summarize, top_mean_of
 from mooncake.sim.report import plot_cdfs, require_pyplot, write_json
-from mooncake.types import Request, RequestId, Slo
+from mooncake.types import Request, RequestId, Slo, block_count
 from mooncake.workload import TRACE_BLOCK_SIZE_TOKENS
 
 HERE = Path(__file__).resolve().parent
@@ -328,7 +328,7 @@ def calibration_requests(config: ClusterConfig, scaling: Scaling, *, first_id: i
     requests = []
     for i, tokens in enumerate(lengths * repeats):
         length = max(1, round(tokens / scaling.length_scale))
-        keys = [2**62 + (first_id + i) * 10_000 + b for b in range(-(-length // TRACE_BLOCK_SIZE_TOKENS))]
+        keys = [2**62 + (first_id + i) * 10_000 + b for b in range(block_count(length, TRACE_BLOCK_SIZE_TOKENS))]
         output = max(1, round(CALIBRATION_OUTPUT / scaling.output_scale))
         requests.append(
             Request(

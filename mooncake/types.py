@@ -41,6 +41,7 @@ __all__ = [
     "Slo",
     "Tier",
     "as_token_array",
+    "block_count",
     "check_block_key",
     "check_request_id",
     "check_token_count",
@@ -66,6 +67,14 @@ RequestId = NewType("RequestId", str)
 MAX_TOKENS = 2**40
 """The most tokens a request's prompt or output may count: far beyond any context, and small enough that
 sums of them stay exact in the int64 and float64 arithmetic of the schedulers' compiled kernels."""
+
+
+def block_count(tokens: int, block_size_tokens: int) -> int:
+    """How many blocks, each one key, `tokens` tokens make in `block_size_tokens`-token blocks: the partial last
+    block counts, as the Mooncake trace's hash_ids count it (vLLM hashes full blocks only; a request here is keyed
+    whole, so that its last block can be cached and matched too). The one rule: a `Request`'s keys, a trace line's
+    hash_ids, a `BlockHasher`'s keys and a decode engine's joining request are all counted by it."""
+    return ceil_div(tokens, block_size_tokens)
 
 
 def check_token_count(name: str, value: Any) -> int:
@@ -283,7 +292,7 @@ class Request:
                 f"this cluster's blocks are {shown(block_size_tokens)} tokens: key requests with the hasher whose "
                 "block size it has"
             )
-        expected = ceil_div(self.input_length, block_size_tokens)
+        expected = block_count(self.input_length, block_size_tokens)
         if len(self.block_keys) != expected:
             raise InvalidRequestError(
                 f"request {shown(self.request_id, quote=str)} has {len(self.block_keys)} block keys, but "

@@ -12,8 +12,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake._checks import positive, shown
+from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.types import BlockKey, Request, RequestId, Slo, Tier, as_token_array, check_block_key, key_tuple
+from mooncake.types import (
+    BlockKey,
+    Request,
+    RequestId,
+    Slo,
+    Tier,
+    as_token_array,
+    block_count,
+    check_block_key,
+    key_tuple,
+)
+from mooncake.workload.trace_record import check_block_count
 from tests.strategies import key_chains, token_arrays, token_ids
 
 
@@ -379,3 +391,19 @@ def test_slo_seconds_are_checked_by_the_shared_validator() -> None:
     assert all(field.validator is positive for field in attrs.fields(Slo))
     with pytest.raises(ConfigError, match=r"^ttft_s must be a finite number > 0, got 0$"):
         Slo(ttft_s=0)
+
+
+@given(tokens=st.integers(0, 5_000), block=st.integers(1, 1_024))
+def test_every_key_count_is_block_count(tokens: int, block: int) -> None:
+    """One rule for how many keys a prompt has (`block_count`: the partial last block keyed), whoever counts: a
+    `BlockHasher` (counted and made), a trace line's hash_ids check, a keyed `Request`."""
+    count = block_count(tokens, block)
+    assert (count - 1) * block < tokens <= count * block or tokens == count == 0
+    hasher = BlockHasher(model="m", block_size_tokens=block)
+    assert hasher.num_blocks(tokens) == len(hasher.block_keys(np.zeros(tokens, dtype=np.int32))) == count
+    if tokens:
+        check_block_count(count, tokens, block)
+        with pytest.raises(ValueError, match="hash_ids for input_length"):
+            check_block_count(count + 1, tokens, block)
+        keys = tuple(BlockKey(k) for k in range(count))
+        assert make_request(input_length=tokens, block_keys=keys, block_size_tokens=block).block_keys == keys

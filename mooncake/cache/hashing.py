@@ -42,7 +42,6 @@ import numpy.typing as npt
 import xxhash
 
 from mooncake._checks import (
-    ceil_div,
     int_at_least,
     is_int,
     plain_int,
@@ -53,7 +52,7 @@ from mooncake._checks import (
 )
 from mooncake.cache._compiled import is_compiled
 from mooncake.errors import ConfigError, InvalidRequestError
-from mooncake.types import BlockKey, as_token_array, key_tuple
+from mooncake.types import BlockKey, as_token_array, block_count, key_tuple
 
 __all__ = ["BlockHasher", "HashAlgorithm", "KeyBatch", "reusable_prefix_tokens"]
 
@@ -226,7 +225,7 @@ class BlockHasher:
         """
         if type(num_tokens) is not int or num_tokens < 0:
             num_tokens = require_int("num_tokens", num_tokens, minimum=0, error=InvalidRequestError)
-        return ceil_div(num_tokens, self.block_size_tokens)
+        return block_count(num_tokens, self.block_size_tokens)
 
     def block_keys(self, tokens: Any, *, parent: BlockKey | None = None) -> tuple[BlockKey, ...]:
         """Keys of every block of `tokens`, chained from `parent` (default: the root).
@@ -280,7 +279,7 @@ class BlockHasher:
             )
         lengths = np.diff(bounds)
         key_offsets = np.zeros(bounds.size, dtype=np.int64)
-        np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])  # ceil division, vectorised
+        np.cumsum(-(-lengths // self.block_size_tokens), out=key_offsets[1:])  # `block_count`, vectorised
         kernels = self._kernels()
         if kernels is None:
             keys = [

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from mooncake._checks import ceil_div, int_at_least, is_int, non_negative, require_int, shown
+from mooncake._checks import int_at_least, is_int, non_negative, require_int, shown
 from mooncake.cache.tiered import TieredCache
 from mooncake.engine.attention import decode_attention
 from mooncake.engine.config import check_callback, check_instance
@@ -70,7 +70,7 @@ from mooncake.engine.tokenizer import can_stop_at
 from mooncake.errors import ConfigError, InvalidRequestError, MooncakeError, UnknownBlockError
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
 from mooncake.sched.step import StepModel
-from mooncake.types import BlockKey, RequestId, check_request_id, check_token_count
+from mooncake.types import BlockKey, RequestId, block_count, check_request_id, check_token_count
 
 __all__ = ["DecodeConfig", "DecodeEngine", "TokenEvent", "TokenStream"]
 
@@ -296,7 +296,7 @@ class DecodeEngine:
             num_keys = len(keys)
         except TypeError:  # None, or an iterator (the copy reads the keys twice)
             raise InvalidRequestError(f"keys must be a sequence of block keys, got {shown(keys)}") from None
-        if num_keys != ceil_div(prompt_tokens, block):
+        if num_keys != block_count(prompt_tokens, block):
             raise InvalidRequestError(
                 f"{num_keys} keys do not cover a {prompt_tokens}-token prompt in {block}-token blocks"
             )

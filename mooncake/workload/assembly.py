@@ -66,8 +66,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mooncake._checks import ceil_div, shown
-from mooncake.types import BlockKey
+from mooncake._checks import shown
+from mooncake.types import BlockKey, block_count
 from mooncake.workload.trace_record import MAX_LINE_MS, MAX_LINE_TOKENS, TraceRecord
 
 __all__ = ["MAX_LINES_BEHIND", "TraceAssembler", "Turn", "made_up_keys", "text_block_keys"]
@@ -151,7 +151,7 @@ class TraceAssembler:
         assert 0 <= self.mark_ms <= MAX_LINE_MS, f"mark {self.mark_ms} ms"
         assert self._mark_line is None or self._mark_line <= (self._last_line or 0), "the mark is below no line"
         for session_id, turn in self._sessions.items():
-            assert len(turn.block_keys) == ceil_div(turn.input_length, self.block_size_tokens), session_id
+            assert len(turn.block_keys) == block_count(turn.input_length, self.block_size_tokens), session_id
             assert turn.line < self._lost.get(session_id, turn.line + 1), f"session {session_id!r} grew after a loss"
         if self._num_behind:
             assert self._mark_line is not None and self._mark_line < self._first_behind, "refused before no start"
@@ -256,7 +256,7 @@ class TraceAssembler:
             keys = cast("tuple[BlockKey, ...]", record.hash_ids)  # validated ints already
         else:
             keys = made_up_keys(
-                f"line {line}", None, ceil_div(record.input_length, self.block_size_tokens), first_index=0
+                f"line {line}", None, block_count(record.input_length, self.block_size_tokens), first_index=0
             )
         return Turn(
             arrival_ms=arrival,
@@ -306,7 +306,7 @@ class TraceAssembler:
         parent = previous.block_keys[shared - 1] if shared else None
         # JSON quoting keeps labels unambiguous whatever the id holds.
         label = f"session {json.dumps(session_id)} turn {self._turns[str(session_id)] + 1}"
-        fresh = ceil_div(input_length, self.block_size_tokens) - shared
+        fresh = block_count(input_length, self.block_size_tokens) - shared
         keys = previous.block_keys[:shared] + made_up_keys(label, parent, fresh, first_index=shared)
         return Turn(
             arrival_ms=arrival,

@@ -53,9 +53,9 @@ from typing import Any, Literal
 
 import attrs
 
-from mooncake._checks import ceil_div, shown
+from mooncake._checks import shown
 from mooncake._json import check_depth
-from mooncake.types import BLOCK_KEY_LIMIT
+from mooncake.types import BLOCK_KEY_LIMIT, block_count
 
 __all__ = [
     "AIPERF_FIELDS",
@@ -262,9 +262,9 @@ def check_block_count(count: int, input_length: int, block_size_tokens: int) -> 
     Raises:
         ValueError: another count, naming a block size it would fit where exactly one does.
     """
-    expected = ceil_div(input_length, block_size_tokens)
+    expected = block_count(input_length, block_size_tokens)
     if count != expected:
-        fits = [size for size in _BLOCK_SIZES if ceil_div(input_length, size) == count]
+        fits = [size for size in _BLOCK_SIZES if block_count(input_length, size) == count]
         hint = (
             f"the count fits {fits[0]}-token blocks: block_size_tokens / --block-size {fits[0]}"
             if len(fits) == 1
