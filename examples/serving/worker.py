@@ -131,7 +131,7 @@ class _Arriving:
 
     job: wire.DecodeJob
     deadline: float
-    pinned: list[BlockKey] = attrs.field(factory=list)
+    pinned: set[BlockKey] = attrs.field(factory=set)
 
 
 EVERY_ATTEMPT = sys.maxsize
@@ -690,11 +690,13 @@ class Worker:
                 if where is not None:
                     (ready if where.ready else filling).append(BlockKey(k))
             if filling and now < arriving.deadline:
-                if not arriving.pinned:  # what is here stays while it waits (a burst of pushes evicts)
-                    for key in ready:
+                # What is here stays while it waits (a burst of pushes evicts), a block landed since it began to
+                # wait included: one push may commit while another still fills.
+                for key in ready:
+                    if key not in arriving.pinned:
                         with contextlib.suppress(UnknownBlockError):  # left since: the join finds it missing
                             self.cache.pin(key)
-                            arriving.pinned.append(key)
+                            arriving.pinned.add(key)
                 continue
             self._stop_waiting(request_id)
             if filling:

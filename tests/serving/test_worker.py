@@ -380,6 +380,44 @@ def test_a_hand_off_waits_for_blocks_another_push_is_still_filling(pair: Pair) -
     decode.cache.remove(BlockKey(keys[0]))  # let go once the hand-off left
 
 
+def test_a_block_that_lands_while_the_hand_off_waits_for_others_is_held_too(pair: Pair) -> None:
+    """A hand-off waiting on two pushes holds each block as it lands, not only those there when it began to wait:
+    one push commits while the other still fills, and its block stays pinned until the hand-off leaves (it was
+    left unpinned, for a burst of pushes to evict before the join). The other push aborted, the hand-off is
+    refused for KV and lets go of both blocks it held."""
+    prefill, decode, _told, decoded = pair
+    prefill._addresses = {"decode-0": decode.start()["address"]}
+    prefill.start()
+    tokens = tuple(range(100, 140))  # three 16-token blocks
+    prefill._on_job(
+        wire.PrefillJob(request_id=1, attempt=0, tokens=tokens, decode="decode-0", fetch=None, sampling=SAMPLING)
+    )
+    wait_for(lambda: 1 in reported(decoded, wire.DecodeJoined), timeout=60.0, what="the first request's join")
+    wait_for(lambda: not decode._attempts, timeout=60.0, what="the first request to finish decoding")
+    keys = [BlockKey(int(k)) for k in prefill.hasher.block_keys(list(tokens))]
+    assert len(keys) == 3
+    for key in keys[1:]:  # gone from the decode node but the first: two pushes fill them again
+        decode.cache.remove(key)
+    first_push = prefill.messenger.push(keys[1:2], prefill._peer("decode-0"), parts=1)
+    second_push = prefill.messenger.push(keys[2:], prefill._peer("decode-0"), parts=1)
+    try:
+        decode._on_job(
+            wire.DecodeJob(
+                request_id=2, attempt=0, keys=tuple(keys), prompt_tokens=40, first_token=5, sampling=SAMPLING
+            )
+        )
+        wait_for(lambda: keys[0] in getattr(decode._arriving.get(2), "pinned", ()), timeout=30.0, what="the wait")
+        first_push.finish(30.0)
+        wait_for(lambda: keys[1] in decode._arriving[2].pinned, timeout=30.0, what="the landed block to be held")
+        with pytest.raises(BlockPinnedError):
+            decode.cache.remove(keys[1])
+    finally:
+        second_push.abort()
+    wait_for(lambda: 2 in reported(decoded, wire.DecodeRejected), timeout=30.0, what="the refusal once it aborts")
+    for key in keys[:2]:  # let go: removable
+        decode.cache.remove(key)
+
+
 def test_a_hand_off_whose_blocks_never_land_is_refused_for_kv(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A push that neither commits nor gives up (its prefill engine stopped) holds its blocks' memory: a hand-off
     waiting for them is refused for KV once the wait runs out (a 429 the client may retry; a 500 'decode failed'
