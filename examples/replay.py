@@ -102,6 +102,7 @@ def run(args: argparse.Namespace, given: Mapping[str, str]) -> tuple[ReplayResul
     if args.engine != "disaggregated":
         simulation.refuse_unused(parser(), args, COUPLED_UNUSED, f"to --engine {args.engine}", given=given)
     simulation.refuse_unpredicted(parser(), args, given=given)
+    simulation.refuse_unthresholded(parser(), args, given=given)
     if args.profile is not None:
         raise ConfigError("--profile needs --config (the cluster whose engines it was fitted to)")
     why = "without --config (it scales a workload to the example cluster)"

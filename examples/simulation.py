@@ -547,6 +547,24 @@ def refuse_unpredicted(
         refuse_unused(parser, args, ("predictor",), why, given=given)
 
 
+def refuse_unthresholded(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, given: Mapping[str, str] | None = None
+) -> None:
+    """--threshold given to a run that never reads it: a router other than kvcache_centric (`registry.router`
+    gives no other the threshold: the built-in ones plan no transfer, a FILE.py:FACTORY router is not passed it),
+    or local caches (nothing is transferred).
+
+    Raises:
+        ConfigError: naming --threshold and what keeps it unread.
+    """
+    if args.router != "kvcache_centric":
+        why = f"to --router {args.router}: only kvcache_centric reads it"
+        refuse_unused(parser, args, ("threshold",), why, given=given)
+    elif not args.global_pool:
+        why = "with --local-cache: without a global pool nothing is transferred"
+        refuse_unused(parser, args, ("threshold",), why, given=given)
+
+
 def arrival_span_s(requests: Sequence[Request]) -> float:
     """Seconds from the first arrival to the last: what the sizing rates are per."""
     return requests[-1].arrival_s - requests[0].arrival_s

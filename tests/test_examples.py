@@ -650,6 +650,13 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
         (("experiments.py", "threshold", "--threshold", "7"), "--threshold does not apply to threshold"),
         (("experiments.py", "cache", "--cache-blocks", "7"), "--cache-blocks does not apply to cache"),
         (("experiments.py", "cache", "--local-cache"), "--local-cache does not apply to cache"),
+        # Only kvcache_centric reads the threshold, and only with a global pool; a file router is not passed it.
+        (("replay.py", "--router", "random", "--threshold", "3"), "--threshold does not apply to --router random"),
+        (("replay.py", "--local-cache", "--threshold", "3"), "--threshold does not apply with --local-cache"),
+        (
+            ("replay.py", "--router", "examples/policies/two_choices.py:TwoChoices", "--threshold", "3"),
+            "--threshold does not apply to --router examples/policies/two_choices.py:TwoChoices",
+        ),
     ],
 )
 def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:
