@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NewType, cast
 
@@ -46,6 +46,8 @@ __all__ = [
     "check_request_id",
     "check_token_count",
     "key_tuple",
+    "prefix_reusable",
+    "repeated_key",
     "require_slo",
 ]
 
@@ -75,6 +77,14 @@ def block_count(tokens: int, block_size_tokens: int) -> int:
     whole, so that its last block can be cached and matched too). The one rule: a `Request`'s keys, a trace line's
     hash_ids, a `BlockHasher`'s keys and a decode engine's joining request are all counted by it."""
     return ceil_div(tokens, block_size_tokens)
+
+
+def prefix_reusable(prompt_logprobs: int | None) -> bool:
+    """Whether a prefill asked for `prompt_logprobs` may start from a cached prefix: only when it lists none
+    (None). A scored prompt is computed whole, since every position's logits are needed, not only its KV; vLLM
+    skips reading its prefix cache for one too (`SamplingParams.skip_reading_prefix_cache`). The one rule: the
+    prefill engine follows it, and the gateway and the vLLM router plan a request by it (`Request.reuses_prefix`)."""
+    return prompt_logprobs is None
 
 
 def check_token_count(name: str, value: Any) -> int:
@@ -195,6 +205,21 @@ def key_tuple(keys: Iterable[int]) -> tuple[BlockKey, ...]:
 _NOT_KEYS = (AbstractSet, Mapping, bytes, bytearray, memoryview)
 
 
+def repeated_key(keys: Sequence[int]) -> tuple[int, int, int] | None:
+    """The first key a prompt's chain repeats, as (its first block, the repeat's block, the key); None when all
+    differ, as a chain's must: block i's key names its whole prefix, blocks 0 to i, so no two blocks of one prompt
+    share one, and a repeat would count as a hit on the prompt's own earlier block (an index's match, a cache's,
+    a trace's reuse). The one rule: a `Request`'s keys and a trace line's hash_ids are checked by it."""
+    if len(set(keys)) == len(keys):  # one set per prompt: every valid one passes here
+        return None
+    first: dict[int, int] = {}
+    for block, key in enumerate(keys):
+        if key in first:
+            return first[key], block, key
+        first[key] = block
+    raise AssertionError("unreachable: the set was smaller")
+
+
 def _is_index(value: object) -> bool:
     try:
         operator.index(value)  # type: ignore[arg-type]
@@ -262,6 +287,15 @@ class Request:
     @request_id.validator
     def _check_id(self, _attribute: object, value: RequestId) -> None:
         check_request_id("request_id", value)
+
+    @block_keys.validator
+    def _check_keys(self, _attribute: object, value: tuple[BlockKey, ...]) -> None:
+        repeat = repeated_key(value)
+        if repeat is not None:
+            raise InvalidRequestError(
+                f"request {shown(self.request_id, quote=str)} repeats block key {shown(repeat[2])} (blocks {repeat[0]} "
+                f"and {repeat[1]}): a chained key names its block's whole prefix, so no key repeats within one prompt"
+            )
 
     @reuses_prefix.validator
     def _check_reuses_prefix(self, _attribute: object, value: bool) -> None:

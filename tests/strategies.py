@@ -61,7 +61,9 @@ def prefix_workloads(
 
     Each request starts from a prefix of an earlier request's keys (or from nothing) and
     appends keys that are fresh or drawn from a small universe, so keys also recur out
-    of chain and within one request: the cases a prefix-reuse count must get right.
+    of chain: the cases a prefix-reuse count must get right. Never within one request (a
+    `Request` refuses a chain that repeats a key): a drawn key the chain holds already is
+    replaced by a fresh one.
     """
     count = draw(st.integers(min_value=0, max_value=max_requests))
     arrival_ms = sorted(draw(st.lists(st.integers(0, 10**6), min_size=count, max_size=count)))
@@ -74,8 +76,10 @@ def prefix_workloads(
             parent = draw(st.sampled_from(chains))
             base = parent[: draw(st.integers(0, len(parent)))]
         num_new = draw(st.integers(min_value=0 if base else 1, max_value=max(max_blocks - len(base), 0 if base else 1)))
-        new = [BlockKey(next(fresh)) if draw(st.booleans()) else draw(block_keys) for _ in range(num_new)]
-        keys = base + tuple(new)
+        keys = base
+        for _ in range(num_new):
+            key = BlockKey(next(fresh)) if draw(st.booleans()) else draw(block_keys)
+            keys += (BlockKey(next(fresh)) if key in keys else key,)
         chains.append(keys)
         input_length = draw(st.integers((len(keys) - 1) * block_size_tokens + 1, len(keys) * block_size_tokens))
         out.append(

@@ -24,8 +24,9 @@ from mooncake.types import (
     block_count,
     check_block_key,
     key_tuple,
+    repeated_key,
 )
-from mooncake.workload.trace_record import check_block_count
+from mooncake.workload.trace_record import check_block_count, check_distinct_ids
 from tests.strategies import key_chains, token_arrays, token_ids
 
 
@@ -407,3 +408,28 @@ def test_every_key_count_is_block_count(tokens: int, block: int) -> None:
             check_block_count(count + 1, tokens, block)
         keys = tuple(BlockKey(k) for k in range(count))
         assert make_request(input_length=tokens, block_keys=keys, block_size_tokens=block).block_keys == keys
+
+
+@given(st.lists(st.integers(0, 6), max_size=10))
+def test_a_request_whose_keys_repeat_is_refused_naming_the_first_repeat(keys: list[int]) -> None:
+    """One rule for a chain's keys (`repeated_key`, the trace reader's too): all differ, or the first repeat is
+    named with both its blocks; a `Request` refuses such a chain (a trace line repeating an id is refused, and a
+    request made in code repeating one was accepted, then counted its own block as a cache hit)."""
+    seen: dict[int, int] = {}
+    expected = None
+    for block, key in enumerate(keys):
+        if key in seen:
+            expected = (seen[key], block, key)
+            break
+        seen[key] = block
+    assert repeated_key(keys) == expected
+    if expected is None:
+        assert make_request(block_keys=keys).block_keys == tuple(keys)
+    else:
+        first, repeat, key = expected
+        with pytest.raises(
+            InvalidRequestError, match=rf"request r1 repeats block key {key} \(blocks {first} and {repeat}\)"
+        ):
+            make_request(block_keys=keys)
+        with pytest.raises(ValueError, match=rf"field 'hash_ids' repeats id {key} \(blocks {first} and {repeat}\)"):
+            check_distinct_ids(keys)

@@ -107,6 +107,7 @@ __all__ = [
     "stream_flag",
     "stream_usage",
     "tokenize_body",
+    "vllm_prompt_logprobs",
 ]
 
 LOG = logging.getLogger(__name__)
@@ -653,6 +654,16 @@ _JSON_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _RUST_FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
 _MAX_INT_DIGITS = 4300  # the most digits pydantic reads in an int (Python's default `int_max_str_digits`)
 _I64 = 2.0**63  # a whole float strictly within (-2**63, 2**63) is an int field's value; pydantic refuses the rest
+
+
+def vllm_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> Any:
+    """The `prompt_logprobs` vLLM's engine is asked for by `body` (its `to_sampling_params`): the body's own, else,
+    with `echo`, a completion's `logprobs` (None unless given) or a chat's `top_logprobs` (0 unless given). The
+    vLLM router plans a request by it (`types.prefix_reusable`: a scored prompt reads no cached prefix there)."""
+    given = body.get("prompt_logprobs")
+    if given is None and body.get("echo"):
+        return body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    return given
 
 
 def echo_only(body: Mapping[str, Any]) -> bool:

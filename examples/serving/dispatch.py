@@ -96,7 +96,7 @@ from mooncake.sched.view import (
 from mooncake.sched.waiting import AdmissionQueue
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.request import EngineConfig
-from mooncake.types import InstanceId, Request, RequestId
+from mooncake.types import InstanceId, Request, RequestId, prefix_reusable
 from serving import wire
 from serving.api import MAX_SEED, ApiError, SamplingOptions, rejection_error
 from serving.config import ClusterConfig
@@ -372,7 +372,7 @@ class Dispatcher:
             output_length=sampling.max_tokens,
             block_keys=keys,
             block_size_tokens=self.hasher.block_size_tokens,
-            reuses_prefix=sampling.prompt_logprobs is None,  # a scored prompt is computed whole (the engine's rule)
+            reuses_prefix=prefix_reusable(sampling.prompt_logprobs),  # the engine's rule
         )
         live = LiveRequest(request_id, tokens, request, sampling, arrival, cache_salt=cache_salt, is_streamed=streamed)
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()

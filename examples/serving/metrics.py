@@ -53,6 +53,7 @@ from serving.config import ClusterConfig
 __all__ = [
     "CONTENT_TYPE",
     "FINISH_REASONS",
+    "counted_finish_reason",
     "PREFIX",
     "FinishedRequest",
     "HistogramBounds",
@@ -63,7 +64,12 @@ __all__ = [
 
 PREFIX = "mooncake:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format `generate_latest` writes
-FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finish reasons (less "repetition", never ours)
+# vLLM's finish reasons (`FINISH_REASON_STRINGS`): this gateway's engines never end one for repetition, a vLLM
+# server behind the vLLM router may.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+# An answer's `finish_reason` as vLLM's engine counts it in `vllm:request_success` (`FinishReason`): the chat layer
+# answers `tool_calls` for the engine's STOP when tools were called (older clients: `function_call`).
+_COUNTED_AS = {reason: reason for reason in FINISH_REASONS} | {"tool_calls": "stop", "function_call": "stop"}
 SMALLEST_LATENCY_S = 0.001
 LONGEST_REQUEST_S = 7680.0  # vLLM's top bucket of its end-to-end latency histogram
 # Families shown a second time under the names vLLM's own dashboards still query (vLLM emits both too).
@@ -151,12 +157,19 @@ class HistogramBounds:
         return token_buckets(self.max_output_tokens)
 
 
+def counted_finish_reason(answered: str | None) -> str:
+    """The one of `FINISH_REASONS` an answer's `finish_reason` is counted as (vLLM's engine's reason for it); one
+    no table knows (None, a newer server's) as "length", the reason of an answer cut short."""
+    return _COUNTED_AS.get(answered or "", "length")
+
+
 @attrs.frozen(kw_only=True)
 class FinishedRequest:
     """One request's end as the metrics count it: times in seconds on one clock, None for a phase not reached.
 
     `finished_reason` is one of `FINISH_REASONS`: "stop" (a stop string or a stop id such as EOS), "length"
-    (max_tokens), "abort" (its client left or it waited too long for a token), "error" (an engine failed it).
+    (max_tokens), "abort" (its client left or it waited too long for a token), "error" (an engine failed it),
+    "repetition" (a vLLM server behind the router found a repeating pattern; `counted_finish_reason`).
     """
 
     prefill_engine: str

@@ -220,6 +220,7 @@ class Fleet:
         *,
         cache_salt: str | None = None,
         lora: str | None = None,
+        reuses_prefix: bool = True,
     ) -> tuple[Request, ScheduleDecision]:
         """Key the prompt's blocks and ask the Conductor; an accepted request is in flight from now. A request
         of a LoRA adapter (`lora`: its name) is keyed in the adapter's namespace (`BlockHasher.for_lora`), where
@@ -227,7 +228,8 @@ class Fleet:
         A request with a `cache_salt` is keyed in its salt's namespace (`BlockHasher.salted`), as the gateway
         keys it: the servers' salted blocks are not indexed (their events' `extra_keys` cannot be told from a
         multimodal input's), so its prompt is planned as uncached, which vLLM's salted hash makes it against
-        any unsalted copy."""
+        any unsalted copy. `reuses_prefix` False (a scored prompt: `types.prefix_reusable`) plans it as computed
+        whole, as vLLM computes it."""
         request = Request(
             request_id=RequestId(f"r{next(self._ids)}"),
             arrival_s=0.0,
@@ -235,6 +237,7 @@ class Fleet:
             output_length=max(1, max_tokens),
             block_keys=self.hasher.for_lora(lora).salted(cache_salt).block_keys(tokens),
             block_size_tokens=self.hasher.block_size_tokens,
+            reuses_prefix=reuses_prefix,
         )
         self._overdue(now)
         self._prompt_tokens += request.input_length

@@ -91,8 +91,9 @@ from serving.api import (
     requested_max_tokens,
     stream_flag,
     stream_usage,
+    vllm_prompt_logprobs,
 )
-from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics
+from serving.metrics import CONTENT_TYPE, FinishedRequest, HistogramBounds, ServingMetrics, counted_finish_reason
 from serving.protocol import http_url
 from vllm_events import KvEventSubscriber
 
@@ -101,7 +102,7 @@ from mooncake.cache import BlockIndex
 from mooncake.engine.tokenizer import load_tokenizer
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.sched import Outcome, Reason, http_status
-from mooncake.types import InstanceId, as_token_array
+from mooncake.types import InstanceId, as_token_array, prefix_reusable
 from vllm_fleet.config import InstanceSection, RouterConfig
 from vllm_fleet.fleet import Fleet, FleetInstance, Flight
 from vllm_fleet.prompt import prompt_of
@@ -125,17 +126,6 @@ PREPARED = web.RequestKey("mooncake_prepared", bool)
 _CHOICE = re.compile(rb'"choices":\s*\[\s*\{')
 _ROLE_ONLY = re.compile(rb'"delta":\s*\{\s*"role"')
 _FINISH = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
-# An answer's `finish_reason` as vLLM's engine counts it in `vllm:request_success` (`FinishReason`): the chat
-# layer answers `tool_calls` for the engine's STOP when tools were called (older clients: `function_call`).
-FINISHED_REASONS = {
-    "stop": "stop",
-    "tool_calls": "stop",
-    "function_call": "stop",
-    "length": "length",
-    "abort": "abort",
-    "error": "error",
-    "repetition": "repetition",
-}
 
 
 # What vLLM's disaggregated-serving proxy asks of the prefill server: keep the KV for a decode elsewhere.
@@ -650,10 +640,14 @@ class VllmRouter:
             upstream_body["stream_options"] = options
         payload = json.dumps(upstream_body).encode()
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        # A scored prompt reads no cached prefix on vLLM (`skip_reading_prefix_cache`): planned as computed whole.
+        reusable = prefix_reusable(vllm_prompt_logprobs(body, chat=chat))
         wasted: str | None = None  # a decode server failed after the prefill ran: what a rejection now says
         for _attempt in range(self.settings.max_retries + 1):
             now = time.monotonic()
-            _, decision = self.fleet.schedule(tokens, max_tokens, now, cache_salt=salt, lora=lora)
+            _, decision = self.fleet.schedule(
+                tokens, max_tokens, now, cache_salt=salt, lora=lora, reuses_prefix=reusable
+            )
             if not decision.accepted:
                 assert decision.reason is not None
                 self.metrics.rejections[decision.reason.value].inc()
@@ -961,7 +955,7 @@ class VllmRouter:
     ) -> None:
         """Count a completed answer as vLLM's logger counts a finished request: its prompt on its prefill
         server, its generated tokens (`generation_tokens`, from its usage) and its finish reason as the engine
-        names it (`FINISHED_REASONS`; one the router does not know is counted as `length`) on its decode server.
+        names it (`serving.metrics.counted_finish_reason`) on its decode server.
         Inter-token latency was observed as the stream came (`_forward`): a whole answer has none."""
         assert self.metrics is not None
         request = flight.request
@@ -977,7 +971,7 @@ class VllmRouter:
             FinishedRequest(
                 prefill_engine=flight.instance_id,
                 decode_engine=flight.decode_instance_id,
-                finished_reason=FINISHED_REASONS.get(finish, "length"),
+                finished_reason=counted_finish_reason(finish),
                 arrival_s=flight.dispatched_s,
                 prefill_started_s=None,
                 prefill_done_s=None,

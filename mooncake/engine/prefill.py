@@ -79,7 +79,7 @@ from mooncake.errors import (
 )
 from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS
 from mooncake.transfer.messenger import Messenger, Push
-from mooncake.types import BLOCK_KEY_LIMIT, BlockKey
+from mooncake.types import BLOCK_KEY_LIMIT, BlockKey, prefix_reusable
 
 __all__ = [
     "ForwardPass",
@@ -502,8 +502,7 @@ class PrefillEngine:
         lift = any(sink is not None for sink in outs)
         try:
             for one, ks, k in zip(ids, keys, scores, strict=True):
-                # A scored prompt is computed whole: its prefix positions' logits are needed, not only their KV.
-                reusable = 0 if k is not None else reusable_prefix_tokens(one.shape[0], len(ks), block) // block
+                reusable = reusable_prefix_tokens(one.shape[0], len(ks), block) // block if prefix_reusable(k) else 0
                 prefixes.append(self._pin_prefix(ks, max_blocks=reusable, lift=lift))
             pages = []
             for one, ks, prefix_blocks in zip(ids, keys, prefixes, strict=True):

@@ -102,7 +102,6 @@ from mooncake.workload.trace_record import (
     TraceRecord,
     arrival_problem,
     check_block_count,
-    check_distinct_ids,
     check_fields_once,
     parse_record,
     session_in_text,
@@ -644,12 +643,10 @@ def _line(request: Request, block_size_tokens: int, form: TraceForm) -> dict[str
             "hash_ids": list(request.block_keys),
         }
     try:
-        # The fields as the reader checks them; the keys (a Request's are valid ids) by their count and that none
-        # repeats.
+        # The fields as the reader checks them; the keys by their count (a Request's are valid ids, none repeated).
         parse_record({**line, "hash_ids": None}, block_size_tokens)
         if "hash_ids" in line:
             check_block_count(len(request.block_keys), request.input_length, block_size_tokens)
-            check_distinct_ids(request.block_keys)
     except ValueError as error:
         raise InvalidRequestError(
             f"request {shown(request.request_id, quote=str)} cannot be read back from a trace: {error}"

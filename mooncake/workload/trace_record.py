@@ -55,7 +55,7 @@ import attrs
 
 from mooncake._checks import shown
 from mooncake._json import check_depth
-from mooncake.types import BLOCK_KEY_LIMIT, block_count
+from mooncake.types import BLOCK_KEY_LIMIT, block_count, repeated_key
 
 __all__ = [
     "AIPERF_FIELDS",
@@ -243,16 +243,12 @@ def check_distinct_ids(hash_ids: Sequence[int]) -> None:
     Raises:
         ValueError: an id given twice, naming it and its two blocks.
     """
-    if len(set(hash_ids)) == len(hash_ids):  # one set per line: every line of a trace passes here
-        return
-    first: dict[int, int] = {}
-    for block, key in enumerate(hash_ids):
-        if key in first:
-            raise ValueError(
-                f"field 'hash_ids' repeats id {shown(key)} (blocks {first[key]} and {block}): a chained id names its "
-                "block's whole prefix, so no id repeats within one prompt"
-            )
-        first[key] = block
+    repeat = repeated_key(hash_ids)
+    if repeat is not None:
+        raise ValueError(
+            f"field 'hash_ids' repeats id {shown(repeat[2])} (blocks {repeat[0]} and {repeat[1]}): a chained id names "
+            "its block's whole prefix, so no id repeats within one prompt"
+        )
 
 
 def check_block_count(count: int, input_length: int, block_size_tokens: int) -> None:

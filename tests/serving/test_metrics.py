@@ -36,6 +36,7 @@ from serving.metrics import (
     FinishedRequest,
     HistogramBounds,
     ServingMetrics,
+    counted_finish_reason,
     latency_buckets,
     token_buckets,
 )
@@ -440,3 +441,13 @@ def test_engine_gauges_follow_the_batch_and_the_health_answers(scenario: Scenari
         assert value(final, "mooncake:num_requests_running", engine=engine) == 0
         assert value(final, "mooncake:num_requests_waiting", engine=engine) == 0
         assert 0 <= value(final, "mooncake:kv_cache_usage_perc", engine=engine) <= 1
+
+
+def test_an_answers_finish_reason_is_counted_as_vllms_engine_counts_it() -> None:
+    """One table for the gateway and the vLLM router: vLLM's five reasons (`FINISH_REASON_STRINGS`, "repetition"
+    included, which a vLLM server behind the router may give) count as themselves, a chat's `tool_calls` (and the
+    older `function_call`) as the engine's "stop", and one no table knows as "length"."""
+    assert FINISH_REASONS == ("stop", "length", "abort", "error", "repetition")
+    assert [counted_finish_reason(reason) for reason in FINISH_REASONS] == list(FINISH_REASONS)
+    assert counted_finish_reason("tool_calls") == counted_finish_reason("function_call") == "stop"
+    assert counted_finish_reason(None) == counted_finish_reason("something_new") == "length"

@@ -40,7 +40,7 @@ pytest.importorskip("transformers")
 
 import aiohttp
 from aiohttp import web
-from serving.api import DECODE_HEADER, PREFILL_HEADER
+from serving.api import DECODE_HEADER, PREFILL_HEADER, vllm_prompt_logprobs
 from vllm_fleet.background import BackgroundRouter
 from vllm_fleet.config import RouterConfig, parse_router_config
 from vllm_fleet.fleet import Fleet
@@ -55,7 +55,7 @@ from mooncake.cache.vllm_events import VllmEventEncoder
 from mooncake.engine.tokenizer import load_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.sched import PrefillSample, Reason
-from mooncake.types import InstanceId, Tier
+from mooncake.types import InstanceId, Tier, prefix_reusable
 from tests.vllm_fleet.fake import FakeVllm
 from tests.vllm_fleet.http import fetch
 from tests.vllm_fleet.test_proxy import router_config
@@ -959,3 +959,37 @@ def test_close_ends_the_routers_background_tasks_at_once(fakes: list[FakeVllm], 
         assert background.read(lambda r: (r._tasks, all(task.done() for task in tasks))) == ([], True)
     finally:
         background.close()  # a second close finds nothing left to stop
+
+
+def test_a_scored_prompt_is_planned_as_computed_whole_as_vllm_computes_it(tmp_path: Path) -> None:
+    """vLLM reads no cached prefix for a request that asks for prompt log-probabilities
+    (`SamplingParams.skip_reading_prefix_cache`): the router plans one as computed whole (no prefix, the whole
+    prompt's prefill time), where the same prompt without them reuses the cached document."""
+    fleet = Fleet(fleet_config(tmp_path), [INFO, INFO])
+    document = list(range(1, 301))
+    stored(fleet, "vllm-1", document, 0)
+    _, reused = fleet.schedule([*document, 7], 4, now=0.0)
+    _, scored = fleet.schedule([*document, 8], 4, now=0.0, reuses_prefix=False)
+    assert reused.prefix_tokens == 9 * BLOCK and scored.prefix_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "expected"),
+    [
+        ({}, False, None),
+        ({"prompt_logprobs": 2}, False, 2),
+        ({"prompt_logprobs": 0, "echo": True, "logprobs": 3}, False, 0),  # the body's own first
+        ({"echo": True}, False, None),  # a completion's logprobs: None unless given
+        ({"echo": True, "logprobs": 3}, False, 3),
+        ({"logprobs": 3}, False, None),  # without echo: the output's only
+        ({"echo": True}, True, 0),  # a chat's top_logprobs: 0 unless given
+        ({"echo": True, "top_logprobs": 5}, True, 5),
+        ({"echo": True, "top_logprobs": None}, True, None),
+        ({"echo": False, "top_logprobs": 5}, True, None),
+    ],
+)
+def test_the_prompt_logprobs_vllm_is_asked_for(body: dict[str, Any], chat: bool, expected: int | None) -> None:
+    """vLLM's `to_sampling_params` (completion/protocol.py, chat_completion/protocol.py): `prompt_logprobs`, else
+    with `echo` a completion's `logprobs` or a chat's `top_logprobs` (default 0); a scored prompt reuses no prefix."""
+    assert vllm_prompt_logprobs(body, chat=chat) == expected
+    assert prefix_reusable(expected) is (expected is None)

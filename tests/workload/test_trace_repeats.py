@@ -17,8 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake.errors import InvalidRequestError, TraceFormatError
-from mooncake.types import BlockKey, Request, RequestId
+from mooncake.errors import TraceFormatError
 from mooncake.workload import PRESETS, generate_requests, load_trace, trace_stats, write_trace
 from mooncake.workload.trace import SkippedLine
 from mooncake.workload.trace_record import (
@@ -211,24 +210,6 @@ def test_hash_ids_read_exactly_when_none_repeats(ids: list[int], data: st.DataOb
     repeated = [*ids[:position], ids[0], *ids[position:]]
     with pytest.raises(ValueError, match="repeats id"):
         parse_record({**record, "input_length": len(repeated) * BLOCK, "hash_ids": repeated}, BLOCK)
-
-
-def test_the_writer_refuses_a_request_whose_keys_repeat(tmp_path: Path) -> None:
-    """A written trace always reads back: a request with a repeated key is refused, the file left untouched."""
-    request = Request(
-        request_id=RequestId("r"),
-        arrival_s=0.0,
-        input_length=8,
-        output_length=1,
-        block_keys=(BlockKey(3), BlockKey(3)),
-    )
-    target = tmp_path / "t.jsonl"
-    with pytest.raises(InvalidRequestError, match=r"request r cannot be read back from a trace: .*repeats id 3"):
-        write_trace(target, [request], block_size_tokens=BLOCK)
-    assert not target.exists()
-    # The aiperf form writes a text prompt as text, without its keys; this one has no text, so its keys.
-    with pytest.raises(InvalidRequestError, match="repeats id 3"):
-        write_trace(target, [request], block_size_tokens=BLOCK, form="aiperf")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
