@@ -640,6 +640,8 @@ def decode_capacity(spec: ClusterSpec, requests: Sequence[Request], tbt_slo_s: f
     half = output // 2
 
     def holds(n: int) -> bool:
+        # `+ half`: the joining request is counted at half its output too (check_join adds its prompt alone), so
+        # that the step reads n x (prompt + half), every member at its average context.
         others = DecodeLoad(n - 1, (n - 1) * (prompt + half) + half, (n - 1) * (prompt + output))
         return check_join(
             spec.decode_limits,
