@@ -201,6 +201,7 @@ def experiment(argv: Sequence[str] | None) -> int:
         given = simulation.given_options(parser, argv)
         for dests, why in UNUSED.get(name, ()):
             simulation.refuse_unused(_subparser(name), args, dests, why, given=given)
+        simulation.refuse_unthresholded(_subparser(name), args, given=given)
         # rejection and overload run every admission policy, predictive too; predictors scores --predictor itself
         if name not in ("rejection", "overload", "predictors"):
             simulation.refuse_unpredicted(_subparser(name), args, given=given)

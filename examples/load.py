@@ -107,7 +107,7 @@ async def _rejection(answer: aiohttp.ClientResponse) -> tuple[Outcome, Reason] |
     names the outcome (and the reason as its code); a 429 from a server that does not is a rejection
     before prefill."""
     try:
-        error = (await answer.json(content_type=None))["error"]
+        error = (await answer.json(content_type=None, loads=_json.loads))["error"]
     except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
         error = None
     if not isinstance(error, dict):
@@ -242,7 +242,7 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
     try:
         async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as answer:
             answer.raise_for_status()
-            return str((await answer.json(content_type=None))["data"][0]["id"])
+            return str((await answer.json(content_type=None, loads=_json.loads))["data"][0]["id"])
     except aiohttp.ClientResponseError as error:
         raise PeerUnavailable(f"{url}/v1/models answered {error.status} {error.message}: is it a gateway?") from error
     except (aiohttp.ClientError, TimeoutError) as error:  # refused, unresolved, no answer in time

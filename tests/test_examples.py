@@ -657,6 +657,12 @@ def test_a_router_module_that_is_not_there_or_a_factory_that_takes_other_argumen
             ("replay.py", "--router", "examples/policies/two_choices.py:TwoChoices", "--threshold", "3"),
             "--threshold does not apply to --router examples/policies/two_choices.py:TwoChoices",
         ),
+        (("experiments.py", "rejection", "--router", "random", "--threshold", "2"), "--threshold does not apply to"),
+        (("experiments.py", "throughput", "--local-cache", "--threshold", "2"), "--threshold does not apply with"),
+        (
+            ("experiments.py", "scheduling", "--routers", "random,load_balancing", "--threshold", "2"),
+            "--threshold does not apply to --routers random,load_balancing",
+        ),
     ],
 )
 def test_an_option_the_run_would_not_use_is_an_error(argv: tuple[str, ...], named: str) -> None:

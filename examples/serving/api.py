@@ -661,8 +661,13 @@ def vllm_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> Any:
     with `echo`, a completion's `logprobs` (None unless given) or a chat's `top_logprobs` (0 unless given). The
     vLLM router plans a request by it (`types.prefix_reusable`: a scored prompt reads no cached prefix there)."""
     given = body.get("prompt_logprobs")
-    if given is None and body.get("echo"):
-        return body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    if given is None:
+        try:
+            echo = _flag(body, "echo", default=False)  # vLLM's reading: "false" and "off" are False
+        except ApiError:  # vLLM refuses the request (its 400), whatever the router plans
+            echo = False
+        if echo:
+            return body.get("top_logprobs", 0) if chat else body.get("logprobs")
     return given
 
 

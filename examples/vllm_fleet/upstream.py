@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from mooncake import _json
 from mooncake._checks import shown
 from mooncake.errors import ConfigError
 from mooncake.sched import PrefillSample
@@ -120,7 +121,7 @@ async def probe(
     try:
         async with session.get(f"{url}/v1/models", timeout=timeout) as answer:
             answer.raise_for_status()
-            models = (await answer.json())["data"]
+            models = (await answer.json(loads=_json.loads))["data"]
         async with session.get(f"{url}/metrics", timeout=timeout) as answer:
             answer.raise_for_status()
             metrics = await answer.text(errors="replace")  # a stray byte costs one sample, not the server
@@ -133,7 +134,7 @@ async def probe(
             f"{url}/tokenize", json={"model": model, "prompt": PROBE_TEXT}, timeout=timeout
         ) as answer:
             answer.raise_for_status()
-            served_tokens: Sequence[int] = list((await answer.json())["tokens"])
+            served_tokens: Sequence[int] = list((await answer.json(loads=_json.loads))["tokens"])
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise ConfigError(f"{where} is unreachable: {type(error).__name__}: {error}") from error
     except (KeyError, IndexError, TypeError, ValueError) as error:

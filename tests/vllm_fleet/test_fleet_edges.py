@@ -133,14 +133,17 @@ class ConfiguredVllm(FakeVllm):
         cache_info: str = 'kv_cache_size_tokens="65536",num_gpu_blocks="2048"',
         shifted_tokens: bool = False,
         no_models: bool = False,
+        deep_models: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(tokenizer, **options)
         self.model, self.prefix_caching, self.cache_info = model, prefix_caching, cache_info
-        self.shifted_tokens, self.no_models = shifted_tokens, no_models
+        self.shifted_tokens, self.no_models, self.deep_models = shifted_tokens, no_models, deep_models
         self.paths: list[str] = []
 
     async def _models(self, _request: web.Request) -> web.Response:
+        if self.deep_models:  # JSON nested past the interpreter's stack
+            return web.Response(text='{"data": ' + "[" * 100_000 + "]" * 100_000 + "}", content_type="application/json")
         data = [] if self.no_models else [{"id": self.model, "max_model_len": self.max_model_len}]
         return web.json_response({"object": "list", "data": data})
 
@@ -511,15 +514,16 @@ def probed(server: FakeVllm, tokenizer: Any, *, block_size: int = BLOCK) -> Inst
 
 def test_the_probe_reads_the_capacity_and_refuses_what_it_cannot_use(tokenizer_dir: Path) -> None:
     """The KV capacity is `kv_cache_size_tokens` where the server gives it, else its blocks times the block
-    size; another block size, prefix caching off, another tokenizer, no models listed, or no server at all is
-    a ConfigError naming the instance."""
+    size; another block size, prefix caching off, another tokenizer, no models listed (or a list nested past the
+    stack), or no server at all is a ConfigError naming the instance."""
     tokenizer = load_tokenizer(tokenizer_dir)
     given_ = ConfiguredVllm(tokenizer, cache_info='kv_cache_size_tokens="1000",num_gpu_blocks="2048"')
     blocks = ConfiguredVllm(tokenizer, cache_info='num_gpu_blocks="100"')
     no_caching = ConfiguredVllm(tokenizer, prefix_caching=False)
     shifted = ConfiguredVllm(tokenizer, shifted_tokens=True)
     empty = ConfiguredVllm(tokenizer, no_models=True)
-    with serving(given_, blocks, no_caching, shifted, empty):
+    deep = ConfiguredVllm(tokenizer, deep_models=True)
+    with serving(given_, blocks, no_caching, shifted, empty, deep):
         assert probed(given_, tokenizer).kv_capacity_tokens == 1000
         assert probed(blocks, tokenizer).kv_capacity_tokens == 100 * BLOCK
         with pytest.raises(ConfigError, match=r"stores blocks of 32 tokens, \[router\] block_size = 16"):
@@ -530,6 +534,8 @@ def test_the_probe_reads_the_capacity_and_refuses_what_it_cannot_use(tokenizer_d
             probed(shifted, tokenizer)
         with pytest.raises(ConfigError, match="does not answer as a vLLM server does"):
             probed(empty, tokenizer)
+        with pytest.raises(ConfigError, match=r"does not answer as a vLLM server does.*nested deeper than 128"):
+            probed(deep, tokenizer)  # a bare RecursionError before
         gone = given_.url
     with pytest.raises(ConfigError, match=f"instance vllm-0 \\({gone}\\) is unreachable"):
         probed(given_, tokenizer)
@@ -986,6 +992,10 @@ def test_a_scored_prompt_is_planned_as_computed_whole_as_vllm_computes_it(tmp_pa
         ({"echo": True, "top_logprobs": 5}, True, 5),
         ({"echo": True, "top_logprobs": None}, True, None),
         ({"echo": False, "top_logprobs": 5}, True, None),
+        ({"echo": "false"}, True, None),  # read as vLLM's pydantic reads a bool: "false", "off", "no" are False
+        ({"echo": "off", "logprobs": 2}, False, None),
+        ({"echo": "yes", "logprobs": 2}, False, 2),
+        ({"echo": "maybe", "logprobs": 2}, False, None),  # no bool at all: vLLM refuses it, planned as none
     ],
 )
 def test_the_prompt_logprobs_vllm_is_asked_for(body: dict[str, Any], chat: bool, expected: int | None) -> None:
