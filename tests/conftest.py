@@ -25,9 +25,15 @@ settings.register_profile("dev", max_examples=60, deadline=None)
 # 100 examples (Hypothesis' default): the suite and the vLLM router's tests against real servers fit CI's
 # 30 minutes: the whole of `.ci/run` (venvs and vLLM's tests included) took 1,873 s here and 1,744 s on CI's
 # machine on 2026-12-07 with the suite in one process, then 1,463 s here with `make test`'s two parts. The
-# margin to watch as tests are added.
+# margin to watch as tests are added. The health checks of data generation (too slow, too much filtered, too
+# large) are the dev profile's to report: in CI a random draw that trips one fails a run whose properties all hold
+# (filter_too_much did, on 2026-12-07), so there they are suppressed; a property that fails still fails.
 settings.register_profile(
-    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    "ci",
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
