@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import enum
 import heapq
+import inspect
 import itertools
 import math
 import random
@@ -147,6 +148,27 @@ def _check_limits(limits: object) -> None:
         raise ConfigError(f"decode limits must be DecodeLimits, got {shown(limits)}")
 
 
+def _check_call(
+    method: typing.Any, name: str, call: str, args: tuple[typing.Any, ...], kwargs: dict[str, typing.Any]
+) -> None:
+    """`method` (a policy's) takes the arguments the Conductor passes it (`call` spells them out).
+
+    Raises:
+        ConfigError: it cannot be called so, naming the policy and the call.
+    """
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):  # a builtin without a signature: its call tells
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise ConfigError(
+            f"{name} {shown(method.__self__ if hasattr(method, '__self__') else method)}: its {call} cannot be "
+            f"called as the Conductor calls it ({error}; see its Protocol)"
+        ) from None
+
+
 class Conductor:
     """Composes the index, views, router, decode selection, predictor and admission.
 
@@ -190,6 +212,16 @@ class Conductor:
             for method in methods:
                 if not callable(getattr(part, method, None)):
                     raise ConfigError(f"{name} must have a {method}() method (see its Protocol), got {shown(part)}")
+        # The observations come only once a request has prefilled or finished: their signatures are checked now,
+        # against the arguments they will be given (a wrong one was a bare TypeError in the middle of a run).
+        _check_call(
+            router.observe,
+            "router",
+            "observe(*, had_transfer, estimated_ttft_s, observed_ttft_s)",
+            (),
+            {"had_transfer": False, "estimated_ttft_s": 0.0, "observed_ttft_s": 0.0},
+        )
+        _check_call(predictor.observe, "predictor", "observe(output_tokens)", (1,), {})
         if getattr(admission, "load_at", None) not in LOAD_AT:
             raise ConfigError(f"admission's load_at must be one of {', '.join(LOAD_AT)}, got {shown(admission)}")
         self.router = router
@@ -478,10 +510,15 @@ class Conductor:
                     decode = attrs.evolve(decode, verdict=attrs.evolve(decode.verdict, reason=reason))
         ttft_s = route.ttft_s
         verdict = self.admission.admit(route, decode, self.slo)
-        if type(verdict) is not AdmissionDecision or (
-            (decode.decode_instance is None or verdict.reason is not None)
-            if verdict.accepted
-            else type(verdict.reason) is not Reason
+        # `accepted` a bool: AdmissionDecision(Reason.TTFT_SLO), the reason given first, would be truthy.
+        if (
+            type(verdict) is not AdmissionDecision
+            or type(verdict.accepted) is not bool
+            or (
+                (decode.decode_instance is None or verdict.reason is not None)
+                if verdict.accepted
+                else type(verdict.reason) is not Reason
+            )
         ):
             raise ConfigError(
                 f"admission {shown(self.admission)} answered {shown(verdict)} (decode instance {decode.decode_instance}): an"
@@ -595,8 +632,18 @@ class Conductor:
             problem = "a time that is negative or not finite"
         elif type(route.prefix_tokens) is not int or not 0 <= route.prefix_tokens <= prompt_tokens:
             problem = f"a prefix that is no count of the prompt's {prompt_tokens} tokens"
-        elif route.transfer is not None and route.transfer.source == route.prefill_instance:
-            problem = "a transfer from the instance to itself"
+        elif route.transfer is not None:
+            source = self._prefill.get(route.transfer.source)
+            if route.transfer.source == route.prefill_instance:
+                problem = "a transfer from the instance to itself"
+            elif not self.transfers:
+                problem = "a transfer in a cluster without transfers"
+            elif source is None or not source.is_up:
+                problem = (
+                    "a transfer from a prefill instance that is not up"
+                    if source
+                    else "a transfer from an unknown instance"
+                )
         if problem is not None:
             raise ConfigError(f"router {shown(self.router)} chose {problem}: {shown(route)}")
 

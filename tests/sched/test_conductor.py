@@ -434,6 +434,12 @@ class _Misadmitting:
             ),
             "a transfer from the instance to itself",
         ),
+        (
+            lambda route: attrs.evolve(
+                route, transfer=TransferPlan(source=InstanceId("ghost"), num_blocks=1, num_bytes=1, transfer_s=0.0)
+            ),
+            "a transfer from an unknown instance",
+        ),
     ],
 )
 def test_a_routers_broken_decision_is_a_config_error_naming_it(change: Any, named: str) -> None:
@@ -446,12 +452,67 @@ def test_a_routers_broken_decision_is_a_config_error_naming_it(change: Any, name
     conductor.check_invariants()
 
 
+def a_transfer_from(source: str) -> Any:
+    """A router's change: its decision plans a transfer of one block from `source`, whatever it chose."""
+    return lambda route: attrs.evolve(
+        route, transfer=TransferPlan(source=InstanceId(source), num_blocks=1, num_bytes=1, transfer_s=0.0)
+    )
+
+
+def test_a_transfer_from_a_down_instance_or_in_a_cluster_without_transfers_is_a_config_error() -> None:
+    """The plan's source must be a prefill instance that is up, in a cluster with transfers: either was acted on
+    (the prefix counted, a transfer booked leaving it) and the replay went on with numbers it never had."""
+    down = make_conductor(router=_Misrouting(make_router("local_cache_aware"), a_transfer_from(P1)))
+    down.handle(InstanceDown(instance_id=P1, now=0.0))
+    with pytest.raises(ConfigError, match="a transfer from a prefill instance that is not up"):
+        down.schedule(request("r", [1, 2]), 0.0)
+    none = make_conductor(router=_Misrouting(make_router("local_cache_aware"), a_transfer_from(P1)))
+    none.transfers = False
+    with pytest.raises(ConfigError, match="a transfer in a cluster without transfers"):
+        none.schedule(request("r", [1, 2]), 0.0)
+    for conductor in (down, none):
+        assert not conductor.in_flight
+        conductor.check_invariants()
+
+
+class _Unobserving(_Misrouting):
+    def observe(self) -> None:  # type: ignore[override]  # takes none of the Conductor's arguments
+        pass
+
+
+class _UnobservingPredictor:
+    def predict(self, *args: Any) -> Any:
+        return UniformDecodePredictor(decode_s=10.0).predict(*args)
+
+    def observe(self, output_tokens: int, extra: int) -> None:  # one argument more than it is given
+        pass
+
+
+@pytest.mark.parametrize(
+    ("part", "observer"),
+    [
+        ("router", lambda: _Unobserving(make_router("kvcache_centric"), lambda route: route)),
+        ("predictor", _UnobservingPredictor),
+    ],
+)
+def test_an_observe_that_cannot_take_the_conductors_arguments_is_refused_at_construction(
+    part: str, observer: Any
+) -> None:
+    """A policy's observe is called only once a request has prefilled (a router's) or finished (a predictor's):
+    one whose signature does not take those arguments was a bare TypeError in the middle of a run."""
+    policy = observer()
+    with pytest.raises(ConfigError, match=rf"{part} .*its observe\(.*\) cannot be called as the Conductor calls it"):
+        make_conductor(**{part: policy})
+
+
 @pytest.mark.parametrize(
     "answer",
     [
         AdmissionDecision(False),  # a rejection without its reason
         AdmissionDecision(False, "too busy"),  # a reason that is not a Reason
         AdmissionDecision(True, Reason.TTFT_SLO),  # accepted, with a reason
+        AdmissionDecision(Reason.TTFT_SLO),  # the reason given first: accepted is a Reason, truthy (it accepted)
+        AdmissionDecision("no"),  # nor a string
         True,  # not a decision
     ],
 )
