@@ -239,10 +239,12 @@ def compare(
         s = simulated.get(r.request_id)
         if s is None:
             continue
+        if r.outcome is not Outcome.COMPLETED or s.outcome is not Outcome.COMPLETED:
+            continue  # per request, those completed in both: a simulated rejection names the instance it chose
         if r.prefill_instance is not None and s.prefill_instance is not None:
             routed += 1
             same_route += (r.prefill_instance, r.decode_instance) == (s.prefill_instance, s.decode_instance)
-        if r.outcome is Outcome.COMPLETED and s.outcome is Outcome.COMPLETED and r.ttft_s and s.ttft_s is not None:
+        if r.ttft_s and s.ttft_s is not None:
             ttft_errors.append(abs(ttft_error(r, s)))
             real_tbt.append(r.tbt_s)
             sim_tbt.append(s.tbt_s)

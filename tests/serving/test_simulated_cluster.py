@@ -156,20 +156,31 @@ def record(name: str, ttft: float | None, tbt: float, route: tuple[str, str] | N
 
 def test_compare_measures_the_simulation_against_the_real_run_request_by_request() -> None:
     """TTFT errors per request completed in both (median and p90), the error of the mean TBT, and the share of
-    requests routed alike among those routed in both."""
+    requests routed alike among those completed in both (a request the simulation rejected before prefill names
+    the instance it chose, where it ran on none: it was counted as routed otherwise)."""
     validate = pytest.importorskip("validate")
     ok, rejected = Outcome.COMPLETED, Outcome.REJECTED_BEFORE_PREFILL
     a, b = ("prefill-0", "decode-0"), ("prefill-1", "decode-0")
-    real = [record("1", 1.0, 0.010, a, ok), record("2", 2.0, 0.010, a, ok), record("3", 0.5, 0.0, None, rejected)]
-    sim = [record("1", 1.5, 0.012, a, ok), record("2", 2.0, 0.014, b, ok), record("3", None, 0.0, b, rejected)]
+    real = [
+        record("1", 1.0, 0.010, a, ok),
+        record("2", 2.0, 0.010, a, ok),
+        record("3", 0.5, 0.0, None, rejected),
+        record("4", 0.5, 0.010, a, ok),
+    ]
+    sim = [
+        record("1", 1.5, 0.012, a, ok),
+        record("2", 2.0, 0.014, b, ok),
+        record("3", None, 0.0, b, rejected),
+        record("4", None, 0.0, a, rejected),  # completed on a for real, rejected in the simulation
+    ]
     result = validate.compare(
         real, sim, Slo(), 8, validate.Calibration(first_token_s=0.01, prefill_scale=1.0, step_s=0.002)
     )
     assert result.compared == 2
     assert result.ttft_median_rel_error == pytest.approx(0.25)  # errors 0.5 and 0
     assert result.tbt_mean_rel_error == pytest.approx(0.3)  # 13 ms against 10 ms
-    assert result.same_route_fraction == pytest.approx(0.5)  # the rejected request has no real route
-    assert (result.real.rejected, result.sim.rejected) == (1, 1)
+    assert result.same_route_fraction == pytest.approx(0.5)  # of 1 and 2: 3 and 4 did not complete in both
+    assert (result.real.rejected, result.sim.rejected) == (1, 2)
 
 
 def test_compare_groups_the_errors_by_output_and_prompt_length() -> None:
