@@ -469,7 +469,8 @@ def run_sim(
     calibration: Calibration,
 ) -> list[RequestRecord]:
     """The same requests, scaled and keyed as the cluster sees them, through its simulated twin with the
-    calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one)."""
+    calibrated overheads (the twin's Conductor still estimates with the profile alone, as the real one, and its
+    decode nodes judge a join by the profile, as the real decode workers do: the calibration is their speed)."""
     spec = simulation.config_spec(config)
     prefill, step = spec.prefill_cost, spec.decode_cost
     assert isinstance(prefill, FittedPrefillModel) and isinstance(step, FittedStepModel)  # the profile's
@@ -480,6 +481,7 @@ def run_sim(
             coefficients=tuple(c * calibration.prefill_scale for c in prefill.coefficients)
         ),
         step_model=FittedStepModel(coefficients=(c0 + calibration.step_s, c1, c2)),
+        join_step_model=step,
         first_token_overhead_s=calibration.first_token_s,
     )
     scaled = simulation.cluster_requests(config, requests, scaling_of(args))

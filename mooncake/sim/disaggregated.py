@@ -192,6 +192,7 @@ class DisaggregatedCluster:
         self.kv_bytes_per_token = spec.model.kv_bytes_per_token
         self.page_bytes = spec.block_size_tokens * self.kv_bytes_per_token
         self.step_model = spec.decode_cost
+        self.join_model = spec.decode_join_cost  # what the node's join check asks (the engine's configured model)
         self.decode_prefill_cost = PrefillCostModel(model=spec.model, hardware=spec.decode_hardware, mfu=spec.mfu)
         # A capacity under one block caches nothing (its cache, a page no chain is put into, stays empty).
         self._caches = spec.prefill_cache_blocks > 0
@@ -429,7 +430,7 @@ class DisaggregatedCluster:
             side.load(now),
             prompt_tokens=record.input_tokens,
             output_tokens=record.output_tokens,
-            step_model=self.step_model,
+            step_model=self.join_model,
             tbt_slo_s=tbt_slo_s,
         )
 

@@ -81,6 +81,11 @@ class ClusterSpec:
         step_model: a decode node's step time fitted to real engines (`FittedStepModel`), in place of
             the analytic `DecodeCostModel`: an `AnalyticStepModel`, with a `roofline()` beside its `step_s`
             (the simulator's analytic batch runs on it).
+        join_step_model: the step model a decode node's join check asks (`sched.join.check_join`'s TBT test),
+            where it is not the one its steps take (None: `decode_cost`, both): a real decode engine judges a
+            join with the model it was configured with, whatever its speed turns out to be. The example
+            cluster's worker checks with the profile while validate.py's twin times its steps with the
+            profile calibrated to the cluster's measured overheads.
         decode_node_limits: what one decode node holds (its engine's KV budget and batch slots), in
             place of its HBM beside the weights and `max_decode_batch_size` (then None). Without it, the decode
             hardware's HBM must hold some of the model's KV beside its weights.
@@ -118,6 +123,7 @@ class ClusterSpec:
     sample_interval_s: float = 1.0
     prefill_model: PrefillModel | None = None
     step_model: AnalyticStepModel | None = None
+    join_step_model: AnalyticStepModel | None = None
     decode_node_limits: DecodeLimits | None = None
     first_token_overhead_s: float = attrs.field(default=0.0)
     admission_wait_s: float = attrs.field(default=0.0)
@@ -140,7 +146,11 @@ class ClusterSpec:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"ClusterSpec.{name} has the wrong type: {shown(getattr(self, name))}")
         # The simulator asks a step model for its roofline too (the analytic batch), not only its step_s.
-        for name, methods in (("prefill_model", ("prefill_s",)), ("step_model", ("step_s", "roofline"))):
+        for name, methods in (
+            ("prefill_model", ("prefill_s",)),
+            ("step_model", ("step_s", "roofline")),
+            ("join_step_model", ("step_s", "roofline")),
+        ):
             model = getattr(self, name)
             for method in methods:
                 if model is not None and not callable(getattr(model, method, None)):
@@ -199,6 +209,11 @@ class ClusterSpec:
         if self.step_model is not None:
             return self.step_model
         return DecodeCostModel(model=self.model, hardware=self.decode_hardware)
+
+    @property
+    def decode_join_cost(self) -> AnalyticStepModel:
+        """The step model a decode node's join check asks: `join_step_model`, else `decode_cost`."""
+        return self.join_step_model if self.join_step_model is not None else self.decode_cost
 
     @property
     def decode_limits(self) -> DecodeLimits:

@@ -936,3 +936,26 @@ def test_replay_predicts_with_the_workloads_decode_time_unless_told() -> None:
     assert replay(spec, requests, admission=policy, slo=slo, decode_s=1.0).records != default  # t_d matters here
     with pytest.raises(ConfigError, match="not both"):
         replay(spec, requests, decode_s=1.0, predictor=UniformDecodePredictor(decode_s=1.0))
+
+
+def test_a_decode_node_judges_joins_by_its_join_model_and_takes_its_steps_time() -> None:
+    """`join_step_model` is what a decode node's join check asks, `step_model` what its steps take (a real
+    engine judges joins by the model it was configured with, whatever its speed: validate.py's twin): a
+    request joining a busy node, which the slow steps would refuse for TBT, joins by the fast model, and the
+    lone first one's intervals take the slow steps; without it the node refuses the second after its prefill,
+    by the slow model, where the Conductor (fast) accepted it."""
+    slow = FittedStepModel(coefficients=(0.01, 2e-4, 3e-7))
+    slo = Slo(ttft_s=30.0, tbt_s=0.005)  # between the fast steps of two (2.5 ms) and the slow (11.6 ms)
+    limits = DecodeLimits(kv_capacity_tokens=16_384, max_batch_size=8, max_context_tokens=2048)
+    fast_spec = make_spec(prefill_model=FITTED_PREFILL, step_model=FITTED_STEP, decode_node_limits=limits)
+    first = make_request("first", 1.0, 1500, 400, range(num_blocks(1500)))
+    second = make_request("second", 1.5, 1500, 6, range(10**6, 10**6 + num_blocks(1500)))
+    outcomes = {}
+    for join in (FITTED_STEP, None):
+        spec = attrs.evolve(fast_spec, step_model=slow, join_step_model=join)
+        assert spec.decode_join_cost is (join or slow)
+        records = DisaggregatedCluster(spec, build_conductor(fast_spec, slo=slo)).run([first, second]).records
+        outcomes[join is not None] = [(record.outcome, record.reason) for record in records]
+        assert np.isclose(records[0].intervals.values()[1], slow.step_s(1, 1501))  # the slow steps' time
+    done = (Outcome.COMPLETED, None)
+    assert outcomes == {True: [done, done], False: [done, (Outcome.REJECTED_AFTER_PREFILL, Reason.TBT_SLO)]}
